@@ -1,0 +1,289 @@
+//! `file:PATH[?direct=1]`: a regular file or a block device.
+//!
+//! READ, WRITE and FLUSH go through the queue thread's io_uring (FUA as `RWF_DSYNC`, FLUSH as
+//! `fdatasync`). TRIM and WRITE_ZEROES are rare and fast metadata operations, run inline with
+//! `fallocate` (files) or `BLKDISCARD`/`BLKZEROOUT` (devices); where the filesystem refuses,
+//! WRITE_ZEROES falls back to writing zeros ([`crate::export::write_zeroes_by_writing`]).
+
+use std::ffi::CString;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use io_uring::{opcode, types};
+
+use crate::{Backend, Caps, Op, QueueIo, Started, Submitter};
+
+const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+const BLKSSZGET: libc::c_ulong = 0x1268;
+const BLKPBSZGET: libc::c_ulong = 0x127b;
+const BLKDISCARD: libc::c_ulong = 0x1277;
+const BLKZEROOUT: libc::c_ulong = 0x127f;
+
+pub struct FileBackend {
+    path: PathBuf,
+    fd: libc::c_int,
+    size: u64,
+    block_device: bool,
+    direct: bool,
+    logical: u32,
+    physical: u32,
+    punch_hole: bool,
+    rotational: bool,
+}
+
+impl FileBackend {
+    /// Opens an existing file or block device. The error names the path and says what to do.
+    pub fn open(path: &Path, direct: bool, read_only: bool) -> io::Result<FileBackend> {
+        let cpath = CString::new(path.as_os_str().as_bytes())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))?;
+        let mut flags = libc::O_CLOEXEC | if read_only { libc::O_RDONLY } else { libc::O_RDWR };
+        if direct {
+            flags |= libc::O_DIRECT;
+        }
+        // SAFETY: plain syscalls on a NUL-terminated path and our own fd.
+        let fd = unsafe { libc::open(cpath.as_ptr(), flags) };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            let hint = match e.raw_os_error() {
+                Some(libc::ENOENT) => format!(
+                    "{}: no such file; create it first, e.g. `truncate -s 10G {}`",
+                    path.display(),
+                    path.display()
+                ),
+                Some(libc::EINVAL) if direct => {
+                    format!("{}: this filesystem does not support O_DIRECT; drop ?direct=1", path.display())
+                }
+                _ => format!("{}: {e}", path.display()),
+            };
+            return Err(io::Error::new(e.kind(), hint));
+        }
+        let mut b = FileBackend {
+            path: path.to_owned(),
+            fd,
+            size: 0,
+            block_device: false,
+            direct,
+            logical: 512,
+            physical: 4096,
+            punch_hole: false,
+            rotational: false,
+        };
+        // From here `b` owns fd and closes it on error.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat on our fd into a zeroed stat.
+        if unsafe { libc::fstat(fd, &mut st) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        match st.st_mode & libc::S_IFMT {
+            libc::S_IFREG => {
+                b.size = st.st_size as u64;
+                if direct {
+                    b.logical = 4096;
+                }
+                // Punching a hole past EOF changes nothing but tells us if the filesystem can.
+                b.punch_hole = unsafe {
+                    libc::fallocate(
+                        fd,
+                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                        b.size as libc::off_t,
+                        4096,
+                    )
+                } == 0;
+            }
+            libc::S_IFBLK => {
+                b.block_device = true;
+                let mut sz: u64 = 0;
+                let mut lbs: libc::c_int = 512;
+                let mut pbs: libc::c_uint = 4096;
+                // SAFETY: documented block-device ioctls writing into locals of the right type.
+                unsafe {
+                    if libc::ioctl(fd, BLKGETSIZE64, &mut sz) != 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                    libc::ioctl(fd, BLKSSZGET, &mut lbs);
+                    libc::ioctl(fd, BLKPBSZGET, &mut pbs);
+                }
+                b.size = sz;
+                b.logical = (lbs as u32).max(512);
+                b.physical = pbs.max(b.logical);
+                b.rotational = rotational(st.st_rdev);
+            }
+            _ => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("{}: not a regular file or block device", path.display()),
+                ))
+            }
+        }
+        if b.size == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{}: size is 0; give it a size, e.g. `truncate -s 10G {}`", path.display(), path.display()),
+            ));
+        }
+        if !b.logical.is_power_of_two() || !b.physical.is_power_of_two() {
+            b.logical = 512;
+            b.physical = 4096;
+        }
+        Ok(b)
+    }
+
+    fn fallocate(&self, mode: libc::c_int, offset: u64, len: u32) -> i32 {
+        // SAFETY: fallocate on our fd; range checked by Export.
+        let r = unsafe { libc::fallocate(self.fd, mode, offset as libc::off_t, len as libc::off_t) };
+        if r == 0 {
+            0
+        } else {
+            -io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+        }
+    }
+
+    fn range_ioctl(&self, req: libc::c_ulong, offset: u64, len: u32) -> i32 {
+        let range: [u64; 2] = [offset, len as u64];
+        // SAFETY: BLKDISCARD/BLKZEROOUT take a pointer to two u64s.
+        let r = unsafe { libc::ioctl(self.fd, req, range.as_ptr()) };
+        if r == 0 {
+            0
+        } else {
+            -io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+        }
+    }
+
+    fn trim(&self, offset: u64, len: u32) -> i32 {
+        let r = if self.block_device {
+            self.range_ioctl(BLKDISCARD, offset, len)
+        } else if self.punch_hole {
+            self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len)
+        } else {
+            0
+        };
+        // TRIM is advisory (PROTOCOL.md §3): a device that cannot discard has still done its job.
+        if r == -libc::EOPNOTSUPP {
+            0
+        } else {
+            r
+        }
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u32, no_hole: bool, zeros: &mut ZeroBuf) -> i32 {
+        let r = if self.block_device {
+            self.range_ioctl(BLKZEROOUT, offset, len)
+        } else {
+            let mut r = -libc::EOPNOTSUPP;
+            if !no_hole && self.punch_hole {
+                r = self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len);
+            }
+            if r != 0 {
+                r = self.fallocate(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE, offset, len);
+            }
+            r
+        };
+        if r == -libc::EOPNOTSUPP || r == -libc::EINVAL {
+            let fd = self.fd;
+            return crate::export::write_zeroes_by_writing(offset, len as u64, zeros.get(), |buf, off| {
+                // SAFETY: pwrite from our aligned zero buffer.
+                let n = unsafe { libc::pwrite(fd, buf.as_ptr().cast(), buf.len(), off as libc::off_t) };
+                if n < 0 {
+                    -io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+                } else {
+                    n as i32
+                }
+            });
+        }
+        r
+    }
+}
+
+fn rotational(rdev: libc::dev_t) -> bool {
+    let (maj, min) = (libc::major(rdev), libc::minor(rdev));
+    let p = format!("/sys/dev/block/{maj}:{min}/queue/rotational");
+    std::fs::read_to_string(p).map(|s| s.trim() == "1").unwrap_or(false)
+}
+
+impl Drop for FileBackend {
+    fn drop(&mut self) {
+        // SAFETY: closing the fd we opened; every queue holds an Arc to us, so none is left.
+        unsafe { libc::close(self.fd) };
+    }
+}
+
+impl Backend for FileBackend {
+    fn describe(&self) -> String {
+        let d = if self.direct { "?direct=1" } else { "" };
+        format!("file:{}{d}", self.path.display())
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn block_sizes(&self) -> (u32, u32) {
+        (self.logical, self.physical)
+    }
+    fn caps(&self) -> Caps {
+        Caps {
+            flush: true,
+            fua: true,
+            trim: self.block_device || self.punch_hole,
+            write_zeroes: true,
+            rotational: self.rotational,
+        }
+    }
+    fn reads_as_zero(&self) -> bool {
+        if self.block_device {
+            return false;
+        }
+        // A file with no data extent at all is one big hole.
+        // SAFETY: lseek on our fd.
+        let r = unsafe { libc::lseek(self.fd, 0, libc::SEEK_DATA) };
+        r < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO)
+    }
+    fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
+        Ok(Box::new(FileQueue { file: self, zeros: ZeroBuf::default() }))
+    }
+    fn buffer_alignment(&self) -> usize {
+        if self.direct {
+            self.logical.max(4096) as usize
+        } else {
+            1
+        }
+    }
+}
+
+/// A lazily allocated, aligned buffer of zeros for emulated WRITE_ZEROES.
+#[derive(Default)]
+struct ZeroBuf(Option<crate::export::AlignedBuf>);
+
+impl ZeroBuf {
+    fn get(&mut self) -> &[u8] {
+        self.0.get_or_insert_with(|| crate::export::AlignedBuf::zeroed(1 << 20, 4096)).as_slice()
+    }
+}
+
+struct FileQueue {
+    file: Arc<FileBackend>,
+    zeros: ZeroBuf,
+}
+
+impl QueueIo for FileQueue {
+    fn completes_inline(&self) -> bool {
+        false
+    }
+    fn start(&mut self, op: Op, user_data: u64, sq: &mut dyn Submitter) -> Started {
+        let fd = types::Fd(self.file.fd);
+        let entry = match op {
+            Op::Read { offset, buf, len } => opcode::Read::new(fd, buf, len).offset(offset).build(),
+            Op::Write { offset, buf, len, fua } => opcode::Write::new(fd, buf, len)
+                .offset(offset)
+                .rw_flags(if fua { libc::RWF_DSYNC } else { 0 })
+                .build(),
+            Op::Flush => opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build(),
+            Op::Trim { offset, len } => return Started::Done(self.file.trim(offset, len)),
+            Op::WriteZeroes { offset, len, no_hole } => {
+                return Started::Done(self.file.write_zeroes(offset, len, no_hole, &mut self.zeros))
+            }
+        };
+        sq.push(entry.user_data(user_data));
+        Started::Submitted
+    }
+}

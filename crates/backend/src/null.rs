@@ -1,0 +1,58 @@
+//! `null:SIZE`: reads return zeros, writes are discarded. Measures the protocol, not the storage.
+
+use std::io;
+use std::sync::Arc;
+
+use crate::{Backend, Caps, Op, QueueIo, Started, Submitter};
+
+pub struct NullBackend {
+    size: u64,
+}
+
+impl NullBackend {
+    pub fn new(size: u64) -> io::Result<NullBackend> {
+        if size == 0 || size % 512 != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("null size {size} must be a non-zero multiple of 512"),
+            ));
+        }
+        Ok(NullBackend { size })
+    }
+}
+
+impl Backend for NullBackend {
+    fn describe(&self) -> String {
+        format!("null:{}", crate::format_size(self.size))
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn block_sizes(&self) -> (u32, u32) {
+        (512, 4096)
+    }
+    fn caps(&self) -> Caps {
+        Caps { trim: true, write_zeroes: true, ..Caps::default() }
+    }
+    fn reads_as_zero(&self) -> bool {
+        true
+    }
+    fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
+        Ok(Box::new(NullQueue))
+    }
+}
+
+struct NullQueue;
+
+impl QueueIo for NullQueue {
+    fn completes_inline(&self) -> bool {
+        true
+    }
+    fn start(&mut self, op: Op, _user_data: u64, _sq: &mut dyn Submitter) -> Started {
+        if let Op::Read { buf, len, .. } = op {
+            // SAFETY: the caller's buffer holds len bytes.
+            unsafe { std::ptr::write_bytes(buf, 0, len as usize) };
+        }
+        Started::Done(0)
+    }
+}

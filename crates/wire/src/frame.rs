@@ -1,0 +1,525 @@
+//! The 48-byte frame header (PROTOCOL.md §1, §3-§6).
+
+use std::fmt;
+
+/// `magic` field value (§1).
+pub const MAGIC: u16 = 0xB10C;
+/// Protocol version this crate speaks (§1).
+pub const VERSION: u8 = 1;
+/// Size of the fixed header in bytes (§1).
+pub const HEADER_LEN: usize = 48;
+
+/// Command codes (§3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Opcode {
+    Read = 0x01,
+    Write = 0x02,
+    Flush = 0x03,
+    Trim = 0x04,
+    WriteZeroes = 0x05,
+    Copy = 0x06,
+    Hello = 0x10,
+    Join = 0x11,
+    List = 0x12,
+    Keepalive = 0x13,
+    Logout = 0x14,
+}
+
+impl Opcode {
+    pub fn from_u8(v: u8) -> Option<Opcode> {
+        Some(match v {
+            0x01 => Opcode::Read,
+            0x02 => Opcode::Write,
+            0x03 => Opcode::Flush,
+            0x04 => Opcode::Trim,
+            0x05 => Opcode::WriteZeroes,
+            0x06 => Opcode::Copy,
+            0x10 => Opcode::Hello,
+            0x11 => Opcode::Join,
+            0x12 => Opcode::List,
+            0x13 => Opcode::Keepalive,
+            0x14 => Opcode::Logout,
+            _ => return None,
+        })
+    }
+
+    /// Commands that change the export's contents and so are refused on read-only exports.
+    pub fn modifies_data(self) -> bool {
+        matches!(self, Opcode::Write | Opcode::Trim | Opcode::WriteZeroes | Opcode::Copy)
+    }
+
+    /// Commands whose `offset`/`length` address the export and must be range-checked.
+    pub fn is_io(self) -> bool {
+        matches!(
+            self,
+            Opcode::Read | Opcode::Write | Opcode::Flush | Opcode::Trim | Opcode::WriteZeroes
+        )
+    }
+}
+
+/// Frame flag bits (§4).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Flags(pub u16);
+
+impl Flags {
+    pub const REPLY: u16 = 1 << 0;
+    pub const FUA: u16 = 1 << 1;
+    pub const CRC: u16 = 1 << 2;
+    pub const NO_HOLE: u16 = 1 << 3;
+    pub const KNOWN: u16 = Self::REPLY | Self::FUA | Self::CRC | Self::NO_HOLE;
+
+    pub fn has(self, bit: u16) -> bool {
+        self.0 & bit != 0
+    }
+}
+
+/// Reply status (§5). Each maps to one errno so initiators can surface it unchanged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Status {
+    Ok = 0,
+    ReadOnly = 1,
+    Io = 2,
+    Invalid = 3,
+    OutOfRange = 4,
+    Unsupported = 5,
+    NoExport = 6,
+    Version = 7,
+    Busy = 8,
+    Access = 9,
+    Shutdown = 10,
+    NoMemory = 11,
+}
+
+impl Status {
+    /// Decodes a status; unknown codes become `Io` as §5 requires.
+    pub fn from_u16(v: u16) -> Status {
+        match v {
+            0 => Status::Ok,
+            1 => Status::ReadOnly,
+            2 => Status::Io,
+            3 => Status::Invalid,
+            4 => Status::OutOfRange,
+            5 => Status::Unsupported,
+            6 => Status::NoExport,
+            7 => Status::Version,
+            8 => Status::Busy,
+            9 => Status::Access,
+            10 => Status::Shutdown,
+            11 => Status::NoMemory,
+            _ => Status::Io,
+        }
+    }
+
+    pub fn errno(self) -> i32 {
+        match self {
+            Status::Ok => 0,
+            Status::ReadOnly => libc_errno::EPERM,
+            Status::Io => libc_errno::EIO,
+            Status::Invalid => libc_errno::EINVAL,
+            Status::OutOfRange => libc_errno::ENOSPC,
+            Status::Unsupported => libc_errno::EOPNOTSUPP,
+            Status::NoExport => libc_errno::ENOENT,
+            Status::Version => libc_errno::EPROTONOSUPPORT,
+            Status::Busy => libc_errno::EBUSY,
+            Status::Access => libc_errno::EACCES,
+            Status::Shutdown => libc_errno::ESHUTDOWN,
+            Status::NoMemory => libc_errno::ENOMEM,
+        }
+    }
+
+    /// The status a backend error number is reported as.
+    pub fn from_errno(errno: i32) -> Status {
+        match errno {
+            0 => Status::Ok,
+            libc_errno::EPERM | libc_errno::EROFS => Status::ReadOnly,
+            libc_errno::EINVAL => Status::Invalid,
+            libc_errno::ENOSPC => Status::OutOfRange,
+            libc_errno::EOPNOTSUPP => Status::Unsupported,
+            libc_errno::ENOMEM => Status::NoMemory,
+            _ => Status::Io,
+        }
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            Status::Ok => "ok",
+            Status::ReadOnly => "export is read-only",
+            Status::Io => "I/O error on the target",
+            Status::Invalid => "invalid request",
+            Status::OutOfRange => "request beyond the end of the export",
+            Status::Unsupported => "operation not supported by the export",
+            Status::NoExport => "no such export",
+            Status::Version => "protocol version not supported",
+            Status::Busy => "queue already connected",
+            Status::Access => "access denied",
+            Status::Shutdown => "target is shutting down",
+            Status::NoMemory => "target out of memory",
+        };
+        f.write_str(s)
+    }
+}
+
+/// Linux errno values, spelled out so this crate stays free of libc.
+mod libc_errno {
+    pub const EPERM: i32 = 1;
+    pub const ENOENT: i32 = 2;
+    pub const EIO: i32 = 5;
+    pub const ENOMEM: i32 = 12;
+    pub const EACCES: i32 = 13;
+    pub const EBUSY: i32 = 16;
+    pub const EINVAL: i32 = 22;
+    pub const ENOSPC: i32 = 28;
+    pub const EROFS: i32 = 30;
+    pub const EPROTONOSUPPORT: i32 = 93;
+    pub const EOPNOTSUPP: i32 = 95;
+    pub const ESHUTDOWN: i32 = 108;
+}
+
+/// A request tag: slot index and generation (§6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Tag(pub u32);
+
+impl Tag {
+    pub fn new(slot: u16, generation: u16) -> Tag {
+        Tag(slot as u32 | (generation as u32) << 16)
+    }
+    pub fn slot(self) -> u16 {
+        self.0 as u16
+    }
+    pub fn generation(self) -> u16 {
+        (self.0 >> 16) as u16
+    }
+    /// RFC 1982 serial-number comparison on 16 bits: is `self`'s generation older than `other`?
+    pub fn generation_older_than(self, other: u16) -> bool {
+        let a = self.generation();
+        a != other && other.wrapping_sub(a) < 0x8000
+    }
+}
+
+/// Why a header was rejected (§1 validation rules). One variant per class of malformed input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FrameError {
+    /// Fewer than `HEADER_LEN` bytes.
+    Short,
+    BadMagic(u16),
+    BadVersion(u8),
+    UnknownOpcode(u8),
+    UnknownFlags(u16),
+    BadFragment { index: u16, count: u16 },
+    /// `payload_len` above what the receiver accepts.
+    PayloadTooLarge { len: u32, max: u32 },
+    /// Payload does not fit inside the message (`frag_offset + payload_len > length`).
+    PayloadOutsideMessage,
+    /// A request carried a non-zero status.
+    StatusInRequest(u16),
+    BadCrc { expected: u32, actual: u32 },
+}
+
+impl fmt::Display for FrameError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FrameError::Short => write!(f, "frame shorter than the {HEADER_LEN}-byte header"),
+            FrameError::BadMagic(m) => write!(f, "bad magic {m:#06x} (not a blkwire peer?)"),
+            FrameError::BadVersion(v) => write!(f, "protocol version {v} not supported"),
+            FrameError::UnknownOpcode(o) => write!(f, "unknown opcode {o:#04x}"),
+            FrameError::UnknownFlags(x) => write!(f, "unknown flag bits {x:#06x}"),
+            FrameError::BadFragment { index, count } => {
+                write!(f, "bad fragment {index} of {count}")
+            }
+            FrameError::PayloadTooLarge { len, max } => {
+                write!(f, "payload of {len} bytes exceeds the limit of {max}")
+            }
+            FrameError::PayloadOutsideMessage => write!(f, "payload lies outside the message"),
+            FrameError::StatusInRequest(s) => write!(f, "request carries status {s}"),
+            FrameError::BadCrc { expected, actual } => {
+                write!(f, "CRC32C mismatch: header says {expected:#010x}, data has {actual:#010x}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for FrameError {}
+
+/// A decoded frame header (§1). Plain data; `encode`/`decode` are the only ways in and out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    pub opcode: Opcode,
+    pub flags: Flags,
+    pub status: Status,
+    pub queue: u16,
+    pub frag_index: u16,
+    pub frag_count: u16,
+    pub credit: u16,
+    pub tag: Tag,
+    pub length: u32,
+    pub offset: u64,
+    pub payload_len: u32,
+    pub frag_offset: u32,
+    pub crc: u32,
+    pub session: u32,
+}
+
+impl Header {
+    /// A request header for one unfragmented message.
+    pub fn request(opcode: Opcode, tag: Tag, offset: u64, length: u32) -> Header {
+        Header {
+            opcode,
+            flags: Flags::default(),
+            status: Status::Ok,
+            queue: 0,
+            frag_index: 0,
+            frag_count: 1,
+            credit: 0,
+            tag,
+            length,
+            offset,
+            payload_len: 0,
+            frag_offset: 0,
+            crc: 0,
+            session: 0,
+        }
+    }
+
+    /// The reply to `self`: same opcode, tag, queue, offset and length, with `REPLY` set (§3).
+    pub fn reply(&self, status: Status, payload_len: u32) -> Header {
+        Header {
+            flags: Flags(Flags::REPLY),
+            status,
+            payload_len,
+            frag_index: 0,
+            frag_count: 1,
+            frag_offset: 0,
+            crc: 0,
+            ..*self
+        }
+    }
+
+    pub fn is_reply(&self) -> bool {
+        self.flags.has(Flags::REPLY)
+    }
+
+    pub fn encode(&self, out: &mut [u8; HEADER_LEN]) {
+        out[0..2].copy_from_slice(&MAGIC.to_le_bytes());
+        out[2] = VERSION;
+        out[3] = self.opcode as u8;
+        out[4..6].copy_from_slice(&self.flags.0.to_le_bytes());
+        out[6..8].copy_from_slice(&(self.status as u16).to_le_bytes());
+        out[8..10].copy_from_slice(&self.queue.to_le_bytes());
+        out[10..12].copy_from_slice(&self.frag_index.to_le_bytes());
+        out[12..14].copy_from_slice(&self.frag_count.to_le_bytes());
+        out[14..16].copy_from_slice(&self.credit.to_le_bytes());
+        out[16..20].copy_from_slice(&self.tag.0.to_le_bytes());
+        out[20..24].copy_from_slice(&self.length.to_le_bytes());
+        out[24..32].copy_from_slice(&self.offset.to_le_bytes());
+        out[32..36].copy_from_slice(&self.payload_len.to_le_bytes());
+        out[36..40].copy_from_slice(&self.frag_offset.to_le_bytes());
+        out[40..44].copy_from_slice(&self.crc.to_le_bytes());
+        out[44..48].copy_from_slice(&self.session.to_le_bytes());
+    }
+
+    pub fn to_bytes(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        self.encode(&mut b);
+        b
+    }
+
+    /// Decodes and validates a header (§1). `max_payload` is the receiver's own limit: no frame
+    /// claiming more is accepted, so a hostile length never turns into an allocation.
+    /// The CRC, if flagged, is checked separately with [`Header::check_crc`] once the payload is in.
+    pub fn decode(buf: &[u8], max_payload: u32) -> Result<Header, FrameError> {
+        let b: &[u8; HEADER_LEN] = buf
+            .get(..HEADER_LEN)
+            .and_then(|s| s.try_into().ok())
+            .ok_or(FrameError::Short)?;
+        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let magic = u16_at(0);
+        if magic != MAGIC {
+            return Err(FrameError::BadMagic(magic));
+        }
+        if b[2] != VERSION {
+            return Err(FrameError::BadVersion(b[2]));
+        }
+        let opcode = Opcode::from_u8(b[3]).ok_or(FrameError::UnknownOpcode(b[3]))?;
+        let flags = Flags(u16_at(4));
+        if flags.0 & !Flags::KNOWN != 0 {
+            return Err(FrameError::UnknownFlags(flags.0 & !Flags::KNOWN));
+        }
+        let raw_status = u16_at(6);
+        if !flags.has(Flags::REPLY) && raw_status != 0 {
+            return Err(FrameError::StatusInRequest(raw_status));
+        }
+        let frag_index = u16_at(10);
+        let frag_count = u16_at(12);
+        if frag_count == 0 || frag_index >= frag_count {
+            return Err(FrameError::BadFragment { index: frag_index, count: frag_count });
+        }
+        let length = u32_at(20);
+        let payload_len = u32_at(32);
+        if payload_len > max_payload {
+            return Err(FrameError::PayloadTooLarge { len: payload_len, max: max_payload });
+        }
+        let frag_offset = u32_at(36);
+        let carries_data = matches!(opcode, Opcode::Read | Opcode::Write);
+        if carries_data && frag_offset as u64 + payload_len as u64 > length as u64 {
+            return Err(FrameError::PayloadOutsideMessage);
+        }
+        Ok(Header {
+            opcode,
+            flags,
+            status: Status::from_u16(raw_status),
+            queue: u16_at(8),
+            frag_index,
+            frag_count,
+            credit: u16_at(14),
+            tag: Tag(u32_at(16)),
+            length,
+            offset: u64::from_le_bytes(b[24..32].try_into().expect("8 bytes")),
+            payload_len,
+            frag_offset,
+            crc: u32_at(40),
+            session: u32_at(44),
+        })
+    }
+
+    /// CRC32C of an encoded header (with its `crc` field taken as 0) followed by the payload (§1).
+    pub fn compute_crc(header_bytes: &[u8; HEADER_LEN], payload: &[u8]) -> u32 {
+        let mut h = *header_bytes;
+        h[40..44].fill(0);
+        let c = crc32c::crc32c(&h);
+        crc32c::crc32c_append(c, payload)
+    }
+
+    /// Sets `crc` and the `CRC` flag for this header and payload.
+    pub fn seal_crc(&mut self, payload: &[u8]) {
+        self.flags.0 |= Flags::CRC;
+        self.crc = 0;
+        self.crc = Self::compute_crc(&self.to_bytes(), payload);
+    }
+
+    /// Checks the CRC if the `CRC` flag is set; frames without it pass.
+    pub fn check_crc(&self, payload: &[u8]) -> Result<(), FrameError> {
+        if !self.flags.has(Flags::CRC) {
+            return Ok(());
+        }
+        let actual = Self::compute_crc(&self.to_bytes(), payload);
+        if actual == self.crc {
+            Ok(())
+        } else {
+            Err(FrameError::BadCrc { expected: self.crc, actual })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Header {
+        let mut h = Header::request(Opcode::Write, Tag::new(7, 0xfffe), 1 << 40, 8192);
+        h.flags = Flags(Flags::FUA);
+        h.queue = 3;
+        h.payload_len = 4096;
+        h.frag_offset = 4096;
+        h.frag_index = 1;
+        h.frag_count = 2;
+        h.session = 0xdead_beef;
+        h
+    }
+
+    #[test]
+    fn header_round_trips() {
+        let h = sample();
+        let b = h.to_bytes();
+        assert_eq!(Header::decode(&b, 1 << 20).unwrap(), h);
+        let r = h.reply(Status::OutOfRange, 0);
+        assert_eq!(Header::decode(&r.to_bytes(), 0).unwrap(), r);
+        assert!(r.is_reply());
+        assert_eq!(r.tag, h.tag);
+    }
+
+    #[test]
+    fn every_opcode_round_trips() {
+        for v in 0..=255u8 {
+            if let Some(op) = Opcode::from_u8(v) {
+                assert_eq!(op as u8, v);
+                let h = Header::request(op, Tag::new(1, 1), 0, 0);
+                assert_eq!(Header::decode(&h.to_bytes(), 0).unwrap().opcode, op);
+            }
+        }
+    }
+
+    #[test]
+    fn statuses_round_trip_and_map_to_errno() {
+        for v in 0..=11u16 {
+            let s = Status::from_u16(v);
+            assert_eq!(s as u16, v);
+            assert_eq!(s == Status::Ok, s.errno() == 0);
+        }
+        assert_eq!(Status::from_u16(999), Status::Io);
+        assert_eq!(Status::from_errno(Status::ReadOnly.errno()), Status::ReadOnly);
+        assert_eq!(Status::from_errno(5), Status::Io);
+    }
+
+    fn corrupt(f: impl FnOnce(&mut [u8; HEADER_LEN])) -> Result<Header, FrameError> {
+        let mut b = sample().to_bytes();
+        f(&mut b);
+        Header::decode(&b, 1 << 20)
+    }
+
+    #[test]
+    fn malformed_headers_are_rejected_by_class() {
+        assert_eq!(Header::decode(&[0u8; 47], 0), Err(FrameError::Short));
+        assert_eq!(corrupt(|b| b[0] = 0), Err(FrameError::BadMagic(0xB100)));
+        assert_eq!(corrupt(|b| b[2] = 2), Err(FrameError::BadVersion(2)));
+        assert_eq!(corrupt(|b| b[3] = 0x7f), Err(FrameError::UnknownOpcode(0x7f)));
+        assert_eq!(corrupt(|b| b[5] = 0x80), Err(FrameError::UnknownFlags(0x8000)));
+        assert_eq!(corrupt(|b| b[6] = 1), Err(FrameError::StatusInRequest(1)));
+        assert_eq!(
+            corrupt(|b| b[12..14].copy_from_slice(&0u16.to_le_bytes())),
+            Err(FrameError::BadFragment { index: 1, count: 0 })
+        );
+        assert_eq!(
+            corrupt(|b| b[10..12].copy_from_slice(&2u16.to_le_bytes())),
+            Err(FrameError::BadFragment { index: 2, count: 2 })
+        );
+        assert_eq!(
+            corrupt(|b| b[32..36].copy_from_slice(&u32::MAX.to_le_bytes())),
+            Err(FrameError::PayloadTooLarge { len: u32::MAX, max: 1 << 20 })
+        );
+        assert_eq!(
+            corrupt(|b| b[36..40].copy_from_slice(&8000u32.to_le_bytes())),
+            Err(FrameError::PayloadOutsideMessage)
+        );
+    }
+
+    #[test]
+    fn crc_detects_corruption() {
+        let payload = vec![0xa5u8; 4096];
+        let mut h = sample();
+        h.seal_crc(&payload);
+        let d = Header::decode(&h.to_bytes(), 1 << 20).unwrap();
+        assert_eq!(d.check_crc(&payload), Ok(()));
+        let mut bad = payload.clone();
+        bad[100] ^= 1;
+        assert!(matches!(d.check_crc(&bad), Err(FrameError::BadCrc { .. })));
+        let mut flipped = h.to_bytes();
+        flipped[24] ^= 1; // offset changed in flight
+        let d2 = Header::decode(&flipped, 1 << 20).unwrap();
+        assert!(d2.check_crc(&payload).is_err());
+    }
+
+    #[test]
+    fn generations_compare_as_serial_numbers() {
+        let t = Tag::new(0, 10);
+        assert!(t.generation_older_than(11));
+        assert!(!t.generation_older_than(10));
+        assert!(!t.generation_older_than(9));
+        assert!(Tag::new(0, 0xffff).generation_older_than(2)); // wrapped
+        assert!(!Tag::new(0, 2).generation_older_than(0xffff));
+    }
+}

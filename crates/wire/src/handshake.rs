@@ -1,0 +1,344 @@
+//! HELLO / LIST payloads (PROTOCOL.md §7). Bounded by construction: every string is at most
+//! 255 bytes and every count is checked against the bytes actually present.
+
+use std::fmt;
+
+/// Longest string field (§7: `u8` length prefix).
+pub const MAX_STR: usize = 255;
+
+/// Export feature bits carried in the HELLO reply and LIST entries (§7).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Features(pub u64);
+
+impl Features {
+    pub const READ_ONLY: u64 = 1 << 0;
+    pub const FLUSH: u64 = 1 << 1;
+    pub const FUA: u64 = 1 << 2;
+    pub const TRIM: u64 = 1 << 3;
+    pub const WRITE_ZEROES: u64 = 1 << 4;
+    pub const COPY: u64 = 1 << 5;
+    pub const ROTATIONAL: u64 = 1 << 6;
+    pub const INIT_ZERO: u64 = 1 << 7;
+
+    const NAMES: [(u64, &'static str); 8] = [
+        (Self::READ_ONLY, "read-only"),
+        (Self::FLUSH, "flush"),
+        (Self::FUA, "fua"),
+        (Self::TRIM, "trim"),
+        (Self::WRITE_ZEROES, "write-zeroes"),
+        (Self::COPY, "copy"),
+        (Self::ROTATIONAL, "rotational"),
+        (Self::INIT_ZERO, "init-zero"),
+    ];
+
+    pub fn has(self, bit: u64) -> bool {
+        self.0 & bit != 0
+    }
+
+    /// Human names of the set bits, in bit order.
+    pub fn names(self) -> Vec<&'static str> {
+        Self::NAMES.iter().filter(|(b, _)| self.has(*b)).map(|(_, n)| *n).collect()
+    }
+}
+
+/// Why a handshake payload could not be parsed or built.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PayloadError {
+    Truncated,
+    StringTooLong(usize),
+    NotUtf8,
+    TrailingBytes(usize),
+    Invalid(&'static str),
+}
+
+impl fmt::Display for PayloadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PayloadError::Truncated => write!(f, "handshake payload truncated"),
+            PayloadError::StringTooLong(n) => {
+                write!(f, "string of {n} bytes exceeds the {MAX_STR}-byte limit")
+            }
+            PayloadError::NotUtf8 => write!(f, "string is not UTF-8"),
+            PayloadError::TrailingBytes(n) => write!(f, "{n} unexpected bytes after the payload"),
+            PayloadError::Invalid(why) => write!(f, "invalid handshake field: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for PayloadError {}
+
+/// Cursor over a received payload; every read is bounds-checked.
+pub struct PayloadReader<'a> {
+    buf: &'a [u8],
+}
+
+impl<'a> PayloadReader<'a> {
+    pub fn new(buf: &'a [u8]) -> Self {
+        PayloadReader { buf }
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8], PayloadError> {
+        if self.buf.len() < n {
+            return Err(PayloadError::Truncated);
+        }
+        let (a, b) = self.buf.split_at(n);
+        self.buf = b;
+        Ok(a)
+    }
+    pub fn u16(&mut self) -> Result<u16, PayloadError> {
+        Ok(u16::from_le_bytes(self.take(2)?.try_into().expect("2")))
+    }
+    pub fn u32(&mut self) -> Result<u32, PayloadError> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4")))
+    }
+    pub fn u64(&mut self) -> Result<u64, PayloadError> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
+    }
+    pub fn str(&mut self) -> Result<String, PayloadError> {
+        let n = self.take(1)?[0] as usize;
+        let b = self.take(n)?;
+        std::str::from_utf8(b).map(str::to_owned).map_err(|_| PayloadError::NotUtf8)
+    }
+    pub fn bytes16(&mut self) -> Result<&'a [u8], PayloadError> {
+        let n = self.u16()? as usize;
+        self.take(n)
+    }
+    pub fn finish(self) -> Result<(), PayloadError> {
+        match self.buf.len() {
+            0 => Ok(()),
+            n => Err(PayloadError::TrailingBytes(n)),
+        }
+    }
+}
+
+/// Builder for a payload.
+#[derive(Default)]
+pub struct PayloadWriter {
+    pub buf: Vec<u8>,
+}
+
+impl PayloadWriter {
+    pub fn u16(&mut self, v: u16) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn u32(&mut self, v: u32) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn u64(&mut self, v: u64) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn str(&mut self, s: &str) -> Result<&mut Self, PayloadError> {
+        if s.len() > MAX_STR {
+            return Err(PayloadError::StringTooLong(s.len()));
+        }
+        self.buf.push(s.len() as u8);
+        self.buf.extend_from_slice(s.as_bytes());
+        Ok(self)
+    }
+    pub fn bytes16(&mut self, b: &[u8]) -> Result<&mut Self, PayloadError> {
+        let n = u16::try_from(b.len()).map_err(|_| PayloadError::Invalid("auth too long"))?;
+        self.u16(n);
+        self.buf.extend_from_slice(b);
+        Ok(self)
+    }
+}
+
+/// HELLO request (§7).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    pub queues: u16,
+    pub depth: u16,
+    pub max_io: u32,
+    pub client_features: u64,
+    pub host_id: String,
+    pub export: String,
+    pub auth: Vec<u8>,
+}
+
+impl Hello {
+    pub fn encode(&self) -> Result<Vec<u8>, PayloadError> {
+        let mut w = PayloadWriter::default();
+        w.u16(self.queues).u16(self.depth).u32(self.max_io).u64(self.client_features);
+        w.str(&self.host_id)?.str(&self.export)?.bytes16(&self.auth)?;
+        Ok(w.buf)
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<Hello, PayloadError> {
+        let mut r = PayloadReader::new(buf);
+        let h = Hello {
+            queues: r.u16()?,
+            depth: r.u16()?,
+            max_io: r.u32()?,
+            client_features: r.u64()?,
+            host_id: r.str()?,
+            export: r.str()?,
+            auth: r.bytes16()?.to_vec(),
+        };
+        r.finish()?;
+        if h.queues == 0 || h.depth == 0 {
+            return Err(PayloadError::Invalid("queue count and depth must be at least 1"));
+        }
+        if h.max_io < 512 {
+            return Err(PayloadError::Invalid("max I/O must be at least 512 bytes"));
+        }
+        Ok(h)
+    }
+}
+
+/// HELLO reply (§7).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HelloReply {
+    pub size: u64,
+    pub logical_block: u32,
+    pub physical_block: u32,
+    pub features: Features,
+    pub queues: u16,
+    pub depth: u16,
+    pub max_io: u32,
+    pub session: u32,
+    pub cookie: u64,
+}
+
+impl HelloReply {
+    pub const LEN: usize = 44;
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = PayloadWriter::default();
+        w.u64(self.size).u32(self.logical_block).u32(self.physical_block).u64(self.features.0);
+        w.u16(self.queues).u16(self.depth).u32(self.max_io).u32(self.session).u64(self.cookie);
+        w.buf
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<HelloReply, PayloadError> {
+        let mut r = PayloadReader::new(buf);
+        let h = HelloReply {
+            size: r.u64()?,
+            logical_block: r.u32()?,
+            physical_block: r.u32()?,
+            features: Features(r.u64()?),
+            queues: r.u16()?,
+            depth: r.u16()?,
+            max_io: r.u32()?,
+            session: r.u32()?,
+            cookie: r.u64()?,
+        };
+        r.finish()?;
+        let pow2 = |v: u32| v >= 512 && v.is_power_of_two();
+        if !pow2(h.logical_block) || !pow2(h.physical_block) || h.physical_block < h.logical_block {
+            return Err(PayloadError::Invalid("block sizes must be powers of two >= 512"));
+        }
+        if h.queues == 0 || h.depth == 0 || h.max_io < h.logical_block {
+            return Err(PayloadError::Invalid("granted queues, depth or max I/O out of range"));
+        }
+        Ok(h)
+    }
+}
+
+/// One LIST entry (§7).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportEntry {
+    pub name: String,
+    pub size: u64,
+    pub features: Features,
+}
+
+impl ExportEntry {
+    pub fn encode_list(entries: &[ExportEntry]) -> Result<Vec<u8>, PayloadError> {
+        let n = u16::try_from(entries.len()).map_err(|_| PayloadError::Invalid("too many exports"))?;
+        let mut w = PayloadWriter::default();
+        w.u16(n);
+        for e in entries {
+            w.str(&e.name)?.u64(e.size).u64(e.features.0);
+        }
+        Ok(w.buf)
+    }
+
+    pub fn decode_list(buf: &[u8]) -> Result<Vec<ExportEntry>, PayloadError> {
+        let mut r = PayloadReader::new(buf);
+        let n = r.u16()? as usize;
+        // Each entry is at least 17 bytes, so the count cannot make us reserve more than the
+        // payload could hold.
+        let mut out = Vec::with_capacity(n.min(buf.len() / 17));
+        for _ in 0..n {
+            out.push(ExportEntry { name: r.str()?, size: r.u64()?, features: Features(r.u64()?) });
+        }
+        r.finish()?;
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hello_round_trips() {
+        let h = Hello {
+            queues: 4,
+            depth: 128,
+            max_io: 1 << 20,
+            client_features: 0,
+            host_id: "host-a".into(),
+            export: "disk0".into(),
+            auth: vec![],
+        };
+        assert_eq!(Hello::decode(&h.encode().unwrap()).unwrap(), h);
+        let r = HelloReply {
+            size: 4 << 30,
+            logical_block: 512,
+            physical_block: 4096,
+            features: Features(Features::TRIM | Features::INIT_ZERO),
+            queues: 2,
+            depth: 64,
+            max_io: 1 << 20,
+            session: 9,
+            cookie: 0x1234_5678_9abc_def0,
+        };
+        let enc = r.encode();
+        assert_eq!(enc.len(), HelloReply::LEN);
+        assert_eq!(HelloReply::decode(&enc).unwrap(), r);
+    }
+
+    #[test]
+    fn hello_rejects_bad_payloads() {
+        let h = Hello {
+            queues: 1,
+            depth: 1,
+            max_io: 4096,
+            client_features: 0,
+            host_id: "h".into(),
+            export: "e".into(),
+            auth: vec![],
+        };
+        let enc = h.encode().unwrap();
+        for cut in 0..enc.len() {
+            assert_eq!(Hello::decode(&enc[..cut]), Err(PayloadError::Truncated), "cut at {cut}");
+        }
+        let mut extra = enc.clone();
+        extra.push(0);
+        assert_eq!(Hello::decode(&extra), Err(PayloadError::TrailingBytes(1)));
+        let mut zero_q = enc.clone();
+        zero_q[0] = 0;
+        assert!(matches!(Hello::decode(&zero_q), Err(PayloadError::Invalid(_))));
+        let long = Hello { export: "x".repeat(256), ..h };
+        assert_eq!(long.encode(), Err(PayloadError::StringTooLong(256)));
+    }
+
+    #[test]
+    fn list_round_trips_and_bounds_count() {
+        let l = vec![
+            ExportEntry { name: "a".into(), size: 1, features: Features(1) },
+            ExportEntry { name: "bb".into(), size: 2, features: Features(0) },
+        ];
+        assert_eq!(ExportEntry::decode_list(&ExportEntry::encode_list(&l).unwrap()).unwrap(), l);
+        // A count of 65535 with no entries behind it must fail without reserving for 65535.
+        assert_eq!(ExportEntry::decode_list(&[0xff, 0xff]), Err(PayloadError::Truncated));
+    }
+
+    #[test]
+    fn feature_names() {
+        assert_eq!(Features(Features::READ_ONLY | Features::TRIM).names(), vec!["read-only", "trim"]);
+    }
+}
