@@ -28,7 +28,8 @@ impl fmt::Display for SpecError {
 
 impl std::error::Error for SpecError {}
 
-const SPEC_HELP: &str = "expected NAME=BACKEND[,ro] with BACKEND one of mem:SIZE, null:SIZE, file:PATH[?direct=1]";
+const SPEC_HELP: &str =
+    "expected NAME=BACKEND[,ro] with BACKEND one of mem:SIZE, null:SIZE, file:PATH[?direct=1]";
 
 impl ExportSpec {
     pub fn parse(s: &str) -> Result<ExportSpec, SpecError> {
@@ -47,13 +48,21 @@ impl ExportSpec {
             match opt {
                 "ro" | "readonly" => read_only = true,
                 "rw" => read_only = false,
-                _ => return Err(SpecError(format!("bad export option '{opt}' in '{s}': only 'ro' is known"))),
+                _ => {
+                    return Err(SpecError(format!(
+                        "bad export option '{opt}' in '{s}': only 'ro' is known"
+                    )))
+                }
             }
         }
         if backend.is_empty() {
             return Err(SpecError(format!("bad export '{s}': {SPEC_HELP}")));
         }
-        Ok(ExportSpec { name: name.to_string(), backend, read_only })
+        Ok(ExportSpec {
+            name: name.to_string(),
+            backend,
+            read_only,
+        })
     }
 }
 
@@ -77,7 +86,10 @@ impl Export {
     pub fn open(spec: &ExportSpec) -> Result<Export, SpecError> {
         let err = |e: io::Error| SpecError(format!("export '{}': {e}", spec.name));
         let (kind, arg) = spec.backend.split_once(':').ok_or_else(|| {
-            SpecError(format!("bad backend '{}' for export '{}': {SPEC_HELP}", spec.backend, spec.name))
+            SpecError(format!(
+                "bad backend '{}' for export '{}': {SPEC_HELP}",
+                spec.backend, spec.name
+            ))
         })?;
         let sized = |arg: &str| {
             crate::parse_size(arg).map_err(|e| SpecError(format!("export '{}': {e}", spec.name)))
@@ -104,7 +116,10 @@ impl Export {
                     }
                 }
                 if path.is_empty() {
-                    return Err(SpecError(format!("export '{}': file: needs a path", spec.name)));
+                    return Err(SpecError(format!(
+                        "export '{}': file: needs a path",
+                        spec.name
+                    )));
                 }
                 Arc::new(FileBackend::open(Path::new(path), direct, spec.read_only).map_err(err)?)
             }
@@ -119,7 +134,11 @@ impl Export {
     }
 
     pub fn new(name: &str, backend: Arc<dyn Backend>, read_only: bool) -> Export {
-        Export { name: name.to_string(), read_only, backend }
+        Export {
+            name: name.to_string(),
+            read_only,
+            backend,
+        }
     }
 
     pub fn backend(&self) -> &Arc<dyn Backend> {
@@ -147,7 +166,10 @@ impl Export {
     /// Opens the per-queue handle, wrapped in the emulation layer.
     pub fn open_queue(&self) -> io::Result<ExportQueue> {
         let caps = self.caps();
-        Ok(ExportQueue { io: self.backend.clone().open_queue()?, caps })
+        Ok(ExportQueue {
+            io: self.backend.clone().open_queue()?,
+            caps,
+        })
     }
 }
 
@@ -169,9 +191,17 @@ impl ExportQueue {
         let op = match op {
             Op::Flush if !self.caps.flush => return Started::Done(0),
             Op::Trim { .. } if !self.caps.trim => return Started::Done(0),
-            Op::Write { offset, buf, len, fua: true } if !self.caps.fua && !self.caps.flush => {
-                Op::Write { offset, buf, len, fua: false }
-            }
+            Op::Write {
+                offset,
+                buf,
+                len,
+                fua: true,
+            } if !self.caps.fua && !self.caps.flush => Op::Write {
+                offset,
+                buf,
+                len,
+                fua: false,
+            },
             op => op,
         };
         self.io.start(op, user_data, sq)
@@ -259,14 +289,23 @@ mod tests {
     fn spec_parsing() {
         assert_eq!(
             ExportSpec::parse("d=file:/x?direct=1,ro").unwrap(),
-            ExportSpec { name: "d".into(), backend: "file:/x?direct=1".into(), read_only: true }
+            ExportSpec {
+                name: "d".into(),
+                backend: "file:/x?direct=1".into(),
+                read_only: true
+            }
         );
         assert!(ExportSpec::parse("nobackend").is_err());
         assert!(ExportSpec::parse("=mem:1M").is_err());
-        assert!(ExportSpec::parse("a=mem:1M,bogus").unwrap_err().0.contains("bogus"));
+        assert!(ExportSpec::parse("a=mem:1M,bogus")
+            .unwrap_err()
+            .0
+            .contains("bogus"));
         assert!(Export::open(&ExportSpec::parse("a=disk:1M").unwrap()).is_err());
         assert!(Export::open(&ExportSpec::parse("a=mem:12q").unwrap()).is_err());
-        let e = Export::open(&ExportSpec::parse("a=file:/nonexistent/x").unwrap()).err().unwrap();
+        let e = Export::open(&ExportSpec::parse("a=file:/nonexistent/x").unwrap())
+            .err()
+            .unwrap();
         assert!(e.0.contains("no such file"), "{e}");
     }
 
@@ -288,16 +327,52 @@ mod tests {
             *b = (i % 251) as u8 + 1;
         }
         let mut r = AlignedBuf::zeroed(8192, align);
-        q.run_blocking(Op::Write { offset: 8192, buf: w.as_mut_ptr(), len: 8192, fua: true }).unwrap();
+        q.run_blocking(Op::Write {
+            offset: 8192,
+            buf: w.as_mut_ptr(),
+            len: 8192,
+            fua: true,
+        })
+        .unwrap();
         q.run_blocking(Op::Flush).unwrap();
-        q.run_blocking(Op::Read { offset: 8192, buf: r.as_mut_ptr(), len: 8192 }).unwrap();
+        q.run_blocking(Op::Read {
+            offset: 8192,
+            buf: r.as_mut_ptr(),
+            len: 8192,
+        })
+        .unwrap();
         assert_eq!(r.as_slice(), w.as_slice(), "{spec}: read back");
-        q.run_blocking(Op::WriteZeroes { offset: 8192 + 100, len: 4096, no_hole: false }).unwrap();
-        q.run_blocking(Op::Read { offset: 8192, buf: r.as_mut_ptr(), len: 8192 }).unwrap();
-        assert!(r.as_slice()[100..4196].iter().all(|b| *b == 0), "{spec}: zeroed");
-        assert_eq!(r.as_slice()[..100], w.as_slice()[..100], "{spec}: before zero range kept");
-        assert_eq!(r.as_slice()[4196..], w.as_slice()[4196..], "{spec}: after zero range kept");
-        q.run_blocking(Op::Trim { offset: 0, len: 1 << 20 }).unwrap();
+        q.run_blocking(Op::WriteZeroes {
+            offset: 8192 + 100,
+            len: 4096,
+            no_hole: false,
+        })
+        .unwrap();
+        q.run_blocking(Op::Read {
+            offset: 8192,
+            buf: r.as_mut_ptr(),
+            len: 8192,
+        })
+        .unwrap();
+        assert!(
+            r.as_slice()[100..4196].iter().all(|b| *b == 0),
+            "{spec}: zeroed"
+        );
+        assert_eq!(
+            r.as_slice()[..100],
+            w.as_slice()[..100],
+            "{spec}: before zero range kept"
+        );
+        assert_eq!(
+            r.as_slice()[4196..],
+            w.as_slice()[4196..],
+            "{spec}: after zero range kept"
+        );
+        q.run_blocking(Op::Trim {
+            offset: 0,
+            len: 1 << 20,
+        })
+        .unwrap();
     }
 
     #[test]
@@ -319,7 +394,8 @@ mod tests {
         assert!(fb.reads_as_zero(), "fresh sparse file reads as zero");
         drop(fb);
         round_trip(&format!("f=file:{}", path.display()));
-        let ro = Export::open(&ExportSpec::parse(&format!("f=file:{},ro", path.display())).unwrap());
+        let ro =
+            Export::open(&ExportSpec::parse(&format!("f=file:{},ro", path.display())).unwrap());
         assert!(ro.unwrap().read_only);
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -329,8 +405,19 @@ mod tests {
         let e = Export::open(&ExportSpec::parse("n=null:1M").unwrap()).unwrap();
         let mut q = e.open_queue().unwrap();
         let mut b = vec![7u8; 4096];
-        q.run_blocking(Op::Write { offset: 0, buf: b.as_ptr(), len: 4096, fua: false }).unwrap();
-        q.run_blocking(Op::Read { offset: 0, buf: b.as_mut_ptr(), len: 4096 }).unwrap();
+        q.run_blocking(Op::Write {
+            offset: 0,
+            buf: b.as_ptr(),
+            len: 4096,
+            fua: false,
+        })
+        .unwrap();
+        q.run_blocking(Op::Read {
+            offset: 0,
+            buf: b.as_mut_ptr(),
+            len: 4096,
+        })
+        .unwrap();
         assert!(b.iter().all(|x| *x == 0));
     }
 

@@ -38,7 +38,12 @@ impl FileBackend {
     pub fn open(path: &Path, direct: bool, read_only: bool) -> io::Result<FileBackend> {
         let cpath = CString::new(path.as_os_str().as_bytes())
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))?;
-        let mut flags = libc::O_CLOEXEC | if read_only { libc::O_RDONLY } else { libc::O_RDWR };
+        let mut flags = libc::O_CLOEXEC
+            | if read_only {
+                libc::O_RDONLY
+            } else {
+                libc::O_RDWR
+            };
         if direct {
             flags |= libc::O_DIRECT;
         }
@@ -53,7 +58,10 @@ impl FileBackend {
                     path.display()
                 ),
                 Some(libc::EINVAL) if direct => {
-                    format!("{}: this filesystem does not support O_DIRECT; drop ?direct=1", path.display())
+                    format!(
+                        "{}: this filesystem does not support O_DIRECT; drop ?direct=1",
+                        path.display()
+                    )
                 }
                 _ => format!("{}: {e}", path.display()),
             };
@@ -120,7 +128,11 @@ impl FileBackend {
         if b.size == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
-                format!("{}: size is 0; give it a size, e.g. `truncate -s 10G {}`", path.display(), path.display()),
+                format!(
+                    "{}: size is 0; give it a size, e.g. `truncate -s 10G {}`",
+                    path.display(),
+                    path.display()
+                ),
             ));
         }
         if !b.logical.is_power_of_two() || !b.physical.is_power_of_two() {
@@ -132,11 +144,14 @@ impl FileBackend {
 
     fn fallocate(&self, mode: libc::c_int, offset: u64, len: u32) -> i32 {
         // SAFETY: fallocate on our fd; range checked by Export.
-        let r = unsafe { libc::fallocate(self.fd, mode, offset as libc::off_t, len as libc::off_t) };
+        let r =
+            unsafe { libc::fallocate(self.fd, mode, offset as libc::off_t, len as libc::off_t) };
         if r == 0 {
             0
         } else {
-            -io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+            -io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::EIO)
         }
     }
 
@@ -147,7 +162,9 @@ impl FileBackend {
         if r == 0 {
             0
         } else {
-            -io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+            -io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::EIO)
         }
     }
 
@@ -155,7 +172,11 @@ impl FileBackend {
         let r = if self.block_device {
             self.range_ioctl(BLKDISCARD, offset, len)
         } else if self.punch_hole {
-            self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len)
+            self.fallocate(
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                offset,
+                len,
+            )
         } else {
             0
         };
@@ -173,24 +194,41 @@ impl FileBackend {
         } else {
             let mut r = -libc::EOPNOTSUPP;
             if !no_hole && self.punch_hole {
-                r = self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len);
+                r = self.fallocate(
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    offset,
+                    len,
+                );
             }
             if r != 0 {
-                r = self.fallocate(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE, offset, len);
+                r = self.fallocate(
+                    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+                    offset,
+                    len,
+                );
             }
             r
         };
         if r == -libc::EOPNOTSUPP || r == -libc::EINVAL {
             let fd = self.fd;
-            return crate::export::write_zeroes_by_writing(offset, len as u64, zeros.get(), |buf, off| {
-                // SAFETY: pwrite from our aligned zero buffer.
-                let n = unsafe { libc::pwrite(fd, buf.as_ptr().cast(), buf.len(), off as libc::off_t) };
-                if n < 0 {
-                    -io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
-                } else {
-                    n as i32
-                }
-            });
+            return crate::export::write_zeroes_by_writing(
+                offset,
+                len as u64,
+                zeros.get(),
+                |buf, off| {
+                    // SAFETY: pwrite from our aligned zero buffer.
+                    let n = unsafe {
+                        libc::pwrite(fd, buf.as_ptr().cast(), buf.len(), off as libc::off_t)
+                    };
+                    if n < 0 {
+                        -io::Error::last_os_error()
+                            .raw_os_error()
+                            .unwrap_or(libc::EIO)
+                    } else {
+                        n as i32
+                    }
+                },
+            );
         }
         r
     }
@@ -199,7 +237,9 @@ impl FileBackend {
 fn rotational(rdev: libc::dev_t) -> bool {
     let (maj, min) = (libc::major(rdev), libc::minor(rdev));
     let p = format!("/sys/dev/block/{maj}:{min}/queue/rotational");
-    std::fs::read_to_string(p).map(|s| s.trim() == "1").unwrap_or(false)
+    std::fs::read_to_string(p)
+        .map(|s| s.trim() == "1")
+        .unwrap_or(false)
 }
 
 impl Drop for FileBackend {
@@ -239,7 +279,10 @@ impl Backend for FileBackend {
         r < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO)
     }
     fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
-        Ok(Box::new(FileQueue { file: self, zeros: ZeroBuf::default() }))
+        Ok(Box::new(FileQueue {
+            file: self,
+            zeros: ZeroBuf::default(),
+        }))
     }
     fn buffer_alignment(&self) -> usize {
         if self.direct {
@@ -256,7 +299,9 @@ struct ZeroBuf(Option<crate::export::AlignedBuf>);
 
 impl ZeroBuf {
     fn get(&mut self) -> &[u8] {
-        self.0.get_or_insert_with(|| crate::export::AlignedBuf::zeroed(1 << 20, 4096)).as_slice()
+        self.0
+            .get_or_insert_with(|| crate::export::AlignedBuf::zeroed(1 << 20, 4096))
+            .as_slice()
     }
 }
 
@@ -273,14 +318,28 @@ impl QueueIo for FileQueue {
         let fd = types::Fd(self.file.fd);
         let entry = match op {
             Op::Read { offset, buf, len } => opcode::Read::new(fd, buf, len).offset(offset).build(),
-            Op::Write { offset, buf, len, fua } => opcode::Write::new(fd, buf, len)
+            Op::Write {
+                offset,
+                buf,
+                len,
+                fua,
+            } => opcode::Write::new(fd, buf, len)
                 .offset(offset)
                 .rw_flags(if fua { libc::RWF_DSYNC } else { 0 })
                 .build(),
-            Op::Flush => opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build(),
+            Op::Flush => opcode::Fsync::new(fd)
+                .flags(types::FsyncFlags::DATASYNC)
+                .build(),
             Op::Trim { offset, len } => return Started::Done(self.file.trim(offset, len)),
-            Op::WriteZeroes { offset, len, no_hole } => {
-                return Started::Done(self.file.write_zeroes(offset, len, no_hole, &mut self.zeros))
+            Op::WriteZeroes {
+                offset,
+                len,
+                no_hole,
+            } => {
+                return Started::Done(
+                    self.file
+                        .write_zeroes(offset, len, no_hole, &mut self.zeros),
+                )
             }
         };
         sq.push(entry.user_data(user_data));

@@ -40,11 +40,27 @@ pub struct Caps {
 /// must stay valid until the completion arrives: the caller (the queue) owns them until then.
 #[derive(Clone, Copy, Debug)]
 pub enum Op {
-    Read { offset: u64, buf: *mut u8, len: u32 },
-    Write { offset: u64, buf: *const u8, len: u32, fua: bool },
+    Read {
+        offset: u64,
+        buf: *mut u8,
+        len: u32,
+    },
+    Write {
+        offset: u64,
+        buf: *const u8,
+        len: u32,
+        fua: bool,
+    },
     Flush,
-    Trim { offset: u64, len: u32 },
-    WriteZeroes { offset: u64, len: u32, no_hole: bool },
+    Trim {
+        offset: u64,
+        len: u32,
+    },
+    WriteZeroes {
+        offset: u64,
+        len: u32,
+        no_hole: bool,
+    },
 }
 
 /// Where a backend puts io_uring submissions: the queue thread's own ring.
@@ -105,10 +121,17 @@ pub fn run_blocking(q: &mut dyn QueueIo, op: Op) -> io::Result<u32> {
             let mut ring = io_uring::IoUring::new(4)?;
             for e in &c.0 {
                 // SAFETY: the op's buffers are owned by our caller and outlive this call.
-                unsafe { ring.submission().push(e).map_err(|_| io::Error::other("ring full"))? };
+                unsafe {
+                    ring.submission()
+                        .push(e)
+                        .map_err(|_| io::Error::other("ring full"))?
+                };
             }
             ring.submit_and_wait(1)?;
-            let cqe = ring.completion().next().ok_or_else(|| io::Error::other("no completion"))?;
+            let cqe = ring
+                .completion()
+                .next()
+                .ok_or_else(|| io::Error::other("no completion"))?;
             cqe.result()
         }
     };

@@ -44,7 +44,10 @@ impl MemBackend {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(MemBackend { base: p.cast(), size })
+        Ok(MemBackend {
+            base: p.cast(),
+            size,
+        })
     }
 
     /// Bytes of RAM actually backing the export (pages written and not trimmed).
@@ -71,8 +74,16 @@ impl MemBackend {
                 std::ptr::write_bytes(self.base.add(offset as usize), 0, len as usize);
                 return;
             }
-            std::ptr::write_bytes(self.base.add(offset as usize), 0, (first_full - offset) as usize);
-            std::ptr::write_bytes(self.base.add(last_full as usize), 0, (end - last_full) as usize);
+            std::ptr::write_bytes(
+                self.base.add(offset as usize),
+                0,
+                (first_full - offset) as usize,
+            );
+            std::ptr::write_bytes(
+                self.base.add(last_full as usize),
+                0,
+                (end - last_full) as usize,
+            );
             libc::madvise(
                 self.base.add(first_full as usize).cast(),
                 (last_full - first_full) as usize,
@@ -100,7 +111,13 @@ impl Backend for MemBackend {
         (512, 4096)
     }
     fn caps(&self) -> Caps {
-        Caps { flush: false, fua: false, trim: true, write_zeroes: true, rotational: false }
+        Caps {
+            flush: false,
+            fua: false,
+            trim: true,
+            write_zeroes: true,
+            rotational: false,
+        }
     }
     fn reads_as_zero(&self) -> bool {
         self.resident_bytes() == 0
@@ -126,7 +143,9 @@ impl QueueIo for MemQueue {
             Op::Read { offset, buf, len } => unsafe {
                 std::ptr::copy_nonoverlapping(mem.base.add(offset as usize), buf, len as usize);
             },
-            Op::Write { offset, buf, len, .. } => unsafe {
+            Op::Write {
+                offset, buf, len, ..
+            } => unsafe {
                 std::ptr::copy_nonoverlapping(buf, mem.base.add(offset as usize), len as usize);
             },
             Op::Flush => {}

@@ -32,7 +32,11 @@ impl Backend for NullBackend {
         (512, 4096)
     }
     fn caps(&self) -> Caps {
-        Caps { trim: true, write_zeroes: true, ..Caps::default() }
+        Caps {
+            trim: true,
+            write_zeroes: true,
+            ..Caps::default()
+        }
     }
     fn reads_as_zero(&self) -> bool {
         true

@@ -5,7 +5,8 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let bad = || format!("bad size '{s}': use a number with an optional unit, e.g. 512, 4k, 1M, 1G, 2T");
+    let bad =
+        || format!("bad size '{s}': use a number with an optional unit, e.g. 512, 4k, 1M, 1G, 2T");
     if num.is_empty() {
         return Err(bad());
     }
@@ -18,7 +19,8 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "t" | "tb" | "tib" => 40,
         _ => return Err(bad()),
     };
-    n.checked_mul(1u64 << shift).ok_or_else(|| format!("size '{s}' is too large"))
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("size '{s}' is too large"))
 }
 
 /// Formats bytes the way `parse_size` reads them back when exact (`4K`, `1.5G` otherwise).
@@ -58,7 +60,9 @@ mod tests {
         for s in ["", "k", "4x", "-1", "1.5G", "99999999999999999999"] {
             assert!(parse_size(s).is_err(), "{s}");
         }
-        assert!(parse_size("99999999999T").unwrap_err().contains("too large"));
+        assert!(parse_size("99999999999T")
+            .unwrap_err()
+            .contains("too large"));
     }
 
     #[test]

@@ -1,1 +1,73 @@
-fn main(){}
+//! `blkwire`: the command line. Each subcommand lives in its own module; errors come back as one
+//! line and a non-zero exit.
+
+mod bench;
+mod cp;
+mod hist;
+mod info;
+mod serve;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "blkwire",
+    version,
+    about = "Network block storage: export disks, files and RAM; use them from other hosts",
+    long_about = "Network block storage in userspace.\n\n\
+        A target (`blkwire serve`) exports block devices, files and RAM over blkwire's own protocol.\n\
+        Initiators name an export by URL, tcp://HOST:PORT/EXPORT, to inspect it (`info`), copy to and\n\
+        from it (`cp`) or measure it (`bench`)."
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Export backends over the network until SIGINT/SIGTERM
+    Serve(serve::Args),
+    /// Show an export's size, block sizes, features and limits (or list a target's exports)
+    Info(info::Args),
+    /// Measure IOPS, bandwidth and latency against an export
+    Bench(bench::Args),
+    /// Copy between local files/devices and exports (either side may be a URL)
+    Cp(cp::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Command::Serve(a) => serve::run(a),
+        Command::Info(a) => info::run(a),
+        Command::Bench(a) => bench::run(a),
+        Command::Cp(a) => cp::run(a),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("blkwire: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// clap value parser for sizes like `4k`, `1M`.
+pub fn size_arg(s: &str) -> Result<u64, String> {
+    blkwire_backend::parse_size(s)
+}
+
+/// Opens a session, turning library errors into one-line messages.
+pub fn open(
+    url: &str,
+    opts: &blkwire_client::ConnectOptions,
+) -> Result<blkwire_client::Session, String> {
+    let u = blkwire_client::Url::parse(url).map_err(|e| e.to_string())?;
+    if u.export.is_empty() {
+        return Err(format!("'{url}' names no export: use tcp://HOST:PORT/EXPORT (`blkwire info tcp://HOST:PORT` lists them)"));
+    }
+    blkwire_client::connect(&u, opts).map_err(|e| e.to_string())
+}

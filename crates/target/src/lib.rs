@@ -1,0 +1,371 @@
+//! The blkwire target: listeners accept connections, a short-lived handshake thread admits each
+//! one (HELLO/JOIN/LIST, PROTOCOL.md §2), and the admitted queue is handed by message to one of
+//! the reactor threads, which owns it from then on (see `reactor.rs` and docs/ARCHITECTURE.md).
+
+pub mod log;
+mod reactor;
+mod session;
+mod stats;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::mpsc::{self, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use blkwire_backend::{Export, ExportSpec};
+use blkwire_wire::{ExportEntry, Header, Hello, Opcode, Status, Tag, HEADER_LEN};
+
+use crate::log::Level;
+use reactor::{Msg, NewQueue, Reactor};
+pub use session::{Limits, Registry};
+pub use stats::QueueStats;
+
+/// Largest handshake payload accepted (a HELLO is at most ~530 bytes).
+const MAX_HANDSHAKE_PAYLOAD: u32 = 4096;
+/// A peer must finish its handshake in this time or is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Clone, Debug)]
+pub struct TargetConfig {
+    /// `tcp://ADDR:PORT` URLs.
+    pub listen: Vec<String>,
+    pub exports: Vec<ExportSpec>,
+    /// Reactor threads (0 = one per CPU).
+    pub threads: usize,
+    pub limits: Limits,
+    /// How long a reactor spins for new work before sleeping (trades CPU for latency).
+    pub poll: Duration,
+}
+
+struct Worker {
+    tx: Sender<Msg>,
+    wake: OwnedFd,
+    handle: JoinHandle<()>,
+}
+
+pub struct Target {
+    listeners: Vec<(TcpListener, String)>,
+    registry: Arc<Registry>,
+    workers: Vec<Worker>,
+    stop: Arc<OwnedFd>,
+}
+
+/// Stops a running target from another thread or a signal handler thread.
+#[derive(Clone)]
+pub struct StopHandle(Arc<OwnedFd>);
+
+impl StopHandle {
+    pub fn stop(&self) {
+        eventfd_write(self.0.as_raw_fd());
+    }
+}
+
+fn eventfd() -> std::io::Result<OwnedFd> {
+    // SAFETY: creating a new fd.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: we own the new fd.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn eventfd_write(fd: i32) {
+    let one: u64 = 1;
+    // SAFETY: 8-byte write to an eventfd.
+    unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+}
+
+/// Parses `tcp://ADDR:PORT` into socket addresses.
+pub fn parse_listen(url: &str) -> Result<Vec<SocketAddr>, String> {
+    let help = "expected tcp://ADDR:PORT, e.g. tcp://0.0.0.0:7700 or tcp://[::1]:7700";
+    let rest = match url.split_once("://") {
+        Some(("tcp", rest)) => rest,
+        Some((scheme @ ("udp" | "eth" | "nbd"), _)) => {
+            return Err(format!(
+                "listen address '{url}': {scheme}:// is not supported yet ({help})"
+            ))
+        }
+        _ => return Err(format!("bad listen address '{url}': {help}")),
+    };
+    let rest = rest.trim_end_matches('/');
+    rest.to_socket_addrs()
+        .map(|a| a.collect::<Vec<_>>())
+        .ok()
+        .filter(|a| !a.is_empty())
+        .ok_or_else(|| format!("bad listen address '{url}': {help}"))
+}
+
+impl Target {
+    /// Opens every export, binds every listener and starts the reactors. Nothing is served until
+    /// [`Target::run`].
+    pub fn bind(cfg: &TargetConfig) -> Result<Target, String> {
+        if cfg.exports.is_empty() {
+            return Err(
+                "no exports: add at least one --export NAME=BACKEND, e.g. --export disk0=mem:1G"
+                    .into(),
+            );
+        }
+        if cfg.listen.is_empty() {
+            return Err("nothing to listen on: add --listen tcp://ADDR:PORT".into());
+        }
+        let mut exports = Vec::new();
+        for spec in &cfg.exports {
+            if exports.iter().any(|e: &Arc<Export>| e.name == spec.name) {
+                return Err(format!("export '{}' given twice", spec.name));
+            }
+            exports.push(Arc::new(Export::open(spec).map_err(|e| e.to_string())?));
+        }
+        let mut listeners = Vec::new();
+        for url in &cfg.listen {
+            let addrs = parse_listen(url)?;
+            let l = TcpListener::bind(&addrs[..])
+                .map_err(|e| format!("cannot listen on {url}: {e}"))?;
+            let local = l.local_addr().map_err(|e| e.to_string())?;
+            listeners.push((l, format!("tcp://{local}")));
+        }
+        let registry = Arc::new(Registry::new(exports, cfg.limits));
+        let threads = if cfg.threads == 0 {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        } else {
+            cfg.threads
+        };
+        let mut workers = Vec::new();
+        for i in 0..threads {
+            let (tx, rx) = mpsc::channel();
+            let wake = eventfd().map_err(|e| format!("eventfd: {e}"))?;
+            let wake2 = wake.try_clone().map_err(|e| e.to_string())?;
+            // The reactor is built on its own thread: its ring and queues never leave it.
+            let (ready_tx, ready_rx) = mpsc::channel();
+            let (registry2, poll) = (registry.clone(), cfg.poll);
+            let handle = std::thread::Builder::new()
+                .name(format!("blkwire-q{i}"))
+                .spawn(move || match Reactor::new(rx, wake2, registry2, poll) {
+                    Ok(r) => {
+                        let _ = ready_tx.send(Ok(()));
+                        r.run()
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
+                })
+                .map_err(|e| e.to_string())?;
+            match ready_rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    return Err(format!(
+                        "cannot create io_uring (is io_uring disabled?): {e}"
+                    ))
+                }
+                Err(_) => return Err("reactor thread died while starting".into()),
+            }
+            workers.push(Worker { tx, wake, handle });
+        }
+        let stop = Arc::new(eventfd().map_err(|e| format!("eventfd: {e}"))?);
+        Ok(Target {
+            listeners,
+            registry,
+            workers,
+            stop,
+        })
+    }
+
+    /// The URLs actually bound (with the real port when 0 was asked for).
+    pub fn urls(&self) -> Vec<String> {
+        self.listeners.iter().map(|(_, u)| u.clone()).collect()
+    }
+
+    pub fn stop_handle(&self) -> StopHandle {
+        StopHandle(self.stop.clone())
+    }
+
+    pub fn exports(&self) -> &[Arc<Export>] {
+        self.registry.exports()
+    }
+
+    /// Accepts connections until stopped, then drains: requests already received are answered,
+    /// then every queue closes and the reactors exit.
+    pub fn run(self) -> Result<(), String> {
+        let mut fds: Vec<libc::pollfd> = self
+            .listeners
+            .iter()
+            .map(|(l, _)| libc::pollfd {
+                fd: l.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        fds.push(libc::pollfd {
+            fd: self.stop.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        let workers: Arc<Vec<(Sender<Msg>, i32)>> = Arc::new(
+            self.workers
+                .iter()
+                .map(|w| (w.tx.clone(), w.wake.as_raw_fd()))
+                .collect(),
+        );
+        'accept: loop {
+            // SAFETY: poll over our own pollfd array.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() == Some(libc::EINTR) {
+                    continue;
+                }
+                return Err(format!("poll: {e}"));
+            }
+            for (i, p) in fds.iter().enumerate() {
+                if p.revents == 0 {
+                    continue;
+                }
+                if i == self.listeners.len() {
+                    break 'accept;
+                }
+                match self.listeners[i].0.accept() {
+                    Ok((stream, peer)) => {
+                        let registry = self.registry.clone();
+                        let workers = workers.clone();
+                        let spawned = std::thread::Builder::new()
+                            .name("blkwire-hs".into())
+                            .spawn(move || handshake(stream, peer, &registry, &workers));
+                        if let Err(e) = spawned {
+                            crate::log!(Level::Error, "cannot start handshake thread: {e}");
+                        }
+                    }
+                    Err(e) => crate::log!(Level::Warn, "accept failed: {e}"),
+                }
+            }
+        }
+        crate::log!(Level::Info, "stopping: finishing requests in flight");
+        self.registry.close();
+        drop(self.listeners);
+        for w in &self.workers {
+            let _ = w.tx.send(Msg::Shutdown);
+            eventfd_write(w.wake.as_raw_fd());
+        }
+        for w in self.workers {
+            let _ = w.handle.join();
+        }
+        crate::log!(Level::Info, "stopped");
+        Ok(())
+    }
+}
+
+fn send_frame(s: &mut TcpStream, h: &Header, payload: &[u8]) -> std::io::Result<()> {
+    let mut buf = Vec::with_capacity(HEADER_LEN + payload.len());
+    buf.extend_from_slice(&h.to_bytes());
+    buf.extend_from_slice(payload);
+    s.write_all(&buf)
+}
+
+/// Admits one connection (PROTOCOL.md §2) and hands it to a reactor.
+fn handshake(
+    mut s: TcpStream,
+    peer: SocketAddr,
+    registry: &Registry,
+    workers: &[(Sender<Msg>, i32)],
+) {
+    let peer_s = peer.to_string();
+    let _ = s.set_nodelay(true);
+    let _ = s.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+    let _ = s.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
+    let mut hb = [0u8; HEADER_LEN];
+    if let Err(e) = s.read_exact(&mut hb) {
+        crate::log!(Level::Debug, "{peer_s}: closed before handshake: {e}");
+        return;
+    }
+    let h = match Header::decode(&hb, MAX_HANDSHAKE_PAYLOAD) {
+        Ok(h) if !h.is_reply() => h,
+        Ok(_) => return crate::log!(Level::Info, "{peer_s}: handshake refused: reply frame"),
+        Err(e) => return crate::log!(Level::Info, "{peer_s}: handshake refused: {e}"),
+    };
+    let mut payload = vec![0u8; h.payload_len as usize];
+    if let Err(e) = s.read_exact(&mut payload) {
+        return crate::log!(Level::Info, "{peer_s}: handshake cut short: {e}");
+    }
+    if let Err(e) = h.check_crc(&payload) {
+        return crate::log!(Level::Info, "{peer_s}: handshake refused: {e}");
+    }
+    let refuse = |s: &mut TcpStream, status: Status, why: &str| {
+        crate::log!(Level::Info, "{peer_s}: handshake refused: {why}");
+        let _ = send_frame(s, &h.reply(status, 0), &[]);
+    };
+    let admitted = match h.opcode {
+        Opcode::List => {
+            let list = ExportEntry::encode_list(&registry.list()).unwrap_or_default();
+            let _ = send_frame(&mut s, &h.reply(Status::Ok, list.len() as u32), &list);
+            return;
+        }
+        Opcode::Hello => {
+            let hello = match Hello::decode(&payload) {
+                Ok(x) => x,
+                Err(e) => return refuse(&mut s, Status::Invalid, &e.to_string()),
+            };
+            match registry.hello(&hello, &peer_s) {
+                Ok((reply, adm)) => {
+                    let p = reply.encode();
+                    if send_frame(&mut s, &h.reply(Status::Ok, p.len() as u32), &p).is_err() {
+                        registry.leave(adm.session, 0, &QueueStats::default());
+                        return;
+                    }
+                    adm
+                }
+                Err(st) => {
+                    return refuse(&mut s, st, &format!("export '{}': {st}", hello.export));
+                }
+            }
+        }
+        Opcode::Join => {
+            let Ok(cookie) = <[u8; 8]>::try_from(&payload[..]) else {
+                return refuse(&mut s, Status::Invalid, "JOIN without an 8-byte cookie");
+            };
+            match registry.join(h.session, h.queue, u64::from_le_bytes(cookie)) {
+                Ok(adm) => {
+                    if send_frame(&mut s, &h.reply(Status::Ok, 0), &[]).is_err() {
+                        registry.leave(adm.session, adm.queue, &QueueStats::default());
+                        return;
+                    }
+                    adm
+                }
+                Err(st) => return refuse(&mut s, st, &format!("join session {}: {st}", h.session)),
+            }
+        }
+        other => {
+            return refuse(&mut s, Status::Invalid, &format!("{other:?} before HELLO"));
+        }
+    };
+    let _ = s.set_read_timeout(None);
+    let _ = s.set_write_timeout(None);
+    let _ = s.set_nonblocking(true);
+    let w = (admitted.session as usize + admitted.queue as usize) % workers.len();
+    let q = NewQueue {
+        sock: OwnedFd::from(s),
+        export: admitted.export,
+        session: admitted.session,
+        queue: admitted.queue,
+        depth: admitted.depth,
+        max_io: admitted.max_io,
+        peer: peer_s,
+    };
+    if workers[w].0.send(Msg::Queue(q)).is_ok() {
+        eventfd_write(workers[w].1);
+    } else {
+        registry.leave(admitted.session, admitted.queue, &QueueStats::default());
+    }
+}
+
+/// Builds a request frame; used by tests and tools that speak the protocol by hand.
+pub fn request_bytes(op: Opcode, slot: u16, offset: u64, length: u32, payload: &[u8]) -> Vec<u8> {
+    let mut h = Header::request(op, Tag::new(slot, 1), offset, length);
+    h.payload_len = payload.len() as u32;
+    let mut v = h.to_bytes().to_vec();
+    v.extend_from_slice(payload);
+    v
+}

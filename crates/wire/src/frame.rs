@@ -46,7 +46,10 @@ impl Opcode {
 
     /// Commands that change the export's contents and so are refused on read-only exports.
     pub fn modifies_data(self) -> bool {
-        matches!(self, Opcode::Write | Opcode::Trim | Opcode::WriteZeroes | Opcode::Copy)
+        matches!(
+            self,
+            Opcode::Write | Opcode::Trim | Opcode::WriteZeroes | Opcode::Copy
+        )
     }
 
     /// Commands whose `offset`/`length` address the export and must be range-checked.
@@ -209,14 +212,23 @@ pub enum FrameError {
     BadVersion(u8),
     UnknownOpcode(u8),
     UnknownFlags(u16),
-    BadFragment { index: u16, count: u16 },
+    BadFragment {
+        index: u16,
+        count: u16,
+    },
     /// `payload_len` above what the receiver accepts.
-    PayloadTooLarge { len: u32, max: u32 },
+    PayloadTooLarge {
+        len: u32,
+        max: u32,
+    },
     /// Payload does not fit inside the message (`frag_offset + payload_len > length`).
     PayloadOutsideMessage,
     /// A request carried a non-zero status.
     StatusInRequest(u16),
-    BadCrc { expected: u32, actual: u32 },
+    BadCrc {
+        expected: u32,
+        actual: u32,
+    },
 }
 
 impl fmt::Display for FrameError {
@@ -236,7 +248,10 @@ impl fmt::Display for FrameError {
             FrameError::PayloadOutsideMessage => write!(f, "payload lies outside the message"),
             FrameError::StatusInRequest(s) => write!(f, "request carries status {s}"),
             FrameError::BadCrc { expected, actual } => {
-                write!(f, "CRC32C mismatch: header says {expected:#010x}, data has {actual:#010x}")
+                write!(
+                    f,
+                    "CRC32C mismatch: header says {expected:#010x}, data has {actual:#010x}"
+                )
             }
         }
     }
@@ -356,12 +371,18 @@ impl Header {
         let frag_index = u16_at(10);
         let frag_count = u16_at(12);
         if frag_count == 0 || frag_index >= frag_count {
-            return Err(FrameError::BadFragment { index: frag_index, count: frag_count });
+            return Err(FrameError::BadFragment {
+                index: frag_index,
+                count: frag_count,
+            });
         }
         let length = u32_at(20);
         let payload_len = u32_at(32);
         if payload_len > max_payload {
-            return Err(FrameError::PayloadTooLarge { len: payload_len, max: max_payload });
+            return Err(FrameError::PayloadTooLarge {
+                len: payload_len,
+                max: max_payload,
+            });
         }
         let frag_offset = u32_at(36);
         let carries_data = matches!(opcode, Opcode::Read | Opcode::Write);
@@ -410,7 +431,10 @@ impl Header {
         if actual == self.crc {
             Ok(())
         } else {
-            Err(FrameError::BadCrc { expected: self.crc, actual })
+            Err(FrameError::BadCrc {
+                expected: self.crc,
+                actual,
+            })
         }
     }
 }
@@ -461,7 +485,10 @@ mod tests {
             assert_eq!(s == Status::Ok, s.errno() == 0);
         }
         assert_eq!(Status::from_u16(999), Status::Io);
-        assert_eq!(Status::from_errno(Status::ReadOnly.errno()), Status::ReadOnly);
+        assert_eq!(
+            Status::from_errno(Status::ReadOnly.errno()),
+            Status::ReadOnly
+        );
         assert_eq!(Status::from_errno(5), Status::Io);
     }
 
@@ -476,8 +503,14 @@ mod tests {
         assert_eq!(Header::decode(&[0u8; 47], 0), Err(FrameError::Short));
         assert_eq!(corrupt(|b| b[0] = 0), Err(FrameError::BadMagic(0xB100)));
         assert_eq!(corrupt(|b| b[2] = 2), Err(FrameError::BadVersion(2)));
-        assert_eq!(corrupt(|b| b[3] = 0x7f), Err(FrameError::UnknownOpcode(0x7f)));
-        assert_eq!(corrupt(|b| b[5] = 0x80), Err(FrameError::UnknownFlags(0x8000)));
+        assert_eq!(
+            corrupt(|b| b[3] = 0x7f),
+            Err(FrameError::UnknownOpcode(0x7f))
+        );
+        assert_eq!(
+            corrupt(|b| b[5] = 0x80),
+            Err(FrameError::UnknownFlags(0x8000))
+        );
         assert_eq!(corrupt(|b| b[6] = 1), Err(FrameError::StatusInRequest(1)));
         assert_eq!(
             corrupt(|b| b[12..14].copy_from_slice(&0u16.to_le_bytes())),
@@ -489,7 +522,10 @@ mod tests {
         );
         assert_eq!(
             corrupt(|b| b[32..36].copy_from_slice(&u32::MAX.to_le_bytes())),
-            Err(FrameError::PayloadTooLarge { len: u32::MAX, max: 1 << 20 })
+            Err(FrameError::PayloadTooLarge {
+                len: u32::MAX,
+                max: 1 << 20
+            })
         );
         assert_eq!(
             corrupt(|b| b[36..40].copy_from_slice(&8000u32.to_le_bytes())),

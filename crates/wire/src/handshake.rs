@@ -37,7 +37,11 @@ impl Features {
 
     /// Human names of the set bits, in bit order.
     pub fn names(self) -> Vec<&'static str> {
-        Self::NAMES.iter().filter(|(b, _)| self.has(*b)).map(|(_, n)| *n).collect()
+        Self::NAMES
+            .iter()
+            .filter(|(b, _)| self.has(*b))
+            .map(|(_, n)| *n)
+            .collect()
     }
 }
 
@@ -96,7 +100,9 @@ impl<'a> PayloadReader<'a> {
     pub fn str(&mut self) -> Result<String, PayloadError> {
         let n = self.take(1)?[0] as usize;
         let b = self.take(n)?;
-        std::str::from_utf8(b).map(str::to_owned).map_err(|_| PayloadError::NotUtf8)
+        std::str::from_utf8(b)
+            .map(str::to_owned)
+            .map_err(|_| PayloadError::NotUtf8)
     }
     pub fn bytes16(&mut self) -> Result<&'a [u8], PayloadError> {
         let n = self.u16()? as usize;
@@ -160,8 +166,13 @@ pub struct Hello {
 impl Hello {
     pub fn encode(&self) -> Result<Vec<u8>, PayloadError> {
         let mut w = PayloadWriter::default();
-        w.u16(self.queues).u16(self.depth).u32(self.max_io).u64(self.client_features);
-        w.str(&self.host_id)?.str(&self.export)?.bytes16(&self.auth)?;
+        w.u16(self.queues)
+            .u16(self.depth)
+            .u32(self.max_io)
+            .u64(self.client_features);
+        w.str(&self.host_id)?
+            .str(&self.export)?
+            .bytes16(&self.auth)?;
         Ok(w.buf)
     }
 
@@ -178,7 +189,9 @@ impl Hello {
         };
         r.finish()?;
         if h.queues == 0 || h.depth == 0 {
-            return Err(PayloadError::Invalid("queue count and depth must be at least 1"));
+            return Err(PayloadError::Invalid(
+                "queue count and depth must be at least 1",
+            ));
         }
         if h.max_io < 512 {
             return Err(PayloadError::Invalid("max I/O must be at least 512 bytes"));
@@ -206,8 +219,15 @@ impl HelloReply {
 
     pub fn encode(&self) -> Vec<u8> {
         let mut w = PayloadWriter::default();
-        w.u64(self.size).u32(self.logical_block).u32(self.physical_block).u64(self.features.0);
-        w.u16(self.queues).u16(self.depth).u32(self.max_io).u32(self.session).u64(self.cookie);
+        w.u64(self.size)
+            .u32(self.logical_block)
+            .u32(self.physical_block)
+            .u64(self.features.0);
+        w.u16(self.queues)
+            .u16(self.depth)
+            .u32(self.max_io)
+            .u32(self.session)
+            .u64(self.cookie);
         w.buf
     }
 
@@ -227,10 +247,14 @@ impl HelloReply {
         r.finish()?;
         let pow2 = |v: u32| v >= 512 && v.is_power_of_two();
         if !pow2(h.logical_block) || !pow2(h.physical_block) || h.physical_block < h.logical_block {
-            return Err(PayloadError::Invalid("block sizes must be powers of two >= 512"));
+            return Err(PayloadError::Invalid(
+                "block sizes must be powers of two >= 512",
+            ));
         }
         if h.queues == 0 || h.depth == 0 || h.max_io < h.logical_block {
-            return Err(PayloadError::Invalid("granted queues, depth or max I/O out of range"));
+            return Err(PayloadError::Invalid(
+                "granted queues, depth or max I/O out of range",
+            ));
         }
         Ok(h)
     }
@@ -246,7 +270,8 @@ pub struct ExportEntry {
 
 impl ExportEntry {
     pub fn encode_list(entries: &[ExportEntry]) -> Result<Vec<u8>, PayloadError> {
-        let n = u16::try_from(entries.len()).map_err(|_| PayloadError::Invalid("too many exports"))?;
+        let n =
+            u16::try_from(entries.len()).map_err(|_| PayloadError::Invalid("too many exports"))?;
         let mut w = PayloadWriter::default();
         w.u16(n);
         for e in entries {
@@ -262,7 +287,11 @@ impl ExportEntry {
         // payload could hold.
         let mut out = Vec::with_capacity(n.min(buf.len() / 17));
         for _ in 0..n {
-            out.push(ExportEntry { name: r.str()?, size: r.u64()?, features: Features(r.u64()?) });
+            out.push(ExportEntry {
+                name: r.str()?,
+                size: r.u64()?,
+                features: Features(r.u64()?),
+            });
         }
         r.finish()?;
         Ok(out)
@@ -314,31 +343,58 @@ mod tests {
         };
         let enc = h.encode().unwrap();
         for cut in 0..enc.len() {
-            assert_eq!(Hello::decode(&enc[..cut]), Err(PayloadError::Truncated), "cut at {cut}");
+            assert_eq!(
+                Hello::decode(&enc[..cut]),
+                Err(PayloadError::Truncated),
+                "cut at {cut}"
+            );
         }
         let mut extra = enc.clone();
         extra.push(0);
         assert_eq!(Hello::decode(&extra), Err(PayloadError::TrailingBytes(1)));
         let mut zero_q = enc.clone();
         zero_q[0] = 0;
-        assert!(matches!(Hello::decode(&zero_q), Err(PayloadError::Invalid(_))));
-        let long = Hello { export: "x".repeat(256), ..h };
+        assert!(matches!(
+            Hello::decode(&zero_q),
+            Err(PayloadError::Invalid(_))
+        ));
+        let long = Hello {
+            export: "x".repeat(256),
+            ..h
+        };
         assert_eq!(long.encode(), Err(PayloadError::StringTooLong(256)));
     }
 
     #[test]
     fn list_round_trips_and_bounds_count() {
         let l = vec![
-            ExportEntry { name: "a".into(), size: 1, features: Features(1) },
-            ExportEntry { name: "bb".into(), size: 2, features: Features(0) },
+            ExportEntry {
+                name: "a".into(),
+                size: 1,
+                features: Features(1),
+            },
+            ExportEntry {
+                name: "bb".into(),
+                size: 2,
+                features: Features(0),
+            },
         ];
-        assert_eq!(ExportEntry::decode_list(&ExportEntry::encode_list(&l).unwrap()).unwrap(), l);
+        assert_eq!(
+            ExportEntry::decode_list(&ExportEntry::encode_list(&l).unwrap()).unwrap(),
+            l
+        );
         // A count of 65535 with no entries behind it must fail without reserving for 65535.
-        assert_eq!(ExportEntry::decode_list(&[0xff, 0xff]), Err(PayloadError::Truncated));
+        assert_eq!(
+            ExportEntry::decode_list(&[0xff, 0xff]),
+            Err(PayloadError::Truncated)
+        );
     }
 
     #[test]
     fn feature_names() {
-        assert_eq!(Features(Features::READ_ONLY | Features::TRIM).names(), vec!["read-only", "trim"]);
+        assert_eq!(
+            Features(Features::READ_ONLY | Features::TRIM).names(),
+            vec!["read-only", "trim"]
+        );
     }
 }

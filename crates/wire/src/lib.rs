@@ -6,9 +6,7 @@
 mod frame;
 mod handshake;
 
-pub use frame::{
-    Flags, FrameError, Header, Opcode, Status, Tag, HEADER_LEN, MAGIC, VERSION,
-};
+pub use frame::{Flags, FrameError, Header, Opcode, Status, Tag, HEADER_LEN, MAGIC, VERSION};
 pub use handshake::{
     ExportEntry, Features, Hello, HelloReply, PayloadError, PayloadReader, PayloadWriter, MAX_STR,
 };

@@ -1,0 +1,252 @@
+//! `blkwire cp SRC DST`: either side a local file/block device or an export URL. Several workers,
+//! each with its own queue (or file handle), copy chunks of the largest I/O size in parallel.
+
+use std::fs::{File, OpenOptions};
+use std::io::{IsTerminal, Seek, SeekFrom, Write};
+use std::os::unix::fs::{FileExt, FileTypeExt};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use blkwire_client::{ConnectOptions, Queue, Url};
+use blkwire_wire::Features;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Source: a local path or tcp://HOST:PORT/EXPORT
+    src: String,
+    /// Destination: a local path or tcp://HOST:PORT/EXPORT
+    dst: String,
+    /// Parallel workers (one queue each)
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    jobs: u16,
+    /// Never show a progress bar
+    #[arg(long)]
+    no_progress: bool,
+}
+
+/// One side of the copy, as seen by one worker.
+enum End {
+    Local(Arc<File>),
+    Remote(Queue),
+}
+
+struct Side {
+    size: u64,
+    /// Unwritten ranges already read as zero: zero chunks can be skipped.
+    zeroed: bool,
+    /// Zeroing a range is cheap (no data sent).
+    cheap_zero: bool,
+    chunk: u64,
+    ends: Vec<End>,
+    label: String,
+}
+
+fn open_side(spec: &str, jobs: u16, dest_size: Option<u64>) -> Result<Side, String> {
+    if Url::is_url(spec) {
+        let opts = ConnectOptions {
+            queues: jobs,
+            depth: 4,
+            max_io: 1 << 20,
+            ..Default::default()
+        };
+        let s = crate::open(spec, &opts)?;
+        if dest_size.is_some() && s.info.features.has(Features::READ_ONLY) {
+            return Err(format!("{spec}: export is read-only"));
+        }
+        let f = s.info.features;
+        return Ok(Side {
+            size: s.info.size,
+            zeroed: f.has(Features::INIT_ZERO),
+            cheap_zero: f.has(Features::WRITE_ZEROES),
+            chunk: s.info.max_io as u64,
+            label: spec.to_string(),
+            ends: s.queues.into_iter().map(End::Remote).collect(),
+        });
+    }
+    let (file, size, zeroed) = match dest_size {
+        None => {
+            let mut f = File::open(spec).map_err(|e| format!("{spec}: {e}"))?;
+            let meta = f.metadata().map_err(|e| format!("{spec}: {e}"))?;
+            if meta.is_dir() {
+                return Err(format!("{spec}: is a directory"));
+            }
+            let size = f
+                .seek(SeekFrom::End(0))
+                .map_err(|e| format!("{spec}: {e}"))?;
+            (f, size, false)
+        }
+        Some(want) => {
+            let existing = std::fs::metadata(spec).ok();
+            let is_dev = existing
+                .as_ref()
+                .is_some_and(|m| m.file_type().is_block_device());
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create(!is_dev)
+                .truncate(!is_dev)
+                .open(spec)
+                .map_err(|e| format!("{spec}: {e}"))?;
+            if is_dev {
+                let size = f
+                    .seek(SeekFrom::End(0))
+                    .map_err(|e| format!("{spec}: {e}"))?;
+                (f, size, false)
+            } else {
+                // A fresh sparse file: chunks of zeros need not be written at all.
+                f.set_len(want).map_err(|e| format!("{spec}: {e}"))?;
+                (f, want, true)
+            }
+        }
+    };
+    let file = Arc::new(file);
+    Ok(Side {
+        size,
+        zeroed,
+        cheap_zero: false,
+        chunk: 1 << 20,
+        label: spec.to_string(),
+        ends: (0..jobs).map(|_| End::Local(file.clone())).collect(),
+    })
+}
+
+pub fn run(a: Args) -> Result<(), String> {
+    if !Url::is_url(&a.src) && !Url::is_url(&a.dst) {
+        return Err("neither side is a URL: use cp(1) for local copies".into());
+    }
+    let src = open_side(&a.src, a.jobs, None)?;
+    let dst = open_side(&a.dst, a.jobs, Some(src.size))?;
+    if dst.size < src.size {
+        return Err(format!(
+            "{} ({} bytes) is smaller than {} ({} bytes): nothing was copied",
+            dst.label, dst.size, src.label, src.size
+        ));
+    }
+    let size = src.size;
+    let chunk = src.chunk.min(dst.chunk);
+    let next = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let first_err: Arc<Mutex<Option<String>>> = Arc::default();
+    let start = Instant::now();
+    let (skip_zero, cheap_zero) = (dst.zeroed, dst.cheap_zero);
+    let workers: Vec<_> = src
+        .ends
+        .into_iter()
+        .zip(dst.ends)
+        .map(|(mut s, mut d)| {
+            let (next, done, stop, first_err) =
+                (next.clone(), done.clone(), stop.clone(), first_err.clone());
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; chunk as usize];
+                while !stop.load(Ordering::Relaxed) {
+                    let off = next.fetch_add(chunk, Ordering::Relaxed);
+                    if off >= size {
+                        break;
+                    }
+                    let n = chunk.min(size - off) as usize;
+                    let r = copy_chunk(&mut s, &mut d, &mut buf[..n], off, skip_zero, cheap_zero);
+                    if let Err(e) = r {
+                        first_err
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_or_insert(e);
+                        stop.store(true, Ordering::Relaxed);
+                        break;
+                    }
+                    done.fetch_add(n as u64, Ordering::Relaxed);
+                }
+                d
+            })
+        })
+        .collect();
+    let show = !a.no_progress && std::io::stderr().is_terminal();
+    while workers.iter().any(|w| !w.is_finished()) {
+        if show {
+            progress(done.load(Ordering::Relaxed), size, start.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut dests = Vec::new();
+    for w in workers {
+        dests.push(w.join().map_err(|_| "a copy worker panicked".to_string())?);
+    }
+    if show {
+        eprint!("\r\x1b[K");
+    }
+    if let Some(e) = first_err.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        return Err(e);
+    }
+    // Durability: one FLUSH covers every write already answered on any queue (PROTOCOL.md §10).
+    match dests.first_mut() {
+        Some(End::Remote(q)) => q.flush().map_err(|e| format!("{}: {e}", a.dst))?,
+        Some(End::Local(f)) => f.sync_all().map_err(|e| format!("{}: {e}", a.dst))?,
+        None => {}
+    }
+    for d in dests {
+        if let End::Remote(q) = d {
+            let _ = q.logout();
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    println!(
+        "copied {} ({} bytes) in {:.2}s, {:.1} MB/s",
+        blkwire_backend::format_size(size),
+        size,
+        secs,
+        size as f64 / secs.max(1e-9) / 1e6
+    );
+    Ok(())
+}
+
+fn copy_chunk(
+    s: &mut End,
+    d: &mut End,
+    buf: &mut [u8],
+    off: u64,
+    skip_zero: bool,
+    cheap_zero: bool,
+) -> Result<(), String> {
+    match s {
+        End::Local(f) => f
+            .read_exact_at(buf, off)
+            .map_err(|e| format!("read at {off}: {e}"))?,
+        End::Remote(q) => q.read_at(buf, off).map_err(|e| e.to_string())?,
+    }
+    let zero = buf.iter().all(|b| *b == 0);
+    if zero && skip_zero {
+        return Ok(());
+    }
+    match d {
+        End::Local(f) => f
+            .write_all_at(buf, off)
+            .map_err(|e| format!("write at {off}: {e}")),
+        End::Remote(q) if zero && cheap_zero => q
+            .write_zeroes(off, buf.len() as u64, false)
+            .map_err(|e| e.to_string()),
+        End::Remote(q) => q.write_at(buf, off, false).map_err(|e| e.to_string()),
+    }
+}
+
+fn progress(done: u64, total: u64, elapsed: Duration) {
+    let frac = if total == 0 {
+        1.0
+    } else {
+        done as f64 / total as f64
+    };
+    let width = 30;
+    let filled = (frac * width as f64) as usize;
+    let rate = done as f64 / elapsed.as_secs_f64().max(1e-3) / 1e6;
+    let mut e = std::io::stderr().lock();
+    let _ = write!(
+        e,
+        "\r[{}{}] {:>5.1}% {} / {} {:.1} MB/s",
+        "#".repeat(filled),
+        " ".repeat(width - filled),
+        frac * 100.0,
+        blkwire_backend::format_size(done),
+        blkwire_backend::format_size(total),
+        rate
+    );
+    let _ = e.flush();
+}

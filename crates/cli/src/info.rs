@@ -1,0 +1,79 @@
+//! `blkwire info`.
+
+use blkwire_client::{ConnectOptions, Url};
+use serde_json::json;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// tcp://HOST:PORT/EXPORT (without EXPORT: list the target's exports)
+    url: String,
+    /// Print one JSON object
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: Args) -> Result<(), String> {
+    let u = Url::parse(&a.url).map_err(|e| e.to_string())?;
+    let opts = ConnectOptions {
+        queues: 64,
+        depth: 1024,
+        max_io: 32 << 20,
+        ..Default::default()
+    };
+    if u.export.is_empty() {
+        let list = blkwire_client::list(&u, opts.timeout).map_err(|e| e.to_string())?;
+        if a.json {
+            let v: Vec<_> = list
+                .iter()
+                .map(|e| json!({"name": e.name, "size": e.size, "features": e.features.names()}))
+                .collect();
+            println!("{}", json!({ "exports": v }));
+        } else {
+            for e in list {
+                println!(
+                    "{:<20} {:>10}  {}",
+                    e.name,
+                    blkwire_backend::format_size(e.size),
+                    e.features.names().join(",")
+                );
+            }
+        }
+        return Ok(());
+    }
+    // Ask for the most the target allows, so the reply shows its limits.
+    let s = crate::open(&a.url, &opts)?;
+    let i = &s.info;
+    if a.json {
+        println!(
+            "{}",
+            json!({
+                "export": i.name, "size": i.size,
+                "logical_block_size": i.logical_block, "physical_block_size": i.physical_block,
+                "features": i.features.names(),
+                "max_queues": i.queues, "max_queue_depth": i.depth, "max_io": i.max_io,
+            })
+        );
+    } else {
+        println!("export:           {}", i.name);
+        println!(
+            "size:             {} ({} bytes)",
+            blkwire_backend::format_size(i.size),
+            i.size
+        );
+        println!(
+            "block size:       {} logical, {} physical",
+            i.logical_block, i.physical_block
+        );
+        println!("features:         {}", i.features.names().join(" "));
+        println!("queues:           up to {}", i.queues);
+        println!("queue depth:      up to {}", i.depth);
+        println!(
+            "max I/O:          {}",
+            blkwire_backend::format_size(i.max_io as u64)
+        );
+    }
+    for q in s.queues {
+        let _ = q.logout();
+    }
+    Ok(())
+}

@@ -1,0 +1,106 @@
+//! `blkwire serve`.
+
+use std::io::Write;
+use std::time::Duration;
+
+use blkwire_backend::ExportSpec;
+use blkwire_target::{log, Limits, Target, TargetConfig};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Where to listen: tcp://ADDR:PORT (repeatable). Port 0 picks a free port.
+    #[arg(
+        long = "listen",
+        value_name = "URL",
+        default_value = "tcp://0.0.0.0:7700"
+    )]
+    listen: Vec<String>,
+    /// An export: NAME=BACKEND[,ro]; BACKEND is mem:SIZE, null:SIZE or file:PATH[?direct=1] (repeatable)
+    #[arg(long = "export", value_name = "NAME=BACKEND", required = true)]
+    exports: Vec<String>,
+    /// Worker threads, each with its own io_uring (default: one per CPU)
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Largest I/O granted to a client
+    #[arg(long, value_name = "SIZE", default_value = "1M", value_parser = crate::size_arg)]
+    max_io: u64,
+    /// Microseconds a worker spins for new requests before sleeping (0 = never spin)
+    #[arg(long, value_name = "US", default_value_t = 50)]
+    poll_us: u64,
+    /// error, warn, info or debug
+    #[arg(long, default_value = "info")]
+    log_level: String,
+}
+
+pub fn run(a: Args) -> Result<(), String> {
+    log::set_level(log::Level::parse(&a.log_level)?);
+    let exports = a
+        .exports
+        .iter()
+        .map(|s| ExportSpec::parse(s).map_err(|e| e.to_string()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let max_io = u32::try_from(a.max_io)
+        .ok()
+        .filter(|m| (4096..=blkwire_wire::MAX_PAYLOAD_LIMIT).contains(m))
+        .ok_or_else(|| {
+            format!(
+                "--max-io must be between 4K and {}",
+                blkwire_backend::format_size(blkwire_wire::MAX_PAYLOAD_LIMIT as u64)
+            )
+        })?;
+    // Signals are taken by a dedicated thread (below): block them before any thread starts so
+    // every thread inherits the mask and none is interrupted mid-I/O.
+    let sigs = block_signals();
+    let cfg = TargetConfig {
+        listen: a.listen,
+        exports,
+        threads: a.threads,
+        limits: Limits {
+            max_io,
+            ..Limits::default()
+        },
+        poll: Duration::from_micros(a.poll_us),
+    };
+    let target = Target::bind(&cfg)?;
+    let stop = target.stop_handle();
+    std::thread::spawn(move || {
+        let mut sig = 0;
+        // SAFETY: sigwait on the set we blocked.
+        unsafe { libc::sigwait(&sigs, &mut sig) };
+        stop.stop();
+    });
+    let names: Vec<String> = target
+        .exports()
+        .iter()
+        .map(|e| {
+            format!(
+                "{}={}{}",
+                e.name,
+                e.backend().describe(),
+                if e.read_only { ",ro" } else { "" }
+            )
+        })
+        .collect();
+    {
+        let mut out = std::io::stdout().lock();
+        for u in target.urls() {
+            // Scripts wait for these lines: one per listener, flushed at once.
+            let _ = writeln!(out, "listening {u}");
+        }
+        let _ = out.flush();
+    }
+    log!(log::Level::Info, "exports: {}", names.join(" "));
+    target.run()
+}
+
+fn block_signals() -> libc::sigset_t {
+    // SAFETY: building and applying a signal mask for this thread.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}

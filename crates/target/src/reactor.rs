@@ -1,0 +1,823 @@
+//! One reactor per worker thread: its own io_uring, its own connections (queues), no locks.
+//!
+//! ```text
+//!   socket --recv--> rx buffer --Header::decode--> dispatch --ExportQueue::start--+
+//!                                                    |  inline (mem, null):       |
+//!                                                    |  copy straight into tx     | io_uring (file)
+//!   socket <--send-- tx buffer <---- reply ----------+<------- completion --------+
+//! ```
+//!
+//! Readiness comes from a multishot `POLL_ADD` per socket; data moves with plain non-blocking
+//! `recv`/`send` so one syscall carries every frame that is waiting (batching is where the IOPS
+//! come from). Backend I/O of async backends is submitted to the same ring, so a single
+//! `io_uring_enter` both submits and waits for everything this thread owns.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use blkwire_backend::{AlignedBuf, Export, ExportQueue, Op, Refusal, Started, Submitter};
+use blkwire_wire::{Flags, Header, Opcode, Status, HEADER_LEN};
+use io_uring::{cqueue, opcode, squeue, types, IoUring};
+
+use crate::log::Level;
+use crate::session::Registry;
+use crate::stats::QueueStats;
+
+/// A queue connection that finished its handshake, handed to a reactor by message.
+pub struct NewQueue {
+    pub sock: OwnedFd,
+    pub export: Arc<Export>,
+    pub session: u32,
+    pub queue: u16,
+    pub depth: u16,
+    pub max_io: u32,
+    pub peer: String,
+}
+
+pub enum Msg {
+    Queue(NewQueue),
+    Shutdown,
+}
+
+// user_data layout: kind (4 bits) | incarnation (20 bits) | connection index (24 bits) | slot (16 bits)
+const KIND_IO: u64 = 1;
+const KIND_POLL_IN: u64 = 2;
+const KIND_POLL_OUT: u64 = 3;
+const KIND_WAKE: u64 = 4;
+const KIND_CANCEL: u64 = 5;
+
+fn ud(kind: u64, incarnation: u32, conn: usize, slot: u16) -> u64 {
+    kind << 60
+        | ((incarnation as u64) & 0xf_ffff) << 40
+        | ((conn as u64) & 0xff_ffff) << 16
+        | slot as u64
+}
+
+fn ud_split(u: u64) -> (u64, u32, usize, u16) {
+    (
+        u >> 60,
+        ((u >> 40) & 0xf_ffff) as u32,
+        ((u >> 16) & 0xff_ffff) as usize,
+        u as u16,
+    )
+}
+
+/// Pushes to the ring, submitting first when the submission queue is full.
+struct Pusher<'a>(&'a mut IoUring);
+
+impl Submitter for Pusher<'_> {
+    fn push(&mut self, e: squeue::Entry) {
+        loop {
+            // SAFETY: every entry's buffers are owned by a slot or the reactor and stay alive until
+            // its completion is reaped (slots are never freed while busy).
+            if unsafe { self.0.submission().push(&e) }.is_ok() {
+                return;
+            }
+            if let Err(err) = self.0.submit() {
+                crate::log!(Level::Error, "io_uring submit failed: {err}");
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct Slot {
+    busy: bool,
+    header: Option<Header>,
+    buf: Option<AlignedBuf>,
+}
+
+struct Conn {
+    sock: OwnedFd,
+    incarnation: u32,
+    export: Arc<Export>,
+    io: ExportQueue,
+    inline: bool,
+    align: usize,
+    session: u32,
+    queue: u16,
+    depth: u16,
+    max_io: u32,
+    peer: String,
+    rx: Vec<u8>,
+    rx_start: usize,
+    rx_end: usize,
+    tx: Vec<u8>,
+    tx_sent: usize,
+    slots: Vec<Slot>,
+    inflight: u32,
+    /// The socket may hold unread bytes (we stopped before EAGAIN).
+    readable: bool,
+    /// Waiting for POLLOUT after a short send.
+    want_out: bool,
+    /// No more requests are read; close once in-flight I/O is answered and sent.
+    closing: bool,
+    /// The socket is dead: drop the connection as soon as nothing is in flight.
+    dead: bool,
+    stats: QueueStats,
+    bytes_sent: u64,
+}
+
+impl Conn {
+    fn fd(&self) -> i32 {
+        self.sock.as_raw_fd()
+    }
+
+    fn tx_backlog(&self) -> usize {
+        self.tx.len() - self.tx_sent
+    }
+
+    /// Stop reading when this much reply data waits to be sent: a client that sends requests but
+    /// never reads replies cannot make us buffer without bound.
+    fn tx_high_water(&self) -> usize {
+        (4 << 20).max(2 * self.max_io as usize + 2 * HEADER_LEN)
+    }
+
+    fn push_reply(&mut self, h: &Header, status: Status, payload: &[u8]) {
+        let mut r = h.reply(status, payload.len() as u32);
+        r.credit = self.depth;
+        self.tx.extend_from_slice(&r.to_bytes());
+        self.tx.extend_from_slice(payload);
+        self.count_reply(status);
+    }
+
+    fn count_reply(&mut self, status: Status) {
+        self.stats.frames_out += 1;
+        if status != Status::Ok {
+            self.stats.errors += 1;
+        }
+    }
+
+    fn violation(&mut self, what: &dyn std::fmt::Display) {
+        crate::log!(
+            Level::Warn,
+            "session {} queue {} from {}: protocol violation: {what}; closing the queue",
+            self.session,
+            self.queue,
+            self.peer
+        );
+        self.stats.protocol_errors += 1;
+        self.closing = true;
+        self.rx_start = self.rx_end;
+    }
+}
+
+pub struct Reactor {
+    ring: IoUring,
+    conns: Vec<Option<Conn>>,
+    free: Vec<usize>,
+    next_incarnation: u32,
+    inbox: Receiver<Msg>,
+    wake_fd: OwnedFd,
+    wake_buf: Box<u64>,
+    registry: Arc<Registry>,
+    poll: Duration,
+    shutting_down: bool,
+    shutdown_deadline: Option<Instant>,
+    /// Connections that may have work without a new completion.
+    ready: VecDeque<usize>,
+}
+
+impl Reactor {
+    pub fn new(
+        inbox: Receiver<Msg>,
+        wake_fd: OwnedFd,
+        registry: Arc<Registry>,
+        poll: Duration,
+    ) -> std::io::Result<Reactor> {
+        let ring = IoUring::builder().build(1024)?;
+        Ok(Reactor {
+            ring,
+            conns: Vec::new(),
+            free: Vec::new(),
+            next_incarnation: 1,
+            inbox,
+            wake_fd,
+            wake_buf: Box::new(0),
+            registry,
+            poll,
+            shutting_down: false,
+            shutdown_deadline: None,
+            ready: VecDeque::new(),
+        })
+    }
+
+    /// Runs until told to shut down and every connection has drained.
+    pub fn run(mut self) {
+        self.arm_wake();
+        loop {
+            self.drain_inbox();
+            if self.shutting_down && self.conns.iter().all(Option::is_none) {
+                break;
+            }
+            while let Some(i) = self.ready.pop_front() {
+                self.service(i);
+            }
+            if let Err(e) = self.wait() {
+                crate::log!(Level::Error, "io_uring wait failed: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            self.reap();
+            if let Some(d) = self.shutdown_deadline {
+                if Instant::now() > d {
+                    for i in 0..self.conns.len() {
+                        if let Some(c) = self.conns[i].as_mut() {
+                            c.dead = true;
+                            c.closing = true;
+                        }
+                        self.ready.push_back(i);
+                    }
+                    // Ops still in flight keep their connection alive until they complete.
+                    self.shutdown_deadline = Some(Instant::now() + Duration::from_secs(3600));
+                }
+            }
+        }
+    }
+
+    fn arm_wake(&mut self) {
+        let buf: *mut u64 = &mut *self.wake_buf;
+        let e = opcode::Read::new(types::Fd(self.wake_fd.as_raw_fd()), buf.cast(), 8)
+            .build()
+            .user_data(ud(KIND_WAKE, 0, 0, 0));
+        Pusher(&mut self.ring).push(e);
+    }
+
+    fn drain_inbox(&mut self) {
+        while let Ok(m) = self.inbox.try_recv() {
+            match m {
+                Msg::Queue(q) => self.add(q),
+                Msg::Shutdown => {
+                    self.shutting_down = true;
+                    self.shutdown_deadline = Some(Instant::now() + Duration::from_secs(10));
+                    for i in 0..self.conns.len() {
+                        if let Some(c) = self.conns[i].as_mut() {
+                            // Requests already received are still answered (they are in rx).
+                            c.closing = true;
+                            self.ready.push_back(i);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn add(&mut self, q: NewQueue) {
+        let io = match q.export.open_queue() {
+            Ok(io) => io,
+            Err(e) => {
+                crate::log!(
+                    Level::Error,
+                    "export {}: cannot open queue: {e}",
+                    q.export.name
+                );
+                self.registry
+                    .leave(q.session, q.queue, &QueueStats::default());
+                return;
+            }
+        };
+        let idx = self.free.pop().unwrap_or_else(|| {
+            self.conns.push(None);
+            self.conns.len() - 1
+        });
+        let incarnation = self.next_incarnation;
+        self.next_incarnation = (self.next_incarnation + 1) & 0xf_ffff;
+        let align = q.export.backend().buffer_alignment();
+        let rx_cap = q.max_io as usize + HEADER_LEN + (256 << 10);
+        let conn = Conn {
+            inline: io.completes_inline(),
+            io,
+            align,
+            incarnation,
+            export: q.export,
+            session: q.session,
+            queue: q.queue,
+            depth: q.depth,
+            max_io: q.max_io,
+            peer: q.peer,
+            rx: vec![0; rx_cap],
+            rx_start: 0,
+            rx_end: 0,
+            tx: Vec::with_capacity(1 << 20),
+            tx_sent: 0,
+            slots: (0..q.depth).map(|_| Slot::default()).collect(),
+            inflight: 0,
+            readable: true,
+            want_out: false,
+            closing: self.shutting_down,
+            dead: false,
+            stats: QueueStats::default(),
+            bytes_sent: 0,
+            sock: q.sock,
+        };
+        let poll = opcode::PollAdd::new(types::Fd(conn.fd()), libc::POLLIN as u32)
+            .multi(true)
+            .build()
+            .user_data(ud(KIND_POLL_IN, incarnation, idx, 0));
+        Pusher(&mut self.ring).push(poll);
+        self.conns[idx] = Some(conn);
+        self.ready.push_back(idx);
+    }
+
+    /// Submits what is queued and waits for at least one completion, polling briefly first so a
+    /// request arriving within `poll` is picked up without the cost of sleeping and waking.
+    fn wait(&mut self) -> std::io::Result<()> {
+        if !self.ready.is_empty() {
+            self.ring.submit()?;
+            return Ok(());
+        }
+        self.ring.submit()?;
+        if !self.poll.is_zero() {
+            let start = Instant::now();
+            while self.ring.completion().is_empty() && start.elapsed() < self.poll {
+                std::hint::spin_loop();
+            }
+            if !self.ring.completion().is_empty() {
+                return Ok(());
+            }
+        }
+        let timeout = if self.shutdown_deadline.is_some() {
+            // Wake up to enforce the shutdown deadline even if nothing completes.
+            Some(types::Timespec::new().sec(1))
+        } else {
+            None
+        };
+        match timeout {
+            Some(ts) => {
+                let args = types::SubmitArgs::new().timespec(&ts);
+                match self.ring.submitter().submit_with_args(1, &args) {
+                    Err(e) if e.raw_os_error() == Some(libc::ETIME) => Ok(()),
+                    r => r.map(|_| ()),
+                }
+            }
+            None => match self.ring.submit_and_wait(1) {
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => Ok(()),
+                r => r.map(|_| ()),
+            },
+        }
+    }
+
+    fn reap(&mut self) {
+        let cqes: Vec<cqueue::Entry> = self.ring.completion().collect();
+        for cqe in cqes {
+            let (kind, inc, idx, slot) = ud_split(cqe.user_data());
+            match kind {
+                KIND_WAKE => {
+                    self.drain_inbox();
+                    self.arm_wake();
+                    continue;
+                }
+                KIND_CANCEL => continue,
+                _ => {}
+            }
+            let Some(c) = self.conns.get_mut(idx).and_then(Option::as_mut) else {
+                continue;
+            };
+            if c.incarnation != inc {
+                continue; // a completion for a connection that has since been replaced
+            }
+            match kind {
+                KIND_POLL_IN => {
+                    c.readable = true;
+                    if !cqueue::more(cqe.flags()) && !c.closing {
+                        // The kernel ended the multishot poll (e.g. overflow): re-arm it.
+                        let poll = opcode::PollAdd::new(types::Fd(c.fd()), libc::POLLIN as u32)
+                            .multi(true)
+                            .build()
+                            .user_data(ud(KIND_POLL_IN, inc, idx, 0));
+                        Pusher(&mut self.ring).push(poll);
+                    }
+                }
+                KIND_POLL_OUT => c.want_out = false,
+                KIND_IO => complete(c, slot, cqe.result()),
+                _ => {}
+            }
+            self.ready.push_back(idx);
+        }
+    }
+
+    /// Moves one connection forward: read and dispatch requests, send replies, close if done.
+    fn service(&mut self, idx: usize) {
+        let Some(c) = self.conns.get_mut(idx).and_then(Option::as_mut) else {
+            return;
+        };
+        let mut sq = Pusher(&mut self.ring);
+        // Alternate reading and sending until neither moves: sending may lift the tx high-water
+        // mark that stopped parsing. Bounded so one busy connection cannot starve the others.
+        let mut rounds = 0;
+        while !c.dead {
+            let before = (c.stats.frames_in, c.bytes_sent);
+            receive(c, idx, &mut sq);
+            if c.tx_backlog() > 0 && !c.want_out {
+                transmit(c, idx, &mut sq);
+            }
+            if before == (c.stats.frames_in, c.bytes_sent) {
+                break;
+            }
+            rounds += 1;
+            if rounds == 16 {
+                self.ready.push_back(idx);
+                return;
+            }
+        }
+        let drained = c.tx_backlog() == 0 || c.dead;
+        if c.closing && c.inflight == 0 && drained {
+            let c = self.conns[idx].take().expect("present");
+            self.close(idx, c);
+        }
+    }
+
+    fn close(&mut self, idx: usize, c: Conn) {
+        // Cancel the multishot poll before the socket goes; its final completion is ignored by
+        // incarnation.
+        let cancel = opcode::AsyncCancel::new(ud(KIND_POLL_IN, c.incarnation, idx, 0))
+            .build()
+            .user_data(ud(KIND_CANCEL, 0, 0, 0));
+        Pusher(&mut self.ring).push(cancel);
+        if c.want_out {
+            let cancel = opcode::AsyncCancel::new(ud(KIND_POLL_OUT, c.incarnation, idx, 0))
+                .build()
+                .user_data(ud(KIND_CANCEL, 0, 0, 0));
+            Pusher(&mut self.ring).push(cancel);
+        }
+        let _ = self.ring.submit();
+        self.registry.leave(c.session, c.queue, &c.stats);
+        crate::log!(
+            Level::Debug,
+            "session {} queue {} closed: {} frames in, {} out, {} errors",
+            c.session,
+            c.queue,
+            c.stats.frames_in,
+            c.stats.frames_out,
+            c.stats.errors
+        );
+        self.free.push(idx);
+        drop(c); // closes the socket
+    }
+}
+
+/// Reads everything waiting on the socket and dispatches every complete frame.
+fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
+    loop {
+        // Dispatch what is buffered first: it may already hold many frames.
+        parse_frames(c, idx, sq);
+        if c.closing || !c.readable || c.tx_backlog() >= c.tx_high_water() {
+            return;
+        }
+        if c.rx_end == c.rx.len() {
+            if c.rx_start == 0 {
+                return; // a whole frame is buffered but blocked (tx high water)
+            }
+            c.rx.copy_within(c.rx_start..c.rx_end, 0);
+            c.rx_end -= c.rx_start;
+            c.rx_start = 0;
+        }
+        // SAFETY: recv into the unused tail of our own buffer.
+        let n = unsafe {
+            libc::recv(
+                c.fd(),
+                c.rx[c.rx_end..].as_mut_ptr().cast(),
+                c.rx.len() - c.rx_end,
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if n > 0 {
+            c.rx_end += n as usize;
+            continue;
+        }
+        let err = std::io::Error::last_os_error();
+        match (n, err.raw_os_error()) {
+            (0, _) => {
+                // Orderly shutdown by the peer; whatever it sent before is still answered.
+                parse_frames(c, idx, sq);
+                c.closing = true;
+                c.readable = false;
+                crate::log!(
+                    Level::Debug,
+                    "session {} queue {}: peer closed",
+                    c.session,
+                    c.queue
+                );
+            }
+            (_, Some(libc::EAGAIN)) => c.readable = false,
+            (_, Some(libc::EINTR)) => continue,
+            _ => {
+                crate::log!(
+                    Level::Info,
+                    "session {} queue {}: receive failed: {err}",
+                    c.session,
+                    c.queue
+                );
+                c.closing = true;
+                c.dead = true;
+                c.readable = false;
+            }
+        }
+        return;
+    }
+}
+
+/// Dispatches every complete frame in `rx[rx_start..rx_end]`.
+fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
+    loop {
+        if c.dead || c.tx_backlog() >= c.tx_high_water() {
+            return;
+        }
+        let avail = c.rx_end - c.rx_start;
+        if avail < HEADER_LEN {
+            break;
+        }
+        let h = match Header::decode(&c.rx[c.rx_start..c.rx_end], c.max_io) {
+            Ok(h) => h,
+            Err(e) => return c.violation(&e),
+        };
+        let total = HEADER_LEN + h.payload_len as usize;
+        if avail < total {
+            if c.rx.len() - c.rx_start < total {
+                // Make room so the whole frame fits (rx is sized for the largest frame).
+                c.rx.copy_within(c.rx_start..c.rx_end, 0);
+                c.rx_end -= c.rx_start;
+                c.rx_start = 0;
+            }
+            break;
+        }
+        let payload_at = c.rx_start + HEADER_LEN;
+        c.rx_start += total;
+        c.stats.frames_in += 1;
+        if let Err(e) = h.check_crc(&c.rx[payload_at..payload_at + h.payload_len as usize]) {
+            return c.violation(&e);
+        }
+        dispatch(c, idx, &h, payload_at, sq);
+    }
+    if c.rx_start == c.rx_end {
+        c.rx_start = 0;
+        c.rx_end = 0;
+    }
+}
+
+fn dispatch(c: &mut Conn, idx: usize, h: &Header, payload_at: usize, sq: &mut Pusher<'_>) {
+    if h.is_reply() {
+        return c.violation(&"received a reply frame");
+    }
+    let payload_len = h.payload_len as usize;
+    match h.opcode {
+        Opcode::Keepalive => return c.push_reply(h, Status::Ok, &[]),
+        Opcode::Logout => {
+            // Nothing after LOGOUT is executed (PROTOCOL.md §2.5).
+            c.push_reply(h, Status::Ok, &[]);
+            c.closing = true;
+            c.rx_start = c.rx_end;
+            return;
+        }
+        Opcode::Copy => return c.push_reply(h, Status::Unsupported, &[]),
+        Opcode::Hello | Opcode::Join | Opcode::List => {
+            return c.push_reply(h, Status::Invalid, &[]);
+        }
+        _ => {}
+    }
+    // I/O commands (PROTOCOL.md §3, §5).
+    let slot = h.tag.slot();
+    let expected_payload = if h.opcode == Opcode::Write {
+        h.length as usize
+    } else {
+        0
+    };
+    let data_op = matches!(h.opcode, Opcode::Read | Opcode::Write);
+    if slot >= c.depth
+        || payload_len != expected_payload
+        || (data_op && (h.length == 0 || h.length > c.max_io))
+        || (h.opcode == Opcode::Flush && h.length == 0 && h.offset != 0)
+    {
+        return c.push_reply(h, Status::Invalid, &[]);
+    }
+    if c.slots[slot as usize].busy {
+        return c.violation(&format_args!("slot {slot} reused while in flight"));
+    }
+    if let Err(r) = c
+        .export
+        .check(h.opcode.modifies_data(), h.offset, h.length as u64)
+    {
+        let status = match r {
+            Refusal::ReadOnly => Status::ReadOnly,
+            Refusal::OutOfRange => Status::OutOfRange,
+            Refusal::Invalid => Status::Invalid,
+        };
+        return c.push_reply(h, status, &[]);
+    }
+    let len = h.length;
+    match h.opcode {
+        Opcode::Read => c.stats.reads += 1,
+        Opcode::Write => c.stats.writes += 1,
+        Opcode::Flush => c.stats.flushes += 1,
+        Opcode::Trim => c.stats.trims += 1,
+        Opcode::WriteZeroes => c.stats.write_zeroes += 1,
+        _ => {}
+    }
+    let user_data = ud(KIND_IO, c.incarnation, idx, slot);
+
+    if c.inline {
+        // mem:/null: the op completes inside start(); READ lands straight in the reply buffer and
+        // WRITE is taken straight from the receive buffer: one copy each way.
+        let op = match h.opcode {
+            Opcode::Read => {
+                let at = c.tx.len();
+                c.tx.resize(at + HEADER_LEN + len as usize, 0);
+                let buf = c.tx[at + HEADER_LEN..].as_mut_ptr();
+                let r = c.io.start(
+                    Op::Read {
+                        offset: h.offset,
+                        buf,
+                        len,
+                    },
+                    user_data,
+                    sq,
+                );
+                let status = done_status(r, len);
+                let payload = if status == Status::Ok { len } else { 0 };
+                let mut rh = h.reply(status, payload);
+                rh.credit = c.depth;
+                c.tx[at..at + HEADER_LEN].copy_from_slice(&rh.to_bytes());
+                c.tx.truncate(at + HEADER_LEN + payload as usize);
+                c.count_reply(status);
+                if status == Status::Ok {
+                    c.stats.bytes_read += len as u64;
+                }
+                return;
+            }
+            Opcode::Write => {
+                let buf = c.rx[payload_at..].as_ptr();
+                c.stats.bytes_written += len as u64;
+                Op::Write {
+                    offset: h.offset,
+                    buf,
+                    len,
+                    fua: h.flags.has(Flags::FUA),
+                }
+            }
+            _ => non_data_op(h),
+        };
+        let r = c.io.start(op, user_data, sq);
+        let status = done_status(r, len);
+        return c.push_reply(h, status, &[]);
+    }
+
+    // Async backend: the slot owns a buffer that lives until the completion.
+    let align = c.align;
+    let s = &mut c.slots[slot as usize];
+    let op = match h.opcode {
+        Opcode::Read | Opcode::Write => {
+            if s.buf.as_ref().is_none_or(|b| b.len() < len as usize) {
+                s.buf = Some(AlignedBuf::zeroed(len as usize, align.max(4096)));
+            }
+            let buf = s.buf.as_mut().expect("just set");
+            if h.opcode == Opcode::Read {
+                Op::Read {
+                    offset: h.offset,
+                    buf: buf.as_mut_ptr(),
+                    len,
+                }
+            } else {
+                buf.as_mut_slice()[..len as usize]
+                    .copy_from_slice(&c.rx[payload_at..payload_at + len as usize]);
+                c.stats.bytes_written += len as u64;
+                Op::Write {
+                    offset: h.offset,
+                    buf: buf.as_mut_ptr(),
+                    len,
+                    fua: h.flags.has(Flags::FUA),
+                }
+            }
+        }
+        _ => non_data_op(h),
+    };
+    match c.io.start(op, user_data, sq) {
+        Started::Done(r) => {
+            let status = done_status(Started::Done(r), len);
+            c.push_reply(h, status, &[]);
+        }
+        Started::Submitted => {
+            let s = &mut c.slots[slot as usize];
+            s.busy = true;
+            s.header = Some(*h);
+            c.inflight += 1;
+        }
+    }
+}
+
+fn non_data_op(h: &Header) -> Op {
+    match h.opcode {
+        Opcode::Flush => Op::Flush,
+        Opcode::Trim => Op::Trim {
+            offset: h.offset,
+            len: h.length,
+        },
+        Opcode::WriteZeroes => Op::WriteZeroes {
+            offset: h.offset,
+            len: h.length,
+            no_hole: h.flags.has(Flags::NO_HOLE),
+        },
+        _ => unreachable!("data and control opcodes are handled by the caller"),
+    }
+}
+
+fn done_status(r: Started, _len: u32) -> Status {
+    match r {
+        Started::Done(0) => Status::Ok,
+        Started::Done(e) => Status::from_errno(-e),
+        Started::Submitted => Status::Io,
+    }
+}
+
+/// An async backend op finished: build its reply.
+fn complete(c: &mut Conn, slot: u16, res: i32) {
+    let Some(s) = c.slots.get_mut(slot as usize) else {
+        return;
+    };
+    if !s.busy {
+        return;
+    }
+    s.busy = false;
+    c.inflight -= 1;
+    let h = s.header.take().expect("busy slot has a header");
+    let data_op = matches!(h.opcode, Opcode::Read | Opcode::Write);
+    let status = if res < 0 {
+        Status::from_errno(-res)
+    } else if data_op && res as u32 != h.length {
+        // Short transfer inside the export: the file shrank under us (read) or the
+        // filesystem is full (write).
+        if h.opcode == Opcode::Read {
+            Status::Io
+        } else {
+            Status::OutOfRange
+        }
+    } else {
+        Status::Ok
+    };
+    if status != Status::Ok {
+        crate::log!(
+            Level::Warn,
+            "session {} queue {}: {:?} at {} len {} failed: {status} ({res})",
+            c.session,
+            c.queue,
+            h.opcode,
+            h.offset,
+            h.length,
+        );
+    }
+    if h.opcode == Opcode::Read && status == Status::Ok {
+        let buf = c.slots[slot as usize].buf.take().expect("read buffer");
+        c.push_reply(&h, status, &buf.as_slice()[..h.length as usize]);
+        c.stats.bytes_read += h.length as u64;
+        c.slots[slot as usize].buf = Some(buf);
+    } else {
+        c.push_reply(&h, status, &[]);
+    }
+}
+
+/// Sends as much of the reply backlog as the socket takes; arms POLLOUT if it fills up.
+fn transmit(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
+    while c.tx_sent < c.tx.len() {
+        // SAFETY: send from our own buffer.
+        let n = unsafe {
+            libc::send(
+                c.fd(),
+                c.tx[c.tx_sent..].as_ptr().cast(),
+                c.tx.len() - c.tx_sent,
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if n >= 0 {
+            c.tx_sent += n as usize;
+            c.bytes_sent += n as u64;
+            continue;
+        }
+        let err = std::io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EAGAIN) => {
+                c.want_out = true;
+                let poll = opcode::PollAdd::new(types::Fd(c.fd()), libc::POLLOUT as u32)
+                    .build()
+                    .user_data(ud(KIND_POLL_OUT, c.incarnation, idx, 0));
+                sq.push(poll);
+                return;
+            }
+            _ => {
+                crate::log!(
+                    Level::Info,
+                    "session {} queue {}: send failed: {err}",
+                    c.session,
+                    c.queue
+                );
+                c.dead = true;
+                c.closing = true;
+                return;
+            }
+        }
+    }
+    c.tx.clear();
+    c.tx_sent = 0;
+}

@@ -1,0 +1,259 @@
+//! Sessions: HELLO grants, JOIN checks, and the per-session summary. Only the control path
+//! (connect, join, disconnect) takes this lock; the data path never touches it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use blkwire_backend::Export;
+use blkwire_wire::{ExportEntry, Features, Hello, HelloReply, Status};
+
+use crate::log::Level;
+use crate::stats::QueueStats;
+
+/// Limits the target grants at most, whatever a client asks for.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub max_queues: u16,
+    pub max_depth: u16,
+    pub max_io: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_queues: 64,
+            max_depth: 1024,
+            max_io: 1 << 20,
+        }
+    }
+}
+
+struct Session {
+    export: Arc<Export>,
+    host: String,
+    peer: String,
+    depth: u16,
+    max_io: u32,
+    cookie: u64,
+    joined: Vec<bool>,
+    live: u16,
+    stats: QueueStats,
+}
+
+/// What a queue connection gets once admitted.
+pub struct Admitted {
+    pub export: Arc<Export>,
+    pub session: u32,
+    pub queue: u16,
+    pub depth: u16,
+    pub max_io: u32,
+}
+
+pub struct Registry {
+    exports: Vec<Arc<Export>>,
+    limits: Limits,
+    inner: Mutex<Inner>,
+}
+
+struct Inner {
+    sessions: HashMap<u32, Session>,
+    next_id: u32,
+    closed: bool,
+}
+
+impl Registry {
+    pub fn new(exports: Vec<Arc<Export>>, limits: Limits) -> Registry {
+        Registry {
+            exports,
+            limits,
+            inner: Mutex::new(Inner {
+                sessions: HashMap::new(),
+                next_id: 1,
+                closed: false,
+            }),
+        }
+    }
+
+    pub fn exports(&self) -> &[Arc<Export>] {
+        &self.exports
+    }
+
+    /// Feature bits an export advertises (PROTOCOL.md §7): what it does natively or by emulation.
+    pub fn features(e: &Export) -> Features {
+        let caps = e.caps();
+        let mut f = 0;
+        if e.read_only {
+            f |= Features::READ_ONLY;
+        } else {
+            f |= Features::TRIM | Features::WRITE_ZEROES;
+        }
+        if caps.flush {
+            f |= Features::FLUSH | Features::FUA;
+        }
+        if caps.rotational {
+            f |= Features::ROTATIONAL;
+        }
+        if e.backend().reads_as_zero() {
+            f |= Features::INIT_ZERO;
+        }
+        Features(f)
+    }
+
+    pub fn list(&self) -> Vec<ExportEntry> {
+        self.exports
+            .iter()
+            .map(|e| ExportEntry {
+                name: e.name.clone(),
+                size: e.size(),
+                features: Self::features(e),
+            })
+            .collect()
+    }
+
+    /// Stops admitting sessions (shutdown).
+    pub fn close(&self) {
+        self.lock().closed = true;
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding this lock cannot leave the map inconsistent, so carry on.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn hello(&self, h: &Hello, peer: &str) -> Result<(HelloReply, Admitted), Status> {
+        let export = self
+            .exports
+            .iter()
+            .find(|e| e.name == h.export)
+            .cloned()
+            .ok_or(Status::NoExport)?;
+        if !h.auth.is_empty() {
+            return Err(Status::Access);
+        }
+        let (logical, physical) = export.backend().block_sizes();
+        let queues = h.queues.min(self.limits.max_queues);
+        let depth = h.depth.min(self.limits.max_depth);
+        let max_io = (h.max_io.min(self.limits.max_io) / logical * logical).max(logical);
+        let cookie = random_u64();
+        let mut inner = self.lock();
+        if inner.closed {
+            return Err(Status::Shutdown);
+        }
+        let id = inner.next_id;
+        inner.next_id = inner.next_id.wrapping_add(1).max(1);
+        let reply = HelloReply {
+            size: export.size(),
+            logical_block: logical,
+            physical_block: physical,
+            features: Self::features(&export),
+            queues,
+            depth,
+            max_io,
+            session: id,
+            cookie,
+        };
+        let mut joined = vec![false; queues as usize];
+        joined[0] = true;
+        inner.sessions.insert(
+            id,
+            Session {
+                export: export.clone(),
+                host: h.host_id.clone(),
+                peer: peer.to_string(),
+                depth,
+                max_io,
+                cookie,
+                joined,
+                live: 1,
+                stats: QueueStats::default(),
+            },
+        );
+        crate::log!(
+            Level::Info,
+            "session {id}: host '{}' from {peer} opened export '{}' ({queues} queues x {depth} deep, max I/O {})",
+            h.host_id,
+            export.name,
+            blkwire_backend::format_size(max_io as u64)
+        );
+        Ok((
+            reply,
+            Admitted {
+                export,
+                session: id,
+                queue: 0,
+                depth,
+                max_io,
+            },
+        ))
+    }
+
+    pub fn join(&self, session: u32, queue: u16, cookie: u64) -> Result<Admitted, Status> {
+        let mut inner = self.lock();
+        if inner.closed {
+            return Err(Status::Shutdown);
+        }
+        let s = inner.sessions.get_mut(&session).ok_or(Status::Access)?;
+        if s.cookie != cookie {
+            return Err(Status::Access);
+        }
+        let slot = s.joined.get_mut(queue as usize).ok_or(Status::Invalid)?;
+        if *slot {
+            return Err(Status::Busy);
+        }
+        *slot = true;
+        s.live += 1;
+        Ok(Admitted {
+            export: s.export.clone(),
+            session,
+            queue,
+            depth: s.depth,
+            max_io: s.max_io,
+        })
+    }
+
+    /// A queue closed; the session ends with its last queue.
+    pub fn leave(&self, session: u32, _queue: u16, stats: &QueueStats) {
+        let mut inner = self.lock();
+        let Some(s) = inner.sessions.get_mut(&session) else {
+            return;
+        };
+        s.stats.add(stats);
+        s.live = s.live.saturating_sub(1);
+        if s.live == 0 {
+            let s = inner.sessions.remove(&session).expect("present");
+            let st = s.stats;
+            crate::log!(
+                Level::Info,
+                "session {session}: host '{}' from {} closed export '{}': {} reads, {} writes, {} read, {} written, {} errors, {} protocol errors",
+                s.host,
+                s.peer,
+                s.export.name,
+                st.reads,
+                st.writes,
+                blkwire_backend::format_size(st.bytes_read),
+                blkwire_backend::format_size(st.bytes_written),
+                st.errors,
+                st.protocol_errors
+            );
+        }
+    }
+
+    pub fn live_sessions(&self) -> usize {
+        self.lock().sessions.len()
+    }
+}
+
+pub fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom into a local buffer.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), 8, 0) };
+    if n != 8 {
+        // Fall back to time and address entropy; the cookie only has to be unguessable enough to
+        // stop a confused client from joining the wrong session.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        return t.as_nanos() as u64 ^ (&b as *const _ as u64).rotate_left(32);
+    }
+    u64::from_le_bytes(b)
+}
