@@ -23,7 +23,7 @@ unsafe impl Sync for MemBackend {}
 
 impl MemBackend {
     pub fn new(size: u64) -> io::Result<MemBackend> {
-        if size == 0 || size % 512 != 0 {
+        if size == 0 || !size.is_multiple_of(512) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!("mem size {size} must be a non-zero multiple of 512"),

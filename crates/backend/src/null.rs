@@ -11,7 +11,7 @@ pub struct NullBackend {
 
 impl NullBackend {
     pub fn new(size: u64) -> io::Result<NullBackend> {
-        if size == 0 || size % 512 != 0 {
+        if size == 0 || !size.is_multiple_of(512) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!("null size {size} must be a non-zero multiple of 512"),

@@ -82,7 +82,7 @@ pub fn run(a: Args) -> Result<(), String> {
     };
     let s = crate::open(&a.url, &opts)?;
     let info = s.info.clone();
-    if a.bs == 0 || a.bs > info.max_io as u64 || a.bs % 512 != 0 {
+    if a.bs == 0 || a.bs > info.max_io as u64 || !a.bs.is_multiple_of(512) {
         return Err(format!(
             "--bs {} must be a multiple of 512 between 512 and the target's max I/O ({})",
             a.bs, info.max_io

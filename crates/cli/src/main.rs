@@ -39,7 +39,18 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) if !e.use_stderr() => e.exit(), // --help, --version
+        Err(e) => {
+            // One line, like every other blkwire error, instead of clap's multi-line block.
+            let msg = e.to_string();
+            let first = msg.lines().next().unwrap_or("bad arguments");
+            let first = first.strip_prefix("error: ").unwrap_or(first);
+            eprintln!("blkwire: error: {first} (try --help)");
+            return ExitCode::from(2);
+        }
+    };
     let r = match cli.cmd {
         Command::Serve(a) => serve::run(a),
         Command::Info(a) => info::run(a),

@@ -388,7 +388,7 @@ impl Queue {
         count: usize,
         mut each: impl FnMut(usize) -> Cmd<'a>,
         mut done: impl FnMut(usize, &[u8]),
-        what: &str,
+        what: impl FnOnce() -> String,
     ) -> Result<()> {
         let mut next = 0;
         let mut finished = 0;
@@ -411,7 +411,7 @@ impl Queue {
         }
         match failed {
             Some((_, status)) => Err(Error::Status {
-                what: what.to_string(),
+                what: what(),
                 status,
             }),
             None => Ok(()),
@@ -431,7 +431,7 @@ impl Queue {
                 len: len_of(i) as u32,
             },
             |i, data| buf[i * chunk..i * chunk + data.len()].copy_from_slice(data),
-            &format!("read {total} bytes at {offset}"),
+            || format!("read {total} bytes at {offset}"),
         )
     }
 
@@ -447,13 +447,13 @@ impl Queue {
                 fua,
             },
             |_, _| {},
-            &format!("write {} bytes at {offset}", data.len()),
+            || format!("write {} bytes at {offset}", data.len()),
         )
     }
 
     /// Makes every write this session completed durable (PROTOCOL.md §10).
     pub fn flush(&mut self) -> Result<()> {
-        self.run_batch(1, |_| Cmd::Flush, |_, _| {}, "flush")
+        self.run_batch(1, |_| Cmd::Flush, |_, _| {}, || "flush".into())
     }
 
     pub fn trim(&mut self, offset: u64, len: u64) -> Result<()> {
@@ -487,13 +487,13 @@ impl Queue {
                 mk(offset + o, (len - o).min(STEP) as u32)
             },
             |_, _| {},
-            &format!("{what} {len} bytes at {offset}"),
+            || format!("{what} {len} bytes at {offset}"),
         )
     }
 
     /// Round trip that proves the target is alive.
     pub fn keepalive(&mut self) -> Result<()> {
-        self.run_batch(1, |_| Cmd::Keepalive, |_, _| {}, "keepalive")
+        self.run_batch(1, |_| Cmd::Keepalive, |_, _| {}, || "keepalive".into())
     }
 
     /// Ends the queue cleanly after everything in flight (PROTOCOL.md §2.5).

@@ -180,6 +180,8 @@ pub struct Reactor {
     shutdown_deadline: Option<Instant>,
     /// Connections that may have work without a new completion.
     ready: VecDeque<usize>,
+    /// Reused for every batch of completions (no allocation per loop).
+    cqes: Vec<cqueue::Entry>,
 }
 
 impl Reactor {
@@ -203,6 +205,7 @@ impl Reactor {
             shutting_down: false,
             shutdown_deadline: None,
             ready: VecDeque::new(),
+            cqes: Vec::with_capacity(1024),
         })
     }
 
@@ -361,8 +364,10 @@ impl Reactor {
     }
 
     fn reap(&mut self) {
-        let cqes: Vec<cqueue::Entry> = self.ring.completion().collect();
-        for cqe in cqes {
+        let mut cqes = std::mem::take(&mut self.cqes);
+        cqes.clear();
+        cqes.extend(self.ring.completion());
+        for cqe in cqes.drain(..) {
             let (kind, inc, idx, slot) = ud_split(cqe.user_data());
             match kind {
                 KIND_WAKE => {
@@ -397,6 +402,7 @@ impl Reactor {
             }
             self.ready.push_back(idx);
         }
+        self.cqes = cqes;
     }
 
     /// Moves one connection forward: read and dispatch requests, send replies, close if done.

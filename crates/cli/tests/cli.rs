@@ -1,0 +1,189 @@
+//! The command line as a user runs it: cp round trips, info, bench, bad input, shutdown.
+
+mod common;
+
+use std::process::Command;
+
+use common::{assert_one_line_error, cli, random_bytes, sparse_file, Target, TempDir, BIN};
+
+fn sha256(path: &std::path::Path) -> String {
+    let out = Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .expect("sha256sum");
+    assert!(out.status.success());
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+#[test]
+fn cp_round_trip_preserves_every_byte() {
+    let d = TempDir::new("cp");
+    let src = d.path("src.img");
+    // Data, then a run of zeros (skipped on the fresh mem export), then data, odd total size.
+    let mut data = random_bytes(3 << 20, 1);
+    data.extend(vec![0u8; 2 << 20]);
+    data.extend(random_bytes((1 << 20) + 4096 + 512, 2));
+    std::fs::write(&src, &data).unwrap();
+    let t = Target::start(&["m=mem:16M"]);
+    let (ok, out, err) = cli(&["cp", src.to_str().unwrap(), &t.url("m")]);
+    assert!(ok, "upload: {err}");
+    assert!(
+        out.contains("copied") && out.contains(&format!("{} bytes", data.len())),
+        "{out}"
+    );
+    let back = d.path("back.img");
+    let (ok, _, err) = cli(&["cp", &t.url("m"), back.to_str().unwrap()]);
+    assert!(ok, "download: {err}");
+    // The download is the whole export; its first bytes are the source.
+    let got = std::fs::read(&back).unwrap();
+    assert_eq!(got.len(), 16 << 20);
+    let prefix = d.path("prefix.img");
+    std::fs::write(&prefix, &got[..data.len()]).unwrap();
+    assert_eq!(sha256(&prefix), sha256(&src));
+    assert!(got[data.len()..].iter().all(|b| *b == 0));
+}
+
+#[test]
+fn cp_over_existing_data_writes_zero_blocks_too() {
+    // A non-fresh export must get its zero blocks overwritten (skipping is only safe when fresh).
+    let d = TempDir::new("cp-zero");
+    let img = d.path("export.img");
+    std::fs::write(&img, vec![0xAAu8; 4 << 20]).unwrap();
+    let src = d.path("zeros.img");
+    sparse_file(&src, 4 << 20);
+    let t = Target::start(&[&format!("f=file:{}", img.display())]);
+    let (ok, _, err) = cli(&["cp", src.to_str().unwrap(), &t.url("f")]);
+    assert!(ok, "{err}");
+    assert_eq!(sha256(&img), sha256(&src));
+}
+
+#[test]
+fn info_shows_geometry_and_lists_exports() {
+    let t = Target::start(&["disk0=mem:1G", "ro0=null:1M,ro"]);
+    let (ok, out, err) = cli(&["info", &t.url("disk0"), "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["size"], 1u64 << 30);
+    assert_eq!(v["logical_block_size"], 512);
+    assert!(v["features"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|f| f == "trim"));
+    let (ok, out, _) = cli(&["info", &t.base, "--json"]);
+    assert!(ok);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let names: Vec<_> = v["exports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].clone())
+        .collect();
+    assert_eq!(names, vec!["disk0", "ro0"]);
+    let (ok, out, _) = cli(&["info", &t.url("ro0")]);
+    assert!(ok && out.contains("read-only"), "{out}");
+}
+
+#[test]
+fn bench_json_reports_iops_and_latency() {
+    let t = Target::start(&["m=mem:64M"]);
+    for rw in ["randread", "randrw", "write"] {
+        let (ok, out, err) = cli(&[
+            "bench",
+            &t.url("m"),
+            "--rw",
+            rw,
+            "--bs",
+            "4k",
+            "--iodepth",
+            "8",
+            "--jobs",
+            "2",
+            "--runtime",
+            "0.5",
+            "--json",
+        ]);
+        assert!(ok, "{rw}: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert!(v["iops"].as_f64().unwrap() > 0.0, "{out}");
+        assert!(v["bandwidth_bytes"].as_f64().unwrap() > 0.0);
+        let lat = &v["latency_us"];
+        for k in ["mean", "p50", "p99", "p999"] {
+            assert!(lat[k].as_f64().unwrap() > 0.0, "{k}: {out}");
+        }
+        assert!(lat["p50"].as_f64() <= lat["p999"].as_f64());
+        assert_eq!(v["errors"], 0);
+        assert_eq!(v["queues"].as_array().unwrap().len(), 2);
+    }
+}
+
+#[test]
+fn bad_input_gets_one_line_errors() {
+    let d = TempDir::new("bad");
+    let small = d.path("big.img");
+    std::fs::write(&small, vec![1u8; 2 << 20]).unwrap();
+    let t = Target::start(&["m=mem:1M", "r=mem:1M,ro"]);
+    let big = small.to_str().unwrap();
+    assert_one_line_error(&["info", &t.url("nope")], "no such export");
+    assert_one_line_error(&["info", "tcp://127.0.0.1:1/x"], "cannot connect");
+    assert_one_line_error(&["info", "http://x/y"], "bad URL");
+    assert_one_line_error(&["bench", "tcp://127.0.0.1:1/x", "--bs", "4q"], "bad size");
+    assert_one_line_error(&["cp", "/nonexistent/file", &t.url("m")], "No such file");
+    assert_one_line_error(&["cp", big, &t.url("m")], "smaller than");
+    assert_one_line_error(&["cp", big, &t.url("r")], "read-only");
+    assert_one_line_error(&["cp", big, "/tmp/x"], "neither side is a URL");
+    assert_one_line_error(
+        &["bench", &t.url("r"), "--rw", "randwrite", "--runtime", "1"],
+        "read-only",
+    );
+    assert_one_line_error(
+        &[
+            "serve",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--export",
+            "x=mem:1Q",
+        ],
+        "bad size",
+    );
+    assert_one_line_error(
+        &[
+            "serve",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--export",
+            "x=file:/nonexistent/d.img",
+        ],
+        "no such file",
+    );
+    assert_one_line_error(
+        &["serve", "--listen", "bogus", "--export", "x=mem:1M"],
+        "bad listen address",
+    );
+}
+
+#[test]
+fn serve_stops_cleanly_on_sigterm() {
+    let mut t = Target::start(&["m=mem:1M"]);
+    let (ok, _, _) = cli(&["info", &t.url("m")]);
+    assert!(ok);
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(t.pid(), libc::SIGTERM) }, 0);
+    let status = t.child.wait().unwrap();
+    assert!(status.success(), "exit status after SIGTERM: {status:?}");
+}
+
+#[test]
+fn version_and_help_work() {
+    let out = Command::new(BIN).arg("--version").output().unwrap();
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).starts_with("blkwire "));
+    let out = Command::new(BIN)
+        .args(["bench", "--help"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("--iodepth"));
+}

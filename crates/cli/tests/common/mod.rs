@@ -1,0 +1,151 @@
+//! Test harness: runs the real `blkwire serve` on loopback and waits for its readiness line.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_blkwire");
+
+pub struct Target {
+    pub child: Child,
+    /// `tcp://127.0.0.1:PORT`
+    pub base: String,
+}
+
+impl Target {
+    /// Starts a target with these `--export` specs on a free port and waits until it listens.
+    pub fn start(exports: &[&str]) -> Target {
+        Self::start_with(exports, &[])
+    }
+
+    pub fn start_with(exports: &[&str], extra: &[&str]) -> Target {
+        let mut cmd = Command::new(BIN);
+        cmd.args([
+            "serve",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--log-level",
+            "warn",
+        ]);
+        for e in exports {
+            cmd.args(["--export", e]);
+        }
+        cmd.args(extra);
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn blkwire serve");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(u) = line.strip_prefix("listening ") {
+                    let _ = tx.send(u.to_string());
+                }
+            }
+        });
+        let base = match rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(u) => u,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("target did not report a listening address");
+            }
+        };
+        Target { child, base }
+    }
+
+    pub fn url(&self, export: &str) -> String {
+        format!("{}/{export}", self.base)
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A scratch directory removed on drop (also when a test fails).
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        let p = std::env::temp_dir().join(format!(
+            "blkwire-{tag}-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("mkdir");
+        TempDir(p)
+    }
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Deterministic pseudo-random bytes.
+pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 56) as u8
+        })
+        .collect()
+}
+
+pub fn sparse_file(path: &std::path::Path, size: u64) {
+    std::fs::File::create(path)
+        .and_then(|f| f.set_len(size))
+        .expect("create file");
+}
+
+/// Runs the CLI; returns (exit success, stdout, stderr).
+pub fn cli(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run blkwire");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Asserts a CLI call failed with exactly one line on stderr that mentions `needle`.
+pub fn assert_one_line_error(args: &[&str], needle: &str) {
+    let (ok, _, err) = cli(args);
+    assert!(!ok, "{args:?} should fail");
+    let lines: Vec<_> = err.lines().collect();
+    assert_eq!(
+        lines.len(),
+        1,
+        "{args:?}: expected one error line, got: {err}"
+    );
+    assert!(lines[0].starts_with("blkwire: error:"), "{args:?}: {err}");
+    assert!(
+        lines[0].contains(needle),
+        "{args:?}: '{needle}' not in: {err}"
+    );
+}

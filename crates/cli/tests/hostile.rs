@@ -1,0 +1,227 @@
+//! Hostile peers: garbage, lies about lengths, half frames, clients that never read. The target
+//! must survive all of it without unbounded memory, and other sessions must keep working.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use blkwire_client::{connect, ConnectOptions, Url};
+use blkwire_wire::{Header, Hello, HelloReply, Opcode, Status, Tag, HEADER_LEN};
+use common::Target;
+
+fn raw(t: &Target) -> TcpStream {
+    let addr = t.base.trim_start_matches("tcp://");
+    let s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s
+}
+
+fn hello(s: &mut TcpStream, export: &str) -> (Header, Vec<u8>) {
+    let p = Hello {
+        queues: 2,
+        depth: 4,
+        max_io: 65536,
+        client_features: 0,
+        host_id: "hostile".into(),
+        export: export.into(),
+        auth: vec![],
+    }
+    .encode()
+    .unwrap();
+    let mut h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
+    h.payload_len = p.len() as u32;
+    s.write_all(&h.to_bytes()).unwrap();
+    s.write_all(&p).unwrap();
+    read_frame(s).expect("hello reply")
+}
+
+fn read_frame(s: &mut TcpStream) -> Option<(Header, Vec<u8>)> {
+    let mut hb = [0u8; HEADER_LEN];
+    s.read_exact(&mut hb).ok()?;
+    let h = Header::decode(&hb, 64 << 20).ok()?;
+    let mut p = vec![0u8; h.payload_len as usize];
+    s.read_exact(&mut p).ok()?;
+    Some((h, p))
+}
+
+/// The connection is closed by the target (EOF or reset), not left hanging.
+fn assert_closed(s: &mut TcpStream) {
+    let mut b = [0u8; 4096];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => continue, // replies sent before the violation
+        }
+    }
+}
+
+fn still_serves(t: &Target) {
+    let mut s = connect(
+        &Url::parse(&t.url("m")).unwrap(),
+        &ConnectOptions::default(),
+    )
+    .expect("target still up");
+    let mut b = vec![0u8; 4096];
+    s.queues[0].write_at(&[9u8; 4096], 0, false).unwrap();
+    s.queues[0].read_at(&mut b, 0).unwrap();
+    assert!(b.iter().all(|x| *x == 9));
+}
+
+#[test]
+fn garbage_and_lies_close_only_the_offending_connection() {
+    let t = Target::start(&["m=mem:16M"]);
+    // Pure garbage before the handshake.
+    let mut s = raw(&t);
+    s.write_all(&[0xffu8; 200]).unwrap();
+    assert_closed(&mut s);
+    // A HELLO that claims a 4 GiB payload: refused from the header alone, nothing allocated.
+    let mut s = raw(&t);
+    let mut h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
+    h.payload_len = u32::MAX;
+    s.write_all(&h.to_bytes()).unwrap();
+    assert_closed(&mut s);
+    // After a good handshake: a WRITE frame announcing more payload than max I/O.
+    let mut s = raw(&t);
+    let (r, _) = hello(&mut s, "m");
+    assert_eq!(r.status, Status::Ok);
+    let mut w = Header::request(Opcode::Write, Tag::new(0, 1), 0, 1 << 30);
+    w.payload_len = 1 << 30;
+    s.write_all(&w.to_bytes()).unwrap();
+    assert_closed(&mut s);
+    // Half a frame, then disconnect.
+    let mut s = raw(&t);
+    hello(&mut s, "m");
+    let w = Header::request(Opcode::Write, Tag::new(0, 1), 0, 4096);
+    s.write_all(&w.to_bytes()[..20]).unwrap();
+    drop(s);
+    // A request before HELLO.
+    let mut s = raw(&t);
+    s.write_all(&Header::request(Opcode::Read, Tag::new(0, 1), 0, 4096).to_bytes())
+        .unwrap();
+    let (r, _) = read_frame(&mut s).expect("refusal");
+    assert_eq!(r.status, Status::Invalid);
+    still_serves(&t);
+}
+
+#[test]
+fn malformed_io_requests_are_answered_not_executed() {
+    let t = Target::start(&["m=mem:1M"]);
+    let mut s = raw(&t);
+    hello(&mut s, "m");
+    let cases = [
+        (
+            Header::request(Opcode::Read, Tag::new(0, 1), 0, 0),
+            Status::Invalid,
+        ), // zero length
+        (
+            Header::request(Opcode::Read, Tag::new(99, 1), 0, 512),
+            Status::Invalid,
+        ), // slot >= depth
+        (
+            Header::request(Opcode::Read, Tag::new(0, 2), 1 << 20, 512),
+            Status::OutOfRange,
+        ),
+        (
+            Header::request(Opcode::Read, Tag::new(0, 3), u64::MAX - 100, 512),
+            Status::OutOfRange,
+        ),
+        (
+            Header::request(Opcode::Copy, Tag::new(0, 4), 0, 512),
+            Status::Unsupported,
+        ),
+        (
+            Header::request(Opcode::Hello, Tag::new(0, 5), 0, 0),
+            Status::Invalid,
+        ),
+        (
+            Header::request(Opcode::Keepalive, Tag::new(0, 6), 0, 0),
+            Status::Ok,
+        ),
+    ];
+    for (h, want) in cases {
+        s.write_all(&h.to_bytes()).unwrap();
+        let (r, p) = read_frame(&mut s).expect("reply");
+        assert_eq!((r.opcode, r.status, r.tag), (h.opcode, want, h.tag));
+        assert!(p.is_empty());
+    }
+    // A WRITE whose payload length disagrees with its I/O length.
+    let mut w = Header::request(Opcode::Write, Tag::new(1, 1), 0, 4096);
+    w.payload_len = 512;
+    s.write_all(&w.to_bytes()).unwrap();
+    s.write_all(&[7u8; 512]).unwrap();
+    let (r, _) = read_frame(&mut s).unwrap();
+    assert_eq!(r.status, Status::Invalid);
+    // Nothing of it landed.
+    let mut rd = Header::request(Opcode::Read, Tag::new(2, 1), 0, 512);
+    rd.queue = 0;
+    s.write_all(&rd.to_bytes()).unwrap();
+    let (r, p) = read_frame(&mut s).unwrap();
+    assert_eq!(r.status, Status::Ok);
+    assert!(p.iter().all(|b| *b == 0));
+}
+
+#[test]
+fn join_needs_the_session_cookie() {
+    let t = Target::start(&["m=mem:1M"]);
+    let mut s0 = raw(&t);
+    let (_, p) = hello(&mut s0, "m");
+    let reply = HelloReply::decode(&p).unwrap();
+    let join = |queue: u16, cookie: u64| {
+        let mut s = raw(&t);
+        let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
+        h.session = reply.session;
+        h.queue = queue;
+        h.payload_len = 8;
+        s.write_all(&h.to_bytes()).unwrap();
+        s.write_all(&cookie.to_le_bytes()).unwrap();
+        read_frame(&mut s).unwrap().0.status
+    };
+    assert_eq!(join(1, reply.cookie ^ 1), Status::Access);
+    assert_eq!(join(5, reply.cookie), Status::Invalid);
+    assert_eq!(join(1, reply.cookie), Status::Ok);
+    assert_eq!(join(1, reply.cookie), Status::Busy);
+}
+
+fn rss_kib(pid: i32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+fn a_client_that_never_reads_cannot_grow_the_target() {
+    let t = Target::start(&["m=mem:64M"]);
+    let before = rss_kib(t.pid());
+    let mut s = raw(&t);
+    hello(&mut s, "m");
+    s.set_nonblocking(true).unwrap();
+    // 4 slots, reused without waiting: a protocol violation once a slot is busy, or, for inline
+    // backends, up to 2 GiB of replies nobody reads. Either way the target must stay small.
+    let mut sent = 0u64;
+    let mut blocked = false;
+    for i in 0..(1u32 << 20) {
+        let h = Header::request(Opcode::Read, Tag::new((i % 4) as u16, i as u16), 0, 65536);
+        match s.write(&h.to_bytes()) {
+            Ok(n) if n == HEADER_LEN => sent += 1,
+            _ => {
+                // The socket is full: the target has stopped reading, so whatever it buffers
+                // for this client is already allocated.
+                blocked = true;
+                break;
+            }
+        }
+    }
+    let after = rss_kib(t.pid());
+    assert!(
+        blocked,
+        "target kept reading {sent} requests whose replies nobody reads"
+    );
+    assert!(
+        after < before + 64 * 1024,
+        "target RSS grew from {before} KiB to {after} KiB after {sent} unread 64 KiB reads"
+    );
+    drop(s);
+    still_serves(&t);
+}

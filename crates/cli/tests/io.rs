@@ -1,0 +1,313 @@
+//! Data-path tests against a real target on loopback, through the client library.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use blkwire_client::{connect, Cmd, ConnectOptions, Error, Session, Url};
+use blkwire_wire::{Features, Status};
+use common::{random_bytes, sparse_file, Target, TempDir};
+
+fn session(url: &str, queues: u16, max_io: u32) -> Session {
+    let opts = ConnectOptions {
+        queues,
+        depth: 16,
+        max_io,
+        ..Default::default()
+    };
+    connect(&Url::parse(url).unwrap(), &opts).expect("connect")
+}
+
+/// Random data at many sizes (512 B .. 3.5 MiB, above max I/O so it is split) and offsets,
+/// written and read back on every queue.
+fn round_trips(url: &str, queues: u16) {
+    let mut s = session(url, queues, 256 << 10);
+    assert_eq!(
+        s.queues.len(),
+        queues as usize,
+        "target grants the queues asked for"
+    );
+    let sizes = [
+        512usize,
+        4096,
+        65536 + 512,
+        256 << 10,
+        (3 << 20) + (512 << 10),
+    ];
+    let mut offset = 0u64;
+    for (qi, q) in s.queues.iter_mut().enumerate() {
+        for (i, &len) in sizes.iter().enumerate() {
+            let data = random_bytes(len, (qi * 100 + i) as u64);
+            q.write_at(&data, offset, false).unwrap();
+            let mut back = vec![0u8; len];
+            q.read_at(&mut back, offset).unwrap();
+            assert!(back == data, "queue {qi} size {len}: data differs");
+            offset += len as u64 + 512;
+        }
+    }
+    // Data written on one queue is visible on every other (PROTOCOL.md §10).
+    let data = random_bytes(8192, 999);
+    s.queues[0].write_at(&data, 0, true).unwrap();
+    let last = s.queues.len() - 1;
+    let mut back = vec![0u8; 8192];
+    s.queues[last].read_at(&mut back, 0).unwrap();
+    assert!(back == data, "cross-queue visibility");
+}
+
+#[test]
+fn mem_round_trip_one_to_four_queues() {
+    let t = Target::start(&["m=mem:64M"]);
+    for q in [1, 2, 4] {
+        round_trips(&t.url("m"), q);
+    }
+}
+
+#[test]
+fn file_round_trip_and_persistence() {
+    let d = TempDir::new("file-rt");
+    let img = d.path("disk.img");
+    sparse_file(&img, 64 << 20);
+    {
+        let t = Target::start(&[&format!("f=file:{}", img.display())]);
+        round_trips(&t.url("f"), 3);
+        let mut s = session(&t.url("f"), 1, 1 << 20);
+        s.queues[0].flush().unwrap();
+    }
+    // Whatever the target wrote is in the file itself.
+    let bytes = std::fs::read(&img).unwrap();
+    assert_eq!(&bytes[..8192], &random_bytes(8192, 999)[..]);
+}
+
+/// TRIM reads back as zeros on mem, WRITE_ZEROES as zeros everywhere, FLUSH succeeds.
+fn zero_semantics(url: &str, trim_zeroes: bool) {
+    let mut s = session(url, 1, 1 << 20);
+    let q = &mut s.queues[0];
+    let data = random_bytes(1 << 20, 7);
+    q.write_at(&data, 0, false).unwrap();
+    q.flush().unwrap();
+    q.write_zeroes(4096 + 100, 65536, false).unwrap();
+    q.write_zeroes(200_000, 4096, true).unwrap();
+    q.trim(512 << 10, 128 << 10).unwrap();
+    let mut back = vec![0u8; 1 << 20];
+    q.read_at(&mut back, 0).unwrap();
+    let zeroed = |r: std::ops::Range<usize>| back[r].iter().all(|b| *b == 0);
+    assert!(zeroed(4196..4196 + 65536), "write-zeroes range reads zero");
+    assert!(
+        zeroed(200_000..204_096),
+        "write-zeroes NO_HOLE range reads zero"
+    );
+    assert_eq!(
+        &back[..4196],
+        &data[..4196],
+        "bytes before the zeroed range kept"
+    );
+    assert_eq!(
+        &back[4196 + 65536..200_000],
+        &data[4196 + 65536..200_000],
+        "bytes after kept"
+    );
+    if trim_zeroes {
+        assert!(zeroed((512 << 10)..(640 << 10)), "trimmed range reads zero");
+    }
+    assert_eq!(
+        &back[640 << 10..],
+        &data[640 << 10..],
+        "bytes after the trim kept"
+    );
+    q.flush().unwrap();
+}
+
+#[test]
+fn flush_trim_write_zeroes_on_mem_and_file() {
+    let d = TempDir::new("zero");
+    let img = d.path("disk.img");
+    sparse_file(&img, 4 << 20);
+    let t = Target::start(&["m=mem:4M", &format!("f=file:{}", img.display())]);
+    zero_semantics(&t.url("m"), true);
+    // On a file with hole punching (any Linux filesystem used for tests) TRIM reads zero too.
+    zero_semantics(&t.url("f"), true);
+}
+
+#[test]
+fn features_reflect_backends() {
+    let d = TempDir::new("feat");
+    let img = d.path("disk.img");
+    sparse_file(&img, 1 << 20);
+    let t = Target::start(&[
+        "m=mem:1M",
+        "r=mem:1M,ro",
+        &format!("f=file:{}", img.display()),
+    ]);
+    let m = session(&t.url("m"), 1, 4096).info.features;
+    assert!(m.has(Features::TRIM) && m.has(Features::WRITE_ZEROES) && m.has(Features::INIT_ZERO));
+    assert!(
+        !m.has(Features::FLUSH) && !m.has(Features::READ_ONLY),
+        "mem is volatile"
+    );
+    let r = session(&t.url("r"), 1, 4096).info.features;
+    assert!(r.has(Features::READ_ONLY) && !r.has(Features::TRIM));
+    let f = session(&t.url("f"), 1, 4096).info.features;
+    assert!(f.has(Features::FLUSH) && f.has(Features::FUA) && f.has(Features::INIT_ZERO));
+}
+
+#[test]
+fn out_of_range_and_invalid_requests_get_the_right_status() {
+    let t = Target::start(&["m=mem:1M"]);
+    let mut s = session(&t.url("m"), 1, 1 << 20);
+    let q = &mut s.queues[0];
+    let status = |r: Result<(), Error>| match r {
+        Err(Error::Status { status, .. }) => status,
+        other => panic!("expected a status error, got {other:?}"),
+    };
+    let mut buf = vec![0u8; 4096];
+    assert_eq!(
+        status(q.read_at(&mut buf, (1 << 20) - 512)),
+        Status::OutOfRange
+    );
+    assert_eq!(status(q.write_at(&buf, 1 << 20, false)), Status::OutOfRange);
+    assert_eq!(status(q.trim(u64::MAX - 10, 100)), Status::OutOfRange);
+    assert_eq!(
+        status(q.write_zeroes(1 << 20, 1, false)),
+        Status::OutOfRange
+    );
+    // The last bytes are reachable; the queue still works after errors.
+    q.read_at(&mut buf, (1 << 20) - 4096).unwrap();
+    q.keepalive().unwrap();
+}
+
+#[test]
+fn read_only_export_refuses_writes() {
+    let t = Target::start(&["r=mem:1M,ro"]);
+    let mut s = session(&t.url("r"), 1, 1 << 20);
+    let q = &mut s.queues[0];
+    for r in [
+        q.write_at(&[1u8; 512], 0, false),
+        q.trim(0, 512),
+        q.write_zeroes(0, 512, false),
+    ] {
+        assert!(
+            matches!(
+                r,
+                Err(Error::Status {
+                    status: Status::ReadOnly,
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+    }
+    let mut buf = vec![1u8; 512];
+    q.read_at(&mut buf, 0).unwrap();
+    assert!(buf.iter().all(|b| *b == 0));
+}
+
+#[test]
+fn unknown_export_is_refused_with_the_available_names() {
+    let t = Target::start(&["disk0=mem:1M", "disk1=mem:1M"]);
+    let e = connect(
+        &Url::parse(&t.url("nope")).unwrap(),
+        &ConnectOptions::default(),
+    )
+    .err()
+    .expect("refused");
+    let msg = e.to_string();
+    assert!(
+        matches!(
+            e,
+            Error::Status {
+                status: Status::NoExport,
+                ..
+            }
+        ),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("nope") && msg.contains("disk0, disk1"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn pipelined_completions_carry_their_own_data() {
+    let t = Target::start(&["m=mem:16M"]);
+    let mut s = session(&t.url("m"), 1, 1 << 20);
+    let q = &mut s.queues[0];
+    // Give each 4k block a distinct first byte, then read them all with 16 in flight.
+    for b in 0..64u64 {
+        q.write_at(&[b as u8 + 1; 4096], b * 4096, false).unwrap();
+    }
+    let mut seen = 0;
+    let mut next = 0u64;
+    while seen < 64 {
+        while next < 64 && q.in_flight() < q.depth() {
+            q.submit(
+                Cmd::Read {
+                    offset: next * 4096,
+                    len: 4096,
+                },
+                next,
+            )
+            .unwrap();
+            next += 1;
+        }
+        seen += q
+            .complete(1, |c| {
+                assert_eq!(c.status, Status::Ok);
+                assert!(
+                    c.data.iter().all(|x| *x as u64 == c.user + 1),
+                    "block {}",
+                    c.user
+                );
+            })
+            .unwrap();
+    }
+    assert_eq!(q.stats().late_replies, 0);
+}
+
+#[test]
+fn client_gets_a_clean_error_when_the_target_dies() {
+    let mut t = Target::start(&["m=mem:64M"]);
+    let mut s = session(&t.url("m"), 2, 1 << 20);
+    let q = &mut s.queues[0];
+    q.keepalive().unwrap();
+    t.child.kill().unwrap();
+    t.child.wait().unwrap();
+    let start = Instant::now();
+    // The first calls may still be buffered by the kernel; within a few calls the loss shows.
+    let mut err = None;
+    for _ in 0..100 {
+        let data = vec![5u8; 1 << 20];
+        if let Err(e) = q.write_at(&data, 0, false) {
+            err = Some(e);
+            break;
+        }
+    }
+    let e = err.expect("writes to a dead target must fail");
+    assert!(matches!(e, Error::Closed | Error::Io(_)), "{e}");
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "failure must not wait for the I/O timeout"
+    );
+}
+
+#[test]
+fn many_sessions_share_a_target() {
+    let t = Target::start_with(&["m=mem:32M"], &["--threads", "2"]);
+    let handles: Vec<_> = (0..6)
+        .map(|i| {
+            let url = t.url("m");
+            std::thread::spawn(move || {
+                let mut s = session(&url, 2, 64 << 10);
+                let data = random_bytes(300_000, i);
+                let off = i * (1 << 20);
+                s.queues[1].write_at(&data, off, false).unwrap();
+                let mut back = vec![0u8; data.len()];
+                s.queues[0].read_at(&mut back, off).unwrap();
+                assert!(back == data, "session {i}");
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}

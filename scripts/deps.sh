@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs what blkwire's build, tests and benchmarks need and is missing. Idempotent and quiet
+# when everything is present; needs root (or sudo) only when something must be installed.
+set -euo pipefail
+
+need=()
+command -v cargo >/dev/null || { echo "deps: cargo not found; install Rust (https://rustup.rs) and retry" >&2; exit 1; }
+rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt >/dev/null 2>&1 || true
+command -v sha256sum >/dev/null || need+=(coreutils)
+command -v python3 >/dev/null || need+=(python3)
+# Peers for the benchmarks (bench/): installed up front so `make bench` works offline later.
+command -v fio >/dev/null || need+=(fio)
+command -v nbdkit >/dev/null || need+=(nbdkit)
+command -v nbdinfo >/dev/null || need+=(libnbd-bin)
+
+if [ ${#need[@]} -gt 0 ]; then
+    echo "deps: installing ${need[*]}"
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO=sudo
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
