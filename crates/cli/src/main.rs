@@ -6,6 +6,7 @@ mod cp;
 mod hist;
 mod info;
 mod serve;
+mod stats;
 
 use std::process::ExitCode;
 
@@ -36,6 +37,8 @@ enum Command {
     Bench(bench::Args),
     /// Copy between local files/devices and exports (either side may be a URL)
     Cp(cp::Args),
+    /// Show a target's live per-queue counters
+    Stats(stats::Args),
 }
 
 fn main() -> ExitCode {
@@ -56,6 +59,7 @@ fn main() -> ExitCode {
         Command::Info(a) => info::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Cp(a) => cp::run(a),
+        Command::Stats(a) => stats::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -187,3 +187,41 @@ fn version_and_help_work() {
         .unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains("--iodepth"));
 }
+
+#[test]
+fn stats_shows_live_queue_counters() {
+    let t = Target::start(&["m=mem:16M"]);
+    let opts = blkwire_client::ConnectOptions {
+        queues: 2,
+        ..Default::default()
+    };
+    let mut s =
+        blkwire_client::connect(&blkwire_client::Url::parse(&t.url("m")).unwrap(), &opts).unwrap();
+    s.queues[1].write_at(&[1u8; 8192], 0, false).unwrap();
+    let mut b = [0u8; 4096];
+    for _ in 0..3 {
+        s.queues[0].read_at(&mut b, 0).unwrap();
+    }
+    let (ok, out, err) = cli(&["stats", &t.base, "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let sess = &v["sessions"][0];
+    assert_eq!(sess["export"], "m");
+    let qs = sess["queues"].as_array().unwrap();
+    assert_eq!(qs.len(), 2, "{out}");
+    assert_eq!(
+        (
+            qs[0]["queue"].as_u64(),
+            qs[0]["reads"].as_u64(),
+            qs[0]["bytes_read"].as_u64()
+        ),
+        (Some(0), Some(3), Some(3 * 4096))
+    );
+    assert_eq!(
+        (qs[1]["writes"].as_u64(), qs[1]["bytes_written"].as_u64()),
+        (Some(1), Some(8192))
+    );
+    assert_eq!(qs[0]["protocol_errors"], 0);
+    let (ok, out, _) = cli(&["stats", &t.base]);
+    assert!(ok && out.lines().count() == 4, "{out}");
+}

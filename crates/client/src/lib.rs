@@ -204,6 +204,24 @@ pub fn list(url: &Url, timeout: Duration) -> Result<Vec<ExportEntry>> {
     ExportEntry::decode_list(&p).map_err(|e| Error::Protocol(e.to_string()))
 }
 
+/// Fetches the target's live per-queue counters as the JSON document of PROTOCOL.md §11.
+pub fn stats(url: &Url, timeout: Duration) -> Result<String> {
+    let mut s = dial(url, timeout)?;
+    let (r, p) = exchange(
+        &mut s,
+        &Header::request(Opcode::Stats, Tag::new(0, 0), 0, 0),
+        &[],
+        1 << 20,
+    )?;
+    if r.status != Status::Ok {
+        return Err(Error::Status {
+            what: "stats".into(),
+            status: r.status,
+        });
+    }
+    String::from_utf8(p).map_err(|_| Error::Protocol("stats reply is not UTF-8".into()))
+}
+
 /// Opens a session on `url`'s export with as many queues as the target grants.
 pub fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     let mut s0 = dial(url, opts.timeout)?;

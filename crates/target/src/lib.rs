@@ -19,6 +19,7 @@ use blkwire_backend::{Export, ExportSpec};
 use blkwire_wire::{ExportEntry, Header, Hello, Opcode, Status, Tag, HEADER_LEN};
 
 use crate::log::Level;
+pub use reactor::QueueReport;
 use reactor::{Msg, NewQueue, Reactor};
 pub use session::{Limits, Registry};
 pub use stats::QueueStats;
@@ -145,7 +146,7 @@ impl Target {
             let (registry2, poll) = (registry.clone(), cfg.poll);
             let handle = std::thread::Builder::new()
                 .name(format!("blkwire-q{i}"))
-                .spawn(move || match Reactor::new(rx, wake2, registry2, poll) {
+                .spawn(move || match Reactor::new(i, rx, wake2, registry2, poll) {
                     Ok(r) => {
                         let _ = ready_tx.send(Ok(()));
                         r.run()
@@ -303,6 +304,11 @@ fn handshake(
             let _ = send_frame(&mut s, &h.reply(Status::Ok, list.len() as u32), &list);
             return;
         }
+        Opcode::Stats => {
+            let json = stats_json(registry, workers);
+            let _ = send_frame(&mut s, &h.reply(Status::Ok, json.len() as u32), &json);
+            return;
+        }
         Opcode::Hello => {
             let hello = match Hello::decode(&payload) {
                 Ok(x) => x,
@@ -359,6 +365,37 @@ fn handshake(
     } else {
         registry.leave(admitted.session, admitted.queue, &QueueStats::default());
     }
+}
+
+/// Asks every reactor for its queues' counters (by message: they own them) and joins the
+/// answers with the session registry's view (PROTOCOL.md §11).
+fn stats_json(registry: &Registry, workers: &[(Sender<Msg>, i32)]) -> Vec<u8> {
+    let (tx, rx) = mpsc::channel();
+    let mut asked = 0;
+    for (w, wake) in workers {
+        if w.send(Msg::Stats(tx.clone())).is_ok() {
+            eventfd_write(*wake);
+            asked += 1;
+        }
+    }
+    let mut queues: Vec<QueueReport> = Vec::new();
+    for _ in 0..asked {
+        match rx.recv_timeout(Duration::from_secs(2)) {
+            Ok(mut r) => queues.append(&mut r),
+            Err(_) => break,
+        }
+    }
+    queues.sort_by_key(|q| (q.session, q.queue));
+    let mut v = registry.describe_sessions();
+    for s in v.iter_mut() {
+        let id = s["session"].as_u64().unwrap_or(0) as u32;
+        let qs: Vec<_> = queues.iter().filter(|q| q.session == id).collect();
+        s["queues"] = serde_json::to_value(qs).unwrap_or_default();
+    }
+    let doc = serde_json::json!({ "sessions": v, "closed": registry.closed_totals() });
+    let mut out = serde_json::to_vec(&doc).unwrap_or_default();
+    out.truncate(1 << 20);
+    out
 }
 
 /// Builds a request frame; used by tests and tools that speak the protocol by hand.

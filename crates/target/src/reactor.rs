@@ -39,7 +39,21 @@ pub struct NewQueue {
 
 pub enum Msg {
     Queue(NewQueue),
+    /// Report every live queue's counters on the sender (the reactor owns them; no sharing).
+    Stats(std::sync::mpsc::Sender<Vec<QueueReport>>),
     Shutdown,
+}
+
+/// One live queue's counters, as a reactor reports them.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct QueueReport {
+    #[serde(skip)]
+    pub session: u32,
+    pub queue: u16,
+    pub thread: usize,
+    pub in_flight: u32,
+    #[serde(flatten)]
+    pub stats: QueueStats,
 }
 
 // user_data layout: kind (4 bits) | incarnation (20 bits) | connection index (24 bits) | slot (16 bits)
@@ -167,6 +181,7 @@ impl Conn {
 }
 
 pub struct Reactor {
+    id: usize,
     ring: IoUring,
     conns: Vec<Option<Conn>>,
     free: Vec<usize>,
@@ -186,6 +201,7 @@ pub struct Reactor {
 
 impl Reactor {
     pub fn new(
+        id: usize,
         inbox: Receiver<Msg>,
         wake_fd: OwnedFd,
         registry: Arc<Registry>,
@@ -193,6 +209,7 @@ impl Reactor {
     ) -> std::io::Result<Reactor> {
         let ring = IoUring::builder().build(1024)?;
         Ok(Reactor {
+            id,
             ring,
             conns: Vec::new(),
             free: Vec::new(),
@@ -253,6 +270,21 @@ impl Reactor {
         while let Ok(m) = self.inbox.try_recv() {
             match m {
                 Msg::Queue(q) => self.add(q),
+                Msg::Stats(reply) => {
+                    let r = self
+                        .conns
+                        .iter()
+                        .flatten()
+                        .map(|c| QueueReport {
+                            session: c.session,
+                            queue: c.queue,
+                            thread: self.id,
+                            in_flight: c.inflight,
+                            stats: c.stats,
+                        })
+                        .collect();
+                    let _ = reply.send(r);
+                }
                 Msg::Shutdown => {
                     self.shutting_down = true;
                     self.shutdown_deadline = Some(Instant::now() + Duration::from_secs(10));

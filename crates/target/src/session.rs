@@ -57,8 +57,10 @@ pub struct Registry {
 
 struct Inner {
     sessions: HashMap<u32, Session>,
+    /// Counters of every queue that has closed since start.
+    closed: QueueStats,
     next_id: u32,
-    closed: bool,
+    shut: bool,
 }
 
 impl Registry {
@@ -68,8 +70,9 @@ impl Registry {
             limits,
             inner: Mutex::new(Inner {
                 sessions: HashMap::new(),
+                closed: QueueStats::default(),
                 next_id: 1,
-                closed: false,
+                shut: false,
             }),
         }
     }
@@ -112,7 +115,7 @@ impl Registry {
 
     /// Stops admitting sessions (shutdown).
     pub fn close(&self) {
-        self.lock().closed = true;
+        self.lock().shut = true;
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -136,7 +139,7 @@ impl Registry {
         let max_io = (h.max_io.min(self.limits.max_io) / logical * logical).max(logical);
         let cookie = random_u64();
         let mut inner = self.lock();
-        if inner.closed {
+        if inner.shut {
             return Err(Status::Shutdown);
         }
         let id = inner.next_id;
@@ -189,7 +192,7 @@ impl Registry {
 
     pub fn join(&self, session: u32, queue: u16, cookie: u64) -> Result<Admitted, Status> {
         let mut inner = self.lock();
-        if inner.closed {
+        if inner.shut {
             return Err(Status::Shutdown);
         }
         let s = inner.sessions.get_mut(&session).ok_or(Status::Access)?;
@@ -214,6 +217,7 @@ impl Registry {
     /// A queue closed; the session ends with its last queue.
     pub fn leave(&self, session: u32, _queue: u16, stats: &QueueStats) {
         let mut inner = self.lock();
+        inner.closed.add(stats);
         let Some(s) = inner.sessions.get_mut(&session) else {
             return;
         };
@@ -236,6 +240,24 @@ impl Registry {
                 st.protocol_errors
             );
         }
+    }
+
+    /// One JSON object per live session (without its queues).
+    pub fn describe_sessions(&self) -> Vec<serde_json::Value> {
+        let inner = self.lock();
+        let mut v: Vec<_> = inner
+            .sessions
+            .iter()
+            .map(|(id, s)| {
+                serde_json::json!({"session": id, "export": s.export.name, "host": s.host, "peer": s.peer})
+            })
+            .collect();
+        v.sort_by_key(|s| s["session"].as_u64());
+        v
+    }
+
+    pub fn closed_totals(&self) -> QueueStats {
+        self.lock().closed
     }
 
     pub fn live_sessions(&self) -> usize {

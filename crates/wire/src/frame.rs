@@ -24,6 +24,7 @@ pub enum Opcode {
     List = 0x12,
     Keepalive = 0x13,
     Logout = 0x14,
+    Stats = 0x15,
 }
 
 impl Opcode {
@@ -40,6 +41,7 @@ impl Opcode {
             0x12 => Opcode::List,
             0x13 => Opcode::Keepalive,
             0x14 => Opcode::Logout,
+            0x15 => Opcode::Stats,
             _ => return None,
         })
     }
