@@ -73,7 +73,7 @@ pub struct Queue {
     rx_start: usize,
     rx_end: usize,
     timeout: Duration,
-    poll: Duration,
+    spin: blkwire_spin::AdaptiveSpin,
     stats: QueueStats,
 }
 
@@ -98,7 +98,7 @@ impl Queue {
             rx_start: 0,
             rx_end: 0,
             timeout: opts.timeout,
-            poll: opts.poll,
+            spin: blkwire_spin::AdaptiveSpin::new(opts.poll),
             stats: QueueStats::default(),
         })
     }
@@ -224,13 +224,25 @@ impl Queue {
                     "waiting for completions with nothing in flight".into(),
                 ));
             }
-            let spin_until = Instant::now() + self.poll;
-            loop {
-                if self.fill(false)? {
-                    break;
+            let mut spin = std::mem::take(&mut self.spin);
+            let mut failed = None;
+            let got = spin.spin(|| match self.fill(false) {
+                Ok(got) => got,
+                Err(e) => {
+                    failed = Some(e);
+                    true
                 }
-                if Instant::now() >= spin_until {
+            });
+            self.spin = spin;
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            if !got {
+                loop {
                     self.wait_fd(libc::POLLIN, deadline)?;
+                    if self.fill(false)? {
+                        break;
+                    }
                 }
             }
             done += self.deliver(&mut f)?;

@@ -190,7 +190,7 @@ pub struct Reactor {
     wake_fd: OwnedFd,
     wake_buf: Box<u64>,
     registry: Arc<Registry>,
-    poll: Duration,
+    spin: blkwire_spin::AdaptiveSpin,
     shutting_down: bool,
     shutdown_deadline: Option<Instant>,
     /// Connections that may have work without a new completion.
@@ -218,7 +218,7 @@ impl Reactor {
             wake_fd,
             wake_buf: Box::new(0),
             registry,
-            poll,
+            spin: blkwire_spin::AdaptiveSpin::new(poll),
             shutting_down: false,
             shutdown_deadline: None,
             ready: VecDeque::new(),
@@ -365,14 +365,9 @@ impl Reactor {
             return Ok(());
         }
         self.ring.submit()?;
-        if !self.poll.is_zero() {
-            let start = Instant::now();
-            while self.ring.completion().is_empty() && start.elapsed() < self.poll {
-                std::hint::spin_loop();
-            }
-            if !self.ring.completion().is_empty() {
-                return Ok(());
-            }
+        let ring = &mut self.ring;
+        if self.spin.spin(|| !ring.completion().is_empty()) {
+            return Ok(());
         }
         let timeout = if self.shutdown_deadline.is_some() {
             // Wake up to enforce the shutdown deadline even if nothing completes.
