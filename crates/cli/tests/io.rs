@@ -311,3 +311,88 @@ fn many_sessions_share_a_target() {
         h.join().unwrap();
     }
 }
+
+#[test]
+fn direct_io_file_round_trip() {
+    let d = TempDir::new("direct");
+    let img = d.path("disk.img");
+    sparse_file(&img, 16 << 20);
+    let t = Target::start(&[&format!("f=file:{}?direct=1", img.display())]);
+    let mut s = session(&t.url("f"), 2, 1 << 20);
+    assert_eq!(
+        s.info.logical_block, 4096,
+        "O_DIRECT exports advertise 4K logical blocks"
+    );
+    let data = random_bytes(3 << 20, 5);
+    s.queues[0].write_at(&data, 1 << 20, true).unwrap();
+    let mut back = vec![0u8; data.len()];
+    s.queues[1].read_at(&mut back, 1 << 20).unwrap();
+    assert!(back == data);
+    s.queues[0].write_zeroes(1 << 20, 4096, false).unwrap();
+    s.queues[1].read_at(&mut back[..4096], 1 << 20).unwrap();
+    assert!(back[..4096].iter().all(|b| *b == 0));
+}
+
+#[test]
+fn sigterm_under_load_keeps_every_acknowledged_write() {
+    let d = TempDir::new("shutdown");
+    let img = d.path("disk.img");
+    sparse_file(&img, 64 << 20);
+    let mut t = Target::start(&[&format!("f=file:{}", img.display())]);
+    let mut s = session(&t.url("f"), 1, 64 << 10);
+    let q = &mut s.queues[0];
+    let block = 64usize << 10;
+    let nblocks = (64 << 20) / block as u64;
+    let pattern = |i: u64| random_bytes(block, 1000 + i);
+    let patterns: Vec<Vec<u8>> = (0..nblocks).map(pattern).collect();
+    let mut acked = Vec::new();
+    let mut next = 0u64;
+    let mut signalled = false;
+    let outcome = loop {
+        while next < nblocks && q.in_flight() < q.depth() {
+            let cmd = Cmd::Write {
+                offset: next * block as u64,
+                data: &patterns[next as usize],
+                fua: false,
+            };
+            q.submit(cmd, next).unwrap();
+            next += 1;
+        }
+        if q.in_flight() == 0 {
+            break Ok(());
+        }
+        let r = q.complete(1, |c| {
+            assert_eq!(c.status, Status::Ok);
+            acked.push(c.user);
+        });
+        if let Err(e) = r {
+            break Err(e);
+        }
+        if !signalled && acked.len() >= 64 {
+            // SAFETY: signalling our own child.
+            assert_eq!(unsafe { libc::kill(t.pid(), libc::SIGTERM) }, 0);
+            signalled = true;
+        }
+    };
+    assert!(
+        signalled,
+        "the copy finished before the signal; make the export larger"
+    );
+    let status = t.child.wait().unwrap();
+    assert!(
+        status.success(),
+        "target exit after SIGTERM under load: {status:?}"
+    );
+    assert!(
+        matches!(outcome, Ok(()) | Err(Error::Closed)),
+        "client saw {outcome:?}"
+    );
+    let file = std::fs::read(&img).unwrap();
+    for &i in &acked {
+        let at = i as usize * block;
+        assert!(
+            file[at..at + block] == patterns[i as usize][..],
+            "acknowledged block {i} lost"
+        );
+    }
+}

@@ -162,25 +162,26 @@ fn exchange(
 ) -> Result<(Header, Vec<u8>)> {
     let mut buf = h.to_bytes().to_vec();
     buf.extend_from_slice(payload);
-    s.write_all(&buf).map_err(map_io)?;
+    s.write_all(&buf).map_err(|e| map_io(e, s))?;
     let mut hb = [0u8; HEADER_LEN];
-    s.read_exact(&mut hb).map_err(map_io)?;
+    s.read_exact(&mut hb).map_err(|e| map_io(e, s))?;
     let r = Header::decode(&hb, max_reply).map_err(|e| Error::Protocol(e.to_string()))?;
     if !r.is_reply() || r.opcode != h.opcode {
         return Err(Error::Protocol(format!("expected a {:?} reply", h.opcode)));
     }
     let mut p = vec![0u8; r.payload_len as usize];
-    s.read_exact(&mut p).map_err(map_io)?;
+    s.read_exact(&mut p).map_err(|e| map_io(e, s))?;
     Ok((r, p))
 }
 
-fn map_io(e: std::io::Error) -> Error {
+/// Maps a handshake I/O error; a timeout reports the socket's own limit.
+fn map_io(e: std::io::Error, s: &TcpStream) -> Error {
     match e.kind() {
         std::io::ErrorKind::UnexpectedEof
         | std::io::ErrorKind::ConnectionReset
         | std::io::ErrorKind::BrokenPipe => Error::Closed,
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-            Error::Timeout(Duration::from_secs(30))
+            Error::Timeout(s.read_timeout().ok().flatten().unwrap_or_default())
         }
         _ => Error::Io(e),
     }

@@ -259,6 +259,28 @@ impl Target {
     }
 }
 
+/// TCP keepalive, so a peer that vanished without a FIN (power loss, cable pulled) is noticed
+/// within about a minute and its queues are released.
+fn set_keepalive(s: &TcpStream) {
+    let fd = s.as_raw_fd();
+    let set = |level, opt, v: libc::c_int| {
+        // SAFETY: setsockopt with an int option on our socket.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                opt,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+    };
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 30);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 10);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
+}
+
 fn send_frame(s: &mut TcpStream, h: &Header, payload: &[u8]) -> std::io::Result<()> {
     let mut buf = Vec::with_capacity(HEADER_LEN + payload.len());
     buf.extend_from_slice(&h.to_bytes());
@@ -275,6 +297,7 @@ fn handshake(
 ) {
     let peer_s = peer.to_string();
     let _ = s.set_nodelay(true);
+    set_keepalive(&s);
     let _ = s.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
     let _ = s.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
     let mut hb = [0u8; HEADER_LEN];
