@@ -12,6 +12,7 @@ command -v python3 >/dev/null || need+=(python3)
 command -v fio >/dev/null || need+=(fio)
 command -v nbdkit >/dev/null || need+=(nbdkit)
 command -v nbdinfo >/dev/null || need+=(libnbd-bin)
+command -v qemu-img >/dev/null || need+=(qemu-utils)
 
 if [ ${#need[@]} -gt 0 ]; then
     echo "deps: installing ${need[*]}"

@@ -163,6 +163,11 @@ impl Export {
         }
     }
 
+    /// READ and WRITE must start and end on this boundary (O_DIRECT backends); 1 otherwise.
+    pub fn alignment(&self) -> u64 {
+        self.backend.buffer_alignment().max(1) as u64
+    }
+
     /// Opens the per-queue handle, wrapped in the emulation layer.
     pub fn open_queue(&self) -> io::Result<ExportQueue> {
         let caps = self.caps();
@@ -210,6 +215,17 @@ impl ExportQueue {
     /// Runs one op to completion on a private ring (for callers outside the data path).
     pub fn run_blocking(&mut self, op: Op) -> io::Result<u32> {
         crate::run_blocking(self.io.as_mut(), op)
+    }
+}
+
+/// Appends an extent to an allocation map, merging it with the previous one when alike.
+pub fn push_extent(out: &mut Vec<crate::Extent>, len: u64, hole: bool) {
+    if len == 0 {
+        return;
+    }
+    match out.last_mut() {
+        Some(last) if last.hole == hole => last.len += len,
+        _ => out.push(crate::Extent { len, hole }),
     }
 }
 
@@ -397,6 +413,78 @@ mod tests {
         let ro =
             Export::open(&ExportSpec::parse(&format!("f=file:{},ro", path.display())).unwrap());
         assert!(ro.unwrap().read_only);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn allocation_maps_show_holes_where_nothing_was_written() {
+        let m = MemBackend::new(1 << 20).unwrap();
+        let e = Export::new("m", std::sync::Arc::new(m), false);
+        let mut q = e.open_queue().unwrap();
+        let b = vec![1u8; 8192];
+        q.run_blocking(Op::Write {
+            offset: 65536,
+            buf: b.as_ptr(),
+            len: 8192,
+            fua: false,
+        })
+        .unwrap();
+        let mut out = Vec::new();
+        e.backend().allocation(0, 1 << 20, &mut out);
+        let want = [
+            crate::Extent {
+                len: 65536,
+                hole: true,
+            },
+            crate::Extent {
+                len: 8192,
+                hole: false,
+            },
+            crate::Extent {
+                len: (1 << 20) - 65536 - 8192,
+                hole: true,
+            },
+        ];
+        assert_eq!(out, want);
+        let mut part = Vec::new();
+        e.backend().allocation(100, 65536, &mut part);
+        assert_eq!(
+            part,
+            [
+                crate::Extent {
+                    len: 65436,
+                    hole: true
+                },
+                crate::Extent {
+                    len: 100,
+                    hole: false
+                }
+            ]
+        );
+
+        let dir = std::env::temp_dir().join(format!("blkwire-alloc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("a.img");
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let fb = FileBackend::open(&path, false, false).unwrap();
+        let e = Export::new("f", std::sync::Arc::new(fb), false);
+        let mut q = e.open_queue().unwrap();
+        q.run_blocking(Op::Write {
+            offset: 65536,
+            buf: b.as_ptr(),
+            len: 8192,
+            fua: false,
+        })
+        .unwrap();
+        let mut out = Vec::new();
+        e.backend().allocation(0, 1 << 20, &mut out);
+        let data: Vec<_> = out.iter().filter(|x| !x.hole).collect();
+        assert_eq!(out.iter().map(|x| x.len).sum::<u64>(), 1 << 20);
+        assert_eq!(data.len(), 1, "{out:?}");
+        assert!(out[0].hole && out[0].len <= 65536, "{out:?}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -267,6 +267,7 @@ impl Backend for FileBackend {
             trim: self.block_device || self.punch_hole,
             write_zeroes: true,
             rotational: self.rotational,
+            fast_zero: self.block_device || self.punch_hole,
         }
     }
     fn reads_as_zero(&self) -> bool {
@@ -278,6 +279,41 @@ impl Backend for FileBackend {
         let r = unsafe { libc::lseek(self.fd, 0, libc::SEEK_DATA) };
         r < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO)
     }
+    fn allocation(&self, offset: u64, len: u64, out: &mut Vec<crate::Extent>) {
+        if self.block_device {
+            out.push(crate::Extent { len, hole: false });
+            return;
+        }
+        // Walk data and holes with SEEK_DATA/SEEK_HOLE; any surprise reports the rest as data.
+        let end = offset + len;
+        let start_len = out.len();
+        let mut at = offset;
+        while at < end && out.len() - start_len < crate::MAX_EXTENTS {
+            // SAFETY: lseek on our fd.
+            let data = unsafe { libc::lseek(self.fd, at as libc::off_t, libc::SEEK_DATA) };
+            let data = if data < 0 {
+                end
+            } else {
+                (data as u64).min(end)
+            };
+            if data > at {
+                crate::push_extent(out, data - at, true);
+                at = data;
+                continue;
+            }
+            // SAFETY: as above.
+            let hole = unsafe { libc::lseek(self.fd, at as libc::off_t, libc::SEEK_HOLE) };
+            let hole = if hole < 0 {
+                end
+            } else {
+                (hole as u64).min(end)
+            };
+            let next = if hole > at { hole } else { end };
+            crate::push_extent(out, next - at, false);
+            at = next;
+        }
+    }
+
     fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
         Ok(Box::new(FileQueue {
             file: self,

@@ -15,7 +15,7 @@ mod size;
 use std::io;
 use std::sync::Arc;
 
-pub use export::{AlignedBuf, Export, ExportQueue, ExportSpec, Refusal, SpecError};
+pub use export::{push_extent, AlignedBuf, Export, ExportQueue, ExportSpec, Refusal, SpecError};
 pub use file::FileBackend;
 pub use mem::MemBackend;
 pub use null::NullBackend;
@@ -34,7 +34,20 @@ pub struct Caps {
     pub write_zeroes: bool,
     /// The medium seeks (spinning disk).
     pub rotational: bool,
+    /// WRITE_ZEROES is a metadata operation, never a write of zeros (NBD's FAST_ZERO).
+    pub fast_zero: bool,
 }
+
+/// One run of an export's allocation map (NBD `base:allocation`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extent {
+    pub len: u64,
+    /// Unallocated and reads as zeros.
+    pub hole: bool,
+}
+
+/// Most extents one allocation query returns; the rest of the range is left to a later query.
+pub const MAX_EXTENTS: usize = 1 << 16;
 
 /// One I/O as the data path hands it to a backend. Buffers are raw because, for io_uring, they
 /// must stay valid until the completion arrives: the caller (the queue) owns them until then.
@@ -93,6 +106,11 @@ pub trait Backend: Send + Sync {
     /// Buffers handed to this backend must be aligned to this (O_DIRECT), 1 otherwise.
     fn buffer_alignment(&self) -> usize {
         1
+    }
+    /// Appends the allocation map of `offset..offset+len` (already range-checked) to `out`,
+    /// coalesced, at most [`MAX_EXTENTS`] entries. The default says: all data.
+    fn allocation(&self, _offset: u64, len: u64, out: &mut Vec<Extent>) {
+        out.push(Extent { len, hole: false });
     }
 }
 

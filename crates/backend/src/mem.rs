@@ -117,11 +117,42 @@ impl Backend for MemBackend {
             trim: true,
             write_zeroes: true,
             rotational: false,
+            fast_zero: true,
         }
     }
     fn reads_as_zero(&self) -> bool {
         self.resident_bytes() == 0
     }
+    fn allocation(&self, offset: u64, len: u64, out: &mut Vec<crate::Extent>) {
+        // Pages the kernel has not backed read as zero: they are the holes.
+        let first = offset / PAGE;
+        let end = offset + len;
+        let pages = (end.div_ceil(PAGE) - first) as usize;
+        let start_len = out.len();
+        let mut vec = vec![0u8; pages.min(crate::MAX_EXTENTS * 16)];
+        // SAFETY: the range lies inside our mapping (checked by Export); one byte per page.
+        let r = unsafe {
+            libc::mincore(
+                self.base.add((first * PAGE) as usize).cast(),
+                vec.len() * PAGE as usize,
+                vec.as_mut_ptr(),
+            )
+        };
+        if r != 0 {
+            out.push(crate::Extent { len, hole: false });
+            return;
+        }
+        let mut at = offset;
+        for (i, v) in vec.iter().enumerate() {
+            let page_end = ((first + i as u64 + 1) * PAGE).min(end);
+            crate::push_extent(out, page_end - at, v & 1 == 0);
+            at = page_end;
+            if out.len() - start_len >= crate::MAX_EXTENTS {
+                break;
+            }
+        }
+    }
+
     fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
         Ok(Box::new(MemQueue { mem: self }))
     }

@@ -35,12 +35,17 @@ impl Backend for NullBackend {
         Caps {
             trim: true,
             write_zeroes: true,
+            fast_zero: true,
             ..Caps::default()
         }
     }
     fn reads_as_zero(&self) -> bool {
         true
     }
+    fn allocation(&self, _offset: u64, len: u64, out: &mut Vec<crate::Extent>) {
+        out.push(crate::Extent { len, hole: true });
+    }
+
     fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
         Ok(Box::new(NullQueue))
     }

@@ -2,7 +2,9 @@
 //! one (HELLO/JOIN/LIST, PROTOCOL.md §2), and the admitted queue is handed by message to one of
 //! the reactor threads, which owns it from then on (see `reactor.rs` and docs/ARCHITECTURE.md).
 
+mod codec;
 pub mod log;
+mod nbd;
 mod reactor;
 mod session;
 mod stats;
@@ -19,6 +21,7 @@ use blkwire_backend::{Export, ExportSpec};
 use blkwire_wire::{ExportEntry, Header, Hello, Opcode, Status, Tag, HEADER_LEN};
 
 use crate::log::Level;
+use codec::Proto;
 pub use reactor::QueueReport;
 use reactor::{Msg, NewQueue, Reactor};
 pub use session::{Limits, Registry};
@@ -48,7 +51,7 @@ struct Worker {
 }
 
 pub struct Target {
-    listeners: Vec<(TcpListener, String)>,
+    listeners: Vec<(TcpListener, String, Frontend)>,
     registry: Arc<Registry>,
     workers: Vec<Worker>,
     stop: Arc<OwnedFd>,
@@ -80,12 +83,41 @@ fn eventfd_write(fd: i32) {
     unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
 }
 
-/// Parses `tcp://ADDR:PORT` into socket addresses.
-pub fn parse_listen(url: &str) -> Result<Vec<SocketAddr>, String> {
-    let help = "expected tcp://ADDR:PORT, e.g. tcp://0.0.0.0:7700 or tcp://[::1]:7700";
-    let rest = match url.split_once("://") {
-        Some(("tcp", rest)) => rest,
-        Some((scheme @ ("udp" | "eth" | "nbd"), _)) => {
+/// Which protocol a listener speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Frontend {
+    /// blkwire's own protocol (`tcp://`).
+    Native,
+    /// NBD fixed newstyle (`nbd://`), for stock clients.
+    Nbd,
+}
+
+/// Parses `tcp://ADDR:PORT` or `nbd://ADDR[:PORT]` (NBD's port defaults to 10809).
+pub fn parse_listen(url: &str) -> Result<(Frontend, Vec<SocketAddr>), String> {
+    let help = "expected tcp://ADDR:PORT or nbd://ADDR[:PORT], e.g. tcp://0.0.0.0:7700, nbd://0.0.0.0:10809, tcp://[::1]:7700";
+    let (frontend, rest) = match url.split_once("://") {
+        Some(("tcp", rest)) => (Frontend::Native, rest.to_string()),
+        Some(("nbd", rest)) => {
+            let rest = rest.trim_end_matches('/');
+            // Add the default port unless one is given ("[v6]:p", "host:p").
+            let has_port = match rest.rsplit_once(':') {
+                Some((h, p)) => {
+                    !p.is_empty()
+                        && p.bytes().all(|b| b.is_ascii_digit())
+                        && (!h.contains(':') || h.ends_with(']'))
+                }
+                None => false,
+            };
+            (
+                Frontend::Nbd,
+                if has_port {
+                    rest.to_string()
+                } else {
+                    format!("{rest}:10809")
+                },
+            )
+        }
+        Some((scheme @ ("udp" | "eth"), _)) => {
             return Err(format!(
                 "listen address '{url}': {scheme}:// is not supported yet ({help})"
             ))
@@ -93,11 +125,13 @@ pub fn parse_listen(url: &str) -> Result<Vec<SocketAddr>, String> {
         _ => return Err(format!("bad listen address '{url}': {help}")),
     };
     let rest = rest.trim_end_matches('/');
-    rest.to_socket_addrs()
+    let addrs = rest
+        .to_socket_addrs()
         .map(|a| a.collect::<Vec<_>>())
         .ok()
         .filter(|a| !a.is_empty())
-        .ok_or_else(|| format!("bad listen address '{url}': {help}"))
+        .ok_or_else(|| format!("bad listen address '{url}': {help}"))?;
+    Ok((frontend, addrs))
 }
 
 impl Target {
@@ -122,11 +156,15 @@ impl Target {
         }
         let mut listeners = Vec::new();
         for url in &cfg.listen {
-            let addrs = parse_listen(url)?;
+            let (frontend, addrs) = parse_listen(url)?;
             let l = TcpListener::bind(&addrs[..])
                 .map_err(|e| format!("cannot listen on {url}: {e}"))?;
             let local = l.local_addr().map_err(|e| e.to_string())?;
-            listeners.push((l, format!("tcp://{local}")));
+            let scheme = match frontend {
+                Frontend::Native => "tcp",
+                Frontend::Nbd => "nbd",
+            };
+            listeners.push((l, format!("{scheme}://{local}"), frontend));
         }
         let registry = Arc::new(Registry::new(exports, cfg.limits));
         let threads = if cfg.threads == 0 {
@@ -178,7 +216,7 @@ impl Target {
 
     /// The URLs actually bound (with the real port when 0 was asked for).
     pub fn urls(&self) -> Vec<String> {
-        self.listeners.iter().map(|(_, u)| u.clone()).collect()
+        self.listeners.iter().map(|(_, u, _)| u.clone()).collect()
     }
 
     pub fn stop_handle(&self) -> StopHandle {
@@ -195,7 +233,7 @@ impl Target {
         let mut fds: Vec<libc::pollfd> = self
             .listeners
             .iter()
-            .map(|(l, _)| libc::pollfd {
+            .map(|(l, _, _)| libc::pollfd {
                 fd: l.as_raw_fd(),
                 events: libc::POLLIN,
                 revents: 0,
@@ -233,9 +271,10 @@ impl Target {
                     Ok((stream, peer)) => {
                         let registry = self.registry.clone();
                         let workers = workers.clone();
+                        let frontend = self.listeners[i].2;
                         let spawned = std::thread::Builder::new()
                             .name("blkwire-hs".into())
-                            .spawn(move || handshake(stream, peer, &registry, &workers));
+                            .spawn(move || handshake(stream, peer, frontend, &registry, &workers));
                         if let Err(e) = spawned {
                             crate::log!(Level::Error, "cannot start handshake thread: {e}");
                         }
@@ -288,10 +327,11 @@ fn send_frame(s: &mut TcpStream, h: &Header, payload: &[u8]) -> std::io::Result<
     s.write_all(&buf)
 }
 
-/// Admits one connection (PROTOCOL.md §2) and hands it to a reactor.
+/// Admits one connection and hands it, by message, to the reactor that will own it.
 fn handshake(
     mut s: TcpStream,
     peer: SocketAddr,
+    frontend: Frontend,
     registry: &Registry,
     workers: &[(Sender<Msg>, i32)],
 ) {
@@ -300,75 +340,14 @@ fn handshake(
     set_keepalive(&s);
     let _ = s.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
     let _ = s.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
-    let mut hb = [0u8; HEADER_LEN];
-    if let Err(e) = s.read_exact(&mut hb) {
-        crate::log!(Level::Debug, "{peer_s}: closed before handshake: {e}");
+    let admitted = match frontend {
+        Frontend::Native => {
+            native_handshake(&mut s, &peer_s, registry, workers).map(|a| (a, Proto::Native))
+        }
+        Frontend::Nbd => nbd::negotiate(&mut s, &peer_s, registry),
+    };
+    let Some((admitted, proto)) = admitted else {
         return;
-    }
-    let h = match Header::decode(&hb, MAX_HANDSHAKE_PAYLOAD) {
-        Ok(h) if !h.is_reply() => h,
-        Ok(_) => return crate::log!(Level::Info, "{peer_s}: handshake refused: reply frame"),
-        Err(e) => return crate::log!(Level::Info, "{peer_s}: handshake refused: {e}"),
-    };
-    let mut payload = vec![0u8; h.payload_len as usize];
-    if let Err(e) = s.read_exact(&mut payload) {
-        return crate::log!(Level::Info, "{peer_s}: handshake cut short: {e}");
-    }
-    if let Err(e) = h.check_crc(&payload) {
-        return crate::log!(Level::Info, "{peer_s}: handshake refused: {e}");
-    }
-    let refuse = |s: &mut TcpStream, status: Status, why: &str| {
-        crate::log!(Level::Info, "{peer_s}: handshake refused: {why}");
-        let _ = send_frame(s, &h.reply(status, 0), &[]);
-    };
-    let admitted = match h.opcode {
-        Opcode::List => {
-            let list = ExportEntry::encode_list(&registry.list()).unwrap_or_default();
-            let _ = send_frame(&mut s, &h.reply(Status::Ok, list.len() as u32), &list);
-            return;
-        }
-        Opcode::Stats => {
-            let json = stats_json(registry, workers);
-            let _ = send_frame(&mut s, &h.reply(Status::Ok, json.len() as u32), &json);
-            return;
-        }
-        Opcode::Hello => {
-            let hello = match Hello::decode(&payload) {
-                Ok(x) => x,
-                Err(e) => return refuse(&mut s, Status::Invalid, &e.to_string()),
-            };
-            match registry.hello(&hello, &peer_s) {
-                Ok((reply, adm)) => {
-                    let p = reply.encode();
-                    if send_frame(&mut s, &h.reply(Status::Ok, p.len() as u32), &p).is_err() {
-                        registry.leave(adm.session, 0, &QueueStats::default());
-                        return;
-                    }
-                    adm
-                }
-                Err(st) => {
-                    return refuse(&mut s, st, &format!("export '{}': {st}", hello.export));
-                }
-            }
-        }
-        Opcode::Join => {
-            let Ok(cookie) = <[u8; 8]>::try_from(&payload[..]) else {
-                return refuse(&mut s, Status::Invalid, "JOIN without an 8-byte cookie");
-            };
-            match registry.join(h.session, h.queue, u64::from_le_bytes(cookie)) {
-                Ok(adm) => {
-                    if send_frame(&mut s, &h.reply(Status::Ok, 0), &[]).is_err() {
-                        registry.leave(adm.session, adm.queue, &QueueStats::default());
-                        return;
-                    }
-                    adm
-                }
-                Err(st) => return refuse(&mut s, st, &format!("join session {}: {st}", h.session)),
-            }
-        }
-        other => {
-            return refuse(&mut s, Status::Invalid, &format!("{other:?} before HELLO"));
-        }
     };
     let _ = s.set_read_timeout(None);
     let _ = s.set_write_timeout(None);
@@ -382,12 +361,102 @@ fn handshake(
         depth: admitted.depth,
         max_io: admitted.max_io,
         peer: peer_s,
+        proto,
     };
     if workers[w].0.send(Msg::Queue(q)).is_ok() {
         eventfd_write(workers[w].1);
     } else {
         registry.leave(admitted.session, admitted.queue, &QueueStats::default());
     }
+}
+
+/// The native handshake (PROTOCOL.md §2): HELLO, JOIN, or a one-shot LIST/STATS query.
+fn native_handshake(
+    s: &mut TcpStream,
+    peer_s: &str,
+    registry: &Registry,
+    workers: &[(Sender<Msg>, i32)],
+) -> Option<session::Admitted> {
+    let mut hb = [0u8; HEADER_LEN];
+    if let Err(e) = s.read_exact(&mut hb) {
+        crate::log!(Level::Debug, "{peer_s}: closed before handshake: {e}");
+        return None;
+    }
+    let h = match Header::decode(&hb, MAX_HANDSHAKE_PAYLOAD) {
+        Ok(h) if !h.is_reply() => h,
+        Ok(_) => {
+            crate::log!(Level::Info, "{peer_s}: handshake refused: reply frame");
+            return None;
+        }
+        Err(e) => {
+            crate::log!(Level::Info, "{peer_s}: handshake refused: {e}");
+            return None;
+        }
+    };
+    let mut payload = vec![0u8; h.payload_len as usize];
+    if let Err(e) = s.read_exact(&mut payload) {
+        crate::log!(Level::Info, "{peer_s}: handshake cut short: {e}");
+        return None;
+    }
+    if let Err(e) = h.check_crc(&payload) {
+        crate::log!(Level::Info, "{peer_s}: handshake refused: {e}");
+        return None;
+    }
+    let refuse = |s: &mut TcpStream, status: Status, why: &str| {
+        crate::log!(Level::Info, "{peer_s}: handshake refused: {why}");
+        let _ = send_frame(s, &h.reply(status, 0), &[]);
+        None
+    };
+    let admitted = match h.opcode {
+        Opcode::List => {
+            let list = ExportEntry::encode_list(&registry.list()).unwrap_or_default();
+            let _ = send_frame(s, &h.reply(Status::Ok, list.len() as u32), &list);
+            return None;
+        }
+        Opcode::Stats => {
+            let json = stats_json(registry, workers);
+            let _ = send_frame(s, &h.reply(Status::Ok, json.len() as u32), &json);
+            return None;
+        }
+        Opcode::Hello => {
+            let hello = match Hello::decode(&payload) {
+                Ok(x) => x,
+                Err(e) => return refuse(s, Status::Invalid, &e.to_string()),
+            };
+            match registry.hello(&hello, peer_s) {
+                Ok((reply, adm)) => {
+                    let p = reply.encode();
+                    if send_frame(s, &h.reply(Status::Ok, p.len() as u32), &p).is_err() {
+                        registry.leave(adm.session, 0, &QueueStats::default());
+                        return None;
+                    }
+                    adm
+                }
+                Err(st) => {
+                    return refuse(s, st, &format!("export '{}': {st}", hello.export));
+                }
+            }
+        }
+        Opcode::Join => {
+            let Ok(cookie) = <[u8; 8]>::try_from(&payload[..]) else {
+                return refuse(s, Status::Invalid, "JOIN without an 8-byte cookie");
+            };
+            match registry.join(h.session, h.queue, u64::from_le_bytes(cookie)) {
+                Ok(adm) => {
+                    if send_frame(s, &h.reply(Status::Ok, 0), &[]).is_err() {
+                        registry.leave(adm.session, adm.queue, &QueueStats::default());
+                        return None;
+                    }
+                    adm
+                }
+                Err(st) => return refuse(s, st, &format!("join session {}: {st}", h.session)),
+            }
+        }
+        other => {
+            return refuse(s, Status::Invalid, &format!("{other:?} before HELLO"));
+        }
+    };
+    Some(admitted)
 }
 
 /// Asks every reactor for its queues' counters (by message: they own them) and joins the

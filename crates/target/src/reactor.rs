@@ -1,7 +1,7 @@
 //! One reactor per worker thread: its own io_uring, its own connections (queues), no locks.
 //!
 //! ```text
-//!   socket --recv--> rx buffer --Header::decode--> dispatch --ExportQueue::start--+
+//!   socket --recv--> rx buffer --Proto::parse-----> dispatch --ExportQueue::start--+
 //!                                                    |  inline (mem, null):       |
 //!                                                    |  copy straight into tx     | io_uring (file)
 //!   socket <--send-- tx buffer <---- reply ----------+<------- completion --------+
@@ -18,10 +18,11 @@ use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use blkwire_backend::{AlignedBuf, Export, ExportQueue, Op, Refusal, Started, Submitter};
-use blkwire_wire::{Flags, Header, Opcode, Status, HEADER_LEN};
+use blkwire_backend::{AlignedBuf, Export, ExportQueue, Extent, Op, Refusal, Started, Submitter};
+use blkwire_wire::{Status, HEADER_LEN};
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
+use crate::codec::{Kind, Parsed, Proto, Req};
 use crate::log::Level;
 use crate::session::Registry;
 use crate::stats::QueueStats;
@@ -35,6 +36,7 @@ pub struct NewQueue {
     pub depth: u16,
     pub max_io: u32,
     pub peer: String,
+    pub proto: Proto,
 }
 
 pub enum Msg {
@@ -101,13 +103,14 @@ impl Submitter for Pusher<'_> {
 #[derive(Default)]
 struct Slot {
     busy: bool,
-    header: Option<Header>,
+    req: Option<Req>,
     buf: Option<AlignedBuf>,
 }
 
 struct Conn {
     sock: OwnedFd,
     incarnation: u32,
+    proto: Proto,
     export: Arc<Export>,
     io: ExportQueue,
     inline: bool,
@@ -123,7 +126,11 @@ struct Conn {
     tx: Vec<u8>,
     tx_sent: usize,
     slots: Vec<Slot>,
+    /// Slots free for server-assigned requests (NBD has cookies, not slots).
+    free_slots: Vec<u16>,
     inflight: u32,
+    /// Scratch for allocation maps (NBD block status), reused.
+    extents: Vec<Extent>,
     /// The socket may hold unread bytes (we stopped before EAGAIN).
     readable: bool,
     /// Waiting for POLLOUT after a short send.
@@ -151,12 +158,11 @@ impl Conn {
         (4 << 20).max(2 * self.max_io as usize + 2 * HEADER_LEN)
     }
 
-    fn push_reply(&mut self, h: &Header, status: Status, payload: &[u8]) {
-        let mut r = h.reply(status, payload.len() as u32);
-        r.credit = self.depth;
-        self.tx.extend_from_slice(&r.to_bytes());
-        self.tx.extend_from_slice(payload);
-        self.count_reply(status);
+    /// Appends a reply that carries no read data.
+    fn reply(&mut self, req: &Req, status: Status) {
+        if self.proto.reply(req, status, self.depth, &mut self.tx) {
+            self.count_reply(status);
+        }
     }
 
     fn count_reply(&mut self, status: Status) {
@@ -177,6 +183,20 @@ impl Conn {
         self.stats.protocol_errors += 1;
         self.closing = true;
         self.rx_start = self.rx_end;
+    }
+
+    /// Room for a whole frame of `total` bytes starting at rx_start, growing the buffer up to
+    /// the largest frame the granted max I/O allows (NBD may send 32 MiB writes).
+    fn make_room(&mut self, total: usize) {
+        if self.rx.len() - self.rx_start >= total {
+            return;
+        }
+        self.rx.copy_within(self.rx_start..self.rx_end, 0);
+        self.rx_end -= self.rx_start;
+        self.rx_start = 0;
+        if self.rx.len() < total {
+            self.rx.resize(total, 0);
+        }
     }
 }
 
@@ -321,8 +341,13 @@ impl Reactor {
         let incarnation = self.next_incarnation;
         self.next_incarnation = (self.next_incarnation + 1) & 0xf_ffff;
         let align = q.export.backend().buffer_alignment();
-        let rx_cap = q.max_io as usize + HEADER_LEN + (256 << 10);
+        // Sized for a 1 MiB frame plus batching room; grows (up to max I/O) only if a client sends
+        // larger frames.
+        let rx_cap = (q.max_io as usize).min(1 << 20) + HEADER_LEN + (256 << 10);
         let conn = Conn {
+            proto: q.proto,
+            free_slots: (0..q.depth).rev().collect(),
+            extents: Vec::new(),
             inline: io.completes_inline(),
             io,
             align,
@@ -559,31 +584,31 @@ fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         if c.dead || c.tx_backlog() >= c.tx_high_water() {
             return;
         }
-        let avail = c.rx_end - c.rx_start;
-        if avail < HEADER_LEN {
-            break;
+        // NBD requests take a server-side slot only if they go to an async backend: stop when
+        // none is free; a completion frees one and services this connection again.
+        if !c.inline && matches!(c.proto, Proto::Nbd { .. }) && c.free_slots.is_empty() {
+            return;
         }
-        let h = match Header::decode(&c.rx[c.rx_start..c.rx_end], c.max_io) {
-            Ok(h) => h,
-            Err(e) => return c.violation(&e),
+        let (req, header_len) = match c.proto.parse(&c.rx[c.rx_start..c.rx_end], c.max_io) {
+            Parsed::Need => break,
+            Parsed::Violation(e) => return c.violation(&e),
+            Parsed::Request { req, header_len } => (req, header_len),
         };
-        let total = HEADER_LEN + h.payload_len as usize;
-        if avail < total {
-            if c.rx.len() - c.rx_start < total {
-                // Make room so the whole frame fits (rx is sized for the largest frame).
-                c.rx.copy_within(c.rx_start..c.rx_end, 0);
-                c.rx_end -= c.rx_start;
-                c.rx_start = 0;
-            }
+        let total = header_len + req.payload_len as usize;
+        if c.rx_end - c.rx_start < total {
+            c.make_room(total);
             break;
         }
-        let payload_at = c.rx_start + HEADER_LEN;
+        let payload_at = c.rx_start + header_len;
         c.rx_start += total;
         c.stats.frames_in += 1;
-        if let Err(e) = h.check_crc(&c.rx[payload_at..payload_at + h.payload_len as usize]) {
-            return c.violation(&e);
+        if let crate::codec::Id::Native(h) = req.id {
+            let payload = &c.rx[payload_at..payload_at + req.payload_len as usize];
+            if let Err(e) = h.check_crc(payload) {
+                return c.violation(&e);
+            }
         }
-        dispatch(c, idx, &h, payload_at, sq);
+        dispatch(c, idx, &req, payload_at, sq);
     }
     if c.rx_start == c.rx_end {
         c.rx_start = 0;
@@ -591,124 +616,151 @@ fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     }
 }
 
-fn dispatch(c: &mut Conn, idx: usize, h: &Header, payload_at: usize, sq: &mut Pusher<'_>) {
-    if h.is_reply() {
-        return c.violation(&"received a reply frame");
+fn refusal_status(r: Refusal) -> Status {
+    match r {
+        Refusal::ReadOnly => Status::ReadOnly,
+        Refusal::OutOfRange => Status::OutOfRange,
+        Refusal::Invalid => Status::Invalid,
     }
-    let payload_len = h.payload_len as usize;
-    match h.opcode {
-        Opcode::Keepalive => return c.push_reply(h, Status::Ok, &[]),
-        Opcode::Logout => {
-            // Nothing after LOGOUT is executed (PROTOCOL.md §2.5).
-            c.push_reply(h, Status::Ok, &[]);
+}
+
+fn dispatch(c: &mut Conn, idx: usize, req: &Req, payload_at: usize, sq: &mut Pusher<'_>) {
+    let len = req.length;
+    match req.kind {
+        Kind::Keepalive => return c.reply(req, Status::Ok),
+        Kind::Logout => {
+            // Nothing after LOGOUT/DISC is executed (PROTOCOL.md §2.5); what is in flight is
+            // still answered before the queue closes.
+            c.reply(req, Status::Ok);
             c.closing = true;
             c.rx_start = c.rx_end;
             return;
         }
-        Opcode::Copy => return c.push_reply(h, Status::Unsupported, &[]),
-        Opcode::Hello | Opcode::Join | Opcode::List => {
-            return c.push_reply(h, Status::Invalid, &[]);
+        Kind::Unsupported => return c.reply(req, Status::Unsupported),
+        Kind::Invalid => return c.reply(req, Status::Invalid),
+        _ => {}
+    }
+    // Commands that address the export (PROTOCOL.md §3, §5).
+    let data_op = matches!(req.kind, Kind::Read | Kind::Write);
+    let expected_payload = if req.kind == Kind::Write { len } else { 0 };
+    let native_slot = match req.id {
+        crate::codec::Id::Native(h) => Some(h.tag.slot()),
+        crate::codec::Id::Nbd(_) => None,
+    };
+    let flush_args_bad = match req.id {
+        // Native FLUSH addresses the whole export with 0/0 or a range; NBD ignores both fields.
+        crate::codec::Id::Native(_) => req.kind == Kind::Flush && len == 0 && req.offset != 0,
+        crate::codec::Id::Nbd(_) => false,
+    };
+    if native_slot.is_some_and(|s| s >= c.depth)
+        || req.payload_len != expected_payload
+        || (data_op && (len == 0 || len > c.max_io))
+        || flush_args_bad
+    {
+        return c.reply(req, Status::Invalid);
+    }
+    if let Some(s) = native_slot {
+        if c.slots[s as usize].busy {
+            return c.violation(&format_args!("slot {s} reused while in flight"));
+        }
+    }
+    let ranged = !(req.kind == Kind::Flush && matches!(req.id, crate::codec::Id::Nbd(_)));
+    if ranged {
+        let modifies = matches!(req.kind, Kind::Write | Kind::Trim | Kind::WriteZeroes);
+        if let Err(r) = c.export.check(modifies, req.offset, len as u64) {
+            return c.reply(req, refusal_status(r));
+        }
+    }
+    let align = c.export.alignment();
+    if data_op && (!req.offset.is_multiple_of(align) || !(len as u64).is_multiple_of(align)) {
+        return c.reply(req, Status::Invalid);
+    }
+    match req.kind {
+        Kind::Read => c.stats.reads += 1,
+        Kind::Write => c.stats.writes += 1,
+        Kind::Flush => c.stats.flushes += 1,
+        Kind::Trim => c.stats.trims += 1,
+        Kind::WriteZeroes => c.stats.write_zeroes += 1,
+        _ => {}
+    }
+    match req.kind {
+        // Advisory: nothing to prefetch into for memory, and files have the page cache.
+        Kind::Cache => return c.reply(req, Status::Ok),
+        Kind::BlockStatus => return block_status(c, req),
+        Kind::Trim | Kind::WriteZeroes if len == 0 => return c.reply(req, Status::Ok),
+        Kind::WriteZeroes if req.fast_zero && (req.no_hole || !c.export.caps().fast_zero) => {
+            // NBD FAST_ZERO: fail at once rather than zero slowly.
+            return c.reply(req, Status::Unsupported);
         }
         _ => {}
     }
-    // I/O commands (PROTOCOL.md §3, §5).
-    let slot = h.tag.slot();
-    let expected_payload = if h.opcode == Opcode::Write {
-        h.length as usize
-    } else {
-        0
-    };
-    let data_op = matches!(h.opcode, Opcode::Read | Opcode::Write);
-    if slot >= c.depth
-        || payload_len != expected_payload
-        || (data_op && (h.length == 0 || h.length > c.max_io))
-        || (h.opcode == Opcode::Flush && h.length == 0 && h.offset != 0)
-    {
-        return c.push_reply(h, Status::Invalid, &[]);
-    }
-    if c.slots[slot as usize].busy {
-        return c.violation(&format_args!("slot {slot} reused while in flight"));
-    }
-    if let Err(r) = c
-        .export
-        .check(h.opcode.modifies_data(), h.offset, h.length as u64)
-    {
-        let status = match r {
-            Refusal::ReadOnly => Status::ReadOnly,
-            Refusal::OutOfRange => Status::OutOfRange,
-            Refusal::Invalid => Status::Invalid,
-        };
-        return c.push_reply(h, status, &[]);
-    }
-    let len = h.length;
-    match h.opcode {
-        Opcode::Read => c.stats.reads += 1,
-        Opcode::Write => c.stats.writes += 1,
-        Opcode::Flush => c.stats.flushes += 1,
-        Opcode::Trim => c.stats.trims += 1,
-        Opcode::WriteZeroes => c.stats.write_zeroes += 1,
-        _ => {}
-    }
-    let user_data = ud(KIND_IO, c.incarnation, idx, slot);
 
     if c.inline {
         // mem:/null: the op completes inside start(); READ lands straight in the reply buffer and
         // WRITE is taken straight from the receive buffer: one copy each way.
-        let op = match h.opcode {
-            Opcode::Read => {
+        let op = match req.kind {
+            Kind::Read => {
                 let at = c.tx.len();
-                c.tx.resize(at + HEADER_LEN + len as usize, 0);
-                let buf = c.tx[at + HEADER_LEN..].as_mut_ptr();
+                let prefix = c.proto.read_prefix_len();
+                c.tx.resize(at + prefix + len as usize, 0);
+                let buf = c.tx[at + prefix..].as_mut_ptr();
                 let r = c.io.start(
                     Op::Read {
-                        offset: h.offset,
+                        offset: req.offset,
                         buf,
                         len,
                     },
-                    user_data,
+                    0,
                     sq,
                 );
-                let status = done_status(r, len);
-                let payload = if status == Status::Ok { len } else { 0 };
-                let mut rh = h.reply(status, payload);
-                rh.credit = c.depth;
-                c.tx[at..at + HEADER_LEN].copy_from_slice(&rh.to_bytes());
-                c.tx.truncate(at + HEADER_LEN + payload as usize);
-                c.count_reply(status);
+                let status = done_status(r);
                 if status == Status::Ok {
+                    let (proto, depth) = (c.proto, c.depth);
+                    proto.write_read_prefix(req, depth, &mut c.tx[at..at + prefix]);
+                    c.count_reply(status);
                     c.stats.bytes_read += len as u64;
+                } else {
+                    c.tx.truncate(at);
+                    c.reply(req, status);
                 }
                 return;
             }
-            Opcode::Write => {
+            Kind::Write => {
                 let buf = c.rx[payload_at..].as_ptr();
                 c.stats.bytes_written += len as u64;
                 Op::Write {
-                    offset: h.offset,
+                    offset: req.offset,
                     buf,
                     len,
-                    fua: h.flags.has(Flags::FUA),
+                    fua: req.fua,
                 }
             }
-            _ => non_data_op(h),
+            _ => non_data_op(req),
         };
-        let r = c.io.start(op, user_data, sq);
-        let status = done_status(r, len);
-        return c.push_reply(h, status, &[]);
+        let r = c.io.start(op, 0, sq);
+        return c.reply(req, done_status(r));
     }
 
     // Async backend: the slot owns a buffer that lives until the completion.
+    let slot = match native_slot {
+        Some(s) => s,
+        None => c
+            .free_slots
+            .pop()
+            .expect("parse_frames checked for a free slot"),
+    };
+    let user_data = ud(KIND_IO, c.incarnation, idx, slot);
     let align = c.align;
     let s = &mut c.slots[slot as usize];
-    let op = match h.opcode {
-        Opcode::Read | Opcode::Write => {
+    let op = match req.kind {
+        Kind::Read | Kind::Write => {
             if s.buf.as_ref().is_none_or(|b| b.len() < len as usize) {
                 s.buf = Some(AlignedBuf::zeroed(len as usize, align.max(4096)));
             }
             let buf = s.buf.as_mut().expect("just set");
-            if h.opcode == Opcode::Read {
+            if req.kind == Kind::Read {
                 Op::Read {
-                    offset: h.offset,
+                    offset: req.offset,
                     buf: buf.as_mut_ptr(),
                     len,
                 }
@@ -717,46 +769,84 @@ fn dispatch(c: &mut Conn, idx: usize, h: &Header, payload_at: usize, sq: &mut Pu
                     .copy_from_slice(&c.rx[payload_at..payload_at + len as usize]);
                 c.stats.bytes_written += len as u64;
                 Op::Write {
-                    offset: h.offset,
+                    offset: req.offset,
                     buf: buf.as_mut_ptr(),
                     len,
-                    fua: h.flags.has(Flags::FUA),
+                    fua: req.fua,
                 }
             }
         }
-        _ => non_data_op(h),
+        _ => non_data_op(req),
     };
     match c.io.start(op, user_data, sq) {
         Started::Done(r) => {
-            let status = done_status(Started::Done(r), len);
-            c.push_reply(h, status, &[]);
+            release_slot(c, slot);
+            c.reply(req, done_status(Started::Done(r)));
         }
         Started::Submitted => {
             let s = &mut c.slots[slot as usize];
             s.busy = true;
-            s.header = Some(*h);
+            s.req = Some(*req);
             c.inflight += 1;
         }
     }
 }
 
-fn non_data_op(h: &Header) -> Op {
-    match h.opcode {
-        Opcode::Flush => Op::Flush,
-        Opcode::Trim => Op::Trim {
-            offset: h.offset,
-            len: h.length,
-        },
-        Opcode::WriteZeroes => Op::WriteZeroes {
-            offset: h.offset,
-            len: h.length,
-            no_hole: h.flags.has(Flags::NO_HOLE),
-        },
-        _ => unreachable!("data and control opcodes are handled by the caller"),
+/// Returns a server-assigned slot to the free list (native slots belong to the client).
+fn release_slot(c: &mut Conn, slot: u16) {
+    if matches!(c.proto, Proto::Nbd { .. }) {
+        c.free_slots.push(slot);
     }
 }
 
-fn done_status(r: Started, _len: u32) -> Status {
+/// NBD_CMD_BLOCK_STATUS on `base:allocation`: holes are unallocated ranges that read as zero.
+fn block_status(c: &mut Conn, req: &Req) {
+    if !matches!(
+        c.proto,
+        Proto::Nbd {
+            allocation: true,
+            ..
+        }
+    ) || req.length == 0
+    {
+        return c.reply(req, Status::Invalid);
+    }
+    let mut extents = std::mem::take(&mut c.extents);
+    extents.clear();
+    c.export
+        .backend()
+        .allocation(req.offset, req.length as u64, &mut extents);
+    if req.req_one {
+        extents.truncate(1);
+    }
+    // Lengths fit in u32: every extent lies inside the request, whose length is a u32.
+    let list: Vec<(u32, bool)> = extents
+        .iter()
+        .map(|e| (e.len.min(u32::MAX as u64) as u32, e.hole))
+        .collect();
+    let proto = c.proto;
+    proto.block_status_reply(req, &list, &mut c.tx);
+    c.count_reply(Status::Ok);
+    c.extents = extents;
+}
+
+fn non_data_op(req: &Req) -> Op {
+    match req.kind {
+        Kind::Flush => Op::Flush,
+        Kind::Trim => Op::Trim {
+            offset: req.offset,
+            len: req.length,
+        },
+        Kind::WriteZeroes => Op::WriteZeroes {
+            offset: req.offset,
+            len: req.length,
+            no_hole: req.no_hole,
+        },
+        _ => unreachable!("only I/O kinds reach the backend"),
+    }
+}
+
+fn done_status(r: Started) -> Status {
     match r {
         Started::Done(0) => Status::Ok,
         Started::Done(e) => Status::from_errno(-e),
@@ -774,14 +864,15 @@ fn complete(c: &mut Conn, slot: u16, res: i32) {
     }
     s.busy = false;
     c.inflight -= 1;
-    let h = s.header.take().expect("busy slot has a header");
-    let data_op = matches!(h.opcode, Opcode::Read | Opcode::Write);
+    let req = s.req.take().expect("busy slot has a request");
+    release_slot(c, slot);
+    let data_op = matches!(req.kind, Kind::Read | Kind::Write);
     let status = if res < 0 {
         Status::from_errno(-res)
-    } else if data_op && res as u32 != h.length {
+    } else if data_op && res as u32 != req.length {
         // Short transfer inside the export: the file shrank under us (read) or the
         // filesystem is full (write).
-        if h.opcode == Opcode::Read {
+        if req.kind == Kind::Read {
             Status::Io
         } else {
             Status::OutOfRange
@@ -795,18 +886,24 @@ fn complete(c: &mut Conn, slot: u16, res: i32) {
             "session {} queue {}: {:?} at {} len {} failed: {status} ({res})",
             c.session,
             c.queue,
-            h.opcode,
-            h.offset,
-            h.length,
+            req.kind,
+            req.offset,
+            req.length,
         );
     }
-    if h.opcode == Opcode::Read && status == Status::Ok {
-        let buf = c.slots[slot as usize].buf.take().expect("read buffer");
-        c.push_reply(&h, status, &buf.as_slice()[..h.length as usize]);
-        c.stats.bytes_read += h.length as u64;
-        c.slots[slot as usize].buf = Some(buf);
+    if req.kind == Kind::Read && status == Status::Ok {
+        let len = req.length as usize;
+        let at = c.tx.len();
+        let prefix = c.proto.read_prefix_len();
+        let (proto, depth) = (c.proto, c.depth);
+        c.tx.resize(at + prefix, 0);
+        proto.write_read_prefix(&req, depth, &mut c.tx[at..at + prefix]);
+        let buf = c.slots[slot as usize].buf.as_ref().expect("read buffer");
+        c.tx.extend_from_slice(&buf.as_slice()[..len]);
+        c.count_reply(status);
+        c.stats.bytes_read += len as u64;
     } else {
-        c.push_reply(&h, status, &[]);
+        c.reply(&req, status);
     }
 }
 

@@ -137,13 +137,7 @@ impl Registry {
         let queues = h.queues.min(self.limits.max_queues);
         let depth = h.depth.min(self.limits.max_depth);
         let max_io = (h.max_io.min(self.limits.max_io) / logical * logical).max(logical);
-        let cookie = random_u64();
-        let mut inner = self.lock();
-        if inner.shut {
-            return Err(Status::Shutdown);
-        }
-        let id = inner.next_id;
-        inner.next_id = inner.next_id.wrapping_add(1).max(1);
+        let (id, cookie) = self.create(&export, &h.host_id, peer, queues, depth, max_io)?;
         let reply = HelloReply {
             size: export.size(),
             logical_block: logical,
@@ -155,13 +149,42 @@ impl Registry {
             session: id,
             cookie,
         };
+        Ok((
+            reply,
+            Admitted {
+                export,
+                session: id,
+                queue: 0,
+                depth,
+                max_io,
+            },
+        ))
+    }
+
+    /// Registers a session whose first queue is connected; returns its id and cookie.
+    fn create(
+        &self,
+        export: &Arc<Export>,
+        host: &str,
+        peer: &str,
+        queues: u16,
+        depth: u16,
+        max_io: u32,
+    ) -> Result<(u32, u64), Status> {
+        let cookie = random_u64();
+        let mut inner = self.lock();
+        if inner.shut {
+            return Err(Status::Shutdown);
+        }
+        let id = inner.next_id;
+        inner.next_id = inner.next_id.wrapping_add(1).max(1);
         let mut joined = vec![false; queues as usize];
         joined[0] = true;
         inner.sessions.insert(
             id,
             Session {
                 export: export.clone(),
-                host: h.host_id.clone(),
+                host: host.to_string(),
                 peer: peer.to_string(),
                 depth,
                 max_io,
@@ -173,21 +196,31 @@ impl Registry {
         );
         crate::log!(
             Level::Info,
-            "session {id}: host '{}' from {peer} opened export '{}' ({queues} queues x {depth} deep, max I/O {})",
-            h.host_id,
+            "session {id}: host '{host}' from {peer} opened export '{}' ({queues} queues x {depth} deep, max I/O {})",
             export.name,
             blkwire_backend::format_size(max_io as u64)
         );
-        Ok((
-            reply,
-            Admitted {
-                export,
-                session: id,
-                queue: 0,
-                depth,
-                max_io,
-            },
-        ))
+        Ok((id, cookie))
+    }
+
+    /// A one-connection session for frontends without queue joining (NBD: every connection
+    /// stands alone).
+    pub fn admit_single(
+        &self,
+        export: &Arc<Export>,
+        host: &str,
+        peer: &str,
+        depth: u16,
+        max_io: u32,
+    ) -> Result<Admitted, Status> {
+        let (session, _) = self.create(export, host, peer, 1, depth, max_io)?;
+        Ok(Admitted {
+            export: export.clone(),
+            session,
+            queue: 0,
+            depth,
+            max_io,
+        })
     }
 
     pub fn join(&self, session: u32, queue: u16, cookie: u64) -> Result<Admitted, Status> {

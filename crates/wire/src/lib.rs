@@ -5,6 +5,7 @@
 
 mod frame;
 mod handshake;
+pub mod nbd;
 
 pub use frame::{Flags, FrameError, Header, Opcode, Status, Tag, HEADER_LEN, MAGIC, VERSION};
 pub use handshake::{

@@ -1,0 +1,296 @@
+//! NBD frontend, handshake phase (fixed newstyle, doc/proto.md of the NetworkBlockDevice
+//! project). Runs on the short-lived handshake thread with blocking I/O and a timeout; once the
+//! client enters transmission (NBD_OPT_GO or NBD_OPT_EXPORT_NAME) the socket goes to a reactor and
+//! is served by the same data path as the native protocol (`codec.rs`, `reactor.rs`).
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+
+use blkwire_backend::Export;
+use blkwire_wire::nbd::{self, info, opt, rep, tflag, InfoRequest, MetaRequest};
+
+use crate::codec::Proto;
+use crate::log::Level;
+use crate::session::{Admitted, Registry};
+
+/// Largest option payload read; anything bigger is refused with ERR_TOO_BIG after skipping it.
+const MAX_OPTION_DATA: u32 = 64 << 10;
+/// Options one client may send before giving up on it (a loop of LIST must end).
+const MAX_OPTIONS: usize = 1024;
+/// Largest request payload an NBD client may send (the spec says up to 32 MiB must not be
+/// treated as an attack).
+pub const NBD_MAX_PAYLOAD: u32 = 32 << 20;
+/// Requests of one connection processed in parallel against async backends.
+pub const NBD_DEPTH: u16 = 128;
+
+/// Transmission flags: exactly what the export can do (natively or emulated).
+pub fn transmission_flags(e: &Export, structured: bool) -> u16 {
+    let caps = e.caps();
+    // CAN_MULTI_CONN holds for every backend: all connections share one backend object, a
+    // FLUSH is an fdatasync of the shared file (or nothing, for RAM that is never durable),
+    // and a write is visible to every connection as soon as it is answered.
+    let mut f = tflag::HAS_FLAGS | tflag::CAN_MULTI_CONN | tflag::SEND_CACHE;
+    if caps.flush {
+        f |= tflag::SEND_FLUSH | tflag::SEND_FUA;
+    }
+    if caps.rotational {
+        f |= tflag::ROTATIONAL;
+    }
+    if e.read_only {
+        f |= tflag::READ_ONLY;
+    } else {
+        f |= tflag::SEND_TRIM | tflag::SEND_WRITE_ZEROES;
+        if caps.fast_zero {
+            f |= tflag::SEND_FAST_ZERO;
+        }
+    }
+    if structured {
+        f |= tflag::SEND_DF;
+    }
+    f
+}
+
+fn send(s: &mut TcpStream, buf: &[u8]) -> Option<()> {
+    s.write_all(buf).ok()
+}
+
+fn reply(s: &mut TcpStream, option: u32, typ: u32, data: &[u8]) -> Option<()> {
+    let mut out = Vec::with_capacity(20 + data.len());
+    nbd::option_reply(&mut out, option, typ, data);
+    send(s, &out)
+}
+
+fn error_reply(s: &mut TcpStream, option: u32, typ: u32, msg: &str) -> Option<()> {
+    reply(s, option, typ, msg.as_bytes())
+}
+
+/// Finds an export by NBD name; "" is the default export (the first one), as qemu and libnbd
+/// use it for `nbd://host` without a path.
+fn find<'a>(registry: &'a Registry, name: &str) -> Option<&'a std::sync::Arc<Export>> {
+    if name.is_empty() {
+        registry.exports().first()
+    } else {
+        registry.exports().iter().find(|e| e.name == name)
+    }
+}
+
+/// Runs the option haggling. Returns the admitted queue and its protocol state on success;
+/// `None` when the client left, aborted, or broke the protocol (already logged).
+pub fn negotiate(s: &mut TcpStream, peer: &str, registry: &Registry) -> Option<(Admitted, Proto)> {
+    let mut hello = Vec::with_capacity(18);
+    hello.extend_from_slice(&nbd::NBDMAGIC.to_be_bytes());
+    hello.extend_from_slice(&nbd::IHAVEOPT.to_be_bytes());
+    hello.extend_from_slice(&(nbd::FLAG_FIXED_NEWSTYLE | nbd::FLAG_NO_ZEROES).to_be_bytes());
+    send(s, &hello)?;
+    let mut cf = [0u8; 4];
+    s.read_exact(&mut cf).ok()?;
+    let client_flags = u32::from_be_bytes(cf);
+    if client_flags & nbd::FLAG_FIXED_NEWSTYLE as u32 == 0 {
+        crate::log!(
+            Level::Info,
+            "{peer}: NBD client without fixed newstyle refused"
+        );
+        return None;
+    }
+    let no_zeroes = client_flags & nbd::FLAG_NO_ZEROES as u32 != 0;
+    let mut structured = false;
+    let mut allocation = false;
+    for _ in 0..MAX_OPTIONS {
+        let mut oh = [0u8; nbd::OPTION_HEADER_LEN];
+        s.read_exact(&mut oh).ok()?;
+        let (option, len) = match nbd::decode_option_header(&oh) {
+            Ok(x) => x,
+            Err(e) => {
+                crate::log!(Level::Info, "{peer}: NBD handshake refused: {e}");
+                return None;
+            }
+        };
+        if len > MAX_OPTION_DATA {
+            // Skip the data without buffering it, then say why.
+            let skipped =
+                std::io::copy(&mut (&mut *s).take(len as u64), &mut std::io::sink()).ok()?;
+            if skipped != len as u64 {
+                return None;
+            }
+            error_reply(s, option, rep::ERR_TOO_BIG, "option data too large")?;
+            continue;
+        }
+        let mut data = vec![0u8; len as usize];
+        s.read_exact(&mut data).ok()?;
+        match option {
+            opt::EXPORT_NAME => {
+                let name = String::from_utf8_lossy(&data).into_owned();
+                // No error reply exists for EXPORT_NAME: an unknown name closes the connection.
+                let e = find(registry, &name)?.clone();
+                let adm = admit(registry, &e, peer)?;
+                let mut out = Vec::with_capacity(134);
+                out.extend_from_slice(&e.size().to_be_bytes());
+                out.extend_from_slice(&transmission_flags(&e, structured).to_be_bytes());
+                if !no_zeroes {
+                    out.extend_from_slice(&[0u8; 124]);
+                }
+                send(s, &out)?;
+                return Some((
+                    adm,
+                    Proto::Nbd {
+                        structured,
+                        allocation,
+                    },
+                ));
+            }
+            opt::ABORT => {
+                let _ = reply(s, option, rep::ACK, &[]);
+                return None;
+            }
+            opt::LIST => {
+                if !data.is_empty() {
+                    error_reply(s, option, rep::ERR_INVALID, "LIST takes no data")?;
+                    continue;
+                }
+                for e in registry.exports() {
+                    let mut d = Vec::with_capacity(4 + e.name.len());
+                    d.extend_from_slice(&(e.name.len() as u32).to_be_bytes());
+                    d.extend_from_slice(e.name.as_bytes());
+                    d.extend_from_slice(e.backend().describe().as_bytes());
+                    reply(s, option, rep::SERVER, &d)?;
+                }
+                reply(s, option, rep::ACK, &[])?;
+            }
+            opt::INFO | opt::GO => {
+                let req = match InfoRequest::decode(&data) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        error_reply(s, option, rep::ERR_INVALID, &e.to_string())?;
+                        continue;
+                    }
+                };
+                let Some(e) = find(registry, &req.name).cloned() else {
+                    error_reply(
+                        s,
+                        option,
+                        rep::ERR_UNKNOWN,
+                        &format!("no export named '{}'", req.name),
+                    )?;
+                    continue;
+                };
+                send_info(s, option, &e, &req, structured)?;
+                if option == opt::GO {
+                    let adm = admit(registry, &e, peer)?;
+                    reply(s, option, rep::ACK, &[])?;
+                    return Some((
+                        adm,
+                        Proto::Nbd {
+                            structured,
+                            allocation,
+                        },
+                    ));
+                }
+                reply(s, option, rep::ACK, &[])?;
+            }
+            opt::STRUCTURED_REPLY => {
+                if !data.is_empty() {
+                    error_reply(
+                        s,
+                        option,
+                        rep::ERR_INVALID,
+                        "STRUCTURED_REPLY takes no data",
+                    )?;
+                    continue;
+                }
+                structured = true;
+                reply(s, option, rep::ACK, &[])?;
+            }
+            opt::LIST_META_CONTEXT | opt::SET_META_CONTEXT => {
+                let set = option == opt::SET_META_CONTEXT;
+                if set && !structured {
+                    error_reply(
+                        s,
+                        option,
+                        rep::ERR_INVALID,
+                        "negotiate structured replies first",
+                    )?;
+                    continue;
+                }
+                let req = match MetaRequest::decode(&data) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        error_reply(s, option, rep::ERR_INVALID, &e.to_string())?;
+                        continue;
+                    }
+                };
+                if find(registry, &req.export).is_none() {
+                    error_reply(
+                        s,
+                        option,
+                        rep::ERR_UNKNOWN,
+                        &format!("no export named '{}'", req.export),
+                    )?;
+                    continue;
+                }
+                // LIST with no query lists everything; "base:" is the namespace wildcard.
+                let matched = req.queries.iter().any(|q| q == nbd::BASE_ALLOCATION)
+                    || (!set
+                        && (req.queries.is_empty() || req.queries.iter().any(|q| q == "base:")));
+                if set {
+                    allocation = matched;
+                }
+                if matched {
+                    let mut d = Vec::new();
+                    d.extend_from_slice(&nbd::BASE_ALLOCATION_ID.to_be_bytes());
+                    d.extend_from_slice(nbd::BASE_ALLOCATION.as_bytes());
+                    reply(s, option, rep::META_CONTEXT, &d)?;
+                }
+                reply(s, option, rep::ACK, &[])?;
+            }
+            // TLS is not offered; extended headers are refused cleanly (libnbd falls back).
+            _ => error_reply(s, option, rep::ERR_UNSUP, "option not supported")?,
+        }
+    }
+    crate::log!(
+        Level::Info,
+        "{peer}: NBD client sent more than {MAX_OPTIONS} options"
+    );
+    None
+}
+
+fn send_info(
+    s: &mut TcpStream,
+    option: u32,
+    e: &Export,
+    req: &InfoRequest,
+    structured: bool,
+) -> Option<()> {
+    let mut d = Vec::with_capacity(12);
+    d.extend_from_slice(&info::EXPORT.to_be_bytes());
+    d.extend_from_slice(&e.size().to_be_bytes());
+    d.extend_from_slice(&transmission_flags(e, structured).to_be_bytes());
+    reply(s, option, rep::INFO, &d)?;
+    if req.requests.contains(&info::NAME) {
+        let mut d = info::NAME.to_be_bytes().to_vec();
+        d.extend_from_slice(e.name.as_bytes());
+        reply(s, option, rep::INFO, &d)?;
+    }
+    if req.requests.contains(&info::DESCRIPTION) {
+        let mut d = info::DESCRIPTION.to_be_bytes().to_vec();
+        d.extend_from_slice(e.backend().describe().as_bytes());
+        reply(s, option, rep::INFO, &d)?;
+    }
+    // Always sent: the constraints match the backend (O_DIRECT needs aligned I/O).
+    let (_, physical) = e.backend().block_sizes();
+    let min = e.alignment() as u32;
+    let mut d = info::BLOCK_SIZE.to_be_bytes().to_vec();
+    d.extend_from_slice(&min.to_be_bytes());
+    d.extend_from_slice(&physical.max(min).max(512).to_be_bytes());
+    d.extend_from_slice(&NBD_MAX_PAYLOAD.to_be_bytes());
+    reply(s, option, rep::INFO, &d)
+}
+
+fn admit(registry: &Registry, e: &std::sync::Arc<Export>, peer: &str) -> Option<Admitted> {
+    match registry.admit_single(e, "nbd client", peer, NBD_DEPTH, NBD_MAX_PAYLOAD) {
+        Ok(a) => Some(a),
+        Err(st) => {
+            crate::log!(Level::Info, "{peer}: NBD session refused: {st}");
+            None
+        }
+    }
+}
