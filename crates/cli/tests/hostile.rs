@@ -24,6 +24,8 @@ fn hello(s: &mut TcpStream, export: &str) -> (Header, Vec<u8>) {
         depth: 4,
         max_io: 65536,
         client_features: 0,
+        frame_payload: 0,
+        nonce: 1,
         host_id: "hostile".into(),
         export: export.into(),
         auth: vec![],

@@ -100,6 +100,21 @@ impl Default for ConnectOptions {
     }
 }
 
+/// A random 64-bit value from the kernel (HELLO nonces).
+pub(crate) fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom into a local buffer.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), 8, 0) };
+    if n == 8 {
+        u64::from_le_bytes(b)
+    } else {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0x9E37_79B9_7F4A_7C15)
+    }
+}
+
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())
@@ -231,6 +246,8 @@ pub fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
         depth: opts.depth.max(1),
         max_io: opts.max_io.max(512),
         client_features: 0,
+        frame_payload: 0,
+        nonce: random_u64(),
         host_id: opts.host_id.chars().take(255).collect(),
         export: url.export.clone(),
         auth: vec![],

@@ -423,7 +423,7 @@ fn native_handshake(
                 Ok(x) => x,
                 Err(e) => return refuse(s, Status::Invalid, &e.to_string()),
             };
-            match registry.hello(&hello, peer_s) {
+            match registry.hello(&hello, peer_s, None) {
                 Ok((reply, adm)) => {
                     let p = reply.encode();
                     if send_frame(s, &h.reply(Status::Ok, p.len() as u32), &p).is_err() {

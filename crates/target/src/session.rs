@@ -123,7 +123,14 @@ impl Registry {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn hello(&self, h: &Hello, peer: &str) -> Result<(HelloReply, Admitted), Status> {
+    /// Admits a HELLO. `link_payload` is the target's own largest frame payload on a datagram
+    /// link, `None` on TCP.
+    pub fn hello(
+        &self,
+        h: &Hello,
+        peer: &str,
+        link_payload: Option<u32>,
+    ) -> Result<(HelloReply, Admitted), Status> {
         let export = self
             .exports
             .iter()
@@ -148,6 +155,12 @@ impl Registry {
             max_io,
             session: id,
             cookie,
+            frame_payload: match link_payload {
+                // TCP: nothing is fragmented.
+                None => max_io,
+                // Datagrams: what both ends' links carry, in 512-byte units.
+                Some(link) => (h.frame_payload.min(link).min(max_io) / 512 * 512).max(512),
+            },
         };
         Ok((
             reply,

@@ -72,7 +72,8 @@ impl Flags {
     pub const FUA: u16 = 1 << 1;
     pub const CRC: u16 = 1 << 2;
     pub const NO_HOLE: u16 = 1 << 3;
-    pub const KNOWN: u16 = Self::REPLY | Self::FUA | Self::CRC | Self::NO_HOLE;
+    pub const HAVE: u16 = 1 << 4;
+    pub const KNOWN: u16 = Self::REPLY | Self::FUA | Self::CRC | Self::NO_HOLE | Self::HAVE;
 
     pub fn has(self, bit: u16) -> bool {
         self.0 & bit != 0
@@ -387,7 +388,9 @@ impl Header {
             });
         }
         let frag_offset = u32_at(36);
-        let carries_data = matches!(opcode, Opcode::Read | Opcode::Write);
+        // Fragment data must lie inside the message; a HAVE bitmap is not message data.
+        let carries_data =
+            matches!(opcode, Opcode::Read | Opcode::Write) && !flags.has(Flags::HAVE);
         if carries_data && frag_offset as u64 + payload_len as u64 > length as u64 {
             return Err(FrameError::PayloadOutsideMessage);
         }

@@ -158,6 +158,10 @@ pub struct Hello {
     pub depth: u16,
     pub max_io: u32,
     pub client_features: u64,
+    /// Datagrams: the largest frame payload the initiator's link carries (0 on TCP).
+    pub frame_payload: u32,
+    /// Random per HELLO attempt, so a retransmitted HELLO maps to the same session.
+    pub nonce: u64,
     pub host_id: String,
     pub export: String,
     pub auth: Vec<u8>,
@@ -170,6 +174,7 @@ impl Hello {
             .u16(self.depth)
             .u32(self.max_io)
             .u64(self.client_features);
+        w.u32(self.frame_payload).u64(self.nonce);
         w.str(&self.host_id)?
             .str(&self.export)?
             .bytes16(&self.auth)?;
@@ -183,6 +188,8 @@ impl Hello {
             depth: r.u16()?,
             max_io: r.u32()?,
             client_features: r.u64()?,
+            frame_payload: r.u32()?,
+            nonce: r.u64()?,
             host_id: r.str()?,
             export: r.str()?,
             auth: r.bytes16()?.to_vec(),
@@ -212,10 +219,12 @@ pub struct HelloReply {
     pub max_io: u32,
     pub session: u32,
     pub cookie: u64,
+    /// Payload bytes per fragment on datagrams; equal to `max_io` on TCP.
+    pub frame_payload: u32,
 }
 
 impl HelloReply {
-    pub const LEN: usize = 44;
+    pub const LEN: usize = 48;
 
     pub fn encode(&self) -> Vec<u8> {
         let mut w = PayloadWriter::default();
@@ -228,6 +237,7 @@ impl HelloReply {
             .u32(self.max_io)
             .u32(self.session)
             .u64(self.cookie);
+        w.u32(self.frame_payload);
         w.buf
     }
 
@@ -243,6 +253,7 @@ impl HelloReply {
             max_io: r.u32()?,
             session: r.u32()?,
             cookie: r.u64()?,
+            frame_payload: r.u32()?,
         };
         r.finish()?;
         let pow2 = |v: u32| v >= 512 && v.is_power_of_two();
@@ -255,6 +266,9 @@ impl HelloReply {
             return Err(PayloadError::Invalid(
                 "granted queues, depth or max I/O out of range",
             ));
+        }
+        if h.frame_payload < 512 || h.frame_payload > h.max_io {
+            return Err(PayloadError::Invalid("frame payload out of range"));
         }
         Ok(h)
     }
@@ -309,6 +323,8 @@ mod tests {
             depth: 128,
             max_io: 1 << 20,
             client_features: 0,
+            frame_payload: 0,
+            nonce: 42,
             host_id: "host-a".into(),
             export: "disk0".into(),
             auth: vec![],
@@ -324,6 +340,7 @@ mod tests {
             max_io: 1 << 20,
             session: 9,
             cookie: 0x1234_5678_9abc_def0,
+            frame_payload: 8704,
         };
         let enc = r.encode();
         assert_eq!(enc.len(), HelloReply::LEN);
@@ -337,6 +354,8 @@ mod tests {
             depth: 1,
             max_io: 4096,
             client_features: 0,
+            frame_payload: 0,
+            nonce: 42,
             host_id: "h".into(),
             export: "e".into(),
             auth: vec![],

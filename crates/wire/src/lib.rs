@@ -16,3 +16,25 @@ pub use handshake::{
 /// 32 MiB, well above the 1 MiB default, small enough that a hostile length cannot make a
 /// receiver allocate without bound.
 pub const MAX_PAYLOAD_LIMIT: u32 = 32 << 20;
+
+/// Number of fragments a message of `len` bytes needs at `frame_payload` bytes each (PROTOCOL.md
+/// §9.3); at least 1 (a message without data is one frame).
+pub fn fragment_count(len: u32, frame_payload: u32) -> u32 {
+    len.div_ceil(frame_payload.max(1)).max(1)
+}
+
+/// Bitmap of fragments (bit `i` of byte `i / 8`, LSB first), as carried with flag `HAVE`.
+pub mod bitmap {
+    pub fn bytes_for(count: u32) -> usize {
+        count.div_ceil(8) as usize
+    }
+    pub fn get(map: &[u8], i: u32) -> bool {
+        map.get((i / 8) as usize)
+            .is_some_and(|b| b & (1 << (i % 8)) != 0)
+    }
+    pub fn set(map: &mut [u8], i: u32) {
+        if let Some(b) = map.get_mut((i / 8) as usize) {
+            *b |= 1 << (i % 8);
+        }
+    }
+}

@@ -59,6 +59,54 @@ impl Target {
         Target { child, base }
     }
 
+    /// Like [`Target::start_with`], but waits for the `listening` line of every listener (the
+    /// implicit `tcp://` one plus one per `--listen` in `extra`) and returns them all, in the
+    /// order the target printed them.
+    pub fn start_listeners(exports: &[&str], extra: &[&str]) -> (Target, Vec<String>) {
+        let want = 1 + extra.iter().filter(|a| **a == "--listen").count();
+        let mut cmd = Command::new(BIN);
+        cmd.args([
+            "serve",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--log-level",
+            "warn",
+        ]);
+        for e in exports {
+            cmd.args(["--export", e]);
+        }
+        cmd.args(extra);
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn blkwire serve");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(u) = line.strip_prefix("listening ") {
+                    let _ = tx.send(u.to_string());
+                }
+            }
+        });
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let mut urls = Vec::new();
+        while urls.len() < want {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(u) => urls.push(u),
+                Err(_) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    panic!("target reported {urls:?}, expected {want} listening addresses");
+                }
+            }
+        }
+        let base = urls[0].clone();
+        (Target { child, base }, urls)
+    }
+
     pub fn url(&self, export: &str) -> String {
         format!("{}/{export}", self.base)
     }
