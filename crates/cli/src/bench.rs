@@ -145,7 +145,13 @@ pub fn run(a: Args) -> Result<(), String> {
     if a.json {
         let queues: Vec<_> = per_queue
             .iter()
-            .map(|q| json!({"frames_out": q.frames_out, "frames_in": q.frames_in, "late_replies": q.late_replies, "errors": q.errors}))
+            .map(|q| {
+                json!({
+                    "frames_out": q.frames_out, "frames_in": q.frames_in, "late_replies": q.late_replies,
+                    "errors": q.errors, "retransmits": q.retransmits, "crc_errors": q.crc_errors,
+                    "duplicates": q.duplicates, "timeouts": q.timeouts, "rto_us": q.rto_us, "window": q.window,
+                })
+            })
             .collect();
         println!(
             "{}",

@@ -8,7 +8,9 @@
 //! Every wait is bounded: a target that dies or stops answering yields [`Error::Closed`] or
 //! [`Error::Timeout`], never a hang.
 
+mod dgram;
 mod queue;
+mod stream;
 mod url;
 
 use std::io::{Read, Write};
@@ -20,7 +22,7 @@ use blkwire_wire::{
 };
 
 pub use queue::{Cmd, Completion, Queue, QueueStats};
-pub use url::Url;
+pub use url::{format_mac, parse_mac, Transport, Url};
 
 /// Everything that can go wrong, each with a one-line explanation.
 #[derive(Debug)]
@@ -240,45 +242,50 @@ pub fn stats(url: &Url, timeout: Duration) -> Result<String> {
 
 /// Opens a session on `url`'s export with as many queues as the target grants.
 pub fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
-    let mut s0 = dial(url, opts.timeout)?;
-    let hello = Hello {
+    match url.transport {
+        Transport::Tcp => connect_tcp(url, opts),
+        Transport::Udp => {
+            let addr = resolve(url)?;
+            connect_dgram(url, opts, &|_, _| dgram::udp_link(addr))
+        }
+        Transport::Eth { mac } => {
+            connect_dgram(url, opts, &|queue, session| dgram::eth_link(&url.host, mac, queue, session))
+        }
+    }
+}
+
+fn hello_for(url: &Url, opts: &ConnectOptions, frame_payload: u32) -> Result<Vec<u8>> {
+    Hello {
         queues: opts.queues.max(1),
         depth: opts.depth.max(1),
         max_io: opts.max_io.max(512),
         client_features: 0,
-        frame_payload: 0,
+        frame_payload,
         nonce: random_u64(),
         host_id: opts.host_id.chars().take(255).collect(),
         export: url.export.clone(),
         auth: vec![],
-    };
-    let payload = hello
-        .encode()
-        .map_err(|e| Error::Usage(format!("export name: {e}")))?;
-    let mut h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
-    h.payload_len = payload.len() as u32;
-    let (r, p) = exchange(&mut s0, &h, &payload, 4096)?;
-    if r.status != Status::Ok {
-        let what = match r.status {
-            Status::NoExport => {
-                let names = list(url, opts.timeout)
-                    .map(|l| l.into_iter().map(|e| e.name).collect::<Vec<_>>().join(", "))
-                    .unwrap_or_default();
-                format!(
-                    "export '{}' on {} (available: {names})",
-                    url.export,
-                    url.authority()
-                )
-            }
-            _ => format!("open export '{}' on {}", url.export, url.authority()),
-        };
-        return Err(Error::Status {
-            what,
-            status: r.status,
-        });
     }
-    let reply = HelloReply::decode(&p).map_err(|e| Error::Protocol(e.to_string()))?;
-    let info = ExportInfo {
+    .encode()
+    .map_err(|e| Error::Usage(format!("export name: {e}")))
+}
+
+/// Turns a refused HELLO into a message naming what the target offers.
+fn hello_refused(url: &Url, opts: &ConnectOptions, status: Status) -> Error {
+    let what = match status {
+        Status::NoExport => {
+            let names = list(url, opts.timeout)
+                .map(|l| l.into_iter().map(|e| e.name).collect::<Vec<_>>().join(", "))
+                .unwrap_or_default();
+            format!("export '{}' on {} (available: {names})", url.export, url.authority())
+        }
+        _ => format!("open export '{}' on {}", url.export, url.authority()),
+    };
+    Error::Status { what, status }
+}
+
+fn info_from(url: &Url, reply: &HelloReply) -> ExportInfo {
+    ExportInfo {
         name: url.export.clone(),
         size: reply.size,
         logical_block: reply.logical_block,
@@ -288,8 +295,84 @@ pub fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
         depth: reply.depth,
         max_io: reply.max_io,
         session: reply.session,
+    }
+}
+
+fn resolve(url: &Url) -> Result<std::net::SocketAddr> {
+    let addr = url.authority();
+    addr.to_socket_addrs()
+        .map_err(|e| Error::Connect { addr: addr.clone(), source: e })?
+        .next()
+        .ok_or_else(|| Error::Connect { addr, source: std::io::Error::other("no address found") })
+}
+
+/// Opens the link of queue `q` (with the session id once known).
+type LinkFactory<'a> = &'a dyn Fn(u16, Option<u32>) -> Result<dgram::Link>;
+
+/// Datagram session (PROTOCOL.md §9): one socket per queue (UDP: its own source port; Ethernet:
+/// a packet socket filtered to that queue).
+fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Result<Session> {
+    let hs_timeout = opts.timeout.min(Duration::from_secs(10));
+    let link0 = open(0, None)?;
+    let payload = hello_for(url, opts, link0.mtu_payload)?;
+    let h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
+    let (r, p) = dgram::exchange(&link0, h, &payload, hs_timeout).map_err(|e| match e {
+        Error::Timeout(_) => Error::Connect {
+            addr: url.authority(),
+            source: std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer over UDP"),
+        },
+        e => e,
+    })?;
+    if r.status != Status::Ok {
+        return Err(hello_refused(url, opts, r.status));
+    }
+    let reply = HelloReply::decode(&p).map_err(|e| Error::Protocol(e.to_string()))?;
+    let info = info_from(url, &reply);
+    // Queue 0's socket was opened before the session existed: narrow its filter now.
+    let link0 = match url.transport {
+        Transport::Eth { .. } => open(0, Some(reply.session))?,
+        _ => link0,
     };
-    let mut queues = vec![Queue::new(s0, 0, &info, opts)?];
+    let mk = |link, q, credit: u16| {
+        Queue::dgram(dgram::DgramQueue::new(
+            link,
+            reply.session,
+            q,
+            reply.depth,
+            reply.max_io,
+            reply.frame_payload,
+            credit as u32,
+            opts.timeout,
+            opts.poll,
+        ))
+    };
+    let mut queues = vec![mk(link0, 0, r.credit)];
+    for q in 1..reply.queues {
+        let link = open(q, Some(reply.session))?;
+        let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
+        h.session = reply.session;
+        h.queue = q;
+        let (r, _) = dgram::exchange(&link, h, &reply.cookie.to_le_bytes(), hs_timeout)?;
+        if r.status != Status::Ok {
+            return Err(Error::Status { what: format!("join queue {q}"), status: r.status });
+        }
+        queues.push(mk(link, q, r.credit));
+    }
+    Ok(Session { info, queues })
+}
+
+fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
+    let mut s0 = dial(url, opts.timeout)?;
+    let payload = hello_for(url, opts, 0)?;
+    let mut h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
+    h.payload_len = payload.len() as u32;
+    let (r, p) = exchange(&mut s0, &h, &payload, 4096)?;
+    if r.status != Status::Ok {
+        return Err(hello_refused(url, opts, r.status));
+    }
+    let reply = HelloReply::decode(&p).map_err(|e| Error::Protocol(e.to_string()))?;
+    let info = info_from(url, &reply);
+    let mut queues = vec![Queue::stream(stream::StreamQueue::new(s0, 0, &info, opts)?)];
     for q in 1..reply.queues {
         let mut s = dial(url, opts.timeout)?;
         let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
@@ -303,7 +386,7 @@ pub fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
                 status: r.status,
             });
         }
-        queues.push(Queue::new(s, q, &info, opts)?);
+        queues.push(Queue::stream(stream::StreamQueue::new(s, q, &info, opts)?));
     }
     Ok(Session { info, queues })
 }

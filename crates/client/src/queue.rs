@@ -1,12 +1,12 @@
-//! One queue: one connection, `depth` slots, owned by one thread (PROTOCOL.md §6).
+//! A queue: `depth` slots owned by one thread (PROTOCOL.md §6), over whichever transport the
+//! session uses. The pipelined API (`submit`, `send`, `complete`) is the transport's; the blocking
+//! helpers (`read_at`, `write_at`, ...) are written once on top of it.
 
-use std::net::TcpStream;
-use std::os::fd::AsRawFd;
-use std::time::{Duration, Instant};
+use blkwire_wire::Status;
 
-use blkwire_wire::{Flags, Header, Opcode, Status, Tag, HEADER_LEN};
-
-use crate::{ConnectOptions, Error, ExportInfo, Result};
+use crate::dgram::DgramQueue;
+use crate::stream::StreamQueue;
+use crate::{Error, Result};
 
 /// A command to submit. Offsets and lengths in bytes.
 #[derive(Clone, Copy, Debug)]
@@ -50,347 +50,94 @@ pub struct QueueStats {
     pub late_replies: u64,
     /// Replies with a non-OK status.
     pub errors: u64,
+    /// Datagrams: frames sent again after a timeout or a HAVE bitmap.
+    pub retransmits: u64,
+    /// Datagrams: frames dropped for a bad or missing CRC.
+    pub crc_errors: u64,
+    /// Datagrams: fragments received twice, dropped.
+    pub duplicates: u64,
+    /// Datagrams: requests given up after the give-up time (failed with EIO).
+    pub timeouts: u64,
+    /// Datagrams: current retransmission timeout, microseconds.
+    pub rto_us: u64,
+    /// Datagrams: current window of frames in flight.
+    pub window: u64,
 }
 
-#[derive(Clone, Copy, Default)]
-struct Slot {
-    generation: u16,
-    busy: bool,
-    opcode: u8,
-    len: u32,
-    user: u64,
-}
-
+/// One queue of a session, owned by one thread.
 pub struct Queue {
-    sock: TcpStream,
-    index: u16,
-    max_io: u32,
-    slots: Vec<Slot>,
-    free: Vec<u16>,
-    tx: Vec<u8>,
-    tx_sent: usize,
-    rx: Vec<u8>,
-    rx_start: usize,
-    rx_end: usize,
-    timeout: Duration,
-    spin: blkwire_spin::AdaptiveSpin,
-    stats: QueueStats,
+    inner: Inner,
+}
+
+enum Inner {
+    Stream(StreamQueue),
+    Dgram(Box<DgramQueue>),
+}
+
+macro_rules! each {
+    ($self:expr, $q:ident => $e:expr) => {
+        match &mut $self.inner {
+            Inner::Stream($q) => $e,
+            Inner::Dgram($q) => $e,
+        }
+    };
 }
 
 impl Queue {
-    pub(crate) fn new(
-        sock: TcpStream,
-        index: u16,
-        info: &ExportInfo,
-        opts: &ConnectOptions,
-    ) -> Result<Queue> {
-        sock.set_nonblocking(true)?;
-        let depth = info.depth;
-        Ok(Queue {
-            sock,
-            index,
-            max_io: info.max_io,
-            slots: vec![Slot::default(); depth as usize],
-            free: (0..depth).rev().collect(),
-            tx: Vec::with_capacity(256 << 10),
-            tx_sent: 0,
-            rx: vec![0; info.max_io as usize + HEADER_LEN + (256 << 10)],
-            rx_start: 0,
-            rx_end: 0,
-            timeout: opts.timeout,
-            spin: blkwire_spin::AdaptiveSpin::new(opts.poll),
-            stats: QueueStats::default(),
-        })
+    pub(crate) fn stream(q: StreamQueue) -> Queue {
+        Queue { inner: Inner::Stream(q) }
+    }
+
+    pub(crate) fn dgram(q: DgramQueue) -> Queue {
+        Queue { inner: Inner::Dgram(Box::new(q)) }
     }
 
     pub fn index(&self) -> u16 {
-        self.index
+        match &self.inner {
+            Inner::Stream(q) => q.index(),
+            Inner::Dgram(q) => q.index(),
+        }
     }
     pub fn depth(&self) -> usize {
-        self.slots.len()
+        match &self.inner {
+            Inner::Stream(q) => q.depth(),
+            Inner::Dgram(q) => q.depth(),
+        }
     }
     pub fn max_io(&self) -> u32 {
-        self.max_io
+        match &self.inner {
+            Inner::Stream(q) => q.max_io(),
+            Inner::Dgram(q) => q.max_io(),
+        }
     }
     pub fn in_flight(&self) -> usize {
-        self.slots.len() - self.free.len()
+        match &self.inner {
+            Inner::Stream(q) => q.in_flight(),
+            Inner::Dgram(q) => q.in_flight(),
+        }
     }
     pub fn stats(&self) -> QueueStats {
-        self.stats
+        match &self.inner {
+            Inner::Stream(q) => q.stats(),
+            Inner::Dgram(q) => q.stats(),
+        }
     }
 
     /// Queues a command for sending (nothing is sent until [`Queue::send`] or a wait). `user` comes
     /// back in its completion. Fails only when every slot is busy or the command is malformed.
     pub fn submit(&mut self, cmd: Cmd<'_>, user: u64) -> Result<()> {
-        let (op, offset, len, flags, payload): (Opcode, u64, u32, u16, &[u8]) = match cmd {
-            Cmd::Read { offset, len } => (Opcode::Read, offset, len, 0, &[]),
-            Cmd::Write { offset, data, fua } => {
-                let len = u32::try_from(data.len())
-                    .map_err(|_| Error::Usage("write too large".into()))?;
-                (
-                    Opcode::Write,
-                    offset,
-                    len,
-                    if fua { Flags::FUA } else { 0 },
-                    data,
-                )
-            }
-            Cmd::Flush => (Opcode::Flush, 0, 0, 0, &[]),
-            Cmd::Trim { offset, len } => (Opcode::Trim, offset, len, 0, &[]),
-            Cmd::WriteZeroes {
-                offset,
-                len,
-                no_hole,
-            } => (
-                Opcode::WriteZeroes,
-                offset,
-                len,
-                if no_hole { Flags::NO_HOLE } else { 0 },
-                &[],
-            ),
-            Cmd::Keepalive => (Opcode::Keepalive, 0, 0, 0, &[]),
-        };
-        if matches!(op, Opcode::Read | Opcode::Write) && (len == 0 || len > self.max_io) {
-            return Err(Error::Usage(format!(
-                "I/O of {len} bytes outside 1..={} (split larger requests)",
-                self.max_io
-            )));
-        }
-        let slot = self
-            .free
-            .pop()
-            .ok_or_else(|| Error::Usage("all queue slots are busy".into()))?;
-        let s = &mut self.slots[slot as usize];
-        s.generation = s.generation.wrapping_add(1);
-        s.busy = true;
-        s.opcode = op as u8;
-        s.len = len;
-        s.user = user;
-        let mut h = Header::request(op, Tag::new(slot, s.generation), offset, len);
-        h.flags = Flags(flags);
-        h.queue = self.index;
-        h.payload_len = payload.len() as u32;
-        self.tx.extend_from_slice(&h.to_bytes());
-        self.tx.extend_from_slice(payload);
-        self.stats.frames_out += 1;
-        Ok(())
+        each!(self, q => q.submit(cmd, user))
     }
 
-    /// Sends everything queued. While the socket is full it keeps reading replies into the receive
-    /// buffer, so a target blocked on sending to us can never deadlock with us.
+    /// Sends everything queued (as far as flow control allows, on datagrams).
     pub fn send(&mut self) -> Result<()> {
-        let deadline = Instant::now() + self.timeout;
-        while self.tx_sent < self.tx.len() {
-            // SAFETY: send from our own buffer on our own socket.
-            let n = unsafe {
-                libc::send(
-                    self.sock.as_raw_fd(),
-                    self.tx[self.tx_sent..].as_ptr().cast(),
-                    self.tx.len() - self.tx_sent,
-                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-                )
-            };
-            if n >= 0 {
-                self.tx_sent += n as usize;
-                continue;
-            }
-            let e = std::io::Error::last_os_error();
-            match e.raw_os_error() {
-                Some(libc::EINTR) => continue,
-                Some(libc::EAGAIN) => {
-                    let ev = self.wait_fd(libc::POLLOUT | libc::POLLIN, deadline)?;
-                    if ev & libc::POLLIN != 0 {
-                        self.fill(true)?;
-                    }
-                }
-                Some(libc::EPIPE) | Some(libc::ECONNRESET) => return Err(Error::Closed),
-                _ => return Err(Error::Io(e)),
-            }
-        }
-        self.tx.clear();
-        self.tx_sent = 0;
-        Ok(())
+        each!(self, q => q.send())
     }
 
     /// Sends what is queued, then delivers completions to `f` until at least `min` have been
     /// delivered (0: only those already received). Returns how many were delivered.
-    pub fn complete(&mut self, min: usize, mut f: impl FnMut(Completion<'_>)) -> Result<usize> {
-        self.send()?;
-        let mut done = self.deliver(&mut f)?;
-        let deadline = Instant::now() + self.timeout;
-        while done < min {
-            if self.in_flight() == 0 {
-                return Err(Error::Usage(
-                    "waiting for completions with nothing in flight".into(),
-                ));
-            }
-            let mut spin = std::mem::take(&mut self.spin);
-            let mut failed = None;
-            let got = spin.spin(|| match self.fill(false) {
-                Ok(got) => got,
-                Err(e) => {
-                    failed = Some(e);
-                    true
-                }
-            });
-            self.spin = spin;
-            if let Some(e) = failed {
-                return Err(e);
-            }
-            if !got {
-                loop {
-                    self.wait_fd(libc::POLLIN, deadline)?;
-                    if self.fill(false)? {
-                        break;
-                    }
-                }
-            }
-            done += self.deliver(&mut f)?;
-        }
-        Ok(done)
-    }
-
-    /// Reads whatever the socket holds. Returns false when nothing was there.
-    /// With `grow`, the buffer grows instead of stopping when full (used while sending).
-    fn fill(&mut self, grow: bool) -> Result<bool> {
-        if self.rx_end == self.rx.len() {
-            if self.rx_start > 0 {
-                self.rx.copy_within(self.rx_start..self.rx_end, 0);
-                self.rx_end -= self.rx_start;
-                self.rx_start = 0;
-            } else if grow {
-                // Bounded: at most `depth` replies of at most max_io each can be outstanding.
-                let cap = self.slots.len() * (self.max_io as usize + HEADER_LEN) + self.rx.len();
-                let new = (self.rx.len() * 2).min(cap);
-                if new == self.rx.len() {
-                    return Err(Error::Protocol("more reply data than requested".into()));
-                }
-                self.rx.resize(new, 0);
-            } else {
-                return Ok(true); // full of unprocessed frames: the caller delivers them first
-            }
-        }
-        loop {
-            // SAFETY: recv into the free tail of our own buffer.
-            let n = unsafe {
-                libc::recv(
-                    self.sock.as_raw_fd(),
-                    self.rx[self.rx_end..].as_mut_ptr().cast(),
-                    self.rx.len() - self.rx_end,
-                    libc::MSG_DONTWAIT,
-                )
-            };
-            if n > 0 {
-                self.rx_end += n as usize;
-                return Ok(true);
-            }
-            if n == 0 {
-                return Err(Error::Closed);
-            }
-            let e = std::io::Error::last_os_error();
-            match e.raw_os_error() {
-                Some(libc::EINTR) => continue,
-                Some(libc::EAGAIN) => return Ok(false),
-                Some(libc::ECONNRESET) => return Err(Error::Closed),
-                _ => return Err(Error::Io(e)),
-            }
-        }
-    }
-
-    fn wait_fd(&self, events: i16, deadline: Instant) -> Result<i16> {
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::Timeout(self.timeout));
-            }
-            let mut p = libc::pollfd {
-                fd: self.sock.as_raw_fd(),
-                events,
-                revents: 0,
-            };
-            let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
-            // SAFETY: poll on one pollfd of ours.
-            let n = unsafe { libc::poll(&mut p, 1, ms) };
-            if n > 0 {
-                if p.revents & (libc::POLLERR | libc::POLLHUP) != 0 && p.revents & libc::POLLIN == 0
-                {
-                    return Err(Error::Closed);
-                }
-                return Ok(p.revents);
-            }
-            if n < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-                return Err(Error::Io(std::io::Error::last_os_error()));
-            }
-        }
-    }
-
-    /// Hands every complete reply in the receive buffer to `f`.
-    fn deliver(&mut self, f: &mut impl FnMut(Completion<'_>)) -> Result<usize> {
-        let mut n = 0;
-        loop {
-            let avail = self.rx_end - self.rx_start;
-            if avail < HEADER_LEN {
-                break;
-            }
-            let h = Header::decode(&self.rx[self.rx_start..self.rx_end], self.max_io)
-                .map_err(|e| Error::Protocol(e.to_string()))?;
-            let total = HEADER_LEN + h.payload_len as usize;
-            if avail < total {
-                if self.rx.len() - self.rx_start < total {
-                    self.rx.copy_within(self.rx_start..self.rx_end, 0);
-                    self.rx_end -= self.rx_start;
-                    self.rx_start = 0;
-                }
-                break;
-            }
-            let at = self.rx_start + HEADER_LEN;
-            self.rx_start += total;
-            self.stats.frames_in += 1;
-            if !h.is_reply() {
-                return Err(Error::Protocol(format!(
-                    "unexpected {:?} request from the target",
-                    h.opcode
-                )));
-            }
-            let slot = h.tag.slot() as usize;
-            let matches = self.slots.get(slot).is_some_and(|s| {
-                s.busy && s.generation == h.tag.generation() && s.opcode == h.opcode as u8
-            });
-            if !matches {
-                self.stats.late_replies += 1;
-                continue;
-            }
-            let s = self.slots[slot];
-            let expect = if h.opcode == Opcode::Read && h.status == Status::Ok {
-                s.len
-            } else {
-                0
-            };
-            if h.payload_len != expect {
-                return Err(Error::Protocol(format!(
-                    "reply carries {} bytes, expected {expect}",
-                    h.payload_len
-                )));
-            }
-            h.check_crc(&self.rx[at..at + total - HEADER_LEN])
-                .map_err(|e| Error::Protocol(e.to_string()))?;
-            self.slots[slot].busy = false;
-            self.free.push(slot as u16);
-            if h.status != Status::Ok {
-                self.stats.errors += 1;
-            }
-            n += 1;
-            f(Completion {
-                user: s.user,
-                status: h.status,
-                data: &self.rx[at..at + expect as usize],
-            });
-        }
-        if self.rx_start == self.rx_end {
-            self.rx_start = 0;
-            self.rx_end = 0;
-        }
-        Ok(n)
+    pub fn complete(&mut self, min: usize, f: impl FnMut(Completion<'_>)) -> Result<usize> {
+        each!(self, q => q.complete(min, f))
     }
 
     /// Runs a batch of commands of at most `max_io` each, keeping the pipeline full, and returns
@@ -406,7 +153,7 @@ impl Queue {
         let mut finished = 0;
         let mut failed: Option<(usize, Status)> = None;
         while finished < count {
-            while next < count && !self.free.is_empty() && failed.is_none() {
+            while next < count && self.in_flight() < self.depth() && failed.is_none() {
                 self.submit(each(next), next as u64)?;
                 next += 1;
             }
@@ -432,7 +179,7 @@ impl Queue {
 
     /// Reads `buf.len()` bytes at `offset`, split into pipelined requests of `max_io`.
     pub fn read_at(&mut self, buf: &mut [u8], offset: u64) -> Result<()> {
-        let chunk = self.max_io as usize;
+        let chunk = self.max_io() as usize;
         let n = buf.len().div_ceil(chunk);
         let total = buf.len();
         let len_of = move |i: usize| (total - i * chunk).min(chunk);
@@ -449,7 +196,7 @@ impl Queue {
 
     /// Writes `data` at `offset`, split into pipelined requests of `max_io`.
     pub fn write_at(&mut self, data: &[u8], offset: u64, fua: bool) -> Result<()> {
-        let chunk = self.max_io as usize;
+        let chunk = self.max_io() as usize;
         let n = data.len().div_ceil(chunk);
         self.run_batch(
             n,
@@ -508,10 +255,26 @@ impl Queue {
         self.run_batch(1, |_| Cmd::Keepalive, |_, _| {}, || "keepalive".into())
     }
 
+    /// Test hook: sends `frame` as it is on a datagram queue (to replay stale or forged frames).
+    #[doc(hidden)]
+    pub fn send_raw_frame(&mut self, frame: &[u8]) -> Result<()> {
+        match &mut self.inner {
+            Inner::Dgram(q) => q.send_raw(frame),
+            Inner::Stream(_) => Err(Error::Usage("raw frames are for datagram queues".into())),
+        }
+    }
+
+    /// The session id this queue belongs to, for building raw frames in tests.
+    #[doc(hidden)]
+    pub fn session_id(&self) -> Option<u32> {
+        match &self.inner {
+            Inner::Dgram(q) => Some(q.session()),
+            Inner::Stream(_) => None,
+        }
+    }
+
     /// Ends the queue cleanly after everything in flight (PROTOCOL.md §2.5).
     pub fn logout(mut self) -> Result<()> {
-        let h = Header::request(Opcode::Logout, Tag::new(0, 0), 0, 0);
-        self.tx.extend_from_slice(&h.to_bytes());
-        self.send()
+        each!(self, q => q.logout())
     }
 }

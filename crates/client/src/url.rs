@@ -1,37 +1,79 @@
-//! `tcp://HOST[:PORT]/EXPORT` (IPv6 as `tcp://[::1]:7700/x`; the port defaults to 7700).
+//! Export URLs:
+//! - `tcp://HOST[:PORT]/EXPORT` (IPv6 as `tcp://[::1]:7700/x`; the port defaults to 7700),
+//! - `udp://HOST[:PORT]/EXPORT` (the port defaults to 7701),
+//! - `eth://IFACE/TARGET-MAC/EXPORT` (raw Ethernet on a local interface).
 
 use crate::Error;
 
 pub const DEFAULT_PORT: u16 = 7700;
+pub const DEFAULT_UDP_PORT: u16 = 7701;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Transport {
+    Tcp,
+    Udp,
+    /// Raw Ethernet to the target's MAC address on a local interface.
+    Eth { mac: [u8; 6] },
+}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Url {
+    pub transport: Transport,
+    /// Host name or address; for `eth://`, the interface name.
     pub host: String,
     pub port: u16,
     /// Empty when the URL names only the target.
     pub export: String,
 }
 
+pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = s.split([':', '-']);
+    for b in mac.iter_mut() {
+        let p = parts.next()?;
+        if p.len() != 2 {
+            return None;
+        }
+        *b = u8::from_str_radix(p, 16).ok()?;
+    }
+    parts.next().is_none().then_some(mac)
+}
+
+pub fn format_mac(m: &[u8; 6]) -> String {
+    format!("{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}", m[0], m[1], m[2], m[3], m[4], m[5])
+}
+
 impl Url {
     pub fn parse(s: &str) -> Result<Url, Error> {
         let bad = |why: &str| {
-            Error::Usage(format!("bad URL '{s}': {why}; expected tcp://HOST:PORT/EXPORT, e.g. tcp://127.0.0.1:7700/disk0"))
+            Error::Usage(format!(
+                "bad URL '{s}': {why}; expected tcp://HOST:PORT/EXPORT, udp://HOST:PORT/EXPORT or eth://IFACE/TARGET-MAC/EXPORT"
+            ))
         };
-        let rest = match s.split_once("://") {
-            Some(("tcp", rest)) => rest,
-            Some((scheme @ ("udp" | "eth" | "nbd"), _)) => {
-                return Err(bad(&format!(
-                    "{scheme}:// is not supported by this version"
-                )))
+        let (transport, rest) = match s.split_once("://") {
+            Some(("tcp", rest)) => (Transport::Tcp, rest),
+            Some(("udp", rest)) => (Transport::Udp, rest),
+            Some(("eth", rest)) => {
+                let mut parts = rest.splitn(3, '/');
+                let iface = parts.next().unwrap_or_default();
+                let mac = parts.next().unwrap_or_default();
+                let export = parts.next().unwrap_or_default();
+                if iface.is_empty() || iface.len() > 15 {
+                    return Err(bad("no interface name (at most 15 characters)"));
+                }
+                let mac = parse_mac(mac).ok_or_else(|| bad(&format!("bad MAC address '{mac}'")))?;
+                if export.contains('/') || export.len() > 255 {
+                    return Err(bad("export names have at most 255 characters and no '/'"));
+                }
+                return Ok(Url { transport: Transport::Eth { mac }, host: iface.into(), port: 0, export: export.into() });
             }
+            Some(("nbd", _)) => return Err(bad("nbd:// is for NBD clients (qemu, nbdinfo); blkwire itself speaks tcp://, udp:// and eth://")),
             Some((scheme, _)) => return Err(bad(&format!("unknown scheme '{scheme}'"))),
             None => return Err(bad("no scheme")),
         };
         let (authority, export) = rest.split_once('/').unwrap_or((rest, ""));
         let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
-            let (h, after) = v6
-                .split_once(']')
-                .ok_or_else(|| bad("unclosed '[' in IPv6 address"))?;
+            let (h, after) = v6.split_once(']').ok_or_else(|| bad("unclosed '[' in IPv6 address"))?;
             let port = match after {
                 "" => None,
                 p => Some(p.strip_prefix(':').ok_or_else(|| bad("junk after ']'"))?),
@@ -47,17 +89,14 @@ impl Url {
             return Err(bad("no host"));
         }
         let port = match port {
+            None if transport == Transport::Udp => DEFAULT_UDP_PORT,
             None => DEFAULT_PORT,
             Some(p) => p.parse().map_err(|_| bad(&format!("bad port '{p}'")))?,
         };
         if export.contains('/') || export.len() > 255 {
             return Err(bad("export names have at most 255 characters and no '/'"));
         }
-        Ok(Url {
-            host: host.to_string(),
-            port,
-            export: export.to_string(),
-        })
+        Ok(Url { transport, host: host.to_string(), port, export: export.to_string() })
     }
 
     /// `host:port`, bracketing IPv6 literals, for connecting and messages.
@@ -77,7 +116,11 @@ impl Url {
 
 impl std::fmt::Display for Url {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "tcp://{}/{}", self.authority(), self.export)
+        match &self.transport {
+            Transport::Tcp => write!(f, "tcp://{}/{}", self.authority(), self.export),
+            Transport::Udp => write!(f, "udp://{}/{}", self.authority(), self.export),
+            Transport::Eth { mac } => write!(f, "eth://{}/{}/{}", self.host, format_mac(mac), self.export),
+        }
     }
 }
 
@@ -88,22 +131,19 @@ mod tests {
     #[test]
     fn parses_forms() {
         let u = Url::parse("tcp://storage1:7701/disk0").unwrap();
-        assert_eq!(
-            (u.host.as_str(), u.port, u.export.as_str()),
-            ("storage1", 7701, "disk0")
-        );
+        assert_eq!((u.host.as_str(), u.port, u.export.as_str()), ("storage1", 7701, "disk0"));
         let u = Url::parse("tcp://[::1]:7700/x").unwrap();
-        assert_eq!(
-            (u.host.as_str(), u.authority().as_str()),
-            ("::1", "[::1]:7700")
-        );
+        assert_eq!((u.host.as_str(), u.authority().as_str()), ("::1", "[::1]:7700"));
         assert_eq!(Url::parse("tcp://h/e").unwrap().port, DEFAULT_PORT);
+        assert_eq!(Url::parse("udp://h/e").unwrap().port, DEFAULT_UDP_PORT);
+        assert_eq!(Url::parse("udp://[::1]:9/e").unwrap().transport, Transport::Udp);
         assert_eq!(Url::parse("tcp://h:1").unwrap().export, "");
         assert_eq!(Url::parse("tcp://[::1]/e").unwrap().port, DEFAULT_PORT);
-        assert_eq!(
-            Url::parse("tcp://h:1/e").unwrap().to_string(),
-            "tcp://h:1/e"
-        );
+        assert_eq!(Url::parse("tcp://h:1/e").unwrap().to_string(), "tcp://h:1/e");
+        let e = Url::parse("eth://enp1s0/02:aa:bb:cc:dd:ee/disk0").unwrap();
+        assert_eq!(e.transport, Transport::Eth { mac: [2, 0xaa, 0xbb, 0xcc, 0xdd, 0xee] });
+        assert_eq!((e.host.as_str(), e.export.as_str()), ("enp1s0", "disk0"));
+        assert_eq!(e.to_string(), "eth://enp1s0/02:aa:bb:cc:dd:ee/disk0");
     }
 
     #[test]
@@ -115,7 +155,10 @@ mod tests {
             "tcp://h:port/e",
             "tcp://[::1/e",
             "tcp://h:1/a/b",
-            "udp://h:1/e",
+            "nbd://h:1/e",
+            "eth://eth0/zz:aa:bb:cc:dd:ee/x",
+            "eth:///02:aa:bb:cc:dd:ee/x",
+            "eth://eth0/02:aa:bb/x",
         ] {
             let e = Url::parse(s).unwrap_err().to_string();
             assert!(e.contains("bad URL"), "{s}: {e}");

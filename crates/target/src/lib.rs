@@ -3,8 +3,10 @@
 //! the reactor threads, which owns it from then on (see `reactor.rs` and docs/ARCHITECTURE.md).
 
 mod codec;
+mod dgram;
 pub mod log;
 mod nbd;
+mod ports;
 mod reactor;
 mod session;
 mod stats;
@@ -52,6 +54,7 @@ struct Worker {
 
 pub struct Target {
     listeners: Vec<(TcpListener, String, Frontend)>,
+    dgram_urls: Vec<String>,
     registry: Arc<Registry>,
     workers: Vec<Worker>,
     stop: Arc<OwnedFd>,
@@ -117,11 +120,6 @@ pub fn parse_listen(url: &str) -> Result<(Frontend, Vec<SocketAddr>), String> {
                 },
             )
         }
-        Some((scheme @ ("udp" | "eth"), _)) => {
-            return Err(format!(
-                "listen address '{url}': {scheme}:// is not supported yet ({help})"
-            ))
-        }
         _ => return Err(format!("bad listen address '{url}': {help}")),
     };
     let rest = rest.trim_end_matches('/');
@@ -145,7 +143,7 @@ impl Target {
             );
         }
         if cfg.listen.is_empty() {
-            return Err("nothing to listen on: add --listen tcp://ADDR:PORT".into());
+            return Err("nothing to listen on: add --listen tcp://ADDR:PORT (or nbd://, udp://, eth://IFACE)".into());
         }
         let mut exports = Vec::new();
         for spec in &cfg.exports {
@@ -155,7 +153,12 @@ impl Target {
             exports.push(Arc::new(Export::open(spec).map_err(|e| e.to_string())?));
         }
         let mut listeners = Vec::new();
+        let mut dgram_listens = Vec::new();
         for url in &cfg.listen {
+            if let Some(d) = ports::parse(url) {
+                dgram_listens.push(d?);
+                continue;
+            }
             let (frontend, addrs) = parse_listen(url)?;
             let l = TcpListener::bind(&addrs[..])
                 .map_err(|e| format!("cannot listen on {url}: {e}"))?;
@@ -205,8 +208,22 @@ impl Target {
             }
             workers.push(Worker { tx, wake, handle });
         }
+        // Datagram sockets: one per reactor, handed over by message.
+        let mut dgram_urls = Vec::new();
+        for d in dgram_listens {
+            let (setups, url) = match d {
+                ports::DgramListen::Udp(a) => ports::open_udp(a, workers.len())?,
+                ports::DgramListen::Eth { iface, ethertype } => ports::open_eth(&iface, ethertype, workers.len())?,
+            };
+            for (w, setup) in workers.iter().zip(setups) {
+                w.tx.send(Msg::Port(setup)).map_err(|_| "reactor thread died".to_string())?;
+                eventfd_write(w.wake.as_raw_fd());
+            }
+            dgram_urls.push(url);
+        }
         let stop = Arc::new(eventfd().map_err(|e| format!("eventfd: {e}"))?);
         Ok(Target {
+            dgram_urls,
             listeners,
             registry,
             workers,
@@ -216,7 +233,9 @@ impl Target {
 
     /// The URLs actually bound (with the real port when 0 was asked for).
     pub fn urls(&self) -> Vec<String> {
-        self.listeners.iter().map(|(_, u, _)| u.clone()).collect()
+        let mut v: Vec<String> = self.listeners.iter().map(|(_, u, _)| u.clone()).collect();
+        v.extend(self.dgram_urls.iter().cloned());
+        v
     }
 
     pub fn stop_handle(&self) -> StopHandle {

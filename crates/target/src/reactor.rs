@@ -41,6 +41,8 @@ pub struct NewQueue {
 
 pub enum Msg {
     Queue(NewQueue),
+    /// A datagram socket this reactor serves from now on.
+    Port(crate::dgram::PortSetup),
     /// Report every live queue's counters on the sender (the reactor owns them; no sharing).
     Stats(std::sync::mpsc::Sender<Vec<QueueReport>>),
     Shutdown,
@@ -64,6 +66,8 @@ const KIND_POLL_IN: u64 = 2;
 const KIND_POLL_OUT: u64 = 3;
 const KIND_WAKE: u64 = 4;
 const KIND_CANCEL: u64 = 5;
+const KIND_PORT_IN: u64 = 6;
+const KIND_PORT_IO: u64 = 7;
 
 fn ud(kind: u64, incarnation: u32, conn: usize, slot: u16) -> u64 {
     kind << 60
@@ -217,6 +221,8 @@ pub struct Reactor {
     ready: VecDeque<usize>,
     /// Reused for every batch of completions (no allocation per loop).
     cqes: Vec<cqueue::Entry>,
+    /// Datagram sockets (UDP, raw Ethernet) owned by this reactor.
+    ports: Vec<crate::dgram::DgramPort>,
 }
 
 impl Reactor {
@@ -243,6 +249,7 @@ impl Reactor {
             shutdown_deadline: None,
             ready: VecDeque::new(),
             cqes: Vec::with_capacity(1024),
+            ports: Vec::new(),
         })
     }
 
@@ -251,8 +258,17 @@ impl Reactor {
         self.arm_wake();
         loop {
             self.drain_inbox();
-            if self.shutting_down && self.conns.iter().all(Option::is_none) {
+            if self.shutting_down
+                && self.conns.iter().all(Option::is_none)
+                && self.ports.iter().all(|p| !p.has_running())
+            {
+                for p in &mut self.ports {
+                    p.close_all();
+                }
                 break;
+            }
+            for p in &mut self.ports {
+                p.sweep();
             }
             while let Some(i) = self.ready.pop_front() {
                 self.service(i);
@@ -290,8 +306,18 @@ impl Reactor {
         while let Ok(m) = self.inbox.try_recv() {
             match m {
                 Msg::Queue(q) => self.add(q),
+                Msg::Port(setup) => {
+                    let idx = self.ports.len();
+                    let port = crate::dgram::DgramPort::new(setup, self.registry.clone());
+                    let poll = opcode::PollAdd::new(types::Fd(port.fd()), libc::POLLIN as u32)
+                        .multi(true)
+                        .build()
+                        .user_data(ud(KIND_PORT_IN, 0, idx, 0));
+                    Pusher(&mut self.ring).push(poll);
+                    self.ports.push(port);
+                }
                 Msg::Stats(reply) => {
-                    let r = self
+                    let mut r: Vec<QueueReport> = self
                         .conns
                         .iter()
                         .flatten()
@@ -303,6 +329,9 @@ impl Reactor {
                             stats: c.stats,
                         })
                         .collect();
+                    for p in &self.ports {
+                        r.extend(p.reports(self.id));
+                    }
                     let _ = reply.send(r);
                 }
                 Msg::Shutdown => {
@@ -394,8 +423,9 @@ impl Reactor {
         if self.spin.spin(|| !ring.completion().is_empty()) {
             return Ok(());
         }
-        let timeout = if self.shutdown_deadline.is_some() {
-            // Wake up to enforce the shutdown deadline even if nothing completes.
+        let timeout = if self.shutdown_deadline.is_some() || !self.ports.is_empty() {
+            // Wake up to enforce the shutdown deadline and expire idle datagram sessions even if
+            // nothing completes.
             Some(types::Timespec::new().sec(1))
         } else {
             None
@@ -428,6 +458,31 @@ impl Reactor {
                     continue;
                 }
                 KIND_CANCEL => continue,
+                KIND_PORT_IN | KIND_PORT_IO => {
+                    let (port, qi) = (idx >> 20, idx & 0xf_ffff);
+                    let Some(p) = self.ports.get_mut(if kind == KIND_PORT_IN { idx } else { port }) else {
+                        continue;
+                    };
+                    let mut sq = Pusher(&mut self.ring);
+                    let port_idx = if kind == KIND_PORT_IN { idx } else { port };
+                    let user_data = move |inc: u32, q: usize, slot: u16| {
+                        ud(KIND_PORT_IO, inc, port_idx << 20 | (q & 0xf_ffff), slot)
+                    };
+                    if kind == KIND_PORT_IN {
+                        if !cqueue::more(cqe.flags()) {
+                            let poll = opcode::PollAdd::new(types::Fd(p.fd()), libc::POLLIN as u32)
+                                .multi(true)
+                                .build()
+                                .user_data(ud(KIND_PORT_IN, 0, idx, 0));
+                            sq.push(poll);
+                        }
+                        p.receive(&mut sq, &user_data);
+                    } else {
+                        p.complete(qi, inc, slot, cqe.result());
+                        p.flush();
+                    }
+                    continue;
+                }
                 _ => {}
             }
             let Some(c) = self.conns.get_mut(idx).and_then(Option::as_mut) else {

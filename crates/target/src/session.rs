@@ -30,6 +30,8 @@ impl Default for Limits {
 
 struct Session {
     export: Arc<Export>,
+    /// Payload per fragment (datagram sessions; max I/O on TCP).
+    frame_payload: u32,
     host: String,
     peer: String,
     depth: u16,
@@ -144,7 +146,14 @@ impl Registry {
         let queues = h.queues.min(self.limits.max_queues);
         let depth = h.depth.min(self.limits.max_depth);
         let max_io = (h.max_io.min(self.limits.max_io) / logical * logical).max(logical);
-        let (id, cookie) = self.create(&export, &h.host_id, peer, queues, depth, max_io)?;
+        let frame_payload = match link_payload {
+            // TCP: nothing is fragmented.
+            None => max_io,
+            // Datagrams: what both ends' links carry, in 512-byte units.
+            Some(link) => (h.frame_payload.min(link).min(max_io) / 512 * 512).max(512),
+        };
+        let (id, cookie) =
+            self.create(&export, &h.host_id, peer, queues, depth, max_io, frame_payload)?;
         let reply = HelloReply {
             size: export.size(),
             logical_block: logical,
@@ -155,12 +164,7 @@ impl Registry {
             max_io,
             session: id,
             cookie,
-            frame_payload: match link_payload {
-                // TCP: nothing is fragmented.
-                None => max_io,
-                // Datagrams: what both ends' links carry, in 512-byte units.
-                Some(link) => (h.frame_payload.min(link).min(max_io) / 512 * 512).max(512),
-            },
+            frame_payload,
         };
         Ok((
             reply,
@@ -175,6 +179,7 @@ impl Registry {
     }
 
     /// Registers a session whose first queue is connected; returns its id and cookie.
+    #[allow(clippy::too_many_arguments)]
     fn create(
         &self,
         export: &Arc<Export>,
@@ -183,6 +188,7 @@ impl Registry {
         queues: u16,
         depth: u16,
         max_io: u32,
+        frame_payload: u32,
     ) -> Result<(u32, u64), Status> {
         let cookie = random_u64();
         let mut inner = self.lock();
@@ -197,6 +203,7 @@ impl Registry {
             id,
             Session {
                 export: export.clone(),
+                frame_payload,
                 host: host.to_string(),
                 peer: peer.to_string(),
                 depth,
@@ -226,7 +233,7 @@ impl Registry {
         depth: u16,
         max_io: u32,
     ) -> Result<Admitted, Status> {
-        let (session, _) = self.create(export, host, peer, 1, depth, max_io)?;
+        let (session, _) = self.create(export, host, peer, 1, depth, max_io, max_io)?;
         Ok(Admitted {
             export: export.clone(),
             session,
@@ -234,6 +241,11 @@ impl Registry {
             depth,
             max_io,
         })
+    }
+
+    /// The fragment payload a session negotiated.
+    pub fn frame_payload(&self, session: u32) -> Option<u32> {
+        self.lock().sessions.get(&session).map(|s| s.frame_payload)
     }
 
     pub fn join(&self, session: u32, queue: u16, cookie: u64) -> Result<Admitted, Status> {

@@ -1,0 +1,672 @@
+//! Datagram queues (UDP and raw Ethernet, PROTOCOL.md §9): every frame carries a CRC, messages
+//! are fragmented to the negotiated frame payload, lost frames are detected by an adaptive timer
+//! and only what is missing is sent again, and a congestion window bounded by the target's credit
+//! keeps a fast initiator from overrunning the target.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use blkwire_wire::{bitmap, fragment_count, Flags, Header, Opcode, Status, Tag, HEADER_LEN};
+
+use crate::queue::{Cmd, Completion, QueueStats};
+use crate::{Error, Result};
+
+/// Timer bounds (PROTOCOL.md §9.2).
+const RTO_MIN: Duration = Duration::from_millis(5);
+const RTO_MAX: Duration = Duration::from_secs(1);
+const RTO_INITIAL: Duration = Duration::from_millis(20);
+/// Frames sent or received per syscall.
+const BATCH: usize = 32;
+
+/// Where frames go: a connected UDP socket, or a packet socket with the target's MAC.
+pub(crate) struct Link {
+    pub fd: OwnedFd,
+    /// For packet sockets: the destination link-layer address; `None` for connected UDP.
+    pub dest: Option<libc::sockaddr_ll>,
+    /// Largest frame (header + payload) the link carries.
+    pub mtu_payload: u32,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum State {
+    Free,
+    /// Submitted, waiting for the window to open.
+    Pending,
+    InFlight,
+    /// Finished, waiting to be delivered by `complete`.
+    Done,
+}
+
+struct Slot {
+    state: State,
+    generation: u16,
+    opcode: Opcode,
+    flags: u16,
+    offset: u64,
+    length: u32,
+    user: u64,
+    /// WRITE: the data to send (kept for retransmission). READ: the reassembly buffer.
+    data: Vec<u8>,
+    /// READ: fragments received.
+    have: Vec<u8>,
+    frags: u32,
+    got: u32,
+    /// Frames this request counts against the window.
+    window_frames: u32,
+    sent_at: Instant,
+    rto: Duration,
+    give_up_at: Instant,
+    retransmitted: bool,
+    status: Status,
+}
+
+impl Slot {
+    fn new() -> Slot {
+        Slot {
+            state: State::Free,
+            generation: 0,
+            opcode: Opcode::Keepalive,
+            flags: 0,
+            offset: 0,
+            length: 0,
+            user: 0,
+            data: Vec::new(),
+            have: Vec::new(),
+            frags: 1,
+            got: 0,
+            window_frames: 1,
+            sent_at: Instant::now(),
+            rto: RTO_INITIAL,
+            give_up_at: Instant::now(),
+            retransmitted: false,
+            status: Status::Ok,
+        }
+    }
+}
+
+pub(crate) struct DgramQueue {
+    link: Link,
+    session: u32,
+    index: u16,
+    max_io: u32,
+    frame_payload: u32,
+    slots: Vec<Slot>,
+    free: Vec<u16>,
+    pending: VecDeque<u16>,
+    done: VecDeque<u16>,
+    in_flight_frames: u32,
+    /// Congestion window in frames (AIMD), never above `credit`.
+    cwnd: f64,
+    credit: u32,
+    srtt: Option<Duration>,
+    rttvar: Duration,
+    rto: Duration,
+    give_up: Duration,
+    spin: blkwire_spin::AdaptiveSpin,
+    /// Encoded frames waiting for one sendmmsg.
+    tx: Vec<u8>,
+    tx_frames: Vec<(usize, usize)>,
+    rx: Vec<Vec<u8>>,
+    stats: QueueStats,
+}
+
+impl DgramQueue {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        link: Link,
+        session: u32,
+        index: u16,
+        depth: u16,
+        max_io: u32,
+        frame_payload: u32,
+        credit: u32,
+        give_up: Duration,
+        poll: Duration,
+    ) -> DgramQueue {
+        let frame = HEADER_LEN + frame_payload as usize;
+        DgramQueue {
+            link,
+            session,
+            index,
+            max_io,
+            frame_payload,
+            slots: (0..depth).map(|_| Slot::new()).collect(),
+            free: (0..depth).rev().collect(),
+            pending: VecDeque::new(),
+            done: VecDeque::new(),
+            in_flight_frames: 0,
+            cwnd: (credit.max(1) as f64).min(64.0),
+            credit: credit.max(1),
+            srtt: None,
+            rttvar: Duration::ZERO,
+            rto: RTO_INITIAL,
+            give_up,
+            spin: blkwire_spin::AdaptiveSpin::new(poll),
+            tx: Vec::with_capacity(BATCH * frame),
+            tx_frames: Vec::with_capacity(BATCH),
+            rx: (0..BATCH).map(|_| vec![0u8; frame.max(HEADER_LEN + 4096)]).collect(),
+            stats: QueueStats::default(),
+        }
+    }
+
+    pub fn index(&self) -> u16 {
+        self.index
+    }
+    pub fn depth(&self) -> usize {
+        self.slots.len()
+    }
+    pub fn max_io(&self) -> u32 {
+        self.max_io
+    }
+    pub fn in_flight(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+    pub fn stats(&self) -> QueueStats {
+        let mut s = self.stats;
+        s.rto_us = self.rto.as_micros() as u64;
+        s.window = self.window() as u64;
+        s
+    }
+
+    fn window(&self) -> u32 {
+        (self.cwnd as u32).clamp(1, self.credit)
+    }
+
+    pub fn submit(&mut self, cmd: Cmd<'_>, user: u64) -> Result<()> {
+        let (opcode, offset, len, flags, data): (Opcode, u64, u32, u16, &[u8]) = match cmd {
+            Cmd::Read { offset, len } => (Opcode::Read, offset, len, 0, &[]),
+            Cmd::Write { offset, data, fua } => {
+                let len = u32::try_from(data.len()).map_err(|_| Error::Usage("write too large".into()))?;
+                (Opcode::Write, offset, len, if fua { Flags::FUA } else { 0 }, data)
+            }
+            Cmd::Flush => (Opcode::Flush, 0, 0, 0, &[]),
+            Cmd::Trim { offset, len } => (Opcode::Trim, offset, len, 0, &[]),
+            Cmd::WriteZeroes { offset, len, no_hole } => {
+                (Opcode::WriteZeroes, offset, len, if no_hole { Flags::NO_HOLE } else { 0 }, &[])
+            }
+            Cmd::Keepalive => (Opcode::Keepalive, 0, 0, 0, &[]),
+        };
+        if matches!(opcode, Opcode::Read | Opcode::Write) && (len == 0 || len > self.max_io) {
+            return Err(Error::Usage(format!("I/O of {len} bytes outside 1..={} (split larger requests)", self.max_io)));
+        }
+        let slot = self.free.pop().ok_or_else(|| Error::Usage("all queue slots are busy".into()))?;
+        let fp = self.frame_payload;
+        let s = &mut self.slots[slot as usize];
+        s.generation = s.generation.wrapping_add(1);
+        s.state = State::Pending;
+        s.opcode = opcode;
+        s.flags = flags;
+        s.offset = offset;
+        s.length = len;
+        s.user = user;
+        s.retransmitted = false;
+        s.status = Status::Ok;
+        s.got = 0;
+        s.data.clear();
+        s.have.clear();
+        s.frags = 1;
+        s.window_frames = 1;
+        match opcode {
+            Opcode::Write => {
+                s.data.extend_from_slice(data);
+                s.frags = fragment_count(len, fp);
+                s.window_frames = s.frags;
+            }
+            Opcode::Read => {
+                s.data.resize(len as usize, 0);
+                s.frags = fragment_count(len, fp);
+                s.have.resize(bitmap::bytes_for(s.frags), 0);
+            }
+            _ => {}
+        }
+        self.pending.push_back(slot);
+        Ok(())
+    }
+
+    /// Encodes one frame of `slot` into the transmit batch.
+    fn push_frame(&mut self, slot: u16, frag: u32, have: bool) {
+        let fp = self.frame_payload;
+        let s = &self.slots[slot as usize];
+        let mut h = Header::request(s.opcode, Tag::new(slot, s.generation), s.offset, s.length);
+        h.flags = Flags(s.flags);
+        h.queue = self.index;
+        h.session = self.session;
+        let payload: &[u8] = if have {
+            h.flags.0 |= Flags::HAVE;
+            &s.have
+        } else if s.opcode == Opcode::Write {
+            h.frag_index = frag as u16;
+            h.frag_count = s.frags as u16;
+            h.frag_offset = frag * fp;
+            let start = (frag * fp) as usize;
+            let end = (start + fp as usize).min(s.data.len());
+            &s.data[start..end]
+        } else {
+            &[]
+        };
+        h.payload_len = payload.len() as u32;
+        h.seal_crc(payload);
+        let at = self.tx.len();
+        self.tx.extend_from_slice(&h.to_bytes());
+        self.tx.extend_from_slice(payload);
+        self.tx_frames.push((at, self.tx.len() - at));
+        self.stats.frames_out += 1;
+        if self.tx_frames.len() == BATCH {
+            let _ = self.flush_tx();
+        }
+    }
+
+    /// Sends every encoded frame with as few syscalls as the batch allows.
+    fn flush_tx(&mut self) -> Result<()> {
+        let mut done = 0;
+        while done < self.tx_frames.len() {
+            let n = (self.tx_frames.len() - done).min(BATCH);
+            let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
+            let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+            let mut dest = self.link.dest;
+            for i in 0..n {
+                let (at, len) = self.tx_frames[done + i];
+                iov[i] = libc::iovec { iov_base: self.tx[at..].as_ptr() as *mut _, iov_len: len };
+                msgs[i].msg_hdr.msg_iov = &mut iov[i];
+                msgs[i].msg_hdr.msg_iovlen = 1;
+                if let Some(d) = dest.as_mut() {
+                    msgs[i].msg_hdr.msg_name = (d as *mut libc::sockaddr_ll).cast();
+                    msgs[i].msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_ll>() as u32;
+                }
+            }
+            // SAFETY: msgs/iov point into self.tx and `dest`, alive for the call.
+            let r = unsafe { libc::sendmmsg(self.link.fd.as_raw_fd(), msgs.as_mut_ptr(), n as u32, 0) };
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                match e.raw_os_error() {
+                    Some(libc::EINTR) => continue,
+                    // A full socket buffer or an unreachable port loses frames exactly as the
+                    // network may: the retransmission timer recovers them.
+                    Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::ECONNREFUSED) => {
+                        done += 1;
+                        continue;
+                    }
+                    _ => {
+                        self.tx.clear();
+                        self.tx_frames.clear();
+                        return Err(Error::Io(e));
+                    }
+                }
+            }
+            done += (r as usize).max(1);
+        }
+        self.tx.clear();
+        self.tx_frames.clear();
+        Ok(())
+    }
+
+    /// Moves pending requests into flight as far as the window allows, and sends.
+    pub fn send(&mut self) -> Result<()> {
+        let now = Instant::now();
+        while let Some(&slot) = self.pending.front() {
+            let need = self.slots[slot as usize].window_frames;
+            if self.in_flight_frames > 0 && self.in_flight_frames + need > self.window() {
+                break;
+            }
+            self.pending.pop_front();
+            let rto = self.rto;
+            let give_up = self.give_up;
+            let s = &mut self.slots[slot as usize];
+            s.state = State::InFlight;
+            s.sent_at = now;
+            s.rto = rto;
+            s.give_up_at = now + give_up;
+            self.in_flight_frames += need;
+            let frags = if s.opcode == Opcode::Write { s.frags } else { 1 };
+            for f in 0..frags {
+                self.push_frame(slot, f, false);
+            }
+        }
+        self.flush_tx()
+    }
+
+    pub fn complete(&mut self, min: usize, mut f: impl FnMut(Completion<'_>)) -> Result<usize> {
+        self.send()?;
+        let mut delivered = self.deliver(&mut f);
+        while delivered < min {
+            if self.in_flight() == 0 {
+                return Err(Error::Usage("waiting for completions with nothing in flight".into()));
+            }
+            let got = self.receive()?;
+            if got == 0 {
+                self.wait()?;
+            }
+            self.timers()?;
+            self.send()?;
+            delivered += self.deliver(&mut f);
+        }
+        Ok(delivered)
+    }
+
+    fn deliver(&mut self, f: &mut impl FnMut(Completion<'_>)) -> usize {
+        let mut n = 0;
+        while let Some(slot) = self.done.pop_front() {
+            let s = &mut self.slots[slot as usize];
+            s.state = State::Free;
+            let data: &[u8] = if s.opcode == Opcode::Read && s.status == Status::Ok { &s.data } else { &[] };
+            f(Completion { user: s.user, status: s.status, data });
+            self.free.push(slot);
+            n += 1;
+        }
+        n
+    }
+
+    /// Sleeps until a frame arrives or the earliest timer is due.
+    fn wait(&mut self) -> Result<()> {
+        let fd = self.link.fd.as_raw_fd();
+        let readable = || {
+            let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            // SAFETY: zero-timeout poll on our fd.
+            unsafe { libc::poll(&mut p, 1, 0) > 0 }
+        };
+        if self.spin.spin(readable) {
+            return Ok(());
+        }
+        let now = Instant::now();
+        let next = self
+            .slots
+            .iter()
+            .filter(|s| s.state == State::InFlight)
+            .map(|s| (s.sent_at + s.rto).min(s.give_up_at))
+            .min()
+            .unwrap_or(now + Duration::from_millis(100));
+        let ms = next.saturating_duration_since(now).as_micros().div_ceil(1000).min(1000) as i32;
+        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: poll on our fd.
+        let r = unsafe { libc::poll(&mut p, 1, ms) };
+        if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return Err(Error::Io(std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+
+    /// Reads every frame waiting; returns how many arrived.
+    fn receive(&mut self) -> Result<usize> {
+        let mut total = 0;
+        loop {
+            let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
+            let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+            for i in 0..BATCH {
+                iov[i] = libc::iovec { iov_base: self.rx[i].as_mut_ptr().cast(), iov_len: self.rx[i].len() };
+                msgs[i].msg_hdr.msg_iov = &mut iov[i];
+                msgs[i].msg_hdr.msg_iovlen = 1;
+            }
+            // SAFETY: buffers owned by self.rx, alive for the call.
+            let r = unsafe {
+                libc::recvmmsg(
+                    self.link.fd.as_raw_fd(),
+                    msgs.as_mut_ptr(),
+                    BATCH as u32,
+                    libc::MSG_DONTWAIT,
+                    std::ptr::null_mut(),
+                )
+            };
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                return match e.raw_os_error() {
+                    Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(total),
+                    // ICMP port unreachable from a dead target: keep waiting; the give-up timer ends it.
+                    Some(libc::ECONNREFUSED) => Ok(total),
+                    _ => Err(Error::Io(e)),
+                };
+            }
+            let n = r as usize;
+            for i in 0..n {
+                let len = msgs[i].msg_len as usize;
+                let buf = std::mem::take(&mut self.rx[i]);
+                self.on_frame(&buf[..len.min(buf.len())]);
+                self.rx[i] = buf;
+            }
+            total += n;
+            if n < BATCH {
+                return Ok(total);
+            }
+        }
+    }
+
+    fn on_frame(&mut self, b: &[u8]) {
+        self.stats.frames_in += 1;
+        let h = match Header::decode(b, self.frame_payload) {
+            Ok(h) => h,
+            Err(_) => {
+                self.stats.crc_errors += 1;
+                return;
+            }
+        };
+        let Some(payload) = b.get(HEADER_LEN..HEADER_LEN + h.payload_len as usize) else {
+            self.stats.crc_errors += 1;
+            return;
+        };
+        if !h.flags.has(Flags::CRC) || h.check_crc(payload).is_err() {
+            self.stats.crc_errors += 1;
+            return;
+        }
+        if !h.is_reply() || h.session != self.session || h.queue != self.index {
+            self.stats.late_replies += 1;
+            return;
+        }
+        if h.credit > 0 {
+            self.credit = h.credit as u32;
+        }
+        let slot = h.tag.slot();
+        let fp = self.frame_payload;
+        let Some(s) = self.slots.get_mut(slot as usize) else {
+            self.stats.late_replies += 1;
+            return;
+        };
+        if s.state != State::InFlight || s.generation != h.tag.generation() || s.opcode != h.opcode {
+            self.stats.late_replies += 1;
+            return;
+        }
+        if h.flags.has(Flags::HAVE) {
+            // The target holds part of a WRITE: send exactly what it lacks (PROTOCOL.md §9.3).
+            let missing: Vec<u32> = (0..s.frags).filter(|&i| !bitmap::get(payload, i)).collect();
+            s.sent_at = Instant::now();
+            s.retransmitted = true;
+            self.stats.retransmits += missing.len() as u64;
+            for i in missing {
+                self.push_frame(slot, i, false);
+            }
+            let _ = self.flush_tx();
+            return;
+        }
+        if h.status != Status::Ok || s.opcode != Opcode::Read {
+            s.status = h.status;
+            return self.finish(slot);
+        }
+        // A READ fragment.
+        let idx = h.frag_index as u32;
+        let expect_len = (s.length - (idx * fp).min(s.length)).min(fp);
+        if h.frag_count as u32 != s.frags || h.frag_offset != idx * fp || h.payload_len != expect_len {
+            self.stats.late_replies += 1;
+            return;
+        }
+        if bitmap::get(&s.have, idx) {
+            self.stats.duplicates += 1;
+            return;
+        }
+        let at = h.frag_offset as usize;
+        s.data[at..at + payload.len()].copy_from_slice(payload);
+        bitmap::set(&mut s.have, idx);
+        s.got += 1;
+        if s.got == s.frags {
+            self.finish(slot);
+        }
+    }
+
+    /// A request is answered: update the RTT estimate and the window, queue it for delivery.
+    fn finish(&mut self, slot: u16) {
+        let s = &mut self.slots[slot as usize];
+        s.state = State::Done;
+        self.in_flight_frames -= s.window_frames.min(self.in_flight_frames);
+        if s.status != Status::Ok {
+            self.stats.errors += 1;
+        }
+        if !s.retransmitted {
+            // Karn: only unambiguous samples.
+            let sample = s.sent_at.elapsed();
+            let (srtt, var) = match self.srtt {
+                None => (sample, sample / 2),
+                Some(srtt) => {
+                    let diff = srtt.abs_diff(sample);
+                    (srtt * 7 / 8 + sample / 8, self.rttvar * 3 / 4 + diff / 4)
+                }
+            };
+            self.srtt = Some(srtt);
+            self.rttvar = var;
+            self.rto = (srtt + 4 * var).clamp(RTO_MIN, RTO_MAX);
+        }
+        // Additive increase: one frame per window of answered frames.
+        let frames = s.window_frames as f64;
+        let w = (self.cwnd as u32).clamp(1, self.credit) as f64;
+        self.cwnd = (self.cwnd + frames / w).min(self.credit as f64);
+        self.done.push_back(slot);
+    }
+
+    /// Retransmits what timed out and gives up on what is past its give-up time.
+    fn timers(&mut self) -> Result<()> {
+        let now = Instant::now();
+        let mut lost = false;
+        for slot in 0..self.slots.len() as u16 {
+            let s = &mut self.slots[slot as usize];
+            if s.state != State::InFlight {
+                continue;
+            }
+            if now >= s.give_up_at {
+                s.status = Status::Io;
+                self.stats.timeouts += 1;
+                self.finish(slot);
+                continue;
+            }
+            if now < s.sent_at + s.rto {
+                continue;
+            }
+            lost = true;
+            s.sent_at = now;
+            s.rto = (s.rto * 2).min(RTO_MAX);
+            s.retransmitted = true;
+            self.stats.retransmits += 1;
+            match s.opcode {
+                // Only fragment 0: the target answers with what it holds (HAVE).
+                Opcode::Write => self.push_frame(slot, 0, false),
+                // Ask only for the fragments still missing.
+                Opcode::Read if s.got > 0 => self.push_frame(slot, 0, true),
+                _ => self.push_frame(slot, 0, false),
+            }
+        }
+        if lost {
+            // Multiplicative decrease, and back off the base timer.
+            self.cwnd = (self.cwnd / 2.0).max(1.0);
+            self.rto = (self.rto * 2).min(RTO_MAX);
+        }
+        self.flush_tx()
+    }
+
+    pub fn logout(&mut self) -> Result<()> {
+        let mut h = Header::request(Opcode::Logout, Tag::new(0, 0), 0, 0);
+        h.queue = self.index;
+        h.session = self.session;
+        h.seal_crc(&[]);
+        self.tx.extend_from_slice(&h.to_bytes());
+        self.tx_frames.push((0, HEADER_LEN));
+        self.flush_tx()
+    }
+
+    /// Test hook: sends raw bytes as one frame (to replay stale or forged frames).
+    pub(crate) fn send_raw(&mut self, frame: &[u8]) -> Result<()> {
+        let at = self.tx.len();
+        self.tx.extend_from_slice(frame);
+        self.tx_frames.push((at, frame.len()));
+        self.flush_tx()
+    }
+
+    pub(crate) fn session(&self) -> u32 {
+        self.session
+    }
+}
+
+/// Opens a UDP socket connected to `addr`, with buffers sized for bursts of frames.
+pub(crate) fn udp_link(addr: std::net::SocketAddr) -> Result<Link> {
+    let sock = std::net::UdpSocket::bind(if addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" })?;
+    sock.connect(addr)?;
+    sock.set_nonblocking(true)?;
+    let fd: OwnedFd = sock.into();
+    blkwire_net::size_buffers(fd.as_raw_fd());
+    // The path MTU of the connected route decides the frame payload (PROTOCOL.md §9.1).
+    let mut mtu: libc::c_int = 1500;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    let (level, opt, ip_overhead) = if addr.is_ipv4() {
+        (libc::IPPROTO_IP, libc::IP_MTU, 28)
+    } else {
+        (libc::IPPROTO_IPV6, libc::IPV6_MTU, 48)
+    };
+    // SAFETY: getsockopt into a local int.
+    unsafe { libc::getsockopt(fd.as_raw_fd(), level, opt, (&mut mtu as *mut libc::c_int).cast(), &mut len) };
+    let mtu_payload = blkwire_net::frame_payload_for(mtu as u32, ip_overhead);
+    Ok(Link { fd, dest: None, mtu_payload })
+}
+
+/// Opens a packet socket on `iface` that receives only this queue's frames (and this session's,
+/// once known), addressed to the target's MAC.
+pub(crate) fn eth_link(iface: &str, mac: [u8; 6], queue: u16, session: Option<u32>) -> Result<Link> {
+    let info = blkwire_net::iface(iface).map_err(Error::Usage)?;
+    let ethertype = blkwire_net::DEFAULT_ETHERTYPE;
+    let filter = blkwire_net::Filter::Queue { queue, session };
+    let fd = blkwire_net::packet_socket(info.index, ethertype, filter).map_err(Error::Usage)?;
+    blkwire_net::size_buffers(fd.as_raw_fd());
+    Ok(Link {
+        fd,
+        dest: Some(blkwire_net::link_addr(info.index, ethertype, mac)),
+        mtu_payload: blkwire_net::frame_payload_for(info.mtu, 0),
+    })
+}
+
+/// One control exchange over a datagram link (HELLO, JOIN, LIST): the request is sent again with
+/// a doubling timer until a reply with the same opcode arrives or `timeout` passes.
+pub(crate) fn exchange(link: &Link, mut h: Header, payload: &[u8], timeout: Duration) -> Result<(Header, Vec<u8>)> {
+    h.payload_len = payload.len() as u32;
+    h.seal_crc(payload);
+    let mut frame = h.to_bytes().to_vec();
+    frame.extend_from_slice(payload);
+    let deadline = Instant::now() + timeout;
+    let mut wait = Duration::from_millis(50);
+    let mut buf = vec![0u8; 65536];
+    loop {
+        let mut dest = link.dest;
+        let (name, namelen) = match dest.as_mut() {
+            Some(d) => ((d as *mut libc::sockaddr_ll).cast(), std::mem::size_of::<libc::sockaddr_ll>() as u32),
+            None => (std::ptr::null_mut(), 0),
+        };
+        // SAFETY: sendto from our buffer to an optional link-layer address.
+        unsafe { libc::sendto(link.fd.as_raw_fd(), frame.as_ptr().cast(), frame.len(), 0, name, namelen) };
+        let until = (Instant::now() + wait).min(deadline);
+        while Instant::now() < until {
+            let ms = until.saturating_duration_since(Instant::now()).as_millis().max(1) as i32;
+            let mut p = libc::pollfd { fd: link.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: poll on our fd.
+            if unsafe { libc::poll(&mut p, 1, ms) } <= 0 {
+                continue;
+            }
+            // SAFETY: recv into our buffer.
+            let n = unsafe { libc::recv(link.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+            if n < HEADER_LEN as isize {
+                continue;
+            }
+            let Ok(r) = Header::decode(&buf[..n as usize], 65536) else { continue };
+            let Some(p) = buf.get(HEADER_LEN..HEADER_LEN + r.payload_len as usize) else { continue };
+            if r.is_reply() && r.opcode == h.opcode && r.tag == h.tag && r.check_crc(p).is_ok() {
+                return Ok((r, p.to_vec()));
+            }
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::Timeout(timeout));
+        }
+        wait = (wait * 2).min(Duration::from_secs(1));
+    }
+}

@@ -1,0 +1,359 @@
+//! TCP queues: one connection, `depth` slots, frames pipelined through one send buffer.
+
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use blkwire_wire::{Flags, Header, Opcode, Status, Tag, HEADER_LEN};
+
+use crate::queue::{Cmd, Completion, QueueStats};
+use crate::{ConnectOptions, Error, ExportInfo, Result};
+
+#[derive(Clone, Copy, Default)]
+struct Slot {
+    generation: u16,
+    busy: bool,
+    opcode: u8,
+    len: u32,
+    user: u64,
+}
+
+pub(crate) struct StreamQueue {
+    sock: TcpStream,
+    index: u16,
+    max_io: u32,
+    slots: Vec<Slot>,
+    free: Vec<u16>,
+    tx: Vec<u8>,
+    tx_sent: usize,
+    rx: Vec<u8>,
+    rx_start: usize,
+    rx_end: usize,
+    timeout: Duration,
+    spin: blkwire_spin::AdaptiveSpin,
+    stats: QueueStats,
+}
+
+impl StreamQueue {
+    pub(crate) fn new(
+        sock: TcpStream,
+        index: u16,
+        info: &ExportInfo,
+        opts: &ConnectOptions,
+    ) -> Result<StreamQueue> {
+        sock.set_nonblocking(true)?;
+        let depth = info.depth;
+        Ok(StreamQueue {
+            sock,
+            index,
+            max_io: info.max_io,
+            slots: vec![Slot::default(); depth as usize],
+            free: (0..depth).rev().collect(),
+            tx: Vec::with_capacity(256 << 10),
+            tx_sent: 0,
+            rx: vec![0; info.max_io as usize + HEADER_LEN + (256 << 10)],
+            rx_start: 0,
+            rx_end: 0,
+            timeout: opts.timeout,
+            spin: blkwire_spin::AdaptiveSpin::new(opts.poll),
+            stats: QueueStats::default(),
+        })
+    }
+
+    pub fn index(&self) -> u16 {
+        self.index
+    }
+    pub fn depth(&self) -> usize {
+        self.slots.len()
+    }
+    pub fn max_io(&self) -> u32 {
+        self.max_io
+    }
+    pub fn in_flight(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+    pub fn stats(&self) -> QueueStats {
+        self.stats
+    }
+
+    /// Queues a command for sending (nothing is sent until [`Queue::send`] or a wait). `user` comes
+    /// back in its completion. Fails only when every slot is busy or the command is malformed.
+    pub fn submit(&mut self, cmd: Cmd<'_>, user: u64) -> Result<()> {
+        let (op, offset, len, flags, payload): (Opcode, u64, u32, u16, &[u8]) = match cmd {
+            Cmd::Read { offset, len } => (Opcode::Read, offset, len, 0, &[]),
+            Cmd::Write { offset, data, fua } => {
+                let len = u32::try_from(data.len())
+                    .map_err(|_| Error::Usage("write too large".into()))?;
+                (
+                    Opcode::Write,
+                    offset,
+                    len,
+                    if fua { Flags::FUA } else { 0 },
+                    data,
+                )
+            }
+            Cmd::Flush => (Opcode::Flush, 0, 0, 0, &[]),
+            Cmd::Trim { offset, len } => (Opcode::Trim, offset, len, 0, &[]),
+            Cmd::WriteZeroes {
+                offset,
+                len,
+                no_hole,
+            } => (
+                Opcode::WriteZeroes,
+                offset,
+                len,
+                if no_hole { Flags::NO_HOLE } else { 0 },
+                &[],
+            ),
+            Cmd::Keepalive => (Opcode::Keepalive, 0, 0, 0, &[]),
+        };
+        if matches!(op, Opcode::Read | Opcode::Write) && (len == 0 || len > self.max_io) {
+            return Err(Error::Usage(format!(
+                "I/O of {len} bytes outside 1..={} (split larger requests)",
+                self.max_io
+            )));
+        }
+        let slot = self
+            .free
+            .pop()
+            .ok_or_else(|| Error::Usage("all queue slots are busy".into()))?;
+        let s = &mut self.slots[slot as usize];
+        s.generation = s.generation.wrapping_add(1);
+        s.busy = true;
+        s.opcode = op as u8;
+        s.len = len;
+        s.user = user;
+        let mut h = Header::request(op, Tag::new(slot, s.generation), offset, len);
+        h.flags = Flags(flags);
+        h.queue = self.index;
+        h.payload_len = payload.len() as u32;
+        self.tx.extend_from_slice(&h.to_bytes());
+        self.tx.extend_from_slice(payload);
+        self.stats.frames_out += 1;
+        Ok(())
+    }
+
+    /// Sends everything queued. While the socket is full it keeps reading replies into the receive
+    /// buffer, so a target blocked on sending to us can never deadlock with us.
+    pub fn send(&mut self) -> Result<()> {
+        let deadline = Instant::now() + self.timeout;
+        while self.tx_sent < self.tx.len() {
+            // SAFETY: send from our own buffer on our own socket.
+            let n = unsafe {
+                libc::send(
+                    self.sock.as_raw_fd(),
+                    self.tx[self.tx_sent..].as_ptr().cast(),
+                    self.tx.len() - self.tx_sent,
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+            if n >= 0 {
+                self.tx_sent += n as usize;
+                continue;
+            }
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                Some(libc::EAGAIN) => {
+                    let ev = self.wait_fd(libc::POLLOUT | libc::POLLIN, deadline)?;
+                    if ev & libc::POLLIN != 0 {
+                        self.fill(true)?;
+                    }
+                }
+                Some(libc::EPIPE) | Some(libc::ECONNRESET) => return Err(Error::Closed),
+                _ => return Err(Error::Io(e)),
+            }
+        }
+        self.tx.clear();
+        self.tx_sent = 0;
+        Ok(())
+    }
+
+    /// Sends what is queued, then delivers completions to `f` until at least `min` have been
+    /// delivered (0: only those already received). Returns how many were delivered.
+    pub fn complete(&mut self, min: usize, mut f: impl FnMut(Completion<'_>)) -> Result<usize> {
+        self.send()?;
+        let mut done = self.deliver(&mut f)?;
+        let deadline = Instant::now() + self.timeout;
+        while done < min {
+            if self.in_flight() == 0 {
+                return Err(Error::Usage(
+                    "waiting for completions with nothing in flight".into(),
+                ));
+            }
+            let mut spin = std::mem::take(&mut self.spin);
+            let mut failed = None;
+            let got = spin.spin(|| match self.fill(false) {
+                Ok(got) => got,
+                Err(e) => {
+                    failed = Some(e);
+                    true
+                }
+            });
+            self.spin = spin;
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            if !got {
+                loop {
+                    self.wait_fd(libc::POLLIN, deadline)?;
+                    if self.fill(false)? {
+                        break;
+                    }
+                }
+            }
+            done += self.deliver(&mut f)?;
+        }
+        Ok(done)
+    }
+
+    /// Reads whatever the socket holds. Returns false when nothing was there.
+    /// With `grow`, the buffer grows instead of stopping when full (used while sending).
+    fn fill(&mut self, grow: bool) -> Result<bool> {
+        if self.rx_end == self.rx.len() {
+            if self.rx_start > 0 {
+                self.rx.copy_within(self.rx_start..self.rx_end, 0);
+                self.rx_end -= self.rx_start;
+                self.rx_start = 0;
+            } else if grow {
+                // Bounded: at most `depth` replies of at most max_io each can be outstanding.
+                let cap = self.slots.len() * (self.max_io as usize + HEADER_LEN) + self.rx.len();
+                let new = (self.rx.len() * 2).min(cap);
+                if new == self.rx.len() {
+                    return Err(Error::Protocol("more reply data than requested".into()));
+                }
+                self.rx.resize(new, 0);
+            } else {
+                return Ok(true); // full of unprocessed frames: the caller delivers them first
+            }
+        }
+        loop {
+            // SAFETY: recv into the free tail of our own buffer.
+            let n = unsafe {
+                libc::recv(
+                    self.sock.as_raw_fd(),
+                    self.rx[self.rx_end..].as_mut_ptr().cast(),
+                    self.rx.len() - self.rx_end,
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if n > 0 {
+                self.rx_end += n as usize;
+                return Ok(true);
+            }
+            if n == 0 {
+                return Err(Error::Closed);
+            }
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                Some(libc::EAGAIN) => return Ok(false),
+                Some(libc::ECONNRESET) => return Err(Error::Closed),
+                _ => return Err(Error::Io(e)),
+            }
+        }
+    }
+
+    fn wait_fd(&self, events: i16, deadline: Instant) -> Result<i16> {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout(self.timeout));
+            }
+            let mut p = libc::pollfd {
+                fd: self.sock.as_raw_fd(),
+                events,
+                revents: 0,
+            };
+            let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
+            // SAFETY: poll on one pollfd of ours.
+            let n = unsafe { libc::poll(&mut p, 1, ms) };
+            if n > 0 {
+                if p.revents & (libc::POLLERR | libc::POLLHUP) != 0 && p.revents & libc::POLLIN == 0
+                {
+                    return Err(Error::Closed);
+                }
+                return Ok(p.revents);
+            }
+            if n < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                return Err(Error::Io(std::io::Error::last_os_error()));
+            }
+        }
+    }
+
+    /// Hands every complete reply in the receive buffer to `f`.
+    fn deliver(&mut self, f: &mut impl FnMut(Completion<'_>)) -> Result<usize> {
+        let mut n = 0;
+        loop {
+            let avail = self.rx_end - self.rx_start;
+            if avail < HEADER_LEN {
+                break;
+            }
+            let h = Header::decode(&self.rx[self.rx_start..self.rx_end], self.max_io)
+                .map_err(|e| Error::Protocol(e.to_string()))?;
+            let total = HEADER_LEN + h.payload_len as usize;
+            if avail < total {
+                if self.rx.len() - self.rx_start < total {
+                    self.rx.copy_within(self.rx_start..self.rx_end, 0);
+                    self.rx_end -= self.rx_start;
+                    self.rx_start = 0;
+                }
+                break;
+            }
+            let at = self.rx_start + HEADER_LEN;
+            self.rx_start += total;
+            self.stats.frames_in += 1;
+            if !h.is_reply() {
+                return Err(Error::Protocol(format!(
+                    "unexpected {:?} request from the target",
+                    h.opcode
+                )));
+            }
+            let slot = h.tag.slot() as usize;
+            let matches = self.slots.get(slot).is_some_and(|s| {
+                s.busy && s.generation == h.tag.generation() && s.opcode == h.opcode as u8
+            });
+            if !matches {
+                self.stats.late_replies += 1;
+                continue;
+            }
+            let s = self.slots[slot];
+            let expect = if h.opcode == Opcode::Read && h.status == Status::Ok {
+                s.len
+            } else {
+                0
+            };
+            if h.payload_len != expect {
+                return Err(Error::Protocol(format!(
+                    "reply carries {} bytes, expected {expect}",
+                    h.payload_len
+                )));
+            }
+            h.check_crc(&self.rx[at..at + total - HEADER_LEN])
+                .map_err(|e| Error::Protocol(e.to_string()))?;
+            self.slots[slot].busy = false;
+            self.free.push(slot as u16);
+            if h.status != Status::Ok {
+                self.stats.errors += 1;
+            }
+            n += 1;
+            f(Completion {
+                user: s.user,
+                status: h.status,
+                data: &self.rx[at..at + expect as usize],
+            });
+        }
+        if self.rx_start == self.rx_end {
+            self.rx_start = 0;
+            self.rx_end = 0;
+        }
+        Ok(n)
+    }
+
+    /// Ends the queue cleanly after everything in flight (PROTOCOL.md §2.5).
+    pub fn logout(&mut self) -> Result<()> {
+        let h = Header::request(Opcode::Logout, Tag::new(0, 0), 0, 0);
+        self.tx.extend_from_slice(&h.to_bytes());
+        self.send()
+    }
+}

@@ -1,0 +1,194 @@
+//! Link-level socket plumbing for the datagram transports (PROTOCOL.md §9), shared by the target
+//! and the initiator so both open, size and filter their sockets the same way.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+/// Default EtherType: IEEE 802 local experimental 1.
+pub const DEFAULT_ETHERTYPE: u16 = 0x88B5;
+/// Bytes of the blkwire frame header (PROTOCOL.md §1).
+const FRAME_HEADER: u32 = 48;
+
+fn os_err(what: &str) -> String {
+    format!("{what}: {}", std::io::Error::last_os_error())
+}
+
+pub fn setopt(fd: i32, level: i32, opt: i32, v: libc::c_int) {
+    // SAFETY: setsockopt with an int on a socket the caller owns.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            opt,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+}
+
+/// Asks for 4 MiB socket buffers (the kernel caps them at rmem_max/wmem_max) and returns the
+/// usable receive buffer.
+pub fn size_buffers(fd: i32) -> u32 {
+    setopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, 4 << 20);
+    setopt(fd, libc::SOL_SOCKET, libc::SO_SNDBUF, 4 << 20);
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt into a local int.
+    unsafe {
+        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, (&mut v as *mut libc::c_int).cast(), &mut len)
+    };
+    // The kernel reports double the usable size (bookkeeping overhead).
+    (v.max(0) as u32) / 2
+}
+
+/// Largest multiple of 512 that fits a link MTU after `overhead` bytes of lower headers and the
+/// 48-byte frame header, capped at 32 KiB so one frame stays well inside a 64 KiB datagram.
+pub fn frame_payload_for(mtu: u32, overhead: u32) -> u32 {
+    let room = mtu.saturating_sub(overhead + FRAME_HEADER).min(32 << 10);
+    (room / 512 * 512).max(512)
+}
+
+/// Facts about a network interface.
+#[derive(Clone, Copy, Debug)]
+pub struct Iface {
+    pub index: i32,
+    pub mtu: u32,
+    pub mac: [u8; 6],
+}
+
+pub fn iface(name: &str) -> Result<Iface, String> {
+    let c = std::ffi::CString::new(name).map_err(|_| format!("bad interface name '{name}'"))?;
+    // SAFETY: if_nametoindex on a NUL-terminated name.
+    let index = unsafe { libc::if_nametoindex(c.as_ptr()) } as i32;
+    if index == 0 {
+        return Err(format!("no network interface '{name}' (see `ip link`)"));
+    }
+    let read = |f: &str| std::fs::read_to_string(format!("/sys/class/net/{name}/{f}")).unwrap_or_default();
+    let mtu = read("mtu").trim().parse().unwrap_or(1500);
+    let mut mac = [0u8; 6];
+    for (i, p) in read("address").trim().split(':').enumerate().take(6) {
+        mac[i] = u8::from_str_radix(p, 16).unwrap_or(0);
+    }
+    Ok(Iface { index, mtu, mac })
+}
+
+/// What a packet socket lets through, checked in the kernel by a classic BPF program on the
+/// frame header (the socket is cooked, so offsets start at the blkwire header).
+#[derive(Clone, Copy, Debug)]
+pub enum Filter {
+    /// Target reactors: queues with `queue % n == r` (low byte of the little-endian queue field).
+    QueueShare { n: u32, r: u32 },
+    /// Initiator queues: exactly this queue (and, once known, this session).
+    Queue { queue: u16, session: Option<u32> },
+}
+
+const LD_W_ABS: u16 = 0x20;
+const LD_H_ABS: u16 = 0x28;
+const LD_B_ABS: u16 = 0x30;
+const MOD_K: u16 = 0x94;
+const JEQ_K: u16 = 0x15;
+const RET_K: u16 = 0x06;
+
+fn ins(code: u16, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
+    libc::sock_filter { code, jt, jf, k }
+}
+
+/// Attaches (or replaces) the socket's filter.
+pub fn attach_filter(fd: i32, f: Filter) -> Result<(), String> {
+    // BPF loads are big-endian; our header is little-endian, so compare with swapped constants.
+    let prog: Vec<libc::sock_filter> = match f {
+        Filter::QueueShare { n, r } => vec![
+            ins(LD_B_ABS, 0, 0, 8),
+            ins(MOD_K, 0, 0, n.max(1)),
+            ins(JEQ_K, 0, 1, r),
+            ins(RET_K, 0, 0, 0xffff),
+            ins(RET_K, 0, 0, 0),
+        ],
+        Filter::Queue { queue, session: None } => vec![
+            ins(LD_H_ABS, 0, 0, 8),
+            ins(JEQ_K, 0, 1, queue.swap_bytes() as u32),
+            ins(RET_K, 0, 0, 0xffff),
+            ins(RET_K, 0, 0, 0),
+        ],
+        Filter::Queue { queue, session: Some(s) } => vec![
+            ins(LD_H_ABS, 0, 0, 8),
+            ins(JEQ_K, 0, 3, queue.swap_bytes() as u32),
+            ins(LD_W_ABS, 0, 0, 44),
+            ins(JEQ_K, 0, 1, s.swap_bytes()),
+            ins(RET_K, 0, 0, 0xffff),
+            ins(RET_K, 0, 0, 0),
+        ],
+    };
+    let fprog = libc::sock_fprog { len: prog.len() as u16, filter: prog.as_ptr() as *mut _ };
+    // SAFETY: the kernel copies the program during the call.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_ATTACH_FILTER,
+            (&fprog as *const libc::sock_fprog).cast(),
+            std::mem::size_of::<libc::sock_fprog>() as u32,
+        )
+    };
+    if rc != 0 {
+        return Err(os_err("attach BPF filter"));
+    }
+    Ok(())
+}
+
+/// A cooked packet socket (the kernel builds the Ethernet header) bound to an interface and an
+/// EtherType, non-blocking, with its filter attached before it is bound so nothing slips through.
+pub fn packet_socket(ifindex: i32, ethertype: u16, filter: Filter) -> Result<OwnedFd, String> {
+    // SAFETY: creating a socket.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_PACKET,
+            libc::SOCK_DGRAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            ethertype.to_be() as i32,
+        )
+    };
+    if fd < 0 {
+        return Err(format!("{} (raw Ethernet needs root or CAP_NET_RAW)", os_err("packet socket")));
+    }
+    // SAFETY: we own the new fd.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    attach_filter(fd.as_raw_fd(), filter)?;
+    let sll = link_addr(ifindex, ethertype, [0; 6]);
+    // SAFETY: bind to the interface and protocol.
+    let rc = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&sll as *const libc::sockaddr_ll).cast(),
+            std::mem::size_of::<libc::sockaddr_ll>() as u32,
+        )
+    };
+    if rc != 0 {
+        return Err(os_err("bind packet socket"));
+    }
+    Ok(fd)
+}
+
+/// A link-layer address for sendto on a packet socket.
+pub fn link_addr(ifindex: i32, ethertype: u16, mac: [u8; 6]) -> libc::sockaddr_ll {
+    // SAFETY: an all-zero sockaddr_ll is valid.
+    let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    sll.sll_family = libc::AF_PACKET as u16;
+    sll.sll_protocol = ethertype.to_be();
+    sll.sll_ifindex = ifindex;
+    sll.sll_halen = 6;
+    sll.sll_addr[..6].copy_from_slice(&mac);
+    sll
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payloads_fit_the_link() {
+        assert_eq!(frame_payload_for(1500, 28), 1024);
+        assert_eq!(frame_payload_for(9000, 28), 8704);
+        assert_eq!(frame_payload_for(1500, 0), 1024);
+        assert_eq!(frame_payload_for(65536, 28), 32 << 10);
+        assert_eq!(frame_payload_for(100, 28), 512);
+    }
+}

@@ -1,0 +1,748 @@
+//! Datagram ports (UDP; raw Ethernet uses the same code with link-layer addresses): one socket per
+//! reactor, frames demultiplexed to queues by `(session, queue)`, fragment reassembly, and the
+//! exactly-once rules of PROTOCOL.md §6 and §9: per slot, a request generation runs at most once,
+//! a duplicate of a finished request gets its cached reply, a stale one is dropped, and a new
+//! generation waits while the previous one still runs.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use blkwire_backend::{AlignedBuf, Export, ExportQueue, Op, Refusal, Started, Submitter};
+use blkwire_wire::{bitmap, fragment_count, ExportEntry, Flags, Header, Hello, Opcode, Status, Tag, HEADER_LEN};
+
+use crate::log::Level;
+use crate::session::Registry;
+use crate::stats::QueueStats;
+
+/// Frames received or sent per syscall.
+const BATCH: usize = 32;
+/// A session with no frame for this long is forgotten (PROTOCOL.md §9.1).
+pub const IDLE_EXPIRY: Duration = Duration::from_secs(60);
+
+/// Where a frame came from / goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Peer {
+    Ip(SocketAddr),
+    Mac([u8; 6]),
+}
+
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Peer::Ip(a) => write!(f, "{a}"),
+            Peer::Mac(m) => write!(
+                f,
+                "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+                m[0], m[1], m[2], m[3], m[4], m[5]
+            ),
+        }
+    }
+}
+
+/// How a port's socket addresses peers.
+#[derive(Clone, Copy, Debug)]
+pub enum PortKind {
+    Udp,
+    /// AF_PACKET/SOCK_DGRAM on an interface with this EtherType (network byte order in sockaddr).
+    Eth { ifindex: i32, ethertype: u16 },
+}
+
+/// A socket handed to a reactor.
+pub struct PortSetup {
+    pub fd: OwnedFd,
+    pub kind: PortKind,
+    /// Largest frame payload this port's link carries.
+    pub link_payload: u32,
+    /// The socket's receive buffer, for credits.
+    pub rcvbuf: u32,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum SlotState {
+    Empty,
+    /// WRITE fragments arriving.
+    Assembling,
+    /// Backend I/O in flight.
+    Running,
+    /// Answered; the reply can be rebuilt from `hdr` and `status`.
+    Done,
+}
+
+struct TSlot {
+    state: SlotState,
+    hdr: Header,
+    status: Status,
+    buf: Option<AlignedBuf>,
+    have: Vec<u8>,
+    got: u32,
+    frags: u32,
+    /// READ retransmissions: the fragments the initiator already holds.
+    client_has: Vec<u8>,
+}
+
+struct DQ {
+    incarnation: u32,
+    session: u32,
+    queue: u16,
+    peer: Peer,
+    export: Arc<Export>,
+    io: ExportQueue,
+    align: usize,
+    max_io: u32,
+    fp: u32,
+    slots: Vec<TSlot>,
+    stats: QueueStats,
+    last_seen: Instant,
+}
+
+/// Port-level counters: frames that never reached a queue.
+#[derive(Default, Clone, Copy, Debug)]
+pub struct PortStats {
+    pub bad_frames: u64,
+    pub unknown_session: u64,
+    pub wrong_peer: u64,
+}
+
+pub struct DgramPort {
+    fd: OwnedFd,
+    kind: PortKind,
+    link_payload: u32,
+    rcvbuf: u32,
+    queues: Vec<Option<DQ>>,
+    free: Vec<usize>,
+    index: HashMap<(u32, u16), usize>,
+    /// HELLO replies by (peer, nonce), so a retransmitted HELLO gets the same session.
+    hellos: HashMap<(Peer, u64), (Instant, Vec<u8>)>,
+    next_incarnation: u32,
+    rx: Vec<Vec<u8>>,
+    tx: Vec<u8>,
+    tx_frames: Vec<(usize, usize, Peer)>,
+    registry: Arc<Registry>,
+    pub stats: PortStats,
+    last_sweep: Instant,
+}
+
+/// Encodes io_uring user data for a datagram queue's backend I/O; supplied by the reactor.
+pub type UserData<'a> = &'a dyn Fn(u32, usize, u16) -> u64;
+
+fn mac_of(sll: &libc::sockaddr_ll) -> [u8; 6] {
+    let mut m = [0u8; 6];
+    m.copy_from_slice(&sll.sll_addr[..6]);
+    m
+}
+
+impl DgramPort {
+    pub fn new(p: PortSetup, registry: Arc<Registry>) -> DgramPort {
+        let frame = HEADER_LEN + p.link_payload as usize;
+        DgramPort {
+            fd: p.fd,
+            kind: p.kind,
+            link_payload: p.link_payload,
+            rcvbuf: p.rcvbuf,
+            queues: Vec::new(),
+            free: Vec::new(),
+            index: HashMap::new(),
+            hellos: HashMap::new(),
+            next_incarnation: 1,
+            rx: (0..BATCH).map(|_| vec![0u8; frame.max(4096)]).collect(),
+            tx: Vec::with_capacity(BATCH * frame),
+            tx_frames: Vec::with_capacity(BATCH),
+            registry,
+            stats: PortStats::default(),
+            last_sweep: Instant::now(),
+        }
+    }
+
+    pub fn fd(&self) -> i32 {
+        self.fd.as_raw_fd()
+    }
+
+    /// Per-queue window (PROTOCOL.md §9.4): the receive buffer shared by the active queues.
+    fn credit(&self) -> u16 {
+        let frame = (HEADER_LEN as u32 + self.link_payload).max(1);
+        let active = self.index.len().max(1) as u32;
+        (self.rcvbuf / frame / active).clamp(1, u16::MAX as u32) as u16
+    }
+
+    /// Reads every waiting frame and handles it; replies are batched and sent at the end.
+    pub fn receive(&mut self, sq: &mut dyn Submitter, ud: UserData) {
+        loop {
+            let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
+            let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+            let mut names: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
+            for i in 0..BATCH {
+                iov[i] = libc::iovec { iov_base: self.rx[i].as_mut_ptr().cast(), iov_len: self.rx[i].len() };
+                msgs[i].msg_hdr.msg_iov = &mut iov[i];
+                msgs[i].msg_hdr.msg_iovlen = 1;
+                msgs[i].msg_hdr.msg_name = (&mut names[i] as *mut libc::sockaddr_storage).cast();
+                msgs[i].msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_storage>() as u32;
+            }
+            // SAFETY: buffers and names are ours and outlive the call.
+            let r = unsafe {
+                libc::recvmmsg(self.fd.as_raw_fd(), msgs.as_mut_ptr(), BATCH as u32, libc::MSG_DONTWAIT, std::ptr::null_mut())
+            };
+            if r <= 0 {
+                break;
+            }
+            let n = r as usize;
+            for i in 0..n {
+                let Some(peer) = self.peer_of(&names[i]) else { continue };
+                let len = msgs[i].msg_len as usize;
+                let buf = std::mem::take(&mut self.rx[i]);
+                self.on_frame(&buf[..len.min(buf.len())], peer, sq, ud);
+                self.rx[i] = buf;
+            }
+            if n < BATCH {
+                break;
+            }
+        }
+        self.flush();
+    }
+
+    fn peer_of(&self, ss: &libc::sockaddr_storage) -> Option<Peer> {
+        match ss.ss_family as i32 {
+            libc::AF_INET => {
+                // SAFETY: the kernel wrote a sockaddr_in for AF_INET.
+                let a: &libc::sockaddr_in = unsafe { &*(ss as *const _ as *const libc::sockaddr_in) };
+                let ip = std::net::Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr));
+                Some(Peer::Ip(SocketAddr::from((ip, u16::from_be(a.sin_port)))))
+            }
+            libc::AF_INET6 => {
+                // SAFETY: the kernel wrote a sockaddr_in6 for AF_INET6.
+                let a: &libc::sockaddr_in6 = unsafe { &*(ss as *const _ as *const libc::sockaddr_in6) };
+                let ip = std::net::Ipv6Addr::from(a.sin6_addr.s6_addr);
+                Some(Peer::Ip(SocketAddr::from((ip, u16::from_be(a.sin6_port)))))
+            }
+            libc::AF_PACKET => {
+                // SAFETY: the kernel wrote a sockaddr_ll for AF_PACKET.
+                let a: &libc::sockaddr_ll = unsafe { &*(ss as *const _ as *const libc::sockaddr_ll) };
+                // Frames we sent ourselves loop back on packet sockets: ignore them.
+                if a.sll_pkttype == libc::PACKET_OUTGOING as u8 {
+                    return None;
+                }
+                Some(Peer::Mac(mac_of(a)))
+            }
+            _ => None,
+        }
+    }
+
+    /// Queues one sealed frame for `peer`.
+    fn send_frame(&mut self, mut h: Header, payload: &[u8], peer: Peer) {
+        h.payload_len = payload.len() as u32;
+        h.seal_crc(payload);
+        let at = self.tx.len();
+        self.tx.extend_from_slice(&h.to_bytes());
+        self.tx.extend_from_slice(payload);
+        self.tx_frames.push((at, self.tx.len() - at, peer));
+        if self.tx_frames.len() == BATCH {
+            self.flush();
+        }
+    }
+
+    fn reply(&mut self, req: &Header, status: Status, peer: Peer) {
+        let mut r = req.reply(status, 0);
+        r.credit = self.credit();
+        self.send_frame(r, &[], peer);
+    }
+
+    /// Sends the batched frames.
+    pub fn flush(&mut self) {
+        let mut done = 0;
+        while done < self.tx_frames.len() {
+            let n = (self.tx_frames.len() - done).min(BATCH);
+            let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
+            let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+            let mut names: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
+            for i in 0..n {
+                let (at, len, peer) = self.tx_frames[done + i];
+                iov[i] = libc::iovec { iov_base: self.tx[at..].as_ptr() as *mut _, iov_len: len };
+                msgs[i].msg_hdr.msg_iov = &mut iov[i];
+                msgs[i].msg_hdr.msg_iovlen = 1;
+                let nl = self.fill_name(&mut names[i], peer);
+                msgs[i].msg_hdr.msg_name = (&mut names[i] as *mut libc::sockaddr_storage).cast();
+                msgs[i].msg_hdr.msg_namelen = nl;
+            }
+            // SAFETY: all pointers reference locals or self.tx, alive for the call.
+            let r = unsafe { libc::sendmmsg(self.fd.as_raw_fd(), msgs.as_mut_ptr(), n as u32, 0) };
+            // A frame the kernel refuses (buffer full, peer gone) is lost like any network loss:
+            // the initiator's timer recovers it.
+            done += if r > 0 { r as usize } else { 1 };
+        }
+        self.tx.clear();
+        self.tx_frames.clear();
+    }
+
+    fn fill_name(&self, ss: &mut libc::sockaddr_storage, peer: Peer) -> u32 {
+        match (peer, self.kind) {
+            (Peer::Ip(SocketAddr::V4(a)), _) => {
+                // SAFETY: sockaddr_storage is large enough for sockaddr_in.
+                let s: &mut libc::sockaddr_in = unsafe { &mut *(ss as *mut _ as *mut libc::sockaddr_in) };
+                s.sin_family = libc::AF_INET as u16;
+                s.sin_port = a.port().to_be();
+                s.sin_addr.s_addr = u32::from(*a.ip()).to_be();
+                std::mem::size_of::<libc::sockaddr_in>() as u32
+            }
+            (Peer::Ip(SocketAddr::V6(a)), _) => {
+                // SAFETY: as above, for sockaddr_in6.
+                let s: &mut libc::sockaddr_in6 = unsafe { &mut *(ss as *mut _ as *mut libc::sockaddr_in6) };
+                s.sin6_family = libc::AF_INET6 as u16;
+                s.sin6_port = a.port().to_be();
+                s.sin6_addr.s6_addr = a.ip().octets();
+                s.sin6_scope_id = a.scope_id();
+                std::mem::size_of::<libc::sockaddr_in6>() as u32
+            }
+            (Peer::Mac(m), PortKind::Eth { ifindex, ethertype }) => {
+                // SAFETY: as above, for sockaddr_ll.
+                let s: &mut libc::sockaddr_ll = unsafe { &mut *(ss as *mut _ as *mut libc::sockaddr_ll) };
+                s.sll_family = libc::AF_PACKET as u16;
+                s.sll_protocol = ethertype.to_be();
+                s.sll_ifindex = ifindex;
+                s.sll_halen = 6;
+                s.sll_addr[..6].copy_from_slice(&m);
+                std::mem::size_of::<libc::sockaddr_ll>() as u32
+            }
+            (Peer::Mac(_), PortKind::Udp) => 0,
+        }
+    }
+
+    fn on_frame(&mut self, b: &[u8], peer: Peer, sq: &mut dyn Submitter, ud: UserData) {
+        let Ok(h) = Header::decode(b, self.link_payload.max(4096)) else {
+            self.stats.bad_frames += 1;
+            return;
+        };
+        let Some(payload) = b.get(HEADER_LEN..HEADER_LEN + h.payload_len as usize) else {
+            self.stats.bad_frames += 1;
+            return;
+        };
+        // Datagrams must carry a valid CRC (PROTOCOL.md §9).
+        if h.is_reply() || !h.flags.has(Flags::CRC) || h.check_crc(payload).is_err() {
+            self.stats.bad_frames += 1;
+            return;
+        }
+        if h.session == 0 {
+            return self.control(&h, payload, peer);
+        }
+        let Some(&qi) = self.index.get(&(h.session, h.queue)) else {
+            if h.opcode == Opcode::Join {
+                return self.join(&h, payload, peer);
+            }
+            self.stats.unknown_session += 1;
+            // Tell the initiator at once instead of letting it time out.
+            return self.reply(&h, Status::Access, peer);
+        };
+        let credit = self.credit();
+        let q = self.queues[qi].as_mut().expect("indexed queue exists");
+        if q.peer != peer {
+            self.stats.wrong_peer += 1;
+            return;
+        }
+        q.last_seen = Instant::now();
+        q.stats.frames_in += 1;
+        match h.opcode {
+            Opcode::Join => self.reply(&h, Status::Ok, peer),
+            Opcode::Keepalive => self.reply(&h, Status::Ok, peer),
+            Opcode::Logout => {
+                self.reply(&h, Status::Ok, peer);
+                self.remove(qi);
+            }
+            Opcode::Hello | Opcode::List | Opcode::Stats => self.reply(&h, Status::Invalid, peer),
+            Opcode::Copy => self.reply(&h, Status::Unsupported, peer),
+            _ => self.io_frame(qi, &h, payload, credit, sq, ud),
+        }
+    }
+
+    /// Frames without a session: HELLO and LIST (discovery).
+    fn control(&mut self, h: &Header, payload: &[u8], peer: Peer) {
+        match h.opcode {
+            Opcode::List => {
+                let mut list = self.registry.list();
+                let mut p = ExportEntry::encode_list(&list).unwrap_or_default();
+                while p.len() > self.link_payload as usize && !list.is_empty() {
+                    list.pop();
+                    p = ExportEntry::encode_list(&list).unwrap_or_default();
+                }
+                let mut r = h.reply(Status::Ok, 0);
+                r.length = self.registry.exports().len() as u32;
+                self.send_frame(r, &p, peer);
+            }
+            Opcode::Hello => {
+                let Ok(hello) = Hello::decode(payload) else {
+                    return self.reply(h, Status::Invalid, peer);
+                };
+                let now = Instant::now();
+                if let Some((_, cached)) = self.hellos.get(&(peer, hello.nonce)) {
+                    let cached = cached.clone();
+                    let mut r = h.reply(Status::Ok, 0);
+                    r.credit = self.credit();
+                    return self.send_frame(r, &cached, peer);
+                }
+                match self.registry.hello(&hello, &peer.to_string(), Some(self.link_payload)) {
+                    Ok((reply, adm)) => {
+                        let p = reply.encode();
+                        self.hellos.insert((peer, hello.nonce), (now, p.clone()));
+                        self.add_queue(adm, reply.frame_payload, peer);
+                        let mut r = h.reply(Status::Ok, 0);
+                        r.credit = self.credit();
+                        self.send_frame(r, &p, peer);
+                    }
+                    Err(st) => self.reply(h, st, peer),
+                }
+            }
+            _ => self.reply(h, Status::Invalid, peer),
+        }
+    }
+
+    fn join(&mut self, h: &Header, payload: &[u8], peer: Peer) {
+        let Ok(cookie) = <[u8; 8]>::try_from(payload) else {
+            return self.reply(h, Status::Invalid, peer);
+        };
+        match self.registry.join(h.session, h.queue, u64::from_le_bytes(cookie)) {
+            Ok(adm) => {
+                let fp = self.registry.frame_payload(h.session).unwrap_or(self.link_payload);
+                self.add_queue(adm, fp, peer);
+                self.reply(h, Status::Ok, peer);
+            }
+            Err(st) => self.reply(h, st, peer),
+        }
+    }
+
+    fn add_queue(&mut self, adm: crate::session::Admitted, fp: u32, peer: Peer) {
+        let io = match adm.export.open_queue() {
+            Ok(io) => io,
+            Err(e) => {
+                crate::log!(Level::Error, "export {}: cannot open queue: {e}", adm.export.name);
+                self.registry.leave(adm.session, adm.queue, &QueueStats::default());
+                return;
+            }
+        };
+        let idx = self.free.pop().unwrap_or_else(|| {
+            self.queues.push(None);
+            self.queues.len() - 1
+        });
+        let incarnation = self.next_incarnation;
+        self.next_incarnation = (self.next_incarnation + 1) & 0xf_ffff;
+        let empty = Header::request(Opcode::Keepalive, Tag::default(), 0, 0);
+        self.queues[idx] = Some(DQ {
+            incarnation,
+            session: adm.session,
+            queue: adm.queue,
+            peer,
+            align: adm.export.backend().buffer_alignment(),
+            io,
+            export: adm.export,
+            max_io: adm.max_io,
+            fp,
+            slots: (0..adm.depth)
+                .map(|_| TSlot {
+                    state: SlotState::Empty,
+                    hdr: empty,
+                    status: Status::Ok,
+                    buf: None,
+                    have: Vec::new(),
+                    got: 0,
+                    frags: 1,
+                    client_has: Vec::new(),
+                })
+                .collect(),
+            stats: QueueStats::default(),
+            last_seen: Instant::now(),
+        });
+        self.index.insert((adm.session, adm.queue), idx);
+    }
+
+    fn remove(&mut self, qi: usize) {
+        if let Some(q) = self.queues[qi].take() {
+            if q.slots.iter().any(|s| s.state == SlotState::Running) {
+                // Backend I/O still owns slot buffers: keep the queue until it completes.
+                self.queues[qi] = Some(q);
+                return;
+            }
+            self.index.remove(&(q.session, q.queue));
+            self.registry.leave(q.session, q.queue, &q.stats);
+            self.free.push(qi);
+        }
+    }
+
+    /// Forgets queues idle for longer than [`IDLE_EXPIRY`] and stale HELLO replies.
+    pub fn sweep(&mut self) {
+        let now = Instant::now();
+        if now.duration_since(self.last_sweep) < Duration::from_secs(1) {
+            return;
+        }
+        self.last_sweep = now;
+        self.hellos.retain(|_, (t, _)| now.duration_since(*t) < IDLE_EXPIRY);
+        for qi in 0..self.queues.len() {
+            let idle = self.queues[qi].as_ref().is_some_and(|q| now.duration_since(q.last_seen) > IDLE_EXPIRY);
+            if idle {
+                let q = self.queues[qi].as_ref().expect("checked");
+                crate::log!(Level::Info, "session {} queue {}: idle for {}s, forgotten", q.session, q.queue, IDLE_EXPIRY.as_secs());
+                self.remove(qi);
+            }
+        }
+    }
+
+    /// I/O frames: the generation rules of PROTOCOL.md §6 and §9.2, then reassembly and execution.
+    fn io_frame(&mut self, qi: usize, h: &Header, payload: &[u8], credit: u16, sq: &mut dyn Submitter, ud: UserData) {
+        let q = self.queues[qi].as_mut().expect("present");
+        let peer = q.peer;
+        let slot = h.tag.slot();
+        if slot as usize >= q.slots.len() {
+            return self.reply(h, Status::Invalid, peer);
+        }
+        let gen = h.tag.generation();
+        let s = &mut q.slots[slot as usize];
+        if s.state != SlotState::Empty && gen == s.hdr.tag.generation() && h.opcode == s.hdr.opcode {
+            match s.state {
+                SlotState::Assembling => return self.fragment(qi, h, payload, sq, ud),
+                SlotState::Running => {
+                    q.stats.dropped_duplicates += 1;
+                    return;
+                }
+                SlotState::Done if h.opcode == Opcode::Read => {
+                    // Reads may run again; send only what the initiator lacks.
+                    s.client_has.clear();
+                    if h.flags.has(Flags::HAVE) {
+                        s.client_has.extend_from_slice(payload);
+                    }
+                    return self.execute(qi, slot, sq, ud);
+                }
+                SlotState::Done => {
+                    // Never twice: resend the cached answer.
+                    q.stats.dropped_duplicates += 1;
+                    let (hdr, status) = (s.hdr, s.status);
+                    let mut r = hdr.reply(status, 0);
+                    r.credit = credit;
+                    return self.send_frame(r, &[], peer);
+                }
+                SlotState::Empty => unreachable!(),
+            }
+        }
+        if s.state != SlotState::Empty && h.tag.generation_older_than(s.hdr.tag.generation()) {
+            q.stats.dropped_duplicates += 1;
+            return; // stale: can never land after a newer request on this slot
+        }
+        if matches!(s.state, SlotState::Running) {
+            q.stats.dropped_duplicates += 1;
+            return; // the previous request still runs; the initiator retransmits
+        }
+        // A new request on this slot.
+        s.hdr = *h;
+        s.hdr.flags = Flags(h.flags.0 & !(Flags::HAVE | Flags::CRC));
+        s.status = Status::Ok;
+        s.client_has.clear();
+        s.got = 0;
+        s.frags = 1;
+        if h.opcode == Opcode::Write {
+            let frags = fragment_count(h.length, q.fp);
+            if h.length == 0 || h.length > q.max_io || h.frag_count as u32 != frags {
+                s.state = SlotState::Done;
+                s.status = Status::Invalid;
+                return self.reply(h, Status::Invalid, peer);
+            }
+            let align = q.align.max(4096);
+            if s.buf.as_ref().is_none_or(|b| b.len() < h.length as usize) {
+                s.buf = Some(AlignedBuf::zeroed(h.length as usize, align));
+            }
+            s.frags = frags;
+            s.have.clear();
+            s.have.resize(bitmap::bytes_for(frags), 0);
+            s.state = SlotState::Assembling;
+            return self.fragment(qi, h, payload, sq, ud);
+        }
+        if h.flags.has(Flags::HAVE) {
+            s.client_has.extend_from_slice(payload);
+        }
+        self.execute(qi, slot, sq, ud);
+    }
+
+    /// A WRITE fragment: store it; when all are in, execute.
+    fn fragment(&mut self, qi: usize, h: &Header, payload: &[u8], sq: &mut dyn Submitter, ud: UserData) {
+        let credit = self.credit();
+        let q = self.queues[qi].as_mut().expect("present");
+        let peer = q.peer;
+        let fp = q.fp;
+        let slot = h.tag.slot();
+        let s = &mut q.slots[slot as usize];
+        let i = h.frag_index as u32;
+        let expect = (s.hdr.length - (i * fp).min(s.hdr.length)).min(fp);
+        if h.frag_count as u32 != s.frags || h.frag_offset != i * fp || h.payload_len != expect || h.length != s.hdr.length {
+            q.stats.protocol_errors += 1;
+            return;
+        }
+        if bitmap::get(&s.have, i) {
+            // A repeat of something we hold: say what we hold, the initiator sends the rest.
+            q.stats.dropped_duplicates += 1;
+            let mut r = s.hdr.reply(Status::Ok, 0);
+            r.flags.0 |= Flags::HAVE;
+            r.credit = credit;
+            let have = s.have.clone();
+            return self.send_frame(r, &have, peer);
+        }
+        let buf = s.buf.as_mut().expect("assembling slot has a buffer");
+        buf.as_mut_slice()[h.frag_offset as usize..h.frag_offset as usize + payload.len()].copy_from_slice(payload);
+        bitmap::set(&mut s.have, i);
+        s.got += 1;
+        if s.got == s.frags {
+            self.execute(qi, slot, sq, ud);
+        }
+    }
+
+    /// Runs a complete request against the export.
+    fn execute(&mut self, qi: usize, slot: u16, sq: &mut dyn Submitter, ud: UserData) {
+        let q = self.queues[qi].as_mut().expect("present");
+        let h = q.slots[slot as usize].hdr;
+        let len = h.length;
+        let data_op = matches!(h.opcode, Opcode::Read | Opcode::Write);
+        let invalid = (data_op && (len == 0 || len > q.max_io)) || (h.opcode == Opcode::Flush && len == 0 && h.offset != 0);
+        let refusal = if invalid {
+            Some(Status::Invalid)
+        } else if let Err(r) = q.export.check(h.opcode.modifies_data(), h.offset, len as u64) {
+            Some(match r {
+                Refusal::ReadOnly => Status::ReadOnly,
+                Refusal::OutOfRange => Status::OutOfRange,
+                Refusal::Invalid => Status::Invalid,
+            })
+        } else {
+            let a = q.export.alignment();
+            (data_op && (!h.offset.is_multiple_of(a) || !(len as u64).is_multiple_of(a))).then_some(Status::Invalid)
+        };
+        if let Some(st) = refusal {
+            return self.finish(qi, slot, st);
+        }
+        let s = &mut q.slots[slot as usize];
+        let op = match h.opcode {
+            Opcode::Read => {
+                if s.buf.as_ref().is_none_or(|b| b.len() < len as usize) {
+                    s.buf = Some(AlignedBuf::zeroed(len as usize, q.align.max(4096)));
+                }
+                q.stats.reads += 1;
+                Op::Read { offset: h.offset, buf: s.buf.as_mut().expect("set").as_mut_ptr(), len }
+            }
+            Opcode::Write => {
+                q.stats.writes += 1;
+                q.stats.bytes_written += len as u64;
+                Op::Write {
+                    offset: h.offset,
+                    buf: s.buf.as_mut().expect("assembled").as_mut_ptr(),
+                    len,
+                    fua: h.flags.has(Flags::FUA),
+                }
+            }
+            Opcode::Flush => {
+                q.stats.flushes += 1;
+                Op::Flush
+            }
+            Opcode::Trim if len == 0 => return self.finish(qi, slot, Status::Ok),
+            Opcode::WriteZeroes if len == 0 => return self.finish(qi, slot, Status::Ok),
+            Opcode::Trim => {
+                q.stats.trims += 1;
+                Op::Trim { offset: h.offset, len }
+            }
+            Opcode::WriteZeroes => {
+                q.stats.write_zeroes += 1;
+                Op::WriteZeroes { offset: h.offset, len, no_hole: h.flags.has(Flags::NO_HOLE) }
+            }
+            _ => return self.finish(qi, slot, Status::Invalid),
+        };
+        match q.io.start(op, ud(q.incarnation, qi, slot), sq) {
+            Started::Done(r) => {
+                let st = if r == 0 { Status::Ok } else { Status::from_errno(-r) };
+                self.finish(qi, slot, st)
+            }
+            Started::Submitted => q.slots[slot as usize].state = SlotState::Running,
+        }
+    }
+
+    /// io_uring completion for a queue's backend I/O.
+    pub fn complete(&mut self, qi: usize, incarnation: u32, slot: u16, res: i32) {
+        let Some(q) = self.queues.get_mut(qi).and_then(Option::as_mut) else { return };
+        if q.incarnation != incarnation || q.slots.get(slot as usize).is_none_or(|s| s.state != SlotState::Running) {
+            return;
+        }
+        let h = q.slots[slot as usize].hdr;
+        let st = if res < 0 {
+            Status::from_errno(-res)
+        } else if matches!(h.opcode, Opcode::Read | Opcode::Write) && res as u32 != h.length {
+            if h.opcode == Opcode::Read {
+                Status::Io
+            } else {
+                Status::OutOfRange
+            }
+        } else {
+            Status::Ok
+        };
+        self.finish(qi, slot, st);
+    }
+
+    /// A request finished: remember its status and answer (READ: the data, in fragments).
+    fn finish(&mut self, qi: usize, slot: u16, status: Status) {
+        let credit = self.credit();
+        let q = self.queues[qi].as_mut().expect("present");
+        let peer = q.peer;
+        let fp = q.fp;
+        let s = &mut q.slots[slot as usize];
+        s.state = SlotState::Done;
+        s.status = status;
+        let h = s.hdr;
+        q.stats.frames_out += 1;
+        if status != Status::Ok {
+            q.stats.errors += 1;
+        }
+        if h.opcode != Opcode::Read || status != Status::Ok {
+            let mut r = h.reply(status, 0);
+            r.credit = credit;
+            return self.send_frame(r, &[], peer);
+        }
+        q.stats.bytes_read += h.length as u64;
+        let frags = fragment_count(h.length, fp);
+        let buf = s.buf.take().expect("read buffer");
+        let has = std::mem::take(&mut s.client_has);
+        for i in 0..frags {
+            if bitmap::get(&has, i) {
+                continue;
+            }
+            let start = i * fp;
+            let end = (start + fp).min(h.length);
+            let mut r = h.reply(Status::Ok, 0);
+            r.credit = credit;
+            r.frag_index = i as u16;
+            r.frag_count = frags as u16;
+            r.frag_offset = start;
+            self.send_frame(r, &buf.as_slice()[start as usize..end as usize], peer);
+        }
+        let q = self.queues[qi].as_mut().expect("present");
+        let s = &mut q.slots[slot as usize];
+        s.buf = Some(buf);
+        s.client_has = has;
+    }
+
+    /// Live queues' counters, for STATS.
+    pub fn reports(&self, thread: usize) -> Vec<crate::reactor::QueueReport> {
+        self.queues
+            .iter()
+            .flatten()
+            .map(|q| crate::reactor::QueueReport {
+                session: q.session,
+                queue: q.queue,
+                thread,
+                in_flight: q.slots.iter().filter(|s| s.state == SlotState::Running).count() as u32,
+                stats: q.stats,
+            })
+            .collect()
+    }
+
+    /// Closes every queue (shutdown).
+    pub fn close_all(&mut self) {
+        for qi in 0..self.queues.len() {
+            self.remove(qi);
+        }
+    }
+
+    pub fn has_running(&self) -> bool {
+        self.queues.iter().flatten().any(|q| q.slots.iter().any(|s| s.state == SlotState::Running))
+    }
+
+}

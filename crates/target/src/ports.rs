@@ -1,0 +1,136 @@
+//! Opening datagram listeners: one socket per reactor, so each reactor owns its share of the
+//! queues. UDP uses SO_REUSEPORT (the kernel spreads initiator sockets, each with its own source
+//! port, over the reactors by flow hash); raw Ethernet uses one packet socket per reactor with a
+//! classic BPF filter that accepts only the queues `queue % reactors == r`.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+use crate::dgram::{PortKind, PortSetup};
+
+/// Default EtherType: IEEE 802 local experimental 1 (PROTOCOL.md §9).
+pub const DEFAULT_ETHERTYPE: u16 = blkwire_net::DEFAULT_ETHERTYPE;
+pub const DEFAULT_UDP_PORT: u16 = 7701;
+/// Largest fragment payload a target offers on UDP (the initiator's path MTU usually decides).
+const UDP_MAX_PAYLOAD: u32 = 32 << 10;
+
+/// A datagram listen address.
+#[derive(Clone, Debug)]
+pub enum DgramListen {
+    Udp(SocketAddr),
+    Eth { iface: String, ethertype: u16 },
+}
+
+/// Parses `udp://ADDR[:PORT]` or `eth://IFACE[?ethertype=0x88b5]`; `None` for other schemes.
+pub fn parse(url: &str) -> Option<Result<DgramListen, String>> {
+    let (scheme, rest) = url.split_once("://")?;
+    let rest = rest.trim_end_matches('/');
+    match scheme {
+        "udp" => Some((|| {
+            let with_port = if rest.starts_with('[') && !rest.contains("]:") || !rest.starts_with('[') && !rest.contains(':') {
+                format!("{rest}:{DEFAULT_UDP_PORT}")
+            } else {
+                rest.to_string()
+            };
+            let a = with_port
+                .to_socket_addrs()
+                .ok()
+                .and_then(|mut a| a.next())
+                .ok_or_else(|| format!("bad listen address '{url}': expected udp://ADDR[:PORT], e.g. udp://0.0.0.0:7701"))?;
+            Ok(DgramListen::Udp(a))
+        })()),
+        "eth" => Some((|| {
+            let (iface, query) = rest.split_once('?').unwrap_or((rest, ""));
+            if iface.is_empty() || iface.len() > 15 || iface.contains('/') {
+                return Err(format!("bad listen address '{url}': expected eth://IFACE, e.g. eth://enp1s0"));
+            }
+            let mut ethertype = DEFAULT_ETHERTYPE;
+            for kv in query.split('&').filter(|s| !s.is_empty()) {
+                let v = kv.strip_prefix("ethertype=").ok_or_else(|| format!("'{url}': unknown option '{kv}' (known: ethertype=0x88b5)"))?;
+                let v = v.trim_start_matches("0x");
+                ethertype = u16::from_str_radix(v, 16).ok().filter(|t| *t >= 0x0600).ok_or_else(|| format!("'{url}': bad EtherType '{kv}'"))?;
+            }
+            Ok(DgramListen::Eth { iface: iface.to_string(), ethertype })
+        })()),
+        _ => None,
+    }
+}
+
+fn os_err(what: &str) -> String {
+    format!("{what}: {}", std::io::Error::last_os_error())
+}
+
+/// Opens `n` UDP sockets sharing one address with SO_REUSEPORT. Returns them and the URL bound.
+pub fn open_udp(addr: SocketAddr, n: usize) -> Result<(Vec<PortSetup>, String), String> {
+    let mut out = Vec::new();
+    let mut bound = addr;
+    for _ in 0..n {
+        let domain = if addr.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+        // SAFETY: creating a socket.
+        let fd = unsafe { libc::socket(domain, libc::SOCK_DGRAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(os_err("udp socket"));
+        }
+        // SAFETY: we own the new fd.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        blkwire_net::setopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_REUSEPORT, 1);
+        let sock = socket2_addr(bound);
+        // SAFETY: bind with a properly sized sockaddr.
+        if unsafe { libc::bind(fd.as_raw_fd(), sock.0.as_ptr().cast(), sock.1) } != 0 {
+            return Err(format!("cannot listen on udp://{addr}: {}", std::io::Error::last_os_error()));
+        }
+        if bound.port() == 0 {
+            bound = local_addr(fd.as_raw_fd()).unwrap_or(bound);
+        }
+        let rcvbuf = blkwire_net::size_buffers(fd.as_raw_fd());
+        out.push(PortSetup { fd, kind: PortKind::Udp, link_payload: UDP_MAX_PAYLOAD, rcvbuf });
+    }
+    Ok((out, format!("udp://{bound}")))
+}
+
+fn socket2_addr(a: SocketAddr) -> (Vec<u8>, libc::socklen_t) {
+    match a {
+        SocketAddr::V4(v) => {
+            // SAFETY: zeroed sockaddr_in is valid.
+            let mut s: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+            s.sin_family = libc::AF_INET as u16;
+            s.sin_port = v.port().to_be();
+            s.sin_addr.s_addr = u32::from(*v.ip()).to_be();
+            let b = unsafe { std::slice::from_raw_parts((&s as *const libc::sockaddr_in).cast::<u8>(), std::mem::size_of_val(&s)) };
+            (b.to_vec(), std::mem::size_of_val(&s) as libc::socklen_t)
+        }
+        SocketAddr::V6(v) => {
+            // SAFETY: zeroed sockaddr_in6 is valid.
+            let mut s: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+            s.sin6_family = libc::AF_INET6 as u16;
+            s.sin6_port = v.port().to_be();
+            s.sin6_addr.s6_addr = v.ip().octets();
+            s.sin6_scope_id = v.scope_id();
+            let b = unsafe { std::slice::from_raw_parts((&s as *const libc::sockaddr_in6).cast::<u8>(), std::mem::size_of_val(&s)) };
+            (b.to_vec(), std::mem::size_of_val(&s) as libc::socklen_t)
+        }
+    }
+}
+
+fn local_addr(fd: i32) -> Option<SocketAddr> {
+    // SAFETY: getsockname into a sockaddr_storage; the UdpSocket view is borrowed, not owned.
+    let sock = std::mem::ManuallyDrop::new(unsafe { std::net::UdpSocket::from_raw_fd(fd) });
+    sock.local_addr().ok()
+}
+
+/// Opens one packet socket per reactor on `iface`.
+pub fn open_eth(iface: &str, ethertype: u16, n: usize) -> Result<(Vec<PortSetup>, String), String> {
+    let info = blkwire_net::iface(iface)?;
+    let (ifindex, mac) = (info.index, info.mac);
+    let link_payload = blkwire_net::frame_payload_for(info.mtu, 0);
+    let mut out = Vec::new();
+    for r in 0..n {
+        let filter = blkwire_net::Filter::QueueShare { n: n as u32, r: r as u32 };
+        let fd = blkwire_net::packet_socket(ifindex, ethertype, filter)?;
+        let rcvbuf = blkwire_net::size_buffers(fd.as_raw_fd());
+        out.push(PortSetup { fd, kind: PortKind::Eth { ifindex, ethertype }, link_payload, rcvbuf });
+    }
+    let m = mac;
+    let url = format!("eth://{iface}/{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}", m[0], m[1], m[2], m[3], m[4], m[5]);
+    Ok((out, url))
+}
