@@ -3,14 +3,14 @@ SHELL := /bin/bash
 CARGO ?= cargo
 BIN := target/release/blkwire
 
-.PHONY: demo test deps build fmt lint unit bench fuzz clean
+.PHONY: demo test deps build fmt lint unit kernel-lab bench fuzz clean
 
 ## demo: build, then serve a RAM export, upload a file, read it back, benchmark, stop.
 demo: deps build
 	@scripts/demo.sh
 
-## test: formatting, lints and every test (CI runs this).
-test: deps fmt lint unit
+## test: formatting, lints and every test, then the kernel lab (CI runs this).
+test: deps fmt lint unit kernel-lab
 
 deps:
 	@scripts/deps.sh
@@ -26,6 +26,11 @@ lint:
 
 unit:
 	$(CARGO) test --release --locked --workspace
+
+## kernel-lab: blkwire against the kernel's own initiators in a qemu guest (docs/KERNEL-LAB.md).
+## `make kernel-lab SCENARIO=nbd` runs one scenario; the default is all of them.
+kernel-lab: deps build
+	tests/kernel-lab/run.sh $(SCENARIO)
 
 ## bench: blkwire against nbdkit (fio nbd engine), side by side; see docs/BENCHMARKS.md.
 bench: deps build

@@ -13,6 +13,8 @@ command -v fio >/dev/null || need+=(fio)
 command -v nbdkit >/dev/null || need+=(nbdkit)
 command -v nbdinfo >/dev/null || need+=(libnbd-bin)
 command -v qemu-img >/dev/null || need+=(qemu-utils)
+command -v nft >/dev/null || need+=(nftables)
+command -v ip >/dev/null || need+=(iproute2)
 
 if [ ${#need[@]} -gt 0 ]; then
     echo "deps: installing ${need[*]}"

@@ -45,6 +45,9 @@ pub struct Args {
     /// Microseconds to spin for a reply before sleeping
     #[arg(long, value_name = "US", default_value_t = 50)]
     poll_us: u64,
+    /// Seconds an I/O may go unanswered before it fails with EIO
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    timeout: u64,
     /// Print one JSON object
     #[arg(long)]
     json: bool,
@@ -78,6 +81,7 @@ pub fn run(a: Args) -> Result<(), String> {
         depth: a.iodepth,
         max_io: a.bs.clamp(512, u32::MAX as u64) as u32,
         poll: Duration::from_micros(a.poll_us),
+        timeout: Duration::from_secs(a.timeout.max(1)),
         ..Default::default()
     };
     let s = crate::open(&a.url, &opts)?;
@@ -222,7 +226,8 @@ fn job(
     let err = |e: blkwire_client::Error| e.to_string();
     loop {
         let now = start.elapsed();
-        let running = now < runtime;
+        // Like fio, a job stops at its first I/O error (and reports it).
+        let running = now < runtime && r.first_error.is_none();
         while running && q.in_flight() < depth {
             let (random, read) = match rw {
                 Rw::Read => (false, true),

@@ -23,6 +23,9 @@ pub struct Args {
     /// Never show a progress bar
     #[arg(long)]
     no_progress: bool,
+    /// Seconds an I/O may go unanswered before the copy fails
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    timeout: u64,
 }
 
 /// One side of the copy, as seen by one worker.
@@ -42,12 +45,13 @@ struct Side {
     label: String,
 }
 
-fn open_side(spec: &str, jobs: u16, dest_size: Option<u64>) -> Result<Side, String> {
+fn open_side(spec: &str, jobs: u16, dest_size: Option<u64>, timeout: u64) -> Result<Side, String> {
     if Url::is_url(spec) {
         let opts = ConnectOptions {
             queues: jobs,
             depth: 4,
             max_io: 1 << 20,
+            timeout: std::time::Duration::from_secs(timeout.max(1)),
             ..Default::default()
         };
         let s = crate::open(spec, &opts)?;
@@ -114,8 +118,8 @@ pub fn run(a: Args) -> Result<(), String> {
     if !Url::is_url(&a.src) && !Url::is_url(&a.dst) {
         return Err("neither side is a URL: use cp(1) for local copies".into());
     }
-    let src = open_side(&a.src, a.jobs, None)?;
-    let dst = open_side(&a.dst, a.jobs, Some(src.size))?;
+    let src = open_side(&a.src, a.jobs, None, a.timeout)?;
+    let dst = open_side(&a.dst, a.jobs, Some(src.size), a.timeout)?;
     if dst.size < src.size {
         return Err(format!(
             "{} ({} bytes) is smaller than {} ({} bytes): nothing was copied",

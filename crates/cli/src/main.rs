@@ -3,6 +3,7 @@
 
 mod bench;
 mod cp;
+mod discover;
 mod hist;
 mod info;
 mod serve;
@@ -39,6 +40,8 @@ enum Command {
     Cp(cp::Args),
     /// Show a target's live per-queue counters
     Stats(stats::Args),
+    /// Find targets and their exports on a link (raw Ethernet broadcast) or at a UDP address
+    Discover(discover::Args),
 }
 
 fn main() -> ExitCode {
@@ -60,6 +63,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::Cp(a) => cp::run(a),
         Command::Stats(a) => stats::run(a),
+        Command::Discover(a) => discover::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -145,7 +145,9 @@ impl DgramQueue {
             spin: blkwire_spin::AdaptiveSpin::new(poll),
             tx: Vec::with_capacity(BATCH * frame),
             tx_frames: Vec::with_capacity(BATCH),
-            rx: (0..BATCH).map(|_| vec![0u8; frame.max(HEADER_LEN + 4096)]).collect(),
+            rx: (0..BATCH)
+                .map(|_| vec![0u8; frame.max(HEADER_LEN + 4096)])
+                .collect(),
             stats: QueueStats::default(),
         }
     }
@@ -177,20 +179,41 @@ impl DgramQueue {
         let (opcode, offset, len, flags, data): (Opcode, u64, u32, u16, &[u8]) = match cmd {
             Cmd::Read { offset, len } => (Opcode::Read, offset, len, 0, &[]),
             Cmd::Write { offset, data, fua } => {
-                let len = u32::try_from(data.len()).map_err(|_| Error::Usage("write too large".into()))?;
-                (Opcode::Write, offset, len, if fua { Flags::FUA } else { 0 }, data)
+                let len = u32::try_from(data.len())
+                    .map_err(|_| Error::Usage("write too large".into()))?;
+                (
+                    Opcode::Write,
+                    offset,
+                    len,
+                    if fua { Flags::FUA } else { 0 },
+                    data,
+                )
             }
             Cmd::Flush => (Opcode::Flush, 0, 0, 0, &[]),
             Cmd::Trim { offset, len } => (Opcode::Trim, offset, len, 0, &[]),
-            Cmd::WriteZeroes { offset, len, no_hole } => {
-                (Opcode::WriteZeroes, offset, len, if no_hole { Flags::NO_HOLE } else { 0 }, &[])
-            }
+            Cmd::WriteZeroes {
+                offset,
+                len,
+                no_hole,
+            } => (
+                Opcode::WriteZeroes,
+                offset,
+                len,
+                if no_hole { Flags::NO_HOLE } else { 0 },
+                &[],
+            ),
             Cmd::Keepalive => (Opcode::Keepalive, 0, 0, 0, &[]),
         };
         if matches!(opcode, Opcode::Read | Opcode::Write) && (len == 0 || len > self.max_io) {
-            return Err(Error::Usage(format!("I/O of {len} bytes outside 1..={} (split larger requests)", self.max_io)));
+            return Err(Error::Usage(format!(
+                "I/O of {len} bytes outside 1..={} (split larger requests)",
+                self.max_io
+            )));
         }
-        let slot = self.free.pop().ok_or_else(|| Error::Usage("all queue slots are busy".into()))?;
+        let slot = self
+            .free
+            .pop()
+            .ok_or_else(|| Error::Usage("all queue slots are busy".into()))?;
         let fp = self.frame_payload;
         let s = &mut self.slots[slot as usize];
         s.generation = s.generation.wrapping_add(1);
@@ -267,7 +290,10 @@ impl DgramQueue {
             let mut dest = self.link.dest;
             for i in 0..n {
                 let (at, len) = self.tx_frames[done + i];
-                iov[i] = libc::iovec { iov_base: self.tx[at..].as_ptr() as *mut _, iov_len: len };
+                iov[i] = libc::iovec {
+                    iov_base: self.tx[at..].as_ptr() as *mut _,
+                    iov_len: len,
+                };
                 msgs[i].msg_hdr.msg_iov = &mut iov[i];
                 msgs[i].msg_hdr.msg_iovlen = 1;
                 if let Some(d) = dest.as_mut() {
@@ -276,7 +302,8 @@ impl DgramQueue {
                 }
             }
             // SAFETY: msgs/iov point into self.tx and `dest`, alive for the call.
-            let r = unsafe { libc::sendmmsg(self.link.fd.as_raw_fd(), msgs.as_mut_ptr(), n as u32, 0) };
+            let r =
+                unsafe { libc::sendmmsg(self.link.fd.as_raw_fd(), msgs.as_mut_ptr(), n as u32, 0) };
             if r < 0 {
                 let e = std::io::Error::last_os_error();
                 match e.raw_os_error() {
@@ -318,7 +345,11 @@ impl DgramQueue {
             s.rto = rto;
             s.give_up_at = now + give_up;
             self.in_flight_frames += need;
-            let frags = if s.opcode == Opcode::Write { s.frags } else { 1 };
+            let frags = if s.opcode == Opcode::Write {
+                s.frags
+            } else {
+                1
+            };
             for f in 0..frags {
                 self.push_frame(slot, f, false);
             }
@@ -331,7 +362,9 @@ impl DgramQueue {
         let mut delivered = self.deliver(&mut f);
         while delivered < min {
             if self.in_flight() == 0 {
-                return Err(Error::Usage("waiting for completions with nothing in flight".into()));
+                return Err(Error::Usage(
+                    "waiting for completions with nothing in flight".into(),
+                ));
             }
             let got = self.receive()?;
             if got == 0 {
@@ -349,8 +382,16 @@ impl DgramQueue {
         while let Some(slot) = self.done.pop_front() {
             let s = &mut self.slots[slot as usize];
             s.state = State::Free;
-            let data: &[u8] = if s.opcode == Opcode::Read && s.status == Status::Ok { &s.data } else { &[] };
-            f(Completion { user: s.user, status: s.status, data });
+            let data: &[u8] = if s.opcode == Opcode::Read && s.status == Status::Ok {
+                &s.data
+            } else {
+                &[]
+            };
+            f(Completion {
+                user: s.user,
+                status: s.status,
+                data,
+            });
             self.free.push(slot);
             n += 1;
         }
@@ -361,7 +402,11 @@ impl DgramQueue {
     fn wait(&mut self) -> Result<()> {
         let fd = self.link.fd.as_raw_fd();
         let readable = || {
-            let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            let mut p = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
             // SAFETY: zero-timeout poll on our fd.
             unsafe { libc::poll(&mut p, 1, 0) > 0 }
         };
@@ -376,8 +421,16 @@ impl DgramQueue {
             .map(|s| (s.sent_at + s.rto).min(s.give_up_at))
             .min()
             .unwrap_or(now + Duration::from_millis(100));
-        let ms = next.saturating_duration_since(now).as_micros().div_ceil(1000).min(1000) as i32;
-        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        let ms = next
+            .saturating_duration_since(now)
+            .as_micros()
+            .div_ceil(1000)
+            .min(1000) as i32;
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
         // SAFETY: poll on our fd.
         let r = unsafe { libc::poll(&mut p, 1, ms) };
         if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
@@ -393,7 +446,10 @@ impl DgramQueue {
             let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
             let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
             for i in 0..BATCH {
-                iov[i] = libc::iovec { iov_base: self.rx[i].as_mut_ptr().cast(), iov_len: self.rx[i].len() };
+                iov[i] = libc::iovec {
+                    iov_base: self.rx[i].as_mut_ptr().cast(),
+                    iov_len: self.rx[i].len(),
+                };
                 msgs[i].msg_hdr.msg_iov = &mut iov[i];
                 msgs[i].msg_hdr.msg_iovlen = 1;
             }
@@ -417,8 +473,8 @@ impl DgramQueue {
                 };
             }
             let n = r as usize;
-            for i in 0..n {
-                let len = msgs[i].msg_len as usize;
+            for (i, m) in msgs.iter().enumerate().take(n) {
+                let len = m.msg_len as usize;
                 let buf = std::mem::take(&mut self.rx[i]);
                 self.on_frame(&buf[..len.min(buf.len())]);
                 self.rx[i] = buf;
@@ -460,7 +516,8 @@ impl DgramQueue {
             self.stats.late_replies += 1;
             return;
         };
-        if s.state != State::InFlight || s.generation != h.tag.generation() || s.opcode != h.opcode {
+        if s.state != State::InFlight || s.generation != h.tag.generation() || s.opcode != h.opcode
+        {
             self.stats.late_replies += 1;
             return;
         }
@@ -483,7 +540,10 @@ impl DgramQueue {
         // A READ fragment.
         let idx = h.frag_index as u32;
         let expect_len = (s.length - (idx * fp).min(s.length)).min(fp);
-        if h.frag_count as u32 != s.frags || h.frag_offset != idx * fp || h.payload_len != expect_len {
+        if h.frag_count as u32 != s.frags
+            || h.frag_offset != idx * fp
+            || h.payload_len != expect_len
+        {
             self.stats.late_replies += 1;
             return;
         }
@@ -593,7 +653,11 @@ impl DgramQueue {
 
 /// Opens a UDP socket connected to `addr`, with buffers sized for bursts of frames.
 pub(crate) fn udp_link(addr: std::net::SocketAddr) -> Result<Link> {
-    let sock = std::net::UdpSocket::bind(if addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" })?;
+    let sock = std::net::UdpSocket::bind(if addr.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    })?;
     sock.connect(addr)?;
     sock.set_nonblocking(true)?;
     let fd: OwnedFd = sock.into();
@@ -607,14 +671,31 @@ pub(crate) fn udp_link(addr: std::net::SocketAddr) -> Result<Link> {
         (libc::IPPROTO_IPV6, libc::IPV6_MTU, 48)
     };
     // SAFETY: getsockopt into a local int.
-    unsafe { libc::getsockopt(fd.as_raw_fd(), level, opt, (&mut mtu as *mut libc::c_int).cast(), &mut len) };
+    unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            level,
+            opt,
+            (&mut mtu as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
     let mtu_payload = blkwire_net::frame_payload_for(mtu as u32, ip_overhead);
-    Ok(Link { fd, dest: None, mtu_payload })
+    Ok(Link {
+        fd,
+        dest: None,
+        mtu_payload,
+    })
 }
 
 /// Opens a packet socket on `iface` that receives only this queue's frames (and this session's,
 /// once known), addressed to the target's MAC.
-pub(crate) fn eth_link(iface: &str, mac: [u8; 6], queue: u16, session: Option<u32>) -> Result<Link> {
+pub(crate) fn eth_link(
+    iface: &str,
+    mac: [u8; 6],
+    queue: u16,
+    session: Option<u32>,
+) -> Result<Link> {
     let info = blkwire_net::iface(iface).map_err(Error::Usage)?;
     let ethertype = blkwire_net::DEFAULT_ETHERTYPE;
     let filter = blkwire_net::Filter::Queue { queue, session };
@@ -629,7 +710,12 @@ pub(crate) fn eth_link(iface: &str, mac: [u8; 6], queue: u16, session: Option<u3
 
 /// One control exchange over a datagram link (HELLO, JOIN, LIST): the request is sent again with
 /// a doubling timer until a reply with the same opcode arrives or `timeout` passes.
-pub(crate) fn exchange(link: &Link, mut h: Header, payload: &[u8], timeout: Duration) -> Result<(Header, Vec<u8>)> {
+pub(crate) fn exchange(
+    link: &Link,
+    mut h: Header,
+    payload: &[u8],
+    timeout: Duration,
+) -> Result<(Header, Vec<u8>)> {
     h.payload_len = payload.len() as u32;
     h.seal_crc(payload);
     let mut frame = h.to_bytes().to_vec();
@@ -640,26 +726,56 @@ pub(crate) fn exchange(link: &Link, mut h: Header, payload: &[u8], timeout: Dura
     loop {
         let mut dest = link.dest;
         let (name, namelen) = match dest.as_mut() {
-            Some(d) => ((d as *mut libc::sockaddr_ll).cast(), std::mem::size_of::<libc::sockaddr_ll>() as u32),
+            Some(d) => (
+                (d as *mut libc::sockaddr_ll).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            ),
             None => (std::ptr::null_mut(), 0),
         };
         // SAFETY: sendto from our buffer to an optional link-layer address.
-        unsafe { libc::sendto(link.fd.as_raw_fd(), frame.as_ptr().cast(), frame.len(), 0, name, namelen) };
+        unsafe {
+            libc::sendto(
+                link.fd.as_raw_fd(),
+                frame.as_ptr().cast(),
+                frame.len(),
+                0,
+                name,
+                namelen,
+            )
+        };
         let until = (Instant::now() + wait).min(deadline);
         while Instant::now() < until {
-            let ms = until.saturating_duration_since(Instant::now()).as_millis().max(1) as i32;
-            let mut p = libc::pollfd { fd: link.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            let ms = until
+                .saturating_duration_since(Instant::now())
+                .as_millis()
+                .max(1) as i32;
+            let mut p = libc::pollfd {
+                fd: link.fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
             // SAFETY: poll on our fd.
             if unsafe { libc::poll(&mut p, 1, ms) } <= 0 {
                 continue;
             }
             // SAFETY: recv into our buffer.
-            let n = unsafe { libc::recv(link.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+            let n = unsafe {
+                libc::recv(
+                    link.fd.as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
             if n < HEADER_LEN as isize {
                 continue;
             }
-            let Ok(r) = Header::decode(&buf[..n as usize], 65536) else { continue };
-            let Some(p) = buf.get(HEADER_LEN..HEADER_LEN + r.payload_len as usize) else { continue };
+            let Ok(r) = Header::decode(&buf[..n as usize], 65536) else {
+                continue;
+            };
+            let Some(p) = buf.get(HEADER_LEN..HEADER_LEN + r.payload_len as usize) else {
+                continue;
+            };
             if r.is_reply() && r.opcode == h.opcode && r.tag == h.tag && r.check_crc(p).is_ok() {
                 return Ok((r, p.to_vec()));
             }
@@ -669,4 +785,123 @@ pub(crate) fn exchange(link: &Link, mut h: Header, payload: &[u8], timeout: Dura
         }
         wait = (wait * 2).min(Duration::from_secs(1));
     }
+}
+
+/// One target that answered a discovery query.
+#[derive(Clone, Debug)]
+pub struct Discovered {
+    /// `eth://IFACE/MAC` or `udp://HOST:PORT`: prefix of the export URLs.
+    pub base: String,
+    pub exports: Vec<blkwire_wire::ExportEntry>,
+}
+
+/// Sends a LIST frame (PROTOCOL.md §9.5) and collects every answer until `wait` passes.
+/// `dest` is the broadcast (or unicast) address on a packet socket; `None` on connected UDP.
+fn discover_on(
+    link: &Link,
+    wait: Duration,
+    base_of: &dyn Fn(&libc::sockaddr_ll) -> String,
+) -> Vec<Discovered> {
+    let mut h = Header::request(Opcode::List, Tag::new(0, 0), 0, 0);
+    h.seal_crc(&[]);
+    let frame = h.to_bytes();
+    let mut dest = link.dest;
+    let (name, namelen) = match dest.as_mut() {
+        Some(d) => (
+            (d as *mut libc::sockaddr_ll).cast(),
+            std::mem::size_of::<libc::sockaddr_ll>() as u32,
+        ),
+        None => (std::ptr::null_mut(), 0),
+    };
+    // SAFETY: sendto from a local buffer.
+    unsafe {
+        libc::sendto(
+            link.fd.as_raw_fd(),
+            frame.as_ptr().cast(),
+            frame.len(),
+            0,
+            name,
+            namelen,
+        )
+    };
+    let deadline = Instant::now() + wait;
+    let mut found: Vec<Discovered> = Vec::new();
+    let mut buf = vec![0u8; 65536];
+    while Instant::now() < deadline {
+        let ms = deadline
+            .saturating_duration_since(Instant::now())
+            .as_millis()
+            .max(1) as i32;
+        let mut p = libc::pollfd {
+            fd: link.fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll on our fd.
+        if unsafe { libc::poll(&mut p, 1, ms) } <= 0 {
+            continue;
+        }
+        // SAFETY: an all-zero sockaddr_ll is valid; recvfrom fills it.
+        let mut from: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        let mut fl = std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
+        // SAFETY: recvfrom into our buffers.
+        let n = unsafe {
+            libc::recvfrom(
+                link.fd.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                libc::MSG_DONTWAIT,
+                (&mut from as *mut libc::sockaddr_ll).cast(),
+                &mut fl,
+            )
+        };
+        if n < HEADER_LEN as isize {
+            continue;
+        }
+        let Ok(r) = Header::decode(&buf[..n as usize], 65536) else {
+            continue;
+        };
+        let Some(p) = buf.get(HEADER_LEN..HEADER_LEN + r.payload_len as usize) else {
+            continue;
+        };
+        if !r.is_reply() || r.opcode != Opcode::List || r.check_crc(p).is_err() {
+            continue;
+        }
+        let Ok(exports) = blkwire_wire::ExportEntry::decode_list(p) else {
+            continue;
+        };
+        let base = base_of(&from);
+        if !found.iter().any(|d| d.base == base) {
+            found.push(Discovered { base, exports });
+        }
+    }
+    found
+}
+
+/// Broadcasts a LIST on `iface` and returns every target that answered within `wait`.
+pub fn discover_eth(iface: &str, wait: Duration) -> Result<Vec<Discovered>> {
+    let info = blkwire_net::iface(iface).map_err(Error::Usage)?;
+    let ethertype = blkwire_net::DEFAULT_ETHERTYPE;
+    let filter = blkwire_net::Filter::Queue {
+        queue: 0,
+        session: Some(0),
+    };
+    let fd = blkwire_net::packet_socket(info.index, ethertype, filter).map_err(Error::Usage)?;
+    let link = Link {
+        fd,
+        dest: Some(blkwire_net::link_addr(info.index, ethertype, [0xff; 6])),
+        mtu_payload: 0,
+    };
+    let iface = iface.to_string();
+    Ok(discover_on(&link, wait, &|from| {
+        let mut m = [0u8; 6];
+        m.copy_from_slice(&from.sll_addr[..6]);
+        format!("eth://{iface}/{}", crate::format_mac(&m))
+    }))
+}
+
+/// Asks one UDP target for its exports.
+pub fn discover_udp(addr: std::net::SocketAddr, wait: Duration) -> Result<Vec<Discovered>> {
+    let link = udp_link(addr)?;
+    Ok(discover_on(&link, wait, &|_| format!("udp://{addr}")))
 }

@@ -21,6 +21,7 @@ use blkwire_wire::{
     ExportEntry, Features, Header, Hello, HelloReply, Opcode, Status, Tag, HEADER_LEN,
 };
 
+pub use dgram::{discover_eth, discover_udp, Discovered};
 pub use queue::{Cmd, Completion, Queue, QueueStats};
 pub use url::{format_mac, parse_mac, Transport, Url};
 
@@ -206,6 +207,26 @@ fn map_io(e: std::io::Error, s: &TcpStream) -> Error {
 
 /// Lists the exports of the target a URL points at (the export part is ignored).
 pub fn list(url: &Url, timeout: Duration) -> Result<Vec<ExportEntry>> {
+    let wait = timeout.min(Duration::from_secs(2));
+    let first = |found: Vec<Discovered>| {
+        found
+            .into_iter()
+            .next()
+            .map(|d| d.exports)
+            .ok_or_else(|| Error::Connect {
+                addr: url.to_string(),
+                source: std::io::Error::new(std::io::ErrorKind::TimedOut, "no target answered"),
+            })
+    };
+    match url.transport {
+        Transport::Udp => return first(discover_udp(resolve(url)?, wait)?),
+        Transport::Eth { mac } => {
+            let want = format!("eth://{}/{}", url.host, format_mac(&mac));
+            let found = discover_eth(&url.host, wait)?;
+            return first(found.into_iter().filter(|d| d.base == want).collect());
+        }
+        Transport::Tcp => {}
+    }
     let mut s = dial(url, timeout)?;
     let (r, p) = exchange(
         &mut s,
@@ -248,9 +269,9 @@ pub fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
             let addr = resolve(url)?;
             connect_dgram(url, opts, &|_, _| dgram::udp_link(addr))
         }
-        Transport::Eth { mac } => {
-            connect_dgram(url, opts, &|queue, session| dgram::eth_link(&url.host, mac, queue, session))
-        }
+        Transport::Eth { mac } => connect_dgram(url, opts, &|queue, session| {
+            dgram::eth_link(&url.host, mac, queue, session)
+        }),
     }
 }
 
@@ -277,7 +298,11 @@ fn hello_refused(url: &Url, opts: &ConnectOptions, status: Status) -> Error {
             let names = list(url, opts.timeout)
                 .map(|l| l.into_iter().map(|e| e.name).collect::<Vec<_>>().join(", "))
                 .unwrap_or_default();
-            format!("export '{}' on {} (available: {names})", url.export, url.authority())
+            format!(
+                "export '{}' on {} (available: {names})",
+                url.export,
+                url.authority()
+            )
         }
         _ => format!("open export '{}' on {}", url.export, url.authority()),
     };
@@ -301,9 +326,15 @@ fn info_from(url: &Url, reply: &HelloReply) -> ExportInfo {
 fn resolve(url: &Url) -> Result<std::net::SocketAddr> {
     let addr = url.authority();
     addr.to_socket_addrs()
-        .map_err(|e| Error::Connect { addr: addr.clone(), source: e })?
+        .map_err(|e| Error::Connect {
+            addr: addr.clone(),
+            source: e,
+        })?
         .next()
-        .ok_or_else(|| Error::Connect { addr, source: std::io::Error::other("no address found") })
+        .ok_or_else(|| Error::Connect {
+            addr,
+            source: std::io::Error::other("no address found"),
+        })
 }
 
 /// Opens the link of queue `q` (with the session id once known).
@@ -354,7 +385,10 @@ fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Res
         h.queue = q;
         let (r, _) = dgram::exchange(&link, h, &reply.cookie.to_le_bytes(), hs_timeout)?;
         if r.status != Status::Ok {
-            return Err(Error::Status { what: format!("join queue {q}"), status: r.status });
+            return Err(Error::Status {
+                what: format!("join queue {q}"),
+                status: r.status,
+            });
         }
         queues.push(mk(link, q, r.credit));
     }

@@ -69,8 +69,9 @@ pub struct Queue {
     inner: Inner,
 }
 
+// Both boxed: a Queue is moved between threads and into vectors; the transports are large.
 enum Inner {
-    Stream(StreamQueue),
+    Stream(Box<StreamQueue>),
     Dgram(Box<DgramQueue>),
 }
 
@@ -85,11 +86,15 @@ macro_rules! each {
 
 impl Queue {
     pub(crate) fn stream(q: StreamQueue) -> Queue {
-        Queue { inner: Inner::Stream(q) }
+        Queue {
+            inner: Inner::Stream(Box::new(q)),
+        }
     }
 
     pub(crate) fn dgram(q: DgramQueue) -> Queue {
-        Queue { inner: Inner::Dgram(Box::new(q)) }
+        Queue {
+            inner: Inner::Dgram(Box::new(q)),
+        }
     }
 
     pub fn index(&self) -> u16 {

@@ -13,7 +13,9 @@ pub enum Transport {
     Tcp,
     Udp,
     /// Raw Ethernet to the target's MAC address on a local interface.
-    Eth { mac: [u8; 6] },
+    Eth {
+        mac: [u8; 6],
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,7 +42,10 @@ pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
 }
 
 pub fn format_mac(m: &[u8; 6]) -> String {
-    format!("{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}", m[0], m[1], m[2], m[3], m[4], m[5])
+    format!(
+        "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+        m[0], m[1], m[2], m[3], m[4], m[5]
+    )
 }
 
 impl Url {
@@ -73,7 +78,9 @@ impl Url {
         };
         let (authority, export) = rest.split_once('/').unwrap_or((rest, ""));
         let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
-            let (h, after) = v6.split_once(']').ok_or_else(|| bad("unclosed '[' in IPv6 address"))?;
+            let (h, after) = v6
+                .split_once(']')
+                .ok_or_else(|| bad("unclosed '[' in IPv6 address"))?;
             let port = match after {
                 "" => None,
                 p => Some(p.strip_prefix(':').ok_or_else(|| bad("junk after ']'"))?),
@@ -96,7 +103,12 @@ impl Url {
         if export.contains('/') || export.len() > 255 {
             return Err(bad("export names have at most 255 characters and no '/'"));
         }
-        Ok(Url { transport, host: host.to_string(), port, export: export.to_string() })
+        Ok(Url {
+            transport,
+            host: host.to_string(),
+            port,
+            export: export.to_string(),
+        })
     }
 
     /// `host:port`, bracketing IPv6 literals, for connecting and messages.
@@ -119,7 +131,9 @@ impl std::fmt::Display for Url {
         match &self.transport {
             Transport::Tcp => write!(f, "tcp://{}/{}", self.authority(), self.export),
             Transport::Udp => write!(f, "udp://{}/{}", self.authority(), self.export),
-            Transport::Eth { mac } => write!(f, "eth://{}/{}/{}", self.host, format_mac(mac), self.export),
+            Transport::Eth { mac } => {
+                write!(f, "eth://{}/{}/{}", self.host, format_mac(mac), self.export)
+            }
         }
     }
 }
@@ -131,17 +145,34 @@ mod tests {
     #[test]
     fn parses_forms() {
         let u = Url::parse("tcp://storage1:7701/disk0").unwrap();
-        assert_eq!((u.host.as_str(), u.port, u.export.as_str()), ("storage1", 7701, "disk0"));
+        assert_eq!(
+            (u.host.as_str(), u.port, u.export.as_str()),
+            ("storage1", 7701, "disk0")
+        );
         let u = Url::parse("tcp://[::1]:7700/x").unwrap();
-        assert_eq!((u.host.as_str(), u.authority().as_str()), ("::1", "[::1]:7700"));
+        assert_eq!(
+            (u.host.as_str(), u.authority().as_str()),
+            ("::1", "[::1]:7700")
+        );
         assert_eq!(Url::parse("tcp://h/e").unwrap().port, DEFAULT_PORT);
         assert_eq!(Url::parse("udp://h/e").unwrap().port, DEFAULT_UDP_PORT);
-        assert_eq!(Url::parse("udp://[::1]:9/e").unwrap().transport, Transport::Udp);
+        assert_eq!(
+            Url::parse("udp://[::1]:9/e").unwrap().transport,
+            Transport::Udp
+        );
         assert_eq!(Url::parse("tcp://h:1").unwrap().export, "");
         assert_eq!(Url::parse("tcp://[::1]/e").unwrap().port, DEFAULT_PORT);
-        assert_eq!(Url::parse("tcp://h:1/e").unwrap().to_string(), "tcp://h:1/e");
+        assert_eq!(
+            Url::parse("tcp://h:1/e").unwrap().to_string(),
+            "tcp://h:1/e"
+        );
         let e = Url::parse("eth://enp1s0/02:aa:bb:cc:dd:ee/disk0").unwrap();
-        assert_eq!(e.transport, Transport::Eth { mac: [2, 0xaa, 0xbb, 0xcc, 0xdd, 0xee] });
+        assert_eq!(
+            e.transport,
+            Transport::Eth {
+                mac: [2, 0xaa, 0xbb, 0xcc, 0xdd, 0xee]
+            }
+        );
         assert_eq!((e.host.as_str(), e.export.as_str()), ("enp1s0", "disk0"));
         assert_eq!(e.to_string(), "eth://enp1s0/02:aa:bb:cc:dd:ee/disk0");
     }

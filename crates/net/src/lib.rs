@@ -34,7 +34,13 @@ pub fn size_buffers(fd: i32) -> u32 {
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
     // SAFETY: getsockopt into a local int.
     unsafe {
-        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, (&mut v as *mut libc::c_int).cast(), &mut len)
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
     };
     // The kernel reports double the usable size (bookkeeping overhead).
     (v.max(0) as u32) / 2
@@ -62,7 +68,8 @@ pub fn iface(name: &str) -> Result<Iface, String> {
     if index == 0 {
         return Err(format!("no network interface '{name}' (see `ip link`)"));
     }
-    let read = |f: &str| std::fs::read_to_string(format!("/sys/class/net/{name}/{f}")).unwrap_or_default();
+    let read =
+        |f: &str| std::fs::read_to_string(format!("/sys/class/net/{name}/{f}")).unwrap_or_default();
     let mtu = read("mtu").trim().parse().unwrap_or(1500);
     let mut mac = [0u8; 6];
     for (i, p) in read("address").trim().split(':').enumerate().take(6) {
@@ -103,13 +110,19 @@ pub fn attach_filter(fd: i32, f: Filter) -> Result<(), String> {
             ins(RET_K, 0, 0, 0xffff),
             ins(RET_K, 0, 0, 0),
         ],
-        Filter::Queue { queue, session: None } => vec![
+        Filter::Queue {
+            queue,
+            session: None,
+        } => vec![
             ins(LD_H_ABS, 0, 0, 8),
             ins(JEQ_K, 0, 1, queue.swap_bytes() as u32),
             ins(RET_K, 0, 0, 0xffff),
             ins(RET_K, 0, 0, 0),
         ],
-        Filter::Queue { queue, session: Some(s) } => vec![
+        Filter::Queue {
+            queue,
+            session: Some(s),
+        } => vec![
             ins(LD_H_ABS, 0, 0, 8),
             ins(JEQ_K, 0, 3, queue.swap_bytes() as u32),
             ins(LD_W_ABS, 0, 0, 44),
@@ -118,7 +131,10 @@ pub fn attach_filter(fd: i32, f: Filter) -> Result<(), String> {
             ins(RET_K, 0, 0, 0),
         ],
     };
-    let fprog = libc::sock_fprog { len: prog.len() as u16, filter: prog.as_ptr() as *mut _ };
+    let fprog = libc::sock_fprog {
+        len: prog.len() as u16,
+        filter: prog.as_ptr() as *mut _,
+    };
     // SAFETY: the kernel copies the program during the call.
     let rc = unsafe {
         libc::setsockopt(
@@ -147,7 +163,10 @@ pub fn packet_socket(ifindex: i32, ethertype: u16, filter: Filter) -> Result<Own
         )
     };
     if fd < 0 {
-        return Err(format!("{} (raw Ethernet needs root or CAP_NET_RAW)", os_err("packet socket")));
+        return Err(format!(
+            "{} (raw Ethernet needs root or CAP_NET_RAW)",
+            os_err("packet socket")
+        ));
     }
     // SAFETY: we own the new fd.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };

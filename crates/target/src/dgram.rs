@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use blkwire_backend::{AlignedBuf, Export, ExportQueue, Op, Refusal, Started, Submitter};
-use blkwire_wire::{bitmap, fragment_count, ExportEntry, Flags, Header, Hello, Opcode, Status, Tag, HEADER_LEN};
+use blkwire_wire::{
+    bitmap, fragment_count, ExportEntry, Flags, Header, Hello, Opcode, Status, Tag, HEADER_LEN,
+};
 
 use crate::log::Level;
 use crate::session::Registry;
@@ -47,7 +49,10 @@ impl std::fmt::Display for Peer {
 pub enum PortKind {
     Udp,
     /// AF_PACKET/SOCK_DGRAM on an interface with this EtherType (network byte order in sockaddr).
-    Eth { ifindex: i32, ethertype: u16 },
+    Eth {
+        ifindex: i32,
+        ethertype: u16,
+    },
 }
 
 /// A socket handed to a reactor.
@@ -174,7 +179,10 @@ impl DgramPort {
             let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
             let mut names: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
             for i in 0..BATCH {
-                iov[i] = libc::iovec { iov_base: self.rx[i].as_mut_ptr().cast(), iov_len: self.rx[i].len() };
+                iov[i] = libc::iovec {
+                    iov_base: self.rx[i].as_mut_ptr().cast(),
+                    iov_len: self.rx[i].len(),
+                };
                 msgs[i].msg_hdr.msg_iov = &mut iov[i];
                 msgs[i].msg_hdr.msg_iovlen = 1;
                 msgs[i].msg_hdr.msg_name = (&mut names[i] as *mut libc::sockaddr_storage).cast();
@@ -182,14 +190,22 @@ impl DgramPort {
             }
             // SAFETY: buffers and names are ours and outlive the call.
             let r = unsafe {
-                libc::recvmmsg(self.fd.as_raw_fd(), msgs.as_mut_ptr(), BATCH as u32, libc::MSG_DONTWAIT, std::ptr::null_mut())
+                libc::recvmmsg(
+                    self.fd.as_raw_fd(),
+                    msgs.as_mut_ptr(),
+                    BATCH as u32,
+                    libc::MSG_DONTWAIT,
+                    std::ptr::null_mut(),
+                )
             };
             if r <= 0 {
                 break;
             }
             let n = r as usize;
             for i in 0..n {
-                let Some(peer) = self.peer_of(&names[i]) else { continue };
+                let Some(peer) = self.peer_of(&names[i]) else {
+                    continue;
+                };
                 let len = msgs[i].msg_len as usize;
                 let buf = std::mem::take(&mut self.rx[i]);
                 self.on_frame(&buf[..len.min(buf.len())], peer, sq, ud);
@@ -206,21 +222,24 @@ impl DgramPort {
         match ss.ss_family as i32 {
             libc::AF_INET => {
                 // SAFETY: the kernel wrote a sockaddr_in for AF_INET.
-                let a: &libc::sockaddr_in = unsafe { &*(ss as *const _ as *const libc::sockaddr_in) };
+                let a: &libc::sockaddr_in =
+                    unsafe { &*(ss as *const _ as *const libc::sockaddr_in) };
                 let ip = std::net::Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr));
                 Some(Peer::Ip(SocketAddr::from((ip, u16::from_be(a.sin_port)))))
             }
             libc::AF_INET6 => {
                 // SAFETY: the kernel wrote a sockaddr_in6 for AF_INET6.
-                let a: &libc::sockaddr_in6 = unsafe { &*(ss as *const _ as *const libc::sockaddr_in6) };
+                let a: &libc::sockaddr_in6 =
+                    unsafe { &*(ss as *const _ as *const libc::sockaddr_in6) };
                 let ip = std::net::Ipv6Addr::from(a.sin6_addr.s6_addr);
                 Some(Peer::Ip(SocketAddr::from((ip, u16::from_be(a.sin6_port)))))
             }
             libc::AF_PACKET => {
                 // SAFETY: the kernel wrote a sockaddr_ll for AF_PACKET.
-                let a: &libc::sockaddr_ll = unsafe { &*(ss as *const _ as *const libc::sockaddr_ll) };
+                let a: &libc::sockaddr_ll =
+                    unsafe { &*(ss as *const _ as *const libc::sockaddr_ll) };
                 // Frames we sent ourselves loop back on packet sockets: ignore them.
-                if a.sll_pkttype == libc::PACKET_OUTGOING as u8 {
+                if a.sll_pkttype == libc::PACKET_OUTGOING {
                     return None;
                 }
                 Some(Peer::Mac(mac_of(a)))
@@ -258,7 +277,10 @@ impl DgramPort {
             let mut names: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
             for i in 0..n {
                 let (at, len, peer) = self.tx_frames[done + i];
-                iov[i] = libc::iovec { iov_base: self.tx[at..].as_ptr() as *mut _, iov_len: len };
+                iov[i] = libc::iovec {
+                    iov_base: self.tx[at..].as_ptr() as *mut _,
+                    iov_len: len,
+                };
                 msgs[i].msg_hdr.msg_iov = &mut iov[i];
                 msgs[i].msg_hdr.msg_iovlen = 1;
                 let nl = self.fill_name(&mut names[i], peer);
@@ -279,7 +301,8 @@ impl DgramPort {
         match (peer, self.kind) {
             (Peer::Ip(SocketAddr::V4(a)), _) => {
                 // SAFETY: sockaddr_storage is large enough for sockaddr_in.
-                let s: &mut libc::sockaddr_in = unsafe { &mut *(ss as *mut _ as *mut libc::sockaddr_in) };
+                let s: &mut libc::sockaddr_in =
+                    unsafe { &mut *(ss as *mut _ as *mut libc::sockaddr_in) };
                 s.sin_family = libc::AF_INET as u16;
                 s.sin_port = a.port().to_be();
                 s.sin_addr.s_addr = u32::from(*a.ip()).to_be();
@@ -287,7 +310,8 @@ impl DgramPort {
             }
             (Peer::Ip(SocketAddr::V6(a)), _) => {
                 // SAFETY: as above, for sockaddr_in6.
-                let s: &mut libc::sockaddr_in6 = unsafe { &mut *(ss as *mut _ as *mut libc::sockaddr_in6) };
+                let s: &mut libc::sockaddr_in6 =
+                    unsafe { &mut *(ss as *mut _ as *mut libc::sockaddr_in6) };
                 s.sin6_family = libc::AF_INET6 as u16;
                 s.sin6_port = a.port().to_be();
                 s.sin6_addr.s6_addr = a.ip().octets();
@@ -296,7 +320,8 @@ impl DgramPort {
             }
             (Peer::Mac(m), PortKind::Eth { ifindex, ethertype }) => {
                 // SAFETY: as above, for sockaddr_ll.
-                let s: &mut libc::sockaddr_ll = unsafe { &mut *(ss as *mut _ as *mut libc::sockaddr_ll) };
+                let s: &mut libc::sockaddr_ll =
+                    unsafe { &mut *(ss as *mut _ as *mut libc::sockaddr_ll) };
                 s.sll_family = libc::AF_PACKET as u16;
                 s.sll_protocol = ethertype.to_be();
                 s.sll_ifindex = ifindex;
@@ -379,7 +404,10 @@ impl DgramPort {
                     r.credit = self.credit();
                     return self.send_frame(r, &cached, peer);
                 }
-                match self.registry.hello(&hello, &peer.to_string(), Some(self.link_payload)) {
+                match self
+                    .registry
+                    .hello(&hello, &peer.to_string(), Some(self.link_payload))
+                {
                     Ok((reply, adm)) => {
                         let p = reply.encode();
                         self.hellos.insert((peer, hello.nonce), (now, p.clone()));
@@ -399,9 +427,15 @@ impl DgramPort {
         let Ok(cookie) = <[u8; 8]>::try_from(payload) else {
             return self.reply(h, Status::Invalid, peer);
         };
-        match self.registry.join(h.session, h.queue, u64::from_le_bytes(cookie)) {
+        match self
+            .registry
+            .join(h.session, h.queue, u64::from_le_bytes(cookie))
+        {
             Ok(adm) => {
-                let fp = self.registry.frame_payload(h.session).unwrap_or(self.link_payload);
+                let fp = self
+                    .registry
+                    .frame_payload(h.session)
+                    .unwrap_or(self.link_payload);
                 self.add_queue(adm, fp, peer);
                 self.reply(h, Status::Ok, peer);
             }
@@ -413,8 +447,13 @@ impl DgramPort {
         let io = match adm.export.open_queue() {
             Ok(io) => io,
             Err(e) => {
-                crate::log!(Level::Error, "export {}: cannot open queue: {e}", adm.export.name);
-                self.registry.leave(adm.session, adm.queue, &QueueStats::default());
+                crate::log!(
+                    Level::Error,
+                    "export {}: cannot open queue: {e}",
+                    adm.export.name
+                );
+                self.registry
+                    .leave(adm.session, adm.queue, &QueueStats::default());
                 return;
             }
         };
@@ -473,19 +512,36 @@ impl DgramPort {
             return;
         }
         self.last_sweep = now;
-        self.hellos.retain(|_, (t, _)| now.duration_since(*t) < IDLE_EXPIRY);
+        self.hellos
+            .retain(|_, (t, _)| now.duration_since(*t) < IDLE_EXPIRY);
         for qi in 0..self.queues.len() {
-            let idle = self.queues[qi].as_ref().is_some_and(|q| now.duration_since(q.last_seen) > IDLE_EXPIRY);
+            let idle = self.queues[qi]
+                .as_ref()
+                .is_some_and(|q| now.duration_since(q.last_seen) > IDLE_EXPIRY);
             if idle {
                 let q = self.queues[qi].as_ref().expect("checked");
-                crate::log!(Level::Info, "session {} queue {}: idle for {}s, forgotten", q.session, q.queue, IDLE_EXPIRY.as_secs());
+                crate::log!(
+                    Level::Info,
+                    "session {} queue {}: idle for {}s, forgotten",
+                    q.session,
+                    q.queue,
+                    IDLE_EXPIRY.as_secs()
+                );
                 self.remove(qi);
             }
         }
     }
 
     /// I/O frames: the generation rules of PROTOCOL.md §6 and §9.2, then reassembly and execution.
-    fn io_frame(&mut self, qi: usize, h: &Header, payload: &[u8], credit: u16, sq: &mut dyn Submitter, ud: UserData) {
+    fn io_frame(
+        &mut self,
+        qi: usize,
+        h: &Header,
+        payload: &[u8],
+        credit: u16,
+        sq: &mut dyn Submitter,
+        ud: UserData,
+    ) {
         let q = self.queues[qi].as_mut().expect("present");
         let peer = q.peer;
         let slot = h.tag.slot();
@@ -494,7 +550,8 @@ impl DgramPort {
         }
         let gen = h.tag.generation();
         let s = &mut q.slots[slot as usize];
-        if s.state != SlotState::Empty && gen == s.hdr.tag.generation() && h.opcode == s.hdr.opcode {
+        if s.state != SlotState::Empty && gen == s.hdr.tag.generation() && h.opcode == s.hdr.opcode
+        {
             match s.state {
                 SlotState::Assembling => return self.fragment(qi, h, payload, sq, ud),
                 SlotState::Running => {
@@ -559,7 +616,14 @@ impl DgramPort {
     }
 
     /// A WRITE fragment: store it; when all are in, execute.
-    fn fragment(&mut self, qi: usize, h: &Header, payload: &[u8], sq: &mut dyn Submitter, ud: UserData) {
+    fn fragment(
+        &mut self,
+        qi: usize,
+        h: &Header,
+        payload: &[u8],
+        sq: &mut dyn Submitter,
+        ud: UserData,
+    ) {
         let credit = self.credit();
         let q = self.queues[qi].as_mut().expect("present");
         let peer = q.peer;
@@ -568,7 +632,11 @@ impl DgramPort {
         let s = &mut q.slots[slot as usize];
         let i = h.frag_index as u32;
         let expect = (s.hdr.length - (i * fp).min(s.hdr.length)).min(fp);
-        if h.frag_count as u32 != s.frags || h.frag_offset != i * fp || h.payload_len != expect || h.length != s.hdr.length {
+        if h.frag_count as u32 != s.frags
+            || h.frag_offset != i * fp
+            || h.payload_len != expect
+            || h.length != s.hdr.length
+        {
             q.stats.protocol_errors += 1;
             return;
         }
@@ -582,7 +650,8 @@ impl DgramPort {
             return self.send_frame(r, &have, peer);
         }
         let buf = s.buf.as_mut().expect("assembling slot has a buffer");
-        buf.as_mut_slice()[h.frag_offset as usize..h.frag_offset as usize + payload.len()].copy_from_slice(payload);
+        buf.as_mut_slice()[h.frag_offset as usize..h.frag_offset as usize + payload.len()]
+            .copy_from_slice(payload);
         bitmap::set(&mut s.have, i);
         s.got += 1;
         if s.got == s.frags {
@@ -596,10 +665,14 @@ impl DgramPort {
         let h = q.slots[slot as usize].hdr;
         let len = h.length;
         let data_op = matches!(h.opcode, Opcode::Read | Opcode::Write);
-        let invalid = (data_op && (len == 0 || len > q.max_io)) || (h.opcode == Opcode::Flush && len == 0 && h.offset != 0);
+        let invalid = (data_op && (len == 0 || len > q.max_io))
+            || (h.opcode == Opcode::Flush && len == 0 && h.offset != 0);
         let refusal = if invalid {
             Some(Status::Invalid)
-        } else if let Err(r) = q.export.check(h.opcode.modifies_data(), h.offset, len as u64) {
+        } else if let Err(r) = q
+            .export
+            .check(h.opcode.modifies_data(), h.offset, len as u64)
+        {
             Some(match r {
                 Refusal::ReadOnly => Status::ReadOnly,
                 Refusal::OutOfRange => Status::OutOfRange,
@@ -607,7 +680,8 @@ impl DgramPort {
             })
         } else {
             let a = q.export.alignment();
-            (data_op && (!h.offset.is_multiple_of(a) || !(len as u64).is_multiple_of(a))).then_some(Status::Invalid)
+            (data_op && (!h.offset.is_multiple_of(a) || !(len as u64).is_multiple_of(a)))
+                .then_some(Status::Invalid)
         };
         if let Some(st) = refusal {
             return self.finish(qi, slot, st);
@@ -619,7 +693,11 @@ impl DgramPort {
                     s.buf = Some(AlignedBuf::zeroed(len as usize, q.align.max(4096)));
                 }
                 q.stats.reads += 1;
-                Op::Read { offset: h.offset, buf: s.buf.as_mut().expect("set").as_mut_ptr(), len }
+                Op::Read {
+                    offset: h.offset,
+                    buf: s.buf.as_mut().expect("set").as_mut_ptr(),
+                    len,
+                }
             }
             Opcode::Write => {
                 q.stats.writes += 1;
@@ -639,17 +717,28 @@ impl DgramPort {
             Opcode::WriteZeroes if len == 0 => return self.finish(qi, slot, Status::Ok),
             Opcode::Trim => {
                 q.stats.trims += 1;
-                Op::Trim { offset: h.offset, len }
+                Op::Trim {
+                    offset: h.offset,
+                    len,
+                }
             }
             Opcode::WriteZeroes => {
                 q.stats.write_zeroes += 1;
-                Op::WriteZeroes { offset: h.offset, len, no_hole: h.flags.has(Flags::NO_HOLE) }
+                Op::WriteZeroes {
+                    offset: h.offset,
+                    len,
+                    no_hole: h.flags.has(Flags::NO_HOLE),
+                }
             }
             _ => return self.finish(qi, slot, Status::Invalid),
         };
         match q.io.start(op, ud(q.incarnation, qi, slot), sq) {
             Started::Done(r) => {
-                let st = if r == 0 { Status::Ok } else { Status::from_errno(-r) };
+                let st = if r == 0 {
+                    Status::Ok
+                } else {
+                    Status::from_errno(-r)
+                };
                 self.finish(qi, slot, st)
             }
             Started::Submitted => q.slots[slot as usize].state = SlotState::Running,
@@ -658,8 +747,14 @@ impl DgramPort {
 
     /// io_uring completion for a queue's backend I/O.
     pub fn complete(&mut self, qi: usize, incarnation: u32, slot: u16, res: i32) {
-        let Some(q) = self.queues.get_mut(qi).and_then(Option::as_mut) else { return };
-        if q.incarnation != incarnation || q.slots.get(slot as usize).is_none_or(|s| s.state != SlotState::Running) {
+        let Some(q) = self.queues.get_mut(qi).and_then(Option::as_mut) else {
+            return;
+        };
+        if q.incarnation != incarnation
+            || q.slots
+                .get(slot as usize)
+                .is_none_or(|s| s.state != SlotState::Running)
+        {
             return;
         }
         let h = q.slots[slot as usize].hdr;
@@ -728,7 +823,11 @@ impl DgramPort {
                 session: q.session,
                 queue: q.queue,
                 thread,
-                in_flight: q.slots.iter().filter(|s| s.state == SlotState::Running).count() as u32,
+                in_flight: q
+                    .slots
+                    .iter()
+                    .filter(|s| s.state == SlotState::Running)
+                    .count() as u32,
                 stats: q.stats,
             })
             .collect()
@@ -742,7 +841,9 @@ impl DgramPort {
     }
 
     pub fn has_running(&self) -> bool {
-        self.queues.iter().flatten().any(|q| q.slots.iter().any(|s| s.state == SlotState::Running))
+        self.queues
+            .iter()
+            .flatten()
+            .any(|q| q.slots.iter().any(|s| s.state == SlotState::Running))
     }
-
 }

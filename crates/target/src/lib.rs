@@ -213,10 +213,13 @@ impl Target {
         for d in dgram_listens {
             let (setups, url) = match d {
                 ports::DgramListen::Udp(a) => ports::open_udp(a, workers.len())?,
-                ports::DgramListen::Eth { iface, ethertype } => ports::open_eth(&iface, ethertype, workers.len())?,
+                ports::DgramListen::Eth { iface, ethertype } => {
+                    ports::open_eth(&iface, ethertype, workers.len())?
+                }
             };
             for (w, setup) in workers.iter().zip(setups) {
-                w.tx.send(Msg::Port(setup)).map_err(|_| "reactor thread died".to_string())?;
+                w.tx.send(Msg::Port(setup))
+                    .map_err(|_| "reactor thread died".to_string())?;
                 eventfd_write(w.wake.as_raw_fd());
             }
             dgram_urls.push(url);

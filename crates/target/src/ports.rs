@@ -27,7 +27,9 @@ pub fn parse(url: &str) -> Option<Result<DgramListen, String>> {
     let rest = rest.trim_end_matches('/');
     match scheme {
         "udp" => Some((|| {
-            let with_port = if rest.starts_with('[') && !rest.contains("]:") || !rest.starts_with('[') && !rest.contains(':') {
+            let with_port = if rest.starts_with('[') && !rest.contains("]:")
+                || !rest.starts_with('[') && !rest.contains(':')
+            {
                 format!("{rest}:{DEFAULT_UDP_PORT}")
             } else {
                 rest.to_string()
@@ -42,15 +44,25 @@ pub fn parse(url: &str) -> Option<Result<DgramListen, String>> {
         "eth" => Some((|| {
             let (iface, query) = rest.split_once('?').unwrap_or((rest, ""));
             if iface.is_empty() || iface.len() > 15 || iface.contains('/') {
-                return Err(format!("bad listen address '{url}': expected eth://IFACE, e.g. eth://enp1s0"));
+                return Err(format!(
+                    "bad listen address '{url}': expected eth://IFACE, e.g. eth://enp1s0"
+                ));
             }
             let mut ethertype = DEFAULT_ETHERTYPE;
             for kv in query.split('&').filter(|s| !s.is_empty()) {
-                let v = kv.strip_prefix("ethertype=").ok_or_else(|| format!("'{url}': unknown option '{kv}' (known: ethertype=0x88b5)"))?;
+                let v = kv.strip_prefix("ethertype=").ok_or_else(|| {
+                    format!("'{url}': unknown option '{kv}' (known: ethertype=0x88b5)")
+                })?;
                 let v = v.trim_start_matches("0x");
-                ethertype = u16::from_str_radix(v, 16).ok().filter(|t| *t >= 0x0600).ok_or_else(|| format!("'{url}': bad EtherType '{kv}'"))?;
+                ethertype = u16::from_str_radix(v, 16)
+                    .ok()
+                    .filter(|t| *t >= 0x0600)
+                    .ok_or_else(|| format!("'{url}': bad EtherType '{kv}'"))?;
             }
-            Ok(DgramListen::Eth { iface: iface.to_string(), ethertype })
+            Ok(DgramListen::Eth {
+                iface: iface.to_string(),
+                ethertype,
+            })
         })()),
         _ => None,
     }
@@ -65,9 +77,19 @@ pub fn open_udp(addr: SocketAddr, n: usize) -> Result<(Vec<PortSetup>, String), 
     let mut out = Vec::new();
     let mut bound = addr;
     for _ in 0..n {
-        let domain = if addr.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+        let domain = if addr.is_ipv4() {
+            libc::AF_INET
+        } else {
+            libc::AF_INET6
+        };
         // SAFETY: creating a socket.
-        let fd = unsafe { libc::socket(domain, libc::SOCK_DGRAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0) };
+        let fd = unsafe {
+            libc::socket(
+                domain,
+                libc::SOCK_DGRAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+                0,
+            )
+        };
         if fd < 0 {
             return Err(os_err("udp socket"));
         }
@@ -77,13 +99,21 @@ pub fn open_udp(addr: SocketAddr, n: usize) -> Result<(Vec<PortSetup>, String), 
         let sock = socket2_addr(bound);
         // SAFETY: bind with a properly sized sockaddr.
         if unsafe { libc::bind(fd.as_raw_fd(), sock.0.as_ptr().cast(), sock.1) } != 0 {
-            return Err(format!("cannot listen on udp://{addr}: {}", std::io::Error::last_os_error()));
+            return Err(format!(
+                "cannot listen on udp://{addr}: {}",
+                std::io::Error::last_os_error()
+            ));
         }
         if bound.port() == 0 {
             bound = local_addr(fd.as_raw_fd()).unwrap_or(bound);
         }
         let rcvbuf = blkwire_net::size_buffers(fd.as_raw_fd());
-        out.push(PortSetup { fd, kind: PortKind::Udp, link_payload: UDP_MAX_PAYLOAD, rcvbuf });
+        out.push(PortSetup {
+            fd,
+            kind: PortKind::Udp,
+            link_payload: UDP_MAX_PAYLOAD,
+            rcvbuf,
+        });
     }
     Ok((out, format!("udp://{bound}")))
 }
@@ -96,7 +126,12 @@ fn socket2_addr(a: SocketAddr) -> (Vec<u8>, libc::socklen_t) {
             s.sin_family = libc::AF_INET as u16;
             s.sin_port = v.port().to_be();
             s.sin_addr.s_addr = u32::from(*v.ip()).to_be();
-            let b = unsafe { std::slice::from_raw_parts((&s as *const libc::sockaddr_in).cast::<u8>(), std::mem::size_of_val(&s)) };
+            let b = unsafe {
+                std::slice::from_raw_parts(
+                    (&s as *const libc::sockaddr_in).cast::<u8>(),
+                    std::mem::size_of_val(&s),
+                )
+            };
             (b.to_vec(), std::mem::size_of_val(&s) as libc::socklen_t)
         }
         SocketAddr::V6(v) => {
@@ -106,7 +141,12 @@ fn socket2_addr(a: SocketAddr) -> (Vec<u8>, libc::socklen_t) {
             s.sin6_port = v.port().to_be();
             s.sin6_addr.s6_addr = v.ip().octets();
             s.sin6_scope_id = v.scope_id();
-            let b = unsafe { std::slice::from_raw_parts((&s as *const libc::sockaddr_in6).cast::<u8>(), std::mem::size_of_val(&s)) };
+            let b = unsafe {
+                std::slice::from_raw_parts(
+                    (&s as *const libc::sockaddr_in6).cast::<u8>(),
+                    std::mem::size_of_val(&s),
+                )
+            };
             (b.to_vec(), std::mem::size_of_val(&s) as libc::socklen_t)
         }
     }
@@ -125,12 +165,23 @@ pub fn open_eth(iface: &str, ethertype: u16, n: usize) -> Result<(Vec<PortSetup>
     let link_payload = blkwire_net::frame_payload_for(info.mtu, 0);
     let mut out = Vec::new();
     for r in 0..n {
-        let filter = blkwire_net::Filter::QueueShare { n: n as u32, r: r as u32 };
+        let filter = blkwire_net::Filter::QueueShare {
+            n: n as u32,
+            r: r as u32,
+        };
         let fd = blkwire_net::packet_socket(ifindex, ethertype, filter)?;
         let rcvbuf = blkwire_net::size_buffers(fd.as_raw_fd());
-        out.push(PortSetup { fd, kind: PortKind::Eth { ifindex, ethertype }, link_payload, rcvbuf });
+        out.push(PortSetup {
+            fd,
+            kind: PortKind::Eth { ifindex, ethertype },
+            link_payload,
+            rcvbuf,
+        });
     }
     let m = mac;
-    let url = format!("eth://{iface}/{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}", m[0], m[1], m[2], m[3], m[4], m[5]);
+    let url = format!(
+        "eth://{iface}/{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+        m[0], m[1], m[2], m[3], m[4], m[5]
+    );
     Ok((out, url))
 }

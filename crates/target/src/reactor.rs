@@ -460,7 +460,10 @@ impl Reactor {
                 KIND_CANCEL => continue,
                 KIND_PORT_IN | KIND_PORT_IO => {
                     let (port, qi) = (idx >> 20, idx & 0xf_ffff);
-                    let Some(p) = self.ports.get_mut(if kind == KIND_PORT_IN { idx } else { port }) else {
+                    let Some(p) = self
+                        .ports
+                        .get_mut(if kind == KIND_PORT_IN { idx } else { port })
+                    else {
                         continue;
                     };
                     let mut sq = Pusher(&mut self.ring);

@@ -152,8 +152,15 @@ impl Registry {
             // Datagrams: what both ends' links carry, in 512-byte units.
             Some(link) => (h.frame_payload.min(link).min(max_io) / 512 * 512).max(512),
         };
-        let (id, cookie) =
-            self.create(&export, &h.host_id, peer, queues, depth, max_io, frame_payload)?;
+        let (id, cookie) = self.create(
+            &export,
+            &h.host_id,
+            peer,
+            queues,
+            depth,
+            max_io,
+            frame_payload,
+        )?;
         let reply = HelloReply {
             size: export.size(),
             logical_block: logical,

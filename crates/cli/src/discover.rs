@@ -1,0 +1,76 @@
+//! `blkwire discover`: targets and exports reachable on a link or at a UDP address
+//! (PROTOCOL.md §9.5).
+
+use std::time::Duration;
+
+use blkwire_client::{discover_eth, discover_udp, Transport, Url};
+use serde_json::json;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Broadcast on this interface (raw Ethernet)
+    #[arg(long, value_name = "IFACE", conflicts_with = "url")]
+    interface: Option<String>,
+    /// Or ask one target: udp://HOST[:PORT]
+    #[arg(value_name = "URL")]
+    url: Option<String>,
+    /// How long to collect answers, in milliseconds
+    #[arg(long, default_value_t = 500)]
+    wait_ms: u64,
+    /// Print one JSON object
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: Args) -> Result<(), String> {
+    let wait = Duration::from_millis(a.wait_ms.clamp(10, 60_000));
+    let found = match (&a.interface, &a.url) {
+        (Some(iface), _) => discover_eth(iface, wait).map_err(|e| e.to_string())?,
+        (None, Some(u)) => {
+            let url = Url::parse(u).map_err(|e| e.to_string())?;
+            if url.transport != Transport::Udp {
+                return Err(format!(
+                    "'{u}': discovery asks udp://HOST[:PORT] or --interface IFACE"
+                ));
+            }
+            let addr = std::net::ToSocketAddrs::to_socket_addrs(&url.authority())
+                .ok()
+                .and_then(|mut a| a.next())
+                .ok_or_else(|| format!("cannot resolve {}", url.authority()))?;
+            discover_udp(addr, wait).map_err(|e| e.to_string())?
+        }
+        (None, None) => {
+            return Err("say where to look: --interface IFACE or udp://HOST[:PORT]".into())
+        }
+    };
+    if a.json {
+        let v: Vec<_> = found
+            .iter()
+            .map(|d| {
+                let exports: Vec<_> = d
+                    .exports
+                    .iter()
+                    .map(|e| json!({"name": e.name, "url": format!("{}/{}", d.base, e.name), "size": e.size, "features": e.features.names()}))
+                    .collect();
+                json!({"target": d.base, "exports": exports})
+            })
+            .collect();
+        println!("{}", json!({ "targets": v }));
+    } else {
+        if found.is_empty() {
+            println!("no target answered within {} ms", wait.as_millis());
+        }
+        for d in &found {
+            for e in &d.exports {
+                println!(
+                    "{}/{:<16} {:>10}  {}",
+                    d.base,
+                    e.name,
+                    blkwire_backend::format_size(e.size),
+                    e.features.names().join(",")
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,539 @@
+//! Datagram transports (PROTOCOL.md §9): UDP on loopback, and raw Ethernet and UDP between two
+//! network namespaces joined by a veth pair, with loss and duplication injected by nftables
+//! `netdev` rules. The namespace tests need root (CI runs as root); they clean up on drop.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use blkwire_client::{connect, ConnectOptions, Url};
+use blkwire_wire::{fragment_count, Header, Opcode, Tag};
+use common::{random_bytes, TempDir, BIN};
+
+/// A target started through `ip netns exec` (or directly), with every `listening` URL it printed.
+struct Served {
+    child: Child,
+    urls: Vec<String>,
+}
+
+impl Served {
+    fn start(netns: Option<&str>, listen: &[&str], exports: &[&str]) -> Served {
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, BIN]);
+                c
+            }
+            None => Command::new(BIN),
+        };
+        cmd.args(["serve", "--log-level", "warn", "--threads", "2"]);
+        for l in listen {
+            cmd.args(["--listen", l]);
+        }
+        for e in exports {
+            cmd.args(["--export", e]);
+        }
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn serve");
+        let out = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                if let Some(u) = l.strip_prefix("listening ") {
+                    let _ = tx.send(u.to_string());
+                }
+            }
+        });
+        let mut urls = Vec::new();
+        while urls.len() < listen.len() {
+            match rx.recv_timeout(Duration::from_secs(20)) {
+                Ok(u) => urls.push(u),
+                Err(_) => {
+                    let _ = child.kill();
+                    panic!("target did not report all its listeners (got {urls:?})");
+                }
+            }
+        }
+        Served { child, urls }
+    }
+
+    fn url(&self, scheme: &str) -> String {
+        self.urls
+            .iter()
+            .find(|u| u.starts_with(scheme))
+            .cloned()
+            .expect("listener")
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn run(cmd: &mut Command) -> (bool, String, String) {
+    let out = cmd.stdin(Stdio::null()).output().expect("run command");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn sh(args: &[&str]) {
+    let (ok, _, err) = run(Command::new(args[0]).args(&args[1..]));
+    assert!(ok, "{args:?} failed: {err}");
+}
+
+/// Two namespaces, `<tag>t` (target, 10.99.N.1) and `<tag>i` (initiator, 10.99.N.2), joined by a
+/// veth pair; removed on drop, also when a test fails.
+struct NetLab {
+    t: String,
+    i: String,
+}
+
+impl NetLab {
+    fn new(n: u8, mtu: u32) -> NetLab {
+        // SAFETY: geteuid has no preconditions.
+        assert_eq!(
+            unsafe { libc::geteuid() },
+            0,
+            "namespace tests need root (CI runs as root)"
+        );
+        let tag = format!("bw{}n{n}", std::process::id() % 100_000);
+        let lab = NetLab {
+            t: format!("{tag}t"),
+            i: format!("{tag}i"),
+        };
+        let (t, i) = (lab.t.as_str(), lab.i.as_str());
+        sh(&["ip", "netns", "add", t]);
+        sh(&["ip", "netns", "add", i]);
+        sh(&[
+            "ip", "link", "add", "vt", "netns", t, "type", "veth", "peer", "name", "vi", "netns", i,
+        ]);
+        for (ns, dev, addr) in [
+            (t, "vt", format!("10.99.{n}.1/24")),
+            (i, "vi", format!("10.99.{n}.2/24")),
+        ] {
+            sh(&["ip", "-n", ns, "addr", "add", &addr, "dev", dev]);
+            sh(&["ip", "-n", ns, "link", "set", dev, "mtu", &mtu.to_string()]);
+            sh(&["ip", "-n", ns, "link", "set", dev, "up"]);
+            sh(&["ip", "-n", ns, "link", "set", "lo", "up"]);
+        }
+        lab
+    }
+
+    fn mac(&self) -> String {
+        let (ok, out, _) = run(Command::new("ip").args([
+            "netns",
+            "exec",
+            &self.t,
+            "cat",
+            "/sys/class/net/vt/address",
+        ]));
+        assert!(ok);
+        out.trim().to_string()
+    }
+
+    /// Runs the CLI in the initiator namespace.
+    fn cli(&self, args: &[&str]) -> (bool, String, String) {
+        run(Command::new("ip")
+            .args(["netns", "exec", &self.i, BIN])
+            .args(args))
+    }
+
+    /// nftables `netdev` rules on both ends: drop `loss`% of blkwire frames (UDP and Ethernet) at
+    /// ingress, duplicate `dup`% at egress.
+    fn impair(&self, loss: u32, dup: u32) {
+        for (ns, dev) in [(&self.t, "vt"), (&self.i, "vi")] {
+            let nft = |rule: &str| sh(&["ip", "netns", "exec", ns, "nft", rule]);
+            let _ = run(Command::new("ip").args([
+                "netns",
+                "exec",
+                ns,
+                "nft",
+                "delete table netdev lossy",
+            ]));
+            nft("add table netdev lossy");
+            nft(&format!("add chain netdev lossy in {{ type filter hook ingress device {dev} priority 0 ; }}"));
+            nft(&format!("add chain netdev lossy out {{ type filter hook egress device {dev} priority 0 ; }}"));
+            for m in ["ether type 0x88b5", "udp dport 7701", "udp sport 7701"] {
+                if loss > 0 {
+                    nft(&format!(
+                        "add rule netdev lossy in {m} numgen random mod 100 < {loss} drop"
+                    ));
+                }
+                if dup > 0 {
+                    nft(&format!("add rule netdev lossy out {m} numgen random mod 100 < {dup} dup to \"{dev}\""));
+                }
+            }
+        }
+    }
+}
+
+impl Drop for NetLab {
+    fn drop(&mut self) {
+        for ns in [&self.t, &self.i] {
+            let _ = run(Command::new("ip").args(["netns", "del", ns]));
+        }
+    }
+}
+
+/// Files of 512 B .. 4 MiB copied to the export and back over `url`; every byte must match.
+fn copy_round_trips(lab: &NetLab, url: &str, export_size: usize) {
+    let d = TempDir::new("dgram-cp");
+    for (i, size) in [
+        512usize,
+        4096 + 512,
+        65536 + 1024,
+        (1 << 20) + 4096,
+        4 << 20,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let src = d.path(&format!("src{i}"));
+        let data = random_bytes(size, 40 + i as u64);
+        std::fs::write(&src, &data).unwrap();
+        let (ok, _, err) = lab.cli(&[
+            "cp",
+            "--no-progress",
+            "--timeout",
+            "20",
+            src.to_str().unwrap(),
+            url,
+        ]);
+        assert!(ok, "upload {size} bytes over {url}: {err}");
+        let back = d.path(&format!("back{i}"));
+        let (ok, _, err) = lab.cli(&[
+            "cp",
+            "--no-progress",
+            "--timeout",
+            "20",
+            url,
+            back.to_str().unwrap(),
+        ]);
+        assert!(ok, "download over {url}: {err}");
+        let got = std::fs::read(&back).unwrap();
+        assert_eq!(got.len(), export_size);
+        assert!(
+            got[..size] == data[..],
+            "{size} bytes over {url}: data differs"
+        );
+    }
+}
+
+fn bench_json(lab: &NetLab, url: &str, rw: &str, bs: &str) -> serde_json::Value {
+    let (ok, out, err) = lab.cli(&[
+        "bench",
+        url,
+        "--rw",
+        rw,
+        "--bs",
+        bs,
+        "--iodepth",
+        "16",
+        "--runtime",
+        "1",
+        "--timeout",
+        "20",
+        "--json",
+    ]);
+    assert!(ok, "bench over {url}: {err}");
+    serde_json::from_str(&out).unwrap()
+}
+
+fn sum(v: &serde_json::Value, key: &str) -> u64 {
+    v["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| q[key].as_u64().unwrap())
+        .sum()
+}
+
+fn target_stats(lab: &NetLab, tcp: &str) -> serde_json::Value {
+    let (ok, out, err) = lab.cli(&["stats", tcp, "--json"]);
+    assert!(ok, "stats: {err}");
+    serde_json::from_str(&out).unwrap()
+}
+
+fn transports_over_veth(n: u8, mtu: u32) {
+    let lab = NetLab::new(n, mtu);
+    let ip = format!("10.99.{n}.1");
+    let listen = [
+        format!("tcp://{ip}:7700"),
+        format!("udp://{ip}:7701"),
+        "eth://vt".to_string(),
+    ];
+    let listen: Vec<&str> = listen.iter().map(String::as_str).collect();
+    let t = Served::start(Some(&lab.t), &listen, &["m=mem:8M"]);
+    let mac = lab.mac();
+    assert_eq!(t.url("eth://"), format!("eth://vt/{mac}"));
+    let urls = [format!("eth://vi/{mac}/m"), format!("udp://{ip}:7701/m")];
+    for url in &urls {
+        copy_round_trips(&lab, url, 8 << 20);
+    }
+    // Loss: every byte still right, and the counters show the recovery.
+    lab.impair(5, 0);
+    for url in &urls {
+        copy_round_trips(&lab, url, 8 << 20);
+        let v = bench_json(&lab, url, "randwrite", "16k");
+        assert!(
+            sum(&v, "retransmits") > 0,
+            "5% loss over {url} but no retransmits: {v}"
+        );
+        assert_eq!(v["errors"], 0);
+    }
+    // Duplication: nothing executed twice, duplicates dropped and counted.
+    lab.impair(0, 2);
+    let before = target_stats(&lab, &t.url("tcp://"))["closed"]["dropped_duplicates"]
+        .as_u64()
+        .unwrap();
+    for url in &urls {
+        copy_round_trips(&lab, url, 8 << 20);
+        let v = bench_json(&lab, url, "randrw", "4k");
+        assert_eq!(v["errors"], 0);
+        let client_dups = sum(&v, "late_replies") + sum(&v, "duplicates");
+        assert!(
+            client_dups > 0,
+            "2% duplication over {url} but the initiator saw no duplicate: {v}"
+        );
+    }
+    let after = target_stats(&lab, &t.url("tcp://"))["closed"]["dropped_duplicates"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        after > before,
+        "the target dropped no duplicate request ({before} -> {after})"
+    );
+}
+
+#[test]
+fn eth_and_udp_over_veth_mtu_1500() {
+    transports_over_veth(1, 1500);
+}
+
+#[test]
+fn eth_and_udp_over_veth_mtu_9000() {
+    transports_over_veth(2, 9000);
+}
+
+#[test]
+fn discovery_finds_the_target_and_its_exports() {
+    let lab = NetLab::new(3, 1500);
+    let t = Served::start(
+        Some(&lab.t),
+        &["udp://10.99.3.1:7701", "eth://vt"],
+        &["a=mem:1M", "b=null:2M,ro"],
+    );
+    let mac = lab.mac();
+    let (ok, out, err) = lab.cli(&["discover", "--interface", "vi", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let targets = v["targets"].as_array().unwrap();
+    assert_eq!(targets.len(), 1, "{out}");
+    assert_eq!(targets[0]["target"], format!("eth://vi/{mac}"));
+    let names: Vec<_> = targets[0]["exports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(names, ["a", "b"]);
+    assert_eq!(targets[0]["exports"][1]["size"], 2 << 20);
+    let (ok, out, _) = lab.cli(&["discover", &t.url("udp://")]);
+    assert!(
+        ok && out.contains("udp://10.99.3.1:7701/a") && out.contains("udp://10.99.3.1:7701/b"),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_killed_target_fails_io_within_the_give_up_time() {
+    let lab = NetLab::new(4, 1500);
+    let mut t = Served::start(
+        Some(&lab.t),
+        &["tcp://10.99.4.1:7700", "eth://vt"],
+        &["m=mem:8M"],
+    );
+    let mac = lab.mac();
+    let url = format!("eth://vi/{mac}/m");
+    let mut bench = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &lab.i,
+            BIN,
+            "bench",
+            &url,
+            "--runtime",
+            "60",
+            "--timeout",
+            "2",
+            "--iodepth",
+            "4",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until the target is serving the bench (its counters move), then kill it.
+    let tcp = t.url("tcp://");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let v = target_stats(&lab, &tcp);
+        let busy = v["sessions"].as_array().unwrap().iter().any(|s| {
+            s["queues"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|q| q["frames_in"].as_u64().unwrap_or(0) > 100)
+        });
+        if busy {
+            break;
+        }
+        assert!(Instant::now() < deadline, "bench never reached the target");
+    }
+    t.child.kill().unwrap();
+    t.child.wait().unwrap();
+    let killed = Instant::now();
+    let status = bench.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(bench.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(!status.success(), "bench must fail when its target dies");
+    assert!(err.contains("I/O error"), "{err}");
+    assert!(
+        killed.elapsed() < Duration::from_secs(20),
+        "gave up after {:?}, give-up time was 2 s",
+        killed.elapsed()
+    );
+}
+
+/// Stale and duplicated WRITEs replayed by hand (PROTOCOL.md §6): never executed twice, never
+/// landing after a newer write to the same slot.
+#[test]
+fn stale_and_duplicate_writes_are_never_applied() {
+    let t = Served::start(
+        None,
+        &["udp://127.0.0.1:0", "tcp://127.0.0.1:0"],
+        &["m=mem:1M"],
+    );
+    let url = Url::parse(&format!("{}/m", t.url("udp://"))).unwrap();
+    let opts = ConnectOptions {
+        queues: 2,
+        depth: 1,
+        max_io: 64 << 10,
+        ..Default::default()
+    };
+    let mut s = connect(&url, &opts).unwrap();
+    let fp = 32 << 10; // loopback: the largest fragment payload
+    let session = s.queues[0].session_id().unwrap();
+    // Frames of a WRITE of `data` at 0 with generation `gen` on queue 0 slot 0, as the client
+    // library sends them (depth 1: the n-th request on the queue has generation n).
+    let frames = |data: &[u8], gen: u16| -> Vec<Vec<u8>> {
+        let n = fragment_count(data.len() as u32, fp);
+        (0..n)
+            .map(|i| {
+                let mut h = Header::request(Opcode::Write, Tag::new(0, gen), 0, data.len() as u32);
+                h.session = session;
+                h.frag_index = i as u16;
+                h.frag_count = n as u16;
+                h.frag_offset = i * fp;
+                let chunk =
+                    &data[(i * fp) as usize..((i + 1) * fp).min(data.len() as u32) as usize];
+                h.payload_len = chunk.len() as u32;
+                h.seal_crc(chunk);
+                let mut b = h.to_bytes().to_vec();
+                b.extend_from_slice(chunk);
+                b
+            })
+            .collect()
+    };
+    let (a, b, c) = (
+        random_bytes(40_000, 1),
+        random_bytes(40_000, 2),
+        random_bytes(40_000, 3),
+    );
+    s.queues[0].write_at(&a, 0, false).unwrap(); // generation 1
+    s.queues[0].write_at(&b, 0, false).unwrap(); // generation 2
+                                                 // A delayed copy of the first write arrives now: it is stale and must be dropped.
+    for f in frames(&a, 1) {
+        s.queues[0].send_raw_frame(&f).unwrap();
+    }
+    s.queues[0].keepalive().unwrap(); // generation 3: the target has seen the replay by now
+    let mut back = vec![0u8; 40_000];
+    s.queues[1].read_at(&mut back, 0).unwrap();
+    assert!(back == b, "a stale WRITE landed over a newer one");
+    // Another queue writes C; then a duplicate of B (generation 2) arrives on queue 0 again:
+    // B completed before, so it must not run a second time. Queue 0 slot 0 now holds
+    // generation 3 (the keepalive), so the replayed generation 2 is stale as well; and a
+    // duplicate of the newest request is answered from the cache.
+    s.queues[1].write_at(&c, 0, false).unwrap();
+    for f in frames(&b, 2) {
+        s.queues[0].send_raw_frame(&f).unwrap();
+    }
+    let mut h = Header::request(Opcode::Keepalive, Tag::new(0, 3), 0, 0);
+    h.session = session;
+    h.seal_crc(&[]);
+    s.queues[0].send_raw_frame(&h.to_bytes()).unwrap(); // duplicate of the newest request
+    s.queues[0].keepalive().unwrap();
+    s.queues[1].read_at(&mut back, 0).unwrap();
+    assert!(back == c, "a duplicated WRITE was executed twice");
+    let (ok, out, err) = common::cli(&["stats", &t.url("tcp://"), "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let q0 = &v["sessions"][0]["queues"][0];
+    assert!(
+        q0["dropped_duplicates"].as_u64().unwrap() >= 3,
+        "target counters: {q0}"
+    );
+    assert_eq!(
+        q0["writes"], 2,
+        "queue 0 executed exactly the two writes it was asked for: {q0}"
+    );
+}
+
+/// UDP on loopback: sizes from 512 B to above max I/O, several queues, every byte right.
+#[test]
+fn udp_loopback_round_trips() {
+    let t = Served::start(None, &["udp://127.0.0.1:0"], &["m=mem:32M"]);
+    let url = Url::parse(&format!("{}/m", t.url("udp://"))).unwrap();
+    let mut s = connect(
+        &url,
+        &ConnectOptions {
+            queues: 3,
+            depth: 8,
+            max_io: 1 << 20,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(s.queues.len(), 3);
+    let mut off = 0u64;
+    for (i, size) in [512usize, 4096, 33_000, 1 << 20, (4 << 20) + 512]
+        .into_iter()
+        .enumerate()
+    {
+        let data = random_bytes(size, 90 + i as u64);
+        let q = i % 3;
+        s.queues[q].write_at(&data, off, i % 2 == 0).unwrap();
+        let mut back = vec![0u8; size];
+        s.queues[(q + 1) % 3].read_at(&mut back, off).unwrap();
+        assert!(back == data, "{size} bytes");
+        off += size as u64;
+    }
+    s.queues[0].trim(0, 4096).unwrap();
+    s.queues[0].flush().unwrap();
+    let mut z = vec![1u8; 4096];
+    s.queues[2].read_at(&mut z, 0).unwrap();
+    assert!(z.iter().all(|b| *b == 0));
+}

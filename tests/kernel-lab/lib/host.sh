@@ -1,0 +1,122 @@
+# shellcheck disable=SC2034  # globals for run.sh and the scenarios
+# shellcheck shell=bash
+# Host-side helpers for scenarios (sourced by run.sh; scenarios/*/host.sh call them).
+#
+#   start_blkwire ARGS...   blkwire serve ARGS in the background; waits (bounded) until it prints one
+#                           "listening URL" line per --listen. Sets BLKWIRE_PID and BLKWIRE_URLS.
+#   listen_port SCHEME      the port of the first listener with that scheme (tcp, nbd)
+#   stop_blkwire            SIGTERM, bounded wait; fails unless blkwire exits 0
+#   guest_values KEY        the values of the guest's "LAB-KEY: VALUE" lines, one per line
+#   boot_guest              boots the lab VM for $SCENARIO with $GUEST_ARGS (and $QEMU_NET if the
+#                           scenario set it); sets GUEST_RESULT (PASS or FAIL reason) and GUEST_SECONDS
+
+BLKWIRE_PID=""
+BLKWIRE_URLS=()
+QEMU_PID=""
+
+start_blkwire() {
+    local want=0 a out=$WORK/blkwire.stdout
+    for a in "$@"; do [ "$a" = --listen ] && want=$((want + 1)); done
+    : >"$out"
+    "$BLKWIRE" serve "$@" >"$out" 2>"$LOGDIR/blkwire.log" 9>&- &
+    BLKWIRE_PID=$!
+    local deadline=$((SECONDS + 20))
+    while [ "$(grep -c '^listening ' "$out" || true)" -lt "$want" ]; do
+        kill -0 "$BLKWIRE_PID" 2>/dev/null || {
+            wait "$BLKWIRE_PID" || true
+            BLKWIRE_PID=""
+            sed 's/^/    blkwire| /' "$LOGDIR/blkwire.log" >&2
+            die "blkwire serve exited before it was ready"
+        }
+        [ $SECONDS -lt $deadline ] || die "blkwire serve printed no 'listening' line within 20 s"
+        sleep 0.05
+    done
+    mapfile -t BLKWIRE_URLS < <(sed -n 's/^listening //p' "$out")
+    log "blkwire serve (pid $BLKWIRE_PID): ${BLKWIRE_URLS[*]}"
+}
+
+listen_port() {
+    local u
+    for u in "${BLKWIRE_URLS[@]}"; do
+        case $u in "$1"://*) echo "${u##*:}" && return 0 ;; esac
+    done
+    die "blkwire has no $1:// listener"
+}
+
+stop_blkwire() {
+    [ -n "$BLKWIRE_PID" ] || return 0
+    local pid=$BLKWIRE_PID rc=0 deadline=$((SECONDS + 15))
+    kill -TERM "$pid"
+    while kill -0 "$pid" 2>/dev/null; do
+        [ $SECONDS -lt $deadline ] || {
+            kill -KILL "$pid" 2>/dev/null || true
+            wait "$pid" 2>/dev/null || true
+            BLKWIRE_PID=""
+            die "blkwire serve did not exit within 15 s of SIGTERM"
+        }
+        sleep 0.05
+    done
+    wait "$pid" || rc=$?
+    BLKWIRE_PID=""
+    [ $rc -eq 0 ] || {
+        tail -n 20 "$LOGDIR/blkwire.log" | sed 's/^/    blkwire| /' >&2
+        die "blkwire serve exited with status $rc after SIGTERM (expected 0)"
+    }
+    log "blkwire serve stopped by SIGTERM, exit status 0"
+}
+
+guest_values() {
+    # Not anchored: a kernel message or firmware output can share the line.
+    tr -d '\r' <"$SERIAL_LOG" | sed -n "s/^.*LAB-$1: //p"
+}
+
+boot_guest() {
+    local append="console=ttyS0 panic=-1 loglevel=4 lab.scenario=$SCENARIO lab.timeout=$GUEST_TIMEOUT $GUEST_ARGS"
+    [ "${LAB_SHELL:-0}" = 1 ] && append+=" lab.shell=1"
+    # qemu's user network by default (the guest reaches the host's loopback at 10.0.2.2); a scenario
+    # may set the array QEMU_NET instead (e.g. a tap device in a network namespace, with lab.net=none).
+    # shellcheck disable=SC2054  # commas belong to qemu's option syntax
+    local net=(-netdev user,id=n0 -device virtio-net-pci,netdev=n0,romfile=)
+    if declare -p QEMU_NET >/dev/null 2>&1; then net=("${QEMU_NET[@]}"); fi
+    net+=(-device virtio-rng-pci)
+    local qemu=(qemu-system-x86_64 -accel tcg -smp 2 -m 1024 -nographic -no-reboot
+        -kernel "$VMLINUZ" -initrd "$INITRD" -append "$append" "${net[@]}")
+    echo "${qemu[*]}" >"$LOGDIR/qemu.cmdline"
+    log "booting $KVER under qemu (TCG), serial log: ${SERIAL_LOG#"$REPO"/}"
+    local t0=$SECONDS rc=0
+    if [ "${LAB_SHELL:-0}" = 1 ]; then
+        # By hand: the console on this terminal (Ctrl-a x quits qemu), no time limit.
+        "${qemu[@]}" 2>&1 | tee "$SERIAL_LOG" || rc=$?
+    else
+        timeout --kill-after=10 "$BOOT_TIMEOUT" "${qemu[@]}" </dev/null >"$SERIAL_LOG" 2>&1 9>&- &
+        QEMU_PID=$!
+        wait "$QEMU_PID" || rc=$?
+        QEMU_PID=""
+    fi
+    GUEST_SECONDS=$((SECONDS - t0))
+    GUEST_RESULT=$(guest_values RESULT | tail -n1)
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+        GUEST_RESULT="FAIL hard timeout: qemu still running after ${BOOT_TIMEOUT}s${GUEST_RESULT:+ (last result: $GUEST_RESULT)}"
+    elif [ -z "$GUEST_RESULT" ]; then
+        GUEST_RESULT="FAIL the guest printed no LAB-RESULT line (qemu exit status $rc)"
+    fi
+}
+
+# The guest's log, for a failed run: from the scenario's start (or the whole boot if it never got
+# there), capped.
+show_guest_log() {
+    local clean=$WORK/serial.txt
+    # Without CRs and the firmware's terminal escapes (one of them resets the terminal).
+    tr -d '\r' <"$SERIAL_LOG" | sed 's/\x1b\[[0-9;?]*[A-Za-z]//g; s/\x1b.//g' >"$clean"
+    if grep -q 'LAB-START:' "$clean"; then
+        echo "--- guest serial log from the scenario's start (${SERIAL_LOG#"$REPO"/}) ---" >&2
+        sed -n '/LAB-START:/,$p' "$clean" | tail -n 120 | sed 's/^/    guest| /' >&2
+    else
+        echo "--- guest serial log, last 60 lines (${SERIAL_LOG#"$REPO"/}) ---" >&2
+        tail -n 60 "$clean" | sed 's/^/    guest| /' >&2
+    fi
+    if [ -s "$LOGDIR/blkwire.log" ]; then
+        echo "--- blkwire serve log, last 20 lines (${LOGDIR#"$REPO"/}/blkwire.log) ---" >&2
+        tail -n 20 "$LOGDIR/blkwire.log" | sed 's/^/    blkwire| /' >&2
+    fi
+}
