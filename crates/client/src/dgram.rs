@@ -26,6 +26,8 @@ pub(crate) struct Link {
     pub dest: Option<libc::sockaddr_ll>,
     /// Largest frame (header + payload) the link carries.
     pub mtu_payload: u32,
+    /// Usable receive buffer of the socket: READ replies in flight must fit in it.
+    pub rcvbuf: u32,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -99,6 +101,12 @@ pub(crate) struct DgramQueue {
     /// Congestion window in frames (AIMD), never above `credit`.
     cwnd: f64,
     credit: u32,
+    /// Frames of replies our receive buffer holds.
+    rx_cap: u32,
+    /// When the window was last halved: at most once per round trip (one loss episode).
+    last_decrease: Instant,
+    /// Send time of the most recently sent request that has been answered (loss detection).
+    newest_answered: Option<Instant>,
     srtt: Option<Duration>,
     rttvar: Duration,
     rto: Duration,
@@ -125,6 +133,7 @@ impl DgramQueue {
         poll: Duration,
     ) -> DgramQueue {
         let frame = HEADER_LEN + frame_payload as usize;
+        let rx_cap = (link.rcvbuf / frame as u32).max(1);
         DgramQueue {
             link,
             session,
@@ -138,6 +147,9 @@ impl DgramQueue {
             in_flight_frames: 0,
             cwnd: (credit.max(1) as f64).min(64.0),
             credit: credit.max(1),
+            rx_cap,
+            last_decrease: Instant::now(),
+            newest_answered: None,
             srtt: None,
             rttvar: Duration::ZERO,
             rto: RTO_INITIAL,
@@ -172,7 +184,7 @@ impl DgramQueue {
     }
 
     fn window(&self) -> u32 {
-        (self.cwnd as u32).clamp(1, self.credit)
+        (self.cwnd as u32).clamp(1, self.credit.min(self.rx_cap))
     }
 
     pub fn submit(&mut self, cmd: Cmd<'_>, user: u64) -> Result<()> {
@@ -240,6 +252,8 @@ impl DgramQueue {
                 s.data.resize(len as usize, 0);
                 s.frags = fragment_count(len, fp);
                 s.have.resize(bitmap::bytes_for(s.frags), 0);
+                // Its reply fragments are frames in flight too: they must fit our receive buffer.
+                s.window_frames = s.frags;
             }
             _ => {}
         }
@@ -569,6 +583,8 @@ impl DgramQueue {
             self.stats.errors += 1;
         }
         if !s.retransmitted {
+            self.newest_answered =
+                Some(self.newest_answered.map_or(s.sent_at, |t| t.max(s.sent_at)));
             // Karn: only unambiguous samples.
             let sample = s.sent_at.elapsed();
             let (srtt, var) = match self.srtt {
@@ -589,10 +605,14 @@ impl DgramQueue {
         self.done.push_back(slot);
     }
 
-    /// Retransmits what timed out and gives up on what is past its give-up time.
+    /// Retransmits what is lost and gives up on what is past its give-up time. A request is lost
+    /// when its timer fires, or earlier when a request sent more than a reordering window after
+    /// it has already been answered (frames on one link do not overtake each other by more).
     fn timers(&mut self) -> Result<()> {
         let now = Instant::now();
         let mut lost = false;
+        let srtt = self.srtt.unwrap_or(RTO_INITIAL);
+        let reorder = (srtt / 4).max(Duration::from_micros(50));
         for slot in 0..self.slots.len() as u16 {
             let s = &mut self.slots[slot as usize];
             if s.state != State::InFlight {
@@ -604,7 +624,11 @@ impl DgramQueue {
                 self.finish(slot);
                 continue;
             }
-            if now < s.sent_at + s.rto {
+            let overtaken = self
+                .newest_answered
+                .is_some_and(|t| t > s.sent_at + reorder)
+                && now >= s.sent_at + srtt + reorder;
+            if now < s.sent_at + s.rto && !overtaken {
                 continue;
             }
             lost = true;
@@ -620,10 +644,11 @@ impl DgramQueue {
                 _ => self.push_frame(slot, 0, false),
             }
         }
-        if lost {
-            // Multiplicative decrease, and back off the base timer.
+        if lost && now.duration_since(self.last_decrease) > srtt {
+            // Multiplicative decrease, once per loss episode. The base timer is left alone: each
+            // request backs off its own timer, and a random loss says nothing about the path.
             self.cwnd = (self.cwnd / 2.0).max(1.0);
-            self.rto = (self.rto * 2).min(RTO_MAX);
+            self.last_decrease = now;
         }
         self.flush_tx()
     }
@@ -661,7 +686,6 @@ pub(crate) fn udp_link(addr: std::net::SocketAddr) -> Result<Link> {
     sock.connect(addr)?;
     sock.set_nonblocking(true)?;
     let fd: OwnedFd = sock.into();
-    blkwire_net::size_buffers(fd.as_raw_fd());
     // The path MTU of the connected route decides the frame payload (PROTOCOL.md §9.1).
     let mut mtu: libc::c_int = 1500;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
@@ -681,10 +705,12 @@ pub(crate) fn udp_link(addr: std::net::SocketAddr) -> Result<Link> {
         )
     };
     let mtu_payload = blkwire_net::frame_payload_for(mtu as u32, ip_overhead);
+    let rcvbuf = blkwire_net::size_buffers(fd.as_raw_fd());
     Ok(Link {
         fd,
         dest: None,
         mtu_payload,
+        rcvbuf,
     })
 }
 
@@ -700,11 +726,12 @@ pub(crate) fn eth_link(
     let ethertype = blkwire_net::DEFAULT_ETHERTYPE;
     let filter = blkwire_net::Filter::Queue { queue, session };
     let fd = blkwire_net::packet_socket(info.index, ethertype, filter).map_err(Error::Usage)?;
-    blkwire_net::size_buffers(fd.as_raw_fd());
+    let rcvbuf = blkwire_net::size_buffers(fd.as_raw_fd());
     Ok(Link {
         fd,
         dest: Some(blkwire_net::link_addr(info.index, ethertype, mac)),
         mtu_payload: blkwire_net::frame_payload_for(info.mtu, 0),
+        rcvbuf,
     })
 }
 
@@ -891,6 +918,7 @@ pub fn discover_eth(iface: &str, wait: Duration) -> Result<Vec<Discovered>> {
         fd,
         dest: Some(blkwire_net::link_addr(info.index, ethertype, [0xff; 6])),
         mtu_payload: 0,
+        rcvbuf: 0,
     };
     let iface = iface.to_string();
     Ok(discover_on(&link, wait, &|from| {

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# blkwire over raw Ethernet, UDP and TCP, side by side in one run, over the same veth pair between
+# two network namespaces this script creates (and removes, also on failure):
+#   4k randread QD1 and QD32, 1M sequential read QD4, then 4k randread QD32 with 1 % and 5 % loss
+#   injected by nftables netdev rules on both ends (the TCP row shows what TCP's own recovery does).
+# Environment: RUNTIME (seconds per run, default 5), MTU (default 9000), JOBS (default 1).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNTIME="${RUNTIME:-5}"
+MTU="${MTU:-9000}"
+JOBS="${JOBS:-1}"
+BIN="${BLKWIRE:-target/release/blkwire}"
+[[ -x "$BIN" ]] || cargo build --release -p blkwire >&2
+[[ "$(id -u)" == 0 ]] || { echo "transports-compare: needs root (network namespaces)" >&2; exit 1; }
+for t in ip nft python3; do command -v "$t" >/dev/null || { echo "transports-compare: $t missing" >&2; exit 1; }; done
+
+T="bwbench$$t"
+I="bwbench$$i"
+WORK="$(mktemp -d)"
+SERVE_PID=""
+cleanup() {
+    [[ -n "$SERVE_PID" ]] && kill "$SERVE_PID" 2>/dev/null && wait "$SERVE_PID" 2>/dev/null || true
+    ip netns del "$T" 2>/dev/null || true
+    ip netns del "$I" 2>/dev/null || true
+    rm -rf "$WORK"
+}
+trap cleanup EXIT INT TERM
+
+ip netns add "$T"
+ip netns add "$I"
+ip link add vt netns "$T" type veth peer name vi netns "$I"
+ip -n "$T" addr add 10.99.9.1/24 dev vt
+ip -n "$I" addr add 10.99.9.2/24 dev vi
+for ns in "$T" "$I"; do ip -n "$ns" link set lo up; done
+ip -n "$T" link set vt mtu "$MTU" up
+ip -n "$I" link set vi mtu "$MTU" up
+MAC="$(ip netns exec "$T" cat /sys/class/net/vt/address)"
+
+ip netns exec "$T" "$BIN" serve --listen tcp://10.99.9.1:7700 --listen udp://10.99.9.1:7701 --listen eth://vt \
+    --export m=mem:1G --log-level warn >"$WORK/serve.out" 2>"$WORK/serve.err" &
+SERVE_PID=$!
+for _ in $(seq 1 200); do
+    [[ "$(grep -c '^listening' "$WORK/serve.out" 2>/dev/null)" == 3 ]] && break
+    kill -0 "$SERVE_PID" 2>/dev/null || { cat "$WORK/serve.err" >&2; exit 1; }
+    sleep 0.05
+done
+[[ "$(grep -c '^listening' "$WORK/serve.out")" == 3 ]] || { echo "target did not start" >&2; exit 1; }
+
+impair() { # impair LOSS_PERCENT (0 clears)
+    for pair in "$T:vt" "$I:vi"; do
+        ns="${pair%%:*}"; dev="${pair##*:}"
+        ip netns exec "$ns" nft delete table netdev lossy 2>/dev/null || true
+        [[ "$1" == 0 ]] && continue
+        ip netns exec "$ns" nft add table netdev lossy
+        ip netns exec "$ns" nft "add chain netdev lossy in { type filter hook ingress device $dev priority 0 ; }"
+        for m in "ether type 0x88b5" "udp dport 7701" "udp sport 7701" "tcp dport 7700" "tcp sport 7700"; do
+            ip netns exec "$ns" nft "add rule netdev lossy in $m numgen random mod 100 < $1 drop"
+        done
+    done
+}
+
+declare -A URL=([eth]="eth://vi/$MAC/m" [udp]="udp://10.99.9.1:7701/m" [tcp]="tcp://10.99.9.1:7700/m")
+run() { # run TRANSPORT RW BS QD LABEL
+    local out
+    out="$(ip netns exec "$I" "$BIN" bench "${URL[$1]}" --rw "$2" --bs "$3" --iodepth "$4" --jobs "$JOBS" --runtime "$RUNTIME" --timeout 30 --json)"
+    python3 - "$1" "$5" "$4" "$out" <<'PY'
+import json, sys
+t, label, qd, raw = sys.argv[1:5]
+d = json.loads(raw)
+q = d["queues"]
+rx = sum(x["retransmits"] for x in q)
+print(f"| {t} | {label} | {qd} | {d['iops']:.0f} | {d['bandwidth_bytes']/1e6:.0f} | {d['latency_us']['mean']} | {d['latency_us']['p99']} | {rx} |")
+PY
+}
+
+echo "# blkwire transports over one veth pair: MTU $MTU, $JOBS job(s), ${RUNTIME}s per run, $(date -u '+%Y-%m-%d %H:%M UTC')"
+echo "# $("$BIN" --version), $(nproc) CPUs shared by initiator and target"
+echo
+echo "| transport | workload | QD | IOPS | MB/s | mean latency us | p99 us | retransmits |"
+echo "|---|---|---:|---:|---:|---:|---:|---:|"
+for w in "randread 4k 1 4k-randread" "randread 4k 32 4k-randread" "read 1M 4 1M-seqread"; do
+    set -- $w
+    for t in eth udp tcp; do run "$t" "$1" "$2" "$3" "$4"; done
+done
+for loss in 1 5; do
+    impair "$loss"
+    for t in eth udp tcp; do run "$t" randread 4k 32 "4k-randread-loss-$loss%"; done
+done
+impair 0
