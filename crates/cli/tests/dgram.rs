@@ -486,8 +486,15 @@ fn stale_and_duplicate_writes_are_never_applied() {
     h.seal_crc(&[]);
     s.queues[0].send_raw_frame(&h.to_bytes()).unwrap(); // duplicate of the newest request
     s.queues[0].keepalive().unwrap();
+    // A frame corrupted in flight (payload bit flipped after the CRC was computed): dropped and
+    // counted, never executed.
+    let mut bad = frames(&a, 4).remove(0);
+    let last = bad.len() - 1;
+    bad[last] ^= 1;
+    s.queues[0].send_raw_frame(&bad).unwrap();
+    s.queues[0].keepalive().unwrap();
     s.queues[1].read_at(&mut back, 0).unwrap();
-    assert!(back == c, "a duplicated WRITE was executed twice");
+    assert!(back == c, "a duplicated or corrupt WRITE was executed");
     let (ok, out, err) = common::cli(&["stats", &t.url("tcp://"), "--json"]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
@@ -500,6 +507,13 @@ fn stale_and_duplicate_writes_are_never_applied() {
         q0["writes"], 2,
         "queue 0 executed exactly the two writes it was asked for: {q0}"
     );
+    let bad: u64 = v["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["bad_frames"].as_u64().unwrap())
+        .sum();
+    assert_eq!(bad, 1, "the corrupt frame is counted once: {}", v["ports"]);
 }
 
 /// UDP on loopback: sizes from 512 B to above max I/O, several queues, every byte right.

@@ -104,11 +104,23 @@ struct DQ {
 }
 
 /// Port-level counters: frames that never reached a queue.
-#[derive(Default, Clone, Copy, Debug)]
+#[derive(Default, Clone, Copy, Debug, serde::Serialize)]
 pub struct PortStats {
+    /// Malformed frames, and frames without a valid CRC32C.
     pub bad_frames: u64,
+    /// I/O for a session this port does not know (expired or forged); answered with ACCESS.
     pub unknown_session: u64,
+    /// Frames for a queue from another address than the one that joined it; dropped.
     pub wrong_peer: u64,
+}
+
+/// One datagram socket's counters, for STATS.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct PortReport {
+    pub thread: usize,
+    pub transport: &'static str,
+    #[serde(flatten)]
+    pub stats: PortStats,
 }
 
 pub struct DgramPort {
@@ -837,6 +849,18 @@ impl DgramPort {
     pub fn close_all(&mut self) {
         for qi in 0..self.queues.len() {
             self.remove(qi);
+        }
+    }
+
+    pub fn report(&self, thread: usize) -> PortReport {
+        let transport = match self.kind {
+            PortKind::Udp => "udp",
+            PortKind::Eth { .. } => "eth",
+        };
+        PortReport {
+            thread,
+            transport,
+            stats: self.stats,
         }
     }
 

@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use blkwire_backend::{Export, ExportSpec};
-use blkwire_wire::{ExportEntry, Header, Hello, Opcode, Status, Tag, HEADER_LEN};
+use blkwire_wire::{ExportEntry, Header, Hello, Opcode, Status, HEADER_LEN};
 
 use crate::log::Level;
 use codec::Proto;
@@ -493,9 +493,13 @@ fn stats_json(registry: &Registry, workers: &[(Sender<Msg>, i32)]) -> Vec<u8> {
         }
     }
     let mut queues: Vec<QueueReport> = Vec::new();
+    let mut ports = Vec::new();
     for _ in 0..asked {
         match rx.recv_timeout(Duration::from_secs(2)) {
-            Ok(mut r) => queues.append(&mut r),
+            Ok((mut q, mut p)) => {
+                queues.append(&mut q);
+                ports.append(&mut p);
+            }
             Err(_) => break,
         }
     }
@@ -506,17 +510,9 @@ fn stats_json(registry: &Registry, workers: &[(Sender<Msg>, i32)]) -> Vec<u8> {
         let qs: Vec<_> = queues.iter().filter(|q| q.session == id).collect();
         s["queues"] = serde_json::to_value(qs).unwrap_or_default();
     }
-    let doc = serde_json::json!({ "sessions": v, "closed": registry.closed_totals() });
+    let doc =
+        serde_json::json!({ "sessions": v, "closed": registry.closed_totals(), "ports": ports });
     let mut out = serde_json::to_vec(&doc).unwrap_or_default();
     out.truncate(1 << 20);
     out
-}
-
-/// Builds a request frame; used by tests and tools that speak the protocol by hand.
-pub fn request_bytes(op: Opcode, slot: u16, offset: u64, length: u32, payload: &[u8]) -> Vec<u8> {
-    let mut h = Header::request(op, Tag::new(slot, 1), offset, length);
-    h.payload_len = payload.len() as u32;
-    let mut v = h.to_bytes().to_vec();
-    v.extend_from_slice(payload);
-    v
 }

@@ -44,7 +44,7 @@ pub enum Msg {
     /// A datagram socket this reactor serves from now on.
     Port(crate::dgram::PortSetup),
     /// Report every live queue's counters on the sender (the reactor owns them; no sharing).
-    Stats(std::sync::mpsc::Sender<Vec<QueueReport>>),
+    Stats(std::sync::mpsc::Sender<(Vec<QueueReport>, Vec<crate::dgram::PortReport>)>),
     Shutdown,
 }
 
@@ -332,7 +332,8 @@ impl Reactor {
                     for p in &self.ports {
                         r.extend(p.reports(self.id));
                     }
-                    let _ = reply.send(r);
+                    let ports = self.ports.iter().map(|p| p.report(self.id)).collect();
+                    let _ = reply.send((r, ports));
                 }
                 Msg::Shutdown => {
                     self.shutting_down = true;
