@@ -173,7 +173,12 @@ pub fn packet_socket(ifindex: i32, ethertype: u16, filter: Filter) -> Result<Own
     attach_filter(fd.as_raw_fd(), filter)?;
     // Frames go straight to the driver: blkwire paces itself (credits, window), a qdisc would only
     // add a lock and a queue per frame.
-    setopt(fd.as_raw_fd(), libc::SOL_PACKET, libc::PACKET_QDISC_BYPASS, 1);
+    setopt(
+        fd.as_raw_fd(),
+        libc::SOL_PACKET,
+        libc::PACKET_QDISC_BYPASS,
+        1,
+    );
     let sll = link_addr(ifindex, ethertype, [0; 6]);
     // SAFETY: bind to the interface and protocol.
     let rc = unsafe {
