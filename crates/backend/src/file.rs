@@ -234,6 +234,45 @@ impl FileBackend {
     }
 }
 
+/// True when a file has no data extent at all (one big hole).
+pub(crate) fn no_data(fd: libc::c_int) -> bool {
+    // SAFETY: lseek on the caller's fd.
+    let r = unsafe { libc::lseek(fd, 0, libc::SEEK_DATA) };
+    r < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO)
+}
+
+/// Appends the allocation map of `offset..offset+len` of a file, walking data and holes with
+/// SEEK_DATA/SEEK_HOLE; any surprise reports the rest as data.
+pub(crate) fn seek_extents(fd: libc::c_int, offset: u64, len: u64, out: &mut Vec<crate::Extent>) {
+    let end = offset + len;
+    let start_len = out.len();
+    let mut at = offset;
+    while at < end && out.len() - start_len < crate::MAX_EXTENTS {
+        // SAFETY: lseek on the caller's fd.
+        let data = unsafe { libc::lseek(fd, at as libc::off_t, libc::SEEK_DATA) };
+        let data = if data < 0 {
+            end
+        } else {
+            (data as u64).min(end)
+        };
+        if data > at {
+            crate::push_extent(out, data - at, true);
+            at = data;
+            continue;
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, at as libc::off_t, libc::SEEK_HOLE) };
+        let hole = if hole < 0 {
+            end
+        } else {
+            (hole as u64).min(end)
+        };
+        let next = if hole > at { hole } else { end };
+        crate::push_extent(out, next - at, false);
+        at = next;
+    }
+}
+
 fn rotational(rdev: libc::dev_t) -> bool {
     let (maj, min) = (libc::major(rdev), libc::minor(rdev));
     let p = format!("/sys/dev/block/{maj}:{min}/queue/rotational");
@@ -271,47 +310,14 @@ impl Backend for FileBackend {
         }
     }
     fn reads_as_zero(&self) -> bool {
-        if self.block_device {
-            return false;
-        }
-        // A file with no data extent at all is one big hole.
-        // SAFETY: lseek on our fd.
-        let r = unsafe { libc::lseek(self.fd, 0, libc::SEEK_DATA) };
-        r < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO)
+        !self.block_device && no_data(self.fd)
     }
     fn allocation(&self, offset: u64, len: u64, out: &mut Vec<crate::Extent>) {
         if self.block_device {
             out.push(crate::Extent { len, hole: false });
             return;
         }
-        // Walk data and holes with SEEK_DATA/SEEK_HOLE; any surprise reports the rest as data.
-        let end = offset + len;
-        let start_len = out.len();
-        let mut at = offset;
-        while at < end && out.len() - start_len < crate::MAX_EXTENTS {
-            // SAFETY: lseek on our fd.
-            let data = unsafe { libc::lseek(self.fd, at as libc::off_t, libc::SEEK_DATA) };
-            let data = if data < 0 {
-                end
-            } else {
-                (data as u64).min(end)
-            };
-            if data > at {
-                crate::push_extent(out, data - at, true);
-                at = data;
-                continue;
-            }
-            // SAFETY: as above.
-            let hole = unsafe { libc::lseek(self.fd, at as libc::off_t, libc::SEEK_HOLE) };
-            let hole = if hole < 0 {
-                end
-            } else {
-                (hole as u64).min(end)
-            };
-            let next = if hole > at { hole } else { end };
-            crate::push_extent(out, next - at, false);
-            at = next;
-        }
+        seek_extents(self.fd, offset, len, out);
     }
 
     fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {

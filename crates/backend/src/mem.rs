@@ -1,15 +1,19 @@
-//! `mem:SIZE`: sparse RAM. An anonymous `MAP_NORESERVE` mapping: the kernel backs a page only once
-//! it is written and returns the shared zero page for everything else, so a `mem:1T` export costs
-//! nothing until used. TRIM and WRITE_ZEROES hand whole pages back with `MADV_DONTNEED`.
+//! `mem:SIZE`: sparse RAM, held in a memfd (an unlinked tmpfs file). A page exists only once it
+//! is written, so a `mem:1T` export costs nothing until used, and the kernel's own bookkeeping
+//! answers "where is data" exactly (SEEK_DATA/SEEK_HOLE) for `cp` and NBD block status.
+//!
+//! Writes copy into a shared mapping of the memfd. Reads use `pread`, not the mapping: a read
+//! fault on a hole would map a page and make never-written ranges look allocated. TRIM and
+//! WRITE_ZEROES punch holes, returning the memory.
 
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 
 use crate::{Backend, Caps, Op, QueueIo, Started, Submitter};
 
-const PAGE: u64 = 4096;
-
 pub struct MemBackend {
+    fd: OwnedFd,
     base: *mut u8,
     size: u64,
 }
@@ -21,6 +25,12 @@ pub struct MemBackend {
 unsafe impl Send for MemBackend {}
 unsafe impl Sync for MemBackend {}
 
+fn errno() -> i32 {
+    io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
+}
+
 impl MemBackend {
     pub fn new(size: u64) -> io::Result<MemBackend> {
         if size == 0 || !size.is_multiple_of(512) {
@@ -30,14 +40,25 @@ impl MemBackend {
             ));
         }
         let len = usize::try_from(size).map_err(|_| io::Error::other("mem size too large"))?;
-        // SAFETY: fresh anonymous private mapping; no existing memory is touched.
+        // SAFETY: creating a new anonymous file; we own the fd from here on.
+        let raw = unsafe { libc::memfd_create(c"blkwire-mem".as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is a fresh fd nobody else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: sizing our own file.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fresh shared mapping of our own file; no existing memory is touched.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
+                libc::MAP_SHARED | libc::MAP_NORESERVE,
+                fd.as_raw_fd(),
                 0,
             )
         };
@@ -45,6 +66,7 @@ impl MemBackend {
             return Err(io::Error::last_os_error());
         }
         Ok(MemBackend {
+            fd,
             base: p.cast(),
             size,
         })
@@ -52,44 +74,52 @@ impl MemBackend {
 
     /// Bytes of RAM actually backing the export (pages written and not trimmed).
     pub fn resident_bytes(&self) -> u64 {
-        let pages = self.size.div_ceil(PAGE) as usize;
-        let mut vec = vec![0u8; pages];
-        // SAFETY: base..base+size is our mapping; vec has one byte per page.
-        let r = unsafe { libc::mincore(self.base.cast(), self.size as usize, vec.as_mut_ptr()) };
-        if r != 0 {
+        // SAFETY: fstat on our fd into a zeroed stat.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) } != 0 {
             return self.size;
         }
-        vec.iter().filter(|b| **b & 1 != 0).count() as u64 * PAGE
+        st.st_blocks as u64 * 512
     }
 
-    fn zero_range(&self, offset: u64, len: u64) {
-        // Partial pages at either end are memset; whole pages in between are dropped, which both
-        // zeroes them and returns their memory.
-        let end = offset + len;
-        let first_full = offset.div_ceil(PAGE) * PAGE;
-        let last_full = end / PAGE * PAGE;
-        // SAFETY (all three blocks): ranges are within the mapping (checked by Export).
-        unsafe {
-            if first_full >= last_full {
-                std::ptr::write_bytes(self.base.add(offset as usize), 0, len as usize);
-                return;
-            }
-            std::ptr::write_bytes(
-                self.base.add(offset as usize),
-                0,
-                (first_full - offset) as usize,
-            );
-            std::ptr::write_bytes(
-                self.base.add(last_full as usize),
-                0,
-                (end - last_full) as usize,
-            );
-            libc::madvise(
-                self.base.add(first_full as usize).cast(),
-                (last_full - first_full) as usize,
-                libc::MADV_DONTNEED,
-            );
+    fn punch(&self, offset: u64, len: u64) -> i32 {
+        let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+        // SAFETY: fallocate on our fd; tmpfs zeroes partial pages at the edges itself.
+        let r = unsafe {
+            libc::fallocate(
+                self.fd.as_raw_fd(),
+                mode,
+                offset as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        if r == 0 {
+            0
+        } else {
+            -errno()
         }
+    }
+
+    fn read(&self, offset: u64, buf: *mut u8, len: u32) -> i32 {
+        let mut done = 0usize;
+        while done < len as usize {
+            // SAFETY: the caller's buffer holds `len` bytes; the range is inside the file.
+            let n = unsafe {
+                libc::pread(
+                    self.fd.as_raw_fd(),
+                    buf.add(done).cast(),
+                    len as usize - done,
+                    (offset + done as u64) as libc::off_t,
+                )
+            };
+            match n {
+                n if n > 0 => done += n as usize,
+                0 => return -libc::EIO,
+                _ if errno() == libc::EINTR => continue,
+                _ => return -errno(),
+            }
+        }
+        0
     }
 }
 
@@ -121,44 +151,17 @@ impl Backend for MemBackend {
         }
     }
     fn reads_as_zero(&self) -> bool {
-        self.resident_bytes() == 0
+        crate::file::no_data(self.fd.as_raw_fd())
     }
     fn allocation(&self, offset: u64, len: u64, out: &mut Vec<crate::Extent>) {
-        // Pages the kernel has not backed read as zero: they are the holes.
-        let first = offset / PAGE;
-        let end = offset + len;
-        let pages = (end.div_ceil(PAGE) - first) as usize;
-        let start_len = out.len();
-        let mut vec = vec![0u8; pages.min(crate::MAX_EXTENTS * 16)];
-        // SAFETY: the range lies inside our mapping (checked by Export); one byte per page.
-        let r = unsafe {
-            libc::mincore(
-                self.base.add((first * PAGE) as usize).cast(),
-                vec.len() * PAGE as usize,
-                vec.as_mut_ptr(),
-            )
-        };
-        if r != 0 {
-            out.push(crate::Extent { len, hole: false });
-            return;
-        }
-        let mut at = offset;
-        for (i, v) in vec.iter().enumerate() {
-            let page_end = ((first + i as u64 + 1) * PAGE).min(end);
-            crate::push_extent(out, page_end - at, v & 1 == 0);
-            at = page_end;
-            if out.len() - start_len >= crate::MAX_EXTENTS {
-                break;
-            }
-        }
+        crate::file::seek_extents(self.fd.as_raw_fd(), offset, len, out);
     }
-
     fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
         Ok(Box::new(MemQueue { mem: self }))
     }
 }
 
-/// Per-queue handle: just the mapping; every op completes inline with a memcpy.
+/// Per-queue handle: every op completes inline.
 struct MemQueue {
     mem: Arc<MemBackend>,
 }
@@ -169,21 +172,34 @@ impl QueueIo for MemQueue {
     }
     fn start(&mut self, op: Op, _user_data: u64, _sq: &mut dyn Submitter) -> Started {
         let mem = &*self.mem;
-        // SAFETY (copies): ranges were bounds-checked by Export; buffers belong to the caller.
-        match op {
-            Op::Read { offset, buf, len } => unsafe {
-                std::ptr::copy_nonoverlapping(mem.base.add(offset as usize), buf, len as usize);
-            },
+        Started::Done(match op {
+            Op::Read { offset, buf, len } => mem.read(offset, buf, len),
             Op::Write {
                 offset, buf, len, ..
-            } => unsafe {
-                std::ptr::copy_nonoverlapping(buf, mem.base.add(offset as usize), len as usize);
-            },
-            Op::Flush => {}
-            Op::Trim { offset, len } | Op::WriteZeroes { offset, len, .. } => {
-                mem.zero_range(offset, len as u64)
+            } => {
+                // SAFETY: range bounds-checked by Export; the caller's buffer holds `len` bytes.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(buf, mem.base.add(offset as usize), len as usize)
+                };
+                0
             }
-        }
-        Started::Done(0)
+            Op::Flush => 0,
+            Op::Trim { offset, len }
+            | Op::WriteZeroes {
+                offset,
+                len,
+                no_hole: false,
+            } => mem.punch(offset, len as u64),
+            Op::WriteZeroes {
+                offset,
+                len,
+                no_hole: true,
+            } => {
+                // Allocated zeros, as asked: write them.
+                // SAFETY: range bounds-checked by Export.
+                unsafe { std::ptr::write_bytes(mem.base.add(offset as usize), 0, len as usize) };
+                0
+            }
+        })
     }
 }

@@ -70,7 +70,7 @@ impl Proto {
     pub fn parse(self, buf: &[u8], max_io: u32) -> Parsed {
         match self {
             Proto::Native => parse_native(buf, max_io),
-            Proto::Nbd { .. } => parse_nbd(buf, max_io),
+            Proto::Nbd { .. } => parse_nbd(self, buf, max_io),
         }
     }
 
@@ -157,6 +157,18 @@ impl Proto {
         }
     }
 
+    /// Appends an NBD OFFSET_HOLE chunk covering the whole READ.
+    pub fn hole_reply(self, req: &Req, tx: &mut Vec<u8>) {
+        let Id::Nbd(cookie) = req.id else {
+            unreachable!("holes are NBD structured replies")
+        };
+        let mut h = [0u8; nbd::CHUNK_HEADER_LEN];
+        nbd::chunk_header(&mut h, chunk::FLAG_DONE, chunk::OFFSET_HOLE, cookie, 12);
+        tx.extend_from_slice(&h);
+        tx.extend_from_slice(&req.offset.to_be_bytes());
+        tx.extend_from_slice(&req.length.to_be_bytes());
+    }
+
     /// Appends an NBD block status reply (`base:allocation`) for `extents` of (length, hole).
     pub fn block_status_reply(self, req: &Req, extents: &[(u32, bool)], tx: &mut Vec<u8>) {
         let Id::Nbd(cookie) = req.id else {
@@ -229,7 +241,7 @@ fn parse_native(buf: &[u8], max_io: u32) -> Parsed {
     }
 }
 
-fn parse_nbd(buf: &[u8], max_io: u32) -> Parsed {
+fn parse_nbd(proto: Proto, buf: &[u8], max_io: u32) -> Parsed {
     if buf.len() < nbd::REQUEST_LEN {
         return Parsed::Need;
     }
@@ -237,7 +249,18 @@ fn parse_nbd(buf: &[u8], max_io: u32) -> Parsed {
         Ok(r) => r,
         Err(e) => return Parsed::Violation(e.to_string()),
     };
+    let structured = matches!(
+        proto,
+        Proto::Nbd {
+            structured: true,
+            ..
+        }
+    );
     let kind = match r.typ {
+        // Unknown flags, or DF without structured replies: EINVAL (the spec's SHOULD).
+        _ if r.flags & !cflag::KNOWN != 0 || (r.flags & cflag::DF != 0 && !structured) => {
+            Kind::Invalid
+        }
         cmd::READ => Kind::Read,
         cmd::WRITE => Kind::Write,
         cmd::DISC => Kind::Logout,

@@ -85,10 +85,12 @@ pub fn negotiate(s: &mut TcpStream, peer: &str, registry: &Registry) -> Option<(
     let mut cf = [0u8; 4];
     s.read_exact(&mut cf).ok()?;
     let client_flags = u32::from_be_bytes(cf);
-    if client_flags & nbd::FLAG_FIXED_NEWSTYLE as u32 == 0 {
+    let known = (nbd::FLAG_FIXED_NEWSTYLE | nbd::FLAG_NO_ZEROES) as u32;
+    if client_flags & nbd::FLAG_FIXED_NEWSTYLE as u32 == 0 || client_flags & !known != 0 {
+        // The spec: a server MUST drop a client that sets flags it does not know.
         crate::log!(
             Level::Info,
-            "{peer}: NBD client without fixed newstyle refused"
+            "{peer}: NBD client flags {client_flags:#x} refused"
         );
         return None;
     }

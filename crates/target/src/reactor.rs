@@ -759,10 +759,17 @@ fn dispatch(c: &mut Conn, idx: usize, req: &Req, payload_at: usize, sq: &mut Pus
         // WRITE is taken straight from the receive buffer: one copy each way.
         let op = match req.kind {
             Kind::Read => {
+                if read_hole(c, req) {
+                    return;
+                }
                 let at = c.tx.len();
                 let prefix = c.proto.read_prefix_len();
-                c.tx.resize(at + prefix + len as usize, 0);
-                let buf = c.tx[at + prefix..].as_mut_ptr();
+                // The prefix is zeroed, the data is not: the backend writes it straight into the
+                // spare capacity and only then does the buffer grow over it.
+                c.tx.resize(at + prefix, 0);
+                c.tx.reserve(len as usize);
+                // SAFETY: `reserve` made room for `len` bytes after the prefix.
+                let buf = unsafe { c.tx.as_mut_ptr().add(at + prefix) };
                 let r = c.io.start(
                     Op::Read {
                         offset: req.offset,
@@ -774,6 +781,8 @@ fn dispatch(c: &mut Conn, idx: usize, req: &Req, payload_at: usize, sq: &mut Pus
                 );
                 let status = done_status(r);
                 if status == Status::Ok {
+                    // SAFETY: the backend initialised all `len` bytes (it reported success).
+                    unsafe { c.tx.set_len(at + prefix + len as usize) };
                     let (proto, depth) = (c.proto, c.depth);
                     proto.write_read_prefix(req, depth, &mut c.tx[at..at + prefix]);
                     c.count_reply(status);
@@ -849,6 +858,34 @@ fn dispatch(c: &mut Conn, idx: usize, req: &Req, payload_at: usize, sq: &mut Pus
             c.inflight += 1;
         }
     }
+}
+
+/// NBD structured READ of a range that is all hole: one OFFSET_HOLE chunk instead of the zeros.
+/// Only for large reads, where saving the data is worth an allocation query.
+fn read_hole(c: &mut Conn, req: &Req) -> bool {
+    if !matches!(
+        c.proto,
+        Proto::Nbd {
+            structured: true,
+            ..
+        }
+    ) || req.length < (64 << 10)
+    {
+        return false;
+    }
+    let mut extents = std::mem::take(&mut c.extents);
+    extents.clear();
+    c.export
+        .backend()
+        .allocation(req.offset, req.length as u64, &mut extents);
+    let hole = extents.len() == 1 && extents[0].hole && extents[0].len >= req.length as u64;
+    c.extents = extents;
+    if hole {
+        let proto = c.proto;
+        proto.hole_reply(req, &mut c.tx);
+        c.count_reply(Status::Ok);
+    }
+    hole
 }
 
 /// Returns a server-assigned slot to the free list (native slots belong to the client).

@@ -1,0 +1,1591 @@
+//! The NBD frontend (issue 3) against real, unmodified NBD clients: libnbd's nbdinfo and
+//! nbdcopy, qemu-img and qemu-io, and fio's nbd engine; plus a raw NBD speaker (std TcpStream)
+//! for the handshake and transmission details and for hostile input. Every tool call is bounded
+//! by coreutils' `timeout`, so a hung target fails a test instead of hanging CI.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use blkwire_wire::nbd::{self, cflag, chunk, cmd, info, opt, rep, tflag};
+use common::{random_bytes, sparse_file, Target, TempDir};
+use serde_json::Value;
+
+const MIB: u64 = 1 << 20;
+/// Seconds any external tool may run before `timeout` kills it.
+const TOOL_LIMIT: &str = "180";
+
+// ---------------------------------------------------------------------------------------------
+// Target and tools
+
+/// A target with a native and an NBD listener; `nbd` is `nbd://127.0.0.1:PORT`.
+struct NbdTarget {
+    t: Target,
+    nbd: String,
+}
+
+impl NbdTarget {
+    fn start(exports: &[&str]) -> NbdTarget {
+        let (t, urls) = Target::start_listeners(exports, &["--listen", "nbd://127.0.0.1:0"]);
+        let nbd = urls
+            .iter()
+            .find(|u| u.starts_with("nbd://"))
+            .unwrap_or_else(|| panic!("no nbd:// listener in {urls:?}"))
+            .clone();
+        NbdTarget { t, nbd }
+    }
+
+    /// `nbd://127.0.0.1:PORT/EXPORT`, the URI form every libnbd and qemu tool takes.
+    fn uri(&self, export: &str) -> String {
+        format!("{}/{export}", self.nbd)
+    }
+
+    /// `127.0.0.1:PORT`, for raw sockets.
+    fn addr(&self) -> String {
+        self.nbd.trim_start_matches("nbd://").to_string()
+    }
+
+    /// The target process is alive and a fresh nbdinfo gets the export's size.
+    fn assert_serves(&mut self, export: &str, size: u64) {
+        assert!(
+            self.t.child.try_wait().expect("try_wait").is_none(),
+            "the target process exited"
+        );
+        let out = tool("nbdinfo", &["--size", &self.uri(export)]);
+        assert_eq!(out.trim(), size.to_string(), "nbdinfo --size {export}");
+    }
+}
+
+fn command(prog: &str, args: &[&str]) -> Command {
+    let mut c = Command::new("timeout");
+    c.args(["-k", "5", TOOL_LIMIT, prog])
+        .args(args)
+        .stdin(Stdio::null());
+    c
+}
+
+fn describe(prog: &str, args: &[&str], out: &Output) -> String {
+    format!(
+        "{prog} {}: {}{}\n--- stdout\n{}--- stderr\n{}",
+        args.join(" "),
+        out.status,
+        if out.status.code() == Some(124) {
+            " (killed by timeout: the tool hung)"
+        } else {
+            ""
+        },
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Runs a tool; returns its output whatever the exit status.
+fn run(prog: &str, args: &[&str]) -> Output {
+    command(prog, args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {prog} (scripts/deps.sh installs it): {e}"))
+}
+
+/// Runs a tool that must succeed; returns its stdout.
+fn tool(prog: &str, args: &[&str]) -> String {
+    let out = run(prog, args);
+    assert!(out.status.success(), "{}", describe(prog, args, &out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Starts a tool without waiting (for concurrent clients).
+fn spawn(prog: &str, args: &[&str]) -> Child {
+    command(prog, args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {prog}: {e}"))
+}
+
+fn sha256(path: &Path) -> String {
+    let out = tool("sha256sum", &[path.to_str().expect("utf-8 path")]);
+    out.split_whitespace()
+        .next()
+        .expect("sha256sum output")
+        .to_string()
+}
+
+/// qemu-io with `-f raw` and one `-c` per command; asserts success and that no pattern check
+/// failed (qemu-io also exits non-zero then, but say which one).
+fn qemu_io(uri: &str, cmds: &[&str]) -> String {
+    let mut args = vec!["-f", "raw", uri];
+    for c in cmds {
+        args.extend(["-c", c]);
+    }
+    let out = run("qemu-io", &args);
+    let text = describe("qemu-io", &args, &out);
+    assert!(
+        out.status.success() && !text.contains("Pattern verification failed"),
+        "{text}"
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `nbdinfo --map --json`: (offset, length, type) with type bit 0 = hole, bit 1 = zero.
+fn block_map(uri: &str) -> Vec<(u64, u64, u64)> {
+    let text = tool("nbdinfo", &["--map", "--json", uri]);
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    let map: Vec<(u64, u64, u64)> = v
+        .as_array()
+        .expect("map is a JSON array")
+        .iter()
+        .map(|e| {
+            (
+                e["offset"].as_u64().expect("offset"),
+                e["length"].as_u64().expect("length"),
+                e["type"].as_u64().expect("type"),
+            )
+        })
+        .collect();
+    // The extents tile the export from 0 without gaps.
+    let mut at = 0;
+    for &(o, l, _) in &map {
+        assert_eq!(o, at, "extents are contiguous: {map:?}");
+        assert!(l > 0, "no empty extent: {map:?}");
+        at += l;
+    }
+    map
+}
+
+fn type_at(map: &[(u64, u64, u64)], offset: u64) -> u64 {
+    map.iter()
+        .find(|&&(o, l, _)| o <= offset && offset < o + l)
+        .unwrap_or_else(|| panic!("offset {offset} not in map {map:?}"))
+        .2
+}
+
+const DATA: u64 = 0;
+const HOLE_ZERO: u64 = 3;
+
+fn fio_json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).expect("fio output");
+    let at = text
+        .find('{')
+        .unwrap_or_else(|| panic!("no JSON in {text}"));
+    serde_json::from_str(&text[at..]).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// A raw NBD speaker
+
+fn be16(b: &[u8]) -> u16 {
+    u16::from_be_bytes(b[..2].try_into().unwrap())
+}
+fn be32(b: &[u8]) -> u32 {
+    u32::from_be_bytes(b[..4].try_into().unwrap())
+}
+fn be64(b: &[u8]) -> u64 {
+    u64::from_be_bytes(b[..8].try_into().unwrap())
+}
+
+fn name_data(name: &str) -> Vec<u8> {
+    let mut d = (name.len() as u32).to_be_bytes().to_vec();
+    d.extend_from_slice(name.as_bytes());
+    d
+}
+
+/// NBD_OPT_INFO / GO data asking for `infos`.
+fn info_data(name: &str, infos: &[u16]) -> Vec<u8> {
+    let mut d = name_data(name);
+    d.extend_from_slice(&(infos.len() as u16).to_be_bytes());
+    for i in infos {
+        d.extend_from_slice(&i.to_be_bytes());
+    }
+    d
+}
+
+fn meta_data(export: &str, queries: &[&str]) -> Vec<u8> {
+    let mut d = name_data(export);
+    d.extend_from_slice(&(queries.len() as u32).to_be_bytes());
+    for q in queries {
+        d.extend_from_slice(&name_data(q));
+    }
+    d
+}
+
+#[derive(Debug)]
+struct Chunk {
+    flags: u16,
+    typ: u16,
+    cookie: u64,
+    payload: Vec<u8>,
+}
+
+impl Chunk {
+    fn is_error(&self) -> bool {
+        self.typ & 0x8000 != 0
+    }
+    fn error(&self) -> u32 {
+        assert!(self.is_error(), "not an error chunk: {self:?}");
+        be32(&self.payload)
+    }
+}
+
+/// A reply of either kind (read data is not part of it: see `read_simple`).
+#[derive(Debug)]
+enum Reply {
+    Simple { error: u32, cookie: u64 },
+    Structured(Vec<Chunk>),
+}
+
+impl Reply {
+    fn error(&self) -> u32 {
+        match self {
+            Reply::Simple { error, .. } => *error,
+            Reply::Structured(c) => c.iter().find(|c| c.is_error()).map_or(0, Chunk::error),
+        }
+    }
+    fn cookie(&self) -> u64 {
+        match self {
+            Reply::Simple { cookie, .. } => *cookie,
+            Reply::Structured(c) => c[0].cookie,
+        }
+    }
+}
+
+struct Raw(TcpStream);
+
+impl Raw {
+    /// Connects and reads the server's greeting, without answering it.
+    fn greet(addr: &str) -> Raw {
+        let s = TcpStream::connect(addr).expect("connect to the NBD listener");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.set_nodelay(true).unwrap();
+        let mut r = Raw(s);
+        let g = r.read_n(18);
+        assert_eq!(be64(&g[0..]), nbd::NBDMAGIC, "greeting magic");
+        assert_eq!(be64(&g[8..]), nbd::IHAVEOPT, "fixed newstyle greeting");
+        assert_eq!(
+            be16(&g[16..]),
+            nbd::FLAG_FIXED_NEWSTYLE | nbd::FLAG_NO_ZEROES,
+            "handshake flags"
+        );
+        r
+    }
+
+    /// Greeting answered with FIXED_NEWSTYLE | NO_ZEROES: ready for options.
+    fn open(addr: &str) -> Raw {
+        let mut r = Raw::greet(addr);
+        r.send(&((nbd::FLAG_FIXED_NEWSTYLE | nbd::FLAG_NO_ZEROES) as u32).to_be_bytes());
+        r
+    }
+
+    /// Negotiates (optionally structured replies and base:allocation) and enters transmission
+    /// with NBD_OPT_GO. Returns (size, transmission flags).
+    fn go(addr: &str, export: &str, structured: bool, allocation: bool) -> (Raw, u64, u16) {
+        let mut r = Raw::open(addr);
+        if structured {
+            r.option(opt::STRUCTURED_REPLY, &[]);
+            assert_eq!(r.opt_reply().1, rep::ACK, "STRUCTURED_REPLY acked");
+        }
+        if allocation {
+            r.option(
+                opt::SET_META_CONTEXT,
+                &meta_data(export, &[nbd::BASE_ALLOCATION]),
+            );
+            let (_, t, d) = r.opt_reply();
+            assert_eq!(t, rep::META_CONTEXT, "base:allocation selected");
+            assert_eq!(&d[4..], nbd::BASE_ALLOCATION.as_bytes());
+            assert_eq!(r.opt_reply().1, rep::ACK);
+        }
+        r.option(opt::GO, &info_data(export, &[]));
+        let (mut size, mut flags) = (None, 0);
+        loop {
+            let (o, t, d) = r.opt_reply();
+            assert_eq!(o, opt::GO, "reply is for GO");
+            match t {
+                rep::INFO if be16(&d) == info::EXPORT => {
+                    size = Some(be64(&d[2..]));
+                    flags = be16(&d[10..]);
+                }
+                rep::INFO => {}
+                rep::ACK => break,
+                t => panic!(
+                    "GO {export}: unexpected reply {t:#x}: {:?}",
+                    String::from_utf8_lossy(&d)
+                ),
+            }
+        }
+        (r, size.expect("NBD_INFO_EXPORT sent before ACK"), flags)
+    }
+
+    fn send(&mut self, b: &[u8]) {
+        self.0.write_all(b).expect("send to target");
+    }
+
+    fn read_n(&mut self, n: usize) -> Vec<u8> {
+        let mut v = vec![0u8; n];
+        self.0
+            .read_exact(&mut v)
+            .unwrap_or_else(|e| panic!("reading {n} bytes from the target: {e}"));
+        v
+    }
+
+    fn option(&mut self, option: u32, data: &[u8]) {
+        let mut b = nbd::IHAVEOPT.to_be_bytes().to_vec();
+        b.extend_from_slice(&option.to_be_bytes());
+        b.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        b.extend_from_slice(data);
+        self.send(&b);
+    }
+
+    /// (option, reply type, data)
+    fn opt_reply(&mut self) -> (u32, u32, Vec<u8>) {
+        let h = self.read_n(20);
+        assert_eq!(be64(&h), nbd::OPT_REPLY_MAGIC, "option reply magic");
+        let len = be32(&h[16..]) as usize;
+        assert!(len < 1 << 20, "option reply of {len} bytes");
+        let d = self.read_n(len);
+        (be32(&h[8..]), be32(&h[12..]), d)
+    }
+
+    fn request(&mut self, typ: u16, flags: u16, cookie: u64, offset: u64, length: u32) {
+        let r = nbd::Request {
+            flags,
+            typ,
+            cookie,
+            offset,
+            length,
+        };
+        self.send(&r.encode());
+    }
+
+    fn write(&mut self, cookie: u64, offset: u64, data: &[u8]) {
+        let mut b = nbd::Request {
+            flags: 0,
+            typ: cmd::WRITE,
+            cookie,
+            offset,
+            length: data.len() as u32,
+        }
+        .encode()
+        .to_vec();
+        b.extend_from_slice(data);
+        self.send(&b);
+    }
+
+    fn chunk(&mut self) -> Chunk {
+        let h = self.read_n(nbd::CHUNK_HEADER_LEN);
+        assert_eq!(be32(&h), nbd::STRUCTURED_REPLY_MAGIC, "chunk magic");
+        let len = be32(&h[16..]) as usize;
+        Chunk {
+            flags: be16(&h[4..]),
+            typ: be16(&h[6..]),
+            cookie: be64(&h[8..]),
+            payload: self.read_n(len),
+        }
+    }
+
+    /// The next reply to a request that returns no data (or a failed read): simple, or
+    /// structured chunks up to the one flagged DONE (one request in flight).
+    fn reply(&mut self) -> Reply {
+        let m = self.read_n(4);
+        match be32(&m) {
+            nbd::SIMPLE_REPLY_MAGIC => {
+                let r = self.read_n(12);
+                Reply::Simple {
+                    error: be32(&r),
+                    cookie: be64(&r[4..]),
+                }
+            }
+            nbd::STRUCTURED_REPLY_MAGIC => {
+                let rest = self.read_n(nbd::CHUNK_HEADER_LEN - 4);
+                let len = be32(&rest[12..]) as usize;
+                let first = Chunk {
+                    flags: be16(&rest),
+                    typ: be16(&rest[2..]),
+                    cookie: be64(&rest[4..]),
+                    payload: self.read_n(len),
+                };
+                let mut chunks = vec![first];
+                while chunks.last().unwrap().flags & chunk::FLAG_DONE == 0 {
+                    chunks.push(self.chunk());
+                }
+                Reply::Structured(chunks)
+            }
+            m => panic!("not a reply magic: {m:#x}"),
+        }
+    }
+
+    /// The next reply, or None once the target has closed the connection.
+    fn try_reply(&mut self) -> Option<Reply> {
+        let mut b = [0u8; 1];
+        match self.0.read(&mut b) {
+            Ok(0) => return None,
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => return None,
+            Err(e) => panic!("waiting for a reply or EOF: {e}"),
+        }
+        let rest = self.read_n(3);
+        let magic = u32::from_be_bytes([b[0], rest[0], rest[1], rest[2]]);
+        assert_eq!(magic, nbd::SIMPLE_REPLY_MAGIC, "simple reply magic");
+        let r = self.read_n(12);
+        Some(Reply::Simple {
+            error: be32(&r),
+            cookie: be64(&r[4..]),
+        })
+    }
+
+    /// A simple reply to a READ of `len` bytes: (error, cookie, data).
+    fn read_simple(&mut self, len: usize) -> (u32, u64, Vec<u8>) {
+        let h = self.read_n(nbd::SIMPLE_REPLY_LEN);
+        assert_eq!(be32(&h), nbd::SIMPLE_REPLY_MAGIC, "simple reply magic");
+        let error = be32(&h[4..]);
+        let data = if error == 0 {
+            self.read_n(len)
+        } else {
+            Vec::new()
+        };
+        (error, be64(&h[8..]), data)
+    }
+
+    /// Structured reply to a READ of `len` bytes at `offset`: reassembles data and hole chunks
+    /// (checking they stay inside the request) and returns the chunks and the bytes.
+    fn read_structured(&mut self, offset: u64, len: usize) -> (Vec<Chunk>, Vec<u8>) {
+        let mut data = vec![0xeeu8; len];
+        let mut covered = 0usize;
+        let mut chunks = Vec::new();
+        loop {
+            let c = self.chunk();
+            match c.typ {
+                chunk::OFFSET_DATA => {
+                    let at = (be64(&c.payload) - offset) as usize;
+                    let n = c.payload.len() - 8;
+                    assert!(at + n <= len, "data chunk outside the request: {c:?}");
+                    data[at..at + n].copy_from_slice(&c.payload[8..]);
+                    covered += n;
+                }
+                chunk::OFFSET_HOLE => {
+                    assert_eq!(c.payload.len(), 12, "hole chunk length");
+                    let at = (be64(&c.payload) - offset) as usize;
+                    let n = be32(&c.payload[8..]) as usize;
+                    assert!(n > 0 && at + n <= len, "hole chunk outside the request");
+                    data[at..at + n].fill(0);
+                    covered += n;
+                }
+                chunk::NONE => assert!(c.payload.is_empty()),
+                t => panic!("unexpected chunk type {t:#x} in a successful read: {c:?}"),
+            }
+            let done = c.flags & chunk::FLAG_DONE != 0;
+            chunks.push(c);
+            if done {
+                break;
+            }
+        }
+        assert_eq!(covered, len, "content chunks cover the whole read");
+        (chunks, data)
+    }
+
+    /// Asserts the target closed the connection: sends `probe` (a message the target would
+    /// answer if it were still talking to us), then expects EOF or a reset, never an answer
+    /// and never silence until the read timeout.
+    fn assert_closed(mut self, what: &str, probe: &[u8]) {
+        let _ = self.0.write_all(probe);
+        let mut b = [0u8; 256];
+        match self.0.read(&mut b) {
+            Ok(0) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::ConnectionReset
+                        | ErrorKind::ConnectionAborted
+                        | ErrorKind::BrokenPipe
+                ) => {}
+            Ok(n) => panic!(
+                "{what}: the target kept the connection and answered: {:02x?}",
+                &b[..n.min(32)]
+            ),
+            Err(e) => panic!("{what}: the target neither closed nor answered: {e}"),
+        }
+    }
+}
+
+/// An option header (NBD_OPT_LIST): what `assert_closed` sends during the handshake.
+fn list_probe() -> Vec<u8> {
+    let mut b = nbd::IHAVEOPT.to_be_bytes().to_vec();
+    b.extend_from_slice(&opt::LIST.to_be_bytes());
+    b.extend_from_slice(&0u32.to_be_bytes());
+    b
+}
+
+/// A READ of 512 bytes at 0: what `assert_closed` sends during transmission.
+fn read_probe() -> Vec<u8> {
+    nbd::Request {
+        flags: 0,
+        typ: cmd::READ,
+        cookie: 0xdead,
+        offset: 0,
+        length: 512,
+    }
+    .encode()
+    .to_vec()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Real clients
+
+#[test]
+fn nbdinfo_lists_exports_with_their_capabilities() {
+    let d = TempDir::new("nbd-info");
+    let img = d.path("f.img");
+    sparse_file(&img, 32 * MIB);
+    let t = NbdTarget::start(&[
+        "disk0=mem:64M",
+        &format!("f=file:{}", img.display()),
+        "ro=mem:16M,ro",
+    ]);
+    let text = tool("nbdinfo", &["--list", "--json", &t.nbd]);
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    assert_eq!(v["protocol"], "newstyle-fixed");
+    assert_eq!(v["TLS"], false);
+    assert_eq!(v["structured"], true, "structured replies negotiated");
+    let exports = v["exports"].as_array().expect("exports");
+    let names: Vec<&str> = exports
+        .iter()
+        .map(|e| e["export-name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["disk0", "f", "ro"], "every export listed, in order");
+    let get = |name: &str| exports.iter().find(|e| e["export-name"] == name).unwrap();
+    // (size, flush/fua, read-only)
+    for (name, size, durable, ro) in [
+        ("disk0", 64 * MIB, false, false),
+        ("f", 32 * MIB, true, false),
+        ("ro", 16 * MIB, false, true),
+    ] {
+        let e = get(name);
+        let flag = |k: &str| {
+            e[k].as_bool()
+                .unwrap_or_else(|| panic!("{name}: no boolean {k} in {e}"))
+        };
+        assert_eq!(e["export-size"], size, "{name} size");
+        assert_eq!(flag("can_flush"), durable, "{name} can_flush");
+        assert_eq!(flag("can_fua"), durable, "{name} can_fua");
+        assert_eq!(flag("is_read_only"), ro, "{name} is_read_only");
+        assert_eq!(flag("can_trim"), !ro, "{name} can_trim");
+        assert_eq!(flag("can_zero"), !ro, "{name} can_zero");
+        assert_eq!(flag("can_fast_zero"), !ro, "{name} can_fast_zero");
+        assert!(flag("can_multi_conn"), "{name} can_multi_conn");
+        assert!(flag("can_cache"), "{name} can_cache");
+        assert!(flag("can_df"), "{name} can_df");
+        assert!(!flag("is_rotational"), "{name} is_rotational");
+        assert_eq!(e["block_size_minimum"], 1, "{name}: byte-granular I/O");
+        assert_eq!(e["block_size_preferred"], 4096, "{name}");
+        assert_eq!(e["block_size_maximum"], 32 * MIB, "{name}");
+        assert_eq!(
+            e["contexts"],
+            serde_json::json!(["base:allocation"]),
+            "{name} meta contexts"
+        );
+        assert!(
+            e["description"]
+                .as_str()
+                .unwrap()
+                .starts_with(if name == "f" { "file:" } else { "mem:" }),
+            "{name} description: {}",
+            e["description"]
+        );
+    }
+    // One export by name, and the default export ("" = the first one).
+    assert_eq!(
+        tool("nbdinfo", &["--size", &t.uri("f")]).trim(),
+        (32 * MIB).to_string()
+    );
+    assert_eq!(
+        tool("nbdinfo", &["--size", &t.nbd]).trim(),
+        (64 * MIB).to_string()
+    );
+    // --can / --is exit 0 for true, 2 for false.
+    let can = |what: &str, export: &str| run("nbdinfo", &[what, &t.uri(export)]).status.code();
+    assert_eq!(can("--can=flush", "f"), Some(0));
+    assert_eq!(can("--can=flush", "disk0"), Some(2));
+    assert_eq!(can("--is=read-only", "ro"), Some(0));
+    assert_eq!(can("--can=write", "ro"), Some(2));
+    // An unknown export is an error, not a hang or a crash.
+    let out = run("nbdinfo", &["--size", &t.uri("nope")]);
+    assert!(!out.status.success(), "{}", describe("nbdinfo", &[], &out));
+}
+
+#[test]
+fn nbdinfo_block_size_follows_o_direct_alignment() {
+    let d = TempDir::new("nbd-direct");
+    let img = d.path("d.img");
+    sparse_file(&img, 16 * MIB);
+    let t = NbdTarget::start(&[&format!("d=file:{}?direct=1", img.display())]);
+    let v: Value = serde_json::from_str(&tool("nbdinfo", &["--json", &t.uri("d")])).unwrap();
+    let e = &v["exports"][0];
+    let min = e["block_size_minimum"].as_u64().unwrap();
+    assert!(
+        min >= 512 && min.is_power_of_two(),
+        "O_DIRECT export needs aligned I/O: minimum {min}"
+    );
+    // qemu honours the minimum with read-modify-write: unaligned I/O from the user still works.
+    qemu_io(
+        &t.uri("d"),
+        &[
+            "write -P 0x42 512 512",
+            "read -P 0x42 512 512",
+            "read -P 0 0 512",
+            "read -P 0 1024 3072",
+        ],
+    );
+}
+
+#[test]
+fn nbdcopy_round_trip_keeps_sha256() {
+    let d = TempDir::new("nbd-copy");
+    let img = d.path("f.img");
+    let size = 24 * MIB;
+    sparse_file(&img, size);
+    let src = d.path("src");
+    std::fs::write(&src, random_bytes(size as usize, 31)).unwrap();
+    let t = NbdTarget::start(&[&format!("f=file:{}", img.display()), "m=mem:24M"]);
+    for export in ["f", "m"] {
+        let back = d.path(&format!("back-{export}"));
+        tool("nbdcopy", &[src.to_str().unwrap(), &t.uri(export)]);
+        tool("nbdcopy", &[&t.uri(export), back.to_str().unwrap()]);
+        assert_eq!(std::fs::metadata(&back).unwrap().len(), size);
+        assert_eq!(sha256(&back), sha256(&src), "{export}: data changed");
+    }
+    // The file export wrote the file itself.
+    assert_eq!(sha256(&img), sha256(&src), "backing file content");
+    // Same export, both protocols: in through blkwire's own, out through NBD, and back.
+    let src2 = d.path("src2");
+    std::fs::write(&src2, random_bytes(size as usize, 32)).unwrap();
+    let (ok, _, err) = common::cli(&["cp", src2.to_str().unwrap(), &t.t.url("m")]);
+    assert!(ok, "blkwire cp in: {err}");
+    let back = d.path("back-native");
+    tool("nbdcopy", &[&t.uri("m"), back.to_str().unwrap()]);
+    assert_eq!(sha256(&back), sha256(&src2), "native write, NBD read");
+    tool("nbdcopy", &[src.to_str().unwrap(), &t.uri("m")]);
+    let (ok, _, err) = common::cli(&["cp", &t.t.url("m"), back.to_str().unwrap()]);
+    assert!(ok, "blkwire cp out: {err}");
+    assert_eq!(sha256(&back), sha256(&src), "NBD write, native read");
+}
+
+#[test]
+fn qemu_img_convert_then_compare() {
+    let d = TempDir::new("nbd-qemu-img");
+    let img = d.path("f.img");
+    let size = 16 * MIB as usize;
+    sparse_file(&img, size as u64);
+    // Data with zero runs between, so qemu-img also sends zero writes (or skips them).
+    let mut data = random_bytes(size, 7);
+    data[MIB as usize..5 * MIB as usize].fill(0);
+    data[9 * MIB as usize..9 * MIB as usize + 4096].fill(0);
+    let src = d.path("src.raw");
+    std::fs::write(&src, &data).unwrap();
+    let t = NbdTarget::start(&[&format!("f=file:{}", img.display()), "m=mem:16M"]);
+    for export in ["f", "m"] {
+        let uri = t.uri(export);
+        let info: Value = serde_json::from_str(&tool(
+            "qemu-img",
+            &["info", "--output=json", "-f", "raw", &uri],
+        ))
+        .unwrap();
+        assert_eq!(info["virtual-size"], size as u64, "{export} size via qemu");
+        // Non-zero everywhere first, so zero runs that convert failed to write would show.
+        qemu_io(&uri, &["write -P 0xff 0 16M"]);
+        tool(
+            "qemu-img",
+            &[
+                "convert",
+                "-n",
+                "-f",
+                "raw",
+                "-O",
+                "raw",
+                src.to_str().unwrap(),
+                &uri,
+            ],
+        );
+        tool(
+            "qemu-img",
+            &[
+                "compare",
+                "-f",
+                "raw",
+                "-F",
+                "raw",
+                src.to_str().unwrap(),
+                &uri,
+            ],
+        );
+        // compare can fail: one changed byte is found.
+        let mut other = data.clone();
+        other[12 * MIB as usize + 77] ^= 1;
+        let other_path = d.path("other.raw");
+        std::fs::write(&other_path, &other).unwrap();
+        let out = run(
+            "qemu-img",
+            &[
+                "compare",
+                "-f",
+                "raw",
+                "-F",
+                "raw",
+                other_path.to_str().unwrap(),
+                &uri,
+            ],
+        );
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "{}",
+            describe("qemu-img compare (differing)", &[], &out)
+        );
+        // And back out through qemu.
+        let back = d.path(&format!("back-{export}.raw"));
+        tool(
+            "qemu-img",
+            &[
+                "convert",
+                "-f",
+                "raw",
+                "-O",
+                "raw",
+                &uri,
+                back.to_str().unwrap(),
+            ],
+        );
+        assert!(
+            std::fs::read(&back).unwrap() == data,
+            "{export}: download differs"
+        );
+    }
+    assert!(std::fs::read(&img).unwrap() == data, "backing file content");
+}
+
+#[test]
+fn qemu_io_patterns_discard_and_write_zeroes() {
+    let d = TempDir::new("nbd-qemu-io");
+    let img = d.path("f.img");
+    sparse_file(&img, 16 * MIB);
+    let mut t = NbdTarget::start(&[
+        &format!("f=file:{}", img.display()),
+        "m=mem:16M",
+        "ro=mem:8M,ro",
+    ]);
+    for export in ["f", "m"] {
+        let uri = t.uri(export);
+        qemu_io(
+            &uri,
+            &[
+                "write -P 0xa5 0 2M",
+                "read -P 0xa5 0 2M",
+                // FUA write (qemu-io -f), unaligned sizes and offsets.
+                "write -f -P 0x3c 2M 64k",
+                "write -P 0x17 3000 5000",
+                "read -P 0x17 3000 5000",
+                "read -P 0xa5 0 3000",
+                "read -P 0xa5 8000 1M",
+                "discard 1M 256k",
+                // write -z: WRITE_ZEROES with NO_HOLE; -u lets the target punch a hole.
+                "write -z 1M 512k",
+                "write -z -u 1536k 256k",
+                "read -P 0 1M 768k",
+                "read -P 0xa5 1792k 256k",
+                "read -P 0x3c 2M 64k",
+                "flush",
+            ],
+        );
+        // A new connection sees the same.
+        qemu_io(
+            &uri,
+            &[
+                "read -P 0x17 3000 5000",
+                "read -P 0 1M 768k",
+                "read -P 0x3c 2M 64k",
+            ],
+        );
+    }
+    // Read-only: qemu refuses to open it for writing (it sees READ_ONLY), and a write on a
+    // read-only open fails; reads work.
+    let uri = t.uri("ro");
+    let out = run("qemu-io", &["-f", "raw", &uri, "-c", "write -P 1 0 4k"]);
+    let text = describe("qemu-io", &["ro: write"], &out);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("read-only") || text.contains("Permission denied"),
+        "{text}"
+    );
+    let out = run(
+        "qemu-io",
+        &["-r", "-f", "raw", &uri, "-c", "write -P 1 0 4k"],
+    );
+    assert!(
+        !out.status.success(),
+        "{}",
+        describe("qemu-io -r", &["write"], &out)
+    );
+    let out = run(
+        "qemu-io",
+        &["-r", "-f", "raw", &uri, "-c", "read -P 0 0 64k"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        describe("qemu-io -r", &["read"], &out)
+    );
+    // The target itself refuses writes with EPERM (a client that ignores READ_ONLY).
+    let (mut r, _, flags) = Raw::go(&t.addr(), "ro", false, false);
+    assert_ne!(flags & tflag::READ_ONLY, 0);
+    r.write(1, 0, &[7u8; 4096]);
+    assert_eq!(r.reply().error(), nbd::err::EPERM, "WRITE on ro");
+    r.request(cmd::TRIM, 0, 2, 0, 4096);
+    assert_eq!(r.reply().error(), nbd::err::EPERM, "TRIM on ro");
+    r.request(cmd::WRITE_ZEROES, 0, 3, 0, 4096);
+    assert_eq!(r.reply().error(), nbd::err::EPERM, "WRITE_ZEROES on ro");
+    r.request(cmd::READ, 0, 4, 0, 4096);
+    let (e, c, data) = r.read_simple(4096);
+    assert_eq!((e, c), (0, 4));
+    assert!(data.iter().all(|b| *b == 0), "ro export unchanged");
+    t.assert_serves("ro", 8 * MIB);
+}
+
+/// fio's nbd engine (libnbd, several requests in flight) writes random blocks with a CRC32C
+/// header each, then reads everything back and checks it.
+#[test]
+fn fio_verify_crc32c_on_mem_and_file() {
+    let d = TempDir::new("nbd-fio");
+    let img = d.path("f.img");
+    sparse_file(&img, 32 * MIB);
+    let t = NbdTarget::start(&[&format!("f=file:{}", img.display()), "m=mem:32M"]);
+    let cases: [(&str, &[&str]); 2] = [
+        // Two jobs (two connections), each on its own 12 MiB, 4k blocks.
+        (
+            "m",
+            &[
+                "--bs=4k",
+                "--numjobs=2",
+                "--size=12M",
+                "--offset_increment=16M",
+            ],
+        ),
+        // One job, mixed block sizes.
+        ("f", &["--bsrange=4k-128k", "--numjobs=1", "--size=24M"]),
+    ];
+    for (export, extra) in cases {
+        let json = d.path(&format!("fio-{export}.json"));
+        let uri = format!("--uri={}", t.uri(export));
+        let output = format!("--output={}", json.display());
+        let mut args = vec![
+            "--name=verify",
+            "--ioengine=nbd",
+            &uri,
+            "--rw=randwrite",
+            "--iodepth=16",
+            "--verify=crc32c",
+            "--verify_state_save=0",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--group_reporting=0",
+            "--output-format=json",
+            &output,
+        ];
+        args.extend_from_slice(extra);
+        tool("fio", &args);
+        let v = fio_json(&json);
+        let jobs = v["jobs"].as_array().expect("fio jobs");
+        assert_eq!(jobs.len(), if export == "m" { 2 } else { 1 });
+        for j in jobs {
+            assert_eq!(j["error"], 0, "{export}: fio job error: {j}");
+            let written = j["write"]["io_bytes"].as_u64().unwrap();
+            let verified = j["read"]["io_bytes"].as_u64().unwrap();
+            assert!(written > 0, "{export}: nothing written");
+            assert_eq!(verified, written, "{export}: every written byte read back");
+            assert_eq!(j["write"]["short_ios"].as_u64().unwrap_or(0), 0);
+        }
+    }
+}
+
+/// Structured replies and NBD_CMD_BLOCK_STATUS seen by libnbd: holes where nothing was written.
+#[test]
+fn nbdinfo_map_shows_holes_where_nothing_was_written() {
+    let d = TempDir::new("nbd-map");
+    let img = d.path("sparse.img");
+    sparse_file(&img, 64 * MIB);
+    let t = NbdTarget::start(&[&format!("f=file:{}", img.display()), "m=mem:64M"]);
+    for export in ["m", "f"] {
+        let uri = t.uri(export);
+        let map = block_map(&uri);
+        assert_eq!(
+            map,
+            [(0, 64 * MIB, HOLE_ZERO)],
+            "{export}: a fresh export is one hole"
+        );
+        qemu_io(&uri, &["write -P 0x11 8M 1M", "write -P 0x22 40M 64k"]);
+        let map = block_map(&uri);
+        for at in [8 * MIB, 9 * MIB - 1, 40 * MIB, 40 * MIB + 65535] {
+            assert_eq!(
+                type_at(&map, at),
+                DATA,
+                "{export}: written at {at}: {map:?}"
+            );
+        }
+        // Far (more than a huge page) from anything written.
+        for at in [0, 4 * MIB, 20 * MIB, 30 * MIB, 50 * MIB, 64 * MIB - 1] {
+            assert_eq!(
+                type_at(&map, at),
+                HOLE_ZERO,
+                "{export}: never written at {at}: {map:?}"
+            );
+        }
+        // Trimming gives the pages back: a hole again.
+        // (No read here: reads of holes are block_status_reports_holes_after_they_were_read.)
+        qemu_io(&uri, &["discard 8M 1M"]);
+        let map = block_map(&uri);
+        assert_eq!(
+            type_at(&map, 8 * MIB + 4096),
+            HOLE_ZERO,
+            "{export}: discarded: {map:?}"
+        );
+    }
+}
+
+/// Reading never-written blocks must not turn them into data in the allocation map (issue 3:
+/// "holes and zero ranges of mem: exports"; README: "pages exist only where written").
+#[test]
+fn block_status_reports_holes_after_they_were_read() {
+    let d = TempDir::new("nbd-map-read");
+    let img = d.path("sparse.img");
+    sparse_file(&img, 32 * MIB);
+    let t = NbdTarget::start(&[&format!("f=file:{}", img.display()), "m=mem:32M"]);
+    for export in ["f", "m"] {
+        let uri = t.uri(export);
+        qemu_io(&uri, &["write -P 0x11 4M 64k", "read -P 0 16M 1M"]);
+        let map = block_map(&uri);
+        assert_eq!(type_at(&map, 4 * MIB), DATA, "{export}: {map:?}");
+        assert_eq!(
+            type_at(&map, 16 * MIB),
+            HOLE_ZERO,
+            "{export}: a never-written range that was only read is reported as data: {map:?}"
+        );
+    }
+}
+
+/// Several connections write their own regions; one FLUSH; everything is visible to new
+/// connections and, for a file, in the file.
+#[test]
+fn multi_conn_writes_then_flush_on_one_connection() {
+    let d = TempDir::new("nbd-multi");
+    let img = d.path("f.img");
+    let size = 32 * MIB;
+    sparse_file(&img, size);
+    let t = NbdTarget::start(&[&format!("f=file:{}", img.display()), "m=mem:32M"]);
+    let quarter = size / 4;
+    for export in ["f", "m"] {
+        let uri = t.uri(export);
+        // (1) Four qemu-io processes at once, one quarter each, then a flush from a fifth.
+        let children: Vec<(String, Child)> = (0..4u64)
+            .map(|i| {
+                let c = format!("write -P {:#x} {} {}", 0x40 + i, i * quarter, quarter);
+                let child = spawn("qemu-io", &["-f", "raw", &uri, "-c", &c]);
+                (c, child)
+            })
+            .collect();
+        for (c, child) in children {
+            let out = child.wait_with_output().unwrap();
+            assert!(out.status.success(), "{}", describe("qemu-io", &[&c], &out));
+        }
+        qemu_io(&uri, &["flush"]);
+        let checks: Vec<String> = (0..4u64)
+            .map(|i| format!("read -P {:#x} {} {}", 0x40 + i, i * quarter, quarter))
+            .collect();
+        let checks: Vec<&str> = checks.iter().map(String::as_str).collect();
+        qemu_io(&uri, &checks);
+
+        // (2) Raw: four connections open at once, each pipelines 16 x 64 KiB writes into its
+        // quarter; FLUSH on connection 0 while the others stay open; a write from connection 1
+        // is read back on connection 3.
+        let (mut conns, flags): (Vec<Raw>, Vec<u16>) = (0..4)
+            .map(|_| {
+                let (r, s, flags) = Raw::go(&t.addr(), export, false, false);
+                assert_eq!(s, size);
+                assert_ne!(flags & tflag::CAN_MULTI_CONN, 0, "CAN_MULTI_CONN");
+                (r, flags)
+            })
+            .unzip();
+        // What (1) left, overwritten below by the raw writes.
+        let mut expect: Vec<u8> = (0..size).map(|o| 0x40 + (o / quarter) as u8).collect();
+        for (i, r) in conns.iter_mut().enumerate() {
+            for k in 0..16u64 {
+                let off = i as u64 * quarter + k * 3 * 65536;
+                let data = random_bytes(65536, (i as u64) << 8 | k);
+                expect[off as usize..off as usize + 65536].copy_from_slice(&data);
+                r.write(k, off, &data);
+            }
+        }
+        for (i, r) in conns.iter_mut().enumerate() {
+            let mut seen: Vec<u64> = (0..16)
+                .map(|_| r.reply())
+                .map(|rep| {
+                    assert_eq!(rep.error(), 0, "connection {i}: write failed");
+                    rep.cookie()
+                })
+                .collect();
+            seen.sort_unstable();
+            assert_eq!(
+                seen,
+                (0..16).collect::<Vec<_>>(),
+                "connection {i}: one reply per write"
+            );
+        }
+        // FLUSH where the export advertises it (file; RAM has nothing to make durable).
+        let can_flush = flags[0] & tflag::SEND_FLUSH != 0;
+        assert_eq!(can_flush, export == "f", "{export}: SEND_FLUSH");
+        if can_flush {
+            conns[0].request(cmd::FLUSH, 0, 99, 0, 0);
+            let flushed = conns[0].reply();
+            assert_eq!((flushed.error(), flushed.cookie()), (0, 99), "FLUSH");
+        }
+        let off = quarter + 5 * 3 * 65536;
+        conns[3].request(cmd::READ, 0, 7, off, 65536);
+        let (e, c, data) = conns[3].read_simple(65536);
+        assert_eq!((e, c), (0, 7));
+        assert!(
+            data == random_bytes(65536, 1 << 8 | 5),
+            "connection 3 sees connection 1's write"
+        );
+        // A brand-new client sees everything.
+        let back = d.path(&format!("back-{export}"));
+        tool("nbdcopy", &[&uri, back.to_str().unwrap()]);
+        assert!(
+            std::fs::read(&back).unwrap() == expect,
+            "{export}: data from all connections"
+        );
+        if export == "f" {
+            assert!(std::fs::read(&img).unwrap() == expect, "in the file");
+        }
+        for (i, mut r) in conns.into_iter().enumerate() {
+            r.request(cmd::DISC, 0, 1000 + i as u64, 0, 0);
+            r.assert_closed("after NBD_CMD_DISC", &[]);
+        }
+
+        // (3) nbdcopy with four connections (and a final flush where the export has one).
+        let src = d.path("src");
+        std::fs::write(&src, random_bytes(size as usize, 5)).unwrap();
+        let mut args = vec!["--connections=4", "--requests=16"];
+        if export == "f" {
+            args.push("--flush");
+        }
+        args.extend([src.to_str().unwrap(), uri.as_str()]);
+        tool("nbdcopy", &args);
+        tool(
+            "nbdcopy",
+            &["--connections=1", &uri, back.to_str().unwrap()],
+        );
+        assert_eq!(
+            sha256(&back),
+            sha256(&src),
+            "{export}: nbdcopy --connections=4"
+        );
+        if export == "f" {
+            assert_eq!(sha256(&img), sha256(&src), "in the file");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw protocol: handshake and transmission details
+
+#[test]
+fn option_haggling() {
+    let t = NbdTarget::start(&["m=mem:16M", "ro=mem:8M,ro"]);
+    let mut r = Raw::open(&t.addr());
+    // LIST: one SERVER reply per export, then ACK.
+    r.option(opt::LIST, &[]);
+    let mut names = Vec::new();
+    loop {
+        let (o, typ, d) = r.opt_reply();
+        assert_eq!(o, opt::LIST);
+        match typ {
+            rep::SERVER => {
+                let n = be32(&d) as usize;
+                names.push(String::from_utf8(d[4..4 + n].to_vec()).unwrap());
+            }
+            rep::ACK => break,
+            t => panic!("LIST: reply {t:#x}"),
+        }
+    }
+    assert_eq!(names, ["m", "ro"]);
+    // Unknown options, TLS and extended headers are refused with an error; the session goes on.
+    for o in [0x4242, opt::STARTTLS, opt::EXTENDED_HEADERS] {
+        r.option(o, &[]);
+        let (ro, typ, _) = r.opt_reply();
+        assert_eq!(ro, o);
+        assert!(
+            typ == rep::ERR_UNSUP || (o == opt::STARTTLS && typ == rep::ERR_POLICY),
+            "option {o}: reply {typ:#x}"
+        );
+    }
+    // INFO on an unknown export: ERR_UNKNOWN.
+    r.option(opt::INFO, &info_data("nope", &[]));
+    assert_eq!(r.opt_reply().1, rep::ERR_UNKNOWN);
+    // INFO with NAME, DESCRIPTION and BLOCK_SIZE.
+    r.option(
+        opt::INFO,
+        &info_data("ro", &[info::NAME, info::DESCRIPTION, info::BLOCK_SIZE]),
+    );
+    let mut got = HashMap::new();
+    loop {
+        let (o, typ, d) = r.opt_reply();
+        assert_eq!(o, opt::INFO);
+        if typ == rep::ACK {
+            break;
+        }
+        assert_eq!(typ, rep::INFO, "{:?}", String::from_utf8_lossy(&d));
+        got.insert(be16(&d), d[2..].to_vec());
+    }
+    let export = &got[&info::EXPORT];
+    assert_eq!(be64(export), 8 * MIB);
+    let flags = be16(&export[8..]);
+    assert_ne!(flags & tflag::HAS_FLAGS, 0);
+    assert_ne!(flags & tflag::READ_ONLY, 0);
+    assert_eq!(flags & (tflag::SEND_TRIM | tflag::SEND_WRITE_ZEROES), 0);
+    assert_eq!(got[&info::NAME], b"ro");
+    assert!(String::from_utf8_lossy(&got[&info::DESCRIPTION]).starts_with("mem:"));
+    let bs = &got[&info::BLOCK_SIZE];
+    assert_eq!(
+        (be32(bs), be32(&bs[4..]), be32(&bs[8..])),
+        (1, 4096, 32 << 20)
+    );
+    // Meta contexts: SET before STRUCTURED_REPLY is refused; LIST finds base:allocation.
+    r.option(
+        opt::SET_META_CONTEXT,
+        &meta_data("m", &[nbd::BASE_ALLOCATION]),
+    );
+    assert_eq!(r.opt_reply().1, rep::ERR_INVALID);
+    r.option(opt::LIST_META_CONTEXT, &meta_data("m", &["base:"]));
+    let (_, typ, d) = r.opt_reply();
+    assert_eq!(typ, rep::META_CONTEXT);
+    assert_eq!(&d[4..], nbd::BASE_ALLOCATION.as_bytes());
+    assert_eq!(r.opt_reply().1, rep::ACK);
+    // An unknown context is not selected (just ACK).
+    r.option(opt::STRUCTURED_REPLY, &[]);
+    assert_eq!(r.opt_reply().1, rep::ACK);
+    r.option(
+        opt::SET_META_CONTEXT,
+        &meta_data("m", &["qemu:dirty-bitmap:x"]),
+    );
+    assert_eq!(r.opt_reply().1, rep::ACK);
+    // ABORT: acknowledged, then closed.
+    r.option(opt::ABORT, &[]);
+    let (o, typ, _) = r.opt_reply();
+    assert_eq!((o, typ), (opt::ABORT, rep::ACK));
+    r.assert_closed("after NBD_OPT_ABORT", &list_probe());
+    // GO on an unknown export is an error and the client may try again.
+    let mut r = Raw::open(&t.addr());
+    r.option(opt::GO, &info_data("nope", &[]));
+    assert_eq!(r.opt_reply().1, rep::ERR_UNKNOWN);
+    r.option(opt::GO, &info_data("m", &[]));
+    loop {
+        let (_, typ, _) = r.opt_reply();
+        if typ == rep::ACK {
+            break;
+        }
+        assert_eq!(typ, rep::INFO);
+    }
+    r.request(cmd::READ, 0, 1, 0, 4096);
+    assert_eq!(r.read_simple(4096).0, 0);
+}
+
+#[test]
+fn export_name_enters_transmission_with_and_without_zeroes() {
+    let t = NbdTarget::start(&["m=mem:16M"]);
+    for no_zeroes in [true, false] {
+        let mut r = Raw::greet(&t.addr());
+        let flags = if no_zeroes {
+            nbd::FLAG_FIXED_NEWSTYLE | nbd::FLAG_NO_ZEROES
+        } else {
+            nbd::FLAG_FIXED_NEWSTYLE
+        };
+        r.send(&(flags as u32).to_be_bytes());
+        r.option(opt::EXPORT_NAME, b"m");
+        let d = r.read_n(if no_zeroes { 10 } else { 134 });
+        assert_eq!(be64(&d), 16 * MIB);
+        assert_ne!(be16(&d[8..]) & tflag::HAS_FLAGS, 0);
+        assert!(d[10..].iter().all(|b| *b == 0), "124 zero bytes");
+        r.write(1, 4096, &[0x5au8; 4096]);
+        assert_eq!(r.reply().error(), 0);
+        r.request(cmd::READ, 0, 2, 4096, 4096);
+        let (e, c, data) = r.read_simple(4096);
+        assert_eq!((e, c), (0, 2));
+        assert!(data.iter().all(|b| *b == 0x5a));
+    }
+    // EXPORT_NAME cannot fail with an error reply: an unknown name closes the connection.
+    let mut r = Raw::open(&t.addr());
+    r.option(opt::EXPORT_NAME, b"nope");
+    r.assert_closed("EXPORT_NAME of an unknown export", &read_probe());
+}
+
+#[test]
+fn transmission_commands_and_errors() {
+    let t = NbdTarget::start(&["m=mem:16M"]);
+    let end = 16 * MIB;
+    // Structured replies with base:allocation.
+    let (mut r, size, flags) = Raw::go(&t.addr(), "m", true, true);
+    assert_eq!(size, end);
+    for f in [
+        tflag::HAS_FLAGS,
+        tflag::SEND_TRIM,
+        tflag::SEND_WRITE_ZEROES,
+        tflag::SEND_DF,
+        tflag::CAN_MULTI_CONN,
+        tflag::SEND_CACHE,
+        tflag::SEND_FAST_ZERO,
+    ] {
+        assert_ne!(flags & f, 0, "flag {f:#x} in {flags:#x}");
+    }
+    assert_eq!(flags & tflag::READ_ONLY, 0);
+    let data = random_bytes(8192, 3);
+    r.write(1, 4096, &data);
+    let w = r.reply();
+    assert_eq!((w.error(), w.cookie()), (0, 1));
+    // READ: one OFFSET_DATA chunk (or several) flagged DONE at the end.
+    r.request(cmd::READ, 0, 2, 4096, 8192);
+    let (chunks, back) = r.read_structured(4096, 8192);
+    assert!(back == data, "read back");
+    assert!(chunks.iter().all(|c| c.cookie == 2));
+    // DF: exactly one content chunk.
+    r.request(cmd::READ, cflag::DF, 3, 0, 65536);
+    let (chunks, back) = r.read_structured(0, 65536);
+    let content = chunks
+        .iter()
+        .filter(|c| c.typ == chunk::OFFSET_DATA || c.typ == chunk::OFFSET_HOLE)
+        .count();
+    assert_eq!(content, 1, "DF: one content chunk: {chunks:?}");
+    assert!(back[4096..12288] == data[..] && back[..4096].iter().all(|b| *b == 0));
+    // READ past the end: an error chunk, EINVAL, and the connection goes on.
+    r.request(cmd::READ, 0, 4, end - 4096, 8192);
+    let c = r.chunk();
+    assert!(c.is_error(), "{c:?}");
+    assert_ne!(c.flags & chunk::FLAG_DONE, 0);
+    assert_eq!((c.error(), c.cookie), (nbd::err::EINVAL, 4));
+    // WRITE past the end: ENOSPC (or EINVAL), payload consumed.
+    r.write(5, end - 4096, &[1u8; 8192]);
+    let e = r.reply().error();
+    assert!(e == nbd::err::ENOSPC || e == nbd::err::EINVAL, "error {e}");
+    // Unknown command: EINVAL, connection goes on.
+    r.request(42, 0, 6, 0, 4096);
+    assert_eq!(r.reply().error(), nbd::err::EINVAL, "unknown command");
+    // Zero-length write: not a disconnect.
+    r.write(7, 0, &[]);
+    let _ = r.reply();
+    // FLUSH, CACHE, TRIM, WRITE_ZEROES (plain, NO_HOLE, FAST_ZERO).
+    for (cookie, typ, flags, off, len) in [
+        (8, cmd::FLUSH, 0, 0, 0),
+        (9, cmd::CACHE, 0, 0, MIB as u32),
+        (10, cmd::TRIM, 0, 4096, 4096),
+        (11, cmd::WRITE_ZEROES, 0, 8192, 1024),
+        (12, cmd::WRITE_ZEROES, cflag::NO_HOLE, 9216, 1024),
+        (13, cmd::WRITE_ZEROES, cflag::FAST_ZERO, MIB, 4 * MIB as u32),
+    ] {
+        r.request(typ, flags, cookie, off, len);
+        let rep = r.reply();
+        assert_eq!(
+            (rep.error(), rep.cookie()),
+            (0, cookie),
+            "command {typ} flags {flags}"
+        );
+    }
+    r.request(cmd::READ, 0, 14, 4096, 8192);
+    let (_, back) = r.read_structured(4096, 8192);
+    assert!(back[..6144].iter().all(|b| *b == 0), "trimmed and zeroed");
+    assert!(back[6144..] == data[6144..], "untouched tail");
+    // BLOCK_STATUS with REQ_ONE: exactly one descriptor, no longer than asked.
+    r.request(cmd::BLOCK_STATUS, cflag::REQ_ONE, 15, 12288, 65536);
+    let reply = r.reply();
+    let Reply::Structured(chunks) = reply else {
+        panic!("BLOCK_STATUS needs a structured reply: {reply:?}")
+    };
+    assert_eq!(chunks.len(), 1);
+    let c = &chunks[0];
+    assert_eq!(c.typ, chunk::BLOCK_STATUS);
+    assert_eq!(be32(&c.payload), nbd::BASE_ALLOCATION_ID);
+    assert_eq!(c.payload.len(), 4 + 8, "REQ_ONE: one descriptor");
+    let len = be32(&c.payload[4..]);
+    assert!(len > 0 && len <= 65536, "descriptor length {len}");
+    // Past the end: EINVAL.
+    r.request(cmd::BLOCK_STATUS, 0, 16, end, 4096);
+    assert_eq!(r.reply().error(), nbd::err::EINVAL);
+    // DISC: no reply, the target closes.
+    r.request(cmd::DISC, 0, 17, 0, 0);
+    r.assert_closed("after NBD_CMD_DISC", &[]);
+
+    // Simple replies: a failed READ carries no data; BLOCK_STATUS without a context is EINVAL.
+    let (mut r, _, flags) = Raw::go(&t.addr(), "m", false, false);
+    assert_eq!(
+        flags & tflag::SEND_DF,
+        0,
+        "no DF without structured replies"
+    );
+    r.request(cmd::READ, 0, 1, end, 512);
+    assert_eq!(r.read_simple(512).0, nbd::err::EINVAL);
+    r.request(cmd::BLOCK_STATUS, 0, 2, 0, 4096);
+    assert_eq!(r.reply().error(), nbd::err::EINVAL);
+    r.request(cmd::READ, 0, 3, 4096, 8192);
+    let (e, c, back) = r.read_simple(8192);
+    assert_eq!((e, c), (0, 3));
+    assert!(back[..6144].iter().all(|b| *b == 0) && back[6144..] == data[6144..]);
+}
+
+/// Issue 3: "STRUCTURED_REPLY with OFFSET_DATA / OFFSET_HOLE chunks": a read of a range that was
+/// never written is answered with a hole chunk, not 64 KiB of zeros on the wire.
+#[test]
+fn structured_read_of_a_hole_uses_offset_hole() {
+    let t = NbdTarget::start(&["m=mem:16M"]);
+    let (mut r, _, _) = Raw::go(&t.addr(), "m", true, false);
+    r.request(cmd::READ, 0, 1, 8 * MIB, 65536);
+    let (chunks, data) = r.read_structured(8 * MIB, 65536);
+    assert!(data.iter().all(|b| *b == 0));
+    assert!(
+        chunks.iter().any(|c| c.typ == chunk::OFFSET_HOLE),
+        "no NBD_REPLY_TYPE_OFFSET_HOLE chunk for an unwritten range: {:?}",
+        chunks
+            .iter()
+            .map(|c| (c.typ, c.payload.len()))
+            .collect::<Vec<_>>()
+    );
+}
+
+/// Many requests in flight on one connection against an async backend (file): every cookie
+/// gets exactly one reply, data is right whatever the reply order.
+#[test]
+fn pipelined_requests_on_one_connection() {
+    let d = TempDir::new("nbd-pipe");
+    let img = d.path("f.img");
+    sparse_file(&img, 64 * MIB);
+    let t = NbdTarget::start(&[&format!("f=file:{}", img.display())]);
+    let (mut r, _, _) = Raw::go(&t.addr(), "f", true, false);
+    let n = 200u64; // more than the target's per-connection depth
+    let len = 65536usize;
+    for k in 0..n {
+        r.write(k, k * len as u64, &random_bytes(len, 1000 + k));
+    }
+    let mut seen = vec![false; n as usize];
+    for _ in 0..n {
+        let rep = r.reply();
+        assert_eq!(rep.error(), 0);
+        let c = rep.cookie() as usize;
+        assert!(!seen[c], "second reply for cookie {c}");
+        seen[c] = true;
+    }
+    for k in 0..n {
+        r.request(cmd::READ, 0, k, k * len as u64, len as u32);
+    }
+    // Structured READ replies are self-describing: collect chunks per cookie.
+    let mut got: HashMap<u64, Vec<u8>> = HashMap::new();
+    while got.len() < n as usize {
+        let c = r.chunk();
+        assert_eq!(c.typ, chunk::OFFSET_DATA, "{c:?}");
+        assert_eq!(c.flags & chunk::FLAG_DONE, chunk::FLAG_DONE);
+        assert_eq!(be64(&c.payload), c.cookie * len as u64, "offset echoed");
+        assert!(got.insert(c.cookie, c.payload[8..].to_vec()).is_none());
+    }
+    for k in 0..n {
+        assert!(got[&k] == random_bytes(len, 1000 + k), "read {k}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hostile input: the right error or a closed connection; never a crash, never a hang of others
+
+#[test]
+fn bad_client_flags_close_the_connection() {
+    let mut t = NbdTarget::start(&["m=mem:16M"]);
+    // Without FIXED_NEWSTYLE (blkwire serves fixed newstyle only).
+    let mut r = Raw::greet(&t.addr());
+    r.send(&0u32.to_be_bytes());
+    r.assert_closed("client flags 0", &list_probe());
+    // Garbage instead of flags and options: an NBD request before any negotiation.
+    let mut r = Raw::greet(&t.addr());
+    r.send(&read_probe());
+    r.assert_closed("a request instead of client flags", &list_probe());
+    t.assert_serves("m", 16 * MIB);
+}
+
+/// doc/proto.md, "Client flags": "Clients MUST NOT set any other flags; the server MUST drop the
+/// TCP connection if the client sets an unknown flag".
+#[test]
+fn unknown_client_flags_close_the_connection() {
+    let mut t = NbdTarget::start(&["m=mem:16M"]);
+    let mut r = Raw::greet(&t.addr());
+    let flags = (nbd::FLAG_FIXED_NEWSTYLE | nbd::FLAG_NO_ZEROES) as u32 | 1 << 7;
+    r.send(&flags.to_be_bytes());
+    r.assert_closed("client flags with unknown bit 7 (0x83)", &list_probe());
+    t.assert_serves("m", 16 * MIB);
+}
+
+#[test]
+fn bad_option_header_closes_the_connection() {
+    let mut t = NbdTarget::start(&["m=mem:16M"]);
+    let mut bad = list_probe();
+    bad[0] ^= 0xff;
+    let mut r = Raw::open(&t.addr());
+    r.send(&bad);
+    r.assert_closed("option header with a bad magic", &list_probe());
+    // An I/O request before negotiation (after the client flags).
+    let mut r = Raw::open(&t.addr());
+    r.send(&read_probe());
+    r.assert_closed("a request during option haggling", &list_probe());
+    t.assert_serves("m", 16 * MIB);
+}
+
+#[test]
+fn oversize_option_gets_err_too_big_and_the_session_goes_on() {
+    let mut t = NbdTarget::start(&["m=mem:16M"]);
+    let mut r = Raw::open(&t.addr());
+    // Far beyond any sane option (export names are at most 4 KiB); sent in full.
+    r.option(opt::GO, &vec![0x61u8; 1 << 20]);
+    let (o, typ, _) = r.opt_reply();
+    assert_eq!((o, typ), (opt::GO, rep::ERR_TOO_BIG));
+    // Still negotiating: a normal GO and I/O work.
+    r.option(opt::GO, &info_data("m", &[]));
+    loop {
+        let (_, typ, _) = r.opt_reply();
+        if typ == rep::ACK {
+            break;
+        }
+        assert_eq!(typ, rep::INFO);
+    }
+    r.write(1, 0, &[3u8; 4096]);
+    assert_eq!(r.reply().error(), 0);
+    t.assert_serves("m", 16 * MIB);
+}
+
+#[test]
+fn bad_requests_after_go_close_only_that_connection() {
+    let mut t = NbdTarget::start(&["m=mem:16M"]);
+    // A bystander connection, open throughout.
+    let (mut other, _, _) = Raw::go(&t.addr(), "m", false, false);
+    other.write(1, 0, &[0x77u8; 4096]);
+    assert_eq!(other.reply().error(), 0);
+
+    // Bad request magic (after one good request).
+    let (mut r, _, _) = Raw::go(&t.addr(), "m", false, false);
+    r.request(cmd::READ, 0, 1, 0, 512);
+    assert_eq!(r.read_simple(512).0, 0);
+    let mut bad = read_probe();
+    bad[..4].copy_from_slice(&nbd::SIMPLE_REPLY_MAGIC.to_be_bytes());
+    r.send(&bad);
+    r.assert_closed("request with a bad magic", &read_probe());
+
+    // A WRITE claiming 64 MiB (twice the advertised maximum): closed without waiting for it.
+    let (mut r, _, _) = Raw::go(&t.addr(), "m", false, false);
+    r.request(cmd::WRITE, 0, 1, 0, 64 << 20);
+    r.assert_closed("WRITE of 64 MiB", &read_probe());
+
+    // Same on a structured connection.
+    let (mut r, _, _) = Raw::go(&t.addr(), "m", true, true);
+    r.request(cmd::WRITE, 0, 1, 0, u32::MAX);
+    r.assert_closed("WRITE of 4 GiB", &read_probe());
+
+    // The bystander is unaffected.
+    other.request(cmd::READ, 0, 2, 0, 4096);
+    let (e, c, data) = other.read_simple(4096);
+    assert_eq!((e, c), (0, 2));
+    assert!(data.iter().all(|b| *b == 0x77));
+    t.assert_serves("m", 16 * MIB);
+}
+
+#[test]
+fn disconnect_mid_request_leaves_the_target_serving() {
+    let d = TempDir::new("nbd-cut");
+    let img = d.path("f.img");
+    sparse_file(&img, 16 * MIB);
+    let mut t = NbdTarget::start(&["m=mem:16M", &format!("f=file:{}", img.display())]);
+    let (mut other, _, _) = Raw::go(&t.addr(), "f", false, false);
+    for export in ["m", "f"] {
+        // Half a WRITE payload, then gone.
+        let (mut r, _, _) = Raw::go(&t.addr(), export, false, false);
+        let mut b = nbd::Request {
+            flags: 0,
+            typ: cmd::WRITE,
+            cookie: 1,
+            offset: 0,
+            length: 1 << 20,
+        }
+        .encode()
+        .to_vec();
+        b.extend_from_slice(&vec![9u8; 512 << 10]);
+        r.send(&b);
+        drop(r);
+        // Half a request header.
+        let (mut r, _, _) = Raw::go(&t.addr(), export, true, false);
+        r.send(&read_probe()[..10]);
+        drop(r);
+        // Requests in flight (pipelined reads and writes), then gone without reading replies.
+        let (mut r, _, _) = Raw::go(&t.addr(), export, false, false);
+        for k in 0..64 {
+            r.write(k, k * 65536, &[k as u8; 65536]);
+            r.request(cmd::READ, 0, 1000 + k, k * 65536, 65536);
+        }
+        drop(r);
+        // Half an option header during the handshake.
+        let mut r = Raw::open(&t.addr());
+        r.send(&list_probe()[..7]);
+        drop(r);
+        // Gone right after the greeting.
+        drop(Raw::greet(&t.addr()));
+    }
+    other.write(1, 0, &[0x66u8; 4096]);
+    assert_eq!(other.reply().error(), 0);
+    other.request(cmd::READ, 0, 2, 0, 4096);
+    let (e, _, data) = other.read_simple(4096);
+    assert_eq!(e, 0);
+    assert!(data.iter().all(|b| *b == 0x66));
+    t.assert_serves("m", 16 * MIB);
+    t.assert_serves("f", 16 * MIB);
+}
+
+/// SIGTERM with NBD requests in flight: what the target received is answered, then it closes the
+/// connection and exits 0; every acknowledged write is in the file.
+#[test]
+fn sigterm_answers_received_nbd_requests_then_exits_0() {
+    let d = TempDir::new("nbd-term");
+    let img = d.path("f.img");
+    sparse_file(&img, 16 * MIB);
+    let mut t = NbdTarget::start(&[&format!("f=file:{}", img.display())]);
+    let (mut r, _, _) = Raw::go(&t.addr(), "f", false, false);
+    let n = 128u64;
+    for k in 0..n {
+        r.write(k, k * 65536, &[k as u8 + 1; 65536]);
+    }
+    // One reply proves the target is reading this connection's requests.
+    let first = r.reply();
+    assert_eq!(first.error(), 0);
+    let mut acked = vec![first.cookie()];
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(t.t.pid(), libc::SIGTERM) }, 0);
+    while let Some(rep) = r.try_reply() {
+        let e = rep.error();
+        assert!(
+            e == 0 || e == nbd::err::ESHUTDOWN,
+            "error {e} during shutdown"
+        );
+        assert!(rep.cookie() < n && !acked.contains(&rep.cookie()));
+        if e == 0 {
+            acked.push(rep.cookie());
+        }
+    }
+    let status = t.t.child.wait().unwrap();
+    assert!(status.success(), "exit status after SIGTERM: {status:?}");
+    let file = std::fs::read(&img).unwrap();
+    for &k in &acked {
+        let at = (k * 65536) as usize;
+        assert!(
+            file[at..at + 65536].iter().all(|b| *b == k as u8 + 1),
+            "acknowledged write {k} lost"
+        );
+    }
+}
