@@ -15,6 +15,13 @@ command -v nbdinfo >/dev/null || need+=(libnbd-bin)
 command -v qemu-img >/dev/null || need+=(qemu-utils)
 command -v nft >/dev/null || need+=(nftables)
 command -v ip >/dev/null || need+=(iproute2)
+# Mapped block devices (crates/cli/tests/map.rs, bench/map-compare.sh): loop devices, ext4,
+# namespaces, and nbdfuse as the comparison peer.
+command -v losetup >/dev/null || need+=(mount)
+command -v blkdiscard >/dev/null || need+=(util-linux)
+command -v unshare >/dev/null || need+=(util-linux)
+command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
+command -v nbdfuse >/dev/null || need+=(libnbd-bin)
 
 if [ ${#need[@]} -gt 0 ]; then
     echo "deps: installing ${need[*]}"

@@ -6,6 +6,7 @@ mod cp;
 mod discover;
 mod hist;
 mod info;
+mod map;
 mod serve;
 mod stats;
 
@@ -42,6 +43,12 @@ enum Command {
     Stats(stats::Args),
     /// Find targets and their exports on a link (raw Ethernet broadcast) or at a UDP address
     Discover(discover::Args),
+    /// Make an export a local block device (prints it, e.g. /dev/loop3)
+    Map(map::MapArgs),
+    /// Remove a mapped block device
+    Unmap(map::UnmapArgs),
+    /// List mapped block devices and whether their daemons are alive
+    Ls(map::LsArgs),
 }
 
 fn main() -> ExitCode {
@@ -64,6 +71,9 @@ fn main() -> ExitCode {
         Command::Cp(a) => cp::run(a),
         Command::Stats(a) => stats::run(a),
         Command::Discover(a) => discover::run(a),
+        Command::Map(a) => map::run_map(a),
+        Command::Unmap(a) => map::run_unmap(a),
+        Command::Ls(a) => map::run_ls(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,257 @@
+#!/usr/bin/env bash
+# Side-by-side comparison, in one run and with the same parameters, of two ways to turn a RAM
+# export on 127.0.0.1 into a local block device, both FUSE file + loop device with direct I/O:
+#   (a) `blkwire map` (fuse frontend) on `blkwire serve` mem:SIZE, and
+#   (b) nbdfuse + `losetup --direct-io=on` on nbdkit's memory plugin (SIZE).
+# Both devices are measured with fio (ioengine=io_uring, direct=1, one job).
+#
+# Workloads, after a 1M sequential write fill of both devices (so reads hit written memory on
+# both servers; the fill is measured too): 4k randread at QD1 and QD32, 1M sequential read at
+# QD8. The runs alternate between the two systems so slow drift of the machine hits both alike.
+#
+# Needs root (mount, loop devices), fio, nbdkit, nbdfuse (libnbd-bin), losetup, python3.
+#
+# Environment:
+#   RUNTIME        seconds per measurement (default 10)
+#   SIZE           export size (default 1G)
+#   BLKWIRE        path of the blkwire binary (default target/release/blkwire; built if missing)
+#   READY_TIMEOUT  seconds to wait for a server to come up (default 10)
+#
+# Output: a markdown table and the blkwire/nbdfuse IOPS ratio at QD32 (the issue's target is
+# >= 2x). "server CPU %" is the target process (blkwire serve / nbdkit), "frontend CPU %" the
+# FUSE daemon (blkwire map / nbdfuse), "fio CPU %" fio's own usr+sys; 100 % is one core. Kernel
+# time in the loop driver's workers is in none of them.
+set -euo pipefail
+shopt -s inherit_errexit
+
+RUNTIME="${RUNTIME:-10}"
+SIZE="${SIZE:-1G}"
+READY_TIMEOUT="${READY_TIMEOUT:-10}"
+cd "$(dirname "$0")/.."
+BLKWIRE="${BLKWIRE:-target/release/blkwire}"
+
+die() { echo "map-compare: $*" >&2; exit 1; }
+
+[[ "$(id -u)" -eq 0 ]] || die "needs root (FUSE mounts and loop devices)"
+for t in fio nbdkit nbdfuse losetup python3; do
+    command -v "$t" >/dev/null || die "$t not found in PATH"
+done
+[[ "$RUNTIME" =~ ^[0-9]+$ && "$RUNTIME" -gt 0 ]] || die "RUNTIME must be a positive integer (got '$RUNTIME')"
+
+if [[ ! -x "$BLKWIRE" ]]; then
+    echo "map-compare: $BLKWIRE missing, building it" >&2
+    cargo build --release -p blkwire >&2
+fi
+[[ -x "$BLKWIRE" ]] || die "$BLKWIRE still missing after the build"
+
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/map-compare.XXXXXX")"
+# Our mapping records and FUSE mount live here, apart from any other blkwire mappings.
+export BLKWIRE_RUN_DIR="$WORK/run"
+BW_PID=""
+NK_PID=""
+NF_PID=""
+BW_DEV=""
+NF_DEV=""
+NF_MNT="$WORK/nbdfuse"
+
+cleanup() {
+    local rc=$?
+    trap - EXIT INT TERM
+    # Devices first (their daemons must still answer while they let go), then mounts, then
+    # servers.
+    [[ -n "$BW_DEV" ]] && { "$BLKWIRE" unmap "$BW_DEV" || echo "map-compare: unmap $BW_DEV failed" >&2; }
+    [[ -n "$NF_DEV" ]] && { losetup -d "$NF_DEV" || true; }
+    if mountpoint -q "$NF_MNT" 2>/dev/null; then
+        umount "$NF_MNT" || umount -l "$NF_MNT" || true
+    fi
+    for pid in $NF_PID $NK_PID $BW_PID; do
+        kill "$pid" 2>/dev/null || true
+    done
+    for pid in $NF_PID $NK_PID $BW_PID; do
+        # bounded wait, then SIGKILL
+        for _ in $(seq 50); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        kill -9 "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    done
+    if [[ $rc -ne 0 ]]; then
+        for f in "$WORK"/*.err "$WORK"/*.log; do
+            [[ -s "$f" ]] && { echo "--- $(basename "$f") (tail) ---" >&2; tail -n 20 "$f" >&2; }
+        done
+    fi
+    rm -rf "$WORK"
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+now_ms() { date +%s%3N; }
+
+# CPU ticks (utime+stime) of a process, from /proc/PID/stat (fields after the ")" of comm).
+cpu_ticks() {
+    local stat
+    stat="$(cat "/proc/$1/stat" 2>/dev/null)" || { echo 0; return; }
+    stat="${stat##*) }"
+    # shellcheck disable=SC2086
+    set -- $stat
+    echo $(( ${12} + ${13} ))
+}
+CLK_TCK="$(getconf CLK_TCK)"
+
+# ---------------------------------------------------------------------------- blkwire
+"$BLKWIRE" serve --listen tcp://127.0.0.1:0 --export "scratch=mem:$SIZE" \
+    >"$WORK/blkwire.out" 2>"$WORK/blkwire.err" &
+BW_PID=$!
+BW_URL=""
+deadline=$(( $(now_ms) + READY_TIMEOUT * 1000 ))
+while (( $(now_ms) < deadline )); do
+    if line="$(grep -m1 '^listening tcp://' "$WORK/blkwire.out" 2>/dev/null)"; then
+        BW_URL="${line#listening }"
+        break
+    fi
+    kill -0 "$BW_PID" 2>/dev/null || die "blkwire serve exited before listening"
+    sleep 0.05
+done
+[[ -n "$BW_URL" ]] || die "blkwire serve did not print 'listening' within ${READY_TIMEOUT}s"
+# `map` returns once the device is usable and prints it.
+BW_DEV="$("$BLKWIRE" map "$BW_URL/scratch" --frontend fuse --logfile "$WORK/map.log" 2>"$WORK/map.err")" \
+    || die "blkwire map failed: $(cat "$WORK/map.err")"
+BW_MAP_PID="$("$BLKWIRE" ls --json | python3 -c "import json,sys; print(json.load(sys.stdin)['$BW_DEV']['pid'])")"
+
+# ---------------------------------------------------------------------------- nbdkit + nbdfuse
+free_port() {
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+NK_PORT=""
+for attempt in 1 2 3 4 5; do
+    port="$(free_port)"
+    rm -f "$WORK/nbdkit.pid"
+    # -f: stay in the foreground (our child); the pidfile is written once nbdkit listens.
+    nbdkit -f -P "$WORK/nbdkit.pid" -i 127.0.0.1 -p "$port" memory "$SIZE" \
+        >"$WORK/nbdkit.out" 2>"$WORK/nbdkit.err" &
+    NK_PID=$!
+    deadline=$(( $(now_ms) + READY_TIMEOUT * 1000 ))
+    while (( $(now_ms) < deadline )); do
+        [[ -s "$WORK/nbdkit.pid" ]] && break
+        kill -0 "$NK_PID" 2>/dev/null || break
+        sleep 0.05
+    done
+    if [[ -s "$WORK/nbdkit.pid" ]] && kill -0 "$NK_PID" 2>/dev/null; then
+        NK_PORT="$port"
+        break
+    fi
+    kill "$NK_PID" 2>/dev/null || true
+    wait "$NK_PID" 2>/dev/null || true
+    NK_PID=""
+    echo "map-compare: nbdkit did not start on port $port (attempt $attempt), retrying" >&2
+done
+[[ -n "$NK_PORT" ]] || die "could not start nbdkit"
+
+mkdir -p "$NF_MNT"
+# nbdfuse stays in the foreground; it writes its pidfile once it serves the file.
+nbdfuse -P "$WORK/nbdfuse.pid" "$NF_MNT/nbd" "nbd://127.0.0.1:$NK_PORT" \
+    >"$WORK/nbdfuse.out" 2>"$WORK/nbdfuse.err" &
+NF_PID=$!
+deadline=$(( $(now_ms) + READY_TIMEOUT * 1000 ))
+while (( $(now_ms) < deadline )); do
+    [[ -s "$WORK/nbdfuse.pid" ]] && break
+    kill -0 "$NF_PID" 2>/dev/null || die "nbdfuse exited before serving"
+    sleep 0.05
+done
+[[ -s "$WORK/nbdfuse.pid" ]] || die "nbdfuse did not write its pidfile within ${READY_TIMEOUT}s"
+NF_DEV="$(losetup --direct-io=on -f --show "$NF_MNT/nbd")" || die "losetup on the nbdfuse file failed"
+
+for dev in "$BW_DEV" "$NF_DEV"; do
+    [[ "$(cat "/sys/block/${dev#/dev/}/loop/dio")" == 1 ]] || die "$dev does not do direct I/O"
+done
+
+# ---------------------------------------------------------------------------- runners
+# run_fio NAME DEV SERVER_PID FRONTEND_PID RW BS QD [extra fio args...]: prints
+# "iops mean_us p99_us MiB/s server_cpu% frontend_cpu% fio_cpu%".
+run_fio() {
+    local name="$1" dev="$2" srv="$3" fe="$4" rw="$5" bs="$6" qd="$7"; shift 7
+    local out="$WORK/fio-$name-$rw-$bs-$qd.json" dir=read
+    [[ "$rw" == *write* ]] && dir=write
+    local s0 f0 t0 s1 f1 t1 wall
+    s0="$(cpu_ticks "$srv")"; f0="$(cpu_ticks "$fe")"; t0="$(now_ms)"
+    fio --name=x --filename="$dev" --ioengine=io_uring --direct=1 --rw="$rw" --bs="$bs" \
+        --iodepth="$qd" --numjobs=1 --lat_percentiles=1 --output-format=json --output="$out" \
+        "$@" >"$out.stdout" 2>"$out.err" \
+        || die "fio $name $rw bs=$bs QD$qd failed: $(tail -n 5 "$out.err")"
+    t1="$(now_ms)"; s1="$(cpu_ticks "$srv")"; f1="$(cpu_ticks "$fe")"
+    kill -0 "$srv" 2>/dev/null || die "$name server died during $rw QD$qd"
+    kill -0 "$fe" 2>/dev/null || die "$name frontend died during $rw QD$qd"
+    wall=$(( t1 - t0 ))
+    python3 - "$out" "$dir" "$s0" "$s1" "$f0" "$f1" "$wall" "$CLK_TCK" <<'EOF'
+import json, sys
+out, d, s0, s1, f0, f1, wall, tck = sys.argv[1:]
+text = open(out).read()
+job = json.loads(text[text.index("{"):])["jobs"][0]
+if job.get("error"):
+    sys.exit(f"fio job error {job['error']}")
+r = job[d]
+lat = r["lat_ns"]
+pct = lambda a, b: (int(b) - int(a)) / int(tck) * 1000 / int(wall) * 100
+fio_cpu = job["usr_cpu"] + job["sys_cpu"]
+print(f'{r["iops"]:.0f} {lat["mean"]/1000:.1f} {lat["percentile"]["99.000000"]/1000:.1f} '
+      f'{r["bw"]/1024:.0f} {pct(s0, s1):.0f} {pct(f0, f1):.0f} {fio_cpu:.0f}')
+EOF
+}
+
+run_case() { # system rw bs qd [fio args...]
+    local sys="$1"; shift
+    if [[ "$sys" == blkwire ]]; then
+        run_fio blkwire "$BW_DEV" "$BW_PID" "$BW_MAP_PID" "$@"
+    else
+        run_fio nbdfuse "$NF_DEV" "$NK_PID" "$NF_PID" "$@"
+    fi
+}
+
+# ---------------------------------------------------------------------------- measure
+echo "# mapped block device: blkwire map (fuse + loop) vs nbdfuse + loop; fio io_uring direct=1, 1 job, ${RUNTIME}s per run, $SIZE RAM export on 127.0.0.1, $(nproc) CPUs, kernel $(uname -r)"
+echo "# blkwire: $("$BLKWIRE" --version) serve mem:$SIZE, map $BW_DEV ($BW_URL/scratch)"
+echo "# nbdfuse: $(nbdfuse --version | head -n1), $(nbdkit --version) memory $SIZE, losetup --direct-io=on $NF_DEV"
+echo "# $(fio --version)"
+echo
+
+declare -A R
+CASES=("write 1M 8 fill" "randread 4k 1" "randread 4k 32" "read 1M 8")
+for c in "${CASES[@]}"; do
+    set -- $c
+    rw="$1" bs="$2" qd="$3" kind="${4:-}"
+    for sys in blkwire nbdfuse; do
+        echo "running $sys $rw bs=$bs QD$qd ..." >&2
+        if [[ "$kind" == fill ]]; then
+            # One full pass over the device: every later read hits written memory.
+            R[$sys,$rw,$bs,$qd]="$(run_case "$sys" "$rw" "$bs" "$qd" --size="$SIZE")"
+        else
+            extra=(--time_based --runtime="$RUNTIME")
+            [[ "$rw" == rand* ]] && extra+=(--norandommap)
+            R[$sys,$rw,$bs,$qd]="$(run_case "$sys" "$rw" "$bs" "$qd" "${extra[@]}")"
+        fi
+    done
+done
+
+echo "| system | rw | bs | QD | IOPS | MiB/s | mean latency us | p99 us | server CPU % | frontend CPU % | fio CPU % |"
+echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+for c in "${CASES[@]}"; do
+    set -- $c
+    for sys in blkwire nbdfuse; do
+        read -r iops mean p99 mibs scpu fcpu ccpu <<<"${R[$sys,$1,$2,$3]}"
+        echo "| $sys | $1${4:+ ($4)} | $2 | $3 | $iops | $mibs | $mean | $p99 | $scpu | $fcpu | $ccpu |"
+    done
+done
+echo
+
+python3 - "${R[blkwire,randread,4k,32]}" "${R[nbdfuse,randread,4k,32]}" \
+    "${R[blkwire,randread,4k,1]}" "${R[nbdfuse,randread,4k,1]}" \
+    "${R[blkwire,read,1M,8]}" "${R[nbdfuse,read,1M,8]}" <<'EOF'
+import sys
+v = [s.split() for s in sys.argv[1:]]
+print(f"4k randread QD32 IOPS ratio blkwire/nbdfuse: {float(v[0][0]) / float(v[1][0]):.2f}x (target >= 2x)")
+print(f"4k randread QD1 mean latency: blkwire {v[2][1]} us, nbdfuse {v[3][1]} us")
+print(f"1M read QD8 bandwidth: blkwire {v[4][3]} MiB/s, nbdfuse {v[5][3]} MiB/s")
+EOF

@@ -1,0 +1,162 @@
+//! `blkwire map`, `unmap` and `ls`: exports as local block devices. The work is in
+//! crates/map; this is argument parsing and output.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use blkwire_map::{Frontend, MapOptions};
+use serde_json::json;
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum FrontendArg {
+    Auto,
+    Ublk,
+    Fuse,
+}
+
+#[derive(clap::Args)]
+pub struct MapArgs {
+    // Not `required_unless_present`: clap's message for that spans two lines; `run_map` says it
+    // in one.
+    /// tcp://HOST:PORT/EXPORT to map
+    #[arg(conflicts_with = "recover")]
+    url: Option<String>,
+    /// Serve DEV again after the daemon serving it died; the other settings come from its record
+    /// (fuse: read-only mappings only, read-write ones need ublk)
+    #[arg(long, value_name = "DEV")]
+    recover: Option<String>,
+    /// Map read-only: the device refuses writes
+    #[arg(long)]
+    readonly: bool,
+    /// auto: ublk when /dev/ublk-control exists and ublk is built in, else fuse
+    #[arg(long, value_enum, default_value = "auto")]
+    frontend: FrontendArg,
+    /// Requests in flight per queue
+    #[arg(long, value_name = "N", default_value_t = 128, value_parser = clap::value_parser!(u16).range(1..=4096))]
+    queue_depth: u16,
+    /// Queues, each one thread and one connection (default: one per CPU, at most 8)
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
+    queues: Option<u16>,
+    /// Largest I/O per request, 4K to 32M (FUSE caps it at 1M unless fs.fuse.max_pages_limit is raised)
+    #[arg(long, value_name = "SIZE", default_value = "1M", value_parser = crate::size_arg)]
+    max_io_size: u64,
+    /// Mark the device rotational (also set when the export says it is)
+    #[arg(long)]
+    hdd: bool,
+    /// Use /dev/loopN instead of the first free loop device
+    #[arg(long, value_name = "N")]
+    dev_num: Option<u32>,
+    /// Serve in this process until unmapped or interrupted, instead of detaching once ready
+    #[arg(long)]
+    foreground: bool,
+    /// Where the daemon logs (default: nowhere once detached; stderr with --foreground)
+    #[arg(long, value_name = "FILE")]
+    logfile: Option<PathBuf>,
+    /// Seconds I/O waits for an unreachable target before failing with EIO
+    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86400))]
+    timeout: u64,
+}
+
+#[derive(clap::Args)]
+pub struct UnmapArgs {
+    /// The mapped device, e.g. /dev/loop3
+    dev: String,
+}
+
+#[derive(clap::Args)]
+pub struct LsArgs {
+    /// Print one JSON object keyed by device
+    #[arg(long)]
+    json: bool,
+}
+
+fn print_device(dev: &str) {
+    // Scripts wait for this line: flush at once, the daemon keeps running after it.
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{dev}");
+    let _ = out.flush();
+}
+
+pub fn run_map(a: MapArgs) -> Result<(), String> {
+    if let Some(dev) = &a.recover {
+        return blkwire_map::recover(dev, a.foreground, a.logfile, &mut print_device);
+    }
+    blkwire_map::choose_frontend(match a.frontend {
+        FrontendArg::Auto => Frontend::Auto,
+        FrontendArg::Ublk => Frontend::Ublk,
+        FrontendArg::Fuse => Frontend::Fuse,
+    })?;
+    let max_io = u32::try_from(a.max_io_size)
+        .ok()
+        .filter(|m| (4096..=blkwire_wire::MAX_PAYLOAD_LIMIT).contains(m))
+        .ok_or_else(|| {
+            format!(
+                "--max-io-size must be between 4K and {}",
+                blkwire_backend::format_size(blkwire_wire::MAX_PAYLOAD_LIMIT as u64)
+            )
+        })?;
+    let url = a
+        .url
+        .ok_or("map needs the URL of an export, tcp://HOST:PORT/EXPORT (or --recover DEV)")?;
+    let o = MapOptions {
+        url,
+        readonly: a.readonly,
+        queues: a.queues.unwrap_or(0),
+        queue_depth: a.queue_depth,
+        max_io,
+        hdd: a.hdd,
+        dev_num: a.dev_num,
+        foreground: a.foreground,
+        logfile: a.logfile,
+        timeout: Duration::from_secs(a.timeout),
+    };
+    blkwire_map::map(&o, &mut print_device)
+}
+
+pub fn run_unmap(a: UnmapArgs) -> Result<(), String> {
+    blkwire_map::unmap(&a.dev)
+}
+
+pub fn run_ls(a: LsArgs) -> Result<(), String> {
+    let mut first_error = None;
+    let mut all = serde_json::Map::new();
+    let mut text = String::new();
+    for item in blkwire_map::list() {
+        let (r, state) = match item {
+            Ok(x) => x,
+            Err(e) => {
+                first_error.get_or_insert(e);
+                continue;
+            }
+        };
+        all.insert(
+            r.device.clone(),
+            json!({
+                "url": r.url, "export": r.export, "frontend": r.frontend, "pid": r.pid,
+                "state": state.as_str(), "readonly": r.readonly, "size": r.size,
+                "queues": r.queues, "queue_depth": r.queue_depth, "file": r.file,
+            }),
+        );
+        text.push_str(&format!(
+            "{}\n  url:       {}\n  export:    {}\n  frontend:  {}\n  pid:       {}\n  state:     {}\n  readonly:  {}\n  size:      {}\n",
+            r.device,
+            r.url,
+            r.export,
+            r.frontend,
+            r.pid,
+            state.as_str(),
+            if r.readonly { "yes" } else { "no" },
+            blkwire_backend::format_size(r.size)
+        ));
+    }
+    if a.json {
+        println!("{}", serde_json::Value::Object(all));
+    } else {
+        print!("{text}");
+    }
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,902 @@
+//! Exports as local block devices (`map`, `unmap`, `ls`; fuse frontend), end to end: real
+//! targets, loop devices, FUSE mounts, mkfs, mount, fsck and fio. They need root (CI runs them
+//! as root) and skip, saying so, without it.
+//!
+//! Each test keeps its mapping records in its own BLKWIRE_RUN_DIR, so parallel tests never see
+//! each other's mappings, and cleans up with Drop guards (unmount, unmap, detach, kill) also when
+//! an assertion fails half-way.
+
+mod common;
+
+use std::fs::OpenOptions;
+use std::io::{BufRead, BufReader};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::{random_bytes, Target, TempDir, BIN};
+use serde_json::Value;
+
+fn is_root() -> bool {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+macro_rules! require_root {
+    () => {
+        if !is_root() {
+            eprintln!("skipped: mapping block devices needs root");
+            return;
+        }
+    };
+}
+
+/// A private run directory (records and FUSE mounts) for one test.
+struct Run(TempDir);
+
+impl Run {
+    fn new(tag: &str) -> Run {
+        Run(TempDir::new(&format!("map-{tag}")))
+    }
+
+    fn dir(&self) -> &Path {
+        &self.0 .0
+    }
+
+    /// Runs the CLI with this run directory; returns (success, stdout, stderr).
+    fn cli(&self, args: &[&str]) -> (bool, String, String) {
+        let out = Command::new(BIN)
+            .args(args)
+            .env("BLKWIRE_RUN_DIR", self.dir())
+            .stdin(Stdio::null())
+            .output()
+            .expect("run blkwire");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    fn ls(&self) -> Value {
+        let (ok, out, err) = self.cli(&["ls", "--json"]);
+        assert!(ok, "ls --json: {err}");
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("ls --json: {e}: {out}"))
+    }
+
+    fn map(&self, url: &str, extra: &[&str]) -> Mapped<'_> {
+        let mut args = vec!["map", url];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = self.cli(&args);
+        assert!(ok, "map {url} {extra:?}: {err}");
+        let dev = out.trim().to_string();
+        assert!(
+            dev.starts_with("/dev/loop") && !dev.contains('\n'),
+            "map prints the device: {out:?}"
+        );
+        let file = self.ls()[&dev]["file"]
+            .as_str()
+            .expect("file in ls --json")
+            .to_string();
+        Mapped {
+            run: self,
+            dev,
+            file,
+        }
+    }
+
+    /// Asserts nothing of ours is left: no record, no mount directory, no FUSE mount and no
+    /// loop device bound to a file under the run directory.
+    fn assert_clean(&self) {
+        assert_eq!(self.ls(), serde_json::json!({}), "records left");
+        let mnt = self.dir().join("mnt");
+        let left: Vec<_> = std::fs::read_dir(&mnt)
+            .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect())
+            .unwrap_or_default();
+        assert!(left.is_empty(), "mount directories left: {left:?}");
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let prefix = self.dir().display().to_string();
+        assert!(
+            !mounts.lines().any(|l| l.contains(&prefix)),
+            "a mount under {prefix} is left"
+        );
+        assert!(
+            loops_backed_under(self.dir()).is_empty(),
+            "loop devices left: {:?}",
+            loops_backed_under(self.dir())
+        );
+    }
+}
+
+/// Loop devices whose backing file is under `dir`.
+fn loops_backed_under(dir: &Path) -> Vec<String> {
+    let prefix = dir.display().to_string();
+    std::fs::read_dir("/sys/block")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter_map(|e| {
+                    let name = e.file_name().into_string().ok()?;
+                    let b = std::fs::read_to_string(e.path().join("loop/backing_file")).ok()?;
+                    b.starts_with(&prefix).then_some(name)
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A mapped device, unmapped on drop. If unmap fails (a test died with the device in use),
+/// whatever holds it is unmounted and the daemon killed, then unmap runs again.
+struct Mapped<'a> {
+    run: &'a Run,
+    dev: String,
+    /// The FUSE file the device is bound to (the device itself may be reused by a parallel
+    /// test as soon as it is free, so "detached" means "no longer bound to this").
+    file: String,
+}
+
+impl Mapped<'_> {
+    fn name(&self) -> &str {
+        self.dev.trim_start_matches("/dev/")
+    }
+
+    fn sys(&self, rel: &str) -> String {
+        std::fs::read_to_string(format!("/sys/block/{}/{rel}", self.name()))
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default()
+    }
+
+    fn record(&self) -> Value {
+        self.run.ls()[&self.dev].clone()
+    }
+
+    fn pid(&self) -> i32 {
+        self.record()["pid"].as_i64().expect("pid in ls --json") as i32
+    }
+
+    fn unmap(&self) {
+        let (ok, out, err) = self.run.cli(&["unmap", &self.dev]);
+        assert!(ok, "unmap {}: {err}", self.dev);
+        assert!(out.is_empty(), "unmap prints nothing: {out}");
+        assert!(self.run.ls().get(&self.dev).is_none(), "record removed");
+        assert!(!self.bound(), "loop detached");
+    }
+
+    fn bound(&self) -> bool {
+        self.sys("loop/backing_file") == self.file
+    }
+}
+
+impl Drop for Mapped<'_> {
+    fn drop(&mut self) {
+        if self.run.ls().get(&self.dev).is_none() && !self.bound() {
+            return; // unmapped by the test
+        }
+        if self.run.cli(&["unmap", &self.dev]).0 {
+            return;
+        }
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+        for l in mounts.lines() {
+            let mut f = l.split(' ');
+            if let (Some(src), Some(dir)) = (f.next(), f.next()) {
+                if src == self.dev {
+                    let _ = Command::new("umount").args(["-l", dir]).status();
+                }
+            }
+        }
+        if let Some(pid) = self.run.ls()[&self.dev]["pid"].as_i64() {
+            // SAFETY: kill(2); the record's pid is the daemon this test started.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            wait_exit(pid as i32, Duration::from_secs(10));
+        }
+        if !self.run.cli(&["unmap", &self.dev]).0 {
+            // Still held somewhere: detach when released, and do not leave the FUSE mount.
+            let _ = Command::new("losetup").args(["-d", &self.dev]).status();
+            if let Some(dir) = Path::new(&self.file).parent() {
+                let _ = Command::new("umount").arg("-l").arg(dir).status();
+            }
+        }
+    }
+}
+
+/// Runs `script` (sh, arguments `args`) in a private mount namespace of its own. Filesystems
+/// mounted there exist nowhere else: no other process that unshares its namespace meanwhile can
+/// copy the mount and keep the device busy after our umount, and if the script fails the
+/// mounts vanish with the namespace.
+fn in_private_mount_ns(script: &str, args: &[&str]) -> String {
+    let mut a = vec![
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-euc",
+        script,
+        "sh",
+    ];
+    a.extend_from_slice(args);
+    run_ok("unshare", &a)
+}
+
+fn run_ok(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn sha256(path: &Path) -> String {
+    run_ok("sha256sum", &[path.to_str().unwrap()])
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// Waits for process `pid` to exit (its pidfd turns readable); false on timeout.
+fn wait_exit(pid: i32, timeout: Duration) -> bool {
+    // SAFETY: pidfd_open returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return true; // already gone
+    }
+    // SAFETY: a fresh descriptor we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll on one pollfd.
+    unsafe { libc::poll(&mut p, 1, timeout.as_millis() as i32) > 0 }
+}
+
+/// A 4096-aligned buffer for O_DIRECT I/O on the device.
+fn aligned(data: &[u8]) -> (Vec<u8>, usize) {
+    let mut v = vec![0u8; data.len() + 4096];
+    let off = v.as_ptr().align_offset(4096);
+    v[off..off + data.len()].copy_from_slice(data);
+    (v, off)
+}
+
+fn dev_write(dev: &str, data: &[u8], offset: u64) -> std::io::Result<()> {
+    let f = OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(dev)?;
+    let (buf, off) = aligned(data);
+    f.write_all_at(&buf[off..off + data.len()], offset)
+}
+
+fn dev_read(dev: &str, len: usize, offset: u64) -> std::io::Result<Vec<u8>> {
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(dev)?;
+    let (mut buf, off) = aligned(&vec![0u8; len]);
+    f.read_exact_at(&mut buf[off..off + len], offset)?;
+    Ok(buf[off..off + len].to_vec())
+}
+
+/// A target listening on exactly `listen` (to restart one on the same port).
+fn serve_on(listen: &str, exports: &[&str]) -> Target {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["serve", "--listen", listen, "--log-level", "warn"]);
+    for e in exports {
+        cmd.args(["--export", e]);
+    }
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn blkwire serve");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(u) = line.strip_prefix("listening ") {
+                let _ = tx.send(u.to_string());
+            }
+        }
+    });
+    let base = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("target did not report a listening address");
+    Target { child, base }
+}
+
+/// Sum of one counter over the target's live queues and its closed ones.
+fn target_counter(t: &Target, name: &str) -> u64 {
+    let (ok, out, err) = common::cli(&["stats", &t.base, "--json"]);
+    assert!(ok, "stats: {err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let live: u64 = v["sessions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|s| s["queues"].as_array().into_iter().flatten())
+        .map(|q| q[name].as_u64().unwrap_or(0))
+        .sum();
+    live + v["closed"][name].as_u64().unwrap_or(0)
+}
+
+#[test]
+fn filesystem_survives_unmap_and_map_again_and_fscks_clean() {
+    require_root!();
+    let run = Run::new("fs");
+    let t = Target::start(&["disk=mem:256M"]);
+    let src = TempDir::new("map-fs-src");
+    std::fs::create_dir_all(src.path("dir")).unwrap();
+    let files = [
+        ("a.bin", random_bytes(1 << 20, 11)),
+        ("dir/b.bin", random_bytes((7 << 20) + 4095, 12)),
+        ("dir/c.txt", b"small file\n".to_vec()),
+    ];
+    let mut want = String::new();
+    for (name, data) in &files {
+        std::fs::write(src.path(name), data).unwrap();
+        want += &format!("{}  {name}\n", sha256(&src.path(name)));
+    }
+    let mnt = run.dir().join("fs");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let mnt = mnt.to_str().unwrap();
+    {
+        let m = run.map(&t.url("disk"), &[]);
+        assert_eq!(m.sys("loop/dio"), "1", "loop device does direct I/O");
+        assert_eq!(m.sys("ro"), "0");
+        run_ok("mkfs.ext4", &["-q", "-F", &m.dev]);
+        in_private_mount_ns(
+            r#"mount "$1" "$2"; cp -r "$3"/. "$2"/; sync; umount "$2""#,
+            &[&m.dev, mnt, src.0.to_str().unwrap()],
+        );
+        m.unmap();
+        run.assert_clean();
+    }
+    let m = run.map(&t.url("disk"), &[]);
+    // -f: check even though clean; -n: change nothing. Exit 0 means no errors at all.
+    run_ok("fsck.ext4", &["-f", "-n", &m.dev]);
+    let got = in_private_mount_ns(
+        r#"mount -o ro "$1" "$2"; cd "$2"; sha256sum a.bin dir/b.bin dir/c.txt; cd /; umount "$2""#,
+        &[&m.dev, mnt],
+    );
+    assert_eq!(got, want, "files changed across unmap and map");
+    m.unmap();
+    run.assert_clean();
+}
+
+#[test]
+fn fio_randwrite_then_verify_crc32c() {
+    require_root!();
+    let run = Run::new("fio");
+    let t = Target::start(&["disk=mem:128M"]);
+    let m = run.map(&t.url("disk"), &["--queues", "2"]);
+    // Two jobs on disjoint halves, mixed block sizes, each writing then reading back and
+    // checking every block's crc32c (fio exits non-zero on any mismatch).
+    let out = run_ok(
+        "fio",
+        &[
+            "--name=verify",
+            &format!("--filename={}", m.dev),
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--rw=randwrite",
+            "--bsrange=4k-256k",
+            "--size=48M",
+            "--numjobs=2",
+            "--offset_increment=64M",
+            "--iodepth=16",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            // No local-verify-*.state files left in the working directory.
+            "--verify_state_save=0",
+            "--output-format=json",
+        ],
+    );
+    let v: Value = serde_json::from_str(&out[out.find('{').unwrap()..]).unwrap();
+    for job in v["jobs"].as_array().unwrap() {
+        assert_eq!(job["error"], 0, "{job}");
+        assert!(job["write"]["io_bytes"].as_u64().unwrap() >= 48 << 20);
+        // The verify pass read back what was written.
+        assert!(
+            job["read"]["io_bytes"].as_u64().unwrap() >= 48 << 20,
+            "{job}"
+        );
+    }
+    m.unmap();
+    run.assert_clean();
+}
+
+#[test]
+fn two_exports_mapped_at_once_keep_their_own_data() {
+    require_root!();
+    let run = Run::new("two");
+    let t = Target::start(&["a=mem:64M", "b=mem:64M"]);
+    let ma = run.map(&t.url("a"), &[]);
+    let mb = run.map(&t.url("b"), &[]);
+    assert_ne!(ma.dev, mb.dev);
+    let (da, db) = (random_bytes(3 << 20, 21), random_bytes(3 << 20, 22));
+    dev_write(&ma.dev, &da, 1 << 20).unwrap();
+    dev_write(&mb.dev, &db, 1 << 20).unwrap();
+    assert!(dev_read(&ma.dev, da.len(), 1 << 20).unwrap() == da);
+    assert!(dev_read(&mb.dev, db.len(), 1 << 20).unwrap() == db);
+    // Through the target itself: each export holds its own device's data.
+    let d = TempDir::new("map-two-cp");
+    for (name, data) in [("a", &da), ("b", &db)] {
+        let f = d.path(name);
+        let (ok, _, err) = common::cli(&["cp", &t.url(name), f.to_str().unwrap()]);
+        assert!(ok, "{err}");
+        let got = std::fs::read(&f).unwrap();
+        assert!(
+            &got[1 << 20..(1 << 20) + data.len()] == data.as_slice(),
+            "export {name}"
+        );
+    }
+    let ls = run.ls();
+    assert_eq!(ls.as_object().unwrap().len(), 2);
+    assert_eq!(ls[&ma.dev]["export"], "a");
+    assert_eq!(ls[&mb.dev]["export"], "b");
+    ma.unmap();
+    mb.unmap();
+    run.assert_clean();
+}
+
+#[test]
+fn ls_describes_each_mapping() {
+    require_root!();
+    let run = Run::new("ls");
+    let t = Target::start(&["disk=mem:32M"]);
+    assert_eq!(run.ls(), serde_json::json!({}));
+    let m = run.map(&t.url("disk"), &[]);
+    let ls = run.ls();
+    let keys: Vec<_> = ls.as_object().unwrap().keys().cloned().collect();
+    assert_eq!(keys, vec![m.dev.clone()]);
+    let r = &ls[&m.dev];
+    assert_eq!(r["url"], t.url("disk"));
+    assert_eq!(r["export"], "disk");
+    assert_eq!(r["frontend"], "fuse");
+    assert_eq!(r["state"], "running");
+    assert_eq!(r["readonly"], false);
+    assert_eq!(r["size"], 32 << 20);
+    // The pid is the live daemon, a blkwire process.
+    let cmdline = std::fs::read(format!("/proc/{}/cmdline", m.pid())).unwrap();
+    assert!(String::from_utf8_lossy(&cmdline).contains("blkwire"));
+    let (ok, text, err) = run.cli(&["ls"]);
+    assert!(ok, "{err}");
+    assert!(text.starts_with(&format!("{}\n", m.dev)), "{text}");
+    for want in [
+        "url:       tcp://",
+        "export:    disk",
+        "frontend:  fuse",
+        "state:     running",
+    ] {
+        assert!(text.contains(want), "'{want}' not in: {text}");
+    }
+    m.unmap();
+    run.assert_clean();
+}
+
+#[test]
+fn readonly_mapping_refuses_writes() {
+    require_root!();
+    let run = Run::new("ro");
+    let t = Target::start(&["disk=mem:16M", "golden=mem:16M,ro"]);
+    // Known data, put there through the target.
+    let d = TempDir::new("map-ro-src");
+    let data = random_bytes(1 << 20, 31);
+    std::fs::write(d.path("src"), &data).unwrap();
+    let (ok, _, err) = common::cli(&["cp", d.path("src").to_str().unwrap(), &t.url("disk")]);
+    assert!(ok, "{err}");
+
+    let m = run.map(&t.url("disk"), &["--readonly"]);
+    assert_eq!(m.sys("ro"), "1", "read-only block device");
+    assert_eq!(m.record()["readonly"], true);
+    assert!(dev_read(&m.dev, data.len(), 0).unwrap() == data);
+    let e = dev_write(&m.dev, &random_bytes(4096, 1), 0).expect_err("write must fail");
+    assert!(
+        matches!(
+            e.raw_os_error(),
+            Some(libc::EROFS | libc::EACCES | libc::EPERM)
+        ),
+        "{e}"
+    );
+    assert!(
+        dev_read(&m.dev, data.len(), 0).unwrap() == data,
+        "data unchanged"
+    );
+    // A read-only export maps read-only without being asked.
+    let g = run.map(&t.url("golden"), &[]);
+    assert_eq!(g.sys("ro"), "1");
+    assert!(dev_write(&g.dev, &random_bytes(4096, 2), 0).is_err());
+    m.unmap();
+    g.unmap();
+    run.assert_clean();
+}
+
+#[test]
+fn killed_daemon_shows_dead_and_unmap_cleans_up() {
+    require_root!();
+    let run = Run::new("kill");
+    let t = Target::start(&["disk=mem:16M"]);
+    let m = run.map(&t.url("disk"), &[]);
+    let pid = m.pid();
+    // SAFETY: kill(2) on the daemon this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    assert!(
+        wait_exit(pid, Duration::from_secs(10)),
+        "daemon did not die"
+    );
+    let r = m.record();
+    assert_eq!(r["state"], "dead", "{r}");
+    assert_eq!(r["pid"], pid);
+    let (_, text, _) = run.cli(&["ls"]);
+    assert!(text.contains("state:     dead"), "{text}");
+    // The device fails at once instead of hanging.
+    assert!(dev_read(&m.dev, 4096, 0).is_err());
+    m.unmap();
+    run.assert_clean();
+}
+
+#[test]
+fn readonly_mapping_recovers_after_its_daemon_is_killed() {
+    require_root!();
+    let run = Run::new("recover");
+    let t = Target::start(&["disk=mem:16M"]);
+    let data = random_bytes(256 << 10, 41);
+    {
+        let w = run.map(&t.url("disk"), &[]);
+        dev_write(&w.dev, &data, 0).unwrap();
+        w.unmap();
+    }
+    let m = run.map(&t.url("disk"), &["--readonly"]);
+    let old = m.pid();
+    // SAFETY: kill(2) on the daemon this test started.
+    unsafe { libc::kill(old, libc::SIGKILL) };
+    assert!(wait_exit(old, Duration::from_secs(10)));
+    assert!(dev_read(&m.dev, 4096, 0).is_err(), "no daemon, no data");
+    let (ok, out, err) = run.cli(&["map", "--recover", &m.dev]);
+    assert!(ok, "recover: {err}");
+    assert_eq!(out.trim(), m.dev);
+    let r = m.record();
+    assert_eq!(r["state"], "running");
+    assert_ne!(r["pid"], old);
+    assert!(
+        dev_read(&m.dev, data.len(), 0).unwrap() == data,
+        "same device, served again"
+    );
+    // Nothing to recover while a daemon serves it.
+    let (ok, _, err) = run.cli(&["map", "--recover", &m.dev]);
+    assert!(!ok && err.contains("still served"), "{err}");
+    m.unmap();
+
+    // Read-write mappings cannot be recovered with a loop device: a clear one-line error.
+    let w = run.map(&t.url("disk"), &[]);
+    let pid = w.pid();
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    assert!(wait_exit(pid, Duration::from_secs(10)));
+    let (ok, _, err) = run.cli(&["map", "--recover", &w.dev]);
+    assert!(!ok);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("blkwire: error:") && err.contains("ublk"),
+        "{err}"
+    );
+    w.unmap();
+    run.assert_clean();
+}
+
+#[test]
+fn target_killed_during_io_fails_with_eio_after_the_timeout() {
+    require_root!();
+    let run = Run::new("eio");
+    let mut t = Target::start(&["disk=mem:64M"]);
+    let m = run.map(&t.url("disk"), &["--timeout", "3"]);
+    let dev = m.dev.clone();
+    let (tx, rx) = mpsc::channel();
+    // A writer that reports its first completed write (I/O is flowing), then its first error.
+    let writer = std::thread::spawn(move || {
+        let f = OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&dev)
+            .unwrap();
+        let (buf, off) = aligned(&random_bytes(64 << 10, 51));
+        let mut started = false;
+        for i in 0u64.. {
+            let r = f.write_all_at(&buf[off..off + (64 << 10)], (i % 1000) * (64 << 10));
+            match r {
+                Ok(()) if !started => {
+                    started = true;
+                    let _ = tx.send(None);
+                }
+                Ok(()) => {}
+                Err(e) => {
+                    let _ = tx.send(Some((e, Instant::now())));
+                    return;
+                }
+            }
+        }
+    });
+    assert!(
+        matches!(rx.recv_timeout(Duration::from_secs(30)), Ok(None)),
+        "I/O never flowed"
+    );
+    let killed = Instant::now();
+    t.child.kill().unwrap();
+    let (e, when) = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("I/O hung after the target died")
+        .expect("an error");
+    let waited = when.duration_since(killed);
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+    assert!(
+        waited >= Duration::from_millis(2500) && waited < Duration::from_secs(20),
+        "failed after {waited:?}, expected about the 3 s timeout"
+    );
+    writer.join().unwrap();
+    // Unmapping a device whose target is gone completes.
+    let started = Instant::now();
+    m.unmap();
+    assert!(started.elapsed() < Duration::from_secs(20));
+    run.assert_clean();
+}
+
+#[test]
+fn target_restarted_within_the_timeout_resumes_io() {
+    require_root!();
+    let run = Run::new("restart");
+    let d = TempDir::new("map-restart-img");
+    let img = d.path("disk.img");
+    common::sparse_file(&img, 32 << 20);
+    let spec = format!("disk=file:{}", img.display());
+    let t = Target::start(&[&spec]);
+    let port = t.base.rsplit(':').next().unwrap().to_string();
+    let m = run.map(&t.url("disk"), &["--timeout", "30"]);
+    let data = random_bytes(1 << 20, 61);
+    dev_write(&m.dev, &data, 0).unwrap();
+    drop(t); // kills the target
+    let t = serve_on(&format!("tcp://127.0.0.1:{port}"), &[&spec]);
+    // The first I/O finds its connection dead, reconnects and is served.
+    assert!(dev_read(&m.dev, data.len(), 0).unwrap() == data);
+    let more = random_bytes(1 << 20, 62);
+    dev_write(&m.dev, &more, 4 << 20).unwrap();
+    assert!(dev_read(&m.dev, more.len(), 4 << 20).unwrap() == more);
+    m.unmap();
+    drop(t);
+    // Written through to the file behind the export.
+    let f = std::fs::read(&img).unwrap();
+    assert!(f[..data.len()] == data[..] && f[4 << 20..(4 << 20) + more.len()] == more[..]);
+    run.assert_clean();
+}
+
+#[test]
+fn discard_zeroout_and_flush_reach_the_target() {
+    require_root!();
+    let run = Run::new("trim");
+    let t = Target::start(&["disk=mem:32M"]);
+    let m = run.map(&t.url("disk"), &[]);
+    let data = random_bytes(4 << 20, 71);
+    dev_write(&m.dev, &data, 0).unwrap();
+    let zeroes_before = target_counter(&t, "write_zeroes");
+    // Discard 1 MiB at 1 MiB, zero-out 512 KiB at 3 MiB: both must read back as zeros.
+    run_ok("blkdiscard", &["-o", "1048576", "-l", "1048576", &m.dev]);
+    run_ok(
+        "blkdiscard",
+        &["-z", "-o", "3145728", "-l", "524288", &m.dev],
+    );
+    let back = dev_read(&m.dev, data.len(), 0).unwrap();
+    assert!(
+        back[1 << 20..2 << 20].iter().all(|b| *b == 0),
+        "discarded range"
+    );
+    assert!(
+        back[3 << 20..(3 << 20) + (512 << 10)]
+            .iter()
+            .all(|b| *b == 0),
+        "zeroed range"
+    );
+    assert!(back[..1 << 20] == data[..1 << 20], "data before the ranges");
+    assert!(
+        back[2 << 20..3 << 20] == data[2 << 20..3 << 20],
+        "data between the ranges"
+    );
+    assert!(
+        back[(3 << 20) + (512 << 10)..] == data[(3 << 20) + (512 << 10)..],
+        "data after the ranges"
+    );
+    assert!(
+        target_counter(&t, "write_zeroes") > zeroes_before,
+        "sent as WRITE_ZEROES"
+    );
+    // fsync on the device becomes a blkwire FLUSH.
+    let flushes_before = target_counter(&t, "flushes");
+    let f = OpenOptions::new().write(true).open(&m.dev).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    assert!(
+        target_counter(&t, "flushes") > flushes_before,
+        "fsync sent a FLUSH"
+    );
+    m.unmap();
+    run.assert_clean();
+}
+
+#[test]
+fn bad_input_is_one_line_and_leaves_nothing_behind() {
+    require_root!();
+    let run = Run::new("bad");
+    let t = Target::start(&["disk=mem:16M"]);
+    let one_line = |args: &[&str], needle: &str| {
+        let (ok, out, err) = run.cli(args);
+        assert!(!ok, "{args:?} should fail");
+        assert!(out.is_empty(), "{args:?} printed {out}");
+        let lines: Vec<_> = err.lines().collect();
+        assert_eq!(lines.len(), 1, "{args:?}: {err}");
+        assert!(lines[0].starts_with("blkwire: error:"), "{err}");
+        assert!(lines[0].contains(needle), "'{needle}' not in: {err}");
+    };
+    one_line(&["map", &t.url("nope")], "nope");
+    // A port nothing listens on: take one, then free it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    one_line(
+        &["map", &format!("tcp://127.0.0.1:{port}/disk")],
+        "cannot connect",
+    );
+    one_line(&["map", &t.base], "names no export");
+    one_line(
+        &["map", &t.url("disk"), "--max-io-size", "1k"],
+        "--max-io-size",
+    );
+    if !Path::new("/dev/ublk-control").exists() {
+        one_line(
+            &["map", &t.url("disk"), "--frontend", "ublk"],
+            "/dev/ublk-control",
+        );
+    }
+    run.assert_clean();
+
+    // unmap of something that is not a blkwire device says so and touches nothing.
+    one_line(&["unmap", "/dev/null"], "not a blkwire device");
+    let d = TempDir::new("map-bad-loop");
+    common::sparse_file(&d.path("plain.img"), 1 << 20);
+    let plain = run_ok(
+        "losetup",
+        &["-f", "--show", d.path("plain.img").to_str().unwrap()],
+    )
+    .trim()
+    .to_string();
+    struct Detach(String);
+    impl Drop for Detach {
+        fn drop(&mut self) {
+            let _ = Command::new("losetup").args(["-d", &self.0]).status();
+        }
+    }
+    let _guard = Detach(plain.clone());
+    one_line(&["unmap", &plain], "not a blkwire device");
+    let name = plain.trim_start_matches("/dev/");
+    assert!(
+        Path::new(&format!("/sys/block/{name}/loop/backing_file")).exists(),
+        "a foreign loop device stays bound"
+    );
+    one_line(&["map", "--recover", &plain], "not a blkwire device");
+}
+
+#[test]
+fn options_reach_the_device() {
+    require_root!();
+    let run = Run::new("opts");
+    let t = Target::start(&["disk=mem:16M"]);
+    // A loop index nobody uses (the device is created on demand).
+    let n = (200..10_000)
+        .find(|n| !Path::new(&format!("/sys/block/loop{n}")).exists())
+        .unwrap();
+    let log = run.dir().join("map.log");
+    let m = run.map(
+        &t.url("disk"),
+        &[
+            "--dev-num",
+            &n.to_string(),
+            "--hdd",
+            "--max-io-size",
+            "64k",
+            "--queue-depth",
+            "8",
+            "--queues",
+            "1",
+            "--logfile",
+            log.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(m.dev, format!("/dev/loop{n}"));
+    assert_eq!(m.sys("queue/rotational"), "1", "--hdd");
+    assert_eq!(
+        m.sys("queue/max_sectors_kb"),
+        "64",
+        "requests fit --max-io-size"
+    );
+    let r = m.record();
+    assert_eq!(
+        (r["queues"].as_u64(), r["queue_depth"].as_u64()),
+        (Some(1), Some(8))
+    );
+    // Large requests still work: the loop device splits them at 64 KiB.
+    let data = random_bytes(1 << 20, 81);
+    dev_write(&m.dev, &data, 0).unwrap();
+    assert!(dev_read(&m.dev, data.len(), 0).unwrap() == data);
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains(&format!("/dev/loop{n} serves {}", t.url("disk"))),
+        "{text}"
+    );
+    // The device is taken: a second mapping on it fails and leaves the first alone.
+    let (ok, _, err) = run.cli(&["map", &t.url("disk"), "--dev-num", &n.to_string()]);
+    assert!(!ok && err.contains("in use"), "{err}");
+    assert_eq!(m.record()["state"], "running");
+    m.unmap();
+    assert!(std::fs::read_to_string(&log).unwrap().contains("unmapped"));
+    run.assert_clean();
+}
+
+#[test]
+fn foreground_mapping_serves_until_sigterm() {
+    require_root!();
+    let run = Run::new("fg");
+    let t = Target::start(&["disk=mem:16M"]);
+    let mut child = Command::new(BIN)
+        .args(["map", &t.url("disk"), "--foreground"])
+        .env("BLKWIRE_RUN_DIR", run.dir())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    struct Reap(std::process::Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let mut child = Reap(child);
+    // The device line is the readiness signal.
+    let dev = line.trim().to_string();
+    assert!(dev.starts_with("/dev/loop"), "{line:?}");
+    let m = Mapped {
+        run: &run,
+        dev: dev.clone(),
+        file: run.ls()[&dev]["file"].as_str().unwrap().to_string(),
+    };
+    assert_eq!(
+        m.pid(),
+        child.0.id() as i32,
+        "the foreground process serves it"
+    );
+    let data = random_bytes(64 << 10, 91);
+    dev_write(&dev, &data, 0).unwrap();
+    assert!(dev_read(&dev, data.len(), 0).unwrap() == data);
+    // SAFETY: kill(2) on our child.
+    unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) };
+    let status = child.0.wait().unwrap();
+    assert!(status.success(), "exit after SIGTERM: {status}");
+    assert!(!m.bound(), "detached");
+    assert!(run.ls().get(&dev).is_none(), "record removed");
+    run.assert_clean();
+}

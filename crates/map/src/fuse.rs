@@ -1,0 +1,805 @@
+//! The FUSE kernel protocol over `/dev/fuse` (linux/fuse.h, protocol 7.x), reduced to what a
+//! filesystem holding exactly one fixed-size file needs.
+//!
+//! Decoding is pure (`parse`) so it is unit-tested without a kernel; `Channel` is the only part
+//! that touches the device. All integers are in host byte order, as the kernel writes them.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+/// Node id of the mount's root directory (fixed by the kernel).
+pub const ROOT_ID: u64 = 1;
+/// Node id we give the one file.
+pub const FILE_ID: u64 = 2;
+
+/// Protocol we were written against. The kernel adapts to a lower minor than its own; every
+/// structure used here has had its current layout since well before 7.28.
+pub const KERNEL_MAJOR: u32 = 7;
+pub const KERNEL_MINOR: u32 = 38;
+/// FUSE_MAX_PAGES arrived in 7.28; without it requests are capped at 128 KiB.
+pub const MIN_MINOR: u32 = 28;
+
+/// Opcodes (enum fuse_opcode).
+pub mod op {
+    pub const LOOKUP: u32 = 1;
+    pub const FORGET: u32 = 2;
+    pub const GETATTR: u32 = 3;
+    pub const SETATTR: u32 = 4;
+    pub const OPEN: u32 = 14;
+    pub const READ: u32 = 15;
+    pub const WRITE: u32 = 16;
+    pub const STATFS: u32 = 17;
+    pub const RELEASE: u32 = 18;
+    pub const FSYNC: u32 = 20;
+    pub const GETXATTR: u32 = 22;
+    pub const LISTXATTR: u32 = 23;
+    pub const FLUSH: u32 = 25;
+    pub const INIT: u32 = 26;
+    pub const OPENDIR: u32 = 27;
+    pub const READDIR: u32 = 28;
+    pub const RELEASEDIR: u32 = 29;
+    pub const INTERRUPT: u32 = 36;
+    pub const DESTROY: u32 = 38;
+    pub const BATCH_FORGET: u32 = 42;
+    pub const FALLOCATE: u32 = 43;
+}
+
+// INIT flags (fuse_init_in/out.flags).
+pub const FUSE_ASYNC_READ: u32 = 1 << 0;
+pub const FUSE_BIG_WRITES: u32 = 1 << 5;
+pub const FUSE_ASYNC_DIO: u32 = 1 << 15;
+pub const FUSE_MAX_PAGES: u32 = 1 << 22;
+
+// OPEN reply flags.
+pub const FOPEN_DIRECT_IO: u32 = 1 << 0;
+pub const FOPEN_PARALLEL_DIRECT_WRITES: u32 = 1 << 6;
+
+/// SETATTR valid bit for a size change.
+pub const FATTR_SIZE: u32 = 1 << 3;
+
+pub const IN_HEADER_LEN: usize = 40;
+pub const OUT_HEADER_LEN: usize = 16;
+/// The kernel refuses reads into buffers smaller than this, whatever max_write is.
+pub const MIN_READ_BUFFER: usize = 8192;
+/// Room for the largest request header in front of WRITE data (in header + fuse_write_in).
+pub const REQUEST_OVERHEAD: usize = 4096;
+
+/// Pages per request the kernel allows when FUSE_MAX_PAGES is not negotiated.
+const DEFAULT_MAX_PAGES: u32 = 32;
+const PAGE: u32 = 4096;
+
+/// `_IOR(229, 0, uint32_t)`: attach a new /dev/fuse descriptor to an existing connection.
+const FUSE_DEV_IOC_CLONE: libc::c_ulong = 0x8004_E500;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InHeader {
+    pub len: u32,
+    pub opcode: u32,
+    pub unique: u64,
+    pub nodeid: u64,
+    pub pid: u32,
+}
+
+/// A decoded request. Borrowed slices point into the read buffer.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Request<'a> {
+    Init(InitIn),
+    Lookup {
+        name: &'a [u8],
+    },
+    Getattr,
+    Setattr {
+        valid: u32,
+        size: u64,
+    },
+    Open {
+        flags: u32,
+    },
+    Read {
+        offset: u64,
+        size: u32,
+    },
+    Write {
+        offset: u64,
+        data: &'a [u8],
+    },
+    Statfs,
+    Release,
+    Fsync,
+    Flush,
+    Opendir,
+    Readdir {
+        offset: u64,
+        size: u32,
+    },
+    Releasedir,
+    Fallocate {
+        offset: u64,
+        length: u64,
+        mode: u32,
+    },
+    Interrupt,
+    Destroy,
+    /// FORGET and BATCH_FORGET: the kernel expects no reply.
+    Forget,
+    /// Everything else (including GETXATTR/LISTXATTR): answered ENOSYS, which also tells the
+    /// kernel not to ask again for most of them.
+    Unsupported(u32),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InitIn {
+    pub major: u32,
+    pub minor: u32,
+    pub max_readahead: u32,
+    pub flags: u32,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum ParseError {
+    /// Not even a header: nothing can be answered.
+    Short,
+    /// The header is fine, the body is not: answer EIO to `unique`.
+    Body(InHeader),
+}
+
+/// Little cursor over a request body; every read is bounds-checked.
+struct Rd<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Rd<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let s = self.b.get(self.at..self.at.checked_add(n)?)?;
+        self.at += n;
+        Some(s)
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4)
+            .map(|s| u32::from_ne_bytes([s[0], s[1], s[2], s[3]]))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        self.take(8).map(|s| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(s);
+            u64::from_ne_bytes(a)
+        })
+    }
+    fn skip(&mut self, n: usize) -> Option<()> {
+        self.take(n).map(|_| ())
+    }
+    fn rest(&self) -> &'a [u8] {
+        &self.b[self.at.min(self.b.len())..]
+    }
+}
+
+/// Decodes one request as read from /dev/fuse (exactly the bytes `read` returned).
+pub fn parse(buf: &[u8]) -> Result<(InHeader, Request<'_>), ParseError> {
+    let mut r = Rd { b: buf, at: 0 };
+    let (len, opcode, unique, nodeid) = match (r.u32(), r.u32(), r.u64(), r.u64()) {
+        (Some(a), Some(b), Some(c), Some(d)) => (a, b, c, d),
+        _ => return Err(ParseError::Short),
+    };
+    let pid = r.u32().and(r.u32()).and(r.u32()).unwrap_or(0);
+    let h = InHeader {
+        len,
+        opcode,
+        unique,
+        nodeid,
+        pid,
+    };
+    if buf.len() < IN_HEADER_LEN || len as usize != buf.len() {
+        return Err(ParseError::Body(h));
+    }
+    let mut r = Rd {
+        b: buf,
+        at: IN_HEADER_LEN,
+    };
+    let bad = || ParseError::Body(h);
+    let req = match opcode {
+        op::INIT => {
+            let major = r.u32().ok_or_else(bad)?;
+            let minor = r.u32().ok_or_else(bad)?;
+            let max_readahead = r.u32().ok_or_else(bad)?;
+            let flags = r.u32().ok_or_else(bad)?;
+            Request::Init(InitIn {
+                major,
+                minor,
+                max_readahead,
+                flags,
+            })
+        }
+        op::LOOKUP => {
+            let name = r.rest();
+            // NUL-terminated name.
+            let name = name.strip_suffix(&[0]).unwrap_or(name);
+            Request::Lookup { name }
+        }
+        op::GETATTR => Request::Getattr,
+        op::SETATTR => {
+            let valid = r.u32().ok_or_else(bad)?;
+            r.skip(4 + 8).ok_or_else(bad)?; // padding, fh
+            let size = r.u64().ok_or_else(bad)?;
+            Request::Setattr { valid, size }
+        }
+        op::OPEN => Request::Open {
+            flags: r.u32().ok_or_else(bad)?,
+        },
+        op::READ | op::READDIR => {
+            r.skip(8).ok_or_else(bad)?; // fh
+            let offset = r.u64().ok_or_else(bad)?;
+            let size = r.u32().ok_or_else(bad)?;
+            if opcode == op::READ {
+                Request::Read { offset, size }
+            } else {
+                Request::Readdir { offset, size }
+            }
+        }
+        op::WRITE => {
+            r.skip(8).ok_or_else(bad)?; // fh
+            let offset = r.u64().ok_or_else(bad)?;
+            let size = r.u32().ok_or_else(bad)?;
+            r.skip(4 + 8 + 4 + 4).ok_or_else(bad)?; // write_flags, lock_owner, flags, padding
+            let data = r.take(size as usize).ok_or_else(bad)?;
+            Request::Write { offset, data }
+        }
+        op::STATFS => Request::Statfs,
+        op::RELEASE => Request::Release,
+        op::FSYNC => Request::Fsync,
+        op::FLUSH => Request::Flush,
+        op::OPENDIR => Request::Opendir,
+        op::RELEASEDIR => Request::Releasedir,
+        op::FALLOCATE => {
+            r.skip(8).ok_or_else(bad)?; // fh
+            let offset = r.u64().ok_or_else(bad)?;
+            let length = r.u64().ok_or_else(bad)?;
+            let mode = r.u32().ok_or_else(bad)?;
+            Request::Fallocate {
+                offset,
+                length,
+                mode,
+            }
+        }
+        op::INTERRUPT => Request::Interrupt,
+        op::DESTROY => Request::Destroy,
+        op::FORGET | op::BATCH_FORGET => Request::Forget,
+        other => Request::Unsupported(other),
+    };
+    Ok((h, req))
+}
+
+/// What we answer INIT with, and the I/O size that results.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Negotiated {
+    pub reply: [u8; 64],
+    /// Largest READ/WRITE the kernel will send (max_read is set to the same by mount option).
+    pub max_io: u32,
+    pub minor: u32,
+}
+
+/// Chooses the INIT reply. `want_io` is the I/O size the blkwire session granted: the kernel
+/// must never send a request larger than one blkwire command. `max_pages_limit` is the
+/// kernel's cap (/proc/sys/fs/fuse/max_pages_limit, 256 = 1 MiB by default). `background`
+/// bounds asynchronous requests in flight; the kernel's default (12) would cap the loop device's
+/// queue depth at 12, so we raise it to what the queues can carry.
+pub fn negotiate(
+    init: &InitIn,
+    want_io: u32,
+    max_pages_limit: u32,
+    background: u16,
+) -> Result<Negotiated, String> {
+    if init.major != KERNEL_MAJOR {
+        return Err(format!(
+            "kernel speaks FUSE {}.{}, this build needs {KERNEL_MAJOR}.x",
+            init.major, init.minor
+        ));
+    }
+    if init.minor < MIN_MINOR {
+        return Err(format!(
+            "kernel FUSE protocol 7.{} is older than the 7.{MIN_MINOR} this build needs (large requests)",
+            init.minor
+        ));
+    }
+    let minor = init.minor.min(KERNEL_MINOR);
+    let want = FUSE_ASYNC_READ | FUSE_BIG_WRITES | FUSE_ASYNC_DIO | FUSE_MAX_PAGES;
+    let flags = init.flags & want;
+    let pages_cap = if flags & FUSE_MAX_PAGES != 0 {
+        max_pages_limit.clamp(1, u16::MAX as u32)
+    } else {
+        DEFAULT_MAX_PAGES
+    };
+    // Whole pages: the kernel splits direct I/O at page granularity.
+    let pages = (want_io / PAGE).clamp(1, pages_cap);
+    let max_io = pages * PAGE;
+    let background = background.max(16);
+    let mut b = [0u8; 64];
+    put32(&mut b, 0, KERNEL_MAJOR);
+    put32(&mut b, 4, minor);
+    put32(&mut b, 8, init.max_readahead);
+    put32(&mut b, 12, flags);
+    put16(&mut b, 16, background);
+    put16(&mut b, 18, background / 4 * 3); // congestion_threshold
+    put32(&mut b, 20, max_io); // max_write
+    put32(&mut b, 24, 1); // time_gran: nanoseconds
+    put16(&mut b, 28, pages as u16); // max_pages
+    Ok(Negotiated {
+        reply: b,
+        max_io,
+        minor,
+    })
+}
+
+/// Attributes of the root or of the file (struct fuse_attr).
+#[derive(Clone, Copy, Debug)]
+pub struct Attr {
+    pub ino: u64,
+    pub size: u64,
+    pub mode: u32,
+    pub nlink: u32,
+    pub blksize: u32,
+    pub time: u64,
+}
+
+const ATTR_LEN: usize = 88;
+/// Attribute and entry validity: nothing about this filesystem ever changes.
+const VALID_SECS: u64 = 3600;
+
+fn put_attr(b: &mut [u8], at: usize, a: &Attr) {
+    put64(b, at, a.ino);
+    put64(b, at + 8, a.size);
+    put64(b, at + 16, a.size.div_ceil(512)); // blocks
+    for i in 0..3 {
+        put64(b, at + 24 + i * 8, a.time); // atime, mtime, ctime
+    }
+    put32(b, at + 60, a.mode);
+    put32(b, at + 64, a.nlink);
+    // uid, gid, rdev, flags stay 0 (root-owned).
+    put32(b, at + 80, a.blksize);
+}
+
+/// struct fuse_entry_out (LOOKUP).
+pub fn entry_out(a: &Attr) -> [u8; 40 + ATTR_LEN] {
+    let mut b = [0u8; 40 + ATTR_LEN];
+    put64(&mut b, 0, a.ino); // nodeid
+    put64(&mut b, 8, 1); // generation
+    put64(&mut b, 16, VALID_SECS);
+    put64(&mut b, 24, VALID_SECS);
+    put_attr(&mut b, 40, a);
+    b
+}
+
+/// struct fuse_attr_out (GETATTR, SETATTR).
+pub fn attr_out(a: &Attr) -> [u8; 16 + ATTR_LEN] {
+    let mut b = [0u8; 16 + ATTR_LEN];
+    put64(&mut b, 0, VALID_SECS);
+    put_attr(&mut b, 16, a);
+    b
+}
+
+/// struct fuse_open_out.
+pub fn open_out(fh: u64, open_flags: u32) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    put64(&mut b, 0, fh);
+    put32(&mut b, 8, open_flags);
+    b
+}
+
+/// struct fuse_write_out.
+pub fn write_out(size: u32) -> [u8; 8] {
+    let mut b = [0u8; 8];
+    put32(&mut b, 0, size);
+    b
+}
+
+/// struct fuse_statfs_out: a full filesystem of `blocks` blocks of `bsize` (loop reads the
+/// block size as its discard granularity).
+pub fn statfs_out(blocks: u64, bsize: u32) -> [u8; 80] {
+    let mut b = [0u8; 80];
+    put64(&mut b, 0, blocks);
+    put64(&mut b, 24, 1); // files
+    put32(&mut b, 40, bsize);
+    put32(&mut b, 44, 255); // namelen
+    put32(&mut b, 48, bsize); // frsize
+    b
+}
+
+/// READDIR reply: `entries` (ino, type, name) from index `offset` on, as many as fit in `size`.
+pub fn dirents(entries: &[(u64, u32, &[u8])], offset: u64, size: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (i, (ino, typ, name)) in entries.iter().enumerate().skip(offset as usize) {
+        let len = (24 + name.len()).next_multiple_of(8);
+        if out.len() + len > size as usize {
+            break;
+        }
+        let at = out.len();
+        out.resize(at + len, 0);
+        put64(&mut out, at, *ino);
+        put64(&mut out, at + 8, i as u64 + 1); // offset of the next entry
+        put32(&mut out, at + 16, name.len() as u32);
+        put32(&mut out, at + 20, *typ);
+        out[at + 24..at + 24 + name.len()].copy_from_slice(name);
+    }
+    out
+}
+
+fn put16(b: &mut [u8], at: usize, v: u16) {
+    b[at..at + 2].copy_from_slice(&v.to_ne_bytes());
+}
+fn put32(b: &mut [u8], at: usize, v: u32) {
+    b[at..at + 4].copy_from_slice(&v.to_ne_bytes());
+}
+fn put64(b: &mut [u8], at: usize, v: u64) {
+    b[at..at + 8].copy_from_slice(&v.to_ne_bytes());
+}
+
+/// One /dev/fuse descriptor. Each worker thread owns one (the first opened, the others cloned),
+/// so replies go back on the descriptor the request was read from, as the kernel requires.
+pub struct Channel {
+    fd: OwnedFd,
+    nonblocking: bool,
+}
+
+impl Channel {
+    pub fn open() -> io::Result<Channel> {
+        // SAFETY: plain open of a device node; the result is checked.
+        let fd = unsafe { libc::open(c"/dev/fuse".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd is a fresh descriptor we own.
+        Ok(Channel {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+            nonblocking: false,
+        })
+    }
+
+    /// A new descriptor on the same connection (FUSE_DEV_IOC_CLONE): requests are shared between
+    /// all descriptors, each with its own list of requests being processed.
+    pub fn clone_channel(&self) -> io::Result<Channel> {
+        let c = Channel::open()?;
+        let src: u32 = self.fd.as_raw_fd() as u32;
+        // SAFETY: the ioctl reads one u32 (the source descriptor).
+        if unsafe { libc::ioctl(c.fd.as_raw_fd(), FUSE_DEV_IOC_CLONE, &src) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(c)
+    }
+
+    /// Switches O_NONBLOCK (a no-op when already in that mode).
+    pub fn set_nonblocking(&mut self, on: bool) -> io::Result<()> {
+        if self.nonblocking == on {
+            return Ok(());
+        }
+        let fd = self.fd.as_raw_fd();
+        // SAFETY: fcntl on our own descriptor.
+        let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        if fl < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let fl = if on {
+            fl | libc::O_NONBLOCK
+        } else {
+            fl & !libc::O_NONBLOCK
+        };
+        // SAFETY: as above.
+        if unsafe { libc::fcntl(fd, libc::F_SETFL, fl) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        self.nonblocking = on;
+        Ok(())
+    }
+
+    /// Reads one whole request. `buf` must hold max_write + REQUEST_OVERHEAD bytes.
+    /// ENODEV: the filesystem was unmounted (or the connection aborted); EAGAIN: nothing queued
+    /// (non-blocking mode); ENOENT: the request was interrupted before we got it.
+    pub fn receive(&self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            // SAFETY: read into our own buffer.
+            let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINTR) {
+                return Err(e);
+            }
+        }
+    }
+
+    /// Answers request `unique`: `errno` 0 with `parts` as the body, or an error.
+    /// ENOENT means the request no longer exists (interrupted): not an error for the caller.
+    pub fn reply(&self, unique: u64, errno: i32, parts: &[&[u8]]) -> io::Result<()> {
+        let body: usize = if errno == 0 {
+            parts.iter().map(|p| p.len()).sum()
+        } else {
+            0
+        };
+        let mut hdr = [0u8; OUT_HEADER_LEN];
+        put32(&mut hdr, 0, (OUT_HEADER_LEN + body) as u32);
+        hdr[4..8].copy_from_slice(&(-errno).to_ne_bytes());
+        put64(&mut hdr, 8, unique);
+        let mut iov = [libc::iovec {
+            iov_base: hdr.as_mut_ptr().cast(),
+            iov_len: OUT_HEADER_LEN,
+        }; 4];
+        let mut n = 1;
+        if errno == 0 {
+            for p in parts.iter().filter(|p| !p.is_empty()).take(3) {
+                iov[n] = libc::iovec {
+                    iov_base: p.as_ptr() as *mut libc::c_void,
+                    iov_len: p.len(),
+                };
+                n += 1;
+            }
+        }
+        loop {
+            // SAFETY: the iovecs point at live buffers for the duration of the call; the kernel
+            // only reads from them.
+            let r = unsafe { libc::writev(self.fd.as_raw_fd(), iov.as_ptr(), n as libc::c_int) };
+            if r >= 0 {
+                return Ok(());
+            }
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                Some(libc::ENOENT) => return Ok(()),
+                _ => return Err(e),
+            }
+        }
+    }
+
+    /// Waits until a request is queued or `ms` elapse (-1: no limit). Returns true when readable.
+    pub fn wait_readable(&self, ms: i32) -> io::Result<bool> {
+        let mut p = libc::pollfd {
+            fd: self.fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll on one pollfd of ours.
+        let n = unsafe { libc::poll(&mut p, 1, ms) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                return Ok(false);
+            }
+            return Err(e);
+        }
+        Ok(n > 0)
+    }
+}
+
+impl AsRawFd for Channel {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+/// Mounts the connection behind `ch` at `mountpoint` (mount(2), root only). After this the
+/// kernel has queued INIT on the channel.
+pub fn mount(ch: &Channel, mountpoint: &Path, source: &str, max_read: u32) -> io::Result<()> {
+    let target = CString::new(mountpoint.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    let source = CString::new(source).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // rootmode=40000: the root is a directory; allow_other: the loop driver's worker threads and
+    // other root processes may use the file, not only this process.
+    let data = format!(
+        "fd={},rootmode=40000,user_id=0,group_id=0,allow_other,max_read={max_read}",
+        ch.as_raw_fd()
+    );
+    let data = CString::new(data).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: all pointers are NUL-terminated strings that outlive the call.
+    let r = unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            c"fuse.blkwire".as_ptr(),
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC | libc::MS_NOATIME,
+            data.as_ptr().cast(),
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Lazily unmounts `mountpoint` (MNT_DETACH never blocks on users of the mount). Returns false
+/// when nothing was mounted there.
+pub fn unmount_lazy(mountpoint: &Path) -> io::Result<bool> {
+    let target = CString::new(mountpoint.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: NUL-terminated path.
+    let r = unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH | libc::UMOUNT_NOFOLLOW) };
+    if r == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EINVAL) | Some(libc::ENOENT) => Ok(false),
+        _ => Err(e),
+    }
+}
+
+/// True when `path` is a mount point in our mount namespace (from /proc/self/mountinfo).
+pub fn is_mounted(path: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    let want = path.as_os_str().as_bytes();
+    info.lines().any(|l| {
+        // Field 5 is the mount point, with spaces and friends octal-escaped.
+        l.split(' ')
+            .nth(4)
+            .is_some_and(|m| unescape_mountinfo(m) == want)
+    })
+}
+
+fn unescape_mountinfo(s: &str) -> Vec<u8> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
+/// The kernel's cap on pages per request (1 MiB with 4 KiB pages unless raised).
+pub fn max_pages_limit() -> u32 {
+    std::fs::read_to_string("/proc/sys/fs/fuse/max_pages_limit")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(256)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(len: usize, opcode: u32, unique: u64, nodeid: u64) -> Vec<u8> {
+        let mut b = vec![0u8; IN_HEADER_LEN];
+        put32(&mut b, 0, len as u32);
+        put32(&mut b, 4, opcode);
+        put64(&mut b, 8, unique);
+        put64(&mut b, 16, nodeid);
+        b
+    }
+
+    fn request(opcode: u32, nodeid: u64, body: &[u8]) -> Vec<u8> {
+        let mut b = header(IN_HEADER_LEN + body.len(), opcode, 7, nodeid);
+        b.extend_from_slice(body);
+        b
+    }
+
+    #[test]
+    fn parses_write_with_its_data() {
+        let mut body = vec![0u8; 40];
+        put64(&mut body, 8, 4096); // offset
+        put32(&mut body, 16, 5); // size
+        body.extend_from_slice(b"hello");
+        let b = request(op::WRITE, FILE_ID, &body);
+        let (h, r) = parse(&b).unwrap();
+        assert_eq!((h.unique, h.nodeid, h.opcode), (7, FILE_ID, op::WRITE));
+        assert_eq!(
+            r,
+            Request::Write {
+                offset: 4096,
+                data: b"hello"
+            }
+        );
+    }
+
+    #[test]
+    fn rejects_truncated_and_inconsistent_requests() {
+        assert_eq!(parse(&[0u8; 10]), Err(ParseError::Short));
+        // WRITE claiming more data than present.
+        let mut body = vec![0u8; 40];
+        put32(&mut body, 16, 100);
+        let b = request(op::WRITE, FILE_ID, &body);
+        assert!(matches!(parse(&b), Err(ParseError::Body(h)) if h.unique == 7));
+        // Header length disagreeing with what was read.
+        let mut b = request(op::GETATTR, FILE_ID, &[0u8; 16]);
+        put32(&mut b, 0, 1000);
+        assert!(matches!(parse(&b), Err(ParseError::Body(_))));
+        // READ with a short body.
+        let b = request(op::READ, FILE_ID, &[0u8; 12]);
+        assert!(matches!(parse(&b), Err(ParseError::Body(_))));
+    }
+
+    #[test]
+    fn parses_lookup_fallocate_setattr_and_unknown() {
+        let b = request(op::LOOKUP, ROOT_ID, b"disk0\0");
+        assert_eq!(parse(&b).unwrap().1, Request::Lookup { name: b"disk0" });
+        let mut body = vec![0u8; 32];
+        put64(&mut body, 8, 1 << 20);
+        put64(&mut body, 16, 1 << 30);
+        put32(&mut body, 24, 3);
+        let b = request(op::FALLOCATE, FILE_ID, &body);
+        assert_eq!(
+            parse(&b).unwrap().1,
+            Request::Fallocate {
+                offset: 1 << 20,
+                length: 1 << 30,
+                mode: 3
+            }
+        );
+        let mut body = vec![0u8; 88];
+        put32(&mut body, 0, FATTR_SIZE);
+        put64(&mut body, 16, 12345);
+        let b = request(op::SETATTR, FILE_ID, &body);
+        assert_eq!(
+            parse(&b).unwrap().1,
+            Request::Setattr {
+                valid: FATTR_SIZE,
+                size: 12345
+            }
+        );
+        let b = request(op::GETXATTR, FILE_ID, &[0u8; 8]);
+        assert_eq!(parse(&b).unwrap().1, Request::Unsupported(op::GETXATTR));
+    }
+
+    #[test]
+    fn negotiation_caps_io_at_the_session_and_kernel_limits() {
+        let init = InitIn {
+            major: 7,
+            minor: 41,
+            max_readahead: 1 << 17,
+            flags: u32::MAX,
+        };
+        let n = negotiate(&init, 1 << 20, 256, 256).unwrap();
+        assert_eq!((n.max_io, n.minor), (1 << 20, KERNEL_MINOR));
+        let flags = u32::from_ne_bytes(n.reply[12..16].try_into().unwrap());
+        assert_eq!(
+            flags,
+            FUSE_ASYNC_READ | FUSE_BIG_WRITES | FUSE_ASYNC_DIO | FUSE_MAX_PAGES
+        );
+        assert_eq!(u16::from_ne_bytes([n.reply[28], n.reply[29]]), 256);
+        assert_eq!(u16::from_ne_bytes([n.reply[16], n.reply[17]]), 256);
+        // The session granted less: requests must fit one blkwire command.
+        assert_eq!(
+            negotiate(&init, 256 << 10, 256, 64).unwrap().max_io,
+            256 << 10
+        );
+        // The kernel allows less.
+        assert_eq!(negotiate(&init, 8 << 20, 256, 64).unwrap().max_io, 1 << 20);
+        // No FUSE_MAX_PAGES: 32 pages.
+        let old = InitIn {
+            flags: FUSE_ASYNC_READ,
+            ..init
+        };
+        assert_eq!(negotiate(&old, 1 << 20, 256, 64).unwrap().max_io, 128 << 10);
+        assert!(negotiate(&InitIn { major: 8, ..init }, 1 << 20, 256, 64).is_err());
+        assert!(negotiate(&InitIn { minor: 20, ..init }, 1 << 20, 256, 64).is_err());
+    }
+
+    #[test]
+    fn dirents_are_aligned_and_resume_at_offset() {
+        let e: [(u64, u32, &[u8]); 3] = [(1, 4, b"."), (1, 4, b".."), (2, 8, b"disk0")];
+        let all = dirents(&e, 0, 4096);
+        assert_eq!(all.len(), 32 + 32 + 32);
+        let rest = dirents(&e, 2, 4096);
+        assert_eq!(rest.len(), 32);
+        assert_eq!(&rest[24..29], b"disk0");
+        assert_eq!(u64::from_ne_bytes(rest[8..16].try_into().unwrap()), 3);
+        assert!(dirents(&e, 0, 40).len() == 32, "only what fits");
+    }
+
+    #[test]
+    fn mountinfo_escapes() {
+        assert_eq!(unescape_mountinfo(r"/run/a\040b"), b"/run/a b");
+        assert_eq!(unescape_mountinfo(r"/x\\"), br"/x\\".to_vec());
+    }
+}

@@ -1,0 +1,66 @@
+//! blkwire block devices: `map` turns an export into a local block device, `unmap` ends it,
+//! `list` shows what is mapped (docs/ARCHITECTURE.md, "Map daemon").
+//!
+//! Frontends: **fuse** (a one-file FUSE filesystem served by a daemon, bound to a loop device
+//! with direct I/O) works on any kernel with FUSE and loop. **ublk** is chosen by `auto` once it
+//! exists in this build and the kernel offers /dev/ublk-control.
+//!
+//! Modules: `fuse` (kernel protocol over /dev/fuse), `loopdev` (loop ioctls), `state` (mapping
+//! records and liveness), `worker` (per-queue data path), `daemon` (setup, readiness, teardown),
+//! `unmap`, `sys` (signals, pidfds), `log`.
+
+pub mod fuse;
+pub mod log;
+pub mod loopdev;
+pub mod state;
+
+mod daemon;
+mod sys;
+mod unmap;
+mod worker;
+
+pub use daemon::{map, recover, MapOptions};
+pub use state::{Liveness, Record};
+pub use unmap::unmap;
+
+pub const FRONTEND_FUSE: &str = "fuse";
+pub const FRONTEND_UBLK: &str = "ublk";
+const UBLK_CONTROL: &str = "/dev/ublk-control";
+/// Set when the ublk frontend lands; until then `auto` means fuse everywhere.
+const UBLK_BUILT: bool = false;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Frontend {
+    Auto,
+    Ublk,
+    Fuse,
+}
+
+/// Resolves `--frontend` to the frontend that will serve the mapping, or says why it cannot.
+pub fn choose_frontend(f: Frontend) -> Result<&'static str, String> {
+    let has_ublk = std::path::Path::new(UBLK_CONTROL).exists();
+    match f {
+        Frontend::Fuse => Ok(FRONTEND_FUSE),
+        Frontend::Auto if has_ublk && UBLK_BUILT => Ok(FRONTEND_UBLK),
+        Frontend::Auto => Ok(FRONTEND_FUSE),
+        Frontend::Ublk if !has_ublk => Err(format!(
+            "the ublk frontend needs {UBLK_CONTROL}, which this machine lacks (kernel >= 6.0 with ublk_drv loaded: modprobe ublk_drv); use --frontend fuse"
+        )),
+        Frontend::Ublk => Err(
+            "the ublk frontend is not in this build yet; use --frontend fuse".into(),
+        ),
+    }
+}
+
+/// Every mapping with its state, sorted by device; unreadable records as errors.
+pub fn list() -> Vec<Result<(Record, Liveness), String>> {
+    state::list()
+        .into_iter()
+        .map(|r| {
+            r.map(|r| {
+                let l = r.liveness();
+                (r, l)
+            })
+        })
+        .collect()
+}

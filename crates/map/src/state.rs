@@ -1,0 +1,270 @@
+//! Mapping records: one JSON file per device in `<run dir>/devices/`, written by the daemon that
+//! serves it. A record never claims a mapping is alive by itself: it stores the daemon's pid and
+//! its start time from /proc/PID/stat, and every reader checks both (a reused pid has another
+//! start time), so `ls` cannot show a dead daemon as running.
+//!
+//! The run directory is /run/blkwire (tmpfs: records vanish at reboot together with the loop
+//! devices and mounts they describe). BLKWIRE_RUN_DIR overrides it, so tests and independent
+//! instances do not see each other's mappings.
+
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+pub fn run_dir() -> PathBuf {
+    std::env::var_os("BLKWIRE_RUN_DIR")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/run/blkwire"))
+}
+
+pub fn devices_dir() -> PathBuf {
+    run_dir().join("devices")
+}
+
+/// Where the daemons mount their FUSE filesystems, one directory per daemon.
+pub fn mounts_dir() -> PathBuf {
+    run_dir().join("mnt")
+}
+
+/// Creates the run directories, private to root: the FUSE files in them give raw access to
+/// the exports.
+pub fn ensure_dirs() -> io::Result<()> {
+    for d in [run_dir(), devices_dir(), mounts_dir()] {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&d)?;
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(())
+}
+
+/// Everything needed to list, unmap or recover a mapping.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Record {
+    /// `/dev/loop3`
+    pub device: String,
+    pub url: String,
+    pub export: String,
+    pub frontend: String,
+    pub pid: i32,
+    /// Field 22 of /proc/PID/stat (clock ticks after boot) when the record was written.
+    pub start_time: u64,
+    /// The daemon's FUSE mount and the file in it that the device is bound to.
+    pub mountpoint: String,
+    pub file: String,
+    pub size: u64,
+    pub readonly: bool,
+    pub queues: u16,
+    pub queue_depth: u16,
+    pub max_io: u32,
+    pub timeout_secs: u64,
+    pub hdd: bool,
+    pub logfile: Option<String>,
+}
+
+/// What a reader concludes about a record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Liveness {
+    Running,
+    Dead,
+}
+
+impl Liveness {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Liveness::Running => "running",
+            Liveness::Dead => "dead",
+        }
+    }
+}
+
+fn record_path(dev_name: &str) -> PathBuf {
+    devices_dir().join(format!("{dev_name}.json"))
+}
+
+fn dev_name(device: &str) -> &str {
+    device.strip_prefix("/dev/").unwrap_or(device)
+}
+
+impl Record {
+    /// Writes the record atomically (temporary file, then rename), so a reader never sees half.
+    pub fn save(&self) -> io::Result<()> {
+        let path = record_path(dev_name(&self.device));
+        let tmp = path.with_extension(format!("json.tmp{}", std::process::id()));
+        let text = serde_json::to_string_pretty(self).map_err(io::Error::other)?;
+        std::fs::write(&tmp, text + "\n")?;
+        std::fs::rename(&tmp, &path).inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        })
+    }
+
+    /// The record of `device` (`/dev/loop3` or `loop3`), None when there is none.
+    pub fn load(device: &str) -> Result<Option<Record>, String> {
+        let path = record_path(dev_name(device));
+        match std::fs::read_to_string(&path) {
+            Ok(text) => serde_json::from_str(&text)
+                .map(Some)
+                .map_err(|e| format!("{}: unreadable mapping record: {e}", path.display())),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(format!("{}: {e}", path.display())),
+        }
+    }
+
+    /// Removes the record of `device`, but only while it still names `pid` as its daemon: a
+    /// daemon that recovered the device in the meantime owns it now.
+    pub fn remove_if_owned(device: &str, pid: i32) {
+        if let Ok(Some(r)) = Record::load(device) {
+            if r.pid == pid {
+                let _ = std::fs::remove_file(record_path(dev_name(device)));
+            }
+        }
+    }
+
+    pub fn remove(device: &str) {
+        let _ = std::fs::remove_file(record_path(dev_name(device)));
+    }
+
+    pub fn liveness(&self) -> Liveness {
+        if process_alive(self.pid, self.start_time) {
+            Liveness::Running
+        } else {
+            Liveness::Dead
+        }
+    }
+}
+
+/// Every record, sorted by device. Unreadable records are returned as errors so the caller can
+/// say so instead of hiding a mapping.
+pub fn list() -> Vec<Result<Record, String>> {
+    let dir = match std::fs::read_dir(devices_dir()) {
+        Ok(d) => d,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Vec::new(),
+        Err(e) => return vec![Err(format!("{}: {e}", devices_dir().display()))],
+    };
+    let mut names: Vec<String> = dir
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.ends_with(".json"))
+        .collect();
+    names.sort_by_key(|n| {
+        // loop2 before loop10
+        let stem = n.trim_end_matches(".json");
+        let digits = stem.trim_start_matches(|c: char| !c.is_ascii_digit());
+        (
+            stem.len() - digits.len(),
+            digits.parse::<u64>().unwrap_or(u64::MAX),
+            stem.to_string(),
+        )
+    });
+    names
+        .iter()
+        .filter_map(|n| match Record::load(n.trim_end_matches(".json")) {
+            Ok(Some(r)) => Some(Ok(r)),
+            Ok(None) => None, // removed while we listed
+            Err(e) => Some(Err(e)),
+        })
+        .collect()
+}
+
+/// State letter and start time (fields 3 and 22) of /proc/PID/stat.
+pub fn proc_stat(pid: i32) -> Option<(char, u64)> {
+    if pid <= 0 {
+        return None;
+    }
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may contain anything, even ") ".
+    let rest = &s[s.rfind(')')? + 1..];
+    let mut f = rest.split_ascii_whitespace();
+    let state = f.next()?.chars().next()?;
+    let start = f.nth(18)?.parse().ok()?;
+    Some((state, start))
+}
+
+/// True when process `pid` exists, is not a zombie, and started at `start_time`.
+pub fn process_alive(pid: i32, start_time: u64) -> bool {
+    matches!(proc_stat(pid), Some((state, start)) if start == start_time && state != 'Z' && state != 'X')
+}
+
+pub fn self_start_time() -> u64 {
+    proc_stat(std::process::id() as i32)
+        .map(|(_, s)| s)
+        .unwrap_or(0)
+}
+
+/// Mount directories are named after the pid of the daemon that made them.
+pub fn mount_dir_for(pid: u32) -> PathBuf {
+    mounts_dir().join(pid.to_string())
+}
+
+/// Removes mount directories that no record refers to and whose daemon is gone: what a daemon
+/// killed between mounting and writing its record leaves behind.
+pub fn collect_orphan_mounts() {
+    let Ok(dir) = std::fs::read_dir(mounts_dir()) else {
+        return;
+    };
+    let used: Vec<String> = list()
+        .into_iter()
+        .filter_map(|r| r.ok())
+        .map(|r| r.mountpoint)
+        .collect();
+    for e in dir.filter_map(|e| e.ok()) {
+        let path = e.path();
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        if used.iter().any(|m| Path::new(m) == path) {
+            continue;
+        }
+        if matches!(proc_stat(pid), Some((s, _)) if s != 'Z' && s != 'X') {
+            continue; // a daemon still setting up
+        }
+        let _ = crate::fuse::unmount_lazy(&path);
+        let _ = std::fs::remove_dir(&path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_process_is_alive_and_a_wrong_start_time_is_not() {
+        let me = std::process::id() as i32;
+        let start = self_start_time();
+        assert!(start > 0);
+        assert!(process_alive(me, start));
+        assert!(
+            !process_alive(me, start + 1),
+            "a reused pid has another start time"
+        );
+        assert!(!process_alive(0, start));
+        assert!(!process_alive(i32::MAX, start));
+    }
+
+    #[test]
+    fn zombies_are_dead() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id() as i32;
+        // Wait for the exit without reaping (WNOWAIT): the child stays a zombie, with its pid
+        // and start time still listed in /proc.
+        // SAFETY: waitid fills a siginfo_t we own.
+        let r = unsafe {
+            let mut info: libc::siginfo_t = std::mem::zeroed();
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOWAIT,
+            )
+        };
+        assert_eq!(r, 0);
+        let (state, start) = proc_stat(pid).expect("unreaped child is listed");
+        assert_eq!(state, 'Z');
+        assert!(!process_alive(pid, start));
+        child.wait().unwrap();
+    }
+}

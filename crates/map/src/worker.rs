@@ -1,0 +1,1016 @@
+//! One worker thread per queue. Each owns a /dev/fuse descriptor (requests are shared between
+//! all descriptors of the connection; replies go back on the descriptor a request came from)
+//! and a blkwire `Queue`, so nothing on the I/O path is shared between threads.
+//!
+//! Data path: READ/WRITE/FSYNC/FLUSH/FALLOCATE become blkwire commands (one per request, as the
+//! FUSE request size is negotiated not to exceed the session's max I/O); everything else is
+//! answered on the spot from constant attributes. A worker keeps reading the kernel's requests
+//! while earlier ones are in flight (up to the queue depth), so the loop device's queue depth
+//! reaches the target.
+//!
+//! Failures: when the connection breaks, requests stay in the worker's table (writes keep their
+//! data) and are sent again once a reconnection succeeds. Every request gets an answer within
+//! `--timeout` of its arrival: EIO if the target has not answered by then. Once an outage is older
+//! than the timeout, a new request gets one fresh connection attempt and fails as soon as that
+//! attempt does, rather than waiting out the timeout again.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use blkwire_client::{Cmd, Completion, ConnectOptions, Queue, Url};
+use blkwire_wire::Status;
+
+use crate::fuse::{self, Attr, Channel, ParseError, Request, FILE_ID, ROOT_ID};
+use crate::log;
+
+/// Offset of WRITE data in a request: fuse_in_header + fuse_write_in.
+const WRITE_DATA_AT: usize = fuse::IN_HEADER_LEN + 40;
+/// WRITE_ZEROES commands are split at 1 GiB so each length fits the protocol's 32 bits.
+const ZERO_STEP: u64 = 1 << 30;
+/// How often deadlines are checked while requests are pending, and how long a disconnected
+/// worker sleeps between looks at its reconnection attempt.
+const TICK: Duration = Duration::from_millis(50);
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(1);
+const LOG_EVERY: Duration = Duration::from_secs(5);
+
+/// What the daemon's main thread hears about.
+pub(crate) enum Event {
+    /// SIGTERM/SIGINT/SIGHUP.
+    Signal(i32),
+    /// The last open handle of the file was released: the loop device let go of it.
+    FileReleased,
+    /// A worker stopped: the FUSE connection ended, or `error`.
+    WorkerExited { id: usize, error: Option<String> },
+}
+
+/// Read-only facts and the few counters all workers share.
+pub(crate) struct Shared {
+    pub url: Url,
+    /// For reconnecting one queue: the session's options with `queues: 1`.
+    pub reconnect: ConnectOptions,
+    pub size: u64,
+    pub readonly: bool,
+    /// Name of the file in the mount.
+    pub name: Vec<u8>,
+    pub root: Attr,
+    pub file: Attr,
+    pub block_size: u32,
+    pub timeout: Duration,
+    /// Largest READ/WRITE the kernel sends (negotiated at INIT).
+    pub max_io: u32,
+    pub events: mpsc::Sender<Event>,
+    /// Open handles of the file; see `Event::FileReleased`.
+    pub opens: AtomicU64,
+    /// Set once the loop device holds the file, so the release of a handle opened earlier
+    /// during setup does not count as the end of the mapping.
+    pub armed: AtomicBool,
+    pub next_fh: AtomicU64,
+    /// Successful reconnections by any worker (see `Outage::seen`).
+    pub reconnects: AtomicU64,
+}
+
+enum IoOp {
+    Read {
+        offset: u64,
+        len: u32,
+    },
+    Write {
+        offset: u64,
+        len: u32,
+    },
+    Flush,
+    Zero {
+        offset: u64,
+        len: u64,
+        no_hole: bool,
+    },
+}
+
+impl IoOp {
+    fn chunks(&self) -> u32 {
+        match self {
+            IoOp::Zero { len, .. } => len.div_ceil(ZERO_STEP).max(1) as u32,
+            _ => 1,
+        }
+    }
+
+    fn cmd<'a>(&self, i: u32, buf: &'a [u8]) -> Cmd<'a> {
+        match *self {
+            IoOp::Read { offset, len } => Cmd::Read { offset, len },
+            IoOp::Write { offset, len } => Cmd::Write {
+                offset,
+                data: &buf[WRITE_DATA_AT..WRITE_DATA_AT + len as usize],
+                fua: false,
+            },
+            IoOp::Flush => Cmd::Flush,
+            IoOp::Zero {
+                offset,
+                len,
+                no_hole,
+            } => {
+                let o = i as u64 * ZERO_STEP;
+                Cmd::WriteZeroes {
+                    offset: offset + o,
+                    len: (len - o).min(ZERO_STEP) as u32,
+                    no_hole,
+                }
+            }
+        }
+    }
+}
+
+/// A FUSE request being served.
+struct Pending {
+    unique: u64,
+    arrived: Instant,
+    op: IoOp,
+    /// Answer EIO if not done by then.
+    deadline: Instant,
+    /// When its latest command was sent; a connection that leaves a command unanswered for the
+    /// whole timeout is considered dead.
+    sent_at: Instant,
+    chunks: u32,
+    sent: u32,
+    outstanding: u32,
+    err: i32,
+    /// Already answered (EIO at its deadline) but commands are still in flight.
+    replied: bool,
+    /// The request as read (WRITE only: its data must survive a reconnection).
+    buf: Vec<u8>,
+}
+
+/// The worker's in-flight requests and its pool of request buffers.
+struct Table {
+    slots: Vec<Option<Pending>>,
+    free: Vec<usize>,
+    live: usize,
+    /// Requests with commands left to send, oldest first.
+    unsent: VecDeque<usize>,
+    bufs: Vec<Vec<u8>>,
+    buf_len: usize,
+    /// A reply found the FUSE connection gone.
+    fuse_gone: bool,
+    /// Requests failed with EIO for want of an answer, since the last log line about it.
+    failed: u64,
+    last_fail_log: Option<Instant>,
+}
+
+impl Table {
+    fn new(cap: usize, buf_len: usize) -> Table {
+        Table {
+            slots: (0..cap).map(|_| None).collect(),
+            free: (0..cap).rev().collect(),
+            live: 0,
+            unsent: VecDeque::with_capacity(cap),
+            bufs: Vec::new(),
+            buf_len,
+            fuse_gone: false,
+            failed: 0,
+            last_fail_log: None,
+        }
+    }
+
+    /// Request buffers are allocated on first use and reused: a fresh large allocation is
+    /// mapped lazily, so a 4 KiB request only ever touches the first pages of its 1 MiB buffer.
+    fn take_buf(&mut self) -> Vec<u8> {
+        self.bufs.pop().unwrap_or_else(|| vec![0u8; self.buf_len])
+    }
+
+    fn put_buf(&mut self, b: Vec<u8>) {
+        if b.len() == self.buf_len && self.bufs.len() <= self.slots.len() {
+            self.bufs.push(b);
+        }
+    }
+
+    fn insert(&mut self, p: Pending) -> Option<usize> {
+        let idx = self.free.pop()?;
+        self.slots[idx] = Some(p);
+        self.live += 1;
+        self.unsent.push_back(idx);
+        Some(idx)
+    }
+
+    fn remove(&mut self, idx: usize) {
+        if let Some(p) = self.slots[idx].take() {
+            self.live -= 1;
+            self.free.push(idx);
+            self.put_buf(p.buf);
+        }
+    }
+
+    fn reply(&mut self, ch: &Channel, unique: u64, errno: i32, parts: &[&[u8]]) {
+        if let Err(e) = ch.reply(unique, errno, parts) {
+            if e.raw_os_error() == Some(libc::ENODEV) {
+                self.fuse_gone = true;
+            } else {
+                log!("error", "replying to the kernel: {e}");
+            }
+        }
+    }
+
+    /// A blkwire command finished: answer the FUSE request once all its commands have.
+    fn on_completion(&mut self, ch: &Channel, c: Completion<'_>) {
+        let idx = c.user as usize;
+        let Some(Some(p)) = self.slots.get_mut(idx) else {
+            return;
+        };
+        p.outstanding = p.outstanding.saturating_sub(1);
+        if c.status != Status::Ok && p.err == 0 {
+            p.err = c.status.errno();
+            p.sent = p.chunks; // send no further chunks of a failed range
+        }
+        if p.outstanding > 0 || p.sent < p.chunks {
+            return;
+        }
+        if !p.replied {
+            let (unique, err) = (p.unique, p.err);
+            if err != 0 {
+                self.reply(ch, unique, err, &[]);
+            } else {
+                match p.op {
+                    IoOp::Read { .. } => self.reply(ch, unique, 0, &[c.data]),
+                    IoOp::Write { len, .. } => self.reply(ch, unique, 0, &[&fuse::write_out(len)]),
+                    IoOp::Flush | IoOp::Zero { .. } => self.reply(ch, unique, 0, &[]),
+                }
+            }
+        }
+        self.remove(idx);
+    }
+}
+
+enum Link {
+    Up(Queue),
+    Down(Outage),
+}
+
+struct Outage {
+    since: Instant,
+    next_try: Instant,
+    backoff: Duration,
+    attempt: Option<Attempt>,
+    attempts: u32,
+    /// `Shared::reconnects` when the last attempt started: a change means another worker got
+    /// through, so this one tries again at once instead of waiting out its backoff.
+    seen: u64,
+}
+
+impl Outage {
+    fn new(seen: u64) -> Outage {
+        let now = Instant::now();
+        Outage {
+            since: now,
+            next_try: now,
+            backoff: FIRST_BACKOFF,
+            attempt: None,
+            attempts: 0,
+            seen,
+        }
+    }
+}
+
+/// A reconnection running in its own thread.
+struct Attempt {
+    rx: mpsc::Receiver<Result<Queue, String>>,
+    started: Instant,
+}
+
+/// An eventfd the reconnection thread signals, so the worker (polling /dev/fuse) wakes as soon
+/// as the attempt ends instead of at its next tick.
+struct Waker {
+    fd: OwnedFd,
+}
+
+impl Waker {
+    fn new() -> std::io::Result<Waker> {
+        // SAFETY: eventfd returns a new descriptor or -1.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor we own.
+        Ok(Waker {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+
+    fn wake(fd: RawFd) {
+        let one = 1u64;
+        // SAFETY: an 8-byte write to an eventfd.
+        unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+    }
+
+    fn clear(&self) {
+        let mut v = 0u64;
+        // SAFETY: an 8-byte read from our non-blocking eventfd.
+        unsafe { libc::read(self.fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    }
+}
+
+enum Got {
+    Request,
+    Empty,
+    Gone,
+}
+
+pub(crate) struct Worker {
+    id: usize,
+    ch: Channel,
+    sh: Arc<Shared>,
+    link: Link,
+    t: Table,
+    cap: usize,
+    next_tick: Instant,
+    waker: Arc<Waker>,
+}
+
+impl Worker {
+    pub(crate) fn new(
+        id: usize,
+        ch: Channel,
+        sh: Arc<Shared>,
+        q: Queue,
+    ) -> std::io::Result<Worker> {
+        let cap = q.depth().max(1);
+        let buf_len = (sh.max_io as usize + fuse::REQUEST_OVERHEAD).max(fuse::MIN_READ_BUFFER);
+        Ok(Worker {
+            id,
+            ch,
+            sh,
+            link: Link::Up(q),
+            t: Table::new(cap, buf_len),
+            cap,
+            next_tick: Instant::now(),
+            waker: Arc::new(Waker::new()?),
+        })
+    }
+
+    /// Serves until the FUSE connection ends, then flushes and logs out.
+    pub(crate) fn run(mut self) {
+        let error = self.serve().err();
+        if let Some(e) = &error {
+            log!("error", "queue {}: {e}", self.id);
+        }
+        if let Link::Up(q) = std::mem::replace(&mut self.link, Link::Down(Outage::new(0))) {
+            final_flush(q, self.sh.readonly, self.id);
+        }
+        let _ = self
+            .sh
+            .events
+            .send(Event::WorkerExited { id: self.id, error });
+    }
+
+    fn serve(&mut self) -> Result<(), String> {
+        loop {
+            if self.t.fuse_gone {
+                return Ok(());
+            }
+            let up = matches!(self.link, Link::Up(_));
+            if self.t.live == 0 && up {
+                // Nothing in flight: sleep in read(), where the kernel wakes exactly one of the
+                // waiting workers per request (poll() would wake them all).
+                self.set_nonblocking(false)?;
+                if let Got::Gone = self.read_one()? {
+                    return Ok(());
+                }
+            }
+            self.set_nonblocking(true)?;
+            let mut got = 0;
+            while self.t.live < self.cap && !self.t.fuse_gone {
+                match self.read_one()? {
+                    Got::Request => got += 1,
+                    Got::Empty => break,
+                    Got::Gone => return Ok(()),
+                }
+            }
+            self.maintain();
+            self.pump();
+            let Worker { link, t, ch, .. } = self;
+            match link {
+                Link::Up(q) if q.in_flight() > 0 => {
+                    // New requests were just queued: send them and take what has already
+                    // arrived, then look for more requests. Otherwise block until the target
+                    // answers something (the client spins briefly first).
+                    let min = if got > 0 { 0 } else { 1 };
+                    if let Err(e) = q.complete(min, |c| t.on_completion(ch, c)) {
+                        self.link_down(&e.to_string());
+                    }
+                }
+                _ => {
+                    if self.t.live > 0 || !up {
+                        self.wait(TICK)?;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Waits for a request, the end of a reconnection attempt, or `limit`.
+    fn wait(&self, limit: Duration) -> Result<(), String> {
+        let mut p = [
+            libc::pollfd {
+                fd: self.ch.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.waker.fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: poll on two pollfds of ours.
+        let n = unsafe { libc::poll(p.as_mut_ptr(), 2, limit.as_millis() as i32) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINTR) {
+                return Err(format!("polling /dev/fuse: {e}"));
+            }
+        }
+        if p[1].revents != 0 {
+            self.waker.clear();
+        }
+        Ok(())
+    }
+
+    fn set_nonblocking(&mut self, on: bool) -> Result<(), String> {
+        self.ch
+            .set_nonblocking(on)
+            .map_err(|e| format!("/dev/fuse: {e}"))
+    }
+
+    fn read_one(&mut self) -> Result<Got, String> {
+        let mut buf = self.t.take_buf();
+        match self.ch.receive(&mut buf) {
+            Ok(n) => {
+                self.dispatch(buf, n);
+                Ok(Got::Request)
+            }
+            Err(e) => {
+                self.t.put_buf(buf);
+                match e.raw_os_error() {
+                    Some(libc::EAGAIN) => Ok(Got::Empty),
+                    // Interrupted before we read it: nothing to answer.
+                    Some(libc::ENOENT) => Ok(Got::Request),
+                    Some(libc::ENODEV) => Ok(Got::Gone),
+                    _ => Err(format!("reading /dev/fuse: {e}")),
+                }
+            }
+        }
+    }
+
+    /// Answers or queues one request. `buf[..n]` is the request.
+    fn dispatch(&mut self, buf: Vec<u8>, n: usize) {
+        let (h, req) = match fuse::parse(&buf[..n]) {
+            Ok(x) => x,
+            Err(ParseError::Short) => {
+                log!(
+                    "error",
+                    "short request from the kernel ({n} bytes), ignored"
+                );
+                self.t.put_buf(buf);
+                return;
+            }
+            Err(ParseError::Body(h)) => {
+                log!(
+                    "error",
+                    "malformed request opcode {} from the kernel",
+                    h.opcode
+                );
+                self.t.reply(&self.ch, h.unique, libc::EIO, &[]);
+                self.t.put_buf(buf);
+                return;
+            }
+        };
+        let sh = Arc::clone(&self.sh);
+        let u = h.unique;
+        let ch = &self.ch;
+        let t = &mut self.t;
+        match req {
+            Request::Lookup { name } => {
+                if h.nodeid == ROOT_ID && name == sh.name.as_slice() {
+                    t.reply(ch, u, 0, &[&fuse::entry_out(&sh.file)]);
+                } else {
+                    t.reply(ch, u, libc::ENOENT, &[]);
+                }
+            }
+            Request::Getattr => match h.nodeid {
+                ROOT_ID => t.reply(ch, u, 0, &[&fuse::attr_out(&sh.root)]),
+                FILE_ID => t.reply(ch, u, 0, &[&fuse::attr_out(&sh.file)]),
+                _ => t.reply(ch, u, libc::ENOENT, &[]),
+            },
+            Request::Setattr { valid, size } => {
+                if h.nodeid == FILE_ID && valid & fuse::FATTR_SIZE != 0 && size != sh.size {
+                    // The file is the export: its size is the export's.
+                    t.reply(ch, u, libc::EPERM, &[]);
+                } else {
+                    // Modes and times are not stored anywhere; report them unchanged.
+                    let a = if h.nodeid == FILE_ID {
+                        &sh.file
+                    } else {
+                        &sh.root
+                    };
+                    t.reply(ch, u, 0, &[&fuse::attr_out(a)]);
+                }
+            }
+            Request::Open { flags } => {
+                if h.nodeid != FILE_ID {
+                    t.reply(ch, u, libc::EISDIR, &[]);
+                } else if sh.readonly && flags as i32 & libc::O_ACCMODE != libc::O_RDONLY {
+                    t.reply(ch, u, libc::EROFS, &[]);
+                } else {
+                    let fh = sh.next_fh.fetch_add(1, Ordering::Relaxed);
+                    sh.opens.fetch_add(1, Ordering::SeqCst);
+                    // DIRECT_IO: no page cache in the FUSE layer either (the loop device already
+                    // does direct I/O; this also covers anyone opening the file without it).
+                    let flags = fuse::FOPEN_DIRECT_IO | fuse::FOPEN_PARALLEL_DIRECT_WRITES;
+                    t.reply(ch, u, 0, &[&fuse::open_out(fh, flags)]);
+                }
+            }
+            Request::Release => {
+                t.reply(ch, u, 0, &[]);
+                if h.nodeid == FILE_ID {
+                    let left = sh.opens.fetch_sub(1, Ordering::SeqCst).saturating_sub(1);
+                    if left == 0 && sh.armed.load(Ordering::SeqCst) {
+                        let _ = sh.events.send(Event::FileReleased);
+                    }
+                }
+            }
+            Request::Opendir => {
+                if h.nodeid == ROOT_ID {
+                    t.reply(ch, u, 0, &[&fuse::open_out(0, 0)]);
+                } else {
+                    t.reply(ch, u, libc::ENOTDIR, &[]);
+                }
+            }
+            Request::Readdir { offset, size } => {
+                let entries: [(u64, u32, &[u8]); 3] = [
+                    (ROOT_ID, libc::DT_DIR as u32, b"."),
+                    (ROOT_ID, libc::DT_DIR as u32, b".."),
+                    (FILE_ID, libc::DT_REG as u32, &sh.name),
+                ];
+                let d = fuse::dirents(&entries, offset, size);
+                t.reply(ch, u, 0, &[&d]);
+            }
+            Request::Releasedir | Request::Destroy => t.reply(ch, u, 0, &[]),
+            Request::Statfs => {
+                let bs = sh.block_size.max(512);
+                t.reply(ch, u, 0, &[&fuse::statfs_out(sh.size / bs as u64, bs)]);
+            }
+            Request::Read { offset, size } => {
+                if offset >= sh.size || size == 0 {
+                    t.reply(ch, u, 0, &[]); // end of file
+                } else {
+                    let len = (size as u64).min(sh.size - offset) as u32;
+                    self.start(u, IoOp::Read { offset, len }, None);
+                }
+            }
+            Request::Write { offset, data } => {
+                let len = data.len() as u32;
+                if sh.readonly {
+                    t.reply(ch, u, libc::EROFS, &[]);
+                } else if offset.checked_add(len as u64).is_none_or(|e| e > sh.size) {
+                    t.reply(ch, u, libc::ENOSPC, &[]);
+                } else if len == 0 {
+                    t.reply(ch, u, 0, &[&fuse::write_out(0)]);
+                } else {
+                    self.start(u, IoOp::Write { offset, len }, Some(buf));
+                    return;
+                }
+            }
+            Request::Fsync | Request::Flush => {
+                if sh.readonly {
+                    t.reply(ch, u, 0, &[]); // nothing can be dirty
+                } else {
+                    self.start(u, IoOp::Flush, None);
+                }
+            }
+            Request::Fallocate {
+                offset,
+                length,
+                mode,
+            } => match fallocate_op(&sh, offset, length, mode) {
+                Ok(Some(op)) => self.start(u, op, None),
+                Ok(None) => t.reply(ch, u, 0, &[]),
+                Err(errno) => t.reply(ch, u, errno, &[]),
+            },
+            Request::Init(_) => t.reply(ch, u, libc::EPROTO, &[]),
+            // Replying ENOSYS to INTERRUPT tells the kernel not to send more: requests are
+            // bounded by the timeout anyway.
+            Request::Interrupt | Request::Unsupported(_) => t.reply(ch, u, libc::ENOSYS, &[]),
+            Request::Forget => {}
+        }
+        // `buf` was not kept (only WRITE keeps it, and returns above).
+        self.t.put_buf(buf);
+    }
+
+    /// Queues an I/O request. During an outage longer than the timeout a new request does not
+    /// wait out the timeout again: it gets one fresh connection attempt, started now, and fails
+    /// as soon as that attempt does (see `maintain`).
+    fn start(&mut self, unique: u64, op: IoOp, buf: Option<Vec<u8>>) {
+        let now = Instant::now();
+        if let Link::Down(o) = &mut self.link {
+            if o.attempt.is_none() {
+                o.next_try = now;
+            }
+        }
+        let p = Pending {
+            unique,
+            arrived: now,
+            chunks: op.chunks(),
+            op,
+            deadline: now + self.sh.timeout,
+            sent_at: now,
+            sent: 0,
+            outstanding: 0,
+            err: 0,
+            replied: false,
+            buf: buf.unwrap_or_default(),
+        };
+        if self.t.insert(p).is_none() {
+            // Cannot happen: reading stops when the table is full. Answer rather than hang.
+            self.t.reply(&self.ch, unique, libc::EIO, &[]);
+        }
+    }
+
+    /// Sends what can be sent.
+    fn pump(&mut self) {
+        let Link::Up(q) = &mut self.link else {
+            return;
+        };
+        let now = Instant::now();
+        while let Some(&idx) = self.t.unsent.front() {
+            let Some(p) = self.t.slots[idx].as_mut() else {
+                self.t.unsent.pop_front();
+                continue;
+            };
+            if p.replied || p.sent >= p.chunks {
+                self.t.unsent.pop_front();
+                continue;
+            }
+            if q.in_flight() >= q.depth() {
+                break;
+            }
+            match q.submit(p.op.cmd(p.sent, &p.buf), idx as u64) {
+                Ok(()) => {
+                    p.sent += 1;
+                    p.outstanding += 1;
+                    p.sent_at = now;
+                }
+                Err(e) => {
+                    // Only a malformed command fails here; answer it rather than retry it.
+                    log!("error", "queue {}: cannot send a request: {e}", self.id);
+                    p.err = libc::EIO;
+                    p.sent = p.chunks;
+                    if p.outstanding == 0 {
+                        let unique = p.unique;
+                        self.t.reply(&self.ch, unique, libc::EIO, &[]);
+                        self.t.remove(idx);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Deadlines, connection health and reconnection.
+    fn maintain(&mut self) {
+        let now = Instant::now();
+        let reconnects = self.sh.reconnects.load(Ordering::Relaxed);
+        if let Link::Down(o) = &mut self.link {
+            if let Some(a) = &o.attempt {
+                match a.rx.try_recv() {
+                    Ok(Ok(q)) => {
+                        log!(
+                            "info",
+                            "queue {}: reconnected to {} after {:.1}s",
+                            self.id,
+                            self.sh.url,
+                            o.since.elapsed().as_secs_f64()
+                        );
+                        self.sh.reconnects.fetch_add(1, Ordering::Relaxed);
+                        self.link = Link::Up(q);
+                        return self.maintain();
+                    }
+                    Ok(Err(e)) => {
+                        let started = a.started;
+                        o.attempt = None;
+                        o.attempts += 1;
+                        if o.attempts == 1 || o.attempts % 30 == 0 {
+                            log!(
+                                "warn",
+                                "queue {}: reconnecting to {} (attempt {}): {e}",
+                                self.id,
+                                self.sh.url,
+                                o.attempts
+                            );
+                        }
+                        o.next_try = now + o.backoff;
+                        o.backoff = (o.backoff * 2).min(MAX_BACKOFF);
+                        if now.duration_since(o.since) >= self.sh.timeout {
+                            // A long outage: whoever arrived before this attempt started has
+                            // had its fresh chance (see `start`).
+                            self.fail_waiting(|p| p.arrived <= started);
+                        }
+                    }
+                    Err(mpsc::TryRecvError::Empty) => {}
+                    Err(mpsc::TryRecvError::Disconnected) => o.attempt = None,
+                }
+            }
+            if let Link::Down(o) = &mut self.link {
+                if o.attempt.is_none() && (now >= o.next_try || o.seen != reconnects) {
+                    o.seen = reconnects;
+                    o.attempt = spawn_attempt(&self.sh, self.id, &self.waker);
+                    if o.attempt.is_none() {
+                        o.next_try = now + o.backoff;
+                    }
+                }
+            }
+        }
+        if now < self.next_tick {
+            return;
+        }
+        self.next_tick = now + TICK;
+        let stuck = self
+            .t
+            .slots
+            .iter()
+            .flatten()
+            .any(|p| p.outstanding > 0 && now.duration_since(p.sent_at) >= self.sh.timeout);
+        self.fail_waiting(|p| now >= p.deadline);
+        // At most one line per LOG_EVERY about failed requests, however many fail.
+        if self.t.failed > 0
+            && self
+                .t
+                .last_fail_log
+                .is_none_or(|l| now.duration_since(l) >= LOG_EVERY)
+        {
+            self.t.last_fail_log = Some(now);
+            log!(
+                "warn",
+                "queue {}: {} request(s) failed with EIO: {} unreachable or silent for {}s",
+                self.id,
+                self.t.failed,
+                self.sh.url,
+                self.sh.timeout.as_secs()
+            );
+            self.t.failed = 0;
+        }
+        if stuck && matches!(self.link, Link::Up(_)) {
+            self.link_down(&format!("no reply for {}s", self.sh.timeout.as_secs()));
+        }
+    }
+
+    /// Answers EIO to every unanswered request `which` selects.
+    fn fail_waiting(&mut self, which: impl Fn(&Pending) -> bool) {
+        for idx in 0..self.t.slots.len() {
+            let Some(p) = self.t.slots[idx].as_mut() else {
+                continue;
+            };
+            if p.replied || !which(p) {
+                continue;
+            }
+            p.replied = true;
+            let (unique, idle) = (p.unique, p.outstanding == 0);
+            self.t.failed += 1;
+            self.t.reply(&self.ch, unique, libc::EIO, &[]);
+            if idle {
+                self.t.remove(idx);
+            }
+        }
+    }
+
+    /// Drops the connection; every unanswered request will be sent again on the next one.
+    fn link_down(&mut self, why: &str) {
+        if let Link::Up(_) = self.link {
+            log!(
+                "warn",
+                "queue {}: connection to {} lost ({why}); reconnecting, I/O waits up to {}s",
+                self.id,
+                self.sh.url,
+                self.sh.timeout.as_secs()
+            );
+        }
+        self.link = Link::Down(Outage::new(self.sh.reconnects.load(Ordering::Relaxed)));
+        self.t.unsent.clear();
+        for idx in 0..self.t.slots.len() {
+            let Some(p) = self.t.slots[idx].as_mut() else {
+                continue;
+            };
+            if p.replied {
+                // Already answered; its commands died with the connection.
+                self.t.remove(idx);
+            } else {
+                p.sent = 0;
+                p.outstanding = 0;
+                p.err = 0;
+                self.t.unsent.push_back(idx);
+            }
+        }
+    }
+}
+
+/// What a FALLOCATE means for a fixed-size file that is a block device: None = nothing to do.
+fn fallocate_op(sh: &Shared, offset: u64, length: u64, mode: u32) -> Result<Option<IoOp>, i32> {
+    const KEEP_SIZE: u32 = libc::FALLOC_FL_KEEP_SIZE as u32;
+    const PUNCH_HOLE: u32 = libc::FALLOC_FL_PUNCH_HOLE as u32;
+    const ZERO_RANGE: u32 = libc::FALLOC_FL_ZERO_RANGE as u32;
+    if sh.readonly {
+        return Err(libc::EROFS);
+    }
+    if mode & !(KEEP_SIZE | PUNCH_HOLE | ZERO_RANGE) != 0 {
+        return Err(libc::EOPNOTSUPP);
+    }
+    let end = offset.checked_add(length).ok_or(libc::EINVAL)?;
+    if mode & KEEP_SIZE == 0 && end > sh.size {
+        return Err(libc::EFBIG); // the file cannot grow
+    }
+    let end = end.min(sh.size);
+    if offset >= end {
+        return Ok(None);
+    }
+    let len = end - offset;
+    if mode & PUNCH_HOLE != 0 {
+        // The loop driver punches holes both for DISCARD and for WRITE_ZEROES that may unmap,
+        // and a punched range must read back as zeros. TRIM does not promise that
+        // (PROTOCOL.md §3), WRITE_ZEROES does, and may still deallocate (no NO_HOLE).
+        Ok(Some(IoOp::Zero {
+            offset,
+            len,
+            no_hole: false,
+        }))
+    } else if mode & ZERO_RANGE != 0 {
+        // Zeroing that must keep the range allocated (the loop driver's REQ_NOUNMAP).
+        Ok(Some(IoOp::Zero {
+            offset,
+            len,
+            no_hole: true,
+        }))
+    } else {
+        Ok(None) // plain allocation: every byte of an export already exists
+    }
+}
+
+/// Starts a reconnection in its own thread so the worker keeps answering (and timing out)
+/// requests while a connect to an unreachable host takes its time.
+fn spawn_attempt(sh: &Arc<Shared>, id: usize, waker: &Arc<Waker>) -> Option<Attempt> {
+    let (tx, rx) = mpsc::channel();
+    let waker = Arc::clone(waker);
+    let url = sh.url.clone();
+    let opts = sh.reconnect.clone();
+    let (size, max_io) = (sh.size, sh.max_io);
+    std::thread::Builder::new()
+        .name(format!("blkwire-reconnect-{id}"))
+        .spawn(move || {
+            let r = blkwire_client::connect(&url, &opts)
+                .map_err(|e| e.to_string())
+                .and_then(|mut s| {
+                    if s.info.size != size {
+                        return Err(format!(
+                            "the export's size changed from {size} to {} bytes; not using it",
+                            s.info.size
+                        ));
+                    }
+                    if s.info.max_io < max_io {
+                        return Err(format!(
+                            "the target now grants max I/O {} < {max_io}",
+                            s.info.max_io
+                        ));
+                    }
+                    s.queues
+                        .pop()
+                        .ok_or_else(|| "the target granted no queue".to_string())
+                });
+            let _ = tx.send(r);
+            Waker::wake(waker.fd.as_raw_fd());
+        })
+        .ok()?;
+    Some(Attempt {
+        rx,
+        started: Instant::now(),
+    })
+}
+
+/// On the way out: make what this queue wrote durable, then log out.
+fn final_flush(mut q: Queue, readonly: bool, id: usize) {
+    const TOKEN: u64 = u64::MAX;
+    if !readonly && q.in_flight() < q.depth() && q.submit(Cmd::Flush, TOKEN).is_ok() {
+        let mut done = false;
+        let mut status = Status::Ok;
+        while !done {
+            match q.complete(1, |c| {
+                if c.user == TOKEN {
+                    done = true;
+                    status = c.status;
+                }
+            }) {
+                Ok(_) => {}
+                Err(e) => {
+                    log!("warn", "queue {id}: final flush: {e}");
+                    return;
+                }
+            }
+        }
+        if status != Status::Ok {
+            log!("warn", "queue {id}: final flush: {status}");
+        }
+    }
+    let _ = q.logout();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shared(size: u64, readonly: bool) -> Shared {
+        let a = Attr {
+            ino: FILE_ID,
+            size,
+            mode: 0,
+            nlink: 1,
+            blksize: 4096,
+            time: 0,
+        };
+        Shared {
+            url: Url::parse("tcp://127.0.0.1:1/x").unwrap(),
+            reconnect: ConnectOptions::default(),
+            size,
+            readonly,
+            name: b"x".to_vec(),
+            root: a,
+            file: a,
+            block_size: 4096,
+            timeout: Duration::from_secs(1),
+            max_io: 1 << 20,
+            events: mpsc::channel().0,
+            opens: AtomicU64::new(0),
+            armed: AtomicBool::new(false),
+            next_fh: AtomicU64::new(1),
+            reconnects: AtomicU64::new(0),
+        }
+    }
+
+    #[test]
+    fn fallocate_maps_punch_to_zeroes_that_may_unmap() {
+        let sh = shared(1 << 30, false);
+        let keep = libc::FALLOC_FL_KEEP_SIZE as u32;
+        let punch = libc::FALLOC_FL_PUNCH_HOLE as u32 | keep;
+        let zero = libc::FALLOC_FL_ZERO_RANGE as u32 | keep;
+        assert!(matches!(
+            fallocate_op(&sh, 4096, 8192, punch),
+            Ok(Some(IoOp::Zero {
+                offset: 4096,
+                len: 8192,
+                no_hole: false
+            }))
+        ));
+        assert!(matches!(
+            fallocate_op(&sh, 0, 4096, zero),
+            Ok(Some(IoOp::Zero { no_hole: true, .. }))
+        ));
+        // Clamped at the end of the file; nothing to do beyond it.
+        assert!(matches!(
+            fallocate_op(&sh, (1 << 30) - 4096, 1 << 20, punch),
+            Ok(Some(IoOp::Zero { len: 4096, .. }))
+        ));
+        assert!(matches!(fallocate_op(&sh, 1 << 30, 4096, punch), Ok(None)));
+        assert!(matches!(fallocate_op(&sh, 0, 4096, 0), Ok(None)));
+        assert_eq!(fallocate_op(&sh, 0, 2 << 30, 0).err(), Some(libc::EFBIG));
+        assert_eq!(
+            fallocate_op(&sh, u64::MAX, 2, keep).err(),
+            Some(libc::EINVAL)
+        );
+        assert_eq!(
+            fallocate_op(&sh, 0, 1, libc::FALLOC_FL_COLLAPSE_RANGE as u32).err(),
+            Some(libc::EOPNOTSUPP)
+        );
+        assert_eq!(
+            fallocate_op(&shared(1 << 20, true), 0, 1, punch).err(),
+            Some(libc::EROFS)
+        );
+    }
+
+    #[test]
+    fn large_zero_ranges_split_into_32_bit_commands() {
+        let op = IoOp::Zero {
+            offset: 512,
+            len: (5 << 30) + 4096,
+            no_hole: false,
+        };
+        assert_eq!(op.chunks(), 6);
+        let mut total = 0u64;
+        for i in 0..op.chunks() {
+            match op.cmd(i, &[]) {
+                Cmd::WriteZeroes { offset, len, .. } => {
+                    assert_eq!(offset, 512 + total);
+                    total += len as u64;
+                }
+                _ => panic!("not a write-zeroes"),
+            }
+        }
+        assert_eq!(total, (5 << 30) + 4096);
+    }
+}
