@@ -133,7 +133,7 @@ impl DgramQueue {
         poll: Duration,
     ) -> DgramQueue {
         let frame = HEADER_LEN + frame_payload as usize;
-        let rx_cap = (link.rcvbuf / frame as u32).max(1);
+        let rx_cap = blkwire_net::frames_in_buffer(link.rcvbuf, frame as u32);
         DgramQueue {
             link,
             session,
@@ -598,10 +598,9 @@ impl DgramQueue {
             self.rttvar = var;
             self.rto = (srtt + 4 * var).clamp(RTO_MIN, RTO_MAX);
         }
-        // Additive increase: one frame per window of answered frames.
-        let frames = s.window_frames as f64;
-        let w = (self.cwnd as u32).clamp(1, self.credit) as f64;
-        self.cwnd = (self.cwnd + frames / w).min(self.credit as f64);
+        // Growth: every answered frame opens the window by one (it doubles per round trip), up to
+        // the target's credit. The receiver's buffer, not a guess, is what bounds us on a LAN.
+        self.cwnd = (self.cwnd + s.window_frames as f64).min(self.credit as f64);
         self.done.push_back(slot);
     }
 
@@ -645,9 +644,11 @@ impl DgramQueue {
             }
         }
         if lost && now.duration_since(self.last_decrease) > srtt {
-            // Multiplicative decrease, once per loss episode. The base timer is left alone: each
-            // request backs off its own timer, and a random loss says nothing about the path.
-            self.cwnd = (self.cwnd / 2.0).max(1.0);
+            // Gentle multiplicative decrease (x 7/8), once per loss episode: on a storage LAN most
+            // loss is a full buffer or a corrupt frame, not a congested path, and halving on every
+            // random loss starves the queue (measured: 1 % loss cost 80 % of the IOPS). The base
+            // timer is left alone: each request backs off its own timer.
+            self.cwnd = (self.cwnd * 0.875).max(1.0);
             self.last_decrease = now;
         }
         self.flush_tx()

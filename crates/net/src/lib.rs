@@ -217,5 +217,16 @@ mod tests {
         assert_eq!(frame_payload_for(1500, 0), 1024);
         assert_eq!(frame_payload_for(65536, 28), 32 << 10);
         assert_eq!(frame_payload_for(100, 28), 512);
+        assert_eq!(frames_in_buffer(4 << 20, 1072), 2048);
+        assert_eq!(frames_in_buffer(4 << 20, 8752), 256);
+        assert_eq!(frames_in_buffer(100, 8752), 1);
     }
+}
+
+/// How many frames of `frame` bytes a socket buffer of `rcvbuf` bytes holds. The kernel charges
+/// each packet its buffer's true size (data rounded up to the allocation, plus bookkeeping), not
+/// its length, so a 1 KiB frame costs about 2 KiB and a 9 KB jumbo frame 16 KiB.
+pub fn frames_in_buffer(rcvbuf: u32, frame: u32) -> u32 {
+    let truesize = (frame + 320).next_power_of_two();
+    (rcvbuf / truesize).max(1)
 }
