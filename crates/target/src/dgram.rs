@@ -179,9 +179,12 @@ impl DgramPort {
 
     /// Per-queue window (PROTOCOL.md §9.4): the receive buffer shared by the active queues.
     fn credit(&self) -> u16 {
-        let frames = blkwire_net::frames_in_buffer(self.rcvbuf, HEADER_LEN as u32 + self.link_payload);
+        let frames =
+            blkwire_net::frames_in_buffer(self.rcvbuf, HEADER_LEN as u32 + self.link_payload);
         let active = self.index.len().max(1) as u32;
-        (frames / active).clamp(1, u16::MAX as u32) as u16
+        // Never more than two messages' worth in flight per queue: bursts beyond that only
+        // overflow the receiver's backlog.
+        (frames / active).clamp(1, 2 * crate::session::MAX_FRAGMENTS) as u16
     }
 
     /// Reads every waiting frame and handles it; replies are batched and sent at the end.

@@ -10,6 +10,9 @@ use blkwire_wire::{ExportEntry, Features, Hello, HelloReply, Status};
 use crate::log::Level;
 use crate::stats::QueueStats;
 
+/// Most fragments one datagram message may have (PROTOCOL.md §9.3).
+pub const MAX_FRAGMENTS: u32 = 256;
+
 /// Limits the target grants at most, whatever a client asks for.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
@@ -145,13 +148,18 @@ impl Registry {
         let (logical, physical) = export.backend().block_sizes();
         let queues = h.queues.min(self.limits.max_queues);
         let depth = h.depth.min(self.limits.max_depth);
-        let max_io = (h.max_io.min(self.limits.max_io) / logical * logical).max(logical);
+        let mut max_io = (h.max_io.min(self.limits.max_io) / logical * logical).max(logical);
         let frame_payload = match link_payload {
             // TCP: nothing is fragmented.
             None => max_io,
             // Datagrams: what both ends' links carry, in 512-byte units.
             Some(link) => (h.frame_payload.min(link).min(max_io) / 512 * 512).max(512),
         };
+        if link_payload.is_some() {
+            // A message of more than MAX_FRAGMENTS frames is a burst that overflows a receiver's
+            // backlog (1000 packets by default on Linux) before it can drain: split I/O earlier.
+            max_io = max_io.min(frame_payload * MAX_FRAGMENTS) / logical * logical;
+        }
         let (id, cookie) = self.create(
             &export,
             &h.host_id,
