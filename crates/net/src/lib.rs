@@ -206,6 +206,14 @@ pub fn link_addr(ifindex: i32, ethertype: u16, mac: [u8; 6]) -> libc::sockaddr_l
     sll
 }
 
+/// How many frames of `frame` bytes a socket buffer of `rcvbuf` bytes holds. The kernel charges
+/// each packet its buffer's true size (data rounded up to the allocation, plus bookkeeping), not
+/// its length, so a 1 KiB frame costs about 2 KiB and a 9 KB jumbo frame 16 KiB.
+pub fn frames_in_buffer(rcvbuf: u32, frame: u32) -> u32 {
+    let truesize = (frame + 320).next_power_of_two();
+    (rcvbuf / truesize).max(1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -223,10 +231,3 @@ mod tests {
     }
 }
 
-/// How many frames of `frame` bytes a socket buffer of `rcvbuf` bytes holds. The kernel charges
-/// each packet its buffer's true size (data rounded up to the allocation, plus bookkeeping), not
-/// its length, so a 1 KiB frame costs about 2 KiB and a 9 KB jumbo frame 16 KiB.
-pub fn frames_in_buffer(rcvbuf: u32, frame: u32) -> u32 {
-    let truesize = (frame + 320).next_power_of_two();
-    (rcvbuf / truesize).max(1)
-}
