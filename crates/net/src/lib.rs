@@ -230,4 +230,3 @@ mod tests {
         assert_eq!(frames_in_buffer(100, 8752), 1);
     }
 }
-
