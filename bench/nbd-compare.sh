@@ -31,6 +31,8 @@ set -euo pipefail
 shopt -s inherit_errexit
 
 RUNTIME="${RUNTIME:-8}"
+# fio jobs (one NBD connection each); one job saturates the client before the servers differ.
+JOBS="${JOBS:-1}"
 RAMP="${RAMP:-1}"
 READY_TIMEOUT="${READY_TIMEOUT:-10}"
 SHM="${SHM:-/dev/shm}"
@@ -210,7 +212,7 @@ run_fio() {
     # --output keeps the JSON clean (the nbd engine prints on stdout).
     # --norandommap: offsets are drawn independently (no coverage map), as in nbdkit-compare.sh.
     cpu="$(run_timed "$out.stdout" "${PID[$sys]}" fio --name=x --ioengine=nbd --uri="${URI[$sys]}" \
-        --rw="$rw" --bs="$bs" --iodepth="$qd" --numjobs=1 --time_based --runtime="$RUNTIME" \
+        --rw="$rw" --bs="$bs" --iodepth="$qd" --numjobs="$JOBS" --group_reporting --time_based --runtime="$RUNTIME" \
         --ramp_time="$RAMP" --norandommap --lat_percentiles=1 --output-format=json --output="$out")" \
         || die "fio $sys $rw bs=$bs QD$qd failed: $(tail -n 5 "$out.stdout.err" 2>/dev/null)"
     python3 - "$out" "$dir" <<'EOF' | tr '\n' ' '
@@ -236,7 +238,7 @@ for sys in blkwire nbdkit qemu-nbd; do
 done
 
 # ---------------------------------------------------------------------------- measure
-echo "# NBD servers, one client: fio $(fio --version | sed 's/^fio-//') --ioengine=nbd (libnbd $(nbdinfo --version 2>/dev/null | sed -n 's/^libnbd //p')), 1 job, ${RUNTIME}s per run (+${RAMP}s ramp), 127.0.0.1, $(nproc) CPUs"
+echo "# NBD servers, one client: fio $(fio --version | sed 's/^fio-//') --ioengine=nbd (libnbd $(nbdinfo --version 2>/dev/null | sed -n 's/^libnbd //p')), ${JOBS} job(s), ${RUNTIME}s per run (+${RAMP}s ramp), 127.0.0.1, $(nproc) CPUs"
 echo "# blkwire:  $("$BLKWIRE" --version 2>/dev/null || echo "$BLKWIRE") serve --listen nbd:// mem:$SIZE (${URI[blkwire]})"
 echo "# nbdkit:   $(nbdkit --version) memory $SIZE (${URI[nbdkit]})"
 echo "# qemu-nbd: $(qemu-nbd --version | head -n1) -f raw $SHM file of $SIZE (${URI[qemu-nbd]})"

@@ -171,14 +171,8 @@ pub fn packet_socket(ifindex: i32, ethertype: u16, filter: Filter) -> Result<Own
     // SAFETY: we own the new fd.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     attach_filter(fd.as_raw_fd(), filter)?;
-    // Frames go straight to the driver: blkwire paces itself (credits, window), a qdisc would only
-    // add a lock and a queue per frame.
-    setopt(
-        fd.as_raw_fd(),
-        libc::SOL_PACKET,
-        libc::PACKET_QDISC_BYPASS,
-        1,
-    );
+    // No PACKET_QDISC_BYPASS: it would also bypass the egress hooks (tc, nftables netdev egress)
+    // that operators and our own duplication tests rely on, for a gain too small to measure here.
     let sll = link_addr(ifindex, ethertype, [0; 6]);
     // SAFETY: bind to the interface and protocol.
     let rc = unsafe {

@@ -140,6 +140,9 @@ pub struct DgramPort {
     registry: Arc<Registry>,
     pub stats: PortStats,
     last_sweep: Instant,
+    /// Queues that sent a frame in the last two seconds (recounted every second): the receive
+    /// buffer is shared among these, not among idle queues waiting to expire.
+    active: u32,
 }
 
 /// Encodes io_uring user data for a datagram queue's backend I/O; supplied by the reactor.
@@ -170,6 +173,7 @@ impl DgramPort {
             registry,
             stats: PortStats::default(),
             last_sweep: Instant::now(),
+            active: 1,
         }
     }
 
@@ -181,7 +185,7 @@ impl DgramPort {
     fn credit(&self) -> u16 {
         let frames =
             blkwire_net::frames_in_buffer(self.rcvbuf, HEADER_LEN as u32 + self.link_payload);
-        let active = self.index.len().max(1) as u32;
+        let active = self.active.max(1);
         // Never more than two messages' worth in flight per queue: bursts beyond that only
         // overflow the receiver's backlog.
         (frames / active).clamp(1, 2 * crate::session::MAX_FRAGMENTS) as u16
@@ -529,6 +533,12 @@ impl DgramPort {
         self.last_sweep = now;
         self.hellos
             .retain(|_, (t, _)| now.duration_since(*t) < IDLE_EXPIRY);
+        self.active = self
+            .queues
+            .iter()
+            .flatten()
+            .filter(|q| now.duration_since(q.last_seen) < Duration::from_secs(2))
+            .count() as u32;
         for qi in 0..self.queues.len() {
             let idle = self.queues[qi]
                 .as_ref()
