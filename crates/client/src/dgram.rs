@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use blkwire_wire::{bitmap, fragment_count, Flags, Header, Opcode, Status, Tag, HEADER_LEN};
 
-use crate::queue::{Cmd, Completion, QueueStats};
+use crate::queue::{Cmd, Completion, Parts, QueueStats};
 use crate::{Error, Result};
 
 /// Timer bounds (PROTOCOL.md §9.2).
@@ -188,40 +188,13 @@ impl DgramQueue {
     }
 
     pub fn submit(&mut self, cmd: Cmd<'_>, user: u64) -> Result<()> {
-        let (opcode, offset, len, flags, data): (Opcode, u64, u32, u16, &[u8]) = match cmd {
-            Cmd::Read { offset, len } => (Opcode::Read, offset, len, 0, &[]),
-            Cmd::Write { offset, data, fua } => {
-                let len = u32::try_from(data.len())
-                    .map_err(|_| Error::Usage("write too large".into()))?;
-                (
-                    Opcode::Write,
-                    offset,
-                    len,
-                    if fua { Flags::FUA } else { 0 },
-                    data,
-                )
-            }
-            Cmd::Flush => (Opcode::Flush, 0, 0, 0, &[]),
-            Cmd::Trim { offset, len } => (Opcode::Trim, offset, len, 0, &[]),
-            Cmd::WriteZeroes {
-                offset,
-                len,
-                no_hole,
-            } => (
-                Opcode::WriteZeroes,
-                offset,
-                len,
-                if no_hole { Flags::NO_HOLE } else { 0 },
-                &[],
-            ),
-            Cmd::Keepalive => (Opcode::Keepalive, 0, 0, 0, &[]),
-        };
-        if matches!(opcode, Opcode::Read | Opcode::Write) && (len == 0 || len > self.max_io) {
-            return Err(Error::Usage(format!(
-                "I/O of {len} bytes outside 1..={} (split larger requests)",
-                self.max_io
-            )));
-        }
+        let Parts {
+            opcode,
+            offset,
+            len,
+            flags,
+            payload: data,
+        } = cmd.parts(self.max_io)?;
         let slot = self
             .free
             .pop()

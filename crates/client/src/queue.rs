@@ -2,7 +2,7 @@
 //! session uses. The pipelined API (`submit`, `send`, `complete`) is the transport's; the blocking
 //! helpers (`read_at`, `write_at`, ...) are written once on top of it.
 
-use blkwire_wire::Status;
+use blkwire_wire::{Flags, Opcode, Status};
 
 use crate::dgram::DgramQueue;
 use crate::stream::StreamQueue;
@@ -31,6 +31,63 @@ pub enum Cmd<'a> {
         no_hole: bool,
     },
     Keepalive,
+}
+
+/// A command taken apart into the fields every transport puts in its frame header.
+pub(crate) struct Parts<'a> {
+    pub opcode: Opcode,
+    pub offset: u64,
+    pub len: u32,
+    pub flags: u16,
+    /// WRITE data; empty otherwise.
+    pub payload: &'a [u8],
+}
+
+impl<'a> Cmd<'a> {
+    /// Checks the command against the session's max I/O and returns its header fields.
+    pub(crate) fn parts(self, max_io: u32) -> Result<Parts<'a>> {
+        let none: &[u8] = &[];
+        let (opcode, offset, len, flags, payload) = match self {
+            Cmd::Read { offset, len } => (Opcode::Read, offset, len, 0, none),
+            Cmd::Write { offset, data, fua } => {
+                let len = u32::try_from(data.len())
+                    .map_err(|_| Error::Usage("write too large".into()))?;
+                (
+                    Opcode::Write,
+                    offset,
+                    len,
+                    if fua { Flags::FUA } else { 0 },
+                    data,
+                )
+            }
+            Cmd::Flush => (Opcode::Flush, 0, 0, 0, none),
+            Cmd::Trim { offset, len } => (Opcode::Trim, offset, len, 0, none),
+            Cmd::WriteZeroes {
+                offset,
+                len,
+                no_hole,
+            } => (
+                Opcode::WriteZeroes,
+                offset,
+                len,
+                if no_hole { Flags::NO_HOLE } else { 0 },
+                none,
+            ),
+            Cmd::Keepalive => (Opcode::Keepalive, 0, 0, 0, none),
+        };
+        if matches!(opcode, Opcode::Read | Opcode::Write) && (len == 0 || len > max_io) {
+            return Err(Error::Usage(format!(
+                "I/O of {len} bytes outside 1..={max_io} (split larger requests)"
+            )));
+        }
+        Ok(Parts {
+            opcode,
+            offset,
+            len,
+            flags,
+            payload,
+        })
+    }
 }
 
 /// A finished command: the caller's token, the status and, for reads, the data (borrowed from the

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use blkwire_wire::{Flags, Header, Opcode, Status, Tag, HEADER_LEN};
 
-use crate::queue::{Cmd, Completion, QueueStats};
+use crate::queue::{Cmd, Completion, Parts, QueueStats};
 use crate::{ConnectOptions, Error, ExportInfo, Result};
 
 #[derive(Clone, Copy, Default)]
@@ -79,40 +79,13 @@ impl StreamQueue {
     /// Queues a command for sending (nothing is sent until [`Queue::send`] or a wait). `user` comes
     /// back in its completion. Fails only when every slot is busy or the command is malformed.
     pub fn submit(&mut self, cmd: Cmd<'_>, user: u64) -> Result<()> {
-        let (op, offset, len, flags, payload): (Opcode, u64, u32, u16, &[u8]) = match cmd {
-            Cmd::Read { offset, len } => (Opcode::Read, offset, len, 0, &[]),
-            Cmd::Write { offset, data, fua } => {
-                let len = u32::try_from(data.len())
-                    .map_err(|_| Error::Usage("write too large".into()))?;
-                (
-                    Opcode::Write,
-                    offset,
-                    len,
-                    if fua { Flags::FUA } else { 0 },
-                    data,
-                )
-            }
-            Cmd::Flush => (Opcode::Flush, 0, 0, 0, &[]),
-            Cmd::Trim { offset, len } => (Opcode::Trim, offset, len, 0, &[]),
-            Cmd::WriteZeroes {
-                offset,
-                len,
-                no_hole,
-            } => (
-                Opcode::WriteZeroes,
-                offset,
-                len,
-                if no_hole { Flags::NO_HOLE } else { 0 },
-                &[],
-            ),
-            Cmd::Keepalive => (Opcode::Keepalive, 0, 0, 0, &[]),
-        };
-        if matches!(op, Opcode::Read | Opcode::Write) && (len == 0 || len > self.max_io) {
-            return Err(Error::Usage(format!(
-                "I/O of {len} bytes outside 1..={} (split larger requests)",
-                self.max_io
-            )));
-        }
+        let Parts {
+            opcode: op,
+            offset,
+            len,
+            flags,
+            payload,
+        } = cmd.parts(self.max_io)?;
         let slot = self
             .free
             .pop()
