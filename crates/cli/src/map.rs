@@ -23,13 +23,13 @@ pub struct MapArgs {
     #[arg(conflicts_with = "recover")]
     url: Option<String>,
     /// Serve DEV again after the daemon serving it died; the other settings come from its record
-    /// (fuse: read-only mappings only, read-write ones need ublk)
+    /// (ublk: any mapping, with its filesystem mounted; fuse: read-only mappings only)
     #[arg(long, value_name = "DEV")]
     recover: Option<String>,
     /// Map read-only: the device refuses writes
     #[arg(long)]
     readonly: bool,
-    /// auto: ublk when /dev/ublk-control exists and ublk is built in, else fuse
+    /// auto: ublk when /dev/ublk-control exists (modprobe ublk_drv), else fuse
     #[arg(long, value_enum, default_value = "auto")]
     frontend: FrontendArg,
     /// Requests in flight per queue
@@ -38,13 +38,13 @@ pub struct MapArgs {
     /// Queues, each one thread and one connection (default: one per CPU, at most 8)
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
     queues: Option<u16>,
-    /// Largest I/O per request, 4K to 32M (FUSE caps it at 1M unless fs.fuse.max_pages_limit is raised)
+    /// Largest I/O per request, 4K to 32M (ublk caps it at 1M; FUSE too unless fs.fuse.max_pages_limit is raised)
     #[arg(long, value_name = "SIZE", default_value = "1M", value_parser = crate::size_arg)]
     max_io_size: u64,
     /// Mark the device rotational (also set when the export says it is)
     #[arg(long)]
     hdd: bool,
-    /// Use /dev/loopN instead of the first free loop device
+    /// Use /dev/ublkbN (ublk) or /dev/loopN (fuse) instead of the first free one
     #[arg(long, value_name = "N")]
     dev_num: Option<u32>,
     /// Serve in this process until unmapped or interrupted, instead of detaching once ready
@@ -60,7 +60,7 @@ pub struct MapArgs {
 
 #[derive(clap::Args)]
 pub struct UnmapArgs {
-    /// The mapped device, e.g. /dev/loop3
+    /// The mapped device, e.g. /dev/ublkb0 or /dev/loop3
     dev: String,
 }
 
@@ -82,11 +82,12 @@ pub fn run_map(a: MapArgs) -> Result<(), String> {
     if let Some(dev) = &a.recover {
         return blkwire_map::recover(dev, a.foreground, a.logfile, &mut print_device);
     }
-    blkwire_map::choose_frontend(match a.frontend {
+    let frontend = match a.frontend {
         FrontendArg::Auto => Frontend::Auto,
         FrontendArg::Ublk => Frontend::Ublk,
         FrontendArg::Fuse => Frontend::Fuse,
-    })?;
+    };
+    blkwire_map::choose_frontend(frontend)?;
     let max_io = u32::try_from(a.max_io_size)
         .ok()
         .filter(|m| (4096..=blkwire_wire::MAX_PAYLOAD_LIMIT).contains(m))
@@ -110,6 +111,7 @@ pub fn run_map(a: MapArgs) -> Result<(), String> {
         foreground: a.foreground,
         logfile: a.logfile,
         timeout: Duration::from_secs(a.timeout),
+        frontend,
     };
     blkwire_map::map(&o, &mut print_device)
 }

@@ -24,7 +24,7 @@ use crate::loopdev::{Detach, LoopDev};
 use crate::state::{self, Record};
 use crate::sys;
 use crate::worker::{Event, Shared, Worker};
-use crate::{log, FRONTEND_FUSE};
+use crate::{log, Frontend, FRONTEND_FUSE, FRONTEND_UBLK};
 
 /// How long the kernel may take to queue INIT after mount(2) (it does so during the call).
 const INIT_WAIT_MS: i32 = 10_000;
@@ -46,9 +46,10 @@ pub struct MapOptions {
     pub logfile: Option<PathBuf>,
     /// How long I/O waits for an unreachable target before failing with EIO.
     pub timeout: Duration,
+    pub frontend: Frontend,
 }
 
-enum Mode {
+pub(crate) enum Mode {
     New {
         dev_num: Option<u32>,
     },
@@ -56,16 +57,18 @@ enum Mode {
     Recover(Record),
 }
 
-struct Spec {
-    url: Url,
-    readonly: bool,
-    queues: u16,
-    depth: u16,
-    max_io: u32,
-    hdd: bool,
-    timeout: Duration,
-    logfile: Option<String>,
-    mode: Mode,
+pub(crate) struct Spec {
+    pub url: Url,
+    pub readonly: bool,
+    pub queues: u16,
+    pub depth: u16,
+    pub max_io: u32,
+    pub hdd: bool,
+    pub timeout: Duration,
+    pub logfile: Option<String>,
+    pub mode: Mode,
+    /// FRONTEND_FUSE or FRONTEND_UBLK
+    pub frontend: &'static str,
 }
 
 pub(crate) fn preflight() -> Result<(), String> {
@@ -94,7 +97,12 @@ pub fn map(o: &MapOptions, on_ready: &mut dyn FnMut(&str)) -> Result<(), String>
             o.url
         ));
     }
-    preflight()?;
+    let frontend = crate::choose_frontend(o.frontend)?;
+    if frontend == FRONTEND_UBLK {
+        crate::ublk::preflight()?;
+    } else {
+        preflight()?;
+    }
     let queues = if o.queues == 0 {
         // One per CPU, as blk-mq does. Measured on 2 CPUs (docs/BENCHMARKS.md): 1M writes run
         // ~35% faster with two queues than with one (one connection is one target reactor);
@@ -115,6 +123,7 @@ pub fn map(o: &MapOptions, on_ready: &mut dyn FnMut(&str)) -> Result<(), String>
         timeout: o.timeout,
         logfile: o.logfile.as_ref().map(|p| p.display().to_string()),
         mode: Mode::New { dev_num: o.dev_num },
+        frontend,
     };
     launch(spec, o.foreground, on_ready)
 }
@@ -126,9 +135,12 @@ pub fn recover(
     logfile: Option<PathBuf>,
     on_ready: &mut dyn FnMut(&str),
 ) -> Result<(), String> {
-    preflight()?;
     let not_ours =
         || format!("{device} is not a blkwire device (`blkwire ls` lists the mapped devices)");
+    if let Some(id) = crate::ublk::parse_device(device) {
+        return recover_ublk(id, foreground, logfile, on_ready);
+    }
+    preflight()?;
     let dev = LoopDev::parse(device).ok_or_else(not_ours)?;
     let rec = Record::load(&dev.path())?.ok_or_else(not_ours)?;
     let path = dev.path();
@@ -168,12 +180,51 @@ pub fn recover(
             .map(|p| p.display().to_string())
             .or_else(|| rec.logfile.clone()),
         mode: Mode::Recover(rec),
+        frontend: FRONTEND_FUSE,
+    };
+    launch(spec, foreground, on_ready)
+}
+
+/// `map --recover /dev/ublkbN`: a new daemon takes over the quiesced ublk device.
+fn recover_ublk(
+    id: u32,
+    foreground: bool,
+    logfile: Option<PathBuf>,
+    on_ready: &mut dyn FnMut(&str),
+) -> Result<(), String> {
+    crate::ublk::preflight()?;
+    let path = crate::ublk::device_path(id);
+    let rec = Record::load(&path)?.ok_or_else(|| {
+        format!("{path} is not a blkwire device (`blkwire ls` lists the mapped devices)")
+    })?;
+    if rec.frontend != FRONTEND_UBLK {
+        return Err(format!("{path} is not a blkwire ublk device"));
+    }
+    if rec.liveness() == state::Liveness::Running {
+        return Err(format!(
+            "{path} is still served by pid {}: nothing to recover",
+            rec.pid
+        ));
+    }
+    let spec = Spec {
+        url: Url::parse(&rec.url).map_err(|e| format!("record of {path}: {e}"))?,
+        readonly: rec.readonly,
+        queues: rec.queues,
+        depth: rec.queue_depth,
+        max_io: rec.max_io,
+        hdd: rec.hdd,
+        timeout: Duration::from_secs(rec.timeout_secs),
+        logfile: logfile
+            .map(|p| p.display().to_string())
+            .or_else(|| rec.logfile.clone()),
+        mode: Mode::Recover(rec),
+        frontend: FRONTEND_UBLK,
     };
     launch(spec, foreground, on_ready)
 }
 
 /// How the daemon reports readiness (or the error that prevented it).
-enum Notify<'a> {
+pub(crate) enum Notify<'a> {
     /// Daemonised: one line to the waiting parent, "ok DEV" or "error MESSAGE".
     Pipe(Option<File>),
     /// Foreground: the caller prints the device; errors come back as `Err`.
@@ -181,7 +232,7 @@ enum Notify<'a> {
 }
 
 impl Notify<'_> {
-    fn ready(&mut self, dev: &str) {
+    pub(crate) fn ready(&mut self, dev: &str) {
         match self {
             Notify::Pipe(p) => {
                 if let Some(mut f) = p.take() {
@@ -192,7 +243,7 @@ impl Notify<'_> {
         }
     }
 
-    fn failed(&mut self, msg: &str) {
+    pub(crate) fn failed(&mut self, msg: &str) {
         if let Notify::Pipe(p) = self {
             if let Some(mut f) = p.take() {
                 let _ = writeln!(f, "error {msg}");
@@ -283,6 +334,9 @@ fn open_log(path: &str) -> Result<File, String> {
 }
 
 fn run(spec: &Spec, notify: &mut Notify<'_>) -> Result<(), String> {
+    if spec.frontend == FRONTEND_UBLK {
+        return crate::ublk::run(spec, notify);
+    }
     let m = match Mapping::setup(spec) {
         Ok(m) => m,
         Err(e) => {
@@ -612,7 +666,7 @@ impl Mapping {
     }
 }
 
-fn check_export(info: &ExportInfo, spec: &Spec) -> Result<(), String> {
+pub(crate) fn check_export(info: &ExportInfo, spec: &Spec) -> Result<(), String> {
     if info.size == 0 {
         return Err(format!("export '{}' is empty", info.name));
     }

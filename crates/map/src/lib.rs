@@ -2,10 +2,12 @@
 //! `list` shows what is mapped (docs/ARCHITECTURE.md, "Map daemon").
 //!
 //! Frontends: **fuse** (a one-file FUSE filesystem served by a daemon, bound to a loop device
-//! with direct I/O) works on any kernel with FUSE and loop. **ublk** is chosen by `auto` once it
-//! exists in this build and the kernel offers /dev/ublk-control.
+//! with direct I/O) works on any kernel with FUSE and loop. **ublk** (`ublk`: the kernel's
+//! userspace block driver over io_uring, with USER_RECOVERY) is chosen by `auto` when the kernel
+//! offers /dev/ublk-control.
 //!
-//! Modules: `fuse` (kernel protocol over /dev/fuse), `loopdev` (loop ioctls), `state` (mapping
+//! Modules: `ublk` (the ublk frontend: ABI, control commands, queue threads), `fuse` (kernel
+//! protocol over /dev/fuse), `loopdev` (loop ioctls), `state` (mapping
 //! records and liveness), `worker` (per-queue data path), `daemon` (setup, readiness, teardown),
 //! `unmap`, `sys` (signals, pidfds), `log`.
 
@@ -16,6 +18,7 @@ pub mod state;
 
 mod daemon;
 mod sys;
+pub mod ublk;
 mod unmap;
 mod worker;
 
@@ -26,8 +29,8 @@ pub use unmap::unmap;
 pub const FRONTEND_FUSE: &str = "fuse";
 pub const FRONTEND_UBLK: &str = "ublk";
 const UBLK_CONTROL: &str = "/dev/ublk-control";
-/// Set when the ublk frontend lands; until then `auto` means fuse everywhere.
-const UBLK_BUILT: bool = false;
+/// The ublk frontend is built in: `auto` picks it when the kernel offers /dev/ublk-control.
+const UBLK_BUILT: bool = true;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Frontend {
@@ -44,11 +47,12 @@ pub fn choose_frontend(f: Frontend) -> Result<&'static str, String> {
         Frontend::Auto if has_ublk && UBLK_BUILT => Ok(FRONTEND_UBLK),
         Frontend::Auto => Ok(FRONTEND_FUSE),
         Frontend::Ublk if !has_ublk => Err(format!(
-            "the ublk frontend needs {UBLK_CONTROL}, which this machine lacks (kernel >= 6.0 with ublk_drv loaded: modprobe ublk_drv); use --frontend fuse"
+            "the ublk frontend needs {UBLK_CONTROL}, which this machine lacks (Linux >= 6.5 with ublk_drv loaded: modprobe ublk_drv); use --frontend fuse"
         )),
-        Frontend::Ublk => Err(
+        Frontend::Ublk if !UBLK_BUILT => Err(
             "the ublk frontend is not in this build yet; use --frontend fuse".into(),
         ),
+        Frontend::Ublk => Ok(FRONTEND_UBLK),
     }
 }
 

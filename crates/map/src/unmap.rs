@@ -64,6 +64,9 @@ fn check_not_in_use(dev: &LoopDev) -> Result<(), String> {
 }
 
 pub fn unmap(device: &str) -> Result<(), String> {
+    if let Some(id) = crate::ublk::parse_device(device) {
+        return crate::ublk::unmap(device, id);
+    }
     crate::daemon::preflight()?;
     let not_ours =
         || format!("{device} is not a blkwire device (`blkwire ls` lists the mapped devices)");

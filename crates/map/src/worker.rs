@@ -895,7 +895,7 @@ fn spawn_attempt(sh: &Arc<Shared>, id: usize, waker: &Arc<Waker>) -> Option<Atte
 }
 
 /// On the way out: make what this queue wrote durable, then log out.
-fn final_flush(mut q: Queue, readonly: bool, id: usize) {
+pub(crate) fn final_flush(mut q: Queue, readonly: bool, id: usize) {
     const TOKEN: u64 = u64::MAX;
     if !readonly && q.in_flight() < q.depth() && q.submit(Cmd::Flush, TOKEN).is_ok() {
         let mut done = false;

@@ -1,0 +1,137 @@
+#!/bin/sh
+# Scenario ublk, guest side: `blkwire map --frontend ublk` against blkwire on the host, then
+# mkfs.ext4, mount, write files, sync, umount, fsck, re-read them with caches dropped, unmap.
+# The checksums go to the log (LAB-SHA256 lines) for the host to check against what blkwire stored.
+#
+# From the kernel command line (set by host.sh): lab.tcp_port, lab.export.
+. /lab/lib.sh
+
+host=10.0.2.2
+: "${LAB_TCP_PORT:?lab.tcp_port= missing on the kernel command line}"
+url="tcp://$host:$LAB_TCP_PORT/${LAB_EXPORT:-disk0}"
+mnt=/mnt
+maplog=/tmp/map.log
+
+# A failed blkwire command shows the daemon's log too.
+bw() {
+    step "blkwire $*"
+    blkwire "$@" >/tmp/bw.out 2>&1 || {
+        cat /tmp/bw.out
+        [ -f $maplog ] && sed 's/^/map.log| /' $maplog
+        fail "'blkwire $*' failed: $(tail -n1 /tmp/bw.out)"
+    }
+    cat /tmp/bw.out
+}
+
+run modprobe ublk_drv
+run modprobe crc32c_generic
+run modprobe ext4
+[ -e /dev/ublk-control ] || fail "/dev/ublk-control is missing after modprobe ublk_drv"
+
+bw map --frontend ublk --logfile $maplog "$url"
+dev=$(tail -n1 /tmp/bw.out)
+[ "$dev" = /dev/ublkb0 ] || fail "map printed '$dev', expected /dev/ublkb0"
+info "$dev: $(blockdev --getsize64 "$dev") bytes, logical block $(blockdev --getss "$dev"), $(ls /sys/block/ublkb0/mq | wc -l) queue(s)"
+bw ls --json
+grep -q '"frontend": *"ublk"' /tmp/bw.out || fail "ls --json does not show the ublk mapping"
+
+q=/sys/block/ublkb0/queue
+info "discard_max_bytes $(cat $q/discard_max_bytes), write_zeroes_max_bytes $(cat $q/write_zeroes_max_bytes), max_sectors_kb $(cat $q/max_sectors_kb), write_cache '$(cat $q/write_cache)', fua $(cat $q/fua), rotational $(cat $q/rotational)"
+[ "$(cat $q/discard_max_bytes)" -gt 0 ] || fail "the device takes no discards although the export trims"
+# DISCARD (-> TRIM on the target) of the whole device; mkfs discards it again.
+run blkdiscard "$dev"
+run mkfs.ext4 -q -F -L blkwire-lab "$dev"
+run mount -t ext4 "$dev" "$mnt"
+step "unmap refuses a mounted device"
+if blkwire unmap "$dev" >/tmp/bw.out 2>&1; then fail "unmap of a mounted device succeeded"; fi
+grep -q "is mounted on" /tmp/bw.out || fail "unexpected unmap error: $(cat /tmp/bw.out)"
+
+step "write files"
+echo "hello from ublk, $(uname -r)" >"$mnt/hello.txt"
+mkdir -p "$mnt/data/small"
+dd if=/dev/urandom of="$mnt/data/random-8M.bin" bs=1M count=8 2>/dev/null
+dd if=/dev/urandom of="$mnt/data/random-1M.bin" bs=64k count=16 2>/dev/null
+i=0
+while [ $i -lt 32 ]; do
+    head -c $((i * 397 + 1)) /dev/urandom >"$mnt/data/small/f$i"
+    i=$((i + 1))
+done
+dd if=/dev/urandom of="$mnt/data/sparse.bin" bs=4k count=1 seek=4096 2>/dev/null
+run sync
+
+step "checksums"
+(cd "$mnt" && find . -type f | sort | xargs sha256sum) >/tmp/sums
+[ -s /tmp/sums ] || fail "no files were written"
+while read -r sum path; do
+    emit SHA256 "$sum ${path#.}"
+done </tmp/sums
+info "$(wc -l </tmp/sums) files, $(du -sk "$mnt" | cut -f1) KiB used"
+
+run umount "$mnt"
+run e2fsck -fn "$dev"
+
+run blockdev --flushbufs "$dev"
+echo 3 >/proc/sys/vm/drop_caches
+run mount -t ext4 -o ro "$dev" "$mnt"
+step "verify checksums after re-reading from the target"
+(cd "$mnt" && sha256sum -c /tmp/sums >/tmp/check 2>&1) || {
+    grep -v ': OK$' /tmp/check | head -n 10
+    fail "checksums differ after re-reading from the target"
+}
+run umount "$mnt"
+
+bw unmap "$dev"
+[ ! -e /sys/block/ublkb0 ] || fail "/sys/block/ublkb0 still exists after unmap"
+bw ls --json
+[ "$(tr -d ' \n' </tmp/bw.out)" = "{}" ] || fail "ls --json still lists a mapping after unmap"
+info "unmapped"
+
+# Failures leave nothing behind; read-only mappings refuse writes; --dev-num picks the device.
+step "map of an unknown export fails with one line and creates no device"
+if blkwire map --frontend ublk "tcp://$host:$LAB_TCP_PORT/nosuch" >/tmp/bw.out 2>&1; then
+    fail "map of an unknown export succeeded"
+fi
+[ "$(wc -l </tmp/bw.out)" = 1 ] || fail "not one line: $(cat /tmp/bw.out)"
+ls /sys/block | grep -q ublkb && fail "a ublk device was left behind: $(ls /sys/block)"
+info "unknown export: $(cat /tmp/bw.out)"
+
+bw map --frontend ublk --readonly --dev-num 3 --logfile $maplog "$url"
+[ "$(tail -n1 /tmp/bw.out)" = /dev/ublkb3 ] || fail "map --dev-num 3 printed '$(tail -n1 /tmp/bw.out)'"
+[ "$(blockdev --getro /dev/ublkb3)" = 1 ] || fail "/dev/ublkb3 is not read-only"
+step "a read-only mapping refuses writes"
+if dd if=/dev/zero of=/dev/ublkb3 bs=4k count=1 conv=fsync 2>/dev/null; then
+    fail "a write to the read-only mapping succeeded"
+fi
+run mount -t ext4 -o ro /dev/ublkb3 "$mnt"
+(cd "$mnt" && sha256sum -c /tmp/sums >/tmp/check 2>&1) || fail "checksums differ on the read-only mapping"
+run umount "$mnt"
+bw unmap /dev/ublkb3
+[ ! -e /sys/block/ublkb3 ] || fail "/sys/block/ublkb3 still exists after unmap"
+info "read-only mapping on /dev/ublkb3: writes refused, files verified, unmapped"
+
+# The target goes away: I/O fails with EIO after --timeout instead of hanging, and unmap still
+# completes. A target inside the guest, so this scenario can kill it.
+step "blkwire serve inside the guest (mem:64M)"
+blkwire serve --listen tcp://127.0.0.1:7790 --export scratch=mem:64M >/tmp/serve.log 2>&1 &
+serve=$!
+i=0
+until grep -q listening /tmp/serve.log; do
+    i=$((i + 1))
+    [ $i -le 100 ] || fail "blkwire serve in the guest did not start: $(cat /tmp/serve.log)"
+    sleep 0.1
+done
+bw map --frontend ublk --timeout 3 --logfile $maplog tcp://127.0.0.1:7790/scratch
+sdev=$(tail -n1 /tmp/bw.out)
+run dd if=/dev/urandom of="$sdev" bs=64k count=4 conv=fsync
+step "kill -9 the target, then read a range never read before"
+kill -9 $serve
+t0=$(cut -d. -f1 /proc/uptime)
+if dd if="$sdev" of=/dev/null bs=64k count=1 skip=512 2>/tmp/dd.err; then
+    fail "a read with the target gone succeeded"
+fi
+t1=$(cut -d. -f1 /proc/uptime)
+[ $((t1 - t0)) -le 20 ] || fail "the read failed only after $((t1 - t0)) s (timeout 3 s)"
+info "target gone: the read failed after ~$((t1 - t0)) s: $(tail -n1 /tmp/dd.err)"
+bw unmap "$sdev"
+[ ! -e "/sys/block/${sdev#/dev/}" ] || fail "$sdev still exists after unmap"
+info "$sdev unmapped with its target gone"
