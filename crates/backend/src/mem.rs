@@ -3,8 +3,11 @@
 //! answers "where is data" exactly (SEEK_DATA/SEEK_HOLE) for `cp` and NBD block status.
 //!
 //! Writes copy into a shared mapping of the memfd. Reads use `pread`, not the mapping: a read
-//! fault on a hole would map a page and make never-written ranges look allocated. TRIM and
-//! WRITE_ZEROES punch holes, returning the memory.
+//! fault on a hole would allocate a page and make never-written ranges look allocated (`pread`
+//! of a hole returns zeros without allocating). So `mincore` on the mapping tells exactly which
+//! pages hold data, at a cost bounded by the range asked about (SEEK_HOLE on tmpfs walks every
+//! page up to the next hole, which can be the whole export). TRIM and WRITE_ZEROES punch holes,
+//! returning the memory.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -151,10 +154,36 @@ impl Backend for MemBackend {
         }
     }
     fn reads_as_zero(&self) -> bool {
-        crate::file::no_data(self.fd.as_raw_fd())
+        self.resident_bytes() == 0
     }
     fn allocation(&self, offset: u64, len: u64, out: &mut Vec<crate::Extent>) {
-        crate::file::seek_extents(self.fd.as_raw_fd(), offset, len, out);
+        const PAGE: u64 = 4096;
+        let first = offset / PAGE;
+        let end = offset + len;
+        let pages = ((end.div_ceil(PAGE) - first) as usize).min(crate::MAX_EXTENTS * 16);
+        let mut vec = vec![0u8; pages];
+        // SAFETY: the pages lie inside our mapping (range checked by Export); one byte per page.
+        let r = unsafe {
+            libc::mincore(
+                self.base.add((first * PAGE) as usize).cast(),
+                pages * PAGE as usize,
+                vec.as_mut_ptr(),
+            )
+        };
+        if r != 0 {
+            out.push(crate::Extent { len, hole: false });
+            return;
+        }
+        let mut at = offset;
+        for (i, v) in vec.iter().enumerate() {
+            let page_end = ((first + i as u64 + 1) * PAGE).min(end);
+            crate::push_extent(out, page_end - at, v & 1 == 0);
+            at = page_end;
+        }
+        if at < end {
+            // More pages than one query covers: the rest is reported as data (safe answer).
+            crate::push_extent(out, end - at, false);
+        }
     }
     fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
         Ok(Box::new(MemQueue { mem: self }))
