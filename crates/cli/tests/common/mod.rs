@@ -22,41 +22,9 @@ impl Target {
         Self::start_with(exports, &[])
     }
 
+    /// Starts a target with extra `serve` arguments; `base` is its first (tcp://) listener.
     pub fn start_with(exports: &[&str], extra: &[&str]) -> Target {
-        let mut cmd = Command::new(BIN);
-        cmd.args([
-            "serve",
-            "--listen",
-            "tcp://127.0.0.1:0",
-            "--log-level",
-            "warn",
-        ]);
-        for e in exports {
-            cmd.args(["--export", e]);
-        }
-        cmd.args(extra);
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn blkwire serve");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(u) = line.strip_prefix("listening ") {
-                    let _ = tx.send(u.to_string());
-                }
-            }
-        });
-        let base = match rx.recv_timeout(Duration::from_secs(20)) {
-            Ok(u) => u,
-            Err(_) => {
-                let _ = child.kill();
-                panic!("target did not report a listening address");
-            }
-        };
-        Target { child, base }
+        Self::start_listeners(exports, extra).0
     }
 
     /// Like [`Target::start_with`], but waits for the `listening` line of every listener (the
