@@ -123,13 +123,14 @@ run_scenario() {
         local rc=$?
         set +e
         if [ -n "$QEMU_PID" ]; then kill "$QEMU_PID" 2>/dev/null && wait "$QEMU_PID" 2>/dev/null; fi
-        if declare -F scenario_cleanup >/dev/null; then scenario_cleanup; fi
         if [ -n "$BLKWIRE_PID" ]; then
             kill -TERM "$BLKWIRE_PID" 2>/dev/null
             for _ in $(seq 100); do kill -0 "$BLKWIRE_PID" 2>/dev/null || break; sleep 0.1; done
             kill -KILL "$BLKWIRE_PID" 2>/dev/null || true
             wait "$BLKWIRE_PID" 2>/dev/null || true
         fi
+        # Last: what the scenario set up for its services (e.g. a network namespace) outlives them.
+        if declare -F scenario_cleanup >/dev/null; then scenario_cleanup; fi
         rm -rf "$WORK"
         exit "$rc"
     }

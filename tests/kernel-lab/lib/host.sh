@@ -9,16 +9,37 @@
 #   guest_values KEY        the values of the guest's "LAB-KEY: VALUE" lines, one per line
 #   boot_guest              boots the lab VM for $SCENARIO with $GUEST_ARGS (and $QEMU_NET if the
 #                           scenario set it); sets GUEST_RESULT (PASS or FAIL reason) and GUEST_SECONDS
+#   in_netns CMD...         CMD, inside the network namespace $NETNS if the scenario set one
+#
+# A scenario that sets NETNS (a network namespace it created, e.g. with a tap device for qemu) gets
+# blkwire serve and qemu started inside it; its own host-side commands that need the namespace's
+# network (e.g. `blkwire cp tcp://127.0.0.1:PORT/...`) go through in_netns.
 
 BLKWIRE_PID=""
 BLKWIRE_URLS=()
 QEMU_PID=""
+NETNS=""
+
+# The command prefix that enters $NETNS (none without one). `ip netns exec` execs the command in
+# place, so a pid taken from `$!` is the command's own.
+netns_prefix() {
+    NETNS_PREFIX=()
+    if [ -n "$NETNS" ]; then NETNS_PREFIX=(ip netns exec "$NETNS"); fi
+}
+
+in_netns() {
+    local NETNS_PREFIX
+    netns_prefix
+    "${NETNS_PREFIX[@]}" "$@"
+}
 
 start_blkwire() {
     local want=0 a out=$WORK/blkwire.stdout
     for a in "$@"; do [ "$a" = --listen ] && want=$((want + 1)); done
     : >"$out"
-    "$BLKWIRE" serve "$@" >"$out" 2>"$LOGDIR/blkwire.log" 9>&- &
+    local NETNS_PREFIX
+    netns_prefix
+    "${NETNS_PREFIX[@]}" "$BLKWIRE" serve "$@" >"$out" 2>"$LOGDIR/blkwire.log" 9>&- &
     BLKWIRE_PID=$!
     local deadline=$((SECONDS + 20))
     while [ "$(grep -c '^listening ' "$out" || true)" -lt "$want" ]; do
@@ -32,7 +53,7 @@ start_blkwire() {
         sleep 0.05
     done
     mapfile -t BLKWIRE_URLS < <(sed -n 's/^listening //p' "$out")
-    log "blkwire serve (pid $BLKWIRE_PID): ${BLKWIRE_URLS[*]}"
+    log "blkwire serve (pid $BLKWIRE_PID${NETNS:+, netns $NETNS}): ${BLKWIRE_URLS[*]}"
 }
 
 listen_port() {
@@ -79,10 +100,12 @@ boot_guest() {
     local net=(-netdev user,id=n0 -device virtio-net-pci,netdev=n0,romfile=)
     if declare -p QEMU_NET >/dev/null 2>&1; then net=("${QEMU_NET[@]}"); fi
     net+=(-device virtio-rng-pci)
-    local qemu=(qemu-system-x86_64 -accel tcg -smp 2 -m 1024 -nographic -no-reboot
+    local NETNS_PREFIX
+    netns_prefix
+    local qemu=("${NETNS_PREFIX[@]}" qemu-system-x86_64 -accel tcg -smp 2 -m 1024 -nographic -no-reboot
         -kernel "$VMLINUZ" -initrd "$INITRD" -append "$append" "${net[@]}")
     echo "${qemu[*]}" >"$LOGDIR/qemu.cmdline"
-    log "booting $KVER under qemu (TCG), serial log: ${SERIAL_LOG#"$REPO"/}"
+    log "booting $KVER under qemu (TCG)${NETNS:+ in netns $NETNS}, serial log: ${SERIAL_LOG#"$REPO"/}"
     local t0=$SECONDS rc=0
     if [ "${LAB_SHELL:-0}" = 1 ]; then
         # By hand: the console on this terminal (Ctrl-a x quits qemu), no time limit.

@@ -10,7 +10,8 @@
 #   GUEST_BINARIES   host commands copied into the guest with their libraries (blkwire always is)
 #   scenario_setup   start host services; set GUEST_ARGS (lab.KEY=VALUE for the kernel command line)
 #   scenario_verify  after the guest passed: host-side checks (die on failure)
-#   scenario_cleanup optional; run.sh already stops blkwire and qemu and removes $WORK
+#   scenario_cleanup optional; run.sh already stops blkwire and qemu (before it) and removes $WORK
+#                    (after it). It runs on every exit, also when scenario_setup failed half-way.
 
 SCENARIO_DESC="kernel NBD client -> blkwire NBD frontend (mkfs.ext4, files, fsck; host checks the data)"
 HOST_PACKAGES="nbd-client e2fsprogs"

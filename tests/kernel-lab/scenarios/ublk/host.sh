@@ -26,7 +26,8 @@ ublk_verify_disk() {
     guest_values SHA256 >"$sums"
     [ -s "$sums" ] || die "the guest reported no file checksums"
     local out=$WORK/out.img
-    "$BLKWIRE" cp --no-progress "tcp://127.0.0.1:$TCP_PORT/$EXPORT" "$out" ||
+    # (in_netns: scenario eth's target listens on its network namespace's loopback)
+    in_netns "$BLKWIRE" cp --no-progress "tcp://127.0.0.1:$TCP_PORT/$EXPORT" "$out" ||
         die "blkwire cp tcp://127.0.0.1:$TCP_PORT/$EXPORT failed"
     cmp -s "$out" "$WORK/disk.img" || die "blkwire cp returned data different from the export's file"
     stop_blkwire

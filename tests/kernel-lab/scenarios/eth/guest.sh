@@ -1,0 +1,97 @@
+#!/bin/sh
+# Scenario eth, guest side: raw Ethernet. eth0 (virtio-net on a tap device in the host's network
+# namespace, no IP address) reaches blkwire serve's eth:// listener directly. `blkwire discover`
+# must find the export on eth0, then `blkwire map --frontend ublk eth://eth0/MAC/EXPORT`, mkfs.ext4,
+# mount, write files, sync, umount, fsck, re-read them with caches dropped, unmap. The checksums go
+# to the log (LAB-SHA256 lines) for the host to check against what blkwire stored.
+#
+# From the kernel command line (set by host.sh): lab.net=link, lab.target_mac, lab.export,
+# lab.guest_mac.
+. /lab/lib.sh
+
+: "${LAB_TARGET_MAC:?lab.target_mac= missing on the kernel command line}"
+export_name=${LAB_EXPORT:-disk0}
+url="eth://eth0/$LAB_TARGET_MAC/$export_name"
+mnt=/mnt
+maplog=/tmp/map.log
+
+# A failed blkwire command shows the daemon's log too.
+bw() {
+    step "blkwire $*"
+    blkwire "$@" >/tmp/bw.out 2>&1 || {
+        cat /tmp/bw.out
+        [ -f $maplog ] && sed 's/^/map.log| /' $maplog
+        fail "'blkwire $*' failed: $(tail -n1 /tmp/bw.out)"
+    }
+    cat /tmp/bw.out
+}
+
+step "eth0: up, no address"
+[ "$(cat /sys/class/net/eth0/operstate)" = up ] || [ "$(cat /sys/class/net/eth0/carrier)" = 1 ] ||
+    fail "eth0 is not up: operstate $(cat /sys/class/net/eth0/operstate)"
+mac=$(cat /sys/class/net/eth0/address)
+[ -z "${LAB_GUEST_MAC:-}" ] || [ "$mac" = "$LAB_GUEST_MAC" ] || fail "eth0 has MAC $mac, expected $LAB_GUEST_MAC"
+ip -4 addr show dev eth0 | grep -q inet && fail "eth0 has an IPv4 address: $(ip -4 addr show dev eth0)"
+info "eth0: $mac, mtu $(cat /sys/class/net/eth0/mtu), no IP address; target $LAB_TARGET_MAC"
+
+run modprobe ublk_drv
+run modprobe crc32c_generic
+run modprobe ext4
+[ -e /dev/ublk-control ] || fail "/dev/ublk-control is missing after modprobe ublk_drv"
+
+# Discovery by broadcast on the link (TCG is slow: a generous wait).
+bw discover --interface eth0 --wait-ms 2000
+grep -qw "$export_name" /tmp/bw.out || fail "discover --interface eth0 does not list $export_name"
+bw discover --interface eth0 --wait-ms 2000 --json
+grep -q "\"url\": *\"$url\"" /tmp/bw.out || fail "discover --json does not list $url"
+info "discover --interface eth0: $url"
+
+bw map --frontend ublk --logfile $maplog "$url"
+dev=$(tail -n1 /tmp/bw.out)
+[ "$dev" = /dev/ublkb0 ] || fail "map printed '$dev', expected /dev/ublkb0"
+info "$dev over $url: $(blockdev --getsize64 "$dev") bytes, logical block $(blockdev --getss "$dev"), $(ls /sys/block/ublkb0/mq | wc -l) queue(s)"
+bw ls --json
+grep -q '"frontend": *"ublk"' /tmp/bw.out || fail "ls --json does not show the ublk mapping"
+
+run mkfs.ext4 -q -F -L blkwire-eth "$dev"
+run mount -t ext4 "$dev" "$mnt"
+
+step "write files"
+echo "hello over raw Ethernet, $(uname -r)" >"$mnt/hello.txt"
+mkdir -p "$mnt/data/small"
+dd if=/dev/urandom of="$mnt/data/random-8M.bin" bs=1M count=8 2>/dev/null
+dd if=/dev/urandom of="$mnt/data/random-1M.bin" bs=64k count=16 2>/dev/null
+i=0
+while [ $i -lt 32 ]; do
+    head -c $((i * 397 + 1)) /dev/urandom >"$mnt/data/small/f$i"
+    i=$((i + 1))
+done
+dd if=/dev/urandom of="$mnt/data/sparse.bin" bs=4k count=1 seek=4096 2>/dev/null
+run sync
+
+step "checksums"
+(cd "$mnt" && find . -type f | sort | xargs sha256sum) >/tmp/sums
+[ -s /tmp/sums ] || fail "no files were written"
+while read -r sum path; do
+    emit SHA256 "$sum ${path#.}"
+done </tmp/sums
+info "$(wc -l </tmp/sums) files, $(du -sk "$mnt" | cut -f1) KiB used"
+
+run umount "$mnt"
+run e2fsck -fn "$dev"
+
+run blockdev --flushbufs "$dev"
+echo 3 >/proc/sys/vm/drop_caches
+run mount -t ext4 -o ro "$dev" "$mnt"
+step "verify checksums after re-reading from the target"
+(cd "$mnt" && sha256sum -c /tmp/sums >/tmp/check 2>&1) || {
+    grep -v ': OK$' /tmp/check | head -n 10
+    fail "checksums differ after re-reading from the target"
+}
+run umount "$mnt"
+
+bw unmap "$dev"
+[ ! -e /sys/block/ublkb0 ] || fail "/sys/block/ublkb0 still exists after unmap"
+bw ls --json
+[ "$(tr -d ' \n' </tmp/bw.out)" = "{}" ] || fail "ls --json still lists a mapping after unmap"
+info "unmapped"
