@@ -551,3 +551,37 @@ fn udp_loopback_round_trips() {
     s.queues[2].read_at(&mut z, 0).unwrap();
     assert!(z.iter().all(|b| *b == 0));
 }
+
+/// A restarted target does not know the old session: the initiator is told at once
+/// (`SessionLost`, so it can reconnect) instead of waiting for its give-up time.
+#[test]
+fn a_restarted_target_reports_the_session_lost() {
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let listen = format!("udp://127.0.0.1:{port}");
+    let mut t = Served::start(None, &[&listen], &["m=mem:1M"]);
+    let url = Url::parse(&format!("{listen}/m")).unwrap();
+    let opts = ConnectOptions {
+        timeout: Duration::from_secs(30),
+        ..Default::default()
+    };
+    let mut s = connect(&url, &opts).unwrap();
+    s.queues[0].write_at(&[1u8; 4096], 0, false).unwrap();
+    t.child.kill().unwrap();
+    t.child.wait().unwrap();
+    let _t2 = Served::start(None, &[&listen], &["m=mem:1M"]);
+    let start = Instant::now();
+    let e = s.queues[0].write_at(&[2u8; 4096], 0, false).unwrap_err();
+    assert!(matches!(e, blkwire_client::Error::SessionLost), "{e}");
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        start.elapsed()
+    );
+    // A new session works.
+    let mut s2 = connect(&url, &opts).unwrap();
+    s2.queues[0].write_at(&[3u8; 4096], 0, false).unwrap();
+}

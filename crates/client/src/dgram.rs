@@ -103,6 +103,8 @@ pub(crate) struct DgramQueue {
     credit: u32,
     /// Frames of replies our receive buffer holds.
     rx_cap: u32,
+    /// The target answered ACCESS: it has forgotten this session.
+    session_lost: bool,
     /// When the window was last halved: at most once per round trip (one loss episode).
     last_decrease: Instant,
     /// Send time of the most recently sent request that has been answered (loss detection).
@@ -148,6 +150,7 @@ impl DgramQueue {
             cwnd: (credit.max(1) as f64).min(64.0),
             credit: credit.max(1),
             rx_cap,
+            session_lost: false,
             last_decrease: Instant::now(),
             newest_answered: None,
             srtt: None,
@@ -354,6 +357,9 @@ impl DgramQueue {
                 ));
             }
             let got = self.receive()?;
+            if self.session_lost {
+                return Err(Error::SessionLost);
+            }
             if got == 0 {
                 self.wait()?;
             }
@@ -518,6 +524,12 @@ impl DgramQueue {
                 self.push_frame(slot, i, false);
             }
             let _ = self.flush_tx();
+            return;
+        }
+        if h.status == Status::Access {
+            // Only a target that does not know our session answers an I/O frame with ACCESS
+            // (PROTOCOL.md §9.1): the whole queue is gone, not this request.
+            self.session_lost = true;
             return;
         }
         if h.status != Status::Ok || s.opcode != Opcode::Read {

@@ -42,6 +42,9 @@ pub enum Error {
     },
     /// The target closed the connection.
     Closed,
+    /// Datagrams: the target no longer knows this session (it restarted, or the session sat
+    /// idle past its expiry). Reconnect and send again.
+    SessionLost,
     /// No answer within the I/O timeout.
     Timeout(Duration),
     /// The target broke the protocol.
@@ -58,6 +61,10 @@ impl std::fmt::Display for Error {
             Error::Closed => write!(
                 f,
                 "the target closed the connection (did it stop or crash?)"
+            ),
+            Error::SessionLost => write!(
+                f,
+                "the target no longer knows this session (it restarted or the session was idle too long); reconnect"
             ),
             Error::Timeout(d) => write!(f, "no reply from the target in {}s", d.as_secs()),
             Error::Protocol(s) => write!(f, "protocol error from the target: {s}"),
