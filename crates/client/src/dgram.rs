@@ -30,6 +30,83 @@ pub(crate) struct Link {
     pub rcvbuf: u32,
 }
 
+impl Link {
+    /// Sends one frame outside the batched data path (control exchanges, discovery).
+    fn send_one(&self, frame: &[u8]) {
+        let mut dest = self.dest;
+        let (name, namelen) = match dest.as_mut() {
+            Some(d) => (
+                (d as *mut libc::sockaddr_ll).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            ),
+            None => (std::ptr::null_mut(), 0),
+        };
+        // SAFETY: sendto from the caller's buffer to an optional link-layer address. A lost
+        // frame is the caller's retransmission problem, so the result is not needed.
+        unsafe {
+            libc::sendto(
+                self.fd.as_raw_fd(),
+                frame.as_ptr().cast(),
+                frame.len(),
+                0,
+                name,
+                namelen,
+            )
+        };
+    }
+
+    /// Waits until `until` for the next reply frame with a valid CRC; returns its header, its
+    /// payload and the sender's link-layer address (meaningful on packet sockets only).
+    fn recv_reply<'b>(
+        &self,
+        buf: &'b mut [u8],
+        until: Instant,
+    ) -> Option<(Header, &'b [u8], libc::sockaddr_ll)> {
+        while Instant::now() < until {
+            let ms = until
+                .saturating_duration_since(Instant::now())
+                .as_millis()
+                .max(1) as i32;
+            let mut p = libc::pollfd {
+                fd: self.fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: poll on our fd.
+            if unsafe { libc::poll(&mut p, 1, ms) } <= 0 {
+                continue;
+            }
+            // SAFETY: an all-zero sockaddr_ll is valid; recvfrom fills it (or truncates a
+            // longer IP address into it, which callers on UDP ignore).
+            let mut from: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+            let mut fl = std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
+            // SAFETY: recvfrom into our buffers.
+            let n = unsafe {
+                libc::recvfrom(
+                    self.fd.as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT,
+                    (&mut from as *mut libc::sockaddr_ll).cast(),
+                    &mut fl,
+                )
+            };
+            if n < HEADER_LEN as isize {
+                continue;
+            }
+            let Ok(r) = Header::decode(&buf[..n as usize], 65536) else {
+                continue;
+            };
+            let end = HEADER_LEN + r.payload_len as usize;
+            if end > n as usize || !r.is_reply() || r.check_crc(&buf[HEADER_LEN..end]).is_err() {
+                continue;
+            }
+            return Some((r, &buf[HEADER_LEN..end], from));
+        }
+        None
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum State {
     Free,
@@ -737,59 +814,10 @@ pub(crate) fn exchange(
     let mut wait = Duration::from_millis(50);
     let mut buf = vec![0u8; 65536];
     loop {
-        let mut dest = link.dest;
-        let (name, namelen) = match dest.as_mut() {
-            Some(d) => (
-                (d as *mut libc::sockaddr_ll).cast(),
-                std::mem::size_of::<libc::sockaddr_ll>() as u32,
-            ),
-            None => (std::ptr::null_mut(), 0),
-        };
-        // SAFETY: sendto from our buffer to an optional link-layer address.
-        unsafe {
-            libc::sendto(
-                link.fd.as_raw_fd(),
-                frame.as_ptr().cast(),
-                frame.len(),
-                0,
-                name,
-                namelen,
-            )
-        };
+        link.send_one(&frame);
         let until = (Instant::now() + wait).min(deadline);
-        while Instant::now() < until {
-            let ms = until
-                .saturating_duration_since(Instant::now())
-                .as_millis()
-                .max(1) as i32;
-            let mut p = libc::pollfd {
-                fd: link.fd.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: poll on our fd.
-            if unsafe { libc::poll(&mut p, 1, ms) } <= 0 {
-                continue;
-            }
-            // SAFETY: recv into our buffer.
-            let n = unsafe {
-                libc::recv(
-                    link.fd.as_raw_fd(),
-                    buf.as_mut_ptr().cast(),
-                    buf.len(),
-                    libc::MSG_DONTWAIT,
-                )
-            };
-            if n < HEADER_LEN as isize {
-                continue;
-            }
-            let Ok(r) = Header::decode(&buf[..n as usize], 65536) else {
-                continue;
-            };
-            let Some(p) = buf.get(HEADER_LEN..HEADER_LEN + r.payload_len as usize) else {
-                continue;
-            };
-            if r.is_reply() && r.opcode == h.opcode && r.tag == h.tag && r.check_crc(p).is_ok() {
+        while let Some((r, p, _)) = link.recv_reply(&mut buf, until) {
+            if r.opcode == h.opcode && r.tag == h.tag {
                 return Ok((r, p.to_vec()));
             }
         }
@@ -817,67 +845,12 @@ fn discover_on(
 ) -> Vec<Discovered> {
     let mut h = Header::request(Opcode::List, Tag::new(0, 0), 0, 0);
     h.seal_crc(&[]);
-    let frame = h.to_bytes();
-    let mut dest = link.dest;
-    let (name, namelen) = match dest.as_mut() {
-        Some(d) => (
-            (d as *mut libc::sockaddr_ll).cast(),
-            std::mem::size_of::<libc::sockaddr_ll>() as u32,
-        ),
-        None => (std::ptr::null_mut(), 0),
-    };
-    // SAFETY: sendto from a local buffer.
-    unsafe {
-        libc::sendto(
-            link.fd.as_raw_fd(),
-            frame.as_ptr().cast(),
-            frame.len(),
-            0,
-            name,
-            namelen,
-        )
-    };
+    link.send_one(&h.to_bytes());
     let deadline = Instant::now() + wait;
     let mut found: Vec<Discovered> = Vec::new();
     let mut buf = vec![0u8; 65536];
-    while Instant::now() < deadline {
-        let ms = deadline
-            .saturating_duration_since(Instant::now())
-            .as_millis()
-            .max(1) as i32;
-        let mut p = libc::pollfd {
-            fd: link.fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: poll on our fd.
-        if unsafe { libc::poll(&mut p, 1, ms) } <= 0 {
-            continue;
-        }
-        // SAFETY: an all-zero sockaddr_ll is valid; recvfrom fills it.
-        let mut from: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-        let mut fl = std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
-        // SAFETY: recvfrom into our buffers.
-        let n = unsafe {
-            libc::recvfrom(
-                link.fd.as_raw_fd(),
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-                libc::MSG_DONTWAIT,
-                (&mut from as *mut libc::sockaddr_ll).cast(),
-                &mut fl,
-            )
-        };
-        if n < HEADER_LEN as isize {
-            continue;
-        }
-        let Ok(r) = Header::decode(&buf[..n as usize], 65536) else {
-            continue;
-        };
-        let Some(p) = buf.get(HEADER_LEN..HEADER_LEN + r.payload_len as usize) else {
-            continue;
-        };
-        if !r.is_reply() || r.opcode != Opcode::List || r.check_crc(p).is_err() {
+    while let Some((r, p, from)) = link.recv_reply(&mut buf, deadline) {
+        if r.opcode != Opcode::List {
             continue;
         }
         let Ok(exports) = blkwire_wire::ExportEntry::decode_list(p) else {
