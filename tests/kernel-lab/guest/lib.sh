@@ -25,3 +25,46 @@ run() {
     step "$*"
     "$@" || fail "'$*' exited with status $?"
 }
+
+# write_test_files MNT GREETING: files of assorted sizes (8 MiB down to 1 byte, and one with a
+# hole) under MNT, /hello.txt holding GREETING; their sha256 go to /tmp/sums and, as LAB-SHA256
+# lines, to the host, which checks them on the disk it copies out.
+write_test_files() {
+    m=$1
+    step "write files"
+    echo "$2" >"$m/hello.txt"
+    mkdir -p "$m/data/small"
+    dd if=/dev/urandom of="$m/data/random-8M.bin" bs=1M count=8 2>/dev/null
+    dd if=/dev/urandom of="$m/data/random-1M.bin" bs=64k count=16 2>/dev/null
+    i=0
+    while [ $i -lt 32 ]; do
+        # small files of assorted sizes (1 byte to 12 KiB)
+        head -c $((i * 397 + 1)) /dev/urandom >"$m/data/small/f$i"
+        i=$((i + 1))
+    done
+    # a file with a hole, written at the end of a sparse range
+    dd if=/dev/urandom of="$m/data/sparse.bin" bs=4k count=1 seek=4096 2>/dev/null
+    run sync
+
+    step "checksums"
+    (cd "$m" && find . -type f | sort | xargs sha256sum) >/tmp/sums
+    [ -s /tmp/sums ] || fail "no files were written"
+    while read -r sum path; do
+        emit SHA256 "$sum ${path#.}"
+    done </tmp/sums
+    info "$(wc -l </tmp/sums) files, $(du -sk "$m" | cut -f1) KiB used"
+}
+
+# verify_after_reread DEV MNT: drop this machine's caches, mount DEV read-only and check every
+# file against /tmp/sums, so the data really comes back from the target.
+verify_after_reread() {
+    run blockdev --flushbufs "$1"
+    echo 3 >/proc/sys/vm/drop_caches
+    run mount -t ext4 -o ro "$1" "$2"
+    step "verify checksums after re-reading from the target"
+    (cd "$2" && sha256sum -c /tmp/sums >/tmp/check 2>&1) || {
+        grep -v ': OK$' /tmp/check | head -n 10
+        fail "checksums differ after re-reading from the target"
+    }
+    run umount "$2"
+}

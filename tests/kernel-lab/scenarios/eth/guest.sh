@@ -56,39 +56,12 @@ grep -q '"frontend": *"ublk"' /tmp/bw.out || fail "ls --json does not show the u
 run mkfs.ext4 -q -F -L blkwire-eth "$dev"
 run mount -t ext4 "$dev" "$mnt"
 
-step "write files"
-echo "hello over raw Ethernet, $(uname -r)" >"$mnt/hello.txt"
-mkdir -p "$mnt/data/small"
-dd if=/dev/urandom of="$mnt/data/random-8M.bin" bs=1M count=8 2>/dev/null
-dd if=/dev/urandom of="$mnt/data/random-1M.bin" bs=64k count=16 2>/dev/null
-i=0
-while [ $i -lt 32 ]; do
-    head -c $((i * 397 + 1)) /dev/urandom >"$mnt/data/small/f$i"
-    i=$((i + 1))
-done
-dd if=/dev/urandom of="$mnt/data/sparse.bin" bs=4k count=1 seek=4096 2>/dev/null
-run sync
-
-step "checksums"
-(cd "$mnt" && find . -type f | sort | xargs sha256sum) >/tmp/sums
-[ -s /tmp/sums ] || fail "no files were written"
-while read -r sum path; do
-    emit SHA256 "$sum ${path#.}"
-done </tmp/sums
-info "$(wc -l </tmp/sums) files, $(du -sk "$mnt" | cut -f1) KiB used"
+write_test_files "$mnt" "hello over raw Ethernet, $(uname -r)"
 
 run umount "$mnt"
 run e2fsck -fn "$dev"
 
-run blockdev --flushbufs "$dev"
-echo 3 >/proc/sys/vm/drop_caches
-run mount -t ext4 -o ro "$dev" "$mnt"
-step "verify checksums after re-reading from the target"
-(cd "$mnt" && sha256sum -c /tmp/sums >/tmp/check 2>&1) || {
-    grep -v ': OK$' /tmp/check | head -n 10
-    fail "checksums differ after re-reading from the target"
-}
-run umount "$mnt"
+verify_after_reread "$dev" "$mnt"
 
 bw unmap "$dev"
 [ ! -e /sys/block/ublkb0 ] || fail "/sys/block/ublkb0 still exists after unmap"

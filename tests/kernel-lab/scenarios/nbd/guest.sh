@@ -33,42 +33,13 @@ info "/dev/nbd0: $size bytes, logical block $(blockdev --getss /dev/nbd0), $conn
 run mkfs.ext4 -q -F -L blkwire-lab /dev/nbd0
 run mount -t ext4 /dev/nbd0 "$mnt"
 
-step "write files"
-echo "hello from the kernel NBD client, $(uname -r)" >"$mnt/hello.txt"
-mkdir -p "$mnt/data/small"
-dd if=/dev/urandom of="$mnt/data/random-8M.bin" bs=1M count=8 2>/dev/null
-dd if=/dev/urandom of="$mnt/data/random-1M.bin" bs=64k count=16 2>/dev/null
-i=0
-while [ $i -lt 32 ]; do
-    # small files of assorted sizes (1 byte to 12 KiB)
-    head -c $((i * 397 + 1)) /dev/urandom >"$mnt/data/small/f$i"
-    i=$((i + 1))
-done
-# a file with a hole, written at the end of a sparse range
-dd if=/dev/urandom of="$mnt/data/sparse.bin" bs=4k count=1 seek=4096 2>/dev/null
-run sync
-
-step "checksums"
-(cd "$mnt" && find . -type f | sort | xargs sha256sum) >/tmp/sums
-[ -s /tmp/sums ] || fail "no files were written"
-while read -r sum path; do
-    emit SHA256 "$sum ${path#.}"
-done </tmp/sums
-info "$(wc -l </tmp/sums) files, $(du -sk "$mnt" | cut -f1) KiB used"
+write_test_files "$mnt" "hello from the kernel NBD client, $(uname -r)"
 
 run umount "$mnt"
 run e2fsck -fn /dev/nbd0
 
 # Read everything back from the server, not from this machine's caches.
-run blockdev --flushbufs /dev/nbd0
-echo 3 >/proc/sys/vm/drop_caches
-run mount -t ext4 -o ro /dev/nbd0 "$mnt"
-step "verify checksums after re-reading from the server"
-(cd "$mnt" && sha256sum -c /tmp/sums >/tmp/check 2>&1) || {
-    grep -v ': OK$' /tmp/check | head -n 10
-    fail "checksums differ after re-reading from the server"
-}
-run umount "$mnt"
+verify_after_reread /dev/nbd0 "$mnt"
 
 run nbd-client -d /dev/nbd0
 step "wait for /dev/nbd0 to disconnect"
