@@ -44,7 +44,7 @@ scenario_setup() {
 }
 
 scenario_verify() {
-    ublk_verify_disk
+    verify_guest_disk
 }
 
 scenario_cleanup() {

@@ -9,5 +9,5 @@
 SCENARIO_DESC="ublk USER_RECOVERY: kill -9 the map daemon under a mounted ext4, map --recover, files and fsck intact"
 
 scenario_verify() {
-    ublk_verify_disk
+    verify_guest_disk
 }
