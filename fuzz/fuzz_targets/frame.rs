@@ -1,15 +1,32 @@
 //! Header decoding (PROTOCOL.md §1) against arbitrary bytes: `Header::decode` must never panic,
 //! every accepted header must survive encode → decode unchanged, and `check_crc` must accept any
-//! payload slice without panicking.
+//! payload slice without panicking. The same bytes taken as a datagram (§9.6) must walk without
+//! panicking, yield only in-bounds, CRC-valid frames of one queue, and stop at the first bad one.
 
 #![no_main]
 
-use blkwire_wire::{Header, HEADER_LEN};
+use blkwire_wire::{datagram, Header, HEADER_LEN};
 use libfuzzer_sys::fuzz_target;
 
 const MAXES: [u32; 4] = [0, 4096, 1 << 20, u32::MAX];
 
 fuzz_target!(|data: &[u8]| {
+    let mut walked = 0usize;
+    let mut first = None;
+    let mut failed = false;
+    for f in datagram::frames(data, 1 << 16) {
+        assert!(!failed, "a frame was yielded after an error");
+        match f {
+            Ok((h, payload)) => {
+                assert_eq!(payload.len(), h.payload_len as usize);
+                assert_eq!(h.check_crc(payload), Ok(()));
+                assert_eq!(*first.get_or_insert((h.session, h.queue)), (h.session, h.queue));
+                walked += HEADER_LEN + payload.len();
+                assert!(walked <= data.len(), "walked past the datagram");
+            }
+            Err(_) => failed = true,
+        }
+    }
     for max in MAXES {
         let Ok(h) = Header::decode(data, max) else {
             continue;

@@ -281,6 +281,19 @@ fn transports_over_veth(n: u8, mtu: u32) {
     let urls = [format!("eth://vi/{mac}/m"), format!("udp://{ip}:7701/m")];
     for url in &urls {
         copy_round_trips(&lab, url, 8 << 20);
+        // Frames share datagrams (PROTOCOL.md §9.6): requests always (48-byte headers), 4 KiB
+        // read replies when two fit the link (jumbo frames).
+        let v = bench_json(&lab, url, "randread", "4k");
+        assert!(
+            sum(&v, "datagrams_out") < sum(&v, "frames_out"),
+            "requests at QD16 over {url} were not packed: {v}"
+        );
+        if mtu >= 9000 {
+            assert!(
+                sum(&v, "datagrams_in") < sum(&v, "frames_in"),
+                "4k replies over {url} at MTU {mtu} were not packed: {v}"
+            );
+        }
     }
     // Loss: every byte still right, and the counters show the recovery.
     lab.impair(5, 0);

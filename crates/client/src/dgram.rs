@@ -7,6 +7,7 @@ use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
+use blkwire_wire::datagram::{self, Packer};
 use blkwire_wire::{bitmap, fragment_count, Flags, Header, Opcode, Status, Tag, HEADER_LEN};
 
 use crate::queue::{Cmd, Completion, Parts, QueueStats};
@@ -94,13 +95,11 @@ impl Link {
             if n < HEADER_LEN as isize {
                 continue;
             }
-            let Ok(r) = Header::decode(&buf[..n as usize], 65536) else {
-                continue;
+            // Control replies travel alone in their datagram (PROTOCOL.md §9.6): the first frame.
+            let (r, end) = match datagram::frames(&buf[..n as usize], 65536).next() {
+                Some(Ok((r, p))) if r.is_reply() => (r, HEADER_LEN + p.len()),
+                _ => continue,
             };
-            let end = HEADER_LEN + r.payload_len as usize;
-            if end > n as usize || !r.is_reply() || r.check_crc(&buf[HEADER_LEN..end]).is_err() {
-                continue;
-            }
             return Some((r, &buf[HEADER_LEN..end], from));
         }
         None
@@ -191,9 +190,8 @@ pub(crate) struct DgramQueue {
     rto: Duration,
     give_up: Duration,
     spin: blkwire_spin::AdaptiveSpin,
-    /// Encoded frames waiting for one sendmmsg.
-    tx: Vec<u8>,
-    tx_frames: Vec<(usize, usize)>,
+    /// Encoded frames, packed into datagrams (PROTOCOL.md §9.6), waiting for one sendmmsg.
+    tx: Packer<()>,
     rx: Vec<Vec<u8>>,
     stats: QueueStats,
 }
@@ -212,7 +210,10 @@ impl DgramQueue {
         poll: Duration,
     ) -> DgramQueue {
         let frame = HEADER_LEN + frame_payload as usize;
-        let rx_cap = blkwire_net::frames_in_buffer(link.rcvbuf, frame as u32);
+        // Counted at the largest reply frame this session can get; packed replies cost the same
+        // buffer space per frame as lone ones.
+        let largest = HEADER_LEN as u32 + frame_payload.min(max_io);
+        let rx_cap = blkwire_net::frames_in_buffer(link.rcvbuf, largest);
         DgramQueue {
             link,
             session,
@@ -235,8 +236,7 @@ impl DgramQueue {
             rto: RTO_INITIAL,
             give_up,
             spin: blkwire_spin::AdaptiveSpin::new(poll),
-            tx: Vec::with_capacity(BATCH * frame),
-            tx_frames: Vec::with_capacity(BATCH),
+            tx: Packer::with_capacity(BATCH, BATCH * frame),
             rx: (0..BATCH)
                 .map(|_| vec![0u8; frame.max(HEADER_LEN + 4096)])
                 .collect(),
@@ -337,12 +337,10 @@ impl DgramQueue {
         };
         h.payload_len = payload.len() as u32;
         h.seal_crc(payload);
-        let at = self.tx.len();
-        self.tx.extend_from_slice(&h.to_bytes());
-        self.tx.extend_from_slice(payload);
-        self.tx_frames.push((at, self.tx.len() - at));
+        // Several requests of this queue share a datagram up to the size the target receives.
+        self.tx.push(&h, payload, (), HEADER_LEN + fp as usize);
         self.stats.frames_out += 1;
-        if self.tx_frames.len() == BATCH {
+        if self.tx.len() == BATCH {
             let _ = self.flush_tx();
         }
     }
@@ -350,16 +348,16 @@ impl DgramQueue {
     /// Sends every encoded frame with as few syscalls as the batch allows.
     fn flush_tx(&mut self) -> Result<()> {
         let mut done = 0;
-        while done < self.tx_frames.len() {
-            let n = (self.tx_frames.len() - done).min(BATCH);
+        while done < self.tx.len() {
+            let n = (self.tx.len() - done).min(BATCH);
             let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
             let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
             let mut dest = self.link.dest;
             for i in 0..n {
-                let (at, len) = self.tx_frames[done + i];
+                let (d, ()) = self.tx.get(done + i);
                 iov[i] = libc::iovec {
-                    iov_base: self.tx[at..].as_ptr() as *mut _,
-                    iov_len: len,
+                    iov_base: d.as_ptr() as *mut _,
+                    iov_len: d.len(),
                 };
                 msgs[i].msg_hdr.msg_iov = &mut iov[i];
                 msgs[i].msg_hdr.msg_iovlen = 1;
@@ -383,15 +381,14 @@ impl DgramQueue {
                     }
                     _ => {
                         self.tx.clear();
-                        self.tx_frames.clear();
                         return Err(Error::Io(e));
                     }
                 }
             }
+            self.stats.datagrams_out += r.max(0) as u64;
             done += (r as usize).max(1);
         }
         self.tx.clear();
-        self.tx_frames.clear();
         Ok(())
     }
 
@@ -543,10 +540,11 @@ impl DgramQueue {
                 };
             }
             let n = r as usize;
+            self.stats.datagrams_in += n as u64;
             for (i, m) in msgs.iter().enumerate().take(n) {
                 let len = m.msg_len as usize;
                 let buf = std::mem::take(&mut self.rx[i]);
-                self.on_frame(&buf[..len.min(buf.len())]);
+                self.on_datagram(&buf[..len.min(buf.len())]);
                 self.rx[i] = buf;
             }
             total += n;
@@ -556,23 +554,19 @@ impl DgramQueue {
         }
     }
 
-    fn on_frame(&mut self, b: &[u8]) {
-        self.stats.frames_in += 1;
-        let h = match Header::decode(b, self.frame_payload) {
-            Ok(h) => h,
-            Err(_) => {
-                self.stats.crc_errors += 1;
-                return;
+    /// One received datagram: every frame packed in it (PROTOCOL.md §9.6).
+    fn on_datagram(&mut self, b: &[u8]) {
+        for f in datagram::frames(b, self.frame_payload) {
+            self.stats.frames_in += 1;
+            match f {
+                Ok((h, payload)) => self.on_frame(&h, payload),
+                // Malformed, truncated, mixed or without a valid CRC32C: dropped, counted.
+                Err(_) => self.stats.crc_errors += 1,
             }
-        };
-        let Some(payload) = b.get(HEADER_LEN..HEADER_LEN + h.payload_len as usize) else {
-            self.stats.crc_errors += 1;
-            return;
-        };
-        if !h.flags.has(Flags::CRC) || h.check_crc(payload).is_err() {
-            self.stats.crc_errors += 1;
-            return;
         }
+    }
+
+    fn on_frame(&mut self, h: &Header, payload: &[u8]) {
         if !h.is_reply() || h.session != self.session || h.queue != self.index {
             self.stats.late_replies += 1;
             return;
@@ -721,16 +715,13 @@ impl DgramQueue {
         h.queue = self.index;
         h.session = self.session;
         h.seal_crc(&[]);
-        self.tx.extend_from_slice(&h.to_bytes());
-        self.tx_frames.push((0, HEADER_LEN));
+        self.tx.push(&h, &[], (), 0);
         self.flush_tx()
     }
 
     /// Test hook: sends raw bytes as one frame (to replay stale or forged frames).
     pub(crate) fn send_raw(&mut self, frame: &[u8]) -> Result<()> {
-        let at = self.tx.len();
-        self.tx.extend_from_slice(frame);
-        self.tx_frames.push((at, frame.len()));
+        self.tx.push_raw(frame, ());
         self.flush_tx()
     }
 

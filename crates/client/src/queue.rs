@@ -119,6 +119,9 @@ pub struct QueueStats {
     pub rto_us: u64,
     /// Datagrams: current window of frames in flight.
     pub window: u64,
+    /// Datagrams sent and received: fewer than frames when frames share datagrams (§9.6).
+    pub datagrams_out: u64,
+    pub datagrams_in: u64,
 }
 
 /// One queue of a session, owned by one thread.

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use blkwire_backend::{AlignedBuf, Export, ExportQueue, Op, Refusal, Started, Submitter};
+use blkwire_wire::datagram::{self, Packer};
 use blkwire_wire::{
     bitmap, fragment_count, ExportEntry, Flags, Header, Hello, Opcode, Status, Tag, HEADER_LEN,
 };
@@ -135,8 +136,8 @@ pub struct DgramPort {
     hellos: HashMap<(Peer, u64), (Instant, Vec<u8>)>,
     next_incarnation: u32,
     rx: Vec<Vec<u8>>,
-    tx: Vec<u8>,
-    tx_frames: Vec<(usize, usize, Peer)>,
+    /// Replies packed into datagrams (PROTOCOL.md §9.6), sent with one sendmmsg.
+    tx: Packer<Peer>,
     registry: Arc<Registry>,
     pub stats: PortStats,
     last_sweep: Instant,
@@ -168,8 +169,7 @@ impl DgramPort {
             hellos: HashMap::new(),
             next_incarnation: 1,
             rx: (0..BATCH).map(|_| vec![0u8; frame.max(4096)]).collect(),
-            tx: Vec::with_capacity(BATCH * frame),
-            tx_frames: Vec::with_capacity(BATCH),
+            tx: Packer::with_capacity(BATCH, BATCH * frame),
             registry,
             stats: PortStats::default(),
             last_sweep: Instant::now(),
@@ -227,7 +227,7 @@ impl DgramPort {
                 };
                 let len = msgs[i].msg_len as usize;
                 let buf = std::mem::take(&mut self.rx[i]);
-                self.on_frame(&buf[..len.min(buf.len())], peer, sq, ud);
+                self.on_datagram(&buf[..len.min(buf.len())], peer, sq, ud);
                 self.rx[i] = buf;
             }
             if n < BATCH {
@@ -267,15 +267,23 @@ impl DgramPort {
         }
     }
 
-    /// Queues one sealed frame for `peer`.
-    fn send_frame(&mut self, mut h: Header, payload: &[u8], peer: Peer) {
+    /// Queues one sealed frame for `peer`, alone in its datagram.
+    fn send_frame(&mut self, h: Header, payload: &[u8], peer: Peer) {
+        self.send_packed(h, payload, peer, 0);
+    }
+
+    /// Queues one sealed frame for `peer`, sharing a datagram with the frames before it for the
+    /// same queue up to `frame_payload` (the queue's negotiated size, which its initiator receives).
+    fn send_packed(&mut self, mut h: Header, payload: &[u8], peer: Peer, frame_payload: u32) {
         h.payload_len = payload.len() as u32;
         h.seal_crc(payload);
-        let at = self.tx.len();
-        self.tx.extend_from_slice(&h.to_bytes());
-        self.tx.extend_from_slice(payload);
-        self.tx_frames.push((at, self.tx.len() - at, peer));
-        if self.tx_frames.len() == BATCH {
+        let limit = if frame_payload > 0 {
+            HEADER_LEN + frame_payload as usize
+        } else {
+            0
+        };
+        self.tx.push(&h, payload, peer, limit);
+        if self.tx.len() == BATCH {
             self.flush();
         }
     }
@@ -289,16 +297,16 @@ impl DgramPort {
     /// Sends the batched frames.
     pub fn flush(&mut self) {
         let mut done = 0;
-        while done < self.tx_frames.len() {
-            let n = (self.tx_frames.len() - done).min(BATCH);
+        while done < self.tx.len() {
+            let n = (self.tx.len() - done).min(BATCH);
             let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
             let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
             let mut names: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
             for i in 0..n {
-                let (at, len, peer) = self.tx_frames[done + i];
+                let (d, peer) = self.tx.get(done + i);
                 iov[i] = libc::iovec {
-                    iov_base: self.tx[at..].as_ptr() as *mut _,
-                    iov_len: len,
+                    iov_base: d.as_ptr() as *mut _,
+                    iov_len: d.len(),
                 };
                 msgs[i].msg_hdr.msg_iov = &mut iov[i];
                 msgs[i].msg_hdr.msg_iovlen = 1;
@@ -313,7 +321,6 @@ impl DgramPort {
             done += if r > 0 { r as usize } else { 1 };
         }
         self.tx.clear();
-        self.tx_frames.clear();
     }
 
     fn fill_name(&self, ss: &mut libc::sockaddr_storage, peer: Peer) -> u32 {
@@ -352,20 +359,25 @@ impl DgramPort {
         }
     }
 
-    fn on_frame(&mut self, b: &[u8], peer: Peer, sq: &mut dyn Submitter, ud: UserData) {
-        let Ok(h) = Header::decode(b, self.link_payload.max(4096)) else {
-            self.stats.bad_frames += 1;
-            return;
-        };
-        let Some(payload) = b.get(HEADER_LEN..HEADER_LEN + h.payload_len as usize) else {
-            self.stats.bad_frames += 1;
-            return;
-        };
-        // Datagrams must carry a valid CRC (PROTOCOL.md §9).
-        if h.is_reply() || !h.flags.has(Flags::CRC) || h.check_crc(payload).is_err() {
-            self.stats.bad_frames += 1;
-            return;
+    /// One received datagram: every frame packed in it (PROTOCOL.md §9.6), each with a valid CRC.
+    fn on_datagram(&mut self, b: &[u8], peer: Peer, sq: &mut dyn Submitter, ud: UserData) {
+        for f in datagram::frames(b, self.link_payload.max(4096)) {
+            match f {
+                Ok((h, _)) if h.is_reply() => self.stats.bad_frames += 1,
+                Ok((h, payload)) => self.on_frame(h, payload, peer, sq, ud),
+                Err(_) => self.stats.bad_frames += 1,
+            }
         }
+    }
+
+    fn on_frame(
+        &mut self,
+        h: Header,
+        payload: &[u8],
+        peer: Peer,
+        sq: &mut dyn Submitter,
+        ud: UserData,
+    ) {
         if h.session == 0 {
             return self.control(&h, payload, peer);
         }
@@ -569,6 +581,7 @@ impl DgramPort {
     ) {
         let q = self.queues[qi].as_mut().expect("present");
         let peer = q.peer;
+        let fp = q.fp;
         let slot = h.tag.slot();
         if slot as usize >= q.slots.len() {
             return self.reply(h, Status::Invalid, peer);
@@ -597,7 +610,7 @@ impl DgramPort {
                     let (hdr, status) = (s.hdr, s.status);
                     let mut r = hdr.reply(status, 0);
                     r.credit = credit;
-                    return self.send_frame(r, &[], peer);
+                    return self.send_packed(r, &[], peer, fp);
                 }
                 SlotState::Empty => unreachable!(),
             }
@@ -672,7 +685,7 @@ impl DgramPort {
             r.flags.0 |= Flags::HAVE;
             r.credit = credit;
             let have = s.have.clone();
-            return self.send_frame(r, &have, peer);
+            return self.send_packed(r, &have, peer, fp);
         }
         let buf = s.buf.as_mut().expect("assembling slot has a buffer");
         buf.as_mut_slice()[h.frag_offset as usize..h.frag_offset as usize + payload.len()]
@@ -814,7 +827,7 @@ impl DgramPort {
         if h.opcode != Opcode::Read || status != Status::Ok {
             let mut r = h.reply(status, 0);
             r.credit = credit;
-            return self.send_frame(r, &[], peer);
+            return self.send_packed(r, &[], peer, fp);
         }
         q.stats.bytes_read += h.length as u64;
         let frags = fragment_count(h.length, fp);
@@ -831,7 +844,7 @@ impl DgramPort {
             r.frag_index = i as u16;
             r.frag_count = frags as u16;
             r.frag_offset = start;
-            self.send_frame(r, &buf.as_slice()[start as usize..end as usize], peer);
+            self.send_packed(r, &buf.as_slice()[start as usize..end as usize], peer, fp);
         }
         let q = self.queues[qi].as_mut().expect("present");
         let s = &mut q.slots[slot as usize];

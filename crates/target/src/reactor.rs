@@ -482,8 +482,9 @@ impl Reactor {
                         }
                         p.receive(&mut sq, &user_data);
                     } else {
+                        // Answered after the whole batch of completions (below), so replies
+                        // to one queue share datagrams (PROTOCOL.md §9.6).
                         p.complete(qi, inc, slot, cqe.result());
-                        p.flush();
                     }
                     continue;
                 }
@@ -514,6 +515,9 @@ impl Reactor {
             self.ready.push_back(idx);
         }
         self.cqes = cqes;
+        for p in &mut self.ports {
+            p.flush();
+        }
     }
 
     /// Moves one connection forward: read and dispatch requests, send replies, close if done.

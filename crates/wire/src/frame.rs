@@ -232,6 +232,12 @@ pub enum FrameError {
         expected: u32,
         actual: u32,
     },
+    /// Datagrams (§9.6): fewer payload bytes than `payload_len` left in the datagram.
+    Truncated,
+    /// Datagrams (§9): a frame without the mandatory CRC.
+    MissingCrc,
+    /// Datagrams (§9.6): a frame for another session or queue than the datagram's first.
+    MixedQueues,
 }
 
 impl fmt::Display for FrameError {
@@ -255,6 +261,11 @@ impl fmt::Display for FrameError {
                     f,
                     "CRC32C mismatch: header says {expected:#010x}, data has {actual:#010x}"
                 )
+            }
+            FrameError::Truncated => write!(f, "payload cut short by the end of the datagram"),
+            FrameError::MissingCrc => write!(f, "datagram frame without a CRC32C"),
+            FrameError::MixedQueues => {
+                write!(f, "frame for another session or queue inside one datagram")
             }
         }
     }

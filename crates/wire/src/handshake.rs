@@ -267,7 +267,9 @@ impl HelloReply {
                 "granted queues, depth or max I/O out of range",
             ));
         }
-        if h.frame_payload < 512 || h.frame_payload > h.max_io {
+        // Datagram frames may be larger than max_io: frame_payload is also the size frames are
+        // packed into (§9.6). Either way it is bounded like any payload.
+        if h.frame_payload < 512 || h.frame_payload > crate::MAX_PAYLOAD_LIMIT {
             return Err(PayloadError::Invalid("frame payload out of range"));
         }
         Ok(h)

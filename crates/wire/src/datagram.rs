@@ -1,0 +1,224 @@
+//! Datagram carriage (PROTOCOL.md §9.6): a UDP datagram or an Ethernet frame carries one or more
+//! frames back to back, all for the same session and queue, each sealed with its own CRC32C.
+//!
+//! Packing several small frames (request headers, 4 KiB read replies on a jumbo link) into one
+//! datagram is what lets a datagram transport move as few packets per I/O as TCP's segmentation
+//! offload does: the per-packet cost of the network stack, not the bytes, bounds small I/O.
+
+use crate::frame::{Flags, FrameError, Header, HEADER_LEN};
+
+/// The frames of one received datagram, in order. Validation is per frame (§1 and §9): a frame
+/// that fails it ends the walk (what follows cannot be trusted to be framed correctly), but the
+/// frames before it stand; each was complete and CRC-checked on its own.
+pub struct Frames<'a> {
+    rest: &'a [u8],
+    max_payload: u32,
+    first: Option<(u32, u16)>,
+}
+
+/// Walks `datagram`; `max_payload` is the receiver's own per-frame limit.
+pub fn frames(datagram: &[u8], max_payload: u32) -> Frames<'_> {
+    Frames {
+        rest: datagram,
+        max_payload,
+        first: None,
+    }
+}
+
+impl<'a> Frames<'a> {
+    fn next_frame(&mut self) -> Result<(Header, &'a [u8]), FrameError> {
+        let h = Header::decode(self.rest, self.max_payload)?;
+        let end = HEADER_LEN + h.payload_len as usize;
+        let payload = self
+            .rest
+            .get(HEADER_LEN..end)
+            .ok_or(FrameError::Truncated)?;
+        if !h.flags.has(Flags::CRC) {
+            return Err(FrameError::MissingCrc);
+        }
+        h.check_crc(payload)?;
+        let key = (h.session, h.queue);
+        if *self.first.get_or_insert(key) != key {
+            return Err(FrameError::MixedQueues);
+        }
+        self.rest = &self.rest[end..];
+        Ok((h, payload))
+    }
+}
+
+impl<'a> Iterator for Frames<'a> {
+    type Item = Result<(Header, &'a [u8]), FrameError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.rest.is_empty() {
+            return None;
+        }
+        let r = self.next_frame();
+        if r.is_err() {
+            self.rest = &[];
+        }
+        Some(r)
+    }
+}
+
+/// Builds outgoing datagrams: frames are appended to one buffer and a frame joins the previous
+/// datagram when it is for the same destination, session and queue and still fits `limit`
+/// bytes (the receiver's datagram size, §9.6). Control frames (session 0) always travel alone.
+pub struct Packer<D> {
+    buf: Vec<u8>,
+    /// (start, length, destination) of each datagram in `buf`.
+    datagrams: Vec<(usize, usize, D)>,
+    /// The last datagram still open for packing: its session, queue and byte limit.
+    open: Option<(u32, u16, usize)>,
+}
+
+impl<D: Copy + PartialEq> Packer<D> {
+    pub fn with_capacity(datagrams: usize, bytes: usize) -> Packer<D> {
+        Packer {
+            buf: Vec::with_capacity(bytes),
+            datagrams: Vec::with_capacity(datagrams),
+            open: None,
+        }
+    }
+
+    /// Appends an encoded, sealed frame; `limit` 0 means "never pack this one".
+    pub fn push(&mut self, h: &Header, payload: &[u8], dest: D, limit: usize) {
+        let len = HEADER_LEN + payload.len();
+        let key = (h.session, h.queue);
+        let joins = match (self.open, self.datagrams.last()) {
+            (Some((s, q, lim)), Some(&(_, dl, d))) => {
+                (s, q) == key && d == dest && dl + len <= lim && limit > 0
+            }
+            _ => false,
+        };
+        self.buf.extend_from_slice(&h.to_bytes());
+        self.buf.extend_from_slice(payload);
+        if joins {
+            self.datagrams.last_mut().expect("open datagram").1 += len;
+        } else {
+            self.datagrams.push((self.buf.len() - len, len, dest));
+            self.open = (limit > 0 && h.session != 0).then_some((key.0, key.1, limit));
+        }
+    }
+
+    /// Appends raw bytes as a datagram of their own (test hooks replaying captured frames).
+    pub fn push_raw(&mut self, bytes: &[u8], dest: D) {
+        self.buf.extend_from_slice(bytes);
+        self.datagrams
+            .push((self.buf.len() - bytes.len(), bytes.len(), dest));
+        self.open = None;
+    }
+
+    /// Datagrams built so far.
+    pub fn len(&self) -> usize {
+        self.datagrams.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.datagrams.is_empty()
+    }
+
+    /// Datagram `i`: its bytes and destination.
+    pub fn get(&self, i: usize) -> (&[u8], D) {
+        let (at, len, d) = self.datagrams[i];
+        (&self.buf[at..at + len], d)
+    }
+
+    pub fn clear(&mut self) {
+        self.buf.clear();
+        self.datagrams.clear();
+        self.open = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Opcode, Tag};
+
+    fn frame(session: u32, queue: u16, slot: u16, payload: &[u8]) -> (Header, Vec<u8>) {
+        let mut h = Header::request(Opcode::Write, Tag::new(slot, 1), 0, 4096);
+        h.session = session;
+        h.queue = queue;
+        h.payload_len = payload.len() as u32;
+        h.seal_crc(payload);
+        (h, payload.to_vec())
+    }
+
+    #[test]
+    fn packs_same_queue_up_to_the_limit_and_walks_back() {
+        let mut p = Packer::with_capacity(4, 1 << 16);
+        let data = [7u8; 100];
+        let limit = 3 * (HEADER_LEN + 100);
+        for slot in 0..4 {
+            let (h, pl) = frame(9, 2, slot, &data);
+            p.push(&h, &pl, 1u8, limit);
+        }
+        assert_eq!(
+            p.len(),
+            2,
+            "three frames fit the limit, the fourth starts a datagram"
+        );
+        let (d, dest) = p.get(0);
+        assert_eq!((d.len(), dest), (limit, 1));
+        let slots: Vec<u16> = frames(d, 4096)
+            .map(|r| r.expect("valid").0.tag.slot())
+            .collect();
+        assert_eq!(slots, [0, 1, 2]);
+        let (d, _) = p.get(1);
+        assert_eq!(frames(d, 4096).count(), 1);
+    }
+
+    #[test]
+    fn never_packs_across_queues_destinations_or_control_frames() {
+        let mut p = Packer::with_capacity(8, 1 << 16);
+        let (a, _) = frame(9, 0, 0, &[]);
+        let (b, _) = frame(9, 1, 0, &[]);
+        let (c, _) = frame(0, 0, 0, &[]);
+        p.push(&a, &[], 1u8, 1000);
+        p.push(&b, &[], 1u8, 1000); // other queue
+        p.push(&b, &[], 2u8, 1000); // other destination
+        p.push(&c, &[], 2u8, 1000); // control
+        p.push(&c, &[], 2u8, 1000); // control again
+        p.push(&a, &[], 2u8, 0); // not packable
+        assert_eq!(p.len(), 6);
+        p.clear();
+        assert!(p.is_empty());
+    }
+
+    #[test]
+    fn a_bad_frame_ends_the_walk_but_keeps_the_frames_before_it() {
+        let (h1, _) = frame(5, 0, 1, &[]);
+        let (h2, _) = frame(5, 0, 2, &[1, 2, 3]);
+        let mut d = h1.to_bytes().to_vec();
+        d.extend_from_slice(&h2.to_bytes());
+        d.extend_from_slice(&[1, 2]); // one payload byte short
+        let got: Vec<_> = frames(&d, 4096).collect();
+        assert_eq!(got.len(), 2);
+        assert!(got[0].is_ok());
+        assert_eq!(got[1], Err(FrameError::Truncated));
+
+        let (h3, _) = frame(5, 1, 3, &[]);
+        let mut d = h1.to_bytes().to_vec();
+        d.extend_from_slice(&h3.to_bytes());
+        let got: Vec<_> = frames(&d, 4096).collect();
+        assert_eq!(got[1], Err(FrameError::MixedQueues));
+
+        let mut bare = Header::request(Opcode::Read, Tag::new(0, 1), 0, 512);
+        bare.session = 5;
+        let bare = bare.to_bytes();
+        let got: Vec<_> = frames(&bare, 4096).collect();
+        assert_eq!(got, [Err(FrameError::MissingCrc)]);
+
+        let mut flipped = h2.to_bytes().to_vec();
+        flipped.extend_from_slice(&[1, 2, 4]);
+        assert!(matches!(
+            frames(&flipped, 4096).next(),
+            Some(Err(FrameError::BadCrc { .. }))
+        ));
+        assert_eq!(
+            frames(&[0u8; 10], 4096).next(),
+            Some(Err(FrameError::Short))
+        );
+        assert_eq!(frames(&[], 4096).next(), None);
+    }
+}
