@@ -154,7 +154,7 @@ pub fn run(a: Args) -> Result<(), String> {
                     "frames_out": q.frames_out, "frames_in": q.frames_in, "late_replies": q.late_replies,
                     "errors": q.errors, "retransmits": q.retransmits, "crc_errors": q.crc_errors,
                     "duplicates": q.duplicates, "timeouts": q.timeouts, "rto_us": q.rto_us, "window": q.window,
-                    "datagrams_out": q.datagrams_out, "datagrams_in": q.datagrams_in,
+                    "datagrams_out": q.datagrams_out, "datagrams_in": q.datagrams_in, "probes": q.probes,
                 })
             })
             .collect();

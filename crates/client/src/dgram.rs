@@ -17,6 +17,8 @@ use crate::{Error, Result};
 const RTO_MIN: Duration = Duration::from_millis(5);
 const RTO_MAX: Duration = Duration::from_secs(1);
 const RTO_INITIAL: Duration = Duration::from_millis(20);
+/// Floor of the tail-loss probe timeout: below this, scheduling noise on a busy host would fire it.
+const PTO_MIN: Duration = Duration::from_micros(200);
 /// Frames sent or received per syscall.
 const BATCH: usize = 32;
 
@@ -185,15 +187,23 @@ pub(crate) struct DgramQueue {
     last_decrease: Instant,
     /// Send time of the most recently sent request that has been answered (loss detection).
     newest_answered: Option<Instant>,
+    /// Smallest round trip seen: tells an answer to a retransmission from a late first answer.
+    min_rtt: Option<Duration>,
+    /// Last valid reply, or last tail-loss probe.
+    last_progress: Instant,
     srtt: Option<Duration>,
     rttvar: Duration,
     rto: Duration,
+    /// Floor of `rto` (RTO_MIN; tests raise it to show what the tail-loss probe alone recovers).
+    rto_min: Duration,
     give_up: Duration,
     spin: blkwire_spin::AdaptiveSpin,
     /// Encoded frames, packed into datagrams (PROTOCOL.md §9.6), waiting for one sendmmsg.
     tx: Packer<()>,
     rx: Vec<Vec<u8>>,
     stats: QueueStats,
+    /// Read once per receive batch (RTT samples of one batch share it).
+    now: Instant,
 }
 
 impl DgramQueue {
@@ -231,9 +241,12 @@ impl DgramQueue {
             session_lost: false,
             last_decrease: Instant::now(),
             newest_answered: None,
+            min_rtt: None,
+            last_progress: Instant::now(),
             srtt: None,
             rttvar: Duration::ZERO,
             rto: RTO_INITIAL,
+            rto_min: RTO_MIN,
             give_up,
             spin: blkwire_spin::AdaptiveSpin::new(poll),
             tx: Packer::with_capacity(BATCH, BATCH * frame),
@@ -241,6 +254,7 @@ impl DgramQueue {
                 .map(|_| vec![0u8; frame.max(HEADER_LEN + 4096)])
                 .collect(),
             stats: QueueStats::default(),
+            now: Instant::now(),
         }
     }
 
@@ -291,17 +305,19 @@ impl DgramQueue {
         s.retransmitted = false;
         s.status = Status::Ok;
         s.got = 0;
-        s.data.clear();
         s.have.clear();
         s.frags = 1;
         s.window_frames = 1;
         match opcode {
             Opcode::Write => {
+                s.data.clear();
                 s.data.extend_from_slice(data);
                 s.frags = fragment_count(len, fp);
                 s.window_frames = s.frags;
             }
             Opcode::Read => {
+                // Not zeroed: the request completes only when every fragment has overwritten
+                // its part (the HAVE bitmap), so old bytes never reach the caller.
                 s.data.resize(len as usize, 0);
                 s.frags = fragment_count(len, fp);
                 s.have.resize(bitmap::bytes_for(s.frags), 0);
@@ -486,6 +502,7 @@ impl DgramQueue {
             .iter()
             .filter(|s| s.state == State::InFlight)
             .map(|s| (s.sent_at + s.rto).min(s.give_up_at))
+            .chain((self.in_flight_frames > 0).then(|| self.last_progress + self.pto()))
             .min()
             .unwrap_or(now + Duration::from_millis(100));
         let ms = next
@@ -509,6 +526,7 @@ impl DgramQueue {
     /// Reads every frame waiting; returns how many arrived.
     fn receive(&mut self) -> Result<usize> {
         let mut total = 0;
+        self.now = Instant::now();
         loop {
             let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
             let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
@@ -585,10 +603,11 @@ impl DgramQueue {
             self.stats.late_replies += 1;
             return;
         }
+        self.last_progress = self.now;
         if h.flags.has(Flags::HAVE) {
             // The target holds part of a WRITE: send exactly what it lacks (PROTOCOL.md §9.3).
             let missing: Vec<u32> = (0..s.frags).filter(|&i| !bitmap::get(payload, i)).collect();
-            s.sent_at = Instant::now();
+            s.sent_at = self.now;
             s.retransmitted = true;
             self.stats.retransmits += missing.len() as u64;
             for i in missing {
@@ -638,11 +657,18 @@ impl DgramQueue {
         if s.status != Status::Ok {
             self.stats.errors += 1;
         }
-        if !s.retransmitted {
+        let elapsed = self.now.saturating_duration_since(s.sent_at);
+        // The newest transmission known to have arrived (RACK, RFC 8985). An answer to a
+        // retransmission that comes sooner than any round trip can be an answer to the first
+        // copy, so it proves nothing about when it was sent.
+        if !s.retransmitted || self.min_rtt.is_some_and(|m| elapsed >= m) {
             self.newest_answered =
                 Some(self.newest_answered.map_or(s.sent_at, |t| t.max(s.sent_at)));
+        }
+        if !s.retransmitted {
             // Karn: only unambiguous samples.
-            let sample = s.sent_at.elapsed();
+            let sample = elapsed;
+            self.min_rtt = Some(self.min_rtt.map_or(sample, |m| m.min(sample)));
             let (srtt, var) = match self.srtt {
                 None => (sample, sample / 2),
                 Some(srtt) => {
@@ -652,7 +678,7 @@ impl DgramQueue {
             };
             self.srtt = Some(srtt);
             self.rttvar = var;
-            self.rto = (srtt + 4 * var).clamp(RTO_MIN, RTO_MAX);
+            self.rto = (srtt + 4 * var).clamp(self.rto_min, RTO_MAX);
         }
         // Growth: every answered frame opens the window by one (it doubles per round trip), up to
         // the target's credit. The receiver's buffer, not a guess, is what bounds us on a LAN.
@@ -687,16 +713,20 @@ impl DgramQueue {
                 continue;
             }
             lost = true;
-            s.sent_at = now;
-            s.rto = (s.rto * 2).min(RTO_MAX);
-            s.retransmitted = true;
-            self.stats.retransmits += 1;
-            match s.opcode {
-                // Only fragment 0: the target answers with what it holds (HAVE).
-                Opcode::Write => self.push_frame(slot, 0, false),
-                // Ask only for the fragments still missing.
-                Opcode::Read if s.got > 0 => self.push_frame(slot, 0, true),
-                _ => self.push_frame(slot, 0, false),
+            self.resend(slot, now);
+        }
+        // Tail loss probe (RFC 8985 §7): requests are in flight but nothing has come back for
+        // two round trips. Packing can put a whole burst, even the whole queue, in one datagram,
+        // and if that one is lost no later answer can show it: resend the newest request, and
+        // its answer shows the others lost (overtaken) long before their timers would.
+        if !lost && self.in_flight_frames > 0 && now >= self.last_progress + self.pto() {
+            let newest = (0..self.slots.len() as u16)
+                .filter(|&i| self.slots[i as usize].state == State::InFlight)
+                .max_by_key(|&i| self.slots[i as usize].sent_at);
+            if let Some(slot) = newest {
+                self.stats.probes += 1;
+                self.resend(slot, now);
+                self.last_progress = now;
             }
         }
         if lost && now.duration_since(self.last_decrease) > srtt {
@@ -708,6 +738,27 @@ impl DgramQueue {
             self.last_decrease = now;
         }
         self.flush_tx()
+    }
+
+    /// Sends an in-flight request again, with its timer backed off.
+    fn resend(&mut self, slot: u16, now: Instant) {
+        let s = &mut self.slots[slot as usize];
+        s.sent_at = now;
+        s.rto = (s.rto * 2).min(RTO_MAX);
+        s.retransmitted = true;
+        self.stats.retransmits += 1;
+        match s.opcode {
+            // Only fragment 0: the target answers with what it holds (HAVE).
+            Opcode::Write => self.push_frame(slot, 0, false),
+            // Ask only for the fragments still missing.
+            Opcode::Read if s.got > 0 => self.push_frame(slot, 0, true),
+            _ => self.push_frame(slot, 0, false),
+        }
+    }
+
+    /// Tail-loss probe timeout: two smoothed round trips, never above the retransmission timeout.
+    fn pto(&self) -> Duration {
+        (2 * self.srtt.unwrap_or(RTO_INITIAL)).clamp(PTO_MIN, self.rto.max(PTO_MIN))
     }
 
     pub fn logout(&mut self) -> Result<()> {
@@ -882,4 +933,103 @@ pub fn discover_eth(iface: &str, wait: Duration) -> Result<Vec<Discovered>> {
 pub fn discover_udp(addr: std::net::SocketAddr, wait: Duration) -> Result<Vec<Discovered>> {
     let link = udp_link(addr)?;
     Ok(discover_on(&link, wait, &|_| format!("udp://{addr}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::UdpSocket;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// A stand-in target on loopback: answers every READ frame of one datagram with 0x5a bytes,
+    /// or drops the datagram; returns how many frames it carried (0: none came in `wait`).
+    fn answer(target: &UdpSocket, drop: bool, wait: Duration) -> usize {
+        let mut buf = vec![0u8; 65536];
+        target.set_read_timeout(Some(wait)).unwrap();
+        let Ok((n, from)) = target.recv_from(&mut buf) else {
+            return 0;
+        };
+        let mut frames = 0;
+        for f in datagram::frames(&buf[..n], 65536) {
+            let (h, _) = f.expect("valid request frame");
+            frames += 1;
+            if drop {
+                continue;
+            }
+            let data = vec![0x5a; h.length as usize];
+            let mut r = h.reply(Status::Ok, data.len() as u32);
+            r.seal_crc(&data);
+            let mut out = r.to_bytes().to_vec();
+            out.extend_from_slice(&data);
+            target.send_to(&out, from).expect("reply");
+        }
+        frames
+    }
+
+    #[test]
+    fn a_lost_burst_is_recovered_by_a_probe_not_by_the_timers() {
+        let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let link = udp_link(target.local_addr().unwrap()).unwrap();
+        let give_up = Duration::from_secs(30);
+        let mut q = DgramQueue::new(link, 7, 0, 8, 4096, 8192, 64, give_up, Duration::ZERO);
+        // Retransmission timers 1 s away: only the probe can recover the burst before that.
+        q.rto_min = RTO_MAX;
+        let wait = Duration::from_secs(5);
+        // Round trips to learn from.
+        for i in 0..20 {
+            q.submit(
+                Cmd::Read {
+                    offset: 0,
+                    len: 512,
+                },
+                i,
+            )
+            .unwrap();
+            q.send().unwrap();
+            assert_eq!(answer(&target, false, wait), 1);
+            q.complete(1, |c| assert_eq!(c.status, Status::Ok)).unwrap();
+        }
+        let before = q.stats();
+        let done = AtomicBool::new(false);
+        let (dropped, served) = std::thread::scope(|s| {
+            // The stand-in loses the next datagram, then answers everything until told to stop.
+            let t = s.spawn(|| {
+                let dropped = answer(&target, true, wait);
+                let mut served = 0;
+                while !done.load(Ordering::Relaxed) {
+                    served += answer(&target, false, Duration::from_millis(20));
+                }
+                (dropped, served)
+            });
+            // A burst of 8 reads travels in one datagram: the one that is lost.
+            for i in 0..8 {
+                let read = Cmd::Read {
+                    offset: 512 * i,
+                    len: 512,
+                };
+                q.submit(read, 100 + i).unwrap();
+            }
+            q.send().unwrap();
+            assert_eq!(q.stats().datagrams_out - before.datagrams_out, 1);
+            let mut got = 0;
+            while got < 8 {
+                got += q
+                    .complete(1, |c| {
+                        assert_eq!(c.status, Status::Ok);
+                        assert!(c.data.iter().all(|&b| b == 0x5a));
+                    })
+                    .unwrap();
+            }
+            done.store(true, Ordering::Relaxed);
+            t.join().unwrap()
+        });
+        let st = q.stats();
+        assert_eq!(dropped, 8);
+        assert!(served >= 8);
+        let probes = st.probes - before.probes;
+        assert!(probes >= 1, "no tail-loss probe: {st:?}");
+        // The probes resend the newest request; its answer shows the other seven lost.
+        assert_eq!(st.retransmits - before.retransmits, probes + 7, "{st:?}");
+        assert_eq!(st.timeouts, 0);
+    }
 }

@@ -115,6 +115,9 @@ pub struct QueueStats {
     pub duplicates: u64,
     /// Datagrams: requests given up after the give-up time (failed with EIO).
     pub timeouts: u64,
+    /// Datagrams: tail-loss probes sent (requests resent because nothing came back for two
+    /// round trips; also counted in `retransmits`).
+    pub probes: u64,
     /// Datagrams: current retransmission timeout, microseconds.
     pub rto_us: u64,
     /// Datagrams: current window of frames in flight.

@@ -144,6 +144,8 @@ pub struct DgramPort {
     /// Queues that sent a frame in the last two seconds (recounted every second): the receive
     /// buffer is shared among these, not among idle queues waiting to expire.
     active: u32,
+    /// Read once per receive batch: idle expiry needs seconds, not a clock read per frame.
+    now: Instant,
 }
 
 /// Encodes io_uring user data for a datagram queue's backend I/O; supplied by the reactor.
@@ -173,6 +175,7 @@ impl DgramPort {
             registry,
             stats: PortStats::default(),
             last_sweep: Instant::now(),
+            now: Instant::now(),
             active: 1,
         }
     }
@@ -193,6 +196,7 @@ impl DgramPort {
 
     /// Reads every waiting frame and handles it; replies are batched and sent at the end.
     pub fn receive(&mut self, sq: &mut dyn Submitter, ud: UserData) {
+        self.now = Instant::now();
         loop {
             let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
             let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
@@ -395,7 +399,7 @@ impl DgramPort {
             self.stats.wrong_peer += 1;
             return;
         }
-        q.last_seen = Instant::now();
+        q.last_seen = self.now;
         q.stats.frames_in += 1;
         match h.opcode {
             Opcode::Join => self.reply(&h, Status::Ok, peer),
