@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use blkwire_map::{Frontend, MapOptions};
+use blkwire_map::{Frontend, FuseIo, MapOptions};
 use serde_json::json;
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -13,6 +13,13 @@ pub enum FrontendArg {
     Auto,
     Ublk,
     Fuse,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum FuseIoArg {
+    Auto,
+    Uring,
+    Read,
 }
 
 #[derive(clap::Args)]
@@ -32,6 +39,12 @@ pub struct MapArgs {
     /// auto: ublk when /dev/ublk-control exists (modprobe ublk_drv), else fuse
     #[arg(long, value_enum, default_value = "auto")]
     frontend: FrontendArg,
+    /// fuse frontend: how requests travel between the kernel and the daemon. uring: FUSE over
+    /// io_uring (Linux >= 6.14), turning on the kernel's system-wide switch
+    /// /sys/module/fuse/parameters/enable_uring if it is off; read: read/write on /dev/fuse;
+    /// auto: uring when that switch is already on, else read (`ls` shows which)
+    #[arg(long, value_enum, default_value = "auto")]
+    fuse_io: FuseIoArg,
     /// Requests in flight per queue
     #[arg(long, value_name = "N", default_value_t = 128, value_parser = clap::value_parser!(u16).range(1..=4096))]
     queue_depth: u16,
@@ -112,6 +125,11 @@ pub fn run_map(a: MapArgs) -> Result<(), String> {
         logfile: a.logfile,
         timeout: Duration::from_secs(a.timeout),
         frontend,
+        fuse_io: match a.fuse_io {
+            FuseIoArg::Auto => FuseIo::Auto,
+            FuseIoArg::Uring => FuseIo::Uring,
+            FuseIoArg::Read => FuseIo::Read,
+        },
     };
     blkwire_map::map(&o, &mut print_device)
 }
@@ -132,14 +150,15 @@ pub fn run_ls(a: LsArgs) -> Result<(), String> {
                 continue;
             }
         };
-        all.insert(
-            r.device.clone(),
-            json!({
-                "url": r.url, "export": r.export, "frontend": r.frontend, "pid": r.pid,
-                "state": state.as_str(), "readonly": r.readonly, "size": r.size,
-                "queues": r.queues, "queue_depth": r.queue_depth, "file": r.file,
-            }),
-        );
+        let mut v = json!({
+            "url": r.url, "export": r.export, "frontend": r.frontend, "pid": r.pid,
+            "state": state.as_str(), "readonly": r.readonly, "size": r.size,
+            "queues": r.queues, "queue_depth": r.queue_depth, "file": r.file,
+        });
+        if let Some(io) = &r.fuse_io {
+            v["fuse_io"] = json!(io);
+        }
+        all.insert(r.device.clone(), v);
         text.push_str(&format!(
             "{}\n  url:       {}\n  export:    {}\n  frontend:  {}\n  pid:       {}\n  state:     {}\n  readonly:  {}\n  size:      {}\n",
             r.device,
@@ -151,6 +170,9 @@ pub fn run_ls(a: LsArgs) -> Result<(), String> {
             if r.readonly { "yes" } else { "no" },
             blkwire_backend::format_size(r.size)
         ));
+        if let Some(io) = &r.fuse_io {
+            text.push_str(&format!("  fuse io:   {io}\n"));
+        }
     }
     if a.json {
         println!("{}", serde_json::Value::Object(all));

@@ -19,17 +19,21 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use blkwire_client::{ConnectOptions, ExportInfo, Url};
 use blkwire_wire::Features;
 
-use crate::fuse::{self, Attr, Channel, Request, FILE_ID, ROOT_ID};
+use crate::fuse::{self, Attr, Channel, Negotiated, Request, FILE_ID, ROOT_ID};
+use crate::fuse_uring::{self, Ring, Switch, SWITCH};
 use crate::loopdev::{Detach, LoopDev};
 use crate::state::{self, Record};
 use crate::sys;
-use crate::worker::{Event, Shared, Worker};
-use crate::{log, Frontend, FRONTEND_FUSE, FRONTEND_UBLK};
+use crate::worker::{Event, Shared, Waker, Worker};
+use crate::{log, Frontend, FuseIo, FRONTEND_FUSE, FRONTEND_UBLK, FUSE_IO_READ, FUSE_IO_URING};
 
 /// How long the kernel may take to queue INIT after mount(2) (it does so during the call).
 const INIT_WAIT_MS: i32 = 10_000;
 /// Attempts at binding a free loop device that another program takes first.
 const BIND_ATTEMPTS: u32 = 16;
+/// How long the workers may take to register their FUSE ring entries (the kernel answers each
+/// REGISTER during its submission).
+const REGISTER_WAIT: Duration = Duration::from_secs(10);
 
 /// Everything `blkwire map` was asked for.
 #[derive(Clone, Debug)]
@@ -47,6 +51,8 @@ pub struct MapOptions {
     /// How long I/O waits for an unreachable target before failing with EIO.
     pub timeout: Duration,
     pub frontend: Frontend,
+    /// fuse frontend: FUSE over io_uring or read/writev on /dev/fuse.
+    pub fuse_io: FuseIo,
 }
 
 pub(crate) enum Mode {
@@ -54,7 +60,7 @@ pub(crate) enum Mode {
         dev_num: Option<u32>,
     },
     /// Re-serve the read-only device of this record, whose daemon died.
-    Recover(Record),
+    Recover(Box<Record>),
 }
 
 pub(crate) struct Spec {
@@ -69,6 +75,7 @@ pub(crate) struct Spec {
     pub mode: Mode,
     /// FRONTEND_FUSE or FRONTEND_UBLK
     pub frontend: &'static str,
+    pub fuse_io: FuseIo,
 }
 
 pub(crate) fn preflight() -> Result<(), String> {
@@ -98,6 +105,12 @@ pub fn map(o: &MapOptions, on_ready: &mut dyn FnMut(&str)) -> Result<(), String>
         ));
     }
     let frontend = crate::choose_frontend(o.frontend)?;
+    if frontend == FRONTEND_UBLK && o.fuse_io == FuseIo::Uring {
+        return Err(
+            "--fuse-io uring applies to the fuse frontend; this mapping would use ublk (add --frontend fuse)"
+                .into(),
+        );
+    }
     if frontend == FRONTEND_UBLK {
         crate::ublk::preflight()?;
     } else {
@@ -124,6 +137,7 @@ pub fn map(o: &MapOptions, on_ready: &mut dyn FnMut(&str)) -> Result<(), String>
         logfile: o.logfile.as_ref().map(|p| p.display().to_string()),
         mode: Mode::New { dev_num: o.dev_num },
         frontend,
+        fuse_io: o.fuse_io,
     };
     launch(spec, o.foreground, on_ready)
 }
@@ -179,8 +193,9 @@ pub fn recover(
         logfile: logfile
             .map(|p| p.display().to_string())
             .or_else(|| rec.logfile.clone()),
-        mode: Mode::Recover(rec),
+        mode: Mode::Recover(Box::new(rec)),
         frontend: FRONTEND_FUSE,
+        fuse_io: FuseIo::Auto,
     };
     launch(spec, foreground, on_ready)
 }
@@ -217,8 +232,9 @@ fn recover_ublk(
         logfile: logfile
             .map(|p| p.display().to_string())
             .or_else(|| rec.logfile.clone()),
-        mode: Mode::Recover(rec),
+        mode: Mode::Recover(Box::new(rec)),
         frontend: FRONTEND_UBLK,
+        fuse_io: FuseIo::Auto,
     };
     launch(spec, foreground, on_ready)
 }
@@ -358,6 +374,8 @@ struct Undo {
     record: Option<LoopDev>,
     restore: Option<Record>,
     bound: Option<LoopDev>,
+    /// We turned the kernel's FUSE-over-io_uring switch on for this mapping.
+    switch_on: bool,
 }
 
 impl Undo {
@@ -369,6 +387,7 @@ impl Undo {
         self.record = None;
         self.restore = None;
         self.bound = None;
+        self.switch_on = false;
     }
 }
 
@@ -387,6 +406,10 @@ impl Drop for Undo {
                 let _ = fuse::unmount_lazy(dir);
             }
             let _ = std::fs::remove_dir(dir);
+        }
+        if self.switch_on {
+            // Connections that negotiated io_uring keep it; only new ones see the switch.
+            let _ = fuse_uring::set_switch(false);
         }
     }
 }
@@ -440,6 +463,7 @@ impl Mapping {
             .map_err(|e| format!("{}: {e}", mountpoint.display()))?;
         undo.dir = Some(mountpoint.clone());
 
+        let want_uring = plan_fuse_io(spec.fuse_io, &mut undo)?;
         let master = Channel::open().map_err(|e| format!("/dev/fuse: {e}"))?;
         let pages = fuse::max_pages_limit();
         let io_cap = info.max_io.min(pages.saturating_mul(4096)).max(4096);
@@ -449,7 +473,27 @@ impl Mapping {
 
         let queues = session.queues.len();
         let background = (queues * info.depth as usize).min(u16::MAX as usize) as u16;
-        let max_io = init(&master, info.max_io, pages, background)?;
+        let neg = init(&master, info.max_io, pages, background, want_uring.is_ok())?;
+        let max_io = neg.max_io;
+        let fuse_io = match (&want_uring, neg.uring) {
+            (_, true) => FUSE_IO_URING,
+            (Ok(()), false) if spec.fuse_io == FuseIo::Uring => {
+                return Err(format!(
+                    "--fuse-io uring: the kernel did not offer FUSE over io_uring at INIT although {SWITCH} is on"
+                ));
+            }
+            (Ok(()), false) => {
+                log!(
+                    "info",
+                    "FUSE I/O: read/write on /dev/fuse (the kernel did not offer io_uring at INIT)"
+                );
+                FUSE_IO_READ
+            }
+            (Err(why), false) => {
+                log!("info", "FUSE I/O: read/write on /dev/fuse ({why})");
+                FUSE_IO_READ
+            }
+        };
 
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -503,13 +547,42 @@ impl Mapping {
             );
         }
         channels.insert(0, master);
+        // FUSE over io_uring: the kernel's ring queues (one per possible CPU) are dealt out to
+        // the workers round-robin, each worker one io_uring for all of its ring queues. A
+        // worker left without a ring queue (more queues than CPUs) serves what read() brings.
+        let ring_queues = if neg.uring {
+            fuse_uring::ring_queues()?
+        } else {
+            0
+        };
+        let mut ring_workers = 0;
         for (id, (q, ch)) in session.queues.into_iter().zip(channels).enumerate() {
-            let w =
-                Worker::new(id, ch, Arc::clone(&shared), q).map_err(|e| format!("eventfd: {e}"))?;
-            std::thread::Builder::new()
-                .name(format!("blkwire-q{id}"))
-                .spawn(move || w.run())
-                .map_err(|e| format!("starting a worker thread: {e}"))?;
+            let waker = Arc::new(Waker::new().map_err(|e| format!("eventfd: {e}"))?);
+            let qids: Vec<u16> = (id..ring_queues)
+                .step_by(queues)
+                .map(|q| q as u16)
+                .collect();
+            let sh = Arc::clone(&shared);
+            let spawned = if qids.is_empty() {
+                let w = Worker::new(id, ch, sh, q, 0, waker);
+                spawn_worker(id, move || w.run())
+            } else {
+                // Entries for the queue depth, shared out over this worker's ring queues.
+                let per_queue = q.depth().div_ceil(qids.len()).max(1);
+                let ring = Ring::new(ch, waker.fd(), &qids, per_queue, neg.ring_payload())?;
+                let entries = ring.entries();
+                let w = Worker::new(id, ring, sh, q, entries, waker);
+                ring_workers += 1;
+                spawn_worker(id, move || w.run())
+            };
+            spawned?;
+        }
+        if ring_workers > 0 {
+            await_registration(&events, ring_workers)?;
+            log!(
+                "info",
+                "FUSE I/O: io_uring ({ring_queues} ring queue(s) on {ring_workers} thread(s))"
+            );
         }
         let sig_tx = tx;
         std::thread::Builder::new()
@@ -549,6 +622,7 @@ impl Mapping {
             timeout_secs: spec.timeout.as_secs(),
             hdd: spec.hdd,
             logfile: spec.logfile.clone(),
+            fuse_io: Some(fuse_io.into()),
         };
         let block = info.logical_block.max(512);
         let dev = match &spec.mode {
@@ -608,6 +682,7 @@ impl Mapping {
                         Err(e) => log!("error", "detaching {}: {e}", self.dev.path()),
                     }
                 }
+                Ok(Event::Registered { .. }) => {}
                 Ok(Event::WorkerExited { id, error }) => {
                     exited += 1;
                     if let Some(e) = error {
@@ -702,8 +777,85 @@ fn file_name(export: &str) -> String {
     }
 }
 
-/// Reads INIT from the fresh connection and answers it. Returns the negotiated I/O size.
-fn init(ch: &Channel, session_io: u32, pages: u32, background: u16) -> Result<u32, String> {
+fn spawn_worker(id: usize, f: impl FnOnce() + Send + 'static) -> Result<(), String> {
+    std::thread::Builder::new()
+        .name(format!("blkwire-q{id}"))
+        .spawn(f)
+        .map(|_| ())
+        .map_err(|e| format!("starting a worker thread: {e}"))
+}
+
+/// `--fuse-io`: Ok when INIT should offer FUSE over io_uring, else why not (for the log).
+/// `uring` turns the kernel's switch on when it is off (we are root: mapping needs it), and
+/// `undo` turns it off again if the mapping then fails.
+fn plan_fuse_io(mode: FuseIo, undo: &mut Undo) -> Result<Result<(), String>, String> {
+    let sw = fuse_uring::switch();
+    Ok(match (mode, sw) {
+        (FuseIo::Read, _) => Err("--fuse-io read".into()),
+        (FuseIo::Auto | FuseIo::Uring, Switch::On) => Ok(()),
+        (FuseIo::Auto, Switch::Off) => Err(format!(
+            "io_uring is off: {SWITCH} is N; --fuse-io uring turns it on"
+        )),
+        (FuseIo::Auto, Switch::Missing) => {
+            Err("this kernel has no FUSE over io_uring (Linux >= 6.14)".into())
+        }
+        (FuseIo::Uring, Switch::Missing) => {
+            return Err(format!(
+                "--fuse-io uring: this kernel has no FUSE over io_uring ({SWITCH} is missing: Linux >= 6.14 with CONFIG_FUSE_IO_URING); use --fuse-io read"
+            ))
+        }
+        (FuseIo::Uring, Switch::Off) => {
+            fuse_uring::set_switch(true).map_err(|e| {
+                format!("--fuse-io uring: cannot turn on {SWITCH} ({e}); as root run: echo Y > {SWITCH}")
+            })?;
+            undo.switch_on = true;
+            log!(
+                "info",
+                "turned on FUSE over io_uring system-wide ({SWITCH} = Y) for --fuse-io uring"
+            );
+            Ok(())
+        }
+    })
+}
+
+/// Waits until `n` ring workers registered their entries; the first refusal fails the mapping.
+fn await_registration(events: &mpsc::Receiver<Event>, n: usize) -> Result<(), String> {
+    let deadline = Instant::now() + REGISTER_WAIT;
+    let mut left = n;
+    while left > 0 {
+        match events.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(Event::Registered { error: None, .. }) => left -= 1,
+            Ok(Event::Registered { id, error: Some(e) }) => {
+                log!("error", "queue {id}: {e}");
+                return Err(format!("{e}; --fuse-io read avoids it"));
+            }
+            Ok(Event::WorkerExited { id, error }) => {
+                return Err(format!(
+                    "worker {id} stopped while registering its FUSE ring: {}",
+                    error.unwrap_or_else(|| "the FUSE connection ended".into())
+                ))
+            }
+            Ok(_) => {}
+            Err(_) => {
+                return Err(format!(
+                    "the FUSE ring entries were not registered within {}s",
+                    REGISTER_WAIT.as_secs()
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads INIT from the fresh connection and answers it (offering FUSE over io_uring when
+/// `uring` and the kernel offered it).
+fn init(
+    ch: &Channel,
+    session_io: u32,
+    pages: u32,
+    background: u16,
+    uring: bool,
+) -> Result<Negotiated, String> {
     if !ch
         .wait_readable(INIT_WAIT_MS)
         .map_err(|e| format!("/dev/fuse: {e}"))?
@@ -718,7 +870,7 @@ fn init(ch: &Channel, session_io: u32, pages: u32, background: u16) -> Result<u3
     let Request::Init(init) = req else {
         return Err(format!("expected FUSE INIT, got opcode {}", h.opcode));
     };
-    let neg = match fuse::negotiate(&init, session_io, pages, background) {
+    let neg = match fuse::negotiate(&init, session_io, pages, background, uring) {
         Ok(n) => n,
         Err(e) => {
             let _ = ch.reply(h.unique, libc::EPROTO, &[]);
@@ -727,7 +879,7 @@ fn init(ch: &Channel, session_io: u32, pages: u32, background: u16) -> Result<u3
     };
     ch.reply(h.unique, 0, &[&neg.reply])
         .map_err(|e| format!("answering FUSE INIT: {e}"))?;
-    Ok(neg.max_io)
+    Ok(neg)
 }
 
 /// Binds `file` to a free loop device (or /dev/loop`dev_num`). The record is written first:

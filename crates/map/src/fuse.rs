@@ -52,6 +52,12 @@ pub const FUSE_ASYNC_READ: u32 = 1 << 0;
 pub const FUSE_BIG_WRITES: u32 = 1 << 5;
 pub const FUSE_ASYNC_DIO: u32 = 1 << 15;
 pub const FUSE_MAX_PAGES: u32 = 1 << 22;
+/// The INIT messages carry `flags2` (the upper 32 bits of the 64-bit flags).
+pub const FUSE_INIT_EXT: u32 = 1 << 30;
+/// flags2 bit of FUSE_OVER_IO_URING (1 << 41 in the 64-bit flags, linux/fuse.h 7.42): in the
+/// kernel's INIT it means the kernel would accept io_uring commands (the module's
+/// enable_uring switch is on); in our reply, that we will send them.
+pub const FUSE_OVER_IO_URING_FLAGS2: u32 = 1 << (41 - 32);
 
 // OPEN reply flags.
 pub const FOPEN_DIRECT_IO: u32 = 1 << 0;
@@ -136,6 +142,15 @@ pub struct InitIn {
     pub minor: u32,
     pub max_readahead: u32,
     pub flags: u32,
+    /// 0 unless `flags` has FUSE_INIT_EXT (older kernels send a shorter body).
+    pub flags2: u32,
+}
+
+impl InitIn {
+    /// The kernel offers FUSE over io_uring on this connection.
+    pub fn offers_uring(&self) -> bool {
+        self.flags & FUSE_INIT_EXT != 0 && self.flags2 & FUSE_OVER_IO_URING_FLAGS2 != 0
+    }
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -206,11 +221,17 @@ pub fn parse(buf: &[u8]) -> Result<(InHeader, Request<'_>), ParseError> {
             let minor = r.u32().ok_or_else(bad)?;
             let max_readahead = r.u32().ok_or_else(bad)?;
             let flags = r.u32().ok_or_else(bad)?;
+            let flags2 = if flags & FUSE_INIT_EXT != 0 {
+                r.u32().unwrap_or(0)
+            } else {
+                0
+            };
             Request::Init(InitIn {
                 major,
                 minor,
                 max_readahead,
                 flags,
+                flags2,
             })
         }
         op::LOOKUP => {
@@ -279,18 +300,22 @@ pub struct Negotiated {
     /// Largest READ/WRITE the kernel will send (max_read is set to the same by mount option).
     pub max_io: u32,
     pub minor: u32,
+    /// We told the kernel we will use FUSE over io_uring.
+    pub uring: bool,
 }
 
 /// Chooses the INIT reply. `want_io` is the I/O size the blkwire session granted: the kernel
 /// must never send a request larger than one blkwire command. `max_pages_limit` is the
 /// kernel's cap (/proc/sys/fs/fuse/max_pages_limit, 256 = 1 MiB by default). `background`
 /// bounds asynchronous requests in flight; the kernel's default (12) would cap the loop device's
-/// queue depth at 12, so we raise it to what the queues can carry.
+/// queue depth at 12, so we raise it to what the queues can carry. `uring`: ask for FUSE over
+/// io_uring, which happens only when the kernel offered it.
 pub fn negotiate(
     init: &InitIn,
     want_io: u32,
     max_pages_limit: u32,
     background: u16,
+    uring: bool,
 ) -> Result<Negotiated, String> {
     if init.major != KERNEL_MAJOR {
         return Err(format!(
@@ -326,11 +351,40 @@ pub fn negotiate(
     put32(&mut b, 20, max_io); // max_write
     put32(&mut b, 24, 1); // time_gran: nanoseconds
     put16(&mut b, 28, pages as u16); // max_pages
+    let uring = uring && init.offers_uring();
+    if uring {
+        // process_init_reply reads flags2 only when FUSE_INIT_EXT is set.
+        put32(&mut b, 12, flags | FUSE_INIT_EXT);
+        put32(&mut b, 32, FUSE_OVER_IO_URING_FLAGS2); // flags2
+    }
     Ok(Negotiated {
         reply: b,
         max_io,
         minor,
+        uring,
     })
+}
+
+impl Negotiated {
+    /// Smallest payload buffer a ring entry may register: the kernel's max_payload_sz,
+    /// max(FUSE_MIN_READ_BUFFER, max_write, max_pages pages), with max_pages 32 when
+    /// FUSE_MAX_PAGES was not agreed on.
+    pub fn ring_payload(&self) -> usize {
+        let flags = u32::from_ne_bytes([
+            self.reply[12],
+            self.reply[13],
+            self.reply[14],
+            self.reply[15],
+        ]);
+        let pages = if flags & FUSE_MAX_PAGES != 0 {
+            u16::from_ne_bytes([self.reply[28], self.reply[29]]) as usize
+        } else {
+            DEFAULT_MAX_PAGES as usize
+        };
+        (self.max_io as usize)
+            .max(MIN_READ_BUFFER)
+            .max(pages * PAGE as usize)
+    }
 }
 
 /// Attributes of the root or of the file (struct fuse_attr).
@@ -758,8 +812,9 @@ mod tests {
             minor: 41,
             max_readahead: 1 << 17,
             flags: u32::MAX,
+            flags2: 0,
         };
-        let n = negotiate(&init, 1 << 20, 256, 256).unwrap();
+        let n = negotiate(&init, 1 << 20, 256, 256, false).unwrap();
         assert_eq!((n.max_io, n.minor), (1 << 20, KERNEL_MINOR));
         let flags = u32::from_ne_bytes(n.reply[12..16].try_into().unwrap());
         assert_eq!(
@@ -770,19 +825,63 @@ mod tests {
         assert_eq!(u16::from_ne_bytes([n.reply[16], n.reply[17]]), 256);
         // The session granted less: requests must fit one blkwire command.
         assert_eq!(
-            negotiate(&init, 256 << 10, 256, 64).unwrap().max_io,
+            negotiate(&init, 256 << 10, 256, 64, false).unwrap().max_io,
             256 << 10
         );
         // The kernel allows less.
-        assert_eq!(negotiate(&init, 8 << 20, 256, 64).unwrap().max_io, 1 << 20);
+        assert_eq!(
+            negotiate(&init, 8 << 20, 256, 64, false).unwrap().max_io,
+            1 << 20
+        );
         // No FUSE_MAX_PAGES: 32 pages.
         let old = InitIn {
             flags: FUSE_ASYNC_READ,
             ..init
         };
-        assert_eq!(negotiate(&old, 1 << 20, 256, 64).unwrap().max_io, 128 << 10);
-        assert!(negotiate(&InitIn { major: 8, ..init }, 1 << 20, 256, 64).is_err());
-        assert!(negotiate(&InitIn { minor: 20, ..init }, 1 << 20, 256, 64).is_err());
+        assert_eq!(
+            negotiate(&old, 1 << 20, 256, 64, false).unwrap().max_io,
+            128 << 10
+        );
+        assert!(negotiate(&InitIn { major: 8, ..init }, 1 << 20, 256, 64, false).is_err());
+        assert!(negotiate(&InitIn { minor: 20, ..init }, 1 << 20, 256, 64, false).is_err());
+    }
+
+    #[test]
+    fn uring_is_asked_for_only_when_offered_and_wanted() {
+        let mut body = vec![0u8; 64];
+        put32(&mut body, 0, 7);
+        put32(&mut body, 4, 45);
+        put32(&mut body, 12, FUSE_ASYNC_READ | FUSE_INIT_EXT);
+        put32(&mut body, 16, FUSE_OVER_IO_URING_FLAGS2);
+        let b = request(op::INIT, 0, &body);
+        let Request::Init(init) = parse(&b).unwrap().1 else {
+            panic!("not INIT")
+        };
+        assert!(init.offers_uring());
+        let n = negotiate(&init, 1 << 20, 256, 64, true).unwrap();
+        assert!(n.uring);
+        let flags = u32::from_ne_bytes(n.reply[12..16].try_into().unwrap());
+        assert_eq!(flags, FUSE_ASYNC_READ | FUSE_INIT_EXT);
+        assert_eq!(
+            u32::from_ne_bytes(n.reply[32..36].try_into().unwrap()),
+            1 << 9
+        );
+        // Not wanted: neither flag in the reply.
+        let n = negotiate(&init, 1 << 20, 256, 64, false).unwrap();
+        assert!(!n.uring);
+        assert_eq!(n.reply[32..36], [0; 4]);
+        assert_eq!(
+            u32::from_ne_bytes(n.reply[12..16].try_into().unwrap()) & FUSE_INIT_EXT,
+            0
+        );
+        // Without FUSE_INIT_EXT flags2 means nothing (and a short body is fine).
+        put32(&mut body, 12, FUSE_ASYNC_READ);
+        let b = request(op::INIT, 0, &body[..16]);
+        let Request::Init(old) = parse(&b).unwrap().1 else {
+            panic!("not INIT")
+        };
+        assert!(!old.offers_uring());
+        assert!(!negotiate(&old, 1 << 20, 256, 64, true).unwrap().uring);
     }
 
     #[test]

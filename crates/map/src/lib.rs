@@ -7,11 +7,12 @@
 //! offers /dev/ublk-control.
 //!
 //! Modules: `ublk` (the ublk frontend: ABI, control commands, queue threads), `fuse` (kernel
-//! protocol over /dev/fuse), `loopdev` (loop ioctls), `state` (mapping
+//! protocol over /dev/fuse), `fuse_uring` (FUSE over io_uring: switch, ABI, ring entries), `loopdev` (loop ioctls), `state` (mapping
 //! records and liveness), `worker` (per-queue data path), `daemon` (setup, readiness, teardown),
 //! `unmap`, `sys` (signals, pidfds), `log`.
 
 pub mod fuse;
+pub mod fuse_uring;
 pub mod log;
 pub mod loopdev;
 pub mod state;
@@ -31,6 +32,21 @@ pub const FRONTEND_UBLK: &str = "ublk";
 const UBLK_CONTROL: &str = "/dev/ublk-control";
 /// The ublk frontend is built in: `auto` picks it when the kernel offers /dev/ublk-control.
 const UBLK_BUILT: bool = true;
+
+/// `--fuse-io`: how the fuse frontend exchanges requests with the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FuseIo {
+    /// io_uring when the kernel's switch is on and the kernel offers it at INIT, else read.
+    Auto,
+    /// io_uring or fail; turns the kernel's switch on (root) when it is off.
+    Uring,
+    /// read()/writev() on /dev/fuse.
+    Read,
+}
+
+/// What records (and `ls`) say about a fuse mapping's I/O path.
+pub const FUSE_IO_URING: &str = "uring";
+pub const FUSE_IO_READ: &str = "read";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Frontend {

@@ -64,6 +64,10 @@ pub struct Record {
     pub timeout_secs: u64,
     pub hdd: bool,
     pub logfile: Option<String>,
+    /// fuse frontend: "uring" (FUSE over io_uring) or "read" (read/writev on /dev/fuse).
+    /// Absent in records of older versions and of ublk mappings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fuse_io: Option<String>,
 }
 
 /// What a reader concludes about a record.

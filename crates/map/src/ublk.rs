@@ -1095,7 +1095,7 @@ fn setup(spec: &Spec) -> Result<Running, String> {
                     }
                 }
             }
-            undo.restore = Some(old.clone());
+            undo.restore = Some((**old).clone());
             (id, di.queue_depth as usize, di.max_io_buf_bytes)
         }
     };
@@ -1117,6 +1117,7 @@ fn setup(spec: &Spec) -> Result<Running, String> {
         timeout_secs: spec.timeout.as_secs(),
         hdd: spec.hdd,
         logfile: spec.logfile.clone(),
+        fuse_io: None,
     };
     if let Mode::New { .. } = spec.mode {
         if let Some(old) = Record::load(&device)? {

@@ -25,6 +25,7 @@ use blkwire_client::{Cmd, Completion, ConnectOptions, Queue, Url};
 use blkwire_wire::Status;
 
 use crate::fuse::{self, Attr, Channel, ParseError, Request, FILE_ID, ROOT_ID};
+use crate::fuse_uring::Ring;
 use crate::log;
 
 /// Offset of WRITE data in a request: fuse_in_header + fuse_write_in.
@@ -46,6 +47,43 @@ pub(crate) enum Event {
     FileReleased,
     /// A worker stopped: the FUSE connection ended, or `error`.
     WorkerExited { id: usize, error: Option<String> },
+    /// A FUSE-over-io_uring worker registered its ring entries, or the kernel refused them.
+    Registered { id: usize, error: Option<String> },
+}
+
+/// How a worker talks to the kernel: read()/writev() on its /dev/fuse descriptor (`Channel`),
+/// or FUSE over io_uring (`Ring`). Everything else about serving requests is shared.
+pub(crate) trait Transport: Sized {
+    /// Answers request `unique` (see `Channel::reply`).
+    fn reply(&mut self, unique: u64, errno: i32, parts: &[&[u8]]) -> std::io::Result<()>;
+    /// The /dev/fuse descriptor for the requests read() delivers.
+    fn channel(&self) -> &Channel;
+    /// The worker's loop until the FUSE connection ends.
+    fn serve(w: &mut Worker<Self>) -> Result<(), String>;
+}
+
+impl Transport for Channel {
+    fn reply(&mut self, unique: u64, errno: i32, parts: &[&[u8]]) -> std::io::Result<()> {
+        Channel::reply(self, unique, errno, parts)
+    }
+    fn channel(&self) -> &Channel {
+        self
+    }
+    fn serve(w: &mut Worker<Self>) -> Result<(), String> {
+        w.serve_read()
+    }
+}
+
+impl Transport for Ring {
+    fn reply(&mut self, unique: u64, errno: i32, parts: &[&[u8]]) -> std::io::Result<()> {
+        self.answer(unique, errno, parts)
+    }
+    fn channel(&self) -> &Channel {
+        Ring::channel(self)
+    }
+    fn serve(w: &mut Worker<Self>) -> Result<(), String> {
+        w.serve_ring()
+    }
 }
 
 /// Read-only facts and the few counters all workers share.
@@ -203,7 +241,7 @@ impl Table {
         }
     }
 
-    fn reply(&mut self, ch: &Channel, unique: u64, errno: i32, parts: &[&[u8]]) {
+    fn reply(&mut self, ch: &mut impl Transport, unique: u64, errno: i32, parts: &[&[u8]]) {
         if let Err(e) = ch.reply(unique, errno, parts) {
             if e.raw_os_error() == Some(libc::ENODEV) {
                 self.fuse_gone = true;
@@ -214,7 +252,7 @@ impl Table {
     }
 
     /// A blkwire command finished: answer the FUSE request once all its commands have.
-    fn on_completion(&mut self, ch: &Channel, c: Completion<'_>) {
+    fn on_completion(&mut self, ch: &mut impl Transport, c: Completion<'_>) {
         let idx = c.user as usize;
         let Some(Some(p)) = self.slots.get_mut(idx) else {
             return;
@@ -281,12 +319,12 @@ struct Attempt {
 
 /// An eventfd the reconnection thread signals, so the worker (polling /dev/fuse) wakes as soon
 /// as the attempt ends instead of at its next tick.
-struct Waker {
+pub(crate) struct Waker {
     fd: OwnedFd,
 }
 
 impl Waker {
-    fn new() -> std::io::Result<Waker> {
+    pub(crate) fn new() -> std::io::Result<Waker> {
         // SAFETY: eventfd returns a new descriptor or -1.
         let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if fd < 0 {
@@ -304,6 +342,10 @@ impl Waker {
         unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
     }
 
+    pub(crate) fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
     fn clear(&self) {
         let mut v = 0u64;
         // SAFETY: an 8-byte read from our non-blocking eventfd.
@@ -317,27 +359,35 @@ enum Got {
     Gone,
 }
 
-pub(crate) struct Worker {
+pub(crate) struct Worker<C> {
     id: usize,
-    ch: Channel,
+    ch: C,
     sh: Arc<Shared>,
     link: Link,
     t: Table,
     cap: usize,
     next_tick: Instant,
     waker: Arc<Waker>,
+    /// Requests taken from ring entries and from read(), for the exit log line (which tells
+    /// whether FUSE over io_uring really carried the traffic).
+    via_ring: u64,
+    via_read: u64,
 }
 
-impl Worker {
+impl<C: Transport> Worker<C> {
+    /// `entries`: ring entries the transport can hand over at once besides what read() brings
+    /// (0 for the read path); the table must hold all of them.
     pub(crate) fn new(
         id: usize,
-        ch: Channel,
+        ch: C,
         sh: Arc<Shared>,
         q: Queue,
-    ) -> std::io::Result<Worker> {
-        let cap = q.depth().max(1);
+        entries: usize,
+        waker: Arc<Waker>,
+    ) -> Worker<C> {
+        let cap = q.depth().max(1) + entries;
         let buf_len = (sh.max_io as usize + fuse::REQUEST_OVERHEAD).max(fuse::MIN_READ_BUFFER);
-        Ok(Worker {
+        Worker {
             id,
             ch,
             sh,
@@ -345,16 +395,25 @@ impl Worker {
             t: Table::new(cap, buf_len),
             cap,
             next_tick: Instant::now(),
-            waker: Arc::new(Waker::new()?),
-        })
+            waker,
+            via_ring: 0,
+            via_read: 0,
+        }
     }
 
     /// Serves until the FUSE connection ends, then flushes and logs out.
     pub(crate) fn run(mut self) {
-        let error = self.serve().err();
+        let error = C::serve(&mut self).err();
         if let Some(e) = &error {
             log!("error", "queue {}: {e}", self.id);
         }
+        log!(
+            "info",
+            "queue {}: served {} request(s) through io_uring, {} through /dev/fuse read",
+            self.id,
+            self.via_ring,
+            self.via_read
+        );
         if let Link::Up(q) = std::mem::replace(&mut self.link, Link::Down(Outage::new(0))) {
             final_flush(q, self.sh.readonly, self.id);
         }
@@ -364,89 +423,31 @@ impl Worker {
             .send(Event::WorkerExited { id: self.id, error });
     }
 
-    fn serve(&mut self) -> Result<(), String> {
-        loop {
-            if self.t.fuse_gone {
-                return Ok(());
-            }
-            let up = matches!(self.link, Link::Up(_));
-            if self.t.live == 0 && up {
-                // Nothing in flight: sleep in read(), where the kernel wakes exactly one of the
-                // waiting workers per request (poll() would wake them all).
-                self.set_nonblocking(false)?;
-                if let Got::Gone = self.read_one()? {
-                    return Ok(());
+    /// Deadlines, sending, and the target's answers. Returns false when nothing is in flight
+    /// (the caller then sleeps its own way). With requests in flight it waits for one answer
+    /// unless `got` new requests just arrived (then it only takes what is there, and the caller
+    /// looks for more requests first).
+    fn turn(&mut self, got: usize) -> bool {
+        self.maintain();
+        self.pump();
+        let Worker { link, t, ch, .. } = self;
+        match link {
+            Link::Up(q) if q.in_flight() > 0 => {
+                let min = if got > 0 { 0 } else { 1 };
+                if let Err(e) = q.complete(min, |c| t.on_completion(ch, c)) {
+                    self.link_down(&e.to_string());
                 }
+                true
             }
-            self.set_nonblocking(true)?;
-            let mut got = 0;
-            while self.t.live < self.cap && !self.t.fuse_gone {
-                match self.read_one()? {
-                    Got::Request => got += 1,
-                    Got::Empty => break,
-                    Got::Gone => return Ok(()),
-                }
-            }
-            self.maintain();
-            self.pump();
-            let Worker { link, t, ch, .. } = self;
-            match link {
-                Link::Up(q) if q.in_flight() > 0 => {
-                    // New requests were just queued: send them and take what has already
-                    // arrived, then look for more requests. Otherwise block until the target
-                    // answers something (the client spins briefly first).
-                    let min = if got > 0 { 0 } else { 1 };
-                    if let Err(e) = q.complete(min, |c| t.on_completion(ch, c)) {
-                        self.link_down(&e.to_string());
-                    }
-                }
-                _ => {
-                    if self.t.live > 0 || !up {
-                        self.wait(TICK)?;
-                    }
-                }
-            }
+            _ => false,
         }
-    }
-
-    /// Waits for a request, the end of a reconnection attempt, or `limit`.
-    fn wait(&self, limit: Duration) -> Result<(), String> {
-        let mut p = [
-            libc::pollfd {
-                fd: self.ch.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: self.waker.fd.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        // SAFETY: poll on two pollfds of ours.
-        let n = unsafe { libc::poll(p.as_mut_ptr(), 2, limit.as_millis() as i32) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EINTR) {
-                return Err(format!("polling /dev/fuse: {e}"));
-            }
-        }
-        if p[1].revents != 0 {
-            self.waker.clear();
-        }
-        Ok(())
-    }
-
-    fn set_nonblocking(&mut self, on: bool) -> Result<(), String> {
-        self.ch
-            .set_nonblocking(on)
-            .map_err(|e| format!("/dev/fuse: {e}"))
     }
 
     fn read_one(&mut self) -> Result<Got, String> {
         let mut buf = self.t.take_buf();
-        match self.ch.receive(&mut buf) {
+        match self.ch.channel().receive(&mut buf) {
             Ok(n) => {
+                self.via_read += 1;
                 self.dispatch(buf, n);
                 Ok(Got::Request)
             }
@@ -481,14 +482,14 @@ impl Worker {
                     "malformed request opcode {} from the kernel",
                     h.opcode
                 );
-                self.t.reply(&self.ch, h.unique, libc::EIO, &[]);
+                self.t.reply(&mut self.ch, h.unique, libc::EIO, &[]);
                 self.t.put_buf(buf);
                 return;
             }
         };
         let sh = Arc::clone(&self.sh);
         let u = h.unique;
-        let ch = &self.ch;
+        let ch = &mut self.ch;
         let t = &mut self.t;
         match req {
             Request::Lookup { name } => {
@@ -633,7 +634,7 @@ impl Worker {
         };
         if self.t.insert(p).is_none() {
             // Cannot happen: reading stops when the table is full. Answer rather than hang.
-            self.t.reply(&self.ch, unique, libc::EIO, &[]);
+            self.t.reply(&mut self.ch, unique, libc::EIO, &[]);
         }
     }
 
@@ -668,7 +669,7 @@ impl Worker {
                     p.sent = p.chunks;
                     if p.outstanding == 0 {
                         let unique = p.unique;
-                        self.t.reply(&self.ch, unique, libc::EIO, &[]);
+                        self.t.reply(&mut self.ch, unique, libc::EIO, &[]);
                         self.t.remove(idx);
                     }
                 }
@@ -776,7 +777,7 @@ impl Worker {
             p.replied = true;
             let (unique, idle) = (p.unique, p.outstanding == 0);
             self.t.failed += 1;
-            self.t.reply(&self.ch, unique, libc::EIO, &[]);
+            self.t.reply(&mut self.ch, unique, libc::EIO, &[]);
             if idle {
                 self.t.remove(idx);
             }
@@ -808,6 +809,139 @@ impl Worker {
                 p.outstanding = 0;
                 p.err = 0;
                 self.t.unsent.push_back(idx);
+            }
+        }
+    }
+}
+
+impl Worker<Channel> {
+    fn serve_read(&mut self) -> Result<(), String> {
+        loop {
+            if self.t.fuse_gone {
+                return Ok(());
+            }
+            let up = matches!(self.link, Link::Up(_));
+            if self.t.live == 0 && up {
+                // Nothing in flight: sleep in read(), where the kernel wakes exactly one of the
+                // waiting workers per request (poll() would wake them all).
+                self.set_nonblocking(false)?;
+                if let Got::Gone = self.read_one()? {
+                    return Ok(());
+                }
+            }
+            self.set_nonblocking(true)?;
+            let mut got = 0;
+            while self.t.live < self.cap && !self.t.fuse_gone {
+                match self.read_one()? {
+                    Got::Request => got += 1,
+                    Got::Empty => break,
+                    Got::Gone => return Ok(()),
+                }
+            }
+            // New requests were just queued: send them and take what has already arrived,
+            // then look for more requests. Otherwise block until the target answers something
+            // (the client spins briefly first); idle workers take the kernel's next requests.
+            if !self.turn(got) && (self.t.live > 0 || !up) {
+                self.wait(TICK)?;
+            }
+        }
+    }
+
+    /// Waits for a request, the end of a reconnection attempt, or `limit`.
+    fn wait(&self, limit: Duration) -> Result<(), String> {
+        let mut p = [
+            libc::pollfd {
+                fd: self.ch.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.waker.fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: poll on two pollfds of ours.
+        let n = unsafe { libc::poll(p.as_mut_ptr(), 2, limit.as_millis() as i32) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINTR) {
+                return Err(format!("polling /dev/fuse: {e}"));
+            }
+        }
+        if p[1].revents != 0 {
+            self.waker.clear();
+        }
+        Ok(())
+    }
+
+    fn set_nonblocking(&mut self, on: bool) -> Result<(), String> {
+        self.ch
+            .set_nonblocking(on)
+            .map_err(|e| format!("/dev/fuse: {e}"))
+    }
+}
+
+impl Worker<Ring> {
+    /// FUSE over io_uring: requests arrive as completions of this worker's ring entries and
+    /// are answered by committing the entry; the ring also reports /dev/fuse turning readable
+    /// (FORGET, INTERRUPT) and the end of a reconnection attempt, so the thread sleeps in one
+    /// place. While the target has requests of ours in flight, the thread waits for its answers
+    /// only when the ring had nothing new (as the read path does).
+    fn serve_ring(&mut self) -> Result<(), String> {
+        let r = self.ch.start();
+        let _ = self.sh.events.send(Event::Registered {
+            id: self.id,
+            error: r.as_ref().err().cloned(),
+        });
+        r?;
+        loop {
+            self.ch.reap();
+            let mut got = 0;
+            loop {
+                let mut buf = self.t.take_buf();
+                match self.ch.next_request(&mut buf) {
+                    None => {
+                        self.t.put_buf(buf);
+                        break;
+                    }
+                    Some(Ok(n)) => {
+                        self.via_ring += 1;
+                        self.dispatch(buf, n);
+                    }
+                    Some(Err(unique)) => {
+                        log!(
+                            "error",
+                            "malformed request {unique} from the kernel's FUSE ring"
+                        );
+                        self.t.put_buf(buf);
+                        self.t.reply(&mut self.ch, unique, libc::EIO, &[]);
+                    }
+                }
+                got += 1;
+            }
+            if self.ch.take_readable() {
+                while self.t.live < self.cap && !self.t.fuse_gone {
+                    match self.read_one()? {
+                        Got::Request => got += 1,
+                        Got::Empty => break,
+                        Got::Gone => self.t.fuse_gone = true,
+                    }
+                }
+            }
+            if self.t.fuse_gone || self.ch.dead() {
+                return Ok(());
+            }
+            self.ch.rearm().map_err(|e| format!("io_uring: {e}"))?;
+            self.ch.submit()?;
+            let up = matches!(self.link, Link::Up(_));
+            let busy = self.turn(got);
+            if busy {
+                // Commits of the answers that just came.
+                self.ch.submit()?;
+            } else {
+                let limit = (self.t.live > 0 || !up).then_some(TICK);
+                self.ch.wait(limit)?;
             }
         }
     }
