@@ -5,6 +5,11 @@
 //! Each test keeps its mapping records in its own BLKWIRE_RUN_DIR, so parallel tests never see
 //! each other's mappings, and cleans up with Drop guards (unmount, unmap, detach, kill) also when
 //! an assertion fails half-way.
+//!
+//! FUSE I/O paths: tests map with `--fuse-io read` unless they say otherwise, so they do not
+//! depend on the kernel's system-wide FUSE-over-io_uring switch; the tests of the io_uring path
+//! set that switch through `SwitchOn`/`SwitchOff`, which serialise its changes and put back the
+//! value they found, also when a test fails.
 
 mod common;
 
@@ -14,7 +19,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use common::{random_bytes, Target, TempDir, BIN};
@@ -32,6 +37,94 @@ macro_rules! require_root {
             return;
         }
     };
+}
+
+const URING_SWITCH: &str = "/sys/module/fuse/parameters/enable_uring";
+
+/// Shared by the tests that need the switch on, exclusive for those that turn it off.
+static SWITCH_LOCK: RwLock<()> = RwLock::new(());
+/// Holders of `SwitchOn`, and the value the first one found.
+static SWITCH_ON_USERS: Mutex<(usize, String)> = Mutex::new((0, String::new()));
+
+fn read_switch() -> String {
+    std::fs::read_to_string(URING_SWITCH)
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}
+
+/// FUSE over io_uring switched on while held; the last holder restores the previous value.
+struct SwitchOn {
+    _shared: RwLockReadGuard<'static, ()>,
+}
+
+impl SwitchOn {
+    /// None when this kernel has no FUSE over io_uring.
+    fn new() -> Option<SwitchOn> {
+        if !Path::new(URING_SWITCH).exists() {
+            eprintln!("skipped: this kernel has no FUSE over io_uring");
+            return None;
+        }
+        let shared = SWITCH_LOCK.read().unwrap_or_else(|e| e.into_inner());
+        let mut u = SWITCH_ON_USERS.lock().unwrap_or_else(|e| e.into_inner());
+        if u.0 == 0 {
+            u.1 = read_switch();
+            std::fs::write(URING_SWITCH, "Y").expect("turn on FUSE over io_uring");
+        }
+        u.0 += 1;
+        Some(SwitchOn { _shared: shared })
+    }
+}
+
+impl Drop for SwitchOn {
+    fn drop(&mut self) {
+        let mut u = SWITCH_ON_USERS.lock().unwrap_or_else(|e| e.into_inner());
+        u.0 -= 1;
+        if u.0 == 0 {
+            let _ = std::fs::write(URING_SWITCH, &u.1);
+        }
+    }
+}
+
+/// The switch off, with no other switch user running; the previous value is put back on drop.
+struct SwitchOff {
+    _excl: RwLockWriteGuard<'static, ()>,
+    was: String,
+}
+
+impl SwitchOff {
+    fn new() -> Option<SwitchOff> {
+        if !Path::new(URING_SWITCH).exists() {
+            eprintln!("skipped: this kernel has no FUSE over io_uring");
+            return None;
+        }
+        let excl = SWITCH_LOCK.write().unwrap_or_else(|e| e.into_inner());
+        let was = read_switch();
+        std::fs::write(URING_SWITCH, "N").expect("turn off FUSE over io_uring");
+        Some(SwitchOff { _excl: excl, was })
+    }
+}
+
+impl Drop for SwitchOff {
+    fn drop(&mut self) {
+        let _ = std::fs::write(URING_SWITCH, &self.was);
+    }
+}
+
+/// Requests the daemon logged as served through its FUSE ring (one line per queue at exit).
+fn ring_requests(log: &Path) -> u64 {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let (_, rest) = l.split_once(": served ")?;
+            rest.strip_suffix(" through /dev/fuse read")?
+                .split_once(" request(s) through io_uring")?
+                .0
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
 }
 
 /// A private run directory (records and FUSE mounts) for one test.
@@ -67,9 +160,14 @@ impl Run {
         serde_json::from_str(&out).unwrap_or_else(|e| panic!("ls --json: {e}: {out}"))
     }
 
+    /// Maps `url` (with `--fuse-io read` unless `extra` chooses the path) and checks that `ls`
+    /// reports the path it was asked for.
     fn map(&self, url: &str, extra: &[&str]) -> Mapped<'_> {
         let mut args = vec!["map", url];
         args.extend_from_slice(extra);
+        if !extra.contains(&"--fuse-io") {
+            args.extend_from_slice(&["--fuse-io", "read"]);
+        }
         let (ok, out, err) = self.cli(&args);
         assert!(ok, "map {url} {extra:?}: {err}");
         let dev = out.trim().to_string();
@@ -77,15 +175,22 @@ impl Run {
             dev.starts_with("/dev/loop") && !dev.contains('\n'),
             "map prints the device: {out:?}"
         );
-        let file = self.ls()[&dev]["file"]
-            .as_str()
-            .expect("file in ls --json")
-            .to_string();
-        Mapped {
+        let rec = self.ls()[&dev].clone();
+        let file = rec["file"].as_str().expect("file in ls --json").to_string();
+        let want_io = match args.iter().position(|a| *a == "--fuse-io") {
+            Some(i) if args[i + 1] == "read" => Some("read"),
+            Some(i) if args[i + 1] == "uring" => Some("uring"),
+            _ => None, // auto: the caller checks
+        };
+        let m = Mapped {
             run: self,
             dev,
             file,
+        };
+        if let Some(io) = want_io {
+            assert_eq!(rec["fuse_io"], io, "ls --json: {rec}");
         }
+        m
     }
 
     /// Asserts nothing of ours is left: no record, no mount directory, no FUSE mount and no
@@ -329,12 +434,13 @@ fn target_counter(t: &Target, name: &str) -> u64 {
     live + v["closed"][name].as_u64().unwrap_or(0)
 }
 
-#[test]
-fn filesystem_survives_unmap_and_map_again_and_fscks_clean() {
-    require_root!();
-    let run = Run::new("fs");
+/// mkfs, copy files in, unmap, map again, fsck and compare. `first` and `second` are the extra
+/// `map` arguments of the two mappings; both must use FUSE I/O path `io`, which their daemons'
+/// logs confirm by the requests they served through io_uring (none on the read path).
+fn filesystem_round_trip(tag: &str, first: &[&str], second: &[&str], io: &str) {
+    let run = Run::new(tag);
     let t = Target::start(&["disk=mem:256M"]);
-    let src = TempDir::new("map-fs-src");
+    let src = TempDir::new(&format!("map-{tag}-src"));
     std::fs::create_dir_all(src.path("dir")).unwrap();
     let files = [
         ("a.bin", random_bytes(1 << 20, 11)),
@@ -349,8 +455,29 @@ fn filesystem_survives_unmap_and_map_again_and_fscks_clean() {
     let mnt = run.dir().join("fs");
     std::fs::create_dir_all(&mnt).unwrap();
     let mnt = mnt.to_str().unwrap();
+    let logs = [run.dir().join("map1.log"), run.dir().join("map2.log")];
+    let with_log = |extra: &[&str], log: &Path| -> Vec<String> {
+        let mut a: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        a.extend(["--logfile".to_string(), log.display().to_string()]);
+        a
+    };
+    let check_path = |m: &Mapped<'_>, log: &Path| {
+        assert_eq!(m.record()["fuse_io"], io, "{}", m.record());
+        m.unmap();
+        let ring = ring_requests(log);
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if io == "uring" {
+            assert!(ring > 0, "no request went through io_uring: {text}");
+        } else {
+            assert_eq!(ring, 0, "{text}");
+        }
+    };
     {
-        let m = run.map(&t.url("disk"), &[]);
+        let a = with_log(first, &logs[0]);
+        let m = run.map(
+            &t.url("disk"),
+            &a.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+        );
         assert_eq!(m.sys("loop/dio"), "1", "loop device does direct I/O");
         assert_eq!(m.sys("ro"), "0");
         run_ok("mkfs.ext4", &["-q", "-F", &m.dev]);
@@ -358,10 +485,14 @@ fn filesystem_survives_unmap_and_map_again_and_fscks_clean() {
             r#"mount "$1" "$2"; cp -r "$3"/. "$2"/; sync; umount "$2""#,
             &[&m.dev, mnt, src.0.to_str().unwrap()],
         );
-        m.unmap();
+        check_path(&m, &logs[0]);
         run.assert_clean();
     }
-    let m = run.map(&t.url("disk"), &[]);
+    let a = with_log(second, &logs[1]);
+    let m = run.map(
+        &t.url("disk"),
+        &a.iter().map(|s| s.as_str()).collect::<Vec<_>>(),
+    );
     // -f: check even though clean; -n: change nothing. Exit 0 means no errors at all.
     run_ok("fsck.ext4", &["-f", "-n", &m.dev]);
     let got = in_private_mount_ns(
@@ -369,16 +500,38 @@ fn filesystem_survives_unmap_and_map_again_and_fscks_clean() {
         &[&m.dev, mnt],
     );
     assert_eq!(got, want, "files changed across unmap and map");
-    m.unmap();
+    check_path(&m, &logs[1]);
     run.assert_clean();
 }
 
 #[test]
-fn fio_randwrite_then_verify_crc32c() {
+fn filesystem_survives_unmap_and_map_again_and_fscks_clean() {
     require_root!();
-    let run = Run::new("fio");
+    filesystem_round_trip("fs", &[], &[], "read");
+}
+
+/// The same over FUSE over io_uring: asked for explicitly, then chosen by `auto` (the switch
+/// is on).
+#[test]
+fn filesystem_over_fuse_io_uring_survives_unmap_and_map_again() {
+    require_root!();
+    let Some(_on) = SwitchOn::new() else { return };
+    filesystem_round_trip(
+        "fs-uring",
+        &["--fuse-io", "uring"],
+        &["--fuse-io", "auto"],
+        "uring",
+    );
+}
+
+/// fio writes random blocks of mixed sizes and checks every one's crc32c when reading back.
+fn fio_verify(tag: &str, extra: &[&str]) {
+    let run = Run::new(tag);
     let t = Target::start(&["disk=mem:128M"]);
-    let m = run.map(&t.url("disk"), &["--queues", "2"]);
+    let log = run.dir().join("map.log");
+    let mut args = vec!["--queues", "2", "--logfile", log.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let m = run.map(&t.url("disk"), &args);
     // Two jobs on disjoint halves, mixed block sizes, each writing then reading back and
     // checking every block's crc32c (fio exits non-zero on any mismatch).
     let out = run_ok(
@@ -413,7 +566,23 @@ fn fio_randwrite_then_verify_crc32c() {
         );
     }
     m.unmap();
+    if extra.contains(&"uring") {
+        assert!(ring_requests(&log) > 0, "no request went through io_uring");
+    }
     run.assert_clean();
+}
+
+#[test]
+fn fio_randwrite_then_verify_crc32c() {
+    require_root!();
+    fio_verify("fio", &[]);
+}
+
+#[test]
+fn fio_randwrite_then_verify_crc32c_over_fuse_io_uring() {
+    require_root!();
+    let Some(_on) = SwitchOn::new() else { return };
+    fio_verify("fio-uring", &["--fuse-io", "uring"]);
 }
 
 #[test]
@@ -467,6 +636,7 @@ fn ls_describes_each_mapping() {
     assert_eq!(r["state"], "running");
     assert_eq!(r["readonly"], false);
     assert_eq!(r["size"], 32 << 20);
+    assert_eq!(r["fuse_io"], "read");
     // The pid is the live daemon, a blkwire process.
     let cmdline = std::fs::read(format!("/proc/{}/cmdline", m.pid())).unwrap();
     assert!(String::from_utf8_lossy(&cmdline).contains("blkwire"));
@@ -478,6 +648,7 @@ fn ls_describes_each_mapping() {
         "export:    disk",
         "frontend:  fuse",
         "state:     running",
+        "fuse io:   read",
     ] {
         assert!(text.contains(want), "'{want}' not in: {text}");
     }
@@ -598,9 +769,22 @@ fn readonly_mapping_recovers_after_its_daemon_is_killed() {
 #[test]
 fn target_killed_during_io_fails_with_eio_after_the_timeout() {
     require_root!();
-    let run = Run::new("eio");
+    eio_after_the_timeout("eio", &[]);
+}
+
+#[test]
+fn target_killed_during_io_over_fuse_io_uring_fails_with_eio_after_the_timeout() {
+    require_root!();
+    let Some(_on) = SwitchOn::new() else { return };
+    eio_after_the_timeout("eio-uring", &["--fuse-io", "uring"]);
+}
+
+fn eio_after_the_timeout(tag: &str, extra: &[&str]) {
+    let run = Run::new(tag);
     let mut t = Target::start(&["disk=mem:64M"]);
-    let m = run.map(&t.url("disk"), &["--timeout", "3"]);
+    let mut args = vec!["--timeout", "3"];
+    args.extend_from_slice(extra);
+    let m = run.map(&t.url("disk"), &args);
     let dev = m.dev.clone();
     let (tx, rx) = mpsc::channel();
     // A writer that reports its first completed write (I/O is flowing), then its first error.
@@ -654,14 +838,27 @@ fn target_killed_during_io_fails_with_eio_after_the_timeout() {
 #[test]
 fn target_restarted_within_the_timeout_resumes_io() {
     require_root!();
-    let run = Run::new("restart");
-    let d = TempDir::new("map-restart-img");
+    resumes_after_restart("restart", &[]);
+}
+
+#[test]
+fn target_restarted_within_the_timeout_resumes_io_over_fuse_io_uring() {
+    require_root!();
+    let Some(_on) = SwitchOn::new() else { return };
+    resumes_after_restart("restart-uring", &["--fuse-io", "uring"]);
+}
+
+fn resumes_after_restart(tag: &str, extra: &[&str]) {
+    let run = Run::new(tag);
+    let d = TempDir::new(&format!("map-{tag}-img"));
     let img = d.path("disk.img");
     common::sparse_file(&img, 32 << 20);
     let spec = format!("disk=file:{}", img.display());
     let t = Target::start(&[&spec]);
     let port = t.base.rsplit(':').next().unwrap().to_string();
-    let m = run.map(&t.url("disk"), &["--timeout", "30"]);
+    let mut args = vec!["--timeout", "30"];
+    args.extend_from_slice(extra);
+    let m = run.map(&t.url("disk"), &args);
     let data = random_bytes(1 << 20, 61);
     dev_write(&m.dev, &data, 0).unwrap();
     drop(t); // kills the target
@@ -857,7 +1054,7 @@ fn foreground_mapping_serves_until_sigterm() {
     let run = Run::new("fg");
     let t = Target::start(&["disk=mem:16M"]);
     let mut child = Command::new(BIN)
-        .args(["map", &t.url("disk"), "--foreground"])
+        .args(["map", &t.url("disk"), "--foreground", "--fuse-io", "read"])
         .env("BLKWIRE_RUN_DIR", run.dir())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -898,5 +1095,86 @@ fn foreground_mapping_serves_until_sigterm() {
     assert!(status.success(), "exit after SIGTERM: {status}");
     assert!(!m.bound(), "detached");
     assert!(run.ls().get(&dev).is_none(), "record removed");
+    run.assert_clean();
+}
+
+#[test]
+fn fuse_io_auto_reads_while_the_switch_is_off_and_uring_turns_it_on() {
+    require_root!();
+    let Some(_off) = SwitchOff::new() else { return };
+    let run = Run::new("switch");
+    let t = Target::start(&["disk=mem:16M"]);
+    let log = run.dir().join("auto.log");
+    let m = run.map(
+        &t.url("disk"),
+        &["--fuse-io", "auto", "--logfile", log.to_str().unwrap()],
+    );
+    assert_eq!(m.record()["fuse_io"], "read");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("FUSE I/O: read/write on /dev/fuse (io_uring is off"),
+        "auto says why: {text}"
+    );
+    assert_eq!(read_switch(), "N", "auto leaves the switch alone");
+    m.unmap();
+
+    let log = run.dir().join("uring.log");
+    let m = run.map(
+        &t.url("disk"),
+        &["--fuse-io", "uring", "--logfile", log.to_str().unwrap()],
+    );
+    assert_eq!(read_switch(), "Y", "--fuse-io uring turned the switch on");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("turned on FUSE over io_uring"), "{text}");
+    let data = random_bytes(256 << 10, 101);
+    dev_write(&m.dev, &data, 4096).unwrap();
+    assert!(dev_read(&m.dev, data.len(), 4096).unwrap() == data);
+    m.unmap();
+    assert!(ring_requests(&log) > 0, "no request went through io_uring");
+    run.assert_clean();
+}
+
+/// `--fuse-io uring` where the switch is off and cannot be turned on: a read-only stand-in
+/// for the switch in a private mount namespace (the real one is not touched) makes the
+/// write fail as it would without privilege.
+#[test]
+fn fuse_io_uring_that_cannot_be_turned_on_fails_in_one_line() {
+    require_root!();
+    if !Path::new(URING_SWITCH).exists() {
+        eprintln!("skipped: this kernel has no FUSE over io_uring");
+        return;
+    }
+    let run = Run::new("noswitch");
+    let t = Target::start(&["disk=mem:16M"]);
+    let fake = run.dir().join("enable_uring");
+    std::fs::write(&fake, "N\n").unwrap();
+    let out = Command::new("unshare")
+        .args([
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-ec",
+            r#"mount --bind "$1" "$2"; mount -o remount,bind,ro "$2"; exec "$3" map "$4" --fuse-io uring"#,
+            "sh",
+            fake.to_str().unwrap(),
+            URING_SWITCH,
+            BIN,
+            &t.url("disk"),
+        ])
+        .env("BLKWIRE_RUN_DIR", run.dir())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "map succeeded: {err}");
+    assert!(out.stdout.is_empty(), "{:?}", out.stdout);
+    let lines: Vec<_> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(
+        lines[0].starts_with("blkwire: error: --fuse-io uring")
+            && lines[0].contains(&format!("echo Y > {URING_SWITCH}")),
+        "{err}"
+    );
     run.assert_clean();
 }
