@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Side-by-side comparison, in one run and with the same parameters, of two ways to turn a RAM
-# export on 127.0.0.1 into a local block device, both FUSE file + loop device with direct I/O:
-#   (a) `blkwire map` (fuse frontend) on `blkwire serve` mem:SIZE, and
-#   (b) nbdfuse + `losetup --direct-io=on` on nbdkit's memory plugin (SIZE).
-# Both devices are measured with fio (ioengine=io_uring, direct=1, one job).
+# Side-by-side comparison, in one run and with the same parameters, of three ways to turn a RAM
+# export on 127.0.0.1 into a local block device, all FUSE file + loop device with direct I/O:
+#   (a) `blkwire map --fuse-io uring` (fuse frontend, FUSE over io_uring) on `blkwire serve`,
+#   (b) `blkwire map --fuse-io read` (fuse frontend, read/write on /dev/fuse), same server,
+#       another export of the same size, and
+#   (c) nbdfuse + `losetup --direct-io=on` on nbdkit's memory plugin (SIZE).
+# All devices are measured with fio (ioengine=io_uring, direct=1, one job).
 #
-# Workloads, after a 1M sequential write fill of both devices (so reads hit written memory on
-# both servers; the fill is measured too): 4k randread at QD1 and QD32, 1M sequential read at
-# QD8. The runs alternate between the two systems so slow drift of the machine hits both alike.
+# Workloads, after a 1M sequential write fill of every device (so reads hit written memory on
+# every server; the fill is measured too): 4k randread at QD1 and QD32, 1M sequential read at
+# QD8. The runs alternate between the systems so slow drift of the machine hits all alike.
+#
+# FUSE over io_uring needs the kernel's system-wide switch (/sys/module/fuse/parameters/
+# enable_uring); `map --fuse-io uring` turns it on when it is off, and this script puts back the
+# value it found when it exits.
 #
 # Needs root (mount, loop devices), fio, nbdkit, nbdfuse (libnbd-bin), losetup, python3.
 #
@@ -17,8 +23,8 @@
 #   BLKWIRE        path of the blkwire binary (default target/release/blkwire; built if missing)
 #   READY_TIMEOUT  seconds to wait for a server to come up (default 10)
 #
-# Output: a markdown table and the blkwire/nbdfuse IOPS ratio at QD32 (the issue's target is
-# >= 2x). "server CPU %" is the target process (blkwire serve / nbdkit), "frontend CPU %" the
+# Output: a markdown table, the IOPS ratios at QD32 (blkwire/nbdfuse: the issue's target is
+# >= 2x; io_uring/read) and the QD1 latencies. "server CPU %" is the target process (blkwire serve / nbdkit), "frontend CPU %" the
 # FUSE daemon (blkwire map / nbdfuse), "fio CPU %" fio's own usr+sys; 100 % is one core. Kernel
 # time in the loop driver's workers is in none of them.
 set -euo pipefail
@@ -50,16 +56,22 @@ export BLKWIRE_RUN_DIR="$WORK/run"
 BW_PID=""
 NK_PID=""
 NF_PID=""
-BW_DEV=""
+BW_DEV_U=""
+BW_DEV_R=""
 NF_DEV=""
 NF_MNT="$WORK/nbdfuse"
+URING_SWITCH=/sys/module/fuse/parameters/enable_uring
+[[ -e "$URING_SWITCH" ]] || die "this kernel has no FUSE over io_uring ($URING_SWITCH missing)"
+SWITCH_WAS="$(cat "$URING_SWITCH")"
 
 cleanup() {
     local rc=$?
     trap - EXIT INT TERM
     # Devices first (their daemons must still answer while they let go), then mounts, then
     # servers.
-    [[ -n "$BW_DEV" ]] && { "$BLKWIRE" unmap "$BW_DEV" || echo "map-compare: unmap $BW_DEV failed" >&2; }
+    for dev in $BW_DEV_U $BW_DEV_R; do
+        "$BLKWIRE" unmap "$dev" || echo "map-compare: unmap $dev failed" >&2
+    done
     [[ -n "$NF_DEV" ]] && { losetup -d "$NF_DEV" || true; }
     if mountpoint -q "$NF_MNT" 2>/dev/null; then
         umount "$NF_MNT" || umount -l "$NF_MNT" || true
@@ -82,6 +94,7 @@ cleanup() {
         done
     fi
     rm -rf "$WORK"
+    [[ "$(cat "$URING_SWITCH")" == "$SWITCH_WAS" ]] || echo "$SWITCH_WAS" >"$URING_SWITCH" || true
     exit "$rc"
 }
 trap cleanup EXIT
@@ -102,7 +115,7 @@ cpu_ticks() {
 CLK_TCK="$(getconf CLK_TCK)"
 
 # ---------------------------------------------------------------------------- blkwire
-"$BLKWIRE" serve --listen tcp://127.0.0.1:0 --export "scratch=mem:$SIZE" \
+"$BLKWIRE" serve --listen tcp://127.0.0.1:0 --export "uring=mem:$SIZE" --export "read=mem:$SIZE" \
     >"$WORK/blkwire.out" 2>"$WORK/blkwire.err" &
 BW_PID=$!
 BW_URL=""
@@ -117,9 +130,13 @@ while (( $(now_ms) < deadline )); do
 done
 [[ -n "$BW_URL" ]] || die "blkwire serve did not print 'listening' within ${READY_TIMEOUT}s"
 # `map` returns once the device is usable and prints it.
-BW_DEV="$("$BLKWIRE" map "$BW_URL/scratch" --frontend fuse --logfile "$WORK/map.log" 2>"$WORK/map.err")" \
-    || die "blkwire map failed: $(cat "$WORK/map.err")"
-BW_MAP_PID="$("$BLKWIRE" ls --json | python3 -c "import json,sys; print(json.load(sys.stdin)['$BW_DEV']['pid'])")"
+map_pid() { "$BLKWIRE" ls --json | python3 -c "import json,sys; print(json.load(sys.stdin)['$1']['pid'])"; }
+BW_DEV_U="$("$BLKWIRE" map "$BW_URL/uring" --frontend fuse --fuse-io uring --logfile "$WORK/map-uring.log" 2>"$WORK/map-uring.err")" \
+    || die "blkwire map --fuse-io uring failed: $(cat "$WORK/map-uring.err")"
+BW_MAP_PID_U="$(map_pid "$BW_DEV_U")"
+BW_DEV_R="$("$BLKWIRE" map "$BW_URL/read" --frontend fuse --fuse-io read --logfile "$WORK/map-read.log" 2>"$WORK/map-read.err")" \
+    || die "blkwire map --fuse-io read failed: $(cat "$WORK/map-read.err")"
+BW_MAP_PID_R="$(map_pid "$BW_DEV_R")"
 
 # ---------------------------------------------------------------------------- nbdkit + nbdfuse
 free_port() {
@@ -164,7 +181,7 @@ done
 [[ -s "$WORK/nbdfuse.pid" ]] || die "nbdfuse did not write its pidfile within ${READY_TIMEOUT}s"
 NF_DEV="$(losetup --direct-io=on -f --show "$NF_MNT/nbd")" || die "losetup on the nbdfuse file failed"
 
-for dev in "$BW_DEV" "$NF_DEV"; do
+for dev in "$BW_DEV_U" "$BW_DEV_R" "$NF_DEV"; do
     [[ "$(cat "/sys/block/${dev#/dev/}/loop/dio")" == 1 ]] || die "$dev does not do direct I/O"
 done
 
@@ -201,18 +218,19 @@ print(f'{r["iops"]:.0f} {lat["mean"]/1000:.1f} {lat["percentile"]["99.000000"]/1
 EOF
 }
 
+SYSTEMS=(blkwire-uring blkwire-read nbdfuse)
 run_case() { # system rw bs qd [fio args...]
     local sys="$1"; shift
-    if [[ "$sys" == blkwire ]]; then
-        run_fio blkwire "$BW_DEV" "$BW_PID" "$BW_MAP_PID" "$@"
-    else
-        run_fio nbdfuse "$NF_DEV" "$NK_PID" "$NF_PID" "$@"
-    fi
+    case "$sys" in
+        blkwire-uring) run_fio "$sys" "$BW_DEV_U" "$BW_PID" "$BW_MAP_PID_U" "$@" ;;
+        blkwire-read) run_fio "$sys" "$BW_DEV_R" "$BW_PID" "$BW_MAP_PID_R" "$@" ;;
+        nbdfuse) run_fio "$sys" "$NF_DEV" "$NK_PID" "$NF_PID" "$@" ;;
+    esac
 }
 
 # ---------------------------------------------------------------------------- measure
-echo "# mapped block device: blkwire map (fuse + loop) vs nbdfuse + loop; fio io_uring direct=1, 1 job, ${RUNTIME}s per run, $SIZE RAM export on 127.0.0.1, $(nproc) CPUs, kernel $(uname -r)"
-echo "# blkwire: $("$BLKWIRE" --version) serve mem:$SIZE, map $BW_DEV ($BW_URL/scratch)"
+echo "# mapped block device: blkwire map (fuse + loop; FUSE over io_uring and read/write) vs nbdfuse + loop; fio io_uring direct=1, 1 job, ${RUNTIME}s per run, $SIZE RAM exports on 127.0.0.1, $(nproc) CPUs, kernel $(uname -r)"
+echo "# blkwire: $("$BLKWIRE" --version) serve mem:$SIZE x2; map --fuse-io uring $BW_DEV_U, --fuse-io read $BW_DEV_R; ls says: $("$BLKWIRE" ls --json | python3 -c 'import json,sys; print(", ".join(k + " " + v.get("fuse_io", "?") for k, v in json.load(sys.stdin).items()))')"
 echo "# nbdfuse: $(nbdfuse --version | head -n1), $(nbdkit --version) memory $SIZE, losetup --direct-io=on $NF_DEV"
 echo "# $(fio --version)"
 echo
@@ -222,7 +240,7 @@ CASES=("write 1M 8 fill" "randread 4k 1" "randread 4k 32" "read 1M 8")
 for c in "${CASES[@]}"; do
     set -- $c
     rw="$1" bs="$2" qd="$3" kind="${4:-}"
-    for sys in blkwire nbdfuse; do
+    for sys in "${SYSTEMS[@]}"; do
         echo "running $sys $rw bs=$bs QD$qd ..." >&2
         if [[ "$kind" == fill ]]; then
             # One full pass over the device: every later read hits written memory.
@@ -239,19 +257,20 @@ echo "| system | rw | bs | QD | IOPS | MiB/s | mean latency us | p99 us | server
 echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 for c in "${CASES[@]}"; do
     set -- $c
-    for sys in blkwire nbdfuse; do
+    for sys in "${SYSTEMS[@]}"; do
         read -r iops mean p99 mibs scpu fcpu ccpu <<<"${R[$sys,$1,$2,$3]}"
         echo "| $sys | $1${4:+ ($4)} | $2 | $3 | $iops | $mibs | $mean | $p99 | $scpu | $fcpu | $ccpu |"
     done
 done
 echo
 
-python3 - "${R[blkwire,randread,4k,32]}" "${R[nbdfuse,randread,4k,32]}" \
-    "${R[blkwire,randread,4k,1]}" "${R[nbdfuse,randread,4k,1]}" \
-    "${R[blkwire,read,1M,8]}" "${R[nbdfuse,read,1M,8]}" <<'EOF'
+python3 - "${R[blkwire-uring,randread,4k,32]}" "${R[blkwire-read,randread,4k,32]}" "${R[nbdfuse,randread,4k,32]}" \
+    "${R[blkwire-uring,randread,4k,1]}" "${R[blkwire-read,randread,4k,1]}" "${R[nbdfuse,randread,4k,1]}" \
+    "${R[blkwire-uring,read,1M,8]}" "${R[blkwire-read,read,1M,8]}" "${R[nbdfuse,read,1M,8]}" <<'EOF'
 import sys
-v = [s.split() for s in sys.argv[1:]]
-print(f"4k randread QD32 IOPS ratio blkwire/nbdfuse: {float(v[0][0]) / float(v[1][0]):.2f}x (target >= 2x)")
-print(f"4k randread QD1 mean latency: blkwire {v[2][1]} us, nbdfuse {v[3][1]} us")
-print(f"1M read QD8 bandwidth: blkwire {v[4][3]} MiB/s, nbdfuse {v[5][3]} MiB/s")
+u, r, n, u1, r1, n1, um, rm, nm = [s.split() for s in sys.argv[1:]]
+print(f"4k randread QD32 IOPS ratio blkwire/nbdfuse: io_uring {float(u[0]) / float(n[0]):.2f}x, read {float(r[0]) / float(n[0]):.2f}x (target >= 2x)")
+print(f"4k randread QD32 IOPS ratio io_uring/read: {float(u[0]) / float(r[0]):.2f}x")
+print(f"4k randread QD1 mean latency: io_uring {u1[1]} us, read {r1[1]} us, nbdfuse {n1[1]} us")
+print(f"1M read QD8 bandwidth: io_uring {um[3]} MiB/s, read {rm[3]} MiB/s, nbdfuse {nm[3]} MiB/s")
 EOF
