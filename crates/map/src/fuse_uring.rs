@@ -117,6 +117,10 @@ fn get64(b: &[u8], at: usize) -> u64 {
 /// is checked: Err carries the commit id to answer EIO to.
 pub fn request_bytes(header: &[u8], payload: &[u8], out: &mut [u8]) -> Result<usize, u64> {
     let commit_id = get64(header, COMMIT_ID_AT);
+    if get64(header, 8) != commit_id {
+        // Answers are matched by the header's unique: the two must agree.
+        return Err(commit_id);
+    }
     let len = get32(header, 0) as usize;
     let payload_sz = get32(header, PAYLOAD_SZ_AT) as usize;
     let op_len = len
@@ -224,6 +228,11 @@ pub(crate) struct Ring {
     /// Entries holding a new request, from completions not yet taken.
     ready: Vec<usize>,
     alive: usize,
+    /// Entries whose command failed, from the last completions (reused, at most one each).
+    failed: Vec<(usize, i32)>,
+    /// Entries registered again after a failed commit (see `reap`), at most one per entry.
+    reregister_budget: usize,
+    started: bool,
     dev_armed: bool,
     wake_armed: bool,
     dev_readable: bool,
@@ -286,6 +295,9 @@ impl Ring {
             owner: HashMap::with_capacity(n),
             ready: Vec::with_capacity(n),
             alive: n,
+            failed: Vec::with_capacity(n),
+            reregister_budget: n,
+            started: false,
             dev_armed: false,
             wake_armed: false,
             dev_readable: false,
@@ -337,6 +349,7 @@ impl Ring {
             .submit()
             .map_err(|e| format!("registering FUSE ring entries: {e}"))?;
         self.reap();
+        self.started = true;
         match self.error {
             Some(e) => Err(format!(
                 "the kernel refused FUSE over io_uring: {}",
@@ -363,14 +376,38 @@ impl Ring {
                     if c.result() == 0 {
                         self.ready.push(e as usize);
                     } else {
-                        // ENOTCONN/ECONNABORTED at the end of the connection, or a refusal.
-                        self.alive = self.alive.saturating_sub(1);
-                        self.error.get_or_insert(-c.result());
+                        self.failed.push((e as usize, -c.result()));
                     }
                 }
                 _ => {}
             }
         }
+        let mut failed = std::mem::take(&mut self.failed);
+        for &(e, err) in &failed {
+            let ending = matches!(err, libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED);
+            if self.started && !ending && self.reregister_budget > 0 {
+                // A commit the kernel refused (its request was gone) leaves the entry unparked
+                // while the connection lives on: without a new REGISTER its ring queue would
+                // lose capacity for good. Bounded, so a kernel that refuses everything cannot
+                // keep us busy.
+                self.reregister_budget -= 1;
+                crate::log!(
+                    "warn",
+                    "FUSE ring entry {e}: {}; registering it again",
+                    io::Error::from_raw_os_error(err)
+                );
+                let sqe = self.uring_cmd(CMD_REGISTER, e, 0);
+                let sqe = with_addr_len(sqe, self.iovs[e].as_ptr() as u64, 2);
+                if self.push(&sqe).is_ok() {
+                    continue;
+                }
+            }
+            // The end of the connection, or a refusal.
+            self.alive = self.alive.saturating_sub(1);
+            self.error.get_or_insert(err);
+        }
+        failed.clear();
+        self.failed = failed;
         if wake {
             let mut v = 0u64;
             // SAFETY: an 8-byte read from the worker's non-blocking eventfd.
@@ -556,6 +593,14 @@ mod tests {
                 "{len} {psz}"
             );
         }
+        // A commit id that is not the request's unique.
+        let mut h = header(40, 77, 0);
+        h[8..16].copy_from_slice(&78u64.to_ne_bytes());
+        assert_eq!(request_bytes(&h, &payload, &mut out), Err(77));
+        assert_eq!(
+            request_bytes(&header(40, 77, 0), &payload, &mut out),
+            Ok(40)
+        );
     }
 
     #[test]
