@@ -1,6 +1,10 @@
 //! One worker thread per queue. Each owns a /dev/fuse descriptor (requests are shared between
 //! all descriptors of the connection; replies go back on the descriptor a request came from)
-//! and a blkwire `Queue`, so nothing on the I/O path is shared between threads.
+//! and a blkwire `Queue`, so nothing on the I/O path is shared between threads. With FUSE over
+//! io_uring a worker also owns a `Ring` (fuse_uring.rs) with the entries of its share of the
+//! kernel's ring queues; requests then arrive as ring completions and are answered by commits.
+//! Both transports share everything below the `Transport` trait: parsing, the pending table,
+//! the blkwire queue, timeouts and reconnection.
 //!
 //! Data path: READ/WRITE/FSYNC/FLUSH/FALLOCATE become blkwire commands (one per request, as the
 //! FUSE request size is negotiated not to exceed the session's max I/O); everything else is
