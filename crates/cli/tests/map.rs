@@ -127,6 +127,44 @@ fn ring_requests(log: &Path) -> u64 {
         .sum()
 }
 
+/// A test of `$f(tag, extra map arguments)` on the read path, and its twin over FUSE over
+/// io_uring (with the switch on).
+macro_rules! on_both_paths {
+    ($read:ident, $uring:ident, $f:ident, $tag:literal) => {
+        #[test]
+        fn $read() {
+            require_root!();
+            $f($tag, &[]);
+        }
+
+        #[test]
+        fn $uring() {
+            require_root!();
+            let Some(_on) = SwitchOn::new() else { return };
+            $f(concat!($tag, "-uring"), &["--fuse-io", "uring"]);
+        }
+    };
+}
+
+on_both_paths!(
+    fio_randwrite_then_verify_crc32c,
+    fio_randwrite_then_verify_crc32c_over_fuse_io_uring,
+    fio_verify,
+    "fio"
+);
+on_both_paths!(
+    target_killed_during_io_fails_with_eio_after_the_timeout,
+    target_killed_during_io_over_fuse_io_uring_fails_with_eio_after_the_timeout,
+    eio_after_the_timeout,
+    "eio"
+);
+on_both_paths!(
+    target_restarted_within_the_timeout_resumes_io,
+    target_restarted_within_the_timeout_resumes_io_over_fuse_io_uring,
+    resumes_after_restart,
+    "restart"
+);
+
 /// A private run directory (records and FUSE mounts) for one test.
 struct Run(TempDir);
 
@@ -573,19 +611,6 @@ fn fio_verify(tag: &str, extra: &[&str]) {
 }
 
 #[test]
-fn fio_randwrite_then_verify_crc32c() {
-    require_root!();
-    fio_verify("fio", &[]);
-}
-
-#[test]
-fn fio_randwrite_then_verify_crc32c_over_fuse_io_uring() {
-    require_root!();
-    let Some(_on) = SwitchOn::new() else { return };
-    fio_verify("fio-uring", &["--fuse-io", "uring"]);
-}
-
-#[test]
 fn two_exports_mapped_at_once_keep_their_own_data() {
     require_root!();
     let run = Run::new("two");
@@ -766,19 +791,6 @@ fn readonly_mapping_recovers_after_its_daemon_is_killed() {
     run.assert_clean();
 }
 
-#[test]
-fn target_killed_during_io_fails_with_eio_after_the_timeout() {
-    require_root!();
-    eio_after_the_timeout("eio", &[]);
-}
-
-#[test]
-fn target_killed_during_io_over_fuse_io_uring_fails_with_eio_after_the_timeout() {
-    require_root!();
-    let Some(_on) = SwitchOn::new() else { return };
-    eio_after_the_timeout("eio-uring", &["--fuse-io", "uring"]);
-}
-
 fn eio_after_the_timeout(tag: &str, extra: &[&str]) {
     let run = Run::new(tag);
     let mut t = Target::start(&["disk=mem:64M"]);
@@ -833,19 +845,6 @@ fn eio_after_the_timeout(tag: &str, extra: &[&str]) {
     m.unmap();
     assert!(started.elapsed() < Duration::from_secs(20));
     run.assert_clean();
-}
-
-#[test]
-fn target_restarted_within_the_timeout_resumes_io() {
-    require_root!();
-    resumes_after_restart("restart", &[]);
-}
-
-#[test]
-fn target_restarted_within_the_timeout_resumes_io_over_fuse_io_uring() {
-    require_root!();
-    let Some(_on) = SwitchOn::new() else { return };
-    resumes_after_restart("restart-uring", &["--fuse-io", "uring"]);
 }
 
 fn resumes_after_restart(tag: &str, extra: &[&str]) {
