@@ -53,6 +53,15 @@ fn read_switch() -> String {
         .to_string()
 }
 
+/// The kernel has FUSE over io_uring (else the test says it skips).
+fn has_uring() -> bool {
+    let yes = Path::new(URING_SWITCH).exists();
+    if !yes {
+        eprintln!("skipped: this kernel has no FUSE over io_uring");
+    }
+    yes
+}
+
 /// FUSE over io_uring switched on while held; the last holder restores the previous value.
 struct SwitchOn {
     _shared: RwLockReadGuard<'static, ()>,
@@ -61,8 +70,7 @@ struct SwitchOn {
 impl SwitchOn {
     /// None when this kernel has no FUSE over io_uring.
     fn new() -> Option<SwitchOn> {
-        if !Path::new(URING_SWITCH).exists() {
-            eprintln!("skipped: this kernel has no FUSE over io_uring");
+        if !has_uring() {
             return None;
         }
         let shared = SWITCH_LOCK.read().unwrap_or_else(|e| e.into_inner());
@@ -94,8 +102,7 @@ struct SwitchOff {
 
 impl SwitchOff {
     fn new() -> Option<SwitchOff> {
-        if !Path::new(URING_SWITCH).exists() {
-            eprintln!("skipped: this kernel has no FUSE over io_uring");
+        if !has_uring() {
             return None;
         }
         let excl = SWITCH_LOCK.write().unwrap_or_else(|e| e.into_inner());
@@ -1139,8 +1146,7 @@ fn fuse_io_auto_reads_while_the_switch_is_off_and_uring_turns_it_on() {
 #[test]
 fn fuse_io_uring_that_cannot_be_turned_on_fails_in_one_line() {
     require_root!();
-    if !Path::new(URING_SWITCH).exists() {
-        eprintln!("skipped: this kernel has no FUSE over io_uring");
+    if !has_uring() {
         return;
     }
     let run = Run::new("noswitch");
