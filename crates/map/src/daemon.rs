@@ -421,6 +421,8 @@ struct Mapping {
     events: mpsc::Receiver<Event>,
     workers: usize,
     timeout: Duration,
+    /// Workers serving ring queues (FUSE over io_uring): nobody else serves those queues.
+    ring_workers: Vec<usize>,
 }
 
 impl Mapping {
@@ -555,7 +557,7 @@ impl Mapping {
         } else {
             0
         };
-        let mut ring_workers = 0;
+        let mut ring_workers = Vec::new();
         for (id, (q, ch)) in session.queues.into_iter().zip(channels).enumerate() {
             let waker = Arc::new(Waker::new().map_err(|e| format!("eventfd: {e}"))?);
             let qids: Vec<u16> = (id..ring_queues)
@@ -572,16 +574,17 @@ impl Mapping {
                 let ring = Ring::new(ch, waker.fd(), &qids, per_queue, neg.ring_payload())?;
                 let entries = ring.entries();
                 let w = Worker::new(id, ring, sh, q, entries, waker);
-                ring_workers += 1;
+                ring_workers.push(id);
                 spawn_worker(id, move || w.run())
             };
             spawned?;
         }
-        if ring_workers > 0 {
-            await_registration(&events, ring_workers)?;
+        if !ring_workers.is_empty() {
+            await_registration(&events, ring_workers.len())?;
             log!(
                 "info",
-                "FUSE I/O: io_uring ({ring_queues} ring queue(s) on {ring_workers} thread(s))"
+                "FUSE I/O: io_uring ({ring_queues} ring queue(s) on {} thread(s))",
+                ring_workers.len()
             );
         }
         let sig_tx = tx;
@@ -655,6 +658,7 @@ impl Mapping {
             events,
             workers: queues,
             timeout: spec.timeout,
+            ring_workers,
         })
     }
 
@@ -687,6 +691,17 @@ impl Mapping {
                     exited += 1;
                     if let Some(e) = error {
                         log!("error", "worker {id} stopped: {e}");
+                        if self.ring_workers.contains(&id) {
+                            // The kernel queues requests per CPU and would wait forever for
+                            // this worker's ring queues: end the mapping (its I/O fails)
+                            // rather than let it hang.
+                            log!(
+                                "error",
+                                "a FUSE ring worker failed: ending the mapping of {}",
+                                self.dev.path()
+                            );
+                            break;
+                        }
                     }
                     if exited == self.workers {
                         log!("warn", "every worker stopped: the FUSE connection ended");

@@ -24,6 +24,7 @@
 
 use std::collections::HashMap;
 use std::io;
+use std::mem::ManuallyDrop;
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::Duration;
 
@@ -212,14 +213,14 @@ impl Drop for Region {
 
 /// One worker's share of the ring: entries of the ring queues `qids`, `per_queue` each.
 pub(crate) struct Ring {
-    // Declared first so it is dropped (closed, cancelling the entries) before the buffers.
     uring: IoUring<squeue::Entry128, cqueue::Entry>,
     ch: Channel,
     wake_fd: RawFd,
     /// Ring queue of each entry.
     qid: Vec<u16>,
-    headers: Region,
-    payloads: Region,
+    /// Unmapped on drop only once the kernel let go of every entry (see `Drop`).
+    headers: ManuallyDrop<Region>,
+    payloads: ManuallyDrop<Region>,
     payload_len: usize,
     /// The iovecs REGISTER points at; the kernel reads them while the SQE is submitted.
     iovs: Vec<[libc::iovec; 2]>,
@@ -288,8 +289,8 @@ impl Ring {
             ch,
             wake_fd,
             qid,
-            headers,
-            payloads,
+            headers: ManuallyDrop::new(headers),
+            payloads: ManuallyDrop::new(payloads),
             payload_len,
             iovs,
             owner: HashMap::with_capacity(n),
@@ -511,6 +512,23 @@ impl Ring {
         fill_answer(header, payload, unique, errno, parts);
         let sqe = self.uring_cmd(CMD_COMMIT_AND_FETCH, e, unique);
         self.push(&sqe)
+    }
+}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        // An entry still registered keeps the kernel's pointers into these buffers, and the
+        // kernel writes a request there (in this thread's context) until the ring's asynchronous
+        // teardown cancels it: unmapped memory that a later allocation reuses would be written.
+        // Only a worker failing while the connection lives gets here with live entries; the
+        // buffers are then left mapped (the daemon ends the mapping in that case anyway).
+        if self.alive == 0 {
+            // SAFETY: dropped once, here; nothing uses them afterwards.
+            unsafe {
+                ManuallyDrop::drop(&mut self.headers);
+                ManuallyDrop::drop(&mut self.payloads);
+            }
+        }
     }
 }
 
