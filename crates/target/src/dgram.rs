@@ -184,14 +184,27 @@ impl DgramPort {
         self.fd.as_raw_fd()
     }
 
-    /// Per-queue window (PROTOCOL.md §9.4): the receive buffer shared by the active queues.
+    /// Per-queue window (PROTOCOL.md §9.4) for frames of the link's largest size.
     fn credit(&self) -> u16 {
-        let frames =
-            blkwire_net::frames_in_buffer(self.rcvbuf, HEADER_LEN as u32 + self.link_payload);
+        self.credit_for(self.link_payload)
+    }
+
+    /// Per-queue window (PROTOCOL.md §9.4): the receive buffer shared by the active queues,
+    /// counted in frames of the queue's negotiated size (a UDP port cannot know the path MTU,
+    /// so counting at its 32 KiB limit would starve queues of MTU-sized frames).
+    fn credit_for(&self, frame_payload: u32) -> u16 {
+        let frames = blkwire_net::frames_in_buffer(self.rcvbuf, HEADER_LEN as u32 + frame_payload);
         let active = self.active.max(1);
         // Never more than two messages' worth in flight per queue: bursts beyond that only
         // overflow the receiver's backlog.
         (frames / active).clamp(1, 2 * crate::session::MAX_FRAGMENTS) as u16
+    }
+
+    fn queue_credit(&self, qi: usize) -> u16 {
+        match self.queues.get(qi).and_then(Option::as_ref) {
+            Some(q) => self.credit_for(q.fp),
+            None => self.credit(),
+        }
     }
 
     /// Reads every waiting frame and handles it; replies are batched and sent at the end.
@@ -393,7 +406,7 @@ impl DgramPort {
             // Tell the initiator at once instead of letting it time out.
             return self.reply(&h, Status::Access, peer);
         };
-        let credit = self.credit();
+        let credit = self.queue_credit(qi);
         let q = self.queues[qi].as_mut().expect("indexed queue exists");
         if q.peer != peer {
             self.stats.wrong_peer += 1;
@@ -448,7 +461,7 @@ impl DgramPort {
                         self.hellos.insert((peer, hello.nonce), (now, p.clone()));
                         self.add_queue(adm, reply.frame_payload, peer);
                         let mut r = h.reply(Status::Ok, 0);
-                        r.credit = self.credit();
+                        r.credit = self.credit_for(reply.frame_payload);
                         self.send_frame(r, &p, peer);
                     }
                     Err(st) => self.reply(h, st, peer),
@@ -666,7 +679,7 @@ impl DgramPort {
         sq: &mut dyn Submitter,
         ud: UserData,
     ) {
-        let credit = self.credit();
+        let credit = self.queue_credit(qi);
         let q = self.queues[qi].as_mut().expect("present");
         let peer = q.peer;
         let fp = q.fp;
@@ -816,7 +829,7 @@ impl DgramPort {
 
     /// A request finished: remember its status and answer (READ: the data, in fragments).
     fn finish(&mut self, qi: usize, slot: u16, status: Status) {
-        let credit = self.credit();
+        let credit = self.queue_credit(qi);
         let q = self.queues[qi].as_mut().expect("present");
         let peer = q.peer;
         let fp = q.fp;
