@@ -2,7 +2,7 @@
 # blkwire over raw Ethernet, UDP and TCP, side by side in one run, over the same veth pair between
 # two network namespaces this script creates (and removes, also on failure):
 #   4k randread QD1 and QD32, sequential read of 256k at QD16 (4 MiB in flight: datagram sessions
-#   grant at most 256 fragments per I/O, 256 KiB at MTU 1500), then 4k randread QD32 with 1 % and 5 % loss
+#   grant at most 256 fragments per I/O, 356 KiB at MTU 1500), then 4k randread QD32 with 1 % and 5 % loss
 #   injected by nftables netdev rules on both ends (the TCP row shows what TCP's own recovery does).
 # Environment: RUNTIME (seconds per run, default 5), MTU (default 9000), JOBS (default 1).
 set -euo pipefail

@@ -46,11 +46,13 @@ pub fn size_buffers(fd: i32) -> u32 {
     (v.max(0) as u32) / 2
 }
 
-/// Largest multiple of 512 that fits a link MTU after `overhead` bytes of lower headers and the
-/// 48-byte frame header, capped at 32 KiB so one frame stays well inside a 64 KiB datagram.
+/// Largest multiple of 8 that fits a link MTU after `overhead` bytes of lower headers and the
+/// 48-byte frame header (at least 512), capped at 32 KiB so one frame stays well inside a 64 KiB
+/// datagram. Every byte of the MTU counts: rounding to 512 would cost a 4 KiB read at MTU 1500 a
+/// fourth frame (1024 bytes each instead of 1448).
 pub fn frame_payload_for(mtu: u32, overhead: u32) -> u32 {
     let room = mtu.saturating_sub(overhead + FRAME_HEADER).min(32 << 10);
-    (room / 512 * 512).max(512)
+    (room / 8 * 8).max(512)
 }
 
 /// Facts about a network interface.
@@ -214,9 +216,9 @@ mod tests {
 
     #[test]
     fn payloads_fit_the_link() {
-        assert_eq!(frame_payload_for(1500, 28), 1024);
-        assert_eq!(frame_payload_for(9000, 28), 8704);
-        assert_eq!(frame_payload_for(1500, 0), 1024);
+        assert_eq!(frame_payload_for(1500, 28), 1424);
+        assert_eq!(frame_payload_for(9000, 28), 8920);
+        assert_eq!(frame_payload_for(1500, 0), 1448);
         assert_eq!(frame_payload_for(65536, 28), 32 << 10);
         assert_eq!(frame_payload_for(100, 28), 512);
         assert_eq!(frames_in_buffer(4 << 20, 1072), 2048);

@@ -152,9 +152,9 @@ impl Registry {
         let frame_payload = match link_payload {
             // TCP: nothing is fragmented.
             None => max_io,
-            // Datagrams: what both ends' links carry, in 512-byte units. Not capped at max_io:
+            // Datagrams: what both ends' links carry, in 8-byte units. Not capped at max_io:
             // it is also the datagram size both ends pack frames into (PROTOCOL.md §9.6).
-            Some(link) => (h.frame_payload.min(link) / 512 * 512).max(512),
+            Some(link) => (h.frame_payload.min(link) / 8 * 8).max(512),
         };
         if link_payload.is_some() {
             // A message of more than MAX_FRAGMENTS frames is a burst that overflows a receiver's
