@@ -253,7 +253,8 @@ pub enum Op {
 }
 
 pub fn map_op(d: &IoDesc, readonly: bool, buf_len: usize) -> Result<Op, i32> {
-    let offset = d.start_sector << 9;
+    // A sector number whose byte offset does not fit 64 bits cannot be on any device.
+    let offset = d.start_sector.checked_mul(512).ok_or(libc::EINVAL)?;
     let len64 = (d.nr_sectors as u64) << 9;
     let len = u32::try_from(len64).map_err(|_| libc::EINVAL)?;
     let fits = || {
