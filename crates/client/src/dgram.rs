@@ -4,7 +4,7 @@
 //! keeps a fast initiator from overrunning the target.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use blkwire_wire::datagram::{self, Packer};
@@ -21,6 +21,12 @@ const RTO_INITIAL: Duration = Duration::from_millis(20);
 const PTO_MIN: Duration = Duration::from_micros(200);
 /// Frames sent or received per syscall.
 const BATCH: usize = 32;
+/// A queue that has sent nothing for this long sends a KEEPALIVE from `poll`, so the target
+/// (which forgets a session after 60 s without frames) keeps it (PROTOCOL.md §9.1).
+const KEEPALIVE_EVERY: Duration = Duration::from_secs(5);
+/// Slot number in the tag of internal keepalives: outside every slot table (depth <= 65535), so
+/// their answers are told from those of requests and never reach the caller.
+const KEEPALIVE_SLOT: u16 = u16::MAX;
 
 /// Where frames go: a connected UDP socket, or a packet socket with the target's MAC.
 pub(crate) struct Link {
@@ -204,6 +210,11 @@ pub(crate) struct DgramQueue {
     stats: QueueStats,
     /// Read once per receive batch (RTT samples of one batch share it).
     now: Instant,
+    /// When a datagram last went out: the keepalive is due `keepalive_every` after it.
+    last_sent: Instant,
+    keepalive_every: Duration,
+    /// Generation of the next internal keepalive (its answers are recognised by the slot).
+    keepalive_gen: u16,
 }
 
 impl DgramQueue {
@@ -255,6 +266,9 @@ impl DgramQueue {
                 .collect(),
             stats: QueueStats::default(),
             now: Instant::now(),
+            last_sent: Instant::now(),
+            keepalive_every: KEEPALIVE_EVERY,
+            keepalive_gen: 0,
         }
     }
 
@@ -270,6 +284,10 @@ impl DgramQueue {
     pub fn in_flight(&self) -> usize {
         self.slots.len() - self.free.len()
     }
+    pub fn fd(&self) -> RawFd {
+        self.link.fd.as_raw_fd()
+    }
+
     pub fn stats(&self) -> QueueStats {
         let mut s = self.stats;
         s.rto_us = self.rto.as_micros() as u64;
@@ -363,6 +381,11 @@ impl DgramQueue {
 
     /// Sends every encoded frame with as few syscalls as the batch allows.
     fn flush_tx(&mut self) -> Result<()> {
+        if self.tx.is_empty() {
+            return Ok(());
+        }
+        // Counted as traffic even if the socket refuses it: the keepalive could not do better.
+        self.last_sent = Instant::now();
         let mut done = 0;
         while done < self.tx.len() {
             let n = (self.tx.len() - done).min(BATCH);
@@ -460,6 +483,58 @@ impl DgramQueue {
         Ok(delivered)
     }
 
+    /// `complete` without waiting: sends, takes what has arrived, runs the timers and the
+    /// keepalive of an idle queue, and delivers what finished.
+    pub fn poll(&mut self, mut f: impl FnMut(Completion<'_>)) -> Result<usize> {
+        self.send()?;
+        self.receive()?;
+        if self.session_lost {
+            return Err(Error::SessionLost);
+        }
+        self.timers()?;
+        // Answers and give-ups free room in the window.
+        self.send()?;
+        if Instant::now() >= self.last_sent + self.keepalive_every {
+            self.keepalive()?;
+        }
+        Ok(self.deliver(&mut f))
+    }
+
+    /// When `poll` must run even if no frame arrives: the earliest retransmission, give-up or
+    /// tail-loss probe timer, or the keepalive.
+    pub fn deadline(&self) -> Option<Instant> {
+        let keepalive = self.last_sent + self.keepalive_every;
+        Some(
+            self.timer_deadline()
+                .map_or(keepalive, |t| t.min(keepalive)),
+        )
+    }
+
+    /// The earliest timer of the requests in flight.
+    fn timer_deadline(&self) -> Option<Instant> {
+        self.slots
+            .iter()
+            .filter(|s| s.state == State::InFlight)
+            .map(|s| (s.sent_at + s.rto).min(s.give_up_at))
+            .chain((self.in_flight_frames > 0).then(|| self.last_progress + self.pto()))
+            .min()
+    }
+
+    /// Sends a KEEPALIVE outside the slot table. It is not retransmitted: the next one follows
+    /// `keepalive_every` later, well within the target's expiry. Its answer is dropped in
+    /// `on_frame`, unless it is ACCESS: the target has forgotten the session after all.
+    fn keepalive(&mut self) -> Result<()> {
+        self.keepalive_gen = self.keepalive_gen.wrapping_add(1);
+        let tag = Tag::new(KEEPALIVE_SLOT, self.keepalive_gen);
+        let mut h = Header::request(Opcode::Keepalive, tag, 0, 0);
+        h.queue = self.index;
+        h.session = self.session;
+        h.seal_crc(&[]);
+        self.tx.push(&h, &[], (), 0);
+        self.stats.frames_out += 1;
+        self.flush_tx()
+    }
+
     fn deliver(&mut self, f: &mut impl FnMut(Completion<'_>)) -> usize {
         let mut n = 0;
         while let Some(slot) = self.done.pop_front() {
@@ -498,12 +573,7 @@ impl DgramQueue {
         }
         let now = Instant::now();
         let next = self
-            .slots
-            .iter()
-            .filter(|s| s.state == State::InFlight)
-            .map(|s| (s.sent_at + s.rto).min(s.give_up_at))
-            .chain((self.in_flight_frames > 0).then(|| self.last_progress + self.pto()))
-            .min()
+            .timer_deadline()
             .unwrap_or(now + Duration::from_millis(100));
         let ms = next
             .saturating_duration_since(now)
@@ -593,6 +663,14 @@ impl DgramQueue {
             self.credit = h.credit as u32;
         }
         let slot = h.tag.slot();
+        if slot == KEEPALIVE_SLOT && h.opcode == Opcode::Keepalive {
+            // Our own keepalive's answer: nothing to deliver. ACCESS means the session is gone
+            // (an idle queue learns it here rather than from its next request).
+            if h.status == Status::Access {
+                self.session_lost = true;
+            }
+            return;
+        }
         let fp = self.frame_payload;
         let Some(s) = self.slots.get_mut(slot as usize) else {
             self.stats.late_replies += 1;
@@ -944,6 +1022,14 @@ mod tests {
     /// A stand-in target on loopback: answers every READ frame of one datagram with 0x5a bytes,
     /// or drops the datagram; returns how many frames it carried (0: none came in `wait`).
     fn answer(target: &UdpSocket, drop: bool, wait: Duration) -> usize {
+        answer_with(target, (!drop).then_some(Status::Ok), wait)
+    }
+
+    /// `answer` with any status: `None` drops the datagram; a status other than OK is sent
+    /// without data (as a target that refuses or does not know the session does).
+    fn answer_with(target: &UdpSocket, status: Option<Status>, wait: Duration) -> usize {
+        let drop = status.is_none();
+        let status = status.unwrap_or(Status::Ok);
         let mut buf = vec![0u8; 65536];
         target.set_read_timeout(Some(wait)).unwrap();
         let Ok((n, from)) = target.recv_from(&mut buf) else {
@@ -956,8 +1042,9 @@ mod tests {
             if drop {
                 continue;
             }
-            let data = vec![0x5a; h.length as usize];
-            let mut r = h.reply(Status::Ok, data.len() as u32);
+            let len = if status == Status::Ok { h.length } else { 0 };
+            let data = vec![0x5a; len as usize];
+            let mut r = h.reply(status, data.len() as u32);
             r.seal_crc(&data);
             let mut out = r.to_bytes().to_vec();
             out.extend_from_slice(&data);
@@ -1031,5 +1118,80 @@ mod tests {
         // The probes resend the newest request; its answer shows the other seven lost.
         assert_eq!(st.retransmits - before.retransmits, probes + 7, "{st:?}");
         assert_eq!(st.timeouts, 0);
+    }
+
+    fn idle_queue(target: &UdpSocket) -> DgramQueue {
+        let link = udp_link(target.local_addr().unwrap()).unwrap();
+        let give_up = Duration::from_secs(30);
+        DgramQueue::new(link, 7, 0, 8, 4096, 8192, 64, give_up, Duration::ZERO)
+    }
+
+    #[test]
+    fn an_idle_queue_sends_keepalives_whose_answers_stay_inside() {
+        let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let mut q = idle_queue(&target);
+        let wait = Duration::from_secs(5);
+        // Fresh: the keepalive is due one interval after the last datagram, not before.
+        let due = q
+            .deadline()
+            .expect("a datagram queue always has a deadline");
+        assert!(due > Instant::now() + KEEPALIVE_EVERY / 2);
+        assert_eq!(q.poll(|_| panic!("nothing was submitted")).unwrap(), 0);
+        assert_eq!(q.stats().frames_out, 0);
+
+        // Idle past the interval (made zero here rather than waited for): poll sends one.
+        q.keepalive_every = Duration::ZERO;
+        assert_eq!(q.poll(|_| panic!("no completion")).unwrap(), 0);
+        q.keepalive_every = KEEPALIVE_EVERY;
+        assert_eq!(q.stats().frames_out, 1);
+        assert_eq!(answer(&target, false, wait), 1);
+        // Its answer (already in our socket: loopback delivers in the sender's call) is taken
+        // and dropped: no completion, no slot used, not a late reply; the next one is due an
+        // interval after this send.
+        let sent = Instant::now();
+        assert_eq!(
+            q.poll(|_| panic!("a keepalive is not a completion"))
+                .unwrap(),
+            0
+        );
+        let st = q.stats();
+        assert_eq!((st.frames_in, st.late_replies), (1, 0), "{st:?}");
+        assert_eq!(q.in_flight(), 0);
+        assert!(q.deadline().unwrap() <= sent + KEEPALIVE_EVERY);
+
+        // With a request in flight the caller sees its completion only.
+        q.submit(
+            Cmd::Read {
+                offset: 0,
+                len: 512,
+            },
+            42,
+        )
+        .unwrap();
+        q.keepalive_every = Duration::ZERO;
+        assert_eq!(q.poll(|_| panic!("not answered yet")).unwrap(), 0);
+        q.keepalive_every = KEEPALIVE_EVERY;
+        // The read and the keepalive: two datagrams (a keepalive travels alone).
+        assert_eq!(answer(&target, false, wait), 1);
+        assert_eq!(answer(&target, false, wait), 1);
+        let mut users = Vec::new();
+        assert_eq!(q.poll(|c| users.push((c.user, c.data.len()))).unwrap(), 1);
+        assert_eq!(users, [(42, 512)]);
+        assert_eq!(q.in_flight(), 0);
+        assert_eq!(q.stats().late_replies, 0);
+    }
+
+    #[test]
+    fn a_keepalive_answered_access_reports_the_session_lost() {
+        let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let mut q = idle_queue(&target);
+        q.keepalive_every = Duration::ZERO;
+        q.poll(|_| {}).unwrap();
+        // A target that has forgotten the session answers ACCESS.
+        assert_eq!(
+            answer_with(&target, Some(Status::Access), Duration::from_secs(5)),
+            1
+        );
+        assert!(matches!(q.poll(|_| {}), Err(Error::SessionLost)));
     }
 }

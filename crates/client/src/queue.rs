@@ -2,6 +2,9 @@
 //! session uses. The pipelined API (`submit`, `send`, `complete`) is the transport's; the blocking
 //! helpers (`read_at`, `write_at`, ...) are written once on top of it.
 
+use std::os::fd::RawFd;
+use std::time::Instant;
+
 use blkwire_wire::{Flags, Opcode, Status};
 
 use crate::dgram::DgramQueue;
@@ -206,6 +209,37 @@ impl Queue {
     /// delivered (0: only those already received). Returns how many were delivered.
     pub fn complete(&mut self, min: usize, f: impl FnMut(Completion<'_>)) -> Result<usize> {
         each!(self, q => q.complete(min, f))
+    }
+
+    /// The socket to wait on for readability (poll(2), epoll or an io_uring POLL_ADD) before
+    /// calling [`Queue::poll`]. It changes only with the `Queue`: a reconnection is a new one.
+    pub fn fd(&self) -> RawFd {
+        match &self.inner {
+            Inner::Stream(q) => q.fd(),
+            Inner::Dgram(q) => q.fd(),
+        }
+    }
+
+    /// Progress without waiting, for callers that wait on [`Queue::fd`] and other descriptors
+    /// in one place: sends what is queued, takes every reply that has arrived, runs the
+    /// datagram timers (retransmission, tail-loss probe, give-up) and the keepalive of an idle
+    /// datagram queue, and delivers completions to `f`. Returns how many were delivered.
+    /// Errors are those of [`Queue::complete`]: `Error::SessionLost` when the target has
+    /// forgotten a datagram session (an idle one learns it from its keepalive), and on TCP
+    /// `Error::Timeout` once requests have waited the timeout without any reply. On TCP the send
+    /// may wait while the socket buffer is full (reading replies meanwhile).
+    pub fn poll(&mut self, f: impl FnMut(Completion<'_>)) -> Result<usize> {
+        each!(self, q => q.poll(f))
+    }
+
+    /// When [`Queue::poll`] must run even if [`Queue::fd`] stays quiet: the next datagram timer
+    /// or keepalive, or on TCP the timeout of requests in flight. `None`: only when the fd turns
+    /// readable (TCP with nothing in flight).
+    pub fn deadline(&self) -> Option<Instant> {
+        match &self.inner {
+            Inner::Stream(q) => q.deadline(),
+            Inner::Dgram(q) => q.deadline(),
+        }
     }
 
     /// Runs a batch of commands of at most `max_io` each, keeping the pipeline full, and returns

@@ -1,7 +1,7 @@
 //! TCP queues: one connection, `depth` slots, frames pipelined through one send buffer.
 
 use std::net::TcpStream;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
 use blkwire_wire::{Flags, Header, Opcode, Status, Tag, HEADER_LEN};
@@ -30,6 +30,9 @@ pub(crate) struct StreamQueue {
     rx_start: usize,
     rx_end: usize,
     timeout: Duration,
+    /// `poll`: since when requests have been in flight without any answer (None: nothing in
+    /// flight). An answer resets it; `timeout` past it is `Error::Timeout`, as in `complete`.
+    waiting_since: Option<Instant>,
     spin: blkwire_spin::AdaptiveSpin,
     stats: QueueStats,
 }
@@ -55,6 +58,7 @@ impl StreamQueue {
             rx_start: 0,
             rx_end: 0,
             timeout: opts.timeout,
+            waiting_since: None,
             spin: blkwire_spin::AdaptiveSpin::new(opts.poll),
             stats: QueueStats::default(),
         })
@@ -178,6 +182,42 @@ impl StreamQueue {
             done += self.deliver(&mut f)?;
         }
         Ok(done)
+    }
+
+    /// Sends what is queued, then delivers every reply that has arrived, without waiting for
+    /// more. Fails with `Error::Timeout` once requests have been in flight for the timeout
+    /// without any reply (the timer runs across calls; see [`StreamQueue::deadline`]).
+    pub fn poll(&mut self, mut f: impl FnMut(Completion<'_>)) -> Result<usize> {
+        self.send()?;
+        let mut done = self.deliver(&mut f)?;
+        while self.fill(false)? {
+            done += self.deliver(&mut f)?;
+        }
+        if self.in_flight() == 0 {
+            self.waiting_since = None;
+        } else {
+            let now = Instant::now();
+            match self.waiting_since {
+                Some(t) if done == 0 => {
+                    if now.duration_since(t) >= self.timeout {
+                        return Err(Error::Timeout(self.timeout));
+                    }
+                }
+                _ => self.waiting_since = Some(now),
+            }
+        }
+        Ok(done)
+    }
+
+    /// When `poll` must run even if the socket stays quiet: to report the timeout.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.waiting_since
+            .filter(|_| self.in_flight() > 0)
+            .map(|t| t + self.timeout)
+    }
+
+    pub fn fd(&self) -> RawFd {
+        self.sock.as_raw_fd()
     }
 
     /// Reads whatever the socket holds. Returns false when nothing was there.
