@@ -27,6 +27,10 @@ pub struct Args {
     /// Microseconds a worker spins for new requests before sleeping (0 = never spin)
     #[arg(long, value_name = "US", default_value_t = 50)]
     poll_us: u64,
+    /// Seconds after which a datagram queue that sent no frame is forgotten. Tests shorten it;
+    /// initiators send a KEEPALIVE every 5 s, so keep it well above that (PROTOCOL.md §9.1).
+    #[arg(long, value_name = "SECS", default_value_t = 60, hide = true)]
+    datagram_idle_timeout: u64,
     /// error, warn, info or debug
     #[arg(long, default_value = "info")]
     log_level: String,
@@ -57,6 +61,7 @@ pub fn run(a: Args) -> Result<(), String> {
         threads: a.threads,
         limits: Limits {
             max_io,
+            datagram_idle: Duration::from_secs(a.datagram_idle_timeout.max(1)),
             ..Limits::default()
         },
         poll: Duration::from_micros(a.poll_us),

@@ -22,7 +22,8 @@ use crate::stats::QueueStats;
 
 /// Frames received or sent per syscall.
 const BATCH: usize = 32;
-/// A session with no frame for this long is forgotten (PROTOCOL.md §9.1).
+/// A session with no frame for this long is forgotten (PROTOCOL.md §9.1); the default of
+/// `Limits::datagram_idle`.
 pub const IDLE_EXPIRY: Duration = Duration::from_secs(60);
 
 /// Where a frame came from / goes to.
@@ -141,6 +142,8 @@ pub struct DgramPort {
     registry: Arc<Registry>,
     pub stats: PortStats,
     last_sweep: Instant,
+    /// `Limits::datagram_idle`.
+    idle_expiry: Duration,
     /// Queues that sent a frame in the last two seconds (recounted every second): the receive
     /// buffer is shared among these, not among idle queues waiting to expire.
     active: u32,
@@ -160,6 +163,7 @@ fn mac_of(sll: &libc::sockaddr_ll) -> [u8; 6] {
 impl DgramPort {
     pub fn new(p: PortSetup, registry: Arc<Registry>) -> DgramPort {
         let frame = HEADER_LEN + p.link_payload as usize;
+        let idle_expiry = registry.limits().datagram_idle;
         DgramPort {
             fd: p.fd,
             kind: p.kind,
@@ -175,6 +179,7 @@ impl DgramPort {
             registry,
             stats: PortStats::default(),
             last_sweep: Instant::now(),
+            idle_expiry,
             now: Instant::now(),
             active: 1,
         }
@@ -553,7 +558,7 @@ impl DgramPort {
         }
     }
 
-    /// Forgets queues idle for longer than [`IDLE_EXPIRY`] and stale HELLO replies.
+    /// Forgets queues idle for longer than `idle_expiry` and stale HELLO replies.
     pub fn sweep(&mut self) {
         let now = Instant::now();
         if now.duration_since(self.last_sweep) < Duration::from_secs(1) {
@@ -562,6 +567,7 @@ impl DgramPort {
         self.last_sweep = now;
         self.hellos
             .retain(|_, (t, _)| now.duration_since(*t) < IDLE_EXPIRY);
+        let expiry = self.idle_expiry;
         self.active = self
             .queues
             .iter()
@@ -571,7 +577,7 @@ impl DgramPort {
         for qi in 0..self.queues.len() {
             let idle = self.queues[qi]
                 .as_ref()
-                .is_some_and(|q| now.duration_since(q.last_seen) > IDLE_EXPIRY);
+                .is_some_and(|q| now.duration_since(q.last_seen) > expiry);
             if idle {
                 let q = self.queues[qi].as_ref().expect("checked");
                 crate::log!(
@@ -579,7 +585,7 @@ impl DgramPort {
                     "session {} queue {}: idle for {}s, forgotten",
                     q.session,
                     q.queue,
-                    IDLE_EXPIRY.as_secs()
+                    expiry.as_secs()
                 );
                 self.remove(qi);
             }

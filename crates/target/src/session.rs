@@ -19,6 +19,9 @@ pub struct Limits {
     pub max_queues: u16,
     pub max_depth: u16,
     pub max_io: u32,
+    /// A datagram queue with no frame for this long is forgotten (PROTOCOL.md §9.1). Only tests
+    /// shorten it: initiators keep a session alive with a KEEPALIVE every 5 s.
+    pub datagram_idle: std::time::Duration,
 }
 
 impl Default for Limits {
@@ -27,6 +30,7 @@ impl Default for Limits {
             max_queues: 64,
             max_depth: 1024,
             max_io: 1 << 20,
+            datagram_idle: crate::dgram::IDLE_EXPIRY,
         }
     }
 }
@@ -80,6 +84,10 @@ impl Registry {
                 shut: false,
             }),
         }
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.limits
     }
 
     pub fn exports(&self) -> &[Arc<Export>] {
