@@ -19,8 +19,9 @@
 //!
 //! `Ring` owns one io_uring with the entries of one or more ring queues, their buffers (mapped
 //! once, touched lazily), the worker's cloned /dev/fuse descriptor for the traffic that still
-//! goes through read(), and polls on that descriptor and on the worker's reconnection eventfd,
-//! so its thread sleeps in one place. The worker loop that uses it is in worker.rs.
+//! goes through read(), and polls on that descriptor, on the worker's reconnection eventfd and
+//! on the socket of its blkwire queue (sockpoll.rs), so its thread sleeps in one place: new
+//! requests are taken while the target's answers are outstanding, and the other way round. The worker loop that uses it is in worker.rs.
 
 use std::collections::HashMap;
 use std::io;
@@ -31,6 +32,7 @@ use std::time::Duration;
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
 use crate::fuse::{self, Channel};
+use crate::sockpoll::SockPoll;
 
 /// The system-wide switch (fuse module parameter).
 pub const SWITCH: &str = "/sys/module/fuse/parameters/enable_uring";
@@ -47,7 +49,8 @@ const COMMIT_ID_AT: usize = ENT_IN_OUT_AT + 8;
 const PAYLOAD_SZ_AT: usize = ENT_IN_OUT_AT + 16;
 pub const HEADER_LEN: usize = ENT_IN_OUT_AT + 32;
 
-/// user_data of the two polls; entries use their index.
+/// user_data of the /dev/fuse and eventfd polls; entries use their index, the socket poll
+/// SockPoll's values.
 const POLL_DEV: u64 = u64::MAX;
 const POLL_WAKE: u64 = u64::MAX - 1;
 
@@ -237,6 +240,7 @@ pub(crate) struct Ring {
     dev_armed: bool,
     wake_armed: bool,
     dev_readable: bool,
+    sock: SockPoll,
     /// First error an entry completed with.
     error: Option<i32>,
 }
@@ -263,8 +267,8 @@ impl Ring {
             Region::new(n * HEADER_LEN).map_err(|e| format!("allocating ring headers: {e}"))?;
         let payloads = Region::new(n * payload_len)
             .map_err(|e| format!("allocating ring payload buffers: {e}"))?;
-        // Room for every entry's command plus the two polls.
-        let size = (n as u32 + 2).next_power_of_two().max(8);
+        // Room for every entry's command plus the polls (and the removal of a socket's).
+        let size = (n as u32 + 4).next_power_of_two().max(8);
         let uring = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
             .build(size)
             .map_err(|e| format!("creating an io_uring with 128-byte entries: {e}"))?;
@@ -302,6 +306,7 @@ impl Ring {
             dev_armed: false,
             wake_armed: false,
             dev_readable: false,
+            sock: SockPoll::default(),
             error: None,
         })
     }
@@ -345,7 +350,8 @@ impl Ring {
             self.push(&sqe)
                 .map_err(|e| format!("registering FUSE ring entries: {e}"))?;
         }
-        self.rearm().map_err(|e| format!("io_uring: {e}"))?;
+        self.rearm(true, None)
+            .map_err(|e| format!("io_uring: {e}"))?;
         self.uring
             .submit()
             .map_err(|e| format!("registering FUSE ring entries: {e}"))?;
@@ -373,6 +379,8 @@ impl Ring {
                     self.wake_armed = false;
                     wake = true;
                 }
+                // The socket: the worker polls its queue on every turn anyway.
+                ud if SockPoll::owns(ud) => self.sock.on_cqe(ud, c.flags()),
                 e if (e as usize) < self.qid.len() => {
                     if c.result() == 0 {
                         self.ready.push(e as usize);
@@ -446,9 +454,14 @@ impl Ring {
         Some(r)
     }
 
-    /// Arms the polls that are not armed.
-    pub(crate) fn rearm(&mut self) -> io::Result<()> {
-        if !self.dev_armed {
+    /// Arms the polls that are not armed: /dev/fuse only with `dev` (a worker whose table is
+    /// full would be woken by it at once, again and again), and the socket of the worker's
+    /// queue `sock` (number of the queue, descriptor; None while disconnected).
+    pub(crate) fn rearm(&mut self, dev: bool, sock: Option<(u64, RawFd)>) -> io::Result<()> {
+        for sqe in self.sock.update(sock).into_iter().flatten() {
+            self.push(&sqe.into())?;
+        }
+        if dev && !self.dev_armed {
             let p = opcode::PollAdd::new(types::Fd(self.ch.as_raw_fd()), libc::POLLIN as u32)
                 .build()
                 .user_data(POLL_DEV);

@@ -18,6 +18,7 @@ pub mod loopdev;
 pub mod state;
 
 mod daemon;
+mod sockpoll;
 mod sys;
 pub mod ublk;
 mod unmap;

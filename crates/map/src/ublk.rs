@@ -30,6 +30,7 @@ use blkwire_wire::{Features, Status};
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
 use crate::daemon::{Mode, Notify, Spec};
+use crate::sockpoll::SockPoll;
 use crate::state::{self, Record};
 use crate::sys::{self, Proc};
 use crate::{log, FRONTEND_UBLK, UBLK_CONTROL};
@@ -572,6 +573,12 @@ struct QueueWorker {
     bufs: *mut u8,
     ring: IoUring,
     link: Option<Queue>,
+    /// Changes with every new `Queue` (see `SockPoll`).
+    link_id: u64,
+    /// The ring also watches the queue's socket, so the thread sleeps in one place.
+    sock: SockPoll,
+    /// Completions taken from the ring (reused).
+    cqes: Vec<(u64, i32, u32)>,
     slots: Vec<Slot>,
     /// Completions of one `complete` call: tag and result to commit.
     done: Vec<(usize, i32)>,
@@ -657,6 +664,9 @@ impl QueueWorker {
             bufs: bufs.cast(),
             ring,
             link: Some(q),
+            link_id: 0,
+            sock: SockPoll::default(),
+            cqes: Vec::with_capacity(depth * 2),
             slots: (0..depth)
                 .map(|_| Slot {
                     op: None,
@@ -691,9 +701,15 @@ impl QueueWorker {
             .cmd(raw)
             .build()
             .user_data(tag as u64);
+        self.push(&sqe)
+    }
+
+    /// Queues an SQE, submitting what is queued when the submission queue is full.
+    fn push(&mut self, sqe: &squeue::Entry) -> Result<(), String> {
         loop {
-            // SAFETY: the command refers to the tag buffer, which lives as long as the worker.
-            if unsafe { self.ring.submission().push(&sqe) }.is_ok() {
+            // SAFETY: tag commands refer to tag buffers, which live as long as the worker; polls
+            // refer to nothing.
+            if unsafe { self.ring.submission().push(sqe) }.is_ok() {
                 return Ok(());
             }
             self.ring
@@ -811,6 +827,7 @@ impl QueueWorker {
                 if let Some(q) = s.queues.pop() {
                     log!("info", "queue {}: reconnected to {}", self.id, self.url);
                     self.link = Some(q);
+                    self.link_id += 1;
                 }
             }
             Err(e) => log!("warn", "queue {}: reconnecting: {e}", self.id),
@@ -850,28 +867,30 @@ impl QueueWorker {
         Ok(())
     }
 
-    fn in_flight(&self) -> usize {
-        self.link.as_ref().map_or(0, |q| q.in_flight())
-    }
-
+    /// One loop for both sides: the kernel's requests (ring completions of the tags) and the
+    /// target's answers (the queue's socket, polled by the same ring, and `Queue::poll`), so
+    /// requests the kernel hands over while others are in flight are sent at once, and the
+    /// thread sleeps in one place until either side has something or the queue's next timer.
     fn serve(&mut self, ev: &mpsc::Sender<QEvent>) -> Result<(), String> {
         let r = self.fetch_all();
         let _ = ev.send(QEvent::Fetched(self.id as usize, r.clone()));
         r?;
         loop {
-            // Requests from the kernel.
-            let mut got = 0;
-            let cqes: Vec<(usize, i32)> = self
-                .ring
-                .completion()
-                .map(|c| (c.user_data() as usize, c.result()))
-                .collect();
-            for (tag, res) in cqes {
+            // Requests from the kernel, and socket poll events.
+            let mut cqes = std::mem::take(&mut self.cqes);
+            cqes.extend(
+                self.ring
+                    .completion()
+                    .map(|c| (c.user_data(), c.result(), c.flags())),
+            );
+            for &(ud, res, flags) in &cqes {
+                if SockPoll::owns(ud) {
+                    self.sock.on_cqe(ud, flags);
+                    continue;
+                }
+                let tag = ud as usize;
                 match res {
-                    UBLK_IO_RES_OK => {
-                        got += 1;
-                        self.start(tag)?;
-                    }
+                    UBLK_IO_RES_OK => self.start(tag)?,
                     UBLK_IO_RES_ABORT => self.alive_tags -= 1,
                     e => {
                         log!(
@@ -884,40 +903,54 @@ impl QueueWorker {
                     }
                 }
             }
+            cqes.clear();
+            self.cqes = cqes;
             if self.alive_tags == 0 {
                 return Ok(());
             }
-            if self.in_flight() > 0 {
-                // Commits go out now; then completions (waiting for one only when the kernel
-                // had nothing new for us).
-                self.ring
-                    .submit()
-                    .map_err(|e| format!("io_uring submit: {e}"))?;
-                let min = if got > 0 { 0 } else { 1 };
-                let mut done = std::mem::take(&mut self.done);
-                let r = {
+            // The target's answers, without waiting.
+            let mut done = std::mem::take(&mut self.done);
+            let r = match self.link.as_mut() {
+                Some(q) => {
                     let (slots, bufs, buf_len) = (&self.slots, self.bufs, self.buf_len);
-                    let q = self.link.as_mut().expect("in flight means linked");
-                    q.complete(min, |c| {
+                    q.poll(|c| {
                         if let Some(res) = Self::result_of(slots, bufs, buf_len, &c) {
                             done.push((c.user as usize, res));
                         }
                     })
-                };
-                for &(tag, res) in &done {
-                    self.commit(tag, res)?;
                 }
-                done.clear();
-                self.done = done;
-                if let Err(e) = r {
-                    self.link_down(&e.to_string())?;
+                None => Ok(0),
+            };
+            for &(tag, res) in &done {
+                self.commit(tag, res)?;
+            }
+            done.clear();
+            self.done = done;
+            if let Err(e) = r {
+                self.link_down(&e.to_string())?;
+            }
+            let want = self.link.as_ref().map(|q| (self.link_id, q.fd()));
+            for sqe in self.sock.update(want).into_iter().flatten() {
+                self.push(&sqe)?;
+            }
+            // Commits go out, and the thread sleeps until a request, an answer or a timer.
+            let limit = self
+                .link
+                .as_ref()
+                .and_then(|q| q.deadline())
+                .map(|d| d.saturating_duration_since(Instant::now()));
+            let r = match limit {
+                None => self.ring.submit_and_wait(1),
+                Some(d) => {
+                    let ts = types::Timespec::from(d);
+                    let args = types::SubmitArgs::new().timespec(&ts);
+                    self.ring.submitter().submit_with_args(1, &args)
                 }
-            } else {
-                match self.ring.submit_and_wait(1) {
-                    Ok(_) => {}
-                    Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
-                    Err(e) => return Err(format!("io_uring wait: {e}")),
-                }
+            };
+            match r {
+                Ok(_) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::ETIME)) => {}
+                Err(e) => return Err(format!("io_uring wait: {e}")),
             }
         }
     }

@@ -10,7 +10,10 @@
 //! FUSE request size is negotiated not to exceed the session's max I/O); everything else is
 //! answered on the spot from constant attributes. A worker keeps reading the kernel's requests
 //! while earlier ones are in flight (up to the queue depth), so the loop device's queue depth
-//! reaches the target.
+//! reaches the target. It never blocks on the target: it sleeps in one place that watches both
+//! the kernel (/dev/fuse, or its ring) and the queue's socket (`Queue::fd`), until the queue's
+//! next timer (`Queue::deadline`: datagram retransmission and keepalive, TCP timeout), and
+//! makes progress with the non-blocking `Queue::poll`.
 //!
 //! Failures: when the connection breaks, requests stay in the worker's table (writes keep their
 //! data) and are sent again once a reconnection succeeds. Every request gets an answer within
@@ -36,8 +39,8 @@ use crate::log;
 const WRITE_DATA_AT: usize = fuse::IN_HEADER_LEN + 40;
 /// WRITE_ZEROES commands are split at 1 GiB so each length fits the protocol's 32 bits.
 const ZERO_STEP: u64 = 1 << 30;
-/// How often deadlines are checked while requests are pending, and how long a disconnected
-/// worker sleeps between looks at its reconnection attempt.
+/// How often request deadlines are checked while requests are pending, and how long a
+/// disconnected worker sleeps between looks at its reconnection attempt.
 const TICK: Duration = Duration::from_millis(50);
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
@@ -368,6 +371,8 @@ pub(crate) struct Worker<C> {
     ch: C,
     sh: Arc<Shared>,
     link: Link,
+    /// Changes with every new `Queue` (see `SockPoll`).
+    link_id: u64,
     t: Table,
     cap: usize,
     next_tick: Instant,
@@ -396,6 +401,7 @@ impl<C: Transport> Worker<C> {
             ch,
             sh,
             link: Link::Up(q),
+            link_id: 0,
             t: Table::new(cap, buf_len),
             cap,
             next_tick: Instant::now(),
@@ -427,23 +433,51 @@ impl<C: Transport> Worker<C> {
             .send(Event::WorkerExited { id: self.id, error });
     }
 
-    /// Deadlines, sending, and the target's answers. Returns false when nothing is in flight
-    /// (the caller then sleeps its own way). With requests in flight it waits for one answer
-    /// unless `got` new requests just arrived (then it only takes what is there, and the caller
-    /// looks for more requests first).
-    fn turn(&mut self, got: usize) -> bool {
+    /// Deadlines, sending, and whatever the target has answered, without waiting. Returns how
+    /// many answers came.
+    fn turn(&mut self) -> usize {
         self.maintain();
-        self.pump();
-        let Worker { link, t, ch, .. } = self;
-        match link {
-            Link::Up(q) if q.in_flight() > 0 => {
-                let min = if got > 0 { 0 } else { 1 };
-                if let Err(e) = q.complete(min, |c| t.on_completion(ch, c)) {
+        let mut total = 0;
+        loop {
+            self.pump();
+            let Worker { link, t, ch, .. } = self;
+            let Link::Up(q) = link else {
+                return total;
+            };
+            match q.poll(|c| t.on_completion(ch, c)) {
+                // Answers free queue slots: send what waited for one before sleeping.
+                Ok(n) if n > 0 && !self.t.unsent.is_empty() => total += n,
+                Ok(n) => return total + n,
+                Err(e) => {
                     self.link_down(&e.to_string());
+                    return total;
                 }
-                true
             }
-            _ => false,
+        }
+    }
+
+    /// The queue's socket and its number, for the ring's poll (None while disconnected).
+    fn sock(&self) -> Option<(u64, RawFd)> {
+        match &self.link {
+            Link::Up(q) => Some((self.link_id, q.fd())),
+            Link::Down(_) => None,
+        }
+    }
+
+    /// How long the worker may sleep: until the queue's next timer, and at most a tick while
+    /// requests wait for an answer or a reconnection. None: until something happens.
+    fn wait_limit(&self) -> Option<Duration> {
+        let up = matches!(self.link, Link::Up(_));
+        let tick = (self.t.live > 0 || !up).then_some(TICK);
+        let queue = match &self.link {
+            Link::Up(q) => q
+                .deadline()
+                .map(|d| d.saturating_duration_since(Instant::now())),
+            Link::Down(_) => None,
+        };
+        match (tick, queue) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         }
     }
 
@@ -698,6 +732,7 @@ impl<C: Transport> Worker<C> {
                         );
                         self.sh.reconnects.fetch_add(1, Ordering::Relaxed);
                         self.link = Link::Up(q);
+                        self.link_id += 1;
                         return self.maintain();
                     }
                     Ok(Err(e)) => {
@@ -825,9 +860,10 @@ impl Worker<Channel> {
                 return Ok(());
             }
             let up = matches!(self.link, Link::Up(_));
-            if self.t.live == 0 && up {
-                // Nothing in flight: sleep in read(), where the kernel wakes exactly one of the
-                // waiting workers per request (poll() would wake them all).
+            if self.t.live == 0 && up && self.wait_limit().is_none() {
+                // Nothing in flight and no timer (TCP): sleep in read(), where the kernel wakes
+                // exactly one of the waiting workers per request (poll() would wake them all).
+                // A datagram queue always has a timer (its keepalive) and sleeps in poll().
                 self.set_nonblocking(false)?;
                 if let Got::Gone = self.read_one()? {
                     return Ok(());
@@ -842,38 +878,43 @@ impl Worker<Channel> {
                     Got::Gone => return Ok(()),
                 }
             }
-            // New requests were just queued: send them and take what has already arrived,
-            // then look for more requests. Otherwise block until the target answers something
-            // (the client spins briefly first); idle workers take the kernel's next requests.
-            if !self.turn(got) && (self.t.live > 0 || !up) {
-                self.wait(TICK)?;
+            // Send what came, take what the target has answered; then sleep until either side
+            // has something (new requests are read while answers are outstanding).
+            if self.turn() == 0 && got == 0 {
+                self.wait(self.wait_limit())?;
             }
         }
     }
 
-    /// Waits for a request, the end of a reconnection attempt, or `limit`.
-    fn wait(&self, limit: Duration) -> Result<(), String> {
-        let mut p = [
-            libc::pollfd {
-                fd: self.ch.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: self.waker.fd.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        // SAFETY: poll on two pollfds of ours.
-        let n = unsafe { libc::poll(p.as_mut_ptr(), 2, limit.as_millis() as i32) };
+    /// Waits for a request (while the table has room), an answer from the target, the end of
+    /// a reconnection attempt, or `limit`.
+    fn wait(&self, limit: Option<Duration>) -> Result<(), String> {
+        let fd = |fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let mut p = [fd(self.waker.fd.as_raw_fd()), fd(-1), fd(-1)];
+        if let Some((_, s)) = self.sock() {
+            p[1].fd = s;
+        }
+        // A full table takes no request: /dev/fuse would only wake us again and again.
+        if self.t.live < self.cap {
+            p[2].fd = self.ch.as_raw_fd();
+        }
+        // Rounded up: a timer less than a millisecond away must not become a busy loop.
+        let ms = limit.map_or(-1, |d| {
+            d.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
+        });
+        // SAFETY: poll on three pollfds of ours (negative descriptors are ignored).
+        let n = unsafe { libc::poll(p.as_mut_ptr(), 3, ms) };
         if n < 0 {
             let e = std::io::Error::last_os_error();
             if e.raw_os_error() != Some(libc::EINTR) {
                 return Err(format!("polling /dev/fuse: {e}"));
             }
         }
-        if p[1].revents != 0 {
+        if p[0].revents != 0 {
             self.waker.clear();
         }
         Ok(())
@@ -889,9 +930,8 @@ impl Worker<Channel> {
 impl Worker<Ring> {
     /// FUSE over io_uring: requests arrive as completions of this worker's ring entries and
     /// are answered by committing the entry; the ring also reports /dev/fuse turning readable
-    /// (FORGET, INTERRUPT) and the end of a reconnection attempt, so the thread sleeps in one
-    /// place. While the target has requests of ours in flight, the thread waits for its answers
-    /// only when the ring had nothing new (as the read path does).
+    /// (FORGET, INTERRUPT), the queue's socket turning readable and the end of a reconnection
+    /// attempt, and times out at the queue's next timer, so the thread sleeps in one place.
     fn serve_ring(&mut self) -> Result<(), String> {
         let r = self.ch.start();
         let _ = self.sh.events.send(Event::Registered {
@@ -936,16 +976,16 @@ impl Worker<Ring> {
             if self.t.fuse_gone || self.ch.dead() {
                 return Ok(());
             }
-            self.ch.rearm().map_err(|e| format!("io_uring: {e}"))?;
-            self.ch.submit()?;
-            let up = matches!(self.link, Link::Up(_));
-            let busy = self.turn(got);
-            if busy {
-                // Commits of the answers that just came.
+            let answered = self.turn();
+            let (room, sock) = (self.t.live < self.cap, self.sock());
+            self.ch
+                .rearm(room, sock)
+                .map_err(|e| format!("io_uring: {e}"))?;
+            if answered > 0 || got > 0 {
+                // Commits of the answers that just came; then look for more before sleeping.
                 self.ch.submit()?;
             } else {
-                let limit = (self.t.live > 0 || !up).then_some(TICK);
-                self.ch.wait(limit)?;
+                self.ch.wait(self.wait_limit())?;
             }
         }
     }

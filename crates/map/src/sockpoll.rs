@@ -1,0 +1,96 @@
+//! The blkwire queue's socket watched by an io_uring, so a thread that sleeps in its ring (FUSE
+//! over io_uring, ublk) wakes for the target's answers as it does for the kernel's requests.
+//!
+//! One multishot POLL_ADD per queue. A reconnection brings a new `Queue` with a new socket: the
+//! poll on the old one is removed (it holds the old socket open while armed), and one is added
+//! for the new one. Queues are told apart by a number their owner changes with every new queue,
+//! not by descriptor numbers, which the kernel reuses.
+
+use std::os::fd::RawFd;
+
+use io_uring::{cqueue, opcode, squeue, types};
+
+/// user_data of our SQEs: bit 62 set, bit 63 clear, a serial number below. The rings' other
+/// user_data are small indices and values near u64::MAX (bit 63 set).
+const TAG: u64 = 1 << 62;
+/// The POLL_REMOVE's own completion (serial 0: never a poll's).
+const REMOVE: u64 = TAG;
+
+#[derive(Default)]
+pub(crate) struct SockPoll {
+    /// Queue number and user_data of the armed poll.
+    armed: Option<(u64, u64)>,
+    serial: u64,
+}
+
+impl SockPoll {
+    /// Is this completion one of ours?
+    pub(crate) fn owns(user_data: u64) -> bool {
+        user_data >> 62 == 1
+    }
+
+    /// Takes a completion of ours: a poll that ends (no MORE flag: an error, or the kernel
+    /// stopped it) is added again by the next `update`.
+    pub(crate) fn on_cqe(&mut self, user_data: u64, flags: u32) {
+        if self.armed.is_some_and(|(_, ud)| ud == user_data) && !cqueue::more(flags) {
+            self.armed = None;
+        }
+    }
+
+    /// The SQEs that make the ring watch `want` (queue number, socket), or nothing when the
+    /// worker has no queue: at most a POLL_REMOVE of the old poll and a POLL_ADD.
+    pub(crate) fn update(&mut self, want: Option<(u64, RawFd)>) -> [Option<squeue::Entry>; 2] {
+        let mut out = [None, None];
+        if let Some((queue, ud)) = self.armed {
+            if want.is_some_and(|(q, _)| q == queue) {
+                return out;
+            }
+            out[0] = Some(opcode::PollRemove::new(ud).build().user_data(REMOVE));
+            self.armed = None;
+        }
+        if let Some((queue, fd)) = want {
+            self.serial = (self.serial + 1) % (TAG - 1);
+            let ud = TAG | (self.serial + 1);
+            out[1] = Some(
+                opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32)
+                    .multi(true)
+                    .build()
+                    .user_data(ud),
+            );
+            self.armed = Some((queue, ud));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_queue_replaces_the_poll_on_the_old_socket() {
+        let mut p = SockPoll::default();
+        let [rm, add] = p.update(Some((1, 5)));
+        assert!(rm.is_none());
+        let ud = add.expect("armed").get_user_data();
+        assert!(SockPoll::owns(ud) && !SockPoll::owns(u64::MAX) && !SockPoll::owns(7));
+        // The same queue: nothing to do, even while its poll fires.
+        p.on_cqe(ud, 1 << 1); // IORING_CQE_F_MORE
+        assert!(matches!(p.update(Some((1, 5))), [None, None]));
+        // The poll ended: armed again.
+        p.on_cqe(ud, 0);
+        let [rm, add] = p.update(Some((1, 5)));
+        assert!(rm.is_none());
+        let ud2 = add.expect("armed again").get_user_data();
+        assert_ne!(ud, ud2);
+        // A reconnection reused the descriptor number: still a new queue, a new poll.
+        let [rm, add] = p.update(Some((2, 5)));
+        assert!(rm.is_some() && add.is_some());
+        // The removed poll's last completion changes nothing.
+        p.on_cqe(ud2, 0);
+        assert!(matches!(p.update(Some((2, 5))), [None, None]));
+        // No queue: removed, nothing added.
+        assert!(matches!(p.update(None), [Some(_), None]));
+        assert!(matches!(p.update(None), [None, None]));
+    }
+}
