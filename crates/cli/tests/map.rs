@@ -22,6 +22,7 @@ use std::process::{Command, Stdio};
 use std::sync::{mpsc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
+use common::netlab::{NetLab, Served};
 use common::{random_bytes, Target, TempDir, BIN};
 use serde_json::Value;
 
@@ -186,7 +187,21 @@ impl Run {
 
     /// Runs the CLI with this run directory; returns (success, stdout, stderr).
     fn cli(&self, args: &[&str]) -> (bool, String, String) {
-        let out = Command::new(BIN)
+        self.cli_in(None, args)
+    }
+
+    /// `cli` in network namespace `netns` (only the network: mounts and devices stay ours, so
+    /// a daemon started there mounts its FUSE file where the rest of the test sees it).
+    fn cli_in(&self, netns: Option<&str>, args: &[&str]) -> (bool, String, String) {
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net=/run/netns/{ns}")).arg(BIN);
+                c
+            }
+            None => Command::new(BIN),
+        };
+        let out = cmd
             .args(args)
             .env("BLKWIRE_RUN_DIR", self.dir())
             .stdin(Stdio::null())
@@ -208,12 +223,17 @@ impl Run {
     /// Maps `url` (with `--fuse-io read` unless `extra` chooses the path) and checks that `ls`
     /// reports the path it was asked for.
     fn map(&self, url: &str, extra: &[&str]) -> Mapped<'_> {
+        self.map_in(None, url, extra)
+    }
+
+    /// `map` with the daemon in network namespace `netns` (see `cli_in`).
+    fn map_in(&self, netns: Option<&str>, url: &str, extra: &[&str]) -> Mapped<'_> {
         let mut args = vec!["map", url];
         args.extend_from_slice(extra);
         if !extra.contains(&"--fuse-io") {
             args.extend_from_slice(&["--fuse-io", "read"]);
         }
-        let (ok, out, err) = self.cli(&args);
+        let (ok, out, err) = self.cli_in(netns, &args);
         assert!(ok, "map {url} {extra:?}: {err}");
         let dev = out.trim().to_string();
         assert!(
@@ -573,10 +593,16 @@ fn filesystem_over_fuse_io_uring_survives_unmap_and_map_again() {
 fn fio_verify(tag: &str, extra: &[&str]) {
     let run = Run::new(tag);
     let t = Target::start(&["disk=mem:128M"]);
+    fio_verify_on(&run, None, &t.url("disk"), extra);
+}
+
+/// `fio_verify` on a mapping of `url` (an export of at least 128 MiB) whose daemon runs in
+/// network namespace `netns`.
+fn fio_verify_on(run: &Run, netns: Option<&str>, url: &str, extra: &[&str]) {
     let log = run.dir().join("map.log");
     let mut args = vec!["--queues", "2", "--logfile", log.to_str().unwrap()];
     args.extend_from_slice(extra);
-    let m = run.map(&t.url("disk"), &args);
+    let m = run.map_in(netns, url, &args);
     // Two jobs on disjoint halves, mixed block sizes, each writing then reading back and
     // checking every block's crc32c (fio exits non-zero on any mismatch).
     let out = run_ok(
@@ -614,8 +640,105 @@ fn fio_verify(tag: &str, extra: &[&str]) {
     if extra.contains(&"uring") {
         assert!(ring_requests(&log) > 0, "no request went through io_uring");
     }
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        !text.contains("lost"),
+        "the daemon lost its connection: {text}"
+    );
     run.assert_clean();
 }
+
+/// A target on loopback listening on udp:// too (besides the tcp:// one its stats are asked
+/// on); returns it and the udp:// base URL.
+fn udp_target(exports: &[&str], extra: &[&str]) -> (Target, String) {
+    let mut a = vec!["--listen", "udp://127.0.0.1:0"];
+    a.extend_from_slice(extra);
+    let (t, urls) = Target::start_listeners(exports, &a);
+    let udp = urls
+        .into_iter()
+        .find(|u| u.starts_with("udp://"))
+        .expect("udp listener");
+    (t, udp)
+}
+
+fn fio_verify_udp(tag: &str, extra: &[&str]) {
+    let run = Run::new(tag);
+    let (_t, udp) = udp_target(&["disk=mem:128M"], &[]);
+    fio_verify_on(&run, None, &format!("{udp}/disk"), extra);
+}
+
+on_both_paths!(
+    fio_verify_over_udp,
+    fio_verify_over_udp_and_fuse_io_uring,
+    fio_verify_udp,
+    "fio-udp"
+);
+
+/// Raw Ethernet: the target in one namespace, the map daemon in the other (the device and its
+/// FUSE mount stay in ours), joined by a veth pair that is removed whatever happens.
+#[test]
+fn fio_verify_over_eth_between_namespaces() {
+    require_root!();
+    let lab = NetLab::new(1, 1500);
+    let _t = Served::start(Some(&lab.t), &["eth://vt"], &["disk=mem:128M"]);
+    let url = format!("eth://vi/{}/disk", lab.mac());
+    fio_verify_on(&Run::new("fio-eth"), Some(&lab.i), &url, &[]);
+}
+
+/// Ids of the target's live sessions.
+fn sessions(t: &Target) -> Vec<u64> {
+    let (ok, out, err) = common::cli(&["stats", &t.base, "--json"]);
+    assert!(ok, "stats: {err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    v["sessions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|s| s["session"].as_u64().expect("session id"))
+        .collect()
+}
+
+/// A datagram session is forgotten by a target that hears nothing from it (shortened here from
+/// 60 s): an idle udp:// mapping keeps it with keepalives, and its next I/O needs no reconnect.
+fn idle_udp_mapping_keeps_its_session(tag: &str, extra: &[&str]) {
+    const EXPIRY: u64 = 8;
+    let run = Run::new(tag);
+    let (t, udp) = udp_target(
+        &["disk=mem:16M"],
+        &["--datagram-idle-timeout", &EXPIRY.to_string()],
+    );
+    let log = run.dir().join("map.log");
+    let mut args = vec!["--logfile", log.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let m = run.map(&format!("{udp}/disk"), &args);
+    let data = random_bytes(1 << 20, 51);
+    dev_write(&m.dev, &data, 0).unwrap();
+    let before = sessions(&t);
+    assert_eq!(before.len(), 1, "{before:?}");
+    // Waiting is the point: twice the expiry, so the mapping is idle for longer than the
+    // expiry even after whatever the kernel reads when the device is closed (udev probes).
+    std::thread::sleep(Duration::from_secs(2 * EXPIRY + 2));
+    assert_eq!(sessions(&t), before, "the target forgot the idle session");
+    assert!(dev_read(&m.dev, data.len(), 0).unwrap() == data);
+    let more = random_bytes(1 << 20, 52);
+    dev_write(&m.dev, &more, 4 << 20).unwrap();
+    assert!(dev_read(&m.dev, more.len(), 4 << 20).unwrap() == more);
+    assert_eq!(sessions(&t), before, "a new session was opened");
+    m.unmap();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        !text.contains("lost") && !text.contains("reconnect"),
+        "the idle mapping reconnected: {text}"
+    );
+    run.assert_clean();
+}
+
+on_both_paths!(
+    idle_udp_mapping_stays_usable_past_the_targets_expiry,
+    idle_udp_mapping_over_fuse_io_uring_stays_usable_past_the_targets_expiry,
+    idle_udp_mapping_keeps_its_session,
+    "idle-udp"
+);
 
 #[test]
 fn two_exports_mapped_at_once_keep_their_own_data() {
