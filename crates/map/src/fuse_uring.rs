@@ -424,6 +424,11 @@ impl Ring {
         }
     }
 
+    /// Completions are waiting to be reaped.
+    pub(crate) fn has_completions(&mut self) -> bool {
+        !self.uring.completion().is_empty()
+    }
+
     /// Every entry has ended: the connection is gone.
     pub(crate) fn dead(&self) -> bool {
         self.alive == 0

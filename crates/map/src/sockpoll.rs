@@ -1,9 +1,11 @@
 //! The blkwire queue's socket watched by an io_uring, so a thread that sleeps in its ring (FUSE
 //! over io_uring, ublk) wakes for the target's answers as it does for the kernel's requests.
 //!
-//! One multishot POLL_ADD per queue. A reconnection brings a new `Queue` with a new socket: the
-//! poll on the old one is removed (it holds the old socket open while armed), and one is added
-//! for the new one. Queues are told apart by a number their owner changes with every new queue,
+//! One POLL_ADD per queue, one-shot and added again before the thread sleeps once it has fired:
+//! a poll checks readiness when it is added, so data left unread can never leave the thread
+//! asleep, and a busy thread gets one completion per sleep rather than one per arriving packet.
+//! A reconnection brings a new `Queue` with a new socket: the poll on the old one is removed (it
+//! holds the old socket open while armed), and one is added for the new one. Queues are told apart by a number their owner changes with every new queue,
 //! not by descriptor numbers, which the kernel reuses.
 
 use std::os::fd::RawFd;
@@ -29,8 +31,8 @@ impl SockPoll {
         user_data >> 62 == 1
     }
 
-    /// Takes a completion of ours: a poll that ends (no MORE flag: an error, or the kernel
-    /// stopped it) is added again by the next `update`.
+    /// Takes a completion of ours: a poll that fired (or failed) is added again by the next
+    /// `update`. (A completion with the MORE flag would be a multishot poll's, still armed.)
     pub(crate) fn on_cqe(&mut self, user_data: u64, flags: u32) {
         if self.armed.is_some_and(|(_, ud)| ud == user_data) && !cqueue::more(flags) {
             self.armed = None;
@@ -53,7 +55,6 @@ impl SockPoll {
             let ud = TAG | (self.serial + 1);
             out[1] = Some(
                 opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32)
-                    .multi(true)
                     .build()
                     .user_data(ud),
             );

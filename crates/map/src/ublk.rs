@@ -26,6 +26,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use blkwire_client::{Cmd, Completion, ConnectOptions, ExportInfo, Queue, Url};
+use blkwire_spin::AdaptiveSpin;
 use blkwire_wire::{Features, Status};
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
@@ -33,6 +34,7 @@ use crate::daemon::{Mode, Notify, Spec};
 use crate::sockpoll::SockPoll;
 use crate::state::{self, Record};
 use crate::sys::{self, Proc};
+use crate::worker::readable;
 use crate::{log, FRONTEND_UBLK, UBLK_CONTROL};
 
 // ---------------------------------------------------------------------------------------------
@@ -579,6 +581,8 @@ struct QueueWorker {
     sock: SockPoll,
     /// Completions taken from the ring (reused).
     cqes: Vec<(u64, i32, u32)>,
+    /// Before sleeping with answers outstanding, the thread spins as `Queue::complete` does.
+    spin: AdaptiveSpin,
     slots: Vec<Slot>,
     /// Completions of one `complete` call: tag and result to commit.
     done: Vec<(usize, i32)>,
@@ -667,6 +671,7 @@ impl QueueWorker {
             link_id: 0,
             sock: SockPoll::default(),
             cqes: Vec::with_capacity(depth * 2),
+            spin: AdaptiveSpin::new(reconnect.poll),
             slots: (0..depth)
                 .map(|_| Slot {
                     op: None,
@@ -933,7 +938,26 @@ impl QueueWorker {
             for sqe in self.sock.update(want).into_iter().flatten() {
                 self.push(&sqe)?;
             }
-            // Commits go out, and the thread sleeps until a request, an answer or a timer.
+            // Commits go out; with answers outstanding the thread spins briefly for one or for a
+            // request (the poll(2) also lets the kernel run the ring's task work), then sleeps
+            // until a request, an answer or a timer.
+            if let Some(fd) = self
+                .link
+                .as_ref()
+                .filter(|q| q.in_flight() > 0)
+                .map(|q| q.fd())
+            {
+                self.ring
+                    .submit()
+                    .map_err(|e| format!("io_uring submit: {e}"))?;
+                let ring = &mut self.ring;
+                if self
+                    .spin
+                    .spin(|| readable(&[fd]) || !ring.completion().is_empty())
+                {
+                    continue;
+                }
+            }
             let limit = self
                 .link
                 .as_ref()

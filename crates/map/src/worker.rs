@@ -29,6 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use blkwire_client::{Cmd, Completion, ConnectOptions, Queue, Url};
+use blkwire_spin::AdaptiveSpin;
 use blkwire_wire::Status;
 
 use crate::fuse::{self, Attr, Channel, ParseError, Request, FILE_ID, ROOT_ID};
@@ -373,6 +374,9 @@ pub(crate) struct Worker<C> {
     link: Link,
     /// Changes with every new `Queue` (see `SockPoll`).
     link_id: u64,
+    /// Before sleeping with answers outstanding, the worker spins as `Queue::complete` does
+    /// (`--poll-us`; adaptive, see blkwire_spin).
+    spin: AdaptiveSpin,
     t: Table,
     cap: usize,
     next_tick: Instant,
@@ -395,6 +399,7 @@ impl<C: Transport> Worker<C> {
         waker: Arc<Waker>,
     ) -> Worker<C> {
         let cap = q.depth().max(1) + entries;
+        let spin = AdaptiveSpin::new(sh.reconnect.poll);
         let buf_len = (sh.max_io as usize + fuse::REQUEST_OVERHEAD).max(fuse::MIN_READ_BUFFER);
         Worker {
             id,
@@ -402,6 +407,7 @@ impl<C: Transport> Worker<C> {
             sh,
             link: Link::Up(q),
             link_id: 0,
+            spin,
             t: Table::new(cap, buf_len),
             cap,
             next_tick: Instant::now(),
@@ -454,6 +460,11 @@ impl<C: Transport> Worker<C> {
                 }
             }
         }
+    }
+
+    /// Requests of ours are at the target.
+    fn in_flight(&self) -> bool {
+        matches!(&self.link, Link::Up(q) if q.in_flight() > 0)
     }
 
     /// The queue's socket and its number, for the ring's poll (None while disconnected).
@@ -880,10 +891,23 @@ impl Worker<Channel> {
             }
             // Send what came, take what the target has answered; then sleep until either side
             // has something (new requests are read while answers are outstanding).
-            if self.turn() == 0 && got == 0 {
+            if self.turn() == 0 && got == 0 && !self.spin_read() {
                 self.wait(self.wait_limit())?;
             }
         }
+    }
+
+    /// With answers outstanding, spins briefly for an answer or a request; true if one came.
+    fn spin_read(&mut self) -> bool {
+        let Some((_, sock)) = self.sock().filter(|_| self.in_flight()) else {
+            return false;
+        };
+        let dev = if self.t.live < self.cap {
+            self.ch.as_raw_fd()
+        } else {
+            -1
+        };
+        self.spin.spin(|| readable(&[sock, dev]))
     }
 
     /// Waits for a request (while the table has room), an answer from the target, the end of
@@ -984,11 +1008,39 @@ impl Worker<Ring> {
             if answered > 0 || got > 0 {
                 // Commits of the answers that just came; then look for more before sleeping.
                 self.ch.submit()?;
-            } else {
+            } else if !self.spin_ring()? {
                 self.ch.wait(self.wait_limit())?;
             }
         }
     }
+}
+
+impl Worker<Ring> {
+    /// With answers outstanding, submits what is queued and spins briefly for an answer or a
+    /// ring completion; true if one came.
+    fn spin_ring(&mut self) -> Result<bool, String> {
+        let Some((_, sock)) = self.sock().filter(|_| self.in_flight()) else {
+            return Ok(false);
+        };
+        self.ch.submit()?;
+        let ch = &mut self.ch;
+        // The poll(2) call also lets the kernel run the ring's pending task work.
+        Ok(self.spin.spin(|| readable(&[sock]) || ch.has_completions()))
+    }
+}
+
+/// Is any of `fds` (negative ones ignored) readable now?
+pub(crate) fn readable(fds: &[RawFd]) -> bool {
+    let mut p = [libc::pollfd {
+        fd: -1,
+        events: libc::POLLIN,
+        revents: 0,
+    }; 2];
+    for (p, &fd) in p.iter_mut().zip(fds) {
+        p.fd = fd;
+    }
+    // SAFETY: a zero-timeout poll on our pollfds.
+    unsafe { libc::poll(p.as_mut_ptr(), fds.len().min(2) as libc::nfds_t, 0) > 0 }
 }
 
 /// What a FALLOCATE means for a fixed-size file that is a block device: None = nothing to do.
