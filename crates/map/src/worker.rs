@@ -375,7 +375,7 @@ pub(crate) struct Worker<C> {
     /// Changes with every new `Queue` (see `SockPoll`).
     link_id: u64,
     /// Before sleeping with answers outstanding, the worker spins as `Queue::complete` does
-    /// (`--poll-us`; adaptive, see blkwire_spin).
+    /// (the session's `ConnectOptions::poll`, 50 µs by default; adaptive, see blkwire_spin).
     spin: AdaptiveSpin,
     t: Table,
     cap: usize,
