@@ -559,16 +559,7 @@ impl DgramQueue {
     /// Sleeps until a frame arrives or the earliest timer is due.
     fn wait(&mut self) -> Result<()> {
         let fd = self.link.fd.as_raw_fd();
-        let readable = || {
-            let mut p = libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: zero-timeout poll on our fd.
-            unsafe { libc::poll(&mut p, 1, 0) > 0 }
-        };
-        if self.spin.spin(readable) {
+        if self.spin.spin(|| blkwire_spin::readable([fd])) {
             return Ok(());
         }
         let now = Instant::now();

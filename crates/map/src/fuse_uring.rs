@@ -493,26 +493,7 @@ impl Ring {
 
     /// Submits and sleeps until something completes, or `limit` passes.
     pub(crate) fn wait(&mut self, limit: Option<Duration>) -> Result<(), String> {
-        let r = match limit {
-            None => self.uring.submit_and_wait(1),
-            Some(d) => {
-                let ts = types::Timespec::from(d);
-                let args = types::SubmitArgs::new().timespec(&ts);
-                self.uring.submitter().submit_with_args(1, &args)
-            }
-        };
-        match r {
-            Ok(_) => Ok(()),
-            Err(e)
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::EINTR | libc::ETIME | libc::EBUSY)
-                ) =>
-            {
-                Ok(())
-            }
-            Err(e) => Err(format!("io_uring wait: {e}")),
-        }
+        crate::sockpoll::sleep(&mut self.uring, limit)
     }
 
     /// Answers request `unique`: through its entry (COMMIT_AND_FETCH, which also parks the

@@ -9,8 +9,37 @@
 //! not by descriptor numbers, which the kernel reuses.
 
 use std::os::fd::RawFd;
+use std::time::Duration;
 
-use io_uring::{cqueue, opcode, squeue, types};
+use io_uring::{cqueue, opcode, squeue, types, IoUring};
+
+/// Submits what is queued and sleeps in `ring` until a completion, or at most `limit`. An
+/// interrupted, timed-out or busy (completion queue full: reap first) wait is not an error.
+pub(crate) fn sleep<S, C>(ring: &mut IoUring<S, C>, limit: Option<Duration>) -> Result<(), String>
+where
+    S: squeue::EntryMarker,
+    C: cqueue::EntryMarker,
+{
+    let r = match limit {
+        None => ring.submit_and_wait(1),
+        Some(d) => {
+            let ts = types::Timespec::from(d);
+            let args = types::SubmitArgs::new().timespec(&ts);
+            ring.submitter().submit_with_args(1, &args)
+        }
+    };
+    match r {
+        Err(e)
+            if !matches!(
+                e.raw_os_error(),
+                Some(libc::EINTR | libc::ETIME | libc::EBUSY)
+            ) =>
+        {
+            Err(format!("io_uring wait: {e}"))
+        }
+        _ => Ok(()),
+    }
+}
 
 /// user_data of our SQEs: bit 62 set, bit 63 clear, a serial number below. The rings' other
 /// user_data are small indices and values near u64::MAX (bit 63 set).

@@ -34,8 +34,8 @@ use crate::daemon::{Mode, Notify, Spec};
 use crate::sockpoll::SockPoll;
 use crate::state::{self, Record};
 use crate::sys::{self, Proc};
-use crate::worker::readable;
 use crate::{log, FRONTEND_UBLK, UBLK_CONTROL};
+use blkwire_spin::readable;
 
 // ---------------------------------------------------------------------------------------------
 // ABI (include/uapi/linux/ublk_cmd.h, Linux 6.12)
@@ -282,11 +282,11 @@ pub fn map_op(d: &IoDesc, readonly: bool, buf_len: usize) -> Result<Op, i32> {
                 fua: d.flags() & UBLK_IO_F_FUA != 0,
             })
         }
-        UBLK_IO_OP_FLUSH => Ok(Op::Flush),
         UBLK_IO_OP_DISCARD => {
             write()?;
             Ok(Op::Trim { offset, len })
         }
+        UBLK_IO_OP_FLUSH => Ok(Op::Flush),
         UBLK_IO_OP_WRITE_ZEROES => {
             write()?;
             Ok(Op::Zero {
@@ -953,7 +953,7 @@ impl QueueWorker {
                 let ring = &mut self.ring;
                 if self
                     .spin
-                    .spin(|| readable(&[fd]) || !ring.completion().is_empty())
+                    .spin(|| readable([fd]) || !ring.completion().is_empty())
                 {
                     continue;
                 }
@@ -963,19 +963,7 @@ impl QueueWorker {
                 .as_ref()
                 .and_then(|q| q.deadline())
                 .map(|d| d.saturating_duration_since(Instant::now()));
-            let r = match limit {
-                None => self.ring.submit_and_wait(1),
-                Some(d) => {
-                    let ts = types::Timespec::from(d);
-                    let args = types::SubmitArgs::new().timespec(&ts);
-                    self.ring.submitter().submit_with_args(1, &args)
-                }
-            };
-            match r {
-                Ok(_) => {}
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::ETIME)) => {}
-                Err(e) => return Err(format!("io_uring wait: {e}")),
-            }
+            crate::sockpoll::sleep(&mut self.ring, limit)?;
         }
     }
 

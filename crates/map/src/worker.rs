@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use blkwire_client::{Cmd, Completion, ConnectOptions, Queue, Url};
-use blkwire_spin::AdaptiveSpin;
+use blkwire_spin::{readable, AdaptiveSpin};
 use blkwire_wire::Status;
 
 use crate::fuse::{self, Attr, Channel, ParseError, Request, FILE_ID, ROOT_ID};
@@ -907,7 +907,7 @@ impl Worker<Channel> {
         } else {
             -1
         };
-        self.spin.spin(|| readable(&[sock, dev]))
+        self.spin.spin(|| readable([sock, dev]))
     }
 
     /// Waits for a request (while the table has room), an answer from the target, the end of
@@ -1025,22 +1025,8 @@ impl Worker<Ring> {
         self.ch.submit()?;
         let ch = &mut self.ch;
         // The poll(2) call also lets the kernel run the ring's pending task work.
-        Ok(self.spin.spin(|| readable(&[sock]) || ch.has_completions()))
+        Ok(self.spin.spin(|| readable([sock]) || ch.has_completions()))
     }
-}
-
-/// Is any of `fds` (negative ones ignored) readable now?
-pub(crate) fn readable(fds: &[RawFd]) -> bool {
-    let mut p = [libc::pollfd {
-        fd: -1,
-        events: libc::POLLIN,
-        revents: 0,
-    }; 2];
-    for (p, &fd) in p.iter_mut().zip(fds) {
-        p.fd = fd;
-    }
-    // SAFETY: a zero-timeout poll on our pollfds.
-    unsafe { libc::poll(p.as_mut_ptr(), fds.len().min(2) as libc::nfds_t, 0) > 0 }
 }
 
 /// What a FALLOCATE means for a fixed-size file that is a block device: None = nothing to do.

@@ -8,7 +8,20 @@
 //! regrows) the budget; one that runs dry halves it, down to zero; with zero budget every 64th
 //! wait probes again with a quarter budget, so spinning resumes when the machine quietens.
 
+use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
+
+/// Is any of `fds` readable now? The check a spinner makes on its sockets (a zero-timeout
+/// poll(2); negative descriptors are ignored, as poll does).
+pub fn readable<const N: usize>(fds: [RawFd; N]) -> bool {
+    let mut p = fds.map(|fd| libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    });
+    // SAFETY: a zero-timeout poll on our own array of pollfds.
+    unsafe { libc::poll(p.as_mut_ptr(), N as libc::nfds_t, 0) > 0 }
+}
 
 /// Below this a spin is not worth starting.
 const MIN_NS: u64 = 2_000;
