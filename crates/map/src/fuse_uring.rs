@@ -234,8 +234,9 @@ pub(crate) struct Ring {
     alive: usize,
     /// Entries whose command failed, from the last completions (reused, at most one each).
     failed: Vec<(usize, i32)>,
-    /// Entries registered again after a failed commit (see `reap`), at most one per entry.
-    reregister_budget: usize,
+    /// Entries registered again after a refused commit that have not delivered a request since
+    /// (see `reap`): each gets one new REGISTER per delivered request, never two in a row.
+    reregistered: Vec<bool>,
     started: bool,
     dev_armed: bool,
     wake_armed: bool,
@@ -301,7 +302,7 @@ impl Ring {
             ready: Vec::with_capacity(n),
             alive: n,
             failed: Vec::with_capacity(n),
-            reregister_budget: n,
+            reregistered: vec![false; n],
             started: false,
             dev_armed: false,
             wake_armed: false,
@@ -383,6 +384,7 @@ impl Ring {
                 ud if SockPoll::owns(ud) => self.sock.on_cqe(ud, c.flags()),
                 e if (e as usize) < self.qid.len() => {
                     if c.result() == 0 {
+                        self.reregistered[e as usize] = false;
                         self.ready.push(e as usize);
                     } else {
                         self.failed.push((e as usize, -c.result()));
@@ -394,12 +396,13 @@ impl Ring {
         let mut failed = std::mem::take(&mut self.failed);
         for &(e, err) in &failed {
             let ending = matches!(err, libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED);
-            if self.started && !ending && self.reregister_budget > 0 {
+            if self.started && !ending && !self.reregistered[e] {
                 // A commit the kernel refused (its request was gone) leaves the entry unparked
                 // while the connection lives on: without a new REGISTER its ring queue would
-                // lose capacity for good. Bounded, so a kernel that refuses everything cannot
-                // keep us busy.
-                self.reregister_budget -= 1;
+                // lose capacity for good. Once per entry until it delivers a request again, so a
+                // kernel that refuses everything cannot keep us busy, and a long-lived mapping
+                // never runs out of second chances.
+                self.reregistered[e] = true;
                 crate::log!(
                     "warn",
                     "FUSE ring entry {e}: {}; registering it again",
