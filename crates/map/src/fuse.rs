@@ -387,6 +387,16 @@ impl Negotiated {
     }
 }
 
+/// struct fuse_out_header of an answer to `unique`: `errno` 0 with `body` bytes following, or an
+/// error without a body.
+pub fn out_header(unique: u64, errno: i32, body: usize) -> [u8; OUT_HEADER_LEN] {
+    let mut hdr = [0u8; OUT_HEADER_LEN];
+    put32(&mut hdr, 0, (OUT_HEADER_LEN + body) as u32);
+    hdr[4..8].copy_from_slice(&(-errno).to_ne_bytes());
+    put64(&mut hdr, 8, unique);
+    hdr
+}
+
 /// Attributes of the root or of the file (struct fuse_attr).
 #[derive(Clone, Copy, Debug)]
 pub struct Attr {
@@ -572,10 +582,7 @@ impl Channel {
         } else {
             0
         };
-        let mut hdr = [0u8; OUT_HEADER_LEN];
-        put32(&mut hdr, 0, (OUT_HEADER_LEN + body) as u32);
-        hdr[4..8].copy_from_slice(&(-errno).to_ne_bytes());
-        put64(&mut hdr, 8, unique);
+        let mut hdr = out_header(unique, errno, body);
         let mut iov = [libc::iovec {
             iov_base: hdr.as_mut_ptr().cast(),
             iov_len: OUT_HEADER_LEN,

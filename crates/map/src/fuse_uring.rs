@@ -165,9 +165,7 @@ pub fn fill_answer(
             at += p.len();
         }
     }
-    header[0..4].copy_from_slice(&((fuse::OUT_HEADER_LEN + body) as u32).to_ne_bytes());
-    header[4..8].copy_from_slice(&(-errno).to_ne_bytes());
-    header[8..16].copy_from_slice(&unique.to_ne_bytes());
+    header[..fuse::OUT_HEADER_LEN].copy_from_slice(&fuse::out_header(unique, errno, body));
     header[PAYLOAD_SZ_AT..PAYLOAD_SZ_AT + 4].copy_from_slice(&(body as u32).to_ne_bytes());
 }
 
@@ -421,9 +419,7 @@ impl Ring {
         failed.clear();
         self.failed = failed;
         if wake {
-            let mut v = 0u64;
-            // SAFETY: an 8-byte read from the worker's non-blocking eventfd.
-            unsafe { libc::read(self.wake_fd, (&mut v as *mut u64).cast(), 8) };
+            crate::worker::Waker::clear_fd(self.wake_fd);
         }
     }
 

@@ -355,9 +355,14 @@ impl Waker {
     }
 
     fn clear(&self) {
+        Waker::clear_fd(self.fd.as_raw_fd());
+    }
+
+    /// Consumes the signal of a waker's eventfd, given by descriptor (the FUSE ring holds it so).
+    pub(crate) fn clear_fd(fd: RawFd) {
         let mut v = 0u64;
-        // SAFETY: an 8-byte read from our non-blocking eventfd.
-        unsafe { libc::read(self.fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        // SAFETY: an 8-byte read from a non-blocking eventfd.
+        unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
     }
 }
 
