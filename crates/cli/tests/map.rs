@@ -464,23 +464,8 @@ fn serve_on(listen: &str, exports: &[&str]) -> Target {
     for e in exports {
         cmd.args(["--export", e]);
     }
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn blkwire serve");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(u) = line.strip_prefix("listening ") {
-                let _ = tx.send(u.to_string());
-            }
-        }
-    });
-    let base = rx
-        .recv_timeout(Duration::from_secs(20))
-        .expect("target did not report a listening address");
+    let (child, urls) = common::spawn_serve(&mut cmd, 1);
+    let base = urls[0].clone();
     Target { child, base }
 }
 

@@ -12,6 +12,40 @@ use std::time::Duration;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_blkwire");
 
+/// Spawns a prepared `blkwire serve` command and waits (up to 20 s) for `want` `listening URL`
+/// lines on its stdout; returns the child and the URLs in the order printed. Panics, with the
+/// child killed, when they do not come.
+pub fn spawn_serve(cmd: &mut Command, want: usize) -> (Child, Vec<String>) {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn blkwire serve");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(u) = line.strip_prefix("listening ") {
+                let _ = tx.send(u.to_string());
+            }
+        }
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut urls = Vec::new();
+    while urls.len() < want {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(u) => urls.push(u),
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("target reported {urls:?}, expected {want} listening addresses");
+            }
+        }
+    }
+    (child, urls)
+}
+
 pub struct Target {
     pub child: Child,
     /// `tcp://127.0.0.1:PORT`
@@ -46,33 +80,7 @@ impl Target {
             cmd.args(["--export", e]);
         }
         cmd.args(extra);
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn blkwire serve");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(u) = line.strip_prefix("listening ") {
-                    let _ = tx.send(u.to_string());
-                }
-            }
-        });
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        let mut urls = Vec::new();
-        while urls.len() < want {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            match rx.recv_timeout(left) {
-                Ok(u) => urls.push(u),
-                Err(_) => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    panic!("target reported {urls:?}, expected {want} listening addresses");
-                }
-            }
-        }
+        let (child, urls) = spawn_serve(&mut cmd, want);
         let base = urls[0].clone();
         (Target { child, base }, urls)
     }

@@ -1,10 +1,7 @@
 //! Two network namespaces joined by a veth pair (`NetLab`), and targets started in them
 //! (`Served`): for the datagram transports' tests and for mappings over eth:// and udp://.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
 
 use super::BIN;
 
@@ -31,30 +28,7 @@ impl Served {
         for e in exports {
             cmd.args(["--export", e]);
         }
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn serve");
-        let out = child.stdout.take().expect("stdout");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if let Some(u) = l.strip_prefix("listening ") {
-                    let _ = tx.send(u.to_string());
-                }
-            }
-        });
-        let mut urls = Vec::new();
-        while urls.len() < listen.len() {
-            match rx.recv_timeout(Duration::from_secs(20)) {
-                Ok(u) => urls.push(u),
-                Err(_) => {
-                    let _ = child.kill();
-                    panic!("target did not report all its listeners (got {urls:?})");
-                }
-            }
-        }
+        let (child, urls) = super::spawn_serve(&mut cmd, listen.len());
         Served { child, urls }
     }
 
