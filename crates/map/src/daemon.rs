@@ -182,9 +182,21 @@ pub fn recover(
             rec.url
         ));
     }
-    let spec = Spec {
+    let spec = recovery_spec(rec, &path, logfile, true, FRONTEND_FUSE)?;
+    launch(spec, foreground, on_ready)
+}
+
+/// What a recovering daemon runs: the mapping as its record describes it.
+fn recovery_spec(
+    rec: Record,
+    path: &str,
+    logfile: Option<PathBuf>,
+    readonly: bool,
+    frontend: &'static str,
+) -> Result<Spec, String> {
+    Ok(Spec {
         url: Url::parse(&rec.url).map_err(|e| format!("record of {path}: {e}"))?,
-        readonly: true,
+        readonly,
         queues: rec.queues,
         depth: rec.queue_depth,
         max_io: rec.max_io,
@@ -194,10 +206,9 @@ pub fn recover(
             .map(|p| p.display().to_string())
             .or_else(|| rec.logfile.clone()),
         mode: Mode::Recover(Box::new(rec)),
-        frontend: FRONTEND_FUSE,
+        frontend,
         fuse_io: FuseIo::Auto,
-    };
-    launch(spec, foreground, on_ready)
+    })
 }
 
 /// `map --recover /dev/ublkbN`: a new daemon takes over the quiesced ublk device.
@@ -221,21 +232,8 @@ fn recover_ublk(
             rec.pid
         ));
     }
-    let spec = Spec {
-        url: Url::parse(&rec.url).map_err(|e| format!("record of {path}: {e}"))?,
-        readonly: rec.readonly,
-        queues: rec.queues,
-        depth: rec.queue_depth,
-        max_io: rec.max_io,
-        hdd: rec.hdd,
-        timeout: Duration::from_secs(rec.timeout_secs),
-        logfile: logfile
-            .map(|p| p.display().to_string())
-            .or_else(|| rec.logfile.clone()),
-        mode: Mode::Recover(Box::new(rec)),
-        frontend: FRONTEND_UBLK,
-        fuse_io: FuseIo::Auto,
-    };
+    let readonly = rec.readonly;
+    let spec = recovery_spec(rec, &path, logfile, readonly, FRONTEND_UBLK)?;
     launch(spec, foreground, on_ready)
 }
 
