@@ -2,7 +2,8 @@
 # blkwire over raw Ethernet, UDP and TCP, side by side in one run, over the same veth pair between
 # two network namespaces this script creates (and removes, also on failure):
 #   4k randread QD1 and QD32, sequential read of 256k at QD16 (4 MiB in flight: datagram sessions
-#   grant at most 256 fragments per I/O, 356 KiB at MTU 1500), then 4k randread QD32 with 1 % and 5 % loss
+#   grant at most 256 fragments per I/O, 356 KiB at MTU 1500), 1M sequential reads at QD4 on jumbo
+#   links (MTU >= 4200, where 1M fits 256 frames), then 4k randread QD32 with 1 % and 5 % loss
 #   injected by nftables netdev rules on both ends (the TCP row shows what TCP's own recovery does).
 # Environment: RUNTIME (seconds per run, default 5), MTU (default 9000), JOBS (default 1).
 set -euo pipefail
@@ -79,7 +80,10 @@ echo "# $("$BIN" --version), $(nproc) CPUs shared by initiator and target"
 echo
 echo "| transport | workload | QD | IOPS | MB/s | mean latency us | p99 us | retransmits |"
 echo "|---|---|---:|---:|---:|---:|---:|---:|"
-for w in "randread 4k 1 4k-randread" "randread 4k 32 4k-randread" "read 256k 16 256k-seqread"; do
+WORKLOADS=("randread 4k 1 4k-randread" "randread 4k 32 4k-randread" "read 256k 16 256k-seqread")
+# 1M I/O needs frames of at least 4 KiB (a datagram I/O is at most 256 frames): jumbo links only.
+(( MTU >= 4200 )) && WORKLOADS+=("read 1M 4 1M-seqread")
+for w in "${WORKLOADS[@]}"; do
     set -- $w
     for t in eth udp tcp; do run "$t" "$1" "$2" "$3" "$4"; done
 done
