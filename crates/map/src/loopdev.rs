@@ -225,21 +225,9 @@ impl LoopDev {
         std::fs::write(self.sys("queue/max_sectors_kb"), kb.to_string())
     }
 
-    /// Where the device is mounted (in our mount namespace), from /proc/self/mountinfo.
+    /// Where the device is mounted (in our mount namespace).
     pub fn mount_points(&self) -> Vec<String> {
-        let Ok(dev) = std::fs::read_to_string(self.sys("dev")) else {
-            return Vec::new();
-        };
-        let dev = dev.trim();
-        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-        info.lines()
-            .filter_map(|l| {
-                let mut f = l.split(' ');
-                let majmin = f.nth(2)?;
-                let at = f.nth(1)?;
-                (majmin == dev).then(|| at.to_string())
-            })
-            .collect()
+        mount_points(&format!("loop{}", self.index))
     }
 
     /// True when the device is held exclusively (an O_EXCL open fails with EBUSY): mounted,
@@ -258,6 +246,24 @@ fn read_flag(p: &std::path::Path) -> Option<bool> {
         "0" => Some(false),
         _ => None,
     }
+}
+
+/// Where the block device `name` (as under /sys/block, e.g. `loop3`, `ublkb0`) is mounted in our
+/// mount namespace, from /proc/self/mountinfo.
+pub fn mount_points(name: &str) -> Vec<String> {
+    let Ok(dev) = std::fs::read_to_string(format!("/sys/block/{name}/dev")) else {
+        return Vec::new();
+    };
+    let dev = dev.trim();
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    info.lines()
+        .filter_map(|l| {
+            let mut f = l.split(' ');
+            let majmin = f.nth(2)?;
+            let at = f.nth(1)?;
+            (majmin == dev).then(|| at.to_string())
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -1351,7 +1351,7 @@ pub(crate) fn unmap(device: &str, id: u32) -> Result<(), String> {
         return Err(not_ours());
     }
     preflight()?;
-    if let Some(at) = mount_points(&path).first() {
+    if let Some(at) = crate::loopdev::mount_points(path.trim_start_matches("/dev/")).first() {
         return Err(format!(
             "{path} is mounted on {at}: unmount it first, then unmap it"
         ));
@@ -1377,24 +1377,6 @@ pub(crate) fn unmap(device: &str, id: u32) -> Result<(), String> {
     }
     Record::remove(&path);
     Ok(())
-}
-
-/// Where the device is mounted (in our mount namespace).
-fn mount_points(path: &str) -> Vec<String> {
-    let name = path.trim_start_matches("/dev/");
-    let Ok(dev) = std::fs::read_to_string(format!("/sys/block/{name}/dev")) else {
-        return Vec::new();
-    };
-    let dev = dev.trim();
-    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    info.lines()
-        .filter_map(|l| {
-            let mut f = l.split(' ');
-            let majmin = f.nth(2)?;
-            let at = f.nth(1)?;
-            (majmin == dev).then(|| at.to_string())
-        })
-        .collect()
 }
 
 #[cfg(test)]
