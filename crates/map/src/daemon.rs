@@ -428,18 +428,12 @@ impl Mapping {
         let run_dir = state::run_dir();
         state::ensure_dirs().map_err(|e| format!("{}: {e}", run_dir.display()))?;
         state::collect_orphan_mounts();
-        let opts = ConnectOptions {
-            queues: spec.queues,
-            depth: spec.depth,
-            max_io: spec.max_io,
-            timeout: spec.timeout,
-            ..Default::default()
-        };
-        // First, so an unknown export or an unreachable target fails before anything exists.
-        let session = blkwire_client::connect(&spec.url, &opts).map_err(|e| e.to_string())?;
-        let info = session.info.clone();
-        check_export(&info, spec)?;
-        let readonly = spec.readonly || info.features.has(Features::READ_ONLY);
+        let Connected {
+            session,
+            info,
+            reconnect,
+            readonly,
+        } = connect(spec)?;
         // From here on no signal interrupts setup half-way: they wait for the signal thread.
         let sigs = sys::block_stop_signals();
         if let Err(e) = sys::set_io_flusher() {
@@ -503,11 +497,7 @@ impl Mapping {
         let (tx, events) = mpsc::channel();
         let shared = Arc::new(Shared {
             url: spec.url.clone(),
-            reconnect: ConnectOptions {
-                queues: 1,
-                depth: info.depth,
-                ..opts.clone()
-            },
+            reconnect,
             size: info.size,
             readonly,
             name: name.as_bytes().to_vec(),
@@ -754,7 +744,42 @@ impl Mapping {
     }
 }
 
-pub(crate) fn check_export(info: &ExportInfo, spec: &Spec) -> Result<(), String> {
+/// What every frontend's setup starts with.
+pub(crate) struct Connected {
+    pub session: blkwire_client::Session,
+    pub info: ExportInfo,
+    /// What one queue reconnects with: its own connection, the depth the target granted.
+    pub reconnect: ConnectOptions,
+    /// Asked for, or the export is read-only.
+    pub readonly: bool,
+}
+
+/// Connects the session a mapping serves with, first (so an unknown export or an unreachable
+/// target fails before anything exists), and checks that the export can be a block device.
+pub(crate) fn connect(spec: &Spec) -> Result<Connected, String> {
+    let opts = ConnectOptions {
+        queues: spec.queues,
+        depth: spec.depth,
+        max_io: spec.max_io,
+        timeout: spec.timeout,
+        ..Default::default()
+    };
+    let session = blkwire_client::connect(&spec.url, &opts).map_err(|e| e.to_string())?;
+    let info = session.info.clone();
+    check_export(&info, spec)?;
+    Ok(Connected {
+        readonly: spec.readonly || info.features.has(Features::READ_ONLY),
+        reconnect: ConnectOptions {
+            queues: 1,
+            depth: info.depth,
+            ..opts
+        },
+        session,
+        info,
+    })
+}
+
+fn check_export(info: &ExportInfo, spec: &Spec) -> Result<(), String> {
     if info.size == 0 {
         return Err(format!("export '{}' is empty", info.name));
     }

@@ -1038,17 +1038,12 @@ fn setup(spec: &Spec) -> Result<Running, String> {
     state::ensure_dirs().map_err(|e| format!("{}: {e}", state::run_dir().display()))?;
     let mut ctrl = Ctrl::open()?;
     probe(&mut ctrl)?;
-    let opts = ConnectOptions {
-        queues: spec.queues,
-        depth: spec.depth,
-        max_io: spec.max_io,
-        timeout: spec.timeout,
-        ..Default::default()
-    };
-    let session = blkwire_client::connect(&spec.url, &opts).map_err(|e| e.to_string())?;
-    let info = session.info.clone();
-    crate::daemon::check_export(&info, spec)?;
-    let readonly = spec.readonly || info.features.has(Features::READ_ONLY);
+    let crate::daemon::Connected {
+        session,
+        info,
+        reconnect,
+        readonly,
+    } = crate::daemon::connect(spec)?;
     let rotational = spec.hdd || info.features.has(Features::ROTATIONAL);
     let sigs = sys::block_stop_signals();
     if let Err(e) = sys::set_io_flusher() {
@@ -1196,11 +1191,6 @@ fn setup(spec: &Spec) -> Result<Running, String> {
             .map_err(|e| format!("{cdev_path}: {e}"))?,
     );
     let (tx, events) = mpsc::channel();
-    let reconnect = ConnectOptions {
-        queues: 1,
-        depth: info.depth,
-        ..opts.clone()
-    };
     for (i, q) in session.queues.into_iter().enumerate() {
         let w = QueueWorker::new(
             i as u16,
