@@ -5,6 +5,8 @@
 #   fail TEXT       end the scenario: LAB-RESULT: FAIL TEXT
 #   run CMD...      step "CMD..." then run it; a non-zero exit fails the scenario, naming the command
 #   emit KEY VALUE  a machine-readable line "LAB-KEY: VALUE" for the host-side checks
+#   bw ARGS...      step "blkwire ARGS..." then run it; on failure show its output and the map
+#                   daemon's log ($maplog, /tmp/map.log) before failing
 
 step() {
     echo "$*" >/tmp/lab-step
@@ -24,6 +26,17 @@ fail() {
 run() {
     step "$*"
     "$@" || fail "'$*' exited with status $?"
+}
+
+maplog=/tmp/map.log
+bw() {
+    step "blkwire $*"
+    blkwire "$@" >/tmp/bw.out 2>&1 || {
+        cat /tmp/bw.out
+        [ -f $maplog ] && sed 's/^/map.log| /' $maplog
+        fail "'blkwire $*' failed: $(tail -n1 /tmp/bw.out)"
+    }
+    cat /tmp/bw.out
 }
 
 # write_test_files MNT GREETING: files of assorted sizes (8 MiB down to 1 byte, and one with a

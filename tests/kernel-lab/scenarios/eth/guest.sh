@@ -13,18 +13,6 @@
 export_name=${LAB_EXPORT:-disk0}
 url="eth://eth0/$LAB_TARGET_MAC/$export_name"
 mnt=/mnt
-maplog=/tmp/map.log
-
-# A failed blkwire command shows the daemon's log too.
-bw() {
-    step "blkwire $*"
-    blkwire "$@" >/tmp/bw.out 2>&1 || {
-        cat /tmp/bw.out
-        [ -f $maplog ] && sed 's/^/map.log| /' $maplog
-        fail "'blkwire $*' failed: $(tail -n1 /tmp/bw.out)"
-    }
-    cat /tmp/bw.out
-}
 
 step "eth0: up, no address"
 [ "$(cat /sys/class/net/eth0/operstate)" = up ] || [ "$(cat /sys/class/net/eth0/carrier)" = 1 ] ||

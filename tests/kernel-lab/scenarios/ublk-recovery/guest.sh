@@ -12,18 +12,8 @@ host=10.0.2.2
 : "${LAB_TCP_PORT:?lab.tcp_port= missing on the kernel command line}"
 url="tcp://$host:$LAB_TCP_PORT/${LAB_EXPORT:-disk0}"
 mnt=/mnt
-maplog=/tmp/map.log
 dev=/dev/ublkb0
 
-bw() {
-    step "blkwire $*"
-    blkwire "$@" >/tmp/bw.out 2>&1 || {
-        cat /tmp/bw.out
-        [ -f $maplog ] && sed 's/^/map.log| /' $maplog
-        fail "'blkwire $*' failed: $(tail -n1 /tmp/bw.out)"
-    }
-    cat /tmp/bw.out
-}
 daemon_pid() { sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' /tmp/bw.out; }
 
 write_set() { # DIR: files of assorted sizes

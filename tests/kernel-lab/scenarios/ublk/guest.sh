@@ -10,18 +10,6 @@ host=10.0.2.2
 : "${LAB_TCP_PORT:?lab.tcp_port= missing on the kernel command line}"
 url="tcp://$host:$LAB_TCP_PORT/${LAB_EXPORT:-disk0}"
 mnt=/mnt
-maplog=/tmp/map.log
-
-# A failed blkwire command shows the daemon's log too.
-bw() {
-    step "blkwire $*"
-    blkwire "$@" >/tmp/bw.out 2>&1 || {
-        cat /tmp/bw.out
-        [ -f $maplog ] && sed 's/^/map.log| /' $maplog
-        fail "'blkwire $*' failed: $(tail -n1 /tmp/bw.out)"
-    }
-    cat /tmp/bw.out
-}
 
 run modprobe ublk_drv
 run modprobe crc32c_generic
