@@ -101,18 +101,7 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-now_ms() { date +%s%3N; }
-
-# CPU ticks (utime+stime) of a process, from /proc/PID/stat (fields after the ")" of comm).
-cpu_ticks() {
-    local stat
-    stat="$(cat "/proc/$1/stat" 2>/dev/null)" || { echo 0; return; }
-    stat="${stat##*) }"
-    # shellcheck disable=SC2086
-    set -- $stat
-    echo $(( ${12} + ${13} ))
-}
-CLK_TCK="$(getconf CLK_TCK)"
+. bench/lib.sh
 
 # ---------------------------------------------------------------------------- blkwire
 "$BLKWIRE" serve --listen tcp://127.0.0.1:0 --export "uring=mem:$SIZE" --export "read=mem:$SIZE" \

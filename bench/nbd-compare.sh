@@ -89,18 +89,7 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-now_ms() { date +%s%3N; }
-
-# CPU ticks (utime+stime) of a process, from /proc/PID/stat (fields after the ")" of comm).
-cpu_ticks() {
-    local stat
-    stat="$(cat "/proc/$1/stat" 2>/dev/null)" || { echo 0; return; }
-    stat="${stat##*) }"
-    # shellcheck disable=SC2086
-    set -- $stat
-    echo $(( ${12} + ${13} ))
-}
-CLK_TCK="$(getconf CLK_TCK)"
+. bench/lib.sh
 
 free_port() {
     python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
@@ -176,33 +165,6 @@ SYSTEMS=(blkwire nbdkit qemu-nbd nbdkit-null)
 N=${#SYSTEMS[@]}
 
 # ---------------------------------------------------------------------------- runners
-HAVE_TIME=0
-[[ -x /usr/bin/time ]] && HAVE_TIME=1
-
-# run_timed OUT SRV_PID CMD...: runs CMD with stdout to OUT; prints "srv_cpu% cli_cpu%".
-run_timed() {
-    local out="$1" srv="$2"; shift 2
-    local t0 t1 c0 c1 wall srv_pct cli_pct="n/a"
-    local rc=0
-    c0="$(cpu_ticks "$srv")"; t0="$(now_ms)"
-    # (callers use `|| die`, which disables errexit in here: check the status by hand)
-    if (( HAVE_TIME )); then
-        /usr/bin/time -f '%U %S' -o "$out.time" "$@" >"$out" 2>"$out.err" || rc=$?
-    else
-        "$@" >"$out" 2>"$out.err" || rc=$?
-    fi
-    t1="$(now_ms)"; c1="$(cpu_ticks "$srv")"
-    (( rc == 0 )) || return "$rc"
-    kill -0 "$srv" 2>/dev/null || die "server pid $srv died during: $*"
-    wall=$(( t1 - t0 ))
-    srv_pct="$(python3 -c "print(f'{($c1-$c0)/$CLK_TCK*1000/$wall*100:.0f}')")"
-    if (( HAVE_TIME )); then
-        cli_pct="$(python3 -c "
-u, s = open('$out.time').read().split()[-2:]
-print(f'{(float(u)+float(s))*1000/$wall*100:.0f}')")"
-    fi
-    echo "$srv_pct $cli_pct"
-}
 
 # run_fio SYSTEM RW BS QD: one line "iops mib_s mean_us p99_us srv_cpu_pct cli_cpu_pct".
 run_fio() {

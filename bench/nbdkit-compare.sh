@@ -70,19 +70,7 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# Wall-clock deadline helper: returns 0 while now < deadline.
-now_ms() { date +%s%3N; }
-
-# CPU ticks (utime+stime) of a process, from /proc/PID/stat (fields after the ")" of comm).
-cpu_ticks() {
-    local stat
-    stat="$(cat "/proc/$1/stat" 2>/dev/null)" || { echo 0; return; }
-    stat="${stat##*) }"
-    # shellcheck disable=SC2086
-    set -- $stat
-    echo $(( ${12} + ${13} ))
-}
-CLK_TCK="$(getconf CLK_TCK)"
+. bench/lib.sh
 
 # ---------------------------------------------------------------------------- blkwire server
 "$BLKWIRE" serve --listen tcp://127.0.0.1:0 --export scratch=mem:1G \
@@ -135,33 +123,6 @@ NK_URI="nbd://127.0.0.1:$NK_PORT"
 
 # ---------------------------------------------------------------------------- runners
 # Each runner writes one line "iops mean_us p99_us srv_cpu_pct cli_cpu_pct" to stdout.
-HAVE_TIME=0
-[[ -x /usr/bin/time ]] && HAVE_TIME=1
-
-# run_timed OUT CMD...: runs CMD with stdout to OUT; prints "srv_cpu% cli_cpu%" for SRV_PID.
-run_timed() {
-    local out="$1" srv="$2"; shift 2
-    local t0 t1 c0 c1 wall srv_pct cli_pct="n/a"
-    local rc=0
-    c0="$(cpu_ticks "$srv")"; t0="$(now_ms)"
-    # (callers use `|| die`, which disables errexit in here: check the status by hand)
-    if (( HAVE_TIME )); then
-        /usr/bin/time -f '%U %S' -o "$out.time" "$@" >"$out" 2>"$out.err" || rc=$?
-    else
-        "$@" >"$out" 2>"$out.err" || rc=$?
-    fi
-    t1="$(now_ms)"; c1="$(cpu_ticks "$srv")"
-    (( rc == 0 )) || return "$rc"
-    kill -0 "$srv" 2>/dev/null || die "server pid $srv died during: $*"
-    wall=$(( t1 - t0 ))
-    srv_pct="$(python3 -c "print(f'{($c1-$c0)/$CLK_TCK*1000/$wall*100:.0f}')")"
-    if (( HAVE_TIME )); then
-        cli_pct="$(python3 -c "
-u, s = open('$out.time').read().split()[-2:]
-print(f'{(float(u)+float(s))*1000/$wall*100:.0f}')")"
-    fi
-    echo "$srv_pct $cli_pct"
-}
 
 run_blkwire() { # rw qd
     local rw="$1" qd="$2" out="$WORK/blkwire-$1-$2.json" cpu
