@@ -7,6 +7,7 @@ use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
+use blkwire_net::udp_offload::{self, Cmsg};
 use blkwire_wire::datagram::{self, Packer};
 use blkwire_wire::{bitmap, fragment_count, Flags, Header, Opcode, Status, Tag, HEADER_LEN};
 
@@ -215,6 +216,11 @@ pub(crate) struct DgramQueue {
     keepalive_every: Duration,
     /// Generation of the next internal keepalive (its answers are recognised by the slot).
     keepalive_gen: u16,
+    /// UDP: runs of equal datagrams leave in one segmented send (PROTOCOL.md §9.6); turned off
+    /// for good if the kernel refuses one.
+    gso: bool,
+    /// UDP: the kernel hands over runs that arrived together as one buffer.
+    gro: bool,
 }
 
 impl DgramQueue {
@@ -235,6 +241,14 @@ impl DgramQueue {
         // buffer space per frame as lone ones.
         let largest = HEADER_LEN as u32 + frame_payload.min(max_io);
         let rx_cap = blkwire_net::frames_in_buffer(link.rcvbuf, largest);
+        // A connected UDP socket (packet sockets have a destination address) can segment.
+        let udp = link.dest.is_none();
+        let gro = udp && udp_offload::enable_gro(link.fd.as_raw_fd());
+        let rx_len = if gro {
+            udp_offload::GRO_BUFFER
+        } else {
+            frame.max(HEADER_LEN + 4096)
+        };
         DgramQueue {
             link,
             session,
@@ -261,14 +275,14 @@ impl DgramQueue {
             give_up,
             spin: blkwire_spin::AdaptiveSpin::new(poll),
             tx: Packer::with_capacity(BATCH, BATCH * frame),
-            rx: (0..BATCH)
-                .map(|_| vec![0u8; frame.max(HEADER_LEN + 4096)])
-                .collect(),
+            rx: (0..BATCH).map(|_| vec![0u8; rx_len]).collect(),
             stats: QueueStats::default(),
             now: Instant::now(),
             last_sent: Instant::now(),
             keepalive_every: KEEPALIVE_EVERY,
             keepalive_gen: 0,
+            gso: udp,
+            gro,
         }
     }
 
@@ -388,34 +402,52 @@ impl DgramQueue {
         self.last_sent = Instant::now();
         let mut done = 0;
         while done < self.tx.len() {
-            let n = (self.tx.len() - done).min(BATCH);
             let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
             let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+            let mut cmsgs = [Cmsg::default(); BATCH];
+            let mut counts = [0usize; BATCH];
             let mut dest = self.link.dest;
-            for i in 0..n {
-                let (d, ()) = self.tx.get(done + i);
-                iov[i] = libc::iovec {
-                    iov_base: d.as_ptr() as *mut _,
-                    iov_len: d.len(),
+            let (mut n, mut at) = (0, done);
+            while n < BATCH && at < self.tx.len() {
+                let (max_count, max_bytes) = if self.gso {
+                    (udp_offload::GSO_MAX_SEGMENTS, udp_offload::GSO_MAX_BYTES)
+                } else {
+                    (1, usize::MAX)
                 };
-                msgs[i].msg_hdr.msg_iov = &mut iov[i];
-                msgs[i].msg_hdr.msg_iovlen = 1;
+                let run = self.tx.run(at, max_count, max_bytes);
+                iov[n] = libc::iovec {
+                    iov_base: run.bytes.as_ptr() as *mut _,
+                    iov_len: run.bytes.len(),
+                };
+                msgs[n].msg_hdr.msg_iov = &mut iov[n];
+                msgs[n].msg_hdr.msg_iovlen = 1;
                 if let Some(d) = dest.as_mut() {
-                    msgs[i].msg_hdr.msg_name = (d as *mut libc::sockaddr_ll).cast();
-                    msgs[i].msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_ll>() as u32;
+                    msgs[n].msg_hdr.msg_name = (d as *mut libc::sockaddr_ll).cast();
+                    msgs[n].msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_ll>() as u32;
                 }
+                if run.count > 1 {
+                    cmsgs[n].attach_segment(&mut msgs[n].msg_hdr, run.segment as u16);
+                }
+                counts[n] = run.count;
+                at += run.count;
+                n += 1;
             }
-            // SAFETY: msgs/iov point into self.tx and `dest`, alive for the call.
+            // SAFETY: msgs/iov/cmsgs point into self.tx, `dest` and locals, alive for the call.
             let r =
                 unsafe { libc::sendmmsg(self.link.fd.as_raw_fd(), msgs.as_mut_ptr(), n as u32, 0) };
             if r < 0 {
                 let e = std::io::Error::last_os_error();
                 match e.raw_os_error() {
                     Some(libc::EINTR) => continue,
+                    // This kernel or route cannot segment: datagram by datagram from now on.
+                    _ if counts[0] > 1 && udp_offload::refused(&e) => {
+                        self.gso = false;
+                        continue;
+                    }
                     // A full socket buffer or an unreachable port loses frames exactly as the
                     // network may: the retransmission timer recovers them.
                     Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::ECONNREFUSED) => {
-                        done += 1;
+                        done += counts[0];
                         continue;
                     }
                     _ => {
@@ -424,8 +456,13 @@ impl DgramQueue {
                     }
                 }
             }
-            self.stats.datagrams_out += r.max(0) as u64;
-            done += (r as usize).max(1);
+            let sent: usize = counts[..r as usize].iter().sum();
+            self.stats.datagrams_out += sent as u64;
+            self.stats.segmented_out += counts[..r as usize]
+                .iter()
+                .filter(|&&c| c > 1)
+                .sum::<usize>() as u64;
+            done += sent;
         }
         self.tx.clear();
         Ok(())
@@ -591,6 +628,7 @@ impl DgramQueue {
         loop {
             let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
             let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+            let mut cmsgs = [Cmsg::default(); BATCH];
             for i in 0..BATCH {
                 iov[i] = libc::iovec {
                     iov_base: self.rx[i].as_mut_ptr().cast(),
@@ -598,6 +636,9 @@ impl DgramQueue {
                 };
                 msgs[i].msg_hdr.msg_iov = &mut iov[i];
                 msgs[i].msg_hdr.msg_iovlen = 1;
+                if self.gro {
+                    cmsgs[i].attach_for_receive(&mut msgs[i].msg_hdr);
+                }
             }
             // SAFETY: buffers owned by self.rx, alive for the call.
             let r = unsafe {
@@ -619,11 +660,15 @@ impl DgramQueue {
                 };
             }
             let n = r as usize;
-            self.stats.datagrams_in += n as u64;
             for (i, m) in msgs.iter().enumerate().take(n) {
                 let len = m.msg_len as usize;
+                let segment = Cmsg::gro_segment(&m.msg_hdr);
                 let buf = std::mem::take(&mut self.rx[i]);
-                self.on_datagram(&buf[..len.min(buf.len())]);
+                for d in udp_offload::segments(&buf[..len.min(buf.len())], segment) {
+                    self.stats.datagrams_in += 1;
+                    self.stats.coalesced_in += segment.is_some() as u64;
+                    self.on_datagram(d);
+                }
                 self.rx[i] = buf;
             }
             total += n;

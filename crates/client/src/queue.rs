@@ -128,6 +128,10 @@ pub struct QueueStats {
     /// Datagrams sent and received: fewer than frames when frames share datagrams (§9.6).
     pub datagrams_out: u64,
     pub datagrams_in: u64,
+    /// UDP: datagrams that left in segmented sends and arrived in coalesced receives (§9.6),
+    /// included in the counts above.
+    pub segmented_out: u64,
+    pub coalesced_in: u64,
 }
 
 /// One queue of a session, owned by one thread.

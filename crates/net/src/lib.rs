@@ -3,6 +3,8 @@
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
+pub mod udp_offload;
+
 /// Default EtherType: IEEE 802 local experimental 1.
 pub const DEFAULT_ETHERTYPE: u16 = 0x88B5;
 /// Bytes of the blkwire frame header (PROTOCOL.md §1).

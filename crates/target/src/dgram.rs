@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use blkwire_backend::{AlignedBuf, Export, ExportQueue, Op, Refusal, Started, Submitter};
+use blkwire_net::udp_offload::{self, Cmsg};
 use blkwire_wire::datagram::{self, Packer};
 use blkwire_wire::{
     bitmap, fragment_count, ExportEntry, Flags, Header, Hello, Opcode, Status, Tag, HEADER_LEN,
@@ -149,6 +150,11 @@ pub struct DgramPort {
     active: u32,
     /// Read once per receive batch: idle expiry needs seconds, not a clock read per frame.
     now: Instant,
+    /// UDP: runs of equal datagrams leave in one segmented send (PROTOCOL.md §9.6); turned off
+    /// for good if the kernel refuses one.
+    gso: bool,
+    /// UDP: the kernel hands over runs that arrived together as one buffer.
+    gro: bool,
 }
 
 /// Encodes io_uring user data for a datagram queue's backend I/O; supplied by the reactor.
@@ -164,6 +170,13 @@ impl DgramPort {
     pub fn new(p: PortSetup, registry: Arc<Registry>) -> DgramPort {
         let frame = HEADER_LEN + p.link_payload as usize;
         let idle_expiry = registry.limits().datagram_idle;
+        let udp = matches!(p.kind, PortKind::Udp);
+        let gro = udp && udp_offload::enable_gro(p.fd.as_raw_fd());
+        let rx_len = if gro {
+            udp_offload::GRO_BUFFER
+        } else {
+            frame.max(4096)
+        };
         DgramPort {
             fd: p.fd,
             kind: p.kind,
@@ -174,7 +187,7 @@ impl DgramPort {
             index: HashMap::new(),
             hellos: HashMap::new(),
             next_incarnation: 1,
-            rx: (0..BATCH).map(|_| vec![0u8; frame.max(4096)]).collect(),
+            rx: (0..BATCH).map(|_| vec![0u8; rx_len]).collect(),
             tx: Packer::with_capacity(BATCH, BATCH * frame),
             registry,
             stats: PortStats::default(),
@@ -182,6 +195,8 @@ impl DgramPort {
             idle_expiry,
             now: Instant::now(),
             active: 1,
+            gso: udp,
+            gro,
         }
     }
 
@@ -219,6 +234,7 @@ impl DgramPort {
             let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
             let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
             let mut names: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
+            let mut cmsgs = [Cmsg::default(); BATCH];
             for i in 0..BATCH {
                 iov[i] = libc::iovec {
                     iov_base: self.rx[i].as_mut_ptr().cast(),
@@ -228,6 +244,9 @@ impl DgramPort {
                 msgs[i].msg_hdr.msg_iovlen = 1;
                 msgs[i].msg_hdr.msg_name = (&mut names[i] as *mut libc::sockaddr_storage).cast();
                 msgs[i].msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_storage>() as u32;
+                if self.gro {
+                    cmsgs[i].attach_for_receive(&mut msgs[i].msg_hdr);
+                }
             }
             // SAFETY: buffers and names are ours and outlive the call.
             let r = unsafe {
@@ -248,8 +267,11 @@ impl DgramPort {
                     continue;
                 };
                 let len = msgs[i].msg_len as usize;
+                let segment = Cmsg::gro_segment(&msgs[i].msg_hdr);
                 let buf = std::mem::take(&mut self.rx[i]);
-                self.on_datagram(&buf[..len.min(buf.len())], peer, sq, ud);
+                for d in udp_offload::segments(&buf[..len.min(buf.len())], segment) {
+                    self.on_datagram(d, peer, sq, ud);
+                }
                 self.rx[i] = buf;
             }
             if n < BATCH {
@@ -316,31 +338,52 @@ impl DgramPort {
         self.send_frame(r, &[], peer);
     }
 
-    /// Sends the batched frames.
+    /// Sends the batched datagrams; on UDP, each run of equal ones to a peer in one segmented
+    /// send (PROTOCOL.md §9.6).
     pub fn flush(&mut self) {
         let mut done = 0;
         while done < self.tx.len() {
-            let n = (self.tx.len() - done).min(BATCH);
             let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
             let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
             let mut names: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
-            for i in 0..n {
-                let (d, peer) = self.tx.get(done + i);
-                iov[i] = libc::iovec {
-                    iov_base: d.as_ptr() as *mut _,
-                    iov_len: d.len(),
+            let mut cmsgs = [Cmsg::default(); BATCH];
+            let mut counts = [0usize; BATCH];
+            let (mut n, mut at) = (0, done);
+            while n < BATCH && at < self.tx.len() {
+                let (max_count, max_bytes) = if self.gso {
+                    (udp_offload::GSO_MAX_SEGMENTS, udp_offload::GSO_MAX_BYTES)
+                } else {
+                    (1, usize::MAX)
                 };
-                msgs[i].msg_hdr.msg_iov = &mut iov[i];
-                msgs[i].msg_hdr.msg_iovlen = 1;
-                let nl = self.fill_name(&mut names[i], peer);
-                msgs[i].msg_hdr.msg_name = (&mut names[i] as *mut libc::sockaddr_storage).cast();
-                msgs[i].msg_hdr.msg_namelen = nl;
+                let run = self.tx.run(at, max_count, max_bytes);
+                iov[n] = libc::iovec {
+                    iov_base: run.bytes.as_ptr() as *mut _,
+                    iov_len: run.bytes.len(),
+                };
+                msgs[n].msg_hdr.msg_iov = &mut iov[n];
+                msgs[n].msg_hdr.msg_iovlen = 1;
+                let nl = self.fill_name(&mut names[n], run.dest);
+                msgs[n].msg_hdr.msg_name = (&mut names[n] as *mut libc::sockaddr_storage).cast();
+                msgs[n].msg_hdr.msg_namelen = nl;
+                if run.count > 1 {
+                    cmsgs[n].attach_segment(&mut msgs[n].msg_hdr, run.segment as u16);
+                }
+                counts[n] = run.count;
+                at += run.count;
+                n += 1;
             }
             // SAFETY: all pointers reference locals or self.tx, alive for the call.
             let r = unsafe { libc::sendmmsg(self.fd.as_raw_fd(), msgs.as_mut_ptr(), n as u32, 0) };
-            // A frame the kernel refuses (buffer full, peer gone) is lost like any network loss:
-            // the initiator's timer recovers it.
-            done += if r > 0 { r as usize } else { 1 };
+            if r < 0 && counts[0] > 1 && udp_offload::refused(&std::io::Error::last_os_error()) {
+                // This kernel or route cannot segment (no checksum offload, a datagram over
+                // the path MTU): send datagram by datagram from now on.
+                self.gso = false;
+                continue;
+            }
+            // A datagram the kernel refuses (buffer full, peer gone) is lost like any network
+            // loss: the initiator's timer recovers it.
+            let sent = if r > 0 { r as usize } else { 1 };
+            done += counts[..sent].iter().sum::<usize>();
         }
         self.tx.clear();
     }

@@ -61,6 +61,16 @@ impl<'a> Iterator for Frames<'a> {
     }
 }
 
+/// Consecutive datagrams to one destination that can leave in one segmented send (UDP GSO).
+pub struct Run<'a, D> {
+    /// The datagrams, back to back.
+    pub bytes: &'a [u8],
+    pub dest: D,
+    /// Length of every datagram but the last, which may be shorter.
+    pub segment: usize,
+    pub count: usize,
+}
+
 /// Builds outgoing datagrams: frames are appended to one buffer and a frame joins the previous
 /// datagram when it is for the same destination, session and queue and still fits `limit`
 /// bytes (the receiver's datagram size, §9.6). Control frames (session 0) always travel alone.
@@ -123,6 +133,32 @@ impl<D: Copy + PartialEq> Packer<D> {
         (&self.buf[at..at + len], d)
     }
 
+    /// The run of datagrams from `i` that can leave in one segmented send (UDP GSO): the same
+    /// destination, all as long as the first but a shorter last one, at most `max_count`
+    /// datagrams and `max_bytes` bytes. Datagrams lie back to back in the buffer, so the run is
+    /// one slice. Returns it, its destination, the segment length and the number of datagrams.
+    pub fn run(&self, i: usize, max_count: usize, max_bytes: usize) -> Run<'_, D> {
+        let (at, seg, dest) = self.datagrams[i];
+        let mut count = 1;
+        let mut len = seg;
+        for &(_, l, d) in &self.datagrams[i + 1..] {
+            if count == max_count || d != dest || l > seg || len + l > max_bytes {
+                break;
+            }
+            count += 1;
+            len += l;
+            if l < seg {
+                break;
+            }
+        }
+        Run {
+            bytes: &self.buf[at..at + len],
+            dest,
+            segment: seg,
+            count,
+        }
+    }
+
     pub fn clear(&mut self) {
         self.buf.clear();
         self.datagrams.clear();
@@ -166,6 +202,42 @@ mod tests {
         assert_eq!(slots, [0, 1, 2]);
         let (d, _) = p.get(1);
         assert_eq!(frames(d, 4096).count(), 1);
+    }
+
+    #[test]
+    fn runs_group_equal_datagrams_to_one_destination() {
+        let mut p = Packer::with_capacity(8, 1 << 16);
+        let limit = HEADER_LEN + 100;
+        for (len, dest) in [
+            (100, 1u8),
+            (100, 1),
+            (60, 1),
+            (100, 1),
+            (100, 2),
+            (100, 2),
+            (100, 2),
+        ] {
+            let (h, pl) = frame(9, 0, 0, &vec![3u8; len]);
+            p.push(&h, &pl, dest, limit);
+        }
+        let r = p.run(0, 64, 1 << 16);
+        assert_eq!(
+            (r.count, r.segment, r.dest),
+            (3, HEADER_LEN + 100, 1),
+            "a shorter datagram ends a run"
+        );
+        assert_eq!(r.bytes.len(), 2 * (HEADER_LEN + 100) + HEADER_LEN + 60);
+        assert_eq!(r.bytes.as_ptr(), p.get(0).0.as_ptr());
+        let r = p.run(3, 64, 1 << 16);
+        assert_eq!((r.count, r.dest), (1, 1), "another destination ends a run");
+        assert_eq!(p.run(4, 2, 1 << 16).count, 2, "at most max_count");
+        assert_eq!(
+            p.run(4, 64, 2 * (HEADER_LEN + 100)).count,
+            2,
+            "at most max_bytes"
+        );
+        assert_eq!(p.run(4, 64, 1 << 16).count, 3);
+        assert_eq!(p.run(6, 64, 1 << 16).count, 1);
     }
 
     #[test]

@@ -1,0 +1,171 @@
+//! UDP segmentation offload (PROTOCOL.md §9.6): a run of equal-sized datagrams to one peer leaves
+//! in one send with a `UDP_SEGMENT` size (GSO), and a receiver that asked for `UDP_GRO` gets runs
+//! that arrive together as one buffer plus the segment size. The datagrams on the wire are the
+//! same either way; what changes is how many times each end crosses the network stack. Over veth
+//! and loopback the run travels as one packet, as TCP's segments do; on a NIC with UDP
+//! segmentation offload the card cuts it.
+
+use std::os::fd::RawFd;
+
+/// Receive buffer for one coalesced run: the largest UDP payload of one IP packet, rounded up.
+pub const GRO_BUFFER: usize = 65536;
+/// Most datagrams in one segmented send (the kernel's UDP_MAX_SEGMENTS was 64 before Linux 6.0).
+pub const GSO_MAX_SEGMENTS: usize = 64;
+/// Most bytes in one segmented send: one IPv6 packet's payload less its UDP header, rounded down.
+pub const GSO_MAX_BYTES: usize = 65_000;
+
+/// Asks the kernel to hand over coalesced runs (UDP_GRO, Linux 5.0). False when it refuses;
+/// then every receive is one datagram, as without this.
+pub fn enable_gro(fd: RawFd) -> bool {
+    let on: libc::c_int = 1;
+    // SAFETY: setsockopt with an int on a socket the caller owns.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_UDP,
+            libc::UDP_GRO,
+            (&on as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        ) == 0
+    }
+}
+
+/// Room for the one control message a segmented send or a coalescing receive carries.
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Default)]
+pub struct Cmsg([u8; 32]);
+
+impl Cmsg {
+    /// Makes `msg` a segmented send: its payload is datagrams of `segment` bytes, the last
+    /// possibly shorter. `msg` points into `self` afterwards; both must live until the send.
+    pub fn attach_segment(&mut self, msg: &mut libc::msghdr, segment: u16) {
+        let room = Self::space(std::mem::size_of::<u16>());
+        msg.msg_control = self.0.as_mut_ptr().cast();
+        msg.msg_controllen = room;
+        // SAFETY: msg_control points at our 32 aligned bytes, enough for CMSG_SPACE(2) = 24;
+        // CMSG_FIRSTHDR is therefore non-null and CMSG_DATA lies inside the buffer.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(msg);
+            (*c).cmsg_level = libc::SOL_UDP;
+            (*c).cmsg_type = libc::UDP_SEGMENT;
+            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<u16>() as u32) as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), segment);
+        }
+    }
+
+    /// Gives `msg` room for the UDP_GRO message of a receive.
+    pub fn attach_for_receive(&mut self, msg: &mut libc::msghdr) {
+        msg.msg_control = self.0.as_mut_ptr().cast();
+        msg.msg_controllen = Self::space(std::mem::size_of::<libc::c_int>());
+    }
+
+    /// After a receive into `msg`: the segment size of a coalesced run, `None` for a lone
+    /// datagram (the kernel adds the message only when it coalesced).
+    pub fn gro_segment(msg: &libc::msghdr) -> Option<usize> {
+        if msg.msg_control.is_null() {
+            return None;
+        }
+        // SAFETY: the kernel filled msg_control up to msg_controllen (0 when it had nothing)
+        // with well-formed control messages; CMSG_FIRSTHDR/NXTHDR stay inside that length.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(msg);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_UDP && (*c).cmsg_type == libc::UDP_GRO {
+                    let v = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<libc::c_int>());
+                    return usize::try_from(v).ok().filter(|&s| s > 0);
+                }
+                c = libc::CMSG_NXTHDR(msg, c);
+            }
+        }
+        None
+    }
+
+    fn space(data: usize) -> usize {
+        // SAFETY: CMSG_SPACE is arithmetic.
+        unsafe { libc::CMSG_SPACE(data as u32) as usize }
+    }
+}
+
+/// Whether a failed segmented send means "this socket cannot segment" (retry without) rather
+/// than a transient condition: EINVAL for a segment over the path MTU or a missing feature,
+/// EIO when the device lacks checksum offload.
+pub fn refused(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(libc::EIO))
+}
+
+/// The datagrams of one receive: a coalesced run split at `segment` bytes, or the buffer whole.
+pub fn segments(buf: &[u8], segment: Option<usize>) -> std::slice::Chunks<'_, u8> {
+    buf.chunks(segment.unwrap_or(buf.len()).max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::UdpSocket;
+    use std::os::fd::AsRawFd;
+
+    #[test]
+    fn segments_split_runs_and_keep_lone_datagrams() {
+        let b = [1u8; 10];
+        let lens: Vec<usize> = segments(&b, Some(4)).map(<[u8]>::len).collect();
+        assert_eq!(lens, [4, 4, 2]);
+        assert_eq!(segments(&b, None).count(), 1);
+        assert_eq!(segments(&[], None).count(), 0);
+    }
+
+    /// A segmented send over loopback arrives as the same datagrams, whether the receiver
+    /// coalesces (one buffer plus the segment size) or not (one receive per datagram).
+    #[test]
+    fn a_segmented_send_arrives_as_its_datagrams() {
+        let rx = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let plain = UdpSocket::bind("127.0.0.1:0").unwrap();
+        assert!(enable_gro(rx.as_raw_fd()), "UDP_GRO needs Linux 5.0");
+        let tx = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let data: Vec<u8> = (0..2500u32).map(|i| (i % 251) as u8).collect();
+        for to in [&rx, &plain] {
+            tx.connect(to.local_addr().unwrap()).unwrap();
+            let mut iov = libc::iovec {
+                iov_base: data.as_ptr() as *mut _,
+                iov_len: data.len(),
+            };
+            // SAFETY: a zeroed msghdr is valid; it points at locals alive for the call.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            let mut c = Cmsg::default();
+            c.attach_segment(&mut msg, 1000);
+            // SAFETY: sendmsg from locals.
+            let n = unsafe { libc::sendmsg(tx.as_raw_fd(), &msg, 0) };
+            assert_eq!(
+                n,
+                data.len() as isize,
+                "{}",
+                std::io::Error::last_os_error()
+            );
+        }
+        // Coalescing receiver: one receive, segment size 1000.
+        let mut buf = vec![0u8; GRO_BUFFER];
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        // SAFETY: as above.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        let mut c = Cmsg::default();
+        c.attach_for_receive(&mut msg);
+        // SAFETY: recvmsg into locals (blocking: the datagrams were sent above).
+        let n = unsafe { libc::recvmsg(rx.as_raw_fd(), &mut msg, 0) };
+        assert_eq!(n, data.len() as isize);
+        assert_eq!(Cmsg::gro_segment(&msg), Some(1000));
+        let got: Vec<&[u8]> = segments(&buf[..n as usize], Cmsg::gro_segment(&msg)).collect();
+        let want: Vec<&[u8]> = data.chunks(1000).collect();
+        assert_eq!(got, want);
+        // Plain receiver: the kernel split the run into three datagrams.
+        for want in data.chunks(1000) {
+            let n = plain.recv(&mut buf).unwrap();
+            assert_eq!(&buf[..n], want);
+        }
+    }
+}
