@@ -427,8 +427,7 @@ impl Header {
     pub fn compute_crc(header_bytes: &[u8; HEADER_LEN], payload: &[u8]) -> u32 {
         let mut h = *header_bytes;
         h[40..44].fill(0);
-        let c = crc32c::crc32c(&h);
-        crc32c::crc32c_append(c, payload)
+        crate::crc::crc32c_append(crate::crc::crc32c(&h), payload)
     }
 
     /// Sets `crc` and the `CRC` flag for this header and payload.

@@ -3,6 +3,7 @@
 //! This crate does no I/O and never allocates on the decode path, so it can be fuzzed in isolation
 //! (`fuzz/fuzz_targets/frame.rs`). Section references (`§N`) point into `docs/PROTOCOL.md`.
 
+pub mod crc;
 pub mod datagram;
 mod frame;
 mod handshake;
