@@ -7,6 +7,7 @@ use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
+use blkwire_net::rx_ring::RxRing;
 use blkwire_net::udp_offload::{self, Cmsg};
 use blkwire_wire::datagram::{self, Packer};
 use blkwire_wire::{bitmap, fragment_count, Flags, Header, Opcode, Status, Tag, HEADER_LEN};
@@ -36,6 +37,9 @@ pub(crate) struct Link {
     pub dest: Option<libc::sockaddr_ll>,
     /// Largest frame (header + payload) the link carries.
     pub mtu_payload: u32,
+    /// Raw Ethernet: a socket the data path sends on, so the kernel never wakes `fd`'s waiter
+    /// for write space (`blkwire_net::packet_send_socket`); `None` sends on `fd`.
+    pub send_fd: Option<OwnedFd>,
     /// Usable receive buffer of the socket: READ replies in flight must fit in it.
     pub rcvbuf: u32,
 }
@@ -221,6 +225,8 @@ pub(crate) struct DgramQueue {
     gso: bool,
     /// UDP: the kernel hands over runs that arrived together as one buffer.
     gro: bool,
+    /// Raw Ethernet: replies are read in place from a receive ring shared with the kernel.
+    ring: Option<RxRing>,
 }
 
 impl DgramQueue {
@@ -248,6 +254,17 @@ impl DgramQueue {
             udp_offload::GRO_BUFFER
         } else {
             frame.max(HEADER_LEN + 4096)
+        };
+        // As many slots as the receive buffer holds frames, so the window's arithmetic (rx_cap)
+        // stays true; without a ring (it cannot be set up) frames come by recvmmsg as before.
+        let ring = if udp {
+            None
+        } else {
+            let ring = RxRing::new(link.fd.as_raw_fd(), frame, rx_cap as usize).ok();
+            if ring.is_some() {
+                drain(link.fd.as_raw_fd());
+            }
+            ring
         };
         DgramQueue {
             link,
@@ -283,6 +300,7 @@ impl DgramQueue {
             keepalive_gen: 0,
             gso: udp,
             gro,
+            ring,
         }
     }
 
@@ -400,6 +418,12 @@ impl DgramQueue {
         }
         // Counted as traffic even if the socket refuses it: the keepalive could not do better.
         self.last_sent = Instant::now();
+        let send_fd = self
+            .link
+            .send_fd
+            .as_ref()
+            .unwrap_or(&self.link.fd)
+            .as_raw_fd();
         let mut done = 0;
         while done < self.tx.len() {
             let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
@@ -433,8 +457,7 @@ impl DgramQueue {
                 n += 1;
             }
             // SAFETY: msgs/iov/cmsgs point into self.tx, `dest` and locals, alive for the call.
-            let r =
-                unsafe { libc::sendmmsg(self.link.fd.as_raw_fd(), msgs.as_mut_ptr(), n as u32, 0) };
+            let r = unsafe { libc::sendmmsg(send_fd, msgs.as_mut_ptr(), n as u32, 0) };
             if r < 0 {
                 let e = std::io::Error::last_os_error();
                 match e.raw_os_error() {
@@ -596,7 +619,11 @@ impl DgramQueue {
     /// Sleeps until a frame arrives or the earliest timer is due.
     fn wait(&mut self) -> Result<()> {
         let fd = self.link.fd.as_raw_fd();
-        if self.spin.spin(|| blkwire_spin::readable([fd])) {
+        let ready = match &self.ring {
+            Some(ring) => self.spin.spin(|| ring.ready()),
+            None => self.spin.spin(|| blkwire_spin::readable([fd])),
+        };
+        if ready {
             return Ok(());
         }
         let now = Instant::now();
@@ -623,8 +650,24 @@ impl DgramQueue {
 
     /// Reads every frame waiting; returns how many arrived.
     fn receive(&mut self) -> Result<usize> {
-        let mut total = 0;
         self.now = Instant::now();
+        if let Some(mut ring) = self.ring.take() {
+            // At most one lap per call, so a flood cannot hold the queue here.
+            let mut total = 0;
+            while total < ring.slots() {
+                let Some(f) = ring.peek() else { break };
+                // Frames we sent ourselves loop back on packet sockets: skip them.
+                if f.from.sll_pkttype != libc::PACKET_OUTGOING {
+                    self.stats.datagrams_in += 1;
+                    self.on_datagram(f.data);
+                }
+                ring.release();
+                total += 1;
+            }
+            self.ring = Some(ring);
+            return Ok(total);
+        }
+        let mut total = 0;
         loop {
             let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
             let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
@@ -895,6 +938,14 @@ impl DgramQueue {
     }
 }
 
+/// Discards what a socket received before its ring was set up (answers to the control exchange
+/// that opened it): the ring only sees what arrives after.
+fn drain(fd: RawFd) {
+    let mut buf = [0u8; 64];
+    // SAFETY: recv into a local buffer; longer frames are truncated, which is what we want.
+    while unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) } >= 0 {}
+}
+
 /// Opens a UDP socket connected to `addr`, with buffers sized for bursts of frames.
 pub(crate) fn udp_link(addr: std::net::SocketAddr) -> Result<Link> {
     let sock = std::net::UdpSocket::bind(if addr.is_ipv4() {
@@ -929,6 +980,7 @@ pub(crate) fn udp_link(addr: std::net::SocketAddr) -> Result<Link> {
         fd,
         dest: None,
         mtu_payload,
+        send_fd: None,
         rcvbuf,
     })
 }
@@ -950,6 +1002,7 @@ pub(crate) fn eth_link(
         fd,
         dest: Some(blkwire_net::link_addr(info.index, ethertype, mac)),
         mtu_payload: blkwire_net::frame_payload_for(info.mtu, 0),
+        send_fd: Some(blkwire_net::packet_send_socket(info.index).map_err(Error::Usage)?),
         rcvbuf,
     })
 }
@@ -1033,6 +1086,7 @@ pub fn discover_eth(iface: &str, wait: Duration) -> Result<Vec<Discovered>> {
         fd,
         dest: Some(blkwire_net::link_addr(info.index, ethertype, [0xff; 6])),
         mtu_payload: 0,
+        send_fd: None,
         rcvbuf: 0,
     };
     let iface = iface.to_string();

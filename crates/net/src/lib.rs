@@ -3,6 +3,7 @@
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
+pub mod rx_ring;
 pub mod udp_offload;
 
 /// Default EtherType: IEEE 802 local experimental 1.
@@ -189,6 +190,43 @@ pub fn packet_socket(ifindex: i32, ethertype: u16, filter: Filter) -> Result<Own
     if rc != 0 {
         return Err(os_err("bind packet socket"));
     }
+    Ok(fd)
+}
+
+/// A packet socket that only sends, on `ifindex`: bound to no EtherType, it receives nothing, so
+/// nobody ever waits on it. Sending on the socket a thread polls for input would make the kernel
+/// wake that socket's waiters every time one of its sent frames is freed (write space), which on
+/// a busy queue is a lock and a wake-up call per frame.
+pub fn packet_send_socket(ifindex: i32) -> Result<OwnedFd, String> {
+    // SAFETY: creating a socket; protocol 0 registers no receive hook.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_PACKET,
+            libc::SOCK_DGRAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(format!(
+            "{} (raw Ethernet needs root or CAP_NET_RAW)",
+            os_err("packet socket")
+        ));
+    }
+    // SAFETY: we own the new fd.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let sll = link_addr(ifindex, 0, [0; 6]);
+    // SAFETY: bind to the interface only.
+    let rc = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&sll as *const libc::sockaddr_ll).cast(),
+            std::mem::size_of::<libc::sockaddr_ll>() as u32,
+        )
+    };
+    if rc != 0 {
+        return Err(os_err("bind packet socket"));
+    }
+    size_buffers(fd.as_raw_fd());
     Ok(fd)
 }
 

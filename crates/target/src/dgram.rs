@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use blkwire_backend::{AlignedBuf, Export, ExportQueue, Op, Refusal, Started, Submitter};
+use blkwire_net::rx_ring::RxRing;
 use blkwire_net::udp_offload::{self, Cmsg};
 use blkwire_wire::datagram::{self, Packer};
 use blkwire_wire::{
@@ -66,6 +67,9 @@ pub struct PortSetup {
     pub link_payload: u32,
     /// The socket's receive buffer, for credits.
     pub rcvbuf: u32,
+    /// Raw Ethernet: a socket that only sends (`blkwire_net::packet_send_socket`); `None` sends
+    /// on `fd`.
+    pub send_fd: Option<OwnedFd>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -128,6 +132,7 @@ pub struct PortReport {
 
 pub struct DgramPort {
     fd: OwnedFd,
+    send_fd: Option<OwnedFd>,
     kind: PortKind,
     link_payload: u32,
     rcvbuf: u32,
@@ -155,6 +160,8 @@ pub struct DgramPort {
     gso: bool,
     /// UDP: the kernel hands over runs that arrived together as one buffer.
     gro: bool,
+    /// Raw Ethernet: frames are read in place from a receive ring shared with the kernel.
+    ring: Option<RxRing>,
 }
 
 /// Encodes io_uring user data for a datagram queue's backend I/O; supplied by the reactor.
@@ -177,8 +184,19 @@ impl DgramPort {
         } else {
             frame.max(4096)
         };
+        // As many slots as the receive buffer holds frames, so credits (counted from `rcvbuf`)
+        // stay true; without a ring (it cannot be set up) frames come by recvmmsg as before.
+        let ring = match p.kind {
+            PortKind::Eth { .. } => {
+                let slots = blkwire_net::frames_in_buffer(p.rcvbuf, frame as u32);
+                RxRing::new(p.fd.as_raw_fd(), frame, slots as usize).ok()
+            }
+            PortKind::Udp => None,
+        };
         DgramPort {
+            ring,
             fd: p.fd,
+            send_fd: p.send_fd,
             kind: p.kind,
             link_payload: p.link_payload,
             rcvbuf: p.rcvbuf,
@@ -230,6 +248,20 @@ impl DgramPort {
     /// Reads every waiting frame and handles it; replies are batched and sent at the end.
     pub fn receive(&mut self, sq: &mut dyn Submitter, ud: UserData) {
         self.now = Instant::now();
+        if let Some(mut ring) = self.ring.take() {
+            // At most one lap per call, so a flood cannot starve the reactor's other work.
+            for _ in 0..ring.slots() {
+                let Some(f) = ring.peek() else { break };
+                // Frames we sent ourselves loop back on packet sockets: skip them.
+                if f.from.sll_pkttype != libc::PACKET_OUTGOING {
+                    self.on_datagram(f.data, Peer::Mac(mac_of(f.from)), sq, ud);
+                }
+                ring.release();
+            }
+            self.ring = Some(ring);
+            self.flush();
+            return;
+        }
         loop {
             let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
             let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
@@ -372,8 +404,9 @@ impl DgramPort {
                 at += run.count;
                 n += 1;
             }
+            let fd = self.send_fd.as_ref().unwrap_or(&self.fd).as_raw_fd();
             // SAFETY: all pointers reference locals or self.tx, alive for the call.
-            let r = unsafe { libc::sendmmsg(self.fd.as_raw_fd(), msgs.as_mut_ptr(), n as u32, 0) };
+            let r = unsafe { libc::sendmmsg(fd, msgs.as_mut_ptr(), n as u32, 0) };
             if r < 0 && counts[0] > 1 && udp_offload::refused(&std::io::Error::last_os_error()) {
                 // This kernel or route cannot segment (no checksum offload, a datagram over
                 // the path MTU): send datagram by datagram from now on.

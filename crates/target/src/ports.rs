@@ -113,6 +113,9 @@ pub fn open_udp(addr: SocketAddr, n: usize) -> Result<(Vec<PortSetup>, String), 
             kind: PortKind::Udp,
             link_payload: UDP_MAX_PAYLOAD,
             rcvbuf,
+            // Another socket on the port would join the SO_REUSEPORT group and take a share
+            // of the input.
+            send_fd: None,
         });
     }
     Ok((out, format!("udp://{bound}")))
@@ -176,6 +179,7 @@ pub fn open_eth(iface: &str, ethertype: u16, n: usize) -> Result<(Vec<PortSetup>
             kind: PortKind::Eth { ifindex, ethertype },
             link_payload,
             rcvbuf,
+            send_fd: Some(blkwire_net::packet_send_socket(ifindex)?),
         });
     }
     let m = mac;
