@@ -62,24 +62,36 @@ impair() { # impair LOSS_PERCENT (0 clears)
 }
 
 declare -A URL=([eth]="eth://vi/$MAC/m" [udp]="udp://10.99.9.1:7701/m" [tcp]="tcp://10.99.9.1:7700/m")
+# CPU per I/O (initiator and target together, user + system, which includes the kernel's network
+# work done in their context) is the figure to compare when the host is noisy: stolen or idle
+# time changes IOPS, not the CPU each I/O costs.
 run() { # run TRANSPORT RW BS QD LABEL
-    local out
-    out="$(ip netns exec "$I" "$BIN" bench "${URL[$1]}" --rw "$2" --bs "$3" --iodepth "$4" --jobs "$JOBS" --runtime "$RUNTIME" --timeout 30 --json)"
-    python3 - "$1" "$5" "$4" "$out" <<'PY'
-import json, sys
-t, label, qd, raw = sys.argv[1:5]
+    python3 - "$1" "$5" "$4" "$SERVE_PID" ip netns exec "$I" "$BIN" bench "${URL[$1]}" --rw "$2" --bs "$3" \
+        --iodepth "$4" --jobs "$JOBS" --runtime "$RUNTIME" --timeout 30 --json <<'PY'
+import json, os, subprocess, sys
+t, label, qd, target = sys.argv[1:5]
+def target_cpu():
+    f = open(f"/proc/{target}/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+c0 = target_cpu()
+p = subprocess.Popen(sys.argv[5:], stdout=subprocess.PIPE)
+raw = p.stdout.read()
+_, status, ru = os.wait4(p.pid, 0)
+if status != 0:
+    sys.exit(f"bench over {t} failed")
+cpu = ru.ru_utime + ru.ru_stime + target_cpu() - c0
 d = json.loads(raw)
-q = d["queues"]
-rx = sum(x["retransmits"] for x in q)
-print(f"| {t} | {label} | {qd} | {d['iops']:.0f} | {d['bandwidth_bytes']/1e6:.0f} | {d['latency_us']['mean']} | {d['latency_us']['p99']} | {rx} |")
+rx = sum(x["retransmits"] for x in d["queues"])
+us = 1e6 * cpu / max(d["ops"], 1)
+print(f"| {t} | {label} | {qd} | {d['iops']:.0f} | {d['bandwidth_bytes']/1e6:.0f} | {d['latency_us']['mean']} | {d['latency_us']['p99']} | {us:.1f} | {rx} |")
 PY
 }
 
 echo "# blkwire transports over one veth pair: MTU $MTU, $JOBS job(s), ${RUNTIME}s per run, $(date -u '+%Y-%m-%d %H:%M UTC')"
 echo "# $("$BIN" --version), $(nproc) CPUs shared by initiator and target"
 echo
-echo "| transport | workload | QD | IOPS | MB/s | mean latency us | p99 us | retransmits |"
-echo "|---|---|---:|---:|---:|---:|---:|---:|"
+echo "| transport | workload | QD | IOPS | MB/s | mean latency us | p99 us | CPU us per I/O | retransmits |"
+echo "|---|---|---:|---:|---:|---:|---:|---:|---:|"
 WORKLOADS=("randread 4k 1 4k-randread" "randread 4k 32 4k-randread" "read 256k 16 256k-seqread")
 # 1M I/O needs frames of at least 4 KiB (a datagram I/O is at most 256 frames): jumbo links only.
 (( MTU >= 4200 )) && WORKLOADS+=("read 1M 4 1M-seqread")
