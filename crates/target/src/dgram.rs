@@ -218,6 +218,12 @@ impl DgramPort {
         }
     }
 
+    /// Whether the receive ring holds a frame: a spinning reactor checks this directly, which is
+    /// faster than waiting for the socket's poll completion (a wake-up, then task work).
+    pub fn ring_ready(&self) -> bool {
+        self.ring.as_ref().is_some_and(RxRing::ready)
+    }
+
     pub fn fd(&self) -> i32 {
         self.fd.as_raw_fd()
     }
