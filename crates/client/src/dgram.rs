@@ -1205,8 +1205,16 @@ mod tests {
         assert!(served >= 8);
         let probes = st.probes - before.probes;
         assert!(probes >= 1, "no tail-loss probe: {st:?}");
-        // The probes resend the newest request; its answer shows the other seven lost.
-        assert_eq!(st.retransmits - before.retransmits, probes + 7, "{st:?}");
+        // The probes resend the newest request; its answer shows the others lost, and each is
+        // sent again once. (A second probe can fire when the first one's answer comes back
+        // sooner than the smallest round trip seen, which cannot tell it from a late answer to
+        // the original: then the second probe resends one of the others.)
+        let retransmits = st.retransmits - before.retransmits;
+        assert!(
+            (8..=probes + 7).contains(&retransmits),
+            "8 lost requests need 8 to {} retransmissions: {st:?}",
+            probes + 7
+        );
         assert_eq!(st.timeouts, 0);
     }
 
