@@ -860,6 +860,9 @@ fn killed_daemon_shows_dead_and_unmap_cleans_up() {
 #[test]
 fn readonly_mapping_recovers_after_its_daemon_is_killed() {
     require_root!();
+    // With FUSE over io_uring available, a recovery that ignored the record would switch the
+    // mapping (made on the read path below) to io_uring.
+    let _on = SwitchOn::new();
     let run = Run::new("recover");
     let t = Target::start(&["disk=mem:16M"]);
     let data = random_bytes(256 << 10, 41);
@@ -880,6 +883,7 @@ fn readonly_mapping_recovers_after_its_daemon_is_killed() {
     let r = m.record();
     assert_eq!(r["state"], "running");
     assert_ne!(r["pid"], old);
+    assert_eq!(r["fuse_io"], "read", "recovered on the path it ran on");
     assert!(
         dev_read(&m.dev, data.len(), 0).unwrap() == data,
         "same device, served again"

@@ -194,6 +194,12 @@ fn recovery_spec(
     readonly: bool,
     frontend: &'static str,
 ) -> Result<Spec, String> {
+    // A mapping that ran on the read path keeps it; one that ran over io_uring takes it again
+    // if the system-wide switch is still on (auto), and recovery never turns the switch on.
+    let fuse_io = match rec.fuse_io.as_deref() {
+        Some(FUSE_IO_READ) => FuseIo::Read,
+        _ => FuseIo::Auto,
+    };
     Ok(Spec {
         url: Url::parse(&rec.url).map_err(|e| format!("record of {path}: {e}"))?,
         readonly,
@@ -207,7 +213,7 @@ fn recovery_spec(
             .or_else(|| rec.logfile.clone()),
         mode: Mode::Recover(Box::new(rec)),
         frontend,
-        fuse_io: FuseIo::Auto,
+        fuse_io,
     })
 }
 
