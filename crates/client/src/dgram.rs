@@ -1218,6 +1218,49 @@ mod tests {
         assert_eq!(st.timeouts, 0);
     }
 
+    /// The fragments of a 16 KiB write are a run of equal datagrams: one segmented send, which
+    /// a receiver without UDP_GRO gets as 16 datagrams. A socket the kernel will not segment
+    /// for (here: UDP checksums off, which GSO refuses with EINVAL) falls back to one datagram per
+    /// send, and nothing is lost on the way.
+    #[test]
+    fn write_fragments_leave_segmented_or_one_by_one_if_the_kernel_refuses() {
+        for refuse in [false, true] {
+            let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+            let link = udp_link(target.local_addr().unwrap()).unwrap();
+            if refuse {
+                blkwire_net::setopt(link.fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_NO_CHECK, 1);
+            }
+            let give_up = Duration::from_secs(30);
+            let mut q = DgramQueue::new(link, 7, 0, 8, 16384, 1024, 64, give_up, Duration::ZERO);
+            let data = vec![0x3c; 16384];
+            let write = Cmd::Write {
+                offset: 0,
+                data: &data,
+                fua: false,
+            };
+            q.submit(write, 1).unwrap();
+            q.send().unwrap();
+            let st = q.stats();
+            assert_eq!(st.datagrams_out, 16, "{st:?}");
+            assert_eq!(st.segmented_out, if refuse { 0 } else { 16 }, "{st:?}");
+            assert_eq!(q.gso, !refuse);
+            target
+                .set_read_timeout(Some(Duration::from_secs(5)))
+                .unwrap();
+            let mut buf = vec![0u8; 65536];
+            for got in 0..16 {
+                let n = target.recv(&mut buf).unwrap();
+                assert_eq!(n, HEADER_LEN + 1024, "one fragment per datagram");
+                let (h, payload) = datagram::frames(&buf[..n], 65536)
+                    .next()
+                    .unwrap()
+                    .expect("a valid frame");
+                assert_eq!(h.frag_offset, got * 1024);
+                assert!(payload.iter().all(|&b| b == 0x3c));
+            }
+        }
+    }
+
     fn idle_queue(target: &UdpSocket) -> DgramQueue {
         let link = udp_link(target.local_addr().unwrap()).unwrap();
         let give_up = Duration::from_secs(30);
