@@ -202,6 +202,8 @@ pub(crate) struct DgramQueue {
     min_rtt: Option<Duration>,
     /// Last valid reply, or last tail-loss probe.
     last_progress: Instant,
+    /// When `timers` last looked at every slot.
+    last_scan: Instant,
     srtt: Option<Duration>,
     rttvar: Duration,
     rto: Duration,
@@ -285,6 +287,7 @@ impl DgramQueue {
             newest_answered: None,
             min_rtt: None,
             last_progress: Instant::now(),
+            last_scan: Instant::now(),
             srtt: None,
             rttvar: Duration::ZERO,
             rto: RTO_INITIAL,
@@ -851,26 +854,33 @@ impl DgramQueue {
         let mut lost = false;
         let srtt = self.srtt.unwrap_or(RTO_INITIAL);
         let reorder = (srtt / 4).max(Duration::from_micros(50));
-        for slot in 0..self.slots.len() as u16 {
-            let s = &mut self.slots[slot as usize];
-            if s.state != State::InFlight {
-                continue;
+        // The slot scan runs at most every half reordering window (25 us or more): no loss can be
+        // declared sooner than that after it happens, and a busy queue calls this every few
+        // microseconds, where scanning the whole slot table each time was a visible cost.
+        let scan = now >= self.last_scan + reorder / 2;
+        if scan {
+            self.last_scan = now;
+            for slot in 0..self.slots.len() as u16 {
+                let s = &mut self.slots[slot as usize];
+                if s.state != State::InFlight {
+                    continue;
+                }
+                if now >= s.give_up_at {
+                    s.status = Status::Io;
+                    self.stats.timeouts += 1;
+                    self.finish(slot);
+                    continue;
+                }
+                let overtaken = self
+                    .newest_answered
+                    .is_some_and(|t| t > s.sent_at + reorder)
+                    && now >= s.sent_at + srtt + reorder;
+                if now < s.sent_at + s.rto && !overtaken {
+                    continue;
+                }
+                lost = true;
+                self.resend(slot, now);
             }
-            if now >= s.give_up_at {
-                s.status = Status::Io;
-                self.stats.timeouts += 1;
-                self.finish(slot);
-                continue;
-            }
-            let overtaken = self
-                .newest_answered
-                .is_some_and(|t| t > s.sent_at + reorder)
-                && now >= s.sent_at + srtt + reorder;
-            if now < s.sent_at + s.rto && !overtaken {
-                continue;
-            }
-            lost = true;
-            self.resend(slot, now);
         }
         // Tail loss probe (RFC 8985 §7): requests are in flight but nothing has come back for
         // two round trips. Packing can put a whole burst, even the whole queue, in one datagram,
