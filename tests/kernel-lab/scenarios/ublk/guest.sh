@@ -70,6 +70,29 @@ bw unmap /dev/ublkb3
 [ ! -e /sys/block/ublkb3 ] || fail "/sys/block/ublkb3 still exists after unmap"
 info "read-only mapping on /dev/ublkb3: writes refused, files verified, unmapped"
 
+# ublk over udp:// (datagrams: fragments, CRC, credits under the kernel's own I/O pattern), to a
+# target inside the guest on its loopback.
+step "ublk over udp:// (a target inside the guest, mem:64M)"
+blkwire serve --listen udp://127.0.0.1:7791 --export u=mem:64M >/tmp/userve.log 2>&1 &
+userve=$!
+i=0
+until grep -q listening /tmp/userve.log; do
+    i=$((i + 1))
+    [ $i -le 100 ] || fail "blkwire serve (udp) in the guest did not start: $(cat /tmp/userve.log)"
+    sleep 0.1
+done
+bw map --frontend ublk --logfile $maplog udp://127.0.0.1:7791/u
+udev=$(tail -n1 /tmp/bw.out)
+run dd if=/dev/urandom of=/tmp/u.bin bs=64k count=32
+run dd if=/tmp/u.bin of="$udev" bs=64k conv=fsync
+echo 3 >/proc/sys/vm/drop_caches
+run dd if="$udev" of=/tmp/u.back bs=64k count=32
+[ "$(sha256sum </tmp/u.bin)" = "$(sha256sum </tmp/u.back)" ] || fail "2 MiB written over udp:// read back different"
+bw unmap "$udev"
+[ ! -e "/sys/block/${udev#/dev/}" ] || fail "$udev still exists after unmap"
+kill $userve
+info "$udev over udp://: 2 MiB written, read back after dropping caches, identical; unmapped"
+
 # The target goes away: I/O fails with EIO after --timeout instead of hanging, and unmap still
 # completes. A target inside the guest, so this scenario can kill it.
 step "blkwire serve inside the guest (mem:64M)"
