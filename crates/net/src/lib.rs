@@ -159,6 +159,28 @@ pub fn attach_filter(fd: i32, f: Filter) -> Result<(), String> {
 /// A cooked packet socket (the kernel builds the Ethernet header) bound to an interface and an
 /// EtherType, non-blocking, with its filter attached before it is bound so nothing slips through.
 pub fn packet_socket(ifindex: i32, ethertype: u16, filter: Filter) -> Result<OwnedFd, String> {
+    let fd = open_packet(ethertype)?;
+    attach_filter(fd.as_raw_fd(), filter)?;
+    // No PACKET_QDISC_BYPASS: it would also bypass the egress hooks (tc, nftables netdev egress)
+    // that operators and our own duplication tests rely on, for a gain too small to measure here.
+    bind_packet(&fd, ifindex, ethertype)?;
+    Ok(fd)
+}
+
+/// A packet socket that only sends, on `ifindex`: bound to no EtherType, it receives nothing, so
+/// nobody ever waits on it. Sending on the socket a thread polls for input would make the kernel
+/// wake that socket's waiters every time one of its sent frames is freed (write space), which on
+/// a busy queue is a lock and a wake-up call per frame.
+pub fn packet_send_socket(ifindex: i32) -> Result<OwnedFd, String> {
+    // Protocol 0 registers no receive hook.
+    let fd = open_packet(0)?;
+    bind_packet(&fd, ifindex, 0)?;
+    size_buffers(fd.as_raw_fd());
+    Ok(fd)
+}
+
+/// A non-blocking cooked packet socket for `ethertype` (0: none), not yet bound.
+fn open_packet(ethertype: u16) -> Result<OwnedFd, String> {
     // SAFETY: creating a socket.
     let fd = unsafe {
         libc::socket(
@@ -174,10 +196,10 @@ pub fn packet_socket(ifindex: i32, ethertype: u16, filter: Filter) -> Result<Own
         ));
     }
     // SAFETY: we own the new fd.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    attach_filter(fd.as_raw_fd(), filter)?;
-    // No PACKET_QDISC_BYPASS: it would also bypass the egress hooks (tc, nftables netdev egress)
-    // that operators and our own duplication tests rely on, for a gain too small to measure here.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn bind_packet(fd: &OwnedFd, ifindex: i32, ethertype: u16) -> Result<(), String> {
     let sll = link_addr(ifindex, ethertype, [0; 6]);
     // SAFETY: bind to the interface and protocol.
     let rc = unsafe {
@@ -190,44 +212,7 @@ pub fn packet_socket(ifindex: i32, ethertype: u16, filter: Filter) -> Result<Own
     if rc != 0 {
         return Err(os_err("bind packet socket"));
     }
-    Ok(fd)
-}
-
-/// A packet socket that only sends, on `ifindex`: bound to no EtherType, it receives nothing, so
-/// nobody ever waits on it. Sending on the socket a thread polls for input would make the kernel
-/// wake that socket's waiters every time one of its sent frames is freed (write space), which on
-/// a busy queue is a lock and a wake-up call per frame.
-pub fn packet_send_socket(ifindex: i32) -> Result<OwnedFd, String> {
-    // SAFETY: creating a socket; protocol 0 registers no receive hook.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_PACKET,
-            libc::SOCK_DGRAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-        )
-    };
-    if fd < 0 {
-        return Err(format!(
-            "{} (raw Ethernet needs root or CAP_NET_RAW)",
-            os_err("packet socket")
-        ));
-    }
-    // SAFETY: we own the new fd.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let sll = link_addr(ifindex, 0, [0; 6]);
-    // SAFETY: bind to the interface only.
-    let rc = unsafe {
-        libc::bind(
-            fd.as_raw_fd(),
-            (&sll as *const libc::sockaddr_ll).cast(),
-            std::mem::size_of::<libc::sockaddr_ll>() as u32,
-        )
-    };
-    if rc != 0 {
-        return Err(os_err("bind packet socket"));
-    }
-    size_buffers(fd.as_raw_fd());
-    Ok(fd)
+    Ok(())
 }
 
 /// A link-layer address for sendto on a packet socket.

@@ -202,38 +202,19 @@ impl Drop for RxRing {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::fd::{AsRawFd, OwnedFd};
 
     /// IEEE 802 local experimental 2: not blkwire's EtherType, so a target on this host is
     /// never disturbed.
     const TEST_ETHERTYPE: u16 = 0x88B6;
 
+    /// A packet socket on the loopback interface for the test EtherType and its link address;
+    /// `None` without the privilege to open one.
     fn lo_socket() -> Option<(OwnedFd, libc::sockaddr_ll)> {
-        // SAFETY: creating a socket.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_PACKET,
-                libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
-                TEST_ETHERTYPE.to_be() as i32,
-            )
-        };
-        if fd < 0 {
-            return None;
-        }
-        // SAFETY: we own the new fd.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let fd = crate::open_packet(TEST_ETHERTYPE).ok()?;
         let lo = crate::iface("lo").expect("loopback interface");
-        let sll = crate::link_addr(lo.index, TEST_ETHERTYPE, [0; 6]);
-        // SAFETY: bind to lo and the test EtherType.
-        let rc = unsafe {
-            libc::bind(
-                fd.as_raw_fd(),
-                (&sll as *const libc::sockaddr_ll).cast(),
-                std::mem::size_of::<libc::sockaddr_ll>() as u32,
-            )
-        };
-        assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
-        Some((fd, sll))
+        crate::bind_packet(&fd, lo.index, TEST_ETHERTYPE).expect("bind to lo");
+        Some((fd, crate::link_addr(lo.index, TEST_ETHERTYPE, [0; 6])))
     }
 
     /// Frames sent on the loopback interface come out of the ring whole, in order, slot after
