@@ -7,6 +7,8 @@
 #   emit KEY VALUE  a machine-readable line "LAB-KEY: VALUE" for the host-side checks
 #   bw ARGS...      step "blkwire ARGS..." then run it; on failure show its output and the map
 #                   daemon's log ($maplog, /tmp/map.log) before failing
+#   serve LOG ARGS... start `blkwire serve ARGS...` in the background (output in LOG) and wait
+#                   until it listens; its pid is in $served
 
 step() {
     echo "$*" >/tmp/lab-step
@@ -37,6 +39,20 @@ bw() {
         fail "'blkwire $*' failed: $(tail -n1 /tmp/bw.out)"
     }
     cat /tmp/bw.out
+}
+
+serve() {
+    log=$1
+    shift
+    step "blkwire serve $*"
+    blkwire serve "$@" >"$log" 2>&1 &
+    served=$!
+    i=0
+    until grep -q listening "$log"; do
+        i=$((i + 1))
+        [ $i -le 100 ] || fail "blkwire serve $* in the guest did not start: $(cat "$log")"
+        sleep 0.1
+    done
 }
 
 # write_test_files MNT GREETING: files of assorted sizes (8 MiB down to 1 byte, and one with a

@@ -72,15 +72,8 @@ info "read-only mapping on /dev/ublkb3: writes refused, files verified, unmapped
 
 # ublk over udp:// (datagrams: fragments, CRC, credits under the kernel's own I/O pattern), to a
 # target inside the guest on its loopback.
-step "ublk over udp:// (a target inside the guest, mem:64M)"
-blkwire serve --listen udp://127.0.0.1:7791 --export u=mem:64M >/tmp/userve.log 2>&1 &
-userve=$!
-i=0
-until grep -q listening /tmp/userve.log; do
-    i=$((i + 1))
-    [ $i -le 100 ] || fail "blkwire serve (udp) in the guest did not start: $(cat /tmp/userve.log)"
-    sleep 0.1
-done
+serve /tmp/userve.log --listen udp://127.0.0.1:7791 --export u=mem:64M
+userve=$served
 bw map --frontend ublk --logfile $maplog udp://127.0.0.1:7791/u
 udev=$(tail -n1 /tmp/bw.out)
 run dd if=/dev/urandom of=/tmp/u.bin bs=64k count=32
@@ -95,20 +88,12 @@ info "$udev over udp://: 2 MiB written, read back after dropping caches, identic
 
 # The target goes away: I/O fails with EIO after --timeout instead of hanging, and unmap still
 # completes. A target inside the guest, so this scenario can kill it.
-step "blkwire serve inside the guest (mem:64M)"
-blkwire serve --listen tcp://127.0.0.1:7790 --export scratch=mem:64M >/tmp/serve.log 2>&1 &
-serve=$!
-i=0
-until grep -q listening /tmp/serve.log; do
-    i=$((i + 1))
-    [ $i -le 100 ] || fail "blkwire serve in the guest did not start: $(cat /tmp/serve.log)"
-    sleep 0.1
-done
+serve /tmp/serve.log --listen tcp://127.0.0.1:7790 --export scratch=mem:64M
 bw map --frontend ublk --timeout 3 --logfile $maplog tcp://127.0.0.1:7790/scratch
 sdev=$(tail -n1 /tmp/bw.out)
 run dd if=/dev/urandom of="$sdev" bs=64k count=4 conv=fsync
 step "kill -9 the target, then read a range never read before"
-kill -9 $serve
+kill -9 $served
 t0=$(cut -d. -f1 /proc/uptime)
 if dd if="$sdev" of=/dev/null bs=64k count=1 skip=512 2>/tmp/dd.err; then
     fail "a read with the target gone succeeded"
