@@ -8,7 +8,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use blkwire_net::rx_ring::RxRing;
-use blkwire_net::udp_offload::{self, Cmsg};
+use blkwire_net::udp_offload::{self, Cmsg, SendBatch};
 use blkwire_wire::datagram::{self, Packer};
 use blkwire_wire::{bitmap, fragment_count, Flags, Header, Opcode, Status, Tag, HEADER_LEN};
 
@@ -429,66 +429,44 @@ impl DgramQueue {
             .as_raw_fd();
         let mut done = 0;
         while done < self.tx.len() {
-            let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
-            let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
-            let mut cmsgs = [Cmsg::default(); BATCH];
-            let mut counts = [0usize; BATCH];
-            let mut dest = self.link.dest;
-            let (mut n, mut at) = (0, done);
-            while n < BATCH && at < self.tx.len() {
-                let (max_count, max_bytes) = if self.gso {
-                    (udp_offload::GSO_MAX_SEGMENTS, udp_offload::GSO_MAX_BYTES)
-                } else {
-                    (1, usize::MAX)
-                };
+            let (max_count, max_bytes) = udp_offload::run_limits(self.gso);
+            let mut batch = SendBatch::<BATCH>::default();
+            let mut at = done;
+            while !batch.is_full() && at < self.tx.len() {
                 let run = self.tx.run(at, max_count, max_bytes);
-                iov[n] = libc::iovec {
-                    iov_base: run.bytes.as_ptr() as *mut _,
-                    iov_len: run.bytes.len(),
-                };
-                msgs[n].msg_hdr.msg_iov = &mut iov[n];
-                msgs[n].msg_hdr.msg_iovlen = 1;
-                if let Some(d) = dest.as_mut() {
-                    msgs[n].msg_hdr.msg_name = (d as *mut libc::sockaddr_ll).cast();
-                    msgs[n].msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_ll>() as u32;
-                }
-                if run.count > 1 {
-                    cmsgs[n].attach_segment(&mut msgs[n].msg_hdr, run.segment as u16);
-                }
-                counts[n] = run.count;
+                batch.push(run.bytes, run.segment, run.count, |ss| {
+                    match &self.link.dest {
+                        Some(d) => {
+                            // SAFETY: sockaddr_storage is large enough for a sockaddr_ll.
+                            unsafe { *(ss as *mut _ as *mut libc::sockaddr_ll) = *d };
+                            std::mem::size_of::<libc::sockaddr_ll>() as u32
+                        }
+                        None => 0,
+                    }
+                });
                 at += run.count;
-                n += 1;
             }
-            // SAFETY: msgs/iov/cmsgs point into self.tx, `dest` and locals, alive for the call.
-            let r = unsafe { libc::sendmmsg(send_fd, msgs.as_mut_ptr(), n as u32, 0) };
-            if r < 0 {
-                let e = std::io::Error::last_os_error();
-                match e.raw_os_error() {
+            match batch.send(send_fd) {
+                Ok(sent) => {
+                    self.stats.datagrams_out += sent.datagrams as u64;
+                    self.stats.segmented_out += sent.segmented as u64;
+                    done += sent.datagrams;
+                }
+                Err(f) => match f.error.raw_os_error() {
                     Some(libc::EINTR) => continue,
                     // This kernel or route cannot segment: datagram by datagram from now on.
-                    _ if counts[0] > 1 && udp_offload::refused(&e) => {
-                        self.gso = false;
-                        continue;
-                    }
+                    _ if f.segmented && udp_offload::refused(&f.error) => self.gso = false,
                     // A full socket buffer or an unreachable port loses frames exactly as the
                     // network may: the retransmission timer recovers them.
                     Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::ECONNREFUSED) => {
-                        done += counts[0];
-                        continue;
+                        done += f.datagrams;
                     }
                     _ => {
                         self.tx.clear();
-                        return Err(Error::Io(e));
+                        return Err(Error::Io(f.error));
                     }
-                }
+                },
             }
-            let sent: usize = counts[..r as usize].iter().sum();
-            self.stats.datagrams_out += sent as u64;
-            self.stats.segmented_out += counts[..r as usize]
-                .iter()
-                .filter(|&&c| c > 1)
-                .sum::<usize>() as u64;
-            done += sent;
         }
         self.tx.clear();
         Ok(())

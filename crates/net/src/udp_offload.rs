@@ -86,6 +86,116 @@ impl Cmsg {
     }
 }
 
+/// The messages of one `sendmmsg`: each a run of datagrams, back to back, to one destination,
+/// sent as one segmented send when the run holds more than one. The bytes are borrowed until
+/// `send`.
+pub struct SendBatch<'a, const N: usize> {
+    runs: [(&'a [u8], usize, usize); N],
+    names: [libc::sockaddr_storage; N],
+    namelens: [libc::socklen_t; N],
+    len: usize,
+}
+
+/// What one `sendmmsg` sent.
+pub struct Sent {
+    pub datagrams: usize,
+    /// Of those, the datagrams that left in segmented sends.
+    pub segmented: usize,
+}
+
+/// The first message of a batch failed (nothing was sent).
+pub struct Refused {
+    pub error: std::io::Error,
+    /// It was a segmented send (see `refused`).
+    pub segmented: bool,
+    /// Datagrams it held.
+    pub datagrams: usize,
+}
+
+impl<'a, const N: usize> Default for SendBatch<'a, N> {
+    fn default() -> Self {
+        SendBatch {
+            runs: [(&[], 0, 0); N],
+            // SAFETY: an all-zero sockaddr_storage is valid.
+            names: unsafe { std::mem::zeroed() },
+            namelens: [0; N],
+            len: 0,
+        }
+    }
+}
+
+impl<'a, const N: usize> SendBatch<'a, N> {
+    pub fn is_full(&self) -> bool {
+        self.len == N
+    }
+
+    /// Adds a message: `count` datagrams back to back in `bytes`, each `segment` bytes but the
+    /// last. `name` writes the destination and returns its length; 0 sends to the connected
+    /// peer.
+    pub fn push(
+        &mut self,
+        bytes: &'a [u8],
+        segment: usize,
+        count: usize,
+        name: impl FnOnce(&mut libc::sockaddr_storage) -> u32,
+    ) {
+        assert!(!self.is_full(), "a full send batch");
+        self.namelens[self.len] = name(&mut self.names[self.len]);
+        self.runs[self.len] = (bytes, segment, count);
+        self.len += 1;
+    }
+
+    /// Sends every message with one `sendmmsg` on `fd`; the kernel may take fewer than all.
+    pub fn send(&mut self, fd: RawFd) -> Result<Sent, Refused> {
+        // SAFETY: zeroed iovec, mmsghdr and control buffers are valid; filled below.
+        let mut iov: [libc::iovec; N] = unsafe { std::mem::zeroed() };
+        let mut msgs: [libc::mmsghdr; N] = unsafe { std::mem::zeroed() };
+        let mut cmsgs = [Cmsg::default(); N];
+        for i in 0..self.len {
+            let (bytes, segment, count) = self.runs[i];
+            iov[i] = libc::iovec {
+                iov_base: bytes.as_ptr() as *mut _,
+                iov_len: bytes.len(),
+            };
+            let m = &mut msgs[i].msg_hdr;
+            m.msg_iov = &mut iov[i];
+            m.msg_iovlen = 1;
+            if self.namelens[i] > 0 {
+                m.msg_name = (&mut self.names[i] as *mut libc::sockaddr_storage).cast();
+                m.msg_namelen = self.namelens[i];
+            }
+            if count > 1 {
+                cmsgs[i].attach_segment(m, segment as u16);
+            }
+        }
+        // SAFETY: every pointer in msgs refers to iov, cmsgs, self.names or the borrowed runs,
+        // all alive for the call.
+        let r = unsafe { libc::sendmmsg(fd, msgs.as_mut_ptr(), self.len as u32, 0) };
+        if r < 0 {
+            let count = self.runs[0].2;
+            return Err(Refused {
+                error: std::io::Error::last_os_error(),
+                segmented: count > 1,
+                datagrams: count,
+            });
+        }
+        let sent = &self.runs[..r as usize];
+        Ok(Sent {
+            datagrams: sent.iter().map(|r| r.2).sum(),
+            segmented: sent.iter().map(|r| r.2).filter(|&c| c > 1).sum(),
+        })
+    }
+}
+
+/// Most datagrams and bytes in one message: a segmented send's limits, or one datagram.
+pub fn run_limits(segment: bool) -> (usize, usize) {
+    if segment {
+        (GSO_MAX_SEGMENTS, GSO_MAX_BYTES)
+    } else {
+        (1, usize::MAX)
+    }
+}
+
 /// Whether a failed segmented send means "this socket cannot segment" (retry without) rather
 /// than a transient condition: EINVAL for a segment over the path MTU or a missing feature,
 /// EIO when the device lacks checksum offload.

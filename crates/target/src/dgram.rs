@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use blkwire_backend::{AlignedBuf, Export, ExportQueue, Op, Refusal, Started, Submitter};
 use blkwire_net::rx_ring::RxRing;
-use blkwire_net::udp_offload::{self, Cmsg};
+use blkwire_net::udp_offload::{self, Cmsg, SendBatch};
 use blkwire_wire::datagram::{self, Packer};
 use blkwire_wire::{
     bitmap, fragment_count, ExportEntry, Flags, Header, Hello, Opcode, Status, Tag, HEADER_LEN,
@@ -379,50 +379,30 @@ impl DgramPort {
     /// Sends the batched datagrams; on UDP, each run of equal ones to a peer in one segmented
     /// send (PROTOCOL.md §9.6).
     pub fn flush(&mut self) {
+        let fd = self.send_fd.as_ref().unwrap_or(&self.fd).as_raw_fd();
         let mut done = 0;
         while done < self.tx.len() {
-            let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
-            let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
-            let mut names: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
-            let mut cmsgs = [Cmsg::default(); BATCH];
-            let mut counts = [0usize; BATCH];
-            let (mut n, mut at) = (0, done);
-            while n < BATCH && at < self.tx.len() {
-                let (max_count, max_bytes) = if self.gso {
-                    (udp_offload::GSO_MAX_SEGMENTS, udp_offload::GSO_MAX_BYTES)
-                } else {
-                    (1, usize::MAX)
-                };
+            let (max_count, max_bytes) = udp_offload::run_limits(self.gso);
+            let mut batch = SendBatch::<BATCH>::default();
+            let mut at = done;
+            while !batch.is_full() && at < self.tx.len() {
                 let run = self.tx.run(at, max_count, max_bytes);
-                iov[n] = libc::iovec {
-                    iov_base: run.bytes.as_ptr() as *mut _,
-                    iov_len: run.bytes.len(),
-                };
-                msgs[n].msg_hdr.msg_iov = &mut iov[n];
-                msgs[n].msg_hdr.msg_iovlen = 1;
-                let nl = self.fill_name(&mut names[n], run.dest);
-                msgs[n].msg_hdr.msg_name = (&mut names[n] as *mut libc::sockaddr_storage).cast();
-                msgs[n].msg_hdr.msg_namelen = nl;
-                if run.count > 1 {
-                    cmsgs[n].attach_segment(&mut msgs[n].msg_hdr, run.segment as u16);
-                }
-                counts[n] = run.count;
+                batch.push(run.bytes, run.segment, run.count, |ss| {
+                    self.fill_name(ss, run.dest)
+                });
                 at += run.count;
-                n += 1;
             }
-            let fd = self.send_fd.as_ref().unwrap_or(&self.fd).as_raw_fd();
-            // SAFETY: all pointers reference locals or self.tx, alive for the call.
-            let r = unsafe { libc::sendmmsg(fd, msgs.as_mut_ptr(), n as u32, 0) };
-            if r < 0 && counts[0] > 1 && udp_offload::refused(&std::io::Error::last_os_error()) {
-                // This kernel or route cannot segment (no checksum offload, a datagram over
-                // the path MTU): send datagram by datagram from now on.
-                self.gso = false;
-                continue;
+            match batch.send(fd) {
+                Ok(sent) => done += sent.datagrams,
+                Err(f) if f.segmented && udp_offload::refused(&f.error) => {
+                    // This kernel or route cannot segment (no checksum offload, a datagram over
+                    // the path MTU): send datagram by datagram from now on.
+                    self.gso = false;
+                }
+                // A datagram the kernel refuses (buffer full, peer gone) is lost like any network
+                // loss: the initiator's timer recovers it.
+                Err(f) => done += f.datagrams,
             }
-            // A datagram the kernel refuses (buffer full, peer gone) is lost like any network
-            // loss: the initiator's timer recovers it.
-            let sent = if r > 0 { r as usize } else { 1 };
-            done += counts[..sent].iter().sum::<usize>();
         }
         self.tx.clear();
     }
