@@ -295,7 +295,10 @@ impl DgramQueue {
             give_up,
             spin: blkwire_spin::AdaptiveSpin::new(poll),
             tx: Packer::with_capacity(BATCH, BATCH * frame),
-            rx: (0..BATCH).map(|_| vec![0u8; rx_len]).collect(),
+            // A ring queue reads in place: no receive buffers.
+            rx: (0..if ring.is_some() { 0 } else { BATCH })
+                .map(|_| vec![0u8; rx_len])
+                .collect(),
             stats: QueueStats::default(),
             now: Instant::now(),
             last_sent: Instant::now(),

@@ -194,7 +194,6 @@ impl DgramPort {
             PortKind::Udp => None,
         };
         DgramPort {
-            ring,
             fd: p.fd,
             send_fd: p.send_fd,
             kind: p.kind,
@@ -205,7 +204,10 @@ impl DgramPort {
             index: HashMap::new(),
             hellos: HashMap::new(),
             next_incarnation: 1,
-            rx: (0..BATCH).map(|_| vec![0u8; rx_len]).collect(),
+            // A ring port reads in place: no receive buffers.
+            rx: (0..if ring.is_some() { 0 } else { BATCH })
+                .map(|_| vec![0u8; rx_len])
+                .collect(),
             tx: Packer::with_capacity(BATCH, BATCH * frame),
             registry,
             stats: PortStats::default(),
@@ -215,6 +217,7 @@ impl DgramPort {
             active: 1,
             gso: udp,
             gro,
+            ring,
         }
     }
 
