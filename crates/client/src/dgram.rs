@@ -434,9 +434,7 @@ impl DgramQueue {
         while done < self.tx.len() {
             let (max_count, max_bytes) = udp_offload::run_limits(self.gso);
             let mut batch = SendBatch::<BATCH>::default();
-            let mut at = done;
-            while !batch.is_full() && at < self.tx.len() {
-                let run = self.tx.run(at, max_count, max_bytes);
+            for run in self.tx.runs(done, max_count, max_bytes).take(BATCH) {
                 batch.push(run.bytes, run.segment, run.count, |ss| {
                     match &self.link.dest {
                         Some(d) => {
@@ -447,7 +445,6 @@ impl DgramQueue {
                         None => 0,
                     }
                 });
-                at += run.count;
             }
             match batch.send(send_fd) {
                 Ok(sent) => {

@@ -387,13 +387,10 @@ impl DgramPort {
         while done < self.tx.len() {
             let (max_count, max_bytes) = udp_offload::run_limits(self.gso);
             let mut batch = SendBatch::<BATCH>::default();
-            let mut at = done;
-            while !batch.is_full() && at < self.tx.len() {
-                let run = self.tx.run(at, max_count, max_bytes);
+            for run in self.tx.runs(done, max_count, max_bytes).take(BATCH) {
                 batch.push(run.bytes, run.segment, run.count, |ss| {
                     self.fill_name(ss, run.dest)
                 });
-                at += run.count;
             }
             match batch.send(fd) {
                 Ok(sent) => done += sent.datagrams,

@@ -159,6 +159,22 @@ impl<D: Copy + PartialEq> Packer<D> {
         }
     }
 
+    /// The runs from datagram `i` on, in order (each as `run` makes it).
+    pub fn runs(
+        &self,
+        mut i: usize,
+        max_count: usize,
+        max_bytes: usize,
+    ) -> impl Iterator<Item = Run<'_, D>> {
+        std::iter::from_fn(move || {
+            (i < self.len()).then(|| {
+                let r = self.run(i, max_count, max_bytes);
+                i += r.count;
+                r
+            })
+        })
+    }
+
     pub fn clear(&mut self) {
         self.buf.clear();
         self.datagrams.clear();
@@ -238,6 +254,13 @@ mod tests {
         );
         assert_eq!(p.run(4, 64, 1 << 16).count, 3);
         assert_eq!(p.run(6, 64, 1 << 16).count, 1);
+        let counts: Vec<usize> = p.runs(0, 64, 1 << 16).map(|r| r.count).collect();
+        assert_eq!(
+            counts,
+            [3, 1, 3],
+            "the runs cover every datagram once, in order"
+        );
+        assert_eq!(p.runs(4, 2, 1 << 16).map(|r| r.count).sum::<usize>(), 3);
     }
 
     #[test]
