@@ -633,18 +633,10 @@ impl DgramQueue {
     fn receive(&mut self) -> Result<usize> {
         self.now = Instant::now();
         if let Some(mut ring) = self.ring.take() {
-            // At most one lap per call, so a flood cannot hold the queue here.
-            let mut total = 0;
-            while total < ring.slots() {
-                let Some(f) = ring.peek() else { break };
-                // Frames we sent ourselves loop back on packet sockets: skip them.
-                if f.from.sll_pkttype != libc::PACKET_OUTGOING {
-                    self.stats.datagrams_in += 1;
-                    self.on_datagram(f.data);
-                }
-                ring.release();
-                total += 1;
-            }
+            let total = ring.take_lap(|data, _| {
+                self.stats.datagrams_in += 1;
+                self.on_datagram(data);
+            });
             self.ring = Some(ring);
             return Ok(total);
         }

@@ -258,15 +258,7 @@ impl DgramPort {
     pub fn receive(&mut self, sq: &mut dyn Submitter, ud: UserData) {
         self.now = Instant::now();
         if let Some(mut ring) = self.ring.take() {
-            // At most one lap per call, so a flood cannot starve the reactor's other work.
-            for _ in 0..ring.slots() {
-                let Some(f) = ring.peek() else { break };
-                // Frames we sent ourselves loop back on packet sockets: skip them.
-                if f.from.sll_pkttype != libc::PACKET_OUTGOING {
-                    self.on_datagram(f.data, Peer::Mac(mac_of(f.from)), sq, ud);
-                }
-                ring.release();
-            }
+            ring.take_lap(|data, from| self.on_datagram(data, Peer::Mac(mac_of(from)), sq, ud));
             self.ring = Some(ring);
             self.flush();
             return;
