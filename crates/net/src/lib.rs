@@ -167,6 +167,26 @@ pub fn packet_socket(ifindex: i32, ethertype: u16, filter: Filter) -> Result<Own
     Ok(fd)
 }
 
+/// `packet_socket` with its buffers sized and a receive ring (`rx_ring`) set up before it is
+/// bound, so no frame can arrive outside the ring: once a ring is there the kernel delivers only
+/// to it, and a frame queued on the socket before would never be read. The ring has as many
+/// slots as the receive buffer holds frames of `frame` bytes; `None` if the kernel refuses one
+/// (frames then come by `recv`). Returns the socket, the ring and the usable receive buffer.
+pub fn packet_socket_with_ring(
+    ifindex: i32,
+    ethertype: u16,
+    filter: Filter,
+    frame: usize,
+) -> Result<(OwnedFd, Option<rx_ring::RxRing>, u32), String> {
+    let fd = open_packet(ethertype)?;
+    attach_filter(fd.as_raw_fd(), filter)?;
+    let rcvbuf = size_buffers(fd.as_raw_fd());
+    let slots = frames_in_buffer(rcvbuf, frame as u32) as usize;
+    let ring = rx_ring::RxRing::new(fd.as_raw_fd(), frame, slots).ok();
+    bind_packet(&fd, ifindex, ethertype)?;
+    Ok((fd, ring, rcvbuf))
+}
+
 /// A packet socket that only sends, on `ifindex`: bound to no EtherType, it receives nothing, so
 /// nobody ever waits on it. Sending on the socket a thread polls for input would make the kernel
 /// wake that socket's waiters every time one of its sent frames is freed (write space), which on

@@ -70,6 +70,9 @@ pub struct PortSetup {
     /// Raw Ethernet: a socket that only sends (`blkwire_net::packet_send_socket`); `None` sends
     /// on `fd`.
     pub send_fd: Option<OwnedFd>,
+    /// Raw Ethernet: `fd`'s receive ring (`blkwire_net::packet_socket_with_ring`); `None` reads
+    /// with `recvmmsg`.
+    pub ring: Option<RxRing>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -184,15 +187,7 @@ impl DgramPort {
         } else {
             frame.max(4096)
         };
-        // As many slots as the receive buffer holds frames, so credits (counted from `rcvbuf`)
-        // stay true; without a ring (it cannot be set up) frames come by recvmmsg as before.
-        let ring = match p.kind {
-            PortKind::Eth { .. } => {
-                let slots = blkwire_net::frames_in_buffer(p.rcvbuf, frame as u32);
-                RxRing::new(p.fd.as_raw_fd(), frame, slots as usize).ok()
-            }
-            PortKind::Udp => None,
-        };
+        let ring = p.ring;
         DgramPort {
             fd: p.fd,
             send_fd: p.send_fd,

@@ -116,6 +116,7 @@ pub fn open_udp(addr: SocketAddr, n: usize) -> Result<(Vec<PortSetup>, String), 
             // Another socket on the port would join the SO_REUSEPORT group and take a share
             // of the input.
             send_fd: None,
+            ring: None,
         });
     }
     Ok((out, format!("udp://{bound}")))
@@ -172,14 +173,18 @@ pub fn open_eth(iface: &str, ethertype: u16, n: usize) -> Result<(Vec<PortSetup>
             n: n as u32,
             r: r as u32,
         };
-        let fd = blkwire_net::packet_socket(ifindex, ethertype, filter)?;
-        let rcvbuf = blkwire_net::size_buffers(fd.as_raw_fd());
+        // The ring exists before the socket is bound: a frame that arrived before the reactor
+        // took the port (a discovery query right after `listening`) waits in it.
+        let frame = blkwire_wire::HEADER_LEN + link_payload as usize;
+        let (fd, ring, rcvbuf) =
+            blkwire_net::packet_socket_with_ring(ifindex, ethertype, filter, frame)?;
         out.push(PortSetup {
             fd,
             kind: PortKind::Eth { ifindex, ethertype },
             link_payload,
             rcvbuf,
             send_fd: Some(blkwire_net::packet_send_socket(ifindex)?),
+            ring,
         });
     }
     let m = mac;
