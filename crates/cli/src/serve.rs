@@ -4,7 +4,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use blkwire_backend::ExportSpec;
-use blkwire_target::{log, Limits, Target, TargetConfig};
+use blkwire_server::{log, Limits, Target, TargetConfig};
 
 #[derive(clap::Args)]
 pub struct Args {
