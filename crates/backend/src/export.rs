@@ -1,22 +1,30 @@
 //! The generic layer: an export is a named backend plus policy (read-only), range checks, and
-//! emulation of what the backend lacks.
+//! emulation of what the backend lacks (FUA as write then flush, WRITE_ZEROES by writes,
+//! advisory TRIM, FLUSH of a volatile medium), run as small per-request step machines so that
+//! emulation works the same for inline, io_uring and thread-completing backends.
 
 use std::alloc::{self, Layout};
 use std::fmt;
 use std::io;
-use std::path::Path;
+use std::os::fd::RawFd;
 use std::sync::Arc;
 
-use crate::{Backend, Caps, FileBackend, MemBackend, NullBackend, Op, QueueIo, Started, Submitter};
+use blkwire_block::{BlockOp, BlockRequest};
+
+use crate::{Backend, Capabilities, Op, QueueIo, Started, Submitter, Support};
 
 /// `NAME=BACKEND[,ro]` as given to `serve --export`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExportSpec {
+    /// The name clients ask for.
     pub name: String,
+    /// `KIND:ARG`, e.g. `mem:1G`.
     pub backend: String,
+    /// `,ro` was given.
     pub read_only: bool,
 }
 
+/// A one-line reason why an export spec cannot be served.
 #[derive(Debug, PartialEq, Eq)]
 pub struct SpecError(pub String);
 
@@ -28,14 +36,19 @@ impl fmt::Display for SpecError {
 
 impl std::error::Error for SpecError {}
 
-const SPEC_HELP: &str =
-    "expected NAME=BACKEND[,ro] with BACKEND one of mem:SIZE, null:SIZE, file:PATH[?direct=1]";
+fn spec_help() -> String {
+    format!(
+        "expected NAME=BACKEND[,ro] with BACKEND one of {}",
+        crate::registry::usages()
+    )
+}
 
 impl ExportSpec {
+    /// Parses `NAME=BACKEND[,ro]`.
     pub fn parse(s: &str) -> Result<ExportSpec, SpecError> {
         let (name, rest) = s
             .split_once('=')
-            .ok_or_else(|| SpecError(format!("bad export '{s}': {SPEC_HELP}")))?;
+            .ok_or_else(|| SpecError(format!("bad export '{s}': {}", spec_help())))?;
         if name.is_empty() || name.len() > 255 || name.contains(['/', ' ']) {
             return Err(SpecError(format!(
                 "bad export name '{name}': use 1-255 characters without '/' or spaces"
@@ -56,7 +69,7 @@ impl ExportSpec {
             }
         }
         if backend.is_empty() {
-            return Err(SpecError(format!("bad export '{s}': {SPEC_HELP}")));
+            return Err(SpecError(format!("bad export '{s}': {}", spec_help())));
         }
         Ok(ExportSpec {
             name: name.to_string(),
@@ -69,86 +82,71 @@ impl ExportSpec {
 /// Why the generic layer refused a request before it reached the backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Refusal {
+    /// A modifying request on a read-only export.
     ReadOnly,
+    /// The range passes the end of the export (or overflows).
     OutOfRange,
+    /// The request is malformed for this export (e.g. misaligned for O_DIRECT).
     Invalid,
 }
 
 /// A named, opened export.
 pub struct Export {
+    /// The name clients ask for.
     pub name: String,
+    /// Writes, trims and zeroing are refused.
     pub read_only: bool,
     backend: Arc<dyn Backend>,
+    capabilities: Capabilities,
 }
 
 impl Export {
-    /// Opens the backend a spec names. Errors are one line and say what to fix.
+    /// Opens the backend a spec names, through [`crate::registry`]. Errors are one line and say
+    /// what to fix.
     pub fn open(spec: &ExportSpec) -> Result<Export, SpecError> {
-        let err = |e: io::Error| SpecError(format!("export '{}': {e}", spec.name));
-        let (kind, arg) = spec.backend.split_once(':').ok_or_else(|| {
+        let (scheme, arg) = spec.backend.split_once(':').ok_or_else(|| {
             SpecError(format!(
-                "bad backend '{}' for export '{}': {SPEC_HELP}",
-                spec.backend, spec.name
+                "bad backend '{}' for export '{}': {}",
+                spec.backend,
+                spec.name,
+                spec_help()
             ))
         })?;
-        let sized = |arg: &str| {
-            crate::parse_size(arg).map_err(|e| SpecError(format!("export '{}': {e}", spec.name)))
-        };
-        let backend: Arc<dyn Backend> = match kind {
-            "mem" => Arc::new(MemBackend::new(sized(arg)?).map_err(err)?),
-            "null" => Arc::new(NullBackend::new(sized(arg)?).map_err(err)?),
-            "file" => {
-                let (path, query) = match arg.split_once('?') {
-                    Some((p, q)) => (p, q),
-                    None => (arg, ""),
-                };
-                let mut direct = false;
-                for kv in query.split('&').filter(|q| !q.is_empty()) {
-                    match kv {
-                        "direct=1" | "direct" => direct = true,
-                        "direct=0" => direct = false,
-                        _ => {
-                            return Err(SpecError(format!(
-                                "export '{}': unknown file option '{kv}' (known: direct=1)",
-                                spec.name
-                            )))
-                        }
-                    }
-                }
-                if path.is_empty() {
-                    return Err(SpecError(format!(
-                        "export '{}': file: needs a path",
-                        spec.name
-                    )));
-                }
-                Arc::new(FileBackend::open(Path::new(path), direct, spec.read_only).map_err(err)?)
-            }
-            _ => {
-                return Err(SpecError(format!(
-                    "unknown backend '{kind}' for export '{}': {SPEC_HELP}",
-                    spec.name
-                )))
-            }
-        };
+        let kind = crate::registry::find(scheme).ok_or_else(|| {
+            SpecError(format!(
+                "unknown backend '{scheme}' for export '{}': {}",
+                spec.name,
+                spec_help()
+            ))
+        })?;
+        let backend = (kind.open)(arg, spec.read_only)
+            .map_err(|e| SpecError(format!("export '{}': {e}", spec.name)))?;
         Ok(Export::new(&spec.name, backend, spec.read_only))
     }
 
+    /// An export of an already opened backend.
     pub fn new(name: &str, backend: Arc<dyn Backend>, read_only: bool) -> Export {
         Export {
             name: name.to_string(),
             read_only,
+            capabilities: Capabilities::effective(backend.capabilities()),
             backend,
         }
     }
 
+    /// The backend behind the export.
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
     }
+
+    /// Size in bytes.
     pub fn size(&self) -> u64 {
         self.backend.size()
     }
-    pub fn caps(&self) -> Caps {
-        self.backend.caps()
+
+    /// What the export serves, natively or emulated: what every frontend advertises.
+    pub fn capabilities(&self) -> Capabilities {
+        self.capabilities
     }
 
     /// Checks a request against the export before any backend sees it: read-only policy and
@@ -170,52 +168,349 @@ impl Export {
 
     /// Opens the per-queue handle, wrapped in the emulation layer.
     pub fn open_queue(&self) -> io::Result<ExportQueue> {
-        let caps = self.caps();
         Ok(ExportQueue {
             io: self.backend.clone().open_queue()?,
-            caps,
+            caps: self.capabilities,
+            zero_align: self.backend.buffer_alignment().max(4096),
+            zeros: None,
+            steps: Vec::new(),
+            reaped: Vec::new(),
         })
     }
 }
 
-/// A queue's handle on an export: the backend's own handle plus emulation of missing caps.
+/// How far an operation got when it was started or one of its completions came in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// Finished: bytes transferred (READ/WRITE), 0, or a negative errno.
+    Done(i32),
+    /// More completions are to come (from the ring, or from [`ExportQueue::reap`]).
+    Pending,
+}
+
+/// Bytes of zeros written per step when WRITE_ZEROES is emulated.
+const ZERO_CHUNK: u32 = 1 << 20;
+
+/// What happens when the backend operation now running for a request completes.
+#[derive(Clone, Copy, Debug)]
+enum Next {
+    /// Its result is the request's result.
+    Report,
+    /// An emulated FUA write: a flush follows a successful write.
+    FlushAfterWrite,
+    /// The flush of an emulated FUA write: the write's result is the request's result.
+    ReportWrite(i32),
+    /// WRITE_ZEROES by writes: `at..end` is still to be zeroed.
+    Zero { at: u64, end: u64 },
+}
+
+/// A request whose backend operations are still running.
+struct Step {
+    tag: u64,
+    /// Completions still expected for the running operation (several ring entries).
+    pending: u8,
+    /// The first entry's result, unless a later one failed.
+    result: Option<i32>,
+    next: Next,
+}
+
+/// A queue's handle on an export: the backend's own handle plus emulation of missing
+/// capabilities.
 pub struct ExportQueue {
     io: Box<dyn QueueIo>,
-    caps: Caps,
+    caps: Capabilities,
+    zero_align: usize,
+    /// Source of emulated WRITE_ZEROES, allocated on first use.
+    zeros: Option<AlignedBuf>,
+    /// Requests made of several backend operations (or ring entries), by tag. Empty on the
+    /// fast path, so a plain completion costs one emptiness check.
+    steps: Vec<Step>,
+    /// Scratch for [`ExportQueue::reap`] (no allocation per batch).
+    reaped: Vec<(u64, i32)>,
 }
 
 impl ExportQueue {
+    /// True when every operation finishes inside [`ExportQueue::start`].
     pub fn completes_inline(&self) -> bool {
-        self.io.completes_inline()
+        self.io.completes_inline() && self.caps.write_zeroes == Support::Native
     }
 
-    /// Starts an already checked op. What the backend lacks is emulated here:
-    /// - no durable medium (`!flush`): FLUSH completes at once and FUA is meaningless;
-    /// - no deallocation (`!trim`): TRIM is advisory and completes at once.
-    pub fn start(&mut self, op: Op, user_data: u64, sq: &mut dyn Submitter) -> Started {
-        let op = match op {
-            Op::Flush if !self.caps.flush => return Started::Done(0),
-            Op::Trim { .. } if !self.caps.trim => return Started::Done(0),
+    /// What the export serves (see [`Export::capabilities`]).
+    pub fn capabilities(&self) -> Capabilities {
+        self.caps
+    }
+
+    /// For backends that complete on their own threads: the descriptor to watch; call
+    /// [`ExportQueue::reap`] when it is readable.
+    pub fn notifier(&self) -> Option<RawFd> {
+        self.io.notifier()
+    }
+
+    /// Starts an already checked request. What the backend lacks is emulated here:
+    /// - FLUSH of a volatile medium (no flush) completes at once;
+    /// - TRIM without native support is advisory and completes at once;
+    /// - FUA without native support is a write, then a flush (without flush it is meaningless);
+    /// - WRITE_ZEROES without native support writes zeros, [`ZERO_CHUNK`] at a time.
+    ///
+    /// Ring entries carry `tag` as user data; feed their completions to
+    /// [`ExportQueue::complete`].
+    ///
+    /// # Safety
+    /// As [`QueueIo::start`]: the buffer of a READ or WRITE must stay valid (and a READ's
+    /// untouched) until the request's result is delivered by this call, by `complete`, or by
+    /// `reap`.
+    pub unsafe fn start(&mut self, op: Op, tag: u64, sq: &mut dyn Submitter) -> Progress {
+        let caps = self.caps;
+        let (op, next) = match op {
+            Op::Flush if caps.flush == Support::None => return Progress::Done(0),
+            Op::Trim { .. } if caps.trim != Support::Native => return Progress::Done(0),
             Op::Write {
                 offset,
                 buf,
                 len,
                 fua: true,
-            } if !self.caps.fua && !self.caps.flush => Op::Write {
-                offset,
-                buf,
-                len,
-                fua: false,
-            },
-            op => op,
+            } if caps.fua != Support::Native => {
+                let write = Op::Write {
+                    offset,
+                    buf,
+                    len,
+                    fua: false,
+                };
+                let next = if caps.fua == Support::Emulated {
+                    Next::FlushAfterWrite
+                } else {
+                    Next::Report
+                };
+                (write, next)
+            }
+            Op::WriteZeroes { offset, len, .. } if caps.write_zeroes != Support::Native => {
+                let end = offset + len as u64;
+                match self.after(Next::Zero { at: offset, end }, 0) {
+                    Ok(step) => step,
+                    Err(r) => return Progress::Done(r),
+                }
+            }
+            op => (op, Next::Report),
         };
-        self.io.start(op, user_data, sq)
+        // SAFETY: our caller's contract covers `op`'s buffer; emulation only adds operations on
+        // our own zero buffer, which lives as long as `self`.
+        unsafe { self.drive(op, tag, next, sq) }
     }
 
-    /// Runs one op to completion on a private ring (for callers outside the data path).
-    pub fn run_blocking(&mut self, op: Op) -> io::Result<u32> {
-        crate::run_blocking(self.io.as_mut(), op)
+    /// A ring completion for `tag`: the request's result when it is finished, `None` while more
+    /// is to come.
+    pub fn complete(&mut self, tag: u64, res: i32, sq: &mut dyn Submitter) -> Option<i32> {
+        if self.steps.is_empty() {
+            return Some(res);
+        }
+        let Some(i) = self.steps.iter().position(|s| s.tag == tag) else {
+            return Some(res);
+        };
+        let s = &mut self.steps[i];
+        s.result = match s.result {
+            None => Some(res),
+            Some(first) if first >= 0 && res < 0 => Some(res),
+            kept => kept,
+        };
+        s.pending -= 1;
+        if s.pending > 0 {
+            return None;
+        }
+        let s = self.steps.swap_remove(i);
+        match self.after(s.next, s.result.unwrap_or(res)) {
+            Err(r) => Some(r),
+            // SAFETY: the follow-up belongs to a request started through `start`, whose caller
+            // keeps its buffer valid until the result is delivered, which has not happened yet.
+            Ok((op, next)) => match unsafe { self.drive(op, tag, next, sq) } {
+                Progress::Done(r) => Some(r),
+                Progress::Pending => None,
+            },
+        }
     }
+
+    /// Collects results of operations that run on the backend's own threads and hands over
+    /// each finished request's `(tag, result)`.
+    pub fn reap(&mut self, sq: &mut dyn Submitter, done: &mut dyn FnMut(u64, i32)) {
+        let mut reaped = std::mem::take(&mut self.reaped);
+        self.io.reap(&mut |tag, res| reaped.push((tag, res)));
+        for &(tag, res) in &reaped {
+            if let Some(r) = self.complete(tag, res, sq) {
+                done(tag, r);
+            }
+        }
+        reaped.clear();
+        self.reaped = reaped;
+    }
+
+    /// Starts backend operations for `tag` until one is left running or the request finished.
+    ///
+    /// # Safety
+    /// `op`'s buffer must stay valid until the request's result is delivered.
+    unsafe fn drive(
+        &mut self,
+        mut op: Op,
+        tag: u64,
+        mut next: Next,
+        sq: &mut dyn Submitter,
+    ) -> Progress {
+        loop {
+            // SAFETY: passed on from our caller.
+            let res = match unsafe { self.io.start(op, tag, sq) } {
+                Started::Done(r) => r,
+                Started::Submitted(n) => return self.wait_for(tag, n, next),
+                Started::Async => return self.wait_for(tag, 1, next),
+            };
+            match self.after(next, res) {
+                Err(r) => return Progress::Done(r),
+                Ok((o, n)) => (op, next) = (o, n),
+            }
+        }
+    }
+
+    fn wait_for(&mut self, tag: u64, pending: u8, next: Next) -> Progress {
+        // One entry whose result is the answer needs no bookkeeping: `complete` passes it on.
+        if pending > 1 || !matches!(next, Next::Report) {
+            self.steps.push(Step {
+                tag,
+                pending: pending.max(1),
+                result: None,
+                next,
+            });
+        }
+        Progress::Pending
+    }
+
+    /// What follows a backend result `res`: the next operation, or the request's result.
+    fn after(&mut self, next: Next, res: i32) -> Result<(Op, Next), i32> {
+        match next {
+            Next::Report => Err(res),
+            _ if res < 0 => Err(res),
+            Next::FlushAfterWrite => Ok((Op::Flush, Next::ReportWrite(res))),
+            Next::ReportWrite(wrote) => Err(wrote),
+            Next::Zero { at, end } if at >= end => Err(0),
+            Next::Zero { at, end } => {
+                let len = (end - at).min(ZERO_CHUNK as u64) as u32;
+                let align = self.zero_align;
+                let zeros = self
+                    .zeros
+                    .get_or_insert_with(|| AlignedBuf::zeroed(ZERO_CHUNK as usize, align));
+                let write = Op::Write {
+                    offset: at,
+                    buf: zeros.as_mut_ptr(),
+                    len,
+                    fua: false,
+                };
+                Ok((
+                    write,
+                    Next::Zero {
+                        at: at + len as u64,
+                        end,
+                    },
+                ))
+            }
+        }
+    }
+
+    /// Reads `buf.len()` bytes at `offset` to completion (for callers outside the data path).
+    pub fn read_blocking(&mut self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let req = BlockRequest::new(BlockOp::Read, offset, len32(buf.len())?);
+        self.blocking(Op::for_request(&req, buf.as_mut_ptr()))
+    }
+
+    /// Writes `data` at `offset` to completion, durably first if `fua`.
+    pub fn write_blocking(&mut self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+        let req = BlockRequest::new(BlockOp::Write, offset, len32(data.len())?).flagged(if fua {
+            crate::IoFlags::FUA
+        } else {
+            crate::IoFlags::empty()
+        });
+        // The backend only reads a WRITE's buffer.
+        self.blocking(Op::for_request(&req, data.as_ptr().cast_mut()))
+    }
+
+    /// Runs a FLUSH, TRIM or WRITE_ZEROES to completion.
+    pub fn run_blocking(&mut self, req: &BlockRequest) -> io::Result<()> {
+        if req.op.moves_data() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "READ and WRITE need a buffer: use read_blocking or write_blocking",
+            ));
+        }
+        self.blocking(Op::for_request(req, std::ptr::null_mut()))
+    }
+
+    /// Runs one operation to completion on a private ring, or by waiting on the notifier.
+    /// Never returns while the operation may still touch its buffer.
+    fn blocking(&mut self, op: Op) -> io::Result<()> {
+        struct Collect(Vec<io_uring::squeue::Entry>);
+        impl Submitter for Collect {
+            fn push(&mut self, e: io_uring::squeue::Entry) {
+                self.0.push(e);
+            }
+        }
+        const TAG: u64 = 1;
+        let mut sub = Collect(Vec::new());
+        let mut ring: Option<io_uring::IoUring> = None;
+        let mut in_ring = 0usize;
+        // SAFETY: the buffer is borrowed by our caller for this whole call, and we return only
+        // once the result is delivered (or before anything reached the kernel).
+        let mut result = match unsafe { self.start(op, TAG, &mut sub) } {
+            Progress::Done(r) => Some(r),
+            Progress::Pending => None,
+        };
+        while result.is_none() {
+            if !sub.0.is_empty() || in_ring > 0 {
+                let ring = match ring.as_mut() {
+                    Some(r) => r,
+                    None => ring.insert(io_uring::IoUring::new(8)?),
+                };
+                for e in sub.0.drain(..) {
+                    // SAFETY: the entry's buffer is ours or our caller's, valid until the
+                    // result is delivered; the loop does not end before that.
+                    while unsafe { ring.submission().push(&e) }.is_err() {
+                        ring.submit()?;
+                    }
+                    in_ring += 1;
+                }
+                match ring.submit_and_wait(1) {
+                    Ok(_) => {}
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(e),
+                }
+                let done: Vec<(u64, i32)> = ring
+                    .completion()
+                    .map(|c| (c.user_data(), c.result()))
+                    .collect();
+                for (tag, res) in done {
+                    in_ring -= 1;
+                    if let Some(r) = self.complete(tag, res, &mut sub) {
+                        result = Some(r);
+                    }
+                }
+            } else if let Some(fd) = self.notifier() {
+                let mut p = libc::pollfd {
+                    fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: poll on one descriptor the backend owns; EINTR just loops.
+                unsafe { libc::poll(&mut p, 1, -1) };
+                self.reap(&mut sub, &mut |_, r| result = Some(r));
+            } else {
+                return Err(io::Error::other(
+                    "backend left an operation pending with no way to wait for it",
+                ));
+            }
+        }
+        match result {
+            Some(r) if r < 0 => Err(io::Error::from_raw_os_error(-r)),
+            _ => Ok(()),
+        }
+    }
+}
+
+fn len32(n: usize) -> io::Result<u32> {
+    u32::try_from(n).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "buffer over 4 GiB"))
 }
 
 /// Appends an extent to an allocation map, merging it with the previous one when alike.
@@ -262,6 +557,7 @@ pub struct AlignedBuf {
 unsafe impl Send for AlignedBuf {}
 
 impl AlignedBuf {
+    /// `len` zero bytes aligned to `align`.
     pub fn zeroed(len: usize, align: usize) -> AlignedBuf {
         let layout = Layout::from_size_align(len.max(1), align.max(1)).expect("valid layout");
         // SAFETY: non-zero size layout.
@@ -271,20 +567,25 @@ impl AlignedBuf {
         }
         AlignedBuf { ptr, layout }
     }
+    /// Bytes in the buffer.
     pub fn len(&self) -> usize {
         self.layout.size()
     }
+    /// Never: a buffer has at least one byte.
     pub fn is_empty(&self) -> bool {
         false
     }
+    /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: ptr is valid for layout.size() initialised bytes.
         unsafe { std::slice::from_raw_parts(self.ptr, self.layout.size()) }
     }
+    /// The bytes, writable.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as above, and we hold &mut self.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.layout.size()) }
     }
+    /// The first byte, for I/O that fills the buffer while it is not borrowed.
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ptr
     }
@@ -300,6 +601,7 @@ impl Drop for AlignedBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{FileBackend, MemBackend};
 
     #[test]
     fn spec_parsing() {
@@ -343,33 +645,14 @@ mod tests {
             *b = (i % 251) as u8 + 1;
         }
         let mut r = AlignedBuf::zeroed(8192, align);
-        q.run_blocking(Op::Write {
-            offset: 8192,
-            buf: w.as_mut_ptr(),
-            len: 8192,
-            fua: true,
-        })
-        .unwrap();
-        q.run_blocking(Op::Flush).unwrap();
-        q.run_blocking(Op::Read {
-            offset: 8192,
-            buf: r.as_mut_ptr(),
-            len: 8192,
-        })
-        .unwrap();
+        q.write_blocking(8192, w.as_slice(), true).unwrap();
+        q.run_blocking(&BlockRequest::new(BlockOp::Flush, 0, 0))
+            .unwrap();
+        q.read_blocking(8192, r.as_mut_slice()).unwrap();
         assert_eq!(r.as_slice(), w.as_slice(), "{spec}: read back");
-        q.run_blocking(Op::WriteZeroes {
-            offset: 8192 + 100,
-            len: 4096,
-            no_hole: false,
-        })
-        .unwrap();
-        q.run_blocking(Op::Read {
-            offset: 8192,
-            buf: r.as_mut_ptr(),
-            len: 8192,
-        })
-        .unwrap();
+        q.run_blocking(&BlockRequest::new(BlockOp::WriteZeroes, 8192 + 100, 4096))
+            .unwrap();
+        q.read_blocking(8192, r.as_mut_slice()).unwrap();
         assert!(
             r.as_slice()[100..4196].iter().all(|b| *b == 0),
             "{spec}: zeroed"
@@ -384,11 +667,8 @@ mod tests {
             w.as_slice()[4196..],
             "{spec}: after zero range kept"
         );
-        q.run_blocking(Op::Trim {
-            offset: 0,
-            len: 1 << 20,
-        })
-        .unwrap();
+        q.run_blocking(&BlockRequest::new(BlockOp::Trim, 0, 1 << 20))
+            .unwrap();
     }
 
     #[test]
@@ -397,6 +677,284 @@ mod tests {
         let m = MemBackend::new(1 << 30).unwrap();
         assert_eq!(m.resident_bytes(), 0);
         assert!(m.reads_as_zero());
+    }
+
+    #[test]
+    fn memthread_backend_completes_on_its_helper_thread() {
+        round_trip("m=memthread:1M");
+        let e = Export::open(&ExportSpec::parse("m=memthread:1M").unwrap()).unwrap();
+        let q = e.open_queue().unwrap();
+        assert!(!q.completes_inline() && q.notifier().is_some());
+    }
+
+    /// A backend that records what reaches it and keeps its data in a Vec: completes inline,
+    /// or (`asynchronous`) through its notifier, as a thread-completing backend would.
+    struct Recorder {
+        caps: Capabilities,
+        asynchronous: bool,
+        fail_flush: bool,
+        data: std::sync::Mutex<Vec<u8>>,
+        log: std::sync::Mutex<Vec<String>>,
+    }
+
+    impl Recorder {
+        fn new(caps: Capabilities, asynchronous: bool) -> Arc<Recorder> {
+            Arc::new(Recorder {
+                caps,
+                asynchronous,
+                fail_flush: false,
+                data: std::sync::Mutex::new(vec![0xaa; 4 << 20]),
+                log: std::sync::Mutex::new(Vec::new()),
+            })
+        }
+        fn log(&self) -> Vec<String> {
+            self.log.lock().unwrap().clone()
+        }
+    }
+
+    impl Backend for Recorder {
+        fn describe(&self) -> String {
+            "recorder".into()
+        }
+        fn size(&self) -> u64 {
+            4 << 20
+        }
+        fn block_sizes(&self) -> (u32, u32) {
+            (512, 4096)
+        }
+        fn capabilities(&self) -> Capabilities {
+            self.caps
+        }
+        fn reads_as_zero(&self) -> bool {
+            false
+        }
+        fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
+            // SAFETY: creating a new descriptor, owned from here on.
+            let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+            assert!(fd >= 0);
+            // SAFETY: a fresh descriptor nobody else owns.
+            let efd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+            Ok(Box::new(RecorderQueue {
+                b: self,
+                ready: Vec::new(),
+                efd,
+            }))
+        }
+    }
+
+    struct RecorderQueue {
+        b: Arc<Recorder>,
+        ready: Vec<(u64, i32)>,
+        efd: std::os::fd::OwnedFd,
+    }
+
+    impl QueueIo for RecorderQueue {
+        fn completes_inline(&self) -> bool {
+            !self.b.asynchronous
+        }
+        unsafe fn start(&mut self, op: Op, tag: u64, _sq: &mut dyn Submitter) -> Started {
+            use std::os::fd::AsRawFd;
+            let mut data = self.b.data.lock().unwrap();
+            let (line, res) = match op {
+                Op::Read { offset, buf, len } => {
+                    let src = &data[offset as usize..][..len as usize];
+                    // SAFETY: the caller vouches for the buffer.
+                    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), buf, len as usize) };
+                    (format!("read {offset}+{len}"), len as i32)
+                }
+                Op::Write {
+                    offset,
+                    buf,
+                    len,
+                    fua,
+                } => {
+                    // SAFETY: the caller vouches for the buffer.
+                    let src = unsafe { std::slice::from_raw_parts(buf, len as usize) };
+                    data[offset as usize..][..len as usize].copy_from_slice(src);
+                    (format!("write {offset}+{len} fua={fua}"), len as i32)
+                }
+                Op::Flush => (
+                    "flush".into(),
+                    if self.b.fail_flush { -libc::EIO } else { 0 },
+                ),
+                Op::Trim { offset, len } => (format!("trim {offset}+{len}"), 0),
+                Op::WriteZeroes { offset, len, .. } => {
+                    data[offset as usize..][..len as usize].fill(0);
+                    (format!("zero {offset}+{len}"), 0)
+                }
+            };
+            self.b.log.lock().unwrap().push(line);
+            if !self.b.asynchronous {
+                return Started::Done(res);
+            }
+            self.ready.push((tag, res));
+            let one: u64 = 1;
+            // SAFETY: an 8-byte write to our eventfd.
+            unsafe { libc::write(self.efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+            Started::Async
+        }
+        fn notifier(&self) -> Option<RawFd> {
+            use std::os::fd::AsRawFd;
+            self.b.asynchronous.then(|| self.efd.as_raw_fd())
+        }
+        fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) {
+            for (tag, res) in self.ready.drain(..) {
+                done(tag, res);
+            }
+        }
+    }
+
+    fn flush_only() -> Capabilities {
+        Capabilities {
+            flush: Support::Native,
+            write_zeroes: Support::Native,
+            ..Capabilities::default()
+        }
+    }
+
+    #[test]
+    fn fua_on_a_flush_only_backend_is_a_write_then_a_flush() {
+        for asynchronous in [false, true] {
+            let b = Recorder::new(flush_only(), asynchronous);
+            let e = Export::new("t", b.clone(), false);
+            assert_eq!(e.capabilities().fua, Support::Emulated);
+            let mut q = e.open_queue().unwrap();
+            q.write_blocking(4096, &[5u8; 4096], true).unwrap();
+            q.write_blocking(8192, &[6u8; 512], false).unwrap();
+            assert_eq!(
+                b.log(),
+                [
+                    "write 4096+4096 fua=false",
+                    "flush",
+                    "write 8192+512 fua=false"
+                ],
+                "asynchronous={asynchronous}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_emulated_fua_write_fails_when_its_flush_fails() {
+        let b = Arc::new(Recorder {
+            fail_flush: true,
+            ..Arc::into_inner(Recorder::new(flush_only(), true)).unwrap()
+        });
+        let mut q = Export::new("t", b.clone(), false).open_queue().unwrap();
+        let err = q.write_blocking(0, &[1u8; 512], true).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EIO));
+        assert_eq!(b.log(), ["write 0+512 fua=false", "flush"]);
+    }
+
+    #[test]
+    fn the_data_path_reports_an_emulated_fua_write_once_its_flush_completed() {
+        let b = Recorder::new(flush_only(), true);
+        let mut q = Export::new("t", b.clone(), false).open_queue().unwrap();
+        let data = [3u8; 1024];
+        struct NoRing;
+        impl Submitter for NoRing {
+            fn push(&mut self, _: io_uring::squeue::Entry) {
+                panic!("this backend uses no ring")
+            }
+        }
+        let op = Op::Write {
+            offset: 0,
+            buf: data.as_ptr(),
+            len: 1024,
+            fua: true,
+        };
+        // SAFETY: `data` outlives every completion collected below.
+        assert_eq!(unsafe { q.start(op, 7, &mut NoRing) }, Progress::Pending);
+        let mut got = Vec::new();
+        // The write's completion starts the flush: no result yet.
+        q.reap(&mut NoRing, &mut |t, r| got.push((t, r)));
+        assert_eq!(got, []);
+        assert_eq!(b.log(), ["write 0+1024 fua=false", "flush"]);
+        q.reap(&mut NoRing, &mut |t, r| got.push((t, r)));
+        assert_eq!(got, [(7, 1024)], "the write's byte count, after the flush");
+    }
+
+    #[test]
+    fn write_zeroes_without_native_support_writes_zeros_in_chunks() {
+        for asynchronous in [false, true] {
+            let b = Recorder::new(Capabilities::default(), asynchronous);
+            let e = Export::new("t", b.clone(), false);
+            assert_eq!(e.capabilities().write_zeroes, Support::Emulated);
+            assert_eq!(e.capabilities().flush, Support::None);
+            let mut q = e.open_queue().unwrap();
+            let len = ZERO_CHUNK * 2 + 4096;
+            q.run_blocking(&BlockRequest::new(BlockOp::WriteZeroes, 512, len))
+                .unwrap();
+            let data = b.data.lock().unwrap().clone();
+            assert!(data[512..512 + len as usize].iter().all(|&x| x == 0));
+            assert_eq!(data[511], 0xaa);
+            assert_eq!(data[512 + len as usize], 0xaa);
+            let mb = ZERO_CHUNK as u64;
+            assert_eq!(
+                b.log(),
+                [
+                    format!("write 512+{mb} fua=false"),
+                    format!("write {}+{mb} fua=false", 512 + mb),
+                    format!("write {}+4096 fua=false", 512 + 2 * mb),
+                ]
+            );
+            // TRIM and FLUSH have nothing to do here: they never reach the backend.
+            q.run_blocking(&BlockRequest::new(BlockOp::Trim, 0, 4096))
+                .unwrap();
+            q.run_blocking(&BlockRequest::new(BlockOp::Flush, 0, 0))
+                .unwrap();
+            assert_eq!(b.log().len(), 3);
+        }
+    }
+
+    #[test]
+    fn several_ring_entries_fold_into_one_result() {
+        struct TwoEntries;
+        impl QueueIo for TwoEntries {
+            fn completes_inline(&self) -> bool {
+                false
+            }
+            unsafe fn start(&mut self, _op: Op, tag: u64, sq: &mut dyn Submitter) -> Started {
+                for _ in 0..2 {
+                    sq.push(io_uring::opcode::Nop::new().build().user_data(tag));
+                }
+                Started::Submitted(2)
+            }
+        }
+        struct Drop_;
+        impl Submitter for Drop_ {
+            fn push(&mut self, _: io_uring::squeue::Entry) {}
+        }
+        let mut q = ExportQueue {
+            io: Box::new(TwoEntries),
+            caps: Capabilities::effective(flush_only()),
+            zero_align: 4096,
+            zeros: None,
+            steps: Vec::new(),
+            reaped: Vec::new(),
+        };
+        let buf = [0u8; 512];
+        let op = Op::Write {
+            offset: 0,
+            buf: buf.as_ptr(),
+            len: 512,
+            fua: false,
+        };
+        // SAFETY: nothing reads the buffer (the entries are never submitted).
+        assert_eq!(unsafe { q.start(op, 9, &mut Drop_) }, Progress::Pending);
+        assert_eq!(q.complete(9, 512, &mut Drop_), None);
+        assert_eq!(
+            q.complete(9, 0, &mut Drop_),
+            Some(512),
+            "the first entry's result"
+        );
+        // SAFETY: as above.
+        assert_eq!(unsafe { q.start(op, 10, &mut Drop_) }, Progress::Pending);
+        assert_eq!(q.complete(10, 512, &mut Drop_), None);
+        assert_eq!(
+            q.complete(10, -libc::ECANCELED, &mut Drop_),
+            Some(-libc::ECANCELED)
+        );
+        assert!(q.steps.is_empty());
     }
 
     #[test]
@@ -422,13 +980,7 @@ mod tests {
         let e = Export::new("m", std::sync::Arc::new(m), false);
         let mut q = e.open_queue().unwrap();
         let b = vec![1u8; 8192];
-        q.run_blocking(Op::Write {
-            offset: 65536,
-            buf: b.as_ptr(),
-            len: 8192,
-            fua: false,
-        })
-        .unwrap();
+        q.write_blocking(65536, &b, false).unwrap();
         let mut out = Vec::new();
         e.backend().allocation(0, 1 << 20, &mut out);
         let want = [
@@ -472,13 +1024,7 @@ mod tests {
         let fb = FileBackend::open(&path, false, false).unwrap();
         let e = Export::new("f", std::sync::Arc::new(fb), false);
         let mut q = e.open_queue().unwrap();
-        q.run_blocking(Op::Write {
-            offset: 65536,
-            buf: b.as_ptr(),
-            len: 8192,
-            fua: false,
-        })
-        .unwrap();
+        q.write_blocking(65536, &b, false).unwrap();
         let mut out = Vec::new();
         e.backend().allocation(0, 1 << 20, &mut out);
         let data: Vec<_> = out.iter().filter(|x| !x.hole).collect();
@@ -493,19 +1039,8 @@ mod tests {
         let e = Export::open(&ExportSpec::parse("n=null:1M").unwrap()).unwrap();
         let mut q = e.open_queue().unwrap();
         let mut b = vec![7u8; 4096];
-        q.run_blocking(Op::Write {
-            offset: 0,
-            buf: b.as_ptr(),
-            len: 4096,
-            fua: false,
-        })
-        .unwrap();
-        q.run_blocking(Op::Read {
-            offset: 0,
-            buf: b.as_mut_ptr(),
-            len: 4096,
-        })
-        .unwrap();
+        q.write_blocking(0, &b, false).unwrap();
+        q.read_blocking(0, &mut b).unwrap();
         assert!(b.iter().all(|x| *x == 0));
     }
 

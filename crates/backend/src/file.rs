@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use io_uring::{opcode, types};
 
-use crate::{Backend, Caps, Op, QueueIo, Started, Submitter};
+use crate::{Backend, Capabilities, Op, QueueIo, Started, Submitter, Support};
 
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
 const BLKSSZGET: libc::c_ulong = 0x1268;
@@ -21,6 +21,7 @@ const BLKPBSZGET: libc::c_ulong = 0x127b;
 const BLKDISCARD: libc::c_ulong = 0x1277;
 const BLKZEROOUT: libc::c_ulong = 0x127f;
 
+/// A regular file or block device, served through the queue thread's io_uring.
 pub struct FileBackend {
     path: PathBuf,
     fd: libc::c_int,
@@ -299,14 +300,15 @@ impl Backend for FileBackend {
     fn block_sizes(&self) -> (u32, u32) {
         (self.logical, self.physical)
     }
-    fn caps(&self) -> Caps {
-        Caps {
-            flush: true,
-            fua: true,
-            trim: self.block_device || self.punch_hole,
-            write_zeroes: true,
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            flush: Support::Native,
+            fua: Support::Native,
+            trim: Support::native_if(self.block_device || self.punch_hole),
+            write_zeroes: Support::Native,
             rotational: self.rotational,
             fast_zero: self.block_device || self.punch_hole,
+            ..Capabilities::default()
         }
     }
     fn reads_as_zero(&self) -> bool {
@@ -356,7 +358,7 @@ impl QueueIo for FileQueue {
     fn completes_inline(&self) -> bool {
         false
     }
-    fn start(&mut self, op: Op, user_data: u64, sq: &mut dyn Submitter) -> Started {
+    unsafe fn start(&mut self, op: Op, tag: u64, sq: &mut dyn Submitter) -> Started {
         let fd = types::Fd(self.file.fd);
         let entry = match op {
             Op::Read { offset, buf, len } => opcode::Read::new(fd, buf, len).offset(offset).build(),
@@ -384,7 +386,8 @@ impl QueueIo for FileQueue {
                 )
             }
         };
-        sq.push(entry.user_data(user_data));
-        Started::Submitted
+        // The entry names the op's buffer, which our caller keeps valid until the completion.
+        sq.push(entry.user_data(tag));
+        Started::Submitted(1)
     }
 }

@@ -1,46 +1,43 @@
-//! Storage backends and the generic layer above them.
+//! Storage backends and the generic layer above them (backend contract v2, docs/ARCHITECTURE.md).
 //!
-//! A [`Backend`] is shared by every queue of an export and declares what it can do natively
-//! ([`Caps`]). Each queue thread opens its own [`QueueIo`] handle, so the data path holds no locks:
-//! synchronous backends (`mem:`, `null:`) complete in place; `file:` submits to the queue thread's
-//! own io_uring. [`Export`] is the generic layer: it checks ranges and read-only state, and emulates
-//! what a backend lacks (PROTOCOL.md §7, §10).
+//! A [`Backend`] is shared by every queue of an export and declares what it does natively
+//! ([`Capabilities`], `Native` or `None` per capability). Each queue thread opens its own
+//! [`QueueIo`] handle, so the data path holds no locks. A handle finishes an operation in one of
+//! three ways ([`Started`]): inline (`mem:`, `null:`), through io_uring entries pushed to the
+//! queue thread's own ring (`file:`), or on the backend's own threads, announced through a
+//! notifier descriptor the queue thread watches and collected with [`QueueIo::reap`] (the way
+//! librbd completes; `memthread:` exercises it). [`Export`] is the generic layer: it checks
+//! ranges and read-only state and emulates what a backend lacks ([`Capabilities::effective`],
+//! PROTOCOL.md §7, §10). [`registry`] names every backend `serve --export` knows.
+
+#![deny(missing_docs)]
 
 mod export;
 mod file;
 mod mem;
+mod memthread;
 mod null;
+pub mod registry;
 mod size;
 
 use std::io;
+use std::os::fd::RawFd;
 use std::sync::Arc;
 
-pub use export::{push_extent, AlignedBuf, Export, ExportQueue, ExportSpec, Refusal, SpecError};
+pub use blkwire_block::{BlockOp, BlockRequest, Capabilities, IoFlags, Limits, Support};
+pub use export::{
+    push_extent, AlignedBuf, Export, ExportQueue, ExportSpec, Progress, Refusal, SpecError,
+};
 pub use file::FileBackend;
 pub use mem::MemBackend;
+pub use memthread::MemThreadBackend;
 pub use null::NullBackend;
 pub use size::{format_size, parse_size};
-
-/// What a backend does natively. The generic layer fills the gaps (see [`Export::features`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Caps {
-    /// Data can be made durable (`FLUSH` means something).
-    pub flush: bool,
-    /// A write can be made durable on its own (forced unit access).
-    pub fua: bool,
-    /// Deallocation frees space.
-    pub trim: bool,
-    /// Ranges can be zeroed without sending zeros.
-    pub write_zeroes: bool,
-    /// The medium seeks (spinning disk).
-    pub rotational: bool,
-    /// WRITE_ZEROES is a metadata operation, never a write of zeros (NBD's FAST_ZERO).
-    pub fast_zero: bool,
-}
 
 /// One run of an export's allocation map (NBD `base:allocation`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Extent {
+    /// Bytes in the run.
     pub len: u64,
     /// Unallocated and reads as zeros.
     pub hole: bool,
@@ -49,56 +46,103 @@ pub struct Extent {
 /// Most extents one allocation query returns; the rest of the range is left to a later query.
 pub const MAX_EXTENTS: usize = 1 << 16;
 
-/// One I/O as the data path hands it to a backend. Buffers are raw because, for io_uring, they
-/// must stay valid until the completion arrives: the caller (the queue) owns them until then.
+/// One I/O as the data path hands it to a backend. Buffers are raw because, for io_uring and
+/// for backends with threads of their own, they must stay valid until the completion arrives:
+/// the queue that started the operation owns them until then (see [`QueueIo::start`]).
 #[derive(Clone, Copy, Debug)]
 pub enum Op {
+    /// Fill `buf` with `len` bytes at `offset`.
     Read {
+        /// First byte.
         offset: u64,
+        /// Destination of `len` bytes.
         buf: *mut u8,
+        /// Bytes to read.
         len: u32,
     },
+    /// Store `len` bytes from `buf` at `offset`.
     Write {
+        /// First byte.
         offset: u64,
+        /// Source of `len` bytes.
         buf: *const u8,
+        /// Bytes to write.
         len: u32,
+        /// Durable before completion (only sent to backends with native FUA).
         fua: bool,
     },
+    /// Make completed writes durable.
     Flush,
+    /// Deallocate a range.
     Trim {
+        /// First byte.
         offset: u64,
+        /// Bytes.
         len: u32,
     },
+    /// Zero a range.
     WriteZeroes {
+        /// First byte.
         offset: u64,
+        /// Bytes.
         len: u32,
+        /// The range must stay allocated.
         no_hole: bool,
     },
 }
 
+impl Op {
+    /// The backend operation for a request; `buf` is used by READ and WRITE only.
+    pub fn for_request(req: &BlockRequest, buf: *mut u8) -> Op {
+        let (offset, len) = (req.offset, req.len);
+        match req.op {
+            BlockOp::Read => Op::Read { offset, buf, len },
+            BlockOp::Write => Op::Write {
+                offset,
+                buf,
+                len,
+                fua: req.flags.has(IoFlags::FUA),
+            },
+            BlockOp::Flush => Op::Flush,
+            BlockOp::Trim => Op::Trim { offset, len },
+            BlockOp::WriteZeroes => Op::WriteZeroes {
+                offset,
+                len,
+                no_hole: req.flags.has(IoFlags::NO_HOLE),
+            },
+        }
+    }
+}
+
 /// Where a backend puts io_uring submissions: the queue thread's own ring.
 pub trait Submitter {
+    /// Queues one entry; it is submitted with the thread's next `io_uring_enter`.
     fn push(&mut self, entry: io_uring::squeue::Entry);
 }
 
 /// How an operation started.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Started {
-    /// Finished already: 0 or a negative errno.
+    /// Finished already: bytes transferred (READ/WRITE), 0, or a negative errno.
     Done(i32),
-    /// One io_uring entry was pushed with the given user data; its completion result is the
-    /// operation's result (bytes transferred or negative errno).
-    Submitted,
+    /// `n` io_uring entries were pushed, each with the caller's tag as user data. The
+    /// operation's result is the first entry's result, unless a later one failed.
+    Submitted(u8),
+    /// Running on the backend's own threads: its result comes from [`QueueIo::reap`].
+    Async,
 }
 
 /// A storage backend, shared by all queues of an export.
 pub trait Backend: Send + Sync {
     /// `file:/path`, `mem:4G` and so on: how the user named it.
     fn describe(&self) -> String;
+    /// Size in bytes.
     fn size(&self) -> u64;
     /// (logical, physical) block sizes in bytes, powers of two >= 512.
     fn block_sizes(&self) -> (u32, u32);
-    fn caps(&self) -> Caps;
+    /// What the backend does natively: each capability `Native` or `None`. What it lacks is the
+    /// generic layer's job ([`Capabilities::effective`]).
+    fn capabilities(&self) -> Capabilities;
     /// True when every byte reads as zero right now (lets `cp` skip zero blocks).
     fn reads_as_zero(&self) -> bool;
     /// Opens the per-queue handle; called on the queue's own thread.
@@ -119,43 +163,23 @@ pub trait QueueIo {
     /// True when `start` always returns `Done`: the caller may then read straight into its
     /// reply buffer instead of a pooled one.
     fn completes_inline(&self) -> bool;
-    /// Starts `op`, which the generic layer has already range-checked.
-    fn start(&mut self, op: Op, user_data: u64, sq: &mut dyn Submitter) -> Started;
-}
 
-/// Blocking helper for callers without a ring (tests, tools): runs one op to completion on a
-/// private io_uring.
-pub fn run_blocking(q: &mut dyn QueueIo, op: Op) -> io::Result<u32> {
-    struct Collect(Vec<io_uring::squeue::Entry>);
-    impl Submitter for Collect {
-        fn push(&mut self, e: io_uring::squeue::Entry) {
-            self.0.push(e);
-        }
+    /// Starts `op`, which the generic layer has already range-checked. `tag` comes back with
+    /// the result: as the user data of every io_uring entry pushed, or from [`QueueIo::reap`].
+    ///
+    /// # Safety
+    /// A READ's `buf` must be valid for writes of `len` bytes, and a WRITE's for reads of `len`
+    /// bytes, from this call until the operation's result is delivered (returned as `Done`,
+    /// reaped from the ring, or handed over by `reap`); nobody else may access a READ buffer
+    /// meanwhile.
+    unsafe fn start(&mut self, op: Op, tag: u64, sq: &mut dyn Submitter) -> Started;
+
+    /// For backends that complete on their own threads: a descriptor that becomes readable when
+    /// [`QueueIo::reap`] has results. The queue thread watches it in its own ring.
+    fn notifier(&self) -> Option<RawFd> {
+        None
     }
-    let mut c = Collect(Vec::new());
-    let res = match q.start(op, 1, &mut c) {
-        Started::Done(r) => r,
-        Started::Submitted => {
-            let mut ring = io_uring::IoUring::new(4)?;
-            for e in &c.0 {
-                // SAFETY: the op's buffers are owned by our caller and outlive this call.
-                unsafe {
-                    ring.submission()
-                        .push(e)
-                        .map_err(|_| io::Error::other("ring full"))?
-                };
-            }
-            ring.submit_and_wait(1)?;
-            let cqe = ring
-                .completion()
-                .next()
-                .ok_or_else(|| io::Error::other("no completion"))?;
-            cqe.result()
-        }
-    };
-    if res < 0 {
-        Err(io::Error::from_raw_os_error(-res))
-    } else {
-        Ok(res as u32)
-    }
+
+    /// Hands over the results of operations that started `Async`: `(tag, result)` each.
+    fn reap(&mut self, _done: &mut dyn FnMut(u64, i32)) {}
 }

@@ -13,8 +13,9 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 
-use crate::{Backend, Caps, Op, QueueIo, Started, Submitter};
+use crate::{Backend, Capabilities, Op, QueueIo, Started, Submitter, Support};
 
+/// Sparse RAM in a memfd.
 pub struct MemBackend {
     fd: OwnedFd,
     base: *mut u8,
@@ -35,6 +36,7 @@ fn errno() -> i32 {
 }
 
 impl MemBackend {
+    /// A RAM export of `size` bytes (a non-zero multiple of 512); costs nothing until written.
     pub fn new(size: u64) -> io::Result<MemBackend> {
         if size == 0 || !size.is_multiple_of(512) {
             return Err(io::Error::new(
@@ -103,7 +105,9 @@ impl MemBackend {
         }
     }
 
-    fn read(&self, offset: u64, buf: *mut u8, len: u32) -> i32 {
+    /// # Safety
+    /// `buf` must be valid for writes of `len` bytes.
+    unsafe fn read(&self, offset: u64, buf: *mut u8, len: u32) -> i32 {
         let mut done = 0usize;
         while done < len as usize {
             // SAFETY: the caller's buffer holds `len` bytes; the range is inside the file.
@@ -124,6 +128,47 @@ impl MemBackend {
         }
         0
     }
+    /// Runs one range-checked op to completion on the calling thread: bytes moved (READ, WRITE),
+    /// 0, or a negative errno.
+    ///
+    /// # Safety
+    /// The op's buffer (READ, WRITE) must be valid for `len` bytes for the duration of the call.
+    pub(crate) unsafe fn execute(&self, op: Op) -> i32 {
+        match op {
+            // SAFETY: the caller vouches for the buffer.
+            Op::Read { offset, buf, len } => match unsafe { self.read(offset, buf, len) } {
+                0 => len as i32,
+                e => e,
+            },
+            Op::Write {
+                offset, buf, len, ..
+            } => {
+                // SAFETY: the range is bounds-checked by Export and lies inside our mapping; the
+                // caller vouches for the buffer.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(buf, self.base.add(offset as usize), len as usize)
+                };
+                len as i32
+            }
+            Op::Flush => 0,
+            Op::Trim { offset, len }
+            | Op::WriteZeroes {
+                offset,
+                len,
+                no_hole: false,
+            } => self.punch(offset, len as u64),
+            Op::WriteZeroes {
+                offset,
+                len,
+                no_hole: true,
+            } => {
+                // Allocated zeros, as asked: write them.
+                // SAFETY: the range is bounds-checked by Export and lies inside our mapping.
+                unsafe { std::ptr::write_bytes(self.base.add(offset as usize), 0, len as usize) };
+                0
+            }
+        }
+    }
 }
 
 impl Drop for MemBackend {
@@ -143,14 +188,13 @@ impl Backend for MemBackend {
     fn block_sizes(&self) -> (u32, u32) {
         (512, 4096)
     }
-    fn caps(&self) -> Caps {
-        Caps {
-            flush: false,
-            fua: false,
-            trim: true,
-            write_zeroes: true,
-            rotational: false,
+    fn capabilities(&self) -> Capabilities {
+        // Volatile by design: no flush, no FUA (PROTOCOL.md §10).
+        Capabilities {
+            trim: Support::Native,
+            write_zeroes: Support::Native,
             fast_zero: true,
+            ..Capabilities::default()
         }
     }
     fn reads_as_zero(&self) -> bool {
@@ -199,36 +243,8 @@ impl QueueIo for MemQueue {
     fn completes_inline(&self) -> bool {
         true
     }
-    fn start(&mut self, op: Op, _user_data: u64, _sq: &mut dyn Submitter) -> Started {
-        let mem = &*self.mem;
-        Started::Done(match op {
-            Op::Read { offset, buf, len } => mem.read(offset, buf, len),
-            Op::Write {
-                offset, buf, len, ..
-            } => {
-                // SAFETY: range bounds-checked by Export; the caller's buffer holds `len` bytes.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(buf, mem.base.add(offset as usize), len as usize)
-                };
-                0
-            }
-            Op::Flush => 0,
-            Op::Trim { offset, len }
-            | Op::WriteZeroes {
-                offset,
-                len,
-                no_hole: false,
-            } => mem.punch(offset, len as u64),
-            Op::WriteZeroes {
-                offset,
-                len,
-                no_hole: true,
-            } => {
-                // Allocated zeros, as asked: write them.
-                // SAFETY: range bounds-checked by Export.
-                unsafe { std::ptr::write_bytes(mem.base.add(offset as usize), 0, len as usize) };
-                0
-            }
-        })
+    unsafe fn start(&mut self, op: Op, _tag: u64, _sq: &mut dyn Submitter) -> Started {
+        // SAFETY: our caller keeps the op's buffer valid for the call (QueueIo::start's contract).
+        Started::Done(unsafe { self.mem.execute(op) })
     }
 }

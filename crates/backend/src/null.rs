@@ -3,13 +3,15 @@
 use std::io;
 use std::sync::Arc;
 
-use crate::{Backend, Caps, Op, QueueIo, Started, Submitter};
+use crate::{Backend, Capabilities, Op, QueueIo, Started, Submitter, Support};
 
+/// A backend without storage: reads return zeros, writes vanish.
 pub struct NullBackend {
     size: u64,
 }
 
 impl NullBackend {
+    /// A null export of `size` bytes (a non-zero multiple of 512).
     pub fn new(size: u64) -> io::Result<NullBackend> {
         if size == 0 || !size.is_multiple_of(512) {
             return Err(io::Error::new(
@@ -31,12 +33,12 @@ impl Backend for NullBackend {
     fn block_sizes(&self) -> (u32, u32) {
         (512, 4096)
     }
-    fn caps(&self) -> Caps {
-        Caps {
-            trim: true,
-            write_zeroes: true,
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            trim: Support::Native,
+            write_zeroes: Support::Native,
             fast_zero: true,
-            ..Caps::default()
+            ..Capabilities::default()
         }
     }
     fn reads_as_zero(&self) -> bool {
@@ -57,11 +59,15 @@ impl QueueIo for NullQueue {
     fn completes_inline(&self) -> bool {
         true
     }
-    fn start(&mut self, op: Op, _user_data: u64, _sq: &mut dyn Submitter) -> Started {
-        if let Op::Read { buf, len, .. } = op {
-            // SAFETY: the caller's buffer holds len bytes.
-            unsafe { std::ptr::write_bytes(buf, 0, len as usize) };
-        }
-        Started::Done(0)
+    unsafe fn start(&mut self, op: Op, _tag: u64, _sq: &mut dyn Submitter) -> Started {
+        Started::Done(match op {
+            Op::Read { buf, len, .. } => {
+                // SAFETY: the caller vouches that the buffer holds `len` writable bytes.
+                unsafe { std::ptr::write_bytes(buf, 0, len as usize) };
+                len as i32
+            }
+            Op::Write { len, .. } => len as i32,
+            _ => 0,
+        })
     }
 }

@@ -10,7 +10,9 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use blkwire_backend::{AlignedBuf, Export, ExportQueue, Op, Refusal, Started, Submitter};
+use std::os::fd::RawFd;
+
+use blkwire_backend::{AlignedBuf, BlockOp, BlockRequest, Submitter};
 use blkwire_net::rx_ring::RxRing;
 use blkwire_net::udp_offload::{self, Cmsg, SendBatch};
 use blkwire_wire::datagram::{self, Packer};
@@ -18,6 +20,8 @@ use blkwire_wire::{
     bitmap, fragment_count, ExportEntry, Flags, Header, Hello, Opcode, Status, Tag, HEADER_LEN,
 };
 
+use crate::executor::{Executor, Outcome};
+use crate::frontend::native::{block_op, flush_args_valid, io_flags};
 use crate::log::Level;
 use crate::session::Registry;
 use crate::stats::QueueStats;
@@ -103,13 +107,10 @@ struct DQ {
     session: u32,
     queue: u16,
     peer: Peer,
-    export: Arc<Export>,
-    io: ExportQueue,
-    align: usize,
+    exec: Executor,
     max_io: u32,
     fp: u32,
     slots: Vec<TSlot>,
-    stats: QueueStats,
     last_seen: Instant,
 }
 
@@ -165,6 +166,9 @@ pub struct DgramPort {
     gro: bool,
     /// Raw Ethernet: frames are read in place from a receive ring shared with the kernel.
     ring: Option<RxRing>,
+    /// Completion notifiers of queues whose backend completes on its own threads, to be watched
+    /// (`Some`) or no longer (`None`) by the reactor: (queue, incarnation, descriptor).
+    notifier_changes: Vec<(usize, u32, Option<RawFd>)>,
 }
 
 /// Encodes io_uring user data for a datagram queue's backend I/O; supplied by the reactor.
@@ -213,6 +217,7 @@ impl DgramPort {
             gso: udp,
             gro,
             ring,
+            notifier_changes: Vec::new(),
         }
     }
 
@@ -467,7 +472,7 @@ impl DgramPort {
             return;
         }
         q.last_seen = self.now;
-        q.stats.frames_in += 1;
+        q.exec.stats.frames_in += 1;
         match h.opcode {
             Opcode::Join => self.reply(&h, Status::Ok, peer),
             Opcode::Keepalive => self.reply(&h, Status::Ok, peer),
@@ -546,8 +551,8 @@ impl DgramPort {
     }
 
     fn add_queue(&mut self, adm: crate::session::Admitted, fp: u32, peer: Peer) {
-        let io = match adm.export.open_queue() {
-            Ok(io) => io,
+        let exec = match Executor::open(adm.export.clone(), adm.max_io) {
+            Ok(x) => x,
             Err(e) => {
                 crate::log!(
                     Level::Error,
@@ -571,9 +576,6 @@ impl DgramPort {
             session: adm.session,
             queue: adm.queue,
             peer,
-            align: adm.export.backend().buffer_alignment(),
-            io,
-            export: adm.export,
             max_io: adm.max_io,
             fp,
             slots: (0..adm.depth)
@@ -588,9 +590,12 @@ impl DgramPort {
                     client_has: Vec::new(),
                 })
                 .collect(),
-            stats: QueueStats::default(),
             last_seen: Instant::now(),
+            exec,
         });
+        if let Some(fd) = self.queues[idx].as_ref().and_then(|q| q.exec.notifier()) {
+            self.notifier_changes.push((idx, incarnation, Some(fd)));
+        }
         self.index.insert((adm.session, adm.queue), idx);
     }
 
@@ -602,7 +607,10 @@ impl DgramPort {
                 return;
             }
             self.index.remove(&(q.session, q.queue));
-            self.registry.leave(q.session, q.queue, &q.stats);
+            self.registry.leave(q.session, q.queue, &q.exec.stats);
+            if q.exec.notifier().is_some() {
+                self.notifier_changes.push((qi, q.incarnation, None));
+            }
             self.free.push(qi);
         }
     }
@@ -665,7 +673,7 @@ impl DgramPort {
             match s.state {
                 SlotState::Assembling => return self.fragment(qi, h, payload, sq, ud),
                 SlotState::Running => {
-                    q.stats.dropped_duplicates += 1;
+                    q.exec.stats.dropped_duplicates += 1;
                     return;
                 }
                 SlotState::Done if h.opcode == Opcode::Read => {
@@ -678,7 +686,7 @@ impl DgramPort {
                 }
                 SlotState::Done => {
                     // Never twice: resend the cached answer.
-                    q.stats.dropped_duplicates += 1;
+                    q.exec.stats.dropped_duplicates += 1;
                     let (hdr, status) = (s.hdr, s.status);
                     let mut r = hdr.reply(status, 0);
                     r.credit = credit;
@@ -688,11 +696,11 @@ impl DgramPort {
             }
         }
         if s.state != SlotState::Empty && h.tag.generation_older_than(s.hdr.tag.generation()) {
-            q.stats.dropped_duplicates += 1;
+            q.exec.stats.dropped_duplicates += 1;
             return; // stale: can never land after a newer request on this slot
         }
         if matches!(s.state, SlotState::Running) {
-            q.stats.dropped_duplicates += 1;
+            q.exec.stats.dropped_duplicates += 1;
             return; // the previous request still runs; the initiator retransmits
         }
         // A new request on this slot.
@@ -709,7 +717,7 @@ impl DgramPort {
                 s.status = Status::Invalid;
                 return self.reply(h, Status::Invalid, peer);
             }
-            let align = q.align.max(4096);
+            let align = q.exec.buffer_alignment();
             if s.buf.as_ref().is_none_or(|b| b.len() < h.length as usize) {
                 s.buf = Some(AlignedBuf::zeroed(h.length as usize, align));
             }
@@ -747,12 +755,12 @@ impl DgramPort {
             || h.payload_len != expect
             || h.length != s.hdr.length
         {
-            q.stats.protocol_errors += 1;
+            q.exec.stats.protocol_errors += 1;
             return;
         }
         if bitmap::get(&s.have, i) {
             // A repeat of something we hold: say what we hold, the initiator sends the rest.
-            q.stats.dropped_duplicates += 1;
+            q.exec.stats.dropped_duplicates += 1;
             let mut r = s.hdr.reply(Status::Ok, 0);
             r.flags.0 |= Flags::HAVE;
             r.credit = credit;
@@ -773,113 +781,108 @@ impl DgramPort {
     fn execute(&mut self, qi: usize, slot: u16, sq: &mut dyn Submitter, ud: UserData) {
         let q = self.queues[qi].as_mut().expect("present");
         let h = q.slots[slot as usize].hdr;
-        let len = h.length;
-        let data_op = matches!(h.opcode, Opcode::Read | Opcode::Write);
-        let invalid = (data_op && (len == 0 || len > q.max_io))
-            || (h.opcode == Opcode::Flush && len == 0 && h.offset != 0);
-        let refusal = if invalid {
-            Some(Status::Invalid)
-        } else if let Err(r) = q
-            .export
-            .check(h.opcode.modifies_data(), h.offset, len as u64)
-        {
-            Some(match r {
-                Refusal::ReadOnly => Status::ReadOnly,
-                Refusal::OutOfRange => Status::OutOfRange,
-                Refusal::Invalid => Status::Invalid,
-            })
-        } else {
-            let a = q.export.alignment();
-            (data_op && (!h.offset.is_multiple_of(a) || !(len as u64).is_multiple_of(a)))
-                .then_some(Status::Invalid)
-        };
-        if let Some(st) = refusal {
-            return self.finish(qi, slot, st);
-        }
-        let s = &mut q.slots[slot as usize];
-        let op = match h.opcode {
-            Opcode::Read => {
-                if s.buf.as_ref().is_none_or(|b| b.len() < len as usize) {
-                    s.buf = Some(AlignedBuf::zeroed(len as usize, q.align.max(4096)));
-                }
-                q.stats.reads += 1;
-                Op::Read {
-                    offset: h.offset,
-                    buf: s.buf.as_mut().expect("set").as_mut_ptr(),
-                    len,
-                }
-            }
-            Opcode::Write => {
-                q.stats.writes += 1;
-                q.stats.bytes_written += len as u64;
-                Op::Write {
-                    offset: h.offset,
-                    buf: s.buf.as_mut().expect("assembled").as_mut_ptr(),
-                    len,
-                    fua: h.flags.has(Flags::FUA),
-                }
-            }
-            Opcode::Flush => {
-                q.stats.flushes += 1;
-                Op::Flush
-            }
-            Opcode::Trim if len == 0 => return self.finish(qi, slot, Status::Ok),
-            Opcode::WriteZeroes if len == 0 => return self.finish(qi, slot, Status::Ok),
-            Opcode::Trim => {
-                q.stats.trims += 1;
-                Op::Trim {
-                    offset: h.offset,
-                    len,
-                }
-            }
-            Opcode::WriteZeroes => {
-                q.stats.write_zeroes += 1;
-                Op::WriteZeroes {
-                    offset: h.offset,
-                    len,
-                    no_hole: h.flags.has(Flags::NO_HOLE),
-                }
-            }
+        let block = match block_op(h.opcode) {
+            Some(op) if flush_args_valid(&h) => BlockRequest {
+                op,
+                offset: h.offset,
+                len: h.length,
+                flags: io_flags(&h),
+            },
             _ => return self.finish(qi, slot, Status::Invalid),
         };
-        match q.io.start(op, ud(q.incarnation, qi, slot), sq) {
-            Started::Done(r) => {
-                let st = if r == 0 {
-                    Status::Ok
-                } else {
-                    Status::from_errno(-r)
-                };
-                self.finish(qi, slot, st)
+        if let Err(st) = q.exec.admit(&block) {
+            return self.finish(qi, slot, st);
+        }
+        let align = q.exec.buffer_alignment();
+        let s = &mut q.slots[slot as usize];
+        let buf = match block.op {
+            BlockOp::Read => {
+                if s.buf.as_ref().is_none_or(|b| b.len() < block.len as usize) {
+                    s.buf = Some(AlignedBuf::zeroed(block.len as usize, align));
+                }
+                s.buf.as_mut().expect("set").as_mut_ptr()
             }
-            Started::Submitted => q.slots[slot as usize].state = SlotState::Running,
+            BlockOp::Write => s.buf.as_mut().expect("assembled").as_mut_ptr(),
+            _ => std::ptr::null_mut(),
+        };
+        // SAFETY: the slot's buffer holds the request's bytes and is neither freed nor touched
+        // until the result is delivered: a Running slot takes no new request, and a queue with
+        // Running slots is never removed.
+        match unsafe { q.exec.start(&block, buf, ud(q.incarnation, qi, slot), sq) } {
+            Outcome::Done(st) => self.finish(qi, slot, st),
+            Outcome::Pending => q.slots[slot as usize].state = SlotState::Running,
         }
     }
 
-    /// io_uring completion for a queue's backend I/O.
-    pub fn complete(&mut self, qi: usize, incarnation: u32, slot: u16, res: i32) {
+    fn running(
+        &mut self,
+        qi: usize,
+        incarnation: u32,
+        slot: u16,
+    ) -> Option<(&mut DQ, BlockRequest)> {
+        let q = self.queues.get_mut(qi).and_then(Option::as_mut)?;
+        let s = q.slots.get(slot as usize)?;
+        if q.incarnation != incarnation || s.state != SlotState::Running {
+            return None;
+        }
+        let h = s.hdr;
+        let block = BlockRequest {
+            op: block_op(h.opcode)?,
+            offset: h.offset,
+            len: h.length,
+            flags: io_flags(&h),
+        };
+        Some((q, block))
+    }
+
+    /// io_uring completion for a queue's backend I/O (`tag` is its user data).
+    pub fn complete(
+        &mut self,
+        qi: usize,
+        incarnation: u32,
+        slot: u16,
+        tag: u64,
+        res: i32,
+        sq: &mut dyn Submitter,
+    ) {
+        let Some((q, block)) = self.running(qi, incarnation, slot) else {
+            return;
+        };
+        if let Some(st) = q.exec.complete(&block, tag, res, sq) {
+            self.finish(qi, slot, st);
+        }
+    }
+
+    /// A queue's backend completed operations on its own threads: collect and answer them.
+    pub fn reap(&mut self, qi: usize, incarnation: u32, sq: &mut dyn Submitter) {
         let Some(q) = self.queues.get_mut(qi).and_then(Option::as_mut) else {
             return;
         };
-        if q.incarnation != incarnation
-            || q.slots
-                .get(slot as usize)
-                .is_none_or(|s| s.state != SlotState::Running)
-        {
+        if q.incarnation != incarnation {
             return;
         }
-        let h = q.slots[slot as usize].hdr;
-        let st = if res < 0 {
-            Status::from_errno(-res)
-        } else if matches!(h.opcode, Opcode::Read | Opcode::Write) && res as u32 != h.length {
-            if h.opcode == Opcode::Read {
-                Status::Io
-            } else {
-                Status::OutOfRange
+        let mut done = Vec::new();
+        q.exec
+            .reap(sq, &mut |tag, res| done.push((tag as u16, res)));
+        for (slot, res) in done {
+            if let Some((q, block)) = self.running(qi, incarnation, slot) {
+                let st = q.exec.status(&block, res);
+                self.finish(qi, slot, st);
             }
-        } else {
-            Status::Ok
-        };
-        self.finish(qi, slot, st);
+        }
+    }
+
+    /// The completion notifier of a live queue, to watch again.
+    pub fn notifier(&self, qi: usize, incarnation: u32) -> Option<RawFd> {
+        let q = self.queues.get(qi).and_then(Option::as_ref)?;
+        (q.incarnation == incarnation)
+            .then(|| q.exec.notifier())
+            .flatten()
+    }
+
+    /// Notifiers the reactor should start (`Some`) or stop (`None`) watching since last asked.
+    pub fn take_notifier_changes(&mut self) -> std::vec::Drain<'_, (usize, u32, Option<RawFd>)> {
+        self.notifier_changes.drain(..)
     }
 
     /// A request finished: remember its status and answer (READ: the data, in fragments).
@@ -892,16 +895,15 @@ impl DgramPort {
         s.state = SlotState::Done;
         s.status = status;
         let h = s.hdr;
-        q.stats.frames_out += 1;
+        q.exec.stats.frames_out += 1;
         if status != Status::Ok {
-            q.stats.errors += 1;
+            q.exec.stats.errors += 1;
         }
         if h.opcode != Opcode::Read || status != Status::Ok {
             let mut r = h.reply(status, 0);
             r.credit = credit;
             return self.send_packed(r, &[], peer, fp);
         }
-        q.stats.bytes_read += h.length as u64;
         let frags = fragment_count(h.length, fp);
         let buf = s.buf.take().expect("read buffer");
         let has = std::mem::take(&mut s.client_has);
@@ -938,7 +940,7 @@ impl DgramPort {
                     .iter()
                     .filter(|s| s.state == SlotState::Running)
                     .count() as u32,
-                stats: q.stats,
+                stats: q.exec.stats,
             })
             .collect()
     }

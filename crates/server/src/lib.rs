@@ -2,8 +2,10 @@
 //! one (HELLO/JOIN/LIST, PROTOCOL.md §2), and the admitted queue is handed by message to one of
 //! the reactor threads, which owns it from then on (see `reactor.rs` and docs/ARCHITECTURE.md).
 
-mod codec;
+mod advertise;
 mod dgram;
+mod executor;
+mod frontend;
 pub mod log;
 mod nbd;
 mod ports;
@@ -23,7 +25,7 @@ use blkwire_backend::{Export, ExportSpec};
 use blkwire_wire::{ExportEntry, Header, Hello, Opcode, Status, HEADER_LEN};
 
 use crate::log::Level;
-use codec::Proto;
+use frontend::StreamFrontend;
 pub use reactor::QueueReport;
 use reactor::{Msg, NewQueue, Reactor};
 pub use session::{Limits, Registry};
@@ -363,12 +365,14 @@ fn handshake(
     let _ = s.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
     let _ = s.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
     let admitted = match frontend {
-        Frontend::Native => {
-            native_handshake(&mut s, &peer_s, registry, workers).map(|a| (a, Proto::Native))
-        }
+        Frontend::Native => native_handshake(&mut s, &peer_s, registry, workers).map(|a| {
+            let fe: Box<dyn StreamFrontend> =
+                Box::new(frontend::native::Native::new(a.depth, a.max_io));
+            (a, fe)
+        }),
         Frontend::Nbd => nbd::negotiate(&mut s, &peer_s, registry),
     };
-    let Some((admitted, proto)) = admitted else {
+    let Some((admitted, frontend)) = admitted else {
         return;
     };
     let _ = s.set_read_timeout(None);
@@ -383,7 +387,7 @@ fn handshake(
         depth: admitted.depth,
         max_io: admitted.max_io,
         peer: peer_s,
-        proto,
+        frontend,
     };
     if workers[w].0.send(Msg::Queue(q)).is_ok() {
         eventfd_write(workers[w].1);

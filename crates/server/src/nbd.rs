@@ -1,15 +1,15 @@
 //! NBD frontend, handshake phase (fixed newstyle, doc/proto.md of the NetworkBlockDevice
 //! project). Runs on the short-lived handshake thread with blocking I/O and a timeout; once the
 //! client enters transmission (NBD_OPT_GO or NBD_OPT_EXPORT_NAME) the socket goes to a reactor and
-//! is served by the same data path as the native protocol (`codec.rs`, `reactor.rs`).
+//! is served by the same data path as the native protocol (`frontend/nbd.rs`, `reactor.rs`).
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 
 use blkwire_backend::Export;
-use blkwire_wire::nbd::{self, info, opt, rep, tflag, InfoRequest, MetaRequest};
+use blkwire_wire::nbd::{self, info, opt, rep, InfoRequest, MetaRequest};
 
-use crate::codec::Proto;
+use crate::frontend::{nbd::Nbd, StreamFrontend};
 use crate::log::Level;
 use crate::session::{Admitted, Registry};
 
@@ -23,31 +23,9 @@ pub const NBD_MAX_PAYLOAD: u32 = 32 << 20;
 /// Requests of one connection processed in parallel against async backends.
 pub const NBD_DEPTH: u16 = 128;
 
-/// Transmission flags: exactly what the export can do (natively or emulated).
-pub fn transmission_flags(e: &Export, structured: bool) -> u16 {
-    let caps = e.caps();
-    // CAN_MULTI_CONN holds for every backend: all connections share one backend object, a
-    // FLUSH is an fdatasync of the shared file (or nothing, for RAM that is never durable),
-    // and a write is visible to every connection as soon as it is answered.
-    let mut f = tflag::HAS_FLAGS | tflag::CAN_MULTI_CONN | tflag::SEND_CACHE;
-    if caps.flush {
-        f |= tflag::SEND_FLUSH | tflag::SEND_FUA;
-    }
-    if caps.rotational {
-        f |= tflag::ROTATIONAL;
-    }
-    if e.read_only {
-        f |= tflag::READ_ONLY;
-    } else {
-        f |= tflag::SEND_TRIM | tflag::SEND_WRITE_ZEROES;
-        if caps.fast_zero {
-            f |= tflag::SEND_FAST_ZERO;
-        }
-    }
-    if structured {
-        f |= tflag::SEND_DF;
-    }
-    f
+/// Transmission flags: exactly what the export can do, natively or emulated.
+fn transmission_flags(e: &Export, structured: bool) -> u16 {
+    crate::advertise::Advertised::of(e).nbd(structured)
 }
 
 fn send(s: &mut TcpStream, buf: &[u8]) -> Option<()> {
@@ -76,7 +54,11 @@ fn find<'a>(registry: &'a Registry, name: &str) -> Option<&'a std::sync::Arc<Exp
 
 /// Runs the option haggling. Returns the admitted queue and its protocol state on success;
 /// `None` when the client left, aborted, or broke the protocol (already logged).
-pub fn negotiate(s: &mut TcpStream, peer: &str, registry: &Registry) -> Option<(Admitted, Proto)> {
+pub fn negotiate(
+    s: &mut TcpStream,
+    peer: &str,
+    registry: &Registry,
+) -> Option<(Admitted, Box<dyn StreamFrontend>)> {
     let mut hello = Vec::with_capacity(18);
     hello.extend_from_slice(&nbd::NBDMAGIC.to_be_bytes());
     hello.extend_from_slice(&nbd::IHAVEOPT.to_be_bytes());
@@ -132,13 +114,12 @@ pub fn negotiate(s: &mut TcpStream, peer: &str, registry: &Registry) -> Option<(
                     out.extend_from_slice(&[0u8; 124]);
                 }
                 send(s, &out)?;
-                return Some((
-                    adm,
-                    Proto::Nbd {
-                        structured,
-                        allocation,
-                    },
-                ));
+                let fe = Nbd {
+                    structured,
+                    allocation,
+                    max_io: adm.max_io,
+                };
+                return Some((adm, Box::new(fe)));
             }
             opt::ABORT => {
                 let _ = reply(s, option, rep::ACK, &[]);
@@ -179,13 +160,12 @@ pub fn negotiate(s: &mut TcpStream, peer: &str, registry: &Registry) -> Option<(
                 if option == opt::GO {
                     let adm = admit(registry, &e, peer)?;
                     reply(s, option, rep::ACK, &[])?;
-                    return Some((
-                        adm,
-                        Proto::Nbd {
-                            structured,
-                            allocation,
-                        },
-                    ));
+                    let fe = Nbd {
+                        structured,
+                        allocation,
+                        max_io: adm.max_io,
+                    };
+                    return Some((adm, Box::new(fe)));
                 }
                 reply(s, option, rep::ACK, &[])?;
             }

@@ -1,11 +1,15 @@
 //! One reactor per worker thread: its own io_uring, its own connections (queues), no locks.
 //!
 //! ```text
-//!   socket --recv--> rx buffer --Proto::parse-----> dispatch --ExportQueue::start--+
-//!                                                    |  inline (mem, null):       |
-//!                                                    |  copy straight into tx     | io_uring (file)
-//!   socket <--send-- tx buffer <---- reply ----------+<------- completion --------+
+//!   socket --recv--> rx buffer --StreamFrontend::decode--> dispatch --Executor::start---+
+//!                                                           |  inline (mem, null):      |
+//!                                                           |  copy straight into tx    | io_uring (file)
+//!                                                           |                           | or notifier
+//!   socket <--send-- tx buffer <--- StreamFrontend::reply --+<------- completion --------+  (memthread)
 //! ```
+//!
+//! The reactor names no protocol: a connection's [`StreamFrontend`] decodes and encodes, its
+//! [`Executor`] validates and runs.
 //!
 //! Readiness comes from a multishot `POLL_ADD` per socket; data moves with plain non-blocking
 //! `recv`/`send` so one syscall carries every frame that is waiting (batching is where the IOPS
@@ -18,11 +22,12 @@ use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use blkwire_backend::{AlignedBuf, Export, ExportQueue, Extent, Op, Refusal, Started, Submitter};
+use blkwire_backend::{AlignedBuf, Export, Extent, Submitter};
 use blkwire_wire::{Status, HEADER_LEN};
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
-use crate::codec::{Kind, Parsed, Proto, Req};
+use crate::executor::{Executor, Outcome};
+use crate::frontend::{Decoded, Kind, Req, StreamFrontend};
 use crate::log::Level;
 use crate::session::Registry;
 use crate::stats::QueueStats;
@@ -36,7 +41,8 @@ pub struct NewQueue {
     pub depth: u16,
     pub max_io: u32,
     pub peer: String,
-    pub proto: Proto,
+    /// The protocol the connection speaks from now on, with its negotiated state.
+    pub frontend: Box<dyn StreamFrontend>,
 }
 
 pub enum Msg {
@@ -68,6 +74,10 @@ const KIND_WAKE: u64 = 4;
 const KIND_CANCEL: u64 = 5;
 const KIND_PORT_IN: u64 = 6;
 const KIND_PORT_IO: u64 = 7;
+/// A backend that completes on its own threads has results for a connection.
+const KIND_NOTIFY: u64 = 8;
+/// ... or for a datagram queue (connection field as for KIND_PORT_IO).
+const KIND_PORT_NOTIFY: u64 = 9;
 
 fn ud(kind: u64, incarnation: u32, conn: usize, slot: u16) -> u64 {
     kind << 60
@@ -80,6 +90,14 @@ fn ud(kind: u64, incarnation: u32, conn: usize, slot: u16) -> u64 {
 /// port (high 4 bits) and the queue (low 20 bits).
 fn port_io_ud(port: usize) -> impl Fn(u32, usize, u16) -> u64 {
     move |inc, q, slot| ud(KIND_PORT_IO, inc, port << 20 | (q & 0xf_ffff), slot)
+}
+
+/// A multishot poll on a backend's completion notifier.
+fn notifier_poll(fd: i32, user_data: u64) -> squeue::Entry {
+    opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32)
+        .multi(true)
+        .build()
+        .user_data(user_data)
 }
 
 fn ud_split(u: u64) -> (u64, u32, usize, u16) {
@@ -120,14 +138,11 @@ struct Slot {
 struct Conn {
     sock: OwnedFd,
     incarnation: u32,
-    proto: Proto,
-    export: Arc<Export>,
-    io: ExportQueue,
+    fe: Box<dyn StreamFrontend>,
+    exec: Executor,
     inline: bool,
-    align: usize,
     session: u32,
     queue: u16,
-    depth: u16,
     max_io: u32,
     peer: String,
     rx: Vec<u8>,
@@ -136,7 +151,7 @@ struct Conn {
     tx: Vec<u8>,
     tx_sent: usize,
     slots: Vec<Slot>,
-    /// Slots free for server-assigned requests (NBD has cookies, not slots).
+    /// Slots free for server-assigned requests (frontends whose requests carry cookies).
     free_slots: Vec<u16>,
     inflight: u32,
     /// Scratch for allocation maps (NBD block status), reused.
@@ -149,7 +164,6 @@ struct Conn {
     closing: bool,
     /// The socket is dead: drop the connection as soon as nothing is in flight.
     dead: bool,
-    stats: QueueStats,
     bytes_sent: u64,
 }
 
@@ -170,15 +184,15 @@ impl Conn {
 
     /// Appends a reply that carries no read data.
     fn reply(&mut self, req: &Req, status: Status) {
-        if self.proto.reply(req, status, self.depth, &mut self.tx) {
+        if self.fe.reply(req, status, &mut self.tx) {
             self.count_reply(status);
         }
     }
 
     fn count_reply(&mut self, status: Status) {
-        self.stats.frames_out += 1;
+        self.exec.stats.frames_out += 1;
         if status != Status::Ok {
-            self.stats.errors += 1;
+            self.exec.stats.errors += 1;
         }
     }
 
@@ -190,7 +204,7 @@ impl Conn {
             self.queue,
             self.peer
         );
-        self.stats.protocol_errors += 1;
+        self.exec.stats.protocol_errors += 1;
         self.closing = true;
         self.rx_start = self.rx_end;
     }
@@ -229,6 +243,8 @@ pub struct Reactor {
     cqes: Vec<cqueue::Entry>,
     /// Datagram sockets (UDP, raw Ethernet) owned by this reactor.
     ports: Vec<crate::dgram::DgramPort>,
+    /// Scratch for results reaped from thread-completing backends (no allocation per batch).
+    reaped: Vec<(u64, i32)>,
 }
 
 impl Reactor {
@@ -256,6 +272,7 @@ impl Reactor {
             ready: VecDeque::new(),
             cqes: Vec::with_capacity(1024),
             ports: Vec::new(),
+            reaped: Vec::new(),
         })
     }
 
@@ -285,6 +302,7 @@ impl Reactor {
             }
             self.reap();
             self.receive_ready_ports();
+            self.watch_port_notifiers();
             if let Some(d) = self.shutdown_deadline {
                 if Instant::now() > d {
                     for i in 0..self.conns.len() {
@@ -333,7 +351,7 @@ impl Reactor {
                             queue: c.queue,
                             thread: self.id,
                             in_flight: c.inflight,
-                            stats: c.stats,
+                            stats: c.exec.stats,
                         })
                         .collect();
                     for p in &self.ports {
@@ -358,8 +376,8 @@ impl Reactor {
     }
 
     fn add(&mut self, q: NewQueue) {
-        let io = match q.export.open_queue() {
-            Ok(io) => io,
+        let exec = match Executor::open(q.export.clone(), q.max_io) {
+            Ok(x) => x,
             Err(e) => {
                 crate::log!(
                     Level::Error,
@@ -377,22 +395,18 @@ impl Reactor {
         });
         let incarnation = self.next_incarnation;
         self.next_incarnation = (self.next_incarnation + 1) & 0xf_ffff;
-        let align = q.export.backend().buffer_alignment();
         // Sized for a 1 MiB frame plus batching room; grows (up to max I/O) only if a client sends
         // larger frames.
         let rx_cap = (q.max_io as usize).min(1 << 20) + HEADER_LEN + (256 << 10);
         let conn = Conn {
-            proto: q.proto,
+            fe: q.frontend,
             free_slots: (0..q.depth).rev().collect(),
             extents: Vec::new(),
-            inline: io.completes_inline(),
-            io,
-            align,
+            inline: exec.completes_inline(),
+            exec,
             incarnation,
-            export: q.export,
             session: q.session,
             queue: q.queue,
-            depth: q.depth,
             max_io: q.max_io,
             peer: q.peer,
             rx: vec![0; rx_cap],
@@ -406,7 +420,6 @@ impl Reactor {
             want_out: false,
             closing: self.shutting_down,
             dead: false,
-            stats: QueueStats::default(),
             bytes_sent: 0,
             sock: q.sock,
         };
@@ -415,6 +428,10 @@ impl Reactor {
             .build()
             .user_data(ud(KIND_POLL_IN, incarnation, idx, 0));
         Pusher(&mut self.ring).push(poll);
+        if let Some(fd) = conn.exec.notifier() {
+            let notify = notifier_poll(fd, ud(KIND_NOTIFY, incarnation, idx, 0));
+            Pusher(&mut self.ring).push(notify);
+        }
         self.conns[idx] = Some(conn);
         self.ready.push_back(idx);
     }
@@ -455,6 +472,26 @@ impl Reactor {
         }
     }
 
+    /// Starts or stops watching the completion notifiers of datagram queues whose backend
+    /// completes on its own threads, as the ports added or removed such queues.
+    fn watch_port_notifiers(&mut self) {
+        for (port, p) in self.ports.iter_mut().enumerate() {
+            for (qi, inc, fd) in p.take_notifier_changes() {
+                let user_data = ud(KIND_PORT_NOTIFY, inc, port << 20 | (qi & 0xf_ffff), 0);
+                let entry = match fd {
+                    Some(fd) => notifier_poll(fd, user_data),
+                    None => opcode::AsyncCancel::new(user_data).build().user_data(ud(
+                        KIND_CANCEL,
+                        0,
+                        0,
+                        0,
+                    )),
+                };
+                Pusher(&mut self.ring).push(entry);
+            }
+        }
+    }
+
     /// Reads the ports whose receive ring the spin found a frame in, before their poll completion
     /// arrives (it still does, and finds the ring read).
     fn receive_ready_ports(&mut self) {
@@ -478,6 +515,19 @@ impl Reactor {
                     continue;
                 }
                 KIND_CANCEL => continue,
+                KIND_PORT_NOTIFY => {
+                    let (port, qi) = (idx >> 20, idx & 0xf_ffff);
+                    if let Some(p) = self.ports.get_mut(port) {
+                        let mut sq = Pusher(&mut self.ring);
+                        p.reap(qi, inc, &mut sq);
+                        if !cqueue::more(cqe.flags()) {
+                            if let Some(fd) = p.notifier(qi, inc) {
+                                sq.push(notifier_poll(fd, cqe.user_data()));
+                            }
+                        }
+                    }
+                    continue;
+                }
                 KIND_PORT_IN | KIND_PORT_IO => {
                     let (port, qi) = (idx >> 20, idx & 0xf_ffff);
                     let Some(p) = self
@@ -500,7 +550,7 @@ impl Reactor {
                     } else {
                         // Answered after the whole batch of completions (below), so replies
                         // to one queue share datagrams (PROTOCOL.md §9.6).
-                        p.complete(qi, inc, slot, cqe.result());
+                        p.complete(qi, inc, slot, cqe.user_data(), cqe.result(), &mut sq);
                     }
                     continue;
                 }
@@ -525,7 +575,29 @@ impl Reactor {
                     }
                 }
                 KIND_POLL_OUT => c.want_out = false,
-                KIND_IO => complete(c, slot, cqe.result()),
+                KIND_IO => complete(
+                    c,
+                    slot,
+                    cqe.user_data(),
+                    cqe.result(),
+                    &mut Pusher(&mut self.ring),
+                ),
+                KIND_NOTIFY => {
+                    let mut sq = Pusher(&mut self.ring);
+                    let mut reaped = std::mem::take(&mut self.reaped);
+                    c.exec
+                        .reap(&mut sq, &mut |tag, res| reaped.push((tag, res)));
+                    for &(tag, res) in &reaped {
+                        finish_result(c, ud_split(tag).3, res);
+                    }
+                    reaped.clear();
+                    self.reaped = reaped;
+                    if !cqueue::more(cqe.flags()) {
+                        if let Some(fd) = c.exec.notifier() {
+                            sq.push(notifier_poll(fd, cqe.user_data()));
+                        }
+                    }
+                }
                 _ => {}
             }
             self.ready.push_back(idx);
@@ -546,12 +618,12 @@ impl Reactor {
         // mark that stopped parsing. Bounded so one busy connection cannot starve the others.
         let mut rounds = 0;
         while !c.dead {
-            let before = (c.stats.frames_in, c.bytes_sent);
+            let before = (c.exec.stats.frames_in, c.bytes_sent);
             receive(c, idx, &mut sq);
             if c.tx_backlog() > 0 && !c.want_out {
                 transmit(c, idx, &mut sq);
             }
-            if before == (c.stats.frames_in, c.bytes_sent) {
+            if before == (c.exec.stats.frames_in, c.bytes_sent) {
                 break;
             }
             rounds += 1;
@@ -580,16 +652,22 @@ impl Reactor {
                 .user_data(ud(KIND_CANCEL, 0, 0, 0));
             Pusher(&mut self.ring).push(cancel);
         }
+        if c.exec.notifier().is_some() {
+            let cancel = opcode::AsyncCancel::new(ud(KIND_NOTIFY, c.incarnation, idx, 0))
+                .build()
+                .user_data(ud(KIND_CANCEL, 0, 0, 0));
+            Pusher(&mut self.ring).push(cancel);
+        }
         let _ = self.ring.submit();
-        self.registry.leave(c.session, c.queue, &c.stats);
+        self.registry.leave(c.session, c.queue, &c.exec.stats);
         crate::log!(
             Level::Debug,
             "session {} queue {} closed: {} frames in, {} out, {} errors",
             c.session,
             c.queue,
-            c.stats.frames_in,
-            c.stats.frames_out,
-            c.stats.errors
+            c.exec.stats.frames_in,
+            c.exec.stats.frames_out,
+            c.exec.stats.errors
         );
         self.free.push(idx);
         drop(c); // closes the socket
@@ -657,36 +735,33 @@ fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     }
 }
 
-/// Dispatches every complete frame in `rx[rx_start..rx_end]`.
+/// Dispatches every complete message in `rx[rx_start..rx_end]`.
 fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     loop {
         if c.dead || c.tx_backlog() >= c.tx_high_water() {
             return;
         }
-        // NBD requests take a server-side slot only if they go to an async backend: stop when
-        // none is free; a completion frees one and services this connection again.
-        if !c.inline && matches!(c.proto, Proto::Nbd { .. }) && c.free_slots.is_empty() {
+        // Requests of frontends with cookies take a server-side slot if they go to a backend
+        // that does not finish inline: stop when none is free; a completion frees one and
+        // services this connection again.
+        if !c.inline && c.fe.server_assigns_slots() && c.free_slots.is_empty() {
             return;
         }
-        let (req, header_len) = match c.proto.parse(&c.rx[c.rx_start..c.rx_end], c.max_io) {
-            Parsed::Need => break,
-            Parsed::Violation(e) => return c.violation(&e),
-            Parsed::Request { req, header_len } => (req, header_len),
-        };
-        let total = header_len + req.payload_len as usize;
-        if c.rx_end - c.rx_start < total {
-            c.make_room(total);
-            break;
-        }
-        let payload_at = c.rx_start + header_len;
-        c.rx_start += total;
-        c.stats.frames_in += 1;
-        if let crate::codec::Id::Native(h) = req.id {
-            let payload = &c.rx[payload_at..payload_at + req.payload_len as usize];
-            if let Err(e) = h.check_crc(payload) {
-                return c.violation(&e);
+        let (req, len, payload_len) = match c.fe.decode(&c.rx[c.rx_start..c.rx_end]) {
+            Decoded::Need(total) => {
+                c.make_room(total);
+                break;
             }
-        }
+            Decoded::Violation(e) => return c.violation(&e),
+            Decoded::Request {
+                req,
+                len,
+                payload_len,
+            } => (req, len, payload_len),
+        };
+        let payload_at = c.rx_start + len - payload_len;
+        c.rx_start += len;
+        c.exec.stats.frames_in += 1;
         dispatch(c, idx, &req, payload_at, sq);
     }
     if c.rx_start == c.rx_end {
@@ -695,17 +770,9 @@ fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     }
 }
 
-fn refusal_status(r: Refusal) -> Status {
-    match r {
-        Refusal::ReadOnly => Status::ReadOnly,
-        Refusal::OutOfRange => Status::OutOfRange,
-        Refusal::Invalid => Status::Invalid,
-    }
-}
-
 fn dispatch(c: &mut Conn, idx: usize, req: &Req, payload_at: usize, sq: &mut Pusher<'_>) {
-    let len = req.length;
-    match req.kind {
+    let block = match req.kind {
+        Kind::Block(_) => req.block().expect("a block request"),
         Kind::Keepalive => return c.reply(req, Status::Ok),
         Kind::Logout => {
             // Nothing after LOGOUT/DISC is executed (PROTOCOL.md §2.5); what is in flight is
@@ -717,161 +784,107 @@ fn dispatch(c: &mut Conn, idx: usize, req: &Req, payload_at: usize, sq: &mut Pus
         }
         Kind::Unsupported => return c.reply(req, Status::Unsupported),
         Kind::Invalid => return c.reply(req, Status::Invalid),
-        _ => {}
-    }
-    // Commands that address the export (PROTOCOL.md §3, §5).
-    let data_op = matches!(req.kind, Kind::Read | Kind::Write);
-    let expected_payload = if req.kind == Kind::Write { len } else { 0 };
-    let native_slot = match req.id {
-        crate::codec::Id::Native(h) => Some(h.tag.slot()),
-        crate::codec::Id::Nbd(_) => None,
+        Kind::Cache | Kind::BlockStatus => {
+            if let Err(st) = c.exec.check_range(req.offset, req.length) {
+                return c.reply(req, st);
+            }
+            if req.kind == Kind::BlockStatus {
+                return block_status(c, req);
+            }
+            // Advisory: nothing to prefetch into for memory, and files have the page cache.
+            return c.reply(req, Status::Ok);
+        }
     };
-    let flush_args_bad = match req.id {
-        // Native FLUSH addresses the whole export with 0/0 or a range; NBD ignores both fields.
-        crate::codec::Id::Native(_) => req.kind == Kind::Flush && len == 0 && req.offset != 0,
-        crate::codec::Id::Nbd(_) => false,
-    };
-    if native_slot.is_some_and(|s| s >= c.depth)
-        || req.payload_len != expected_payload
-        || (data_op && (len == 0 || len > c.max_io))
-        || flush_args_bad
-    {
-        return c.reply(req, Status::Invalid);
-    }
-    if let Some(s) = native_slot {
-        if c.slots[s as usize].busy {
-            return c.violation(&format_args!("slot {s} reused while in flight"));
+    if let Some(s) = req.slot {
+        match c.slots.get(s as usize) {
+            None => return c.reply(req, Status::Invalid),
+            Some(slot) if slot.busy => {
+                return c.violation(&format_args!("slot {s} reused while in flight"))
+            }
+            Some(_) => {}
         }
     }
-    let ranged = !(req.kind == Kind::Flush && matches!(req.id, crate::codec::Id::Nbd(_)));
-    if ranged {
-        let modifies = matches!(req.kind, Kind::Write | Kind::Trim | Kind::WriteZeroes);
-        if let Err(r) = c.export.check(modifies, req.offset, len as u64) {
-            return c.reply(req, refusal_status(r));
-        }
+    if let Err(st) = c.exec.admit(&block) {
+        return c.reply(req, st);
     }
-    let align = c.export.alignment();
-    if data_op && (!req.offset.is_multiple_of(align) || !(len as u64).is_multiple_of(align)) {
-        return c.reply(req, Status::Invalid);
-    }
-    match req.kind {
-        Kind::Read => c.stats.reads += 1,
-        Kind::Write => c.stats.writes += 1,
-        Kind::Flush => c.stats.flushes += 1,
-        Kind::Trim => c.stats.trims += 1,
-        Kind::WriteZeroes => c.stats.write_zeroes += 1,
-        _ => {}
-    }
-    match req.kind {
-        // Advisory: nothing to prefetch into for memory, and files have the page cache.
-        Kind::Cache => return c.reply(req, Status::Ok),
-        Kind::BlockStatus => return block_status(c, req),
-        Kind::Trim | Kind::WriteZeroes if len == 0 => return c.reply(req, Status::Ok),
-        Kind::WriteZeroes if req.fast_zero && (req.no_hole || !c.export.caps().fast_zero) => {
-            // NBD FAST_ZERO: fail at once rather than zero slowly.
-            return c.reply(req, Status::Unsupported);
-        }
-        _ => {}
-    }
+    let len = block.len;
 
     if c.inline {
-        // mem:/null: the op completes inside start(); READ lands straight in the reply buffer and
-        // WRITE is taken straight from the receive buffer: one copy each way.
-        let op = match req.kind {
-            Kind::Read => {
-                if read_hole(c, req) {
-                    return;
-                }
-                let at = c.tx.len();
-                let prefix = c.proto.read_prefix_len();
-                // The prefix is zeroed, the data is not: the backend writes it straight into the
-                // spare capacity and only then does the buffer grow over it.
-                c.tx.resize(at + prefix, 0);
-                c.tx.reserve(len as usize);
-                // SAFETY: `reserve` made room for `len` bytes after the prefix.
-                let buf = unsafe { c.tx.as_mut_ptr().add(at + prefix) };
-                let r = c.io.start(
-                    Op::Read {
-                        offset: req.offset,
-                        buf,
-                        len,
-                    },
-                    0,
-                    sq,
-                );
-                let status = done_status(r);
-                if status == Status::Ok {
-                    // SAFETY: the backend initialised all `len` bytes (it reported success).
-                    unsafe { c.tx.set_len(at + prefix + len as usize) };
-                    let (proto, depth) = (c.proto, c.depth);
-                    proto.write_read_prefix(req, depth, &mut c.tx[at..at + prefix]);
-                    c.count_reply(status);
-                    c.stats.bytes_read += len as u64;
-                } else {
-                    c.tx.truncate(at);
-                    c.reply(req, status);
-                }
+        // mem:/null: the request completes inside start(); READ lands straight in the reply
+        // buffer and WRITE is taken straight from the receive buffer: one copy each way.
+        if req.is_read() {
+            if read_hole(c, req) {
                 return;
             }
-            Kind::Write => {
-                let buf = c.rx[payload_at..].as_ptr();
-                c.stats.bytes_written += len as u64;
-                Op::Write {
-                    offset: req.offset,
-                    buf,
-                    len,
-                    fua: req.fua,
-                }
+            let at = c.tx.len();
+            let prefix = c.fe.read_prefix_len();
+            // The prefix is zeroed, the data is not: the backend writes it straight into the
+            // spare capacity and only then does the buffer grow over it.
+            c.tx.resize(at + prefix, 0);
+            c.tx.reserve(len as usize);
+            // SAFETY: `reserve` made room for `len` bytes after the prefix.
+            let buf = unsafe { c.tx.as_mut_ptr().add(at + prefix) };
+            // SAFETY: the export completes inline, so the buffer is only used during the call.
+            let status = match unsafe { c.exec.start(&block, buf, 0, sq) } {
+                Outcome::Done(st) => st,
+                Outcome::Pending => unreachable!("inline exports finish in start"),
+            };
+            if status == Status::Ok {
+                // SAFETY: the backend initialised all `len` bytes (it reported success).
+                unsafe { c.tx.set_len(at + prefix + len as usize) };
+                c.fe.write_read_prefix(req, &mut c.tx[at..at + prefix]);
+                c.count_reply(status);
+            } else {
+                c.tx.truncate(at);
+                c.reply(req, status);
             }
-            _ => non_data_op(req),
+            return;
+        }
+        // Only WRITE uses the buffer, and only reads it.
+        let buf = c.rx[payload_at..].as_mut_ptr();
+        // SAFETY: for a WRITE the receive buffer holds the whole payload (decode saw it), and
+        // the export completes inline, so the buffer is only read during the call.
+        let status = match unsafe { c.exec.start(&block, buf, 0, sq) } {
+            Outcome::Done(st) => st,
+            Outcome::Pending => unreachable!("inline exports finish in start"),
         };
-        let r = c.io.start(op, 0, sq);
-        return c.reply(req, done_status(r));
+        return c.reply(req, status);
     }
 
-    // Async backend: the slot owns a buffer that lives until the completion.
-    let slot = match native_slot {
+    // A backend that finishes later: the slot owns a buffer that lives until the completion.
+    let slot = match req.slot {
         Some(s) => s,
         None => c
             .free_slots
             .pop()
             .expect("parse_frames checked for a free slot"),
     };
-    let user_data = ud(KIND_IO, c.incarnation, idx, slot);
-    let align = c.align;
+    let tag = ud(KIND_IO, c.incarnation, idx, slot);
+    let align = c.exec.buffer_alignment();
     let s = &mut c.slots[slot as usize];
-    let op = match req.kind {
-        Kind::Read | Kind::Write => {
-            if s.buf.as_ref().is_none_or(|b| b.len() < len as usize) {
-                s.buf = Some(AlignedBuf::zeroed(len as usize, align.max(4096)));
-            }
-            let buf = s.buf.as_mut().expect("just set");
-            if req.kind == Kind::Read {
-                Op::Read {
-                    offset: req.offset,
-                    buf: buf.as_mut_ptr(),
-                    len,
-                }
-            } else {
-                buf.as_mut_slice()[..len as usize]
-                    .copy_from_slice(&c.rx[payload_at..payload_at + len as usize]);
-                c.stats.bytes_written += len as u64;
-                Op::Write {
-                    offset: req.offset,
-                    buf: buf.as_mut_ptr(),
-                    len,
-                    fua: req.fua,
-                }
-            }
+    let mut buf = std::ptr::null_mut();
+    if block.op.moves_data() {
+        if s.buf.as_ref().is_none_or(|b| b.len() < len as usize) {
+            s.buf = Some(AlignedBuf::zeroed(len as usize, align));
         }
-        _ => non_data_op(req),
-    };
-    match c.io.start(op, user_data, sq) {
-        Started::Done(r) => {
+        let b = s.buf.as_mut().expect("just set");
+        if req.is_read() {
+            buf = b.as_mut_ptr();
+        } else {
+            b.as_mut_slice()[..len as usize]
+                .copy_from_slice(&c.rx[payload_at..payload_at + len as usize]);
+            buf = b.as_mut_ptr();
+        }
+    }
+    // SAFETY: the slot's buffer holds `len` bytes and is neither freed nor touched until the
+    // slot is released, which happens only once the result is delivered (a busy slot is never
+    // reused, and a connection with slots in flight is never dropped).
+    match unsafe { c.exec.start(&block, buf, tag, sq) } {
+        Outcome::Done(status) => {
             release_slot(c, slot);
-            c.reply(req, done_status(Started::Done(r)));
+            c.reply(req, status);
         }
-        Started::Submitted => {
+        Outcome::Pending => {
             let s = &mut c.slots[slot as usize];
             s.busy = true;
             s.req = Some(*req);
@@ -880,59 +893,43 @@ fn dispatch(c: &mut Conn, idx: usize, req: &Req, payload_at: usize, sq: &mut Pus
     }
 }
 
-/// NBD structured READ of a range that is all hole: one OFFSET_HOLE chunk instead of the zeros.
-/// Only for large reads, where saving the data is worth an allocation query.
+/// A READ of a range that is all hole, for frontends that can say so without the zeros. Only
+/// for large reads, where saving the data is worth an allocation query.
 fn read_hole(c: &mut Conn, req: &Req) -> bool {
-    if !matches!(
-        c.proto,
-        Proto::Nbd {
-            structured: true,
-            ..
-        }
-    ) || req.length < (64 << 10)
-    {
+    if !c.fe.replies_with_holes() || req.length < (64 << 10) {
         return false;
     }
     let mut extents = std::mem::take(&mut c.extents);
     extents.clear();
-    c.export
+    c.exec
+        .export()
         .backend()
         .allocation(req.offset, req.length as u64, &mut extents);
     let hole = extents.len() == 1 && extents[0].hole && extents[0].len >= req.length as u64;
     c.extents = extents;
     if hole {
-        let proto = c.proto;
-        proto.hole_reply(req, &mut c.tx);
+        c.fe.hole_reply(req, &mut c.tx);
         c.count_reply(Status::Ok);
     }
     hole
 }
 
-/// Returns a server-assigned slot to the free list (native slots belong to the client).
+/// Returns a server-assigned slot to the free list (client-assigned slots are the client's).
 fn release_slot(c: &mut Conn, slot: u16) {
-    if matches!(c.proto, Proto::Nbd { .. }) {
+    if c.fe.server_assigns_slots() {
         c.free_slots.push(slot);
     }
 }
 
-/// NBD_CMD_BLOCK_STATUS on `base:allocation`: holes are unallocated ranges that read as zero.
+/// An allocation query: holes are unallocated ranges that read as zero.
 fn block_status(c: &mut Conn, req: &Req) {
-    if !matches!(
-        c.proto,
-        Proto::Nbd {
-            allocation: true,
-            ..
-        }
-    ) || req.length == 0
-    {
-        return c.reply(req, Status::Invalid);
-    }
     let mut extents = std::mem::take(&mut c.extents);
     extents.clear();
-    c.export
+    c.exec
+        .export()
         .backend()
         .allocation(req.offset, req.length as u64, &mut extents);
-    if req.req_one {
+    if req.flags.has(blkwire_backend::IoFlags::REQ_ONE) {
         extents.truncate(1);
     }
     // Lengths fit in u32: every extent lies inside the request, whose length is a u32.
@@ -940,66 +937,57 @@ fn block_status(c: &mut Conn, req: &Req) {
         .iter()
         .map(|e| (e.len.min(u32::MAX as u64) as u32, e.hole))
         .collect();
-    let proto = c.proto;
-    proto.block_status_reply(req, &list, &mut c.tx);
-    c.count_reply(Status::Ok);
     c.extents = extents;
-}
-
-fn non_data_op(req: &Req) -> Op {
-    match req.kind {
-        Kind::Flush => Op::Flush,
-        Kind::Trim => Op::Trim {
-            offset: req.offset,
-            len: req.length,
-        },
-        Kind::WriteZeroes => Op::WriteZeroes {
-            offset: req.offset,
-            len: req.length,
-            no_hole: req.no_hole,
-        },
-        _ => unreachable!("only I/O kinds reach the backend"),
-    }
-}
-
-fn done_status(r: Started) -> Status {
-    match r {
-        Started::Done(0) => Status::Ok,
-        Started::Done(e) => Status::from_errno(-e),
-        Started::Submitted => Status::Io,
-    }
-}
-
-/// An async backend op finished: build its reply.
-fn complete(c: &mut Conn, slot: u16, res: i32) {
-    let Some(s) = c.slots.get_mut(slot as usize) else {
-        return;
-    };
-    if !s.busy {
-        return;
-    }
-    s.busy = false;
-    c.inflight -= 1;
-    let req = s.req.take().expect("busy slot has a request");
-    release_slot(c, slot);
-    let data_op = matches!(req.kind, Kind::Read | Kind::Write);
-    let status = if res < 0 {
-        Status::from_errno(-res)
-    } else if data_op && res as u32 != req.length {
-        // Short transfer inside the export: the file shrank under us (read) or the
-        // filesystem is full (write).
-        if req.kind == Kind::Read {
-            Status::Io
-        } else {
-            Status::OutOfRange
-        }
+    if c.fe.block_status_reply(req, &list, &mut c.tx) {
+        c.count_reply(Status::Ok);
     } else {
-        Status::Ok
+        c.reply(req, Status::Invalid);
+    }
+}
+
+/// A ring completion for a slot's request; more may be needed before it is finished.
+fn complete(c: &mut Conn, slot: u16, tag: u64, res: i32, sq: &mut Pusher<'_>) {
+    let Some(req) = c
+        .slots
+        .get(slot as usize)
+        .filter(|s| s.busy)
+        .and_then(|s| s.req)
+    else {
+        return;
     };
+    let block = req.block().expect("slots hold block requests");
+    if let Some(status) = c.exec.complete(&block, tag, res, sq) {
+        finish(c, slot, status);
+    }
+}
+
+/// A finished request's backend result (from a thread-completing backend).
+fn finish_result(c: &mut Conn, slot: u16, res: i32) {
+    let Some(req) = c
+        .slots
+        .get(slot as usize)
+        .filter(|s| s.busy)
+        .and_then(|s| s.req)
+    else {
+        return;
+    };
+    let status = c
+        .exec
+        .status(&req.block().expect("slots hold block requests"), res);
+    finish(c, slot, status);
+}
+
+/// A request that ran on the backend finished: build its reply.
+fn finish(c: &mut Conn, slot: u16, status: Status) {
+    let s = &mut c.slots[slot as usize];
+    s.busy = false;
+    let req = s.req.take().expect("busy slot has a request");
+    c.inflight -= 1;
+    release_slot(c, slot);
     if status != Status::Ok {
         crate::log!(
             Level::Warn,
-            "session {} queue {}: {:?} at {} len {} failed: {status} ({res})",
+            "session {} queue {}: {:?} at {} len {} failed: {status}",
             c.session,
             c.queue,
             req.kind,
@@ -1007,17 +995,15 @@ fn complete(c: &mut Conn, slot: u16, res: i32) {
             req.length,
         );
     }
-    if req.kind == Kind::Read && status == Status::Ok {
+    if req.is_read() && status == Status::Ok {
         let len = req.length as usize;
         let at = c.tx.len();
-        let prefix = c.proto.read_prefix_len();
-        let (proto, depth) = (c.proto, c.depth);
+        let prefix = c.fe.read_prefix_len();
         c.tx.resize(at + prefix, 0);
-        proto.write_read_prefix(&req, depth, &mut c.tx[at..at + prefix]);
+        c.fe.write_read_prefix(&req, &mut c.tx[at..at + prefix]);
         let buf = c.slots[slot as usize].buf.as_ref().expect("read buffer");
         c.tx.extend_from_slice(&buf.as_slice()[..len]);
         c.count_reply(status);
-        c.stats.bytes_read += len as u64;
     } else {
         c.reply(&req, status);
     }

@@ -96,23 +96,7 @@ impl Registry {
 
     /// Feature bits an export advertises (PROTOCOL.md §7): what it does natively or by emulation.
     pub fn features(e: &Export) -> Features {
-        let caps = e.caps();
-        let mut f = 0;
-        if e.read_only {
-            f |= Features::READ_ONLY;
-        } else {
-            f |= Features::TRIM | Features::WRITE_ZEROES;
-        }
-        if caps.flush {
-            f |= Features::FLUSH | Features::FUA;
-        }
-        if caps.rotational {
-            f |= Features::ROTATIONAL;
-        }
-        if e.backend().reads_as_zero() {
-            f |= Features::INIT_ZERO;
-        }
-        Features(f)
+        crate::advertise::Advertised::of(e).native()
     }
 
     pub fn list(&self) -> Vec<ExportEntry> {

@@ -1,0 +1,142 @@
+//! `memthread:SIZE`: RAM whose operations complete on a helper thread, one per queue.
+//!
+//! It exists to exercise the asynchronous completion path of the backend contract in the tests
+//! and as the model for backends that complete on threads of their own (librbd): `start` hands
+//! the operation to the helper and returns [`Started::Async`]; the helper runs it on a
+//! [`MemBackend`], queues `(tag, result)` and bumps an eventfd; the queue thread, which watches
+//! that eventfd in its own ring ([`QueueIo::notifier`]), collects results with
+//! [`QueueIo::reap`]. The data path takes no lock: two channels and an eventfd.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crate::{Backend, Capabilities, Extent, MemBackend, Op, QueueIo, Started, Submitter};
+
+/// A [`MemBackend`] served by helper threads.
+pub struct MemThreadBackend {
+    mem: MemBackend,
+}
+
+impl MemThreadBackend {
+    /// A sparse RAM export of `size` bytes (a non-zero multiple of 512).
+    pub fn new(size: u64) -> io::Result<MemThreadBackend> {
+        Ok(MemThreadBackend {
+            mem: MemBackend::new(size)?,
+        })
+    }
+}
+
+impl Backend for MemThreadBackend {
+    fn describe(&self) -> String {
+        format!("memthread:{}", crate::format_size(self.mem.size()))
+    }
+    fn size(&self) -> u64 {
+        self.mem.size()
+    }
+    fn block_sizes(&self) -> (u32, u32) {
+        self.mem.block_sizes()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.mem.capabilities()
+    }
+    fn reads_as_zero(&self) -> bool {
+        self.mem.reads_as_zero()
+    }
+    fn allocation(&self, offset: u64, len: u64, out: &mut Vec<Extent>) {
+        self.mem.allocation(offset, len, out)
+    }
+    fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
+        // SAFETY: creating a new descriptor.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is a fresh descriptor nobody else owns.
+        let notify = unsafe { OwnedFd::from_raw_fd(raw) };
+        let (jobs, job_rx) = mpsc::channel::<Job>();
+        let (done_tx, done) = mpsc::channel();
+        let wake = notify.try_clone()?;
+        let helper = std::thread::Builder::new()
+            .name("blkwire-memthread".into())
+            .spawn(move || {
+                for job in job_rx {
+                    // SAFETY: the queue that started the op keeps its buffer valid until the
+                    // result is reaped (QueueIo::start's contract), which happens after this.
+                    let res = unsafe { self.mem.execute(job.op.0) };
+                    if done_tx.send((job.tag, res)).is_err() {
+                        return;
+                    }
+                    let one: u64 = 1;
+                    // SAFETY: an 8-byte write to our eventfd.
+                    unsafe { libc::write(wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+                }
+            })?;
+        Ok(Box::new(MemThreadQueue {
+            jobs: Some(jobs),
+            done,
+            notify,
+            helper: Some(helper),
+        }))
+    }
+}
+
+/// An op on its way to the helper thread.
+struct SendOp(Op);
+// SAFETY: the op's raw buffer pointers stay valid until its result is reaped (QueueIo::start's
+// contract), and the queue touches no buffer of an op in flight.
+unsafe impl Send for SendOp {}
+
+struct Job {
+    op: SendOp,
+    tag: u64,
+}
+
+struct MemThreadQueue {
+    jobs: Option<Sender<Job>>,
+    done: Receiver<(u64, i32)>,
+    notify: OwnedFd,
+    helper: Option<JoinHandle<()>>,
+}
+
+impl QueueIo for MemThreadQueue {
+    fn completes_inline(&self) -> bool {
+        false
+    }
+
+    unsafe fn start(&mut self, op: Op, tag: u64, _sq: &mut dyn Submitter) -> Started {
+        let job = Job {
+            op: SendOp(op),
+            tag,
+        };
+        match self.jobs.as_ref().map(|j| j.send(job)) {
+            Some(Ok(())) => Started::Async,
+            _ => Started::Done(-libc::EIO),
+        }
+    }
+
+    fn notifier(&self) -> Option<RawFd> {
+        Some(self.notify.as_raw_fd())
+    }
+
+    fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) {
+        let mut count: u64 = 0;
+        // SAFETY: an 8-byte read from our non-blocking eventfd (EAGAIN when nothing is new).
+        unsafe { libc::read(self.notify.as_raw_fd(), (&mut count as *mut u64).cast(), 8) };
+        while let Ok((tag, res)) = self.done.try_recv() {
+            done(tag, res);
+        }
+    }
+}
+
+impl Drop for MemThreadQueue {
+    fn drop(&mut self) {
+        // The helper finishes what it was given before the buffers it writes into can go away.
+        drop(self.jobs.take());
+        if let Some(h) = self.helper.take() {
+            let _ = h.join();
+        }
+    }
+}

@@ -1,0 +1,280 @@
+//! The one place a block request runs, whatever frontend or transport carried it:
+//! validate -> export range and read-only check -> start -> complete -> status, with the
+//! queue's counters. The stream reactor (native and NBD over TCP) and the datagram ports (UDP,
+//! raw Ethernet) each own one `Executor` per queue; they differ only in how requests arrive and
+//! replies leave (docs/ARCHITECTURE.md, "Data path").
+
+use std::os::fd::RawFd;
+use std::sync::Arc;
+
+use blkwire_backend::{
+    BlockOp, BlockRequest, Export, ExportQueue, IoFlags, Op, Progress, Refusal, Submitter,
+};
+use blkwire_wire::Status;
+
+use crate::stats::QueueStats;
+
+/// How far a request got when it was started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Answered already (inline backends, emulated no-ops, refusals).
+    Done(Status),
+    /// Running: its result comes through [`Executor::complete`] or [`Executor::reap`].
+    Pending,
+}
+
+/// One queue's handle on an export: emulation layer, limits and counters.
+pub struct Executor {
+    export: Arc<Export>,
+    io: ExportQueue,
+    max_io: u32,
+    /// The queue's counters; transports add their own (frames, duplicates) here too.
+    pub stats: QueueStats,
+}
+
+impl Executor {
+    /// Opens a queue on `export` that accepts READ/WRITE of at most `max_io` bytes.
+    pub fn open(export: Arc<Export>, max_io: u32) -> std::io::Result<Executor> {
+        Ok(Executor {
+            io: export.open_queue()?,
+            export,
+            max_io,
+            stats: QueueStats::default(),
+        })
+    }
+
+    /// The export served.
+    pub fn export(&self) -> &Arc<Export> {
+        &self.export
+    }
+
+    /// True when every request finishes inside [`Executor::start`]: READ may then land
+    /// straight in the reply buffer and WRITE come straight from the receive buffer.
+    pub fn completes_inline(&self) -> bool {
+        self.io.completes_inline()
+    }
+
+    /// Alignment of buffers handed to [`Executor::start`] (O_DIRECT wants block-aligned memory).
+    pub fn buffer_alignment(&self) -> usize {
+        self.export.backend().buffer_alignment().max(4096)
+    }
+
+    /// For backends that complete on their own threads: the descriptor to watch.
+    pub fn notifier(&self) -> Option<RawFd> {
+        self.io.notifier()
+    }
+
+    /// Checks that `offset..offset+len` lies inside the export (queries: CACHE, BLOCK_STATUS).
+    pub fn check_range(&self, offset: u64, len: u32) -> Result<(), Status> {
+        self.export
+            .check(false, offset, len as u64)
+            .map_err(refusal_status)
+    }
+
+    /// Every check a request passes before it may start (PROTOCOL.md §3, §5): data length
+    /// within max I/O, range inside the export, read-only policy, O_DIRECT alignment, and
+    /// NBD's FAST_ZERO (refused unless zeroing is a cheap metadata operation).
+    pub fn admit(&self, req: &BlockRequest) -> Result<(), Status> {
+        let len = req.len;
+        if req.op.moves_data() && (len == 0 || len > self.max_io) {
+            return Err(Status::Invalid);
+        }
+        self.export
+            .check(req.op.modifies(), req.offset, len as u64)
+            .map_err(refusal_status)?;
+        let align = self.export.alignment();
+        if req.op.moves_data()
+            && (!req.offset.is_multiple_of(align) || !(len as u64).is_multiple_of(align))
+        {
+            return Err(Status::Invalid);
+        }
+        if req.op == BlockOp::WriteZeroes
+            && req.flags.has(IoFlags::FAST_ZERO)
+            && (req.flags.has(IoFlags::NO_HOLE) || !self.export.capabilities().fast_zero)
+        {
+            return Err(Status::Unsupported);
+        }
+        Ok(())
+    }
+
+    /// Counts and starts an admitted request. Ring entries carry `tag` as user data.
+    ///
+    /// # Safety
+    /// For READ, `buf` must be valid for writes of `req.len` bytes, and for WRITE for reads of
+    /// `req.len` bytes, until the request's result is delivered (returned here, by `complete`
+    /// or by `reap`); nobody else may touch a READ buffer meanwhile. Other requests ignore it.
+    pub unsafe fn start(
+        &mut self,
+        req: &BlockRequest,
+        buf: *mut u8,
+        tag: u64,
+        sq: &mut dyn Submitter,
+    ) -> Outcome {
+        let s = &mut self.stats;
+        match req.op {
+            BlockOp::Read => s.reads += 1,
+            BlockOp::Write => {
+                s.writes += 1;
+                s.bytes_written += req.len as u64;
+            }
+            BlockOp::Flush => s.flushes += 1,
+            BlockOp::Trim => s.trims += 1,
+            BlockOp::WriteZeroes => s.write_zeroes += 1,
+        }
+        if matches!(req.op, BlockOp::Trim | BlockOp::WriteZeroes) && req.len == 0 {
+            return Outcome::Done(Status::Ok);
+        }
+        // SAFETY: passed on from our caller.
+        match unsafe { self.io.start(Op::for_request(req, buf), tag, sq) } {
+            Progress::Done(res) => Outcome::Done(self.status(req, res)),
+            Progress::Pending => Outcome::Pending,
+        }
+    }
+
+    /// A ring completion for the request `req` started with `tag`: its status once finished.
+    pub fn complete(
+        &mut self,
+        req: &BlockRequest,
+        tag: u64,
+        res: i32,
+        sq: &mut dyn Submitter,
+    ) -> Option<Status> {
+        let res = self.io.complete(tag, res, sq)?;
+        Some(self.status(req, res))
+    }
+
+    /// Collects requests finished on the backend's own threads: `(tag, result)` each; turn a
+    /// result into a status with [`Executor::status`].
+    pub fn reap(&mut self, sq: &mut dyn Submitter, done: &mut dyn FnMut(u64, i32)) {
+        self.io.reap(sq, done)
+    }
+
+    /// The status of a finished request from its backend result (bytes or a negative errno);
+    /// counts bytes read.
+    pub fn status(&mut self, req: &BlockRequest, res: i32) -> Status {
+        let status = if res < 0 {
+            Status::from_errno(-res)
+        } else if req.op.moves_data() && res as u32 != req.len {
+            // A short transfer inside the export: the file shrank under us (read) or the
+            // filesystem is full (write).
+            if req.op == BlockOp::Read {
+                Status::Io
+            } else {
+                Status::OutOfRange
+            }
+        } else {
+            Status::Ok
+        };
+        if status == Status::Ok && req.op == BlockOp::Read {
+            self.stats.bytes_read += req.len as u64;
+        }
+        status
+    }
+}
+
+fn refusal_status(r: Refusal) -> Status {
+    match r {
+        Refusal::ReadOnly => Status::ReadOnly,
+        Refusal::OutOfRange => Status::OutOfRange,
+        Refusal::Invalid => Status::Invalid,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use blkwire_backend::{ExportSpec, MemBackend};
+
+    struct NoRing;
+    impl Submitter for NoRing {
+        fn push(&mut self, _: io_uring::squeue::Entry) {
+            panic!("inline backends push nothing")
+        }
+    }
+
+    fn exec(spec: &str, max_io: u32) -> Executor {
+        let e = Export::open(&ExportSpec::parse(spec).unwrap()).unwrap();
+        Executor::open(Arc::new(e), max_io).unwrap()
+    }
+
+    #[test]
+    fn admission_checks() {
+        let x = exec("m=mem:1M", 65536);
+        let r = |op, offset, len| BlockRequest::new(op, offset, len);
+        assert_eq!(x.admit(&r(BlockOp::Read, 0, 65536)), Ok(()));
+        assert_eq!(
+            x.admit(&r(BlockOp::Read, 0, 65537)),
+            Err(Status::Invalid),
+            "over max I/O"
+        );
+        assert_eq!(
+            x.admit(&r(BlockOp::Write, 0, 0)),
+            Err(Status::Invalid),
+            "empty write"
+        );
+        assert_eq!(
+            x.admit(&r(BlockOp::Read, (1 << 20) - 512, 1024)),
+            Err(Status::OutOfRange)
+        );
+        assert_eq!(
+            x.admit(&r(BlockOp::Trim, u64::MAX, 2)),
+            Err(Status::OutOfRange)
+        );
+        assert_eq!(
+            x.admit(&r(BlockOp::Trim, 0, 0)),
+            Ok(()),
+            "empty trim is fine"
+        );
+        let fast = r(BlockOp::WriteZeroes, 0, 4096).flagged(IoFlags::FAST_ZERO);
+        assert_eq!(x.admit(&fast), Ok(()), "RAM zeroes by punching holes");
+        assert_eq!(
+            x.admit(&fast.flagged(IoFlags::NO_HOLE)),
+            Err(Status::Unsupported),
+            "allocated zeros are written, never fast"
+        );
+        let ro = exec("m=mem:1M,ro", 65536);
+        assert_eq!(ro.admit(&r(BlockOp::Write, 0, 512)), Err(Status::ReadOnly));
+        assert_eq!(ro.admit(&r(BlockOp::Read, 0, 512)), Ok(()));
+    }
+
+    #[test]
+    fn inline_requests_finish_in_start_and_are_counted() {
+        let mut x = exec("m=mem:1M", 65536);
+        let mut data = vec![9u8; 4096];
+        let w = BlockRequest::new(BlockOp::Write, 4096, 4096);
+        // SAFETY: `data` outlives the call, which completes inline.
+        let o = unsafe { x.start(&w, data.as_mut_ptr(), 0, &mut NoRing) };
+        assert_eq!(o, Outcome::Done(Status::Ok));
+        let mut back = vec![0u8; 4096];
+        let r = BlockRequest::new(BlockOp::Read, 4096, 4096);
+        // SAFETY: as above.
+        let o = unsafe { x.start(&r, back.as_mut_ptr(), 0, &mut NoRing) };
+        assert_eq!(o, Outcome::Done(Status::Ok));
+        assert_eq!(back, data);
+        assert_eq!((x.stats.reads, x.stats.writes), (1, 1));
+        assert_eq!((x.stats.bytes_read, x.stats.bytes_written), (4096, 4096));
+    }
+
+    #[test]
+    fn results_map_to_statuses() {
+        let e = Export::new("m", Arc::new(MemBackend::new(1 << 20).unwrap()), false);
+        let mut x = Executor::open(Arc::new(e), 65536).unwrap();
+        let r = BlockRequest::new(BlockOp::Read, 0, 4096);
+        let w = BlockRequest::new(BlockOp::Write, 0, 4096);
+        let f = BlockRequest::new(BlockOp::Flush, 0, 0);
+        assert_eq!(x.status(&r, 4096), Status::Ok);
+        assert_eq!(x.status(&r, 100), Status::Io, "short read");
+        assert_eq!(
+            x.status(&w, 100),
+            Status::OutOfRange,
+            "short write: no space"
+        );
+        assert_eq!(x.status(&f, 0), Status::Ok);
+        assert_eq!(x.status(&f, -libc::EIO), Status::Io);
+        assert_eq!(
+            x.status(&w, -libc::ENOSPC),
+            Status::from_errno(libc::ENOSPC)
+        );
+        assert_eq!(x.stats.bytes_read, 4096, "only the successful read counts");
+    }
+}
