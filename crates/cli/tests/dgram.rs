@@ -368,10 +368,17 @@ fn stale_and_duplicate_writes_are_never_applied() {
     assert_eq!(bad, 1, "the corrupt frame is counted once: {}", v["ports"]);
 }
 
-/// UDP on loopback: sizes from 512 B to above max I/O, several queues, every byte right.
+/// UDP on loopback: sizes from 512 B to above max I/O, several queues, every byte right; on RAM
+/// and on RAM completed by a helper thread (the asynchronous completion path).
 #[test]
 fn udp_loopback_round_trips() {
-    let t = Served::start(None, &["udp://127.0.0.1:0"], &["m=mem:32M"]);
+    for export in ["m=mem:32M", "m=memthread:32M"] {
+        udp_round_trips(export);
+    }
+}
+
+fn udp_round_trips(export: &str) {
+    let t = Served::start(None, &["udp://127.0.0.1:0"], &[export]);
     let url = Url::parse(&format!("{}/m", t.url("udp://"))).unwrap();
     let mut s = connect(
         &url,
@@ -394,7 +401,7 @@ fn udp_loopback_round_trips() {
         s.queues[q].write_at(&data, off, i % 2 == 0).unwrap();
         let mut back = vec![0u8; size];
         s.queues[(q + 1) % 3].read_at(&mut back, off).unwrap();
-        assert!(back == data, "{size} bytes");
+        assert!(back == data, "{export}: {size} bytes");
         off += size as u64;
     }
     s.queues[0].trim(0, 4096).unwrap();

@@ -853,14 +853,19 @@ fn qemu_io_patterns_discard_and_write_zeroes() {
 }
 
 /// fio's nbd engine (libnbd, several requests in flight) writes random blocks with a CRC32C
-/// header each, then reads everything back and checks it.
+/// header each, then reads everything back and checks it. `t` is RAM completed by a helper
+/// thread: NBD's server-assigned slots over the asynchronous completion path.
 #[test]
 fn fio_verify_crc32c_on_mem_and_file() {
     let d = TempDir::new("nbd-fio");
     let img = d.path("f.img");
     sparse_file(&img, 32 * MIB);
-    let t = NbdTarget::start(&[&format!("f=file:{}", img.display()), "m=mem:32M"]);
-    let cases: [(&str, &[&str]); 2] = [
+    let t = NbdTarget::start(&[
+        &format!("f=file:{}", img.display()),
+        "m=mem:32M",
+        "t=memthread:32M",
+    ]);
+    let cases: [(&str, &[&str]); 3] = [
         // Two jobs (two connections), each on its own 12 MiB, 4k blocks.
         (
             "m",
@@ -873,6 +878,7 @@ fn fio_verify_crc32c_on_mem_and_file() {
         ),
         // One job, mixed block sizes.
         ("f", &["--bsrange=4k-128k", "--numjobs=1", "--size=24M"]),
+        ("t", &["--bsrange=4k-128k", "--numjobs=1", "--size=24M"]),
     ];
     for (export, extra) in cases {
         let json = d.path(&format!("fio-{export}.json"));
