@@ -573,4 +573,47 @@ mod tests {
         assert!(Tag::new(0, 0xffff).generation_older_than(2)); // wrapped
         assert!(!Tag::new(0, 2).generation_older_than(0xffff));
     }
+
+    /// §6: `tag = slot | (generation << 16)`, so a slot and a generation never bleed into each
+    /// other, even at their extremes.
+    #[test]
+    fn tags_pack_slot_low_and_generation_high() {
+        assert_eq!(Tag::new(0x1234, 0xabcd).0, 0xabcd_1234);
+        for (slot, generation) in [(0, 0), (0xffff, 0), (0, 0xffff), (0xffff, 0xffff), (7, 1)] {
+            let t = Tag::new(slot, generation);
+            assert_eq!((t.slot(), t.generation()), (slot, generation));
+        }
+        // Reading a tag off the wire: the halves are taken as they are.
+        assert_eq!(Tag(0x0001_fffe).slot(), 0xfffe);
+        assert_eq!(Tag(0x0001_fffe).generation(), 1);
+    }
+
+    /// §6: a slot's generation is incremented (mod 2^16) on each reuse, and every earlier one
+    /// within half the space is older: the step from 0xffff to 0 is a step forward.
+    #[test]
+    fn each_reuse_of_a_slot_is_newer_across_the_wrap() {
+        let mut g: u16 = 0xfff0;
+        for _ in 0..64 {
+            let next = g.wrapping_add(1);
+            assert!(Tag::new(3, g).generation_older_than(next), "{g:#x}");
+            assert!(!Tag::new(3, next).generation_older_than(g), "{next:#x}");
+            g = next;
+        }
+        assert!(Tag::new(0, 0xfff0).generation_older_than(0x002f));
+    }
+
+    /// RFC 1982 on 16 bits: "older" reaches back less than half the space (0x7fff generations);
+    /// at exactly half the comparison is undefined and neither is older, so a request that far
+    /// behind is never taken for a stale one by accident of direction.
+    #[test]
+    fn older_reaches_back_less_than_half_the_generation_space() {
+        for base in [0u16, 0x1234, 0x8000, 0xffff] {
+            let t = Tag::new(0, base);
+            assert!(t.generation_older_than(base.wrapping_add(0x7fff)));
+            assert!(!t.generation_older_than(base.wrapping_add(0x8000)));
+            assert!(!Tag::new(0, base.wrapping_add(0x8000)).generation_older_than(base));
+            assert!(!t.generation_older_than(base.wrapping_add(0x8001)));
+            assert!(Tag::new(0, base.wrapping_add(0x8001)).generation_older_than(base));
+        }
+    }
 }
