@@ -1,3 +1,7 @@
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+#![deny(rustdoc::broken_intra_doc_links)]
 //! Link-level socket plumbing for the datagram transports (PROTOCOL.md §9), shared by the target
 //! and the initiator so both open, size and filter their sockets the same way.
 
@@ -15,6 +19,7 @@ fn os_err(what: &str) -> String {
     format!("{what}: {}", std::io::Error::last_os_error())
 }
 
+/// Sets an `int` socket option on `fd`; failure is ignored (callers treat every option as a best effort).
 pub fn setopt(fd: i32, level: i32, opt: i32, v: libc::c_int) {
     // SAFETY: setsockopt with an int on a socket the caller owns.
     unsafe {
@@ -61,11 +66,15 @@ pub fn frame_payload_for(mtu: u32, overhead: u32) -> u32 {
 /// Facts about a network interface.
 #[derive(Clone, Copy, Debug)]
 pub struct Iface {
+    /// Interface index (`if_nametoindex`).
     pub index: i32,
+    /// Link MTU (1500 if sysfs does not say).
     pub mtu: u32,
+    /// The interface's own MAC address.
     pub mac: [u8; 6],
 }
 
+/// Looks up interface `name`: its index, MTU and MAC.
 pub fn iface(name: &str) -> Result<Iface, String> {
     let c = std::ffi::CString::new(name).map_err(|_| format!("bad interface name '{name}'"))?;
     // SAFETY: if_nametoindex on a NUL-terminated name.
@@ -88,9 +97,19 @@ pub fn iface(name: &str) -> Result<Iface, String> {
 #[derive(Clone, Copy, Debug)]
 pub enum Filter {
     /// Target reactors: queues with `queue % n == r` (low byte of the little-endian queue field).
-    QueueShare { n: u32, r: u32 },
+    QueueShare {
+        /// Reactors sharing the interface.
+        n: u32,
+        /// This reactor's share.
+        r: u32,
+    },
     /// Initiator queues: exactly this queue (and, once known, this session).
-    Queue { queue: u16, session: Option<u32> },
+    Queue {
+        /// The queue index.
+        queue: u16,
+        /// The session id, once the HELLO reply gave one.
+        session: Option<u32>,
+    },
 }
 
 const LD_W_ABS: u16 = 0x20;

@@ -47,10 +47,13 @@ struct TpacketReq {
 /// One frame in the ring: its bytes (the Ethernet payload) and the link-layer header the kernel
 /// filled in (source MAC, packet type).
 pub struct RxFrame<'a> {
+    /// The frame's bytes (the blkwire datagram).
     pub data: &'a [u8],
+    /// The sender's link-layer address, as the kernel filled it in.
     pub from: &'a libc::sockaddr_ll,
 }
 
+/// A mapped TPACKET_V2 receive ring: frames are read in place, oldest first.
 pub struct RxRing {
     base: NonNull<u8>,
     map_len: usize,
