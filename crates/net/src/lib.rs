@@ -40,7 +40,7 @@ pub fn size_buffers(fd: i32) -> u32 {
     setopt(fd, libc::SOL_SOCKET, libc::SO_SNDBUF, 4 << 20);
     let mut v: libc::c_int = 0;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: getsockopt into a local int.
+    // SAFETY: `v` is a local int and `len` its true size.
     unsafe {
         libc::getsockopt(
             fd,
@@ -220,7 +220,7 @@ pub fn packet_send_socket(ifindex: i32) -> Result<OwnedFd, String> {
 
 /// A non-blocking cooked packet socket for `ethertype` (0: none), not yet bound.
 fn open_packet(ethertype: u16) -> Result<OwnedFd, String> {
-    // SAFETY: creating a socket.
+    // SAFETY: socket(2) takes no pointers; the result is checked below.
     let fd = unsafe {
         libc::socket(
             libc::AF_PACKET,
@@ -234,13 +234,13 @@ fn open_packet(ethertype: u16) -> Result<OwnedFd, String> {
             os_err("packet socket")
         ));
     }
-    // SAFETY: we own the new fd.
+    // SAFETY: `fd` was just returned by socket(2), is valid, and nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 fn bind_packet(fd: &OwnedFd, ifindex: i32, ethertype: u16) -> Result<(), String> {
     let sll = link_addr(ifindex, ethertype, [0; 6]);
-    // SAFETY: bind to the interface and protocol.
+    // SAFETY: `sll` is a local sockaddr_ll passed with its true size.
     let rc = unsafe {
         libc::bind(
             fd.as_raw_fd(),
@@ -256,7 +256,7 @@ fn bind_packet(fd: &OwnedFd, ifindex: i32, ethertype: u16) -> Result<(), String>
 
 /// A link-layer address for sendto on a packet socket.
 pub fn link_addr(ifindex: i32, ethertype: u16, mac: [u8; 6]) -> libc::sockaddr_ll {
-    // SAFETY: an all-zero sockaddr_ll is valid.
+    // SAFETY: an all-zero sockaddr_ll (plain integers and bytes) is a valid value.
     let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
     sll.sll_family = libc::AF_PACKET as u16;
     sll.sll_protocol = ethertype.to_be();

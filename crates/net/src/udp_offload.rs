@@ -122,7 +122,7 @@ impl Cmsg {
     }
 
     fn space(data: usize) -> usize {
-        // SAFETY: CMSG_SPACE is arithmetic.
+        // SAFETY: CMSG_SPACE only computes a length; it touches no memory.
         unsafe { libc::CMSG_SPACE(data as u32) as usize }
     }
 }
@@ -159,7 +159,7 @@ impl<'a, const N: usize> Default for SendBatch<'a, N> {
     fn default() -> Self {
         SendBatch {
             runs: [(&[], 0, 0); N],
-            // SAFETY: an all-zero sockaddr_storage is valid.
+            // SAFETY: an all-zero sockaddr_storage (family AF_UNSPEC) is a valid value.
             names: unsafe { std::mem::zeroed() },
             namelens: [0; N],
             len: 0,
@@ -289,7 +289,7 @@ mod tests {
             msg.msg_iovlen = 1;
             let mut c = Cmsg::default();
             c.attach_segment(&mut msg, 1000);
-            // SAFETY: sendmsg from locals.
+            // SAFETY: `msg` points at `iov`, `data` and `c`, all alive for the call.
             let n = unsafe { libc::sendmsg(tx.as_raw_fd(), &msg, 0) };
             assert_eq!(
                 n,
@@ -304,7 +304,7 @@ mod tests {
             iov_base: buf.as_mut_ptr().cast(),
             iov_len: buf.len(),
         };
-        // SAFETY: as above.
+        // SAFETY: an all-zero msghdr (null pointers, zero lengths) is a valid value.
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
         msg.msg_iov = &mut iov;
         msg.msg_iovlen = 1;
