@@ -74,7 +74,7 @@ impl Link {
                 events: libc::POLLIN,
                 revents: 0,
             };
-            // SAFETY: poll on our fd.
+            // SAFETY: `p` is one valid pollfd on the stack, alive for the call.
             if unsafe { libc::poll(&mut p, 1, ms) } <= 0 {
                 continue;
             }
@@ -82,7 +82,7 @@ impl Link {
             // longer IP address into it, which callers on UDP ignore).
             let mut from: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
             let mut fl = std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
-            // SAFETY: recvfrom into our buffers.
+            // SAFETY: `buf` and `from` are ours, writable, and passed with their true sizes.
             let n = unsafe {
                 libc::recvfrom(
                     self.fd.as_raw_fd(),
@@ -397,7 +397,7 @@ pub(crate) fn udp_link(addr: std::net::SocketAddr) -> Result<Link> {
     } else {
         (libc::IPPROTO_IPV6, libc::IPV6_MTU, 48)
     };
-    // SAFETY: getsockopt into a local int.
+    // SAFETY: `mtu` is a local int and `len` its true size.
     unsafe {
         libc::getsockopt(
             fd.as_raw_fd(),
