@@ -3,61 +3,12 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::time::Duration;
+use std::io::Write;
 
 use blkwire_client::{connect, ConnectOptions, Url};
-use blkwire_wire::{Header, Hello, HelloReply, Opcode, Status, Tag, HEADER_LEN};
+use blkwire_wire::{Header, HelloReply, Opcode, Status, Tag, HEADER_LEN};
+use common::native_raw::{assert_closed, hello, raw, read_frame};
 use common::Target;
-
-fn raw(t: &Target) -> TcpStream {
-    let addr = t.base.trim_start_matches("tcp://");
-    let s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s
-}
-
-fn hello(s: &mut TcpStream, export: &str) -> (Header, Vec<u8>) {
-    let p = Hello {
-        queues: 2,
-        depth: 4,
-        max_io: 65536,
-        client_features: 0,
-        frame_payload: 0,
-        nonce: 1,
-        host_id: "hostile".into(),
-        export: export.into(),
-        auth: vec![],
-    }
-    .encode()
-    .unwrap();
-    let mut h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
-    h.payload_len = p.len() as u32;
-    s.write_all(&h.to_bytes()).unwrap();
-    s.write_all(&p).unwrap();
-    read_frame(s).expect("hello reply")
-}
-
-fn read_frame(s: &mut TcpStream) -> Option<(Header, Vec<u8>)> {
-    let mut hb = [0u8; HEADER_LEN];
-    s.read_exact(&mut hb).ok()?;
-    let h = Header::decode(&hb, 64 << 20).ok()?;
-    let mut p = vec![0u8; h.payload_len as usize];
-    s.read_exact(&mut p).ok()?;
-    Some((h, p))
-}
-
-/// The connection is closed by the target (EOF or reset), not left hanging.
-fn assert_closed(s: &mut TcpStream) {
-    let mut b = [0u8; 4096];
-    loop {
-        match s.read(&mut b) {
-            Ok(0) | Err(_) => return,
-            Ok(_) => continue, // replies sent before the violation
-        }
-    }
-}
 
 fn still_serves(t: &Target) {
     let mut s = connect(

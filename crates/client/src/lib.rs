@@ -1,3 +1,7 @@
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+#![deny(rustdoc::broken_intra_doc_links)]
 //! blkwire initiator library.
 //!
 //! [`connect`] opens a session (PROTOCOL.md §2): one TCP connection per queue. Each [`Queue`] is
@@ -32,12 +36,16 @@ pub enum Error {
     Usage(String),
     /// Could not reach the target.
     Connect {
+        /// The address dialled.
         addr: String,
+        /// Why the connection failed.
         source: std::io::Error,
     },
     /// The target refused the handshake or a command.
     Status {
+        /// What was asked (handshake, command).
         what: String,
+        /// The status the target answered.
         status: Status,
     },
     /// The target closed the connection.
@@ -49,6 +57,7 @@ pub enum Error {
     Timeout(Duration),
     /// The target broke the protocol.
     Protocol(String),
+    /// A socket call failed.
     Io(std::io::Error),
 }
 
@@ -81,13 +90,17 @@ impl From<std::io::Error> for Error {
     }
 }
 
+/// The result of every fallible call of this crate.
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// What a session asks for.
 #[derive(Clone, Debug)]
 pub struct ConnectOptions {
+    /// Queues wanted (the target may grant fewer).
     pub queues: u16,
+    /// Requests in flight per queue wanted.
     pub depth: u16,
+    /// Largest I/O wanted, in bytes (the target may grant less).
     pub max_io: u32,
     /// Identity sent in HELLO; the host name by default.
     pub host_id: String,
@@ -113,7 +126,7 @@ impl Default for ConnectOptions {
 /// A random 64-bit value from the kernel (HELLO nonces).
 pub(crate) fn random_u64() -> u64 {
     let mut b = [0u8; 8];
-    // SAFETY: getrandom into a local buffer.
+    // SAFETY: `b` is a local 8-byte buffer and 8 is its length.
     let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), 8, 0) };
     if n == 8 {
         u64::from_le_bytes(b)
@@ -134,20 +147,31 @@ fn hostname() -> String {
 /// An export as the session sees it.
 #[derive(Clone, Debug)]
 pub struct ExportInfo {
+    /// Export name.
     pub name: String,
+    /// Export size in bytes.
     pub size: u64,
+    /// Smallest addressable unit, in bytes.
     pub logical_block: u32,
+    /// Unit the export writes without read-modify-write, in bytes.
     pub physical_block: u32,
+    /// What the export does (PROTOCOL.md §7).
     pub features: Features,
+    /// Queues granted.
     pub queues: u16,
+    /// Requests in flight per queue granted.
     pub depth: u16,
+    /// Largest I/O granted, in bytes.
     pub max_io: u32,
+    /// Session id the target gave.
     pub session: u32,
 }
 
 /// An open session: its export's description and its queues.
 pub struct Session {
+    /// The export and what the target granted.
     pub info: ExportInfo,
+    /// One per granted queue, each meant for one thread.
     pub queues: Vec<Queue>,
 }
 

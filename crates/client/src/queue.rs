@@ -14,25 +14,41 @@ use crate::{Error, Result};
 /// A command to submit. Offsets and lengths in bytes.
 #[derive(Clone, Copy, Debug)]
 pub enum Cmd<'a> {
+    /// Read `len` bytes at `offset`.
     Read {
+        /// Byte offset in the export.
         offset: u64,
+        /// Bytes to read.
         len: u32,
     },
+    /// Write `data` at `offset`.
     Write {
+        /// Byte offset in the export.
         offset: u64,
+        /// The bytes to write (copied at submit on datagram queues, kept for retransmission).
         data: &'a [u8],
+        /// Durable before it completes (PROTOCOL.md §10).
         fua: bool,
     },
+    /// Make every completed write durable (PROTOCOL.md §10).
     Flush,
+    /// Discard a range (advisory).
     Trim {
+        /// Byte offset in the export.
         offset: u64,
+        /// Bytes to discard.
         len: u32,
     },
+    /// Make a range read back as zeros.
     WriteZeroes {
+        /// Byte offset in the export.
         offset: u64,
+        /// Bytes to zero.
         len: u32,
+        /// Allocate rather than punch a hole.
         no_hole: bool,
     },
+    /// Ask the target to answer at once (proves it alive).
     Keepalive,
 }
 
@@ -96,15 +112,20 @@ impl<'a> Cmd<'a> {
 /// A finished command: the caller's token, the status and, for reads, the data (borrowed from the
 /// receive buffer until the callback returns).
 pub struct Completion<'a> {
+    /// The token given to `submit`.
     pub user: u64,
+    /// The target's answer (or `Io` for a request given up on).
     pub status: Status,
+    /// A successful READ's data; empty otherwise.
     pub data: &'a [u8],
 }
 
 /// Client-side counters of one queue.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct QueueStats {
+    /// Frames sent, retransmissions included.
     pub frames_out: u64,
+    /// Frames received, bad ones included.
     pub frames_in: u64,
     /// Replies whose tag matched nothing in flight (late or duplicated), dropped.
     pub late_replies: u64,
@@ -127,10 +148,12 @@ pub struct QueueStats {
     pub window: u64,
     /// Datagrams sent and received: fewer than frames when frames share datagrams (§9.6).
     pub datagrams_out: u64,
+    /// See `datagrams_out`.
     pub datagrams_in: u64,
     /// UDP: datagrams that left in segmented sends and arrived in coalesced receives (§9.6),
     /// included in the counts above.
     pub segmented_out: u64,
+    /// See `segmented_out`.
     pub coalesced_in: u64,
 }
 
@@ -167,30 +190,35 @@ impl Queue {
         }
     }
 
+    /// Queue index inside the session.
     pub fn index(&self) -> u16 {
         match &self.inner {
             Inner::Stream(q) => q.index(),
             Inner::Dgram(q) => q.index(),
         }
     }
+    /// Requests this queue can have in flight.
     pub fn depth(&self) -> usize {
         match &self.inner {
             Inner::Stream(q) => q.depth(),
             Inner::Dgram(q) => q.depth(),
         }
     }
+    /// Largest I/O one command may carry, in bytes.
     pub fn max_io(&self) -> u32 {
         match &self.inner {
             Inner::Stream(q) => q.max_io(),
             Inner::Dgram(q) => q.max_io(),
         }
     }
+    /// Commands submitted and not yet delivered.
     pub fn in_flight(&self) -> usize {
         match &self.inner {
             Inner::Stream(q) => q.in_flight(),
             Inner::Dgram(q) => q.in_flight(),
         }
     }
+    /// This queue's counters.
     pub fn stats(&self) -> QueueStats {
         match &self.inner {
             Inner::Stream(q) => q.stats(),
@@ -321,10 +349,12 @@ impl Queue {
         self.run_batch(1, |_| Cmd::Flush, |_, _| {}, || "flush".into())
     }
 
+    /// Discards `len` bytes at `offset` (split at `max_io`) and waits for every part.
     pub fn trim(&mut self, offset: u64, len: u64) -> Result<()> {
         self.ranged(offset, len, "trim", |offset, len| Cmd::Trim { offset, len })
     }
 
+    /// Zeroes `len` bytes at `offset` (split at `max_io`) and waits for every part.
     pub fn write_zeroes(&mut self, offset: u64, len: u64, no_hole: bool) -> Result<()> {
         self.ranged(offset, len, "write zeroes", |offset, len| {
             Cmd::WriteZeroes {

@@ -279,7 +279,7 @@ impl StreamQueue {
                 revents: 0,
             };
             let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
-            // SAFETY: poll on one pollfd of ours.
+            // SAFETY: one valid pollfd on the stack, alive for the call.
             let n = unsafe { libc::poll(&mut p, 1, ms) };
             if n > 0 {
                 if p.revents & (libc::POLLERR | libc::POLLHUP) != 0 && p.revents & libc::POLLIN == 0

@@ -8,26 +8,35 @@ use crate::Error;
 pub const DEFAULT_PORT: u16 = 7700;
 pub const DEFAULT_UDP_PORT: u16 = 7701;
 
+/// How frames reach the target (PROTOCOL.md §9).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Transport {
+    /// One TCP connection per queue.
     Tcp,
+    /// One UDP socket per queue.
     Udp,
     /// Raw Ethernet to the target's MAC address on a local interface.
     Eth {
+        /// The target's MAC address.
         mac: [u8; 6],
     },
 }
 
+/// A parsed export URL: `tcp://HOST[:PORT]/EXPORT`, `udp://HOST[:PORT]/EXPORT` or
+/// `eth://IFACE/TARGET-MAC/EXPORT`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Url {
+    /// The transport the scheme names.
     pub transport: Transport,
     /// Host name or address; for `eth://`, the interface name.
     pub host: String,
+    /// TCP or UDP port (unused for `eth://`).
     pub port: u16,
     /// Empty when the URL names only the target.
     pub export: String,
 }
 
+/// Parses `aa:bb:cc:dd:ee:ff` (or with dashes).
 pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
     let mut mac = [0u8; 6];
     let mut parts = s.split([':', '-']);
@@ -41,6 +50,7 @@ pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
     parts.next().is_none().then_some(mac)
 }
 
+/// Formats a MAC as `aa:bb:cc:dd:ee:ff`.
 pub fn format_mac(m: &[u8; 6]) -> String {
     format!(
         "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
@@ -49,6 +59,7 @@ pub fn format_mac(m: &[u8; 6]) -> String {
 }
 
 impl Url {
+    /// Parses an export URL; the error says which form was expected.
     pub fn parse(s: &str) -> Result<Url, Error> {
         let bad = |why: &str| {
             Error::Usage(format!(

@@ -1,3 +1,7 @@
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+#![deny(rustdoc::broken_intra_doc_links)]
 //! Link-level socket plumbing for the datagram transports (PROTOCOL.md §9), shared by the target
 //! and the initiator so both open, size and filter their sockets the same way.
 
@@ -15,6 +19,7 @@ fn os_err(what: &str) -> String {
     format!("{what}: {}", std::io::Error::last_os_error())
 }
 
+/// Sets an `int` socket option on `fd`; failure is ignored (callers treat every option as a best effort).
 pub fn setopt(fd: i32, level: i32, opt: i32, v: libc::c_int) {
     // SAFETY: setsockopt with an int on a socket the caller owns.
     unsafe {
@@ -35,7 +40,7 @@ pub fn size_buffers(fd: i32) -> u32 {
     setopt(fd, libc::SOL_SOCKET, libc::SO_SNDBUF, 4 << 20);
     let mut v: libc::c_int = 0;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: getsockopt into a local int.
+    // SAFETY: `v` is a local int and `len` its true size.
     unsafe {
         libc::getsockopt(
             fd,
@@ -61,11 +66,15 @@ pub fn frame_payload_for(mtu: u32, overhead: u32) -> u32 {
 /// Facts about a network interface.
 #[derive(Clone, Copy, Debug)]
 pub struct Iface {
+    /// Interface index (`if_nametoindex`).
     pub index: i32,
+    /// Link MTU (1500 if sysfs does not say).
     pub mtu: u32,
+    /// The interface's own MAC address.
     pub mac: [u8; 6],
 }
 
+/// Looks up interface `name`: its index, MTU and MAC.
 pub fn iface(name: &str) -> Result<Iface, String> {
     let c = std::ffi::CString::new(name).map_err(|_| format!("bad interface name '{name}'"))?;
     // SAFETY: if_nametoindex on a NUL-terminated name.
@@ -88,9 +97,19 @@ pub fn iface(name: &str) -> Result<Iface, String> {
 #[derive(Clone, Copy, Debug)]
 pub enum Filter {
     /// Target reactors: queues with `queue % n == r` (low byte of the little-endian queue field).
-    QueueShare { n: u32, r: u32 },
+    QueueShare {
+        /// Reactors sharing the interface.
+        n: u32,
+        /// This reactor's share.
+        r: u32,
+    },
     /// Initiator queues: exactly this queue (and, once known, this session).
-    Queue { queue: u16, session: Option<u32> },
+    Queue {
+        /// The queue index.
+        queue: u16,
+        /// The session id, once the HELLO reply gave one.
+        session: Option<u32>,
+    },
 }
 
 const LD_W_ABS: u16 = 0x20;
@@ -201,7 +220,7 @@ pub fn packet_send_socket(ifindex: i32) -> Result<OwnedFd, String> {
 
 /// A non-blocking cooked packet socket for `ethertype` (0: none), not yet bound.
 fn open_packet(ethertype: u16) -> Result<OwnedFd, String> {
-    // SAFETY: creating a socket.
+    // SAFETY: socket(2) takes no pointers; the result is checked below.
     let fd = unsafe {
         libc::socket(
             libc::AF_PACKET,
@@ -215,13 +234,13 @@ fn open_packet(ethertype: u16) -> Result<OwnedFd, String> {
             os_err("packet socket")
         ));
     }
-    // SAFETY: we own the new fd.
+    // SAFETY: `fd` was just returned by socket(2), is valid, and nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 fn bind_packet(fd: &OwnedFd, ifindex: i32, ethertype: u16) -> Result<(), String> {
     let sll = link_addr(ifindex, ethertype, [0; 6]);
-    // SAFETY: bind to the interface and protocol.
+    // SAFETY: `sll` is a local sockaddr_ll passed with its true size.
     let rc = unsafe {
         libc::bind(
             fd.as_raw_fd(),
@@ -237,7 +256,7 @@ fn bind_packet(fd: &OwnedFd, ifindex: i32, ethertype: u16) -> Result<(), String>
 
 /// A link-layer address for sendto on a packet socket.
 pub fn link_addr(ifindex: i32, ethertype: u16, mac: [u8; 6]) -> libc::sockaddr_ll {
-    // SAFETY: an all-zero sockaddr_ll is valid.
+    // SAFETY: an all-zero sockaddr_ll (plain integers and bytes) is a valid value.
     let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
     sll.sll_family = libc::AF_PACKET as u16;
     sll.sll_protocol = ethertype.to_be();

@@ -47,10 +47,13 @@ struct TpacketReq {
 /// One frame in the ring: its bytes (the Ethernet payload) and the link-layer header the kernel
 /// filled in (source MAC, packet type).
 pub struct RxFrame<'a> {
+    /// The frame's bytes (the blkwire datagram).
     pub data: &'a [u8],
+    /// The sender's link-layer address, as the kernel filled it in.
     pub from: &'a libc::sockaddr_ll,
 }
 
+/// A mapped TPACKET_V2 receive ring: frames are read in place, oldest first.
 pub struct RxRing {
     base: NonNull<u8>,
     map_len: usize,
@@ -74,7 +77,7 @@ impl RxRing {
     /// the kernel delivers to the ring, not to `recv`.
     pub fn new(fd: RawFd, frame: usize, slots: usize) -> Result<RxRing, String> {
         let version = TPACKET_V2;
-        // SAFETY: setsockopt with an int.
+        // SAFETY: the option value is a local int, with its true size.
         let rc = unsafe {
             libc::setsockopt(
                 fd,
@@ -100,7 +103,7 @@ impl RxRing {
             tp_frame_size: slot_size as u32,
             tp_frame_nr: slots as u32,
         };
-        // SAFETY: setsockopt with a tpacket_req.
+        // SAFETY: the option value is a local tpacket_req, with its true size.
         let rc = unsafe {
             libc::setsockopt(
                 fd,
@@ -144,17 +147,20 @@ impl RxRing {
         self.slots
     }
 
-    fn slot(&self, i: usize) -> *mut u8 {
+    /// The slot the next frame will be in.
+    fn current(&self) -> *mut u8 {
+        let i = self.next;
         let at = (i / self.slots_per_block) * self.block_size
             + (i % self.slots_per_block) * self.slot_size;
-        // SAFETY: i < slots, so the slot lies inside the mapping.
+        // SAFETY: `next` is always below `slots` (it starts at 0 and `release` wraps it), so the
+        // slot starts inside the mapping of `slots` slots laid out in whole blocks.
         unsafe { self.base.as_ptr().add(at) }
     }
 
     fn status(&self) -> &AtomicU32 {
         // SAFETY: every slot starts with a 16-aligned tpacket2_hdr whose first field is the status
         // word the kernel and we hand over with; the kernel writes it with release semantics.
-        unsafe { &*self.slot(self.next).cast::<AtomicU32>() }
+        unsafe { &*self.current().cast::<AtomicU32>() }
     }
 
     /// Whether a frame is waiting.
@@ -167,7 +173,7 @@ impl RxRing {
         if !self.ready() {
             return None;
         }
-        let s = self.slot(self.next);
+        let s = self.current();
         // SAFETY: the kernel filled this slot (status USER, acquired above) and does not touch it
         // until we hand it back. The data window comes from the kernel but is checked against the
         // slot before it is used, so a bad value yields an empty frame, never a read outside.

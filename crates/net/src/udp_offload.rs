@@ -59,19 +59,60 @@ impl Cmsg {
         msg.msg_controllen = Self::space(std::mem::size_of::<libc::c_int>());
     }
 
+    /// After a receive into `msg`, whose control buffer `attach_for_receive` made `self`: the
+    /// segment size of a coalesced run, `None` for a lone datagram (the kernel adds the message
+    /// only when it coalesced) or when `msg` does not point at `self`. Only `self`'s own bytes
+    /// are read, so this is safe whatever `msg` holds.
+    pub fn received_segment(&self, msg: &libc::msghdr) -> Option<usize> {
+        if msg.msg_control.cast_const() != self.0.as_ptr().cast() {
+            return None;
+        }
+        // SAFETY: an all-zero msghdr (null pointers, zero lengths) is a valid value.
+        let mut own: libc::msghdr = unsafe { std::mem::zeroed() };
+        own.msg_control = self.0.as_ptr().cast_mut().cast();
+        own.msg_controllen = msg.msg_controllen.min(self.0.len());
+        // SAFETY: `own` describes our own buffer, no longer than it.
+        unsafe { Self::walk_for_gro(&own) }
+    }
+
     /// After a receive into `msg`: the segment size of a coalesced run, `None` for a lone
-    /// datagram (the kernel adds the message only when it coalesced).
+    /// datagram.
+    ///
+    /// Kept for callers that still pass only the message header; it reads through
+    /// `msg.msg_control` without being able to check it, so it is unsound for a `msg` that does
+    /// not describe a live control buffer of `msg_controllen` bytes. Use `received_segment`.
+    // TODO(issue 11): crates/server still calls this; once it moves to `received_segment` (or
+    // this becomes an `unsafe fn`), remove it.
     pub fn gro_segment(msg: &libc::msghdr) -> Option<usize> {
         if msg.msg_control.is_null() {
             return None;
         }
-        // SAFETY: the kernel filled msg_control up to msg_controllen (0 when it had nothing)
-        // with well-formed control messages; CMSG_FIRSTHDR/NXTHDR stay inside that length.
+        // SAFETY: not checkable here (see above): relies on the caller's msghdr describing the
+        // control buffer the kernel just filled, as a recvmmsg/recvmsg caller's does.
+        unsafe { Self::walk_for_gro(msg) }
+    }
+
+    /// The UDP_GRO segment size among `msg`'s control messages.
+    ///
+    /// # Safety
+    ///
+    /// `msg.msg_control` must point at `msg.msg_controllen` readable bytes (or be null with a
+    /// length of 0).
+    unsafe fn walk_for_gro(msg: &libc::msghdr) -> Option<usize> {
+        let base = msg.msg_control as usize;
+        let end = base + msg.msg_controllen;
+        // SAFETY: CMSG_FIRSTHDR/NXTHDR only return headers that lie inside the msg_controllen
+        // bytes the caller vouches for; the data is read only when it lies inside them too, so
+        // even a malformed length cannot make this read outside the buffer.
         unsafe {
             let mut c = libc::CMSG_FIRSTHDR(msg);
             while !c.is_null() {
-                if (*c).cmsg_level == libc::SOL_UDP && (*c).cmsg_type == libc::UDP_GRO {
-                    let v = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<libc::c_int>());
+                let data = libc::CMSG_DATA(c);
+                if (*c).cmsg_level == libc::SOL_UDP
+                    && (*c).cmsg_type == libc::UDP_GRO
+                    && data as usize + std::mem::size_of::<libc::c_int>() <= end
+                {
+                    let v = std::ptr::read_unaligned(data.cast::<libc::c_int>());
                     return usize::try_from(v).ok().filter(|&s| s > 0);
                 }
                 c = libc::CMSG_NXTHDR(msg, c);
@@ -81,7 +122,7 @@ impl Cmsg {
     }
 
     fn space(data: usize) -> usize {
-        // SAFETY: CMSG_SPACE is arithmetic.
+        // SAFETY: CMSG_SPACE only computes a length; it touches no memory.
         unsafe { libc::CMSG_SPACE(data as u32) as usize }
     }
 }
@@ -98,6 +139,7 @@ pub struct SendBatch<'a, const N: usize> {
 
 /// What one `sendmmsg` sent.
 pub struct Sent {
+    /// Datagrams the kernel took.
     pub datagrams: usize,
     /// Of those, the datagrams that left in segmented sends.
     pub segmented: usize,
@@ -105,6 +147,7 @@ pub struct Sent {
 
 /// The first message of a batch failed (nothing was sent).
 pub struct Refused {
+    /// Why.
     pub error: std::io::Error,
     /// It was a segmented send (see `refused`).
     pub segmented: bool,
@@ -116,7 +159,7 @@ impl<'a, const N: usize> Default for SendBatch<'a, N> {
     fn default() -> Self {
         SendBatch {
             runs: [(&[], 0, 0); N],
-            // SAFETY: an all-zero sockaddr_storage is valid.
+            // SAFETY: an all-zero sockaddr_storage (family AF_UNSPEC) is a valid value.
             names: unsafe { std::mem::zeroed() },
             namelens: [0; N],
             len: 0,
@@ -125,6 +168,7 @@ impl<'a, const N: usize> Default for SendBatch<'a, N> {
 }
 
 impl<'a, const N: usize> SendBatch<'a, N> {
+    /// No room for another message?
     pub fn is_full(&self) -> bool {
         self.len == N
     }
@@ -147,8 +191,9 @@ impl<'a, const N: usize> SendBatch<'a, N> {
 
     /// Sends every message with one `sendmmsg` on `fd`; the kernel may take fewer than all.
     pub fn send(&mut self, fd: RawFd) -> Result<Sent, Refused> {
-        // SAFETY: zeroed iovec, mmsghdr and control buffers are valid; filled below.
+        // SAFETY: an all-zero iovec (null base, length 0) is a valid value; filled below.
         let mut iov: [libc::iovec; N] = unsafe { std::mem::zeroed() };
+        // SAFETY: an all-zero mmsghdr (null pointers, zero lengths) is a valid value.
         let mut msgs: [libc::mmsghdr; N] = unsafe { std::mem::zeroed() };
         let mut cmsgs = [Cmsg::default(); N];
         for i in 0..self.len {
@@ -244,7 +289,7 @@ mod tests {
             msg.msg_iovlen = 1;
             let mut c = Cmsg::default();
             c.attach_segment(&mut msg, 1000);
-            // SAFETY: sendmsg from locals.
+            // SAFETY: `msg` points at `iov`, `data` and `c`, all alive for the call.
             let n = unsafe { libc::sendmsg(tx.as_raw_fd(), &msg, 0) };
             assert_eq!(
                 n,
@@ -259,7 +304,7 @@ mod tests {
             iov_base: buf.as_mut_ptr().cast(),
             iov_len: buf.len(),
         };
-        // SAFETY: as above.
+        // SAFETY: an all-zero msghdr (null pointers, zero lengths) is a valid value.
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
         msg.msg_iov = &mut iov;
         msg.msg_iovlen = 1;
@@ -268,8 +313,11 @@ mod tests {
         // SAFETY: recvmsg into locals (blocking: the datagrams were sent above).
         let n = unsafe { libc::recvmsg(rx.as_raw_fd(), &mut msg, 0) };
         assert_eq!(n, data.len() as isize);
+        assert_eq!(c.received_segment(&msg), Some(1000));
         assert_eq!(Cmsg::gro_segment(&msg), Some(1000));
-        let got: Vec<&[u8]> = segments(&buf[..n as usize], Cmsg::gro_segment(&msg)).collect();
+        // Another buffer's message is not read through.
+        assert_eq!(Cmsg::default().received_segment(&msg), None);
+        let got: Vec<&[u8]> = segments(&buf[..n as usize], c.received_segment(&msg)).collect();
         let want: Vec<&[u8]> = data.chunks(1000).collect();
         assert_eq!(got, want);
         // Plain receiver: the kernel split the run into three datagrams.

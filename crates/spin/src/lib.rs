@@ -1,3 +1,7 @@
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+#![deny(rustdoc::broken_intra_doc_links)]
 //! Adaptive busy polling.
 //!
 //! Sleeping and being woken costs tens of microseconds per hop on a VM; at queue depth 1 that is
@@ -32,6 +36,7 @@ const YIELD_EVERY: Duration = Duration::from_micros(2);
 /// Waits skipped between probes once spinning has stopped paying.
 const PROBE_EVERY: u32 = 64;
 
+/// A waiter's spin budget, adapted to whether spinning finds work (see the crate docs).
 #[derive(Debug, Clone, Default)]
 pub struct AdaptiveSpin {
     max_ns: u64,

@@ -65,9 +65,11 @@ impl<'a> Iterator for Frames<'a> {
 pub struct Run<'a, D> {
     /// The datagrams, back to back.
     pub bytes: &'a [u8],
+    /// Where they go.
     pub dest: D,
     /// Length of every datagram but the last, which may be shorter.
     pub segment: usize,
+    /// Datagrams in the run.
     pub count: usize,
 }
 
@@ -83,6 +85,7 @@ pub struct Packer<D> {
 }
 
 impl<D: Copy + PartialEq> Packer<D> {
+    /// An empty packer with room for `datagrams` datagrams of `bytes` bytes in all.
     pub fn with_capacity(datagrams: usize, bytes: usize) -> Packer<D> {
         Packer {
             buf: Vec::with_capacity(bytes),
@@ -123,6 +126,7 @@ impl<D: Copy + PartialEq> Packer<D> {
     pub fn len(&self) -> usize {
         self.datagrams.len()
     }
+    /// No datagram built yet?
     pub fn is_empty(&self) -> bool {
         self.datagrams.is_empty()
     }
@@ -175,6 +179,7 @@ impl<D: Copy + PartialEq> Packer<D> {
         })
     }
 
+    /// Forgets every datagram (after they are sent).
     pub fn clear(&mut self) {
         self.buf.clear();
         self.datagrams.clear();

@@ -13,21 +13,34 @@ pub const HEADER_LEN: usize = 48;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Opcode {
+    /// Read `length` bytes at `offset`.
     Read = 0x01,
+    /// Write the payload at `offset`.
     Write = 0x02,
+    /// Make completed writes durable (§10).
     Flush = 0x03,
+    /// Discard a range (advisory).
     Trim = 0x04,
+    /// Make a range read back as zeros.
     WriteZeroes = 0x05,
+    /// Reserved: multi-range copy (v1 targets answer `UNSUPPORTED`).
     Copy = 0x06,
+    /// Open a session (§2, §7).
     Hello = 0x10,
+    /// Attach another queue to a session.
     Join = 0x11,
+    /// List the exports (§7, §9.5).
     List = 0x12,
+    /// Prove the peer alive; keeps an idle datagram session (§9.1).
     Keepalive = 0x13,
+    /// End a queue after its earlier requests.
     Logout = 0x14,
+    /// Live counters as JSON (§11).
     Stats = 0x15,
 }
 
 impl Opcode {
+    /// The opcode with wire value `v`; `None` for codes this version does not know.
     pub fn from_u8(v: u8) -> Option<Opcode> {
         Some(match v {
             0x01 => Opcode::Read,
@@ -68,13 +81,20 @@ impl Opcode {
 pub struct Flags(pub u16);
 
 impl Flags {
+    /// The frame is a reply.
     pub const REPLY: u16 = 1 << 0;
+    /// WRITE: durable before the reply (§10).
     pub const FUA: u16 = 1 << 1;
+    /// `crc` is valid and must be checked.
     pub const CRC: u16 = 1 << 2;
+    /// WRITE_ZEROES: allocate, do not punch a hole.
     pub const NO_HOLE: u16 = 1 << 3;
+    /// Datagrams (§9.3): the payload is the bitmap of fragments the sender holds.
     pub const HAVE: u16 = 1 << 4;
+    /// Every defined bit; a frame with any other is rejected.
     pub const KNOWN: u16 = Self::REPLY | Self::FUA | Self::CRC | Self::NO_HOLE | Self::HAVE;
 
+    /// Is `bit` set?
     pub fn has(self, bit: u16) -> bool {
         self.0 & bit != 0
     }
@@ -84,17 +104,29 @@ impl Flags {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u16)]
 pub enum Status {
+    /// Success.
     Ok = 0,
+    /// Write-class command on a read-only export.
     ReadOnly = 1,
+    /// The backend failed (also every unknown status).
     Io = 2,
+    /// Malformed request.
     Invalid = 3,
+    /// `offset + length` beyond the export.
     OutOfRange = 4,
+    /// The export cannot do this opcode.
     Unsupported = 5,
+    /// HELLO names an unknown export.
     NoExport = 6,
+    /// Protocol version not spoken.
     Version = 7,
+    /// JOIN for a queue that is already connected.
     Busy = 8,
+    /// Not allowed, bad cookie, or an unknown session (§9.1).
     Access = 9,
+    /// The target is stopping.
     Shutdown = 10,
+    /// The target is out of resources.
     NoMemory = 11,
 }
 
@@ -118,6 +150,7 @@ impl Status {
         }
     }
 
+    /// The errno an initiator reports for this status (0 for OK).
     pub fn errno(self) -> i32 {
         match self {
             Status::Ok => 0,
@@ -190,12 +223,15 @@ mod libc_errno {
 pub struct Tag(pub u32);
 
 impl Tag {
+    /// `slot | generation << 16` (§6).
     pub fn new(slot: u16, generation: u16) -> Tag {
         Tag(slot as u32 | (generation as u32) << 16)
     }
+    /// Slot index: bits 0-15.
     pub fn slot(self) -> u16 {
         self.0 as u16
     }
+    /// Generation of the slot's current use: bits 16-31.
     pub fn generation(self) -> u16 {
         (self.0 >> 16) as u16
     }
@@ -211,25 +247,37 @@ impl Tag {
 pub enum FrameError {
     /// Fewer than `HEADER_LEN` bytes.
     Short,
+    /// `magic` is not `MAGIC`.
     BadMagic(u16),
+    /// A protocol version other than `VERSION`.
     BadVersion(u8),
+    /// An opcode this version does not define.
     UnknownOpcode(u8),
+    /// Flag bits outside `Flags::KNOWN`.
     UnknownFlags(u16),
+    /// `frag_count` 0 or `frag_index >= frag_count`.
     BadFragment {
+        /// The frame's `frag_index`.
         index: u16,
+        /// The frame's `frag_count`.
         count: u16,
     },
     /// `payload_len` above what the receiver accepts.
     PayloadTooLarge {
+        /// The frame's `payload_len`.
         len: u32,
+        /// The receiver's limit.
         max: u32,
     },
     /// Payload does not fit inside the message (`frag_offset + payload_len > length`).
     PayloadOutsideMessage,
     /// A request carried a non-zero status.
     StatusInRequest(u16),
+    /// The CRC32C of header and payload is not the one the header carries.
     BadCrc {
+        /// CRC the header carries.
         expected: u32,
+        /// CRC of what arrived.
         actual: u32,
     },
     /// Datagrams (§9.6): fewer payload bytes than `payload_len` left in the datagram.
@@ -276,19 +324,33 @@ impl std::error::Error for FrameError {}
 /// A decoded frame header (§1). Plain data; `encode`/`decode` are the only ways in and out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
+    /// What is asked (§3).
     pub opcode: Opcode,
+    /// §4.
     pub flags: Flags,
+    /// 0 in requests; the outcome in replies (§5).
     pub status: Status,
+    /// Queue index inside the session.
     pub queue: u16,
+    /// Index of this fragment (§9.3).
     pub frag_index: u16,
+    /// Fragments of the message; 1 when unfragmented.
     pub frag_count: u16,
+    /// Replies: frames the target grants this queue (§8, §9.4).
     pub credit: u16,
+    /// Slot and generation (§6).
     pub tag: Tag,
+    /// Bytes of the I/O.
     pub length: u32,
+    /// Byte offset of the I/O in the export.
     pub offset: u64,
+    /// Bytes of payload following this header in this frame.
     pub payload_len: u32,
+    /// Offset of this frame's payload inside the message's data.
     pub frag_offset: u32,
+    /// CRC32C of header and payload when flag `CRC` is set, else 0.
     pub crc: u32,
+    /// Session id; 0 before HELLO and on TCP queues.
     pub session: u32,
 }
 
@@ -327,10 +389,12 @@ impl Header {
         }
     }
 
+    /// Does flag `REPLY` mark this as a reply?
     pub fn is_reply(&self) -> bool {
         self.flags.has(Flags::REPLY)
     }
 
+    /// Writes the header's wire form into `out`.
     pub fn encode(&self, out: &mut [u8; HEADER_LEN]) {
         out[0..2].copy_from_slice(&MAGIC.to_le_bytes());
         out[2] = VERSION;
@@ -350,6 +414,7 @@ impl Header {
         out[44..48].copy_from_slice(&self.session.to_le_bytes());
     }
 
+    /// The header's wire form.
     pub fn to_bytes(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
         self.encode(&mut b);
@@ -572,5 +637,48 @@ mod tests {
         assert!(!t.generation_older_than(9));
         assert!(Tag::new(0, 0xffff).generation_older_than(2)); // wrapped
         assert!(!Tag::new(0, 2).generation_older_than(0xffff));
+    }
+
+    /// §6: `tag = slot | (generation << 16)`, so a slot and a generation never bleed into each
+    /// other, even at their extremes.
+    #[test]
+    fn tags_pack_slot_low_and_generation_high() {
+        assert_eq!(Tag::new(0x1234, 0xabcd).0, 0xabcd_1234);
+        for (slot, generation) in [(0, 0), (0xffff, 0), (0, 0xffff), (0xffff, 0xffff), (7, 1)] {
+            let t = Tag::new(slot, generation);
+            assert_eq!((t.slot(), t.generation()), (slot, generation));
+        }
+        // Reading a tag off the wire: the halves are taken as they are.
+        assert_eq!(Tag(0x0001_fffe).slot(), 0xfffe);
+        assert_eq!(Tag(0x0001_fffe).generation(), 1);
+    }
+
+    /// §6: a slot's generation is incremented (mod 2^16) on each reuse, and every earlier one
+    /// within half the space is older: the step from 0xffff to 0 is a step forward.
+    #[test]
+    fn each_reuse_of_a_slot_is_newer_across_the_wrap() {
+        let mut g: u16 = 0xfff0;
+        for _ in 0..64 {
+            let next = g.wrapping_add(1);
+            assert!(Tag::new(3, g).generation_older_than(next), "{g:#x}");
+            assert!(!Tag::new(3, next).generation_older_than(g), "{next:#x}");
+            g = next;
+        }
+        assert!(Tag::new(0, 0xfff0).generation_older_than(0x002f));
+    }
+
+    /// RFC 1982 on 16 bits: "older" reaches back less than half the space (0x7fff generations);
+    /// at exactly half the comparison is undefined and neither is older, so a request that far
+    /// behind is never taken for a stale one by accident of direction.
+    #[test]
+    fn older_reaches_back_less_than_half_the_generation_space() {
+        for base in [0u16, 0x1234, 0x8000, 0xffff] {
+            let t = Tag::new(0, base);
+            assert!(t.generation_older_than(base.wrapping_add(0x7fff)));
+            assert!(!t.generation_older_than(base.wrapping_add(0x8000)));
+            assert!(!Tag::new(0, base.wrapping_add(0x8000)).generation_older_than(base));
+            assert!(!t.generation_older_than(base.wrapping_add(0x8001)));
+            assert!(Tag::new(0, base.wrapping_add(0x8001)).generation_older_than(base));
+        }
     }
 }

@@ -11,13 +11,21 @@ pub const MAX_STR: usize = 255;
 pub struct Features(pub u64);
 
 impl Features {
+    /// Writes are refused.
     pub const READ_ONLY: u64 = 1 << 0;
+    /// FLUSH is meaningful.
     pub const FLUSH: u64 = 1 << 1;
+    /// FUA is meaningful.
     pub const FUA: u64 = 1 << 2;
+    /// TRIM is accepted.
     pub const TRIM: u64 = 1 << 3;
+    /// WRITE_ZEROES is accepted.
     pub const WRITE_ZEROES: u64 = 1 << 4;
+    /// COPY is supported.
     pub const COPY: u64 = 1 << 5;
+    /// The export behaves like a rotating disk.
     pub const ROTATIONAL: u64 = 1 << 6;
+    /// Every byte of the export reads as zero right now.
     pub const INIT_ZERO: u64 = 1 << 7;
 
     const NAMES: [(u64, &'static str); 8] = [
@@ -31,6 +39,7 @@ impl Features {
         (Self::INIT_ZERO, "init-zero"),
     ];
 
+    /// Is `bit` set?
     pub fn has(self, bit: u64) -> bool {
         self.0 & bit != 0
     }
@@ -48,10 +57,15 @@ impl Features {
 /// Why a handshake payload could not be parsed or built.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PayloadError {
+    /// The payload ends inside a field.
     Truncated,
+    /// A string longer than `MAX_STR`.
     StringTooLong(usize),
+    /// A string that is not UTF-8.
     NotUtf8,
+    /// Bytes left over after the last field.
     TrailingBytes(usize),
+    /// A field out of its allowed range.
     Invalid(&'static str),
 }
 
@@ -77,6 +91,7 @@ pub struct PayloadReader<'a> {
 }
 
 impl<'a> PayloadReader<'a> {
+    /// A reader at the start of `buf`.
     pub fn new(buf: &'a [u8]) -> Self {
         PayloadReader { buf }
     }
@@ -88,15 +103,19 @@ impl<'a> PayloadReader<'a> {
         self.buf = b;
         Ok(a)
     }
+    /// Reads a little-endian u16.
     pub fn u16(&mut self) -> Result<u16, PayloadError> {
         Ok(u16::from_le_bytes(self.take(2)?.try_into().expect("2")))
     }
+    /// Reads a little-endian u32.
     pub fn u32(&mut self) -> Result<u32, PayloadError> {
         Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4")))
     }
+    /// Reads a little-endian u64.
     pub fn u64(&mut self) -> Result<u64, PayloadError> {
         Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
     }
+    /// Reads a `u8`-length-prefixed UTF-8 string.
     pub fn str(&mut self) -> Result<String, PayloadError> {
         let n = self.take(1)?[0] as usize;
         let b = self.take(n)?;
@@ -104,10 +123,12 @@ impl<'a> PayloadReader<'a> {
             .map(str::to_owned)
             .map_err(|_| PayloadError::NotUtf8)
     }
+    /// Reads `u16`-length-prefixed bytes.
     pub fn bytes16(&mut self) -> Result<&'a [u8], PayloadError> {
         let n = self.u16()? as usize;
         self.take(n)
     }
+    /// Checks that nothing is left over.
     pub fn finish(self) -> Result<(), PayloadError> {
         match self.buf.len() {
             0 => Ok(()),
@@ -119,22 +140,27 @@ impl<'a> PayloadReader<'a> {
 /// Builder for a payload.
 #[derive(Default)]
 pub struct PayloadWriter {
+    /// The payload built so far.
     pub buf: Vec<u8>,
 }
 
 impl PayloadWriter {
+    /// Appends a little-endian u16.
     pub fn u16(&mut self, v: u16) -> &mut Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
+    /// Appends a little-endian u32.
     pub fn u32(&mut self, v: u32) -> &mut Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
+    /// Appends a little-endian u64.
     pub fn u64(&mut self, v: u64) -> &mut Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
+    /// Appends a `u8`-length-prefixed string (at most `MAX_STR` bytes).
     pub fn str(&mut self, s: &str) -> Result<&mut Self, PayloadError> {
         if s.len() > MAX_STR {
             return Err(PayloadError::StringTooLong(s.len()));
@@ -143,6 +169,7 @@ impl PayloadWriter {
         self.buf.extend_from_slice(s.as_bytes());
         Ok(self)
     }
+    /// Appends `u16`-length-prefixed bytes.
     pub fn bytes16(&mut self, b: &[u8]) -> Result<&mut Self, PayloadError> {
         let n = u16::try_from(b.len()).map_err(|_| PayloadError::Invalid("auth too long"))?;
         self.u16(n);
@@ -154,20 +181,28 @@ impl PayloadWriter {
 /// HELLO request (§7).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Hello {
+    /// Queues wanted (at least 1).
     pub queues: u16,
+    /// Slots per queue wanted (at least 1).
     pub depth: u16,
+    /// Largest I/O wanted, in bytes (at least 512).
     pub max_io: u32,
+    /// Reserved, 0.
     pub client_features: u64,
     /// Datagrams: the largest frame payload the initiator's link carries (0 on TCP).
     pub frame_payload: u32,
     /// Random per HELLO attempt, so a retransmitted HELLO maps to the same session.
     pub nonce: u64,
+    /// Initiator identity (hostname), logged.
     pub host_id: String,
+    /// Export name.
     pub export: String,
+    /// Reserved for authentication; empty in v1.
     pub auth: Vec<u8>,
 }
 
 impl Hello {
+    /// The payload's wire form.
     pub fn encode(&self) -> Result<Vec<u8>, PayloadError> {
         let mut w = PayloadWriter::default();
         w.u16(self.queues)
@@ -181,6 +216,7 @@ impl Hello {
         Ok(w.buf)
     }
 
+    /// Parses and range-checks a HELLO payload.
     pub fn decode(buf: &[u8]) -> Result<Hello, PayloadError> {
         let mut r = PayloadReader::new(buf);
         let h = Hello {
@@ -210,22 +246,33 @@ impl Hello {
 /// HELLO reply (§7).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HelloReply {
+    /// Export size in bytes.
     pub size: u64,
+    /// Logical block size: a power of two, at least 512.
     pub logical_block: u32,
+    /// Physical block size: a power of two, at least `logical_block`.
     pub physical_block: u32,
+    /// What the export does (§7).
     pub features: Features,
+    /// Queues granted.
     pub queues: u16,
+    /// Slots per queue granted.
     pub depth: u16,
+    /// Largest I/O granted, in bytes.
     pub max_io: u32,
+    /// Session id.
     pub session: u32,
+    /// Proves a JOIN belongs to this session.
     pub cookie: u64,
     /// Payload bytes per fragment on datagrams; equal to `max_io` on TCP.
     pub frame_payload: u32,
 }
 
 impl HelloReply {
+    /// Bytes of the encoded reply.
     pub const LEN: usize = 48;
 
+    /// The payload's wire form.
     pub fn encode(&self) -> Vec<u8> {
         let mut w = PayloadWriter::default();
         w.u64(self.size)
@@ -241,6 +288,7 @@ impl HelloReply {
         w.buf
     }
 
+    /// Parses and range-checks a HELLO reply.
     pub fn decode(buf: &[u8]) -> Result<HelloReply, PayloadError> {
         let mut r = PayloadReader::new(buf);
         let h = HelloReply {
@@ -279,12 +327,16 @@ impl HelloReply {
 /// One LIST entry (§7).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExportEntry {
+    /// Export name.
     pub name: String,
+    /// Export size in bytes.
     pub size: u64,
+    /// What the export does (§7).
     pub features: Features,
 }
 
 impl ExportEntry {
+    /// A LIST reply payload (§7).
     pub fn encode_list(entries: &[ExportEntry]) -> Result<Vec<u8>, PayloadError> {
         let n =
             u16::try_from(entries.len()).map_err(|_| PayloadError::Invalid("too many exports"))?;
@@ -296,6 +348,7 @@ impl ExportEntry {
         Ok(w.buf)
     }
 
+    /// Parses a LIST reply payload.
     pub fn decode_list(buf: &[u8]) -> Result<Vec<ExportEntry>, PayloadError> {
         let mut r = PayloadReader::new(buf);
         let n = r.u16()? as usize;

@@ -1,3 +1,7 @@
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+#![deny(rustdoc::broken_intra_doc_links)]
 //! blkwire native protocol v1: the bytes on the wire and nothing else.
 //!
 //! This crate does no I/O and never allocates on the decode path, so it can be fuzzed in isolation
@@ -27,13 +31,16 @@ pub fn fragment_count(len: u32, frame_payload: u32) -> u32 {
 
 /// Bitmap of fragments (bit `i` of byte `i / 8`, LSB first), as carried with flag `HAVE`.
 pub mod bitmap {
+    /// Bytes a bitmap of `count` fragments takes.
     pub fn bytes_for(count: u32) -> usize {
         count.div_ceil(8) as usize
     }
+    /// Is fragment `i` present? (Bits beyond the map are absent.)
     pub fn get(map: &[u8], i: u32) -> bool {
         map.get((i / 8) as usize)
             .is_some_and(|b| b & (1 << (i % 8)) != 0)
     }
+    /// Marks fragment `i` present (ignored beyond the map).
     pub fn set(map: &mut [u8], i: u32) {
         if let Some(b) = map.get_mut((i / 8) as usize) {
             *b |= 1 << (i % 8);

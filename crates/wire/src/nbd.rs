@@ -5,116 +5,192 @@
 
 use std::fmt;
 
+/// First 8 bytes the server sends ("NBDMAGIC").
 pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943; // "NBDMAGIC"
+/// Newstyle magic the server sends after `NBDMAGIC`, and the magic of every option request ("IHAVEOPT").
 pub const IHAVEOPT: u64 = 0x4948_4156_454f_5054; // "IHAVEOPT"
+/// Magic of every option reply.
 pub const OPT_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+/// Magic of a transmission-phase request.
 pub const REQUEST_MAGIC: u32 = 0x2560_9513;
+/// Magic of a simple reply.
 pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
+/// Magic of a structured reply chunk.
 pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
 
-/// Handshake flags (server) and client flags.
+// Handshake flags (server) and client flags.
+
+/// The fixed newstyle handshake (both directions).
 pub const FLAG_FIXED_NEWSTYLE: u16 = 1;
+/// No 124 bytes of zeroes after NBD_OPT_EXPORT_NAME's reply (both directions).
 pub const FLAG_NO_ZEROES: u16 = 2;
 
 /// Options (client -> server).
 pub mod opt {
+    /// NBD_OPT_EXPORT_NAME: select an export, old style (no error reply possible).
     pub const EXPORT_NAME: u32 = 1;
+    /// NBD_OPT_ABORT: end the handshake.
     pub const ABORT: u32 = 2;
+    /// NBD_OPT_LIST: list the exports.
     pub const LIST: u32 = 3;
+    /// NBD_OPT_STARTTLS: upgrade to TLS (refused by blkwire).
     pub const STARTTLS: u32 = 5;
+    /// NBD_OPT_INFO: describe an export without selecting it.
     pub const INFO: u32 = 6;
+    /// NBD_OPT_GO: describe an export and enter the transmission phase.
     pub const GO: u32 = 7;
+    /// NBD_OPT_STRUCTURED_REPLY: ask for structured replies.
     pub const STRUCTURED_REPLY: u32 = 8;
+    /// NBD_OPT_LIST_META_CONTEXT: which metadata contexts match a query.
     pub const LIST_META_CONTEXT: u32 = 9;
+    /// NBD_OPT_SET_META_CONTEXT: select metadata contexts for block status.
     pub const SET_META_CONTEXT: u32 = 10;
+    /// NBD_OPT_EXTENDED_HEADERS: 64-bit request and reply headers (refused by blkwire).
     pub const EXTENDED_HEADERS: u32 = 11;
 }
 
 /// Option reply types.
 pub mod rep {
+    /// NBD_REP_ACK: the option succeeded; ends a sequence of replies.
     pub const ACK: u32 = 1;
+    /// NBD_REP_SERVER: one export of an NBD_OPT_LIST answer.
     pub const SERVER: u32 = 2;
+    /// NBD_REP_INFO: one NBD_INFO_* item of an INFO or GO answer.
     pub const INFO: u32 = 3;
+    /// NBD_REP_META_CONTEXT: one metadata context and its id.
     pub const META_CONTEXT: u32 = 4;
+    /// NBD_REP_ERR_UNSUP: option not known to the server.
     pub const ERR_UNSUP: u32 = (1 << 31) + 1;
+    /// NBD_REP_ERR_POLICY: option refused by policy.
     pub const ERR_POLICY: u32 = (1 << 31) + 2;
+    /// NBD_REP_ERR_INVALID: option malformed or not allowed now.
     pub const ERR_INVALID: u32 = (1 << 31) + 3;
+    /// NBD_REP_ERR_UNKNOWN: no such export.
     pub const ERR_UNKNOWN: u32 = (1 << 31) + 6;
+    /// NBD_REP_ERR_SHUTDOWN: the server is shutting down.
     pub const ERR_SHUTDOWN: u32 = (1 << 31) + 7;
+    /// NBD_REP_ERR_TOO_BIG: the option's data is longer than the server accepts.
     pub const ERR_TOO_BIG: u32 = (1 << 31) + 9;
 }
 
 /// NBD_INFO_* types.
 pub mod info {
+    /// NBD_INFO_EXPORT: size and transmission flags.
     pub const EXPORT: u16 = 0;
+    /// NBD_INFO_NAME: the export's canonical name.
     pub const NAME: u16 = 1;
+    /// NBD_INFO_DESCRIPTION: a description for humans.
     pub const DESCRIPTION: u16 = 2;
+    /// NBD_INFO_BLOCK_SIZE: minimum, preferred and maximum block sizes.
     pub const BLOCK_SIZE: u16 = 3;
 }
 
 /// Transmission flags.
 pub mod tflag {
+    /// NBD_FLAG_HAS_FLAGS: always set; the other flags are meaningful.
     pub const HAS_FLAGS: u16 = 1 << 0;
+    /// NBD_FLAG_READ_ONLY: the export refuses writes.
     pub const READ_ONLY: u16 = 1 << 1;
+    /// NBD_FLAG_SEND_FLUSH: NBD_CMD_FLUSH is accepted.
     pub const SEND_FLUSH: u16 = 1 << 2;
+    /// NBD_FLAG_SEND_FUA: the FUA command flag is accepted.
     pub const SEND_FUA: u16 = 1 << 3;
+    /// NBD_FLAG_ROTATIONAL: the export behaves like a rotating disk.
     pub const ROTATIONAL: u16 = 1 << 4;
+    /// NBD_FLAG_SEND_TRIM: NBD_CMD_TRIM is accepted.
     pub const SEND_TRIM: u16 = 1 << 5;
+    /// NBD_FLAG_SEND_WRITE_ZEROES: NBD_CMD_WRITE_ZEROES is accepted.
     pub const SEND_WRITE_ZEROES: u16 = 1 << 6;
+    /// NBD_FLAG_SEND_DF: the DF (don't fragment) command flag is accepted.
     pub const SEND_DF: u16 = 1 << 7;
+    /// NBD_FLAG_CAN_MULTI_CONN: several connections see each other's writes and flushes.
     pub const CAN_MULTI_CONN: u16 = 1 << 8;
+    /// NBD_FLAG_SEND_CACHE: NBD_CMD_CACHE is accepted.
     pub const SEND_CACHE: u16 = 1 << 10;
+    /// NBD_FLAG_SEND_FAST_ZERO: the FAST_ZERO command flag is accepted.
     pub const SEND_FAST_ZERO: u16 = 1 << 11;
 }
 
 /// Command types.
 pub mod cmd {
+    /// NBD_CMD_READ.
     pub const READ: u16 = 0;
+    /// NBD_CMD_WRITE.
     pub const WRITE: u16 = 1;
+    /// NBD_CMD_DISC: disconnect after the commands in flight.
     pub const DISC: u16 = 2;
+    /// NBD_CMD_FLUSH.
     pub const FLUSH: u16 = 3;
+    /// NBD_CMD_TRIM.
     pub const TRIM: u16 = 4;
+    /// NBD_CMD_CACHE: prefetch a range.
     pub const CACHE: u16 = 5;
+    /// NBD_CMD_WRITE_ZEROES.
     pub const WRITE_ZEROES: u16 = 6;
+    /// NBD_CMD_BLOCK_STATUS: allocation status of a range.
     pub const BLOCK_STATUS: u16 = 7;
 }
 
 /// Command flags.
 pub mod cflag {
+    /// NBD_CMD_FLAG_FUA: the write is durable before the reply.
     pub const FUA: u16 = 1 << 0;
+    /// NBD_CMD_FLAG_NO_HOLE: WRITE_ZEROES allocates rather than punching a hole.
     pub const NO_HOLE: u16 = 1 << 1;
+    /// NBD_CMD_FLAG_DF: a READ's data in one chunk, not fragmented.
     pub const DF: u16 = 1 << 2;
+    /// NBD_CMD_FLAG_REQ_ONE: BLOCK_STATUS answers with one extent.
     pub const REQ_ONE: u16 = 1 << 3;
+    /// NBD_CMD_FLAG_FAST_ZERO: WRITE_ZEROES fails rather than being slow.
     pub const FAST_ZERO: u16 = 1 << 4;
+    /// Every command flag this crate knows; others are refused.
     pub const KNOWN: u16 = FUA | NO_HOLE | DF | REQ_ONE | FAST_ZERO;
 }
 
 /// Structured reply chunk types and flags.
 pub mod chunk {
+    /// NBD_REPLY_FLAG_DONE: the last chunk of a reply.
     pub const FLAG_DONE: u16 = 1;
+    /// NBD_REPLY_TYPE_NONE: no data; ends a reply.
     pub const NONE: u16 = 0;
+    /// NBD_REPLY_TYPE_OFFSET_DATA: read data at an offset.
     pub const OFFSET_DATA: u16 = 1;
+    /// NBD_REPLY_TYPE_OFFSET_HOLE: a range that reads as zeros.
     pub const OFFSET_HOLE: u16 = 2;
+    /// NBD_REPLY_TYPE_BLOCK_STATUS: extents of one metadata context.
     pub const BLOCK_STATUS: u16 = 5;
+    /// NBD_REPLY_TYPE_ERROR: an error with a message.
     pub const ERROR: u16 = (1 << 15) + 1;
 }
 
-/// base:allocation status bits.
+// base:allocation status bits.
+
+/// NBD_STATE_HOLE: the extent is not allocated.
 pub const STATE_HOLE: u32 = 1;
+/// NBD_STATE_ZERO: the extent reads as zeros.
 pub const STATE_ZERO: u32 = 2;
-/// The one metadata context blkwire serves, and its id.
+/// The one metadata context blkwire serves.
 pub const BASE_ALLOCATION: &str = "base:allocation";
+/// Id under which `BASE_ALLOCATION` is served.
 pub const BASE_ALLOCATION_ID: u32 = 1;
 
 /// NBD error values (they equal Linux errno numbers).
 pub mod err {
+    /// Operation not permitted (read-only export).
     pub const EPERM: u32 = 1;
+    /// Input/output error; also every error NBD does not define.
     pub const EIO: u32 = 5;
+    /// Out of memory.
     pub const ENOMEM: u32 = 12;
+    /// Invalid request.
     pub const EINVAL: u32 = 22;
+    /// No space left (or beyond the end of the export).
     pub const ENOSPC: u32 = 28;
+    /// A READ with DF too large for one chunk.
     pub const EOVERFLOW: u32 = 75;
+    /// Operation not supported.
     pub const ENOTSUP: u32 = 95;
+    /// The server is shutting down.
     pub const ESHUTDOWN: u32 = 108;
 }
 
@@ -134,20 +210,36 @@ pub fn errno_to_nbd(errno: i32) -> u32 {
     }
 }
 
+/// Bytes of a request header.
 pub const REQUEST_LEN: usize = 28;
+/// Bytes of a simple reply header.
 pub const SIMPLE_REPLY_LEN: usize = 16;
+/// Bytes of a structured reply chunk header.
 pub const CHUNK_HEADER_LEN: usize = 20;
+/// Bytes of an option request header (magic, option, data length).
 pub const OPTION_HEADER_LEN: usize = 16;
 
 /// Why NBD input was rejected.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NbdError {
+    /// Fewer bytes than the fixed header.
     Short,
+    /// A magic number other than the one the message must start with.
     BadMagic(u64),
-    PayloadTooLarge { len: u32, max: u32 },
+    /// A WRITE announcing more data than the receiver accepts.
+    PayloadTooLarge {
+        /// The length announced.
+        len: u32,
+        /// The receiver's limit.
+        max: u32,
+    },
+    /// Option data ends inside a field.
     Truncated,
+    /// A string longer than `MAX_NAME`.
     StringTooLong(usize),
+    /// A string that is not UTF-8.
     NotUtf8,
+    /// Bytes left over after the option data.
     TrailingBytes,
 }
 
@@ -182,10 +274,15 @@ fn be64(b: &[u8], i: usize) -> u64 {
 /// A transmission-phase request header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Request {
+    /// Command flags (`cflag`).
     pub flags: u16,
+    /// Command type (`cmd`).
     pub typ: u16,
+    /// Opaque handle the reply echoes.
     pub cookie: u64,
+    /// Byte offset in the export.
     pub offset: u64,
+    /// Bytes to read or write, or the range's length.
     pub length: u32,
 }
 
@@ -225,6 +322,7 @@ impl Request {
         }
     }
 
+    /// The header as sent on the wire.
     pub fn encode(&self) -> [u8; REQUEST_LEN] {
         let mut b = [0u8; REQUEST_LEN];
         b[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
@@ -325,11 +423,14 @@ pub const MAX_NAME: usize = 4096;
 /// NBD_OPT_INFO / NBD_OPT_GO data: the export name and the info types asked for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InfoRequest {
+    /// Export name (empty: the default export).
     pub name: String,
+    /// NBD_INFO_* types asked for.
     pub requests: Vec<u16>,
 }
 
 impl InfoRequest {
+    /// Decodes the option's data; every count is checked against the bytes present.
     pub fn decode(data: &[u8]) -> Result<InfoRequest, NbdError> {
         let mut c = Cursor(data);
         let name = c.string(MAX_NAME)?;
@@ -349,11 +450,14 @@ impl InfoRequest {
 /// NBD_OPT_LIST_META_CONTEXT / SET_META_CONTEXT data.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MetaRequest {
+    /// Export name the contexts are for.
     pub export: String,
+    /// Context queries (`namespace:` prefixes or full names).
     pub queries: Vec<String>,
 }
 
 impl MetaRequest {
+    /// Decodes the option's data; every count is checked against the bytes present.
     pub fn decode(data: &[u8]) -> Result<MetaRequest, NbdError> {
         let mut c = Cursor(data);
         let export = c.string(MAX_NAME)?;

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod native_raw;
+pub mod nbd_raw;
 pub mod netlab;
 
 use std::io::{BufRead, BufReader};

@@ -1,0 +1,471 @@
+//! The link of a datagram queue (PROTOCOL.md §9): its sockets, the batched send of packed
+//! datagrams (§9.6, with UDP segmentation where the kernel takes it), the batched receive
+//! (`recvmmsg` with UDP_GRO, or the Ethernet receive ring), waiting for input, and the one-off
+//! control exchange. It knows nothing of requests: frames go out as the queue encoded them, and
+//! what arrives is handed back datagram by datagram.
+
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::time::{Duration, Instant};
+
+use blkwire_net::rx_ring::RxRing;
+use blkwire_net::udp_offload::{self, Cmsg, SendBatch};
+use blkwire_wire::datagram::{self, Packer};
+use blkwire_wire::{Header, HEADER_LEN};
+
+use crate::queue::QueueStats;
+use crate::{Error, Result};
+
+/// Frames sent or received per syscall.
+pub(crate) const BATCH: usize = 32;
+
+/// Where frames go: a connected UDP socket, or a packet socket with the target's MAC.
+pub(crate) struct Link {
+    pub fd: OwnedFd,
+    /// For packet sockets: the destination link-layer address; `None` for connected UDP.
+    pub dest: Option<libc::sockaddr_ll>,
+    /// Largest frame (header + payload) the link carries.
+    pub mtu_payload: u32,
+    /// Raw Ethernet: a socket the data path sends on, so the kernel never wakes `fd`'s waiter
+    /// for write space (`blkwire_net::packet_send_socket`); `None` sends on `fd`.
+    pub send_fd: Option<OwnedFd>,
+    /// Usable receive buffer of the socket: READ replies in flight must fit in it.
+    pub rcvbuf: u32,
+}
+
+impl Link {
+    /// Sends one frame outside the batched data path (control exchanges, discovery).
+    pub(super) fn send_one(&self, frame: &[u8]) {
+        let mut dest = self.dest;
+        let (name, namelen) = match dest.as_mut() {
+            Some(d) => (
+                (d as *mut libc::sockaddr_ll).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            ),
+            None => (std::ptr::null_mut(), 0),
+        };
+        // SAFETY: sendto from the caller's buffer to an optional link-layer address. A lost
+        // frame is the caller's retransmission problem, so the result is not needed.
+        unsafe {
+            libc::sendto(
+                self.fd.as_raw_fd(),
+                frame.as_ptr().cast(),
+                frame.len(),
+                0,
+                name,
+                namelen,
+            )
+        };
+    }
+
+    /// Waits until `until` for the next reply frame with a valid CRC; returns its header, its
+    /// payload and the sender's link-layer address (meaningful on packet sockets only).
+    pub(super) fn recv_reply<'b>(
+        &self,
+        buf: &'b mut [u8],
+        until: Instant,
+    ) -> Option<(Header, &'b [u8], libc::sockaddr_ll)> {
+        while Instant::now() < until {
+            let ms = until
+                .saturating_duration_since(Instant::now())
+                .as_millis()
+                .max(1) as i32;
+            let mut p = libc::pollfd {
+                fd: self.fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: `p` is one valid pollfd on the stack, alive for the call.
+            if unsafe { libc::poll(&mut p, 1, ms) } <= 0 {
+                continue;
+            }
+            // SAFETY: an all-zero sockaddr_ll is valid; recvfrom fills it (or truncates a
+            // longer IP address into it, which callers on UDP ignore).
+            let mut from: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+            let mut fl = std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
+            // SAFETY: `buf` and `from` are ours, writable, and passed with their true sizes.
+            let n = unsafe {
+                libc::recvfrom(
+                    self.fd.as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT,
+                    (&mut from as *mut libc::sockaddr_ll).cast(),
+                    &mut fl,
+                )
+            };
+            if n < HEADER_LEN as isize {
+                continue;
+            }
+            // Control replies travel alone in their datagram (PROTOCOL.md §9.6): the first frame.
+            let (r, end) = match datagram::frames(&buf[..n as usize], 65536).next() {
+                Some(Ok((r, p))) if r.is_reply() => (r, HEADER_LEN + p.len()),
+                _ => continue,
+            };
+            return Some((r, &buf[HEADER_LEN..end], from));
+        }
+        None
+    }
+}
+
+/// The sending half of a queue's link: frames encoded by the queue, packed into datagrams
+/// (PROTOCOL.md §9.6), waiting for one `sendmmsg`.
+pub(crate) struct Sender {
+    /// The socket the data path sends on (`Link::send_fd`, else `Link::fd`).
+    fd: RawFd,
+    /// Raw Ethernet: the target's link-layer address; `None` on connected UDP.
+    dest: Option<libc::sockaddr_ll>,
+    tx: Packer<()>,
+    /// UDP: runs of equal datagrams leave in one segmented send (PROTOCOL.md §9.6); turned off
+    /// for good if the kernel refuses one.
+    gso: bool,
+    /// When a datagram last went out: the queue's keepalive is due a while after it.
+    last_sent: Instant,
+}
+
+impl Sender {
+    /// Appends an encoded, sealed frame; `limit` is the datagram size it may be packed up to
+    /// (0: it travels alone). True when the batch is full and should be flushed.
+    pub fn push(&mut self, h: &Header, payload: &[u8], limit: usize) -> bool {
+        self.tx.push(h, payload, (), limit);
+        self.tx.len() == BATCH
+    }
+
+    /// Appends raw bytes as a datagram of their own (test hooks replaying stale or forged frames).
+    pub fn push_raw(&mut self, frame: &[u8]) {
+        self.tx.push_raw(frame, ());
+    }
+
+    /// When a datagram last went out (or was handed to a socket that refused it).
+    pub fn last_sent(&self) -> Instant {
+        self.last_sent
+    }
+
+    /// Whether runs still leave as segmented sends.
+    #[cfg(test)]
+    pub fn gso(&self) -> bool {
+        self.gso
+    }
+
+    /// Sends every encoded frame with as few syscalls as the batch allows.
+    pub fn flush(&mut self, stats: &mut QueueStats) -> Result<()> {
+        if self.tx.is_empty() {
+            return Ok(());
+        }
+        // Counted as traffic even if the socket refuses it: the keepalive could not do better.
+        self.last_sent = Instant::now();
+        let send_fd = self.fd;
+        let mut done = 0;
+        while done < self.tx.len() {
+            let (max_count, max_bytes) = udp_offload::run_limits(self.gso);
+            let mut batch = SendBatch::<BATCH>::default();
+            for run in self.tx.runs(done, max_count, max_bytes).take(BATCH) {
+                batch.push(run.bytes, run.segment, run.count, |ss| match &self.dest {
+                    Some(d) => {
+                        // SAFETY: a sockaddr_storage is larger than a sockaddr_ll and at least
+                        // as aligned, so the write stays inside `ss` and is aligned.
+                        unsafe {
+                            *(ss as *mut libc::sockaddr_storage).cast::<libc::sockaddr_ll>() = *d
+                        };
+                        std::mem::size_of::<libc::sockaddr_ll>() as u32
+                    }
+                    None => 0,
+                });
+            }
+            match batch.send(send_fd) {
+                Ok(sent) => {
+                    stats.datagrams_out += sent.datagrams as u64;
+                    stats.segmented_out += sent.segmented as u64;
+                    done += sent.datagrams;
+                }
+                Err(f) => match f.error.raw_os_error() {
+                    Some(libc::EINTR) => continue,
+                    // This kernel or route cannot segment: datagram by datagram from now on.
+                    _ if f.segmented && udp_offload::refused(&f.error) => self.gso = false,
+                    // A full socket buffer or an unreachable port loses frames exactly as the
+                    // network may: the retransmission timer recovers them.
+                    Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::ECONNREFUSED) => {
+                        done += f.datagrams;
+                    }
+                    _ => {
+                        self.tx.clear();
+                        return Err(Error::Io(f.error));
+                    }
+                },
+            }
+        }
+        self.tx.clear();
+        Ok(())
+    }
+}
+
+/// The receiving half of a queue's link: the receive buffers or ring, and the spin before a
+/// wait.
+pub(crate) struct Receiver {
+    fd: RawFd,
+    /// `recvmmsg` buffers; none when frames are read from `ring`.
+    rx: Vec<Vec<u8>>,
+    /// UDP: the kernel hands over runs that arrived together as one buffer.
+    gro: bool,
+    /// Raw Ethernet: replies are read in place from a receive ring shared with the kernel.
+    ring: Option<RxRing>,
+    spin: blkwire_spin::AdaptiveSpin,
+}
+
+/// An empty receiver, to hold a queue's place while its own one is lent out to a receive whose
+/// callback needs the rest of the queue.
+impl Default for Receiver {
+    fn default() -> Self {
+        Receiver {
+            fd: -1,
+            rx: Vec::new(),
+            gro: false,
+            ring: None,
+            spin: blkwire_spin::AdaptiveSpin::default(),
+        }
+    }
+}
+
+/// Sets up the data path of `link` for a session with `frame_payload`-byte frames and at most
+/// `max_io`-byte I/Os, spinning up to `poll` before each wait. Returns the two halves and how
+/// many reply frames the receive buffer holds (what the window may count on, §9.4).
+pub(crate) fn data_path(
+    link: &Link,
+    frame_payload: u32,
+    max_io: u32,
+    poll: Duration,
+) -> (Sender, Receiver, u32) {
+    let frame = HEADER_LEN + frame_payload as usize;
+    // Counted at the largest reply frame this session can get; packed replies cost the same
+    // buffer space per frame as lone ones.
+    let largest = HEADER_LEN as u32 + frame_payload.min(max_io);
+    let rx_cap = blkwire_net::frames_in_buffer(link.rcvbuf, largest);
+    // A connected UDP socket (packet sockets have a destination address) can segment.
+    let udp = link.dest.is_none();
+    let gro = udp && udp_offload::enable_gro(link.fd.as_raw_fd());
+    let rx_len = if gro {
+        udp_offload::GRO_BUFFER
+    } else {
+        frame.max(HEADER_LEN + 4096)
+    };
+    // As many slots as the receive buffer holds frames, so the window's arithmetic (rx_cap)
+    // stays true; without a ring (it cannot be set up) frames come by recvmmsg as before.
+    let ring = if udp {
+        None
+    } else {
+        let ring = RxRing::new(link.fd.as_raw_fd(), frame, rx_cap as usize).ok();
+        if ring.is_some() {
+            drain(link.fd.as_raw_fd());
+        }
+        ring
+    };
+    let tx = Sender {
+        fd: link.send_fd.as_ref().unwrap_or(&link.fd).as_raw_fd(),
+        dest: link.dest,
+        tx: Packer::with_capacity(BATCH, BATCH * frame),
+        gso: udp,
+        last_sent: Instant::now(),
+    };
+    let rx = Receiver {
+        fd: link.fd.as_raw_fd(),
+        // A ring queue reads in place: no receive buffers.
+        rx: (0..if ring.is_some() { 0 } else { BATCH })
+            .map(|_| vec![0u8; rx_len])
+            .collect(),
+        gro,
+        ring,
+        spin: blkwire_spin::AdaptiveSpin::new(poll),
+    };
+    (tx, rx, rx_cap)
+}
+
+impl Receiver {
+    /// Sleeps until a frame arrives or `deadline` (asked only if the spin found nothing) is due.
+    pub fn wait(&mut self, deadline: impl FnOnce() -> Option<Instant>) -> Result<()> {
+        let fd = self.fd;
+        let ready = match &self.ring {
+            Some(ring) => self.spin.spin(|| ring.ready()),
+            None => self.spin.spin(|| blkwire_spin::readable([fd])),
+        };
+        if ready {
+            return Ok(());
+        }
+        let now = Instant::now();
+        let next = deadline().unwrap_or(now + Duration::from_millis(100));
+        let ms = next
+            .saturating_duration_since(now)
+            .as_micros()
+            .div_ceil(1000)
+            .min(1000) as i32;
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: `p` is one valid pollfd, alive for the call.
+        let r = unsafe { libc::poll(&mut p, 1, ms) };
+        if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return Err(Error::Io(std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+
+    /// Reads every datagram waiting and hands each to `f` with whether it came out of a
+    /// coalesced run; returns how many receive slots (ring frames or `recvmmsg` messages) were
+    /// taken.
+    pub fn receive(&mut self, mut f: impl FnMut(&[u8], bool)) -> Result<usize> {
+        if let Some(ring) = &mut self.ring {
+            return Ok(ring.take_lap(|data, _| f(data, false)));
+        }
+        let mut total = 0;
+        loop {
+            // SAFETY: an all-zero iovec (null base, length 0) is a valid value; filled below.
+            let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
+            // SAFETY: an all-zero mmsghdr (null pointers, zero lengths) is a valid value.
+            let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+            let mut cmsgs = [Cmsg::default(); BATCH];
+            for i in 0..BATCH {
+                iov[i] = libc::iovec {
+                    iov_base: self.rx[i].as_mut_ptr().cast(),
+                    iov_len: self.rx[i].len(),
+                };
+                msgs[i].msg_hdr.msg_iov = &mut iov[i];
+                msgs[i].msg_hdr.msg_iovlen = 1;
+                if self.gro {
+                    cmsgs[i].attach_for_receive(&mut msgs[i].msg_hdr);
+                }
+            }
+            // SAFETY: every pointer in `msgs` refers to `iov`, `cmsgs` or the buffers of
+            // `self.rx`, all alive and unmoved for the call, with their true lengths.
+            let r = unsafe {
+                libc::recvmmsg(
+                    self.fd,
+                    msgs.as_mut_ptr(),
+                    BATCH as u32,
+                    libc::MSG_DONTWAIT,
+                    std::ptr::null_mut(),
+                )
+            };
+            if r < 0 {
+                let e = std::io::Error::last_os_error();
+                return match e.raw_os_error() {
+                    Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(total),
+                    // ICMP port unreachable from a dead target: keep waiting; the give-up timer ends it.
+                    Some(libc::ECONNREFUSED) => Ok(total),
+                    _ => Err(Error::Io(e)),
+                };
+            }
+            let n = r as usize;
+            for (i, m) in msgs.iter().enumerate().take(n) {
+                let len = m.msg_len as usize;
+                let segment = cmsgs[i].received_segment(&m.msg_hdr);
+                let buf = &self.rx[i];
+                for d in udp_offload::segments(&buf[..len.min(buf.len())], segment) {
+                    f(d, segment.is_some());
+                }
+            }
+            total += n;
+            if n < BATCH {
+                return Ok(total);
+            }
+        }
+    }
+}
+
+/// Discards what a socket received before its ring was set up (answers to the control exchange
+/// that opened it): the ring only sees what arrives after.
+fn drain(fd: RawFd) {
+    let mut buf = [0u8; 64];
+    // SAFETY: recv into a local buffer; longer frames are truncated, which is what we want.
+    while unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) } >= 0 {}
+}
+
+/// Opens a UDP socket connected to `addr`, with buffers sized for bursts of frames.
+pub(crate) fn udp_link(addr: std::net::SocketAddr) -> Result<Link> {
+    let sock = std::net::UdpSocket::bind(if addr.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    })?;
+    sock.connect(addr)?;
+    sock.set_nonblocking(true)?;
+    let fd: OwnedFd = sock.into();
+    // The path MTU of the connected route decides the frame payload (PROTOCOL.md §9.1).
+    let mut mtu: libc::c_int = 1500;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    let (level, opt, ip_overhead) = if addr.is_ipv4() {
+        (libc::IPPROTO_IP, libc::IP_MTU, 28)
+    } else {
+        (libc::IPPROTO_IPV6, libc::IPV6_MTU, 48)
+    };
+    // SAFETY: `mtu` is a local int and `len` its true size.
+    unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            level,
+            opt,
+            (&mut mtu as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    let mtu_payload = blkwire_net::frame_payload_for(mtu as u32, ip_overhead);
+    let rcvbuf = blkwire_net::size_buffers(fd.as_raw_fd());
+    Ok(Link {
+        fd,
+        dest: None,
+        mtu_payload,
+        send_fd: None,
+        rcvbuf,
+    })
+}
+
+/// Opens a packet socket on `iface` that receives only this queue's frames (and this session's,
+/// once known), addressed to the target's MAC.
+pub(crate) fn eth_link(
+    iface: &str,
+    mac: [u8; 6],
+    queue: u16,
+    session: Option<u32>,
+) -> Result<Link> {
+    let info = blkwire_net::iface(iface).map_err(Error::Usage)?;
+    let ethertype = blkwire_net::DEFAULT_ETHERTYPE;
+    let filter = blkwire_net::Filter::Queue { queue, session };
+    let fd = blkwire_net::packet_socket(info.index, ethertype, filter).map_err(Error::Usage)?;
+    let rcvbuf = blkwire_net::size_buffers(fd.as_raw_fd());
+    Ok(Link {
+        fd,
+        dest: Some(blkwire_net::link_addr(info.index, ethertype, mac)),
+        mtu_payload: blkwire_net::frame_payload_for(info.mtu, 0),
+        send_fd: Some(blkwire_net::packet_send_socket(info.index).map_err(Error::Usage)?),
+        rcvbuf,
+    })
+}
+
+/// One control exchange over a datagram link (HELLO, JOIN, LIST): the request is sent again with
+/// a doubling timer until a reply with the same opcode arrives or `timeout` passes.
+pub(crate) fn exchange(
+    link: &Link,
+    mut h: Header,
+    payload: &[u8],
+    timeout: Duration,
+) -> Result<(Header, Vec<u8>)> {
+    h.payload_len = payload.len() as u32;
+    h.seal_crc(payload);
+    let mut frame = h.to_bytes().to_vec();
+    frame.extend_from_slice(payload);
+    let deadline = Instant::now() + timeout;
+    let mut wait = Duration::from_millis(50);
+    let mut buf = vec![0u8; 65536];
+    loop {
+        link.send_one(&frame);
+        let until = (Instant::now() + wait).min(deadline);
+        while let Some((r, p, _)) = link.recv_reply(&mut buf, until) {
+            if r.opcode == h.opcode && r.tag == h.tag {
+                return Ok((r, p.to_vec()));
+            }
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::Timeout(timeout));
+        }
+        wait = (wait * 2).min(Duration::from_secs(1));
+    }
+}

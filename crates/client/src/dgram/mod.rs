@@ -1,0 +1,798 @@
+//! Datagram queues (UDP and raw Ethernet, PROTOCOL.md §9): every frame carries a CRC, messages
+//! are fragmented to the negotiated frame payload, lost frames are detected by an adaptive timer
+//! and only what is missing is sent again, and a congestion window bounded by the target's credit
+//! keeps a fast initiator from overrunning the target.
+//!
+//! This module holds the queue itself: the slot table (§6), fragments (§9.3) and keepalives
+//! (§9.1). Its sockets are in `link`, its loss detection and window in `congestion` (pure, no
+//! I/O or clock), discovery (§9.5) in `discover`.
+
+mod congestion;
+mod discover;
+mod link;
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::{Duration, Instant};
+
+use blkwire_wire::datagram;
+use blkwire_wire::{bitmap, fragment_count, Flags, Header, Opcode, Status, Tag, HEADER_LEN};
+
+use crate::queue::{Cmd, Completion, Parts, QueueStats};
+use crate::{Error, Result};
+
+use congestion::{Congestion, Transmission, RTO_INITIAL};
+pub use discover::{discover_eth, discover_udp, Discovered};
+pub(crate) use link::{eth_link, exchange, udp_link, Link};
+use link::{Receiver, Sender};
+
+/// A queue that has sent nothing for this long sends a KEEPALIVE from `poll`, so the target
+/// (which forgets a session after 60 s without frames) keeps it (PROTOCOL.md §9.1).
+const KEEPALIVE_EVERY: Duration = Duration::from_secs(5);
+/// Slot number in the tag of internal keepalives: outside every slot table (depth <= 65535), so
+/// their answers are told from those of requests and never reach the caller.
+const KEEPALIVE_SLOT: u16 = u16::MAX;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum State {
+    Free,
+    /// Submitted, waiting for the window to open.
+    Pending,
+    InFlight,
+    /// Finished, waiting to be delivered by `complete`.
+    Done,
+}
+
+struct Slot {
+    state: State,
+    generation: u16,
+    opcode: Opcode,
+    flags: u16,
+    offset: u64,
+    length: u32,
+    user: u64,
+    /// WRITE: the data to send (kept for retransmission). READ: the reassembly buffer.
+    data: Vec<u8>,
+    /// READ: fragments received.
+    have: Vec<u8>,
+    frags: u32,
+    got: u32,
+    /// Frames this request counts against the window.
+    window_frames: u32,
+    /// Its latest transmission's timing (§9.2).
+    tx: Transmission,
+    status: Status,
+}
+
+impl Slot {
+    fn new() -> Slot {
+        Slot {
+            state: State::Free,
+            generation: 0,
+            opcode: Opcode::Keepalive,
+            flags: 0,
+            offset: 0,
+            length: 0,
+            user: 0,
+            data: Vec::new(),
+            have: Vec::new(),
+            frags: 1,
+            got: 0,
+            window_frames: 1,
+            tx: Transmission::first(Instant::now(), RTO_INITIAL, Duration::ZERO),
+            status: Status::Ok,
+        }
+    }
+}
+
+pub(crate) struct DgramQueue {
+    /// Owns the sockets `tx` and `rx` use.
+    link: Link,
+    session: u32,
+    index: u16,
+    max_io: u32,
+    frame_payload: u32,
+    slots: Vec<Slot>,
+    free: Vec<u16>,
+    pending: VecDeque<u16>,
+    done: VecDeque<u16>,
+    /// Loss detection, timers and window (§9.2, §9.4).
+    cc: Congestion,
+    /// The target answered ACCESS: it has forgotten this session.
+    session_lost: bool,
+    give_up: Duration,
+    tx: Sender,
+    rx: Receiver,
+    stats: QueueStats,
+    /// Read once per receive batch (RTT samples of one batch share it).
+    now: Instant,
+    /// The keepalive is due this long after a datagram last went out.
+    keepalive_every: Duration,
+    /// Generation of the next internal keepalive (its answers are recognised by the slot).
+    keepalive_gen: u16,
+}
+
+impl DgramQueue {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        link: Link,
+        session: u32,
+        index: u16,
+        depth: u16,
+        max_io: u32,
+        frame_payload: u32,
+        credit: u32,
+        give_up: Duration,
+        poll: Duration,
+    ) -> DgramQueue {
+        let (tx, rx, rx_cap) = link::data_path(&link, frame_payload, max_io, poll);
+        DgramQueue {
+            link,
+            session,
+            index,
+            max_io,
+            frame_payload,
+            slots: (0..depth).map(|_| Slot::new()).collect(),
+            free: (0..depth).rev().collect(),
+            pending: VecDeque::new(),
+            done: VecDeque::new(),
+            cc: Congestion::new(credit, rx_cap, Instant::now()),
+            session_lost: false,
+            give_up,
+            tx,
+            rx,
+            stats: QueueStats::default(),
+            now: Instant::now(),
+            keepalive_every: KEEPALIVE_EVERY,
+            keepalive_gen: 0,
+        }
+    }
+
+    pub fn index(&self) -> u16 {
+        self.index
+    }
+    pub fn depth(&self) -> usize {
+        self.slots.len()
+    }
+    pub fn max_io(&self) -> u32 {
+        self.max_io
+    }
+    pub fn in_flight(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+    pub fn fd(&self) -> RawFd {
+        self.link.fd.as_raw_fd()
+    }
+
+    pub fn stats(&self) -> QueueStats {
+        let mut s = self.stats;
+        s.rto_us = self.cc.rto().as_micros() as u64;
+        s.window = self.cc.window() as u64;
+        s
+    }
+
+    pub fn submit(&mut self, cmd: Cmd<'_>, user: u64) -> Result<()> {
+        let Parts {
+            opcode,
+            offset,
+            len,
+            flags,
+            payload: data,
+        } = cmd.parts(self.max_io)?;
+        let slot = self
+            .free
+            .pop()
+            .ok_or_else(|| Error::Usage("all queue slots are busy".into()))?;
+        let fp = self.frame_payload;
+        let s = &mut self.slots[slot as usize];
+        s.generation = s.generation.wrapping_add(1);
+        s.state = State::Pending;
+        s.opcode = opcode;
+        s.flags = flags;
+        s.offset = offset;
+        s.length = len;
+        s.user = user;
+        s.tx.retransmitted = false;
+        s.status = Status::Ok;
+        s.got = 0;
+        s.have.clear();
+        s.frags = 1;
+        s.window_frames = 1;
+        match opcode {
+            Opcode::Write => {
+                s.data.clear();
+                s.data.extend_from_slice(data);
+                s.frags = fragment_count(len, fp);
+                s.window_frames = s.frags;
+            }
+            Opcode::Read => {
+                // Not zeroed: the request completes only when every fragment has overwritten
+                // its part (the HAVE bitmap), so old bytes never reach the caller.
+                s.data.resize(len as usize, 0);
+                s.frags = fragment_count(len, fp);
+                s.have.resize(bitmap::bytes_for(s.frags), 0);
+                // Its reply fragments are frames in flight too: they must fit our receive buffer.
+                s.window_frames = s.frags;
+            }
+            _ => {}
+        }
+        self.pending.push_back(slot);
+        Ok(())
+    }
+
+    /// Encodes one frame of `slot` into the transmit batch.
+    fn push_frame(&mut self, slot: u16, frag: u32, have: bool) {
+        let fp = self.frame_payload;
+        let s = &self.slots[slot as usize];
+        let mut h = Header::request(s.opcode, Tag::new(slot, s.generation), s.offset, s.length);
+        h.flags = Flags(s.flags);
+        h.queue = self.index;
+        h.session = self.session;
+        let payload: &[u8] = if have {
+            h.flags.0 |= Flags::HAVE;
+            &s.have
+        } else if s.opcode == Opcode::Write {
+            h.frag_index = frag as u16;
+            h.frag_count = s.frags as u16;
+            h.frag_offset = frag * fp;
+            let start = (frag * fp) as usize;
+            let end = (start + fp as usize).min(s.data.len());
+            &s.data[start..end]
+        } else {
+            &[]
+        };
+        h.payload_len = payload.len() as u32;
+        h.seal_crc(payload);
+        // Several requests of this queue share a datagram up to the size the target receives.
+        let full = self.tx.push(&h, payload, HEADER_LEN + fp as usize);
+        self.stats.frames_out += 1;
+        if full {
+            let _ = self.tx.flush(&mut self.stats);
+        }
+    }
+
+    /// Sends every encoded frame.
+    fn flush_tx(&mut self) -> Result<()> {
+        self.tx.flush(&mut self.stats)
+    }
+
+    /// Moves pending requests into flight as far as the window allows (§9.4), and sends.
+    pub fn send(&mut self) -> Result<()> {
+        let now = Instant::now();
+        while let Some(&slot) = self.pending.front() {
+            let need = self.slots[slot as usize].window_frames;
+            if !self.cc.admits(need) {
+                break;
+            }
+            self.pending.pop_front();
+            let s = &mut self.slots[slot as usize];
+            s.state = State::InFlight;
+            s.tx = Transmission::first(now, self.cc.rto(), self.give_up);
+            self.cc.on_send(need);
+            let frags = if s.opcode == Opcode::Write {
+                s.frags
+            } else {
+                1
+            };
+            for f in 0..frags {
+                self.push_frame(slot, f, false);
+            }
+        }
+        self.flush_tx()
+    }
+
+    pub fn complete(&mut self, min: usize, mut f: impl FnMut(Completion<'_>)) -> Result<usize> {
+        self.send()?;
+        let mut delivered = self.deliver(&mut f);
+        while delivered < min {
+            if self.in_flight() == 0 {
+                return Err(Error::Usage(
+                    "waiting for completions with nothing in flight".into(),
+                ));
+            }
+            let got = self.receive()?;
+            if self.session_lost {
+                return Err(Error::SessionLost);
+            }
+            if got == 0 {
+                let (slots, cc) = (&self.slots, &self.cc);
+                self.rx.wait(|| timer_deadline(slots, cc))?;
+            }
+            self.timers()?;
+            self.send()?;
+            delivered += self.deliver(&mut f);
+        }
+        Ok(delivered)
+    }
+
+    /// `complete` without waiting: sends, takes what has arrived, runs the timers and the
+    /// keepalive of an idle queue, and delivers what finished.
+    pub fn poll(&mut self, mut f: impl FnMut(Completion<'_>)) -> Result<usize> {
+        self.send()?;
+        self.receive()?;
+        if self.session_lost {
+            return Err(Error::SessionLost);
+        }
+        self.timers()?;
+        // Answers and give-ups free room in the window.
+        self.send()?;
+        if Instant::now() >= self.tx.last_sent() + self.keepalive_every {
+            self.keepalive()?;
+        }
+        Ok(self.deliver(&mut f))
+    }
+
+    /// When `poll` must run even if no frame arrives: the earliest retransmission, give-up or
+    /// tail-loss probe timer, or the keepalive.
+    pub fn deadline(&self) -> Option<Instant> {
+        let keepalive = self.tx.last_sent() + self.keepalive_every;
+        Some(timer_deadline(&self.slots, &self.cc).map_or(keepalive, |t| t.min(keepalive)))
+    }
+
+    /// Sends a KEEPALIVE outside the slot table. It is not retransmitted: the next one follows
+    /// `keepalive_every` later, well within the target's expiry. Its answer is dropped in
+    /// `on_frame`, unless it is ACCESS: the target has forgotten the session after all.
+    fn keepalive(&mut self) -> Result<()> {
+        self.keepalive_gen = self.keepalive_gen.wrapping_add(1);
+        let tag = Tag::new(KEEPALIVE_SLOT, self.keepalive_gen);
+        let mut h = Header::request(Opcode::Keepalive, tag, 0, 0);
+        h.queue = self.index;
+        h.session = self.session;
+        h.seal_crc(&[]);
+        self.tx.push(&h, &[], 0);
+        self.stats.frames_out += 1;
+        self.flush_tx()
+    }
+
+    fn deliver(&mut self, f: &mut impl FnMut(Completion<'_>)) -> usize {
+        let mut n = 0;
+        while let Some(slot) = self.done.pop_front() {
+            let s = &mut self.slots[slot as usize];
+            s.state = State::Free;
+            let data: &[u8] = if s.opcode == Opcode::Read && s.status == Status::Ok {
+                &s.data
+            } else {
+                &[]
+            };
+            f(Completion {
+                user: s.user,
+                status: s.status,
+                data,
+            });
+            self.free.push(slot);
+            n += 1;
+        }
+        n
+    }
+
+    /// Reads every frame waiting; returns how many arrived.
+    fn receive(&mut self) -> Result<usize> {
+        self.now = Instant::now();
+        // Lent out: each datagram is handled by the rest of the queue while the receiver walks.
+        let mut rx = std::mem::take(&mut self.rx);
+        let r = rx.receive(|d, coalesced| {
+            self.stats.datagrams_in += 1;
+            self.stats.coalesced_in += coalesced as u64;
+            self.on_datagram(d);
+        });
+        self.rx = rx;
+        r
+    }
+
+    /// One received datagram: every frame packed in it (PROTOCOL.md §9.6).
+    fn on_datagram(&mut self, b: &[u8]) {
+        for f in datagram::frames(b, self.frame_payload) {
+            self.stats.frames_in += 1;
+            match f {
+                Ok((h, payload)) => self.on_frame(&h, payload),
+                // Malformed, truncated, mixed or without a valid CRC32C: dropped, counted.
+                Err(_) => self.stats.crc_errors += 1,
+            }
+        }
+    }
+
+    fn on_frame(&mut self, h: &Header, payload: &[u8]) {
+        if !h.is_reply() || h.session != self.session || h.queue != self.index {
+            self.stats.late_replies += 1;
+            return;
+        }
+        self.cc.on_credit(h.credit);
+        let slot = h.tag.slot();
+        if slot == KEEPALIVE_SLOT && h.opcode == Opcode::Keepalive {
+            // Our own keepalive's answer: nothing to deliver. ACCESS means the session is gone
+            // (an idle queue learns it here rather than from its next request).
+            if h.status == Status::Access {
+                self.session_lost = true;
+            }
+            return;
+        }
+        let fp = self.frame_payload;
+        let Some(s) = self.slots.get_mut(slot as usize) else {
+            self.stats.late_replies += 1;
+            return;
+        };
+        // §6: only the generation in flight on that slot is answered; anything else is late.
+        if s.state != State::InFlight || s.generation != h.tag.generation() || s.opcode != h.opcode
+        {
+            self.stats.late_replies += 1;
+            return;
+        }
+        self.cc.on_progress(self.now);
+        if h.flags.has(Flags::HAVE) {
+            // The target holds part of a WRITE: send exactly what it lacks (PROTOCOL.md §9.3).
+            let missing: Vec<u32> = (0..s.frags).filter(|&i| !bitmap::get(payload, i)).collect();
+            s.tx.refresh(self.now);
+            self.stats.retransmits += missing.len() as u64;
+            for i in missing {
+                self.push_frame(slot, i, false);
+            }
+            let _ = self.flush_tx();
+            return;
+        }
+        if h.status == Status::Access {
+            // Only a target that does not know our session answers an I/O frame with ACCESS
+            // (PROTOCOL.md §9.1): the whole queue is gone, not this request.
+            self.session_lost = true;
+            return;
+        }
+        if h.status != Status::Ok || s.opcode != Opcode::Read {
+            s.status = h.status;
+            return self.finish(slot);
+        }
+        // A READ fragment.
+        let idx = h.frag_index as u32;
+        let expect_len = (s.length - (idx * fp).min(s.length)).min(fp);
+        if h.frag_count as u32 != s.frags
+            || h.frag_offset != idx * fp
+            || h.payload_len != expect_len
+        {
+            self.stats.late_replies += 1;
+            return;
+        }
+        if bitmap::get(&s.have, idx) {
+            self.stats.duplicates += 1;
+            return;
+        }
+        let at = h.frag_offset as usize;
+        s.data[at..at + payload.len()].copy_from_slice(payload);
+        bitmap::set(&mut s.have, idx);
+        s.got += 1;
+        if s.got == s.frags {
+            self.finish(slot);
+        }
+    }
+
+    /// A request is answered (or given up): the window and round trip learn from it, and it is
+    /// queued for delivery.
+    fn finish(&mut self, slot: u16) {
+        let s = &mut self.slots[slot as usize];
+        s.state = State::Done;
+        if s.status != Status::Ok {
+            self.stats.errors += 1;
+        }
+        self.cc.on_finish(&s.tx, s.window_frames, self.now);
+        self.done.push_back(slot);
+    }
+
+    /// Retransmits what is lost and gives up on what is past its give-up time (§9.2). A request
+    /// is lost when its timer fires, or earlier when a request sent more than a reordering window
+    /// after it has already been answered (frames on one link do not overtake each other by
+    /// more); when nothing comes back at all, the tail-loss probe resends the newest.
+    fn timers(&mut self) -> Result<()> {
+        let now = Instant::now();
+        let mut lost = false;
+        let pass = self.cc.begin_pass(now);
+        if pass.scan {
+            for slot in 0..self.slots.len() as u16 {
+                let s = &mut self.slots[slot as usize];
+                if s.state != State::InFlight {
+                    continue;
+                }
+                if s.tx.expired(now) {
+                    s.status = Status::Io;
+                    self.stats.timeouts += 1;
+                    self.finish(slot);
+                    continue;
+                }
+                if !self.cc.lost(&s.tx, &pass, now) {
+                    continue;
+                }
+                lost = true;
+                self.resend(slot, now);
+            }
+        }
+        // Tail loss probe (RFC 8985 §7): packing can put a whole burst, even the whole queue, in
+        // one datagram, and if that one is lost no later answer can show it: resend the newest
+        // request, and its answer shows the others lost (overtaken) long before their timers.
+        if !lost && self.cc.probe_due(now) {
+            let newest = (0..self.slots.len() as u16)
+                .filter(|&i| self.slots[i as usize].state == State::InFlight)
+                .max_by_key(|&i| self.slots[i as usize].tx.sent_at);
+            if let Some(slot) = newest {
+                self.stats.probes += 1;
+                self.resend(slot, now);
+                self.cc.on_probe(now);
+            }
+        }
+        self.cc.end_pass(&pass, lost, now);
+        self.flush_tx()
+    }
+
+    /// Sends an in-flight request again, with its timer backed off.
+    fn resend(&mut self, slot: u16, now: Instant) {
+        let s = &mut self.slots[slot as usize];
+        s.tx.resend(now);
+        self.stats.retransmits += 1;
+        match s.opcode {
+            // Only fragment 0: the target answers with what it holds (HAVE, §9.3).
+            Opcode::Write => self.push_frame(slot, 0, false),
+            // Ask only for the fragments still missing.
+            Opcode::Read if s.got > 0 => self.push_frame(slot, 0, true),
+            _ => self.push_frame(slot, 0, false),
+        }
+    }
+
+    pub fn logout(&mut self) -> Result<()> {
+        let mut h = Header::request(Opcode::Logout, Tag::new(0, 0), 0, 0);
+        h.queue = self.index;
+        h.session = self.session;
+        h.seal_crc(&[]);
+        self.tx.push(&h, &[], 0);
+        self.flush_tx()
+    }
+
+    /// Test hook: sends raw bytes as one frame (to replay stale or forged frames).
+    pub(crate) fn send_raw(&mut self, frame: &[u8]) -> Result<()> {
+        self.tx.push_raw(frame);
+        self.flush_tx()
+    }
+
+    pub(crate) fn session(&self) -> u32 {
+        self.session
+    }
+}
+
+/// The earliest timer of the requests in flight: a retransmission or give-up, or the tail-loss
+/// probe.
+fn timer_deadline(slots: &[Slot], cc: &Congestion) -> Option<Instant> {
+    slots
+        .iter()
+        .filter(|s| s.state == State::InFlight)
+        .map(|s| s.tx.deadline())
+        .chain(cc.probe_deadline())
+        .min()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::UdpSocket;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// A stand-in target on loopback: answers every READ frame of one datagram with 0x5a bytes,
+    /// or drops the datagram; returns how many frames it carried (0: none came in `wait`).
+    fn answer(target: &UdpSocket, drop: bool, wait: Duration) -> usize {
+        answer_with(target, (!drop).then_some(Status::Ok), wait)
+    }
+
+    /// `answer` with any status: `None` drops the datagram; a status other than OK is sent
+    /// without data (as a target that refuses or does not know the session does).
+    fn answer_with(target: &UdpSocket, status: Option<Status>, wait: Duration) -> usize {
+        let drop = status.is_none();
+        let status = status.unwrap_or(Status::Ok);
+        let mut buf = vec![0u8; 65536];
+        target.set_read_timeout(Some(wait)).unwrap();
+        let Ok((n, from)) = target.recv_from(&mut buf) else {
+            return 0;
+        };
+        let mut frames = 0;
+        for f in datagram::frames(&buf[..n], 65536) {
+            let (h, _) = f.expect("valid request frame");
+            frames += 1;
+            if drop {
+                continue;
+            }
+            let len = if status == Status::Ok { h.length } else { 0 };
+            let data = vec![0x5a; len as usize];
+            let mut r = h.reply(status, data.len() as u32);
+            r.seal_crc(&data);
+            let mut out = r.to_bytes().to_vec();
+            out.extend_from_slice(&data);
+            target.send_to(&out, from).expect("reply");
+        }
+        frames
+    }
+
+    #[test]
+    fn a_lost_burst_is_recovered_by_a_probe_not_by_the_timers() {
+        let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let link = udp_link(target.local_addr().unwrap()).unwrap();
+        let give_up = Duration::from_secs(30);
+        let mut q = DgramQueue::new(link, 7, 0, 8, 4096, 8192, 64, give_up, Duration::ZERO);
+        // Retransmission timers 1 s away: only the probe can recover the burst before that.
+        q.cc.set_rto_min(congestion::RTO_MAX);
+        let wait = Duration::from_secs(5);
+        // Round trips to learn from.
+        for i in 0..20 {
+            q.submit(
+                Cmd::Read {
+                    offset: 0,
+                    len: 512,
+                },
+                i,
+            )
+            .unwrap();
+            q.send().unwrap();
+            assert_eq!(answer(&target, false, wait), 1);
+            q.complete(1, |c| assert_eq!(c.status, Status::Ok)).unwrap();
+        }
+        let before = q.stats();
+        let done = AtomicBool::new(false);
+        let (dropped, served) = std::thread::scope(|s| {
+            // The stand-in loses the next datagram, then answers everything until told to stop.
+            let t = s.spawn(|| {
+                let dropped = answer(&target, true, wait);
+                let mut served = 0;
+                while !done.load(Ordering::Relaxed) {
+                    served += answer(&target, false, Duration::from_millis(20));
+                }
+                (dropped, served)
+            });
+            // A burst of 8 reads travels in one datagram: the one that is lost.
+            for i in 0..8 {
+                let read = Cmd::Read {
+                    offset: 512 * i,
+                    len: 512,
+                };
+                q.submit(read, 100 + i).unwrap();
+            }
+            q.send().unwrap();
+            assert_eq!(q.stats().datagrams_out - before.datagrams_out, 1);
+            let mut got = 0;
+            while got < 8 {
+                got += q
+                    .complete(1, |c| {
+                        assert_eq!(c.status, Status::Ok);
+                        assert!(c.data.iter().all(|&b| b == 0x5a));
+                    })
+                    .unwrap();
+            }
+            done.store(true, Ordering::Relaxed);
+            t.join().unwrap()
+        });
+        let st = q.stats();
+        assert_eq!(dropped, 8);
+        assert!(served >= 8);
+        let probes = st.probes - before.probes;
+        assert!(probes >= 1, "no tail-loss probe: {st:?}");
+        // The probes resend the newest request; its answer shows the others lost, and each is
+        // sent again once. (A second probe can fire when the first one's answer comes back
+        // sooner than the smallest round trip seen, which cannot tell it from a late answer to
+        // the original: then the second probe resends one of the others.)
+        let retransmits = st.retransmits - before.retransmits;
+        assert!(
+            (8..=probes + 7).contains(&retransmits),
+            "8 lost requests need 8 to {} retransmissions: {st:?}",
+            probes + 7
+        );
+        assert_eq!(st.timeouts, 0);
+    }
+
+    /// The fragments of a 16 KiB write are a run of equal datagrams: one segmented send, which
+    /// a receiver without UDP_GRO gets as 16 datagrams. A socket the kernel will not segment
+    /// for (here: UDP checksums off, which GSO refuses with EINVAL) falls back to one datagram per
+    /// send, and nothing is lost on the way.
+    #[test]
+    fn write_fragments_leave_segmented_or_one_by_one_if_the_kernel_refuses() {
+        for refuse in [false, true] {
+            let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+            let link = udp_link(target.local_addr().unwrap()).unwrap();
+            if refuse {
+                blkwire_net::setopt(link.fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_NO_CHECK, 1);
+            }
+            let give_up = Duration::from_secs(30);
+            let mut q = DgramQueue::new(link, 7, 0, 8, 16384, 1024, 64, give_up, Duration::ZERO);
+            let data = vec![0x3c; 16384];
+            let write = Cmd::Write {
+                offset: 0,
+                data: &data,
+                fua: false,
+            };
+            q.submit(write, 1).unwrap();
+            q.send().unwrap();
+            let st = q.stats();
+            assert_eq!(st.datagrams_out, 16, "{st:?}");
+            assert_eq!(st.segmented_out, if refuse { 0 } else { 16 }, "{st:?}");
+            assert_eq!(q.tx.gso(), !refuse);
+            target
+                .set_read_timeout(Some(Duration::from_secs(5)))
+                .unwrap();
+            let mut buf = vec![0u8; 65536];
+            for got in 0..16 {
+                let n = target.recv(&mut buf).unwrap();
+                assert_eq!(n, HEADER_LEN + 1024, "one fragment per datagram");
+                let (h, payload) = datagram::frames(&buf[..n], 65536)
+                    .next()
+                    .unwrap()
+                    .expect("a valid frame");
+                assert_eq!(h.frag_offset, got * 1024);
+                assert!(payload.iter().all(|&b| b == 0x3c));
+            }
+        }
+    }
+
+    fn idle_queue(target: &UdpSocket) -> DgramQueue {
+        let link = udp_link(target.local_addr().unwrap()).unwrap();
+        let give_up = Duration::from_secs(30);
+        DgramQueue::new(link, 7, 0, 8, 4096, 8192, 64, give_up, Duration::ZERO)
+    }
+
+    #[test]
+    fn an_idle_queue_sends_keepalives_whose_answers_stay_inside() {
+        let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let mut q = idle_queue(&target);
+        let wait = Duration::from_secs(5);
+        // Fresh: the keepalive is due one interval after the last datagram, not before.
+        let due = q
+            .deadline()
+            .expect("a datagram queue always has a deadline");
+        assert!(due > Instant::now() + KEEPALIVE_EVERY / 2);
+        assert_eq!(q.poll(|_| panic!("nothing was submitted")).unwrap(), 0);
+        assert_eq!(q.stats().frames_out, 0);
+
+        // Idle past the interval (made zero here rather than waited for): poll sends one.
+        q.keepalive_every = Duration::ZERO;
+        assert_eq!(q.poll(|_| panic!("no completion")).unwrap(), 0);
+        q.keepalive_every = KEEPALIVE_EVERY;
+        assert_eq!(q.stats().frames_out, 1);
+        assert_eq!(answer(&target, false, wait), 1);
+        // Its answer (already in our socket: loopback delivers in the sender's call) is taken
+        // and dropped: no completion, no slot used, not a late reply; the next one is due an
+        // interval after this send.
+        let sent = Instant::now();
+        assert_eq!(
+            q.poll(|_| panic!("a keepalive is not a completion"))
+                .unwrap(),
+            0
+        );
+        let st = q.stats();
+        assert_eq!((st.frames_in, st.late_replies), (1, 0), "{st:?}");
+        assert_eq!(q.in_flight(), 0);
+        assert!(q.deadline().unwrap() <= sent + KEEPALIVE_EVERY);
+
+        // With a request in flight the caller sees its completion only.
+        q.submit(
+            Cmd::Read {
+                offset: 0,
+                len: 512,
+            },
+            42,
+        )
+        .unwrap();
+        q.keepalive_every = Duration::ZERO;
+        assert_eq!(q.poll(|_| panic!("not answered yet")).unwrap(), 0);
+        q.keepalive_every = KEEPALIVE_EVERY;
+        // The read and the keepalive: two datagrams (a keepalive travels alone).
+        assert_eq!(answer(&target, false, wait), 1);
+        assert_eq!(answer(&target, false, wait), 1);
+        let mut users = Vec::new();
+        assert_eq!(q.poll(|c| users.push((c.user, c.data.len()))).unwrap(), 1);
+        assert_eq!(users, [(42, 512)]);
+        assert_eq!(q.in_flight(), 0);
+        assert_eq!(q.stats().late_replies, 0);
+    }
+
+    #[test]
+    fn a_keepalive_answered_access_reports_the_session_lost() {
+        let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let mut q = idle_queue(&target);
+        q.keepalive_every = Duration::ZERO;
+        q.poll(|_| {}).unwrap();
+        // A target that has forgotten the session answers ACCESS.
+        assert_eq!(
+            answer_with(&target, Some(Status::Access), Duration::from_secs(5)),
+            1
+        );
+        assert!(matches!(q.poll(|_| {}), Err(Error::SessionLost)));
+    }
+}
