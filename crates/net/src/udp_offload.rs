@@ -75,23 +75,6 @@ impl Cmsg {
         unsafe { Self::walk_for_gro(&own) }
     }
 
-    /// After a receive into `msg`: the segment size of a coalesced run, `None` for a lone
-    /// datagram.
-    ///
-    /// Kept for callers that still pass only the message header; it reads through
-    /// `msg.msg_control` without being able to check it, so it is unsound for a `msg` that does
-    /// not describe a live control buffer of `msg_controllen` bytes. Use `received_segment`.
-    // TODO(issue 11): crates/server still calls this; once it moves to `received_segment` (or
-    // this becomes an `unsafe fn`), remove it.
-    pub fn gro_segment(msg: &libc::msghdr) -> Option<usize> {
-        if msg.msg_control.is_null() {
-            return None;
-        }
-        // SAFETY: not checkable here (see above): relies on the caller's msghdr describing the
-        // control buffer the kernel just filled, as a recvmmsg/recvmsg caller's does.
-        unsafe { Self::walk_for_gro(msg) }
-    }
-
     /// The UDP_GRO segment size among `msg`'s control messages.
     ///
     /// # Safety
@@ -314,7 +297,6 @@ mod tests {
         let n = unsafe { libc::recvmsg(rx.as_raw_fd(), &mut msg, 0) };
         assert_eq!(n, data.len() as isize);
         assert_eq!(c.received_segment(&msg), Some(1000));
-        assert_eq!(Cmsg::gro_segment(&msg), Some(1000));
         // Another buffer's message is not read through.
         assert_eq!(Cmsg::default().received_segment(&msg), None);
         let got: Vec<&[u8]> = segments(&buf[..n as usize], c.received_segment(&msg)).collect();

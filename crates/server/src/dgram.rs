@@ -114,6 +114,39 @@ struct DQ {
     last_seen: Instant,
 }
 
+/// What a request frame means for the slot it names (PROTOCOL.md §6, §9.2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Verdict {
+    /// Another fragment of the WRITE being assembled.
+    Fragment,
+    /// A retransmitted READ that already ran: run it again (reads are idempotent) and send
+    /// only the fragments the initiator lacks.
+    Reread,
+    /// A duplicate of a finished request: resend its cached reply, never execute it twice.
+    ResendReply,
+    /// A duplicate of a running request, a stale generation that can never land after a newer
+    /// one, or a new generation while the previous one still runs (the initiator retransmits).
+    Drop,
+    /// A new request on the slot.
+    New,
+}
+
+/// The generation rules: `held` is the slot's current request, `h` the frame that arrived.
+fn classify(state: SlotState, held: &Header, h: &Header) -> Verdict {
+    if state == SlotState::Empty {
+        return Verdict::New;
+    }
+    let same = h.tag.generation() == held.tag.generation() && h.opcode == held.opcode;
+    match state {
+        SlotState::Assembling if same => Verdict::Fragment,
+        SlotState::Done if same && h.opcode == Opcode::Read => Verdict::Reread,
+        SlotState::Done if same => Verdict::ResendReply,
+        SlotState::Running => Verdict::Drop,
+        _ if h.tag.generation_older_than(held.tag.generation()) => Verdict::Drop,
+        _ => Verdict::New,
+    }
+}
+
 /// Port-level counters: frames that never reached a queue.
 #[derive(Default, Clone, Copy, Debug, serde::Serialize)]
 pub struct PortStats {
@@ -300,7 +333,7 @@ impl DgramPort {
                     continue;
                 };
                 let len = msgs[i].msg_len as usize;
-                let segment = Cmsg::gro_segment(&msgs[i].msg_hdr);
+                let segment = cmsgs[i].received_segment(&msgs[i].msg_hdr);
                 let buf = std::mem::take(&mut self.rx[i]);
                 for d in udp_offload::segments(&buf[..len.min(buf.len())], segment) {
                     self.on_datagram(d, peer, sq, ud);
@@ -666,42 +699,30 @@ impl DgramPort {
         if slot as usize >= q.slots.len() {
             return self.reply(h, Status::Invalid, peer);
         }
-        let gen = h.tag.generation();
         let s = &mut q.slots[slot as usize];
-        if s.state != SlotState::Empty && gen == s.hdr.tag.generation() && h.opcode == s.hdr.opcode
-        {
-            match s.state {
-                SlotState::Assembling => return self.fragment(qi, h, payload, sq, ud),
-                SlotState::Running => {
-                    q.exec.stats.dropped_duplicates += 1;
-                    return;
+        match classify(s.state, &s.hdr, h) {
+            Verdict::Fragment => return self.fragment(qi, h, payload, sq, ud),
+            Verdict::Reread => {
+                // Reads may run again; send only what the initiator lacks.
+                s.client_has.clear();
+                if h.flags.has(Flags::HAVE) {
+                    s.client_has.extend_from_slice(payload);
                 }
-                SlotState::Done if h.opcode == Opcode::Read => {
-                    // Reads may run again; send only what the initiator lacks.
-                    s.client_has.clear();
-                    if h.flags.has(Flags::HAVE) {
-                        s.client_has.extend_from_slice(payload);
-                    }
-                    return self.execute(qi, slot, sq, ud);
-                }
-                SlotState::Done => {
-                    // Never twice: resend the cached answer.
-                    q.exec.stats.dropped_duplicates += 1;
-                    let (hdr, status) = (s.hdr, s.status);
-                    let mut r = hdr.reply(status, 0);
-                    r.credit = credit;
-                    return self.send_packed(r, &[], peer, fp);
-                }
-                SlotState::Empty => unreachable!(),
+                return self.execute(qi, slot, sq, ud);
             }
-        }
-        if s.state != SlotState::Empty && h.tag.generation_older_than(s.hdr.tag.generation()) {
-            q.exec.stats.dropped_duplicates += 1;
-            return; // stale: can never land after a newer request on this slot
-        }
-        if matches!(s.state, SlotState::Running) {
-            q.exec.stats.dropped_duplicates += 1;
-            return; // the previous request still runs; the initiator retransmits
+            Verdict::ResendReply => {
+                // Never twice: resend the cached answer.
+                q.exec.stats.dropped_duplicates += 1;
+                let (hdr, status) = (s.hdr, s.status);
+                let mut r = hdr.reply(status, 0);
+                r.credit = credit;
+                return self.send_packed(r, &[], peer, fp);
+            }
+            Verdict::Drop => {
+                q.exec.stats.dropped_duplicates += 1;
+                return;
+            }
+            Verdict::New => {}
         }
         // A new request on this slot.
         s.hdr = *h;
@@ -969,5 +990,47 @@ impl DgramPort {
             .iter()
             .flatten()
             .any(|q| q.slots.iter().any(|s| s.state == SlotState::Running))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hdr(op: Opcode, gen: u16) -> Header {
+        Header::request(op, Tag::new(3, gen), 0, 4096)
+    }
+
+    #[test]
+    fn generation_rules() {
+        use Opcode::{Read, Write};
+        use SlotState::{Assembling, Done, Empty, Running};
+        use Verdict::*;
+        #[rustfmt::skip]
+        let table = [
+            // (slot state, held op/gen, arriving op/gen) -> verdict
+            (Empty, (Read, 5), (Read, 5), New),
+            (Assembling, (Write, 5), (Write, 5), Fragment),
+            (Assembling, (Write, 5), (Read, 5), New),         // same generation, other command
+            (Assembling, (Write, 5), (Write, 6), New),        // the write was given up
+            (Assembling, (Write, 5), (Write, 4), Drop),       // stale
+            (Running, (Write, 5), (Write, 5), Drop),          // duplicate of what runs
+            (Running, (Write, 5), (Read, 6), Drop),           // next one waits for the slot
+            (Done, (Read, 5), (Read, 5), Reread),
+            (Done, (Write, 5), (Write, 5), ResendReply),      // never executed twice
+            (Done, (Write, 5), (Write, 4), Drop),             // late duplicate of an older one
+            (Done, (Write, 5), (Write, 6), New),
+            (Done, (Write, 0xffff), (Write, 0), New),         // wrap-around is newer
+            (Done, (Write, 0), (Write, 0xffff), Drop),        // and the old side of it stale
+            (Done, (Write, 5), (Write, 0x8006), Drop),        // 0x7fff behind: still older
+            (Done, (Write, 5), (Write, 0x8005), New),         // half the space away: newer
+        ];
+        for (state, (hop, hgen), (op, gen), want) in table {
+            assert_eq!(
+                classify(state, &hdr(hop, hgen), &hdr(op, gen)),
+                want,
+                "{state:?} holding {hop:?}#{hgen}, got {op:?}#{gen}"
+            );
+        }
     }
 }
