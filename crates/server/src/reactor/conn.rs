@@ -1,0 +1,217 @@
+//! A stream connection's socket and buffers: non-blocking receive into `rx`, replies gathered
+//! in `tx` and sent as the socket takes them, with a high-water mark so a client that never
+//! reads cannot make the target buffer without bound.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use blkwire_backend::{AlignedBuf, Extent, Submitter};
+use blkwire_wire::{Status, HEADER_LEN};
+use io_uring::{opcode, types};
+
+use super::ring::{ud, Pusher, KIND_POLL_OUT};
+use super::stream::parse_frames;
+use crate::executor::Executor;
+use crate::frontend::{Req, StreamFrontend};
+use crate::log::Level;
+
+#[derive(Default)]
+pub(super) struct Slot {
+    pub(super) busy: bool,
+    pub(super) req: Option<Req>,
+    pub(super) buf: Option<AlignedBuf>,
+}
+
+pub(super) struct Conn {
+    pub(super) sock: OwnedFd,
+    pub(super) incarnation: u32,
+    pub(super) fe: Box<dyn StreamFrontend>,
+    pub(super) exec: Executor,
+    pub(super) inline: bool,
+    pub(super) session: u32,
+    pub(super) queue: u16,
+    pub(super) max_io: u32,
+    pub(super) peer: String,
+    pub(super) rx: Vec<u8>,
+    pub(super) rx_start: usize,
+    pub(super) rx_end: usize,
+    pub(super) tx: Vec<u8>,
+    pub(super) tx_sent: usize,
+    pub(super) slots: Vec<Slot>,
+    /// Slots free for server-assigned requests (frontends whose requests carry cookies).
+    pub(super) free_slots: Vec<u16>,
+    pub(super) inflight: u32,
+    /// Scratch for allocation maps (NBD block status), reused.
+    pub(super) extents: Vec<Extent>,
+    /// The socket may hold unread bytes (we stopped before EAGAIN).
+    pub(super) readable: bool,
+    /// Waiting for POLLOUT after a short send.
+    pub(super) want_out: bool,
+    /// No more requests are read; close once in-flight I/O is answered and sent.
+    pub(super) closing: bool,
+    /// The socket is dead: drop the connection as soon as nothing is in flight.
+    pub(super) dead: bool,
+    pub(super) bytes_sent: u64,
+}
+
+impl Conn {
+    pub(super) fn fd(&self) -> i32 {
+        self.sock.as_raw_fd()
+    }
+
+    pub(super) fn tx_backlog(&self) -> usize {
+        self.tx.len() - self.tx_sent
+    }
+
+    /// Stop reading when this much reply data waits to be sent: a client that sends requests but
+    /// never reads replies cannot make us buffer without bound.
+    pub(super) fn tx_high_water(&self) -> usize {
+        (4 << 20).max(2 * self.max_io as usize + 2 * HEADER_LEN)
+    }
+
+    /// Appends a reply that carries no read data.
+    pub(super) fn reply(&mut self, req: &Req, status: Status) {
+        if self.fe.reply(req, status, &mut self.tx) {
+            self.count_reply(status);
+        }
+    }
+
+    pub(super) fn count_reply(&mut self, status: Status) {
+        self.exec.stats.frames_out += 1;
+        if status != Status::Ok {
+            self.exec.stats.errors += 1;
+        }
+    }
+
+    pub(super) fn violation(&mut self, what: &dyn std::fmt::Display) {
+        crate::log!(
+            Level::Warn,
+            "session {} queue {} from {}: protocol violation: {what}; closing the queue",
+            self.session,
+            self.queue,
+            self.peer
+        );
+        self.exec.stats.protocol_errors += 1;
+        self.closing = true;
+        self.rx_start = self.rx_end;
+    }
+
+    /// Room for a whole frame of `total` bytes starting at rx_start, growing the buffer up to
+    /// the largest frame the granted max I/O allows (NBD may send 32 MiB writes).
+    pub(super) fn make_room(&mut self, total: usize) {
+        if self.rx.len() - self.rx_start >= total {
+            return;
+        }
+        self.rx.copy_within(self.rx_start..self.rx_end, 0);
+        self.rx_end -= self.rx_start;
+        self.rx_start = 0;
+        if self.rx.len() < total {
+            self.rx.resize(total, 0);
+        }
+    }
+}
+
+/// Reads everything waiting on the socket and dispatches every complete frame.
+pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
+    loop {
+        // Dispatch what is buffered first: it may already hold many frames.
+        parse_frames(c, idx, sq);
+        if c.closing || !c.readable || c.tx_backlog() >= c.tx_high_water() {
+            return;
+        }
+        if c.rx_end == c.rx.len() {
+            if c.rx_start == 0 {
+                return; // a whole frame is buffered but blocked (tx high water)
+            }
+            c.rx.copy_within(c.rx_start..c.rx_end, 0);
+            c.rx_end -= c.rx_start;
+            c.rx_start = 0;
+        }
+        // SAFETY: recv into the unused tail of our own buffer.
+        let n = unsafe {
+            libc::recv(
+                c.fd(),
+                c.rx[c.rx_end..].as_mut_ptr().cast(),
+                c.rx.len() - c.rx_end,
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if n > 0 {
+            c.rx_end += n as usize;
+            continue;
+        }
+        let err = std::io::Error::last_os_error();
+        match (n, err.raw_os_error()) {
+            (0, _) => {
+                // Orderly shutdown by the peer; whatever it sent before is still answered.
+                parse_frames(c, idx, sq);
+                c.closing = true;
+                c.readable = false;
+                crate::log!(
+                    Level::Debug,
+                    "session {} queue {}: peer closed",
+                    c.session,
+                    c.queue
+                );
+            }
+            (_, Some(libc::EAGAIN)) => c.readable = false,
+            (_, Some(libc::EINTR)) => continue,
+            _ => {
+                crate::log!(
+                    Level::Info,
+                    "session {} queue {}: receive failed: {err}",
+                    c.session,
+                    c.queue
+                );
+                c.closing = true;
+                c.dead = true;
+                c.readable = false;
+            }
+        }
+        return;
+    }
+}
+
+/// Sends as much of the reply backlog as the socket takes; arms POLLOUT if it fills up.
+pub(super) fn transmit(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
+    while c.tx_sent < c.tx.len() {
+        // SAFETY: send from our own buffer.
+        let n = unsafe {
+            libc::send(
+                c.fd(),
+                c.tx[c.tx_sent..].as_ptr().cast(),
+                c.tx.len() - c.tx_sent,
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if n >= 0 {
+            c.tx_sent += n as usize;
+            c.bytes_sent += n as u64;
+            continue;
+        }
+        let err = std::io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EAGAIN) => {
+                c.want_out = true;
+                let poll = opcode::PollAdd::new(types::Fd(c.fd()), libc::POLLOUT as u32)
+                    .build()
+                    .user_data(ud(KIND_POLL_OUT, c.incarnation, idx, 0));
+                sq.push(poll);
+                return;
+            }
+            _ => {
+                crate::log!(
+                    Level::Info,
+                    "session {} queue {}: send failed: {err}",
+                    c.session,
+                    c.queue
+                );
+                c.dead = true;
+                c.closing = true;
+                return;
+            }
+        }
+    }
+    c.tx.clear();
+    c.tx_sent = 0;
+}
