@@ -31,11 +31,12 @@ use std::time::Duration;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
-use crate::fuse::{self, Channel};
+use super::abi;
+use super::channel::Channel;
 use crate::sockpoll::SockPoll;
 
 /// The system-wide switch (fuse module parameter).
-pub const SWITCH: &str = "/sys/module/fuse/parameters/enable_uring";
+pub(crate) const SWITCH: &str = "/sys/module/fuse/parameters/enable_uring";
 
 const CMD_REGISTER: u32 = 1;
 const CMD_COMMIT_AND_FETCH: u32 = 2;
@@ -47,6 +48,7 @@ const ENT_IN_OUT_AT: usize = IN_OUT_LEN + OP_IN_LEN;
 /// fuse_uring_ent_in_out: flags u64, commit_id u64, payload_sz u32, padding u32, reserved u64.
 const COMMIT_ID_AT: usize = ENT_IN_OUT_AT + 8;
 const PAYLOAD_SZ_AT: usize = ENT_IN_OUT_AT + 16;
+/// Length of a ring entry's header buffer (struct fuse_uring_req_header).
 pub const HEADER_LEN: usize = ENT_IN_OUT_AT + 32;
 
 /// user_data of the /dev/fuse and eventfd polls; entries use their index, the socket poll
@@ -55,14 +57,14 @@ const POLL_DEV: u64 = u64::MAX;
 const POLL_WAKE: u64 = u64::MAX - 1;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Switch {
+pub(crate) enum Switch {
     On,
     Off,
     /// The kernel has no FUSE over io_uring (older than 6.14 or built without it).
     Missing,
 }
 
-pub fn switch() -> Switch {
+pub(crate) fn switch() -> Switch {
     match std::fs::read_to_string(SWITCH) {
         Ok(s) if s.trim() == "Y" || s.trim() == "1" => Switch::On,
         Ok(_) => Switch::Off,
@@ -70,13 +72,13 @@ pub fn switch() -> Switch {
     }
 }
 
-pub fn set_switch(on: bool) -> io::Result<()> {
+pub(crate) fn set_switch(on: bool) -> io::Result<()> {
     std::fs::write(SWITCH, if on { "Y" } else { "N" })
 }
 
 /// Ring queues of a connection: the kernel makes one per possible CPU (num_possible_cpus()),
 /// which is the number of CPUs listed in /sys/devices/system/cpu/possible ("0-1", "0,2-5").
-pub fn ring_queues() -> Result<usize, String> {
+pub(crate) fn ring_queues() -> Result<usize, String> {
     const POSSIBLE: &str = "/sys/devices/system/cpu/possible";
     let s = std::fs::read_to_string(POSSIBLE).map_err(|e| format!("{POSSIBLE}: {e}"))?;
     count_cpu_list(s.trim()).ok_or_else(|| format!("{POSSIBLE}: cannot parse '{}'", s.trim()))
@@ -128,13 +130,13 @@ pub fn request_bytes(header: &[u8], payload: &[u8], out: &mut [u8]) -> Result<us
     let len = get32(header, 0) as usize;
     let payload_sz = get32(header, PAYLOAD_SZ_AT) as usize;
     let op_len = len
-        .checked_sub(fuse::IN_HEADER_LEN)
+        .checked_sub(abi::IN_HEADER_LEN)
         .and_then(|r| r.checked_sub(payload_sz))
         .ok_or(commit_id)?;
     if op_len > OP_IN_LEN || payload_sz > payload.len() || len > out.len() {
         return Err(commit_id);
     }
-    let h = fuse::IN_HEADER_LEN;
+    let h = abi::IN_HEADER_LEN;
     out[..h].copy_from_slice(&header[..h]);
     out[h..h + op_len].copy_from_slice(&header[IN_OUT_LEN..IN_OUT_LEN + op_len]);
     out[h + op_len..len].copy_from_slice(&payload[..payload_sz]);
@@ -144,7 +146,7 @@ pub fn request_bytes(header: &[u8], payload: &[u8], out: &mut [u8]) -> Result<us
 /// Writes an answer into an entry's buffers: the out header, and the body (errno 0 only) in the
 /// payload with its length in `payload_sz`. A body that does not fit (cannot happen: bodies
 /// are at most max_write) becomes EIO rather than a short answer.
-pub fn fill_answer(
+pub(crate) fn fill_answer(
     header: &mut [u8],
     payload: &mut [u8],
     unique: u64,
@@ -165,7 +167,7 @@ pub fn fill_answer(
             at += p.len();
         }
     }
-    header[..fuse::OUT_HEADER_LEN].copy_from_slice(&fuse::out_header(unique, errno, body));
+    header[..abi::OUT_HEADER_LEN].copy_from_slice(&abi::out_header(unique, errno, body));
     header[PAYLOAD_SZ_AT..PAYLOAD_SZ_AT + 4].copy_from_slice(&(body as u32).to_ne_bytes());
 }
 
@@ -419,7 +421,7 @@ impl Ring {
         failed.clear();
         self.failed = failed;
         if wake {
-            crate::worker::Waker::clear_fd(self.wake_fd);
+            crate::sys::Waker::clear_fd(self.wake_fd);
         }
     }
 
@@ -560,7 +562,7 @@ mod tests {
     fn header(len: u32, unique: u64, payload_sz: u32) -> Vec<u8> {
         let mut h = vec![0u8; HEADER_LEN];
         h[0..4].copy_from_slice(&len.to_ne_bytes());
-        h[4..8].copy_from_slice(&fuse::op::WRITE.to_ne_bytes());
+        h[4..8].copy_from_slice(&abi::op::WRITE.to_ne_bytes());
         h[8..16].copy_from_slice(&unique.to_ne_bytes());
         h[COMMIT_ID_AT..COMMIT_ID_AT + 8].copy_from_slice(&unique.to_ne_bytes());
         h[PAYLOAD_SZ_AT..PAYLOAD_SZ_AT + 4].copy_from_slice(&payload_sz.to_ne_bytes());
@@ -578,11 +580,11 @@ mod tests {
         let mut out = vec![0u8; 8192];
         let n = request_bytes(&h, &payload, &mut out).unwrap();
         assert_eq!(n, 85);
-        let (hd, r) = fuse::parse(&out[..n]).unwrap();
+        let (hd, r) = abi::parse(&out[..n]).unwrap();
         assert_eq!(hd.unique, 9);
         assert_eq!(
             r,
-            fuse::Request::Write {
+            abi::Request::Write {
                 offset: 4096,
                 data: b"hello"
             }
