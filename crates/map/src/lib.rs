@@ -8,14 +8,19 @@
 //! block driver over io_uring, with USER_RECOVERY) is chosen by `auto` when the kernel offers
 //! /dev/ublk-control.
 //!
-//! Layering: a module uses only modules listed before it; within `fuse` and `ublk` likewise in
-//! the order given.
+//! Layering: a module uses only modules listed before it (checked by hand with
+//! crates/map/check-layers.sh); within `fuse` and `ublk` likewise in the order given.
 //! 1. `log` (timestamped lines), `state` (mapping records and liveness)
 //! 2. `sys` (signals, pidfds, eventfd, mount points), `sockpoll` (a queue's socket in a ring)
 //! 3. `device` (the `BlockDevice` trait, the mapping spec, connecting, the last flush)
 //! 4. `fuse`: `abi` < `channel` < `uring` < `loopdev` < `worker` < `device`;
 //!    `ublk`: `abi` < `control` < `queue` < `device`
 //! 5. `daemon` (`map`, `recover`, `unmap`: picks the kind, forks, reports readiness)
+
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+#![deny(rustdoc::broken_intra_doc_links)]
 
 pub mod log;
 mod state;

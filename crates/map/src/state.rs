@@ -13,6 +13,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+/// Where records and mounts live: /run/blkwire, or `BLKWIRE_RUN_DIR`.
 pub fn run_dir() -> PathBuf {
     std::env::var_os("BLKWIRE_RUN_DIR")
         .filter(|v| !v.is_empty())
@@ -20,6 +21,7 @@ pub fn run_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/run/blkwire"))
 }
 
+/// One record per mapped device.
 pub fn devices_dir() -> PathBuf {
     run_dir().join("devices")
 }
@@ -211,6 +213,7 @@ pub fn process_alive(pid: i32, start_time: u64) -> bool {
     matches!(proc_stat(pid), Some((state, start)) if start == start_time && state != 'Z' && state != 'X')
 }
 
+/// This process's start time, as records keep it (`proc_stat`).
 pub fn self_start_time() -> u64 {
     proc_stat(std::process::id() as i32)
         .map(|(_, s)| s)

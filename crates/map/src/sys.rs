@@ -23,6 +23,7 @@ pub fn block_stop_signals() -> libc::sigset_t {
     }
 }
 
+/// Waits for one of the signals in `set` (blocked by `block_stop_signals`) and returns it.
 pub fn wait_signal(set: &libc::sigset_t) -> i32 {
     let mut sig = 0;
     // SAFETY: sigwait on a set blocked in every thread.
@@ -42,6 +43,7 @@ pub fn set_io_flusher() -> io::Result<()> {
     Ok(())
 }
 
+/// The effective user is root.
 pub fn is_root() -> bool {
     // SAFETY: geteuid cannot fail.
     unsafe { libc::geteuid() == 0 }
@@ -89,6 +91,7 @@ impl Proc {
         }
     }
 
+    /// Sends `sig` to this very process (never to a later owner of its pid).
     pub fn kill(&self, sig: i32) -> io::Result<()> {
         // SAFETY: pidfd_send_signal(fd, sig, NULL, 0).
         let r = unsafe {

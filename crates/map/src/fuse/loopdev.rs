@@ -50,6 +50,7 @@ const _: () = assert!(std::mem::size_of::<LoopConfig>() == 304);
 /// `/dev/loopN`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LoopDev {
+    /// N of /dev/loopN.
     pub index: u32,
 }
 
@@ -94,6 +95,7 @@ impl LoopDev {
         n.parse().ok().map(|index| LoopDev { index })
     }
 
+    /// `/dev/loopN`.
     pub fn path(&self) -> String {
         format!("/dev/loop{}", self.index)
     }
@@ -204,10 +206,12 @@ impl LoopDev {
         read_flag(&self.sys("loop/dio"))
     }
 
+    /// queue/rotational, None if unreadable.
     pub fn rotational(&self) -> Option<bool> {
         read_flag(&self.sys("queue/rotational"))
     }
 
+    /// Sets queue/rotational.
     pub fn set_rotational(&self, on: bool) -> io::Result<()> {
         std::fs::write(self.sys("queue/rotational"), if on { "1" } else { "0" })
     }

@@ -9,7 +9,7 @@
 //!   its task runs on, and the ring takes requests only once *every* queue has an entry
 //!   registered (until then, and for FORGET and INTERRUPT always, /dev/fuse's read() is used);
 //! - an entry is an SQE128 IORING_OP_URING_CMD on a /dev/fuse descriptor: REGISTER (addr =
-//!   iovec[2]: header buffer, payload buffer of at least max_write; len = 2) parks it, and its
+//!   `iovec[2]`: header buffer, payload buffer of at least max_write; len = 2) parks it, and its
 //!   CQE (result 0) means a request sits in its buffers; COMMIT_AND_FETCH (commit_id = the
 //!   request's unique) hands back the answer from the same buffers and parks the entry again;
 //! - a request is the in header (in_out), the opcode's first argument (op_in, up to 128 bytes)
@@ -41,7 +41,7 @@ pub(crate) const SWITCH: &str = "/sys/module/fuse/parameters/enable_uring";
 const CMD_REGISTER: u32 = 1;
 const CMD_COMMIT_AND_FETCH: u32 = 2;
 
-/// struct fuse_uring_req_header: in_out[128], op_in[128], struct fuse_uring_ent_in_out.
+/// struct fuse_uring_req_header: `in_out[128]`, `op_in[128]`, struct fuse_uring_ent_in_out.
 const IN_OUT_LEN: usize = 128;
 const OP_IN_LEN: usize = 128;
 const ENT_IN_OUT_AT: usize = IN_OUT_LEN + OP_IN_LEN;
@@ -320,10 +320,15 @@ impl Ring {
         self.qid.len()
     }
 
-    fn push(&mut self, sqe: &squeue::Entry128) -> io::Result<()> {
+    /// Queues an SQE, submitting what is queued when the submission queue is full.
+    ///
+    /// # Safety
+    ///
+    /// Every buffer `sqe` refers to must stay valid until its completion (or, for an entry's
+    /// buffers, until the kernel can no longer write into them: as long as the ring).
+    unsafe fn push(&mut self, sqe: &squeue::Entry128) -> io::Result<()> {
         loop {
-            // SAFETY: every buffer an SQE refers to (iovecs, entry buffers) lives as long as
-            // the ring.
+            // SAFETY: the caller keeps what the SQE refers to alive.
             if unsafe { self.uring.submission().push(sqe) }.is_ok() {
                 return Ok(());
             }
@@ -348,7 +353,8 @@ impl Ring {
         for i in 0..self.entries() {
             let sqe = self.uring_cmd(CMD_REGISTER, i, 0);
             let sqe = with_addr_len(sqe, self.iovs[i].as_ptr() as u64, 2);
-            self.push(&sqe)
+            // SAFETY: the iovecs and the entry buffers they point at live as long as the ring.
+            unsafe { self.push(&sqe) }
                 .map_err(|e| format!("registering FUSE ring entries: {e}"))?;
         }
         self.rearm(true, None)
@@ -410,7 +416,8 @@ impl Ring {
                 );
                 let sqe = self.uring_cmd(CMD_REGISTER, e, 0);
                 let sqe = with_addr_len(sqe, self.iovs[e].as_ptr() as u64, 2);
-                if self.push(&sqe).is_ok() {
+                // SAFETY: as in `start`: iovecs and entry buffers live as long as the ring.
+                if unsafe { self.push(&sqe) }.is_ok() {
                     continue;
                 }
             }
@@ -465,20 +472,23 @@ impl Ring {
     /// queue `sock` (number of the queue, descriptor; None while disconnected).
     pub(crate) fn rearm(&mut self, dev: bool, sock: Option<(u64, RawFd)>) -> io::Result<()> {
         for sqe in self.sock.update(sock).into_iter().flatten() {
-            self.push(&sqe.into())?;
+            // SAFETY: a poll and its removal refer to no buffer.
+            unsafe { self.push(&sqe.into()) }?;
         }
         if dev && !self.dev_armed {
             let p = opcode::PollAdd::new(types::Fd(self.ch.as_raw_fd()), libc::POLLIN as u32)
                 .build()
                 .user_data(POLL_DEV);
-            self.push(&p.into())?;
+            // SAFETY: a poll refers to no buffer.
+            unsafe { self.push(&p.into()) }?;
             self.dev_armed = true;
         }
         if !self.wake_armed {
             let p = opcode::PollAdd::new(types::Fd(self.wake_fd), libc::POLLIN as u32)
                 .build()
                 .user_data(POLL_WAKE);
-            self.push(&p.into())?;
+            // SAFETY: a poll refers to no buffer.
+            unsafe { self.push(&p.into()) }?;
             self.wake_armed = true;
         }
         Ok(())
@@ -505,13 +515,11 @@ impl Ring {
         };
         let pl = self.payload_len;
         let payload = self.payloads.slice(e * pl, pl);
-        // SAFETY: the header of entry e, disjoint from the payload mapping.
-        let header = unsafe {
-            std::slice::from_raw_parts_mut(self.headers.ptr.add(e * HEADER_LEN), HEADER_LEN)
-        };
+        let header = self.headers.slice(e * HEADER_LEN, HEADER_LEN);
         fill_answer(header, payload, unique, errno, parts);
         let sqe = self.uring_cmd(CMD_COMMIT_AND_FETCH, e, unique);
-        self.push(&sqe)
+        // SAFETY: the command area names the entry, whose buffers live as long as the ring.
+        unsafe { self.push(&sqe) }
     }
 }
 

@@ -184,8 +184,13 @@ impl IoDesc {
     }
 }
 
-pub(crate) fn as_bytes<T: Copy>(v: &T) -> &[u8] {
-    // SAFETY: plain-old-data repr(C) structs without padding holes that matter to the kernel.
+/// The bytes of a command struct, to copy into an SQE's command area.
+///
+/// # Safety
+///
+/// `T` must have no padding: every byte of a value is initialised.
+pub(crate) unsafe fn as_bytes<T: Copy>(v: &T) -> &[u8] {
+    // SAFETY: `v` is a live borrow of size_of::<T>() bytes, all initialised (the caller's word).
     unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>()) }
 }
 

@@ -10,12 +10,14 @@ use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
 use super::abi::*;
 
+/// An open /dev/ublk-control with the ring its commands go through.
 pub struct Ctrl {
     fd: File,
     ring: IoUring<squeue::Entry128, cqueue::Entry>,
 }
 
 impl Ctrl {
+    /// Opens the control device (ublk_drv must be loaded).
     pub fn open() -> Result<Ctrl, String> {
         let fd = OpenOptions::new()
             .read(true)
@@ -30,14 +32,22 @@ impl Ctrl {
     }
 
     /// Runs one control command; returns its non-negative result or the error.
-    fn cmd(&mut self, op: u32, c: CtrlCmd) -> io::Result<i32> {
+    ///
+    /// # Safety
+    ///
+    /// Unless it is 0, `c.addr` must point at `c.len` bytes that the command may read and (for a
+    /// command that answers in it) write with any values, valid for the call.
+    unsafe fn cmd(&mut self, op: u32, c: CtrlCmd) -> io::Result<i32> {
         let mut raw = [0u8; 80];
-        raw[..CTRL_LEN].copy_from_slice(as_bytes(&c));
+        // SAFETY: CtrlCmd is repr(C) u32, u16, u16, u64, u64, u16, u16, u32: no padding (the
+        // layout test checks its 32 bytes).
+        raw[..CTRL_LEN].copy_from_slice(unsafe { as_bytes(&c) });
         let sqe = opcode::UringCmd80::new(types::Fd(self.fd.as_raw_fd()), op)
             .cmd(raw)
             .build()
             .user_data(op as u64);
-        // SAFETY: the buffers `c.addr` points at outlive the call (we wait for its completion).
+        // SAFETY: what `c.addr` points at outlives the call (the caller's word; we wait for the
+        // completion before returning).
         unsafe {
             self.ring
                 .submission()
@@ -57,67 +67,99 @@ impl Ctrl {
         Ok(r)
     }
 
+    /// GET_FEATURES: the UBLK_F_* flags this driver supports.
     pub fn features(&mut self) -> io::Result<u64> {
         let mut f = 0u64;
-        self.cmd(
-            UBLK_U_CMD_GET_FEATURES,
-            CtrlCmd {
-                dev_id: u32::MAX,
-                queue_id: u16::MAX,
-                len: 8,
-                addr: &mut f as *mut u64 as u64,
-                ..Default::default()
-            },
-        )?;
+        // SAFETY: addr is `f`, 8 bytes (len) that live across the call; any value is a u64.
+        unsafe {
+            self.cmd(
+                UBLK_U_CMD_GET_FEATURES,
+                CtrlCmd {
+                    dev_id: u32::MAX,
+                    queue_id: u16::MAX,
+                    len: 8,
+                    addr: &mut f as *mut u64 as u64,
+                    ..Default::default()
+                },
+            )
+        }?;
         Ok(f)
     }
 
-    fn with_buf<T: Copy>(&mut self, op: u32, dev_id: u32, v: &mut T, data: u64) -> io::Result<i32> {
-        self.cmd(
-            op,
-            CtrlCmd {
-                dev_id,
-                queue_id: u16::MAX,
-                len: std::mem::size_of::<T>() as u16,
-                addr: v as *mut T as u64,
-                data,
-                ..Default::default()
-            },
-        )
+    /// A command that reads `v`, or answers in it.
+    ///
+    /// # Safety
+    ///
+    /// `T` must be the kernel's struct for `op`, made of integers only, so that whatever the
+    /// kernel writes into it is a valid `T`.
+    unsafe fn with_buf<T: Copy>(
+        &mut self,
+        op: u32,
+        dev_id: u32,
+        v: &mut T,
+        data: u64,
+    ) -> io::Result<i32> {
+        // SAFETY: addr is `v`, an exclusive borrow of len bytes that lives across the call, and
+        // any bytes the kernel writes there make a valid T (the caller's word).
+        unsafe {
+            self.cmd(
+                op,
+                CtrlCmd {
+                    dev_id,
+                    queue_id: u16::MAX,
+                    len: std::mem::size_of::<T>() as u16,
+                    addr: v as *mut T as u64,
+                    data,
+                    ..Default::default()
+                },
+            )
+        }
     }
 
+    /// A command without a buffer.
     fn simple(&mut self, op: u32, dev_id: u32, data: u64) -> io::Result<i32> {
-        self.cmd(
-            op,
-            CtrlCmd {
-                dev_id,
-                queue_id: u16::MAX,
-                data,
-                ..Default::default()
-            },
-        )
+        // SAFETY: addr is 0: the command refers to no memory of ours.
+        unsafe {
+            self.cmd(
+                op,
+                CtrlCmd {
+                    dev_id,
+                    queue_id: u16::MAX,
+                    data,
+                    ..Default::default()
+                },
+            )
+        }
     }
 
+    /// ADD_DEV: creates a device as `info` asks; the kernel fills in what it chose (id, flags).
     pub fn add(&mut self, info: &mut DevInfo) -> io::Result<()> {
         let id = info.dev_id;
-        self.with_buf(UBLK_U_CMD_ADD_DEV, id, info, 0).map(|_| ())
+        // SAFETY: DevInfo is struct ublksrv_ctrl_dev_info, integers only.
+        unsafe { self.with_buf(UBLK_U_CMD_ADD_DEV, id, info, 0) }.map(|_| ())
     }
+    /// SET_PARAMS: block sizes, limits and attributes, before START_DEV.
     pub fn set_params(&mut self, dev_id: u32, p: &mut Params) -> io::Result<()> {
-        self.with_buf(UBLK_U_CMD_SET_PARAMS, dev_id, p, 0)
-            .map(|_| ())
+        // SAFETY: Params is struct ublk_params, integers only.
+        unsafe { self.with_buf(UBLK_U_CMD_SET_PARAMS, dev_id, p, 0) }.map(|_| ())
     }
+    /// GET_DEV_INFO: the device as the kernel has it.
     pub fn dev_info(&mut self, dev_id: u32) -> io::Result<DevInfo> {
         let mut i = DevInfo::default();
-        self.with_buf(UBLK_U_CMD_GET_DEV_INFO, dev_id, &mut i, 0)?;
+        // SAFETY: DevInfo is struct ublksrv_ctrl_dev_info, integers only.
+        unsafe { self.with_buf(UBLK_U_CMD_GET_DEV_INFO, dev_id, &mut i, 0) }?;
         Ok(i)
     }
+    /// START_DEV: the block device appears; its I/O goes to our queues.
     pub fn start(&mut self, dev_id: u32) -> io::Result<()> {
         self.simple(UBLK_U_CMD_START_DEV, dev_id, std::process::id() as u64)
             .map(|_| ())
     }
+    /// STOP_DEV: the block device goes; every fetch completes with ABORT.
     pub fn stop(&mut self, dev_id: u32) -> io::Result<()> {
         self.simple(UBLK_U_CMD_STOP_DEV, dev_id, 0).map(|_| ())
     }
+    /// DEL_DEV: removes the device, waiting until its char device is closed.
     pub fn delete(&mut self, dev_id: u32) -> io::Result<()> {
         self.simple(UBLK_U_CMD_DEL_DEV, dev_id, 0).map(|_| ())
     }
@@ -126,10 +168,12 @@ impl Ctrl {
     pub fn delete_async(&mut self, dev_id: u32) -> io::Result<()> {
         self.simple(UBLK_U_CMD_DEL_DEV_ASYNC, dev_id, 0).map(|_| ())
     }
+    /// START_USER_RECOVERY: a quiesced device (its daemon died) is taken over.
     pub fn start_recovery(&mut self, dev_id: u32) -> io::Result<()> {
         self.simple(UBLK_U_CMD_START_USER_RECOVERY, dev_id, 0)
             .map(|_| ())
     }
+    /// END_USER_RECOVERY: the new daemon fetched every tag; held I/O is issued again.
     pub fn end_recovery(&mut self, dev_id: u32) -> io::Result<()> {
         self.simple(
             UBLK_U_CMD_END_USER_RECOVERY,
@@ -140,7 +184,7 @@ impl Ctrl {
     }
 }
 
-/// The flags a mapping needs, with their names for the error message.
+/// Checks that the driver answers GET_FEATURES with every flag a mapping needs.
 pub(crate) fn probe(ctrl: &mut Ctrl) -> Result<(), String> {
     let f = ctrl.features().map_err(|e| {
         format!("the kernel's ublk driver does not answer GET_FEATURES ({e}): it needs Linux >= 6.5; use --frontend fuse")

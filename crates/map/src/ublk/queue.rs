@@ -154,9 +154,9 @@ impl QueueWorker {
         })
     }
 
+    /// Where the buffer of `tag` starts (an address for the kernel; not dereferenced here).
     fn buf(&self, tag: usize) -> *mut u8 {
-        // SAFETY: tag < depth, inside the buffer mapping.
-        unsafe { self.bufs.add(tag * self.buf_len) }
+        self.bufs.wrapping_add(tag * self.buf_len)
     }
 
     fn push_cmd(&mut self, op: u32, tag: usize, result: i32) -> Result<(), String> {
@@ -167,19 +167,25 @@ impl QueueWorker {
             addr: self.buf(tag) as u64,
         };
         let mut raw = [0u8; 16];
-        raw.copy_from_slice(as_bytes(&c));
+        // SAFETY: IoCmd is repr(C) u16, u16, i32, u64: no padding.
+        raw.copy_from_slice(unsafe { as_bytes(&c) });
         let sqe = opcode::UringCmd16::new(types::Fd(self.cdev.as_raw_fd()), op)
             .cmd(raw)
             .build()
             .user_data(tag as u64);
-        self.push(&sqe)
+        // SAFETY: the command names the tag's buffer, which lives as long as the worker (and
+        // so the ring).
+        unsafe { self.push(&sqe) }
     }
 
     /// Queues an SQE, submitting what is queued when the submission queue is full.
-    fn push(&mut self, sqe: &squeue::Entry) -> Result<(), String> {
+    ///
+    /// # Safety
+    ///
+    /// Every buffer `sqe` refers to must stay valid until its completion.
+    unsafe fn push(&mut self, sqe: &squeue::Entry) -> Result<(), String> {
         loop {
-            // SAFETY: tag commands refer to tag buffers, which live as long as the worker; polls
-            // refer to nothing.
+            // SAFETY: the caller keeps what the SQE refers to alive.
             if unsafe { self.ring.submission().push(sqe) }.is_ok() {
                 return Ok(());
             }
@@ -269,7 +275,17 @@ impl QueueWorker {
     }
 
     /// The result to commit for a blkwire completion; read data goes into the tag's buffer.
-    fn result_of(slots: &[Slot], bufs: *mut u8, buf_len: usize, c: &Completion<'_>) -> Option<i32> {
+    ///
+    /// # Safety
+    ///
+    /// `bufs` must point at `slots.len()` writable buffers of `buf_len` bytes each, which
+    /// nothing else reads or writes during the call.
+    unsafe fn result_of(
+        slots: &[Slot],
+        bufs: *mut u8,
+        buf_len: usize,
+        c: &Completion<'_>,
+    ) -> Option<i32> {
         let tag = c.user as usize;
         let op = slots.get(tag)?.op?;
         if c.status != Status::Ok {
@@ -279,7 +295,8 @@ impl QueueWorker {
             Op::Read { len, .. } => {
                 let len = len as usize;
                 let n = c.data.len().min(len);
-                // SAFETY: n <= len <= buf_len (checked by map_op): inside this tag's buffer.
+                // SAFETY: tag < slots.len() (`get` above) and n <= len <= buf_len (map_op checked
+                // it): inside this tag's buffer, which the caller lets us write.
                 unsafe {
                     let buf = bufs.add(tag * buf_len);
                     std::ptr::copy_nonoverlapping(c.data.as_ptr(), buf, n);
@@ -385,7 +402,10 @@ impl QueueWorker {
                 Some(q) => {
                     let (slots, bufs, buf_len) = (&self.slots, self.bufs, self.buf_len);
                     q.poll(|c| {
-                        if let Some(res) = Self::result_of(slots, bufs, buf_len, &c) {
+                        // SAFETY: `bufs` is our mapping of one buffer per slot; the kernel
+                        // touches a tag's buffer only inside io_uring_enter (task work, as the
+                        // device has URING_CMD_COMP_IN_TASK), never while we poll the queue.
+                        if let Some(res) = unsafe { Self::result_of(slots, bufs, buf_len, &c) } {
                             done.push((c.user as usize, res));
                         }
                     })
@@ -402,7 +422,8 @@ impl QueueWorker {
             }
             let want = self.link.as_ref().map(|q| (self.link_id, q.fd()));
             for sqe in self.sock.update(want).into_iter().flatten() {
-                self.push(&sqe)?;
+                // SAFETY: a poll and its removal refer to no buffer.
+                unsafe { self.push(&sqe) }?;
             }
             // Commits go out; with answers outstanding the thread spins briefly for one or for a
             // request (the poll(2) also lets the kernel run the ring's task work), then sleeps
