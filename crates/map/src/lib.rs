@@ -8,8 +8,9 @@
 //! block driver over io_uring, with USER_RECOVERY) is chosen by `auto` when the kernel offers
 //! /dev/ublk-control.
 //!
-//! Layering: a module uses only modules listed before it (checked by hand with
-//! crates/map/check-layers.sh); within `fuse` and `ublk` likewise in the order given.
+//! Layering (checked by hand with crates/map/check-layers.sh): a module uses only modules of a
+//! lower number, and modules on one line use none of each other; inside `fuse` and `ublk` a
+//! module uses only the ones before it.
 //! 1. `log` (timestamped lines), `state` (mapping records and liveness)
 //! 2. `sys` (signals, pidfds, eventfd, mount points), `sockpoll` (a queue's socket in a ring)
 //! 3. `device` (the `BlockDevice` trait, the mapping spec, connecting, the last flush)
