@@ -1,4 +1,4 @@
-//! The ublk frontend: the kernel's userspace block driver (ublk_drv, Linux >= 6.0) with blkwire
+//! The ublk device: the kernel's userspace block driver (ublk_drv, Linux >= 6.0) with blkwire
 //! queues behind it, written directly on io_uring (no libublk).
 //!
 //! Control path: /dev/ublk-control takes IORING_OP_URING_CMD commands on an SQE128 ring
@@ -16,6 +16,10 @@
 //! the kernel quiesces the device instead of removing it; `map --recover /dev/ublkbN` runs
 //! START_USER_RECOVERY, fetches every tag again from a new daemon, then END_USER_RECOVERY, and
 //! the requests that were in flight are issued again.
+//!
+//! `abi` is the kernel's structs, constants and the decoding of a descriptor (pure, tested and
+//! fuzzed without a kernel); `control` the /dev/ublk-control commands; `queue` a queue's thread;
+//! `device` the `BlockDevice` the daemon drives.
 
 pub mod abi;
 mod control;
