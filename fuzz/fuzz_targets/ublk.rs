@@ -1,11 +1,11 @@
 //! ublk I/O descriptors as the kernel writes them into the shared descriptor area (crates/map):
-//! `ublk::map_op` on arbitrary descriptors must never panic, never hand out a READ or WRITE
+//! `ublk::abi::map_op` on arbitrary descriptors must never panic, never hand out a READ or WRITE
 //! longer than the queue's buffer, refuse every change to a read-only device, and keep the byte
 //! offset equal to the sector number times 512.
 
 #![no_main]
 
-use blkwire_map::ublk::{map_op, IoDesc, Op};
+use blkwire_map::ublk::abi::{map_op, IoDesc, Op};
 use libfuzzer_sys::fuzz_target;
 
 const BUF: usize = 1 << 20;

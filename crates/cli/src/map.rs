@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use blkwire_map::{Frontend, FuseIo, MapOptions};
+use blkwire_map::{DeviceKind, FuseIo, MapOptions};
 use serde_json::json;
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -95,12 +95,12 @@ pub fn run_map(a: MapArgs) -> Result<(), String> {
     if let Some(dev) = &a.recover {
         return blkwire_map::recover(dev, a.foreground, a.logfile, &mut print_device);
     }
-    let frontend = match a.frontend {
-        FrontendArg::Auto => Frontend::Auto,
-        FrontendArg::Ublk => Frontend::Ublk,
-        FrontendArg::Fuse => Frontend::Fuse,
+    let kind = match a.frontend {
+        FrontendArg::Auto => DeviceKind::Auto,
+        FrontendArg::Ublk => DeviceKind::Ublk,
+        FrontendArg::Fuse => DeviceKind::Fuse,
     };
-    blkwire_map::choose_frontend(frontend)?;
+    blkwire_map::choose_kind(kind)?;
     let max_io = u32::try_from(a.max_io_size)
         .ok()
         .filter(|m| (4096..=blkwire_wire::MAX_PAYLOAD_LIMIT).contains(m))
@@ -124,7 +124,7 @@ pub fn run_map(a: MapArgs) -> Result<(), String> {
         foreground: a.foreground,
         logfile: a.logfile,
         timeout: Duration::from_secs(a.timeout),
-        frontend,
+        kind,
         fuse_io: match a.fuse_io {
             FuseIoArg::Auto => FuseIo::Auto,
             FuseIoArg::Uring => FuseIo::Uring,

@@ -1,77 +1,44 @@
 //! blkwire block devices: `map` turns an export into a local block device, `unmap` ends it,
 //! `list` shows what is mapped (docs/ARCHITECTURE.md, "Map daemon").
 //!
-//! Frontends: **fuse** (a one-file FUSE filesystem served by a daemon, bound to a loop device
-//! with direct I/O) works on any kernel with FUSE and loop. **ublk** (`ublk`: the kernel's
-//! userspace block driver over io_uring, with USER_RECOVERY) is chosen by `auto` when the kernel
-//! offers /dev/ublk-control.
+//! Two kinds of device serve a mapping, both behind one trait, `device::BlockDevice`, that the
+//! daemon drives (prepare, set up for a connected export, serve, tear down, recover, unmap):
+//! **fuse** (`fuse`: a one-file FUSE filesystem served by the daemon, bound to a loop device with
+//! direct I/O) works on any kernel with FUSE and loop; **ublk** (`ublk`: the kernel's userspace
+//! block driver over io_uring, with USER_RECOVERY) is chosen by `auto` when the kernel offers
+//! /dev/ublk-control.
 //!
-//! Modules: `ublk` (the ublk frontend: ABI, control commands, queue threads), `fuse` (kernel
-//! protocol over /dev/fuse), `fuse_uring` (FUSE over io_uring: switch, ABI, ring entries), `loopdev` (loop ioctls), `state` (mapping
-//! records and liveness), `worker` (per-queue data path), `daemon` (setup, readiness, teardown),
-//! `unmap`, `sys` (signals, pidfds), `log`.
+//! Layering (checked by hand with crates/map/check-layers.sh): a module uses only modules of a
+//! lower number, and modules on one line use none of each other; inside `fuse` and `ublk` a
+//! module uses only the ones before it.
+//! 1. `log` (timestamped lines), `state` (mapping records and liveness)
+//! 2. `sys` (signals, pidfds, eventfd, mount points), `sockpoll` (a queue's socket in a ring)
+//! 3. `device` (the `BlockDevice` trait, the mapping spec, connecting, the last flush)
+//! 4. `fuse`: `abi` < `channel` < `uring` < `loopdev` < `worker` < `device`;
+//!    `ublk`: `abi` < `control` < `queue` < `device`
+//! 5. `daemon` (`map`, `recover`, `unmap`: picks the kind, forks, reports readiness)
 
-pub mod fuse;
-pub mod fuse_uring;
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+#![deny(rustdoc::broken_intra_doc_links)]
+
 pub mod log;
-pub mod loopdev;
-pub mod state;
+mod state;
 
-mod daemon;
 mod sockpoll;
 mod sys;
+
+mod device;
+
+pub mod fuse;
 pub mod ublk;
-mod unmap;
-mod worker;
 
-pub use daemon::{map, recover, MapOptions};
+mod daemon;
+
+pub use daemon::{choose_kind, map, recover, unmap, DeviceKind, MapOptions};
+pub use device::FuseIo;
 pub use state::{Liveness, Record};
-pub use unmap::unmap;
-
-pub const FRONTEND_FUSE: &str = "fuse";
-pub const FRONTEND_UBLK: &str = "ublk";
-const UBLK_CONTROL: &str = "/dev/ublk-control";
-/// The ublk frontend is built in: `auto` picks it when the kernel offers /dev/ublk-control.
-const UBLK_BUILT: bool = true;
-
-/// `--fuse-io`: how the fuse frontend exchanges requests with the kernel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FuseIo {
-    /// io_uring when the kernel's switch is on and the kernel offers it at INIT, else read.
-    Auto,
-    /// io_uring or fail; turns the kernel's switch on (root) when it is off.
-    Uring,
-    /// read()/writev() on /dev/fuse.
-    Read,
-}
-
-/// What records (and `ls`) say about a fuse mapping's I/O path.
-pub const FUSE_IO_URING: &str = "uring";
-pub const FUSE_IO_READ: &str = "read";
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Frontend {
-    Auto,
-    Ublk,
-    Fuse,
-}
-
-/// Resolves `--frontend` to the frontend that will serve the mapping, or says why it cannot.
-pub fn choose_frontend(f: Frontend) -> Result<&'static str, String> {
-    let has_ublk = std::path::Path::new(UBLK_CONTROL).exists();
-    match f {
-        Frontend::Fuse => Ok(FRONTEND_FUSE),
-        Frontend::Auto if has_ublk && UBLK_BUILT => Ok(FRONTEND_UBLK),
-        Frontend::Auto => Ok(FRONTEND_FUSE),
-        Frontend::Ublk if !has_ublk => Err(format!(
-            "the ublk frontend needs {UBLK_CONTROL}, which this machine lacks (Linux >= 6.5 with ublk_drv loaded: modprobe ublk_drv); use --frontend fuse"
-        )),
-        Frontend::Ublk if !UBLK_BUILT => Err(
-            "the ublk frontend is not in this build yet; use --frontend fuse".into(),
-        ),
-        Frontend::Ublk => Ok(FRONTEND_UBLK),
-    }
-}
 
 /// Every mapping with its state, sorted by device; unreadable records as errors.
 pub fn list() -> Vec<Result<(Record, Liveness), String>> {

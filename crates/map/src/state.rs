@@ -9,10 +9,11 @@
 
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+/// Where records and mounts live: /run/blkwire, or `BLKWIRE_RUN_DIR`.
 pub fn run_dir() -> PathBuf {
     std::env::var_os("BLKWIRE_RUN_DIR")
         .filter(|v| !v.is_empty())
@@ -20,6 +21,7 @@ pub fn run_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/run/blkwire"))
 }
 
+/// One record per mapped device.
 pub fn devices_dir() -> PathBuf {
     run_dir().join("devices")
 }
@@ -45,24 +47,37 @@ pub fn ensure_dirs() -> io::Result<()> {
 /// Everything needed to list, unmap or recover a mapping.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Record {
-    /// `/dev/loop3`
+    /// The block device: `/dev/loop3`, `/dev/ublkb0`.
     pub device: String,
+    /// The export's URL, as mapped.
     pub url: String,
+    /// The export's name.
     pub export: String,
+    /// The kind of device: "fuse" or "ublk".
     pub frontend: String,
+    /// The daemon serving the device.
     pub pid: i32,
     /// Field 22 of /proc/PID/stat (clock ticks after boot) when the record was written.
     pub start_time: u64,
-    /// The daemon's FUSE mount and the file in it that the device is bound to.
+    /// The daemon's FUSE mount and the file in it that the device is bound to (fuse only).
     pub mountpoint: String,
+    /// See `mountpoint`.
     pub file: String,
+    /// Size of the export in bytes.
     pub size: u64,
+    /// The device is read-only (asked for, or the export is).
     pub readonly: bool,
+    /// Queues (worker threads, one connection each).
     pub queues: u16,
+    /// Requests in flight per queue, as the target granted.
     pub queue_depth: u16,
+    /// Largest I/O in bytes the device hands over.
     pub max_io: u32,
+    /// `--timeout`: how long I/O waits for an unreachable target.
     pub timeout_secs: u64,
+    /// `--hdd`: the device is marked rotational.
     pub hdd: bool,
+    /// `--logfile` of the daemon, if any.
     pub logfile: Option<String>,
     /// fuse frontend: "uring" (FUSE over io_uring) or "read" (read/writev on /dev/fuse).
     /// Absent in records of older versions and of ublk mappings.
@@ -73,11 +88,14 @@ pub struct Record {
 /// What a reader concludes about a record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Liveness {
+    /// Its daemon is alive.
     Running,
+    /// Its daemon is gone: `map --recover` or `unmap` finish it.
     Dead,
 }
 
 impl Liveness {
+    /// How `ls` shows it.
     pub fn as_str(self) -> &'static str {
         match self {
             Liveness::Running => "running",
@@ -128,10 +146,12 @@ impl Record {
         }
     }
 
+    /// Removes the record of `device`, whoever owns it.
     pub fn remove(device: &str) {
         let _ = std::fs::remove_file(record_path(dev_name(device)));
     }
 
+    /// Whether the daemon that wrote the record still runs (the same process, not a reuse of its pid).
     pub fn liveness(&self) -> Liveness {
         if process_alive(self.pid, self.start_time) {
             Liveness::Running
@@ -193,6 +213,7 @@ pub fn process_alive(pid: i32, start_time: u64) -> bool {
     matches!(proc_stat(pid), Some((state, start)) if start == start_time && state != 'Z' && state != 'X')
 }
 
+/// This process's start time, as records keep it (`proc_stat`).
 pub fn self_start_time() -> u64 {
     proc_stat(std::process::id() as i32)
         .map(|(_, s)| s)
@@ -202,33 +223,6 @@ pub fn self_start_time() -> u64 {
 /// Mount directories are named after the pid of the daemon that made them.
 pub fn mount_dir_for(pid: u32) -> PathBuf {
     mounts_dir().join(pid.to_string())
-}
-
-/// Removes mount directories that no record refers to and whose daemon is gone: what a daemon
-/// killed between mounting and writing its record leaves behind.
-pub fn collect_orphan_mounts() {
-    let Ok(dir) = std::fs::read_dir(mounts_dir()) else {
-        return;
-    };
-    let used: Vec<String> = list()
-        .into_iter()
-        .filter_map(|r| r.ok())
-        .map(|r| r.mountpoint)
-        .collect();
-    for e in dir.filter_map(|e| e.ok()) {
-        let path = e.path();
-        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
-            continue;
-        };
-        if used.iter().any(|m| Path::new(m) == path) {
-            continue;
-        }
-        if matches!(proc_stat(pid), Some((s, _)) if s != 'Z' && s != 'X') {
-            continue; // a daemon still setting up
-        }
-        let _ = crate::fuse::unmount_lazy(&path);
-        let _ = std::fs::remove_dir(&path);
-    }
 }
 
 #[cfg(test)]

@@ -1,8 +1,9 @@
 //! Process plumbing: signal masks, waiting for another process to exit (pidfd), killing it
-//! without pid-reuse races, and the root check.
+//! without pid-reuse races, the root check; an eventfd to wake a sleeping thread, and where a
+//! block device is mounted.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use crate::state;
@@ -22,6 +23,7 @@ pub fn block_stop_signals() -> libc::sigset_t {
     }
 }
 
+/// Waits for one of the signals in `set` (blocked by `block_stop_signals`) and returns it.
 pub fn wait_signal(set: &libc::sigset_t) -> i32 {
     let mut sig = 0;
     // SAFETY: sigwait on a set blocked in every thread.
@@ -41,6 +43,7 @@ pub fn set_io_flusher() -> io::Result<()> {
     Ok(())
 }
 
+/// The effective user is root.
 pub fn is_root() -> bool {
     // SAFETY: geteuid cannot fail.
     unsafe { libc::geteuid() == 0 }
@@ -60,9 +63,8 @@ impl Proc {
             return None;
         }
         // SAFETY: a fresh descriptor we own.
-        let p = Proc {
-            fd: unsafe { OwnedFd::from_raw_fd(fd as i32) },
-        };
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        let p = Proc { fd };
         // Checked after opening: from now on the pidfd refers to this very process.
         state::process_alive(pid, start_time).then_some(p)
     }
@@ -89,6 +91,7 @@ impl Proc {
         }
     }
 
+    /// Sends `sig` to this very process (never to a later owner of its pid).
     pub fn kill(&self, sig: i32) -> io::Result<()> {
         // SAFETY: pidfd_send_signal(fd, sig, NULL, 0).
         let r = unsafe {
@@ -105,4 +108,62 @@ impl Proc {
         }
         Ok(())
     }
+}
+
+/// An eventfd the reconnection thread signals, so the worker (polling /dev/fuse) wakes as soon
+/// as the attempt ends instead of at its next tick.
+pub(crate) struct Waker {
+    fd: OwnedFd,
+}
+
+impl Waker {
+    pub(crate) fn new() -> std::io::Result<Waker> {
+        // SAFETY: eventfd returns a new descriptor or -1.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Waker { fd })
+    }
+
+    pub(crate) fn wake(fd: RawFd) {
+        let one = 1u64;
+        // SAFETY: an 8-byte write to an eventfd.
+        unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+    }
+
+    pub(crate) fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    pub(crate) fn clear(&self) {
+        Waker::clear_fd(self.fd.as_raw_fd());
+    }
+
+    /// Consumes the signal of a waker's eventfd, given by descriptor (the FUSE ring holds it so).
+    pub(crate) fn clear_fd(fd: RawFd) {
+        let mut v = 0u64;
+        // SAFETY: an 8-byte read from a non-blocking eventfd.
+        unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
+    }
+}
+
+/// Where the block device `name` (as under /sys/block, e.g. `loop3`, `ublkb0`) is mounted in our
+/// mount namespace, from /proc/self/mountinfo.
+pub fn mount_points(name: &str) -> Vec<String> {
+    let Ok(dev) = std::fs::read_to_string(format!("/sys/block/{name}/dev")) else {
+        return Vec::new();
+    };
+    let dev = dev.trim();
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    info.lines()
+        .filter_map(|l| {
+            let mut f = l.split(' ');
+            let majmin = f.nth(2)?;
+            let at = f.nth(1)?;
+            (majmin == dev).then(|| at.to_string())
+        })
+        .collect()
 }

@@ -9,7 +9,7 @@
 //!   its task runs on, and the ring takes requests only once *every* queue has an entry
 //!   registered (until then, and for FORGET and INTERRUPT always, /dev/fuse's read() is used);
 //! - an entry is an SQE128 IORING_OP_URING_CMD on a /dev/fuse descriptor: REGISTER (addr =
-//!   iovec[2]: header buffer, payload buffer of at least max_write; len = 2) parks it, and its
+//!   `iovec[2]`: header buffer, payload buffer of at least max_write; len = 2) parks it, and its
 //!   CQE (result 0) means a request sits in its buffers; COMMIT_AND_FETCH (commit_id = the
 //!   request's unique) hands back the answer from the same buffers and parks the entry again;
 //! - a request is the in header (in_out), the opcode's first argument (op_in, up to 128 bytes)
@@ -31,22 +31,24 @@ use std::time::Duration;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
-use crate::fuse::{self, Channel};
+use super::abi;
+use super::channel::Channel;
 use crate::sockpoll::SockPoll;
 
 /// The system-wide switch (fuse module parameter).
-pub const SWITCH: &str = "/sys/module/fuse/parameters/enable_uring";
+pub(crate) const SWITCH: &str = "/sys/module/fuse/parameters/enable_uring";
 
 const CMD_REGISTER: u32 = 1;
 const CMD_COMMIT_AND_FETCH: u32 = 2;
 
-/// struct fuse_uring_req_header: in_out[128], op_in[128], struct fuse_uring_ent_in_out.
+/// struct fuse_uring_req_header: `in_out[128]`, `op_in[128]`, struct fuse_uring_ent_in_out.
 const IN_OUT_LEN: usize = 128;
 const OP_IN_LEN: usize = 128;
 const ENT_IN_OUT_AT: usize = IN_OUT_LEN + OP_IN_LEN;
 /// fuse_uring_ent_in_out: flags u64, commit_id u64, payload_sz u32, padding u32, reserved u64.
 const COMMIT_ID_AT: usize = ENT_IN_OUT_AT + 8;
 const PAYLOAD_SZ_AT: usize = ENT_IN_OUT_AT + 16;
+/// Length of a ring entry's header buffer (struct fuse_uring_req_header).
 pub const HEADER_LEN: usize = ENT_IN_OUT_AT + 32;
 
 /// user_data of the /dev/fuse and eventfd polls; entries use their index, the socket poll
@@ -55,14 +57,14 @@ const POLL_DEV: u64 = u64::MAX;
 const POLL_WAKE: u64 = u64::MAX - 1;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Switch {
+pub(crate) enum Switch {
     On,
     Off,
     /// The kernel has no FUSE over io_uring (older than 6.14 or built without it).
     Missing,
 }
 
-pub fn switch() -> Switch {
+pub(crate) fn switch() -> Switch {
     match std::fs::read_to_string(SWITCH) {
         Ok(s) if s.trim() == "Y" || s.trim() == "1" => Switch::On,
         Ok(_) => Switch::Off,
@@ -70,13 +72,13 @@ pub fn switch() -> Switch {
     }
 }
 
-pub fn set_switch(on: bool) -> io::Result<()> {
+pub(crate) fn set_switch(on: bool) -> io::Result<()> {
     std::fs::write(SWITCH, if on { "Y" } else { "N" })
 }
 
 /// Ring queues of a connection: the kernel makes one per possible CPU (num_possible_cpus()),
 /// which is the number of CPUs listed in /sys/devices/system/cpu/possible ("0-1", "0,2-5").
-pub fn ring_queues() -> Result<usize, String> {
+pub(crate) fn ring_queues() -> Result<usize, String> {
     const POSSIBLE: &str = "/sys/devices/system/cpu/possible";
     let s = std::fs::read_to_string(POSSIBLE).map_err(|e| format!("{POSSIBLE}: {e}"))?;
     count_cpu_list(s.trim()).ok_or_else(|| format!("{POSSIBLE}: cannot parse '{}'", s.trim()))
@@ -128,13 +130,13 @@ pub fn request_bytes(header: &[u8], payload: &[u8], out: &mut [u8]) -> Result<us
     let len = get32(header, 0) as usize;
     let payload_sz = get32(header, PAYLOAD_SZ_AT) as usize;
     let op_len = len
-        .checked_sub(fuse::IN_HEADER_LEN)
+        .checked_sub(abi::IN_HEADER_LEN)
         .and_then(|r| r.checked_sub(payload_sz))
         .ok_or(commit_id)?;
     if op_len > OP_IN_LEN || payload_sz > payload.len() || len > out.len() {
         return Err(commit_id);
     }
-    let h = fuse::IN_HEADER_LEN;
+    let h = abi::IN_HEADER_LEN;
     out[..h].copy_from_slice(&header[..h]);
     out[h..h + op_len].copy_from_slice(&header[IN_OUT_LEN..IN_OUT_LEN + op_len]);
     out[h + op_len..len].copy_from_slice(&payload[..payload_sz]);
@@ -144,7 +146,7 @@ pub fn request_bytes(header: &[u8], payload: &[u8], out: &mut [u8]) -> Result<us
 /// Writes an answer into an entry's buffers: the out header, and the body (errno 0 only) in the
 /// payload with its length in `payload_sz`. A body that does not fit (cannot happen: bodies
 /// are at most max_write) becomes EIO rather than a short answer.
-pub fn fill_answer(
+pub(crate) fn fill_answer(
     header: &mut [u8],
     payload: &mut [u8],
     unique: u64,
@@ -165,7 +167,7 @@ pub fn fill_answer(
             at += p.len();
         }
     }
-    header[..fuse::OUT_HEADER_LEN].copy_from_slice(&fuse::out_header(unique, errno, body));
+    header[..abi::OUT_HEADER_LEN].copy_from_slice(&abi::out_header(unique, errno, body));
     header[PAYLOAD_SZ_AT..PAYLOAD_SZ_AT + 4].copy_from_slice(&(body as u32).to_ne_bytes());
 }
 
@@ -318,10 +320,15 @@ impl Ring {
         self.qid.len()
     }
 
-    fn push(&mut self, sqe: &squeue::Entry128) -> io::Result<()> {
+    /// Queues an SQE, submitting what is queued when the submission queue is full.
+    ///
+    /// # Safety
+    ///
+    /// Every buffer `sqe` refers to must stay valid until its completion (or, for an entry's
+    /// buffers, until the kernel can no longer write into them: as long as the ring).
+    unsafe fn push(&mut self, sqe: &squeue::Entry128) -> io::Result<()> {
         loop {
-            // SAFETY: every buffer an SQE refers to (iovecs, entry buffers) lives as long as
-            // the ring.
+            // SAFETY: the caller keeps what the SQE refers to alive.
             if unsafe { self.uring.submission().push(sqe) }.is_ok() {
                 return Ok(());
             }
@@ -346,7 +353,8 @@ impl Ring {
         for i in 0..self.entries() {
             let sqe = self.uring_cmd(CMD_REGISTER, i, 0);
             let sqe = with_addr_len(sqe, self.iovs[i].as_ptr() as u64, 2);
-            self.push(&sqe)
+            // SAFETY: the iovecs and the entry buffers they point at live as long as the ring.
+            unsafe { self.push(&sqe) }
                 .map_err(|e| format!("registering FUSE ring entries: {e}"))?;
         }
         self.rearm(true, None)
@@ -408,7 +416,8 @@ impl Ring {
                 );
                 let sqe = self.uring_cmd(CMD_REGISTER, e, 0);
                 let sqe = with_addr_len(sqe, self.iovs[e].as_ptr() as u64, 2);
-                if self.push(&sqe).is_ok() {
+                // SAFETY: as in `start`: iovecs and entry buffers live as long as the ring.
+                if unsafe { self.push(&sqe) }.is_ok() {
                     continue;
                 }
             }
@@ -419,7 +428,7 @@ impl Ring {
         failed.clear();
         self.failed = failed;
         if wake {
-            crate::worker::Waker::clear_fd(self.wake_fd);
+            crate::sys::Waker::clear_fd(self.wake_fd);
         }
     }
 
@@ -463,20 +472,23 @@ impl Ring {
     /// queue `sock` (number of the queue, descriptor; None while disconnected).
     pub(crate) fn rearm(&mut self, dev: bool, sock: Option<(u64, RawFd)>) -> io::Result<()> {
         for sqe in self.sock.update(sock).into_iter().flatten() {
-            self.push(&sqe.into())?;
+            // SAFETY: a poll and its removal refer to no buffer.
+            unsafe { self.push(&sqe.into()) }?;
         }
         if dev && !self.dev_armed {
             let p = opcode::PollAdd::new(types::Fd(self.ch.as_raw_fd()), libc::POLLIN as u32)
                 .build()
                 .user_data(POLL_DEV);
-            self.push(&p.into())?;
+            // SAFETY: a poll refers to no buffer.
+            unsafe { self.push(&p.into()) }?;
             self.dev_armed = true;
         }
         if !self.wake_armed {
             let p = opcode::PollAdd::new(types::Fd(self.wake_fd), libc::POLLIN as u32)
                 .build()
                 .user_data(POLL_WAKE);
-            self.push(&p.into())?;
+            // SAFETY: a poll refers to no buffer.
+            unsafe { self.push(&p.into()) }?;
             self.wake_armed = true;
         }
         Ok(())
@@ -503,13 +515,11 @@ impl Ring {
         };
         let pl = self.payload_len;
         let payload = self.payloads.slice(e * pl, pl);
-        // SAFETY: the header of entry e, disjoint from the payload mapping.
-        let header = unsafe {
-            std::slice::from_raw_parts_mut(self.headers.ptr.add(e * HEADER_LEN), HEADER_LEN)
-        };
+        let header = self.headers.slice(e * HEADER_LEN, HEADER_LEN);
         fill_answer(header, payload, unique, errno, parts);
         let sqe = self.uring_cmd(CMD_COMMIT_AND_FETCH, e, unique);
-        self.push(&sqe)
+        // SAFETY: the command area names the entry, whose buffers live as long as the ring.
+        unsafe { self.push(&sqe) }
     }
 }
 
@@ -560,7 +570,7 @@ mod tests {
     fn header(len: u32, unique: u64, payload_sz: u32) -> Vec<u8> {
         let mut h = vec![0u8; HEADER_LEN];
         h[0..4].copy_from_slice(&len.to_ne_bytes());
-        h[4..8].copy_from_slice(&fuse::op::WRITE.to_ne_bytes());
+        h[4..8].copy_from_slice(&abi::op::WRITE.to_ne_bytes());
         h[8..16].copy_from_slice(&unique.to_ne_bytes());
         h[COMMIT_ID_AT..COMMIT_ID_AT + 8].copy_from_slice(&unique.to_ne_bytes());
         h[PAYLOAD_SZ_AT..PAYLOAD_SZ_AT + 4].copy_from_slice(&payload_sz.to_ne_bytes());
@@ -578,11 +588,11 @@ mod tests {
         let mut out = vec![0u8; 8192];
         let n = request_bytes(&h, &payload, &mut out).unwrap();
         assert_eq!(n, 85);
-        let (hd, r) = fuse::parse(&out[..n]).unwrap();
+        let (hd, r) = abi::parse(&out[..n]).unwrap();
         assert_eq!(hd.unique, 9);
         assert_eq!(
             r,
-            fuse::Request::Write {
+            abi::Request::Write {
                 offset: 4096,
                 data: b"hello"
             }

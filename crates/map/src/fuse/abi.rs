@@ -1,29 +1,24 @@
 //! The FUSE kernel protocol over `/dev/fuse` (linux/fuse.h, protocol 7.x), reduced to what a
 //! filesystem holding exactly one fixed-size file needs.
 //!
-//! Decoding is pure (`parse`) so it is unit-tested without a kernel; `Channel` is the only part
-//! that touches the device. All integers are in host byte order, as the kernel writes them.
-
-use std::ffi::CString;
-use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
-use std::path::Path;
-
+//! Decoding is pure (`parse`) so it is unit-tested (and fuzzed) without a kernel; `channel` is
+//! the part that touches the device. All integers are in host byte order, as the kernel writes
+//! them.
 /// Node id of the mount's root directory (fixed by the kernel).
-pub const ROOT_ID: u64 = 1;
+pub(crate) const ROOT_ID: u64 = 1;
 /// Node id we give the one file.
-pub const FILE_ID: u64 = 2;
+pub(crate) const FILE_ID: u64 = 2;
 
 /// Protocol we were written against. The kernel adapts to a lower minor than its own; every
 /// structure used here has had its current layout since well before 7.28.
-pub const KERNEL_MAJOR: u32 = 7;
-pub const KERNEL_MINOR: u32 = 38;
+pub(crate) const KERNEL_MAJOR: u32 = 7;
+pub(crate) const KERNEL_MINOR: u32 = 38;
 /// FUSE_MAX_PAGES arrived in 7.28; without it requests are capped at 128 KiB.
-pub const MIN_MINOR: u32 = 28;
+pub(crate) const MIN_MINOR: u32 = 28;
 
 /// Opcodes (enum fuse_opcode).
-pub mod op {
+#[allow(dead_code)] // the kernel's opcode table, whole; only some are matched by name
+pub(crate) mod op {
     pub const LOOKUP: u32 = 1;
     pub const FORGET: u32 = 2;
     pub const GETATTR: u32 = 3;
@@ -48,86 +43,119 @@ pub mod op {
 }
 
 // INIT flags (fuse_init_in/out.flags).
-pub const FUSE_ASYNC_READ: u32 = 1 << 0;
-pub const FUSE_BIG_WRITES: u32 = 1 << 5;
-pub const FUSE_ASYNC_DIO: u32 = 1 << 15;
-pub const FUSE_MAX_PAGES: u32 = 1 << 22;
+pub(crate) const FUSE_ASYNC_READ: u32 = 1 << 0;
+pub(crate) const FUSE_BIG_WRITES: u32 = 1 << 5;
+pub(crate) const FUSE_ASYNC_DIO: u32 = 1 << 15;
+pub(crate) const FUSE_MAX_PAGES: u32 = 1 << 22;
 /// The INIT messages carry `flags2` (the upper 32 bits of the 64-bit flags).
-pub const FUSE_INIT_EXT: u32 = 1 << 30;
+pub(crate) const FUSE_INIT_EXT: u32 = 1 << 30;
 /// flags2 bit of FUSE_OVER_IO_URING (1 << 41 in the 64-bit flags, linux/fuse.h 7.42): in the
 /// kernel's INIT it means the kernel would accept io_uring commands (the module's
 /// enable_uring switch is on); in our reply, that we will send them.
-pub const FUSE_OVER_IO_URING_FLAGS2: u32 = 1 << (41 - 32);
+pub(crate) const FUSE_OVER_IO_URING_FLAGS2: u32 = 1 << (41 - 32);
 
 // OPEN reply flags.
-pub const FOPEN_DIRECT_IO: u32 = 1 << 0;
-pub const FOPEN_PARALLEL_DIRECT_WRITES: u32 = 1 << 6;
+pub(crate) const FOPEN_DIRECT_IO: u32 = 1 << 0;
+pub(crate) const FOPEN_PARALLEL_DIRECT_WRITES: u32 = 1 << 6;
 
 /// SETATTR valid bit for a size change.
-pub const FATTR_SIZE: u32 = 1 << 3;
+pub(crate) const FATTR_SIZE: u32 = 1 << 3;
 
-pub const IN_HEADER_LEN: usize = 40;
-pub const OUT_HEADER_LEN: usize = 16;
+pub(crate) const IN_HEADER_LEN: usize = 40;
+pub(crate) const OUT_HEADER_LEN: usize = 16;
 /// The kernel refuses reads into buffers smaller than this, whatever max_write is.
-pub const MIN_READ_BUFFER: usize = 8192;
+pub(crate) const MIN_READ_BUFFER: usize = 8192;
 /// Room for the largest request header in front of WRITE data (in header + fuse_write_in).
-pub const REQUEST_OVERHEAD: usize = 4096;
+pub(crate) const REQUEST_OVERHEAD: usize = 4096;
 
 /// Pages per request the kernel allows when FUSE_MAX_PAGES is not negotiated.
-const DEFAULT_MAX_PAGES: u32 = 32;
-const PAGE: u32 = 4096;
-
-/// `_IOR(229, 0, uint32_t)`: attach a new /dev/fuse descriptor to an existing connection.
-const FUSE_DEV_IOC_CLONE: libc::c_ulong = 0x8004_E500;
+pub(crate) const DEFAULT_MAX_PAGES: u32 = 32;
+pub(crate) const PAGE: u32 = 4096;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// struct fuse_in_header: what every request starts with.
 pub struct InHeader {
+    /// Length of the whole request, header included.
     pub len: u32,
+    /// Which request (`op`).
     pub opcode: u32,
+    /// The request's id, echoed by its reply.
     pub unique: u64,
+    /// The inode it is about (`ROOT_ID`, `FILE_ID`).
     pub nodeid: u64,
+    /// The process that caused it.
     pub pid: u32,
 }
 
 /// A decoded request. Borrowed slices point into the read buffer.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Request<'a> {
+    /// The connection's first request: protocol version and capabilities.
     Init(InitIn),
+    /// A name in the root directory.
     Lookup {
+        /// The name looked up, without its NUL.
         name: &'a [u8],
     },
+    /// Attributes of the node.
     Getattr,
+    /// A change of attributes; only a size change matters.
     Setattr {
+        /// Which attributes change (FATTR_*).
         valid: u32,
+        /// The new size, if `valid` says so.
         size: u64,
     },
+    /// Opening the file.
     Open {
+        /// open(2) flags.
         flags: u32,
     },
+    /// Reading `size` bytes at `offset`.
     Read {
+        /// Byte offset in the file.
         offset: u64,
+        /// Bytes.
         size: u32,
     },
+    /// Writing `data` at `offset`.
     Write {
+        /// Byte offset in the file.
         offset: u64,
+        /// The bytes to write.
         data: &'a [u8],
     },
+    /// Filesystem statistics.
     Statfs,
+    /// The last close of an open file.
     Release,
+    /// Make written data durable.
     Fsync,
+    /// A close(2) of a descriptor of the file.
     Flush,
+    /// Opening the root directory.
     Opendir,
+    /// Directory entries from `offset` on, at most `size` bytes of them.
     Readdir {
+        /// Entry to resume at.
         offset: u64,
+        /// Room in the reply, in bytes.
         size: u32,
     },
+    /// The last close of the directory.
     Releasedir,
+    /// Allocate, punch a hole in or zero `length` bytes at `offset`.
     Fallocate {
+        /// Byte offset in the file.
         offset: u64,
+        /// Bytes affected.
         length: u64,
+        /// fallocate(2) mode flags.
         mode: u32,
     },
+    /// The kernel gave up on a request (its answer is still expected).
     Interrupt,
+    /// The filesystem is going away.
     Destroy,
     /// FORGET and BATCH_FORGET: the kernel expects no reply.
     Forget,
@@ -137,10 +165,15 @@ pub enum Request<'a> {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// struct fuse_init_in: what the kernel offers at INIT.
 pub struct InitIn {
+    /// Protocol major version.
     pub major: u32,
+    /// Protocol minor version.
     pub minor: u32,
+    /// The kernel's read-ahead limit in bytes.
     pub max_readahead: u32,
+    /// Capabilities offered (FUSE_*).
     pub flags: u32,
     /// 0 unless `flags` has FUSE_INIT_EXT (older kernels send a shorter body).
     pub flags2: u32,
@@ -154,6 +187,7 @@ impl InitIn {
 }
 
 #[derive(Debug, PartialEq, Eq)]
+/// Why a request could not be decoded.
 pub enum ParseError {
     /// Not even a header: nothing can be answered.
     Short,
@@ -295,7 +329,7 @@ pub fn parse(buf: &[u8]) -> Result<(InHeader, Request<'_>), ParseError> {
 
 /// What we answer INIT with, and the I/O size that results.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Negotiated {
+pub(crate) struct Negotiated {
     pub reply: [u8; 64],
     /// Largest READ/WRITE the kernel will send (max_read is set to the same by mount option).
     pub max_io: u32,
@@ -310,7 +344,7 @@ pub struct Negotiated {
 /// bounds asynchronous requests in flight; the kernel's default (12) would cap the loop device's
 /// queue depth at 12, so we raise it to what the queues can carry. `uring`: ask for FUSE over
 /// io_uring, which happens only when the kernel offered it.
-pub fn negotiate(
+pub(crate) fn negotiate(
     init: &InitIn,
     want_io: u32,
     max_pages_limit: u32,
@@ -389,7 +423,7 @@ impl Negotiated {
 
 /// struct fuse_out_header of an answer to `unique`: `errno` 0 with `body` bytes following, or an
 /// error without a body.
-pub fn out_header(unique: u64, errno: i32, body: usize) -> [u8; OUT_HEADER_LEN] {
+pub(crate) fn out_header(unique: u64, errno: i32, body: usize) -> [u8; OUT_HEADER_LEN] {
     let mut hdr = [0u8; OUT_HEADER_LEN];
     put32(&mut hdr, 0, (OUT_HEADER_LEN + body) as u32);
     hdr[4..8].copy_from_slice(&(-errno).to_ne_bytes());
@@ -399,7 +433,7 @@ pub fn out_header(unique: u64, errno: i32, body: usize) -> [u8; OUT_HEADER_LEN] 
 
 /// Attributes of the root or of the file (struct fuse_attr).
 #[derive(Clone, Copy, Debug)]
-pub struct Attr {
+pub(crate) struct Attr {
     pub ino: u64,
     pub size: u64,
     pub mode: u32,
@@ -408,11 +442,11 @@ pub struct Attr {
     pub time: u64,
 }
 
-const ATTR_LEN: usize = 88;
+pub(crate) const ATTR_LEN: usize = 88;
 /// Attribute and entry validity: nothing about this filesystem ever changes.
-const VALID_SECS: u64 = 3600;
+pub(crate) const VALID_SECS: u64 = 3600;
 
-fn put_attr(b: &mut [u8], at: usize, a: &Attr) {
+pub(crate) fn put_attr(b: &mut [u8], at: usize, a: &Attr) {
     put64(b, at, a.ino);
     put64(b, at + 8, a.size);
     put64(b, at + 16, a.size.div_ceil(512)); // blocks
@@ -426,7 +460,7 @@ fn put_attr(b: &mut [u8], at: usize, a: &Attr) {
 }
 
 /// struct fuse_entry_out (LOOKUP).
-pub fn entry_out(a: &Attr) -> [u8; 40 + ATTR_LEN] {
+pub(crate) fn entry_out(a: &Attr) -> [u8; 40 + ATTR_LEN] {
     let mut b = [0u8; 40 + ATTR_LEN];
     put64(&mut b, 0, a.ino); // nodeid
     put64(&mut b, 8, 1); // generation
@@ -437,7 +471,7 @@ pub fn entry_out(a: &Attr) -> [u8; 40 + ATTR_LEN] {
 }
 
 /// struct fuse_attr_out (GETATTR, SETATTR).
-pub fn attr_out(a: &Attr) -> [u8; 16 + ATTR_LEN] {
+pub(crate) fn attr_out(a: &Attr) -> [u8; 16 + ATTR_LEN] {
     let mut b = [0u8; 16 + ATTR_LEN];
     put64(&mut b, 0, VALID_SECS);
     put_attr(&mut b, 16, a);
@@ -445,7 +479,7 @@ pub fn attr_out(a: &Attr) -> [u8; 16 + ATTR_LEN] {
 }
 
 /// struct fuse_open_out.
-pub fn open_out(fh: u64, open_flags: u32) -> [u8; 16] {
+pub(crate) fn open_out(fh: u64, open_flags: u32) -> [u8; 16] {
     let mut b = [0u8; 16];
     put64(&mut b, 0, fh);
     put32(&mut b, 8, open_flags);
@@ -453,7 +487,7 @@ pub fn open_out(fh: u64, open_flags: u32) -> [u8; 16] {
 }
 
 /// struct fuse_write_out.
-pub fn write_out(size: u32) -> [u8; 8] {
+pub(crate) fn write_out(size: u32) -> [u8; 8] {
     let mut b = [0u8; 8];
     put32(&mut b, 0, size);
     b
@@ -461,7 +495,7 @@ pub fn write_out(size: u32) -> [u8; 8] {
 
 /// struct fuse_statfs_out: a full filesystem of `blocks` blocks of `bsize` (loop reads the
 /// block size as its discard granularity).
-pub fn statfs_out(blocks: u64, bsize: u32) -> [u8; 80] {
+pub(crate) fn statfs_out(blocks: u64, bsize: u32) -> [u8; 80] {
     let mut b = [0u8; 80];
     put64(&mut b, 0, blocks);
     put64(&mut b, 24, 1); // files
@@ -472,7 +506,7 @@ pub fn statfs_out(blocks: u64, bsize: u32) -> [u8; 80] {
 }
 
 /// READDIR reply: `entries` (ino, type, name) from index `offset` on, as many as fit in `size`.
-pub fn dirents(entries: &[(u64, u32, &[u8])], offset: u64, size: u32) -> Vec<u8> {
+pub(crate) fn dirents(entries: &[(u64, u32, &[u8])], offset: u64, size: u32) -> Vec<u8> {
     let mut out = Vec::new();
     for (i, (ino, typ, name)) in entries.iter().enumerate().skip(offset as usize) {
         let len = (24 + name.len()).next_multiple_of(8);
@@ -490,240 +524,14 @@ pub fn dirents(entries: &[(u64, u32, &[u8])], offset: u64, size: u32) -> Vec<u8>
     out
 }
 
-fn put16(b: &mut [u8], at: usize, v: u16) {
+pub(crate) fn put16(b: &mut [u8], at: usize, v: u16) {
     b[at..at + 2].copy_from_slice(&v.to_ne_bytes());
 }
-fn put32(b: &mut [u8], at: usize, v: u32) {
+pub(crate) fn put32(b: &mut [u8], at: usize, v: u32) {
     b[at..at + 4].copy_from_slice(&v.to_ne_bytes());
 }
-fn put64(b: &mut [u8], at: usize, v: u64) {
+pub(crate) fn put64(b: &mut [u8], at: usize, v: u64) {
     b[at..at + 8].copy_from_slice(&v.to_ne_bytes());
-}
-
-/// One /dev/fuse descriptor. Each worker thread owns one (the first opened, the others cloned),
-/// so replies go back on the descriptor the request was read from, as the kernel requires.
-pub struct Channel {
-    fd: OwnedFd,
-    nonblocking: bool,
-}
-
-impl Channel {
-    pub fn open() -> io::Result<Channel> {
-        // SAFETY: plain open of a device node; the result is checked.
-        let fd = unsafe { libc::open(c"/dev/fuse".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: fd is a fresh descriptor we own.
-        Ok(Channel {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-            nonblocking: false,
-        })
-    }
-
-    /// A new descriptor on the same connection (FUSE_DEV_IOC_CLONE): requests are shared between
-    /// all descriptors, each with its own list of requests being processed.
-    pub fn clone_channel(&self) -> io::Result<Channel> {
-        let c = Channel::open()?;
-        let src: u32 = self.fd.as_raw_fd() as u32;
-        // SAFETY: the ioctl reads one u32 (the source descriptor).
-        if unsafe { libc::ioctl(c.fd.as_raw_fd(), FUSE_DEV_IOC_CLONE, &src) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(c)
-    }
-
-    /// Switches O_NONBLOCK (a no-op when already in that mode).
-    pub fn set_nonblocking(&mut self, on: bool) -> io::Result<()> {
-        if self.nonblocking == on {
-            return Ok(());
-        }
-        let fd = self.fd.as_raw_fd();
-        // SAFETY: fcntl on our own descriptor.
-        let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-        if fl < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let fl = if on {
-            fl | libc::O_NONBLOCK
-        } else {
-            fl & !libc::O_NONBLOCK
-        };
-        // SAFETY: as above.
-        if unsafe { libc::fcntl(fd, libc::F_SETFL, fl) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        self.nonblocking = on;
-        Ok(())
-    }
-
-    /// Reads one whole request. `buf` must hold max_write + REQUEST_OVERHEAD bytes.
-    /// ENODEV: the filesystem was unmounted (or the connection aborted); EAGAIN: nothing queued
-    /// (non-blocking mode); ENOENT: the request was interrupted before we got it.
-    pub fn receive(&self, buf: &mut [u8]) -> io::Result<usize> {
-        loop {
-            // SAFETY: read into our own buffer.
-            let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-            if n >= 0 {
-                return Ok(n as usize);
-            }
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EINTR) {
-                return Err(e);
-            }
-        }
-    }
-
-    /// Answers request `unique`: `errno` 0 with `parts` as the body, or an error.
-    /// ENOENT means the request no longer exists (interrupted): not an error for the caller.
-    pub fn reply(&self, unique: u64, errno: i32, parts: &[&[u8]]) -> io::Result<()> {
-        let body: usize = if errno == 0 {
-            parts.iter().map(|p| p.len()).sum()
-        } else {
-            0
-        };
-        let mut hdr = out_header(unique, errno, body);
-        let mut iov = [libc::iovec {
-            iov_base: hdr.as_mut_ptr().cast(),
-            iov_len: OUT_HEADER_LEN,
-        }; 4];
-        let mut n = 1;
-        if errno == 0 {
-            for p in parts.iter().filter(|p| !p.is_empty()).take(3) {
-                iov[n] = libc::iovec {
-                    iov_base: p.as_ptr() as *mut libc::c_void,
-                    iov_len: p.len(),
-                };
-                n += 1;
-            }
-        }
-        loop {
-            // SAFETY: the iovecs point at live buffers for the duration of the call; the kernel
-            // only reads from them.
-            let r = unsafe { libc::writev(self.fd.as_raw_fd(), iov.as_ptr(), n as libc::c_int) };
-            if r >= 0 {
-                return Ok(());
-            }
-            let e = io::Error::last_os_error();
-            match e.raw_os_error() {
-                Some(libc::EINTR) => continue,
-                Some(libc::ENOENT) => return Ok(()),
-                _ => return Err(e),
-            }
-        }
-    }
-
-    /// Waits until a request is queued or `ms` elapse (-1: no limit). Returns true when readable.
-    pub fn wait_readable(&self, ms: i32) -> io::Result<bool> {
-        let mut p = libc::pollfd {
-            fd: self.fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: poll on one pollfd of ours.
-        let n = unsafe { libc::poll(&mut p, 1, ms) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EINTR) {
-                return Ok(false);
-            }
-            return Err(e);
-        }
-        Ok(n > 0)
-    }
-}
-
-impl AsRawFd for Channel {
-    fn as_raw_fd(&self) -> RawFd {
-        self.fd.as_raw_fd()
-    }
-}
-
-/// Mounts the connection behind `ch` at `mountpoint` (mount(2), root only). After this the
-/// kernel has queued INIT on the channel.
-pub fn mount(ch: &Channel, mountpoint: &Path, source: &str, max_read: u32) -> io::Result<()> {
-    let target = CString::new(mountpoint.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    let source = CString::new(source).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // rootmode=40000: the root is a directory; allow_other: the loop driver's worker threads and
-    // other root processes may use the file, not only this process.
-    let data = format!(
-        "fd={},rootmode=40000,user_id=0,group_id=0,allow_other,max_read={max_read}",
-        ch.as_raw_fd()
-    );
-    let data = CString::new(data).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: all pointers are NUL-terminated strings that outlive the call.
-    let r = unsafe {
-        libc::mount(
-            source.as_ptr(),
-            target.as_ptr(),
-            c"fuse.blkwire".as_ptr(),
-            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC | libc::MS_NOATIME,
-            data.as_ptr().cast(),
-        )
-    };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-/// Lazily unmounts `mountpoint` (MNT_DETACH never blocks on users of the mount). Returns false
-/// when nothing was mounted there.
-pub fn unmount_lazy(mountpoint: &Path) -> io::Result<bool> {
-    let target = CString::new(mountpoint.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: NUL-terminated path.
-    let r = unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH | libc::UMOUNT_NOFOLLOW) };
-    if r == 0 {
-        return Ok(true);
-    }
-    let e = io::Error::last_os_error();
-    match e.raw_os_error() {
-        Some(libc::EINVAL) | Some(libc::ENOENT) => Ok(false),
-        _ => Err(e),
-    }
-}
-
-/// True when `path` is a mount point in our mount namespace (from /proc/self/mountinfo).
-pub fn is_mounted(path: &Path) -> bool {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return false;
-    };
-    let want = path.as_os_str().as_bytes();
-    info.lines().any(|l| {
-        // Field 5 is the mount point, with spaces and friends octal-escaped.
-        l.split(' ')
-            .nth(4)
-            .is_some_and(|m| unescape_mountinfo(m) == want)
-    })
-}
-
-fn unescape_mountinfo(s: &str) -> Vec<u8> {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    out
-}
-
-/// The kernel's cap on pages per request (1 MiB with 4 KiB pages unless raised).
-pub fn max_pages_limit() -> u32 {
-    std::fs::read_to_string("/proc/sys/fs/fuse/max_pages_limit")
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(256)
 }
 
 #[cfg(test)]
@@ -901,11 +709,5 @@ mod tests {
         assert_eq!(&rest[24..29], b"disk0");
         assert_eq!(u64::from_ne_bytes(rest[8..16].try_into().unwrap()), 3);
         assert!(dirents(&e, 0, 40).len() == 32, "only what fits");
-    }
-
-    #[test]
-    fn mountinfo_escapes() {
-        assert_eq!(unescape_mountinfo(r"/run/a\040b"), b"/run/a b");
-        assert_eq!(unescape_mountinfo(r"/x\\"), br"/x\\".to_vec());
     }
 }

@@ -50,6 +50,7 @@ const _: () = assert!(std::mem::size_of::<LoopConfig>() == 304);
 /// `/dev/loopN`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LoopDev {
+    /// N of /dev/loopN.
     pub index: u32,
 }
 
@@ -94,10 +95,7 @@ impl LoopDev {
         n.parse().ok().map(|index| LoopDev { index })
     }
 
-    pub fn name(&self) -> String {
-        format!("loop{}", self.index)
-    }
-
+    /// `/dev/loopN`.
     pub fn path(&self) -> String {
         format!("/dev/loop{}", self.index)
     }
@@ -208,14 +206,12 @@ impl LoopDev {
         read_flag(&self.sys("loop/dio"))
     }
 
-    pub fn read_only(&self) -> Option<bool> {
-        read_flag(&self.sys("ro"))
-    }
-
+    /// queue/rotational, None if unreadable.
     pub fn rotational(&self) -> Option<bool> {
         read_flag(&self.sys("queue/rotational"))
     }
 
+    /// Sets queue/rotational.
     pub fn set_rotational(&self, on: bool) -> io::Result<()> {
         std::fs::write(self.sys("queue/rotational"), if on { "1" } else { "0" })
     }
@@ -227,7 +223,7 @@ impl LoopDev {
 
     /// Where the device is mounted (in our mount namespace).
     pub fn mount_points(&self) -> Vec<String> {
-        mount_points(&format!("loop{}", self.index))
+        crate::sys::mount_points(&format!("loop{}", self.index))
     }
 
     /// True when the device is held exclusively (an O_EXCL open fails with EBUSY): mounted,
@@ -246,24 +242,6 @@ fn read_flag(p: &std::path::Path) -> Option<bool> {
         "0" => Some(false),
         _ => None,
     }
-}
-
-/// Where the block device `name` (as under /sys/block, e.g. `loop3`, `ublkb0`) is mounted in our
-/// mount namespace, from /proc/self/mountinfo.
-pub fn mount_points(name: &str) -> Vec<String> {
-    let Ok(dev) = std::fs::read_to_string(format!("/sys/block/{name}/dev")) else {
-        return Vec::new();
-    };
-    let dev = dev.trim();
-    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    info.lines()
-        .filter_map(|l| {
-            let mut f = l.split(' ');
-            let majmin = f.nth(2)?;
-            let at = f.nth(1)?;
-            (majmin == dev).then(|| at.to_string())
-        })
-        .collect()
 }
 
 #[cfg(test)]

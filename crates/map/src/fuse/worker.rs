@@ -1,7 +1,7 @@
 //! One worker thread per queue. Each owns a /dev/fuse descriptor (requests are shared between
 //! all descriptors of the connection; replies go back on the descriptor a request came from)
 //! and a blkwire `Queue`, so nothing on the I/O path is shared between threads. With FUSE over
-//! io_uring a worker also owns a `Ring` (fuse_uring.rs) with the entries of its share of the
+//! io_uring a worker also owns a `Ring` (uring.rs) with the entries of its share of the
 //! kernel's ring queues; requests then arrive as ring completions and are answered by commits.
 //! Both transports share everything below the `Transport` trait: parsing, the pending table,
 //! the blkwire queue, timeouts and reconnection.
@@ -22,7 +22,7 @@
 //! attempt does, rather than waiting out the timeout again.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -32,12 +32,15 @@ use blkwire_client::{Cmd, Completion, ConnectOptions, Queue, Url};
 use blkwire_spin::{readable, AdaptiveSpin};
 use blkwire_wire::Status;
 
-use crate::fuse::{self, Attr, Channel, ParseError, Request, FILE_ID, ROOT_ID};
-use crate::fuse_uring::Ring;
+use super::abi::{self, Attr, ParseError, Request, FILE_ID, ROOT_ID};
+use super::channel::Channel;
+use super::uring::Ring;
+use crate::device::final_flush;
 use crate::log;
+use crate::sys::Waker;
 
 /// Offset of WRITE data in a request: fuse_in_header + fuse_write_in.
-const WRITE_DATA_AT: usize = fuse::IN_HEADER_LEN + 40;
+const WRITE_DATA_AT: usize = abi::IN_HEADER_LEN + 40;
 /// WRITE_ZEROES commands are split at 1 GiB so each length fits the protocol's 32 bits.
 const ZERO_STEP: u64 = 1 << 30;
 /// How often request deadlines are checked while requests are pending, and how long a
@@ -280,7 +283,7 @@ impl Table {
             } else {
                 match p.op {
                     IoOp::Read { .. } => self.reply(ch, unique, 0, &[c.data]),
-                    IoOp::Write { len, .. } => self.reply(ch, unique, 0, &[&fuse::write_out(len)]),
+                    IoOp::Write { len, .. } => self.reply(ch, unique, 0, &[&abi::write_out(len)]),
                     IoOp::Flush | IoOp::Zero { .. } => self.reply(ch, unique, 0, &[]),
                 }
             }
@@ -325,47 +328,6 @@ struct Attempt {
     started: Instant,
 }
 
-/// An eventfd the reconnection thread signals, so the worker (polling /dev/fuse) wakes as soon
-/// as the attempt ends instead of at its next tick.
-pub(crate) struct Waker {
-    fd: OwnedFd,
-}
-
-impl Waker {
-    pub(crate) fn new() -> std::io::Result<Waker> {
-        // SAFETY: eventfd returns a new descriptor or -1.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor we own.
-        Ok(Waker {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
-    }
-
-    fn wake(fd: RawFd) {
-        let one = 1u64;
-        // SAFETY: an 8-byte write to an eventfd.
-        unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
-    }
-
-    pub(crate) fn fd(&self) -> RawFd {
-        self.fd.as_raw_fd()
-    }
-
-    fn clear(&self) {
-        Waker::clear_fd(self.fd.as_raw_fd());
-    }
-
-    /// Consumes the signal of a waker's eventfd, given by descriptor (the FUSE ring holds it so).
-    pub(crate) fn clear_fd(fd: RawFd) {
-        let mut v = 0u64;
-        // SAFETY: an 8-byte read from a non-blocking eventfd.
-        unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
-    }
-}
-
 enum Got {
     Request,
     Empty,
@@ -405,7 +367,7 @@ impl<C: Transport> Worker<C> {
     ) -> Worker<C> {
         let cap = q.depth().max(1) + entries;
         let spin = AdaptiveSpin::new(sh.reconnect.poll);
-        let buf_len = (sh.max_io as usize + fuse::REQUEST_OVERHEAD).max(fuse::MIN_READ_BUFFER);
+        let buf_len = (sh.max_io as usize + abi::REQUEST_OVERHEAD).max(abi::MIN_READ_BUFFER);
         Worker {
             id,
             ch,
@@ -520,7 +482,7 @@ impl<C: Transport> Worker<C> {
 
     /// Answers or queues one request. `buf[..n]` is the request.
     fn dispatch(&mut self, buf: Vec<u8>, n: usize) {
-        let (h, req) = match fuse::parse(&buf[..n]) {
+        let (h, req) = match abi::parse(&buf[..n]) {
             Ok(x) => x,
             Err(ParseError::Short) => {
                 log!(
@@ -548,18 +510,18 @@ impl<C: Transport> Worker<C> {
         match req {
             Request::Lookup { name } => {
                 if h.nodeid == ROOT_ID && name == sh.name.as_slice() {
-                    t.reply(ch, u, 0, &[&fuse::entry_out(&sh.file)]);
+                    t.reply(ch, u, 0, &[&abi::entry_out(&sh.file)]);
                 } else {
                     t.reply(ch, u, libc::ENOENT, &[]);
                 }
             }
             Request::Getattr => match h.nodeid {
-                ROOT_ID => t.reply(ch, u, 0, &[&fuse::attr_out(&sh.root)]),
-                FILE_ID => t.reply(ch, u, 0, &[&fuse::attr_out(&sh.file)]),
+                ROOT_ID => t.reply(ch, u, 0, &[&abi::attr_out(&sh.root)]),
+                FILE_ID => t.reply(ch, u, 0, &[&abi::attr_out(&sh.file)]),
                 _ => t.reply(ch, u, libc::ENOENT, &[]),
             },
             Request::Setattr { valid, size } => {
-                if h.nodeid == FILE_ID && valid & fuse::FATTR_SIZE != 0 && size != sh.size {
+                if h.nodeid == FILE_ID && valid & abi::FATTR_SIZE != 0 && size != sh.size {
                     // The file is the export: its size is the export's.
                     t.reply(ch, u, libc::EPERM, &[]);
                 } else {
@@ -569,7 +531,7 @@ impl<C: Transport> Worker<C> {
                     } else {
                         &sh.root
                     };
-                    t.reply(ch, u, 0, &[&fuse::attr_out(a)]);
+                    t.reply(ch, u, 0, &[&abi::attr_out(a)]);
                 }
             }
             Request::Open { flags } => {
@@ -582,8 +544,8 @@ impl<C: Transport> Worker<C> {
                     sh.opens.fetch_add(1, Ordering::SeqCst);
                     // DIRECT_IO: no page cache in the FUSE layer either (the loop device already
                     // does direct I/O; this also covers anyone opening the file without it).
-                    let flags = fuse::FOPEN_DIRECT_IO | fuse::FOPEN_PARALLEL_DIRECT_WRITES;
-                    t.reply(ch, u, 0, &[&fuse::open_out(fh, flags)]);
+                    let flags = abi::FOPEN_DIRECT_IO | abi::FOPEN_PARALLEL_DIRECT_WRITES;
+                    t.reply(ch, u, 0, &[&abi::open_out(fh, flags)]);
                 }
             }
             Request::Release => {
@@ -597,7 +559,7 @@ impl<C: Transport> Worker<C> {
             }
             Request::Opendir => {
                 if h.nodeid == ROOT_ID {
-                    t.reply(ch, u, 0, &[&fuse::open_out(0, 0)]);
+                    t.reply(ch, u, 0, &[&abi::open_out(0, 0)]);
                 } else {
                     t.reply(ch, u, libc::ENOTDIR, &[]);
                 }
@@ -608,13 +570,13 @@ impl<C: Transport> Worker<C> {
                     (ROOT_ID, libc::DT_DIR as u32, b".."),
                     (FILE_ID, libc::DT_REG as u32, &sh.name),
                 ];
-                let d = fuse::dirents(&entries, offset, size);
+                let d = abi::dirents(&entries, offset, size);
                 t.reply(ch, u, 0, &[&d]);
             }
             Request::Releasedir | Request::Destroy => t.reply(ch, u, 0, &[]),
             Request::Statfs => {
                 let bs = sh.block_size.max(512);
-                t.reply(ch, u, 0, &[&fuse::statfs_out(sh.size / bs as u64, bs)]);
+                t.reply(ch, u, 0, &[&abi::statfs_out(sh.size / bs as u64, bs)]);
             }
             Request::Read { offset, size } => {
                 if offset >= sh.size || size == 0 {
@@ -631,7 +593,7 @@ impl<C: Transport> Worker<C> {
                 } else if offset.checked_add(len as u64).is_none_or(|e| e > sh.size) {
                     t.reply(ch, u, libc::ENOSPC, &[]);
                 } else if len == 0 {
-                    t.reply(ch, u, 0, &[&fuse::write_out(0)]);
+                    t.reply(ch, u, 0, &[&abi::write_out(0)]);
                 } else {
                     self.start(u, IoOp::Write { offset, len }, Some(buf));
                     return;
@@ -923,7 +885,7 @@ impl Worker<Channel> {
             events: libc::POLLIN,
             revents: 0,
         };
-        let mut p = [fd(self.waker.fd.as_raw_fd()), fd(-1), fd(-1)];
+        let mut p = [fd(self.waker.fd()), fd(-1), fd(-1)];
         if let Some((_, s)) = self.sock() {
             p[1].fd = s;
         }
@@ -1106,40 +1068,13 @@ fn spawn_attempt(sh: &Arc<Shared>, id: usize, waker: &Arc<Waker>) -> Option<Atte
                         .ok_or_else(|| "the target granted no queue".to_string())
                 });
             let _ = tx.send(r);
-            Waker::wake(waker.fd.as_raw_fd());
+            Waker::wake(waker.fd());
         })
         .ok()?;
     Some(Attempt {
         rx,
         started: Instant::now(),
     })
-}
-
-/// On the way out: make what this queue wrote durable, then log out.
-pub(crate) fn final_flush(mut q: Queue, readonly: bool, id: usize) {
-    const TOKEN: u64 = u64::MAX;
-    if !readonly && q.in_flight() < q.depth() && q.submit(Cmd::Flush, TOKEN).is_ok() {
-        let mut done = false;
-        let mut status = Status::Ok;
-        while !done {
-            match q.complete(1, |c| {
-                if c.user == TOKEN {
-                    done = true;
-                    status = c.status;
-                }
-            }) {
-                Ok(_) => {}
-                Err(e) => {
-                    log!("warn", "queue {id}: final flush: {e}");
-                    return;
-                }
-            }
-        }
-        if status != Status::Ok {
-            log!("warn", "queue {id}: final flush: {status}");
-        }
-    }
-    let _ = q.logout();
 }
 
 #[cfg(test)]

@@ -1,0 +1,174 @@
+//! What both kinds of device share: the `BlockDevice` trait the daemon drives them through, the
+//! mapping they serve (`Spec`), the connection to the export made before any device exists, and
+//! the last flush of a queue on the way out.
+
+use std::time::Duration;
+
+use blkwire_client::{Cmd, ConnectOptions, ExportInfo, Queue, Url};
+use blkwire_wire::{Features, Status};
+
+use crate::log;
+use crate::state::Record;
+
+/// A kind of local block device serving an export (FUSE file + loop device, or ublk). The daemon
+/// takes every mapping through the same steps whichever kind serves it; only the choice of the
+/// implementation depends on the kind.
+pub(crate) trait BlockDevice: Sized {
+    /// The kind's name in records and `ls`.
+    const KIND: &'static str;
+    /// What `prepare` found out or opened, handed to `setup`.
+    type Prepared;
+
+    /// Checks that this machine can create such a device at all (root, kernel modules).
+    fn preflight() -> Result<(), String>;
+    /// Refuses a mapping this kind cannot serve as asked.
+    fn check(_spec: &Spec) -> Result<(), String> {
+        Ok(())
+    }
+    /// Does `device` name a device of this kind (`unmap`, `map --recover`)?
+    fn names(device: &str) -> bool;
+    /// What must hold before the export is connected, so that a kernel that cannot serve the
+    /// mapping fails it before the target sees a session.
+    fn prepare(spec: &Spec) -> Result<Self::Prepared, String>;
+    /// Creates the device for a connected export (or, recovering, takes over the record's), with
+    /// its queues running; on error everything created so far is undone.
+    fn setup(spec: &Spec, prepared: Self::Prepared, conn: Connected) -> Result<Self, String>;
+    /// The device node, as reported once it is ready.
+    fn path(&self) -> String;
+    /// Serves until the mapping ends (unmap, a signal, a dead connection), then tears the
+    /// device down.
+    fn serve(self) -> Result<(), String>;
+    /// `map --recover DEVICE`: the record of the dead mapping, its device path and whether the
+    /// new daemon serves it read-only, or why it cannot be recovered.
+    fn recoverable(device: &str) -> Result<(Record, String, bool), String>;
+    /// `unmap DEVICE`: ends the mapping whether or not its daemon is alive.
+    fn unmap(device: &str) -> Result<(), String>;
+}
+
+/// `--fuse-io`: how the fuse device exchanges requests with the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FuseIo {
+    /// io_uring when the kernel's switch is on and the kernel offers it at INIT, else read.
+    Auto,
+    /// io_uring or fail; turns the kernel's switch on (root) when it is off.
+    Uring,
+    /// read()/writev() on /dev/fuse.
+    Read,
+}
+
+/// What records (and `ls`) say about a fuse mapping's I/O path: FUSE over io_uring.
+pub(crate) const FUSE_IO_URING: &str = "uring";
+/// What records (and `ls`) say about a fuse mapping's I/O path: read/writev on /dev/fuse.
+pub(crate) const FUSE_IO_READ: &str = "read";
+
+/// Whether a mapping makes a new device or takes over a dead daemon's.
+pub(crate) enum Mode {
+    /// A new device, numbered `dev_num` if given.
+    New { dev_num: Option<u32> },
+    /// Re-serve the read-only device of this record, whose daemon died.
+    Recover(Box<Record>),
+}
+
+/// A mapping as a daemon serves it: `map`'s options resolved, or a record being recovered.
+pub(crate) struct Spec {
+    pub url: Url,
+    pub readonly: bool,
+    pub queues: u16,
+    pub depth: u16,
+    pub max_io: u32,
+    pub hdd: bool,
+    pub timeout: Duration,
+    pub logfile: Option<String>,
+    pub mode: Mode,
+    pub fuse_io: FuseIo,
+}
+
+/// The session a device serves, connected before the device exists.
+pub(crate) struct Connected {
+    pub session: blkwire_client::Session,
+    pub info: ExportInfo,
+    /// What one queue reconnects with: its own connection, the depth the target granted.
+    pub reconnect: ConnectOptions,
+    /// Asked for, or the export is read-only.
+    pub readonly: bool,
+}
+
+/// Connects the session a mapping serves with, first (so an unknown export or an unreachable
+/// target fails before anything exists), and checks that the export can be a block device.
+pub(crate) fn connect(spec: &Spec) -> Result<Connected, String> {
+    let opts = ConnectOptions {
+        queues: spec.queues,
+        depth: spec.depth,
+        max_io: spec.max_io,
+        timeout: spec.timeout,
+        ..Default::default()
+    };
+    let session = blkwire_client::connect(&spec.url, &opts).map_err(|e| e.to_string())?;
+    let info = session.info.clone();
+    check_export(&info, spec)?;
+    Ok(Connected {
+        readonly: spec.readonly || info.features.has(Features::READ_ONLY),
+        reconnect: ConnectOptions {
+            queues: 1,
+            depth: info.depth,
+            ..opts
+        },
+        session,
+        info,
+    })
+}
+
+fn check_export(info: &ExportInfo, spec: &Spec) -> Result<(), String> {
+    if info.size == 0 {
+        return Err(format!("export '{}' is empty", info.name));
+    }
+    let lb = info.logical_block;
+    if !lb.is_power_of_two() || !(512..=4096).contains(&lb) {
+        return Err(format!(
+            "export '{}' has {lb}-byte blocks; a loop device supports 512 to 4096",
+            info.name
+        ));
+    }
+    if info.max_io < 4096 {
+        return Err(format!(
+            "the target grants I/O of at most {} bytes; mapping needs 4096",
+            info.max_io
+        ));
+    }
+    if let Mode::Recover(r) = &spec.mode {
+        if r.size != info.size {
+            return Err(format!(
+                "export '{}' changed size ({} -> {} bytes): cannot recover {}",
+                info.name, r.size, info.size, r.device
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// On the way out: make what this queue wrote durable, then log out.
+pub(crate) fn final_flush(mut q: Queue, readonly: bool, id: usize) {
+    const TOKEN: u64 = u64::MAX;
+    if !readonly && q.in_flight() < q.depth() && q.submit(Cmd::Flush, TOKEN).is_ok() {
+        let mut done = false;
+        let mut status = Status::Ok;
+        while !done {
+            match q.complete(1, |c| {
+                if c.user == TOKEN {
+                    done = true;
+                    status = c.status;
+                }
+            }) {
+                Ok(_) => {}
+                Err(e) => {
+                    log!("warn", "queue {id}: final flush: {e}");
+                    return;
+                }
+            }
+        }
+        if status != Status::Ok {
+            log!("warn", "queue {id}: final flush: {status}");
+        }
+    }
+    let _ = q.logout();
+}

@@ -1,0 +1,480 @@
+//! A ublk device as the daemon drives it (`UblkDevice`): create it (or take over a quiesced
+//! one), start a thread per queue, serve until stopped, then delete it.
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use blkwire_wire::Features;
+
+use super::abi::*;
+use super::control::{probe, Ctrl};
+use super::queue::{QEvent, QueueWorker};
+use crate::device::{BlockDevice, Connected, FuseIo, Mode, Spec};
+use crate::log;
+use crate::state::{self, Record};
+use crate::sys::{self, Proc};
+
+fn wait_for_path(p: &str, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while !Path::new(p).exists() {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    true
+}
+
+fn preflight() -> Result<(), String> {
+    if !sys::is_root() {
+        return Err("mapping needs root: it creates a ublk device".into());
+    }
+    if !Path::new(UBLK_CONTROL).exists() {
+        return Err(format!(
+            "the ublk frontend needs {UBLK_CONTROL}, which this machine lacks (Linux >= 6.5 with ublk_drv loaded: modprobe ublk_drv); use --frontend fuse"
+        ));
+    }
+    Ok(())
+}
+struct Undo<'a> {
+    ctrl: &'a mut Ctrl,
+    dev_id: Option<u32>,
+    started: bool,
+    /// Queue threads hold the char device: delete without waiting for it.
+    threads: bool,
+    record: Option<String>,
+    restore: Option<Record>,
+}
+
+impl Drop for Undo<'_> {
+    fn drop(&mut self) {
+        if let Some(r) = &self.restore {
+            let _ = r.save();
+        } else if let Some(d) = &self.record {
+            Record::remove(d);
+        }
+        if let Some(id) = self.dev_id {
+            if self.started {
+                let _ = self.ctrl.stop(id);
+            }
+            if self.ctrl.delete_async(id).is_err() && !self.threads {
+                let _ = self.ctrl.delete(id);
+            }
+        }
+    }
+}
+
+/// A ublk device with its queue threads running.
+pub(crate) struct UblkDevice(Running);
+
+impl BlockDevice for UblkDevice {
+    const KIND: &'static str = "ublk";
+    type Prepared = Ctrl;
+
+    fn preflight() -> Result<(), String> {
+        preflight()
+    }
+
+    fn names(device: &str) -> bool {
+        parse_device(device).is_some()
+    }
+
+    fn check(spec: &Spec) -> Result<(), String> {
+        if spec.fuse_io == FuseIo::Uring {
+            return Err(
+                "--fuse-io uring applies to the fuse frontend; this mapping would use ublk (add --frontend fuse)"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
+    fn prepare(_spec: &Spec) -> Result<Ctrl, String> {
+        state::ensure_dirs().map_err(|e| format!("{}: {e}", state::run_dir().display()))?;
+        let mut ctrl = Ctrl::open()?;
+        probe(&mut ctrl)?;
+        Ok(ctrl)
+    }
+
+    fn setup(spec: &Spec, ctrl: Ctrl, conn: Connected) -> Result<UblkDevice, String> {
+        setup(spec, ctrl, conn).map(UblkDevice)
+    }
+
+    fn path(&self) -> String {
+        device_path(self.0.dev_id)
+    }
+
+    fn serve(self) -> Result<(), String> {
+        serve(self.0);
+        Ok(())
+    }
+
+    fn recoverable(device: &str) -> Result<(Record, String, bool), String> {
+        let not_ours = |path: &str| {
+            format!("{path} is not a blkwire device (`blkwire ls` lists the mapped devices)")
+        };
+        let path = device_path(parse_device(device).ok_or_else(|| not_ours(device))?);
+        let rec = Record::load(&path)?.ok_or_else(|| not_ours(&path))?;
+        if rec.frontend != Self::KIND {
+            return Err(format!("{path} is not a blkwire ublk device"));
+        }
+        if rec.liveness() == state::Liveness::Running {
+            return Err(format!(
+                "{path} is still served by pid {}: nothing to recover",
+                rec.pid
+            ));
+        }
+        let readonly = rec.readonly;
+        Ok((rec, path, readonly))
+    }
+
+    fn unmap(device: &str) -> Result<(), String> {
+        let id = parse_device(device).ok_or_else(|| {
+            format!("{device} is not a blkwire device (`blkwire ls` lists the mapped devices)")
+        })?;
+        unmap(device, id)
+    }
+}
+
+struct Running {
+    ctrl: Ctrl,
+    dev_id: u32,
+    events: mpsc::Receiver<QEvent>,
+    queues: usize,
+    timeout: Duration,
+}
+
+fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String> {
+    let Connected {
+        session,
+        info,
+        reconnect,
+        readonly,
+    } = conn;
+    let rotational = spec.hdd || info.features.has(Features::ROTATIONAL);
+    let sigs = sys::block_stop_signals();
+    if let Err(e) = sys::set_io_flusher() {
+        log!("warn", "PR_SET_IO_FLUSHER: {e}");
+    }
+    let nq = session.queues.len();
+    let depth = (info.depth as usize).clamp(1, UBLK_MAX_QUEUE_DEPTH);
+    let page = page_size() as u32;
+    let max_io = (info.max_io.min(MAX_IO_BUF) / page * page).max(page);
+
+    let mut ctrl2 = Ctrl::open()?; // the one Undo holds; `ctrl` stays for the main loop
+    let mut undo = Undo {
+        ctrl: &mut ctrl2,
+        dev_id: None,
+        started: false,
+        threads: false,
+        record: None,
+        restore: None,
+    };
+    let pid = std::process::id() as i32;
+    let (dev_id, depth, max_io) = match &spec.mode {
+        Mode::New { dev_num } => {
+            let mut di = DevInfo {
+                nr_hw_queues: nq as u16,
+                queue_depth: depth as u16,
+                max_io_buf_bytes: max_io,
+                dev_id: dev_num.unwrap_or(u32::MAX),
+                flags: UBLK_F_USER_RECOVERY
+                    | UBLK_F_USER_RECOVERY_REISSUE
+                    | UBLK_F_CMD_IOCTL_ENCODE
+                    | UBLK_F_URING_CMD_COMP_IN_TASK,
+                ..Default::default()
+            };
+            undo.ctrl.add(&mut di).map_err(|e| match dev_num {
+                Some(n) if e.raw_os_error() == Some(libc::EEXIST) => {
+                    format!("{} already exists", device_path(*n))
+                }
+                _ => format!("creating a ublk device (ADD_DEV): {e}"),
+            })?;
+            undo.dev_id = Some(di.dev_id);
+            if di.flags & UBLK_F_USER_RECOVERY == 0 {
+                return Err("the kernel's ublk driver dropped USER_RECOVERY from the device flags; use --frontend fuse".into());
+            }
+            let max_io = di.max_io_buf_bytes.min(max_io);
+            let mut p = params_for(&info, readonly, rotational, max_io);
+            undo.ctrl.set_params(di.dev_id, &mut p).map_err(|e| {
+                format!(
+                    "setting the parameters of ublk device {} (SET_PARAMS): {e}",
+                    di.dev_id
+                )
+            })?;
+            (di.dev_id, di.queue_depth as usize, max_io)
+        }
+        Mode::Recover(old) => {
+            let id = parse_device(&old.device)
+                .ok_or_else(|| format!("bad device '{}' in the record", old.device))?;
+            let di = ctrl
+                .dev_info(id)
+                .map_err(|e| format!("{}: GET_DEV_INFO: {e}", old.device))?;
+            if di.nr_hw_queues as usize != nq {
+                return Err(format!(
+                    "{} has {} queue(s) but the target granted {nq}: cannot recover",
+                    old.device, di.nr_hw_queues
+                ));
+            }
+            if di.max_io_buf_bytes > max_io {
+                return Err(format!(
+                    "{} takes I/O of up to {} bytes but the target now grants {max_io}: cannot recover",
+                    old.device, di.max_io_buf_bytes
+                ));
+            }
+            if (di.queue_depth as usize) > depth {
+                return Err(format!(
+                    "{} has queue depth {} but the target now grants {depth}: cannot recover",
+                    old.device, di.queue_depth
+                ));
+            }
+            // The kernel quiesces the device a few seconds after the old daemon died.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                match ctrl.start_recovery(id) {
+                    Ok(()) => break,
+                    Err(e)
+                        if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline =>
+                    {
+                        std::thread::sleep(Duration::from_millis(200))
+                    }
+                    Err(e) => {
+                        return Err(format!(
+                            "{}: START_USER_RECOVERY: {e} (state {})",
+                            old.device, di.state
+                        ))
+                    }
+                }
+            }
+            undo.restore = Some((**old).clone());
+            (id, di.queue_depth as usize, di.max_io_buf_bytes)
+        }
+    };
+    let device = device_path(dev_id);
+    let record = Record {
+        device: device.clone(),
+        url: spec.url.to_string(),
+        export: spec.url.export.clone(),
+        frontend: UblkDevice::KIND.into(),
+        pid,
+        start_time: state::self_start_time(),
+        mountpoint: String::new(),
+        file: String::new(),
+        size: info.size,
+        readonly,
+        queues: nq as u16,
+        queue_depth: depth as u16,
+        max_io,
+        timeout_secs: spec.timeout.as_secs(),
+        hdd: spec.hdd,
+        logfile: spec.logfile.clone(),
+        fuse_io: None,
+    };
+    if let Mode::New { .. } = spec.mode {
+        if let Some(old) = Record::load(&device)? {
+            if old.liveness() == state::Liveness::Running {
+                return Err(format!(
+                    "{device} is still recorded for blkwire pid {}",
+                    old.pid
+                ));
+            }
+        }
+        undo.record = Some(device.clone());
+    }
+    record
+        .save()
+        .map_err(|e| format!("writing the record of {device}: {e}"))?;
+
+    let cdev_path = format!("/dev/ublkc{dev_id}");
+    if !wait_for_path(&cdev_path, Duration::from_secs(5)) {
+        return Err(format!("{cdev_path} did not appear"));
+    }
+    let cdev = Arc::new(
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&cdev_path)
+            .map_err(|e| format!("{cdev_path}: {e}"))?,
+    );
+    let (tx, events) = mpsc::channel();
+    for (i, q) in session.queues.into_iter().enumerate() {
+        let w = QueueWorker::new(
+            i as u16,
+            Arc::clone(&cdev),
+            depth,
+            max_io as usize,
+            q,
+            spec.url.clone(),
+            reconnect.clone(),
+            readonly,
+            spec.timeout,
+        )?;
+        let tx = tx.clone();
+        undo.threads = true;
+        std::thread::Builder::new()
+            .name(format!("blkwire-ublk-q{i}"))
+            .spawn(move || w.run(tx))
+            .map_err(|e| format!("starting a queue thread: {e}"))?;
+    }
+    drop(cdev);
+    let mut fetched = 0;
+    while fetched < nq {
+        match events.recv_timeout(Duration::from_secs(10)) {
+            Ok(QEvent::Fetched(_, Ok(()))) => fetched += 1,
+            Ok(QEvent::Fetched(i, Err(e))) => return Err(format!("ublk queue {i}: {e}")),
+            Ok(QEvent::Exited(i, e)) => {
+                return Err(format!(
+                    "ublk queue {i} stopped during setup: {}",
+                    e.unwrap_or_default()
+                ))
+            }
+            Ok(QEvent::Signal(_)) => {}
+            Err(_) => return Err("the ublk queues did not start in time".into()),
+        }
+    }
+    match &spec.mode {
+        Mode::New { .. } => {
+            undo.ctrl
+                .start(dev_id)
+                .map_err(|e| format!("starting {device} (START_DEV): {e}"))?;
+            undo.started = true;
+        }
+        Mode::Recover(_) => ctrl
+            .end_recovery(dev_id)
+            .map_err(|e| format!("{device}: END_USER_RECOVERY: {e}"))?,
+    }
+    if !wait_for_path(&device, Duration::from_secs(5)) {
+        return Err(format!("{device} did not appear"));
+    }
+    let sig_tx = tx;
+    std::thread::Builder::new()
+        .name("blkwire-signals".into())
+        .spawn(move || loop {
+            let sig = sys::wait_signal(&sigs);
+            if sig_tx.send(QEvent::Signal(sig)).is_err() {
+                break;
+            }
+        })
+        .map_err(|e| format!("starting the signal thread: {e}"))?;
+    undo.dev_id = None;
+    undo.record = None;
+    undo.restore = None;
+    drop(undo);
+    log!(
+        "info",
+        "{device} serves {} ({} bytes{}): {nq} queue(s) x depth {depth}, I/O up to {} KiB, I/O timeout {}s",
+        spec.url,
+        info.size,
+        if readonly { ", read-only" } else { "" },
+        max_io / 1024,
+        spec.timeout.as_secs()
+    );
+    Ok(Running {
+        ctrl,
+        dev_id,
+        events,
+        queues: nq,
+        timeout: spec.timeout,
+    })
+}
+
+fn serve(mut r: Running) {
+    let device = device_path(r.dev_id);
+    let mut exited = 0;
+    let mut stopping = false;
+    while exited < r.queues {
+        let ev = if stopping {
+            match r.events.recv_timeout(r.timeout + Duration::from_secs(5)) {
+                Ok(ev) => ev,
+                Err(_) => {
+                    log!("warn", "the ublk queues did not stop in time");
+                    break;
+                }
+            }
+        } else {
+            match r.events.recv() {
+                Ok(ev) => ev,
+                Err(_) => break,
+            }
+        };
+        match ev {
+            QEvent::Signal(sig) => {
+                if stopping {
+                    continue;
+                }
+                stopping = true;
+                log!("info", "signal {sig}: stopping {device}");
+                if let Err(e) = r.ctrl.stop(r.dev_id) {
+                    log!("error", "stopping {device}: {e}");
+                }
+            }
+            QEvent::Exited(i, e) => {
+                exited += 1;
+                if let Some(e) = e {
+                    log!("error", "ublk queue {i} stopped: {e}");
+                }
+                if !stopping {
+                    // The device was stopped from outside, or a queue failed: stop it all.
+                    stopping = true;
+                    let _ = r.ctrl.stop(r.dev_id);
+                }
+            }
+            QEvent::Fetched(..) => {}
+        }
+    }
+    let deleted = if exited == r.queues {
+        r.ctrl.delete(r.dev_id)
+    } else {
+        // Stuck queue threads still hold the char device: the kernel deletes the device once
+        // this process is gone.
+        r.ctrl.delete_async(r.dev_id)
+    };
+    if let Err(e) = deleted {
+        log!("warn", "deleting {device}: {e}");
+    }
+    Record::remove_if_owned(&device, std::process::id() as i32);
+    log!("info", "{device} unmapped");
+}
+
+/// `unmap /dev/ublkbN`: a live daemon is asked to stop (SIGTERM) and waited for; a dead one's
+/// device is stopped and deleted here.
+fn unmap(device: &str, id: u32) -> Result<(), String> {
+    let path = device_path(id);
+    let not_ours =
+        || format!("{device} is not a blkwire device (`blkwire ls` lists the mapped devices)");
+    let rec = Record::load(&path)?.ok_or_else(not_ours)?;
+    if rec.frontend != UblkDevice::KIND {
+        return Err(not_ours());
+    }
+    preflight()?;
+    if let Some(at) = sys::mount_points(path.trim_start_matches("/dev/")).first() {
+        return Err(format!(
+            "{path} is mounted on {at}: unmount it first, then unmap it"
+        ));
+    }
+    if let Some(p) = Proc::open(rec.pid, rec.start_time) {
+        let _ = p.kill(libc::SIGTERM);
+        let limit = Duration::from_secs(rec.timeout_secs) + Duration::from_secs(10);
+        if !p.wait_exit(limit) {
+            let _ = p.kill(libc::SIGKILL);
+            p.wait_exit(Duration::from_secs(10));
+        }
+    }
+    let mut ctrl = Ctrl::open()?;
+    match ctrl.stop(id) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
+        Err(e) => return Err(format!("stopping {path}: {e}")),
+    }
+    match ctrl.delete(id) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
+        Err(e) => return Err(format!("deleting {path}: {e}")),
+    }
+    Record::remove(&path);
+    Ok(())
+}

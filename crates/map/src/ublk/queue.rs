@@ -1,0 +1,466 @@
+//! One ublk queue's thread: its own io_uring and blkwire `Queue`. It maps the queue's I/O
+//! descriptor array (read-only) from /dev/ublkcN, sends FETCH_REQ for every tag with that tag's
+//! buffer, and answers each request with COMMIT_AND_FETCH_REQ.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use blkwire_client::{Cmd, Completion, ConnectOptions, Queue, Url};
+use blkwire_spin::{readable, AdaptiveSpin};
+use blkwire_wire::Status;
+use io_uring::{opcode, squeue, types, IoUring};
+
+use super::abi::*;
+use crate::log;
+use crate::sockpoll::SockPoll;
+
+pub(crate) enum QEvent {
+    /// Every tag of the queue is fetched (or setting up failed).
+    Fetched(usize, Result<(), String>),
+    Exited(usize, Option<String>),
+    Signal(i32),
+}
+
+struct Slot {
+    op: Option<Op>,
+    /// Sent to the target and not answered yet.
+    sent: bool,
+    deadline: Instant,
+}
+
+pub(crate) struct QueueWorker {
+    id: u16,
+    cdev: Arc<File>,
+    depth: usize,
+    buf_len: usize,
+    descs: *const IoDesc,
+    descs_len: usize,
+    bufs: *mut u8,
+    ring: IoUring,
+    link: Option<Queue>,
+    /// Changes with every new `Queue` (see `SockPoll`).
+    link_id: u64,
+    /// The ring also watches the queue's socket, so the thread sleeps in one place.
+    sock: SockPoll,
+    /// Completions taken from the ring (reused).
+    cqes: Vec<(u64, i32, u32)>,
+    /// Before sleeping with answers outstanding, the thread spins as `Queue::complete` does.
+    spin: AdaptiveSpin,
+    slots: Vec<Slot>,
+    /// Completions of one `complete` call: tag and result to commit.
+    done: Vec<(usize, i32)>,
+    alive_tags: usize,
+    url: Url,
+    reconnect: ConnectOptions,
+    readonly: bool,
+    timeout: Duration,
+}
+
+// SAFETY: the raw pointers are mappings owned by the worker, used by one thread at a time.
+unsafe impl Send for QueueWorker {}
+
+impl Drop for QueueWorker {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mappings.
+        unsafe {
+            libc::munmap(self.descs as *mut libc::c_void, self.descs_len);
+            libc::munmap(self.bufs.cast(), self.depth * self.buf_len);
+        }
+    }
+}
+
+impl QueueWorker {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        id: u16,
+        cdev: Arc<File>,
+        depth: usize,
+        buf_len: usize,
+        q: Queue,
+        url: Url,
+        reconnect: ConnectOptions,
+        readonly: bool,
+        timeout: Duration,
+    ) -> Result<QueueWorker, String> {
+        let descs_len = queue_cmd_buf_size(depth);
+        let off = id as usize * max_cmd_buf_size();
+        // SAFETY: mapping the driver's descriptor array of this queue, read-only.
+        let descs = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                descs_len,
+                libc::PROT_READ,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                cdev.as_raw_fd(),
+                off as libc::off_t,
+            )
+        };
+        if descs == libc::MAP_FAILED {
+            return Err(format!(
+                "mapping the descriptors of ublk queue {id}: {}",
+                io::Error::last_os_error()
+            ));
+        }
+        // SAFETY: anonymous memory for the tag buffers.
+        let bufs = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                depth * buf_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if bufs == libc::MAP_FAILED {
+            let e = io::Error::last_os_error();
+            // SAFETY: our mapping from above.
+            unsafe { libc::munmap(descs, descs_len) };
+            return Err(format!("allocating I/O buffers: {e}"));
+        }
+        let ring = IoUring::new((depth as u32 * 2).next_power_of_two().max(8))
+            .map_err(|e| format!("creating the io_uring of ublk queue {id}: {e}"))?;
+        let now = Instant::now();
+        Ok(QueueWorker {
+            id,
+            cdev,
+            depth,
+            buf_len,
+            descs: descs as *const IoDesc,
+            descs_len,
+            bufs: bufs.cast(),
+            ring,
+            link: Some(q),
+            link_id: 0,
+            sock: SockPoll::default(),
+            cqes: Vec::with_capacity(depth * 2),
+            spin: AdaptiveSpin::new(reconnect.poll),
+            slots: (0..depth)
+                .map(|_| Slot {
+                    op: None,
+                    sent: false,
+                    deadline: now,
+                })
+                .collect(),
+            done: Vec::with_capacity(depth),
+            alive_tags: depth,
+            url,
+            reconnect,
+            readonly,
+            timeout,
+        })
+    }
+
+    /// Where the buffer of `tag` starts (an address for the kernel; not dereferenced here).
+    fn buf(&self, tag: usize) -> *mut u8 {
+        self.bufs.wrapping_add(tag * self.buf_len)
+    }
+
+    fn push_cmd(&mut self, op: u32, tag: usize, result: i32) -> Result<(), String> {
+        let c = IoCmd {
+            q_id: self.id,
+            tag: tag as u16,
+            result,
+            addr: self.buf(tag) as u64,
+        };
+        let mut raw = [0u8; 16];
+        // SAFETY: IoCmd is repr(C) u16, u16, i32, u64: no padding.
+        raw.copy_from_slice(unsafe { as_bytes(&c) });
+        let sqe = opcode::UringCmd16::new(types::Fd(self.cdev.as_raw_fd()), op)
+            .cmd(raw)
+            .build()
+            .user_data(tag as u64);
+        // SAFETY: the command names the tag's buffer, which lives as long as the worker (and
+        // so the ring).
+        unsafe { self.push(&sqe) }
+    }
+
+    /// Queues an SQE, submitting what is queued when the submission queue is full.
+    ///
+    /// # Safety
+    ///
+    /// Every buffer `sqe` refers to must stay valid until its completion.
+    unsafe fn push(&mut self, sqe: &squeue::Entry) -> Result<(), String> {
+        loop {
+            // SAFETY: the caller keeps what the SQE refers to alive.
+            if unsafe { self.ring.submission().push(sqe) }.is_ok() {
+                return Ok(());
+            }
+            self.ring
+                .submit()
+                .map_err(|e| format!("io_uring submit: {e}"))?;
+        }
+    }
+
+    fn fetch_all(&mut self) -> Result<(), String> {
+        for tag in 0..self.depth {
+            self.push_cmd(UBLK_U_IO_FETCH_REQ, tag, 0)?;
+        }
+        self.ring
+            .submit()
+            .map_err(|e| format!("sending FETCH_REQ: {e}"))?;
+        Ok(())
+    }
+
+    fn commit(&mut self, tag: usize, result: i32) -> Result<(), String> {
+        self.slots[tag].op = None;
+        self.slots[tag].sent = false;
+        self.push_cmd(UBLK_U_IO_COMMIT_AND_FETCH_REQ, tag, result)
+    }
+
+    fn desc(&self, tag: usize) -> IoDesc {
+        // SAFETY: tag < depth; the kernel wrote the descriptor before completing the fetch.
+        unsafe { std::ptr::read_volatile(self.descs.add(tag)) }
+    }
+
+    /// A request arrived on `tag`.
+    fn start(&mut self, tag: usize) -> Result<(), String> {
+        let d = self.desc(tag);
+        match map_op(&d, self.readonly, self.buf_len) {
+            Ok(op) => {
+                let s = &mut self.slots[tag];
+                s.op = Some(op);
+                s.sent = false;
+                s.deadline = Instant::now() + self.timeout;
+                self.send(tag)
+            }
+            Err(errno) => self.commit(tag, -errno),
+        }
+    }
+
+    fn send(&mut self, tag: usize) -> Result<(), String> {
+        let Some(op) = self.slots[tag].op else {
+            return Ok(());
+        };
+        if self.link.is_none() {
+            self.try_reconnect_once();
+        }
+        let buf = self.buf(tag);
+        let Some(q) = self.link.as_mut() else {
+            return self.commit(tag, -libc::EIO);
+        };
+        let cmd = match op {
+            Op::Read { offset, len } => Cmd::Read { offset, len },
+            Op::Write { offset, len, fua } => Cmd::Write {
+                offset,
+                // SAFETY: the kernel copied the request's data into this tag's buffer.
+                data: unsafe { std::slice::from_raw_parts(buf, len as usize) },
+                fua,
+            },
+            Op::Flush => Cmd::Flush,
+            Op::Trim { offset, len } => Cmd::Trim { offset, len },
+            Op::Zero {
+                offset,
+                len,
+                no_hole,
+            } => Cmd::WriteZeroes {
+                offset,
+                len,
+                no_hole,
+            },
+        };
+        match q.submit(cmd, tag as u64) {
+            Ok(()) => {
+                self.slots[tag].sent = true;
+                Ok(())
+            }
+            Err(e) => {
+                log!("error", "queue {}: cannot send a request: {e}", self.id);
+                self.commit(tag, -libc::EIO)
+            }
+        }
+    }
+
+    /// The result to commit for a blkwire completion; read data goes into the tag's buffer.
+    ///
+    /// # Safety
+    ///
+    /// `bufs` must point at `slots.len()` writable buffers of `buf_len` bytes each, which
+    /// nothing else reads or writes during the call.
+    unsafe fn result_of(
+        slots: &[Slot],
+        bufs: *mut u8,
+        buf_len: usize,
+        c: &Completion<'_>,
+    ) -> Option<i32> {
+        let tag = c.user as usize;
+        let op = slots.get(tag)?.op?;
+        if c.status != Status::Ok {
+            return Some(-libc::EIO);
+        }
+        Some(match op {
+            Op::Read { len, .. } => {
+                let len = len as usize;
+                let n = c.data.len().min(len);
+                // SAFETY: tag < slots.len() (`get` above) and n <= len <= buf_len (map_op checked
+                // it): inside this tag's buffer, which the caller lets us write.
+                unsafe {
+                    let buf = bufs.add(tag * buf_len);
+                    std::ptr::copy_nonoverlapping(c.data.as_ptr(), buf, n);
+                    std::ptr::write_bytes(buf.add(n), 0, len - n);
+                }
+                len as i32
+            }
+            Op::Write { len, .. } => len as i32,
+            _ => 0,
+        })
+    }
+
+    fn try_reconnect_once(&mut self) {
+        match blkwire_client::connect(&self.url, &self.reconnect) {
+            Ok(mut s) => {
+                if let Some(q) = s.queues.pop() {
+                    log!("info", "queue {}: reconnected to {}", self.id, self.url);
+                    self.link = Some(q);
+                    self.link_id += 1;
+                }
+            }
+            Err(e) => log!("warn", "queue {}: reconnecting: {e}", self.id),
+        }
+    }
+
+    /// The connection broke: reconnect until the oldest request's deadline, then send again
+    /// what was in flight; fail it with EIO when that does not work out.
+    fn link_down(&mut self, why: &str) -> Result<(), String> {
+        log!("warn", "queue {}: connection lost: {why}", self.id);
+        self.link = None;
+        let deadline = self
+            .slots
+            .iter()
+            .filter(|s| s.op.is_some())
+            .map(|s| s.deadline)
+            .min()
+            .unwrap_or_else(|| Instant::now() + self.timeout);
+        let mut backoff = Duration::from_millis(100);
+        while self.link.is_none() && Instant::now() < deadline {
+            self.try_reconnect_once();
+            if self.link.is_none() {
+                std::thread::sleep(backoff.min(deadline.saturating_duration_since(Instant::now())));
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+        for tag in 0..self.depth {
+            if self.slots[tag].op.is_some() {
+                self.slots[tag].sent = false;
+                if self.link.is_some() {
+                    self.send(tag)?;
+                } else {
+                    self.commit(tag, -libc::EIO)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One loop for both sides: the kernel's requests (ring completions of the tags) and the
+    /// target's answers (the queue's socket, polled by the same ring, and `Queue::poll`), so
+    /// requests the kernel hands over while others are in flight are sent at once, and the
+    /// thread sleeps in one place until either side has something or the queue's next timer.
+    fn serve(&mut self, ev: &mpsc::Sender<QEvent>) -> Result<(), String> {
+        let r = self.fetch_all();
+        let _ = ev.send(QEvent::Fetched(self.id as usize, r.clone()));
+        r?;
+        loop {
+            // Requests from the kernel, and socket poll events.
+            let mut cqes = std::mem::take(&mut self.cqes);
+            cqes.extend(
+                self.ring
+                    .completion()
+                    .map(|c| (c.user_data(), c.result(), c.flags())),
+            );
+            for &(ud, res, flags) in &cqes {
+                if SockPoll::owns(ud) {
+                    self.sock.on_cqe(ud, flags);
+                    continue;
+                }
+                let tag = ud as usize;
+                match res {
+                    UBLK_IO_RES_OK => self.start(tag)?,
+                    UBLK_IO_RES_ABORT => self.alive_tags -= 1,
+                    e => {
+                        log!(
+                            "error",
+                            "queue {}: tag {tag}: {}",
+                            self.id,
+                            io::Error::from_raw_os_error(-e)
+                        );
+                        self.alive_tags -= 1;
+                    }
+                }
+            }
+            cqes.clear();
+            self.cqes = cqes;
+            if self.alive_tags == 0 {
+                return Ok(());
+            }
+            // The target's answers, without waiting.
+            let mut done = std::mem::take(&mut self.done);
+            let r = match self.link.as_mut() {
+                Some(q) => {
+                    let (slots, bufs, buf_len) = (&self.slots, self.bufs, self.buf_len);
+                    q.poll(|c| {
+                        // SAFETY: `bufs` is our mapping of one buffer per slot; the kernel
+                        // touches a tag's buffer only inside io_uring_enter (task work, as the
+                        // device has URING_CMD_COMP_IN_TASK), never while we poll the queue.
+                        if let Some(res) = unsafe { Self::result_of(slots, bufs, buf_len, &c) } {
+                            done.push((c.user as usize, res));
+                        }
+                    })
+                }
+                None => Ok(0),
+            };
+            for &(tag, res) in &done {
+                self.commit(tag, res)?;
+            }
+            done.clear();
+            self.done = done;
+            if let Err(e) = r {
+                self.link_down(&e.to_string())?;
+            }
+            let want = self.link.as_ref().map(|q| (self.link_id, q.fd()));
+            for sqe in self.sock.update(want).into_iter().flatten() {
+                // SAFETY: a poll and its removal refer to no buffer.
+                unsafe { self.push(&sqe) }?;
+            }
+            // Commits go out; with answers outstanding the thread spins briefly for one or for a
+            // request (the poll(2) also lets the kernel run the ring's task work), then sleeps
+            // until a request, an answer or a timer.
+            if let Some(fd) = self
+                .link
+                .as_ref()
+                .filter(|q| q.in_flight() > 0)
+                .map(|q| q.fd())
+            {
+                self.ring
+                    .submit()
+                    .map_err(|e| format!("io_uring submit: {e}"))?;
+                let ring = &mut self.ring;
+                if self
+                    .spin
+                    .spin(|| readable([fd]) || !ring.completion().is_empty())
+                {
+                    continue;
+                }
+            }
+            let limit = self
+                .link
+                .as_ref()
+                .and_then(|q| q.deadline())
+                .map(|d| d.saturating_duration_since(Instant::now()));
+            crate::sockpoll::sleep(&mut self.ring, limit)?;
+        }
+    }
+
+    pub(crate) fn run(mut self, ev: mpsc::Sender<QEvent>) {
+        let error = self.serve(&ev).err();
+        if let Some(q) = self.link.take() {
+            crate::device::final_flush(q, self.readonly, self.id as usize);
+        }
+        let id = self.id as usize;
+        drop(self); // unmaps and closes before the main thread deletes the device
+        let _ = ev.send(QEvent::Exited(id, error));
+    }
+}
