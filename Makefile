@@ -9,7 +9,8 @@ BIN := target/release/blkwire
 demo: deps build
 	@scripts/demo.sh
 
-## test: formatting, lints and every test, then the kernel lab (CI runs this).
+## test: formatting, lints (clippy, rustdoc, the map crate's layering) and every test, then the
+## kernel lab (CI runs this).
 test: deps fmt lint unit kernel-lab
 
 deps:
@@ -23,6 +24,8 @@ fmt:
 
 lint:
 	$(CARGO) clippy --release --locked --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --release --locked --no-deps --workspace --quiet
+	crates/map/check-layers.sh
 
 unit:
 	$(CARGO) test --release --locked --workspace

@@ -250,7 +250,7 @@ impl ExportQueue {
     /// - FLUSH of a volatile medium (no flush) completes at once;
     /// - TRIM without native support is advisory and completes at once;
     /// - FUA without native support is a write, then a flush (without flush it is meaningless);
-    /// - WRITE_ZEROES without native support writes zeros, [`ZERO_CHUNK`] at a time.
+    /// - WRITE_ZEROES without native support writes zeros, 1 MiB at a time.
     ///
     /// Ring entries carry `tag` as user data; feed their completions to
     /// [`ExportQueue::complete`].

@@ -80,6 +80,7 @@ impl FileBackend {
             rotational: false,
         };
         // From here `b` owns fd and closes it on error.
+        // SAFETY: an all-zero stat is a valid value (plain integers).
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: fstat on our fd into a zeroed stat.
         if unsafe { libc::fstat(fd, &mut st) } != 0 {
@@ -92,6 +93,7 @@ impl FileBackend {
                     b.logical = 4096;
                 }
                 // Punching a hole past EOF changes nothing but tells us if the filesystem can.
+                // SAFETY: fallocate on our own descriptor; no memory is involved.
                 b.punch_hole = unsafe {
                     libc::fallocate(
                         fd,

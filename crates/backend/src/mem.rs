@@ -27,6 +27,7 @@ pub struct MemBackend {
 // different queues race exactly as they would on a disk; the protocol gives no ordering between
 // queues (PROTOCOL.md §2.4).
 unsafe impl Send for MemBackend {}
+// SAFETY: as above: shared use only copies bounds-checked ranges through the raw pointer.
 unsafe impl Sync for MemBackend {}
 
 fn errno() -> i32 {
@@ -79,8 +80,9 @@ impl MemBackend {
 
     /// Bytes of RAM actually backing the export (pages written and not trimmed).
     pub fn resident_bytes(&self) -> u64 {
-        // SAFETY: fstat on our fd into a zeroed stat.
+        // SAFETY: an all-zero stat is a valid value (plain integers).
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat on our fd into a stat we own.
         if unsafe { libc::fstat(self.fd.as_raw_fd(), &mut st) } != 0 {
             return self.size;
         }

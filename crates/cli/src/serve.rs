@@ -8,15 +8,22 @@ use blkwire_server::{log, Limits, Target, TargetConfig};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Where to listen: tcp://ADDR:PORT (repeatable). Port 0 picks a free port.
     #[arg(
         long = "listen",
         value_name = "URL",
-        default_value = "tcp://0.0.0.0:7700"
+        default_value = "tcp://0.0.0.0:7700",
+        help = "Where to listen (repeatable): tcp://ADDR:PORT (native), nbd://ADDR[:PORT] (NBD, \
+                port 10809 by default), udp://ADDR:PORT, eth://IFACE. Port 0 picks a free port."
     )]
     listen: Vec<String>,
-    /// An export: NAME=BACKEND[,ro]; BACKEND is mem:SIZE, null:SIZE or file:PATH[?direct=1] (repeatable)
-    #[arg(long = "export", value_name = "NAME=BACKEND", required = true)]
+    #[arg(
+        long = "export",
+        value_name = "NAME=BACKEND",
+        required = true,
+        help = "An export (repeatable): NAME=BACKEND[,ro], e.g. disk0=file:/dev/nvme0n1 or \
+                scratch=mem:4G,ro",
+        long_help = export_help()
+    )]
     exports: Vec<String>,
     /// Worker threads, each with its own io_uring (default: one per CPU)
     #[arg(long, default_value_t = 0)]
@@ -34,6 +41,17 @@ pub struct Args {
     /// error, warn, info or debug
     #[arg(long, default_value = "info")]
     log_level: String,
+}
+
+/// `--export` in `--help`: every backend the registry knows, with what it is.
+fn export_help() -> String {
+    let mut h = String::from(
+        "An export (repeatable): NAME=BACKEND[,ro]; ',ro' serves it read-only. Backends:",
+    );
+    for k in blkwire_backend::registry::KINDS {
+        h.push_str(&format!("\n  {:<22} {}", k.usage, k.about));
+    }
+    h
 }
 
 pub fn run(a: Args) -> Result<(), String> {

@@ -1,7 +1,4 @@
 #![deny(missing_docs)]
-#![deny(unsafe_op_in_unsafe_fn)]
-#![deny(clippy::undocumented_unsafe_blocks)]
-#![deny(rustdoc::broken_intra_doc_links)]
 //! blkwire initiator library.
 //!
 //! [`connect`] opens a session (PROTOCOL.md §2): one TCP connection per queue. Each [`Queue`] is

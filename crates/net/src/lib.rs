@@ -1,7 +1,4 @@
 #![deny(missing_docs)]
-#![deny(unsafe_op_in_unsafe_fn)]
-#![deny(clippy::undocumented_unsafe_blocks)]
-#![deny(rustdoc::broken_intra_doc_links)]
 //! Link-level socket plumbing for the datagram transports (PROTOCOL.md §9), shared by the target
 //! and the initiator so both open, size and filter their sockets the same way.
 

@@ -297,8 +297,12 @@ impl DgramPort {
             return;
         }
         loop {
+            // SAFETY: all-zero iovecs, message headers and addresses (null pointers, zero
+            // lengths) are valid values; every one used is filled in below.
             let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
+            // SAFETY: as above.
             let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+            // SAFETY: as above.
             let mut names: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
             let mut cmsgs = [Cmsg::default(); BATCH];
             for i in 0..BATCH {

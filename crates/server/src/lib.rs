@@ -2,6 +2,8 @@
 //! one (HELLO/JOIN/LIST, PROTOCOL.md §2), and the admitted queue is handed by message to one of
 //! the reactor threads, which owns it from then on (see `reactor.rs` and docs/ARCHITECTURE.md).
 
+#![deny(missing_docs)]
+
 mod advertise;
 mod dgram;
 mod executor;
@@ -26,10 +28,11 @@ use blkwire_wire::{ExportEntry, Header, Hello, Opcode, Status, HEADER_LEN};
 
 use crate::log::Level;
 use frontend::StreamFrontend;
-pub use reactor::QueueReport;
+use reactor::QueueReport;
 use reactor::{Msg, NewQueue, Reactor};
-pub use session::{Limits, Registry};
-pub use stats::QueueStats;
+pub use session::Limits;
+use session::Registry;
+use stats::QueueStats;
 
 /// Largest handshake payload accepted (a HELLO is at most ~530 bytes).
 const MAX_HANDSHAKE_PAYLOAD: u32 = 4096;
@@ -37,12 +40,15 @@ const MAX_HANDSHAKE_PAYLOAD: u32 = 4096;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Clone, Debug)]
+/// Everything `serve` was asked for.
 pub struct TargetConfig {
     /// `tcp://ADDR:PORT` URLs.
     pub listen: Vec<String>,
+    /// `--export NAME=BACKEND[,ro]`, in order (the first is NBD's default export).
     pub exports: Vec<ExportSpec>,
     /// Reactor threads (0 = one per CPU).
     pub threads: usize,
+    /// What a client may be granted at most.
     pub limits: Limits,
     /// How long a reactor spins for new work before sleeping (trades CPU for latency).
     pub poll: Duration,
@@ -54,8 +60,9 @@ struct Worker {
     handle: JoinHandle<()>,
 }
 
+/// A bound target: exports open, listeners bound, reactors running; [`Target::run`] serves.
 pub struct Target {
-    listeners: Vec<(TcpListener, String, Frontend)>,
+    listeners: Vec<(TcpListener, String, ListenerKind)>,
     dgram_urls: Vec<String>,
     registry: Arc<Registry>,
     workers: Vec<Worker>,
@@ -67,6 +74,7 @@ pub struct Target {
 pub struct StopHandle(Arc<OwnedFd>);
 
 impl StopHandle {
+    /// Asks [`Target::run`] to drain and return.
     pub fn stop(&self) {
         eventfd_write(self.0.as_raw_fd());
     }
@@ -88,9 +96,9 @@ fn eventfd_write(fd: i32) {
     unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
 }
 
-/// Which protocol a listener speaks.
+/// Which protocol a stream listener speaks (which handshake admits its connections).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Frontend {
+enum ListenerKind {
     /// blkwire's own protocol (`tcp://`).
     Native,
     /// NBD fixed newstyle (`nbd://`), for stock clients.
@@ -98,10 +106,10 @@ pub enum Frontend {
 }
 
 /// Parses `tcp://ADDR:PORT` or `nbd://ADDR[:PORT]` (NBD's port defaults to 10809).
-pub fn parse_listen(url: &str) -> Result<(Frontend, Vec<SocketAddr>), String> {
+fn parse_listen(url: &str) -> Result<(ListenerKind, Vec<SocketAddr>), String> {
     let help = "expected tcp://ADDR:PORT or nbd://ADDR[:PORT], e.g. tcp://0.0.0.0:7700, nbd://0.0.0.0:10809, tcp://[::1]:7700";
     let (frontend, rest) = match url.split_once("://") {
-        Some(("tcp", rest)) => (Frontend::Native, rest.to_string()),
+        Some(("tcp", rest)) => (ListenerKind::Native, rest.to_string()),
         Some(("nbd", rest)) => {
             let rest = rest.trim_end_matches('/');
             // Add the default port unless one is given ("[v6]:p", "host:p").
@@ -114,7 +122,7 @@ pub fn parse_listen(url: &str) -> Result<(Frontend, Vec<SocketAddr>), String> {
                 None => false,
             };
             (
-                Frontend::Nbd,
+                ListenerKind::Nbd,
                 if has_port {
                     rest.to_string()
                 } else {
@@ -166,8 +174,8 @@ impl Target {
                 .map_err(|e| format!("cannot listen on {url}: {e}"))?;
             let local = l.local_addr().map_err(|e| e.to_string())?;
             let scheme = match frontend {
-                Frontend::Native => "tcp",
-                Frontend::Nbd => "nbd",
+                ListenerKind::Native => "tcp",
+                ListenerKind::Nbd => "nbd",
             };
             listeners.push((l, format!("{scheme}://{local}"), frontend));
         }
@@ -243,10 +251,12 @@ impl Target {
         v
     }
 
+    /// A handle that stops [`Target::run`] from another thread.
     pub fn stop_handle(&self) -> StopHandle {
         StopHandle(self.stop.clone())
     }
 
+    /// The open exports.
     pub fn exports(&self) -> &[Arc<Export>] {
         self.registry.exports()
     }
@@ -355,7 +365,7 @@ fn send_frame(s: &mut TcpStream, h: &Header, payload: &[u8]) -> std::io::Result<
 fn handshake(
     mut s: TcpStream,
     peer: SocketAddr,
-    frontend: Frontend,
+    frontend: ListenerKind,
     registry: &Registry,
     workers: &[(Sender<Msg>, i32)],
 ) {
@@ -365,12 +375,12 @@ fn handshake(
     let _ = s.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
     let _ = s.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
     let admitted = match frontend {
-        Frontend::Native => native_handshake(&mut s, &peer_s, registry, workers).map(|a| {
+        ListenerKind::Native => native_handshake(&mut s, &peer_s, registry, workers).map(|a| {
             let fe: Box<dyn StreamFrontend> =
                 Box::new(frontend::native::Native::new(a.depth, a.max_io));
             (a, fe)
         }),
-        Frontend::Nbd => nbd::negotiate(&mut s, &peer_s, registry),
+        ListenerKind::Nbd => nbd::negotiate(&mut s, &peer_s, registry),
     };
     let Some((admitted, frontend)) = admitted else {
         return;

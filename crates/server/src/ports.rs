@@ -130,6 +130,7 @@ fn socket2_addr(a: SocketAddr) -> (Vec<u8>, libc::socklen_t) {
             s.sin_family = libc::AF_INET as u16;
             s.sin_port = v.port().to_be();
             s.sin_addr.s_addr = u32::from(*v.ip()).to_be();
+            // SAFETY: viewing a plain C struct we own as its bytes, for its whole size.
             let b = unsafe {
                 std::slice::from_raw_parts(
                     (&s as *const libc::sockaddr_in).cast::<u8>(),
@@ -145,6 +146,7 @@ fn socket2_addr(a: SocketAddr) -> (Vec<u8>, libc::socklen_t) {
             s.sin6_port = v.port().to_be();
             s.sin6_addr.s6_addr = v.ip().octets();
             s.sin6_scope_id = v.scope_id();
+            // SAFETY: viewing a plain C struct we own as its bytes, for its whole size.
             let b = unsafe {
                 std::slice::from_raw_parts(
                     (&s as *const libc::sockaddr_in6).cast::<u8>(),

@@ -16,8 +16,11 @@ pub const MAX_FRAGMENTS: u32 = 256;
 /// Limits the target grants at most, whatever a client asks for.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
+    /// Queues (connections) per session.
     pub max_queues: u16,
+    /// Requests in flight per queue.
     pub max_depth: u16,
+    /// Bytes per READ or WRITE.
     pub max_io: u32,
     /// A datagram queue with no frame for this long is forgotten (PROTOCOL.md §9.1). Only tests
     /// shorten it: initiators keep a session alive with a KEEPALIVE every 5 s.
@@ -324,10 +327,6 @@ impl Registry {
 
     pub fn closed_totals(&self) -> QueueStats {
         self.lock().closed
-    }
-
-    pub fn live_sessions(&self) -> usize {
-        self.lock().sessions.len()
     }
 }
 

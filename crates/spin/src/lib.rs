@@ -1,7 +1,4 @@
 #![deny(missing_docs)]
-#![deny(unsafe_op_in_unsafe_fn)]
-#![deny(clippy::undocumented_unsafe_blocks)]
-#![deny(rustdoc::broken_intra_doc_links)]
 //! Adaptive busy polling.
 //!
 //! Sleeping and being woken costs tens of microseconds per hop on a VM; at queue depth 1 that is

@@ -1,7 +1,4 @@
 #![deny(missing_docs)]
-#![deny(unsafe_op_in_unsafe_fn)]
-#![deny(clippy::undocumented_unsafe_blocks)]
-#![deny(rustdoc::broken_intra_doc_links)]
 //! blkwire native protocol v1: the bytes on the wire and nothing else.
 //!
 //! This crate does no I/O and never allocates on the decode path, so it can be fuzzed in isolation

@@ -71,8 +71,8 @@ pub struct NetLab {
 
 impl NetLab {
     pub fn new(n: u8, mtu: u32) -> NetLab {
-        // SAFETY: geteuid has no preconditions.
         assert_eq!(
+            // SAFETY: geteuid has no preconditions.
             unsafe { libc::geteuid() },
             0,
             "namespace tests need root (CI runs as root)"
