@@ -22,6 +22,7 @@ use blkwire_wire::{
     ExportEntry, Features, Header, Hello, HelloReply, Opcode, Status, Tag, HEADER_LEN,
 };
 
+pub use blkwire_block::{BlockOp, BlockRequest, IoFlags};
 pub use dgram::{discover_eth, discover_udp, Discovered};
 pub use queue::{Cmd, Completion, Queue, QueueStats};
 pub use url::{format_mac, parse_mac, Transport, Url};

@@ -5,6 +5,7 @@
 use std::os::fd::RawFd;
 use std::time::Instant;
 
+use blkwire_block::{BlockOp, BlockRequest, IoFlags};
 use blkwire_wire::{Flags, Opcode, Status};
 
 use crate::dgram::DgramQueue;
@@ -63,47 +64,77 @@ pub(crate) struct Parts<'a> {
 }
 
 impl<'a> Cmd<'a> {
-    /// Checks the command against the session's max I/O and returns its header fields.
-    pub(crate) fn parts(self, max_io: u32) -> Result<Parts<'a>> {
-        let none: &[u8] = &[];
-        let (opcode, offset, len, flags, payload) = match self {
-            Cmd::Read { offset, len } => (Opcode::Read, offset, len, 0, none),
+    /// The command for a block request; `data` is a WRITE's payload (`req.len` bytes of it are
+    /// sent) and ignored for the others.
+    pub fn from_request(req: &BlockRequest, data: &'a [u8]) -> Cmd<'a> {
+        let (offset, len) = (req.offset, req.len);
+        match req.op {
+            BlockOp::Read => Cmd::Read { offset, len },
+            BlockOp::Write => Cmd::Write {
+                offset,
+                data: &data[..(len as usize).min(data.len())],
+                fua: req.flags.has(IoFlags::FUA),
+            },
+            BlockOp::Flush => Cmd::Flush,
+            BlockOp::Trim => Cmd::Trim { offset, len },
+            BlockOp::WriteZeroes => Cmd::WriteZeroes {
+                offset,
+                len,
+                no_hole: req.flags.has(IoFlags::NO_HOLE),
+            },
+        }
+    }
+
+    /// The block request this command is; `None` for KEEPALIVE. Fails for a WRITE of more than
+    /// 4 GiB.
+    pub fn request(&self) -> Result<Option<BlockRequest>> {
+        let r = |op, offset, len| Some(BlockRequest::new(op, offset, len));
+        Ok(match *self {
+            Cmd::Read { offset, len } => r(BlockOp::Read, offset, len),
             Cmd::Write { offset, data, fua } => {
                 let len = u32::try_from(data.len())
                     .map_err(|_| Error::Usage("write too large".into()))?;
-                (
-                    Opcode::Write,
-                    offset,
-                    len,
-                    if fua { Flags::FUA } else { 0 },
-                    data,
-                )
+                r(BlockOp::Write, offset, len)
+                    .map(|q| q.flagged(IoFlags::empty().with(IoFlags::FUA, fua)))
             }
-            Cmd::Flush => (Opcode::Flush, 0, 0, 0, none),
-            Cmd::Trim { offset, len } => (Opcode::Trim, offset, len, 0, none),
+            Cmd::Flush => r(BlockOp::Flush, 0, 0),
+            Cmd::Trim { offset, len } => r(BlockOp::Trim, offset, len),
             Cmd::WriteZeroes {
                 offset,
                 len,
                 no_hole,
-            } => (
-                Opcode::WriteZeroes,
-                offset,
-                len,
-                if no_hole { Flags::NO_HOLE } else { 0 },
-                none,
-            ),
-            Cmd::Keepalive => (Opcode::Keepalive, 0, 0, 0, none),
+            } => r(BlockOp::WriteZeroes, offset, len)
+                .map(|q| q.flagged(IoFlags::empty().with(IoFlags::NO_HOLE, no_hole))),
+            Cmd::Keepalive => None,
+        })
+    }
+
+    /// Checks the command against the session's max I/O and returns its header fields.
+    pub(crate) fn parts(self, max_io: u32) -> Result<Parts<'a>> {
+        let payload: &[u8] = match self {
+            Cmd::Write { data, .. } => data,
+            _ => &[],
         };
-        if matches!(opcode, Opcode::Read | Opcode::Write) && (len == 0 || len > max_io) {
+        let Some(req) = self.request()? else {
+            return Ok(Parts {
+                opcode: Opcode::Keepalive,
+                offset: 0,
+                len: 0,
+                flags: 0,
+                payload,
+            });
+        };
+        if req.op.moves_data() && (req.len == 0 || req.len > max_io) {
             return Err(Error::Usage(format!(
-                "I/O of {len} bytes outside 1..={max_io} (split larger requests)"
+                "I/O of {} bytes outside 1..={max_io} (split larger requests)",
+                req.len
             )));
         }
         Ok(Parts {
-            opcode,
-            offset,
-            len,
-            flags,
+            opcode: Opcode::for_block(req.op),
+            offset: req.offset,
+            len: req.len,
+            flags: Flags::for_io(req.flags),
             payload,
         })
     }

@@ -21,7 +21,7 @@ use blkwire_wire::{
 };
 
 use crate::executor::{Executor, Outcome};
-use crate::frontend::native::{block_op, flush_args_valid, io_flags};
+use crate::frontend::native::flush_args_valid;
 use crate::log::Level;
 use crate::session::Registry;
 use crate::stats::QueueStats;
@@ -806,12 +806,12 @@ impl DgramPort {
     fn execute(&mut self, qi: usize, slot: u16, sq: &mut dyn Submitter, ud: UserData) {
         let q = self.queues[qi].as_mut().expect("present");
         let h = q.slots[slot as usize].hdr;
-        let block = match block_op(h.opcode) {
+        let block = match h.opcode.block_op() {
             Some(op) if flush_args_valid(&h) => BlockRequest {
                 op,
                 offset: h.offset,
                 len: h.length,
-                flags: io_flags(&h),
+                flags: h.flags.io_flags(),
             },
             _ => return self.finish(qi, slot, Status::Invalid),
         };
@@ -852,10 +852,10 @@ impl DgramPort {
         }
         let h = s.hdr;
         let block = BlockRequest {
-            op: block_op(h.opcode)?,
+            op: h.opcode.block_op()?,
             offset: h.offset,
             len: h.length,
-            flags: io_flags(&h),
+            flags: h.flags.io_flags(),
         };
         Some((q, block))
     }

@@ -7,7 +7,7 @@
 mod advertise;
 mod dgram;
 mod executor;
-mod frontend;
+pub mod frontend;
 pub mod log;
 mod nbd;
 mod ports;

@@ -4,6 +4,7 @@
 //! This crate does no I/O and never allocates on the decode path, so it can be fuzzed in isolation
 //! (`fuzz/fuzz_targets/frame.rs`). Section references (`§N`) point into `docs/PROTOCOL.md`.
 
+mod block;
 pub mod crc;
 pub mod datagram;
 mod frame;

@@ -28,7 +28,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use blkwire_client::{Cmd, Completion, ConnectOptions, Queue, Url};
+use blkwire_client::{BlockOp, BlockRequest, Cmd, Completion, ConnectOptions, IoFlags, Queue, Url};
 use blkwire_spin::{readable, AdaptiveSpin};
 use blkwire_wire::Status;
 
@@ -123,53 +123,48 @@ pub(crate) struct Shared {
     pub reconnects: AtomicU64,
 }
 
-enum IoOp {
-    Read {
-        offset: u64,
-        len: u32,
-    },
-    Write {
-        offset: u64,
-        len: u32,
-    },
-    Flush,
-    Zero {
-        offset: u64,
-        len: u64,
-        no_hole: bool,
-    },
+/// The range a FUSE request covers, as a block operation. Its length is 64-bit because one
+/// FALLOCATE may span more than a blkwire command carries: WRITE_ZEROES goes out as commands of
+/// at most `ZERO_STEP` bytes; the others are one command each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct IoOp {
+    op: BlockOp,
+    offset: u64,
+    len: u64,
+    flags: IoFlags,
 }
 
 impl IoOp {
+    fn new(op: BlockOp, offset: u64, len: u64) -> IoOp {
+        IoOp {
+            op,
+            offset,
+            len,
+            flags: IoFlags::empty(),
+        }
+    }
+
     fn chunks(&self) -> u32 {
-        match self {
-            IoOp::Zero { len, .. } => len.div_ceil(ZERO_STEP).max(1) as u32,
+        match self.op {
+            BlockOp::WriteZeroes => self.len.div_ceil(ZERO_STEP).max(1) as u32,
             _ => 1,
         }
     }
 
+    /// Command `i` of the request; a WRITE's data comes from the request buffer `buf`.
     fn cmd<'a>(&self, i: u32, buf: &'a [u8]) -> Cmd<'a> {
-        match *self {
-            IoOp::Read { offset, len } => Cmd::Read { offset, len },
-            IoOp::Write { offset, len } => Cmd::Write {
-                offset,
-                data: &buf[WRITE_DATA_AT..WRITE_DATA_AT + len as usize],
-                fua: false,
-            },
-            IoOp::Flush => Cmd::Flush,
-            IoOp::Zero {
-                offset,
-                len,
-                no_hole,
-            } => {
-                let o = i as u64 * ZERO_STEP;
-                Cmd::WriteZeroes {
-                    offset: offset + o,
-                    len: (len - o).min(ZERO_STEP) as u32,
-                    no_hole,
-                }
-            }
-        }
+        let at = i as u64 * ZERO_STEP;
+        let req = BlockRequest {
+            op: self.op,
+            offset: self.offset + at,
+            len: (self.len - at).min(ZERO_STEP) as u32,
+            flags: self.flags,
+        };
+        let data = match self.op {
+            BlockOp::Write => &buf[WRITE_DATA_AT..WRITE_DATA_AT + req.len as usize],
+            _ => &[],
+        };
+        Cmd::from_request(&req, data)
     }
 }
 
@@ -277,14 +272,14 @@ impl Table {
             return;
         }
         if !p.replied {
-            let (unique, err) = (p.unique, p.err);
+            let (unique, err, op) = (p.unique, p.err, p.op);
             if err != 0 {
                 self.reply(ch, unique, err, &[]);
             } else {
-                match p.op {
-                    IoOp::Read { .. } => self.reply(ch, unique, 0, &[c.data]),
-                    IoOp::Write { len, .. } => self.reply(ch, unique, 0, &[&abi::write_out(len)]),
-                    IoOp::Flush | IoOp::Zero { .. } => self.reply(ch, unique, 0, &[]),
+                match op.op {
+                    BlockOp::Read => self.reply(ch, unique, 0, &[c.data]),
+                    BlockOp::Write => self.reply(ch, unique, 0, &[&abi::write_out(op.len as u32)]),
+                    _ => self.reply(ch, unique, 0, &[]),
                 }
             }
         }
@@ -583,7 +578,7 @@ impl<C: Transport> Worker<C> {
                     t.reply(ch, u, 0, &[]); // end of file
                 } else {
                     let len = (size as u64).min(sh.size - offset) as u32;
-                    self.start(u, IoOp::Read { offset, len }, None);
+                    self.start(u, IoOp::new(BlockOp::Read, offset, len as u64), None);
                 }
             }
             Request::Write { offset, data } => {
@@ -595,7 +590,7 @@ impl<C: Transport> Worker<C> {
                 } else if len == 0 {
                     t.reply(ch, u, 0, &[&abi::write_out(0)]);
                 } else {
-                    self.start(u, IoOp::Write { offset, len }, Some(buf));
+                    self.start(u, IoOp::new(BlockOp::Write, offset, len as u64), Some(buf));
                     return;
                 }
             }
@@ -603,7 +598,7 @@ impl<C: Transport> Worker<C> {
                 if sh.readonly {
                     t.reply(ch, u, 0, &[]); // nothing can be dirty
                 } else {
-                    self.start(u, IoOp::Flush, None);
+                    self.start(u, IoOp::new(BlockOp::Flush, 0, 0), None);
                 }
             }
             Request::Fallocate {
@@ -1020,18 +1015,12 @@ fn fallocate_op(sh: &Shared, offset: u64, length: u64, mode: u32) -> Result<Opti
         // The loop driver punches holes both for DISCARD and for WRITE_ZEROES that may unmap,
         // and a punched range must read back as zeros. TRIM does not promise that
         // (PROTOCOL.md §3), WRITE_ZEROES does, and may still deallocate (no NO_HOLE).
-        Ok(Some(IoOp::Zero {
-            offset,
-            len,
-            no_hole: false,
-        }))
+        Ok(Some(IoOp::new(BlockOp::WriteZeroes, offset, len)))
     } else if mode & ZERO_RANGE != 0 {
         // Zeroing that must keep the range allocated (the loop driver's REQ_NOUNMAP).
-        Ok(Some(IoOp::Zero {
-            offset,
-            len,
-            no_hole: true,
-        }))
+        let mut op = IoOp::new(BlockOp::WriteZeroes, offset, len);
+        op.flags = IoFlags::NO_HOLE;
+        Ok(Some(op))
     } else {
         Ok(None) // plain allocation: every byte of an export already exists
     }
@@ -1115,23 +1104,22 @@ mod tests {
         let keep = libc::FALLOC_FL_KEEP_SIZE as u32;
         let punch = libc::FALLOC_FL_PUNCH_HOLE as u32 | keep;
         let zero = libc::FALLOC_FL_ZERO_RANGE as u32 | keep;
-        assert!(matches!(
+        assert_eq!(
             fallocate_op(&sh, 4096, 8192, punch),
-            Ok(Some(IoOp::Zero {
-                offset: 4096,
-                len: 8192,
-                no_hole: false
-            }))
-        ));
-        assert!(matches!(
-            fallocate_op(&sh, 0, 4096, zero),
-            Ok(Some(IoOp::Zero { no_hole: true, .. }))
-        ));
+            Ok(Some(IoOp::new(BlockOp::WriteZeroes, 4096, 8192)))
+        );
+        let mut nounmap = IoOp::new(BlockOp::WriteZeroes, 0, 4096);
+        nounmap.flags = IoFlags::NO_HOLE;
+        assert_eq!(fallocate_op(&sh, 0, 4096, zero), Ok(Some(nounmap)));
         // Clamped at the end of the file; nothing to do beyond it.
-        assert!(matches!(
+        assert_eq!(
             fallocate_op(&sh, (1 << 30) - 4096, 1 << 20, punch),
-            Ok(Some(IoOp::Zero { len: 4096, .. }))
-        ));
+            Ok(Some(IoOp::new(
+                BlockOp::WriteZeroes,
+                (1 << 30) - 4096,
+                4096
+            )))
+        );
         assert!(matches!(fallocate_op(&sh, 1 << 30, 4096, punch), Ok(None)));
         assert!(matches!(fallocate_op(&sh, 0, 4096, 0), Ok(None)));
         assert_eq!(fallocate_op(&sh, 0, 2 << 30, 0).err(), Some(libc::EFBIG));
@@ -1151,11 +1139,7 @@ mod tests {
 
     #[test]
     fn large_zero_ranges_split_into_32_bit_commands() {
-        let op = IoOp::Zero {
-            offset: 512,
-            len: (5 << 30) + 4096,
-            no_hole: false,
-        };
+        let op = IoOp::new(BlockOp::WriteZeroes, 512, (5 << 30) + 4096);
         assert_eq!(op.chunks(), 6);
         let mut total = 0u64;
         for i in 0..op.chunks() {

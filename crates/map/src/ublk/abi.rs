@@ -2,7 +2,7 @@
 //! the structs the control and queue commands carry, and the decoding of an I/O descriptor into
 //! a blkwire command (`map_op`), which is pure so it is tested (and fuzzed) without a kernel.
 
-use blkwire_client::ExportInfo;
+use blkwire_client::{BlockOp, BlockRequest, ExportInfo, IoFlags};
 use blkwire_wire::Features;
 
 /// The control device every ublk command goes to.
@@ -207,51 +207,12 @@ pub(crate) fn queue_cmd_buf_size(depth: usize) -> usize {
     (depth * std::mem::size_of::<IoDesc>()).next_multiple_of(page_size())
 }
 
-/// The blkwire command for one ublk request, or the errno to answer it with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Op {
-    /// Read `len` bytes at `offset` into the tag's buffer.
-    Read {
-        /// Byte offset on the device.
-        offset: u64,
-        /// Bytes.
-        len: u32,
-    },
-    /// Write `len` bytes of the tag's buffer at `offset`.
-    Write {
-        /// Byte offset on the device.
-        offset: u64,
-        /// Bytes.
-        len: u32,
-        /// Durable before the answer (REQ_FUA).
-        fua: bool,
-    },
-    /// Make written data durable.
-    Flush,
-    /// Discard `len` bytes at `offset`.
-    Trim {
-        /// Byte offset on the device.
-        offset: u64,
-        /// Bytes.
-        len: u32,
-    },
-    /// Zero `len` bytes at `offset`.
-    Zero {
-        /// Byte offset on the device.
-        offset: u64,
-        /// Bytes.
-        len: u32,
-        /// Keep the range allocated (REQ_NOUNMAP).
-        no_hole: bool,
-    },
-}
-
 /// Decodes a request descriptor into the blkwire command for it, or the errno to answer: a
 /// READ or WRITE must fit the tag's buffer (`buf_len`), nothing may change a read-only device.
-pub fn map_op(d: &IoDesc, readonly: bool, buf_len: usize) -> Result<Op, i32> {
+pub fn map_op(d: &IoDesc, readonly: bool, buf_len: usize) -> Result<BlockRequest, i32> {
     if d.op() == UBLK_IO_OP_FLUSH {
         // A flush names no range: the kernel leaves its sector as it likes (not always 0).
-        return Ok(Op::Flush);
+        return Ok(BlockRequest::new(BlockOp::Flush, 0, 0));
     }
     // A sector number whose byte offset does not fit 64 bits cannot be on any device.
     let offset = d.start_sector.checked_mul(512).ok_or(libc::EINVAL)?;
@@ -268,28 +229,24 @@ pub fn map_op(d: &IoDesc, readonly: bool, buf_len: usize) -> Result<Op, i32> {
     match d.op() {
         UBLK_IO_OP_READ => {
             fits()?;
-            Ok(Op::Read { offset, len })
+            Ok(BlockRequest::new(BlockOp::Read, offset, len))
         }
         UBLK_IO_OP_WRITE => {
             fits()?;
             write()?;
-            Ok(Op::Write {
-                offset,
-                len,
-                fua: d.flags() & UBLK_IO_F_FUA != 0,
-            })
+            let fua = d.flags() & UBLK_IO_F_FUA != 0;
+            Ok(BlockRequest::new(BlockOp::Write, offset, len)
+                .flagged(IoFlags::empty().with(IoFlags::FUA, fua)))
         }
         UBLK_IO_OP_DISCARD => {
             write()?;
-            Ok(Op::Trim { offset, len })
+            Ok(BlockRequest::new(BlockOp::Trim, offset, len))
         }
         UBLK_IO_OP_WRITE_ZEROES => {
             write()?;
-            Ok(Op::Zero {
-                offset,
-                len,
-                no_hole: d.flags() & UBLK_IO_F_NOUNMAP != 0,
-            })
+            let no_hole = d.flags() & UBLK_IO_F_NOUNMAP != 0;
+            Ok(BlockRequest::new(BlockOp::WriteZeroes, offset, len)
+                .flagged(IoFlags::empty().with(IoFlags::NO_HOLE, no_hole)))
         }
         _ => Err(libc::EOPNOTSUPP),
     }
@@ -444,7 +401,10 @@ mod tests {
     fn a_flush_ignores_its_sector_and_an_overflowing_sector_is_refused() {
         let m = |d: IoDesc| map_op(&d, false, 1 << 20);
         // The kernel does not zero a flush's sector (kernel lab: mkfs failed when it was checked).
-        assert_eq!(m(desc(UBLK_IO_OP_FLUSH, 0, u64::MAX, 0)), Ok(Op::Flush));
+        assert_eq!(
+            m(desc(UBLK_IO_OP_FLUSH, 0, u64::MAX, 0)),
+            Ok(BlockRequest::new(BlockOp::Flush, 0, 0))
+        );
         assert_eq!(
             m(desc(UBLK_IO_OP_READ, 0, u64::MAX / 256, 8)),
             Err(libc::EINVAL)
@@ -460,50 +420,31 @@ mod tests {
         let m = |d: IoDesc| map_op(&d, false, 1 << 20);
         assert_eq!(
             m(desc(UBLK_IO_OP_READ, 0, 8, 8)),
-            Ok(Op::Read {
-                offset: 4096,
-                len: 4096
-            })
+            Ok(BlockRequest::new(BlockOp::Read, 4096, 4096))
         );
         assert_eq!(
             m(desc(UBLK_IO_OP_WRITE, UBLK_IO_F_FUA, 1, 1)),
-            Ok(Op::Write {
-                offset: 512,
-                len: 512,
-                fua: true
-            })
+            Ok(BlockRequest::new(BlockOp::Write, 512, 512).flagged(IoFlags::FUA))
         );
         assert_eq!(
             m(desc(UBLK_IO_OP_WRITE, 0, 0, 1)),
-            Ok(Op::Write {
-                offset: 0,
-                len: 512,
-                fua: false
-            })
+            Ok(BlockRequest::new(BlockOp::Write, 0, 512))
         );
-        assert_eq!(m(desc(UBLK_IO_OP_FLUSH, 0, 0, 0)), Ok(Op::Flush));
+        assert_eq!(
+            m(desc(UBLK_IO_OP_FLUSH, 0, 0, 0)),
+            Ok(BlockRequest::new(BlockOp::Flush, 0, 0))
+        );
         assert_eq!(
             m(desc(UBLK_IO_OP_DISCARD, 0, 16, 2048)),
-            Ok(Op::Trim {
-                offset: 8192,
-                len: 1 << 20
-            })
+            Ok(BlockRequest::new(BlockOp::Trim, 8192, 1 << 20))
         );
         assert_eq!(
             m(desc(UBLK_IO_OP_WRITE_ZEROES, UBLK_IO_F_NOUNMAP, 0, 8)),
-            Ok(Op::Zero {
-                offset: 0,
-                len: 4096,
-                no_hole: true
-            })
+            Ok(BlockRequest::new(BlockOp::WriteZeroes, 0, 4096).flagged(IoFlags::NO_HOLE))
         );
         assert_eq!(
             m(desc(UBLK_IO_OP_WRITE_ZEROES, 0, 0, 8)),
-            Ok(Op::Zero {
-                offset: 0,
-                len: 4096,
-                no_hole: false
-            })
+            Ok(BlockRequest::new(BlockOp::WriteZeroes, 0, 4096))
         );
         // Larger than the tag buffer, unknown ops, writes to a read-only device.
         assert_eq!(m(desc(UBLK_IO_OP_READ, 0, 0, 4096)), Err(libc::EINVAL));
@@ -514,10 +455,7 @@ mod tests {
         );
         assert_eq!(
             map_op(&desc(UBLK_IO_OP_READ, 0, 0, 8), true, 1 << 20),
-            Ok(Op::Read {
-                offset: 0,
-                len: 4096
-            })
+            Ok(BlockRequest::new(BlockOp::Read, 0, 4096))
         );
     }
 

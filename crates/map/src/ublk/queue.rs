@@ -8,7 +8,7 @@ use std::os::fd::AsRawFd;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use blkwire_client::{Cmd, Completion, ConnectOptions, Queue, Url};
+use blkwire_client::{BlockOp, BlockRequest, Cmd, Completion, ConnectOptions, Queue, Url};
 use blkwire_spin::{readable, AdaptiveSpin};
 use blkwire_wire::Status;
 use io_uring::{opcode, squeue, types, IoUring};
@@ -25,7 +25,7 @@ pub(crate) enum QEvent {
 }
 
 struct Slot {
-    op: Option<Op>,
+    op: Option<BlockRequest>,
     /// Sent to the target and not answered yet.
     sent: bool,
     deadline: Instant,
@@ -242,26 +242,14 @@ impl QueueWorker {
         let Some(q) = self.link.as_mut() else {
             return self.commit(tag, -libc::EIO);
         };
-        let cmd = match op {
-            Op::Read { offset, len } => Cmd::Read { offset, len },
-            Op::Write { offset, len, fua } => Cmd::Write {
-                offset,
-                // SAFETY: the kernel copied the request's data into this tag's buffer.
-                data: unsafe { std::slice::from_raw_parts(buf, len as usize) },
-                fua,
-            },
-            Op::Flush => Cmd::Flush,
-            Op::Trim { offset, len } => Cmd::Trim { offset, len },
-            Op::Zero {
-                offset,
-                len,
-                no_hole,
-            } => Cmd::WriteZeroes {
-                offset,
-                len,
-                no_hole,
-            },
+        let data: &[u8] = if op.op == BlockOp::Write {
+            // SAFETY: the kernel copied the request's data into this tag's buffer, which holds
+            // `buf_len >= op.len` bytes (map_op checked) and is not written until we commit.
+            unsafe { std::slice::from_raw_parts(buf, op.len as usize) }
+        } else {
+            &[]
         };
+        let cmd = Cmd::from_request(&op, data);
         match q.submit(cmd, tag as u64) {
             Ok(()) => {
                 self.slots[tag].sent = true;
@@ -291,9 +279,9 @@ impl QueueWorker {
         if c.status != Status::Ok {
             return Some(-libc::EIO);
         }
-        Some(match op {
-            Op::Read { len, .. } => {
-                let len = len as usize;
+        Some(match op.op {
+            BlockOp::Read => {
+                let len = op.len as usize;
                 let n = c.data.len().min(len);
                 // SAFETY: tag < slots.len() (`get` above) and n <= len <= buf_len (map_op checked
                 // it): inside this tag's buffer, which the caller lets us write.
@@ -304,7 +292,7 @@ impl QueueWorker {
                 }
                 len as i32
             }
-            Op::Write { len, .. } => len as i32,
+            BlockOp::Write => op.len as i32,
             _ => 0,
         })
     }

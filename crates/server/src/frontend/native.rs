@@ -1,8 +1,8 @@
 //! blkwire's own frames over a stream (docs/PROTOCOL.md §1-§6): the client picks the slot in
 //! each tag, every frame carries its CRC32C, and replies echo the request's header.
 
-use blkwire_backend::{BlockOp, IoFlags};
-use blkwire_wire::{Flags, Header, Opcode, Status, Tag, HEADER_LEN};
+use blkwire_backend::BlockOp;
+use blkwire_wire::{Header, Opcode, Status, Tag, HEADER_LEN};
 
 use super::{Decoded, Kind, Req, StreamFrontend};
 
@@ -56,7 +56,7 @@ impl StreamFrontend for Native {
         if let Err(e) = h.check_crc(&rx[HEADER_LEN..len]) {
             return Decoded::Violation(e.to_string());
         }
-        let Some(op) = block_op(h.opcode) else {
+        let Some(op) = h.opcode.block_op() else {
             let kind = match h.opcode {
                 Opcode::Keepalive => Kind::Keepalive,
                 Opcode::Logout => Kind::Logout,
@@ -96,25 +96,6 @@ impl StreamFrontend for Native {
     }
 }
 
-/// The block operation a native opcode asks for (§3); `None` for the others.
-pub fn block_op(opcode: Opcode) -> Option<BlockOp> {
-    Some(match opcode {
-        Opcode::Read => BlockOp::Read,
-        Opcode::Write => BlockOp::Write,
-        Opcode::Flush => BlockOp::Flush,
-        Opcode::Trim => BlockOp::Trim,
-        Opcode::WriteZeroes => BlockOp::WriteZeroes,
-        _ => return None,
-    })
-}
-
-/// The request modifiers a native header carries (§4).
-pub fn io_flags(h: &Header) -> IoFlags {
-    IoFlags::empty()
-        .with(IoFlags::FUA, h.flags.has(Flags::FUA))
-        .with(IoFlags::NO_HOLE, h.flags.has(Flags::NO_HOLE))
-}
-
 /// FLUSH addresses the whole export with offset and length 0, or a range (§3): a length of 0
 /// with another offset is malformed.
 pub fn flush_args_valid(h: &Header) -> bool {
@@ -122,7 +103,7 @@ pub fn flush_args_valid(h: &Header) -> bool {
 }
 
 fn request(h: &Header, kind: Kind, len: usize) -> Decoded {
-    let flags = io_flags(h);
+    let flags = h.flags.io_flags();
     Decoded::Request {
         req: Req {
             kind,
@@ -140,6 +121,8 @@ fn request(h: &Header, kind: Kind, len: usize) -> Decoded {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use blkwire_backend::IoFlags;
+    use blkwire_wire::Flags;
 
     fn frame(h: &Header, payload: &[u8]) -> Vec<u8> {
         let mut h = *h;
