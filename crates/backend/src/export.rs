@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use blkwire_block::{BlockOp, BlockRequest};
 
-use crate::{Backend, Capabilities, Op, QueueIo, Started, Submitter, Support};
+use crate::{Backend, Capabilities, CopyRange, Op, QueueIo, Started, Submitter, Support};
 
 /// `NAME=BACKEND[,ro]` as given to `serve --export`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -161,6 +161,39 @@ impl Export {
         }
     }
 
+    /// Checks a COPY of `sources` (in order) to consecutive bytes from `dst`: a writable export,
+    /// 1 to `max_copy_ranges` non-empty sources inside it, at most `max_copy_bytes` in all, a
+    /// destination inside it that overlaps no source. Returns the bytes to copy.
+    pub fn check_copy(&self, sources: &[CopyRange], dst: u64) -> Result<u64, Refusal> {
+        if self.read_only {
+            return Err(Refusal::ReadOnly);
+        }
+        let limits = self.capabilities.limits;
+        if sources.is_empty() || sources.len() > limits.max_copy_ranges as usize {
+            return Err(Refusal::Invalid);
+        }
+        let mut total = 0u64;
+        for r in sources {
+            if r.len == 0 {
+                return Err(Refusal::Invalid);
+            }
+            self.check(false, r.offset, r.len as u64)?;
+            total += r.len as u64;
+        }
+        if total > limits.max_copy_bytes {
+            return Err(Refusal::Invalid);
+        }
+        self.check(true, dst, total)?;
+        let dst_end = dst + total;
+        if sources
+            .iter()
+            .any(|r| r.offset < dst_end && dst < r.offset + r.len as u64)
+        {
+            return Err(Refusal::Invalid);
+        }
+        Ok(total)
+    }
+
     /// READ and WRITE must start and end on this boundary (O_DIRECT backends); 1 otherwise.
     pub fn alignment(&self) -> u64 {
         self.backend.buffer_alignment().max(1) as u64
@@ -190,9 +223,28 @@ pub enum Progress {
 
 /// Bytes of zeros written per step when WRITE_ZEROES is emulated.
 const ZERO_CHUNK: u32 = 1 << 20;
+/// Bytes moved per backend operation of a COPY (the bounce buffer's size when emulated).
+const COPY_CHUNK: u32 = 1 << 20;
+
+/// Where a COPY is.
+#[derive(Debug)]
+struct CopyState {
+    ranges: Vec<CopyRange>,
+    /// The range being copied, and how far into it.
+    idx: usize,
+    at: u32,
+    /// Where the next chunk lands.
+    dst: u64,
+    /// Bytes the operation now running moves (the result must say as much).
+    chunk: u32,
+    /// Emulation: the chunk was read into `bounce` and must be written next.
+    read_done: bool,
+    /// Emulation only: the chunk between its read and its write.
+    bounce: Option<AlignedBuf>,
+}
 
 /// What happens when the backend operation now running for a request completes.
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 enum Next {
     /// Its result is the request's result.
     Report,
@@ -202,6 +254,8 @@ enum Next {
     ReportWrite(i32),
     /// WRITE_ZEROES by writes: `at..end` is still to be zeroed.
     Zero { at: u64, end: u64 },
+    /// A COPY, chunk by chunk: natively, or by a read then a write through a bounce buffer.
+    Copy(Box<CopyState>),
 }
 
 /// A request whose backend operations are still running.
@@ -297,6 +351,34 @@ impl ExportQueue {
         unsafe { self.drive(op, tag, next, sq) }
     }
 
+    /// Starts a COPY of `sources` (in order) to consecutive bytes from `dst`, already checked
+    /// with [`Export::check_copy`]. Natively where the backend can, else by reads and writes
+    /// through a bounce buffer of the request's own, inside the target. Completions and the
+    /// result (0 or a negative errno) come as for [`ExportQueue::start`].
+    pub fn start_copy(
+        &mut self,
+        sources: &[CopyRange],
+        dst: u64,
+        tag: u64,
+        sq: &mut dyn Submitter,
+    ) -> Progress {
+        let state = CopyState {
+            ranges: sources.to_vec(),
+            idx: 0,
+            at: 0,
+            dst,
+            chunk: 0,
+            read_done: false,
+            bounce: None,
+        };
+        match self.after(Next::Copy(Box::new(state)), 0) {
+            Err(r) => Progress::Done(r),
+            // SAFETY: every operation of a copy works on the export and on the bounce buffer
+            // its step owns, which lives until the step is done.
+            Ok((op, next)) => unsafe { self.drive(op, tag, next, sq) },
+        }
+    }
+
     /// A ring completion for `tag`: the request's result when it is finished, `None` while more
     /// is to come.
     pub fn complete(&mut self, tag: u64, res: i32, sq: &mut dyn Submitter) -> Option<i32> {
@@ -385,6 +467,7 @@ impl ExportQueue {
         match next {
             Next::Report => Err(res),
             _ if res < 0 => Err(res),
+            Next::Copy(st) => self.copy_step(st, res),
             Next::FlushAfterWrite => Ok((Op::Flush, Next::ReportWrite(res))),
             Next::ReportWrite(wrote) => Err(wrote),
             Next::Zero { at, end } if at >= end => Err(0),
@@ -411,10 +494,65 @@ impl ExportQueue {
         }
     }
 
+    /// The next operation of a COPY after one that returned `res` (>= 0).
+    fn copy_step(&mut self, mut st: Box<CopyState>, res: i32) -> Result<(Op, Next), i32> {
+        if res as u32 != st.chunk {
+            return Err(-libc::EIO); // a short read or write inside the export
+        }
+        if st.read_done {
+            // Emulation: the chunk is in the bounce buffer; write it.
+            st.read_done = false;
+            let buf = st
+                .bounce
+                .as_mut()
+                .expect("emulated copies have a bounce buffer");
+            let write = Op::Write {
+                offset: st.dst,
+                buf: buf.as_mut_ptr(),
+                len: st.chunk,
+                fua: false,
+            };
+            return Ok((write, Next::Copy(st)));
+        }
+        st.at += st.chunk;
+        st.dst += st.chunk as u64;
+        while st.idx < st.ranges.len() && st.at >= st.ranges[st.idx].len {
+            st.idx += 1;
+            st.at = 0;
+        }
+        let Some(r) = st.ranges.get(st.idx).copied() else {
+            return Err(0);
+        };
+        let src = r.offset + st.at as u64;
+        st.chunk = (r.len - st.at).min(COPY_CHUNK);
+        if self.caps.copy == Support::Native {
+            let copy = Op::Copy {
+                src,
+                dst: st.dst,
+                len: st.chunk,
+            };
+            return Ok((copy, Next::Copy(st)));
+        }
+        st.read_done = true;
+        let align = self.zero_align;
+        let buf = st
+            .bounce
+            .get_or_insert_with(|| AlignedBuf::zeroed(COPY_CHUNK as usize, align));
+        let read = Op::Read {
+            offset: src,
+            buf: buf.as_mut_ptr(),
+            len: st.chunk,
+        };
+        Ok((read, Next::Copy(st)))
+    }
+
     /// Reads `buf.len()` bytes at `offset` to completion (for callers outside the data path).
     pub fn read_blocking(&mut self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         let req = BlockRequest::new(BlockOp::Read, offset, len32(buf.len())?);
-        self.blocking(Op::for_request(&req, buf.as_mut_ptr()))
+        let op = Op::for_request(&req, buf.as_mut_ptr());
+        // SAFETY: `buf` is borrowed for this whole call, and `blocking` returns only once the
+        // result is delivered (or before anything reached the kernel).
+        self.blocking(|q, sq| unsafe { q.start(op, BLOCKING_TAG, sq) })
     }
 
     /// Writes `data` at `offset` to completion, durably first if `fua`.
@@ -425,7 +563,14 @@ impl ExportQueue {
             crate::IoFlags::empty()
         });
         // The backend only reads a WRITE's buffer.
-        self.blocking(Op::for_request(&req, data.as_ptr().cast_mut()))
+        let op = Op::for_request(&req, data.as_ptr().cast_mut());
+        // SAFETY: as in read_blocking.
+        self.blocking(|q, sq| unsafe { q.start(op, BLOCKING_TAG, sq) })
+    }
+
+    /// Copies `sources` to `dst` to completion (checked with [`Export::check_copy`] first).
+    pub fn copy_blocking(&mut self, sources: &[CopyRange], dst: u64) -> io::Result<()> {
+        self.blocking(|q, sq| q.start_copy(sources, dst, BLOCKING_TAG, sq))
     }
 
     /// Runs a FLUSH, TRIM or WRITE_ZEROES to completion.
@@ -436,25 +581,28 @@ impl ExportQueue {
                 "READ and WRITE need a buffer: use read_blocking or write_blocking",
             ));
         }
-        self.blocking(Op::for_request(req, std::ptr::null_mut()))
+        let op = Op::for_request(req, std::ptr::null_mut());
+        // SAFETY: no buffer: FLUSH, TRIM and WRITE_ZEROES name none.
+        self.blocking(|q, sq| unsafe { q.start(op, BLOCKING_TAG, sq) })
     }
 
-    /// Runs one operation to completion on a private ring, or by waiting on the notifier.
-    /// Never returns while the operation may still touch its buffer.
-    fn blocking(&mut self, op: Op) -> io::Result<()> {
+    /// Runs one request, started by `start` with [`BLOCKING_TAG`], to completion on a private
+    /// ring or by waiting on the notifier. Never returns while the request may still touch a
+    /// buffer once anything reached the kernel or the backend's threads.
+    fn blocking(
+        &mut self,
+        start: impl FnOnce(&mut Self, &mut dyn Submitter) -> Progress,
+    ) -> io::Result<()> {
         struct Collect(Vec<io_uring::squeue::Entry>);
         impl Submitter for Collect {
             fn push(&mut self, e: io_uring::squeue::Entry) {
                 self.0.push(e);
             }
         }
-        const TAG: u64 = 1;
         let mut sub = Collect(Vec::new());
         let mut ring: Option<io_uring::IoUring> = None;
         let mut in_ring = 0usize;
-        // SAFETY: the buffer is borrowed by our caller for this whole call, and we return only
-        // once the result is delivered (or before anything reached the kernel).
-        let mut result = match unsafe { self.start(op, TAG, &mut sub) } {
+        let mut result = match start(self, &mut sub) {
             Progress::Done(r) => Some(r),
             Progress::Pending => None,
         };
@@ -508,6 +656,9 @@ impl ExportQueue {
         }
     }
 }
+
+/// The tag of requests run by the blocking helpers (they run one at a time).
+const BLOCKING_TAG: u64 = 1;
 
 fn len32(n: usize) -> io::Result<u32> {
     u32::try_from(n).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "buffer over 4 GiB"))
@@ -588,6 +739,12 @@ impl AlignedBuf {
     /// The first byte, for I/O that fills the buffer while it is not borrowed.
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ptr
+    }
+}
+
+impl fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "AlignedBuf({} bytes)", self.len())
     }
 }
 
@@ -703,7 +860,7 @@ mod tests {
                 caps,
                 asynchronous,
                 fail_flush: false,
-                data: std::sync::Mutex::new(vec![0xaa; 4 << 20]),
+                data: std::sync::Mutex::new(vec![0xaa; 8 << 20]),
                 log: std::sync::Mutex::new(Vec::new()),
             })
         }
@@ -717,7 +874,7 @@ mod tests {
             "recorder".into()
         }
         fn size(&self) -> u64 {
-            4 << 20
+            8 << 20
         }
         fn block_sizes(&self) -> (u32, u32) {
             (512, 4096)
@@ -778,6 +935,10 @@ mod tests {
                     if self.b.fail_flush { -libc::EIO } else { 0 },
                 ),
                 Op::Trim { offset, len } => (format!("trim {offset}+{len}"), 0),
+                Op::Copy { src, dst, len } => {
+                    data.copy_within(src as usize..(src + len as u64) as usize, dst as usize);
+                    (format!("copy {src}->{dst}+{len}"), len as i32)
+                }
                 Op::WriteZeroes { offset, len, .. } => {
                     data[offset as usize..][..len as usize].fill(0);
                     (format!("zero {offset}+{len}"), 0)
@@ -904,6 +1065,138 @@ mod tests {
                 .unwrap();
             assert_eq!(b.log().len(), 3);
         }
+    }
+
+    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+        (0..len).map(|i| (i % 251) as u8 ^ seed).collect()
+    }
+
+    /// Three sources copied to one destination, read back, on a backend: the destination holds
+    /// the sources in order, and nothing around it changed.
+    fn copy_round_trip(q: &mut ExportQueue, e: &Export) {
+        let a = pattern(4096, 1);
+        let b = pattern(COPY_CHUNK as usize + 8192, 2); // more than one chunk
+        let c = pattern(512, 3);
+        q.write_blocking(0, &a, false).unwrap();
+        q.write_blocking(1 << 20, &b, false).unwrap();
+        q.write_blocking(3 << 20, &c, false).unwrap();
+        let sources = [
+            CopyRange {
+                offset: 0,
+                len: 4096,
+            },
+            CopyRange {
+                offset: 1 << 20,
+                len: b.len() as u32,
+            },
+            CopyRange {
+                offset: 3 << 20,
+                len: 512,
+            },
+        ];
+        let dst = 4 << 20;
+        let total = e.check_copy(&sources, dst).unwrap();
+        assert_eq!(total, (a.len() + b.len() + c.len()) as u64);
+        q.copy_blocking(&sources, dst).unwrap();
+        let mut back = vec![0u8; total as usize + 512];
+        q.read_blocking(dst - 256, &mut back).unwrap();
+        let want: Vec<u8> = [&a[..], &b[..], &c[..]].concat();
+        assert!(
+            back[256..256 + total as usize] == want[..],
+            "copied data differs"
+        );
+        assert!(
+            back[..256].iter().all(|&x| x == back[0]),
+            "bytes before the destination kept"
+        );
+    }
+
+    #[test]
+    fn copy_is_native_on_mem_and_file_and_emulated_elsewhere() {
+        let m = Export::open(&ExportSpec::parse("m=mem:8M").unwrap()).unwrap();
+        assert_eq!(m.capabilities().copy, Support::Native);
+        copy_round_trip(&mut m.open_queue().unwrap(), &m);
+
+        let dir = std::env::temp_dir().join(format!("blkwire-copy-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("c.img");
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(8 << 20)
+            .unwrap();
+        let f = Export::open(&ExportSpec::parse(&format!("f=file:{}", path.display())).unwrap())
+            .unwrap();
+        assert_eq!(f.capabilities().copy, Support::Native);
+        copy_round_trip(&mut f.open_queue().unwrap(), &f);
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        for asynchronous in [false, true] {
+            let b = Recorder::new(Capabilities::default(), asynchronous);
+            let e = Export::new("t", b.clone(), false);
+            assert_eq!(e.capabilities().copy, Support::Emulated);
+            copy_round_trip(&mut e.open_queue().unwrap(), &e);
+            let log = b.log();
+            assert!(
+                !log.iter().any(|l| l.starts_with("copy")),
+                "emulated: {log:?}"
+            );
+            // 4 KiB, then 1 MiB + 8 KiB in two chunks, then 512 B: each a read and a write.
+            let reads = log.iter().filter(|l| l.starts_with("read")).count();
+            assert_eq!(reads, 4 + 1, "{log:?}"); // + the read-back
+        }
+        let b = Recorder::new(
+            Capabilities {
+                copy: Support::Native,
+                ..Capabilities::default()
+            },
+            true,
+        );
+        let e = Export::new("t", b.clone(), false);
+        copy_round_trip(&mut e.open_queue().unwrap(), &e);
+        let copies = b.log().iter().filter(|l| l.starts_with("copy")).count();
+        assert_eq!(copies, 4, "native copies go to the backend in chunks");
+    }
+
+    #[test]
+    fn copy_checks() {
+        let e = Export::open(&ExportSpec::parse("m=mem:1M").unwrap()).unwrap();
+        let r = |offset, len| CopyRange { offset, len };
+        assert_eq!(e.check_copy(&[r(0, 4096)], 8192), Ok(4096));
+        assert_eq!(e.check_copy(&[], 0), Err(Refusal::Invalid), "no source");
+        assert_eq!(
+            e.check_copy(&[r(0, 0)], 8192),
+            Err(Refusal::Invalid),
+            "empty source"
+        );
+        assert_eq!(
+            e.check_copy(&[r(0, 8192)], 4096),
+            Err(Refusal::Invalid),
+            "overlap"
+        );
+        assert_eq!(
+            e.check_copy(&[r(8192, 4096)], 4096),
+            Ok(4096),
+            "adjacent is fine"
+        );
+        assert_eq!(
+            e.check_copy(&[r((1 << 20) - 512, 1024)], 0),
+            Err(Refusal::OutOfRange),
+            "source past the end"
+        );
+        assert_eq!(
+            e.check_copy(&[r(0, 4096)], (1 << 20) - 512),
+            Err(Refusal::OutOfRange),
+            "destination past the end"
+        );
+        assert_eq!(e.check_copy(&[r(u64::MAX, 2)], 0), Err(Refusal::OutOfRange));
+        let many = vec![r(0, 512); 129];
+        assert_eq!(
+            e.check_copy(&many, 1 << 19),
+            Err(Refusal::Invalid),
+            "too many ranges"
+        );
+        let ro = Export::open(&ExportSpec::parse("m=mem:1M,ro").unwrap()).unwrap();
+        assert_eq!(ro.check_copy(&[r(0, 512)], 4096), Err(Refusal::ReadOnly));
     }
 
     #[test]

@@ -237,6 +237,67 @@ impl FileBackend {
     }
 }
 
+impl FileBackend {
+    /// COPY within the file: `copy_file_range` (the filesystem may share extents or copy on
+    /// the server), and where the filesystem refuses, reads and writes through `bounce`.
+    /// Runs inline, like TRIM; `len` or a negative errno.
+    fn copy(&self, src: u64, dst: u64, len: u32, bounce: &mut ZeroBuf) -> i32 {
+        let (mut s, mut d, mut left) = (src as libc::loff_t, dst as libc::loff_t, len as usize);
+        while left > 0 {
+            // SAFETY: copy_file_range between ranges of our own descriptor; the kernel advances
+            // the offsets we pass.
+            let n = unsafe { libc::copy_file_range(self.fd, &mut s, self.fd, &mut d, left, 0) };
+            match n {
+                n if n > 0 => left -= n as usize,
+                0 => return -libc::EIO,
+                _ => match io::Error::last_os_error().raw_os_error() {
+                    Some(libc::EINTR) => continue,
+                    Some(libc::EXDEV | libc::EOPNOTSUPP | libc::EINVAL | libc::ENOSYS) => {
+                        return self
+                            .copy_by_reading(s as u64, d as u64, left, bounce.get_mut())
+                            .map_or_else(|e| e, |()| len as i32);
+                    }
+                    e => return -e.unwrap_or(libc::EIO),
+                },
+            }
+        }
+        len as i32
+    }
+
+    fn copy_by_reading(
+        &self,
+        mut src: u64,
+        mut dst: u64,
+        mut left: usize,
+        buf: &mut [u8],
+    ) -> Result<(), i32> {
+        let errno = || {
+            -io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::EIO)
+        };
+        while left > 0 {
+            let n = left.min(buf.len());
+            // SAFETY: pread into our own buffer of at least `n` bytes.
+            let r = unsafe { libc::pread(self.fd, buf.as_mut_ptr().cast(), n, src as libc::off_t) };
+            if r <= 0 {
+                return Err(if r == 0 { -libc::EIO } else { errno() });
+            }
+            let r = r as usize;
+            // SAFETY: pwrite of the `r` bytes just read.
+            let w = unsafe { libc::pwrite(self.fd, buf.as_ptr().cast(), r, dst as libc::off_t) };
+            if w <= 0 {
+                return Err(if w == 0 { -libc::EIO } else { errno() });
+            }
+            let w = w as usize;
+            src += w as u64;
+            dst += w as u64;
+            left -= w;
+        }
+        Ok(())
+    }
+}
+
 /// True when a file has no data extent at all (one big hole).
 pub(crate) fn no_data(fd: libc::c_int) -> bool {
     // SAFETY: lseek on the caller's fd.
@@ -308,6 +369,7 @@ impl Backend for FileBackend {
             fua: Support::Native,
             trim: Support::native_if(self.block_device || self.punch_hole),
             write_zeroes: Support::Native,
+            copy: Support::Native,
             rotational: self.rotational,
             fast_zero: self.block_device || self.punch_hole,
             ..Capabilities::default()
@@ -328,6 +390,7 @@ impl Backend for FileBackend {
         Ok(Box::new(FileQueue {
             file: self,
             zeros: ZeroBuf::default(),
+            scratch: ZeroBuf::default(),
         }))
     }
     fn buffer_alignment(&self) -> usize {
@@ -344,16 +407,27 @@ impl Backend for FileBackend {
 struct ZeroBuf(Option<crate::export::AlignedBuf>);
 
 impl ZeroBuf {
-    fn get(&mut self) -> &[u8] {
+    fn buf(&mut self) -> &mut crate::export::AlignedBuf {
         self.0
             .get_or_insert_with(|| crate::export::AlignedBuf::zeroed(1 << 20, 4096))
-            .as_slice()
+    }
+
+    fn get(&mut self) -> &[u8] {
+        self.buf().as_slice()
+    }
+
+    /// The buffer as scratch (a queue's COPY fallback has a `ZeroBuf` of its own, never the
+    /// one that WRITE_ZEROES writes from).
+    fn get_mut(&mut self) -> &mut [u8] {
+        self.buf().as_mut_slice()
     }
 }
 
 struct FileQueue {
     file: Arc<FileBackend>,
     zeros: ZeroBuf,
+    /// COPY's bounce buffer where the filesystem cannot copy_file_range.
+    scratch: ZeroBuf,
 }
 
 impl QueueIo for FileQueue {
@@ -377,6 +451,9 @@ impl QueueIo for FileQueue {
                 .flags(types::FsyncFlags::DATASYNC)
                 .build(),
             Op::Trim { offset, len } => return Started::Done(self.file.trim(offset, len)),
+            Op::Copy { src, dst, len } => {
+                return Started::Done(self.file.copy(src, dst, len, &mut self.scratch))
+            }
             Op::WriteZeroes {
                 offset,
                 len,

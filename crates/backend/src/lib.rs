@@ -24,7 +24,7 @@ use std::io;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
-pub use blkwire_block::{BlockOp, BlockRequest, Capabilities, IoFlags, Limits, Support};
+pub use blkwire_block::{BlockOp, BlockRequest, Capabilities, CopyRange, IoFlags, Limits, Support};
 pub use export::{
     push_extent, AlignedBuf, Export, ExportQueue, ExportSpec, Progress, Refusal, SpecError,
 };
@@ -88,6 +88,16 @@ pub enum Op {
         len: u32,
         /// The range must stay allocated.
         no_hole: bool,
+    },
+    /// Copy `len` bytes from `src` to `dst` within the export (the ranges do not overlap).
+    /// Only sent to backends with native COPY; the result is `len` or a negative errno.
+    Copy {
+        /// First byte of the source.
+        src: u64,
+        /// First byte of the destination.
+        dst: u64,
+        /// Bytes.
+        len: u32,
     },
 }
 

@@ -153,6 +153,17 @@ impl MemBackend {
                 len as i32
             }
             Op::Flush => 0,
+            // pread from the memfd, not a copy through the mapping: a source hole stays
+            // unallocated instead of being faulted in.
+            Op::Copy { src, dst, len } => {
+                // SAFETY: the destination range is bounds-checked by Export (check_copy) and
+                // lies inside our mapping; the source range is inside the file and does not
+                // overlap it.
+                match unsafe { self.read(src, self.base.add(dst as usize), len) } {
+                    0 => len as i32,
+                    e => e,
+                }
+            }
             Op::Trim { offset, len }
             | Op::WriteZeroes {
                 offset,
@@ -195,6 +206,7 @@ impl Backend for MemBackend {
         Capabilities {
             trim: Support::Native,
             write_zeroes: Support::Native,
+            copy: Support::Native,
             fast_zero: true,
             ..Capabilities::default()
         }

@@ -37,6 +37,7 @@ impl Backend for NullBackend {
         Capabilities {
             trim: Support::Native,
             write_zeroes: Support::Native,
+            copy: Support::Native,
             fast_zero: true,
             ..Capabilities::default()
         }
@@ -66,7 +67,7 @@ impl QueueIo for NullQueue {
                 unsafe { std::ptr::write_bytes(buf, 0, len as usize) };
                 len as i32
             }
-            Op::Write { len, .. } => len as i32,
+            Op::Write { len, .. } | Op::Copy { len, .. } => len as i32,
             _ => 0,
         })
     }

@@ -39,6 +39,10 @@ pub struct Limits {
     pub max_trim_bytes: u64,
     /// Largest WRITE_ZEROES the backend takes at once.
     pub max_zero_bytes: u64,
+    /// Most bytes one COPY may move in all.
+    pub max_copy_bytes: u64,
+    /// Most source ranges one COPY may name.
+    pub max_copy_ranges: u16,
 }
 
 impl Default for Limits {
@@ -47,6 +51,8 @@ impl Default for Limits {
         Limits {
             max_trim_bytes: u32::MAX as u64,
             max_zero_bytes: u32::MAX as u64,
+            max_copy_bytes: u32::MAX as u64,
+            max_copy_ranges: 128,
         }
     }
 }
@@ -63,6 +69,8 @@ pub struct Capabilities {
     pub trim: Support,
     /// WRITE_ZEROES zeroes a range without the zeros crossing the wire.
     pub write_zeroes: Support,
+    /// COPY moves data between ranges of the export inside the target.
+    pub copy: Support,
     /// WRITE_ZEROES is a metadata operation, never a write of zeros (NBD's FAST_ZERO).
     pub fast_zero: bool,
     /// The medium seeks (spinning disk).
@@ -77,6 +85,8 @@ impl Capabilities {
     /// - FUA is native, else emulated as a write followed by a flush where flush exists;
     /// - TRIM is native, else emulated as advisory (it completes and changes nothing);
     /// - WRITE_ZEROES is native, else emulated by writing zeros inside the target;
+    /// - COPY is native, else emulated by reads and writes inside the target (never over the
+    ///   wire);
     /// - FAST_ZERO only where zeroing is native and the backend says it is metadata-only.
     pub fn effective(native: Capabilities) -> Capabilities {
         let native_only = |s: Support| Support::native_if(s == Support::Native);
@@ -99,6 +109,7 @@ impl Capabilities {
             fua,
             trim: or_emulated(native.trim),
             write_zeroes,
+            copy: or_emulated(native.copy),
             fast_zero: native.fast_zero && write_zeroes == Support::Native,
             rotational: native.rotational,
             limits: native.limits,
@@ -146,6 +157,14 @@ mod tests {
                 "declared flush={fl} fua={fu} trim={tr} zero={ze} fast={fa}"
             );
         }
+    }
+
+    #[test]
+    fn copy_is_always_served_natively_or_emulated() {
+        let mut d = declared(false, false, false, false, false);
+        assert_eq!(Capabilities::effective(d).copy, Emulated);
+        d.copy = Native;
+        assert_eq!(Capabilities::effective(d).copy, Native);
     }
 
     #[test]

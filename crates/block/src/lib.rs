@@ -114,6 +114,15 @@ impl BlockRequest {
     }
 }
 
+/// One source range of a COPY: `len` bytes from `offset` of the same export.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CopyRange {
+    /// First byte of the source.
+    pub offset: u64,
+    /// Bytes to copy.
+    pub len: u32,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
