@@ -5,7 +5,8 @@
 
 #![no_main]
 
-use blkwire_map::ublk::abi::{map_op, IoDesc, Op};
+use blkwire_client::BlockOp;
+use blkwire_map::ublk::abi::{map_op, IoDesc};
 use libfuzzer_sys::fuzz_target;
 
 const BUF: usize = 1 << 20;
@@ -25,20 +26,11 @@ fuzz_target!(|data: &[u8]| {
     let Ok(op) = map_op(&d, readonly, BUF) else {
         return;
     };
-    let offset = match op {
-        Op::Read { offset, len } => {
-            assert!(len as usize <= BUF);
-            offset
-        }
-        Op::Write { offset, len, .. } => {
-            assert!(len as usize <= BUF && !readonly);
-            offset
-        }
-        Op::Trim { offset, .. } | Op::Zero { offset, .. } => {
-            assert!(!readonly);
-            offset
-        }
-        Op::Flush => return,
-    };
-    assert_eq!(offset as u128, d.start_sector as u128 * 512);
+    match op.op {
+        BlockOp::Flush => return,
+        BlockOp::Read => assert!(op.len as usize <= BUF),
+        BlockOp::Write => assert!(op.len as usize <= BUF && !readonly),
+        BlockOp::Trim | BlockOp::WriteZeroes => assert!(!readonly),
+    }
+    assert_eq!(op.offset as u128, d.start_sector as u128 * 512);
 });

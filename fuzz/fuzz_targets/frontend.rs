@@ -1,0 +1,64 @@
+//! The server's stream frontends (crates/server/src/frontend): native frames and NBD's
+//! transmission phase, each with several negotiated states, walked over arbitrary bytes the way
+//! the reactor walks a receive buffer. No panic on any input; `Need(n)` always asks for more than
+//! is buffered (else the reactor would wait forever with a whole message in hand) and never more
+//! than one maximum message; a decoded message lies inside the buffer with its payload at its
+//! end; and every reply to a decoded request can be encoded.
+
+#![no_main]
+
+use blkwire_server::frontend::native::Native;
+use blkwire_server::frontend::nbd::Nbd;
+use blkwire_server::frontend::{Decoded, StreamFrontend};
+use blkwire_wire::{Status, HEADER_LEN};
+use libfuzzer_sys::fuzz_target;
+
+const MAX_IO: u32 = 1 << 20;
+
+fn walk(fe: &mut dyn StreamFrontend, data: &[u8]) {
+    let mut at = 0usize;
+    let mut tx = Vec::new();
+    loop {
+        let rx = &data[at..];
+        match fe.decode(rx) {
+            Decoded::Need(n) => {
+                assert!(n > rx.len(), "Need({n}) with {} bytes buffered", rx.len());
+                assert!(n <= HEADER_LEN + MAX_IO as usize, "Need({n}) beyond one message");
+                return;
+            }
+            Decoded::Violation(_) => return,
+            Decoded::Request {
+                req,
+                len,
+                payload_len,
+            } => {
+                assert!(len > 0 && len <= rx.len() && payload_len <= len);
+                assert!(payload_len <= MAX_IO as usize);
+                tx.clear();
+                for status in [Status::Ok, Status::Io, Status::OutOfRange] {
+                    fe.reply(&req, status, &mut tx);
+                }
+                if req.is_read() {
+                    let mut prefix = vec![0u8; fe.read_prefix_len()];
+                    fe.write_read_prefix(&req, &mut prefix);
+                }
+                fe.block_status_reply(&req, &[(req.length, true)], &mut tx);
+                at += len;
+            }
+        }
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    for depth in [1u16, 128] {
+        walk(&mut Native::new(depth, MAX_IO), data);
+    }
+    for (structured, allocation) in [(false, false), (true, false), (true, true)] {
+        let mut nbd = Nbd {
+            structured,
+            allocation,
+            max_io: MAX_IO,
+        };
+        walk(&mut nbd, data);
+    }
+});
