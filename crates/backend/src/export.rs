@@ -202,6 +202,7 @@ impl Export {
     /// Opens the per-queue handle, wrapped in the emulation layer.
     pub fn open_queue(&self) -> io::Result<ExportQueue> {
         Ok(ExportQueue {
+            backend: self.backend.clone(),
             io: self.backend.clone().open_queue()?,
             caps: self.capabilities,
             zero_align: self.backend.buffer_alignment().max(4096),
@@ -271,6 +272,7 @@ struct Step {
 /// A queue's handle on an export: the backend's own handle plus emulation of missing
 /// capabilities.
 pub struct ExportQueue {
+    backend: Arc<dyn Backend>,
     io: Box<dyn QueueIo>,
     caps: Capabilities,
     zero_align: usize,
@@ -349,6 +351,34 @@ impl ExportQueue {
         // SAFETY: our caller's contract covers `op`'s buffer; emulation only adds operations on
         // our own zero buffer, which lives as long as `self`.
         unsafe { self.drive(op, tag, next, sq) }
+    }
+
+    /// Starts an allocation query of `offset..offset+len` (range-checked): its extents are
+    /// appended to `*out`, coalesced, at most [`crate::MAX_EXTENTS`]. Answered on this thread
+    /// unless the backend runs queries on its own threads (then `Pending`, with the result, 0
+    /// or a negative errno, from [`ExportQueue::reap`]).
+    ///
+    /// # Safety
+    /// `out` must stay valid, and untouched by anyone else, until the result is delivered.
+    pub unsafe fn start_allocation(
+        &mut self,
+        offset: u64,
+        len: u64,
+        out: *mut Vec<crate::Extent>,
+        tag: u64,
+        sq: &mut dyn Submitter,
+    ) -> Progress {
+        // SAFETY: passed on from our caller.
+        match unsafe { self.io.start_allocation(offset, len, out, tag, sq) } {
+            None => {
+                // SAFETY: our caller vouches for `out`, and nothing else holds it.
+                self.backend.allocation(offset, len, unsafe { &mut *out });
+                Progress::Done(0)
+            }
+            Some(Started::Done(r)) => Progress::Done(r),
+            Some(Started::Submitted(n)) => self.wait_for(tag, n, Next::Report),
+            Some(Started::Async) => Progress::Pending,
+        }
     }
 
     /// Starts a COPY of `sources` (in order) to consecutive bytes from `dst`, already checked
@@ -571,6 +601,16 @@ impl ExportQueue {
     /// Copies `sources` to `dst` to completion (checked with [`Export::check_copy`] first).
     pub fn copy_blocking(&mut self, sources: &[CopyRange], dst: u64) -> io::Result<()> {
         self.blocking(|q, sq| q.start_copy(sources, dst, BLOCKING_TAG, sq))
+    }
+
+    /// The allocation map of `offset..offset+len` (range-checked), however the backend answers.
+    pub fn allocation_blocking(&mut self, offset: u64, len: u64) -> io::Result<Vec<crate::Extent>> {
+        let mut out = Vec::new();
+        let p: *mut Vec<crate::Extent> = &mut out;
+        // SAFETY: `out` lives until this function returns, which `blocking` does only once the
+        // result is delivered; nothing else touches it meanwhile.
+        self.blocking(|q, sq| unsafe { q.start_allocation(offset, len, p, BLOCKING_TAG, sq) })?;
+        Ok(out)
     }
 
     /// Runs a FLUSH, TRIM or WRITE_ZEROES to completion.
@@ -840,8 +880,36 @@ mod tests {
     fn memthread_backend_completes_on_its_helper_thread() {
         round_trip("m=memthread:1M");
         let e = Export::open(&ExportSpec::parse("m=memthread:1M").unwrap()).unwrap();
-        let q = e.open_queue().unwrap();
+        let mut q = e.open_queue().unwrap();
         assert!(!q.completes_inline() && q.notifier().is_some());
+        // An allocation query also runs on the helper thread: Pending, then reaped.
+        q.write_blocking(8192, &[1u8; 4096], false).unwrap();
+        struct NoRing;
+        impl Submitter for NoRing {
+            fn push(&mut self, _: io_uring::squeue::Entry) {
+                panic!("memthread uses no ring")
+            }
+        }
+        let mut out = Vec::new();
+        // SAFETY: `out` outlives the query, whose result is reaped below before it is read.
+        let p = unsafe { q.start_allocation(0, 1 << 20, &mut out, 5, &mut NoRing) };
+        assert_eq!(p, Progress::Pending);
+        let mut got = None;
+        while got.is_none() {
+            let mut pfd = libc::pollfd {
+                fd: q.notifier().unwrap(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: poll on one descriptor the backend owns.
+            unsafe { libc::poll(&mut pfd, 1, 5000) };
+            q.reap(&mut NoRing, &mut |t, r| got = Some((t, r)));
+        }
+        assert_eq!(got, Some((5, 0)));
+        let data: Vec<_> = out.iter().filter(|x| !x.hole).collect();
+        assert_eq!(data.len(), 1, "{out:?}");
+        assert_eq!(out.iter().map(|x| x.len).sum::<u64>(), 1 << 20);
+        assert_eq!(q.allocation_blocking(0, 1 << 20).unwrap(), out);
     }
 
     /// A backend that records what reaches it and keeps its data in a Vec: completes inline,
@@ -1218,6 +1286,7 @@ mod tests {
             fn push(&mut self, _: io_uring::squeue::Entry) {}
         }
         let mut q = ExportQueue {
+            backend: Arc::new(MemBackend::new(1 << 20).unwrap()),
             io: Box::new(TwoEntries),
             caps: Capabilities::effective(flush_only()),
             zero_align: 4096,

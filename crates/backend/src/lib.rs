@@ -192,4 +192,24 @@ pub trait QueueIo {
 
     /// Hands over the results of operations that started `Async`: `(tag, result)` each.
     fn reap(&mut self, _done: &mut dyn FnMut(u64, i32)) {}
+
+    /// Starts an allocation query of `offset..offset+len` (range-checked) whose extents are
+    /// appended to `*out`, as [`Backend::allocation`] would, and reports 0 or a negative errno
+    /// like any operation. `None`, the default, means the backend answers on the calling thread
+    /// through [`Backend::allocation`]; backends whose query is slow or remote (librbd's diff
+    /// iteration) run it on their own threads and return `Some(Started::Async)`. A backend whose
+    /// `completes_inline` is true must answer inline here too.
+    ///
+    /// # Safety
+    /// `out` must stay valid, and untouched by anyone else, until the result is delivered.
+    unsafe fn start_allocation(
+        &mut self,
+        _offset: u64,
+        _len: u64,
+        _out: *mut Vec<Extent>,
+        _tag: u64,
+        _sq: &mut dyn Submitter,
+    ) -> Option<Started> {
+        None
+    }
 }

@@ -5,7 +5,8 @@
 //! the operation to the helper and returns [`Started::Async`]; the helper runs it on a
 //! [`MemBackend`], queues `(tag, result)` and bumps an eventfd; the queue thread, which watches
 //! that eventfd in its own ring ([`QueueIo::notifier`]), collects results with
-//! [`QueueIo::reap`]. The data path takes no lock: two channels and an eventfd.
+//! [`QueueIo::reap`]. Allocation queries take the same way. The data path takes no lock: two
+//! channels and an eventfd.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -14,6 +15,16 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crate::{Backend, Capabilities, Extent, MemBackend, Op, QueueIo, Started, Submitter};
+
+/// What the helper thread is asked to do.
+enum Work {
+    Io(Op),
+    Allocation {
+        offset: u64,
+        len: u64,
+        out: *mut Vec<Extent>,
+    },
+}
 
 /// A [`MemBackend`] served by helper threads.
 pub struct MemThreadBackend {
@@ -63,9 +74,16 @@ impl Backend for MemThreadBackend {
             .name("blkwire-memthread".into())
             .spawn(move || {
                 for job in job_rx {
-                    // SAFETY: the queue that started the op keeps its buffer valid until the
-                    // result is reaped (QueueIo::start's contract), which happens after this.
-                    let res = unsafe { self.mem.execute(job.op.0) };
+                    let res = match job.work.0 {
+                        // SAFETY: the queue that started the op keeps its buffer valid until the
+                        // result is reaped (QueueIo::start's contract), which happens after this.
+                        Work::Io(op) => unsafe { self.mem.execute(op) },
+                        Work::Allocation { offset, len, out } => {
+                            // SAFETY: as above, for the extent list (start_allocation's contract).
+                            self.mem.allocation(offset, len, unsafe { &mut *out });
+                            0
+                        }
+                    };
                     if done_tx.send((job.tag, res)).is_err() {
                         return;
                     }
@@ -83,15 +101,29 @@ impl Backend for MemThreadBackend {
     }
 }
 
-/// An op on its way to the helper thread.
-struct SendOp(Op);
-// SAFETY: the op's raw buffer pointers stay valid until its result is reaped (QueueIo::start's
-// contract), and the queue touches no buffer of an op in flight.
-unsafe impl Send for SendOp {}
+/// Work on its way to the helper thread.
+struct SendWork(Work);
+// SAFETY: the raw buffer and extent-list pointers stay valid until the result is reaped
+// (QueueIo::start's and start_allocation's contracts), and the queue touches nothing of work
+// in flight.
+unsafe impl Send for SendWork {}
 
 struct Job {
-    op: SendOp,
+    work: SendWork,
     tag: u64,
+}
+
+impl MemThreadQueue {
+    fn send(&mut self, work: Work, tag: u64) -> Started {
+        let job = Job {
+            work: SendWork(work),
+            tag,
+        };
+        match self.jobs.as_ref().map(|j| j.send(job)) {
+            Some(Ok(())) => Started::Async,
+            _ => Started::Done(-libc::EIO),
+        }
+    }
 }
 
 struct MemThreadQueue {
@@ -107,14 +139,18 @@ impl QueueIo for MemThreadQueue {
     }
 
     unsafe fn start(&mut self, op: Op, tag: u64, _sq: &mut dyn Submitter) -> Started {
-        let job = Job {
-            op: SendOp(op),
-            tag,
-        };
-        match self.jobs.as_ref().map(|j| j.send(job)) {
-            Some(Ok(())) => Started::Async,
-            _ => Started::Done(-libc::EIO),
-        }
+        self.send(Work::Io(op), tag)
+    }
+
+    unsafe fn start_allocation(
+        &mut self,
+        offset: u64,
+        len: u64,
+        out: *mut Vec<Extent>,
+        tag: u64,
+        _sq: &mut dyn Submitter,
+    ) -> Option<Started> {
+        Some(self.send(Work::Allocation { offset, len, out }, tag))
     }
 
     fn notifier(&self) -> Option<RawFd> {

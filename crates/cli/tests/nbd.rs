@@ -562,8 +562,13 @@ fn nbdinfo_map_shows_holes_where_nothing_was_written() {
     let d = TempDir::new("nbd-map");
     let img = d.path("sparse.img");
     sparse_file(&img, 64 * MIB);
-    let t = NbdTarget::start(&[&format!("f=file:{}", img.display()), "m=mem:64M"]);
-    for export in ["m", "f"] {
+    // `t` answers allocation queries on its helper thread (the asynchronous query path).
+    let t = NbdTarget::start(&[
+        &format!("f=file:{}", img.display()),
+        "m=mem:64M",
+        "t=memthread:64M",
+    ]);
+    for export in ["m", "f", "t"] {
         let uri = t.uri(export);
         let map = block_map(&uri);
         assert_eq!(

@@ -873,7 +873,8 @@ impl DgramPort {
         let Some((q, block)) = self.running(qi, incarnation, slot) else {
             return;
         };
-        if let Some(st) = q.exec.complete(&block, tag, res, sq) {
+        if let Some(r) = q.exec.complete(tag, res, sq) {
+            let st = q.exec.status(&block, r);
             self.finish(qi, slot, st);
         }
     }

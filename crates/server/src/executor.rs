@@ -8,7 +8,7 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 
 use blkwire_backend::{
-    BlockOp, BlockRequest, Export, ExportQueue, IoFlags, Op, Progress, Refusal, Submitter,
+    BlockOp, BlockRequest, Export, ExportQueue, Extent, IoFlags, Op, Progress, Refusal, Submitter,
 };
 use blkwire_wire::Status;
 
@@ -131,16 +131,30 @@ impl Executor {
         }
     }
 
-    /// A ring completion for the request `req` started with `tag`: its status once finished.
-    pub fn complete(
+    /// A ring completion for the request started with `tag`: its backend result once it is
+    /// finished (turn it into a status with [`Executor::status`]), `None` while more is to come.
+    pub fn complete(&mut self, tag: u64, res: i32, sq: &mut dyn Submitter) -> Option<i32> {
+        self.io.complete(tag, res, sq)
+    }
+
+    /// Starts an allocation query (range-checked with [`Executor::check_range`]) whose extents
+    /// are appended to `*out`. Exports that complete inline answer it inline too.
+    ///
+    /// # Safety
+    /// `out` must stay valid, and untouched by anyone else, until the result is delivered.
+    pub unsafe fn start_allocation(
         &mut self,
-        req: &BlockRequest,
+        offset: u64,
+        len: u32,
+        out: *mut Vec<Extent>,
         tag: u64,
-        res: i32,
         sq: &mut dyn Submitter,
-    ) -> Option<Status> {
-        let res = self.io.complete(tag, res, sq)?;
-        Some(self.status(req, res))
+    ) -> Outcome {
+        // SAFETY: passed on from our caller.
+        match unsafe { self.io.start_allocation(offset, len as u64, out, tag, sq) } {
+            Progress::Done(res) => Outcome::Done(result_status(res)),
+            Progress::Pending => Outcome::Pending,
+        }
     }
 
     /// Collects requests finished on the backend's own threads: `(tag, result)` each; turn a
@@ -169,6 +183,15 @@ impl Executor {
             self.stats.bytes_read += req.len as u64;
         }
         status
+    }
+}
+
+/// The status of an operation that moves no data: 0 or a negative errno.
+pub fn result_status(res: i32) -> Status {
+    if res < 0 {
+        Status::from_errno(-res)
+    } else {
+        Status::Ok
     }
 }
 

@@ -19,6 +19,8 @@ pub(super) struct Slot {
     pub(super) busy: bool,
     pub(super) req: Option<Req>,
     pub(super) buf: Option<AlignedBuf>,
+    /// An allocation query's answer, filled by a backend that runs queries on its own threads.
+    pub(super) extents: Vec<Extent>,
 }
 
 pub(super) struct Conn {

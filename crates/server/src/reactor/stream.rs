@@ -1,12 +1,12 @@
 //! Requests of a stream connection: decode with the connection's frontend, refuse or run with
 //! its executor, and build replies (READ data straight behind the frontend's prefix).
 
-use blkwire_backend::AlignedBuf;
+use blkwire_backend::{AlignedBuf, Extent, IoFlags};
 use blkwire_wire::Status;
 
 use super::conn::Conn;
 use super::ring::{ud, Pusher, KIND_IO};
-use crate::executor::Outcome;
+use crate::executor::{result_status, Outcome};
 use crate::frontend::{Decoded, Kind, Req};
 use crate::log::Level;
 
@@ -64,7 +64,7 @@ fn dispatch(c: &mut Conn, idx: usize, req: &Req, payload_at: usize, sq: &mut Pus
                 return c.reply(req, st);
             }
             if req.kind == Kind::BlockStatus {
-                return block_status(c, req);
+                return block_status(c, idx, req, sq);
             }
             // Advisory: nothing to prefetch into for memory, and files have the page cache.
             return c.reply(req, Status::Ok);
@@ -196,23 +196,73 @@ fn release_slot(c: &mut Conn, slot: u16) {
     }
 }
 
-/// An allocation query: holes are unallocated ranges that read as zero.
-fn block_status(c: &mut Conn, req: &Req) {
-    let mut extents = std::mem::take(&mut c.extents);
-    extents.clear();
-    c.exec
-        .export()
-        .backend()
-        .allocation(req.offset, req.length as u64, &mut extents);
-    if req.flags.has(blkwire_backend::IoFlags::REQ_ONE) {
-        extents.truncate(1);
+/// An allocation query: holes are unallocated ranges that read as zero. Exports that complete
+/// inline answer on this thread into the connection's scratch list; the others may run the
+/// query on their own threads, so it takes a slot whose list outlives it.
+fn block_status(c: &mut Conn, idx: usize, req: &Req, sq: &mut Pusher<'_>) {
+    if c.inline {
+        let mut extents = std::mem::take(&mut c.extents);
+        extents.clear();
+        // SAFETY: `extents` is ours for the call, and an inline export answers inside it.
+        let status = match unsafe {
+            c.exec
+                .start_allocation(req.offset, req.length, &mut extents, 0, sq)
+        } {
+            Outcome::Done(st) => st,
+            Outcome::Pending => unreachable!("inline exports answer allocation queries inline"),
+        };
+        answer_block_status(c, req, status, &extents);
+        c.extents = extents;
+        return;
+    }
+    let slot = match req.slot {
+        Some(s) if c.slots.get(s as usize).is_some_and(|x| !x.busy) => s,
+        Some(_) => return c.reply(req, Status::Invalid),
+        None => c
+            .free_slots
+            .pop()
+            .expect("parse_frames checked for a free slot"),
+    };
+    let tag = ud(KIND_IO, c.incarnation, idx, slot);
+    let s = &mut c.slots[slot as usize];
+    s.extents.clear();
+    let out: *mut Vec<Extent> = &mut s.extents;
+    // SAFETY: the slot's list is neither touched nor freed until the slot is released, which
+    // happens only once the result is delivered (a connection with slots in flight is never
+    // dropped).
+    match unsafe {
+        c.exec
+            .start_allocation(req.offset, req.length, out, tag, sq)
+    } {
+        Outcome::Done(status) => {
+            let extents = std::mem::take(&mut c.slots[slot as usize].extents);
+            release_slot(c, slot);
+            answer_block_status(c, req, status, &extents);
+            c.slots[slot as usize].extents = extents;
+        }
+        Outcome::Pending => {
+            let s = &mut c.slots[slot as usize];
+            s.busy = true;
+            s.req = Some(*req);
+            c.inflight += 1;
+        }
+    }
+}
+
+/// Replies to an allocation query with its extents (or its error).
+fn answer_block_status(c: &mut Conn, req: &Req, status: Status, extents: &[Extent]) {
+    if status != Status::Ok {
+        return c.reply(req, status);
+    }
+    let mut extents = extents;
+    if req.flags.has(IoFlags::REQ_ONE) {
+        extents = &extents[..extents.len().min(1)];
     }
     // Lengths fit in u32: every extent lies inside the request, whose length is a u32.
     let list: Vec<(u32, bool)> = extents
         .iter()
         .map(|e| (e.len.min(u32::MAX as u64) as u32, e.hole))
         .collect();
-    c.extents = extents;
     if c.fe.block_status_reply(req, &list, &mut c.tx) {
         c.count_reply(Status::Ok);
     } else {
@@ -222,17 +272,11 @@ fn block_status(c: &mut Conn, req: &Req) {
 
 /// A ring completion for a slot's request; more may be needed before it is finished.
 pub(super) fn complete(c: &mut Conn, slot: u16, tag: u64, res: i32, sq: &mut Pusher<'_>) {
-    let Some(req) = c
-        .slots
-        .get(slot as usize)
-        .filter(|s| s.busy)
-        .and_then(|s| s.req)
-    else {
+    if !c.slots.get(slot as usize).is_some_and(|s| s.busy) {
         return;
-    };
-    let block = req.block().expect("slots hold block requests");
-    if let Some(status) = c.exec.complete(&block, tag, res, sq) {
-        finish(c, slot, status);
+    }
+    if let Some(res) = c.exec.complete(tag, res, sq) {
+        finish_result(c, slot, res);
     }
 }
 
@@ -246,9 +290,10 @@ pub(super) fn finish_result(c: &mut Conn, slot: u16, res: i32) {
     else {
         return;
     };
-    let status = c
-        .exec
-        .status(&req.block().expect("slots hold block requests"), res);
+    let status = match req.block() {
+        Some(block) => c.exec.status(&block, res),
+        None => result_status(res), // an allocation query
+    };
     finish(c, slot, status);
 }
 
@@ -270,7 +315,11 @@ fn finish(c: &mut Conn, slot: u16, status: Status) {
             req.length,
         );
     }
-    if req.is_read() && status == Status::Ok {
+    if req.kind == Kind::BlockStatus {
+        let extents = std::mem::take(&mut c.slots[slot as usize].extents);
+        answer_block_status(c, &req, status, &extents);
+        c.slots[slot as usize].extents = extents;
+    } else if req.is_read() && status == Status::Ok {
         let len = req.length as usize;
         let at = c.tx.len();
         let prefix = c.fe.read_prefix_len();
