@@ -84,7 +84,7 @@ pub fn run(a: Args) -> Result<(), String> {
         },
         poll: Duration::from_micros(a.poll_us),
     };
-    let target = Target::bind(&cfg)?;
+    let target = Target::bind(&cfg).map_err(|e| e.to_string())?;
     let stop = target.stop_handle();
     std::thread::spawn(move || {
         let mut sig = 0;
@@ -113,7 +113,7 @@ pub fn run(a: Args) -> Result<(), String> {
         let _ = out.flush();
     }
     log!(log::Level::Info, "exports: {}", names.join(" "));
-    target.run()
+    target.run().map_err(|e| e.to_string())
 }
 
 fn block_signals() -> libc::sigset_t {

@@ -69,6 +69,29 @@ pub struct Target {
     stop: Arc<OwnedFd>,
 }
 
+/// Why a target cannot start, or stopped serving. Each message is one line that says what was
+/// wrong and, where the user can, what to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Error {
+    /// The configuration cannot be served: no exports, an export or listen address that is
+    /// malformed or names something that cannot be opened.
+    Config(String),
+    /// A listener could not be opened or bound (address in use, not local, no permission).
+    Listen(String),
+    /// The system refused something the target needs (io_uring, an eventfd, a thread, poll).
+    System(String),
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Error::Config(m) | Error::Listen(m) | Error::System(m) => f.write_str(m),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
 /// Stops a running target from another thread or a signal handler thread.
 #[derive(Clone)]
 pub struct StopHandle(Arc<OwnedFd>);
@@ -80,11 +103,12 @@ impl StopHandle {
     }
 }
 
-fn eventfd() -> std::io::Result<OwnedFd> {
+fn eventfd() -> Result<OwnedFd, Error> {
     // SAFETY: creating a new fd.
     let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
     if fd < 0 {
-        return Err(std::io::Error::last_os_error());
+        let e = std::io::Error::last_os_error();
+        return Err(Error::System(format!("eventfd: {e}")));
     }
     // SAFETY: we own the new fd.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -145,34 +169,38 @@ fn parse_listen(url: &str) -> Result<(ListenerKind, Vec<SocketAddr>), String> {
 impl Target {
     /// Opens every export, binds every listener and starts the reactors. Nothing is served until
     /// [`Target::run`].
-    pub fn bind(cfg: &TargetConfig) -> Result<Target, String> {
+    pub fn bind(cfg: &TargetConfig) -> Result<Target, Error> {
         if cfg.exports.is_empty() {
-            return Err(
+            return Err(Error::Config(
                 "no exports: add at least one --export NAME=BACKEND, e.g. --export disk0=mem:1G"
                     .into(),
-            );
+            ));
         }
         if cfg.listen.is_empty() {
-            return Err("nothing to listen on: add --listen tcp://ADDR:PORT (or nbd://, udp://, eth://IFACE)".into());
+            return Err(Error::Config("nothing to listen on: add --listen tcp://ADDR:PORT (or nbd://, udp://, eth://IFACE)".into()));
         }
         let mut exports = Vec::new();
         for spec in &cfg.exports {
             if exports.iter().any(|e: &Arc<Export>| e.name == spec.name) {
-                return Err(format!("export '{}' given twice", spec.name));
+                return Err(Error::Config(format!("export '{}' given twice", spec.name)));
             }
-            exports.push(Arc::new(Export::open(spec).map_err(|e| e.to_string())?));
+            exports.push(Arc::new(
+                Export::open(spec).map_err(|e| Error::Config(e.to_string()))?,
+            ));
         }
         let mut listeners = Vec::new();
         let mut dgram_listens = Vec::new();
         for url in &cfg.listen {
             if let Some(d) = ports::parse(url) {
-                dgram_listens.push(d?);
+                dgram_listens.push(d.map_err(Error::Config)?);
                 continue;
             }
-            let (frontend, addrs) = parse_listen(url)?;
+            let (frontend, addrs) = parse_listen(url).map_err(Error::Config)?;
             let l = TcpListener::bind(&addrs[..])
-                .map_err(|e| format!("cannot listen on {url}: {e}"))?;
-            let local = l.local_addr().map_err(|e| e.to_string())?;
+                .map_err(|e| Error::Listen(format!("cannot listen on {url}: {e}")))?;
+            let local = l
+                .local_addr()
+                .map_err(|e| Error::System(format!("{url}: {e}")))?;
             let scheme = match frontend {
                 ListenerKind::Native => "tcp",
                 ListenerKind::Nbd => "nbd",
@@ -190,8 +218,10 @@ impl Target {
         let mut workers = Vec::new();
         for i in 0..threads {
             let (tx, rx) = mpsc::channel();
-            let wake = eventfd().map_err(|e| format!("eventfd: {e}"))?;
-            let wake2 = wake.try_clone().map_err(|e| e.to_string())?;
+            let wake = eventfd()?;
+            let wake2 = wake
+                .try_clone()
+                .map_err(|e| Error::System(format!("eventfd: {e}")))?;
             // The reactor is built on its own thread: its ring and queues never leave it.
             let (ready_tx, ready_rx) = mpsc::channel();
             let (registry2, poll) = (registry.clone(), cfg.poll);
@@ -206,15 +236,15 @@ impl Target {
                         let _ = ready_tx.send(Err(e));
                     }
                 })
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| Error::System(format!("cannot start a reactor thread: {e}")))?;
             match ready_rx.recv() {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
-                    return Err(format!(
+                    return Err(Error::System(format!(
                         "cannot create io_uring (is io_uring disabled?): {e}"
-                    ))
+                    )))
                 }
-                Err(_) => return Err("reactor thread died while starting".into()),
+                Err(_) => return Err(Error::System("reactor thread died while starting".into())),
             }
             workers.push(Worker { tx, wake, handle });
         }
@@ -222,19 +252,20 @@ impl Target {
         let mut dgram_urls = Vec::new();
         for d in dgram_listens {
             let (setups, url) = match d {
-                ports::DgramListen::Udp(a) => ports::open_udp(a, workers.len())?,
+                ports::DgramListen::Udp(a) => ports::open_udp(a, workers.len()),
                 ports::DgramListen::Eth { iface, ethertype } => {
-                    ports::open_eth(&iface, ethertype, workers.len())?
+                    ports::open_eth(&iface, ethertype, workers.len())
                 }
-            };
+            }
+            .map_err(Error::Listen)?;
             for (w, setup) in workers.iter().zip(setups) {
                 w.tx.send(Msg::Port(setup))
-                    .map_err(|_| "reactor thread died".to_string())?;
+                    .map_err(|_| Error::System("reactor thread died".into()))?;
                 eventfd_write(w.wake.as_raw_fd());
             }
             dgram_urls.push(url);
         }
-        let stop = Arc::new(eventfd().map_err(|e| format!("eventfd: {e}"))?);
+        let stop = Arc::new(eventfd()?);
         Ok(Target {
             dgram_urls,
             listeners,
@@ -263,7 +294,7 @@ impl Target {
 
     /// Accepts connections until stopped, then drains: requests already received are answered,
     /// then every queue closes and the reactors exit.
-    pub fn run(self) -> Result<(), String> {
+    pub fn run(self) -> Result<(), Error> {
         let mut fds: Vec<libc::pollfd> = self
             .listeners
             .iter()
@@ -292,7 +323,7 @@ impl Target {
                 if e.raw_os_error() == Some(libc::EINTR) {
                     continue;
                 }
-                return Err(format!("poll: {e}"));
+                return Err(Error::System(format!("poll: {e}")));
             }
             for (i, p) in fds.iter().enumerate() {
                 if p.revents == 0 {
@@ -529,4 +560,42 @@ fn stats_json(registry: &Registry, workers: &[(Sender<Msg>, i32)]) -> Vec<u8> {
     let mut out = serde_json::to_vec(&doc).unwrap_or_default();
     out.truncate(1 << 20);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(listen: &[&str], exports: &[&str]) -> TargetConfig {
+        TargetConfig {
+            listen: listen.iter().map(|s| s.to_string()).collect(),
+            exports: exports
+                .iter()
+                .map(|e| ExportSpec::parse(e).unwrap())
+                .collect(),
+            threads: 1,
+            limits: Limits::default(),
+            poll: Duration::ZERO,
+        }
+    }
+
+    #[test]
+    fn bind_errors_say_what_kind_of_failure_they_are() {
+        let no_exports = Target::bind(&config(&["tcp://127.0.0.1:0"], &[]));
+        assert!(matches!(no_exports, Err(Error::Config(m)) if m.contains("--export")));
+        let bad_url = Target::bind(&config(&["tcpx://127.0.0.1:0"], &["m=mem:1M"]));
+        assert!(matches!(bad_url, Err(Error::Config(m)) if m.contains("tcpx://")));
+        let bad_export = Target::bind(&config(&["tcp://127.0.0.1:0"], &["m=disk:1M"]));
+        assert!(matches!(bad_export, Err(Error::Config(m)) if m.contains("unknown backend")));
+        let first = Target::bind(&config(&["tcp://127.0.0.1:0"], &["m=mem:1M"])).unwrap();
+        let taken = first.urls()[0].clone();
+        let again = Target::bind(&config(&[&taken], &["m=mem:1M"]));
+        let err = again.err().expect("the address is taken");
+        assert!(
+            matches!(&err, Error::Listen(m) if m.starts_with("cannot listen on")),
+            "{err:?}"
+        );
+        first.stop_handle().stop();
+        first.run().unwrap();
+    }
 }
