@@ -798,6 +798,7 @@ impl Drop for AlignedBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::Recorder;
     use crate::{FileBackend, MemBackend};
 
     #[test]
@@ -912,127 +913,6 @@ mod tests {
         assert_eq!(q.allocation_blocking(0, 1 << 20).unwrap(), out);
     }
 
-    /// A backend that records what reaches it and keeps its data in a Vec: completes inline,
-    /// or (`asynchronous`) through its notifier, as a thread-completing backend would.
-    struct Recorder {
-        caps: Capabilities,
-        asynchronous: bool,
-        fail_flush: bool,
-        data: std::sync::Mutex<Vec<u8>>,
-        log: std::sync::Mutex<Vec<String>>,
-    }
-
-    impl Recorder {
-        fn new(caps: Capabilities, asynchronous: bool) -> Arc<Recorder> {
-            Arc::new(Recorder {
-                caps,
-                asynchronous,
-                fail_flush: false,
-                data: std::sync::Mutex::new(vec![0xaa; 8 << 20]),
-                log: std::sync::Mutex::new(Vec::new()),
-            })
-        }
-        fn log(&self) -> Vec<String> {
-            self.log.lock().unwrap().clone()
-        }
-    }
-
-    impl Backend for Recorder {
-        fn describe(&self) -> String {
-            "recorder".into()
-        }
-        fn size(&self) -> u64 {
-            8 << 20
-        }
-        fn block_sizes(&self) -> (u32, u32) {
-            (512, 4096)
-        }
-        fn capabilities(&self) -> Capabilities {
-            self.caps
-        }
-        fn reads_as_zero(&self) -> bool {
-            false
-        }
-        fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
-            // SAFETY: creating a new descriptor, owned from here on.
-            let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-            assert!(fd >= 0);
-            // SAFETY: a fresh descriptor nobody else owns.
-            let efd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-            Ok(Box::new(RecorderQueue {
-                b: self,
-                ready: Vec::new(),
-                efd,
-            }))
-        }
-    }
-
-    struct RecorderQueue {
-        b: Arc<Recorder>,
-        ready: Vec<(u64, i32)>,
-        efd: std::os::fd::OwnedFd,
-    }
-
-    impl QueueIo for RecorderQueue {
-        fn completes_inline(&self) -> bool {
-            !self.b.asynchronous
-        }
-        unsafe fn start(&mut self, op: Op, tag: u64, _sq: &mut dyn Submitter) -> Started {
-            use std::os::fd::AsRawFd;
-            let mut data = self.b.data.lock().unwrap();
-            let (line, res) = match op {
-                Op::Read { offset, buf, len } => {
-                    let src = &data[offset as usize..][..len as usize];
-                    // SAFETY: the caller vouches for the buffer.
-                    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), buf, len as usize) };
-                    (format!("read {offset}+{len}"), len as i32)
-                }
-                Op::Write {
-                    offset,
-                    buf,
-                    len,
-                    fua,
-                } => {
-                    // SAFETY: the caller vouches for the buffer.
-                    let src = unsafe { std::slice::from_raw_parts(buf, len as usize) };
-                    data[offset as usize..][..len as usize].copy_from_slice(src);
-                    (format!("write {offset}+{len} fua={fua}"), len as i32)
-                }
-                Op::Flush => (
-                    "flush".into(),
-                    if self.b.fail_flush { -libc::EIO } else { 0 },
-                ),
-                Op::Trim { offset, len } => (format!("trim {offset}+{len}"), 0),
-                Op::Copy { src, dst, len } => {
-                    data.copy_within(src as usize..(src + len as u64) as usize, dst as usize);
-                    (format!("copy {src}->{dst}+{len}"), len as i32)
-                }
-                Op::WriteZeroes { offset, len, .. } => {
-                    data[offset as usize..][..len as usize].fill(0);
-                    (format!("zero {offset}+{len}"), 0)
-                }
-            };
-            self.b.log.lock().unwrap().push(line);
-            if !self.b.asynchronous {
-                return Started::Done(res);
-            }
-            self.ready.push((tag, res));
-            let one: u64 = 1;
-            // SAFETY: an 8-byte write to our eventfd.
-            unsafe { libc::write(self.efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
-            Started::Async
-        }
-        fn notifier(&self) -> Option<RawFd> {
-            use std::os::fd::AsRawFd;
-            self.b.asynchronous.then(|| self.efd.as_raw_fd())
-        }
-        fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) {
-            for (tag, res) in self.ready.drain(..) {
-                done(tag, res);
-            }
-        }
-    }
-
     fn flush_only() -> Capabilities {
         Capabilities {
             flush: Support::Native,
@@ -1064,10 +944,9 @@ mod tests {
 
     #[test]
     fn an_emulated_fua_write_fails_when_its_flush_fails() {
-        let b = Arc::new(Recorder {
-            fail_flush: true,
-            ..Arc::into_inner(Recorder::new(flush_only(), true)).unwrap()
-        });
+        let b = Recorder::new(flush_only(), true);
+        b.fail_flush
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let mut q = Export::new("t", b.clone(), false).open_queue().unwrap();
         let err = q.write_blocking(0, &[1u8; 512], true).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::EIO));

@@ -19,6 +19,7 @@ mod memthread;
 mod null;
 pub mod registry;
 mod size;
+pub mod testing;
 
 use std::io;
 use std::os::fd::RawFd;

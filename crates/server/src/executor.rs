@@ -278,6 +278,39 @@ mod tests {
         assert_eq!((x.stats.bytes_read, x.stats.bytes_written), (4096, 4096));
     }
 
+    /// What a protocol asks as FUA reaches a flush-only backend that completes on its own
+    /// threads as a write and then a flush, and is answered once, after the flush.
+    #[test]
+    fn fua_through_the_executor_on_an_asynchronous_flush_only_backend() {
+        use blkwire_backend::testing::Recorder;
+        use blkwire_backend::{Capabilities, Support};
+        let caps = Capabilities {
+            flush: Support::Native,
+            write_zeroes: Support::Native,
+            ..Capabilities::default()
+        };
+        let b = Recorder::new(caps, true);
+        let mut x = Executor::open(Arc::new(Export::new("r", b.clone(), false)), 65536).unwrap();
+        let mut data = vec![4u8; 4096];
+        let w = BlockRequest::new(BlockOp::Write, 0, 4096).flagged(IoFlags::FUA);
+        assert_eq!(x.admit(&w), Ok(()));
+        // SAFETY: `data` outlives every result collected below.
+        let o = unsafe { x.start(&w, data.as_mut_ptr(), 77, &mut NoRing) };
+        assert_eq!(o, Outcome::Pending);
+        let mut done = Vec::new();
+        for _ in 0..2 {
+            x.reap(&mut NoRing, &mut |tag, res| done.push((tag, res)));
+        }
+        assert_eq!(
+            done,
+            [(77, 4096)],
+            "one answer, with the write's byte count"
+        );
+        assert_eq!(x.status(&w, done[0].1), Status::Ok);
+        assert_eq!(b.log(), ["write 0+4096 fua=false", "flush"]);
+        assert_eq!(x.stats.writes, 1);
+    }
+
     #[test]
     fn results_map_to_statuses() {
         let e = Export::new("m", Arc::new(MemBackend::new(1 << 20).unwrap()), false);

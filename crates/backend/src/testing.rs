@@ -1,0 +1,140 @@
+//! A backend for tests of the layers above the backends (the generic layer here, the server's
+//! executor and reactor): [`Recorder`].
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::{Backend, Capabilities, Op, QueueIo, Started, Submitter};
+
+/// An 8 MiB backend that records every operation that reaches it (`log`) and keeps its data in
+/// memory (`data`, initially all 0xaa). It declares exactly the capabilities it is given, so a
+/// test can see what the generic layer emulates, and completes inline or (`asynchronous`)
+/// through its notifier, as a backend with threads of its own would (on the calling thread,
+/// so tests stay deterministic).
+pub struct Recorder {
+    caps: Capabilities,
+    asynchronous: bool,
+    /// FLUSH fails with EIO while set.
+    pub fail_flush: AtomicBool,
+    /// The export's bytes.
+    pub data: Mutex<Vec<u8>>,
+    log: Mutex<Vec<String>>,
+}
+
+impl Recorder {
+    /// A recorder declaring `caps`, completing inline or through its notifier.
+    pub fn new(caps: Capabilities, asynchronous: bool) -> Arc<Recorder> {
+        Arc::new(Recorder {
+            caps,
+            asynchronous,
+            fail_flush: AtomicBool::new(false),
+            data: Mutex::new(vec![0xaa; 8 << 20]),
+            log: Mutex::new(Vec::new()),
+        })
+    }
+    /// One line per operation that reached the backend, e.g. `write 4096+512 fua=false`.
+    pub fn log(&self) -> Vec<String> {
+        self.log.lock().unwrap().clone()
+    }
+}
+
+impl Backend for Recorder {
+    fn describe(&self) -> String {
+        "recorder".into()
+    }
+    fn size(&self) -> u64 {
+        8 << 20
+    }
+    fn block_sizes(&self) -> (u32, u32) {
+        (512, 4096)
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.caps
+    }
+    fn reads_as_zero(&self) -> bool {
+        false
+    }
+    fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
+        // SAFETY: creating a new descriptor, owned from here on.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh descriptor nobody else owns.
+        let efd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Box::new(RecorderQueue {
+            b: self,
+            ready: Vec::new(),
+            efd,
+        }))
+    }
+}
+
+/// A queue on a [`Recorder`].
+struct RecorderQueue {
+    b: Arc<Recorder>,
+    ready: Vec<(u64, i32)>,
+    efd: OwnedFd,
+}
+
+impl QueueIo for RecorderQueue {
+    fn completes_inline(&self) -> bool {
+        !self.b.asynchronous
+    }
+    unsafe fn start(&mut self, op: Op, tag: u64, _sq: &mut dyn Submitter) -> Started {
+        let mut data = self.b.data.lock().unwrap();
+        let (line, res) = match op {
+            Op::Read { offset, buf, len } => {
+                let src = &data[offset as usize..][..len as usize];
+                // SAFETY: the caller vouches for the buffer.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), buf, len as usize) };
+                (format!("read {offset}+{len}"), len as i32)
+            }
+            Op::Write {
+                offset,
+                buf,
+                len,
+                fua,
+            } => {
+                // SAFETY: the caller vouches for the buffer.
+                let src = unsafe { std::slice::from_raw_parts(buf, len as usize) };
+                data[offset as usize..][..len as usize].copy_from_slice(src);
+                (format!("write {offset}+{len} fua={fua}"), len as i32)
+            }
+            Op::Flush => (
+                "flush".into(),
+                if self.b.fail_flush.load(Ordering::Relaxed) {
+                    -libc::EIO
+                } else {
+                    0
+                },
+            ),
+            Op::Trim { offset, len } => (format!("trim {offset}+{len}"), 0),
+            Op::Copy { src, dst, len } => {
+                data.copy_within(src as usize..(src + len as u64) as usize, dst as usize);
+                (format!("copy {src}->{dst}+{len}"), len as i32)
+            }
+            Op::WriteZeroes { offset, len, .. } => {
+                data[offset as usize..][..len as usize].fill(0);
+                (format!("zero {offset}+{len}"), 0)
+            }
+        };
+        self.b.log.lock().unwrap().push(line);
+        if !self.b.asynchronous {
+            return Started::Done(res);
+        }
+        self.ready.push((tag, res));
+        let one: u64 = 1;
+        // SAFETY: an 8-byte write to our eventfd.
+        unsafe { libc::write(self.efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        Started::Async
+    }
+    fn notifier(&self) -> Option<RawFd> {
+        self.b.asynchronous.then(|| self.efd.as_raw_fd())
+    }
+    fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) {
+        for (tag, res) in self.ready.drain(..) {
+            done(tag, res);
+        }
+    }
+}
