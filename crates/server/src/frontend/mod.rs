@@ -1,6 +1,6 @@
 //! Stream frontends: how one protocol's bytes become requests and replies become bytes.
 //!
-//! The reactor owns the socket, the buffers, the slots and the [`crate::executor::Executor`];
+//! The reactor owns the socket, the buffers, the slots and the executor (`executor.rs`);
 //! a frontend owns the protocol and its per-connection state. The reactor never asks which
 //! protocol a connection speaks: it calls [`StreamFrontend`] methods. Native blkwire frames
 //! ([`native`]) and NBD's transmission phase ([`nbd`]) are the implementations; how NVMe/TCP
