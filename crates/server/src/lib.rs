@@ -1,6 +1,6 @@
 //! The blkwire target: listeners accept connections, a short-lived handshake thread admits each
 //! one (HELLO/JOIN/LIST, PROTOCOL.md §2), and the admitted queue is handed by message to one of
-//! the reactor threads, which owns it from then on (see `reactor.rs` and docs/ARCHITECTURE.md).
+//! the reactor threads, which owns it from then on (see `reactor/` and docs/ARCHITECTURE.md).
 
 #![deny(missing_docs)]
 

@@ -1,7 +1,7 @@
 //! NBD frontend, handshake phase (fixed newstyle, doc/proto.md of the NetworkBlockDevice
 //! project). Runs on the short-lived handshake thread with blocking I/O and a timeout; once the
 //! client enters transmission (NBD_OPT_GO or NBD_OPT_EXPORT_NAME) the socket goes to a reactor and
-//! is served by the same data path as the native protocol (`frontend/nbd.rs`, `reactor.rs`).
+//! is served by the same data path as the native protocol (`frontend/nbd.rs`, `reactor/`).
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
