@@ -38,6 +38,8 @@ impl StreamFrontend for Nbd {
             _ if r.flags & !cflag::KNOWN != 0 || (r.flags & cflag::DF != 0 && !self.structured) => {
                 Kind::Invalid
             }
+            // Longer than any reply we may send (the executor would refuse it too): EINVAL.
+            cmd::READ if r.length > self.max_io => Kind::Invalid,
             cmd::READ => Kind::Block(BlockOp::Read),
             cmd::WRITE => Kind::Block(BlockOp::Write),
             cmd::DISC => Kind::Logout,
@@ -226,6 +228,8 @@ mod tests {
         assert_eq!(r.kind, Kind::Invalid);
         let (r, _) = req(&mut n, &request(cmd::READ, cflag::DF, 1, 0, 512));
         assert_eq!(r.kind, Kind::Invalid, "DF needs structured replies");
+        let (r, _) = req(&mut n, &request(cmd::READ, 0, 1, 0, u32::MAX));
+        assert_eq!(r.kind, Kind::Invalid, "a read longer than max I/O");
         let (r, _) = req(&mut n, &request(cmd::DISC, 0, 1, 0, 0));
         let mut tx = Vec::new();
         assert!(
