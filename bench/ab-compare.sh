@@ -83,7 +83,8 @@ measure() {
     nbd)
         /usr/bin/time -f '%U %S' -o "$out.time" fio --name=ab --ioengine=nbd \
             --uri="$NBD/scratch" --rw="$rw" --bs=4k --iodepth="$qd" \
-            --numjobs=1 --time_based --runtime="$RUNTIME" --output-format=json >"$out" 2>"$out.err" \
+            --numjobs=1 --time_based --runtime="$RUNTIME" --output-format=json --output="$out" \
+            >/dev/null 2>"$out.err" \
             || die "fio $w failed: $(tail -n 3 "$out.err")"
         iops="$(python3 -c "
 import json; j=json.load(open('$out'))['jobs'][0]
