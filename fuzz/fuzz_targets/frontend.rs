@@ -3,7 +3,8 @@
 //! the reactor walks a receive buffer. No panic on any input; `Need(n)` always asks for more than
 //! is buffered (else the reactor would wait forever with a whole message in hand) and never more
 //! than one maximum message; a decoded message lies inside the buffer with its payload at its
-//! end; and every reply to a decoded request can be encoded.
+//! end; a message the frontend answers itself lies inside the buffer too; and every reply to a
+//! decoded request can be encoded.
 
 #![no_main]
 
@@ -20,13 +21,24 @@ fn walk(fe: &mut dyn StreamFrontend, data: &[u8]) {
     let mut tx = Vec::new();
     loop {
         let rx = &data[at..];
-        match fe.decode(rx) {
+        tx.clear();
+        match fe.decode(rx, &mut tx) {
             Decoded::Need(n) => {
                 assert!(n > rx.len(), "Need({n}) with {} bytes buffered", rx.len());
                 assert!(n <= HEADER_LEN + MAX_IO as usize, "Need({n}) beyond one message");
                 return;
             }
             Decoded::Violation(_) => return,
+            Decoded::Answered { len } => {
+                assert!(len > 0 && len <= rx.len());
+                at += len;
+            }
+            Decoded::Data {
+                len, payload_len, ..
+            } => {
+                assert!(len > 0 && len <= rx.len() && payload_len <= len);
+                at += len;
+            }
             Decoded::Request {
                 req,
                 len,
@@ -34,7 +46,6 @@ fn walk(fe: &mut dyn StreamFrontend, data: &[u8]) {
             } => {
                 assert!(len > 0 && len <= rx.len() && payload_len <= len);
                 assert!(payload_len <= MAX_IO as usize);
-                tx.clear();
                 for status in [Status::Ok, Status::Io, Status::OutOfRange] {
                     fe.reply(&req, status, &mut tx);
                 }

@@ -24,11 +24,29 @@ pub fn block_stop_signals() -> libc::sigset_t {
 }
 
 /// Waits for one of the signals in `set` (blocked by `block_stop_signals`) and returns it.
-pub fn wait_signal(set: &libc::sigset_t) -> i32 {
+fn wait_signal(set: &libc::sigset_t) -> i32 {
     let mut sig = 0;
     // SAFETY: sigwait on a set blocked in every thread.
     unsafe { libc::sigwait(set, &mut sig) };
     sig
+}
+
+/// Starts the thread that turns each signal of `set` into the event `wrap(signal)` on `tx`,
+/// until the receiver is gone.
+pub fn spawn_signal_thread<E: Send + 'static>(
+    set: libc::sigset_t,
+    tx: std::sync::mpsc::Sender<E>,
+    wrap: fn(i32) -> E,
+) -> Result<(), String> {
+    std::thread::Builder::new()
+        .name("blkwire-signals".into())
+        .spawn(move || loop {
+            if tx.send(wrap(wait_signal(&set))).is_err() {
+                break;
+            }
+        })
+        .map(|_| ())
+        .map_err(|e| format!("starting the signal thread: {e}"))
 }
 
 /// Marks the calling thread, and the threads it starts later, as an I/O flusher

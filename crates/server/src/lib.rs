@@ -367,22 +367,10 @@ impl Target {
 /// within about a minute and its queues are released.
 fn set_keepalive(s: &TcpStream) {
     let fd = s.as_raw_fd();
-    let set = |level, opt, v: libc::c_int| {
-        // SAFETY: setsockopt with an int option on our socket.
-        unsafe {
-            libc::setsockopt(
-                fd,
-                level,
-                opt,
-                (&v as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-    };
-    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 30);
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 10);
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
+    blkwire_net::setopt(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
+    blkwire_net::setopt(fd, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 30);
+    blkwire_net::setopt(fd, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 10);
+    blkwire_net::setopt(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
 }
 
 fn send_frame(s: &mut TcpStream, h: &Header, payload: &[u8]) -> std::io::Result<()> {

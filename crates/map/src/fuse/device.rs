@@ -328,16 +328,7 @@ impl Mapping {
                 ring_workers.len()
             );
         }
-        let sig_tx = tx;
-        std::thread::Builder::new()
-            .name("blkwire-signals".into())
-            .spawn(move || loop {
-                let sig = sys::wait_signal(&sigs);
-                if sig_tx.send(Event::Signal(sig)).is_err() {
-                    break;
-                }
-            })
-            .map_err(|e| format!("starting the signal thread: {e}"))?;
+        sys::spawn_signal_thread(sigs, tx, Event::Signal)?;
 
         // Opened through our own filesystem (the workers answer LOOKUP and OPEN); the loop
         // device takes its own reference to this very open file.

@@ -350,16 +350,7 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
     if !wait_for_path(&device, Duration::from_secs(5)) {
         return Err(format!("{device} did not appear"));
     }
-    let sig_tx = tx;
-    std::thread::Builder::new()
-        .name("blkwire-signals".into())
-        .spawn(move || loop {
-            let sig = sys::wait_signal(&sigs);
-            if sig_tx.send(QEvent::Signal(sig)).is_err() {
-                break;
-            }
-        })
-        .map_err(|e| format!("starting the signal thread: {e}"))?;
+    sys::spawn_signal_thread(sigs, tx, QEvent::Signal)?;
     undo.dev_id = None;
     undo.record = None;
     undo.restore = None;

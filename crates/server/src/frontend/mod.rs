@@ -21,8 +21,6 @@ pub enum Kind {
     Cache,
     /// An allocation query (NBD BLOCK_STATUS on `base:allocation`).
     BlockStatus,
-    /// A liveness probe, answered at once.
-    Keepalive,
     /// End the queue after answering what came before (native LOGOUT is answered, NBD DISC not).
     Logout,
     /// Well-formed but not something this export or protocol can do.
@@ -66,6 +64,11 @@ impl Req {
     pub fn is_read(&self) -> bool {
         self.kind == Kind::Block(BlockOp::Read)
     }
+
+    /// A WRITE (the one request that brings data).
+    pub fn is_write(&self) -> bool {
+        self.kind == Kind::Block(BlockOp::Write)
+    }
 }
 
 /// What a frontend made of the front of a receive buffer.
@@ -73,8 +76,10 @@ pub enum Decoded {
     /// The next message is not all there yet: at least this many bytes (from the front) are
     /// needed, so the reactor can make room for them.
     Need(usize),
-    /// A complete request: `len` bytes of message, of which the last `payload_len` are its data
-    /// (WRITE).
+    /// A complete request: `len` bytes of message, of which the last `payload_len` are its data.
+    /// A WRITE whose `payload_len` is less than its length carries the first `payload_len`
+    /// bytes of its data (in-capsule or immediate data; possibly none): the reactor holds it in
+    /// a slot and asks for the rest with [`StreamFrontend::solicit`].
     Request {
         /// The request.
         req: Req,
@@ -83,14 +88,43 @@ pub enum Decoded {
         /// Bytes of payload at the end of the message.
         payload_len: usize,
     },
+    /// A message the frontend handled itself, its answer (if any) already appended to `tx`:
+    /// liveness probes, and the admin commands that need no backend (Identify, Get Log Page,
+    /// INQUIRY, ...).
+    Answered {
+        /// Bytes of the whole message.
+        len: usize,
+    },
+    /// Data the target solicited for the WRITE waiting in `slot` (NVMe/TCP H2CData, iSCSI
+    /// Data-Out): the last `payload_len` bytes of the message belong at `offset` of its data.
+    Data {
+        /// The slot the write waits in (the tag [`StreamFrontend::solicit`] was given).
+        slot: u16,
+        /// Where in the write's data this part goes.
+        offset: u32,
+        /// Bytes of the whole message.
+        len: usize,
+        /// Bytes of data at the end of the message.
+        payload_len: usize,
+    },
     /// The stream is not valid: close the queue.
     Violation(String),
 }
 
 /// One protocol, with its per-connection state, as the reactor drives it.
 pub trait StreamFrontend: Send {
-    /// Decodes the first message in `rx` (which starts at a message boundary).
-    fn decode(&mut self, rx: &[u8]) -> Decoded;
+    /// Decodes the first message in `rx` (which starts at a message boundary). A message the
+    /// frontend answers itself has its answer appended to `tx`.
+    fn decode(&mut self, rx: &[u8], tx: &mut Vec<u8>) -> Decoded;
+
+    /// Asks the initiator for `len` bytes of the data of `req`, a WRITE waiting in `slot`, from
+    /// `offset` on (NVMe/TCP R2T, iSCSI R2T), by appending that request to `tx`. Called once per
+    /// WRITE that arrived with less data than its length; the answers come as
+    /// [`Decoded::Data`]. Frontends whose WRITEs always carry their data never get this call.
+    fn solicit(&mut self, req: &Req, slot: u16, offset: u32, len: u32, tx: &mut Vec<u8>) {
+        let _ = (req, slot, offset, len, tx);
+        unreachable!("this frontend's writes always carry their data")
+    }
 
     /// True when the server assigns slots (requests carry cookies, not slots): the reactor then
     /// stops reading when every slot is busy.

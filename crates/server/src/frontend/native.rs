@@ -38,7 +38,7 @@ fn cookie(h: &Header) -> u128 {
 }
 
 impl StreamFrontend for Native {
-    fn decode(&mut self, rx: &[u8]) -> Decoded {
+    fn decode(&mut self, rx: &[u8], tx: &mut Vec<u8>) -> Decoded {
         if rx.len() < HEADER_LEN {
             return Decoded::Need(HEADER_LEN);
         }
@@ -57,8 +57,20 @@ impl StreamFrontend for Native {
             return Decoded::Violation(e.to_string());
         }
         let Some(op) = h.opcode.block_op() else {
+            if h.opcode == Opcode::Keepalive {
+                // A liveness probe: answered here, it never reaches the executor.
+                let r = Req {
+                    kind: Kind::Invalid,
+                    offset: h.offset,
+                    length: h.length,
+                    flags: h.flags.io_flags(),
+                    slot: None,
+                    cookie: cookie(&h),
+                };
+                self.reply(&r, Status::Ok, tx);
+                return Decoded::Answered { len };
+            }
             let kind = match h.opcode {
-                Opcode::Keepalive => Kind::Keepalive,
                 Opcode::Logout => Kind::Logout,
                 Opcode::Copy => Kind::Unsupported,
                 _ => Kind::Invalid, // HELLO, JOIN, LIST, STATS belong to the handshake
@@ -134,7 +146,7 @@ mod tests {
     }
 
     fn decode(n: &mut Native, bytes: &[u8]) -> (Req, usize, usize) {
-        match n.decode(bytes) {
+        match n.decode(bytes, &mut Vec::new()) {
             Decoded::Request {
                 req,
                 len,
@@ -142,6 +154,7 @@ mod tests {
             } => (req, len, payload_len),
             Decoded::Need(k) => panic!("need {k}"),
             Decoded::Violation(v) => panic!("violation {v}"),
+            _ => panic!("not a request"),
         }
     }
 
@@ -153,8 +166,13 @@ mod tests {
         h.queue = 3;
         h.session = 77;
         let bytes = frame(&h, &[1; 8]);
-        assert!(matches!(n.decode(&bytes[..10]), Decoded::Need(HEADER_LEN)));
-        assert!(matches!(n.decode(&bytes[..HEADER_LEN]), Decoded::Need(l) if l == HEADER_LEN + 8));
+        assert!(matches!(
+            n.decode(&bytes[..10], &mut Vec::new()),
+            Decoded::Need(HEADER_LEN)
+        ));
+        assert!(
+            matches!(n.decode(&bytes[..HEADER_LEN], &mut Vec::new()), Decoded::Need(l) if l == HEADER_LEN + 8)
+        );
         let (req, len, payload) = decode(&mut n, &bytes);
         assert_eq!((len, payload), (HEADER_LEN + 8, 8));
         assert_eq!(req.kind, Kind::Block(BlockOp::Write));
@@ -172,6 +190,24 @@ mod tests {
         assert_eq!(
             (r.offset, r.length, r.status, r.credit),
             (4096, 8, Status::ReadOnly, 32)
+        );
+    }
+
+    #[test]
+    fn a_keepalive_is_answered_by_the_frontend_itself() {
+        let mut n = Native::new(8, 1 << 20);
+        let mut h = Header::request(Opcode::Keepalive, Tag::new(65535, 1), 0, 0);
+        h.queue = 2;
+        let bytes = frame(&h, &[]);
+        let mut tx = Vec::new();
+        assert!(
+            matches!(n.decode(&bytes, &mut tx), Decoded::Answered { len } if len == HEADER_LEN)
+        );
+        let r = Header::decode(&tx, 0).unwrap();
+        assert!(r.is_reply());
+        assert_eq!(
+            (r.opcode, r.status, r.tag, r.queue),
+            (Opcode::Keepalive, Status::Ok, h.tag, 2)
         );
     }
 
@@ -241,21 +277,30 @@ mod tests {
         let mut h = Header::request(Opcode::Write, Tag::new(0, 0), 0, 8);
         let mut bytes = frame(&h, &[1; 8]);
         bytes[HEADER_LEN] ^= 1;
-        assert!(matches!(n.decode(&bytes), Decoded::Violation(_)), "bad CRC");
+        assert!(
+            matches!(n.decode(&bytes, &mut Vec::new()), Decoded::Violation(_)),
+            "bad CRC"
+        );
         h.flags = Flags(Flags::REPLY);
         assert!(
-            matches!(n.decode(&frame(&h, &[1; 8])), Decoded::Violation(_)),
+            matches!(
+                n.decode(&frame(&h, &[1; 8]), &mut Vec::new()),
+                Decoded::Violation(_)
+            ),
             "a reply"
         );
         let big = Header::request(Opcode::Write, Tag::new(0, 0), 0, 8192);
         let mut b = big.to_bytes();
         b[32..36].copy_from_slice(&8192u32.to_le_bytes());
         assert!(
-            matches!(n.decode(&b), Decoded::Violation(_)),
+            matches!(n.decode(&b, &mut Vec::new()), Decoded::Violation(_)),
             "payload over max I/O"
         );
         assert!(
-            matches!(n.decode(&[0u8; HEADER_LEN]), Decoded::Violation(_)),
+            matches!(
+                n.decode(&[0u8; HEADER_LEN], &mut Vec::new()),
+                Decoded::Violation(_)
+            ),
             "bad magic"
         );
     }

@@ -19,7 +19,7 @@ pub struct Nbd {
 }
 
 impl StreamFrontend for Nbd {
-    fn decode(&mut self, rx: &[u8]) -> Decoded {
+    fn decode(&mut self, rx: &[u8], _tx: &mut Vec<u8>) -> Decoded {
         if rx.len() < nbd::REQUEST_LEN {
             return Decoded::Need(nbd::REQUEST_LEN);
         }
@@ -198,7 +198,7 @@ mod tests {
     }
 
     fn req(n: &mut Nbd, bytes: &[u8]) -> (Req, usize) {
-        match n.decode(bytes) {
+        match n.decode(bytes, &mut Vec::new()) {
             Decoded::Request { req, len, .. } => (req, len),
             _ => panic!("not a request"),
         }
@@ -208,7 +208,9 @@ mod tests {
     fn writes_wait_for_their_payload_and_flags_carry_over() {
         let mut n = nbd(true);
         let mut b = request(cmd::WRITE, cflag::FUA, 0xabc, 4096, 512);
-        assert!(matches!(n.decode(&b), Decoded::Need(l) if l == nbd::REQUEST_LEN + 512));
+        assert!(
+            matches!(n.decode(&b, &mut Vec::new()), Decoded::Need(l) if l == nbd::REQUEST_LEN + 512)
+        );
         b.extend_from_slice(&[7; 512]);
         let (r, len) = req(&mut n, &b);
         assert_eq!(len, nbd::REQUEST_LEN + 512);

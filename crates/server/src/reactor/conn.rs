@@ -21,6 +21,8 @@ pub(super) struct Slot {
     pub(super) buf: Option<AlignedBuf>,
     /// An allocation query's answer, filled by a backend that runs queries on its own threads.
     pub(super) extents: Vec<Extent>,
+    /// A WRITE waiting for the data the frontend solicited: how many bytes of it are in `buf`.
+    pub(super) awaiting: Option<u32>,
 }
 
 pub(super) struct Conn {

@@ -4,7 +4,7 @@
 use blkwire_backend::{AlignedBuf, Extent, IoFlags};
 use blkwire_wire::Status;
 
-use super::conn::Conn;
+use super::conn::{Conn, Slot};
 use super::ring::{ud, Pusher, KIND_IO};
 use crate::executor::{result_status, Outcome};
 use crate::frontend::{Decoded, Kind, Req};
@@ -16,28 +16,38 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         if c.dead || c.tx_backlog() >= c.tx_high_water() {
             return;
         }
-        // Requests of frontends with cookies take a server-side slot if they go to a backend
-        // that does not finish inline: stop when none is free; a completion frees one and
-        // services this connection again.
-        if !c.inline && c.fe.server_assigns_slots() && c.free_slots.is_empty() {
+        // Requests of frontends with cookies take a server-side slot when they go to a backend
+        // that does not finish inline or wait for solicited data: stop when none is free; a
+        // completion frees one and services this connection again.
+        if c.fe.server_assigns_slots() && c.free_slots.is_empty() {
             return;
         }
-        let (req, len, payload_len) = match c.fe.decode(&c.rx[c.rx_start..c.rx_end]) {
+        let decoded = c.fe.decode(&c.rx[c.rx_start..c.rx_end], &mut c.tx);
+        let (len, payload_len) = match decoded {
             Decoded::Need(total) => {
                 c.make_room(total);
                 break;
             }
             Decoded::Violation(e) => return c.violation(&e),
             Decoded::Request {
-                req,
-                len,
-                payload_len,
-            } => (req, len, payload_len),
+                len, payload_len, ..
+            }
+            | Decoded::Data {
+                len, payload_len, ..
+            } => (len, payload_len),
+            Decoded::Answered { len } => (len, 0),
         };
         let payload_at = c.rx_start + len - payload_len;
         c.rx_start += len;
         c.exec.stats.frames_in += 1;
-        dispatch(c, idx, &req, payload_at, sq);
+        match decoded {
+            Decoded::Request { req, .. } => dispatch(c, idx, &req, payload_at, payload_len, sq),
+            Decoded::Data { slot, offset, .. } => {
+                take_data(c, idx, slot, offset, payload_at, payload_len, sq)
+            }
+            // Counted as answered even when the frontend's protocol has no answer for it.
+            _ => c.exec.stats.frames_out += 1,
+        }
     }
     if c.rx_start == c.rx_end {
         c.rx_start = 0;
@@ -45,10 +55,16 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     }
 }
 
-fn dispatch(c: &mut Conn, idx: usize, req: &Req, payload_at: usize, sq: &mut Pusher<'_>) {
+fn dispatch(
+    c: &mut Conn,
+    idx: usize,
+    req: &Req,
+    payload_at: usize,
+    payload_len: usize,
+    sq: &mut Pusher<'_>,
+) {
     let block = match req.kind {
         Kind::Block(_) => req.block().expect("a block request"),
-        Kind::Keepalive => return c.reply(req, Status::Ok),
         Kind::Logout => {
             // Nothing after LOGOUT/DISC is executed (PROTOCOL.md §2.5); what is in flight is
             // still answered before the queue closes.
@@ -83,6 +99,9 @@ fn dispatch(c: &mut Conn, idx: usize, req: &Req, payload_at: usize, sq: &mut Pus
         return c.reply(req, st);
     }
     let len = block.len;
+    if req.is_write() && payload_len < len as usize {
+        return hold_write(c, req, payload_at, payload_len as u32);
+    }
 
     if c.inline {
         // mem:/null: the request completes inside start(); READ lands straight in the reply
@@ -127,35 +146,54 @@ fn dispatch(c: &mut Conn, idx: usize, req: &Req, payload_at: usize, sq: &mut Pus
     }
 
     // A backend that finishes later: the slot owns a buffer that lives until the completion.
-    let slot = match req.slot {
+    let slot = take_slot(c, req);
+    if block.op.moves_data() {
+        let b = slot_buffer(&mut c.slots, c.exec.buffer_alignment(), slot, len);
+        if req.is_write() {
+            b.as_mut_slice()[..len as usize]
+                .copy_from_slice(&c.rx[payload_at..payload_at + len as usize]);
+        }
+    }
+    run_in_slot(c, idx, req, slot, sq);
+}
+
+/// The slot a request runs in: the client's, or a free one the server picks.
+fn take_slot(c: &mut Conn, req: &Req) -> u16 {
+    match req.slot {
         Some(s) => s,
         None => c
             .free_slots
             .pop()
             .expect("parse_frames checked for a free slot"),
-    };
-    let tag = ud(KIND_IO, c.incarnation, idx, slot);
-    let align = c.exec.buffer_alignment();
-    let s = &mut c.slots[slot as usize];
-    let mut buf = std::ptr::null_mut();
-    if block.op.moves_data() {
-        if s.buf.as_ref().is_none_or(|b| b.len() < len as usize) {
-            s.buf = Some(AlignedBuf::zeroed(len as usize, align));
-        }
-        let b = s.buf.as_mut().expect("just set");
-        if req.is_read() {
-            buf = b.as_mut_ptr();
-        } else {
-            b.as_mut_slice()[..len as usize]
-                .copy_from_slice(&c.rx[payload_at..payload_at + len as usize]);
-            buf = b.as_mut_ptr();
-        }
     }
+}
+
+/// The slot's buffer, grown to at least `len` bytes aligned to `align`.
+fn slot_buffer(slots: &mut [Slot], align: usize, slot: u16, len: u32) -> &mut AlignedBuf {
+    let s = &mut slots[slot as usize];
+    if s.buf.as_ref().is_none_or(|b| b.len() < len as usize) {
+        s.buf = Some(AlignedBuf::zeroed(len as usize, align));
+    }
+    s.buf.as_mut().expect("just set")
+}
+
+/// Runs `req` on the backend from `slot`, whose buffer holds a WRITE's data (or receives a
+/// READ's); answers at once or marks the slot in flight.
+fn run_in_slot(c: &mut Conn, idx: usize, req: &Req, slot: u16, sq: &mut Pusher<'_>) {
+    let block = req.block().expect("a block request");
+    let tag = ud(KIND_IO, c.incarnation, idx, slot);
+    let buf = match c.slots[slot as usize].buf.as_mut() {
+        Some(b) if block.op.moves_data() => b.as_mut_ptr(),
+        _ => std::ptr::null_mut(),
+    };
     // SAFETY: the slot's buffer holds `len` bytes and is neither freed nor touched until the
     // slot is released, which happens only once the result is delivered (a busy slot is never
     // reused, and a connection with slots in flight is never dropped).
     match unsafe { c.exec.start(&block, buf, tag, sq) } {
         Outcome::Done(status) => {
+            let s = &mut c.slots[slot as usize];
+            s.busy = false;
+            s.req = None;
             release_slot(c, slot);
             c.reply(req, status);
         }
@@ -166,6 +204,57 @@ fn dispatch(c: &mut Conn, idx: usize, req: &Req, payload_at: usize, sq: &mut Pus
             c.inflight += 1;
         }
     }
+}
+
+/// A WRITE that came with `got` bytes of its data: it waits in a slot (with what it brought)
+/// while the frontend asks the initiator for the rest.
+fn hold_write(c: &mut Conn, req: &Req, payload_at: usize, got: u32) {
+    let slot = take_slot(c, req);
+    let b = slot_buffer(&mut c.slots, c.exec.buffer_alignment(), slot, req.length);
+    b.as_mut_slice()[..got as usize].copy_from_slice(&c.rx[payload_at..payload_at + got as usize]);
+    let s = &mut c.slots[slot as usize];
+    s.busy = true;
+    s.req = Some(*req);
+    s.awaiting = Some(got);
+    c.fe.solicit(req, slot, got, req.length - got, &mut c.tx);
+}
+
+/// Solicited data for the WRITE waiting in `slot`: stored in order; once all of it is in, the
+/// write runs. Data for a slot that waits for none, out of order or past the write's end
+/// breaks the protocol.
+fn take_data(
+    c: &mut Conn,
+    idx: usize,
+    slot: u16,
+    offset: u32,
+    payload_at: usize,
+    payload_len: usize,
+    sq: &mut Pusher<'_>,
+) {
+    let waiting = c
+        .slots
+        .get(slot as usize)
+        .and_then(|s| Some((s.awaiting?, s.req?)));
+    let Some((got, req)) = waiting else {
+        return c.violation(&format_args!("data for slot {slot}, which waits for none"));
+    };
+    let end = offset as u64 + payload_len as u64;
+    if offset != got || end > req.length as u64 {
+        return c.violation(&format_args!(
+            "data for slot {slot} at {offset}+{payload_len}: expected it at {got}, within {}",
+            req.length
+        ));
+    }
+    let s = &mut c.slots[slot as usize];
+    let buf = s.buf.as_mut().expect("a held write has a buffer");
+    buf.as_mut_slice()[offset as usize..end as usize]
+        .copy_from_slice(&c.rx[payload_at..payload_at + payload_len]);
+    if end < req.length as u64 {
+        s.awaiting = Some(end as u32);
+        return;
+    }
+    s.awaiting = None;
+    run_in_slot(c, idx, &req, slot, sq);
 }
 
 /// A READ of a range that is all hole, for frontends that can say so without the zeros. Only
@@ -330,5 +419,311 @@ fn finish(c: &mut Conn, slot: u16, status: Status) {
         c.count_reply(status);
     } else {
         c.reply(&req, status);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The request path with a toy frontend that, like NVMe/TCP and iSCSI, takes WRITEs without
+    //! their data, asks for it (`solicit`), receives it in separate messages (`Decoded::Data`)
+    //! and answers pings itself (`Decoded::Answered`). Messages (little-endian):
+    //! `W cookie:u64 offset:u64 length:u32 inline:u32 data[inline]`, `R cookie offset length`,
+    //! `D slot:u16 offset:u32 n:u32 data[n]`, `P`. It writes `T slot offset len` (solicit),
+    //! `S cookie status:u16` (reply) and `p` (ping answer).
+    use std::os::fd::OwnedFd;
+    use std::os::unix::net::UnixStream;
+    use std::sync::Arc;
+
+    use blkwire_backend::{BlockOp, Export, ExportSpec, IoFlags};
+    use blkwire_wire::Status;
+    use io_uring::IoUring;
+
+    use super::super::conn::{Conn, Slot};
+    use super::super::ring::Pusher;
+    use super::parse_frames;
+    use crate::executor::Executor;
+    use crate::frontend::{Decoded, Kind, Req, StreamFrontend};
+
+    struct Toy;
+
+    fn u32_at(b: &[u8], i: usize) -> u32 {
+        u32::from_le_bytes(b[i..i + 4].try_into().unwrap())
+    }
+    fn u64_at(b: &[u8], i: usize) -> u64 {
+        u64::from_le_bytes(b[i..i + 8].try_into().unwrap())
+    }
+
+    impl StreamFrontend for Toy {
+        fn decode(&mut self, rx: &[u8], tx: &mut Vec<u8>) -> Decoded {
+            let need = |n: usize| {
+                if rx.len() < n {
+                    Some(Decoded::Need(n))
+                } else {
+                    None
+                }
+            };
+            match rx.first() {
+                None => Decoded::Need(1),
+                Some(b'P') => {
+                    tx.push(b'p');
+                    Decoded::Answered { len: 1 }
+                }
+                Some(op @ (b'W' | b'R')) => {
+                    let hdr = if *op == b'W' { 25 } else { 21 };
+                    if let Some(n) = need(hdr) {
+                        return n;
+                    }
+                    let inline = if *op == b'W' {
+                        u32_at(rx, 21) as usize
+                    } else {
+                        0
+                    };
+                    if let Some(n) = need(hdr + inline) {
+                        return n;
+                    }
+                    let kind = if *op == b'W' {
+                        BlockOp::Write
+                    } else {
+                        BlockOp::Read
+                    };
+                    let req = Req {
+                        kind: Kind::Block(kind),
+                        offset: u64_at(rx, 9),
+                        length: u32_at(rx, 17),
+                        flags: IoFlags::empty(),
+                        slot: None,
+                        cookie: u64_at(rx, 1) as u128,
+                    };
+                    Decoded::Request {
+                        req,
+                        len: hdr + inline,
+                        payload_len: inline,
+                    }
+                }
+                Some(b'D') => {
+                    if let Some(n) = need(11) {
+                        return n;
+                    }
+                    let n = u32_at(rx, 7) as usize;
+                    if let Some(m) = need(11 + n) {
+                        return m;
+                    }
+                    Decoded::Data {
+                        slot: u16::from_le_bytes([rx[1], rx[2]]),
+                        offset: u32_at(rx, 3),
+                        len: 11 + n,
+                        payload_len: n,
+                    }
+                }
+                Some(x) => Decoded::Violation(format!("unknown message {x}")),
+            }
+        }
+        fn server_assigns_slots(&self) -> bool {
+            true
+        }
+        fn read_prefix_len(&self) -> usize {
+            11
+        }
+        fn write_read_prefix(&self, req: &Req, out: &mut [u8]) {
+            out[0] = b'S';
+            out[1..9].copy_from_slice(&(req.cookie as u64).to_le_bytes());
+            out[9..11].copy_from_slice(&0u16.to_le_bytes());
+        }
+        fn reply(&mut self, req: &Req, status: Status, tx: &mut Vec<u8>) -> bool {
+            tx.push(b'S');
+            tx.extend_from_slice(&(req.cookie as u64).to_le_bytes());
+            tx.extend_from_slice(&(status as u16).to_le_bytes());
+            true
+        }
+        fn solicit(&mut self, _req: &Req, slot: u16, offset: u32, len: u32, tx: &mut Vec<u8>) {
+            tx.push(b'T');
+            tx.extend_from_slice(&slot.to_le_bytes());
+            tx.extend_from_slice(&offset.to_le_bytes());
+            tx.extend_from_slice(&len.to_le_bytes());
+        }
+    }
+
+    fn conn(spec: &str) -> (Conn, UnixStream) {
+        let (a, b) = UnixStream::pair().unwrap();
+        let export = Arc::new(Export::open(&ExportSpec::parse(spec).unwrap()).unwrap());
+        let exec = Executor::open(export, 1 << 20).unwrap();
+        let c = Conn {
+            sock: OwnedFd::from(a),
+            incarnation: 1,
+            fe: Box::new(Toy),
+            inline: exec.completes_inline(),
+            exec,
+            session: 1,
+            queue: 0,
+            max_io: 1 << 20,
+            peer: "test".into(),
+            rx: vec![0; 1 << 16],
+            rx_start: 0,
+            rx_end: 0,
+            tx: Vec::new(),
+            tx_sent: 0,
+            slots: (0..4).map(|_| Slot::default()).collect(),
+            free_slots: (0..4).rev().collect(),
+            inflight: 0,
+            extents: Vec::new(),
+            readable: false,
+            want_out: false,
+            closing: false,
+            dead: false,
+            bytes_sent: 0,
+        };
+        (c, b)
+    }
+
+    /// Appends `msg` to the receive buffer and runs the request path over it.
+    fn feed(c: &mut Conn, ring: &mut IoUring, msg: &[u8]) {
+        c.rx[c.rx_end..c.rx_end + msg.len()].copy_from_slice(msg);
+        c.rx_end += msg.len();
+        parse_frames(c, 0, &mut Pusher(ring));
+    }
+
+    fn take_tx(c: &mut Conn) -> Vec<u8> {
+        std::mem::take(&mut c.tx)
+    }
+
+    fn write(cookie: u64, offset: u64, length: u32, inline: &[u8]) -> Vec<u8> {
+        let mut m = vec![b'W'];
+        m.extend_from_slice(&cookie.to_le_bytes());
+        m.extend_from_slice(&offset.to_le_bytes());
+        m.extend_from_slice(&length.to_le_bytes());
+        m.extend_from_slice(&(inline.len() as u32).to_le_bytes());
+        m.extend_from_slice(inline);
+        m
+    }
+
+    fn data(slot: u16, offset: u32, bytes: &[u8]) -> Vec<u8> {
+        let mut m = vec![b'D'];
+        m.extend_from_slice(&slot.to_le_bytes());
+        m.extend_from_slice(&offset.to_le_bytes());
+        m.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+        m.extend_from_slice(bytes);
+        m
+    }
+
+    fn read(cookie: u64, offset: u64, length: u32) -> Vec<u8> {
+        let mut m = vec![b'R'];
+        m.extend_from_slice(&cookie.to_le_bytes());
+        m.extend_from_slice(&offset.to_le_bytes());
+        m.extend_from_slice(&length.to_le_bytes());
+        m
+    }
+
+    fn status_reply(cookie: u64, st: Status) -> Vec<u8> {
+        let mut r = vec![b'S'];
+        r.extend_from_slice(&cookie.to_le_bytes());
+        r.extend_from_slice(&(st as u16).to_le_bytes());
+        r
+    }
+
+    #[test]
+    fn a_write_waits_for_the_data_it_solicited_then_runs() {
+        let mut ring = IoUring::new(8).unwrap();
+        let (mut c, _peer) = conn("m=mem:1M");
+        let payload: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
+        // 512 bytes came with the command: the rest is asked for, nothing is answered yet.
+        feed(&mut c, &mut ring, &write(7, 8192, 4096, &payload[..512]));
+        let tx = take_tx(&mut c);
+        assert_eq!(tx[0], b'T', "a solicitation: {tx:?}");
+        let slot = u16::from_le_bytes([tx[1], tx[2]]);
+        assert_eq!((u32_at(&tx, 3), u32_at(&tx, 7)), (512, 3584));
+        assert_eq!(c.exec.stats.writes, 0, "nothing ran yet");
+        // A ping is answered by the frontend while the write waits.
+        feed(&mut c, &mut ring, b"P");
+        assert_eq!(take_tx(&mut c), b"p");
+        // The rest arrives in two parts; only the last one runs the write.
+        feed(&mut c, &mut ring, &data(slot, 512, &payload[512..2048]));
+        assert!(c.tx.is_empty() && c.exec.stats.writes == 0);
+        feed(&mut c, &mut ring, &data(slot, 2048, &payload[2048..]));
+        assert_eq!(take_tx(&mut c), status_reply(7, Status::Ok));
+        assert_eq!(c.exec.stats.writes, 1);
+        assert_eq!(c.free_slots.len(), 4, "the slot is free again");
+        // The bytes landed where the write said.
+        feed(&mut c, &mut ring, &read(8, 8192, 4096));
+        let tx = take_tx(&mut c);
+        assert_eq!(
+            &tx[..11],
+            &{
+                let mut p = vec![b'S'];
+                p.extend_from_slice(&8u64.to_le_bytes());
+                p.extend_from_slice(&[0, 0]);
+                p
+            }[..]
+        );
+        assert!(tx[11..] == payload[..]);
+        assert_eq!(c.exec.stats.frames_in, 5);
+    }
+
+    #[test]
+    fn solicited_data_out_of_order_or_for_no_write_breaks_the_protocol() {
+        let mut ring = IoUring::new(8).unwrap();
+        let (mut c, _peer) = conn("m=mem:1M");
+        feed(&mut c, &mut ring, &data(2, 0, &[1; 16]));
+        assert!(
+            c.closing && c.exec.stats.protocol_errors == 1,
+            "no write waits in slot 2"
+        );
+
+        let (mut c, _peer) = conn("m=mem:1M");
+        feed(&mut c, &mut ring, &write(1, 0, 1024, &[]));
+        let slot = u16::from_le_bytes([c.tx[1], c.tx[2]]);
+        feed(&mut c, &mut ring, &data(slot, 512, &[1; 512]));
+        assert!(
+            c.closing && c.exec.stats.protocol_errors == 1,
+            "a gap before offset 512"
+        );
+
+        let (mut c, _peer) = conn("m=mem:1M");
+        feed(&mut c, &mut ring, &write(1, 0, 1024, &[]));
+        let slot = u16::from_le_bytes([c.tx[1], c.tx[2]]);
+        feed(&mut c, &mut ring, &data(slot, 0, &[1; 2048]));
+        assert!(
+            c.closing && c.exec.stats.protocol_errors == 1,
+            "past the write's end"
+        );
+    }
+
+    #[test]
+    fn a_refused_write_is_answered_without_soliciting_anything() {
+        let mut ring = IoUring::new(8).unwrap();
+        let (mut c, _peer) = conn("m=mem:1M,ro");
+        feed(&mut c, &mut ring, &write(3, 0, 4096, &[]));
+        assert_eq!(take_tx(&mut c), status_reply(3, Status::ReadOnly));
+        assert_eq!(c.free_slots.len(), 4);
+    }
+
+    #[test]
+    fn a_write_waits_for_its_data_on_an_asynchronous_backend_too() {
+        let mut ring = IoUring::new(8).unwrap();
+        let (mut c, _peer) = conn("m=memthread:1M");
+        feed(&mut c, &mut ring, &write(9, 0, 1024, &[5; 100]));
+        let slot = u16::from_le_bytes([c.tx[1], c.tx[2]]);
+        take_tx(&mut c);
+        feed(&mut c, &mut ring, &data(slot, 100, &[6; 924]));
+        assert!(
+            c.tx.is_empty() && c.inflight == 1,
+            "running on the helper thread"
+        );
+        let mut done = Vec::new();
+        while done.is_empty() {
+            let mut pfd = libc::pollfd {
+                fd: c.exec.notifier().unwrap(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: poll on one descriptor the backend owns.
+            unsafe { libc::poll(&mut pfd, 1, 5000) };
+            c.exec
+                .reap(&mut Pusher(&mut ring), &mut |t, r| done.push((t, r)));
+        }
+        for (tag, res) in done {
+            super::finish_result(&mut c, tag as u16, res);
+        }
+        assert_eq!(take_tx(&mut c), status_reply(9, Status::Ok));
+        assert_eq!(c.inflight, 0);
     }
 }
