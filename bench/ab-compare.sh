@@ -64,7 +64,8 @@ start_server() {
     [[ -n "$TCP" && -n "$NBD" && -n "$UDP" ]] || die "$1 serve did not listen on all three"
 }
 
-# measure BIN WORKLOAD: prints "iops cpu_us_per_io".
+# measure BIN WORKLOAD: sets RESULT to "iops cpu_us_per_io". Runs in this shell (not in a
+# command substitution), so the exit trap knows the server it started.
 measure() {
     local bin="$1" w="$2" out="$WORK/run.json" c0 c1 iops
     start_server "$bin"
@@ -94,17 +95,19 @@ print(j['read']['iops'] + j['write']['iops'])")"
     esac
     c1="$(cpu_ticks "$SRV_PID")"
     stop_server
-    python3 - "$iops" "$((c1 - c0))" "$CLK_TCK" "$out.time" "$RUNTIME" <<'PY'
+    RESULT="$(python3 - "$iops" "$((c1 - c0))" "$CLK_TCK" "$out.time" "$RUNTIME" <<'PY'
 import sys
 iops, srv_ticks, tck, tfile, runtime = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
 u, s = open(tfile).read().split()[-2:]
 cpu_s = srv_ticks / tck + float(u) + float(s)
 print(f"{iops:.0f} {cpu_s * 1e6 / max(iops * runtime, 1):.2f}")
 PY
+)"
 }
 
 command -v /usr/bin/time >/dev/null || die "/usr/bin/time not found (apt-get install time)"
-WORKLOADS=(tcp-randread-qd1 tcp-randread-qd32 tcp-randwrite-qd32 nbd-randread-qd32 udp-randread-qd32)
+# WORKLOADS (space-separated PROTO-RW-qdN) narrows the run, e.g. WORKLOADS=tcp-randread-qd32.
+read -r -a WORKLOADS <<<"${WORKLOADS:-tcp-randread-qd1 tcp-randread-qd32 tcp-randwrite-qd32 nbd-randread-qd32 udp-randread-qd32}"
 declare -A RES
 echo "# A: $A ($("$A" --version)), B: $B ($("$B" --version))"
 echo "# $ROUNDS rounds x ${RUNTIME}s per workload and build, alternating, $(nproc) CPUs, $(date -u +'%F %H:%M') UTC"
@@ -114,7 +117,8 @@ for w in "${WORKLOADS[@]}"; do
         for which in "${order[@]}"; do
             bin="${!which}"
             echo "running $w round $r on $which ..." >&2
-            RES["$w $which"]+="$(measure "$bin" "$w");"
+            measure "$bin" "$w"
+            RES["$w $which"]+="$RESULT;"
         done
     done
 done
