@@ -24,7 +24,6 @@ use crate::executor::{Executor, Outcome};
 use crate::frontend::native::flush_args_valid;
 use crate::log::Level;
 use crate::session::Registry;
-use crate::stats::QueueStats;
 
 /// Frames received or sent per syscall.
 const BATCH: usize = 32;
@@ -588,18 +587,14 @@ impl DgramPort {
     }
 
     fn add_queue(&mut self, adm: crate::session::Admitted, fp: u32, peer: Peer) {
-        let exec = match Executor::open(adm.export.clone(), adm.max_io) {
-            Ok(x) => x,
-            Err(e) => {
-                crate::log!(
-                    Level::Error,
-                    "export {}: cannot open queue: {e}",
-                    adm.export.name
-                );
-                self.registry
-                    .leave(adm.session, adm.queue, &QueueStats::default());
-                return;
-            }
+        let Some(exec) = Executor::for_queue(
+            &self.registry,
+            &adm.export,
+            adm.session,
+            adm.queue,
+            adm.max_io,
+        ) else {
+            return;
         };
         let idx = self.free.pop().unwrap_or_else(|| {
             self.queues.push(None);

@@ -43,6 +43,29 @@ impl Executor {
         })
     }
 
+    /// Opens the executor of an admitted queue; when the backend refuses (the error is logged),
+    /// the queue leaves the registry and there is nothing to serve.
+    pub fn for_queue(
+        registry: &crate::session::Registry,
+        export: &Arc<Export>,
+        session: u32,
+        queue: u16,
+        max_io: u32,
+    ) -> Option<Executor> {
+        match Executor::open(export.clone(), max_io) {
+            Ok(x) => Some(x),
+            Err(e) => {
+                crate::log!(
+                    crate::log::Level::Error,
+                    "export {}: cannot open queue: {e}",
+                    export.name
+                );
+                registry.leave(session, queue, &QueueStats::default());
+                None
+            }
+        }
+    }
+
     /// The export served.
     pub fn export(&self) -> &Arc<Export> {
         &self.export

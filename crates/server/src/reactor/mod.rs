@@ -228,18 +228,10 @@ impl Reactor {
     }
 
     fn add(&mut self, q: NewQueue) {
-        let exec = match Executor::open(q.export.clone(), q.max_io) {
-            Ok(x) => x,
-            Err(e) => {
-                crate::log!(
-                    Level::Error,
-                    "export {}: cannot open queue: {e}",
-                    q.export.name
-                );
-                self.registry
-                    .leave(q.session, q.queue, &QueueStats::default());
-                return;
-            }
+        let Some(exec) =
+            Executor::for_queue(&self.registry, &q.export, q.session, q.queue, q.max_io)
+        else {
+            return;
         };
         let idx = self.free.pop().unwrap_or_else(|| {
             self.conns.push(None);
