@@ -10,7 +10,7 @@
 
 use blkwire_server::frontend::native::Native;
 use blkwire_server::frontend::nbd::Nbd;
-use blkwire_server::frontend::{Decoded, StreamFrontend};
+use blkwire_server::frontend::{Decoded, ReadFraming, StreamFrontend};
 use blkwire_wire::{Status, HEADER_LEN};
 use libfuzzer_sys::fuzz_target;
 
@@ -50,8 +50,14 @@ fn walk(fe: &mut dyn StreamFrontend, data: &[u8]) {
                     fe.reply(&req, status, &mut tx);
                 }
                 if req.is_read() {
-                    let mut prefix = vec![0u8; fe.read_prefix_len()];
-                    fe.write_read_prefix(&req, &mut prefix);
+                    let data = vec![0u8; req.length as usize];
+                    match fe.read_framing(&req) {
+                        ReadFraming::Contiguous { prefix, suffix } => {
+                            let (mut p, mut q) = (vec![0u8; prefix], vec![0u8; suffix]);
+                            fe.finish_read_reply(&req, &mut p, &data, &mut q);
+                        }
+                        ReadFraming::Chunked => fe.encode_read(&req, &data, &mut tx),
+                    }
                 }
                 fe.block_status_reply(&req, &[(req.length, true)], &mut tx);
                 at += len;

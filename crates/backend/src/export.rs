@@ -255,6 +255,15 @@ enum Next {
     ReportWrite(i32),
     /// WRITE_ZEROES by writes: `at..end` is still to be zeroed.
     Zero { at: u64, end: u64 },
+    /// A native TRIM or WRITE_ZEROES longer than the backend takes at once: `at..end` is left,
+    /// in pieces of at most `limit` bytes.
+    Split {
+        zero: bool,
+        no_hole: bool,
+        at: u64,
+        end: u64,
+        limit: u64,
+    },
     /// A COPY, chunk by chunk: natively, or by a read then a write through a bounce buffer.
     Copy(Box<CopyState>),
 }
@@ -342,6 +351,36 @@ impl ExportQueue {
             Op::WriteZeroes { offset, len, .. } if caps.write_zeroes != Support::Native => {
                 let end = offset + len as u64;
                 match self.after(Next::Zero { at: offset, end }, 0) {
+                    Ok(step) => step,
+                    Err(r) => return Progress::Done(r),
+                }
+            }
+            Op::Trim { offset, len } if len as u64 > caps.limits.max_trim_bytes => {
+                let split = Next::Split {
+                    zero: false,
+                    no_hole: false,
+                    at: offset,
+                    end: offset + len as u64,
+                    limit: caps.limits.max_trim_bytes.max(512),
+                };
+                match self.after(split, 0) {
+                    Ok(step) => step,
+                    Err(r) => return Progress::Done(r),
+                }
+            }
+            Op::WriteZeroes {
+                offset,
+                len,
+                no_hole,
+            } if len as u64 > caps.limits.max_zero_bytes => {
+                let split = Next::Split {
+                    zero: true,
+                    no_hole,
+                    at: offset,
+                    end: offset + len as u64,
+                    limit: caps.limits.max_zero_bytes.max(512),
+                };
+                match self.after(split, 0) {
                     Ok(step) => step,
                     Err(r) => return Progress::Done(r),
                 }
@@ -498,6 +537,33 @@ impl ExportQueue {
             Next::Report => Err(res),
             _ if res < 0 => Err(res),
             Next::Copy(st) => self.copy_step(st, res),
+            Next::Split { at, end, .. } if at >= end => Err(0),
+            Next::Split {
+                zero,
+                no_hole,
+                at,
+                end,
+                limit,
+            } => {
+                let len = (end - at).min(limit) as u32;
+                let op = if zero {
+                    Op::WriteZeroes {
+                        offset: at,
+                        len,
+                        no_hole,
+                    }
+                } else {
+                    Op::Trim { offset: at, len }
+                };
+                let next = Next::Split {
+                    zero,
+                    no_hole,
+                    at: at + len as u64,
+                    end,
+                    limit,
+                };
+                Ok((op, next))
+            }
             Next::FlushAfterWrite => Ok((Op::Flush, Next::ReportWrite(res))),
             Next::ReportWrite(wrote) => Err(wrote),
             Next::Zero { at, end } if at >= end => Err(0),
@@ -979,6 +1045,39 @@ mod tests {
         assert_eq!(b.log(), ["write 0+1024 fua=false", "flush"]);
         q.reap(&mut NoRing, &mut |t, r| got.push((t, r)));
         assert_eq!(got, [(7, 1024)], "the write's byte count, after the flush");
+    }
+
+    #[test]
+    fn trims_and_zeroing_longer_than_the_backend_takes_are_split() {
+        for asynchronous in [false, true] {
+            let mut caps = Capabilities {
+                trim: Support::Native,
+                write_zeroes: Support::Native,
+                ..Capabilities::default()
+            };
+            caps.limits.max_trim_bytes = 4096;
+            caps.limits.max_zero_bytes = 8192;
+            let b = Recorder::new(caps, asynchronous);
+            let mut q = Export::new("t", b.clone(), false).open_queue().unwrap();
+            q.run_blocking(&BlockRequest::new(BlockOp::Trim, 512, 10000))
+                .unwrap();
+            q.run_blocking(&BlockRequest::new(BlockOp::WriteZeroes, 0, 8192))
+                .unwrap();
+            q.run_blocking(&BlockRequest::new(BlockOp::WriteZeroes, 0, 8193))
+                .unwrap();
+            assert_eq!(
+                b.log(),
+                [
+                    "trim 512+4096",
+                    "trim 4608+4096",
+                    "trim 8704+1808",
+                    "zero 0+8192",
+                    "zero 0+8192",
+                    "zero 8192+1",
+                ],
+                "asynchronous={asynchronous}"
+            );
+        }
     }
 
     #[test]

@@ -32,7 +32,8 @@ impl Support {
     }
 }
 
-/// Largest ranges one request of each kind may name; the generic layer splits larger ones.
+/// Largest ranges one backend operation of each kind may name: the generic layer splits longer
+/// TRIM and WRITE_ZEROES requests into pieces this size, and refuses larger COPYs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
     /// Largest TRIM the backend takes at once.

@@ -71,6 +71,24 @@ impl Req {
     }
 }
 
+/// How a successful READ reply is laid out around its data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadFraming {
+    /// `prefix` bytes, the data, then `suffix` bytes (a data digest, padding, a trailing
+    /// response PDU): the data lands in place between them, and the frontend fills both ends
+    /// once it is there ([`StreamFrontend::finish_read_reply`]).
+    Contiguous {
+        /// Bytes before the data.
+        prefix: usize,
+        /// Bytes after the data.
+        suffix: usize,
+    },
+    /// Headers between pieces of the data (an iSCSI Data-In sequence longer than the
+    /// initiator's segment size): the frontend builds the whole reply from the data
+    /// ([`StreamFrontend::encode_read`]).
+    Chunked,
+}
+
 /// What a frontend made of the front of a receive buffer.
 pub enum Decoded {
     /// The next message is not all there yet: at least this many bytes (from the front) are
@@ -130,11 +148,18 @@ pub trait StreamFrontend: Send {
     /// stops reading when every slot is busy.
     fn server_assigns_slots(&self) -> bool;
 
-    /// Bytes a successful READ reply puts before its data.
-    fn read_prefix_len(&self) -> usize;
+    /// How the successful reply to the READ `req` is laid out.
+    fn read_framing(&self, req: &Req) -> ReadFraming;
 
-    /// Fills the prefix of a successful READ reply (the data follows it).
-    fn write_read_prefix(&self, req: &Req, out: &mut [u8]);
+    /// Fills both ends of a [`ReadFraming::Contiguous`] READ reply, `data` being in place
+    /// between them (digests are computed over it where it lies).
+    fn finish_read_reply(&mut self, req: &Req, prefix: &mut [u8], data: &[u8], suffix: &mut [u8]);
+
+    /// Appends the whole reply to a [`ReadFraming::Chunked`] READ.
+    fn encode_read(&mut self, req: &Req, data: &[u8], tx: &mut Vec<u8>) {
+        let _ = (req, data, tx);
+        unreachable!("this frontend's read replies are contiguous")
+    }
 
     /// Appends a reply without read data. Returns false when the protocol sends no reply for
     /// this request (NBD DISC).

@@ -4,7 +4,7 @@
 use blkwire_backend::BlockOp;
 use blkwire_wire::{Header, Opcode, Status, Tag, HEADER_LEN};
 
-use super::{Decoded, Kind, Req, StreamFrontend};
+use super::{Decoded, Kind, ReadFraming, Req, StreamFrontend};
 
 /// A native queue's protocol state.
 pub struct Native {
@@ -93,13 +93,22 @@ impl StreamFrontend for Native {
         false
     }
 
-    fn read_prefix_len(&self) -> usize {
-        HEADER_LEN
+    fn read_framing(&self, _req: &Req) -> ReadFraming {
+        ReadFraming::Contiguous {
+            prefix: HEADER_LEN,
+            suffix: 0,
+        }
     }
 
-    fn write_read_prefix(&self, req: &Req, out: &mut [u8]) {
+    fn finish_read_reply(
+        &mut self,
+        req: &Req,
+        prefix: &mut [u8],
+        _data: &[u8],
+        _suffix: &mut [u8],
+    ) {
         let h = self.reply_header(req, Status::Ok, req.length);
-        h.encode((&mut out[..HEADER_LEN]).try_into().expect("header size"));
+        h.encode((&mut prefix[..HEADER_LEN]).try_into().expect("header size"));
     }
 
     fn reply(&mut self, req: &Req, status: Status, tx: &mut Vec<u8>) -> bool {
@@ -218,7 +227,14 @@ mod tests {
         let (req, ..) = decode(&mut n, &frame(&h, &[]));
         assert!(req.is_read());
         let mut out = [0u8; HEADER_LEN];
-        n.write_read_prefix(&req, &mut out);
+        assert_eq!(
+            n.read_framing(&req),
+            ReadFraming::Contiguous {
+                prefix: HEADER_LEN,
+                suffix: 0
+            }
+        );
+        n.finish_read_reply(&req, &mut out, &[0; 4096], &mut []);
         let r = Header::decode(&out, 4096).unwrap();
         assert_eq!((r.status, r.payload_len, r.tag), (Status::Ok, 4096, h.tag));
     }

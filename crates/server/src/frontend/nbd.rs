@@ -6,7 +6,7 @@ use blkwire_backend::{BlockOp, IoFlags};
 use blkwire_wire::nbd::{self, cflag, chunk, cmd};
 use blkwire_wire::Status;
 
-use super::{Decoded, Kind, Req, StreamFrontend};
+use super::{Decoded, Kind, ReadFraming, Req, StreamFrontend};
 
 /// An NBD connection's transmission state, as negotiated.
 pub struct Nbd {
@@ -78,15 +78,16 @@ impl StreamFrontend for Nbd {
         true
     }
 
-    fn read_prefix_len(&self) -> usize {
-        if self.structured {
+    fn read_framing(&self, _req: &Req) -> ReadFraming {
+        let prefix = if self.structured {
             nbd::CHUNK_HEADER_LEN + 8
         } else {
             nbd::SIMPLE_REPLY_LEN
-        }
+        };
+        ReadFraming::Contiguous { prefix, suffix: 0 }
     }
 
-    fn write_read_prefix(&self, req: &Req, out: &mut [u8]) {
+    fn finish_read_reply(&mut self, req: &Req, out: &mut [u8], _data: &[u8], _suffix: &mut [u8]) {
         let cookie = req.cookie as u64;
         if self.structured {
             let (h, off) = out.split_at_mut(nbd::CHUNK_HEADER_LEN);
@@ -115,7 +116,7 @@ impl StreamFrontend for Nbd {
             nbd::error_chunk(tx, cookie, error, &status.to_string());
         } else if self.structured && req.is_read() {
             // A READ must never get a simple reply once structured replies are on; a successful
-            // read with data always goes through write_read_prefix.
+            // read with data always goes through finish_read_reply.
             let mut h = [0u8; nbd::CHUNK_HEADER_LEN];
             nbd::chunk_header(&mut h, chunk::FLAG_DONE, chunk::NONE, cookie, 0);
             tx.extend_from_slice(&h);

@@ -7,7 +7,7 @@ use blkwire_wire::Status;
 use super::conn::{Conn, Slot};
 use super::ring::{ud, Pusher, KIND_IO};
 use crate::executor::{result_status, Outcome};
-use crate::frontend::{Decoded, Kind, Req};
+use crate::frontend::{Decoded, Kind, ReadFraming, Req};
 use crate::log::Level;
 
 /// Dispatches every complete message in `rx[rx_start..rx_end]`.
@@ -103,19 +103,20 @@ fn dispatch(
         return hold_write(c, req, payload_at, payload_len as u32);
     }
 
-    if c.inline {
+    let framing = req.is_read().then(|| c.fe.read_framing(req));
+    // A chunked READ reply is built from a slot's buffer even on inline exports.
+    if c.inline && framing != Some(ReadFraming::Chunked) {
         // mem:/null: the request completes inside start(); READ lands straight in the reply
         // buffer and WRITE is taken straight from the receive buffer: one copy each way.
-        if req.is_read() {
+        if let Some(ReadFraming::Contiguous { prefix, suffix }) = framing {
             if read_hole(c, req) {
                 return;
             }
             let at = c.tx.len();
-            let prefix = c.fe.read_prefix_len();
             // The prefix is zeroed, the data is not: the backend writes it straight into the
             // spare capacity and only then does the buffer grow over it.
             c.tx.resize(at + prefix, 0);
-            c.tx.reserve(len as usize);
+            c.tx.reserve(len as usize + suffix);
             // SAFETY: `reserve` made room for `len` bytes after the prefix.
             let buf = unsafe { c.tx.as_mut_ptr().add(at + prefix) };
             // SAFETY: the export completes inline, so the buffer is only used during the call.
@@ -126,7 +127,10 @@ fn dispatch(
             if status == Status::Ok {
                 // SAFETY: the backend initialised all `len` bytes (it reported success).
                 unsafe { c.tx.set_len(at + prefix + len as usize) };
-                c.fe.write_read_prefix(req, &mut c.tx[at..at + prefix]);
+                c.tx.resize(at + prefix + len as usize + suffix, 0);
+                let (head, rest) = c.tx[at..].split_at_mut(prefix);
+                let (data, tail) = rest.split_at_mut(len as usize);
+                c.fe.finish_read_reply(req, head, data, tail);
                 c.count_reply(status);
             } else {
                 c.tx.truncate(at);
@@ -186,23 +190,15 @@ fn run_in_slot(c: &mut Conn, idx: usize, req: &Req, slot: u16, sq: &mut Pusher<'
         Some(b) if block.op.moves_data() => b.as_mut_ptr(),
         _ => std::ptr::null_mut(),
     };
+    let s = &mut c.slots[slot as usize];
+    s.busy = true;
+    s.req = Some(*req);
     // SAFETY: the slot's buffer holds `len` bytes and is neither freed nor touched until the
     // slot is released, which happens only once the result is delivered (a busy slot is never
     // reused, and a connection with slots in flight is never dropped).
     match unsafe { c.exec.start(&block, buf, tag, sq) } {
-        Outcome::Done(status) => {
-            let s = &mut c.slots[slot as usize];
-            s.busy = false;
-            s.req = None;
-            release_slot(c, slot);
-            c.reply(req, status);
-        }
-        Outcome::Pending => {
-            let s = &mut c.slots[slot as usize];
-            s.busy = true;
-            s.req = Some(*req);
-            c.inflight += 1;
-        }
+        Outcome::Done(status) => settle(c, slot, status),
+        Outcome::Pending => c.inflight += 1,
     }
 }
 
@@ -386,12 +382,18 @@ pub(super) fn finish_result(c: &mut Conn, slot: u16, res: i32) {
     finish(c, slot, status);
 }
 
-/// A request that ran on the backend finished: build its reply.
+/// A request that was in flight on the backend finished: answer it.
 fn finish(c: &mut Conn, slot: u16, status: Status) {
+    c.inflight -= 1;
+    settle(c, slot, status);
+}
+
+/// Answers the request held in `slot` (a READ with the data in the slot's buffer) and frees
+/// the slot.
+fn settle(c: &mut Conn, slot: u16, status: Status) {
     let s = &mut c.slots[slot as usize];
     s.busy = false;
     let req = s.req.take().expect("busy slot has a request");
-    c.inflight -= 1;
     release_slot(c, slot);
     if status != Status::Ok {
         crate::log!(
@@ -410,12 +412,23 @@ fn finish(c: &mut Conn, slot: u16, status: Status) {
         c.slots[slot as usize].extents = extents;
     } else if req.is_read() && status == Status::Ok {
         let len = req.length as usize;
-        let at = c.tx.len();
-        let prefix = c.fe.read_prefix_len();
-        c.tx.resize(at + prefix, 0);
-        c.fe.write_read_prefix(&req, &mut c.tx[at..at + prefix]);
-        let buf = c.slots[slot as usize].buf.as_ref().expect("read buffer");
-        c.tx.extend_from_slice(&buf.as_slice()[..len]);
+        let data = &c.slots[slot as usize]
+            .buf
+            .as_ref()
+            .expect("read buffer")
+            .as_slice()[..len];
+        match c.fe.read_framing(&req) {
+            ReadFraming::Contiguous { prefix, suffix } => {
+                let at = c.tx.len();
+                c.tx.resize(at + prefix, 0);
+                c.tx.extend_from_slice(data);
+                c.tx.resize(at + prefix + len + suffix, 0);
+                let (head, rest) = c.tx[at..].split_at_mut(prefix);
+                let (data, tail) = rest.split_at_mut(len);
+                c.fe.finish_read_reply(&req, head, data, tail);
+            }
+            ReadFraming::Chunked => c.fe.encode_read(&req, data, &mut c.tx),
+        }
         c.count_reply(status);
     } else {
         c.reply(&req, status);
@@ -429,7 +442,9 @@ mod tests {
     //! and answers pings itself (`Decoded::Answered`). Messages (little-endian):
     //! `W cookie:u64 offset:u64 length:u32 inline:u32 data[inline]`, `R cookie offset length`,
     //! `D slot:u16 offset:u32 n:u32 data[n]`, `P`. It writes `T slot offset len` (solicit),
-    //! `S cookie status:u16` (reply) and `p` (ping answer).
+    //! `S cookie status:u16` (reply), `p` (ping answer), and READ data either contiguous
+    //! (`S cookie 0`, the data, its CRC32C: a data digest) or chunked (`C n:u32 data[n]` per
+    //! 1000 bytes, then `S cookie 0`).
     use std::os::fd::OwnedFd;
     use std::os::unix::net::UnixStream;
     use std::sync::Arc;
@@ -442,9 +457,11 @@ mod tests {
     use super::super::ring::Pusher;
     use super::parse_frames;
     use crate::executor::Executor;
-    use crate::frontend::{Decoded, Kind, Req, StreamFrontend};
+    use crate::frontend::{Decoded, Kind, ReadFraming, Req, StreamFrontend};
 
-    struct Toy;
+    struct Toy {
+        chunked: bool,
+    }
 
     fn u32_at(b: &[u8], i: usize) -> u32 {
         u32::from_le_bytes(b[i..i + 4].try_into().unwrap())
@@ -521,13 +538,35 @@ mod tests {
         fn server_assigns_slots(&self) -> bool {
             true
         }
-        fn read_prefix_len(&self) -> usize {
-            11
+        fn read_framing(&self, _req: &Req) -> ReadFraming {
+            if self.chunked {
+                ReadFraming::Chunked
+            } else {
+                ReadFraming::Contiguous {
+                    prefix: 11,
+                    suffix: 4,
+                }
+            }
         }
-        fn write_read_prefix(&self, req: &Req, out: &mut [u8]) {
-            out[0] = b'S';
-            out[1..9].copy_from_slice(&(req.cookie as u64).to_le_bytes());
-            out[9..11].copy_from_slice(&0u16.to_le_bytes());
+        fn finish_read_reply(
+            &mut self,
+            req: &Req,
+            prefix: &mut [u8],
+            data: &[u8],
+            suffix: &mut [u8],
+        ) {
+            prefix[0] = b'S';
+            prefix[1..9].copy_from_slice(&(req.cookie as u64).to_le_bytes());
+            prefix[9..11].copy_from_slice(&0u16.to_le_bytes());
+            suffix.copy_from_slice(&blkwire_wire::crc::crc32c(data).to_le_bytes());
+        }
+        fn encode_read(&mut self, req: &Req, data: &[u8], tx: &mut Vec<u8>) {
+            for piece in data.chunks(1000) {
+                tx.push(b'C');
+                tx.extend_from_slice(&(piece.len() as u32).to_le_bytes());
+                tx.extend_from_slice(piece);
+            }
+            self.reply(req, Status::Ok, tx);
         }
         fn reply(&mut self, req: &Req, status: Status, tx: &mut Vec<u8>) -> bool {
             tx.push(b'S');
@@ -544,13 +583,17 @@ mod tests {
     }
 
     fn conn(spec: &str) -> (Conn, UnixStream) {
+        conn_with(spec, false)
+    }
+
+    fn conn_with(spec: &str, chunked: bool) -> (Conn, UnixStream) {
         let (a, b) = UnixStream::pair().unwrap();
         let export = Arc::new(Export::open(&ExportSpec::parse(spec).unwrap()).unwrap());
         let exec = Executor::open(export, 1 << 20).unwrap();
         let c = Conn {
             sock: OwnedFd::from(a),
             incarnation: 1,
-            fe: Box::new(Toy),
+            fe: Box::new(Toy { chunked }),
             inline: exec.completes_inline(),
             exec,
             session: 1,
@@ -645,17 +688,60 @@ mod tests {
         // The bytes landed where the write said.
         feed(&mut c, &mut ring, &read(8, 8192, 4096));
         let tx = take_tx(&mut c);
-        assert_eq!(
-            &tx[..11],
-            &{
-                let mut p = vec![b'S'];
-                p.extend_from_slice(&8u64.to_le_bytes());
-                p.extend_from_slice(&[0, 0]);
-                p
-            }[..]
-        );
-        assert!(tx[11..] == payload[..]);
+        assert_eq!(&tx[..11], &status_reply(8, Status::Ok)[..]);
+        assert!(tx[11..11 + 4096] == payload[..]);
+        // The data digest the frontend computed over the data where it lay.
+        let crc = blkwire_wire::crc::crc32c(&payload).to_le_bytes();
+        assert_eq!(&tx[11 + 4096..], &crc[..]);
         assert_eq!(c.exec.stats.frames_in, 5);
+    }
+
+    /// A reply with headers between pieces of its data is built from a slot's buffer, on an
+    /// inline export as on one that completes on its own thread.
+    #[test]
+    fn chunked_read_replies() {
+        let mut ring = IoUring::new(8).unwrap();
+        for spec in ["m=mem:1M", "m=memthread:1M"] {
+            let (mut c, _peer) = conn_with(spec, true);
+            let payload: Vec<u8> = (0..2500u32).map(|i| (i % 7) as u8).collect();
+            feed(&mut c, &mut ring, &write(1, 0, 2500, &payload));
+            settle_async(&mut c, &mut ring);
+            assert_eq!(take_tx(&mut c), status_reply(1, Status::Ok), "{spec}");
+            feed(&mut c, &mut ring, &read(2, 0, 2500));
+            settle_async(&mut c, &mut ring);
+            let tx = take_tx(&mut c);
+            let mut want = Vec::new();
+            for piece in payload.chunks(1000) {
+                want.push(b'C');
+                want.extend_from_slice(&(piece.len() as u32).to_le_bytes());
+                want.extend_from_slice(piece);
+            }
+            want.extend_from_slice(&status_reply(2, Status::Ok));
+            assert!(tx == want, "{spec}: chunked reply");
+            assert_eq!(c.free_slots.len(), 4, "{spec}: slots free again");
+        }
+    }
+
+    /// Waits for what a thread-completing backend has in flight and answers it.
+    fn settle_async(c: &mut Conn, ring: &mut IoUring) {
+        while c.inflight > 0 {
+            let mut pfd = libc::pollfd {
+                fd: c
+                    .exec
+                    .notifier()
+                    .expect("only asynchronous exports have requests in flight"),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: poll on one descriptor the backend owns.
+            unsafe { libc::poll(&mut pfd, 1, 5000) };
+            let mut done = Vec::new();
+            c.exec
+                .reap(&mut Pusher(ring), &mut |t, r| done.push((t, r)));
+            for (tag, res) in done {
+                super::finish_result(c, tag as u16, res);
+            }
+        }
     }
 
     #[test]
@@ -708,21 +794,7 @@ mod tests {
             c.tx.is_empty() && c.inflight == 1,
             "running on the helper thread"
         );
-        let mut done = Vec::new();
-        while done.is_empty() {
-            let mut pfd = libc::pollfd {
-                fd: c.exec.notifier().unwrap(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: poll on one descriptor the backend owns.
-            unsafe { libc::poll(&mut pfd, 1, 5000) };
-            c.exec
-                .reap(&mut Pusher(&mut ring), &mut |t, r| done.push((t, r)));
-        }
-        for (tag, res) in done {
-            super::finish_result(&mut c, tag as u16, res);
-        }
+        settle_async(&mut c, &mut ring);
         assert_eq!(take_tx(&mut c), status_reply(9, Status::Ok));
         assert_eq!(c.inflight, 0);
     }
