@@ -7,7 +7,7 @@ use std::io::Write;
 
 use blkwire_client::{connect, ConnectOptions, Url};
 use blkwire_wire::{Header, HelloReply, Opcode, Status, Tag, HEADER_LEN};
-use common::native_raw::{assert_closed, hello, raw, read_frame};
+use common::native_raw::{assert_closed, hello, hello_with, raw, read_frame};
 use common::Target;
 
 fn still_serves(t: &Target) {
@@ -174,6 +174,56 @@ fn a_client_that_never_reads_cannot_grow_the_target() {
     assert!(
         after < before + 64 * 1024,
         "target RSS grew from {before} KiB to {after} KiB after {sent} unread 64 KiB reads"
+    );
+    drop(s);
+    still_serves(&t);
+}
+
+/// A reader slower than the target (a long sequential read over a slow link) keeps the target's
+/// transmit buffer from ever draining completely; the target must still not grow by what it
+/// sends. 1 MiB READs stay in flight on every slot while the replies are read in 64 KiB pieces
+/// with a pause between them (a throttle, not a synchronisation: nothing waits on it).
+#[test]
+fn a_slow_reader_cannot_grow_the_target() {
+    use std::io::Read;
+    let t = Target::start(&["m=mem:64M"]);
+    let mut s = raw(&t);
+    let (r, p) = hello_with(&mut s, "m", 32, 1 << 20);
+    assert_eq!(r.status, Status::Ok);
+    let granted = HelloReply::decode(&p).unwrap();
+    let (depth, len) = (granted.depth, granted.max_io);
+    assert!(depth >= 16 && len == 1 << 20, "granted {depth} x {len}");
+    let before = rss_kib(t.pid());
+    let read =
+        |slot: u16, gen: u16| Header::request(Opcode::Read, Tag::new(slot, gen), 0, len).to_bytes();
+    for slot in 0..depth {
+        s.write_all(&read(slot, 0)).unwrap();
+    }
+    let mut peak = before;
+    let mut piece = vec![0u8; 64 << 10];
+    let mut total = 0u64;
+    let mut n = 0u32;
+    while total < 512 << 20 {
+        let mut hb = [0u8; HEADER_LEN];
+        s.read_exact(&mut hb).unwrap();
+        let h = Header::decode(&hb, len).unwrap();
+        assert_eq!((h.status, h.payload_len), (Status::Ok, len));
+        for _ in 0..len as usize / piece.len() {
+            s.read_exact(&mut piece).unwrap();
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+        total += len as u64;
+        n += 1;
+        if n % 16 == 0 {
+            peak = peak.max(rss_kib(t.pid()));
+        }
+        s.write_all(&read(h.tag.slot(), h.tag.generation().wrapping_add(1)))
+            .unwrap();
+    }
+    assert!(
+        peak < before + 96 * 1024,
+        "target RSS grew from {before} KiB to {peak} KiB while sending {} MiB to a slow reader",
+        total >> 20
     );
     drop(s);
     still_serves(&t);

@@ -19,10 +19,15 @@ pub fn raw(t: &Target) -> TcpStream {
 
 /// Sends a HELLO for `export` (2 queues, depth 4, 64 KiB I/O) and returns the reply frame.
 pub fn hello(s: &mut TcpStream, export: &str) -> (Header, Vec<u8>) {
+    hello_with(s, export, 4, 65536)
+}
+
+/// Sends a HELLO for `export` asking for `depth` slots and `max_io` bytes per I/O.
+pub fn hello_with(s: &mut TcpStream, export: &str, depth: u16, max_io: u32) -> (Header, Vec<u8>) {
     let p = Hello {
         queues: 2,
-        depth: 4,
-        max_io: 65536,
+        depth,
+        max_io,
         client_features: 0,
         frame_payload: 0,
         nonce: 1,

@@ -196,6 +196,14 @@ pub(super) fn transmit(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         match err.raw_os_error() {
             Some(libc::EINTR) => continue,
             Some(libc::EAGAIN) => {
+                // A reader slower than we answer never lets the buffer drain completely, so
+                // what was sent is dropped from its front here; otherwise the buffer would grow
+                // by every byte ever sent. Only once the sent part is at least as long as what
+                // waits, so the move costs no more than the sending did.
+                if c.tx_sent >= c.tx.len() - c.tx_sent {
+                    c.tx.drain(..c.tx_sent);
+                    c.tx_sent = 0;
+                }
                 c.want_out = true;
                 let poll = opcode::PollAdd::new(types::Fd(c.fd()), libc::POLLOUT as u32)
                     .build()
@@ -218,4 +226,11 @@ pub(super) fn transmit(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     }
     c.tx.clear();
     c.tx_sent = 0;
+    // Give back what a burst made the buffer grow to (it stays sized for the usual batch).
+    if c.tx.capacity() > c.tx_high_water() {
+        c.tx.shrink_to(TX_KEEP);
+    }
 }
+
+/// Capacity a drained transmit buffer keeps: a batch of small replies or one 1 MiB read.
+pub(super) const TX_KEEP: usize = (1 << 20) + 64 * 1024;
