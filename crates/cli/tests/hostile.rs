@@ -228,3 +228,83 @@ fn a_slow_reader_cannot_grow_the_target() {
     drop(s);
     still_serves(&t);
 }
+
+/// When accept() runs out of descriptors the listener stays readable; the target must rest
+/// instead of spinning on it (a million log lines in 11 s before), and serve again once
+/// descriptors are free.
+#[test]
+fn running_out_of_descriptors_does_not_spin_the_accept_loop() {
+    use std::io::{BufRead, BufReader};
+    use std::os::unix::process::CommandExt;
+    use std::process::{Command, Stdio};
+    let mut cmd = Command::new(common::BIN);
+    cmd.args([
+        "serve",
+        "--listen",
+        "tcp://127.0.0.1:0",
+        "--export",
+        "m=mem:16M",
+        "--threads",
+        "1",
+        "--log-level",
+        "warn",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    // SAFETY: setrlimit is async-signal-safe, as pre_exec requires.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 48,
+                rlim_max: 48,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    let stdout = BufReader::new(child.stdout.take().unwrap());
+    let url = stdout
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|l| l.strip_prefix("listening ").map(str::to_string))
+        .expect("listening line");
+    let addr = url.trim_start_matches("tcp://").to_string();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stderr = BufReader::new(child.stderr.take().unwrap());
+    std::thread::spawn(move || {
+        for line in stderr.lines().map_while(Result::ok) {
+            if line.contains("accept failed") && tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    // Connections that never say anything: each holds a descriptor in a handshake thread.
+    let mut idle: Vec<_> = (0..64)
+        .map(|_| std::net::TcpStream::connect(&addr).unwrap())
+        .collect();
+    let first = rx
+        .recv_timeout(std::time::Duration::from_secs(20))
+        .expect("the target never ran out of descriptors");
+    // Watch the log for a second after the first failure: at most one line a second.
+    let watch = std::time::Instant::now() + std::time::Duration::from_secs(1);
+    let mut more = 0;
+    while let Ok(_line) =
+        rx.recv_timeout(watch.saturating_duration_since(std::time::Instant::now()))
+    {
+        more += 1;
+    }
+    assert!(
+        more <= 2,
+        "{more} more accept failures logged within a second"
+    );
+    // Freed descriptors: the target serves again.
+    idle.clear();
+    let t = common::Target {
+        child,
+        base: url.clone(),
+    };
+    still_serves(&t);
+}

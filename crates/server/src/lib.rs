@@ -21,7 +21,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::mpsc::{self, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use blkwire_backend::{Export, ExportSpec};
 use blkwire_wire::{ExportEntry, Header, Hello, Opcode, Status, HEADER_LEN};
@@ -315,9 +315,27 @@ impl Target {
                 .map(|w| (w.tx.clone(), w.wake.as_raw_fd()))
                 .collect(),
         );
+        let listeners = self.listeners.len();
+        // While accept() fails for lack of descriptors or memory, the listeners stay readable:
+        // they are left out of the poll for a while instead of spinning (and logging) on them.
+        let mut paused_until: Option<Instant> = None;
+        let mut last_said: Option<Instant> = None;
+        let mut unsaid = 0u64;
         'accept: loop {
+            let mut timeout = -1;
+            if let Some(until) = paused_until {
+                let now = Instant::now();
+                if now >= until {
+                    paused_until = None;
+                    fds[..listeners]
+                        .iter_mut()
+                        .for_each(|p| p.events = libc::POLLIN);
+                } else {
+                    timeout = (until - now).as_millis().max(1) as libc::c_int;
+                }
+            }
             // SAFETY: poll over our own pollfd array.
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
             if n < 0 {
                 let e = std::io::Error::last_os_error();
                 if e.raw_os_error() == Some(libc::EINTR) {
@@ -325,8 +343,8 @@ impl Target {
                 }
                 return Err(Error::System(format!("poll: {e}")));
             }
-            for (i, p) in fds.iter().enumerate() {
-                if p.revents == 0 {
+            for i in 0..fds.len() {
+                if fds[i].revents == 0 {
                     continue;
                 }
                 if i == self.listeners.len() {
@@ -343,6 +361,21 @@ impl Target {
                         if let Err(e) = spawned {
                             crate::log!(Level::Error, "cannot start handshake thread: {e}");
                         }
+                    }
+                    Err(e) if is_resource_shortage(&e) => {
+                        unsaid += 1;
+                        if last_said.is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY) {
+                            crate::log!(
+                                Level::Warn,
+                                "accept failed {unsaid} time(s): {e}; pausing new connections for \
+                                 {} ms (raise the open-file limit, ulimit -n, or lower the load)",
+                                ACCEPT_PAUSE.as_millis()
+                            );
+                            last_said = Some(Instant::now());
+                            unsaid = 0;
+                        }
+                        paused_until = Some(Instant::now() + ACCEPT_PAUSE);
+                        fds[..listeners].iter_mut().for_each(|p| p.events = 0);
                     }
                     Err(e) => crate::log!(Level::Warn, "accept failed: {e}"),
                 }
@@ -361,6 +394,19 @@ impl Target {
         crate::log!(Level::Info, "stopped");
         Ok(())
     }
+}
+
+/// How long listeners rest after accept() ran out of descriptors or memory.
+const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+/// At most one log line about it this often.
+const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(1);
+
+/// accept() errors that will repeat until something is freed, not a problem of one connection.
+fn is_resource_shortage(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
 }
 
 /// TCP keepalive, so a peer that vanished without a FIN (power loss, cable pulled) is noticed
