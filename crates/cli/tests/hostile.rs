@@ -214,7 +214,7 @@ fn a_slow_reader_cannot_grow_the_target() {
         }
         total += len as u64;
         n += 1;
-        if n % 16 == 0 {
+        if n.is_multiple_of(16) {
             peak = peak.max(rss_kib(t.pid()));
         }
         s.write_all(&read(h.tag.slot(), h.tag.generation().wrapping_add(1)))
@@ -299,6 +299,10 @@ fn running_out_of_descriptors_does_not_spin_the_accept_loop() {
     assert!(
         more <= 2,
         "{more} more accept failures logged within a second"
+    );
+    assert!(
+        first.contains("open-file limit"),
+        "says what to do: {first}"
     );
     // Freed descriptors: the target serves again.
     idle.clear();
