@@ -38,6 +38,12 @@ pub struct Args {
     /// initiators send a KEEPALIVE every 5 s, so keep it well above that (PROTOCOL.md §9.1).
     #[arg(long, value_name = "SECS", default_value_t = 60, hide = true)]
     datagram_idle_timeout: u64,
+    /// Seconds a connection has for its whole handshake. Tests shorten it.
+    #[arg(long, value_name = "SECS", default_value_t = 10, hide = true)]
+    handshake_timeout: u64,
+    /// Handshakes in progress at once; more connections are closed until one finishes.
+    #[arg(long, value_name = "N", default_value_t = 256, hide = true)]
+    max_handshakes: usize,
     /// error, warn, info or debug
     #[arg(long, default_value = "info")]
     log_level: String,
@@ -80,6 +86,8 @@ pub fn run(a: Args) -> Result<(), String> {
         limits: Limits {
             max_io,
             datagram_idle: Duration::from_secs(a.datagram_idle_timeout.max(1)),
+            handshake_timeout: Duration::from_secs(a.handshake_timeout.max(1)),
+            max_handshakes: a.max_handshakes.max(1),
             ..Limits::default()
         },
         poll: Duration::from_micros(a.poll_us),

@@ -312,3 +312,69 @@ fn running_out_of_descriptors_does_not_spin_the_accept_loop() {
     };
     still_serves(&t);
 }
+
+/// One byte at a time, each well inside any per-read timeout: the handshake as a whole still
+/// has a deadline (1 s here), and the target hangs up long before the 48-byte header is in.
+#[test]
+fn a_trickled_handshake_is_cut_off_at_its_deadline() {
+    use std::io::Read;
+    let t = Target::start_with(&["m=mem:1M"], &["--handshake-timeout", "1"]);
+    let mut s = raw(&t);
+    s.set_read_timeout(Some(std::time::Duration::from_millis(200)))
+        .unwrap();
+    let hello = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0).to_bytes();
+    let mut cut_after = None;
+    for (i, b) in hello.iter().enumerate() {
+        if s.write_all(&[*b]).is_err() {
+            cut_after = Some(i);
+            break;
+        }
+        // Paces the trickle: waits up to 200 ms for the target to hang up.
+        let mut one = [0u8; 1];
+        match s.read(&mut one) {
+            Ok(0) => {
+                cut_after = Some(i + 1);
+                break;
+            }
+            Ok(_) => panic!("the target answered half a header"),
+            Err(e) => assert!(
+                matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ),
+                "{e}"
+            ),
+        }
+    }
+    let sent = cut_after.expect("the target waited for the whole trickled header");
+    assert!(sent < HEADER_LEN, "cut off after {sent} bytes");
+    still_serves(&t);
+}
+
+/// Connections that never finish their handshake take at most `--max-handshakes` threads;
+/// further ones are closed at once, and a place frees up when one of them goes.
+#[test]
+fn handshakes_in_progress_are_bounded() {
+    use std::io::Read;
+    let t = Target::start_with(
+        &["m=mem:1M"],
+        &["--max-handshakes", "4", "--handshake-timeout", "60"],
+    );
+    let mut idle: Vec<_> = (0..4).map(|_| raw(&t)).collect();
+    let mut extra = raw(&t);
+    let mut b = [0u8; 1];
+    assert!(
+        matches!(extra.read(&mut b), Ok(0)),
+        "a fifth connection is closed while four handshakes are in progress"
+    );
+    // One of the four goes away: its place is given back (as soon as its thread has seen the
+    // close), and a real client gets in again.
+    idle.pop();
+    let url = Url::parse(&t.url("m")).unwrap();
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut served = false;
+    while !served && std::time::Instant::now() < give_up {
+        served = connect(&url, &ConnectOptions::default()).is_ok();
+    }
+    assert!(served, "no place came free after a connection closed");
+}

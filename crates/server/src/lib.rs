@@ -18,6 +18,7 @@ mod stats;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -36,8 +37,45 @@ use stats::QueueStats;
 
 /// Largest handshake payload accepted (a HELLO is at most ~530 bytes).
 const MAX_HANDSHAKE_PAYLOAD: u32 = 4096;
-/// A peer must finish its handshake in this time or is dropped.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A connection being admitted: every read and write must be done by `deadline`, however the
+/// peer trickles its bytes (a timeout per read call would let one byte every few seconds hold
+/// a handshake thread forever).
+pub(crate) struct Admission {
+    s: TcpStream,
+    deadline: Instant,
+}
+
+impl Admission {
+    /// Time left, or a TimedOut error once the deadline has passed.
+    fn left(&self) -> std::io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "handshake not finished in time",
+            ));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for Admission {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.s.set_read_timeout(Some(self.left()?))?;
+        self.s.read(buf)
+    }
+}
+
+impl Write for Admission {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.s.set_write_timeout(Some(self.left()?))?;
+        self.s.write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.s.flush()
+    }
+}
 
 #[derive(Clone, Debug)]
 /// Everything `serve` was asked for.
@@ -319,6 +357,8 @@ impl Target {
         // While accept() fails for lack of descriptors or memory, the listeners stay readable:
         // they are left out of the poll for a while instead of spinning (and logging) on them.
         let mut paused_until: Option<Instant> = None;
+        let handshakes = Arc::new(AtomicUsize::new(0));
+        let (mut shed, mut last_shed) = (0u64, None::<Instant>);
         let mut last_said: Option<Instant> = None;
         let mut unsaid = 0u64;
         'accept: loop {
@@ -352,12 +392,33 @@ impl Target {
                 }
                 match self.listeners[i].0.accept() {
                     Ok((stream, peer)) => {
+                        let max = self.registry.limits().max_handshakes;
+                        if handshakes.load(Ordering::Relaxed) >= max {
+                            // Closed at once: a flood of connections that never finish their
+                            // handshake cannot take a thread each.
+                            shed += 1;
+                            if last_shed.is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY) {
+                                crate::log!(
+                                    Level::Warn,
+                                    "{max} handshakes in progress: closed {shed} new \
+                                     connection(s), the latest from {peer}"
+                                );
+                                last_shed = Some(Instant::now());
+                                shed = 0;
+                            }
+                            continue;
+                        }
+                        handshakes.fetch_add(1, Ordering::Relaxed);
+                        let in_progress = HandshakeSlot(handshakes.clone());
                         let registry = self.registry.clone();
                         let workers = workers.clone();
                         let frontend = self.listeners[i].2;
-                        let spawned = std::thread::Builder::new()
-                            .name("blkwire-hs".into())
-                            .spawn(move || handshake(stream, peer, frontend, &registry, &workers));
+                        let spawned = std::thread::Builder::new().name("blkwire-hs".into()).spawn(
+                            move || {
+                                let _slot = in_progress;
+                                handshake(stream, peer, frontend, &registry, &workers)
+                            },
+                        );
                         if let Err(e) = spawned {
                             crate::log!(Level::Error, "cannot start handshake thread: {e}");
                         }
@@ -396,6 +457,15 @@ impl Target {
     }
 }
 
+/// One handshake in progress; dropped (thread done) gives its place back.
+struct HandshakeSlot(Arc<AtomicUsize>);
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// How long listeners rest after accept() ran out of descriptors or memory.
 const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 /// At most one log line about it this often.
@@ -419,7 +489,7 @@ fn set_keepalive(s: &TcpStream) {
     blkwire_net::setopt(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
 }
 
-fn send_frame(s: &mut TcpStream, h: &Header, payload: &[u8]) -> std::io::Result<()> {
+fn send_frame(s: &mut Admission, h: &Header, payload: &[u8]) -> std::io::Result<()> {
     let mut buf = Vec::with_capacity(HEADER_LEN + payload.len());
     buf.extend_from_slice(&h.to_bytes());
     buf.extend_from_slice(payload);
@@ -428,7 +498,7 @@ fn send_frame(s: &mut TcpStream, h: &Header, payload: &[u8]) -> std::io::Result<
 
 /// Admits one connection and hands it, by message, to the reactor that will own it.
 fn handshake(
-    mut s: TcpStream,
+    s: TcpStream,
     peer: SocketAddr,
     frontend: ListenerKind,
     registry: &Registry,
@@ -437,8 +507,10 @@ fn handshake(
     let peer_s = peer.to_string();
     let _ = s.set_nodelay(true);
     set_keepalive(&s);
-    let _ = s.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-    let _ = s.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
+    let mut s = Admission {
+        s,
+        deadline: Instant::now() + registry.limits().handshake_timeout,
+    };
     let admitted = match frontend {
         ListenerKind::Native => native_handshake(&mut s, &peer_s, registry, workers).map(|a| {
             let fe: Box<dyn StreamFrontend> =
@@ -450,6 +522,7 @@ fn handshake(
     let Some((admitted, frontend)) = admitted else {
         return;
     };
+    let s = s.s;
     let _ = s.set_read_timeout(None);
     let _ = s.set_write_timeout(None);
     let _ = s.set_nonblocking(true);
@@ -473,7 +546,7 @@ fn handshake(
 
 /// The native handshake (PROTOCOL.md §2): HELLO, JOIN, or a one-shot LIST/STATS query.
 fn native_handshake(
-    s: &mut TcpStream,
+    s: &mut Admission,
     peer_s: &str,
     registry: &Registry,
     workers: &[(Sender<Msg>, i32)],
@@ -503,7 +576,7 @@ fn native_handshake(
         crate::log!(Level::Info, "{peer_s}: handshake refused: {e}");
         return None;
     }
-    let refuse = |s: &mut TcpStream, status: Status, why: &str| {
+    let refuse = |s: &mut Admission, status: Status, why: &str| {
         crate::log!(Level::Info, "{peer_s}: handshake refused: {why}");
         let _ = send_frame(s, &h.reply(status, 0), &[]);
         None

@@ -4,7 +4,6 @@
 //! is served by the same data path as the native protocol (`frontend/nbd.rs`, `reactor/`).
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
 
 use blkwire_backend::Export;
 use blkwire_wire::nbd::{self, info, opt, rep, InfoRequest, MetaRequest};
@@ -12,6 +11,7 @@ use blkwire_wire::nbd::{self, info, opt, rep, InfoRequest, MetaRequest};
 use crate::frontend::{nbd::Nbd, StreamFrontend};
 use crate::log::Level;
 use crate::session::{Admitted, Registry};
+use crate::Admission;
 
 /// Largest option payload read; anything bigger is refused with ERR_TOO_BIG after skipping it.
 const MAX_OPTION_DATA: u32 = 64 << 10;
@@ -28,17 +28,17 @@ fn transmission_flags(e: &Export, structured: bool) -> u16 {
     crate::advertise::Advertised::of(e).nbd(structured)
 }
 
-fn send(s: &mut TcpStream, buf: &[u8]) -> Option<()> {
+fn send(s: &mut Admission, buf: &[u8]) -> Option<()> {
     s.write_all(buf).ok()
 }
 
-fn reply(s: &mut TcpStream, option: u32, typ: u32, data: &[u8]) -> Option<()> {
+fn reply(s: &mut Admission, option: u32, typ: u32, data: &[u8]) -> Option<()> {
     let mut out = Vec::with_capacity(20 + data.len());
     nbd::option_reply(&mut out, option, typ, data);
     send(s, &out)
 }
 
-fn error_reply(s: &mut TcpStream, option: u32, typ: u32, msg: &str) -> Option<()> {
+fn error_reply(s: &mut Admission, option: u32, typ: u32, msg: &str) -> Option<()> {
     reply(s, option, typ, msg.as_bytes())
 }
 
@@ -55,7 +55,7 @@ fn find<'a>(registry: &'a Registry, name: &str) -> Option<&'a std::sync::Arc<Exp
 /// Runs the option haggling. Returns the admitted queue and its protocol state on success;
 /// `None` when the client left, aborted, or broke the protocol (already logged).
 pub fn negotiate(
-    s: &mut TcpStream,
+    s: &mut Admission,
     peer: &str,
     registry: &Registry,
 ) -> Option<(Admitted, Box<dyn StreamFrontend>)> {
@@ -236,7 +236,7 @@ pub fn negotiate(
 }
 
 fn send_info(
-    s: &mut TcpStream,
+    s: &mut Admission,
     option: u32,
     e: &Export,
     req: &InfoRequest,

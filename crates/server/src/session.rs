@@ -25,6 +25,12 @@ pub struct Limits {
     /// A datagram queue with no frame for this long is forgotten (PROTOCOL.md §9.1). Only tests
     /// shorten it: initiators keep a session alive with a KEEPALIVE every 5 s.
     pub datagram_idle: std::time::Duration,
+    /// A connection must finish its whole handshake (HELLO/JOIN, NBD option haggling) in this
+    /// time, however it trickles its bytes.
+    pub handshake_timeout: std::time::Duration,
+    /// Handshakes in progress at once (one thread each); further connections are closed at
+    /// once until one finishes.
+    pub max_handshakes: usize,
 }
 
 impl Default for Limits {
@@ -34,6 +40,8 @@ impl Default for Limits {
             max_depth: 1024,
             max_io: 1 << 20,
             datagram_idle: crate::dgram::IDLE_EXPIRY,
+            handshake_timeout: std::time::Duration::from_secs(10),
+            max_handshakes: 256,
         }
     }
 }
