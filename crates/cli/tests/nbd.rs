@@ -1242,3 +1242,44 @@ fn sigterm_answers_received_nbd_requests_then_exits_0() {
         );
     }
 }
+
+fn rss_kib(pid: i32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// WRITE headers announcing 32 MiB that never send a byte of it: the target commits memory for
+/// what arrives, not for what a header promises (20 of them took 663 MB before).
+#[test]
+fn write_headers_without_their_data_commit_no_memory() {
+    // One reactor: it takes every connection's bytes in the order they came, so once the
+    // probe below is answered, every header before it has been seen.
+    let (t, urls) = Target::start_listeners(
+        &["m=mem:64M"],
+        &["--listen", "nbd://127.0.0.1:0", "--threads", "1"],
+    );
+    let nbd = urls
+        .iter()
+        .find(|u| u.starts_with("nbd://"))
+        .unwrap()
+        .clone();
+    let t = NbdTarget { t, nbd };
+    let before = rss_kib(t.t.pid());
+    let mut conns: Vec<Raw> = (0..20)
+        .map(|_| Raw::go(&t.addr(), "m", false, false).0)
+        .collect();
+    for (i, c) in conns.iter_mut().enumerate() {
+        c.request(cmd::WRITE, 0, i as u64, 0, 32 << 20);
+        c.send(&[0x5a; 4096]); // a little of the data, so the target is mid-frame
+    }
+    let (mut probe, _, _) = Raw::go(&t.addr(), "m", false, false);
+    probe.request(cmd::FLUSH, 0, 99, 0, 0);
+    assert_eq!(probe.reply().error(), 0);
+    let after = rss_kib(t.t.pid());
+    assert!(
+        after < before + 64 * 1024,
+        "target RSS grew from {before} KiB to {after} KiB for 20 announced 32 MiB writes"
+    );
+    drop(conns);
+}

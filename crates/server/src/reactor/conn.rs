@@ -99,8 +99,10 @@ impl Conn {
         self.rx_start = self.rx_end;
     }
 
-    /// Room for a whole frame of `total` bytes starting at rx_start, growing the buffer up to
-    /// the largest frame the granted max I/O allows (NBD may send 32 MiB writes).
+    /// Room for the rest of a frame of `total` bytes that starts at rx_start (decode checked
+    /// it against the granted max I/O; NBD may send 32 MiB writes). The buffer grows with what
+    /// arrives, doubling when it is full, never with what a header announces: a header that
+    /// promises 32 MiB and sends nothing commits no memory.
     pub(super) fn make_room(&mut self, total: usize) {
         if self.rx.len() - self.rx_start >= total {
             return;
@@ -108,8 +110,9 @@ impl Conn {
         self.rx.copy_within(self.rx_start..self.rx_end, 0);
         self.rx_end -= self.rx_start;
         self.rx_start = 0;
-        if self.rx.len() < total {
-            self.rx.resize(total, 0);
+        if self.rx.len() < total && self.rx_end == self.rx.len() {
+            let grown = (2 * self.rx.len()).clamp(self.rx_end + 1, total);
+            self.rx.resize(grown, 0);
         }
     }
 }
