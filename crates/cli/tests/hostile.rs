@@ -378,3 +378,53 @@ fn handshakes_in_progress_are_bounded() {
     }
     assert!(served, "no place came free after a connection closed");
 }
+
+/// 512 READs of 1 MiB from a backend that answers later (a file): each would take a 1 MiB
+/// buffer, and their replies would pile up, for 24 KiB of requests (+1 GB before). Data of
+/// requests in flight now counts against the connection's high-water mark, so the target
+/// takes the requests as the replies go out, and every one of them is still answered.
+#[test]
+fn many_large_reads_from_a_file_export_are_taken_as_replies_go_out() {
+    use std::io::Read;
+    let d = common::TempDir::new("hostile-reads");
+    let img = d.path("f.img");
+    common::sparse_file(&img, 64 << 20);
+    let t = Target::start(&[&format!("f=file:{}", img.display())]);
+    let mut s = raw(&t);
+    let (r, p) = hello_with(&mut s, "f", 512, 1 << 20);
+    assert_eq!(r.status, Status::Ok);
+    let granted = HelloReply::decode(&p).unwrap();
+    assert!(
+        granted.depth >= 512 && granted.max_io == 1 << 20,
+        "{granted:?}"
+    );
+    let before = rss_kib(t.pid());
+    let mut all = Vec::new();
+    for slot in 0..512u16 {
+        let off = (slot as u64 % 64) << 20;
+        all.extend_from_slice(
+            &Header::request(Opcode::Read, Tag::new(slot, 1), off, 1 << 20).to_bytes(),
+        );
+    }
+    s.write_all(&all).unwrap();
+    // Nobody reads for a moment: whatever the target would buffer, it has buffered once it stops
+    // taking requests. Sample its size while the replies wait, then read them all.
+    let mut peak = before;
+    let mut hb = [0u8; HEADER_LEN];
+    let mut data = vec![0u8; 1 << 20];
+    let mut answered = 0;
+    while answered < 512 {
+        if answered % 64 == 0 {
+            peak = peak.max(rss_kib(t.pid()));
+        }
+        s.read_exact(&mut hb).unwrap();
+        let h = Header::decode(&hb, 1 << 20).unwrap();
+        assert_eq!((h.status, h.payload_len), (Status::Ok, 1 << 20));
+        s.read_exact(&mut data).unwrap();
+        answered += 1;
+    }
+    assert!(
+        peak < before + 96 * 1024,
+        "target RSS grew from {before} KiB to {peak} KiB for 512 READs of 1 MiB"
+    );
+}

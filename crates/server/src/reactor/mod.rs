@@ -246,6 +246,7 @@ impl Reactor {
             fe: q.frontend,
             free_slots: (0..q.depth).rev().collect(),
             extents: Vec::new(),
+            bufs: Default::default(),
             inline: exec.completes_inline(),
             exec,
             incarnation,

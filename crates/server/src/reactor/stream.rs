@@ -4,7 +4,7 @@
 use blkwire_backend::{AlignedBuf, Extent, IoFlags};
 use blkwire_wire::Status;
 
-use super::conn::{Conn, Slot};
+use super::conn::{Buffers, Conn, Slot};
 use super::ring::{ud, Pusher, KIND_IO};
 use crate::executor::{result_status, Outcome};
 use crate::frontend::{Decoded, Kind, ReadFraming, Req};
@@ -37,6 +37,16 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             } => (len, payload_len),
             Decoded::Answered { len } => (len, 0),
         };
+        // Data of requests in flight counts against the same high-water mark as replies not
+        // yet sent: a client cannot make us hold more by asking for large reads from a backend
+        // that answers later. Solicited data and answered messages still go through, so a
+        // write waiting for its data can always complete.
+        if let Decoded::Request { req, .. } = &decoded {
+            let moves_data = matches!(req.kind, Kind::Block(op) if op.moves_data());
+            if moves_data && c.tx_backlog() + c.bufs.held >= c.tx_high_water() {
+                break;
+            }
+        }
         let payload_at = c.rx_start + len - payload_len;
         c.rx_start += len;
         c.exec.stats.frames_in += 1;
@@ -152,7 +162,8 @@ fn dispatch(
     // A backend that finishes later: the slot owns a buffer that lives until the completion.
     let slot = take_slot(c, req);
     if block.op.moves_data() {
-        let b = slot_buffer(&mut c.slots, c.exec.buffer_alignment(), slot, len);
+        let align = c.exec.buffer_alignment();
+        let b = slot_buffer(&mut c.slots, &mut c.bufs, align, slot, len);
         if req.is_write() {
             b.as_mut_slice()[..len as usize]
                 .copy_from_slice(&c.rx[payload_at..payload_at + len as usize]);
@@ -172,12 +183,17 @@ fn take_slot(c: &mut Conn, req: &Req) -> u16 {
     }
 }
 
-/// The slot's buffer, grown to at least `len` bytes aligned to `align`.
-fn slot_buffer(slots: &mut [Slot], align: usize, slot: u16, len: u32) -> &mut AlignedBuf {
+/// Gives the slot a buffer for `len` bytes, held until the slot is settled.
+fn slot_buffer<'a>(
+    slots: &'a mut [Slot],
+    bufs: &mut Buffers,
+    align: usize,
+    slot: u16,
+    len: u32,
+) -> &'a mut AlignedBuf {
     let s = &mut slots[slot as usize];
-    if s.buf.as_ref().is_none_or(|b| b.len() < len as usize) {
-        s.buf = Some(AlignedBuf::zeroed(len as usize, align));
-    }
+    debug_assert!(s.buf.is_none(), "a slot gets one buffer per request");
+    s.buf = Some(bufs.take(len as usize, align));
     s.buf.as_mut().expect("just set")
 }
 
@@ -206,7 +222,8 @@ fn run_in_slot(c: &mut Conn, idx: usize, req: &Req, slot: u16, sq: &mut Pusher<'
 /// while the frontend asks the initiator for the rest.
 fn hold_write(c: &mut Conn, req: &Req, payload_at: usize, got: u32) {
     let slot = take_slot(c, req);
-    let b = slot_buffer(&mut c.slots, c.exec.buffer_alignment(), slot, req.length);
+    let align = c.exec.buffer_alignment();
+    let b = slot_buffer(&mut c.slots, &mut c.bufs, align, slot, req.length);
     b.as_mut_slice()[..got as usize].copy_from_slice(&c.rx[payload_at..payload_at + got as usize]);
     let s = &mut c.slots[slot as usize];
     s.busy = true;
@@ -433,6 +450,9 @@ fn settle(c: &mut Conn, slot: u16, status: Status) {
     } else {
         c.reply(&req, status);
     }
+    if let Some(buf) = c.slots[slot as usize].buf.take() {
+        c.bufs.give_back(buf, req.length as usize);
+    }
 }
 
 #[cfg(test)]
@@ -609,6 +629,7 @@ mod tests {
             free_slots: (0..4).rev().collect(),
             inflight: 0,
             extents: Vec::new(),
+            bufs: Default::default(),
             readable: false,
             want_out: false,
             closing: false,
