@@ -64,6 +64,16 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if matches!(
+        cli.cmd,
+        Command::Info(_) | Command::Stats(_) | Command::Discover(_) | Command::Ls(_)
+    ) {
+        // Commands that print for a pipe end quietly when the reader goes (`| head`), as
+        // other Unix tools do, instead of panicking on EPIPE. Their sockets write with
+        // MSG_NOSIGNAL, so only stdout can raise the signal.
+        // SAFETY: setting a signal's disposition before any thread is started.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     let r = match cli.cmd {
         Command::Serve(a) => serve::run(a),
         Command::Info(a) => info::run(a),

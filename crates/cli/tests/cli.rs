@@ -225,3 +225,58 @@ fn stats_shows_live_queue_counters() {
     let (ok, out, _) = cli(&["stats", &t.base]);
     assert!(ok && out.lines().count() == 4, "{out}");
 }
+
+/// SO_REUSEPORT must not let a second target share a UDP port that one already serves (its
+/// clients would alternate between the two): refused in one line, like TCP.
+#[test]
+fn a_second_target_on_a_served_udp_port_is_refused() {
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let listen = format!("udp://127.0.0.1:{port}");
+    let (_first, urls) = Target::start_listeners(&["m=mem:1M"], &["--listen", &listen]);
+    assert!(urls.contains(&listen), "{urls:?}");
+    assert_one_line_error(
+        &[
+            "serve",
+            "--listen",
+            &listen,
+            "--export",
+            "m=mem:1M",
+            "--log-level",
+            "warn",
+        ],
+        "is another target serving it?",
+    );
+}
+
+/// `blkwire stats URL | head -0`: the reader is gone before anything is printed. The command
+/// ends quietly by SIGPIPE, as other tools do, instead of panicking.
+#[test]
+fn printing_into_a_closed_pipe_ends_quietly() {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::process::ExitStatusExt;
+    let t = Target::start(&["m=mem:1M"]);
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe into a two-element array.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: closing the read end we just made: every write to the pipe now fails.
+    unsafe { libc::close(fds[0]) };
+    // SAFETY: the write end is ours; the child gets it as stdout, and it is closed here after.
+    let stdout = unsafe { std::process::Stdio::from_raw_fd(fds[1]) };
+    let out = Command::new(BIN)
+        .args(["stats", &t.base])
+        .stdout(stdout)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGPIPE),
+        "{:?} {err}",
+        out.status
+    );
+}

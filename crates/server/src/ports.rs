@@ -74,6 +74,15 @@ fn os_err(what: &str) -> String {
 
 /// Opens `n` UDP sockets sharing one address with SO_REUSEPORT. Returns them and the URL bound.
 pub fn open_udp(addr: SocketAddr, n: usize) -> Result<(Vec<PortSetup>, String), String> {
+    // SO_REUSEPORT would let a second target share a port already served (clients would
+    // alternate between the two): a plain bind first finds out whether anyone holds it.
+    if addr.port() != 0 {
+        if let Err(e) = std::net::UdpSocket::bind(addr) {
+            return Err(format!(
+                "cannot listen on udp://{addr}: {e} (is another target serving it?)"
+            ));
+        }
+    }
     let mut out = Vec::new();
     let mut bound = addr;
     for _ in 0..n {
