@@ -248,7 +248,7 @@ fn a_second_target_on_a_served_udp_port_is_refused() {
             "--log-level",
             "warn",
         ],
-        "is another target serving it?",
+        "another blkwire target serves it",
     );
 }
 

@@ -428,3 +428,74 @@ fn many_large_reads_from_a_file_export_are_taken_as_replies_go_out() {
         "target RSS grew from {before} KiB to {peak} KiB for 512 READs of 1 MiB"
     );
 }
+
+/// Host ids and export names come from peers: logged escaped, so a newline in them cannot
+/// forge a log line.
+#[test]
+fn peer_supplied_names_cannot_forge_log_lines() {
+    use blkwire_wire::Hello;
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(common::BIN)
+        .args([
+            "serve",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--export",
+            "m=mem:1M",
+        ])
+        .args(["--log-level", "info"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("listening tcp://")
+        .unwrap()
+        .to_string();
+    for (host, export) in [
+        ("h\nblkwire info: forged by host", "m"),
+        ("h", "x\nblkwire info: forged by export"),
+    ] {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        let p = Hello {
+            queues: 1,
+            depth: 1,
+            max_io: 4096,
+            client_features: 0,
+            frame_payload: 0,
+            nonce: 7,
+            host_id: host.into(),
+            export: export.into(),
+            auth: vec![],
+        }
+        .encode()
+        .unwrap();
+        let mut h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
+        h.payload_len = p.len() as u32;
+        s.write_all(&h.to_bytes()).unwrap();
+        s.write_all(&p).unwrap();
+        let (r, _) = read_frame(&mut s).expect("an answer");
+        assert!(r.status == Status::Ok || r.status == Status::NoExport);
+    }
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let mut log = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    child.wait().unwrap();
+    assert!(
+        !log.lines().any(|l| l.starts_with("blkwire info: forged")),
+        "a forged line:\n{log}"
+    );
+    assert!(log.contains("h\\nblkwire info: forged by host"), "{log}");
+    assert!(log.contains("x\\nblkwire info: forged by export"), "{log}");
+}

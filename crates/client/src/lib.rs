@@ -320,6 +320,33 @@ fn hello_for(url: &Url, opts: &ConnectOptions, frame_payload: u32) -> Result<Vec
     .map_err(|e| Error::Usage(format!("export name: {e}")))
 }
 
+/// A target may grant less than asked (PROTOCOL.md §2.2), never more: a hostile or broken
+/// target must not make the initiator open more connections or allocate larger buffers than
+/// its caller chose.
+fn check_grant(opts: &ConnectOptions, frame_payload: u32, reply: &HelloReply) -> Result<()> {
+    let asked = (opts.queues.max(1), opts.depth.max(1), opts.max_io.max(512));
+    let granted = (reply.queues, reply.depth, reply.max_io);
+    let fits = (1..=asked.0).contains(&granted.0)
+        && (1..=asked.1).contains(&granted.1)
+        && (1..=asked.2).contains(&granted.2)
+        && (frame_payload == 0 || (1..=frame_payload.max(512)).contains(&reply.frame_payload));
+    if fits {
+        Ok(())
+    } else {
+        Err(Error::Protocol(format!(
+            "the target granted {} queues x {} deep, max I/O {} (frame {}), outside the {} x {}, {} (frame {}) asked for",
+            granted.0,
+            granted.1,
+            granted.2,
+            reply.frame_payload,
+            asked.0,
+            asked.1,
+            asked.2,
+            frame_payload
+        )))
+    }
+}
+
 /// Turns a refused HELLO into a message naming what the target offers.
 fn hello_refused(url: &Url, opts: &ConnectOptions, status: Status) -> Error {
     let what = match status {
@@ -387,6 +414,7 @@ fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Res
         return Err(hello_refused(url, opts, r.status));
     }
     let reply = HelloReply::decode(&p).map_err(|e| Error::Protocol(e.to_string()))?;
+    check_grant(opts, link0.mtu_payload, &reply)?;
     let info = info_from(url, &reply);
     // Queue 0's socket was opened before the session existed: narrow its filter now.
     let link0 = match url.transport {
@@ -434,6 +462,7 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
         return Err(hello_refused(url, opts, r.status));
     }
     let reply = HelloReply::decode(&p).map_err(|e| Error::Protocol(e.to_string()))?;
+    check_grant(opts, 0, &reply)?;
     let info = info_from(url, &reply);
     let mut queues = vec![Queue::stream(stream::StreamQueue::new(s0, 0, &info, opts)?)];
     for q in 1..reply.queues {
@@ -452,4 +481,54 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
         queues.push(Queue::stream(stream::StreamQueue::new(s, q, &info, opts)?));
     }
     Ok(Session { info, queues })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn granted(queues: u16, depth: u16, max_io: u32, frame_payload: u32) -> HelloReply {
+        HelloReply {
+            size: 1 << 20,
+            logical_block: 512,
+            physical_block: 4096,
+            features: Features(0),
+            queues,
+            depth,
+            max_io,
+            session: 1,
+            cookie: 2,
+            frame_payload,
+        }
+    }
+
+    #[test]
+    fn a_target_may_grant_less_than_asked_never_more() {
+        let opts = ConnectOptions {
+            queues: 4,
+            depth: 32,
+            max_io: 1 << 20,
+            ..Default::default()
+        };
+        assert!(check_grant(&opts, 0, &granted(4, 32, 1 << 20, 1 << 20)).is_ok());
+        assert!(check_grant(&opts, 0, &granted(1, 8, 65536, 65536)).is_ok());
+        assert!(check_grant(&opts, 1448, &granted(2, 16, 65536, 1448)).is_ok());
+        assert!(
+            check_grant(&opts, 400, &granted(2, 16, 65536, 512)).is_ok(),
+            "512 is the floor"
+        );
+        for (bad, what) in [
+            (granted(64, 32, 1 << 20, 0), "queues"),
+            (granted(4, 1024, 1 << 20, 0), "depth"),
+            (granted(4, 32, 32 << 20, 0), "max I/O"),
+            (granted(0, 32, 1 << 20, 0), "no queue"),
+        ] {
+            let e = check_grant(&opts, 0, &bad).unwrap_err();
+            assert!(matches!(e, Error::Protocol(_)), "{what}: {e}");
+        }
+        assert!(
+            check_grant(&opts, 1448, &granted(4, 32, 1 << 20, 9000)).is_err(),
+            "frame"
+        );
+    }
 }

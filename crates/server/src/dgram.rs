@@ -76,6 +76,9 @@ pub struct PortSetup {
     /// Raw Ethernet: `fd`'s receive ring (`blkwire_net::packet_socket_with_ring`); `None` reads
     /// with `recvmmsg`.
     pub ring: Option<RxRing>,
+    /// UDP: the claim on the port that keeps a second target off it, held while the port is
+    /// served (`ports::claim_udp_port`).
+    pub claim: Option<OwnedFd>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -198,6 +201,8 @@ pub struct DgramPort {
     gro: bool,
     /// Raw Ethernet: frames are read in place from a receive ring shared with the kernel.
     ring: Option<RxRing>,
+    /// Held, never read: see `PortSetup::claim`.
+    _claim: Option<OwnedFd>,
     /// Completion notifiers of queues whose backend completes on its own threads, to be watched
     /// (`Some`) or no longer (`None`) by the reactor: (queue, incarnation, descriptor).
     notifier_changes: Vec<(usize, u32, Option<RawFd>)>,
@@ -225,6 +230,7 @@ impl DgramPort {
         };
         let ring = p.ring;
         DgramPort {
+            _claim: p.claim,
             fd: p.fd,
             send_fd: p.send_fd,
             kind: p.kind,

@@ -607,7 +607,9 @@ fn native_handshake(
                     adm
                 }
                 Err(st) => {
-                    return refuse(s, st, &format!("export '{}': {st}", hello.export));
+                    // Peer-supplied: escaped, so it cannot forge log lines.
+                    let export = hello.export.escape_debug();
+                    return refuse(s, st, &format!("export '{export}': {st}"));
                 }
             }
         }

@@ -72,17 +72,53 @@ fn os_err(what: &str) -> String {
     format!("{what}: {}", std::io::Error::last_os_error())
 }
 
+/// SO_REUSEPORT would let a second target join a UDP port another one serves (clients would
+/// alternate between the two). A target claims the address with an abstract Unix socket named
+/// after it, which the kernel gives to one process per network namespace and takes back the
+/// moment that process ends (a probe bind of the UDP port would instead fail for a moment
+/// after a restart, while the old io_uring lets go of its sockets).
+fn claim_udp_port(addr: SocketAddr) -> Result<OwnedFd, String> {
+    // SAFETY: creating a socket.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(os_err("unix socket"));
+    }
+    // SAFETY: we own the new fd.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let name = format!("blkwire/udp/{addr}");
+    // SAFETY: an all-zero sockaddr_un is valid; the abstract name is filled in below.
+    let mut sa: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    sa.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    // sun_path[0] stays 0: the abstract namespace.
+    for (d, s) in sa.sun_path[1..].iter_mut().zip(name.bytes()) {
+        *d = s as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + 1 + name.len().min(sa.sun_path.len() - 1);
+    // SAFETY: bind with our sockaddr_un and a length inside it.
+    let r = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&sa as *const libc::sockaddr_un).cast(),
+            len as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(if e.raw_os_error() == Some(libc::EADDRINUSE) {
+            format!("cannot listen on udp://{addr}: another blkwire target serves it")
+        } else {
+            format!("cannot listen on udp://{addr}: claiming the port: {e}")
+        });
+    }
+    Ok(fd)
+}
+
 /// Opens `n` UDP sockets sharing one address with SO_REUSEPORT. Returns them and the URL bound.
 pub fn open_udp(addr: SocketAddr, n: usize) -> Result<(Vec<PortSetup>, String), String> {
-    // SO_REUSEPORT would let a second target share a port already served (clients would
-    // alternate between the two): a plain bind first finds out whether anyone holds it.
-    if addr.port() != 0 {
-        if let Err(e) = std::net::UdpSocket::bind(addr) {
-            return Err(format!(
-                "cannot listen on udp://{addr}: {e} (is another target serving it?)"
-            ));
-        }
-    }
+    let mut claim = match addr.port() {
+        0 => None, // a port the kernel picks is nobody else's
+        _ => Some(claim_udp_port(addr)?),
+    };
     let mut out = Vec::new();
     let mut bound = addr;
     for _ in 0..n {
@@ -126,6 +162,7 @@ pub fn open_udp(addr: SocketAddr, n: usize) -> Result<(Vec<PortSetup>, String), 
             // of the input.
             send_fd: None,
             ring: None,
+            claim: claim.take(),
         });
     }
     Ok((out, format!("udp://{bound}")))
@@ -196,6 +233,7 @@ pub fn open_eth(iface: &str, ethertype: u16, n: usize) -> Result<(Vec<PortSetup>
             rcvbuf,
             send_fd: Some(blkwire_net::packet_send_socket(ifindex)?),
             ring,
+            claim: None,
         });
     }
     let m = mac;

@@ -235,7 +235,8 @@ impl Registry {
         );
         crate::log!(
             Level::Info,
-            "session {id}: host '{host}' from {peer} opened export '{}' ({queues} queues x {depth} deep, max I/O {})",
+            "session {id}: host '{}' from {peer} opened export '{}' ({queues} queues x {depth} deep, max I/O {})",
+            host.escape_debug(),
             export.name,
             blkwire_backend::format_size(max_io as u64)
         );
@@ -306,7 +307,7 @@ impl Registry {
             crate::log!(
                 Level::Info,
                 "session {session}: host '{}' from {} closed export '{}': {} reads, {} writes, {} read, {} written, {} errors, {} protocol errors",
-                s.host,
+                s.host.escape_debug(),
                 s.peer,
                 s.export.name,
                 st.reads,
