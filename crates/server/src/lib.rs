@@ -664,11 +664,48 @@ fn stats_json(registry: &Registry, workers: &[(Sender<Msg>, i32)]) -> Vec<u8> {
         let qs: Vec<_> = queues.iter().filter(|q| q.session == id).collect();
         s["queues"] = serde_json::to_value(qs).unwrap_or_default();
     }
-    let doc =
-        serde_json::json!({ "sessions": v, "closed": registry.closed_totals(), "ports": ports });
-    let mut out = serde_json::to_vec(&doc).unwrap_or_default();
-    out.truncate(1 << 20);
-    out
+    fit_stats(v, registry.closed_totals(), ports, MAX_STATS)
+}
+
+/// Largest STATS reply: what initiators accept (PROTOCOL.md §11).
+const MAX_STATS: usize = 1 << 20;
+
+/// The STATS document, valid JSON of at most `limit` bytes: when the sessions do not all fit,
+/// the last ones are left out and `sessions_omitted` says how many (cutting the bytes made
+/// invalid JSON).
+fn fit_stats(
+    mut sessions: Vec<serde_json::Value>,
+    closed: QueueStats,
+    ports: Vec<dgram::PortReport>,
+    limit: usize,
+) -> Vec<u8> {
+    let doc = |s: &[serde_json::Value], omitted: usize| {
+        let mut d = serde_json::json!({ "sessions": s, "closed": closed, "ports": ports });
+        if omitted > 0 {
+            d["sessions_omitted"] = omitted.into();
+        }
+        serde_json::to_vec(&d).unwrap_or_default()
+    };
+    let all = doc(&sessions, 0);
+    if all.len() <= limit {
+        return all;
+    }
+    // Room for the sessions: what the document takes without them, with a margin for the
+    // count, the separators and the brackets.
+    let total = sessions.len();
+    let frame = doc(&[], total).len() + 32;
+    let mut used = frame;
+    let mut keep = 0;
+    for s in &sessions {
+        let n = serde_json::to_vec(s).map_or(usize::MAX, |b| b.len() + 1);
+        if used.saturating_add(n) > limit {
+            break;
+        }
+        used += n;
+        keep += 1;
+    }
+    sessions.truncate(keep);
+    doc(&sessions, total - keep)
 }
 
 #[cfg(test)]
@@ -686,6 +723,27 @@ mod tests {
             limits: Limits::default(),
             poll: Duration::ZERO,
         }
+    }
+
+    #[test]
+    fn stats_that_do_not_fit_leave_sessions_out_and_stay_valid_json() {
+        let sessions: Vec<serde_json::Value> = (0..1000)
+            .map(|i| serde_json::json!({ "session": i, "host": "h".repeat(200) }))
+            .collect();
+        let small = fit_stats(sessions[..3].to_vec(), QueueStats::default(), vec![], 4096);
+        let v: serde_json::Value = serde_json::from_slice(&small).unwrap();
+        assert_eq!(v["sessions"].as_array().unwrap().len(), 3);
+        assert!(v.get("sessions_omitted").is_none());
+        let cut = fit_stats(sessions, QueueStats::default(), vec![], 64 << 10);
+        assert!(cut.len() <= 64 << 10, "{} bytes", cut.len());
+        let v: serde_json::Value = serde_json::from_slice(&cut).expect("valid JSON");
+        let kept = v["sessions"].as_array().unwrap().len();
+        assert!(kept > 100 && kept < 1000, "{kept}");
+        assert_eq!(v["sessions_omitted"], 1000 - kept);
+        assert_eq!(
+            v["sessions"][0]["session"], 0,
+            "the first sessions are kept"
+        );
     }
 
     #[test]
