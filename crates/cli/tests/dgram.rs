@@ -444,3 +444,58 @@ fn a_restarted_target_reports_the_session_lost() {
     let mut s2 = connect(&url, &opts).unwrap();
     s2.queues[0].write_at(&[3u8; 4096], 0, false).unwrap();
 }
+
+fn rss_kib(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// 256 one-frame READs of 1 MiB on 256 slots: a slot holds a data buffer only while its
+/// request runs, so the target does not keep 256 MiB for 12 KiB of requests (+260 MB before).
+#[test]
+fn datagram_reads_do_not_pin_a_buffer_per_slot() {
+    let t = Served::start(
+        None,
+        &["udp://127.0.0.1:0", "tcp://127.0.0.1:0"],
+        &["m=mem:64M"],
+    );
+    let url = Url::parse(&format!("{}/m", t.url("udp://"))).unwrap();
+    let opts = ConnectOptions {
+        queues: 1,
+        depth: 256,
+        max_io: 1 << 20,
+        ..Default::default()
+    };
+    let mut s = connect(&url, &opts).unwrap();
+    assert_eq!((s.info.depth, s.info.max_io), (256, 1 << 20), "granted");
+    // Data everywhere, so every read copies 1 MiB into its buffer.
+    s.queues[0]
+        .write_at(&random_bytes(1 << 20, 5), 0, false)
+        .unwrap();
+    let session = s.queues[0].session_id().unwrap();
+    let before = rss_kib(t.child.id());
+    for slot in 0..256u16 {
+        let mut h = Header::request(Opcode::Read, Tag::new(slot, 7), 0, 1 << 20);
+        h.session = session;
+        h.seal_crc(&[]);
+        s.queues[0].send_raw_frame(&h.to_bytes()).unwrap();
+    }
+    // The target has run them all once its counters say so (replies go unread).
+    let mut reads = 0;
+    for _ in 0..200 {
+        let (ok, out, err) = common::cli(&["stats", &t.url("tcp://"), "--json"]);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        reads = v["sessions"][0]["queues"][0]["reads"].as_u64().unwrap_or(0);
+        if reads >= 256 {
+            break;
+        }
+    }
+    assert!(reads >= 256, "the target ran {reads} of the 256 reads");
+    let after = rss_kib(t.child.id());
+    assert!(
+        after < before + 64 * 1024,
+        "target RSS grew from {before} KiB to {after} KiB for 256 datagram reads of 1 MiB"
+    );
+}

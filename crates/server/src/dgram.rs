@@ -20,6 +20,7 @@ use blkwire_wire::{
     bitmap, fragment_count, ExportEntry, Flags, Header, Hello, Opcode, Status, Tag, HEADER_LEN,
 };
 
+use crate::bufpool::Buffers;
 use crate::executor::{Executor, Outcome};
 use crate::frontend::native::flush_args_valid;
 use crate::log::Level;
@@ -203,6 +204,8 @@ pub struct DgramPort {
     ring: Option<RxRing>,
     /// Held, never read: see `PortSetup::claim`.
     _claim: Option<OwnedFd>,
+    /// Spare data buffers: a slot holds one only while its request is assembled or runs.
+    bufs: Buffers,
     /// Completion notifiers of queues whose backend completes on its own threads, to be watched
     /// (`Some`) or no longer (`None`) by the reactor: (queue, incarnation, descriptor).
     notifier_changes: Vec<(usize, u32, Option<RawFd>)>,
@@ -231,6 +234,7 @@ impl DgramPort {
         let ring = p.ring;
         DgramPort {
             _claim: p.claim,
+            bufs: Buffers::default(),
             fd: p.fd,
             send_fd: p.send_fd,
             kind: p.kind,
@@ -744,9 +748,11 @@ impl DgramPort {
                 return self.reply(h, Status::Invalid, peer);
             }
             let align = q.exec.buffer_alignment();
-            if s.buf.as_ref().is_none_or(|b| b.len() < h.length as usize) {
-                s.buf = Some(AlignedBuf::zeroed(h.length as usize, align));
+            // A write given up while it was assembled left its buffer here.
+            if let Some(old) = s.buf.take() {
+                self.bufs.give_back(old);
             }
+            s.buf = Some(self.bufs.take(h.length as usize, align));
             s.frags = frags;
             s.have.clear();
             s.have.resize(bitmap::bytes_for(frags), 0);
@@ -824,7 +830,10 @@ impl DgramPort {
         let buf = match block.op {
             BlockOp::Read => {
                 if s.buf.as_ref().is_none_or(|b| b.len() < block.len as usize) {
-                    s.buf = Some(AlignedBuf::zeroed(block.len as usize, align));
+                    if let Some(old) = s.buf.take() {
+                        self.bufs.give_back(old);
+                    }
+                    s.buf = Some(self.bufs.take(block.len as usize, align));
                 }
                 s.buf.as_mut().expect("set").as_mut_ptr()
             }
@@ -927,6 +936,10 @@ impl DgramPort {
             q.exec.stats.errors += 1;
         }
         if h.opcode != Opcode::Read || status != Status::Ok {
+            // A finished write keeps only its status (for duplicates), not its data.
+            if let Some(buf) = s.buf.take() {
+                self.bufs.give_back(buf);
+            }
             let mut r = h.reply(status, 0);
             r.credit = credit;
             return self.send_packed(r, &[], peer, fp);
@@ -947,9 +960,10 @@ impl DgramPort {
             r.frag_offset = start;
             self.send_packed(r, &buf.as_slice()[start as usize..end as usize], peer, fp);
         }
+        // A retransmitted READ runs again (reads are idempotent): the data need not stay.
+        self.bufs.give_back(buf);
         let q = self.queues[qi].as_mut().expect("present");
         let s = &mut q.slots[slot as usize];
-        s.buf = Some(buf);
         s.client_has = has;
     }
 

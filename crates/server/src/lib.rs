@@ -5,6 +5,7 @@
 #![deny(missing_docs)]
 
 mod advertise;
+mod bufpool;
 mod dgram;
 mod executor;
 pub mod frontend;

@@ -10,6 +10,7 @@ use io_uring::{opcode, types};
 
 use super::ring::{ud, Pusher, KIND_POLL_OUT};
 use super::stream::parse_frames;
+use crate::bufpool::Buffers;
 use crate::executor::Executor;
 use crate::frontend::{Req, StreamFrontend};
 use crate::log::Level;
@@ -23,39 +24,6 @@ pub(super) struct Slot {
     pub(super) extents: Vec<Extent>,
     /// A WRITE waiting for the data the frontend solicited: how many bytes of it are in `buf`.
     pub(super) awaiting: Option<u32>,
-}
-
-/// Data buffers of a connection's requests in flight, and a few spare ones for the next:
-/// buffers do not stay with slots, so a client that used every slot once does not keep
-/// depth x max I/O bytes allocated.
-#[derive(Default)]
-pub(super) struct Buffers {
-    /// Bytes of buffers held by requests (in flight, or waiting for solicited data).
-    pub(super) held: usize,
-    spare: Vec<AlignedBuf>,
-}
-
-/// Most bytes of spare buffers a connection keeps.
-const SPARE_KEEP: usize = 4 << 20;
-
-impl Buffers {
-    /// A buffer of at least `len` bytes aligned to `align`, counted as held.
-    pub(super) fn take(&mut self, len: usize, align: usize) -> AlignedBuf {
-        self.held += len;
-        match self.spare.iter().position(|b| b.len() >= len) {
-            Some(i) => self.spare.swap_remove(i),
-            None => AlignedBuf::zeroed(len, align),
-        }
-    }
-
-    /// A buffer taken for `len` bytes is no longer held; kept as a spare if there is room.
-    pub(super) fn give_back(&mut self, buf: AlignedBuf, len: usize) {
-        self.held -= len;
-        let spare: usize = self.spare.iter().map(AlignedBuf::len).sum();
-        if spare + buf.len() <= SPARE_KEEP {
-            self.spare.push(buf);
-        }
-    }
 }
 
 pub(super) struct Conn {
@@ -79,8 +47,10 @@ pub(super) struct Conn {
     pub(super) inflight: u32,
     /// Scratch for allocation maps (NBD block status), reused.
     pub(super) extents: Vec<Extent>,
-    /// Data buffers of requests in flight.
+    /// Spare data buffers for the next requests.
     pub(super) bufs: Buffers,
+    /// Bytes of data buffers held by requests (in flight, or waiting for solicited data).
+    pub(super) held: usize,
     /// The socket may hold unread bytes (we stopped before EAGAIN).
     pub(super) readable: bool,
     /// Waiting for POLLOUT after a short send.

@@ -247,6 +247,7 @@ impl Reactor {
             free_slots: (0..q.depth).rev().collect(),
             extents: Vec::new(),
             bufs: Default::default(),
+            held: 0,
             inline: exec.completes_inline(),
             exec,
             incarnation,

@@ -4,8 +4,9 @@
 use blkwire_backend::{AlignedBuf, Extent, IoFlags};
 use blkwire_wire::Status;
 
-use super::conn::{Buffers, Conn, Slot};
+use super::conn::{Conn, Slot};
 use super::ring::{ud, Pusher, KIND_IO};
+use crate::bufpool::Buffers;
 use crate::executor::{result_status, Outcome};
 use crate::frontend::{Decoded, Kind, ReadFraming, Req};
 use crate::log::Level;
@@ -43,7 +44,7 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         // write waiting for its data can always complete.
         if let Decoded::Request { req, .. } = &decoded {
             let moves_data = matches!(req.kind, Kind::Block(op) if op.moves_data());
-            if moves_data && c.tx_backlog() + c.bufs.held >= c.tx_high_water() {
+            if moves_data && c.tx_backlog() + c.held >= c.tx_high_water() {
                 break;
             }
         }
@@ -163,7 +164,7 @@ fn dispatch(
     let slot = take_slot(c, req);
     if block.op.moves_data() {
         let align = c.exec.buffer_alignment();
-        let b = slot_buffer(&mut c.slots, &mut c.bufs, align, slot, len);
+        let b = slot_buffer(&mut c.slots, &mut c.bufs, &mut c.held, align, slot, len);
         if req.is_write() {
             b.as_mut_slice()[..len as usize]
                 .copy_from_slice(&c.rx[payload_at..payload_at + len as usize]);
@@ -187,12 +188,14 @@ fn take_slot(c: &mut Conn, req: &Req) -> u16 {
 fn slot_buffer<'a>(
     slots: &'a mut [Slot],
     bufs: &mut Buffers,
+    held: &mut usize,
     align: usize,
     slot: u16,
     len: u32,
 ) -> &'a mut AlignedBuf {
     let s = &mut slots[slot as usize];
     debug_assert!(s.buf.is_none(), "a slot gets one buffer per request");
+    *held += len as usize;
     s.buf = Some(bufs.take(len as usize, align));
     s.buf.as_mut().expect("just set")
 }
@@ -223,7 +226,14 @@ fn run_in_slot(c: &mut Conn, idx: usize, req: &Req, slot: u16, sq: &mut Pusher<'
 fn hold_write(c: &mut Conn, req: &Req, payload_at: usize, got: u32) {
     let slot = take_slot(c, req);
     let align = c.exec.buffer_alignment();
-    let b = slot_buffer(&mut c.slots, &mut c.bufs, align, slot, req.length);
+    let b = slot_buffer(
+        &mut c.slots,
+        &mut c.bufs,
+        &mut c.held,
+        align,
+        slot,
+        req.length,
+    );
     b.as_mut_slice()[..got as usize].copy_from_slice(&c.rx[payload_at..payload_at + got as usize]);
     let s = &mut c.slots[slot as usize];
     s.busy = true;
@@ -451,7 +461,8 @@ fn settle(c: &mut Conn, slot: u16, status: Status) {
         c.reply(&req, status);
     }
     if let Some(buf) = c.slots[slot as usize].buf.take() {
-        c.bufs.give_back(buf, req.length as usize);
+        c.held -= req.length as usize;
+        c.bufs.give_back(buf);
     }
 }
 
@@ -630,6 +641,7 @@ mod tests {
             inflight: 0,
             extents: Vec::new(),
             bufs: Default::default(),
+            held: 0,
             readable: false,
             want_out: false,
             closing: false,

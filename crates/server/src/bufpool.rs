@@ -1,0 +1,58 @@
+//! Spare data buffers of one connection or datagram port: a request takes one for its data and
+//! gives it back when answered, so buffers do not stay with slots and a peer that used every
+//! slot once does not keep depth x max I/O bytes allocated.
+
+use blkwire_backend::AlignedBuf;
+
+/// Most bytes of spare buffers kept.
+const SPARE_KEEP: usize = 4 << 20;
+
+/// A small pool of aligned buffers.
+#[derive(Default)]
+pub struct Buffers {
+    spare: Vec<AlignedBuf>,
+}
+
+impl Buffers {
+    /// A buffer of at least `len` bytes aligned to `align`: a spare one if one is large enough.
+    pub fn take(&mut self, len: usize, align: usize) -> AlignedBuf {
+        match self.spare.iter().position(|b| b.len() >= len) {
+            Some(i) => self.spare.swap_remove(i),
+            None => AlignedBuf::zeroed(len, align),
+        }
+    }
+
+    /// A buffer no request holds any more: kept as a spare while there is room, else freed.
+    pub fn give_back(&mut self, buf: AlignedBuf) {
+        let spare: usize = self.spare.iter().map(AlignedBuf::len).sum();
+        if spare + buf.len() <= SPARE_KEEP {
+            self.spare.push(buf);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spares_are_reused_and_bounded() {
+        let mut b = Buffers::default();
+        let one = b.take(1 << 20, 4096);
+        let p = one.as_slice().as_ptr();
+        b.give_back(one);
+        let again = b.take(4096, 4096);
+        assert_eq!(
+            again.as_slice().as_ptr(),
+            p,
+            "a large enough spare is reused"
+        );
+        b.give_back(again);
+        for _ in 0..8 {
+            let x = AlignedBuf::zeroed(1 << 20, 4096);
+            b.give_back(x);
+        }
+        let kept: usize = b.spare.iter().map(AlignedBuf::len).sum();
+        assert!(kept <= SPARE_KEEP, "{kept} bytes kept");
+    }
+}
