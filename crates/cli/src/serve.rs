@@ -38,6 +38,9 @@ pub struct Args {
     /// initiators send a KEEPALIVE every 5 s, so keep it well above that (PROTOCOL.md §9.1).
     #[arg(long, value_name = "SECS", default_value_t = 60, hide = true)]
     datagram_idle_timeout: u64,
+    /// Sessions (initiators) served at once; more are refused until one ends
+    #[arg(long, value_name = "N", default_value_t = 1024)]
+    max_sessions: usize,
     /// Seconds a connection has for its whole handshake. Tests shorten it.
     #[arg(long, value_name = "SECS", default_value_t = 10, hide = true)]
     handshake_timeout: u64,
@@ -88,6 +91,7 @@ pub fn run(a: Args) -> Result<(), String> {
             datagram_idle: Duration::from_secs(a.datagram_idle_timeout.max(1)),
             handshake_timeout: Duration::from_secs(a.handshake_timeout.max(1)),
             max_handshakes: a.max_handshakes.max(1),
+            max_sessions: a.max_sessions.max(1),
             ..Limits::default()
         },
         poll: Duration::from_micros(a.poll_us),

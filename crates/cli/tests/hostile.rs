@@ -499,3 +499,24 @@ fn peer_supplied_names_cannot_forge_log_lines() {
     assert!(log.contains("h\\nblkwire info: forged by host"), "{log}");
     assert!(log.contains("x\\nblkwire info: forged by export"), "{log}");
 }
+
+/// A flood of HELLOs (one datagram made a session, 4000 in 0.8 s) meets the session limit:
+/// past it HELLO is refused with NO_MEMORY in one line, and a place frees when a session ends.
+#[test]
+fn sessions_are_limited() {
+    let t = Target::start_with(&["m=mem:1M"], &["--max-sessions", "2"]);
+    let url = Url::parse(&t.url("m")).unwrap();
+    let a = connect(&url, &ConnectOptions::default()).unwrap();
+    let _b = connect(&url, &ConnectOptions::default()).unwrap();
+    let e = connect(&url, &ConnectOptions::default())
+        .err()
+        .expect("a third session is refused");
+    assert!(e.to_string().contains("session limit"), "{e}");
+    drop(a);
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut served = false;
+    while !served && std::time::Instant::now() < give_up {
+        served = connect(&url, &ConnectOptions::default()).is_ok();
+    }
+    assert!(served, "no session place came free after one ended");
+}

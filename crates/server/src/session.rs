@@ -31,6 +31,9 @@ pub struct Limits {
     /// Handshakes in progress at once (one thread each); further connections are closed at
     /// once until one finishes.
     pub max_handshakes: usize,
+    /// Sessions served at once (every transport, NBD connections included); more are refused
+    /// with NO_MEMORY until one ends.
+    pub max_sessions: usize,
 }
 
 impl Default for Limits {
@@ -42,6 +45,7 @@ impl Default for Limits {
             datagram_idle: crate::dgram::IDLE_EXPIRY,
             handshake_timeout: std::time::Duration::from_secs(10),
             max_handshakes: 256,
+            max_sessions: 1024,
         }
     }
 }
@@ -213,6 +217,9 @@ impl Registry {
         let mut inner = self.lock();
         if inner.shut {
             return Err(Status::Shutdown);
+        }
+        if inner.sessions.len() >= self.limits.max_sessions {
+            return Err(Status::NoMemory);
         }
         let id = inner.next_id;
         inner.next_id = inner.next_id.wrapping_add(1).max(1);

@@ -196,7 +196,7 @@ impl fmt::Display for Status {
             Status::Busy => "queue already connected",
             Status::Access => "access denied",
             Status::Shutdown => "target is shutting down",
-            Status::NoMemory => "target out of memory",
+            Status::NoMemory => "target out of resources (memory, or its session limit)",
         };
         f.write_str(s)
     }
