@@ -452,8 +452,8 @@ impl ExportQueue {
 
     /// Starts a COPY into this queue's export of `sources` of another export `src` of the same
     /// target, checked with [`Export::check_copy_from`]: by reads on a queue of `src`'s backend
-    /// and writes on this one, inside the target. A source backend that completes on its own
-    /// threads is not supported yet (`-EOPNOTSUPP`): nobody would watch its notifier.
+    /// and writes on this one, inside the target. A source backend whose reads complete on its
+    /// own threads is not supported yet (`-EOPNOTSUPP`): nobody would watch its notifier.
     pub fn start_copy_from(
         &mut self,
         src: &Export,
@@ -463,7 +463,7 @@ impl ExportQueue {
         sq: &mut dyn Submitter,
     ) -> Progress {
         let source = match src.backend().clone().open_queue() {
-            Ok(q) if q.notifier().is_none() => q,
+            Ok(q) if !q.data_on_own_threads() => q,
             Ok(_) => return Progress::Done(-libc::EOPNOTSUPP),
             Err(e) => return Progress::Done(-e.raw_os_error().unwrap_or(libc::EIO)),
         };
@@ -1325,6 +1325,76 @@ mod tests {
             ),
             Progress::Done(-libc::EOPNOTSUPP)
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// TRIM, WRITE_ZEROES (whose fallback may write gigabytes of zeros), COPY and allocation
+    /// queries on a file never run on the calling (reactor) thread: they come back through the
+    /// notifier from the export's helper thread.
+    #[test]
+    fn slow_file_operations_leave_the_calling_thread() {
+        let dir = std::env::temp_dir().join(format!("blkwire-slow-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s.img");
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(4 << 20)
+            .unwrap();
+        let e = Export::open(&ExportSpec::parse(&format!("f=file:{}", path.display())).unwrap())
+            .unwrap();
+        let mut q = e.open_queue().unwrap();
+        struct NoRing;
+        impl Submitter for NoRing {
+            fn push(&mut self, _: io_uring::squeue::Entry) {
+                panic!("metadata operations do not use the ring")
+            }
+        }
+        let mut out = Vec::new();
+        let ops = [
+            Op::Trim {
+                offset: 0,
+                len: 4096,
+            },
+            Op::WriteZeroes {
+                offset: 0,
+                len: 1 << 20,
+                no_hole: true,
+            },
+        ];
+        for (i, op) in ops.into_iter().enumerate() {
+            // SAFETY: these ops name no buffer.
+            let p = unsafe { q.start(op, i as u64, &mut NoRing) };
+            assert_eq!(p, Progress::Pending);
+        }
+        assert_eq!(
+            q.start_copy(
+                &[CopyRange {
+                    offset: 0,
+                    len: 4096
+                }],
+                1 << 20,
+                2,
+                &mut NoRing
+            ),
+            Progress::Pending
+        );
+        // SAFETY: `out` outlives the query, reaped below.
+        let p = unsafe { q.start_allocation(0, 4 << 20, &mut out, 3, &mut NoRing) };
+        assert_eq!(p, Progress::Pending);
+        let mut done = Vec::new();
+        while done.len() < 4 {
+            let mut pfd = libc::pollfd {
+                fd: q.notifier().unwrap(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: poll on one descriptor the backend owns.
+            unsafe { libc::poll(&mut pfd, 1, 5000) };
+            q.reap(&mut NoRing, &mut |t, r| done.push((t, r)));
+        }
+        done.sort();
+        assert_eq!(done, [(0, 0), (1, 0), (2, 0), (3, 0)]);
+        assert_eq!(out.iter().map(|x| x.len).sum::<u64>(), 4 << 20);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -1,19 +1,23 @@
 //! `file:PATH[?direct=1]`: a regular file or a block device.
 //!
 //! READ, WRITE and FLUSH go through the queue thread's io_uring (FUA as `RWF_DSYNC`, FLUSH as
-//! `fdatasync`). TRIM and WRITE_ZEROES are rare and fast metadata operations, run inline with
-//! `fallocate` (files) or `BLKDISCARD`/`BLKZEROOUT` (devices); where the filesystem refuses,
-//! WRITE_ZEROES falls back to writing zeros ([`crate::export::write_zeroes_by_writing`]).
+//! `fdatasync`). TRIM, WRITE_ZEROES, COPY and allocation queries run on one helper thread per
+//! export and complete through the queue's notifier (the backend contract's asynchronous path):
+//! they are usually quick metadata operations (`fallocate`, `BLKDISCARD`/`BLKZEROOUT`,
+//! `copy_file_range`, SEEK_DATA/SEEK_HOLE), but their fallbacks (writing up to 4 GiB of zeros,
+//! copying by reads and writes) and a slow filesystem must not stall every queue of a reactor.
 
 use std::ffi::CString;
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
 
 use io_uring::{opcode, types};
 
-use crate::{Backend, Capabilities, Op, QueueIo, Started, Submitter, Support};
+use crate::{Backend, Capabilities, Extent, Op, QueueIo, Started, Submitter, Support};
 
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
 const BLKSSZGET: libc::c_ulong = 0x1268;
@@ -32,9 +36,87 @@ pub struct FileBackend {
     physical: u32,
     punch_hole: bool,
     rotational: bool,
+    /// The helper thread's job queue, started with the first queue.
+    helper: Mutex<Option<Sender<SlowJob>>>,
 }
 
+/// Work the helper thread does for a queue.
+enum Slow {
+    Trim {
+        offset: u64,
+        len: u32,
+    },
+    Zero {
+        offset: u64,
+        len: u32,
+        no_hole: bool,
+    },
+    Copy {
+        src: u64,
+        dst: u64,
+        len: u32,
+    },
+    Allocation {
+        offset: u64,
+        len: u64,
+        out: *mut Vec<Extent>,
+    },
+}
+
+struct SlowJob {
+    work: Slow,
+    file: Arc<FileBackend>,
+    tag: u64,
+    done: Sender<(u64, i32)>,
+    wake: Arc<OwnedFd>,
+}
+
+// SAFETY: the extent list an allocation query writes to stays valid, and untouched by its
+// queue, until the result is reaped (QueueIo::start_allocation's contract); the rest is owned.
+unsafe impl Send for SlowJob {}
+
 impl FileBackend {
+    /// The sender of the export's helper thread, started on first use.
+    fn helper(&self) -> io::Result<Sender<SlowJob>> {
+        let mut h = self.helper.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(tx) = h.as_ref() {
+            return Ok(tx.clone());
+        }
+        let (tx, rx) = mpsc::channel::<SlowJob>();
+        std::thread::Builder::new()
+            .name("blkwire-file".into())
+            .spawn(move || {
+                let (mut zeros, mut scratch) = (ZeroBuf::default(), ZeroBuf::default());
+                for job in rx {
+                    let f = &job.file;
+                    let res = match job.work {
+                        Slow::Trim { offset, len } => f.trim(offset, len),
+                        Slow::Zero {
+                            offset,
+                            len,
+                            no_hole,
+                        } => f.write_zeroes(offset, len, no_hole, &mut zeros),
+                        Slow::Copy { src, dst, len } => f.copy(src, dst, len, &mut scratch),
+                        Slow::Allocation { offset, len, out } => {
+                            // SAFETY: the queue keeps the list valid and untouched until this
+                            // result is reaped (start_allocation's contract).
+                            f.allocation(offset, len, unsafe { &mut *out });
+                            0
+                        }
+                    };
+                    if job.done.send((job.tag, res)).is_ok() {
+                        let one: u64 = 1;
+                        // SAFETY: an 8-byte write to the queue's eventfd, kept open by `wake`.
+                        unsafe {
+                            libc::write(job.wake.as_raw_fd(), (&one as *const u64).cast(), 8)
+                        };
+                    }
+                }
+            })?;
+        *h = Some(tx.clone());
+        Ok(tx)
+    }
+
     /// Opens an existing file or block device. The error names the path and says what to do.
     pub fn open(path: &Path, direct: bool, read_only: bool) -> io::Result<FileBackend> {
         let cpath = CString::new(path.as_os_str().as_bytes())
@@ -78,6 +160,7 @@ impl FileBackend {
             physical: 4096,
             punch_hole: false,
             rotational: false,
+            helper: Mutex::new(None),
         };
         // From here `b` owns fd and closes it on error.
         // SAFETY: an all-zero stat is a valid value (plain integers).
@@ -387,10 +470,21 @@ impl Backend for FileBackend {
     }
 
     fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
+        let helper = self.helper()?;
+        // SAFETY: creating a new descriptor.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is a fresh descriptor nobody else owns.
+        let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(raw) });
+        let (done_tx, done) = mpsc::channel();
         Ok(Box::new(FileQueue {
             file: self,
-            zeros: ZeroBuf::default(),
-            scratch: ZeroBuf::default(),
+            helper,
+            done_tx,
+            done,
+            wake,
         }))
     }
     fn buffer_alignment(&self) -> usize {
@@ -425,9 +519,28 @@ impl ZeroBuf {
 
 struct FileQueue {
     file: Arc<FileBackend>,
-    zeros: ZeroBuf,
-    /// COPY's bounce buffer where the filesystem cannot copy_file_range.
-    scratch: ZeroBuf,
+    /// The export's helper thread, for TRIM, WRITE_ZEROES, COPY and allocation queries.
+    helper: Sender<SlowJob>,
+    done_tx: Sender<(u64, i32)>,
+    done: Receiver<(u64, i32)>,
+    /// Bumped by the helper for every result: the queue's notifier.
+    wake: Arc<OwnedFd>,
+}
+
+impl FileQueue {
+    fn slow(&self, work: Slow, tag: u64) -> Started {
+        let job = SlowJob {
+            work,
+            file: self.file.clone(),
+            tag,
+            done: self.done_tx.clone(),
+            wake: self.wake.clone(),
+        };
+        match self.helper.send(job) {
+            Ok(()) => Started::Async,
+            Err(_) => Started::Done(-libc::EIO),
+        }
+    }
 }
 
 impl QueueIo for FileQueue {
@@ -450,23 +563,51 @@ impl QueueIo for FileQueue {
             Op::Flush => opcode::Fsync::new(fd)
                 .flags(types::FsyncFlags::DATASYNC)
                 .build(),
-            Op::Trim { offset, len } => return Started::Done(self.file.trim(offset, len)),
-            Op::Copy { src, dst, len } => {
-                return Started::Done(self.file.copy(src, dst, len, &mut self.scratch))
-            }
+            Op::Trim { offset, len } => return self.slow(Slow::Trim { offset, len }, tag),
+            Op::Copy { src, dst, len } => return self.slow(Slow::Copy { src, dst, len }, tag),
             Op::WriteZeroes {
                 offset,
                 len,
                 no_hole,
             } => {
-                return Started::Done(
-                    self.file
-                        .write_zeroes(offset, len, no_hole, &mut self.zeros),
-                )
+                let zero = Slow::Zero {
+                    offset,
+                    len,
+                    no_hole,
+                };
+                return self.slow(zero, tag);
             }
         };
         // The entry names the op's buffer, which our caller keeps valid until the completion.
         sq.push(entry.user_data(tag));
         Started::Submitted(1)
+    }
+
+    unsafe fn start_allocation(
+        &mut self,
+        offset: u64,
+        len: u64,
+        out: *mut Vec<Extent>,
+        tag: u64,
+        _sq: &mut dyn Submitter,
+    ) -> Option<Started> {
+        Some(self.slow(Slow::Allocation { offset, len, out }, tag))
+    }
+
+    fn notifier(&self) -> Option<RawFd> {
+        Some(self.wake.as_raw_fd())
+    }
+
+    fn data_on_own_threads(&self) -> bool {
+        false // READ and WRITE go to the ring; only the slow metadata work goes to the helper
+    }
+
+    fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) {
+        let mut count: u64 = 0;
+        // SAFETY: an 8-byte read from our non-blocking eventfd (EAGAIN when nothing is new).
+        unsafe { libc::read(self.wake.as_raw_fd(), (&mut count as *mut u64).cast(), 8) };
+        while let Ok((tag, res)) = self.done.try_recv() {
+            done(tag, res);
+        }
     }
 }

@@ -194,6 +194,12 @@ pub trait QueueIo {
     /// Hands over the results of operations that started `Async`: `(tag, result)` each.
     fn reap(&mut self, _done: &mut dyn FnMut(u64, i32)) {}
 
+    /// True when READ and WRITE may complete on the backend's own threads (through the
+    /// notifier), not only inline or on the ring. The default: whenever there is a notifier.
+    fn data_on_own_threads(&self) -> bool {
+        self.notifier().is_some()
+    }
+
     /// Starts an allocation query of `offset..offset+len` (range-checked) whose extents are
     /// appended to `*out`, as [`Backend::allocation`] would, and reports 0 or a negative errno
     /// like any operation. `None`, the default, means the backend answers on the calling thread
