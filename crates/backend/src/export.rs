@@ -60,7 +60,6 @@ impl ExportSpec {
         for opt in parts {
             match opt {
                 "ro" | "readonly" => read_only = true,
-                "rw" => read_only = false,
                 _ => {
                     return Err(SpecError(format!(
                         "bad export option '{opt}' in '{s}': only 'ro' is known"

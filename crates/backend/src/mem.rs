@@ -69,7 +69,14 @@ impl MemBackend {
             )
         };
         if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
+            let e = io::Error::last_os_error();
+            return Err(io::Error::new(
+                e.kind(),
+                format!(
+                    "cannot reserve {} of address space for RAM ({e}); use a smaller size",
+                    crate::format_size(size)
+                ),
+            ));
         }
         Ok(MemBackend {
             fd,

@@ -108,10 +108,21 @@ pub fn run(a: Args) -> Result<(), String> {
             a.iodepth
         );
     }
-    let region = a.size.unwrap_or(info.size).min(info.size);
+    if let Some(size) = a.size.filter(|s| *s > info.size) {
+        return Err(format!(
+            "--size {} is larger than the export ({}); leave it out to use the whole export",
+            blkwire_backend::format_size(size),
+            blkwire_backend::format_size(info.size)
+        ));
+    }
+    let region = a.size.unwrap_or(info.size);
     let blocks = region / a.bs;
     if blocks == 0 {
-        return Err(format!("--size {region} is smaller than --bs {}", a.bs));
+        return Err(format!(
+            "--size {} is smaller than --bs {}",
+            blkwire_backend::format_size(region),
+            blkwire_backend::format_size(a.bs)
+        ));
     }
     let runtime = Duration::from_secs_f64(a.runtime);
     let start = Instant::now();

@@ -55,12 +55,12 @@ fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) if !e.use_stderr() => e.exit(), // --help, --version
+        // Bare `blkwire` (or a bare command group): the help is the answer, not an error line.
+        Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            e.exit()
+        }
         Err(e) => {
-            // One line, like every other blkwire error, instead of clap's multi-line block.
-            let msg = e.to_string();
-            let first = msg.lines().next().unwrap_or("bad arguments");
-            let first = first.strip_prefix("error: ").unwrap_or(first);
-            eprintln!("blkwire: error: {first} (try --help)");
+            eprintln!("blkwire: error: {} (try --help)", one_line(&e.to_string()));
             return ExitCode::from(2);
         }
     };
@@ -91,6 +91,25 @@ fn main() -> ExitCode {
             eprintln!("blkwire: error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// One line, like every other blkwire error, from clap's multi-line block: the message with
+/// what clap lists under it (the missing arguments, the possible values), without the usage and
+/// the pointer to --help.
+fn one_line(clap_msg: &str) -> String {
+    let parts: Vec<&str> = clap_msg
+        .lines()
+        .map(str::trim)
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .filter(|l| !l.is_empty() && !l.starts_with("tip:"))
+        .collect();
+    let joined = parts.join(" ");
+    let msg = joined.strip_prefix("error: ").unwrap_or(&joined);
+    if msg.is_empty() {
+        "bad arguments".into()
+    } else {
+        msg.to_string()
     }
 }
 

@@ -176,6 +176,9 @@ pub fn run_ls(a: LsArgs) -> Result<(), String> {
     }
     if a.json {
         println!("{}", serde_json::Value::Object(all));
+    } else if text.is_empty() && first_error.is_none() {
+        // Said on stderr: stdout stays empty for scripts that count lines.
+        eprintln!("no mapped devices (blkwire map URL makes one)");
     } else {
         print!("{text}");
     }

@@ -70,6 +70,15 @@ pub fn run(a: Args) -> Result<(), String> {
         .iter()
         .map(|s| ExportSpec::parse(s).map_err(|e| e.to_string()))
         .collect::<Result<Vec<_>, _>>()?;
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if a.threads > 4 * cpus {
+        return Err(format!(
+            "--threads {} is more than 4 per CPU ({cpus} CPUs): each worker owns a core's worth \
+             of queues; use at most {}, or 0 for one per CPU",
+            a.threads,
+            4 * cpus
+        ));
+    }
     let max_io = u32::try_from(a.max_io)
         .ok()
         .filter(|m| (4096..=blkwire_wire::MAX_PAYLOAD_LIMIT).contains(m))

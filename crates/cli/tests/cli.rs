@@ -131,6 +131,41 @@ fn bad_input_gets_one_line_errors() {
     assert_one_line_error(&["info", &t.url("nope")], "no such export");
     assert_one_line_error(&["info", "tcp://127.0.0.1:1/x"], "cannot connect");
     assert_one_line_error(&["info", "http://x/y"], "bad URL");
+    // clap's own errors keep what they list: the missing argument, the possible values.
+    assert_one_line_error(&["info"], "<URL>");
+    assert_one_line_error(
+        &["bench", &t.url("m"), "--rw", "sideways"],
+        "possible values: read, write",
+    );
+    assert_one_line_error(
+        &["bench", &t.url("m"), "--size", "2M", "--runtime", "1"],
+        "larger than the export",
+    );
+    assert_one_line_error(
+        &["serve", "--threads", "100000", "--export", "x=mem:1M"],
+        "--threads 100000",
+    );
+    assert_one_line_error(
+        &[
+            "serve",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--export",
+            "x=mem:1M,rw",
+        ],
+        "only 'ro' is known",
+    );
+    assert_one_line_error(
+        &[
+            "serve",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--export",
+            // More than any x86_64 address space, even with 5-level page tables.
+            "x=mem:200000T",
+        ],
+        "use a smaller size",
+    );
     assert_one_line_error(&["bench", "tcp://127.0.0.1:1/x", "--bs", "4q"], "bad size");
     assert_one_line_error(&["cp", "/nonexistent/file", &t.url("m")], "No such file");
     assert_one_line_error(&["cp", big, &t.url("m")], "smaller than");
