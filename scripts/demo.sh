@@ -12,7 +12,12 @@ cleanup() {
 }
 trap cleanup EXIT
 
-step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+# Bold headings on a terminal only: no escape codes in a log or a pipe.
+if [ -t 1 ]; then
+    step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+else
+    step() { printf '\n== %s\n' "$*"; }
+fi
 
 step "start a target: blkwire serve --listen tcp://127.0.0.1:0 --export demo=mem:256M"
 mkfifo "$work/ready"
