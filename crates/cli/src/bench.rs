@@ -20,7 +20,7 @@ enum Rw {
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// tcp://HOST:PORT/EXPORT
+    /// The export: tcp://HOST[:PORT]/EXPORT, udp://HOST[:PORT]/EXPORT or eth://IFACE/MAC/EXPORT
     url: String,
     #[arg(long, value_enum, default_value = "randread")]
     rw: Rw,

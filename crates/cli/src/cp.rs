@@ -13,9 +13,9 @@ use blkwire_wire::Features;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Source: a local path or tcp://HOST:PORT/EXPORT
+    /// Source: a local path or an export URL (tcp://HOST[:PORT]/EXPORT, udp://..., eth://...)
     src: String,
-    /// Destination: a local path or tcp://HOST:PORT/EXPORT
+    /// Destination: a local path or an export URL (tcp://, udp://, eth://)
     dst: String,
     /// Parallel workers (one queue each)
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]

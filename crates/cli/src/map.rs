@@ -26,7 +26,8 @@ pub enum FuseIoArg {
 pub struct MapArgs {
     // Not `required_unless_present`: clap's message for that spans two lines; `run_map` says it
     // in one.
-    /// tcp://HOST:PORT/EXPORT to map
+    /// The export to map: tcp://HOST[:PORT]/EXPORT, udp://HOST[:PORT]/EXPORT or
+    /// eth://IFACE/MAC/EXPORT
     #[arg(conflicts_with = "recover")]
     url: Option<String>,
     /// Serve DEV again after the daemon serving it died; the other settings come from its record

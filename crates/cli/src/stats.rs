@@ -7,7 +7,7 @@ use serde_json::Value;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// tcp://HOST:PORT of the target
+    /// tcp://HOST:PORT of the target (STATS is served on its native TCP listener)
     url: String,
     /// Print the target's JSON document unchanged
     #[arg(long)]
@@ -28,6 +28,13 @@ const COLUMNS: [&str; 9] = [
 
 pub fn run(a: Args) -> Result<(), String> {
     let u = Url::parse(&a.url).map_err(|e| e.to_string())?;
+    if u.transport != blkwire_client::Transport::Tcp {
+        return Err(format!(
+            "'{}': stats asks the target's tcp:// listener (STATS is not served over UDP or \
+             raw Ethernet); use tcp://HOST:PORT",
+            a.url
+        ));
+    }
     let doc = blkwire_client::stats(&u, Duration::from_secs(10)).map_err(|e| e.to_string())?;
     if a.json {
         println!("{doc}");

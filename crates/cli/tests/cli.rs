@@ -315,3 +315,14 @@ fn printing_into_a_closed_pipe_ends_quietly() {
         out.status
     );
 }
+
+/// Pointed at the wrong kind of listener, the command says what it found and what to use.
+#[test]
+fn the_wrong_listener_gets_a_message_that_says_so() {
+    let (t, urls) = Target::start_listeners(&["m=mem:1M"], &["--listen", "nbd://127.0.0.1:0"]);
+    let nbd = urls.iter().find(|u| u.starts_with("nbd://")).unwrap();
+    let at_nbd = nbd.replacen("nbd://", "tcp://", 1);
+    assert_one_line_error(&["info", &format!("{at_nbd}/m")], "this is an NBD listener");
+    let udp = t.base.replacen("tcp://", "udp://", 1);
+    assert_one_line_error(&["stats", &udp], "stats asks the target's tcp:// listener");
+}

@@ -211,7 +211,27 @@ fn exchange(
     buf.extend_from_slice(payload);
     s.write_all(&buf).map_err(|e| map_io(e, s))?;
     let mut hb = [0u8; HEADER_LEN];
-    s.read_exact(&mut hb).map_err(|e| map_io(e, s))?;
+    let mut got = 0;
+    while got < HEADER_LEN {
+        let err = match s.read(&mut hb[got..]) {
+            Ok(0) => Error::Closed,
+            Ok(n) => {
+                got += n;
+                continue;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => map_io(e, s),
+        };
+        // An NBD listener greets first, then hangs up on what it cannot parse.
+        if matches!(err, Error::Closed) && hb[..got].starts_with(NBD_GREETING) {
+            return Err(Error::Protocol(
+                "this is an NBD listener, not blkwire's own protocol: use nbd:// with an NBD \
+                 client (nbdinfo, qemu-img), or the target's tcp:// port"
+                    .into(),
+            ));
+        }
+        return Err(err);
+    }
     let r = Header::decode(&hb, max_reply).map_err(|e| Error::Protocol(e.to_string()))?;
     if !r.is_reply() || r.opcode != h.opcode {
         return Err(Error::Protocol(format!("expected a {:?} reply", h.opcode)));
@@ -220,6 +240,9 @@ fn exchange(
     s.read_exact(&mut p).map_err(|e| map_io(e, s))?;
     Ok((r, p))
 }
+
+/// How an NBD server's greeting starts ("NBDMAGIC").
+const NBD_GREETING: &[u8] = b"NBDMAGIC";
 
 /// Maps a handshake I/O error; a timeout reports the socket's own limit.
 fn map_io(e: std::io::Error, s: &TcpStream) -> Error {
