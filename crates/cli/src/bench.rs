@@ -187,8 +187,9 @@ pub fn run(a: Args) -> Result<(), String> {
         );
     } else {
         println!(
-            "{:?} bs={} iodepth={} jobs={}: {:.0} IOPS, {:.1} MiB/s, {} ops in {:.1}s, {} errors",
-            a.rw,
+            "{} bs={} iodepth={} jobs={}: {:.0} IOPS, {:.1} MiB/s, {} ops in {:.1}s, {} errors",
+            clap::ValueEnum::to_possible_value(&a.rw)
+                .map_or_else(String::new, |v| v.get_name().to_string()),
             blkwire_backend::format_size(a.bs),
             a.iodepth,
             a.jobs,

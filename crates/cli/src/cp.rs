@@ -194,11 +194,11 @@ pub fn run(a: Args) -> Result<(), String> {
     }
     let secs = start.elapsed().as_secs_f64();
     println!(
-        "copied {} ({} bytes) in {:.2}s, {:.1} MB/s",
+        "copied {} ({} bytes) in {:.2}s, {:.1} MiB/s",
         blkwire_backend::format_size(size),
         size,
         secs,
-        size as f64 / secs.max(1e-9) / 1e6
+        size as f64 / secs.max(1e-9) / 1048576.0
     );
     Ok(())
 }
@@ -240,11 +240,11 @@ fn progress(done: u64, total: u64, elapsed: Duration) {
     };
     let width = 30;
     let filled = (frac * width as f64) as usize;
-    let rate = done as f64 / elapsed.as_secs_f64().max(1e-3) / 1e6;
+    let rate = done as f64 / elapsed.as_secs_f64().max(1e-3) / 1048576.0;
     let mut e = std::io::stderr().lock();
     let _ = write!(
         e,
-        "\r[{}{}] {:>5.1}% {} / {} {:.1} MB/s",
+        "\r[{}{}] {:>5.1}% {} / {} {:.1} MiB/s",
         "#".repeat(filled),
         " ".repeat(width - filled),
         frac * 100.0,

@@ -53,7 +53,7 @@ pub struct MapArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
     queues: Option<u16>,
     /// Largest I/O per request, 4K to 32M (ublk caps it at 1M; FUSE too unless fs.fuse.max_pages_limit is raised)
-    #[arg(long, value_name = "SIZE", default_value = "1M", value_parser = crate::size_arg)]
+    #[arg(long = "max-io", alias = "max-io-size", value_name = "SIZE", default_value = "1M", value_parser = crate::size_arg)]
     max_io_size: u64,
     /// Mark the device rotational (also set when the export says it is)
     #[arg(long)]
@@ -107,7 +107,7 @@ pub fn run_map(a: MapArgs) -> Result<(), String> {
         .filter(|m| (4096..=blkwire_wire::MAX_PAYLOAD_LIMIT).contains(m))
         .ok_or_else(|| {
             format!(
-                "--max-io-size must be between 4K and {}",
+                "--max-io must be between 4K and {}",
                 blkwire_backend::format_size(blkwire_wire::MAX_PAYLOAD_LIMIT as u64)
             )
         })?;

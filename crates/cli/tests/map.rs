@@ -1072,10 +1072,7 @@ fn bad_input_is_one_line_and_leaves_nothing_behind() {
         "cannot connect",
     );
     one_line(&["map", &t.base], "names no export");
-    one_line(
-        &["map", &t.url("disk"), "--max-io-size", "1k"],
-        "--max-io-size",
-    );
+    one_line(&["map", &t.url("disk"), "--max-io-size", "1k"], "--max-io");
     if !Path::new("/dev/ublk-control").exists() {
         one_line(
             &["map", &t.url("disk"), "--frontend", "ublk"],
@@ -1138,11 +1135,7 @@ fn options_reach_the_device() {
     );
     assert_eq!(m.dev, format!("/dev/loop{n}"));
     assert_eq!(m.sys("queue/rotational"), "1", "--hdd");
-    assert_eq!(
-        m.sys("queue/max_sectors_kb"),
-        "64",
-        "requests fit --max-io-size"
-    );
+    assert_eq!(m.sys("queue/max_sectors_kb"), "64", "requests fit --max-io");
     let r = m.record();
     assert_eq!(
         (r["queues"].as_u64(), r["queue_depth"].as_u64()),
