@@ -11,14 +11,24 @@ pub struct Args {
     /// Print one JSON object
     #[arg(long)]
     json: bool,
+    /// Seconds to wait for the target's answer
+    #[arg(long, value_name = "SECS", default_value_t = 10.0)]
+    timeout: f64,
 }
 
 pub fn run(a: Args) -> Result<(), String> {
     let u = Url::parse(&a.url).map_err(|e| e.to_string())?;
+    if !(a.timeout > 0.0 && a.timeout <= 3600.0) {
+        return Err(format!(
+            "--timeout {}: give seconds between 0 and 3600",
+            a.timeout
+        ));
+    }
     let opts = ConnectOptions {
         queues: 64,
         depth: 1024,
         max_io: 32 << 20,
+        timeout: std::time::Duration::from_secs_f64(a.timeout),
         ..Default::default()
     };
     if u.export.is_empty() {

@@ -133,6 +133,12 @@ fn bad_input_gets_one_line_errors() {
     assert_one_line_error(&["info", "http://x/y"], "bad URL");
     // clap's own errors keep what they list: the missing argument, the possible values.
     assert_one_line_error(&["info"], "<URL>");
+    // Nothing answers on this UDP port: info gives up after its --timeout (1 s here, 10 s by
+    // default) with one line.
+    let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let quiet = format!("udp://{}/x", silent.local_addr().unwrap());
+    assert_one_line_error(&["info", &quiet, "--timeout", "1"], "no answer over UDP");
+    assert_one_line_error(&["info", &quiet, "--timeout", "0"], "--timeout 0");
     assert_one_line_error(
         &["bench", &t.url("m"), "--rw", "sideways"],
         "possible values: read, write",
