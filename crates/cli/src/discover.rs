@@ -11,7 +11,7 @@ pub struct Args {
     /// Broadcast on this interface (raw Ethernet)
     #[arg(long, value_name = "IFACE", conflicts_with = "url")]
     interface: Option<String>,
-    /// Or ask one target: `udp://HOST[:PORT]`
+    /// Or ask one target: udp://HOST[:PORT]
     #[arg(value_name = "URL")]
     url: Option<String>,
     /// How long to collect answers, in milliseconds

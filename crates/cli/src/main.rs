@@ -1,6 +1,10 @@
 //! `blkwire`: the command line. Each subcommand lives in its own module; errors come back as one
 //! line and a non-zero exit.
 
+// The doc comments of the argument structs are `--help` text written for a terminal
+// (`tcp://HOST[:PORT]/EXPORT`), not rustdoc: their brackets are not links.
+#![allow(rustdoc::broken_intra_doc_links)]
+
 mod bench;
 mod cp;
 mod discover;
