@@ -9,14 +9,15 @@
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::RawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
 
 use io_uring::{opcode, types};
 
+use crate::completions::{Completions, Poster};
 use crate::{Backend, Capabilities, Extent, Op, QueueIo, Started, Submitter, Support};
 
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
@@ -67,8 +68,7 @@ struct SlowJob {
     work: Slow,
     file: Arc<FileBackend>,
     tag: u64,
-    done: Sender<(u64, i32)>,
-    wake: Arc<OwnedFd>,
+    done: Poster,
 }
 
 // SAFETY: the extent list an allocation query writes to stays valid, and untouched by its
@@ -104,13 +104,7 @@ impl FileBackend {
                             0
                         }
                     };
-                    if job.done.send((job.tag, res)).is_ok() {
-                        let one: u64 = 1;
-                        // SAFETY: an 8-byte write to the queue's eventfd, kept open by `wake`.
-                        unsafe {
-                            libc::write(job.wake.as_raw_fd(), (&one as *const u64).cast(), 8)
-                        };
-                    }
+                    job.done.post(job.tag, res);
                 }
             })?;
         *h = Some(tx.clone());
@@ -471,20 +465,10 @@ impl Backend for FileBackend {
 
     fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
         let helper = self.helper()?;
-        // SAFETY: creating a new descriptor.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if raw < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `raw` is a fresh descriptor nobody else owns.
-        let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(raw) });
-        let (done_tx, done) = mpsc::channel();
         Ok(Box::new(FileQueue {
             file: self,
             helper,
-            done_tx,
-            done,
-            wake,
+            done: Completions::new()?,
         }))
     }
     fn buffer_alignment(&self) -> usize {
@@ -521,10 +505,8 @@ struct FileQueue {
     file: Arc<FileBackend>,
     /// The export's helper thread, for TRIM, WRITE_ZEROES, COPY and allocation queries.
     helper: Sender<SlowJob>,
-    done_tx: Sender<(u64, i32)>,
-    done: Receiver<(u64, i32)>,
-    /// Bumped by the helper for every result: the queue's notifier.
-    wake: Arc<OwnedFd>,
+    /// Results from the helper, and the queue's notifier.
+    done: Completions,
 }
 
 impl FileQueue {
@@ -533,8 +515,7 @@ impl FileQueue {
             work,
             file: self.file.clone(),
             tag,
-            done: self.done_tx.clone(),
-            wake: self.wake.clone(),
+            done: self.done.poster(),
         };
         match self.helper.send(job) {
             Ok(()) => Started::Async,
@@ -595,7 +576,7 @@ impl QueueIo for FileQueue {
     }
 
     fn notifier(&self) -> Option<RawFd> {
-        Some(self.wake.as_raw_fd())
+        Some(self.done.notifier())
     }
 
     fn data_on_own_threads(&self) -> bool {
@@ -603,11 +584,6 @@ impl QueueIo for FileQueue {
     }
 
     fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) {
-        let mut count: u64 = 0;
-        // SAFETY: an 8-byte read from our non-blocking eventfd (EAGAIN when nothing is new).
-        unsafe { libc::read(self.wake.as_raw_fd(), (&mut count as *mut u64).cast(), 8) };
-        while let Ok((tag, res)) = self.done.try_recv() {
-            done(tag, res);
-        }
+        self.done.reap(done)
     }
 }

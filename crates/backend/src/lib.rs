@@ -12,6 +12,7 @@
 
 #![deny(missing_docs)]
 
+mod completions;
 mod export;
 mod file;
 mod mem;

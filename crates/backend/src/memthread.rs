@@ -9,11 +9,12 @@
 //! channels and an eventfd.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::mpsc::{self, Receiver, Sender};
+use std::os::fd::RawFd;
+use std::sync::mpsc::{self, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use crate::completions::Completions;
 use crate::{Backend, Capabilities, Extent, MemBackend, Op, QueueIo, Started, Submitter};
 
 /// What the helper thread is asked to do.
@@ -60,16 +61,9 @@ impl Backend for MemThreadBackend {
         self.mem.allocation(offset, len, out)
     }
     fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
-        // SAFETY: creating a new descriptor.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if raw < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `raw` is a fresh descriptor nobody else owns.
-        let notify = unsafe { OwnedFd::from_raw_fd(raw) };
+        let done = Completions::new()?;
+        let poster = done.poster();
         let (jobs, job_rx) = mpsc::channel::<Job>();
-        let (done_tx, done) = mpsc::channel();
-        let wake = notify.try_clone()?;
         let helper = std::thread::Builder::new()
             .name("blkwire-memthread".into())
             .spawn(move || {
@@ -84,18 +78,14 @@ impl Backend for MemThreadBackend {
                             0
                         }
                     };
-                    if done_tx.send((job.tag, res)).is_err() {
+                    if !poster.post(job.tag, res) {
                         return;
                     }
-                    let one: u64 = 1;
-                    // SAFETY: an 8-byte write to our eventfd.
-                    unsafe { libc::write(wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
                 }
             })?;
         Ok(Box::new(MemThreadQueue {
             jobs: Some(jobs),
             done,
-            notify,
             helper: Some(helper),
         }))
     }
@@ -128,8 +118,7 @@ impl MemThreadQueue {
 
 struct MemThreadQueue {
     jobs: Option<Sender<Job>>,
-    done: Receiver<(u64, i32)>,
-    notify: OwnedFd,
+    done: Completions,
     helper: Option<JoinHandle<()>>,
 }
 
@@ -154,16 +143,11 @@ impl QueueIo for MemThreadQueue {
     }
 
     fn notifier(&self) -> Option<RawFd> {
-        Some(self.notify.as_raw_fd())
+        Some(self.done.notifier())
     }
 
     fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) {
-        let mut count: u64 = 0;
-        // SAFETY: an 8-byte read from our non-blocking eventfd (EAGAIN when nothing is new).
-        unsafe { libc::read(self.notify.as_raw_fd(), (&mut count as *mut u64).cast(), 8) };
-        while let Ok((tag, res)) = self.done.try_recv() {
-            done(tag, res);
-        }
+        self.done.reap(done)
     }
 }
 

@@ -445,12 +445,6 @@ fn a_restarted_target_reports_the_session_lost() {
     s2.queues[0].write_at(&[3u8; 4096], 0, false).unwrap();
 }
 
-fn rss_kib(pid: u32) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
 /// 256 one-frame READs of 1 MiB on 256 slots: a slot holds a data buffer only while its
 /// request runs, so the target does not keep 256 MiB for 12 KiB of requests (+260 MB before).
 #[test]
@@ -474,7 +468,7 @@ fn datagram_reads_do_not_pin_a_buffer_per_slot() {
         .write_at(&random_bytes(1 << 20, 5), 0, false)
         .unwrap();
     let session = s.queues[0].session_id().unwrap();
-    let before = rss_kib(t.child.id());
+    let before = common::rss_kib(t.child.id());
     for slot in 0..256u16 {
         let mut h = Header::request(Opcode::Read, Tag::new(slot, 7), 0, 1 << 20);
         h.session = session;
@@ -493,7 +487,7 @@ fn datagram_reads_do_not_pin_a_buffer_per_slot() {
         }
     }
     assert!(reads >= 256, "the target ran {reads} of the 256 reads");
-    let after = rss_kib(t.child.id());
+    let after = common::rss_kib(t.child.id());
     assert!(
         after < before + 64 * 1024,
         "target RSS grew from {before} KiB to {after} KiB for 256 datagram reads of 1 MiB"

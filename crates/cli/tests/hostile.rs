@@ -137,16 +137,10 @@ fn join_needs_the_session_cookie() {
     assert_eq!(join(1, reply.cookie), Status::Busy);
 }
 
-fn rss_kib(pid: i32) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
 #[test]
 fn a_client_that_never_reads_cannot_grow_the_target() {
     let t = Target::start(&["m=mem:64M"]);
-    let before = rss_kib(t.pid());
+    let before = common::rss_kib(t.pid() as u32);
     let mut s = raw(&t);
     hello(&mut s, "m");
     s.set_nonblocking(true).unwrap();
@@ -166,7 +160,7 @@ fn a_client_that_never_reads_cannot_grow_the_target() {
             }
         }
     }
-    let after = rss_kib(t.pid());
+    let after = common::rss_kib(t.pid() as u32);
     assert!(
         blocked,
         "target kept reading {sent} requests whose replies nobody reads"
@@ -193,7 +187,7 @@ fn a_slow_reader_cannot_grow_the_target() {
     let granted = HelloReply::decode(&p).unwrap();
     let (depth, len) = (granted.depth, granted.max_io);
     assert!(depth >= 16 && len == 1 << 20, "granted {depth} x {len}");
-    let before = rss_kib(t.pid());
+    let before = common::rss_kib(t.pid() as u32);
     let read =
         |slot: u16, gen: u16| Header::request(Opcode::Read, Tag::new(slot, gen), 0, len).to_bytes();
     for slot in 0..depth {
@@ -215,7 +209,7 @@ fn a_slow_reader_cannot_grow_the_target() {
         total += len as u64;
         n += 1;
         if n.is_multiple_of(16) {
-            peak = peak.max(rss_kib(t.pid()));
+            peak = peak.max(common::rss_kib(t.pid() as u32));
         }
         s.write_all(&read(h.tag.slot(), h.tag.generation().wrapping_add(1)))
             .unwrap();
@@ -398,7 +392,7 @@ fn many_large_reads_from_a_file_export_are_taken_as_replies_go_out() {
         granted.depth >= 512 && granted.max_io == 1 << 20,
         "{granted:?}"
     );
-    let before = rss_kib(t.pid());
+    let before = common::rss_kib(t.pid() as u32);
     let mut all = Vec::new();
     for slot in 0..512u16 {
         let off = (slot as u64 % 64) << 20;
@@ -415,7 +409,7 @@ fn many_large_reads_from_a_file_export_are_taken_as_replies_go_out() {
     let mut answered = 0;
     while answered < 512 {
         if answered % 64 == 0 {
-            peak = peak.max(rss_kib(t.pid()));
+            peak = peak.max(common::rss_kib(t.pid() as u32));
         }
         s.read_exact(&mut hb).unwrap();
         let h = Header::decode(&hb, 1 << 20).unwrap();

@@ -1243,12 +1243,6 @@ fn sigterm_answers_received_nbd_requests_then_exits_0() {
     }
 }
 
-fn rss_kib(pid: i32) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
 /// WRITE headers announcing 32 MiB that never send a byte of it: the target commits memory for
 /// what arrives, not for what a header promises (20 of them took 663 MB before).
 #[test]
@@ -1265,7 +1259,7 @@ fn write_headers_without_their_data_commit_no_memory() {
         .unwrap()
         .clone();
     let t = NbdTarget { t, nbd };
-    let before = rss_kib(t.t.pid());
+    let before = common::rss_kib(t.t.pid() as u32);
     let mut conns: Vec<Raw> = (0..20)
         .map(|_| Raw::go(&t.addr(), "m", false, false).0)
         .collect();
@@ -1276,7 +1270,7 @@ fn write_headers_without_their_data_commit_no_memory() {
     let (mut probe, _, _) = Raw::go(&t.addr(), "m", false, false);
     probe.request(cmd::FLUSH, 0, 99, 0, 0);
     assert_eq!(probe.reply().error(), 0);
-    let after = rss_kib(t.t.pid());
+    let after = common::rss_kib(t.t.pid() as u32);
     assert!(
         after < before + 64 * 1024,
         "target RSS grew from {before} KiB to {after} KiB for 20 announced 32 MiB writes"

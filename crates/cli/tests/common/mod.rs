@@ -177,3 +177,10 @@ pub fn assert_one_line_error(args: &[&str], needle: &str) {
         "{args:?}: '{needle}' not in: {err}"
     );
 }
+
+/// Resident memory of a process, in KiB (VmRSS).
+pub fn rss_kib(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
