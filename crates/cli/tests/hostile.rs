@@ -7,7 +7,7 @@ use std::io::Write;
 
 use blkwire_client::{connect, ConnectOptions, Url};
 use blkwire_wire::{Header, HelloReply, Opcode, Status, Tag, HEADER_LEN};
-use common::native_raw::{assert_closed, hello, hello_with, raw, read_frame};
+use common::native_raw::{assert_closed, hello, hello_as, hello_with, raw, read_frame};
 use common::Target;
 
 fn still_serves(t: &Target) {
@@ -427,7 +427,6 @@ fn many_large_reads_from_a_file_export_are_taken_as_replies_go_out() {
 /// forge a log line.
 #[test]
 fn peer_supplied_names_cannot_forge_log_lines() {
-    use blkwire_wire::Hello;
     use std::io::Read;
     use std::process::{Command, Stdio};
     let mut child = Command::new(common::BIN)
@@ -456,24 +455,7 @@ fn peer_supplied_names_cannot_forge_log_lines() {
         ("h", "x\nblkwire info: forged by export"),
     ] {
         let mut s = std::net::TcpStream::connect(&addr).unwrap();
-        let p = Hello {
-            queues: 1,
-            depth: 1,
-            max_io: 4096,
-            client_features: 0,
-            frame_payload: 0,
-            nonce: 7,
-            host_id: host.into(),
-            export: export.into(),
-            auth: vec![],
-        }
-        .encode()
-        .unwrap();
-        let mut h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
-        h.payload_len = p.len() as u32;
-        s.write_all(&h.to_bytes()).unwrap();
-        s.write_all(&p).unwrap();
-        let (r, _) = read_frame(&mut s).expect("an answer");
+        let (r, _) = hello_as(&mut s, host, export, 1, 4096);
         assert!(r.status == Status::Ok || r.status == Status::NoExport);
     }
     // SAFETY: signalling our own child.

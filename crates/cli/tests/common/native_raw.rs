@@ -24,6 +24,17 @@ pub fn hello(s: &mut TcpStream, export: &str) -> (Header, Vec<u8>) {
 
 /// Sends a HELLO for `export` asking for `depth` slots and `max_io` bytes per I/O.
 pub fn hello_with(s: &mut TcpStream, export: &str, depth: u16, max_io: u32) -> (Header, Vec<u8>) {
+    hello_as(s, "hostile", export, depth, max_io)
+}
+
+/// Sends a HELLO from host id `host` for `export` (2 queues of `depth` slots, `max_io` bytes).
+pub fn hello_as(
+    s: &mut TcpStream,
+    host: &str,
+    export: &str,
+    depth: u16,
+    max_io: u32,
+) -> (Header, Vec<u8>) {
     let p = Hello {
         queues: 2,
         depth,
@@ -31,7 +42,7 @@ pub fn hello_with(s: &mut TcpStream, export: &str, depth: u16, max_io: u32) -> (
         client_features: 0,
         frame_payload: 0,
         nonce: 1,
-        host_id: "hostile".into(),
+        host_id: host.into(),
         export: export.into(),
         auth: vec![],
     }
