@@ -113,12 +113,36 @@ fn claim_udp_port(addr: SocketAddr) -> Result<OwnedFd, String> {
     Ok(fd)
 }
 
+/// With the claim held, a socket still bound to the port belongs to a target that has just
+/// ended (its io_uring lets go of its sockets a moment after the process exits) or to another
+/// program. Our sockets must not join the old ones' SO_REUSEPORT group: when those leave, the
+/// kernel would move flows between our sockets, and a queue's frames would reach a reactor
+/// that does not know its session. So wait (briefly) until nobody holds the port.
+fn wait_for_udp_port(addr: SocketAddr) -> Result<(), String> {
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    loop {
+        match std::net::UdpSocket::bind(addr) {
+            Ok(_) => return Ok(()),
+            Err(e)
+                if e.kind() == std::io::ErrorKind::AddrInUse
+                    && std::time::Instant::now() < give_up =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            Err(e) => return Err(format!("cannot listen on udp://{addr}: {e}")),
+        }
+    }
+}
+
 /// Opens `n` UDP sockets sharing one address with SO_REUSEPORT. Returns them and the URL bound.
 pub fn open_udp(addr: SocketAddr, n: usize) -> Result<(Vec<PortSetup>, String), String> {
     let mut claim = match addr.port() {
         0 => None, // a port the kernel picks is nobody else's
         _ => Some(claim_udp_port(addr)?),
     };
+    if claim.is_some() {
+        wait_for_udp_port(addr)?;
+    }
     let mut out = Vec::new();
     let mut bound = addr;
     for _ in 0..n {
