@@ -43,20 +43,8 @@ pub struct FileBackend {
 
 /// Work the helper thread does for a queue.
 enum Slow {
-    Trim {
-        offset: u64,
-        len: u32,
-    },
-    Zero {
-        offset: u64,
-        len: u32,
-        no_hole: bool,
-    },
-    Copy {
-        src: u64,
-        dst: u64,
-        len: u32,
-    },
+    /// TRIM, WRITE_ZEROES or COPY (they name no buffer of the caller's).
+    Op(Op),
     Allocation {
         offset: u64,
         len: u64,
@@ -72,7 +60,8 @@ struct SlowJob {
 }
 
 // SAFETY: the extent list an allocation query writes to stays valid, and untouched by its
-// queue, until the result is reaped (QueueIo::start_allocation's contract); the rest is owned.
+// queue, until the result is reaped (QueueIo::start_allocation's contract); the ops sent here
+// (TRIM, WRITE_ZEROES, COPY) carry no pointer; the rest is owned.
 unsafe impl Send for SlowJob {}
 
 impl FileBackend {
@@ -90,13 +79,14 @@ impl FileBackend {
                 for job in rx {
                     let f = &job.file;
                     let res = match job.work {
-                        Slow::Trim { offset, len } => f.trim(offset, len),
-                        Slow::Zero {
+                        Slow::Op(Op::Trim { offset, len }) => f.trim(offset, len),
+                        Slow::Op(Op::WriteZeroes {
                             offset,
                             len,
                             no_hole,
-                        } => f.write_zeroes(offset, len, no_hole, &mut zeros),
-                        Slow::Copy { src, dst, len } => f.copy(src, dst, len, &mut scratch),
+                        }) => f.write_zeroes(offset, len, no_hole, &mut zeros),
+                        Slow::Op(Op::Copy { src, dst, len }) => f.copy(src, dst, len, &mut scratch),
+                        Slow::Op(_) => -libc::EINVAL, // READ, WRITE and FLUSH use the ring
                         Slow::Allocation { offset, len, out } => {
                             // SAFETY: the queue keeps the list valid and untouched until this
                             // result is reaped (start_allocation's contract).
@@ -544,19 +534,8 @@ impl QueueIo for FileQueue {
             Op::Flush => opcode::Fsync::new(fd)
                 .flags(types::FsyncFlags::DATASYNC)
                 .build(),
-            Op::Trim { offset, len } => return self.slow(Slow::Trim { offset, len }, tag),
-            Op::Copy { src, dst, len } => return self.slow(Slow::Copy { src, dst, len }, tag),
-            Op::WriteZeroes {
-                offset,
-                len,
-                no_hole,
-            } => {
-                let zero = Slow::Zero {
-                    offset,
-                    len,
-                    no_hole,
-                };
-                return self.slow(zero, tag);
+            Op::Trim { .. } | Op::WriteZeroes { .. } | Op::Copy { .. } => {
+                return self.slow(Slow::Op(op), tag)
             }
         };
         // The entry names the op's buffer, which our caller keeps valid until the completion.

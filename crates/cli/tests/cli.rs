@@ -271,11 +271,7 @@ fn stats_shows_live_queue_counters() {
 /// clients would alternate between the two): refused in one line, like TCP.
 #[test]
 fn a_second_target_on_a_served_udp_port_is_refused() {
-    let port = std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_udp_port();
     let listen = format!("udp://127.0.0.1:{port}");
     let (_first, urls) = Target::start_listeners(&["m=mem:1M"], &["--listen", &listen]);
     assert!(urls.contains(&listen), "{urls:?}");

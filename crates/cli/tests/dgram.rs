@@ -415,11 +415,7 @@ fn udp_round_trips(export: &str) {
 /// (`SessionLost`, so it can reconnect) instead of waiting for its give-up time.
 #[test]
 fn a_restarted_target_reports_the_session_lost() {
-    let port = std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_udp_port();
     let listen = format!("udp://127.0.0.1:{port}");
     let mut t = Served::start(None, &[&listen], &["m=mem:1M"]);
     let url = Url::parse(&format!("{listen}/m")).unwrap();

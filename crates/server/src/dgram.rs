@@ -813,13 +813,8 @@ impl DgramPort {
     fn execute(&mut self, qi: usize, slot: u16, sq: &mut dyn Submitter, ud: UserData) {
         let q = self.queues[qi].as_mut().expect("present");
         let h = q.slots[slot as usize].hdr;
-        let block = match h.opcode.block_op() {
-            Some(op) if flush_args_valid(&h) => BlockRequest {
-                op,
-                offset: h.offset,
-                len: h.length,
-                flags: h.flags.io_flags(),
-            },
+        let block = match h.block_request() {
+            Some(b) if flush_args_valid(&h) => b,
             _ => return self.finish(qi, slot, Status::Invalid),
         };
         if let Err(st) = q.exec.admit(&block) {
@@ -860,13 +855,7 @@ impl DgramPort {
         if q.incarnation != incarnation || s.state != SlotState::Running {
             return None;
         }
-        let h = s.hdr;
-        let block = BlockRequest {
-            op: h.opcode.block_op()?,
-            offset: h.offset,
-            len: h.length,
-            flags: h.flags.io_flags(),
-        };
+        let block = s.hdr.block_request()?;
         Some((q, block))
     }
 

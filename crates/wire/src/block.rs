@@ -1,9 +1,21 @@
 //! The native protocol's view of the block vocabulary (`blkwire-block`): which opcode (§3) and
 //! which flags (§4) carry which block operation. Both ends convert here and nowhere else.
 
-use blkwire_block::{BlockOp, IoFlags};
+use blkwire_block::{BlockOp, BlockRequest, IoFlags};
 
-use crate::{Flags, Opcode};
+use crate::{Flags, Header, Opcode};
+
+impl Header {
+    /// The block request a request header carries; `None` for control commands.
+    pub fn block_request(&self) -> Option<BlockRequest> {
+        Some(BlockRequest {
+            op: self.opcode.block_op()?,
+            offset: self.offset,
+            len: self.length,
+            flags: self.flags.io_flags(),
+        })
+    }
+}
 
 impl Opcode {
     /// The block operation this opcode asks for; `None` for control commands and COPY.

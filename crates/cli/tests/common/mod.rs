@@ -178,6 +178,15 @@ pub fn assert_one_line_error(args: &[&str], needle: &str) {
     );
 }
 
+/// A UDP port on 127.0.0.1 that nothing holds (the kernel picked it, then it was let go).
+pub fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// Resident memory of a process, in KiB (VmRSS).
 pub fn rss_kib(pid: u32) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
