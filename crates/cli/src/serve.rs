@@ -104,6 +104,7 @@ pub fn run(a: Args) -> Result<(), String> {
             ..Limits::default()
         },
         poll: Duration::from_micros(a.poll_us),
+        keys: None,
     };
     let target = Target::bind(&cfg).map_err(|e| e.to_string())?;
     let stop = target.stop_handle();

@@ -100,8 +100,12 @@ pub struct ConnectOptions {
     pub depth: u16,
     /// Largest I/O wanted, in bytes (the target may grant less).
     pub max_io: u32,
-    /// Identity sent in HELLO; the host name by default.
+    /// Identity sent in HELLO: `--host-id`, else `BLKWIRE_HOST_ID`, else derived from
+    /// /etc/machine-id ([`blkwire_auth::default_host_id`]).
     pub host_id: String,
+    /// This host's pre-shared key (`--key FILE`, the line for `host_id`): with one, the
+    /// handshake proves both ends know it (PROTOCOL.md §12), and TLS uses it as its PSK.
+    pub key: Option<blkwire_auth::Key>,
     /// Longest wait for any reply before giving up with [`Error::Timeout`].
     pub timeout: Duration,
     /// How long to spin for a reply before sleeping (trades CPU for latency).
@@ -114,7 +118,8 @@ impl Default for ConnectOptions {
             queues: 1,
             depth: 128,
             max_io: 1 << 20,
-            host_id: hostname(),
+            host_id: blkwire_auth::default_host_id(),
+            key: None,
             timeout: Duration::from_secs(30),
             poll: Duration::from_micros(50),
         }
@@ -134,12 +139,6 @@ pub(crate) fn random_u64() -> u64 {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0x9E37_79B9_7F4A_7C15)
     }
-}
-
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "unknown".into())
 }
 
 /// An export as the session sees it.

@@ -91,6 +91,9 @@ pub struct TargetConfig {
     pub limits: Limits,
     /// How long a reactor spins for new work before sleeping (trades CPU for latency).
     pub poll: Duration,
+    /// `--keys FILE`: the hosts this target knows and their pre-shared keys (native handshake,
+    /// PROTOCOL.md §12, and NBD TLS-PSK). With any, unknown hosts are refused.
+    pub keys: Option<blkwire_auth::KeyStore>,
 }
 
 struct Worker {
@@ -723,6 +726,7 @@ mod tests {
             threads: 1,
             limits: Limits::default(),
             poll: Duration::ZERO,
+            keys: None,
         }
     }
 
