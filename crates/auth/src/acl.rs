@@ -10,7 +10,7 @@
 use std::net::IpAddr;
 
 /// Where a peer speaks from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PeerAddr {
     /// An IP address (TCP, UDP, NBD).
     Ip(IpAddr),

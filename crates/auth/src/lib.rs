@@ -12,7 +12,10 @@
 #![deny(missing_docs)]
 
 pub mod acl;
+pub mod cookie;
 pub mod keys;
+pub mod proof;
+pub mod seal;
 
 pub use acl::{Acl, PeerAddr};
 pub use keys::{default_host_id, Key, KeyStore};

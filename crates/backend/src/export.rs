@@ -22,6 +22,9 @@ pub struct ExportSpec {
     pub backend: String,
     /// `,ro` was given.
     pub read_only: bool,
+    /// `,allow=RULE[+RULE...]`: who may open it (parsed and checked by the target, which owns
+    /// access control; see `blkwire_auth::Acl`).
+    pub allow: Option<String>,
 }
 
 /// A one-line reason why an export spec cannot be served.
@@ -38,7 +41,7 @@ impl std::error::Error for SpecError {}
 
 fn spec_help() -> String {
     format!(
-        "expected NAME=BACKEND[,ro] with BACKEND one of {}",
+        "expected NAME=BACKEND[,ro][,allow=RULE[+RULE...]] with BACKEND one of {}",
         crate::registry::usages()
     )
 }
@@ -57,12 +60,15 @@ impl ExportSpec {
         let mut parts = rest.split(',');
         let backend = parts.next().unwrap_or_default().to_string();
         let mut read_only = false;
+        let mut allow = None;
         for opt in parts {
             match opt {
                 "ro" | "readonly" => read_only = true,
+                _ if opt.starts_with("allow=") => allow = Some(opt["allow=".len()..].to_string()),
                 _ => {
                     return Err(SpecError(format!(
-                        "bad export option '{opt}' in '{s}': only 'ro' is known"
+                        "bad export option '{opt}' in '{s}': known options are 'ro' and \
+                         'allow=RULE[+RULE...]' (host ids, address prefixes, MACs)"
                     )))
                 }
             }
@@ -74,6 +80,7 @@ impl ExportSpec {
             name: name.to_string(),
             backend,
             read_only,
+            allow,
         })
     }
 }
@@ -932,8 +939,16 @@ mod tests {
             ExportSpec {
                 name: "d".into(),
                 backend: "file:/x?direct=1".into(),
-                read_only: true
+                read_only: true,
+                allow: None,
             }
+        );
+        assert_eq!(
+            ExportSpec::parse("d=mem:1M,allow=alice+10.0.0.0/8")
+                .unwrap()
+                .allow
+                .as_deref(),
+            Some("alice+10.0.0.0/8")
         );
         assert!(ExportSpec::parse("nobackend").is_err());
         assert!(ExportSpec::parse("=mem:1M").is_err());

@@ -51,6 +51,8 @@ pub struct Args {
     /// Print one JSON object
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    id: crate::identity::Identity,
 }
 
 struct JobResult {
@@ -76,7 +78,7 @@ pub fn run(a: Args) -> Result<(), String> {
     if !(a.runtime > 0.0 && a.runtime.is_finite()) {
         return Err("--runtime must be a positive number of seconds".into());
     }
-    let opts = ConnectOptions {
+    let mut opts = ConnectOptions {
         queues: a.jobs,
         depth: a.iodepth,
         max_io: a.bs.clamp(512, u32::MAX as u64) as u32,
@@ -84,6 +86,7 @@ pub fn run(a: Args) -> Result<(), String> {
         timeout: Duration::from_secs(a.timeout.max(1)),
         ..Default::default()
     };
+    a.id.apply(&mut opts)?;
     let s = crate::open(&a.url, &opts)?;
     let info = s.info.clone();
     if a.bs == 0 || a.bs > info.max_io as u64 || !a.bs.is_multiple_of(512) {
@@ -163,7 +166,7 @@ pub fn run(a: Args) -> Result<(), String> {
             .map(|q| {
                 json!({
                     "frames_out": q.frames_out, "frames_in": q.frames_in, "late_replies": q.late_replies,
-                    "errors": q.errors, "retransmits": q.retransmits, "crc_errors": q.crc_errors,
+                    "errors": q.errors, "retransmits": q.retransmits, "crc_errors": q.crc_errors, "bad_seals": q.bad_seals,
                     "duplicates": q.duplicates, "timeouts": q.timeouts, "rto_us": q.rto_us, "window": q.window,
                     "datagrams_out": q.datagrams_out, "datagrams_in": q.datagrams_in, "probes": q.probes,
                     "segmented_out": q.segmented_out, "coalesced_in": q.coalesced_in,

@@ -26,6 +26,8 @@ pub struct Args {
     /// Seconds an I/O may go unanswered before the copy fails
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     timeout: u64,
+    #[command(flatten)]
+    id: crate::identity::Identity,
 }
 
 /// One side of the copy, as seen by one worker.
@@ -45,15 +47,22 @@ struct Side {
     label: String,
 }
 
-fn open_side(spec: &str, jobs: u16, dest_size: Option<u64>, timeout: u64) -> Result<Side, String> {
+fn open_side(
+    spec: &str,
+    jobs: u16,
+    dest_size: Option<u64>,
+    timeout: u64,
+    id: &crate::identity::Identity,
+) -> Result<Side, String> {
     if Url::is_url(spec) {
-        let opts = ConnectOptions {
+        let mut opts = ConnectOptions {
             queues: jobs,
             depth: 4,
             max_io: 1 << 20,
             timeout: std::time::Duration::from_secs(timeout.max(1)),
             ..Default::default()
         };
+        id.apply(&mut opts)?;
         let s = crate::open(spec, &opts)?;
         if dest_size.is_some() && s.info.features.has(Features::READ_ONLY) {
             return Err(format!("{spec}: export is read-only"));
@@ -118,8 +127,8 @@ pub fn run(a: Args) -> Result<(), String> {
     if !Url::is_url(&a.src) && !Url::is_url(&a.dst) {
         return Err("neither side is a URL: use cp(1) for local copies".into());
     }
-    let src = open_side(&a.src, a.jobs, None, a.timeout)?;
-    let dst = open_side(&a.dst, a.jobs, Some(src.size), a.timeout)?;
+    let src = open_side(&a.src, a.jobs, None, a.timeout, &a.id)?;
+    let dst = open_side(&a.dst, a.jobs, Some(src.size), a.timeout, &a.id)?;
     if dst.size < src.size {
         return Err(format!(
             "{} ({} bytes) is smaller than {} ({} bytes): nothing was copied",

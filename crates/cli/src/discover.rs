@@ -20,11 +20,14 @@ pub struct Args {
     /// Print one JSON object
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    id: crate::identity::Identity,
 }
 
 pub fn run(a: Args) -> Result<(), String> {
     let wait = Duration::from_millis(a.wait_ms.clamp(10, 60_000));
-    let found = match (&a.interface, &a.url) {
+    let opts = a.id.options()?;
+    let mut found = match (&a.interface, &a.url) {
         (Some(iface), _) => discover_eth(iface, wait).map_err(|e| e.to_string())?,
         (None, Some(u)) => {
             let url = Url::parse(u).map_err(|e| e.to_string())?;
@@ -43,6 +46,15 @@ pub fn run(a: Args) -> Result<(), String> {
             return Err("say where to look: --interface IFACE or udp://HOST[:PORT]".into())
         }
     };
+    // Targets with keys list their exports only to an authenticated query (PROTOCOL.md §12.3).
+    if opts.key.is_some() {
+        for d in found.iter_mut().filter(|d| d.locked) {
+            let url = Url::parse(&format!("{}/", d.base)).map_err(|e| e.to_string())?;
+            d.exports =
+                blkwire_client::list(&url, &opts).map_err(|e| format!("{}: {e}", d.base))?;
+            d.locked = false;
+        }
+    }
     if a.json {
         let v: Vec<_> = found
             .iter()
@@ -52,7 +64,7 @@ pub fn run(a: Args) -> Result<(), String> {
                     .iter()
                     .map(|e| json!({"name": e.name, "url": format!("{}/{}", d.base, e.name), "size": e.size, "features": e.features.names()}))
                     .collect();
-                json!({"target": d.base, "exports": exports})
+                json!({"target": d.base, "exports": exports, "requires_key": d.locked})
             })
             .collect();
         println!("{}", json!({ "targets": v }));
@@ -61,6 +73,12 @@ pub fn run(a: Args) -> Result<(), String> {
             println!("no target answered within {} ms", wait.as_millis());
         }
         for d in &found {
+            if d.locked {
+                println!(
+                    "{}: requires a key (blkwire discover ... --key FILE, or blkwire info {}/ --key FILE)",
+                    d.base, d.base
+                );
+            }
             for e in &d.exports {
                 println!(
                     "{}/{:<16} {:>10}  {}",

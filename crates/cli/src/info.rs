@@ -14,6 +14,8 @@ pub struct Args {
     /// Seconds to wait for the target's answer
     #[arg(long, value_name = "SECS", default_value_t = 10.0)]
     timeout: f64,
+    #[command(flatten)]
+    id: crate::identity::Identity,
 }
 
 pub fn run(a: Args) -> Result<(), String> {
@@ -24,15 +26,16 @@ pub fn run(a: Args) -> Result<(), String> {
             a.timeout
         ));
     }
-    let opts = ConnectOptions {
+    let mut opts = ConnectOptions {
         queues: 64,
         depth: 1024,
         max_io: 32 << 20,
         timeout: std::time::Duration::from_secs_f64(a.timeout),
         ..Default::default()
     };
+    a.id.apply(&mut opts)?;
     if u.export.is_empty() {
-        let list = blkwire_client::list(&u, opts.timeout).map_err(|e| e.to_string())?;
+        let list = blkwire_client::list(&u, &opts).map_err(|e| e.to_string())?;
         if a.json {
             let v: Vec<_> = list
                 .iter()

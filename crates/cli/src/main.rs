@@ -9,6 +9,7 @@ mod bench;
 mod cp;
 mod discover;
 mod hist;
+mod identity;
 mod info;
 mod map;
 mod serve;
@@ -54,6 +55,9 @@ enum Command {
     Unmap(map::UnmapArgs),
     /// List mapped block devices and whether their daemons are alive
     Ls(map::LsArgs),
+    /// Manage pre-shared keys (`key gen FILE`)
+    #[command(subcommand)]
+    Key(identity::KeyCmd),
 }
 
 fn main() -> ExitCode {
@@ -89,6 +93,7 @@ fn main() -> ExitCode {
         Command::Map(a) => map::run_map(a),
         Command::Unmap(a) => map::run_unmap(a),
         Command::Ls(a) => map::run_ls(a),
+        Command::Key(k) => identity::run_key(k),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -70,6 +70,8 @@ pub struct MapArgs {
     /// Seconds I/O waits for an unreachable target before failing with EIO
     #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86400))]
     timeout: u64,
+    #[command(flatten)]
+    id: crate::identity::Identity,
 }
 
 #[derive(clap::Args)]
@@ -131,6 +133,7 @@ pub fn run_map(a: MapArgs) -> Result<(), String> {
             FuseIoArg::Uring => FuseIo::Uring,
             FuseIoArg::Read => FuseIo::Read,
         },
+        credentials: a.id.credentials(),
     };
     blkwire_map::map(&o, &mut print_device)
 }

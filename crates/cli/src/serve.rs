@@ -20,8 +20,8 @@ pub struct Args {
         long = "export",
         value_name = "NAME=BACKEND",
         required = true,
-        help = "An export (repeatable): NAME=BACKEND[,ro], e.g. disk0=file:/dev/nvme0n1 or \
-                scratch=mem:4G,ro",
+        help = "An export (repeatable): NAME=BACKEND[,ro][,allow=RULES], e.g. \
+                disk0=file:/dev/nvme0n1,allow=alice or scratch=mem:4G,ro",
         long_help = export_help()
     )]
     exports: Vec<String>,
@@ -47,6 +47,14 @@ pub struct Args {
     /// Handshakes in progress at once; more connections are closed until one finishes.
     #[arg(long, value_name = "N", default_value_t = 256, hide = true)]
     max_handshakes: usize,
+    /// Key file of the hosts this target knows (HOST-ID:HEXKEY lines, `blkwire key gen`; mode
+    /// 0600). With it every host must prove its key, and the target proves it back
+    #[arg(long, value_name = "FILE")]
+    keys: Option<std::path::PathBuf>,
+    /// A host (repeatable) that may read the live counters (`blkwire stats`) on a target with
+    /// --keys; without --keys anyone may
+    #[arg(long, value_name = "HOST-ID")]
+    admin: Vec<String>,
     /// error, warn, info or debug
     #[arg(long, default_value = "info")]
     log_level: String,
@@ -55,7 +63,9 @@ pub struct Args {
 /// `--export` in `--help`: every backend the registry knows, with what it is.
 fn export_help() -> String {
     let mut h = String::from(
-        "An export (repeatable): NAME=BACKEND[,ro]; ',ro' serves it read-only. Backends:",
+        "An export (repeatable): NAME=BACKEND[,ro][,allow=RULE[+RULE...]]; ',ro' serves it \
+         read-only; 'allow=' admits only the hosts it names (host ids proven by --keys), address \
+         prefixes (10.0.0.0/8, fd00::/64) or MACs (raw Ethernet). Backends:",
     );
     for k in blkwire_backend::registry::KINDS {
         h.push_str(&format!("\n  {:<22} {}", k.usage, k.about));
@@ -104,7 +114,12 @@ pub fn run(a: Args) -> Result<(), String> {
             ..Limits::default()
         },
         poll: Duration::from_micros(a.poll_us),
-        keys: None,
+        keys: a
+            .keys
+            .as_deref()
+            .map(blkwire_auth::KeyStore::load)
+            .transpose()?,
+        admins: a.admin,
     };
     let target = Target::bind(&cfg).map_err(|e| e.to_string())?;
     let stop = target.stop_handle();

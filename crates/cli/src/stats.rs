@@ -12,6 +12,8 @@ pub struct Args {
     /// Print the target's JSON document unchanged
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    id: crate::identity::Identity,
 }
 
 const COLUMNS: [&str; 9] = [
@@ -35,7 +37,9 @@ pub fn run(a: Args) -> Result<(), String> {
             a.url
         ));
     }
-    let doc = blkwire_client::stats(&u, Duration::from_secs(10)).map_err(|e| e.to_string())?;
+    let mut opts = a.id.options()?;
+    opts.timeout = Duration::from_secs(10);
+    let doc = blkwire_client::stats(&u, &opts).map_err(|e| e.to_string())?;
     if a.json {
         println!("{doc}");
         return Ok(());

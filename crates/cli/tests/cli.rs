@@ -159,7 +159,7 @@ fn bad_input_gets_one_line_errors() {
             "--export",
             "x=mem:1M,rw",
         ],
-        "only 'ro' is known",
+        "known options are 'ro' and 'allow=",
     );
     assert_one_line_error(
         &[

@@ -126,9 +126,14 @@ fn join_needs_the_session_cookie() {
         let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
         h.session = reply.session;
         h.queue = queue;
-        h.payload_len = 8;
+        let j = blkwire_wire::Join {
+            cookie,
+            proof: [0; 32],
+        }
+        .encode();
+        h.payload_len = j.len() as u32;
         s.write_all(&h.to_bytes()).unwrap();
-        s.write_all(&cookie.to_le_bytes()).unwrap();
+        s.write_all(&j).unwrap();
         read_frame(&mut s).unwrap().0.status
     };
     assert_eq!(join(1, reply.cookie ^ 1), Status::Access);

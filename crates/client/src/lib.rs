@@ -9,6 +9,7 @@
 //! Every wait is bounded: a target that dies or stops answering yields [`Error::Closed`] or
 //! [`Error::Timeout`], never a hang.
 
+mod auth;
 mod dgram;
 mod queue;
 mod stream;
@@ -19,7 +20,8 @@ use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
 use blkwire_wire::{
-    ExportEntry, Features, Header, Hello, HelloReply, Opcode, Status, Tag, HEADER_LEN,
+    ExportEntry, Features, Header, HelloReply, Join, Opcode, Status, Tag, HEADER_LEN, QUERY_LIST,
+    QUERY_STATS,
 };
 
 pub use blkwire_block::{BlockOp, BlockRequest, IoFlags};
@@ -55,6 +57,8 @@ pub enum Error {
     Timeout(Duration),
     /// The target broke the protocol.
     Protocol(String),
+    /// Authentication failed: the target refused this host, or could not prove its own key.
+    Auth(String),
     /// A socket call failed.
     Io(std::io::Error),
 }
@@ -75,6 +79,7 @@ impl std::fmt::Display for Error {
             ),
             Error::Timeout(d) => write!(f, "no reply from the target in {}s", d.as_secs()),
             Error::Protocol(s) => write!(f, "protocol error from the target: {s}"),
+            Error::Auth(s) => f.write_str(s),
             Error::Io(e) => write!(f, "network error: {e}"),
         }
     }
@@ -106,6 +111,9 @@ pub struct ConnectOptions {
     /// This host's pre-shared key (`--key FILE`, the line for `host_id`): with one, the
     /// handshake proves both ends know it (PROTOCOL.md §12), and TLS uses it as its PSK.
     pub key: Option<blkwire_auth::Key>,
+    /// Datagram sessions with a key: encrypt frames, not only authenticate them
+    /// (PROTOCOL.md §12.4; `--encrypt`, or `?encrypt=1` on the URL).
+    pub encrypt: bool,
     /// Longest wait for any reply before giving up with [`Error::Timeout`].
     pub timeout: Duration,
     /// How long to spin for a reply before sleeping (trades CPU for latency).
@@ -120,9 +128,56 @@ impl Default for ConnectOptions {
             max_io: 1 << 20,
             host_id: blkwire_auth::default_host_id(),
             key: None,
+            encrypt: false,
             timeout: Duration::from_secs(30),
             poll: Duration::from_micros(50),
         }
+    }
+}
+
+/// Who an initiator says it is, as the user gave it: kept as given (a key file's path, not the
+/// key) so a mapping's daemon can read it again when it recovers.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Credentials {
+    /// `--host-id` (default: [`blkwire_auth::default_host_id`]).
+    pub host_id: Option<String>,
+    /// `--key FILE`: its line for the host id is used.
+    pub key_file: Option<std::path::PathBuf>,
+    /// `--encrypt`.
+    pub encrypt: bool,
+}
+
+impl Credentials {
+    /// Fills the host id, key and encryption of `opts`; errors are one line that says what to do.
+    pub fn apply(&self, opts: &mut ConnectOptions) -> std::result::Result<(), String> {
+        if let Some(id) = &self.host_id {
+            blkwire_auth::keys::check_host_id(id).map_err(|e| format!("--host-id: {e}"))?;
+            opts.host_id = id.clone();
+        }
+        if let Some(path) = &self.key_file {
+            let store = blkwire_auth::KeyStore::load(path)?;
+            let key = store.get(&opts.host_id).ok_or_else(|| {
+                let hosts: Vec<&str> = store.hosts().collect();
+                format!(
+                    "key file {} has no key for host '{}' (it has: {}): pass --host-id ID, \
+                     or make one with `blkwire key gen FILE --host-id {}`",
+                    path.display(),
+                    opts.host_id,
+                    hosts.join(", "),
+                    opts.host_id
+                )
+            })?;
+            opts.key = Some(key.clone());
+        }
+        if self.encrypt && opts.key.is_none() {
+            return Err(
+                "--encrypt needs a key: the frame keys come from the authenticated handshake \
+                 (pass --key FILE)"
+                    .into(),
+            );
+        }
+        opts.encrypt = self.encrypt;
+        Ok(())
     }
 }
 
@@ -206,6 +261,8 @@ fn exchange(
     payload: &[u8],
     max_reply: u32,
 ) -> Result<(Header, Vec<u8>)> {
+    let mut h = *h;
+    h.payload_len = payload.len() as u32;
     let mut buf = h.to_bytes().to_vec();
     buf.extend_from_slice(payload);
     s.write_all(&buf).map_err(|e| map_io(e, s))?;
@@ -256,9 +313,11 @@ fn map_io(e: std::io::Error, s: &TcpStream) -> Error {
     }
 }
 
-/// Lists the exports of the target a URL points at (the export part is ignored).
-pub fn list(url: &Url, timeout: Duration) -> Result<Vec<ExportEntry>> {
-    let wait = timeout.min(Duration::from_secs(2));
+/// Lists the exports of the target a URL points at that this host may open (the export part
+/// is ignored). On TCP, and on UDP with a key, this is an authenticated query (PROTOCOL.md
+/// §12.3); otherwise a discovery LIST (§9.5).
+pub fn list(url: &Url, opts: &ConnectOptions) -> Result<Vec<ExportEntry>> {
+    let wait = opts.timeout.min(Duration::from_secs(2));
     let first = |found: Vec<Discovered>| {
         found
             .into_iter()
@@ -269,47 +328,84 @@ pub fn list(url: &Url, timeout: Duration) -> Result<Vec<ExportEntry>> {
                 source: std::io::Error::new(std::io::ErrorKind::TimedOut, "no target answered"),
             })
     };
-    match url.transport {
-        Transport::Udp => return first(discover_udp(resolve(url)?, wait)?),
-        Transport::Eth { mac } => {
+    let answer = match url.transport {
+        Transport::Udp if opts.key.is_none() => return first(discover_udp(resolve(url)?, wait)?),
+        Transport::Eth { mac } if opts.key.is_none() => {
             let want = format!("eth://{}/{}", url.host, format_mac(&mac));
             let found = discover_eth(&url.host, wait)?;
             return first(found.into_iter().filter(|d| d.base == want).collect());
         }
-        Transport::Tcp => {}
-    }
-    let mut s = dial(url, timeout)?;
-    let (r, p) = exchange(
-        &mut s,
-        &Header::request(Opcode::List, Tag::new(0, 0), 0, 0),
-        &[],
-        1 << 20,
-    )?;
-    if r.status != Status::Ok {
-        return Err(Error::Status {
-            what: "list exports".into(),
-            status: r.status,
-        });
-    }
-    ExportEntry::decode_list(&p).map_err(|e| Error::Protocol(e.to_string()))
+        _ => query(url, opts, QUERY_LIST)?,
+    };
+    ExportEntry::decode_list(&answer).map_err(|e| Error::Protocol(e.to_string()))
 }
 
-/// Fetches the target's live per-queue counters as the JSON document of PROTOCOL.md §11.
-pub fn stats(url: &Url, timeout: Duration) -> Result<String> {
-    let mut s = dial(url, timeout)?;
-    let (r, p) = exchange(
-        &mut s,
-        &Header::request(Opcode::Stats, Tag::new(0, 0), 0, 0),
-        &[],
-        1 << 20,
-    )?;
+/// Fetches the target's live per-queue counters as the JSON document of PROTOCOL.md §11 (an
+/// authenticated query, §12.3: on a target with keys only `--admin` hosts may).
+pub fn stats(url: &Url, opts: &ConnectOptions) -> Result<String> {
+    let p = query(url, opts, QUERY_STATS)?;
+    String::from_utf8(p).map_err(|_| Error::Protocol("stats reply is not UTF-8".into()))
+}
+
+/// A query HELLO (empty export, PROTOCOL.md §12.3): challenged and proven like a session.
+fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
+    let what = if features == QUERY_STATS {
+        "stats"
+    } else {
+        "list exports"
+    };
+    let (attempt, (r, p)) = match url.transport {
+        Transport::Tcp => {
+            let mut s = dial(url, opts.timeout)?;
+            let mut a = auth::Attempt::new(url.authority(), "", opts, 0, features)?;
+            let h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
+            let rp = auth::hello_exchange(&mut a, |p| exchange(&mut s, &h, p, 1 << 20))?;
+            (a, rp)
+        }
+        _ => {
+            let link = match url.transport {
+                Transport::Eth { mac } => dgram::eth_link(&url.host, mac, 0, Some(0))?,
+                _ => dgram::udp_link(resolve(url)?)?,
+            };
+            let mut a = auth::Attempt::new(url.authority(), "", opts, link.mtu_payload, features)?;
+            let h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
+            let timeout = opts.timeout.min(Duration::from_secs(10));
+            let rp = auth::hello_exchange(&mut a, |p| dgram::exchange_plain(&link, h, p, timeout))
+                .map_err(|e| no_answer(url, e))?;
+            (a, rp)
+        }
+    };
     if r.status != Status::Ok {
-        return Err(Error::Status {
-            what: "stats".into(),
-            status: r.status,
+        return Err(match attempt.refused(r.status) {
+            Error::Status { status, .. } => Error::Status {
+                what: what.into(),
+                status,
+            },
+            e => e,
         });
     }
-    String::from_utf8(p).map_err(|_| Error::Protocol("stats reply is not UTF-8".into()))
+    Ok(attempt.check_query(&p)?.to_vec())
+}
+
+/// A datagram handshake that timed out: nothing answered at that address.
+fn no_answer(url: &Url, e: Error) -> Error {
+    match e {
+        Error::Timeout(_) => Error::Connect {
+            addr: url.authority(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "no answer over {}",
+                    if matches!(url.transport, Transport::Udp) {
+                        "UDP"
+                    } else {
+                        "Ethernet"
+                    }
+                ),
+            ),
+        },
+        e => e,
+    }
 }
 
 /// Opens a session on `url`'s export with as many queues as the target grants.
@@ -324,22 +420,6 @@ pub fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
             dgram::eth_link(&url.host, mac, queue, session)
         }),
     }
-}
-
-fn hello_for(url: &Url, opts: &ConnectOptions, frame_payload: u32) -> Result<Vec<u8>> {
-    Hello {
-        queues: opts.queues.max(1),
-        depth: opts.depth.max(1),
-        max_io: opts.max_io.max(512),
-        client_features: 0,
-        frame_payload,
-        nonce: random_u64(),
-        host_id: opts.host_id.chars().take(255).collect(),
-        export: url.export.clone(),
-        auth: vec![],
-    }
-    .encode()
-    .map_err(|e| Error::Usage(format!("export name: {e}")))
 }
 
 /// A target may grant less than asked (PROTOCOL.md §2.2), never more: a hostile or broken
@@ -373,7 +453,7 @@ fn check_grant(opts: &ConnectOptions, frame_payload: u32, reply: &HelloReply) ->
 fn hello_refused(url: &Url, opts: &ConnectOptions, status: Status) -> Error {
     let what = match status {
         Status::NoExport => {
-            let names = list(url, opts.timeout)
+            let names = list(url, opts)
                 .map(|l| l.into_iter().map(|e| e.name).collect::<Vec<_>>().join(", "))
                 .unwrap_or_default();
             format!(
@@ -423,19 +503,17 @@ type LinkFactory<'a> = &'a dyn Fn(u16, Option<u32>) -> Result<dgram::Link>;
 fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Result<Session> {
     let hs_timeout = opts.timeout.min(Duration::from_secs(10));
     let link0 = open(0, None)?;
-    let payload = hello_for(url, opts, link0.mtu_payload)?;
+    let mut attempt = auth::Attempt::new(url.authority(), &url.export, opts, link0.mtu_payload, 0)?;
     let h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
-    let (r, p) = dgram::exchange(&link0, h, &payload, hs_timeout).map_err(|e| match e {
-        Error::Timeout(_) => Error::Connect {
-            addr: url.authority(),
-            source: std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer over UDP"),
-        },
-        e => e,
-    })?;
+    let (r, p) = auth::hello_exchange(&mut attempt, |p| {
+        dgram::exchange_plain(&link0, h, p, hs_timeout)
+    })
+    .map_err(|e| no_answer(url, e))?;
     if r.status != Status::Ok {
-        return Err(hello_refused(url, opts, r.status));
+        return Err(refused(url, opts, &attempt, r.status));
     }
     let reply = HelloReply::decode(&p).map_err(|e| Error::Protocol(e.to_string()))?;
+    let keys = attempt.check_welcome(&reply)?;
     check_grant(opts, link0.mtu_payload, &reply)?;
     let info = info_from(url, &reply);
     // Queue 0's socket was opened before the session existed: narrow its filter now.
@@ -443,47 +521,67 @@ fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Res
         Transport::Eth { .. } => open(0, Some(reply.session))?,
         _ => link0,
     };
-    let mk = |link, q, credit: u16| {
+    let mk = |link, q, credit: u16, seal| {
         Queue::dgram(dgram::DgramQueue::new(
             link,
-            reply.session,
-            q,
-            reply.depth,
-            reply.max_io,
-            reply.frame_payload,
-            credit as u32,
+            dgram::Grant {
+                session: reply.session,
+                index: q,
+                depth: reply.depth,
+                max_io: reply.max_io,
+                frame_payload: reply.frame_payload,
+                credit: credit as u32,
+            },
+            seal,
             opts.timeout,
             opts.poll,
         ))
     };
-    let mut queues = vec![mk(link0, 0, r.credit)];
+    let seal0 = keys.as_ref().map(|k| k.queue(reply.session, 0));
+    let mut queues = vec![mk(link0, 0, r.credit, seal0)];
     for q in 1..reply.queues {
         let link = open(q, Some(reply.session))?;
         let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
         h.session = reply.session;
         h.queue = q;
-        let (r, _) = dgram::exchange(&link, h, &reply.cookie.to_le_bytes(), hs_timeout)?;
+        let join = Join {
+            cookie: reply.cookie,
+            proof: keys
+                .as_ref()
+                .map_or([0; 32], |k| k.join_proof(reply.session, q, reply.cookie)),
+        };
+        let mut seal = keys.as_ref().map(|k| k.queue(reply.session, q));
+        let (r, _) = dgram::exchange(&link, h, &join.encode(), hs_timeout, seal.as_mut())?;
         if r.status != Status::Ok {
             return Err(Error::Status {
                 what: format!("join queue {q}"),
                 status: r.status,
             });
         }
-        queues.push(mk(link, q, r.credit));
+        queues.push(mk(link, q, r.credit, seal));
     }
     Ok(Session { info, queues })
 }
 
+/// A refused HELLO as the error the user sees: authentication refusals name the host and the
+/// target; an unknown export lists what there is.
+fn refused(url: &Url, opts: &ConnectOptions, attempt: &auth::Attempt, status: Status) -> Error {
+    match status {
+        Status::NoExport => hello_refused(url, opts, status),
+        _ => attempt.refused(status),
+    }
+}
+
 fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     let mut s0 = dial(url, opts.timeout)?;
-    let payload = hello_for(url, opts, 0)?;
-    let mut h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
-    h.payload_len = payload.len() as u32;
-    let (r, p) = exchange(&mut s0, &h, &payload, 4096)?;
+    let mut attempt = auth::Attempt::new(url.authority(), &url.export, opts, 0, 0)?;
+    let h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
+    let (r, p) = auth::hello_exchange(&mut attempt, |p| exchange(&mut s0, &h, p, 4096))?;
     if r.status != Status::Ok {
-        return Err(hello_refused(url, opts, r.status));
+        return Err(refused(url, opts, &attempt, r.status));
     }
     let reply = HelloReply::decode(&p).map_err(|e| Error::Protocol(e.to_string()))?;
+    let keys = attempt.check_welcome(&reply)?;
     check_grant(opts, 0, &reply)?;
     let info = info_from(url, &reply);
     let mut queues = vec![Queue::stream(stream::StreamQueue::new(s0, 0, &info, opts)?)];
@@ -492,8 +590,13 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
         let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
         h.session = reply.session;
         h.queue = q;
-        h.payload_len = 8;
-        let (r, _) = exchange(&mut s, &h, &reply.cookie.to_le_bytes(), 0)?;
+        let join = Join {
+            cookie: reply.cookie,
+            proof: keys
+                .as_ref()
+                .map_or([0; 32], |k| k.join_proof(reply.session, q, reply.cookie)),
+        };
+        let (r, _) = exchange(&mut s, &h, &join.encode(), 0)?;
         if r.status != Status::Ok {
             return Err(Error::Status {
                 what: format!("join queue {q}"),
@@ -521,6 +624,7 @@ mod tests {
             session: 1,
             cookie: 2,
             frame_payload,
+            target_proof: [0; 32],
         }
     }
 

@@ -166,6 +166,9 @@ pub struct QueueStats {
     pub retransmits: u64,
     /// Datagrams: frames dropped for a bad or missing CRC.
     pub crc_errors: u64,
+    /// Datagrams of a sealed session: frames dropped because their seal did not open (forged,
+    /// corrupted, replayed) or was missing (PROTOCOL.md §12.4).
+    pub bad_seals: u64,
     /// Datagrams: fragments received twice, dropped.
     pub duplicates: u64,
     /// Datagrams: requests given up after the give-up time (failed with EIO).

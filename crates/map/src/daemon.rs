@@ -103,6 +103,8 @@ pub struct MapOptions {
     pub kind: DeviceKind,
     /// fuse frontend: FUSE over io_uring or read/writev on /dev/fuse.
     pub fuse_io: FuseIo,
+    /// Host id, key file and encryption of the session (PROTOCOL.md §12).
+    pub credentials: blkwire_client::Credentials,
 }
 
 /// Maps an export. Without `foreground`, forks a daemon and returns once the device is usable,
@@ -146,6 +148,7 @@ fn map_as<D: BlockDevice>(
         logfile: o.logfile.as_ref().map(|p| p.display().to_string()),
         mode: Mode::New { dev_num: o.dev_num },
         fuse_io: o.fuse_io,
+        credentials: o.credentials.clone(),
     };
     D::check(&spec)?;
     D::preflight()?;
@@ -198,6 +201,11 @@ fn recovery_spec(
         logfile: logfile
             .map(|p| p.display().to_string())
             .or_else(|| rec.logfile.clone()),
+        credentials: blkwire_client::Credentials {
+            host_id: rec.host_id.clone(),
+            key_file: rec.key_file.clone().map(Into::into),
+            encrypt: rec.encrypt,
+        },
         mode: Mode::Recover(Box::new(rec)),
         fuse_io,
     })

@@ -81,6 +81,7 @@ pub(crate) struct Spec {
     pub logfile: Option<String>,
     pub mode: Mode,
     pub fuse_io: FuseIo,
+    pub credentials: blkwire_client::Credentials,
 }
 
 /// The session a device serves, connected before the device exists.
@@ -96,13 +97,14 @@ pub(crate) struct Connected {
 /// Connects the session a mapping serves with, first (so an unknown export or an unreachable
 /// target fails before anything exists), and checks that the export can be a block device.
 pub(crate) fn connect(spec: &Spec) -> Result<Connected, String> {
-    let opts = ConnectOptions {
+    let mut opts = ConnectOptions {
         queues: spec.queues,
         depth: spec.depth,
         max_io: spec.max_io,
         timeout: spec.timeout,
         ..Default::default()
     };
+    spec.credentials.apply(&mut opts)?;
     let session = blkwire_client::connect(&spec.url, &opts).map_err(|e| e.to_string())?;
     let info = session.info.clone();
     check_export(&info, spec)?;

@@ -83,6 +83,15 @@ pub struct Record {
     /// Absent in records of older versions and of ublk mappings.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fuse_io: Option<String>,
+    /// `--host-id`, if given (records of older versions have none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_id: Option<String>,
+    /// `--key`: the key file's path (the key itself is never recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_file: Option<String>,
+    /// `--encrypt`.
+    #[serde(default)]
+    pub encrypt: bool,
 }
 
 /// What a reader concludes about a record.

@@ -17,14 +17,16 @@ use blkwire_net::rx_ring::RxRing;
 use blkwire_net::udp_offload::{self, Cmsg, SendBatch};
 use blkwire_wire::datagram::{self, Packer};
 use blkwire_wire::{
-    bitmap, fragment_count, ExportEntry, Flags, Header, Hello, Opcode, Status, Tag, HEADER_LEN,
+    bitmap, datagram::Frame, datagram::SEAL_LEN, fragment_count, ExportEntry, Flags, Header, Hello,
+    Opcode, Status, Tag, HEADER_LEN, QUERY_STATS,
 };
 
+use crate::access::PeerId;
 use crate::bufpool::Buffers;
 use crate::executor::{Executor, Outcome};
 use crate::frontend::native::flush_args_valid;
 use crate::log::Level;
-use crate::session::Registry;
+use crate::session::{HelloAnswer, QueueSeal, Registry};
 
 /// Frames received or sent per syscall.
 const BATCH: usize = 32;
@@ -115,6 +117,20 @@ struct DQ {
     fp: u32,
     slots: Vec<TSlot>,
     last_seen: Instant,
+    /// A sealed session's frame keys for this queue (PROTOCOL.md §12.4).
+    seal: Option<QueueSeal>,
+}
+
+impl Peer {
+    fn id(&self) -> PeerId {
+        match *self {
+            Peer::Ip(a) => PeerId::ip(a),
+            Peer::Mac(m) => PeerId {
+                addr: blkwire_auth::PeerAddr::Mac(m),
+                port: 0,
+            },
+        }
+    }
 }
 
 /// What a request frame means for the slot it names (PROTOCOL.md §6, §9.2).
@@ -159,6 +175,9 @@ pub struct PortStats {
     pub unknown_session: u64,
     /// Frames for a queue from another address than the one that joined it; dropped.
     pub wrong_peer: u64,
+    /// Frames of a sealed session that were not sealed, did not verify or were replayed
+    /// (PROTOCOL.md §12.4); dropped, never acted on.
+    pub bad_seal: u64,
 }
 
 /// One datagram socket's counters, for STATS.
@@ -206,6 +225,8 @@ pub struct DgramPort {
     _claim: Option<OwnedFd>,
     /// Spare data buffers: a slot holds one only while its request is assembled or runs.
     bufs: Buffers,
+    /// Where an encrypted frame's payload is decrypted (one frame at a time).
+    scratch: Vec<u8>,
     /// Completion notifiers of queues whose backend completes on its own threads, to be watched
     /// (`Some`) or no longer (`None`) by the reactor: (queue, incarnation, descriptor).
     notifier_changes: Vec<(usize, u32, Option<RawFd>)>,
@@ -235,6 +256,7 @@ impl DgramPort {
         DgramPort {
             _claim: p.claim,
             bufs: Buffers::default(),
+            scratch: vec![0u8; frame],
             fd: p.fd,
             send_fd: p.send_fd,
             kind: p.kind,
@@ -390,22 +412,12 @@ impl DgramPort {
         }
     }
 
-    /// Queues one sealed frame for `peer`, alone in its datagram.
-    fn send_frame(&mut self, h: Header, payload: &[u8], peer: Peer) {
-        self.send_packed(h, payload, peer, 0);
-    }
-
-    /// Queues one sealed frame for `peer`, sharing a datagram with the frames before it for the
-    /// same queue up to `frame_payload` (the queue's negotiated size, which its initiator receives).
-    fn send_packed(&mut self, mut h: Header, payload: &[u8], peer: Peer, frame_payload: u32) {
+    /// Queues one frame (with its CRC) for `peer`, alone in its datagram: answers outside a
+    /// queue (handshakes, discovery, unknown sessions).
+    fn send_frame(&mut self, mut h: Header, payload: &[u8], peer: Peer) {
         h.payload_len = payload.len() as u32;
         h.seal_crc(payload);
-        let limit = if frame_payload > 0 {
-            HEADER_LEN + frame_payload as usize
-        } else {
-            0
-        };
-        self.tx.push(&h, payload, peer, limit);
+        self.tx.push(&h, payload, peer, 0);
         if self.tx.len() == BATCH {
             self.flush();
         }
@@ -415,6 +427,35 @@ impl DgramPort {
         let mut r = req.reply(status, 0);
         r.credit = self.credit();
         self.send_frame(r, &[], peer);
+    }
+
+    /// Queues a frame for queue `qi`'s initiator, packed with the queue's other frames up to
+    /// its datagram size, and sealed if the session is (PROTOCOL.md §12.4).
+    fn send_queue(&mut self, qi: usize, mut h: Header, payload: &[u8]) {
+        let q = self.queues[qi].as_mut().expect("present");
+        let limit = HEADER_LEN + q.fp as usize;
+        match &mut q.seal {
+            Some(k) => self
+                .tx
+                .push_sealed(&h, payload, q.peer, limit + SEAL_LEN, |f| {
+                    k.sealer.seal(f, HEADER_LEN)
+                }),
+            None => {
+                h.payload_len = payload.len() as u32;
+                h.seal_crc(payload);
+                self.tx.push(&h, payload, q.peer, limit);
+            }
+        }
+        if self.tx.len() == BATCH {
+            self.flush();
+        }
+    }
+
+    /// A header-only answer to a frame of queue `qi`.
+    fn reply_queue(&mut self, qi: usize, req: &Header, status: Status) {
+        let mut r = req.reply(status, 0);
+        r.credit = self.queue_credit(qi);
+        self.send_queue(qi, r, &[]);
     }
 
     /// Sends the batched datagrams; on UDP, each run of equal ones to a peer in one segmented
@@ -481,12 +522,13 @@ impl DgramPort {
         }
     }
 
-    /// One received datagram: every frame packed in it (PROTOCOL.md §9.6), each with a valid CRC.
+    /// One received datagram: every frame packed in it (PROTOCOL.md §9.6), each with a valid
+    /// CRC or a seal.
     fn on_datagram(&mut self, b: &[u8], peer: Peer, sq: &mut dyn Submitter, ud: UserData) {
         for f in datagram::frames(b, self.link_payload.max(4096)) {
             match f {
-                Ok((h, _)) if h.is_reply() => self.stats.bad_frames += 1,
-                Ok((h, payload)) => self.on_frame(h, payload, peer, sq, ud),
+                Ok(f) if f.header.is_reply() => self.stats.bad_frames += 1,
+                Ok(f) => self.on_frame(f, b.len(), peer, sq, ud),
                 Err(_) => self.stats.bad_frames += 1,
             }
         }
@@ -494,62 +536,113 @@ impl DgramPort {
 
     fn on_frame(
         &mut self,
-        h: Header,
-        payload: &[u8],
+        f: Frame<'_>,
+        datagram_len: usize,
         peer: Peer,
         sq: &mut dyn Submitter,
         ud: UserData,
     ) {
+        let h = f.header;
         if h.session == 0 {
-            return self.control(&h, payload, peer);
+            if f.sealed() {
+                self.stats.bad_frames += 1;
+                return;
+            }
+            return self.control(&h, f.payload, datagram_len, peer);
         }
         let Some(&qi) = self.index.get(&(h.session, h.queue)) else {
             if h.opcode == Opcode::Join {
-                return self.join(&h, payload, peer);
+                return self.join(&h, f, peer);
             }
             self.stats.unknown_session += 1;
             // Tell the initiator at once instead of letting it time out.
             return self.reply(&h, Status::Access, peer);
         };
-        let credit = self.queue_credit(qi);
         let q = self.queues[qi].as_mut().expect("indexed queue exists");
         if q.peer != peer {
             self.stats.wrong_peer += 1;
             return;
         }
+        // A sealed session's frames are acted on only once their seal opens (§12.4).
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let payload = match (&mut q.seal, f.sealed()) {
+            (None, false) => Ok(f.payload),
+            (Some(k), true) => k
+                .opener
+                .open(f.raw, HEADER_LEN, &mut scratch)
+                .map_err(|_| ()),
+            _ => Err(()),
+        };
+        match payload {
+            Ok(payload) => self.on_queue_frame(qi, &h, payload, sq, ud),
+            Err(()) => self.stats.bad_seal += 1,
+        }
+        self.scratch = scratch;
+    }
+
+    fn on_queue_frame(
+        &mut self,
+        qi: usize,
+        h: &Header,
+        payload: &[u8],
+        sq: &mut dyn Submitter,
+        ud: UserData,
+    ) {
+        let credit = self.queue_credit(qi);
+        let q = self.queues[qi].as_mut().expect("indexed queue exists");
         q.last_seen = self.now;
         q.exec.stats.frames_in += 1;
         match h.opcode {
-            Opcode::Join => self.reply(&h, Status::Ok, peer),
-            Opcode::Keepalive => self.reply(&h, Status::Ok, peer),
+            Opcode::Join | Opcode::Keepalive => self.reply_queue(qi, h, Status::Ok),
             Opcode::Logout => {
-                self.reply(&h, Status::Ok, peer);
+                self.reply_queue(qi, h, Status::Ok);
                 self.remove(qi);
             }
-            Opcode::Hello | Opcode::List | Opcode::Stats => self.reply(&h, Status::Invalid, peer),
-            Opcode::Copy => self.reply(&h, Status::Unsupported, peer),
-            _ => self.io_frame(qi, &h, payload, credit, sq, ud),
+            Opcode::Hello | Opcode::List | Opcode::Stats => {
+                self.reply_queue(qi, h, Status::Invalid)
+            }
+            Opcode::Copy => self.reply_queue(qi, h, Status::Unsupported),
+            _ => self.io_frame(qi, h, payload, credit, sq, ud),
         }
     }
 
-    /// Frames without a session: HELLO and LIST (discovery).
-    fn control(&mut self, h: &Header, payload: &[u8], peer: Peer) {
+    /// Frames without a session: HELLO and LIST (discovery). Until a peer has answered a
+    /// challenge, nothing sent to it is larger than what it sent (PROTOCOL.md §12.5).
+    fn control(&mut self, h: &Header, payload: &[u8], datagram_len: usize, peer: Peer) {
+        let id = peer.id();
         match h.opcode {
+            Opcode::List if self.registry.access.has_keys() => {
+                self.registry
+                    .access
+                    .refuse(&peer, "LIST without authentication");
+                self.reply(h, Status::Access, peer)
+            }
             Opcode::List => {
-                let mut list = self.registry.list();
+                let mut list = self.registry.list(None, &id.addr);
+                let total = list.len();
+                // No bigger than the request (an initiator pads it to what it can take).
+                let room =
+                    (self.link_payload as usize).min(datagram_len.saturating_sub(HEADER_LEN));
                 let mut p = ExportEntry::encode_list(&list).unwrap_or_default();
-                while p.len() > self.link_payload as usize && !list.is_empty() {
+                while p.len() > room && !list.is_empty() {
                     list.pop();
                     p = ExportEntry::encode_list(&list).unwrap_or_default();
                 }
+                if p.len() > room {
+                    p.clear();
+                }
                 let mut r = h.reply(Status::Ok, 0);
-                r.length = self.registry.exports().len() as u32;
+                r.length = total as u32;
                 self.send_frame(r, &p, peer);
             }
             Opcode::Hello => {
                 let Ok(hello) = Hello::decode(payload) else {
                     return self.reply(h, Status::Invalid, peer);
                 };
+                if hello.client_features & QUERY_STATS != 0 {
+                    // STATS gathers from every reactor, this one included: not from here.
+                    return self.reply(h, Status::Unsupported, peer);
+                }
                 let now = Instant::now();
                 if let Some((_, cached)) = self.hellos.get(&(peer, hello.nonce)) {
                     let cached = cached.clone();
@@ -557,42 +650,63 @@ impl DgramPort {
                     r.credit = self.credit();
                     return self.send_frame(r, &cached, peer);
                 }
+                let no_stats = Vec::new;
                 match self
                     .registry
-                    .hello(&hello, &peer.to_string(), Some(self.link_payload))
+                    .hello(&hello, &id, Some(self.link_payload), &no_stats)
                 {
-                    Ok((reply, adm)) => {
-                        let p = reply.encode();
+                    HelloAnswer::Challenge(nonce) => {
+                        let r = h.reply(Status::Challenge, 0);
+                        self.send_frame(r, &nonce, peer);
+                    }
+                    HelloAnswer::Welcome(p, adm) => {
+                        if p.len() > self.link_payload as usize {
+                            // A query answer too long for one datagram (very many exports).
+                            return self.reply(h, Status::NoMemory, peer);
+                        }
                         self.hellos.insert((peer, hello.nonce), (now, p.clone()));
-                        self.add_queue(adm, reply.frame_payload, peer);
                         let mut r = h.reply(Status::Ok, 0);
-                        r.credit = self.credit_for(reply.frame_payload);
+                        r.credit = self.credit();
+                        if let Some(adm) = adm {
+                            let fp = self
+                                .registry
+                                .frame_payload(adm.session)
+                                .unwrap_or(self.link_payload);
+                            r.credit = self.credit_for(fp);
+                            self.add_queue(*adm, fp, peer);
+                        }
                         self.send_frame(r, &p, peer);
                     }
-                    Err(st) => self.reply(h, st, peer),
+                    HelloAnswer::Refused(st) => self.reply(h, st, peer),
                 }
             }
             _ => self.reply(h, Status::Invalid, peer),
         }
     }
 
-    fn join(&mut self, h: &Header, payload: &[u8], peer: Peer) {
-        let Ok(cookie) = <[u8; 8]>::try_from(payload) else {
-            return self.reply(h, Status::Invalid, peer);
-        };
-        match self
-            .registry
-            .join(h.session, h.queue, u64::from_le_bytes(cookie))
-        {
+    fn join(&mut self, h: &Header, f: Frame<'_>, peer: Peer) {
+        let raw = f.sealed().then_some(f.raw);
+        match self.registry.join(h.session, h.queue, f.payload, true, raw) {
             Ok(adm) => {
                 let fp = self
                     .registry
                     .frame_payload(h.session)
                     .unwrap_or(self.link_payload);
+                let sealed = adm.seal.is_some();
                 self.add_queue(adm, fp, peer);
-                self.reply(h, Status::Ok, peer);
+                match self.index.get(&(h.session, h.queue)) {
+                    Some(&qi) if sealed => self.reply_queue(qi, h, Status::Ok),
+                    _ => self.reply(h, Status::Ok, peer),
+                }
             }
-            Err(st) => self.reply(h, st, peer),
+            Err(st) => {
+                if st == Status::Access {
+                    self.registry
+                        .access
+                        .refuse(&peer, &format!("JOIN to session {} not proven", h.session));
+                }
+                self.reply(h, st, peer)
+            }
         }
     }
 
@@ -634,6 +748,7 @@ impl DgramPort {
                 .collect(),
             last_seen: Instant::now(),
             exec,
+            seal: adm.seal,
         });
         if let Some(fd) = self.queues[idx].as_ref().and_then(|q| q.exec.notifier()) {
             self.notifier_changes.push((idx, incarnation, Some(fd)));
@@ -702,11 +817,9 @@ impl DgramPort {
         ud: UserData,
     ) {
         let q = self.queues[qi].as_mut().expect("present");
-        let peer = q.peer;
-        let fp = q.fp;
         let slot = h.tag.slot();
         if slot as usize >= q.slots.len() {
-            return self.reply(h, Status::Invalid, peer);
+            return self.reply_queue(qi, h, Status::Invalid);
         }
         let s = &mut q.slots[slot as usize];
         match classify(s.state, &s.hdr, h) {
@@ -725,7 +838,7 @@ impl DgramPort {
                 let (hdr, status) = (s.hdr, s.status);
                 let mut r = hdr.reply(status, 0);
                 r.credit = credit;
-                return self.send_packed(r, &[], peer, fp);
+                return self.send_queue(qi, r, &[]);
             }
             Verdict::Drop => {
                 q.exec.stats.dropped_duplicates += 1;
@@ -735,7 +848,7 @@ impl DgramPort {
         }
         // A new request on this slot.
         s.hdr = *h;
-        s.hdr.flags = Flags(h.flags.0 & !(Flags::HAVE | Flags::CRC));
+        s.hdr.flags = Flags(h.flags.0 & !(Flags::HAVE | Flags::CRC | Flags::SEALED));
         s.status = Status::Ok;
         s.client_has.clear();
         s.got = 0;
@@ -745,7 +858,7 @@ impl DgramPort {
             if h.length == 0 || h.length > q.max_io || h.frag_count as u32 != frags {
                 s.state = SlotState::Done;
                 s.status = Status::Invalid;
-                return self.reply(h, Status::Invalid, peer);
+                return self.reply_queue(qi, h, Status::Invalid);
             }
             let align = q.exec.buffer_alignment();
             // A write given up while it was assembled left its buffer here.
@@ -776,7 +889,6 @@ impl DgramPort {
     ) {
         let credit = self.queue_credit(qi);
         let q = self.queues[qi].as_mut().expect("present");
-        let peer = q.peer;
         let fp = q.fp;
         let slot = h.tag.slot();
         let s = &mut q.slots[slot as usize];
@@ -797,7 +909,7 @@ impl DgramPort {
             r.flags.0 |= Flags::HAVE;
             r.credit = credit;
             let have = s.have.clone();
-            return self.send_packed(r, &have, peer, fp);
+            return self.send_queue(qi, r, &have);
         }
         let buf = s.buf.as_mut().expect("assembling slot has a buffer");
         buf.as_mut_slice()[h.frag_offset as usize..h.frag_offset as usize + payload.len()]
@@ -914,7 +1026,6 @@ impl DgramPort {
     fn finish(&mut self, qi: usize, slot: u16, status: Status) {
         let credit = self.queue_credit(qi);
         let q = self.queues[qi].as_mut().expect("present");
-        let peer = q.peer;
         let fp = q.fp;
         let s = &mut q.slots[slot as usize];
         s.state = SlotState::Done;
@@ -931,7 +1042,7 @@ impl DgramPort {
             }
             let mut r = h.reply(status, 0);
             r.credit = credit;
-            return self.send_packed(r, &[], peer, fp);
+            return self.send_queue(qi, r, &[]);
         }
         let frags = fragment_count(h.length, fp);
         let buf = s.buf.take().expect("read buffer");
@@ -947,7 +1058,7 @@ impl DgramPort {
             r.frag_index = i as u16;
             r.frag_count = frags as u16;
             r.frag_offset = start;
-            self.send_packed(r, &buf.as_slice()[start as usize..end as usize], peer, fp);
+            self.send_queue(qi, r, &buf.as_slice()[start as usize..end as usize]);
         }
         // A retransmitted READ runs again (reads are idempotent): the data need not stay.
         self.bufs.give_back(buf);

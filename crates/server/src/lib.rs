@@ -4,6 +4,7 @@
 
 #![deny(missing_docs)]
 
+mod access;
 mod advertise;
 mod bufpool;
 mod dgram;
@@ -29,11 +30,12 @@ use blkwire_backend::{Export, ExportSpec};
 use blkwire_wire::{ExportEntry, Header, Hello, Opcode, Status, HEADER_LEN};
 
 use crate::log::Level;
+use blkwire_auth::Acl;
 use frontend::StreamFrontend;
 use reactor::QueueReport;
 use reactor::{Msg, NewQueue, Reactor};
 pub use session::Limits;
-use session::Registry;
+use session::{HelloAnswer, Registry};
 use stats::QueueStats;
 
 /// Largest handshake payload accepted (a HELLO is at most ~530 bytes).
@@ -94,6 +96,8 @@ pub struct TargetConfig {
     /// `--keys FILE`: the hosts this target knows and their pre-shared keys (native handshake,
     /// PROTOCOL.md §12, and NBD TLS-PSK). With any, unknown hosts are refused.
     pub keys: Option<blkwire_auth::KeyStore>,
+    /// `--admin HOST`: proven hosts that may read STATS on a target with keys.
+    pub admins: Vec<String>,
 }
 
 struct Worker {
@@ -223,12 +227,37 @@ impl Target {
         }
         let mut exports = Vec::new();
         for spec in &cfg.exports {
-            if exports.iter().any(|e: &Arc<Export>| e.name == spec.name) {
+            if exports
+                .iter()
+                .any(|(e, _): &(Arc<Export>, Acl)| e.name == spec.name)
+            {
                 return Err(Error::Config(format!("export '{}' given twice", spec.name)));
             }
-            exports.push(Arc::new(
-                Export::open(spec).map_err(|e| Error::Config(e.to_string()))?,
+            let acl = match &spec.allow {
+                Some(rules) => Acl::parse(rules)
+                    .map_err(|e| Error::Config(format!("export '{}': {e}", spec.name)))?,
+                None => Acl::default(),
+            };
+            if let (Some(host), None) = (acl.hosts().next(), &cfg.keys) {
+                return Err(Error::Config(format!(
+                    "export '{}': allow={host} names a host id, but a host id is only proven with \
+                     a key: add --keys FILE (blkwire key gen writes one)",
+                    spec.name
+                )));
+            }
+            let e = Export::open(spec).map_err(|e| Error::Config(e.to_string()))?;
+            exports.push((Arc::new(e), acl));
+        }
+        if !cfg.admins.is_empty() && cfg.keys.is_none() {
+            return Err(Error::Config(
+                "--admin names hosts, but a host id is only proven with a key: add --keys FILE \
+                 (without keys, anyone may read STATS)"
+                    .into(),
             ));
+        }
+        for a in &cfg.admins {
+            blkwire_auth::keys::check_host_id(a)
+                .map_err(|e| Error::Config(format!("--admin: {e}")))?;
         }
         let mut listeners = Vec::new();
         let mut dgram_listens = Vec::new();
@@ -249,7 +278,8 @@ impl Target {
             };
             listeners.push((l, format!("{scheme}://{local}"), frontend));
         }
-        let registry = Arc::new(Registry::new(exports, cfg.limits));
+        let access = access::Access::new(cfg.keys.clone(), cfg.admins.clone());
+        let registry = Arc::new(Registry::new(exports, access, cfg.limits));
         let threads = if cfg.threads == 0 {
             std::thread::available_parallelism()
                 .map(|n| n.get())
@@ -308,6 +338,21 @@ impl Target {
             dgram_urls.push(url);
         }
         let stop = Arc::new(eventfd()?);
+        if cfg.keys.is_none() {
+            let open: Vec<&String> = listeners
+                .iter()
+                .map(|(_, u, _)| u)
+                .chain(&dgram_urls)
+                .filter(|u| !is_loopback_url(u))
+                .collect();
+            if let Some(u) = open.first() {
+                crate::log!(
+                    Level::Warn,
+                    "{u} is reachable from the network and any host may use every export: \
+                     add --keys FILE (blkwire key gen) or allow= rules before serving real data"
+                );
+            }
+        }
         Ok(Target {
             dgram_urls,
             listeners,
@@ -470,6 +515,21 @@ impl Drop for HandshakeSlot {
     }
 }
 
+/// Is a bound listener URL reachable only from this machine (a loopback address, or the
+/// loopback interface)?
+fn is_loopback_url(url: &str) -> bool {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    if url.starts_with("eth://") {
+        return rest.split('/').next() == Some("lo");
+    }
+    let host = match rest.rsplit_once(':') {
+        Some((h, _)) => h.trim_start_matches('[').trim_end_matches(']'),
+        None => rest,
+    };
+    host.parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_loopback())
+}
+
 /// How long listeners rest after accept() ran out of descriptors or memory.
 const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 /// At most one log line about it this often.
@@ -516,7 +576,7 @@ fn handshake(
         deadline: Instant::now() + registry.limits().handshake_timeout,
     };
     let admitted = match frontend {
-        ListenerKind::Native => native_handshake(&mut s, &peer_s, registry, workers).map(|a| {
+        ListenerKind::Native => native_handshake(&mut s, peer, registry, workers).map(|a| {
             let fe: Box<dyn StreamFrontend> =
                 Box::new(frontend::native::Native::new(a.depth, a.max_io));
             (a, fe)
@@ -548,16 +608,15 @@ fn handshake(
     }
 }
 
-/// The native handshake (PROTOCOL.md §2): HELLO, JOIN, or a one-shot LIST/STATS query.
-fn native_handshake(
-    s: &mut Admission,
-    peer_s: &str,
-    registry: &Registry,
-    workers: &[(Sender<Msg>, i32)],
-) -> Option<session::Admitted> {
+/// Frames a native handshake may take: two HELLOs (challenge, then answer, PROTOCOL.md §12.1)
+/// and a spare for a client that re-sends after an expired challenge.
+const HANDSHAKE_FRAMES: usize = 3;
+
+/// Reads one handshake frame: a valid request header, its payload, its CRC checked.
+fn read_handshake_frame(s: &mut Admission, peer_s: &str) -> Option<(Header, Vec<u8>)> {
     let mut hb = [0u8; HEADER_LEN];
     if let Err(e) = s.read_exact(&mut hb) {
-        crate::log!(Level::Debug, "{peer_s}: closed before handshake: {e}");
+        crate::log!(Level::Debug, "{peer_s}: closed during the handshake: {e}");
         return None;
     }
     let h = match Header::decode(&hb, MAX_HANDSHAKE_PAYLOAD) {
@@ -580,63 +639,93 @@ fn native_handshake(
         crate::log!(Level::Info, "{peer_s}: handshake refused: {e}");
         return None;
     }
-    let refuse = |s: &mut Admission, status: Status, why: &str| {
-        crate::log!(Level::Info, "{peer_s}: handshake refused: {why}");
-        let _ = send_frame(s, &h.reply(status, 0), &[]);
-        None
+    Some((h, payload))
+}
+
+/// The native handshake (PROTOCOL.md §2, §12): HELLO (challenged, then proven), JOIN, or a
+/// one-shot LIST/STATS query on a target without keys.
+fn native_handshake(
+    s: &mut Admission,
+    peer: SocketAddr,
+    registry: &Registry,
+    workers: &[(Sender<Msg>, i32)],
+) -> Option<session::Admitted> {
+    let peer_s = &peer.to_string();
+    let id = access::PeerId::ip(peer);
+    let send = |s: &mut Admission, h: &Header, status: Status, payload: &[u8]| {
+        send_frame(s, &h.reply(status, payload.len() as u32), payload)
     };
-    let admitted = match h.opcode {
-        Opcode::List => {
-            let list = ExportEntry::encode_list(&registry.list()).unwrap_or_default();
-            let _ = send_frame(s, &h.reply(Status::Ok, list.len() as u32), &list);
-            return None;
-        }
-        Opcode::Stats => {
-            let json = stats_json(registry, workers);
-            let _ = send_frame(s, &h.reply(Status::Ok, json.len() as u32), &json);
-            return None;
-        }
-        Opcode::Hello => {
-            let hello = match Hello::decode(&payload) {
-                Ok(x) => x,
-                Err(e) => return refuse(s, Status::Invalid, &e.to_string()),
-            };
-            match registry.hello(&hello, peer_s, None) {
-                Ok((reply, adm)) => {
-                    let p = reply.encode();
-                    if send_frame(s, &h.reply(Status::Ok, p.len() as u32), &p).is_err() {
-                        registry.leave(adm.session, 0, &QueueStats::default());
+    for _ in 0..HANDSHAKE_FRAMES {
+        let (h, payload) = read_handshake_frame(s, peer_s)?;
+        let refuse = |s: &mut Admission, status: Status, why: &str| {
+            crate::log!(Level::Info, "{peer_s}: handshake refused: {why}");
+            let _ = send(s, &h, status, &[]);
+            None
+        };
+        match h.opcode {
+            Opcode::List | Opcode::Stats if registry.access.has_keys() => {
+                // Only an authenticated query may see these on a target with keys (§12.3).
+                registry
+                    .access
+                    .refuse(&peer_s, "LIST/STATS without authentication");
+                let _ = send(s, &h, Status::Access, &[]);
+                return None;
+            }
+            Opcode::List => {
+                let list = registry.list(None, &id.addr);
+                let list = ExportEntry::encode_list(&list).unwrap_or_default();
+                let _ = send(s, &h, Status::Ok, &list);
+                return None;
+            }
+            Opcode::Stats => {
+                let _ = send(s, &h, Status::Ok, &stats_json(registry, workers));
+                return None;
+            }
+            Opcode::Hello => {
+                let hello = match Hello::decode(&payload) {
+                    Ok(x) => x,
+                    Err(e) => return refuse(s, Status::Invalid, &e.to_string()),
+                };
+                let stats = || stats_json(registry, workers);
+                match registry.hello(&hello, &id, None, &stats) {
+                    HelloAnswer::Challenge(nonce) => {
+                        send(s, &h, Status::Challenge, &nonce).ok()?;
+                    }
+                    HelloAnswer::Welcome(p, adm) => {
+                        let sent = send(s, &h, Status::Ok, &p);
+                        let adm = adm?;
+                        if sent.is_err() {
+                            registry.leave(adm.session, 0, &QueueStats::default());
+                            return None;
+                        }
+                        return Some(*adm);
+                    }
+                    HelloAnswer::Refused(st) => {
+                        let _ = send(s, &h, st, &[]);
                         return None;
                     }
-                    adm
-                }
-                Err(st) => {
-                    // Peer-supplied: escaped, so it cannot forge log lines.
-                    let export = hello.export.escape_debug();
-                    return refuse(s, st, &format!("export '{export}': {st}"));
                 }
             }
-        }
-        Opcode::Join => {
-            let Ok(cookie) = <[u8; 8]>::try_from(&payload[..]) else {
-                return refuse(s, Status::Invalid, "JOIN without an 8-byte cookie");
-            };
-            match registry.join(h.session, h.queue, u64::from_le_bytes(cookie)) {
-                Ok(adm) => {
-                    if send_frame(s, &h.reply(Status::Ok, 0), &[]).is_err() {
-                        registry.leave(adm.session, adm.queue, &QueueStats::default());
-                        return None;
+            Opcode::Join => {
+                return match registry.join(h.session, h.queue, &payload, false, None) {
+                    Ok(adm) => {
+                        if send(s, &h, Status::Ok, &[]).is_err() {
+                            registry.leave(adm.session, adm.queue, &QueueStats::default());
+                            return None;
+                        }
+                        Some(adm)
                     }
-                    adm
-                }
-                Err(st) => return refuse(s, st, &format!("join session {}: {st}", h.session)),
+                    Err(st) => refuse(s, st, &format!("join session {}: {st}", h.session)),
+                };
             }
+            other => return refuse(s, Status::Invalid, &format!("{other:?} before HELLO")),
         }
-        other => {
-            return refuse(s, Status::Invalid, &format!("{other:?} before HELLO"));
-        }
-    };
-    Some(admitted)
+    }
+    crate::log!(
+        Level::Info,
+        "{peer_s}: handshake refused: too many challenges"
+    );
+    None
 }
 
 /// Asks every reactor for its queues' counters (by message: they own them) and joins the
@@ -668,7 +757,13 @@ fn stats_json(registry: &Registry, workers: &[(Sender<Msg>, i32)]) -> Vec<u8> {
         let qs: Vec<_> = queues.iter().filter(|q| q.session == id).collect();
         s["queues"] = serde_json::to_value(qs).unwrap_or_default();
     }
-    fit_stats(v, registry.closed_totals(), ports, MAX_STATS)
+    fit_stats(
+        v,
+        registry.closed_totals(),
+        ports,
+        registry.access.counters(),
+        MAX_STATS,
+    )
 }
 
 /// Largest STATS reply: what initiators accept (PROTOCOL.md §11).
@@ -681,10 +776,13 @@ fn fit_stats(
     mut sessions: Vec<serde_json::Value>,
     closed: QueueStats,
     ports: Vec<dgram::PortReport>,
+    auth: serde_json::Value,
     limit: usize,
 ) -> Vec<u8> {
     let doc = |s: &[serde_json::Value], omitted: usize| {
-        let mut d = serde_json::json!({ "sessions": s, "closed": closed, "ports": ports });
+        let mut d = serde_json::json!({
+            "sessions": s, "closed": closed, "ports": ports, "auth": auth,
+        });
         if omitted > 0 {
             d["sessions_omitted"] = omitted.into();
         }
@@ -727,6 +825,7 @@ mod tests {
             limits: Limits::default(),
             poll: Duration::ZERO,
             keys: None,
+            admins: Vec::new(),
         }
     }
 
@@ -735,11 +834,23 @@ mod tests {
         let sessions: Vec<serde_json::Value> = (0..1000)
             .map(|i| serde_json::json!({ "session": i, "host": "h".repeat(200) }))
             .collect();
-        let small = fit_stats(sessions[..3].to_vec(), QueueStats::default(), vec![], 4096);
+        let small = fit_stats(
+            sessions[..3].to_vec(),
+            QueueStats::default(),
+            vec![],
+            serde_json::Value::Null,
+            4096,
+        );
         let v: serde_json::Value = serde_json::from_slice(&small).unwrap();
         assert_eq!(v["sessions"].as_array().unwrap().len(), 3);
         assert!(v.get("sessions_omitted").is_none());
-        let cut = fit_stats(sessions, QueueStats::default(), vec![], 64 << 10);
+        let cut = fit_stats(
+            sessions,
+            QueueStats::default(),
+            vec![],
+            serde_json::Value::Null,
+            64 << 10,
+        );
         assert!(cut.len() <= 64 << 10, "{} bytes", cut.len());
         let v: serde_json::Value = serde_json::from_slice(&cut).expect("valid JSON");
         let kept = v["sessions"].as_array().unwrap().len();

@@ -4,9 +4,16 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use blkwire_auth::proof::{self, Direction, SessionSecret};
+use blkwire_auth::seal::{Opener, Sealer};
+use blkwire_auth::{Acl, PeerAddr};
 use blkwire_backend::Export;
-use blkwire_wire::{ExportEntry, Features, Hello, HelloReply, Status};
+use blkwire_wire::{
+    datagram::SEAL_LEN, ExportEntry, Features, Hello, HelloReply, Join, Status, AUTH_LEN,
+    QUERY_LIST, QUERY_STATS,
+};
 
+use crate::access::{Access, Checked, PeerId};
 use crate::log::Level;
 use crate::stats::QueueStats;
 
@@ -52,6 +59,10 @@ impl Default for Limits {
 
 struct Session {
     export: Arc<Export>,
+    /// Method-1 sessions: the key root (JOIN proofs, frame keys) and whether frames are
+    /// encrypted as well as authenticated.
+    secret: Option<Arc<SessionSecret>>,
+    encrypt: bool,
     /// Payload per fragment (datagram sessions; max I/O on TCP).
     frame_payload: u32,
     host: String,
@@ -71,10 +82,46 @@ pub struct Admitted {
     pub queue: u16,
     pub depth: u16,
     pub max_io: u32,
+    /// Datagram queues of a method-1 session: this queue's frame keys (PROTOCOL.md §12.4).
+    pub seal: Option<QueueSeal>,
+}
+
+/// A sealed datagram queue's keys, target side: it opens requests and seals replies.
+pub struct QueueSeal {
+    pub opener: Opener,
+    pub sealer: Sealer,
+}
+
+impl QueueSeal {
+    fn target_side(secret: &SessionSecret, session: u32, queue: u16, encrypt: bool) -> QueueSeal {
+        QueueSeal {
+            opener: Opener::new(
+                &secret.frame_key(session, queue, Direction::ToTarget),
+                encrypt,
+            ),
+            sealer: Sealer::new(
+                &secret.frame_key(session, queue, Direction::ToInitiator),
+                encrypt,
+            ),
+        }
+    }
+}
+
+/// How a HELLO is answered.
+pub enum HelloAnswer {
+    /// Status CHALLENGE with the target's nonce (PROTOCOL.md §12.1).
+    Challenge([u8; AUTH_LEN]),
+    /// Status OK with this payload; `Some` admitted queue 0 of a new session, `None` for a query.
+    Welcome(Vec<u8>, Option<Box<Admitted>>),
+    /// A refusal with this status.
+    Refused(Status),
 }
 
 pub struct Registry {
     exports: Vec<Arc<Export>>,
+    /// Each export's allow list (same order as `exports`).
+    acls: Vec<Acl>,
+    pub access: Access,
     limits: Limits,
     inner: Mutex<Inner>,
 }
@@ -83,22 +130,37 @@ struct Inner {
     sessions: HashMap<u32, Session>,
     /// Counters of every queue that has closed since start.
     closed: QueueStats,
-    next_id: u32,
     shut: bool,
 }
 
 impl Registry {
-    pub fn new(exports: Vec<Arc<Export>>, limits: Limits) -> Registry {
+    pub fn new(exports: Vec<(Arc<Export>, Acl)>, access: Access, limits: Limits) -> Registry {
+        let (exports, acls) = exports.into_iter().unzip();
         Registry {
             exports,
+            acls,
+            access,
             limits,
             inner: Mutex::new(Inner {
                 sessions: HashMap::new(),
                 closed: QueueStats::default(),
-                next_id: 1,
                 shut: false,
             }),
         }
+    }
+
+    /// The export named `name`, if this host may open it (`host`: proven host id).
+    pub fn permitted(
+        &self,
+        name: &str,
+        host: Option<&str>,
+        addr: &PeerAddr,
+    ) -> Option<&Arc<Export>> {
+        self.exports
+            .iter()
+            .zip(&self.acls)
+            .find(|(e, acl)| e.name == name && self.access.permits(acl, host, addr))
+            .map(|(e, _)| e)
     }
 
     pub fn limits(&self) -> Limits {
@@ -114,10 +176,13 @@ impl Registry {
         crate::advertise::Advertised::of(e).native()
     }
 
-    pub fn list(&self) -> Vec<ExportEntry> {
+    /// The exports this host may open (PROTOCOL.md §12.3: others are not even named).
+    pub fn list(&self, host: Option<&str>, addr: &PeerAddr) -> Vec<ExportEntry> {
         self.exports
             .iter()
-            .map(|e| ExportEntry {
+            .zip(&self.acls)
+            .filter(|(_, acl)| self.access.permits(acl, host, addr))
+            .map(|(e, _)| ExportEntry {
                 name: e.name.clone(),
                 size: e.size(),
                 features: Self::features(e),
@@ -135,49 +200,109 @@ impl Registry {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Admits a HELLO. `link_payload` is the target's own largest frame payload on a datagram
-    /// link, `None` on TCP.
+    /// Answers a HELLO (PROTOCOL.md §2, §12): a challenge until the peer has shown it receives
+    /// at its address, then the key proof, the export's allow list, and a new session (or a
+    /// query's answer). `link_payload` is the target's own largest frame payload on a datagram
+    /// link, `None` on TCP. `stats` builds the STATS document for an admin's query.
     pub fn hello(
         &self,
         h: &Hello,
-        peer: &str,
+        peer: &PeerId,
         link_payload: Option<u32>,
-    ) -> Result<(HelloReply, Admitted), Status> {
-        let export = self
-            .exports
-            .iter()
-            .find(|e| e.name == h.export)
-            .cloned()
-            .ok_or(Status::NoExport)?;
-        if !h.auth.is_empty() {
-            return Err(Status::Access);
+        stats: &dyn Fn() -> Vec<u8>,
+    ) -> HelloAnswer {
+        let proven = match self.access.check(h, peer) {
+            Checked::Challenge(n) => return HelloAnswer::Challenge(n),
+            Checked::Refused(why) => {
+                self.access.refuse(peer, &why);
+                return HelloAnswer::Refused(Status::Access);
+            }
+            Checked::Passed(p) => p,
+        };
+        let host = proven.as_ref().map(|p| p.host.as_str());
+        // The target's proof over what it answers (zeros when the host proved no key).
+        let prove = |payload: &[u8]| match &proven {
+            Some(p) => proof::target_proof(&p.key, &p.transcript, payload),
+            None => [0; AUTH_LEN],
+        };
+        if h.is_query() {
+            let mut answer = if h.client_features & QUERY_STATS != 0 {
+                if !self.access.is_admin(host) {
+                    let who = h.host_id.escape_debug();
+                    self.access.refuse(
+                        peer,
+                        &format!(
+                            "host '{who}' asked for STATS but is not an admin (serve --admin)"
+                        ),
+                    );
+                    return HelloAnswer::Refused(Status::Access);
+                }
+                stats()
+            } else if h.client_features & QUERY_LIST != 0 {
+                ExportEntry::encode_list(&self.list(host, &peer.addr)).unwrap_or_default()
+            } else {
+                return HelloAnswer::Refused(Status::NoExport);
+            };
+            let p = prove(&answer);
+            answer.extend_from_slice(&p);
+            return HelloAnswer::Welcome(answer, None);
         }
+        let Some(export) = self.permitted(&h.export, host, &peer.addr).cloned() else {
+            let (name, who) = (h.export.escape_debug(), h.host_id.escape_debug());
+            if self.exports.iter().any(|e| e.name == h.export) {
+                self.access
+                    .refuse(peer, &format!("host '{who}' may not open export '{name}'"));
+                return HelloAnswer::Refused(Status::Access);
+            }
+            crate::log!(
+                Level::Info,
+                "{peer}: host '{who}' asked for unknown export '{name}'"
+            );
+            return HelloAnswer::Refused(Status::NoExport);
+        };
         let (logical, physical) = export.backend().block_sizes();
         let queues = h.queues.min(self.limits.max_queues);
         let depth = h.depth.min(self.limits.max_depth);
         let mut max_io = (h.max_io.min(self.limits.max_io) / logical * logical).max(logical);
+        let sealed = proven.is_some() && link_payload.is_some();
         let frame_payload = match link_payload {
             // TCP: nothing is fragmented.
             None => max_io,
             // Datagrams: what both ends' links carry, in 8-byte units. Not capped at max_io:
-            // it is also the datagram size both ends pack frames into (PROTOCOL.md §9.6).
-            Some(link) => (h.frame_payload.min(link) / 8 * 8).max(512),
+            // it is also the datagram size both ends pack frames into (PROTOCOL.md §9.6). A
+            // sealed frame carries 24 more bytes in the same datagram (§12.4).
+            Some(link) => {
+                let seal = if sealed { SEAL_LEN as u32 } else { 0 };
+                (h.frame_payload.min(link).saturating_sub(seal) / 8 * 8).max(512)
+            }
         };
         if link_payload.is_some() {
             // A message of more than MAX_FRAGMENTS frames is a burst that overflows a receiver's
             // backlog (1000 packets by default on Linux) before it can drain: split I/O earlier.
             max_io = max_io.min(frame_payload * MAX_FRAGMENTS) / logical * logical;
         }
-        let (id, cookie) = self.create(
+        // The key root, shared by the session's queues (JOIN proofs, frame keys).
+        let secret = proven.as_ref().map(|p| {
+            Arc::new(SessionSecret::derive(
+                &p.key,
+                &h.auth.nonce_c,
+                &h.auth.nonce_s,
+                &p.transcript,
+            ))
+        });
+        let encrypt = sealed && h.auth.encrypt;
+        let (id, cookie) = match self.create(
             &export,
             &h.host_id,
-            peer,
-            queues,
-            depth,
-            max_io,
-            frame_payload,
-        )?;
-        let reply = HelloReply {
+            &peer.to_string(),
+            (queues, depth, max_io, frame_payload),
+            secret.clone(),
+            encrypt,
+        ) {
+            Ok(x) => x,
+            Err(st) => return HelloAnswer::Refused(st),
+        };
+        let mut reply = HelloReply {
             size: export.size(),
             logical_block: logical,
             physical_block: physical,
@@ -188,32 +313,37 @@ impl Registry {
             session: id,
             cookie,
             frame_payload,
+            target_proof: [0; AUTH_LEN],
         };
-        Ok((
-            reply,
-            Admitted {
+        reply.target_proof = prove(&reply.proven_bytes());
+        let seal = match (&secret, sealed) {
+            (Some(s), true) => Some(QueueSeal::target_side(s, id, 0, encrypt)),
+            _ => None,
+        };
+        HelloAnswer::Welcome(
+            reply.encode(),
+            Some(Box::new(Admitted {
                 export,
                 session: id,
                 queue: 0,
                 depth,
                 max_io,
-            },
-        ))
+                seal,
+            })),
+        )
     }
 
     /// Registers a session whose first queue is connected; returns its id and cookie.
-    #[allow(clippy::too_many_arguments)]
     fn create(
         &self,
         export: &Arc<Export>,
         host: &str,
         peer: &str,
-        queues: u16,
-        depth: u16,
-        max_io: u32,
-        frame_payload: u32,
+        (queues, depth, max_io, frame_payload): (u16, u16, u32, u32),
+        secret: Option<Arc<SessionSecret>>,
+        encrypt: bool,
     ) -> Result<(u32, u64), Status> {
-        let cookie = random_u64();
+        let cookie = blkwire_auth::random_u64();
         let mut inner = self.lock();
         if inner.shut {
             return Err(Status::Shutdown);
@@ -221,14 +351,22 @@ impl Registry {
         if inner.sessions.len() >= self.limits.max_sessions {
             return Err(Status::NoMemory);
         }
-        let id = inner.next_id;
-        inner.next_id = inner.next_id.wrapping_add(1).max(1);
+        // Random, so a session id seen (or guessed) says nothing about the others (PROTOCOL.md
+        // §12): the data path still never trusts an id alone.
+        let id = loop {
+            let id = blkwire_auth::random_u64() as u32;
+            if id != 0 && !inner.sessions.contains_key(&id) {
+                break id;
+            }
+        };
         let mut joined = vec![false; queues as usize];
         joined[0] = true;
         inner.sessions.insert(
             id,
             Session {
                 export: export.clone(),
+                secret,
+                encrypt,
                 frame_payload,
                 host: host.to_string(),
                 peer: peer.to_string(),
@@ -260,13 +398,15 @@ impl Registry {
         depth: u16,
         max_io: u32,
     ) -> Result<Admitted, Status> {
-        let (session, _) = self.create(export, host, peer, 1, depth, max_io, max_io)?;
+        let (session, _) =
+            self.create(export, host, peer, (1, depth, max_io, max_io), None, false)?;
         Ok(Admitted {
             export: export.clone(),
             session,
             queue: 0,
             depth,
             max_io,
+            seal: None,
         })
     }
 
@@ -275,13 +415,45 @@ impl Registry {
         self.lock().sessions.get(&session).map(|s| s.frame_payload)
     }
 
-    pub fn join(&self, session: u32, queue: u16, cookie: u64) -> Result<Admitted, Status> {
+    /// Admits a JOIN (PROTOCOL.md §2.3, §12.2). On datagrams (`datagram`) a sealed session's
+    /// queue also gets its frame keys; `raw`, when given, is the JOIN frame itself, which must
+    /// open under the new queue's key before anything is granted.
+    pub fn join(
+        &self,
+        session: u32,
+        queue: u16,
+        payload: &[u8],
+        datagram: bool,
+        raw: Option<&[u8]>,
+    ) -> Result<Admitted, Status> {
         let mut inner = self.lock();
         if inner.shut {
             return Err(Status::Shutdown);
         }
         let s = inner.sessions.get_mut(&session).ok_or(Status::Access)?;
-        if s.cookie != cookie {
+        let mut seal = match (&s.secret, datagram) {
+            (Some(sec), true) => Some(QueueSeal::target_side(sec, session, queue, s.encrypt)),
+            _ => None,
+        };
+        // A sealed session's JOIN must open under the new queue's key before it is read.
+        let mut scratch = [0u8; Join::LEN];
+        let payload = match (seal.as_mut(), raw) {
+            (None, _) => payload,
+            (Some(qs), Some(f)) => qs
+                .opener
+                .open(f, blkwire_wire::HEADER_LEN, &mut scratch)
+                .map_err(|_| Status::Access)?,
+            (Some(_), None) => return Err(Status::Access),
+        };
+        let j = Join::decode(payload).map_err(|_| Status::Invalid)?;
+        if s.cookie != j.cookie {
+            return Err(Status::Access);
+        }
+        let expected = match &s.secret {
+            Some(sec) => sec.join_proof(session, queue, j.cookie),
+            None => [0; AUTH_LEN],
+        };
+        if !proof::same(&expected, &j.proof) {
             return Err(Status::Access);
         }
         let slot = s.joined.get_mut(queue as usize).ok_or(Status::Invalid)?;
@@ -296,6 +468,7 @@ impl Registry {
             queue,
             depth: s.depth,
             max_io: s.max_io,
+            seal,
         })
     }
 
@@ -344,19 +517,4 @@ impl Registry {
     pub fn closed_totals(&self) -> QueueStats {
         self.lock().closed
     }
-}
-
-pub fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    // SAFETY: getrandom into a local buffer.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), 8, 0) };
-    if n != 8 {
-        // Fall back to time and address entropy; the cookie only has to be unguessable enough to
-        // stop a confused client from joining the wrong session.
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
-        return t.as_nanos() as u64 ^ (&b as *const _ as u64).rotate_left(32);
-    }
-    u64::from_le_bytes(b)
 }

@@ -7,9 +7,31 @@
 
 use crate::frame::{Flags, FrameError, Header, HEADER_LEN};
 
+/// Bytes a seal adds after a sealed frame's payload (§12.4: u64 seq, 16-byte tag).
+pub const SEAL_LEN: usize = 24;
+
+/// One frame of a datagram.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Frame<'a> {
+    /// Its header, validated (§1).
+    pub header: Header,
+    /// Its payload (still encrypted if the session encrypts, §12.4).
+    pub payload: &'a [u8],
+    /// All its bytes as received: header, payload and, if sealed, the seal.
+    pub raw: &'a [u8],
+}
+
+impl Frame<'_> {
+    /// Does a seal follow the payload (§12.4)? It must be opened before the frame is trusted.
+    pub fn sealed(&self) -> bool {
+        self.header.flags.has(Flags::SEALED)
+    }
+}
+
 /// The frames of one received datagram, in order. Validation is per frame (§1 and §9): a frame
 /// that fails it ends the walk (what follows cannot be trusted to be framed correctly), but the
-/// frames before it stand; each was complete and CRC-checked on its own.
+/// frames before it stand; each was complete and CRC-checked on its own (or carries a seal,
+/// §12.4, which only the receiver's session keys can check).
 pub struct Frames<'a> {
     rest: &'a [u8],
     max_payload: u32,
@@ -26,28 +48,41 @@ pub fn frames(datagram: &[u8], max_payload: u32) -> Frames<'_> {
 }
 
 impl<'a> Frames<'a> {
-    fn next_frame(&mut self) -> Result<(Header, &'a [u8]), FrameError> {
+    fn next_frame(&mut self) -> Result<Frame<'a>, FrameError> {
         let h = Header::decode(self.rest, self.max_payload)?;
         let end = HEADER_LEN + h.payload_len as usize;
         let payload = self
             .rest
             .get(HEADER_LEN..end)
             .ok_or(FrameError::Truncated)?;
-        if !h.flags.has(Flags::CRC) {
-            return Err(FrameError::MissingCrc);
-        }
-        h.check_crc(payload)?;
+        let end = if h.flags.has(Flags::SEALED) {
+            if h.flags.has(Flags::CRC) || h.crc != 0 {
+                return Err(FrameError::MissingCrc);
+            }
+            end + SEAL_LEN
+        } else {
+            if !h.flags.has(Flags::CRC) {
+                return Err(FrameError::MissingCrc);
+            }
+            h.check_crc(payload)?;
+            end
+        };
+        let raw = self.rest.get(..end).ok_or(FrameError::Truncated)?;
         let key = (h.session, h.queue);
         if *self.first.get_or_insert(key) != key {
             return Err(FrameError::MixedQueues);
         }
         self.rest = &self.rest[end..];
-        Ok((h, payload))
+        Ok(Frame {
+            header: h,
+            payload,
+            raw,
+        })
     }
 }
 
 impl<'a> Iterator for Frames<'a> {
-    type Item = Result<(Header, &'a [u8]), FrameError>;
+    type Item = Result<Frame<'a>, FrameError>;
 
     fn next(&mut self) -> Option<Self::Item> {
         if self.rest.is_empty() {
@@ -96,7 +131,11 @@ impl<D: Copy + PartialEq> Packer<D> {
 
     /// Appends an encoded, sealed frame; `limit` 0 means "never pack this one".
     pub fn push(&mut self, h: &Header, payload: &[u8], dest: D, limit: usize) {
-        let len = HEADER_LEN + payload.len();
+        self.push_bytes(h, payload, 0, dest, limit);
+    }
+
+    fn push_bytes(&mut self, h: &Header, payload: &[u8], room: usize, dest: D, limit: usize) {
+        let len = HEADER_LEN + payload.len() + room;
         let key = (h.session, h.queue);
         let joins = match (self.open, self.datagrams.last()) {
             (Some((s, q, lim)), Some(&(_, dl, d))) => {
@@ -106,12 +145,32 @@ impl<D: Copy + PartialEq> Packer<D> {
         };
         self.buf.extend_from_slice(&h.to_bytes());
         self.buf.extend_from_slice(payload);
+        self.buf.resize(self.buf.len() + room, 0);
         if joins {
             self.datagrams.last_mut().expect("open datagram").1 += len;
         } else {
             self.datagrams.push((self.buf.len() - len, len, dest));
             self.open = (limit > 0 && h.session != 0).then_some((key.0, key.1, limit));
         }
+    }
+
+    /// Appends a frame sealed by `seal` (§12.4): the header is marked sealed, `SEAL_LEN` bytes
+    /// of room follow the payload, and `seal` gets the whole frame to fill them (and, if the
+    /// session encrypts, to encrypt the payload in place, in this buffer: no extra copy).
+    pub fn push_sealed(
+        &mut self,
+        h: &Header,
+        payload: &[u8],
+        dest: D,
+        limit: usize,
+        seal: impl FnOnce(&mut [u8]),
+    ) {
+        let mut h = *h;
+        h.payload_len = payload.len() as u32;
+        h.mark_sealed();
+        let start = self.buf.len();
+        self.push_bytes(&h, payload, SEAL_LEN, dest, limit);
+        seal(&mut self.buf[start..]);
     }
 
     /// Appends raw bytes as a datagram of their own (test hooks replaying captured frames).
@@ -218,7 +277,7 @@ mod tests {
         let (d, dest) = p.get(0);
         assert_eq!((d.len(), dest), (limit, 1));
         let slots: Vec<u16> = frames(d, 4096)
-            .map(|r| r.expect("valid").0.tag.slot())
+            .map(|r| r.expect("valid").header.tag.slot())
             .collect();
         assert_eq!(slots, [0, 1, 2]);
         let (d, _) = p.get(1);
@@ -283,6 +342,38 @@ mod tests {
         assert_eq!(p.len(), 6);
         p.clear();
         assert!(p.is_empty());
+    }
+
+    #[test]
+    fn sealed_frames_carry_their_seal_and_need_no_crc() {
+        let mut p = Packer::with_capacity(4, 1 << 16);
+        let (h, _) = frame(9, 1, 0, &[]);
+        let seal = |f: &mut [u8]| {
+            let n = f.len();
+            f[n - SEAL_LEN..].fill(0xee);
+        };
+        p.push_sealed(&h, b"abc", 1u8, 1000, seal);
+        p.push_sealed(&h, b"de", 1u8, 1000, seal);
+        assert_eq!(p.len(), 1, "sealed frames pack like any other");
+        let (d, _) = p.get(0);
+        let got: Vec<Frame<'_>> = frames(d, 4096).map(|f| f.unwrap()).collect();
+        assert_eq!(got.len(), 2);
+        assert!(got[0].sealed() && !got[0].header.flags.has(Flags::CRC));
+        assert_eq!(got[0].payload, b"abc");
+        assert_eq!(got[0].raw.len(), HEADER_LEN + 3 + SEAL_LEN);
+        assert!(got[0].raw.ends_with(&[0xee; SEAL_LEN]));
+        assert_eq!(got[1].payload, b"de");
+        // A seal cut short is a truncated frame; a sealed frame claiming a CRC is refused.
+        assert_eq!(
+            frames(&d[..d.len() - 1], 4096).nth(1),
+            Some(Err(FrameError::Truncated))
+        );
+        let mut both = got[0].raw.to_vec();
+        both[4] |= Flags::CRC as u8;
+        assert_eq!(
+            frames(&both, 4096).next(),
+            Some(Err(FrameError::MissingCrc))
+        );
     }
 
     #[test]

@@ -91,8 +91,11 @@ impl Flags {
     pub const NO_HOLE: u16 = 1 << 3;
     /// Datagrams (§9.3): the payload is the bitmap of fragments the sender holds.
     pub const HAVE: u16 = 1 << 4;
+    /// Datagrams of an authenticated session (§12.4): a seal follows the payload.
+    pub const SEALED: u16 = 1 << 5;
     /// Every defined bit; a frame with any other is rejected.
-    pub const KNOWN: u16 = Self::REPLY | Self::FUA | Self::CRC | Self::NO_HOLE | Self::HAVE;
+    pub const KNOWN: u16 =
+        Self::REPLY | Self::FUA | Self::CRC | Self::NO_HOLE | Self::HAVE | Self::SEALED;
 
     /// Is `bit` set?
     pub fn has(self, bit: u16) -> bool {
@@ -128,6 +131,8 @@ pub enum Status {
     Shutdown = 10,
     /// The target is out of resources.
     NoMemory = 11,
+    /// Not an error: the answer to a first HELLO, carrying the target's nonce (§12.1).
+    Challenge = 12,
 }
 
 impl Status {
@@ -146,6 +151,7 @@ impl Status {
             9 => Status::Access,
             10 => Status::Shutdown,
             11 => Status::NoMemory,
+            12 => Status::Challenge,
             _ => Status::Io,
         }
     }
@@ -165,6 +171,8 @@ impl Status {
             Status::Access => libc_errno::EACCES,
             Status::Shutdown => libc_errno::ESHUTDOWN,
             Status::NoMemory => libc_errno::ENOMEM,
+            // Only ever an answer to HELLO; anywhere else the peer broke the protocol.
+            Status::Challenge => libc_errno::EPROTO,
         }
     }
 
@@ -197,6 +205,7 @@ impl fmt::Display for Status {
             Status::Access => "access denied",
             Status::Shutdown => "target is shutting down",
             Status::NoMemory => "target out of resources (memory, or its session limit)",
+            Status::Challenge => "challenge",
         };
         f.write_str(s)
     }
@@ -213,6 +222,7 @@ mod libc_errno {
     pub const EINVAL: i32 = 22;
     pub const ENOSPC: i32 = 28;
     pub const EROFS: i32 = 30;
+    pub const EPROTO: i32 = 71;
     pub const EPROTONOSUPPORT: i32 = 93;
     pub const EOPNOTSUPP: i32 = 95;
     pub const ESHUTDOWN: i32 = 108;
@@ -500,6 +510,12 @@ impl Header {
         self.flags.0 |= Flags::CRC;
         self.crc = 0;
         self.crc = Self::compute_crc(&self.to_bytes(), payload);
+    }
+
+    /// Marks this header sealed (§12.4): flag `SEALED`, no CRC (the seal covers the frame).
+    pub fn mark_sealed(&mut self) {
+        self.flags.0 = (self.flags.0 | Flags::SEALED) & !Flags::CRC;
+        self.crc = 0;
     }
 
     /// Checks the CRC if the `CRC` flag is set; frames without it pass.

@@ -95,7 +95,8 @@ impl<'a> PayloadReader<'a> {
     pub fn new(buf: &'a [u8]) -> Self {
         PayloadReader { buf }
     }
-    fn take(&mut self, n: usize) -> Result<&'a [u8], PayloadError> {
+    /// Takes the next `n` bytes.
+    pub fn take(&mut self, n: usize) -> Result<&'a [u8], PayloadError> {
         if self.buf.len() < n {
             return Err(PayloadError::Truncated);
         }
@@ -197,8 +198,94 @@ pub struct Hello {
     pub host_id: String,
     /// Export name.
     pub export: String,
-    /// Reserved for authentication; empty in v1.
-    pub auth: Vec<u8>,
+    /// Challenge, nonces and proof (§12.1).
+    pub auth: AuthBlock,
+}
+
+/// Bytes of a nonce or a proof (§12).
+pub const AUTH_LEN: usize = 32;
+
+/// HELLO `client_features` bit: with an empty export name, ask for the LIST payload (§12.3).
+pub const QUERY_LIST: u64 = 1 << 0;
+/// HELLO `client_features` bit: with an empty export name, ask for the STATS document (§12.3).
+pub const QUERY_STATS: u64 = 1 << 1;
+
+/// How an initiator authenticates (§12.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AuthMethod {
+    /// No key: the exchange proves only the initiator's address.
+    None = 0,
+    /// A pre-shared key, HMAC-SHA-256 proofs both ways.
+    Psk = 1,
+}
+
+/// The `auth` field of HELLO (§12.1): exactly 98 bytes on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AuthBlock {
+    /// How the initiator authenticates.
+    pub method: AuthMethod,
+    /// Datagram frames are to be encrypted, not only authenticated (§12.4).
+    pub encrypt: bool,
+    /// The initiator's nonce.
+    pub nonce_c: [u8; AUTH_LEN],
+    /// The target's challenge nonce; zeros in the first HELLO.
+    pub nonce_s: [u8; AUTH_LEN],
+    /// The initiator's proof (method `Psk`, second HELLO); else zeros.
+    pub proof_c: [u8; AUTH_LEN],
+}
+
+impl AuthBlock {
+    /// Bytes on the wire.
+    pub const LEN: usize = 2 + 3 * AUTH_LEN;
+    const ENCRYPT: u8 = 1;
+
+    /// A first-HELLO block: fresh nonce, no challenge answered yet.
+    pub fn first(method: AuthMethod, encrypt: bool, nonce_c: [u8; AUTH_LEN]) -> AuthBlock {
+        AuthBlock {
+            method,
+            encrypt,
+            nonce_c,
+            nonce_s: [0; AUTH_LEN],
+            proof_c: [0; AUTH_LEN],
+        }
+    }
+
+    fn encode(&self, w: &mut PayloadWriter) {
+        w.u16(Self::LEN as u16);
+        w.buf.push(self.method as u8);
+        w.buf.push(if self.encrypt { Self::ENCRYPT } else { 0 });
+        w.buf.extend_from_slice(&self.nonce_c);
+        w.buf.extend_from_slice(&self.nonce_s);
+        w.buf.extend_from_slice(&self.proof_c);
+    }
+
+    fn decode(b: &[u8]) -> Result<AuthBlock, PayloadError> {
+        if b.len() != Self::LEN {
+            return Err(PayloadError::Invalid(
+                "the auth block must be 98 bytes (initiator too old for this target?)",
+            ));
+        }
+        let method = match b[0] {
+            0 => AuthMethod::None,
+            1 => AuthMethod::Psk,
+            _ => return Err(PayloadError::Invalid("unknown authentication method")),
+        };
+        if b[1] & !Self::ENCRYPT != 0 {
+            return Err(PayloadError::Invalid("unknown auth flags"));
+        }
+        let arr = |i: usize| -> [u8; AUTH_LEN] {
+            b[2 + i * AUTH_LEN..2 + (i + 1) * AUTH_LEN]
+                .try_into()
+                .expect("length checked")
+        };
+        Ok(AuthBlock {
+            method,
+            encrypt: b[1] & Self::ENCRYPT != 0,
+            nonce_c: arr(0),
+            nonce_s: arr(1),
+            proof_c: arr(2),
+        })
+    }
 }
 
 impl Hello {
@@ -210,10 +297,21 @@ impl Hello {
             .u32(self.max_io)
             .u64(self.client_features);
         w.u32(self.frame_payload).u64(self.nonce);
-        w.str(&self.host_id)?
-            .str(&self.export)?
-            .bytes16(&self.auth)?;
+        w.str(&self.host_id)?.str(&self.export)?;
+        self.auth.encode(&mut w);
         Ok(w.buf)
+    }
+
+    /// What the transcript hash `T` covers (§12.2): the payload with `proof_c` zeroed.
+    pub fn transcript_bytes(&self) -> Result<Vec<u8>, PayloadError> {
+        let mut h = self.clone();
+        h.auth.proof_c = [0; AUTH_LEN];
+        h.encode()
+    }
+
+    /// A query (§12.3) rather than a session: empty export name.
+    pub fn is_query(&self) -> bool {
+        self.export.is_empty()
     }
 
     /// Parses and range-checks a HELLO payload.
@@ -228,7 +326,7 @@ impl Hello {
             nonce: r.u64()?,
             host_id: r.str()?,
             export: r.str()?,
-            auth: r.bytes16()?.to_vec(),
+            auth: AuthBlock::decode(r.bytes16()?)?,
         };
         r.finish()?;
         if h.queues == 0 || h.depth == 0 {
@@ -266,11 +364,20 @@ pub struct HelloReply {
     pub cookie: u64,
     /// Payload bytes per fragment on datagrams; equal to `max_io` on TCP.
     pub frame_payload: u32,
+    /// The target's proof (§12.2); zeros when the session is not authenticated.
+    pub target_proof: [u8; AUTH_LEN],
 }
 
 impl HelloReply {
     /// Bytes of the encoded reply.
-    pub const LEN: usize = 48;
+    pub const LEN: usize = 48 + AUTH_LEN;
+
+    /// What `target_proof` covers: the encoded reply without it.
+    pub fn proven_bytes(&self) -> Vec<u8> {
+        let mut b = self.encode();
+        b.truncate(Self::LEN - AUTH_LEN);
+        b
+    }
 
     /// The payload's wire form.
     pub fn encode(&self) -> Vec<u8> {
@@ -285,6 +392,7 @@ impl HelloReply {
             .u32(self.session)
             .u64(self.cookie);
         w.u32(self.frame_payload);
+        w.buf.extend_from_slice(&self.target_proof);
         w.buf
     }
 
@@ -302,6 +410,7 @@ impl HelloReply {
             session: r.u32()?,
             cookie: r.u64()?,
             frame_payload: r.u32()?,
+            target_proof: r.take(AUTH_LEN)?.try_into().expect("32 bytes"),
         };
         r.finish()?;
         let pow2 = |v: u32| v >= 512 && v.is_power_of_two();
@@ -321,6 +430,40 @@ impl HelloReply {
             return Err(PayloadError::Invalid("frame payload out of range"));
         }
         Ok(h)
+    }
+}
+
+/// JOIN payload (§2.3, §12.2): the session's cookie and, in an authenticated session, the
+/// proof that the joiner holds the session's keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Join {
+    /// The cookie from the HELLO reply.
+    pub cookie: u64,
+    /// The JOIN proof; zeros in a session without a key.
+    pub proof: [u8; AUTH_LEN],
+}
+
+impl Join {
+    /// Bytes on the wire.
+    pub const LEN: usize = 8 + AUTH_LEN;
+
+    /// The payload's wire form.
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        b[..8].copy_from_slice(&self.cookie.to_le_bytes());
+        b[8..].copy_from_slice(&self.proof);
+        b
+    }
+
+    /// Parses a JOIN payload.
+    pub fn decode(b: &[u8]) -> Result<Join, PayloadError> {
+        let b: &[u8; Self::LEN] = b
+            .try_into()
+            .map_err(|_| PayloadError::Invalid("a JOIN payload is 40 bytes"))?;
+        Ok(Join {
+            cookie: u64::from_le_bytes(b[..8].try_into().expect("8")),
+            proof: b[8..].try_into().expect("32"),
+        })
     }
 }
 
@@ -382,7 +525,13 @@ mod tests {
             nonce: 42,
             host_id: "host-a".into(),
             export: "disk0".into(),
-            auth: vec![],
+            auth: AuthBlock {
+                method: AuthMethod::Psk,
+                encrypt: true,
+                nonce_c: [1; 32],
+                nonce_s: [2; 32],
+                proof_c: [3; 32],
+            },
         };
         assert_eq!(Hello::decode(&h.encode().unwrap()).unwrap(), h);
         let r = HelloReply {
@@ -396,8 +545,19 @@ mod tests {
             session: 9,
             cookie: 0x1234_5678_9abc_def0,
             frame_payload: 8704,
+            target_proof: [7; 32],
         };
         let enc = r.encode();
+        assert_eq!(r.proven_bytes(), enc[..HelloReply::LEN - 32]);
+        let mut t = h.clone();
+        t.auth.proof_c = [0; 32];
+        assert_eq!(h.transcript_bytes().unwrap(), t.encode().unwrap());
+        let j = Join {
+            cookie: 77,
+            proof: [9; 32],
+        };
+        assert_eq!(Join::decode(&j.encode()).unwrap(), j);
+        assert!(Join::decode(&[0; 8]).is_err());
         assert_eq!(enc.len(), HelloReply::LEN);
         assert_eq!(HelloReply::decode(&enc).unwrap(), r);
     }
@@ -413,7 +573,7 @@ mod tests {
             nonce: 42,
             host_id: "h".into(),
             export: "e".into(),
-            auth: vec![],
+            auth: AuthBlock::first(AuthMethod::None, false, [0; 32]),
         };
         let enc = h.encode().unwrap();
         for cut in 0..enc.len() {
@@ -430,6 +590,20 @@ mod tests {
         zero_q[0] = 0;
         assert!(matches!(
             Hello::decode(&zero_q),
+            Err(PayloadError::Invalid(_))
+        ));
+        let mut short_auth = enc.clone();
+        let at = enc.len() - AuthBlock::LEN - 2;
+        short_auth[at] = 97;
+        short_auth.pop();
+        assert!(matches!(
+            Hello::decode(&short_auth),
+            Err(PayloadError::Invalid(_))
+        ));
+        let mut bad_method = enc.clone();
+        bad_method[at + 2] = 9;
+        assert!(matches!(
+            Hello::decode(&bad_method),
             Err(PayloadError::Invalid(_))
         ));
         let long = Hello {

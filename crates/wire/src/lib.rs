@@ -13,7 +13,8 @@ pub mod nbd;
 
 pub use frame::{Flags, FrameError, Header, Opcode, Status, Tag, HEADER_LEN, MAGIC, VERSION};
 pub use handshake::{
-    ExportEntry, Features, Hello, HelloReply, PayloadError, PayloadReader, PayloadWriter, MAX_STR,
+    AuthBlock, AuthMethod, ExportEntry, Features, Hello, HelloReply, Join, PayloadError,
+    PayloadReader, PayloadWriter, AUTH_LEN, MAX_STR, QUERY_LIST, QUERY_STATS,
 };
 
 /// Largest payload blkwire ever puts in one frame (and so the largest I/O a target grants):

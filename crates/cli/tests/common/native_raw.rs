@@ -5,7 +5,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use blkwire_wire::{Header, Hello, Opcode, Tag, HEADER_LEN};
+use blkwire_wire::{AuthBlock, AuthMethod, Header, Hello, Opcode, Status, Tag, HEADER_LEN};
 
 use super::Target;
 
@@ -35,7 +35,7 @@ pub fn hello_as(
     depth: u16,
     max_io: u32,
 ) -> (Header, Vec<u8>) {
-    let p = Hello {
+    let mut hello = Hello {
         queues: 2,
         depth,
         max_io,
@@ -44,10 +44,20 @@ pub fn hello_as(
         nonce: 1,
         host_id: host.into(),
         export: export.into(),
-        auth: vec![],
+        auth: AuthBlock::first(AuthMethod::None, false, [7; 32]),
+    };
+    // The target challenges the first HELLO (PROTOCOL.md §12.1); the second answers it.
+    let (r, p) = send_hello(s, &hello);
+    if r.status != Status::Challenge {
+        return (r, p);
     }
-    .encode()
-    .unwrap();
+    hello.auth.nonce_s = p.try_into().expect("a 32-byte challenge");
+    send_hello(s, &hello)
+}
+
+/// Sends one HELLO frame and returns the reply.
+pub fn send_hello(s: &mut TcpStream, hello: &Hello) -> (Header, Vec<u8>) {
+    let p = hello.encode().unwrap();
     let mut h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
     h.payload_len = p.len() as u32;
     s.write_all(&h.to_bytes()).unwrap();

@@ -8,6 +8,9 @@ use blkwire_wire::{Header, Opcode, Tag};
 use super::link::{udp_link, Link};
 use crate::{Error, Result};
 
+/// Largest LIST answer asked for: a few dozen exports.
+const LIST_ROOM: u32 = 4096;
+
 /// One target that answered a discovery query.
 #[derive(Clone, Debug)]
 pub struct Discovered {
@@ -15,6 +18,9 @@ pub struct Discovered {
     pub base: String,
     /// What it exports (§7 LIST entries).
     pub exports: Vec<blkwire_wire::ExportEntry>,
+    /// It answered ACCESS: it has keys and lists its exports only to an authenticated query
+    /// (PROTOCOL.md §12.3, `blkwire info URL --key FILE`).
+    pub locked: bool,
 }
 
 /// Sends a LIST frame (PROTOCOL.md §9.5) and collects every answer until `wait` passes.
@@ -25,22 +31,38 @@ fn discover_on(
     wait: Duration,
     base_of: &dyn Fn(&libc::sockaddr_ll) -> String,
 ) -> Vec<Discovered> {
+    // Padded: a target answers an unproven address with no more bytes than it sent
+    // (PROTOCOL.md §12.5), so the request is as large as the answer wanted.
+    let pad = vec![0u8; link.mtu_payload.clamp(512, LIST_ROOM) as usize];
     let mut h = Header::request(Opcode::List, Tag::new(0, 0), 0, 0);
-    h.seal_crc(&[]);
-    link.send_one(&h.to_bytes());
+    h.payload_len = pad.len() as u32;
+    h.seal_crc(&pad);
+    let mut frame = h.to_bytes().to_vec();
+    frame.extend_from_slice(&pad);
+    link.send_one(&frame);
     let deadline = Instant::now() + wait;
     let mut found: Vec<Discovered> = Vec::new();
     let mut buf = vec![0u8; 65536];
-    while let Some((r, p, from)) = link.recv_reply(&mut buf, deadline) {
-        if r.opcode != Opcode::List {
+    while let Some((f, from)) = link.recv_reply(&mut buf, deadline) {
+        if f.header.opcode != Opcode::List || f.sealed() {
             continue;
         }
-        let Ok(exports) = blkwire_wire::ExportEntry::decode_list(p) else {
-            continue;
+        let locked = f.header.status == blkwire_wire::Status::Access;
+        let exports = if locked {
+            Vec::new()
+        } else {
+            match blkwire_wire::ExportEntry::decode_list(f.payload) {
+                Ok(e) => e,
+                Err(_) => continue,
+            }
         };
         let base = base_of(&from);
         if !found.iter().any(|d| d.base == base) {
-            found.push(Discovered { base, exports });
+            found.push(Discovered {
+                base,
+                exports,
+                locked,
+            });
         }
     }
     found
@@ -58,7 +80,7 @@ pub fn discover_eth(iface: &str, wait: Duration) -> Result<Vec<Discovered>> {
     let link = Link {
         fd,
         dest: Some(blkwire_net::link_addr(info.index, ethertype, [0xff; 6])),
-        mtu_payload: 0,
+        mtu_payload: blkwire_net::frame_payload_for(info.mtu, 0),
         send_fd: None,
         rcvbuf: 0,
     };

@@ -12,6 +12,7 @@ use blkwire_net::udp_offload::{self, Cmsg, SendBatch};
 use blkwire_wire::datagram::{self, Packer};
 use blkwire_wire::{Header, HEADER_LEN};
 
+use crate::auth::QueueKeys;
 use crate::queue::QueueStats;
 use crate::{Error, Result};
 
@@ -57,13 +58,24 @@ impl Link {
         };
     }
 
-    /// Waits until `until` for the next reply frame with a valid CRC; returns its header, its
-    /// payload and the sender's link-layer address (meaningful on packet sockets only).
+    /// Is `from` the target this link talks to? A connected UDP socket only receives from its
+    /// peer; a packet socket hears the whole link, so the sender's MAC is checked (PROTOCOL.md
+    /// §12.4). A broadcast destination (discovery) accepts anyone.
+    pub(super) fn sent_by_target(&self, from: &libc::sockaddr_ll) -> bool {
+        match &self.dest {
+            None => true,
+            Some(d) if d.sll_addr[..6] == [0xff; 6] => true,
+            Some(d) => d.sll_addr[..6] == from.sll_addr[..6],
+        }
+    }
+
+    /// Waits until `until` for the next reply frame with a valid CRC or a seal; returns it (its
+    /// bytes in `buf`) and the sender's link-layer address (meaningful on packet sockets only).
     pub(super) fn recv_reply<'b>(
         &self,
         buf: &'b mut [u8],
         until: Instant,
-    ) -> Option<(Header, &'b [u8], libc::sockaddr_ll)> {
+    ) -> Option<(datagram::Frame<'b>, libc::sockaddr_ll)> {
         while Instant::now() < until {
             let ms = until
                 .saturating_duration_since(Instant::now())
@@ -93,15 +105,20 @@ impl Link {
                     &mut fl,
                 )
             };
-            if n < HEADER_LEN as isize {
+            if n < HEADER_LEN as isize || !self.sent_by_target(&from) {
                 continue;
             }
             // Control replies travel alone in their datagram (PROTOCOL.md §9.6): the first frame.
-            let (r, end) = match datagram::frames(&buf[..n as usize], 65536).next() {
-                Some(Ok((r, p))) if r.is_reply() => (r, HEADER_LEN + p.len()),
-                _ => continue,
-            };
-            return Some((r, &buf[HEADER_LEN..end], from));
+            let ok = matches!(
+                datagram::frames(&buf[..n as usize], 65536).next(),
+                Some(Ok(f)) if f.header.is_reply()
+            );
+            if !ok {
+                continue;
+            }
+            let buf: &'b [u8] = buf;
+            let f = datagram::frames(&buf[..n as usize], 65536).next()?.ok()?;
+            return Some((f, from));
         }
         None
     }
@@ -127,6 +144,18 @@ impl Sender {
     /// (0: it travels alone). True when the batch is full and should be flushed.
     pub fn push(&mut self, h: &Header, payload: &[u8], limit: usize) -> bool {
         self.tx.push(h, payload, (), limit);
+        self.tx.len() == BATCH
+    }
+
+    /// `push` for a sealed session (PROTOCOL.md §12.4): `seal` seals the frame in place.
+    pub fn push_sealed(
+        &mut self,
+        h: &Header,
+        payload: &[u8],
+        limit: usize,
+        seal: impl FnOnce(&mut [u8]),
+    ) -> bool {
+        self.tx.push_sealed(h, payload, (), limit, seal);
         self.tx.len() == BATCH
     }
 
@@ -208,6 +237,8 @@ pub(crate) struct Receiver {
     gro: bool,
     /// Raw Ethernet: replies are read in place from a receive ring shared with the kernel.
     ring: Option<RxRing>,
+    /// Raw Ethernet: the target's MAC; frames from any other sender are dropped unread.
+    target: Option<[u8; 6]>,
     spin: blkwire_spin::AdaptiveSpin,
 }
 
@@ -220,6 +251,7 @@ impl Default for Receiver {
             rx: Vec::new(),
             gro: false,
             ring: None,
+            target: None,
             spin: blkwire_spin::AdaptiveSpin::default(),
         }
     }
@@ -273,6 +305,11 @@ pub(crate) fn data_path(
             .collect(),
         gro,
         ring,
+        target: link.dest.map(|d| {
+            let mut m = [0u8; 6];
+            m.copy_from_slice(&d.sll_addr[..6]);
+            m
+        }),
         spin: blkwire_spin::AdaptiveSpin::new(poll),
     };
     (tx, rx, rx_cap)
@@ -314,7 +351,14 @@ impl Receiver {
     /// taken.
     pub fn receive(&mut self, mut f: impl FnMut(&[u8], bool)) -> Result<usize> {
         if let Some(ring) = &mut self.ring {
-            return Ok(ring.take_lap(|data, _| f(data, false)));
+            let target = self.target;
+            // Another host on the link may send frames that pass the socket's filter (it only
+            // looks at the frame's session and queue): only the target's are read.
+            return Ok(ring.take_lap(|data, from| {
+                if target.is_none_or(|t| from.sll_addr[..6] == t) {
+                    f(data, false)
+                }
+            }));
         }
         let mut total = 0;
         loop {
@@ -323,6 +367,8 @@ impl Receiver {
             // SAFETY: an all-zero mmsghdr (null pointers, zero lengths) is a valid value.
             let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
             let mut cmsgs = [Cmsg::default(); BATCH];
+            // SAFETY: an all-zero sockaddr_ll is a valid value; the kernel fills it.
+            let mut names: [libc::sockaddr_ll; BATCH] = unsafe { std::mem::zeroed() };
             for i in 0..BATCH {
                 iov[i] = libc::iovec {
                     iov_base: self.rx[i].as_mut_ptr().cast(),
@@ -330,12 +376,18 @@ impl Receiver {
                 };
                 msgs[i].msg_hdr.msg_iov = &mut iov[i];
                 msgs[i].msg_hdr.msg_iovlen = 1;
+                if self.target.is_some() {
+                    // A packet socket without its ring: the sender is checked here too.
+                    msgs[i].msg_hdr.msg_name = (&mut names[i] as *mut libc::sockaddr_ll).cast();
+                    msgs[i].msg_hdr.msg_namelen =
+                        std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
+                }
                 if self.gro {
                     cmsgs[i].attach_for_receive(&mut msgs[i].msg_hdr);
                 }
             }
-            // SAFETY: every pointer in `msgs` refers to `iov`, `cmsgs` or the buffers of
-            // `self.rx`, all alive and unmoved for the call, with their true lengths.
+            // SAFETY: every pointer in `msgs` refers to `iov`, `cmsgs`, `names` or the buffers
+            // of `self.rx`, all alive and unmoved for the call, with their true lengths.
             let r = unsafe {
                 libc::recvmmsg(
                     self.fd,
@@ -356,6 +408,9 @@ impl Receiver {
             }
             let n = r as usize;
             for (i, m) in msgs.iter().enumerate().take(n) {
+                if self.target.is_some_and(|t| names[i].sll_addr[..6] != t) {
+                    continue;
+                }
                 let len = m.msg_len as usize;
                 let segment = cmsgs[i].received_segment(&m.msg_hdr);
                 let buf = &self.rx[i];
@@ -440,28 +495,61 @@ pub(crate) fn eth_link(
     })
 }
 
-/// One control exchange over a datagram link (HELLO, JOIN, LIST): the request is sent again with
-/// a doubling timer until a reply with the same opcode arrives or `timeout` passes.
+/// One control exchange over a datagram link (HELLO, LIST): the request is sent again with a
+/// doubling timer until a reply with the same opcode and tag arrives or `timeout` passes.
+pub(crate) fn exchange_plain(
+    link: &Link,
+    h: Header,
+    payload: &[u8],
+    timeout: Duration,
+) -> Result<(Header, Vec<u8>)> {
+    exchange(link, h, payload, timeout, None)
+}
+
+/// A control exchange on a queue's link (JOIN, or HELLO/LIST with `seal` `None`). In a sealed
+/// session (PROTOCOL.md §12.4) every copy sent is sealed anew (a resent copy is a new frame to
+/// the target's replay window) and only a reply whose seal opens is taken.
 pub(crate) fn exchange(
     link: &Link,
     mut h: Header,
     payload: &[u8],
     timeout: Duration,
+    mut seal: Option<&mut QueueKeys>,
 ) -> Result<(Header, Vec<u8>)> {
     h.payload_len = payload.len() as u32;
-    h.seal_crc(payload);
-    let mut frame = h.to_bytes().to_vec();
-    frame.extend_from_slice(payload);
     let deadline = Instant::now() + timeout;
     let mut wait = Duration::from_millis(50);
     let mut buf = vec![0u8; 65536];
+    let mut scratch = vec![0u8; 65536];
+    let mut out = Packer::with_capacity(1, HEADER_LEN + payload.len() + datagram::SEAL_LEN);
     loop {
-        link.send_one(&frame);
-        let until = (Instant::now() + wait).min(deadline);
-        while let Some((r, p, _)) = link.recv_reply(&mut buf, until) {
-            if r.opcode == h.opcode && r.tag == h.tag {
-                return Ok((r, p.to_vec()));
+        out.clear();
+        match seal.as_deref_mut() {
+            Some(k) => out.push_sealed(&h, payload, (), 0, |f| k.sealer.seal(f, HEADER_LEN)),
+            None => {
+                let mut h = h;
+                h.seal_crc(payload);
+                out.push(&h, payload, (), 0);
             }
+        }
+        link.send_one(out.get(0).0);
+        let until = (Instant::now() + wait).min(deadline);
+        while let Some((f, _)) = link.recv_reply(&mut buf, until) {
+            if f.header.opcode != h.opcode || f.header.tag != h.tag {
+                continue;
+            }
+            let payload = match (seal.as_deref_mut(), f.sealed()) {
+                (None, false) => f.payload,
+                (Some(k), true) => match k.opener.open(f.raw, HEADER_LEN, &mut scratch) {
+                    Ok(p) => p,
+                    Err(_) => continue,
+                },
+                // An unsealed refusal in a sealed exchange: the target does not know the
+                // session (it restarted). Nothing else unsealed is believed.
+                (Some(_), false) if f.header.status == blkwire_wire::Status::Access => f.payload,
+                _ => continue,
+            };
+            return Ok((f.header, payload.to_vec()));
         }
         if Instant::now() >= deadline {
             return Err(Error::Timeout(timeout));

@@ -18,12 +18,13 @@ use std::time::{Duration, Instant};
 use blkwire_wire::datagram;
 use blkwire_wire::{bitmap, fragment_count, Flags, Header, Opcode, Status, Tag, HEADER_LEN};
 
+use crate::auth::QueueKeys;
 use crate::queue::{Cmd, Completion, Parts, QueueStats};
 use crate::{Error, Result};
 
 use congestion::{Congestion, Transmission, RTO_INITIAL};
 pub use discover::{discover_eth, discover_udp, Discovered};
-pub(crate) use link::{eth_link, exchange, udp_link, Link};
+pub(crate) use link::{eth_link, exchange, exchange_plain, udp_link, Link};
 use link::{Receiver, Sender};
 
 /// A queue that has sent nothing for this long sends a KEEPALIVE from `poll`, so the target
@@ -110,23 +111,47 @@ pub(crate) struct DgramQueue {
     keepalive_every: Duration,
     /// Generation of the next internal keepalive (its answers are recognised by the slot).
     keepalive_gen: u16,
+    /// A sealed session's frame keys for this queue (PROTOCOL.md §12.4).
+    seal: Option<QueueKeys>,
+    /// Where an encrypted reply's payload is decrypted.
+    scratch: Vec<u8>,
+}
+
+/// What the target granted a datagram queue.
+pub(crate) struct Grant {
+    pub session: u32,
+    pub index: u16,
+    pub depth: u16,
+    pub max_io: u32,
+    pub frame_payload: u32,
+    /// The window of frames the target's first reply granted (§9.4).
+    pub credit: u32,
 }
 
 impl DgramQueue {
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         link: Link,
-        session: u32,
-        index: u16,
-        depth: u16,
-        max_io: u32,
-        frame_payload: u32,
-        credit: u32,
+        g: Grant,
+        seal: Option<QueueKeys>,
         give_up: Duration,
         poll: Duration,
     ) -> DgramQueue {
+        let Grant {
+            session,
+            index,
+            depth,
+            max_io,
+            frame_payload,
+            credit,
+        } = g;
         let (tx, rx, rx_cap) = link::data_path(&link, frame_payload, max_io, poll);
         DgramQueue {
+            scratch: if seal.is_some() {
+                vec![0u8; frame_payload as usize + datagram::SEAL_LEN]
+            } else {
+                Vec::new()
+            },
+            seal,
             link,
             session,
             index,
@@ -241,10 +266,14 @@ impl DgramQueue {
         } else {
             &[]
         };
-        h.payload_len = payload.len() as u32;
-        h.seal_crc(payload);
         // Several requests of this queue share a datagram up to the size the target receives.
-        let full = self.tx.push(&h, payload, HEADER_LEN + fp as usize);
+        let full = push(
+            &mut self.tx,
+            &mut self.seal,
+            h,
+            payload,
+            HEADER_LEN + fp as usize,
+        );
         self.stats.frames_out += 1;
         if full {
             let _ = self.tx.flush(&mut self.stats);
@@ -338,8 +367,7 @@ impl DgramQueue {
         let mut h = Header::request(Opcode::Keepalive, tag, 0, 0);
         h.queue = self.index;
         h.session = self.session;
-        h.seal_crc(&[]);
-        self.tx.push(&h, &[], 0);
+        push(&mut self.tx, &mut self.seal, h, &[], 0);
         self.stats.frames_out += 1;
         self.flush_tx()
     }
@@ -381,14 +409,40 @@ impl DgramQueue {
 
     /// One received datagram: every frame packed in it (PROTOCOL.md §9.6).
     fn on_datagram(&mut self, b: &[u8]) {
+        let mut scratch = std::mem::take(&mut self.scratch);
         for f in datagram::frames(b, self.frame_payload) {
             self.stats.frames_in += 1;
-            match f {
-                Ok((h, payload)) => self.on_frame(&h, payload),
+            let f = match f {
+                Ok(f) => f,
                 // Malformed, truncated, mixed or without a valid CRC32C: dropped, counted.
-                Err(_) => self.stats.crc_errors += 1,
-            }
+                Err(_) => {
+                    self.stats.crc_errors += 1;
+                    continue;
+                }
+            };
+            // A sealed session believes only frames whose seal opens (PROTOCOL.md §12.4),
+            // except a bare ACCESS: the target forgot the session, and a new handshake (which
+            // proves the target again) is all it can cause.
+            let payload = match (&mut self.seal, f.sealed()) {
+                (None, false) => f.payload,
+                (Some(k), true) => match k.opener.open(f.raw, HEADER_LEN, &mut scratch) {
+                    Ok(p) => p,
+                    Err(_) => {
+                        self.stats.bad_seals += 1;
+                        continue;
+                    }
+                },
+                (Some(_), false) if f.header.status == Status::Access && f.payload.is_empty() => {
+                    f.payload
+                }
+                _ => {
+                    self.stats.bad_seals += 1;
+                    continue;
+                }
+            };
+            self.on_frame(&f.header, payload);
         }
+        self.scratch = scratch;
     }
 
     fn on_frame(&mut self, h: &Header, payload: &[u8]) {
@@ -536,8 +590,7 @@ impl DgramQueue {
         let mut h = Header::request(Opcode::Logout, Tag::new(0, 0), 0, 0);
         h.queue = self.index;
         h.session = self.session;
-        h.seal_crc(&[]);
-        self.tx.push(&h, &[], 0);
+        push(&mut self.tx, &mut self.seal, h, &[], 0);
         self.flush_tx()
     }
 
@@ -549,6 +602,32 @@ impl DgramQueue {
 
     pub(crate) fn session(&self) -> u32 {
         self.session
+    }
+}
+
+/// Adds one request frame to the transmit batch, sealed if the session is; true when the batch
+/// is full.
+fn push(
+    tx: &mut Sender,
+    seal: &mut Option<QueueKeys>,
+    mut h: Header,
+    payload: &[u8],
+    limit: usize,
+) -> bool {
+    match seal {
+        Some(k) => {
+            let limit = if limit > 0 {
+                limit + datagram::SEAL_LEN
+            } else {
+                0
+            };
+            tx.push_sealed(&h, payload, limit, |f| k.sealer.seal(f, HEADER_LEN))
+        }
+        None => {
+            h.payload_len = payload.len() as u32;
+            h.seal_crc(payload);
+            tx.push(&h, payload, limit)
+        }
     }
 }
 
@@ -587,7 +666,7 @@ mod tests {
         };
         let mut frames = 0;
         for f in datagram::frames(&buf[..n], 65536) {
-            let (h, _) = f.expect("valid request frame");
+            let h = f.expect("valid request frame").header;
             frames += 1;
             if drop {
                 continue;
@@ -608,7 +687,20 @@ mod tests {
         let target = UdpSocket::bind("127.0.0.1:0").unwrap();
         let link = udp_link(target.local_addr().unwrap()).unwrap();
         let give_up = Duration::from_secs(30);
-        let mut q = DgramQueue::new(link, 7, 0, 8, 4096, 8192, 64, give_up, Duration::ZERO);
+        let mut q = DgramQueue::new(
+            link,
+            Grant {
+                session: 7,
+                index: 0,
+                depth: 8,
+                max_io: 4096,
+                frame_payload: 8192,
+                credit: 64,
+            },
+            None,
+            give_up,
+            Duration::ZERO,
+        );
         // Retransmission timers 1 s away: only the probe can recover the burst before that.
         q.cc.set_rto_min(congestion::RTO_MAX);
         let wait = Duration::from_secs(5);
@@ -691,7 +783,20 @@ mod tests {
                 blkwire_net::setopt(link.fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_NO_CHECK, 1);
             }
             let give_up = Duration::from_secs(30);
-            let mut q = DgramQueue::new(link, 7, 0, 8, 16384, 1024, 64, give_up, Duration::ZERO);
+            let mut q = DgramQueue::new(
+                link,
+                Grant {
+                    session: 7,
+                    index: 0,
+                    depth: 8,
+                    max_io: 16384,
+                    frame_payload: 1024,
+                    credit: 64,
+                },
+                None,
+                give_up,
+                Duration::ZERO,
+            );
             let data = vec![0x3c; 16384];
             let write = Cmd::Write {
                 offset: 0,
@@ -711,10 +816,11 @@ mod tests {
             for got in 0..16 {
                 let n = target.recv(&mut buf).unwrap();
                 assert_eq!(n, HEADER_LEN + 1024, "one fragment per datagram");
-                let (h, payload) = datagram::frames(&buf[..n], 65536)
+                let f = datagram::frames(&buf[..n], 65536)
                     .next()
                     .unwrap()
                     .expect("a valid frame");
+                let (h, payload) = (f.header, f.payload);
                 assert_eq!(h.frag_offset, got * 1024);
                 assert!(payload.iter().all(|&b| b == 0x3c));
             }
@@ -724,7 +830,20 @@ mod tests {
     fn idle_queue(target: &UdpSocket) -> DgramQueue {
         let link = udp_link(target.local_addr().unwrap()).unwrap();
         let give_up = Duration::from_secs(30);
-        DgramQueue::new(link, 7, 0, 8, 4096, 8192, 64, give_up, Duration::ZERO)
+        DgramQueue::new(
+            link,
+            Grant {
+                session: 7,
+                index: 0,
+                depth: 8,
+                max_io: 4096,
+                frame_payload: 8192,
+                credit: 64,
+            },
+            None,
+            give_up,
+            Duration::ZERO,
+        )
     }
 
     #[test]

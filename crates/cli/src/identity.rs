@@ -1,0 +1,76 @@
+//! Who this initiator is: `--host-id`, `--key`, `--encrypt`, shared by every command that
+//! opens a session or queries a target (PROTOCOL.md §12).
+
+use std::path::PathBuf;
+
+use blkwire_client::ConnectOptions;
+
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct Identity {
+    /// This host's id in the handshake (default: derived from /etc/machine-id)
+    #[arg(long, value_name = "ID", env = "BLKWIRE_HOST_ID")]
+    host_id: Option<String>,
+    /// Key file (`blkwire key gen`); its line for the host id proves who this host is, and the
+    /// target must prove it holds the same key
+    #[arg(long, value_name = "FILE", env = "BLKWIRE_KEY_FILE")]
+    key: Option<PathBuf>,
+    /// udp:// and eth:// with a key: encrypt frames, not only authenticate them
+    #[arg(long)]
+    encrypt: bool,
+}
+
+impl Identity {
+    /// What the client library and the map daemon take.
+    pub fn credentials(&self) -> blkwire_client::Credentials {
+        blkwire_client::Credentials {
+            host_id: self.host_id.clone(),
+            // Absolute: a mapping's daemon reads it again after it has left this directory.
+            key_file: self
+                .key
+                .clone()
+                .map(|p| std::fs::canonicalize(&p).unwrap_or(p)),
+            encrypt: self.encrypt,
+        }
+    }
+
+    /// Fills the host id, key and encryption of `opts`; errors are one line.
+    pub fn apply(&self, opts: &mut ConnectOptions) -> Result<(), String> {
+        self.credentials().apply(opts)
+    }
+
+    /// `ConnectOptions::default()` with this identity.
+    pub fn options(&self) -> Result<ConnectOptions, String> {
+        let mut o = ConnectOptions::default();
+        self.apply(&mut o)?;
+        Ok(o)
+    }
+}
+
+/// `blkwire key`.
+#[derive(clap::Subcommand)]
+pub enum KeyCmd {
+    /// Write a new random key for a host to FILE (mode 0600): give the initiator the file
+    /// (--key) and add its line to the target's key file (serve --keys)
+    Gen {
+        /// Where to write it (never overwritten)
+        file: PathBuf,
+        /// The host the key is for (default: this host's id)
+        #[arg(long, value_name = "ID")]
+        host_id: Option<String>,
+    },
+}
+
+pub fn run_key(cmd: KeyCmd) -> Result<(), String> {
+    match cmd {
+        KeyCmd::Gen { file, host_id } => {
+            let id = host_id.unwrap_or_else(blkwire_auth::default_host_id);
+            blkwire_auth::keys::generate_file(&file, &id)?;
+            println!(
+                "wrote a key for host '{id}' to {} (mode 0600): the initiator uses it with \
+                 --key {0}; append the same line to the target's --keys file",
+                file.display()
+            );
+            Ok(())
+        }
+    }
+}

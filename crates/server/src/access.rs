@@ -1,0 +1,187 @@
+//! Who may do what (docs/PROTOCOL.md §12): the key store, each export's allow list, the admin
+//! hosts, the stateless challenger, and the refusal counters and rate-limited log.
+//!
+//! Control path only (handshakes); the data path never calls in here.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use blkwire_auth::cookie::{address_bytes, Challenger};
+use blkwire_auth::proof;
+use blkwire_auth::{Acl, Key, KeyStore, PeerAddr};
+use blkwire_wire::{AuthMethod, Hello};
+
+use crate::log::Level;
+
+/// Where a handshake comes from: an address (and port, for the challenge) or a MAC.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PeerId {
+    /// The address an ACL matches.
+    pub addr: PeerAddr,
+    /// UDP/TCP source port (0 on Ethernet).
+    pub port: u16,
+}
+
+impl PeerId {
+    /// A TCP or UDP peer.
+    pub fn ip(a: SocketAddr) -> PeerId {
+        PeerId {
+            addr: PeerAddr::Ip(a.ip()),
+            port: a.port(),
+        }
+    }
+}
+
+impl std::fmt::Display for PeerId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.addr {
+            PeerAddr::Ip(ip @ IpAddr::V4(_)) => write!(f, "{ip}:{}", self.port),
+            PeerAddr::Ip(ip) => write!(f, "[{ip}]:{}", self.port),
+            PeerAddr::Mac(m) => write!(
+                f,
+                "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+                m[0], m[1], m[2], m[3], m[4], m[5]
+            ),
+        }
+    }
+}
+
+/// A host that proved who it is (method 1), with what the session's keys derive from.
+pub struct Proven {
+    /// Its host id.
+    pub host: String,
+    /// Its key.
+    pub key: Key,
+    /// The transcript hash `T` of its HELLO.
+    pub transcript: [u8; proof::LEN],
+}
+
+/// What the authentication step of a HELLO decided.
+pub enum Checked {
+    /// Answer with CHALLENGE and this nonce (§12.1).
+    Challenge([u8; proof::LEN]),
+    /// Address proven; `Some` when the host also proved its key.
+    Passed(Option<Proven>),
+    /// Refused with ACCESS; the reason is for the log.
+    Refused(String),
+}
+
+/// The target's access policy.
+pub struct Access {
+    keys: Option<KeyStore>,
+    admins: Vec<String>,
+    challenger: Challenger,
+    /// HELLOs answered with a challenge.
+    pub challenges: AtomicU64,
+    /// Handshakes refused for authentication or access rules.
+    pub refused: AtomicU64,
+    log_limit: Mutex<(Option<Instant>, u64)>,
+}
+
+/// At most one refusal log line this often (a flood of bad handshakes must not flood the log).
+const LOG_EVERY: Duration = Duration::from_secs(1);
+
+impl Access {
+    /// A policy with these keys (`None`: open target) and admin hosts (STATS).
+    pub fn new(keys: Option<KeyStore>, admins: Vec<String>) -> Access {
+        Access {
+            keys,
+            admins,
+            challenger: Challenger::new(),
+            challenges: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            log_limit: Mutex::new((None, 0)),
+        }
+    }
+
+    /// Does this target authenticate hosts?
+    pub fn has_keys(&self) -> bool {
+        self.keys.is_some()
+    }
+
+    /// May a host proven as `host` (`None`: unauthenticated) at `addr` use an export with `acl`?
+    /// With a key store, only proven hosts may use anything.
+    pub fn permits(&self, acl: &Acl, host: Option<&str>, addr: &PeerAddr) -> bool {
+        (self.keys.is_none() || host.is_some()) && acl.permits(host, addr)
+    }
+
+    /// May this host read the STATS document? Anyone on a target without keys (a local demo);
+    /// with keys, only proven hosts named by `--admin`.
+    pub fn is_admin(&self, host: Option<&str>) -> bool {
+        match host {
+            _ if self.keys.is_none() => true,
+            Some(h) => self.admins.iter().any(|a| a == h),
+            None => false,
+        }
+    }
+
+    /// The challenge and proof steps of a HELLO (§12.1, §12.2).
+    pub fn check(&self, h: &Hello, peer: &PeerId) -> Checked {
+        let mut a = [0u8; 18];
+        let n = address_bytes(&peer.addr, peer.port, &mut a);
+        if !self
+            .challenger
+            .check(&a[..n], &h.auth.nonce_c, &h.auth.nonce_s)
+        {
+            self.challenges.fetch_add(1, Ordering::Relaxed);
+            return Checked::Challenge(self.challenger.issue(&a[..n], &h.auth.nonce_c));
+        }
+        let host = h.host_id.escape_debug();
+        match (h.auth.method, &self.keys) {
+            (AuthMethod::None, None) => Checked::Passed(None),
+            (AuthMethod::None, Some(_)) => Checked::Refused(format!(
+                "host '{host}' sent no key proof and this target requires one"
+            )),
+            (AuthMethod::Psk, None) => Checked::Refused(format!(
+                "host '{host}' offered a key but this target has none (serve --keys)"
+            )),
+            (AuthMethod::Psk, Some(keys)) => {
+                let Some(key) = keys.get(&h.host_id) else {
+                    return Checked::Refused(format!("unknown host '{host}'"));
+                };
+                let Ok(t) = h.transcript_bytes().map(|b| proof::transcript(&b)) else {
+                    return Checked::Refused(format!("host '{host}': malformed HELLO"));
+                };
+                if !proof::same(&proof::initiator_proof(key, &t), &h.auth.proof_c) {
+                    return Checked::Refused(format!("host '{host}' proved a wrong key"));
+                }
+                Checked::Passed(Some(Proven {
+                    host: h.host_id.clone(),
+                    key: key.clone(),
+                    transcript: t,
+                }))
+            }
+        }
+    }
+
+    /// Counts a refusal and logs it, at most one line per second (with how many were not
+    /// logged). `why` must already have peer-supplied strings escaped.
+    pub fn refuse(&self, peer: &dyn std::fmt::Display, why: &str) {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+        let mut l = self.log_limit.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        if l.0.is_some_and(|t| now.duration_since(t) < LOG_EVERY) {
+            l.1 += 1;
+            return;
+        }
+        let unsaid = std::mem::take(&mut l.1);
+        l.0 = Some(now);
+        drop(l);
+        let more = if unsaid > 0 {
+            format!(" ({unsaid} more refusals since the last line)")
+        } else {
+            String::new()
+        };
+        crate::log!(Level::Warn, "{peer}: refused: {why}{more}");
+    }
+
+    /// Counters for STATS.
+    pub fn counters(&self) -> serde_json::Value {
+        serde_json::json!({
+            "challenges": self.challenges.load(Ordering::Relaxed),
+            "refused": self.refused.load(Ordering::Relaxed),
+        })
+    }
+}
