@@ -1,9 +1,9 @@
-//! HELLO / HELLO reply / LIST payload decoding (PROTOCOL.md §7): no panics on arbitrary bytes,
+//! HELLO (with its §12.1 auth block) / HELLO reply / JOIN / LIST payload decoding (PROTOCOL.md §7, §12): no panics on arbitrary bytes,
 //! and anything accepted must encode and decode back to the same value.
 
 #![no_main]
 
-use blkwire_wire::{ExportEntry, Hello, HelloReply};
+use blkwire_wire::{ExportEntry, Hello, HelloReply, Join};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -25,6 +25,15 @@ fuzz_target!(|data: &[u8]| {
             enc, data,
             "HelloReply encoding differs from the accepted input"
         );
+    }
+    if let Ok(j) = Join::decode(data) {
+        assert_eq!(&j.encode()[..], data, "Join did not round-trip");
+    }
+    if let Ok(h) = Hello::decode(data) {
+        // The transcript is the payload with the proof zeroed: same length, same prefix.
+        let t = h.transcript_bytes().expect("a decoded Hello has a transcript");
+        assert_eq!(t.len(), data.len());
+        assert_eq!(t[..t.len() - 32], data[..data.len() - 32]);
     }
     if let Ok(list) = ExportEntry::decode_list(data) {
         let enc = ExportEntry::encode_list(&list).expect("a decoded list must re-encode");

@@ -119,6 +119,12 @@ impl Attempt {
     pub fn refused(&self, status: Status) -> Error {
         let host = &self.hello.host_id;
         let target = &self.target;
+        if self.hello.client_features & blkwire_wire::QUERY_STATS != 0 && status == Status::Access {
+            return Error::Auth(format!(
+                "{target} refused host '{host}' the live counters: only proven hosts named by \
+                 `serve --admin` may read them"
+            ));
+        }
         let why = match (status, &self.key) {
             (Status::Access, Some(_)) => format!(
                 "{target} refused host '{host}': its key is wrong or unknown there, or the \

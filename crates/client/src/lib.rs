@@ -357,7 +357,7 @@ fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
     let (attempt, (r, p)) = match url.transport {
         Transport::Tcp => {
             let mut s = dial(url, opts.timeout)?;
-            let mut a = auth::Attempt::new(url.authority(), "", opts, 0, features)?;
+            let mut a = auth::Attempt::new(target_name(url), "", opts, 0, features)?;
             let h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
             let rp = auth::hello_exchange(&mut a, |p| exchange(&mut s, &h, p, 1 << 20))?;
             (a, rp)
@@ -367,7 +367,7 @@ fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
                 Transport::Eth { mac } => dgram::eth_link(&url.host, mac, 0, Some(0))?,
                 _ => dgram::udp_link(resolve(url)?)?,
             };
-            let mut a = auth::Attempt::new(url.authority(), "", opts, link.mtu_payload, features)?;
+            let mut a = auth::Attempt::new(target_name(url), "", opts, link.mtu_payload, features)?;
             let h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
             let timeout = opts.timeout.min(Duration::from_secs(10));
             let rp = auth::hello_exchange(&mut a, |p| dgram::exchange_plain(&link, h, p, timeout))
@@ -385,6 +385,14 @@ fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
         });
     }
     Ok(attempt.check_query(&p)?.to_vec())
+}
+
+/// How errors name the target a URL points at: its address, or on Ethernet its link and MAC.
+fn target_name(url: &Url) -> String {
+    match url.transport {
+        Transport::Eth { mac } => format!("eth://{}/{}", url.host, format_mac(&mac)),
+        _ => url.authority(),
+    }
 }
 
 /// A datagram handshake that timed out: nothing answered at that address.
@@ -503,7 +511,8 @@ type LinkFactory<'a> = &'a dyn Fn(u16, Option<u32>) -> Result<dgram::Link>;
 fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Result<Session> {
     let hs_timeout = opts.timeout.min(Duration::from_secs(10));
     let link0 = open(0, None)?;
-    let mut attempt = auth::Attempt::new(url.authority(), &url.export, opts, link0.mtu_payload, 0)?;
+    let mut attempt =
+        auth::Attempt::new(target_name(url), &url.export, opts, link0.mtu_payload, 0)?;
     let h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
     let (r, p) = auth::hello_exchange(&mut attempt, |p| {
         dgram::exchange_plain(&link0, h, p, hs_timeout)
@@ -574,7 +583,7 @@ fn refused(url: &Url, opts: &ConnectOptions, attempt: &auth::Attempt, status: St
 
 fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     let mut s0 = dial(url, opts.timeout)?;
-    let mut attempt = auth::Attempt::new(url.authority(), &url.export, opts, 0, 0)?;
+    let mut attempt = auth::Attempt::new(target_name(url), &url.export, opts, 0, 0)?;
     let h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
     let (r, p) = auth::hello_exchange(&mut attempt, |p| exchange(&mut s0, &h, p, 4096))?;
     if r.status != Status::Ok {

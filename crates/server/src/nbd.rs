@@ -5,6 +5,7 @@
 
 use std::io::{Read, Write};
 
+use blkwire_auth::PeerAddr;
 use blkwire_backend::Export;
 use blkwire_wire::nbd::{self, info, opt, rep, InfoRequest, MetaRequest};
 
@@ -44,12 +45,25 @@ fn error_reply(s: &mut Admission, option: u32, typ: u32, msg: &str) -> Option<()
 
 /// Finds an export by NBD name; "" is the default export (the first one), as qemu and libnbd
 /// use it for `nbd://host` without a path.
-fn find<'a>(registry: &'a Registry, name: &str) -> Option<&'a std::sync::Arc<Export>> {
-    if name.is_empty() {
-        registry.exports().first()
+/// The export a client names (the first one for an empty name), if this client may open it:
+/// an export it may not open is as unknown to it as one that does not exist (PROTOCOL.md §12).
+/// `host` is the identity the client proved (TLS-PSK), `None` for a plain connection.
+fn find<'a>(
+    registry: &'a Registry,
+    (host, addr): (Option<&str>, &PeerAddr),
+    name: &str,
+) -> Option<&'a std::sync::Arc<Export>> {
+    let name = if name.is_empty() {
+        &registry.exports().first()?.name
     } else {
-        registry.exports().iter().find(|e| e.name == name)
-    }
+        name
+    };
+    registry.permitted(name, host, addr)
+}
+
+/// What LIST and INFO say about an export: its kind and size, never a backend path.
+fn description(e: &Export) -> String {
+    format!("{} bytes", e.size())
 }
 
 /// Runs the option haggling. Returns the admitted queue and its protocol state on success;
@@ -77,6 +91,11 @@ pub fn negotiate(
         return None;
     }
     let no_zeroes = client_flags & nbd::FLAG_NO_ZEROES as u32 != 0;
+    let addr = match peer.parse::<std::net::SocketAddr>() {
+        Ok(a) => PeerAddr::Ip(a.ip()),
+        Err(_) => return None,
+    };
+    let who = (None, &addr);
     let mut structured = false;
     let mut allocation = false;
     for _ in 0..MAX_OPTIONS {
@@ -105,7 +124,7 @@ pub fn negotiate(
             opt::EXPORT_NAME => {
                 let name = String::from_utf8_lossy(&data).into_owned();
                 // No error reply exists for EXPORT_NAME: an unknown name closes the connection.
-                let e = find(registry, &name)?.clone();
+                let e = find(registry, who, &name)?.clone();
                 let adm = admit(registry, &e, peer)?;
                 let mut out = Vec::with_capacity(134);
                 out.extend_from_slice(&e.size().to_be_bytes());
@@ -130,11 +149,13 @@ pub fn negotiate(
                     error_reply(s, option, rep::ERR_INVALID, "LIST takes no data")?;
                     continue;
                 }
-                for e in registry.exports() {
+                let names: Vec<String> =
+                    registry.exports().iter().map(|e| e.name.clone()).collect();
+                for e in names.iter().filter_map(|n| find(registry, who, n)) {
                     let mut d = Vec::with_capacity(4 + e.name.len());
                     d.extend_from_slice(&(e.name.len() as u32).to_be_bytes());
                     d.extend_from_slice(e.name.as_bytes());
-                    d.extend_from_slice(e.backend().describe().as_bytes());
+                    d.extend_from_slice(description(e).as_bytes());
                     reply(s, option, rep::SERVER, &d)?;
                 }
                 reply(s, option, rep::ACK, &[])?;
@@ -147,7 +168,7 @@ pub fn negotiate(
                         continue;
                     }
                 };
-                let Some(e) = find(registry, &req.name).cloned() else {
+                let Some(e) = find(registry, who, &req.name).cloned() else {
                     error_reply(
                         s,
                         option,
@@ -200,7 +221,7 @@ pub fn negotiate(
                         continue;
                     }
                 };
-                if find(registry, &req.export).is_none() {
+                if find(registry, who, &req.export).is_none() {
                     error_reply(
                         s,
                         option,
@@ -254,7 +275,7 @@ fn send_info(
     }
     if req.requests.contains(&info::DESCRIPTION) {
         let mut d = info::DESCRIPTION.to_be_bytes().to_vec();
-        d.extend_from_slice(e.backend().describe().as_bytes());
+        d.extend_from_slice(description(e).as_bytes());
         reply(s, option, rep::INFO, &d)?;
     }
     // Always sent: the constraints match the backend (O_DIRECT needs aligned I/O).

@@ -13,6 +13,16 @@ pub struct Served {
 
 impl Served {
     pub fn start(netns: Option<&str>, listen: &[&str], exports: &[&str]) -> Served {
+        Self::start_with(netns, listen, exports, &[])
+    }
+
+    /// `start` with extra `serve` arguments (keys, limits).
+    pub fn start_with(
+        netns: Option<&str>,
+        listen: &[&str],
+        exports: &[&str],
+        extra: &[&str],
+    ) -> Served {
         let mut cmd = match netns {
             Some(ns) => {
                 let mut c = Command::new("ip");
@@ -28,6 +38,7 @@ impl Served {
         for e in exports {
             cmd.args(["--export", e]);
         }
+        cmd.args(extra);
         let (child, urls) = super::spawn_serve(&mut cmd, listen.len());
         Served { child, urls }
     }

@@ -605,6 +605,15 @@ impl DgramQueue {
     }
 }
 
+/// A datagram session has no connection whose close the target would see: a queue dropped
+/// says LOGOUT (once, unanswered: a lost one leaves the queue to the target's idle expiry), so
+/// a finished `cp` or `bench` does not hold the target's memory for a minute.
+impl Drop for DgramQueue {
+    fn drop(&mut self) {
+        let _ = self.logout();
+    }
+}
+
 /// Adds one request frame to the transmit batch, sealed if the session is; true when the batch
 /// is full.
 fn push(
@@ -645,6 +654,7 @@ fn timer_deadline(slots: &[Slot], cc: &Congestion) -> Option<Instant> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use blkwire_wire::datagram::Packer;
     use std::net::UdpSocket;
     use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -913,5 +923,97 @@ mod tests {
             1
         );
         assert!(matches!(q.poll(|_| {}), Err(Error::SessionLost)));
+    }
+
+    /// PROTOCOL.md §12.4 from the initiator's side: in a sealed session a reply that is not
+    /// sealed under the target's key (a forgery from another host on the link, or a spoofed
+    /// datagram) is dropped and counted, whatever its tag; the sealed one completes the READ.
+    #[test]
+    fn a_sealed_queue_drops_forged_replies_and_takes_the_sealed_one() {
+        use blkwire_auth::seal::{Opener, Sealer};
+        for encrypt in [false, true] {
+            let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+            let link = udp_link(target.local_addr().unwrap()).unwrap();
+            let (to_target, to_initiator) = ([1u8; 32], [2u8; 32]);
+            let keys = QueueKeys {
+                sealer: Sealer::new(&to_target, encrypt),
+                opener: Opener::new(&to_initiator, encrypt),
+            };
+            let grant = Grant {
+                session: 7,
+                index: 0,
+                depth: 4,
+                max_io: 4096,
+                frame_payload: 8192,
+                credit: 64,
+            };
+            let mut q = DgramQueue::new(
+                link,
+                grant,
+                Some(keys),
+                Duration::from_secs(30),
+                Duration::ZERO,
+            );
+            q.submit(
+                Cmd::Read {
+                    offset: 0,
+                    len: 512,
+                },
+                1,
+            )
+            .unwrap();
+            q.send().unwrap();
+            // The target's side of the session: it opens the request and seals its answer.
+            let mut opener = Opener::new(&to_target, encrypt);
+            let mut sealer = Sealer::new(&to_initiator, encrypt);
+            let mut buf = vec![0u8; 65536];
+            target
+                .set_read_timeout(Some(Duration::from_secs(5)))
+                .unwrap();
+            let (n, from) = target.recv_from(&mut buf).unwrap();
+            let f = datagram::frames(&buf[..n], 65536).next().unwrap().unwrap();
+            assert!(f.sealed(), "requests of a sealed session are sealed");
+            let mut scratch = [0u8; 64];
+            opener
+                .open(f.raw, HEADER_LEN, &mut scratch)
+                .expect("the request opens");
+            let h = f.header;
+            // Forgeries with the right session, queue and tag: a plain CRC'd reply, and one
+            // sealed under a key the attacker made up.
+            let forged_data = vec![0xee; 512];
+            let mut plain = h.reply(Status::Ok, 512);
+            plain.flags.0 &= !Flags::SEALED;
+            plain.seal_crc(&forged_data);
+            let mut b = plain.to_bytes().to_vec();
+            b.extend_from_slice(&forged_data);
+            target.send_to(&b, from).unwrap();
+            let mut fake = Packer::<()>::with_capacity(1, 1024);
+            let mut wrong = Sealer::new(&[9u8; 32], encrypt);
+            fake.push_sealed(&h.reply(Status::Ok, 0), &forged_data, (), 0, |f| {
+                wrong.seal(f, HEADER_LEN)
+            });
+            target.send_to(fake.get(0).0, from).unwrap();
+            // The real answer.
+            let mut real = Packer::<()>::with_capacity(1, 1024);
+            real.push_sealed(&h.reply(Status::Ok, 0), &[0x5a; 512], (), 0, |f| {
+                sealer.seal(f, HEADER_LEN)
+            });
+            target.send_to(real.get(0).0, from).unwrap();
+            let mut got = Vec::new();
+            q.complete(1, |c| {
+                assert_eq!(c.status, Status::Ok);
+                got = c.data.to_vec();
+            })
+            .unwrap();
+            assert!(
+                got.iter().all(|&b| b == 0x5a),
+                "forged data reached the caller (encrypt={encrypt})"
+            );
+            assert_eq!(
+                q.stats().bad_seals,
+                2,
+                "both forgeries counted (encrypt={encrypt})"
+            );
+        }
     }
 }
