@@ -97,11 +97,12 @@ impl Opener {
     }
 
     fn fresh(&self, seq: u64) -> bool {
-        if seq == 0 || seq + REPLAY_WINDOW <= self.highest {
-            return false;
-        }
         if seq > self.highest {
             return true;
+        }
+        // Written as a difference: a hostile seq near u64::MAX must not overflow a sum.
+        if seq == 0 || self.highest - seq >= REPLAY_WINDOW {
+            return false;
         }
         let (w, b) = Self::bit(seq);
         self.seen[w] & b == 0
