@@ -418,6 +418,19 @@ fn no_answer(url: &Url, e: Error) -> Error {
 
 /// Opens a session on `url`'s export with as many queues as the target grants.
 pub fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
+    if url.encrypt && !opts.encrypt {
+        if opts.key.is_none() {
+            return Err(Error::Usage(format!(
+                "{url}: ?encrypt=1 needs a key: the frame keys come from the authenticated \
+                 handshake (pass --key FILE)"
+            )));
+        }
+        let opts = ConnectOptions {
+            encrypt: true,
+            ..opts.clone()
+        };
+        return connect(url, &opts);
+    }
     match url.transport {
         Transport::Tcp => connect_tcp(url, opts),
         Transport::Udp => {

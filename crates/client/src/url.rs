@@ -34,6 +34,23 @@ pub struct Url {
     pub port: u16,
     /// Empty when the URL names only the target.
     pub export: String,
+    /// `?encrypt=1`: datagram frames encrypted, not only authenticated (PROTOCOL.md §12.4;
+    /// needs a key, like `--encrypt`).
+    pub encrypt: bool,
+}
+
+/// Splits `?encrypt=1` (the only query blkwire URLs take) off the end of a URL.
+fn split_query(s: &str) -> Result<(&str, bool), String> {
+    let Some((rest, q)) = s.split_once('?') else {
+        return Ok((s, false));
+    };
+    match q {
+        "encrypt=1" => Ok((rest, true)),
+        "encrypt=0" => Ok((rest, false)),
+        _ => Err(format!(
+            "unknown option '?{q}' (the one known is ?encrypt=1)"
+        )),
+    }
 }
 
 /// Parses `aa:bb:cc:dd:ee:ff` (or with dashes).
@@ -60,12 +77,14 @@ pub fn format_mac(m: &[u8; 6]) -> String {
 
 impl Url {
     /// Parses an export URL; the error says which form was expected.
-    pub fn parse(s: &str) -> Result<Url, Error> {
+    pub fn parse(full: &str) -> Result<Url, Error> {
+        let s = full;
         let bad = |why: &str| {
             Error::Usage(format!(
                 "bad URL '{s}': {why}; expected tcp://HOST:PORT/EXPORT, udp://HOST:PORT/EXPORT or eth://IFACE/TARGET-MAC/EXPORT"
             ))
         };
+        let (s, encrypt) = split_query(s).map_err(|why| bad(&why))?;
         let (transport, rest) = match s.split_once("://") {
             Some(("tcp", rest)) => (Transport::Tcp, rest),
             Some(("udp", rest)) => (Transport::Udp, rest),
@@ -81,7 +100,7 @@ impl Url {
                 if export.contains('/') || export.len() > 255 {
                     return Err(bad("export names have at most 255 characters and no '/'"));
                 }
-                return Ok(Url { transport: Transport::Eth { mac }, host: iface.into(), port: 0, export: export.into() });
+                return Ok(Url { transport: Transport::Eth { mac }, host: iface.into(), port: 0, export: export.into(), encrypt });
             }
             Some(("nbd", _)) => return Err(bad("nbd:// is for NBD clients (qemu, nbdinfo); blkwire itself speaks tcp://, udp:// and eth://")),
             Some((scheme, _)) => return Err(bad(&format!("unknown scheme '{scheme}'"))),
@@ -119,6 +138,7 @@ impl Url {
             host: host.to_string(),
             port,
             export: export.to_string(),
+            encrypt,
         })
     }
 
@@ -140,12 +160,16 @@ impl Url {
 impl std::fmt::Display for Url {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.transport {
-            Transport::Tcp => write!(f, "tcp://{}/{}", self.authority(), self.export),
-            Transport::Udp => write!(f, "udp://{}/{}", self.authority(), self.export),
+            Transport::Tcp => write!(f, "tcp://{}/{}", self.authority(), self.export)?,
+            Transport::Udp => write!(f, "udp://{}/{}", self.authority(), self.export)?,
             Transport::Eth { mac } => {
-                write!(f, "eth://{}/{}/{}", self.host, format_mac(mac), self.export)
+                write!(f, "eth://{}/{}/{}", self.host, format_mac(mac), self.export)?
             }
         }
+        if self.encrypt {
+            f.write_str("?encrypt=1")?;
+        }
+        Ok(())
     }
 }
 
@@ -186,6 +210,15 @@ mod tests {
         );
         assert_eq!((e.host.as_str(), e.export.as_str()), ("enp1s0", "disk0"));
         assert_eq!(e.to_string(), "eth://enp1s0/02:aa:bb:cc:dd:ee/disk0");
+        let x = Url::parse("udp://h:1/e?encrypt=1").unwrap();
+        assert!(x.encrypt && x.export == "e");
+        assert_eq!(x.to_string(), "udp://h:1/e?encrypt=1");
+        assert!(
+            Url::parse("eth://vi/02:aa:bb:cc:dd:ee/d?encrypt=1")
+                .unwrap()
+                .encrypt
+        );
+        assert!(!Url::parse("udp://h:1/e").unwrap().encrypt);
     }
 
     #[test]
@@ -201,6 +234,7 @@ mod tests {
             "eth://eth0/zz:aa:bb:cc:dd:ee/x",
             "eth:///02:aa:bb:cc:dd:ee/x",
             "eth://eth0/02:aa:bb/x",
+            "udp://h:1/e?fast=1",
         ] {
             let e = Url::parse(s).unwrap_err().to_string();
             assert!(e.contains("bad URL"), "{s}: {e}");

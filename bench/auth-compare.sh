@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# What authentication costs on the datagram transports (PROTOCOL.md §12): 4k randread QD32 over
+# one veth pair between two network namespaces this script creates (and removes, also on
+# failure), against a target without keys (plain CRC32C frames) and the same target with keys
+# (every frame sealed with AES-256-GCM: authenticated, and with --encrypt also encrypted).
+# Rounds alternate the two targets so host noise hits every row alike.
+# Environment: RUNTIME (seconds per run, default 5), ROUNDS (default 3), MTU (default 9000),
+# JOBS (default 1), QD (default 32).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNTIME="${RUNTIME:-5}"
+ROUNDS="${ROUNDS:-3}"
+MTU="${MTU:-9000}"
+JOBS="${JOBS:-1}"
+QD="${QD:-32}"
+BIN="${BLKWIRE:-target/release/blkwire}"
+[[ -x "$BIN" ]] || cargo build --release -p blkwire >&2
+[[ "$(id -u)" == 0 ]] || { echo "auth-compare: needs root (network namespaces)" >&2; exit 1; }
+for t in ip python3; do command -v "$t" >/dev/null || { echo "auth-compare: $t missing" >&2; exit 1; }; done
+
+T="bwauth$$t"
+I="bwauth$$i"
+WORK="$(mktemp -d)"
+SERVE_PID=""
+stop_target() {
+    [[ -n "$SERVE_PID" ]] && kill "$SERVE_PID" 2>/dev/null && wait "$SERVE_PID" 2>/dev/null || true
+    SERVE_PID=""
+}
+cleanup() {
+    stop_target
+    ip netns del "$T" 2>/dev/null || true
+    ip netns del "$I" 2>/dev/null || true
+    rm -rf "$WORK"
+}
+trap cleanup EXIT INT TERM
+
+ip netns add "$T"
+ip netns add "$I"
+ip link add vt netns "$T" type veth peer name vi netns "$I"
+ip -n "$T" addr add 10.99.8.1/24 dev vt
+ip -n "$I" addr add 10.99.8.2/24 dev vi
+for ns in "$T" "$I"; do ip -n "$ns" link set lo up; done
+ip -n "$T" link set vt mtu "$MTU" up
+ip -n "$I" link set vi mtu "$MTU" up
+MAC="$(ip netns exec "$T" cat /sys/class/net/vt/address)"
+"$BIN" key gen "$WORK/bench.key" --host-id bench >/dev/null
+
+start_target() { # start_target [serve args...]
+    ip netns exec "$T" "$BIN" serve --listen tcp://10.99.8.1:7700 --listen udp://10.99.8.1:7701 \
+        --listen eth://vt --export m=mem:1G --log-level error "$@" >"$WORK/serve.out" 2>"$WORK/serve.err" &
+    SERVE_PID=$!
+    for _ in $(seq 1 200); do
+        [[ "$(grep -c '^listening' "$WORK/serve.out" 2>/dev/null)" == 3 ]] && return
+        kill -0 "$SERVE_PID" 2>/dev/null || { cat "$WORK/serve.err" >&2; exit 1; }
+        sleep 0.05
+    done
+    echo "target did not start" >&2; exit 1
+}
+
+declare -A URL=([eth]="eth://vi/$MAC/m" [udp]="udp://10.99.8.1:7701/m" [tcp]="tcp://10.99.8.1:7700/m")
+# CPU per I/O counts initiator and target together (user + system): the figure that host noise
+# does not move.
+run() { # run TRANSPORT MODE [bench args...]
+    local t="$1" mode="$2"; shift 2
+    python3 - "$t" "$mode" "$SERVE_PID" ip netns exec "$I" "$BIN" bench "${URL[$t]}" --rw randread --bs 4k \
+        --iodepth "$QD" --jobs "$JOBS" --runtime "$RUNTIME" --timeout 30 --json "$@" <<'PY'
+import json, os, subprocess, sys
+t, mode, target = sys.argv[1:4]
+def target_cpu():
+    f = open(f"/proc/{target}/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+c0 = target_cpu()
+p = subprocess.Popen(sys.argv[4:], stdout=subprocess.PIPE)
+raw = p.stdout.read()
+_, status, ru = os.wait4(p.pid, 0)
+if status != 0:
+    sys.exit(f"bench over {t} ({mode}) failed")
+cpu = ru.ru_utime + ru.ru_stime + target_cpu() - c0
+d = json.loads(raw)
+rx = sum(x["retransmits"] for x in d["queues"])
+bad = sum(x.get("bad_seals", 0) for x in d["queues"])
+us = 1e6 * cpu / max(d["ops"], 1)
+print(f"| {t} | {mode} | {d['iops']:.0f} | {d['latency_us']['mean']} | {d['latency_us']['p99']} | {us:.2f} | {rx} | {bad} |")
+PY
+}
+
+echo "# blkwire authentication cost: 4k randread QD$QD, MTU $MTU, $JOBS job(s), ${RUNTIME}s per run, $ROUNDS rounds, $(date -u '+%Y-%m-%d %H:%M UTC')"
+echo "# $("$BIN" --version), $(nproc) CPUs shared by initiator and target"
+echo
+echo "| transport | frames | IOPS | mean latency us | p99 us | CPU us per I/O | retransmits | bad seals |"
+echo "|---|---|---:|---:|---:|---:|---:|---:|"
+KEY=(--host-id bench --key "$WORK/bench.key")
+for r in $(seq 1 "$ROUNDS"); do
+    start_target
+    for t in eth udp tcp; do run "$t" plain; done
+    stop_target
+    start_target --keys "$WORK/bench.key"
+    for t in eth udp; do run "$t" sealed "${KEY[@]}"; done
+    for t in eth udp; do run "$t" encrypted "${KEY[@]}" --encrypt; done
+    run tcp authenticated "${KEY[@]}"
+    stop_target
+done
