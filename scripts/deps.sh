@@ -7,6 +7,9 @@ need=()
 command -v cargo >/dev/null || { echo "deps: cargo not found; install Rust (https://rustup.rs) and retry" >&2; exit 1; }
 rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt >/dev/null 2>&1 || true
 command -v sha256sum >/dev/null || need+=(coreutils)
+# The openssl crate links the system OpenSSL (TLS, GMAC): its headers and pkg-config.
+command -v pkg-config >/dev/null || need+=(pkg-config)
+[ -e /usr/include/openssl/ssl.h ] || need+=(libssl-dev)
 command -v python3 >/dev/null || need+=(python3)
 # Peers for the benchmarks (bench/): installed up front so `make bench` works offline later.
 command -v fio >/dev/null || need+=(fio)
