@@ -484,12 +484,18 @@ fn eth_sessions_authenticate_seal_and_obey_mac_rules() {
         assert_eq!(err.trim().lines().count(), 1, "{err}");
         assert!(err.contains(want) && err.contains("vi/"), "{u}: {err}");
     }
+    let u = format!("eth://vi/{mac}/d");
+    let (ok, _, err) = lab.cli(&["info", &u, "--timeout", "5", "--host-id", "alice"]);
+    assert!(
+        !ok && err.contains("requires a key"),
+        "no key over eth: {err}"
+    );
     let mut args = vec!["stats", tcp.as_str(), "--json"];
     args.extend(alice.iter().map(String::as_str));
     let (ok, out, err) = lab.cli(&args);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert!(v["auth"]["refused"].as_u64().unwrap() >= 3, "{}", v["auth"]);
+    assert!(v["auth"]["refused"].as_u64().unwrap() >= 4, "{}", v["auth"]);
     drop(t);
 }
 

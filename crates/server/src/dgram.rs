@@ -30,6 +30,8 @@ use crate::session::{HelloAnswer, QueueSeal, Registry};
 
 /// Frames received or sent per syscall.
 const BATCH: usize = 32;
+/// HELLO replies kept for retransmitted HELLOs, per port.
+const MAX_CACHED_HELLOS: usize = 4096;
 /// A session with no frame for this long is forgotten (PROTOCOL.md §9.1); the default of
 /// `Limits::datagram_idle`.
 pub const IDLE_EXPIRY: Duration = Duration::from_secs(60);
@@ -663,6 +665,18 @@ impl DgramPort {
                         if p.len() > self.link_payload as usize {
                             // A query answer too long for one datagram (very many exports).
                             return self.reply(h, Status::NoMemory, peer);
+                        }
+                        // Bounded: a peer that opens and closes sessions in a loop must not grow
+                        // this cache (it only spares a retransmitted HELLO a second session).
+                        if self.hellos.len() >= MAX_CACHED_HELLOS {
+                            let oldest = self
+                                .hellos
+                                .iter()
+                                .min_by_key(|(_, (t, _))| *t)
+                                .map(|(k, _)| *k);
+                            if let Some(k) = oldest {
+                                self.hellos.remove(&k);
+                            }
                         }
                         self.hellos.insert((peer, hello.nonce), (now, p.clone()));
                         let mut r = h.reply(Status::Ok, 0);
