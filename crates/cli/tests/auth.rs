@@ -374,7 +374,7 @@ fn a_challenge_never_amplifies_and_creates_nothing() {
     let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
     sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut hello = Hello {
-        queues: 1,
+        queues: 2,
         depth: 1,
         max_io: 4096,
         client_features: 0,
@@ -413,8 +413,47 @@ fn a_challenge_never_amplifies_and_creates_nothing() {
     assert_eq!(v["sessions"].as_array().unwrap().len(), 0, "{out}");
     // The challenge answered: now a session exists (and its reply is still no larger).
     hello.auth.nonce_s = nonce.try_into().unwrap();
-    let (_, r, _) = send(&hello);
+    let (_, r, p) = send(&hello);
     assert_eq!(r.status, Status::Ok);
+    let granted = blkwire_wire::HelloReply::decode(&p).unwrap();
+    // The session's holder JOINs queue 1 "from" another address (a socket it will never answer
+    // from, as a forged source would be): that queue does not exist until the address answers
+    // its own challenge, so READs aimed at it are refused with a bare header.
+    let other = UdpSocket::bind("127.0.0.1:0").unwrap();
+    other
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let j = blkwire_wire::Join {
+        cookie: granted.cookie,
+        proof: [0; 32],
+        nonce_s: [0; 32],
+    }
+    .encode();
+    let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
+    h.session = granted.session;
+    h.queue = 1;
+    h.payload_len = j.len() as u32;
+    h.seal_crc(&j);
+    let mut f = h.to_bytes().to_vec();
+    f.extend_from_slice(&j);
+    other.send_to(&f, &target).unwrap();
+    let mut buf = [0u8; 2048];
+    let n = other.recv(&mut buf).unwrap();
+    let r = Header::decode(&buf, 4096).unwrap();
+    assert_eq!(r.status, Status::Challenge, "an unproven JOIN was admitted");
+    assert!(n <= f.len(), "{n}-byte answer to a {}-byte JOIN", f.len());
+    let mut rd = Header::request(Opcode::Read, Tag::new(0, 1), 0, 4096);
+    rd.session = granted.session;
+    rd.queue = 1;
+    rd.seal_crc(&[]);
+    other.send_to(&rd.to_bytes(), &target).unwrap();
+    let n = other.recv(&mut buf).unwrap();
+    let r = Header::decode(&buf, 4096).unwrap();
+    assert_eq!(
+        (r.status, n),
+        (Status::Access, HEADER_LEN),
+        "READ on an unproven queue"
+    );
     // A padless LIST (48 bytes) is answered with no more than 48 bytes.
     let mut l = Header::request(Opcode::List, Tag::new(0, 0), 0, 0);
     l.seal_crc(&[]);

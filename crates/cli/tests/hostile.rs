@@ -129,6 +129,7 @@ fn join_needs_the_session_cookie() {
         let j = blkwire_wire::Join {
             cookie,
             proof: [0; 32],
+            nonce_s: [0; 32],
         }
         .encode();
         h.payload_len = j.len() as u32;

@@ -566,14 +566,32 @@ fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Res
         let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
         h.session = reply.session;
         h.queue = q;
-        let join = Join {
+        let mut join = Join {
             cookie: reply.cookie,
             proof: keys
                 .as_ref()
                 .map_or([0; 32], |k| k.join_proof(reply.session, q, reply.cookie)),
+            nonce_s: [0; 32],
         };
         let mut seal = keys.as_ref().map(|k| k.queue(reply.session, q));
-        let (r, _) = dgram::exchange(&link, h, &join.encode(), hs_timeout, seal.as_mut())?;
+        // The target challenges the queue's address first (PROTOCOL.md §12.1), like a HELLO.
+        let mut answer = None;
+        for _ in 0..3 {
+            let (r, p) = dgram::exchange(&link, h, &join.encode(), hs_timeout, seal.as_mut())?;
+            if r.status != Status::Challenge {
+                answer = Some(r);
+                break;
+            }
+            join.nonce_s = p
+                .try_into()
+                .map_err(|_| Error::Protocol("malformed JOIN challenge".into()))?;
+        }
+        let r = answer.ok_or_else(|| {
+            Error::Protocol(format!(
+                "{} keeps challenging JOIN of queue {q}",
+                target_name(url)
+            ))
+        })?;
         if r.status != Status::Ok {
             return Err(Error::Status {
                 what: format!("join queue {q}"),
@@ -617,6 +635,7 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
             proof: keys
                 .as_ref()
                 .map_or([0; 32], |k| k.join_proof(reply.session, q, reply.cookie)),
+            nonce_s: [0; 32],
         };
         let (r, _) = exchange(&mut s, &h, &join.encode(), 0)?;
         if r.status != Status::Ok {

@@ -117,16 +117,27 @@ impl Access {
         }
     }
 
-    /// The challenge and proof steps of a HELLO (§12.1, §12.2).
-    pub fn check(&self, h: &Hello, peer: &PeerId) -> Checked {
+    /// The address step (§12.1): `None` when `peer` answered the challenge for `attempt`,
+    /// else the challenge to send it.
+    pub fn address(
+        &self,
+        peer: &PeerId,
+        attempt: &[u8; proof::LEN],
+        answer: &[u8; proof::LEN],
+    ) -> Option<[u8; proof::LEN]> {
         let mut a = [0u8; 18];
         let n = address_bytes(&peer.addr, peer.port, &mut a);
-        if !self
-            .challenger
-            .check(&a[..n], &h.auth.nonce_c, &h.auth.nonce_s)
-        {
-            self.challenges.fetch_add(1, Ordering::Relaxed);
-            return Checked::Challenge(self.challenger.issue(&a[..n], &h.auth.nonce_c));
+        if self.challenger.check(&a[..n], attempt, answer) {
+            return None;
+        }
+        self.challenges.fetch_add(1, Ordering::Relaxed);
+        Some(self.challenger.issue(&a[..n], attempt))
+    }
+
+    /// The challenge and proof steps of a HELLO (§12.1, §12.2).
+    pub fn check(&self, h: &Hello, peer: &PeerId) -> Checked {
+        if let Some(c) = self.address(peer, &h.auth.nonce_c, &h.auth.nonce_s) {
+            return Checked::Challenge(c);
         }
         let host = h.host_id.escape_debug();
         match (h.auth.method, &self.keys) {

@@ -26,7 +26,7 @@ use crate::bufpool::Buffers;
 use crate::executor::{Executor, Outcome};
 use crate::frontend::native::flush_args_valid;
 use crate::log::Level;
-use crate::session::{HelloAnswer, QueueSeal, Registry};
+use crate::session::{HelloAnswer, JoinRefused, QueueSeal, Registry};
 
 /// Frames received or sent per syscall.
 const BATCH: usize = 32;
@@ -700,7 +700,11 @@ impl DgramPort {
 
     fn join(&mut self, h: &Header, f: Frame<'_>, peer: Peer) {
         let raw = f.sealed().then_some(f.raw);
-        match self.registry.join(h.session, h.queue, f.payload, true, raw) {
+        let id = peer.id();
+        match self
+            .registry
+            .join(h.session, h.queue, f.payload, Some(&id), raw)
+        {
             Ok(adm) => {
                 let fp = self
                     .registry
@@ -713,7 +717,13 @@ impl DgramPort {
                     _ => self.reply(h, Status::Ok, peer),
                 }
             }
-            Err(st) => {
+            // Unsealed, from no queue's sealer: a sealer's sequence numbers must never be
+            // spent on a queue that may not come to exist (PROTOCOL.md §12.4).
+            Err(JoinRefused::Challenge(nonce)) => {
+                let r = h.reply(Status::Challenge, 0);
+                self.send_frame(r, &nonce, peer);
+            }
+            Err(JoinRefused::Status(st)) => {
                 if st == Status::Access {
                     self.registry
                         .access

@@ -707,7 +707,8 @@ fn native_handshake(
                 }
             }
             Opcode::Join => {
-                return match registry.join(h.session, h.queue, &payload, false, None) {
+                // A TCP connection has proven its address already: no challenge.
+                return match registry.join(h.session, h.queue, &payload, None, None) {
                     Ok(adm) => {
                         if send(s, &h, Status::Ok, &[]).is_err() {
                             registry.leave(adm.session, adm.queue, &QueueStats::default());
@@ -715,7 +716,10 @@ fn native_handshake(
                         }
                         Some(adm)
                     }
-                    Err(st) => refuse(s, st, &format!("join session {}: {st}", h.session)),
+                    Err(session::JoinRefused::Status(st)) => {
+                        refuse(s, st, &format!("join session {}: {st}", h.session))
+                    }
+                    Err(session::JoinRefused::Challenge(_)) => None,
                 };
             }
             other => return refuse(s, Status::Invalid, &format!("{other:?} before HELLO")),

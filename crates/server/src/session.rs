@@ -107,6 +107,21 @@ impl QueueSeal {
     }
 }
 
+/// Why a JOIN was not admitted.
+#[derive(Debug, PartialEq, Eq)]
+pub enum JoinRefused {
+    /// Answer with status CHALLENGE and this nonce (datagrams, PROTOCOL.md §12.1).
+    Challenge([u8; AUTH_LEN]),
+    /// Answer with this status.
+    Status(Status),
+}
+
+impl From<Status> for JoinRefused {
+    fn from(s: Status) -> Self {
+        JoinRefused::Status(s)
+    }
+}
+
 /// How a HELLO is answered.
 pub enum HelloAnswer {
     /// Status CHALLENGE with the target's nonce (PROTOCOL.md §12.1).
@@ -415,24 +430,25 @@ impl Registry {
         self.lock().sessions.get(&session).map(|s| s.frame_payload)
     }
 
-    /// Admits a JOIN (PROTOCOL.md §2.3, §12.2). On datagrams (`datagram`) a sealed session's
-    /// queue also gets its frame keys; `raw`, when given, is the JOIN frame itself, which must
-    /// open under the new queue's key before anything is granted.
+    /// Admits a JOIN (PROTOCOL.md §2.3, §12.1, §12.2). On datagrams (`datagram: Some(peer)`)
+    /// the joiner must also have answered a challenge at its address (else `Err(Challenge)`
+    /// with the nonce to send), and a sealed session's queue gets its frame keys; `raw`, when
+    /// given, is the JOIN frame itself, which must open under the new queue's key first.
     pub fn join(
         &self,
         session: u32,
         queue: u16,
         payload: &[u8],
-        datagram: bool,
+        datagram: Option<&PeerId>,
         raw: Option<&[u8]>,
-    ) -> Result<Admitted, Status> {
+    ) -> Result<Admitted, JoinRefused> {
         let mut inner = self.lock();
         if inner.shut {
-            return Err(Status::Shutdown);
+            return Err(Status::Shutdown.into());
         }
         let s = inner.sessions.get_mut(&session).ok_or(Status::Access)?;
         let mut seal = match (&s.secret, datagram) {
-            (Some(sec), true) => Some(QueueSeal::target_side(sec, session, queue, s.encrypt)),
+            (Some(sec), Some(_)) => Some(QueueSeal::target_side(sec, session, queue, s.encrypt)),
             _ => None,
         };
         // A sealed session's JOIN must open under the new queue's key before it is read.
@@ -443,22 +459,32 @@ impl Registry {
                 .opener
                 .open(f, blkwire_wire::HEADER_LEN, &mut scratch)
                 .map_err(|_| Status::Access)?,
-            (Some(_), None) => return Err(Status::Access),
+            (Some(_), None) => return Err(Status::Access.into()),
         };
         let j = Join::decode(payload).map_err(|_| Status::Invalid)?;
         if s.cookie != j.cookie {
-            return Err(Status::Access);
+            return Err(Status::Access.into());
         }
         let expected = match &s.secret {
             Some(sec) => sec.join_proof(session, queue, j.cookie),
             None => [0; AUTH_LEN],
         };
         if !proof::same(&expected, &j.proof) {
-            return Err(Status::Access);
+            return Err(Status::Access.into());
+        }
+        // A datagram queue answers at the address it joined from: that address must have
+        // shown it receives there, or a session holder could aim its replies at anyone.
+        if let Some(peer) = datagram {
+            if let Some(nonce) = self
+                .access
+                .address(peer, &j.attempt(session, queue), &j.nonce_s)
+            {
+                return Err(JoinRefused::Challenge(nonce));
+            }
         }
         let slot = s.joined.get_mut(queue as usize).ok_or(Status::Invalid)?;
         if *slot {
-            return Err(Status::Busy);
+            return Err(Status::Busy.into());
         }
         *slot = true;
         s.live += 1;

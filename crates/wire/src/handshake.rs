@@ -433,25 +433,29 @@ impl HelloReply {
     }
 }
 
-/// JOIN payload (§2.3, §12.2): the session's cookie and, in an authenticated session, the
-/// proof that the joiner holds the session's keys.
+/// JOIN payload (§2.3, §12.1, §12.2): the session's cookie, in an authenticated session the
+/// proof that the joiner holds the session's keys, and on datagrams the answer to the target's
+/// challenge for this queue's address.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Join {
     /// The cookie from the HELLO reply.
     pub cookie: u64,
     /// The JOIN proof; zeros in a session without a key.
     pub proof: [u8; AUTH_LEN],
+    /// Datagrams: the target's challenge nonce for this queue; zeros in the first JOIN and on TCP.
+    pub nonce_s: [u8; AUTH_LEN],
 }
 
 impl Join {
     /// Bytes on the wire.
-    pub const LEN: usize = 8 + AUTH_LEN;
+    pub const LEN: usize = 8 + 2 * AUTH_LEN;
 
     /// The payload's wire form.
     pub fn encode(&self) -> [u8; Self::LEN] {
         let mut b = [0u8; Self::LEN];
         b[..8].copy_from_slice(&self.cookie.to_le_bytes());
-        b[8..].copy_from_slice(&self.proof);
+        b[8..8 + AUTH_LEN].copy_from_slice(&self.proof);
+        b[8 + AUTH_LEN..].copy_from_slice(&self.nonce_s);
         b
     }
 
@@ -459,11 +463,22 @@ impl Join {
     pub fn decode(b: &[u8]) -> Result<Join, PayloadError> {
         let b: &[u8; Self::LEN] = b
             .try_into()
-            .map_err(|_| PayloadError::Invalid("a JOIN payload is 40 bytes"))?;
+            .map_err(|_| PayloadError::Invalid("a JOIN payload is 72 bytes"))?;
         Ok(Join {
             cookie: u64::from_le_bytes(b[..8].try_into().expect("8")),
-            proof: b[8..].try_into().expect("32"),
+            proof: b[8..8 + AUTH_LEN].try_into().expect("32"),
+            nonce_s: b[8 + AUTH_LEN..].try_into().expect("32"),
         })
+    }
+
+    /// What the target's challenge for this JOIN is bound to, besides the address: the
+    /// session, the queue and the cookie.
+    pub fn attempt(&self, session: u32, queue: u16) -> [u8; AUTH_LEN] {
+        let mut n = [0u8; AUTH_LEN];
+        n[..4].copy_from_slice(&session.to_le_bytes());
+        n[4..6].copy_from_slice(&queue.to_le_bytes());
+        n[6..14].copy_from_slice(&self.cookie.to_le_bytes());
+        n
     }
 }
 
@@ -555,6 +570,7 @@ mod tests {
         let j = Join {
             cookie: 77,
             proof: [9; 32],
+            nonce_s: [4; 32],
         };
         assert_eq!(Join::decode(&j.encode()).unwrap(), j);
         assert!(Join::decode(&[0; 8]).is_err());

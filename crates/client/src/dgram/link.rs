@@ -544,9 +544,17 @@ pub(crate) fn exchange(
                     Ok(p) => p,
                     Err(_) => continue,
                 },
-                // An unsealed refusal in a sealed exchange: the target does not know the
-                // session (it restarted). Nothing else unsealed is believed.
-                (Some(_), false) if f.header.status == blkwire_wire::Status::Access => f.payload,
+                // Unsealed in a sealed exchange: a refusal (the target does not know the
+                // session: it restarted) or a JOIN challenge (sent before the queue has keys);
+                // a forged one can only make us ask again. Nothing else unsealed is believed.
+                (Some(_), false)
+                    if matches!(
+                        f.header.status,
+                        blkwire_wire::Status::Access | blkwire_wire::Status::Challenge
+                    ) =>
+                {
+                    f.payload
+                }
                 _ => continue,
             };
             return Ok((f.header, payload.to_vec()));
