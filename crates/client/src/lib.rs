@@ -20,8 +20,8 @@ use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
 use blkwire_wire::{
-    ExportEntry, Features, Header, HelloReply, Join, Opcode, Status, Tag, HEADER_LEN, QUERY_LIST,
-    QUERY_STATS,
+    ExportEntry, Features, Header, HelloReply, Join, Opcode, Status, Tag, AUTH_LEN, HEADER_LEN,
+    QUERY_LIST, QUERY_STATS,
 };
 
 pub use blkwire_block::{BlockOp, BlockRequest, IoFlags};
@@ -359,7 +359,9 @@ fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
             let mut s = dial(url, opts.timeout)?;
             let mut a = auth::Attempt::new(target_name(url), "", opts, 0, features)?;
             let h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
-            let rp = auth::hello_exchange(&mut a, |p| exchange(&mut s, &h, p, 1 << 20))?;
+            // STATS is up to 1 MiB, and the proof follows it.
+            let max = (1 << 20) + AUTH_LEN as u32;
+            let rp = auth::hello_exchange(&mut a, |p| exchange(&mut s, &h, p, max))?;
             (a, rp)
         }
         _ => {
