@@ -581,3 +581,124 @@ fn plain_nbd_clients_are_unknown_hosts_on_a_target_with_keys() {
     let (ok, size) = nbdinfo(&["--size", &format!("{}/d", urls[1])]);
     assert!(ok && size.trim() == "1048576", "address rule: {size}");
 }
+
+/// A host on the link (here: a process on the target's own interface, so even its MAC is the
+/// target's) sends an initiator forged READ replies for its session and queue, plain frames
+/// with a valid CRC (forgeries with a made-up seal: `a_sealed_queue_drops_forged_replies...`),
+/// while the initiator reads: they are dropped as unsealed and counted (`bad_seals`), not taken
+/// as late replies; no I/O fails.
+#[test]
+fn forged_ethernet_replies_to_an_initiator_are_dropped() {
+    use std::process::{Command, Stdio};
+    let keys = Keys::new("auth-eth-forge");
+    let lab = NetLab::new(21, 1500);
+    let tcp = "tcp://10.99.21.1:7700".to_string();
+    let _t = Served::start_with(
+        Some(&lab.t),
+        &[&tcp, "eth://vt"],
+        &["d=mem:4M"],
+        &["--keys", &keys.file("target"), "--admin", "alice"],
+    );
+    let mac = lab.mac();
+    let ns_mac = |ns: &str, dev: &str| {
+        let out = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                ns,
+                "cat",
+                &format!("/sys/class/net/{dev}/address"),
+            ])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let initiator_mac = ns_mac(&lab.i, "vi");
+    let url = format!("eth://vi/{mac}/d");
+    let key = keys.file("alice");
+    let bench = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &lab.i,
+            common::BIN,
+            "bench",
+            &url,
+            "--rw",
+            "randread",
+        ])
+        .args(["--bs", "4k", "--iodepth", "8", "--runtime", "4", "--json"])
+        .args(["--host-id", "alice", "--key", &key])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Readiness: the session shows up in the target's counters.
+    let stats = |lab: &NetLab| {
+        let (ok, out, err) =
+            lab.cli(&["stats", &tcp, "--json", "--host-id", "alice", "--key", &key]);
+        assert!(ok, "{err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let session = loop {
+        if let Some(id) = stats(&lab)["sessions"][0]["session"].as_u64() {
+            break id as u32;
+        }
+        assert!(std::time::Instant::now() < deadline, "no session appeared");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // The forgeries, as Ethernet payloads (hex, one per line), for queue 0 of that session.
+    let data = vec![0xeeu8; 1024];
+    let mut lines = String::new();
+    for slot in 0..8u16 {
+        let mut h =
+            Header::request(Opcode::Read, Tag::new(slot, 1), 0, 1024).reply(Status::Ok, 1024);
+        h.session = session;
+        h.seal_crc(&data);
+        let mut f = h.to_bytes().to_vec();
+        f.extend_from_slice(&data);
+        lines.extend(f.iter().map(|b| format!("{b:02x}")));
+        lines.push('\n');
+    }
+    let frames = keys.dir.path("forged.hex");
+    std::fs::write(&frames, lines).unwrap();
+    let sender = format!(
+        r#"
+import socket, time
+frames = [bytes.fromhex(l) for l in open("{}").read().split()]
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind(("vt", 0))
+head = bytes.fromhex("{}") + bytes.fromhex("{}") + b"\x88\xb5"
+end = time.time() + 1.5
+while time.time() < end:
+    for f in frames:
+        s.send(head + f)
+"#,
+        frames.display(),
+        initiator_mac.replace(':', ""),
+        mac.replace(':', "")
+    );
+    let (ok, _, err) = common::netlab::run(
+        Command::new("ip").args(["netns", "exec", &lab.t, "python3", "-c", &sender]),
+    );
+    assert!(ok, "forging sender: {err}");
+    let out = bench.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "bench: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let bad: u64 = v["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| q["bad_seals"].as_u64().unwrap())
+        .sum();
+    assert!(
+        bad > 0,
+        "the initiator saw no forgery (it must count them): {v}"
+    );
+    assert_eq!(v["errors"], 0, "{v}");
+}
