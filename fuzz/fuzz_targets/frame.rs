@@ -1,7 +1,8 @@
 //! Header decoding (PROTOCOL.md §1) against arbitrary bytes: `Header::decode` must never panic,
 //! every accepted header must survive encode → decode unchanged, and `check_crc` must accept any
 //! payload slice without panicking. The same bytes taken as a datagram (§9.6) must walk without
-//! panicking, yield only in-bounds, CRC-valid frames of one queue, and stop at the first bad one.
+//! panicking, yield only in-bounds frames of one queue, CRC-valid or sealed (§12.4: the seal
+//! follows the payload), and stop at the first bad one.
 
 #![no_main]
 
@@ -17,11 +18,16 @@ fuzz_target!(|data: &[u8]| {
     for f in datagram::frames(data, 1 << 16) {
         assert!(!failed, "a frame was yielded after an error");
         match f {
-            Ok((h, payload)) => {
+            Ok(f) => {
+                let (h, payload) = (f.header, f.payload);
                 assert_eq!(payload.len(), h.payload_len as usize);
-                assert_eq!(h.check_crc(payload), Ok(()));
+                let seal = if f.sealed() { datagram::SEAL_LEN } else { 0 };
+                if !f.sealed() {
+                    assert_eq!(h.check_crc(payload), Ok(()));
+                }
+                assert_eq!(f.raw.len(), HEADER_LEN + payload.len() + seal);
                 assert_eq!(*first.get_or_insert((h.session, h.queue)), (h.session, h.queue));
-                walked += HEADER_LEN + payload.len();
+                walked += f.raw.len();
                 assert!(walked <= data.len(), "walked past the datagram");
             }
             Err(_) => failed = true,

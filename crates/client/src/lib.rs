@@ -358,10 +358,9 @@ fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
         Transport::Tcp => {
             let mut s = dial(url, opts.timeout)?;
             let mut a = auth::Attempt::new(target_name(url), "", opts, 0, features)?;
-            let h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
             // STATS is up to 1 MiB, and the proof follows it.
             let max = (1 << 20) + AUTH_LEN as u32;
-            let rp = auth::hello_exchange(&mut a, |p| exchange(&mut s, &h, p, max))?;
+            let rp = auth::hello_exchange(&mut a, |tag, p| exchange(&mut s, &hello(tag), p, max))?;
             (a, rp)
         }
         _ => {
@@ -370,10 +369,11 @@ fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
                 _ => dgram::udp_link(resolve(url)?)?,
             };
             let mut a = auth::Attempt::new(target_name(url), "", opts, link.mtu_payload, features)?;
-            let h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
             let timeout = opts.timeout.min(Duration::from_secs(10));
-            let rp = auth::hello_exchange(&mut a, |p| dgram::exchange_plain(&link, h, p, timeout))
-                .map_err(|e| no_answer(url, e))?;
+            let rp = auth::hello_exchange(&mut a, |tag, p| {
+                dgram::exchange_plain(&link, hello(tag), p, timeout)
+            })
+            .map_err(|e| no_answer(url, e))?;
             (a, rp)
         }
     };
@@ -387,6 +387,11 @@ fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
         });
     }
     Ok(attempt.check_query(&p)?.to_vec())
+}
+
+/// A HELLO header with `tag` (each HELLO of an attempt has its own, PROTOCOL.md §12.1).
+fn hello(tag: Tag) -> Header {
+    Header::request(Opcode::Hello, tag, 0, 0)
 }
 
 /// How errors name the target a URL points at: its address, or on Ethernet its link and MAC.
@@ -528,9 +533,8 @@ fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Res
     let link0 = open(0, None)?;
     let mut attempt =
         auth::Attempt::new(target_name(url), &url.export, opts, link0.mtu_payload, 0)?;
-    let h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
-    let (r, p) = auth::hello_exchange(&mut attempt, |p| {
-        dgram::exchange_plain(&link0, h, p, hs_timeout)
+    let (r, p) = auth::hello_exchange(&mut attempt, |tag, p| {
+        dgram::exchange_plain(&link0, hello(tag), p, hs_timeout)
     })
     .map_err(|e| no_answer(url, e))?;
     if r.status != Status::Ok {
@@ -576,9 +580,12 @@ fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Res
             nonce_s: [0; 32],
         };
         let mut seal = keys.as_ref().map(|k| k.queue(reply.session, q));
-        // The target challenges the queue's address first (PROTOCOL.md §12.1), like a HELLO.
+        // The target challenges the queue's address first (PROTOCOL.md §12.1), like a HELLO;
+        // each JOIN has its own tag, so a late answer to an earlier copy is not taken for the
+        // answer to the next.
         let mut answer = None;
-        for _ in 0..3 {
+        for round in 1..=3 {
+            h.tag = Tag::new(0, round);
             let (r, p) = dgram::exchange(&link, h, &join.encode(), hs_timeout, seal.as_mut())?;
             if r.status != Status::Challenge {
                 answer = Some(r);
@@ -617,8 +624,9 @@ fn refused(url: &Url, opts: &ConnectOptions, attempt: &auth::Attempt, status: St
 fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     let mut s0 = dial(url, opts.timeout)?;
     let mut attempt = auth::Attempt::new(target_name(url), &url.export, opts, 0, 0)?;
-    let h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
-    let (r, p) = auth::hello_exchange(&mut attempt, |p| exchange(&mut s0, &h, p, 4096))?;
+    let (r, p) = auth::hello_exchange(&mut attempt, |tag, p| {
+        exchange(&mut s0, &hello(tag), p, 4096)
+    })?;
     if r.status != Status::Ok {
         return Err(refused(url, opts, &attempt, r.status));
     }
