@@ -14,6 +14,7 @@ use crate::bufpool::Buffers;
 use crate::executor::Executor;
 use crate::frontend::{Req, StreamFrontend};
 use crate::log::Level;
+use crate::tls::{self, TlsStream};
 
 #[derive(Default)]
 pub(super) struct Slot {
@@ -60,6 +61,49 @@ pub(super) struct Conn {
     /// The socket is dead: drop the connection as soon as nothing is in flight.
     pub(super) dead: bool,
     pub(super) bytes_sent: u64,
+    /// TLS session: `receive` and `transmit` go through it instead of the socket calls (one
+    /// branch each; plain connections pay nothing more). Lives on this reactor only.
+    pub(super) tls: Option<Box<TlsStream>>,
+}
+
+/// One receive or send step, for plain sockets and TLS alike.
+enum Step {
+    /// Bytes moved.
+    Moved(usize),
+    /// The peer closed (receive only).
+    Closed,
+    /// Nothing now; for a send, `out` is whether to wait for POLLOUT (always for plain).
+    Again {
+        out: bool,
+    },
+    Interrupted,
+    Failed(String),
+}
+
+impl Step {
+    fn from_sys(n: isize) -> Step {
+        if n > 0 {
+            return Step::Moved(n as usize);
+        }
+        if n == 0 {
+            return Step::Closed;
+        }
+        let err = std::io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EAGAIN) => Step::Again { out: true },
+            Some(libc::EINTR) => Step::Interrupted,
+            _ => Step::Failed(err.to_string()),
+        }
+    }
+
+    fn from_tls(io: tls::Io) -> Step {
+        match io {
+            tls::Io::Done(n) => Step::Moved(n),
+            tls::Io::Closed => Step::Closed,
+            tls::Io::Again { out } => Step::Again { out },
+            tls::Io::Failed(e) => Step::Failed(e),
+        }
+    }
 }
 
 impl Conn {
@@ -138,22 +182,26 @@ pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             c.rx_end -= c.rx_start;
             c.rx_start = 0;
         }
-        // SAFETY: recv into the unused tail of our own buffer.
-        let n = unsafe {
-            libc::recv(
-                c.fd(),
-                c.rx[c.rx_end..].as_mut_ptr().cast(),
-                c.rx.len() - c.rx_end,
-                libc::MSG_DONTWAIT,
-            )
+        let step = match &mut c.tls {
+            // SAFETY: recv into the unused tail of our own buffer.
+            None => Step::from_sys(unsafe {
+                libc::recv(
+                    c.fd(),
+                    c.rx[c.rx_end..].as_mut_ptr().cast(),
+                    c.rx.len() - c.rx_end,
+                    libc::MSG_DONTWAIT,
+                )
+            }),
+            // The record layer reads the socket itself: at most a record of ciphertext waits
+            // inside it, the plaintext lands where a recv would have put it.
+            Some(t) => Step::from_tls(tls::read(t, &mut c.rx[c.rx_end..])),
         };
-        if n > 0 {
-            c.rx_end += n as usize;
-            continue;
-        }
-        let err = std::io::Error::last_os_error();
-        match (n, err.raw_os_error()) {
-            (0, _) => {
+        match step {
+            Step::Moved(n) => {
+                c.rx_end += n;
+                continue;
+            }
+            Step::Closed => {
                 // Orderly shutdown by the peer; whatever it sent before is still answered.
                 parse_frames(c, idx, sq);
                 c.closing = true;
@@ -165,9 +213,11 @@ pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                     c.queue
                 );
             }
-            (_, Some(libc::EAGAIN)) => c.readable = false,
-            (_, Some(libc::EINTR)) => continue,
-            _ => {
+            // A TLS session that must send before it can read again (a key update answered
+            // while the socket is full) is woken by the next POLLIN or reply like any other.
+            Step::Again { .. } => c.readable = false,
+            Step::Interrupted => continue,
+            Step::Failed(err) => {
                 crate::log!(
                     Level::Info,
                     "session {} queue {}: receive failed: {err}",
@@ -186,24 +236,43 @@ pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
 /// Sends as much of the reply backlog as the socket takes; arms POLLOUT if it fills up.
 pub(super) fn transmit(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     while c.tx_sent < c.tx.len() {
-        // SAFETY: send from our own buffer.
-        let n = unsafe {
-            libc::send(
-                c.fd(),
-                c.tx[c.tx_sent..].as_ptr().cast(),
-                c.tx.len() - c.tx_sent,
-                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-            )
+        let step = match &mut c.tls {
+            // SAFETY: send from our own buffer.
+            None => match unsafe {
+                libc::send(
+                    c.fd(),
+                    c.tx[c.tx_sent..].as_ptr().cast(),
+                    c.tx.len() - c.tx_sent,
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            } {
+                0 => Step::Moved(0),
+                n => Step::from_sys(n),
+            },
+            // Encrypted a record at a time straight onto the socket; a record the socket did
+            // not take stays inside OpenSSL and is finished by the retry with the same bytes.
+            Some(t) => Step::from_tls(tls::write(t, &c.tx[c.tx_sent..])),
         };
-        if n >= 0 {
-            c.tx_sent += n as usize;
-            c.bytes_sent += n as u64;
-            continue;
-        }
-        let err = std::io::Error::last_os_error();
-        match err.raw_os_error() {
-            Some(libc::EINTR) => continue,
-            Some(libc::EAGAIN) => {
+        match step {
+            Step::Moved(n) => {
+                c.tx_sent += n;
+                c.bytes_sent += n as u64;
+            }
+            Step::Interrupted => continue,
+            Step::Again { out } => {
+                if !out {
+                    // Only a renegotiation makes a TLS write wait for input, and TLS 1.3 has
+                    // none: a peer that asks for one is broken.
+                    crate::log!(
+                        Level::Info,
+                        "session {} queue {}: TLS send waits for input; closing",
+                        c.session,
+                        c.queue
+                    );
+                    c.dead = true;
+                    c.closing = true;
+                    return;
+                }
                 // A reader slower than we answer never lets the buffer drain completely, so
                 // what was sent is dropped from its front here; otherwise the buffer would grow
                 // by every byte ever sent. Only once the sent part is at least as long as what
@@ -219,7 +288,11 @@ pub(super) fn transmit(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                 sq.push(poll);
                 return;
             }
-            _ => {
+            Step::Closed | Step::Failed(_) => {
+                let err = match step {
+                    Step::Failed(e) => e,
+                    _ => "connection closed".into(),
+                };
                 crate::log!(
                     Level::Info,
                     "session {} queue {}: send failed: {err}",
