@@ -1,0 +1,452 @@
+//! TLS (issue 12 item 4): NBD STARTTLS against real clients (libnbd's nbdinfo and nbdcopy over
+//! `nbds://` with TLS-PSK, qemu-img with `tls-creds-psk`), native `tcp://` over TLS with PSK
+//! (client library) and X.509 (`blkwire cp --tls-ca`, a certificate made here with the openssl
+//! CLI), and what `--tls require` does to plain clients. Every external tool runs under
+//! coreutils' `timeout`; a missing tool fails the test and names the package.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use blkwire_client::{Cmd, ConnectOptions, Url};
+use blkwire_wire::nbd::{opt, rep};
+use common::nbd_raw::Raw;
+use common::{assert_one_line_error, cli, random_bytes, Target, TempDir};
+
+/// Seconds any external tool may run before `timeout` kills it.
+const TOOL_LIMIT: &str = "120";
+
+/// Fails the test, naming the package, when a tool is not installed.
+fn need(prog: &str, package: &str) {
+    let found = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(prog).is_file()))
+        .unwrap_or(false);
+    assert!(
+        found,
+        "{prog} is not installed: this test needs it (apt-get install {package}; scripts/deps.sh does)"
+    );
+}
+
+fn run(prog: &str, args: &[&str]) -> Output {
+    Command::new("timeout")
+        .args(["-k", "5", TOOL_LIMIT, prog])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {prog}: {e}"))
+}
+
+fn describe(prog: &str, args: &[&str], out: &Output) -> String {
+    format!(
+        "{prog} {}: {}\n--- stdout\n{}--- stderr\n{}",
+        args.join(" "),
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Runs a tool that must succeed; returns its stdout.
+fn tool(prog: &str, args: &[&str]) -> String {
+    let out = run(prog, args);
+    assert!(out.status.success(), "{}", describe(prog, args, &out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Writes a key file (nbdkit's `user:hexkey` format, mode 0600) for `host` with a fresh key.
+fn key_file(path: &Path, host: &str) -> blkwire_auth::Key {
+    let key = blkwire_auth::Key::generate();
+    std::fs::write(path, format!("{host}:{}\n", key.to_hex())).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    key
+}
+
+/// A target with a native and an NBD listener and these TLS arguments.
+struct TlsTarget {
+    /// Kept for its lifetime: dropping it stops the target.
+    _t: Target,
+    nbd_addr: String,
+}
+
+impl TlsTarget {
+    fn start(exports: &[&str], tls: &[&str]) -> TlsTarget {
+        let mut extra = vec!["--listen", "nbd://127.0.0.1:0"];
+        extra.extend_from_slice(tls);
+        let (t, urls) = Target::start_listeners(exports, &extra);
+        let nbd = urls
+            .iter()
+            .find(|u| u.starts_with("nbd://"))
+            .expect("an nbd:// listener")
+            .trim_start_matches("nbd://")
+            .to_string();
+        TlsTarget {
+            _t: t,
+            nbd_addr: nbd,
+        }
+    }
+
+    /// libnbd's URI for TLS-PSK as `alice` with the key file `psk`.
+    fn nbds(&self, export: &str, user: &str, psk: &Path) -> String {
+        format!(
+            "nbds://{user}@{}/{export}?tls-psk-file={}",
+            self.nbd_addr,
+            psk.display()
+        )
+    }
+
+    fn nbd(&self, export: &str) -> String {
+        format!("nbd://{}/{export}", self.nbd_addr)
+    }
+}
+
+fn psk_target(dir: &TempDir, mode: &str) -> (TlsTarget, PathBuf) {
+    let keys = dir.path("keys.psk");
+    key_file(&keys, "alice");
+    let t = TlsTarget::start(
+        &["d=mem:16M"],
+        &["--keys", keys.to_str().unwrap(), "--tls", mode],
+    );
+    (t, keys)
+}
+
+// ---------------------------------------------------------------------------------------------
+// NBD
+
+#[test]
+fn nbdcopy_round_trips_data_over_nbd_starttls_with_psk() {
+    need("nbdcopy", "libnbd-bin");
+    need("nbdinfo", "libnbd-bin");
+    let dir = TempDir::new("tls-nbdcopy");
+    let (t, keys) = psk_target(&dir, "require");
+    let uri = t.nbds("d", "alice", &keys);
+    let info = tool("nbdinfo", &[&uri]);
+    assert!(
+        info.contains("with TLS"),
+        "nbdinfo did not negotiate TLS: {info}"
+    );
+    let src = random_bytes(8 << 20, 12);
+    std::fs::write(dir.path("src"), &src).unwrap();
+    tool("nbdcopy", &[dir.path("src").to_str().unwrap(), &uri]);
+    let back = dir.path("back");
+    tool("nbdcopy", &[&uri, back.to_str().unwrap()]);
+    let got = std::fs::read(&back).unwrap();
+    assert_eq!(got.len(), 16 << 20);
+    assert!(
+        got[..src.len()] == src[..],
+        "data read back over TLS differs"
+    );
+    assert!(got[src.len()..].iter().all(|b| *b == 0));
+}
+
+#[test]
+fn qemu_img_round_trips_data_over_nbd_tls_psk() {
+    need("qemu-img", "qemu-utils");
+    let dir = TempDir::new("tls-qemu");
+    let (t, keys) = psk_target(&dir, "require");
+    // qemu reads its PSKs from DIR/keys.psk, in the same format.
+    let creds = dir.path("creds");
+    std::fs::create_dir(&creds).unwrap();
+    std::fs::copy(&keys, creds.join("keys.psk")).unwrap();
+    let object = format!(
+        "tls-creds-psk,id=t,endpoint=client,dir={},username=alice",
+        creds.display()
+    );
+    let (host, port) = t.nbd_addr.rsplit_once(':').unwrap();
+    let image = format!("driver=nbd,host={host},port={port},export=d,tls-creds=t");
+    let src = random_bytes(16 << 20, 77);
+    std::fs::write(dir.path("src"), &src).unwrap();
+    tool(
+        "qemu-img",
+        &[
+            "convert",
+            "-n",
+            "-f",
+            "raw",
+            "--object",
+            &object,
+            "--target-image-opts",
+            dir.path("src").to_str().unwrap(),
+            &image,
+        ],
+    );
+    tool(
+        "qemu-img",
+        &[
+            "convert",
+            "--object",
+            &object,
+            "--image-opts",
+            &image,
+            "-O",
+            "raw",
+            dir.path("back").to_str().unwrap(),
+        ],
+    );
+    assert!(
+        std::fs::read(dir.path("back")).unwrap() == src,
+        "qemu-img read back other bytes"
+    );
+}
+
+#[test]
+fn tls_require_refuses_plain_nbd_clients_and_on_serves_both() {
+    need("nbdinfo", "libnbd-bin");
+    let dir = TempDir::new("tls-require");
+    let (t, keys) = psk_target(&dir, "require");
+    let plain = run("nbdinfo", &["--size", &t.nbd("d")]);
+    assert!(
+        !plain.status.success(),
+        "a plain client was served by a --tls require target: {}",
+        describe("nbdinfo", &[], &plain)
+    );
+    assert_eq!(
+        tool("nbdinfo", &["--size", &t.nbds("d", "alice", &keys)]).trim(),
+        (16u64 << 20).to_string()
+    );
+    // The FORCEDTLS rules, byte by byte: every option but STARTTLS is refused with
+    // NBD_REP_ERR_TLS_REQD, and the refusal does not end the handshake.
+    let mut raw = Raw::open(&t.nbd_addr);
+    for o in [opt::LIST, opt::STRUCTURED_REPLY, opt::EXTENDED_HEADERS] {
+        raw.option(o, &[]);
+        let (echo, typ, _) = raw.opt_reply();
+        assert_eq!((echo, typ), (o, rep::ERR_TLS_REQD), "option {o}");
+    }
+    raw.option(opt::STARTTLS, b"x");
+    assert_eq!(raw.opt_reply().1, rep::ERR_INVALID, "STARTTLS with data");
+    raw.option(opt::STARTTLS, &[]);
+    assert_eq!(raw.opt_reply().1, rep::ACK, "STARTTLS");
+    drop(raw);
+
+    let dir = TempDir::new("tls-on");
+    let (t, keys) = psk_target(&dir, "on");
+    assert_eq!(
+        tool("nbdinfo", &["--size", &t.nbd("d")]).trim(),
+        (16u64 << 20).to_string(),
+        "--tls on serves plain clients"
+    );
+    let info = tool("nbdinfo", &[&t.nbds("d", "alice", &keys)]);
+    assert!(info.contains("with TLS"), "--tls on serves TLS: {info}");
+}
+
+#[test]
+fn starttls_is_refused_without_tls_and_wrong_psks_get_nothing() {
+    need("nbdinfo", "libnbd-bin");
+    // --tls off (the default): STARTTLS is not offered.
+    let t = TlsTarget::start(&["d=mem:1M"], &[]);
+    let mut raw = Raw::open(&t.nbd_addr);
+    raw.option(opt::STARTTLS, &[]);
+    let (_, typ, _) = raw.opt_reply();
+    assert_eq!(typ, rep::ERR_UNSUP);
+    drop(raw);
+
+    let dir = TempDir::new("tls-wrong");
+    let (t, _) = psk_target(&dir, "require");
+    let wrong = dir.path("wrong.psk");
+    key_file(&wrong, "alice");
+    let out = run("nbdinfo", &["--size", &t.nbds("d", "alice", &wrong)]);
+    assert!(
+        !out.status.success(),
+        "a wrong PSK was accepted: {}",
+        describe("nbdinfo", &[], &out)
+    );
+    let unknown = dir.path("mallory.psk");
+    key_file(&unknown, "mallory");
+    let out = run("nbdinfo", &["--size", &t.nbds("d", "mallory", &unknown)]);
+    assert!(
+        !out.status.success(),
+        "an unknown PSK identity was accepted"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Native tcp://
+
+/// Writes a pattern through a session with these options and reads it back on every queue.
+fn round_trip(url: &str, opts: &ConnectOptions) -> Result<(), blkwire_client::Error> {
+    let u = Url::parse(url).unwrap();
+    let mut s = blkwire_client::connect(&u, opts)?;
+    assert_eq!(s.queues.len(), opts.queues as usize, "every queue joined");
+    for (i, q) in s.queues.iter_mut().enumerate() {
+        let data = random_bytes(256 << 10, i as u64 + 1);
+        let at = i as u64 * (1 << 20);
+        q.submit(
+            Cmd::Write {
+                offset: at,
+                data: &data,
+                fua: false,
+            },
+            1,
+        )?;
+        let mut st = None;
+        q.complete(1, |c| st = Some(c.status))?;
+        assert_eq!(st, Some(blkwire_wire::Status::Ok));
+        let mut back = Vec::new();
+        q.submit(
+            Cmd::Read {
+                offset: at,
+                len: data.len() as u32,
+            },
+            2,
+        )?;
+        q.complete(1, |c| back = c.data.to_vec())?;
+        assert!(back == data, "queue {i}: data read back differs");
+    }
+    Ok(())
+}
+
+#[test]
+fn native_tcp_over_tls_psk_round_trips_on_every_queue_and_wrong_keys_fail() {
+    let dir = TempDir::new("tls-native-psk");
+    let keys = dir.path("keys.psk");
+    let key = key_file(&keys, "alice");
+    let t = Target::start_with(
+        &["d=mem:16M"],
+        &["--keys", keys.to_str().unwrap(), "--tls", "require"],
+    );
+    let url = t.url("d");
+    let opts = ConnectOptions {
+        queues: 3,
+        depth: 8,
+        host_id: "alice".into(),
+        key: Some(key),
+        tls: true,
+        ..Default::default()
+    };
+    round_trip(&url, &opts).expect("TLS-PSK session");
+
+    let wrong = ConnectOptions {
+        key: Some(blkwire_auth::Key::generate()),
+        ..opts.clone()
+    };
+    let e = round_trip(&url, &wrong).expect_err("a wrong key must not get in");
+    assert!(matches!(e, blkwire_client::Error::Tls(_)), "wrong key: {e}");
+    let plain = ConnectOptions {
+        tls: false,
+        ..opts.clone()
+    };
+    let e = round_trip(&url, &plain).expect_err("plain against --tls require");
+    assert!(e.to_string().contains("requires TLS"), "{e}");
+}
+
+/// A self-signed certificate for 127.0.0.1, made with the openssl CLI.
+fn self_signed(dir: &TempDir) -> (PathBuf, PathBuf) {
+    need("openssl", "openssl");
+    let (cert, key) = (dir.path("cert.pem"), dir.path("key.pem"));
+    tool(
+        "openssl",
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=blkwire test",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            key.to_str().unwrap(),
+            "-out",
+            cert.to_str().unwrap(),
+        ],
+    );
+    (cert, key)
+}
+
+#[test]
+fn native_tcp_over_tls_x509_copies_data_and_plain_clients_get_one_clear_line() {
+    let dir = TempDir::new("tls-native-x509");
+    let (cert, key) = self_signed(&dir);
+    let (cert_s, key_s) = (cert.to_str().unwrap(), key.to_str().unwrap());
+    let t = Target::start_with(
+        &["d=mem:8M"],
+        &["--tls", "require", "--tls-cert", cert_s, "--tls-key", key_s],
+    );
+    let url = t.url("d");
+    let src = random_bytes(3 << 20, 5);
+    let (src_p, back_p) = (dir.path("src"), dir.path("back"));
+    std::fs::write(&src_p, &src).unwrap();
+    let (ok, _, err) = cli(&[
+        "cp",
+        "--no-progress",
+        "--tls-ca",
+        cert_s,
+        src_p.to_str().unwrap(),
+        &url,
+    ]);
+    assert!(ok, "cp to the export over TLS: {err}");
+    let (ok, _, err) = cli(&[
+        "cp",
+        "--no-progress",
+        "--tls-ca",
+        cert_s,
+        &url,
+        back_p.to_str().unwrap(),
+    ]);
+    assert!(ok, "cp from the export over TLS: {err}");
+    let back = std::fs::read(&back_p).unwrap();
+    assert!(
+        back[..src.len()] == src[..],
+        "data copied back over TLS differs"
+    );
+
+    let (ok, out, err) = cli(&["info", "--tls-ca", cert_s, "--json", &url]);
+    assert!(ok && out.contains("\"size\""), "info over TLS: {err}");
+    // Plain clients are refused with the reason; TLS without trusting the certificate fails
+    // on it; a TLS client to a target without TLS is told so.
+    assert_one_line_error(&["info", &url], "requires TLS");
+    assert_one_line_error(&["info", &t.base], "requires TLS");
+    assert_one_line_error(&["info", "--tls", &url], "not trusted");
+    let plain = Target::start(&["d=mem:1M"]);
+    assert_one_line_error(
+        &["info", "--tls-ca", cert_s, &plain.url("d")],
+        "TLS handshake",
+    );
+}
+
+#[test]
+fn tls_flags_are_checked_with_one_line_errors() {
+    let dir = TempDir::new("tls-config");
+    fn with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+        let mut v = vec![
+            "serve",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--export",
+            "d=mem:1M",
+        ];
+        v.extend_from_slice(extra);
+        v
+    }
+    assert_one_line_error(&with(&["--tls", "on"]), "needs credentials");
+    assert_one_line_error(&with(&["--tls", "maybe"]), "off, on or require");
+    let junk = dir.path("junk.pem");
+    std::fs::write(&junk, "not a certificate\n").unwrap();
+    let junk = junk.to_str().unwrap();
+    assert_one_line_error(
+        &with(&["--tls", "on", "--tls-cert", junk, "--tls-key", junk]),
+        "--tls-cert",
+    );
+    let (cert, _) = self_signed(&dir);
+    assert_one_line_error(
+        &with(&[
+            "--tls",
+            "on",
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            junk,
+        ]),
+        "--tls-key",
+    );
+    assert_one_line_error(
+        &with(&["--tls", "on", "--tls-cert", cert.to_str().unwrap()]),
+        "--tls-key",
+    );
+}
