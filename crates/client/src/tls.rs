@@ -1,4 +1,4 @@
-//! TLS 1.3 for `tcp://` (OpenSSL, as the target; docs/SECURITY.md, "TLS"): TLS-PSK with this
+//! TLS 1.3 for `tcp://` (OpenSSL, as the target; docs/ARCHITECTURE.md, "TLS"): TLS-PSK with this
 //! host's key (the identity is the host id) or X.509 verified against `--tls-ca` (else the
 //! system's roots). The handshake is blocking, with the socket's timeouts; the queues then use
 //! the same session on the non-blocking socket.

@@ -2,7 +2,7 @@
 //!
 //! OpenSSL because it has what the peers need: external PSKs (nbdkit's `user:hexkey` format,
 //! which libnbd and qemu speak through GnuTLS) as well as X.509; rustls has no external PSK.
-//! See docs/SECURITY.md, "TLS".
+//! See docs/ARCHITECTURE.md, "TLS".
 //!
 //! The handshake runs on the handshake thread, blocking against the admission deadline. The
 //! session then moves with its socket to the reactor that owns the connection: the record layer
