@@ -134,6 +134,8 @@ pub(crate) fn connect(url: &Url, opts: &ConnectOptions, s: TcpStream) -> Result<
     let mut b = SslConnector::builder(SslMethod::tls_client()).map_err(setup)?;
     b.set_min_proto_version(Some(SslVersion::TLS1_3))
         .map_err(setup)?;
+    // Header and body of a record in one recv, not two (the target does the same).
+    b.set_read_ahead(true);
     if let Some(key) = &opts.key {
         // TLS-PSK: the identity is the host id (what nbdkit calls the PSK user name).
         let (id, k) = (opts.host_id.clone().into_bytes(), key.bytes().to_vec());

@@ -138,6 +138,10 @@ impl Tls {
         // The reactor retries a write with the same bytes at another address (its buffer may
         // have moved) and counts partial progress: OpenSSL must accept both.
         b.set_mode(SslMode::ENABLE_PARTIAL_WRITE | SslMode::ACCEPT_MOVING_WRITE_BUFFER);
+        // A record's header and body in one recv (and whatever else of the next records fits in
+        // OpenSSL's read buffer), instead of two reads per record. Bounded by that buffer; a
+        // read that wants more means nothing whole is buffered (see `read`).
+        b.set_read_ahead(true);
         // No session tickets: nothing resumes, and the tickets would be sent after the
         // handshake, when the client may already be waiting for an option reply.
         b.set_num_tickets(0)
