@@ -219,14 +219,32 @@ fn tls_require_refuses_plain_nbd_clients_and_on_serves_both() {
     assert_eq!(raw.opt_reply().1, rep::ACK, "STARTTLS");
     drop(raw);
 
+    // --tls on serves both: plain clients, and TLS ones (X.509 here: on a target with keys a
+    // plain client is unknown, so refused by the key rules rather than by TLS).
     let dir = TempDir::new("tls-on");
-    let (t, keys) = psk_target(&dir, "on");
+    let (cert, key) = self_signed(&dir);
+    let t = TlsTarget::start(
+        &["d=mem:16M"],
+        &[
+            "--tls",
+            "on",
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+    );
     assert_eq!(
         tool("nbdinfo", &["--size", &t.nbd("d")]).trim(),
         (16u64 << 20).to_string(),
         "--tls on serves plain clients"
     );
-    let info = tool("nbdinfo", &[&t.nbds("d", "alice", &keys)]);
+    // libnbd wants the CA as DIR/ca-cert.pem.
+    let cas = dir.path("cas");
+    std::fs::create_dir(&cas).unwrap();
+    std::fs::copy(&cert, cas.join("ca-cert.pem")).unwrap();
+    let uri = format!("nbds://{}/d?tls-certificates={}", t.nbd_addr, cas.display());
+    let info = tool("nbdinfo", &[&uri]);
     assert!(info.contains("with TLS"), "--tls on serves TLS: {info}");
 }
 
@@ -315,6 +333,18 @@ fn native_tcp_over_tls_psk_round_trips_on_every_queue_and_wrong_keys_fail() {
         ..Default::default()
     };
     round_trip(&url, &opts).expect("TLS-PSK session");
+    // The command line: --tls with --key uses the key as the PSK.
+    let (ok, out, err) = cli(&[
+        "info",
+        "--tls",
+        "--key",
+        keys.to_str().unwrap(),
+        "--host-id",
+        "alice",
+        "--json",
+        &url,
+    ]);
+    assert!(ok && out.contains("\"size\""), "info over TLS-PSK: {err}");
 
     let wrong = ConnectOptions {
         key: Some(blkwire_auth::Key::generate()),
