@@ -438,6 +438,15 @@ fn native_tcp_over_tls_x509_copies_data_and_plain_clients_get_one_clear_line() {
         &["info", "--tls-ca", cert_s, &plain.url("d")],
         "TLS handshake",
     );
+    // The target counted the refusals (STATS over TLS: it serves nothing in plain).
+    let (ok, out, err) = cli(&["stats", "--tls-ca", cert_s, "--json", &t.base]);
+    assert!(ok, "stats over TLS: {err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(
+        v["auth"]["refused"].as_u64().unwrap() >= 3,
+        "plain and untrusting clients counted as refused: {}",
+        v["auth"]
+    );
 }
 
 #[test]

@@ -612,7 +612,7 @@ fn handshake(
         tls: None,
     };
     let admitted = match frontend {
-        ListenerKind::Native => native_tls(&mut s, &peer_s, tls).and_then(|gate| {
+        ListenerKind::Native => native_tls(&mut s, &peer_s, tls, registry).and_then(|gate| {
             native_handshake(&mut s, peer, registry, workers, gate).map(|a| {
                 let fe: Box<dyn StreamFrontend> =
                     Box::new(frontend::native::Native::new(a.depth, a.max_io));
@@ -669,8 +669,13 @@ enum NativeGate {
 const TLS_HANDSHAKE_RECORD: u8 = 0x16;
 
 /// Looks at a native connection's first byte (without taking it) and runs the TLS handshake
-/// if it starts one. None: refused or failed (logged).
-fn native_tls(s: &mut Admission, peer_s: &str, tls: &Tls) -> Option<NativeGate> {
+/// if it starts one. None: refused or failed (counted and logged, rate-limited).
+fn native_tls(
+    s: &mut Admission,
+    peer_s: &str,
+    tls: &Tls,
+    registry: &Registry,
+) -> Option<NativeGate> {
     let mut first = [0u8; 1];
     let peeked = s
         .left()
@@ -692,16 +697,19 @@ fn native_tls(s: &mut Admission, peer_s: &str, tls: &Tls) -> Option<NativeGate> 
         });
     }
     if tls.mode == TlsMode::Off {
-        crate::log!(
-            Level::Info,
-            "{peer_s}: TLS connection refused: this target runs with --tls off"
+        registry.access.refuse(
+            &peer_s,
+            "TLS connection, but this target runs with --tls off",
         );
         return None;
     }
     match s.start_tls(tls) {
         Ok(host) => Some(NativeGate::Tls(host)),
         Err(e) => {
-            crate::log!(Level::Info, "{peer_s}: TLS handshake failed: {e}");
+            // OpenSSL's reasons, not the peer's bytes: nothing to escape.
+            registry
+                .access
+                .refuse(&peer_s, &format!("TLS handshake failed: {e}"));
             None
         }
     }
@@ -768,9 +776,9 @@ fn native_handshake(
     for _ in 0..HANDSHAKE_FRAMES {
         let (h, payload) = read_handshake_frame(s, peer_s)?;
         if gate == NativeGate::PlainRefused {
-            crate::log!(
-                Level::Info,
-                "{peer_s}: plain connection refused: this target requires TLS (--tls require)"
+            registry.access.refuse(
+                &peer_s,
+                "plain connection, but this target requires TLS (--tls require)",
             );
             let _ = send(s, &h, Status::Access, TLS_REQUIRED_REASON.as_bytes());
             return None;

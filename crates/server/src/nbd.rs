@@ -138,7 +138,9 @@ pub fn negotiate(
                 match s.start_tls(tls) {
                     Ok(host) => proven_host = host,
                     Err(e) => {
-                        crate::log!(Level::Info, "{peer}: NBD TLS handshake failed: {e}");
+                        registry
+                            .access
+                            .refuse(&peer, &format!("NBD TLS handshake failed: {e}"));
                         return None;
                     }
                 }
@@ -150,9 +152,9 @@ pub fn negotiate(
         }
         if tls.mode == TlsMode::Require && !s.is_tls() && option != opt::ABORT {
             if !said_tls_required {
-                crate::log!(
-                    Level::Info,
-                    "{peer}: NBD client refused: this target requires TLS (--tls require)"
+                registry.access.refuse(
+                    &peer,
+                    "NBD option before STARTTLS, but this target requires TLS (--tls require)",
                 );
                 said_tls_required = true;
             }
