@@ -14,7 +14,9 @@
 # machine hits all of them alike; the summary is the median of the rounds.
 #
 # Environment: RUNTIME seconds per measurement (default 5), RAMP fio warm-up seconds (default 1),
-# ROUNDS (default 3), BLKWIRE (default target/release/blkwire; built if missing).
+# ROUNDS (default 3), BLKWIRE (default target/release/blkwire; built if missing), POLL_US: when
+# set, both blkwire ends spin that long before sleeping (`--poll-us`; 0 = never spin, so CPU
+# time is work, not waiting).
 #
 # Output: one line per measurement, then the medians. Server CPU is the target's user+system
 # time over the run, client CPU the benchmark program's (from /usr/bin/time), both in percent of
@@ -30,6 +32,8 @@ SIZE=1G
 EXPORT=scratch
 cd "$(dirname "$0")/.."
 BLKWIRE="${BLKWIRE:-target/release/blkwire}"
+POLL=()
+[[ -n "${POLL_US:-}" ]] && POLL=(--poll-us "$POLL_US")
 
 die() { echo "tls-compare: $*" >&2; exit 1; }
 
@@ -74,7 +78,7 @@ mkdir -p "$WORK/home/.pki/libnbd"
 cp "$WORK/cert.pem" "$WORK/home/.pki/libnbd/ca-cert.pem"
 
 "$BLKWIRE" serve --listen tcp://127.0.0.1:0 --listen nbd://127.0.0.1:0 \
-    --export "$EXPORT=mem:$SIZE" --tls on --tls-cert "$WORK/cert.pem" --tls-key "$WORK/key.pem" \
+    --export "$EXPORT=mem:$SIZE" "${POLL[@]}" --tls on --tls-cert "$WORK/cert.pem" --tls-key "$WORK/key.pem" \
     --log-level warn >"$WORK/serve.out" 2>"$WORK/serve.err" &
 SRV=$!
 deadline=$(( $(now_ms) + READY_TIMEOUT * 1000 ))
@@ -102,7 +106,7 @@ run() {
     native-plain | native-tls)
         local tls=()
         [[ "$c" == native-tls ]] && tls=(--tls-ca "$WORK/cert.pem")
-        cpu="$(run_timed "$out" "$SRV" "$BLKWIRE" bench "${tls[@]}" --rw randread --bs 4k \
+        cpu="$(run_timed "$out" "$SRV" "$BLKWIRE" bench "${tls[@]}" "${POLL[@]}" --rw randread --bs 4k \
             --iodepth 32 --runtime "$RUNTIME" --json "$TCP")" || die "bench $c failed: $(cat "$out.err")"
         python3 - "$out" <<'EOF' | tr '\n' ' '
 import json, sys
@@ -131,7 +135,7 @@ EOF
 CASES=(native-plain native-tls nbd-plain nbd-tls)
 N=${#CASES[@]}
 echo "# TLS vs plain: 4k randread QD32, 1 connection, ${RUNTIME}s per run, ${ROUNDS} rounds, 127.0.0.1, $(nproc) CPUs, $(openssl version)"
-echo "# target: $("$BLKWIRE" --version) serve --tls on (X.509, P-256), mem:$SIZE; native client: blkwire bench; NBD client: fio $(fio --version | sed 's/^fio-//') nbd engine (libnbd $(nbdinfo --version 2>/dev/null | sed -n 's/^libnbd //p'))"
+echo "# target: $("$BLKWIRE" --version) serve --tls on (X.509, P-256) ${POLL[*]}, mem:$SIZE; native client: blkwire bench; NBD client: fio $(fio --version | sed 's/^fio-//') nbd engine (libnbd $(nbdinfo --version 2>/dev/null | sed -n 's/^libnbd //p'))"
 printf '%-6s %-13s %9s %8s %8s %8s %10s %10s\n' round case IOPS p99_us srv_cpu% cli_cpu% srv_us/io cli_us/io
 declare -A R
 for (( r = 0; r < ROUNDS; r++ )); do

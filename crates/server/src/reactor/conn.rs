@@ -66,16 +66,14 @@ pub(super) struct Conn {
     pub(super) tls: Option<Box<TlsStream>>,
 }
 
-/// One receive or send step, for plain sockets and TLS alike.
+/// One receive step, for plain sockets and TLS alike.
 enum Step {
     /// Bytes moved.
     Moved(usize),
-    /// The peer closed (receive only).
+    /// The peer closed.
     Closed,
-    /// Nothing now; for a send, `out` is whether to wait for POLLOUT (always for plain).
-    Again {
-        out: bool,
-    },
+    /// Nothing until the socket is readable again.
+    Again,
     Interrupted,
     Failed(String),
 }
@@ -90,7 +88,7 @@ impl Step {
         }
         let err = std::io::Error::last_os_error();
         match err.raw_os_error() {
-            Some(libc::EAGAIN) => Step::Again { out: true },
+            Some(libc::EAGAIN) => Step::Again,
             Some(libc::EINTR) => Step::Interrupted,
             _ => Step::Failed(err.to_string()),
         }
@@ -100,7 +98,7 @@ impl Step {
         match io {
             tls::Io::Done(n) => Step::Moved(n),
             tls::Io::Closed => Step::Closed,
-            tls::Io::Again { out } => Step::Again { out },
+            tls::Io::Again { .. } => Step::Again,
             tls::Io::Failed(e) => Step::Failed(e),
         }
     }
@@ -111,8 +109,11 @@ impl Conn {
         self.sock.as_raw_fd()
     }
 
+    /// Reply bytes not sent yet: plaintext in `tx`, and for TLS the records gathered but not
+    /// yet on the socket.
     pub(super) fn tx_backlog(&self) -> usize {
-        self.tx.len() - self.tx_sent
+        let sealed = self.tls.as_ref().map_or(0, |t| t.get_ref().pending_out());
+        self.tx.len() - self.tx_sent + sealed
     }
 
     /// Stop reading when this much reply data waits to be sent: a client that sends requests but
@@ -215,7 +216,7 @@ pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             }
             // A TLS session that must send before it can read again (a key update answered
             // while the socket is full) is woken by the next POLLIN or reply like any other.
-            Step::Again { .. } => c.readable = false,
+            Step::Again => c.readable = false,
             Step::Interrupted => continue,
             Step::Failed(err) => {
                 crate::log!(
@@ -235,44 +236,28 @@ pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
 
 /// Sends as much of the reply backlog as the socket takes; arms POLLOUT if it fills up.
 pub(super) fn transmit(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
+    if c.tls.is_some() {
+        return transmit_tls(c, idx, sq);
+    }
     while c.tx_sent < c.tx.len() {
-        let step = match &mut c.tls {
-            // SAFETY: send from our own buffer.
-            None => match unsafe {
-                libc::send(
-                    c.fd(),
-                    c.tx[c.tx_sent..].as_ptr().cast(),
-                    c.tx.len() - c.tx_sent,
-                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-                )
-            } {
-                0 => Step::Moved(0),
-                n => Step::from_sys(n),
-            },
-            // Encrypted a record at a time straight onto the socket; a record the socket did
-            // not take stays inside OpenSSL and is finished by the retry with the same bytes.
-            Some(t) => Step::from_tls(tls::write(t, &c.tx[c.tx_sent..])),
+        // SAFETY: send from our own buffer.
+        let n = unsafe {
+            libc::send(
+                c.fd(),
+                c.tx[c.tx_sent..].as_ptr().cast(),
+                c.tx.len() - c.tx_sent,
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
         };
-        match step {
-            Step::Moved(n) => {
-                c.tx_sent += n;
-                c.bytes_sent += n as u64;
-            }
-            Step::Interrupted => continue,
-            Step::Again { out } => {
-                if !out {
-                    // Only a renegotiation makes a TLS write wait for input, and TLS 1.3 has
-                    // none: a peer that asks for one is broken.
-                    crate::log!(
-                        Level::Info,
-                        "session {} queue {}: TLS send waits for input; closing",
-                        c.session,
-                        c.queue
-                    );
-                    c.dead = true;
-                    c.closing = true;
-                    return;
-                }
+        if n >= 0 {
+            c.tx_sent += n as usize;
+            c.bytes_sent += n as u64;
+            continue;
+        }
+        let err = std::io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EAGAIN) => {
                 // A reader slower than we answer never lets the buffer drain completely, so
                 // what was sent is dropped from its front here; otherwise the buffer would grow
                 // by every byte ever sent. Only once the sent part is at least as long as what
@@ -288,11 +273,7 @@ pub(super) fn transmit(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                 sq.push(poll);
                 return;
             }
-            Step::Closed | Step::Failed(_) => {
-                let err = match step {
-                    Step::Failed(e) => e,
-                    _ => "connection closed".into(),
-                };
+            _ => {
                 crate::log!(
                     Level::Info,
                     "session {} queue {}: send failed: {err}",
@@ -311,6 +292,64 @@ pub(super) fn transmit(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     if c.tx.capacity() > c.tx_high_water() {
         c.tx.shrink_to(TX_KEEP);
     }
+}
+
+/// `transmit` for TLS: replies are sealed into records gathered by the session's transport
+/// (bounded), then sent in one go; when the socket fills, POLLOUT brings us back.
+fn transmit_tls(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
+    let Some(t) = c.tls.as_mut() else { return };
+    loop {
+        while c.tx_sent < c.tx.len() {
+            match tls::write(t, &c.tx[c.tx_sent..]) {
+                tls::Io::Done(n) => {
+                    c.tx_sent += n;
+                    c.bytes_sent += n as u64;
+                }
+                // The gathered records fill their bound: send them first.
+                tls::Io::Again { out: true } => break,
+                tls::Io::Again { out: false } => {
+                    // Only a renegotiation makes a TLS write wait for input, and TLS 1.3 has
+                    // none: a peer that asks for one is broken.
+                    return tls_send_failed(c, "TLS send waits for input");
+                }
+                tls::Io::Closed => return tls_send_failed(c, "connection closed"),
+                tls::Io::Failed(e) => return tls_send_failed(c, &e),
+            }
+        }
+        match t.get_mut().flush_out() {
+            Ok(true) if c.tx_sent == c.tx.len() => break,
+            Ok(true) => {}
+            Ok(false) => {
+                if c.tx_sent >= c.tx.len() - c.tx_sent {
+                    c.tx.drain(..c.tx_sent);
+                    c.tx_sent = 0;
+                }
+                c.want_out = true;
+                let poll = opcode::PollAdd::new(types::Fd(c.fd()), libc::POLLOUT as u32)
+                    .build()
+                    .user_data(ud(KIND_POLL_OUT, c.incarnation, idx, 0));
+                sq.push(poll);
+                return;
+            }
+            Err(e) => return tls_send_failed(c, &e.to_string()),
+        }
+    }
+    c.tx.clear();
+    c.tx_sent = 0;
+    if c.tx.capacity() > c.tx_high_water() {
+        c.tx.shrink_to(TX_KEEP);
+    }
+}
+
+fn tls_send_failed(c: &mut Conn, why: &str) {
+    crate::log!(
+        Level::Info,
+        "session {} queue {}: send failed: {why}",
+        c.session,
+        c.queue
+    );
+    c.dead = true;
+    c.closing = true;
 }
 
 /// Capacity a drained transmit buffer keeps: a batch of small replies or one 1 MiB read.
