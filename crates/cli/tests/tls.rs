@@ -194,21 +194,38 @@ fn qemu_img_round_trips_data_over_nbd_tls_psk() {
 fn tls_require_refuses_plain_nbd_clients_and_on_serves_both() {
     need("nbdinfo", "libnbd-bin");
     let dir = TempDir::new("tls-require");
-    let (t, keys) = psk_target(&dir, "require");
+    let (cert, key) = self_signed(&dir);
+    let (cert_s, key_s) = (cert.to_str().unwrap(), key.to_str().unwrap());
+    // libnbd wants the CA as DIR/ca-cert.pem.
+    let cas = dir.path("cas");
+    std::fs::create_dir(&cas).unwrap();
+    std::fs::copy(&cert, cas.join("ca-cert.pem")).unwrap();
+    let x509 =
+        |t: &TlsTarget| format!("nbds://{}/d?tls-certificates={}", t.nbd_addr, cas.display());
+    let size = (16u64 << 20).to_string();
+
+    // No keys, so nothing but TLS stands between a plain client and the export.
+    let t = TlsTarget::start(
+        &["d=mem:16M"],
+        &["--tls", "require", "--tls-cert", cert_s, "--tls-key", key_s],
+    );
     let plain = run("nbdinfo", &["--size", &t.nbd("d")]);
     assert!(
         !plain.status.success(),
         "a plain client was served by a --tls require target: {}",
         describe("nbdinfo", &[], &plain)
     );
-    assert_eq!(
-        tool("nbdinfo", &["--size", &t.nbds("d", "alice", &keys)]).trim(),
-        (16u64 << 20).to_string()
-    );
+    assert_eq!(tool("nbdinfo", &["--size", &x509(&t)]).trim(), size);
     // The FORCEDTLS rules, byte by byte: every option but STARTTLS is refused with
     // NBD_REP_ERR_TLS_REQD, and the refusal does not end the handshake.
     let mut raw = Raw::open(&t.nbd_addr);
-    for o in [opt::LIST, opt::STRUCTURED_REPLY, opt::EXTENDED_HEADERS] {
+    for o in [
+        opt::LIST,
+        opt::INFO,
+        opt::GO,
+        opt::STRUCTURED_REPLY,
+        opt::EXTENDED_HEADERS,
+    ] {
         raw.option(o, &[]);
         let (echo, typ, _) = raw.opt_reply();
         assert_eq!((echo, typ), (o, rep::ERR_TLS_REQD), "option {o}");
@@ -218,33 +235,22 @@ fn tls_require_refuses_plain_nbd_clients_and_on_serves_both() {
     raw.option(opt::STARTTLS, &[]);
     assert_eq!(raw.opt_reply().1, rep::ACK, "STARTTLS");
     drop(raw);
+    // EXPORT_NAME has no error reply: the target hangs up.
+    let mut raw = Raw::open(&t.nbd_addr);
+    raw.option(opt::EXPORT_NAME, b"d");
+    raw.assert_closed("EXPORT_NAME before STARTTLS", &[]);
 
-    // --tls on serves both: plain clients, and TLS ones (X.509 here: on a target with keys a
-    // plain client is unknown, so refused by the key rules rather than by TLS).
-    let dir = TempDir::new("tls-on");
-    let (cert, key) = self_signed(&dir);
+    // --tls on serves both.
     let t = TlsTarget::start(
         &["d=mem:16M"],
-        &[
-            "--tls",
-            "on",
-            "--tls-cert",
-            cert.to_str().unwrap(),
-            "--tls-key",
-            key.to_str().unwrap(),
-        ],
+        &["--tls", "on", "--tls-cert", cert_s, "--tls-key", key_s],
     );
     assert_eq!(
         tool("nbdinfo", &["--size", &t.nbd("d")]).trim(),
-        (16u64 << 20).to_string(),
+        size,
         "--tls on serves plain clients"
     );
-    // libnbd wants the CA as DIR/ca-cert.pem.
-    let cas = dir.path("cas");
-    std::fs::create_dir(&cas).unwrap();
-    std::fs::copy(&cert, cas.join("ca-cert.pem")).unwrap();
-    let uri = format!("nbds://{}/d?tls-certificates={}", t.nbd_addr, cas.display());
-    let info = tool("nbdinfo", &[&uri]);
+    let info = tool("nbdinfo", &[&x509(&t)]);
     assert!(info.contains("with TLS"), "--tls on serves TLS: {info}");
 }
 
@@ -385,6 +391,20 @@ fn native_tcp_over_tls_psk_round_trips_on_every_queue_and_wrong_keys_fail() {
     ]);
     assert!(ok && out.contains("\"size\""), "info over TLS-PSK: {err}");
 
+    let wrong_file = dir.path("wrong.psk");
+    key_file(&wrong_file, "alice");
+    assert_one_line_error(
+        &[
+            "info",
+            "--tls",
+            "--key",
+            wrong_file.to_str().unwrap(),
+            "--host-id",
+            "alice",
+            &url,
+        ],
+        "did not take the TLS-PSK key of host 'alice'",
+    );
     let wrong = ConnectOptions {
         key: Some(blkwire_auth::Key::generate()),
         ..opts.clone()

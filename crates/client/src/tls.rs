@@ -175,11 +175,14 @@ pub(crate) fn connect(url: &Url, opts: &ConnectOptions, s: TcpStream) -> Result<
                 let line = stack_line(st);
                 if opts.key.is_some() {
                     format!(
-                        "{line} (is the key for host id '{}' the target's?)",
+                        "the target did not take the TLS-PSK key of host '{}' (is it the key the \
+                         target has for that host id?); OpenSSL: {line}",
                         opts.host_id
                     )
                 } else {
-                    line
+                    format!(
+                        "{line} (a target without a certificate takes only TLS-PSK: pass --key)"
+                    )
                 }
             } else if let Some(io) = e.io_error() {
                 if io.kind() == std::io::ErrorKind::WouldBlock
