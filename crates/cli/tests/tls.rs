@@ -6,13 +6,14 @@
 
 mod common;
 
+use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 use blkwire_client::{Cmd, ConnectOptions, Url};
 use blkwire_wire::nbd::{opt, rep};
-use common::nbd_raw::Raw;
+use common::nbd_raw::{info_data, Raw};
 use common::{assert_one_line_error, cli, random_bytes, Target, TempDir};
 
 /// Seconds any external tool may run before `timeout` kills it.
@@ -546,5 +547,138 @@ fn tls_flags_are_checked_with_one_line_errors() {
     assert_one_line_error(
         &with(&["--tls", "on", "--tls-cert", cert.to_str().unwrap()]),
         "--tls-key",
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bounds
+
+fn tls_option(s: &mut impl Write, option: u32, data: &[u8]) {
+    let mut b = blkwire_wire::nbd::IHAVEOPT.to_be_bytes().to_vec();
+    b.extend_from_slice(&option.to_be_bytes());
+    b.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    b.extend_from_slice(data);
+    s.write_all(&b).unwrap();
+}
+
+/// (reply type, data) of one option reply.
+fn tls_opt_reply(s: &mut impl Read) -> (u32, Vec<u8>) {
+    let mut h = [0u8; 20];
+    s.read_exact(&mut h).unwrap();
+    let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+    assert!(len < 1 << 20);
+    let mut d = vec![0u8; len];
+    s.read_exact(&mut d).unwrap();
+    (u32::from_be_bytes(h[12..16].try_into().unwrap()), d)
+}
+
+/// A TLS client that sends READs and never reads the replies: the target stops reading it once
+/// its (sealed) replies reach the connection's high-water mark, and stays small.
+#[test]
+fn a_tls_client_that_never_reads_cannot_grow_the_target() {
+    use openssl::ssl::{ErrorCode, SslConnector, SslMethod, SslVerifyMode};
+    let dir = TempDir::new("tls-never-reads");
+    let (cert, key) = self_signed(&dir);
+    let t = TlsTarget::start(
+        &["m=mem:64M"],
+        &[
+            "--tls",
+            "require",
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+    );
+    let mut raw = Raw::open(&t.nbd_addr);
+    raw.option(opt::STARTTLS, &[]);
+    assert_eq!(raw.opt_reply().1, rep::ACK);
+    let mut b = SslConnector::builder(SslMethod::tls_client()).unwrap();
+    b.set_verify(SslVerifyMode::NONE);
+    let mut s = b
+        .build()
+        .connect("localhost", raw.0)
+        .expect("TLS handshake");
+    tls_option(&mut s, opt::GO, &info_data("m", &[]));
+    while tls_opt_reply(&mut s).0 != rep::ACK {}
+    let before = common::rss_kib(t._t.pid() as u32);
+    s.get_ref().set_nonblocking(true).unwrap();
+    let (mut sent, mut blocked) = (0u64, false);
+    for i in 0..(1u64 << 20) {
+        let r = blkwire_wire::nbd::Request {
+            flags: 0,
+            typ: blkwire_wire::nbd::cmd::READ,
+            cookie: i,
+            offset: 0,
+            length: 65536,
+        };
+        match s.ssl_write(&r.encode()) {
+            Ok(_) => sent += 1,
+            Err(e) if e.code() == ErrorCode::WANT_WRITE => {
+                // The socket is full: the target has stopped reading this client.
+                blocked = true;
+                break;
+            }
+            Err(e) => panic!("TLS write failed after {sent} requests: {e}"),
+        }
+    }
+    let after = common::rss_kib(t._t.pid() as u32);
+    assert!(
+        blocked,
+        "target kept reading {sent} requests whose replies nobody reads"
+    );
+    // What an NBD connection may hold by design: replies up to its high-water mark, twice the
+    // 32 MiB maximum payload (a plain connection grows as much, ~68 MiB here); TLS adds its
+    // gathered records (at most 256 KiB) and a record inside OpenSSL. Unbounded, the flood would
+    // be gigabytes of replies.
+    assert!(
+        after < before + 80 * 1024,
+        "target RSS grew from {before} KiB to {after} KiB after {sent} unread 64 KiB reads"
+    );
+    // The target still serves others.
+    let (ok, out, err) = cli(&["info", "--tls-ca", cert.to_str().unwrap(), &t._t.url("m")]);
+    assert!(ok && out.contains("64M"), "{err}");
+}
+
+/// A client that starts a TLS handshake and stops is cut off at the handshake deadline: the
+/// TLS handshake runs under the same deadline as the rest of the admission.
+#[test]
+fn a_stalled_tls_handshake_is_cut_off_at_its_deadline() {
+    let dir = TempDir::new("tls-stall");
+    let (cert, key) = self_signed(&dir);
+    let t = Target::start_with(
+        &["m=mem:1M"],
+        &[
+            "--tls",
+            "on",
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+            "--handshake-timeout",
+            "1",
+        ],
+    );
+    let addr = t.base.trim_start_matches("tcp://");
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    // The first bytes of a TLS record header (handshake, TLS 1.0 record version), then nothing.
+    s.write_all(&[0x16, 0x03, 0x01]).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut b = [0u8; 64];
+    match s.read(&mut b) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Ok(n) => panic!(
+            "the target answered a third of a record header: {:02x?}",
+            &b[..n]
+        ),
+        Err(e) => panic!("the target kept a stalled TLS handshake open: {e}"),
+    }
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "cut off only after {:?}",
+        started.elapsed()
     );
 }
