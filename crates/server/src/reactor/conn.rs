@@ -74,6 +74,10 @@ enum Step {
     Closed,
     /// Nothing until the socket is readable again.
     Again,
+    /// TLS: the session must send before it reads on (a key update answered while the socket
+    /// and the gathered records are full); the bytes it took are inside it, so no POLLIN may
+    /// come: the connection stays readable and is serviced again once POLLOUT drains them.
+    AgainAfterSend,
     Interrupted,
     Failed(String),
 }
@@ -98,7 +102,8 @@ impl Step {
         match io {
             tls::Io::Done(n) => Step::Moved(n),
             tls::Io::Closed => Step::Closed,
-            tls::Io::Again { .. } => Step::Again,
+            tls::Io::Again { out: false } => Step::Again,
+            tls::Io::Again { out: true } => Step::AgainAfterSend,
             tls::Io::Failed(e) => Step::Failed(e),
         }
     }
@@ -214,9 +219,8 @@ pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                     c.queue
                 );
             }
-            // A TLS session that must send before it can read again (a key update answered
-            // while the socket is full) is woken by the next POLLIN or reply like any other.
             Step::Again => c.readable = false,
+            Step::AgainAfterSend => {}
             Step::Interrupted => continue,
             Step::Failed(err) => {
                 crate::log!(
