@@ -11,6 +11,10 @@ command -v sha256sum >/dev/null || need+=(coreutils)
 command -v pkg-config >/dev/null || need+=(pkg-config)
 [ -e /usr/include/openssl/ssl.h ] || need+=(libssl-dev)
 command -v python3 >/dev/null || need+=(python3)
+# TLS (crates/server, crates/client): the openssl crate builds against the system OpenSSL; the
+# tests make certificates with the openssl CLI.
+pkg-config --exists openssl 2>/dev/null || need+=(pkg-config libssl-dev)
+command -v openssl >/dev/null || need+=(openssl)
 # Peers for the benchmarks (bench/): installed up front so `make bench` works offline later.
 command -v fio >/dev/null || need+=(fio)
 command -v nbdkit >/dev/null || need+=(nbdkit)

@@ -1,5 +1,6 @@
-//! Who this initiator is: `--host-id`, `--key`, `--encrypt`, shared by every command that
-//! opens a session or queries a target (PROTOCOL.md §12).
+//! Who this initiator is and how it reaches the target: `--host-id`, `--key`, `--encrypt`,
+//! `--tls`, `--tls-ca`, shared by every command that opens a session or queries a target
+//! (PROTOCOL.md §12).
 
 use std::path::PathBuf;
 
@@ -17,6 +18,13 @@ pub struct Identity {
     /// udp:// and eth:// with a key: encrypt frames, not only authenticate them
     #[arg(long)]
     encrypt: bool,
+    /// TLS 1.3 to a tcp:// target (one serving with --tls on|require): TLS-PSK with --key (the
+    /// PSK identity is the host id), else X.509 verified against the system's CAs or --tls-ca
+    #[arg(long)]
+    tls: bool,
+    /// CA certificates (PEM) the target's X.509 certificate must chain to; implies --tls
+    #[arg(long, value_name = "FILE")]
+    tls_ca: Option<PathBuf>,
 }
 
 impl Identity {
@@ -30,6 +38,11 @@ impl Identity {
                 .clone()
                 .map(|p| std::fs::canonicalize(&p).unwrap_or(p)),
             encrypt: self.encrypt,
+            tls: self.tls,
+            tls_ca: self
+                .tls_ca
+                .clone()
+                .map(|p| std::fs::canonicalize(&p).unwrap_or(p)),
         }
     }
 

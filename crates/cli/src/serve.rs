@@ -4,7 +4,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use blkwire_backend::ExportSpec;
-use blkwire_server::{log, Limits, Target, TargetConfig};
+use blkwire_server::{log, Limits, Target, TargetConfig, TlsMode, TlsSettings};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -48,7 +48,8 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = 256, hide = true)]
     max_handshakes: usize,
     /// Key file of the hosts this target knows (HOST-ID:HEXKEY lines, `blkwire key gen`; mode
-    /// 0600). With it every host must prove its key, and the target proves it back
+    /// 0600). With it every host must prove its key, and the target proves it back; also the
+    /// TLS-PSK keys (the PSK identity is the host id)
     #[arg(long, value_name = "FILE")]
     keys: Option<std::path::PathBuf>,
     /// A host (repeatable) that may read the live counters (`blkwire stats`) on a target with
@@ -58,6 +59,17 @@ pub struct Args {
     /// error, warn, info or debug
     #[arg(long, default_value = "info")]
     log_level: String,
+    /// TLS on tcp:// and nbd:// listeners: off, on (TLS and plain) or require (TLS only;
+    /// NBD clients must use STARTTLS). Credentials: --keys (TLS-PSK, the PSK identity is the
+    /// host id) and/or --tls-cert/--tls-key (X.509)
+    #[arg(long, value_name = "MODE", default_value = "off", value_parser = TlsMode::parse)]
+    tls: TlsMode,
+    /// The target's X.509 certificate chain (PEM), with --tls on|require
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// The private key of --tls-cert (PEM)
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
 }
 
 /// `--export` in `--help`: every backend the registry knows, with what it is.
@@ -120,6 +132,11 @@ pub fn run(a: Args) -> Result<(), String> {
             .map(blkwire_auth::KeyStore::load)
             .transpose()?,
         admins: a.admin,
+        tls: TlsSettings {
+            mode: a.tls,
+            cert: a.tls_cert,
+            key: a.tls_key,
+        },
     };
     let target = Target::bind(&cfg).map_err(|e| e.to_string())?;
     let stop = target.stop_handle();

@@ -312,6 +312,7 @@ fn a_forged_udp_write_into_a_sealed_session_is_dropped() {
                 host_id: Some("alice".into()),
                 key_file: Some(keys.dir.path("alice")),
                 encrypt: false,
+                ..Default::default()
             }
             .apply(&mut opts)
             .unwrap();

@@ -633,6 +633,25 @@ fn fio_verify_on(run: &Run, netns: Option<&str>, url: &str, extra: &[&str]) {
     run.assert_clean();
 }
 
+/// A mapping whose every queue is a TLS-PSK connection (`map --tls --key`) to a target that
+/// serves nothing in plain (`--tls require`): data written through the device reads back.
+#[test]
+fn fio_verify_over_tls_psk() {
+    require_root!();
+    let run = Run::new("tls");
+    let keys = run.dir().join("keys.psk");
+    let keys = keys.to_str().unwrap();
+    let (ok, _, err) = common::cli(&["key", "gen", keys, "--host-id", "alice"]);
+    assert!(ok, "key gen: {err}");
+    let t = Target::start_with(&["disk=mem:128M"], &["--keys", keys, "--tls", "require"]);
+    fio_verify_on(
+        &run,
+        None,
+        &t.url("disk"),
+        &["--tls", "--key", keys, "--host-id", "alice"],
+    );
+}
+
 /// A target on loopback listening on udp:// too (besides the tcp:// one its stats are asked
 /// on); returns it and the udp:// base URL.
 fn udp_target(exports: &[&str], extra: &[&str]) -> (Target, String) {

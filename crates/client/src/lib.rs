@@ -13,11 +13,15 @@ mod auth;
 mod dgram;
 mod queue;
 mod stream;
+mod tls;
 mod url;
 
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
+use std::path::PathBuf;
 use std::time::Duration;
+
+use tls::Link;
 
 use blkwire_wire::{
     ExportEntry, Features, Header, HelloReply, Join, Opcode, Status, Tag, AUTH_LEN, HEADER_LEN,
@@ -61,6 +65,8 @@ pub enum Error {
     Auth(String),
     /// A socket call failed.
     Io(std::io::Error),
+    /// TLS could not be set up with the target (handshake refused, certificate not trusted).
+    Tls(String),
 }
 
 impl std::fmt::Display for Error {
@@ -81,6 +87,7 @@ impl std::fmt::Display for Error {
             Error::Protocol(s) => write!(f, "protocol error from the target: {s}"),
             Error::Auth(s) => f.write_str(s),
             Error::Io(e) => write!(f, "network error: {e}"),
+            Error::Tls(s) => f.write_str(s),
         }
     }
 }
@@ -114,6 +121,11 @@ pub struct ConnectOptions {
     /// Datagram sessions with a key: encrypt frames, not only authenticate them
     /// (PROTOCOL.md §12.4; `--encrypt`, or `?encrypt=1` on the URL).
     pub encrypt: bool,
+    /// TLS 1.3 on `tcp://` (`--tls`): with `key`, TLS-PSK (the identity is `host_id`); without,
+    /// X.509, the target's certificate verified against `tls_ca` (else the system's roots).
+    pub tls: bool,
+    /// `--tls-ca FILE`: the CA certificates (PEM) the target's certificate must chain to.
+    pub tls_ca: Option<PathBuf>,
     /// Longest wait for any reply before giving up with [`Error::Timeout`].
     pub timeout: Duration,
     /// How long to spin for a reply before sleeping (trades CPU for latency).
@@ -129,6 +141,8 @@ impl Default for ConnectOptions {
             host_id: blkwire_auth::default_host_id(),
             key: None,
             encrypt: false,
+            tls: false,
+            tls_ca: None,
             timeout: Duration::from_secs(30),
             poll: Duration::from_micros(50),
         }
@@ -145,11 +159,18 @@ pub struct Credentials {
     pub key_file: Option<std::path::PathBuf>,
     /// `--encrypt`.
     pub encrypt: bool,
+    /// `--tls` (implied by `--tls-ca`): TLS 1.3 on `tcp://`.
+    pub tls: bool,
+    /// `--tls-ca FILE`: the CA certificates the target's X.509 certificate must chain to.
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 impl Credentials {
-    /// Fills the host id, key and encryption of `opts`; errors are one line that says what to do.
+    /// Fills the host id, key, encryption and TLS of `opts`; errors are one line that says what
+    /// to do.
     pub fn apply(&self, opts: &mut ConnectOptions) -> std::result::Result<(), String> {
+        opts.tls = self.tls || self.tls_ca.is_some();
+        opts.tls_ca = self.tls_ca.clone();
         if let Some(id) = &self.host_id {
             blkwire_auth::keys::check_host_id(id).map_err(|e| format!("--host-id: {e}"))?;
             opts.host_id = id.clone();
@@ -227,6 +248,16 @@ pub struct Session {
     pub queues: Vec<Queue>,
 }
 
+/// Connects to a `tcp://` target, with TLS when the options ask for it.
+fn open_link(url: &Url, opts: &ConnectOptions) -> Result<Link> {
+    let s = dial(url, opts.timeout)?;
+    if opts.tls {
+        tls::connect(url, opts, s)
+    } else {
+        Ok(Link::Plain(s))
+    }
+}
+
 fn dial(url: &Url, timeout: Duration) -> Result<TcpStream> {
     let addr = url.authority();
     let addrs: Vec<_> = addr
@@ -255,17 +286,12 @@ fn dial(url: &Url, timeout: Duration) -> Result<TcpStream> {
 }
 
 /// One blocking request/reply exchange during the handshake.
-fn exchange(
-    s: &mut TcpStream,
-    h: &Header,
-    payload: &[u8],
-    max_reply: u32,
-) -> Result<(Header, Vec<u8>)> {
+fn exchange(s: &mut Link, h: &Header, payload: &[u8], max_reply: u32) -> Result<(Header, Vec<u8>)> {
     let mut h = *h;
     h.payload_len = payload.len() as u32;
     let mut buf = h.to_bytes().to_vec();
     buf.extend_from_slice(payload);
-    s.write_all(&buf).map_err(|e| map_io(e, s))?;
+    s.write_all(&buf).map_err(|e| map_io(e, s.tcp()))?;
     let mut hb = [0u8; HEADER_LEN];
     let mut got = 0;
     while got < HEADER_LEN {
@@ -276,7 +302,7 @@ fn exchange(
                 continue;
             }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => map_io(e, s),
+            Err(e) => map_io(e, s.tcp()),
         };
         // An NBD listener greets first, then hangs up on what it cannot parse.
         if matches!(err, Error::Closed) && hb[..got].starts_with(NBD_GREETING) {
@@ -293,7 +319,7 @@ fn exchange(
         return Err(Error::Protocol(format!("expected a {:?} reply", h.opcode)));
     }
     let mut p = vec![0u8; r.payload_len as usize];
-    s.read_exact(&mut p).map_err(|e| map_io(e, s))?;
+    s.read_exact(&mut p).map_err(|e| map_io(e, s.tcp()))?;
     Ok((r, p))
 }
 
@@ -311,6 +337,13 @@ fn map_io(e: std::io::Error, s: &TcpStream) -> Error {
         }
         _ => Error::Io(e),
     }
+}
+
+/// The reason a target may give with a refusal (PROTOCOL.md §2): shown only when it is short
+/// printable UTF-8, so a hostile target cannot put control characters on the user's terminal.
+fn refusal_reason(p: &[u8]) -> Option<&str> {
+    let s = std::str::from_utf8(p).ok()?;
+    (!s.is_empty() && s.len() <= 256 && s.chars().all(|c| !c.is_control())).then_some(s)
 }
 
 /// Lists the exports of the target a URL points at that this host may open (the export part
@@ -356,7 +389,7 @@ fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
     };
     let (attempt, (r, p)) = match url.transport {
         Transport::Tcp => {
-            let mut s = dial(url, opts.timeout)?;
+            let mut s = open_link(url, opts)?;
             let mut a = auth::Attempt::new(target_name(url), "", opts, 0, features)?;
             // STATS is up to 1 MiB, and the proof follows it.
             let max = (1 << 20) + AUTH_LEN as u32;
@@ -378,6 +411,12 @@ fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
         }
     };
     if r.status != Status::Ok {
+        if let Some(why) = refusal_reason(&p) {
+            return Err(Error::Auth(format!(
+                "{} refused to {what}: {why}",
+                target_name(url)
+            )));
+        }
         return Err(match attempt.refused(r.status) {
             Error::Status { status, .. } => Error::Status {
                 what: what.into(),
@@ -538,7 +577,7 @@ fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Res
     })
     .map_err(|e| no_answer(url, e))?;
     if r.status != Status::Ok {
-        return Err(refused(url, opts, &attempt, r.status));
+        return Err(refused(url, opts, &attempt, r.status, &p));
     }
     let reply = HelloReply::decode(&p).map_err(|e| Error::Protocol(e.to_string()))?;
     let keys = attempt.check_welcome(&reply)?;
@@ -612,9 +651,23 @@ fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Res
     Ok(Session { info, queues })
 }
 
-/// A refused HELLO as the error the user sees: authentication refusals name the host and the
-/// target; an unknown export lists what there is.
-fn refused(url: &Url, opts: &ConnectOptions, attempt: &auth::Attempt, status: Status) -> Error {
+/// A refused HELLO as the error the user sees: the target's own reason when it gave one (e.g.
+/// TLS required); authentication refusals name the host and the target; an unknown export
+/// lists what there is.
+fn refused(
+    url: &Url,
+    opts: &ConnectOptions,
+    attempt: &auth::Attempt,
+    status: Status,
+    reason: &[u8],
+) -> Error {
+    if let Some(why) = refusal_reason(reason) {
+        return Error::Auth(format!(
+            "{} refused export '{}': {why}",
+            target_name(url),
+            url.export
+        ));
+    }
     match status {
         Status::NoExport => hello_refused(url, opts, status),
         _ => attempt.refused(status),
@@ -622,13 +675,13 @@ fn refused(url: &Url, opts: &ConnectOptions, attempt: &auth::Attempt, status: St
 }
 
 fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
-    let mut s0 = dial(url, opts.timeout)?;
+    let mut s0 = open_link(url, opts)?;
     let mut attempt = auth::Attempt::new(target_name(url), &url.export, opts, 0, 0)?;
     let (r, p) = auth::hello_exchange(&mut attempt, |tag, p| {
         exchange(&mut s0, &hello(tag), p, 4096)
     })?;
     if r.status != Status::Ok {
-        return Err(refused(url, opts, &attempt, r.status));
+        return Err(refused(url, opts, &attempt, r.status, &p));
     }
     let reply = HelloReply::decode(&p).map_err(|e| Error::Protocol(e.to_string()))?;
     let keys = attempt.check_welcome(&reply)?;
@@ -636,7 +689,8 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     let info = info_from(url, &reply);
     let mut queues = vec![Queue::stream(stream::StreamQueue::new(s0, 0, &info, opts)?)];
     for q in 1..reply.queues {
-        let mut s = dial(url, opts.timeout)?;
+        // Every queue of a TLS session is a TLS connection of its own.
+        let mut s = open_link(url, opts)?;
         let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
         h.session = reply.session;
         h.queue = q;

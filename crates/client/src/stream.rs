@@ -1,12 +1,15 @@
-//! TCP queues: one connection, `depth` slots, frames pipelined through one send buffer.
+//! TCP queues: one connection, `depth` slots, frames pipelined through one send buffer. A TLS
+//! queue encrypts that buffer and decrypts into the receive buffer, record by record, through
+//! its session on the same non-blocking socket.
 
-use std::net::TcpStream;
+use std::io::ErrorKind;
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
 use blkwire_wire::{Flags, Header, Opcode, Status, Tag, HEADER_LEN};
 
 use crate::queue::{Cmd, Completion, Parts, QueueStats};
+use crate::tls::Link;
 use crate::{ConnectOptions, Error, ExportInfo, Result};
 
 #[derive(Clone, Copy, Default)]
@@ -19,7 +22,7 @@ struct Slot {
 }
 
 pub(crate) struct StreamQueue {
-    sock: TcpStream,
+    sock: Link,
     index: u16,
     max_io: u32,
     slots: Vec<Slot>,
@@ -39,12 +42,12 @@ pub(crate) struct StreamQueue {
 
 impl StreamQueue {
     pub(crate) fn new(
-        sock: TcpStream,
+        sock: Link,
         index: u16,
         info: &ExportInfo,
         opts: &ConnectOptions,
     ) -> Result<StreamQueue> {
-        sock.set_nonblocking(true)?;
+        sock.tcp().set_nonblocking(true)?;
         let depth = info.depth;
         Ok(StreamQueue {
             sock,
@@ -115,29 +118,22 @@ impl StreamQueue {
     pub fn send(&mut self) -> Result<()> {
         let deadline = Instant::now() + self.timeout;
         while self.tx_sent < self.tx.len() {
-            // SAFETY: send from our own buffer on our own socket.
-            let n = unsafe {
-                libc::send(
-                    self.sock.as_raw_fd(),
-                    self.tx[self.tx_sent..].as_ptr().cast(),
-                    self.tx.len() - self.tx_sent,
-                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-                )
+            let e = match self.sock.send_nb(&self.tx[self.tx_sent..]) {
+                Ok(n) => {
+                    self.tx_sent += n;
+                    continue;
+                }
+                Err(e) => e,
             };
-            if n >= 0 {
-                self.tx_sent += n as usize;
-                continue;
-            }
-            let e = std::io::Error::last_os_error();
-            match e.raw_os_error() {
-                Some(libc::EINTR) => continue,
-                Some(libc::EAGAIN) => {
+            match e.kind() {
+                ErrorKind::Interrupted => continue,
+                ErrorKind::WouldBlock => {
                     let ev = self.wait_fd(libc::POLLOUT | libc::POLLIN, deadline)?;
                     if ev & libc::POLLIN != 0 {
                         self.fill(true)?;
                     }
                 }
-                Some(libc::EPIPE) | Some(libc::ECONNRESET) => return Err(Error::Closed),
+                ErrorKind::BrokenPipe | ErrorKind::ConnectionReset => return Err(Error::Closed),
                 _ => return Err(Error::Io(e)),
             }
         }
@@ -217,7 +213,7 @@ impl StreamQueue {
     }
 
     pub fn fd(&self) -> RawFd {
-        self.sock.as_raw_fd()
+        self.sock.tcp().as_raw_fd()
     }
 
     /// Reads whatever the socket holds. Returns false when nothing was there.
@@ -241,28 +237,20 @@ impl StreamQueue {
             }
         }
         loop {
-            // SAFETY: recv into the free tail of our own buffer.
-            let n = unsafe {
-                libc::recv(
-                    self.sock.as_raw_fd(),
-                    self.rx[self.rx_end..].as_mut_ptr().cast(),
-                    self.rx.len() - self.rx_end,
-                    libc::MSG_DONTWAIT,
-                )
-            };
-            if n > 0 {
-                self.rx_end += n as usize;
-                return Ok(true);
-            }
-            if n == 0 {
-                return Err(Error::Closed);
-            }
-            let e = std::io::Error::last_os_error();
-            match e.raw_os_error() {
-                Some(libc::EINTR) => continue,
-                Some(libc::EAGAIN) => return Ok(false),
-                Some(libc::ECONNRESET) => return Err(Error::Closed),
-                _ => return Err(Error::Io(e)),
+            // TLS: Ok(false) only once the session holds no decrypted bytes either, so a caller
+            // that then waits for the socket never leaves replies behind.
+            match self.sock.recv_nb(&mut self.rx[self.rx_end..]) {
+                Ok(0) => return Err(Error::Closed),
+                Ok(n) => {
+                    self.rx_end += n;
+                    return Ok(true);
+                }
+                Err(e) => match e.kind() {
+                    ErrorKind::Interrupted => continue,
+                    ErrorKind::WouldBlock => return Ok(false),
+                    ErrorKind::ConnectionReset => return Err(Error::Closed),
+                    _ => return Err(Error::Io(e)),
+                },
             }
         }
     }
@@ -274,7 +262,7 @@ impl StreamQueue {
                 return Err(Error::Timeout(self.timeout));
             }
             let mut p = libc::pollfd {
-                fd: self.sock.as_raw_fd(),
+                fd: self.fd(),
                 events,
                 revents: 0,
             };

@@ -205,6 +205,8 @@ fn recovery_spec(
             host_id: rec.host_id.clone(),
             key_file: rec.key_file.clone().map(Into::into),
             encrypt: rec.encrypt,
+            tls: rec.tls,
+            tls_ca: rec.tls_ca.clone().map(Into::into),
         },
         mode: Mode::Recover(Box::new(rec)),
         fuse_io,

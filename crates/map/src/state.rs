@@ -92,6 +92,12 @@ pub struct Record {
     /// `--encrypt`.
     #[serde(default)]
     pub encrypt: bool,
+    /// `--tls` (records of older versions have none).
+    #[serde(default)]
+    pub tls: bool,
+    /// `--tls-ca`: the CA file's path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_ca: Option<String>,
 }
 
 /// What a reader concludes about a record.

@@ -16,6 +16,7 @@ mod ports;
 mod reactor;
 mod session;
 mod stats;
+mod tls;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -37,6 +38,8 @@ use reactor::{Msg, NewQueue, Reactor};
 pub use session::Limits;
 use session::{HelloAnswer, Registry};
 use stats::QueueStats;
+use tls::{Tls, TlsStream};
+pub use tls::{TlsMode, TlsSettings};
 
 /// Largest handshake payload accepted (a HELLO is at most ~530 bytes).
 const MAX_HANDSHAKE_PAYLOAD: u32 = 4096;
@@ -47,6 +50,8 @@ const MAX_HANDSHAKE_PAYLOAD: u32 = 4096;
 pub(crate) struct Admission {
     s: TcpStream,
     deadline: Instant,
+    /// The TLS session once one was negotiated: every later byte goes through it.
+    tls: Option<Box<TlsStream>>,
 }
 
 impl Admission {
@@ -61,18 +66,40 @@ impl Admission {
         }
         Ok(left)
     }
+
+    /// Whether the connection is encrypted from here on.
+    pub(crate) fn is_tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
+    /// Runs the TLS handshake (server side) and sends everything after it through the session.
+    /// Returns the host id the client proved with its PSK, if it used one.
+    pub(crate) fn start_tls(&mut self, tls: &Tls) -> Result<Option<String>, String> {
+        let (session, host) = tls.accept(self.s.as_raw_fd(), self.deadline)?;
+        self.tls = Some(Box::new(session));
+        Ok(host)
+    }
 }
 
 impl Read for Admission {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        self.s.set_read_timeout(Some(self.left()?))?;
+        let left = self.left()?;
+        if let Some(t) = &mut self.tls {
+            // The session's transport waits for the socket until the deadline itself.
+            return t.read(buf);
+        }
+        self.s.set_read_timeout(Some(left))?;
         self.s.read(buf)
     }
 }
 
 impl Write for Admission {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.s.set_write_timeout(Some(self.left()?))?;
+        let left = self.left()?;
+        if let Some(t) = &mut self.tls {
+            return t.write(buf);
+        }
+        self.s.set_write_timeout(Some(left))?;
         self.s.write(buf)
     }
     fn flush(&mut self) -> std::io::Result<()> {
@@ -98,6 +125,9 @@ pub struct TargetConfig {
     pub keys: Option<blkwire_auth::KeyStore>,
     /// `--admin HOST`: proven hosts that may read STATS on a target with keys.
     pub admins: Vec<String>,
+    /// `--tls`, `--tls-cert`, `--tls-key`: TLS on stream listeners (TLS-PSK keys come from
+    /// `keys`).
+    pub tls: TlsSettings,
 }
 
 struct Worker {
@@ -113,6 +143,7 @@ pub struct Target {
     registry: Arc<Registry>,
     workers: Vec<Worker>,
     stop: Arc<OwnedFd>,
+    tls: Arc<Tls>,
 }
 
 /// Why a target cannot start, or stopped serving. Each message is one line that says what was
@@ -225,6 +256,7 @@ impl Target {
         if cfg.listen.is_empty() {
             return Err(Error::Config("nothing to listen on: add --listen tcp://ADDR:PORT (or nbd://, udp://, eth://IFACE)".into()));
         }
+        let tls = Arc::new(Tls::build(&cfg.tls, cfg.keys.as_ref())?);
         let mut exports = Vec::new();
         for spec in &cfg.exports {
             if exports
@@ -359,6 +391,7 @@ impl Target {
             registry,
             workers,
             stop,
+            tls,
         })
     }
 
@@ -462,10 +495,11 @@ impl Target {
                         let registry = self.registry.clone();
                         let workers = workers.clone();
                         let frontend = self.listeners[i].2;
+                        let tls = self.tls.clone();
                         let spawned = std::thread::Builder::new().name("blkwire-hs".into()).spawn(
                             move || {
                                 let _slot = in_progress;
-                                handshake(stream, peer, frontend, &registry, &workers)
+                                handshake(stream, peer, frontend, &registry, &workers, &tls)
                             },
                         );
                         if let Err(e) = spawned {
@@ -567,6 +601,7 @@ fn handshake(
     frontend: ListenerKind,
     registry: &Registry,
     workers: &[(Sender<Msg>, i32)],
+    tls: &Tls,
 ) {
     let peer_s = peer.to_string();
     let _ = s.set_nodelay(true);
@@ -574,18 +609,26 @@ fn handshake(
     let mut s = Admission {
         s,
         deadline: Instant::now() + registry.limits().handshake_timeout,
+        tls: None,
     };
     let admitted = match frontend {
-        ListenerKind::Native => native_handshake(&mut s, peer, registry, workers).map(|a| {
-            let fe: Box<dyn StreamFrontend> =
-                Box::new(frontend::native::Native::new(a.depth, a.max_io));
-            (a, fe)
+        ListenerKind::Native => native_tls(&mut s, &peer_s, tls, registry).and_then(|gate| {
+            native_handshake(&mut s, peer, registry, workers, gate).map(|a| {
+                let fe: Box<dyn StreamFrontend> =
+                    Box::new(frontend::native::Native::new(a.depth, a.max_io));
+                (a, fe)
+            })
         }),
-        ListenerKind::Nbd => nbd::negotiate(&mut s, &peer_s, registry),
+        ListenerKind::Nbd => nbd::negotiate(&mut s, &peer_s, registry, tls),
     };
     let Some((admitted, frontend)) = admitted else {
         return;
     };
+    // From here on the reactor drives the session on the non-blocking socket.
+    let tls = s.tls.take().map(|mut t| {
+        t.get_mut().set_nonblocking_only();
+        t
+    });
     let s = s.s;
     let _ = s.set_read_timeout(None);
     let _ = s.set_write_timeout(None);
@@ -600,6 +643,7 @@ fn handshake(
         max_io: admitted.max_io,
         peer: peer_s,
         frontend,
+        tls,
     };
     if workers[w].0.send(Msg::Queue(q)).is_ok() {
         eventfd_write(workers[w].1);
@@ -607,6 +651,73 @@ fn handshake(
         registry.leave(admitted.session, admitted.queue, &QueueStats::default());
     }
 }
+
+/// What the TLS check of a native connection decided.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum NativeGate {
+    /// Plain, allowed (`--tls off|on`).
+    Plain,
+    /// Plain on a `--tls require` target: its first frame is answered with ACCESS and a
+    /// reason, so the initiator can say why, and nothing is served.
+    PlainRefused,
+    /// TLS; with the host id the client proved with its PSK (None: X.509).
+    Tls(Option<String>),
+}
+
+/// A TLS record starts with content type 22 (handshake); a native frame with the magic 0xB10C
+/// little-endian, i.e. 0x0C: one byte tells which the client speaks.
+const TLS_HANDSHAKE_RECORD: u8 = 0x16;
+
+/// Looks at a native connection's first byte (without taking it) and runs the TLS handshake
+/// if it starts one. None: refused or failed (counted and logged, rate-limited).
+fn native_tls(
+    s: &mut Admission,
+    peer_s: &str,
+    tls: &Tls,
+    registry: &Registry,
+) -> Option<NativeGate> {
+    let mut first = [0u8; 1];
+    let peeked = s
+        .left()
+        .and_then(|left| s.s.set_read_timeout(Some(left)))
+        .and_then(|()| s.s.peek(&mut first));
+    match peeked {
+        Ok(1) => {}
+        Ok(_) => return None,
+        Err(e) => {
+            crate::log!(Level::Debug, "{peer_s}: closed before handshake: {e}");
+            return None;
+        }
+    }
+    if first[0] != TLS_HANDSHAKE_RECORD {
+        return Some(if tls.mode == TlsMode::Require {
+            NativeGate::PlainRefused
+        } else {
+            NativeGate::Plain
+        });
+    }
+    if tls.mode == TlsMode::Off {
+        registry.access.refuse(
+            &peer_s,
+            "TLS connection, but this target runs with --tls off",
+        );
+        return None;
+    }
+    match s.start_tls(tls) {
+        Ok(host) => Some(NativeGate::Tls(host)),
+        Err(e) => {
+            // OpenSSL's reasons, not the peer's bytes: nothing to escape.
+            registry
+                .access
+                .refuse(&peer_s, &format!("TLS handshake failed: {e}"));
+            None
+        }
+    }
+}
+
+/// Why a plain native connection to a `--tls require` target is refused, sent as the payload of
+/// the ACCESS reply (PROTOCOL.md §2: a refusal may carry a reason).
+const TLS_REQUIRED_REASON: &str = "this target requires TLS: connect with --tls";
 
 /// Frames a native handshake may take: two HELLOs (challenge, then answer, PROTOCOL.md §12.1)
 /// and a spare for a client that re-sends after an expired challenge.
@@ -649,14 +760,29 @@ fn native_handshake(
     peer: SocketAddr,
     registry: &Registry,
     workers: &[(Sender<Msg>, i32)],
+    gate: NativeGate,
 ) -> Option<session::Admitted> {
     let peer_s = &peer.to_string();
     let id = access::PeerId::ip(peer);
     let send = |s: &mut Admission, h: &Header, status: Status, payload: &[u8]| {
         send_frame(s, &h.reply(status, payload.len() as u32), payload)
     };
+    // The host id a TLS-PSK client proved: its HELLO must name the same host. (The export
+    // rules see the host the HELLO proves with the native handshake, the same one.)
+    let proven_host = match &gate {
+        NativeGate::Tls(h) => h.as_deref(),
+        _ => None,
+    };
     for _ in 0..HANDSHAKE_FRAMES {
         let (h, payload) = read_handshake_frame(s, peer_s)?;
+        if gate == NativeGate::PlainRefused {
+            registry.access.refuse(
+                &peer_s,
+                "plain connection, but this target requires TLS (--tls require)",
+            );
+            let _ = send(s, &h, Status::Access, TLS_REQUIRED_REASON.as_bytes());
+            return None;
+        }
         let refuse = |s: &mut Admission, status: Status, why: &str| {
             crate::log!(Level::Info, "{peer_s}: handshake refused: {why}");
             let _ = send(s, &h, status, &[]);
@@ -686,6 +812,14 @@ fn native_handshake(
                     Ok(x) => x,
                     Err(e) => return refuse(s, Status::Invalid, &e.to_string()),
                 };
+                if let Some(proven) = proven_host.filter(|p| *p != hello.host_id) {
+                    let (said, proven) = (hello.host_id.escape_debug(), proven.escape_debug());
+                    return refuse(
+                        s,
+                        Status::Access,
+                        &format!("HELLO names host '{said}' but TLS-PSK proved '{proven}'"),
+                    );
+                }
                 let stats = || stats_json(registry, workers);
                 match registry.hello(&hello, &id, None, &stats) {
                     HelloAnswer::Challenge(nonce) => {
@@ -830,6 +964,7 @@ mod tests {
             poll: Duration::ZERO,
             keys: None,
             admins: Vec::new(),
+            tls: TlsSettings::default(),
         }
     }
 

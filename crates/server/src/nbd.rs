@@ -12,6 +12,7 @@ use blkwire_wire::nbd::{self, info, opt, rep, InfoRequest, MetaRequest};
 use crate::frontend::{nbd::Nbd, StreamFrontend};
 use crate::log::Level;
 use crate::session::{Admitted, Registry};
+use crate::tls::{Tls, TlsMode};
 use crate::Admission;
 
 /// Largest option payload read; anything bigger is refused with ERR_TOO_BIG after skipping it.
@@ -72,6 +73,7 @@ pub fn negotiate(
     s: &mut Admission,
     peer: &str,
     registry: &Registry,
+    tls: &Tls,
 ) -> Option<(Admitted, Box<dyn StreamFrontend>)> {
     let mut hello = Vec::with_capacity(18);
     hello.extend_from_slice(&nbd::NBDMAGIC.to_be_bytes());
@@ -95,9 +97,12 @@ pub fn negotiate(
         Ok(a) => PeerAddr::Ip(a.ip()),
         Err(_) => return None,
     };
-    let who = (None, &addr);
     let mut structured = false;
     let mut allocation = false;
+    // The host id a TLS-PSK client proved (the PSK user name): admission records it, and the
+    // per-export ACL check (issue 12 item 5) takes it as the authenticated host.
+    let mut proven_host: Option<String> = None;
+    let mut said_tls_required = false;
     for _ in 0..MAX_OPTIONS {
         let mut oh = [0u8; nbd::OPTION_HEADER_LEN];
         s.read_exact(&mut oh).ok()?;
@@ -120,12 +125,58 @@ pub fn negotiate(
         }
         let mut data = vec![0u8; len as usize];
         s.read_exact(&mut data).ok()?;
+        if option == opt::STARTTLS {
+            if tls.mode == TlsMode::Off {
+                error_reply(s, option, rep::ERR_UNSUP, "TLS is not offered")?;
+            } else if s.is_tls() {
+                error_reply(s, option, rep::ERR_INVALID, "TLS is already negotiated")?;
+            } else if !data.is_empty() {
+                error_reply(s, option, rep::ERR_INVALID, "STARTTLS takes no data")?;
+            } else {
+                reply(s, option, rep::ACK, &[])?;
+                // Past the ACK there is no way back to plain: a failed handshake ends it.
+                match s.start_tls(tls) {
+                    Ok(host) => proven_host = host,
+                    Err(e) => {
+                        registry
+                            .access
+                            .refuse(&peer, &format!("NBD TLS handshake failed: {e}"));
+                        return None;
+                    }
+                }
+                // The spec: nothing negotiated before STARTTLS survives it.
+                structured = false;
+                allocation = false;
+            }
+            continue;
+        }
+        if tls.mode == TlsMode::Require && !s.is_tls() && option != opt::ABORT {
+            if !said_tls_required {
+                registry.access.refuse(
+                    &peer,
+                    "NBD option before STARTTLS, but this target requires TLS (--tls require)",
+                );
+                said_tls_required = true;
+            }
+            if option == opt::EXPORT_NAME {
+                return None; // it has no error reply: the spec says to hang up
+            }
+            error_reply(
+                s,
+                option,
+                rep::ERR_TLS_REQD,
+                "TLS is required: use STARTTLS",
+            )?;
+            continue;
+        }
+        // Who the client is for the export rules: the host it proved with TLS-PSK, if any.
+        let who = (proven_host.as_deref(), &addr);
         match option {
             opt::EXPORT_NAME => {
                 let name = String::from_utf8_lossy(&data).into_owned();
                 // No error reply exists for EXPORT_NAME: an unknown name closes the connection.
                 let e = find(registry, who, &name)?.clone();
-                let adm = admit(registry, &e, peer)?;
+                let adm = admit(registry, &e, peer, proven_host.as_deref())?;
                 let mut out = Vec::with_capacity(134);
                 out.extend_from_slice(&e.size().to_be_bytes());
                 out.extend_from_slice(&transmission_flags(&e, structured).to_be_bytes());
@@ -179,7 +230,7 @@ pub fn negotiate(
                 };
                 send_info(s, option, &e, &req, structured)?;
                 if option == opt::GO {
-                    let adm = admit(registry, &e, peer)?;
+                    let adm = admit(registry, &e, peer, proven_host.as_deref())?;
                     reply(s, option, rep::ACK, &[])?;
                     let fe = Nbd {
                         structured,
@@ -245,7 +296,7 @@ pub fn negotiate(
                 }
                 reply(s, option, rep::ACK, &[])?;
             }
-            // TLS is not offered; extended headers are refused cleanly (libnbd falls back).
+            // Extended headers are refused cleanly (libnbd falls back).
             _ => error_reply(s, option, rep::ERR_UNSUP, "option not supported")?,
         }
     }
@@ -288,8 +339,16 @@ fn send_info(
     reply(s, option, rep::INFO, &d)
 }
 
-fn admit(registry: &Registry, e: &std::sync::Arc<Export>, peer: &str) -> Option<Admitted> {
-    match registry.admit_single(e, "nbd client", peer, NBD_DEPTH, NBD_MAX_PAYLOAD) {
+/// Admits the client to export `e`; `proven_host` is the host id it proved with TLS-PSK (None:
+/// plain or X.509, no identity).
+fn admit(
+    registry: &Registry,
+    e: &std::sync::Arc<Export>,
+    peer: &str,
+    proven_host: Option<&str>,
+) -> Option<Admitted> {
+    let host = proven_host.unwrap_or("nbd client");
+    match registry.admit_single(e, host, peer, NBD_DEPTH, NBD_MAX_PAYLOAD) {
         Ok(a) => Some(a),
         Err(st) => {
             crate::log!(Level::Info, "{peer}: NBD session refused: {st}");

@@ -33,7 +33,7 @@ pub mod opt {
     pub const ABORT: u32 = 2;
     /// NBD_OPT_LIST: list the exports.
     pub const LIST: u32 = 3;
-    /// NBD_OPT_STARTTLS: upgrade to TLS (refused by blkwire).
+    /// NBD_OPT_STARTTLS: upgrade to TLS (offered with `serve --tls on|require`).
     pub const STARTTLS: u32 = 5;
     /// NBD_OPT_INFO: describe an export without selecting it.
     pub const INFO: u32 = 6;
@@ -65,6 +65,8 @@ pub mod rep {
     pub const ERR_POLICY: u32 = (1 << 31) + 2;
     /// NBD_REP_ERR_INVALID: option malformed or not allowed now.
     pub const ERR_INVALID: u32 = (1 << 31) + 3;
+    /// NBD_REP_ERR_TLS_REQD: the server serves nothing before STARTTLS (FORCEDTLS).
+    pub const ERR_TLS_REQD: u32 = (1 << 31) + 5;
     /// NBD_REP_ERR_UNKNOWN: no such export.
     pub const ERR_UNKNOWN: u32 = (1 << 31) + 6;
     /// NBD_REP_ERR_SHUTDOWN: the server is shutting down.

@@ -365,6 +365,12 @@ impl Mapping {
                 .as_ref()
                 .map(|p| p.display().to_string()),
             encrypt: spec.credentials.encrypt,
+            tls: spec.credentials.tls,
+            tls_ca: spec
+                .credentials
+                .tls_ca
+                .as_ref()
+                .map(|p| p.display().to_string()),
         };
         let block = info.logical_block.max(512);
         let dev = match &spec.mode {

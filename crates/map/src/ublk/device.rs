@@ -279,6 +279,12 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
             .as_ref()
             .map(|p| p.display().to_string()),
         encrypt: spec.credentials.encrypt,
+        tls: spec.credentials.tls,
+        tls_ca: spec
+            .credentials
+            .tls_ca
+            .as_ref()
+            .map(|p| p.display().to_string()),
     };
     if let Mode::New { .. } = spec.mode {
         if let Some(old) = Record::load(&device)? {

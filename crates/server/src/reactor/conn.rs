@@ -14,6 +14,7 @@ use crate::bufpool::Buffers;
 use crate::executor::Executor;
 use crate::frontend::{Req, StreamFrontend};
 use crate::log::Level;
+use crate::tls::{self, TlsStream};
 
 #[derive(Default)]
 pub(super) struct Slot {
@@ -60,6 +61,52 @@ pub(super) struct Conn {
     /// The socket is dead: drop the connection as soon as nothing is in flight.
     pub(super) dead: bool,
     pub(super) bytes_sent: u64,
+    /// TLS session: `receive` and `transmit` go through it instead of the socket calls (one
+    /// branch each; plain connections pay nothing more). Lives on this reactor only.
+    pub(super) tls: Option<Box<TlsStream>>,
+}
+
+/// One receive step, for plain sockets and TLS alike.
+enum Step {
+    /// Bytes moved.
+    Moved(usize),
+    /// The peer closed.
+    Closed,
+    /// Nothing until the socket is readable again.
+    Again,
+    /// TLS: the session must send before it reads on (a key update answered while the socket
+    /// and the gathered records are full); the bytes it took are inside it, so no POLLIN may
+    /// come: the connection stays readable and is serviced again once POLLOUT drains them.
+    AgainAfterSend,
+    Interrupted,
+    Failed(String),
+}
+
+impl Step {
+    fn from_sys(n: isize) -> Step {
+        if n > 0 {
+            return Step::Moved(n as usize);
+        }
+        if n == 0 {
+            return Step::Closed;
+        }
+        let err = std::io::Error::last_os_error();
+        match err.raw_os_error() {
+            Some(libc::EAGAIN) => Step::Again,
+            Some(libc::EINTR) => Step::Interrupted,
+            _ => Step::Failed(err.to_string()),
+        }
+    }
+
+    fn from_tls(io: tls::Io) -> Step {
+        match io {
+            tls::Io::Done(n) => Step::Moved(n),
+            tls::Io::Closed => Step::Closed,
+            tls::Io::Again { out: false } => Step::Again,
+            tls::Io::Again { out: true } => Step::AgainAfterSend,
+            tls::Io::Failed(e) => Step::Failed(e),
+        }
+    }
 }
 
 impl Conn {
@@ -67,8 +114,11 @@ impl Conn {
         self.sock.as_raw_fd()
     }
 
+    /// Reply bytes not sent yet: plaintext in `tx`, and for TLS the records gathered but not
+    /// yet on the socket.
     pub(super) fn tx_backlog(&self) -> usize {
-        self.tx.len() - self.tx_sent
+        let sealed = self.tls.as_ref().map_or(0, |t| t.get_ref().pending_out());
+        self.tx.len() - self.tx_sent + sealed
     }
 
     /// Stop reading when this much reply data waits to be sent: a client that sends requests but
@@ -138,22 +188,26 @@ pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             c.rx_end -= c.rx_start;
             c.rx_start = 0;
         }
-        // SAFETY: recv into the unused tail of our own buffer.
-        let n = unsafe {
-            libc::recv(
-                c.fd(),
-                c.rx[c.rx_end..].as_mut_ptr().cast(),
-                c.rx.len() - c.rx_end,
-                libc::MSG_DONTWAIT,
-            )
+        let step = match &mut c.tls {
+            // SAFETY: recv into the unused tail of our own buffer.
+            None => Step::from_sys(unsafe {
+                libc::recv(
+                    c.fd(),
+                    c.rx[c.rx_end..].as_mut_ptr().cast(),
+                    c.rx.len() - c.rx_end,
+                    libc::MSG_DONTWAIT,
+                )
+            }),
+            // The record layer reads the socket itself: at most a record of ciphertext waits
+            // inside it, the plaintext lands where a recv would have put it.
+            Some(t) => Step::from_tls(tls::read(t, &mut c.rx[c.rx_end..])),
         };
-        if n > 0 {
-            c.rx_end += n as usize;
-            continue;
-        }
-        let err = std::io::Error::last_os_error();
-        match (n, err.raw_os_error()) {
-            (0, _) => {
+        match step {
+            Step::Moved(n) => {
+                c.rx_end += n;
+                continue;
+            }
+            Step::Closed => {
                 // Orderly shutdown by the peer; whatever it sent before is still answered.
                 parse_frames(c, idx, sq);
                 c.closing = true;
@@ -165,9 +219,10 @@ pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                     c.queue
                 );
             }
-            (_, Some(libc::EAGAIN)) => c.readable = false,
-            (_, Some(libc::EINTR)) => continue,
-            _ => {
+            Step::Again => c.readable = false,
+            Step::AgainAfterSend => {}
+            Step::Interrupted => continue,
+            Step::Failed(err) => {
                 crate::log!(
                     Level::Info,
                     "session {} queue {}: receive failed: {err}",
@@ -185,6 +240,9 @@ pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
 
 /// Sends as much of the reply backlog as the socket takes; arms POLLOUT if it fills up.
 pub(super) fn transmit(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
+    if c.tls.is_some() {
+        return transmit_tls(c, idx, sq);
+    }
     while c.tx_sent < c.tx.len() {
         // SAFETY: send from our own buffer.
         let n = unsafe {
@@ -238,6 +296,64 @@ pub(super) fn transmit(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     if c.tx.capacity() > c.tx_high_water() {
         c.tx.shrink_to(TX_KEEP);
     }
+}
+
+/// `transmit` for TLS: replies are sealed into records gathered by the session's transport
+/// (bounded), then sent in one go; when the socket fills, POLLOUT brings us back.
+fn transmit_tls(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
+    let Some(t) = c.tls.as_mut() else { return };
+    loop {
+        while c.tx_sent < c.tx.len() {
+            match tls::write(t, &c.tx[c.tx_sent..]) {
+                tls::Io::Done(n) => {
+                    c.tx_sent += n;
+                    c.bytes_sent += n as u64;
+                }
+                // The gathered records fill their bound: send them first.
+                tls::Io::Again { out: true } => break,
+                tls::Io::Again { out: false } => {
+                    // Only a renegotiation makes a TLS write wait for input, and TLS 1.3 has
+                    // none: a peer that asks for one is broken.
+                    return tls_send_failed(c, "TLS send waits for input");
+                }
+                tls::Io::Closed => return tls_send_failed(c, "connection closed"),
+                tls::Io::Failed(e) => return tls_send_failed(c, &e),
+            }
+        }
+        match t.get_mut().flush_out() {
+            Ok(true) if c.tx_sent == c.tx.len() => break,
+            Ok(true) => {}
+            Ok(false) => {
+                if c.tx_sent >= c.tx.len() - c.tx_sent {
+                    c.tx.drain(..c.tx_sent);
+                    c.tx_sent = 0;
+                }
+                c.want_out = true;
+                let poll = opcode::PollAdd::new(types::Fd(c.fd()), libc::POLLOUT as u32)
+                    .build()
+                    .user_data(ud(KIND_POLL_OUT, c.incarnation, idx, 0));
+                sq.push(poll);
+                return;
+            }
+            Err(e) => return tls_send_failed(c, &e.to_string()),
+        }
+    }
+    c.tx.clear();
+    c.tx_sent = 0;
+    if c.tx.capacity() > c.tx_high_water() {
+        c.tx.shrink_to(TX_KEEP);
+    }
+}
+
+fn tls_send_failed(c: &mut Conn, why: &str) {
+    crate::log!(
+        Level::Info,
+        "session {} queue {}: send failed: {why}",
+        c.session,
+        c.queue
+    );
+    c.dead = true;
+    c.closing = true;
 }
 
 /// Capacity a drained transmit buffer keeps: a batch of small replies or one 1 MiB read.

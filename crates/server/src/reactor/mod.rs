@@ -53,6 +53,8 @@ pub struct NewQueue {
     pub peer: String,
     /// The protocol the connection speaks from now on, with its negotiated state.
     pub frontend: Box<dyn StreamFrontend>,
+    /// The TLS session the handshake negotiated, if any: all bytes go through it.
+    pub tls: Option<Box<crate::tls::TlsStream>>,
 }
 
 pub enum Msg {
@@ -267,6 +269,7 @@ impl Reactor {
             closing: self.shutting_down,
             dead: false,
             bytes_sent: 0,
+            tls: q.tls,
             sock: q.sock,
         };
         let poll = opcode::PollAdd::new(types::Fd(conn.fd()), libc::POLLIN as u32)

@@ -647,6 +647,7 @@ mod tests {
             closing: false,
             dead: false,
             bytes_sent: 0,
+            tls: None,
         };
         (c, b)
     }

@@ -1,0 +1,684 @@
+//! TLS (issue 12 item 4): NBD STARTTLS against real clients (libnbd's nbdinfo and nbdcopy over
+//! `nbds://` with TLS-PSK, qemu-img with `tls-creds-psk`), native `tcp://` over TLS with PSK
+//! (client library) and X.509 (`blkwire cp --tls-ca`, a certificate made here with the openssl
+//! CLI), and what `--tls require` does to plain clients. Every external tool runs under
+//! coreutils' `timeout`; a missing tool fails the test and names the package.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use blkwire_client::{Cmd, ConnectOptions, Url};
+use blkwire_wire::nbd::{opt, rep};
+use common::nbd_raw::{info_data, Raw};
+use common::{assert_one_line_error, cli, random_bytes, Target, TempDir};
+
+/// Seconds any external tool may run before `timeout` kills it.
+const TOOL_LIMIT: &str = "120";
+
+/// Fails the test, naming the package, when a tool is not installed.
+fn need(prog: &str, package: &str) {
+    let found = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(prog).is_file()))
+        .unwrap_or(false);
+    assert!(
+        found,
+        "{prog} is not installed: this test needs it (apt-get install {package}; scripts/deps.sh does)"
+    );
+}
+
+fn run(prog: &str, args: &[&str]) -> Output {
+    Command::new("timeout")
+        .args(["-k", "5", TOOL_LIMIT, prog])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {prog}: {e}"))
+}
+
+fn describe(prog: &str, args: &[&str], out: &Output) -> String {
+    format!(
+        "{prog} {}: {}\n--- stdout\n{}--- stderr\n{}",
+        args.join(" "),
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Runs a tool that must succeed; returns its stdout.
+fn tool(prog: &str, args: &[&str]) -> String {
+    let out = run(prog, args);
+    assert!(out.status.success(), "{}", describe(prog, args, &out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Writes a key file (nbdkit's `user:hexkey` format, mode 0600) for `host` with a fresh key.
+fn key_file(path: &Path, host: &str) -> blkwire_auth::Key {
+    let key = blkwire_auth::Key::generate();
+    std::fs::write(path, format!("{host}:{}\n", key.to_hex())).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    key
+}
+
+/// A target with a native and an NBD listener and these TLS arguments.
+struct TlsTarget {
+    /// Kept for its lifetime: dropping it stops the target.
+    _t: Target,
+    nbd_addr: String,
+}
+
+impl TlsTarget {
+    fn start(exports: &[&str], tls: &[&str]) -> TlsTarget {
+        let mut extra = vec!["--listen", "nbd://127.0.0.1:0"];
+        extra.extend_from_slice(tls);
+        let (t, urls) = Target::start_listeners(exports, &extra);
+        let nbd = urls
+            .iter()
+            .find(|u| u.starts_with("nbd://"))
+            .expect("an nbd:// listener")
+            .trim_start_matches("nbd://")
+            .to_string();
+        TlsTarget {
+            _t: t,
+            nbd_addr: nbd,
+        }
+    }
+
+    /// libnbd's URI for TLS-PSK as `alice` with the key file `psk`.
+    fn nbds(&self, export: &str, user: &str, psk: &Path) -> String {
+        format!(
+            "nbds://{user}@{}/{export}?tls-psk-file={}",
+            self.nbd_addr,
+            psk.display()
+        )
+    }
+
+    fn nbd(&self, export: &str) -> String {
+        format!("nbd://{}/{export}", self.nbd_addr)
+    }
+}
+
+fn psk_target(dir: &TempDir, mode: &str) -> (TlsTarget, PathBuf) {
+    let keys = dir.path("keys.psk");
+    key_file(&keys, "alice");
+    let t = TlsTarget::start(
+        &["d=mem:16M"],
+        &["--keys", keys.to_str().unwrap(), "--tls", mode],
+    );
+    (t, keys)
+}
+
+// ---------------------------------------------------------------------------------------------
+// NBD
+
+#[test]
+fn nbdcopy_round_trips_data_over_nbd_starttls_with_psk() {
+    need("nbdcopy", "libnbd-bin");
+    need("nbdinfo", "libnbd-bin");
+    let dir = TempDir::new("tls-nbdcopy");
+    let (t, keys) = psk_target(&dir, "require");
+    let uri = t.nbds("d", "alice", &keys);
+    let info = tool("nbdinfo", &[&uri]);
+    assert!(
+        info.contains("with TLS"),
+        "nbdinfo did not negotiate TLS: {info}"
+    );
+    let src = random_bytes(8 << 20, 12);
+    std::fs::write(dir.path("src"), &src).unwrap();
+    tool("nbdcopy", &[dir.path("src").to_str().unwrap(), &uri]);
+    let back = dir.path("back");
+    tool("nbdcopy", &[&uri, back.to_str().unwrap()]);
+    let got = std::fs::read(&back).unwrap();
+    assert_eq!(got.len(), 16 << 20);
+    assert!(
+        got[..src.len()] == src[..],
+        "data read back over TLS differs"
+    );
+    assert!(got[src.len()..].iter().all(|b| *b == 0));
+}
+
+#[test]
+fn qemu_img_round_trips_data_over_nbd_tls_psk() {
+    need("qemu-img", "qemu-utils");
+    let dir = TempDir::new("tls-qemu");
+    let (t, keys) = psk_target(&dir, "require");
+    // qemu reads its PSKs from DIR/keys.psk, in the same format.
+    let creds = dir.path("creds");
+    std::fs::create_dir(&creds).unwrap();
+    std::fs::copy(&keys, creds.join("keys.psk")).unwrap();
+    let object = format!(
+        "tls-creds-psk,id=t,endpoint=client,dir={},username=alice",
+        creds.display()
+    );
+    let (host, port) = t.nbd_addr.rsplit_once(':').unwrap();
+    let image = format!("driver=nbd,host={host},port={port},export=d,tls-creds=t");
+    let src = random_bytes(16 << 20, 77);
+    std::fs::write(dir.path("src"), &src).unwrap();
+    tool(
+        "qemu-img",
+        &[
+            "convert",
+            "-n",
+            "-f",
+            "raw",
+            "--object",
+            &object,
+            "--target-image-opts",
+            dir.path("src").to_str().unwrap(),
+            &image,
+        ],
+    );
+    tool(
+        "qemu-img",
+        &[
+            "convert",
+            "--object",
+            &object,
+            "--image-opts",
+            &image,
+            "-O",
+            "raw",
+            dir.path("back").to_str().unwrap(),
+        ],
+    );
+    assert!(
+        std::fs::read(dir.path("back")).unwrap() == src,
+        "qemu-img read back other bytes"
+    );
+}
+
+#[test]
+fn tls_require_refuses_plain_nbd_clients_and_on_serves_both() {
+    need("nbdinfo", "libnbd-bin");
+    let dir = TempDir::new("tls-require");
+    let (cert, key) = self_signed(&dir);
+    let (cert_s, key_s) = (cert.to_str().unwrap(), key.to_str().unwrap());
+    // libnbd wants the CA as DIR/ca-cert.pem.
+    let cas = dir.path("cas");
+    std::fs::create_dir(&cas).unwrap();
+    std::fs::copy(&cert, cas.join("ca-cert.pem")).unwrap();
+    let x509 =
+        |t: &TlsTarget| format!("nbds://{}/d?tls-certificates={}", t.nbd_addr, cas.display());
+    let size = (16u64 << 20).to_string();
+
+    // No keys, so nothing but TLS stands between a plain client and the export.
+    let t = TlsTarget::start(
+        &["d=mem:16M"],
+        &["--tls", "require", "--tls-cert", cert_s, "--tls-key", key_s],
+    );
+    let plain = run("nbdinfo", &["--size", &t.nbd("d")]);
+    assert!(
+        !plain.status.success(),
+        "a plain client was served by a --tls require target: {}",
+        describe("nbdinfo", &[], &plain)
+    );
+    assert_eq!(tool("nbdinfo", &["--size", &x509(&t)]).trim(), size);
+    // The FORCEDTLS rules, byte by byte: every option but STARTTLS is refused with
+    // NBD_REP_ERR_TLS_REQD, and the refusal does not end the handshake.
+    let mut raw = Raw::open(&t.nbd_addr);
+    for o in [
+        opt::LIST,
+        opt::INFO,
+        opt::GO,
+        opt::STRUCTURED_REPLY,
+        opt::EXTENDED_HEADERS,
+    ] {
+        raw.option(o, &[]);
+        let (echo, typ, _) = raw.opt_reply();
+        assert_eq!((echo, typ), (o, rep::ERR_TLS_REQD), "option {o}");
+    }
+    raw.option(opt::STARTTLS, b"x");
+    assert_eq!(raw.opt_reply().1, rep::ERR_INVALID, "STARTTLS with data");
+    raw.option(opt::STARTTLS, &[]);
+    assert_eq!(raw.opt_reply().1, rep::ACK, "STARTTLS");
+    drop(raw);
+    // EXPORT_NAME has no error reply: the target hangs up.
+    let mut raw = Raw::open(&t.nbd_addr);
+    raw.option(opt::EXPORT_NAME, b"d");
+    raw.assert_closed("EXPORT_NAME before STARTTLS", &[]);
+
+    // --tls on serves both.
+    let t = TlsTarget::start(
+        &["d=mem:16M"],
+        &["--tls", "on", "--tls-cert", cert_s, "--tls-key", key_s],
+    );
+    assert_eq!(
+        tool("nbdinfo", &["--size", &t.nbd("d")]).trim(),
+        size,
+        "--tls on serves plain clients"
+    );
+    let info = tool("nbdinfo", &[&x509(&t)]);
+    assert!(info.contains("with TLS"), "--tls on serves TLS: {info}");
+}
+
+#[test]
+fn starttls_is_refused_without_tls_and_wrong_psks_get_nothing() {
+    need("nbdinfo", "libnbd-bin");
+    // --tls off (the default): STARTTLS is not offered.
+    let t = TlsTarget::start(&["d=mem:1M"], &[]);
+    let mut raw = Raw::open(&t.nbd_addr);
+    raw.option(opt::STARTTLS, &[]);
+    let (_, typ, _) = raw.opt_reply();
+    assert_eq!(typ, rep::ERR_UNSUP);
+    drop(raw);
+
+    let dir = TempDir::new("tls-wrong");
+    let (t, _) = psk_target(&dir, "require");
+    let wrong = dir.path("wrong.psk");
+    key_file(&wrong, "alice");
+    let out = run("nbdinfo", &["--size", &t.nbds("d", "alice", &wrong)]);
+    assert!(
+        !out.status.success(),
+        "a wrong PSK was accepted: {}",
+        describe("nbdinfo", &[], &out)
+    );
+    let unknown = dir.path("mallory.psk");
+    key_file(&unknown, "mallory");
+    let out = run("nbdinfo", &["--size", &t.nbds("d", "mallory", &unknown)]);
+    assert!(
+        !out.status.success(),
+        "an unknown PSK identity was accepted"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Native tcp://
+
+/// Writes a pattern through a session with these options and reads it back on every queue.
+fn round_trip(url: &str, opts: &ConnectOptions) -> Result<(), blkwire_client::Error> {
+    let u = Url::parse(url).unwrap();
+    let mut s = blkwire_client::connect(&u, opts)?;
+    assert_eq!(s.queues.len(), opts.queues as usize, "every queue joined");
+    for (i, q) in s.queues.iter_mut().enumerate() {
+        let data = random_bytes(256 << 10, i as u64 + 1);
+        let at = i as u64 * (1 << 20);
+        q.submit(
+            Cmd::Write {
+                offset: at,
+                data: &data,
+                fua: false,
+            },
+            1,
+        )?;
+        let mut st = None;
+        q.complete(1, |c| st = Some(c.status))?;
+        assert_eq!(st, Some(blkwire_wire::Status::Ok));
+        let mut back = Vec::new();
+        q.submit(
+            Cmd::Read {
+                offset: at,
+                len: data.len() as u32,
+            },
+            2,
+        )?;
+        q.complete(1, |c| back = c.data.to_vec())?;
+        assert!(back == data, "queue {i}: data read back differs");
+    }
+    Ok(())
+}
+
+/// 8 MiB written, then read back with 8 reads of 1 MiB in flight at once: more reply data than
+/// the socket buffers hold, so the target's sealed replies wait for POLLOUT and the client
+/// decrypts while it still sends.
+fn bulk_round_trip(url: &str, opts: &ConnectOptions) {
+    let u = Url::parse(url).unwrap();
+    let mut s = blkwire_client::connect(&u, opts).expect("session");
+    let q = &mut s.queues[0];
+    let data = random_bytes(8 << 20, 99);
+    for (i, chunk) in data.chunks(1 << 20).enumerate() {
+        let w = Cmd::Write {
+            offset: (i as u64) << 20,
+            data: chunk,
+            fua: false,
+        };
+        q.submit(w, i as u64).unwrap();
+    }
+    q.complete(8, |c| assert_eq!(c.status, blkwire_wire::Status::Ok))
+        .unwrap();
+    for i in 0..8u64 {
+        let r = Cmd::Read {
+            offset: i << 20,
+            len: 1 << 20,
+        };
+        q.submit(r, i).unwrap();
+    }
+    let mut back = vec![0u8; data.len()];
+    let mut done = 0;
+    while done < 8 {
+        done += q
+            .complete(1, |c| {
+                let at = (c.user as usize) << 20;
+                back[at..at + c.data.len()].copy_from_slice(c.data);
+            })
+            .unwrap();
+    }
+    assert!(back == data, "bulk data read back over TLS differs");
+}
+
+#[test]
+fn native_tcp_over_tls_psk_round_trips_on_every_queue_and_wrong_keys_fail() {
+    let dir = TempDir::new("tls-native-psk");
+    let keys = dir.path("keys.psk");
+    let key = key_file(&keys, "alice");
+    let t = Target::start_with(
+        &["d=mem:16M"],
+        &["--keys", keys.to_str().unwrap(), "--tls", "require"],
+    );
+    let url = t.url("d");
+    let opts = ConnectOptions {
+        queues: 3,
+        depth: 8,
+        host_id: "alice".into(),
+        key: Some(key),
+        tls: true,
+        ..Default::default()
+    };
+    round_trip(&url, &opts).expect("TLS-PSK session");
+    bulk_round_trip(&url, &opts);
+    // The command line: --tls with --key uses the key as the PSK.
+    let (ok, out, err) = cli(&[
+        "info",
+        "--tls",
+        "--key",
+        keys.to_str().unwrap(),
+        "--host-id",
+        "alice",
+        "--json",
+        &url,
+    ]);
+    assert!(ok && out.contains("\"size\""), "info over TLS-PSK: {err}");
+
+    let wrong_file = dir.path("wrong.psk");
+    key_file(&wrong_file, "alice");
+    assert_one_line_error(
+        &[
+            "info",
+            "--tls",
+            "--key",
+            wrong_file.to_str().unwrap(),
+            "--host-id",
+            "alice",
+            &url,
+        ],
+        "did not take the TLS-PSK key of host 'alice'",
+    );
+    let wrong = ConnectOptions {
+        key: Some(blkwire_auth::Key::generate()),
+        ..opts.clone()
+    };
+    let e = round_trip(&url, &wrong).expect_err("a wrong key must not get in");
+    assert!(matches!(e, blkwire_client::Error::Tls(_)), "wrong key: {e}");
+    let plain = ConnectOptions {
+        tls: false,
+        ..opts.clone()
+    };
+    let e = round_trip(&url, &plain).expect_err("plain against --tls require");
+    assert!(e.to_string().contains("requires TLS"), "{e}");
+}
+
+/// A self-signed certificate for 127.0.0.1, made with the openssl CLI.
+fn self_signed(dir: &TempDir) -> (PathBuf, PathBuf) {
+    need("openssl", "openssl");
+    let (cert, key) = (dir.path("cert.pem"), dir.path("key.pem"));
+    tool(
+        "openssl",
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=blkwire test",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            key.to_str().unwrap(),
+            "-out",
+            cert.to_str().unwrap(),
+        ],
+    );
+    (cert, key)
+}
+
+#[test]
+fn native_tcp_over_tls_x509_copies_data_and_plain_clients_get_one_clear_line() {
+    let dir = TempDir::new("tls-native-x509");
+    let (cert, key) = self_signed(&dir);
+    let (cert_s, key_s) = (cert.to_str().unwrap(), key.to_str().unwrap());
+    let t = Target::start_with(
+        &["d=mem:8M"],
+        &["--tls", "require", "--tls-cert", cert_s, "--tls-key", key_s],
+    );
+    let url = t.url("d");
+    let src = random_bytes(3 << 20, 5);
+    let (src_p, back_p) = (dir.path("src"), dir.path("back"));
+    std::fs::write(&src_p, &src).unwrap();
+    let (ok, _, err) = cli(&[
+        "cp",
+        "--no-progress",
+        "--tls-ca",
+        cert_s,
+        src_p.to_str().unwrap(),
+        &url,
+    ]);
+    assert!(ok, "cp to the export over TLS: {err}");
+    let (ok, _, err) = cli(&[
+        "cp",
+        "--no-progress",
+        "--tls-ca",
+        cert_s,
+        &url,
+        back_p.to_str().unwrap(),
+    ]);
+    assert!(ok, "cp from the export over TLS: {err}");
+    let back = std::fs::read(&back_p).unwrap();
+    assert!(
+        back[..src.len()] == src[..],
+        "data copied back over TLS differs"
+    );
+
+    let (ok, out, err) = cli(&["info", "--tls-ca", cert_s, "--json", &url]);
+    assert!(ok && out.contains("\"size\""), "info over TLS: {err}");
+    // Plain clients are refused with the reason; TLS without trusting the certificate fails
+    // on it; a TLS client to a target without TLS is told so.
+    assert_one_line_error(&["info", &url], "requires TLS");
+    assert_one_line_error(&["info", &t.base], "requires TLS");
+    assert_one_line_error(&["info", "--tls", &url], "not trusted");
+    let plain = Target::start(&["d=mem:1M"]);
+    assert_one_line_error(
+        &["info", "--tls-ca", cert_s, &plain.url("d")],
+        "TLS handshake",
+    );
+    // The target counted the refusals (STATS over TLS: it serves nothing in plain).
+    let (ok, out, err) = cli(&["stats", "--tls-ca", cert_s, "--json", &t.base]);
+    assert!(ok, "stats over TLS: {err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(
+        v["auth"]["refused"].as_u64().unwrap() >= 3,
+        "plain and untrusting clients counted as refused: {}",
+        v["auth"]
+    );
+}
+
+#[test]
+fn tls_flags_are_checked_with_one_line_errors() {
+    let dir = TempDir::new("tls-config");
+    fn with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+        let mut v = vec![
+            "serve",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--export",
+            "d=mem:1M",
+        ];
+        v.extend_from_slice(extra);
+        v
+    }
+    assert_one_line_error(&with(&["--tls", "on"]), "needs credentials");
+    assert_one_line_error(&with(&["--tls", "maybe"]), "off, on or require");
+    let junk = dir.path("junk.pem");
+    std::fs::write(&junk, "not a certificate\n").unwrap();
+    let junk = junk.to_str().unwrap();
+    assert_one_line_error(
+        &with(&["--tls", "on", "--tls-cert", junk, "--tls-key", junk]),
+        "--tls-cert",
+    );
+    let (cert, _) = self_signed(&dir);
+    assert_one_line_error(
+        &with(&[
+            "--tls",
+            "on",
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            junk,
+        ]),
+        "--tls-key",
+    );
+    assert_one_line_error(
+        &with(&["--tls", "on", "--tls-cert", cert.to_str().unwrap()]),
+        "--tls-key",
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bounds
+
+fn tls_option(s: &mut impl Write, option: u32, data: &[u8]) {
+    let mut b = blkwire_wire::nbd::IHAVEOPT.to_be_bytes().to_vec();
+    b.extend_from_slice(&option.to_be_bytes());
+    b.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    b.extend_from_slice(data);
+    s.write_all(&b).unwrap();
+}
+
+/// (reply type, data) of one option reply.
+fn tls_opt_reply(s: &mut impl Read) -> (u32, Vec<u8>) {
+    let mut h = [0u8; 20];
+    s.read_exact(&mut h).unwrap();
+    let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+    assert!(len < 1 << 20);
+    let mut d = vec![0u8; len];
+    s.read_exact(&mut d).unwrap();
+    (u32::from_be_bytes(h[12..16].try_into().unwrap()), d)
+}
+
+/// A TLS client that sends READs and never reads the replies: the target stops reading it once
+/// its (sealed) replies reach the connection's high-water mark, and stays small.
+#[test]
+fn a_tls_client_that_never_reads_cannot_grow_the_target() {
+    use openssl::ssl::{ErrorCode, SslConnector, SslMethod, SslVerifyMode};
+    let dir = TempDir::new("tls-never-reads");
+    let (cert, key) = self_signed(&dir);
+    let t = TlsTarget::start(
+        &["m=mem:64M"],
+        &[
+            "--tls",
+            "require",
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+    );
+    let mut raw = Raw::open(&t.nbd_addr);
+    raw.option(opt::STARTTLS, &[]);
+    assert_eq!(raw.opt_reply().1, rep::ACK);
+    let mut b = SslConnector::builder(SslMethod::tls_client()).unwrap();
+    b.set_verify(SslVerifyMode::NONE);
+    let mut s = b
+        .build()
+        .connect("localhost", raw.0)
+        .expect("TLS handshake");
+    tls_option(&mut s, opt::GO, &info_data("m", &[]));
+    while tls_opt_reply(&mut s).0 != rep::ACK {}
+    let before = common::rss_kib(t._t.pid() as u32);
+    s.get_ref().set_nonblocking(true).unwrap();
+    let (mut sent, mut blocked) = (0u64, false);
+    for i in 0..(1u64 << 20) {
+        let r = blkwire_wire::nbd::Request {
+            flags: 0,
+            typ: blkwire_wire::nbd::cmd::READ,
+            cookie: i,
+            offset: 0,
+            length: 65536,
+        };
+        match s.ssl_write(&r.encode()) {
+            Ok(_) => sent += 1,
+            Err(e) if e.code() == ErrorCode::WANT_WRITE => {
+                // The socket is full: the target has stopped reading this client.
+                blocked = true;
+                break;
+            }
+            Err(e) => panic!("TLS write failed after {sent} requests: {e}"),
+        }
+    }
+    let after = common::rss_kib(t._t.pid() as u32);
+    assert!(
+        blocked,
+        "target kept reading {sent} requests whose replies nobody reads"
+    );
+    // What an NBD connection may hold by design: replies up to its high-water mark, twice the
+    // 32 MiB maximum payload (a plain connection grows as much, ~68 MiB here); TLS adds its
+    // gathered records (at most 256 KiB) and a record inside OpenSSL. Unbounded, the flood would
+    // be gigabytes of replies.
+    assert!(
+        after < before + 80 * 1024,
+        "target RSS grew from {before} KiB to {after} KiB after {sent} unread 64 KiB reads"
+    );
+    // The target still serves others.
+    let (ok, out, err) = cli(&["info", "--tls-ca", cert.to_str().unwrap(), &t._t.url("m")]);
+    assert!(ok && out.contains("64M"), "{err}");
+}
+
+/// A client that starts a TLS handshake and stops is cut off at the handshake deadline: the
+/// TLS handshake runs under the same deadline as the rest of the admission.
+#[test]
+fn a_stalled_tls_handshake_is_cut_off_at_its_deadline() {
+    let dir = TempDir::new("tls-stall");
+    let (cert, key) = self_signed(&dir);
+    let t = Target::start_with(
+        &["m=mem:1M"],
+        &[
+            "--tls",
+            "on",
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+            "--handshake-timeout",
+            "1",
+        ],
+    );
+    let addr = t.base.trim_start_matches("tcp://");
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    // The first bytes of a TLS record header (handshake, TLS 1.0 record version), then nothing.
+    s.write_all(&[0x16, 0x03, 0x01]).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut b = [0u8; 64];
+    match s.read(&mut b) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Ok(n) => panic!(
+            "the target answered a third of a record header: {:02x?}",
+            &b[..n]
+        ),
+        Err(e) => panic!("the target kept a stalled TLS handshake open: {e}"),
+    }
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "cut off only after {:?}",
+        started.elapsed()
+    );
+}

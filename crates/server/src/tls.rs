@@ -1,0 +1,450 @@
+//! TLS for stream connections (native `tcp://` and NBD after STARTTLS), with OpenSSL.
+//!
+//! OpenSSL because it has what the peers need: external PSKs (nbdkit's `user:hexkey` format,
+//! which libnbd and qemu speak through GnuTLS) as well as X.509; rustls has no external PSK.
+//! See docs/ARCHITECTURE.md, "TLS".
+//!
+//! The handshake runs on the handshake thread, blocking against the admission deadline. The
+//! session then moves with its socket to the reactor that owns the connection: the record layer
+//! reads and writes the non-blocking socket itself ([`FdIo`]), so ciphertext is never buffered
+//! outside OpenSSL (one record at most) and the plaintext goes through the connection's own
+//! bounded `rx`/`tx` buffers.
+
+use std::io::{Read, Write};
+use std::os::fd::RawFd;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use openssl::ex_data::Index;
+use openssl::ssl::{
+    ErrorCode, Ssl, SslContext, SslContextBuilder, SslFiletype, SslMethod, SslMode, SslOptions,
+    SslStream, SslVersion,
+};
+
+use crate::Error;
+
+/// `serve --tls`: whether stream listeners offer TLS.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TlsMode {
+    /// No TLS: NBD refuses STARTTLS, a native TLS ClientHello is refused.
+    #[default]
+    Off,
+    /// TLS and plain connections alike.
+    On,
+    /// Only TLS: plain native connections are refused, NBD answers every option but STARTTLS
+    /// and ABORT with NBD_REP_ERR_TLS_REQD (NBD's FORCEDTLS).
+    Require,
+}
+
+impl TlsMode {
+    /// Parses `off`, `on` or `require`.
+    pub fn parse(s: &str) -> Result<TlsMode, String> {
+        match s {
+            "off" => Ok(TlsMode::Off),
+            "on" => Ok(TlsMode::On),
+            "require" => Ok(TlsMode::Require),
+            _ => Err(format!("--tls {s}: expected off, on or require")),
+        }
+    }
+}
+
+/// What `serve` was asked for about TLS.
+#[derive(Clone, Debug, Default)]
+pub struct TlsSettings {
+    /// `--tls`.
+    pub mode: TlsMode,
+    /// `--tls-cert`: the target's X.509 certificate chain (PEM).
+    pub cert: Option<PathBuf>,
+    /// `--tls-key`: its private key (PEM).
+    pub key: Option<PathBuf>,
+}
+
+/// The target's TLS state, built once at bind: the mode and the context every connection's
+/// session is created from.
+pub(crate) struct Tls {
+    pub(crate) mode: TlsMode,
+    ctx: Option<SslContext>,
+}
+
+/// A TLS session over a stream socket.
+pub(crate) type TlsStream = SslStream<FdIo>;
+
+/// Where the PSK callback leaves the host id a client proved (read after the handshake).
+fn psk_host_index() -> Result<Index<Ssl, String>, openssl::error::ErrorStack> {
+    static INDEX: OnceLock<Index<Ssl, String>> = OnceLock::new();
+    if let Some(i) = INDEX.get() {
+        return Ok(*i);
+    }
+    let i = Ssl::new_ex_index()?;
+    Ok(*INDEX.get_or_init(|| i))
+}
+
+/// OpenSSL's error stack as one line (it can hold several entries).
+fn one_line(e: &openssl::error::ErrorStack) -> String {
+    let v: Vec<String> = e
+        .errors()
+        .iter()
+        .map(|e| e.reason().unwrap_or("unknown error").to_string())
+        .collect();
+    if v.is_empty() {
+        "unknown TLS error".into()
+    } else {
+        v.join("; ")
+    }
+}
+
+impl Tls {
+    /// Checks the settings and loads the certificate; every problem is a one-line config error.
+    pub(crate) fn build(
+        s: &TlsSettings,
+        keys: Option<&blkwire_auth::KeyStore>,
+    ) -> Result<Tls, Error> {
+        if s.cert.is_some() != s.key.is_some() {
+            return Err(Error::Config(
+                "--tls-cert and --tls-key go together: give both (PEM files) or neither".into(),
+            ));
+        }
+        if s.mode == TlsMode::Off {
+            if s.cert.is_some() {
+                return Err(Error::Config(
+                    "--tls-cert/--tls-key given with --tls off: add --tls on or --tls require"
+                        .into(),
+                ));
+            }
+            return Ok(Tls {
+                mode: TlsMode::Off,
+                ctx: None,
+            });
+        }
+        let keys = keys.filter(|k| !k.is_empty()).cloned().map(Arc::new);
+        if keys.is_none() && s.cert.is_none() {
+            return Err(Error::Config(
+                "--tls on/require needs credentials: --keys FILE (TLS-PSK) and/or --tls-cert FILE \
+                 --tls-key FILE (X.509)"
+                    .into(),
+            ));
+        }
+        let ssl_err = |what: &str, e: openssl::error::ErrorStack| {
+            Error::Config(format!("{what}: {}", one_line(&e)))
+        };
+        let mut b = SslContextBuilder::new(SslMethod::tls_server())
+            .map_err(|e| ssl_err("cannot set up TLS", e))?;
+        // TLS 1.3 only: what the issue asks for, and what GnuTLS (libnbd, qemu) negotiates with
+        // PSKs and certificates alike.
+        b.set_min_proto_version(Some(SslVersion::TLS1_3))
+            .map_err(|e| ssl_err("cannot set up TLS", e))?;
+        b.set_options(
+            SslOptions::NO_COMPRESSION
+                | SslOptions::NO_RENEGOTIATION
+                | SslOptions::CIPHER_SERVER_PREFERENCE,
+        );
+        // AES-128-GCM first (clients list AES-256 first): the cipher TLS-PSK uses anyway, and
+        // less work per byte on the data path (docs/BENCHMARKS.md, TLS).
+        b.set_ciphersuites(
+            "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256",
+        )
+        .map_err(|e| ssl_err("cannot set up TLS", e))?;
+        // The reactor retries a write with the same bytes at another address (its buffer may
+        // have moved) and counts partial progress: OpenSSL must accept both.
+        b.set_mode(SslMode::ENABLE_PARTIAL_WRITE | SslMode::ACCEPT_MOVING_WRITE_BUFFER);
+        // A record's header and body in one recv (and whatever else of the next records fits in
+        // OpenSSL's read buffer), instead of two reads per record. Bounded by that buffer; a
+        // read that wants more means nothing whole is buffered (see `read`).
+        b.set_read_ahead(true);
+        // No session tickets: nothing resumes, and the tickets would be sent after the
+        // handshake, when the client may already be waiting for an option reply.
+        b.set_num_tickets(0)
+            .map_err(|e| ssl_err("cannot set up TLS", e))?;
+        if let (Some(cert), Some(key)) = (&s.cert, &s.key) {
+            b.set_certificate_chain_file(cert).map_err(|e| {
+                ssl_err(
+                    &format!("--tls-cert {}: not a PEM certificate", cert.display()),
+                    e,
+                )
+            })?;
+            b.set_private_key_file(key, SslFiletype::PEM).map_err(|e| {
+                ssl_err(
+                    &format!("--tls-key {}: not a PEM private key", key.display()),
+                    e,
+                )
+            })?;
+            b.check_private_key().map_err(|e| {
+                ssl_err(
+                    &format!(
+                        "--tls-key {} does not belong to --tls-cert {}",
+                        key.display(),
+                        cert.display()
+                    ),
+                    e,
+                )
+            })?;
+        }
+        if let Some(keys) = keys {
+            let index = psk_host_index().map_err(|e| ssl_err("cannot set up TLS", e))?;
+            // The identity is the client's host id (the PSK user name); an unknown one ends the
+            // handshake (0 = no key).
+            b.set_psk_server_callback(move |ssl, identity, psk| {
+                let Some(id) = identity.and_then(|i| std::str::from_utf8(i).ok()) else {
+                    return Ok(0);
+                };
+                let Some(key) = keys.get(id) else {
+                    return Ok(0);
+                };
+                let k = key.bytes();
+                if k.len() > psk.len() {
+                    return Ok(0);
+                }
+                psk[..k.len()].copy_from_slice(k);
+                ssl.set_ex_data(index, id.to_string());
+                Ok(k.len())
+            });
+        }
+        Ok(Tls {
+            mode: s.mode,
+            ctx: Some(b.build()),
+        })
+    }
+
+    /// Runs the server side of a TLS handshake on `fd` by `deadline`. Returns the session and
+    /// the host id the client proved with its PSK (None: X.509, which proves only the server).
+    pub(crate) fn accept(
+        &self,
+        fd: RawFd,
+        deadline: Instant,
+    ) -> Result<(TlsStream, Option<String>), String> {
+        let ctx = self.ctx.as_ref().ok_or("TLS is off")?;
+        let ssl = Ssl::new(ctx).map_err(|e| one_line(&e))?;
+        let io = FdIo {
+            fd,
+            deadline: Some(deadline),
+            out: Vec::new(),
+            out_sent: 0,
+        };
+        let mut s = SslStream::new(ssl, io).map_err(|e| one_line(&e))?;
+        if let Err(e) = s.accept() {
+            return Err(match (e.ssl_error(), e.io_error()) {
+                (Some(st), _) => one_line(st),
+                (None, Some(io)) => io.to_string(),
+                _ => format!("TLS handshake failed ({:?})", e.code()),
+            });
+        }
+        let host = psk_host_index()
+            .ok()
+            .and_then(|i| s.ssl().ex_data(i).cloned());
+        Ok((s, host))
+    }
+}
+
+/// A socket as OpenSSL's transport, by its raw descriptor: the connection's owner (the
+/// admission, then the reactor's `Conn`) keeps the descriptor and closes it after the session.
+/// With a deadline (handshake thread) it waits for the socket until then; without one
+/// (reactor) it never blocks, and OpenSSL reports WANT_READ/WANT_WRITE.
+///
+/// On the reactor, records are gathered in `out` and sent together by [`FdIo::flush_out`]: one
+/// `send` per batch of replies, as for a plain connection, instead of one per record (each send
+/// woke the client, which on a small machine then took the CPU from the target mid-batch).
+pub(crate) struct FdIo {
+    fd: RawFd,
+    deadline: Option<Instant>,
+    /// Ciphertext waiting to be sent (reactor only), from `out_sent` on.
+    out: Vec<u8>,
+    out_sent: usize,
+}
+
+/// Ciphertext gathered before a write reports WANT_WRITE: a batch of replies, bounded (the
+/// plaintext behind it is bounded by the connection's high-water mark anyway).
+const OUT_CAP: usize = 256 << 10;
+
+impl FdIo {
+    /// Waits until the socket is ready for `events`, or fails at the deadline (or at once
+    /// without one: the reactor waits through io_uring instead).
+    fn wait(&self, events: i16) -> std::io::Result<()> {
+        let Some(deadline) = self.deadline else {
+            return Err(std::io::ErrorKind::WouldBlock.into());
+        };
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "handshake not finished in time",
+                ));
+            }
+            let mut p = libc::pollfd {
+                fd: self.fd,
+                events,
+                revents: 0,
+            };
+            let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
+            // SAFETY: one pollfd on the stack, alive for the call.
+            let n = unsafe { libc::poll(&mut p, 1, ms) };
+            if n > 0 {
+                return Ok(());
+            }
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// From now on the socket belongs to a reactor: never block, gather records.
+    pub(crate) fn set_nonblocking_only(&mut self) {
+        self.deadline = None;
+    }
+
+    /// Ciphertext gathered and not yet sent.
+    pub(crate) fn pending_out(&self) -> usize {
+        self.out.len() - self.out_sent
+    }
+
+    /// Sends what was gathered. Ok(true): all of it went; Ok(false): the socket is full (wait
+    /// for POLLOUT).
+    pub(crate) fn flush_out(&mut self) -> std::io::Result<bool> {
+        while self.out_sent < self.out.len() {
+            // SAFETY: send from our own buffer.
+            let n = unsafe {
+                libc::send(
+                    self.fd,
+                    self.out[self.out_sent..].as_ptr().cast(),
+                    self.out.len() - self.out_sent,
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+            if n >= 0 {
+                self.out_sent += n as usize;
+                continue;
+            }
+            let e = std::io::Error::last_os_error();
+            match e.kind() {
+                std::io::ErrorKind::Interrupted => {}
+                std::io::ErrorKind::WouldBlock => {
+                    // What went is dropped from the front once it is at least as long as what
+                    // waits, so the buffer never grows by what was sent.
+                    if self.out_sent >= self.out.len() - self.out_sent {
+                        self.out.drain(..self.out_sent);
+                        self.out_sent = 0;
+                    }
+                    return Ok(false);
+                }
+                _ => return Err(e),
+            }
+        }
+        self.out.clear();
+        self.out_sent = 0;
+        if self.out.capacity() > OUT_CAP + (64 << 10) {
+            self.out.shrink_to(OUT_CAP);
+        }
+        Ok(true)
+    }
+}
+
+impl Read for FdIo {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            // SAFETY: recv into the caller's buffer.
+            let n = unsafe {
+                libc::recv(
+                    self.fd,
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = std::io::Error::last_os_error();
+            match e.kind() {
+                std::io::ErrorKind::Interrupted => {}
+                std::io::ErrorKind::WouldBlock => self.wait(libc::POLLIN)?,
+                _ => return Err(e),
+            }
+        }
+    }
+}
+
+impl Write for FdIo {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.deadline.is_none() {
+            // Reactor: gather (see the type's comment); full means WANT_WRITE until flushed.
+            if self.pending_out() >= OUT_CAP && !self.flush_out()? {
+                return Err(std::io::ErrorKind::WouldBlock.into());
+            }
+            self.out.extend_from_slice(buf);
+            return Ok(buf.len());
+        }
+        loop {
+            // SAFETY: send from the caller's buffer.
+            let n = unsafe {
+                libc::send(
+                    self.fd,
+                    buf.as_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = std::io::Error::last_os_error();
+            match e.kind() {
+                std::io::ErrorKind::Interrupted => {}
+                std::io::ErrorKind::WouldBlock => self.wait(libc::POLLOUT)?,
+                _ => return Err(e),
+            }
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// What a non-blocking TLS read or write did, in the terms of the socket calls it replaces.
+pub(crate) enum Io {
+    /// Plaintext bytes moved.
+    Done(usize),
+    /// The peer ended the session (close_notify or EOF).
+    Closed,
+    /// Nothing to do until the socket is readable (`true`: writable) again.
+    Again {
+        /// The socket must become writable (a record is half sent).
+        out: bool,
+    },
+    /// The session failed (bad record, reset socket).
+    Failed(String),
+}
+
+fn classify(e: openssl::ssl::Error) -> Io {
+    match e.code() {
+        ErrorCode::ZERO_RETURN => Io::Closed,
+        ErrorCode::WANT_READ => Io::Again { out: false },
+        ErrorCode::WANT_WRITE => Io::Again { out: true },
+        ErrorCode::SYSCALL if e.io_error().is_none() => Io::Closed,
+        _ => Io::Failed(match (e.ssl_error(), e.io_error()) {
+            (Some(st), _) => one_line(st),
+            (None, Some(io)) => io.to_string(),
+            _ => format!("TLS error {:?}", e.code()),
+        }),
+    }
+}
+
+/// Decrypts what the socket holds into `buf` (non-blocking).
+pub(crate) fn read(s: &mut TlsStream, buf: &mut [u8]) -> Io {
+    match s.ssl_read(buf) {
+        Ok(0) => Io::Closed,
+        Ok(n) => Io::Done(n),
+        Err(e) => classify(e),
+    }
+}
+
+/// Encrypts and sends a prefix of `buf` (non-blocking).
+pub(crate) fn write(s: &mut TlsStream, buf: &[u8]) -> Io {
+    match s.ssl_write(buf) {
+        Ok(n) => Io::Done(n),
+        Err(e) => classify(e),
+    }
+}
