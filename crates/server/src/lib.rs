@@ -6,6 +6,7 @@
 
 mod access;
 mod advertise;
+mod budget;
 mod bufpool;
 mod dgram;
 mod executor;
@@ -17,12 +18,13 @@ mod reactor;
 mod session;
 mod stats;
 
+use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -407,6 +409,12 @@ impl Target {
         // they are left out of the poll for a while instead of spinning (and logging) on them.
         let mut paused_until: Option<Instant> = None;
         let handshakes = Arc::new(AtomicUsize::new(0));
+        let limits = self.registry.limits();
+        let connections = Arc::new(Connections::new(
+            limits.max_connections,
+            limits.max_connections_per_host,
+        ));
+        let (mut refused, mut last_refused) = (0u64, None::<Instant>);
         let (mut shed, mut last_shed) = (0u64, None::<Instant>);
         let mut last_said: Option<Instant> = None;
         let mut unsaid = 0u64;
@@ -441,6 +449,23 @@ impl Target {
                 }
                 match self.listeners[i].0.accept() {
                     Ok((stream, peer)) => {
+                        let counted = match connections.admit(peer.ip()) {
+                            Ok(c) => c,
+                            Err(limit) => {
+                                // Closed at once, before any thread or buffer is spent on it.
+                                refused += 1;
+                                if last_refused.is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY) {
+                                    crate::log!(
+                                        Level::Warn,
+                                        "{limit}: closed {refused} new connection(s), the \
+                                         latest from {peer}"
+                                    );
+                                    last_refused = Some(Instant::now());
+                                    refused = 0;
+                                }
+                                continue;
+                            }
+                        };
                         let max = self.registry.limits().max_handshakes;
                         if handshakes.load(Ordering::Relaxed) >= max {
                             // Closed at once: a flood of connections that never finish their
@@ -465,7 +490,7 @@ impl Target {
                         let spawned = std::thread::Builder::new().name("blkwire-hs".into()).spawn(
                             move || {
                                 let _slot = in_progress;
-                                handshake(stream, peer, frontend, &registry, &workers)
+                                handshake(stream, peer, frontend, &registry, &workers, counted)
                             },
                         );
                         if let Err(e) = spawned {
@@ -503,6 +528,67 @@ impl Target {
         }
         crate::log!(Level::Info, "stopped");
         Ok(())
+    }
+}
+
+/// Live stream connections, in total and per peer address (`--max-connections`,
+/// `--max-connections-per-host`): counted when accepted, until the connection closes (its
+/// [`ConnCount`] is dropped: by the handshake thread, or by the reactor that served it).
+struct Connections {
+    max: usize,
+    per_host: usize,
+    live: Mutex<(usize, HashMap<IpAddr, usize>)>,
+}
+
+/// One connection's place under the connection limits; dropped when the connection closes.
+pub struct ConnCount {
+    of: Arc<Connections>,
+    ip: IpAddr,
+}
+
+impl Connections {
+    fn new(max: usize, per_host: usize) -> Connections {
+        Connections {
+            max,
+            per_host,
+            live: Mutex::new((0, HashMap::new())),
+        }
+    }
+
+    /// A place for a connection from `ip`, or which limit it is past.
+    fn admit(self: &Arc<Self>, ip: IpAddr) -> Result<ConnCount, String> {
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        let (total, hosts) = &mut *live;
+        if *total >= self.max {
+            return Err(format!("{} connections open (--max-connections)", self.max));
+        }
+        let n = hosts.entry(ip).or_insert(0);
+        if *n >= self.per_host {
+            return Err(format!(
+                "{} connections open from {ip} (--max-connections-per-host)",
+                self.per_host
+            ));
+        }
+        *n += 1;
+        *total += 1;
+        Ok(ConnCount {
+            of: self.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for ConnCount {
+    fn drop(&mut self) {
+        let mut live = self.of.live.lock().unwrap_or_else(|p| p.into_inner());
+        let (total, hosts) = &mut *live;
+        *total -= 1;
+        if let Some(n) = hosts.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                hosts.remove(&self.ip);
+            }
+        }
     }
 }
 
@@ -567,6 +653,7 @@ fn handshake(
     frontend: ListenerKind,
     registry: &Registry,
     workers: &[(Sender<Msg>, i32)],
+    counted: ConnCount,
 ) {
     let peer_s = peer.to_string();
     let _ = s.set_nodelay(true);
@@ -600,6 +687,8 @@ fn handshake(
         max_io: admitted.max_io,
         peer: peer_s,
         frontend,
+        mem: admitted.mem,
+        counted: Some(counted),
     };
     if workers[w].0.send(Msg::Queue(q)).is_ok() {
         eventfd_write(workers[w].1);
@@ -761,11 +850,14 @@ fn stats_json(registry: &Registry, workers: &[(Sender<Msg>, i32)]) -> Vec<u8> {
         let qs: Vec<_> = queues.iter().filter(|q| q.session == id).collect();
         s["queues"] = serde_json::to_value(qs).unwrap_or_default();
     }
+    let b = registry.budget();
+    let memory = serde_json::json!({ "limit": b.limit(), "used": b.used() });
     fit_stats(
         v,
         registry.closed_totals(),
         ports,
         registry.access.counters(),
+        memory,
         MAX_STATS,
     )
 }
@@ -781,11 +873,12 @@ fn fit_stats(
     closed: QueueStats,
     ports: Vec<dgram::PortReport>,
     auth: serde_json::Value,
+    memory: serde_json::Value,
     limit: usize,
 ) -> Vec<u8> {
     let doc = |s: &[serde_json::Value], omitted: usize| {
         let mut d = serde_json::json!({
-            "sessions": s, "closed": closed, "ports": ports, "auth": auth,
+            "sessions": s, "closed": closed, "ports": ports, "auth": auth, "memory": memory,
         });
         if omitted > 0 {
             d["sessions_omitted"] = omitted.into();
@@ -843,6 +936,7 @@ mod tests {
             QueueStats::default(),
             vec![],
             serde_json::Value::Null,
+            serde_json::Value::Null,
             4096,
         );
         let v: serde_json::Value = serde_json::from_slice(&small).unwrap();
@@ -852,6 +946,7 @@ mod tests {
             sessions,
             QueueStats::default(),
             vec![],
+            serde_json::Value::Null,
             serde_json::Value::Null,
             64 << 10,
         );

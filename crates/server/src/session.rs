@@ -14,6 +14,7 @@ use blkwire_wire::{
 };
 
 use crate::access::{Access, Checked, PeerId};
+use crate::budget::{Account, Budget};
 use crate::log::Level;
 use crate::stats::QueueStats;
 
@@ -41,6 +42,14 @@ pub struct Limits {
     /// Sessions served at once (every transport, NBD connections included); more are refused
     /// with NO_MEMORY until one ends.
     pub max_sessions: usize,
+    /// Bytes all connection and session buffers may hold together (`--max-memory`): a
+    /// session may take half of it, a connection a quarter; a session or queue whose minimum
+    /// does not fit is refused with NO_MEMORY (`budget.rs`).
+    pub max_memory: usize,
+    /// Stream connections open at once (handshakes included); more are closed when accepted.
+    pub max_connections: usize,
+    /// ... from one peer address.
+    pub max_connections_per_host: usize,
 }
 
 impl Default for Limits {
@@ -53,6 +62,9 @@ impl Default for Limits {
             handshake_timeout: std::time::Duration::from_secs(10),
             max_handshakes: 256,
             max_sessions: 1024,
+            max_memory: 1 << 30,
+            max_connections: 4096,
+            max_connections_per_host: 256,
         }
     }
 }
@@ -73,6 +85,10 @@ struct Session {
     joined: Vec<bool>,
     live: u16,
     stats: QueueStats,
+    /// The session's share of the memory budget, which its queues charge.
+    mem: Arc<Budget>,
+    /// What each of its queues reserves of it when admitted.
+    queue_floor: usize,
 }
 
 /// What a queue connection gets once admitted.
@@ -82,6 +98,8 @@ pub struct Admitted {
     pub queue: u16,
     pub depth: u16,
     pub max_io: u32,
+    /// The queue's account with the memory budget, holding its minimum.
+    pub mem: Account,
     /// Datagram queues of a method-1 session: this queue's frame keys (PROTOCOL.md §12.4).
     pub seal: Option<QueueSeal>,
 }
@@ -139,6 +157,7 @@ pub struct Registry {
     pub access: Access,
     limits: Limits,
     inner: Mutex<Inner>,
+    budget: Arc<Budget>,
 }
 
 struct Inner {
@@ -156,6 +175,7 @@ impl Registry {
             acls,
             access,
             limits,
+            budget: Budget::new(limits.max_memory),
             inner: Mutex::new(Inner {
                 sessions: HashMap::new(),
                 closed: QueueStats::default(),
@@ -180,6 +200,27 @@ impl Registry {
 
     pub fn limits(&self) -> Limits {
         self.limits
+    }
+
+    /// The target's memory budget.
+    pub fn budget(&self) -> &Arc<Budget> {
+        &self.budget
+    }
+
+    /// The most one connection (or datagram port) may hold of the budget.
+    pub fn connection_share(&self) -> usize {
+        self.limits.max_memory / 4
+    }
+
+    /// What a queue must be able to hold to serve one request at a time: a stream connection's
+    /// initial buffers and one data buffer; a datagram
+    /// queue's slot table (its data buffers come from the port's pool, charged to the port).
+    fn queue_floor(max_io: u32, datagram: bool) -> usize {
+        if datagram {
+            crate::dgram::QUEUE_FLOOR
+        } else {
+            crate::reactor::stream_floor(max_io)
+        }
     }
 
     pub fn exports(&self) -> &[Arc<Export>] {
@@ -306,13 +347,14 @@ impl Registry {
             ))
         });
         let encrypt = sealed && h.auth.encrypt;
-        let (id, cookie) = match self.create(
+        let floor = Self::queue_floor(max_io, link_payload.is_some());
+        let (id, cookie, mem) = match self.create(
             &export,
             &h.host_id,
             &peer.to_string(),
             (queues, depth, max_io, frame_payload),
-            secret.clone(),
-            encrypt,
+            (secret.clone(), encrypt),
+            floor,
         ) {
             Ok(x) => x,
             Err(st) => return HelloAnswer::Refused(st),
@@ -344,6 +386,7 @@ impl Registry {
                 depth,
                 max_io,
                 seal,
+                mem,
             })),
         )
     }
@@ -355,9 +398,9 @@ impl Registry {
         host: &str,
         peer: &str,
         (queues, depth, max_io, frame_payload): (u16, u16, u32, u32),
-        secret: Option<Arc<SessionSecret>>,
-        encrypt: bool,
-    ) -> Result<(u32, u64), Status> {
+        (secret, encrypt): (Option<Arc<SessionSecret>>, bool),
+        queue_floor: usize,
+    ) -> Result<(u32, u64, Account), Status> {
         let cookie = blkwire_auth::random_u64();
         let mut inner = self.lock();
         if inner.shut {
@@ -366,6 +409,9 @@ impl Registry {
         if inner.sessions.len() >= self.limits.max_sessions {
             return Err(Status::NoMemory);
         }
+        let mem = Budget::child(&self.budget, self.limits.max_memory / 2);
+        let account =
+            Account::reserve(&mem, queue_floor, self.connection_share()).ok_or(Status::NoMemory)?;
         // Random, so a session id seen (or guessed) says nothing about the others (PROTOCOL.md
         // §12): the data path still never trusts an id alone.
         let id = loop {
@@ -391,6 +437,8 @@ impl Registry {
                 joined,
                 live: 1,
                 stats: QueueStats::default(),
+                mem,
+                queue_floor,
             },
         );
         crate::log!(
@@ -400,7 +448,7 @@ impl Registry {
             export.name,
             blkwire_backend::format_size(max_io as u64)
         );
-        Ok((id, cookie))
+        Ok((id, cookie, account))
     }
 
     /// A one-connection session for frontends without queue joining (NBD: every connection
@@ -413,8 +461,15 @@ impl Registry {
         depth: u16,
         max_io: u32,
     ) -> Result<Admitted, Status> {
-        let (session, _) =
-            self.create(export, host, peer, (1, depth, max_io, max_io), None, false)?;
+        let floor = Self::queue_floor(max_io, false);
+        let (session, _, mem) = self.create(
+            export,
+            host,
+            peer,
+            (1, depth, max_io, max_io),
+            (None, false),
+            floor,
+        )?;
         Ok(Admitted {
             export: export.clone(),
             session,
@@ -422,6 +477,7 @@ impl Registry {
             depth,
             max_io,
             seal: None,
+            mem,
         })
     }
 
@@ -486,6 +542,8 @@ impl Registry {
         if *slot {
             return Err(Status::Busy.into());
         }
+        let mem = Account::reserve(&s.mem, s.queue_floor, self.limits.max_memory / 4)
+            .ok_or(Status::NoMemory)?;
         *slot = true;
         s.live += 1;
         Ok(Admitted {
@@ -495,6 +553,7 @@ impl Registry {
             depth: s.depth,
             max_io: s.max_io,
             seal,
+            mem,
         })
     }
 

@@ -27,7 +27,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use blkwire_backend::{Export, Submitter};
-use blkwire_wire::HEADER_LEN;
 use io_uring::{cqueue, opcode, types, IoUring};
 
 use crate::executor::Executor;
@@ -35,6 +34,7 @@ use crate::frontend::StreamFrontend;
 use crate::log::Level;
 use crate::session::Registry;
 use crate::stats::QueueStats;
+pub use conn::stream_floor;
 use conn::{receive, transmit, Conn, Slot};
 use ring::{
     notifier_poll, port_io_ud, ud, ud_split, Pusher, KIND_CANCEL, KIND_IO, KIND_NOTIFY,
@@ -53,6 +53,10 @@ pub struct NewQueue {
     pub peer: String,
     /// The protocol the connection speaks from now on, with its negotiated state.
     pub frontend: Box<dyn StreamFrontend>,
+    /// Its account with the memory budget (holding its minimum since admission).
+    pub mem: crate::budget::Account,
+    /// Its place under `--max-connections`.
+    pub counted: Option<crate::ConnCount>,
 }
 
 pub enum Msg {
@@ -97,7 +101,17 @@ pub struct Reactor {
     ports: Vec<crate::dgram::DgramPort>,
     /// Scratch for results reaped from thread-completing backends (no allocation per batch).
     reaped: Vec<(u64, i32)>,
+    /// Connections waiting for memory the budget could not give; retried every few
+    /// milliseconds (memory may come back on another thread, which does not tell this one).
+    starved: Vec<usize>,
+    /// When idle connections last gave back what their buffers grew to.
+    last_trim: Instant,
 }
+
+/// How often starved connections retry.
+const STARVED_RETRY: Duration = Duration::from_millis(5);
+/// A connection that received nothing for this long gives back its grown buffers.
+const IDLE_TRIM: Duration = Duration::from_secs(1);
 
 impl Reactor {
     pub fn new(
@@ -125,6 +139,8 @@ impl Reactor {
             cqes: Vec::with_capacity(1024),
             ports: Vec::new(),
             reaped: Vec::new(),
+            starved: Vec::new(),
+            last_trim: Instant::now(),
         })
     }
 
@@ -144,6 +160,14 @@ impl Reactor {
             }
             for p in &mut self.ports {
                 p.sweep();
+            }
+            self.trim_idle();
+            // Starved connections try again (memory may have come back in the meantime).
+            for i in self.starved.drain(..) {
+                if let Some(c) = self.conns.get_mut(i).and_then(Option::as_mut) {
+                    c.waiting = false;
+                    self.ready.push_back(i);
+                }
             }
             while let Some(i) = self.ready.pop_front() {
                 self.service(i);
@@ -241,7 +265,7 @@ impl Reactor {
         self.next_incarnation = (self.next_incarnation + 1) & 0xf_ffff;
         // Sized for a 1 MiB frame plus batching room; grows (up to max I/O) only if a client sends
         // larger frames.
-        let rx_cap = (q.max_io as usize).min(1 << 20) + HEADER_LEN + (256 << 10);
+        let rx_cap = conn::rx_base(q.max_io);
         let conn = Conn {
             fe: q.frontend,
             free_slots: (0..q.depth).rev().collect(),
@@ -258,7 +282,7 @@ impl Reactor {
             rx: vec![0; rx_cap],
             rx_start: 0,
             rx_end: 0,
-            tx: Vec::with_capacity(1 << 20),
+            tx: Vec::with_capacity(conn::TX_KEEP),
             tx_sent: 0,
             slots: (0..q.depth).map(|_| Slot::default()).collect(),
             inflight: 0,
@@ -268,6 +292,11 @@ impl Reactor {
             dead: false,
             bytes_sent: 0,
             sock: q.sock,
+            mem: q.mem,
+            starved: false,
+            waiting: false,
+            idle_mark: 0,
+            _counted: q.counted,
         };
         let poll = opcode::PollAdd::new(types::Fd(conn.fd()), libc::POLLIN as u32)
             .multi(true)
@@ -296,9 +325,14 @@ impl Reactor {
         }) {
             return Ok(());
         }
-        let timeout = if self.shutdown_deadline.is_some() || !self.ports.is_empty() {
-            // Wake up to enforce the shutdown deadline and expire idle datagram sessions even if
-            // nothing completes.
+        let timeout = if !self.starved.is_empty() {
+            Some(types::Timespec::new().nsec(STARVED_RETRY.as_nanos() as u32))
+        } else if self.shutdown_deadline.is_some()
+            || !self.ports.is_empty()
+            || self.conns.iter().any(Option::is_some)
+        {
+            // Wake up to enforce the shutdown deadline, expire idle datagram sessions and trim
+            // idle connections even if nothing completes.
             Some(types::Timespec::new().sec(1))
         } else {
             None
@@ -478,10 +512,32 @@ impl Reactor {
                 return;
             }
         }
+        // Charged only when the buffers changed size (growth, or given back).
+        c.settle_memory();
+        if c.starved && !c.waiting && !c.closing {
+            c.waiting = true;
+            self.starved.push(idx);
+        }
         let drained = c.tx_backlog() == 0 || c.dead;
         if c.closing && c.inflight == 0 && drained {
             let c = self.conns[idx].take().expect("present");
             self.close(idx, c);
+        }
+    }
+
+    /// Connections that received nothing since the last look, a second ago, and have nothing
+    /// in flight give back what their buffers grew to (to the budget and the allocator).
+    fn trim_idle(&mut self) {
+        if self.last_trim.elapsed() < IDLE_TRIM {
+            return;
+        }
+        self.last_trim = Instant::now();
+        for c in self.conns.iter_mut().flatten() {
+            let frames = c.exec.stats.frames_in;
+            if frames == c.idle_mark && c.inflight == 0 && c.tx_backlog() == 0 {
+                c.trim();
+            }
+            c.idle_mark = frames;
         }
     }
 
