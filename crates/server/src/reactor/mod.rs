@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use blkwire_backend::{Export, Submitter};
-use io_uring::{cqueue, opcode, types, IoUring};
+use io_uring::{cqueue, opcode, types};
 
 use crate::executor::Executor;
 use crate::frontend::StreamFrontend;
@@ -37,7 +37,7 @@ use crate::stats::QueueStats;
 pub use conn::stream_floor;
 use conn::{receive, transmit, Conn, Slot};
 use ring::{
-    notifier_poll, port_io_ud, ud, ud_split, Pusher, KIND_CANCEL, KIND_IO, KIND_NOTIFY,
+    notifier_poll, port_io_ud, ud, ud_split, Pusher, Ring, KIND_CANCEL, KIND_IO, KIND_NOTIFY,
     KIND_POLL_IN, KIND_POLL_OUT, KIND_PORT_IN, KIND_PORT_IO, KIND_PORT_NOTIFY, KIND_WAKE,
 };
 use stream::{complete, finish_result};
@@ -82,7 +82,7 @@ pub struct QueueReport {
 
 pub struct Reactor {
     id: usize,
-    ring: IoUring,
+    ring: Ring,
     conns: Vec<Option<Conn>>,
     free: Vec<usize>,
     next_incarnation: u32,
@@ -121,7 +121,7 @@ impl Reactor {
         registry: Arc<Registry>,
         poll: Duration,
     ) -> std::io::Result<Reactor> {
-        let ring = IoUring::builder().build(1024)?;
+        let ring = Ring::new(1024)?;
         Ok(Reactor {
             id,
             ring,
@@ -314,14 +314,14 @@ impl Reactor {
     /// Submits what is queued and waits for at least one completion, polling briefly first so a
     /// request arriving within `poll` is picked up without the cost of sleeping and waking.
     fn wait(&mut self) -> std::io::Result<()> {
-        if !self.ready.is_empty() {
+        if !self.ready.is_empty() || self.ring.has_completions() {
             self.ring.submit()?;
             return Ok(());
         }
         self.ring.submit()?;
         let (ring, ports) = (&mut self.ring, &self.ports);
         if self.spin.spin(|| {
-            !ring.completion().is_empty() || ports.iter().any(crate::dgram::DgramPort::ring_ready)
+            ring.has_completions() || ports.iter().any(crate::dgram::DgramPort::ring_ready)
         }) {
             return Ok(());
         }
@@ -385,7 +385,7 @@ impl Reactor {
     fn reap(&mut self) {
         let mut cqes = std::mem::take(&mut self.cqes);
         cqes.clear();
-        cqes.extend(self.ring.completion());
+        self.ring.take_completions(&mut cqes);
         for cqe in cqes.drain(..) {
             let (kind, inc, idx, slot) = ud_split(cqe.user_data());
             match kind {

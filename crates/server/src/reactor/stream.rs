@@ -518,10 +518,9 @@ mod tests {
 
     use blkwire_backend::{BlockOp, Export, ExportSpec, IoFlags};
     use blkwire_wire::Status;
-    use io_uring::IoUring;
 
     use super::super::conn::{Conn, Slot};
-    use super::super::ring::Pusher;
+    use super::super::ring::{Pusher, Ring};
     use super::parse_frames;
     use crate::budget::{Account, Budget};
     use crate::executor::Executor;
@@ -699,7 +698,7 @@ mod tests {
     }
 
     /// Appends `msg` to the receive buffer and runs the request path over it.
-    fn feed(c: &mut Conn, ring: &mut IoUring, msg: &[u8]) {
+    fn feed(c: &mut Conn, ring: &mut Ring, msg: &[u8]) {
         c.rx[c.rx_end..c.rx_end + msg.len()].copy_from_slice(msg);
         c.rx_end += msg.len();
         parse_frames(c, 0, &mut Pusher(ring));
@@ -745,7 +744,7 @@ mod tests {
 
     #[test]
     fn a_write_waits_for_the_data_it_solicited_then_runs() {
-        let mut ring = IoUring::new(8).unwrap();
+        let mut ring = Ring::new(8).unwrap();
         let (mut c, _peer) = conn("m=mem:1M");
         let payload: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
         // 512 bytes came with the command: the rest is asked for, nothing is answered yet.
@@ -781,7 +780,7 @@ mod tests {
     /// once the memory is back; an idle connection gives back what it grew to.
     #[test]
     fn a_request_the_budget_cannot_cover_waits_until_memory_is_back() {
-        let mut ring = IoUring::new(8).unwrap();
+        let mut ring = Ring::new(8).unwrap();
         let (mut c, _peer) = conn_budget("m=memthread:4M", false, 3 << 20);
         let mut both = read(1, 0, 1 << 20);
         both.extend_from_slice(&read(2, 1 << 20, 1 << 20));
@@ -817,7 +816,7 @@ mod tests {
     /// inline export as on one that completes on its own thread.
     #[test]
     fn chunked_read_replies() {
-        let mut ring = IoUring::new(8).unwrap();
+        let mut ring = Ring::new(8).unwrap();
         for spec in ["m=mem:1M", "m=memthread:1M"] {
             let (mut c, _peer) = conn_with(spec, true);
             let payload: Vec<u8> = (0..2500u32).map(|i| (i % 7) as u8).collect();
@@ -840,7 +839,7 @@ mod tests {
     }
 
     /// Waits for what a thread-completing backend has in flight and answers it.
-    fn settle_async(c: &mut Conn, ring: &mut IoUring) {
+    fn settle_async(c: &mut Conn, ring: &mut Ring) {
         while c.inflight > 0 {
             let mut pfd = libc::pollfd {
                 fd: c
@@ -863,7 +862,7 @@ mod tests {
 
     #[test]
     fn solicited_data_out_of_order_or_for_no_write_breaks_the_protocol() {
-        let mut ring = IoUring::new(8).unwrap();
+        let mut ring = Ring::new(8).unwrap();
         let (mut c, _peer) = conn("m=mem:1M");
         feed(&mut c, &mut ring, &data(2, 0, &[1; 16]));
         assert!(
@@ -892,7 +891,7 @@ mod tests {
 
     #[test]
     fn a_refused_write_is_answered_without_soliciting_anything() {
-        let mut ring = IoUring::new(8).unwrap();
+        let mut ring = Ring::new(8).unwrap();
         let (mut c, _peer) = conn("m=mem:1M,ro");
         feed(&mut c, &mut ring, &write(3, 0, 4096, &[]));
         assert_eq!(take_tx(&mut c), status_reply(3, Status::ReadOnly));
@@ -901,7 +900,7 @@ mod tests {
 
     #[test]
     fn a_write_waits_for_its_data_on_an_asynchronous_backend_too() {
-        let mut ring = IoUring::new(8).unwrap();
+        let mut ring = Ring::new(8).unwrap();
         let (mut c, _peer) = conn("m=memthread:1M");
         feed(&mut c, &mut ring, &write(9, 0, 1024, &[5; 100]));
         let slot = u16::from_le_bytes([c.tx[1], c.tx[2]]);
