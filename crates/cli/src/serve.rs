@@ -47,6 +47,9 @@ pub struct Args {
     /// a quarter of RAM, at least 256M. Exports (mem:) are not part of it
     #[arg(long, value_name = "SIZE", value_parser = crate::size_arg)]
     max_memory: Option<u64>,
+    /// Sessions from one address; more are refused until one ends
+    #[arg(long, value_name = "N", default_value_t = 128)]
+    max_sessions_per_host: usize,
     /// Connections open at once (handshakes included); more are closed when accepted
     #[arg(long, value_name = "N", default_value_t = 4096)]
     max_connections: usize,
@@ -121,6 +124,7 @@ pub fn run(a: Args) -> Result<(), String> {
         Some(m) => usize::try_from(m).unwrap_or(usize::MAX),
         None => default_memory(),
     };
+    return_freed_buffers();
     // Signals are taken by a dedicated thread (below): block them before any thread starts so
     // every thread inherits the mask and none is interrupted mid-I/O.
     let sigs = block_signals();
@@ -135,6 +139,7 @@ pub fn run(a: Args) -> Result<(), String> {
             max_handshakes: a.max_handshakes.max(1),
             max_sessions: a.max_sessions.max(1),
             max_memory,
+            max_sessions_per_host: a.max_sessions_per_host.max(1),
             max_connections: a.max_connections.max(1),
             max_connections_per_host: a.max_connections_per_host.max(1),
             ..Limits::default()
@@ -194,6 +199,19 @@ fn default_memory() -> usize {
     };
     let ram = (pages.max(0) as usize).saturating_mul(page.max(0) as usize);
     (ram / 4).max(256 << 20)
+}
+
+/// Buffers of 128 KiB and more get their own mapping, returned to the system when freed. By
+/// default glibc raises that threshold each time such a buffer is freed (up to 32 MiB), after
+/// which freed connection buffers stay in its heap: the memory budget got them back but the
+/// process kept them (157 MiB after a hostile load whose buffers were all freed). Connection
+/// buffers are pooled and grow rarely, so the extra mmap calls are not on the I/O path.
+fn return_freed_buffers() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only sets an allocator parameter; called before the other threads start.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 << 10);
+    }
 }
 
 fn block_signals() -> libc::sigset_t {

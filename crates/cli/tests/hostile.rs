@@ -746,3 +746,53 @@ fn connections_are_limited_per_host_and_in_total() {
     }
     assert!(served, "no place came free after a connection closed");
 }
+
+/// `--max-sessions-per-host`: one address (a HELLO flood from one socket, say) cannot take
+/// every session: past its share it gets NO_MEMORY.
+#[test]
+fn sessions_per_host_are_limited() {
+    let t = Target::start_with(&["m=mem:1M"], &["--max-sessions-per-host", "2"]);
+    let url = Url::parse(&t.url("m")).unwrap();
+    let a = connect(&url, &ConnectOptions::default()).unwrap();
+    let _b = connect(&url, &ConnectOptions::default()).unwrap();
+    let e = connect(&url, &ConnectOptions::default())
+        .err()
+        .expect("a third session from one address is refused");
+    assert!(e.to_string().contains("out of resources"), "{e}");
+    drop(a);
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut served = false;
+    while !served && std::time::Instant::now() < give_up {
+        served = connect(&url, &ConnectOptions::default()).is_ok();
+    }
+    assert!(served, "no place came free after a session ended");
+}
+
+/// When every handshake place is taken by connections that trickle (or send nothing), the
+/// oldest is cut once it has run for 1 s, so a client gets in instead of being closed for as
+/// long as the flood lasts.
+#[test]
+fn slow_handshakes_give_their_place_to_new_clients() {
+    use std::io::Read;
+    let t = Target::start_with(
+        &["m=mem:1M"],
+        &["--max-handshakes", "4", "--handshake-timeout", "60"],
+    );
+    let mut idle: Vec<_> = (0..4).map(|_| raw(&t)).collect();
+    let url = Url::parse(&t.url("m")).unwrap();
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut served = false;
+    while !served && std::time::Instant::now() < give_up {
+        served = connect(&url, &ConnectOptions::default()).is_ok();
+    }
+    assert!(served, "a client got no handshake place for 10 s");
+    // A cut connection was shut down before the client got in: its end of file is there
+    // already (the others would block).
+    let mut cut = 0;
+    for s in &mut idle {
+        s.set_nonblocking(true).unwrap();
+        let mut b = [0u8; 1];
+        cut += usize::from(matches!(s.read(&mut b), Ok(0)));
+    }
+    assert!(cut >= 1, "no idle handshake was cut");
+}

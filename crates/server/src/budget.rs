@@ -58,10 +58,18 @@ impl Budget {
     }
 
     /// Charges `n` bytes if they fit here and in every parent; nothing is charged otherwise.
-    pub fn try_charge(&self, n: usize) -> bool {
+    /// Growth (`growth`) may use only three quarters of the target's budget: the last quarter
+    /// is kept for the minimum of new sessions, so connections that grew to their share
+    /// (hostile ones included) cannot make every newcomer NO_MEMORY.
+    fn try_charge(&self, n: usize, growth: bool) -> bool {
+        let limit = if growth && self.parent.is_none() {
+            self.limit - self.limit / 4
+        } else {
+            self.limit
+        };
         let mut cur = self.used.load(Ordering::Relaxed);
         loop {
-            if cur.saturating_add(n) > self.limit {
+            if cur.saturating_add(n) > limit {
                 return false;
             }
             match self.used.compare_exchange_weak(
@@ -75,7 +83,7 @@ impl Budget {
             }
         }
         if let Some(p) = &self.parent {
-            if !p.try_charge(n) {
+            if !p.try_charge(n, growth) {
                 self.used.fetch_sub(n, Ordering::Relaxed);
                 return false;
             }
@@ -114,7 +122,7 @@ impl Account {
     /// Reserves `floor` bytes for a new connection; `None` when the budget cannot spare them
     /// (the connection is refused with NO_MEMORY).
     pub fn reserve(budget: &Arc<Budget>, floor: usize, cap: usize) -> Option<Account> {
-        budget.try_charge(floor).then(|| Account {
+        budget.try_charge(floor, false).then(|| Account {
             budget: budget.clone(),
             charged: floor,
             floor,
@@ -157,7 +165,7 @@ impl Account {
         }
         let more = (want - self.charged).next_multiple_of(GRAIN);
         let more = more.min(self.cap - self.charged).max(want - self.charged);
-        if self.budget.try_charge(more) {
+        if self.budget.try_charge(more, true) {
             self.charged += more;
             true
         } else {
@@ -211,6 +219,13 @@ mod tests {
             b.charged()
         );
         assert!(Account::reserve(&target, 4 << 20, 4 << 20).is_none());
+        let mut late = Account::reserve(&target, 1 << 20, 4 << 20).unwrap();
+        assert!(
+            !late.try_cover(2 << 20),
+            "growth stops at three quarters of the budget: {} used",
+            target.used()
+        );
+        drop(late);
         let c = Account::reserve(&target, 2 << 20, 2 << 20).unwrap();
         assert_eq!(target.used(), 7 << 20);
         assert!(

@@ -21,8 +21,7 @@ mod stats;
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -408,7 +407,8 @@ impl Target {
         // While accept() fails for lack of descriptors or memory, the listeners stay readable:
         // they are left out of the poll for a while instead of spinning (and logging) on them.
         let mut paused_until: Option<Instant> = None;
-        let handshakes = Arc::new(AtomicUsize::new(0));
+        let handshakes = Arc::new(Handshakes::new(self.registry.limits().max_handshakes));
+        let mut cut = 0u64;
         let limits = self.registry.limits();
         let connections = Arc::new(Connections::new(
             limits.max_connections,
@@ -466,31 +466,48 @@ impl Target {
                                 continue;
                             }
                         };
-                        let max = self.registry.limits().max_handshakes;
-                        if handshakes.load(Ordering::Relaxed) >= max {
-                            // Closed at once: a flood of connections that never finish their
-                            // handshake cannot take a thread each.
-                            shed += 1;
-                            if last_shed.is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY) {
-                                crate::log!(
-                                    Level::Warn,
-                                    "{max} handshakes in progress: closed {shed} new \
-                                     connection(s), the latest from {peer}"
-                                );
-                                last_shed = Some(Instant::now());
-                                shed = 0;
+                        let max = handshakes.max;
+                        let (in_progress, was_cut) = match handshakes.admit(stream.as_raw_fd()) {
+                            Some(admitted) => admitted,
+                            None => {
+                                // Closed at once: a flood of connections that never finish
+                                // their handshake cannot take a thread each.
+                                shed += 1;
+                                (None, false)
                             }
-                            continue;
+                        };
+                        cut += u64::from(was_cut);
+                        if (shed > 0 || cut > 0)
+                            && last_shed.is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY)
+                        {
+                            let cut_said = if cut > 0 {
+                                format!(" and cut {cut} that took over {} s", CUT_AFTER.as_secs())
+                            } else {
+                                String::new()
+                            };
+                            crate::log!(
+                                Level::Warn,
+                                "{max} handshakes in progress: closed {shed} new \
+                                 connection(s){cut_said}, the latest from {peer}"
+                            );
+                            last_shed = Some(Instant::now());
+                            (shed, cut) = (0, 0);
                         }
-                        handshakes.fetch_add(1, Ordering::Relaxed);
-                        let in_progress = HandshakeSlot(handshakes.clone());
+                        let Some(in_progress) = in_progress else {
+                            continue;
+                        };
                         let registry = self.registry.clone();
                         let workers = workers.clone();
                         let frontend = self.listeners[i].2;
+                        // One value, so that if the thread cannot start, the place is given
+                        // back before the socket closes (fields drop in order).
+                        let pending = (in_progress, stream);
                         let spawned = std::thread::Builder::new().name("blkwire-hs".into()).spawn(
                             move || {
-                                let _slot = in_progress;
-                                handshake(stream, peer, frontend, &registry, &workers, counted)
+                                let (place, stream) = pending;
+                                handshake(
+                                    stream, peer, frontend, &registry, &workers, counted, place,
+                                )
                             },
                         );
                         if let Err(e) = spawned {
@@ -592,12 +609,72 @@ impl Drop for ConnCount {
     }
 }
 
-/// One handshake in progress; dropped (thread done) gives its place back.
-struct HandshakeSlot(Arc<AtomicUsize>);
+/// Handshakes in progress, one thread each, at most `max`. When every place is taken, the
+/// oldest handshake, if it has run for [`CUT_AFTER`], is cut (its socket shut down) for the
+/// newcomer: an initiator's handshake takes milliseconds, so a flood of connections that
+/// trickle theirs cannot keep clients out, it only makes them wait its turn.
+struct Handshakes {
+    max: usize,
+    /// (id, started, socket) of each handshake in progress, and the next id.
+    live: Mutex<(Vec<InProgress>, u64)>,
+}
+
+/// A handshake in progress: its id, when it started, its socket.
+type InProgress = (u64, Instant, RawFd);
+
+/// A handshake this old gives its place to a new connection when all are taken.
+const CUT_AFTER: Duration = Duration::from_secs(1);
+
+impl Handshakes {
+    fn new(max: usize) -> Handshakes {
+        Handshakes {
+            max,
+            live: Mutex::new((Vec::new(), 0)),
+        }
+    }
+
+    /// A place for the handshake of socket `fd` (and whether an old one was cut for it), or
+    /// `None` when all are taken by handshakes younger than [`CUT_AFTER`].
+    fn admit(self: &Arc<Self>, fd: RawFd) -> Option<(Option<HandshakeSlot>, bool)> {
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        let (list, next) = &mut *live;
+        let mut cut = false;
+        if list.len() >= self.max {
+            let (i, &(_, started, old)) = list.iter().enumerate().min_by_key(|(_, e)| e.1)?;
+            if started.elapsed() < CUT_AFTER {
+                return None;
+            }
+            // Under the lock: the handshake thread gives its place back (takes this lock)
+            // before its socket is closed or handed on, so `old` is still its socket.
+            // SAFETY: shutdown on a descriptor that is open, as above.
+            unsafe { libc::shutdown(old, libc::SHUT_RDWR) };
+            list.swap_remove(i);
+            cut = true;
+        }
+        let id = *next;
+        *next += 1;
+        list.push((id, Instant::now(), fd));
+        Some((
+            Some(HandshakeSlot {
+                of: self.clone(),
+                id,
+            }),
+            cut,
+        ))
+    }
+}
+
+/// One handshake in progress; dropped (handshake done) gives its place back. Dropped before
+/// the socket is closed or handed to a reactor (see [`Handshakes::admit`]).
+struct HandshakeSlot {
+    of: Arc<Handshakes>,
+    id: u64,
+}
 
 impl Drop for HandshakeSlot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        let mut live = self.of.live.lock().unwrap_or_else(|p| p.into_inner());
+        live.0.retain(|e| e.0 != self.id);
     }
 }
 
@@ -654,6 +731,7 @@ fn handshake(
     registry: &Registry,
     workers: &[(Sender<Msg>, i32)],
     counted: ConnCount,
+    place: HandshakeSlot,
 ) {
     let peer_s = peer.to_string();
     let _ = s.set_nodelay(true);
@@ -670,6 +748,8 @@ fn handshake(
         }),
         ListenerKind::Nbd => nbd::negotiate(&mut s, &peer_s, registry),
     };
+    // Before the socket is closed or handed on: a cut (shutdown) must find it still ours.
+    drop(place);
     let Some((admitted, frontend)) = admitted else {
         return;
     };

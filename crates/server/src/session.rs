@@ -46,6 +46,9 @@ pub struct Limits {
     /// session may take half of it, a connection a quarter; a session or queue whose minimum
     /// does not fit is refused with NO_MEMORY (`budget.rs`).
     pub max_memory: usize,
+    /// Sessions from one address (IP, or MAC on raw Ethernet), so that one peer flooding
+    /// HELLOs cannot take every session; more get NO_MEMORY.
+    pub max_sessions_per_host: usize,
     /// Stream connections open at once (handshakes included); more are closed when accepted.
     pub max_connections: usize,
     /// ... from one peer address.
@@ -63,6 +66,7 @@ impl Default for Limits {
             max_handshakes: 256,
             max_sessions: 1024,
             max_memory: 1 << 30,
+            max_sessions_per_host: 128,
             max_connections: 4096,
             max_connections_per_host: 256,
         }
@@ -162,6 +166,8 @@ pub struct Registry {
 
 struct Inner {
     sessions: HashMap<u32, Session>,
+    /// Sessions per peer address (`host_of`).
+    per_host: HashMap<String, usize>,
     /// Counters of every queue that has closed since start.
     closed: QueueStats,
     shut: bool,
@@ -178,6 +184,7 @@ impl Registry {
             budget: Budget::new(limits.max_memory),
             inner: Mutex::new(Inner {
                 sessions: HashMap::new(),
+                per_host: HashMap::new(),
                 closed: QueueStats::default(),
                 shut: false,
             }),
@@ -409,6 +416,10 @@ impl Registry {
         if inner.sessions.len() >= self.limits.max_sessions {
             return Err(Status::NoMemory);
         }
+        let from = host_of(peer);
+        if inner.per_host.get(from).copied().unwrap_or(0) >= self.limits.max_sessions_per_host {
+            return Err(Status::NoMemory);
+        }
         let mem = Budget::child(&self.budget, self.limits.max_memory / 2);
         let account =
             Account::reserve(&mem, queue_floor, self.connection_share()).ok_or(Status::NoMemory)?;
@@ -422,6 +433,7 @@ impl Registry {
         };
         let mut joined = vec![false; queues as usize];
         joined[0] = true;
+        *inner.per_host.entry(from.to_string()).or_insert(0) += 1;
         inner.sessions.insert(
             id,
             Session {
@@ -568,6 +580,13 @@ impl Registry {
         s.live = s.live.saturating_sub(1);
         if s.live == 0 {
             let s = inner.sessions.remove(&session).expect("present");
+            let from = host_of(&s.peer);
+            if let Some(n) = inner.per_host.get_mut(from) {
+                *n -= 1;
+                if *n == 0 {
+                    inner.per_host.remove(from);
+                }
+            }
             let st = s.stats;
             crate::log!(
                 Level::Info,
@@ -601,5 +620,14 @@ impl Registry {
 
     pub fn closed_totals(&self) -> QueueStats {
         self.lock().closed
+    }
+}
+
+/// The address part of a peer ("192.0.2.1:7700" -> "192.0.2.1", "[::1]:7700" -> "[::1]"; a
+/// MAC address has no port and is taken whole).
+fn host_of(peer: &str) -> &str {
+    match peer.parse::<std::net::SocketAddr>() {
+        Ok(_) => peer.rsplit_once(':').map_or(peer, |(h, _)| h),
+        Err(_) => peer,
     }
 }
