@@ -57,9 +57,20 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                 break;
             }
             // And the memory budget must cover what the request will add: its reply data, and
-            // a data buffer unless it runs inline or a spare fits. Otherwise it waits in rx.
-            if moves_data && !covers_request(c, req) {
-                break;
+            // a data buffer unless it runs inline or a spare fits. Otherwise it waits in rx,
+            // unless it could never fit this connection's share: then it fails (ENOMEM).
+            if moves_data {
+                match covers_request(c, req) {
+                    Cover::Yes => {}
+                    Cover::Wait => break,
+                    Cover::Never => {
+                        let req = *req;
+                        c.rx_start += len;
+                        c.exec.stats.frames_in += 1;
+                        c.reply(&req, Status::NoMemory);
+                        continue;
+                    }
+                }
             }
         }
         let payload_at = c.rx_start + len - payload_len;
@@ -80,19 +91,34 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     }
 }
 
+/// Whether the memory budget covers a data request now, later, or never.
+enum Cover {
+    Yes,
+    Wait,
+    Never,
+}
+
 /// Whether the memory budget covers a data request (see `parse_frames`).
-fn covers_request(c: &mut Conn, req: &Req) -> bool {
+fn covers_request(c: &mut Conn, req: &Req) -> Cover {
     let len = req.length as usize;
     let read = req.is_read();
     let extra_tx = if read { len + REPLY_SLACK } else { 0 };
     let chunked = read && c.fe.read_framing(req) == ReadFraming::Chunked;
     let pooled = !c.inline || chunked;
+    // What it needs even on an idle connection.
+    if c.rx.capacity() + extra_tx + if pooled { len } else { 0 } > c.mem.cap() {
+        return Cover::Never;
+    }
     let extra_pool = if pooled && !c.bufs.has_spare(len) {
         len
     } else {
         0
     };
-    c.covers(extra_tx, extra_pool)
+    if c.covers(extra_tx, extra_pool) {
+        Cover::Yes
+    } else {
+        Cover::Wait
+    }
 }
 
 fn dispatch(
