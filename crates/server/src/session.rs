@@ -455,9 +455,10 @@ impl Registry {
         );
         crate::log!(
             Level::Info,
-            "session {id}: host '{}' from {peer} opened export '{}' ({queues} queues x {depth} deep, max I/O {})",
+            "session {id}: host '{}' from {peer} opened export '{}' ({queues} queue{} x {depth} deep, max I/O {})",
             host.escape_debug(),
             export.name,
+            if queues == 1 { "" } else { "s" },
             blkwire_backend::format_size(max_io as u64)
         );
         Ok((id, cookie, account))
