@@ -319,9 +319,17 @@ fn main() {
             u.connect(&udp).expect("the target's UDP address");
             u.set_read_timeout(Some(Duration::from_secs(2))).ok();
             let p = hello_payload(256, 1 << 20, 8192, 7, &export);
-            send_frame(&u, Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0), &p);
             let mut b = vec![0u8; 65536];
-            let Ok(n) = u.recv(&mut b) else {
+            // Datagrams get lost under load: the same HELLO (same nonce) again, a few times.
+            let mut got = None;
+            for _ in 0..5 {
+                send_frame(&u, Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0), &p);
+                if let Ok(n) = u.recv(&mut b) {
+                    got = Some(n);
+                    break;
+                }
+            }
+            let Some(n) = got else {
                 no.fetch_add(1, Ordering::Relaxed);
                 return;
             };
