@@ -247,7 +247,8 @@ pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     loop {
         // Dispatch what is buffered first: it may already hold many frames.
         parse_frames(c, idx, sq);
-        if c.closing || !c.readable || c.tx_backlog() >= c.tx_high_water() {
+        // Starved (waiting for memory): read nothing more until the reactor retries it.
+        if c.closing || !c.readable || c.starved || c.tx_backlog() >= c.tx_high_water() {
             return;
         }
         if c.rx_end == c.rx.len() {

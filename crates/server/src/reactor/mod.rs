@@ -329,7 +329,7 @@ impl Reactor {
             Some(types::Timespec::new().nsec(STARVED_RETRY.as_nanos() as u32))
         } else if self.shutdown_deadline.is_some()
             || !self.ports.is_empty()
-            || self.conns.iter().any(Option::is_some)
+            || self.conns.len() > self.free.len()
         {
             // Wake up to enforce the shutdown deadline, expire idle datagram sessions and trim
             // idle connections even if nothing completes.
