@@ -148,6 +148,11 @@ impl Account {
         self.charged
     }
 
+    /// Whether it holds more than its floor (something an idle owner could give back).
+    pub fn above_floor(&self) -> bool {
+        self.charged > self.floor
+    }
+
     /// The most this account may hold.
     pub fn cap(&self) -> usize {
         self.cap

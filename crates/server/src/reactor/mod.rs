@@ -106,6 +106,9 @@ pub struct Reactor {
     starved: Vec<usize>,
     /// When idle connections last gave back what their buffers grew to.
     last_trim: Instant,
+    /// Some connection holds more than its minimum: wake up at least once a second to see
+    /// whether it went idle (otherwise the reactor may sleep until something happens).
+    trim_pending: bool,
 }
 
 /// How often starved connections retry.
@@ -141,6 +144,7 @@ impl Reactor {
             reaped: Vec::new(),
             starved: Vec::new(),
             last_trim: Instant::now(),
+            trim_pending: false,
         })
     }
 
@@ -327,9 +331,7 @@ impl Reactor {
         }
         let timeout = if !self.starved.is_empty() {
             Some(types::Timespec::new().nsec(STARVED_RETRY.as_nanos() as u32))
-        } else if self.shutdown_deadline.is_some()
-            || !self.ports.is_empty()
-            || self.conns.len() > self.free.len()
+        } else if self.shutdown_deadline.is_some() || !self.ports.is_empty() || self.trim_pending
         {
             // Wake up to enforce the shutdown deadline, expire idle datagram sessions and trim
             // idle connections even if nothing completes.
@@ -514,6 +516,7 @@ impl Reactor {
         }
         // Charged only when the buffers changed size (growth, or given back).
         c.settle_memory();
+        self.trim_pending |= c.mem.above_floor();
         if c.starved && !c.waiting && !c.closing {
             c.waiting = true;
             self.starved.push(idx);
@@ -532,12 +535,14 @@ impl Reactor {
             return;
         }
         self.last_trim = Instant::now();
+        self.trim_pending = false;
         for c in self.conns.iter_mut().flatten() {
             let frames = c.exec.stats.frames_in;
             if frames == c.idle_mark && c.inflight == 0 && c.tx_backlog() == 0 {
                 c.trim();
             }
             c.idle_mark = frames;
+            self.trim_pending |= c.mem.above_floor();
         }
     }
 
