@@ -331,8 +331,7 @@ impl Reactor {
         }
         let timeout = if !self.starved.is_empty() {
             Some(types::Timespec::new().nsec(STARVED_RETRY.as_nanos() as u32))
-        } else if self.shutdown_deadline.is_some() || !self.ports.is_empty() || self.trim_pending
-        {
+        } else if self.shutdown_deadline.is_some() || !self.ports.is_empty() || self.trim_pending {
             // Wake up to enforce the shutdown deadline, expire idle datagram sessions and trim
             // idle connections even if nothing completes.
             Some(types::Timespec::new().sec(1))
