@@ -12,7 +12,8 @@
 //! - 2 NBD connections with 16 READs of 32 MiB each, never read;
 //! - a UDP session flooded with READs of 1 MiB on every slot, replies never read (from
 //!   127.0.0.3);
-//! - a UDP HELLO flood (a new nonce each time, so each would be a session; from 127.0.0.2);
+//! - a UDP HELLO flood answering the target's challenges (a new nonce each time, so each would
+//!   be a session; from 127.0.0.2);
 //! - 2000 connections trickling one byte every 5 s, from 127.0.0.2 to 127.0.0.9 (so the
 //!   per-host limit of the legitimate client's 127.0.0.1 is not theirs).
 //!
@@ -26,11 +27,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use blkwire_wire::nbd;
-use blkwire_wire::{Header, Hello, HelloReply, Opcode, Status, Tag, HEADER_LEN};
+use blkwire_wire::{
+    AuthBlock, AuthMethod, Header, Hello, HelloReply, Opcode, Status, Tag, HEADER_LEN,
+};
 
 type Counter = Arc<AtomicU64>;
 
-fn hello_payload(depth: u16, max_io: u32, frame_payload: u32, nonce: u64, export: &str) -> Vec<u8> {
+fn hello(depth: u16, max_io: u32, frame_payload: u32, nonce: u64, export: &str) -> Hello {
     Hello {
         queues: 1,
         depth,
@@ -40,26 +43,49 @@ fn hello_payload(depth: u16, max_io: u32, frame_payload: u32, nonce: u64, export
         nonce,
         host_id: "hostile-load".into(),
         export: export.into(),
-        auth: vec![],
+        auth: AuthBlock::first(
+            AuthMethod::None,
+            false,
+            (nonce as u32)
+                .to_le_bytes()
+                .repeat(8)
+                .try_into()
+                .expect("32 bytes"),
+        ),
     }
-    .encode()
-    .expect("a HELLO payload")
 }
 
-/// A native session on TCP: (stream, granted depth), or None if refused.
-fn native(addr: &str, export: &str, depth: u16) -> Option<(TcpStream, u16)> {
-    let mut s = TcpStream::connect(addr).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    let p = hello_payload(depth, 1 << 20, 0, 1, export);
-    let mut h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
-    h.payload_len = p.len() as u32;
-    s.write_all(&h.to_bytes()).ok()?;
+fn hello_frame(h: &Hello, tag: Tag) -> (Header, Vec<u8>) {
+    let p = h.encode().expect("a HELLO payload");
+    let mut hdr = Header::request(Opcode::Hello, tag, 0, 0);
+    hdr.payload_len = p.len() as u32;
+    (hdr, p)
+}
+
+/// One HELLO on TCP and its reply (header, payload).
+fn tcp_hello(s: &mut TcpStream, h: &Hello) -> Option<(Header, Vec<u8>)> {
+    let (hdr, p) = hello_frame(h, Tag::new(0, 0));
+    s.write_all(&hdr.to_bytes()).ok()?;
     s.write_all(&p).ok()?;
     let mut hb = [0u8; HEADER_LEN];
     s.read_exact(&mut hb).ok()?;
     let r = Header::decode(&hb, 4096).ok()?;
     let mut p = vec![0u8; r.payload_len as usize];
     s.read_exact(&mut p).ok()?;
+    Some((r, p))
+}
+
+/// A native session on TCP: (stream, granted depth), or None if refused. The first HELLO is
+/// challenged (PROTOCOL.md §12.1); the second answers the challenge.
+fn native(addr: &str, export: &str, depth: u16) -> Option<(TcpStream, u16)> {
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    let mut h = hello(depth, 1 << 20, 0, 1, export);
+    let (mut r, mut p) = tcp_hello(&mut s, &h)?;
+    if r.status == Status::Challenge {
+        h.auth.nonce_s = p.try_into().ok()?;
+        (r, p) = tcp_hello(&mut s, &h)?;
+    }
     if r.status != Status::Ok {
         return None;
     }
@@ -318,26 +344,33 @@ fn main() {
             let u = UdpSocket::bind("127.0.0.3:0").expect("a UDP socket");
             u.connect(&udp).expect("the target's UDP address");
             u.set_read_timeout(Some(Duration::from_secs(2))).ok();
-            let p = hello_payload(256, 1 << 20, 8192, 7, &export);
+            let mut h = hello(256, 1 << 20, 8192, 7, &export);
             let mut b = vec![0u8; 65536];
-            // Datagrams get lost under load: the same HELLO (same nonce) again, a few times.
-            let mut got = None;
-            for _ in 0..5 {
-                send_frame(&u, Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0), &p);
-                if let Ok(n) = u.recv(&mut b) {
-                    got = Some(n);
-                    break;
+            // The first HELLO is challenged; datagrams get lost under load: each step is
+            // tried a few times.
+            let mut granted = None;
+            for _ in 0..10 {
+                let (hdr, p) = hello_frame(&h, Tag::new(0, 0));
+                send_frame(&u, hdr, &p);
+                let Ok(n) = u.recv(&mut b) else { continue };
+                let Ok(r) = Header::decode(&b[..n], 65536) else {
+                    continue;
+                };
+                let p = &b[HEADER_LEN..(HEADER_LEN + r.payload_len as usize).min(n)];
+                match r.status {
+                    Status::Challenge => {
+                        if let Ok(nonce) = p.try_into() {
+                            h.auth.nonce_s = nonce;
+                        }
+                    }
+                    Status::Ok => {
+                        granted = HelloReply::decode(p).ok();
+                        break;
+                    }
+                    _ => break,
                 }
             }
-            let Some(n) = got else {
-                no.fetch_add(1, Ordering::Relaxed);
-                return;
-            };
-            let Some(g) = Header::decode(&b[..n], 65536)
-                .ok()
-                .filter(|h| h.status == Status::Ok)
-                .and_then(|_| HelloReply::decode(&b[HEADER_LEN..n]).ok())
-            else {
+            let Some(g) = granted else {
                 no.fetch_add(1, Ordering::Relaxed);
                 return;
             };
@@ -366,13 +399,37 @@ fn main() {
         threads.push(std::thread::spawn(move || {
             let u = UdpSocket::bind("127.0.0.2:0").expect("a UDP socket");
             u.connect(&udp).expect("the target's UDP address");
-            let mut nonce = 1000u64;
+            u.set_nonblocking(true).ok();
+            // Each HELLO is challenged, and the flood answers every challenge it gets (it can:
+            // the replies come to its own address), so each one would be a session.
+            let mut sent: std::collections::HashMap<u32, Hello> = Default::default();
+            let mut b = vec![0u8; 65536];
+            let mut i = 0u32;
             while !stop.load(Ordering::Relaxed) {
                 for _ in 0..200 {
-                    nonce += 1;
-                    let p = hello_payload(64, 1 << 20, 8192, nonce, &export);
-                    send_frame(&u, Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0), &p);
+                    i += 1;
+                    let h = hello(64, 1 << 20, 8192, 1000 + i as u64, &export);
+                    let (hdr, p) = hello_frame(&h, Tag::new(i as u16, (i >> 16) as u16));
+                    send_frame(&u, hdr, &p);
+                    sent.insert(i, h);
                     ok.fetch_add(1, Ordering::Relaxed);
+                }
+                while let Ok(n) = u.recv(&mut b) {
+                    let Ok(r) = Header::decode(&b[..n], 65536) else {
+                        continue;
+                    };
+                    let key = r.tag.slot() as u32 | (r.tag.generation() as u32) << 16;
+                    let p = &b[HEADER_LEN..(HEADER_LEN + r.payload_len as usize).min(n)];
+                    if let (Status::Challenge, Some(mut h)) = (r.status, sent.remove(&key)) {
+                        if let Ok(nonce) = p.try_into() {
+                            h.auth.nonce_s = nonce;
+                            let (hdr, p) = hello_frame(&h, r.tag);
+                            send_frame(&u, hdr, &p);
+                        }
+                    }
+                }
+                if sent.len() > 100_000 {
+                    sent.clear();
                 }
                 std::thread::sleep(Duration::from_millis(100));
             }
