@@ -220,8 +220,8 @@ impl Registry {
     }
 
     /// What a queue must be able to hold to serve one request at a time: a stream connection's
-    /// initial buffers and one data buffer; a datagram
-    /// queue's slot table (its data buffers come from the port's pool, charged to the port).
+    /// initial buffers and one data buffer; a datagram queue's slot table (its data buffers
+    /// come from the port's pool, charged to the port).
     fn queue_floor(max_io: u32, datagram: bool) -> usize {
         if datagram {
             crate::dgram::QUEUE_FLOOR
@@ -555,7 +555,7 @@ impl Registry {
         if *slot {
             return Err(Status::Busy.into());
         }
-        let mem = Account::reserve(&s.mem, s.queue_floor, self.limits.max_memory / 4)
+        let mem = Account::reserve(&s.mem, s.queue_floor, self.connection_share())
             .ok_or(Status::NoMemory)?;
         *slot = true;
         s.live += 1;
