@@ -1197,9 +1197,13 @@ fn disconnect_mid_request_leaves_the_target_serving() {
         // Gone right after the greeting.
         drop(Raw::greet(&t.addr()));
     }
-    other.write(1, 0, &[0x66u8; 4096]);
+    // Past the 4 MiB the pipelined writes above cover: requests a connection sent before it
+    // went away may still be running (what a target received before an orderly close is
+    // executed), so a write of theirs to the same place could land after this one.
+    const AT: u64 = 8 * MIB;
+    other.write(1, AT, &[0x66u8; 4096]);
     assert_eq!(other.reply().error(), 0);
-    other.request(cmd::READ, 0, 2, 0, 4096);
+    other.request(cmd::READ, 0, 2, AT, 4096);
     let (e, _, data) = other.read_simple(4096);
     assert_eq!(e, 0);
     assert!(data.iter().all(|b| *b == 0x66));
