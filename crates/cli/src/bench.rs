@@ -104,8 +104,9 @@ pub fn run(a: Args) -> Result<(), String> {
     }
     if (s.queues.len() as u16) < a.jobs || s.queues[0].depth() < a.iodepth as usize {
         eprintln!(
-            "blkwire: note: target granted {} queues x {} deep (asked {} x {})",
+            "blkwire: note: target granted {} queue{} x {} deep (asked {} x {})",
             s.queues.len(),
+            if s.queues.len() == 1 { "" } else { "s" },
             s.queues[0].depth(),
             a.jobs,
             a.iodepth

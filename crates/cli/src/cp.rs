@@ -2,7 +2,7 @@
 //! each with its own queue (or file handle), copy chunks of the largest I/O size in parallel.
 
 use std::fs::{File, OpenOptions};
-use std::io::{IsTerminal, Seek, SeekFrom, Write};
+use std::io::{IsTerminal, Seek, SeekFrom};
 use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -174,19 +174,21 @@ pub fn run(a: Args) -> Result<(), String> {
         })
         .collect();
     let show = !a.no_progress && std::io::stderr().is_terminal();
+    let bar = if show {
+        progress_bar(size)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
     while workers.iter().any(|w| !w.is_finished()) {
-        if show {
-            progress(done.load(Ordering::Relaxed), size, start.elapsed());
-        }
+        bar.set_position(done.load(Ordering::Relaxed));
         std::thread::sleep(Duration::from_millis(100));
     }
+    bar.finish_and_clear();
     let mut dests = Vec::new();
     for w in workers {
         dests.push(w.join().map_err(|_| "a copy worker panicked".to_string())?);
     }
-    if show {
-        eprint!("\r\x1b[K");
-    }
+
     if let Some(e) = first_err.lock().unwrap_or_else(|p| p.into_inner()).take() {
         return Err(e);
     }
@@ -241,25 +243,14 @@ fn copy_chunk(
     }
 }
 
-fn progress(done: u64, total: u64, elapsed: Duration) {
-    let frac = if total == 0 {
-        1.0
-    } else {
-        done as f64 / total as f64
-    };
-    let width = 30;
-    let filled = (frac * width as f64) as usize;
-    let rate = done as f64 / elapsed.as_secs_f64().max(1e-3) / 1048576.0;
-    let mut e = std::io::stderr().lock();
-    let _ = write!(
-        e,
-        "\r[{}{}] {:>5.1}% {} / {} {:.1} MiB/s",
-        "#".repeat(filled),
-        " ".repeat(width - filled),
-        frac * 100.0,
-        blkwire_backend::format_size(done),
-        blkwire_backend::format_size(total),
-        rate
-    );
-    let _ = e.flush();
+/// The progress bar on stderr: indicatif fits it to the terminal's width (the hand-written one
+/// wrapped, and repeated itself, on narrow terminals) and adds the time left.
+fn progress_bar(total: u64) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(total);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "[{wide_bar}] {percent:>3}% {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} ETA {eta}",
+    ) {
+        bar.set_style(style.progress_chars("#>-"));
+    }
+    bar
 }

@@ -41,6 +41,21 @@ pub struct Args {
     /// Sessions (initiators) served at once; more are refused until one ends
     #[arg(long, value_name = "N", default_value_t = 1024)]
     max_sessions: usize,
+    /// Memory all connection and session buffers may hold together (receive, transmit and
+    /// data buffers): a session may take half of it, a connection a quarter; past it,
+    /// connections wait for memory instead of growing and new sessions get NO_MEMORY. Default:
+    /// a quarter of RAM, at least 256M. Exports (mem:) are not part of it
+    #[arg(long, value_name = "SIZE", value_parser = crate::size_arg)]
+    max_memory: Option<u64>,
+    /// Sessions from one address; more are refused until one ends
+    #[arg(long, value_name = "N", default_value_t = 128)]
+    max_sessions_per_host: usize,
+    /// Connections open at once (handshakes included); more are closed when accepted
+    #[arg(long, value_name = "N", default_value_t = 4096)]
+    max_connections: usize,
+    /// Connections open at once from one address
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    max_connections_per_host: usize,
     /// Seconds a connection has for its whole handshake. Tests shorten it.
     #[arg(long, value_name = "SECS", default_value_t = 10, hide = true)]
     handshake_timeout: u64,
@@ -110,6 +125,18 @@ pub fn run(a: Args) -> Result<(), String> {
                 blkwire_backend::format_size(blkwire_wire::MAX_PAYLOAD_LIMIT as u64)
             )
         })?;
+    let max_memory = match a.max_memory {
+        Some(m) if m < MIN_MEMORY as u64 => {
+            return Err(format!(
+                "--max-memory must be at least {} (one connection's buffers and the datagram \
+                 ports' take a few MiB each)",
+                blkwire_backend::format_size(MIN_MEMORY as u64)
+            ))
+        }
+        Some(m) => usize::try_from(m).unwrap_or(usize::MAX),
+        None => default_memory(),
+    };
+    return_freed_buffers();
     // Signals are taken by a dedicated thread (below): block them before any thread starts so
     // every thread inherits the mask and none is interrupted mid-I/O.
     let sigs = block_signals();
@@ -123,6 +150,10 @@ pub fn run(a: Args) -> Result<(), String> {
             handshake_timeout: Duration::from_secs(a.handshake_timeout.max(1)),
             max_handshakes: a.max_handshakes.max(1),
             max_sessions: a.max_sessions.max(1),
+            max_memory,
+            max_sessions_per_host: a.max_sessions_per_host.max(1),
+            max_connections: a.max_connections.max(1),
+            max_connections_per_host: a.max_connections_per_host.max(1),
             ..Limits::default()
         },
         poll: Duration::from_micros(a.poll_us),
@@ -168,6 +199,36 @@ pub fn run(a: Args) -> Result<(), String> {
     }
     log!(log::Level::Info, "exports: {}", names.join(" "));
     target.run().map_err(|e| e.to_string())
+}
+
+/// The smallest `--max-memory` accepted.
+const MIN_MEMORY: usize = 64 << 20;
+
+/// `--max-memory` by default: a quarter of RAM (the rest is for the page cache, mem: exports
+/// and everything else on the machine), at least 256 MiB.
+fn default_memory() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let ram = (pages.max(0) as usize).saturating_mul(page.max(0) as usize);
+    (ram / 4).max(256 << 20)
+}
+
+/// Buffers of 128 KiB and more get their own mapping, returned to the system when freed. By
+/// default glibc raises that threshold each time such a buffer is freed (up to 32 MiB), after
+/// which freed connection buffers stay in its heap: the memory budget got them back but the
+/// process kept them (157 MiB after a hostile load whose buffers were all freed). Connection
+/// buffers are pooled and grow rarely, so the extra mmap calls are not on the I/O path.
+fn return_freed_buffers() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only sets an allocator parameter; called before the other threads start.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 << 10);
+    }
 }
 
 fn block_signals() -> libc::sigset_t {

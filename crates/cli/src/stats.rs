@@ -46,43 +46,89 @@ pub fn run(a: Args) -> Result<(), String> {
     }
     let v: Value =
         serde_json::from_str(&doc).map_err(|e| format!("target sent bad stats JSON: {e}"))?;
-    println!(
-        "{:<8} {:<12} {:>5} {:>6} {}",
-        "session",
-        "export",
-        "queue",
-        "thread",
-        COLUMNS.join(" ")
-    );
+    print!("{}", table(&v));
+    Ok(())
+}
+
+/// The counters as a table whose columns fit their widest cell (names and numbers of any
+/// length line up); text columns left-aligned, numbers right-aligned.
+fn table(v: &Value) -> String {
+    // A JSON value as plain text (strings without their quotes).
+    let text = |x: &Value| match x {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".into(),
+        x => x.to_string(),
+    };
+    let mut rows: Vec<Vec<String>> = vec![["session", "export", "queue", "thread"]
+        .iter()
+        .chain(COLUMNS.iter())
+        .map(|h| h.to_string())
+        .collect()];
     let empty = Vec::new();
     for s in v["sessions"].as_array().unwrap_or(&empty) {
         for q in s["queues"].as_array().unwrap_or(&empty) {
-            let cols: Vec<String> = COLUMNS
-                .iter()
-                .map(|c| format!("{:>width$}", q[c], width = c.len()))
-                .collect();
-            println!(
-                "{:<8} {:<12} {:>5} {:>6} {}",
-                s["session"],
-                s["export"].as_str().unwrap_or("?"),
-                q["queue"],
-                q["thread"],
-                cols.join(" ")
-            );
+            let mut row = vec![
+                text(&s["session"]),
+                text(&s["export"]),
+                text(&q["queue"]),
+                text(&q["thread"]),
+            ];
+            row.extend(COLUMNS.iter().map(|c| text(&q[c])));
+            rows.push(row);
         }
     }
     let c = &v["closed"];
-    let cols: Vec<String> = COLUMNS
-        .iter()
-        .map(|k| format!("{:>width$}", c[k], width = k.len()))
+    let mut row = vec!["closed".into(), "(all)".into(), "-".into(), "-".into()];
+    row.extend(COLUMNS.iter().map(|k| text(&c[k])));
+    rows.push(row);
+    let widths: Vec<usize> = (0..rows[0].len())
+        .map(|i| rows.iter().map(|r| r[i].chars().count()).max().unwrap_or(0))
         .collect();
-    println!(
-        "{:<8} {:<12} {:>5} {:>6} {}",
-        "closed",
-        "(all)",
-        "-",
-        "-",
-        cols.join(" ")
-    );
-    Ok(())
+    let mut out = String::new();
+    for r in &rows {
+        let cells: Vec<String> = r
+            .iter()
+            .zip(&widths)
+            .enumerate()
+            .map(|(i, (cell, w))| {
+                if i < 2 {
+                    format!("{cell:<w$}")
+                } else {
+                    format!("{cell:>w$}")
+                }
+            })
+            .collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn columns_line_up_whatever_the_widths() {
+        let q = |queue: u64, frames: u64| serde_json::json!({"queue": queue, "thread": 0, "frames_in": frames, "frames_out": frames});
+        let v = serde_json::json!({
+            "sessions": [
+                {"session": 1, "export": "a-rather-long-export-name", "queues": [q(0, 7)]},
+                {"session": 12345, "export": "d", "queues": [q(1, 123456789)]},
+            ],
+            "closed": {"frames_in": 3},
+        });
+        let t = table(&v);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 4, "{t}");
+        // Every row puts its frames_out column's last digit at the same place.
+        let header_end = lines[0].find("frames_out").unwrap() + "frames_out".len();
+        for l in &lines[1..3] {
+            assert!(
+                l[..header_end].ends_with(|c: char| c.is_ascii_digit()),
+                "{t}"
+            );
+        }
+        assert!(!t.contains('"'), "names without JSON quotes: {t}");
+    }
 }

@@ -502,3 +502,297 @@ fn sessions_are_limited() {
     }
     assert!(served, "no session place came free after one ended");
 }
+
+/// Writes `total` bytes to every connection (non-blocking) for as long as the target takes
+/// them; returns once every connection is done or none became writable for `quiet`, which
+/// means the target stopped reading from all of them. Calls `sample` after every round.
+fn push_until_blocked(
+    conns: &mut [std::net::TcpStream],
+    total: usize,
+    quiet: std::time::Duration,
+    mut sample: impl FnMut(),
+) {
+    use std::os::fd::AsRawFd;
+    let piece = vec![0x5au8; 1 << 20];
+    let mut sent = vec![0usize; conns.len()];
+    for c in conns.iter() {
+        c.set_nonblocking(true).unwrap();
+    }
+    loop {
+        for (c, n) in conns.iter_mut().zip(sent.iter_mut()) {
+            while *n < total {
+                match c.write(&piece[..(total - *n).min(piece.len())]) {
+                    Ok(k) => *n += k,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(_) => {
+                        *n = total; // closed by the target: nothing more to push
+                        break;
+                    }
+                }
+            }
+        }
+        sample();
+        let mut fds: Vec<libc::pollfd> = conns
+            .iter()
+            .zip(&sent)
+            .filter(|(_, n)| **n < total)
+            .map(|(c, _)| libc::pollfd {
+                fd: c.as_raw_fd(),
+                events: libc::POLLOUT,
+                revents: 0,
+            })
+            .collect();
+        if fds.is_empty() {
+            return;
+        }
+        // SAFETY: poll over our own array.
+        let ready = unsafe {
+            libc::poll(
+                fds.as_mut_ptr(),
+                fds.len() as libc::nfds_t,
+                quiet.as_millis() as i32,
+            )
+        };
+        if ready <= 0 {
+            return;
+        }
+    }
+}
+
+/// `--max-memory`: NBD WRITEs that announce 32 MiB and send 31 MiB of it (12 connections: their
+/// receive buffers grew to 384 MB before) and never-reading clients with 64 READs of 1 MiB from
+/// a file each (16 of them) together stay within a 160 MiB budget: connections wait for memory
+/// instead of growing. Meanwhile a session opened before the load writes and reads back data
+/// correctly, and once the hostile peers are gone new sessions are served.
+#[test]
+fn a_memory_budget_holds_whatever_peers_send() {
+    use blkwire_wire::nbd::cmd;
+    use common::nbd_raw::Raw;
+    const BUDGET_MIB: u64 = 160;
+    let d = common::TempDir::new("hostile-budget");
+    let img = d.path("f.img");
+    common::sparse_file(&img, 64 << 20);
+    let (t, urls) = Target::start_listeners(
+        &[&format!("f=file:{}", img.display())],
+        &[
+            "--max-memory",
+            &format!("{BUDGET_MIB}M"),
+            "--listen",
+            "nbd://127.0.0.1:0",
+        ],
+    );
+    let nbd = urls[1].trim_start_matches("nbd://").to_string();
+    let pid = t.pid() as u32;
+    let url = Url::parse(&t.url("f")).unwrap();
+    let mut legit = connect(&url, &ConnectOptions::default()).unwrap();
+    let before = common::rss_kib(pid);
+    let mut peak = before;
+    let mut hostile = Vec::new();
+    for cookie in 0..12 {
+        let (mut r, _, _) = Raw::go(&nbd, "f", false, false);
+        r.request(cmd::WRITE, 0, cookie, 0, 32 << 20);
+        hostile.push(r.0);
+    }
+    let mut readers = Vec::new();
+    for _ in 0..16 {
+        let mut s = raw(&t);
+        let (r, _) = hello_with(&mut s, "f", 64, 1 << 20);
+        assert_eq!(r.status, Status::Ok);
+        let mut all = Vec::new();
+        for slot in 0..64u16 {
+            let off = (slot as u64 % 64) << 20;
+            all.extend_from_slice(
+                &Header::request(Opcode::Read, Tag::new(slot, 1), off, 1 << 20).to_bytes(),
+            );
+        }
+        s.write_all(&all).unwrap();
+        readers.push(s);
+    }
+    push_until_blocked(
+        &mut hostile,
+        31 << 20,
+        std::time::Duration::from_millis(500),
+        || peak = peak.max(common::rss_kib(pid)),
+    );
+    // The legitimate session still works, within its reserved minimum.
+    let data = common::random_bytes(4 << 20, 13);
+    for (i, piece) in data.chunks(1 << 20).enumerate() {
+        legit.queues[0]
+            .write_at(piece, (i as u64) << 20, false)
+            .unwrap();
+    }
+    let mut back = vec![0u8; 1 << 20];
+    for (i, piece) in data.chunks(1 << 20).enumerate() {
+        legit.queues[0]
+            .read_at(&mut back, (i as u64) << 20)
+            .unwrap();
+        assert!(back == piece, "MiB {i} read back differs");
+    }
+    peak = peak.max(common::rss_kib(pid));
+    assert!(
+        peak < before + BUDGET_MIB * 1024,
+        "target RSS grew from {before} KiB to {peak} KiB with a budget of {BUDGET_MIB} MiB"
+    );
+    drop((hostile, readers, legit));
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut s = None;
+    while s.is_none() && std::time::Instant::now() < give_up {
+        s = connect(&url, &ConnectOptions::default()).ok();
+    }
+    let mut s = s.expect("a new session is served once the hostile peers are gone");
+    let mut b = vec![0u8; 1 << 20];
+    s.queues[0].read_at(&mut b, 0).unwrap();
+    assert!(b == data[..1 << 20]);
+}
+
+/// Sessions whose minimum buffers the budget cannot hold are refused with NO_MEMORY (the
+/// session limit is far away), and a place frees when one ends.
+#[test]
+fn sessions_beyond_the_memory_budget_are_refused() {
+    let t = Target::start_with(&["m=mem:1M"], &["--max-memory", "64M"]);
+    let url = Url::parse(&t.url("m")).unwrap();
+    let mut open = Vec::new();
+    let refused = loop {
+        match connect(&url, &ConnectOptions::default()) {
+            Ok(s) => open.push(s),
+            Err(e) => break e,
+        }
+        assert!(open.len() < 100, "100 sessions in a 64 MiB budget");
+    };
+    assert!(
+        refused.to_string().contains("out of resources"),
+        "{refused}"
+    );
+    assert!(open.len() >= 4, "only {} sessions", open.len());
+    open.pop();
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut served = false;
+    while !served && std::time::Instant::now() < give_up {
+        served = connect(&url, &ConnectOptions::default()).is_ok();
+    }
+    assert!(served, "no place came free after a session ended");
+}
+
+/// `--max-connections-per-host` and `--max-connections`: connections past either are closed
+/// when accepted (these sit in their handshake, which is what a flood looks like), others
+/// from other addresses are still taken, and a place frees when a connection closes.
+#[test]
+fn connections_are_limited_per_host_and_in_total() {
+    use std::io::Read;
+    use std::net::{SocketAddr, TcpStream};
+    let t = Target::start_with(
+        &["m=mem:1M"],
+        &[
+            "--max-connections",
+            "5",
+            "--max-connections-per-host",
+            "3",
+            "--handshake-timeout",
+            "60",
+        ],
+    );
+    let target: SocketAddr = t.base.trim_start_matches("tcp://").parse().unwrap();
+    let SocketAddr::V4(target) = target else {
+        panic!("the test target listens on IPv4")
+    };
+    // A connection from another loopback address (bound before connecting).
+    let from = |ip: &str| {
+        use std::os::fd::FromRawFd;
+        let sin = |a: std::net::SocketAddrV4| libc::sockaddr_in {
+            sin_family: libc::AF_INET as u16,
+            sin_port: a.port().to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(*a.ip()).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        let local = sin(format!("{ip}:0").parse().unwrap());
+        let remote = sin(target);
+        let len = std::mem::size_of::<libc::sockaddr_in>() as u32;
+        // SAFETY: a new socket, bound and connected with addresses that live across the calls.
+        let s = unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+            let s = TcpStream::from_raw_fd(fd);
+            let r = libc::bind(fd, (&local as *const libc::sockaddr_in).cast(), len);
+            assert_eq!(r, 0, "bind {ip}: {}", std::io::Error::last_os_error());
+            let r = libc::connect(fd, (&remote as *const libc::sockaddr_in).cast(), len);
+            assert_eq!(r, 0, "connect: {}", std::io::Error::last_os_error());
+            s
+        };
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        s
+    };
+    // Closed by the target, not merely silent (a read timeout is not a close).
+    let closed = |mut s: TcpStream| {
+        let mut b = [0u8; 1];
+        match s.read(&mut b) {
+            Ok(0) => true,
+            Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+            Ok(_) => false,
+        }
+    };
+    let mut first: Vec<_> = (0..3).map(|_| from("127.0.0.1")).collect();
+    assert!(closed(from("127.0.0.1")), "a 4th connection from one host");
+    let _second: Vec<_> = (0..2).map(|_| from("127.0.0.2")).collect();
+    assert!(closed(from("127.0.0.3")), "a 6th connection in total");
+    first.pop();
+    let url = Url::parse(&t.url("m")).unwrap();
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut served = false;
+    while !served && std::time::Instant::now() < give_up {
+        served = connect(&url, &ConnectOptions::default()).is_ok();
+    }
+    assert!(served, "no place came free after a connection closed");
+}
+
+/// `--max-sessions-per-host`: one address (a HELLO flood from one socket, say) cannot take
+/// every session: past its share it gets NO_MEMORY.
+#[test]
+fn sessions_per_host_are_limited() {
+    let t = Target::start_with(&["m=mem:1M"], &["--max-sessions-per-host", "2"]);
+    let url = Url::parse(&t.url("m")).unwrap();
+    let a = connect(&url, &ConnectOptions::default()).unwrap();
+    let _b = connect(&url, &ConnectOptions::default()).unwrap();
+    let e = connect(&url, &ConnectOptions::default())
+        .err()
+        .expect("a third session from one address is refused");
+    assert!(e.to_string().contains("out of resources"), "{e}");
+    drop(a);
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut served = false;
+    while !served && std::time::Instant::now() < give_up {
+        served = connect(&url, &ConnectOptions::default()).is_ok();
+    }
+    assert!(served, "no place came free after a session ended");
+}
+
+/// When every handshake place is taken by connections that trickle (or send nothing), the
+/// oldest is cut once it has run for 1 s, so a client gets in instead of being closed for as
+/// long as the flood lasts.
+#[test]
+fn slow_handshakes_give_their_place_to_new_clients() {
+    use std::io::Read;
+    let t = Target::start_with(
+        &["m=mem:1M"],
+        &["--max-handshakes", "4", "--handshake-timeout", "60"],
+    );
+    let mut idle: Vec<_> = (0..4).map(|_| raw(&t)).collect();
+    let url = Url::parse(&t.url("m")).unwrap();
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut served = false;
+    while !served && std::time::Instant::now() < give_up {
+        served = connect(&url, &ConnectOptions::default()).is_ok();
+    }
+    assert!(served, "a client got no handshake place for 10 s");
+    // A cut connection was shut down before the client got in: its end of file is there
+    // already (the others would block).
+    let mut cut = 0;
+    for s in &mut idle {
+        s.set_nonblocking(true).unwrap();
+        let mut b = [0u8; 1];
+        cut += usize::from(matches!(s.read(&mut b), Ok(0)));
+    }
+    assert!(cut >= 1, "no idle handshake was cut");
+}

@@ -1131,10 +1131,18 @@ fn bad_requests_after_go_close_only_that_connection() {
     r.send(&bad);
     r.assert_closed("request with a bad magic", &read_probe());
 
-    // A WRITE claiming 64 MiB (twice the advertised maximum): closed without waiting for it.
+    // A WRITE claiming more than 64 MiB (what a client that did not ask for the block size
+    // constraints may send): closed without waiting for it.
     let (mut r, _, _) = Raw::go(&t.addr(), "m", false, false);
-    r.request(cmd::WRITE, 0, 1, 0, 64 << 20);
-    r.assert_closed("WRITE of 64 MiB", &read_probe());
+    r.request(cmd::WRITE, 0, 1, 0, (64 << 20) + 512);
+    r.assert_closed("WRITE of 64 MiB + 512", &read_probe());
+    // A client that asked for them agreed to the advertised 32 MiB.
+    let mut r = go_asking_block_size(&t.addr(), "m");
+    r.request(cmd::WRITE, 0, 1, 0, (32 << 20) + 512);
+    r.assert_closed(
+        "WRITE of 32 MiB + 512 after NBD_INFO_BLOCK_SIZE",
+        &read_probe(),
+    );
 
     // Same on a structured connection.
     let (mut r, _, _) = Raw::go(&t.addr(), "m", true, true);
@@ -1189,9 +1197,13 @@ fn disconnect_mid_request_leaves_the_target_serving() {
         // Gone right after the greeting.
         drop(Raw::greet(&t.addr()));
     }
-    other.write(1, 0, &[0x66u8; 4096]);
+    // Past the 4 MiB the pipelined writes above cover: requests a connection sent before it
+    // went away may still be running (what a target received before an orderly close is
+    // executed), so a write of theirs to the same place could land after this one.
+    const AT: u64 = 8 * MIB;
+    other.write(1, AT, &[0x66u8; 4096]);
     assert_eq!(other.reply().error(), 0);
-    other.request(cmd::READ, 0, 2, 0, 4096);
+    other.request(cmd::READ, 0, 2, AT, 4096);
     let (e, _, data) = other.read_simple(4096);
     assert_eq!(e, 0);
     assert!(data.iter().all(|b| *b == 0x66));
@@ -1274,4 +1286,59 @@ fn write_headers_without_their_data_commit_no_memory() {
         "target RSS grew from {before} KiB to {after} KiB for 20 announced 32 MiB writes"
     );
     drop(conns);
+}
+
+/// OPT_GO that asks for NBD_INFO_BLOCK_SIZE (so the client agrees to the advertised maximum).
+fn go_asking_block_size(addr: &str, export: &str) -> Raw {
+    let mut r = Raw::open(addr);
+    r.option(opt::GO, &info_data(export, &[info::BLOCK_SIZE]));
+    loop {
+        match r.opt_reply().1 {
+            rep::ACK => return r,
+            rep::INFO => {}
+            t => panic!("GO: reply {t:#x}"),
+        }
+    }
+}
+
+/// A client that did not ask for the block size constraints never agreed to the advertised
+/// 32 MiB maximum: like nbdkit, requests up to 64 MiB are served (some clients send them).
+#[test]
+fn requests_up_to_64_mib_without_block_size_negotiation() {
+    let t = NbdTarget::start(&["m=mem:128M"]);
+    let data = random_bytes(48 << 20, 64);
+    for structured in [false, true] {
+        let (mut r, _, _) = Raw::go(&t.addr(), "m", structured, false);
+        r.write(1, 4096, &data);
+        assert_eq!(r.reply().error(), 0, "WRITE of 48 MiB");
+        r.request(cmd::READ, 0, 2, 4096, data.len() as u32);
+        let back = if structured {
+            r.read_structured(4096, data.len()).1
+        } else {
+            let (e, c, back) = r.read_simple(data.len());
+            assert_eq!((e, c), (0, 2));
+            back
+        };
+        assert!(back == data, "READ of 48 MiB returned what was written");
+    }
+}
+
+/// A READ larger than one connection's share of the memory budget (a quarter of 64 MiB) could
+/// never be served: it gets ENOMEM at once instead of waiting for memory forever, and the
+/// connection goes on.
+#[test]
+fn a_read_larger_than_a_connections_memory_share_gets_enomem() {
+    let (t, urls) = Target::start_listeners(
+        &["m=mem:64M"],
+        &["--max-memory", "64M", "--listen", "nbd://127.0.0.1:0"],
+    );
+    let addr = urls[1].trim_start_matches("nbd://");
+    let (mut r, _, _) = Raw::go(addr, "m", false, false);
+    r.request(cmd::READ, 0, 1, 0, 32 << 20);
+    let (e, c, _) = r.read_simple(32 << 20);
+    assert_eq!((e, c), (nbd::err::ENOMEM, 1));
+    r.request(cmd::READ, 0, 2, 0, 1 << 20);
+    let (e, c, _) = r.read_simple(1 << 20);
+    assert_eq!((e, c), (0, 2), "the connection goes on");
+    drop(t);
 }

@@ -11,6 +11,8 @@ const SPARE_KEEP: usize = 4 << 20;
 #[derive(Default)]
 pub struct Buffers {
     spare: Vec<AlignedBuf>,
+    /// Bytes of every buffer this pool handed out and not freed, spares included.
+    allocated: usize,
 }
 
 impl Buffers {
@@ -18,8 +20,21 @@ impl Buffers {
     pub fn take(&mut self, len: usize, align: usize) -> AlignedBuf {
         match self.spare.iter().position(|b| b.len() >= len) {
             Some(i) => self.spare.swap_remove(i),
-            None => AlignedBuf::zeroed(len, align),
+            None => {
+                self.allocated += len;
+                AlignedBuf::zeroed(len, align)
+            }
         }
+    }
+
+    /// Whether [`Buffers::take`] of `len` bytes would reuse a spare (allocate nothing).
+    pub fn has_spare(&self, len: usize) -> bool {
+        self.spare.iter().any(|b| b.len() >= len)
+    }
+
+    /// Bytes allocated: buffers held by requests and spares.
+    pub fn allocated(&self) -> usize {
+        self.allocated
     }
 
     /// A buffer no request holds any more: kept as a spare while there is room, else freed.
@@ -27,7 +42,16 @@ impl Buffers {
         let spare: usize = self.spare.iter().map(AlignedBuf::len).sum();
         if spare + buf.len() <= SPARE_KEEP {
             self.spare.push(buf);
+        } else {
+            self.allocated -= buf.len();
         }
+    }
+
+    /// Frees the spares (an idle owner gives its memory back to the budget).
+    pub fn clear(&mut self) {
+        let spare: usize = self.spare.iter().map(AlignedBuf::len).sum();
+        self.allocated -= spare;
+        self.spare.clear();
     }
 }
 
@@ -48,11 +72,22 @@ mod tests {
             "a large enough spare is reused"
         );
         b.give_back(again);
-        for _ in 0..8 {
-            let x = AlignedBuf::zeroed(1 << 20, 4096);
+        let eight: Vec<_> = (0..8).map(|_| b.take(1 << 20, 4096)).collect();
+        for x in eight {
             b.give_back(x);
         }
         let kept: usize = b.spare.iter().map(AlignedBuf::len).sum();
         assert!(kept <= SPARE_KEEP, "{kept} bytes kept");
+        assert_eq!(
+            b.allocated(),
+            kept,
+            "what was not kept is no longer counted"
+        );
+        let held = b.take(8 << 20, 4096);
+        assert_eq!(b.allocated(), kept + (8 << 20));
+        b.clear();
+        assert_eq!(b.allocated(), 8 << 20, "only the held buffer is left");
+        b.give_back(held);
+        assert_eq!(b.allocated(), 0, "too large to keep: freed");
     }
 }

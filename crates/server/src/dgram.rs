@@ -22,6 +22,7 @@ use blkwire_wire::{
 };
 
 use crate::access::PeerId;
+use crate::budget::Account;
 use crate::bufpool::Buffers;
 use crate::executor::{Executor, Outcome};
 use crate::frontend::native::flush_args_valid;
@@ -35,6 +36,9 @@ const MAX_CACHED_HELLOS: usize = 4096;
 /// A session with no frame for this long is forgotten (PROTOCOL.md §9.1); the default of
 /// `Limits::datagram_idle`.
 pub const IDLE_EXPIRY: Duration = Duration::from_secs(60);
+/// What a datagram queue reserves of the memory budget: its slot table and bookkeeping. Its
+/// data buffers come from the port's pool and are charged to the port.
+pub const QUEUE_FLOOR: usize = 64 << 10;
 
 /// Where a frame came from / goes to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -119,6 +123,8 @@ struct DQ {
     fp: u32,
     slots: Vec<TSlot>,
     last_seen: Instant,
+    /// Its part of its session's memory budget.
+    _mem: Account,
     /// A sealed session's frame keys for this queue (PROTOCOL.md §12.4).
     seal: Option<QueueSeal>,
 }
@@ -177,6 +183,9 @@ pub struct PortStats {
     pub unknown_session: u64,
     /// Frames for a queue from another address than the one that joined it; dropped.
     pub wrong_peer: u64,
+    /// Requests dropped because the memory budget had no room for their data (the
+    /// initiator retransmits them).
+    pub no_memory: u64,
     /// Frames of a sealed session that were not sealed, did not verify or were replayed
     /// (PROTOCOL.md §12.4); dropped, never acted on.
     pub bad_seal: u64,
@@ -227,6 +236,10 @@ pub struct DgramPort {
     _claim: Option<OwnedFd>,
     /// Spare data buffers: a slot holds one only while its request is assembled or runs.
     bufs: Buffers,
+    /// The port's part of the memory budget: its receive and send buffers, and its pool.
+    mem: Account,
+    /// The receive and send buffers' size (the part of `mem` that never changes).
+    fixed: usize,
     /// Where an encrypted frame's payload is decrypted (one frame at a time).
     scratch: Vec<u8>,
     /// Completion notifiers of queues whose backend completes on its own threads, to be watched
@@ -255,9 +268,13 @@ impl DgramPort {
             frame.max(4096)
         };
         let ring = p.ring;
+        let fixed = if ring.is_some() { 0 } else { BATCH * rx_len } + BATCH * frame;
+        let mem = Account::forced(registry.budget(), fixed, registry.connection_share());
         DgramPort {
             _claim: p.claim,
             bufs: Buffers::default(),
+            mem,
+            fixed,
             scratch: vec![0u8; frame],
             fd: p.fd,
             send_fd: p.send_fd,
@@ -772,6 +789,7 @@ impl DgramPort {
                 .collect(),
             last_seen: Instant::now(),
             exec,
+            _mem: adm.mem,
             seal: adm.seal,
         });
         if let Some(fd) = self.queues[idx].as_ref().and_then(|q| q.exec.notifier()) {
@@ -805,6 +823,12 @@ impl DgramPort {
         self.last_sweep = now;
         self.hellos
             .retain(|_, (t, _)| now.duration_since(*t) < IDLE_EXPIRY);
+        // Spare buffers go back to the budget when no queue has been busy for a while, and
+        // what the pool freed is given back too.
+        if self.active == 0 {
+            self.bufs.clear();
+        }
+        self.mem.settle(self.fixed + self.bufs.allocated());
         let expiry = self.idle_expiry;
         self.active = self
             .queues
@@ -845,8 +869,23 @@ impl DgramPort {
         if slot as usize >= q.slots.len() {
             return self.reply_queue(qi, h, Status::Invalid);
         }
+        let verdict = classify(q.slots[slot as usize].state, &q.slots[slot as usize].hdr, h);
+        // A request that needs a data buffer the memory budget cannot cover now is dropped
+        // before it changes the slot, like a lost frame: the initiator retransmits it.
+        let needs = matches!(verdict, Verdict::Reread | Verdict::New)
+            && matches!(h.opcode, Opcode::Read | Opcode::Write)
+            && h.length <= q.max_io;
+        let len = h.length as usize;
+        if needs
+            && !self.bufs.has_spare(len)
+            && !self.mem.try_cover(self.fixed + self.bufs.allocated() + len)
+        {
+            self.stats.no_memory += 1;
+            return;
+        }
+        let q = self.queues[qi].as_mut().expect("present");
         let s = &mut q.slots[slot as usize];
-        match classify(s.state, &s.hdr, h) {
+        match verdict {
             Verdict::Fragment => return self.fragment(qi, h, payload, sq, ud),
             Verdict::Reread => {
                 // Reads may run again; send only what the initiator lacks.
@@ -889,6 +928,7 @@ impl DgramPort {
             if let Some(old) = s.buf.take() {
                 self.bufs.give_back(old);
             }
+            // Covered by the check above.
             s.buf = Some(self.bufs.take(h.length as usize, align));
             s.frags = frags;
             s.have.clear();
@@ -964,6 +1004,7 @@ impl DgramPort {
                     if let Some(old) = s.buf.take() {
                         self.bufs.give_back(old);
                     }
+                    // Covered by the check before the request was taken.
                     s.buf = Some(self.bufs.take(block.len as usize, align));
                 }
                 s.buf.as_mut().expect("set").as_mut_ptr()

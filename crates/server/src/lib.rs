@@ -6,6 +6,7 @@
 
 mod access;
 mod advertise;
+mod budget;
 mod bufpool;
 mod dgram;
 mod executor;
@@ -18,12 +19,12 @@ mod session;
 mod stats;
 mod tls;
 
+use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::mpsc::{self, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -439,7 +440,14 @@ impl Target {
         // While accept() fails for lack of descriptors or memory, the listeners stay readable:
         // they are left out of the poll for a while instead of spinning (and logging) on them.
         let mut paused_until: Option<Instant> = None;
-        let handshakes = Arc::new(AtomicUsize::new(0));
+        let handshakes = Arc::new(Handshakes::new(self.registry.limits().max_handshakes));
+        let mut cut = 0u64;
+        let limits = self.registry.limits();
+        let connections = Arc::new(Connections::new(
+            limits.max_connections,
+            limits.max_connections_per_host,
+        ));
+        let (mut refused, mut last_refused) = (0u64, None::<Instant>);
         let (mut shed, mut last_shed) = (0u64, None::<Instant>);
         let mut last_said: Option<Instant> = None;
         let mut unsaid = 0u64;
@@ -474,32 +482,67 @@ impl Target {
                 }
                 match self.listeners[i].0.accept() {
                     Ok((stream, peer)) => {
-                        let max = self.registry.limits().max_handshakes;
-                        if handshakes.load(Ordering::Relaxed) >= max {
-                            // Closed at once: a flood of connections that never finish their
-                            // handshake cannot take a thread each.
-                            shed += 1;
-                            if last_shed.is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY) {
-                                crate::log!(
-                                    Level::Warn,
-                                    "{max} handshakes in progress: closed {shed} new \
-                                     connection(s), the latest from {peer}"
-                                );
-                                last_shed = Some(Instant::now());
-                                shed = 0;
+                        let counted = match connections.admit(peer.ip()) {
+                            Ok(c) => c,
+                            Err(limit) => {
+                                // Closed at once, before any thread or buffer is spent on it.
+                                refused += 1;
+                                if last_refused.is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY) {
+                                    crate::log!(
+                                        Level::Warn,
+                                        "{limit}: closed {refused} new connection(s), the \
+                                         latest from {peer}"
+                                    );
+                                    last_refused = Some(Instant::now());
+                                    refused = 0;
+                                }
+                                continue;
                             }
-                            continue;
+                        };
+                        let max = handshakes.max;
+                        let (in_progress, was_cut) = match handshakes.admit(stream.as_raw_fd()) {
+                            Some(admitted) => admitted,
+                            None => {
+                                // Closed at once: a flood of connections that never finish
+                                // their handshake cannot take a thread each.
+                                shed += 1;
+                                (None, false)
+                            }
+                        };
+                        cut += u64::from(was_cut);
+                        if (shed > 0 || cut > 0)
+                            && last_shed.is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY)
+                        {
+                            let cut_said = if cut > 0 {
+                                format!(" and cut {cut} that took over {} s", CUT_AFTER.as_secs())
+                            } else {
+                                String::new()
+                            };
+                            crate::log!(
+                                Level::Warn,
+                                "{max} handshakes in progress: closed {shed} new \
+                                 connection(s){cut_said}, the latest from {peer}"
+                            );
+                            last_shed = Some(Instant::now());
+                            (shed, cut) = (0, 0);
                         }
-                        handshakes.fetch_add(1, Ordering::Relaxed);
-                        let in_progress = HandshakeSlot(handshakes.clone());
+                        let Some(in_progress) = in_progress else {
+                            continue;
+                        };
                         let registry = self.registry.clone();
                         let workers = workers.clone();
                         let frontend = self.listeners[i].2;
                         let tls = self.tls.clone();
+                        // One value, so that if the thread cannot start, the place is given
+                        // back before the socket closes (fields drop in order).
+                        let pending = (in_progress, stream);
                         let spawned = std::thread::Builder::new().name("blkwire-hs".into()).spawn(
                             move || {
-                                let _slot = in_progress;
-                                handshake(stream, peer, frontend, &registry, &workers, &tls)
+                                let (place, stream) = pending;
+                                let admission = AdmissionSlots { counted, place };
+                                handshake(
+                                    stream, peer, frontend, &registry, &workers, &tls, admission,
+                                )
                             },
                         );
                         if let Err(e) = spawned {
@@ -540,12 +583,133 @@ impl Target {
     }
 }
 
-/// One handshake in progress; dropped (thread done) gives its place back.
-struct HandshakeSlot(Arc<AtomicUsize>);
+/// Live stream connections, in total and per peer address (`--max-connections`,
+/// `--max-connections-per-host`): counted when accepted, until the connection closes (its
+/// [`ConnCount`] is dropped: by the handshake thread, or by the reactor that served it).
+struct Connections {
+    max: usize,
+    per_host: usize,
+    live: Mutex<(usize, HashMap<IpAddr, usize>)>,
+}
+
+/// One connection's place under the connection limits; dropped when the connection closes.
+pub struct ConnCount {
+    of: Arc<Connections>,
+    ip: IpAddr,
+}
+
+impl Connections {
+    fn new(max: usize, per_host: usize) -> Connections {
+        Connections {
+            max,
+            per_host,
+            live: Mutex::new((0, HashMap::new())),
+        }
+    }
+
+    /// A place for a connection from `ip`, or which limit it is past.
+    fn admit(self: &Arc<Self>, ip: IpAddr) -> Result<ConnCount, String> {
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        let (total, hosts) = &mut *live;
+        if *total >= self.max {
+            return Err(format!("{} connections open (--max-connections)", self.max));
+        }
+        let n = hosts.entry(ip).or_insert(0);
+        if *n >= self.per_host {
+            return Err(format!(
+                "{} connections open from {ip} (--max-connections-per-host)",
+                self.per_host
+            ));
+        }
+        *n += 1;
+        *total += 1;
+        Ok(ConnCount {
+            of: self.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for ConnCount {
+    fn drop(&mut self) {
+        let mut live = self.of.live.lock().unwrap_or_else(|p| p.into_inner());
+        let (total, hosts) = &mut *live;
+        *total -= 1;
+        if let Some(n) = hosts.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                hosts.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// Handshakes in progress, one thread each, at most `max`. When every place is taken, the
+/// oldest handshake, if it has run for [`CUT_AFTER`], is cut (its socket shut down) for the
+/// newcomer: an initiator's handshake takes milliseconds, so a flood of connections that
+/// trickle theirs cannot keep clients out, it only makes them wait its turn.
+struct Handshakes {
+    max: usize,
+    /// (id, started, socket) of each handshake in progress, and the next id.
+    live: Mutex<(Vec<InProgress>, u64)>,
+}
+
+/// A handshake in progress: its id, when it started, its socket.
+type InProgress = (u64, Instant, RawFd);
+
+/// A handshake this old gives its place to a new connection when all are taken.
+const CUT_AFTER: Duration = Duration::from_secs(1);
+
+impl Handshakes {
+    fn new(max: usize) -> Handshakes {
+        Handshakes {
+            max,
+            live: Mutex::new((Vec::new(), 0)),
+        }
+    }
+
+    /// A place for the handshake of socket `fd` (and whether an old one was cut for it), or
+    /// `None` when all are taken by handshakes younger than [`CUT_AFTER`].
+    fn admit(self: &Arc<Self>, fd: RawFd) -> Option<(Option<HandshakeSlot>, bool)> {
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        let (list, next) = &mut *live;
+        let mut cut = false;
+        if list.len() >= self.max {
+            let (i, &(_, started, old)) = list.iter().enumerate().min_by_key(|(_, e)| e.1)?;
+            if started.elapsed() < CUT_AFTER {
+                return None;
+            }
+            // Under the lock: the handshake thread gives its place back (takes this lock)
+            // before its socket is closed or handed on, so `old` is still its socket.
+            // SAFETY: shutdown on a descriptor that is open, as above.
+            unsafe { libc::shutdown(old, libc::SHUT_RDWR) };
+            list.swap_remove(i);
+            cut = true;
+        }
+        let id = *next;
+        *next += 1;
+        list.push((id, Instant::now(), fd));
+        Some((
+            Some(HandshakeSlot {
+                of: self.clone(),
+                id,
+            }),
+            cut,
+        ))
+    }
+}
+
+/// One handshake in progress; dropped (handshake done) gives its place back. Dropped before
+/// the socket is closed or handed to a reactor (see [`Handshakes::admit`]).
+struct HandshakeSlot {
+    of: Arc<Handshakes>,
+    id: u64,
+}
 
 impl Drop for HandshakeSlot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        let mut live = self.of.live.lock().unwrap_or_else(|p| p.into_inner());
+        live.0.retain(|e| e.0 != self.id);
     }
 }
 
@@ -602,6 +766,7 @@ fn handshake(
     registry: &Registry,
     workers: &[(Sender<Msg>, i32)],
     tls: &Tls,
+    AdmissionSlots { counted, place }: AdmissionSlots,
 ) {
     let peer_s = peer.to_string();
     let _ = s.set_nodelay(true);
@@ -621,6 +786,8 @@ fn handshake(
         }),
         ListenerKind::Nbd => nbd::negotiate(&mut s, &peer_s, registry, tls),
     };
+    // Before the socket is closed or handed on: a cut (shutdown) must find it still ours.
+    drop(place);
     let Some((admitted, frontend)) = admitted else {
         return;
     };
@@ -644,12 +811,22 @@ fn handshake(
         peer: peer_s,
         frontend,
         tls,
+        mem: admitted.mem,
+        counted: Some(counted),
     };
     if workers[w].0.send(Msg::Queue(q)).is_ok() {
         eventfd_write(workers[w].1);
     } else {
         registry.leave(admitted.session, admitted.queue, &QueueStats::default());
     }
+}
+
+/// What a connection holds while it is admitted: its place among the connections counted
+/// (total and per host, kept for the connection's life) and its handshake place (given back
+/// when the handshake ends).
+struct AdmissionSlots {
+    counted: ConnCount,
+    place: HandshakeSlot,
 }
 
 /// What the TLS check of a native connection decided.
@@ -895,11 +1072,14 @@ fn stats_json(registry: &Registry, workers: &[(Sender<Msg>, i32)]) -> Vec<u8> {
         let qs: Vec<_> = queues.iter().filter(|q| q.session == id).collect();
         s["queues"] = serde_json::to_value(qs).unwrap_or_default();
     }
+    let b = registry.budget();
+    let memory = serde_json::json!({ "limit": b.limit(), "used": b.used() });
     fit_stats(
         v,
         registry.closed_totals(),
         ports,
         registry.access.counters(),
+        memory,
         MAX_STATS,
     )
 }
@@ -915,11 +1095,12 @@ fn fit_stats(
     closed: QueueStats,
     ports: Vec<dgram::PortReport>,
     auth: serde_json::Value,
+    memory: serde_json::Value,
     limit: usize,
 ) -> Vec<u8> {
     let doc = |s: &[serde_json::Value], omitted: usize| {
         let mut d = serde_json::json!({
-            "sessions": s, "closed": closed, "ports": ports, "auth": auth,
+            "sessions": s, "closed": closed, "ports": ports, "auth": auth, "memory": memory,
         });
         if omitted > 0 {
             d["sessions_omitted"] = omitted.into();
@@ -978,6 +1159,7 @@ mod tests {
             QueueStats::default(),
             vec![],
             serde_json::Value::Null,
+            serde_json::Value::Null,
             4096,
         );
         let v: serde_json::Value = serde_json::from_slice(&small).unwrap();
@@ -987,6 +1169,7 @@ mod tests {
             sessions,
             QueueStats::default(),
             vec![],
+            serde_json::Value::Null,
             serde_json::Value::Null,
             64 << 10,
         );

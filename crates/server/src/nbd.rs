@@ -19,9 +19,15 @@ use crate::Admission;
 const MAX_OPTION_DATA: u32 = 64 << 10;
 /// Options one client may send before giving up on it (a loop of LIST must end).
 const MAX_OPTIONS: usize = 1024;
-/// Largest request payload an NBD client may send (the spec says up to 32 MiB must not be
-/// treated as an attack).
+/// Largest request payload advertised (NBD_INFO_BLOCK_SIZE), and accepted from a client that
+/// asked for the block size constraints (the spec says up to 32 MiB must not be treated as an
+/// attack).
 pub const NBD_MAX_PAYLOAD: u32 = 32 << 20;
+/// ... accepted from a client that did not ask for them (EXPORT_NAME, or GO without
+/// NBD_INFO_BLOCK_SIZE): it never agreed to our maximum, and some send larger requests; nbdkit
+/// takes up to 64 MiB. Within the memory budget: a request larger than a connection's share
+/// gets ENOMEM.
+pub const NBD_MAX_UNNEGOTIATED: u32 = 64 << 20;
 /// Requests of one connection processed in parallel against async backends.
 pub const NBD_DEPTH: u16 = 128;
 
@@ -176,7 +182,13 @@ pub fn negotiate(
                 let name = String::from_utf8_lossy(&data).into_owned();
                 // No error reply exists for EXPORT_NAME: an unknown name closes the connection.
                 let e = find(registry, who, &name)?.clone();
-                let adm = admit(registry, &e, peer, proven_host.as_deref())?;
+                let adm = admit(
+                    registry,
+                    &e,
+                    peer,
+                    proven_host.as_deref(),
+                    NBD_MAX_UNNEGOTIATED,
+                )?;
                 let mut out = Vec::with_capacity(134);
                 out.extend_from_slice(&e.size().to_be_bytes());
                 out.extend_from_slice(&transmission_flags(&e, structured).to_be_bytes());
@@ -230,7 +242,12 @@ pub fn negotiate(
                 };
                 send_info(s, option, &e, &req, structured)?;
                 if option == opt::GO {
-                    let adm = admit(registry, &e, peer, proven_host.as_deref())?;
+                    let max = if req.requests.contains(&info::BLOCK_SIZE) {
+                        NBD_MAX_PAYLOAD
+                    } else {
+                        NBD_MAX_UNNEGOTIATED
+                    };
+                    let adm = admit(registry, &e, peer, proven_host.as_deref(), max)?;
                     reply(s, option, rep::ACK, &[])?;
                     let fe = Nbd {
                         structured,
@@ -339,16 +356,17 @@ fn send_info(
     reply(s, option, rep::INFO, &d)
 }
 
-/// Admits the client to export `e`; `proven_host` is the host id it proved with TLS-PSK (None:
-/// plain or X.509, no identity).
+/// Admits the client to export `e` with requests of up to `max_payload` bytes; `proven_host`
+/// is the host id it proved with TLS-PSK (None: plain or X.509, no identity).
 fn admit(
     registry: &Registry,
     e: &std::sync::Arc<Export>,
     peer: &str,
     proven_host: Option<&str>,
+    max_payload: u32,
 ) -> Option<Admitted> {
     let host = proven_host.unwrap_or("nbd client");
-    match registry.admit_single(e, host, peer, NBD_DEPTH, NBD_MAX_PAYLOAD) {
+    match registry.admit_single(e, host, peer, NBD_DEPTH, max_payload) {
         Ok(a) => Some(a),
         Err(st) => {
             crate::log!(Level::Info, "{peer}: NBD session refused: {st}");

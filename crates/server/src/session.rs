@@ -14,6 +14,7 @@ use blkwire_wire::{
 };
 
 use crate::access::{Access, Checked, PeerId};
+use crate::budget::{Account, Budget};
 use crate::log::Level;
 use crate::stats::QueueStats;
 
@@ -41,6 +42,17 @@ pub struct Limits {
     /// Sessions served at once (every transport, NBD connections included); more are refused
     /// with NO_MEMORY until one ends.
     pub max_sessions: usize,
+    /// Bytes all connection and session buffers may hold together (`--max-memory`): a
+    /// session may take half of it, a connection a quarter; a session or queue whose minimum
+    /// does not fit is refused with NO_MEMORY (`budget.rs`).
+    pub max_memory: usize,
+    /// Sessions from one address (IP, or MAC on raw Ethernet), so that one peer flooding
+    /// HELLOs cannot take every session; more get NO_MEMORY.
+    pub max_sessions_per_host: usize,
+    /// Stream connections open at once (handshakes included); more are closed when accepted.
+    pub max_connections: usize,
+    /// ... from one peer address.
+    pub max_connections_per_host: usize,
 }
 
 impl Default for Limits {
@@ -53,6 +65,10 @@ impl Default for Limits {
             handshake_timeout: std::time::Duration::from_secs(10),
             max_handshakes: 256,
             max_sessions: 1024,
+            max_memory: 1 << 30,
+            max_sessions_per_host: 128,
+            max_connections: 4096,
+            max_connections_per_host: 256,
         }
     }
 }
@@ -73,6 +89,10 @@ struct Session {
     joined: Vec<bool>,
     live: u16,
     stats: QueueStats,
+    /// The session's share of the memory budget, which its queues charge.
+    mem: Arc<Budget>,
+    /// What each of its queues reserves of it when admitted.
+    queue_floor: usize,
 }
 
 /// What a queue connection gets once admitted.
@@ -82,6 +102,8 @@ pub struct Admitted {
     pub queue: u16,
     pub depth: u16,
     pub max_io: u32,
+    /// The queue's account with the memory budget, holding its minimum.
+    pub mem: Account,
     /// Datagram queues of a method-1 session: this queue's frame keys (PROTOCOL.md §12.4).
     pub seal: Option<QueueSeal>,
 }
@@ -139,10 +161,13 @@ pub struct Registry {
     pub access: Access,
     limits: Limits,
     inner: Mutex<Inner>,
+    budget: Arc<Budget>,
 }
 
 struct Inner {
     sessions: HashMap<u32, Session>,
+    /// Sessions per peer address (`host_of`).
+    per_host: HashMap<String, usize>,
     /// Counters of every queue that has closed since start.
     closed: QueueStats,
     shut: bool,
@@ -156,8 +181,10 @@ impl Registry {
             acls,
             access,
             limits,
+            budget: Budget::new(limits.max_memory),
             inner: Mutex::new(Inner {
                 sessions: HashMap::new(),
+                per_host: HashMap::new(),
                 closed: QueueStats::default(),
                 shut: false,
             }),
@@ -180,6 +207,27 @@ impl Registry {
 
     pub fn limits(&self) -> Limits {
         self.limits
+    }
+
+    /// The target's memory budget.
+    pub fn budget(&self) -> &Arc<Budget> {
+        &self.budget
+    }
+
+    /// The most one connection (or datagram port) may hold of the budget.
+    pub fn connection_share(&self) -> usize {
+        self.limits.max_memory / 4
+    }
+
+    /// What a queue must be able to hold to serve one request at a time: a stream connection's
+    /// initial buffers and one data buffer; a datagram queue's slot table (its data buffers
+    /// come from the port's pool, charged to the port).
+    fn queue_floor(max_io: u32, datagram: bool) -> usize {
+        if datagram {
+            crate::dgram::QUEUE_FLOOR
+        } else {
+            crate::reactor::stream_floor(max_io)
+        }
     }
 
     pub fn exports(&self) -> &[Arc<Export>] {
@@ -306,13 +354,14 @@ impl Registry {
             ))
         });
         let encrypt = sealed && h.auth.encrypt;
-        let (id, cookie) = match self.create(
+        let floor = Self::queue_floor(max_io, link_payload.is_some());
+        let (id, cookie, mem) = match self.create(
             &export,
             &h.host_id,
             &peer.to_string(),
             (queues, depth, max_io, frame_payload),
-            secret.clone(),
-            encrypt,
+            (secret.clone(), encrypt),
+            floor,
         ) {
             Ok(x) => x,
             Err(st) => return HelloAnswer::Refused(st),
@@ -344,6 +393,7 @@ impl Registry {
                 depth,
                 max_io,
                 seal,
+                mem,
             })),
         )
     }
@@ -355,9 +405,9 @@ impl Registry {
         host: &str,
         peer: &str,
         (queues, depth, max_io, frame_payload): (u16, u16, u32, u32),
-        secret: Option<Arc<SessionSecret>>,
-        encrypt: bool,
-    ) -> Result<(u32, u64), Status> {
+        (secret, encrypt): (Option<Arc<SessionSecret>>, bool),
+        queue_floor: usize,
+    ) -> Result<(u32, u64, Account), Status> {
         let cookie = blkwire_auth::random_u64();
         let mut inner = self.lock();
         if inner.shut {
@@ -366,6 +416,13 @@ impl Registry {
         if inner.sessions.len() >= self.limits.max_sessions {
             return Err(Status::NoMemory);
         }
+        let from = host_of(peer);
+        if inner.per_host.get(from).copied().unwrap_or(0) >= self.limits.max_sessions_per_host {
+            return Err(Status::NoMemory);
+        }
+        let mem = Budget::child(&self.budget, self.limits.max_memory / 2);
+        let account =
+            Account::reserve(&mem, queue_floor, self.connection_share()).ok_or(Status::NoMemory)?;
         // Random, so a session id seen (or guessed) says nothing about the others (PROTOCOL.md
         // §12): the data path still never trusts an id alone.
         let id = loop {
@@ -376,6 +433,7 @@ impl Registry {
         };
         let mut joined = vec![false; queues as usize];
         joined[0] = true;
+        *inner.per_host.entry(from.to_string()).or_insert(0) += 1;
         inner.sessions.insert(
             id,
             Session {
@@ -391,16 +449,19 @@ impl Registry {
                 joined,
                 live: 1,
                 stats: QueueStats::default(),
+                mem,
+                queue_floor,
             },
         );
         crate::log!(
             Level::Info,
-            "session {id}: host '{}' from {peer} opened export '{}' ({queues} queues x {depth} deep, max I/O {})",
+            "session {id}: host '{}' from {peer} opened export '{}' ({queues} queue{} x {depth} deep, max I/O {})",
             host.escape_debug(),
             export.name,
+            if queues == 1 { "" } else { "s" },
             blkwire_backend::format_size(max_io as u64)
         );
-        Ok((id, cookie))
+        Ok((id, cookie, account))
     }
 
     /// A one-connection session for frontends without queue joining (NBD: every connection
@@ -413,8 +474,15 @@ impl Registry {
         depth: u16,
         max_io: u32,
     ) -> Result<Admitted, Status> {
-        let (session, _) =
-            self.create(export, host, peer, (1, depth, max_io, max_io), None, false)?;
+        let floor = Self::queue_floor(max_io, false);
+        let (session, _, mem) = self.create(
+            export,
+            host,
+            peer,
+            (1, depth, max_io, max_io),
+            (None, false),
+            floor,
+        )?;
         Ok(Admitted {
             export: export.clone(),
             session,
@@ -422,6 +490,7 @@ impl Registry {
             depth,
             max_io,
             seal: None,
+            mem,
         })
     }
 
@@ -486,6 +555,8 @@ impl Registry {
         if *slot {
             return Err(Status::Busy.into());
         }
+        let mem = Account::reserve(&s.mem, s.queue_floor, self.connection_share())
+            .ok_or(Status::NoMemory)?;
         *slot = true;
         s.live += 1;
         Ok(Admitted {
@@ -495,6 +566,7 @@ impl Registry {
             depth: s.depth,
             max_io: s.max_io,
             seal,
+            mem,
         })
     }
 
@@ -509,6 +581,13 @@ impl Registry {
         s.live = s.live.saturating_sub(1);
         if s.live == 0 {
             let s = inner.sessions.remove(&session).expect("present");
+            let from = host_of(&s.peer);
+            if let Some(n) = inner.per_host.get_mut(from) {
+                *n -= 1;
+                if *n == 0 {
+                    inner.per_host.remove(from);
+                }
+            }
             let st = s.stats;
             crate::log!(
                 Level::Info,
@@ -542,5 +621,14 @@ impl Registry {
 
     pub fn closed_totals(&self) -> QueueStats {
         self.lock().closed
+    }
+}
+
+/// The address part of a peer ("192.0.2.1:7700" -> "192.0.2.1", "[::1]:7700" -> "[::1]"; a
+/// MAC address has no port and is taken whole).
+fn host_of(peer: &str) -> &str {
+    match peer.parse::<std::net::SocketAddr>() {
+        Ok(_) => peer.rsplit_once(':').map_or(peer, |(h, _)| h),
+        Err(_) => peer,
     }
 }

@@ -10,6 +10,7 @@ use io_uring::{opcode, types};
 
 use super::ring::{ud, Pusher, KIND_POLL_OUT};
 use super::stream::parse_frames;
+use crate::budget::Account;
 use crate::bufpool::Buffers;
 use crate::executor::Executor;
 use crate::frontend::{Req, StreamFrontend};
@@ -64,6 +65,17 @@ pub(super) struct Conn {
     /// TLS session: `receive` and `transmit` go through it instead of the socket calls (one
     /// branch each; plain connections pay nothing more). Lives on this reactor only.
     pub(super) tls: Option<Box<TlsStream>>,
+    /// This connection's part of the memory budget: its buffers stay within what it holds.
+    pub(super) mem: Account,
+    /// A request or frame waits for memory the budget could not give: nothing more is read
+    /// until the reactor retries (`Reactor::starved`).
+    pub(super) starved: bool,
+    /// On the reactor's list of starved connections.
+    pub(super) waiting: bool,
+    /// Frames received when the reactor last looked: unchanged a second later means idle.
+    pub(super) idle_mark: u64,
+    /// Counted against `--max-connections` until the connection closes.
+    pub(super) _counted: Option<crate::ConnCount>,
 }
 
 /// One receive step, for plain sockets and TLS alike.
@@ -108,6 +120,21 @@ impl Step {
         }
     }
 }
+
+/// Receive buffer of a new connection: one frame of up to 1 MiB plus room to batch small ones.
+pub(super) fn rx_base(max_io: u32) -> usize {
+    (max_io as usize).min(1 << 20) + HEADER_LEN + (256 << 10)
+}
+
+/// What a stream connection reserves of the memory budget when admitted, so that it can always
+/// serve one request of up to 1 MiB: its receive and transmit buffers and one data buffer (for
+/// a backend that answers later, or a read replied in chunks).
+pub fn stream_floor(max_io: u32) -> usize {
+    rx_base(max_io) + TX_KEEP + (max_io as usize).min(1 << 20)
+}
+
+/// Room for a reply's framing beside its data (headers, digests, chunk headers).
+pub(super) const REPLY_SLACK: usize = 4096;
 
 impl Conn {
     pub(super) fn fd(&self) -> i32 {
@@ -157,7 +184,8 @@ impl Conn {
     /// Room for the rest of a frame of `total` bytes that starts at rx_start (decode checked
     /// it against the granted max I/O; NBD may send 32 MiB writes). The buffer grows with what
     /// arrives, doubling when it is full, never with what a header announces: a header that
-    /// promises 32 MiB and sends nothing commits no memory.
+    /// promises 32 MiB and sends nothing commits no memory. Growth the memory budget cannot
+    /// cover waits (the connection is starved and reads nothing more).
     pub(super) fn make_room(&mut self, total: usize) {
         if self.rx.len() - self.rx_start >= total {
             return;
@@ -167,8 +195,100 @@ impl Conn {
         self.rx_start = 0;
         if self.rx.len() < total && self.rx_end == self.rx.len() {
             let grown = (2 * self.rx.len()).clamp(self.rx_end + 1, total);
+            let want = grown + self.tx_after(self.held) + self.bufs.allocated();
+            if total + TX_KEEP > self.mem.cap() {
+                // It would never fit: waiting would hold the connection forever.
+                return self.violation(&format_args!(
+                    "a frame of {total} bytes does not fit this connection's share of the \
+                     memory budget (--max-memory)"
+                ));
+            }
+            if !self.covers_or_trim(want) {
+                return;
+            }
+            self.rx.reserve_exact(grown - self.rx.len());
             self.rx.resize(grown, 0);
         }
+    }
+
+    /// The transmit buffer's capacity once `add` more bytes are appended: unchanged if they
+    /// fit, else grown by at least half (so a run of small appends does not reallocate each
+    /// time, and the growth is known before it happens, unlike `Vec`'s doubling).
+    pub(super) fn tx_after(&self, add: usize) -> usize {
+        let (len, cap) = (self.tx.len(), self.tx.capacity());
+        if len + add <= cap {
+            cap
+        } else {
+            cap + (len + add - cap).max(cap / 2)
+        }
+    }
+
+    /// Grows the transmit buffer as [`Conn::tx_after`] says, before `add` bytes are appended.
+    pub(super) fn grow_tx(&mut self, add: usize) {
+        let cap = self.tx_after(add);
+        if cap > self.tx.capacity() {
+            self.tx.reserve_exact(cap - self.tx.len());
+        }
+    }
+
+    /// Bytes this connection's buffers hold, counting the replies of reads in flight, which
+    /// will be copied into the transmit buffer.
+    pub(super) fn footprint(&self) -> usize {
+        self.rx.capacity() + self.tx_after(self.held) + self.bufs.allocated()
+    }
+
+    /// Whether the budget covers the buffers once a request adds `extra_tx` bytes of reply and
+    /// `extra_pool` bytes of new data buffer; if not, the connection is starved.
+    pub(super) fn covers(&mut self, extra_tx: usize, extra_pool: usize) -> bool {
+        let want = self.rx.capacity()
+            + self.tx_after(self.held + extra_tx)
+            + self.bufs.allocated()
+            + extra_pool;
+        self.covers_or_trim(want)
+    }
+
+    fn covers_or_trim(&mut self, want: usize) -> bool {
+        if self.mem.try_cover(want) {
+            return true;
+        }
+        // Spare buffers of an idle connection are the first thing to give up.
+        if self.inflight == 0 && self.bufs.allocated() > 0 {
+            let spare = self.bufs.allocated();
+            self.bufs.clear();
+            self.settle_memory();
+            if self.mem.try_cover(want - spare.min(want)) {
+                return true;
+            }
+        }
+        self.starved = true;
+        false
+    }
+
+    /// Charges or gives back the difference between what the buffers hold and the charge.
+    pub(super) fn settle_memory(&mut self) {
+        let have = self.footprint();
+        self.mem.settle(have);
+    }
+
+    /// An idle connection gives back what its buffers grew to beyond their initial size.
+    pub(super) fn trim(&mut self) {
+        if self.inflight > 0 {
+            return;
+        }
+        self.bufs.clear();
+        if self.tx_backlog() == 0 {
+            self.tx.clear();
+            self.tx_sent = 0;
+            self.tx.shrink_to(TX_KEEP);
+        }
+        let base = rx_base(self.max_io);
+        if self.rx_start == self.rx_end && self.rx.len() > base {
+            self.rx_start = 0;
+            self.rx_end = 0;
+            self.rx.truncate(base);
+            self.rx.shrink_to_fit();
+        }
+        self.settle_memory();
     }
 }
 
@@ -177,7 +297,8 @@ pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     loop {
         // Dispatch what is buffered first: it may already hold many frames.
         parse_frames(c, idx, sq);
-        if c.closing || !c.readable || c.tx_backlog() >= c.tx_high_water() {
+        // Starved (waiting for memory): read nothing more until the reactor retries it.
+        if c.closing || !c.readable || c.starved || c.tx_backlog() >= c.tx_high_water() {
             return;
         }
         if c.rx_end == c.rx.len() {

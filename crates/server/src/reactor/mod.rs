@@ -27,17 +27,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use blkwire_backend::{Export, Submitter};
-use blkwire_wire::HEADER_LEN;
-use io_uring::{cqueue, opcode, types, IoUring};
+use io_uring::{cqueue, opcode, types};
 
 use crate::executor::Executor;
 use crate::frontend::StreamFrontend;
 use crate::log::Level;
 use crate::session::Registry;
 use crate::stats::QueueStats;
+pub use conn::stream_floor;
 use conn::{receive, transmit, Conn, Slot};
 use ring::{
-    notifier_poll, port_io_ud, ud, ud_split, Pusher, KIND_CANCEL, KIND_IO, KIND_NOTIFY,
+    notifier_poll, port_io_ud, ud, ud_split, Pusher, Ring, KIND_CANCEL, KIND_IO, KIND_NOTIFY,
     KIND_POLL_IN, KIND_POLL_OUT, KIND_PORT_IN, KIND_PORT_IO, KIND_PORT_NOTIFY, KIND_WAKE,
 };
 use stream::{complete, finish_result};
@@ -55,6 +55,10 @@ pub struct NewQueue {
     pub frontend: Box<dyn StreamFrontend>,
     /// The TLS session the handshake negotiated, if any: all bytes go through it.
     pub tls: Option<Box<crate::tls::TlsStream>>,
+    /// Its account with the memory budget (holding its minimum since admission).
+    pub mem: crate::budget::Account,
+    /// Its place under `--max-connections`.
+    pub counted: Option<crate::ConnCount>,
 }
 
 pub enum Msg {
@@ -80,7 +84,7 @@ pub struct QueueReport {
 
 pub struct Reactor {
     id: usize,
-    ring: IoUring,
+    ring: Ring,
     conns: Vec<Option<Conn>>,
     free: Vec<usize>,
     next_incarnation: u32,
@@ -99,7 +103,20 @@ pub struct Reactor {
     ports: Vec<crate::dgram::DgramPort>,
     /// Scratch for results reaped from thread-completing backends (no allocation per batch).
     reaped: Vec<(u64, i32)>,
+    /// Connections waiting for memory the budget could not give; retried every few
+    /// milliseconds (memory may come back on another thread, which does not tell this one).
+    starved: Vec<usize>,
+    /// When idle connections last gave back what their buffers grew to.
+    last_trim: Instant,
+    /// Some connection holds more than its minimum: wake up at least once a second to see
+    /// whether it went idle (otherwise the reactor may sleep until something happens).
+    trim_pending: bool,
 }
+
+/// How often starved connections retry.
+const STARVED_RETRY: Duration = Duration::from_millis(5);
+/// A connection that received nothing for this long gives back its grown buffers.
+const IDLE_TRIM: Duration = Duration::from_secs(1);
 
 impl Reactor {
     pub fn new(
@@ -109,7 +126,7 @@ impl Reactor {
         registry: Arc<Registry>,
         poll: Duration,
     ) -> std::io::Result<Reactor> {
-        let ring = IoUring::builder().build(1024)?;
+        let ring = Ring::new(1024)?;
         Ok(Reactor {
             id,
             ring,
@@ -127,6 +144,9 @@ impl Reactor {
             cqes: Vec::with_capacity(1024),
             ports: Vec::new(),
             reaped: Vec::new(),
+            starved: Vec::new(),
+            last_trim: Instant::now(),
+            trim_pending: false,
         })
     }
 
@@ -146,6 +166,14 @@ impl Reactor {
             }
             for p in &mut self.ports {
                 p.sweep();
+            }
+            self.trim_idle();
+            // Starved connections try again (memory may have come back in the meantime).
+            for i in self.starved.drain(..) {
+                if let Some(c) = self.conns.get_mut(i).and_then(Option::as_mut) {
+                    c.waiting = false;
+                    self.ready.push_back(i);
+                }
             }
             while let Some(i) = self.ready.pop_front() {
                 self.service(i);
@@ -243,7 +271,7 @@ impl Reactor {
         self.next_incarnation = (self.next_incarnation + 1) & 0xf_ffff;
         // Sized for a 1 MiB frame plus batching room; grows (up to max I/O) only if a client sends
         // larger frames.
-        let rx_cap = (q.max_io as usize).min(1 << 20) + HEADER_LEN + (256 << 10);
+        let rx_cap = conn::rx_base(q.max_io);
         let conn = Conn {
             fe: q.frontend,
             free_slots: (0..q.depth).rev().collect(),
@@ -260,7 +288,7 @@ impl Reactor {
             rx: vec![0; rx_cap],
             rx_start: 0,
             rx_end: 0,
-            tx: Vec::with_capacity(1 << 20),
+            tx: Vec::with_capacity(conn::TX_KEEP),
             tx_sent: 0,
             slots: (0..q.depth).map(|_| Slot::default()).collect(),
             inflight: 0,
@@ -271,6 +299,11 @@ impl Reactor {
             bytes_sent: 0,
             tls: q.tls,
             sock: q.sock,
+            mem: q.mem,
+            starved: false,
+            waiting: false,
+            idle_mark: 0,
+            _counted: q.counted,
         };
         let poll = opcode::PollAdd::new(types::Fd(conn.fd()), libc::POLLIN as u32)
             .multi(true)
@@ -288,20 +321,22 @@ impl Reactor {
     /// Submits what is queued and waits for at least one completion, polling briefly first so a
     /// request arriving within `poll` is picked up without the cost of sleeping and waking.
     fn wait(&mut self) -> std::io::Result<()> {
-        if !self.ready.is_empty() {
+        if !self.ready.is_empty() || self.ring.has_completions() {
             self.ring.submit()?;
             return Ok(());
         }
         self.ring.submit()?;
         let (ring, ports) = (&mut self.ring, &self.ports);
         if self.spin.spin(|| {
-            !ring.completion().is_empty() || ports.iter().any(crate::dgram::DgramPort::ring_ready)
+            ring.has_completions() || ports.iter().any(crate::dgram::DgramPort::ring_ready)
         }) {
             return Ok(());
         }
-        let timeout = if self.shutdown_deadline.is_some() || !self.ports.is_empty() {
-            // Wake up to enforce the shutdown deadline and expire idle datagram sessions even if
-            // nothing completes.
+        let timeout = if !self.starved.is_empty() {
+            Some(types::Timespec::new().nsec(STARVED_RETRY.as_nanos() as u32))
+        } else if self.shutdown_deadline.is_some() || !self.ports.is_empty() || self.trim_pending {
+            // Wake up to enforce the shutdown deadline, expire idle datagram sessions and trim
+            // idle connections even if nothing completes.
             Some(types::Timespec::new().sec(1))
         } else {
             None
@@ -354,7 +389,7 @@ impl Reactor {
     fn reap(&mut self) {
         let mut cqes = std::mem::take(&mut self.cqes);
         cqes.clear();
-        cqes.extend(self.ring.completion());
+        self.ring.take_completions(&mut cqes);
         for cqe in cqes.drain(..) {
             let (kind, inc, idx, slot) = ud_split(cqe.user_data());
             match kind {
@@ -481,10 +516,35 @@ impl Reactor {
                 return;
             }
         }
+        // Charged only when the buffers changed size (growth, or given back).
+        c.settle_memory();
+        self.trim_pending |= c.mem.above_floor();
+        if c.starved && !c.waiting && !c.closing {
+            c.waiting = true;
+            self.starved.push(idx);
+        }
         let drained = c.tx_backlog() == 0 || c.dead;
         if c.closing && c.inflight == 0 && drained {
             let c = self.conns[idx].take().expect("present");
             self.close(idx, c);
+        }
+    }
+
+    /// Connections that received nothing since the last look, a second ago, and have nothing
+    /// in flight give back what their buffers grew to (to the budget and the allocator).
+    fn trim_idle(&mut self) {
+        if self.last_trim.elapsed() < IDLE_TRIM {
+            return;
+        }
+        self.last_trim = Instant::now();
+        self.trim_pending = false;
+        for c in self.conns.iter_mut().flatten() {
+            let frames = c.exec.stats.frames_in;
+            if frames == c.idle_mark && c.inflight == 0 && c.tx_backlog() == 0 {
+                c.trim();
+            }
+            c.idle_mark = frames;
+            self.trim_pending |= c.mem.above_floor();
         }
     }
 

@@ -4,7 +4,7 @@
 use blkwire_backend::{AlignedBuf, Extent, IoFlags};
 use blkwire_wire::Status;
 
-use super::conn::{Conn, Slot};
+use super::conn::{Conn, Slot, REPLY_SLACK};
 use super::ring::{ud, Pusher, KIND_IO};
 use crate::bufpool::Buffers;
 use crate::executor::{result_status, Outcome};
@@ -13,9 +13,18 @@ use crate::log::Level;
 
 /// Dispatches every complete message in `rx[rx_start..rx_end]`.
 pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
+    c.starved = false;
     loop {
         if c.dead || c.tx_backlog() >= c.tx_high_water() {
             return;
+        }
+        // Room for small replies (status, refusals) without letting `Vec` double the buffer
+        // behind the budget's back.
+        if c.tx.capacity() - c.tx.len() < REPLY_SLACK {
+            if !c.covers(REPLY_SLACK, 0) {
+                return;
+            }
+            c.grow_tx(REPLY_SLACK);
         }
         // Requests of frontends with cookies take a server-side slot when they go to a backend
         // that does not finish inline or wait for solicited data: stop when none is free; a
@@ -47,6 +56,22 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             if moves_data && c.tx_backlog() + c.held >= c.tx_high_water() {
                 break;
             }
+            // And the memory budget must cover what the request will add: its reply data, and
+            // a data buffer unless it runs inline or a spare fits. Otherwise it waits in rx,
+            // unless it could never fit this connection's share: then it fails (ENOMEM).
+            if moves_data {
+                match covers_request(c, req) {
+                    Cover::Yes => {}
+                    Cover::Wait => break,
+                    Cover::Never => {
+                        let req = *req;
+                        c.rx_start += len;
+                        c.exec.stats.frames_in += 1;
+                        c.reply(&req, Status::NoMemory);
+                        continue;
+                    }
+                }
+            }
         }
         let payload_at = c.rx_start + len - payload_len;
         c.rx_start += len;
@@ -63,6 +88,36 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     if c.rx_start == c.rx_end {
         c.rx_start = 0;
         c.rx_end = 0;
+    }
+}
+
+/// Whether the memory budget covers a data request now, later, or never.
+enum Cover {
+    Yes,
+    Wait,
+    Never,
+}
+
+/// Whether the memory budget covers a data request (see `parse_frames`).
+fn covers_request(c: &mut Conn, req: &Req) -> Cover {
+    let len = req.length as usize;
+    let read = req.is_read();
+    let extra_tx = if read { len + REPLY_SLACK } else { 0 };
+    let chunked = read && c.fe.read_framing(req) == ReadFraming::Chunked;
+    let pooled = !c.inline || chunked;
+    // What it needs even on an idle connection.
+    if c.rx.capacity() + extra_tx + if pooled { len } else { 0 } > c.mem.cap() {
+        return Cover::Never;
+    }
+    let extra_pool = if pooled && !c.bufs.has_spare(len) {
+        len
+    } else {
+        0
+    };
+    if c.covers(extra_tx, extra_pool) {
+        Cover::Yes
+    } else {
+        Cover::Wait
     }
 }
 
@@ -123,6 +178,7 @@ fn dispatch(
             if read_hole(c, req) {
                 return;
             }
+            c.grow_tx(prefix + len as usize + suffix);
             let at = c.tx.len();
             // The prefix is zeroed, the data is not: the backend writes it straight into the
             // spare capacity and only then does the buffer grow over it.
@@ -439,12 +495,18 @@ fn settle(c: &mut Conn, slot: u16, status: Status) {
         c.slots[slot as usize].extents = extents;
     } else if req.is_read() && status == Status::Ok {
         let len = req.length as usize;
+        let framing = c.fe.read_framing(&req);
+        // Grown as the budget check before the request foresaw (`covers_request`).
+        c.grow_tx(match framing {
+            ReadFraming::Contiguous { prefix, suffix } => prefix + len + suffix,
+            ReadFraming::Chunked => len + REPLY_SLACK,
+        });
         let data = &c.slots[slot as usize]
             .buf
             .as_ref()
             .expect("read buffer")
             .as_slice()[..len];
-        match c.fe.read_framing(&req) {
+        match framing {
             ReadFraming::Contiguous { prefix, suffix } => {
                 let at = c.tx.len();
                 c.tx.resize(at + prefix, 0);
@@ -482,11 +544,11 @@ mod tests {
 
     use blkwire_backend::{BlockOp, Export, ExportSpec, IoFlags};
     use blkwire_wire::Status;
-    use io_uring::IoUring;
 
     use super::super::conn::{Conn, Slot};
-    use super::super::ring::Pusher;
+    use super::super::ring::{Pusher, Ring};
     use super::parse_frames;
+    use crate::budget::{Account, Budget};
     use crate::executor::Executor;
     use crate::frontend::{Decoded, Kind, ReadFraming, Req, StreamFrontend};
 
@@ -618,6 +680,11 @@ mod tests {
     }
 
     fn conn_with(spec: &str, chunked: bool) -> (Conn, UnixStream) {
+        conn_budget(spec, chunked, 1 << 30)
+    }
+
+    /// A connection whose buffers may hold `budget` bytes.
+    fn conn_budget(spec: &str, chunked: bool, budget: usize) -> (Conn, UnixStream) {
         let (a, b) = UnixStream::pair().unwrap();
         let export = Arc::new(Export::open(&ExportSpec::parse(spec).unwrap()).unwrap());
         let exec = Executor::open(export, 1 << 20).unwrap();
@@ -648,12 +715,17 @@ mod tests {
             dead: false,
             bytes_sent: 0,
             tls: None,
+            mem: Account::reserve(&Budget::new(budget), 0, budget).unwrap(),
+            starved: false,
+            waiting: false,
+            idle_mark: 0,
+            _counted: None,
         };
         (c, b)
     }
 
     /// Appends `msg` to the receive buffer and runs the request path over it.
-    fn feed(c: &mut Conn, ring: &mut IoUring, msg: &[u8]) {
+    fn feed(c: &mut Conn, ring: &mut Ring, msg: &[u8]) {
         c.rx[c.rx_end..c.rx_end + msg.len()].copy_from_slice(msg);
         c.rx_end += msg.len();
         parse_frames(c, 0, &mut Pusher(ring));
@@ -699,7 +771,7 @@ mod tests {
 
     #[test]
     fn a_write_waits_for_the_data_it_solicited_then_runs() {
-        let mut ring = IoUring::new(8).unwrap();
+        let mut ring = Ring::new(8).unwrap();
         let (mut c, _peer) = conn("m=mem:1M");
         let payload: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
         // 512 bytes came with the command: the rest is asked for, nothing is answered yet.
@@ -730,11 +802,48 @@ mod tests {
         assert_eq!(c.exec.stats.frames_in, 5);
     }
 
+    /// A request whose reply and data buffer the memory budget cannot cover waits in the
+    /// receive buffer (the connection is starved) instead of growing past the budget, and runs
+    /// once the memory is back; an idle connection gives back what it grew to.
+    #[test]
+    fn a_request_the_budget_cannot_cover_waits_until_memory_is_back() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn_budget("m=memthread:4M", false, 3 << 20);
+        let mut both = read(1, 0, 1 << 20);
+        both.extend_from_slice(&read(2, 1 << 20, 1 << 20));
+        feed(&mut c, &mut ring, &both);
+        assert_eq!(
+            c.exec.stats.frames_in, 1,
+            "the second read does not fit beside the first"
+        );
+        assert!(c.starved);
+        assert!(c.footprint() <= 3 << 20, "{} bytes held", c.footprint());
+        settle_async(&mut c, &mut ring);
+        let tx = take_tx(&mut c);
+        assert_eq!(&tx[..11], &status_reply(1, Status::Ok)[..]);
+        c.settle_memory();
+        // The first reply went out: the second read fits now.
+        parse_frames(&mut c, 0, &mut Pusher(&mut ring));
+        assert!(!c.starved);
+        settle_async(&mut c, &mut ring);
+        let tx = take_tx(&mut c);
+        assert_eq!(&tx[..11], &status_reply(2, Status::Ok)[..]);
+        assert_eq!(c.exec.stats.frames_in, 2);
+        c.settle_memory();
+        let busy = c.mem.charged();
+        c.trim();
+        assert!(
+            c.mem.charged() < busy,
+            "idle: {} of {busy} bytes kept",
+            c.mem.charged()
+        );
+    }
+
     /// A reply with headers between pieces of its data is built from a slot's buffer, on an
     /// inline export as on one that completes on its own thread.
     #[test]
     fn chunked_read_replies() {
-        let mut ring = IoUring::new(8).unwrap();
+        let mut ring = Ring::new(8).unwrap();
         for spec in ["m=mem:1M", "m=memthread:1M"] {
             let (mut c, _peer) = conn_with(spec, true);
             let payload: Vec<u8> = (0..2500u32).map(|i| (i % 7) as u8).collect();
@@ -757,7 +866,7 @@ mod tests {
     }
 
     /// Waits for what a thread-completing backend has in flight and answers it.
-    fn settle_async(c: &mut Conn, ring: &mut IoUring) {
+    fn settle_async(c: &mut Conn, ring: &mut Ring) {
         while c.inflight > 0 {
             let mut pfd = libc::pollfd {
                 fd: c
@@ -780,7 +889,7 @@ mod tests {
 
     #[test]
     fn solicited_data_out_of_order_or_for_no_write_breaks_the_protocol() {
-        let mut ring = IoUring::new(8).unwrap();
+        let mut ring = Ring::new(8).unwrap();
         let (mut c, _peer) = conn("m=mem:1M");
         feed(&mut c, &mut ring, &data(2, 0, &[1; 16]));
         assert!(
@@ -809,7 +918,7 @@ mod tests {
 
     #[test]
     fn a_refused_write_is_answered_without_soliciting_anything() {
-        let mut ring = IoUring::new(8).unwrap();
+        let mut ring = Ring::new(8).unwrap();
         let (mut c, _peer) = conn("m=mem:1M,ro");
         feed(&mut c, &mut ring, &write(3, 0, 4096, &[]));
         assert_eq!(take_tx(&mut c), status_reply(3, Status::ReadOnly));
@@ -818,7 +927,7 @@ mod tests {
 
     #[test]
     fn a_write_waits_for_its_data_on_an_asynchronous_backend_too() {
-        let mut ring = IoUring::new(8).unwrap();
+        let mut ring = Ring::new(8).unwrap();
         let (mut c, _peer) = conn("m=memthread:1M");
         feed(&mut c, &mut ring, &write(9, 0, 1024, &[5; 100]));
         let slot = u16::from_le_bytes([c.tx[1], c.tx[2]]);
