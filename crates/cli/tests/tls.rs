@@ -599,7 +599,13 @@ fn a_tls_client_that_never_reads_cannot_grow_the_target() {
         .build()
         .connect("localhost", raw.0)
         .expect("TLS handshake");
-    tls_option(&mut s, opt::GO, &info_data("m", &[]));
+    // Asking for the block size keeps the connection at the 32 MiB maximum payload (without,
+    // it may take 64 MiB requests, like nbdkit, and holds twice as much by design).
+    tls_option(
+        &mut s,
+        opt::GO,
+        &info_data("m", &[blkwire_wire::nbd::info::BLOCK_SIZE]),
+    );
     while tls_opt_reply(&mut s).0 != rep::ACK {}
     let before = common::rss_kib(t._t.pid() as u32);
     s.get_ref().set_nonblocking(true).unwrap();
