@@ -75,7 +75,12 @@ fn main() -> ExitCode {
     };
     if matches!(
         cli.cmd,
-        Command::Info(_) | Command::Stats(_) | Command::Discover(_) | Command::Ls(_)
+        Command::Info(_)
+            | Command::Stats(_)
+            | Command::Discover(_)
+            | Command::Ls(_)
+            | Command::Bench(_)
+            | Command::Key(_)
     ) {
         // Commands that print for a pipe end quietly when the reader goes (`| head`), as
         // other Unix tools do, instead of panicking on EPIPE. Their sockets write with
