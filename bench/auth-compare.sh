@@ -5,7 +5,8 @@
 # (every frame sealed with AES-256-GCM: authenticated, and with --encrypt also encrypted).
 # Rounds alternate the two targets so host noise hits every row alike.
 # Environment: RUNTIME (seconds per run, default 5), ROUNDS (default 3), MTU (default 9000),
-# JOBS (default 1), QD (default 32).
+# JOBS (default 1), QD (default 32), TRANSPORTS (datagram transports to measure, default
+# "eth udp"; tcp:// always runs, plain and with its authenticated handshake).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNTIME="${RUNTIME:-5}"
@@ -13,6 +14,7 @@ ROUNDS="${ROUNDS:-3}"
 MTU="${MTU:-9000}"
 JOBS="${JOBS:-1}"
 QD="${QD:-32}"
+TRANSPORTS="${TRANSPORTS:-eth udp}"
 BIN="${BLKWIRE:-target/release/blkwire}"
 [[ -x "$BIN" ]] || cargo build --release -p blkwire >&2
 [[ "$(id -u)" == 0 ]] || { echo "auth-compare: needs root (network namespaces)" >&2; exit 1; }
@@ -92,11 +94,11 @@ echo "|---|---|---:|---:|---:|---:|---:|---:|"
 KEY=(--host-id bench --key "$WORK/bench.key")
 for r in $(seq 1 "$ROUNDS"); do
     start_target
-    for t in eth udp tcp; do run "$t" plain; done
+    for t in $TRANSPORTS tcp; do run "$t" plain; done
     stop_target
     start_target --keys "$WORK/bench.key"
-    for t in eth udp; do run "$t" sealed "${KEY[@]}"; done
-    for t in eth udp; do run "$t" encrypted "${KEY[@]}" --encrypt; done
+    for t in $TRANSPORTS; do run "$t" sealed "${KEY[@]}"; done
+    for t in $TRANSPORTS; do run "$t" encrypted "${KEY[@]}" --encrypt; done
     run tcp authenticated "${KEY[@]}"
     stop_target
 done

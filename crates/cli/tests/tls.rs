@@ -688,3 +688,39 @@ fn a_stalled_tls_handshake_is_cut_off_at_its_deadline() {
         started.elapsed()
     );
 }
+
+/// An export's allow list applies to the host an NBD client proved with TLS-PSK: bob, known to
+/// the target, neither sees nor opens alice's export; alice does both.
+#[test]
+fn nbd_tls_psk_hosts_are_held_to_export_allow_lists() {
+    need("nbdinfo", "libnbd-bin");
+    let dir = TempDir::new("tls-nbd-acl");
+    let (alice, bob) = (dir.path("alice.psk"), dir.path("bob.psk"));
+    key_file(&alice, "alice");
+    key_file(&bob, "bob");
+    let keys = dir.path("keys.psk");
+    let both = format!(
+        "{}{}",
+        std::fs::read_to_string(&alice).unwrap(),
+        std::fs::read_to_string(&bob).unwrap()
+    );
+    std::fs::write(&keys, both).unwrap();
+    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let t = TlsTarget::start(
+        &["a=mem:1M,allow=alice", "shared=mem:2M"],
+        &["--keys", keys.to_str().unwrap(), "--tls", "require"],
+    );
+    let size = tool("nbdinfo", &["--size", &t.nbds("a", "alice", &alice)]);
+    assert_eq!(size.trim(), "1048576");
+    let out = run("nbdinfo", &["--size", &t.nbds("a", "bob", &bob)]);
+    assert!(
+        !out.status.success(),
+        "bob opened alice's export: {}",
+        describe("nbdinfo", &[], &out)
+    );
+    let list = tool("nbdinfo", &["--list", "--json", &t.nbds("", "bob", &bob)]);
+    assert!(
+        list.contains("\"shared\"") && !list.contains("\"a\""),
+        "bob's list: {list}"
+    );
+}

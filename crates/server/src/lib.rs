@@ -800,7 +800,7 @@ fn handshake(
     let _ = s.set_read_timeout(None);
     let _ = s.set_write_timeout(None);
     let _ = s.set_nonblocking(true);
-    let w = (admitted.session as usize + admitted.queue as usize) % workers.len();
+    let w = (admitted.placement as usize + admitted.queue as usize) % workers.len();
     let q = NewQueue {
         sock: OwnedFd::from(s),
         export: admitted.export,

@@ -75,6 +75,8 @@ impl Default for Limits {
 
 struct Session {
     export: Arc<Export>,
+    /// See `Admitted::placement`.
+    placement: u32,
     /// Method-1 sessions: the key root (JOIN proofs, frame keys) and whether frames are
     /// encrypted as well as authenticated.
     secret: Option<Arc<SessionSecret>>,
@@ -99,6 +101,9 @@ struct Session {
 pub struct Admitted {
     pub export: Arc<Export>,
     pub session: u32,
+    /// Which reactor takes this session's queue 0 (queue `q` goes to the next `q`-th): sessions
+    /// are dealt out in turn, so placement does not depend on (random) session ids.
+    pub placement: u32,
     pub queue: u16,
     pub depth: u16,
     pub max_io: u32,
@@ -171,6 +176,8 @@ struct Inner {
     /// Counters of every queue that has closed since start.
     closed: QueueStats,
     shut: bool,
+    /// The next session's `placement`.
+    next_placement: u32,
 }
 
 impl Registry {
@@ -187,6 +194,7 @@ impl Registry {
                 per_host: HashMap::new(),
                 closed: QueueStats::default(),
                 shut: false,
+                next_placement: 0,
             }),
         }
     }
@@ -355,7 +363,7 @@ impl Registry {
         });
         let encrypt = sealed && h.auth.encrypt;
         let floor = Self::queue_floor(max_io, link_payload.is_some());
-        let (id, cookie, mem) = match self.create(
+        let (id, cookie, mem, placement) = match self.create(
             &export,
             &h.host_id,
             &peer.to_string(),
@@ -389,6 +397,7 @@ impl Registry {
             Some(Box::new(Admitted {
                 export,
                 session: id,
+                placement,
                 queue: 0,
                 depth,
                 max_io,
@@ -407,7 +416,7 @@ impl Registry {
         (queues, depth, max_io, frame_payload): (u16, u16, u32, u32),
         (secret, encrypt): (Option<Arc<SessionSecret>>, bool),
         queue_floor: usize,
-    ) -> Result<(u32, u64, Account), Status> {
+    ) -> Result<(u32, u64, Account, u32), Status> {
         let cookie = blkwire_auth::random_u64();
         let mut inner = self.lock();
         if inner.shut {
@@ -434,10 +443,13 @@ impl Registry {
         let mut joined = vec![false; queues as usize];
         joined[0] = true;
         *inner.per_host.entry(from.to_string()).or_insert(0) += 1;
+        let placement = inner.next_placement;
+        inner.next_placement = placement.wrapping_add(1);
         inner.sessions.insert(
             id,
             Session {
                 export: export.clone(),
+                placement,
                 secret,
                 encrypt,
                 frame_payload,
@@ -461,7 +473,7 @@ impl Registry {
             if queues == 1 { "" } else { "s" },
             blkwire_backend::format_size(max_io as u64)
         );
-        Ok((id, cookie, account))
+        Ok((id, cookie, account, placement))
     }
 
     /// A one-connection session for frontends without queue joining (NBD: every connection
@@ -475,7 +487,7 @@ impl Registry {
         max_io: u32,
     ) -> Result<Admitted, Status> {
         let floor = Self::queue_floor(max_io, false);
-        let (session, _, mem) = self.create(
+        let (session, _, mem, placement) = self.create(
             export,
             host,
             peer,
@@ -486,6 +498,7 @@ impl Registry {
         Ok(Admitted {
             export: export.clone(),
             session,
+            placement,
             queue: 0,
             depth,
             max_io,
@@ -562,6 +575,7 @@ impl Registry {
         Ok(Admitted {
             export: s.export.clone(),
             session,
+            placement: s.placement,
             queue,
             depth: s.depth,
             max_io: s.max_io,
