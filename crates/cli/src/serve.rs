@@ -101,7 +101,7 @@ fn export_help() -> String {
 }
 
 pub fn run(a: Args) -> Result<(), String> {
-    log::set_level(log::Level::parse(&a.log_level)?);
+    log::init_stderr(log::Level::parse(&a.log_level)?);
     let exports = a
         .exports
         .iter()

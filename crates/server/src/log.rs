@@ -1,7 +1,12 @@
-//! Minimal leveled logging to stderr. The level is read on control paths only (connect,
-//! disconnect, errors), never per I/O.
+//! Leveled logging through the `log` facade, so a program that embeds the target gets its
+//! messages in its own logger (env_logger, tracing-log, syslog), with the usual levels and
+//! `blkwire_server::...` targets. `blkwire serve` installs [`init_stderr`]: one line per event on
+//! stderr, `blkwire LEVEL: message`. Logging happens on control paths only (connect,
+//! disconnect, refusals, errors), never per I/O.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+/// The facade, re-exported so the [`log!`](crate::log!) macro works in crates that do not
+/// depend on it themselves.
+pub use ::log as facade;
 
 /// How much to say: each level includes the ones above it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -15,8 +20,6 @@ pub enum Level {
     /// Per-queue detail.
     Debug = 3,
 }
-
-static LEVEL: AtomicU8 = AtomicU8::new(Level::Info as u8);
 
 impl Level {
     /// `error`, `warn`, `info` or `debug`.
@@ -33,35 +36,76 @@ impl Level {
             }
         })
     }
+
+    /// The facade's level.
+    pub fn facade(self) -> ::log::Level {
+        match self {
+            Level::Error => ::log::Level::Error,
+            Level::Warn => ::log::Level::Warn,
+            Level::Info => ::log::Level::Info,
+            Level::Debug => ::log::Level::Debug,
+        }
+    }
 }
 
-/// Sets the process-wide level.
+/// Sets the process-wide level (the facade's maximum).
 pub fn set_level(l: Level) {
-    LEVEL.store(l as u8, Ordering::Relaxed);
+    ::log::set_max_level(l.facade().to_level_filter());
 }
 
-/// True when messages of level `l` are written.
+/// True when messages of level `l` would be written.
 pub fn enabled(l: Level) -> bool {
-    l as u8 <= LEVEL.load(Ordering::Relaxed)
+    l.facade() <= ::log::max_level()
 }
 
-#[doc(hidden)]
-pub fn write(l: Level, args: std::fmt::Arguments<'_>) {
-    let tag = match l {
-        Level::Error => "error",
-        Level::Warn => "warn",
-        Level::Info => "info",
-        Level::Debug => "debug",
-    };
-    eprintln!("blkwire {tag}: {args}");
+/// Writes `blkwire LEVEL: message` lines to stderr.
+struct Stderr;
+
+impl ::log::Log for Stderr {
+    fn enabled(&self, m: &::log::Metadata<'_>) -> bool {
+        m.level() <= ::log::max_level()
+    }
+
+    fn log(&self, r: &::log::Record<'_>) {
+        if self.enabled(r.metadata()) {
+            let tag = r.level().as_str().to_ascii_lowercase();
+            eprintln!("blkwire {tag}: {}", r.args());
+        }
+    }
+
+    fn flush(&self) {}
 }
 
-/// Writes a formatted message at a level, if that level is enabled.
+/// Installs the stderr logger at level `l` (`blkwire serve`); a program that installed its own
+/// logger first keeps it, and only the level is set.
+pub fn init_stderr(l: Level) {
+    static STDERR: Stderr = Stderr;
+    let _ = ::log::set_logger(&STDERR);
+    set_level(l);
+}
+
+/// Writes a formatted message at a [`Level`] through the facade, if that level is enabled.
 #[macro_export]
 macro_rules! log {
     ($lvl:expr, $($arg:tt)*) => {
-        if $crate::log::enabled($lvl) {
-            $crate::log::write($lvl, format_args!($($arg)*));
-        }
+        $crate::log::facade::log!($crate::log::Level::facade($lvl), $($arg)*)
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_map_onto_the_facade_and_filter() {
+        set_level(Level::Warn);
+        assert!(enabled(Level::Error) && enabled(Level::Warn));
+        assert!(!enabled(Level::Info) && !enabled(Level::Debug));
+        set_level(Level::Debug);
+        assert!(enabled(Level::Debug));
+        assert!(Level::parse("loud")
+            .unwrap_err()
+            .contains("error, warn, info or debug"));
+        set_level(Level::Info);
+    }
 }
