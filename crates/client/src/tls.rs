@@ -189,6 +189,15 @@ pub(crate) fn connect(url: &Url, opts: &ConnectOptions, s: TcpStream) -> Result<
                     || io.kind() == std::io::ErrorKind::TimedOut
                 {
                     "no answer in time".into()
+                } else if matches!(
+                    io.kind(),
+                    std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof
+                ) {
+                    // A target without TLS hangs up on a ClientHello.
+                    format!(
+                        "{io}: the target hung up (does it run with --tls on or require, and \
+                         does it know this host's key?)"
+                    )
                 } else {
                     io.to_string()
                 }
