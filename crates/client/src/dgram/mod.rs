@@ -695,22 +695,7 @@ mod tests {
     #[test]
     fn a_lost_burst_is_recovered_by_a_probe_not_by_the_timers() {
         let target = UdpSocket::bind("127.0.0.1:0").unwrap();
-        let link = udp_link(target.local_addr().unwrap()).unwrap();
-        let give_up = Duration::from_secs(30);
-        let mut q = DgramQueue::new(
-            link,
-            Grant {
-                session: 7,
-                index: 0,
-                depth: 8,
-                max_io: 4096,
-                frame_payload: 8192,
-                credit: 64,
-            },
-            None,
-            give_up,
-            Duration::ZERO,
-        );
+        let mut q = idle_queue(&target);
         // Retransmission timers 1 s away: only the probe can recover the burst before that.
         q.cc.set_rto_min(congestion::RTO_MAX);
         let wait = Duration::from_secs(5);
@@ -792,21 +777,7 @@ mod tests {
             if refuse {
                 blkwire_net::setopt(link.fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_NO_CHECK, 1);
             }
-            let give_up = Duration::from_secs(30);
-            let mut q = DgramQueue::new(
-                link,
-                Grant {
-                    session: 7,
-                    index: 0,
-                    depth: 8,
-                    max_io: 16384,
-                    frame_payload: 1024,
-                    credit: 64,
-                },
-                None,
-                give_up,
-                Duration::ZERO,
-            );
+            let mut q = test_queue(link, grant(8, 16384, 1024), None);
             let data = vec![0x3c; 16384];
             let write = Cmd::Write {
                 offset: 0,
@@ -837,23 +808,26 @@ mod tests {
         }
     }
 
+    /// Queue 0 of session 7 with a window of 64 frames.
+    fn grant(depth: u16, max_io: u32, frame_payload: u32) -> Grant {
+        Grant {
+            session: 7,
+            index: 0,
+            depth,
+            max_io,
+            frame_payload,
+            credit: 64,
+        }
+    }
+
+    /// A queue that gives up after 30 s and never spins.
+    fn test_queue(link: Link, g: Grant, seal: Option<QueueKeys>) -> DgramQueue {
+        DgramQueue::new(link, g, seal, Duration::from_secs(30), Duration::ZERO)
+    }
+
     fn idle_queue(target: &UdpSocket) -> DgramQueue {
         let link = udp_link(target.local_addr().unwrap()).unwrap();
-        let give_up = Duration::from_secs(30);
-        DgramQueue::new(
-            link,
-            Grant {
-                session: 7,
-                index: 0,
-                depth: 8,
-                max_io: 4096,
-                frame_payload: 8192,
-                credit: 64,
-            },
-            None,
-            give_up,
-            Duration::ZERO,
-        )
+        test_queue(link, grant(8, 4096, 8192), None)
     }
 
     #[test]
@@ -939,21 +913,7 @@ mod tests {
                 sealer: Sealer::new(&to_target, encrypt),
                 opener: Opener::new(&to_initiator, encrypt),
             };
-            let grant = Grant {
-                session: 7,
-                index: 0,
-                depth: 4,
-                max_io: 4096,
-                frame_payload: 8192,
-                credit: 64,
-            };
-            let mut q = DgramQueue::new(
-                link,
-                grant,
-                Some(keys),
-                Duration::from_secs(30),
-                Duration::ZERO,
-            );
+            let mut q = test_queue(link, grant(4, 4096, 8192), Some(keys));
             q.submit(
                 Cmd::Read {
                     offset: 0,
