@@ -201,13 +201,7 @@ fn recovery_spec(
         logfile: logfile
             .map(|p| p.display().to_string())
             .or_else(|| rec.logfile.clone()),
-        credentials: blkwire_client::Credentials {
-            host_id: rec.host_id.clone(),
-            key_file: rec.key_file.clone().map(Into::into),
-            encrypt: rec.encrypt,
-            tls: rec.tls,
-            tls_ca: rec.tls_ca.clone().map(Into::into),
-        },
+        credentials: (&rec.credentials).into(),
         mode: Mode::Recover(Box::new(rec)),
         fuse_io,
     })

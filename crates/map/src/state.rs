@@ -83,21 +83,55 @@ pub struct Record {
     /// Absent in records of older versions and of ublk mappings.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fuse_io: Option<String>,
-    /// `--host-id`, if given (records of older versions have none).
+    /// How the session proves who it is (records of older versions have none of it).
+    #[serde(flatten)]
+    pub credentials: RecordedCredentials,
+}
+
+/// A mapping's `--host-id`, `--key`, `--encrypt`, `--tls` and `--tls-ca`, as recorded so that
+/// `map --recover` reconnects as the mapping did: file paths, never a key.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RecordedCredentials {
+    /// `--host-id`, if given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_id: Option<String>,
-    /// `--key`: the key file's path (the key itself is never recorded).
+    /// `--key`: the key file's path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_file: Option<String>,
     /// `--encrypt`.
     #[serde(default)]
     pub encrypt: bool,
-    /// `--tls` (records of older versions have none).
+    /// `--tls`.
     #[serde(default)]
     pub tls: bool,
     /// `--tls-ca`: the CA file's path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls_ca: Option<String>,
+}
+
+impl From<&blkwire_client::Credentials> for RecordedCredentials {
+    fn from(c: &blkwire_client::Credentials) -> Self {
+        let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
+        RecordedCredentials {
+            host_id: c.host_id.clone(),
+            key_file: path(&c.key_file),
+            encrypt: c.encrypt,
+            tls: c.tls,
+            tls_ca: path(&c.tls_ca),
+        }
+    }
+}
+
+impl From<&RecordedCredentials> for blkwire_client::Credentials {
+    fn from(r: &RecordedCredentials) -> Self {
+        blkwire_client::Credentials {
+            host_id: r.host_id.clone(),
+            key_file: r.key_file.clone().map(Into::into),
+            encrypt: r.encrypt,
+            tls: r.tls,
+            tls_ca: r.tls_ca.clone().map(Into::into),
+        }
+    }
 }
 
 /// What a reader concludes about a record.
@@ -256,6 +290,25 @@ mod tests {
         );
         assert!(!process_alive(0, start));
         assert!(!process_alive(i32::MAX, start));
+    }
+
+    /// The credentials sit at the top level of a record's JSON, as before they were grouped, and
+    /// a record written before they existed still loads.
+    #[test]
+    fn credentials_are_top_level_keys_and_optional() {
+        let old = r#"{"device":"/dev/loop3","url":"tcp://h:1/e","export":"e","frontend":"fuse",
+            "pid":1,"start_time":2,"mountpoint":"","file":"","size":4096,"readonly":false,
+            "queues":1,"queue_depth":4,"max_io":65536,"timeout_secs":30,"hdd":false,"logfile":null}"#;
+        let mut r: Record = serde_json::from_str(old).unwrap();
+        assert_eq!(r.credentials, RecordedCredentials::default());
+        r.credentials.host_id = Some("db1".into());
+        r.credentials.key_file = Some("/etc/k".into());
+        let v: serde_json::Value = serde_json::to_value(&r).unwrap();
+        assert_eq!(
+            (v["host_id"].as_str(), v["key_file"].as_str()),
+            (Some("db1"), Some("/etc/k"))
+        );
+        assert_eq!(serde_json::from_value::<Record>(v).unwrap(), r);
     }
 
     #[test]

@@ -358,19 +358,7 @@ impl Mapping {
             hdd: spec.hdd,
             logfile: spec.logfile.clone(),
             fuse_io: Some(fuse_io.into()),
-            host_id: spec.credentials.host_id.clone(),
-            key_file: spec
-                .credentials
-                .key_file
-                .as_ref()
-                .map(|p| p.display().to_string()),
-            encrypt: spec.credentials.encrypt,
-            tls: spec.credentials.tls,
-            tls_ca: spec
-                .credentials
-                .tls_ca
-                .as_ref()
-                .map(|p| p.display().to_string()),
+            credentials: (&spec.credentials).into(),
         };
         let block = info.logical_block.max(512);
         let dev = match &spec.mode {

@@ -272,19 +272,7 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
         hdd: spec.hdd,
         logfile: spec.logfile.clone(),
         fuse_io: None,
-        host_id: spec.credentials.host_id.clone(),
-        key_file: spec
-            .credentials
-            .key_file
-            .as_ref()
-            .map(|p| p.display().to_string()),
-        encrypt: spec.credentials.encrypt,
-        tls: spec.credentials.tls,
-        tls_ca: spec
-            .credentials
-            .tls_ca
-            .as_ref()
-            .map(|p| p.display().to_string()),
+        credentials: (&spec.credentials).into(),
     };
     if let Mode::New { .. } = spec.mode {
         if let Some(old) = Record::load(&device)? {
