@@ -9,6 +9,8 @@
 # "eth udp"; tcp:// always runs, plain and with its authenticated handshake).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+die() { echo "$(basename "$0"): $*" >&2; exit 1; }
+. bench/lib.sh
 RUNTIME="${RUNTIME:-5}"
 ROUNDS="${ROUNDS:-3}"
 MTU="${MTU:-9000}"
@@ -30,21 +32,12 @@ stop_target() {
 }
 cleanup() {
     stop_target
-    ip netns del "$T" 2>/dev/null || true
-    ip netns del "$I" 2>/dev/null || true
+    veth_pair_remove "$T" "$I"
     rm -rf "$WORK"
 }
 trap cleanup EXIT INT TERM
 
-ip netns add "$T"
-ip netns add "$I"
-ip link add vt netns "$T" type veth peer name vi netns "$I"
-ip -n "$T" addr add 10.99.8.1/24 dev vt
-ip -n "$I" addr add 10.99.8.2/24 dev vi
-for ns in "$T" "$I"; do ip -n "$ns" link set lo up; done
-ip -n "$T" link set vt mtu "$MTU" up
-ip -n "$I" link set vi mtu "$MTU" up
-MAC="$(ip netns exec "$T" cat /sys/class/net/vt/address)"
+MAC="$(veth_pair "$T" "$I" 8 "$MTU")"
 "$BIN" key gen "$WORK/bench.key" --host-id bench >/dev/null
 
 start_target() { # start_target [serve args...]

@@ -41,3 +41,24 @@ print(f'{(float(u)+float(s))*1000/$wall*100:.0f}')")"
     fi
     echo "$srv_pct $cli_pct"
 }
+
+# veth_pair T I N MTU: network namespaces T (target, 10.99.N.1 on vt) and I (initiator,
+# 10.99.N.2 on vi) joined by a veth pair, links up; prints the target's MAC. Remove with
+# veth_pair_remove T I (safe to call twice, and on a pair never made).
+veth_pair() {
+    local t=$1 i=$2 n=$3 mtu=$4
+    ip netns add "$t"
+    ip netns add "$i"
+    ip link add vt netns "$t" type veth peer name vi netns "$i"
+    ip -n "$t" addr add "10.99.$n.1/24" dev vt
+    ip -n "$i" addr add "10.99.$n.2/24" dev vi
+    for ns in "$t" "$i"; do ip -n "$ns" link set lo up; done
+    ip -n "$t" link set vt mtu "$mtu" up
+    ip -n "$i" link set vi mtu "$mtu" up
+    ip netns exec "$t" cat /sys/class/net/vt/address
+}
+
+veth_pair_remove() {
+    ip netns del "$1" 2>/dev/null || true
+    ip netns del "$2" 2>/dev/null || true
+}

@@ -8,6 +8,8 @@
 # Environment: RUNTIME (seconds per run, default 5), MTU (default 9000), JOBS (default 1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+die() { echo "$(basename "$0"): $*" >&2; exit 1; }
+. bench/lib.sh
 RUNTIME="${RUNTIME:-5}"
 MTU="${MTU:-9000}"
 JOBS="${JOBS:-1}"
@@ -22,21 +24,12 @@ WORK="$(mktemp -d)"
 SERVE_PID=""
 cleanup() {
     [[ -n "$SERVE_PID" ]] && kill "$SERVE_PID" 2>/dev/null && wait "$SERVE_PID" 2>/dev/null || true
-    ip netns del "$T" 2>/dev/null || true
-    ip netns del "$I" 2>/dev/null || true
+    veth_pair_remove "$T" "$I"
     rm -rf "$WORK"
 }
 trap cleanup EXIT INT TERM
 
-ip netns add "$T"
-ip netns add "$I"
-ip link add vt netns "$T" type veth peer name vi netns "$I"
-ip -n "$T" addr add 10.99.9.1/24 dev vt
-ip -n "$I" addr add 10.99.9.2/24 dev vi
-for ns in "$T" "$I"; do ip -n "$ns" link set lo up; done
-ip -n "$T" link set vt mtu "$MTU" up
-ip -n "$I" link set vi mtu "$MTU" up
-MAC="$(ip netns exec "$T" cat /sys/class/net/vt/address)"
+MAC="$(veth_pair "$T" "$I" 9 "$MTU")"
 
 ip netns exec "$T" "$BIN" serve --listen tcp://10.99.9.1:7700 --listen udp://10.99.9.1:7701 --listen eth://vt \
     --export m=mem:1G --log-level warn >"$WORK/serve.out" 2>"$WORK/serve.err" &
