@@ -6,14 +6,13 @@
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
 
 use blkwire_auth::cookie::{address_bytes, Challenger};
 use blkwire_auth::proof;
 use blkwire_auth::{Acl, Key, KeyStore, PeerAddr};
 use blkwire_wire::{AuthMethod, Hello};
 
-use crate::log::Level;
+use crate::log::{Level, Throttle};
 
 /// Where a handshake comes from: an address (and port, for the challenge) or a MAC.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -77,11 +76,8 @@ pub struct Access {
     pub challenges: AtomicU64,
     /// Handshakes refused for authentication or access rules.
     pub refused: AtomicU64,
-    log_limit: Mutex<(Option<Instant>, u64)>,
+    log_limit: Mutex<Throttle>,
 }
-
-/// At most one refusal log line this often (a flood of bad handshakes must not flood the log).
-const LOG_EVERY: Duration = Duration::from_secs(1);
 
 impl Access {
     /// A policy with these keys (`None`: open target) and admin hosts (STATS).
@@ -92,7 +88,7 @@ impl Access {
             challenger: Challenger::new(),
             challenges: AtomicU64::new(0),
             refused: AtomicU64::new(0),
-            log_limit: Mutex::new((None, 0)),
+            log_limit: Mutex::new(Throttle::new()),
         }
     }
 
@@ -171,17 +167,16 @@ impl Access {
     /// logged). `why` must already have peer-supplied strings escaped.
     pub fn refuse(&self, peer: &dyn std::fmt::Display, why: &str) {
         self.refused.fetch_add(1, Ordering::Relaxed);
-        let mut l = self.log_limit.lock().unwrap_or_else(|p| p.into_inner());
-        let now = Instant::now();
-        if l.0.is_some_and(|t| now.duration_since(t) < LOG_EVERY) {
-            l.1 += 1;
+        let said = self
+            .log_limit
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .hit();
+        let Some(n) = said else {
             return;
-        }
-        let unsaid = std::mem::take(&mut l.1);
-        l.0 = Some(now);
-        drop(l);
-        let more = if unsaid > 0 {
-            format!(" ({unsaid} more refusals since the last line)")
+        };
+        let more = if n > 1 {
+            format!(" ({} more refusals since the last line)", n - 1)
         } else {
             String::new()
         };

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use blkwire_backend::{Export, ExportSpec};
 use blkwire_wire::{ExportEntry, Header, Hello, Opcode, Status, HEADER_LEN};
 
-use crate::log::Level;
+use crate::log::{Level, Throttle};
 use blkwire_auth::Acl;
 use frontend::StreamFrontend;
 use reactor::QueueReport;
@@ -447,10 +447,9 @@ impl Target {
             limits.max_connections,
             limits.max_connections_per_host,
         ));
-        let (mut refused, mut last_refused) = (0u64, None::<Instant>);
+        let mut refused = Throttle::new();
         let (mut shed, mut last_shed) = (0u64, None::<Instant>);
-        let mut last_said: Option<Instant> = None;
-        let mut unsaid = 0u64;
+        let mut failed = Throttle::new();
         'accept: loop {
             let mut timeout = -1;
             if let Some(until) = paused_until {
@@ -486,15 +485,12 @@ impl Target {
                             Ok(c) => c,
                             Err(limit) => {
                                 // Closed at once, before any thread or buffer is spent on it.
-                                refused += 1;
-                                if last_refused.is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY) {
+                                if let Some(n) = refused.hit() {
                                     crate::log!(
                                         Level::Warn,
-                                        "{limit}: closed {refused} new connection(s), the \
-                                         latest from {peer}"
+                                        "{limit}: closed {n} new connection(s), the latest from \
+                                         {peer}"
                                     );
-                                    last_refused = Some(Instant::now());
-                                    refused = 0;
                                 }
                                 continue;
                             }
@@ -511,7 +507,7 @@ impl Target {
                         };
                         cut += u64::from(was_cut);
                         if (shed > 0 || cut > 0)
-                            && last_shed.is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY)
+                            && last_shed.is_none_or(|t| t.elapsed() >= Throttle::EVERY)
                         {
                             let cut_said = if cut > 0 {
                                 format!(" and cut {cut} that took over {} s", CUT_AFTER.as_secs())
@@ -550,16 +546,13 @@ impl Target {
                         }
                     }
                     Err(e) if is_resource_shortage(&e) => {
-                        unsaid += 1;
-                        if last_said.is_none_or(|t| t.elapsed() >= ACCEPT_LOG_EVERY) {
+                        if let Some(n) = failed.hit() {
                             crate::log!(
                                 Level::Warn,
-                                "accept failed {unsaid} time(s): {e}; pausing new connections for \
-                                 {} ms (raise the open-file limit, ulimit -n, or lower the load)",
+                                "accept failed {n} time(s): {e}; pausing new connections for {} \
+                                 ms (raise the open-file limit, ulimit -n, or lower the load)",
                                 ACCEPT_PAUSE.as_millis()
                             );
-                            last_said = Some(Instant::now());
-                            unsaid = 0;
                         }
                         paused_until = Some(Instant::now() + ACCEPT_PAUSE);
                         fds[..listeners].iter_mut().for_each(|p| p.events = 0);
@@ -730,8 +723,6 @@ fn is_loopback_url(url: &str) -> bool {
 
 /// How long listeners rest after accept() ran out of descriptors or memory.
 const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
-/// At most one log line about it this often.
-const ACCEPT_LOG_EVERY: Duration = Duration::from_secs(1);
 
 /// accept() errors that will repeat until something is freed, not a problem of one connection.
 fn is_resource_shortage(e: &std::io::Error) -> bool {

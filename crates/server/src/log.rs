@@ -84,6 +84,42 @@ pub fn init_stderr(l: Level) {
     set_level(l);
 }
 
+/// Says something that may happen in floods at most once a second, with how often it happened
+/// since it was last said: a hostile peer must not be able to flood the log.
+#[derive(Debug, Default)]
+pub struct Throttle {
+    last: Option<std::time::Instant>,
+    count: u64,
+}
+
+impl Throttle {
+    /// At most one line this often.
+    pub const EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+    /// Nothing said yet.
+    pub const fn new() -> Throttle {
+        Throttle {
+            last: None,
+            count: 0,
+        }
+    }
+
+    /// Counts one occurrence. When a line is due, returns how many occurred since the last line
+    /// (this one included); else `None`.
+    pub fn hit(&mut self) -> Option<u64> {
+        self.count += 1;
+        let now = std::time::Instant::now();
+        if self
+            .last
+            .is_some_and(|t| now.duration_since(t) < Self::EVERY)
+        {
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.count))
+    }
+}
+
 /// Writes a formatted message at a [`Level`] through the facade, if that level is enabled.
 #[macro_export]
 macro_rules! log {
@@ -107,5 +143,15 @@ mod tests {
             .unwrap_err()
             .contains("error, warn, info or debug"));
         set_level(Level::Info);
+    }
+
+    #[test]
+    fn a_throttle_says_the_first_then_counts_until_a_second_has_passed() {
+        let mut t = Throttle::new();
+        assert_eq!(t.hit(), Some(1));
+        assert_eq!((t.hit(), t.hit()), (None, None));
+        t.last = t.last.map(|l| l - Throttle::EVERY);
+        assert_eq!(t.hit(), Some(3), "the two unsaid and this one");
+        assert_eq!(t.hit(), None);
     }
 }

@@ -1,11 +1,11 @@
 //! The reactor's io_uring: what each completion's user data means, and pushing entries.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use blkwire_backend::Submitter;
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
-use crate::log::Level;
+use crate::log::{Level, Throttle};
 
 // user_data layout: kind (4 bits) | incarnation (20 bits) | connection index (24 bits) | slot (16 bits)
 pub(super) const KIND_IO: u64 = 1;
@@ -56,9 +56,8 @@ pub(super) struct Ring {
     ring: IoUring,
     /// Completions moved out of a full completion queue, handled with the next batch.
     stash: Vec<cqueue::Entry>,
-    /// Submit failures not logged yet, and when the last line was: at most one a second.
-    unsaid: u64,
-    last_said: Option<Instant>,
+    /// Submit failures are logged at most once a second.
+    failures: Throttle,
 }
 
 impl Ring {
@@ -66,8 +65,7 @@ impl Ring {
         Ok(Ring {
             ring: IoUring::builder().build(entries)?,
             stash: Vec::new(),
-            unsaid: 0,
-            last_said: None,
+            failures: Throttle::new(),
         })
     }
 
@@ -145,17 +143,11 @@ impl Submitter for Pusher<'_> {
                 _ => {}
             }
             let r = &mut *self.0;
-            r.unsaid += 1;
-            if r.last_said
-                .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
-            {
+            if let Some(n) = r.failures.hit() {
                 crate::log!(
                     Level::Error,
-                    "io_uring submit failed {} time(s): {err}; retrying",
-                    r.unsaid
+                    "io_uring submit failed {n} time(s): {err}; retrying"
                 );
-                r.last_said = Some(Instant::now());
-                r.unsaid = 0;
             }
             std::thread::sleep(backoff.next());
         }
