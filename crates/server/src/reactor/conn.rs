@@ -382,22 +382,7 @@ pub(super) fn transmit(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         let err = std::io::Error::last_os_error();
         match err.raw_os_error() {
             Some(libc::EINTR) => continue,
-            Some(libc::EAGAIN) => {
-                // A reader slower than we answer never lets the buffer drain completely, so
-                // what was sent is dropped from its front here; otherwise the buffer would grow
-                // by every byte ever sent. Only once the sent part is at least as long as what
-                // waits, so the move costs no more than the sending did.
-                if c.tx_sent >= c.tx.len() - c.tx_sent {
-                    c.tx.drain(..c.tx_sent);
-                    c.tx_sent = 0;
-                }
-                c.want_out = true;
-                let poll = opcode::PollAdd::new(types::Fd(c.fd()), libc::POLLOUT as u32)
-                    .build()
-                    .user_data(ud(KIND_POLL_OUT, c.incarnation, idx, 0));
-                sq.push(poll);
-                return;
-            }
+            Some(libc::EAGAIN) => return wait_for_room(c, idx, sq),
             _ => {
                 crate::log!(
                     Level::Info,
@@ -411,9 +396,32 @@ pub(super) fn transmit(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             }
         }
     }
+    all_sent(c);
+}
+
+/// The socket is full: keep what waits (dropping what was sent from the buffer's front) and
+/// come back on POLLOUT.
+fn wait_for_room(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
+    // A reader slower than we answer never lets the buffer drain completely, so what was sent
+    // is dropped from its front here; otherwise the buffer would grow by every byte ever sent.
+    // Only once the sent part is at least as long as what waits, so the move costs no more than
+    // the sending did.
+    if c.tx_sent >= c.tx.len() - c.tx_sent {
+        c.tx.drain(..c.tx_sent);
+        c.tx_sent = 0;
+    }
+    c.want_out = true;
+    let poll = opcode::PollAdd::new(types::Fd(c.fd()), libc::POLLOUT as u32)
+        .build()
+        .user_data(ud(KIND_POLL_OUT, c.incarnation, idx, 0));
+    sq.push(poll);
+}
+
+/// Everything queued went out: empty the buffer and give back what a burst made it grow to (it
+/// stays sized for the usual batch).
+fn all_sent(c: &mut Conn) {
     c.tx.clear();
     c.tx_sent = 0;
-    // Give back what a burst made the buffer grow to (it stays sized for the usual batch).
     if c.tx.capacity() > c.tx_high_water() {
         c.tx.shrink_to(TX_KEEP);
     }
@@ -444,26 +452,11 @@ fn transmit_tls(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         match t.get_mut().flush_out() {
             Ok(true) if c.tx_sent == c.tx.len() => break,
             Ok(true) => {}
-            Ok(false) => {
-                if c.tx_sent >= c.tx.len() - c.tx_sent {
-                    c.tx.drain(..c.tx_sent);
-                    c.tx_sent = 0;
-                }
-                c.want_out = true;
-                let poll = opcode::PollAdd::new(types::Fd(c.fd()), libc::POLLOUT as u32)
-                    .build()
-                    .user_data(ud(KIND_POLL_OUT, c.incarnation, idx, 0));
-                sq.push(poll);
-                return;
-            }
+            Ok(false) => return wait_for_room(c, idx, sq),
             Err(e) => return tls_send_failed(c, &e.to_string()),
         }
     }
-    c.tx.clear();
-    c.tx_sent = 0;
-    if c.tx.capacity() > c.tx_high_water() {
-        c.tx.shrink_to(TX_KEEP);
-    }
+    all_sent(c);
 }
 
 fn tls_send_failed(c: &mut Conn, why: &str) {
