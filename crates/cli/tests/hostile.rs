@@ -371,12 +371,10 @@ fn handshakes_in_progress_are_bounded() {
     // close), and a real client gets in again.
     idle.pop();
     let url = Url::parse(&t.url("m")).unwrap();
-    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let mut served = false;
-    while !served && std::time::Instant::now() < give_up {
-        served = connect(&url, &ConnectOptions::default()).is_ok();
-    }
-    assert!(served, "no place came free after a connection closed");
+    assert!(
+        admitted_again(&url),
+        "no place came free after a connection closed"
+    );
 }
 
 /// 512 READs of 1 MiB from a backend that answers later (a file): each would take a 1 MiB
@@ -495,12 +493,10 @@ fn sessions_are_limited() {
         .expect("a third session is refused");
     assert!(e.to_string().contains("session limit"), "{e}");
     drop(a);
-    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let mut served = false;
-    while !served && std::time::Instant::now() < give_up {
-        served = connect(&url, &ConnectOptions::default()).is_ok();
-    }
-    assert!(served, "no session place came free after one ended");
+    assert!(
+        admitted_again(&url),
+        "no session place came free after one ended"
+    );
 }
 
 /// Writes `total` bytes to every connection (non-blocking) for as long as the target takes
@@ -665,12 +661,10 @@ fn sessions_beyond_the_memory_budget_are_refused() {
     );
     assert!(open.len() >= 4, "only {} sessions", open.len());
     open.pop();
-    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let mut served = false;
-    while !served && std::time::Instant::now() < give_up {
-        served = connect(&url, &ConnectOptions::default()).is_ok();
-    }
-    assert!(served, "no place came free after a session ended");
+    assert!(
+        admitted_again(&url),
+        "no place came free after a session ended"
+    );
 }
 
 /// `--max-connections-per-host` and `--max-connections`: connections past either are closed
@@ -739,12 +733,10 @@ fn connections_are_limited_per_host_and_in_total() {
     assert!(closed(from("127.0.0.3")), "a 6th connection in total");
     first.pop();
     let url = Url::parse(&t.url("m")).unwrap();
-    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let mut served = false;
-    while !served && std::time::Instant::now() < give_up {
-        served = connect(&url, &ConnectOptions::default()).is_ok();
-    }
-    assert!(served, "no place came free after a connection closed");
+    assert!(
+        admitted_again(&url),
+        "no place came free after a connection closed"
+    );
 }
 
 /// `--max-sessions-per-host`: one address (a HELLO flood from one socket, say) cannot take
@@ -760,12 +752,10 @@ fn sessions_per_host_are_limited() {
         .expect("a third session from one address is refused");
     assert!(e.to_string().contains("out of resources"), "{e}");
     drop(a);
-    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let mut served = false;
-    while !served && std::time::Instant::now() < give_up {
-        served = connect(&url, &ConnectOptions::default()).is_ok();
-    }
-    assert!(served, "no place came free after a session ended");
+    assert!(
+        admitted_again(&url),
+        "no place came free after a session ended"
+    );
 }
 
 /// When every handshake place is taken by connections that trickle (or send nothing), the
@@ -780,12 +770,10 @@ fn slow_handshakes_give_their_place_to_new_clients() {
     );
     let mut idle: Vec<_> = (0..4).map(|_| raw(&t)).collect();
     let url = Url::parse(&t.url("m")).unwrap();
-    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let mut served = false;
-    while !served && std::time::Instant::now() < give_up {
-        served = connect(&url, &ConnectOptions::default()).is_ok();
-    }
-    assert!(served, "a client got no handshake place for 10 s");
+    assert!(
+        admitted_again(&url),
+        "a client got no handshake place for 10 s"
+    );
     // A cut connection was shut down before the client got in: its end of file is there
     // already (the others would block).
     let mut cut = 0;
@@ -795,4 +783,16 @@ fn slow_handshakes_give_their_place_to_new_clients() {
         cut += usize::from(matches!(s.read(&mut b), Ok(0)));
     }
     assert!(cut >= 1, "no idle handshake was cut");
+}
+
+/// Opens sessions until one is admitted, for up to 10 s: the place a closed session or
+/// connection held comes free once the target has seen it end, which it does not announce.
+fn admitted_again(url: &Url) -> bool {
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while std::time::Instant::now() < give_up {
+        if connect(url, &ConnectOptions::default()).is_ok() {
+            return true;
+        }
+    }
+    false
 }
