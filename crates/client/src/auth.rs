@@ -115,10 +115,24 @@ impl Attempt {
         proof::transcript(&self.hello.transcript_bytes().expect("checked in new"))
     }
 
-    /// The error a refusal of this HELLO becomes: it names the host and the target.
-    pub fn refused(&self, status: Status) -> Error {
+    /// What this HELLO asks for, in words.
+    fn what(&self) -> String {
+        match self.hello.client_features {
+            _ if !self.hello.is_query() => format!("export '{}'", self.hello.export),
+            f if f & blkwire_wire::QUERY_STATS != 0 => "stats".into(),
+            _ => "list exports".into(),
+        }
+    }
+
+    /// The error a refusal of this HELLO becomes: the target's own reason if it gave one
+    /// (`reason`, the refusal's payload), else one that names the host and the target.
+    pub fn refused(&self, status: Status, reason: &[u8]) -> Error {
         let host = &self.hello.host_id;
         let target = &self.target;
+        if let Some(why) = crate::refusal_reason(reason) {
+            let to = if self.hello.is_query() { " to" } else { "" };
+            return Error::Auth(format!("{target} refused{to} {}: {why}", self.what()));
+        }
         if self.hello.client_features & blkwire_wire::QUERY_STATS != 0 && status == Status::Access {
             return Error::Auth(format!(
                 "{target} refused host '{host}' the live counters: only proven hosts named by \
@@ -134,9 +148,15 @@ impl Attempt {
                 "{target} refused host '{host}': it requires a key (pass --key FILE, or set \
                  BLKWIRE_KEY_FILE) or the export does not allow this host"
             ),
+            _ if self.hello.is_query() => {
+                return Error::Status {
+                    what: self.what(),
+                    status,
+                }
+            }
             _ => {
                 return Error::Status {
-                    what: format!("open export '{}' on {target}", self.hello.export),
+                    what: format!("open {} on {target}", self.what()),
                     status,
                 }
             }

@@ -341,7 +341,7 @@ fn map_io(e: std::io::Error, s: &TcpStream) -> Error {
 
 /// The reason a target may give with a refusal (PROTOCOL.md §2): shown only when it is short
 /// printable UTF-8, so a hostile target cannot put control characters on the user's terminal.
-fn refusal_reason(p: &[u8]) -> Option<&str> {
+pub(crate) fn refusal_reason(p: &[u8]) -> Option<&str> {
     let s = std::str::from_utf8(p).ok()?;
     (!s.is_empty() && s.len() <= 256 && s.chars().all(|c| !c.is_control())).then_some(s)
 }
@@ -382,11 +382,6 @@ pub fn stats(url: &Url, opts: &ConnectOptions) -> Result<String> {
 
 /// A query HELLO (empty export, PROTOCOL.md §12.3): challenged and proven like a session.
 fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
-    let what = if features == QUERY_STATS {
-        "stats"
-    } else {
-        "list exports"
-    };
     let (attempt, (r, p)) = match url.transport {
         Transport::Tcp => {
             let mut s = open_link(url, opts)?;
@@ -411,19 +406,7 @@ fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
         }
     };
     if r.status != Status::Ok {
-        if let Some(why) = refusal_reason(&p) {
-            return Err(Error::Auth(format!(
-                "{} refused to {what}: {why}",
-                target_name(url)
-            )));
-        }
-        return Err(match attempt.refused(r.status) {
-            Error::Status { status, .. } => Error::Status {
-                what: what.into(),
-                status,
-            },
-            e => e,
-        });
+        return Err(attempt.refused(r.status, &p));
     }
     Ok(attempt.check_query(&p)?.to_vec())
 }
@@ -516,22 +499,19 @@ fn check_grant(opts: &ConnectOptions, frame_payload: u32, reply: &HelloReply) ->
     }
 }
 
-/// Turns a refused HELLO into a message naming what the target offers.
-fn hello_refused(url: &Url, opts: &ConnectOptions, status: Status) -> Error {
-    let what = match status {
-        Status::NoExport => {
-            let names = list(url, opts)
-                .map(|l| l.into_iter().map(|e| e.name).collect::<Vec<_>>().join(", "))
-                .unwrap_or_default();
-            format!(
-                "export '{}' on {} (available: {names})",
-                url.export,
-                url.authority()
-            )
-        }
-        _ => format!("open export '{}' on {}", url.export, url.authority()),
-    };
-    Error::Status { what, status }
+/// A HELLO for an export the target does not have: the error lists those it has.
+fn no_such_export(url: &Url, opts: &ConnectOptions) -> Error {
+    let names = list(url, opts)
+        .map(|l| l.into_iter().map(|e| e.name).collect::<Vec<_>>().join(", "))
+        .unwrap_or_default();
+    Error::Status {
+        what: format!(
+            "export '{}' on {} (available: {names})",
+            url.export,
+            url.authority()
+        ),
+        status: Status::NoExport,
+    }
 }
 
 fn info_from(url: &Url, reply: &HelloReply) -> ExportInfo {
@@ -661,16 +641,9 @@ fn refused(
     status: Status,
     reason: &[u8],
 ) -> Error {
-    if let Some(why) = refusal_reason(reason) {
-        return Error::Auth(format!(
-            "{} refused export '{}': {why}",
-            target_name(url),
-            url.export
-        ));
-    }
     match status {
-        Status::NoExport => hello_refused(url, opts, status),
-        _ => attempt.refused(status),
+        Status::NoExport if refusal_reason(reason).is_none() => no_such_export(url, opts),
+        _ => attempt.refused(status, reason),
     }
 }
 
