@@ -212,9 +212,7 @@ pub fn negotiate(
                     error_reply(s, option, rep::ERR_INVALID, "LIST takes no data")?;
                     continue;
                 }
-                let names: Vec<String> =
-                    registry.exports().iter().map(|e| e.name.clone()).collect();
-                for e in names.iter().filter_map(|n| find(registry, who, n)) {
+                for e in registry.open_to(who.0, who.1) {
                     let mut d = Vec::with_capacity(4 + e.name.len());
                     d.extend_from_slice(&(e.name.len() as u32).to_be_bytes());
                     d.extend_from_slice(e.name.as_bytes());

@@ -206,10 +206,19 @@ impl Registry {
         host: Option<&str>,
         addr: &PeerAddr,
     ) -> Option<&Arc<Export>> {
+        self.open_to(host, addr).find(|e| e.name == name)
+    }
+
+    /// The exports a host proven as `host` (None: unauthenticated) at `addr` may open, in order.
+    pub fn open_to<'a, 'p>(
+        &'a self,
+        host: Option<&'p str>,
+        addr: &'p PeerAddr,
+    ) -> impl Iterator<Item = &'a Arc<Export>> + use<'a, 'p> {
         self.exports
             .iter()
             .zip(&self.acls)
-            .find(|(e, acl)| e.name == name && self.access.permits(acl, host, addr))
+            .filter(move |(_, acl)| self.access.permits(acl, host, addr))
             .map(|(e, _)| e)
     }
 
@@ -249,11 +258,8 @@ impl Registry {
 
     /// The exports this host may open (PROTOCOL.md §12.3: others are not even named).
     pub fn list(&self, host: Option<&str>, addr: &PeerAddr) -> Vec<ExportEntry> {
-        self.exports
-            .iter()
-            .zip(&self.acls)
-            .filter(|(_, acl)| self.access.permits(acl, host, addr))
-            .map(|(e, _)| ExportEntry {
+        self.open_to(host, addr)
+            .map(|e| ExportEntry {
                 name: e.name.clone(),
                 size: e.size(),
                 features: Self::features(e),
