@@ -47,7 +47,20 @@ fn spec_help() -> String {
 }
 
 impl ExportSpec {
-    /// Parses `NAME=BACKEND[,ro]`.
+    /// What follows `NAME=`: `BACKEND[,ro][,allow=RULES]`, as `parse` reads it back.
+    pub fn options(&self) -> String {
+        let mut s = self.backend.clone();
+        if self.read_only {
+            s.push_str(",ro");
+        }
+        if let Some(a) = &self.allow {
+            s.push_str(",allow=");
+            s.push_str(a);
+        }
+        s
+    }
+
+    /// Parses `NAME=BACKEND[,ro][,allow=RULES]`.
     pub fn parse(s: &str) -> Result<ExportSpec, SpecError> {
         let (name, rest) = s
             .split_once('=')

@@ -38,7 +38,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Export backends over the network until SIGINT/SIGTERM
-    Serve(serve::Args),
+    Serve(Box<serve::Args>),
     /// Show an export's size, block sizes, features and limits (or list a target's exports)
     Info(info::Args),
     /// Measure IOPS, bandwidth and latency against an export
@@ -89,7 +89,7 @@ fn main() -> ExitCode {
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
     let r = match cli.cmd {
-        Command::Serve(a) => serve::run(a),
+        Command::Serve(a) => serve::run(*a),
         Command::Info(a) => info::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Cp(a) => cp::run(a),

@@ -1,72 +1,84 @@
 //! `blkwire serve`.
 
 use std::io::Write;
-use std::time::Duration;
+use std::path::{Path, PathBuf};
 
 use blkwire_backend::ExportSpec;
-use blkwire_server::{log, Limits, Target, TargetConfig, TlsMode, TlsSettings};
+use blkwire_server::{log, parse_config, Options, Target, TargetConfig, TlsMode, MIN_MEMORY};
 
 #[derive(clap::Args)]
 pub struct Args {
     #[arg(
         long = "listen",
         value_name = "URL",
-        default_value = "tcp://0.0.0.0:7700",
         help = "Where to listen (repeatable): tcp://ADDR:PORT (native), nbd://ADDR[:PORT] (NBD, \
-                port 10809 by default), udp://ADDR:PORT, eth://IFACE. Port 0 picks a free port."
+                port 10809 by default), udp://ADDR:PORT, eth://IFACE. Port 0 picks a free port. \
+                Default: tcp://0.0.0.0:7700, unless --config is given"
     )]
     listen: Vec<String>,
     #[arg(
         long = "export",
         value_name = "NAME=BACKEND",
-        required = true,
         help = "An export (repeatable): NAME=BACKEND[,ro][,allow=RULES], e.g. \
                 disk0=file:/dev/nvme0n1,allow=alice or scratch=mem:4G,ro",
         long_help = export_help()
     )]
     exports: Vec<String>,
-    /// Worker threads, each with its own io_uring (default: one per CPU)
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
-    /// Largest I/O granted to a client
-    #[arg(long, value_name = "SIZE", default_value = "1M", value_parser = crate::size_arg)]
-    max_io: u64,
-    /// Microseconds a worker spins for new requests before sleeping (0 = never spin)
-    #[arg(long, value_name = "US", default_value_t = 50)]
-    poll_us: u64,
+    /// Replay a config: a JSON list of calls, as `blkwire save-config` writes it
+    /// (docs/MANAGEMENT.md). Flags given as well apply after it (and override its
+    /// target_options)
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// The control socket (JSON-RPC, `blkwire rpc`, `blkwire export add ...`), for root and
+    /// the user running the target only; `none` opens none. Default /run/blkwire/blkwire.sock
+    /// when it can be had (a second target on the machine warns and runs without)
+    #[arg(long, value_name = "PATH")]
+    rpc_socket: Option<String>,
+    /// Worker threads, each with its own io_uring [default: one per CPU]
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Largest I/O granted to a client [default: 1M]
+    #[arg(long, value_name = "SIZE", value_parser = crate::size_arg)]
+    max_io: Option<u64>,
+    /// Microseconds a worker spins for new requests before sleeping (0 = never spin) [default:
+    /// 50]
+    #[arg(long, value_name = "US")]
+    poll_us: Option<u64>,
     /// Seconds after which a datagram queue that sent no frame is forgotten. Tests shorten it;
     /// initiators send a KEEPALIVE every 5 s, so keep it well above that (PROTOCOL.md §9.1).
-    #[arg(long, value_name = "SECS", default_value_t = 60, hide = true)]
-    datagram_idle_timeout: u64,
-    /// Sessions (initiators) served at once; more are refused until one ends
-    #[arg(long, value_name = "N", default_value_t = 1024)]
-    max_sessions: usize,
+    #[arg(long, value_name = "SECS", hide = true)]
+    datagram_idle_timeout: Option<u64>,
+    /// Sessions (initiators) served at once; more are refused until one ends [default: 1024]
+    #[arg(long, value_name = "N")]
+    max_sessions: Option<usize>,
     /// Memory all connection and session buffers may hold together (receive, transmit and
     /// data buffers): a session may take half of it, a connection a quarter; past it,
     /// connections wait for memory instead of growing and new sessions get NO_MEMORY. Default:
     /// a quarter of RAM, at least 256M. Exports (mem:) are not part of it
     #[arg(long, value_name = "SIZE", value_parser = crate::size_arg)]
     max_memory: Option<u64>,
-    /// Sessions from one address; more are refused until one ends
-    #[arg(long, value_name = "N", default_value_t = 128)]
-    max_sessions_per_host: usize,
+    /// Sessions from one address; more are refused until one ends [default: 128]
+    #[arg(long, value_name = "N")]
+    max_sessions_per_host: Option<usize>,
     /// Connections open at once (handshakes included); more are closed when accepted
-    #[arg(long, value_name = "N", default_value_t = 4096)]
-    max_connections: usize,
-    /// Connections open at once from one address
-    #[arg(long, value_name = "N", default_value_t = 256)]
-    max_connections_per_host: usize,
+    /// [default: 4096]
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
+    /// Connections open at once from one address [default: 256]
+    #[arg(long, value_name = "N")]
+    max_connections_per_host: Option<usize>,
     /// Seconds a connection has for its whole handshake. Tests shorten it.
-    #[arg(long, value_name = "SECS", default_value_t = 10, hide = true)]
-    handshake_timeout: u64,
+    #[arg(long, value_name = "SECS", hide = true)]
+    handshake_timeout: Option<u64>,
     /// Handshakes in progress at once; more connections are closed until one finishes.
-    #[arg(long, value_name = "N", default_value_t = 256, hide = true)]
-    max_handshakes: usize,
+    #[arg(long, value_name = "N", hide = true)]
+    max_handshakes: Option<usize>,
     /// Key file of the hosts this target knows (HOST-ID:HEXKEY lines, `blkwire key gen`; mode
     /// 0600). With it every host must prove its key, and the target proves it back; also the
-    /// TLS-PSK keys (the PSK identity is the host id)
+    /// TLS-PSK keys (the PSK identity is the host id). Reload it live with `blkwire rpc
+    /// keys_load`
     #[arg(long, value_name = "FILE")]
-    keys: Option<std::path::PathBuf>,
+    keys: Option<PathBuf>,
     /// A host (repeatable) that may read the live counters (`blkwire stats`) on a target with
     /// --keys; without --keys anyone may
     #[arg(long, value_name = "HOST-ID")]
@@ -76,16 +88,19 @@ pub struct Args {
     log_level: String,
     /// TLS on tcp:// and nbd:// listeners: off, on (TLS and plain) or require (TLS only;
     /// NBD clients must use STARTTLS). Credentials: --keys (TLS-PSK, the PSK identity is the
-    /// host id) and/or --tls-cert/--tls-key (X.509)
-    #[arg(long, value_name = "MODE", default_value = "off", value_parser = TlsMode::parse)]
-    tls: TlsMode,
+    /// host id) and/or --tls-cert/--tls-key (X.509) [default: off]
+    #[arg(long, value_name = "MODE", value_parser = TlsMode::parse)]
+    tls: Option<TlsMode>,
     /// The target's X.509 certificate chain (PEM), with --tls on|require
     #[arg(long, value_name = "FILE", requires = "tls_key")]
-    tls_cert: Option<std::path::PathBuf>,
+    tls_cert: Option<PathBuf>,
     /// The private key of --tls-cert (PEM)
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
-    tls_key: Option<std::path::PathBuf>,
+    tls_key: Option<PathBuf>,
 }
+
+/// Where the control socket is unless `--rpc-socket` says otherwise.
+pub const DEFAULT_RPC_SOCKET: &str = "/run/blkwire/blkwire.sock";
 
 /// `--export` in `--help`: every backend the registry knows, with what it is.
 fn export_help() -> String {
@@ -107,69 +122,66 @@ pub fn run(a: Args) -> Result<(), String> {
         .iter()
         .map(|s| ExportSpec::parse(s).map_err(|e| e.to_string()))
         .collect::<Result<Vec<_>, _>>()?;
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if a.threads > 4 * cpus {
-        return Err(format!(
-            "--threads {} is more than 4 per CPU ({cpus} CPUs): each worker owns a core's worth \
-             of queues; use at most {}, or 0 for one per CPU",
-            a.threads,
-            4 * cpus
-        ));
-    }
-    let max_io = u32::try_from(a.max_io)
-        .ok()
-        .filter(|m| (4096..=blkwire_wire::MAX_PAYLOAD_LIMIT).contains(m))
-        .ok_or_else(|| {
-            format!(
-                "--max-io must be between 4K and {}",
-                blkwire_backend::format_size(blkwire_wire::MAX_PAYLOAD_LIMIT as u64)
-            )
-        })?;
-    let max_memory = match a.max_memory {
-        Some(m) if m < MIN_MEMORY as u64 => {
-            return Err(format!(
-                "--max-memory must be at least {} (one connection's buffers and the datagram \
-                 ports' take a few MiB each)",
-                blkwire_backend::format_size(MIN_MEMORY as u64)
-            ))
+    // Defaults, then the config's target_options, then the flags given.
+    let mut options = Options::default();
+    options.limits.max_memory = default_memory();
+    let mut file_calls = Vec::new();
+    if let Some(path) = &a.config {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("--config {shown}: cannot read it: {e}"))?;
+        let mut file = parse_config(&text, &shown)?;
+        if file.first().is_some_and(|c| c.method == "target_options") {
+            let first = file.remove(0);
+            options
+                .patch(&first.params)
+                .map_err(|e| format!("{shown}: {e}"))?;
         }
-        Some(m) => usize::try_from(m).unwrap_or(usize::MAX),
-        None => default_memory(),
+        if file.iter().any(|c| c.method == "target_options") {
+            return Err(format!(
+                "{shown}: target_options must be the first call (it sets what the target \
+                 starts with)"
+            ));
+        }
+        file_calls = file;
+    }
+    options
+        .patch(&flag_options(&a)?)
+        .map_err(|e| e.replace("target_options: ", "--"))?;
+    let listen = if a.listen.is_empty() && a.config.is_none() {
+        vec!["tcp://0.0.0.0:7700".to_string()]
+    } else {
+        a.listen
+    };
+    let flags = TargetConfig {
+        options: options.clone(),
+        listen,
+        exports,
+        keys: a.keys,
+        admins: a.admin,
     };
     return_freed_buffers();
     // Signals are taken by a dedicated thread (below): block them before any thread starts so
     // every thread inherits the mask and none is interrupted mid-I/O.
     let sigs = block_signals();
-    let cfg = TargetConfig {
-        listen: a.listen,
-        exports,
-        threads: a.threads,
-        limits: Limits {
-            max_io,
-            datagram_idle: Duration::from_secs(a.datagram_idle_timeout.max(1)),
-            handshake_timeout: Duration::from_secs(a.handshake_timeout.max(1)),
-            max_handshakes: a.max_handshakes.max(1),
-            max_sessions: a.max_sessions.max(1),
-            max_memory,
-            max_sessions_per_host: a.max_sessions_per_host.max(1),
-            max_connections: a.max_connections.max(1),
-            max_connections_per_host: a.max_connections_per_host.max(1),
-            ..Limits::default()
-        },
-        poll: Duration::from_micros(a.poll_us),
-        keys: a
-            .keys
-            .as_deref()
-            .map(blkwire_auth::KeyStore::load)
-            .transpose()?,
-        admins: a.admin,
-        tls: TlsSettings {
-            mode: a.tls,
-            cert: a.tls_cert,
-            key: a.tls_key,
-        },
-    };
-    let target = Target::bind(&cfg).map_err(|e| e.to_string())?;
+    let mut target = Target::start(&options).map_err(|e| e.to_string())?;
+    match a.rpc_socket.as_deref() {
+        Some("none") => {}
+        Some(path) => target
+            .open_control_socket(Path::new(path))
+            .map_err(|e| e.to_string())?,
+        None => {
+            if let Err(e) = target.open_control_socket(Path::new(DEFAULT_RPC_SOCKET)) {
+                log!(log::Level::Warn, "no control socket: {e}");
+            }
+        }
+    }
+    let shown = a.config.as_ref().map(|p| p.display().to_string());
+    target
+        .apply(&file_calls, shown.as_deref())
+        .and_then(|()| target.apply(&flags.calls(), None))
+        .map_err(|e| e.to_string())?;
+    target.check_ready().map_err(|e| e.to_string())?;
     let stop = target.stop_handle();
     std::thread::spawn(move || {
         let mut sig = 0;
@@ -177,18 +189,6 @@ pub fn run(a: Args) -> Result<(), String> {
         unsafe { libc::sigwait(&sigs, &mut sig) };
         stop.stop();
     });
-    let names: Vec<String> = target
-        .exports()
-        .iter()
-        .map(|e| {
-            format!(
-                "{}={}{}",
-                e.name,
-                e.backend().describe(),
-                if e.read_only { ",ro" } else { "" }
-            )
-        })
-        .collect();
     {
         let mut out = std::io::stdout().lock();
         for u in target.urls() {
@@ -197,12 +197,81 @@ pub fn run(a: Args) -> Result<(), String> {
         }
         let _ = out.flush();
     }
-    log!(log::Level::Info, "exports: {}", names.join(" "));
+    if target.exports().is_empty() {
+        log!(
+            log::Level::Info,
+            "no exports yet: add them with `blkwire export add NAME SPEC`"
+        );
+    }
     target.run().map_err(|e| e.to_string())
 }
 
-/// The smallest `--max-memory` accepted.
-const MIN_MEMORY: usize = 64 << 20;
+/// The target options the flags set, with the flags' own words when one is out of range.
+fn flag_options(a: &Args) -> Result<serde_json::Value, String> {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut o = serde_json::Map::new();
+    if let Some(t) = a.threads {
+        if t > 4 * cpus {
+            return Err(format!(
+                "--threads {t} is more than 4 per CPU ({cpus} CPUs): each worker owns a core's \
+                 worth of queues; use at most {}, or 0 for one per CPU",
+                4 * cpus
+            ));
+        }
+        o.insert("threads".into(), t.into());
+    }
+    if let Some(m) = a.max_io {
+        if !(4096..=blkwire_wire::MAX_PAYLOAD_LIMIT as u64).contains(&m) {
+            return Err(format!(
+                "--max-io must be between 4K and {}",
+                blkwire_backend::format_size(blkwire_wire::MAX_PAYLOAD_LIMIT as u64)
+            ));
+        }
+        o.insert("max_io".into(), m.into());
+    }
+    if let Some(m) = a.max_memory {
+        if m < MIN_MEMORY {
+            return Err(format!(
+                "--max-memory must be at least {} (one connection's buffers and the datagram \
+                 ports' take a few MiB each)",
+                blkwire_backend::format_size(MIN_MEMORY)
+            ));
+        }
+        o.insert("max_memory".into(), m.into());
+    }
+    // Counts and durations of 0 are taken as 1, as they always were.
+    let mut put = |k: &str, v: Option<u64>| {
+        if let Some(v) = v {
+            o.insert(k.into(), v.max(1).into());
+        }
+    };
+    put("datagram_idle_timeout_s", a.datagram_idle_timeout);
+    put("max_sessions", a.max_sessions.map(|n| n as u64));
+    put(
+        "max_sessions_per_host",
+        a.max_sessions_per_host.map(|n| n as u64),
+    );
+    put("max_connections", a.max_connections.map(|n| n as u64));
+    put(
+        "max_connections_per_host",
+        a.max_connections_per_host.map(|n| n as u64),
+    );
+    put("handshake_timeout_s", a.handshake_timeout);
+    put("max_handshakes", a.max_handshakes.map(|n| n as u64));
+    if let Some(p) = a.poll_us {
+        o.insert("poll_us".into(), p.into()); // 0 is allowed: never spin
+    }
+    if let Some(t) = a.tls {
+        o.insert("tls".into(), t.name().into());
+    }
+    if let Some(c) = &a.tls_cert {
+        o.insert("tls_cert".into(), c.display().to_string().into());
+    }
+    if let Some(k) = &a.tls_key {
+        o.insert("tls_key".into(), k.display().to_string().into());
+    }
+    Ok(o.into())
+}
 
 /// `--max-memory` by default: a quarter of RAM (the rest is for the page cache, mem: exports
 /// and everything else on the machine), at least 256 MiB.

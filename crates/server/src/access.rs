@@ -5,7 +5,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, RwLock};
 
 use blkwire_auth::cookie::{address_bytes, Challenger};
 use blkwire_auth::proof;
@@ -13,6 +13,10 @@ use blkwire_auth::{Acl, Key, KeyStore, PeerAddr};
 use blkwire_wire::{AuthMethod, Hello};
 
 use crate::log::{Level, Throttle};
+
+/// The target's key store, shared by the native handshake (`Access`) and the TLS-PSK callback,
+/// and replaced whole when keys are loaded again.
+pub type SharedKeys = Arc<RwLock<Option<Arc<KeyStore>>>>;
 
 /// Where a handshake comes from: an address (and port, for the challenge) or a MAC.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -69,8 +73,10 @@ pub enum Checked {
 
 /// The target's access policy.
 pub struct Access {
-    keys: Option<KeyStore>,
-    admins: Vec<String>,
+    /// Replaced whole by `keys_load` (and read by the TLS-PSK callback too): handshakes read
+    /// it, the data path never does.
+    keys: SharedKeys,
+    admins: RwLock<Vec<String>>,
     challenger: Challenger,
     /// HELLOs answered with a challenge.
     pub challenges: AtomicU64,
@@ -81,10 +87,10 @@ pub struct Access {
 
 impl Access {
     /// A policy with these keys (`None`: open target) and admin hosts (STATS).
-    pub fn new(keys: Option<KeyStore>, admins: Vec<String>) -> Access {
+    pub fn new(keys: SharedKeys) -> Access {
         Access {
             keys,
-            admins,
+            admins: RwLock::new(Vec::new()),
             challenger: Challenger::new(),
             challenges: AtomicU64::new(0),
             refused: AtomicU64::new(0),
@@ -94,21 +100,62 @@ impl Access {
 
     /// Does this target authenticate hosts?
     pub fn has_keys(&self) -> bool {
-        self.keys.is_some()
+        self.keys().is_some()
+    }
+
+    /// The key store now (None: an open target).
+    pub fn keys(&self) -> Option<Arc<KeyStore>> {
+        self.keys.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Replaces the key store (`keys_load`). The caller closes the sessions it no longer
+    /// admits (`Registry::revoke_unpermitted`).
+    pub fn set_keys(&self, keys: KeyStore) {
+        *self.keys.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(keys));
+    }
+
+    /// The key a host has now.
+    pub fn key_of(&self, host: &str) -> Option<Key> {
+        self.keys()?.get(host).cloned()
+    }
+
+    /// The hosts allowed to read STATS (`--admin`).
+    pub fn admins(&self) -> Vec<String> {
+        self.admins
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Replaces the admin hosts (`admins_set`); they must be valid host ids and need keys.
+    pub fn set_admins(&self, hosts: Vec<String>) -> Result<(), String> {
+        if !hosts.is_empty() && !self.has_keys() {
+            return Err(
+                "admins name hosts, but a host id is only proven with a key: load keys \
+                        first (serve --keys FILE, or the keys_load method); without keys anyone \
+                        may read STATS"
+                    .into(),
+            );
+        }
+        for h in &hosts {
+            blkwire_auth::keys::check_host_id(h).map_err(|e| format!("admin '{h}': {e}"))?;
+        }
+        *self.admins.write().unwrap_or_else(|p| p.into_inner()) = hosts;
+        Ok(())
     }
 
     /// May a host proven as `host` (`None`: unauthenticated) at `addr` use an export with `acl`?
     /// With a key store, only proven hosts may use anything.
     pub fn permits(&self, acl: &Acl, host: Option<&str>, addr: &PeerAddr) -> bool {
-        (self.keys.is_none() || host.is_some()) && acl.permits(host, addr)
+        (host.is_some() || !self.has_keys()) && acl.permits(host, addr)
     }
 
     /// May this host read the STATS document? Anyone on a target without keys (a local demo);
     /// with keys, only proven hosts named by `--admin`.
     pub fn is_admin(&self, host: Option<&str>) -> bool {
         match host {
-            _ if self.keys.is_none() => true,
-            Some(h) => self.admins.iter().any(|a| a == h),
+            _ if !self.has_keys() => true,
+            Some(h) => self.admins().iter().any(|a| a == h),
             None => false,
         }
     }
@@ -136,7 +183,7 @@ impl Access {
             return Checked::Challenge(c);
         }
         let host = h.host_id.escape_debug();
-        match (h.auth.method, &self.keys) {
+        match (h.auth.method, self.keys().as_deref()) {
             (AuthMethod::None, None) => Checked::Passed(None),
             (AuthMethod::None, Some(_)) => Checked::Refused(format!(
                 "host '{host}' sent no key proof and this target requires one"

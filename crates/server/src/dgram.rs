@@ -127,6 +127,8 @@ struct DQ {
     _mem: Account,
     /// A sealed session's frame keys for this queue (PROTOCOL.md §12.4).
     seal: Option<QueueSeal>,
+    /// Closed by the control plane while backend I/O ran: removed once it completes.
+    closing: bool,
 }
 
 impl Peer {
@@ -202,6 +204,10 @@ pub struct PortReport {
 
 pub struct DgramPort {
     fd: OwnedFd,
+    /// The listener it serves (`listener_remove` retires its ports).
+    listener: u32,
+    /// Its listener was removed: it receives nothing more and goes once nothing runs.
+    retiring: bool,
     send_fd: Option<OwnedFd>,
     kind: PortKind,
     link_payload: u32,
@@ -257,7 +263,7 @@ fn mac_of(sll: &libc::sockaddr_ll) -> [u8; 6] {
 }
 
 impl DgramPort {
-    pub fn new(p: PortSetup, registry: Arc<Registry>) -> DgramPort {
+    pub fn new(p: PortSetup, listener: u32, registry: Arc<Registry>) -> DgramPort {
         let frame = HEADER_LEN + p.link_payload as usize;
         let idle_expiry = registry.limits().datagram_idle;
         let udp = matches!(p.kind, PortKind::Udp);
@@ -277,6 +283,8 @@ impl DgramPort {
             fixed,
             scratch: vec![0u8; frame],
             fd: p.fd,
+            listener,
+            retiring: false,
             send_fd: p.send_fd,
             kind: p.kind,
             link_payload: p.link_payload,
@@ -339,6 +347,9 @@ impl DgramPort {
 
     /// Reads every waiting frame and handles it; replies are batched and sent at the end.
     pub fn receive(&mut self, sq: &mut dyn Submitter, ud: UserData) {
+        if self.retiring {
+            return;
+        }
         self.now = Instant::now();
         if let Some(mut ring) = self.ring.take() {
             ring.take_lap(|data, from| self.on_datagram(data, Peer::Mac(mac_of(from)), sq, ud));
@@ -791,6 +802,7 @@ impl DgramPort {
             exec,
             _mem: adm.mem,
             seal: adm.seal,
+            closing: false,
         });
         if let Some(fd) = self.queues[idx].as_ref().and_then(|q| q.exec.notifier()) {
             self.notifier_changes.push((idx, incarnation, Some(fd)));
@@ -837,6 +849,10 @@ impl DgramPort {
             .filter(|q| now.duration_since(q.last_seen) < Duration::from_secs(2))
             .count() as u32;
         for qi in 0..self.queues.len() {
+            if self.queues[qi].as_ref().is_some_and(|q| q.closing) {
+                self.remove(qi);
+                continue;
+            }
             let idle = self.queues[qi]
                 .as_ref()
                 .is_some_and(|q| now.duration_since(q.last_seen) > expiry);
@@ -1149,6 +1165,43 @@ impl DgramPort {
                 stats: q.exec.stats,
             })
             .collect()
+    }
+
+    /// The listener this port serves.
+    pub fn listener(&self) -> u32 {
+        self.listener
+    }
+
+    /// Its listener was removed: stop receiving and close every queue (those with backend I/O
+    /// running go when it completes, see `sweep`).
+    pub fn retire(&mut self) {
+        self.retiring = true;
+        self.close_sessions(&[]);
+    }
+
+    pub fn retiring(&self) -> bool {
+        self.retiring
+    }
+
+    /// Retiring, nothing left running and no notifier change left for the reactor: the port
+    /// (its socket, its claim on the address) can be dropped.
+    pub fn retired(&self) -> bool {
+        self.retiring && self.queues.iter().all(Option::is_none) && self.notifier_changes.is_empty()
+    }
+
+    /// Closes the queues of these sessions (all of them when the port retires): frames for
+    /// them are from now on answered as for an unknown session, so the initiator's I/O fails.
+    pub fn close_sessions(&mut self, sessions: &[u32]) {
+        for qi in 0..self.queues.len() {
+            let Some(q) = self.queues[qi].as_mut() else {
+                continue;
+            };
+            if self.retiring || sessions.contains(&q.session) {
+                q.closing = true;
+                self.index.remove(&(q.session, q.queue));
+                self.remove(qi);
+            }
+        }
     }
 
     /// Closes every queue (shutdown).

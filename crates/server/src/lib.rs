@@ -8,6 +8,7 @@ mod access;
 mod advertise;
 mod budget;
 mod bufpool;
+mod control;
 mod dgram;
 mod executor;
 pub mod frontend;
@@ -15,6 +16,7 @@ pub mod log;
 mod nbd;
 mod ports;
 mod reactor;
+mod rpc;
 mod session;
 mod stats;
 mod tls;
@@ -23,6 +25,7 @@ use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::PathBuf;
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -32,7 +35,7 @@ use blkwire_backend::{Export, ExportSpec};
 use blkwire_wire::{ExportEntry, Header, Hello, Opcode, Status, HEADER_LEN};
 
 use crate::log::{Level, Throttle};
-use blkwire_auth::Acl;
+pub use control::{parse_config, write_config, Call, Options, RpcError, MIN_MEMORY};
 use frontend::StreamFrontend;
 use reactor::QueueReport;
 use reactor::{Msg, NewQueue, Reactor};
@@ -108,43 +111,277 @@ impl Write for Admission {
     }
 }
 
-#[derive(Clone, Debug)]
-/// Everything `serve` was asked for.
+/// Everything `serve` was asked for on its command line, which [`TargetConfig::calls`] turns
+/// into the same calls a config file holds (docs/MANAGEMENT.md).
+#[derive(Clone, Debug, Default)]
 pub struct TargetConfig {
-    /// `tcp://ADDR:PORT` URLs.
+    /// Threads, limits, TLS: fixed at start.
+    pub options: Options,
+    /// `--listen` URLs.
     pub listen: Vec<String>,
     /// `--export NAME=BACKEND[,ro]`, in order (the first is NBD's default export).
     pub exports: Vec<ExportSpec>,
-    /// Reactor threads (0 = one per CPU).
-    pub threads: usize,
-    /// What a client may be granted at most.
-    pub limits: Limits,
-    /// How long a reactor spins for new work before sleeping (trades CPU for latency).
-    pub poll: Duration,
     /// `--keys FILE`: the hosts this target knows and their pre-shared keys (native handshake,
-    /// PROTOCOL.md §12, and NBD TLS-PSK). With any, unknown hosts are refused.
-    pub keys: Option<blkwire_auth::KeyStore>,
+    /// PROTOCOL.md §12, and TLS-PSK). With any, unknown hosts are refused.
+    pub keys: Option<PathBuf>,
     /// `--admin HOST`: proven hosts that may read STATS on a target with keys.
     pub admins: Vec<String>,
-    /// `--tls`, `--tls-cert`, `--tls-key`: TLS on stream listeners (TLS-PSK keys come from
-    /// `keys`).
-    pub tls: TlsSettings,
+}
+
+impl TargetConfig {
+    /// The calls that build this target, after `target_options`: keys, admins, exports,
+    /// listeners.
+    pub fn calls(&self) -> Vec<Call> {
+        let mut calls = Vec::new();
+        if let Some(k) = &self.keys {
+            calls.push(Call::new("keys_load", serde_json::json!({ "path": k })));
+        }
+        if !self.admins.is_empty() {
+            calls.push(Call::new(
+                "admins_set",
+                serde_json::json!({ "hosts": self.admins }),
+            ));
+        }
+        for e in &self.exports {
+            calls.push(Call::new(
+                "export_add",
+                serde_json::json!({ "name": e.name, "spec": e.options() }),
+            ));
+        }
+        for l in &self.listen {
+            calls.push(Call::new("listener_add", serde_json::json!({ "url": l })));
+        }
+        calls
+    }
 }
 
 struct Worker {
     tx: Sender<Msg>,
     wake: OwnedFd,
-    handle: JoinHandle<()>,
 }
 
-/// A bound target: exports open, listeners bound, reactors running; [`Target::run`] serves.
-pub struct Target {
-    listeners: Vec<(TcpListener, String, ListenerKind)>,
-    dgram_urls: Vec<String>,
+/// What the accept loop, the control socket and the reactors' owner share: the registry, the
+/// way to each reactor, the listeners. Control path only.
+pub(crate) struct Shared {
     registry: Arc<Registry>,
     workers: Vec<Worker>,
-    stop: Arc<OwnedFd>,
     tls: Arc<Tls>,
+    options: Options,
+    /// Where `keys_load` read the keys (saved in the config).
+    keys_path: Mutex<Option<PathBuf>>,
+    listeners: Mutex<Listeners>,
+    /// Written when `listeners` changes: the accept loop polls the new set.
+    changed: OwnedFd,
+    stop: Arc<OwnedFd>,
+}
+
+#[derive(Default)]
+struct Listeners {
+    list: Vec<Listener>,
+    next_id: u32,
+}
+
+struct Listener {
+    id: u32,
+    /// The URL asked for, and the one bound (with the real port when 0 was asked for).
+    asked: String,
+    url: String,
+    /// Stream listeners' sockets; datagram listeners' sockets belong to the reactors.
+    stream: Option<(Arc<TcpListener>, ListenerKind)>,
+}
+
+impl Listener {
+    fn kind(&self) -> &'static str {
+        match &self.stream {
+            Some((_, ListenerKind::Native)) => "tcp",
+            Some((_, ListenerKind::Nbd)) => "nbd",
+            None if self.url.starts_with("udp://") => "udp",
+            None => "eth",
+        }
+    }
+}
+
+impl Shared {
+    /// Closes every queue of these sessions, on whichever reactor serves them.
+    fn close_sessions(&self, sessions: &[u32]) {
+        if sessions.is_empty() {
+            return;
+        }
+        let ids: Arc<[u32]> = sessions.into();
+        for w in &self.workers {
+            if w.tx.send(Msg::Close(ids.clone())).is_ok() {
+                eventfd_write(w.wake.as_raw_fd());
+            }
+        }
+    }
+
+    fn lock_listeners(&self) -> std::sync::MutexGuard<'_, Listeners> {
+        self.listeners.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Opens a listener (`listener_add`): a stream socket the accept loop polls from now on, or
+    /// one datagram socket per reactor. Returns the bound URL.
+    fn add_listener(&self, url: &str) -> Result<String, RpcError> {
+        let bad = |m: String| RpcError {
+            code: RpcError::INVALID_PARAMS,
+            message: m,
+        };
+        let refused = |m: String| RpcError {
+            code: RpcError::REFUSED,
+            message: m,
+        };
+        if self
+            .lock_listeners()
+            .list
+            .iter()
+            .any(|l| l.asked == url || l.url == url)
+        {
+            return Err(refused(format!("already listening on {url}")));
+        }
+        let id;
+        let bound = if let Some(d) = ports::parse(url) {
+            let (setups, bound) = match d.map_err(bad)? {
+                ports::DgramListen::Udp(a) => ports::open_udp(a, self.workers.len()),
+                ports::DgramListen::Eth { iface, ethertype } => {
+                    ports::open_eth(&iface, ethertype, self.workers.len())
+                }
+            }
+            .map_err(refused)?;
+            let mut ls = self.lock_listeners();
+            id = ls.next_id;
+            ls.next_id += 1;
+            for (w, setup) in self.workers.iter().zip(setups) {
+                w.tx.send(Msg::Port(setup, id))
+                    .map_err(|_| refused("a reactor thread died".into()))?;
+                eventfd_write(w.wake.as_raw_fd());
+            }
+            ls.list.push(Listener {
+                id,
+                asked: url.to_string(),
+                url: bound.clone(),
+                stream: None,
+            });
+            bound
+        } else {
+            let (frontend, addrs) = parse_listen(url).map_err(bad)?;
+            let l = TcpListener::bind(&addrs[..])
+                .map_err(|e| refused(format!("cannot listen on {url}: {e}")))?;
+            let local = l.local_addr().map_err(|e| refused(format!("{url}: {e}")))?;
+            let scheme = match frontend {
+                ListenerKind::Native => "tcp",
+                ListenerKind::Nbd => "nbd",
+            };
+            let bound = format!("{scheme}://{local}");
+            let mut ls = self.lock_listeners();
+            id = ls.next_id;
+            ls.next_id += 1;
+            ls.list.push(Listener {
+                id,
+                asked: url.to_string(),
+                url: bound.clone(),
+                stream: Some((Arc::new(l), frontend)),
+            });
+            drop(ls);
+            eventfd_write(self.changed.as_raw_fd());
+            bound
+        };
+        if !self.registry.access.has_keys() && !is_loopback_url(&bound) {
+            crate::log!(
+                Level::Warn,
+                "{bound} is reachable from the network and any host may use every export: \
+                 add --keys FILE (blkwire key gen) or allow= rules before serving real data"
+            );
+        }
+        crate::log!(Level::Debug, "listener {id} added: {bound}");
+        Ok(bound)
+    }
+
+    /// Closes a listener (`listener_remove`), named by the URL asked for or the one bound.
+    /// Stream connections it accepted carry on; datagram sessions on it end with its sockets.
+    fn remove_listener(&self, url: &str) -> Result<String, String> {
+        let mut ls = self.lock_listeners();
+        let at = ls
+            .list
+            .iter()
+            .position(|l| l.asked == url || l.url == url)
+            .ok_or_else(|| format!("no listener {url} (listener_list shows them)"))?;
+        let l = ls.list.remove(at);
+        drop(ls);
+        if l.stream.is_some() {
+            eventfd_write(self.changed.as_raw_fd());
+        } else {
+            for w in &self.workers {
+                if w.tx.send(Msg::ClosePort(l.id)).is_ok() {
+                    eventfd_write(w.wake.as_raw_fd());
+                }
+            }
+        }
+        crate::log!(Level::Info, "stopped listening on {}", l.url);
+        Ok(l.url)
+    }
+
+    /// Each listener's bound URL and kind, in the order they were added.
+    fn listener_urls(&self) -> Vec<(String, &'static str)> {
+        self.lock_listeners()
+            .list
+            .iter()
+            .map(|l| (l.url.clone(), l.kind()))
+            .collect()
+    }
+
+    /// The stream listeners to accept on, and their poll set: one entry each, then the stop
+    /// eventfd, then the listeners-changed eventfd.
+    #[allow(clippy::type_complexity)]
+    fn poll_set(&self) -> (Vec<(Arc<TcpListener>, ListenerKind)>, Vec<libc::pollfd>) {
+        let live: Vec<_> = self
+            .lock_listeners()
+            .list
+            .iter()
+            .filter_map(|l| l.stream.clone())
+            .collect();
+        let mut fds: Vec<libc::pollfd> = live
+            .iter()
+            .map(|(l, _)| l.as_raw_fd())
+            .chain([self.stop.as_raw_fd(), self.changed.as_raw_fd()])
+            .map(|fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        fds.shrink_to_fit();
+        (live, fds)
+    }
+
+    /// The `stats` method: the STATS document with its sessions paged (`offset`, at most
+    /// `limit`), never cut short.
+    fn stats_page(&self, offset: usize, limit: usize) -> serde_json::Value {
+        let workers: Vec<(Sender<Msg>, i32)> = self
+            .workers
+            .iter()
+            .map(|w| (w.tx.clone(), w.wake.as_raw_fd()))
+            .collect();
+        let doc = stats_json(&self.registry, &workers, usize::MAX);
+        let mut v: serde_json::Value = serde_json::from_slice(&doc).unwrap_or_default();
+        let sessions = v["sessions"].as_array().cloned().unwrap_or_default();
+        let total = sessions.len();
+        let page: Vec<_> = sessions.into_iter().skip(offset).take(limit).collect();
+        let next = (offset.saturating_add(limit) < total).then_some(offset + limit);
+        v["sessions"] = page.into();
+        v["offset"] = offset.into();
+        v["total"] = total.into();
+        v["next"] = next.into();
+        v
+    }
+}
+
+/// A running target: reactors started, configured by calls ([`Target::call`]); [`Target::run`]
+/// accepts connections until stopped.
+pub struct Target {
+    shared: Arc<Shared>,
+    handles: Vec<JoinHandle<()>>,
+    /// The control socket, when one was opened.
+    rpc: Option<rpc::ControlSocket>,
 }
 
 /// Why a target cannot start, or stopped serving. Each message is one line that says what was
@@ -190,6 +427,12 @@ fn eventfd() -> Result<OwnedFd, Error> {
     }
     // SAFETY: we own the new fd.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn eventfd_read(fd: i32) {
+    let mut v: u64 = 0;
+    // SAFETY: 8-byte read from an eventfd into a local.
+    unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
 }
 
 fn eventfd_write(fd: i32) {
@@ -245,82 +488,22 @@ fn parse_listen(url: &str) -> Result<(ListenerKind, Vec<SocketAddr>), String> {
 }
 
 impl Target {
-    /// Opens every export, binds every listener and starts the reactors. Nothing is served until
-    /// [`Target::run`].
-    pub fn bind(cfg: &TargetConfig) -> Result<Target, Error> {
-        if cfg.exports.is_empty() {
-            return Err(Error::Config(
-                "no exports: add at least one --export NAME=BACKEND, e.g. --export disk0=mem:1G"
-                    .into(),
-            ));
-        }
-        if cfg.listen.is_empty() {
-            return Err(Error::Config("nothing to listen on: add --listen tcp://ADDR:PORT (or nbd://, udp://, eth://IFACE)".into()));
-        }
-        let tls = Arc::new(Tls::build(&cfg.tls, cfg.keys.as_ref())?);
-        let mut exports = Vec::new();
-        for spec in &cfg.exports {
-            if exports
-                .iter()
-                .any(|(e, _): &(Arc<Export>, Acl)| e.name == spec.name)
-            {
-                return Err(Error::Config(format!("export '{}' given twice", spec.name)));
-            }
-            let acl = match &spec.allow {
-                Some(rules) => Acl::parse(rules)
-                    .map_err(|e| Error::Config(format!("export '{}': {e}", spec.name)))?,
-                None => Acl::default(),
-            };
-            if let (Some(host), None) = (acl.hosts().next(), &cfg.keys) {
-                return Err(Error::Config(format!(
-                    "export '{}': allow={host} names a host id, but a host id is only proven with \
-                     a key: add --keys FILE (blkwire key gen writes one)",
-                    spec.name
-                )));
-            }
-            let e = Export::open(spec).map_err(|e| Error::Config(e.to_string()))?;
-            exports.push((Arc::new(e), acl));
-        }
-        if !cfg.admins.is_empty() && cfg.keys.is_none() {
-            return Err(Error::Config(
-                "--admin names hosts, but a host id is only proven with a key: add --keys FILE \
-                 (without keys, anyone may read STATS)"
-                    .into(),
-            ));
-        }
-        for a in &cfg.admins {
-            blkwire_auth::keys::check_host_id(a)
-                .map_err(|e| Error::Config(format!("--admin: {e}")))?;
-        }
-        let mut listeners = Vec::new();
-        let mut dgram_listens = Vec::new();
-        for url in &cfg.listen {
-            if let Some(d) = ports::parse(url) {
-                dgram_listens.push(d.map_err(Error::Config)?);
-                continue;
-            }
-            let (frontend, addrs) = parse_listen(url).map_err(Error::Config)?;
-            let l = TcpListener::bind(&addrs[..])
-                .map_err(|e| Error::Listen(format!("cannot listen on {url}: {e}")))?;
-            let local = l
-                .local_addr()
-                .map_err(|e| Error::System(format!("{url}: {e}")))?;
-            let scheme = match frontend {
-                ListenerKind::Native => "tcp",
-                ListenerKind::Nbd => "nbd",
-            };
-            listeners.push((l, format!("{scheme}://{local}"), frontend));
-        }
-        let access = access::Access::new(cfg.keys.clone(), cfg.admins.clone());
-        let registry = Arc::new(Registry::new(exports, access, cfg.limits));
-        let threads = if cfg.threads == 0 {
+    /// Starts the reactors with these options. The target has no exports and no listeners
+    /// until calls add them ([`Target::apply`]); nothing is accepted until [`Target::run`].
+    pub fn start(options: &Options) -> Result<Target, Error> {
+        let keys: access::SharedKeys = Default::default();
+        let tls = Arc::new(Tls::build(&options.tls, &keys)?);
+        let access = access::Access::new(keys);
+        let registry = Arc::new(Registry::new(access, options.limits));
+        let threads = if options.threads == 0 {
             std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(1)
         } else {
-            cfg.threads
+            options.threads
         };
         let mut workers = Vec::new();
+        let mut handles = Vec::new();
         for i in 0..threads {
             let (tx, rx) = mpsc::channel();
             let wake = eventfd()?;
@@ -329,7 +512,7 @@ impl Target {
                 .map_err(|e| Error::System(format!("eventfd: {e}")))?;
             // The reactor is built on its own thread: its ring and queues never leave it.
             let (ready_tx, ready_rx) = mpsc::channel();
-            let (registry2, poll) = (registry.clone(), cfg.poll);
+            let (registry2, poll) = (registry.clone(), options.poll);
             let handle = std::thread::Builder::new()
                 .name(format!("blkwire-q{i}"))
                 .spawn(move || match Reactor::new(i, rx, wake2, registry2, poll) {
@@ -351,98 +534,129 @@ impl Target {
                 }
                 Err(_) => return Err(Error::System("reactor thread died while starting".into())),
             }
-            workers.push(Worker { tx, wake, handle });
-        }
-        // Datagram sockets: one per reactor, handed over by message.
-        let mut dgram_urls = Vec::new();
-        for d in dgram_listens {
-            let (setups, url) = match d {
-                ports::DgramListen::Udp(a) => ports::open_udp(a, workers.len()),
-                ports::DgramListen::Eth { iface, ethertype } => {
-                    ports::open_eth(&iface, ethertype, workers.len())
-                }
-            }
-            .map_err(Error::Listen)?;
-            for (w, setup) in workers.iter().zip(setups) {
-                w.tx.send(Msg::Port(setup))
-                    .map_err(|_| Error::System("reactor thread died".into()))?;
-                eventfd_write(w.wake.as_raw_fd());
-            }
-            dgram_urls.push(url);
-        }
-        let stop = Arc::new(eventfd()?);
-        if cfg.keys.is_none() {
-            let open: Vec<&String> = listeners
-                .iter()
-                .map(|(_, u, _)| u)
-                .chain(&dgram_urls)
-                .filter(|u| !is_loopback_url(u))
-                .collect();
-            if let Some(u) = open.first() {
-                crate::log!(
-                    Level::Warn,
-                    "{u} is reachable from the network and any host may use every export: \
-                     add --keys FILE (blkwire key gen) or allow= rules before serving real data"
-                );
-            }
+            workers.push(Worker { tx, wake });
+            handles.push(handle);
         }
         Ok(Target {
-            dgram_urls,
-            listeners,
-            registry,
-            workers,
-            stop,
-            tls,
+            shared: Arc::new(Shared {
+                registry,
+                workers,
+                tls,
+                options: options.clone(),
+                keys_path: Mutex::new(None),
+                listeners: Mutex::new(Listeners::default()),
+                changed: eventfd()?,
+                stop: Arc::new(eventfd()?),
+            }),
+            handles,
+            rpc: None,
         })
+    }
+
+    /// Starts a target as `serve`'s flags describe it and checks it can serve (exports and
+    /// listeners present, TLS credentials).
+    pub fn bind(cfg: &TargetConfig) -> Result<Target, Error> {
+        let t = Target::start(&cfg.options)?;
+        t.apply(&cfg.calls(), None)?;
+        t.check_ready()?;
+        Ok(t)
+    }
+
+    /// Runs one call (a method and its parameters) on the running target.
+    pub fn call(
+        &self,
+        method: &str,
+        params: serde_json::Value,
+    ) -> Result<serde_json::Value, RpcError> {
+        control::dispatch(&self.shared, method, params)
+    }
+
+    /// Applies calls in order; the first that fails stops the rest. `source` names a config
+    /// file the calls come from (its errors then say which call failed); `None` for calls made
+    /// from command-line flags.
+    pub fn apply(&self, calls: &[Call], source: Option<&str>) -> Result<(), Error> {
+        control::apply(&self.shared, calls, source.is_some()).map_err(|(method, e)| {
+            let message = match source {
+                Some(src) => format!("{src}: {}", e.message),
+                None => e.message,
+            };
+            if method == "listener_add" && e.code == RpcError::REFUSED {
+                Error::Listen(message)
+            } else {
+                Error::Config(message)
+            }
+        })
+    }
+
+    /// Whether the target, as configured so far, can serve: TLS has credentials, and there is
+    /// something to serve and somewhere to serve it, unless a control socket is open to add
+    /// them later.
+    pub fn check_ready(&self) -> Result<(), Error> {
+        let sh = &self.shared;
+        sh.tls.check_credentials(sh.registry.access.has_keys())?;
+        if self.rpc.is_some() {
+            return Ok(());
+        }
+        if sh.registry.exports().is_empty() {
+            return Err(Error::Config(
+                "no exports: add at least one --export NAME=BACKEND, e.g. --export disk0=mem:1G"
+                    .into(),
+            ));
+        }
+        if sh.lock_listeners().list.is_empty() {
+            return Err(Error::Config("nothing to listen on: add --listen tcp://ADDR:PORT (or nbd://, udp://, eth://IFACE)".into()));
+        }
+        Ok(())
+    }
+
+    /// Opens the control socket at `path` (docs/MANAGEMENT.md). Returns its path.
+    pub fn open_control_socket(&mut self, path: &std::path::Path) -> Result<(), Error> {
+        self.rpc = Some(rpc::ControlSocket::open(path, self.shared.clone())?);
+        Ok(())
     }
 
     /// The URLs actually bound (with the real port when 0 was asked for).
     pub fn urls(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.listeners.iter().map(|(_, u, _)| u.clone()).collect();
-        v.extend(self.dgram_urls.iter().cloned());
-        v
+        self.shared
+            .listener_urls()
+            .into_iter()
+            .map(|(u, _)| u)
+            .collect()
     }
 
     /// A handle that stops [`Target::run`] from another thread.
     pub fn stop_handle(&self) -> StopHandle {
-        StopHandle(self.stop.clone())
+        StopHandle(self.shared.stop.clone())
     }
 
-    /// The open exports.
-    pub fn exports(&self) -> &[Arc<Export>] {
-        self.registry.exports()
+    /// The exports served now.
+    pub fn exports(&self) -> Vec<Arc<Export>> {
+        self.shared.registry.exports()
+    }
+
+    /// The running state as calls (what `save_config` writes).
+    pub fn running_config(&self) -> Vec<Call> {
+        control::running_config(&self.shared)
     }
 
     /// Accepts connections until stopped, then drains: requests already received are answered,
     /// then every queue closes and the reactors exit.
     pub fn run(self) -> Result<(), Error> {
-        let mut fds: Vec<libc::pollfd> = self
-            .listeners
-            .iter()
-            .map(|(l, _, _)| libc::pollfd {
-                fd: l.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            })
-            .collect();
-        fds.push(libc::pollfd {
-            fd: self.stop.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        });
+        let (mut live, mut fds) = self.shared.poll_set();
+        let mut stop_at = live.len();
         let workers: Arc<Vec<(Sender<Msg>, i32)>> = Arc::new(
-            self.workers
+            self.shared
+                .workers
                 .iter()
                 .map(|w| (w.tx.clone(), w.wake.as_raw_fd()))
                 .collect(),
         );
-        let listeners = self.listeners.len();
         // While accept() fails for lack of descriptors or memory, the listeners stay readable:
         // they are left out of the poll for a while instead of spinning (and logging) on them.
         let mut paused_until: Option<Instant> = None;
-        let handshakes = Arc::new(Handshakes::new(self.registry.limits().max_handshakes));
+        let limits = self.shared.registry.limits();
+        let handshakes = Arc::new(Handshakes::new(limits.max_handshakes));
         let mut cut = 0u64;
-        let limits = self.registry.limits();
         let connections = Arc::new(Connections::new(
             limits.max_connections,
             limits.max_connections_per_host,
@@ -456,7 +670,7 @@ impl Target {
                 let now = Instant::now();
                 if now >= until {
                     paused_until = None;
-                    fds[..listeners]
+                    fds[..stop_at]
                         .iter_mut()
                         .for_each(|p| p.events = libc::POLLIN);
                 } else {
@@ -476,10 +690,18 @@ impl Target {
                 if fds[i].revents == 0 {
                     continue;
                 }
-                if i == self.listeners.len() {
+                if i == stop_at {
                     break 'accept;
                 }
-                match self.listeners[i].0.accept() {
+                if i == stop_at + 1 {
+                    // Listeners were added or removed: poll the new set.
+                    eventfd_read(self.shared.changed.as_raw_fd());
+                    (live, fds) = self.shared.poll_set();
+                    stop_at = live.len();
+                    paused_until = None;
+                    continue 'accept;
+                }
+                match live[i].0.accept() {
                     Ok((stream, peer)) => {
                         let counted = match connections.admit(peer.ip()) {
                             Ok(c) => c,
@@ -525,10 +747,10 @@ impl Target {
                         let Some(in_progress) = in_progress else {
                             continue;
                         };
-                        let registry = self.registry.clone();
+                        let registry = self.shared.registry.clone();
                         let workers = workers.clone();
-                        let frontend = self.listeners[i].2;
-                        let tls = self.tls.clone();
+                        let frontend = live[i].1;
+                        let tls = self.shared.tls.clone();
                         // One value, so that if the thread cannot start, the place is given
                         // back before the socket closes (fields drop in order).
                         let pending = (in_progress, stream);
@@ -555,21 +777,23 @@ impl Target {
                             );
                         }
                         paused_until = Some(Instant::now() + ACCEPT_PAUSE);
-                        fds[..listeners].iter_mut().for_each(|p| p.events = 0);
+                        fds[..stop_at].iter_mut().for_each(|p| p.events = 0);
                     }
                     Err(e) => crate::log!(Level::Warn, "accept failed: {e}"),
                 }
             }
         }
         crate::log!(Level::Info, "stopping: finishing requests in flight");
-        self.registry.close();
-        drop(self.listeners);
-        for w in &self.workers {
+        drop(self.rpc);
+        self.shared.registry.close();
+        drop(live);
+        self.shared.lock_listeners().list.clear();
+        for w in &self.shared.workers {
             let _ = w.tx.send(Msg::Shutdown);
             eventfd_write(w.wake.as_raw_fd());
         }
-        for w in self.workers {
-            let _ = w.handle.join();
+        for h in self.handles {
+            let _ = h.join();
         }
         crate::log!(Level::Info, "stopped");
         Ok(())
@@ -972,7 +1196,7 @@ fn native_handshake(
                 return None;
             }
             Opcode::Stats => {
-                let _ = send(s, &h, Status::Ok, &stats_json(registry, workers));
+                let _ = send(s, &h, Status::Ok, &stats_json(registry, workers, MAX_STATS));
                 return None;
             }
             Opcode::Hello => {
@@ -988,7 +1212,7 @@ fn native_handshake(
                         &format!("HELLO names host '{said}' but TLS-PSK proved '{proven}'"),
                     );
                 }
-                let stats = || stats_json(registry, workers);
+                let stats = || stats_json(registry, workers, MAX_STATS);
                 match registry.hello(&hello, &id, None, &stats) {
                     HelloAnswer::Challenge(nonce) => {
                         send(s, &h, Status::Challenge, &nonce).ok()?;
@@ -1036,7 +1260,7 @@ fn native_handshake(
 
 /// Asks every reactor for its queues' counters (by message: they own them) and joins the
 /// answers with the session registry's view (PROTOCOL.md §11).
-fn stats_json(registry: &Registry, workers: &[(Sender<Msg>, i32)]) -> Vec<u8> {
+fn stats_json(registry: &Registry, workers: &[(Sender<Msg>, i32)], limit: usize) -> Vec<u8> {
     let (tx, rx) = mpsc::channel();
     let mut asked = 0;
     for (w, wake) in workers {
@@ -1071,7 +1295,7 @@ fn stats_json(registry: &Registry, workers: &[(Sender<Msg>, i32)]) -> Vec<u8> {
         ports,
         registry.access.counters(),
         memory,
-        MAX_STATS,
+        limit,
     )
 }
 
@@ -1131,12 +1355,12 @@ mod tests {
                 .iter()
                 .map(|e| ExportSpec::parse(e).unwrap())
                 .collect(),
-            threads: 1,
-            limits: Limits::default(),
-            poll: Duration::ZERO,
-            keys: None,
-            admins: Vec::new(),
-            tls: TlsSettings::default(),
+            options: Options {
+                threads: 1,
+                poll: Duration::ZERO,
+                ..Options::default()
+            },
+            ..TargetConfig::default()
         }
     }
 

@@ -55,17 +55,17 @@ fn error_reply(s: &mut Admission, option: u32, typ: u32, msg: &str) -> Option<()
 /// The export a client names (the first one for an empty name), if this client may open it:
 /// an export it may not open is as unknown to it as one that does not exist (PROTOCOL.md §12).
 /// `host` is the identity the client proved (TLS-PSK), `None` for a plain connection.
-fn find<'a>(
-    registry: &'a Registry,
+fn find(
+    registry: &Registry,
     (host, addr): (Option<&str>, &PeerAddr),
     name: &str,
-) -> Option<&'a std::sync::Arc<Export>> {
+) -> Option<std::sync::Arc<Export>> {
     let name = if name.is_empty() {
-        &registry.exports().first()?.name
+        registry.first_export()?
     } else {
-        name
+        name.to_string()
     };
-    registry.permitted(name, host, addr)
+    registry.permitted(&name, host, addr)
 }
 
 /// What LIST and INFO say about an export: its kind and size, never a backend path.
@@ -181,14 +181,8 @@ pub fn negotiate(
             opt::EXPORT_NAME => {
                 let name = String::from_utf8_lossy(&data).into_owned();
                 // No error reply exists for EXPORT_NAME: an unknown name closes the connection.
-                let e = find(registry, who, &name)?.clone();
-                let adm = admit(
-                    registry,
-                    &e,
-                    peer,
-                    proven_host.as_deref(),
-                    NBD_MAX_UNNEGOTIATED,
-                )?;
+                let e = find(registry, who, &name)?;
+                let adm = admit(registry, &e, (peer, who), NBD_MAX_UNNEGOTIATED)?;
                 let mut out = Vec::with_capacity(134);
                 out.extend_from_slice(&e.size().to_be_bytes());
                 out.extend_from_slice(&transmission_flags(&e, structured).to_be_bytes());
@@ -212,7 +206,7 @@ pub fn negotiate(
                     error_reply(s, option, rep::ERR_INVALID, "LIST takes no data")?;
                     continue;
                 }
-                for e in registry.open_to(who.0, who.1) {
+                for e in &registry.open_to(who.0, who.1) {
                     let mut d = Vec::with_capacity(4 + e.name.len());
                     d.extend_from_slice(&(e.name.len() as u32).to_be_bytes());
                     d.extend_from_slice(e.name.as_bytes());
@@ -229,7 +223,7 @@ pub fn negotiate(
                         continue;
                     }
                 };
-                let Some(e) = find(registry, who, &req.name).cloned() else {
+                let Some(e) = find(registry, who, &req.name) else {
                     error_reply(
                         s,
                         option,
@@ -245,7 +239,7 @@ pub fn negotiate(
                     } else {
                         NBD_MAX_UNNEGOTIATED
                     };
-                    let adm = admit(registry, &e, peer, proven_host.as_deref(), max)?;
+                    let adm = admit(registry, &e, (peer, who), max)?;
                     reply(s, option, rep::ACK, &[])?;
                     let fe = Nbd {
                         structured,
@@ -354,17 +348,21 @@ fn send_info(
     reply(s, option, rep::INFO, &d)
 }
 
-/// Admits the client to export `e` with requests of up to `max_payload` bytes; `proven_host`
-/// is the host id it proved with TLS-PSK (None: plain or X.509, no identity).
+/// Admits the client at `peer` to export `e` with requests of up to `max_payload` bytes;
+/// `proven` is the host id it proved with TLS-PSK (None: plain or X.509, no identity).
 fn admit(
     registry: &Registry,
     e: &std::sync::Arc<Export>,
-    peer: &str,
-    proven_host: Option<&str>,
+    (peer, (proven, addr)): (&str, (Option<&str>, &PeerAddr)),
     max_payload: u32,
 ) -> Option<Admitted> {
-    let host = proven_host.unwrap_or("nbd client");
-    match registry.admit_single(e, host, peer, NBD_DEPTH, max_payload) {
+    let owner = crate::session::Owner {
+        proven,
+        shown: proven.unwrap_or("nbd client"),
+        addr,
+        peer,
+    };
+    match registry.admit_single(e, &owner, NBD_DEPTH, max_payload) {
         Ok(a) => Some(a),
         Err(st) => {
             crate::log!(Level::Info, "{peer}: NBD session refused: {st}");

@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 
 use blkwire_auth::proof::{self, Direction, SessionSecret};
 use blkwire_auth::seal::{Opener, Sealer};
-use blkwire_auth::{Acl, PeerAddr};
-use blkwire_backend::Export;
+use blkwire_auth::{Acl, Key, PeerAddr};
+use blkwire_backend::{Export, ExportSpec};
 use blkwire_wire::{
     datagram::SEAL_LEN, ExportEntry, Features, Hello, HelloReply, Join, Status, AUTH_LEN,
     QUERY_LIST, QUERY_STATS,
@@ -22,7 +22,7 @@ use crate::stats::QueueStats;
 pub const MAX_FRAGMENTS: u32 = 256;
 
 /// Limits the target grants at most, whatever a client asks for.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
     /// Queues (connections) per session.
     pub max_queues: u16,
@@ -75,6 +75,16 @@ impl Default for Limits {
 
 struct Session {
     export: Arc<Export>,
+    /// Who it is, as the export's rules see it: the host id it proved (None: unauthenticated)
+    /// and its address. Checked again when the rules or the keys change.
+    proven: Option<String>,
+    addr: PeerAddr,
+    /// The key that host had when the session began: a session whose key is replaced or
+    /// removed (`keys_load`) is closed.
+    key: Option<Key>,
+    /// Closed by the control plane (export removed, rules changed, `session_close`): its
+    /// queues are being closed and no queue may join it any more.
+    revoked: bool,
     /// See `Admitted::placement`.
     placement: u32,
     /// Method-1 sessions: the key root (JOIN proofs, frame keys) and whether frames are
@@ -159,10 +169,26 @@ pub enum HelloAnswer {
     Refused(Status),
 }
 
+/// An export being served: what it was made from (for `export_list` and `save_config`), its
+/// open backend, and who may open it.
+pub struct Served {
+    pub spec: ExportSpec,
+    pub export: Arc<Export>,
+    pub acl: Acl,
+}
+
+/// Who a new session belongs to.
+pub struct Owner<'a> {
+    /// The host id it proved (None: unauthenticated).
+    pub proven: Option<&'a str>,
+    /// The host id shown in logs and listings (the one it named, or "nbd client").
+    pub shown: &'a str,
+    pub addr: &'a PeerAddr,
+    /// Its address and port, for logs and listings.
+    pub peer: &'a str,
+}
+
 pub struct Registry {
-    exports: Vec<Arc<Export>>,
-    /// Each export's allow list (same order as `exports`).
-    acls: Vec<Acl>,
     pub access: Access,
     limits: Limits,
     inner: Mutex<Inner>,
@@ -170,6 +196,9 @@ pub struct Registry {
 }
 
 struct Inner {
+    /// The exports, in the order they were added (the first is NBD's default). Under the same
+    /// lock as the sessions, so that no session is created on an export being removed.
+    exports: Vec<Served>,
     sessions: HashMap<u32, Session>,
     /// Sessions per peer address (`host_of`).
     per_host: HashMap<String, usize>,
@@ -181,15 +210,13 @@ struct Inner {
 }
 
 impl Registry {
-    pub fn new(exports: Vec<(Arc<Export>, Acl)>, access: Access, limits: Limits) -> Registry {
-        let (exports, acls) = exports.into_iter().unzip();
+    pub fn new(access: Access, limits: Limits) -> Registry {
         Registry {
-            exports,
-            acls,
             access,
             limits,
             budget: Budget::new(limits.max_memory),
             inner: Mutex::new(Inner {
+                exports: Vec::new(),
                 sessions: HashMap::new(),
                 per_host: HashMap::new(),
                 closed: QueueStats::default(),
@@ -205,21 +232,30 @@ impl Registry {
         name: &str,
         host: Option<&str>,
         addr: &PeerAddr,
-    ) -> Option<&Arc<Export>> {
-        self.open_to(host, addr).find(|e| e.name == name)
+    ) -> Option<Arc<Export>> {
+        self.open_to(host, addr)
+            .into_iter()
+            .find(|e| e.name == name)
     }
 
     /// The exports a host proven as `host` (None: unauthenticated) at `addr` may open, in order.
-    pub fn open_to<'a, 'p>(
-        &'a self,
-        host: Option<&'p str>,
-        addr: &'p PeerAddr,
-    ) -> impl Iterator<Item = &'a Arc<Export>> + use<'a, 'p> {
-        self.exports
+    pub fn open_to(&self, host: Option<&str>, addr: &PeerAddr) -> Vec<Arc<Export>> {
+        self.lock()
+            .exports
             .iter()
-            .zip(&self.acls)
-            .filter(move |(_, acl)| self.access.permits(acl, host, addr))
-            .map(|(e, _)| e)
+            .filter(|s| self.access.permits(&s.acl, host, addr))
+            .map(|s| s.export.clone())
+            .collect()
+    }
+
+    /// Whether an export of this name is served (to anyone).
+    pub fn has_export(&self, name: &str) -> bool {
+        self.lock().exports.iter().any(|s| s.export.name == name)
+    }
+
+    /// The first export's name (NBD's default export), if any.
+    pub fn first_export(&self) -> Option<String> {
+        self.lock().exports.first().map(|s| s.export.name.clone())
     }
 
     pub fn limits(&self) -> Limits {
@@ -247,8 +283,13 @@ impl Registry {
         }
     }
 
-    pub fn exports(&self) -> &[Arc<Export>] {
-        &self.exports
+    /// The exports served now, in order.
+    pub fn exports(&self) -> Vec<Arc<Export>> {
+        self.lock()
+            .exports
+            .iter()
+            .map(|s| s.export.clone())
+            .collect()
     }
 
     /// Feature bits an export advertises (PROTOCOL.md §7): what it does natively or by emulation.
@@ -259,10 +300,11 @@ impl Registry {
     /// The exports this host may open (PROTOCOL.md §12.3: others are not even named).
     pub fn list(&self, host: Option<&str>, addr: &PeerAddr) -> Vec<ExportEntry> {
         self.open_to(host, addr)
+            .into_iter()
             .map(|e| ExportEntry {
                 name: e.name.clone(),
                 size: e.size(),
-                features: Self::features(e),
+                features: Self::features(&e),
             })
             .collect()
     }
@@ -324,9 +366,9 @@ impl Registry {
             answer.extend_from_slice(&p);
             return HelloAnswer::Welcome(answer, None);
         }
-        let Some(export) = self.permitted(&h.export, host, &peer.addr).cloned() else {
+        let Some(export) = self.permitted(&h.export, host, &peer.addr) else {
             let (name, who) = (h.export.escape_debug(), h.host_id.escape_debug());
-            if self.exports.iter().any(|e| e.name == h.export) {
+            if self.has_export(&h.export) {
                 self.access
                     .refuse(peer, &format!("host '{who}' may not open export '{name}'"));
                 return HelloAnswer::Refused(Status::Access);
@@ -369,10 +411,16 @@ impl Registry {
         });
         let encrypt = sealed && h.auth.encrypt;
         let floor = Self::queue_floor(max_io, link_payload.is_some());
+        let peer_s = peer.to_string();
+        let owner = Owner {
+            proven: host,
+            shown: &h.host_id,
+            addr: &peer.addr,
+            peer: &peer_s,
+        };
         let (id, cookie, mem, placement) = match self.create(
             &export,
-            &h.host_id,
-            &peer.to_string(),
+            &owner,
             (queues, depth, max_io, frame_payload),
             (secret.clone(), encrypt),
             floor,
@@ -417,16 +465,20 @@ impl Registry {
     fn create(
         &self,
         export: &Arc<Export>,
-        host: &str,
-        peer: &str,
+        owner: &Owner,
         (queues, depth, max_io, frame_payload): (u16, u16, u32, u32),
         (secret, encrypt): (Option<Arc<SessionSecret>>, bool),
         queue_floor: usize,
     ) -> Result<(u32, u64, Account, u32), Status> {
         let cookie = blkwire_auth::random_u64();
+        let (host, peer) = (owner.shown, owner.peer);
         let mut inner = self.lock();
         if inner.shut {
             return Err(Status::Shutdown);
+        }
+        // Removed (or replaced) while this session was being negotiated.
+        if !inner.exports.iter().any(|s| Arc::ptr_eq(&s.export, export)) {
+            return Err(Status::NoExport);
         }
         if inner.sessions.len() >= self.limits.max_sessions {
             return Err(Status::NoMemory);
@@ -455,6 +507,10 @@ impl Registry {
             id,
             Session {
                 export: export.clone(),
+                proven: owner.proven.map(str::to_string),
+                addr: *owner.addr,
+                key: owner.proven.and_then(|h| self.access.key_of(h)),
+                revoked: false,
                 placement,
                 secret,
                 encrypt,
@@ -487,16 +543,14 @@ impl Registry {
     pub fn admit_single(
         &self,
         export: &Arc<Export>,
-        host: &str,
-        peer: &str,
+        owner: &Owner,
         depth: u16,
         max_io: u32,
     ) -> Result<Admitted, Status> {
         let floor = Self::queue_floor(max_io, false);
         let (session, _, mem, placement) = self.create(
             export,
-            host,
-            peer,
+            owner,
             (1, depth, max_io, max_io),
             (None, false),
             floor,
@@ -534,7 +588,11 @@ impl Registry {
         if inner.shut {
             return Err(Status::Shutdown.into());
         }
-        let s = inner.sessions.get_mut(&session).ok_or(Status::Access)?;
+        let s = inner
+            .sessions
+            .get_mut(&session)
+            .filter(|s| !s.revoked)
+            .ok_or(Status::Access)?;
         let mut seal = match (&s.secret, datagram) {
             (Some(sec), Some(_)) => Some(QueueSeal::target_side(sec, session, queue, s.encrypt)),
             _ => None,
@@ -625,6 +683,177 @@ impl Registry {
         }
     }
 
+    /// Serves a new export (`export_add`). `Err` is a one-line reason.
+    pub fn add_export(&self, spec: ExportSpec) -> Result<(), String> {
+        let acl = match &spec.allow {
+            Some(rules) => Acl::parse(rules).map_err(|e| format!("export '{}': {e}", spec.name))?,
+            None => Acl::default(),
+        };
+        if let (Some(host), false) = (acl.hosts().next(), self.access.has_keys()) {
+            return Err(format!(
+                "export '{}': allow={host} names a host id, but a host id is only proven with a \
+                 key: load keys first (serve --keys FILE, or the keys_load method)",
+                spec.name
+            ));
+        }
+        if self.has_export(&spec.name) {
+            return Err(format!("export '{}' exists already", spec.name));
+        }
+        // Opened outside the lock: opening a file or device may take a while, and handshakes
+        // must not wait for it.
+        let export = Arc::new(Export::open(&spec).map_err(|e| e.to_string())?);
+        let mut inner = self.lock();
+        if inner.exports.iter().any(|s| s.export.name == spec.name) {
+            return Err(format!("export '{}' exists already", spec.name));
+        }
+        inner.exports.push(Served { spec, export, acl });
+        Ok(())
+    }
+
+    /// Stops serving an export (`export_remove`): refused while sessions use it unless
+    /// `force`, which revokes them. Returns the sessions to close.
+    pub fn remove_export(&self, name: &str, force: bool) -> Result<Vec<u32>, String> {
+        let mut inner = self.lock();
+        let at = inner
+            .exports
+            .iter()
+            .position(|s| s.export.name == name)
+            .ok_or_else(|| no_such_export(name))?;
+        let users: Vec<u32> = inner
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.export.name == name)
+            .map(|(id, _)| *id)
+            .collect();
+        if !users.is_empty() && !force {
+            return Err(format!(
+                "export '{name}' is in use by {} session{}: close them first, or force the \
+                 removal (their I/O in flight fails)",
+                users.len(),
+                if users.len() == 1 { "" } else { "s" }
+            ));
+        }
+        inner.exports.remove(at);
+        for id in &users {
+            if let Some(s) = inner.sessions.get_mut(id) {
+                s.revoked = true;
+            }
+        }
+        crate::log!(
+            Level::Info,
+            "export '{name}' removed{}",
+            if users.is_empty() {
+                String::new()
+            } else {
+                format!(", closing {} session(s)", users.len())
+            }
+        );
+        Ok(users)
+    }
+
+    /// Replaces an export's allow rules (`export_set_allow`; None admits everyone the target
+    /// admits). Returns the sessions of hosts the new rules no longer admit, to close.
+    pub fn set_allow(&self, name: &str, allow: Option<String>) -> Result<Vec<u32>, String> {
+        let acl = match &allow {
+            Some(rules) => Acl::parse(rules).map_err(|e| format!("export '{name}': {e}"))?,
+            None => Acl::default(),
+        };
+        if let (Some(host), false) = (acl.hosts().next(), self.access.has_keys()) {
+            return Err(format!(
+                "export '{name}': allow={host} names a host id, but a host id is only proven \
+                 with a key: load keys first (serve --keys FILE, or the keys_load method)"
+            ));
+        }
+        let mut inner = self.lock();
+        let served = inner
+            .exports
+            .iter_mut()
+            .find(|s| s.export.name == name)
+            .ok_or_else(|| no_such_export(name))?;
+        served.spec.allow = allow;
+        served.acl = acl;
+        drop(inner);
+        Ok(self.revoke_unpermitted())
+    }
+
+    /// Revokes the sessions whose host the rules or keys no longer admit (after
+    /// `export_set_allow` or `keys_load`); returns them, to close.
+    pub fn revoke_unpermitted(&self) -> Vec<u32> {
+        let mut inner = self.lock();
+        let Inner {
+            exports, sessions, ..
+        } = &mut *inner;
+        let mut out = Vec::new();
+        for (id, s) in sessions.iter_mut() {
+            if s.revoked {
+                continue;
+            }
+            let acl = exports
+                .iter()
+                .find(|e| Arc::ptr_eq(&e.export, &s.export))
+                .map(|e| &e.acl);
+            let still = acl.is_some_and(|acl| {
+                self.access.permits(acl, s.proven.as_deref(), &s.addr)
+                    && s.proven.as_deref().is_none_or(|h| {
+                        self.access.key_of(h).map(|k| k.to_hex()) == s.key.as_ref().map(Key::to_hex)
+                    })
+            });
+            if !still {
+                s.revoked = true;
+                out.push(*id);
+            }
+        }
+        if !out.is_empty() {
+            crate::log!(
+                Level::Info,
+                "closing {} session(s) the rules or keys no longer admit",
+                out.len()
+            );
+        }
+        out
+    }
+
+    /// Revokes one session (`session_close`); false if there is no such session.
+    pub fn revoke(&self, id: u32) -> bool {
+        match self.lock().sessions.get_mut(&id) {
+            Some(s) => {
+                s.revoked = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// What `export_list` says: each export's spec, backend, size and how many sessions use it.
+    pub fn describe_exports(&self) -> Vec<serde_json::Value> {
+        let inner = self.lock();
+        inner
+            .exports
+            .iter()
+            .map(|s| {
+                let sessions = inner
+                    .sessions
+                    .values()
+                    .filter(|x| Arc::ptr_eq(&x.export, &s.export) && !x.revoked)
+                    .count();
+                serde_json::json!({
+                    "name": s.spec.name,
+                    "spec": s.spec.options(),
+                    "backend": s.export.backend().describe(),
+                    "size": s.export.size(),
+                    "read_only": s.spec.read_only,
+                    "allow": s.spec.allow,
+                    "sessions": sessions,
+                })
+            })
+            .collect()
+    }
+
+    /// The exports' specs in order (`save_config`).
+    pub fn export_specs(&self) -> Vec<ExportSpec> {
+        self.lock().exports.iter().map(|s| s.spec.clone()).collect()
+    }
+
     /// One JSON object per live session (without its queues).
     pub fn describe_sessions(&self) -> Vec<serde_json::Value> {
         let inner = self.lock();
@@ -632,7 +861,10 @@ impl Registry {
             .sessions
             .iter()
             .map(|(id, s)| {
-                serde_json::json!({"session": id, "export": s.export.name, "host": s.host, "peer": s.peer})
+                serde_json::json!({
+                    "session": id, "export": s.export.name, "host": s.host, "peer": s.peer,
+                    "queues": s.live, "closing": s.revoked,
+                })
             })
             .collect();
         v.sort_by_key(|s| s["session"].as_u64());
@@ -642,6 +874,10 @@ impl Registry {
     pub fn closed_totals(&self) -> QueueStats {
         self.lock().closed
     }
+}
+
+fn no_such_export(name: &str) -> String {
+    format!("no export named '{name}' (export_list shows them)")
 }
 
 /// The address part of a peer ("192.0.2.1:7700" -> "192.0.2.1", "[::1]:7700" -> "[::1]"; a

@@ -13,7 +13,7 @@
 use std::io::{Read, Write};
 use std::os::fd::RawFd;
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 use std::time::Instant;
 
 use openssl::ex_data::Index;
@@ -38,6 +38,15 @@ pub enum TlsMode {
 }
 
 impl TlsMode {
+    /// The name `parse` reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            TlsMode::Off => "off",
+            TlsMode::On => "on",
+            TlsMode::Require => "require",
+        }
+    }
+
     /// Parses `off`, `on` or `require`.
     pub fn parse(s: &str) -> Result<TlsMode, String> {
         match s {
@@ -50,7 +59,7 @@ impl TlsMode {
 }
 
 /// What `serve` was asked for about TLS.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TlsSettings {
     /// `--tls`.
     pub mode: TlsMode,
@@ -64,6 +73,8 @@ pub struct TlsSettings {
 /// session is created from.
 pub(crate) struct Tls {
     pub(crate) mode: TlsMode,
+    /// An X.509 certificate was loaded (else only TLS-PSK, which needs keys).
+    has_cert: bool,
     ctx: Option<SslContext>,
 }
 
@@ -96,10 +107,7 @@ fn one_line(e: &openssl::error::ErrorStack) -> String {
 
 impl Tls {
     /// Checks the settings and loads the certificate; every problem is a one-line config error.
-    pub(crate) fn build(
-        s: &TlsSettings,
-        keys: Option<&blkwire_auth::KeyStore>,
-    ) -> Result<Tls, Error> {
+    pub(crate) fn build(s: &TlsSettings, keys: &crate::access::SharedKeys) -> Result<Tls, Error> {
         if s.cert.is_some() != s.key.is_some() {
             return Err(Error::Config(
                 "--tls-cert and --tls-key go together: give both (PEM files) or neither".into(),
@@ -114,16 +122,9 @@ impl Tls {
             }
             return Ok(Tls {
                 mode: TlsMode::Off,
+                has_cert: false,
                 ctx: None,
             });
-        }
-        let keys = keys.filter(|k| !k.is_empty()).cloned().map(Arc::new);
-        if keys.is_none() && s.cert.is_none() {
-            return Err(Error::Config(
-                "--tls on/require needs credentials: --keys FILE (TLS-PSK) and/or --tls-cert FILE \
-                 --tls-key FILE (X.509)"
-                    .into(),
-            ));
         }
         let ssl_err = |what: &str, e: openssl::error::ErrorStack| {
             Error::Config(format!("{what}: {}", one_line(&e)))
@@ -180,30 +181,46 @@ impl Tls {
                 )
             })?;
         }
-        if let Some(keys) = keys {
-            let index = psk_host_index().map_err(|e| ssl_err("cannot set up TLS", e))?;
-            // The identity is the client's host id (the PSK user name); an unknown one ends the
-            // handshake (0 = no key).
-            b.set_psk_server_callback(move |ssl, identity, psk| {
-                let Some(id) = identity.and_then(|i| std::str::from_utf8(i).ok()) else {
-                    return Ok(0);
-                };
-                let Some(key) = keys.get(id) else {
-                    return Ok(0);
-                };
-                let k = key.bytes();
-                if k.len() > psk.len() {
-                    return Ok(0);
-                }
-                psk[..k.len()].copy_from_slice(k);
-                ssl.set_ex_data(index, id.to_string());
-                Ok(k.len())
-            });
-        }
+        // Always installed: keys may be loaded after start (`keys_load`), and the callback
+        // reads whatever store is current at each handshake.
+        let index = psk_host_index().map_err(|e| ssl_err("cannot set up TLS", e))?;
+        let keys = keys.clone();
+        // The identity is the client's host id (the PSK user name); an unknown one ends the
+        // handshake (0 = no key).
+        b.set_psk_server_callback(move |ssl, identity, psk| {
+            let Some(id) = identity.and_then(|i| std::str::from_utf8(i).ok()) else {
+                return Ok(0);
+            };
+            let store = keys.read().unwrap_or_else(|p| p.into_inner()).clone();
+            let Some(key) = store.as_ref().and_then(|k| k.get(id)) else {
+                return Ok(0);
+            };
+            let k = key.bytes();
+            if k.len() > psk.len() {
+                return Ok(0);
+            }
+            psk[..k.len()].copy_from_slice(k);
+            ssl.set_ex_data(index, id.to_string());
+            Ok(k.len())
+        });
         Ok(Tls {
             mode: s.mode,
+            has_cert: s.cert.is_some(),
             ctx: Some(b.build()),
         })
+    }
+
+    /// With TLS on, the target must have credentials once configured: a certificate, or keys
+    /// for TLS-PSK (checked after the start-up calls, which may load the keys).
+    pub(crate) fn check_credentials(&self, has_keys: bool) -> Result<(), Error> {
+        if self.mode != TlsMode::Off && !self.has_cert && !has_keys {
+            return Err(Error::Config(
+                "--tls on/require needs credentials: --keys FILE (TLS-PSK) and/or --tls-cert FILE \
+                 --tls-key FILE (X.509)"
+                    .into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Runs the server side of a TLS handshake on `fd` by `deadline`. Returns the session and

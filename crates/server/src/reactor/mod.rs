@@ -63,8 +63,13 @@ pub struct NewQueue {
 
 pub enum Msg {
     Queue(NewQueue),
-    /// A datagram socket this reactor serves from now on.
-    Port(crate::dgram::PortSetup),
+    /// A datagram socket this reactor serves from now on, for the listener with this id.
+    Port(crate::dgram::PortSetup, u32),
+    /// The listener with this id was removed: close its datagram sockets and their queues.
+    ClosePort(u32),
+    /// Close every queue of these sessions (the control plane revoked them): their requests
+    /// in flight finish on the backend, but no reply is sent and the sockets shut at once.
+    Close(Arc<[u32]>),
     /// Report every live queue's counters on the sender (the reactor owns them; no sharing).
     Stats(std::sync::mpsc::Sender<(Vec<QueueReport>, Vec<crate::dgram::PortReport>)>),
     Shutdown,
@@ -100,7 +105,9 @@ pub struct Reactor {
     /// Reused for every batch of completions (no allocation per loop).
     cqes: Vec<cqueue::Entry>,
     /// Datagram sockets (UDP, raw Ethernet) owned by this reactor.
-    ports: Vec<crate::dgram::DgramPort>,
+    /// A removed listener's port is `None` once its last request finished (indexes stay: the
+    /// ring's user data names ports by index).
+    ports: Vec<Option<crate::dgram::DgramPort>>,
     /// Scratch for results reaped from thread-completing backends (no allocation per batch).
     reaped: Vec<(u64, i32)>,
     /// Connections waiting for memory the budget could not give; retried every few
@@ -157,14 +164,20 @@ impl Reactor {
             self.drain_inbox();
             if self.shutting_down
                 && self.conns.iter().all(Option::is_none)
-                && self.ports.iter().all(|p| !p.has_running())
+                && self.ports.iter().flatten().all(|p| !p.has_running())
             {
-                for p in &mut self.ports {
+                for p in self.ports.iter_mut().flatten() {
                     p.close_all();
                 }
                 break;
             }
-            for p in &mut self.ports {
+            for p in self.ports.iter_mut() {
+                if p.as_ref().is_some_and(|p| p.retired()) {
+                    // Nothing runs on it and its notifiers are unwatched: the socket can go.
+                    *p = None;
+                }
+            }
+            for p in self.ports.iter_mut().flatten() {
                 p.sweep();
             }
             self.trim_idle();
@@ -213,15 +226,47 @@ impl Reactor {
         while let Ok(m) = self.inbox.try_recv() {
             match m {
                 Msg::Queue(q) => self.add(q),
-                Msg::Port(setup) => {
+                Msg::Port(setup, listener) => {
                     let idx = self.ports.len();
-                    let port = crate::dgram::DgramPort::new(setup, self.registry.clone());
+                    let port = crate::dgram::DgramPort::new(setup, listener, self.registry.clone());
                     let poll = opcode::PollAdd::new(types::Fd(port.fd()), libc::POLLIN as u32)
                         .multi(true)
                         .build()
                         .user_data(ud(KIND_PORT_IN, 0, idx, 0));
                     Pusher(&mut self.ring).push(poll);
-                    self.ports.push(port);
+                    self.ports.push(Some(port));
+                }
+                Msg::ClosePort(listener) => {
+                    for (idx, p) in self.ports.iter_mut().enumerate() {
+                        let Some(p) = p.as_mut().filter(|p| p.listener() == listener) else {
+                            continue;
+                        };
+                        p.retire();
+                        let cancel = opcode::AsyncCancel::new(ud(KIND_PORT_IN, 0, idx, 0))
+                            .build()
+                            .user_data(ud(KIND_CANCEL, 0, 0, 0));
+                        Pusher(&mut self.ring).push(cancel);
+                    }
+                }
+                Msg::Close(sessions) => {
+                    for i in 0..self.conns.len() {
+                        let Some(c) = self.conns[i]
+                            .as_mut()
+                            .filter(|c| sessions.contains(&c.session))
+                        else {
+                            continue;
+                        };
+                        // The peer learns at once (its I/O in flight fails); what the backend
+                        // is still doing for it completes, then the connection is dropped.
+                        // SAFETY: shutdown on a socket this connection owns.
+                        unsafe { libc::shutdown(c.fd(), libc::SHUT_RDWR) };
+                        c.dead = true;
+                        c.closing = true;
+                        self.ready.push_back(i);
+                    }
+                    for p in self.ports.iter_mut().flatten() {
+                        p.close_sessions(&sessions);
+                    }
                 }
                 Msg::Stats(reply) => {
                     let mut r: Vec<QueueReport> = self
@@ -236,10 +281,15 @@ impl Reactor {
                             stats: c.exec.stats,
                         })
                         .collect();
-                    for p in &self.ports {
+                    for p in self.ports.iter().flatten() {
                         r.extend(p.reports(self.id));
                     }
-                    let ports = self.ports.iter().map(|p| p.report(self.id)).collect();
+                    let ports = self
+                        .ports
+                        .iter()
+                        .flatten()
+                        .map(|p| p.report(self.id))
+                        .collect();
                     let _ = reply.send((r, ports));
                 }
                 Msg::Shutdown => {
@@ -328,7 +378,11 @@ impl Reactor {
         self.ring.submit()?;
         let (ring, ports) = (&mut self.ring, &self.ports);
         if self.spin.spin(|| {
-            ring.has_completions() || ports.iter().any(crate::dgram::DgramPort::ring_ready)
+            ring.has_completions()
+                || ports
+                    .iter()
+                    .flatten()
+                    .any(crate::dgram::DgramPort::ring_ready)
         }) {
             return Ok(());
         }
@@ -360,6 +414,7 @@ impl Reactor {
     /// completes on its own threads, as the ports added or removed such queues.
     fn watch_port_notifiers(&mut self) {
         for (port, p) in self.ports.iter_mut().enumerate() {
+            let Some(p) = p else { continue };
             for (qi, inc, fd) in p.take_notifier_changes() {
                 let user_data = ud(KIND_PORT_NOTIFY, inc, port << 20 | (qi & 0xf_ffff), 0);
                 let entry = match fd {
@@ -380,6 +435,7 @@ impl Reactor {
     /// arrives (it still does, and finds the ring read).
     fn receive_ready_ports(&mut self) {
         for (port_idx, p) in self.ports.iter_mut().enumerate() {
+            let Some(p) = p else { continue };
             if p.ring_ready() {
                 p.receive(&mut Pusher(&mut self.ring), &port_io_ud(port_idx));
             }
@@ -401,7 +457,7 @@ impl Reactor {
                 KIND_CANCEL => continue,
                 KIND_PORT_NOTIFY => {
                     let (port, qi) = (idx >> 20, idx & 0xf_ffff);
-                    if let Some(p) = self.ports.get_mut(port) {
+                    if let Some(p) = self.ports.get_mut(port).and_then(Option::as_mut) {
                         let mut sq = Pusher(&mut self.ring);
                         p.reap(qi, inc, &mut sq);
                         if !cqueue::more(cqe.flags()) {
@@ -417,9 +473,13 @@ impl Reactor {
                     let Some(p) = self
                         .ports
                         .get_mut(if kind == KIND_PORT_IN { idx } else { port })
+                        .and_then(Option::as_mut)
                     else {
                         continue;
                     };
+                    if kind == KIND_PORT_IN && p.retiring() {
+                        continue; // the listener was removed: its poll is not armed again
+                    }
                     let mut sq = Pusher(&mut self.ring);
                     let user_data = port_io_ud(if kind == KIND_PORT_IN { idx } else { port });
                     if kind == KIND_PORT_IN {
@@ -487,7 +547,7 @@ impl Reactor {
             self.ready.push_back(idx);
         }
         self.cqes = cqes;
-        for p in &mut self.ports {
+        for p in self.ports.iter_mut().flatten() {
             p.flush();
         }
     }

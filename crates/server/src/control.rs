@@ -1,0 +1,755 @@
+//! The management plane (docs/MANAGEMENT.md): every change to a running target is a *call*, a
+//! method name with JSON parameters. `serve`'s flags become calls, `serve --config FILE` replays
+//! a list of them, the control socket (`rpc.rs`) takes them one at a time, and `save_config`
+//! writes the running state back as calls. One code path for all four.
+//!
+//! Control path only: calls take the registry's lock and send messages to reactors; the data
+//! path never waits for them.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use blkwire_backend::ExportSpec;
+
+use crate::session::Limits;
+use crate::tls::{TlsMode, TlsSettings};
+use crate::Shared;
+
+/// One call: a method and its parameters, as in a config file (`[{"method", "params"}, ...]`).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Call {
+    /// The method's name (`rpc_get_methods` lists them).
+    pub method: String,
+    /// Its parameters (an object; absent = none).
+    #[serde(default, skip_serializing_if = "Value::is_null")]
+    pub params: Value,
+}
+
+impl Call {
+    /// A call with these parameters.
+    pub fn new(method: &str, params: Value) -> Call {
+        Call {
+            method: method.into(),
+            params,
+        }
+    }
+}
+
+/// Reads a config file: a JSON array of calls. Errors name the file and what is wrong.
+pub fn parse_config(text: &str, source: &str) -> Result<Vec<Call>, String> {
+    serde_json::from_str::<Vec<Call>>(text).map_err(|e| {
+        format!(
+            "{source}: not a blkwire config ({e}): expected a JSON array of \
+             {{\"method\": ..., \"params\": {{...}}}} calls, as save_config writes"
+        )
+    })
+}
+
+/// A JSON-RPC 2.0 error: a code and one line a person can act on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RpcError {
+    /// JSON-RPC's code (the constants below).
+    pub code: i32,
+    /// What was wrong and what to do.
+    pub message: String,
+}
+
+impl RpcError {
+    /// The request is not valid JSON.
+    pub const PARSE: i32 = -32700;
+    /// Valid JSON, but not a JSON-RPC 2.0 request.
+    pub const INVALID_REQUEST: i32 = -32600;
+    /// No method of that name.
+    pub const NO_METHOD: i32 = -32601;
+    /// The parameters are missing, of the wrong type, or out of range.
+    pub const INVALID_PARAMS: i32 = -32602;
+    /// A valid request the target cannot do now (an export in use, an address taken, ...).
+    pub const REFUSED: i32 = -32000;
+    /// The caller may not use the control socket.
+    pub const PERMISSION: i32 = -32001;
+
+    fn params(message: String) -> RpcError {
+        RpcError {
+            code: Self::INVALID_PARAMS,
+            message,
+        }
+    }
+
+    fn refused(message: String) -> RpcError {
+        RpcError {
+            code: Self::REFUSED,
+            message,
+        }
+    }
+}
+
+impl std::fmt::Display for RpcError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// What is fixed when a target starts: its threads, limits and TLS. In a config it is the
+/// `target_options` call, which must come first; on a running target that call only checks
+/// that nothing would change.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Options {
+    /// Reactor threads (0 = one per CPU).
+    pub threads: usize,
+    /// What a client may be granted at most, and the resource limits.
+    pub limits: Limits,
+    /// How long a reactor spins for new work before sleeping (trades CPU for latency).
+    pub poll: Duration,
+    /// `--tls`, `--tls-cert`, `--tls-key`: TLS on stream listeners (TLS-PSK keys come from
+    /// the key store).
+    pub tls: TlsSettings,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            threads: 0,
+            limits: Limits::default(),
+            poll: Duration::from_micros(50),
+            tls: TlsSettings::default(),
+        }
+    }
+}
+
+/// The option names of `target_options`, with what each sets (for errors and the docs).
+pub const OPTION_NAMES: &[&str] = &[
+    "threads",
+    "poll_us",
+    "max_io",
+    "max_sessions",
+    "max_memory",
+    "max_sessions_per_host",
+    "max_connections",
+    "max_connections_per_host",
+    "handshake_timeout_s",
+    "max_handshakes",
+    "datagram_idle_timeout_s",
+    "tls",
+    "tls_cert",
+    "tls_key",
+];
+
+impl Options {
+    /// The `target_options` parameters that reproduce these options.
+    pub fn to_json(&self) -> Value {
+        let l = &self.limits;
+        json!({
+            "threads": self.threads,
+            "poll_us": self.poll.as_micros() as u64,
+            "max_io": l.max_io,
+            "max_sessions": l.max_sessions,
+            "max_memory": l.max_memory,
+            "max_sessions_per_host": l.max_sessions_per_host,
+            "max_connections": l.max_connections,
+            "max_connections_per_host": l.max_connections_per_host,
+            "handshake_timeout_s": l.handshake_timeout.as_secs(),
+            "max_handshakes": l.max_handshakes,
+            "datagram_idle_timeout_s": l.datagram_idle.as_secs(),
+            "tls": self.tls.mode.name(),
+            "tls_cert": self.tls.cert,
+            "tls_key": self.tls.key,
+        })
+    }
+
+    /// Sets the options named in `p` (an object with some of [`OPTION_NAMES`]), checking
+    /// each; the others keep their value.
+    pub fn patch(&mut self, p: &Value) -> Result<(), String> {
+        let Some(obj) = p.as_object() else {
+            return Err("target_options takes an object of options".into());
+        };
+        for (k, v) in obj {
+            let count = |min: u64, max: u64| {
+                v.as_u64()
+                    .filter(|n| (min..=max).contains(n))
+                    .ok_or_else(|| {
+                        format!("target_options: {k} must be a whole number from {min} to {max}")
+                    })
+            };
+            let path = || match v {
+                Value::Null => Ok(None),
+                Value::String(s) if !s.is_empty() => Ok(Some(PathBuf::from(s))),
+                _ => Err(format!("target_options: {k} must be a file path or null")),
+            };
+            let l = &mut self.limits;
+            match k.as_str() {
+                "threads" => self.threads = count(0, 4096)? as usize,
+                "poll_us" => self.poll = Duration::from_micros(count(0, 1_000_000)?),
+                "max_io" => {
+                    l.max_io = count(4096, blkwire_wire::MAX_PAYLOAD_LIMIT as u64)? as u32;
+                }
+                "max_sessions" => l.max_sessions = count(1, 1 << 20)? as usize,
+                "max_memory" => l.max_memory = count(MIN_MEMORY, u64::MAX)? as usize,
+                "max_sessions_per_host" => l.max_sessions_per_host = count(1, 1 << 20)? as usize,
+                "max_connections" => l.max_connections = count(1, 1 << 24)? as usize,
+                "max_connections_per_host" => {
+                    l.max_connections_per_host = count(1, 1 << 24)? as usize;
+                }
+                "handshake_timeout_s" => {
+                    l.handshake_timeout = Duration::from_secs(count(1, 3600)?);
+                }
+                "max_handshakes" => l.max_handshakes = count(1, 1 << 16)? as usize,
+                "datagram_idle_timeout_s" => {
+                    l.datagram_idle = Duration::from_secs(count(1, 86400)?);
+                }
+                "tls" => {
+                    self.tls.mode = TlsMode::parse(v.as_str().unwrap_or_default())
+                        .map_err(|e| format!("target_options: {e}"))?;
+                }
+                "tls_cert" => self.tls.cert = path()?,
+                "tls_key" => self.tls.key = path()?,
+                _ => {
+                    return Err(format!(
+                        "target_options: unknown option '{k}' (known: {})",
+                        OPTION_NAMES.join(", ")
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The smallest memory budget accepted (`--max-memory`).
+pub const MIN_MEMORY: u64 = 64 << 20;
+
+/// One method: its name, what it does (for `rpc_get_methods` and the docs) and its code.
+struct Method {
+    name: &'static str,
+    about: &'static str,
+    run: fn(&Shared, Value) -> Result<Value, RpcError>,
+}
+
+const METHODS: &[Method] = &[
+    Method {
+        name: "target_options",
+        about: "threads, limits and TLS: set at start (first call of a config); on a running target only checks they are unchanged",
+        run: target_options,
+    },
+    Method {
+        name: "keys_load",
+        about: "{path}: (re)load the key file; sessions of hosts whose key went or changed are closed",
+        run: keys_load,
+    },
+    Method {
+        name: "admins_set",
+        about: "{hosts}: the hosts that may read STATS over the network (needs keys)",
+        run: admins_set,
+    },
+    Method {
+        name: "host_list",
+        about: "the host ids in the key store (never their keys)",
+        run: host_list,
+    },
+    Method {
+        name: "export_add",
+        about: "{name, spec}: serve a new export, spec as on the command line (mem:1G,ro)",
+        run: export_add,
+    },
+    Method {
+        name: "export_remove",
+        about: "{name, force}: stop serving an export; in use, only with force (its sessions are closed)",
+        run: export_remove,
+    },
+    Method {
+        name: "export_set_allow",
+        about: "{name, allow}: replace an export's allow rules (null: no rules); sessions no longer allowed are closed",
+        run: export_set_allow,
+    },
+    Method {
+        name: "export_list",
+        about: "every export: name, spec, backend, size, rules, sessions",
+        run: export_list,
+    },
+    Method {
+        name: "listener_add",
+        about: "{url}: listen on tcp://, nbd://, udp:// or eth://; returns the bound URL",
+        run: listener_add,
+    },
+    Method {
+        name: "listener_remove",
+        about: "{url}: stop accepting on a listener (tcp/nbd connections stay; udp/eth sessions on it close)",
+        run: listener_remove,
+    },
+    Method {
+        name: "listener_list",
+        about: "every listener: bound URL and kind",
+        run: listener_list,
+    },
+    Method {
+        name: "session_list",
+        about: "every session: id, export, host, peer, live queues",
+        run: session_list,
+    },
+    Method {
+        name: "session_close",
+        about: "{session}: close a session (its I/O in flight fails; the host may connect again)",
+        run: session_close,
+    },
+    Method {
+        name: "stats",
+        about: "{offset, limit}: live counters, sessions paged (never truncated)",
+        run: stats,
+    },
+    Method {
+        name: "save_config",
+        about: "{path?}: the running state as a list of calls (also written to path on the target host)",
+        run: save_config,
+    },
+    Method {
+        name: "load_config",
+        about: "{path} or {config}: apply a list of calls to the running target",
+        run: load_config,
+    },
+    Method {
+        name: "rpc_get_methods",
+        about: "the methods and what each does",
+        run: rpc_get_methods,
+    },
+];
+
+/// Runs one call.
+pub(crate) fn dispatch(shared: &Shared, method: &str, params: Value) -> Result<Value, RpcError> {
+    let Some(m) = METHODS.iter().find(|m| m.name == method) else {
+        return Err(RpcError {
+            code: RpcError::NO_METHOD,
+            message: format!(
+                "no method '{}' (rpc_get_methods lists them)",
+                method.escape_debug()
+            ),
+        });
+    };
+    (m.run)(shared, params)
+}
+
+/// Decodes a method's parameters; absent parameters are an empty object.
+fn params<T: DeserializeOwned>(method: &str, p: Value, shape: &str) -> Result<T, RpcError> {
+    let p = if p.is_null() { json!({}) } else { p };
+    serde_json::from_value(p)
+        .map_err(|e| RpcError::params(format!("{method}: {e}; expected {shape}")))
+}
+
+fn target_options(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+    let mut want = sh.options.clone();
+    want.patch(&p).map_err(RpcError::params)?;
+    if want != sh.options {
+        return Err(RpcError::refused(
+            "target options (threads, limits, TLS) are fixed when the target starts: change \
+             them in the config file or on the command line and restart"
+                .into(),
+        ));
+    }
+    Ok(sh.options.to_json())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PathParam {
+    path: PathBuf,
+}
+
+fn keys_load(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+    let p: PathParam = params("keys_load", p, "{\"path\": \"/etc/blkwire/keys\"}")?;
+    let store = blkwire_auth::KeyStore::load(&p.path).map_err(RpcError::refused)?;
+    let hosts = store.len();
+    sh.registry.access.set_keys(store);
+    *sh.keys_path.lock().unwrap_or_else(|e| e.into_inner()) = Some(p.path);
+    let closed = sh.registry.revoke_unpermitted();
+    sh.close_sessions(&closed);
+    Ok(json!({ "hosts": hosts, "closed_sessions": closed.len() }))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HostsParam {
+    hosts: Vec<String>,
+}
+
+fn admins_set(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+    let p: HostsParam = params("admins_set", p, "{\"hosts\": [\"HOST-ID\", ...]}")?;
+    sh.registry
+        .access
+        .set_admins(p.hosts.clone())
+        .map_err(RpcError::refused)?;
+    Ok(json!({ "hosts": p.hosts }))
+}
+
+fn host_list(sh: &Shared, _: Value) -> Result<Value, RpcError> {
+    let admins = sh.registry.access.admins();
+    let hosts: Vec<Value> = match sh.registry.access.keys() {
+        Some(k) => k
+            .hosts()
+            .map(|h| json!({ "host": h, "admin": admins.iter().any(|a| a == h) }))
+            .collect(),
+        None => Vec::new(),
+    };
+    Ok(Value::Array(hosts))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExportAddParam {
+    name: String,
+    spec: String,
+}
+
+/// An export's `export_list` entry.
+fn export_entry(sh: &Shared, name: &str) -> Value {
+    sh.registry
+        .describe_exports()
+        .into_iter()
+        .find(|e| e["name"] == name)
+        .unwrap_or(Value::Null)
+}
+
+fn export_add(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+    let p: ExportAddParam = params(
+        "export_add",
+        p,
+        "{\"name\": \"disk0\", \"spec\": \"mem:1G\"} (spec as after NAME= on the command line)",
+    )?;
+    if p.name.contains('=') {
+        return Err(RpcError::params(format!(
+            "bad export name '{}': it may not contain '='",
+            p.name.escape_debug()
+        )));
+    }
+    let spec = ExportSpec::parse(&format!("{}={}", p.name, p.spec))
+        .map_err(|e| RpcError::params(e.to_string()))?;
+    sh.registry.add_export(spec).map_err(RpcError::refused)?;
+    crate::log!(
+        crate::log::Level::Info,
+        "export '{}' added: {}",
+        p.name,
+        p.spec
+    );
+    Ok(export_entry(sh, &p.name))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExportRemoveParam {
+    name: String,
+    #[serde(default)]
+    force: bool,
+}
+
+fn export_remove(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+    let p: ExportRemoveParam = params(
+        "export_remove",
+        p,
+        "{\"name\": \"disk0\", \"force\": false}",
+    )?;
+    let closed = sh
+        .registry
+        .remove_export(&p.name, p.force)
+        .map_err(RpcError::refused)?;
+    sh.close_sessions(&closed);
+    Ok(json!({ "name": p.name, "closed_sessions": closed.len() }))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SetAllowParam {
+    name: String,
+    allow: Option<String>,
+}
+
+fn export_set_allow(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+    let p: SetAllowParam = params(
+        "export_set_allow",
+        p,
+        "{\"name\": \"disk0\", \"allow\": \"RULE[+RULE...]\" or null}",
+    )?;
+    let allow = p.allow.filter(|a| !a.is_empty());
+    let closed = sh
+        .registry
+        .set_allow(&p.name, allow)
+        .map_err(RpcError::refused)?;
+    sh.close_sessions(&closed);
+    let mut e = export_entry(sh, &p.name);
+    e["closed_sessions"] = closed.len().into();
+    Ok(e)
+}
+
+fn export_list(sh: &Shared, _: Value) -> Result<Value, RpcError> {
+    Ok(Value::Array(sh.registry.describe_exports()))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UrlParam {
+    url: String,
+}
+
+fn listener_add(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+    let p: UrlParam = params("listener_add", p, "{\"url\": \"tcp://0.0.0.0:7700\"}")?;
+    let url = sh.add_listener(&p.url)?;
+    Ok(json!({ "url": url }))
+}
+
+fn listener_remove(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+    let p: UrlParam = params("listener_remove", p, "{\"url\": \"tcp://0.0.0.0:7700\"}")?;
+    let url = sh.remove_listener(&p.url).map_err(RpcError::refused)?;
+    Ok(json!({ "url": url }))
+}
+
+fn listener_list(sh: &Shared, _: Value) -> Result<Value, RpcError> {
+    Ok(Value::Array(
+        sh.listener_urls()
+            .into_iter()
+            .map(|(url, kind)| json!({ "url": url, "kind": kind }))
+            .collect(),
+    ))
+}
+
+fn session_list(sh: &Shared, _: Value) -> Result<Value, RpcError> {
+    Ok(Value::Array(sh.registry.describe_sessions()))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SessionParam {
+    session: u32,
+}
+
+fn session_close(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+    let p: SessionParam = params("session_close", p, "{\"session\": 1234}")?;
+    if !sh.registry.revoke(p.session) {
+        return Err(RpcError::refused(format!(
+            "no session {} (session_list shows them)",
+            p.session
+        )));
+    }
+    sh.close_sessions(&[p.session]);
+    Ok(json!({ "session": p.session }))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PageParam {
+    #[serde(default)]
+    offset: usize,
+    #[serde(default = "default_page")]
+    limit: usize,
+}
+
+fn default_page() -> usize {
+    100
+}
+
+fn stats(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+    let p: PageParam = params("stats", p, "{\"offset\": 0, \"limit\": 100}")?;
+    if p.limit == 0 {
+        return Err(RpcError::params("stats: limit must be at least 1".into()));
+    }
+    Ok(sh.stats_page(p.offset, p.limit))
+}
+
+/// The calls that rebuild the running target: its options, keys and admins, its exports in
+/// order, then its listeners (bound addresses, so a port 0 comes back as the same port).
+pub(crate) fn running_config(sh: &Shared) -> Vec<Call> {
+    let mut calls = vec![Call::new("target_options", sh.options.to_json())];
+    if let Some(p) = sh
+        .keys_path
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()
+    {
+        calls.push(Call::new("keys_load", json!({ "path": p })));
+    }
+    let admins = sh.registry.access.admins();
+    if !admins.is_empty() {
+        calls.push(Call::new("admins_set", json!({ "hosts": admins })));
+    }
+    for s in sh.registry.export_specs() {
+        calls.push(Call::new(
+            "export_add",
+            json!({ "name": s.name, "spec": s.options() }),
+        ));
+    }
+    for (url, _) in sh.listener_urls() {
+        calls.push(Call::new("listener_add", json!({ "url": url })));
+    }
+    calls
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SaveParam {
+    path: Option<PathBuf>,
+}
+
+fn save_config(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+    let p: SaveParam = params(
+        "save_config",
+        p,
+        "{} or {\"path\": \"/etc/blkwire/target.json\"}",
+    )?;
+    let calls = running_config(sh);
+    let doc = serde_json::to_value(&calls).unwrap_or_default();
+    if let Some(path) = p.path {
+        write_config(&path, &calls).map_err(RpcError::refused)?;
+    }
+    Ok(doc)
+}
+
+/// Writes a config atomically (a temporary file renamed over the old one), readable by its
+/// owner only: it names key files and devices.
+pub fn write_config(path: &Path, calls: &[Call]) -> Result<(), String> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut text = serde_json::to_string_pretty(calls).unwrap_or_default();
+    text.push('\n');
+    let tmp = path.with_extension("json.tmp");
+    let fail = |e: std::io::Error| format!("cannot write {}: {e}", path.display());
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(fail)?;
+    f.write_all(text.as_bytes())
+        .and_then(|()| f.sync_all())
+        .map_err(fail)?;
+    std::fs::rename(&tmp, path).map_err(fail)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LoadParam {
+    path: Option<PathBuf>,
+    config: Option<Vec<Call>>,
+}
+
+fn load_config(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+    let p: LoadParam = params(
+        "load_config",
+        p,
+        "{\"path\": \"FILE\"} or {\"config\": [calls]}",
+    )?;
+    let calls = match (p.path, p.config) {
+        (Some(path), None) => {
+            let text = std::fs::read_to_string(&path)
+                .map_err(|e| RpcError::refused(format!("cannot read {}: {e}", path.display())))?;
+            parse_config(&text, &path.display().to_string()).map_err(RpcError::params)?
+        }
+        (None, Some(c)) => c,
+        _ => {
+            return Err(RpcError::params(
+                "load_config: give either path (a file on the target host) or config (the calls)"
+                    .into(),
+            ))
+        }
+    };
+    apply(sh, &calls, true).map_err(|(_, e)| e)?;
+    Ok(json!({ "applied": calls.len() }))
+}
+
+/// Applies calls in order, stopping at the first that fails. With `numbered`, the error says
+/// which call it was and that the ones before it were applied (a config file); without, it is
+/// the call's own message (calls made from command-line flags, which the user knows by their
+/// flag). Also returns the method that failed.
+pub(crate) fn apply(sh: &Shared, calls: &[Call], numbered: bool) -> Result<(), (String, RpcError)> {
+    for (i, c) in calls.iter().enumerate() {
+        let result = if matches!(c.method.as_str(), "load_config" | "save_config") {
+            Err(RpcError::params(
+                "a config cannot load or save configs".into(),
+            ))
+        } else {
+            dispatch(sh, &c.method, c.params.clone())
+        };
+        result.map_err(|e| {
+            let message = match (numbered, i) {
+                (false, _) => e.message,
+                (true, 0) => format!("call 1 ({}): {}", c.method, e.message),
+                (true, _) => format!(
+                    "call {} ({}): {} (the {i} call(s) before it were applied)",
+                    i + 1,
+                    c.method,
+                    e.message
+                ),
+            };
+            (
+                c.method.clone(),
+                RpcError {
+                    code: e.code,
+                    message,
+                },
+            )
+        })?;
+    }
+    Ok(())
+}
+
+fn rpc_get_methods(_: &Shared, _: Value) -> Result<Value, RpcError> {
+    Ok(Value::Array(
+        METHODS
+            .iter()
+            .map(|m| json!({ "name": m.name, "about": m.about }))
+            .collect(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_round_trip_through_their_call() {
+        let mut o = Options {
+            threads: 3,
+            ..Options::default()
+        };
+        o.limits.max_memory = 512 << 20;
+        o.tls.mode = TlsMode::On;
+        o.tls.cert = Some("/c.pem".into());
+        let mut back = Options::default();
+        back.patch(&o.to_json()).unwrap();
+        assert_eq!(back, o);
+    }
+
+    #[test]
+    fn options_are_checked_one_by_one() {
+        let mut o = Options::default();
+        let e = o.patch(&json!({"max_io": 12})).unwrap_err();
+        assert!(e.contains("max_io must be a whole number from 4096"), "{e}");
+        let e = o.patch(&json!({"thread": 2})).unwrap_err();
+        assert!(
+            e.contains("unknown option 'thread'") && e.contains("threads"),
+            "{e}"
+        );
+        let e = o.patch(&json!({"tls": "maybe"})).unwrap_err();
+        assert!(e.contains("off, on or require"), "{e}");
+        assert_eq!(
+            o,
+            Options::default(),
+            "a refused patch changes nothing it refused"
+        );
+    }
+
+    #[test]
+    fn configs_are_arrays_of_calls() {
+        let c = parse_config(
+            r#"[{"method":"export_add","params":{"name":"a","spec":"mem:1M"}},{"method":"export_list"}]"#,
+            "t.json",
+        )
+        .unwrap();
+        assert_eq!(c.len(), 2);
+        assert_eq!(c[1].params, Value::Null);
+        let e = parse_config(r#"{"method":"x"}"#, "t.json").unwrap_err();
+        assert!(e.starts_with("t.json: not a blkwire config"), "{e}");
+        let e = parse_config(r#"[{"method":"x","parms":{}}]"#, "t.json").unwrap_err();
+        assert!(e.contains("parms"), "{e}");
+    }
+}

@@ -1,0 +1,352 @@
+//! The control socket: JSON-RPC 2.0 over a Unix stream socket, one request per line and one
+//! answer per line (docs/MANAGEMENT.md). Only root and the user running the target may use it:
+//! the socket file is 0600 and every connection's peer credentials are checked.
+//!
+//! Its own thread, plus one per connected client (a few at most): nothing here touches the data
+//! path, which only ever sees the messages the calls send to reactors.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::control::{self, RpcError};
+use crate::log::Level;
+use crate::{eventfd, eventfd_write, Error, Shared};
+
+/// Largest request line: a `load_config` may carry a whole config.
+pub const MAX_REQUEST: usize = 16 << 20;
+/// Clients connected at once; more are answered with an error and closed.
+const MAX_CLIENTS: usize = 16;
+/// A client that sends nothing for this long is disconnected.
+const IDLE: Duration = Duration::from_secs(300);
+
+/// An open control socket; dropping it stops its thread and removes the socket file.
+pub(crate) struct ControlSocket {
+    path: PathBuf,
+    /// The socket file's inode: removed on drop only if it is still ours.
+    ino: u64,
+    stop: Arc<OwnedFd>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ControlSocket {
+    /// Binds `path` (creating its directory), taking over a stale socket left by a target that
+    /// died, but never one a live target serves nor a file that is not a socket.
+    pub(crate) fn open(path: &Path, shared: Arc<Shared>) -> Result<ControlSocket, Error> {
+        let shown = path.display();
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                Error::Listen(format!(
+                    "cannot create {} for the control socket: {e} (run as root, or give \
+                     --rpc-socket PATH in a directory you own, or --rpc-socket none)",
+                    dir.display()
+                ))
+            })?;
+        }
+        if let Ok(m) = std::fs::symlink_metadata(path) {
+            if !m.file_type().is_socket() {
+                return Err(Error::Listen(format!(
+                    "{shown} exists and is not a socket: remove it or give --rpc-socket another \
+                     path"
+                )));
+            }
+            if UnixStream::connect(path).is_ok() {
+                return Err(Error::Listen(format!(
+                    "another target serves the control socket {shown}: give this one \
+                     --rpc-socket PATH (or --rpc-socket none)"
+                )));
+            }
+            // Nobody answers: left behind by a target that did not stop cleanly.
+            let _ = std::fs::remove_file(path);
+        }
+        let listener = UnixListener::bind(path)
+            .map_err(|e| Error::Listen(format!("cannot open the control socket {shown}: {e}")))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| Error::Listen(format!("cannot restrict {shown} to its owner: {e}")))?;
+        let ino = std::fs::metadata(path).map(|m| m.ino()).unwrap_or(0);
+        let stop = Arc::new(eventfd()?);
+        let stop2 = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("blkwire-rpc".into())
+            .spawn(move || serve(listener, &stop2, shared))
+            .map_err(|e| Error::System(format!("cannot start the control thread: {e}")))?;
+        crate::log!(Level::Info, "control socket: {shown}");
+        Ok(ControlSocket {
+            path: path.to_path_buf(),
+            ino,
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for ControlSocket {
+    fn drop(&mut self) {
+        eventfd_write(self.stop.as_raw_fd());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        if std::fs::metadata(&self.path).is_ok_and(|m| m.ino() == self.ino) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Accepts clients until `stop` is written.
+fn serve(listener: UnixListener, stop: &OwnedFd, shared: Arc<Shared>) {
+    let clients = Arc::new(AtomicUsize::new(0));
+    loop {
+        let mut fds = [listener.as_raw_fd(), stop.as_raw_fd()].map(|fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        // SAFETY: poll over a local array of two pollfds.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n < 0 {
+            if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            crate::log!(Level::Error, "control socket: poll failed; no more calls");
+            return;
+        }
+        if fds[1].revents != 0 {
+            return;
+        }
+        let Ok((mut s, _)) = listener.accept() else {
+            continue;
+        };
+        if let Err(uid) = permitted(&s) {
+            crate::log!(
+                Level::Warn,
+                "control socket: refused a client running as uid {uid} (root and the target's \
+                 user only)"
+            );
+            let _ = s.write_all(&line(&error_reply(
+                Value::Null,
+                RpcError {
+                    code: RpcError::PERMISSION,
+                    message: "permission denied: the control socket is for root and the user \
+                              running the target"
+                        .into(),
+                },
+            )));
+            continue;
+        }
+        if clients.fetch_add(1, Ordering::Relaxed) >= MAX_CLIENTS {
+            clients.fetch_sub(1, Ordering::Relaxed);
+            let _ = s.write_all(&line(&error_reply(
+                Value::Null,
+                RpcError {
+                    code: RpcError::REFUSED,
+                    message: format!("{MAX_CLIENTS} clients connected: try again"),
+                },
+            )));
+            continue;
+        }
+        let (shared, clients2) = (shared.clone(), clients.clone());
+        let spawned = std::thread::Builder::new()
+            .name("blkwire-rpc-c".into())
+            .spawn(move || {
+                client(s, &shared);
+                clients2.fetch_sub(1, Ordering::Relaxed);
+            });
+        if spawned.is_err() {
+            clients.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Root, or the user the target runs as; otherwise the peer's uid.
+fn permitted(s: &UnixStream) -> Result<(), u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: u32::MAX,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED fills a ucred of the length given.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if r == 0 && (cred.uid == 0 || cred.uid == me) {
+        Ok(())
+    } else {
+        Err(cred.uid)
+    }
+}
+
+/// Answers one client's requests, one per line, until it hangs up.
+fn client(s: UnixStream, shared: &Shared) {
+    let _ = s.set_read_timeout(Some(IDLE));
+    let Ok(mut out) = s.try_clone() else {
+        return;
+    };
+    let mut input = BufReader::new(s);
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        // One byte more than allowed: a longer line is refused, not read to its end.
+        match (&mut input)
+            .take(MAX_REQUEST as u64 + 1)
+            .read_until(b'\n', &mut buf)
+        {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        if buf.len() > MAX_REQUEST {
+            let e = RpcError {
+                code: RpcError::INVALID_REQUEST,
+                message: format!("request longer than {} MiB", MAX_REQUEST >> 20),
+            };
+            let _ = out.write_all(&line(&error_reply(Value::Null, e)));
+            return;
+        }
+        if buf.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        if let Some(reply) = answer(&buf, shared) {
+            if out.write_all(&line(&reply)).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// One request line's answer (None for a notification, which has no id and gets none).
+pub(crate) fn answer(request: &[u8], shared: &Shared) -> Option<Value> {
+    let (id, method, params) = match decode(request) {
+        Ok(r) => r,
+        Err((id, e)) => return Some(error_reply(id, e)),
+    };
+    let result = control::dispatch(shared, &method, params);
+    let id = id?;
+    Some(match result {
+        Ok(r) => json!({ "jsonrpc": "2.0", "id": id, "result": r }),
+        Err(e) => error_reply(id, e),
+    })
+}
+
+/// A request: its id (None: a notification), method and parameters (Null if absent).
+type Request = (Option<Value>, String, Value);
+
+/// Decodes a JSON-RPC 2.0 request line; on error, the id to answer with and why.
+pub fn decode(request: &[u8]) -> Result<Request, (Value, RpcError)> {
+    let v: Value = serde_json::from_slice(request).map_err(|e| {
+        (
+            Value::Null,
+            RpcError {
+                code: RpcError::PARSE,
+                message: format!("not JSON: {e}"),
+            },
+        )
+    })?;
+    let id = v.get("id").cloned();
+    let invalid = |m: &str| {
+        (
+            id.clone().unwrap_or(Value::Null),
+            RpcError {
+                code: RpcError::INVALID_REQUEST,
+                message: m.to_string(),
+            },
+        )
+    };
+    if v.get("jsonrpc") != Some(&json!("2.0")) {
+        return Err(invalid(
+            "not a JSON-RPC 2.0 request: expected {\"jsonrpc\": \"2.0\", \"id\": N, \"method\": \
+             \"...\", \"params\": {...}}",
+        ));
+    }
+    if id
+        .as_ref()
+        .is_some_and(|i| !(i.is_string() || i.is_number() || i.is_null()))
+    {
+        return Err(invalid("id must be a number, a string or null"));
+    }
+    let Some(method) = v.get("method").and_then(Value::as_str) else {
+        return Err(invalid(
+            "method must be a string (rpc_get_methods lists them)",
+        ));
+    };
+    let params = v.get("params").cloned().unwrap_or(Value::Null);
+    if !(params.is_object() || params.is_null()) {
+        return Err((
+            id.unwrap_or(Value::Null),
+            RpcError {
+                code: RpcError::INVALID_PARAMS,
+                message: "params must be an object (named parameters)".into(),
+            },
+        ));
+    }
+    Ok((id, method.to_string(), params))
+}
+
+fn error_reply(id: Value, e: RpcError) -> Value {
+    json!({ "jsonrpc": "2.0", "id": id, "error": { "code": e.code, "message": e.message } })
+}
+
+fn line(v: &Value) -> Vec<u8> {
+    let mut b = serde_json::to_vec(v).unwrap_or_default();
+    b.push(b'\n');
+    b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_are_checked_before_anything_runs() {
+        let ok = decode(br#"{"jsonrpc":"2.0","id":7,"method":"export_list"}"#).unwrap();
+        assert_eq!(ok, (Some(json!(7)), "export_list".into(), Value::Null));
+        let note = decode(br#"{"jsonrpc":"2.0","method":"x","params":{"a":1}}"#).unwrap();
+        assert_eq!(note.0, None, "no id: a notification");
+        let cases: &[(&[u8], i32)] = &[
+            (b"{not json", RpcError::PARSE),
+            (br#"{"id":1,"method":"x"}"#, RpcError::INVALID_REQUEST),
+            (
+                br#"{"jsonrpc":"1.0","id":1,"method":"x"}"#,
+                RpcError::INVALID_REQUEST,
+            ),
+            (
+                br#"{"jsonrpc":"2.0","id":1,"method":5}"#,
+                RpcError::INVALID_REQUEST,
+            ),
+            (
+                br#"{"jsonrpc":"2.0","id":[1],"method":"x"}"#,
+                RpcError::INVALID_REQUEST,
+            ),
+            (
+                br#"{"jsonrpc":"2.0","id":1,"method":"x","params":[1]}"#,
+                RpcError::INVALID_PARAMS,
+            ),
+            (b"[]", RpcError::INVALID_REQUEST),
+        ];
+        for (req, code) in cases {
+            let (_, e) = decode(req).unwrap_err();
+            assert_eq!(e.code, *code, "{}", String::from_utf8_lossy(req));
+        }
+        let (id, _) = decode(br#"{"jsonrpc":"2.0","id":"a","method":5}"#).unwrap_err();
+        assert_eq!(
+            id,
+            json!("a"),
+            "errors answer the request's id when it has one"
+        );
+    }
+}
