@@ -14,6 +14,7 @@ mod info;
 mod map;
 mod serve;
 mod stats;
+mod table;
 
 use std::process::ExitCode;
 
