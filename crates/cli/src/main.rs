@@ -12,6 +12,7 @@ mod hist;
 mod identity;
 mod info;
 mod map;
+mod rpc;
 mod serve;
 mod stats;
 mod table;
@@ -59,6 +60,13 @@ enum Command {
     /// Manage pre-shared keys (`key gen FILE`)
     #[command(subcommand)]
     Key(identity::KeyCmd),
+    /// Send one JSON-RPC call to a running target's control socket and print its result
+    ///
+    /// E.g. `blkwire rpc export_list` or `blkwire rpc export_add '{"name":"disk0","spec":"mem:1G"}'`;
+    /// `blkwire rpc rpc_get_methods` lists the methods, docs/MANAGEMENT.md describes them. The
+    /// control socket is the one of a running `blkwire serve` (--socket, default
+    /// /run/blkwire/blkwire.sock): only root or the user running serve may use it.
+    Rpc(rpc::Args),
 }
 
 fn main() -> ExitCode {
@@ -82,10 +90,12 @@ fn main() -> ExitCode {
             | Command::Ls(_)
             | Command::Bench(_)
             | Command::Key(_)
+            | Command::Rpc(_)
     ) {
         // Commands that print for a pipe end quietly when the reader goes (`| head`), as
         // other Unix tools do, instead of panicking on EPIPE. Their sockets write with
-        // MSG_NOSIGNAL, so only stdout can raise the signal.
+        // MSG_NOSIGNAL (the control socket's too, crate::rpc), so only stdout can raise the
+        // signal.
         // SAFETY: setting a signal's disposition before any thread is started.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
@@ -100,6 +110,7 @@ fn main() -> ExitCode {
         Command::Unmap(a) => map::run_unmap(a),
         Command::Ls(a) => map::run_ls(a),
         Command::Key(k) => identity::run_key(k),
+        Command::Rpc(a) => rpc::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
