@@ -11,9 +11,12 @@ mod discover;
 mod hist;
 mod identity;
 mod info;
+mod manage;
 mod map;
+mod rpc;
 mod serve;
 mod stats;
+mod table;
 
 use std::process::ExitCode;
 
@@ -28,7 +31,9 @@ use clap::{Parser, Subcommand};
         A target (`blkwire serve`) exports block devices, files and RAM over blkwire's own protocol.\n\
         Initiators name an export by URL (tcp://HOST[:PORT]/EXPORT, udp://HOST[:PORT]/EXPORT or\n\
         eth://IFACE/MAC/EXPORT) to inspect it (`info`), copy to and from it (`cp`), measure it\n\
-        (`bench`) or map it as a local block device (`map`); stock NBD clients use nbd:// listeners."
+        (`bench`) or map it as a local block device (`map`); stock NBD clients use nbd:// listeners.\n\n\
+        A running target's exports, listeners and sessions change over its control socket\n\
+        (`export`, `listener`, `session`, `save-config`, `load-config`, `rpc`)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -58,6 +63,43 @@ enum Command {
     /// Manage pre-shared keys (`key gen FILE`)
     #[command(subcommand)]
     Key(identity::KeyCmd),
+    /// Add, remove and list a running target's exports, and change who may open them
+    ///
+    /// Over the control socket of a running `blkwire serve` (--socket, default
+    /// /run/blkwire/blkwire.sock): only root or the user running serve may use it.
+    #[command(subcommand)]
+    Export(manage::ExportCmd),
+    /// Add, remove and list the addresses a running target listens on
+    ///
+    /// Over the control socket of a running `blkwire serve` (--socket, default
+    /// /run/blkwire/blkwire.sock): only root or the user running serve may use it.
+    #[command(subcommand)]
+    Listener(manage::ListenerCmd),
+    /// List and close a running target's sessions
+    ///
+    /// Over the control socket of a running `blkwire serve` (--socket, default
+    /// /run/blkwire/blkwire.sock): only root or the user running serve may use it.
+    #[command(subcommand)]
+    Session(manage::SessionCmd),
+    /// Print a running target's exports, listeners and settings as a config (or write it to FILE)
+    ///
+    /// The config is a JSON array of {"method","params"} calls that `load-config` applies again.
+    /// Over the control socket of a running `blkwire serve` (--socket, default
+    /// /run/blkwire/blkwire.sock): only root or the user running serve may use it.
+    SaveConfig(manage::SaveConfigArgs),
+    /// Apply a config (from `save-config`) to a running target
+    ///
+    /// Each call of the file is applied in order, as if sent one by one. Over the control
+    /// socket of a running `blkwire serve` (--socket, default /run/blkwire/blkwire.sock): only
+    /// root or the user running serve may use it.
+    LoadConfig(manage::LoadConfigArgs),
+    /// Send one JSON-RPC call to a running target's control socket and print its result
+    ///
+    /// E.g. `blkwire rpc export_list` or `blkwire rpc export_add '{"name":"disk0","spec":"mem:1G"}'`;
+    /// `blkwire rpc rpc_get_methods` lists the methods, docs/MANAGEMENT.md describes them. The
+    /// control socket is the one of a running `blkwire serve` (--socket, default
+    /// /run/blkwire/blkwire.sock): only root or the user running serve may use it.
+    Rpc(rpc::Args),
 }
 
 fn main() -> ExitCode {
@@ -81,10 +123,17 @@ fn main() -> ExitCode {
             | Command::Ls(_)
             | Command::Bench(_)
             | Command::Key(_)
+            | Command::Export(_)
+            | Command::Listener(_)
+            | Command::Session(_)
+            | Command::SaveConfig(_)
+            | Command::LoadConfig(_)
+            | Command::Rpc(_)
     ) {
         // Commands that print for a pipe end quietly when the reader goes (`| head`), as
         // other Unix tools do, instead of panicking on EPIPE. Their sockets write with
-        // MSG_NOSIGNAL, so only stdout can raise the signal.
+        // MSG_NOSIGNAL (the control socket's too, crate::rpc), so only stdout can raise the
+        // signal.
         // SAFETY: setting a signal's disposition before any thread is started.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
@@ -99,6 +148,12 @@ fn main() -> ExitCode {
         Command::Unmap(a) => map::run_unmap(a),
         Command::Ls(a) => map::run_ls(a),
         Command::Key(k) => identity::run_key(k),
+        Command::Export(c) => manage::run_export(c),
+        Command::Listener(c) => manage::run_listener(c),
+        Command::Session(c) => manage::run_session(c),
+        Command::SaveConfig(a) => manage::run_save_config(a),
+        Command::LoadConfig(a) => manage::run_load_config(a),
+        Command::Rpc(a) => rpc::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

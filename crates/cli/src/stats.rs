@@ -5,6 +5,8 @@ use std::time::Duration;
 use blkwire_client::Url;
 use serde_json::Value;
 
+use crate::table::{aligned, cell, Align};
+
 #[derive(clap::Args)]
 pub struct Args {
     /// tcp://HOST:PORT of the target (STATS is served on its native TCP listener)
@@ -50,15 +52,8 @@ pub fn run(a: Args) -> Result<(), String> {
     Ok(())
 }
 
-/// The counters as a table whose columns fit their widest cell (names and numbers of any
-/// length line up); text columns left-aligned, numbers right-aligned.
+/// The counters as a table: session and export left-aligned, numbers right-aligned.
 fn table(v: &Value) -> String {
-    // A JSON value as plain text (strings without their quotes).
-    let text = |x: &Value| match x {
-        Value::String(s) => s.clone(),
-        Value::Null => "-".into(),
-        x => x.to_string(),
-    };
     let mut rows: Vec<Vec<String>> = vec![["session", "export", "queue", "thread"]
         .iter()
         .chain(COLUMNS.iter())
@@ -68,40 +63,23 @@ fn table(v: &Value) -> String {
     for s in v["sessions"].as_array().unwrap_or(&empty) {
         for q in s["queues"].as_array().unwrap_or(&empty) {
             let mut row = vec![
-                text(&s["session"]),
-                text(&s["export"]),
-                text(&q["queue"]),
-                text(&q["thread"]),
+                cell(&s["session"]),
+                cell(&s["export"]),
+                cell(&q["queue"]),
+                cell(&q["thread"]),
             ];
-            row.extend(COLUMNS.iter().map(|c| text(&q[c])));
+            row.extend(COLUMNS.iter().map(|c| cell(&q[c])));
             rows.push(row);
         }
     }
     let c = &v["closed"];
     let mut row = vec!["closed".into(), "(all)".into(), "-".into(), "-".into()];
-    row.extend(COLUMNS.iter().map(|k| text(&c[k])));
+    row.extend(COLUMNS.iter().map(|k| cell(&c[k])));
     rows.push(row);
-    let widths: Vec<usize> = (0..rows[0].len())
-        .map(|i| rows.iter().map(|r| r[i].chars().count()).max().unwrap_or(0))
+    let align: Vec<Align> = (0..rows[0].len())
+        .map(|i| if i < 2 { Align::Left } else { Align::Right })
         .collect();
-    let mut out = String::new();
-    for r in &rows {
-        let cells: Vec<String> = r
-            .iter()
-            .zip(&widths)
-            .enumerate()
-            .map(|(i, (cell, w))| {
-                if i < 2 {
-                    format!("{cell:<w$}")
-                } else {
-                    format!("{cell:>w$}")
-                }
-            })
-            .collect();
-        out.push_str(cells.join("  ").trim_end());
-        out.push('\n');
-    }
-    out
+    aligned(&rows, &align)
 }
 
 #[cfg(test)]

@@ -1,0 +1,401 @@
+//! `blkwire export`, `listener`, `session`, `save-config` and `load-config`: a running target's
+//! exports, listeners and sessions changed and listed over its control socket (crate::rpc,
+//! docs/MANAGEMENT.md). Each command is one call; this module words the results.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use blkwire_backend::format_size;
+use serde_json::{json, Value};
+
+use crate::rpc::Socket;
+use crate::table::{aligned, cell, Align};
+
+/// `blkwire export`.
+#[derive(clap::Subcommand)]
+pub enum ExportCmd {
+    /// Add an export to the running target, e.g. `export add disk0 file:/dev/nvme0n1,allow=db1`
+    Add {
+        /// The export's name, as initiators' URLs name it
+        name: String,
+        /// The backend and options, as `serve --export NAME=SPEC` takes them after `NAME=`:
+        /// BACKEND[,ro][,allow=RULE[+RULE...]], e.g. mem:1G,ro
+        spec: String,
+        #[command(flatten)]
+        socket: Socket,
+    },
+    /// Remove an export; refused while sessions use it unless --force
+    Rm {
+        /// The export to remove
+        name: String,
+        /// Close the export's sessions instead of refusing
+        #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        socket: Socket,
+    },
+    /// List the exports with their size, spec and open sessions
+    Ls {
+        /// Print the target's JSON result unchanged
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        socket: Socket,
+    },
+    /// Replace who may open an export (its allow= rules); sessions the new rules refuse are
+    /// closed
+    Allow {
+        /// The export whose rules change
+        name: String,
+        /// Host ids, address prefixes or MACs joined by '+', as in allow= (e.g. db1+10.0.0.0/8)
+        #[arg(value_name = "RULES", conflicts_with = "none")]
+        rules: Option<String>,
+        /// Remove the rules: every host the target admits may open the export
+        #[arg(long)]
+        none: bool,
+        #[command(flatten)]
+        socket: Socket,
+    },
+}
+
+/// `blkwire listener`.
+#[derive(clap::Subcommand)]
+pub enum ListenerCmd {
+    /// Listen on one more address (as `serve --listen` takes it; port 0 picks a free one and
+    /// the bound address is printed)
+    Add {
+        /// tcp://ADDR:PORT, nbd://ADDR[:PORT], udp://ADDR:PORT or eth://IFACE
+        url: String,
+        #[command(flatten)]
+        socket: Socket,
+    },
+    /// Stop listening on an address; its sessions go on
+    Rm {
+        /// The address as `listener ls` shows it
+        url: String,
+        #[command(flatten)]
+        socket: Socket,
+    },
+    /// List the addresses the target listens on
+    Ls {
+        /// Print the target's JSON result unchanged
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        socket: Socket,
+    },
+}
+
+/// `blkwire session`.
+#[derive(clap::Subcommand)]
+pub enum SessionCmd {
+    /// List the open sessions: id, export, host, peer address and queues
+    Ls {
+        /// Print the target's JSON result unchanged
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        socket: Socket,
+    },
+    /// Close a session (its initiator sees its I/O fail, or reconnects)
+    Close {
+        /// The session id, as `session ls` shows it
+        id: u32,
+        #[command(flatten)]
+        socket: Socket,
+    },
+}
+
+#[derive(clap::Args)]
+pub struct SaveConfigArgs {
+    /// Write the config to this file on this host (atomically: a temporary file renamed over
+    /// it), as the user running this command; without it the config goes to stdout. To have the
+    /// target write a file itself, on its side, use `blkwire rpc save_config '{"path":"..."}'`
+    #[arg(value_name = "FILE")]
+    file: Option<PathBuf>,
+    #[command(flatten)]
+    socket: Socket,
+}
+
+#[derive(clap::Args)]
+pub struct LoadConfigArgs {
+    /// A config `save-config` wrote: a JSON array of {"method","params"} calls, read on this
+    /// host and sent to the target
+    #[arg(value_name = "FILE")]
+    file: PathBuf,
+    #[command(flatten)]
+    socket: Socket,
+}
+
+pub fn run_export(cmd: ExportCmd) -> Result<(), String> {
+    match cmd {
+        ExportCmd::Add { name, spec, socket } => {
+            let entry = socket.call("export_add", Some(json!({"name": name, "spec": spec})))?;
+            let ro = if entry["read_only"] == true {
+                ", read-only"
+            } else {
+                ""
+            };
+            println!("added export {name} ({}{ro})", size(&entry["size"]));
+        }
+        ExportCmd::Rm {
+            name,
+            force,
+            socket,
+        } => {
+            let r = socket.call("export_remove", Some(json!({"name": name, "force": force})))?;
+            println!("removed export {name}{}", closed_sessions(&r));
+        }
+        ExportCmd::Ls { json, socket } => {
+            let list = socket.call("export_list", None)?;
+            print_list(
+                json,
+                &list,
+                &[
+                    ("name", Align::Left),
+                    ("size", Align::Right),
+                    ("spec", Align::Left),
+                    ("sessions", Align::Right),
+                ],
+                |e| {
+                    vec![
+                        cell(&e["name"]),
+                        size(&e["size"]),
+                        cell(&e["spec"]),
+                        cell(&e["sessions"]),
+                    ]
+                },
+                "no exports (`blkwire export add NAME SPEC` adds one)",
+            );
+        }
+        ExportCmd::Allow {
+            name,
+            rules,
+            none,
+            socket,
+        } => {
+            let allow = match (rules, none) {
+                (Some(r), _) => Value::String(r),
+                (None, true) => Value::Null,
+                (None, false) => {
+                    return Err(format!(
+                        "export allow needs the RULES that replace {name}'s (e.g. \
+                         db1+10.0.0.0/8) or --none to remove them"
+                    ))
+                }
+            };
+            let r = socket.call(
+                "export_set_allow",
+                Some(json!({"name": name, "allow": allow})),
+            )?;
+            match allow.as_str() {
+                Some(rules) => print!("export {name} now allows {rules}"),
+                None => print!("export {name} has no allow rules now"),
+            }
+            println!("{}", closed_sessions(&r));
+        }
+    }
+    Ok(())
+}
+
+pub fn run_listener(cmd: ListenerCmd) -> Result<(), String> {
+    match cmd {
+        ListenerCmd::Add { url, socket } => {
+            let r = socket.call("listener_add", Some(json!({"url": url})))?;
+            println!("listening on {}", cell(&r["url"]));
+        }
+        ListenerCmd::Rm { url, socket } => {
+            let r = socket.call("listener_remove", Some(json!({"url": url})))?;
+            println!("stopped listening on {}", cell(&r["url"]));
+        }
+        ListenerCmd::Ls { json, socket } => {
+            let list = socket.call("listener_list", None)?;
+            print_list(
+                json,
+                &list,
+                &[("url", Align::Left), ("kind", Align::Left)],
+                |l| vec![cell(&l["url"]), cell(&l["kind"])],
+                "no listeners (`blkwire listener add URL` adds one)",
+            );
+        }
+    }
+    Ok(())
+}
+
+pub fn run_session(cmd: SessionCmd) -> Result<(), String> {
+    match cmd {
+        SessionCmd::Ls { json, socket } => {
+            let list = socket.call("session_list", None)?;
+            let columns = [
+                ("session", Align::Left),
+                ("export", Align::Left),
+                ("host", Align::Left),
+                ("peer", Align::Left),
+                ("queues", Align::Right),
+            ];
+            print_list(
+                json,
+                &list,
+                &columns,
+                |s| columns.iter().map(|(k, _)| cell(&s[k])).collect(),
+                "no sessions",
+            );
+        }
+        SessionCmd::Close { id, socket } => {
+            socket.call("session_close", Some(json!({"session": id})))?;
+            println!("closed session {id}");
+        }
+    }
+    Ok(())
+}
+
+pub fn run_save_config(a: SaveConfigArgs) -> Result<(), String> {
+    let config = a.socket.call("save_config", None)?;
+    let text = serde_json::to_string_pretty(&config).expect("a Value always serializes") + "\n";
+    match a.file {
+        None => print!("{text}"),
+        Some(file) => {
+            write_atomically(&file, text.as_bytes())
+                .map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+            let calls = config.as_array().map_or(0, Vec::len);
+            println!(
+                "saved {} to {}",
+                counted(calls as u64, "call"),
+                file.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+pub fn run_load_config(a: LoadConfigArgs) -> Result<(), String> {
+    let file = a.file.display();
+    let text = std::fs::read_to_string(&a.file).map_err(|e| format!("cannot read {file}: {e}"))?;
+    let config: Value =
+        serde_json::from_str(&text).map_err(|e| format!("{file} is not JSON: {e}"))?;
+    if !config.is_array() {
+        return Err(format!(
+            "{file} is not a config: one is a JSON array of {{\"method\",\"params\"}} calls, as \
+             `blkwire save-config FILE` writes"
+        ));
+    }
+    let r = a
+        .socket
+        .call("load_config", Some(json!({"config": config})))?;
+    match r["applied"].as_u64() {
+        Some(n) => println!("applied {} from {file}", counted(n, "call")),
+        None => println!("applied {file}"),
+    }
+    Ok(())
+}
+
+/// A size in bytes as `format_size` words it; `-` if the target sent none.
+fn size(v: &Value) -> String {
+    v.as_u64().map_or_else(|| cell(v), format_size)
+}
+
+/// ` (closed N sessions)` when a change closed some, else nothing.
+fn closed_sessions(result: &Value) -> String {
+    match result["closed_sessions"].as_u64() {
+        None | Some(0) => String::new(),
+        Some(n) => format!(" (closed {})", counted(n, "session")),
+    }
+}
+
+/// `1 call`, `2 calls`.
+fn counted(n: u64, thing: &str) -> String {
+    if n == 1 {
+        format!("1 {thing}")
+    } else {
+        format!("{n} {thing}s")
+    }
+}
+
+/// A list result: its JSON with --json, else a table of `columns` (headers and alignment) with
+/// one `row` per element, or `if_empty` on stderr (stdout stays empty for scripts that count
+/// lines).
+fn print_list(
+    json: bool,
+    list: &Value,
+    columns: &[(&str, Align)],
+    row: impl Fn(&Value) -> Vec<String>,
+    if_empty: &str,
+) {
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(list).expect("a Value always serializes")
+        );
+        return;
+    }
+    let items = list.as_array().map_or(&[][..], Vec::as_slice);
+    if items.is_empty() {
+        eprintln!("{if_empty}");
+        return;
+    }
+    let mut rows = vec![columns.iter().map(|(h, _)| h.to_string()).collect()];
+    rows.extend(items.iter().map(row));
+    let align: Vec<Align> = columns.iter().map(|&(_, a)| a).collect();
+    print!("{}", aligned(&rows, &align));
+}
+
+/// Writes `file` so that a reader sees the old content or all of the new, never a part: a
+/// temporary file beside it (same filesystem, so the rename is atomic), synced, renamed over it.
+fn write_atomically(file: &Path, data: &[u8]) -> std::io::Result<()> {
+    let mut tmp = file.as_os_str().to_owned();
+    tmp.push(format!(".tmp{}", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .and_then(|mut f| {
+            f.write_all(data)?;
+            f.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&tmp, file));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn closed_sessions_are_counted_in_words() {
+        assert_eq!(closed_sessions(&json!({"closed_sessions": 0})), "");
+        assert_eq!(
+            closed_sessions(&json!({"closed_sessions": 1})),
+            " (closed 1 session)"
+        );
+        assert_eq!(
+            closed_sessions(&json!({"closed_sessions": 2})),
+            " (closed 2 sessions)"
+        );
+    }
+
+    #[test]
+    fn an_atomic_write_replaces_the_file_and_leaves_no_temporary() {
+        let dir =
+            std::env::temp_dir().join(format!("blkwire-manage-atomic-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("config.json");
+        std::fs::write(&file, "old and longer").unwrap();
+        write_atomically(&file, b"new").unwrap();
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "new");
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["config.json"]);
+        // A rename that fails (over a non-empty directory) leaves no temporary behind either.
+        std::fs::create_dir_all(dir.join("sub/dir")).unwrap();
+        assert!(write_atomically(&dir.join("sub"), b"x").is_err());
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,203 @@
+//! The management commands (`rpc`, `export`, `listener`, `session`, `save-config`,
+//! `load-config`) as a user runs them, where no target is needed: what they check before
+//! connecting, what they say when no control socket answers, and their --help.
+//!
+//! NOT YET END TO END: `blkwire serve --rpc-socket` is being written (issue 14); tests of these
+//! commands against a real target will be added here when it lands. The client's handling of
+//! answers (results, errors, malformed, oversize, closed) is tested against a fake server in
+//! crates/cli/src/rpc.rs.
+
+mod common;
+
+use std::process::Command;
+
+use common::{assert_one_line_error, cli, TempDir, BIN};
+
+/// Runs `blkwire` with `BLKWIRE_RPC_SOCKET` set to `socket` (or removed); returns (exit
+/// success, stdout, stderr).
+fn cli_with_env_socket(args: &[&str], socket: Option<&str>) -> (bool, String, String) {
+    let mut cmd = Command::new(BIN);
+    cmd.args(args);
+    match socket {
+        Some(s) => cmd.env("BLKWIRE_RPC_SOCKET", s),
+        None => cmd.env_remove("BLKWIRE_RPC_SOCKET"),
+    };
+    let out = cmd.output().expect("run blkwire");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn bad_json_params_are_refused_before_connecting() {
+    let d = TempDir::new("rpc-params");
+    let socket = d.path("nobody.sock");
+    let socket = socket.to_str().unwrap();
+    assert_one_line_error(
+        &["rpc", "export_add", r#"{"name":}"#, "--socket", socket],
+        "JSON-PARAMS is not JSON: expected value at line 1 column 9",
+    );
+    assert_one_line_error(
+        &["rpc", "export_add", "7", "--socket", socket],
+        "JSON-PARAMS must be a JSON object",
+    );
+    // The socket does not exist: had the command connected, it would have said so instead.
+    let (_, _, err) = cli(&["rpc", "export_add", "{", "--socket", socket]);
+    assert!(!err.contains("no control socket"), "{err}");
+}
+
+#[test]
+fn a_missing_socket_is_one_line_that_names_it_and_serve() {
+    let d = TempDir::new("rpc-missing");
+    let socket = d.path("nobody.sock");
+    let socket = socket.to_str().unwrap();
+    let expected = format!("no control socket at {socket}: is `blkwire serve` running?");
+    for args in [
+        &["rpc", "export_list"][..],
+        &["rpc", "export_add", r#"{"name":"d","spec":"mem:1M"}"#],
+        &["export", "add", "d", "mem:1M"],
+        &["export", "rm", "d", "--force"],
+        &["export", "ls"],
+        &["export", "allow", "d", "--none"],
+        &["listener", "add", "tcp://127.0.0.1:0"],
+        &["listener", "rm", "tcp://127.0.0.1:7700"],
+        &["listener", "ls", "--json"],
+        &["session", "ls"],
+        &["session", "close", "7"],
+        &["save-config"],
+    ] {
+        let mut args = args.to_vec();
+        args.extend(["--socket", socket]);
+        assert_one_line_error(&args, &expected);
+    }
+}
+
+#[test]
+fn the_socket_comes_from_the_environment_unless_given() {
+    let d = TempDir::new("rpc-env");
+    let from_env = d.path("env.sock");
+    let from_env = from_env.to_str().unwrap();
+    let (ok, _, err) = cli_with_env_socket(&["export", "ls"], Some(from_env));
+    assert!(!ok);
+    assert!(
+        err.contains(&format!("no control socket at {from_env}:")),
+        "{err}"
+    );
+    let given = d.path("given.sock");
+    let given = given.to_str().unwrap();
+    let (ok, _, err) = cli_with_env_socket(&["export", "ls", "--socket", given], Some(from_env));
+    assert!(!ok);
+    assert!(
+        err.contains(&format!("no control socket at {given}:")),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_socket_nobody_serves_is_called_stale() {
+    let d = TempDir::new("rpc-stale");
+    let socket = d.path("stale.sock");
+    // The file stays when its listener goes, as when serve is killed.
+    drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
+    assert_one_line_error(
+        &["session", "ls", "--socket", socket.to_str().unwrap()],
+        "(a stale socket?)",
+    );
+}
+
+#[test]
+fn load_config_checks_its_file_before_connecting() {
+    let d = TempDir::new("rpc-load");
+    let socket = d.path("nobody.sock");
+    let socket = socket.to_str().unwrap();
+    let bad = d.path("bad.json");
+    std::fs::write(&bad, "[\n  {\"method\": \"export_add\",}\n]\n").unwrap();
+    let bad = bad.to_str().unwrap();
+    assert_one_line_error(
+        &["load-config", bad, "--socket", socket],
+        &format!("{bad} is not JSON: trailing comma at line 2 column 27"),
+    );
+    let object = d.path("object.json");
+    std::fs::write(&object, r#"{"method": "export_list"}"#).unwrap();
+    let object = object.to_str().unwrap();
+    assert_one_line_error(
+        &["load-config", object, "--socket", socket],
+        &format!("{object} is not a config: one is a JSON array"),
+    );
+    let missing = d.path("missing.json");
+    let missing = missing.to_str().unwrap();
+    assert_one_line_error(
+        &["load-config", missing, "--socket", socket],
+        &format!("cannot read {missing}"),
+    );
+    // A good file gets as far as the socket.
+    let good = d.path("good.json");
+    std::fs::write(&good, "[]").unwrap();
+    assert_one_line_error(
+        &["load-config", good.to_str().unwrap(), "--socket", socket],
+        "no control socket at",
+    );
+}
+
+#[test]
+fn export_allow_takes_rules_or_none() {
+    assert_one_line_error(
+        &["export", "allow", "disk0", "--socket", "/nonexistent.sock"],
+        "export allow needs the RULES that replace disk0's (e.g. db1+10.0.0.0/8) or --none",
+    );
+    assert_one_line_error(
+        &["export", "allow", "disk0", "db1", "--none"],
+        "cannot be used with",
+    );
+}
+
+#[test]
+fn every_management_command_says_in_its_help_which_socket_and_who_may_use_it() {
+    for cmd in [
+        &["rpc"][..],
+        &["export", "add"],
+        &["export", "rm"],
+        &["export", "ls"],
+        &["export", "allow"],
+        &["listener", "add"],
+        &["listener", "rm"],
+        &["listener", "ls"],
+        &["session", "ls"],
+        &["session", "close"],
+        &["save-config"],
+        &["load-config"],
+    ] {
+        let mut args = cmd.to_vec();
+        args.push("--help");
+        let (ok, help, _) = cli_with_env_socket(&args, None);
+        assert!(ok, "{args:?}");
+        for needle in [
+            "--socket <PATH>",
+            "[default: /run/blkwire/blkwire.sock]",
+            "BLKWIRE_RPC_SOCKET",
+            "only root or the user running `blkwire serve`",
+        ] {
+            assert!(
+                help.contains(needle),
+                "{args:?}: '{needle}' not in:\n{help}"
+            );
+        }
+    }
+    for group in ["export", "listener", "session"] {
+        let (ok, help, _) = cli_with_env_socket(&[group, "--help"], None);
+        assert!(ok, "{group}");
+        assert!(
+            help.contains("/run/blkwire/blkwire.sock")
+                && help.contains("only root or the user running serve"),
+            "{group}:\n{help}"
+        );
+    }
+    // save-config FILE writes on the client's side; the help says how to write on the target's.
+    let (_, help, _) = cli(&["save-config", "--help"]);
+    assert!(
+        help.contains(r#"blkwire rpc save_config '{"path":"#),
+        "{help}"
+    );
+}
