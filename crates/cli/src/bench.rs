@@ -185,6 +185,7 @@ pub fn run(a: Args) -> Result<(), String> {
                     "p50": us(total.hist.quantile(0.5) as f64),
                     "p99": us(total.hist.quantile(0.99) as f64),
                     "p999": us(total.hist.quantile(0.999) as f64),
+                    "max": us(total.hist.max() as f64),
                 },
                 "queues": queues,
             })

@@ -33,6 +33,10 @@ impl Histogram {
     pub fn mean(&self) -> f64 {
         self.0.mean()
     }
+    /// The longest latency recorded.
+    pub fn max(&self) -> u64 {
+        self.0.max()
+    }
     /// Value at quantile `q` (0..=1).
     pub fn quantile(&self, q: f64) -> u64 {
         self.0.value_at_quantile(q)
@@ -54,6 +58,7 @@ mod tests {
         let p99 = h.quantile(0.99) as f64;
         assert!((p99 / 9_900_000.0 - 1.0).abs() < 0.002, "{p99}");
         assert!((h.mean() / 5_000_500.0 - 1.0).abs() < 0.002);
+        assert!((h.max() as f64 / 10_000_000.0 - 1.0).abs() < 0.002);
         let mut other = Histogram::default();
         other.record(u64::MAX);
         h.merge(&other);

@@ -69,7 +69,8 @@ pub enum ListenerCmd {
         #[command(flatten)]
         socket: Socket,
     },
-    /// Stop listening on an address; its sessions go on
+    /// Stop listening on an address: tcp:// and nbd:// connections it accepted go on; udp://
+    /// and eth:// sessions on it end with its sockets
     Rm {
         /// The address as `listener ls` shows it
         url: String,

@@ -99,9 +99,6 @@ pub struct Args {
     tls_key: Option<PathBuf>,
 }
 
-/// Where the control socket is unless `--rpc-socket` says otherwise.
-pub const DEFAULT_RPC_SOCKET: &str = "/run/blkwire/blkwire.sock";
-
 /// `--export` in `--help`: every backend the registry knows, with what it is.
 fn export_help() -> String {
     let mut h = String::from(
@@ -165,23 +162,40 @@ pub fn run(a: Args) -> Result<(), String> {
     // every thread inherits the mask and none is interrupted mid-I/O.
     let sigs = block_signals();
     let mut target = Target::start(&options).map_err(|e| e.to_string())?;
-    match a.rpc_socket.as_deref() {
-        Some("none") => {}
-        Some(path) => target
-            .open_control_socket(Path::new(path))
-            .map_err(|e| e.to_string())?,
-        None => {
-            if let Err(e) = target.open_control_socket(Path::new(DEFAULT_RPC_SOCKET)) {
-                log!(log::Level::Warn, "no control socket: {e}");
-            }
-        }
-    }
+    // Every call first: a bad flag or config fails before anything is opened or said.
     let shown = a.config.as_ref().map(|p| p.display().to_string());
     target
         .apply(&file_calls, shown.as_deref())
         .and_then(|()| target.apply(&flags.calls(), None))
         .map_err(|e| e.to_string())?;
-    target.check_ready().map_err(|e| e.to_string())?;
+    let wants_control = a.rpc_socket.as_deref() != Some("none");
+    target
+        .check_ready(wants_control)
+        .map_err(|e| e.to_string())?;
+    let control = match a.rpc_socket.as_deref() {
+        Some("none") => None,
+        Some(path) => {
+            let path = Path::new(path);
+            target
+                .open_control_socket(path)
+                .map_err(|e| e.to_string())?;
+            Some(path)
+        }
+        None => {
+            let path = Path::new(crate::rpc::DEFAULT_SOCKET);
+            match target.open_control_socket(path) {
+                Ok(()) => Some(path),
+                Err(e) => {
+                    log!(log::Level::Info, "no control socket: {e}");
+                    None
+                }
+            }
+        }
+    };
+    if control.is_none() {
+        // Without a control socket nothing could be added later.
+        target.check_ready(false).map_err(|e| e.to_string())?;
+    }
     let stop = target.stop_handle();
     std::thread::spawn(move || {
         let mut sig = 0;
@@ -194,6 +208,10 @@ pub fn run(a: Args) -> Result<(), String> {
         for u in target.urls() {
             // Scripts wait for these lines: one per listener, flushed at once.
             let _ = writeln!(out, "listening {u}");
+        }
+        if let Some(p) = control {
+            // A target built by calls alone may have no listener yet: this line says it is up.
+            let _ = writeln!(out, "control {}", p.display());
         }
         let _ = out.flush();
     }

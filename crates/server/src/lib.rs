@@ -39,6 +39,7 @@ pub use control::{parse_config, write_config, Call, Options, RpcError, MIN_MEMOR
 use frontend::StreamFrontend;
 use reactor::QueueReport;
 use reactor::{Msg, NewQueue, Reactor};
+pub use rpc::decode as decode_rpc_request;
 pub use session::Limits;
 use session::{HelloAnswer, Registry};
 use stats::QueueStats;
@@ -230,12 +231,9 @@ impl Shared {
             code: RpcError::REFUSED,
             message: m,
         };
-        if self
-            .lock_listeners()
-            .list
-            .iter()
-            .any(|l| l.asked == url || l.url == url)
-        {
+        // The bound URL only: asking twice for port 0 is two listeners, and any other address
+        // taken twice is refused by the bind itself.
+        if self.lock_listeners().list.iter().any(|l| l.url == url) {
             return Err(refused(format!("already listening on {url}")));
         }
         let id;
@@ -558,7 +556,7 @@ impl Target {
     pub fn bind(cfg: &TargetConfig) -> Result<Target, Error> {
         let t = Target::start(&cfg.options)?;
         t.apply(&cfg.calls(), None)?;
-        t.check_ready()?;
+        t.check_ready(false)?;
         Ok(t)
     }
 
@@ -589,12 +587,12 @@ impl Target {
     }
 
     /// Whether the target, as configured so far, can serve: TLS has credentials, and there is
-    /// something to serve and somewhere to serve it, unless a control socket is open to add
-    /// them later.
-    pub fn check_ready(&self) -> Result<(), Error> {
+    /// something to serve and somewhere to serve it, unless a control socket (`control`) can
+    /// add them later.
+    pub fn check_ready(&self, control: bool) -> Result<(), Error> {
         let sh = &self.shared;
         sh.tls.check_credentials(sh.registry.access.has_keys())?;
-        if self.rpc.is_some() {
+        if control {
             return Ok(());
         }
         if sh.registry.exports().is_empty() {

@@ -124,23 +124,17 @@ fn serve(listener: UnixListener, stop: &OwnedFd, shared: Arc<Shared>) {
         let Ok((mut s, _)) = listener.accept() else {
             continue;
         };
-        if let Err(uid) = permitted(&s) {
-            crate::log!(
-                Level::Warn,
-                "control socket: refused a client running as uid {uid} (root and the target's \
-                 user only)"
-            );
-            let _ = s.write_all(&line(&error_reply(
-                Value::Null,
-                RpcError {
-                    code: RpcError::PERMISSION,
-                    message: "permission denied: the control socket is for root and the user \
-                              running the target"
-                        .into(),
-                },
-            )));
-            continue;
-        }
+        let allowed = match permitted(&s) {
+            Ok(()) => true,
+            Err(uid) => {
+                crate::log!(
+                    Level::Warn,
+                    "control socket: refused a client running as uid {uid} (root and the \
+                     target's user only)"
+                );
+                false
+            }
+        };
         if clients.fetch_add(1, Ordering::Relaxed) >= MAX_CLIENTS {
             clients.fetch_sub(1, Ordering::Relaxed);
             let _ = s.write_all(&line(&error_reply(
@@ -156,7 +150,11 @@ fn serve(listener: UnixListener, stop: &OwnedFd, shared: Arc<Shared>) {
         let spawned = std::thread::Builder::new()
             .name("blkwire-rpc-c".into())
             .spawn(move || {
-                client(s, &shared);
+                if allowed {
+                    client(s, &shared);
+                } else {
+                    refuse(s);
+                }
                 clients2.fetch_sub(1, Ordering::Relaxed);
             });
         if spawned.is_err() {
@@ -190,6 +188,27 @@ fn permitted(s: &UnixStream) -> Result<(), u32> {
     } else {
         Err(cred.uid)
     }
+}
+
+/// Answers a client that may not use the socket: its first request gets a PERMISSION error
+/// (read first, so that the client is not cut off while it writes), nothing runs.
+fn refuse(s: UnixStream) {
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let Ok(mut out) = s.try_clone() else {
+        return;
+    };
+    let mut first = Vec::new();
+    let _ = BufReader::new(s)
+        .take(64 << 10)
+        .read_until(b'\n', &mut first);
+    let id = decode(&first).map_or(Value::Null, |(id, _, _)| id.unwrap_or(Value::Null));
+    let e = RpcError {
+        code: RpcError::PERMISSION,
+        message: "permission denied: the control socket is for root and the user running the \
+                  target"
+            .into(),
+    };
+    let _ = out.write_all(&line(&error_reply(id, e)));
 }
 
 /// Answers one client's requests, one per line, until it hangs up.
