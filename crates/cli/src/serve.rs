@@ -215,11 +215,25 @@ pub fn run(a: Args) -> Result<(), String> {
         }
         let _ = out.flush();
     }
-    if target.exports().is_empty() {
+    let names: Vec<String> = target
+        .exports()
+        .iter()
+        .map(|e| {
+            format!(
+                "{}={}{}",
+                e.name,
+                e.backend().describe(),
+                if e.read_only { ",ro" } else { "" }
+            )
+        })
+        .collect();
+    if names.is_empty() {
         log!(
             log::Level::Info,
             "no exports yet: add them with `blkwire export add NAME SPEC`"
         );
+    } else {
+        log!(log::Level::Info, "exports: {}", names.join(" "));
     }
     target.run().map_err(|e| e.to_string())
 }

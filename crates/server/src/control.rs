@@ -426,12 +426,7 @@ fn export_add(sh: &Shared, p: Value) -> Result<Value, RpcError> {
     let spec = ExportSpec::parse(&format!("{}={}", p.name, p.spec))
         .map_err(|e| RpcError::params(e.to_string()))?;
     sh.registry.add_export(spec).map_err(RpcError::refused)?;
-    crate::log!(
-        crate::log::Level::Info,
-        "export '{}' added: {}",
-        p.name,
-        p.spec
-    );
+    crate::log!(sh.change_level(), "export '{}' added: {}", p.name, p.spec);
     Ok(export_entry(sh, &p.name))
 }
 
@@ -454,6 +449,15 @@ fn export_remove(sh: &Shared, p: Value) -> Result<Value, RpcError> {
         .remove_export(&p.name, p.force)
         .map_err(RpcError::refused)?;
     sh.close_sessions(&closed);
+    crate::log!(
+        sh.change_level(),
+        "export '{}' removed{}",
+        p.name,
+        match closed.len() {
+            0 => String::new(),
+            n => format!(", closing {n} session(s)"),
+        }
+    );
     Ok(json!({ "name": p.name, "closed_sessions": closed.len() }))
 }
 

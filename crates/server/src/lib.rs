@@ -174,6 +174,9 @@ pub(crate) struct Shared {
     /// Written when `listeners` changes: the accept loop polls the new set.
     changed: OwnedFd,
     stop: Arc<OwnedFd>,
+    /// `run` has begun: changes from now on are logged (at start, `serve` sums them up in one
+    /// line, and a bad flag's error stays the only line).
+    serving: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -203,6 +206,15 @@ impl Listener {
 }
 
 impl Shared {
+    /// The level a change is logged at: info once serving, debug while starting.
+    fn change_level(&self) -> Level {
+        if self.serving.load(std::sync::atomic::Ordering::Relaxed) {
+            Level::Info
+        } else {
+            Level::Debug
+        }
+    }
+
     /// Closes every queue of these sessions, on whichever reactor serves them.
     fn close_sessions(&self, sessions: &[u32]) {
         if sessions.is_empty() {
@@ -290,7 +302,7 @@ impl Shared {
                  add --keys FILE (blkwire key gen) or allow= rules before serving real data"
             );
         }
-        crate::log!(Level::Debug, "listener {id} added: {bound}");
+        crate::log!(self.change_level(), "listening on {bound} (listener {id})");
         Ok(bound)
     }
 
@@ -545,6 +557,7 @@ impl Target {
                 listeners: Mutex::new(Listeners::default()),
                 changed: eventfd()?,
                 stop: Arc::new(eventfd()?),
+                serving: Default::default(),
             }),
             handles,
             rpc: None,
@@ -640,6 +653,9 @@ impl Target {
     /// Accepts connections until stopped, then drains: requests already received are answered,
     /// then every queue closes and the reactors exit.
     pub fn run(self) -> Result<(), Error> {
+        self.shared
+            .serving
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let (mut live, mut fds) = self.shared.poll_set();
         let mut stop_at = live.len();
         let workers: Arc<Vec<(Sender<Msg>, i32)>> = Arc::new(

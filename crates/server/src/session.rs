@@ -739,15 +739,6 @@ impl Registry {
                 s.revoked = true;
             }
         }
-        crate::log!(
-            Level::Info,
-            "export '{name}' removed{}",
-            if users.is_empty() {
-                String::new()
-            } else {
-                format!(", closing {} session(s)", users.len())
-            }
-        );
         Ok(users)
     }
 
