@@ -31,7 +31,7 @@ pub struct Args {
     config: Option<PathBuf>,
     /// The control socket (JSON-RPC, `blkwire rpc`, `blkwire export add ...`), for root and
     /// the user running the target only; `none` opens none. Default /run/blkwire/blkwire.sock
-    /// when it can be had (a second target on the machine warns and runs without)
+    /// when it can be had (a second target on the machine logs that and runs without)
     #[arg(long, value_name = "PATH")]
     rpc_socket: Option<String>,
     /// Worker threads, each with its own io_uring [default: one per CPU]
