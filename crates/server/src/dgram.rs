@@ -24,7 +24,7 @@ use blkwire_wire::{
 use crate::access::PeerId;
 use crate::budget::Account;
 use crate::bufpool::Buffers;
-use crate::executor::{Executor, Outcome};
+use crate::executor::{Executor, Outcome, Started};
 use crate::frontend::native::flush_args_valid;
 use crate::log::Level;
 use crate::session::{HelloAnswer, JoinRefused, QueueSeal, Registry};
@@ -95,8 +95,8 @@ enum SlotState {
     Empty,
     /// WRITE fragments arriving.
     Assembling,
-    /// Backend I/O in flight.
-    Running,
+    /// Backend I/O in flight, since then.
+    Running(Started),
     /// Answered; the reply can be rebuilt from `hdr` and `status`.
     Done,
 }
@@ -111,6 +111,12 @@ struct TSlot {
     frags: u32,
     /// READ retransmissions: the fragments the initiator already holds.
     client_has: Vec<u8>,
+}
+
+impl TSlot {
+    fn is_running(&self) -> bool {
+        matches!(self.state, SlotState::Running(_))
+    }
 }
 
 struct DQ {
@@ -170,7 +176,7 @@ fn classify(state: SlotState, held: &Header, h: &Header) -> Verdict {
         SlotState::Assembling if same => Verdict::Fragment,
         SlotState::Done if same && h.opcode == Opcode::Read => Verdict::Reread,
         SlotState::Done if same => Verdict::ResendReply,
-        SlotState::Running => Verdict::Drop,
+        SlotState::Running(_) => Verdict::Drop,
         _ if h.tag.generation_older_than(held.tag.generation()) => Verdict::Drop,
         _ => Verdict::New,
     }
@@ -812,7 +818,7 @@ impl DgramPort {
 
     fn remove(&mut self, qi: usize) {
         if let Some(q) = self.queues[qi].take() {
-            if q.slots.iter().any(|s| s.state == SlotState::Running) {
+            if q.slots.iter().any(|s| s.is_running()) {
                 // Backend I/O still owns slot buffers: keep the queue until it completes.
                 self.queues[qi] = Some(q);
                 return;
@@ -1033,23 +1039,27 @@ impl DgramPort {
         // Running slots is never removed.
         match unsafe { q.exec.start(&block, buf, ud(q.incarnation, qi, slot), sq) } {
             Outcome::Done(st) => self.finish(qi, slot, st),
-            Outcome::Pending => q.slots[slot as usize].state = SlotState::Running,
+            Outcome::Pending(started) => q.slots[slot as usize].state = SlotState::Running(started),
         }
     }
 
+    /// The queue and request of a Running slot, with when it started.
     fn running(
         &mut self,
         qi: usize,
         incarnation: u32,
         slot: u16,
-    ) -> Option<(&mut DQ, BlockRequest)> {
+    ) -> Option<(&mut DQ, BlockRequest, Started)> {
         let q = self.queues.get_mut(qi).and_then(Option::as_mut)?;
         let s = q.slots.get(slot as usize)?;
-        if q.incarnation != incarnation || s.state != SlotState::Running {
+        let SlotState::Running(started) = s.state else {
+            return None;
+        };
+        if q.incarnation != incarnation {
             return None;
         }
         let block = s.hdr.block_request()?;
-        Some((q, block))
+        Some((q, block, started))
     }
 
     /// io_uring completion for a queue's backend I/O (`tag` is its user data).
@@ -1062,11 +1072,11 @@ impl DgramPort {
         res: i32,
         sq: &mut dyn Submitter,
     ) {
-        let Some((q, block)) = self.running(qi, incarnation, slot) else {
+        let Some((q, block, started)) = self.running(qi, incarnation, slot) else {
             return;
         };
         if let Some(r) = q.exec.complete(tag, res, sq) {
-            let st = q.exec.status(&block, r);
+            let st = q.exec.status(&block, r, started);
             self.finish(qi, slot, st);
         }
     }
@@ -1083,8 +1093,8 @@ impl DgramPort {
         q.exec
             .reap(sq, &mut |tag, res| done.push((tag as u16, res)));
         for (slot, res) in done {
-            if let Some((q, block)) = self.running(qi, incarnation, slot) {
-                let st = q.exec.status(&block, res);
+            if let Some((q, block, started)) = self.running(qi, incarnation, slot) {
+                let st = q.exec.status(&block, res, started);
                 self.finish(qi, slot, st);
             }
         }
@@ -1157,11 +1167,7 @@ impl DgramPort {
                 session: q.session,
                 queue: q.queue,
                 thread,
-                in_flight: q
-                    .slots
-                    .iter()
-                    .filter(|s| s.state == SlotState::Running)
-                    .count() as u32,
+                in_flight: q.slots.iter().filter(|s| s.is_running()).count() as u32,
                 stats: q.exec.stats,
             })
             .collect()
@@ -1227,7 +1233,7 @@ impl DgramPort {
         self.queues
             .iter()
             .flatten()
-            .any(|q| q.slots.iter().any(|s| s.state == SlotState::Running))
+            .any(|q| q.slots.iter().any(|s| s.is_running()))
     }
 }
 
@@ -1242,8 +1248,9 @@ mod tests {
     #[test]
     fn generation_rules() {
         use Opcode::{Read, Write};
-        use SlotState::{Assembling, Done, Empty, Running};
+        use SlotState::{Assembling, Done, Empty};
         use Verdict::*;
+        let running = SlotState::Running(Started::now());
         #[rustfmt::skip]
         let table = [
             // (slot state, held op/gen, arriving op/gen) -> verdict
@@ -1252,8 +1259,8 @@ mod tests {
             (Assembling, (Write, 5), (Read, 5), New),         // same generation, other command
             (Assembling, (Write, 5), (Write, 6), New),        // the write was given up
             (Assembling, (Write, 5), (Write, 4), Drop),       // stale
-            (Running, (Write, 5), (Write, 5), Drop),          // duplicate of what runs
-            (Running, (Write, 5), (Read, 6), Drop),           // next one waits for the slot
+            (running, (Write, 5), (Write, 5), Drop),          // duplicate of what runs
+            (running, (Write, 5), (Read, 6), Drop),           // next one waits for the slot
             (Done, (Read, 5), (Read, 5), Reread),
             (Done, (Write, 5), (Write, 5), ResendReply),      // never executed twice
             (Done, (Write, 5), (Write, 4), Drop),             // late duplicate of an older one

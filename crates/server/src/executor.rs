@@ -1,11 +1,12 @@
 //! The one place a block request runs, whatever frontend or transport carried it:
 //! validate -> export range and read-only check -> start -> complete -> status, with the
-//! queue's counters. The stream reactor (native and NBD over TCP) and the datagram ports (UDP,
+//! queue's counters and latency histograms (timed from start to status). The stream reactor (native and NBD over TCP) and the datagram ports (UDP,
 //! raw Ethernet) each own one `Executor` per queue; they differ only in how requests arrive and
 //! replies leave (docs/ARCHITECTURE.md, "Data path").
 
 use std::os::fd::RawFd;
 use std::sync::Arc;
+use std::time::Instant;
 
 use blkwire_backend::{
     BlockOp, BlockRequest, Export, ExportQueue, Extent, IoFlags, Op, Progress, Refusal, Submitter,
@@ -16,11 +17,24 @@ use crate::stats::QueueStats;
 
 /// How far a request got when it was started.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome {
+pub enum Outcome<P = Started> {
     /// Answered already (inline backends, emulated no-ops, refusals).
     Done(Status),
-    /// Running: its result comes through [`Executor::complete`] or [`Executor::reap`].
-    Pending,
+    /// Running: its result comes through [`Executor::complete`] or [`Executor::reap`]; a block
+    /// request's [`Started`] goes with it to [`Executor::status`].
+    Pending(P),
+}
+
+/// When a block request that is still running started: its slot keeps it (no allocation, no
+/// map by tag) and hands it to [`Executor::status`], which records the request's latency.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Started(Instant);
+
+#[cfg(test)]
+impl Started {
+    pub fn now() -> Started {
+        Started(Instant::now())
+    }
 }
 
 /// One queue's handle on an export: emulation layer, limits and counters.
@@ -120,7 +134,9 @@ impl Executor {
         Ok(())
     }
 
-    /// Counts and starts an admitted request. Ring entries carry `tag` as user data.
+    /// Counts and starts an admitted request. Ring entries carry `tag` as user data. Its
+    /// latency is recorded when it is answered here, or by [`Executor::status`] with the
+    /// [`Started`] of [`Outcome::Pending`].
     ///
     /// # Safety
     /// For READ, `buf` must be valid for writes of `req.len` bytes, and for WRITE for reads of
@@ -133,6 +149,8 @@ impl Executor {
         tag: u64,
         sq: &mut dyn Submitter,
     ) -> Outcome {
+        // One clock read (vDSO, no syscall) here and one at the status.
+        let started = Started(Instant::now());
         let s = &mut self.stats;
         match req.op {
             BlockOp::Read => s.reads += 1,
@@ -145,12 +163,12 @@ impl Executor {
             BlockOp::WriteZeroes => s.write_zeroes += 1,
         }
         if matches!(req.op, BlockOp::Trim | BlockOp::WriteZeroes) && req.len == 0 {
-            return Outcome::Done(Status::Ok);
+            return Outcome::Done(self.status(req, 0, started));
         }
         // SAFETY: passed on from our caller.
         match unsafe { self.io.start(Op::for_request(req, buf), tag, sq) } {
-            Progress::Done(res) => Outcome::Done(self.status(req, res)),
-            Progress::Pending => Outcome::Pending,
+            Progress::Done(res) => Outcome::Done(self.status(req, res, started)),
+            Progress::Pending => Outcome::Pending(started),
         }
     }
 
@@ -172,11 +190,11 @@ impl Executor {
         out: *mut Vec<Extent>,
         tag: u64,
         sq: &mut dyn Submitter,
-    ) -> Outcome {
+    ) -> Outcome<()> {
         // SAFETY: passed on from our caller.
         match unsafe { self.io.start_allocation(offset, len as u64, out, tag, sq) } {
             Progress::Done(res) => Outcome::Done(result_status(res)),
-            Progress::Pending => Outcome::Pending,
+            Progress::Pending => Outcome::Pending(()),
         }
     }
 
@@ -187,8 +205,9 @@ impl Executor {
     }
 
     /// The status of a finished request from its backend result (bytes or a negative errno);
-    /// counts bytes read.
-    pub fn status(&mut self, req: &BlockRequest, res: i32) -> Status {
+    /// counts bytes read and records how long it took since `started`.
+    pub fn status(&mut self, req: &BlockRequest, res: i32, started: Started) -> Status {
+        self.stats.latency.record(req.op, started.0.elapsed());
         let status = if res < 0 {
             Status::from_errno(-res)
         } else if req.op.moves_data() && res as u32 != req.len {
@@ -299,6 +318,18 @@ mod tests {
         assert_eq!(back, data);
         assert_eq!((x.stats.reads, x.stats.writes), (1, 1));
         assert_eq!((x.stats.bytes_read, x.stats.bytes_written), (4096, 4096));
+        for op in [BlockOp::Read, BlockOp::Write] {
+            assert_eq!(x.stats.latency.of(op).count(), 1, "{op:?} timed");
+        }
+        let trim = BlockRequest::new(BlockOp::Trim, 0, 0);
+        // SAFETY: a trim reads no buffer.
+        let o = unsafe { x.start(&trim, std::ptr::null_mut(), 0, &mut NoRing) };
+        assert_eq!(o, Outcome::Done(Status::Ok));
+        assert_eq!(
+            x.stats.latency.of(BlockOp::Trim).count(),
+            1,
+            "an empty trim, answered without the backend, is timed too"
+        );
     }
 
     /// What a protocol asks as FUA reaches a flush-only backend that completes on its own
@@ -319,7 +350,9 @@ mod tests {
         assert_eq!(x.admit(&w), Ok(()));
         // SAFETY: `data` outlives every result collected below.
         let o = unsafe { x.start(&w, data.as_mut_ptr(), 77, &mut NoRing) };
-        assert_eq!(o, Outcome::Pending);
+        let Outcome::Pending(started) = o else {
+            panic!("{o:?}: the backend answers on its own thread")
+        };
         let mut done = Vec::new();
         for _ in 0..2 {
             x.reap(&mut NoRing, &mut |tag, res| done.push((tag, res)));
@@ -329,9 +362,10 @@ mod tests {
             [(77, 4096)],
             "one answer, with the write's byte count"
         );
-        assert_eq!(x.status(&w, done[0].1), Status::Ok);
+        assert_eq!(x.status(&w, done[0].1, started), Status::Ok);
         assert_eq!(b.log(), ["write 0+4096 fua=false", "flush"]);
         assert_eq!(x.stats.writes, 1);
+        assert_eq!(x.stats.latency.of(BlockOp::Write).count(), 1, "timed once");
     }
 
     #[test]
@@ -341,19 +375,30 @@ mod tests {
         let r = BlockRequest::new(BlockOp::Read, 0, 4096);
         let w = BlockRequest::new(BlockOp::Write, 0, 4096);
         let f = BlockRequest::new(BlockOp::Flush, 0, 0);
-        assert_eq!(x.status(&r, 4096), Status::Ok);
-        assert_eq!(x.status(&r, 100), Status::Io, "short read");
+        let t = Started::now();
+        assert_eq!(x.status(&r, 4096, t), Status::Ok);
+        assert_eq!(x.status(&r, 100, t), Status::Io, "short read");
         assert_eq!(
-            x.status(&w, 100),
+            x.status(&w, 100, t),
             Status::OutOfRange,
             "short write: no space"
         );
-        assert_eq!(x.status(&f, 0), Status::Ok);
-        assert_eq!(x.status(&f, -libc::EIO), Status::Io);
+        assert_eq!(x.status(&f, 0, t), Status::Ok);
+        assert_eq!(x.status(&f, -libc::EIO, t), Status::Io);
         assert_eq!(
-            x.status(&w, -libc::ENOSPC),
+            x.status(&w, -libc::ENOSPC, t),
             Status::from_errno(libc::ENOSPC)
         );
         assert_eq!(x.stats.bytes_read, 4096, "only the successful read counts");
+        let timed = |op| x.stats.latency.of(op).count();
+        assert_eq!(
+            (
+                timed(BlockOp::Read),
+                timed(BlockOp::Write),
+                timed(BlockOp::Flush)
+            ),
+            (2, 2, 2),
+            "failures are timed too"
+        );
     }
 }

@@ -1,6 +1,9 @@
 //! Per-queue counters. Each queue's counters are owned by the thread serving it (plain integers,
 //! no atomics); they are reported when the queue closes and summed per session.
 
+use std::time::Duration;
+
+use blkwire_backend::BlockOp;
 use serde::Serialize;
 
 #[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
@@ -20,6 +23,10 @@ pub struct QueueStats {
     pub protocol_errors: u64,
     /// Late or duplicate requests dropped (datagram transports; always 0 on TCP).
     pub dropped_duplicates: u64,
+    /// Left out of the STATS document, which must stay under 1 MiB (PROTOCOL.md §11); the
+    /// metrics endpoint shows them.
+    #[serde(skip)]
+    pub latency: Latency,
 }
 
 impl QueueStats {
@@ -36,5 +43,160 @@ impl QueueStats {
         self.errors += o.errors;
         self.protocol_errors += o.protocol_errors;
         self.dropped_duplicates += o.dropped_duplicates;
+        self.latency.add(&o.latency);
+    }
+
+    /// Requests of `op` started.
+    pub fn started(&self, op: BlockOp) -> u64 {
+        match op {
+            BlockOp::Read => self.reads,
+            BlockOp::Write => self.writes,
+            BlockOp::Flush => self.flushes,
+            BlockOp::Trim => self.trims,
+            BlockOp::WriteZeroes => self.write_zeroes,
+        }
+    }
+}
+
+/// Every block operation, with its name in metrics (the `op` label).
+pub const OPS: [(BlockOp, &str); 5] = [
+    (BlockOp::Read, "read"),
+    (BlockOp::Write, "write"),
+    (BlockOp::Flush, "flush"),
+    (BlockOp::Trim, "trim"),
+    (BlockOp::WriteZeroes, "write_zeroes"),
+];
+
+/// How long requests took, per operation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Latency {
+    by_op: [Histogram; OPS.len()],
+}
+
+impl Latency {
+    /// Counts one finished request of `op` that took `took`.
+    pub fn record(&mut self, op: BlockOp, took: Duration) {
+        self.by_op[Self::index(op)].record(took);
+    }
+
+    pub fn of(&self, op: BlockOp) -> &Histogram {
+        &self.by_op[Self::index(op)]
+    }
+
+    fn index(op: BlockOp) -> usize {
+        match op {
+            BlockOp::Read => 0,
+            BlockOp::Write => 1,
+            BlockOp::Flush => 2,
+            BlockOp::Trim => 3,
+            BlockOp::WriteZeroes => 4,
+        }
+    }
+
+    fn add(&mut self, o: &Latency) {
+        for (h, o) in self.by_op.iter_mut().zip(&o.by_op) {
+            h.add(o);
+        }
+    }
+}
+
+/// Finite buckets of a [`Histogram`]: upper bounds 1 us, 2 us, 4 us ... 2^23 us (8.4 s).
+pub const BUCKETS: usize = 24;
+
+/// A latency histogram with fixed powers-of-two buckets: recording is a division, a count of
+/// leading zeros and two additions, with no allocation (it lives inside [`QueueStats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Histogram {
+    /// `counts[i]` for `i < BUCKETS`: requests that took more than bucket `i - 1`'s bound and
+    /// at most bucket `i`'s; `counts[BUCKETS]`: slower than the last bound.
+    counts: [u64; BUCKETS + 1],
+    sum_ns: u64,
+}
+
+impl Histogram {
+    /// Bucket `i`'s upper bound (inclusive), in nanoseconds: 1 us x 2^i.
+    pub fn bound_ns(i: usize) -> u64 {
+        1000 << i
+    }
+
+    pub fn record(&mut self, took: Duration) {
+        let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        // The first bucket whose bound 1000 x 2^i is >= ns: ns <= 1000 x 2^i exactly when
+        // ceil(ns / 1000) <= 2^i, as 2^i is whole.
+        let us = ns.div_ceil(1000);
+        let i = if us <= 1 {
+            0
+        } else {
+            (u64::BITS - (us - 1).leading_zeros()) as usize
+        };
+        self.counts[i.min(BUCKETS)] += 1;
+        self.sum_ns = self.sum_ns.saturating_add(ns);
+    }
+
+    /// Requests in bucket `i` (`BUCKETS`: slower than every bound), not cumulative.
+    pub fn bucket(&self, i: usize) -> u64 {
+        self.counts[i]
+    }
+
+    /// Requests recorded.
+    pub fn count(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+
+    /// Their total time, in nanoseconds.
+    pub fn sum_ns(&self) -> u64 {
+        self.sum_ns
+    }
+
+    fn add(&mut self, o: &Histogram) {
+        for (c, o) in self.counts.iter_mut().zip(&o.counts) {
+            *c += o;
+        }
+        self.sum_ns = self.sum_ns.saturating_add(o.sum_ns);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latencies_land_in_the_first_bucket_whose_bound_holds_them() {
+        let at = |ns: u64| {
+            let mut h = Histogram::default();
+            h.record(Duration::from_nanos(ns));
+            (0..=BUCKETS).find(|&i| h.bucket(i) == 1).unwrap()
+        };
+        assert_eq!(at(0), 0);
+        assert_eq!(at(1000), 0, "the bound is inclusive");
+        assert_eq!(at(1001), 1);
+        assert_eq!(at(2000), 1);
+        assert_eq!(at(2001), 2);
+        assert_eq!(at(1_000_000), 10, "1 ms <= 1.024 ms");
+        let last = Histogram::bound_ns(BUCKETS - 1);
+        assert_eq!(last, 8_388_608_000);
+        assert_eq!(at(last), BUCKETS - 1);
+        assert_eq!(at(last + 1), BUCKETS, "slower than every bound");
+        assert_eq!(at(u64::MAX), BUCKETS);
+        for i in 0..BUCKETS {
+            assert_eq!(at(Histogram::bound_ns(i)), i);
+            assert_eq!(at(Histogram::bound_ns(i) + 1), i + 1);
+        }
+    }
+
+    #[test]
+    fn histograms_add_up_per_operation() {
+        let mut a = QueueStats::default();
+        a.latency.record(BlockOp::Read, Duration::from_micros(3));
+        a.latency.record(BlockOp::Read, Duration::from_secs(60));
+        a.latency.record(BlockOp::Write, Duration::from_micros(1));
+        let mut total = QueueStats::default();
+        total.add(&a);
+        total.add(&a);
+        let r = total.latency.of(BlockOp::Read);
+        assert_eq!((r.count(), r.bucket(2), r.bucket(BUCKETS)), (4, 2, 2));
+        assert_eq!(r.sum_ns(), 2 * (3_000 + 60_000_000_000));
+        assert_eq!(total.latency.of(BlockOp::Write).count(), 2);
+        assert_eq!(total.latency.of(BlockOp::Flush).count(), 0);
     }
 }

@@ -12,7 +12,7 @@ use super::ring::{ud, Pusher, KIND_POLL_OUT};
 use super::stream::parse_frames;
 use crate::budget::Account;
 use crate::bufpool::Buffers;
-use crate::executor::Executor;
+use crate::executor::{Executor, Started};
 use crate::frontend::{Req, StreamFrontend};
 use crate::log::Level;
 use crate::tls::{self, TlsStream};
@@ -26,6 +26,9 @@ pub(super) struct Slot {
     pub(super) extents: Vec<Extent>,
     /// A WRITE waiting for the data the frontend solicited: how many bytes of it are in `buf`.
     pub(super) awaiting: Option<u32>,
+    /// When the block request running on the backend started (its latency is recorded when
+    /// it finishes).
+    pub(super) started: Option<Started>,
 }
 
 pub(super) struct Conn {

@@ -189,7 +189,7 @@ fn dispatch(
             // SAFETY: the export completes inline, so the buffer is only used during the call.
             let status = match unsafe { c.exec.start(&block, buf, 0, sq) } {
                 Outcome::Done(st) => st,
-                Outcome::Pending => unreachable!("inline exports finish in start"),
+                Outcome::Pending(_) => unreachable!("inline exports finish in start"),
             };
             if status == Status::Ok {
                 // SAFETY: the backend initialised all `len` bytes (it reported success).
@@ -211,7 +211,7 @@ fn dispatch(
         // the export completes inline, so the buffer is only read during the call.
         let status = match unsafe { c.exec.start(&block, buf, 0, sq) } {
             Outcome::Done(st) => st,
-            Outcome::Pending => unreachable!("inline exports finish in start"),
+            Outcome::Pending(_) => unreachable!("inline exports finish in start"),
         };
         return c.reply(req, status);
     }
@@ -273,7 +273,10 @@ fn run_in_slot(c: &mut Conn, idx: usize, req: &Req, slot: u16, sq: &mut Pusher<'
     // reused, and a connection with slots in flight is never dropped).
     match unsafe { c.exec.start(&block, buf, tag, sq) } {
         Outcome::Done(status) => settle(c, slot, status),
-        Outcome::Pending => c.inflight += 1,
+        Outcome::Pending(started) => {
+            c.slots[slot as usize].started = Some(started);
+            c.inflight += 1;
+        }
     }
 }
 
@@ -377,7 +380,7 @@ fn block_status(c: &mut Conn, idx: usize, req: &Req, sq: &mut Pusher<'_>) {
                 .start_allocation(req.offset, req.length, &mut extents, 0, sq)
         } {
             Outcome::Done(st) => st,
-            Outcome::Pending => unreachable!("inline exports answer allocation queries inline"),
+            Outcome::Pending(()) => unreachable!("inline exports answer allocation queries inline"),
         };
         answer_block_status(c, req, status, &extents);
         c.extents = extents;
@@ -408,7 +411,7 @@ fn block_status(c: &mut Conn, idx: usize, req: &Req, sq: &mut Pusher<'_>) {
             answer_block_status(c, req, status, &extents);
             c.slots[slot as usize].extents = extents;
         }
-        Outcome::Pending => {
+        Outcome::Pending(()) => {
             let s = &mut c.slots[slot as usize];
             s.busy = true;
             s.req = Some(*req);
@@ -450,17 +453,17 @@ pub(super) fn complete(c: &mut Conn, slot: u16, tag: u64, res: i32, sq: &mut Pus
 
 /// A finished request's backend result (from a thread-completing backend).
 pub(super) fn finish_result(c: &mut Conn, slot: u16, res: i32) {
-    let Some(req) = c
-        .slots
-        .get(slot as usize)
-        .filter(|s| s.busy)
-        .and_then(|s| s.req)
-    else {
+    let Some(s) = c.slots.get_mut(slot as usize).filter(|s| s.busy) else {
         return;
     };
-    let status = match req.block() {
-        Some(block) => c.exec.status(&block, res),
-        None => result_status(res), // an allocation query
+    let Some(req) = s.req else {
+        return;
+    };
+    // A block request started on the backend has its start time; an allocation query has
+    // neither.
+    let status = match (req.block(), s.started.take()) {
+        (Some(block), Some(started)) => c.exec.status(&block, res, started),
+        _ => result_status(res),
     };
     finish(c, slot, status);
 }
