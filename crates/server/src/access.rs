@@ -229,12 +229,4 @@ impl Access {
         };
         crate::log!(Level::Warn, "{peer}: refused: {why}{more}");
     }
-
-    /// Counters for STATS.
-    pub fn counters(&self) -> serde_json::Value {
-        serde_json::json!({
-            "challenges": self.challenges.load(Ordering::Relaxed),
-            "refused": self.refused.load(Ordering::Relaxed),
-        })
-    }
 }

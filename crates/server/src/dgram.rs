@@ -28,6 +28,7 @@ use crate::executor::{Executor, Outcome, Started};
 use crate::frontend::native::flush_args_valid;
 use crate::log::Level;
 use crate::session::{HelloAnswer, JoinRefused, QueueSeal, Registry};
+use crate::stats::ClosedTotals;
 
 /// Frames received or sent per syscall.
 const BATCH: usize = 32;
@@ -199,6 +200,16 @@ pub struct PortStats {
     pub bad_seal: u64,
 }
 
+impl PortStats {
+    pub fn add(&mut self, o: &PortStats) {
+        self.bad_frames += o.bad_frames;
+        self.unknown_session += o.unknown_session;
+        self.wrong_peer += o.wrong_peer;
+        self.no_memory += o.no_memory;
+        self.bad_seal += o.bad_seal;
+    }
+}
+
 /// One datagram socket's counters, for STATS.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct PortReport {
@@ -257,6 +268,8 @@ pub struct DgramPort {
     /// Completion notifiers of queues whose backend completes on its own threads, to be watched
     /// (`Some`) or no longer (`None`) by the reactor: (queue, incarnation, descriptor).
     notifier_changes: Vec<(usize, u32, Option<RawFd>)>,
+    /// Counters of the queues that closed here.
+    closed: ClosedTotals,
 }
 
 /// Encodes io_uring user data for a datagram queue's backend I/O; supplied by the reactor.
@@ -315,6 +328,7 @@ impl DgramPort {
             gro,
             ring,
             notifier_changes: Vec::new(),
+            closed: ClosedTotals::default(),
         }
     }
 
@@ -824,6 +838,7 @@ impl DgramPort {
                 return;
             }
             self.index.remove(&(q.session, q.queue));
+            self.closed.add(&q.exec.export().name, &q.exec.stats);
             self.registry.leave(q.session, q.queue, &q.exec.stats);
             if q.exec.notifier().is_some() {
                 self.notifier_changes.push((qi, q.incarnation, None));
@@ -1165,6 +1180,7 @@ impl DgramPort {
             .flatten()
             .map(|q| crate::reactor::QueueReport {
                 session: q.session,
+                export: q.exec.export().name.clone(),
                 queue: q.queue,
                 thread,
                 in_flight: q.slots.iter().filter(|s| s.is_running()).count() as u32,
@@ -1208,6 +1224,11 @@ impl DgramPort {
                 self.remove(qi);
             }
         }
+    }
+
+    /// Counters of the queues that closed on this port, per export.
+    pub fn closed(&self) -> &ClosedTotals {
+        &self.closed
     }
 
     /// Closes every queue (shutdown).

@@ -18,6 +18,7 @@ mod ports;
 mod reactor;
 mod rpc;
 mod session;
+mod snapshot;
 mod stats;
 mod tls;
 
@@ -37,11 +38,11 @@ use blkwire_wire::{ExportEntry, Header, Hello, Opcode, Status, HEADER_LEN};
 use crate::log::{Level, Throttle};
 pub use control::{parse_config, write_config, Call, Options, RpcError, MIN_MEMORY};
 use frontend::StreamFrontend;
-use reactor::QueueReport;
 use reactor::{Msg, NewQueue, Reactor};
 pub use rpc::decode as decode_rpc_request;
 pub use session::Limits;
 use session::{HelloAnswer, Registry};
+use snapshot::Snapshot;
 use stats::QueueStats;
 use tls::{Tls, TlsStream};
 pub use tls::{TlsMode, TlsSettings};
@@ -1272,42 +1273,26 @@ fn native_handshake(
     None
 }
 
-/// Asks every reactor for its queues' counters (by message: they own them) and joins the
-/// answers with the session registry's view (PROTOCOL.md §11).
+/// The STATS document (PROTOCOL.md §11) from a snapshot of every counter.
 fn stats_json(registry: &Registry, workers: &[(Sender<Msg>, i32)], limit: usize) -> Vec<u8> {
-    let (tx, rx) = mpsc::channel();
-    let mut asked = 0;
-    for (w, wake) in workers {
-        if w.send(Msg::Stats(tx.clone())).is_ok() {
-            eventfd_write(*wake);
-            asked += 1;
-        }
-    }
-    let mut queues: Vec<QueueReport> = Vec::new();
-    let mut ports = Vec::new();
-    for _ in 0..asked {
-        match rx.recv_timeout(Duration::from_secs(2)) {
-            Ok((mut q, mut p)) => {
-                queues.append(&mut q);
-                ports.append(&mut p);
-            }
-            Err(_) => break,
-        }
-    }
-    queues.sort_by_key(|q| (q.session, q.queue));
-    let mut v = registry.describe_sessions();
-    for s in v.iter_mut() {
-        let id = s["session"].as_u64().unwrap_or(0) as u32;
-        let qs: Vec<_> = queues.iter().filter(|q| q.session == id).collect();
-        s["queues"] = serde_json::to_value(qs).unwrap_or_default();
-    }
-    let b = registry.budget();
-    let memory = serde_json::json!({ "limit": b.limit(), "used": b.used() });
+    let snap = Snapshot::gather(registry, workers);
+    let sessions = snap
+        .sessions
+        .iter()
+        .map(|s| {
+            let mut v = serde_json::to_value(s).unwrap_or_default();
+            let queues: Vec<_> = snap.queues_of(s.session).collect();
+            v["queues"] = serde_json::to_value(queues).unwrap_or_default();
+            v
+        })
+        .collect();
+    let auth = serde_json::json!({ "challenges": snap.challenges, "refused": snap.refused });
+    let memory = serde_json::json!({ "limit": snap.memory_limit, "used": snap.memory_used });
     fit_stats(
-        v,
-        registry.closed_totals(),
-        ports,
-        registry.access.counters(),
+        sessions,
+        snap.closed_total(),
+        snap.ports,
+        auth,
         memory,
         limit,
     )

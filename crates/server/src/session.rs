@@ -202,8 +202,6 @@ struct Inner {
     sessions: HashMap<u32, Session>,
     /// Sessions per peer address (`host_of`).
     per_host: HashMap<String, usize>,
-    /// Counters of every queue that has closed since start.
-    closed: QueueStats,
     shut: bool,
     /// The next session's `placement`.
     next_placement: u32,
@@ -219,7 +217,6 @@ impl Registry {
                 exports: Vec::new(),
                 sessions: HashMap::new(),
                 per_host: HashMap::new(),
-                closed: QueueStats::default(),
                 shut: false,
                 next_placement: 0,
             }),
@@ -651,7 +648,6 @@ impl Registry {
     /// A queue closed; the session ends with its last queue.
     pub fn leave(&self, session: u32, _queue: u16, stats: &QueueStats) {
         let mut inner = self.lock();
-        inner.closed.add(stats);
         let Some(s) = inner.sessions.get_mut(&session) else {
             return;
         };
@@ -845,26 +841,46 @@ impl Registry {
         self.lock().exports.iter().map(|s| s.spec.clone()).collect()
     }
 
-    /// One JSON object per live session (without its queues).
+    /// What `session_list` says of each live session.
     pub fn describe_sessions(&self) -> Vec<serde_json::Value> {
+        self.sessions()
+            .iter()
+            .map(|s| serde_json::to_value(s).unwrap_or_default())
+            .collect()
+    }
+
+    /// Every live session, by id.
+    pub fn sessions(&self) -> Vec<SessionInfo> {
         let inner = self.lock();
         let mut v: Vec<_> = inner
             .sessions
             .iter()
-            .map(|(id, s)| {
-                serde_json::json!({
-                    "session": id, "export": s.export.name, "host": s.host, "peer": s.peer,
-                    "queues": s.live, "closing": s.revoked,
-                })
+            .map(|(&session, s)| SessionInfo {
+                session,
+                export: s.export.name.clone(),
+                host: s.host.clone(),
+                peer: s.peer.clone(),
+                queues: s.live,
+                closing: s.revoked,
             })
             .collect();
-        v.sort_by_key(|s| s["session"].as_u64());
+        v.sort_by_key(|s| s.session);
         v
     }
+}
 
-    pub fn closed_totals(&self) -> QueueStats {
-        self.lock().closed
-    }
+/// A live session as STATS, `session_list` and the metrics name it: its export, the host id
+/// its HELLO gave (the peer's own words unless it proved a key) and the peer's address.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SessionInfo {
+    pub session: u32,
+    pub export: String,
+    pub host: String,
+    pub peer: String,
+    /// Queues connected now (STATS lists them in this field's place).
+    pub queues: u16,
+    /// Revoked by the control plane: its queues are closing.
+    pub closing: bool,
 }
 
 fn no_such_export(name: &str) -> String {

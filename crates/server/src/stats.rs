@@ -1,5 +1,6 @@
 //! Per-queue counters. Each queue's counters are owned by the thread serving it (plain integers,
-//! no atomics); they are reported when the queue closes and summed per session.
+//! no atomics); they are reported when asked by message and, when the queue closes, added to
+//! its thread's closed totals of the export.
 
 use std::time::Duration;
 
@@ -156,6 +157,34 @@ impl Histogram {
     }
 }
 
+/// The counters of the queues that closed on one thread, per export. Kept by the thread that
+/// served the queues and reported with its live queues in one answer, so an export's totals
+/// (closed plus live) never count a queue twice or miss it while it closes.
+#[derive(Clone, Debug, Default)]
+pub struct ClosedTotals(Vec<(String, QueueStats)>);
+
+impl ClosedTotals {
+    /// Adds a closed queue's counters to its export's.
+    pub fn add(&mut self, export: &str, stats: &QueueStats) {
+        match self.0.iter_mut().find(|(e, _)| e == export) {
+            Some((_, total)) => total.add(stats),
+            None => self.0.push((export.to_string(), *stats)),
+        }
+    }
+
+    /// Adds every export's totals of `other`.
+    pub fn merge(&mut self, other: &ClosedTotals) {
+        for (export, stats) in &other.0 {
+            self.add(export, stats);
+        }
+    }
+
+    /// (export, counters), in the order exports first closed a queue.
+    pub fn iter(&self) -> impl Iterator<Item = &(String, QueueStats)> {
+        self.0.iter()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -198,5 +227,21 @@ mod tests {
         assert_eq!(r.sum_ns(), 2 * (3_000 + 60_000_000_000));
         assert_eq!(total.latency.of(BlockOp::Write).count(), 2);
         assert_eq!(total.latency.of(BlockOp::Flush).count(), 0);
+    }
+
+    #[test]
+    fn closed_totals_are_kept_per_export() {
+        let s = |reads| QueueStats {
+            reads,
+            ..QueueStats::default()
+        };
+        let mut a = ClosedTotals::default();
+        a.add("x", &s(1));
+        a.add("y", &s(10));
+        let mut b = ClosedTotals::default();
+        b.add("x", &s(2));
+        b.merge(&a);
+        let got: Vec<_> = b.iter().map(|(e, s)| (e.as_str(), s.reads)).collect();
+        assert_eq!(got, [("x", 3), ("y", 10)]);
     }
 }

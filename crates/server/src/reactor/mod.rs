@@ -33,7 +33,7 @@ use crate::executor::Executor;
 use crate::frontend::StreamFrontend;
 use crate::log::Level;
 use crate::session::Registry;
-use crate::stats::QueueStats;
+use crate::stats::{ClosedTotals, QueueStats};
 pub use conn::stream_floor;
 use conn::{receive, transmit, Conn, Slot};
 use ring::{
@@ -71,8 +71,16 @@ pub enum Msg {
     /// in flight finish on the backend, but no reply is sent and the sockets shut at once.
     Close(Arc<[u32]>),
     /// Report every live queue's counters on the sender (the reactor owns them; no sharing).
-    Stats(std::sync::mpsc::Sender<(Vec<QueueReport>, Vec<crate::dgram::PortReport>)>),
+    Stats(std::sync::mpsc::Sender<ReactorReport>),
     Shutdown,
+}
+
+/// A reactor's answer to [`Msg::Stats`]: its counters, all taken at the same moment.
+pub struct ReactorReport {
+    pub queues: Vec<QueueReport>,
+    pub ports: Vec<crate::dgram::PortReport>,
+    /// Its queues that closed (stream and datagram), per export.
+    pub closed: ClosedTotals,
 }
 
 /// One live queue's counters, as a reactor reports them.
@@ -80,6 +88,8 @@ pub enum Msg {
 pub struct QueueReport {
     #[serde(skip)]
     pub session: u32,
+    #[serde(skip)]
+    pub export: String,
     pub queue: u16,
     pub thread: usize,
     pub in_flight: u32,
@@ -118,6 +128,9 @@ pub struct Reactor {
     /// Some connection holds more than its minimum: wake up at least once a second to see
     /// whether it went idle (otherwise the reactor may sleep until something happens).
     trim_pending: bool,
+    /// Counters of the stream connections that closed here, and of the queues of the ports
+    /// that were retired (live ports keep their closed queues').
+    closed: ClosedTotals,
 }
 
 /// How often starved connections retry.
@@ -154,6 +167,7 @@ impl Reactor {
             starved: Vec::new(),
             last_trim: Instant::now(),
             trim_pending: false,
+            closed: ClosedTotals::default(),
         })
     }
 
@@ -172,9 +186,10 @@ impl Reactor {
                 break;
             }
             for p in self.ports.iter_mut() {
-                if p.as_ref().is_some_and(|p| p.retired()) {
-                    // Nothing runs on it and its notifiers are unwatched: the socket can go.
-                    *p = None;
+                if let Some(gone) = p.take_if(|p| p.retired()) {
+                    // Nothing runs on it and its notifiers are unwatched: the socket can go,
+                    // its closed queues' counters stay in the exports' totals.
+                    self.closed.merge(gone.closed());
                 }
             }
             for p in self.ports.iter_mut().flatten() {
@@ -269,20 +284,23 @@ impl Reactor {
                     }
                 }
                 Msg::Stats(reply) => {
-                    let mut r: Vec<QueueReport> = self
+                    let mut queues: Vec<QueueReport> = self
                         .conns
                         .iter()
                         .flatten()
                         .map(|c| QueueReport {
                             session: c.session,
+                            export: c.exec.export().name.clone(),
                             queue: c.queue,
                             thread: self.id,
                             in_flight: c.inflight,
                             stats: c.exec.stats,
                         })
                         .collect();
+                    let mut closed = self.closed.clone();
                     for p in self.ports.iter().flatten() {
-                        r.extend(p.reports(self.id));
+                        queues.extend(p.reports(self.id));
+                        closed.merge(p.closed());
                     }
                     let ports = self
                         .ports
@@ -290,7 +308,11 @@ impl Reactor {
                         .flatten()
                         .map(|p| p.report(self.id))
                         .collect();
-                    let _ = reply.send((r, ports));
+                    let _ = reply.send(ReactorReport {
+                        queues,
+                        ports,
+                        closed,
+                    });
                 }
                 Msg::Shutdown => {
                     self.shutting_down = true;
@@ -628,6 +650,7 @@ impl Reactor {
             Pusher(&mut self.ring).push(cancel);
         }
         let _ = self.ring.submit();
+        self.closed.add(&c.exec.export().name, &c.exec.stats);
         self.registry.leave(c.session, c.queue, &c.exec.stats);
         crate::log!(
             Level::Debug,
