@@ -1,0 +1,814 @@
+//! The metrics endpoint: every counter of a [`Snapshot`] in the Prometheus text exposition
+//! format (version 0.0.4), served over HTTP by one thread of its own (docs/METRICS.md lists the
+//! metrics). One connection at a time, each with a deadline and a bounded request head: a
+//! client that trickles, floods or says nothing delays a scrape by at most the deadline, and
+//! holds no more than [`MAX_HEAD`] bytes.
+
+use std::fmt::Write as _;
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::http::{self, Reply, MAX_HEAD, METRICS_PATH};
+use crate::log::{Level, Throttle};
+use crate::reactor::Msg;
+use crate::snapshot::Snapshot;
+use crate::stats::{Histogram, QueueStats, BUCKETS, OPS};
+use crate::{Error, Shared, Target};
+
+/// A request's head must arrive within this time of its connection being accepted.
+const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
+/// The reply must be taken by the client within this time.
+const REPLY_DEADLINE: Duration = Duration::from_secs(10);
+/// What is read and thrown away after the reply (see `Endpoint::answer`).
+const DRAIN_LIMIT: usize = 64 << 10;
+
+/// `Content-Type` of the metrics (the text exposition format).
+const METRICS_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+impl Target {
+    /// Serves the target's counters in the Prometheus text format over HTTP at `addr`
+    /// (`ADDR:PORT`; port 0 picks a free port): `GET /metrics` on a thread of its own, which
+    /// ends when the target is stopped ([`crate::StopHandle::stop`]). Returns the URL to
+    /// scrape.
+    pub fn serve_metrics(&self, addr: &str) -> Result<String, Error> {
+        let addrs: Vec<SocketAddr> = addr
+            .to_socket_addrs()
+            .map(|a| a.collect())
+            .ok()
+            .filter(|a: &Vec<SocketAddr>| !a.is_empty())
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "bad metrics address '{addr}': expected ADDR:PORT, e.g. 127.0.0.1:9100 or \
+                     [::1]:9100"
+                ))
+            })?;
+        let listener = TcpListener::bind(&addrs[..])
+            .map_err(|e| Error::Listen(format!("cannot serve metrics on {addr}: {e}")))?;
+        let system = |e: std::io::Error| Error::System(format!("metrics endpoint: {e}"));
+        // Non-blocking, so a connection that went away between poll and accept cannot hang
+        // the thread in accept (and so miss the stop).
+        listener.set_nonblocking(true).map_err(system)?;
+        let url = format!("http://{}/metrics", listener.local_addr().map_err(system)?);
+        let endpoint = Endpoint {
+            listener,
+            shared: self.shared.clone(),
+        };
+        std::thread::Builder::new()
+            .name("blkwire-metrics".into())
+            .spawn(move || endpoint.run())
+            .map_err(|e| Error::System(format!("cannot start the metrics thread: {e}")))?;
+        Ok(url)
+    }
+}
+
+struct Endpoint {
+    listener: TcpListener,
+    /// The target's registry, reactors and stop eventfd (readable once it stops: nobody reads
+    /// it). Held until the thread ends, so the reactors' wake descriptors stay open while a
+    /// scrape may write to them.
+    shared: Arc<Shared>,
+}
+
+/// How reading a request head ended.
+enum Head {
+    /// The head is the first this many bytes.
+    Complete(usize),
+    TooLarge,
+    TimedOut,
+    /// The client closed or the connection failed: nobody to answer.
+    Gone,
+}
+
+impl Endpoint {
+    fn run(self) {
+        let mut failed = Throttle::new();
+        loop {
+            let mut fds = [
+                libc::pollfd {
+                    fd: self.listener.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: self.shared.stop.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
+            // SAFETY: poll over our own pollfd array.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                crate::log!(Level::Error, "metrics endpoint: poll: {e}; stopped serving");
+                return;
+            }
+            if fds[1].revents != 0 {
+                return;
+            }
+            match self.listener.accept() {
+                Ok((s, peer)) => self.answer(s, peer),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => {
+                    if let Some(n) = failed.hit() {
+                        crate::log!(
+                            Level::Warn,
+                            "metrics endpoint: accept failed {n} time(s): {e}"
+                        );
+                    }
+                    // Out of descriptors or memory, the listener stays readable: rest instead
+                    // of spinning on it.
+                    std::thread::sleep(crate::ACCEPT_PAUSE);
+                }
+            }
+        }
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let workers: Vec<(Sender<Msg>, RawFd)> = self
+            .shared
+            .workers
+            .iter()
+            .map(|w| (w.tx.clone(), w.wake.as_raw_fd()))
+            .collect();
+        Snapshot::gather(&self.shared.registry, &workers)
+    }
+
+    /// Reads one request head and answers it, then closes the connection.
+    fn answer(&self, mut s: TcpStream, peer: SocketAddr) {
+        let accepted = Instant::now();
+        if s.set_nonblocking(false).is_err() {
+            return;
+        }
+        let mut head = [0u8; MAX_HEAD];
+        let reply = match read_head(&mut s, &mut head, accepted + REQUEST_DEADLINE) {
+            Head::Complete(n) => http::reply_to(&head[..n]),
+            Head::TooLarge => Reply::HeadTooLarge,
+            Head::TimedOut => Reply::RequestTimeout,
+            Head::Gone => return,
+        };
+        let (code, reason) = reply.status();
+        let (body, content_type) = match reply {
+            Reply::Metrics => (render(&self.snapshot()), METRICS_TYPE),
+            _ => {
+                crate::log!(Level::Debug, "metrics endpoint: {peer}: {code} {reason}");
+                (
+                    format!(
+                        "{code} {reason}: the metrics are at GET {}\n",
+                        String::from_utf8_lossy(METRICS_PATH)
+                    ),
+                    "text/plain; charset=utf-8",
+                )
+            }
+        };
+        let allow = if reply == Reply::MethodNotAllowed {
+            "Allow: GET\r\n"
+        } else {
+            ""
+        };
+        let mut out = format!(
+            "HTTP/1.1 {code} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\
+             {allow}Connection: close\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        out.extend_from_slice(body.as_bytes());
+        if send(&mut s, &out, Instant::now() + REPLY_DEADLINE).is_err() {
+            return;
+        }
+        // Closing a socket with unread bytes resets the connection, and the client may lose
+        // the reply with it (a head too large, a body nobody asked for): read what is left,
+        // within the request's deadline, before closing.
+        let _ = s.shutdown(Shutdown::Write);
+        drain(&mut s, &mut head, accepted + REQUEST_DEADLINE);
+    }
+}
+
+/// Reads until the head's empty line, at most [`MAX_HEAD`] bytes, by `deadline`.
+fn read_head(s: &mut TcpStream, buf: &mut [u8; MAX_HEAD], deadline: Instant) -> Head {
+    let mut got = 0;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Head::TimedOut;
+        }
+        if s.set_read_timeout(Some(left)).is_err() {
+            return Head::Gone;
+        }
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Head::Gone,
+            Ok(n) => {
+                got += n;
+                if let Some(end) = http::head_end(&buf[..got]) {
+                    return Head::Complete(end);
+                }
+                if got == MAX_HEAD {
+                    return Head::TooLarge;
+                }
+            }
+            Err(e) if is_timeout(&e) || e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return Head::Gone,
+        }
+    }
+}
+
+/// Writes all of `bytes` by `deadline`, however slowly the client takes them.
+fn send(s: &mut TcpStream, mut bytes: &[u8], deadline: Instant) -> std::io::Result<()> {
+    while !bytes.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        s.set_write_timeout(Some(left))?;
+        match s.write(bytes) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if is_timeout(&e) || e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Reads and discards until the client closes, [`DRAIN_LIMIT`] bytes, or `deadline`.
+fn drain(s: &mut TcpStream, scratch: &mut [u8], deadline: Instant) {
+    let mut left_bytes = DRAIN_LIMIT;
+    while left_bytes > 0 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || s.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        match s.read(scratch) {
+            Ok(0) => return,
+            Ok(n) => left_bytes = left_bytes.saturating_sub(n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
+}
+
+/// A socket timeout (Linux reports it as EAGAIN).
+fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
+}
+
+/// A counter every queue and export has, read from its [`QueueStats`].
+struct Counter {
+    /// After `blkwire_queue_` or `blkwire_export_`.
+    name: &'static str,
+    help: &'static str,
+    value: fn(&QueueStats) -> u64,
+}
+
+const COUNTERS: [Counter; 7] = [
+    Counter {
+        name: "frames_in_total",
+        help: "Messages received: requests, solicited write data, and on datagrams every fragment",
+        value: |s| s.frames_in,
+    },
+    Counter {
+        name: "frames_out_total",
+        help: "Replies sent (one per request, however many fragments it took)",
+        value: |s| s.frames_out,
+    },
+    Counter {
+        name: "read_bytes_total",
+        help: "Bytes of READs that succeeded",
+        value: |s| s.bytes_read,
+    },
+    Counter {
+        name: "written_bytes_total",
+        help: "Bytes of WRITEs started",
+        value: |s| s.bytes_written,
+    },
+    Counter {
+        name: "errors_total",
+        help: "Replies with a status other than OK",
+        value: |s| s.errors,
+    },
+    Counter {
+        name: "protocol_errors_total",
+        help: "Frames that broke the protocol (a stream queue closes after one)",
+        value: |s| s.protocol_errors,
+    },
+    Counter {
+        name: "dropped_duplicates_total",
+        help: "Datagram requests that were late, duplicates or stale: dropped, or answered \
+               from the reply of the request they repeat (always 0 on streams)",
+        value: |s| s.dropped_duplicates,
+    },
+];
+
+/// A datagram port counter, read from its `PortStats`.
+struct PortCounter {
+    name: &'static str,
+    help: &'static str,
+    value: fn(&crate::dgram::PortStats) -> u64,
+}
+
+const PORT_COUNTERS: [PortCounter; 5] = [
+    PortCounter {
+        name: "blkwire_port_bad_frames_total",
+        help: "Datagram frames that were malformed or failed their CRC.",
+        value: |p| p.bad_frames,
+    },
+    PortCounter {
+        name: "blkwire_port_unknown_session_frames_total",
+        help: "Datagram I/O frames for a session the port does not know (answered ACCESS).",
+        value: |p| p.unknown_session,
+    },
+    PortCounter {
+        name: "blkwire_port_wrong_peer_frames_total",
+        help: "Datagram frames for a queue from another address than the one that joined it.",
+        value: |p| p.wrong_peer,
+    },
+    PortCounter {
+        name: "blkwire_port_no_memory_drops_total",
+        help: "Datagram requests dropped because the memory budget had no room for their data.",
+        value: |p| p.no_memory,
+    },
+    PortCounter {
+        name: "blkwire_port_bad_seal_frames_total",
+        help: "Frames of sealed sessions that were not sealed, did not verify or were replayed.",
+        value: |p| p.bad_seal,
+    },
+];
+
+const REQUESTS_HELP: &str = "Requests started, by operation";
+const DURATION_HELP: &str = "Time from a request's start on the backend to its result, by \
+                             operation (not the time it waited to be read or its reply to be sent)";
+
+/// The snapshot in the text exposition format.
+pub fn render(snap: &Snapshot) -> String {
+    let mut out = Text::default();
+    out.family("blkwire_sessions", "gauge", "Sessions open.");
+    out.sample("blkwire_sessions", "", snap.sessions.len());
+    out.family(
+        "blkwire_session_info",
+        "gauge",
+        "One series per open session, always 1: its export, the host id its HELLO gave, its \
+         peer's address.",
+    );
+    for s in &snap.sessions {
+        let labels = labels(&[
+            ("session", &s.session),
+            ("export", &s.export),
+            ("host", &s.host),
+            ("peer", &s.peer),
+        ]);
+        out.sample("blkwire_session_info", &labels, 1);
+    }
+    out.gauge(
+        "blkwire_memory_limit_bytes",
+        "The memory budget for connection and session buffers (serve --max-memory).",
+        snap.memory_limit,
+    );
+    out.gauge(
+        "blkwire_memory_used_bytes",
+        "What connection and session buffers hold of the memory budget.",
+        snap.memory_used,
+    );
+    out.counter(
+        "blkwire_auth_challenges_total",
+        "HELLOs and JOINs answered with a challenge.",
+        snap.challenges,
+    );
+    out.counter(
+        "blkwire_auth_refused_total",
+        "Connections and handshakes refused by authentication or access rules.",
+        snap.refused,
+    );
+    render_ports(&mut out, snap);
+    render_exports(&mut out, snap);
+    render_queues(&mut out, snap);
+    out.0
+}
+
+/// Datagram ports' counters, per thread and transport (a thread's sockets of one transport
+/// are summed: they are told apart by nothing a label could name).
+fn render_ports(out: &mut Text, snap: &Snapshot) {
+    let mut ports: Vec<(usize, &str, crate::dgram::PortStats)> = Vec::new();
+    for p in &snap.ports {
+        match ports
+            .iter_mut()
+            .find(|(t, tr, _)| *t == p.thread && *tr == p.transport)
+        {
+            Some((_, _, sum)) => sum.add(&p.stats),
+            None => ports.push((p.thread, p.transport, p.stats)),
+        }
+    }
+    for c in &PORT_COUNTERS {
+        out.family(c.name, "counter", c.help);
+        for (thread, transport, stats) in &ports {
+            let labels = labels(&[("thread", thread), ("transport", transport)]);
+            out.sample(c.name, &labels, (c.value)(stats));
+        }
+    }
+}
+
+/// Per export: the queues that closed and the live ones, so the counters never go back when a
+/// session ends. Every export served has them, from zero.
+fn render_exports(out: &mut Text, snap: &Snapshot) {
+    let mut exports: Vec<(&str, QueueStats)> = snap
+        .exports
+        .iter()
+        .map(|e| (e.as_str(), QueueStats::default()))
+        .collect();
+    let closed = snap.closed.iter().map(|(e, s)| (e.as_str(), s));
+    let live = snap.queues.iter().map(|q| (q.export.as_str(), &q.stats));
+    for (export, stats) in closed.chain(live) {
+        match exports.iter_mut().find(|(e, _)| *e == export) {
+            Some((_, total)) => total.add(stats),
+            // An export no longer served keeps its totals until the target restarts.
+            None => exports.push((export, *stats)),
+        }
+    }
+    let series: Vec<(String, &QueueStats)> = exports
+        .iter()
+        .map(|(e, s)| (labels(&[("export", e)]), s))
+        .collect();
+    let whose = " (every queue of the export, closed ones included)";
+    render_stats(out, "blkwire_export_", whose, &series, true);
+}
+
+/// Per live queue.
+fn render_queues(out: &mut Text, snap: &Snapshot) {
+    let series: Vec<(String, &QueueStats)> = snap
+        .queues
+        .iter()
+        .map(|q| {
+            let labels = labels(&[
+                ("export", &q.export),
+                ("session", &q.session),
+                ("queue", &q.queue),
+                ("thread", &q.thread),
+            ]);
+            (labels, &q.stats)
+        })
+        .collect();
+    render_stats(out, "blkwire_queue_", "", &series, false);
+    let name = "blkwire_queue_in_flight";
+    out.family(
+        name,
+        "gauge",
+        "Requests of the queue running on the backend now.",
+    );
+    for (q, (labels, _)) in snap.queues.iter().zip(&series) {
+        out.sample(name, labels, q.in_flight);
+    }
+}
+
+/// The counters and histograms of [`QueueStats`] for each `(labels, stats)`, named `prefix`...,
+/// their help ending with `whose`. `every_op`: a histogram for every operation, even one that never ran (else only for those
+/// that did, so an idle queue adds 5 series, not 135).
+fn render_stats(
+    out: &mut Text,
+    prefix: &str,
+    whose: &str,
+    series: &[(String, &QueueStats)],
+    every_op: bool,
+) {
+    for c in &COUNTERS {
+        let name = format!("{prefix}{}", c.name);
+        out.family(&name, "counter", &format!("{}{whose}.", c.help));
+        for (labels, stats) in series {
+            out.sample(&name, labels, (c.value)(stats));
+        }
+    }
+    let name = format!("{prefix}requests_total");
+    out.family(&name, "counter", &format!("{REQUESTS_HELP}{whose}."));
+    for (labels, stats) in series {
+        for (op, op_name) in OPS {
+            out.sample(&name, &with(labels, "op", &op_name), stats.started(op));
+        }
+    }
+    let name = format!("{prefix}request_duration_seconds");
+    out.family(&name, "histogram", &format!("{DURATION_HELP}{whose}."));
+    for (labels, stats) in series {
+        for (op, op_name) in OPS {
+            let h = stats.latency.of(op);
+            if every_op || h.count() > 0 {
+                out.histogram(&name, &with(labels, "op", &op_name), h);
+            }
+        }
+    }
+}
+
+/// The exposition text being written.
+#[derive(Default)]
+struct Text(String);
+
+impl Text {
+    fn family(&mut self, name: &str, kind: &str, help: &str) {
+        // HELP text escapes backslashes and newlines; ours has neither, so it goes as it is.
+        let _ = writeln!(self.0, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    }
+
+    fn sample(&mut self, name: &str, labels: &str, value: impl std::fmt::Display) {
+        if labels.is_empty() {
+            let _ = writeln!(self.0, "{name} {value}");
+        } else {
+            let _ = writeln!(self.0, "{name}{{{labels}}} {value}");
+        }
+    }
+
+    fn gauge(&mut self, name: &str, help: &str, value: impl std::fmt::Display) {
+        self.family(name, "gauge", help);
+        self.sample(name, "", value);
+    }
+
+    fn counter(&mut self, name: &str, help: &str, value: impl std::fmt::Display) {
+        self.family(name, "counter", help);
+        self.sample(name, "", value);
+    }
+
+    /// A histogram's series: cumulative buckets up to `+Inf` (which equals `_count`), then
+    /// `_sum` (seconds) and `_count`.
+    fn histogram(&mut self, name: &str, labels: &str, h: &Histogram) {
+        let bucket = format!("{name}_bucket");
+        let mut below = 0;
+        for i in 0..BUCKETS {
+            below += h.bucket(i);
+            let le = Histogram::bound_ns(i) as f64 / 1e9;
+            self.sample(&bucket, &with(labels, "le", &le), below);
+        }
+        below += h.bucket(BUCKETS);
+        self.sample(&bucket, &with(labels, "le", &"+Inf"), below);
+        self.sample(&format!("{name}_sum"), labels, h.sum_ns() as f64 / 1e9);
+        self.sample(&format!("{name}_count"), labels, below);
+    }
+}
+
+/// `name="value",...` with every value escaped.
+fn labels(pairs: &[(&str, &dyn std::fmt::Display)]) -> String {
+    let mut out = String::new();
+    for (name, value) in pairs {
+        if !out.is_empty() {
+            out.push(',');
+        }
+        push_label(&mut out, name, *value);
+    }
+    out
+}
+
+/// `labels` with one more label.
+fn with(labels: &str, name: &str, value: &dyn std::fmt::Display) -> String {
+    let mut out = labels.to_string();
+    if !out.is_empty() {
+        out.push(',');
+    }
+    push_label(&mut out, name, value);
+    out
+}
+
+/// `name="value"`, the value escaped as the exposition format wants: backslash, double quote
+/// and newline (host ids and export names are anyone's words).
+fn push_label(out: &mut String, name: &str, value: &dyn std::fmt::Display) {
+    out.push_str(name);
+    out.push_str("=\"");
+    for c in value.to_string().chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use blkwire_backend::BlockOp;
+
+    use super::*;
+    use crate::dgram::{PortReport, PortStats};
+    use crate::reactor::QueueReport;
+    use crate::session::SessionInfo;
+    use crate::stats::ClosedTotals;
+
+    fn snapshot() -> Snapshot {
+        let mut live = QueueStats {
+            reads: 3,
+            writes: 1,
+            bytes_read: 3 * 4096,
+            ..QueueStats::default()
+        };
+        for us in [1, 3, 3000] {
+            live.latency
+                .record(BlockOp::Read, Duration::from_micros(us));
+        }
+        live.latency
+            .record(BlockOp::Write, Duration::from_secs(100));
+        let mut closed = ClosedTotals::default();
+        let gone = QueueStats {
+            reads: 10,
+            ..QueueStats::default()
+        };
+        closed.add("disk", &gone);
+        closed.add("retired", &gone);
+        Snapshot {
+            sessions: vec![SessionInfo {
+                session: 7,
+                export: "disk".into(),
+                host: "evil\"host\\\nx=\"1\"".into(),
+                peer: "127.0.0.1:5000".into(),
+                queues: 1,
+                closing: false,
+            }],
+            queues: vec![QueueReport {
+                session: 7,
+                export: "disk".into(),
+                queue: 1,
+                thread: 0,
+                in_flight: 2,
+                stats: live,
+            }],
+            ports: vec![
+                PortReport {
+                    thread: 0,
+                    transport: "udp",
+                    stats: PortStats {
+                        bad_frames: 2,
+                        ..PortStats::default()
+                    },
+                },
+                PortReport {
+                    thread: 0,
+                    transport: "udp",
+                    stats: PortStats {
+                        bad_frames: 3,
+                        ..PortStats::default()
+                    },
+                },
+            ],
+            closed,
+            exports: vec!["disk".into(), "idle".into()],
+            challenges: 4,
+            refused: 5,
+            memory_limit: 1 << 30,
+            memory_used: 12345,
+        }
+    }
+
+    /// The value of the one sample written `series` (name and labels as rendered).
+    fn value(text: &str, series: &str) -> f64 {
+        let found: Vec<f64> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+            .collect();
+        assert_eq!(found.len(), 1, "{series} in:\n{text}");
+        found[0]
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        let text = render(&snapshot());
+        let want = r#"blkwire_session_info{session="7",export="disk",host="evil\"host\\\nx=\"1\"",peer="127.0.0.1:5000"} 1"#;
+        assert!(text.lines().any(|l| l == want), "{want} not in:\n{text}");
+        assert_eq!(
+            text.lines().count(),
+            text.split('\n').count() - 1,
+            "no line broken by a value"
+        );
+        let mut s = String::new();
+        push_label(&mut s, "x", &"a\\b\"c\nd\re");
+        assert_eq!(s, "x=\"a\\\\b\\\"c\\nd\re\"");
+    }
+
+    #[test]
+    fn histograms_are_cumulative_and_end_with_their_count() {
+        let text = render(&snapshot());
+        let labels = r#"export="disk",session="7",queue="1",thread="0",op="read""#;
+        let bucket = |le: &str| {
+            value(
+                &text,
+                &format!("blkwire_queue_request_duration_seconds_bucket{{{labels},le=\"{le}\"}}"),
+            )
+        };
+        // 1 us, 3 us and 3 ms.
+        assert_eq!(bucket("0.000001"), 1.0);
+        assert_eq!(bucket("0.000002"), 1.0);
+        assert_eq!(bucket("0.000004"), 2.0);
+        assert_eq!(bucket("0.002048"), 2.0);
+        assert_eq!(bucket("0.004096"), 3.0);
+        assert_eq!(bucket("8.388608"), 3.0);
+        assert_eq!(bucket("+Inf"), 3.0);
+        let series = |suffix: &str| {
+            value(
+                &text,
+                &format!("blkwire_queue_request_duration_seconds_{suffix}{{{labels}}}"),
+            )
+        };
+        assert_eq!(series("count"), 3.0);
+        assert!((series("sum") - 0.003004).abs() < 1e-12);
+        // Every histogram: buckets never go down, +Inf equals _count.
+        let mut last: Option<(String, f64)> = None;
+        for l in text.lines().filter(|l| l.contains("_bucket{")) {
+            let (series, v) = l.rsplit_once(' ').unwrap();
+            let v: f64 = v.parse().unwrap();
+            let key = series[..series.find(",le=").unwrap()].to_string();
+            if let Some((k, prev)) = &last {
+                if *k == key {
+                    assert!(v >= *prev, "{l} after {prev}");
+                }
+            }
+            if series.ends_with("le=\"+Inf\"}") {
+                let count = format!("{}}}", key.replacen("_bucket{", "_count{", 1));
+                assert_eq!(value(&text, &count), v, "{l}");
+            }
+            last = Some((key, v));
+        }
+        // The write took longer than every bound: only +Inf holds it.
+        let write = r#"export="disk",session="7",queue="1",thread="0",op="write""#;
+        let w = format!("blkwire_queue_request_duration_seconds_bucket{{{write},le=\"8.388608\"}}");
+        assert_eq!(value(&text, &w), 0.0);
+        let w = format!("blkwire_queue_request_duration_seconds_bucket{{{write},le=\"+Inf\"}}");
+        assert_eq!(value(&text, &w), 1.0);
+    }
+
+    #[test]
+    fn export_totals_add_closed_queues_to_live_ones() {
+        let text = render(&snapshot());
+        let reads = |export: &str| {
+            value(
+                &text,
+                &format!("blkwire_export_requests_total{{export=\"{export}\",op=\"read\"}}"),
+            )
+        };
+        assert_eq!(reads("disk"), 13.0, "10 closed + 3 live");
+        assert_eq!(
+            reads("idle"),
+            0.0,
+            "an export served has series from the start"
+        );
+        assert_eq!(reads("retired"), 10.0, "an export gone keeps its totals");
+        let count = r#"blkwire_export_request_duration_seconds_count{export="idle",op="flush"}"#;
+        assert_eq!(
+            value(&text, count),
+            0.0,
+            "every op, even unused, per export"
+        );
+        let queue_flush = r#"blkwire_queue_request_duration_seconds_count{export="disk",session="7",queue="1",thread="0",op="flush"}"#;
+        assert!(
+            !text.contains(queue_flush),
+            "a queue has histograms only for operations it ran"
+        );
+        let in_flight =
+            r#"blkwire_queue_in_flight{export="disk",session="7",queue="1",thread="0"}"#;
+        assert_eq!(value(&text, in_flight), 2.0);
+        let ports = r#"blkwire_port_bad_frames_total{thread="0",transport="udp"}"#;
+        assert_eq!(
+            value(&text, ports),
+            5.0,
+            "a thread's sockets of a transport summed"
+        );
+        assert_eq!(value(&text, "blkwire_memory_used_bytes"), 12345.0);
+        assert_eq!(value(&text, "blkwire_auth_refused_total"), 5.0);
+        assert_eq!(value(&text, "blkwire_sessions"), 1.0);
+    }
+
+    #[test]
+    fn every_sample_follows_the_help_and_type_of_its_family() {
+        let text = render(&snapshot());
+        let mut typed: Vec<(String, String)> = Vec::new();
+        let mut helped: Vec<String> = Vec::new();
+        for l in text.lines() {
+            if let Some(rest) = l.strip_prefix("# HELP ") {
+                helped.push(rest.split(' ').next().unwrap().to_string());
+            } else if let Some(rest) = l.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').unwrap();
+                typed.push((name.to_string(), kind.to_string()));
+            } else {
+                let name = l.split(['{', ' ']).next().unwrap();
+                let (family, kind) = typed.last().expect("a TYPE first");
+                let base = if kind == "histogram" {
+                    ["_bucket", "_sum", "_count"]
+                        .iter()
+                        .find_map(|s| name.strip_suffix(s))
+                        .unwrap_or(name)
+                } else {
+                    name
+                };
+                assert_eq!(base, family, "{l}: not in the family last typed");
+                assert_eq!(helped.last(), Some(family), "{l}: no HELP");
+            }
+        }
+        let mut names: Vec<_> = typed.iter().map(|(n, _)| n).collect();
+        let all = names.len();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), all, "each family once");
+    }
+}
