@@ -97,6 +97,10 @@ pub struct Args {
     /// The private key of --tls-cert (PEM)
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// Serve Prometheus metrics over HTTP at ADDR:PORT (GET /metrics), e.g. 127.0.0.1:9100;
+    /// port 0 picks a free port. Anyone who reaches the address may read them (docs/METRICS.md)
+    #[arg(long, value_name = "ADDR:PORT")]
+    metrics: Option<String>,
 }
 
 /// `--export` in `--help`: every backend the registry knows, with what it is.
@@ -172,6 +176,10 @@ pub fn run(a: Args) -> Result<(), String> {
     target
         .check_ready(wants_control)
         .map_err(|e| e.to_string())?;
+    let metrics = match &a.metrics {
+        Some(addr) => Some(target.serve_metrics(addr).map_err(|e| e.to_string())?),
+        None => None,
+    };
     let control = match a.rpc_socket.as_deref() {
         Some("none") => None,
         Some(path) => {
@@ -212,6 +220,9 @@ pub fn run(a: Args) -> Result<(), String> {
         if let Some(p) = control {
             // A target built by calls alone may have no listener yet: this line says it is up.
             let _ = writeln!(out, "control {}", p.display());
+        }
+        if let Some(url) = metrics {
+            let _ = writeln!(out, "metrics {url}");
         }
         let _ = out.flush();
     }
