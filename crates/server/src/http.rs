@@ -44,9 +44,10 @@ impl Reply {
 }
 
 /// Where a request head ends in `buf`: just past the empty line that ends it (CRLF CRLF, or
-/// bare LFs, which RFC 9112 §2.2 lets a server accept), if it is there.
+/// bare LFs, which RFC 9112 §2.2 lets a server accept), if it is there. Empty lines before the
+/// request line do not end it: they are skipped, as [`reply_to`] skips them (§2.2).
 pub fn head_end(buf: &[u8]) -> Option<usize> {
-    let mut from = 0;
+    let mut from = skip_empty_lines(buf);
     while let Some(i) = buf[from..].iter().position(|&b| b == b'\n') {
         let at = from + i;
         match buf.get(at + 1..) {
@@ -62,11 +63,7 @@ pub fn head_end(buf: &[u8]) -> Option<usize> {
 /// §3: `method SP request-target SP HTTP-version`); empty lines before it are skipped (§2.2),
 /// the headers are not read.
 pub fn reply_to(head: &[u8]) -> Reply {
-    let start = head
-        .iter()
-        .position(|&b| b != b'\r' && b != b'\n')
-        .unwrap_or(head.len());
-    let rest = &head[start..];
+    let rest = &head[skip_empty_lines(head)..];
     let Some(end) = rest.iter().position(|&b| b == b'\n') else {
         return Reply::BadRequest;
     };
@@ -103,6 +100,13 @@ pub fn reply_to(head: &[u8]) -> Reply {
     }
 }
 
+/// Where the request line starts: past any CRs and LFs.
+fn skip_empty_lines(buf: &[u8]) -> usize {
+    buf.iter()
+        .position(|&b| b != b'\r' && b != b'\n')
+        .unwrap_or(buf.len())
+}
+
 /// A `tchar` of RFC 9110 §5.6.2, what a method is made of.
 fn is_token_char(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
@@ -117,12 +121,18 @@ mod tests {
         assert_eq!(head_end(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nbody"), Some(27));
         assert_eq!(head_end(b"GET / HTTP/1.1\n\n"), Some(16));
         assert_eq!(head_end(b"GET / HTTP/1.1\r\n\n"), Some(17));
-        assert_eq!(head_end(b"\n\n"), Some(2));
+        assert_eq!(
+            head_end(b"\r\n\nGET / HTTP/1.1\r\n\r\n"),
+            Some(21),
+            "empty lines before the request line are not its end"
+        );
         for unfinished in [
             &b""[..],
             b"GET / HTTP/1.1\r\n",
             b"a\r\nb\r\n\r",
             b"\r\r\r\r",
+            b"\n\n",
+            b"\r\n\r\n\r\n",
         ] {
             assert_eq!(head_end(unfinished), None, "{unfinished:?}");
         }
