@@ -29,6 +29,11 @@ command -v blkdiscard >/dev/null || need+=(util-linux)
 command -v unshare >/dev/null || need+=(util-linux)
 command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
 command -v nbdfuse >/dev/null || need+=(libnbd-bin)
+# serve --metrics (crates/cli/tests/metrics.rs): scraped with curl, checked with promtool, which
+# comes only with Debian's prometheus package (19 MB download, 96 MB installed: the server
+# too, whose service is not started in containers without an init system).
+command -v curl >/dev/null || need+=(curl)
+command -v promtool >/dev/null || need+=(prometheus)
 
 if [ ${#need[@]} -gt 0 ]; then
     echo "deps: installing ${need[*]}"

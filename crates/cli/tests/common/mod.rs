@@ -18,6 +18,22 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_blkwire");
 /// lines on its stdout; returns the child and the URLs in the order printed. Panics, with the
 /// child killed, when they do not come.
 pub fn spawn_serve(cmd: &mut Command, want: usize) -> (Child, Vec<String>) {
+    let (child, urls, _) = spawn_serve_lines(cmd, want, false);
+    (child, urls)
+}
+
+/// Like [`spawn_serve`] for a `serve --metrics` command: also waits for its `metrics URL` line
+/// and returns that URL.
+pub fn spawn_serve_with_metrics(cmd: &mut Command, want: usize) -> (Child, Vec<String>, String) {
+    let (child, urls, metrics) = spawn_serve_lines(cmd, want, true);
+    (child, urls, metrics.expect("waited for"))
+}
+
+fn spawn_serve_lines(
+    cmd: &mut Command,
+    want: usize,
+    metrics: bool,
+) -> (Child, Vec<String>, Option<String>) {
     let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -27,25 +43,34 @@ pub fn spawn_serve(cmd: &mut Command, want: usize) -> (Child, Vec<String>) {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(u) = line.strip_prefix("listening ") {
-                let _ = tx.send(u.to_string());
-            }
+            let _ = tx.send(line);
         }
     });
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let mut urls = Vec::new();
-    while urls.len() < want {
+    let mut metrics_url = None;
+    while urls.len() < want || (metrics && metrics_url.is_none()) {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         match rx.recv_timeout(left) {
-            Ok(u) => urls.push(u),
+            Ok(line) => {
+                if let Some(u) = line.strip_prefix("listening ") {
+                    urls.push(u.to_string());
+                } else if let Some(u) = line.strip_prefix("metrics ") {
+                    metrics_url = Some(u.to_string());
+                }
+            }
             Err(_) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                panic!("target reported {urls:?}, expected {want} listening addresses");
+                panic!(
+                    "target reported {urls:?} and metrics {metrics_url:?}, expected {want} \
+                     listening addresses{}",
+                    if metrics { " and a metrics URL" } else { "" }
+                );
             }
         }
     }
-    (child, urls)
+    (child, urls, metrics_url)
 }
 
 pub struct Target {
