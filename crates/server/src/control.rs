@@ -161,7 +161,7 @@ impl Options {
         })
     }
 
-    /// Sets the options named in `p` (an object with some of [`OPTION_NAMES`]), checking
+    /// Sets the options named in `p` (an object with some of `OPTION_NAMES`), checking
     /// each; the others keep their value.
     pub fn patch(&mut self, p: &Value) -> Result<(), String> {
         let Some(obj) = p.as_object() else {
