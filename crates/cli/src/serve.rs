@@ -160,6 +160,7 @@ pub fn run(a: Args) -> Result<(), String> {
         exports,
         keys: a.keys,
         admins: a.admin,
+        metrics: a.metrics,
     };
     return_freed_buffers();
     // Signals are taken by a dedicated thread (below): block them before any thread starts so
@@ -176,10 +177,6 @@ pub fn run(a: Args) -> Result<(), String> {
     target
         .check_ready(wants_control)
         .map_err(|e| e.to_string())?;
-    let metrics = match &a.metrics {
-        Some(addr) => Some(target.serve_metrics(addr).map_err(|e| e.to_string())?),
-        None => None,
-    };
     let control = match a.rpc_socket.as_deref() {
         Some("none") => None,
         Some(path) => {
@@ -221,7 +218,7 @@ pub fn run(a: Args) -> Result<(), String> {
             // A target built by calls alone may have no listener yet: this line says it is up.
             let _ = writeln!(out, "control {}", p.display());
         }
-        if let Some(url) = metrics {
+        if let Some(url) = target.metrics_url() {
             let _ = writeln!(out, "metrics {url}");
         }
         let _ = out.flush();

@@ -166,6 +166,13 @@ fn a_target_built_by_calls_alone_comes_back_the_same_from_its_saved_config() {
     let tcp = tcp.split_whitespace().last().unwrap().to_string();
     assert!(tcp.starts_with("tcp://127.0.0.1:"), "{tcp}");
     t.ok(&["listener", "add", "nbd://127.0.0.1:0"]);
+    let m = t.rpc("metrics_listen", json!({"addr": "127.0.0.1:0"}));
+    let metrics = m["url"].as_str().unwrap().to_string();
+    t.rpc_refused(
+        "metrics_listen",
+        json!({"addr": "127.0.0.1:0"}),
+        "metrics are served already",
+    );
     // The target built by calls serves.
     let (ok, out, err) = cli(&["info", &format!("{tcp}/disk0")]);
     assert!(ok && out.contains("16"), "{out}{err}");
@@ -200,6 +207,14 @@ fn a_target_built_by_calls_alone_comes_back_the_same_from_its_saved_config() {
     assert!(
         ok,
         "the restarted target serves at the saved address: {err}"
+    );
+    let out = Command::new("curl")
+        .args(["-sf", &metrics])
+        .output()
+        .expect("curl is missing: apt-get install curl (scripts/deps.sh does)");
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("blkwire_sessions"),
+        "metrics at the saved address {metrics}"
     );
     // And saving again gives the same config.
     let again = dir.path("again.json");
@@ -240,6 +255,7 @@ fn every_method_takes_good_parameters_and_refuses_bad_ones_in_one_line() {
         "keys_load",
         "admins_set",
         "host_list",
+        "metrics_listen",
         "target_options",
         "rpc_get_methods",
     ] {

@@ -7,6 +7,7 @@
 //! path never waits for them.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
@@ -226,7 +227,7 @@ pub const MIN_MEMORY: u64 = 64 << 20;
 struct Method {
     name: &'static str,
     about: &'static str,
-    run: fn(&Shared, Value) -> Result<Value, RpcError>,
+    run: fn(&Arc<Shared>, Value) -> Result<Value, RpcError>,
 }
 
 const METHODS: &[Method] = &[
@@ -286,6 +287,11 @@ const METHODS: &[Method] = &[
         run: listener_list,
     },
     Method {
+        name: "metrics_listen",
+        about: "{addr}: serve Prometheus metrics at ADDR:PORT (GET /metrics); one endpoint per target",
+        run: metrics_listen,
+    },
+    Method {
         name: "session_list",
         about: "every session: id, export, host, peer, live queues",
         run: session_list,
@@ -318,7 +324,11 @@ const METHODS: &[Method] = &[
 ];
 
 /// Runs one call.
-pub(crate) fn dispatch(shared: &Shared, method: &str, params: Value) -> Result<Value, RpcError> {
+pub(crate) fn dispatch(
+    shared: &Arc<Shared>,
+    method: &str,
+    params: Value,
+) -> Result<Value, RpcError> {
     let Some(m) = METHODS.iter().find(|m| m.name == method) else {
         return Err(RpcError {
             code: RpcError::NO_METHOD,
@@ -338,7 +348,7 @@ fn params<T: DeserializeOwned>(method: &str, p: Value, shape: &str) -> Result<T,
         .map_err(|e| RpcError::params(format!("{method}: {e}; expected {shape}")))
 }
 
-fn target_options(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+fn target_options(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     let mut want = sh.options.clone();
     want.patch(&p).map_err(RpcError::params)?;
     if want != sh.options {
@@ -357,7 +367,7 @@ struct PathParam {
     path: PathBuf,
 }
 
-fn keys_load(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+fn keys_load(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     let p: PathParam = params("keys_load", p, "{\"path\": \"/etc/blkwire/keys\"}")?;
     let store = blkwire_auth::KeyStore::load(&p.path).map_err(RpcError::refused)?;
     let hosts = store.len();
@@ -374,7 +384,7 @@ struct HostsParam {
     hosts: Vec<String>,
 }
 
-fn admins_set(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+fn admins_set(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     let p: HostsParam = params("admins_set", p, "{\"hosts\": [\"HOST-ID\", ...]}")?;
     sh.registry
         .access
@@ -383,7 +393,7 @@ fn admins_set(sh: &Shared, p: Value) -> Result<Value, RpcError> {
     Ok(json!({ "hosts": p.hosts }))
 }
 
-fn host_list(sh: &Shared, _: Value) -> Result<Value, RpcError> {
+fn host_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
     let admins = sh.registry.access.admins();
     let hosts: Vec<Value> = match sh.registry.access.keys() {
         Some(k) => k
@@ -403,7 +413,7 @@ struct ExportAddParam {
 }
 
 /// An export's `export_list` entry.
-fn export_entry(sh: &Shared, name: &str) -> Value {
+fn export_entry(sh: &Arc<Shared>, name: &str) -> Value {
     sh.registry
         .describe_exports()
         .into_iter()
@@ -411,7 +421,7 @@ fn export_entry(sh: &Shared, name: &str) -> Value {
         .unwrap_or(Value::Null)
 }
 
-fn export_add(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+fn export_add(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     let p: ExportAddParam = params(
         "export_add",
         p,
@@ -438,7 +448,7 @@ struct ExportRemoveParam {
     force: bool,
 }
 
-fn export_remove(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+fn export_remove(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     let p: ExportRemoveParam = params(
         "export_remove",
         p,
@@ -468,7 +478,7 @@ struct SetAllowParam {
     allow: Option<String>,
 }
 
-fn export_set_allow(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+fn export_set_allow(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     let p: SetAllowParam = params(
         "export_set_allow",
         p,
@@ -485,7 +495,7 @@ fn export_set_allow(sh: &Shared, p: Value) -> Result<Value, RpcError> {
     Ok(e)
 }
 
-fn export_list(sh: &Shared, _: Value) -> Result<Value, RpcError> {
+fn export_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
     Ok(Value::Array(sh.registry.describe_exports()))
 }
 
@@ -495,19 +505,19 @@ struct UrlParam {
     url: String,
 }
 
-fn listener_add(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+fn listener_add(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     let p: UrlParam = params("listener_add", p, "{\"url\": \"tcp://0.0.0.0:7700\"}")?;
     let url = sh.add_listener(&p.url)?;
     Ok(json!({ "url": url }))
 }
 
-fn listener_remove(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+fn listener_remove(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     let p: UrlParam = params("listener_remove", p, "{\"url\": \"tcp://0.0.0.0:7700\"}")?;
     let url = sh.remove_listener(&p.url).map_err(RpcError::refused)?;
     Ok(json!({ "url": url }))
 }
 
-fn listener_list(sh: &Shared, _: Value) -> Result<Value, RpcError> {
+fn listener_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
     Ok(Value::Array(
         sh.listener_urls()
             .into_iter()
@@ -516,7 +526,22 @@ fn listener_list(sh: &Shared, _: Value) -> Result<Value, RpcError> {
     ))
 }
 
-fn session_list(sh: &Shared, _: Value) -> Result<Value, RpcError> {
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddrParam {
+    addr: String,
+}
+
+fn metrics_listen(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    let p: AddrParam = params("metrics_listen", p, "{\"addr\": \"127.0.0.1:9100\"}")?;
+    let url = sh.serve_metrics(&p.addr).map_err(|e| match e {
+        crate::Error::Config(m) => RpcError::params(m),
+        other => RpcError::refused(other.to_string()),
+    })?;
+    Ok(json!({ "url": url }))
+}
+
+fn session_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
     Ok(Value::Array(sh.registry.describe_sessions()))
 }
 
@@ -526,7 +551,7 @@ struct SessionParam {
     session: u32,
 }
 
-fn session_close(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+fn session_close(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     let p: SessionParam = params("session_close", p, "{\"session\": 1234}")?;
     if !sh.registry.revoke(p.session) {
         return Err(RpcError::refused(format!(
@@ -551,7 +576,7 @@ fn default_page() -> usize {
     100
 }
 
-fn stats(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+fn stats(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     let p: PageParam = params("stats", p, "{\"offset\": 0, \"limit\": 100}")?;
     if p.limit == 0 {
         return Err(RpcError::params("stats: limit must be at least 1".into()));
@@ -561,7 +586,7 @@ fn stats(sh: &Shared, p: Value) -> Result<Value, RpcError> {
 
 /// The calls that rebuild the running target: its options, keys and admins, its exports in
 /// order, then its listeners (bound addresses, so a port 0 comes back as the same port).
-pub(crate) fn running_config(sh: &Shared) -> Vec<Call> {
+pub(crate) fn running_config(sh: &Arc<Shared>) -> Vec<Call> {
     let mut calls = vec![Call::new("target_options", sh.options.to_json())];
     if let Some(p) = sh
         .keys_path
@@ -584,6 +609,9 @@ pub(crate) fn running_config(sh: &Shared) -> Vec<Call> {
     for (url, _) in sh.listener_urls() {
         calls.push(Call::new("listener_add", json!({ "url": url })));
     }
+    if let Some(addr) = sh.metrics.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+        calls.push(Call::new("metrics_listen", json!({ "addr": addr })));
+    }
     calls
 }
 
@@ -593,7 +621,7 @@ struct SaveParam {
     path: Option<PathBuf>,
 }
 
-fn save_config(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+fn save_config(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     let p: SaveParam = params(
         "save_config",
         p,
@@ -636,7 +664,7 @@ struct LoadParam {
     config: Option<Vec<Call>>,
 }
 
-fn load_config(sh: &Shared, p: Value) -> Result<Value, RpcError> {
+fn load_config(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     let p: LoadParam = params(
         "load_config",
         p,
@@ -664,7 +692,11 @@ fn load_config(sh: &Shared, p: Value) -> Result<Value, RpcError> {
 /// which call it was and that the ones before it were applied (a config file); without, it is
 /// the call's own message (calls made from command-line flags, which the user knows by their
 /// flag). Also returns the method that failed.
-pub(crate) fn apply(sh: &Shared, calls: &[Call], numbered: bool) -> Result<(), (String, RpcError)> {
+pub(crate) fn apply(
+    sh: &Arc<Shared>,
+    calls: &[Call],
+    numbered: bool,
+) -> Result<(), (String, RpcError)> {
     for (i, c) in calls.iter().enumerate() {
         let result = if matches!(c.method.as_str(), "load_config" | "save_config") {
             Err(RpcError::params(
@@ -696,7 +728,7 @@ pub(crate) fn apply(sh: &Shared, calls: &[Call], numbered: bool) -> Result<(), (
     Ok(())
 }
 
-fn rpc_get_methods(_: &Shared, _: Value) -> Result<Value, RpcError> {
+fn rpc_get_methods(_: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
     Ok(Value::Array(
         METHODS
             .iter()

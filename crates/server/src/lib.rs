@@ -130,6 +130,8 @@ pub struct TargetConfig {
     pub keys: Option<PathBuf>,
     /// `--admin HOST`: proven hosts that may read STATS on a target with keys.
     pub admins: Vec<String>,
+    /// `--metrics ADDR:PORT`: the Prometheus endpoint.
+    pub metrics: Option<String>,
 }
 
 impl TargetConfig {
@@ -154,6 +156,12 @@ impl TargetConfig {
         }
         for l in &self.listen {
             calls.push(Call::new("listener_add", serde_json::json!({ "url": l })));
+        }
+        if let Some(m) = &self.metrics {
+            calls.push(Call::new(
+                "metrics_listen",
+                serde_json::json!({ "addr": m }),
+            ));
         }
         calls
     }
@@ -180,6 +188,8 @@ pub(crate) struct Shared {
     /// `run` has begun: changes from now on are logged (at start, `serve` sums them up in one
     /// line, and a bad flag's error stays the only line).
     serving: std::sync::atomic::AtomicBool,
+    /// The metrics endpoint's bound `ADDR:PORT`, once `metrics_listen` opened it.
+    metrics: Mutex<Option<String>>,
 }
 
 #[derive(Default)]
@@ -561,6 +571,7 @@ impl Target {
                 changed: eventfd()?,
                 stop: Arc::new(eventfd()?),
                 serving: Default::default(),
+                metrics: Mutex::new(None),
             }),
             handles,
             rpc: None,

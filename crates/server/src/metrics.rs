@@ -31,10 +31,34 @@ const METRICS_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 impl Target {
     /// Serves the target's counters in the Prometheus text format over HTTP at `addr`
-    /// (`ADDR:PORT`; port 0 picks a free port): `GET /metrics` on a thread of its own, which
-    /// ends when the target is stopped ([`crate::StopHandle::stop`]). Returns the URL to
+    /// (`ADDR:PORT`; port 0 picks a free port): the `metrics_listen` call. Returns the URL to
     /// scrape.
     pub fn serve_metrics(&self, addr: &str) -> Result<String, Error> {
+        self.shared.serve_metrics(addr)
+    }
+
+    /// The URL the metrics endpoint serves, if one was opened.
+    pub fn metrics_url(&self) -> Option<String> {
+        let bound = self
+            .shared
+            .metrics
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        bound.as_ref().map(|a| format!("http://{a}/metrics"))
+    }
+}
+
+impl Shared {
+    /// Opens the metrics endpoint: `GET /metrics` on a thread of its own, which ends when the
+    /// target is stopped ([`crate::StopHandle::stop`]). One per target. Returns the URL to
+    /// scrape.
+    pub(crate) fn serve_metrics(self: &Arc<Self>, addr: &str) -> Result<String, Error> {
+        let mut bound = self.metrics.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = bound.as_ref() {
+            return Err(Error::Listen(format!(
+                "metrics are served already, on {b} (one endpoint per target)"
+            )));
+        }
         let addrs: Vec<SocketAddr> = addr
             .to_socket_addrs()
             .map(|a| a.collect())
@@ -52,16 +76,17 @@ impl Target {
         // Non-blocking, so a connection that went away between poll and accept cannot hang
         // the thread in accept (and so miss the stop).
         listener.set_nonblocking(true).map_err(system)?;
-        let url = format!("http://{}/metrics", listener.local_addr().map_err(system)?);
+        let local = listener.local_addr().map_err(system)?;
         let endpoint = Endpoint {
             listener,
-            shared: self.shared.clone(),
+            shared: self.clone(),
         };
         std::thread::Builder::new()
             .name("blkwire-metrics".into())
             .spawn(move || endpoint.run())
             .map_err(|e| Error::System(format!("cannot start the metrics thread: {e}")))?;
-        Ok(url)
+        *bound = Some(local.to_string());
+        Ok(format!("http://{local}/metrics"))
     }
 }
 

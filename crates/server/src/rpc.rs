@@ -212,7 +212,7 @@ fn refuse(s: UnixStream) {
 }
 
 /// Answers one client's requests, one per line, until it hangs up.
-fn client(s: UnixStream, shared: &Shared) {
+fn client(s: UnixStream, shared: &Arc<Shared>) {
     let _ = s.set_read_timeout(Some(IDLE));
     let Ok(mut out) = s.try_clone() else {
         return;
@@ -249,7 +249,7 @@ fn client(s: UnixStream, shared: &Shared) {
 }
 
 /// One request line's answer (None for a notification, which has no id and gets none).
-pub(crate) fn answer(request: &[u8], shared: &Shared) -> Option<Value> {
+pub(crate) fn answer(request: &[u8], shared: &Arc<Shared>) -> Option<Value> {
     let (id, method, params) = match decode(request) {
         Ok(r) => r,
         Err((id, e)) => return Some(error_reply(id, e)),
