@@ -681,17 +681,7 @@ impl Registry {
 
     /// Serves a new export (`export_add`). `Err` is a one-line reason.
     pub fn add_export(&self, spec: ExportSpec) -> Result<(), String> {
-        let acl = match &spec.allow {
-            Some(rules) => Acl::parse(rules).map_err(|e| format!("export '{}': {e}", spec.name))?,
-            None => Acl::default(),
-        };
-        if let (Some(host), false) = (acl.hosts().next(), self.access.has_keys()) {
-            return Err(format!(
-                "export '{}': allow={host} names a host id, but a host id is only proven with a \
-                 key: load keys first (serve --keys FILE, or the keys_load method)",
-                spec.name
-            ));
-        }
+        let acl = self.allow_rules(&spec.name, spec.allow.as_deref())?;
         if self.has_export(&spec.name) {
             return Err(format!("export '{}' exists already", spec.name));
         }
@@ -706,6 +696,22 @@ impl Registry {
         Ok(())
     }
 
+    /// An export's `allow=` rules, parsed; host ids only on a target with keys (nothing else
+    /// proves them).
+    fn allow_rules(&self, export: &str, allow: Option<&str>) -> Result<Acl, String> {
+        let Some(rules) = allow else {
+            return Ok(Acl::default());
+        };
+        let acl = Acl::parse(rules).map_err(|e| format!("export '{export}': {e}"))?;
+        if let (Some(host), false) = (acl.hosts().next(), self.access.has_keys()) {
+            return Err(format!(
+                "export '{export}': allow={host} names a host id, but a host id is only proven \
+                 with a key: load keys first (serve --keys FILE, or the keys_load method)"
+            ));
+        }
+        Ok(acl)
+    }
+
     /// Stops serving an export (`export_remove`): refused while sessions use it unless
     /// `force`, which revokes them. Returns the sessions to close.
     pub fn remove_export(&self, name: &str, force: bool) -> Result<Vec<u32>, String> {
@@ -715,10 +721,11 @@ impl Registry {
             .iter()
             .position(|s| s.export.name == name)
             .ok_or_else(|| no_such_export(name))?;
+        let export = inner.exports[at].export.clone();
         let users: Vec<u32> = inner
             .sessions
             .iter()
-            .filter(|(_, s)| s.export.name == name)
+            .filter(|(_, s)| Arc::ptr_eq(&s.export, &export) && !s.revoked)
             .map(|(id, _)| *id)
             .collect();
         if !users.is_empty() && !force {
@@ -741,16 +748,7 @@ impl Registry {
     /// Replaces an export's allow rules (`export_set_allow`; None admits everyone the target
     /// admits). Returns the sessions of hosts the new rules no longer admit, to close.
     pub fn set_allow(&self, name: &str, allow: Option<String>) -> Result<Vec<u32>, String> {
-        let acl = match &allow {
-            Some(rules) => Acl::parse(rules).map_err(|e| format!("export '{name}': {e}"))?,
-            None => Acl::default(),
-        };
-        if let (Some(host), false) = (acl.hosts().next(), self.access.has_keys()) {
-            return Err(format!(
-                "export '{name}': allow={host} names a host id, but a host id is only proven \
-                 with a key: load keys first (serve --keys FILE, or the keys_load method)"
-            ));
-        }
+        let acl = self.allow_rules(name, allow.as_deref())?;
         let mut inner = self.lock();
         let served = inner
             .exports
