@@ -259,6 +259,10 @@ pub enum Progress {
 const ZERO_CHUNK: u32 = 1 << 20;
 /// Bytes moved per backend operation of a COPY (the bounce buffer's size when emulated).
 const COPY_CHUNK: u32 = 1 << 20;
+/// A COPY gives its thread back (an io_uring NOP, then it goes on) after this many bytes, so
+/// that a long copy on a backend that completes inline (`mem:`) does not hold up the other
+/// queues of its reactor: about a millisecond of memcpy.
+const COPY_YIELD_AFTER: u32 = 8 * COPY_CHUNK;
 
 /// Where a COPY is.
 struct CopyState {
@@ -278,6 +282,10 @@ struct CopyState {
     source: Option<Box<dyn QueueIo>>,
     /// The bounce buffer's alignment: what both exports' backends need (O_DIRECT).
     align: usize,
+    /// Bytes moved since the copy last gave its thread back.
+    since_yield: u32,
+    /// The next operation, held while the copy waits for its NOP to come back.
+    parked: Option<Op>,
 }
 
 /// What happens when the backend operation now running for a request completes.
@@ -510,6 +518,8 @@ impl ExportQueue {
             bounce: None,
             source,
             align,
+            since_yield: 0,
+            parked: None,
         };
         match self.after(Next::Copy(Box::new(state)), 0) {
             Err(r) => Progress::Done(r),
@@ -576,6 +586,16 @@ impl ExportQueue {
         sq: &mut dyn Submitter,
     ) -> Progress {
         loop {
+            // A long copy gives the thread back now and then: the operation waits behind a NOP,
+            // whose completion (through `complete`) takes it up again.
+            if let Next::Copy(st) = &mut next {
+                if st.since_yield >= COPY_YIELD_AFTER {
+                    st.since_yield = 0;
+                    st.parked = Some(op);
+                    sq.push(io_uring::opcode::Nop::new().build().user_data(tag));
+                    return self.wait_for(tag, 1, next);
+                }
+            }
             // A copy's read from another export goes to its queue there.
             let io = match &mut next {
                 Next::Copy(st) if st.read_done && st.source.is_some() => {
@@ -670,6 +690,9 @@ impl ExportQueue {
 
     /// The next operation of a COPY after one that returned `res` (>= 0).
     fn copy_step(&mut self, mut st: Box<CopyState>, res: i32) -> Result<(Op, Next), i32> {
+        if let Some(op) = st.parked.take() {
+            return Ok((op, Next::Copy(st))); // the NOP came back: go on where it stopped
+        }
         if res as u32 != st.chunk {
             return Err(-libc::EIO); // a short read or write inside the export
         }
@@ -690,6 +713,7 @@ impl ExportQueue {
         }
         st.at += st.chunk;
         st.dst += st.chunk as u64;
+        st.since_yield += st.chunk;
         while st.idx < st.ranges.len() && st.at >= st.ranges[st.idx].len {
             st.idx += 1;
             st.at = 0;
@@ -1243,6 +1267,47 @@ mod tests {
             back[..256].iter().all(|&x| x == back[0]),
             "bytes before the destination kept"
         );
+    }
+
+    /// A copy longer than `COPY_YIELD_AFTER` on an inline backend does not run to the end
+    /// inside `start_copy`: it hands its thread back through a NOP, goes on when the NOP
+    /// completes, and copies everything.
+    #[test]
+    fn a_long_copy_on_an_inline_backend_gives_its_thread_back() {
+        struct Collect(Vec<u64>);
+        impl Submitter for Collect {
+            fn push(&mut self, e: io_uring::squeue::Entry) {
+                self.0.push(e.get_user_data());
+            }
+        }
+        let len = 3 * COPY_YIELD_AFTER; // 24 MiB: two yields
+        let e = Export::open(&ExportSpec::parse("m=mem:64M").unwrap()).unwrap();
+        let mut q = e.open_queue().unwrap();
+        let data = pattern(len as usize, 5);
+        q.write_blocking(0, &data, false).unwrap();
+        let sources = [CopyRange { offset: 0, len }];
+        let dst = 32 << 20;
+        e.check_copy(&sources, dst).unwrap();
+        let mut sq = Collect(Vec::new());
+        let mut progress = q.start_copy(&sources, dst, 42, &mut sq);
+        let mut yields = 0;
+        while progress == Progress::Pending {
+            assert_eq!(
+                sq.0.drain(..).collect::<Vec<_>>(),
+                [42],
+                "one NOP, with the tag"
+            );
+            yields += 1;
+            progress = match q.complete(42, 0, &mut sq) {
+                Some(r) => Progress::Done(r),
+                None => Progress::Pending,
+            };
+        }
+        assert_eq!(progress, Progress::Done(0));
+        assert_eq!(yields, 2, "24 MiB in 8 MiB stretches");
+        let mut back = vec![0u8; len as usize];
+        q.read_blocking(dst, &mut back).unwrap();
+        assert!(back == data, "the copy is whole");
     }
 
     #[test]
