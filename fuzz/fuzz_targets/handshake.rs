@@ -1,9 +1,9 @@
-//! HELLO (with its §12.1 auth block) / HELLO reply / JOIN / LIST payload decoding (PROTOCOL.md §7, §12): no panics on arbitrary bytes,
+//! HELLO (with its §12.1 auth block) / HELLO reply / JOIN / LIST payload and COPY descriptor decoding (PROTOCOL.md §7, §12, §13): no panics on arbitrary bytes,
 //! and anything accepted must encode and decode back to the same value.
 
 #![no_main]
 
-use blkwire_wire::{ExportEntry, Hello, HelloReply, Join};
+use blkwire_wire::{CopyDescriptor, ExportEntry, Hello, HelloReply, Join};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -46,5 +46,10 @@ fuzz_target!(|data: &[u8]| {
             enc, data,
             "export list encoding differs from the accepted input"
         );
+    }
+    if let Ok(d) = CopyDescriptor::decode(data, u16::MAX) {
+        // PROTOCOL.md §13: a decoded COPY descriptor is exactly its input again.
+        assert!(!d.ranges.is_empty() && d.ranges.iter().all(|r| r.len > 0));
+        assert_eq!(d.encode().expect("a decoded descriptor re-encodes"), data);
     }
 });

@@ -5,12 +5,14 @@
 //! (`fuzz/fuzz_targets/frame.rs`). Section references (`§N`) point into `docs/PROTOCOL.md`.
 
 mod block;
+mod copy;
 pub mod crc;
 pub mod datagram;
 mod frame;
 mod handshake;
 pub mod nbd;
 
+pub use copy::{CopyDescriptor, CopySource};
 pub use frame::{Flags, FrameError, Header, Opcode, Status, Tag, HEADER_LEN, MAGIC, VERSION};
 pub use handshake::{
     AuthBlock, AuthMethod, ExportEntry, Features, Hello, HelloReply, Join, PayloadError,

@@ -1,0 +1,122 @@
+//! The COPY descriptor (PROTOCOL.md §13): a COPY request's payload, naming the source export
+//! and the source ranges copied, in order, to consecutive bytes from the request's offset.
+
+use crate::handshake::{PayloadError, PayloadReader, PayloadWriter};
+
+/// One source range: `len` bytes from `offset`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CopySource {
+    /// First byte in the source export.
+    pub offset: u64,
+    /// Bytes (never 0).
+    pub len: u32,
+}
+
+/// A decoded COPY descriptor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CopyDescriptor {
+    /// Another export of the same target, or empty for the session's own.
+    pub source: String,
+    /// The ranges, in the order they are copied.
+    pub ranges: Vec<CopySource>,
+}
+
+impl CopyDescriptor {
+    /// Encoded size of one range.
+    pub const RANGE_LEN: usize = 16;
+
+    /// The payload's wire form.
+    pub fn encode(&self) -> Result<Vec<u8>, PayloadError> {
+        let count = u16::try_from(self.ranges.len())
+            .map_err(|_| PayloadError::Invalid("more than 65535 copy ranges"))?;
+        let mut w = PayloadWriter::default();
+        w.u16(count).u16(0);
+        w.str(&self.source)?;
+        for r in &self.ranges {
+            w.u64(r.offset).u32(r.len).u32(0);
+        }
+        Ok(w.buf)
+    }
+
+    /// Parses a descriptor of at most `max_ranges` ranges; every range non-empty, reserved
+    /// fields zero. The total is checked against the request's length by the target.
+    pub fn decode(buf: &[u8], max_ranges: u16) -> Result<CopyDescriptor, PayloadError> {
+        let mut r = PayloadReader::new(buf);
+        let count = r.u16()?;
+        if r.u16()? != 0 {
+            return Err(PayloadError::Invalid("copy flags must be 0"));
+        }
+        if count == 0 || count > max_ranges {
+            return Err(PayloadError::Invalid("copy range count out of range"));
+        }
+        let source = r.str()?;
+        // Bounded by `max_ranges` (and the payload's length, checked as each range is read).
+        let mut ranges = Vec::with_capacity(count as usize);
+        for _ in 0..count {
+            let (offset, len, reserved) = (r.u64()?, r.u32()?, r.u32()?);
+            if len == 0 || reserved != 0 {
+                return Err(PayloadError::Invalid(
+                    "empty copy range or reserved bits set",
+                ));
+            }
+            ranges.push(CopySource { offset, len });
+        }
+        r.finish()?;
+        Ok(CopyDescriptor { source, ranges })
+    }
+
+    /// Bytes copied in all.
+    pub fn total(&self) -> u64 {
+        self.ranges.iter().map(|r| r.len as u64).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descriptors_round_trip_and_bad_ones_are_refused() {
+        let d = CopyDescriptor {
+            source: "golden".into(),
+            ranges: vec![
+                CopySource {
+                    offset: 0,
+                    len: 4096,
+                },
+                CopySource {
+                    offset: 1 << 40,
+                    len: u32::MAX,
+                },
+            ],
+        };
+        let b = d.encode().unwrap();
+        assert_eq!(b.len(), 4 + 1 + 6 + 2 * CopyDescriptor::RANGE_LEN);
+        assert_eq!(CopyDescriptor::decode(&b, 2).unwrap(), d);
+        assert_eq!(d.total(), 4096 + u32::MAX as u64);
+        assert!(CopyDescriptor::decode(&b, 1).is_err(), "over the limit");
+        assert!(CopyDescriptor::decode(&b[..b.len() - 1], 2).is_err(), "cut");
+        let mut extra = b.clone();
+        extra.push(0);
+        assert!(CopyDescriptor::decode(&extra, 2).is_err(), "trailing");
+        let mut flags = b.clone();
+        flags[2] = 1;
+        assert!(CopyDescriptor::decode(&flags, 2).is_err(), "flags");
+        let empty = CopyDescriptor {
+            source: String::new(),
+            ranges: vec![CopySource { offset: 0, len: 0 }],
+        };
+        assert!(
+            CopyDescriptor::decode(&empty.encode().unwrap(), 4).is_err(),
+            "empty range"
+        );
+        let none = CopyDescriptor {
+            source: String::new(),
+            ranges: vec![],
+        };
+        assert!(
+            CopyDescriptor::decode(&none.encode().unwrap(), 4).is_err(),
+            "no range"
+        );
+    }
+}
