@@ -134,16 +134,26 @@ impl Bench {
 
 /// Waits until the target lists `n` sessions (the benches have connected).
 fn wait_for_sessions(t: &Managed, n: usize) -> Vec<Value> {
+    wait_for_session_count(t, |live| live >= n, &format!("at least {n}"))
+}
+
+/// Waits until the target lists no session (a client that disconnected is gone: a session
+/// ends when its reactor sees the connection close, a moment after the client exits).
+fn wait_for_no_sessions(t: &Managed) {
+    wait_for_session_count(t, |live| live == 0, "no");
+}
+
+fn wait_for_session_count(t: &Managed, done: impl Fn(usize) -> bool, want: &str) -> Vec<Value> {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {
         let list = t.rpc("session_list", json!({}));
         let live: Vec<Value> = list.as_array().unwrap().clone();
-        if live.len() >= n {
+        if done(live.len()) {
             return live;
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "expected {n} sessions, have {list}"
+            "expected {want} sessions, have {list}"
         );
         std::thread::sleep(Duration::from_millis(20)); // polling a listing, not a sync point
     }
@@ -176,6 +186,7 @@ fn a_target_built_by_calls_alone_comes_back_the_same_from_its_saved_config() {
     // The target built by calls serves.
     let (ok, out, err) = cli(&["info", &format!("{tcp}/disk0")]);
     assert!(ok && out.contains("16"), "{out}{err}");
+    wait_for_no_sessions(&t);
     let exports = t.ok(&["export", "ls", "--json"]);
     let listeners = t.ok(&["listener", "ls", "--json"]);
     let saved = dir.path("saved.json");
