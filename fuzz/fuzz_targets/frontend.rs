@@ -3,15 +3,15 @@
 //! the reactor walks a receive buffer. No panic on any input; `Need(n)` always asks for more than
 //! is buffered (else the reactor would wait forever with a whole message in hand) and never more
 //! than one maximum message; a decoded message lies inside the buffer with its payload at its
-//! end; a message the frontend answers itself lies inside the buffer too; and every reply to a
-//! decoded request can be encoded.
+//! end; a message the frontend answers itself lies inside the buffer too; every reply to a
+//! decoded request can be encoded; and a COPY's descriptor decodes only within the limits.
 
 #![no_main]
 
 use blkwire_server::frontend::native::Native;
 use blkwire_server::frontend::nbd::Nbd;
-use blkwire_server::frontend::{Decoded, ReadFraming, StreamFrontend};
-use blkwire_wire::{Status, HEADER_LEN};
+use blkwire_server::frontend::{Decoded, Kind, ReadFraming, StreamFrontend};
+use blkwire_wire::{CopyLimits, Status, HEADER_LEN};
 use libfuzzer_sys::fuzz_target;
 
 const MAX_IO: u32 = 1 << 20;
@@ -60,6 +60,13 @@ fn walk(fe: &mut dyn StreamFrontend, data: &[u8]) {
                     }
                 }
                 fe.block_status_reply(&req, &[(req.length, true)], &mut tx);
+                if req.kind == Kind::Copy {
+                    let payload = &rx[len - payload_len..len];
+                    if let Some(d) = fe.copy_descriptor(payload) {
+                        assert!(!d.ranges.is_empty() && d.ranges.len() <= 128);
+                        assert!(d.ranges.iter().all(|r| r.len > 0 && r.len <= 1 << 30));
+                    }
+                }
                 at += len;
             }
         }
@@ -67,8 +74,14 @@ fn walk(fe: &mut dyn StreamFrontend, data: &[u8]) {
 }
 
 fuzz_target!(|data: &[u8]| {
-    for depth in [1u16, 128] {
-        walk(&mut Native::new(depth, MAX_IO), data);
+    // Without COPY, and with it: a COPY's descriptor is decoded from the message's payload.
+    let copy = CopyLimits {
+        max_bytes: u32::MAX,
+        max_range: 1 << 30,
+        max_ranges: 128,
+    };
+    for (depth, copy) in [(1u16, CopyLimits::default()), (128, copy)] {
+        walk(&mut Native::new(depth, MAX_IO, copy), data);
     }
     for (structured, allocation) in [(false, false), (true, false), (true, true)] {
         let mut nbd = Nbd {

@@ -242,6 +242,7 @@ impl Export {
             zeros: None,
             steps: Vec::new(),
             reaped: Vec::new(),
+            failed_copies: Vec::new(),
         })
     }
 }
@@ -257,8 +258,9 @@ pub enum Progress {
 
 /// Bytes of zeros written per step when WRITE_ZEROES is emulated.
 const ZERO_CHUNK: u32 = 1 << 20;
-/// Bytes moved per backend operation of a COPY (the bounce buffer's size when emulated).
-const COPY_CHUNK: u32 = 1 << 20;
+/// Bytes moved per backend operation of a COPY (the bounce buffer's size when emulated): the
+/// most memory one COPY in flight holds, which callers count against their budgets.
+pub const COPY_CHUNK: u32 = 1 << 20;
 /// A COPY gives its thread back (an io_uring NOP, then it goes on) after this many bytes, so
 /// that a long copy on a backend that completes inline (`mem:`) does not hold up the other
 /// queues of its reactor: about a millisecond of memcpy.
@@ -270,8 +272,9 @@ struct CopyState {
     /// The range being copied, and how far into it.
     idx: usize,
     at: u32,
-    /// Where the next chunk lands.
+    /// Where the next chunk lands, and where the first one did.
     dst: u64,
+    first_dst: u64,
     /// Bytes the operation now running moves (the result must say as much).
     chunk: u32,
     /// Emulation: the chunk was read into `bounce` and must be written next.
@@ -335,6 +338,9 @@ pub struct ExportQueue {
     steps: Vec<Step>,
     /// Scratch for [`ExportQueue::reap`] (no allocation per batch).
     reaped: Vec<(u64, i32)>,
+    /// COPYs that failed, by tag: the bytes from their destination offset known to be copied,
+    /// until [`ExportQueue::copied_before_failure`] takes them.
+    failed_copies: Vec<(u64, u64)>,
 }
 
 impl ExportQueue {
@@ -394,7 +400,7 @@ impl ExportQueue {
             }
             Op::WriteZeroes { offset, len, .. } if caps.write_zeroes != Support::Native => {
                 let end = offset + len as u64;
-                match self.after(Next::Zero { at: offset, end }, 0) {
+                match self.follow(tag, Next::Zero { at: offset, end }, 0) {
                     Ok(step) => step,
                     Err(r) => return Progress::Done(r),
                 }
@@ -407,7 +413,7 @@ impl ExportQueue {
                     end: offset + len as u64,
                     limit: caps.limits.max_trim_bytes.max(512),
                 };
-                match self.after(split, 0) {
+                match self.follow(tag, split, 0) {
                     Ok(step) => step,
                     Err(r) => return Progress::Done(r),
                 }
@@ -424,7 +430,7 @@ impl ExportQueue {
                     end: offset + len as u64,
                     limit: caps.limits.max_zero_bytes.max(512),
                 };
-                match self.after(split, 0) {
+                match self.follow(tag, split, 0) {
                     Ok(step) => step,
                     Err(r) => return Progress::Done(r),
                 }
@@ -513,6 +519,7 @@ impl ExportQueue {
             idx: 0,
             at: 0,
             dst,
+            first_dst: dst,
             chunk: 0,
             read_done: false,
             bounce: None,
@@ -521,11 +528,21 @@ impl ExportQueue {
             since_yield: 0,
             parked: None,
         };
-        match self.after(Next::Copy(Box::new(state)), 0) {
+        match self.follow(tag, Next::Copy(Box::new(state)), 0) {
             Err(r) => Progress::Done(r),
             // SAFETY: every operation of a copy works on the export and on the bounce buffer
             // its step owns, which lives until the step is done.
             Ok((op, next)) => unsafe { self.drive(op, tag, next, sq) },
+        }
+    }
+
+    /// How many bytes from its destination offset the COPY started with `tag`, which finished
+    /// with an error, is known to have copied (PROTOCOL.md §13: the reply's length); bytes past
+    /// them are unchanged or partly copied. 0 when nothing is known (it failed before it began).
+    pub fn copied_before_failure(&mut self, tag: u64) -> u64 {
+        match self.failed_copies.iter().position(|&(t, _)| t == tag) {
+            Some(i) => self.failed_copies.swap_remove(i).1,
+            None => 0,
         }
     }
 
@@ -549,7 +566,7 @@ impl ExportQueue {
             return None;
         }
         let s = self.steps.swap_remove(i);
-        match self.after(s.next, s.result.unwrap_or(res)) {
+        match self.follow(tag, s.next, s.result.unwrap_or(res)) {
             Err(r) => Some(r),
             // SAFETY: the follow-up belongs to a request started through `start`, whose caller
             // keeps its buffer valid until the result is delivered, which has not happened yet.
@@ -609,7 +626,7 @@ impl ExportQueue {
                 Started::Submitted(n) => return self.wait_for(tag, n, next),
                 Started::Async => return self.wait_for(tag, 1, next),
             };
-            match self.after(next, res) {
+            match self.follow(tag, next, res) {
                 Err(r) => return Progress::Done(r),
                 Ok((o, n)) => (op, next) = (o, n),
             }
@@ -627,6 +644,22 @@ impl ExportQueue {
             });
         }
         Progress::Pending
+    }
+
+    /// [`ExportQueue::after`], remembering how far a COPY got when it fails
+    /// ([`ExportQueue::copied_before_failure`]).
+    fn follow(&mut self, tag: u64, next: Next, res: i32) -> Result<(Op, Next), i32> {
+        let copied = match &next {
+            Next::Copy(st) => Some(st.dst - st.first_dst),
+            _ => None,
+        };
+        let out = self.after(next, res);
+        if let (Err(r), Some(copied)) = (&out, copied) {
+            if *r < 0 {
+                self.failed_copies.push((tag, copied));
+            }
+        }
+        out
     }
 
     /// What follows a backend result `res`: the next operation, or the request's result.
@@ -1561,6 +1594,7 @@ mod tests {
             zeros: None,
             steps: Vec::new(),
             reaped: Vec::new(),
+            failed_copies: Vec::new(),
         };
         let buf = [0u8; 512];
         let op = Op::Write {

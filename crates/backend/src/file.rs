@@ -72,10 +72,13 @@ impl FileBackend {
             return Ok(tx.clone());
         }
         let (tx, rx) = mpsc::channel::<SlowJob>();
+        let job_is_block_device = self.block_device;
         std::thread::Builder::new()
             .name("blkwire-file".into())
             .spawn(move || {
                 let (mut zeros, mut scratch) = (ZeroBuf::default(), ZeroBuf::default());
+                // Until the filesystem refuses a reflink once (then it never will).
+                let mut reflink = !job_is_block_device;
                 for job in rx {
                     let f = &job.file;
                     let res = match job.work {
@@ -85,7 +88,9 @@ impl FileBackend {
                             len,
                             no_hole,
                         }) => f.write_zeroes(offset, len, no_hole, &mut zeros),
-                        Slow::Op(Op::Copy { src, dst, len }) => f.copy(src, dst, len, &mut scratch),
+                        Slow::Op(Op::Copy { src, dst, len }) => {
+                            f.copy(src, dst, len, &mut reflink, &mut scratch)
+                        }
                         Slow::Op(_) => -libc::EINVAL, // READ, WRITE and FLUSH use the ring
                         Slow::Allocation { offset, len, out } => {
                             // SAFETY: the queue keeps the list valid and untouched until this
@@ -305,10 +310,24 @@ impl FileBackend {
 }
 
 impl FileBackend {
-    /// COPY within the file: `copy_file_range` (the filesystem may share extents or copy on
-    /// the server), and where the filesystem refuses, reads and writes through `bounce`.
-    /// Runs inline, like TRIM; `len` or a negative errno.
-    fn copy(&self, src: u64, dst: u64, len: u32, bounce: &mut ZeroBuf) -> i32 {
+    /// COPY within the file: a reflink (`FICLONERANGE`: the ranges share extents, nothing is
+    /// copied) while `reflink` holds and the filesystem takes it, else `copy_file_range` (the
+    /// filesystem may still share extents or copy on the server), and where the filesystem
+    /// refuses that too, reads and writes through `bounce`. Runs on the export's helper thread;
+    /// `len` or a negative errno.
+    fn copy(&self, src: u64, dst: u64, len: u32, reflink: &mut bool, bounce: &mut ZeroBuf) -> i32 {
+        if *reflink {
+            match self.clone_range(src, dst, len) {
+                Ok(()) => return len as i32,
+                // Not this filesystem (or a regular file on it): never again for this export.
+                Err(libc::EOPNOTSUPP | libc::ENOTTY | libc::EXDEV | libc::ENOSYS) => {
+                    *reflink = false
+                }
+                // Misaligned ranges (a reflink shares whole blocks) or a busy file: copy this
+                // chunk, try again with the next.
+                Err(_) => {}
+            }
+        }
         let (mut s, mut d, mut left) = (src as libc::loff_t, dst as libc::loff_t, len as usize);
         while left > 0 {
             // SAFETY: copy_file_range between ranges of our own descriptor; the kernel advances
@@ -329,6 +348,37 @@ impl FileBackend {
             }
         }
         len as i32
+    }
+
+    /// `FICLONERANGE` of `len` bytes from `src` to `dst` within the file; the errno when the
+    /// filesystem refuses.
+    fn clone_range(&self, src: u64, dst: u64, len: u32) -> Result<(), i32> {
+        /// `struct file_clone_range` of linux/fs.h.
+        #[repr(C)]
+        struct FileCloneRange {
+            src_fd: i64,
+            src_offset: u64,
+            src_length: u64,
+            dest_offset: u64,
+        }
+        /// `_IOW(0x94, 13, struct file_clone_range)`.
+        const FICLONERANGE: libc::c_ulong = 0x4020_940d;
+        let arg = FileCloneRange {
+            src_fd: self.fd as i64,
+            src_offset: src,
+            src_length: len as u64,
+            dest_offset: dst,
+        };
+        // SAFETY: the ioctl reads the struct, which lives across the call; both ranges are in
+        // our own file, inside the export (checked by the generic layer).
+        let r = unsafe { libc::ioctl(self.fd, FICLONERANGE, &arg) };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::EIO))
+        }
     }
 
     fn copy_by_reading(

@@ -29,6 +29,7 @@ use std::sync::Arc;
 pub use blkwire_block::{BlockOp, BlockRequest, Capabilities, CopyRange, IoFlags, Limits, Support};
 pub use export::{
     push_extent, AlignedBuf, Export, ExportQueue, ExportSpec, Progress, Refusal, SpecError,
+    COPY_CHUNK,
 };
 pub use file::FileBackend;
 pub use mem::MemBackend;

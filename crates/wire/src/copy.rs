@@ -1,16 +1,9 @@
 //! The COPY descriptor (PROTOCOL.md §13): a COPY request's payload, naming the source export
 //! and the source ranges copied, in order, to consecutive bytes from the request's offset.
 
-use crate::handshake::{PayloadError, PayloadReader, PayloadWriter};
+use blkwire_block::CopyRange;
 
-/// One source range: `len` bytes from `offset`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CopySource {
-    /// First byte in the source export.
-    pub offset: u64,
-    /// Bytes (never 0).
-    pub len: u32,
-}
+use crate::handshake::{PayloadError, PayloadReader, PayloadWriter};
 
 /// A decoded COPY descriptor.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -18,12 +11,20 @@ pub struct CopyDescriptor {
     /// Another export of the same target, or empty for the session's own.
     pub source: String,
     /// The ranges, in the order they are copied.
-    pub ranges: Vec<CopySource>,
+    pub ranges: Vec<CopyRange>,
 }
 
 impl CopyDescriptor {
     /// Encoded size of one range.
     pub const RANGE_LEN: usize = 16;
+
+    /// Most ranges a descriptor can hold in a payload of `payload` bytes whatever the source
+    /// name (up to 255 bytes): a descriptor is never fragmented (§13).
+    pub fn ranges_fitting(payload: u32) -> u16 {
+        let fixed = 4 + 1 + 255;
+        let n = (payload as usize).saturating_sub(fixed) / Self::RANGE_LEN;
+        n.min(u16::MAX as usize) as u16
+    }
 
     /// The payload's wire form.
     pub fn encode(&self) -> Result<Vec<u8>, PayloadError> {
@@ -59,7 +60,7 @@ impl CopyDescriptor {
                     "empty copy range or reserved bits set",
                 ));
             }
-            ranges.push(CopySource { offset, len });
+            ranges.push(CopyRange { offset, len });
         }
         r.finish()?;
         Ok(CopyDescriptor { source, ranges })
@@ -80,11 +81,11 @@ mod tests {
         let d = CopyDescriptor {
             source: "golden".into(),
             ranges: vec![
-                CopySource {
+                CopyRange {
                     offset: 0,
                     len: 4096,
                 },
-                CopySource {
+                CopyRange {
                     offset: 1 << 40,
                     len: u32::MAX,
                 },
@@ -104,7 +105,7 @@ mod tests {
         assert!(CopyDescriptor::decode(&flags, 2).is_err(), "flags");
         let empty = CopyDescriptor {
             source: String::new(),
-            ranges: vec![CopySource { offset: 0, len: 0 }],
+            ranges: vec![CopyRange { offset: 0, len: 0 }],
         };
         assert!(
             CopyDescriptor::decode(&empty.encode().unwrap(), 4).is_err(),

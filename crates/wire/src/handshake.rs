@@ -364,13 +364,33 @@ pub struct HelloReply {
     pub cookie: u64,
     /// Payload bytes per fragment on datagrams; equal to `max_io` on TCP.
     pub frame_payload: u32,
+    /// What one COPY of this session may do (§13); all zero: no COPY.
+    pub copy: CopyLimits,
     /// The target's proof (§12.2); zeros when the session is not authenticated.
     pub target_proof: [u8; AUTH_LEN],
 }
 
+/// The COPY limits of a session (§13), granted in the HELLO reply.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CopyLimits {
+    /// Most bytes one COPY moves in all; 0: the session has no COPY.
+    pub max_bytes: u32,
+    /// Most bytes of one source range.
+    pub max_range: u32,
+    /// Most source ranges in one COPY.
+    pub max_ranges: u16,
+}
+
+impl CopyLimits {
+    /// True when the session may send COPY at all.
+    pub fn enabled(&self) -> bool {
+        self.max_bytes > 0 && self.max_range > 0 && self.max_ranges > 0
+    }
+}
+
 impl HelloReply {
     /// Bytes of the encoded reply.
-    pub const LEN: usize = 48 + AUTH_LEN;
+    pub const LEN: usize = 64 + AUTH_LEN;
 
     /// What `target_proof` covers: the encoded reply without it.
     pub fn proven_bytes(&self) -> Vec<u8> {
@@ -392,6 +412,11 @@ impl HelloReply {
             .u32(self.session)
             .u64(self.cookie);
         w.u32(self.frame_payload);
+        w.u32(self.copy.max_bytes)
+            .u32(self.copy.max_range)
+            .u16(self.copy.max_ranges)
+            .u16(0)
+            .u32(0);
         w.buf.extend_from_slice(&self.target_proof);
         w.buf
     }
@@ -399,7 +424,7 @@ impl HelloReply {
     /// Parses and range-checks a HELLO reply.
     pub fn decode(buf: &[u8]) -> Result<HelloReply, PayloadError> {
         let mut r = PayloadReader::new(buf);
-        let h = HelloReply {
+        let mut h = HelloReply {
             size: r.u64()?,
             logical_block: r.u32()?,
             physical_block: r.u32()?,
@@ -410,8 +435,19 @@ impl HelloReply {
             session: r.u32()?,
             cookie: r.u64()?,
             frame_payload: r.u32()?,
-            target_proof: r.take(AUTH_LEN)?.try_into().expect("32 bytes"),
+            copy: CopyLimits {
+                max_bytes: r.u32()?,
+                max_range: r.u32()?,
+                max_ranges: r.u16()?,
+            },
+            target_proof: [0; AUTH_LEN],
         };
+        if r.u16()? != 0 || r.u32()? != 0 {
+            return Err(PayloadError::Invalid(
+                "reserved HELLO reply bytes must be 0",
+            ));
+        }
+        h.target_proof = r.take(AUTH_LEN)?.try_into().expect("32 bytes");
         r.finish()?;
         let pow2 = |v: u32| v >= 512 && v.is_power_of_two();
         if !pow2(h.logical_block) || !pow2(h.physical_block) || h.physical_block < h.logical_block {
@@ -560,6 +596,11 @@ mod tests {
             session: 9,
             cookie: 0x1234_5678_9abc_def0,
             frame_payload: 8704,
+            copy: CopyLimits {
+                max_bytes: 1 << 30,
+                max_range: 1 << 28,
+                max_ranges: 64,
+            },
             target_proof: [7; 32],
         };
         let enc = r.encode();

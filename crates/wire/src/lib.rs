@@ -12,11 +12,11 @@ mod frame;
 mod handshake;
 pub mod nbd;
 
-pub use copy::{CopyDescriptor, CopySource};
+pub use copy::CopyDescriptor;
 pub use frame::{Flags, FrameError, Header, Opcode, Status, Tag, HEADER_LEN, MAGIC, VERSION};
 pub use handshake::{
-    AuthBlock, AuthMethod, ExportEntry, Features, Hello, HelloReply, Join, PayloadError,
-    PayloadReader, PayloadWriter, AUTH_LEN, MAX_STR, QUERY_LIST, QUERY_STATS,
+    AuthBlock, AuthMethod, CopyLimits, ExportEntry, Features, Hello, HelloReply, Join,
+    PayloadError, PayloadReader, PayloadWriter, AUTH_LEN, MAX_STR, QUERY_LIST, QUERY_STATS,
 };
 
 /// Largest payload blkwire ever puts in one frame (and so the largest I/O a target grants):
