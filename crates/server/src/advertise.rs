@@ -26,15 +26,16 @@ impl Advertised {
         }
     }
 
-    /// Native feature bits (PROTOCOL.md §7). TRIM and WRITE_ZEROES are always served on a
-    /// writable export (natively or emulated); FLUSH only where the medium is durable.
+    /// Native feature bits (PROTOCOL.md §7). TRIM, WRITE_ZEROES and COPY are always served on
+    /// a writable export (natively or emulated); FLUSH only where the medium is durable. Whether
+    /// a session may send COPY is its own grant (the HELLO reply's COPY limits, §13).
     pub fn native(&self) -> Features {
         let c = &self.caps;
         let mut f = 0;
         if self.read_only {
             f |= Features::READ_ONLY;
         } else {
-            f |= Features::TRIM | Features::WRITE_ZEROES;
+            f |= Features::TRIM | Features::WRITE_ZEROES | Features::COPY;
         }
         if c.flush.available() {
             f |= Features::FLUSH;
@@ -111,15 +112,15 @@ mod tests {
         let table = [
             // a file: flush and FUA native, zeroing cheap
             (adv(Native, Native, true, false),
-             F::TRIM | F::WRITE_ZEROES | F::FLUSH | F::FUA,
+             F::TRIM | F::WRITE_ZEROES | F::COPY | F::FLUSH | F::FUA,
              base | rw_nbd | tflag::SEND_FLUSH | tflag::SEND_FUA | tflag::SEND_FAST_ZERO),
             // flush-only backend: FUA is emulated, and advertised
             (adv(Native, Emulated, false, false),
-             F::TRIM | F::WRITE_ZEROES | F::FLUSH | F::FUA,
+             F::TRIM | F::WRITE_ZEROES | F::COPY | F::FLUSH | F::FUA,
              base | rw_nbd | tflag::SEND_FLUSH | tflag::SEND_FUA),
             // RAM: volatile, neither FLUSH nor FUA
             (adv(None, None, true, false),
-             F::TRIM | F::WRITE_ZEROES,
+             F::TRIM | F::WRITE_ZEROES | F::COPY,
              base | rw_nbd | tflag::SEND_FAST_ZERO),
             // read-only: no modifying commands, fast zero irrelevant
             (adv(Native, Native, true, true),

@@ -11,7 +11,9 @@ use std::time::Instant;
 use blkwire_backend::{
     BlockOp, BlockRequest, Export, ExportQueue, Extent, IoFlags, Op, Progress, Refusal, Submitter,
 };
-use blkwire_wire::Status;
+use blkwire_wire::{CopyDescriptor, Status};
+
+use crate::session::Registry;
 
 use crate::stats::QueueStats;
 
@@ -42,8 +44,21 @@ pub struct Executor {
     export: Arc<Export>,
     io: ExportQueue,
     max_io: u32,
+    /// Where a COPY from another export finds it, as the session's host may open it (None:
+    /// COPY only within this export).
+    sources: Option<(Arc<Registry>, u32)>,
     /// The queue's counters; transports add their own (frames, duplicates) here too.
     pub stats: QueueStats,
+}
+
+/// A COPY's answer (PROTOCOL.md §13): its status and the bytes from its destination offset
+/// known to hold copied data (all of them on `Ok`), which go in the reply's length field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Copied {
+    /// The reply's status.
+    pub status: Status,
+    /// The reply's length.
+    pub bytes: u32,
 }
 
 impl Executor {
@@ -53,6 +68,7 @@ impl Executor {
             io: export.open_queue()?,
             export,
             max_io,
+            sources: None,
             stats: QueueStats::default(),
         })
     }
@@ -60,14 +76,17 @@ impl Executor {
     /// Opens the executor of an admitted queue; when the backend refuses (the error is logged),
     /// the queue leaves the registry and there is nothing to serve.
     pub fn for_queue(
-        registry: &crate::session::Registry,
+        registry: &Arc<Registry>,
         export: &Arc<Export>,
         session: u32,
         queue: u16,
         max_io: u32,
     ) -> Option<Executor> {
         match Executor::open(export.clone(), max_io) {
-            Ok(x) => Some(x),
+            Ok(mut x) => {
+                x.sources = Some((registry.clone(), session));
+                Some(x)
+            }
             Err(e) => {
                 crate::log!(
                     crate::log::Level::Error,
@@ -169,6 +188,67 @@ impl Executor {
         match unsafe { self.io.start(Op::for_request(req, buf), tag, sq) } {
             Progress::Done(res) => Outcome::Done(self.status(req, res, started)),
             Progress::Pending => Outcome::Pending(started),
+        }
+    }
+
+    /// Checks and starts a COPY (PROTOCOL.md §13) to `dst` of `total` bytes (the request's
+    /// length), its ranges and source export in `desc`. The source is looked up as the session's
+    /// host may open it, so an export it may not open is as unknown as a missing one. Refusals
+    /// come back as `Done` before anything is written; once running, its result (0 or a
+    /// negative errno, from [`Executor::complete`] or [`Executor::reap`]) goes to
+    /// [`Executor::copy_status`] with the same tag.
+    pub fn start_copy(
+        &mut self,
+        desc: &CopyDescriptor,
+        dst: u64,
+        total: u32,
+        tag: u64,
+        sq: &mut dyn Submitter,
+    ) -> Option<Copied> {
+        self.stats.copies += 1;
+        let refused = |status| Some(Copied { status, bytes: 0 });
+        let source = if desc.source.is_empty() || desc.source == self.export.name {
+            None
+        } else {
+            let found = self
+                .sources
+                .as_ref()
+                .and_then(|(registry, session)| registry.copy_source(*session, &desc.source));
+            match found {
+                Some(e) => Some(e),
+                None => return refused(Status::NoExport),
+            }
+        };
+        let src = source.as_deref().unwrap_or(&self.export);
+        match self.export.check_copy_from(src, &desc.ranges, dst) {
+            Ok(n) if n == total as u64 => {}
+            Ok(_) => return refused(Status::Invalid),
+            Err(r) => return refused(refusal_status(r)),
+        }
+        let progress = match &source {
+            None => self.io.start_copy(&desc.ranges, dst, tag, sq),
+            Some(src) => self.io.start_copy_from(src, &desc.ranges, dst, tag, sq),
+        };
+        match progress {
+            Progress::Done(res) => Some(self.copy_status(tag, res, total)),
+            Progress::Pending => None,
+        }
+    }
+
+    /// The answer to a COPY started with `tag` whose result is `res`.
+    pub fn copy_status(&mut self, tag: u64, res: i32, total: u32) -> Copied {
+        if res < 0 {
+            let bytes = self.io.copied_before_failure(tag).min(total as u64) as u32;
+            self.stats.bytes_copied += bytes as u64;
+            return Copied {
+                status: Status::from_errno(-res),
+                bytes,
+            };
+        }
+        self.stats.bytes_copied += total as u64;
+        Copied {
+            status: Status::Ok,
+            bytes: total,
         }
     }
 

@@ -1023,7 +1023,7 @@ fn handshake(
         ListenerKind::Native => native_tls(&mut s, &peer_s, tls, registry).and_then(|gate| {
             native_handshake(&mut s, peer, registry, workers, gate).map(|a| {
                 let fe: Box<dyn StreamFrontend> =
-                    Box::new(frontend::native::Native::new(a.depth, a.max_io));
+                    Box::new(frontend::native::Native::new(a.depth, a.max_io, a.copy));
                 (a, fe)
             })
         }),

@@ -294,7 +294,7 @@ struct Counter {
     value: fn(&QueueStats) -> u64,
 }
 
-const COUNTERS: [Counter; 7] = [
+const COUNTERS: [Counter; 9] = [
     Counter {
         name: "frames_in_total",
         help: "Messages received: requests, solicited write data, and on datagrams every fragment",
@@ -314,6 +314,16 @@ const COUNTERS: [Counter; 7] = [
         name: "written_bytes_total",
         help: "Bytes of WRITEs started",
         value: |s| s.bytes_written,
+    },
+    Counter {
+        name: "copies_total",
+        help: "COPY requests started (server-side copies, PROTOCOL.md section 13)",
+        value: |s| s.copies,
+    },
+    Counter {
+        name: "copied_bytes_total",
+        help: "Bytes COPY requests copied inside the target (none of them crossed the network)",
+        value: |s| s.bytes_copied,
     },
     Counter {
         name: "errors_total",

@@ -9,8 +9,8 @@ use blkwire_auth::seal::{Opener, Sealer};
 use blkwire_auth::{Acl, Key, PeerAddr};
 use blkwire_backend::{Export, ExportSpec};
 use blkwire_wire::{
-    datagram::SEAL_LEN, ExportEntry, Features, Hello, HelloReply, Join, Status, AUTH_LEN,
-    QUERY_LIST, QUERY_STATS,
+    datagram::SEAL_LEN, CopyDescriptor, CopyLimits, ExportEntry, Features, Hello, HelloReply, Join,
+    Status, AUTH_LEN, QUERY_LIST, QUERY_STATS,
 };
 
 use crate::access::{Access, Checked, PeerId};
@@ -97,6 +97,8 @@ struct Session {
     peer: String,
     depth: u16,
     max_io: u32,
+    /// What one COPY may do (PROTOCOL.md §13), as granted at HELLO.
+    copy: CopyLimits,
     cookie: u64,
     joined: Vec<bool>,
     live: u16,
@@ -117,6 +119,8 @@ pub struct Admitted {
     pub queue: u16,
     pub depth: u16,
     pub max_io: u32,
+    /// What one COPY of the session may do (PROTOCOL.md §13; none for NBD).
+    pub copy: CopyLimits,
     /// The queue's account with the memory budget, holding its minimum.
     pub mem: Account,
     /// Datagram queues of a method-1 session: this queue's frame keys (PROTOCOL.md §12.4).
@@ -243,6 +247,18 @@ impl Registry {
             .filter(|s| self.access.permits(&s.acl, host, addr))
             .map(|s| s.export.clone())
             .collect()
+    }
+
+    /// The export `name` as the source of a COPY by `session` (PROTOCOL.md §13): served, and
+    /// one the session's host may open, with the same rules as a HELLO for it. None for a
+    /// closed or revoked session.
+    pub fn copy_source(&self, session: u32, name: &str) -> Option<Arc<Export>> {
+        let (proven, addr) = {
+            let inner = self.lock();
+            let s = inner.sessions.get(&session).filter(|s| !s.revoked)?;
+            (s.proven.clone(), s.addr)
+        };
+        self.permitted(name, proven.as_deref(), &addr)
     }
 
     /// Whether an export of this name is served (to anyone).
@@ -415,10 +431,11 @@ impl Registry {
             addr: &peer.addr,
             peer: &peer_s,
         };
+        let copy = Self::copy_limits(&export, link_payload.is_some(), frame_payload);
         let (id, cookie, mem, placement) = match self.create(
             &export,
             &owner,
-            (queues, depth, max_io, frame_payload),
+            (queues, depth, max_io, frame_payload, copy),
             (secret.clone(), encrypt),
             floor,
         ) {
@@ -436,6 +453,7 @@ impl Registry {
             session: id,
             cookie,
             frame_payload,
+            copy,
             target_proof: [0; AUTH_LEN],
         };
         reply.target_proof = prove(&reply.proven_bytes());
@@ -452,10 +470,29 @@ impl Registry {
                 queue: 0,
                 depth,
                 max_io,
+                copy,
                 seal,
                 mem,
             })),
         )
+    }
+
+    /// What one COPY of a session may do (PROTOCOL.md §13): the export's limits, as many
+    /// ranges as one frame's payload holds whatever the source's name; nothing on a read-only
+    /// export (the destination is always the session's), and nothing on datagrams yet.
+    fn copy_limits(export: &Export, datagram: bool, frame_payload: u32) -> CopyLimits {
+        if export.read_only || datagram {
+            return CopyLimits::default();
+        }
+        let limits = export.capabilities().limits;
+        let max_bytes = limits.max_copy_bytes.min(u32::MAX as u64) as u32;
+        CopyLimits {
+            max_bytes,
+            max_range: max_bytes,
+            max_ranges: limits
+                .max_copy_ranges
+                .min(CopyDescriptor::ranges_fitting(frame_payload)),
+        }
     }
 
     /// Registers a session whose first queue is connected; returns its id and cookie.
@@ -463,7 +500,7 @@ impl Registry {
         &self,
         export: &Arc<Export>,
         owner: &Owner,
-        (queues, depth, max_io, frame_payload): (u16, u16, u32, u32),
+        (queues, depth, max_io, frame_payload, copy): (u16, u16, u32, u32, CopyLimits),
         (secret, encrypt): (Option<Arc<SessionSecret>>, bool),
         queue_floor: usize,
     ) -> Result<(u32, u64, Account, u32), Status> {
@@ -516,6 +553,7 @@ impl Registry {
                 peer: peer.to_string(),
                 depth,
                 max_io,
+                copy,
                 cookie,
                 joined,
                 live: 1,
@@ -548,7 +586,7 @@ impl Registry {
         let (session, _, mem, placement) = self.create(
             export,
             owner,
-            (1, depth, max_io, max_io),
+            (1, depth, max_io, max_io, CopyLimits::default()),
             (None, false),
             floor,
         )?;
@@ -559,6 +597,7 @@ impl Registry {
             queue: 0,
             depth,
             max_io,
+            copy: CopyLimits::default(),
             seal: None,
             mem,
         })
@@ -640,6 +679,7 @@ impl Registry {
             queue,
             depth: s.depth,
             max_io: s.max_io,
+            copy: s.copy,
             seal,
             mem,
         })

@@ -18,6 +18,9 @@ pub struct QueueStats {
     pub flushes: u64,
     pub trims: u64,
     pub write_zeroes: u64,
+    /// COPYs started (PROTOCOL.md §13), and the bytes they copied inside the target.
+    pub copies: u64,
+    pub bytes_copied: u64,
     /// Replies with a non-OK status.
     pub errors: u64,
     /// Frames that broke the protocol (the queue is closed after one).
@@ -41,6 +44,8 @@ impl QueueStats {
         self.flushes += o.flushes;
         self.trims += o.trims;
         self.write_zeroes += o.write_zeroes;
+        self.copies += o.copies;
+        self.bytes_copied += o.bytes_copied;
         self.errors += o.errors;
         self.protocol_errors += o.protocol_errors;
         self.dropped_duplicates += o.dropped_duplicates;

@@ -17,6 +17,9 @@ use blkwire_wire::Status;
 pub enum Kind {
     /// An operation on the export's blocks, run by the executor.
     Block(BlockOp),
+    /// A server-side copy into the export (native COPY, PROTOCOL.md §13): its descriptor is
+    /// the message's payload.
+    Copy,
     /// A prefetch hint (NBD CACHE): range-checked and answered.
     Cache,
     /// An allocation query (NBD BLOCK_STATUS on `base:allocation`).
@@ -164,6 +167,13 @@ pub trait StreamFrontend: Send {
     /// Appends a reply without read data. Returns false when the protocol sends no reply for
     /// this request (NBD DISC).
     fn reply(&mut self, req: &Req, status: Status, tx: &mut Vec<u8>) -> bool;
+
+    /// The descriptor of a [`Kind::Copy`] request, from its payload, checked against what the
+    /// connection granted; `None` when it is malformed or over the limits (answered
+    /// `INVALID`). Only frontends that decode COPYs get this call.
+    fn copy_descriptor(&self, _payload: &[u8]) -> Option<blkwire_wire::CopyDescriptor> {
+        None
+    }
 
     /// True when a READ of a hole may be answered without its zeros ([`StreamFrontend::hole_reply`]).
     fn replies_with_holes(&self) -> bool {

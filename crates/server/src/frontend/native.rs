@@ -2,7 +2,7 @@
 //! each tag, every frame carries its CRC32C, and replies echo the request's header.
 
 use blkwire_backend::BlockOp;
-use blkwire_wire::{Header, Opcode, Status, Tag, HEADER_LEN};
+use blkwire_wire::{CopyDescriptor, CopyLimits, Header, Opcode, Status, Tag, HEADER_LEN};
 
 use super::{Decoded, Kind, ReadFraming, Req, StreamFrontend};
 
@@ -10,12 +10,18 @@ use super::{Decoded, Kind, ReadFraming, Req, StreamFrontend};
 pub struct Native {
     depth: u16,
     max_io: u32,
+    copy: CopyLimits,
 }
 
 impl Native {
-    /// A queue granted `depth` slots and I/O of at most `max_io` bytes.
-    pub fn new(depth: u16, max_io: u32) -> Native {
-        Native { depth, max_io }
+    /// A queue granted `depth` slots, I/O of at most `max_io` bytes and COPYs within `copy`
+    /// (PROTOCOL.md §13; all zero: the session has no COPY, which is answered `UNSUPPORTED`).
+    pub fn new(depth: u16, max_io: u32, copy: CopyLimits) -> Native {
+        Native {
+            depth,
+            max_io,
+            copy,
+        }
     }
 
     /// The header a reply to `req` starts with (PROTOCOL.md §3: same opcode, tag, queue,
@@ -72,7 +78,10 @@ impl StreamFrontend for Native {
             }
             let kind = match h.opcode {
                 Opcode::Logout => Kind::Logout,
-                Opcode::Copy => Kind::Unsupported,
+                Opcode::Copy if !self.copy.enabled() => Kind::Unsupported,
+                // The descriptor is the payload, never fragmented (§13); the dispatcher decodes
+                // it where it lies in the receive buffer.
+                Opcode::Copy if h.tag.slot() < self.depth && h.payload_len > 0 => Kind::Copy,
                 _ => Kind::Invalid, // HELLO, JOIN, LIST, STATS belong to the handshake
             };
             return request(&h, kind, len);
@@ -114,6 +123,14 @@ impl StreamFrontend for Native {
     fn reply(&mut self, req: &Req, status: Status, tx: &mut Vec<u8>) -> bool {
         tx.extend_from_slice(&self.reply_header(req, status, 0).to_bytes());
         true
+    }
+
+    /// Checked against the session's COPY limits (§13).
+    fn copy_descriptor(&self, payload: &[u8]) -> Option<CopyDescriptor> {
+        let d = CopyDescriptor::decode(payload, self.copy.max_ranges).ok()?;
+        let within = d.ranges.iter().all(|r| r.len <= self.copy.max_range)
+            && d.total() <= self.copy.max_bytes as u64;
+        within.then_some(d)
     }
 }
 
@@ -169,7 +186,7 @@ mod tests {
 
     #[test]
     fn a_write_is_decoded_once_its_payload_is_in() {
-        let mut n = Native::new(32, 1 << 20);
+        let mut n = Native::new(32, 1 << 20, CopyLimits::default());
         let mut h = Header::request(Opcode::Write, Tag::new(5, 9), 4096, 8);
         h.flags = Flags(Flags::FUA);
         h.queue = 3;
@@ -204,7 +221,7 @@ mod tests {
 
     #[test]
     fn a_keepalive_is_answered_by_the_frontend_itself() {
-        let mut n = Native::new(8, 1 << 20);
+        let mut n = Native::new(8, 1 << 20, CopyLimits::default());
         let mut h = Header::request(Opcode::Keepalive, Tag::new(65535, 1), 0, 0);
         h.queue = 2;
         let bytes = frame(&h, &[]);
@@ -222,7 +239,7 @@ mod tests {
 
     #[test]
     fn a_read_reply_prefix_announces_its_data() {
-        let mut n = Native::new(4, 1 << 20);
+        let mut n = Native::new(4, 1 << 20, CopyLimits::default());
         let h = Header::request(Opcode::Read, Tag::new(1, 2), 512, 4096);
         let (req, ..) = decode(&mut n, &frame(&h, &[]));
         assert!(req.is_read());
@@ -241,7 +258,7 @@ mod tests {
 
     #[test]
     fn malformed_requests_are_invalid_not_fatal() {
-        let mut n = Native::new(4, 1 << 20);
+        let mut n = Native::new(4, 1 << 20, CopyLimits::default());
         let cases = [
             (
                 Header::request(Opcode::Read, Tag::new(4, 0), 0, 512),
@@ -289,7 +306,7 @@ mod tests {
 
     #[test]
     fn broken_streams_are_violations() {
-        let mut n = Native::new(4, 4096);
+        let mut n = Native::new(4, 4096, CopyLimits::default());
         let mut h = Header::request(Opcode::Write, Tag::new(0, 0), 0, 8);
         let mut bytes = frame(&h, &[1; 8]);
         bytes[HEADER_LEN] ^= 1;

@@ -56,6 +56,9 @@ pub(super) struct Conn {
     pub(super) bufs: Buffers,
     /// Bytes of data buffers held by requests (in flight, or waiting for solicited data).
     pub(super) held: usize,
+    /// A COPY is running (at most one per queue): its bounce buffer, up to
+    /// [`blkwire_backend::COPY_CHUNK`], counts in the footprint.
+    pub(super) copying: bool,
     /// The socket may hold unread bytes (we stopped before EAGAIN).
     pub(super) readable: bool,
     /// Waiting for POLLOUT after a short send.
@@ -198,7 +201,8 @@ impl Conn {
         self.rx_start = 0;
         if self.rx.len() < total && self.rx_end == self.rx.len() {
             let grown = (2 * self.rx.len()).clamp(self.rx_end + 1, total);
-            let want = grown + self.tx_after(self.held) + self.bufs.allocated();
+            let want =
+                grown + self.tx_after(self.held) + self.bufs.allocated() + self.copy_memory();
             if total + TX_KEEP > self.mem.cap() {
                 // It would never fit: waiting would hold the connection forever.
                 return self.violation(&format_args!(
@@ -237,7 +241,16 @@ impl Conn {
     /// Bytes this connection's buffers hold, counting the replies of reads in flight, which
     /// will be copied into the transmit buffer.
     pub(super) fn footprint(&self) -> usize {
-        self.rx.capacity() + self.tx_after(self.held) + self.bufs.allocated()
+        self.rx.capacity() + self.tx_after(self.held) + self.bufs.allocated() + self.copy_memory()
+    }
+
+    /// What the COPY running on this queue may hold (its bounce buffer).
+    pub(super) fn copy_memory(&self) -> usize {
+        if self.copying {
+            blkwire_backend::COPY_CHUNK as usize
+        } else {
+            0
+        }
     }
 
     /// Whether the budget covers the buffers once a request adds `extra_tx` bytes of reply and
@@ -246,6 +259,7 @@ impl Conn {
         let want = self.rx.capacity()
             + self.tx_after(self.held + extra_tx)
             + self.bufs.allocated()
+            + self.copy_memory()
             + extra_pool;
         self.covers_or_trim(want)
     }

@@ -350,6 +350,7 @@ impl Reactor {
             extents: Vec::new(),
             bufs: Default::default(),
             held: 0,
+            copying: false,
             inline: exec.completes_inline(),
             exec,
             incarnation,
@@ -554,7 +555,7 @@ impl Reactor {
                     c.exec
                         .reap(&mut sq, &mut |tag, res| reaped.push((tag, res)));
                     for &(tag, res) in &reaped {
-                        finish_result(c, ud_split(tag).3, res);
+                        finish_result(c, ud_split(tag).3, tag, res);
                     }
                     reaped.clear();
                     self.reaped = reaped;

@@ -7,7 +7,7 @@ use blkwire_wire::Status;
 use super::conn::{Conn, Slot, REPLY_SLACK};
 use super::ring::{ud, Pusher, KIND_IO};
 use crate::bufpool::Buffers;
-use crate::executor::{result_status, Outcome};
+use crate::executor::{result_status, Copied, Outcome};
 use crate::frontend::{Decoded, Kind, ReadFraming, Req};
 use crate::log::Level;
 
@@ -52,6 +52,13 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         // that answers later. Solicited data and answered messages still go through, so a
         // write waiting for its data can always complete.
         if let Decoded::Request { req, .. } = &decoded {
+            // One COPY at a time per queue, its bounce buffer inside the budget: the next
+            // waits in rx (the socket back-pressures the initiator).
+            if req.kind == Kind::Copy
+                && (c.copying || !c.covers(0, blkwire_backend::COPY_CHUNK as usize))
+            {
+                break;
+            }
             let moves_data = matches!(req.kind, Kind::Block(op) if op.moves_data());
             if moves_data && c.tx_backlog() + c.held >= c.tx_high_water() {
                 break;
@@ -141,6 +148,7 @@ fn dispatch(
         }
         Kind::Unsupported => return c.reply(req, Status::Unsupported),
         Kind::Invalid => return c.reply(req, Status::Invalid),
+        Kind::Copy => return copy(c, idx, req, payload_at, payload_len, sq),
         Kind::Cache | Kind::BlockStatus => {
             if let Err(st) = c.exec.check_range(req.offset, req.length) {
                 return c.reply(req, st);
@@ -227,6 +235,52 @@ fn dispatch(
         }
     }
     run_in_slot(c, idx, req, slot, sq);
+}
+
+/// A server-side COPY (PROTOCOL.md §13): checked, then run in its slot like any request the
+/// backend may finish later; its data never passes through the connection.
+fn copy(
+    c: &mut Conn,
+    idx: usize,
+    req: &Req,
+    payload_at: usize,
+    payload_len: usize,
+    sq: &mut Pusher<'_>,
+) {
+    if let Some(s) = req.slot {
+        match c.slots.get(s as usize) {
+            None => return c.reply(req, Status::Invalid),
+            Some(slot) if slot.busy => {
+                return c.violation(&format_args!("slot {s} reused while in flight"))
+            }
+            Some(_) => {}
+        }
+    }
+    let Some(desc) =
+        c.fe.copy_descriptor(&c.rx[payload_at..payload_at + payload_len])
+    else {
+        return c.reply(req, Status::Invalid);
+    };
+    let slot = take_slot(c, req);
+    let tag = ud(KIND_IO, c.incarnation, idx, slot);
+    let s = &mut c.slots[slot as usize];
+    s.busy = true;
+    s.req = Some(*req);
+    match c.exec.start_copy(&desc, req.offset, req.length, tag, sq) {
+        Some(done) => settle_copy(c, slot, done),
+        None => {
+            c.copying = true;
+            c.inflight += 1;
+        }
+    }
+}
+
+/// Answers the COPY in `slot`: the reply's length is what it copied (PROTOCOL.md §13).
+fn settle_copy(c: &mut Conn, slot: u16, done: Copied) {
+    if let Some(req) = c.slots[slot as usize].req.as_mut() {
+        req.length = done.bytes;
+    }
+    settle(c, slot, done.status);
 }
 
 /// The slot a request runs in: the client's, or a free one the server picks.
@@ -447,18 +501,25 @@ pub(super) fn complete(c: &mut Conn, slot: u16, tag: u64, res: i32, sq: &mut Pus
         return;
     }
     if let Some(res) = c.exec.complete(tag, res, sq) {
-        finish_result(c, slot, res);
+        finish_result(c, slot, tag, res);
     }
 }
 
-/// A finished request's backend result (from a thread-completing backend).
-pub(super) fn finish_result(c: &mut Conn, slot: u16, res: i32) {
+/// A finished request's backend result (from a thread-completing backend); `tag` is the one
+/// it was started with.
+pub(super) fn finish_result(c: &mut Conn, slot: u16, tag: u64, res: i32) {
     let Some(s) = c.slots.get_mut(slot as usize).filter(|s| s.busy) else {
         return;
     };
     let Some(req) = s.req else {
         return;
     };
+    if req.kind == Kind::Copy {
+        let done = c.exec.copy_status(tag, res, req.length);
+        c.copying = false;
+        c.inflight -= 1;
+        return settle_copy(c, slot, done);
+    }
     // A block request started on the backend has its start time; an allocation query has
     // neither.
     let status = match (req.block(), s.started.take()) {
@@ -712,6 +773,7 @@ mod tests {
             extents: Vec::new(),
             bufs: Default::default(),
             held: 0,
+            copying: false,
             readable: false,
             want_out: false,
             closing: false,
@@ -885,7 +947,7 @@ mod tests {
             c.exec
                 .reap(&mut Pusher(ring), &mut |t, r| done.push((t, r)));
             for (tag, res) in done {
-                super::finish_result(c, tag as u16, res);
+                super::finish_result(c, tag as u16, tag, res);
             }
         }
     }
