@@ -1,5 +1,7 @@
 //! `blkwire cp SRC DST`: either side a local file/block device or an export URL. Several workers,
 //! each with its own queue (or file handle), copy chunks of the largest I/O size in parallel.
+//! Between two exports of one target over tcp:// the target copies itself (server-side COPY,
+//! PROTOCOL.md §13) and no data crosses the network, unless `--no-offload`.
 
 use std::fs::{File, OpenOptions};
 use std::io::{IsTerminal, Seek, SeekFrom};
@@ -8,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use blkwire_client::{ConnectOptions, Queue, Url};
+use blkwire_client::{ConnectOptions, CopyRange, Queue, Transport, Url};
 use blkwire_wire::Features;
 
 #[derive(clap::Args)]
@@ -26,9 +28,17 @@ pub struct Args {
     /// Seconds an I/O may go unanswered before the copy fails
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     timeout: u64,
+    /// Between two exports of one target, move every byte through this host instead of letting
+    /// the target copy (for comparison; the default copies inside the target over tcp://)
+    #[arg(long)]
+    no_offload: bool,
     #[command(flatten)]
     id: crate::identity::Identity,
 }
+
+/// Bytes one worker asks the target to copy at a time: large enough that a COPY's round trip
+/// is nothing beside it, small enough for a smooth progress bar.
+const OFFLOAD_CHUNK: u64 = 64 << 20;
 
 /// One side of the copy, as seen by one worker.
 enum End {
@@ -55,15 +65,7 @@ fn open_side(
     id: &crate::identity::Identity,
 ) -> Result<Side, String> {
     if Url::is_url(spec) {
-        let mut opts = ConnectOptions {
-            queues: jobs,
-            depth: 4,
-            max_io: 1 << 20,
-            timeout: std::time::Duration::from_secs(timeout.max(1)),
-            ..Default::default()
-        };
-        id.apply(&mut opts)?;
-        let s = crate::open(spec, &opts)?;
+        let s = crate::open(spec, &options(jobs, timeout, id)?)?;
         if dest_size.is_some() && s.info.features.has(Features::READ_ONLY) {
             return Err(format!("{spec}: export is read-only"));
         }
@@ -123,9 +125,25 @@ fn open_side(
     })
 }
 
+/// Both sides exports of the same target over a stream, so the target can copy by itself.
+fn same_target(src: &str, dst: &str) -> Option<(Url, Url)> {
+    let (s, d) = (Url::parse(src).ok()?, Url::parse(dst).ok()?);
+    let stream = |u: &Url| matches!(u.transport, Transport::Tcp);
+    (stream(&s) && stream(&d) && s.authority() == d.authority()).then_some((s, d))
+}
+
 pub fn run(a: Args) -> Result<(), String> {
     if !Url::is_url(&a.src) && !Url::is_url(&a.dst) {
         return Err("neither side is a URL: use cp(1) for local copies".into());
+    }
+    if let (Some((s, d)), false) = (same_target(&a.src, &a.dst), a.no_offload) {
+        if s.export == d.export {
+            return Err(format!(
+                "{} and {} are the same export: nothing to copy",
+                a.src, a.dst
+            ));
+        }
+        return offload(&a, &s.export);
     }
     let src = open_side(&a.src, a.jobs, None, a.timeout, &a.id)?;
     let dst = open_side(&a.dst, a.jobs, Some(src.size), a.timeout, &a.id)?;
@@ -206,6 +224,122 @@ pub fn run(a: Args) -> Result<(), String> {
     let secs = start.elapsed().as_secs_f64();
     println!(
         "copied {} ({} bytes) in {:.2}s, {:.1} MiB/s",
+        blkwire_backend::format_size(size),
+        size,
+        secs,
+        size as f64 / secs.max(1e-9) / 1048576.0
+    );
+    Ok(())
+}
+
+/// How every side of a copy connects: `queues` queues (one per worker), 4 deep.
+fn options(
+    queues: u16,
+    timeout: u64,
+    id: &crate::identity::Identity,
+) -> Result<ConnectOptions, String> {
+    let mut opts = ConnectOptions {
+        queues,
+        depth: 4,
+        max_io: 1 << 20,
+        timeout: Duration::from_secs(timeout.max(1)),
+        ..Default::default()
+    };
+    id.apply(&mut opts)?;
+    Ok(opts)
+}
+
+/// Connects to `spec` with `queues` queues, for a server-side copy.
+fn connect(spec: &str, queues: u16, a: &Args) -> Result<blkwire_client::Session, String> {
+    crate::open(spec, &options(queues, a.timeout, &a.id)?)
+}
+
+/// `cp` between two exports of one target: each worker asks the target to copy a chunk at a
+/// time on its own queue of the destination's session (PROTOCOL.md §13).
+fn offload(a: &Args, src_export: &str) -> Result<(), String> {
+    // The source's size, and proof this host may open it (the target checks again per COPY).
+    let src = connect(&a.src, 1, a)?;
+    let size = src.info.size;
+    for q in src.queues {
+        let _ = q.logout();
+    }
+    let dst = connect(&a.dst, a.jobs, a)?;
+    if dst.info.features.has(Features::READ_ONLY) {
+        return Err(format!("{}: export is read-only", a.dst));
+    }
+    if dst.info.size < size {
+        return Err(format!(
+            "{} ({} bytes) is smaller than {} ({} bytes): nothing was copied",
+            a.dst, dst.info.size, a.src, size
+        ));
+    }
+    if !dst.info.copy.enabled() {
+        return Err(format!(
+            "{}: the target does not copy for this session; use --no-offload to copy through \
+                 this host",
+            a.dst
+        ));
+    }
+    let next = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let first_err: Arc<Mutex<Option<String>>> = Arc::default();
+    let start = Instant::now();
+    let workers: Vec<_> = dst
+        .queues
+        .into_iter()
+        .map(|mut q| {
+            let (next, done, stop, first_err) =
+                (next.clone(), done.clone(), stop.clone(), first_err.clone());
+            let source = src_export.to_string();
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let off = next.fetch_add(OFFLOAD_CHUNK, Ordering::Relaxed);
+                    if off >= size {
+                        break;
+                    }
+                    let len = OFFLOAD_CHUNK.min(size - off) as u32;
+                    let range = CopyRange { offset: off, len };
+                    if let Err(e) = q.copy(&source, &[range], off) {
+                        first_err
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_or_insert(format!("copy at {off}: {e}"));
+                        stop.store(true, Ordering::Relaxed);
+                        break;
+                    }
+                    done.fetch_add(len as u64, Ordering::Relaxed);
+                }
+                q
+            })
+        })
+        .collect();
+    let bar = if !a.no_progress && std::io::stderr().is_terminal() {
+        progress_bar(size)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    while workers.iter().any(|w| !w.is_finished()) {
+        bar.set_position(done.load(Ordering::Relaxed));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    bar.finish_and_clear();
+    let mut queues = Vec::new();
+    for w in workers {
+        queues.push(w.join().map_err(|_| "a copy worker panicked".to_string())?);
+    }
+    if let Some(e) = first_err.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        return Err(format!("{}: {e}", a.dst));
+    }
+    if let Some(q) = queues.first_mut() {
+        q.flush().map_err(|e| format!("{}: {e}", a.dst))?;
+    }
+    for q in queues {
+        let _ = q.logout();
+    }
+    let secs = start.elapsed().as_secs_f64();
+    println!(
+        "copied {} ({} bytes) in {:.2}s, {:.1} MiB/s, inside the target",
         blkwire_backend::format_size(size),
         size,
         secs,

@@ -6,6 +6,7 @@
 #![allow(rustdoc::broken_intra_doc_links)]
 
 mod bench;
+mod copy;
 mod cp;
 mod discover;
 mod hist;
@@ -48,8 +49,12 @@ enum Command {
     Info(info::Args),
     /// Measure IOPS, bandwidth and latency against an export
     Bench(bench::Args),
-    /// Copy between local files/devices and exports (either side may be a URL)
+    /// Copy between local files/devices and exports (either side may be a URL); between two
+    /// exports of one target the target copies itself
     Cp(cp::Args),
+    /// Copy ranges inside a target (within an export, or from another export of it): no data
+    /// crosses the network
+    Copy(copy::Args),
     /// Show a target's live per-queue counters
     Stats(stats::Args),
     /// Find targets and their exports on a link (raw Ethernet broadcast) or at a UDP address
@@ -142,6 +147,7 @@ fn main() -> ExitCode {
         Command::Info(a) => info::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Cp(a) => cp::run(a),
+        Command::Copy(a) => copy::run(a),
         Command::Stats(a) => stats::run(a),
         Command::Discover(a) => discover::run(a),
         Command::Map(a) => map::run_map(a),

@@ -28,7 +28,8 @@ use blkwire_wire::{
     QUERY_LIST, QUERY_STATS,
 };
 
-pub use blkwire_block::{BlockOp, BlockRequest, IoFlags};
+pub use blkwire_block::{BlockOp, BlockRequest, CopyRange, IoFlags};
+pub use blkwire_wire::CopyLimits;
 pub use dgram::{discover_eth, discover_udp, Discovered};
 pub use queue::{Cmd, Completion, Queue, QueueStats};
 pub use url::{format_mac, parse_mac, Transport, Url};
@@ -63,6 +64,14 @@ pub enum Error {
     Protocol(String),
     /// Authentication failed: the target refused this host, or could not prove its own key.
     Auth(String),
+    /// A COPY failed (PROTOCOL.md §13): `copied` bytes from its destination are known to hold
+    /// the copied data; bytes after them are unchanged or partly copied.
+    Copy {
+        /// The status the target answered.
+        status: Status,
+        /// Bytes from the destination offset known copied.
+        copied: u64,
+    },
     /// A socket call failed.
     Io(std::io::Error),
     /// TLS could not be set up with the target (handshake refused, certificate not trusted).
@@ -86,6 +95,9 @@ impl std::fmt::Display for Error {
             Error::Timeout(d) => write!(f, "no reply from the target in {}s", d.as_secs()),
             Error::Protocol(s) => write!(f, "protocol error from the target: {s}"),
             Error::Auth(s) => f.write_str(s),
+            Error::Copy { status, copied } => {
+                write!(f, "copy failed after {copied} bytes: {status}")
+            }
             Error::Io(e) => write!(f, "network error: {e}"),
             Error::Tls(s) => f.write_str(s),
         }
@@ -238,6 +250,8 @@ pub struct ExportInfo {
     pub max_io: u32,
     /// Session id the target gave.
     pub session: u32,
+    /// What one COPY may do (PROTOCOL.md §13); disabled where the session has no COPY.
+    pub copy: CopyLimits,
 }
 
 /// An open session: its export's description and its queues.
@@ -525,6 +539,7 @@ fn info_from(url: &Url, reply: &HelloReply) -> ExportInfo {
         depth: reply.depth,
         max_io: reply.max_io,
         session: reply.session,
+        copy: reply.copy,
     }
 }
 
@@ -660,7 +675,10 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     let keys = attempt.check_welcome(&reply)?;
     check_grant(opts, 0, &reply)?;
     let info = info_from(url, &reply);
-    let mut queues = vec![Queue::stream(stream::StreamQueue::new(s0, 0, &info, opts)?)];
+    let mut queues = vec![Queue::stream(
+        stream::StreamQueue::new(s0, 0, &info, opts)?,
+        info.copy,
+    )];
     for q in 1..reply.queues {
         // Every queue of a TLS session is a TLS connection of its own.
         let mut s = open_link(url, opts)?;
@@ -681,7 +699,10 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
                 status: r.status,
             });
         }
-        queues.push(Queue::stream(stream::StreamQueue::new(s, q, &info, opts)?));
+        queues.push(Queue::stream(
+            stream::StreamQueue::new(s, q, &info, opts)?,
+            info.copy,
+        ));
     }
     Ok(Session { info, queues })
 }
@@ -702,6 +723,7 @@ mod tests {
             session: 1,
             cookie: 2,
             frame_payload,
+            copy: CopyLimits::default(),
             target_proof: [0; 32],
         }
     }

@@ -5,8 +5,8 @@
 use std::os::fd::RawFd;
 use std::time::Instant;
 
-use blkwire_block::{BlockOp, BlockRequest, IoFlags};
-use blkwire_wire::{Flags, Opcode, Status};
+use blkwire_block::{BlockOp, BlockRequest, CopyRange, IoFlags};
+use blkwire_wire::{CopyDescriptor, CopyLimits, Flags, Opcode, Status};
 
 use crate::dgram::DgramQueue;
 use crate::stream::StreamQueue;
@@ -48,6 +48,17 @@ pub enum Cmd<'a> {
         len: u32,
         /// Allocate rather than punch a hole.
         no_hole: bool,
+    },
+    /// Copy inside the target (PROTOCOL.md §13): `len` bytes to `dst`, from the source ranges
+    /// of `descriptor` (an encoded [`CopyDescriptor`]; their lengths must add up to `len`).
+    /// The completion's `length` is the bytes copied. [`Queue::copy`] builds and splits these.
+    Copy {
+        /// Destination offset in the session's export.
+        dst: u64,
+        /// Bytes copied in all.
+        len: u32,
+        /// The encoded descriptor.
+        descriptor: &'a [u8],
     },
     /// Ask the target to answer at once (proves it alive).
     Keepalive,
@@ -105,12 +116,26 @@ impl<'a> Cmd<'a> {
                 no_hole,
             } => r(BlockOp::WriteZeroes, offset, len)
                 .map(|q| q.flagged(IoFlags::empty().with(IoFlags::NO_HOLE, no_hole))),
-            Cmd::Keepalive => None,
+            Cmd::Keepalive | Cmd::Copy { .. } => None,
         })
     }
 
     /// Checks the command against the session's max I/O and returns its header fields.
     pub(crate) fn parts(self, max_io: u32) -> Result<Parts<'a>> {
+        if let Cmd::Copy {
+            dst,
+            len,
+            descriptor,
+        } = self
+        {
+            return Ok(Parts {
+                opcode: Opcode::Copy,
+                offset: dst,
+                len,
+                flags: 0,
+                payload: descriptor,
+            });
+        }
         let payload: &[u8] = match self {
             Cmd::Write { data, .. } => data,
             _ => &[],
@@ -145,6 +170,8 @@ impl<'a> Cmd<'a> {
 pub struct Completion<'a> {
     /// The token given to `submit`.
     pub user: u64,
+    /// The reply's length field: for a COPY, the bytes copied (PROTOCOL.md §13).
+    pub length: u32,
     /// The target's answer (or `Io` for a request given up on).
     pub status: Status,
     /// A successful READ's data; empty otherwise.
@@ -194,6 +221,8 @@ pub struct QueueStats {
 /// One queue of a session, owned by one thread.
 pub struct Queue {
     inner: Inner,
+    /// What one COPY may do (PROTOCOL.md §13); none on datagram sessions.
+    copy: CopyLimits,
 }
 
 // Both boxed: a Queue is moved between threads and into vectors; the transports are large.
@@ -212,16 +241,24 @@ macro_rules! each {
 }
 
 impl Queue {
-    pub(crate) fn stream(q: StreamQueue) -> Queue {
+    pub(crate) fn stream(q: StreamQueue, copy: CopyLimits) -> Queue {
         Queue {
             inner: Inner::Stream(Box::new(q)),
+            copy,
         }
     }
 
     pub(crate) fn dgram(q: DgramQueue) -> Queue {
         Queue {
             inner: Inner::Dgram(Box::new(q)),
+            copy: CopyLimits::default(),
         }
+    }
+
+    /// What one COPY of this session may do; [`CopyLimits::enabled`] is false when the session
+    /// has none (datagram transports, read-only exports).
+    pub fn copy_limits(&self) -> CopyLimits {
+        self.copy
     }
 
     /// Queue index inside the session.
@@ -420,6 +457,59 @@ impl Queue {
         )
     }
 
+    /// Copies `ranges` of the export `source` (another export of the same target this host may
+    /// open; "" for this session's own) to consecutive bytes from `dst` of this session's
+    /// export, inside the target: no data crosses the network (PROTOCOL.md §13). Split into
+    /// COPY commands within the session's limits, pipelined. Within one export the ranges may
+    /// not overlap the destination (the target refuses such a copy before writing anything).
+    /// Fails with [`Error::Copy`] saying how many bytes from `dst` are known copied.
+    pub fn copy(&mut self, source: &str, ranges: &[CopyRange], dst: u64) -> Result<()> {
+        let limits = self.copy;
+        if !limits.enabled() {
+            return Err(Error::Usage(
+                "this session cannot copy inside the target: COPY needs a writable export over \
+                 tcp:// (udp:// and eth:// do not carry it yet)"
+                    .into(),
+            ));
+        }
+        if ranges.iter().any(|r| r.len == 0) {
+            return Err(Error::Usage("a copy range is empty".into()));
+        }
+        let commands = copy_commands(source, ranges, dst, limits)?;
+        let mut failed: Option<(usize, Status, u32)> = None;
+        let (mut next, mut finished) = (0, 0);
+        while finished < commands.len() {
+            while next < commands.len() && self.in_flight() < self.depth() && failed.is_none() {
+                let (dst, len, d) = &commands[next];
+                let cmd = Cmd::Copy {
+                    dst: *dst,
+                    len: *len,
+                    descriptor: d,
+                };
+                self.submit(cmd, next as u64)?;
+                next += 1;
+            }
+            if self.in_flight() == 0 {
+                break;
+            }
+            finished += self.complete(1, |c| {
+                if c.status != Status::Ok {
+                    let i = c.user as usize;
+                    if failed.is_none_or(|(j, _, _)| i < j) {
+                        failed = Some((i, c.status, c.length));
+                    }
+                }
+            })?;
+        }
+        match failed {
+            None => Ok(()),
+            Some((i, status, got)) => Err(Error::Copy {
+                status,
+                copied: commands[i].0 - dst + got.min(commands[i].1) as u64,
+            }),
+        }
+    }
+
     /// Round trip that proves the target is alive.
     pub fn keepalive(&mut self) -> Result<()> {
         self.run_batch(1, |_| Cmd::Keepalive, |_, _| {}, || "keepalive".into())
@@ -446,5 +536,94 @@ impl Queue {
     /// Ends the queue cleanly after everything in flight (PROTOCOL.md §2.5).
     pub fn logout(mut self) -> Result<()> {
         each!(self, q => q.logout())
+    }
+}
+
+/// Splits a copy into COPY commands within `limits`: `(destination, length, descriptor)` each.
+fn copy_commands(
+    source: &str,
+    ranges: &[CopyRange],
+    dst: u64,
+    limits: CopyLimits,
+) -> Result<Vec<(u64, u32, Vec<u8>)>> {
+    let max_range = limits.max_range.min(limits.max_bytes);
+    let mut out = Vec::new();
+    let mut cur: Vec<CopyRange> = Vec::new();
+    let (mut at, mut start, mut total) = (dst, dst, 0u32);
+    let mut finish = |cur: &mut Vec<CopyRange>, start: u64, total: u32| -> Result<()> {
+        if cur.is_empty() {
+            return Ok(());
+        }
+        let d = CopyDescriptor {
+            source: source.to_string(),
+            ranges: std::mem::take(cur),
+        }
+        .encode()
+        .map_err(|e| Error::Usage(format!("copy: {e}")))?;
+        out.push((start, total, d));
+        Ok(())
+    };
+    for r in ranges {
+        let mut off = r.offset;
+        let mut left = r.len as u64;
+        while left > 0 {
+            if cur.len() == limits.max_ranges as usize || total == limits.max_bytes {
+                finish(&mut cur, start, total)?;
+                start = at;
+                total = 0;
+            }
+            let len = left
+                .min(max_range as u64)
+                .min((limits.max_bytes - total) as u64) as u32;
+            cur.push(CopyRange { offset: off, len });
+            off += len as u64;
+            left -= len as u64;
+            at += len as u64;
+            total += len;
+        }
+    }
+    finish(&mut cur, start, total)?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_are_split_within_the_sessions_limits_and_keep_their_order() {
+        let limits = CopyLimits {
+            max_bytes: 100,
+            max_range: 40,
+            max_ranges: 2,
+        };
+        let ranges = [
+            CopyRange {
+                offset: 1000,
+                len: 90,
+            },
+            CopyRange {
+                offset: 5000,
+                len: 30,
+            },
+        ];
+        let cmds = copy_commands("src", &ranges, 7, limits).unwrap();
+        let decoded: Vec<(u64, u32, Vec<CopyRange>)> = cmds
+            .iter()
+            .map(|(d, l, b)| {
+                let desc = CopyDescriptor::decode(b, 2).unwrap();
+                assert_eq!(desc.source, "src");
+                assert_eq!(desc.total(), *l as u64);
+                (*d, *l, desc.ranges)
+            })
+            .collect();
+        let r = |offset, len| CopyRange { offset, len };
+        assert_eq!(
+            decoded,
+            vec![
+                (7, 80, vec![r(1000, 40), r(1040, 40)]),
+                (87, 40, vec![r(1080, 10), r(5000, 30)]),
+            ]
+        );
     }
 }

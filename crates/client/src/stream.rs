@@ -340,6 +340,7 @@ impl StreamQueue {
             n += 1;
             f(Completion {
                 user: s.user,
+                length: h.length,
                 status: h.status,
                 data: &self.rx[at..at + expect as usize],
             });

@@ -204,6 +204,11 @@ impl DgramQueue {
             flags,
             payload: data,
         } = cmd.parts(self.max_io)?;
+        if opcode == Opcode::Copy {
+            return Err(Error::Usage(
+                "COPY is not carried on udp:// or eth:// sessions yet: use tcp://".into(),
+            ));
+        }
         let slot = self
             .free
             .pop()
@@ -384,6 +389,7 @@ impl DgramQueue {
             };
             f(Completion {
                 user: s.user,
+                length: s.length,
                 status: s.status,
                 data,
             });

@@ -1,0 +1,151 @@
+//! `blkwire copy URL --src OFF:LEN[,OFF:LEN...] --dst OFF`: ranges copied inside the target
+//! (server-side COPY, PROTOCOL.md §13), within one export or from another export of the same
+//! target (`--from`); no data crosses the network.
+
+use std::time::Instant;
+
+use blkwire_backend::{format_size, parse_size};
+use blkwire_client::{ConnectOptions, CopyRange, Error};
+use blkwire_wire::Features;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The destination export: tcp://HOST[:PORT]/EXPORT (COPY travels on tcp:// only)
+    url: String,
+    /// Source ranges, copied in order to consecutive bytes from --dst: OFFSET:LENGTH with
+    /// sizes such as 4096, 64K or 1G, several separated by commas
+    #[arg(long, value_name = "OFF:LEN[,OFF:LEN...]", required = true)]
+    src: String,
+    /// Where the first source byte lands in the destination export
+    #[arg(long, value_name = "OFFSET")]
+    dst: String,
+    /// Copy from this export of the same target instead of from the destination export itself
+    /// (within one export no source range may overlap the destination)
+    #[arg(long, value_name = "EXPORT")]
+    from: Option<String>,
+    /// Seconds a COPY may go unanswered before the copy fails
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    timeout: u64,
+    #[command(flatten)]
+    id: crate::identity::Identity,
+}
+
+/// `OFF:LEN[,OFF:LEN...]`, each part a size as `serve` takes them.
+fn parse_ranges(s: &str) -> Result<Vec<CopyRange>, String> {
+    s.split(',')
+        .map(|part| {
+            let (off, len) = part.split_once(':').ok_or_else(|| {
+                format!("--src '{part}': give OFFSET:LENGTH, e.g. 0:1M (several with commas)")
+            })?;
+            let offset = parse_size(off).map_err(|e| format!("--src '{part}': offset {e}"))?;
+            let len = parse_size(len).map_err(|e| format!("--src '{part}': length {e}"))?;
+            if len == 0 || len > u32::MAX as u64 {
+                return Err(format!(
+                    "--src '{part}': a range is 1 byte to 4 GiB long; split longer ones"
+                ));
+            }
+            Ok(CopyRange {
+                offset,
+                len: len as u32,
+            })
+        })
+        .collect()
+}
+
+/// Within one export a source range may not overlap the destination: the result would depend
+/// on the order the target copies in, so the target refuses it (PROTOCOL.md §13); say so
+/// before connecting.
+fn check_overlap(ranges: &[CopyRange], dst: u64) -> Result<(), String> {
+    let end = dst.saturating_add(ranges.iter().map(|r| r.len as u64).sum());
+    match ranges
+        .iter()
+        .find(|r| r.offset < end && dst < r.offset.saturating_add(r.len as u64))
+    {
+        Some(r) => Err(format!(
+            "--src {}:{} overlaps the destination {dst}..{end}: within one export a copy's \
+             source and destination may not overlap; copy through a scratch range",
+            r.offset, r.len
+        )),
+        None => Ok(()),
+    }
+}
+
+pub fn run(a: Args) -> Result<(), String> {
+    let ranges = parse_ranges(&a.src)?;
+    let dst = parse_size(&a.dst).map_err(|e| format!("--dst '{}': {e}", a.dst))?;
+    if a.from.is_none() {
+        check_overlap(&ranges, dst)?;
+    }
+    let mut opts = ConnectOptions {
+        queues: 1,
+        depth: 16,
+        timeout: std::time::Duration::from_secs(a.timeout.max(1)),
+        ..Default::default()
+    };
+    a.id.apply(&mut opts)?;
+    let mut s = crate::open(&a.url, &opts)?;
+    if s.info.features.has(Features::READ_ONLY) {
+        return Err(format!(
+            "{}: export is read-only: copy into a writable export",
+            a.url
+        ));
+    }
+    let q = s.queues.first_mut().ok_or("the target granted no queue")?;
+    let total: u64 = ranges.iter().map(|r| r.len as u64).sum();
+    let start = Instant::now();
+    let source = a.from.as_deref().unwrap_or("");
+    let result = q.copy(source, &ranges, dst);
+    let secs = start.elapsed().as_secs_f64();
+    for q in s.queues {
+        let _ = q.logout();
+    }
+    match result {
+        Ok(()) => {
+            println!(
+                "copied {} ({total} bytes) to offset {dst} in {secs:.2}s, inside the target",
+                format_size(total)
+            );
+            Ok(())
+        }
+        Err(Error::Copy { status, copied }) => Err(format!(
+            "{}: copy failed after {copied} of {total} bytes: {status}",
+            a.url
+        )),
+        Err(e) => Err(format!("{}: {e}", a.url)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_parse_with_sizes_and_refuse_what_cannot_be_sent() {
+        assert_eq!(
+            parse_ranges("0:4096,1M:64K").unwrap(),
+            vec![
+                CopyRange {
+                    offset: 0,
+                    len: 4096
+                },
+                CopyRange {
+                    offset: 1 << 20,
+                    len: 64 << 10
+                }
+            ]
+        );
+        for bad in ["", "4096", "0:0", "x:1", "0:8G", "0:1M,"] {
+            assert!(parse_ranges(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn overlapping_source_and_destination_are_refused_touching_ones_are_not() {
+        let r = |offset, len| CopyRange { offset, len };
+        assert!(check_overlap(&[r(0, 4096)], 4096).is_ok());
+        assert!(check_overlap(&[r(8192, 4096)], 4096).is_ok());
+        assert!(check_overlap(&[r(0, 4097)], 4096).is_err());
+        // The destination spans every range's bytes: 0..8192 here.
+        assert!(check_overlap(&[r(100_000, 4096), r(6000, 10)], 0).is_err());
+    }
+}
