@@ -32,6 +32,10 @@ command -v nbdfuse >/dev/null || need+=(libnbd-bin)
 # serve --metrics (crates/cli/tests/metrics.rs): scraped with curl, checked with promtool, which
 # comes only with Debian's prometheus package (19 MB download, 96 MB installed: the server
 # too, whose service is not started in containers without an init system).
+# Server-side COPY (crates/cli/tests/copy.rs): reflinks on a loop-mounted XFS, extents read
+# with filefrag (e2fsprogs); bench/copy-compare.sh limits a veth link with tc (iproute2).
+command -v mkfs.xfs >/dev/null || need+=(xfsprogs)
+command -v filefrag >/dev/null || need+=(e2fsprogs)
 command -v curl >/dev/null || need+=(curl)
 command -v promtool >/dev/null || need+=(prometheus)
 

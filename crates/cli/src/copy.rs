@@ -10,7 +10,8 @@ use blkwire_wire::Features;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The destination export: tcp://HOST[:PORT]/EXPORT (COPY travels on tcp:// only)
+    /// The destination export: tcp://HOST[:PORT]/EXPORT, udp://HOST[:PORT]/EXPORT or
+    /// eth://IFACE/MAC/EXPORT
     url: String,
     /// Source ranges, copied in order to consecutive bytes from --dst: OFFSET:LENGTH with
     /// sizes such as 4096, 64K or 1G, several separated by commas

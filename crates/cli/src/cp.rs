@@ -1,7 +1,7 @@
 //! `blkwire cp SRC DST`: either side a local file/block device or an export URL. Several workers,
 //! each with its own queue (or file handle), copy chunks of the largest I/O size in parallel.
-//! Between two exports of one target over tcp:// the target copies itself (server-side COPY,
-//! PROTOCOL.md §13) and no data crosses the network, unless `--no-offload`.
+//! Between two exports of one target the target copies itself (server-side COPY, PROTOCOL.md
+//! §13) and no data crosses the network, unless `--no-offload`.
 
 use std::fs::{File, OpenOptions};
 use std::io::{IsTerminal, Seek, SeekFrom};
@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use blkwire_client::{ConnectOptions, CopyRange, Queue, Transport, Url};
+use blkwire_client::{ConnectOptions, CopyRange, Queue, Url};
 use blkwire_wire::Features;
 
 #[derive(clap::Args)]
@@ -29,7 +29,8 @@ pub struct Args {
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     timeout: u64,
     /// Between two exports of one target, move every byte through this host instead of letting
-    /// the target copy (for comparison; the default copies inside the target over tcp://)
+    /// the target copy (for comparison; by default the target copies, and nothing crosses the
+    /// network)
     #[arg(long)]
     no_offload: bool,
     #[command(flatten)]
@@ -125,11 +126,12 @@ fn open_side(
     })
 }
 
-/// Both sides exports of the same target over a stream, so the target can copy by itself.
+/// Both sides exports of the same target (same transport, same address), so the target can
+/// copy by itself.
 fn same_target(src: &str, dst: &str) -> Option<(Url, Url)> {
     let (s, d) = (Url::parse(src).ok()?, Url::parse(dst).ok()?);
-    let stream = |u: &Url| matches!(u.transport, Transport::Tcp);
-    (stream(&s) && stream(&d) && s.authority() == d.authority()).then_some((s, d))
+    let same = s.transport == d.transport && s.authority() == d.authority();
+    same.then_some((s, d))
 }
 
 pub fn run(a: Args) -> Result<(), String> {
@@ -143,7 +145,14 @@ pub fn run(a: Args) -> Result<(), String> {
                 a.src, a.dst
             ));
         }
-        return offload(&a, &s.export);
+        if offload(&a, &s.export)? {
+            return Ok(());
+        }
+        eprintln!(
+            "blkwire: note: the target cannot copy from {} itself (its backend completes on its \
+             own threads); copying through this host",
+            a.src
+        );
     }
     let src = open_side(&a.src, a.jobs, None, a.timeout, &a.id)?;
     let dst = open_side(&a.dst, a.jobs, Some(src.size), a.timeout, &a.id)?;
@@ -255,8 +264,10 @@ fn connect(spec: &str, queues: u16, a: &Args) -> Result<blkwire_client::Session,
 }
 
 /// `cp` between two exports of one target: each worker asks the target to copy a chunk at a
-/// time on its own queue of the destination's session (PROTOCOL.md §13).
-fn offload(a: &Args, src_export: &str) -> Result<(), String> {
+/// time on its own queue of the destination's session (PROTOCOL.md §13). `Ok(false)` when the
+/// target answers that it cannot copy from this source (the caller then copies through this
+/// host).
+fn offload(a: &Args, src_export: &str) -> Result<bool, String> {
     // The source's size, and proof this host may open it (the target checks again per COPY).
     let src = connect(&a.src, 1, a)?;
     let size = src.info.size;
@@ -284,6 +295,7 @@ fn offload(a: &Args, src_export: &str) -> Result<(), String> {
     let done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let first_err: Arc<Mutex<Option<String>>> = Arc::default();
+    let unsupported = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
     let workers: Vec<_> = dst
         .queues
@@ -291,6 +303,7 @@ fn offload(a: &Args, src_export: &str) -> Result<(), String> {
         .map(|mut q| {
             let (next, done, stop, first_err) =
                 (next.clone(), done.clone(), stop.clone(), first_err.clone());
+            let unsupported = unsupported.clone();
             let source = src_export.to_string();
             std::thread::spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
@@ -301,6 +314,13 @@ fn offload(a: &Args, src_export: &str) -> Result<(), String> {
                     let len = OFFLOAD_CHUNK.min(size - off) as u32;
                     let range = CopyRange { offset: off, len };
                     if let Err(e) = q.copy(&source, &[range], off) {
+                        if let blkwire_client::Error::Copy {
+                            status: blkwire_wire::Status::Unsupported,
+                            ..
+                        } = e
+                        {
+                            unsupported.store(true, Ordering::Relaxed);
+                        }
                         first_err
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
@@ -328,6 +348,12 @@ fn offload(a: &Args, src_export: &str) -> Result<(), String> {
     for w in workers {
         queues.push(w.join().map_err(|_| "a copy worker panicked".to_string())?);
     }
+    if unsupported.load(Ordering::Relaxed) {
+        for q in queues {
+            let _ = q.logout();
+        }
+        return Ok(false);
+    }
     if let Some(e) = first_err.lock().unwrap_or_else(|p| p.into_inner()).take() {
         return Err(format!("{}: {e}", a.dst));
     }
@@ -345,7 +371,7 @@ fn offload(a: &Args, src_export: &str) -> Result<(), String> {
         secs,
         size as f64 / secs.max(1e-9) / 1048576.0
     );
-    Ok(())
+    Ok(true)
 }
 
 fn copy_chunk(

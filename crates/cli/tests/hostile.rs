@@ -82,8 +82,8 @@ fn malformed_io_requests_are_answered_not_executed() {
         ),
         (
             Header::request(Opcode::Copy, Tag::new(0, 4), 0, 512),
-            Status::Unsupported,
-        ),
+            Status::Invalid,
+        ), // a COPY without its descriptor (PROTOCOL.md §13)
         (
             Header::request(Opcode::Hello, Tag::new(0, 5), 0, 0),
             Status::Invalid,

@@ -584,20 +584,23 @@ fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Res
         _ => link0,
     };
     let mk = |link, q, credit: u16, seal| {
-        Queue::dgram(dgram::DgramQueue::new(
-            link,
-            dgram::Grant {
-                session: reply.session,
-                index: q,
-                depth: reply.depth,
-                max_io: reply.max_io,
-                frame_payload: reply.frame_payload,
-                credit: credit as u32,
-            },
-            seal,
-            opts.timeout,
-            opts.poll,
-        ))
+        Queue::dgram(
+            dgram::DgramQueue::new(
+                link,
+                dgram::Grant {
+                    session: reply.session,
+                    index: q,
+                    depth: reply.depth,
+                    max_io: reply.max_io,
+                    frame_payload: reply.frame_payload,
+                    credit: credit as u32,
+                },
+                seal,
+                opts.timeout,
+                opts.poll,
+            ),
+            reply.copy,
+        )
     };
     let seal0 = keys.as_ref().map(|k| k.queue(reply.session, 0));
     let mut queues = vec![mk(link0, 0, r.credit, seal0)];

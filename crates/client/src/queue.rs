@@ -221,7 +221,7 @@ pub struct QueueStats {
 /// One queue of a session, owned by one thread.
 pub struct Queue {
     inner: Inner,
-    /// What one COPY may do (PROTOCOL.md §13); none on datagram sessions.
+    /// What one COPY may do (PROTOCOL.md §13), as the target granted.
     copy: CopyLimits,
 }
 
@@ -248,15 +248,15 @@ impl Queue {
         }
     }
 
-    pub(crate) fn dgram(q: DgramQueue) -> Queue {
+    pub(crate) fn dgram(q: DgramQueue, copy: CopyLimits) -> Queue {
         Queue {
             inner: Inner::Dgram(Box::new(q)),
-            copy: CopyLimits::default(),
+            copy,
         }
     }
 
     /// What one COPY of this session may do; [`CopyLimits::enabled`] is false when the session
-    /// has none (datagram transports, read-only exports).
+    /// has none (a read-only export, or an older target).
     pub fn copy_limits(&self) -> CopyLimits {
         self.copy
     }
@@ -460,15 +460,16 @@ impl Queue {
     /// Copies `ranges` of the export `source` (another export of the same target this host may
     /// open; "" for this session's own) to consecutive bytes from `dst` of this session's
     /// export, inside the target: no data crosses the network (PROTOCOL.md §13). Split into
-    /// COPY commands within the session's limits, pipelined. Within one export the ranges may
+    /// COPY commands within the session's limits of at most [`COPY_COMMAND_MAX`] bytes each,
+    /// pipelined. Within one export the ranges may
     /// not overlap the destination (the target refuses such a copy before writing anything).
     /// Fails with [`Error::Copy`] saying how many bytes from `dst` are known copied.
     pub fn copy(&mut self, source: &str, ranges: &[CopyRange], dst: u64) -> Result<()> {
         let limits = self.copy;
         if !limits.enabled() {
             return Err(Error::Usage(
-                "this session cannot copy inside the target: COPY needs a writable export over \
-                 tcp:// (udp:// and eth:// do not carry it yet)"
+                "this session cannot copy inside the target: the export is read-only, or the \
+                 target does not offer COPY"
                     .into(),
             ));
         }
@@ -539,13 +540,22 @@ impl Queue {
     }
 }
 
-/// Splits a copy into COPY commands within `limits`: `(destination, length, descriptor)` each.
+/// Most bytes [`Queue::copy`] asks of one COPY: a command's time is bounded (the I/O timeout
+/// applies to it like to any request) whatever the target would take.
+pub const COPY_COMMAND_MAX: u32 = 64 << 20;
+
+/// Splits a copy into COPY commands within `limits` (and [`COPY_COMMAND_MAX`]):
+/// `(destination, length, descriptor)` each.
 fn copy_commands(
     source: &str,
     ranges: &[CopyRange],
     dst: u64,
     limits: CopyLimits,
 ) -> Result<Vec<(u64, u32, Vec<u8>)>> {
+    let limits = CopyLimits {
+        max_bytes: limits.max_bytes.min(COPY_COMMAND_MAX),
+        ..limits
+    };
     let max_range = limits.max_range.min(limits.max_bytes);
     let mut out = Vec::new();
     let mut cur: Vec<CopyRange> = Vec::new();

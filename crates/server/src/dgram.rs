@@ -12,19 +12,19 @@ use std::time::{Duration, Instant};
 
 use std::os::fd::RawFd;
 
-use blkwire_backend::{AlignedBuf, BlockOp, BlockRequest, Submitter};
+use blkwire_backend::{AlignedBuf, BlockOp, Submitter, COPY_CHUNK};
 use blkwire_net::rx_ring::RxRing;
 use blkwire_net::udp_offload::{self, Cmsg, SendBatch};
 use blkwire_wire::datagram::{self, Packer};
 use blkwire_wire::{
-    bitmap, datagram::Frame, datagram::SEAL_LEN, fragment_count, ExportEntry, Flags, Header, Hello,
-    Opcode, Status, Tag, HEADER_LEN, QUERY_STATS,
+    bitmap, datagram::Frame, datagram::SEAL_LEN, fragment_count, CopyDescriptor, CopyLimits,
+    ExportEntry, Flags, Header, Hello, Opcode, Status, Tag, HEADER_LEN, QUERY_STATS,
 };
 
 use crate::access::PeerId;
 use crate::budget::Account;
 use crate::bufpool::Buffers;
-use crate::executor::{Executor, Outcome, Started};
+use crate::executor::{Copied, Executor, Outcome, Started};
 use crate::frontend::native::flush_args_valid;
 use crate::log::Level;
 use crate::session::{HelloAnswer, JoinRefused, QueueSeal, Registry};
@@ -136,6 +136,8 @@ struct DQ {
     seal: Option<QueueSeal>,
     /// Closed by the control plane while backend I/O ran: removed once it completes.
     closing: bool,
+    /// What one COPY of the session may do (PROTOCOL.md §13).
+    copy: CopyLimits,
 }
 
 impl Peer {
@@ -259,8 +261,11 @@ pub struct DgramPort {
     _claim: Option<OwnedFd>,
     /// Spare data buffers: a slot holds one only while its request is assembled or runs.
     bufs: Buffers,
-    /// The port's part of the memory budget: its receive and send buffers, and its pool.
+    /// The port's part of the memory budget: its receive and send buffers, its pool, and the
+    /// bounce buffers of the COPYs running on its queues.
     mem: Account,
+    /// COPYs running on this port's queues (each may hold [`COPY_CHUNK`] bytes).
+    copying: usize,
     /// The receive and send buffers' size (the part of `mem` that never changes).
     fixed: usize,
     /// Where an encrypted frame's payload is decrypted (one frame at a time).
@@ -299,6 +304,7 @@ impl DgramPort {
             _claim: p.claim,
             bufs: Buffers::default(),
             mem,
+            copying: 0,
             fixed,
             scratch: vec![0u8; frame],
             fd: p.fd,
@@ -651,7 +657,11 @@ impl DgramPort {
             Opcode::Hello | Opcode::List | Opcode::Stats => {
                 self.reply_queue(qi, h, Status::Invalid)
             }
-            Opcode::Copy => self.reply_queue(qi, h, Status::Unsupported),
+            // A refused COPY copied nothing: its reply's length says so (§13).
+            Opcode::Copy if !q.copy.enabled() => {
+                let h = Header { length: 0, ..*h };
+                self.reply_queue(qi, &h, Status::Unsupported)
+            }
             _ => self.io_frame(qi, h, payload, credit, sq, ud),
         }
     }
@@ -823,6 +833,7 @@ impl DgramPort {
             _mem: adm.mem,
             seal: adm.seal,
             closing: false,
+            copy: adm.copy,
         });
         if let Some(fd) = self.queues[idx].as_ref().and_then(|q| q.exec.notifier()) {
             self.notifier_changes.push((idx, incarnation, Some(fd)));
@@ -861,7 +872,7 @@ impl DgramPort {
         if self.active == 0 {
             self.bufs.clear();
         }
-        self.mem.settle(self.fixed + self.bufs.allocated());
+        self.mem.settle(self.held());
         let expiry = self.idle_expiry;
         self.active = self
             .queues
@@ -913,10 +924,7 @@ impl DgramPort {
             && matches!(h.opcode, Opcode::Read | Opcode::Write)
             && h.length <= q.max_io;
         let len = h.length as usize;
-        if needs
-            && !self.bufs.has_spare(len)
-            && !self.mem.try_cover(self.fixed + self.bufs.allocated() + len)
-        {
+        if needs && !self.bufs.has_spare(len) && !self.mem.try_cover(self.held() + len) {
             self.stats.no_memory += 1;
             return;
         }
@@ -973,10 +981,86 @@ impl DgramPort {
             s.state = SlotState::Assembling;
             return self.fragment(qi, h, payload, sq, ud);
         }
+        if h.opcode == Opcode::Copy {
+            return self.start_copy(qi, slot, payload, sq, ud);
+        }
         if h.flags.has(Flags::HAVE) {
             s.client_has.extend_from_slice(payload);
         }
         self.execute(qi, slot, sq, ud);
+    }
+
+    /// Bytes the port holds: its fixed buffers, its pool, and the bounce buffers of its COPYs.
+    fn held(&self) -> usize {
+        self.fixed + self.bufs.allocated() + self.copying * COPY_CHUNK as usize
+    }
+
+    /// A new COPY (PROTOCOL.md §13): its descriptor is the payload of its one frame. Checked,
+    /// then run in its slot; a duplicate is answered from the slot like any finished request,
+    /// never copied twice. One the memory budget cannot cover now is forgotten, like a lost
+    /// frame: the initiator retransmits it.
+    fn start_copy(
+        &mut self,
+        qi: usize,
+        slot: u16,
+        payload: &[u8],
+        sq: &mut dyn Submitter,
+        ud: UserData,
+    ) {
+        let q = self.queues[qi].as_mut().expect("present");
+        let h = q.slots[slot as usize].hdr;
+        let desc = match CopyDescriptor::decode_within(payload, &q.copy) {
+            Ok(d) if h.frag_count == 1 => d,
+            _ => {
+                let refused = Copied {
+                    status: Status::Invalid,
+                    bytes: 0,
+                };
+                return self.finish_copy(qi, slot, refused);
+            }
+        };
+        if !self.mem.try_cover(self.held() + COPY_CHUNK as usize) {
+            self.stats.no_memory += 1;
+            let q = self.queues[qi].as_mut().expect("present");
+            q.slots[slot as usize].state = SlotState::Empty;
+            return;
+        }
+        let q = self.queues[qi].as_mut().expect("present");
+        match q
+            .exec
+            .start_copy(&desc, h.offset, h.length, ud(q.incarnation, qi, slot), sq)
+        {
+            Some(done) => self.finish_copy(qi, slot, done),
+            None => {
+                q.slots[slot as usize].state = SlotState::Running(Started::now());
+                self.copying += 1;
+            }
+        }
+    }
+
+    /// Answers a COPY; its reply (and any resent copy of it) says how many bytes it copied.
+    fn finish_copy(&mut self, qi: usize, slot: u16, done: Copied) {
+        let q = self.queues[qi].as_mut().expect("present");
+        q.slots[slot as usize].hdr.length = done.bytes;
+        self.finish(qi, slot, done.status);
+    }
+
+    /// The result `res` of the request running in `slot`, started with `tag`: its answer.
+    fn answer(&mut self, qi: usize, slot: u16, tag: u64, res: i32, started: Started) {
+        let q = self.queues[qi].as_mut().expect("present");
+        let h = q.slots[slot as usize].hdr;
+        match h.block_request() {
+            Some(block) => {
+                let st = q.exec.status(&block, res, started);
+                self.finish(qi, slot, st);
+            }
+            None if h.opcode == Opcode::Copy => {
+                let done = q.exec.copy_status(tag, res, h.length);
+                self.copying -= 1;
+                self.finish_copy(qi, slot, done);
+            }
+            None => self.finish(qi, slot, Status::Invalid),
+        }
     }
 
     /// A WRITE fragment: store it; when all are in, execute.
@@ -1058,13 +1142,8 @@ impl DgramPort {
         }
     }
 
-    /// The queue and request of a Running slot, with when it started.
-    fn running(
-        &mut self,
-        qi: usize,
-        incarnation: u32,
-        slot: u16,
-    ) -> Option<(&mut DQ, BlockRequest, Started)> {
+    /// The queue of a Running slot, with when its request started.
+    fn running(&mut self, qi: usize, incarnation: u32, slot: u16) -> Option<(&mut DQ, Started)> {
         let q = self.queues.get_mut(qi).and_then(Option::as_mut)?;
         let s = q.slots.get(slot as usize)?;
         let SlotState::Running(started) = s.state else {
@@ -1073,8 +1152,7 @@ impl DgramPort {
         if q.incarnation != incarnation {
             return None;
         }
-        let block = s.hdr.block_request()?;
-        Some((q, block, started))
+        Some((q, started))
     }
 
     /// io_uring completion for a queue's backend I/O (`tag` is its user data).
@@ -1087,12 +1165,11 @@ impl DgramPort {
         res: i32,
         sq: &mut dyn Submitter,
     ) {
-        let Some((q, block, started)) = self.running(qi, incarnation, slot) else {
+        let Some((q, started)) = self.running(qi, incarnation, slot) else {
             return;
         };
         if let Some(r) = q.exec.complete(tag, res, sq) {
-            let st = q.exec.status(&block, r, started);
-            self.finish(qi, slot, st);
+            self.answer(qi, slot, tag, r, started);
         }
     }
 
@@ -1105,12 +1182,12 @@ impl DgramPort {
             return;
         }
         let mut done = Vec::new();
-        q.exec
-            .reap(sq, &mut |tag, res| done.push((tag as u16, res)));
-        for (slot, res) in done {
-            if let Some((q, block, started)) = self.running(qi, incarnation, slot) {
-                let st = q.exec.status(&block, res, started);
-                self.finish(qi, slot, st);
+        q.exec.reap(sq, &mut |tag, res| done.push((tag, res)));
+        for (tag, res) in done {
+            // The user data of a queue's I/O ends with its slot.
+            let slot = tag as u16;
+            if let Some((_, started)) = self.running(qi, incarnation, slot) {
+                self.answer(qi, slot, tag, res, started);
             }
         }
     }

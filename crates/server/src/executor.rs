@@ -32,8 +32,8 @@ pub enum Outcome<P = Started> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Started(Instant);
 
-#[cfg(test)]
 impl Started {
+    /// Now: for requests that start outside [`Executor::start`] (a datagram COPY's slot).
     pub fn now() -> Started {
         Started(Instant::now())
     }

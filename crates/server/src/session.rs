@@ -431,7 +431,7 @@ impl Registry {
             addr: &peer.addr,
             peer: &peer_s,
         };
-        let copy = Self::copy_limits(&export, link_payload.is_some(), frame_payload);
+        let copy = Self::copy_limits(&export, frame_payload);
         let (id, cookie, mem, placement) = match self.create(
             &export,
             &owner,
@@ -478,10 +478,10 @@ impl Registry {
     }
 
     /// What one COPY of a session may do (PROTOCOL.md §13): the export's limits, as many
-    /// ranges as one frame's payload holds whatever the source's name; nothing on a read-only
-    /// export (the destination is always the session's), and nothing on datagrams yet.
-    fn copy_limits(export: &Export, datagram: bool, frame_payload: u32) -> CopyLimits {
-        if export.read_only || datagram {
+    /// ranges as one frame's payload holds whatever the source's name (a descriptor is never
+    /// fragmented); nothing on a read-only export (the destination is always the session's).
+    fn copy_limits(export: &Export, frame_payload: u32) -> CopyLimits {
+        if export.read_only {
             return CopyLimits::default();
         }
         let limits = export.capabilities().limits;

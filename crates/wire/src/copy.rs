@@ -3,7 +3,7 @@
 
 use blkwire_block::CopyRange;
 
-use crate::handshake::{PayloadError, PayloadReader, PayloadWriter};
+use crate::handshake::{CopyLimits, PayloadError, PayloadReader, PayloadWriter};
 
 /// A decoded COPY descriptor.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -66,6 +66,19 @@ impl CopyDescriptor {
         Ok(CopyDescriptor { source, ranges })
     }
 
+    /// Parses a descriptor and checks it against a session's limits (§13): ranges, bytes per
+    /// range and bytes in all.
+    pub fn decode_within(buf: &[u8], limits: &CopyLimits) -> Result<CopyDescriptor, PayloadError> {
+        let d = CopyDescriptor::decode(buf, limits.max_ranges)?;
+        if d.ranges.iter().any(|r| r.len > limits.max_range) || d.total() > limits.max_bytes as u64
+        {
+            return Err(PayloadError::Invalid(
+                "copy larger than the session's limits",
+            ));
+        }
+        Ok(d)
+    }
+
     /// Bytes copied in all.
     pub fn total(&self) -> u64 {
         self.ranges.iter().map(|r| r.len as u64).sum()
@@ -97,6 +110,45 @@ mod tests {
         assert_eq!(d.total(), 4096 + u32::MAX as u64);
         assert!(CopyDescriptor::decode(&b, 1).is_err(), "over the limit");
         assert!(CopyDescriptor::decode(&b[..b.len() - 1], 2).is_err(), "cut");
+        let d = CopyDescriptor {
+            source: String::new(),
+            ranges: vec![
+                CopyRange {
+                    offset: 0,
+                    len: 4096,
+                },
+                CopyRange {
+                    offset: 8192,
+                    len: 100,
+                },
+            ],
+        };
+        let b = d.encode().unwrap();
+        let limits = CopyLimits {
+            max_bytes: 4196,
+            max_range: 4096,
+            max_ranges: 2,
+        };
+        assert_eq!(CopyDescriptor::decode_within(&b, &limits).unwrap(), d);
+        for over in [
+            CopyLimits {
+                max_bytes: limits.max_bytes - 1,
+                ..limits
+            },
+            CopyLimits {
+                max_range: limits.max_range - 1,
+                ..limits
+            },
+            CopyLimits {
+                max_ranges: 1,
+                ..limits
+            },
+        ] {
+            assert!(
+                CopyDescriptor::decode_within(&b, &over).is_err(),
+                "{over:?}"
+            );
+        }
         let mut extra = b.clone();
         extra.push(0);
         assert!(CopyDescriptor::decode(&extra, 2).is_err(), "trailing");

@@ -22,7 +22,7 @@ use crate::auth::QueueKeys;
 use crate::queue::{Cmd, Completion, Parts, QueueStats};
 use crate::{Error, Result};
 
-use congestion::{Congestion, Transmission, RTO_INITIAL};
+use congestion::{Congestion, Transmission, RTO_INITIAL, RTO_MAX};
 pub use discover::{discover_eth, discover_udp, Discovered};
 pub(crate) use link::{eth_link, exchange, exchange_plain, udp_link, Link};
 use link::{Receiver, Sender};
@@ -204,11 +204,6 @@ impl DgramQueue {
             flags,
             payload: data,
         } = cmd.parts(self.max_io)?;
-        if opcode == Opcode::Copy {
-            return Err(Error::Usage(
-                "COPY is not carried on udp:// or eth:// sessions yet: use tcp://".into(),
-            ));
-        }
         let slot = self
             .free
             .pop()
@@ -234,6 +229,15 @@ impl DgramQueue {
                 s.data.extend_from_slice(data);
                 s.frags = fragment_count(len, fp);
                 s.window_frames = s.frags;
+            }
+            Opcode::Copy => {
+                // The descriptor: one frame, never fragmented (PROTOCOL.md §13), kept for
+                // retransmission. A COPY runs for as long as it takes to move its bytes inside
+                // the target, so it is no measure of the path: outside the window, the round
+                // trip and loss detection, on its own timer (`send`, `timers`).
+                s.data.clear();
+                s.data.extend_from_slice(data);
+                s.window_frames = 0;
             }
             Opcode::Read => {
                 // Not zeroed: the request completes only when every fragment has overwritten
@@ -268,6 +272,8 @@ impl DgramQueue {
             let start = (frag * fp) as usize;
             let end = (start + fp as usize).min(s.data.len());
             &s.data[start..end]
+        } else if s.opcode == Opcode::Copy {
+            &s.data
         } else {
             &[]
         };
@@ -301,7 +307,12 @@ impl DgramQueue {
             self.pending.pop_front();
             let s = &mut self.slots[slot as usize];
             s.state = State::InFlight;
-            s.tx = Transmission::first(now, self.cc.rto(), self.give_up);
+            let rto = if s.opcode == Opcode::Copy {
+                RTO_MAX
+            } else {
+                self.cc.rto()
+            };
+            s.tx = Transmission::first(now, rto, self.give_up);
             self.cc.on_send(need);
             let frags = if s.opcode == Opcode::Write {
                 s.frags
@@ -497,6 +508,10 @@ impl DgramQueue {
         }
         if h.status != Status::Ok || s.opcode != Opcode::Read {
             s.status = h.status;
+            if s.opcode == Opcode::Copy {
+                // A COPY's answer is in its length: the bytes copied (PROTOCOL.md §13).
+                s.length = h.length;
+            }
             return self.finish(slot);
         }
         // A READ fragment.
@@ -530,7 +545,9 @@ impl DgramQueue {
         if s.status != Status::Ok {
             self.stats.errors += 1;
         }
-        self.cc.on_finish(&s.tx, s.window_frames, self.now);
+        if s.opcode != Opcode::Copy {
+            self.cc.on_finish(&s.tx, s.window_frames, self.now);
+        }
         self.done.push_back(slot);
     }
 
@@ -554,6 +571,13 @@ impl DgramQueue {
                     self.finish(slot);
                     continue;
                 }
+                if s.opcode == Opcode::Copy {
+                    // Its own timer only, and no sign of a congested path (see `submit`).
+                    if now >= s.tx.sent_at + s.tx.rto {
+                        self.resend(slot, now);
+                    }
+                    continue;
+                }
                 if !self.cc.lost(&s.tx, &pass, now) {
                     continue;
                 }
@@ -566,7 +590,10 @@ impl DgramQueue {
         // request, and its answer shows the others lost (overtaken) long before their timers.
         if !lost && self.cc.probe_due(now) {
             let newest = (0..self.slots.len() as u16)
-                .filter(|&i| self.slots[i as usize].state == State::InFlight)
+                .filter(|&i| {
+                    let s = &self.slots[i as usize];
+                    s.state == State::InFlight && s.opcode != Opcode::Copy
+                })
                 .max_by_key(|&i| self.slots[i as usize].tx.sent_at);
             if let Some(slot) = newest {
                 self.stats.probes += 1;

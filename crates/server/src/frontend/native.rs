@@ -78,10 +78,14 @@ impl StreamFrontend for Native {
             }
             let kind = match h.opcode {
                 Opcode::Logout => Kind::Logout,
-                Opcode::Copy if !self.copy.enabled() => Kind::Unsupported,
+                // A refused COPY copied nothing: its reply's length says so (§13).
+                Opcode::Copy if !self.copy.enabled() => {
+                    return request(&Header { length: 0, ..h }, Kind::Unsupported, len)
+                }
                 // The descriptor is the payload, never fragmented (§13); the dispatcher decodes
                 // it where it lies in the receive buffer.
                 Opcode::Copy if h.tag.slot() < self.depth && h.payload_len > 0 => Kind::Copy,
+                Opcode::Copy => return request(&Header { length: 0, ..h }, Kind::Invalid, len),
                 _ => Kind::Invalid, // HELLO, JOIN, LIST, STATS belong to the handshake
             };
             return request(&h, kind, len);
@@ -127,10 +131,7 @@ impl StreamFrontend for Native {
 
     /// Checked against the session's COPY limits (§13).
     fn copy_descriptor(&self, payload: &[u8]) -> Option<CopyDescriptor> {
-        let d = CopyDescriptor::decode(payload, self.copy.max_ranges).ok()?;
-        let within = d.ranges.iter().all(|r| r.len <= self.copy.max_range)
-            && d.total() <= self.copy.max_bytes as u64;
-        within.then_some(d)
+        CopyDescriptor::decode_within(payload, &self.copy).ok()
     }
 }
 

@@ -247,9 +247,11 @@ fn copy(
     payload_len: usize,
     sq: &mut Pusher<'_>,
 ) {
+    // A refused COPY copied nothing: its reply's length says so (§13).
+    let refused = Req { length: 0, ..*req };
     if let Some(s) = req.slot {
         match c.slots.get(s as usize) {
-            None => return c.reply(req, Status::Invalid),
+            None => return c.reply(&refused, Status::Invalid),
             Some(slot) if slot.busy => {
                 return c.violation(&format_args!("slot {s} reused while in flight"))
             }
@@ -259,7 +261,7 @@ fn copy(
     let Some(desc) =
         c.fe.copy_descriptor(&c.rx[payload_at..payload_at + payload_len])
     else {
-        return c.reply(req, Status::Invalid);
+        return c.reply(&refused, Status::Invalid);
     };
     let slot = take_slot(c, req);
     let tag = ud(KIND_IO, c.incarnation, idx, slot);

@@ -1,0 +1,594 @@
+//! Server-side COPY (PROTOCOL.md §13) against a real target: data copied within and between
+//! exports on every transport and backend kind, the refusals that leave the destination
+//! untouched, a failure in the middle that says how much was copied, copies under concurrent
+//! I/O, `blkwire cp` and `blkwire copy` as a user runs them, reflinks on XFS, and over a veth link
+//! between two namespaces the bytes that do (not) cross the network.
+
+mod common;
+
+use std::process::Command;
+
+use blkwire_client::{connect, Cmd, ConnectOptions, CopyRange, Error, Queue, Session, Url};
+use blkwire_wire::{CopyDescriptor, Status};
+use common::netlab::{run, sh, NetLab, Served};
+use common::{assert_one_line_error, cli, random_bytes, sparse_file, Target, TempDir};
+
+const MIB: u64 = 1 << 20;
+
+fn session(url: &str, queues: u16) -> Session {
+    let opts = ConnectOptions {
+        queues,
+        depth: 8,
+        max_io: 1 << 20,
+        ..Default::default()
+    };
+    connect(&Url::parse(url).unwrap(), &opts).expect("connect")
+}
+
+fn range(offset: u64, len: u64) -> CopyRange {
+    CopyRange {
+        offset,
+        len: len as u32,
+    }
+}
+
+fn read(q: &mut Queue, offset: u64, len: u64) -> Vec<u8> {
+    let mut b = vec![0u8; len as usize];
+    q.read_at(&mut b, offset).unwrap();
+    b
+}
+
+/// One COPY command as given, without the library's checks and splitting: its status and the
+/// length its reply carries (the bytes copied).
+fn raw_copy(
+    q: &mut Queue,
+    source: &str,
+    ranges: &[CopyRange],
+    dst: u64,
+    len: u32,
+) -> (Status, u32) {
+    let d = CopyDescriptor {
+        source: source.into(),
+        ranges: ranges.to_vec(),
+    }
+    .encode()
+    .unwrap();
+    q.submit(
+        Cmd::Copy {
+            dst,
+            len,
+            descriptor: &d,
+        },
+        7,
+    )
+    .unwrap();
+    let mut got = None;
+    q.complete(1, |c| got = Some((c.status, c.length))).unwrap();
+    got.expect("one completion")
+}
+
+/// Within one export and between two (either way, unless `b` is a backend whose reads complete
+/// on its own threads, which cannot be a source yet), with several ranges per copy, and ranges
+/// longer than one backend operation (1 MiB) and one COPY command (64 MiB).
+fn round_trips(a: &str, b: &str) {
+    let mut s = session(a, 1);
+    let mut t = session(b, 1);
+    let q = &mut s.queues[0];
+    assert!(q.copy_limits().enabled(), "{a}: COPY granted");
+    let data = random_bytes((3 * MIB) as usize, 1);
+    q.write_at(&data, 0, false).unwrap();
+    // Within: two ranges, out of order, land back to back.
+    q.copy("", &[range(2 * MIB, MIB), range(4096, 8192)], 8 * MIB)
+        .unwrap();
+    let mut want = data[(2 * MIB) as usize..(3 * MIB) as usize].to_vec();
+    want.extend_from_slice(&data[4096..4096 + 8192]);
+    assert!(read(q, 8 * MIB, want.len() as u64) == want, "{a}: within");
+    // Across: a's first 3 MiB to b at 1 MiB + 512 (unaligned), and back from b to a.
+    let b_name = b.rsplit('/').next().unwrap();
+    let a_name = a.rsplit('/').next().unwrap();
+    let tq = &mut t.queues[0];
+    tq.copy(a_name, &[range(0, 3 * MIB)], MIB + 512).unwrap();
+    assert!(read(tq, MIB + 512, 3 * MIB) == data, "{a} -> {b}");
+    if b_name == "mt" {
+        // PROTOCOL.md §13: refused before anything is written.
+        assert!(matches!(
+            q.copy(b_name, &[range(MIB + 512, 3 * MIB)], 16 * MIB),
+            Err(Error::Copy {
+                status: Status::Unsupported,
+                copied: 0
+            })
+        ));
+        q.write_at(&data, 16 * MIB, false).unwrap();
+    } else {
+        q.copy(b_name, &[range(MIB + 512, 3 * MIB)], 16 * MIB)
+            .unwrap();
+    }
+    assert!(read(q, 16 * MIB, 3 * MIB) == data, "{b} -> {a}");
+    // Longer than one COPY command: the library splits it, the data is whole.
+    let big = 80 * MIB;
+    let pattern = random_bytes(MIB as usize, 2);
+    for i in 0..big / MIB {
+        q.write_at(&pattern, 32 * MIB + i * MIB, false).unwrap();
+    }
+    tq.copy(a_name, &[range(32 * MIB, big)], 0).unwrap();
+    for i in (0..big / MIB).step_by(13) {
+        assert!(read(tq, i * MIB, MIB) == pattern, "{a} -> {b}: MiB {i}");
+    }
+}
+
+#[test]
+fn copies_round_trip_within_and_between_exports_over_tcp_and_udp() {
+    let dir = TempDir::new("copy-rt");
+    let f = dir.path("f.img");
+    sparse_file(&f, 128 * MIB);
+    let fspec = format!("f=file:{}", f.display());
+    let (t, urls) = Target::start_listeners(
+        &["m=mem:128M", &fspec, "n=mem:128M", "mt=memthread:128M"],
+        &["--listen", "udp://127.0.0.1:0"],
+    );
+    let (tcp, udp) = (&urls[0], &urls[1]);
+    // mem <-> file (native copy within each; reads and writes across), then mem <-> mem, and
+    // a destination whose backend completes on its own threads.
+    for base in [tcp, udp] {
+        round_trips(&format!("{base}/m"), &format!("{base}/f"));
+        round_trips(&format!("{base}/f"), &format!("{base}/n"));
+        round_trips(&format!("{base}/n"), &format!("{base}/mt"));
+    }
+    // STATS counts the copies and their bytes.
+    let (ok, out, err) = cli(&["stats", &t.base, "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let copied = v["closed"]["bytes_copied"].as_u64().unwrap();
+    // Per round trip: 1 MiB + 8 KiB within, 3 MiB twice across, 80 MiB across; 6 round trips,
+    // two of which could not copy back from memthread (3 MiB less, and one error each).
+    assert_eq!(
+        copied,
+        6 * (MIB + 8192 + 6 * MIB + 80 * MIB) - 2 * 3 * MIB,
+        "{out}"
+    );
+    // COPY commands per round trip: within, across, back, and the 80 MiB split in two.
+    assert_eq!(v["closed"]["copies"].as_u64().unwrap(), 6 * 5, "{out}");
+    assert_eq!(v["closed"]["errors"].as_u64().unwrap(), 2, "{out}");
+}
+
+#[test]
+fn refused_copies_write_nothing_and_say_why() {
+    let t = Target::start(&[
+        "a=mem:16M",
+        "b=mem:8M",
+        "ro=mem:8M,ro",
+        "hidden=mem:8M,allow=10.0.0.0/8",
+    ]);
+    let mut s = session(&t.url("a"), 1);
+    let q = &mut s.queues[0];
+    let data = random_bytes((2 * MIB) as usize, 3);
+    q.write_at(&data, 0, false).unwrap();
+    let before = read(q, 0, 16 * MIB);
+    let cases: [(&str, Vec<CopyRange>, u64, u32, Status); 9] = [
+        // Overlapping source and destination within one export: refused (§13).
+        (
+            "",
+            vec![range(0, MIB)],
+            MIB / 2,
+            MIB as u32,
+            Status::Invalid,
+        ),
+        // A source range past the end, a destination past the end.
+        (
+            "",
+            vec![range(16 * MIB - 4096, 8192)],
+            0,
+            8192,
+            Status::OutOfRange,
+        ),
+        (
+            "",
+            vec![range(0, 8192)],
+            16 * MIB - 4096,
+            8192,
+            Status::OutOfRange,
+        ),
+        (
+            "",
+            vec![range(u64::MAX - 10, 4096)],
+            0,
+            4096,
+            Status::OutOfRange,
+        ),
+        // The request's length is not the sum of the ranges.
+        ("", vec![range(0, 4096)], 8 * MIB, 8192, Status::Invalid),
+        // Sources the host may not see: missing, and not allowed to it (as unknown).
+        (
+            "nope",
+            vec![range(0, 4096)],
+            8 * MIB,
+            4096,
+            Status::NoExport,
+        ),
+        (
+            "hidden",
+            vec![range(0, 4096)],
+            8 * MIB,
+            4096,
+            Status::NoExport,
+        ),
+        // Another export: a range past its end (b is 8 MiB).
+        (
+            "b",
+            vec![range(8 * MIB, 4096)],
+            8 * MIB,
+            4096,
+            Status::OutOfRange,
+        ),
+        // An empty descriptor.
+        ("", vec![], 8 * MIB, 0, Status::Invalid),
+    ];
+    for (i, (src, ranges, dst, len, want)) in cases.iter().enumerate() {
+        let (st, copied) = raw_copy(q, src, ranges, *dst, *len);
+        assert_eq!((st, copied), (*want, 0), "case {i}");
+    }
+    assert!(
+        read(q, 0, 16 * MIB) == before,
+        "a refused copy wrote something"
+    );
+    // More ranges than granted: refused before anything is read.
+    let many: Vec<CopyRange> = (0..q.copy_limits().max_ranges as u64 + 1)
+        .map(|i| range(i * 512, 512))
+        .collect();
+    let total = many.len() as u32 * 512;
+    assert_eq!(raw_copy(q, "", &many, 8 * MIB, total), (Status::Invalid, 0));
+    // A read-only export grants no COPY, and one sent anyway is refused.
+    let mut r = session(&t.url("ro"), 1);
+    let rq = &mut r.queues[0];
+    assert!(
+        !rq.copy_limits().enabled(),
+        "read-only exports grant no COPY"
+    );
+    let (st, _) = raw_copy(rq, "a", &[range(0, 4096)], 0, 4096);
+    assert_eq!(st, Status::Unsupported);
+    assert!(matches!(
+        rq.copy("a", &[range(0, 4096)], 0),
+        Err(Error::Usage(_))
+    ));
+    // The queue still serves after all of that.
+    assert!(read(q, 0, 2 * MIB) == data);
+}
+
+#[test]
+fn a_copy_that_fails_half_way_says_how_much_it_copied() {
+    let dir = TempDir::new("copy-fail");
+    let f = dir.path("f.img");
+    std::fs::write(&f, random_bytes((16 * MIB) as usize, 4)).unwrap();
+    let t = Target::start(&[&format!("f=file:{}", f.display())]);
+    let mut s = session(&t.url("f"), 1);
+    let q = &mut s.queues[0];
+    // The file shrinks under the target: reads past 12 MiB find its end.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .set_len(12 * MIB)
+        .unwrap();
+    let src = read(q, 8 * MIB, 4 * MIB);
+    match q.copy("", &[range(8 * MIB, 8 * MIB)], 0) {
+        Err(Error::Copy { status, copied }) => {
+            assert_eq!(status, Status::Io);
+            // Chunks of 1 MiB: the four before the end are copied, then the copy stops.
+            assert_eq!(copied, 4 * MIB);
+        }
+        other => panic!("expected a copy error, got {other:?}"),
+    }
+    assert!(
+        read(q, 0, 4 * MIB) == src,
+        "the prefix it reports holds the data"
+    );
+}
+
+#[test]
+fn copies_run_beside_reads_and_writes_on_other_queues() {
+    let t = Target::start(&["a=mem:64M", "b=mem:64M"]);
+    let mut s = session(&t.url("b"), 2);
+    let mut queues = std::mem::take(&mut s.queues);
+    let mut io = queues.pop().unwrap();
+    let mut cq = queues.pop().unwrap();
+    let mut src = session(&t.url("a"), 1);
+    let data = random_bytes((32 * MIB) as usize, 5);
+    src.queues[0].write_at(&data, 0, false).unwrap();
+    let copier = std::thread::spawn(move || {
+        for _ in 0..4 {
+            cq.copy("a", &[range(0, 32 * MIB)], 0).unwrap();
+            cq.copy("", &[range(0, 16 * MIB)], 32 * MIB).unwrap();
+        }
+        cq
+    });
+    // Meanwhile the other queue writes and reads the last 16 MiB, which no copy touches.
+    for i in 0..200u64 {
+        let block = random_bytes(65536, 100 + i);
+        let off = 48 * MIB + (i % 256) * 65536;
+        io.write_at(&block, off, false).unwrap();
+        assert!(read(&mut io, off, 65536) == block, "I/O {i}");
+    }
+    let mut cq = copier.join().unwrap();
+    assert!(read(&mut cq, 0, 32 * MIB) == data);
+    assert!(read(&mut cq, 32 * MIB, 16 * MIB) == data[..(16 * MIB) as usize]);
+}
+
+fn sha256(path: &std::path::Path) -> String {
+    let out = Command::new("sha256sum").arg(path).output().unwrap();
+    assert!(out.status.success());
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+#[test]
+fn cp_between_exports_of_one_target_copies_inside_it_and_no_offload_gives_the_same_bytes() {
+    let dir = TempDir::new("copy-cp");
+    let src = dir.path("src.bin");
+    std::fs::write(&src, random_bytes((40 * MIB + 4096) as usize, 6)).unwrap();
+    let t = Target::start(&[
+        "a=mem:64M",
+        "b=mem:64M",
+        "c=mem:64M",
+        "ro=mem:64M,ro",
+        "mt=memthread:64M",
+    ]);
+    let (ok, _, err) = cli(&["cp", src.to_str().unwrap(), &t.url("a")]);
+    assert!(ok, "{err}");
+    let stats = || -> serde_json::Value {
+        let (ok, out, err) = cli(&["stats", &t.base, "--json"]);
+        assert!(ok, "{err}");
+        serde_json::from_str(&out).unwrap()
+    };
+    let read_before = stats()["closed"]["bytes_read"].as_u64().unwrap();
+    let (ok, out, err) = cli(&["cp", &t.url("a"), &t.url("b")]);
+    assert!(ok && out.contains("inside the target"), "{out}{err}");
+    let after = stats();
+    // Nothing was read through the network for it: the target copied 64 MiB itself.
+    assert_eq!(after["closed"]["bytes_read"].as_u64().unwrap(), read_before);
+    assert_eq!(after["closed"]["bytes_copied"].as_u64().unwrap(), 64 * MIB);
+    let (ok, out, err) = cli(&["cp", "--no-offload", &t.url("a"), &t.url("c")]);
+    assert!(ok && !out.contains("inside the target"), "{out}{err}");
+    assert_eq!(
+        stats()["closed"]["bytes_copied"].as_u64().unwrap(),
+        64 * MIB,
+        "--no-offload copies through this host"
+    );
+    // From a source the target cannot read from inside a copy (its backend completes on its
+    // own threads), cp says so and copies through this host.
+    let (ok, out, err) = cli(&["cp", &t.url("c"), &t.url("mt")]);
+    assert!(ok && out.contains("inside the target"), "{out}{err}");
+    let (ok, out, err) = cli(&["cp", &t.url("mt"), &t.url("c")]);
+    assert!(
+        ok && err.contains("copying through this host"),
+        "{out}{err}"
+    );
+    let mut sums = Vec::new();
+    for e in ["b", "c"] {
+        let back = dir.path(&format!("{e}.bin"));
+        let (ok, _, err) = cli(&["cp", &t.url(e), back.to_str().unwrap()]);
+        assert!(ok, "{err}");
+        // The exports are larger than the file: compare the file's part.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&back)
+            .unwrap()
+            .set_len(40 * MIB + 4096)
+            .unwrap();
+        sums.push(sha256(&back));
+    }
+    assert_eq!(sums, vec![sha256(&src), sha256(&src)]);
+    // What a user can get wrong, one line each.
+    assert_one_line_error(&["cp", &t.url("a"), &t.url("a")], "same export");
+    assert_one_line_error(&["cp", &t.url("a"), &t.url("ro")], "read-only");
+    assert_one_line_error(&["cp", &t.url("a"), &t.url("nope")], "nope");
+}
+
+#[test]
+fn blkwire_copy_copies_ranges_and_refuses_bad_input_in_one_line() {
+    let t = Target::start(&["a=mem:16M", "b=mem:16M", "ro=mem:1M,ro"]);
+    let mut s = session(&t.url("a"), 1);
+    let data = random_bytes((4 * MIB) as usize, 7);
+    s.queues[0].write_at(&data, 0, false).unwrap();
+    let (ok, out, err) = cli(&["copy", &t.url("a"), "--src", "1M:64K,0:4K", "--dst", "8M"]);
+    assert!(ok && out.contains("inside the target"), "{out}{err}");
+    let mut want = data[MIB as usize..(MIB + 65536) as usize].to_vec();
+    want.extend_from_slice(&data[..4096]);
+    assert!(read(&mut s.queues[0], 8 * MIB, want.len() as u64) == want);
+    let (ok, _, err) = cli(&[
+        "copy",
+        &t.url("b"),
+        "--from",
+        "a",
+        "--src",
+        "0:4M",
+        "--dst",
+        "0",
+    ]);
+    assert!(ok, "{err}");
+    let mut b = session(&t.url("b"), 1);
+    assert!(read(&mut b.queues[0], 0, 4 * MIB) == data);
+    let a = t.url("a");
+    for (args, needle) in [
+        (vec!["--src", "0:1M", "--dst", "512K"], "overlaps"),
+        (vec!["--src", "0:1M", "--dst", "16M"], "beyond the end"),
+        (vec!["--src", "1M", "--dst", "0"], "OFFSET:LENGTH"),
+        (vec!["--src", "0:0", "--dst", "8M"], "1 byte to 4 GiB"),
+        (vec!["--src", "0:1M", "--dst", "x"], "--dst"),
+        (
+            vec!["--from", "nope", "--src", "0:1M", "--dst", "0"],
+            "no such export",
+        ),
+    ] {
+        let mut all = vec!["copy", a.as_str()];
+        all.extend(args);
+        assert_one_line_error(&all, needle);
+    }
+    assert_one_line_error(
+        &["copy", &t.url("ro"), "--src", "0:4K", "--dst", "8K"],
+        "read-only",
+    );
+}
+
+/// A loop-mounted XFS with reflinks, unmounted and removed on drop.
+struct Xfs {
+    dir: TempDir,
+}
+
+impl Xfs {
+    fn new() -> Xfs {
+        let dir = TempDir::new("copy-xfs");
+        let img = dir.path("xfs.img");
+        sparse_file(&img, 512 * MIB);
+        let mnt = dir.path("mnt");
+        std::fs::create_dir(&mnt).unwrap();
+        let (ok, _, err) = run(Command::new("mkfs.xfs")
+            .args(["-q", "-m", "reflink=1"])
+            .arg(&img));
+        assert!(
+            ok,
+            "mkfs.xfs failed (apt-get install xfsprogs; scripts/deps.sh does): {err}"
+        );
+        let (ok, _, err) = run(Command::new("mount")
+            .args(["-o", "loop"])
+            .arg(&img)
+            .arg(&mnt));
+        assert!(
+            ok,
+            "loop-mounting an XFS image needs root and loop devices: {err}"
+        );
+        Xfs { dir }
+    }
+
+    fn path(&self, name: &str) -> std::path::PathBuf {
+        self.dir.path("mnt").join(name)
+    }
+}
+
+impl Drop for Xfs {
+    fn drop(&mut self) {
+        let _ = run(Command::new("umount").arg(self.dir.path("mnt")));
+    }
+}
+
+/// Physical extents of a file as `filefrag -v` lists them: (logical block, physical block,
+/// length, shared).
+fn extents(path: &std::path::Path) -> Vec<(u64, u64, u64, bool)> {
+    let out = Command::new("filefrag")
+        .arg("-v")
+        .arg(path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "filefrag (e2fsprogs) is needed");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if f.len() < 5
+                || !f[0].ends_with(':')
+                || f[0].trim_end_matches(':').parse::<u32>().is_err()
+            {
+                return None;
+            }
+            let first = |s: &str| {
+                s.trim_end_matches(':')
+                    .split("..")
+                    .next()?
+                    .trim()
+                    .parse()
+                    .ok()
+            };
+            Some((
+                first(f[1])?,
+                first(f[3])?,
+                f[5].trim_end_matches(':').parse().ok()?,
+                l.contains("shared"),
+            ))
+        })
+        .collect()
+}
+
+#[test]
+fn on_a_reflink_filesystem_a_file_export_copies_by_sharing_extents() {
+    let xfs = Xfs::new();
+    let f = xfs.path("disk.img");
+    std::fs::write(&f, random_bytes((16 * MIB) as usize, 8)).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .set_len(64 * MIB)
+        .unwrap();
+    let t = Target::start(&[&format!("d=file:{}", f.display())]);
+    let mut s = session(&t.url("d"), 1);
+    let q = &mut s.queues[0];
+    q.copy("", &[range(0, 16 * MIB)], 32 * MIB).unwrap();
+    q.flush().unwrap();
+    assert!(read(q, 32 * MIB, 16 * MIB) == read(q, 0, 16 * MIB));
+    // The copy's blocks are the source's blocks, shared: nothing was written twice.
+    let ext = extents(&f);
+    let block_of = |logical: u64| {
+        ext.iter()
+            .find(|e| e.0 <= logical && logical < e.0 + e.2)
+            .unwrap_or_else(|| panic!("no extent at block {logical}: {ext:?}"))
+    };
+    let (src, dst) = (block_of(0), block_of(32 * MIB / 4096));
+    assert!(src.3 && dst.3, "extents shared: {ext:?}");
+    assert_eq!(src.1, dst.1, "the same physical blocks: {ext:?}");
+}
+
+/// Bytes a namespace's veth end has received and sent.
+fn link_bytes(ns: &str, dev: &str) -> u64 {
+    ["rx_bytes", "tx_bytes"]
+        .iter()
+        .map(|c| {
+            let (ok, out, _) = run(Command::new("ip").args([
+                "netns",
+                "exec",
+                ns,
+                "cat",
+                &format!("/sys/class/net/{dev}/statistics/{c}"),
+            ]));
+            assert!(ok);
+            out.trim().parse::<u64>().unwrap()
+        })
+        .sum()
+}
+
+#[test]
+fn a_one_gib_server_side_copy_moves_less_than_one_percent_of_it_over_the_link() {
+    let lab = NetLab::new(31, 1500);
+    let dir = TempDir::new("copy-wire");
+    let (src, dst) = (dir.path("src.img"), dir.path("dst.img"));
+    // 1 GiB of data (a 1 MiB pattern, so it is quick to write), and an empty destination.
+    {
+        use std::io::Write;
+        let mut w = std::io::BufWriter::new(std::fs::File::create(&src).unwrap());
+        let pattern = random_bytes(MIB as usize, 9);
+        for _ in 0..1024 {
+            w.write_all(&pattern).unwrap();
+        }
+    }
+    sparse_file(&dst, 1 << 30);
+    let t = Served::start(
+        Some(&lab.t),
+        &["tcp://10.99.31.1:7700"],
+        &[
+            &format!("src=file:{}", src.display()),
+            &format!("dst=file:{}", dst.display()),
+        ],
+    );
+    let base = t.url("tcp://");
+    let before = link_bytes(&lab.i, "vi");
+    let (ok, out, err) = lab.cli(&["cp", &format!("{base}/src"), &format!("{base}/dst")]);
+    assert!(ok && out.contains("inside the target"), "{out}{err}");
+    let moved = link_bytes(&lab.i, "vi") - before;
+    assert!(
+        moved < (1 << 30) / 100,
+        "{moved} bytes crossed the link for a 1 GiB server-side copy"
+    );
+    drop(t);
+    sh(&["cmp", src.to_str().unwrap(), dst.to_str().unwrap()]);
+}
