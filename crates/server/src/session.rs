@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use blkwire_auth::proof::{self, Direction, SessionSecret};
 use blkwire_auth::seal::{Opener, Sealer};
 use blkwire_auth::{Acl, Key, PeerAddr};
-use blkwire_backend::{Export, ExportSpec};
+use blkwire_backend::{Export, ExportSpec, ResizeError};
 use blkwire_wire::{
     datagram::SEAL_LEN, CopyDescriptor, CopyLimits, ExportEntry, Features, Hello, HelloReply, Join,
     Status, AUTH_LEN, QUERY_LIST, QUERY_STATS,
@@ -795,6 +795,32 @@ impl Registry {
             }
         }
         Ok(users)
+    }
+
+    /// Grows an export to `size` bytes (`export_resize`, see `Export::resize`) and records the
+    /// size in its spec for `save_config`; returns the size it had. Sessions keep the size they
+    /// were given (their queues check against it); new sessions get the new one.
+    pub fn resize_export(&self, name: &str, size: u64) -> Result<u64, ResizeError> {
+        let export = self
+            .lock()
+            .exports
+            .iter()
+            .find(|s| s.export.name == name)
+            .map(|s| s.export.clone())
+            .ok_or_else(|| ResizeError::Refused(no_such_export(name)))?;
+        // Outside the lock: growing a file may take a moment, and handshakes must not wait.
+        let old = export.resize(size)?;
+        let mut inner = self.lock();
+        if let Some(s) = inner
+            .exports
+            .iter_mut()
+            .find(|s| Arc::ptr_eq(&s.export, &export))
+        {
+            // The size now, not `size`: of two resizes at once, the one that gets here last
+            // records the larger (every resize is followed by its own update).
+            s.spec = s.spec.resized(export.size());
+        }
+        Ok(old)
     }
 
     /// Replaces an export's allow rules (`export_set_allow`; None admits everyone the target
