@@ -7,7 +7,7 @@ use std::alloc::{self, Layout};
 use std::fmt;
 use std::io;
 use std::os::fd::RawFd;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use blkwire_block::{BlockOp, BlockRequest};
 
@@ -60,6 +60,19 @@ impl ExportSpec {
         s
     }
 
+    /// The spec after its export grew to `size` bytes ([`Export::resize`]), so that a saved
+    /// config opens it at that size: backends whose argument is their size (`null:SIZE`) get the
+    /// new size; the others (a `file:` carries its size itself) are unchanged.
+    pub fn resized(&self, size: u64) -> ExportSpec {
+        let mut spec = self.clone();
+        if let Some((scheme, _)) = self.backend.split_once(':') {
+            if crate::registry::find(scheme).is_some_and(|k| k.arg_is_size) {
+                spec.backend = format!("{scheme}:{}", exact_size(size));
+            }
+        }
+        spec
+    }
+
     /// Parses `NAME=BACKEND[,ro][,allow=RULES]`.
     pub fn parse(s: &str) -> Result<ExportSpec, SpecError> {
         let (name, rest) = s
@@ -98,6 +111,36 @@ impl ExportSpec {
     }
 }
 
+/// `size` as `parse_size` reads it back exactly: `2G` when that is exact, else the bytes.
+fn exact_size(size: u64) -> String {
+    let short = crate::format_size(size);
+    if crate::parse_size(&short) == Ok(size) {
+        short
+    } else {
+        size.to_string()
+    }
+}
+
+/// Why an export was not resized ([`Export::resize`]); each a line that says what to do.
+#[derive(Debug, PartialEq, Eq)]
+pub enum ResizeError {
+    /// The size asked for can never be this export's (not a multiple of its logical block).
+    BadSize(String),
+    /// A valid size the export will not take: smaller than it is, or a backend that cannot
+    /// grow (or failed to).
+    Refused(String),
+}
+
+impl fmt::Display for ResizeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ResizeError::BadSize(m) | ResizeError::Refused(m) => f.write_str(m),
+        }
+    }
+}
+
+impl std::error::Error for ResizeError {}
+
 /// Why the generic layer refused a request before it reached the backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Refusal {
@@ -117,6 +160,8 @@ pub struct Export {
     pub read_only: bool,
     backend: Arc<dyn Backend>,
     capabilities: Capabilities,
+    /// One resize at a time, so that each checks against the size the one before it left.
+    resizing: Mutex<()>,
 }
 
 impl Export {
@@ -150,6 +195,7 @@ impl Export {
             read_only,
             capabilities: Capabilities::effective(backend.capabilities()),
             backend,
+            resizing: Mutex::new(()),
         }
     }
 
@@ -158,9 +204,43 @@ impl Export {
         &self.backend
     }
 
-    /// Size in bytes.
+    /// Size in bytes now: what a new session is given. It only grows ([`Export::resize`]).
     pub fn size(&self) -> u64 {
         self.backend.size()
+    }
+
+    /// Grows the export to `new_size` bytes (`export_resize`) and returns the size it had.
+    /// Grow only: a session keeps the size its handshake gave it and a queue checks against
+    /// that ([`Export::check_within`]), so storage must never end below a size given out. The
+    /// size must be a multiple of the logical block; the same size is a no-op. Control path
+    /// only: one resize at a time.
+    pub fn resize(&self, new_size: u64) -> Result<u64, ResizeError> {
+        let _one = self.resizing.lock().unwrap_or_else(|e| e.into_inner());
+        let old = self.size();
+        let name = &self.name;
+        let fmt = crate::format_size;
+        if new_size < old {
+            return Err(ResizeError::Refused(format!(
+                "cannot shrink export '{name}' from {} to {}: exports only grow: a session may \
+                 be using the end; remove and re-add the export to shrink",
+                fmt(old),
+                fmt(new_size)
+            )));
+        }
+        let (logical, _) = self.backend.block_sizes();
+        if !new_size.is_multiple_of(logical as u64) {
+            return Err(ResizeError::BadSize(format!(
+                "export '{name}': {new_size} bytes is not a multiple of its {logical}-byte \
+                 logical block"
+            )));
+        }
+        if new_size == old {
+            return Ok(old);
+        }
+        self.backend
+            .resize(new_size)
+            .map_err(|e| ResizeError::Refused(format!("export '{name}': {e}")))?;
+        Ok(old)
     }
 
     /// What the export serves, natively or emulated: what every frontend advertises.
@@ -168,14 +248,26 @@ impl Export {
         self.capabilities
     }
 
-    /// Checks a request against the export before any backend sees it: read-only policy and
-    /// bounds. `offset + len` may not overflow or pass the end.
+    /// Checks a request against the export as it is now before any backend sees it:
+    /// read-only policy and bounds. `offset + len` may not overflow or pass the end.
     pub fn check(&self, modifies: bool, offset: u64, len: u64) -> Result<(), Refusal> {
+        self.check_within(self.size(), modifies, offset, len)
+    }
+
+    /// As [`Export::check`] against `size`, the size a session was given (at most the
+    /// export's size, which only grows): the data path's check, which reads no shared state.
+    pub fn check_within(
+        &self,
+        size: u64,
+        modifies: bool,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), Refusal> {
         if modifies && self.read_only {
             return Err(Refusal::ReadOnly);
         }
         match offset.checked_add(len) {
-            Some(end) if end <= self.size() => Ok(()),
+            Some(end) if end <= size => Ok(()),
             _ => Err(Refusal::OutOfRange),
         }
     }
@@ -189,7 +281,8 @@ impl Export {
 
     /// Checks a COPY into this export of `sources` of `src` (this export or another one of the
     /// same target), as [`Export::check_copy`]; sources overlapping the destination matter only
-    /// when both are this export.
+    /// when both are this export. Both are checked against their sizes now: exports only grow,
+    /// so a range inside one stays inside.
     pub fn check_copy_from(
         &self,
         src: &Export,
@@ -1041,6 +1134,127 @@ mod tests {
         assert_eq!(e.check(false, 1, 1 << 20), Err(Refusal::OutOfRange));
         assert_eq!(e.check(false, u64::MAX, 2), Err(Refusal::OutOfRange));
         assert_eq!(e.check(true, 0, 512), Err(Refusal::ReadOnly));
+    }
+
+    /// `file:` grows (sparse, never cutting a file that is longer already), `null:` grows by
+    /// its number; shrinking, misaligned sizes and backends that cannot grow are refused in
+    /// one line, and a refusal changes nothing.
+    #[test]
+    fn exports_grow_and_refuse_what_they_cannot() {
+        let dir = std::env::temp_dir().join(format!("blkwire-resize-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("grow.img");
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let len = |p: &std::path::Path| std::fs::metadata(p).unwrap().len();
+        let spec = ExportSpec::parse(&format!("f=file:{}", path.display())).unwrap();
+        let e = Export::open(&spec).unwrap();
+        // A queue opened before the resize, with data at the old end.
+        let mut q = e.open_queue().unwrap();
+        let before = pattern(4096, 3);
+        q.write_blocking((1 << 20) - 4096, &before, false).unwrap();
+        assert_eq!(e.check(false, 1 << 20, 4096), Err(Refusal::OutOfRange));
+        assert_eq!(e.resize(2 << 20), Ok(1 << 20), "returns the old size");
+        assert_eq!((e.size(), len(&path)), (2 << 20, 2 << 20));
+        assert_eq!(e.check(false, 1 << 20, 4096), Ok(()));
+        assert_eq!(
+            e.check_within(1 << 20, false, 1 << 20, 4096),
+            Err(Refusal::OutOfRange),
+            "a session given the old size keeps it"
+        );
+        let after = pattern(8192, 4);
+        q.write_blocking((1 << 20) - 4096, &after, false).unwrap();
+        let mut back = vec![0u8; 8192];
+        q.read_blocking((1 << 20) - 4096, &mut back).unwrap();
+        assert!(
+            back == after,
+            "the new end is storage, through a queue opened before"
+        );
+        assert_eq!(spec.resized(2 << 20), spec, "a file carries its size");
+        // Refusals: nothing changes.
+        let refused = |r: Result<u64, ResizeError>, needle: &str| match r {
+            Err(ResizeError::Refused(m)) => assert!(m.contains(needle), "{m}"),
+            other => panic!("{other:?}: expected a refusal with '{needle}'"),
+        };
+        refused(e.resize(1 << 20), "exports only grow");
+        refused(e.resize(0), "remove and re-add the export to shrink");
+        match e.resize((2 << 20) + 100) {
+            Err(ResizeError::BadSize(m)) => {
+                assert!(
+                    m.contains("not a multiple of its 512-byte logical block"),
+                    "{m}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!((e.size(), len(&path)), (2 << 20, 2 << 20));
+        assert_eq!(e.resize(2 << 20), Ok(2 << 20), "the same size is a no-op");
+        // Grown outside blkwire past the size asked for: adopted, never cut short.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(8 << 20)
+            .unwrap();
+        assert_eq!(e.resize(4 << 20), Ok(2 << 20));
+        assert_eq!((e.size(), len(&path)), (4 << 20, 8 << 20));
+        // A read-only export's file is open read-only: it grows only once the file has.
+        let ro_path = dir.join("ro.img");
+        std::fs::File::create(&ro_path)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let ro =
+            Export::open(&ExportSpec::parse(&format!("r=file:{},ro", ro_path.display())).unwrap())
+                .unwrap();
+        refused(ro.resize(2 << 20), "grow the file first");
+        assert_eq!((ro.size(), len(&ro_path)), (1 << 20, 1 << 20));
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&ro_path)
+            .unwrap()
+            .set_len(2 << 20)
+            .unwrap();
+        assert_eq!(ro.resize(2 << 20), Ok(1 << 20));
+        assert_eq!(ro.size(), 2 << 20);
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        // null: just the number, and the spec names it (exactly) for a saved config.
+        let spec = ExportSpec::parse("n=null:1M,ro").unwrap();
+        let n = Export::open(&spec).unwrap();
+        assert_eq!(n.resize(3 << 30), Ok(1 << 20));
+        assert_eq!(
+            (n.size(), n.backend().describe()),
+            (3 << 30, "null:3G".into())
+        );
+        refused(n.resize(2 << 30), "exports only grow");
+        assert_eq!(spec.resized(3 << 30).options(), "null:3G,ro");
+        assert_eq!(
+            spec.resized((1 << 20) + 512).backend,
+            "null:1049088",
+            "1.0005M would not parse back"
+        );
+        let back = Export::open(&spec.resized(3 << 30)).unwrap();
+        assert_eq!(back.size(), 3 << 30);
+
+        // RAM is mapped at its size; other backends refuse by default.
+        for (s, needle) in [
+            (
+                "m=mem:1M",
+                "mem: is mapped at its size when the export is added: remove and re-add it",
+            ),
+            ("t=memthread:1M", "memthread: is mapped at its size"),
+        ] {
+            let m = Export::open(&ExportSpec::parse(s).unwrap()).unwrap();
+            refused(m.resize(2 << 20), needle);
+            assert_eq!(m.size(), 1 << 20);
+        }
+        let r = Export::new("r", Recorder::new(Capabilities::default(), false), false);
+        let size = r.size();
+        refused(r.resize(size * 2), "cannot be resized");
     }
 
     fn round_trip(spec: &str) {

@@ -12,6 +12,7 @@ use std::io;
 use std::os::fd::RawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
 
@@ -30,8 +31,13 @@ const BLKZEROOUT: libc::c_ulong = 0x127f;
 pub struct FileBackend {
     path: PathBuf,
     fd: libc::c_int,
-    size: u64,
+    /// Grows with `resize` (read on the control path and at handshakes only).
+    size: AtomicU64,
+    /// One resize at a time: the file's length and `size` change together.
+    resizing: Mutex<()>,
     block_device: bool,
+    /// Opened O_RDONLY (a read-only export): the file cannot be grown through it.
+    read_only: bool,
     direct: bool,
     logical: u32,
     physical: u32,
@@ -142,8 +148,10 @@ impl FileBackend {
         let mut b = FileBackend {
             path: path.to_owned(),
             fd,
-            size: 0,
+            size: AtomicU64::new(0),
+            resizing: Mutex::new(()),
             block_device: false,
+            read_only,
             direct,
             logical: 512,
             physical: 4096,
@@ -158,9 +166,9 @@ impl FileBackend {
         if unsafe { libc::fstat(fd, &mut st) } != 0 {
             return Err(io::Error::last_os_error());
         }
-        match st.st_mode & libc::S_IFMT {
+        let size = match st.st_mode & libc::S_IFMT {
             libc::S_IFREG => {
-                b.size = st.st_size as u64;
+                let size = st.st_size as u64;
                 if direct {
                     b.logical = 4096;
                 }
@@ -170,10 +178,11 @@ impl FileBackend {
                     libc::fallocate(
                         fd,
                         libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                        b.size as libc::off_t,
+                        size as libc::off_t,
                         4096,
                     )
                 } == 0;
+                size
             }
             libc::S_IFBLK => {
                 b.block_device = true;
@@ -188,10 +197,10 @@ impl FileBackend {
                     libc::ioctl(fd, BLKSSZGET, &mut lbs);
                     libc::ioctl(fd, BLKPBSZGET, &mut pbs);
                 }
-                b.size = sz;
                 b.logical = (lbs as u32).max(512);
                 b.physical = pbs.max(b.logical);
                 b.rotational = rotational(st.st_rdev);
+                sz
             }
             _ => {
                 return Err(io::Error::new(
@@ -199,8 +208,9 @@ impl FileBackend {
                     format!("{}: not a regular file or block device", path.display()),
                 ))
             }
-        }
-        if b.size == 0 {
+        };
+        *b.size.get_mut() = size;
+        if size == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!(
@@ -475,10 +485,59 @@ impl Backend for FileBackend {
         format!("file:{}{d}", self.path.display())
     }
     fn size(&self) -> u64 {
-        self.size
+        self.size.load(Ordering::Acquire)
     }
     fn block_sizes(&self) -> (u32, u32) {
         (self.logical, self.physical)
+    }
+    /// A regular file grows to `new_size` with `ftruncate` (sparse: no data is written), unless
+    /// it is that long already (grown outside blkwire): a file is never cut short here. Then
+    /// `size()` reports the new size. A block device's size is the device's.
+    fn resize(&self, new_size: u64) -> io::Result<()> {
+        let path = self.path.display();
+        if self.block_device {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!("{path} is a block device: a block device's size is the device's; resize the device"),
+            ));
+        }
+        let _one = self.resizing.lock().unwrap_or_else(|e| e.into_inner());
+        if new_size < self.size() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{path}: an export's file only grows"),
+            ));
+        }
+        let len = i64::try_from(new_size)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "size too large"))?;
+        // SAFETY: an all-zero stat is a valid value (plain integers).
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat on our fd into a stat we own.
+        if unsafe { libc::fstat(self.fd, &mut st) } != 0 {
+            let e = io::Error::last_os_error();
+            return Err(io::Error::new(e.kind(), format!("{path}: {e}")));
+        }
+        if st.st_size < len {
+            if self.read_only {
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!(
+                        "{path} is open read-only (a read-only export): grow the file first \
+                         (truncate -s {new_size} {path}), then resize the export"
+                    ),
+                ));
+            }
+            // SAFETY: ftruncate on our own descriptor; no memory is involved.
+            if unsafe { libc::ftruncate(self.fd, len) } != 0 {
+                let e = io::Error::last_os_error();
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("{path}: cannot grow to {new_size} bytes: {e}"),
+                ));
+            }
+        }
+        self.size.store(new_size, Ordering::Release);
+        Ok(())
     }
     fn capabilities(&self) -> Capabilities {
         Capabilities {

@@ -28,8 +28,8 @@ use std::sync::Arc;
 
 pub use blkwire_block::{BlockOp, BlockRequest, Capabilities, CopyRange, IoFlags, Limits, Support};
 pub use export::{
-    push_extent, AlignedBuf, Export, ExportQueue, ExportSpec, Progress, Refusal, SpecError,
-    COPY_CHUNK,
+    push_extent, AlignedBuf, Export, ExportQueue, ExportSpec, Progress, Refusal, ResizeError,
+    SpecError, COPY_CHUNK,
 };
 pub use file::FileBackend;
 pub use mem::MemBackend;
@@ -149,7 +149,9 @@ pub enum Started {
 pub trait Backend: Send + Sync {
     /// `file:/path`, `mem:4G` and so on: how the user named it.
     fn describe(&self) -> String;
-    /// Size in bytes.
+    /// Size in bytes. It may grow while the backend is served ([`Backend::resize`]), never
+    /// shrink; the data path does not read it per request (a queue checks against the size its
+    /// session was given, see [`Export::check_within`]).
     fn size(&self) -> u64;
     /// (logical, physical) block sizes in bytes, powers of two >= 512.
     fn block_sizes(&self) -> (u32, u32);
@@ -163,6 +165,22 @@ pub trait Backend: Send + Sync {
     /// Buffers handed to this backend must be aligned to this (O_DIRECT), 1 otherwise.
     fn buffer_alignment(&self) -> usize {
         1
+    }
+    /// Grows the backend to `new_size` bytes (`export_resize`; the caller, [`Export::resize`],
+    /// has checked that it is more than [`Backend::size`] and a multiple of the logical block).
+    /// The storage grows first, then `size()` reports the new size, so whoever reads the new
+    /// size finds every byte below it backed. Never shrinks: sessions keep the size their
+    /// handshake gave them. The default refuses with an `Unsupported` error whose message is
+    /// one line saying why and what to do instead.
+    fn resize(&self, new_size: u64) -> io::Result<()> {
+        let _ = new_size;
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!(
+                "{} cannot be resized: remove and re-add the export at the new size",
+                self.describe()
+            ),
+        ))
     }
     /// Appends the allocation map of `offset..offset+len` (already range-checked) to `out`,
     /// coalesced, at most [`MAX_EXTENTS`] entries. The default says: all data.

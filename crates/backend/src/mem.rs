@@ -30,6 +30,15 @@ unsafe impl Send for MemBackend {}
 // SAFETY: as above: shared use only copies bounds-checked ranges through the raw pointer.
 unsafe impl Sync for MemBackend {}
 
+/// Why a RAM export cannot grow: queues copy in and out of one mapping of the export's size,
+/// made when it was added, and moving it under them is not worth the risk.
+pub(crate) fn mapped_at_its_size(kind: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        format!("{kind} is mapped at its size when the export is added: remove and re-add it"),
+    )
+}
+
 fn errno() -> i32 {
     io::Error::last_os_error()
         .raw_os_error()
@@ -207,6 +216,9 @@ impl Backend for MemBackend {
     }
     fn block_sizes(&self) -> (u32, u32) {
         (512, 4096)
+    }
+    fn resize(&self, _new_size: u64) -> io::Result<()> {
+        Err(mapped_at_its_size("mem:"))
     }
     fn capabilities(&self) -> Capabilities {
         // Volatile by design: no flush, no FUA (PROTOCOL.md §10).

@@ -48,6 +48,9 @@ impl Backend for MemThreadBackend {
     fn size(&self) -> u64 {
         self.mem.size()
     }
+    fn resize(&self, _new_size: u64) -> io::Result<()> {
+        Err(crate::mem::mapped_at_its_size("memthread:"))
+    }
     fn block_sizes(&self) -> (u32, u32) {
         self.mem.block_sizes()
     }

@@ -1,13 +1,15 @@
 //! `null:SIZE`: reads return zeros, writes are discarded. Measures the protocol, not the storage.
 
 use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::{Backend, Capabilities, Op, QueueIo, Started, Submitter, Support};
 
 /// A backend without storage: reads return zeros, writes vanish.
 pub struct NullBackend {
-    size: u64,
+    /// Grows with `resize` (read on the control path and at handshakes only).
+    size: AtomicU64,
 }
 
 impl NullBackend {
@@ -19,16 +21,32 @@ impl NullBackend {
                 format!("null size {size} must be a non-zero multiple of 512"),
             ));
         }
-        Ok(NullBackend { size })
+        Ok(NullBackend {
+            size: AtomicU64::new(size),
+        })
     }
 }
 
 impl Backend for NullBackend {
     fn describe(&self) -> String {
-        format!("null:{}", crate::format_size(self.size))
+        format!("null:{}", crate::format_size(self.size()))
     }
     fn size(&self) -> u64 {
+        self.size.load(Ordering::Acquire)
+    }
+    /// Just the number: there is no storage to grow.
+    fn resize(&self, new_size: u64) -> io::Result<()> {
         self.size
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |old| {
+                (new_size >= old).then_some(new_size)
+            })
+            .map(drop)
+            .map_err(|old| {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("null: is {old} bytes and only grows"),
+                )
+            })
     }
     fn block_sizes(&self) -> (u32, u32) {
         (512, 4096)

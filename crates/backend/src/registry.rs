@@ -17,6 +17,9 @@ pub struct BackendKind {
     pub usage: &'static str,
     /// One line on what it is.
     pub about: &'static str,
+    /// The argument is the backend's size (`mem:SIZE`): a resized export's spec names the new
+    /// size ([`crate::ExportSpec::resized`]).
+    pub arg_is_size: bool,
     /// Opens one: the argument after the ':' and whether the export is read-only. Errors are one
     /// line and say what to fix.
     pub open: Opener,
@@ -28,6 +31,7 @@ pub static KINDS: &[BackendKind] = &[
         scheme: "mem",
         usage: "mem:SIZE",
         about: "sparse RAM: pages exist only where written",
+        arg_is_size: true,
         open: |arg, _| {
             Ok(Arc::new(
                 MemBackend::new(size(arg)?).map_err(|e| e.to_string())?,
@@ -38,6 +42,7 @@ pub static KINDS: &[BackendKind] = &[
         scheme: "null",
         usage: "null:SIZE",
         about: "reads zeros, discards writes",
+        arg_is_size: true,
         open: |arg, _| {
             Ok(Arc::new(
                 NullBackend::new(size(arg)?).map_err(|e| e.to_string())?,
@@ -48,6 +53,7 @@ pub static KINDS: &[BackendKind] = &[
         scheme: "file",
         usage: "file:PATH[?direct=1]",
         about: "a regular file or block device through io_uring (direct=1: O_DIRECT)",
+        arg_is_size: false,
         open: open_file,
     },
     BackendKind {
@@ -55,6 +61,7 @@ pub static KINDS: &[BackendKind] = &[
         usage: "memthread:SIZE",
         about: "RAM whose I/O completes on a helper thread (exercises the asynchronous \
                 completion path, as librbd uses it)",
+        arg_is_size: true,
         open: |arg, _| {
             Ok(Arc::new(
                 MemThreadBackend::new(size(arg)?).map_err(|e| e.to_string())?,

@@ -34,6 +34,23 @@ pub enum ExportCmd {
         #[command(flatten)]
         socket: Socket,
     },
+    /// Grow an export (file: and null: exports), e.g. `export resize disk0 2T`
+    ///
+    /// Exports only grow: shrinking could cut off an end a connected session is using. A
+    /// session keeps the size it was given when it connected (its I/O past that is refused);
+    /// new sessions see the new size. A file: export's file is extended (sparse) unless it is
+    /// that long already; a block device's size is the device's (resize the device); mem:
+    /// exports are mapped at their size (remove and re-add them). To shrink, remove and re-add
+    /// the export.
+    Resize {
+        /// The export to grow
+        name: String,
+        /// The new size: bytes or with a unit (512, 4k, 1M, 1G, 2T), a multiple of the export's
+        /// logical block size
+        size: String,
+        #[command(flatten)]
+        socket: Socket,
+    },
     /// List the exports with their size, spec and open sessions
     Ls {
         /// Print the target's JSON result unchanged
@@ -146,6 +163,18 @@ pub fn run_export(cmd: ExportCmd) -> Result<(), String> {
         } => {
             let r = socket.call("export_remove", Some(json!({"name": name, "force": force})))?;
             println!("removed export {name}{}", closed_sessions(&r));
+        }
+        ExportCmd::Resize {
+            name,
+            size: s,
+            socket,
+        } => {
+            let entry = socket.call("export_resize", Some(json!({"name": name, "size": s})))?;
+            println!(
+                "resized export {name} to {} (was {})",
+                size(&entry["size"]),
+                size(&entry["previous_size"])
+            );
         }
         ExportCmd::Ls { json, socket } => {
             let list = socket.call("export_list", None)?;

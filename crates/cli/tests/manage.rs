@@ -4,13 +4,19 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::os::unix::fs::PermissionsExt;
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use common::{cli, TempDir, BIN};
+use blkwire_client::{connect, ConnectOptions, Url};
+use blkwire_wire::nbd::{cmd, err};
+use blkwire_wire::{Header, HelloReply, Opcode, Status, Tag};
+use common::native_raw::{hello, read_frame};
+use common::nbd_raw::Raw;
+use common::{cli, random_bytes, sparse_file, TempDir, BIN};
 use serde_json::{json, Value};
 
 /// A target with a control socket in its own directory.
@@ -255,6 +261,7 @@ fn every_method_takes_good_parameters_and_refuses_bad_ones_in_one_line() {
         "export_remove",
         "export_list",
         "export_set_allow",
+        "export_resize",
         "listener_add",
         "listener_remove",
         "listener_list",
@@ -716,4 +723,298 @@ fn configs_that_cannot_be_served_fail_at_start_in_one_line_and_leave_nothing_beh
     assert!(e.contains("target_options must be the first call"), "{e}");
     let e = run(r#"[{"method":"target_options","params":{"max_io":1}}]"#);
     assert!(e.contains("max_io must be"), "{e}");
+}
+
+/// A native READ of `len` bytes at `offset` on a raw queue connection (`queue` of `session`):
+/// its status, and its data when OK.
+fn raw_read(
+    s: &mut TcpStream,
+    (session, queue): (u32, u16),
+    offset: u64,
+    len: u32,
+) -> (Status, Vec<u8>) {
+    let mut h = Header::request(Opcode::Read, Tag::new(0, 1), offset, len);
+    h.session = session;
+    h.queue = queue;
+    s.write_all(&h.to_bytes()).unwrap();
+    let (r, p) = read_frame(s).expect("a reply to the READ");
+    (r.status, p)
+}
+
+/// Issue 14's "resize where the backend allows": a file: export grows while a bench writes to
+/// it and other sessions are open. Nothing open is disturbed and each keeps the size it was
+/// given (even a queue that joins its session after the resize); new sessions, whatever their
+/// protocol, see the new size; the file has it on disk; data written before reads back.
+#[test]
+fn a_file_export_grows_under_running_io_and_only_new_sessions_see_the_new_size() {
+    const OLD: u64 = 32 << 20;
+    const NEW: u64 = 64 << 20;
+    const MIB: u64 = 1 << 20;
+    let dir = TempDir::new("manage-resize");
+    let img = dir.path("disk.img");
+    sparse_file(&img, OLD);
+    let spec = format!("d=file:{}", img.display());
+    let t = Managed::start(
+        &dir,
+        &[
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--listen",
+            "nbd://127.0.0.1:0",
+            "--export",
+            &spec,
+        ],
+    );
+    let url = format!("{}/d", t.urls[0]);
+    let native_addr = t.urls[0].trim_start_matches("tcp://").to_string();
+    let nbd_addr = t.urls[1].trim_start_matches("nbd://").to_string();
+    // Before the resize: data at the old end, from a session that stays open ...
+    let opts = ConnectOptions {
+        queues: 1,
+        depth: 4,
+        max_io: 1 << 20,
+        ..Default::default()
+    };
+    let mut early = connect(&Url::parse(&url).unwrap(), &opts).unwrap();
+    assert_eq!(early.info.size, OLD);
+    let a = random_bytes(MIB as usize, 1);
+    early.queues[0].write_at(&a, OLD - MIB, false).unwrap();
+    // ... a raw native session of 2 queues whose queue 1 joins only after the resize ...
+    let mut q0 = TcpStream::connect(&native_addr).unwrap();
+    q0.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let (r, p) = hello(&mut q0, "d");
+    assert_eq!(r.status, Status::Ok);
+    let granted = HelloReply::decode(&p).unwrap();
+    assert_eq!((granted.size, granted.queues), (OLD, 2));
+    // ... an NBD session, and a bench on the first 16 MiB (clear of the data above).
+    let (mut nbd_early, nbd_size, _) = Raw::go(&nbd_addr, "d", false, false);
+    assert_eq!(nbd_size, OLD);
+    let bench = Bench::start(
+        &url,
+        "4",
+        &["--rw", "randrw", "--iodepth", "8", "--size", "16M"],
+    );
+    wait_for_sessions(&t, 4);
+
+    let out = t.ok(&["export", "resize", "d", "64M"]);
+    assert_eq!(out, "resized export d to 64M (was 32M)\n");
+    assert_eq!(std::fs::metadata(&img).unwrap().len(), NEW, "the file grew");
+
+    // New sessions see the new size: native HELLO, the LIST query, NBD GO.
+    let (ok, out, err) = cli(&["info", &url, "--json"]);
+    assert!(ok, "{err}");
+    let info: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(info["size"], NEW, "{info}");
+    let (ok, out, err) = cli(&["info", &t.urls[0], "--json"]);
+    assert!(ok, "{err}");
+    let list: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(list["exports"][0]["size"], NEW, "{list}");
+    let (mut nbd_late, nbd_size, _) = Raw::go(&nbd_addr, "d", false, false);
+    assert_eq!(nbd_size, NEW);
+    nbd_late.request(cmd::READ, 0, 1, NEW - 4096, 4096);
+    assert_eq!(
+        nbd_late.read_simple(4096).0,
+        0,
+        "a new NBD session reaches the new end"
+    );
+
+    // Sessions opened before keep the old size, on every queue.
+    let mut q1 = raw_join(&native_addr, &granted, 1).expect("queue 1 joins after the resize");
+    for (q, s) in [(0u16, &mut q0), (1, &mut q1)] {
+        let (st, data) = raw_read(s, (granted.session, q), OLD - 512, 512);
+        assert_eq!(st, Status::Ok, "queue {q}");
+        assert!(
+            data == a[a.len() - 512..],
+            "queue {q} reads what was written"
+        );
+        let (st, _) = raw_read(s, (granted.session, q), OLD, 512);
+        assert_eq!(st, Status::OutOfRange, "queue {q} keeps its session's size");
+    }
+    nbd_early.request(cmd::READ, 0, 2, OLD, 512);
+    assert_eq!(
+        nbd_early.read_simple(512).0,
+        err::EINVAL,
+        "NBD keeps its size"
+    );
+    let mut back = vec![0u8; MIB as usize];
+    early.queues[0].read_at(&mut back, OLD - MIB).unwrap();
+    assert!(back == a, "the data written before the resize reads back");
+    assert!(
+        early.queues[0].write_at(&a[..4096], OLD, false).is_err(),
+        "an open session's I/O past its size is refused"
+    );
+    // So is a COPY (PROTOCOL.md §13) landing or reading past it.
+    let r = |offset, len| blkwire_client::CopyRange { offset, len };
+    for (src, dst) in [(r(0, 4096), OLD), (r(OLD, 4096), 0)] {
+        assert!(
+            matches!(
+                early.queues[0].copy("", &[src], dst),
+                Err(blkwire_client::Error::Copy {
+                    status: Status::OutOfRange,
+                    copied: 0
+                })
+            ),
+            "{src:?} to {dst}"
+        );
+    }
+
+    // A new session writes across the old end; the file has it all.
+    let mut late = connect(&Url::parse(&url).unwrap(), &opts).unwrap();
+    assert_eq!(late.info.size, NEW);
+    let b = random_bytes(MIB as usize, 2);
+    late.queues[0].write_at(&b, OLD - MIB / 2, false).unwrap();
+    late.queues[0].flush().unwrap();
+    late.queues[0].read_at(&mut back, OLD - MIB).unwrap();
+    assert!(back[..MIB as usize / 2] == a[..MIB as usize / 2]);
+    assert!(back[MIB as usize / 2..] == b[..MIB as usize / 2]);
+    let file = std::fs::File::open(&img).unwrap();
+    let mut on_disk = vec![0u8; MIB as usize / 2];
+    file.read_exact_at(&mut on_disk, OLD).unwrap();
+    assert!(
+        on_disk == b[MIB as usize / 2..],
+        "past the old end, in the file"
+    );
+
+    let (ok, json, err) = bench.finish();
+    assert!(ok, "bench failed: {err}");
+    let json = json.expect("bench --json summary");
+    assert_eq!(
+        json["errors"], 0,
+        "the running I/O went on undisturbed: {json}"
+    );
+    assert!(json["ops"].as_u64().unwrap() > 100, "{json}");
+}
+
+/// A raw native JOIN of `queue` to the session `granted` describes: its connection, once OK.
+fn raw_join(addr: &str, granted: &HelloReply, queue: u16) -> Option<TcpStream> {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let j = blkwire_wire::Join {
+        cookie: granted.cookie,
+        proof: [0; 32],
+        nonce_s: [0; 32],
+    }
+    .encode();
+    let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
+    h.session = granted.session;
+    h.queue = queue;
+    h.payload_len = j.len() as u32;
+    s.write_all(&h.to_bytes()).unwrap();
+    s.write_all(&j).unwrap();
+    (read_frame(&mut s)?.0.status == Status::Ok).then_some(s)
+}
+
+#[test]
+fn resizing_refuses_shrinks_ram_and_bad_sizes_in_one_line_and_changes_nothing() {
+    let dir = TempDir::new("manage-resize-refused");
+    let img = dir.path("f.img");
+    sparse_file(&img, 8 << 20);
+    let f = format!("f=file:{}", img.display());
+    let t = Managed::start(
+        &dir,
+        &[
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--export",
+            &f,
+            "--export",
+            "m=mem:4M",
+            "--export",
+            "t=memthread:4M",
+            "--export",
+            "n=null:1M",
+        ],
+    );
+    let before = t.rpc("export_list", json!({}));
+    let bad: &[(Value, &str)] = &[
+        (
+            json!({"name": "f", "size": "4M"}),
+            "cannot shrink export 'f' from 8M to 4M: exports only grow: a session may be using the end; remove and re-add the export to shrink",
+        ),
+        (
+            json!({"name": "m", "size": "8M"}),
+            "export 'm': mem: is mapped at its size when the export is added: remove and re-add it",
+        ),
+        (json!({"name": "t", "size": "8M"}), "memthread: is mapped at its size"),
+        (json!({"name": "nope", "size": "8M"}), "no export named 'nope'"),
+        (json!({"name": "f", "size": "2X"}), "bad size '2X'"),
+        (
+            json!({"name": "f", "size": (16 << 20) + 100}),
+            "not a multiple of its 512-byte logical block",
+        ),
+        (json!({"name": "f", "size": -1}), "size -1 is not a whole number of bytes"),
+        (json!({"name": "f", "size": 1.5}), "not a whole number of bytes"),
+        (json!({"name": "f", "size": true}), "size must be a number of bytes or a size"),
+        (json!({"name": "f"}), "missing field `size`"),
+        (json!({"name": "f", "size": "16M", "force": true}), "unknown field `force`"),
+        (json!({"name": "n", "size": "99999999999T"}), "too large"),
+    ];
+    for (params, needle) in bad {
+        t.rpc_refused("export_resize", params.clone(), needle);
+    }
+    assert_eq!(
+        t.rpc("export_list", json!({})),
+        before,
+        "refused calls changed nothing"
+    );
+    assert_eq!(std::fs::metadata(&img).unwrap().len(), 8 << 20);
+    // The CLI: one line and a failed exit; --help says why exports only grow.
+    for (args, needle) in [
+        (["export", "resize", "m", "8M"], "remove and re-add it"),
+        (["export", "resize", "f", "1M"], "exports only grow"),
+    ] {
+        let (ok, out, err) = t.cli(&args);
+        assert!(!ok && out.is_empty(), "{args:?}: {out}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(
+            err.starts_with("blkwire: error:") && err.contains(needle),
+            "{err}"
+        );
+    }
+    let (ok, help, _) = cli(&["export", "resize", "--help"]);
+    assert!(ok && help.contains("Exports only grow"), "{help}");
+    // What it takes: bytes or a size string; the same size again is a no-op.
+    let e = t.rpc("export_resize", json!({"name": "n", "size": 2u64 << 30}));
+    assert_eq!(
+        (&e["size"], &e["previous_size"], &e["spec"]),
+        (&json!(2u64 << 30), &json!(1 << 20), &json!("null:2G")),
+        "{e}"
+    );
+    assert_eq!(
+        t.ok(&["export", "resize", "n", "2G"]),
+        "resized export n to 2G (was 2G)\n"
+    );
+    let (ok, out, err) = cli(&["info", &format!("{}/n", t.urls[0]), "--json"]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&out).unwrap()["size"],
+        2u64 << 30
+    );
+}
+
+#[test]
+fn a_resized_export_comes_back_at_its_new_size_from_the_saved_config() {
+    let dir = TempDir::new("manage-resize-config");
+    let img = dir.path("f.img");
+    sparse_file(&img, 8 << 20);
+    let empty = dir.path("empty.json");
+    std::fs::write(&empty, "[]").unwrap();
+    let t = Managed::start(&dir, &["--config", empty.to_str().unwrap()]);
+    t.ok(&["export", "add", "f", &format!("file:{}", img.display())]);
+    t.ok(&["export", "add", "n", "null:1M,ro"]);
+    t.ok(&["export", "resize", "f", "24M"]);
+    t.rpc("export_resize", json!({"name": "n", "size": 3u64 << 30}));
+    let exports = t.ok(&["export", "ls", "--json"]);
+    let list: Value = serde_json::from_str(&exports).unwrap();
+    assert_eq!(
+        (&list[0]["size"], &list[1]["size"], &list[1]["spec"]),
+        (&json!(24 << 20), &json!(3u64 << 30), &json!("null:3G,ro")),
+        "{list}"
+    );
+    let saved = dir.path("saved.json");
+    t.ok(&["save-config", saved.to_str().unwrap()]);
+    t.stop();
+    let back = Managed::start(&dir, &["--config", saved.to_str().unwrap()]);
+    assert_eq!(back.ok(&["export", "ls", "--json"]), exports);
+    assert_eq!(std::fs::metadata(&img).unwrap().len(), 24 << 20);
 }

@@ -14,7 +14,7 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use blkwire_backend::ExportSpec;
+use blkwire_backend::{format_size, parse_size, ExportSpec, ResizeError};
 
 use crate::session::Limits;
 use crate::tls::{TlsMode, TlsSettings};
@@ -262,6 +262,11 @@ const METHODS: &[Method] = &[
         run: export_remove,
     },
     Method {
+        name: "export_resize",
+        about: "{name, size}: grow an export (bytes or \"2G\"; file: and null: only); open sessions keep their size, new ones get the new size",
+        run: export_resize,
+    },
+    Method {
         name: "export_set_allow",
         about: "{name, allow}: replace an export's allow rules (null: no rules); sessions no longer allowed are closed",
         run: export_set_allow,
@@ -469,6 +474,56 @@ fn export_remove(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
         }
     );
     Ok(json!({ "name": p.name, "closed_sessions": closed.len() }))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExportResizeParam {
+    name: String,
+    /// Bytes (a number) or a size as on the command line (a string: "2G").
+    size: Value,
+}
+
+fn export_resize(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    let p: ExportResizeParam = params(
+        "export_resize",
+        p,
+        "{\"name\": \"disk0\", \"size\": \"2G\"} (size in bytes, or as on the command line)",
+    )?;
+    let size = match &p.size {
+        Value::Number(n) => n.as_u64().ok_or_else(|| {
+            RpcError::params(format!(
+                "export_resize: size {n} is not a whole number of bytes"
+            ))
+        })?,
+        Value::String(s) => {
+            parse_size(s).map_err(|e| RpcError::params(format!("export_resize: {e}")))?
+        }
+        other => {
+            return Err(RpcError::params(format!(
+            "export_resize: size must be a number of bytes or a size such as \"2G\", not {other}"
+        )))
+        }
+    };
+    let old = sh
+        .registry
+        .resize_export(&p.name, size)
+        .map_err(|e| match e {
+            ResizeError::BadSize(m) => RpcError::params(m),
+            ResizeError::Refused(m) => RpcError::refused(m),
+        })?;
+    if old != size {
+        crate::log!(
+            sh.change_level(),
+            "export '{}' resized from {} to {}",
+            p.name,
+            format_size(old),
+            format_size(size)
+        );
+    }
+    let mut e = export_entry(sh, &p.name);
+    e["previous_size"] = old.into();
+    Ok(e)
 }
 
 #[derive(Deserialize)]

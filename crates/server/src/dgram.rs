@@ -796,9 +796,9 @@ impl DgramPort {
         let Some(exec) = Executor::for_queue(
             &self.registry,
             &adm.export,
-            adm.session,
-            adm.queue,
+            (adm.session, adm.queue),
             adm.max_io,
+            adm.size,
         ) else {
             return;
         };

@@ -47,6 +47,10 @@ pub struct Executor {
     /// Where a COPY from another export finds it, as the session's host may open it (None:
     /// COPY only within this export).
     sources: Option<(Arc<Registry>, u32)>,
+    /// The export's size the queue's session was given: its bound for the queue's life (an
+    /// export only grows, so this never passes the end of the storage), kept here so that a
+    /// request's checks read no shared state.
+    size: u64,
     /// The queue's counters; transports add their own (frames, duplicates) here too.
     pub stats: QueueStats,
 }
@@ -62,13 +66,19 @@ pub struct Copied {
 }
 
 impl Executor {
-    /// Opens a queue on `export` that accepts READ/WRITE of at most `max_io` bytes.
-    pub fn open(export: Arc<Export>, max_io: u32) -> std::io::Result<Executor> {
+    /// Opens a queue on `export` that accepts READ/WRITE of at most `max_io` bytes inside the
+    /// first `size` bytes (the size its session was given, at most the export's size now).
+    pub fn open(export: Arc<Export>, max_io: u32, size: u64) -> std::io::Result<Executor> {
+        debug_assert!(
+            size <= export.size(),
+            "a session is never given more than there is"
+        );
         Ok(Executor {
             io: export.open_queue()?,
             export,
             max_io,
             sources: None,
+            size,
             stats: QueueStats::default(),
         })
     }
@@ -78,11 +88,11 @@ impl Executor {
     pub fn for_queue(
         registry: &Arc<Registry>,
         export: &Arc<Export>,
-        session: u32,
-        queue: u16,
+        (session, queue): (u32, u16),
         max_io: u32,
+        size: u64,
     ) -> Option<Executor> {
-        match Executor::open(export.clone(), max_io) {
+        match Executor::open(export.clone(), max_io, size) {
             Ok(mut x) => {
                 x.sources = Some((registry.clone(), session));
                 Some(x)
@@ -120,15 +130,17 @@ impl Executor {
         self.io.notifier()
     }
 
-    /// Checks that `offset..offset+len` lies inside the export (queries: CACHE, BLOCK_STATUS).
+    /// Checks that `offset..offset+len` lies inside the session's size of the export
+    /// (queries: CACHE, BLOCK_STATUS).
     pub fn check_range(&self, offset: u64, len: u32) -> Result<(), Status> {
         self.export
-            .check(false, offset, len as u64)
+            .check_within(self.size, false, offset, len as u64)
             .map_err(refusal_status)
     }
 
     /// Every check a request passes before it may start (PROTOCOL.md §3, §5): data length
-    /// within max I/O, range inside the export, read-only policy, O_DIRECT alignment, and
+    /// within max I/O, range inside the session's size of the export, read-only policy,
+    /// O_DIRECT alignment, and
     /// NBD's FAST_ZERO (refused unless zeroing is a cheap metadata operation).
     pub fn admit(&self, req: &BlockRequest) -> Result<(), Status> {
         let len = req.len;
@@ -136,7 +148,7 @@ impl Executor {
             return Err(Status::Invalid);
         }
         self.export
-            .check(req.op.modifies(), req.offset, len as u64)
+            .check_within(self.size, req.op.modifies(), req.offset, len as u64)
             .map_err(refusal_status)?;
         let align = self.export.alignment();
         if req.op.moves_data()
@@ -224,6 +236,14 @@ impl Executor {
             Ok(n) if n == total as u64 => {}
             Ok(_) => return refused(Status::Invalid),
             Err(r) => return refused(refusal_status(r)),
+        }
+        // The export may have grown since the session began: what this session addresses (the
+        // destination, and sources in its own export) stays within the size it was given.
+        let within = |off: u64, len: u64| off.checked_add(len).is_some_and(|e| e <= self.size);
+        if !within(dst, total as u64)
+            || (source.is_none() && !desc.ranges.iter().all(|r| within(r.offset, r.len as u64)))
+        {
+            return refused(Status::OutOfRange);
         }
         let progress = match &source {
             None => self.io.start_copy(&desc.ranges, dst, tag, sq),
@@ -339,7 +359,8 @@ mod tests {
 
     fn exec(spec: &str, max_io: u32) -> Executor {
         let e = Export::open(&ExportSpec::parse(spec).unwrap()).unwrap();
-        Executor::open(Arc::new(e), max_io).unwrap()
+        let size = e.size();
+        Executor::open(Arc::new(e), max_io, size).unwrap()
     }
 
     #[test]
@@ -380,6 +401,29 @@ mod tests {
         let ro = exec("m=mem:1M,ro", 65536);
         assert_eq!(ro.admit(&r(BlockOp::Write, 0, 512)), Err(Status::ReadOnly));
         assert_eq!(ro.admit(&r(BlockOp::Read, 0, 512)), Ok(()));
+    }
+
+    /// A queue checks against the size its session was given: an export that grows under it
+    /// changes nothing for it (its client was told the old size), while a queue opened with
+    /// the new size reaches the new end.
+    #[test]
+    fn a_queue_keeps_its_sessions_size_when_the_export_grows() {
+        let e = Arc::new(Export::open(&ExportSpec::parse("n=null:1M").unwrap()).unwrap());
+        let old = Executor::open(e.clone(), 65536, e.size()).unwrap();
+        assert_eq!(e.resize(2 << 20), Ok(1 << 20));
+        let new = Executor::open(e.clone(), 65536, e.size()).unwrap();
+        let past_old_end = BlockRequest::new(BlockOp::Write, 1 << 20, 4096);
+        let last_old = BlockRequest::new(BlockOp::Write, (1 << 20) - 4096, 4096);
+        assert_eq!(old.admit(&past_old_end), Err(Status::OutOfRange));
+        assert_eq!(old.check_range(1 << 20, 512), Err(Status::OutOfRange));
+        assert_eq!(old.admit(&last_old), Ok(()));
+        assert_eq!((old.size, new.size), (1 << 20, 2 << 20));
+        assert_eq!(new.admit(&past_old_end), Ok(()));
+        assert_eq!(new.check_range((2 << 20) - 512, 512), Ok(()));
+        assert_eq!(
+            new.admit(&BlockRequest::new(BlockOp::Read, 2 << 20, 512)),
+            Err(Status::OutOfRange)
+        );
     }
 
     #[test]
@@ -424,7 +468,9 @@ mod tests {
             ..Capabilities::default()
         };
         let b = Recorder::new(caps, true);
-        let mut x = Executor::open(Arc::new(Export::new("r", b.clone(), false)), 65536).unwrap();
+        let e = Export::new("r", b.clone(), false);
+        let size = e.size();
+        let mut x = Executor::open(Arc::new(e), 65536, size).unwrap();
         let mut data = vec![4u8; 4096];
         let w = BlockRequest::new(BlockOp::Write, 0, 4096).flagged(IoFlags::FUA);
         assert_eq!(x.admit(&w), Ok(()));
@@ -451,7 +497,7 @@ mod tests {
     #[test]
     fn results_map_to_statuses() {
         let e = Export::new("m", Arc::new(MemBackend::new(1 << 20).unwrap()), false);
-        let mut x = Executor::open(Arc::new(e), 65536).unwrap();
+        let mut x = Executor::open(Arc::new(e), 65536, 1 << 20).unwrap();
         let r = BlockRequest::new(BlockOp::Read, 0, 4096);
         let w = BlockRequest::new(BlockOp::Write, 0, 4096);
         let f = BlockRequest::new(BlockOp::Flush, 0, 0);

@@ -1049,6 +1049,7 @@ fn handshake(
         export: admitted.export,
         session: admitted.session,
         queue: admitted.queue,
+        size: admitted.size,
         depth: admitted.depth,
         max_io: admitted.max_io,
         peer: peer_s,

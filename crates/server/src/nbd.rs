@@ -68,9 +68,9 @@ fn find(
     registry.permitted(&name, host, addr)
 }
 
-/// What LIST and INFO say about an export: its kind and size, never a backend path.
-fn description(e: &Export) -> String {
-    format!("{} bytes", e.size())
+/// What LIST and INFO say about an export of `size` bytes: its size, never a backend path.
+fn description(size: u64) -> String {
+    format!("{size} bytes")
 }
 
 /// Runs the option haggling. Returns the admitted queue and its protocol state on success;
@@ -182,9 +182,9 @@ pub fn negotiate(
                 let name = String::from_utf8_lossy(&data).into_owned();
                 // No error reply exists for EXPORT_NAME: an unknown name closes the connection.
                 let e = find(registry, who, &name)?;
-                let adm = admit(registry, &e, (peer, who), NBD_MAX_UNNEGOTIATED)?;
+                let adm = admit(registry, &e, (peer, who), NBD_MAX_UNNEGOTIATED, e.size())?;
                 let mut out = Vec::with_capacity(134);
-                out.extend_from_slice(&e.size().to_be_bytes());
+                out.extend_from_slice(&adm.size.to_be_bytes());
                 out.extend_from_slice(&transmission_flags(&e, structured).to_be_bytes());
                 if !no_zeroes {
                     out.extend_from_slice(&[0u8; 124]);
@@ -210,7 +210,7 @@ pub fn negotiate(
                     let mut d = Vec::with_capacity(4 + e.name.len());
                     d.extend_from_slice(&(e.name.len() as u32).to_be_bytes());
                     d.extend_from_slice(e.name.as_bytes());
-                    d.extend_from_slice(description(e).as_bytes());
+                    d.extend_from_slice(description(e.size()).as_bytes());
                     reply(s, option, rep::SERVER, &d)?;
                 }
                 reply(s, option, rep::ACK, &[])?;
@@ -232,14 +232,16 @@ pub fn negotiate(
                     )?;
                     continue;
                 };
-                send_info(s, option, &e, &req, structured)?;
+                // Read once: the size INFO gives is the size a GO's session checks against.
+                let size = e.size();
+                send_info(s, option, (&e, size), &req, structured)?;
                 if option == opt::GO {
                     let max = if req.requests.contains(&info::BLOCK_SIZE) {
                         NBD_MAX_PAYLOAD
                     } else {
                         NBD_MAX_UNNEGOTIATED
                     };
-                    let adm = admit(registry, &e, (peer, who), max)?;
+                    let adm = admit(registry, &e, (peer, who), max, size)?;
                     reply(s, option, rep::ACK, &[])?;
                     let fe = Nbd {
                         structured,
@@ -319,13 +321,13 @@ pub fn negotiate(
 fn send_info(
     s: &mut Admission,
     option: u32,
-    e: &Export,
+    (e, size): (&Export, u64),
     req: &InfoRequest,
     structured: bool,
 ) -> Option<()> {
     let mut d = Vec::with_capacity(12);
     d.extend_from_slice(&info::EXPORT.to_be_bytes());
-    d.extend_from_slice(&e.size().to_be_bytes());
+    d.extend_from_slice(&size.to_be_bytes());
     d.extend_from_slice(&transmission_flags(e, structured).to_be_bytes());
     reply(s, option, rep::INFO, &d)?;
     if req.requests.contains(&info::NAME) {
@@ -335,7 +337,7 @@ fn send_info(
     }
     if req.requests.contains(&info::DESCRIPTION) {
         let mut d = info::DESCRIPTION.to_be_bytes().to_vec();
-        d.extend_from_slice(description(e).as_bytes());
+        d.extend_from_slice(description(size).as_bytes());
         reply(s, option, rep::INFO, &d)?;
     }
     // Always sent: the constraints match the backend (O_DIRECT needs aligned I/O).
@@ -348,13 +350,15 @@ fn send_info(
     reply(s, option, rep::INFO, &d)
 }
 
-/// Admits the client at `peer` to export `e` with requests of up to `max_payload` bytes;
-/// `proven` is the host id it proved with TLS-PSK (None: plain or X.509, no identity).
+/// Admits the client at `peer` to export `e` with requests of up to `max_payload` bytes and
+/// the export's `size` its handshake sent; `proven` is the host id it proved with TLS-PSK
+/// (None: plain or X.509, no identity).
 fn admit(
     registry: &Registry,
     e: &std::sync::Arc<Export>,
     (peer, (proven, addr)): (&str, (Option<&str>, &PeerAddr)),
     max_payload: u32,
+    size: u64,
 ) -> Option<Admitted> {
     let owner = crate::session::Owner {
         proven,
@@ -362,7 +366,7 @@ fn admit(
         addr,
         peer,
     };
-    match registry.admit_single(e, &owner, NBD_DEPTH, max_payload) {
+    match registry.admit_single(e, &owner, size, NBD_DEPTH, max_payload) {
         Ok(a) => Some(a),
         Err(st) => {
             crate::log!(Level::Info, "{peer}: NBD session refused: {st}");

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use blkwire_auth::proof::{self, Direction, SessionSecret};
 use blkwire_auth::seal::{Opener, Sealer};
 use blkwire_auth::{Acl, Key, PeerAddr};
-use blkwire_backend::{Export, ExportSpec};
+use blkwire_backend::{Export, ExportSpec, ResizeError};
 use blkwire_wire::{
     datagram::SEAL_LEN, CopyDescriptor, CopyLimits, ExportEntry, Features, Hello, HelloReply, Join,
     Status, AUTH_LEN, QUERY_LIST, QUERY_STATS,
@@ -95,6 +95,9 @@ struct Session {
     frame_payload: u32,
     host: String,
     peer: String,
+    /// The export's size as the handshake told the client: every queue of the session checks
+    /// against it for the session's life, whatever `export_resize` does meanwhile.
+    size: u64,
     depth: u16,
     max_io: u32,
     /// What one COPY may do (PROTOCOL.md §13), as granted at HELLO.
@@ -117,6 +120,8 @@ pub struct Admitted {
     /// are dealt out in turn, so placement does not depend on (random) session ids.
     pub placement: u32,
     pub queue: u16,
+    /// The export's size the session was given (`Session::size`): the queue's bound.
+    pub size: u64,
     pub depth: u16,
     pub max_io: u32,
     /// What one COPY of the session may do (PROTOCOL.md §13; none for NBD).
@@ -432,10 +437,12 @@ impl Registry {
             peer: &peer_s,
         };
         let copy = Self::copy_limits(&export, frame_payload);
+        // Read once: the size the reply gives is the size the session's queues check against.
+        let size = export.size();
         let (id, cookie, mem, placement) = match self.create(
             &export,
             &owner,
-            (queues, depth, max_io, frame_payload, copy),
+            (size, queues, depth, max_io, frame_payload, copy),
             (secret.clone(), encrypt),
             floor,
         ) {
@@ -443,7 +450,7 @@ impl Registry {
             Err(st) => return HelloAnswer::Refused(st),
         };
         let mut reply = HelloReply {
-            size: export.size(),
+            size,
             logical_block: logical,
             physical_block: physical,
             features: Self::features(&export),
@@ -468,6 +475,7 @@ impl Registry {
                 session: id,
                 placement,
                 queue: 0,
+                size,
                 depth,
                 max_io,
                 copy,
@@ -500,7 +508,7 @@ impl Registry {
         &self,
         export: &Arc<Export>,
         owner: &Owner,
-        (queues, depth, max_io, frame_payload, copy): (u16, u16, u32, u32, CopyLimits),
+        (size, queues, depth, max_io, frame_payload, copy): (u64, u16, u16, u32, u32, CopyLimits),
         (secret, encrypt): (Option<Arc<SessionSecret>>, bool),
         queue_floor: usize,
     ) -> Result<(u32, u64, Account, u32), Status> {
@@ -551,6 +559,7 @@ impl Registry {
                 frame_payload,
                 host: host.to_string(),
                 peer: peer.to_string(),
+                size,
                 depth,
                 max_io,
                 copy,
@@ -574,11 +583,12 @@ impl Registry {
     }
 
     /// A one-connection session for frontends without queue joining (NBD: every connection
-    /// stands alone).
+    /// stands alone), given the export's `size` its handshake sent.
     pub fn admit_single(
         &self,
         export: &Arc<Export>,
         owner: &Owner,
+        size: u64,
         depth: u16,
         max_io: u32,
     ) -> Result<Admitted, Status> {
@@ -586,7 +596,7 @@ impl Registry {
         let (session, _, mem, placement) = self.create(
             export,
             owner,
-            (1, depth, max_io, max_io, CopyLimits::default()),
+            (size, 1, depth, max_io, max_io, CopyLimits::default()),
             (None, false),
             floor,
         )?;
@@ -595,6 +605,7 @@ impl Registry {
             session,
             placement,
             queue: 0,
+            size,
             depth,
             max_io,
             copy: CopyLimits::default(),
@@ -677,6 +688,7 @@ impl Registry {
             session,
             placement: s.placement,
             queue,
+            size: s.size,
             depth: s.depth,
             max_io: s.max_io,
             copy: s.copy,
@@ -783,6 +795,32 @@ impl Registry {
             }
         }
         Ok(users)
+    }
+
+    /// Grows an export to `size` bytes (`export_resize`, see `Export::resize`) and records the
+    /// size in its spec for `save_config`; returns the size it had. Sessions keep the size they
+    /// were given (their queues check against it); new sessions get the new one.
+    pub fn resize_export(&self, name: &str, size: u64) -> Result<u64, ResizeError> {
+        let export = self
+            .lock()
+            .exports
+            .iter()
+            .find(|s| s.export.name == name)
+            .map(|s| s.export.clone())
+            .ok_or_else(|| ResizeError::Refused(no_such_export(name)))?;
+        // Outside the lock: growing a file may take a moment, and handshakes must not wait.
+        let old = export.resize(size)?;
+        let mut inner = self.lock();
+        if let Some(s) = inner
+            .exports
+            .iter_mut()
+            .find(|s| Arc::ptr_eq(&s.export, &export))
+        {
+            // The size now, not `size`: of two resizes at once, the one that gets here last
+            // records the larger (every resize is followed by its own update).
+            s.spec = s.spec.resized(export.size());
+        }
+        Ok(old)
     }
 
     /// Replaces an export's allow rules (`export_set_allow`; None admits everyone the target

@@ -48,6 +48,8 @@ pub struct NewQueue {
     pub export: Arc<Export>,
     pub session: u32,
     pub queue: u16,
+    /// The export's size the session was given (`Admitted::size`).
+    pub size: u64,
     pub depth: u16,
     pub max_io: u32,
     pub peer: String,
@@ -330,9 +332,13 @@ impl Reactor {
     }
 
     fn add(&mut self, q: NewQueue) {
-        let Some(exec) =
-            Executor::for_queue(&self.registry, &q.export, q.session, q.queue, q.max_io)
-        else {
+        let Some(exec) = Executor::for_queue(
+            &self.registry,
+            &q.export,
+            (q.session, q.queue),
+            q.max_io,
+            q.size,
+        ) else {
             return;
         };
         let idx = self.free.pop().unwrap_or_else(|| {

@@ -753,7 +753,8 @@ mod tests {
     fn conn_budget(spec: &str, chunked: bool, budget: usize) -> (Conn, UnixStream) {
         let (a, b) = UnixStream::pair().unwrap();
         let export = Arc::new(Export::open(&ExportSpec::parse(spec).unwrap()).unwrap());
-        let exec = Executor::open(export, 1 << 20).unwrap();
+        let size = export.size();
+        let exec = Executor::open(export, 1 << 20, size).unwrap();
         let c = Conn {
             sock: OwnedFd::from(a),
             incarnation: 1,
