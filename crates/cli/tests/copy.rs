@@ -313,6 +313,64 @@ fn copies_run_beside_reads_and_writes_on_other_queues() {
     assert!(read(&mut cq, 32 * MIB, 16 * MIB) == data[..(16 * MIB) as usize]);
 }
 
+/// Peak resident memory of a process, in KiB (VmHWM).
+fn peak_kib(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = s.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// A client that pipelines a queue's worth of COPYs between exports (each needing a 1 MiB
+/// bounce buffer inside the target) gets them run one at a time: the target's memory grows by
+/// the data copied, not by a buffer per COPY sent.
+#[test]
+fn many_copies_sent_at_once_do_not_grow_the_target_by_a_buffer_each() {
+    let t = Target::start(&["a=mem:16M", "b=mem:16M"]);
+    let mut a = session(&t.url("a"), 1);
+    a.queues[0]
+        .write_at(&random_bytes((16 * MIB) as usize, 10), 0, false)
+        .unwrap();
+    let opts = ConnectOptions {
+        queues: 1,
+        depth: 128,
+        max_io: 1 << 20,
+        ..Default::default()
+    };
+    let mut b = connect(&Url::parse(&t.url("b")).unwrap(), &opts).unwrap();
+    let q = &mut b.queues[0];
+    assert_eq!(q.depth(), 128);
+    let before = peak_kib(t.child.id());
+    let d = CopyDescriptor {
+        source: "a".into(),
+        ranges: vec![range(0, 16 * MIB)],
+    }
+    .encode()
+    .unwrap();
+    for i in 0..128 {
+        let cmd = Cmd::Copy {
+            dst: 0,
+            len: (16 * MIB) as u32,
+            descriptor: &d,
+        };
+        q.submit(cmd, i).unwrap();
+    }
+    let mut ok = 0;
+    while ok < 128 {
+        q.complete(1, |c| {
+            assert_eq!((c.status, c.length), (Status::Ok, (16 * MIB) as u32));
+            ok += 1;
+        })
+        .unwrap();
+    }
+    let grew = (peak_kib(t.child.id()) - before) * 1024;
+    // b's 16 MiB of data, one bounce buffer and slack; a buffer per COPY would be 128 MiB more.
+    assert!(
+        grew < 48 * MIB,
+        "the target grew by {} MiB for 128 COPYs in flight",
+        grew / MIB
+    );
+}
+
 fn sha256(path: &std::path::Path) -> String {
     let out = Command::new("sha256sum").arg(path).output().unwrap();
     assert!(out.status.success());
