@@ -5,11 +5,17 @@
 # and limited to RATE by a tbf qdisc on both ends (the seed's 1 GbE case). Side by side, same run:
 #   offload     blkwire cp tcp://T/src tcp://T/dst       (the target copies: COPY)
 #   no-offload  blkwire cp --no-offload ...               (every byte read to the host and back)
-#   nbdcopy     nbdcopy nbd://T/src nbd://T/dst          (libnbd's copier, the stock NBD tool)
+#   nbdcopy     nbdcopy --flush nbd://T/src nbd://T/dst  (libnbd's copier, the stock NBD tool)
 # Each row: median seconds and MiB/s over ROUNDS, and the bytes that crossed the link (both
 # directions, from the initiator's veth counters) as a share of SIZE. Every copy is checked
-# against the source with cmp. Both exports are files (page cache) so the disk does not decide.
-# Environment: SIZE (default 1G), ROUNDS (default 3), RATE (default 1gbit), MTU (default 1500).
+# against the source with cmp. Both exports are files in IMAGES (default /dev/shm: memory, so
+# neither the disk nor writeback decides, and every copier's final flush is free). The
+# destination is either `fresh` (emptied before each copy: its memory is allocated as the copy
+# writes it) or `reused` (overwritten with zeros before each copy: its pages exist, as on a
+# block device or an image written before). Last rows: `dd` between the same two files on the
+# target's host, the ceiling of any copy there.
+# Environment: SIZE (default 1G), ROUNDS (default 3), RATE (default 1gbit), MTU (default 1500),
+# IMAGES (default /dev/shm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 die() { echo "$(basename "$0"): $*" >&2; exit 1; }
@@ -18,14 +24,15 @@ SIZE="${SIZE:-1G}"
 ROUNDS="${ROUNDS:-3}"
 RATE="${RATE:-1gbit}"
 MTU="${MTU:-1500}"
+IMAGES="${IMAGES:-/dev/shm}"
 BIN="${BLKWIRE:-target/release/blkwire}"
 [[ -x "$BIN" ]] || cargo build --release -p blkwire >&2
 [[ "$(id -u)" == 0 ]] || die "needs root (network namespaces, tc)"
-for t in ip tc nbdcopy python3 cmp; do command -v "$t" >/dev/null || die "$t missing (scripts/deps.sh installs it)"; done
+for t in ip tc nbdcopy python3 cmp dd; do command -v "$t" >/dev/null || die "$t missing (scripts/deps.sh installs it)"; done
 
 T="bwcopy$$t"
 I="bwcopy$$i"
-WORK="$(mktemp -d)"
+WORK="$(mktemp -d "$IMAGES/blkwire-copy-compare.XXXXXX")"
 SERVE_PID=""
 cleanup() {
     [[ -n "$SERVE_PID" ]] && kill "$SERVE_PID" 2>/dev/null && wait "$SERVE_PID" 2>/dev/null || true
@@ -38,6 +45,7 @@ veth_pair "$T" "$I" 9 "$MTU" >/dev/null
 BYTES="$(python3 -c "
 s='$SIZE'.upper(); u={'K':1<<10,'M':1<<20,'G':1<<30}
 print(int(s[:-1])*u[s[-1]] if s[-1] in u else int(s))")"
+(( BYTES % (1 << 20) == 0 )) || die "SIZE must be a whole number of MiB"
 # The source: incompressible data, 64 MiB of it repeated; the destination: sparse.
 head -c 64M /dev/urandom >"$WORK/chunk"
 for _ in $(seq 1 $(( (BYTES + (64 << 20) - 1) / (64 << 20) ))); do cat "$WORK/chunk"; done \
@@ -60,49 +68,71 @@ link_bytes() {
     ip netns exec "$I" cat /sys/class/net/vi/statistics/rx_bytes /sys/class/net/vi/statistics/tx_bytes \
         | python3 -c "import sys; print(sum(int(l) for l in sys.stdin))"
 }
-limit() { # limit RATE|off
+limit() { # limit RATE|off: a tbf qdisc on both ends' egress, or none
+    local ns dev
     for pair in "$T vt" "$I vi"; do
-        set -- $pair
-        ip netns exec "$1" tc qdisc del dev "$2" root 2>/dev/null || true
-        [[ "$RATE_NOW" == off ]] || ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "$RATE_NOW" burst 256kb latency 100ms
+        read -r ns dev <<<"$pair"
+        ip netns exec "$ns" tc qdisc del dev "$dev" root 2>/dev/null || true
+        [[ "$1" == off ]] || ip netns exec "$ns" tc qdisc add dev "$dev" root tbf rate "$1" burst 256kb latency 100ms
     done
 }
-copy() { # copy MODE: prints "seconds bytes-on-link"
+empty_destination() { # empty_destination fresh|reused
+    # The target keeps its descriptor: the same file, emptied or overwritten.
+    if [[ "$1" == fresh ]]; then
+        truncate -s 0 "$WORK/dst.img"; truncate -s "$BYTES" "$WORK/dst.img"
+    else
+        dd if=/dev/zero of="$WORK/dst.img" bs=1M count=$(( BYTES >> 20 )) conv=notrunc status=none
+    fi
+}
+copy() { # copy MODE DEST: prints "milliseconds bytes-on-link"
     local mode="$1" b0 t0 t1 b1
-    # A fresh, empty destination each time (the target keeps its descriptor: same file).
-    truncate -s 0 "$WORK/dst.img"; truncate -s "$BYTES" "$WORK/dst.img"
-    sync; echo 1 >/proc/sys/vm/drop_caches 2>/dev/null || true
-    cat "$WORK/src.img" >/dev/null   # the source in the page cache for every mode alike
+    empty_destination "$2"
     b0="$(link_bytes)"; t0="$(now_ms)"
     case "$mode" in
         offload) ip netns exec "$I" "$BIN" cp --no-progress tcp://10.99.9.1:7700/src tcp://10.99.9.1:7700/dst >"$WORK/out" 2>&1 ;;
         no-offload) ip netns exec "$I" "$BIN" cp --no-progress --no-offload tcp://10.99.9.1:7700/src tcp://10.99.9.1:7700/dst >"$WORK/out" 2>&1 ;;
-        nbdcopy) ip netns exec "$I" nbdcopy nbd://10.99.9.1:10809/src nbd://10.99.9.1:10809/dst >"$WORK/out" 2>&1 ;;
+        nbdcopy) ip netns exec "$I" nbdcopy --flush nbd://10.99.9.1:10809/src nbd://10.99.9.1:10809/dst >"$WORK/out" 2>&1 ;;
     esac || { cat "$WORK/out" >&2; die "$mode failed"; }
     t1="$(now_ms)"; b1="$(link_bytes)"
     cmp -s "$WORK/src.img" "$WORK/dst.img" || die "$mode: the destination differs from the source"
     echo "$(( t1 - t0 )) $(( b1 - b0 ))"
 }
-
-echo "# copy-compare: $SIZE from one export to another of the same target over tcp:// (nbd:// for nbdcopy), veth MTU $MTU, $ROUNDS rounds, median"
-printf '%-10s %-12s %10s %10s %14s %10s\n' link mode seconds MiB/s link-bytes %-of-size
-for RATE_NOW in off "$RATE"; do
-    limit
-    declare -A MS=() WIRE=()
-    for _ in $(seq 1 "$ROUNDS"); do
-        for mode in offload no-offload nbdcopy; do
-            read -r ms wire < <(copy "$mode")
-            MS[$mode]+="$ms "; WIRE[$mode]+="$wire "
-        done
-    done
-    for mode in offload no-offload nbdcopy; do
-        python3 - "$RATE_NOW" "$mode" "$BYTES" "${MS[$mode]}" "${WIRE[$mode]}" <<'EOF'
+row() { # row LINK DEST MODE "MS..." "WIRE..."
+    python3 - "$BYTES" "$@" <<'PY'
 import statistics, sys
-link, mode, size, ms, wire = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4].split(), sys.argv[5].split()
+size, link, dest, mode, ms, wire = int(sys.argv[1]), *sys.argv[2:5], sys.argv[5].split(), sys.argv[6].split()
 s = statistics.median(int(x) for x in ms) / 1000
 w = statistics.median(int(x) for x in wire)
-print(f"{'full' if link == 'off' else link:<10} {mode:<12} {s:10.2f} {size / s / 2**20:10.1f} {w:14d} {100 * w / size:9.2f}%")
-EOF
+print(f"{'full' if link == 'off' else link:<8} {dest:<7} {mode:<11} {s:9.2f} {size / s / 2**20:9.1f} {w:14d} {100 * w / size:9.2f}%")
+PY
+}
+
+echo "# copy-compare: $SIZE from one export to another of the same target over tcp:// (nbd:// for nbdcopy), veth MTU $MTU, images in $IMAGES, $ROUNDS rounds, median"
+printf '%-8s %-7s %-11s %9s %9s %14s %10s\n' link dest mode seconds MiB/s link-bytes %-of-size
+for rate in off "$RATE"; do
+    limit "$rate"
+    for dest in fresh reused; do
+        declare -A MS=() WIRE=()
+        for _ in $(seq 1 "$ROUNDS"); do
+            for mode in offload no-offload nbdcopy; do
+                read -r ms wire < <(copy "$mode" "$dest")
+                MS[$mode]+="$ms "; WIRE[$mode]+="$wire "
+            done
+        done
+        for mode in offload no-offload nbdcopy; do
+            row "$rate" "$dest" "$mode" "${MS[$mode]}" "${WIRE[$mode]}"
+        done
+        unset MS WIRE
     done
-    unset MS WIRE
+done
+# The host's own ceiling: dd between the same two files.
+for dest in fresh reused; do
+    MSS=""
+    for _ in $(seq 1 "$ROUNDS"); do
+        empty_destination "$dest"
+        t0="$(now_ms)"
+        dd if="$WORK/src.img" of="$WORK/dst.img" bs=1M conv=notrunc,fsync status=none
+        MSS+="$(( $(now_ms) - t0 )) "
+    done
+    row host "$dest" dd "$MSS" "0"
 done

@@ -65,6 +65,8 @@ pub fn run(a: Args) -> Result<(), String> {
                 "logical_block_size": i.logical_block, "physical_block_size": i.physical_block,
                 "features": i.features.names(),
                 "max_queues": i.queues, "max_queue_depth": i.depth, "max_io": i.max_io,
+                "copy_max_bytes": i.copy.max_bytes, "copy_max_range": i.copy.max_range,
+                "copy_max_ranges": i.copy.max_ranges,
             })
         );
     } else {
@@ -85,6 +87,15 @@ pub fn run(a: Args) -> Result<(), String> {
             "max I/O:          {}",
             blkwire_backend::format_size(i.max_io as u64)
         );
+        if i.copy.enabled() {
+            println!(
+                "server-side copy: up to {} in {} ranges per COPY (blkwire copy, cp between exports)",
+                blkwire_backend::format_size(i.copy.max_bytes as u64),
+                i.copy.max_ranges
+            );
+        } else {
+            println!("server-side copy: none for this session (read-only export)");
+        }
     }
     for q in s.queues {
         let _ = q.logout();

@@ -488,6 +488,14 @@ fn blkwire_copy_copies_ranges_and_refuses_bad_input_in_one_line() {
         &["copy", &t.url("ro"), "--src", "0:4K", "--dst", "8K"],
         "read-only",
     );
+    // `info` shows what a session may copy: the HELLO reply's limits.
+    for (e, ranges) in [("a", true), ("ro", false)] {
+        let (ok, out, err) = cli(&["info", &t.url(e), "--json"]);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["copy_max_ranges"].as_u64().unwrap() > 0, ranges, "{out}");
+        assert_eq!(v["copy_max_bytes"].as_u64().unwrap() > 0, ranges, "{out}");
+    }
 }
 
 /// A loop-mounted XFS with reflinks, unmounted and removed on drop.
