@@ -336,6 +336,7 @@ impl Export {
             steps: Vec::new(),
             reaped: Vec::new(),
             failed_copies: Vec::new(),
+            spare_sources: Vec::new(),
         })
     }
 }
@@ -372,16 +373,52 @@ struct CopyState {
     chunk: u32,
     /// Emulation: the chunk was read into `bounce` and must be written next.
     read_done: bool,
+    /// A copy from another export: a queue on that export's backend, which the reads go to.
+    /// Declared before `bounce` so it is dropped first: a source that reads on its own threads
+    /// finishes the read it was given (into `bounce`) before its queue is gone.
+    source: Option<Box<dyn QueueIo>>,
+    /// The source backend's identity ([`backend_id`]), to keep its queue for the next copy.
+    source_id: usize,
     /// Emulation only: the chunk between its read and its write.
     bounce: Option<AlignedBuf>,
-    /// A copy from another export: a queue on that export's backend, which the reads go to.
-    source: Option<Box<dyn QueueIo>>,
     /// The bounce buffer's alignment: what both exports' backends need (O_DIRECT).
     align: usize,
     /// Bytes moved since the copy last gave its thread back.
     since_yield: u32,
     /// The next operation, held while the copy waits for its NOP to come back.
     parked: Option<Op>,
+    /// A read of `source` runs on that backend's own threads: the copy waits for a one-shot
+    /// io_uring poll on the source's notifier (tagged like the copy), then reaps the read's
+    /// result from the source.
+    awaiting_source: bool,
+}
+
+impl CopyState {
+    /// The notifier of a source whose reads complete on its own threads.
+    fn source_notifier(&self) -> Option<RawFd> {
+        self.source.as_ref().and_then(|q| q.notifier())
+    }
+
+    /// The result of the source read started with `tag`, if the source has handed it over.
+    fn reap_source(&mut self, tag: u64) -> Option<i32> {
+        let mut got = None;
+        if let Some(q) = self.source.as_mut() {
+            // The source queue is the copy's own: one read at a time is all it runs.
+            q.reap(&mut |t, r| {
+                if t == tag {
+                    got = Some(r);
+                }
+            });
+        }
+        got
+    }
+}
+
+/// A one-shot poll for readability of `fd`, completing with `tag`.
+fn poll_entry(fd: RawFd, tag: u64) -> io_uring::squeue::Entry {
+    io_uring::opcode::PollAdd::new(io_uring::types::Fd(fd), libc::POLLIN as u32)
+        .build()
+        .user_data(tag)
 }
 
 /// What happens when the backend operation now running for a request completes.
@@ -434,6 +471,17 @@ pub struct ExportQueue {
     /// COPYs that failed, by tag: the bytes from their destination offset known to be copied,
     /// until [`ExportQueue::copied_before_failure`] takes them.
     failed_copies: Vec<(u64, u64)>,
+    /// Queues on other exports' backends that finished copies left idle, by backend, for the
+    /// next copy from there: opening one may cost a descriptor or a thread (`memthread:`).
+    spare_sources: Vec<(usize, Box<dyn QueueIo>)>,
+}
+
+/// Idle source queues an export queue keeps for its next copies from other exports.
+const SPARE_SOURCES: usize = 2;
+
+/// A backend's identity, to match spare source queues to it.
+fn backend_id(b: &Arc<dyn Backend>) -> usize {
+    Arc::as_ptr(b).cast::<u8>() as usize
 }
 
 impl ExportQueue {
@@ -579,8 +627,9 @@ impl ExportQueue {
 
     /// Starts a COPY into this queue's export of `sources` of another export `src` of the same
     /// target, checked with [`Export::check_copy_from`]: by reads on a queue of `src`'s backend
-    /// and writes on this one, inside the target. A source backend whose reads complete on its
-    /// own threads is not supported yet (`-EOPNOTSUPP`): nobody would watch its notifier.
+    /// (opened for this copy) and writes on this one, inside the target. A source whose reads
+    /// complete on its own threads is awaited through a one-shot io_uring poll on its notifier,
+    /// whose completion comes with the copy's tag like any other.
     pub fn start_copy_from(
         &mut self,
         src: &Export,
@@ -589,19 +638,25 @@ impl ExportQueue {
         tag: u64,
         sq: &mut dyn Submitter,
     ) -> Progress {
-        let source = match src.backend().clone().open_queue() {
-            Ok(q) if !q.data_on_own_threads() => q,
-            Ok(_) => return Progress::Done(-libc::EOPNOTSUPP),
-            Err(e) => return Progress::Done(-e.raw_os_error().unwrap_or(libc::EIO)),
+        let id = backend_id(src.backend());
+        let spare = self.spare_sources.iter().position(|(b, _)| *b == id);
+        let source = match spare.map(|i| self.spare_sources.swap_remove(i).1) {
+            Some(q) => q,
+            None => match src.backend().clone().open_queue() {
+                Ok(q) if !q.data_on_own_threads() || q.notifier().is_some() => q,
+                // Reads that complete elsewhere, with nothing to say when: cannot be awaited.
+                Ok(_) => return Progress::Done(-libc::EOPNOTSUPP),
+                Err(e) => return Progress::Done(-e.raw_os_error().unwrap_or(libc::EIO)),
+            },
         };
         let align = self.zero_align.max(src.backend().buffer_alignment());
-        self.run_copy(sources, Some(source), align, dst, tag, sq)
+        self.run_copy(sources, Some((id, source)), align, dst, tag, sq)
     }
 
     fn run_copy(
         &mut self,
         sources: &[CopyRange],
-        source: Option<Box<dyn QueueIo>>,
+        source: Option<(usize, Box<dyn QueueIo>)>,
         align: usize,
         dst: u64,
         tag: u64,
@@ -616,10 +671,12 @@ impl ExportQueue {
             chunk: 0,
             read_done: false,
             bounce: None,
-            source,
+            source_id: source.as_ref().map_or(0, |s| s.0),
+            source: source.map(|s| s.1),
             align,
             since_yield: 0,
             parked: None,
+            awaiting_source: false,
         };
         match self.follow(tag, Next::Copy(Box::new(state)), 0) {
             Err(r) => Progress::Done(r),
@@ -658,8 +715,38 @@ impl ExportQueue {
         if s.pending > 0 {
             return None;
         }
-        let s = self.steps.swap_remove(i);
-        match self.follow(tag, s.next, s.result.unwrap_or(res)) {
+        let mut s = self.steps.swap_remove(i);
+        let mut res = s.result.unwrap_or(res);
+        // A copy's poll on its source's notifier came back: the read's result is the source's.
+        if let Next::Copy(st) = &mut s.next {
+            if st.awaiting_source && res < 0 {
+                // The poll failed (the ring is going away): the copy fails; dropping it waits
+                // for the source's read (see `CopyState::source`).
+                st.awaiting_source = false;
+            } else if st.awaiting_source {
+                match st.reap_source(tag) {
+                    Some(r) => {
+                        st.awaiting_source = false;
+                        res = r;
+                    }
+                    None => {
+                        // Woken before the result was posted: wait again.
+                        let fd = st
+                            .source_notifier()
+                            .expect("awaited sources have a notifier");
+                        sq.push(poll_entry(fd, tag));
+                        self.steps.push(Step {
+                            tag,
+                            pending: 1,
+                            result: None,
+                            next: s.next,
+                        });
+                        return None;
+                    }
+                }
+            }
+        }
+        match self.follow(tag, s.next, res) {
             Err(r) => Some(r),
             // SAFETY: the follow-up belongs to a request started through `start`, whose caller
             // keeps its buffer valid until the result is delivered, which has not happened yet.
@@ -707,16 +794,25 @@ impl ExportQueue {
                 }
             }
             // A copy's read from another export goes to its queue there.
+            let from_source =
+                matches!(&next, Next::Copy(st) if st.read_done && st.source.is_some());
             let io = match &mut next {
-                Next::Copy(st) if st.read_done && st.source.is_some() => {
-                    st.source.as_mut().expect("checked")
-                }
+                Next::Copy(st) if from_source => st.source.as_mut().expect("checked"),
                 _ => &mut self.io,
             };
             // SAFETY: passed on from our caller.
             let res = match unsafe { io.start(op, tag, sq) } {
                 Started::Done(r) => r,
                 Started::Submitted(n) => return self.wait_for(tag, n, next),
+                Started::Async if from_source => {
+                    // Nobody watches the source's notifier but this copy: poll it once.
+                    if let Next::Copy(st) = &mut next {
+                        let fd = st.source_notifier().expect("checked when the copy began");
+                        st.awaiting_source = true;
+                        sq.push(poll_entry(fd, tag));
+                    }
+                    return self.wait_for(tag, 1, next);
+                }
                 Started::Async => return self.wait_for(tag, 1, next),
             };
             match self.follow(tag, next, res) {
@@ -845,6 +941,13 @@ impl ExportQueue {
             st.at = 0;
         }
         let Some(r) = st.ranges.get(st.idx).copied() else {
+            // Done, nothing running on the source: keep its queue for the next copy.
+            if let Some(q) = st.source.take() {
+                if self.spare_sources.len() == SPARE_SOURCES {
+                    self.spare_sources.remove(0);
+                }
+                self.spare_sources.push((st.source_id, q));
+            }
             return Err(0);
         };
         let src = r.offset + st.at as u64;
@@ -1809,6 +1912,7 @@ mod tests {
             steps: Vec::new(),
             reaped: Vec::new(),
             failed_copies: Vec::new(),
+            spare_sources: Vec::new(),
         };
         let buf = [0u8; 512];
         let op = Op::Write {

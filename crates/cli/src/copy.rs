@@ -74,7 +74,12 @@ fn check_overlap(ranges: &[CopyRange], dst: u64) -> Result<(), String> {
 pub fn run(a: Args) -> Result<(), String> {
     let ranges = parse_ranges(&a.src)?;
     let dst = parse_size(&a.dst).map_err(|e| format!("--dst '{}': {e}", a.dst))?;
-    if a.from.is_none() {
+    // --from naming the destination's own export is a copy within it.
+    let own = blkwire_client::Url::parse(&a.url)
+        .map(|u| u.export)
+        .unwrap_or_default();
+    let from = a.from.as_deref().filter(|f| *f != own);
+    if from.is_none() {
         check_overlap(&ranges, dst)?;
     }
     let mut opts = ConnectOptions {
@@ -94,7 +99,7 @@ pub fn run(a: Args) -> Result<(), String> {
     let q = s.queues.first_mut().ok_or("the target granted no queue")?;
     let total: u64 = ranges.iter().map(|r| r.len as u64).sum();
     let start = Instant::now();
-    let source = a.from.as_deref().unwrap_or("");
+    let source = from.unwrap_or("");
     let result = q.copy(source, &ranges, dst);
     let secs = start.elapsed().as_secs_f64();
     for q in s.queues {

@@ -145,14 +145,7 @@ pub fn run(a: Args) -> Result<(), String> {
                 a.src, a.dst
             ));
         }
-        if offload(&a, &s.export)? {
-            return Ok(());
-        }
-        eprintln!(
-            "blkwire: note: the target cannot copy from {} itself (its backend completes on its \
-             own threads); copying through this host",
-            a.src
-        );
+        return offload(&a, &s.export);
     }
     let src = open_side(&a.src, a.jobs, None, a.timeout, &a.id)?;
     let dst = open_side(&a.dst, a.jobs, Some(src.size), a.timeout, &a.id)?;
@@ -264,10 +257,8 @@ fn connect(spec: &str, queues: u16, a: &Args) -> Result<blkwire_client::Session,
 }
 
 /// `cp` between two exports of one target: each worker asks the target to copy a chunk at a
-/// time on its own queue of the destination's session (PROTOCOL.md §13). `Ok(false)` when the
-/// target answers that it cannot copy from this source (the caller then copies through this
-/// host).
-fn offload(a: &Args, src_export: &str) -> Result<bool, String> {
+/// time on its own queue of the destination's session (PROTOCOL.md §13).
+fn offload(a: &Args, src_export: &str) -> Result<(), String> {
     // The source's size, and proof this host may open it (the target checks again per COPY).
     let src = connect(&a.src, 1, a)?;
     let size = src.info.size;
@@ -295,7 +286,6 @@ fn offload(a: &Args, src_export: &str) -> Result<bool, String> {
     let done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let first_err: Arc<Mutex<Option<String>>> = Arc::default();
-    let unsupported = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
     let workers: Vec<_> = dst
         .queues
@@ -303,7 +293,6 @@ fn offload(a: &Args, src_export: &str) -> Result<bool, String> {
         .map(|mut q| {
             let (next, done, stop, first_err) =
                 (next.clone(), done.clone(), stop.clone(), first_err.clone());
-            let unsupported = unsupported.clone();
             let source = src_export.to_string();
             std::thread::spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
@@ -314,17 +303,17 @@ fn offload(a: &Args, src_export: &str) -> Result<bool, String> {
                     let len = OFFLOAD_CHUNK.min(size - off) as u32;
                     let range = CopyRange { offset: off, len };
                     if let Err(e) = q.copy(&source, &[range], off) {
-                        if let blkwire_client::Error::Copy {
-                            status: blkwire_wire::Status::Unsupported,
-                            ..
-                        } = e
-                        {
-                            unsupported.store(true, Ordering::Relaxed);
-                        }
+                        let hint = match e {
+                            blkwire_client::Error::Copy {
+                                status: blkwire_wire::Status::Unsupported,
+                                ..
+                            } => " (the target cannot copy from this source: use --no-offload)",
+                            _ => "",
+                        };
                         first_err
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
-                            .get_or_insert(format!("copy at {off}: {e}"));
+                            .get_or_insert(format!("copy at {off}: {e}{hint}"));
                         stop.store(true, Ordering::Relaxed);
                         break;
                     }
@@ -348,12 +337,6 @@ fn offload(a: &Args, src_export: &str) -> Result<bool, String> {
     for w in workers {
         queues.push(w.join().map_err(|_| "a copy worker panicked".to_string())?);
     }
-    if unsupported.load(Ordering::Relaxed) {
-        for q in queues {
-            let _ = q.logout();
-        }
-        return Ok(false);
-    }
     if let Some(e) = first_err.lock().unwrap_or_else(|p| p.into_inner()).take() {
         return Err(format!("{}: {e}", a.dst));
     }
@@ -371,7 +354,7 @@ fn offload(a: &Args, src_export: &str) -> Result<bool, String> {
         secs,
         size as f64 / secs.max(1e-9) / 1048576.0
     );
-    Ok(true)
+    Ok(())
 }
 
 fn copy_chunk(

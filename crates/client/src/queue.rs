@@ -256,7 +256,7 @@ impl Queue {
     }
 
     /// What one COPY of this session may do; [`CopyLimits::enabled`] is false when the session
-    /// has none (a read-only export, or an older target).
+    /// has none (a read-only export, or a target whose memory budget cannot hold a copy).
     pub fn copy_limits(&self) -> CopyLimits {
         self.copy
     }
@@ -458,7 +458,7 @@ impl Queue {
     }
 
     /// Copies `ranges` of the export `source` (another export of the same target this host may
-    /// open; "" for this session's own) to consecutive bytes from `dst` of this session's
+    /// open; "" for this session's own, never its name) to consecutive bytes from `dst` of this session's
     /// export, inside the target: no data crosses the network (PROTOCOL.md §13). Split into
     /// COPY commands within the session's limits of at most [`COPY_COMMAND_MAX`] bytes each,
     /// pipelined. Within one export the ranges may
@@ -475,6 +475,21 @@ impl Queue {
         }
         if ranges.iter().any(|r| r.len == 0) {
             return Err(Error::Usage("a copy range is empty".into()));
+        }
+        // The target checks each COPY against its own destination; split into several, a copy
+        // whose sources meet its whole destination would not be refused but come out wrong.
+        if source.is_empty() {
+            let end = dst.saturating_add(ranges.iter().map(|r| r.len as u64).sum());
+            if let Some(r) = ranges
+                .iter()
+                .find(|r| r.offset < end && dst < r.offset.saturating_add(r.len as u64))
+            {
+                return Err(Error::Usage(format!(
+                    "copy source {}+{} overlaps the destination {dst}..{end}: within one export \
+                     source and destination may not overlap",
+                    r.offset, r.len
+                )));
+            }
         }
         let commands = copy_commands(source, ranges, dst, limits)?;
         let mut failed: Option<(usize, Status, u32)> = None;

@@ -928,6 +928,14 @@ impl DgramPort {
             self.stats.no_memory += 1;
             return;
         }
+        // A new COPY may hold a bounce buffer while it runs (PROTOCOL.md §13): the same rule.
+        if verdict == Verdict::New
+            && h.opcode == Opcode::Copy
+            && !self.mem.try_cover(self.held() + COPY_CHUNK as usize)
+        {
+            self.stats.no_memory += 1;
+            return;
+        }
         let q = self.queues[qi].as_mut().expect("present");
         let s = &mut q.slots[slot as usize];
         match verdict {
@@ -997,8 +1005,7 @@ impl DgramPort {
 
     /// A new COPY (PROTOCOL.md §13): its descriptor is the payload of its one frame. Checked,
     /// then run in its slot; a duplicate is answered from the slot like any finished request,
-    /// never copied twice. One the memory budget cannot cover now is forgotten, like a lost
-    /// frame: the initiator retransmits it.
+    /// never copied twice.
     fn start_copy(
         &mut self,
         qi: usize,
@@ -1019,13 +1026,7 @@ impl DgramPort {
                 return self.finish_copy(qi, slot, refused);
             }
         };
-        if !self.mem.try_cover(self.held() + COPY_CHUNK as usize) {
-            self.stats.no_memory += 1;
-            let q = self.queues[qi].as_mut().expect("present");
-            q.slots[slot as usize].state = SlotState::Empty;
-            return;
-        }
-        let q = self.queues[qi].as_mut().expect("present");
+        // Its memory was covered before the slot took it (`io_frame`).
         match q
             .exec
             .start_copy(&desc, h.offset, h.length, ud(q.incarnation, qi, slot), sq)

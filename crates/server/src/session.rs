@@ -112,6 +112,10 @@ struct Session {
     queue_floor: usize,
 }
 
+/// The smallest connection share of the memory budget that grants COPY: a COPY's bounce
+/// buffer ([`blkwire_backend::COPY_CHUNK`]) and room for the connection's own buffers beside it.
+const COPY_MIN_SHARE: usize = 4 * blkwire_backend::COPY_CHUNK as usize;
+
 /// What a queue connection gets once admitted.
 pub struct Admitted {
     pub export: Arc<Export>,
@@ -436,7 +440,7 @@ impl Registry {
             addr: &peer.addr,
             peer: &peer_s,
         };
-        let copy = Self::copy_limits(&export, frame_payload);
+        let copy = self.copy_limits(&export, frame_payload);
         // Read once: the size the reply gives is the size the session's queues check against.
         let size = export.size();
         let (id, cookie, mem, placement) = match self.create(
@@ -487,9 +491,11 @@ impl Registry {
 
     /// What one COPY of a session may do (PROTOCOL.md §13): the export's limits, as many
     /// ranges as one frame's payload holds whatever the source's name (a descriptor is never
-    /// fragmented); nothing on a read-only export (the destination is always the session's).
-    fn copy_limits(export: &Export, frame_payload: u32) -> CopyLimits {
-        if export.read_only {
+    /// fragmented); nothing on a read-only export (the destination is always the session's),
+    /// nor where a connection's share of the memory budget could not hold a COPY's bounce
+    /// buffer beside its own buffers (a COPY granted would wait for memory forever).
+    fn copy_limits(&self, export: &Export, frame_payload: u32) -> CopyLimits {
+        if export.read_only || self.connection_share() < COPY_MIN_SHARE {
             return CopyLimits::default();
         }
         let limits = export.capabilities().limits;

@@ -567,6 +567,9 @@ impl DgramQueue {
                 }
                 if s.tx.expired(now) {
                     s.status = Status::Io;
+                    if s.opcode == Opcode::Copy {
+                        s.length = 0; // nothing is known copied (PROTOCOL.md §13)
+                    }
                     self.stats.timeouts += 1;
                     self.finish(slot);
                     continue;

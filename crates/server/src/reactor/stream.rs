@@ -54,10 +54,20 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         if let Decoded::Request { req, .. } = &decoded {
             // One COPY at a time per queue, its bounce buffer inside the budget: the next
             // waits in rx (the socket back-pressures the initiator).
-            if req.kind == Kind::Copy
-                && (c.copying || !c.covers(0, blkwire_backend::COPY_CHUNK as usize))
-            {
-                break;
+            if req.kind == Kind::Copy {
+                let bounce = blkwire_backend::COPY_CHUNK as usize;
+                if c.rx.capacity() + bounce > c.mem.cap() {
+                    // It could never run here (sessions are granted COPY only where it can,
+                    // but the connection's buffers may have grown): refused, 0 bytes copied.
+                    let refused = Req { length: 0, ..*req };
+                    c.rx_start += len;
+                    c.exec.stats.frames_in += 1;
+                    c.reply(&refused, Status::NoMemory);
+                    continue;
+                }
+                if c.copying || !c.covers(0, bounce) {
+                    break;
+                }
             }
             let moves_data = matches!(req.kind, Kind::Block(op) if op.moves_data());
             if moves_data && c.tx_backlog() + c.held >= c.tx_high_water() {
