@@ -1744,10 +1744,6 @@ mod tests {
             "within one export the destination overlaps the sources"
         );
         let mut q = mem.open_queue().unwrap();
-        struct NoRing;
-        impl Submitter for NoRing {
-            fn push(&mut self, _: io_uring::squeue::Entry) {}
-        }
         // file: reads go to the ring; collect them through the blocking helper's private ring
         // by running the copy there.
         q.blocking(|q, sq| q.start_copy_from(&file, &sources, 0, BLOCKING_TAG, sq))
@@ -1755,21 +1751,30 @@ mod tests {
         let mut back = vec![0u8; a.len() + 512];
         q.read_blocking(0, &mut back).unwrap();
         assert!(back[..a.len()] == a[..] && back[a.len()..] == a[..512]);
-        // A source that completes on its own threads is refused, not left hanging.
-        let threaded = Export::open(&ExportSpec::parse("t=memthread:1M").unwrap()).unwrap();
-        assert_eq!(
-            q.start_copy_from(
-                &threaded,
-                &[CopyRange {
-                    offset: 0,
-                    len: 512
-                }],
-                0,
-                1,
-                &mut NoRing
-            ),
-            Progress::Done(-libc::EOPNOTSUPP)
-        );
+        // A source whose reads complete on its own threads: each read is awaited by a poll of
+        // its notifier (through the blocking helper's ring here), and its queue is kept for the
+        // next copy from it.
+        let threaded = Export::open(&ExportSpec::parse("t=memthread:4M").unwrap()).unwrap();
+        let data: Vec<u8> = (0..3 << 20).map(|i| (i % 251) as u8).collect();
+        threaded
+            .open_queue()
+            .unwrap()
+            .write_blocking(0, &data, false)
+            .unwrap();
+        for _ in 0..2 {
+            let whole = [CopyRange {
+                offset: 0,
+                len: data.len() as u32,
+            }];
+            q.blocking(|q, sq| q.start_copy_from(&threaded, &whole, 4096, BLOCKING_TAG, sq))
+                .unwrap();
+            let id = backend_id(threaded.backend());
+            let kept = q.spare_sources.iter().filter(|(b, _)| *b == id).count();
+            assert_eq!(kept, 1, "the source queue is kept, once");
+        }
+        let mut back = vec![0u8; data.len()];
+        q.read_blocking(4096, &mut back).unwrap();
+        assert!(back == data, "copied from the threaded source");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -157,61 +157,18 @@ pub fn run(a: Args) -> Result<(), String> {
     }
     let size = src.size;
     let chunk = src.chunk.min(dst.chunk);
-    let next = Arc::new(AtomicU64::new(0));
-    let done = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let first_err: Arc<Mutex<Option<String>>> = Arc::default();
     let start = Instant::now();
     let (skip_zero, cheap_zero) = (dst.zeroed, dst.cheap_zero);
-    let workers: Vec<_> = src
+    let pairs: Vec<(End, End, Vec<u8>)> = src
         .ends
         .into_iter()
         .zip(dst.ends)
-        .map(|(mut s, mut d)| {
-            let (next, done, stop, first_err) =
-                (next.clone(), done.clone(), stop.clone(), first_err.clone());
-            std::thread::spawn(move || {
-                let mut buf = vec![0u8; chunk as usize];
-                while !stop.load(Ordering::Relaxed) {
-                    let off = next.fetch_add(chunk, Ordering::Relaxed);
-                    if off >= size {
-                        break;
-                    }
-                    let n = chunk.min(size - off) as usize;
-                    let r = copy_chunk(&mut s, &mut d, &mut buf[..n], off, skip_zero, cheap_zero);
-                    if let Err(e) = r {
-                        first_err
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .get_or_insert(e);
-                        stop.store(true, Ordering::Relaxed);
-                        break;
-                    }
-                    done.fetch_add(n as u64, Ordering::Relaxed);
-                }
-                d
-            })
-        })
+        .map(|(s, d)| (s, d, vec![0u8; chunk as usize]))
         .collect();
-    let show = !a.no_progress && std::io::stderr().is_terminal();
-    let bar = if show {
-        progress_bar(size)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    while workers.iter().any(|w| !w.is_finished()) {
-        bar.set_position(done.load(Ordering::Relaxed));
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    bar.finish_and_clear();
-    let mut dests = Vec::new();
-    for w in workers {
-        dests.push(w.join().map_err(|_| "a copy worker panicked".to_string())?);
-    }
-
-    if let Some(e) = first_err.lock().unwrap_or_else(|p| p.into_inner()).take() {
-        return Err(e);
-    }
+    let pairs = run_workers(pairs, size, chunk, !a.no_progress, |(s, d, buf), off, n| {
+        copy_chunk(s, d, &mut buf[..n as usize], off, skip_zero, cheap_zero)
+    })?;
+    let mut dests: Vec<End> = pairs.into_iter().map(|(_, d, _)| d).collect();
     // Durability: one FLUSH covers every write already answered on any queue (PROTOCOL.md §10).
     match dests.first_mut() {
         Some(End::Remote(q)) => q.flush().map_err(|e| format!("{}: {e}", a.dst))?,
@@ -282,64 +239,30 @@ fn offload(a: &Args, src_export: &str) -> Result<(), String> {
             a.dst
         ));
     }
-    let next = Arc::new(AtomicU64::new(0));
-    let done = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let first_err: Arc<Mutex<Option<String>>> = Arc::default();
     let start = Instant::now();
-    let workers: Vec<_> = dst
-        .queues
-        .into_iter()
-        .map(|mut q| {
-            let (next, done, stop, first_err) =
-                (next.clone(), done.clone(), stop.clone(), first_err.clone());
-            let source = src_export.to_string();
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    let off = next.fetch_add(OFFLOAD_CHUNK, Ordering::Relaxed);
-                    if off >= size {
-                        break;
-                    }
-                    let len = OFFLOAD_CHUNK.min(size - off) as u32;
-                    let range = CopyRange { offset: off, len };
-                    if let Err(e) = q.copy(&source, &[range], off) {
-                        let hint = match e {
-                            blkwire_client::Error::Copy {
-                                status: blkwire_wire::Status::Unsupported,
-                                ..
-                            } => " (the target cannot copy from this source: use --no-offload)",
-                            _ => "",
-                        };
-                        first_err
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .get_or_insert(format!("copy at {off}: {e}{hint}"));
-                        stop.store(true, Ordering::Relaxed);
-                        break;
-                    }
-                    done.fetch_add(len as u64, Ordering::Relaxed);
-                }
-                q
+    let source = src_export.to_string();
+    let mut queues = run_workers(
+        dst.queues,
+        size,
+        OFFLOAD_CHUNK,
+        !a.no_progress,
+        |q, off, len| {
+            let range = CopyRange {
+                offset: off,
+                len: len as u32,
+            };
+            q.copy(&source, &[range], off).map_err(|e| {
+                let hint = match e {
+                    blkwire_client::Error::Copy {
+                        status: blkwire_wire::Status::Unsupported,
+                        ..
+                    } => " (the target cannot copy from this source: use --no-offload)",
+                    _ => "",
+                };
+                format!("{}: copy at {off}: {e}{hint}", a.dst)
             })
-        })
-        .collect();
-    let bar = if !a.no_progress && std::io::stderr().is_terminal() {
-        progress_bar(size)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    while workers.iter().any(|w| !w.is_finished()) {
-        bar.set_position(done.load(Ordering::Relaxed));
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    bar.finish_and_clear();
-    let mut queues = Vec::new();
-    for w in workers {
-        queues.push(w.join().map_err(|_| "a copy worker panicked".to_string())?);
-    }
-    if let Some(e) = first_err.lock().unwrap_or_else(|p| p.into_inner()).take() {
-        return Err(format!("{}: {e}", a.dst));
-    }
+        },
+    )?;
     if let Some(q) = queues.first_mut() {
         q.flush().map_err(|e| format!("{}: {e}", a.dst))?;
     }
@@ -355,6 +278,68 @@ fn offload(a: &Args, src_export: &str) -> Result<(), String> {
         size as f64 / secs.max(1e-9) / 1048576.0
     );
     Ok(())
+}
+
+/// Runs one worker thread per `ends` entry (a queue, a file handle, a pair of them), each
+/// taking the next `chunk` of `0..size` until none is left and calling `work(end, offset,
+/// length)` on it, with a progress bar on a terminal unless `progress` is false. The first
+/// error stops every worker and is returned; otherwise the ends come back, in order.
+fn run_workers<E: Send>(
+    ends: Vec<E>,
+    size: u64,
+    chunk: u64,
+    progress: bool,
+    work: impl Fn(&mut E, u64, u64) -> Result<(), String> + Sync,
+) -> Result<Vec<E>, String> {
+    let next = AtomicU64::new(0);
+    let done = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    let first_err: Mutex<Option<String>> = Mutex::default();
+    let bar = if progress && std::io::stderr().is_terminal() {
+        progress_bar(size)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let ends = std::thread::scope(|scope| {
+        let workers: Vec<_> = ends
+            .into_iter()
+            .map(|mut end| {
+                let (next, done, stop, first_err, work) = (&next, &done, &stop, &first_err, &work);
+                scope.spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        let off = next.fetch_add(chunk, Ordering::Relaxed);
+                        if off >= size {
+                            break;
+                        }
+                        let n = chunk.min(size - off);
+                        if let Err(e) = work(&mut end, off, n) {
+                            first_err
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .get_or_insert(e);
+                            stop.store(true, Ordering::Relaxed);
+                            break;
+                        }
+                        done.fetch_add(n, Ordering::Relaxed);
+                    }
+                    end
+                })
+            })
+            .collect();
+        while workers.iter().any(|w| !w.is_finished()) {
+            bar.set_position(done.load(Ordering::Relaxed));
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        workers
+            .into_iter()
+            .map(|w| w.join().map_err(|_| "a copy worker panicked".to_string()))
+            .collect::<Result<Vec<E>, String>>()
+    });
+    bar.finish_and_clear();
+    match first_err.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => ends,
+    }
 }
 
 fn copy_chunk(

@@ -4,20 +4,7 @@ mod common;
 
 use std::process::Command;
 
-use common::{assert_one_line_error, cli, random_bytes, sparse_file, Target, TempDir, BIN};
-
-fn sha256(path: &std::path::Path) -> String {
-    let out = Command::new("sha256sum")
-        .arg(path)
-        .output()
-        .expect("sha256sum");
-    assert!(out.status.success());
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string()
-}
+use common::{assert_one_line_error, cli, random_bytes, sha256, sparse_file, Target, TempDir, BIN};
 
 #[test]
 fn cp_round_trip_preserves_every_byte() {

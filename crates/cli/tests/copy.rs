@@ -11,7 +11,7 @@ use std::process::Command;
 use blkwire_client::{connect, Cmd, ConnectOptions, CopyRange, Error, Queue, Session, Url};
 use blkwire_wire::{CopyDescriptor, Status};
 use common::netlab::{run, sh, NetLab, Served};
-use common::{assert_one_line_error, cli, random_bytes, sparse_file, Target, TempDir};
+use common::{assert_one_line_error, cli, random_bytes, sha256, sparse_file, Target, TempDir};
 
 const MIB: u64 = 1 << 20;
 
@@ -387,16 +387,6 @@ fn many_copies_sent_at_once_do_not_grow_the_target_by_a_buffer_each() {
         "the target grew by {} MiB for 128 COPYs in flight",
         grew / MIB
     );
-}
-
-fn sha256(path: &std::path::Path) -> String {
-    let out = Command::new("sha256sum").arg(path).output().unwrap();
-    assert!(out.status.success());
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string()
 }
 
 #[test]

@@ -23,7 +23,7 @@ use std::sync::{mpsc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use common::netlab::{NetLab, Served};
-use common::{random_bytes, Target, TempDir, BIN};
+use common::{random_bytes, sha256, Target, TempDir, BIN};
 use serde_json::Value;
 
 fn is_root() -> bool {
@@ -402,14 +402,6 @@ fn run_ok(cmd: &str, args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn sha256(path: &Path) -> String {
-    run_ok("sha256sum", &[path.to_str().unwrap()])
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string()
 }
 
 /// Waits for process `pid` to exit (its pidfd turns readable); false on timeout.

@@ -172,6 +172,20 @@ pub fn sparse_file(path: &std::path::Path, size: u64) {
         .expect("create file");
 }
 
+/// The SHA-256 of a file, as `sha256sum` prints it.
+pub fn sha256(path: &std::path::Path) -> String {
+    let out = Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .expect("sha256sum (coreutils)");
+    assert!(out.status.success(), "sha256sum {}", path.display());
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
 /// Runs the CLI; returns (exit success, stdout, stderr).
 pub fn cli(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(BIN)

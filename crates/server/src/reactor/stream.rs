@@ -170,14 +170,8 @@ fn dispatch(
             return c.reply(req, Status::Ok);
         }
     };
-    if let Some(s) = req.slot {
-        match c.slots.get(s as usize) {
-            None => return c.reply(req, Status::Invalid),
-            Some(slot) if slot.busy => {
-                return c.violation(&format_args!("slot {s} reused while in flight"))
-            }
-            Some(_) => {}
-        }
+    if !client_slot_free(c, req, req) {
+        return;
     }
     if let Err(st) = c.exec.admit(&block) {
         return c.reply(req, st);
@@ -259,14 +253,8 @@ fn copy(
 ) {
     // A refused COPY copied nothing: its reply's length says so (§13).
     let refused = Req { length: 0, ..*req };
-    if let Some(s) = req.slot {
-        match c.slots.get(s as usize) {
-            None => return c.reply(&refused, Status::Invalid),
-            Some(slot) if slot.busy => {
-                return c.violation(&format_args!("slot {s} reused while in flight"))
-            }
-            Some(_) => {}
-        }
+    if !client_slot_free(c, req, &refused) {
+        return;
     }
     let Some(desc) =
         c.fe.copy_descriptor(&c.rx[payload_at..payload_at + payload_len])
@@ -285,6 +273,21 @@ fn copy(
             c.inflight += 1;
         }
     }
+}
+
+/// Whether the slot a client chose for `req` exists and is free (server-assigned slots always
+/// are): a slot past the depth is answered INVALID (with `refused` as the request), one in
+/// flight breaks the protocol and closes the queue.
+fn client_slot_free(c: &mut Conn, req: &Req, refused: &Req) -> bool {
+    let Some(s) = req.slot else {
+        return true;
+    };
+    match c.slots.get(s as usize) {
+        None => c.reply(refused, Status::Invalid),
+        Some(slot) if slot.busy => c.violation(&format_args!("slot {s} reused while in flight")),
+        Some(_) => return true,
+    }
+    false
 }
 
 /// Answers the COPY in `slot`: the reply's length is what it copied (PROTOCOL.md §13).
