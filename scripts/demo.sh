@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The demo: a target with a 256 MiB RAM export on loopback, a 64 MiB file uploaded and read back
-# (checksums compared), a short benchmark, then a clean stop.
+# The demo: a target with two 256 MiB RAM exports on loopback, a 64 MiB file uploaded and read
+# back (checksums compared), the export cloned inside the target (server-side copy, checksums
+# compared), a short benchmark, then a clean stop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=target/release/blkwire
@@ -19,9 +20,10 @@ else
     step() { printf '\n== %s\n' "$*"; }
 fi
 
-step "start a target: blkwire serve --listen tcp://127.0.0.1:0 --export demo=mem:256M"
+step "start a target: blkwire serve --listen tcp://127.0.0.1:0 --export demo=mem:256M --export clone=mem:256M"
 mkfifo "$work/ready"
-$BIN serve --listen tcp://127.0.0.1:0 --export demo=mem:256M --log-level warn >"$work/ready" &
+$BIN serve --listen tcp://127.0.0.1:0 --export demo=mem:256M --export clone=mem:256M \
+    --log-level warn >"$work/ready" &
 pid=$!
 # The target prints 'listening URL' once it accepts connections.
 read -r -t 20 _ base <"$work/ready" || { echo "demo: target did not start" >&2; exit 1; }
@@ -40,6 +42,12 @@ step "download it again: blkwire cp $url back.img"
 $BIN cp "$url" "$work/back.img"
 want=$(sha256sum <"$work/demo.img" | cut -d' ' -f1)
 got=$(head -c $((64 << 20)) "$work/back.img" | sha256sum | cut -d' ' -f1)
+if [ "$want" = "$got" ]; then echo "sha256 match: $want"; else echo "sha256 MISMATCH: $want != $got" >&2; exit 1; fi
+
+step "clone it inside the target (no data crosses the network): blkwire cp $url $base/clone"
+$BIN cp "$url" "$base/clone"
+$BIN cp "$base/clone" "$work/clone.img"
+got=$(head -c $((64 << 20)) "$work/clone.img" | sha256sum | cut -d' ' -f1)
 if [ "$want" = "$got" ]; then echo "sha256 match: $want"; else echo "sha256 MISMATCH: $want != $got" >&2; exit 1; fi
 
 step "benchmark: 4k random reads, 32 in flight, 3 s"
