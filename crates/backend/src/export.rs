@@ -379,6 +379,9 @@ struct CopyState {
     source: Option<Box<dyn QueueIo>>,
     /// The source backend's identity ([`backend_id`]), to keep its queue for the next copy.
     source_id: usize,
+    /// A copy from another export whose backend this one copies from by descriptor
+    /// ([`Op::CopyFrom`]): the descriptor, and its backend, held so it stays open.
+    from_fd: Option<(RawFd, Arc<dyn Backend>)>,
     /// Emulation only: the chunk between its read and its write.
     bounce: Option<AlignedBuf>,
     /// The bounce buffer's alignment: what both exports' backends need (O_DIRECT).
@@ -622,7 +625,7 @@ impl ExportQueue {
         tag: u64,
         sq: &mut dyn Submitter,
     ) -> Progress {
-        self.run_copy(sources, None, self.zero_align, dst, tag, sq)
+        self.run_copy(sources, None, None, self.zero_align, dst, tag, sq)
     }
 
     /// Starts a COPY into this queue's export of `sources` of another export `src` of the same
@@ -638,6 +641,16 @@ impl ExportQueue {
         tag: u64,
         sq: &mut dyn Submitter,
     ) -> Progress {
+        // Straight from the source's file or memfd where this backend can (one copy, in the
+        // kernel, or shared extents).
+        if let (true, Some(fd)) = (
+            self.backend.copies_from_fds(),
+            src.backend().copy_source_fd(),
+        ) {
+            let align = self.zero_align;
+            let from = Some((fd, src.backend().clone()));
+            return self.run_copy(sources, None, from, align, dst, tag, sq);
+        }
         let id = backend_id(src.backend());
         let spare = self.spare_sources.iter().position(|(b, _)| *b == id);
         let source = match spare.map(|i| self.spare_sources.swap_remove(i).1) {
@@ -650,13 +663,15 @@ impl ExportQueue {
             },
         };
         let align = self.zero_align.max(src.backend().buffer_alignment());
-        self.run_copy(sources, Some((id, source)), align, dst, tag, sq)
+        self.run_copy(sources, Some((id, source)), None, align, dst, tag, sq)
     }
 
+    #[allow(clippy::too_many_arguments)] // one private constructor of a copy's state
     fn run_copy(
         &mut self,
         sources: &[CopyRange],
         source: Option<(usize, Box<dyn QueueIo>)>,
+        from_fd: Option<(RawFd, Arc<dyn Backend>)>,
         align: usize,
         dst: u64,
         tag: u64,
@@ -673,6 +688,7 @@ impl ExportQueue {
             bounce: None,
             source_id: source.as_ref().map_or(0, |s| s.0),
             source: source.map(|s| s.1),
+            from_fd,
             align,
             since_yield: 0,
             parked: None,
@@ -952,6 +968,15 @@ impl ExportQueue {
         };
         let src = r.offset + st.at as u64;
         st.chunk = (r.len - st.at).min(COPY_CHUNK);
+        if let Some((fd, _)) = &st.from_fd {
+            let copy = Op::CopyFrom {
+                fd: *fd,
+                src,
+                dst: st.dst,
+                len: st.chunk,
+            };
+            return Ok((copy, Next::Copy(st)));
+        }
         if self.caps.copy == Support::Native && st.source.is_none() {
             let copy = Op::Copy {
                 src,

@@ -95,7 +95,12 @@ impl FileBackend {
                             no_hole,
                         }) => f.write_zeroes(offset, len, no_hole, &mut zeros),
                         Slow::Op(Op::Copy { src, dst, len }) => {
-                            f.copy(src, dst, len, &mut reflink, &mut scratch)
+                            f.copy(f.fd, src, dst, len, &mut reflink, &mut scratch)
+                        }
+                        // Another export's file: a refused reflink there (another filesystem)
+                        // says nothing of reflinks within this file, so it is tried each time.
+                        Slow::Op(Op::CopyFrom { fd, src, dst, len }) => {
+                            f.copy(fd, src, dst, len, &mut true, &mut scratch)
                         }
                         Slow::Op(_) => -libc::EINVAL, // READ, WRITE and FLUSH use the ring
                         Slow::Allocation { offset, len, out } => {
@@ -320,14 +325,22 @@ impl FileBackend {
 }
 
 impl FileBackend {
-    /// COPY within the file: a reflink (`FICLONERANGE`: the ranges share extents, nothing is
-    /// copied) while `reflink` holds and the filesystem takes it, else `copy_file_range` (the
-    /// filesystem may still share extents or copy on the server), and where the filesystem
-    /// refuses that too, reads and writes through `bounce`. Runs on the export's helper thread;
-    /// `len` or a negative errno.
-    fn copy(&self, src: u64, dst: u64, len: u32, reflink: &mut bool, bounce: &mut ZeroBuf) -> i32 {
+    /// COPY into the file from `from` (this file's own descriptor, or another export's): a
+    /// reflink (`FICLONERANGE`: the ranges share extents, nothing is copied) while `reflink`
+    /// holds and the filesystem takes it, else `copy_file_range` (the filesystem may still share
+    /// extents or copy in the kernel), and where the filesystem refuses that too, reads and
+    /// writes through `bounce`. Runs on the export's helper thread; `len` or a negative errno.
+    fn copy(
+        &self,
+        from: RawFd,
+        src: u64,
+        dst: u64,
+        len: u32,
+        reflink: &mut bool,
+        bounce: &mut ZeroBuf,
+    ) -> i32 {
         if *reflink {
-            match self.clone_range(src, dst, len) {
+            match self.clone_range(from, src, dst, len) {
                 Ok(()) => return len as i32,
                 // Not this filesystem (or a regular file on it): never again for this export.
                 Err(libc::EOPNOTSUPP | libc::ENOTTY | libc::EXDEV | libc::ENOSYS) => {
@@ -342,7 +355,7 @@ impl FileBackend {
         while left > 0 {
             // SAFETY: copy_file_range between ranges of our own descriptor; the kernel advances
             // the offsets we pass.
-            let n = unsafe { libc::copy_file_range(self.fd, &mut s, self.fd, &mut d, left, 0) };
+            let n = unsafe { libc::copy_file_range(from, &mut s, self.fd, &mut d, left, 0) };
             match n {
                 n if n > 0 => left -= n as usize,
                 0 => return -libc::EIO,
@@ -350,7 +363,7 @@ impl FileBackend {
                     Some(libc::EINTR) => continue,
                     Some(libc::EXDEV | libc::EOPNOTSUPP | libc::EINVAL | libc::ENOSYS) => {
                         return self
-                            .copy_by_reading(s as u64, d as u64, left, bounce.get_mut())
+                            .copy_by_reading(from, s as u64, d as u64, left, bounce.get_mut())
                             .map_or_else(|e| e, |()| len as i32);
                     }
                     e => return -e.unwrap_or(libc::EIO),
@@ -360,9 +373,9 @@ impl FileBackend {
         len as i32
     }
 
-    /// `FICLONERANGE` of `len` bytes from `src` to `dst` within the file; the errno when the
-    /// filesystem refuses.
-    fn clone_range(&self, src: u64, dst: u64, len: u32) -> Result<(), i32> {
+    /// `FICLONERANGE` of `len` bytes from `src` of `from` to `dst` of the file; the errno when
+    /// the filesystem refuses.
+    fn clone_range(&self, from: RawFd, src: u64, dst: u64, len: u32) -> Result<(), i32> {
         /// `struct file_clone_range` of linux/fs.h.
         #[repr(C)]
         struct FileCloneRange {
@@ -374,7 +387,7 @@ impl FileBackend {
         /// `_IOW(0x94, 13, struct file_clone_range)`.
         const FICLONERANGE: libc::c_ulong = 0x4020_940d;
         let arg = FileCloneRange {
-            src_fd: self.fd as i64,
+            src_fd: from as i64,
             src_offset: src,
             src_length: len as u64,
             dest_offset: dst,
@@ -393,6 +406,7 @@ impl FileBackend {
 
     fn copy_by_reading(
         &self,
+        from: RawFd,
         mut src: u64,
         mut dst: u64,
         mut left: usize,
@@ -406,7 +420,7 @@ impl FileBackend {
         while left > 0 {
             let n = left.min(buf.len());
             // SAFETY: pread into our own buffer of at least `n` bytes.
-            let r = unsafe { libc::pread(self.fd, buf.as_mut_ptr().cast(), n, src as libc::off_t) };
+            let r = unsafe { libc::pread(from, buf.as_mut_ptr().cast(), n, src as libc::off_t) };
             if r <= 0 {
                 return Err(if r == 0 { -libc::EIO } else { errno() });
             }
@@ -480,6 +494,12 @@ impl Drop for FileBackend {
 }
 
 impl Backend for FileBackend {
+    fn copy_source_fd(&self) -> Option<RawFd> {
+        (!self.block_device).then_some(self.fd)
+    }
+    fn copies_from_fds(&self) -> bool {
+        !self.block_device
+    }
     fn describe(&self) -> String {
         let d = if self.direct { "?direct=1" } else { "" };
         format!("file:{}{d}", self.path.display())
@@ -643,7 +663,7 @@ impl QueueIo for FileQueue {
             Op::Flush => opcode::Fsync::new(fd)
                 .flags(types::FsyncFlags::DATASYNC)
                 .build(),
-            Op::Trim { .. } | Op::WriteZeroes { .. } | Op::Copy { .. } => {
+            Op::Trim { .. } | Op::WriteZeroes { .. } | Op::Copy { .. } | Op::CopyFrom { .. } => {
                 return self.slow(Slow::Op(op), tag)
             }
         };

@@ -102,6 +102,19 @@ pub enum Op {
         /// Bytes.
         len: u32,
     },
+    /// Copy `len` bytes at `src` of the file behind `fd` (another export's, from its
+    /// [`Backend::copy_source_fd`]) to `dst` of this export. Only sent to backends whose
+    /// [`Backend::copies_from_fds`] is true; the result is `len` or a negative errno.
+    CopyFrom {
+        /// The source export's descriptor, kept open by the caller until the result.
+        fd: RawFd,
+        /// First byte of the source.
+        src: u64,
+        /// First byte of the destination.
+        dst: u64,
+        /// Bytes.
+        len: u32,
+    },
 }
 
 impl Op {
@@ -162,6 +175,18 @@ pub trait Backend: Send + Sync {
     fn reads_as_zero(&self) -> bool;
     /// Opens the per-queue handle; called on the queue's own thread.
     fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>>;
+    /// A descriptor whose bytes are the export's, for COPYs into other exports to read with
+    /// `copy_file_range`, a reflink or `pread` ([`Op::CopyFrom`]): a regular file or a memfd.
+    /// `None` (the default): other exports read it through a queue and a bounce buffer.
+    fn copy_source_fd(&self) -> Option<RawFd> {
+        None
+    }
+    /// True when this backend copies from another export's [`Backend::copy_source_fd`] itself
+    /// ([`Op::CopyFrom`]): one copy in the kernel (or a shared extent) instead of a read and a
+    /// write through a bounce buffer.
+    fn copies_from_fds(&self) -> bool {
+        false
+    }
     /// Buffers handed to this backend must be aligned to this (O_DIRECT), 1 otherwise.
     fn buffer_alignment(&self) -> usize {
         1

@@ -10,7 +10,7 @@
 //! returning the memory.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
 use crate::{Backend, Capabilities, Op, QueueIo, Started, Submitter, Support};
@@ -126,25 +126,8 @@ impl MemBackend {
     /// # Safety
     /// `buf` must be valid for writes of `len` bytes.
     unsafe fn read(&self, offset: u64, buf: *mut u8, len: u32) -> i32 {
-        let mut done = 0usize;
-        while done < len as usize {
-            // SAFETY: the caller's buffer holds `len` bytes; the range is inside the file.
-            let n = unsafe {
-                libc::pread(
-                    self.fd.as_raw_fd(),
-                    buf.add(done).cast(),
-                    len as usize - done,
-                    (offset + done as u64) as libc::off_t,
-                )
-            };
-            match n {
-                n if n > 0 => done += n as usize,
-                0 => return -libc::EIO,
-                _ if errno() == libc::EINTR => continue,
-                _ => return -errno(),
-            }
-        }
-        0
+        // SAFETY: passed on from our caller.
+        unsafe { read_fd(self.fd.as_raw_fd(), offset, buf, len) }
     }
     /// Runs one range-checked op to completion on the calling thread: bytes moved (READ, WRITE),
     /// 0, or a negative errno.
@@ -180,6 +163,15 @@ impl MemBackend {
                     e => e,
                 }
             }
+            // From another export's file or memfd straight into our mapping: one copy.
+            Op::CopyFrom { fd, src, dst, len } => {
+                // SAFETY: the destination range is bounds-checked by Export (check_copy_from)
+                // and lies inside our mapping; the caller keeps `fd` open until the result.
+                match unsafe { read_fd(fd, src, self.base.add(dst as usize), len) } {
+                    0 => len as i32,
+                    e => e,
+                }
+            }
             Op::Trim { offset, len }
             | Op::WriteZeroes {
                 offset,
@@ -207,9 +199,42 @@ impl Drop for MemBackend {
     }
 }
 
+/// `pread`s `len` bytes at `offset` of `fd` into `buf`: 0, or a negative errno (EIO at the
+/// file's end).
+///
+/// # Safety
+/// `buf` must be valid for writes of `len` bytes.
+unsafe fn read_fd(fd: RawFd, offset: u64, buf: *mut u8, len: u32) -> i32 {
+    let mut done = 0usize;
+    while done < len as usize {
+        // SAFETY: the caller's buffer holds `len` bytes.
+        let n = unsafe {
+            libc::pread(
+                fd,
+                buf.add(done).cast(),
+                len as usize - done,
+                (offset + done as u64) as libc::off_t,
+            )
+        };
+        match n {
+            n if n > 0 => done += n as usize,
+            0 => return -libc::EIO,
+            _ if errno() == libc::EINTR => continue,
+            _ => return -errno(),
+        }
+    }
+    0
+}
+
 impl Backend for MemBackend {
     fn describe(&self) -> String {
         format!("mem:{}", crate::format_size(self.size))
+    }
+    fn copy_source_fd(&self) -> Option<RawFd> {
+        Some(self.fd.as_raw_fd())
+    }
+    fn copies_from_fds(&self) -> bool {
+        true
     }
     fn size(&self) -> u64 {
         self.size

@@ -85,7 +85,7 @@ impl QueueIo for NullQueue {
                 unsafe { std::ptr::write_bytes(buf, 0, len as usize) };
                 len as i32
             }
-            Op::Write { len, .. } | Op::Copy { len, .. } => len as i32,
+            Op::Write { len, .. } | Op::Copy { len, .. } | Op::CopyFrom { len, .. } => len as i32,
             _ => 0,
         })
     }

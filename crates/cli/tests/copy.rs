@@ -339,11 +339,12 @@ fn peak_kib(pid: u32) -> u64 {
 }
 
 /// A client that pipelines a queue's worth of COPYs between exports (each needing a 1 MiB
-/// bounce buffer inside the target) gets them run one at a time: the target's memory grows by
-/// the data copied, not by a buffer per COPY sent.
+/// bounce buffer inside the target: the source, memthread:, offers no descriptor to copy from)
+/// gets them run one at a time: the target's memory grows by the data copied, not by a buffer
+/// per COPY sent.
 #[test]
 fn many_copies_sent_at_once_do_not_grow_the_target_by_a_buffer_each() {
-    let t = Target::start(&["a=mem:16M", "b=mem:16M"]);
+    let t = Target::start(&["a=memthread:16M", "b=mem:16M"]);
     let mut a = session(&t.url("a"), 1);
     a.queues[0]
         .write_at(&random_bytes((16 * MIB) as usize, 10), 0, false)
@@ -585,7 +586,7 @@ fn extents(path: &std::path::Path) -> Vec<(u64, u64, u64, bool)> {
 }
 
 #[test]
-fn on_a_reflink_filesystem_a_file_export_copies_by_sharing_extents() {
+fn on_a_reflink_filesystem_file_exports_copy_by_sharing_extents_within_and_across() {
     let xfs = Xfs::new();
     let f = xfs.path("disk.img");
     std::fs::write(&f, random_bytes((16 * MIB) as usize, 8)).unwrap();
@@ -611,6 +612,28 @@ fn on_a_reflink_filesystem_a_file_export_copies_by_sharing_extents() {
     let (src, dst) = (block_of(0), block_of(32 * MIB / 4096));
     assert!(src.3 && dst.3, "extents shared: {ext:?}");
     assert_eq!(src.1, dst.1, "the same physical blocks: {ext:?}");
+    drop(s);
+    drop(t);
+    // Between two file exports on the filesystem: the other file shares the blocks too.
+    let g = xfs.path("other.img");
+    sparse_file(&g, 64 * MIB);
+    let t = Target::start(&[
+        &format!("d=file:{}", f.display()),
+        &format!("g=file:{}", g.display()),
+    ]);
+    let mut s = session(&t.url("g"), 1);
+    let q = &mut s.queues[0];
+    q.copy("d", &[range(0, 16 * MIB)], 0).unwrap();
+    q.flush().unwrap();
+    let mut d = session(&t.url("d"), 1);
+    assert!(read(q, 0, 16 * MIB) == read(&mut d.queues[0], 0, 16 * MIB));
+    let other = extents(&g);
+    assert!(
+        other
+            .first()
+            .is_some_and(|e| e.0 == 0 && e.1 == src.1 && e.3),
+        "the other file's first extent is the source's blocks: {other:?} vs {ext:?}"
+    );
 }
 
 /// Bytes a namespace's veth end has received and sent.
