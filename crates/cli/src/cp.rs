@@ -180,14 +180,7 @@ pub fn run(a: Args) -> Result<(), String> {
             let _ = q.logout();
         }
     }
-    let secs = start.elapsed().as_secs_f64();
-    println!(
-        "copied {} ({} bytes) in {:.2}s, {:.1} MiB/s",
-        blkwire_backend::format_size(size),
-        size,
-        secs,
-        size as f64 / secs.max(1e-9) / 1048576.0
-    );
+    report(size, start, "");
     Ok(())
 }
 
@@ -269,15 +262,18 @@ fn offload(a: &Args, src_export: &str) -> Result<(), String> {
     for q in queues {
         let _ = q.logout();
     }
+    report(size, start, ", inside the target");
+    Ok(())
+}
+
+/// The line a finished copy prints: what, how long, how fast.
+fn report(size: u64, start: Instant, how: &str) {
     let secs = start.elapsed().as_secs_f64();
     println!(
-        "copied {} ({} bytes) in {:.2}s, {:.1} MiB/s, inside the target",
+        "copied {} ({size} bytes) in {secs:.2}s, {:.1} MiB/s{how}",
         blkwire_backend::format_size(size),
-        size,
-        secs,
         size as f64 / secs.max(1e-9) / 1048576.0
     );
-    Ok(())
 }
 
 /// Runs one worker thread per `ends` entry (a queue, a file handle, a pair of them), each
