@@ -41,7 +41,10 @@ fuzz_target!(|data: &[u8]| {
             Ok(Progress::Need(n)) => {
                 assert!(n > rx.len(), "Need({n}) with {} bytes buffered", rx.len());
                 assert!(n <= p.max_plen as usize, "Need({n}) beyond the bound");
-                assert!(matches!(nvme_tcp::decode(rx, &p), Err(nvme_tcp::PduError::Short)));
+                assert!(matches!(
+                    nvme_tcp::decode(rx, &p),
+                    Err(nvme_tcp::PduError::Short)
+                ));
                 break;
             }
             Ok(Progress::Complete(len)) => len,
@@ -55,14 +58,22 @@ fuzz_target!(|data: &[u8]| {
         for k in [0, CH_LEN - 1, CH_LEN, len / 2, len - 1] {
             if k < len {
                 let want = if k < CH_LEN { CH_LEN } else { len };
-                assert_eq!(nvme_tcp::pdu_len(&rx[..k], &p), Ok(Progress::Need(want)), "{k}");
+                assert_eq!(
+                    nvme_tcp::pdu_len(&rx[..k], &p),
+                    Ok(Progress::Need(want)),
+                    "{k}"
+                );
             }
         }
         match nvme_tcp::decode(rx, &p) {
             Ok(pdu) => {
                 out.clear();
                 pdu.encode(&p, &mut out);
-                assert_eq!(&out[..], &rx[..len], "{pdu:?} did not re-encode to its bytes");
+                assert_eq!(
+                    &out[..],
+                    &rx[..len],
+                    "{pdu:?} did not re-encode to its bytes"
+                );
             }
             // A receiver closes the connection here.
             Err(e) => {
