@@ -415,8 +415,9 @@ impl PduError {
         use PduError::*;
         let field = |offset: usize| Some((fes::INVALID_HEADER_FIELD, offset as u32));
         match self {
-            UnknownType(_) => field(0),
-            WrongDirection(_) => Some((fes::PDU_SEQUENCE_ERROR, 0)),
+            // A type the receiver never takes is a bad type field (as SPDK reports it); a
+            // sequence error is a valid type at the wrong time, which only the frontend knows.
+            UnknownType(_) | WrongDirection(_) => field(0),
             BadHlen { .. } => field(2),
             BadFlags { .. } | HeaderDigestFlag { .. } | DataDigestFlag { .. } => field(1),
             BadPdo { .. } => field(3),
@@ -1691,6 +1692,10 @@ mod tests {
         assert_eq!(
             pdu_len(&cmd, &h),
             Err(PduError::WrongDirection(PduType::CapsuleCmd))
+        );
+        assert_eq!(
+            pdu_len(&cmd, &h).unwrap_err().term_status(),
+            Some((fes::INVALID_HEADER_FIELD, 0))
         );
 
         // HLEN is fixed per type: one more dword is refused for every type.
