@@ -11,6 +11,7 @@ pub mod datagram;
 mod frame;
 mod handshake;
 pub mod nbd;
+pub mod nvme_tcp;
 
 pub use copy::CopyDescriptor;
 pub use frame::{Flags, FrameError, Header, Opcode, Status, Tag, HEADER_LEN, MAGIC, VERSION};
