@@ -289,6 +289,19 @@ impl Export {
         sources: &[CopyRange],
         dst: u64,
     ) -> Result<u64, Refusal> {
+        self.check_copy_within(self.size(), src, sources, dst)
+    }
+
+    /// As [`Export::check_copy_from`] with this export bounded by `size`, the size a session
+    /// was given (as [`Export::check_within`]): the destination, and the sources when `src` is
+    /// this export, lie within it; another export's sources within that export's size now.
+    pub fn check_copy_within(
+        &self,
+        size: u64,
+        src: &Export,
+        sources: &[CopyRange],
+        dst: u64,
+    ) -> Result<u64, Refusal> {
         if self.read_only {
             return Err(Refusal::ReadOnly);
         }
@@ -296,20 +309,21 @@ impl Export {
         if sources.is_empty() || sources.len() > limits.max_copy_ranges as usize {
             return Err(Refusal::Invalid);
         }
+        let same = std::ptr::eq(self, src);
+        let src_size = if same { size } else { src.size() };
         let mut total = 0u64;
         for r in sources {
             if r.len == 0 {
                 return Err(Refusal::Invalid);
             }
-            src.check(false, r.offset, r.len as u64)?;
+            src.check_within(src_size, false, r.offset, r.len as u64)?;
             total += r.len as u64;
         }
         if total > limits.max_copy_bytes {
             return Err(Refusal::Invalid);
         }
-        self.check(true, dst, total)?;
+        self.check_within(size, true, dst, total)?;
         let dst_end = dst + total;
-        let same = std::ptr::eq(self, src);
         if same
             && sources
                 .iter()
@@ -373,15 +387,10 @@ struct CopyState {
     chunk: u32,
     /// Emulation: the chunk was read into `bounce` and must be written next.
     read_done: bool,
-    /// A copy from another export: a queue on that export's backend, which the reads go to.
-    /// Declared before `bounce` so it is dropped first: a source that reads on its own threads
-    /// finishes the read it was given (into `bounce`) before its queue is gone.
-    source: Option<Box<dyn QueueIo>>,
-    /// The source backend's identity ([`backend_id`]), to keep its queue for the next copy.
-    source_id: usize,
-    /// A copy from another export whose backend this one copies from by descriptor
-    /// ([`Op::CopyFrom`]): the descriptor, and its backend, held so it stays open.
-    from_fd: Option<(RawFd, Arc<dyn Backend>)>,
+    /// Where the bytes come from. Declared before `bounce` so it is dropped first: a source
+    /// queue that reads on its own threads finishes the read it was given (into `bounce`)
+    /// before it is gone.
+    source: CopySource,
     /// Emulation only: the chunk between its read and its write.
     bounce: Option<AlignedBuf>,
     /// The bounce buffer's alignment: what both exports' backends need (O_DIRECT).
@@ -396,16 +405,39 @@ struct CopyState {
     awaiting_source: bool,
 }
 
+/// Where a COPY's bytes come from.
+enum CopySource {
+    /// This export.
+    Own,
+    /// Another export whose descriptor this backend copies from itself ([`Op::CopyFrom`]): the
+    /// descriptor, and its backend, held so it stays open.
+    Fd { fd: RawFd, _open: Arc<dyn Backend> },
+    /// Another export, read on a queue of its backend; with the backend's identity
+    /// ([`backend_id`]), to keep the queue for the next copy from there.
+    Queue(usize, Box<dyn QueueIo>),
+}
+
 impl CopyState {
+    /// The queue the reads go to, for a copy from another export read through one.
+    fn source_queue(&mut self) -> Option<&mut Box<dyn QueueIo>> {
+        match &mut self.source {
+            CopySource::Queue(_, q) => Some(q),
+            _ => None,
+        }
+    }
+
     /// The notifier of a source whose reads complete on its own threads.
     fn source_notifier(&self) -> Option<RawFd> {
-        self.source.as_ref().and_then(|q| q.notifier())
+        match &self.source {
+            CopySource::Queue(_, q) => q.notifier(),
+            _ => None,
+        }
     }
 
     /// The result of the source read started with `tag`, if the source has handed it over.
     fn reap_source(&mut self, tag: u64) -> Option<i32> {
         let mut got = None;
-        if let Some(q) = self.source.as_mut() {
+        if let Some(q) = self.source_queue() {
             // The source queue is the copy's own: one read at a time is all it runs.
             q.reap(&mut |t, r| {
                 if t == tag {
@@ -625,7 +657,7 @@ impl ExportQueue {
         tag: u64,
         sq: &mut dyn Submitter,
     ) -> Progress {
-        self.run_copy(sources, None, None, self.zero_align, dst, tag, sq)
+        self.run_copy(sources, CopySource::Own, self.zero_align, dst, tag, sq)
     }
 
     /// Starts a COPY into this queue's export of `sources` of another export `src` of the same
@@ -647,9 +679,11 @@ impl ExportQueue {
             self.backend.copies_from_fds(),
             src.backend().copy_source_fd(),
         ) {
-            let align = self.zero_align;
-            let from = Some((fd, src.backend().clone()));
-            return self.run_copy(sources, None, from, align, dst, tag, sq);
+            let from = CopySource::Fd {
+                fd,
+                _open: src.backend().clone(),
+            };
+            return self.run_copy(sources, from, self.zero_align, dst, tag, sq);
         }
         let id = backend_id(src.backend());
         let spare = self.spare_sources.iter().position(|(b, _)| *b == id);
@@ -663,15 +697,13 @@ impl ExportQueue {
             },
         };
         let align = self.zero_align.max(src.backend().buffer_alignment());
-        self.run_copy(sources, Some((id, source)), None, align, dst, tag, sq)
+        self.run_copy(sources, CopySource::Queue(id, source), align, dst, tag, sq)
     }
 
-    #[allow(clippy::too_many_arguments)] // one private constructor of a copy's state
     fn run_copy(
         &mut self,
         sources: &[CopyRange],
-        source: Option<(usize, Box<dyn QueueIo>)>,
-        from_fd: Option<(RawFd, Arc<dyn Backend>)>,
+        source: CopySource,
         align: usize,
         dst: u64,
         tag: u64,
@@ -686,9 +718,7 @@ impl ExportQueue {
             chunk: 0,
             read_done: false,
             bounce: None,
-            source_id: source.as_ref().map_or(0, |s| s.0),
-            source: source.map(|s| s.1),
-            from_fd,
+            source,
             align,
             since_yield: 0,
             parked: None,
@@ -810,10 +840,12 @@ impl ExportQueue {
                 }
             }
             // A copy's read from another export goes to its queue there.
-            let from_source =
-                matches!(&next, Next::Copy(st) if st.read_done && st.source.is_some());
+            let from_source = matches!(
+                &next,
+                Next::Copy(st) if st.read_done && matches!(st.source, CopySource::Queue(..))
+            );
             let io = match &mut next {
-                Next::Copy(st) if from_source => st.source.as_mut().expect("checked"),
+                Next::Copy(st) if from_source => st.source_queue().expect("checked"),
                 _ => &mut self.io,
             };
             // SAFETY: passed on from our caller.
@@ -958,31 +990,31 @@ impl ExportQueue {
         }
         let Some(r) = st.ranges.get(st.idx).copied() else {
             // Done, nothing running on the source: keep its queue for the next copy.
-            if let Some(q) = st.source.take() {
+            if let CopySource::Queue(id, q) = std::mem::replace(&mut st.source, CopySource::Own) {
                 if self.spare_sources.len() == SPARE_SOURCES {
                     self.spare_sources.remove(0);
                 }
-                self.spare_sources.push((st.source_id, q));
+                self.spare_sources.push((id, q));
             }
             return Err(0);
         };
         let src = r.offset + st.at as u64;
         st.chunk = (r.len - st.at).min(COPY_CHUNK);
-        if let Some((fd, _)) = &st.from_fd {
-            let copy = Op::CopyFrom {
+        let native = match &st.source {
+            CopySource::Fd { fd, .. } => Some(Op::CopyFrom {
                 fd: *fd,
                 src,
                 dst: st.dst,
                 len: st.chunk,
-            };
-            return Ok((copy, Next::Copy(st)));
-        }
-        if self.caps.copy == Support::Native && st.source.is_none() {
-            let copy = Op::Copy {
+            }),
+            CopySource::Own if self.caps.copy == Support::Native => Some(Op::Copy {
                 src,
                 dst: st.dst,
                 len: st.chunk,
-            };
+            }),
+            _ => None,
+        };
+        if let Some(copy) = native {
             return Ok((copy, Next::Copy(st)));
         }
         st.read_done = true;

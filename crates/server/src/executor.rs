@@ -231,19 +231,16 @@ impl Executor {
                 None => return refused(Status::NoExport),
             }
         };
+        // What this session addresses (the destination, and sources in its own export) stays
+        // within the size it was given, whatever the export has grown to since.
         let src = source.as_deref().unwrap_or(&self.export);
-        match self.export.check_copy_from(src, &desc.ranges, dst) {
+        match self
+            .export
+            .check_copy_within(self.size, src, &desc.ranges, dst)
+        {
             Ok(n) if n == total as u64 => {}
             Ok(_) => return refused(Status::Invalid),
             Err(r) => return refused(refusal_status(r)),
-        }
-        // The export may have grown since the session began: what this session addresses (the
-        // destination, and sources in its own export) stays within the size it was given.
-        let within = |off: u64, len: u64| off.checked_add(len).is_some_and(|e| e <= self.size);
-        if !within(dst, total as u64)
-            || (source.is_none() && !desc.ranges.iter().all(|r| within(r.offset, r.len as u64)))
-        {
-            return refused(Status::OutOfRange);
         }
         let progress = match &source {
             None => self.io.start_copy(&desc.ranges, dst, tag, sq),
