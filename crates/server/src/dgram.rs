@@ -918,21 +918,21 @@ impl DgramPort {
             return self.reply_queue(qi, h, Status::Invalid);
         }
         let verdict = classify(q.slots[slot as usize].state, &q.slots[slot as usize].hdr, h);
-        // A request that needs a data buffer the memory budget cannot cover now is dropped
-        // before it changes the slot, like a lost frame: the initiator retransmits it.
-        let needs = matches!(verdict, Verdict::Reread | Verdict::New)
-            && matches!(h.opcode, Opcode::Read | Opcode::Write)
-            && h.length <= q.max_io;
+        // A request that needs a data buffer (or, a new COPY, a bounce buffer while it runs:
+        // PROTOCOL.md §13) the memory budget cannot cover now is dropped before it changes the
+        // slot, like a lost frame: the initiator retransmits it.
         let len = h.length as usize;
-        if needs && !self.bufs.has_spare(len) && !self.mem.try_cover(self.held() + len) {
-            self.stats.no_memory += 1;
-            return;
-        }
-        // A new COPY may hold a bounce buffer while it runs (PROTOCOL.md §13): the same rule.
-        if verdict == Verdict::New
-            && h.opcode == Opcode::Copy
-            && !self.mem.try_cover(self.held() + COPY_CHUNK as usize)
-        {
+        let fresh = matches!(verdict, Verdict::Reread | Verdict::New);
+        let needs = match h.opcode {
+            Opcode::Read | Opcode::Write
+                if fresh && h.length <= q.max_io && !self.bufs.has_spare(len) =>
+            {
+                len
+            }
+            Opcode::Copy if verdict == Verdict::New => COPY_CHUNK as usize,
+            _ => 0,
+        };
+        if needs > 0 && !self.mem.try_cover(self.held() + needs) {
             self.stats.no_memory += 1;
             return;
         }

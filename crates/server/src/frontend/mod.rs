@@ -63,6 +63,15 @@ impl Req {
         }
     }
 
+    /// The request as its refusal answers it: a refused COPY copied nothing, so its reply's
+    /// length is 0 (PROTOCOL.md §13); every other request is echoed as it came.
+    pub fn refused(&self) -> Req {
+        match self.kind {
+            Kind::Copy => Req { length: 0, ..*self },
+            _ => *self,
+        }
+    }
+
     /// A READ (the one request whose successful reply carries data).
     pub fn is_read(&self) -> bool {
         self.kind == Kind::Block(BlockOp::Read)

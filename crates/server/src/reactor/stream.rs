@@ -52,41 +52,28 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         // that answers later. Solicited data and answered messages still go through, so a
         // write waiting for its data can always complete.
         if let Decoded::Request { req, .. } = &decoded {
-            // One COPY at a time per queue, its bounce buffer inside the budget: the next
-            // waits in rx (the socket back-pressures the initiator).
-            if req.kind == Kind::Copy {
-                let bounce = blkwire_backend::COPY_CHUNK as usize;
-                if c.rx.capacity() + bounce > c.mem.cap() {
-                    // It could never run here (sessions are granted COPY only where it can,
-                    // but the connection's buffers may have grown): refused, 0 bytes copied.
-                    let refused = Req { length: 0, ..*req };
-                    c.rx_start += len;
-                    c.exec.stats.frames_in += 1;
-                    c.reply(&refused, Status::NoMemory);
-                    continue;
-                }
-                if c.copying || !c.covers(0, bounce) {
-                    break;
-                }
-            }
             let moves_data = matches!(req.kind, Kind::Block(op) if op.moves_data());
             if moves_data && c.tx_backlog() + c.held >= c.tx_high_water() {
                 break;
             }
             // And the memory budget must cover what the request will add: its reply data, and
-            // a data buffer unless it runs inline or a spare fits. Otherwise it waits in rx,
-            // unless it could never fit this connection's share: then it fails (ENOMEM).
-            if moves_data {
-                match covers_request(c, req) {
-                    Cover::Yes => {}
-                    Cover::Wait => break,
-                    Cover::Never => {
-                        let req = *req;
-                        c.rx_start += len;
-                        c.exec.stats.frames_in += 1;
-                        c.reply(&req, Status::NoMemory);
-                        continue;
-                    }
+            // a data buffer unless it runs inline or a spare fits; a COPY's bounce buffer.
+            // Otherwise it waits in rx, unless it could never fit this connection's share: then
+            // it fails (ENOMEM).
+            let cover = match req.kind {
+                Kind::Copy => covers_copy(c),
+                _ if moves_data => covers_request(c, req),
+                _ => Cover::Yes,
+            };
+            match cover {
+                Cover::Yes => {}
+                Cover::Wait => break,
+                Cover::Never => {
+                    let req = req.refused();
+                    c.rx_start += len;
+                    c.exec.stats.frames_in += 1;
+                    c.reply(&req, Status::NoMemory);
+                    continue;
                 }
             }
         }
@@ -113,6 +100,21 @@ enum Cover {
     Yes,
     Wait,
     Never,
+}
+
+/// Whether a COPY may start (see `parse_frames`): one at a time per queue (the next waits in
+/// rx, and the socket back-pressures the initiator), its bounce buffer inside the budget.
+/// Sessions are granted COPY only where a connection's share holds one, but the connection's
+/// own buffers may have grown past leaving room for it.
+fn covers_copy(c: &mut Conn) -> Cover {
+    let bounce = blkwire_backend::COPY_CHUNK as usize;
+    if c.rx.capacity() + bounce > c.mem.cap() {
+        Cover::Never
+    } else if c.copying || !c.covers(0, bounce) {
+        Cover::Wait
+    } else {
+        Cover::Yes
+    }
 }
 
 /// Whether the memory budget covers a data request (see `parse_frames`).
@@ -251,8 +253,7 @@ fn copy(
     payload_len: usize,
     sq: &mut Pusher<'_>,
 ) {
-    // A refused COPY copied nothing: its reply's length says so (§13).
-    let refused = Req { length: 0, ..*req };
+    let refused = req.refused();
     if !client_slot_free(c, req, &refused) {
         return;
     }
