@@ -57,12 +57,8 @@ fn parse_ranges(s: &str) -> Result<Vec<CopyRange>, String> {
 /// on the order the target copies in, so the target refuses it (PROTOCOL.md §13); say so
 /// before connecting.
 fn check_overlap(ranges: &[CopyRange], dst: u64) -> Result<(), String> {
-    let end = dst.saturating_add(ranges.iter().map(|r| r.len as u64).sum());
-    match ranges
-        .iter()
-        .find(|r| r.offset < end && dst < r.offset.saturating_add(r.len as u64))
-    {
-        Some(r) => Err(format!(
+    match blkwire_client::overlapping_source(ranges, dst) {
+        Some((r, end)) => Err(format!(
             "--src {}:{} overlaps the destination {dst}..{end}: within one export a copy's \
              source and destination may not overlap; copy through a scratch range",
             r.offset, r.len

@@ -31,7 +31,7 @@ use blkwire_wire::{
 pub use blkwire_block::{BlockOp, BlockRequest, CopyRange, IoFlags};
 pub use blkwire_wire::CopyLimits;
 pub use dgram::{discover_eth, discover_udp, Discovered};
-pub use queue::{Cmd, Completion, Queue, QueueStats, COPY_COMMAND_MAX};
+pub use queue::{overlapping_source, Cmd, Completion, Queue, QueueStats, COPY_COMMAND_MAX};
 pub use url::{format_mac, parse_mac, Transport, Url};
 
 /// Everything that can go wrong, each with a one-line explanation.

@@ -478,18 +478,16 @@ impl Queue {
         }
         // The target checks each COPY against its own destination; split into several, a copy
         // whose sources meet its whole destination would not be refused but come out wrong.
-        if source.is_empty() {
-            let end = dst.saturating_add(ranges.iter().map(|r| r.len as u64).sum());
-            if let Some(r) = ranges
-                .iter()
-                .find(|r| r.offset < end && dst < r.offset.saturating_add(r.len as u64))
-            {
-                return Err(Error::Usage(format!(
-                    "copy source {}+{} overlaps the destination {dst}..{end}: within one export \
-                     source and destination may not overlap",
-                    r.offset, r.len
-                )));
-            }
+        if let Some((r, end)) = source
+            .is_empty()
+            .then(|| overlapping_source(ranges, dst))
+            .flatten()
+        {
+            return Err(Error::Usage(format!(
+                "copy source {}+{} overlaps the destination {dst}..{end}: within one export \
+                 source and destination may not overlap",
+                r.offset, r.len
+            )));
         }
         let commands = copy_commands(source, ranges, dst, limits)?;
         let mut failed: Option<(usize, Status, u32)> = None;
@@ -553,6 +551,17 @@ impl Queue {
     pub fn logout(mut self) -> Result<()> {
         each!(self, q => q.logout())
     }
+}
+
+/// For a copy within one export of `ranges` to consecutive bytes from `dst`: the first range
+/// that overlaps the whole destination, and where the destination ends. Such a copy is not
+/// defined (PROTOCOL.md §13): the target refuses it, and [`Queue::copy`] before sending it.
+pub fn overlapping_source(ranges: &[CopyRange], dst: u64) -> Option<(CopyRange, u64)> {
+    let end = dst.saturating_add(ranges.iter().map(|r| r.len as u64).sum());
+    ranges
+        .iter()
+        .find(|r| r.offset < end && dst < r.offset.saturating_add(r.len as u64))
+        .map(|r| (*r, end))
 }
 
 /// Most bytes [`Queue::copy`] asks of one COPY: a command's time is bounded (the I/O timeout
