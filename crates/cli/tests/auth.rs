@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use blkwire_client::{connect, ConnectOptions, Url};
 use blkwire_wire::{AuthBlock, AuthMethod, Header, Hello, Opcode, Status, Tag, HEADER_LEN};
+use common::native_raw::join_request;
 use common::netlab::{NetLab, Served};
 use common::{cli, random_bytes, Target, TempDir};
 
@@ -424,16 +425,7 @@ fn a_challenge_never_amplifies_and_creates_nothing() {
     other
         .set_read_timeout(Some(Duration::from_secs(5)))
         .unwrap();
-    let j = blkwire_wire::Join {
-        cookie: granted.cookie,
-        proof: [0; 32],
-        nonce_s: [0; 32],
-    }
-    .encode();
-    let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
-    h.session = granted.session;
-    h.queue = 1;
-    h.payload_len = j.len() as u32;
+    let (mut h, j) = join_request(granted.session, 1, granted.cookie);
     h.seal_crc(&j);
     let mut f = h.to_bytes().to_vec();
     f.extend_from_slice(&j);

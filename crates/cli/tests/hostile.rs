@@ -7,7 +7,9 @@ use std::io::Write;
 
 use blkwire_client::{connect, ConnectOptions, Url};
 use blkwire_wire::{Header, HelloReply, Opcode, Status, Tag, HEADER_LEN};
-use common::native_raw::{assert_closed, hello, hello_as, hello_with, raw, read_frame};
+use common::native_raw::{
+    assert_closed, hello, hello_as, hello_with, join_request, raw, read_frame,
+};
 use common::Target;
 
 fn still_serves(t: &Target) {
@@ -123,16 +125,7 @@ fn join_needs_the_session_cookie() {
     let reply = HelloReply::decode(&p).unwrap();
     let join = |queue: u16, cookie: u64| {
         let mut s = raw(&t);
-        let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
-        h.session = reply.session;
-        h.queue = queue;
-        let j = blkwire_wire::Join {
-            cookie,
-            proof: [0; 32],
-            nonce_s: [0; 32],
-        }
-        .encode();
-        h.payload_len = j.len() as u32;
+        let (h, j) = join_request(reply.session, queue, cookie);
         s.write_all(&h.to_bytes()).unwrap();
         s.write_all(&j).unwrap();
         read_frame(&mut s).unwrap().0.status

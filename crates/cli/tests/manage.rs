@@ -14,7 +14,7 @@ use std::time::Duration;
 use blkwire_client::{connect, ConnectOptions, Url};
 use blkwire_wire::nbd::{cmd, err};
 use blkwire_wire::{Header, HelloReply, Opcode, Status, Tag};
-use common::native_raw::{hello, read_frame};
+use common::native_raw::{hello, join_request, read_frame};
 use common::nbd_raw::Raw;
 use common::{cli, random_bytes, sparse_file, TempDir, BIN};
 use serde_json::{json, Value};
@@ -889,16 +889,7 @@ fn a_file_export_grows_under_running_io_and_only_new_sessions_see_the_new_size()
 fn raw_join(addr: &str, granted: &HelloReply, queue: u16) -> Option<TcpStream> {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let j = blkwire_wire::Join {
-        cookie: granted.cookie,
-        proof: [0; 32],
-        nonce_s: [0; 32],
-    }
-    .encode();
-    let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
-    h.session = granted.session;
-    h.queue = queue;
-    h.payload_len = j.len() as u32;
+    let (h, j) = join_request(granted.session, queue, granted.cookie);
     s.write_all(&h.to_bytes()).unwrap();
     s.write_all(&j).unwrap();
     (read_frame(&mut s)?.0.status == Status::Ok).then_some(s)

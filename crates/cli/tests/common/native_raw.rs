@@ -65,6 +65,22 @@ pub fn send_hello(s: &mut TcpStream, hello: &Hello) -> (Header, Vec<u8>) {
     read_frame(s).expect("hello reply")
 }
 
+/// A JOIN of `queue` to `session` with `cookie`, without a proof or a challenge answer (an
+/// unauthenticated session's): the header, its payload length set, and the payload.
+pub fn join_request(session: u32, queue: u16, cookie: u64) -> (Header, Vec<u8>) {
+    let j = blkwire_wire::Join {
+        cookie,
+        proof: [0; 32],
+        nonce_s: [0; 32],
+    }
+    .encode();
+    let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
+    h.session = session;
+    h.queue = queue;
+    h.payload_len = j.len() as u32;
+    (h, j.to_vec())
+}
+
 /// The next frame, or `None` once the connection is closed (or the header is malformed).
 pub fn read_frame(s: &mut TcpStream) -> Option<(Header, Vec<u8>)> {
     let mut hb = [0u8; HEADER_LEN];
