@@ -192,6 +192,21 @@ for s in "${scenarios[@]}"; do
         SUB=$!
         wait "$SUB" || rc=$?
         SUB=""
+        # An "Oops: int3" is TCG hitting a breakpoint the guest kernel's live code patching (static
+        # keys, text_poke) had not yet removed: the emulator's race, not a fault of the scenario
+        # (seen once in __skb_get_hash_net during the eth scenario). That scenario runs once more,
+        # said loudly; any other failure, a second int3 included, stands.
+        if [ $rc -ne 0 ] && grep -q "Oops: int3" "$LAB_CACHE/logs/$s/serial.log" 2>/dev/null; then
+            SCENARIO=$s log "the guest kernel hit TCG's int3 race (Oops: int3, see the serial log above): running $s once more"
+            rc=0
+            (
+                set -e
+                run_scenario "$s"
+            ) &
+            SUB=$!
+            wait "$SUB" || rc=$?
+            SUB=""
+        fi
     fi
     [ $rc -eq 0 ] || failed+=("$s")
 done
