@@ -118,8 +118,10 @@ elif len(measures) > 1:
 
 def tic(g):
     # Long group names take two lines, split at the space nearest the middle.
+    # (before a parenthesis when there is one).
     if len(g) > 10 and " " in g:
-        cut = min((i for i, c in enumerate(g) if c == " "), key=lambda i: abs(i - len(g) / 2))
+        cut = g.index(" (") if " (" in g else min(
+            (i for i, c in enumerate(g) if c == " "), key=lambda i: abs(i - len(g) / 2))
         g = g[:cut] + "\n" + g[cut + 1:]
     # (explicit tic labels are formats: a % is written %%)
     return '"' + "\\n".join(q(part)[1:-1].replace("%", "%%") for part in g.split("\n")) + '"'
