@@ -93,7 +93,7 @@ EOF
 }
 
 echo "# blkwire bench 4k randread QD32 tcp:// loopback, ${RUNTIME}s x ${ROUNDS} rounds; $(nproc) CPUs"
-chart_begin rpc-churn "blkwire bench 4k randread QD32 over tcp:// loopback, quiet and beside control calls, ${RUNTIME}s per run" \
+chart_begin rpc-churn "blkwire bench 4k randread QD32, tcp:// loopback: quiet vs beside control calls, ${RUNTIME}s per run" \
     iops mean_us p99_us
 chart_meta peers quiet
 for r in $(seq "$ROUNDS"); do
