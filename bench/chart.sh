@@ -102,7 +102,7 @@ def q(text):
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 def qwrap(text, width):
-    return '"' + "\\n".join(q(line)[1:-1] for line in textwrap.wrap(text, width)) + '"'
+    return '"' + "\\n".join(q(line)[1:-1] for line in textwrap.wrap(text, width, break_on_hyphens=False)) + '"'
 
 def fmt(v):
     return "NaN" if v is None else repr(v)
@@ -123,6 +123,9 @@ def tic(g):
         cut = g.index(" (") if " (" in g else min(
             (i for i, c in enumerate(g) if c == " "), key=lambda i: abs(i - len(g) / 2))
         g = g[:cut] + "\n" + g[cut + 1:]
+    # and a line still too long for its place after its last hyphen
+    g = "\n".join(l[:l.rindex("-") + 1] + "\n" + l[l.rindex("-") + 1:] if len(l) > 17 and "-" in l[1:-1] else l
+                  for l in g.split("\n"))
     # (explicit tic labels are formats: a % is written %%)
     return '"' + "\\n".join(q(part)[1:-1].replace("%", "%%") for part in g.split("\n")) + '"'
 

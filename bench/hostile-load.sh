@@ -137,7 +137,7 @@ printf 'target RSS: before %d MiB, peak %d MiB, after %d MiB (budget %d MiB; bud
 echo "new session served afterwards: $served"
 chart_begin hostile-load "target RSS under ${DURATION}s of hostile load, legitimate copies of $COPY_MIB MiB alongside" rss_mib
 for m in before:"$BEFORE" peak:"$PEAK" after:"$AFTER"; do
-    chart_row "--max-memory $BUDGET, ulimit -n $NOFILE" "${m%%:*}" "$(( ${m#*:} >> 10 ))"
+    chart_row "budget $BUDGET, ulimit -n $NOFILE" "${m%%:*}" "$(( ${m#*:} >> 10 ))"
 done
 chart_end
 (( bad == 0 )) || die "a legitimate copy read back different data"

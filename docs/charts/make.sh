@@ -141,9 +141,9 @@ for col in [c for c in table[0] if c]:
         if r[""] in WHICH:
             budget, sitting = col.split(", ")
             when = {"before": "07:20, 0f5a9e5", "after": "07:30, 1017888"}[sitting]
-            rows.append((f"--max-memory {budget} ({when})", WHICH[r[""]], num(r[col])))
+            rows.append((f"budget {budget} ({when})", WHICH[r[""]], num(r[col])))
 chart("hostile-load",
-      "target RSS under 30 s of hostile load, legitimate 64 MiB copies alongside (64G: no budget in effect)",
+      "target RSS under 30 s of hostile load, legitimate 64 MiB copies alongside (budget = --max-memory; 64G: none in effect)",
       "2026-11-23, before (0f5a9e5) and after (1017888) the rebase on the authentication work, SECONDS_=30 bench/hostile-load.sh",
       ["rss_mib"], rows)
 
