@@ -139,9 +139,26 @@ impl Controllers {
         }
     }
 
-    /// Controllers now (for tests and listings).
-    pub fn count(&self) -> usize {
-        self.lock().ctrls.len()
+    /// Every controller, for `nvme_subsystem_list`: id, subsystem, host NQN, address,
+    /// session, I/O queues granted.
+    pub fn describe(&self) -> Vec<serde_json::Value> {
+        let t = self.lock();
+        let mut v: Vec<_> = t
+            .ctrls
+            .iter()
+            .map(|(id, c)| {
+                serde_json::json!({
+                    "cntlid": id,
+                    "subnqn": c.subnqn,
+                    "hostnqn": c.hostnqn,
+                    "address": c.ip.to_string(),
+                    "session": c.session,
+                    "io_queues": c.io_queues,
+                })
+            })
+            .collect();
+        v.sort_by_key(|c| c["cntlid"].as_u64());
+        v
     }
 }
 
