@@ -413,6 +413,12 @@ fn broken_pdus_end_the_connection_and_nothing_else() {
     h[4..8].copy_from_slice(&(64u32 << 20).to_le_bytes());
     q.send_raw(&h);
     assert_terminated(&mut q, "64 MiB capsule");
+    // The admin queue (and a connection still in its handshake) takes 8 KiB capsules at most:
+    // a host cannot make its thread hold more.
+    let mut adm = controller(&t.addr, &nqn("disk0"), &Opts::default());
+    h[4..8].copy_from_slice(&(64u32 << 10).to_le_bytes());
+    adm.send_raw(&h);
+    assert_terminated(&mut adm, "64 KiB admin capsule");
     // H2CData past what the R2T asked for, and for a tag that asked for nothing.
     let mut q = io_queue(&t.addr, &nqn("disk0"), &a, 4, &Opts::default());
     let mut w = sqe(0x01, 9);

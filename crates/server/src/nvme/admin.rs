@@ -24,6 +24,8 @@ use crate::session::{Admitted, Registry};
 
 /// How often a waiting admin thread looks at the clock and at its session.
 const TICK: Duration = Duration::from_millis(500);
+/// The keep-alive timeout of a discovery controller whose host asked for none.
+const DISCOVERY_KATO_MS: u32 = 120_000;
 /// A PDU that has begun must be whole within this.
 const PDU_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -97,6 +99,11 @@ impl AdminQueue {
     pub fn serve(mut self, mut sock: TcpStream, registry: &Registry, peer: &str) -> Ended {
         let _ = sock.set_read_timeout(Some(PDU_TIMEOUT));
         let _ = sock.set_write_timeout(Some(PDU_TIMEOUT));
+        if self.s.kato_ms == 0 && self.s.facts.ns.is_none() {
+            // A discovery controller without keep-alive still ends when idle (as Linux nvmet
+            // does), so idle discovery connections cannot hold every controller thread.
+            self.s.kato_ms = DISCOVERY_KATO_MS;
+        }
         let mut kato = kato_of(self.s.kato_ms);
         let mut alive = Instant::now();
         let mut buf = Vec::with_capacity(1024);

@@ -215,10 +215,13 @@ pub fn response(out: &mut Vec<u8>, p: &Params, cqe: Cqe) {
 /// The negotiated parameters of a connection, both directions.
 #[derive(Clone, Copy)]
 pub struct Link {
-    /// What we decode.
+    /// What we decode. Until an I/O queue is admitted, PDUs are bounded by the admin queue's
+    /// in-capsule size: a host cannot make a handshake or admin thread hold more.
     pub rx: Params,
     /// What we encode.
     pub tx: Params,
+    /// MAXH2CDATA as ICResp said.
+    pub maxh2cdata: u32,
 }
 
 /// ICReq -> ICResp (TCP transport §3.6.2.2–3): digests as the host asks, CPDA 0, MAXH2CDATA
@@ -291,7 +294,7 @@ fn initialize<S: Read + Write>(s: &mut S, peer: &str, max_io: u32) -> Option<Lin
         pda: 0,
         max_plen: 0,
     };
-    rx.max_plen = rx.max_plen_for_data(maxh2cdata.max(spec::IO_INCAPSULE));
+    rx.max_plen = rx.max_plen_for_data(spec::ADMIN_INCAPSULE);
     let tx = Params {
         direction: Direction::ControllerToHost,
         hdgst: req.hdgst,
@@ -299,7 +302,7 @@ fn initialize<S: Read + Write>(s: &mut S, peer: &str, max_io: u32) -> Option<Lin
         pda: req.hpda,
         max_plen: u32::MAX,
     };
-    Some(Link { rx, tx })
+    Some(Link { rx, tx, maxh2cdata })
 }
 
 /// A command's host-to-controller data: in the capsule, or fetched with one R2T (a blocking
@@ -832,8 +835,12 @@ fn io_admit<S: Read + Write>(
             return None;
         }
     }
+    // From here on the queue takes in-capsule writes and H2CData up to MAXH2CDATA, inside the
+    // memory budget the reactor keeps.
+    let mut rx = link.rx;
+    rx.max_plen = rx.max_plen_for_data(link.maxh2cdata.max(spec::IO_INCAPSULE));
     let fe = NvmeIo::new(IoQueueSetup {
-        rx: link.rx,
+        rx,
         tx: link.tx,
         qid: c.qid,
         entries,
