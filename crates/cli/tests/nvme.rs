@@ -505,3 +505,57 @@ fn a_controller_without_keep_alive_ends_with_its_io_queues() {
     let (_, done) = Queue::connect(&t.addr, &nqn("disk0"), 2, a.cntlid, &Opts::default()).unwrap();
     assert_ne!(done.code(), 0);
 }
+
+#[test]
+fn blkwires_own_client_speaks_nvme_tcp() {
+    use blkwire_client::{connect, ConnectOptions, Url};
+    let t = NvmeTarget::start(&["disk0=mem:8M"]);
+    let url = Url::parse(&format!("nvme-tcp://{}/disk0", t.addr)).unwrap();
+    let opts = ConnectOptions {
+        queues: 2,
+        depth: 8,
+        ..Default::default()
+    };
+    let mut s = connect(&url, &opts).expect("connect over nvme-tcp://");
+    assert_eq!(s.info.size, 8 << 20);
+    assert_eq!(s.info.queues, 2);
+    let q = &mut s.queues[1];
+    // In the capsule, and through an R2T (1 MiB: one H2CData of MAXH2CDATA).
+    let small = random_bytes(4096, 1);
+    let big = random_bytes(1 << 20, 2);
+    q.write_at(&small, 0, false).unwrap();
+    q.write_at(&big, 1 << 20, true).unwrap();
+    let mut back = vec![0u8; 1 << 20];
+    q.read_at(&mut back, 1 << 20).unwrap();
+    assert!(back == big);
+    let mut back = vec![0u8; 4096];
+    q.read_at(&mut back, 0).unwrap();
+    assert_eq!(back, small);
+    // A full queue of writes that each wait for an R2T (every slot held by one).
+    use blkwire_client::Cmd;
+    let q = &mut s.queues[0];
+    let depth = q.depth();
+    assert_eq!(depth, 8);
+    let chunk = random_bytes(64 << 10, 3);
+    for i in 0..depth as u64 {
+        let cmd = Cmd::Write {
+            offset: (2 << 20) + (i << 16),
+            data: &chunk,
+            fua: false,
+        };
+        q.submit(cmd, i).unwrap();
+    }
+    let mut done = 0;
+    while done < depth {
+        done += q
+            .complete(1, |c| assert_eq!(c.status, blkwire_wire::Status::Ok))
+            .unwrap();
+    }
+    let dir = TempDir::new("nvme-client");
+    let all = t.contents("disk0", &dir);
+    assert!(all[..4096] == small[..] && all[1 << 20..2 << 20] == big[..]);
+    for i in 0..depth {
+        let at = (2 << 20) + (i << 16);
+        assert!(all[at..at + (64 << 10)] == chunk[..], "pipelined write {i}");
+    }
+}
