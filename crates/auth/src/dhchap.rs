@@ -391,6 +391,15 @@ impl Secret {
         })
     }
 
+    /// A blkwire key used as a DH-HMAC-CHAP secret without transformation (a hex key file
+    /// line; keys are never empty).
+    pub fn from_key(key: &crate::Key) -> Secret {
+        Secret {
+            key: Wiped(key.bytes().to_vec()),
+            transform: None,
+        }
+    }
+
     /// A fresh random 32-byte secret without transformation (what `nvme gen-dhchap-key`
     /// makes by default).
     pub fn generate() -> Secret {
