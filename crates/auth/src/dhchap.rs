@@ -90,7 +90,7 @@ pub const RESCODE_FAILED: u8 = 0x01;
 
 /// Bytes of a Negotiate header before its protocol descriptors.
 pub const NEGOTIATE_HEADER: usize = 8;
-/// Bytes of one protocol descriptor (authid, rsvd, halen, dhlen, idlist[60]).
+/// Bytes of one protocol descriptor (authid, rsvd, halen, dhlen, then 60 bytes of idlist).
 pub const DESCRIPTOR_LEN: usize = 64;
 /// Bytes of the fixed part of Challenge, Reply, Success1 and Success2.
 pub const FIXED_LEN: usize = 16;
