@@ -378,12 +378,14 @@ impl fmt::Debug for Secret {
 }
 
 impl Secret {
-    /// A secret from raw key bytes without transformation (`DHHC-1:00:`), as a blkwire hex
-    /// key is used. Any length from 1 byte is accepted here (the kernel's key transformation
-    /// and HMAC take any length); [`Secret::parse`] holds the representation to 32/48/64.
+    /// A secret from raw key bytes without transformation (`DHHC-1:00:`): 32, 48 or 64 of
+    /// them, the lengths the kernel and `nvme connect --dhchap-secret` accept.
     pub fn from_bytes(key: &[u8]) -> Result<Secret, String> {
-        if key.is_empty() {
-            return Err("a DH-HMAC-CHAP secret cannot be empty".into());
+        if ![32, 48, 64].contains(&key.len()) {
+            return Err(format!(
+                "a DH-HMAC-CHAP secret is 32, 48 or 64 bytes, not {}",
+                key.len()
+            ));
         }
         Ok(Secret {
             key: Wiped(key.to_vec()),
@@ -391,8 +393,9 @@ impl Secret {
         })
     }
 
-    /// A blkwire key used as a DH-HMAC-CHAP secret without transformation (a hex key file
-    /// line; keys are never empty).
+    /// A blkwire key (16 to 64 bytes) used as a DH-HMAC-CHAP secret without transformation,
+    /// for a hex key file line. The controller side works with any length; a host can only
+    /// be given one of 32, 48 or 64 bytes ([`Secret::to_dhhc`]).
     pub fn from_key(key: &crate::Key) -> Secret {
         Secret {
             key: Wiped(key.bytes().to_vec()),
@@ -465,16 +468,25 @@ impl Secret {
         })
     }
 
-    /// The `DHHC-1:XX:BASE64:` representation (for `nvme connect --dhchap-secret`).
-    pub fn to_dhhc(&self) -> String {
+    /// The `DHHC-1:XX:BASE64:` representation (for `nvme connect --dhchap-secret`), or why
+    /// there is none the kernel accepts (a key of other than 32, 48 or 64 bytes, from a hex
+    /// key file line).
+    pub fn to_dhhc(&self) -> Result<String, String> {
+        if ![32, 48, 64].contains(&self.key.0.len()) {
+            return Err(format!(
+                "a {}-byte key has no DH-HMAC-CHAP representation (it takes 32, 48 or 64 \
+                 bytes; `blkwire key gen` makes 32)",
+                self.key.0.len()
+            ));
+        }
         let mut raw = Wiped(self.key.0.clone());
         let crc = crc32(&raw.0).to_le_bytes();
         raw.0.extend_from_slice(&crc);
-        format!(
+        Ok(format!(
             "DHHC-1:{:02}:{}:",
             self.transform.map_or(0, HashId::id),
             base64_encode(&raw.0)
-        )
+        ))
     }
 
     /// The key bytes (before transformation).

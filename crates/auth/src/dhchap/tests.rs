@@ -46,7 +46,7 @@ fn the_spec_example_secret_parses_and_formats_back() {
     let s = Secret::parse(SPEC_EXAMPLE).unwrap();
     assert_eq!(s.bytes(), hex(SPEC_KEY).as_slice());
     assert_eq!(s.transformation(), None);
-    assert_eq!(s.to_dhhc(), SPEC_EXAMPLE);
+    assert_eq!(s.to_dhhc().unwrap(), SPEC_EXAMPLE);
     // Without the trailing ':' (the kernel accepts it too).
     assert_eq!(
         Secret::parse(SPEC_EXAMPLE.trim_end_matches(':')).unwrap(),
@@ -60,7 +60,7 @@ fn the_spec_example_secret_parses_and_formats_back() {
         let t = SPEC_EXAMPLE.replace(":00:", &format!(":{xx}:"));
         let p = Secret::parse(&t).unwrap();
         assert_eq!(p.transformation(), Some(h));
-        assert_eq!(p.to_dhhc(), t);
+        assert_eq!(p.to_dhhc().unwrap(), t);
     }
 }
 
@@ -112,7 +112,7 @@ fn generated_and_raw_secrets_round_trip_their_representation() {
     for len in [32, 48, 64] {
         let raw: Vec<u8> = (0..len as u8).collect();
         let s = Secret::from_bytes(&raw).unwrap();
-        let text = s.to_dhhc();
+        let text = s.to_dhhc().unwrap();
         assert!(
             text.starts_with("DHHC-1:00:") && text.ends_with(':'),
             "{text}"
@@ -121,8 +121,20 @@ fn generated_and_raw_secrets_round_trip_their_representation() {
     }
     let g = Secret::generate();
     assert_eq!(g.bytes().len(), 32);
-    assert_eq!(Secret::parse(&g.to_dhhc()).unwrap(), g);
+    assert_eq!(Secret::parse(&g.to_dhhc().unwrap()).unwrap(), g);
     assert_ne!(Secret::generate(), g);
+}
+
+#[test]
+fn only_kernel_lengths_have_a_representation() {
+    for len in [0, 16, 31, 33, 65] {
+        assert!(Secret::from_bytes(&vec![1; len]).is_err(), "{len}");
+    }
+    let k = crate::Key::new(&[1; 16]).unwrap();
+    let e = Secret::from_key(&k).to_dhhc().unwrap_err();
+    assert!(e.contains("16-byte key"), "{e}");
+    let k = crate::Key::new(&[1; 48]).unwrap();
+    assert!(Secret::from_key(&k).to_dhhc().is_ok());
 }
 
 #[test]
