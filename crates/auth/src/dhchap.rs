@@ -31,8 +31,9 @@ use std::cmp::Ordering;
 use std::fmt;
 
 use openssl::bn::BigNum;
+use openssl::derive::Deriver;
 use openssl::dh::Dh;
-use openssl::pkey::Private;
+use openssl::pkey::{PKey, Params, Private};
 use ring::{digest, hmac};
 
 mod ffdhe;
@@ -58,6 +59,10 @@ pub const CONNECT_AUTHREQ_ASCR: u32 = 1 << 18;
 /// Do Not Retry (`NVME_SC_AUTH_REQUIRED | NVME_STATUS_DNR`, nvmet_parse_admin_cmd and
 /// nvmet_parse_io_cmd).
 pub const SC_AUTH_REQUIRED_DNR: u16 = 0x4191;
+/// Status for a Connect from a host NQN the target has no secret for: Connect Invalid Host with
+/// Do Not Retry (`NVME_SC_CONNECT_INVALID_HOST | NVME_STATUS_DNR`, what nvmet answers a host
+/// that is not allowed). Such a host never reaches [`ControllerAuth`].
+pub const SC_CONNECT_INVALID_HOST_DNR: u16 = 0x4184;
 /// Status for an AUTH_Send / AUTH_Receive whose SECP, SPSP0, SPSP1 or length is wrong: Invalid
 /// Field in Command with Do Not Retry (`NVME_SC_INVALID_FIELD | NVME_STATUS_DNR`).
 pub const SC_INVALID_FIELD_DNR: u16 = 0x4002;
@@ -1028,36 +1033,42 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 /// One end's ephemeral Diffie-Hellman key in an RFC 7919 group.
 struct DhKey {
     group: DhGroup,
-    prime: BigNum,
-    dh: Dh<Private>,
+    key: PKey<Private>,
+    public: Vec<u8>,
+}
+
+/// The group's domain parameters (p, g = 2). OpenSSL recognises the RFC 7919 primes and
+/// attaches their q and private exponent length, as the kernel's `dh_safe_prime` does.
+fn dh_params(group: DhGroup) -> Option<Dh<Params>> {
+    let p = BigNum::from_hex_str(group.prime_hex()?).ok()?;
+    Dh::from_pqg(p, None, BigNum::from_u32(2).ok()?).ok()
 }
 
 impl DhKey {
-    /// A fresh key pair (OpenSSL recognises the RFC 7919 prime and picks the private
-    /// exponent's length for the group, as the kernel's `dh_safe_prime` does).
+    /// A fresh key pair.
     fn generate(group: DhGroup) -> Option<DhKey> {
-        let hex = group.prime_hex()?;
-        let p = BigNum::from_hex_str(hex).ok()?;
-        let dh = Dh::from_pqg(p, None, BigNum::from_u32(2).ok()?)
-            .ok()?
-            .generate_key()
-            .ok()?;
-        let prime = BigNum::from_hex_str(hex).ok()?;
-        Some(DhKey { group, prime, dh })
-    }
-
-    /// g^x mod p, big-endian, padded to the prime's size (`crypto_kpp_maxsize`).
-    fn public(&self) -> Option<Vec<u8>> {
-        self.dh
+        let dh = dh_params(group)?.generate_key().ok()?;
+        // g^x mod p, big-endian, padded to the prime's size (`crypto_kpp_maxsize`).
+        let public = dh
             .public_key()
-            .to_vec_padded(self.group.value_len() as i32)
-            .ok()
+            .to_vec_padded(i32::try_from(group.value_len()).ok()?)
+            .ok()?;
+        let key = PKey::from_dh(dh).ok()?;
+        Some(DhKey { group, key, public })
     }
 
-    /// (g^y)^x mod p padded to the prime's size (the kernel's `mpi_write_to_sgl` pads with
-    /// leading zeros), or None if `peer` is not a valid public value: exactly the prime's
-    /// size and 1 < y < p - 1 (SP 800-56A's partial check, which the kernel's
-    /// `dh_is_pubkey_valid` also makes).
+    /// g^x mod p as it travels.
+    fn public(&self) -> Option<Vec<u8>> {
+        Some(self.public.clone())
+    }
+
+    /// (g^y)^x mod p padded with leading zeros to the prime's size (the kernel's kpp writes
+    /// it so, through `mpi_write_to_sgl`), or None if `peer` is not a valid public value:
+    /// exactly the prime's size, 1 < y < p - 1, and y^q = 1 (OpenSSL's peer validation, the
+    /// checks of the kernel's `dh_is_pubkey_valid`).
+    ///
+    /// Not `Dh::compute_key`: it returns the prime's size whatever `DH_compute_key` wrote,
+    /// so a secret with a leading zero byte would come out shifted, with a zero at its end.
     fn shared(&self, peer: &[u8]) -> Option<Wiped> {
         let len = self.group.value_len();
         if peer.len() != len {
@@ -1065,12 +1076,15 @@ impl DhKey {
         }
         let y = BigNum::from_slice(peer).ok()?;
         let one = BigNum::from_u32(1).ok()?;
-        let mut p_minus_1 = BigNum::new().ok()?;
-        p_minus_1.checked_sub(&self.prime, &one).ok()?;
+        let mut p_minus_1 = BigNum::from_hex_str(self.group.prime_hex()?).ok()?;
+        p_minus_1.sub_word(1).ok()?;
         if y.ucmp(&one) != Ordering::Greater || y.ucmp(&p_minus_1) != Ordering::Less {
             return None;
         }
-        let raw = Wiped(self.dh.compute_key(&y).ok()?);
+        let peer = PKey::from_dh(dh_params(self.group)?.set_public_key(y).ok()?).ok()?;
+        let mut deriver = Deriver::new(&self.key).ok()?;
+        deriver.set_peer_ex(&peer, true).ok()?;
+        let raw = Wiped(deriver.derive_to_vec().ok()?);
         if raw.0.len() > len {
             return None;
         }

@@ -778,3 +778,34 @@ fn an_abandoned_exchange_expires_to_a_new_negotiate() {
     assert_eq!(ctrl.state(), State::Succeeded);
     assert!(ctrl.authenticated());
 }
+
+#[test]
+fn shared_secrets_keep_their_leading_zeros() {
+    // About 1 in 256 shared secrets starts with a zero byte; the kernel's kpp writes it
+    // padded to the prime's size, and so must we, or such exchanges would fail.
+    let mut padded = 0;
+    for _ in 0..3000 {
+        let a = DhKey::generate(DhGroup::Ffdhe2048).unwrap();
+        let b = DhKey::generate(DhGroup::Ffdhe2048).unwrap();
+        let ab = a.shared(&b.public().unwrap()).unwrap();
+        let ba = b.shared(&a.public().unwrap()).unwrap();
+        assert_eq!(ab.0.len(), 256);
+        assert_eq!(ab.0, ba.0);
+        // Against OpenSSL's plain modular exponentiation: y_b^x_a mod p, padded.
+        let x_a = a.key.dh().unwrap();
+        let p = BigNum::from_hex_str(ffdhe::FFDHE2048).unwrap();
+        let y_b = BigNum::from_slice(&b.public().unwrap()).unwrap();
+        let mut z = BigNum::new().unwrap();
+        let mut ctx = openssl::bn::BigNumContext::new().unwrap();
+        z.mod_exp(&y_b, x_a.private_key(), &p, &mut ctx).unwrap();
+        assert_eq!(ab.0, z.to_vec_padded(256).unwrap());
+        if ab.0[0] == 0 {
+            padded += 1;
+            break;
+        }
+    }
+    assert!(
+        padded > 0,
+        "no shared secret with a leading zero in 3000 tries"
+    );
+}
