@@ -559,3 +559,95 @@ fn blkwires_own_client_speaks_nvme_tcp() {
         assert!(all[at..at + (64 << 10)] == chunk[..], "pipelined write {i}");
     }
 }
+
+/// A key file (mode 600) with DH-HMAC-CHAP secrets: each line `HOSTNQN:SECRET[ CTRL-SECRET]`.
+fn key_file(dir: &TempDir, lines: &[String]) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.path("hosts.keys");
+    std::fs::write(&p, lines.join("\n") + "\n").unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+#[test]
+fn with_keys_hosts_prove_themselves_with_dh_hmac_chap() {
+    use blkwire_auth::dhchap::{HostAuth, Secret};
+    use nvme_host::authenticate;
+    let dir = TempDir::new("nvme-auth");
+    let alice = "nqn.2014-08.org.nvmexpress:uuid:a11ce000-0000-4000-8000-000000000001";
+    let bob = "nqn.2014-08.org.nvmexpress:uuid:b0b00000-0000-4000-8000-000000000002";
+    let stranger = "nqn.2014-08.org.nvmexpress:uuid:5e1f0000-0000-4000-8000-000000000003";
+    let (ka, kb, kc) = (Secret::generate(), Secret::generate(), Secret::generate());
+    let keys = key_file(
+        &dir,
+        &[
+            format!("{alice}:{}", ka.to_dhhc().unwrap()),
+            format!("{bob}:{} {}", kb.to_dhhc().unwrap(), kc.to_dhhc().unwrap()),
+        ],
+    );
+    let t = NvmeTarget::start_with(
+        &["disk0=mem:1M", &format!("only-bob=mem:1M,allow={bob}")],
+        &["--keys", &keys],
+    );
+    let opts = |nqn: &str| Opts {
+        hostnqn: nqn.into(),
+        ..Opts::default()
+    };
+    // Alice: Connect says authentication is required; nothing else runs before it.
+    let (mut a, done) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &opts(alice)).unwrap();
+    assert_eq!(done.code(), 0);
+    assert_ne!(done.cqe.dw0 & 1 << 17, 0, "ATR in Connect's dword 0");
+    assert_eq!(
+        a.property_get(0x00, true).code(),
+        0x191,
+        "Authentication Required"
+    );
+    let mut host = HostAuth::new(alice, &nqn("disk0"), &ka, None, 1);
+    assert!(authenticate(&mut a, &mut host), "alice's key");
+    a.enable();
+    assert_eq!(a.identify(1, 0).code(), 0);
+    // Her I/O queue authenticates on its own too, then serves.
+    let (mut q, done) = Queue::connect(&t.addr, &nqn("disk0"), 1, a.cntlid, &opts(alice)).unwrap();
+    assert_ne!(done.cqe.dw0 & 1 << 17, 0);
+    assert_eq!(
+        q.read(0, 1, BS).unwrap().code(),
+        0x191,
+        "no I/O before authentication"
+    );
+    let mut host = HostAuth::new(alice, &nqn("disk0"), &ka, None, 2);
+    assert!(authenticate(&mut q, &mut host));
+    assert_eq!(q.write_in(0, &[7; 512], BS).unwrap().code(), 0);
+    // She may not open an export whose rules name only bob.
+    let (_, done) = Queue::connect(&t.addr, &nqn("only-bob"), 0, 0xffff, &opts(alice)).unwrap();
+    assert_eq!(done.code(), 0x184, "Connect Invalid Host");
+    // Bob, bidirectional: he checks the controller's proof as well.
+    let (mut b, _) = Queue::connect(&t.addr, &nqn("only-bob"), 0, 0xffff, &opts(bob)).unwrap();
+    let mut host = HostAuth::new(bob, &nqn("only-bob"), &kb, Some(&kc), 1);
+    assert!(authenticate(&mut b, &mut host), "bob both ways");
+    b.enable();
+    // A controller that proves a wrong key fails the host's check.
+    let (mut b2, _) = Queue::connect(&t.addr, &nqn("only-bob"), 0, 0xffff, &opts(bob)).unwrap();
+    let mut host = HostAuth::new(bob, &nqn("only-bob"), &kb, Some(&ka), 1);
+    assert!(
+        !authenticate(&mut b2, &mut host),
+        "wrong controller key accepted"
+    );
+    // A wrong host key gets Failure1, and the controller is torn down.
+    let (mut w, _) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &opts(alice)).unwrap();
+    let mut host = HostAuth::new(alice, &nqn("disk0"), &kb, None, 1);
+    assert!(!authenticate(&mut w, &mut host), "wrong key accepted");
+    assert!(
+        w.closed_within(Duration::from_secs(10)),
+        "still open after a failed exchange"
+    );
+    // A host without a key never gets a controller.
+    let (_, done) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &opts(stranger)).unwrap();
+    assert_eq!(done.code(), 0x184, "Connect Invalid Host");
+    // Nor does an I/O queue that names alice's controller with the wrong key.
+    let (mut q2, _) = Queue::connect(&t.addr, &nqn("disk0"), 2, a.cntlid, &opts(alice)).unwrap();
+    let mut host = HostAuth::new(alice, &nqn("disk0"), &kb, None, 3);
+    assert!(!authenticate(&mut q2, &mut host));
+    assert!(q2.closed_within(Duration::from_secs(10)));
+    // The data alice wrote is there.
+    assert_eq!(q.read(0, 1, BS).unwrap().data, vec![7; 512]);
+}

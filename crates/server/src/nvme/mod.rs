@@ -537,7 +537,11 @@ pub fn accept<S: Read + Write>(
     // With a key store, the host NQN is the identity DH-HMAC-CHAP proves; without one, nothing
     // is proven and the export's address rules decide.
     let keys = registry.access.has_keys();
-    if keys && registry.access.key_of(&c.hostnqn).is_none() {
+    let has_secret = registry
+        .access
+        .keys()
+        .is_some_and(|k| k.host_secret(&c.hostnqn).is_some());
+    if keys && !has_secret {
         registry
             .access
             .refuse(&peer_s, &format!("NVMe host '{who}' has no key"));
@@ -758,10 +762,11 @@ fn io_connect<S: Read + Write>(
     }
     if registry.access.has_keys() {
         // Every queue proves the host again (the kernel authenticates each one).
-        let key = registry.access.key_of(&c.hostnqn)?;
+        let auth = admin::QueueAuth::new(registry, &c.hostnqn, &ctrl.subnqn)?;
         let mut sq_head = 1u16;
         reply(s, c.qid, sc::SUCCESS, c.cntlid as u32 | CONNECT_AUTHREQ_ATR)?;
-        if !admin::authenticate_queue(s, &link, &c.hostnqn, &ctrl.subnqn, &key, &mut sq_head)? {
+        let entries = c.sqsize + 1;
+        if !admin::authenticate_queue(s, &link, c.qid, auth, &mut sq_head, entries)? {
             registry
                 .access
                 .refuse(&peer_s, &format!("NVMe host '{who}' failed DH-HMAC-CHAP"));
