@@ -166,9 +166,9 @@ impl Controllers {
 /// of its own.
 pub enum Accepted {
     /// An I/O queue, admitted into its controller's session.
-    Io(Admitted, Box<dyn StreamFrontend>),
+    Io(Box<Admitted>, Box<dyn StreamFrontend>),
     /// An admin queue (or a discovery controller's).
-    Admin(admin::AdminQueue),
+    Admin(Box<admin::AdminQueue>),
 }
 
 /// Reads one whole PDU into `buf` (blocking; the caller's timeouts apply). `Ok(Err(e))` is a
@@ -697,7 +697,7 @@ fn admin_connect<S: Read + Write>(
         "{peer_s}: NVMe host '{who}' connected controller {id} of {}",
         c.subnqn.escape_debug()
     );
-    Some(Accepted::Admin(admin::AdminQueue::new(
+    Some(Accepted::Admin(Box::new(admin::AdminQueue::new(
         admin::AdminSetup {
             link,
             entries: c.sqsize + 1,
@@ -709,7 +709,7 @@ fn admin_connect<S: Read + Write>(
             peer_addr: addr,
         },
         admitted,
-    )))
+    ))))
 }
 
 fn io_connect<S: Read + Write>(
@@ -856,5 +856,5 @@ fn io_admit<S: Read + Write>(
         read_only: ns.export.read_only,
         copy: ctrl.facts.copy,
     });
-    Some(Accepted::Io(a, Box::new(fe)))
+    Some(Accepted::Io(Box::new(a), Box::new(fe)))
 }
