@@ -412,7 +412,8 @@ impl Queue {
         self.command_in(c, &[], 0).expect("write zeroes")
     }
 
-    /// Dataset Management, deallocate, of these (slba, blocks) ranges.
+    /// Dataset Management, deallocate, of these (slba, blocks) ranges, in a 4 KiB buffer as
+    /// Linux sends it.
     pub fn deallocate(&mut self, ranges: &[(u64, u32)]) -> Done {
         let mut c = sqe(0x09, 0);
         c.nsid = 1;
@@ -424,6 +425,7 @@ impl Queue {
             d.extend_from_slice(&n.to_le_bytes());
             d.extend_from_slice(&slba.to_le_bytes());
         }
+        d.resize(4096, 0);
         self.command_in(c, &d, 0).expect("dsm")
     }
 

@@ -251,8 +251,9 @@ impl NvmeIo {
         let q = &c.sqe;
         let (cid, op) = (q.cid, q.opcode);
         let ranges = (q.cdw10 & 0xff) as usize + 1;
-        if c.data.len() != ranges * 16 {
-            // The range list must come in the capsule (it always fits: IOCCSZ).
+        if c.data.len() < ranges * 16 {
+            // The range list must come in the capsule (it always fits: IOCCSZ). Linux sends
+            // its whole range page (4 KiB), whatever NR says: only NR + 1 ranges count.
             return self.answer(cid, sc::SGL_INVALID_DATA | sc::DNR, len, tx);
         }
         if q.cdw11 & 1 << 2 == 0 {
@@ -302,18 +303,21 @@ impl NvmeIo {
         if format != 0 {
             return self.answer(cid, sc::INVALID_FIELD | sc::DNR, len, tx);
         }
-        if c.data.len() != ranges * 32 {
+        if c.data.len() < ranges * 32 {
             return self.answer(cid, sc::SGL_INVALID_DATA | sc::DNR, len, tx);
         }
+        let list = ranges * 32;
         let sdlba = q.cdw10 as u64 | (q.cdw11 as u64) << 32;
         let mut total = 0u64;
-        for r in c.data.chunks_exact(32) {
+        for r in c.data[..list].chunks_exact(32) {
             total += u16::from_le_bytes([r[16], r[17]]) as u64 + 1;
         }
         let Some((offset, length)) = self.range(sdlba, total) else {
             return self.answer(cid, sc::LBA_RANGE | sc::DNR, len, tx);
         };
         let fua = IoFlags::empty().with(IoFlags::FUA, q.cdw12 & 1 << 30 != 0);
+        // The payload the reactor hands to `copy_descriptor` is the range list; whatever the
+        // host sent after it (and the digest) is the trailer.
         self.request(
             Kind::Copy,
             offset,
@@ -322,8 +326,8 @@ impl NvmeIo {
             cid,
             op,
             len,
-            c.data.len(),
-            trailer,
+            list,
+            trailer + c.data.len() - list,
         )
     }
 

@@ -49,6 +49,9 @@ pub(super) struct Conn {
     pub(super) slots: Vec<Slot>,
     /// Slots free for server-assigned requests (frontends whose requests carry cookies).
     pub(super) free_slots: Vec<u16>,
+    /// WRITEs that came without their data, waiting in their slots for the memory to receive
+    /// it before their solicitation (R2T) goes out, oldest first. Bounded by the slots.
+    pub(super) deferred: std::collections::VecDeque<u16>,
     pub(super) inflight: u32,
     /// Scratch for allocation maps (NBD block status), reused.
     pub(super) extents: Vec<Extent>,
@@ -268,8 +271,9 @@ impl Conn {
         if self.mem.try_cover(want) {
             return true;
         }
-        // Spare buffers of an idle connection are the first thing to give up.
-        if self.inflight == 0 && self.bufs.allocated() > 0 {
+        // Spare buffers of an idle connection are the first thing to give up (not while a
+        // write waiting for its data holds one: those are not spare).
+        if self.inflight == 0 && self.held == 0 && self.bufs.allocated() > 0 {
             let spare = self.bufs.allocated();
             self.bufs.clear();
             self.settle_memory();

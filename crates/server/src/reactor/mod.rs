@@ -353,6 +353,7 @@ impl Reactor {
         let conn = Conn {
             fe: q.frontend,
             free_slots: (0..q.depth).rev().collect(),
+            deferred: std::collections::VecDeque::with_capacity(q.depth as usize),
             extents: Vec::new(),
             bufs: Default::default(),
             held: 0,

@@ -14,6 +14,7 @@ use crate::log::Level;
 /// Dispatches every complete message in `rx[rx_start..rx_end]`.
 pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     c.starved = false;
+    run_deferred(c, idx, sq);
     loop {
         if c.dead || c.tx_backlog() >= c.tx_high_water() {
             return;
@@ -21,10 +22,13 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         // Room for small replies (status, refusals) without letting `Vec` double the buffer
         // behind the budget's back.
         if c.tx.capacity() - c.tx.len() < REPLY_SLACK {
-            if !c.covers(REPLY_SLACK, 0) {
+            if c.covers(REPLY_SLACK, 0) {
+                c.grow_tx(REPLY_SLACK);
+            } else if !c.fe.next_is_data(&c.rx[c.rx_start..c.rx_end]) {
                 return;
             }
-            c.grow_tx(REPLY_SLACK);
+            // Solicited data goes in even then: the writes it completes give memory back,
+            // and their replies are a few bytes each.
         }
         // Requests of frontends with cookies take a server-side slot when they go to a backend
         // that does not finish inline or wait for solicited data: stop when none is free; a
@@ -60,22 +64,42 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         // yet sent: a client cannot make us hold more by asking for large reads from a backend
         // that answers later. Solicited data and answered messages still go through, so a
         // write waiting for its data can always complete.
-        if let Decoded::Request { req, .. } = &decoded {
+        if let Decoded::Request {
+            req, payload_len, ..
+        } = &decoded
+        {
             let moves_data = matches!(req.kind, Kind::Block(op) if op.moves_data());
-            if moves_data && c.tx_backlog() + c.held >= c.tx_high_water() {
-                break;
-            }
+            // A WRITE that brings none of its data waits in its slot (no buffer yet) until
+            // memory lets its solicitation go out (`hold_write`): it never stops the stream, since
+            // the data of the writes before it may be right behind it.
+            let unsolicited = req.is_write() && *payload_len == 0 && req.length > 0;
+            let over = moves_data && !unsolicited && c.tx_backlog() + c.held >= c.tx_high_water();
             // And the memory budget must cover what the request will add: its reply data, and
             // a data buffer unless it runs inline or a spare fits; a COPY's bounce buffer.
             // Otherwise it waits in rx, unless it could never fit this connection's share: then
             // it fails (ENOMEM).
             let cover = match req.kind {
+                _ if over => Cover::Wait,
                 Kind::Copy => covers_copy(c),
+                _ if unsolicited => match covers_request(c, req) {
+                    Cover::Never => Cover::Never,
+                    _ => Cover::Yes,
+                },
                 _ if moves_data => covers_request(c, req),
                 _ => Cover::Yes,
             };
             match cover {
                 Cover::Yes => {}
+                // While writes wait for data the initiator sends after this request, the
+                // request waits in a slot instead of in rx: stopping the stream here would keep
+                // that data, and the memory those writes will free, from ever arriving.
+                Cover::Wait if *payload_len == 0 && req.slot.is_none() && writes_wait(c) => {
+                    let req = *req;
+                    c.rx_start += len;
+                    c.exec.stats.frames_in += 1;
+                    park(c, &req);
+                    continue;
+                }
                 Cover::Wait => break,
                 Cover::Never => {
                     let req = req.refused();
@@ -90,9 +114,20 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         c.rx_start += len;
         c.exec.stats.frames_in += 1;
         match decoded {
-            Decoded::Request { req, .. } => dispatch(c, idx, &req, payload_at, payload_len, sq),
+            Decoded::Request { req, .. } => {
+                dispatch(c, idx, &req, payload_at, payload_len, sq);
+                // A write that came without its data may have joined the queue of those
+                // waiting for memory: solicit now what memory allows.
+                if !c.deferred.is_empty() {
+                    run_deferred(c, idx, sq);
+                }
+            }
             Decoded::Data { slot, offset, .. } => {
-                take_data(c, idx, slot, offset, payload_at, payload_len, sq)
+                take_data(c, idx, slot, offset, payload_at, payload_len, sq);
+                // A write that ran gave its memory back: what waits for memory may go on.
+                if !c.deferred.is_empty() {
+                    run_deferred(c, idx, sq);
+                }
             }
             // Counted as answered even when the frontend's protocol has no answer for it.
             _ => c.exec.stats.frames_out += 1,
@@ -360,9 +395,18 @@ fn run_in_slot(c: &mut Conn, idx: usize, req: &Req, slot: u16, sq: &mut Pusher<'
 }
 
 /// A WRITE that came with `got` bytes of its data: it waits in a slot (with what it brought)
-/// while the frontend asks the initiator for the rest.
+/// while the frontend asks the initiator for the rest. One that brought nothing waits without a
+/// buffer while the memory budget cannot give it one (`solicit_deferred`).
 fn hold_write(c: &mut Conn, req: &Req, payload_at: usize, got: u32) {
     let slot = take_slot(c, req);
+    let s = &mut c.slots[slot as usize];
+    s.busy = true;
+    s.req = Some(*req);
+    s.awaiting = Some(got);
+    if got == 0 {
+        c.deferred.push_back(slot);
+        return;
+    }
     let align = c.exec.buffer_alignment();
     let b = slot_buffer(
         &mut c.slots,
@@ -373,11 +417,68 @@ fn hold_write(c: &mut Conn, req: &Req, payload_at: usize, got: u32) {
         req.length,
     );
     b.as_mut_slice()[..got as usize].copy_from_slice(&c.rx[payload_at..payload_at + got as usize]);
+    c.fe.solicit(req, slot, got, req.length - got, &mut c.tx);
+}
+
+/// Whether writes wait in slots for data the initiator has yet to send (or for the memory to
+/// ask for it).
+fn writes_wait(c: &Conn) -> bool {
+    !c.deferred.is_empty() || c.slots.iter().any(|s| s.awaiting.is_some())
+}
+
+/// A request that must wait for memory while writes wait for their data: it waits in a slot
+/// of its own (slots bound how many), queued behind the others waiting (`run_deferred`).
+fn park(c: &mut Conn, req: &Req) {
+    let slot = take_slot(c, req);
     let s = &mut c.slots[slot as usize];
     s.busy = true;
     s.req = Some(*req);
-    s.awaiting = Some(got);
-    c.fe.solicit(req, slot, got, req.length - got, &mut c.tx);
+    c.deferred.push_back(slot);
+}
+
+/// Runs what waits for memory in slots, oldest first, as far as the memory budget covers it:
+/// WRITEs that came without their data get their buffers and their solicitation; parked
+/// requests are dispatched. The rest wait for memory a completion frees (the connection is
+/// then starved and retried).
+fn run_deferred(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
+    while let Some(&slot) = c.deferred.front() {
+        let s = &c.slots[slot as usize];
+        let Some(req) = s.req else {
+            c.deferred.pop_front();
+            continue;
+        };
+        if s.awaiting.is_none() {
+            // Parked: it runs as if it had just arrived, in the slot it gives back.
+            if !matches!(covers_request(c, &req), Cover::Yes)
+                || c.tx_backlog() + c.held >= c.tx_high_water()
+            {
+                return;
+            }
+            c.deferred.pop_front();
+            let s = &mut c.slots[slot as usize];
+            s.busy = false;
+            s.req = None;
+            release_slot(c, slot);
+            dispatch(c, idx, &req, 0, 0, sq);
+            continue;
+        }
+        let len = req.length as usize;
+        let extra = if c.bufs.has_spare(len) { 0 } else { len };
+        if !c.covers(0, extra) {
+            return;
+        }
+        c.deferred.pop_front();
+        let align = c.exec.buffer_alignment();
+        slot_buffer(
+            &mut c.slots,
+            &mut c.bufs,
+            &mut c.held,
+            align,
+            slot,
+            req.length,
+        );
+        c.fe.solicit(&req, slot, 0, req.length, &mut c.tx);
+    }
 }
 
 /// Solicited data for the WRITE waiting in `slot`: stored in order; once all of it is in, the
@@ -395,6 +496,7 @@ fn take_data(
     let waiting = c
         .slots
         .get(slot as usize)
+        .filter(|s| s.buf.is_some())
         .and_then(|s| Some((s.awaiting?, s.req?)));
     let Some((got, req)) = waiting else {
         return c.violation(&format_args!("data for slot {slot}, which waits for none"));
@@ -800,6 +902,7 @@ mod tests {
             tx_sent: 0,
             slots: (0..4).map(|_| Slot::default()).collect(),
             free_slots: (0..4).rev().collect(),
+            deferred: Default::default(),
             inflight: 0,
             extents: Vec::new(),
             bufs: Default::default(),
@@ -822,6 +925,10 @@ mod tests {
 
     /// Appends `msg` to the receive buffer and runs the request path over it.
     fn feed(c: &mut Conn, ring: &mut Ring, msg: &[u8]) {
+        // As the reactor's receive path grows rx for a message larger than it (make_room).
+        if c.rx.len() < c.rx_end + msg.len() {
+            c.rx.resize(c.rx_end + msg.len(), 0);
+        }
         c.rx[c.rx_end..c.rx_end + msg.len()].copy_from_slice(msg);
         c.rx_end += msg.len();
         parse_frames(c, 0, &mut Pusher(ring));
@@ -930,6 +1037,52 @@ mod tests {
             tx[11..11 + 1024] == payload[..],
             "the data the writes brought reads back"
         );
+    }
+
+    #[test]
+    fn writes_without_data_and_requests_behind_them_wait_in_slots_for_memory() {
+        let mut ring = Ring::new(8).unwrap();
+        // A budget whose growth cannot hold the buffers of three 512 KiB writes at once.
+        let (mut c, _peer) = conn_budget("m=mem:4M", false, 3 << 20);
+        const LEN: usize = 512 << 10;
+        let one = vec![3u8; LEN];
+        let mut msgs = Vec::new();
+        for i in 0..3u64 {
+            msgs.extend_from_slice(&write(i, i * LEN as u64, LEN as u32, &[]));
+        }
+        msgs.extend_from_slice(&read(9, 0, LEN as u32));
+        feed(&mut c, &mut ring, &msgs);
+        // Not everything fits: some of it waits in slots, and the stream is not stopped.
+        assert!(
+            !c.deferred.is_empty(),
+            "the budget held every buffer: make it smaller"
+        );
+        assert_eq!(c.rx_start, c.rx_end, "everything sent was taken");
+        // Whatever is asked for arrives; each write that runs lets the next one be asked for.
+        let mut sent = Vec::new();
+        for _ in 0..8 {
+            let tx = take_tx(&mut c);
+            let asked: Vec<u16> = tx
+                .chunks(11)
+                .filter(|t| t[0] == b'T')
+                .map(|t| u16::from_le_bytes([t[1], t[2]]))
+                .collect();
+            sent.extend_from_slice(&tx);
+            for s in asked {
+                feed(&mut c, &mut ring, &data(s, 0, &one));
+            }
+        }
+        assert_eq!(c.exec.stats.writes, 3, "every write ran");
+        // Idle now: the reactor trims what the data made the buffers grow to, and the starved
+        // connection is retried (`trim_idle`, `starved`): the read that waited runs.
+        c.trim();
+        feed(&mut c, &mut ring, &[]);
+        sent.extend_from_slice(&take_tx(&mut c));
+        assert!(c.deferred.is_empty());
+        let answered = sent
+            .windows(11)
+            .any(|w| w == &status_reply(9, Status::Ok)[..]);
+        assert!(answered, "the read that waited was answered");
     }
 
     /// A request whose reply and data buffer the memory budget cannot cover waits in the
