@@ -101,6 +101,25 @@ fi
 [ $((1 << lbads)) = "$lbs" ] || fail "id-ns: LBA size 2^$lbads, the block device says $lbs"
 info "id-ns: nsze $nsze, lbads $lbads, nguid $(sed -n 's/^nguid *: *//p' /tmp/idns)"
 
+# What the block layer made of the controller: DSM deallocate (discard), Write Zeroes, a volatile
+# write cache (Flush) and FUA must all be there.
+q=/sys/block/${dev#/dev/}/queue
+info "discard_max_bytes $(cat "$q"/discard_max_bytes), write_zeroes_max_bytes $(cat "$q"/write_zeroes_max_bytes), max_sectors_kb $(cat "$q"/max_sectors_kb), write_cache '$(cat "$q"/write_cache)', fua $(cat "$q"/fua)"
+[ "$(cat "$q"/discard_max_bytes)" -gt 0 ] || fail "$dev takes no discards (no DSM deallocate in ONCS?)"
+[ "$(cat "$q"/write_zeroes_max_bytes)" -gt 0 ] || fail "$dev has no Write Zeroes (ONCS)"
+[ "$(cat "$q"/write_cache)" = "write back" ] || fail "$dev has no volatile write cache (VWC): no Flush"
+[ "$(cat "$q"/fua)" = 1 ] || fail "$dev does not take FUA writes"
+# Write Zeroes: 1 MiB of random data at 8 MiB, then zeroed with util-linux's `blkdiscard -z`
+# (BLKZEROOUT: Write Zeroes commands on a device with write_zeroes_max_bytes > 0). By its path:
+# Debian's busybox sh prefers its own applets, and busybox's blkdiscard has no -z.
+run dd if=/dev/urandom of="$dev" bs=64k count=16 seek=128 conv=fsync
+run /usr/bin/blkdiscard -f -z -o $((8 << 20)) -l $((1 << 20)) "$dev"
+run blockdev --flushbufs "$dev"
+echo 3 >/proc/sys/vm/drop_caches
+[ "$(dd if="$dev" bs=64k count=16 skip=128 2>/dev/null | sha256sum)" = "$(dd if=/dev/zero bs=64k count=16 2>/dev/null | sha256sum)" ] ||
+    fail "1 MiB at 8 MiB is not zero after blkdiscard -z (Write Zeroes)"
+info "Write Zeroes: 1 MiB of random data read back as zeros"
+
 # NVMe Copy (opcode 0x19): two source ranges (8 blocks at LBA 64, 4 at LBA 128; --blocks is
 # zero-based) to LBA 256, whose 16 blocks are zero before: afterwards 8 + 4 copied blocks, then
 # 4 still zero. Read with the block device's cache flushed: the copy bypasses it.
@@ -168,15 +187,25 @@ read_secure() { # WHAT
     info "$1: connected, $secure_mib MiB read with the expected sha256, disconnected"
 }
 
+# A refusal must be prompt: a target that drops the connection instead of answering (AUTH_Failure1,
+# or a Connect error) leaves the host waiting for its timeout. nvmet itself sometimes tears the
+# controller down before the host has read its Failure1 (the host then waits ~60 s): the reference
+# run only reports the time.
+refuse_max=20
 refused() { # WHAT HOSTNQN ARGS...
     r_what=$1
     shift
     step "refused: $r_what"
+    r_t0=$(cut -d. -f1 /proc/uptime)
     if auth "$@" >/tmp/auth.out 2>&1; then
         fail "$r_what: nvme connect $(cat /tmp/auth.args) succeeded: $(tr '\n' ' ' </tmp/auth.out)"
     fi
+    r_s=$(($(cut -d. -f1 /proc/uptime) - r_t0))
     nvme_none
-    info "$r_what: refused ($(tr '\n' ' ' </tmp/auth.out | cut -c1-120)); kernel: $(nvme_dmesg 2)"
+    info "$r_what: refused after ~$r_s s ($(tr '\n' ' ' </tmp/auth.out | cut -c1-100)); kernel: $(nvme_dmesg 2)"
+    if [ "$r_s" -gt $refuse_max ] && [ "${LAB_NVME_REF:-}" != nvmet ]; then
+        fail "$r_what: the refusal took $r_s s (more than $refuse_max): the host waited for a timeout instead of an answer; kernel: $(nvme_dmesg 6)"
+    fi
 }
 
 step "host A, its secret (unidirectional)"

@@ -20,7 +20,8 @@
 SCENARIO_DESC="kernel NVMe/TCP host -> blkwire NVMe/TCP frontend (discover, connect, id-ctrl/id-ns, Copy, mkfs.ext4, files, fsck, digests, DH-HMAC-CHAP; host checks the data)"
 HOST_PACKAGES="nvme-cli e2fsprogs"
 GUEST_MODULES="nvme-tcp nvme-fabrics crc32c_generic ext4 nvmet nvmet-tcp"
-GUEST_BINARIES="nvme mkfs.ext4 e2fsck"
+# (util-linux's blkdiscard: busybox's has no -z, Write Zeroes)
+GUEST_BINARIES="nvme mkfs.ext4 e2fsck blkdiscard"
 
 EXPORT=disk0
 DISK_SIZE=256M
