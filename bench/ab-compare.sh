@@ -123,16 +123,21 @@ for w in "${WORKLOADS[@]}"; do
     done
 done
 echo
+chart_begin ab-compare "blkwire A/B, medians of $ROUNDS rounds x ${RUNTIME}s: A = $A, B = $B" iops cpu_us_per_io
+chart_meta peers A
 echo "| workload | A IOPS | B IOPS | B/A | A CPU us/IO | B CPU us/IO |"
 echo "|---|---:|---:|---:|---:|---:|"
 for w in "${WORKLOADS[@]}"; do
     python3 - "$w" "${RES["$w A"]}" "${RES["$w B"]}" <<'PY'
-import statistics, sys
+import os, statistics, sys
 w, a, b = sys.argv[1], sys.argv[2], sys.argv[3]
 def parse(s): return [tuple(map(float, x.split())) for x in s.strip(';').split(';')]
 a, b = parse(a), parse(b)
 ai, bi = statistics.median(x[0] for x in a), statistics.median(x[0] for x in b)
 ac, bc = statistics.median(x[1] for x in a), statistics.median(x[1] for x in b)
 print(f"| {w} | {ai:.0f} | {bi:.0f} | {bi/ai:.2f} | {ac:.2f} | {bc:.2f} |")
+with open(os.environ["CHART_TSV"], "a") as f:
+    f.write(f"{w}\tA\t{ai:.0f}\t{ac:.2f}\n{w}\tB\t{bi:.0f}\t{bc:.2f}\n")
 PY
 done
+chart_end

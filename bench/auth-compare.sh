@@ -76,12 +76,17 @@ rx = sum(x["retransmits"] for x in d["queues"])
 bad = sum(x.get("bad_seals", 0) for x in d["queues"])
 us = 1e6 * cpu / max(d["ops"], 1)
 print(f"| {t} | {mode} | {d['iops']:.0f} | {d['latency_us']['mean']} | {d['latency_us']['p99']} | {us:.2f} | {rx} | {bad} |")
+with open(os.environ["CHART_TSV"], "a") as f:
+    f.write(f"{t}\t{mode}\t{d['iops']:.0f}\t{d['latency_us']['mean']}\t{d['latency_us']['p99']}\n")
 PY
 }
 
 echo "# blkwire authentication cost: 4k randread QD$QD, MTU $MTU, $JOBS job(s), ${RUNTIME}s per run, $ROUNDS rounds, $(date -u '+%Y-%m-%d %H:%M UTC')"
 echo "# $("$BIN" --version), $(nproc) CPUs shared by initiator and target"
 echo
+chart_begin auth-compare "blkwire authentication cost: 4k randread QD$QD, MTU $MTU, $JOBS job(s), ${RUNTIME}s per run" \
+    iops mean_us p99_us
+chart_meta peers plain
 echo "| transport | frames | IOPS | mean latency us | p99 us | CPU us per I/O | retransmits | bad seals |"
 echo "|---|---|---:|---:|---:|---:|---:|---:|"
 KEY=(--host-id bench --key "$WORK/bench.key")
@@ -95,3 +100,4 @@ for r in $(seq 1 "$ROUNDS"); do
     run tcp authenticated "${KEY[@]}"
     stop_target
 done
+chart_end

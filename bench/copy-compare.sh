@@ -99,15 +99,21 @@ copy() { # copy MODE DEST: prints "milliseconds bytes-on-link"
 }
 row() { # row LINK DEST MODE "MS..." "WIRE..."
     python3 - "$BYTES" "$@" <<'PY'
-import statistics, sys
+import os, statistics, sys
 size, link, dest, mode, ms, wire = int(sys.argv[1]), *sys.argv[2:5], sys.argv[5].split(), sys.argv[6].split()
 s = statistics.median(int(x) for x in ms) / 1000
 w = statistics.median(int(x) for x in wire)
 print(f"{'full' if link == 'off' else link:<8} {dest:<7} {mode:<11} {s:9.2f} {size / s / 2**20:9.1f} {w:14d} {100 * w / size:9.2f}%")
+with open(os.environ["CHART_TSV"], "a") as f:
+    where = {"off": "full link", "host": "on the host"}.get(link, f"{link} link")
+    f.write(f"{where}, {dest}\t{mode}\t{size / s / 2**20:.1f}\t{100 * w / size:.2f}\n")
 PY
 }
 
 echo "# copy-compare: $SIZE from one export to another of the same target over tcp:// (nbd:// for nbdcopy), veth MTU $MTU, images in $IMAGES, $ROUNDS rounds, median"
+chart_begin copy-compare "copying $SIZE between two exports of one target: offloaded COPY vs through the initiator (veth MTU $MTU; limited link $RATE)" \
+    mib_s link_pct
+chart_meta peers "nbdcopy dd"
 printf '%-8s %-7s %-11s %9s %9s %14s %10s\n' link dest mode seconds MiB/s link-bytes %-of-size
 for rate in off "$RATE"; do
     limit "$rate"
@@ -136,3 +142,4 @@ for dest in fresh reused; do
     done
     row host "$dest" dd "$MSS" "0"
 done
+chart_end

@@ -135,6 +135,11 @@ BUDGET_KIB="$(budget_kib "$BUDGET")"
 printf 'target RSS: before %d MiB, peak %d MiB, after %d MiB (budget %d MiB; budget in use after: %s bytes)\n' \
     $(( BEFORE >> 10 )) $(( PEAK >> 10 )) $(( AFTER >> 10 )) $(( BUDGET_KIB >> 10 )) "$USED"
 echo "new session served afterwards: $served"
+chart_begin hostile-load "target RSS under ${DURATION}s of hostile load, legitimate copies of $COPY_MIB MiB alongside" rss_mib
+for m in before:"$BEFORE" peak:"$PEAK" after:"$AFTER"; do
+    chart_row "budget $BUDGET, ulimit -n $NOFILE" "${m%%:*}" "$(( ${m#*:} >> 10 ))"
+done
+chart_end
 (( bad == 0 )) || die "a legitimate copy read back different data"
 (( copies > 0 )) || die "no legitimate copy finished during the load"
 (( PEAK < BEFORE + BUDGET_KIB )) || die "peak RSS passed the budget"

@@ -62,3 +62,41 @@ veth_pair_remove() {
     ip netns del "$1" 2>/dev/null || true
     ip netns del "$2" 2>/dev/null || true
 }
+
+# Charts. chart_begin NAME TITLE MEASURE...: the table's machine-readable copy, CHART_TSV =
+# $BENCH_OUT/NAME-DATE.tsv (BENCH_OUT defaults to bench/out, relative to the repository root,
+# where the scripts run), with its title, the run's date and script, and the header "group system
+# MEASURE..." (measure names: see bench/chart.sh). chart_row GROUP SYSTEM VALUE... adds a row
+# (a script's Python may append rows to $CHART_TSV itself); chart_end draws the PNG beside it with
+# bench/chart.sh and prints both paths. A chart that cannot be drawn is a warning, not a failure.
+chart_begin() {
+    local name="$1" title="$2"; shift 2
+    local dir="${BENCH_OUT:-bench/out}"
+    mkdir -p "$dir"
+    CHART_TSV="$dir/$name-$(date -u +%Y%m%d-%H%M%S).tsv"
+    export CHART_TSV
+    {
+        printf '#title\t%s\n' "$title"
+        printf '#run\t%s, bench/%s.sh\n' "$(date -u '+%Y-%m-%d %H:%M UTC')" "$name"
+        printf 'group\tsystem'
+        printf '\t%s' "$@"
+        printf '\n'
+    } >"$CHART_TSV"
+}
+
+# chart_meta KEY VALUE: a "#KEY<TAB>VALUE" line (e.g. peers) in the table.
+chart_meta() { printf '#%s\t%s\n' "$1" "$2" >>"$CHART_TSV"; }
+
+chart_row() {
+    local IFS=$'\t'
+    echo "$*" >>"$CHART_TSV"
+}
+
+chart_end() {
+    local png="${CHART_TSV%.tsv}.png"
+    if bench/chart.sh "$CHART_TSV" "$png"; then
+        echo "chart: $png (table: $CHART_TSV)"
+    else
+        echo "chart: not drawn (table: $CHART_TSV)" >&2
+    fi
+}

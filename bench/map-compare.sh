@@ -242,6 +242,8 @@ for c in "${CASES[@]}"; do
     done
 done
 
+chart_begin map-compare "mapped block device (fuse + loop): blkwire map vs nbdfuse, fio io_uring direct, ${RUNTIME}s per run" \
+    iops mean_us p99_us
 echo "| system | rw | bs | QD | IOPS | MiB/s | mean latency us | p99 us | server CPU % | frontend CPU % | fio CPU % |"
 echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 for c in "${CASES[@]}"; do
@@ -249,6 +251,7 @@ for c in "${CASES[@]}"; do
     for sys in "${SYSTEMS[@]}"; do
         read -r iops mean p99 mibs scpu fcpu ccpu <<<"${R[$sys,$1,$2,$3]}"
         echo "| $sys | $1${4:+ ($4)} | $2 | $3 | $iops | $mibs | $mean | $p99 | $scpu | $fcpu | $ccpu |"
+        chart_row "$2 $1${4:+ ($4)} QD$3" "$sys" "$iops" "$mean" "$p99"
     done
 done
 echo
@@ -263,3 +266,4 @@ print(f"4k randread QD32 IOPS ratio io_uring/read: {float(u[0]) / float(r[0]):.2
 print(f"4k randread QD1 mean latency: io_uring {u1[1]} us, read {r1[1]} us, nbdfuse {n1[1]} us")
 print(f"1M read QD8 bandwidth: io_uring {um[3]} MiB/s, read {rm[3]} MiB/s, nbdfuse {nm[3]} MiB/s")
 EOF
+chart_end

@@ -222,6 +222,8 @@ for c in "${CASES[@]}"; do
     i=$(( i + 1 ))
 done
 
+chart_begin nbd-compare "NBD servers, one client (fio nbd engine): ${JOBS} job(s), ${RUNTIME}s per run, 127.0.0.1" \
+    iops mean_us p99_us
 echo "| rw | bs | QD | system | IOPS | MiB/s | mean latency us | p99 us | server CPU % | client CPU % |"
 echo "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"
 for c in "${CASES[@]}"; do
@@ -229,6 +231,7 @@ for c in "${CASES[@]}"; do
     for sys in "${SYSTEMS[@]}"; do
         read -r iops mib mean p99 scpu ccpu <<<"${R[$sys,$1,$2,$3]}"
         echo "| $1 | $2 | $3 | $sys | $iops | $mib | $mean | $p99 | $scpu | $ccpu |"
+        chart_row "$2 $1 QD$3" "$sys" "$iops" "$mean" "$p99"
     done
 done
 echo
@@ -268,3 +271,4 @@ print(f"target randread 4k QD32 >= 1.5x nbdkit: {'met' if ratio >= 1.5 else 'NOT
 ok = lat("blkwire", "randread,4k,1") < lat("nbdkit", "randread,4k,1")
 print(f"target QD1 latency below nbdkit (randread): {'met' if ok else 'NOT met'}")
 EOF
+chart_end

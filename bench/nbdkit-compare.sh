@@ -178,6 +178,8 @@ for c in "${CASES[@]}"; do
     R[nbdkit,$1,$2]="$(run_fio "$1" "$2")"
 done
 
+chart_begin nbdkit-compare "blkwire (blkwire bench) vs nbdkit memory (fio nbd): $BS, 1 job, ${RUNTIME}s per run, 127.0.0.1" \
+    iops mean_us p99_us
 echo "| system | rw | QD | IOPS | mean latency us | p99 us | server CPU % | client CPU % |"
 echo "|---|---|---:|---:|---:|---:|---:|---:|"
 for c in "${CASES[@]}"; do
@@ -185,6 +187,7 @@ for c in "${CASES[@]}"; do
     for sys in blkwire nbdkit; do
         read -r iops mean p99 scpu ccpu <<<"${R[$sys,$1,$2]}"
         echo "| $sys | $1 | $2 | $iops | $mean | $p99 | $scpu | $ccpu |"
+        chart_row "$1 QD$2" "$sys" "$iops" "$mean" "$p99"
     done
 done
 echo
@@ -198,3 +201,4 @@ print(f"randread  QD32 IOPS ratio blkwire/nbdkit: {float(v[0][0]) / float(v[1][0
 print(f"randwrite QD32 IOPS ratio blkwire/nbdkit: {float(v[2][0]) / float(v[3][0]):.2f}x")
 print(f"randread  QD1 mean latency: blkwire {v[4][1]} us, nbdkit {v[5][1]} us")
 EOF
+chart_end

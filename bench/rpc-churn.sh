@@ -22,6 +22,7 @@ cd "$(dirname "$0")/.."
 BLKWIRE="${BLKWIRE:-target/release/blkwire}"
 
 die() { echo "rpc-churn: $*" >&2; exit 1; }
+. bench/lib.sh
 
 command -v python3 >/dev/null || die "python3 not found (apt-get install python3)"
 [[ -x "$BLKWIRE" ]] || cargo build --release --locked -p blkwire >/dev/null 2>&1 \
@@ -92,13 +93,19 @@ EOF
 }
 
 echo "# blkwire bench 4k randread QD32 tcp:// loopback, ${RUNTIME}s x ${ROUNDS} rounds; $(nproc) CPUs"
+chart_begin rpc-churn "blkwire bench 4k randread QD32, tcp:// loopback: quiet vs beside control calls, ${RUNTIME}s per run" \
+    iops mean_us p99_us
+chart_meta peers quiet
 for r in $(seq "$ROUNDS"); do
     if ((r % 2)); then order=(quiet churn); else order=(churn quiet); fi
     for c in "${order[@]}"; do measure "$c" "$r" >/dev/null; done
 done
 python3 - "$DIR/results" <<'EOF'
-import json, statistics, sys
+import json, os, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
+with open(os.environ["CHART_TSV"], "a") as f:
+    for r in rows:
+        f.write(f"4k randread QD32\t{r['case']}\t{r['iops']:.0f}\t{r['mean']:.1f}\t{r['p99']:.1f}\n")
 print(f"{'case':<6} {'round':>5} {'IOPS':>9} {'mean us':>8} {'p99 us':>8} {'max us':>9} {'calls':>6}")
 for r in rows:
     print(f"{r['case']:<6} {r['round']:>5} {r['iops']:>9.0f} {r['mean']:>8.1f} {r['p99']:>8.1f} {r['max']:>9.1f} {r['calls']:>6}")
@@ -111,3 +118,4 @@ for case in ("quiet", "churn"):
     print(f"{case:<6} {'':>5} {m['iops']:>9.0f} {m['mean']:>8.1f} {m['p99']:>8.1f} {m['max']:>9.1f} {m['calls']:>6.0f}")
 print(f"churn/quiet IOPS: {med['churn']['iops'] / med['quiet']['iops']:.2f}")
 EOF
+chart_end

@@ -137,6 +137,8 @@ N=${#CASES[@]}
 echo "# TLS vs plain: 4k randread QD32, 1 connection, ${RUNTIME}s per run, ${ROUNDS} rounds, 127.0.0.1, $(nproc) CPUs, $(openssl version)"
 echo "# target: $("$BLKWIRE" --version) serve --tls on (X.509, P-256) ${POLL[*]}, mem:$SIZE; native client: blkwire bench; NBD client: fio $(fio --version | sed 's/^fio-//') nbd engine (libnbd $(nbdinfo --version 2>/dev/null | sed -n 's/^libnbd //p'))"
 printf '%-6s %-13s %9s %8s %8s %8s %10s %10s\n' round case IOPS p99_us srv_cpu% cli_cpu% srv_us/io cli_us/io
+chart_begin tls-compare "TLS vs plain: 4k randread QD32, 1 connection, ${RUNTIME}s per run, 127.0.0.1" iops p99_us
+chart_meta peers plain
 declare -A R
 for (( r = 0; r < ROUNDS; r++ )); do
     for (( k = 0; k < N; k++ )); do
@@ -148,6 +150,8 @@ for (( r = 0; r < ROUNDS; r++ )); do
         printf '%-6s %-13s %9s %8s %8s %8s %10s %10s\n' "$r" "$c" "$1" "$2" "$3" "$4" \
             "$(python3 -c "print(f'{$3/100*1e6/$1:.2f}')")" \
             "$(python3 -c "print(f'{$4/100*1e6/$1:.2f}' if '$4' != 'n/a' else 'n/a')")"
+        if [[ "$c" == native-* ]]; then g="tcp:// (blkwire bench)"; else g="nbd:// (fio nbd engine)"; fi
+        chart_row "$g" "${c#*-}" "$1" "$2"
     done
 done
 
@@ -175,3 +179,4 @@ ratio = iops / med([r[0] for r in p])
 print(f"{c:<13} {iops:9.0f} {p99:8.0f} {srv:10.2f} {cli:10.2f} {ratio*100:7.0f}%")
 EOF
 done
+chart_end

@@ -77,12 +77,17 @@ d = json.loads(raw)
 rx = sum(x["retransmits"] for x in d["queues"])
 us = 1e6 * cpu / max(d["ops"], 1)
 print(f"| {t} | {label} | {qd} | {d['iops']:.0f} | {d['bandwidth_bytes']/1e6:.0f} | {d['latency_us']['mean']} | {d['latency_us']['p99']} | {us:.1f} | {rx} |")
+with open(os.environ["CHART_TSV"], "a") as f:
+    f.write(f"{label} QD{qd}\t{t}\t{d['iops']:.0f}\t{d['latency_us']['mean']}\t{d['latency_us']['p99']}\n")
 PY
 }
 
 echo "# blkwire transports over one veth pair: MTU $MTU, $JOBS job(s), ${RUNTIME}s per run, $(date -u '+%Y-%m-%d %H:%M UTC')"
 echo "# $("$BIN" --version), $(nproc) CPUs shared by initiator and target"
 echo
+chart_begin transports-compare "blkwire transports over one veth pair: MTU $MTU, $JOBS job(s), ${RUNTIME}s per run" \
+    iops mean_us p99_us
+chart_meta peers tcp
 echo "| transport | workload | QD | IOPS | MB/s | mean latency us | p99 us | CPU us per I/O | retransmits |"
 echo "|---|---|---:|---:|---:|---:|---:|---:|---:|"
 WORKLOADS=("randread 4k 1 4k-randread" "randread 4k 32 4k-randread" "read 256k 16 256k-seqread")
@@ -97,3 +102,4 @@ for loss in 1 5; do
     for t in eth udp tcp; do run "$t" randread 4k 32 "4k-randread-loss-$loss%"; done
 done
 impair 0
+chart_end

@@ -22,6 +22,8 @@ command -v nbdinfo >/dev/null || need+=(libnbd-bin)
 command -v qemu-img >/dev/null || need+=(qemu-utils)
 command -v nft >/dev/null || need+=(nftables)
 command -v ip >/dev/null || need+=(iproute2)
+# Every bench script draws its table as a PNG with gnuplot (bench/chart.sh); -nox: no X11.
+command -v gnuplot >/dev/null || need+=(gnuplot-nox)
 # Mapped block devices (crates/cli/tests/map.rs, bench/map-compare.sh): loop devices, ext4,
 # namespaces, and nbdfuse as the comparison peer.
 command -v losetup >/dev/null || need+=(mount)

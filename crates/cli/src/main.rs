@@ -32,7 +32,8 @@ use clap::{Parser, Subcommand};
         A target (`blkwire serve`) exports block devices, files and RAM over blkwire's own protocol.\n\
         Initiators name an export by URL (tcp://HOST[:PORT]/EXPORT, udp://HOST[:PORT]/EXPORT or\n\
         eth://IFACE/MAC/EXPORT) to inspect it (`info`), copy to and from it (`cp`), measure it\n\
-        (`bench`) or map it as a local block device (`map`); stock NBD clients use nbd:// listeners.\n\n\
+        (`bench`) or map it as a local block device (`map`); stock NBD clients use nbd:// listeners,\n\
+        NVMe/TCP hosts (the Linux kernel, nvme-cli) nvme-tcp:// ones.\n\n\
         A running target's exports, listeners and sessions change over its control socket\n\
         (`export`, `listener`, `session`, `save-config`, `load-config`, `rpc`)."
 )]

@@ -12,8 +12,10 @@ pub struct Args {
         long = "listen",
         value_name = "URL",
         help = "Where to listen (repeatable): tcp://ADDR:PORT (native), nbd://ADDR[:PORT] (NBD, \
-                port 10809 by default), udp://ADDR:PORT, eth://IFACE. Port 0 picks a free port. \
-                Default: tcp://0.0.0.0:7700, unless --config is given"
+                port 10809 by default), nvme-tcp://ADDR[:PORT] (NVMe/TCP, port 4420 by default; \
+                every export is subsystem nqn.2026-11.io.blkwire:NAME), udp://ADDR:PORT, \
+                eth://IFACE. Port 0 picks a free port. Default: tcp://0.0.0.0:7700, unless \
+                --config is given"
     )]
     listen: Vec<String>,
     #[arg(

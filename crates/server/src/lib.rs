@@ -16,6 +16,7 @@ pub mod http;
 pub mod log;
 mod metrics;
 mod nbd;
+pub mod nvme;
 mod ports;
 mod reactor;
 mod rpc;
@@ -212,6 +213,7 @@ impl Listener {
         match &self.stream {
             Some((_, ListenerKind::Native)) => "tcp",
             Some((_, ListenerKind::Nbd)) => "nbd",
+            Some((_, ListenerKind::NvmeTcp)) => "nvme-tcp",
             None if self.url.starts_with("udp://") => "udp",
             None => "eth",
         }
@@ -293,11 +295,15 @@ impl Shared {
             let scheme = match frontend {
                 ListenerKind::Native => "tcp",
                 ListenerKind::Nbd => "nbd",
+                ListenerKind::NvmeTcp => "nvme-tcp",
             };
             let bound = format!("{scheme}://{local}");
             let mut ls = self.lock_listeners();
             id = ls.next_id;
             ls.next_id += 1;
+            if frontend == ListenerKind::NvmeTcp {
+                self.registry.nvme.add_listener(id, local);
+            }
             ls.list.push(Listener {
                 id,
                 asked: url.to_string(),
@@ -330,6 +336,7 @@ impl Shared {
             .ok_or_else(|| format!("no listener {url} (listener_list shows them)"))?;
         let l = ls.list.remove(at);
         drop(ls);
+        self.registry.nvme.remove_listener(l.id);
         if l.stream.is_some() {
             eventfd_write(self.changed.as_raw_fd());
         } else {
@@ -471,14 +478,17 @@ enum ListenerKind {
     Native,
     /// NBD fixed newstyle (`nbd://`), for stock clients.
     Nbd,
+    /// NVMe/TCP (`nvme-tcp://`), for the kernel's nvme-tcp host and nvme-cli.
+    NvmeTcp,
 }
 
-/// Parses `tcp://ADDR:PORT` or `nbd://ADDR[:PORT]` (NBD's port defaults to 10809).
+/// Parses `tcp://ADDR:PORT`, `nbd://ADDR[:PORT]` (NBD's port defaults to 10809) or
+/// `nvme-tcp://ADDR[:PORT]` (4420).
 fn parse_listen(url: &str) -> Result<(ListenerKind, Vec<SocketAddr>), String> {
-    let help = "expected tcp://ADDR:PORT or nbd://ADDR[:PORT], e.g. tcp://0.0.0.0:7700, nbd://0.0.0.0:10809, tcp://[::1]:7700";
+    let help = "expected tcp://ADDR:PORT, nbd://ADDR[:PORT] or nvme-tcp://ADDR[:PORT], e.g. tcp://0.0.0.0:7700, nbd://0.0.0.0:10809, nvme-tcp://0.0.0.0:4420, tcp://[::1]:7700";
     let (frontend, rest) = match url.split_once("://") {
         Some(("tcp", rest)) => (ListenerKind::Native, rest.to_string()),
-        Some(("nbd", rest)) => {
+        Some((scheme @ ("nbd" | "nvme-tcp"), rest)) => {
             let rest = rest.trim_end_matches('/');
             // Add the default port unless one is given ("[v6]:p", "host:p").
             let has_port = match rest.rsplit_once(':') {
@@ -489,12 +499,17 @@ fn parse_listen(url: &str) -> Result<(ListenerKind, Vec<SocketAddr>), String> {
                 }
                 None => false,
             };
+            let (kind, port) = if scheme == "nbd" {
+                (ListenerKind::Nbd, 10809)
+            } else {
+                (ListenerKind::NvmeTcp, 4420)
+            };
             (
-                ListenerKind::Nbd,
+                kind,
                 if has_port {
                     rest.to_string()
                 } else {
-                    format!("{rest}:10809")
+                    format!("{rest}:{port}")
                 },
             )
         }
@@ -1001,6 +1016,17 @@ fn send_frame(s: &mut Admission, h: &Header, payload: &[u8]) -> std::io::Result<
     s.write_all(&buf)
 }
 
+/// Closes every queue of these sessions, on whichever reactor serves them (from a handshake
+/// thread: an NVMe/TCP controller that ended takes its I/O queues with it).
+fn close_sessions(workers: &[(Sender<Msg>, i32)], sessions: &[u32]) {
+    let ids: Arc<[u32]> = sessions.into();
+    for (tx, wake) in workers {
+        if tx.send(Msg::Close(ids.clone())).is_ok() {
+            eventfd_write(*wake);
+        }
+    }
+}
+
 /// Admits one connection and hands it, by message, to the reactor that will own it.
 fn handshake(
     s: TcpStream,
@@ -1028,6 +1054,26 @@ fn handshake(
             })
         }),
         ListenerKind::Nbd => nbd::negotiate(&mut s, &peer_s, registry, tls),
+        ListenerKind::NvmeTcp => {
+            let local = s.s.local_addr().unwrap_or(peer);
+            match nvme::accept(&mut s, peer, local, registry) {
+                Some(nvme::Accepted::Io(a, fe)) => Some((a, fe)),
+                Some(nvme::Accepted::Admin(q)) => {
+                    // The admin queue stays on this thread for the controller's life; it no
+                    // longer counts as a handshake.
+                    drop(place);
+                    let ended = q.serve(s.s, registry, &peer_s);
+                    if let Some((session, queue)) = ended.session {
+                        registry.revoke(session);
+                        close_sessions(workers, &[session]);
+                        registry.leave(session, queue, &QueueStats::default());
+                    }
+                    drop(counted);
+                    return;
+                }
+                None => None,
+            }
+        }
     };
     // Before the socket is closed or handed on: a cut (shutdown) must find it still ours.
     drop(place);

@@ -203,6 +203,8 @@ pub struct Owner<'a> {
 
 pub struct Registry {
     pub access: Access,
+    /// NVMe/TCP controllers and listeners (`crate::nvme`).
+    pub nvme: crate::nvme::Controllers,
     limits: Limits,
     inner: Mutex<Inner>,
     budget: Arc<Budget>,
@@ -224,6 +226,7 @@ impl Registry {
     pub fn new(access: Access, limits: Limits) -> Registry {
         Registry {
             access,
+            nvme: crate::nvme::Controllers::default(),
             limits,
             budget: Budget::new(limits.max_memory),
             inner: Mutex::new(Inner {
@@ -494,7 +497,7 @@ impl Registry {
     /// fragmented); nothing on a read-only export (the destination is always the session's),
     /// nor where a connection's share of the memory budget could not hold a COPY's bounce
     /// buffer beside its own buffers (a COPY granted would wait for memory forever).
-    fn copy_limits(&self, export: &Export, frame_payload: u32) -> CopyLimits {
+    pub fn copy_limits(&self, export: &Export, frame_payload: u32) -> CopyLimits {
         if export.read_only || self.connection_share() < COPY_MIN_SHARE {
             return CopyLimits::default();
         }
@@ -598,11 +601,29 @@ impl Registry {
         depth: u16,
         max_io: u32,
     ) -> Result<Admitted, Status> {
+        self.admit_first(
+            export,
+            owner,
+            (size, 1, depth, max_io),
+            CopyLimits::default(),
+        )
+    }
+
+    /// A session of `queues` queues whose first connection (queue 0) is admitted now and whose
+    /// other queues join through [`Registry::join_verified`] once the frontend has checked who
+    /// they are (NVMe/TCP: the admin queue creates it, I/O queue `qid` joins as queue `qid`).
+    pub fn admit_first(
+        &self,
+        export: &Arc<Export>,
+        owner: &Owner,
+        (size, queues, depth, max_io): (u64, u16, u16, u32),
+        copy: CopyLimits,
+    ) -> Result<Admitted, Status> {
         let floor = Self::queue_floor(max_io, false);
         let (session, _, mem, placement) = self.create(
             export,
             owner,
-            (size, 1, depth, max_io, max_io, CopyLimits::default()),
+            (size, queues, depth, max_io, max_io, copy),
             (None, false),
             floor,
         )?;
@@ -614,7 +635,42 @@ impl Registry {
             size,
             depth,
             max_io,
-            copy: CopyLimits::default(),
+            copy,
+            seal: None,
+            mem,
+        })
+    }
+
+    /// Admits queue `queue` of a session whose frontend proved the connection belongs to it
+    /// (NVMe/TCP: the controller's host NQN, host id and address, and its DH-HMAC-CHAP when
+    /// keys are configured), with `depth` requests in flight at most.
+    pub fn join_verified(&self, session: u32, queue: u16, depth: u16) -> Result<Admitted, Status> {
+        let mut inner = self.lock();
+        if inner.shut {
+            return Err(Status::Shutdown);
+        }
+        let s = inner
+            .sessions
+            .get_mut(&session)
+            .filter(|s| !s.revoked)
+            .ok_or(Status::Access)?;
+        let slot = s.joined.get_mut(queue as usize).ok_or(Status::Invalid)?;
+        if *slot {
+            return Err(Status::Busy);
+        }
+        let mem = Account::reserve(&s.mem, s.queue_floor, self.connection_share())
+            .ok_or(Status::NoMemory)?;
+        *slot = true;
+        s.live += 1;
+        Ok(Admitted {
+            export: s.export.clone(),
+            session,
+            placement: s.placement,
+            queue,
+            size: s.size,
+            depth: depth.min(s.depth),
+            max_io: s.max_io,
+            copy: s.copy,
             seal: None,
             mem,
         })
@@ -880,6 +936,11 @@ impl Registry {
             );
         }
         out
+    }
+
+    /// True when the session is gone or being closed by the control plane.
+    pub fn is_revoked(&self, id: u32) -> bool {
+        self.lock().sessions.get(&id).is_none_or(|s| s.revoked)
     }
 
     /// Revokes one session (`session_close`); false if there is no such session.

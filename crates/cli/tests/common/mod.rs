@@ -5,6 +5,7 @@
 pub mod native_raw;
 pub mod nbd_raw;
 pub mod netlab;
+pub mod nvme_host;
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;

@@ -8,6 +8,7 @@
 
 pub mod native;
 pub mod nbd;
+pub mod nvme;
 
 use blkwire_backend::{BlockOp, BlockRequest, IoFlags};
 use blkwire_wire::Status;
@@ -115,8 +116,10 @@ pub enum Decoded {
         req: Req,
         /// Bytes of the whole message (header, payload).
         len: usize,
-        /// Bytes of payload at the end of the message.
+        /// Bytes of payload at the end of the message (before its trailer).
         payload_len: usize,
+        /// Bytes after the payload (an NVMe/TCP data digest): 0 for most protocols.
+        trailer: usize,
     },
     /// A message the frontend handled itself, its answer (if any) already appended to `tx`:
     /// liveness probes, and the admin commands that need no backend (Identify, Get Log Page,
@@ -134,8 +137,10 @@ pub enum Decoded {
         offset: u32,
         /// Bytes of the whole message.
         len: usize,
-        /// Bytes of data at the end of the message.
+        /// Bytes of data at the end of the message (before its trailer).
         payload_len: usize,
+        /// Bytes after the data (a data digest).
+        trailer: usize,
     },
     /// The stream is not valid: close the queue.
     Violation(String),

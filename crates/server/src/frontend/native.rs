@@ -154,6 +154,7 @@ fn request(h: &Header, kind: Kind, len: usize) -> Decoded {
         },
         len,
         payload_len: h.payload_len as usize,
+        trailer: 0,
     }
 }
 
@@ -178,6 +179,7 @@ mod tests {
                 req,
                 len,
                 payload_len,
+                ..
             } => (req, len, payload_len),
             Decoded::Need(k) => panic!("need {k}"),
             Decoded::Violation(v) => panic!("violation {v}"),

@@ -71,6 +71,7 @@ impl StreamFrontend for Nbd {
             },
             len,
             payload_len,
+            trailer: 0,
         }
     }
 

@@ -33,19 +33,25 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             return;
         }
         let decoded = c.fe.decode(&c.rx[c.rx_start..c.rx_end], &mut c.tx);
-        let (len, payload_len) = match decoded {
+        let (len, payload_len, trailer) = match decoded {
             Decoded::Need(total) => {
                 c.make_room(total);
                 break;
             }
             Decoded::Violation(e) => return c.violation(&e),
             Decoded::Request {
-                len, payload_len, ..
+                len,
+                payload_len,
+                trailer,
+                ..
             }
             | Decoded::Data {
-                len, payload_len, ..
-            } => (len, payload_len),
-            Decoded::Answered { len } => (len, 0),
+                len,
+                payload_len,
+                trailer,
+                ..
+            } => (len, payload_len, trailer),
+            Decoded::Answered { len } => (len, 0, 0),
         };
         // Data of requests in flight counts against the same high-water mark as replies not
         // yet sent: a client cannot make us hold more by asking for large reads from a backend
@@ -77,7 +83,7 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                 }
             }
         }
-        let payload_at = c.rx_start + len - payload_len;
+        let payload_at = c.rx_start + len - trailer - payload_len;
         c.rx_start += len;
         c.exec.stats.frames_in += 1;
         match decoded {
@@ -688,6 +694,7 @@ mod tests {
                         req,
                         len: hdr + inline,
                         payload_len: inline,
+                        trailer: 0,
                     }
                 }
                 Some(b'D') => {
@@ -703,6 +710,7 @@ mod tests {
                         offset: u32_at(rx, 3),
                         len: 11 + n,
                         payload_len: n,
+                        trailer: 0,
                     }
                 }
                 Some(x) => Decoded::Violation(format!("unknown message {x}")),

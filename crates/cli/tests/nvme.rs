@@ -1,0 +1,501 @@
+//! The NVMe/TCP frontend (issue 16) against the test kit's NVMe/TCP host
+//! (`common::nvme_host`): discovery, controller bring-up as the Linux host does it, I/O with
+//! in-capsule data and with R2T, digests, Flush, Write Zeroes, deallocation, Copy, and what a
+//! broken or hostile host gets (digest errors, oversize PDUs, data beyond its R2T, unknown
+//! opcodes, foreign controllers, a missed keep-alive). Data written over NVMe/TCP is read back
+//! through the native protocol (`blkwire cp`).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use blkwire_wire::nvme_tcp::{self, flags, CapsuleCmd, Pdu};
+use common::nvme_host::{
+    self, controller, io_queue, nqn, sqe, Failure, Opts, Queue, DISCOVERY_NQN,
+};
+use common::{cli, random_bytes, Target, TempDir};
+
+const BS: u32 = 512;
+
+/// A target with a native and an NVMe/TCP listener; `addr` is the NVMe/TCP `127.0.0.1:PORT`.
+struct NvmeTarget {
+    t: Target,
+    addr: String,
+}
+
+impl NvmeTarget {
+    fn start(exports: &[&str]) -> NvmeTarget {
+        Self::start_with(exports, &[])
+    }
+
+    fn start_with(exports: &[&str], extra: &[&str]) -> NvmeTarget {
+        let mut args = vec!["--listen", "nvme-tcp://127.0.0.1:0"];
+        args.extend_from_slice(extra);
+        let (t, urls) = Target::start_listeners(exports, &args);
+        let addr = urls
+            .iter()
+            .find_map(|u| u.strip_prefix("nvme-tcp://"))
+            .unwrap_or_else(|| panic!("no nvme-tcp:// listener in {urls:?}"))
+            .to_string();
+        NvmeTarget { t, addr }
+    }
+
+    /// The export's bytes, read through the native protocol.
+    fn contents(&self, export: &str, dir: &TempDir) -> Vec<u8> {
+        let out = dir.path(&format!("{export}.img"));
+        let (ok, _, err) = cli(&["cp", &self.t.url(export), out.to_str().unwrap()]);
+        assert!(ok, "blkwire cp: {err}");
+        std::fs::read(out).unwrap()
+    }
+}
+
+#[test]
+fn discovery_lists_every_subsystem_at_the_listener() {
+    let t = NvmeTarget::start(&["disk0=mem:16M", "disk1=mem:8M"]);
+    let mut d = controller(&t.addr, DISCOVERY_NQN, &Opts::default());
+    let id = d.identify(1, 0);
+    assert_eq!(id.data.len(), 4096);
+    assert_eq!(id.data[111], 2, "CNTRLTYPE: discovery controller");
+    // The header first (as nvme-cli reads it), then the whole log.
+    let head = d.get_log(0x70, 1024, 0);
+    assert_eq!(head.code(), 0);
+    let n = u64::from_le_bytes(head.data[8..16].try_into().unwrap()) as usize;
+    assert_eq!(n, 3, "the discovery subsystem and two NVM subsystems");
+    let log = d.get_log(0x70, 1024 * (1 + n as u32), 0);
+    assert_eq!(log.data[..8], head.data[..8], "same generation");
+    let port = t.addr.rsplit_once(':').unwrap().1;
+    let mut nqns = Vec::new();
+    for i in 1..=n {
+        let e = &log.data[1024 * i..1024 * (i + 1)];
+        assert_eq!(e[0], 3, "TRTYPE TCP");
+        assert_eq!(e[1], 1, "ADRFAM IPv4");
+        let svc: String = e[32..64]
+            .iter()
+            .take_while(|&&c| c != 0)
+            .map(|&c| c as char)
+            .collect();
+        assert_eq!(svc, port);
+        let addr: String = e[512..768]
+            .iter()
+            .take_while(|&&c| c != 0)
+            .map(|&c| c as char)
+            .collect();
+        assert_eq!(addr, "127.0.0.1");
+        nqns.push(
+            e[256..512]
+                .iter()
+                .take_while(|&&c| c != 0)
+                .map(|&c| c as char)
+                .collect::<String>(),
+        );
+    }
+    nqns.sort();
+    assert_eq!(
+        nqns,
+        [DISCOVERY_NQN.to_string(), nqn("disk0"), nqn("disk1")]
+    );
+    // A discovery controller has no namespaces and no I/O queues.
+    assert_ne!(d.identify(0, 1).code(), 0);
+    let (_, done) = Queue::connect(&t.addr, DISCOVERY_NQN, 1, d.cntlid, &Opts::default()).unwrap();
+    assert_ne!(done.code(), 0, "an I/O queue on a discovery controller");
+}
+
+#[test]
+fn a_controller_comes_up_as_the_linux_host_checks_it() {
+    let t = NvmeTarget::start(&["disk0=mem:16M"]);
+    let mut a = controller(&t.addr, &nqn("disk0"), &Opts::default());
+    let cap = a.property_get(0x00, true);
+    let cap = cap.cqe.dw0 as u64 | (cap.cqe.dw1 as u64) << 32;
+    assert!(cap & 0xffff >= 127, "MQES {}", cap & 0xffff);
+    assert_ne!(cap & 1 << 37, 0, "CAP.CSS: NVM command set");
+    assert_eq!(a.property_get(0x08, false).cqe.dw0, 0x10300, "VS 1.3");
+    let id = a.identify(1, 0).data;
+    assert_eq!(
+        u16::from_le_bytes([id[78], id[79]]),
+        a.cntlid,
+        "cntlid as Connect said"
+    );
+    assert_ne!(u16::from_le_bytes([id[320], id[321]]), 0, "KAS");
+    assert!(
+        u32::from_le_bytes(id[1792..1796].try_into().unwrap()) >= 4,
+        "IOCCSZ"
+    );
+    assert!(
+        u32::from_le_bytes(id[1796..1800].try_into().unwrap()) >= 1,
+        "IORCSZ"
+    );
+    assert_eq!(u16::from_le_bytes([id[1800], id[1801]]), 0, "ICDOFF");
+    assert_ne!(u16::from_le_bytes([id[514], id[515]]), 0, "MAXCMD");
+    assert_ne!(id[536] & 1, 0, "SGLS");
+    let sn = String::from_utf8_lossy(&id[4..24]).trim().to_string();
+    assert!(!sn.is_empty());
+    // One active namespace, with size, NGUID and a descriptor list.
+    let list = a.identify(2, 0).data;
+    assert_eq!(u32::from_le_bytes(list[0..4].try_into().unwrap()), 1);
+    assert_eq!(u32::from_le_bytes(list[4..8].try_into().unwrap()), 0);
+    let ns = a.identify(0, 1).data;
+    assert_eq!(
+        u64::from_le_bytes(ns[0..8].try_into().unwrap()),
+        (16 << 20) / BS as u64
+    );
+    assert_eq!(1u32 << ns[130], BS, "LBA format 0");
+    assert_ne!(ns[104..120], [0; 16], "NGUID");
+    let desc = a.identify(3, 1).data;
+    assert_eq!((desc[0], desc[1]), (2, 16), "NGUID descriptor first");
+    assert_eq!(desc[4..20], ns[104..120]);
+    // The NVM command set's controller structure limits DSM to one range.
+    let mut c = sqe(0x06, 0);
+    c.cdw10 = 6;
+    let nvm = a.command_in(c, &[], 4096).unwrap();
+    assert_eq!((nvm.code(), nvm.data[3]), (0, 1), "DMRL 1");
+    // Number of queues is granted, keep-alive and async events accepted.
+    let q = a.set_features(0x07, 3 | 3 << 16);
+    assert_eq!((q.code(), q.cqe.dw0), (0, 3 | 3 << 16));
+    let mut ka = sqe(0x18, 0);
+    ka.cid = 0;
+    assert_eq!(a.command_in(ka, &[], 0).unwrap().code(), 0);
+    // Unknown admin opcodes and log pages get the right status, not a closed connection.
+    assert_eq!(a.command_in(sqe(0xc1, 0), &[], 0).unwrap().code(), 0x001);
+    assert_eq!(a.get_log(0x77, 512, 0).code(), 0x109);
+    assert_eq!(a.get_log(0x02, 512, 0).code(), 0, "SMART log");
+    // Shutdown completes.
+    a.property_set(0x14, 0x460001 | 1 << 14);
+    assert_eq!(
+        (a.property_get(0x1c, false).cqe.dw0 >> 2) & 3,
+        2,
+        "SHST complete"
+    );
+}
+
+#[test]
+fn data_round_trips_in_capsule_and_through_r2t_with_and_without_digests() {
+    let t = NvmeTarget::start(&["disk0=mem:16M"]);
+    let dir = TempDir::new("nvme-rw");
+    let mut expect = vec![0u8; 16 << 20];
+    for (i, (hd, dd)) in [(false, false), (true, true), (true, false), (false, true)]
+        .into_iter()
+        .enumerate()
+    {
+        let o = Opts {
+            hdgst: hd,
+            ddgst: dd,
+            ..Opts::default()
+        };
+        let mut a = controller(&t.addr, &nqn("disk0"), &o);
+        a.set_features(0x07, 1 | 1 << 16);
+        let mut q = io_queue(&t.addr, &nqn("disk0"), &a, 1, &o);
+        // 4 KiB in the capsule, 256 KiB (several H2CData) through an R2T, 1 MiB read back.
+        let small = random_bytes(4096, i as u64);
+        let big = random_bytes(256 << 10, 100 + i as u64);
+        let base = i as u64 * 4096;
+        assert_eq!(q.write_in(base, &small, BS).unwrap().code(), 0);
+        assert_eq!(q.write_r2t(base + 8, &big, BS, true).unwrap().code(), 0);
+        let off = (base * BS as u64) as usize;
+        expect[off..off + 4096].copy_from_slice(&small);
+        expect[off + 4096..off + 4096 + big.len()].copy_from_slice(&big);
+        let r = q.read(base, 2048, BS).unwrap();
+        assert_eq!(r.code(), 0);
+        assert!(
+            r.data == expect[off..off + (1 << 20)],
+            "read back over NVMe/TCP"
+        );
+    }
+    assert!(
+        t.contents("disk0", &dir) == expect,
+        "read back over the native protocol"
+    );
+}
+
+#[test]
+fn without_sq_flow_control_reads_end_with_success_in_their_data() {
+    let t = NvmeTarget::start(&["disk0=mem:4M"]);
+    let o = Opts {
+        sqfc_off: true,
+        ..Opts::default()
+    };
+    let a = controller(&t.addr, &nqn("disk0"), &Opts::default());
+    let mut q = io_queue(&t.addr, &nqn("disk0"), &a, 1, &o);
+    let data = random_bytes(8192, 9);
+    q.write_in(0, &data, BS).unwrap();
+    let mut c = sqe(0x02, 77);
+    c.nsid = 1;
+    c.cdw12 = 15;
+    c.dptr = nvme_tcp::Sgl::TransportDataBlock {
+        subtype: 0xa,
+        length: 8192,
+    }
+    .to_bytes();
+    q.send(&Pdu::CapsuleCmd(CapsuleCmd { sqe: c, data: &[] }));
+    match q.recv().unwrap() {
+        nvme_host::Received::Data {
+            success,
+            last,
+            data: d,
+            ..
+        } => {
+            assert!(success && last, "one C2HData with SUCCESS");
+            assert_eq!(d, data);
+        }
+        other => panic!("expected C2HData, got {other:?}"),
+    }
+    // No CapsuleResp follows: the next PDU answers the next command (`wait` checks its CID).
+    assert_eq!(q.write_in(16, &data, BS).unwrap().code(), 0);
+}
+
+#[test]
+fn flush_write_zeroes_deallocate_and_copy_change_what_they_should() {
+    let dir = TempDir::new("nvme-ops");
+    let img = dir.path("disk.img");
+    common::sparse_file(&img, 8 << 20);
+    let spec = format!("disk0=file:{}", img.display());
+    let t = NvmeTarget::start(&[&spec]);
+    let mut a = controller(&t.addr, &nqn("disk0"), &Opts::default());
+    let id = a.identify(1, 0).data;
+    assert_eq!(id[525] & 1, 1, "a file has a volatile write cache to flush");
+    let oncs = u16::from_le_bytes([id[520], id[521]]);
+    assert_eq!(oncs & 0x10c, 0x10c, "DSM, Write Zeroes and Copy in ONCS");
+    let ns = a.identify(0, 1).data;
+    assert!(ns[80] >= 1, "MSRC allows several ranges");
+    let mut q = io_queue(&t.addr, &nqn("disk0"), &a, 1, &Opts::default());
+    let data = random_bytes(64 << 10, 5);
+    assert_eq!(q.write_r2t(0, &data, BS, false).unwrap().code(), 0);
+    assert_eq!(q.flush().code(), 0);
+    // Copy two ranges (blocks 0..8 and 64..72) to block 1000; overlapping copies are refused.
+    assert_eq!(q.copy(1000, &[(0, 8), (64, 8)]).code(), 0);
+    assert_ne!(
+        q.copy(4, &[(0, 8)]).code(),
+        0,
+        "source and destination overlap"
+    );
+    // Zero blocks 16..32 (kept allocated) and deallocate 32..48.
+    assert_eq!(q.write_zeroes(16, 16, false).code(), 0);
+    assert_eq!(q.deallocate(&[(32, 16)]).code(), 0);
+    assert_eq!(
+        q.deallocate(&[(0, 1), (8, 1)]).code(),
+        0x002,
+        "one range per DSM (DMRL)"
+    );
+    let got = t.contents("disk0", &dir);
+    let mut want = vec![0u8; 8 << 20];
+    want[..data.len()].copy_from_slice(&data);
+    want[16 * 512..32 * 512].fill(0);
+    let dst = 1000 * 512;
+    want[dst..dst + 4096].copy_from_slice(&data[..4096]);
+    want[dst + 4096..dst + 8192].copy_from_slice(&data[64 * 512..72 * 512]);
+    // Deallocated blocks read as old data or zeros; the rest is exact.
+    assert!(got[..16 * 512] == want[..16 * 512]);
+    assert!(got[16 * 512..32 * 512].iter().all(|&b| b == 0));
+    assert!(got[48 * 512..] == want[48 * 512..]);
+}
+
+#[test]
+fn commands_that_cannot_run_get_their_nvme_status() {
+    let t = NvmeTarget::start(&["disk0=mem:1M", "ro=mem:1M,ro"]);
+    let a = controller(&t.addr, &nqn("disk0"), &Opts::default());
+    let mut q = io_queue(&t.addr, &nqn("disk0"), &a, 1, &Opts::default());
+    let blocks = (1 << 20) / BS as u64;
+    assert_eq!(
+        q.read(blocks - 1, 2, BS).unwrap().code(),
+        0x080,
+        "LBA out of range"
+    );
+    let mut c = sqe(0x02, 0);
+    c.nsid = 2;
+    assert_eq!(
+        q.command_in(c, &[], 512).unwrap().code(),
+        0x00b,
+        "no namespace 2"
+    );
+    assert_eq!(
+        q.command_in(sqe(0x7e, 0), &[], 0).unwrap().code(),
+        0x001,
+        "unknown opcode"
+    );
+    // Still serving after all of that.
+    assert_eq!(q.read(0, 1, BS).unwrap().code(), 0);
+    // A read-only namespace refuses writes, says so in Identify, and offers no Copy.
+    let mut r = controller(&t.addr, &nqn("ro"), &Opts::default());
+    assert_eq!(r.identify(0, 1).data[99] & 1, 1);
+    let mut rq = io_queue(&t.addr, &nqn("ro"), &r, 1, &Opts::default());
+    assert_eq!(rq.write_in(0, &[1; 512], BS).unwrap().code(), 0x182);
+    assert_eq!(
+        rq.write_r2t(0, &[1; 4096], BS, false).unwrap().code(),
+        0x182
+    );
+}
+
+#[test]
+fn connects_that_do_not_belong_are_refused() {
+    let t = NvmeTarget::start(&["disk0=mem:1M"]);
+    let a = controller(&t.addr, &nqn("disk0"), &Opts::default());
+    let other = Opts {
+        hostnqn: "nqn.2014-08.org.nvmexpress:uuid:someone-else".into(),
+        ..Opts::default()
+    };
+    // Another host naming this controller, a controller that does not exist, an unknown
+    // subsystem, a queue id past the grant.
+    let tries = [
+        (nqn("disk0"), 1, a.cntlid, other.clone()),
+        (nqn("disk0"), 1, a.cntlid.wrapping_add(100), Opts::default()),
+        (nqn("nope"), 0, 0xffff, Opts::default()),
+        (nqn("disk0"), 60, a.cntlid, Opts::default()),
+    ];
+    for (sub, qid, cntlid, o) in tries {
+        let (_, done) = Queue::connect(&t.addr, &sub, qid, cntlid, &o).unwrap();
+        assert_ne!(
+            done.code(),
+            0,
+            "Connect {sub} qid {qid} cntlid {cntlid} admitted"
+        );
+    }
+    // The same I/O queue twice.
+    let _q = io_queue(&t.addr, &nqn("disk0"), &a, 1, &Opts::default());
+    let (_, done) = Queue::connect(&t.addr, &nqn("disk0"), 1, a.cntlid, &Opts::default()).unwrap();
+    assert_ne!(done.code(), 0, "queue 1 twice");
+}
+
+/// What the target does with a PDU that breaks the protocol: a C2HTermReq, then it closes.
+fn assert_terminated(q: &mut Queue, what: &str) {
+    match q.recv() {
+        Err(Failure::Terminated(_)) | Err(Failure::Closed(_)) => {}
+        other => panic!("{what}: expected termination, got {other:?}"),
+    }
+    assert!(
+        q.closed_within(Duration::from_secs(10)),
+        "{what}: still open"
+    );
+}
+
+#[test]
+fn broken_pdus_end_the_connection_and_nothing_else() {
+    let t = NvmeTarget::start(&["disk0=mem:1M"]);
+    let dg = Opts {
+        hdgst: true,
+        ddgst: true,
+        ..Opts::default()
+    };
+    let a = controller(&t.addr, &nqn("disk0"), &Opts::default());
+    // A header digest that does not match.
+    let mut q = io_queue(&t.addr, &nqn("disk0"), &a, 1, &dg);
+    let mut out = Vec::new();
+    let mut c = sqe(0x02, 5);
+    c.nsid = 1;
+    Pdu::CapsuleCmd(CapsuleCmd { sqe: c, data: &[] }).encode(&q.tx, &mut out);
+    out[nvme_tcp::CMD_HLEN] ^= 1;
+    q.send_raw(&out);
+    assert_terminated(&mut q, "header digest");
+    // A data digest that does not match.
+    let mut q = io_queue(&t.addr, &nqn("disk0"), &a, 2, &dg);
+    let mut w = sqe(0x01, 6);
+    w.nsid = 1;
+    w.dptr = nvme_tcp::Sgl::DataBlock {
+        subtype: 1,
+        address: 0,
+        length: 512,
+    }
+    .to_bytes();
+    let mut out = Vec::new();
+    Pdu::CapsuleCmd(CapsuleCmd {
+        sqe: w,
+        data: &[9; 512],
+    })
+    .encode(&q.tx, &mut out);
+    let last = out.len() - 1;
+    out[last] ^= 1;
+    q.send_raw(&out);
+    assert_terminated(&mut q, "data digest");
+    // A capsule longer than the in-capsule size the target offers.
+    let mut q = io_queue(&t.addr, &nqn("disk0"), &a, 3, &Opts::default());
+    let mut h = [0u8; 8];
+    h[0] = 4; // CapsuleCmd
+    h[2] = nvme_tcp::CMD_HLEN as u8;
+    h[3] = nvme_tcp::CMD_HLEN as u8;
+    h[4..8].copy_from_slice(&(64u32 << 20).to_le_bytes());
+    q.send_raw(&h);
+    assert_terminated(&mut q, "64 MiB capsule");
+    // H2CData past what the R2T asked for, and for a tag that asked for nothing.
+    let mut q = io_queue(&t.addr, &nqn("disk0"), &a, 4, &Opts::default());
+    let mut w = sqe(0x01, 9);
+    w.nsid = 1;
+    w.cdw12 = 7;
+    w.dptr = nvme_tcp::Sgl::TransportDataBlock {
+        subtype: 0xa,
+        length: 4096,
+    }
+    .to_bytes();
+    q.send(&Pdu::CapsuleCmd(CapsuleCmd { sqe: w, data: &[] }));
+    let r2t = match q.recv().unwrap() {
+        nvme_host::Received::R2T(r) => r,
+        other => panic!("expected R2T, got {other:?}"),
+    };
+    assert_eq!((r2t.r2to, r2t.r2tl), (0, 4096));
+    let too_much = vec![1u8; 8192];
+    q.send(&Pdu::H2CData(nvme_tcp::H2CData {
+        cccid: 9,
+        ttag: r2t.ttag,
+        datao: 0,
+        last: true,
+        data: &too_much,
+    }));
+    assert!(
+        q.closed_within(Duration::from_secs(10)),
+        "data beyond the R2T"
+    );
+    let mut q = io_queue(&t.addr, &nqn("disk0"), &a, 5, &Opts::default());
+    q.send(&Pdu::H2CData(nvme_tcp::H2CData {
+        cccid: 1,
+        ttag: 3,
+        datao: 0,
+        last: true,
+        data: &[0; 512],
+    }));
+    assert_terminated(&mut q, "data for no R2T");
+    // A PDU type only a controller sends.
+    let mut q = io_queue(&t.addr, &nqn("disk0"), &a, 6, &Opts::default());
+    let mut out = Vec::new();
+    Pdu::R2T(nvme_tcp::R2T {
+        cccid: 1,
+        ttag: 0,
+        r2to: 0,
+        r2tl: 512,
+    })
+    .encode(&q.tx, &mut out);
+    q.send_raw(&out);
+    assert!(q.closed_within(Duration::from_secs(10)), "R2T from a host");
+    let _ = flags::LAST_PDU;
+    // The target still serves new queues of the same controller.
+    let mut q = io_queue(&t.addr, &nqn("disk0"), &a, 7, &Opts::default());
+    assert_eq!(q.read(0, 1, BS).unwrap().code(), 0);
+}
+
+#[test]
+fn a_controller_without_keep_alive_ends_with_its_io_queues() {
+    let t = NvmeTarget::start(&["disk0=mem:1M"]);
+    let o = Opts {
+        kato_ms: 1000,
+        ..Opts::default()
+    };
+    let mut a = controller(&t.addr, &nqn("disk0"), &o);
+    let mut q = io_queue(&t.addr, &nqn("disk0"), &a, 1, &Opts::default());
+    // Keep-alives hold it up past several KATOs.
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_millis(2500) {
+        let mut ka = sqe(0x18, 0);
+        ka.cid = 0;
+        assert_eq!(a.command_in(ka, &[], 0).unwrap().code(), 0);
+        assert_eq!(q.read(0, 1, BS).unwrap().code(), 0);
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    // Then silence on the admin queue: both connections close within KATO and some slack.
+    assert!(
+        a.closed_within(Duration::from_secs(10)),
+        "admin queue still open"
+    );
+    assert!(
+        q.closed_within(Duration::from_secs(10)),
+        "I/O queue outlived its controller"
+    );
+    // And the controller is gone: its id no longer admits an I/O queue.
+    let (_, done) = Queue::connect(&t.addr, &nqn("disk0"), 2, a.cntlid, &Opts::default()).unwrap();
+    assert_ne!(done.code(), 0);
+}

@@ -1,0 +1,521 @@
+//! NVMe/TCP I/O queues (NVMe/TCP transport 1.0a §3.3–3.6; NVM command set 1.0): one TCP
+//! connection per I/O queue, after ICReq/ICResp and Fabrics Connect on the handshake thread
+//! (`crate::nvme`). Commands carry a CID, not a slot, so the reactor assigns slots; a WRITE
+//! whose data is not in the capsule waits in its slot while an R2T (TTAG = the slot) asks for
+//! it; READ data goes out as one C2HData followed by a CapsuleResp (or with SUCCESS set and no
+//! CapsuleResp when the host disabled SQ flow control). How the protocol maps onto the trait is
+//! in docs/ARCHITECTURE.md, "NVMe/TCP".
+
+use blkwire_backend::CopyRange;
+use blkwire_backend::{BlockOp, IoFlags};
+use blkwire_wire::nvme_tcp::{
+    self, pdu_len, C2HData, CapsuleCmd, Cqe, Params, Pdu, PduError, PduType, Progress, Sgl,
+    TermReq, R2T,
+};
+use blkwire_wire::{CopyDescriptor, CopyLimits, Status};
+
+use super::{Decoded, Kind, ReadFraming, Req, StreamFrontend};
+use crate::nvme::spec::{self, cqe_status, fctype, io, sc, status_of};
+
+/// One I/O queue's protocol state, as ICReq and Connect negotiated it.
+pub struct NvmeIo {
+    /// How host PDUs are decoded (our CPDA is 0) and how large they may be.
+    rx: Params,
+    /// How our PDUs are encoded (the host's HPDA, the same digests).
+    tx: Params,
+    qid: u16,
+    /// Entries in the submission queue (SQSIZE + 1): SQHD wraps here.
+    entries: u16,
+    sq_head: u16,
+    /// The host disabled SQ flow control (Connect CATTR bit 2): READ data may carry SUCCESS.
+    sqfc_off: bool,
+    lba_shift: u32,
+    max_io: u32,
+    read_only: bool,
+    copy: CopyLimits,
+    /// The CID each slot's R2T was sent for, so an H2CData naming a TTAG must also name the
+    /// right command (the reactor checks the data's order and bounds).
+    r2t_cid: Vec<u16>,
+    /// Scratch for headers built outside `tx` (no allocation per I/O).
+    scratch: Vec<u8>,
+}
+
+/// What an I/O queue is set up with.
+pub struct IoQueueSetup {
+    /// Digests, alignment: from ICReq/ICResp.
+    pub rx: Params,
+    /// ... for what we send.
+    pub tx: Params,
+    /// Queue id (≥ 1).
+    pub qid: u16,
+    /// Connect's SQSIZE + 1.
+    pub entries: u16,
+    /// SQ head after the commands the handshake thread took (Connect, authentication).
+    pub sq_head: u16,
+    /// Connect's CATTR asked for no SQ flow control.
+    pub sqfc_off: bool,
+    /// log2 of the namespace's LBA size.
+    pub lba_shift: u32,
+    /// Largest data transfer.
+    pub max_io: u32,
+    /// The namespace is write protected.
+    pub read_only: bool,
+    /// What one Copy may do.
+    pub copy: CopyLimits,
+}
+
+/// The cookie: the command's CID (the opcode beside it, for logs).
+fn cookie(cid: u16, opcode: u8) -> u128 {
+    cid as u128 | (opcode as u128) << 16
+}
+
+fn cid_of(req: &Req) -> u16 {
+    req.cookie as u16
+}
+
+impl NvmeIo {
+    /// A queue as set up by Connect.
+    pub fn new(s: IoQueueSetup) -> NvmeIo {
+        NvmeIo {
+            rx: s.rx,
+            tx: s.tx,
+            qid: s.qid,
+            entries: s.entries.max(1),
+            sq_head: s.sq_head % s.entries.max(1),
+            sqfc_off: s.sqfc_off,
+            lba_shift: s.lba_shift,
+            max_io: s.max_io,
+            read_only: s.read_only,
+            copy: s.copy,
+            r2t_cid: vec![0; s.entries.max(1) as usize],
+            scratch: Vec::with_capacity(128),
+        }
+    }
+
+    /// Appends a C2HTermReq for `e` (when the error has a FES) with the offending header: the
+    /// host learns why before the connection closes (TCP transport §3.6.2.4).
+    fn terminate(&self, e: &PduError, rx: &[u8], tx: &mut Vec<u8>) -> Decoded {
+        if let Some((fes, fei)) = e.term_status() {
+            let hlen = rx.len().min(nvme_tcp::TERM_MAX_DATA);
+            let t = TermReq {
+                fes,
+                fei,
+                data: &rx[..hlen],
+            };
+            Pdu::C2HTermReq(t).encode(&self.tx, tx);
+        }
+        Decoded::Violation(format!("NVMe/TCP: {e}"))
+    }
+
+    /// A command answered here, without the backend (refusals with their exact status, DSM
+    /// hints): its CapsuleResp goes straight into `tx`.
+    fn answer(&self, cid: u16, status: u16, len: usize, tx: &mut Vec<u8>) -> Decoded {
+        self.response(cid, status, tx);
+        Decoded::Answered { len }
+    }
+
+    /// The byte range of `slba` and `nlb` blocks (0's based), if it fits a request.
+    fn range(&self, slba: u64, blocks: u64) -> Option<(u64, u32)> {
+        let offset = slba.checked_mul(1 << self.lba_shift)?;
+        let len = blocks.checked_mul(1 << self.lba_shift)?;
+        offset.checked_add(len)?;
+        Some((offset, u32::try_from(len).ok()?))
+    }
+
+    fn command(
+        &mut self,
+        c: &CapsuleCmd<'_>,
+        len: usize,
+        trailer: usize,
+        tx: &mut Vec<u8>,
+    ) -> Decoded {
+        let q = &c.sqe;
+        self.sq_head = (self.sq_head + 1) % self.entries;
+        let (cid, op) = (q.cid, q.opcode);
+        let nsid_ok = q.nsid == 1 || (op == io::FLUSH && q.nsid == u32::MAX);
+        if op == spec::FABRICS {
+            // Only Disconnect means something on an established I/O queue.
+            let fct = q.nsid as u8;
+            if fct == fctype::DISCONNECT {
+                return self.request(Kind::Logout, 0, 0, IoFlags::empty(), cid, op, len, 0, 0);
+            }
+            return self.answer(cid, sc::CMD_SEQ_ERROR | sc::DNR, len, tx);
+        }
+        if q.flags & 0x3 != 0 {
+            // Fused operations (compare and write) are not offered.
+            return self.answer(cid, sc::INVALID_FIELD | sc::DNR, len, tx);
+        }
+        if !matches!(
+            op,
+            io::READ | io::WRITE | io::FLUSH | io::WRITE_ZEROES | io::DSM | io::COPY
+        ) {
+            return self.answer(cid, sc::INVALID_OPCODE | sc::DNR, len, tx);
+        }
+        if !nsid_ok {
+            return self.answer(cid, sc::INVALID_NS | sc::DNR, len, tx);
+        }
+        let slba = q.cdw10 as u64 | (q.cdw11 as u64) << 32;
+        let nlb = (q.cdw12 & 0xffff) as u64 + 1;
+        let fua = IoFlags::empty().with(IoFlags::FUA, q.cdw12 & 1 << 30 != 0);
+        let data_len = c.data.len();
+        match op {
+            io::READ | io::WRITE => {
+                let Some((offset, length)) = self.range(slba, nlb) else {
+                    return self.answer(cid, sc::LBA_RANGE | sc::DNR, len, tx);
+                };
+                if length > self.max_io {
+                    return self.answer(cid, sc::INVALID_FIELD | sc::DNR, len, tx);
+                }
+                let sgl = q.sgl();
+                let carried = match (op, sgl) {
+                    (io::READ, Sgl::TransportDataBlock { length: l, .. }) if data_len == 0 => {
+                        if l < length {
+                            return self.answer(cid, sc::SGL_INVALID_DATA | sc::DNR, len, tx);
+                        }
+                        0
+                    }
+                    (io::WRITE, Sgl::TransportDataBlock { length: l, .. }) if data_len == 0 => {
+                        if l < length {
+                            return self.answer(cid, sc::SGL_INVALID_DATA | sc::DNR, len, tx);
+                        }
+                        0
+                    }
+                    (
+                        io::WRITE,
+                        Sgl::DataBlock {
+                            subtype: nvme_tcp::sgl::SUBTYPE_OFFSET,
+                            address: 0,
+                            length: l,
+                        },
+                    ) if l as usize == data_len && data_len == length as usize => data_len,
+                    (_, Sgl::DataBlock { .. } | Sgl::TransportDataBlock { .. }) => {
+                        return self.answer(cid, sc::SGL_INVALID_DATA | sc::DNR, len, tx);
+                    }
+                    _ => return self.answer(cid, sc::SGL_INVALID_TYPE | sc::DNR, len, tx),
+                };
+                let block = if op == io::READ {
+                    BlockOp::Read
+                } else {
+                    BlockOp::Write
+                };
+                self.request(
+                    Kind::Block(block),
+                    offset,
+                    length,
+                    fua,
+                    cid,
+                    op,
+                    len,
+                    carried,
+                    trailer,
+                )
+            }
+            io::FLUSH => self.request(
+                Kind::Block(BlockOp::Flush),
+                0,
+                0,
+                IoFlags::empty(),
+                cid,
+                op,
+                len,
+                0,
+                0,
+            ),
+            io::WRITE_ZEROES => {
+                let Some((offset, length)) = self.range(slba, nlb) else {
+                    return self.answer(cid, sc::LBA_RANGE | sc::DNR, len, tx);
+                };
+                // DEAC (bit 25) allows deallocating: without it the blocks stay allocated.
+                let flags = fua.with(IoFlags::NO_HOLE, q.cdw12 & 1 << 25 == 0);
+                self.request(
+                    Kind::Block(BlockOp::WriteZeroes),
+                    offset,
+                    length,
+                    flags,
+                    cid,
+                    op,
+                    len,
+                    0,
+                    0,
+                )
+            }
+            io::DSM => self.dsm(c, len, tx),
+            io::COPY => self.copy_command(c, len, trailer, tx),
+            _ => unreachable!("filtered above"),
+        }
+    }
+
+    /// Dataset Management: deallocate (AD) of one range, as DMRL in the NVM command set's
+    /// Identify Controller data says; hints without AD are answered at once.
+    fn dsm(&mut self, c: &CapsuleCmd<'_>, len: usize, tx: &mut Vec<u8>) -> Decoded {
+        let q = &c.sqe;
+        let (cid, op) = (q.cid, q.opcode);
+        let ranges = (q.cdw10 & 0xff) as usize + 1;
+        if c.data.len() != ranges * 16 {
+            // The range list must come in the capsule (it always fits: IOCCSZ).
+            return self.answer(cid, sc::SGL_INVALID_DATA | sc::DNR, len, tx);
+        }
+        if q.cdw11 & 1 << 2 == 0 {
+            return self.answer(cid, sc::SUCCESS, len, tx);
+        }
+        if ranges > 1 {
+            return self.answer(cid, sc::INVALID_FIELD | sc::DNR, len, tx);
+        }
+        let r = &c.data[..16];
+        let blocks = u32::from_le_bytes(r[4..8].try_into().expect("4 bytes")) as u64;
+        let slba = u64::from_le_bytes(r[8..16].try_into().expect("8 bytes"));
+        if blocks == 0 {
+            return self.answer(cid, sc::SUCCESS, len, tx);
+        }
+        let Some((offset, length)) = self.range(slba, blocks) else {
+            return self.answer(cid, sc::LBA_RANGE | sc::DNR, len, tx);
+        };
+        self.request(
+            Kind::Block(BlockOp::Trim),
+            offset,
+            length,
+            IoFlags::empty(),
+            cid,
+            op,
+            len,
+            0,
+            0,
+        )
+    }
+
+    /// Copy (NVM command set §3.2.2), source range format 0, into the namespace itself: the
+    /// range list is the payload the reactor hands to `copy_descriptor`.
+    fn copy_command(
+        &mut self,
+        c: &CapsuleCmd<'_>,
+        len: usize,
+        trailer: usize,
+        tx: &mut Vec<u8>,
+    ) -> Decoded {
+        let q = &c.sqe;
+        let (cid, op) = (q.cid, q.opcode);
+        if self.copy.max_ranges == 0 || self.read_only {
+            return self.answer(cid, sc::INVALID_OPCODE | sc::DNR, len, tx);
+        }
+        let ranges = (q.cdw12 & 0xff) as usize + 1;
+        let format = (q.cdw12 >> 8) & 0xf;
+        if format != 0 {
+            return self.answer(cid, sc::INVALID_FIELD | sc::DNR, len, tx);
+        }
+        if c.data.len() != ranges * 32 {
+            return self.answer(cid, sc::SGL_INVALID_DATA | sc::DNR, len, tx);
+        }
+        let sdlba = q.cdw10 as u64 | (q.cdw11 as u64) << 32;
+        let mut total = 0u64;
+        for r in c.data.chunks_exact(32) {
+            total += u16::from_le_bytes([r[16], r[17]]) as u64 + 1;
+        }
+        let Some((offset, length)) = self.range(sdlba, total) else {
+            return self.answer(cid, sc::LBA_RANGE | sc::DNR, len, tx);
+        };
+        let fua = IoFlags::empty().with(IoFlags::FUA, q.cdw12 & 1 << 30 != 0);
+        self.request(
+            Kind::Copy,
+            offset,
+            length,
+            fua,
+            cid,
+            op,
+            len,
+            c.data.len(),
+            trailer,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn request(
+        &self,
+        kind: Kind,
+        offset: u64,
+        length: u32,
+        flags: IoFlags,
+        cid: u16,
+        opcode: u8,
+        len: usize,
+        payload_len: usize,
+        trailer: usize,
+    ) -> Decoded {
+        Decoded::Request {
+            req: Req {
+                kind,
+                offset,
+                length,
+                flags,
+                slot: None,
+                cookie: cookie(cid, opcode),
+            },
+            len,
+            payload_len,
+            trailer,
+        }
+    }
+
+    fn response(&self, cid: u16, status: u16, tx: &mut Vec<u8>) {
+        let cqe = Cqe {
+            dw0: 0,
+            dw1: 0,
+            sq_head: self.sq_head,
+            sq_id: self.qid,
+            cid,
+            status: cqe_status(status),
+        };
+        Pdu::CapsuleResp(cqe).encode(&self.tx, tx);
+    }
+
+    fn resp_len(&self) -> usize {
+        nvme_tcp::prefix_len(PduType::CapsuleResp, 0, &self.tx)
+    }
+
+    /// The trailer a PDU with data carries under `p` (its data digest).
+    fn digest_len(p: &Params, data_len: usize) -> usize {
+        if p.ddgst && data_len > 0 {
+            nvme_tcp::DIGEST_LEN
+        } else {
+            0
+        }
+    }
+}
+
+impl StreamFrontend for NvmeIo {
+    fn decode(&mut self, rx: &[u8], tx: &mut Vec<u8>) -> Decoded {
+        let len = match pdu_len(rx, &self.rx) {
+            Ok(Progress::Need(n)) => return Decoded::Need(n),
+            Ok(Progress::Complete(n)) => n,
+            Err(e) => return self.terminate(&e, rx, tx),
+        };
+        let pdu = match nvme_tcp::decode(&rx[..len], &self.rx) {
+            Ok(p) => p,
+            Err(e) => return self.terminate(&e, &rx[..len], tx),
+        };
+        match pdu {
+            Pdu::CapsuleCmd(c) => {
+                let trailer = Self::digest_len(&self.rx, c.data.len());
+                self.command(&c, len, trailer, tx)
+            }
+            Pdu::H2CData(d) => {
+                let slot = d.ttag;
+                if self.r2t_cid.get(slot as usize) != Some(&d.cccid) {
+                    let e = PduError::InvalidField {
+                        typ: PduType::H2CData,
+                        offset: 8,
+                    };
+                    return self.terminate(&e, &rx[..len], tx);
+                }
+                Decoded::Data {
+                    slot,
+                    offset: d.datao,
+                    len,
+                    payload_len: d.data.len(),
+                    trailer: Self::digest_len(&self.rx, d.data.len()),
+                }
+            }
+            Pdu::H2CTermReq(t) => Decoded::Violation(format!(
+                "the host ended the connection (H2CTermReq FES {:#x}, FEI {:#x})",
+                t.fes, t.fei
+            )),
+            other => {
+                let e = PduError::InvalidField {
+                    typ: other.typ(),
+                    offset: 0,
+                };
+                self.terminate(&e, &rx[..len], tx)
+            }
+        }
+    }
+
+    fn solicit(&mut self, req: &Req, slot: u16, offset: u32, len: u32, tx: &mut Vec<u8>) {
+        if let Some(c) = self.r2t_cid.get_mut(slot as usize) {
+            *c = cid_of(req);
+        }
+        let r = R2T {
+            cccid: cid_of(req),
+            ttag: slot,
+            r2to: offset,
+            r2tl: len,
+        };
+        Pdu::R2T(r).encode(&self.tx, tx);
+    }
+
+    fn server_assigns_slots(&self) -> bool {
+        true
+    }
+
+    fn read_framing(&self, req: &Req) -> ReadFraming {
+        let len = req.length as usize;
+        let prefix = nvme_tcp::prefix_len(PduType::C2HData, len, &self.tx);
+        let digest = nvme_tcp::suffix_len(PduType::C2HData, len, &self.tx);
+        let resp = if self.sqfc_off { 0 } else { self.resp_len() };
+        ReadFraming::Contiguous {
+            prefix,
+            suffix: digest + resp,
+        }
+    }
+
+    fn finish_read_reply(&mut self, req: &Req, prefix: &mut [u8], data: &[u8], suffix: &mut [u8]) {
+        let d = C2HData {
+            cccid: cid_of(req),
+            datao: 0,
+            last: true,
+            success: self.sqfc_off,
+            data: &[],
+        };
+        self.scratch.clear();
+        d.encode_prefix(data.len() as u32, &self.tx, &mut self.scratch);
+        prefix.copy_from_slice(&self.scratch);
+        let digest = nvme_tcp::suffix_len(PduType::C2HData, data.len(), &self.tx);
+        if digest > 0 {
+            suffix[..digest].copy_from_slice(&nvme_tcp::data_digest(data).to_le_bytes());
+        }
+        if !self.sqfc_off {
+            self.scratch.clear();
+            let mut resp = std::mem::take(&mut self.scratch);
+            self.response(cid_of(req), sc::SUCCESS, &mut resp);
+            suffix[digest..].copy_from_slice(&resp);
+            self.scratch = resp;
+        }
+    }
+
+    fn reply(&mut self, req: &Req, status: Status, tx: &mut Vec<u8>) -> bool {
+        let st = match (req.kind, status) {
+            (_, Status::Ok) => sc::SUCCESS,
+            (kind, st) => status_of(
+                st,
+                kind == Kind::Block(BlockOp::Read),
+                matches!(kind, Kind::Block(op) if op.modifies()) || kind == Kind::Copy,
+            ),
+        };
+        self.response(cid_of(req), st, tx);
+        true
+    }
+
+    fn copy_descriptor(&self, payload: &[u8]) -> Option<CopyDescriptor> {
+        let n = payload.len() / 32;
+        if n == 0 || n > self.copy.max_ranges as usize || n > spec::COPY_RANGES as usize {
+            return None;
+        }
+        let mut ranges = Vec::with_capacity(n);
+        let mut total = 0u64;
+        for r in payload.chunks_exact(32) {
+            let slba = u64::from_le_bytes(r[8..16].try_into().expect("8 bytes"));
+            let blocks = u16::from_le_bytes([r[16], r[17]]) as u64 + 1;
+            let (offset, len) = self.range(slba, blocks)?;
+            if len > self.copy.max_range {
+                return None;
+            }
+            total += len as u64;
+            ranges.push(CopyRange { offset, len });
+        }
+        if total > self.copy.max_bytes as u64 {
+            return None;
+        }
+        Some(CopyDescriptor {
+            source: String::new(),
+            ranges,
+        })
+    }
+}

@@ -1,0 +1,831 @@
+//! NVMe/TCP frontend, connection setup (NVMe/TCP transport 1.0a §3.6.2; NVMe over Fabrics
+//! 1.1 Connect §3.3): ICReq/ICResp and the Fabrics Connect that binds a connection to a
+//! controller, on the handshake thread with its deadline. Every export is a subsystem
+//! (`nqn.2026-11.io.blkwire:NAME`) with one namespace (NSID 1); the discovery controller is at
+//! the well-known discovery NQN on every `nvme-tcp://` listener.
+//!
+//! A Connect on queue 0 with CNTLID 0xFFFF creates a controller: a blkwire session (queue 0 is
+//! the admin queue) served by its own thread (`admin.rs`: properties, Identify, features, log
+//! pages, keep-alive), bounded by [`MAX_CONTROLLERS`]. A Connect on queue N names that
+//! controller; the same host NQN, host id and address (and DH-HMAC-CHAP when keys are
+//! configured) admit it as the session's queue N, and the connection goes to a reactor with the
+//! I/O frontend (`frontend/nvme.rs`). The controller ends with its admin queue (disconnect, or
+//! no Keep Alive within KATO): its session is closed, and with it every I/O queue.
+
+pub mod admin;
+pub mod spec;
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+
+use blkwire_auth::PeerAddr;
+use blkwire_wire::nvme_tcp::{
+    self, pdu_len, CapsuleCmd, Cqe, Direction, IcResp, Params, Pdu, PduError, Progress, Sgl,
+    TermReq, IC_LEN,
+};
+
+use crate::frontend::nvme::{IoQueueSetup, NvmeIo};
+use crate::frontend::StreamFrontend;
+use crate::log::Level;
+use crate::session::{Admitted, Owner, Registry};
+use spec::{cqe_status, fctype, sc, Facts, Namespace};
+
+/// Controllers (admin queues, discovery ones included) served at once: each has a thread.
+pub const MAX_CONTROLLERS: usize = 128;
+/// I/O queues a controller may have (Set Features, Number of Queues, grants at most this).
+pub const MAX_IO_QUEUES: u16 = 32;
+/// Entries per I/O submission queue at most (CAP.MQES + 1, MAXCMD).
+pub const MAX_QUEUE_ENTRIES: u16 = 1024;
+/// Admin submission queue entries at most (the host asks for 32).
+pub const MAX_ADMIN_ENTRIES: u16 = 128;
+/// Bytes of the data of a Connect command.
+const CONNECT_DATA: usize = 1024;
+
+/// What the controllers of one target share: the table Connect on an I/O queue looks up, and
+/// the listeners the discovery log lists. Only connection setup and admin queues take its lock.
+#[derive(Default)]
+pub struct Controllers {
+    inner: Mutex<Table>,
+}
+
+#[derive(Default)]
+struct Table {
+    next_id: u16,
+    ctrls: HashMap<u16, Controller>,
+    /// `nvme-tcp://` listeners: (port id, bound address).
+    listeners: Vec<(u16, SocketAddr)>,
+}
+
+/// What an I/O queue's Connect is checked against.
+#[derive(Clone)]
+struct Controller {
+    subnqn: String,
+    hostnqn: String,
+    hostid: [u8; 16],
+    ip: IpAddr,
+    /// The blkwire session (None: a discovery controller).
+    session: Option<u32>,
+    facts: Arc<Facts>,
+    /// I/O queues granted by Set Features (Number of Queues); until then the most there is.
+    io_queues: u16,
+}
+
+impl Controllers {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records an `nvme-tcp://` listener (listed in the discovery log).
+    pub fn add_listener(&self, id: u32, addr: SocketAddr) {
+        self.lock().listeners.push((id as u16, addr));
+    }
+
+    /// Forgets a listener.
+    pub fn remove_listener(&self, id: u32) {
+        self.lock().listeners.retain(|(i, _)| *i != id as u16);
+    }
+
+    /// The listeners, with `local` standing in for a wildcard address (the address the host
+    /// reached us at is one it can reach again).
+    fn listeners(&self, local: IpAddr) -> Vec<(u16, SocketAddr)> {
+        self.lock()
+            .listeners
+            .iter()
+            .map(|&(id, a)| {
+                let ip = if a.ip().is_unspecified() {
+                    local
+                } else {
+                    a.ip()
+                };
+                (id, SocketAddr::new(ip, a.port()))
+            })
+            .collect()
+    }
+
+    /// Registers a controller; its id, or None when [`MAX_CONTROLLERS`] are in use.
+    fn insert(&self, mut make: impl FnMut(u16) -> Controller) -> Option<u16> {
+        let mut t = self.lock();
+        if t.ctrls.len() >= MAX_CONTROLLERS {
+            return None;
+        }
+        // Ids 1..=0xFFEF (0xFFF0 and above are reserved), reused only after a wrap.
+        let id = loop {
+            t.next_id = if t.next_id >= 0xffef {
+                1
+            } else {
+                t.next_id + 1
+            };
+            if !t.ctrls.contains_key(&t.next_id) {
+                break t.next_id;
+            }
+        };
+        t.ctrls.insert(id, make(id));
+        Some(id)
+    }
+
+    fn remove(&self, id: u16) {
+        self.lock().ctrls.remove(&id);
+    }
+
+    fn get(&self, id: u16) -> Option<Controller> {
+        self.lock().ctrls.get(&id).cloned()
+    }
+
+    fn set_io_queues(&self, id: u16, n: u16) {
+        if let Some(c) = self.lock().ctrls.get_mut(&id) {
+            c.io_queues = n;
+        }
+    }
+
+    /// Controllers now (for tests and listings).
+    pub fn count(&self) -> usize {
+        self.lock().ctrls.len()
+    }
+}
+
+/// A connection after its Connect: an I/O queue for a reactor, or an admin queue for a thread
+/// of its own.
+pub enum Accepted {
+    /// An I/O queue, admitted into its controller's session.
+    Io(Admitted, Box<dyn StreamFrontend>),
+    /// An admin queue (or a discovery controller's).
+    Admin(admin::AdminQueue),
+}
+
+/// Reads one whole PDU into `buf` (blocking; the caller's timeouts apply). `Ok(Err(e))` is a
+/// PDU the protocol refuses: answer it with a C2HTermReq ([`terminate`]) and close.
+pub fn read_pdu<R: Read>(
+    r: &mut R,
+    buf: &mut Vec<u8>,
+    p: &Params,
+) -> std::io::Result<Result<usize, PduError>> {
+    buf.clear();
+    let mut have = 0;
+    let mut want = nvme_tcp::CH_LEN;
+    loop {
+        buf.resize(want, 0);
+        r.read_exact(&mut buf[have..want])?;
+        have = want;
+        match pdu_len(&buf[..have], p) {
+            Ok(Progress::Complete(n)) => return Ok(Ok(n)),
+            Ok(Progress::Need(n)) => want = n,
+            Err(e) => return Ok(Err(e)),
+        }
+    }
+}
+
+/// Sends a C2HTermReq for `e` (when it names a FES) with the offending header.
+pub fn terminate<W: Write>(w: &mut W, e: &PduError, header: &[u8], p: &Params) {
+    if let Some((fes, fei)) = e.term_status() {
+        let t = TermReq {
+            fes,
+            fei,
+            data: &header[..header.len().min(nvme_tcp::TERM_MAX_DATA)],
+        };
+        let mut out = Vec::new();
+        Pdu::C2HTermReq(t).encode(p, &mut out);
+        let _ = w.write_all(&out);
+    }
+}
+
+/// Appends a CapsuleResp.
+pub fn response(out: &mut Vec<u8>, p: &Params, cqe: Cqe) {
+    Pdu::CapsuleResp(cqe).encode(p, out);
+}
+
+/// The negotiated parameters of a connection, both directions.
+#[derive(Clone, Copy)]
+pub struct Link {
+    /// What we decode.
+    pub rx: Params,
+    /// What we encode.
+    pub tx: Params,
+}
+
+/// ICReq -> ICResp (TCP transport §3.6.2.2–3): digests as the host asks, CPDA 0, MAXH2CDATA
+/// `max_io`. None when the host broke the protocol (a C2HTermReq was sent where it helps).
+fn initialize<S: Read + Write>(s: &mut S, peer: &str, max_io: u32) -> Option<Link> {
+    let first = Params::initial(Direction::HostToController, IC_LEN as u32);
+    let mut buf = Vec::with_capacity(IC_LEN);
+    let len = match read_pdu(s, &mut buf, &first).ok()? {
+        Ok(n) => n,
+        Err(e) => {
+            crate::log!(Level::Info, "{peer}: NVMe/TCP: {e}");
+            terminate(
+                s,
+                &e,
+                &buf,
+                &Params::initial(Direction::ControllerToHost, 0),
+            );
+            return None;
+        }
+    };
+    let req = match nvme_tcp::decode(&buf[..len], &first) {
+        Ok(Pdu::IcReq(r)) => r,
+        Ok(other) => {
+            crate::log!(
+                Level::Info,
+                "{peer}: NVMe/TCP: expected ICReq, got {:?}",
+                other.typ()
+            );
+            return None;
+        }
+        Err(e) => {
+            crate::log!(Level::Info, "{peer}: NVMe/TCP: {e}");
+            terminate(
+                s,
+                &e,
+                &buf,
+                &Params::initial(Direction::ControllerToHost, 0),
+            );
+            return None;
+        }
+    };
+    if req.pfv != nvme_tcp::PFV_1_0 {
+        let e = PduError::InvalidField {
+            typ: nvme_tcp::PduType::IcReq,
+            offset: 8,
+        };
+        terminate(
+            s,
+            &e,
+            &buf,
+            &Params::initial(Direction::ControllerToHost, 0),
+        );
+        return None;
+    }
+    let maxh2cdata = max_io / 4 * 4;
+    let resp = IcResp {
+        pfv: nvme_tcp::PFV_1_0,
+        cpda: 0,
+        hdgst: req.hdgst,
+        ddgst: req.ddgst,
+        maxh2cdata,
+    };
+    let mut out = Vec::with_capacity(IC_LEN);
+    Pdu::IcResp(resp).encode(&Params::initial(Direction::ControllerToHost, 0), &mut out);
+    s.write_all(&out).ok()?;
+    let mut rx = Params {
+        direction: Direction::HostToController,
+        hdgst: req.hdgst,
+        ddgst: req.ddgst,
+        pda: 0,
+        max_plen: 0,
+    };
+    rx.max_plen = rx.max_plen_for_data(maxh2cdata.max(spec::IO_INCAPSULE));
+    let tx = Params {
+        direction: Direction::ControllerToHost,
+        hdgst: req.hdgst,
+        ddgst: req.ddgst,
+        pda: req.hpda,
+        max_plen: u32::MAX,
+    };
+    Some(Link { rx, tx })
+}
+
+/// A command's host-to-controller data: in the capsule, or fetched with one R2T (a blocking
+/// exchange, for admin and Connect commands only). None: the host broke the protocol.
+pub fn command_data<S: Read + Write>(
+    s: &mut S,
+    link: &Link,
+    c: &CapsuleCmd<'_>,
+    max: usize,
+) -> Option<Result<Vec<u8>, u16>> {
+    match c.sqe.sgl() {
+        Sgl::DataBlock {
+            subtype: nvme_tcp::sgl::SUBTYPE_OFFSET,
+            address: 0,
+            length,
+        } if length as usize == c.data.len() => Some(Ok(c.data.to_vec())),
+        Sgl::TransportDataBlock { length, .. } if c.data.is_empty() => {
+            if length as usize > max {
+                return Some(Err(sc::SGL_INVALID_DATA | sc::DNR));
+            }
+            if length == 0 {
+                return Some(Ok(Vec::new()));
+            }
+            let r2t = nvme_tcp::R2T {
+                cccid: c.sqe.cid,
+                ttag: 0,
+                r2to: 0,
+                r2tl: length,
+            };
+            let mut out = Vec::new();
+            Pdu::R2T(r2t).encode(&link.tx, &mut out);
+            s.write_all(&out).ok()?;
+            let mut data = Vec::with_capacity(length as usize);
+            let mut buf = Vec::new();
+            while data.len() < length as usize {
+                let n = match read_pdu(s, &mut buf, &link.rx).ok()? {
+                    Ok(n) => n,
+                    Err(e) => {
+                        terminate(s, &e, &buf, &link.tx);
+                        return None;
+                    }
+                };
+                match nvme_tcp::decode(&buf[..n], &link.rx) {
+                    Ok(Pdu::H2CData(d))
+                        if d.cccid == c.sqe.cid
+                            && d.ttag == 0
+                            && d.datao as usize == data.len()
+                            && data.len() + d.data.len() <= length as usize =>
+                    {
+                        data.extend_from_slice(d.data)
+                    }
+                    Ok(_) => {
+                        let e = PduError::InvalidField {
+                            typ: nvme_tcp::PduType::H2CData,
+                            offset: 8,
+                        };
+                        terminate(s, &e, &buf[..n], &link.tx);
+                        return None;
+                    }
+                    Err(e) => {
+                        terminate(s, &e, &buf[..n], &link.tx);
+                        return None;
+                    }
+                }
+            }
+            Some(Ok(data))
+        }
+        Sgl::DataBlock { .. } | Sgl::TransportDataBlock { .. } => {
+            Some(Err(sc::SGL_INVALID_DATA | sc::DNR))
+        }
+        _ => Some(Err(sc::SGL_INVALID_TYPE | sc::DNR)),
+    }
+}
+
+/// The largest transfer a controller offers: a power of two of 4 KiB pages (MDTS) within the
+/// target's max I/O, at most 1 MiB.
+fn mdts_bytes(max_io: u32) -> u32 {
+    let m = max_io.clamp(4096, 1 << 20);
+    1 << (31 - m.leading_zeros())
+}
+
+/// A Connect command's fields (NVMe-oF 1.1 §3.3, Figures 20–21).
+struct Connect {
+    cid: u16,
+    recfmt: u16,
+    qid: u16,
+    /// 0's based.
+    sqsize: u16,
+    cattr: u8,
+    kato: u32,
+    hostid: [u8; 16],
+    cntlid: u16,
+    subnqn: String,
+    hostnqn: String,
+}
+
+/// Where a refused Connect's error lies, for the host's message (Connect response dword 0:
+/// IATTR bit 16 set for a field of the data, IPO the byte offset).
+fn invalid_param(in_data: bool, offset: u16) -> u32 {
+    (in_data as u32) << 16 | offset as u32
+}
+
+/// Connect response dword 0 bit the host reads as "authentication required" (ATR; the kernel's
+/// NVME_CONNECT_AUTHREQ_ATR).
+pub const CONNECT_AUTHREQ_ATR: u32 = 1 << 17;
+
+/// Runs ICReq/ICResp and Connect on a new `nvme-tcp://` connection. None: refused or broken
+/// (answered and logged).
+pub fn accept<S: Read + Write>(
+    s: &mut S,
+    peer: SocketAddr,
+    local: SocketAddr,
+    registry: &Registry,
+) -> Option<Accepted> {
+    let peer_s = peer.to_string();
+    let max_io = mdts_bytes(registry.limits().max_io);
+    let link = initialize(s, &peer_s, max_io)?;
+    let mut buf = Vec::new();
+    let n = match read_pdu(s, &mut buf, &link.rx).ok()? {
+        Ok(n) => n,
+        Err(e) => {
+            crate::log!(Level::Info, "{peer_s}: NVMe/TCP: {e}");
+            terminate(s, &e, &buf, &link.tx);
+            return None;
+        }
+    };
+    let cmd = match nvme_tcp::decode(&buf[..n], &link.rx) {
+        Ok(Pdu::CapsuleCmd(c)) => c,
+        Ok(other) => {
+            crate::log!(
+                Level::Info,
+                "{peer_s}: NVMe/TCP: expected a Connect command, got {:?}",
+                other.typ()
+            );
+            return None;
+        }
+        Err(e) => {
+            crate::log!(Level::Info, "{peer_s}: NVMe/TCP: {e}");
+            terminate(s, &e, &buf[..n], &link.tx);
+            return None;
+        }
+    };
+    let q = cmd.sqe;
+    let reply = |s: &mut S, qid: u16, status: u16, dw0: u32| {
+        let mut out = Vec::new();
+        response(
+            &mut out,
+            &link.tx,
+            Cqe {
+                dw0,
+                dw1: 0,
+                sq_head: 1,
+                sq_id: qid,
+                cid: q.cid,
+                status: cqe_status(status),
+            },
+        );
+        s.write_all(&out).ok()
+    };
+    if q.opcode != spec::FABRICS || q.nsid as u8 != fctype::CONNECT {
+        // The first command on a queue must be Connect.
+        reply(s, 0, sc::CMD_SEQ_ERROR | sc::DNR, 0);
+        crate::log!(
+            Level::Info,
+            "{peer_s}: NVMe/TCP: first command opcode {:#x} is not Connect",
+            q.opcode
+        );
+        return None;
+    }
+    let data = match command_data(s, &link, &cmd, CONNECT_DATA)? {
+        Ok(d) if d.len() == CONNECT_DATA => d,
+        _ => {
+            reply(s, 0, sc::SGL_INVALID_DATA | sc::DNR, 0);
+            return None;
+        }
+    };
+    let c = Connect {
+        cid: q.cid,
+        recfmt: q.cdw10 as u16,
+        qid: (q.cdw10 >> 16) as u16,
+        sqsize: q.cdw11 as u16,
+        cattr: (q.cdw11 >> 16) as u8,
+        kato: q.cdw12,
+        hostid: data[0..16].try_into().expect("16 bytes"),
+        cntlid: u16::from_le_bytes([data[16], data[17]]),
+        subnqn: spec::nqn_field(&data[256..512])
+            .unwrap_or_default()
+            .to_string(),
+        hostnqn: spec::nqn_field(&data[512..768])
+            .unwrap_or_default()
+            .to_string(),
+    };
+    let _ = c.cid;
+    if c.recfmt != 0 {
+        reply(s, c.qid, sc::CONNECT_FORMAT | sc::DNR, 0);
+        return None;
+    }
+    if c.subnqn.is_empty() {
+        reply(
+            s,
+            c.qid,
+            sc::CONNECT_INVALID_PARAM | sc::DNR,
+            invalid_param(true, 256),
+        );
+        return None;
+    }
+    if c.hostnqn.is_empty() {
+        reply(
+            s,
+            c.qid,
+            sc::CONNECT_INVALID_PARAM | sc::DNR,
+            invalid_param(true, 512),
+        );
+        return None;
+    }
+    let max_entries = if c.qid == 0 {
+        MAX_ADMIN_ENTRIES
+    } else {
+        MAX_QUEUE_ENTRIES.min(registry.limits().max_depth)
+    };
+    if c.sqsize == 0 || c.sqsize >= max_entries {
+        reply(
+            s,
+            c.qid,
+            sc::CONNECT_INVALID_PARAM | sc::DNR,
+            invalid_param(false, 44),
+        );
+        return None;
+    }
+    let addr = PeerAddr::Ip(peer.ip());
+    let who = c.hostnqn.escape_debug().to_string();
+    // With a key store, the host NQN is the identity DH-HMAC-CHAP proves; without one, nothing
+    // is proven and the export's address rules decide.
+    let keys = registry.access.has_keys();
+    if keys && registry.access.key_of(&c.hostnqn).is_none() {
+        registry
+            .access
+            .refuse(&peer_s, &format!("NVMe host '{who}' has no key"));
+        reply(s, c.qid, sc::CONNECT_INVALID_HOST | sc::DNR, 0);
+        return None;
+    }
+    let proven = keys.then(|| c.hostnqn.clone());
+    if c.qid == 0 {
+        admin_connect(
+            s,
+            c,
+            link,
+            (peer, local, addr, proven.as_deref()),
+            registry,
+            &reply,
+        )
+    } else {
+        io_connect(s, c, link, (peer, addr), registry, &reply)
+    }
+}
+
+type Reply<'a, S> = &'a dyn Fn(&mut S, u16, u16, u32) -> Option<()>;
+
+fn admin_connect<S: Read + Write>(
+    s: &mut S,
+    c: Connect,
+    link: Link,
+    (peer, local, addr, proven): (SocketAddr, SocketAddr, PeerAddr, Option<&str>),
+    registry: &Registry,
+    reply: Reply<'_, S>,
+) -> Option<Accepted> {
+    let peer_s = peer.to_string();
+    let who = c.hostnqn.escape_debug().to_string();
+    if c.cntlid != 0xffff {
+        // Static controllers do not exist here: every admin queue gets a new controller.
+        reply(
+            s,
+            0,
+            sc::CONNECT_INVALID_PARAM | sc::DNR,
+            invalid_param(true, 16),
+        );
+        return None;
+    }
+    let max_io = mdts_bytes(registry.limits().max_io);
+    let discovery = c.subnqn == spec::DISCOVERY_NQN;
+    let mut session = None;
+    let mut admitted = None;
+    let ns = if discovery {
+        None
+    } else {
+        let name = c.subnqn.strip_prefix(spec::NQN_PREFIX).unwrap_or("");
+        let Some(export) = (!name.is_empty())
+            .then(|| registry.permitted(name, proven, &addr))
+            .flatten()
+        else {
+            let nqn = c.subnqn.escape_debug();
+            if !name.is_empty() && registry.has_export(name) {
+                registry.access.refuse(
+                    &peer_s,
+                    &format!("NVMe host '{who}' may not open subsystem '{nqn}'"),
+                );
+                reply(s, 0, sc::CONNECT_INVALID_HOST | sc::DNR, 0);
+            } else {
+                crate::log!(
+                    Level::Info,
+                    "{peer_s}: NVMe host '{who}' asked for unknown subsystem '{nqn}'"
+                );
+                reply(
+                    s,
+                    0,
+                    sc::CONNECT_INVALID_PARAM | sc::DNR,
+                    invalid_param(true, 256),
+                );
+            }
+            return None;
+        };
+        let ns = Namespace::of(&export, &c.subnqn);
+        let copy = {
+            let mut l = registry.copy_limits(&export, u32::MAX);
+            l.max_ranges = l.max_ranges.min(spec::COPY_RANGES);
+            // Copy ranges count blocks in 16 bits.
+            l.max_range = l.max_range.min((u16::MAX as u32 + 1) << ns.lba_shift);
+            l
+        };
+        let owner = Owner {
+            proven,
+            shown: &c.hostnqn,
+            addr: &addr,
+            peer: &peer_s,
+        };
+        let a = match registry.admit_first(
+            &export,
+            &owner,
+            (ns.size, 1 + MAX_IO_QUEUES, MAX_QUEUE_ENTRIES, max_io),
+            copy,
+        ) {
+            Ok(a) => a,
+            Err(st) => {
+                crate::log!(Level::Info, "{peer_s}: NVMe host '{who}': refused: {st}");
+                reply(s, 0, sc::CONNECT_CTRL_BUSY, 0);
+                return None;
+            }
+        };
+        session = Some(a.session);
+        admitted = Some(a);
+        Some(ns)
+    };
+    let copy = admitted.as_ref().map(|a| a.copy).unwrap_or_default();
+    let depth = MAX_QUEUE_ENTRIES.min(registry.limits().max_depth);
+    let make_facts = |cntlid| Facts {
+        cntlid,
+        subnqn: c.subnqn.clone(),
+        ns: ns.clone(),
+        max_io,
+        max_depth: depth,
+        copy,
+    };
+    let mut facts = None;
+    let id = registry.nvme.insert(|id| {
+        let f = Arc::new(make_facts(id));
+        facts = Some(f.clone());
+        Controller {
+            subnqn: c.subnqn.clone(),
+            hostnqn: c.hostnqn.clone(),
+            hostid: c.hostid,
+            ip: peer.ip(),
+            session,
+            facts: f,
+            io_queues: MAX_IO_QUEUES,
+        }
+    });
+    let (Some(id), Some(facts)) = (id, facts) else {
+        if let Some(a) = admitted {
+            registry.leave(a.session, 0, &Default::default());
+        }
+        reply(s, 0, sc::CONNECT_CTRL_BUSY, 0);
+        return None;
+    };
+    let atr = if proven.is_some() {
+        CONNECT_AUTHREQ_ATR
+    } else {
+        0
+    };
+    if reply(s, 0, sc::SUCCESS, id as u32 | atr).is_none() {
+        registry.nvme.remove(id);
+        if let Some(a) = admitted {
+            registry.leave(a.session, 0, &Default::default());
+        }
+        return None;
+    }
+    crate::log!(
+        Level::Info,
+        "{peer_s}: NVMe host '{who}' connected controller {id} of {}",
+        c.subnqn.escape_debug()
+    );
+    Some(Accepted::Admin(admin::AdminQueue::new(
+        admin::AdminSetup {
+            link,
+            entries: c.sqsize + 1,
+            kato_ms: c.kato,
+            facts,
+            hostnqn: c.hostnqn,
+            auth_required: proven.is_some(),
+            local,
+            peer_addr: addr,
+        },
+        admitted,
+    )))
+}
+
+fn io_connect<S: Read + Write>(
+    s: &mut S,
+    c: Connect,
+    link: Link,
+    (peer, _addr): (SocketAddr, PeerAddr),
+    registry: &Registry,
+    reply: Reply<'_, S>,
+) -> Option<Accepted> {
+    let peer_s = peer.to_string();
+    let who = c.hostnqn.escape_debug().to_string();
+    let ctrl = registry.nvme.get(c.cntlid).filter(|k| {
+        k.subnqn == c.subnqn && k.hostnqn == c.hostnqn && k.hostid == c.hostid && k.ip == peer.ip()
+    });
+    let Some(ctrl) = ctrl else {
+        registry.access.refuse(
+            &peer_s,
+            &format!(
+                "NVMe host '{who}': I/O queue {} names controller {}, which is not its own",
+                c.qid, c.cntlid
+            ),
+        );
+        reply(
+            s,
+            c.qid,
+            sc::CONNECT_INVALID_PARAM | sc::DNR,
+            invalid_param(true, 16),
+        );
+        return None;
+    };
+    let (Some(session), Some(ns)) = (ctrl.session, ctrl.facts.ns.as_ref()) else {
+        // A discovery controller has no I/O queues.
+        reply(
+            s,
+            c.qid,
+            sc::CONNECT_INVALID_PARAM | sc::DNR,
+            invalid_param(false, 42),
+        );
+        return None;
+    };
+    if c.qid > ctrl.io_queues {
+        reply(
+            s,
+            c.qid,
+            sc::CONNECT_INVALID_PARAM | sc::DNR,
+            invalid_param(false, 42),
+        );
+        return None;
+    }
+    if registry.access.has_keys() {
+        // Every queue proves the host again (the kernel authenticates each one).
+        let key = registry.access.key_of(&c.hostnqn)?;
+        let mut sq_head = 1u16;
+        reply(s, c.qid, sc::SUCCESS, c.cntlid as u32 | CONNECT_AUTHREQ_ATR)?;
+        if !admin::authenticate_queue(s, &link, &c.hostnqn, &ctrl.subnqn, &key, &mut sq_head)? {
+            registry
+                .access
+                .refuse(&peer_s, &format!("NVMe host '{who}' failed DH-HMAC-CHAP"));
+            return None;
+        }
+        return io_admit(
+            s, c, link, session, ns, &ctrl, registry, sq_head, &peer_s, true,
+        );
+    }
+    io_admit(s, c, link, session, ns, &ctrl, registry, 1, &peer_s, false)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn io_admit<S: Read + Write>(
+    s: &mut S,
+    c: Connect,
+    link: Link,
+    session: u32,
+    ns: &Namespace,
+    ctrl: &Controller,
+    registry: &Registry,
+    sq_head: u16,
+    peer_s: &str,
+    answered: bool,
+) -> Option<Accepted> {
+    let entries = c.sqsize + 1;
+    let a = match registry.join_verified(session, c.qid, entries) {
+        Ok(a) => a,
+        Err(st) => {
+            crate::log!(
+                Level::Info,
+                "{peer_s}: NVMe I/O queue {} of controller {} refused: {st}",
+                c.qid,
+                c.cntlid
+            );
+            if !answered {
+                let mut out = Vec::new();
+                response(
+                    &mut out,
+                    &link.tx,
+                    Cqe {
+                        dw0: invalid_param(false, 42),
+                        dw1: 0,
+                        sq_head,
+                        sq_id: c.qid,
+                        cid: c.cid,
+                        status: cqe_status(sc::CONNECT_INVALID_PARAM | sc::DNR),
+                    },
+                );
+                let _ = s.write_all(&out);
+            }
+            return None;
+        }
+    };
+    if !answered {
+        let mut out = Vec::new();
+        response(
+            &mut out,
+            &link.tx,
+            Cqe {
+                dw0: c.cntlid as u32,
+                dw1: 0,
+                sq_head,
+                sq_id: c.qid,
+                cid: c.cid,
+                status: 0,
+            },
+        );
+        if s.write_all(&out).is_err() {
+            registry.leave(a.session, a.queue, &Default::default());
+            return None;
+        }
+    }
+    let fe = NvmeIo::new(IoQueueSetup {
+        rx: link.rx,
+        tx: link.tx,
+        qid: c.qid,
+        entries,
+        sq_head,
+        sqfc_off: c.cattr & 1 << 2 != 0,
+        lba_shift: ns.lba_shift,
+        max_io: a.max_io,
+        read_only: ns.export.read_only,
+        copy: ctrl.facts.copy,
+    });
+    Some(Accepted::Io(a, Box::new(fe)))
+}

@@ -1,0 +1,541 @@
+//! What an NVMe controller says about itself and its namespace (NVM Express Base Specification
+//! 2.0, Identify §5.17, properties §3.1, status codes §4.2.3; NVMe over Fabrics 1.1 for the
+//! fabrics commands and the discovery log), built from an export's facts. Plain data and byte
+//! layouts: the admin queue (`admin.rs`) and the I/O queues (`frontend/nvme.rs`) both use it.
+
+use std::sync::Arc;
+
+use blkwire_backend::Export;
+use blkwire_wire::{CopyLimits, Status};
+
+/// The well-known NQN of a discovery controller.
+pub const DISCOVERY_NQN: &str = "nqn.2014-08.org.nvmexpress.discovery";
+/// Subsystem NQNs are this prefix and the export's name.
+pub const NQN_PREFIX: &str = "nqn.2026-11.io.blkwire:";
+/// NQNs are at most 223 bytes (Base spec §4.5); the fields that carry them are 256.
+pub const NQN_FIELD: usize = 256;
+
+/// Admin command opcodes.
+pub mod admin {
+    /// Get Log Page.
+    pub const GET_LOG_PAGE: u8 = 0x02;
+    /// Identify.
+    pub const IDENTIFY: u8 = 0x06;
+    /// Abort.
+    pub const ABORT: u8 = 0x08;
+    /// Set Features.
+    pub const SET_FEATURES: u8 = 0x09;
+    /// Get Features.
+    pub const GET_FEATURES: u8 = 0x0a;
+    /// Asynchronous Event Request.
+    pub const ASYNC_EVENT: u8 = 0x0c;
+    /// Keep Alive.
+    pub const KEEP_ALIVE: u8 = 0x18;
+}
+
+/// NVM command set opcodes.
+pub mod io {
+    /// Flush.
+    pub const FLUSH: u8 = 0x00;
+    /// Write.
+    pub const WRITE: u8 = 0x01;
+    /// Read.
+    pub const READ: u8 = 0x02;
+    /// Write Zeroes.
+    pub const WRITE_ZEROES: u8 = 0x08;
+    /// Dataset Management.
+    pub const DSM: u8 = 0x09;
+    /// Copy.
+    pub const COPY: u8 = 0x19;
+}
+
+/// The fabrics command opcode; its type is in byte 4 (FCTYPE).
+pub const FABRICS: u8 = 0x7f;
+
+/// Fabrics command types.
+pub mod fctype {
+    /// Property Set.
+    pub const PROPERTY_SET: u8 = 0x00;
+    /// Connect.
+    pub const CONNECT: u8 = 0x01;
+    /// Property Get.
+    pub const PROPERTY_GET: u8 = 0x04;
+    /// Authentication Send.
+    pub const AUTH_SEND: u8 = 0x05;
+    /// Authentication Receive.
+    pub const AUTH_RECEIVE: u8 = 0x06;
+    /// Disconnect (of an I/O queue).
+    pub const DISCONNECT: u8 = 0x08;
+}
+
+/// Status field values (the CQE's status word without its phase bit): SCT in bits 10:8, SC in
+/// 7:0, DNR bit 14, as Linux's `NVME_SC_*`.
+pub mod sc {
+    /// Successful completion.
+    pub const SUCCESS: u16 = 0x000;
+    /// Invalid Command Opcode.
+    pub const INVALID_OPCODE: u16 = 0x001;
+    /// Invalid Field in Command.
+    pub const INVALID_FIELD: u16 = 0x002;
+    /// Data Transfer Error.
+    pub const DATA_XFER_ERROR: u16 = 0x004;
+    /// Internal Error.
+    pub const INTERNAL: u16 = 0x006;
+    /// Invalid Namespace or Format.
+    pub const INVALID_NS: u16 = 0x00b;
+    /// Command Sequence Error.
+    pub const CMD_SEQ_ERROR: u16 = 0x00c;
+    /// Data SGL Length Invalid.
+    pub const SGL_INVALID_DATA: u16 = 0x00f;
+    /// SGL Descriptor Type Invalid.
+    pub const SGL_INVALID_TYPE: u16 = 0x011;
+    /// Command Interrupted (the host retries).
+    pub const INTERRUPTED: u16 = 0x021;
+    /// LBA Out of Range.
+    pub const LBA_RANGE: u16 = 0x080;
+    /// Capacity Exceeded.
+    pub const CAP_EXCEEDED: u16 = 0x081;
+    /// Namespace Not Ready.
+    pub const NS_NOT_READY: u16 = 0x082;
+    /// Invalid Log Page (command specific).
+    pub const INVALID_LOG_PAGE: u16 = 0x109;
+    /// Feature Identifier Not Saveable.
+    pub const FEATURE_NOT_SAVEABLE: u16 = 0x10d;
+    /// Connect: Incompatible Format.
+    pub const CONNECT_FORMAT: u16 = 0x180;
+    /// Connect: Controller Busy.
+    pub const CONNECT_CTRL_BUSY: u16 = 0x181;
+    /// Connect: Invalid Parameters.
+    pub const CONNECT_INVALID_PARAM: u16 = 0x182;
+    /// Connect: Invalid Host.
+    pub const CONNECT_INVALID_HOST: u16 = 0x184;
+    /// Attempted Write to Read Only Range.
+    pub const READ_ONLY: u16 = 0x182;
+    /// Authentication Required.
+    pub const AUTH_REQUIRED: u16 = 0x191;
+    /// Write Fault (media error).
+    pub const WRITE_FAULT: u16 = 0x280;
+    /// Unrecovered Read Error.
+    pub const READ_ERROR: u16 = 0x281;
+    /// Do Not Retry.
+    pub const DNR: u16 = 0x4000;
+}
+
+/// The CQE status word for a status field value (phase bit clear).
+pub fn cqe_status(status: u16) -> u16 {
+    status << 1
+}
+
+/// The NVMe status a blkwire status becomes. Errors a retry cannot fix carry DNR; running out
+/// of memory is transient, so the host retries it.
+pub fn status_of(st: Status, read: bool, write: bool) -> u16 {
+    match st {
+        Status::Ok => sc::SUCCESS,
+        Status::ReadOnly => sc::READ_ONLY | sc::DNR,
+        Status::OutOfRange => sc::LBA_RANGE | sc::DNR,
+        Status::Invalid => sc::INVALID_FIELD | sc::DNR,
+        Status::Unsupported => sc::INVALID_OPCODE | sc::DNR,
+        Status::NoMemory | Status::Busy => sc::INTERRUPTED,
+        Status::Io if read => sc::READ_ERROR,
+        Status::Io if write => sc::WRITE_FAULT,
+        Status::Shutdown => sc::NS_NOT_READY,
+        _ => sc::INTERNAL,
+    }
+}
+
+/// Properties (Base spec §3.1.3).
+pub mod prop {
+    /// Controller Capabilities (8 bytes).
+    pub const CAP: u32 = 0x00;
+    /// Version.
+    pub const VS: u32 = 0x08;
+    /// Controller Configuration.
+    pub const CC: u32 = 0x14;
+    /// Controller Status.
+    pub const CSTS: u32 = 0x1c;
+}
+
+/// The NVMe version the controllers report: 1.3 (a byte-wide CNS, namespace descriptors) plus
+/// the 2.0 features the host asks for by CNS (the NVM command set controller structure).
+pub const VERSION: u32 = 0x0001_0300;
+/// Identify data is always 4096 bytes.
+pub const IDENTIFY_LEN: usize = 4096;
+/// Keep Alive granularity (KAS) in 100 ms units: keep-alive timeouts are rounded to 100 ms.
+pub const KAS: u16 = 1;
+/// Asynchronous event requests a host may leave outstanding (AERL is 0's based).
+pub const AERL: u8 = 3;
+/// In-capsule data an I/O queue takes (IOCCSZ covers the 64-byte command and this): writes up
+/// to 8 KiB need no R2T round trip, and DSM and Copy range lists always fit.
+pub const IO_INCAPSULE: u32 = 8192;
+/// ... and the admin queue (the host's admin capsules hold up to 8 KiB: Connect's 1024 bytes,
+/// authentication messages).
+pub const ADMIN_INCAPSULE: u32 = 8192;
+/// Source ranges one Copy may name (MSRC is this minus one).
+pub const COPY_RANGES: u16 = 128;
+
+/// What one namespace (an export) looks like to hosts.
+#[derive(Clone)]
+pub struct Namespace {
+    /// The export.
+    pub export: Arc<Export>,
+    /// Its size when the controller was created, in bytes.
+    pub size: u64,
+    /// log2 of the LBA size (the export's logical block size).
+    pub lba_shift: u32,
+    /// NGUID and UUID: unique per subsystem NQN (hosts drop namespaces whose ids repeat).
+    pub nguid: [u8; 16],
+    /// The UUID (a version 4 / variant 1 layout over the same hash).
+    pub uuid: [u8; 16],
+}
+
+impl Namespace {
+    /// The namespace an export becomes in subsystem `nqn`.
+    pub fn of(export: &Arc<Export>, nqn: &str) -> Namespace {
+        let (logical, _) = export.backend().block_sizes();
+        let lba_shift = logical.max(512).trailing_zeros();
+        let d = ring::digest::digest(&ring::digest::SHA256, nqn.as_bytes());
+        let mut nguid = [0u8; 16];
+        nguid.copy_from_slice(&d.as_ref()[..16]);
+        let mut uuid = [0u8; 16];
+        uuid.copy_from_slice(&d.as_ref()[16..32]);
+        uuid[6] = (uuid[6] & 0x0f) | 0x40;
+        uuid[8] = (uuid[8] & 0x3f) | 0x80;
+        Namespace {
+            export: export.clone(),
+            size: export.size(),
+            lba_shift,
+            nguid,
+            uuid,
+        }
+    }
+
+    /// Blocks in the namespace.
+    pub fn blocks(&self) -> u64 {
+        self.size >> self.lba_shift
+    }
+}
+
+/// A controller's facts, fixed when its admin queue connects.
+#[derive(Clone)]
+pub struct Facts {
+    /// Controller id.
+    pub cntlid: u16,
+    /// Subsystem NQN.
+    pub subnqn: String,
+    /// The namespace (None: the discovery controller).
+    pub ns: Option<Namespace>,
+    /// Largest data transfer, bytes (a power of two, at least 4 KiB).
+    pub max_io: u32,
+    /// Entries per I/O submission queue at most (MQES + 1).
+    pub max_depth: u16,
+    /// What one Copy may do (none: Copy is not advertised).
+    pub copy: CopyLimits,
+}
+
+fn put_str(b: &mut [u8], at: usize, len: usize, s: &str) {
+    let field = &mut b[at..at + len];
+    field.fill(b' ');
+    let n = s.len().min(len);
+    field[..n].copy_from_slice(&s.as_bytes()[..n]);
+}
+
+fn put_nqn(b: &mut [u8], at: usize, s: &str) {
+    let n = s.len().min(NQN_FIELD - 1);
+    b[at..at + n].copy_from_slice(&s.as_bytes()[..n]);
+}
+
+fn put16(b: &mut [u8], at: usize, v: u16) {
+    b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+}
+
+fn put32(b: &mut [u8], at: usize, v: u32) {
+    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+
+fn put64(b: &mut [u8], at: usize, v: u64) {
+    b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+}
+
+/// ONCS bits.
+const ONCS_DSM: u16 = 1 << 2;
+const ONCS_WRITE_ZEROES: u16 = 1 << 3;
+const ONCS_COPY: u16 = 1 << 8;
+
+impl Facts {
+    /// MDTS: the largest transfer as a power of two of 4 KiB pages.
+    pub fn mdts(&self) -> u8 {
+        (self.max_io / 4096).max(1).trailing_zeros() as u8
+    }
+
+    /// The serial number: stable for a subsystem, from its NQN.
+    pub fn serial(&self) -> String {
+        let d = ring::digest::digest(&ring::digest::SHA256, self.subnqn.as_bytes());
+        d.as_ref()[..10]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    fn writable(&self) -> bool {
+        self.ns.as_ref().is_some_and(|n| !n.export.read_only)
+    }
+
+    /// A volatile write cache: FLUSH means something (the medium is durable).
+    pub fn write_cache(&self) -> bool {
+        self.ns
+            .as_ref()
+            .is_some_and(|n| n.export.capabilities().flush.available())
+    }
+
+    /// Identify Controller (CNS 01h).
+    pub fn identify_controller(&self) -> Vec<u8> {
+        let mut b = vec![0u8; IDENTIFY_LEN];
+        put_str(&mut b, 4, 20, &self.serial());
+        put_str(&mut b, 24, 40, "blkwire");
+        put_str(&mut b, 64, 8, env!("CARGO_PKG_VERSION"));
+        b[72] = 6; // RAB
+        b[77] = self.mdts();
+        put16(&mut b, 78, self.cntlid);
+        put32(&mut b, 80, VERSION);
+        // CNTRLTYPE: 1 I/O controller, 2 discovery controller.
+        b[111] = if self.ns.is_some() { 1 } else { 2 };
+        b[258] = 3; // ACL: four Aborts (0's based), all answered "not aborted".
+        b[259] = AERL;
+        b[260] = 1 << 1 | 1; // FRMW: one slot, read-only.
+        b[261] = 0; // LPA
+        b[262] = 0; // ELPE: one error log entry.
+        put16(&mut b, 320, KAS);
+        b[512] = 0x66; // SQES: 64-byte entries.
+        b[513] = 0x44; // CQES: 16-byte entries.
+        put16(&mut b, 514, self.max_depth);
+        if self.ns.is_some() {
+            put32(&mut b, 516, 1); // NN
+            let mut oncs = 0;
+            if self.writable() {
+                oncs |= ONCS_DSM | ONCS_WRITE_ZEROES;
+                if self.copy.max_ranges > 0 {
+                    oncs |= ONCS_COPY;
+                }
+            }
+            put16(&mut b, 520, oncs);
+            b[525] = self.write_cache() as u8; // VWC
+            if self.copy.max_ranges > 0 {
+                put16(&mut b, 534, 1); // OCFS: source range format 0.
+            }
+        }
+        // SGLS: SGLs without alignment, and the offset-based in-capsule data block.
+        put32(&mut b, 536, 1 | 1 << 20);
+        put_nqn(&mut b, 768, &self.subnqn);
+        // IOCCSZ (16-byte units, the command included), IORCSZ, ICDOFF 0, FCATT 0 (dynamic
+        // controllers), MSDBD 1.
+        put32(&mut b, 1792, (64 + IO_INCAPSULE) / 16);
+        put32(&mut b, 1796, 1);
+        b[1803] = 1;
+        // Power state 0: the only one.
+        put16(&mut b, 2048, 0x9c4);
+        b
+    }
+
+    /// Identify Namespace (CNS 00h) of `nsid`; all zero for an inactive id, as the spec asks.
+    pub fn identify_namespace(&self, nsid: u32) -> Vec<u8> {
+        let mut b = vec![0u8; IDENTIFY_LEN];
+        let Some(ns) = self.ns.as_ref().filter(|_| nsid == 1) else {
+            return b;
+        };
+        let blocks = ns.blocks();
+        put64(&mut b, 0, blocks);
+        put64(&mut b, 8, blocks);
+        put64(&mut b, 16, blocks);
+        // NSFEAT: thin provisioning (deallocate frees space where the backend can).
+        b[24] = 1;
+        b[25] = 0; // NLBAF: one format.
+        b[26] = 0; // FLBAS
+        if self.copy.max_ranges > 0 {
+            let max_range = (self.copy.max_range as u64 >> ns.lba_shift).min(u16::MAX as u64);
+            let max_total = (self.copy.max_bytes as u64 >> ns.lba_shift).min(u32::MAX as u64);
+            put16(&mut b, 74, max_range as u16); // MSSRL
+            put32(&mut b, 76, max_total as u32); // MCL
+            b[80] = (self.copy.max_ranges.min(COPY_RANGES) - 1) as u8; // MSRC (0's based)
+        }
+        b[99] = ns.export.read_only as u8; // NSATTR: write protected.
+        b[104..120].copy_from_slice(&ns.nguid);
+        // LBA format 0: no metadata, the export's block size.
+        put32(&mut b, 128, ns.lba_shift << 16);
+        b
+    }
+
+    /// Active Namespace ID list (CNS 02h): ids above `after`.
+    pub fn active_namespaces(&self, after: u32) -> Vec<u8> {
+        let mut b = vec![0u8; IDENTIFY_LEN];
+        if self.ns.is_some() && after < 1 {
+            put32(&mut b, 0, 1);
+        }
+        b
+    }
+
+    /// Namespace Identification Descriptor list (CNS 03h): NGUID, UUID and the command set.
+    pub fn namespace_descriptors(&self, nsid: u32) -> Option<Vec<u8>> {
+        let ns = self.ns.as_ref().filter(|_| nsid == 1)?;
+        let mut b = vec![0u8; IDENTIFY_LEN];
+        b[0] = 2; // NIDT NGUID
+        b[1] = 16;
+        b[4..20].copy_from_slice(&ns.nguid);
+        b[20] = 3; // NIDT UUID
+        b[21] = 16;
+        b[24..40].copy_from_slice(&ns.uuid);
+        b[40] = 4; // NIDT CSI
+        b[41] = 1;
+        b[44] = 0; // NVM command set
+        Some(b)
+    }
+
+    /// The NVM command set's Identify Controller structure (CNS 06h, CSI 0): one DSM range
+    /// per command (DMRL), of at most 1 GiB (DMRSL), so each deallocation is one backend trim.
+    pub fn identify_nvm_controller(&self) -> Option<Vec<u8>> {
+        let ns = self.ns.as_ref()?;
+        let mut b = vec![0u8; IDENTIFY_LEN];
+        b[3] = 1; // DMRL
+        put32(&mut b, 4, ((1u64 << 30) >> ns.lba_shift) as u32); // DMRSL
+        put64(&mut b, 8, (1u64 << 30) >> ns.lba_shift); // DMSL
+        Some(b)
+    }
+
+    /// CAP: MQES, contiguous queues required, 7.5 s timeout, the NVM command set, 4 KiB pages.
+    pub fn cap(&self) -> u64 {
+        let mqes = self.max_depth.saturating_sub(1) as u64;
+        mqes | 1 << 16 | 15 << 24 | 1 << 37
+    }
+}
+
+/// One entry of the discovery log page (NVMe-oF 1.1 §5.3): a subsystem at a TCP port.
+pub struct DiscoveryEntry {
+    /// The subsystem's NQN.
+    pub subnqn: String,
+    /// A discovery subsystem (the one answering) rather than an NVM subsystem.
+    pub discovery: bool,
+    /// Where it listens.
+    pub addr: std::net::SocketAddr,
+    /// Port id (one per listener).
+    pub port_id: u16,
+}
+
+/// The discovery log page (LID 70h): a 1024-byte header and 1024 bytes per entry.
+pub fn discovery_log(generation: u64, entries: &[DiscoveryEntry]) -> Vec<u8> {
+    let mut b = vec![0u8; 1024 * (1 + entries.len())];
+    put64(&mut b, 0, generation);
+    put64(&mut b, 8, entries.len() as u64);
+    for (i, e) in entries.iter().enumerate() {
+        let at = 1024 * (i + 1);
+        b[at] = 3; // TRTYPE TCP
+        b[at + 1] = if e.addr.is_ipv4() { 1 } else { 2 }; // ADRFAM
+        b[at + 2] = if e.discovery { 3 } else { 2 }; // SUBTYPE
+                                                     // TREQ: no secure channel required, SQ flow control may be disabled.
+        b[at + 3] = 0b10 | 1 << 2;
+        put16(&mut b, at + 4, e.port_id);
+        put16(&mut b, at + 6, 0xffff); // CNTLID: dynamic
+        put16(&mut b, at + 8, 32); // ASQSZ
+        let port = e.addr.port().to_string();
+        b[at + 32..at + 32 + port.len()].copy_from_slice(port.as_bytes());
+        put_nqn(&mut b, at + 256, &e.subnqn);
+        let ip = e.addr.ip().to_string();
+        b[at + 512..at + 512 + ip.len()].copy_from_slice(ip.as_bytes());
+        // TSAS for TCP: SECTYPE 0, no security.
+    }
+    b
+}
+
+/// A C-string field of a Connect's data (NQNs): up to its first NUL, which must be there.
+pub fn nqn_field(b: &[u8]) -> Option<&str> {
+    let end = b.iter().position(|&c| c == 0)?;
+    std::str::from_utf8(&b[..end])
+        .ok()
+        .filter(|s| !s.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use blkwire_backend::ExportSpec;
+
+    fn facts(spec: &str) -> Facts {
+        let e = Arc::new(Export::open(&ExportSpec::parse(spec).unwrap()).unwrap());
+        let nqn = format!("{NQN_PREFIX}{}", e.name);
+        Facts {
+            cntlid: 7,
+            ns: Some(Namespace::of(&e, &nqn)),
+            subnqn: nqn,
+            max_io: 1 << 20,
+            max_depth: 128,
+            copy: CopyLimits {
+                max_bytes: 64 << 20,
+                max_range: 64 << 20,
+                max_ranges: 4,
+            },
+        }
+    }
+
+    #[test]
+    fn identify_controller_passes_the_checks_linux_applies() {
+        let f = facts("d=mem:16M");
+        let b = f.identify_controller();
+        assert_eq!(u16::from_le_bytes([b[78], b[79]]), 7, "cntlid");
+        assert_ne!(u16::from_le_bytes([b[320], b[321]]), 0, "KAS");
+        let ioccsz = u32::from_le_bytes(b[1792..1796].try_into().unwrap());
+        assert!(ioccsz >= 4 && ioccsz * 16 - 64 >= 1024, "IOCCSZ {ioccsz}");
+        assert_eq!(u32::from_le_bytes(b[1796..1800].try_into().unwrap()), 1);
+        assert_eq!(u16::from_le_bytes([b[1800], b[1801]]), 0, "ICDOFF");
+        assert_ne!(u16::from_le_bytes([b[514], b[515]]), 0, "MAXCMD");
+        assert_eq!(b[536] & 1, 1, "SGLS");
+        assert_eq!(b[77], 8, "1 MiB is 2^8 pages");
+        assert_eq!(nqn_field(&b[768..1024]), Some("nqn.2026-11.io.blkwire:d"));
+        let oncs = u16::from_le_bytes([b[520], b[521]]);
+        assert_eq!(oncs & (ONCS_DSM | ONCS_WRITE_ZEROES | ONCS_COPY), 0x10c);
+    }
+
+    #[test]
+    fn namespaces_of_two_subsystems_have_different_ids() {
+        let (a, b) = (facts("a=mem:1M"), facts("b=mem:1M"));
+        let (na, nb) = (a.ns.unwrap(), b.ns.unwrap());
+        assert_ne!(na.nguid, nb.nguid);
+        assert_ne!(na.uuid, nb.uuid);
+        assert_eq!(na.uuid[6] >> 4, 4, "version 4 layout");
+    }
+
+    #[test]
+    fn identify_namespace_reports_size_and_block_size() {
+        let f = facts("d=mem:16M");
+        let b = f.identify_namespace(1);
+        let shift = f.ns.as_ref().unwrap().lba_shift;
+        assert_eq!(
+            u64::from_le_bytes(b[0..8].try_into().unwrap()),
+            (16 << 20) >> shift
+        );
+        assert_eq!(b[130] as u32, shift);
+        assert_eq!(b[80], 3, "MSRC is 0's based");
+        assert!(f.identify_namespace(2).iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn read_only_exports_offer_no_write_commands_and_say_so() {
+        let f = facts("d=mem:1M,ro");
+        let b = f.identify_controller();
+        assert_eq!(u16::from_le_bytes([b[520], b[521]]), 0);
+        assert_eq!(f.identify_namespace(1)[99], 1);
+    }
+
+    #[test]
+    fn discovery_log_lists_each_entry() {
+        let e = [DiscoveryEntry {
+            subnqn: "nqn.x:y".into(),
+            discovery: false,
+            addr: "127.0.0.1:4420".parse().unwrap(),
+            port_id: 1,
+        }];
+        let b = discovery_log(3, &e);
+        assert_eq!(b.len(), 2048);
+        assert_eq!(u64::from_le_bytes(b[8..16].try_into().unwrap()), 1);
+        assert_eq!(&b[1024 + 32..1024 + 36], b"4420");
+        assert_eq!(nqn_field(&b[1024 + 256..1024 + 512]), Some("nqn.x:y"));
+        assert_eq!(nqn_field(&b[1024 + 512..1024 + 768]), Some("127.0.0.1"));
+    }
+}
