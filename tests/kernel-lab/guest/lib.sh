@@ -102,8 +102,9 @@ verify_after_reread() {
 #
 #   nvme_host_ids       writes /etc/nvme/hostnqn and hostid (nvme-cli reads them when a command
 #                       names no --hostnqn/--hostid): a fresh uuid NQN for this boot
-#   nvme_ns NQN         prints the namespace block device (/dev/nvmeXnY) of the connected subsystem
-#                       NQN; waits (bounded, 10 s) for it to appear; fails the scenario if it does not
+#   nvme_ns NQN         prints the namespace block device (/dev/nvmeXnY: the multipath head, or the
+#                       controller's own without CMIC) of the connected subsystem NQN; waits
+#                       (bounded, 10 s) for it to appear; fails the scenario if it does not
 #   nvme_ctrl NQN       prints the controller device (/dev/nvmeX) of a connected subsystem NQN
 #   nvme_gone DEV       waits (bounded) until DEV's block device has disappeared, else fails
 #   nvme_none           fails unless no NVMe namespace exists at all
@@ -120,7 +121,9 @@ nvme_host_ids() {
 nvme_ns() {
     _i=0
     while :; do
-        for _s in /sys/class/nvme-subsystem/nvme-subsys*; do
+        # A multipath head (the controller claims multi-controller support, CMIC) sits in the
+        # subsystem's directory; without one the namespace hangs off its controller.
+        for _s in /sys/class/nvme-subsystem/nvme-subsys* /sys/class/nvme/nvme*; do
             [ -f "$_s/subsysnqn" ] || continue
             [ "$(cat "$_s/subsysnqn")" = "$1" ] || continue
             for _n in "$_s"/nvme*n*; do

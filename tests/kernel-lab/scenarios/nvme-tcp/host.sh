@@ -13,6 +13,8 @@
 # file the guest reported; both targets must exit 0 on SIGTERM. See scenarios/nbd/host.sh for the
 # contract of these variables and functions.
 #
+# LAB_NVME_AUTH=0: no second target and no DH-HMAC-CHAP steps, for a blkwire without them; the run
+# says so at the start and at the end (the default set runs them).
 # LAB_NVME_REF=nvmet: a reference run of the same guest steps against the kernel's own target
 # (nvmet, configured inside the guest like blkwire), no blkwire target at all; it checks the lab,
 # not blkwire, and says so.
@@ -45,6 +47,14 @@ scenario_setup() {
     GUEST_ARGS+=" lab.hostb=$b lab.keyb=$KEYB lab.hostc=$c lab.keyc=$KEYC"
     log "DH-HMAC-CHAP: host A $a (host + controller secret), host B $b (not allowed on secure), host C $c (no line)"
 
+    case ${LAB_NVME_AUTH:-1} in
+    1) ;;
+    0)
+        log "WITHOUT DH-HMAC-CHAP (LAB_NVME_AUTH=0): no authenticating target, its steps are skipped"
+        GUEST_ARGS+=" lab.auth=0"
+        ;;
+    *) die "LAB_NVME_AUTH='$LAB_NVME_AUTH': 0 or 1" ;;
+    esac
     if [ "${LAB_NVME_REF:-}" = nvmet ]; then
         log "REFERENCE RUN: the guest's steps against the kernel's own nvmet inside the guest; blkwire is not tested"
         GUEST_ARGS+=" lab.nvme_ref=nvmet"
@@ -54,14 +64,17 @@ scenario_setup() {
 
     # The target that requires DH-HMAC-CHAP: its own process and log (blkwire-auth.log).
     local keys=$WORK/keys
-    (umask 077 && printf '%s:%s %s\n%s:%s\n' "$a" "$KEYA" "$CTRLA" "$b" "$KEYB" >"$keys")
-    head -c 16M /dev/urandom >"$WORK/secure.img"
-    SECURE_SHA=$(head -c "${SECURE_MIB}M" "$WORK/secure.img" | sha256sum | cut -d' ' -f1)
-    BLKWIRE_LOG=blkwire-auth.log start_blkwire --listen nvme-tcp://127.0.0.1:0 --rpc-socket none \
-        --keys "$keys" --export "secure=file:$WORK/secure.img,allow=$a"
-    AUTH_PID=$BLKWIRE_PID
-    AUTH_PORT=$(listen_port nvme-tcp)
-    BLKWIRE_PID=""
+    AUTH_PORT=0 SECURE_SHA=none
+    if [ "${LAB_NVME_AUTH:-1}" = 1 ]; then
+        (umask 077 && printf '%s:%s %s\n%s:%s\n' "$a" "$KEYA" "$CTRLA" "$b" "$KEYB" >"$keys")
+        head -c 16M /dev/urandom >"$WORK/secure.img"
+        SECURE_SHA=$(head -c "${SECURE_MIB}M" "$WORK/secure.img" | sha256sum | cut -d' ' -f1)
+        BLKWIRE_LOG=blkwire-auth.log start_blkwire --listen nvme-tcp://127.0.0.1:0 --rpc-socket none \
+            --keys "$keys" --export "secure=file:$WORK/secure.img,allow=$a"
+        AUTH_PID=$BLKWIRE_PID
+        AUTH_PORT=$(listen_port nvme-tcp)
+        BLKWIRE_PID=""
+    fi
 
     truncate -s "$DISK_SIZE" "$WORK/disk.img"
     start_blkwire --listen tcp://127.0.0.1:0 --listen nvme-tcp://127.0.0.1:0 \
@@ -73,6 +86,14 @@ scenario_setup() {
 }
 
 scenario_verify() {
+    case ${LAB_NVME_AUTH:-1} in
+    1) ;;
+    0)
+        log "WITHOUT DH-HMAC-CHAP (LAB_NVME_AUTH=0): no authenticating target, its steps are skipped"
+        GUEST_ARGS+=" lab.auth=0"
+        ;;
+    *) die "LAB_NVME_AUTH='$LAB_NVME_AUTH': 0 or 1" ;;
+    esac
     if [ "${LAB_NVME_REF:-}" = nvmet ]; then
         log "REFERENCE RUN against nvmet passed: the lab's steps hold; blkwire was not tested"
         return 0
@@ -82,6 +103,10 @@ scenario_verify() {
     hello=$(debugfs -R 'cat /hello.txt' "$WORK/out.img" 2>/dev/null)
     [ "$hello" = "$want" ] || die "/hello.txt holds '$hello', expected '$want'"
     log "/hello.txt: $hello"
+    if [ "${LAB_NVME_AUTH:-1}" = 0 ]; then
+        log "PASSED WITHOUT DH-HMAC-CHAP (LAB_NVME_AUTH=0): authentication was not tested"
+        return 0
+    fi
     # The secure export was only read: its file is unchanged.
     [ "$(head -c "${SECURE_MIB}M" "$WORK/secure.img" | sha256sum | cut -d' ' -f1)" = "$SECURE_SHA" ] ||
         die "the secure export's file changed although the guest only read it"
