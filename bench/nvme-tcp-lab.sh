@@ -3,8 +3,9 @@
 # lab: one qemu guest (TCG, 2 vCPUs, Debian's 6.12 kernel) runs both targets on its loopback, each
 # on a file on the same tmpfs, attaches both with its own nvme-tcp host and runs the same fio
 # workloads on both (tests/kernel-lab/scenarios/nvme-tcp-bench/guest.sh):
-#   4k randread and randwrite at QD1 and QD32, 1M sequential read and write at QD8, 1M random
-#   mixed 30% read at QD8 (one job each, libaio, direct=1; the targets alternate order per
+#   4k randread and randwrite at QD1 and QD32, 1M sequential read and write and 1M random mixed
+#   30% read at QD$BIGQD (default 4; more than 5 1 MiB writes in flight on one I/O queue hang
+#   blkwire's frontend as of main a5a262c, see docs/BENCHMARKS.md) (one job each, libaio, direct=1; the targets alternate order per
 #   workload), then 4k randread at QD128 x 16 jobs on blkwire's NVMe/TCP namespace, on nvmet's,
 #   and on `blkwire map --frontend ublk` of the same blkwire export over tcp:// and over eth:// (a
 #   veth pair inside the guest).
@@ -16,6 +17,7 @@
 # Environment:
 #   RUNTIME   seconds per measurement (default 5)      RAMP  warm-up seconds, not counted (default 1)
 #   SIZE      MiB per image (default 192)              HQD, HJOBS  the many-jobs run (128, 16)
+#   BIGQD     queue depth of the 1M workloads and of the fill (default 4)
 #   ETH=0     skip the eth:// run
 #   BLKWIRE_NVME=0  a blkwire without the NVMe/TCP frontend: nvmet and the ublk runs only
 #   BLKWIRE   the blkwire binary (default target/release/blkwire; built if missing)
@@ -29,6 +31,7 @@ RAMP="${RAMP:-1}"
 SIZE="${SIZE:-192}"
 HQD="${HQD:-128}"
 HJOBS="${HJOBS:-16}"
+BIGQD="${BIGQD:-4}"
 ETH="${ETH:-1}"
 BLKWIRE_NVME="${BLKWIRE_NVME:-1}"
 cd "$(dirname "$0")/.."
@@ -36,7 +39,7 @@ BLKWIRE="${BLKWIRE:-target/release/blkwire}"
 
 die() { echo "nvme-tcp-lab: $*" >&2; exit 1; }
 
-for v in RUNTIME SIZE HQD HJOBS; do
+for v in RUNTIME SIZE HQD HJOBS BIGQD; do
     [[ "${!v}" =~ ^[0-9]+$ && "${!v}" -gt 0 ]] || die "$v must be a positive integer (got '${!v}')"
 done
 [[ "$RAMP" =~ ^[0-9]+$ ]] || die "RAMP must be a non-negative integer (got '$RAMP')"
@@ -55,7 +58,7 @@ runs=$((7 * (BLKWIRE_NVME + 1) + 2 + BLKWIRE_NVME + ETH))
 guest_timeout=$((runs * (RUNTIME + RAMP + 15) + 240))
 log=tests/kernel-lab/.cache/logs/nvme-tcp-bench/serial.log
 cmd=(env LAB_BENCH_RUNTIME="$RUNTIME" LAB_BENCH_RAMP="$RAMP" LAB_BENCH_SIZE="$SIZE" LAB_BENCH_HQD="$HQD"
-    LAB_BENCH_HJOBS="$HJOBS" LAB_BENCH_ETH="$ETH" LAB_BENCH_BLKWIRE_NVME="$BLKWIRE_NVME"
+    LAB_BENCH_HJOBS="$HJOBS" LAB_BENCH_BIGQD="$BIGQD" LAB_BENCH_ETH="$ETH" LAB_BENCH_BLKWIRE_NVME="$BLKWIRE_NVME"
     LAB_GUEST_TIMEOUT="$guest_timeout" LAB_BOOT_TIMEOUT=$((guest_timeout + 120)) BLKWIRE="$BLKWIRE"
     tests/kernel-lab/run.sh nvme-tcp-bench)
 if [[ "${REPORT_ONLY:-0}" = 1 ]]; then
@@ -89,7 +92,8 @@ for line in open(log, errors="replace").read().replace("\r", "").splitlines():
 runtime, ramp, size, hqd, hjobs = (params.get(k, "?") for k in ("runtime", "ramp", "size", "hqd", "hjobs"))
 
 def stats(f):
-    """IOPS, MiB/s, mean latency (us), p99 completion latency (us) of both directions together."""
+    """IOPS, MiB/s, mean total latency (us, submission to completion), p99 completion latency
+    (us; fio's percentiles are of clat) of both directions together."""
     iops = bw = lat_sum = 0.0
     p99 = 0.0
     for base in (5, 46):  # terse v3: read fields 6.., write fields 47.. (1-based)
@@ -107,11 +111,11 @@ def ratio(a, b):
 
 print(f"# NVMe/TCP in the kernel lab: blkwire's frontend vs the kernel's nvmet, both in one qemu guest (TCG, 2 vCPUs), kernel {kernel}")
 print(f"# {version} serve --listen nvme-tcp://127.0.0.1:4430 file:/bench/blkwire.img; nvmet-tcp 127.0.0.1:4420 file backend (buffered_io=1) /bench/nvmet.img; both {size} MiB on one tmpfs")
-print(f"# host: the guest's nvme-tcp (nvme connect, no digests); {fio}, libaio, direct=1, {runtime} s per run (+{ramp} s ramp), filled with 1M writes first")
+print(f"# host: the guest's nvme-tcp (nvme connect, no digests); {fio}, libaio, direct=1, {runtime} s per run (+{ramp} s ramp), filled with 1M writes first (QD{params.get('bigqd', '?')})")
 for f in facts:
     print(f"#   {f}")
 print()
-print("| workload | blkwire IOPS | MiB/s | mean lat us | p99 us | nvmet IOPS | MiB/s | mean lat us | p99 us | IOPS blkwire/nvmet |")
+print("| workload | blkwire IOPS | MiB/s | mean lat us | p99 clat us | nvmet IOPS | MiB/s | mean lat us | p99 clat us | IOPS blkwire/nvmet |")
 print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 works = [w for (t, w) in res if t == "nvmet" and not w.endswith(f"x{hjobs}")]
 for w in works:
@@ -123,7 +127,7 @@ hw = f"randread-4k-qd{hqd}x{hjobs}"
 print()
 print(f"4k randread, QD{hqd} x {hjobs} jobs:")
 print()
-print("| path | IOPS | MiB/s | mean lat ms | p99 ms | IOPS vs nvmet |")
+print("| path | IOPS | MiB/s | mean lat ms | p99 clat ms | IOPS vs nvmet |")
 print("|---|---:|---:|---:|---:|---:|")
 names = {
     "blkwire": "blkwire NVMe/TCP frontend (kernel nvme-tcp host)",

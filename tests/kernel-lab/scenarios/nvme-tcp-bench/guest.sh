@@ -6,7 +6,7 @@
 #   nvmet    the kernel's target through configfs (nvmet-tcp on 127.0.0.1:4420, file backend
 #            /bench/nvmet.img, buffered_io=1: tmpfs has no O_DIRECT)
 # Workloads (fio libaio, direct=1, one job unless said): 4k randread and randwrite at QD1 and QD32,
-# 1M sequential read and write at QD8, 1M random mixed 30% read at QD8; then 4k randread at
+# 1M sequential read and write and 1M random mixed 30% read at QD$LAB_BIGQD (default 4); then 4k randread at
 # QD$LAB_HQD x $LAB_HJOBS jobs on blkwire's NVMe/TCP namespace, on nvmet's, on /dev/ublkb0
 # (`blkwire map --frontend ublk` of the same blkwire export over tcp://) and on /dev/ublkb1 (the
 # same over eth:// on a veth pair in this guest), unless lab.eth=0.
@@ -15,8 +15,9 @@
 # Results: one "LAB-FIO: TARGET WORKLOAD TERSE" line per run (fio terse v3), read by the host.
 #
 # From the kernel command line: lab.runtime, lab.ramp (seconds), lab.size (MiB per image),
-# lab.hqd, lab.hjobs, lab.eth (0: skip eth://), lab.blkwire_nvme (0: no blkwire NVMe/TCP target,
-# for a blkwire without the frontend: nvmet and the ublk runs only).
+# lab.hqd, lab.hjobs, lab.bigqd (queue depth of the 1M workloads and the fill), lab.eth (0: skip
+# eth://), lab.blkwire_nvme (0: no blkwire NVMe/TCP target, for a blkwire without the frontend:
+# nvmet and the ublk runs only).
 . /lab/lib.sh
 maplog=/tmp/map.log
 
@@ -25,8 +26,9 @@ ramp=${LAB_RAMP:-1}
 size=${LAB_SIZE:-192}
 hqd=${LAB_HQD:-128}
 hjobs=${LAB_HJOBS:-16}
+bigqd=${LAB_BIGQD:-4}
 bw_nqn=nqn.2026-11.io.blkwire:disk0
-info "bench: runtime=$rt ramp=$ramp size=$size hqd=$hqd hjobs=$hjobs"
+info "bench: runtime=$rt ramp=$ramp size=$size hqd=$hqd hjobs=$hjobs bigqd=$bigqd"
 kt_nqn=nqn.2026-11.io.nvmet:bench
 
 run modprobe nvme-tcp
@@ -98,7 +100,7 @@ fi
 
 nq() { # NQN: the I/O queues its controller mapped, as the kernel logged them
     q_c=$(nvme_ctrl "$1")
-    dmesg | sed -n "s/.*nvme ${q_c#/dev/}: mapped \([0-9/]*\) .*/\1/p" | tail -n1
+    dmesg | sed -n "s#.*nvme ${q_c#/dev/}: mapped \([0-9/]*\) .*#\1#p" | tail -n1
 }
 
 fio_run() { # TARGET WORKLOAD DEV FIO-ARGS...
@@ -117,7 +119,7 @@ fio_run() { # TARGET WORKLOAD DEV FIO-ARGS...
 
 for d in $bw_dev $kt_dev; do
     step "fill $d"
-    fio --name=fill --filename="$d" --ioengine=libaio --direct=1 --rw=write --bs=1M --iodepth=8 \
+    fio --name=fill --filename="$d" --ioengine=libaio --direct=1 --rw=write --bs=1M --iodepth="$bigqd" \
         </dev/null >/tmp/fill.out 2>&1 || fail "filling $d failed: $(tail -n 3 /tmp/fill.out | tr '\n' ' ')"
 done
 
@@ -137,9 +139,9 @@ randread-4k-qd1 --rw=randread --bs=4k --iodepth=1
 randread-4k-qd32 --rw=randread --bs=4k --iodepth=32
 randwrite-4k-qd1 --rw=randwrite --bs=4k --iodepth=1
 randwrite-4k-qd32 --rw=randwrite --bs=4k --iodepth=32
-read-1m-qd8 --rw=read --bs=1M --iodepth=8
-write-1m-qd8 --rw=write --bs=1M --iodepth=8
-randrw30-1m-qd8 --rw=randrw --rwmixread=30 --bs=1M --iodepth=8
+read-1m-qd$bigqd --rw=read --bs=1M --iodepth=$bigqd
+write-1m-qd$bigqd --rw=write --bs=1M --iodepth=$bigqd
+randrw30-1m-qd$bigqd --rw=randrw --rwmixread=30 --bs=1M --iodepth=$bigqd
 EOF
 
 # Many jobs at a high queue depth: blkwire's NVMe/TCP frontend, nvmet, and blkwire's own protocol
