@@ -1,15 +1,17 @@
-//! The server's stream frontends (crates/server/src/frontend): native frames and NBD's
-//! transmission phase, each with several negotiated states, walked over arbitrary bytes the way
+//! The server's stream frontends (crates/server/src/frontend): native frames, NBD's
+//! transmission phase and NVMe/TCP I/O queues, each with several negotiated states, walked over arbitrary bytes the way
 //! the reactor walks a receive buffer. No panic on any input; `Need(n)` always asks for more than
 //! is buffered (else the reactor would wait forever with a whole message in hand) and never more
 //! than one maximum message; a decoded message lies inside the buffer with its payload at its
-//! end; a message the frontend answers itself lies inside the buffer too; every reply to a
+//! end (before its trailer); a message the frontend answers itself lies inside the buffer too; every reply to a
 //! decoded request can be encoded; and a COPY's descriptor decodes only within the limits.
 
 #![no_main]
 
 use blkwire_server::frontend::native::Native;
 use blkwire_server::frontend::nbd::Nbd;
+use blkwire_server::frontend::nvme::{IoQueueSetup, NvmeIo};
+use blkwire_wire::nvme_tcp::{Direction, Params};
 use blkwire_server::frontend::{Decoded, Kind, ReadFraming, StreamFrontend};
 use blkwire_wire::{CopyLimits, Status, HEADER_LEN};
 use libfuzzer_sys::fuzz_target;
@@ -34,18 +36,26 @@ fn walk(fe: &mut dyn StreamFrontend, data: &[u8]) {
                 at += len;
             }
             Decoded::Data {
-                len, payload_len, ..
+                len,
+                payload_len,
+                trailer,
+                ..
             } => {
-                assert!(len > 0 && len <= rx.len() && payload_len <= len);
+                assert!(len > 0 && len <= rx.len() && payload_len + trailer <= len);
                 at += len;
             }
             Decoded::Request {
                 req,
                 len,
                 payload_len,
+                trailer,
             } => {
-                assert!(len > 0 && len <= rx.len() && payload_len <= len);
+                assert!(len > 0 && len <= rx.len() && payload_len + trailer <= len);
                 assert!(payload_len <= MAX_IO as usize);
+                if req.is_write() && payload_len < req.length as usize {
+                    // As the reactor does for a write that came without its data (slot 0).
+                    fe.solicit(&req, 0, payload_len as u32, req.length - payload_len as u32, &mut tx);
+                }
                 for status in [Status::Ok, Status::Io, Status::OutOfRange] {
                     fe.reply(&req, status, &mut tx);
                 }
@@ -61,7 +71,7 @@ fn walk(fe: &mut dyn StreamFrontend, data: &[u8]) {
                 }
                 fe.block_status_reply(&req, &[(req.length, true)], &mut tx);
                 if req.kind == Kind::Copy {
-                    let payload = &rx[len - payload_len..len];
+                    let payload = &rx[len - trailer - payload_len..len - trailer];
                     if let Some(d) = fe.copy_descriptor(payload) {
                         assert!(!d.ranges.is_empty() && d.ranges.len() <= 128);
                         assert!(d.ranges.iter().all(|r| r.len > 0 && r.len <= 1 << 30));
@@ -90,5 +100,27 @@ fuzz_target!(|data: &[u8]| {
             max_io: MAX_IO,
         };
         walk(&mut nbd, data);
+    }
+    for (digests, sqfc_off, pda) in [(false, false, 0), (true, true, 7)] {
+        let p = |direction| Params {
+            direction,
+            hdgst: digests,
+            ddgst: digests,
+            pda: if direction == Direction::HostToController { 0 } else { pda },
+            max_plen: 4096 + 128,
+        };
+        let mut nvme = NvmeIo::new(IoQueueSetup {
+            rx: p(Direction::HostToController),
+            tx: p(Direction::ControllerToHost),
+            qid: 1,
+            entries: 32,
+            sq_head: 1,
+            sqfc_off,
+            lba_shift: 9,
+            max_io: MAX_IO,
+            read_only: false,
+            copy,
+        });
+        walk(&mut nvme, data);
     }
 });

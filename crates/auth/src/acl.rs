@@ -177,6 +177,15 @@ mod tests {
     }
 
     #[test]
+    fn nvme_host_nqns_are_host_rules() {
+        let nqn = "nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-a0c9a2ab1b2c";
+        let acl = Acl::parse(&format!("{nqn}+fe80::1")).unwrap();
+        assert_eq!(acl.hosts().collect::<Vec<_>>(), [nqn]);
+        assert!(acl.permits(Some(nqn), &ip("fe80::1")));
+        assert!(!acl.permits(Some("nqn.2014-08.org.nvmexpress:uuid:x"), &ip("fe80::1")));
+    }
+
+    #[test]
     fn address_only_and_mac_rules() {
         let acl = Acl::parse("127.0.0.1+fd00::/8").unwrap();
         assert!(acl.permits(None, &ip("127.0.0.1")));

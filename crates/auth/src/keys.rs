@@ -1,14 +1,25 @@
 //! Host identities and pre-shared key files.
 //!
-//! A key file holds one `host-id:hexkey` line per host (nbdkit's `--tls-psk` format, so the
-//! same file serves the native handshake and NBD over TLS-PSK, and files can be concatenated).
-//! Blank lines and lines starting with `#` are ignored. A key file readable or writable by
-//! anyone but its owner is refused: a leaked key lets its holder act as that host.
+//! A key file holds one line per host (blank lines and lines starting with `#` are ignored):
+//!
+//! - `HOST-ID:HEXKEY`: nbdkit's `--tls-psk` format, so the same file serves the native
+//!   handshake and NBD over TLS-PSK, and files can be concatenated;
+//! - `HOST-ID:DHHC-1:XX:BASE64: [DHHC-1:XX:BASE64:]`: the host's NVMe DH-HMAC-CHAP secret as
+//!   `nvme gen-dhchap-key` prints it, optionally followed (after white space) by the
+//!   controller's secret for bidirectional authentication with that host. The host secret's
+//!   key bytes also serve as the host's key for blkwire's own handshake.
+//!
+//! Host ids may contain ':' (NVMe host NQNs do: `nqn.2014-08.org.nvmexpress:uuid:...`): a
+//! hex line splits at its last ':', a DH-HMAC-CHAP line at the `:DHHC-1:` that starts the
+//! secret. A key file readable or writable by anyone but its owner is refused: a leaked key
+//! lets its holder act as that host.
 
 use std::fmt;
 use std::io::Write;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::Path;
+
+use crate::dhchap::Secret;
 
 /// Shortest key accepted, in bytes (128 bits).
 pub const MIN_KEY: usize = 16;
@@ -83,8 +94,9 @@ impl fmt::Debug for Key {
     }
 }
 
-/// Checks a host id: 1 to 255 bytes of printable ASCII without spaces or `:` (the key file
-/// separator), so it can be logged and written to a key file as it is.
+/// Checks a host id: 1 to 255 bytes of printable ASCII without spaces, so it can be logged
+/// and written to a key file as it is. ':' is allowed (NVMe host NQNs hold several); only
+/// `DHHC-1:`, which starts a secret on a key file line, is not.
 pub fn check_host_id(id: &str) -> Result<(), String> {
     if id.is_empty() || id.len() > MAX_HOST_ID {
         return Err(format!(
@@ -92,14 +104,25 @@ pub fn check_host_id(id: &str) -> Result<(), String> {
             id.len()
         ));
     }
-    if let Some(c) = id.chars().find(|c| !c.is_ascii_graphic() || *c == ':') {
+    if let Some(c) = id.chars().find(|c| !c.is_ascii_graphic()) {
         return Err(format!(
-            "host id '{}' contains {c:?}: use letters, digits and punctuation other than ':'",
+            "host id '{}' contains {c:?}: use printable ASCII without spaces",
+            id.escape_debug()
+        ));
+    }
+    if id.starts_with(DHHC_PREFIX) || id.contains(DHHC_SEPARATOR) {
+        return Err(format!(
+            "host id '{}' contains '{DHHC_PREFIX}', which starts a secret in key files",
             id.escape_debug()
         ));
     }
     Ok(())
 }
+
+/// What starts a DH-HMAC-CHAP secret.
+const DHHC_PREFIX: &str = "DHHC-1:";
+/// Where a DH-HMAC-CHAP line's host id ends.
+const DHHC_SEPARATOR: &str = ":DHHC-1:";
 
 /// This machine's host id: `blkwire-` and 16 hex digits of a hash of /etc/machine-id (the
 /// machine id itself is not exposed, as systemd asks of applications), or the host name where
@@ -128,10 +151,39 @@ fn hostname() -> String {
         .unwrap_or_default()
 }
 
+/// One host's credentials.
+#[derive(Clone, Debug)]
+struct Entry {
+    id: String,
+    /// The key of blkwire's own handshake and TLS-PSK.
+    key: Key,
+    /// The host's DH-HMAC-CHAP secret (a hex key as `DHHC-1:00:`, no transformation).
+    host_secret: Secret,
+    /// The controller's DH-HMAC-CHAP secret for bidirectional authentication.
+    ctrl_secret: Option<Secret>,
+}
+
 /// Host ids and their keys, from one or more key files.
 #[derive(Clone, Default, Debug)]
 pub struct KeyStore {
-    entries: Vec<(String, Key)>,
+    entries: Vec<Entry>,
+}
+
+/// Parses the part of a key file line after `HOST-ID:` that starts with `DHHC-1:`: the
+/// host's secret, then optionally the controller's.
+fn parse_dhchap(text: &str) -> Result<(Key, Secret, Option<Secret>), String> {
+    let mut words = text.split_whitespace();
+    let host = words.next().unwrap_or_default();
+    let host = Secret::parse(host).map_err(|e| format!("host secret: {e}"))?;
+    let ctrl = words
+        .next()
+        .map(|w| Secret::parse(w).map_err(|e| format!("controller secret: {e}")))
+        .transpose()?;
+    if words.next().is_some() {
+        return Err("expected at most two secrets (the host's, then the controller's)".into());
+    }
+    let key = Key::new(host.bytes()).map_err(|e| format!("host secret: {e}"))?;
+    Ok((key, host, ctrl))
 }
 
 impl KeyStore {
@@ -153,40 +205,71 @@ impl KeyStore {
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
-            let (id, hex) = line.rsplit_once(':').ok_or_else(|| {
-                format!("key file {shown} line {}: expected HOST-ID:HEXKEY", n + 1)
-            })?;
-            check_host_id(id).map_err(|e| format!("key file {shown} line {}: {e}", n + 1))?;
-            let key =
-                Key::from_hex(hex).map_err(|e| format!("key file {shown} line {}: {e}", n + 1))?;
+            let at = |e: String| format!("key file {shown} line {}: {e}", n + 1);
+            let (id, key, host_secret, ctrl_secret) = if let Some(i) = line.find(DHHC_SEPARATOR) {
+                let id = &line[..i];
+                check_host_id(id).map_err(at)?;
+                let (key, host, ctrl) = parse_dhchap(&line[i + 1..]).map_err(at)?;
+                (id, key, host, ctrl)
+            } else {
+                let (id, hex) = line.rsplit_once(':').ok_or_else(|| {
+                    at("expected HOST-ID:HEXKEY or HOST-ID:DHHC-1:XX:BASE64:".into())
+                })?;
+                if line.starts_with(DHHC_PREFIX) {
+                    return Err(at("a secret without a host id before it \
+                                       (expected HOST-ID:DHHC-1:XX:BASE64:)"
+                        .into()));
+                }
+                check_host_id(id).map_err(at)?;
+                let key = Key::from_hex(hex).map_err(at)?;
+                let host = Secret::from_key(&key);
+                (id, key, host, None)
+            };
             if store.get(id).is_some() {
-                return Err(format!(
-                    "key file {shown} line {}: host id '{id}' appears twice",
-                    n + 1
-                ));
+                return Err(at(format!("host id '{id}' appears twice")));
             }
-            store.entries.push((id.to_string(), key));
+            store.entries.push(Entry {
+                id: id.to_string(),
+                key,
+                host_secret,
+                ctrl_secret,
+            });
         }
         if store.entries.is_empty() {
             return Err(format!(
-                "key file {shown} holds no keys (expected HOST-ID:HEXKEY lines; \
-                 `blkwire key gen FILE` writes one)"
+                "key file {shown} holds no keys (expected HOST-ID:HEXKEY or \
+                 HOST-ID:DHHC-1:XX:BASE64: lines; `blkwire key gen FILE` writes one)"
             ));
         }
         Ok(store)
     }
 
-    /// The key of `host_id`.
+    fn entry(&self, host_id: &str) -> Option<&Entry> {
+        self.entries.iter().find(|e| e.id == host_id)
+    }
+
+    /// The key of `host_id` (for a DH-HMAC-CHAP line, the host secret's key bytes).
     pub fn get(&self, host_id: &str) -> Option<&Key> {
-        self.entries
-            .iter()
-            .find(|(id, _)| id == host_id)
-            .map(|(_, k)| k)
+        self.entry(host_id).map(|e| &e.key)
+    }
+
+    /// The DH-HMAC-CHAP secret of `host_id` (NVMe host NQN), for
+    /// [`ControllerAuth::new`](crate::dhchap::ControllerAuth::new): the `DHHC-1` secret of its
+    /// line, or its hex key used as `DHHC-1:00:` (no transformation). None: an unknown host,
+    /// which must not be let in.
+    pub fn host_secret(&self, host_id: &str) -> Option<&Secret> {
+        self.entry(host_id).map(|e| &e.host_secret)
+    }
+
+    /// The controller's DH-HMAC-CHAP secret towards `host_id`, for bidirectional
+    /// authentication (the second secret of its line), if there is one.
+    pub fn ctrl_secret(&self, host_id: &str) -> Option<&Secret> {
+        self.entry(host_id).and_then(|e| e.ctrl_secret.as_ref())
     }
 
     /// The host ids known, in file order.
     pub fn hosts(&self) -> impl Iterator<Item = &str> {
-        self.entries.iter().map(|(id, _)| id.as_str())
+        self.entries.iter().map(|e| e.id.as_str())
     }
 
     /// Number of hosts.
@@ -199,10 +282,36 @@ impl KeyStore {
         self.entries.is_empty()
     }
 
-    /// Adds a host (tests and programmatic targets).
+    /// Adds a host (tests and programmatic targets); its key doubles as its DH-HMAC-CHAP
+    /// secret without transformation.
     pub fn insert(&mut self, host_id: &str, key: Key) {
-        self.entries.retain(|(id, _)| id != host_id);
-        self.entries.push((host_id.to_string(), key));
+        let host_secret = Secret::from_key(&key);
+        self.entries.retain(|e| e.id != host_id);
+        self.entries.push(Entry {
+            id: host_id.to_string(),
+            key,
+            host_secret,
+            ctrl_secret: None,
+        });
+    }
+
+    /// Adds a host by its DH-HMAC-CHAP secrets (tests and programmatic targets); the host
+    /// secret's key bytes become its key. Fails if they are out of [`MIN_KEY`]..=[`MAX_KEY`].
+    pub fn insert_dhchap(
+        &mut self,
+        host_id: &str,
+        host_secret: Secret,
+        ctrl_secret: Option<Secret>,
+    ) -> Result<(), String> {
+        let key = Key::new(host_secret.bytes())?;
+        self.entries.retain(|e| e.id != host_id);
+        self.entries.push(Entry {
+            id: host_id.to_string(),
+            key,
+            host_secret,
+            ctrl_secret,
+        });
+        Ok(())
     }
 }
 
@@ -291,12 +400,123 @@ mod tests {
     fn host_ids_are_checked_and_the_default_is_valid() {
         assert!(check_host_id("alice.example-1").is_ok());
         assert!(check_host_id("").is_err());
-        assert!(check_host_id("a:b").is_err());
+        // NVMe host NQNs hold ':'.
+        assert!(check_host_id("a:b").is_ok());
+        assert!(check_host_id(NQN).is_ok());
+        assert!(check_host_id("a:DHHC-1:b").is_err());
+        assert!(check_host_id("DHHC-1:00").is_err());
+        assert!(check_host_id(&"x".repeat(255)).is_ok());
+        assert!(check_host_id(&"x".repeat(256)).is_err());
+        assert!(check_host_id("a\tb").is_err());
         assert!(check_host_id("a b").is_err());
         assert!(check_host_id("evil\nline").is_err());
         let id = default_host_id();
         check_host_id(&id).unwrap();
         assert_eq!(id, default_host_id(), "stable across calls");
+    }
+
+    const NQN: &str = "nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-a0c9a2ab1b2c";
+    /// The NVMe specification's example secret; its key is 89aeb31a...1e07594c.
+    const SPEC: &str = "DHHC-1:00:ia6zGodOr4SEG0Zzaw398rpY0wqipUWj4jWjUh4HWUz6aQ2n:";
+
+    fn load_text(name: &str, text: &str) -> Result<KeyStore, String> {
+        let p = tmp(name);
+        std::fs::write(&p, text).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let r = KeyStore::load(&p);
+        std::fs::remove_file(&p).unwrap();
+        r
+    }
+
+    #[test]
+    fn nqn_host_ids_and_dhchap_secrets_load() {
+        let good = "00112233445566778899aabbccddeeff";
+        let ctrl = SPEC.replace(":00:", ":03:");
+        let text = format!(
+            "# old and new lines mix\n\
+             alice:{good}\n\
+             {NQN}:{good}\n\
+             {NQN}-2:{SPEC}\n\
+             {NQN}-3:{SPEC}  \t{ctrl}\n"
+        );
+        let store = load_text("nqn", &text).unwrap();
+        assert_eq!(store.len(), 4);
+        assert_eq!(store.get(NQN).unwrap().to_hex(), good);
+        // A hex key is a DHHC-1:00 secret: no transformation.
+        let s = store.host_secret(NQN).unwrap();
+        assert_eq!(s.bytes(), store.get(NQN).unwrap().bytes());
+        assert_eq!(s.transformation(), None);
+        assert!(store.ctrl_secret(NQN).is_none());
+        let id2 = format!("{NQN}-2");
+        assert_eq!(
+            store.get(&id2).unwrap().to_hex(),
+            "89aeb31a874eaf84841b46736b0dfdf2ba58d30aa2a545a3e235a3521e07594c"
+        );
+        assert_eq!(store.host_secret(&id2).unwrap().to_dhhc().unwrap(), SPEC);
+        assert!(store.ctrl_secret(&id2).is_none());
+        let id3 = format!("{NQN}-3");
+        assert_eq!(store.ctrl_secret(&id3).unwrap().to_dhhc().unwrap(), ctrl);
+        assert_eq!(
+            store.ctrl_secret(&id3).unwrap().transformation(),
+            Some(crate::dhchap::HashId::Sha512)
+        );
+        assert!(store.host_secret("nobody").is_none());
+        assert_eq!(
+            store.hosts().collect::<Vec<_>>(),
+            ["alice", NQN, id2.as_str(), id3.as_str()]
+        );
+        // A generated file for an NQN loads back.
+        let p = tmp("gen-nqn");
+        let k = generate_file(&p, NQN).unwrap();
+        assert_eq!(KeyStore::load(&p).unwrap().get(NQN), Some(&k));
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn bad_dhchap_lines_name_file_line_and_secret() {
+        let flipped = SPEC.replacen("ia6zG", "ia6zH", 1);
+        let cases = [
+            (
+                format!("a:{SPEC}\n{NQN}:{flipped}\n"),
+                "line 2: host secret: the DH-HMAC-CHAP secret's CRC-32",
+            ),
+            (
+                format!("{NQN}:{SPEC} {flipped}\n"),
+                "line 1: controller secret: the DH-HMAC-CHAP secret's CRC-32",
+            ),
+            (
+                format!("{NQN}:{SPEC} {SPEC} {SPEC}\n"),
+                "at most two secrets",
+            ),
+            (
+                format!("{NQN}:DHHC-1:07:abcd:\n"),
+                "line 1: host secret: DH-HMAC-CHAP secret transformation '07'",
+            ),
+            (format!("{SPEC}\n"), "without a host id"),
+            (format!("{NQN}:{SPEC}\n{NQN}:{SPEC}\n"), "line 2: host id"),
+            (
+                format!("{NQN} x:{SPEC}\n"),
+                "printable ASCII without spaces",
+            ),
+        ];
+        for (text, want) in cases {
+            let e = load_text("bad-dhchap", &text).unwrap_err();
+            assert!(e.contains("key file ") && e.contains(want), "{text:?}: {e}");
+            assert!(!e.contains('\n') && !e.contains("ia6z"), "{e}");
+        }
+    }
+
+    #[test]
+    fn inserted_hosts_have_secrets() {
+        let mut store = KeyStore::default();
+        store.insert(NQN, Key::new(&[7; 32]).unwrap());
+        assert_eq!(store.host_secret(NQN).unwrap().bytes(), &[7; 32]);
+        let s = crate::dhchap::Secret::parse(SPEC).unwrap();
+        store
+            .insert_dhchap("h2", s.clone(), Some(s.clone()))
+            .unwrap();
+        assert_eq!(store.get("h2").unwrap().bytes(), s.bytes());
+        assert_eq!(store.ctrl_secret("h2"), Some(&s));
     }
 
     #[test]

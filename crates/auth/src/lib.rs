@@ -4,15 +4,19 @@
 //! - [`acl`]: per-export allow rules (host ids, address prefixes, MAC addresses).
 //! - [`proof`]: the handshake's challenge-response proofs and the session keys derived from them.
 //! - [`seal`]: per-frame authentication (and optional encryption) of datagram frames.
+//! - [`dhchap`]: NVMe DH-HMAC-CHAP in-band authentication (NVMe Base Spec 2.0 §8.13) for the
+//!   NVMe/TCP frontend: secrets, messages, the controller's and the host's state machines.
 //! - [`cookie`]: the target's stateless address-proof challenge, so it never answers an
 //!   unproven address with more bytes than it received.
 //!
-//! All cryptography is `ring`'s (HMAC-SHA-256, HKDF-SHA-256, AES-256-GCM); nothing here is
-//! hand-rolled beyond putting those pieces together as §12 specifies.
+//! All cryptography is `ring`'s (HMAC-SHA-256/384/512, HKDF-SHA-256, AES-256-GCM) and, for
+//! DH-HMAC-CHAP's finite-field Diffie-Hellman, OpenSSL's; nothing here is hand-rolled beyond
+//! putting those pieces together as §12 and the NVMe specification say.
 #![deny(missing_docs)]
 
 pub mod acl;
 pub mod cookie;
+pub mod dhchap;
 pub mod keys;
 pub mod proof;
 pub mod seal;

@@ -94,7 +94,14 @@ pub fn run(a: Args) -> Result<(), String> {
                 i.copy.max_ranges
             );
         } else {
-            println!("server-side copy: none for this session (read-only export)");
+            let why = if i.features.0 & blkwire_wire::Features::READ_ONLY != 0 {
+                "read-only export"
+            } else if a.url.starts_with("nvme-tcp://") {
+                "blkwire's COPY is not an NVMe/TCP command"
+            } else {
+                "the target's memory budget holds no copy buffer"
+            };
+            println!("server-side copy: none for this session ({why})");
         }
     }
     for q in s.queues {

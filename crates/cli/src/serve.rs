@@ -75,10 +75,10 @@ pub struct Args {
     /// Handshakes in progress at once; more connections are closed until one finishes.
     #[arg(long, value_name = "N", hide = true)]
     max_handshakes: Option<usize>,
-    /// Key file of the hosts this target knows (HOST-ID:HEXKEY lines, `blkwire key gen`; mode
-    /// 0600). With it every host must prove its key, and the target proves it back; also the
-    /// TLS-PSK keys (the PSK identity is the host id). Reload it live with `blkwire rpc
-    /// keys_load`
+    /// Key file of the hosts this target knows (HOST-ID:HEXKEY lines, `blkwire key gen`, or
+    /// HOST-ID:DHHC-1:XX:BASE64: [DHHC-1:XX:BASE64:] NVMe DH-HMAC-CHAP secrets; mode 0600).
+    /// With it every host must prove its key, and the target proves it back; also the TLS-PSK
+    /// keys (the PSK identity is the host id). Reload it live with `blkwire rpc keys_load`
     #[arg(long, value_name = "FILE")]
     keys: Option<PathBuf>,
     /// A host (repeatable) that may read the live counters (`blkwire stats`) on a target with

@@ -1009,3 +1009,49 @@ fn a_resized_export_comes_back_at_its_new_size_from_the_saved_config() {
     assert_eq!(back.ok(&["export", "ls", "--json"]), exports);
     assert_eq!(std::fs::metadata(&img).unwrap().len(), 24 << 20);
 }
+
+#[test]
+fn nvme_subsystems_and_controllers_are_listed_and_end_with_their_export() {
+    use common::nvme_host::{controller, io_queue, nqn, Opts, DISCOVERY_NQN};
+    let dir = TempDir::new("manage-nvme");
+    let t = Managed::start(
+        &dir,
+        &[
+            "--listen",
+            "nvme-tcp://127.0.0.1:0",
+            "--export",
+            "d=mem:1M,allow=127.0.0.0/8",
+        ],
+    );
+    let addr = t.urls[0].strip_prefix("nvme-tcp://").unwrap().to_string();
+    let a = controller(&addr, &nqn("d"), &Opts::default());
+    let mut q = io_queue(&addr, &nqn("d"), &a, 1, &Opts::default());
+    let list = t.rpc("nvme_subsystem_list", json!({}));
+    let s = &list[0];
+    assert_eq!(s["nqn"], nqn("d"));
+    assert_eq!(s["namespaces"][0]["export"], "d");
+    assert_eq!(s["namespaces"][0]["size"], 1 << 20);
+    assert_eq!(s["allow"], "127.0.0.0/8");
+    assert_eq!(s["controllers"][0]["cntlid"], a.cntlid);
+    assert_eq!(s["controllers"][0]["hostnqn"], common::nvme_host::HOSTNQN);
+    // A listener added at run time appears in the discovery log.
+    let added = t.rpc("listener_add", json!({"url": "nvme-tcp://127.0.0.1:0"}));
+    let mut d = controller(&addr, DISCOVERY_NQN, &Opts::default());
+    let head = d.get_log(0x70, 1024, 0);
+    let n = u64::from_le_bytes(head.data[8..16].try_into().unwrap());
+    assert_eq!(n, 4, "discovery and d, at two listeners (added {added})");
+    // Removing the export ends its controller and I/O queue.
+    t.rpc("export_remove", json!({"name": "d", "force": true}));
+    let mut a = a;
+    assert!(
+        q.closed_within(Duration::from_secs(10)),
+        "I/O queue outlived its export"
+    );
+    assert!(
+        a.closed_within(Duration::from_secs(10)),
+        "admin queue outlived its export"
+    );
+    let list = t.rpc("nvme_subsystem_list", json!({}));
+    assert_eq!(list, json!([]));
+    t.stop();
+}

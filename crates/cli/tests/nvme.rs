@@ -413,6 +413,12 @@ fn broken_pdus_end_the_connection_and_nothing_else() {
     h[4..8].copy_from_slice(&(64u32 << 20).to_le_bytes());
     q.send_raw(&h);
     assert_terminated(&mut q, "64 MiB capsule");
+    // The admin queue (and a connection still in its handshake) takes 8 KiB capsules at most:
+    // a host cannot make its thread hold more.
+    let mut adm = controller(&t.addr, &nqn("disk0"), &Opts::default());
+    h[4..8].copy_from_slice(&(64u32 << 10).to_le_bytes());
+    adm.send_raw(&h);
+    assert_terminated(&mut adm, "64 KiB admin capsule");
     // H2CData past what the R2T asked for, and for a tag that asked for nothing.
     let mut q = io_queue(&t.addr, &nqn("disk0"), &a, 4, &Opts::default());
     let mut w = sqe(0x01, 9);
@@ -498,4 +504,150 @@ fn a_controller_without_keep_alive_ends_with_its_io_queues() {
     // And the controller is gone: its id no longer admits an I/O queue.
     let (_, done) = Queue::connect(&t.addr, &nqn("disk0"), 2, a.cntlid, &Opts::default()).unwrap();
     assert_ne!(done.code(), 0);
+}
+
+#[test]
+fn blkwires_own_client_speaks_nvme_tcp() {
+    use blkwire_client::{connect, ConnectOptions, Url};
+    let t = NvmeTarget::start(&["disk0=mem:8M"]);
+    let url = Url::parse(&format!("nvme-tcp://{}/disk0", t.addr)).unwrap();
+    let opts = ConnectOptions {
+        queues: 2,
+        depth: 8,
+        ..Default::default()
+    };
+    let mut s = connect(&url, &opts).expect("connect over nvme-tcp://");
+    assert_eq!(s.info.size, 8 << 20);
+    assert_eq!(s.info.queues, 2);
+    let q = &mut s.queues[1];
+    // In the capsule, and through an R2T (1 MiB: one H2CData of MAXH2CDATA).
+    let small = random_bytes(4096, 1);
+    let big = random_bytes(1 << 20, 2);
+    q.write_at(&small, 0, false).unwrap();
+    q.write_at(&big, 1 << 20, true).unwrap();
+    let mut back = vec![0u8; 1 << 20];
+    q.read_at(&mut back, 1 << 20).unwrap();
+    assert!(back == big);
+    let mut back = vec![0u8; 4096];
+    q.read_at(&mut back, 0).unwrap();
+    assert_eq!(back, small);
+    // A full queue of writes that each wait for an R2T (every slot held by one).
+    use blkwire_client::Cmd;
+    let q = &mut s.queues[0];
+    let depth = q.depth();
+    assert_eq!(depth, 8);
+    let chunk = random_bytes(64 << 10, 3);
+    for i in 0..depth as u64 {
+        let cmd = Cmd::Write {
+            offset: (2 << 20) + (i << 16),
+            data: &chunk,
+            fua: false,
+        };
+        q.submit(cmd, i).unwrap();
+    }
+    let mut done = 0;
+    while done < depth {
+        done += q
+            .complete(1, |c| assert_eq!(c.status, blkwire_wire::Status::Ok))
+            .unwrap();
+    }
+    let dir = TempDir::new("nvme-client");
+    let all = t.contents("disk0", &dir);
+    assert!(all[..4096] == small[..] && all[1 << 20..2 << 20] == big[..]);
+    for i in 0..depth {
+        let at = (2 << 20) + (i << 16);
+        assert!(all[at..at + (64 << 10)] == chunk[..], "pipelined write {i}");
+    }
+}
+
+/// A key file (mode 600) with DH-HMAC-CHAP secrets: each line `HOSTNQN:SECRET[ CTRL-SECRET]`.
+fn key_file(dir: &TempDir, lines: &[String]) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.path("hosts.keys");
+    std::fs::write(&p, lines.join("\n") + "\n").unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+#[test]
+fn with_keys_hosts_prove_themselves_with_dh_hmac_chap() {
+    use blkwire_auth::dhchap::{HostAuth, Secret};
+    use nvme_host::authenticate;
+    let dir = TempDir::new("nvme-auth");
+    let alice = "nqn.2014-08.org.nvmexpress:uuid:a11ce000-0000-4000-8000-000000000001";
+    let bob = "nqn.2014-08.org.nvmexpress:uuid:b0b00000-0000-4000-8000-000000000002";
+    let stranger = "nqn.2014-08.org.nvmexpress:uuid:5e1f0000-0000-4000-8000-000000000003";
+    let (ka, kb, kc) = (Secret::generate(), Secret::generate(), Secret::generate());
+    let keys = key_file(
+        &dir,
+        &[
+            format!("{alice}:{}", ka.to_dhhc().unwrap()),
+            format!("{bob}:{} {}", kb.to_dhhc().unwrap(), kc.to_dhhc().unwrap()),
+        ],
+    );
+    let t = NvmeTarget::start_with(
+        &["disk0=mem:1M", &format!("only-bob=mem:1M,allow={bob}")],
+        &["--keys", &keys],
+    );
+    let opts = |nqn: &str| Opts {
+        hostnqn: nqn.into(),
+        ..Opts::default()
+    };
+    // Alice: Connect says authentication is required; nothing else runs before it.
+    let (mut a, done) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &opts(alice)).unwrap();
+    assert_eq!(done.code(), 0);
+    assert_ne!(done.cqe.dw0 & 1 << 17, 0, "ATR in Connect's dword 0");
+    assert_eq!(
+        a.property_get(0x00, true).code(),
+        0x191,
+        "Authentication Required"
+    );
+    let mut host = HostAuth::new(alice, &nqn("disk0"), &ka, None, 1);
+    assert!(authenticate(&mut a, &mut host), "alice's key");
+    a.enable();
+    assert_eq!(a.identify(1, 0).code(), 0);
+    // Her I/O queue authenticates on its own too, then serves.
+    let (mut q, done) = Queue::connect(&t.addr, &nqn("disk0"), 1, a.cntlid, &opts(alice)).unwrap();
+    assert_ne!(done.cqe.dw0 & 1 << 17, 0);
+    assert_eq!(
+        q.read(0, 1, BS).unwrap().code(),
+        0x191,
+        "no I/O before authentication"
+    );
+    let mut host = HostAuth::new(alice, &nqn("disk0"), &ka, None, 2);
+    assert!(authenticate(&mut q, &mut host));
+    assert_eq!(q.write_in(0, &[7; 512], BS).unwrap().code(), 0);
+    // She may not open an export whose rules name only bob.
+    let (_, done) = Queue::connect(&t.addr, &nqn("only-bob"), 0, 0xffff, &opts(alice)).unwrap();
+    assert_eq!(done.code(), 0x184, "Connect Invalid Host");
+    // Bob, bidirectional: he checks the controller's proof as well.
+    let (mut b, _) = Queue::connect(&t.addr, &nqn("only-bob"), 0, 0xffff, &opts(bob)).unwrap();
+    let mut host = HostAuth::new(bob, &nqn("only-bob"), &kb, Some(&kc), 1);
+    assert!(authenticate(&mut b, &mut host), "bob both ways");
+    b.enable();
+    // A controller that proves a wrong key fails the host's check.
+    let (mut b2, _) = Queue::connect(&t.addr, &nqn("only-bob"), 0, 0xffff, &opts(bob)).unwrap();
+    let mut host = HostAuth::new(bob, &nqn("only-bob"), &kb, Some(&ka), 1);
+    assert!(
+        !authenticate(&mut b2, &mut host),
+        "wrong controller key accepted"
+    );
+    // A wrong host key gets Failure1, and the controller is torn down.
+    let (mut w, _) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &opts(alice)).unwrap();
+    let mut host = HostAuth::new(alice, &nqn("disk0"), &kb, None, 1);
+    assert!(!authenticate(&mut w, &mut host), "wrong key accepted");
+    assert!(
+        w.closed_within(Duration::from_secs(10)),
+        "still open after a failed exchange"
+    );
+    // A host without a key never gets a controller.
+    let (_, done) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &opts(stranger)).unwrap();
+    assert_eq!(done.code(), 0x184, "Connect Invalid Host");
+    // Nor does an I/O queue that names alice's controller with the wrong key.
+    let (mut q2, _) = Queue::connect(&t.addr, &nqn("disk0"), 2, a.cntlid, &opts(alice)).unwrap();
+    let mut host = HostAuth::new(alice, &nqn("disk0"), &kb, None, 3);
+    assert!(!authenticate(&mut q2, &mut host));
+    assert!(q2.closed_within(Duration::from_secs(10)));
+    // The data alice wrote is there.
+    assert_eq!(q.read(0, 1, BS).unwrap().data, vec![7; 512]);
 }

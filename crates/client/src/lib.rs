@@ -11,6 +11,7 @@
 
 mod auth;
 mod dgram;
+mod nvme;
 mod queue;
 mod stream;
 mod tls;
@@ -483,6 +484,7 @@ pub fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
         Transport::Eth { mac } => connect_dgram(url, opts, &|queue, session| {
             dgram::eth_link(&url.host, mac, queue, session)
         }),
+        Transport::NvmeTcp => nvme::connect(url, opts),
     }
 }
 

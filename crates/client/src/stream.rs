@@ -8,6 +8,9 @@ use std::time::{Duration, Instant};
 
 use blkwire_wire::{Flags, Header, Opcode, Status, Tag, HEADER_LEN};
 
+use blkwire_wire::nvme_tcp::{self, Pdu, Progress};
+
+use crate::nvme::Framing;
 use crate::queue::{Cmd, Completion, Parts, QueueStats};
 use crate::tls::Link;
 use crate::{ConnectOptions, Error, ExportInfo, Result};
@@ -38,6 +41,8 @@ pub(crate) struct StreamQueue {
     waiting_since: Option<Instant>,
     spin: blkwire_spin::AdaptiveSpin,
     stats: QueueStats,
+    /// NVMe/TCP framing instead of blkwire frames (`nvme-tcp://`, `nvme.rs`).
+    nvme: Option<Box<Framing>>,
 }
 
 impl StreamQueue {
@@ -64,7 +69,21 @@ impl StreamQueue {
             waiting_since: None,
             spin: blkwire_spin::AdaptiveSpin::new(opts.poll),
             stats: QueueStats::default(),
+            nvme: None,
         })
+    }
+
+    /// An NVMe/TCP I/O queue (connected and admitted by `nvme::connect`).
+    pub(crate) fn new_nvme(
+        sock: Link,
+        index: u16,
+        info: &ExportInfo,
+        opts: &ConnectOptions,
+        framing: Framing,
+    ) -> Result<StreamQueue> {
+        let mut q = StreamQueue::new(sock, index, info, opts)?;
+        q.nvme = Some(Box::new(framing));
+        Ok(q)
     }
 
     pub fn index(&self) -> u16 {
@@ -86,6 +105,9 @@ impl StreamQueue {
     /// Queues a command for sending (nothing is sent until [`Queue::send`] or a wait). `user` comes
     /// back in its completion. Fails only when every slot is busy or the command is malformed.
     pub fn submit(&mut self, cmd: Cmd<'_>, user: u64) -> Result<()> {
+        if self.nvme.is_some() {
+            return self.submit_nvme(cmd, user);
+        }
         let Parts {
             opcode: op,
             offset,
@@ -109,6 +131,27 @@ impl StreamQueue {
         h.payload_len = payload.len() as u32;
         self.tx.extend_from_slice(&h.to_bytes());
         self.tx.extend_from_slice(payload);
+        self.stats.frames_out += 1;
+        Ok(())
+    }
+
+    fn submit_nvme(&mut self, cmd: Cmd<'_>, user: u64) -> Result<()> {
+        let Parts { opcode, len, .. } = cmd.parts(self.max_io)?;
+        let slot = *self
+            .free
+            .last()
+            .ok_or_else(|| Error::Usage("all queue slots are busy".into()))?;
+        let generation = self.slots[slot as usize].generation.wrapping_add(1);
+        let cid = crate::nvme::cid(slot, generation);
+        let fr = self.nvme.as_mut().expect("an NVMe/TCP queue");
+        fr.encode(cmd, slot, cid, &mut self.tx)?;
+        self.free.pop();
+        let s = &mut self.slots[slot as usize];
+        s.generation = generation;
+        s.busy = true;
+        s.opcode = opcode as u8;
+        s.len = len;
+        s.user = user;
         self.stats.frames_out += 1;
         Ok(())
     }
@@ -284,6 +327,14 @@ impl StreamQueue {
 
     /// Hands every complete reply in the receive buffer to `f`.
     fn deliver(&mut self, f: &mut impl FnMut(Completion<'_>)) -> Result<usize> {
+        if self.nvme.is_some() {
+            let n = self.deliver_nvme(f)?;
+            // Data the target asked for (R2T) goes out at once: its write waits for it.
+            if !self.tx.is_empty() {
+                self.send()?;
+            }
+            return Ok(n);
+        }
         let mut n = 0;
         loop {
             let avail = self.rx_end - self.rx_start;
@@ -352,10 +403,186 @@ impl StreamQueue {
         Ok(n)
     }
 
+    /// `deliver` for NVMe/TCP: CapsuleResps complete commands; a read's single C2HData is
+    /// delivered in place once its CapsuleResp is in the buffer too (or at once with SUCCESS),
+    /// data in pieces is gathered per slot; R2Ts are answered with the write's data.
+    fn deliver_nvme(&mut self, f: &mut impl FnMut(Completion<'_>)) -> Result<usize> {
+        let mut n = 0;
+        loop {
+            let fr = self.nvme.as_mut().expect("an NVMe/TCP queue");
+            let avail = &self.rx[self.rx_start..self.rx_end];
+            let need = |r: std::result::Result<Progress, nvme_tcp::PduError>| match r {
+                Ok(p) => Ok(p),
+                Err(e) => Err(Error::Protocol(e.to_string())),
+            };
+            let len = match need(nvme_tcp::pdu_len(avail, &fr.rx))? {
+                Progress::Complete(len) => len,
+                Progress::Need(total) => {
+                    self.make_room(total);
+                    break;
+                }
+            };
+            let pdu = nvme_tcp::decode(&avail[..len], &fr.rx)
+                .map_err(|e| Error::Protocol(e.to_string()))?;
+            let mut done: Option<Finished> = None;
+            let mut consumed = len;
+            match pdu {
+                Pdu::CapsuleResp(c) => {
+                    if let Some(slot) = live_slot(&self.slots, c.cid) {
+                        done = Some((slot, None, crate::nvme::status(&c)));
+                    } else {
+                        self.stats.late_replies += 1;
+                    }
+                }
+                Pdu::C2HData(d) => {
+                    let Some(slot) = live_slot(&self.slots, d.cccid) else {
+                        return Err(Error::Protocol(format!(
+                            "C2HData for CID {:#x}, which is not in flight",
+                            d.cccid
+                        )));
+                    };
+                    let at = self.rx_start + (d.data.as_ptr() as usize - avail.as_ptr() as usize);
+                    let whole =
+                        d.datao == 0 && d.last && d.data.len() == self.slots[slot].len as usize;
+                    if whole && d.success {
+                        done = Some((slot, Some((at, d.data.len())), Status::Ok));
+                    } else if whole {
+                        // Its CapsuleResp normally follows at once: deliver the data where it
+                        // lies when that is in the buffer, wait for it when it is not.
+                        let rest = &avail[len..];
+                        match need(nvme_tcp::pdu_len(rest, &fr.rx))? {
+                            Progress::Need(more) => {
+                                self.make_room(len + more);
+                                break;
+                            }
+                            Progress::Complete(m) => match nvme_tcp::decode(&rest[..m], &fr.rx) {
+                                Ok(Pdu::CapsuleResp(c)) if c.cid == d.cccid => {
+                                    consumed = len + m;
+                                    done = Some((
+                                        slot,
+                                        Some((at, d.data.len())),
+                                        crate::nvme::status(&c),
+                                    ));
+                                }
+                                _ => gather(fr, slot, d.datao, d.data, self.slots[slot].len)?,
+                            },
+                        }
+                    } else {
+                        gather(fr, slot, d.datao, d.data, self.slots[slot].len)?;
+                    }
+                }
+                Pdu::R2T(r) => {
+                    let Some(slot) = live_slot(&self.slots, r.cccid) else {
+                        return Err(Error::Protocol(format!(
+                            "R2T for CID {:#x}, which is not in flight",
+                            r.cccid
+                        )));
+                    };
+                    let fr = self.nvme.as_ref().expect("an NVMe/TCP queue");
+                    fr.answer_r2t(slot as u16, &r, &mut self.tx)?;
+                }
+                Pdu::C2HTermReq(t) => {
+                    return Err(Error::Protocol(format!(
+                        "the target ended the queue (C2HTermReq FES {:#x}, FEI {:#x})",
+                        t.fes, t.fei
+                    )))
+                }
+                other => {
+                    return Err(Error::Protocol(format!(
+                        "unexpected {:?} from the target",
+                        other.typ()
+                    )))
+                }
+            }
+            self.rx_start += consumed;
+            self.stats.frames_in += 1;
+            let Some((slot, range, status)) = done else {
+                continue;
+            };
+            let s = self.slots[slot];
+            self.slots[slot].busy = false;
+            self.free.push(slot as u16);
+            if status != Status::Ok {
+                self.stats.errors += 1;
+            }
+            n += 1;
+            let fr = self.nvme.as_mut().expect("an NVMe/TCP queue");
+            let data: &[u8] = match range {
+                _ if status != Status::Ok || s.opcode != Opcode::Read as u8 => &[],
+                Some((at, len)) => &self.rx[at..at + len],
+                None => &fr.gathered[slot],
+            };
+            if s.opcode == Opcode::Read as u8
+                && status == Status::Ok
+                && data.len() != s.len as usize
+            {
+                return Err(Error::Protocol(format!(
+                    "a read of {} bytes got {}",
+                    s.len,
+                    data.len()
+                )));
+            }
+            f(Completion {
+                user: s.user,
+                length: s.len,
+                status,
+                data,
+            });
+            fr.gathered[slot].clear();
+        }
+        if self.rx_start == self.rx_end {
+            self.rx_start = 0;
+            self.rx_end = 0;
+        }
+        Ok(n)
+    }
+
+    /// Makes room for a message of `total` bytes starting at `rx_start`.
+    fn make_room(&mut self, total: usize) {
+        if self.rx.len() - self.rx_start < total {
+            self.rx.copy_within(self.rx_start..self.rx_end, 0);
+            self.rx_end -= self.rx_start;
+            self.rx_start = 0;
+            if self.rx.len() < total {
+                self.rx.resize(total, 0);
+            }
+        }
+    }
+
     /// Ends the queue cleanly after everything in flight (PROTOCOL.md §2.5).
     pub fn logout(&mut self) -> Result<()> {
+        if self.nvme.is_some() {
+            // Closing the connection ends an NVMe/TCP I/O queue; the controller ends with the
+            // session's last queue.
+            return self.send();
+        }
         let h = Header::request(Opcode::Logout, Tag::new(0, 0), 0, 0);
         self.tx.extend_from_slice(&h.to_bytes());
         self.send()
     }
+}
+
+/// A command the PDUs just taken complete: its slot, where its read data lies in the receive
+/// buffer (None: gathered in the slot, or no data), and its status.
+type Finished = (usize, Option<(usize, usize)>, Status);
+
+/// The slot a CID names, if that command is in flight (same generation).
+fn live_slot(slots: &[Slot], cid: u16) -> Option<usize> {
+    let (slot, _) = crate::nvme::slot_of(cid);
+    let s = slots.get(slot as usize)?;
+    (s.busy && crate::nvme::cid(slot, s.generation) == cid).then_some(slot as usize)
+}
+
+/// Copies read data that came in pieces into the slot's buffer, in order.
+fn gather(fr: &mut Framing, slot: usize, datao: u32, data: &[u8], len: u32) -> Result<()> {
+    let g = &mut fr.gathered[slot];
+    if datao as usize != g.len() || g.len() + data.len() > len as usize {
+        return Err(Error::Protocol(format!(
+            "C2HData at {datao}+{} of a {len}-byte read, expected at {}",
+            data.len(),
+            g.len()
+        )));
+    }
+    g.extend_from_slice(data);
+    Ok(())
 }

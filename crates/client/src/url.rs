@@ -1,12 +1,15 @@
 //! Export URLs:
 //! - `tcp://HOST[:PORT]/EXPORT` (IPv6 as `tcp://[::1]:7700/x`; the port defaults to 7700),
 //! - `udp://HOST[:PORT]/EXPORT` (the port defaults to 7701),
-//! - `eth://IFACE/TARGET-MAC/EXPORT` (raw Ethernet on a local interface).
+//! - `eth://IFACE/TARGET-MAC/EXPORT` (raw Ethernet on a local interface),
+//! - `nvme-tcp://HOST[:PORT]/NAME` (NVMe/TCP; NAME an NQN or a blkwire export; port 4420).
 
 use crate::Error;
 
 pub const DEFAULT_PORT: u16 = 7700;
 pub const DEFAULT_UDP_PORT: u16 = 7701;
+/// NVMe/TCP's port (IANA).
+pub const DEFAULT_NVME_PORT: u16 = 4420;
 
 /// How frames reach the target (PROTOCOL.md §9).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -20,6 +23,9 @@ pub enum Transport {
         /// The target's MAC address.
         mac: [u8; 6],
     },
+    /// NVMe/TCP (`nvme-tcp://HOST[:PORT]/NQN-or-EXPORT`): any NVMe/TCP target, blkwire's
+    /// frontend among them (`nvme.rs`).
+    NvmeTcp,
 }
 
 /// A parsed export URL: `tcp://HOST[:PORT]/EXPORT`, `udp://HOST[:PORT]/EXPORT` or
@@ -81,13 +87,14 @@ impl Url {
         let s = full;
         let bad = |why: &str| {
             Error::Usage(format!(
-                "bad URL '{s}': {why}; expected tcp://HOST:PORT/EXPORT, udp://HOST:PORT/EXPORT or eth://IFACE/TARGET-MAC/EXPORT"
+                "bad URL '{s}': {why}; expected tcp://HOST:PORT/EXPORT, udp://HOST:PORT/EXPORT, eth://IFACE/TARGET-MAC/EXPORT or nvme-tcp://HOST[:PORT]/NQN"
             ))
         };
         let (s, encrypt) = split_query(s).map_err(|why| bad(&why))?;
         let (transport, rest) = match s.split_once("://") {
             Some(("tcp", rest)) => (Transport::Tcp, rest),
             Some(("udp", rest)) => (Transport::Udp, rest),
+            Some(("nvme-tcp", rest)) => (Transport::NvmeTcp, rest),
             Some(("eth", rest)) => {
                 let mut parts = rest.splitn(3, '/');
                 let iface = parts.next().unwrap_or_default();
@@ -127,6 +134,7 @@ impl Url {
         }
         let port = match port {
             None if transport == Transport::Udp => DEFAULT_UDP_PORT,
+            None if transport == Transport::NvmeTcp => DEFAULT_NVME_PORT,
             None => DEFAULT_PORT,
             Some(p) => p.parse().map_err(|_| bad(&format!("bad port '{p}'")))?,
         };
@@ -162,6 +170,7 @@ impl std::fmt::Display for Url {
         match &self.transport {
             Transport::Tcp => write!(f, "tcp://{}/{}", self.authority(), self.export)?,
             Transport::Udp => write!(f, "udp://{}/{}", self.authority(), self.export)?,
+            Transport::NvmeTcp => write!(f, "nvme-tcp://{}/{}", self.authority(), self.export)?,
             Transport::Eth { mac } => {
                 write!(f, "eth://{}/{}/{}", self.host, format_mac(mac), self.export)?
             }

@@ -278,12 +278,12 @@ const METHODS: &[Method] = &[
     },
     Method {
         name: "listener_add",
-        about: "{url}: listen on tcp://, nbd://, udp:// or eth://; returns the bound URL",
+        about: "{url}: listen on tcp://, nbd://, nvme-tcp://, udp:// or eth://; returns the bound URL",
         run: listener_add,
     },
     Method {
         name: "listener_remove",
-        about: "{url}: stop accepting on a listener (tcp/nbd connections stay; udp/eth sessions on it close)",
+        about: "{url}: stop accepting on a listener (tcp/nbd/nvme-tcp connections stay; udp/eth sessions on it close)",
         run: listener_remove,
     },
     Method {
@@ -295,6 +295,11 @@ const METHODS: &[Method] = &[
         name: "metrics_listen",
         about: "{addr}: serve Prometheus metrics at ADDR:PORT (GET /metrics); one endpoint per target",
         run: metrics_listen,
+    },
+    Method {
+        name: "nvme_subsystem_list",
+        about: "NVMe/TCP: every subsystem (NQN, namespace, serial, allow rules) and controller (id, host NQN, session)",
+        run: nvme_subsystem_list,
     },
     Method {
         name: "session_list",
@@ -594,6 +599,45 @@ fn metrics_listen(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
         other => RpcError::refused(other.to_string()),
     })?;
     Ok(json!({ "url": url }))
+}
+
+fn nvme_subsystem_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
+    let ctrls = sh.registry.nvme.describe();
+    let subsystems: Vec<Value> = sh
+        .registry
+        .exports()
+        .iter()
+        .map(|e| {
+            let nqn = format!("{}{}", crate::nvme::spec::NQN_PREFIX, e.name);
+            let ns = crate::nvme::spec::Namespace::of(e, &nqn);
+            let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+            let facts = crate::nvme::spec::Facts {
+                cntlid: 0,
+                subnqn: nqn.clone(),
+                ns: Some(ns.clone()),
+                max_io: 0,
+                max_depth: 0,
+                copy: Default::default(),
+            };
+            json!({
+                "nqn": nqn,
+                "serial": facts.serial(),
+                "model": "blkwire",
+                "namespaces": [{
+                    "nsid": 1,
+                    "export": e.name,
+                    "size": ns.size,
+                    "block_size": 1u64 << ns.lba_shift,
+                    "nguid": hex(&ns.nguid),
+                    "uuid": hex(&ns.uuid),
+                    "read_only": e.read_only,
+                }],
+                "allow": sh.registry.allow_of(&e.name),
+                "controllers": ctrls.iter().filter(|c| c["subnqn"] == nqn).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    Ok(Value::Array(subsystems))
 }
 
 fn session_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {

@@ -1057,12 +1057,12 @@ fn handshake(
         ListenerKind::NvmeTcp => {
             let local = s.s.local_addr().unwrap_or(peer);
             match nvme::accept(&mut s, peer, local, registry) {
-                Some(nvme::Accepted::Io(a, fe)) => Some((a, fe)),
+                Some(nvme::Accepted::Io(a, fe)) => Some((*a, fe)),
                 Some(nvme::Accepted::Admin(q)) => {
                     // The admin queue stays on this thread for the controller's life; it no
                     // longer counts as a handshake.
                     drop(place);
-                    let ended = q.serve(s.s, registry, &peer_s);
+                    let ended = (*q).serve(s.s, registry, &peer_s);
                     if let Some((session, queue)) = ended.session {
                         registry.revoke(session);
                         close_sessions(workers, &[session]);

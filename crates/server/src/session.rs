@@ -938,6 +938,16 @@ impl Registry {
         out
     }
 
+    /// An export's allow rules as given (`RULE+RULE`), if it has any.
+    pub fn allow_of(&self, name: &str) -> Option<String> {
+        let inner = self.lock();
+        inner
+            .exports
+            .iter()
+            .find(|s| s.export.name == name)
+            .and_then(|s| s.spec.allow.clone())
+    }
+
     /// True when the session is gone or being closed by the control plane.
     pub fn is_revoked(&self, id: u32) -> bool {
         self.lock().sessions.get(&id).is_none_or(|s| s.revoked)

@@ -493,3 +493,56 @@ pub fn io_queue(addr: &str, subnqn: &str, admin: &Queue, qid: u16, o: &Opts) -> 
     assert_eq!(done.code(), 0, "I/O Connect refused: {:#x}", done.status());
     q
 }
+
+/// AUTH_Send (fctype 0x05) of `msg`, in the capsule.
+pub fn auth_send(q: &mut Queue, msg: &[u8]) -> Done {
+    let mut c = fabrics(0x05);
+    c.cdw10 = 0xe9 << 24 | 0x01 << 16 | 0x01 << 8;
+    c.cdw11 = msg.len() as u32;
+    q.command_in(c, msg, 0).expect("AUTH_Send")
+}
+
+/// AUTH_Receive (fctype 0x06) with allocation length 4096, as the kernel asks.
+pub fn auth_receive(q: &mut Queue) -> Done {
+    let mut c = fabrics(0x06);
+    c.cdw10 = 0xe9 << 24 | 0x01 << 16 | 0x01 << 8;
+    c.cdw11 = 4096;
+    q.command_in(c, &[], 4096).expect("AUTH_Receive")
+}
+
+/// The kernel host's DH-HMAC-CHAP exchange on a queue whose Connect asked for it: true when
+/// both sides are satisfied; false when the controller sent Failure1 (or the host refused the
+/// controller's proof).
+pub fn authenticate(q: &mut Queue, host: &mut blkwire_auth::dhchap::HostAuth) -> bool {
+    assert_eq!(
+        auth_send(q, &host.negotiate()).code(),
+        0,
+        "AUTH_Send negotiate"
+    );
+    let challenge = auth_receive(q);
+    assert_eq!(challenge.code(), 0);
+    let reply = match host.on_challenge(&challenge.data) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("the host refused the challenge: {e:?}");
+            return false;
+        }
+    };
+    assert_eq!(auth_send(q, &reply).code(), 0, "AUTH_Send reply");
+    let s1 = auth_receive(q);
+    if s1.code() != 0 {
+        eprintln!("AUTH_Receive after the reply: status {:#x}", s1.status());
+        return false;
+    }
+    match host.on_success1(&s1.data) {
+        Ok(Some(success2)) => {
+            assert_eq!(auth_send(q, &success2).code(), 0, "AUTH_Send success2");
+            true
+        }
+        Ok(None) => true,
+        Err(e) => {
+            eprintln!("after the reply the controller said: {e:?}");
+            false
+        }
+    }
+}

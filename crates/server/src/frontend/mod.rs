@@ -165,6 +165,14 @@ pub trait StreamFrontend: Send {
     /// stops reading when every slot is busy.
     fn server_assigns_slots(&self) -> bool;
 
+    /// True when the message at the front of `rx` (possibly incomplete) is solicited data
+    /// ([`Decoded::Data`]), which needs no free slot: the reactor reads it even when every slot
+    /// is busy, since the writes holding the slots wait for exactly that data.
+    fn next_is_data(&self, rx: &[u8]) -> bool {
+        let _ = rx;
+        false
+    }
+
     /// How the successful reply to the READ `req` is laid out.
     fn read_framing(&self, req: &Req) -> ReadFraming;
 

@@ -445,6 +445,10 @@ impl StreamFrontend for NvmeIo {
         true
     }
 
+    fn next_is_data(&self, rx: &[u8]) -> bool {
+        rx.first() == Some(&(PduType::H2CData as u8))
+    }
+
     fn read_framing(&self, req: &Req) -> ReadFraming {
         let len = req.length as usize;
         let prefix = nvme_tcp::prefix_len(PduType::C2HData, len, &self.tx);

@@ -14,7 +14,8 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use blkwire_auth::{Key, PeerAddr};
+use blkwire_auth::dhchap::{self, ControllerAuth};
+use blkwire_auth::PeerAddr;
 use blkwire_wire::nvme_tcp::{self, C2HData, CapsuleCmd, Cqe, Pdu};
 
 use super::spec::{self, admin, cqe_status, fctype, prop, sc, DiscoveryEntry, Facts};
@@ -24,6 +25,8 @@ use crate::session::{Admitted, Registry};
 
 /// How often a waiting admin thread looks at the clock and at its session.
 const TICK: Duration = Duration::from_millis(500);
+/// The keep-alive timeout of a discovery controller whose host asked for none.
+const DISCOVERY_KATO_MS: u32 = 120_000;
 /// A PDU that has begun must be whole within this.
 const PDU_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -59,7 +62,7 @@ pub struct AdminQueue {
     write_cache: bool,
     held_events: usize,
     authenticated: bool,
-    auth: Option<Auth>,
+    auth: Option<QueueAuth>,
 }
 
 /// What the thread must do when the queue ends.
@@ -97,6 +100,11 @@ impl AdminQueue {
     pub fn serve(mut self, mut sock: TcpStream, registry: &Registry, peer: &str) -> Ended {
         let _ = sock.set_read_timeout(Some(PDU_TIMEOUT));
         let _ = sock.set_write_timeout(Some(PDU_TIMEOUT));
+        if self.s.kato_ms == 0 && self.s.facts.ns.is_none() {
+            // A discovery controller without keep-alive still ends when idle (as Linux nvmet
+            // does), so idle discovery connections cannot hold every controller thread.
+            self.s.kato_ms = DISCOVERY_KATO_MS;
+        }
         let mut kato = kato_of(self.s.kato_ms);
         let mut alive = Instant::now();
         let mut buf = Vec::with_capacity(1024);
@@ -140,7 +148,18 @@ impl AdminQueue {
             };
             // Every command counts as life; the host also sends Keep Alive every KATO/2.
             alive = Instant::now();
-            match self.command(&mut sock, &cmd, registry) {
+            let outcome = self.command(&mut sock, &cmd, registry);
+            if self.auth.as_ref().is_some_and(|a| a.failed()) {
+                registry.access.refuse(
+                    &peer,
+                    &format!(
+                        "NVMe host '{}' failed DH-HMAC-CHAP",
+                        self.s.hostnqn.escape_debug()
+                    ),
+                );
+                break "DH-HMAC-CHAP failed".into();
+            }
+            match outcome {
                 Some(Outcome::Continue) => {}
                 Some(Outcome::Kato(ms)) => {
                     self.s.kato_ms = ms;
@@ -376,38 +395,25 @@ impl AdminQueue {
     }
 
     fn auth_send(&mut self, registry: &Registry, q: &nvme_tcp::Sqe, data: &[u8]) -> u16 {
-        if !auth_params_ok(q) {
-            return sc::INVALID_FIELD | sc::DNR;
-        }
-        let auth = match &mut self.auth {
-            Some(a) => a,
-            None => {
-                let Some(key) = registry.access.key_of(&self.s.hostnqn) else {
-                    return sc::AUTH_REQUIRED | sc::DNR;
-                };
-                self.auth
-                    .insert(Auth::new(&self.s.hostnqn, &self.s.facts.subnqn, &key))
+        if self.auth.is_none() {
+            match QueueAuth::new(registry, &self.s.hostnqn, &self.s.facts.subnqn) {
+                Some(a) => self.auth = Some(a),
+                None => return sc::AUTH_REQUIRED | sc::DNR,
             }
-        };
-        auth.send(data);
-        if auth.succeeded() {
-            self.authenticated = true;
         }
-        sc::SUCCESS
+        let auth = self.auth.as_mut().expect("just set");
+        let st = auth.send(q, data);
+        self.authenticated |= auth.succeeded();
+        st
     }
 
     fn auth_receive(&mut self, q: &nvme_tcp::Sqe) -> (u16, Option<Vec<u8>>) {
-        if !auth_params_ok(q) {
-            return (sc::INVALID_FIELD | sc::DNR, None);
-        }
         let Some(auth) = self.auth.as_mut() else {
             return (sc::CMD_SEQ_ERROR | sc::DNR, None);
         };
-        let reply = auth.receive(q.cdw11);
-        if auth.succeeded() {
-            self.authenticated = true;
-        }
-        (sc::SUCCESS, Some(reply))
+        let r = auth.receive(q);
+        self.authenticated |= auth.succeeded();
+        r
     }
 
     fn finish64(&mut self, sock: &mut TcpStream, cid: u16, status: u16, v: u64) -> Option<Outcome> {
@@ -495,15 +501,6 @@ fn wait_readable(sock: &TcpStream, timeout: Duration) -> std::io::Result<bool> {
     }
 }
 
-/// SECP 0xE9 (NVMe in-band authentication) and SPSP 0x0101, as DH-HMAC-CHAP messages travel
-/// in AUTH_Send and AUTH_Receive (Base spec §6.3, §6.4).
-fn auth_params_ok(q: &nvme_tcp::Sqe) -> bool {
-    let secp = (q.cdw10 >> 24) as u8;
-    let spsp0 = (q.cdw10 >> 8) as u8;
-    let spsp1 = (q.cdw10 >> 16) as u8;
-    secp == 0xe9 && spsp0 == 0x01 && spsp1 == 0x01
-}
-
 /// The SMART / Health log (LID 02h): nothing to warn about; 100% spare above its 10% threshold.
 fn smart_log() -> Vec<u8> {
     let mut b = vec![0u8; 512];
@@ -524,42 +521,159 @@ fn firmware_log() -> Vec<u8> {
     b
 }
 
-/// One queue's DH-HMAC-CHAP transaction, controller side.
-struct Auth {
-    failed: bool,
+/// One queue's DH-HMAC-CHAP exchange, controller side (`blkwire_auth::dhchap`): AUTH_Send
+/// payloads in, AUTH_Receive payloads out (padded to the host's allocation length, as nvmet
+/// sends them), every other command refused until it succeeds.
+pub struct QueueAuth {
+    inner: ControllerAuth,
 }
 
-impl Auth {
-    fn new(hostnqn: &str, subnqn: &str, key: &Key) -> Auth {
-        let _ = (hostnqn, subnqn, key);
-        Auth { failed: true }
+impl QueueAuth {
+    /// The exchange for `hostnqn` on `subnqn`, with the secrets the key store has for that
+    /// host (None: it has none, so it may not connect).
+    pub fn new(registry: &Registry, hostnqn: &str, subnqn: &str) -> Option<QueueAuth> {
+        let keys = registry.access.keys()?;
+        let host = keys.host_secret(hostnqn)?;
+        let ctrl = keys.ctrl_secret(hostnqn);
+        Some(QueueAuth {
+            inner: ControllerAuth::new(hostnqn, subnqn, host, ctrl),
+        })
     }
 
-    fn send(&mut self, data: &[u8]) {
-        let _ = data;
+    /// AUTH_Send with its payload: completes with success whatever the message said (a
+    /// failure is reported by the next AUTH_Receive), unless the command's fields are wrong.
+    pub fn send(&mut self, q: &nvme_tcp::Sqe, data: &[u8]) -> u16 {
+        if dhchap::check_command(
+            (q.cdw10 >> 24) as u8,
+            (q.cdw10 >> 8) as u8,
+            (q.cdw10 >> 16) as u8,
+            q.cdw11,
+        )
+        .is_err()
+            || data.len() != q.cdw11 as usize
+        {
+            return sc::INVALID_FIELD | sc::DNR;
+        }
+        let _ = self.inner.on_send(data);
+        sc::SUCCESS
     }
 
-    fn receive(&mut self, al: u32) -> Vec<u8> {
-        let _ = al;
-        Vec::new()
+    /// AUTH_Receive: the next message, zero-padded to the allocation length.
+    pub fn receive(&mut self, q: &nvme_tcp::Sqe) -> (u16, Option<Vec<u8>>) {
+        let al = q.cdw11;
+        if dhchap::check_command(
+            (q.cdw10 >> 24) as u8,
+            (q.cdw10 >> 8) as u8,
+            (q.cdw10 >> 16) as u8,
+            al,
+        )
+        .is_err()
+            || al as usize > MAX_AUTH_LEN
+        {
+            return (sc::INVALID_FIELD | sc::DNR, None);
+        }
+        match self.inner.on_receive(al) {
+            Ok(mut m) => {
+                m.resize(al as usize, 0);
+                (sc::SUCCESS, Some(m))
+            }
+            Err(_) => (sc::INVALID_FIELD | sc::DNR, None),
+        }
     }
 
-    fn succeeded(&self) -> bool {
-        !self.failed
+    /// The host proved its key (and, bidirectionally, heard ours).
+    pub fn succeeded(&self) -> bool {
+        self.inner.authenticated()
+    }
+
+    /// The exchange is over and succeeded: Success1 was read (and Success2 received, when the
+    /// host asked the controller to prove itself too).
+    pub fn done(&self) -> bool {
+        self.inner.state() == dhchap::State::Succeeded
+    }
+
+    /// The exchange failed and the host was told: the queue ends.
+    pub fn failed(&self) -> bool {
+        self.inner.state() == dhchap::State::Failed
     }
 }
+
+/// Largest AUTH_Send or AUTH_Receive payload taken (the kernel uses 4096 at most).
+const MAX_AUTH_LEN: usize = 8192;
 
 /// DH-HMAC-CHAP on an I/O queue, on the handshake thread, right after its Connect answered
-/// "authentication required": AUTH_Send / AUTH_Receive until it succeeds or fails. Some(true)
-/// once the host proved its key; None when the connection broke.
+/// "authentication required": AUTH_Send / AUTH_Receive until it succeeds or fails; anything
+/// else meanwhile is refused with Authentication Required. Some(true) once the host proved its
+/// key; Some(false) when it failed (the host was told); None when the connection broke.
 pub fn authenticate_queue<S: Read + Write>(
     s: &mut S,
     link: &Link,
-    hostnqn: &str,
-    subnqn: &str,
-    key: &Key,
+    qid: u16,
+    mut auth: QueueAuth,
     sq_head: &mut u16,
+    entries: u16,
 ) -> Option<bool> {
-    let _ = (s, link, hostnqn, subnqn, key, sq_head);
-    Some(false)
+    let mut buf = Vec::new();
+    loop {
+        let n = match read_pdu(s, &mut buf, &link.rx).ok()? {
+            Ok(n) => n,
+            Err(e) => {
+                terminate(s, &e, &buf, &link.tx);
+                return None;
+            }
+        };
+        let c = match nvme_tcp::decode(&buf[..n], &link.rx) {
+            Ok(Pdu::CapsuleCmd(c)) => c,
+            Ok(_) => return None,
+            Err(e) => {
+                terminate(s, &e, &buf[..n], &link.tx);
+                return None;
+            }
+        };
+        *sq_head = (*sq_head + 1) % entries.max(1);
+        let q = c.sqe;
+        let fct = q.nsid as u8;
+        let (status, data) = if q.opcode != spec::FABRICS {
+            (sc::AUTH_REQUIRED | sc::DNR, None)
+        } else if fct == fctype::AUTH_SEND {
+            match command_data(s, link, &c, MAX_AUTH_LEN)? {
+                Ok(d) => (auth.send(&q, &d), None),
+                Err(st) => (st, None),
+            }
+        } else if fct == fctype::AUTH_RECEIVE {
+            auth.receive(&q)
+        } else {
+            (sc::AUTH_REQUIRED | sc::DNR, None)
+        };
+        let mut out = Vec::new();
+        if let Some(d) = data.filter(|d| !d.is_empty()) {
+            let c2h = C2HData {
+                cccid: q.cid,
+                datao: 0,
+                last: true,
+                success: false,
+                data: &d,
+            };
+            Pdu::C2HData(c2h).encode(&link.tx, &mut out);
+        }
+        response(
+            &mut out,
+            &link.tx,
+            Cqe {
+                dw0: 0,
+                dw1: 0,
+                sq_head: *sq_head,
+                sq_id: qid,
+                cid: q.cid,
+                status: cqe_status(status),
+            },
+        );
+        s.write_all(&out).ok()?;
+        if auth.done() {
+            return Some(true);
+        }
+        if auth.failed() {
+            return Some(false);
+        }
+    }
 }

@@ -139,9 +139,26 @@ impl Controllers {
         }
     }
 
-    /// Controllers now (for tests and listings).
-    pub fn count(&self) -> usize {
-        self.lock().ctrls.len()
+    /// Every controller, for `nvme_subsystem_list`: id, subsystem, host NQN, address,
+    /// session, I/O queues granted.
+    pub fn describe(&self) -> Vec<serde_json::Value> {
+        let t = self.lock();
+        let mut v: Vec<_> = t
+            .ctrls
+            .iter()
+            .map(|(id, c)| {
+                serde_json::json!({
+                    "cntlid": id,
+                    "subnqn": c.subnqn,
+                    "hostnqn": c.hostnqn,
+                    "address": c.ip.to_string(),
+                    "session": c.session,
+                    "io_queues": c.io_queues,
+                })
+            })
+            .collect();
+        v.sort_by_key(|c| c["cntlid"].as_u64());
+        v
     }
 }
 
@@ -149,9 +166,9 @@ impl Controllers {
 /// of its own.
 pub enum Accepted {
     /// An I/O queue, admitted into its controller's session.
-    Io(Admitted, Box<dyn StreamFrontend>),
+    Io(Box<Admitted>, Box<dyn StreamFrontend>),
     /// An admin queue (or a discovery controller's).
-    Admin(admin::AdminQueue),
+    Admin(Box<admin::AdminQueue>),
 }
 
 /// Reads one whole PDU into `buf` (blocking; the caller's timeouts apply). `Ok(Err(e))` is a
@@ -198,10 +215,13 @@ pub fn response(out: &mut Vec<u8>, p: &Params, cqe: Cqe) {
 /// The negotiated parameters of a connection, both directions.
 #[derive(Clone, Copy)]
 pub struct Link {
-    /// What we decode.
+    /// What we decode. Until an I/O queue is admitted, PDUs are bounded by the admin queue's
+    /// in-capsule size: a host cannot make a handshake or admin thread hold more.
     pub rx: Params,
     /// What we encode.
     pub tx: Params,
+    /// MAXH2CDATA as ICResp said.
+    pub maxh2cdata: u32,
 }
 
 /// ICReq -> ICResp (TCP transport §3.6.2.2–3): digests as the host asks, CPDA 0, MAXH2CDATA
@@ -274,7 +294,7 @@ fn initialize<S: Read + Write>(s: &mut S, peer: &str, max_io: u32) -> Option<Lin
         pda: 0,
         max_plen: 0,
     };
-    rx.max_plen = rx.max_plen_for_data(maxh2cdata.max(spec::IO_INCAPSULE));
+    rx.max_plen = rx.max_plen_for_data(spec::ADMIN_INCAPSULE);
     let tx = Params {
         direction: Direction::ControllerToHost,
         hdgst: req.hdgst,
@@ -282,7 +302,7 @@ fn initialize<S: Read + Write>(s: &mut S, peer: &str, max_io: u32) -> Option<Lin
         pda: req.hpda,
         max_plen: u32::MAX,
     };
-    Some(Link { rx, tx })
+    Some(Link { rx, tx, maxh2cdata })
 }
 
 /// A command's host-to-controller data: in the capsule, or fetched with one R2T (a blocking
@@ -517,7 +537,11 @@ pub fn accept<S: Read + Write>(
     // With a key store, the host NQN is the identity DH-HMAC-CHAP proves; without one, nothing
     // is proven and the export's address rules decide.
     let keys = registry.access.has_keys();
-    if keys && registry.access.key_of(&c.hostnqn).is_none() {
+    let has_secret = registry
+        .access
+        .keys()
+        .is_some_and(|k| k.host_secret(&c.hostnqn).is_some());
+    if keys && !has_secret {
         registry
             .access
             .refuse(&peer_s, &format!("NVMe host '{who}' has no key"));
@@ -673,7 +697,7 @@ fn admin_connect<S: Read + Write>(
         "{peer_s}: NVMe host '{who}' connected controller {id} of {}",
         c.subnqn.escape_debug()
     );
-    Some(Accepted::Admin(admin::AdminQueue::new(
+    Some(Accepted::Admin(Box::new(admin::AdminQueue::new(
         admin::AdminSetup {
             link,
             entries: c.sqsize + 1,
@@ -685,7 +709,7 @@ fn admin_connect<S: Read + Write>(
             peer_addr: addr,
         },
         admitted,
-    )))
+    ))))
 }
 
 fn io_connect<S: Read + Write>(
@@ -738,10 +762,11 @@ fn io_connect<S: Read + Write>(
     }
     if registry.access.has_keys() {
         // Every queue proves the host again (the kernel authenticates each one).
-        let key = registry.access.key_of(&c.hostnqn)?;
+        let auth = admin::QueueAuth::new(registry, &c.hostnqn, &ctrl.subnqn)?;
         let mut sq_head = 1u16;
         reply(s, c.qid, sc::SUCCESS, c.cntlid as u32 | CONNECT_AUTHREQ_ATR)?;
-        if !admin::authenticate_queue(s, &link, &c.hostnqn, &ctrl.subnqn, &key, &mut sq_head)? {
+        let entries = c.sqsize + 1;
+        if !admin::authenticate_queue(s, &link, c.qid, auth, &mut sq_head, entries)? {
             registry
                 .access
                 .refuse(&peer_s, &format!("NVMe host '{who}' failed DH-HMAC-CHAP"));
@@ -815,8 +840,12 @@ fn io_admit<S: Read + Write>(
             return None;
         }
     }
+    // From here on the queue takes in-capsule writes and H2CData up to MAXH2CDATA, inside the
+    // memory budget the reactor keeps.
+    let mut rx = link.rx;
+    rx.max_plen = rx.max_plen_for_data(link.maxh2cdata.max(spec::IO_INCAPSULE));
     let fe = NvmeIo::new(IoQueueSetup {
-        rx: link.rx,
+        rx,
         tx: link.tx,
         qid: c.qid,
         entries,
@@ -827,5 +856,5 @@ fn io_admit<S: Read + Write>(
         read_only: ns.export.read_only,
         copy: ctrl.facts.copy,
     });
-    Some(Accepted::Io(a, Box::new(fe)))
+    Some(Accepted::Io(Box::new(a), Box::new(fe)))
 }

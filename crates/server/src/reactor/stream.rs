@@ -29,7 +29,10 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         // Requests of frontends with cookies take a server-side slot when they go to a backend
         // that does not finish inline or wait for solicited data: stop when none is free; a
         // completion frees one and services this connection again.
-        if c.fe.server_assigns_slots() && c.free_slots.is_empty() {
+        if c.fe.server_assigns_slots()
+            && c.free_slots.is_empty()
+            && !c.fe.next_is_data(&c.rx[c.rx_start..c.rx_end])
+        {
             return;
         }
         let decoded = c.fe.decode(&c.rx[c.rx_start..c.rx_end], &mut c.tx);
@@ -719,6 +722,9 @@ mod tests {
         fn server_assigns_slots(&self) -> bool {
             true
         }
+        fn next_is_data(&self, rx: &[u8]) -> bool {
+            rx.first() == Some(&b'D')
+        }
         fn read_framing(&self, _req: &Req) -> ReadFraming {
             if self.chunked {
                 ReadFraming::Chunked
@@ -890,6 +896,40 @@ mod tests {
         let crc = blkwire_wire::crc::crc32c(&payload).to_le_bytes();
         assert_eq!(&tx[11 + 4096..], &crc[..]);
         assert_eq!(c.exec.stats.frames_in, 5);
+    }
+
+    #[test]
+    fn data_for_waiting_writes_is_read_when_they_hold_every_slot() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn("m=mem:1M");
+        let payload = vec![5u8; 1024];
+        // Four writes without their data take all four slots.
+        for i in 0..4u64 {
+            feed(&mut c, &mut ring, &write(i, i * 4096, 1024, &[]));
+        }
+        assert!(c.free_slots.is_empty());
+        let tx = take_tx(&mut c);
+        let slots: Vec<u16> = tx
+            .chunks(11)
+            .map(|t| u16::from_le_bytes([t[1], t[2]]))
+            .collect();
+        assert_eq!(slots.len(), 4);
+        // Their data needs no slot: it is read, the writes run and free the slots (without
+        // this, the connection would wait forever for a slot only that data can free).
+        let mut more = Vec::new();
+        for &s in &slots {
+            more.extend_from_slice(&data(s, 0, &payload));
+        }
+        feed(&mut c, &mut ring, &more);
+        assert_eq!(c.exec.stats.writes, 4, "every held write ran");
+        assert_eq!(c.free_slots.len(), 4);
+        assert_eq!(take_tx(&mut c).len(), 4 * 11, "four write replies");
+        feed(&mut c, &mut ring, &read(9, 0, 1024));
+        let tx = take_tx(&mut c);
+        assert!(
+            tx[11..11 + 1024] == payload[..],
+            "the data the writes brought reads back"
+        );
     }
 
     /// A request whose reply and data buffer the memory budget cannot cover waits in the

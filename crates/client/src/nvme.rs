@@ -1,0 +1,593 @@
+//! `nvme-tcp://HOST[:PORT]/NAME`: blkwire's client over NVMe/TCP (TCP transport 1.0a, NVMe over
+//! Fabrics 1.1), so `bench`, `cp` and `info` work against any NVMe/TCP target (blkwire's own
+//! frontend, Linux nvmet, SPDK) and a benchmark can set the NVMe/TCP frontend beside the native
+//! protocol with the same client. NAME is a subsystem NQN, or a blkwire export name (then the
+//! NQN is `nqn.2026-11.io.blkwire:NAME`).
+//!
+//! The session is a controller: an admin queue (Connect, CC.EN, Identify controller and
+//! namespace 1, Set Features Number of Queues; no keep-alive timer, KATO 0) held open for as
+//! long as any I/O queue lives, and one TCP connection per I/O queue. The I/O queues reuse the
+//! stream queue's socket plumbing (`stream.rs`); only framing differs: a command's CID is its
+//! slot and a generation, writes up to the in-capsule size go in the capsule and larger ones
+//! are sent when the target's R2T asks, and a read's data is delivered from the receive buffer
+//! once its CapsuleResp is there too.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+
+use blkwire_wire::nvme_tcp::{
+    self, pdu_len, CapsuleCmd, Cqe, Direction, H2CData, IcReq, Params, Pdu, Progress, Sgl, Sqe,
+};
+use blkwire_wire::{CopyLimits, Features, Status};
+
+use crate::queue::{Cmd, Queue};
+use crate::tls::Link;
+use crate::url::Url;
+use crate::{ConnectOptions, Error, ExportInfo, Result, Session};
+
+/// blkwire's subsystem NQNs are this prefix and the export's name.
+pub const NQN_PREFIX: &str = "nqn.2026-11.io.blkwire:";
+/// The host NQN blkwire presents (one per machine is what hosts do; this one is per host id).
+fn host_nqn(opts: &ConnectOptions) -> String {
+    format!("nqn.2014-08.org.nvmexpress:blkwire:{}", opts.host_id)
+}
+
+/// The subsystem a URL names.
+pub fn subsystem(url: &Url) -> String {
+    if url.export.starts_with("nqn.") {
+        url.export.clone()
+    } else {
+        format!("{NQN_PREFIX}{}", url.export)
+    }
+}
+
+/// CIDs: the slot in the low bits, a generation above, so a late completion for a slot's
+/// previous command is recognised.
+const SLOT_BITS: u32 = 10;
+/// Most I/O queue entries this client uses (slots fit `SLOT_BITS`).
+pub(crate) const MAX_DEPTH: u16 = 1 << SLOT_BITS;
+
+/// One I/O queue's NVMe/TCP framing state.
+pub(crate) struct Framing {
+    pub tx: Params,
+    pub rx: Params,
+    /// Largest write sent in the capsule.
+    pub incapsule: u32,
+    pub lba_shift: u32,
+    pub maxh2cdata: u32,
+    /// Data of writes waiting for an R2T, per slot (capacity kept between writes).
+    pub pending: Vec<Vec<u8>>,
+    /// Read data that came apart from its CapsuleResp, per slot.
+    pub gathered: Vec<Vec<u8>>,
+    /// The admin queue: the controller lives while any I/O queue holds it.
+    pub _admin: Arc<TcpStream>,
+}
+
+/// CID of `slot` at `generation`.
+pub(crate) fn cid(slot: u16, generation: u16) -> u16 {
+    slot | (generation & ((1 << (16 - SLOT_BITS)) - 1)) << SLOT_BITS
+}
+
+/// (slot, generation) of a CID.
+pub(crate) fn slot_of(cid: u16) -> (u16, u16) {
+    (
+        cid & ((1 << SLOT_BITS) - 1),
+        cid >> SLOT_BITS & ((1 << (16 - SLOT_BITS)) - 1),
+    )
+}
+
+/// The blkwire status an NVMe status field (SCT, SC) becomes.
+pub(crate) fn status(cqe: &Cqe) -> Status {
+    match (cqe.status >> 1) & 0x7ff {
+        0 => Status::Ok,
+        0x080 | 0x081 => Status::OutOfRange,
+        0x182 => Status::ReadOnly,
+        0x001 => Status::Unsupported,
+        0x002 | 0x00b | 0x00f | 0x011 => Status::Invalid,
+        0x021 => Status::NoMemory,
+        _ => Status::Io,
+    }
+}
+
+fn sqe(opcode: u8, cid: u16) -> Sqe {
+    Sqe {
+        opcode,
+        flags: 0x40,
+        cid,
+        nsid: 0,
+        cdw2: 0,
+        cdw3: 0,
+        mptr: 0,
+        dptr: [0; 16],
+        cdw10: 0,
+        cdw11: 0,
+        cdw12: 0,
+        cdw13: 0,
+        cdw14: 0,
+        cdw15: 0,
+    }
+}
+
+fn transport_sgl(len: u32) -> [u8; 16] {
+    Sgl::TransportDataBlock {
+        subtype: nvme_tcp::sgl::SUBTYPE_TRANSPORT,
+        length: len,
+    }
+    .to_bytes()
+}
+
+fn incapsule_sgl(len: u32) -> [u8; 16] {
+    Sgl::DataBlock {
+        subtype: nvme_tcp::sgl::SUBTYPE_OFFSET,
+        address: 0,
+        length: len,
+    }
+    .to_bytes()
+}
+
+impl Framing {
+    /// Appends the capsule for `cmd` in `slot` (CID `cid`) to `tx`; returns the bytes a read
+    /// brings back.
+    pub fn encode(&mut self, cmd: Cmd<'_>, slot: u16, cid: u16, tx: &mut Vec<u8>) -> Result<()> {
+        let shift = self.lba_shift;
+        let bs = 1u64 << shift;
+        let blocks = |offset: u64, len: u64| -> Result<(u64, u64)> {
+            if !offset.is_multiple_of(bs) || !len.is_multiple_of(bs) || len == 0 {
+                return Err(Error::Usage(format!(
+                    "NVMe/TCP addresses whole {bs}-byte blocks: offset {offset} length {len}"
+                )));
+            }
+            Ok((offset >> shift, len >> shift))
+        };
+        let mut q = sqe(0, cid);
+        q.nsid = 1;
+        let mut data: &[u8] = &[];
+        match cmd {
+            Cmd::Read { offset, len } => {
+                let (slba, n) = blocks(offset, len as u64)?;
+                q.opcode = 0x02;
+                q.cdw10 = slba as u32;
+                q.cdw11 = (slba >> 32) as u32;
+                q.cdw12 = (n - 1) as u32;
+                q.dptr = transport_sgl(len);
+            }
+            Cmd::Write {
+                offset,
+                data: d,
+                fua,
+            } => {
+                let (slba, n) = blocks(offset, d.len() as u64)?;
+                q.opcode = 0x01;
+                q.cdw10 = slba as u32;
+                q.cdw11 = (slba >> 32) as u32;
+                q.cdw12 = (n - 1) as u32 | if fua { 1 << 30 } else { 0 };
+                if d.len() as u32 <= self.incapsule {
+                    q.dptr = incapsule_sgl(d.len() as u32);
+                    data = d;
+                } else {
+                    // Kept until the target's R2T asks for it.
+                    q.dptr = transport_sgl(d.len() as u32);
+                    let p = &mut self.pending[slot as usize];
+                    p.clear();
+                    p.extend_from_slice(d);
+                }
+            }
+            Cmd::Flush => q.opcode = 0x00,
+            Cmd::Trim { offset, len } => {
+                let (slba, n) = blocks(offset, len as u64)?;
+                q.opcode = 0x09;
+                q.cdw11 = 1 << 2;
+                let p = &mut self.pending[slot as usize];
+                p.clear();
+                p.extend_from_slice(&0u32.to_le_bytes());
+                p.extend_from_slice(&(n as u32).to_le_bytes());
+                p.extend_from_slice(&slba.to_le_bytes());
+                q.dptr = incapsule_sgl(16);
+                let range = std::mem::take(p);
+                Pdu::CapsuleCmd(CapsuleCmd {
+                    sqe: q,
+                    data: &range,
+                })
+                .encode(&self.tx, tx);
+                self.pending[slot as usize] = range;
+                return Ok(());
+            }
+            Cmd::WriteZeroes {
+                offset,
+                len,
+                no_hole,
+            } => {
+                let (slba, n) = blocks(offset, len as u64)?;
+                q.opcode = 0x08;
+                q.cdw10 = slba as u32;
+                q.cdw11 = (slba >> 32) as u32;
+                q.cdw12 = (n - 1) as u32 | if no_hole { 0 } else { 1 << 25 };
+            }
+            Cmd::Copy { .. } | Cmd::Keepalive => {
+                return Err(Error::Usage(
+                    "COPY and KEEPALIVE are blkwire commands; nvme-tcp:// has neither".into(),
+                ))
+            }
+        }
+        Pdu::CapsuleCmd(CapsuleCmd { sqe: q, data }).encode(&self.tx, tx);
+        Ok(())
+    }
+
+    /// Appends the H2CData PDUs an R2T asks for (data of the write in `slot`).
+    pub fn answer_r2t(&self, slot: u16, r: &nvme_tcp::R2T, tx: &mut Vec<u8>) -> Result<()> {
+        let data = &self.pending[slot as usize];
+        let end = r.r2to as u64 + r.r2tl as u64;
+        if end > data.len() as u64 || r.r2tl == 0 {
+            return Err(Error::Protocol(format!(
+                "R2T for bytes {}..{end} of a {}-byte write",
+                r.r2to,
+                data.len()
+            )));
+        }
+        let mut at = r.r2to as usize;
+        let step = self.maxh2cdata.max(4096) as usize;
+        while at < end as usize {
+            let n = (end as usize - at).min(step);
+            Pdu::H2CData(H2CData {
+                cccid: r.cccid,
+                ttag: r.ttag,
+                datao: at as u32,
+                last: at + n == end as usize,
+                data: &data[at..at + n],
+            })
+            .encode(&self.tx, tx);
+            at += n;
+        }
+        Ok(())
+    }
+}
+
+/// A blocking connection during setup.
+struct Setup {
+    s: TcpStream,
+    tx: Params,
+    rx: Params,
+    maxh2cdata: u32,
+    cid: u16,
+}
+
+impl Setup {
+    fn open(url: &Url, opts: &ConnectOptions, max_io: u32) -> Result<Setup> {
+        let s = crate::dial(url, opts.timeout)?;
+        s.set_read_timeout(Some(opts.timeout.min(std::time::Duration::from_secs(10))))?;
+        let _ = s.set_nodelay(true);
+        let mut c = Setup {
+            s,
+            tx: Params::initial(Direction::HostToController, u32::MAX),
+            rx: Params::initial(
+                Direction::ControllerToHost,
+                max_io + 4096 + nvme_tcp::IC_LEN as u32,
+            ),
+            maxh2cdata: 0,
+            cid: 0,
+        };
+        c.send(&Pdu::IcReq(IcReq {
+            pfv: 0,
+            hpda: 0,
+            hdgst: false,
+            ddgst: false,
+            maxr2t: 0,
+        }))?;
+        let buf = c.recv()?;
+        match nvme_tcp::decode(&buf, &c.rx) {
+            Ok(Pdu::IcResp(r)) if !r.hdgst && !r.ddgst => {
+                c.maxh2cdata = r.maxh2cdata;
+                c.tx.pda = r.cpda;
+                Ok(c)
+            }
+            Ok(other) => Err(Error::Protocol(format!(
+                "{}: expected ICResp without digests, got {:?}",
+                url.authority(),
+                other.typ()
+            ))),
+            Err(e) => Err(Error::Protocol(format!("{}: {e}", url.authority()))),
+        }
+    }
+
+    fn send(&mut self, p: &Pdu<'_>) -> Result<()> {
+        let mut out = Vec::new();
+        p.encode(&self.tx, &mut out);
+        self.s.write_all(&out)?;
+        Ok(())
+    }
+
+    fn recv(&mut self) -> Result<Vec<u8>> {
+        let mut buf = vec![0u8; nvme_tcp::CH_LEN];
+        let mut have = 0;
+        loop {
+            let want = buf.len();
+            self.s.read_exact(&mut buf[have..want]).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    Error::Closed
+                } else {
+                    Error::Io(e)
+                }
+            })?;
+            have = want;
+            match pdu_len(&buf, &self.rx) {
+                Ok(Progress::Complete(n)) => {
+                    buf.truncate(n);
+                    return Ok(buf);
+                }
+                Ok(Progress::Need(n)) => buf.resize(n, 0),
+                Err(e) => return Err(Error::Protocol(e.to_string())),
+            }
+        }
+    }
+
+    /// Runs one command with optional in-capsule data; returns its completion and any data.
+    fn command(&mut self, mut q: Sqe, data: &[u8], data_in: u32) -> Result<(Cqe, Vec<u8>)> {
+        self.cid = self.cid.wrapping_add(1);
+        q.cid = self.cid;
+        q.dptr = if data.is_empty() {
+            transport_sgl(data_in)
+        } else {
+            incapsule_sgl(data.len() as u32)
+        };
+        self.send(&Pdu::CapsuleCmd(CapsuleCmd { sqe: q, data }))?;
+        let mut got = Vec::new();
+        loop {
+            let buf = self.recv()?;
+            match nvme_tcp::decode(&buf, &self.rx) {
+                Ok(Pdu::CapsuleResp(c)) if c.cid == q.cid => return Ok((c, got)),
+                Ok(Pdu::C2HData(d)) if d.cccid == q.cid => {
+                    got.extend_from_slice(d.data);
+                    if d.success {
+                        return Ok((
+                            Cqe {
+                                dw0: 0,
+                                dw1: 0,
+                                sq_head: 0,
+                                sq_id: 0,
+                                cid: q.cid,
+                                status: 0,
+                            },
+                            got,
+                        ));
+                    }
+                }
+                Ok(Pdu::C2HTermReq(t)) => {
+                    return Err(Error::Protocol(format!(
+                        "the target ended the connection (C2HTermReq FES {:#x})",
+                        t.fes
+                    )))
+                }
+                Ok(other) => {
+                    return Err(Error::Protocol(format!(
+                        "unexpected {:?} during setup",
+                        other.typ()
+                    )))
+                }
+                Err(e) => return Err(Error::Protocol(e.to_string())),
+            }
+        }
+    }
+
+    /// Fabrics Connect of queue `qid` (`cntlid` 0xFFFF for a new controller); returns the
+    /// controller id.
+    fn connect(
+        &mut self,
+        subnqn: &str,
+        hostnqn: &str,
+        qid: u16,
+        cntlid: u16,
+        sqsize: u16,
+    ) -> Result<u16> {
+        let mut q = sqe(0x7f, 0);
+        q.nsid = 0x01;
+        q.cdw10 = (qid as u32) << 16;
+        q.cdw11 = sqsize as u32;
+        let mut d = vec![0u8; 1024];
+        let hostid = ring_free_hostid(hostnqn);
+        d[0..16].copy_from_slice(&hostid);
+        d[16..18].copy_from_slice(&cntlid.to_le_bytes());
+        let (sn, hn) = (subnqn.as_bytes(), hostnqn.as_bytes());
+        if sn.len() > 223 || hn.len() > 223 {
+            return Err(Error::Usage("NQNs have at most 223 bytes".into()));
+        }
+        d[256..256 + sn.len()].copy_from_slice(sn);
+        d[512..512 + hn.len()].copy_from_slice(hn);
+        let (c, _) = self.command(q, &d, 0)?;
+        if status(&c) != Status::Ok {
+            return Err(Error::Protocol(format!(
+                "NVMe Connect of queue {qid} to {subnqn} refused: status {:#x}{}",
+                (c.status >> 1) & 0x7ff,
+                if (c.status >> 1) & 0x7ff == 0x182 && c.dw0 & 0xffff == 256 {
+                    " (no such subsystem)"
+                } else {
+                    ""
+                }
+            )));
+        }
+        if c.dw0 & (3 << 17) != 0 {
+            return Err(Error::Usage(format!(
+                "{subnqn} requires DH-HMAC-CHAP, which blkwire's NVMe/TCP client does not speak"
+            )));
+        }
+        Ok(c.dw0 as u16)
+    }
+
+    fn check(&self, what: &str, c: &Cqe) -> Result<()> {
+        match status(c) {
+            Status::Ok => Ok(()),
+            _ => Err(Error::Protocol(format!(
+                "{what} failed: NVMe status {:#x}",
+                (c.status >> 1) & 0x7ff
+            ))),
+        }
+    }
+}
+
+/// A host id derived from the host NQN (stable, so a target sees one host).
+fn ring_free_hostid(hostnqn: &str) -> [u8; 16] {
+    let mut h = [0u8; 16];
+    for (i, b) in hostnqn.bytes().enumerate() {
+        h[i % 16] = h[i % 16].wrapping_mul(31).wrapping_add(b);
+    }
+    h
+}
+
+fn le16(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+fn le32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+/// Opens a controller of `url`'s subsystem and its I/O queues.
+pub(crate) fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
+    if opts.tls || opts.key.is_some() {
+        return Err(Error::Usage(
+            "nvme-tcp:// takes neither --tls nor --key (no NVMe/TCP TLS or DH-HMAC-CHAP in \
+             blkwire's client)"
+                .into(),
+        ));
+    }
+    let subnqn = subsystem(url);
+    let hostnqn = host_nqn(opts);
+    let max_io = opts.max_io.clamp(4096, 1 << 20);
+    let mut a = Setup::open(url, opts, max_io)?;
+    let cntlid = a.connect(&subnqn, &hostnqn, 0, 0xffff, 31)?;
+    // CC: I/O queue entry sizes 64/16 bytes, enable; then CSTS.RDY.
+    let mut set = sqe(0x7f, 0);
+    set.nsid = 0x00;
+    set.cdw11 = 0x14;
+    set.cdw12 = 0x46_0001;
+    let (c, _) = a.command(set, &[], 0)?;
+    a.check("Property Set CC", &c)?;
+    let mut get = sqe(0x7f, 0);
+    get.nsid = 0x04;
+    get.cdw11 = 0x1c;
+    let (c, _) = a.command(get, &[], 0)?;
+    if c.dw0 & 1 == 0 {
+        return Err(Error::Protocol(
+            "the controller did not become ready".into(),
+        ));
+    }
+    let mut cap = sqe(0x7f, 0);
+    cap.nsid = 0x04;
+    cap.cdw10 = 1;
+    let (c, _) = a.command(cap, &[], 0)?;
+    a.check("Property Get CAP", &c)?;
+    let mqes = (c.dw0 & 0xffff) as u16 + 1;
+    let mut id = sqe(0x06, 0);
+    id.cdw10 = 1;
+    let (c, ctrl) = a.command(id, &[], 4096)?;
+    a.check("Identify controller", &c)?;
+    if ctrl.len() < 4096 {
+        return Err(Error::Protocol("short Identify controller data".into()));
+    }
+    let mdts = ctrl[77];
+    let ioccsz = le32(&ctrl, 1792);
+    let oncs = le16(&ctrl, 520);
+    let vwc = ctrl[525] & 1 != 0;
+    let maxcmd = le16(&ctrl, 514).max(1);
+    let mut id = sqe(0x06, 0);
+    id.nsid = 1;
+    let (c, ns) = a.command(id, &[], 4096)?;
+    a.check("Identify namespace 1", &c)?;
+    if ns.len() < 4096 || le32(&ns, 0) == 0 && le32(&ns, 4) == 0 {
+        return Err(Error::Protocol(format!("{subnqn} has no namespace 1")));
+    }
+    let flbas = (ns[26] & 0xf) as usize;
+    let lba_shift = ns[128 + 4 * flbas + 2] as u32;
+    if !(9..=16).contains(&lba_shift) {
+        return Err(Error::Protocol(format!(
+            "LBA size 2^{lba_shift} not supported"
+        )));
+    }
+    let nsze = u64::from_le_bytes(ns[0..8].try_into().expect("8 bytes"));
+    let read_only = ns[99] & 1 != 0;
+    let mdts_bytes = if mdts == 0 {
+        1 << 20
+    } else {
+        4096u64 << mdts.min(20)
+    };
+    let max_io = (max_io as u64).min(mdts_bytes) as u32;
+    let queues = opts.queues.max(1);
+    let mut nq = sqe(0x09, 0);
+    nq.cdw10 = 0x07;
+    nq.cdw11 = (queues as u32 - 1) | (queues as u32 - 1) << 16;
+    let (c, _) = a.command(nq, &[], 0)?;
+    a.check("Set Features (number of queues)", &c)?;
+    let granted = ((c.dw0 & 0xffff).min(c.dw0 >> 16) as u16 + 1).min(queues);
+    let depth = opts.depth.clamp(1, MAX_DEPTH - 1).min(mqes - 1).min(maxcmd);
+    let mut features = Features::FUA;
+    if read_only {
+        features |= Features::READ_ONLY;
+    }
+    if vwc {
+        features |= Features::FLUSH;
+    }
+    if oncs & 1 << 2 != 0 {
+        features |= Features::TRIM;
+    }
+    if oncs & 1 << 3 != 0 {
+        features |= Features::WRITE_ZEROES;
+    }
+    let info = ExportInfo {
+        name: url.export.clone(),
+        size: nsze << lba_shift,
+        logical_block: 1 << lba_shift,
+        physical_block: 1 << lba_shift,
+        features: Features(features),
+        queues: granted,
+        depth,
+        max_io,
+        session: cntlid as u32,
+        copy: CopyLimits::default(),
+    };
+    let admin = Arc::new(a.s);
+    let mut out = Vec::with_capacity(granted as usize);
+    for qid in 1..=granted {
+        let mut s = Setup::open(url, opts, max_io)?;
+        // SQSIZE is 0's based and a queue holds one entry less than its size: `depth`
+        // commands in flight need `depth + 1` entries.
+        s.connect(&subnqn, &hostnqn, qid, cntlid, depth)?;
+        let framing = Framing {
+            tx: s.tx,
+            rx: Params {
+                max_plen: max_io + 4096,
+                ..s.rx
+            },
+            incapsule: (ioccsz * 16).saturating_sub(64),
+            lba_shift,
+            maxh2cdata: s.maxh2cdata,
+            pending: vec![Vec::new(); depth as usize],
+            gathered: vec![Vec::new(); depth as usize],
+            _admin: admin.clone(),
+        };
+        let q =
+            crate::stream::StreamQueue::new_nvme(Link::Plain(s.s), qid - 1, &info, opts, framing)?;
+        out.push(Queue::stream(q, CopyLimits::default()));
+    }
+    Ok(Session { info, queues: out })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cids_carry_slot_and_generation() {
+        for (slot, generation) in [(0, 0), (1023, 63), (5, 1), (17, 40)] {
+            assert_eq!(slot_of(cid(slot, generation)), (slot, generation));
+        }
+    }
+
+    #[test]
+    fn names_become_nqns() {
+        let u = Url::parse("nvme-tcp://h/disk0").unwrap();
+        assert_eq!(subsystem(&u), "nqn.2026-11.io.blkwire:disk0");
+        let u = Url::parse("nvme-tcp://h:4421/nqn.2014-08.org.example:x").unwrap();
+        assert_eq!(subsystem(&u), "nqn.2014-08.org.example:x");
+        assert_eq!(u.port, 4421);
+        assert_eq!(Url::parse("nvme-tcp://h/d").unwrap().port, 4420);
+    }
+}
