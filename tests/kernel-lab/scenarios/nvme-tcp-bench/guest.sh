@@ -84,6 +84,11 @@ step "nvmet: $kt_nqn on 127.0.0.1:4420"
 nvmet_port 1 127.0.0.1 4420
 nvmet_subsys $kt_nqn /bench/nvmet.img 1 1
 
+nq() { # NQN: the I/O queues its controller mapped, as the kernel logged them
+    q_c=$(nvme_ctrl "$1")
+    dmesg | sed -n "s#.*nvme ${q_c#/dev/}: mapped \([0-9/]*\) .*#\1#p" | tail -n1
+}
+
 run nvme connect -t tcp -a 127.0.0.1 -s 4420 -n $kt_nqn
 kt_dev=$(nvme_ns $kt_nqn)
 targets=nvmet
@@ -98,10 +103,6 @@ else
     info "NO blkwire NVMe/TCP target (lab.blkwire_nvme=0): nvmet and ublk runs only"
 fi
 
-nq() { # NQN: the I/O queues its controller mapped, as the kernel logged them
-    q_c=$(nvme_ctrl "$1")
-    dmesg | sed -n "s#.*nvme ${q_c#/dev/}: mapped \([0-9/]*\) .*#\1#p" | tail -n1
-}
 
 fio_run() { # TARGET WORKLOAD DEV FIO-ARGS...
     f_t=$1 f_w=$2 f_dev=$3
