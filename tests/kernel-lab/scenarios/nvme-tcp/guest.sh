@@ -81,18 +81,21 @@ lbs=$(blockdev --getss "$dev")
 info "$dev (controller $ctrl): $size bytes, logical block $lbs"
 [ "$size" -gt 0 ] || fail "$dev has size $size"
 
-run nvme list
-nvme list >/tmp/list 2>&1
+step "nvme list"
+nvme list >/tmp/list 2>&1 || fail "nvme list failed: $(tr '\n' ' ' </tmp/list)"
+cat /tmp/list
 grep -q "^$dev " /tmp/list || fail "nvme list does not show $dev: $(tr '\n' '|' </tmp/list)"
 
-run nvme id-ctrl "$ctrl"
-nvme id-ctrl "$ctrl" >/tmp/idctrl 2>&1 || fail "nvme id-ctrl $ctrl failed"
+step "nvme id-ctrl $ctrl"
+nvme id-ctrl "$ctrl" >/tmp/idctrl 2>&1 || fail "nvme id-ctrl $ctrl failed: $(tr '\n' ' ' </tmp/idctrl)"
+cat /tmp/idctrl
 got=$(sed -n 's/^subnqn *: *//p' /tmp/idctrl)
 [ "$got" = "$nqn" ] || fail "id-ctrl subnqn is '$got', expected $nqn"
 info "id-ctrl: mn '$(sed -n 's/^mn *: *//p' /tmp/idctrl | sed 's/ *$//')', fr '$(sed -n 's/^fr *: *//p' /tmp/idctrl | sed 's/ *$//')', cntlid $(sed -n 's/^cntlid *: *//p' /tmp/idctrl), oncs $(sed -n 's/^oncs *: *//p' /tmp/idctrl), vwc $(sed -n 's/^vwc *: *//p' /tmp/idctrl), sgls $(sed -n 's/^sgls *: *//p' /tmp/idctrl)"
 
-run nvme id-ns "$dev"
-nvme id-ns "$dev" >/tmp/idns 2>&1 || fail "nvme id-ns $dev failed"
+step "nvme id-ns $dev"
+nvme id-ns "$dev" >/tmp/idns 2>&1 || fail "nvme id-ns $dev failed: $(tr '\n' ' ' </tmp/idns)"
+cat /tmp/idns
 nsze=$(sed -n 's/^nsze *: *//p' /tmp/idns)
 lbads=$(sed -n 's/^lbaf *[0-9]* *:.*lbads:\([0-9]*\).*(in use).*/\1/p' /tmp/idns)
 if [ -z "$nsze" ] || [ -z "$lbads" ]; then
