@@ -53,18 +53,7 @@ flock -n 9 || {
 }
 
 # ---- which scenarios ------------------------------------------------------------------------------
-all_scenarios=()
-for d in "$LAB_DIR"/scenarios/*/; do
-    [ -f "$d/host.sh" ] && [ -f "$d/guest.sh" ] && all_scenarios+=("$(basename "$d")")
-done
-scenarios=("$@")
-[ ${#scenarios[@]} -gt 0 ] || scenarios=("${all_scenarios[@]}")
-for s in "${scenarios[@]}"; do
-    [ -f "$LAB_DIR/scenarios/$s/host.sh" ] ||
-        die "no scenario '$s' (have: ${all_scenarios[*]}); a scenario is tests/kernel-lab/scenarios/NAME/{host,guest}.sh"
-done
-
-# What every scenario (not only the selected ones: one initramfs serves them all) declares.
+# What a scenario's host.sh declares.
 scenario_field() { # SCENARIO VARIABLE
     (
         # shellcheck disable=SC1090
@@ -72,8 +61,31 @@ scenario_field() { # SCENARIO VARIABLE
         echo "${!2:-}"
     )
 }
+
+# A scenario whose host.sh sets SCENARIO_OPTIONAL=1 (e.g. the benchmark nvme-tcp-bench) runs only
+# when named; the default set (what `make test` runs) leaves it out.
+all_scenarios=() default_scenarios=()
+for d in "$LAB_DIR"/scenarios/*/; do
+    if [ ! -f "$d/host.sh" ] || [ ! -f "$d/guest.sh" ]; then continue; fi
+    all_scenarios+=("$(basename "$d")")
+    [ "$(scenario_field "$(basename "$d")" SCENARIO_OPTIONAL)" = 1 ] || default_scenarios+=("$(basename "$d")")
+done
+scenarios=("$@")
+[ ${#scenarios[@]} -gt 0 ] || scenarios=("${default_scenarios[@]}")
+for s in "${scenarios[@]}"; do
+    [ -f "$LAB_DIR/scenarios/$s/host.sh" ] ||
+        die "no scenario '$s' (have: ${all_scenarios[*]}); a scenario is tests/kernel-lab/scenarios/NAME/{host,guest}.sh"
+done
+
+# One initramfs serves every default scenario (not only the selected ones), so running one of them
+# reuses the image of the others; an optional scenario adds what it needs only when it is selected
+# (the benchmark's fio and its ~80 MB of libraries stay out of the default image).
+in_image=("${default_scenarios[@]}")
+for s in "${scenarios[@]}"; do
+    [[ " ${in_image[*]} " == *" $s "* ]] || in_image+=("$s")
+done
 packages=$BASE_PACKAGES modules=$BASE_MODULES binaries=$BLKWIRE
-for s in "${all_scenarios[@]}"; do
+for s in "${in_image[@]}"; do
     packages+=" $(scenario_field "$s" HOST_PACKAGES)"
     modules+=" $(scenario_field "$s" GUEST_MODULES)"
     binaries+=" $(scenario_field "$s" GUEST_BINARIES)"

@@ -97,3 +97,118 @@ verify_after_reread() {
     }
     run umount "$2"
 }
+
+# ---- NVMe over TCP (nvme-cli in the guest; scenarios nvme-tcp and nvme-tcp-bench) ----------------
+#
+#   nvme_host_ids       writes /etc/nvme/hostnqn and hostid (nvme-cli reads them when a command
+#                       names no --hostnqn/--hostid): a fresh uuid NQN for this boot
+#   nvme_ns NQN         prints the namespace block device (/dev/nvmeXnY: the multipath head, or the
+#                       controller's own without CMIC) of the connected subsystem NQN; waits
+#                       (bounded, 10 s) for it to appear; fails the scenario if it does not
+#   nvme_ctrl NQN       prints the controller device (/dev/nvmeX) of a connected subsystem NQN
+#   nvme_gone DEV       waits (bounded) until DEV's block device has disappeared, else fails
+#   nvme_none           fails unless no NVMe namespace exists at all
+#   nvme_dmesg [N]      the kernel's last N (default 8) nvme lines, for failure messages
+#   nvmet_*             the kernel's own target (nvmet, configfs) inside the guest, see below
+
+nvme_host_ids() {
+    mkdir -p /etc/nvme
+    _id=$(cat /proc/sys/kernel/random/uuid)
+    echo "nqn.2014-08.org.nvmexpress:uuid:$_id" >/etc/nvme/hostnqn
+    echo "$_id" >/etc/nvme/hostid
+}
+
+nvme_ns() {
+    _i=0
+    while :; do
+        # A multipath head (the controller claims multi-controller support, CMIC) sits in the
+        # subsystem's directory; without one the namespace hangs off its controller.
+        for _s in /sys/class/nvme-subsystem/nvme-subsys* /sys/class/nvme/nvme*; do
+            [ -f "$_s/subsysnqn" ] || continue
+            [ "$(cat "$_s/subsysnqn")" = "$1" ] || continue
+            for _n in "$_s"/nvme*n*; do
+                [ -e "$_n" ] && [ -b "/dev/${_n##*/}" ] && echo "/dev/${_n##*/}" && return 0
+            done
+        done
+        _i=$((_i + 1))
+        [ $_i -le 100 ] || fail "no namespace of $1 appeared within 10 s: $(nvme_dmesg 4)"
+        sleep 0.1
+    done
+}
+
+nvme_ctrl() {
+    for _c in /sys/class/nvme/nvme*; do
+        [ -f "$_c/subsysnqn" ] && [ "$(cat "$_c/subsysnqn")" = "$1" ] && echo "/dev/${_c##*/}" && return 0
+    done
+    fail "no controller of $1"
+}
+
+nvme_gone() {
+    _i=0
+    while [ -e "/sys/block/${1#/dev/}" ]; do
+        _i=$((_i + 1))
+        [ $_i -le 100 ] || fail "$1 still exists 10 s after nvme disconnect"
+        sleep 0.1
+    done
+}
+
+nvme_none() {
+    _left=$(cd /sys/block && echo nvme*)
+    [ "$_left" = "nvme*" ] || fail "NVMe namespaces exist where none should: $_left"
+    _left=$(cd /sys/class/nvme 2>/dev/null && echo nvme*)
+    [ "$_left" = "nvme*" ] || [ -z "$_left" ] || fail "NVMe controllers exist where none should: $_left"
+}
+
+nvme_dmesg() {
+    dmesg | grep -i nvme | tail -n "${1:-8}" | sed 's/^\[ *[0-9.]*\] //' | tr '\n' '|'
+}
+
+# The kernel's NVMe/TCP target, configured through configfs (modules nvmet, nvmet-tcp):
+#   nvmet_port ID ADDR SVCID            a TCP port on ADDR:SVCID
+#   nvmet_subsys NQN FILE PORTID ANY    subsystem NQN with namespace 1 on FILE (nvmet's file backend,
+#                                       buffered_io=1 since FILE is on tmpfs), unique UUID and NGUID,
+#                                       reachable on port PORTID; ANY=1 admits any host, 0 only the
+#                                       hosts nvmet_allow names
+#   nvmet_host HOSTNQN KEY [CTRLKEY]    DH-HMAC-CHAP secrets for HOSTNQN (hmac(sha256), ffdhe2048)
+#   nvmet_allow NQN HOSTNQN             admits HOSTNQN to subsystem NQN
+nvmet=/sys/kernel/config/nvmet
+nvmet_start() {
+    run modprobe nvmet
+    run modprobe nvmet-tcp
+    grep -q ' /sys/kernel/config ' /proc/mounts || run mount -t configfs configfs /sys/kernel/config
+    [ -d $nvmet ] || fail "$nvmet missing after modprobe nvmet"
+}
+
+nvmet_port() {
+    mkdir $nvmet/ports/"$1"
+    echo tcp >$nvmet/ports/"$1"/addr_trtype
+    echo ipv4 >$nvmet/ports/"$1"/addr_adrfam
+    echo "$2" >$nvmet/ports/"$1"/addr_traddr
+    echo "$3" >$nvmet/ports/"$1"/addr_trsvcid
+}
+
+nvmet_subsys() {
+    d=$nvmet/subsystems/$1
+    mkdir "$d"
+    echo "$4" >"$d/attr_allow_any_host"
+    mkdir "$d/namespaces/1"
+    echo "$2" >"$d/namespaces/1/device_path"
+    echo 1 >"$d/namespaces/1/buffered_io"
+    cat /proc/sys/kernel/random/uuid >"$d/namespaces/1/device_uuid"
+    cat /proc/sys/kernel/random/uuid >"$d/namespaces/1/device_nguid"
+    echo 1 >"$d/namespaces/1/enable"
+    ln -s "$d" "$nvmet/ports/$3/subsystems/$1"
+}
+
+nvmet_host() {
+    h=$nvmet/hosts/$1
+    mkdir "$h"
+    echo "hmac(sha256)" >"$h/dhchap_hash"
+    echo ffdhe2048 >"$h/dhchap_dhgroup"
+    echo "$2" >"$h/dhchap_key"
+    [ -z "${3:-}" ] || echo "$3" >"$h/dhchap_ctrl_key"
+}
+
+nvmet_allow() {
+    ln -s "$nvmet/hosts/$2" "$nvmet/subsystems/$1/allowed_hosts/$2"
+}

@@ -4,7 +4,8 @@
 #
 #   start_blkwire ARGS...   blkwire serve ARGS in the background; waits (bounded) until it prints one
 #                           "listening URL" line per --listen. Sets BLKWIRE_PID and BLKWIRE_URLS.
-#   listen_port SCHEME      the port of the first listener with that scheme (tcp, nbd)
+#                           Its stderr goes to $LOGDIR/$BLKWIRE_LOG (default blkwire.log).
+#   listen_port SCHEME      the port of the first listener with that scheme (tcp, nbd, nvme-tcp)
 #   stop_blkwire            SIGTERM, bounded wait; fails unless blkwire exits 0
 #   guest_values KEY        the values of the guest's "LAB-KEY: VALUE" lines, one per line
 #   boot_guest              boots the lab VM for $SCENARIO with $GUEST_ARGS (and $QEMU_NET if the
@@ -19,6 +20,7 @@ BLKWIRE_PID=""
 BLKWIRE_URLS=()
 QEMU_PID=""
 NETNS=""
+BLKWIRE_LOG=blkwire.log
 
 # The command prefix that enters $NETNS (none without one). `ip netns exec` execs the command in
 # place, so a pid taken from `$!` is the command's own.
@@ -34,19 +36,19 @@ in_netns() {
 }
 
 start_blkwire() {
-    local want=0 a out=$WORK/blkwire.stdout
+    local want=0 a out=$WORK/${BLKWIRE_LOG%.log}.stdout
     for a in "$@"; do [ "$a" = --listen ] && want=$((want + 1)); done
     : >"$out"
     local NETNS_PREFIX
     netns_prefix
-    "${NETNS_PREFIX[@]}" "$BLKWIRE" serve "$@" >"$out" 2>"$LOGDIR/blkwire.log" 9>&- &
+    "${NETNS_PREFIX[@]}" "$BLKWIRE" serve "$@" >"$out" 2>"$LOGDIR/$BLKWIRE_LOG" 9>&- &
     BLKWIRE_PID=$!
     local deadline=$((SECONDS + 20))
     while [ "$(grep -c '^listening ' "$out" || true)" -lt "$want" ]; do
         kill -0 "$BLKWIRE_PID" 2>/dev/null || {
             wait "$BLKWIRE_PID" || true
             BLKWIRE_PID=""
-            sed 's/^/    blkwire| /' "$LOGDIR/blkwire.log" >&2
+            sed 's/^/    blkwire| /' "$LOGDIR/$BLKWIRE_LOG" >&2
             die "blkwire serve exited before it was ready"
         }
         [ $SECONDS -lt $deadline ] || die "blkwire serve printed no 'listening' line within 20 s"
@@ -80,7 +82,7 @@ stop_blkwire() {
     wait "$pid" || rc=$?
     BLKWIRE_PID=""
     [ $rc -eq 0 ] || {
-        tail -n 20 "$LOGDIR/blkwire.log" | sed 's/^/    blkwire| /' >&2
+        tail -n 20 "$LOGDIR/$BLKWIRE_LOG" | sed 's/^/    blkwire| /' >&2
         die "blkwire serve exited with status $rc after SIGTERM (expected 0)"
     }
     log "blkwire serve stopped by SIGTERM, exit status 0"
@@ -151,10 +153,12 @@ show_guest_log() {
         echo "--- guest serial log, last 60 lines (${SERIAL_LOG#"$REPO"/}) ---" >&2
         tail -n 60 "$clean" | sed 's/^/    guest| /' >&2
     fi
-    if [ -s "$LOGDIR/blkwire.log" ]; then
-        echo "--- blkwire serve log, last 20 lines (${LOGDIR#"$REPO"/}/blkwire.log) ---" >&2
-        tail -n 20 "$LOGDIR/blkwire.log" | sed 's/^/    blkwire| /' >&2
-    fi
+    local f
+    for f in "$LOGDIR"/blkwire*.log; do
+        [ -s "$f" ] || continue
+        echo "--- blkwire serve log, last 20 lines (${f#"$REPO"/}) ---" >&2
+        tail -n 20 "$f" | sed 's/^/    blkwire| /' >&2
+    done
 }
 
 # verify_guest_disk: copy the export out through blkwire (it must equal the backing file), stop
