@@ -100,6 +100,11 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                     park(c, &req);
                     continue;
                 }
+                // A small write that brings its data (NVMe/TCP in-capsule data) cannot wait in
+                // a slot without it: it runs, a little past the budget (its slots bound how
+                // much), rather than keep the data of the waiting writes out.
+                Cover::Wait
+                    if *payload_len <= SMALL_PAYLOAD && req.slot.is_none() && writes_wait(c) => {}
                 Cover::Wait => break,
                 Cover::Never => {
                     let req = req.refused();
@@ -419,6 +424,10 @@ fn hold_write(c: &mut Conn, req: &Req, payload_at: usize, got: u32) {
     b.as_mut_slice()[..got as usize].copy_from_slice(&c.rx[payload_at..payload_at + got as usize]);
     c.fe.solicit(req, slot, got, req.length - got, &mut c.tx);
 }
+
+/// The most data a write may bring and still run past the budget while writes wait for their
+/// data (NVMe/TCP's in-capsule size is 8 KiB).
+const SMALL_PAYLOAD: usize = 64 << 10;
 
 /// Whether writes wait in slots for data the initiator has yet to send (or for the memory to
 /// ask for it).
@@ -1083,6 +1092,38 @@ mod tests {
             .windows(11)
             .any(|w| w == &status_reply(9, Status::Ok)[..]);
         assert!(answered, "the read that waited was answered");
+    }
+
+    #[test]
+    fn a_small_write_with_its_data_does_not_stop_the_data_of_writes_before_it() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn("m=mem:8M");
+        c.slots = (0..8).map(|_| Slot::default()).collect();
+        c.free_slots = (0..8).rev().collect();
+        // Four 1 MiB writes without their data hold the high-water mark's worth of buffers.
+        const MIB: usize = 1 << 20;
+        for i in 0..4u64 {
+            feed(
+                &mut c,
+                &mut ring,
+                &write(i, i * MIB as u64, MIB as u32, &[]),
+            );
+        }
+        assert!(c.held >= c.tx_high_water());
+        let tx = take_tx(&mut c);
+        let asked: Vec<u16> = tx
+            .chunks(11)
+            .map(|t| u16::from_le_bytes([t[1], t[2]]))
+            .collect();
+        assert_eq!(asked.len(), 4);
+        // Then a small write with its data, and only behind it the data the four wait for.
+        let mut msgs = write(9, 5 * MIB as u64, 512, &[1; 512]);
+        let big = vec![2u8; MIB];
+        for &s in &asked {
+            msgs.extend_from_slice(&data(s, 0, &big));
+        }
+        feed(&mut c, &mut ring, &msgs);
+        assert_eq!(c.exec.stats.writes, 5, "every write ran");
     }
 
     /// A request whose reply and data buffer the memory budget cannot cover waits in the
