@@ -123,6 +123,12 @@ impl RbdBackend {
             ("client_mount_timeout", &timeout),
             ("rados_mon_op_timeout", &timeout),
             ("rados_osd_op_timeout", &timeout),
+            // librbd's cache stays write-through until the first flush, a guard for clients
+            // that never flush. Every blkwire client can (FLUSH is advertised, FUA is write then
+            // flush), and a write is only promised durable after one, as on a disk with a
+            // volatile cache; without this, writes run at half speed until some client happens
+            // to flush (docs/BENCHMARKS.md, issue 18).
+            ("rbd_cache_writethrough_until_flush", "false"),
         ];
         if let Some(k) = &spec.keyring {
             settings.push(("keyring", k));
