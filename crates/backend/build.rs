@@ -1,6 +1,6 @@
 //! Finds librbd for the `rbd` feature. The FFI in src/rbd/sys.rs is hand-written (no bindgen),
 //! so all this does is look for the header and the library where Debian's librbd-dev puts
-//! them (or under $LIBRBD_DIR/{include,lib}) and, when both are there, set `cfg(blkwire_rbd)`
+//! them (or only under $LIBRBD_DIR/{include,lib}) and, when both are there, set `cfg(blkwire_rbd)`
 //! and link librbd and librados. When they are not, the build still succeeds and `rbd:`
 //! exports fail at `serve` with one line saying what to install: a missing system package must
 //! not break the whole workspace's build.
@@ -31,9 +31,11 @@ fn main() {
     ) {
         lib_dirs.push(PathBuf::from(format!("/usr/lib/{arch}-linux-{os}")));
     }
+    // LIBRBD_DIR names the one place to look (a librbd of its own; or a directory without
+    // it, to build and test what a machine without librbd-dev gets).
     if let Some(dir) = env::var_os("LIBRBD_DIR").map(PathBuf::from) {
-        include_dirs.insert(0, dir.join("include"));
-        lib_dirs.insert(0, dir.join("lib"));
+        include_dirs = vec![dir.join("include")];
+        lib_dirs = vec![dir.join("lib")];
     }
     let header = include_dirs
         .iter()

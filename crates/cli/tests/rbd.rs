@@ -389,24 +389,14 @@ fn nbd_round_trip_and_allocation_map() {
     );
 }
 
-/// The export mapped as a block device (FUSE file + loop device): bytes written to the
-/// device land in the image.
-#[test]
-fn map_fuse_round_trip() {
-    // SAFETY: geteuid has no preconditions.
-    assert_eq!(
-        unsafe { libc::geteuid() },
-        0,
-        "map needs root (loop devices, FUSE mounts)"
-    );
-    let c = shared();
-    let img = c.image("map", 32 * MIB);
-    let (t, _) = target(&[&format!("r={}", c.spec(&img, ""))]);
-    let run = TempDir::new("rbd-map");
-    let blk = |args: &[&str]| {
+/// A private run directory for `map` (its records and FUSE mounts).
+struct MapRun(TempDir);
+
+impl MapRun {
+    fn cli(&self, args: &[&str]) -> (bool, String, String) {
         let out = Command::new(BIN)
             .args(args)
-            .env("BLKWIRE_RUN_DIR", &run.0)
+            .env("BLKWIRE_RUN_DIR", &self.0 .0)
             .stdin(Stdio::null())
             .output()
             .expect("run blkwire");
@@ -415,21 +405,44 @@ fn map_fuse_round_trip() {
             String::from_utf8_lossy(&out.stdout).into_owned(),
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
-    };
-    let (ok, out, err) = blk(&["map", &t.url("r"), "--fuse-io", "read"]);
+    }
+}
+
+/// Unmaps a device when dropped (also when the test fails midway).
+struct Unmap<'a>(&'a MapRun, String);
+
+impl Drop for Unmap<'_> {
+    fn drop(&mut self) {
+        let _ = self.0.cli(&["unmap", &self.1]);
+    }
+}
+
+/// The export mapped as a block device (FUSE file + loop device): bytes written to the
+/// device land in the image.
+#[test]
+fn map_fuse_round_trip() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "map needs root (loop devices, FUSE mounts)");
+    let c = shared();
+    let img = c.image("map", 32 * MIB);
+    let (t, _) = target(&[&format!("r={}", c.spec(&img, ""))]);
+    let run = MapRun(TempDir::new("rbd-map"));
+    let (ok, out, err) = run.cli(&[
+        "map",
+        &t.url("r"),
+        "--frontend",
+        "fuse",
+        "--fuse-io",
+        "read",
+    ]);
     assert!(ok, "map: {err}");
     let dev = out.trim().to_string();
     assert!(
         dev.starts_with("/dev/loop"),
         "map prints the device: {out:?}"
     );
-    struct Unmap<'a>(&'a dyn Fn(&[&str]) -> (bool, String, String), String);
-    impl Drop for Unmap<'_> {
-        fn drop(&mut self) {
-            let _ = (self.0)(&["unmap", &self.1]);
-        }
-    }
-    let guard = Unmap(&blk, dev.clone());
+    let guard = Unmap(&run, dev.clone());
     let d = TempDir::new("rbd-map-data");
     let src = d.path("src");
     let data = random_bytes(4 * MIB as usize, 77);
@@ -463,7 +476,7 @@ fn map_fuse_round_trip() {
         std::fs::read(&back).unwrap() == data,
         "read back through the device"
     );
-    let (ok, _, err) = blk(&["unmap", &dev]);
+    let (ok, _, err) = run.cli(&["unmap", &dev]);
     assert!(ok, "unmap: {err}");
     drop(guard);
     assert!(

@@ -175,6 +175,20 @@ mod tests {
         }
     }
 
+    /// Runs in builds without librbd: `LIBRBD_DIR=/nonexistent cargo test -p blkwire-backend rbd`.
+    #[cfg(not(blkwire_rbd))]
+    #[test]
+    fn without_librbd_an_rbd_export_says_what_to_install() {
+        let e = open("rbd/image", false).err().unwrap();
+        assert_eq!(e, NOT_BUILT);
+        assert!(!e.contains('\n'));
+        // The spec is still checked first: a bad one says what is wrong with it.
+        assert!(open("image", false)
+            .err()
+            .unwrap()
+            .contains("expected rbd:POOL/IMAGE"));
+    }
+
     #[test]
     fn errno_text_has_no_os_error_tail() {
         assert_eq!(errno_text(-2), "No such file or directory");
