@@ -44,7 +44,8 @@ step "read it back through blkwire, and through librbd (rbd export)"
 $BIN cp --no-progress "$url" "$work/back.img"
 got=$(head -c $((64 << 20)) "$work/back.img" | sha256sum | cut -d' ' -f1)
 [ "$want" = "$got" ] && echo "blkwire: sha256 match $want" || { echo "sha256 MISMATCH via blkwire" >&2; exit 1; }
-got=$(rbd -c "$conf" export --no-progress rbd/demo - | head -c $((64 << 20)) | sha256sum | cut -d' ' -f1)
+rbd -c "$conf" export --no-progress rbd/demo "$work/rbd-export.img"
+got=$(head -c $((64 << 20)) "$work/rbd-export.img" | sha256sum | cut -d' ' -f1)
 [ "$want" = "$got" ] && echo "rbd export: sha256 match $want" || { echo "sha256 MISMATCH via rbd export" >&2; exit 1; }
 
 step "benchmark: 4k random reads, 32 in flight, 3 s"
