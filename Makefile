@@ -3,11 +3,16 @@ SHELL := /bin/bash
 CARGO ?= cargo
 BIN := target/release/blkwire
 
-.PHONY: demo test deps build fmt lint unit kernel-lab bench fuzz clean
+.PHONY: demo demo-rbd test deps build fmt lint unit kernel-lab bench fuzz clean
 
 ## demo: build, then serve a RAM export, upload a file, read it back, benchmark, stop.
 demo: deps build
 	@scripts/demo.sh
+
+## demo-rbd: the same with a Ceph RBD image: a one-node cluster under a temp dir
+## (scripts/ceph-cluster.sh), an rbd: export, a file up and back (checked through librbd too).
+demo-rbd: deps build
+	@scripts/demo-rbd.sh
 
 ## test: formatting, lints (clippy, rustdoc, the map crate's layering) and every test, then the
 ## kernel lab (CI runs this).

@@ -40,6 +40,16 @@ command -v mkfs.xfs >/dev/null || need+=(xfsprogs)
 command -v filefrag >/dev/null || need+=(e2fsprogs)
 command -v curl >/dev/null || need+=(curl)
 command -v promtool >/dev/null || need+=(prometheus)
+# The rbd: backend (crates/backend/src/rbd) links librbd and librados: the default build has it
+# only when their headers are here (build.rs). Its tests (crates/cli/tests/rbd.rs),
+# bench/rbd-compare.sh and `make demo-rbd` run a one-node cluster (scripts/ceph-cluster.sh):
+# a monitor, an OSD with the packaged object classes, and the ceph/rbd tools; fio's rbd engine
+# is part of Debian's fio. Daemons only: nothing is started or enabled as a service.
+[ -e /usr/include/rbd/librbd.h ] || need+=(librbd-dev)
+[ -e /usr/include/rados/librados.h ] || need+=(librados-dev)
+command -v ceph-mon >/dev/null || need+=(ceph-mon)
+command -v ceph-osd >/dev/null || need+=(ceph-osd)
+command -v rbd >/dev/null || need+=(ceph-common)
 
 if [ ${#need[@]} -gt 0 ]; then
     echo "deps: installing ${need[*]}"

@@ -6,8 +6,8 @@
 //! three ways ([`Started`]): inline (`mem:`, `null:`), through io_uring entries pushed to the
 //! queue thread's own ring (`file:`), or on the backend's own threads, announced through a
 //! notifier descriptor the queue thread watches and collected with [`QueueIo::reap`] (the way
-//! librbd completes; `memthread:` exercises it). [`Export`] is the generic layer: it checks
-//! ranges and read-only state and emulates what a backend lacks ([`Capabilities::effective`],
+//! librbd completes: `rbd:`, modelled on `memthread:`, which exercises it without a cluster).
+//! [`Export`] is the generic layer: it checks ranges and read-only state and emulates what a backend lacks ([`Capabilities::effective`],
 //! PROTOCOL.md §7, §10). [`registry`] names every backend `serve --export` knows.
 
 #![deny(missing_docs)]
@@ -18,6 +18,7 @@ mod file;
 mod mem;
 mod memthread;
 mod null;
+mod rbd;
 pub mod registry;
 mod size;
 pub mod testing;

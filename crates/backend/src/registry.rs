@@ -68,6 +68,15 @@ pub static KINDS: &[BackendKind] = &[
             ))
         },
     },
+    BackendKind {
+        scheme: "rbd",
+        usage: "rbd:POOL/IMAGE[?conf=FILE&id=NAME&keyring=FILE&timeout=SECS]",
+        about: "a Ceph RBD image through librbd (conf: ceph.conf, default $CEPH_CONF or \
+                /etc/ceph/ceph.conf; id: client name, default client.admin; timeout: seconds \
+                before a Ceph operation fails, default 10)",
+        arg_is_size: false,
+        open: crate::rbd::open,
+    },
 ];
 
 /// `mem:SIZE, null:SIZE, ...`: every backend's usage, for help and errors.

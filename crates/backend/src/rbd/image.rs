@@ -1,0 +1,575 @@
+//! The `rbd:` backend proper: one cluster connection and one open image per export, shared
+//! by every queue (librbd's image handle takes concurrent asynchronous calls from any thread,
+//! as QEMU and SPDK use it).
+
+use std::ffi::{c_int, c_void, CString};
+use std::io;
+use std::os::fd::RawFd;
+use std::ptr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Mutex};
+
+use super::sys;
+use super::{errno_text, Spec};
+use crate::completions::{Completions, Poster};
+use crate::{
+    push_extent, Backend, Capabilities, Extent, Op, QueueIo, Started, Submitter, Support,
+    MAX_EXTENTS,
+};
+
+/// The librados and librbd handles of one export, released in reverse order of creation.
+struct Handle {
+    cluster: sys::RadosT,
+    ioctx: sys::IoCtxT,
+    image: sys::ImageT,
+}
+
+// SAFETY: librados and librbd handles are thread-safe: librbd serialises inside the image
+// (QEMU and SPDK issue rbd_aio_* on one image from several threads), and the only call made
+// through a shared Handle outside the data path (rbd_resize, rbd_diff_iterate2) is allowed
+// concurrently with I/O.
+unsafe impl Send for Handle {}
+// SAFETY: as above.
+unsafe impl Sync for Handle {}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // SAFETY: each handle was created by the matching call and is released once, image
+        // before pool before cluster; rbd_close waits for librbd's own outstanding work.
+        unsafe {
+            if !self.image.is_null() {
+                sys::rbd_close(self.image);
+            }
+            if !self.ioctx.is_null() {
+                sys::rados_ioctx_destroy(self.ioctx);
+            }
+            if !self.cluster.is_null() {
+                sys::rados_shutdown(self.cluster);
+            }
+        }
+    }
+}
+
+/// A Ceph RBD image served as an export.
+pub(crate) struct RbdBackend {
+    handle: Arc<Handle>,
+    /// `rbd:POOL/IMAGE`.
+    name: String,
+    read_only: bool,
+    /// Grows with `resize`; read on the control path and at handshakes only.
+    size: AtomicU64,
+    /// One resize at a time.
+    resizing: Mutex<()>,
+    /// The allocation helper's job queue, started with the first queue (control path only).
+    helper: Mutex<Option<Sender<AllocJob>>>,
+}
+
+fn cstring(what: &str, s: &str) -> Result<CString, String> {
+    CString::new(s).map_err(|_| format!("rbd: {what} '{s}' contains a NUL byte"))
+}
+
+impl RbdBackend {
+    /// Connects to the cluster and opens the image. Errors are one line naming what is
+    /// missing: the config, the cluster, the pool or the image.
+    pub(crate) fn open(spec: &Spec, read_only: bool) -> Result<RbdBackend, String> {
+        let name = format!("rbd:{}/{}", spec.pool, spec.image);
+        let client = spec.client_name();
+        let c_client = cstring("client name", &client)?;
+        let c_pool = cstring("pool", &spec.pool)?;
+        let c_image = cstring("image", &spec.image)?;
+        let c_conf = spec
+            .conf
+            .as_deref()
+            .map(|c| cstring("conf", c))
+            .transpose()?;
+        let mut h = Handle {
+            cluster: ptr::null_mut(),
+            ioctx: ptr::null_mut(),
+            image: ptr::null_mut(),
+        };
+        // SAFETY: creates a cluster handle into `h.cluster`; both strings are NUL-terminated
+        // and outlive the call.
+        let r =
+            unsafe { sys::rados_create2(&mut h.cluster, c"ceph".as_ptr(), c_client.as_ptr(), 0) };
+        if r < 0 {
+            return Err(format!(
+                "{name}: cannot create a Ceph client as {client}: {}",
+                errno_text(r.into())
+            ));
+        }
+        // From here `h` releases whatever was created when it is dropped on an error.
+        let conf_ptr = c_conf.as_ref().map_or(ptr::null(), |c| c.as_ptr());
+        // SAFETY: a valid, unconnected cluster handle; a NUL-terminated path or NULL (librados'
+        // default search: $CEPH_CONF, /etc/ceph/ceph.conf, ~/.ceph/config, ./ceph.conf).
+        let r = unsafe { sys::rados_conf_read_file(h.cluster, conf_ptr) };
+        if r < 0 {
+            return Err(match &spec.conf {
+                Some(c) => format!(
+                    "{name}: cannot read Ceph config {c}: {}",
+                    errno_text(r.into())
+                ),
+                None => format!(
+                    "{name}: no Ceph config found ($CEPH_CONF, /etc/ceph/ceph.conf): name one \
+                     with ?conf=FILE"
+                ),
+            });
+        }
+        let timeout = spec.timeout_secs.to_string();
+        let mut settings: Vec<(&str, &str)> = vec![
+            // librados would print its retries to stderr; serve's errors are ours, one line.
+            ("log_to_stderr", "false"),
+            ("err_to_stderr", "false"),
+            ("client_mount_timeout", &timeout),
+            ("rados_mon_op_timeout", &timeout),
+            ("rados_osd_op_timeout", &timeout),
+            // librbd's cache stays write-through until the first flush, a guard for clients
+            // that never flush. Every blkwire client can (FLUSH is advertised, FUA is write then
+            // flush), and a write is only promised durable after one, as on a disk with a
+            // volatile cache; without this, writes run at half speed until some client happens
+            // to flush (docs/BENCHMARKS.md, issue 18).
+            ("rbd_cache_writethrough_until_flush", "false"),
+        ];
+        if let Some(k) = &spec.keyring {
+            settings.push(("keyring", k));
+        }
+        for (k, v) in settings {
+            let (ck, cv) = (cstring("option", k)?, cstring("option value", v)?);
+            // SAFETY: a valid, unconnected cluster handle and NUL-terminated strings.
+            let r = unsafe { sys::rados_conf_set(h.cluster, ck.as_ptr(), cv.as_ptr()) };
+            if r < 0 {
+                return Err(format!(
+                    "{name}: cannot set Ceph option {k}={v}: {}",
+                    errno_text(r.into())
+                ));
+            }
+        }
+        // SAFETY: a configured cluster handle; blocks at most client_mount_timeout.
+        let r = unsafe { sys::rados_connect(h.cluster) };
+        if r < 0 {
+            let conf = spec.conf.as_deref().unwrap_or("the default ceph.conf");
+            return Err(format!(
+                "{name}: cannot connect to the Ceph cluster of {conf} as {client} within {}s: {}",
+                spec.timeout_secs,
+                errno_text(r.into())
+            ));
+        }
+        // SAFETY: a connected cluster; the pool name is NUL-terminated; fills `h.ioctx`.
+        let r = unsafe { sys::rados_ioctx_create(h.cluster, c_pool.as_ptr(), &mut h.ioctx) };
+        if r < 0 {
+            return Err(if r == -libc::ENOENT {
+                format!("{name}: pool '{}' does not exist", spec.pool)
+            } else {
+                format!(
+                    "{name}: cannot open pool '{}': {}",
+                    spec.pool,
+                    errno_text(r.into())
+                )
+            });
+        }
+        // SAFETY: an open pool, a NUL-terminated image name, no snapshot; fills `h.image`.
+        let r = unsafe {
+            if read_only {
+                sys::rbd_open_read_only(h.ioctx, c_image.as_ptr(), &mut h.image, ptr::null())
+            } else {
+                sys::rbd_open(h.ioctx, c_image.as_ptr(), &mut h.image, ptr::null())
+            }
+        };
+        if r < 0 {
+            return Err(if r == -libc::ENOENT {
+                format!(
+                    "{name}: image '{}' does not exist in pool '{}'",
+                    spec.image, spec.pool
+                )
+            } else {
+                format!("{name}: cannot open the image: {}", errno_text(r.into()))
+            });
+        }
+        let mut size = 0u64;
+        // SAFETY: an open image; writes one u64 we own.
+        let r = unsafe { sys::rbd_get_size(h.image, &mut size) };
+        if r < 0 {
+            return Err(format!(
+                "{name}: cannot read the image's size: {}",
+                errno_text(r.into())
+            ));
+        }
+        if size == 0 || !size.is_multiple_of(512) {
+            return Err(format!(
+                "{name}: the image is {size} bytes: an export needs a non-zero multiple of 512"
+            ));
+        }
+        Ok(RbdBackend {
+            handle: Arc::new(h),
+            name,
+            read_only,
+            size: AtomicU64::new(size),
+            resizing: Mutex::new(()),
+            helper: Mutex::new(None),
+        })
+    }
+
+    /// The allocation helper's queue, started on first use.
+    fn helper(&self) -> io::Result<Sender<AllocJob>> {
+        let mut h = self.helper.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(tx) = h.as_ref() {
+            return Ok(tx.clone());
+        }
+        let (tx, rx) = mpsc::channel::<AllocJob>();
+        // The helper holds the handle, not the backend: it ends when the last sender (the
+        // backend's and every queue's) is gone, and then releases the image if it is last.
+        let handle = self.handle.clone();
+        std::thread::Builder::new()
+            .name("blkwire-rbd-alloc".into())
+            .spawn(move || {
+                for job in rx {
+                    // SAFETY: the queue that started the query keeps the list valid and
+                    // untouched until the result is reaped (start_allocation's contract),
+                    // which is after this post.
+                    let out = unsafe { &mut *job.out.0 };
+                    let res = diff_extents(&handle, job.offset, job.len, out);
+                    job.poster.post(job.tag, res);
+                }
+            })?;
+        *h = Some(tx.clone());
+        Ok(tx)
+    }
+}
+
+impl Backend for RbdBackend {
+    fn describe(&self) -> String {
+        self.name.clone()
+    }
+    fn size(&self) -> u64 {
+        self.size.load(Ordering::Acquire)
+    }
+    fn block_sizes(&self) -> (u32, u32) {
+        // librbd takes any byte range; 4 KiB is what its objects are written in cheaply.
+        (512, 4096)
+    }
+    /// FLUSH, TRIM (discard) and WRITE_ZEROES are librbd's own; FUA is not (librbd has no
+    /// per-write durability flag), so the generic layer runs it as write then flush. COPY is
+    /// emulated too: librbd's deep copy works on whole images, not ranges.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            flush: Support::Native,
+            fua: Support::None,
+            trim: Support::Native,
+            write_zeroes: Support::Native,
+            copy: Support::None,
+            // librbd zeroes partial objects by writing them: not always metadata-only.
+            fast_zero: false,
+            rotational: false,
+            ..Capabilities::default()
+        }
+    }
+    fn reads_as_zero(&self) -> bool {
+        // Unknown without walking the image; `cp` then reads and compares.
+        false
+    }
+    fn resize(&self, new_size: u64) -> io::Result<()> {
+        if self.read_only {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!("{} is served read-only: it cannot grow", self.name),
+            ));
+        }
+        let _one = self.resizing.lock().unwrap_or_else(|e| e.into_inner());
+        if new_size < self.size() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{}: an export's image only grows", self.name),
+            ));
+        }
+        // SAFETY: an open, writable image; librbd orders the resize with in-flight I/O.
+        let r = unsafe { sys::rbd_resize(self.handle.image, new_size) };
+        if r < 0 {
+            return Err(io::Error::other(format!(
+                "{}: rbd_resize failed: {}",
+                self.name,
+                errno_text(r.into())
+            )));
+        }
+        self.size.store(new_size, Ordering::Release);
+        Ok(())
+    }
+    fn allocation(&self, offset: u64, len: u64, out: &mut Vec<Extent>) {
+        if diff_extents(&self.handle, offset, len, out) < 0 {
+            // Nothing known: say data, which is always a correct answer.
+            out.push(Extent { len, hole: false });
+        }
+    }
+    fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
+        let alloc = self.helper()?;
+        let done = Completions::new()?;
+        let poster = done.poster();
+        Ok(Box::new(RbdQueue {
+            image: self.handle.image,
+            _backend: self,
+            done,
+            poster,
+            alloc,
+            in_flight: 0,
+        }))
+    }
+}
+
+/// What one `rbd_aio_*` call carries to its completion callback.
+struct OpCtx {
+    poster: Poster,
+    tag: u64,
+    /// What success reports: the length for READ and WRITE, 0 for the others.
+    done_bytes: i32,
+}
+
+/// Called by librbd on one of its threads when an operation completes. Never blocks: a
+/// channel send and an eventfd write.
+extern "C" fn on_complete(c: sys::CompletionT, arg: *mut c_void) {
+    // SAFETY: `arg` is the OpCtx leaked by `RbdQueue::start` for this completion, and librbd
+    // calls back exactly once per completion, so it is taken back exactly once.
+    let ctx = unsafe { Box::from_raw(arg.cast::<OpCtx>()) };
+    // SAFETY: `c` is the completion being completed; releasing it inside its own callback is
+    // allowed (librbd holds a reference until the callback returns; QEMU does the same).
+    let r = unsafe {
+        let r = sys::rbd_aio_get_return_value(c);
+        sys::rbd_aio_release(c);
+        r
+    };
+    // librbd reports a write's success as 0 (and a read's as its length: it fills holes with
+    // zeros), so success is reported as the request's own length.
+    let res = if r < 0 {
+        i32::try_from(r).unwrap_or(-libc::EIO)
+    } else {
+        ctx.done_bytes
+    };
+    // False once the queue is gone, which cannot happen while this op is in flight (the queue
+    // waits for them in Drop); nothing else to do either way.
+    let _ = ctx.poster.post(ctx.tag, res);
+}
+
+/// An extent-list pointer on its way to the helper thread.
+struct OutPtr(*mut Vec<Extent>);
+// SAFETY: the list stays valid and is touched by nobody else until the result is reaped
+// (start_allocation's contract).
+unsafe impl Send for OutPtr {}
+
+struct AllocJob {
+    offset: u64,
+    len: u64,
+    out: OutPtr,
+    tag: u64,
+    poster: Poster,
+}
+
+struct RbdQueue {
+    image: sys::ImageT,
+    /// Keeps the image open while this queue may call it.
+    _backend: Arc<RbdBackend>,
+    done: Completions,
+    poster: Poster,
+    alloc: Sender<AllocJob>,
+    /// Operations started `Async` whose results are not reaped yet.
+    in_flight: usize,
+}
+
+impl QueueIo for RbdQueue {
+    fn completes_inline(&self) -> bool {
+        false
+    }
+
+    unsafe fn start(&mut self, op: Op, tag: u64, _sq: &mut dyn Submitter) -> Started {
+        let done_bytes = match op {
+            Op::Read { len, .. } | Op::Write { len, .. } => i32::try_from(len).unwrap_or(i32::MAX),
+            _ => 0,
+        };
+        if matches!(op, Op::Copy { .. } | Op::CopyFrom { .. }) {
+            // Never sent: COPY is declared `None` and emulated above us.
+            return Started::Done(-libc::EOPNOTSUPP);
+        }
+        let ctx = Box::into_raw(Box::new(OpCtx {
+            poster: self.poster.clone(),
+            tag,
+            done_bytes,
+        }));
+        let mut c: sys::CompletionT = ptr::null_mut();
+        // SAFETY: creates a completion that will call `on_complete` with `ctx`.
+        let r = unsafe { sys::rbd_aio_create_completion(ctx.cast(), on_complete, &mut c) };
+        if r < 0 {
+            // SAFETY: no completion exists, so nobody else will take `ctx` back.
+            drop(unsafe { Box::from_raw(ctx) });
+            return Started::Done(r);
+        }
+        let img = self.image;
+        // SAFETY: `img` is open for as long as `_backend` lives; the READ buffer is valid for
+        // writes and the WRITE buffer for reads of `len` bytes until the result is reaped
+        // (this function's contract), which is after librbd's callback, after which librbd
+        // no longer touches them.
+        let r = unsafe {
+            match op {
+                Op::Read { offset, buf, len } => {
+                    sys::rbd_aio_read(img, offset, len as usize, buf.cast(), c)
+                }
+                Op::Write {
+                    offset, buf, len, ..
+                } => sys::rbd_aio_write(img, offset, len as usize, buf.cast(), c),
+                Op::Flush => sys::rbd_aio_flush(img, c),
+                Op::Trim { offset, len } => sys::rbd_aio_discard(img, offset, len.into(), c),
+                Op::WriteZeroes {
+                    offset,
+                    len,
+                    no_hole,
+                } => {
+                    let flags: c_int = if no_hole {
+                        sys::WRITE_ZEROES_FLAG_THICK_PROVISION
+                    } else {
+                        0
+                    };
+                    sys::rbd_aio_write_zeroes(img, offset, len as usize, c, flags, 0)
+                }
+                Op::Copy { .. } | Op::CopyFrom { .. } => -libc::EOPNOTSUPP,
+            }
+        };
+        if r < 0 {
+            // librbd refused before queueing anything: the callback will not run.
+            // SAFETY: `c` is ours and unused; `ctx` is taken back once.
+            unsafe {
+                sys::rbd_aio_release(c);
+                drop(Box::from_raw(ctx));
+            }
+            return Started::Done(r);
+        }
+        self.in_flight += 1;
+        Started::Async
+    }
+
+    unsafe fn start_allocation(
+        &mut self,
+        offset: u64,
+        len: u64,
+        out: *mut Vec<Extent>,
+        tag: u64,
+        _sq: &mut dyn Submitter,
+    ) -> Option<Started> {
+        let job = AllocJob {
+            offset,
+            len,
+            out: OutPtr(out),
+            tag,
+            poster: self.poster.clone(),
+        };
+        Some(match self.alloc.send(job) {
+            Ok(()) => {
+                self.in_flight += 1;
+                Started::Async
+            }
+            Err(_) => Started::Done(-libc::EIO),
+        })
+    }
+
+    fn notifier(&self) -> Option<RawFd> {
+        Some(self.done.notifier())
+    }
+
+    fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) {
+        let mut n = 0usize;
+        self.done.reap(&mut |tag, res| {
+            n += 1;
+            done(tag, res)
+        });
+        self.in_flight = self.in_flight.saturating_sub(n);
+    }
+}
+
+impl Drop for RbdQueue {
+    /// librbd may still write into buffers of operations in flight: wait for every result
+    /// before the caller frees them. Bounded: every Ceph operation times out (`timeout=`).
+    fn drop(&mut self) {
+        while self.in_flight > 0 {
+            let mut pfd = libc::pollfd {
+                fd: self.done.notifier(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: polls one descriptor we own, with a pollfd on our stack.
+            unsafe { libc::poll(&mut pfd, 1, 1000) };
+            let mut n = 0usize;
+            self.done.reap(&mut |_, _| n += 1);
+            self.in_flight = self.in_flight.saturating_sub(n);
+        }
+    }
+}
+
+/// What the diff walk collects: data extents as librbd reports them.
+struct Walk {
+    data: Vec<(u64, u64)>,
+    /// Stopped early (too many extents): the map ends at the last extent collected.
+    stopped: bool,
+}
+
+extern "C" fn on_diff(offset: u64, len: usize, exists: c_int, arg: *mut c_void) -> c_int {
+    // SAFETY: `arg` is the Walk `diff_extents` passed, alive and ours for the whole call.
+    let walk = unsafe { &mut *arg.cast::<Walk>() };
+    if walk.data.len() >= MAX_EXTENTS {
+        walk.stopped = true;
+        return -libc::ECANCELED;
+    }
+    // With no starting snapshot, `exists == 0` marks a discarded range: a hole.
+    if exists != 0 {
+        walk.data.push((offset, len as u64));
+    }
+    0
+}
+
+/// Appends the allocation map of `offset..offset+len` to `out` (coalesced, at most
+/// MAX_EXTENTS entries, a prefix of the range when there would be more); 0 or a negative
+/// errno. Holes are what `rbd_diff_iterate2` since the image's creation does not report.
+fn diff_extents(h: &Handle, offset: u64, len: u64, out: &mut Vec<Extent>) -> i32 {
+    let mut walk = Walk {
+        data: Vec::new(),
+        stopped: false,
+    };
+    // SAFETY: an open image; the callback gets `walk`, which outlives the synchronous call.
+    let r = unsafe {
+        sys::rbd_diff_iterate2(
+            h.image,
+            ptr::null(),
+            offset,
+            len,
+            1,
+            0,
+            on_diff,
+            (&mut walk as *mut Walk).cast(),
+        )
+    };
+    if r < 0 && !walk.stopped {
+        return r;
+    }
+    walk.data.sort_unstable();
+    let end = offset.saturating_add(len);
+    let limit = if walk.stopped {
+        walk.data.last().map_or(offset, |&(o, l)| (o + l).min(end))
+    } else {
+        end
+    };
+    let first = out.len();
+    let mut pos = offset;
+    for (o, l) in walk.data {
+        let (o, e) = (o.max(pos), o.saturating_add(l).min(limit));
+        if e <= o {
+            continue;
+        }
+        push_extent(out, o - pos, true);
+        push_extent(out, e - o, false);
+        pos = e;
+    }
+    if pos < limit {
+        push_extent(out, limit - pos, true);
+    }
+    out.truncate(first + MAX_EXTENTS);
+    if out.len() == first {
+        // An empty prefix (stopped before anything): say one data extent of the first bytes
+        // rather than nothing, so the caller always makes progress.
+        push_extent(out, len.min(4096), false);
+    }
+    0
+}
