@@ -30,8 +30,9 @@ use clap::{Parser, Subcommand};
     about = "Network block storage: export disks, files and RAM; use them from other hosts",
     long_about = "Network block storage in userspace.\n\n\
         A target (`blkwire serve`) exports block devices, files and RAM over blkwire's own protocol.\n\
-        Initiators name an export by URL (tcp://HOST[:PORT]/EXPORT, udp://HOST[:PORT]/EXPORT or\n\
-        eth://IFACE/MAC/EXPORT) to inspect it (`info`), copy to and from it (`cp`), measure it\n\
+        Initiators name an export by URL (tcp://HOST[:PORT]/EXPORT, udp://HOST[:PORT]/EXPORT,\n\
+        eth://IFACE/MAC/EXPORT, or nvme-tcp://HOST[:PORT]/NQN for any NVMe/TCP target)\n\
+        to inspect it (`info`), copy to and from it (`cp`), measure it\n\
         (`bench`) or map it as a local block device (`map`); stock NBD clients use nbd:// listeners,\n\
         NVMe/TCP hosts (the Linux kernel, nvme-cli) nvme-tcp:// ones.\n\n\
         A running target's exports, listeners and sessions change over its control socket\n\
