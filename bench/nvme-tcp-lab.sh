@@ -4,8 +4,7 @@
 # on a file on the same tmpfs, attaches both with its own nvme-tcp host and runs the same fio
 # workloads on both (tests/kernel-lab/scenarios/nvme-tcp-bench/guest.sh):
 #   4k randread and randwrite at QD1 and QD32, 1M sequential read and write and 1M random mixed
-#   30% read at QD$BIGQD (default 4; more than 5 1 MiB writes in flight on one I/O queue hang
-#   blkwire's frontend as of main a5a262c, see docs/BENCHMARKS.md) (one job each, libaio, direct=1; the targets alternate order per
+#   30% read at QD$BIGQD (default 8) (one job each, libaio, direct=1; the targets alternate order per
 #   workload), then 4k randread at QD128 x 16 jobs on blkwire's NVMe/TCP namespace, on nvmet's,
 #   and on `blkwire map --frontend ublk` of the same blkwire export over tcp:// and over eth:// (a
 #   veth pair inside the guest).
@@ -17,7 +16,7 @@
 # Environment:
 #   RUNTIME   seconds per measurement (default 5)      RAMP  warm-up seconds, not counted (default 1)
 #   SIZE      MiB per image (default 192)              HQD, HJOBS  the many-jobs run (128, 16)
-#   BIGQD     queue depth of the 1M workloads and of the fill (default 4)
+#   BIGQD     queue depth of the 1M workloads and of the fill (default 8)
 #   ETH=0     skip the eth:// run
 #   BLKWIRE_NVME=0  a blkwire without the NVMe/TCP frontend: nvmet and the ublk runs only
 #   BLKWIRE   the blkwire binary (default target/release/blkwire; built if missing)
@@ -31,7 +30,7 @@ RAMP="${RAMP:-1}"
 SIZE="${SIZE:-192}"
 HQD="${HQD:-128}"
 HJOBS="${HJOBS:-16}"
-BIGQD="${BIGQD:-4}"
+BIGQD="${BIGQD:-8}"
 ETH="${ETH:-1}"
 BLKWIRE_NVME="${BLKWIRE_NVME:-1}"
 cd "$(dirname "$0")/.."

@@ -6,7 +6,7 @@
 #   nvmet    the kernel's target through configfs (nvmet-tcp on 127.0.0.1:4420, file backend
 #            /bench/nvmet.img, buffered_io=1: tmpfs has no O_DIRECT)
 # Workloads (fio libaio, direct=1, one job unless said): 4k randread and randwrite at QD1 and QD32,
-# 1M sequential read and write and 1M random mixed 30% read at QD$LAB_BIGQD (default 4); then 4k randread at
+# 1M sequential read and write and 1M random mixed 30% read at QD$LAB_BIGQD (default 8); then 4k randread at
 # QD$LAB_HQD x $LAB_HJOBS jobs on blkwire's NVMe/TCP namespace, on nvmet's, on /dev/ublkb0
 # (`blkwire map --frontend ublk` of the same blkwire export over tcp://) and on /dev/ublkb1 (the
 # same over eth:// on a veth pair in this guest), unless lab.eth=0.
@@ -26,7 +26,7 @@ ramp=${LAB_RAMP:-1}
 size=${LAB_SIZE:-192}
 hqd=${LAB_HQD:-128}
 hjobs=${LAB_HJOBS:-16}
-bigqd=${LAB_BIGQD:-4}
+bigqd=${LAB_BIGQD:-8}
 bw_nqn=nqn.2026-11.io.blkwire:disk0
 info "bench: runtime=$rt ramp=$ramp size=$size hqd=$hqd hjobs=$hjobs bigqd=$bigqd"
 kt_nqn=nqn.2026-11.io.nvmet:bench

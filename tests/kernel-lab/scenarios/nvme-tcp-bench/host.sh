@@ -18,7 +18,7 @@ GUEST_BINARIES="nvme fio"
 scenario_setup() {
     GUEST_ARGS="lab.runtime=${LAB_BENCH_RUNTIME:-5} lab.ramp=${LAB_BENCH_RAMP:-1} lab.size=${LAB_BENCH_SIZE:-192}"
     GUEST_ARGS+=" lab.hqd=${LAB_BENCH_HQD:-128} lab.hjobs=${LAB_BENCH_HJOBS:-16} lab.eth=${LAB_BENCH_ETH:-1}"
-    GUEST_ARGS+=" lab.blkwire_nvme=${LAB_BENCH_BLKWIRE_NVME:-1} lab.bigqd=${LAB_BENCH_BIGQD:-4}"
+    GUEST_ARGS+=" lab.blkwire_nvme=${LAB_BENCH_BLKWIRE_NVME:-1} lab.bigqd=${LAB_BENCH_BIGQD:-8}"
 }
 
 scenario_verify() {
