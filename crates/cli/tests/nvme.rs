@@ -158,6 +158,11 @@ fn a_controller_comes_up_as_the_linux_host_checks_it() {
     assert_eq!(a.command_in(sqe(0xc1, 0), &[], 0).unwrap().code(), 0x001);
     assert_eq!(a.get_log(0x77, 512, 0).code(), 0x109);
     assert_eq!(a.get_log(0x02, 512, 0).code(), 0, "SMART log");
+    assert_eq!(
+        a.get_log(0x02, 1 << 20, 0).code(),
+        0x002,
+        "a 1 MiB log read is refused"
+    );
     // Shutdown completes.
     a.property_set(0x14, 0x460001 | 1 << 14);
     assert_eq!(

@@ -25,6 +25,9 @@ use crate::session::{Admitted, Registry};
 
 /// How often a waiting admin thread looks at the clock and at its session.
 const TICK: Duration = Duration::from_millis(500);
+/// The longest log page read in one Get Log Page (a discovery log of 255 entries; longer ones
+/// are read in pieces with an offset, as hosts do).
+const MAX_LOG: u64 = 256 << 10;
 /// The keep-alive timeout of a discovery controller whose host asked for none.
 const DISCOVERY_KATO_MS: u32 = 120_000;
 /// A PDU that has begun must be whole within this.
@@ -263,8 +266,13 @@ impl AdminQueue {
                 if !offset.is_multiple_of(4) {
                     return self.finish(sock, q.cid, sc::INVALID_FIELD | sc::DNR, 0, None);
                 }
-                // Past the end reads as zeros; the length is bounded by the host's own buffer.
-                let len = (numd * 4).min(1 << 20) as usize;
+                // Past the end reads as zeros. A host asking for more than MAX_LOG gets an
+                // error rather than a buffer that large on this thread (outside the budget).
+                let len = numd * 4;
+                if len > MAX_LOG {
+                    return self.finish(sock, q.cid, sc::INVALID_FIELD | sc::DNR, 0, None);
+                }
+                let len = len as usize;
                 let mut out = vec![0u8; len];
                 let start = (offset as usize).min(page.len());
                 let n = (page.len() - start).min(len);
