@@ -59,9 +59,6 @@ impl Completions {
 
     /// Hands over every result waiting.
     pub(crate) fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) {
-        // Cleared before the drain: a result posted from here on either is drained below or
-        // writes the eventfd again, so none is left without a wake-up.
-        self.poster.woken.store(false, Ordering::SeqCst);
         let mut count: u64 = 0;
         // SAFETY: an 8-byte read from our non-blocking eventfd (EAGAIN when nothing is new).
         unsafe {
@@ -71,6 +68,12 @@ impl Completions {
                 8,
             )
         };
+        // Cleared after the eventfd is read and before the drain: a post that finds the flag
+        // set sent its result before this point, so the drain below takes it; a post that finds
+        // it clear writes the eventfd again. (Cleared before the read, a post between the clear
+        // and the read had its write consumed here, and a later post that found the flag set
+        // was left with no wake-up: the many-threads test caught that.)
+        self.poster.woken.store(false, Ordering::SeqCst);
         while let Ok((tag, res)) = self.rx.try_recv() {
             done(tag, res);
         }
@@ -138,14 +141,14 @@ mod tests {
             .map(|t| {
                 let p = c.poster();
                 std::thread::spawn(move || {
-                    for i in 0..10_000u64 {
+                    for i in 0..50_000u64 {
                         p.post(t * 100_000 + i, 0);
                     }
                 })
             })
             .collect();
         let mut n = 0;
-        while n < 40_000 {
+        while n < 200_000 {
             // Wait for a wake-up, as the reactor does, then reap: a result posted without
             // one would leave this loop waiting forever (the test's timeout catches it).
             let mut p = libc::pollfd {
@@ -161,6 +164,6 @@ mod tests {
         for t in threads {
             t.join().unwrap();
         }
-        assert_eq!(n, 40_000);
+        assert_eq!(n, 200_000);
     }
 }
