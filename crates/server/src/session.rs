@@ -112,6 +112,41 @@ struct Session {
     queue_floor: usize,
 }
 
+impl Session {
+    /// Admits queue `queue` of this session (`id`) once its joiner was checked: it must be
+    /// within the session's queues and not connected yet, and its minimum must fit the
+    /// session's share of the memory budget (connections get `share` at most). `depth` is what
+    /// the queue asked for, within what the session was granted.
+    fn admit_queue(
+        &mut self,
+        id: u32,
+        queue: u16,
+        depth: u16,
+        seal: Option<QueueSeal>,
+        share: usize,
+    ) -> Result<Admitted, Status> {
+        let slot = self.joined.get_mut(queue as usize).ok_or(Status::Invalid)?;
+        if *slot {
+            return Err(Status::Busy);
+        }
+        let mem = Account::reserve(&self.mem, self.queue_floor, share).ok_or(Status::NoMemory)?;
+        *slot = true;
+        self.live += 1;
+        Ok(Admitted {
+            export: self.export.clone(),
+            session: id,
+            placement: self.placement,
+            queue,
+            size: self.size,
+            depth: depth.min(self.depth),
+            max_io: self.max_io,
+            copy: self.copy,
+            seal,
+            mem,
+        })
+    }
+}
+
 /// The smallest connection share of the memory budget that grants COPY: a COPY's bounce
 /// buffer ([`blkwire_backend::COPY_CHUNK`]) and room for the connection's own buffers beside it.
 const COPY_MIN_SHARE: usize = 4 * blkwire_backend::COPY_CHUNK as usize;
@@ -654,26 +689,7 @@ impl Registry {
             .get_mut(&session)
             .filter(|s| !s.revoked)
             .ok_or(Status::Access)?;
-        let slot = s.joined.get_mut(queue as usize).ok_or(Status::Invalid)?;
-        if *slot {
-            return Err(Status::Busy);
-        }
-        let mem = Account::reserve(&s.mem, s.queue_floor, self.connection_share())
-            .ok_or(Status::NoMemory)?;
-        *slot = true;
-        s.live += 1;
-        Ok(Admitted {
-            export: s.export.clone(),
-            session,
-            placement: s.placement,
-            queue,
-            size: s.size,
-            depth: depth.min(s.depth),
-            max_io: s.max_io,
-            copy: s.copy,
-            seal: None,
-            mem,
-        })
+        s.admit_queue(session, queue, depth, None, self.connection_share())
     }
 
     /// The fragment payload a session negotiated.
@@ -737,26 +753,8 @@ impl Registry {
                 return Err(JoinRefused::Challenge(nonce));
             }
         }
-        let slot = s.joined.get_mut(queue as usize).ok_or(Status::Invalid)?;
-        if *slot {
-            return Err(Status::Busy.into());
-        }
-        let mem = Account::reserve(&s.mem, s.queue_floor, self.connection_share())
-            .ok_or(Status::NoMemory)?;
-        *slot = true;
-        s.live += 1;
-        Ok(Admitted {
-            export: s.export.clone(),
-            session,
-            placement: s.placement,
-            queue,
-            size: s.size,
-            depth: s.depth,
-            max_io: s.max_io,
-            copy: s.copy,
-            seal,
-            mem,
-        })
+        let depth = s.depth;
+        Ok(s.admit_queue(session, queue, depth, seal, self.connection_share())?)
     }
 
     /// A queue closed; the session ends with its last queue.
