@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use blkwire_wire::nvme_tcp::{
     self, pdu_len, CapsuleCmd, Cqe, Direction, H2CData, IcReq, Params, Pdu, Progress, Sgl, Sqe,
+    BLKWIRE_NQN_PREFIX as NQN_PREFIX,
 };
 use blkwire_wire::{CopyLimits, Features, Status};
 
@@ -26,8 +27,6 @@ use crate::tls::Link;
 use crate::url::Url;
 use crate::{ConnectOptions, Error, ExportInfo, Result, Session};
 
-/// blkwire's subsystem NQNs are this prefix and the export's name.
-pub const NQN_PREFIX: &str = "nqn.2026-11.io.blkwire:";
 /// The host NQN blkwire presents (one per machine is what hosts do; this one is per host id).
 fn host_nqn(opts: &ConnectOptions) -> String {
     format!("nqn.2014-08.org.nvmexpress:blkwire:{}", opts.host_id)
@@ -384,7 +383,7 @@ impl Setup {
         q.cdw10 = (qid as u32) << 16;
         q.cdw11 = sqsize as u32;
         let mut d = vec![0u8; 1024];
-        let hostid = ring_free_hostid(hostnqn);
+        let hostid = host_id_bytes(hostnqn);
         d[0..16].copy_from_slice(&hostid);
         d[16..18].copy_from_slice(&cntlid.to_le_bytes());
         let (sn, hn) = (subnqn.as_bytes(), hostnqn.as_bytes());
@@ -425,7 +424,7 @@ impl Setup {
 }
 
 /// A host id derived from the host NQN (stable, so a target sees one host).
-fn ring_free_hostid(hostnqn: &str) -> [u8; 16] {
+fn host_id_bytes(hostnqn: &str) -> [u8; 16] {
     let mut h = [0u8; 16];
     for (i, b) in hostnqn.bytes().enumerate() {
         h[i % 16] = h[i % 16].wrapping_mul(31).wrapping_add(b);

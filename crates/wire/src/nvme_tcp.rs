@@ -20,6 +20,9 @@ use std::fmt;
 
 use crate::crc::crc32c;
 
+/// blkwire's subsystem NQNs are this prefix and an export's name (the target's NVMe/TCP
+/// frontend names its subsystems so; its initiator turns an export name into the NQN).
+pub const BLKWIRE_NQN_PREFIX: &str = "nqn.2026-11.io.blkwire:";
 /// Bytes of the common header every PDU starts with.
 pub const CH_LEN: usize = 8;
 /// Bytes of a header or data digest (CRC32C, little-endian).

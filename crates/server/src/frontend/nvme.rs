@@ -9,13 +9,13 @@
 use blkwire_backend::CopyRange;
 use blkwire_backend::{BlockOp, IoFlags};
 use blkwire_wire::nvme_tcp::{
-    self, pdu_len, C2HData, CapsuleCmd, Cqe, Params, Pdu, PduError, PduType, Progress, Sgl,
-    TermReq, R2T,
+    self, pdu_len, C2HData, CapsuleCmd, Params, Pdu, PduError, PduType, Progress, Sgl, R2T,
 };
 use blkwire_wire::{CopyDescriptor, CopyLimits, Status};
 
 use super::{Decoded, Kind, ReadFraming, Req, StreamFrontend};
-use crate::nvme::spec::{self, cqe_status, fctype, io, sc, status_of};
+use crate::nvme::spec::{self, fctype, io, sc, status_of};
+use crate::nvme::Completion;
 
 /// One I/O queue's protocol state, as ICReq and Connect negotiated it.
 pub struct NvmeIo {
@@ -95,15 +95,7 @@ impl NvmeIo {
     /// Appends a C2HTermReq for `e` (when the error has a FES) with the offending header: the
     /// host learns why before the connection closes (TCP transport §3.6.2.4).
     fn terminate(&self, e: &PduError, rx: &[u8], tx: &mut Vec<u8>) -> Decoded {
-        if let Some((fes, fei)) = e.term_status() {
-            let hlen = rx.len().min(nvme_tcp::TERM_MAX_DATA);
-            let t = TermReq {
-                fes,
-                fei,
-                data: &rx[..hlen],
-            };
-            Pdu::C2HTermReq(t).encode(&self.tx, tx);
-        }
+        crate::nvme::terminate(tx, e, rx, &self.tx);
         Decoded::Violation(format!("NVMe/TCP: {e}"))
     }
 
@@ -168,13 +160,8 @@ impl NvmeIo {
                 }
                 let sgl = q.sgl();
                 let carried = match (op, sgl) {
-                    (io::READ, Sgl::TransportDataBlock { length: l, .. }) if data_len == 0 => {
-                        if l < length {
-                            return self.answer(cid, sc::SGL_INVALID_DATA | sc::DNR, len, tx);
-                        }
-                        0
-                    }
-                    (io::WRITE, Sgl::TransportDataBlock { length: l, .. }) if data_len == 0 => {
+                    // Read data comes back, write data is asked for: both by the transport.
+                    (_, Sgl::TransportDataBlock { length: l, .. }) if data_len == 0 => {
                         if l < length {
                             return self.answer(cid, sc::SGL_INVALID_DATA | sc::DNR, len, tx);
                         }
@@ -360,15 +347,14 @@ impl NvmeIo {
     }
 
     fn response(&self, cid: u16, status: u16, tx: &mut Vec<u8>) {
-        let cqe = Cqe {
-            dw0: 0,
-            dw1: 0,
-            sq_head: self.sq_head,
-            sq_id: self.qid,
+        let c = Completion {
             cid,
-            status: cqe_status(status),
+            qid: self.qid,
+            sq_head: self.sq_head,
+            status,
+            result: 0,
         };
-        Pdu::CapsuleResp(cqe).encode(&self.tx, tx);
+        c.encode(&self.tx, None, tx);
     }
 
     fn resp_len(&self) -> usize {

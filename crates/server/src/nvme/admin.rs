@@ -16,10 +16,10 @@ use std::time::{Duration, Instant};
 
 use blkwire_auth::dhchap::{self, ControllerAuth};
 use blkwire_auth::PeerAddr;
-use blkwire_wire::nvme_tcp::{self, C2HData, CapsuleCmd, Cqe, Pdu};
+use blkwire_wire::nvme_tcp::{self, CapsuleCmd, Pdu};
 
-use super::spec::{self, admin, cqe_status, fctype, prop, sc, DiscoveryEntry, Facts};
-use super::{command_data, read_pdu, response, terminate, Link};
+use super::spec::{self, admin, fctype, prop, sc, DiscoveryEntry, Facts};
+use super::{command_data, read_pdu, terminate, Completion, Link};
 use crate::log::Level;
 use crate::session::{Admitted, Registry};
 
@@ -201,7 +201,7 @@ impl AdminQueue {
             return match fct {
                 fctype::PROPERTY_GET => {
                     let (st, v) = self.property_get(q.cdw10 as u8, q.cdw11);
-                    self.finish64(sock, q.cid, st, v)
+                    self.send(sock, q.cid, st, v, None)
                 }
                 fctype::PROPERTY_SET => {
                     let v = q.cdw12 as u64 | (q.cdw13 as u64) << 32;
@@ -424,10 +424,6 @@ impl AdminQueue {
         r
     }
 
-    fn finish64(&mut self, sock: &mut TcpStream, cid: u16, status: u16, v: u64) -> Option<Outcome> {
-        self.send(sock, cid, status, v, None)
-    }
-
     fn finish(
         &mut self,
         sock: &mut TcpStream,
@@ -448,30 +444,14 @@ impl AdminQueue {
         result: u64,
         data: Option<Vec<u8>>,
     ) -> Option<Outcome> {
-        let mut out = Vec::new();
-        if let Some(d) = data.filter(|d| !d.is_empty() && status == sc::SUCCESS) {
-            let c = C2HData {
-                cccid: cid,
-                datao: 0,
-                last: true,
-                success: false,
-                data: &d,
-            };
-            Pdu::C2HData(c).encode(&self.s.link.tx, &mut out);
-        }
-        response(
-            &mut out,
-            &self.s.link.tx,
-            Cqe {
-                dw0: result as u32,
-                dw1: (result >> 32) as u32,
-                sq_head: self.sq_head,
-                sq_id: 0,
-                cid,
-                status: cqe_status(status),
-            },
-        );
-        sock.write_all(&out).ok()?;
+        let c = Completion {
+            cid,
+            qid: 0,
+            sq_head: self.sq_head,
+            status,
+            result,
+        };
+        c.send(sock, &self.s.link.tx, data.as_deref())?;
         Some(Outcome::Continue)
     }
 }
@@ -551,15 +531,7 @@ impl QueueAuth {
     /// AUTH_Send with its payload: completes with success whatever the message said (a
     /// failure is reported by the next AUTH_Receive), unless the command's fields are wrong.
     pub fn send(&mut self, q: &nvme_tcp::Sqe, data: &[u8]) -> u16 {
-        if dhchap::check_command(
-            (q.cdw10 >> 24) as u8,
-            (q.cdw10 >> 8) as u8,
-            (q.cdw10 >> 16) as u8,
-            q.cdw11,
-        )
-        .is_err()
-            || data.len() != q.cdw11 as usize
-        {
+        if !auth_fields_ok(q, q.cdw11) || data.len() != q.cdw11 as usize {
             return sc::INVALID_FIELD | sc::DNR;
         }
         let _ = self.inner.on_send(data);
@@ -569,15 +541,7 @@ impl QueueAuth {
     /// AUTH_Receive: the next message, zero-padded to the allocation length.
     pub fn receive(&mut self, q: &nvme_tcp::Sqe) -> (u16, Option<Vec<u8>>) {
         let al = q.cdw11;
-        if dhchap::check_command(
-            (q.cdw10 >> 24) as u8,
-            (q.cdw10 >> 8) as u8,
-            (q.cdw10 >> 16) as u8,
-            al,
-        )
-        .is_err()
-            || al as usize > MAX_AUTH_LEN
-        {
+        if !auth_fields_ok(q, al) || al as usize > MAX_AUTH_LEN {
             return (sc::INVALID_FIELD | sc::DNR, None);
         }
         match self.inner.on_receive(al) {
@@ -604,6 +568,13 @@ impl QueueAuth {
     pub fn failed(&self) -> bool {
         self.inner.state() == dhchap::State::Failed
     }
+}
+
+/// The fields of an AUTH_Send or AUTH_Receive (SECP, SPSP0, SPSP1 in CDW10) and its length,
+/// as the kernel's host sets them (`dhchap::check_command`).
+fn auth_fields_ok(q: &nvme_tcp::Sqe, len: u32) -> bool {
+    let b = q.cdw10.to_le_bytes();
+    dhchap::check_command(b[3], b[1], b[2], len).is_ok()
 }
 
 /// Largest AUTH_Send or AUTH_Receive payload taken (the kernel uses 4096 at most).
@@ -653,30 +624,14 @@ pub fn authenticate_queue<S: Read + Write>(
         } else {
             (sc::AUTH_REQUIRED | sc::DNR, None)
         };
-        let mut out = Vec::new();
-        if let Some(d) = data.filter(|d| !d.is_empty()) {
-            let c2h = C2HData {
-                cccid: q.cid,
-                datao: 0,
-                last: true,
-                success: false,
-                data: &d,
-            };
-            Pdu::C2HData(c2h).encode(&link.tx, &mut out);
-        }
-        response(
-            &mut out,
-            &link.tx,
-            Cqe {
-                dw0: 0,
-                dw1: 0,
-                sq_head: *sq_head,
-                sq_id: qid,
-                cid: q.cid,
-                status: cqe_status(status),
-            },
-        );
-        s.write_all(&out).ok()?;
+        let done = Completion {
+            cid: q.cid,
+            qid,
+            sq_head: *sq_head,
+            status,
+            result: 0,
+        };
+        done.send(s, &link.tx, data.as_deref())?;
         if auth.done() {
             return Some(true);
         }

@@ -22,8 +22,8 @@ use std::sync::{Arc, Mutex};
 
 use blkwire_auth::PeerAddr;
 use blkwire_wire::nvme_tcp::{
-    self, pdu_len, CapsuleCmd, Cqe, Direction, IcResp, Params, Pdu, PduError, Progress, Sgl,
-    TermReq, IC_LEN,
+    self, pdu_len, C2HData, CapsuleCmd, Cqe, Direction, IcResp, Params, Pdu, PduError, Progress,
+    Sgl, TermReq, IC_LEN,
 };
 
 use crate::frontend::nvme::{IoQueueSetup, NvmeIo};
@@ -207,9 +207,52 @@ pub fn terminate<W: Write>(w: &mut W, e: &PduError, header: &[u8], p: &Params) {
     }
 }
 
-/// Appends a CapsuleResp.
-pub fn response(out: &mut Vec<u8>, p: &Params, cqe: Cqe) {
-    Pdu::CapsuleResp(cqe).encode(p, out);
+/// What a command's completion says: the one way every queue (setup, admin, I/O) answers.
+#[derive(Clone, Copy)]
+pub struct Completion {
+    /// The command's CID.
+    pub cid: u16,
+    /// The queue's id.
+    pub qid: u16,
+    /// SQ head: the commands the queue has taken so far.
+    pub sq_head: u16,
+    /// Status field (`spec::sc`; the phase bit is added here).
+    pub status: u16,
+    /// Dwords 0 and 1.
+    pub result: u64,
+}
+
+impl Completion {
+    /// Appends the command's data (one C2HData, only when it succeeded and has any), then its
+    /// CapsuleResp.
+    pub fn encode(&self, p: &Params, data: Option<&[u8]>, out: &mut Vec<u8>) {
+        if let Some(d) = data.filter(|d| !d.is_empty() && self.status == sc::SUCCESS) {
+            let c = C2HData {
+                cccid: self.cid,
+                datao: 0,
+                last: true,
+                success: false,
+                data: d,
+            };
+            Pdu::C2HData(c).encode(p, out);
+        }
+        let cqe = Cqe {
+            dw0: self.result as u32,
+            dw1: (self.result >> 32) as u32,
+            sq_head: self.sq_head,
+            sq_id: self.qid,
+            cid: self.cid,
+            status: cqe_status(self.status),
+        };
+        Pdu::CapsuleResp(cqe).encode(p, out);
+    }
+
+    /// Encodes and sends it, blocking (setup and admin queues).
+    pub fn send<W: Write>(&self, w: &mut W, p: &Params, data: Option<&[u8]>) -> Option<()> {
+        let mut out = Vec::new();
+        self.encode(p, data, &mut out);
+        w.write_all(&out).ok()
+    }
 }
 
 /// The negotiated parameters of a connection, both directions.
@@ -447,20 +490,14 @@ pub fn accept<S: Read + Write>(
     };
     let q = cmd.sqe;
     let reply = |s: &mut S, qid: u16, status: u16, dw0: u32| {
-        let mut out = Vec::new();
-        response(
-            &mut out,
-            &link.tx,
-            Cqe {
-                dw0,
-                dw1: 0,
-                sq_head: 1,
-                sq_id: qid,
-                cid: q.cid,
-                status: cqe_status(status),
-            },
-        );
-        s.write_all(&out).ok()
+        let c = Completion {
+            cid: q.cid,
+            qid,
+            sq_head: 1,
+            status,
+            result: dw0 as u64,
+        };
+        c.send(s, &link.tx, None)
     };
     if q.opcode != spec::FABRICS || q.nsid as u8 != fctype::CONNECT {
         // The first command on a queue must be Connect.
@@ -585,7 +622,8 @@ fn admin_connect<S: Read + Write>(
         );
         return None;
     }
-    let max_io = mdts_bytes(registry.limits().max_io);
+    // The largest transfer, as `accept` gave it to ICResp (MAXH2CDATA is MDTS's size).
+    let max_io = link.maxh2cdata;
     let discovery = c.subnqn == spec::DISCOVERY_NQN;
     let mut session = None;
     let mut admitted = None;
@@ -793,6 +831,13 @@ fn io_admit<S: Read + Write>(
     answered: bool,
 ) -> Option<Accepted> {
     let entries = c.sqsize + 1;
+    let done = Completion {
+        cid: c.cid,
+        qid: c.qid,
+        sq_head,
+        status: sc::SUCCESS,
+        result: c.cntlid as u64,
+    };
     let a = match registry.join_verified(session, c.qid, entries) {
         Ok(a) => a,
         Err(st) => {
@@ -803,42 +848,19 @@ fn io_admit<S: Read + Write>(
                 c.cntlid
             );
             if !answered {
-                let mut out = Vec::new();
-                response(
-                    &mut out,
-                    &link.tx,
-                    Cqe {
-                        dw0: invalid_param(false, 42),
-                        dw1: 0,
-                        sq_head,
-                        sq_id: c.qid,
-                        cid: c.cid,
-                        status: cqe_status(sc::CONNECT_INVALID_PARAM | sc::DNR),
-                    },
-                );
-                let _ = s.write_all(&out);
+                let refused = Completion {
+                    status: sc::CONNECT_INVALID_PARAM | sc::DNR,
+                    result: invalid_param(false, 42) as u64,
+                    ..done
+                };
+                let _ = refused.send(s, &link.tx, None);
             }
             return None;
         }
     };
-    if !answered {
-        let mut out = Vec::new();
-        response(
-            &mut out,
-            &link.tx,
-            Cqe {
-                dw0: c.cntlid as u32,
-                dw1: 0,
-                sq_head,
-                sq_id: c.qid,
-                cid: c.cid,
-                status: 0,
-            },
-        );
-        if s.write_all(&out).is_err() {
-            registry.leave(a.session, a.queue, &Default::default());
-            return None;
-        }
+    if !answered && done.send(s, &link.tx, None).is_none() {
+        registry.leave(a.session, a.queue, &Default::default());
+        return None;
     }
     // From here on the queue takes in-capsule writes and H2CData up to MAXH2CDATA, inside the
     // memory budget the reactor keeps.

@@ -11,7 +11,7 @@ use blkwire_wire::{CopyLimits, Status};
 /// The well-known NQN of a discovery controller.
 pub const DISCOVERY_NQN: &str = "nqn.2014-08.org.nvmexpress.discovery";
 /// Subsystem NQNs are this prefix and the export's name.
-pub const NQN_PREFIX: &str = "nqn.2026-11.io.blkwire:";
+pub use blkwire_wire::nvme_tcp::BLKWIRE_NQN_PREFIX as NQN_PREFIX;
 /// NQNs are at most 223 bytes (Base spec §4.5); the fields that carry them are 256.
 pub const NQN_FIELD: usize = 256;
 
