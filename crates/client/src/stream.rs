@@ -345,11 +345,7 @@ impl StreamQueue {
                 .map_err(|e| Error::Protocol(e.to_string()))?;
             let total = HEADER_LEN + h.payload_len as usize;
             if avail < total {
-                if self.rx.len() - self.rx_start < total {
-                    self.rx.copy_within(self.rx_start..self.rx_end, 0);
-                    self.rx_end -= self.rx_start;
-                    self.rx_start = 0;
-                }
+                self.make_room(total);
                 break;
             }
             let at = self.rx_start + HEADER_LEN;
@@ -537,7 +533,9 @@ impl StreamQueue {
         Ok(n)
     }
 
-    /// Makes room for a message of `total` bytes starting at `rx_start`.
+    /// Makes room for a message of `total` bytes starting at `rx_start`: moves what is buffered
+    /// to the front, and grows the buffer only for a message larger than it (never a native
+    /// frame: the buffer holds the largest one the session allows).
     fn make_room(&mut self, total: usize) {
         if self.rx.len() - self.rx_start < total {
             self.rx.copy_within(self.rx_start..self.rx_end, 0);

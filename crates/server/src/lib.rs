@@ -235,12 +235,8 @@ impl Shared {
         if sessions.is_empty() {
             return;
         }
-        let ids: Arc<[u32]> = sessions.into();
-        for w in &self.workers {
-            if w.tx.send(Msg::Close(ids.clone())).is_ok() {
-                eventfd_write(w.wake.as_raw_fd());
-            }
-        }
+        let workers = self.workers.iter().map(|w| (&w.tx, w.wake.as_raw_fd()));
+        close_on_reactors(workers, sessions);
     }
 
     fn lock_listeners(&self) -> std::sync::MutexGuard<'_, Listeners> {
@@ -1016,13 +1012,17 @@ fn send_frame(s: &mut Admission, h: &Header, payload: &[u8]) -> std::io::Result<
     s.write_all(&buf)
 }
 
-/// Closes every queue of these sessions, on whichever reactor serves them (from a handshake
-/// thread: an NVMe/TCP controller that ended takes its I/O queues with it).
-fn close_sessions(workers: &[(Sender<Msg>, i32)], sessions: &[u32]) {
+/// Closes every queue of these sessions, on whichever reactor serves them: tells each reactor
+/// (its channel and wake-up eventfd). The control plane does it (`Shared::close_sessions`), and
+/// so does a handshake thread whose NVMe/TCP controller ended (its I/O queues go with it).
+fn close_on_reactors<'a>(
+    workers: impl IntoIterator<Item = (&'a Sender<Msg>, i32)>,
+    sessions: &[u32],
+) {
     let ids: Arc<[u32]> = sessions.into();
     for (tx, wake) in workers {
         if tx.send(Msg::Close(ids.clone())).is_ok() {
-            eventfd_write(*wake);
+            eventfd_write(wake);
         }
     }
 }
@@ -1065,7 +1065,7 @@ fn handshake(
                     let ended = (*q).serve(s.s, registry, &peer_s);
                     if let Some((session, queue)) = ended.session {
                         registry.revoke(session);
-                        close_sessions(workers, &[session]);
+                        close_on_reactors(workers.iter().map(|(t, w)| (t, *w)), &[session]);
                         registry.leave(session, queue, &QueueStats::default());
                     }
                     drop(counted);

@@ -60,35 +60,14 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             } => (len, payload_len, trailer),
             Decoded::Answered { len } => (len, 0, 0),
         };
-        // Data of requests in flight counts against the same high-water mark as replies not
-        // yet sent: a client cannot make us hold more by asking for large reads from a backend
-        // that answers later. Solicited data and answered messages still go through, so a
-        // write waiting for its data can always complete.
+        // What a request will hold must fit the high-water mark and the memory budget
+        // (`request_cover`). Solicited data and answered messages still go through, so a write
+        // waiting for its data can always complete.
         if let Decoded::Request {
             req, payload_len, ..
         } = &decoded
         {
-            let moves_data = matches!(req.kind, Kind::Block(op) if op.moves_data());
-            // A WRITE that brings none of its data waits in its slot (no buffer yet) until
-            // memory lets its solicitation go out (`hold_write`): it never stops the stream, since
-            // the data of the writes before it may be right behind it.
-            let unsolicited = req.is_write() && *payload_len == 0 && req.length > 0;
-            let over = moves_data && !unsolicited && c.tx_backlog() + c.held >= c.tx_high_water();
-            // And the memory budget must cover what the request will add: its reply data, and
-            // a data buffer unless it runs inline or a spare fits; a COPY's bounce buffer.
-            // Otherwise it waits in rx, unless it could never fit this connection's share: then
-            // it fails (ENOMEM).
-            let cover = match req.kind {
-                _ if over => Cover::Wait,
-                Kind::Copy => covers_copy(c),
-                _ if unsolicited => match covers_request(c, req) {
-                    Cover::Never => Cover::Never,
-                    _ => Cover::Yes,
-                },
-                _ if moves_data => covers_request(c, req),
-                _ => Cover::Yes,
-            };
-            match cover {
+            match request_cover(c, req, *payload_len) {
                 Cover::Yes => {}
                 // While writes wait for data the initiator sends after this request, the
                 // request waits in a slot instead of in rx: stopping the stream here would keep
@@ -149,6 +128,34 @@ enum Cover {
     Yes,
     Wait,
     Never,
+}
+
+/// Whether the memory budget covers a request that brought `payload_len` bytes of its data,
+/// now, later or never (`parse_frames`, and parked requests in `run_deferred`).
+fn request_cover(c: &mut Conn, req: &Req, payload_len: usize) -> Cover {
+    let moves_data = matches!(req.kind, Kind::Block(op) if op.moves_data());
+    // A WRITE that brings none of its data waits in its slot (no buffer yet) until memory lets
+    // its solicitation go out (`hold_write`): it never stops the stream, since the data of the
+    // writes before it may be right behind it.
+    let unsolicited = req.is_write() && payload_len == 0 && req.length > 0;
+    // Data of requests in flight counts against the same high-water mark as replies not yet
+    // sent: a client cannot make us hold more by asking for large reads from a backend that
+    // answers later.
+    if moves_data && !unsolicited && c.tx_backlog() + c.held >= c.tx_high_water() {
+        return Cover::Wait;
+    }
+    // And the memory budget must cover what the request will add: its reply data, and a data
+    // buffer unless it runs inline or a spare fits; a COPY's bounce buffer. Otherwise it waits,
+    // unless it could never fit this connection's share: then it fails (ENOMEM).
+    match req.kind {
+        Kind::Copy => covers_copy(c),
+        _ if unsolicited => match covers_request(c, req) {
+            Cover::Never => Cover::Never,
+            _ => Cover::Yes,
+        },
+        _ if moves_data => covers_request(c, req),
+        _ => Cover::Yes,
+    }
 }
 
 /// Whether a COPY may start (see `parse_frames`): one at a time per queue (the next waits in
@@ -458,9 +465,7 @@ fn run_deferred(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         };
         if s.awaiting.is_none() {
             // Parked: it runs as if it had just arrived, in the slot it gives back.
-            if !matches!(covers_request(c, &req), Cover::Yes)
-                || c.tx_backlog() + c.held >= c.tx_high_water()
-            {
+            if !matches!(request_cover(c, &req, 0), Cover::Yes) {
                 return;
             }
             c.deferred.pop_front();
