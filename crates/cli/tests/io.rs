@@ -27,24 +27,7 @@ fn round_trips(url: &str, queues: u16) {
         queues as usize,
         "target grants the queues asked for"
     );
-    let sizes = [
-        512usize,
-        4096,
-        65536 + 512,
-        256 << 10,
-        (3 << 20) + (512 << 10),
-    ];
-    let mut offset = 0u64;
-    for (qi, q) in s.queues.iter_mut().enumerate() {
-        for (i, &len) in sizes.iter().enumerate() {
-            let data = random_bytes(len, (qi * 100 + i) as u64);
-            q.write_at(&data, offset, false).unwrap();
-            let mut back = vec![0u8; len];
-            q.read_at(&mut back, offset).unwrap();
-            assert!(back == data, "queue {qi} size {len}: data differs");
-            offset += len as u64 + 512;
-        }
-    }
+    common::round_trip_every_queue(&mut s);
     // Data written on one queue is visible on every other (PROTOCOL.md §10).
     let data = random_bytes(8192, 999);
     s.queues[0].write_at(&data, 0, true).unwrap();

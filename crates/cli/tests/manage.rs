@@ -4,11 +4,10 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::Duration;
 
 use blkwire_client::{connect, ConnectOptions, Url};
@@ -32,32 +31,11 @@ impl Managed {
     /// after every `listening` line).
     fn start(dir: &TempDir, args: &[&str]) -> Managed {
         let sock = dir.path("ctl.sock").to_str().unwrap().to_string();
-        let mut child = Command::new(BIN)
-            .args(["serve", "--rpc-socket", &sock, "--log-level", "warn"])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn blkwire serve");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let mut urls = Vec::new();
-        loop {
-            match rx.recv_timeout(Duration::from_secs(20)) {
-                Ok(l) if l.starts_with("control ") => break,
-                Ok(l) => urls.extend(l.strip_prefix("listening ").map(str::to_string)),
-                Err(_) => {
-                    let _ = child.kill();
-                    let status = child.wait().unwrap();
-                    panic!("serve {args:?} printed no control line ({status}); urls {urls:?}");
-                }
-            }
-        }
+        let mut cmd = Command::new(BIN);
+        cmd.args(["serve", "--rpc-socket", &sock, "--log-level", "warn"])
+            .args(args);
+        // Every `listening` line comes before the `control` one.
+        let (child, urls) = common::spawn_serve_with_control(&mut cmd, 0);
         Managed { child, sock, urls }
     }
 

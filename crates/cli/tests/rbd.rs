@@ -225,24 +225,7 @@ fn native_round_trips_and_cp() {
     let url = t.url("r");
     let mut s = session(&url, 3);
     assert_eq!(s.info.size, 64 * MIB, "the image's size is the export's");
-    let sizes = [
-        512usize,
-        4096,
-        65536 + 512,
-        256 << 10,
-        (3 << 20) + (512 << 10),
-    ];
-    let mut offset = 0u64;
-    for (qi, q) in s.queues.iter_mut().enumerate() {
-        for (i, &len) in sizes.iter().enumerate() {
-            let data = random_bytes(len, (qi * 100 + i) as u64);
-            q.write_at(&data, offset, false).unwrap();
-            let mut back = vec![0u8; len];
-            q.read_at(&mut back, offset).unwrap();
-            assert!(back == data, "queue {qi} size {len}: data differs");
-            offset += len as u64 + 512;
-        }
-    }
+    common::round_trip_every_queue(&mut s);
     let data = random_bytes(8192, 999);
     s.queues[0].write_at(&data, 0, true).unwrap(); // FUA: emulated as write then flush
     let mut back = vec![0u8; 8192];
@@ -516,45 +499,20 @@ fn resize_grows_the_image_and_new_sessions_see_it() {
     let img = c.image("resize", 16 * MIB);
     let d = TempDir::new("rbd-resize");
     let sock = d.path("ctl.sock");
-    let mut child = Command::new(BIN)
-        .args([
-            "serve",
-            "--listen",
-            "tcp://127.0.0.1:0",
-            "--log-level",
-            "warn",
-            "--rpc-socket",
-        ])
-        .arg(&sock)
-        .args(["--export", &format!("r={}", c.spec(&img, ""))])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn blkwire serve");
+    let mut cmd = Command::new(BIN);
+    cmd.args([
+        "serve",
+        "--listen",
+        "tcp://127.0.0.1:0",
+        "--log-level",
+        "warn",
+        "--rpc-socket",
+    ])
+    .arg(&sock)
+    .args(["--export", &format!("r={}", c.spec(&img, ""))]);
     // serve prints `listening URL`, then `control PATH` once the socket takes calls.
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let mut base = String::new();
-    loop {
-        match rx.recv_timeout(Duration::from_secs(30)) {
-            Ok(l) if l.starts_with("control ") => break,
-            Ok(l) => {
-                base = l
-                    .strip_prefix("listening ")
-                    .map(str::to_string)
-                    .unwrap_or(base)
-            }
-            Err(_) => {
-                let _ = child.kill();
-                panic!("serve printed no control line");
-            }
-        }
-    }
+    let (child, urls) = common::spawn_serve_with_control(&mut cmd, 1);
+    let base = urls[0].clone();
     let _t = Target {
         child,
         base: base.clone(),

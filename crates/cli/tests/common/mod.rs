@@ -19,22 +19,41 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_blkwire");
 /// lines on its stdout; returns the child and the URLs in the order printed. Panics, with the
 /// child killed, when they do not come.
 pub fn spawn_serve(cmd: &mut Command, want: usize) -> (Child, Vec<String>) {
-    let (child, urls, _) = spawn_serve_lines(cmd, want, false);
+    let (child, urls, _) = spawn_serve_lines(cmd, want, Also::Nothing);
+    (child, urls)
+}
+
+/// Like [`spawn_serve`] for a `serve --rpc-socket PATH` command: also waits for its `control
+/// PATH` line (printed once the control socket takes calls).
+pub fn spawn_serve_with_control(cmd: &mut Command, want: usize) -> (Child, Vec<String>) {
+    let (child, urls, _) = spawn_serve_lines(cmd, want, Also::Control);
     (child, urls)
 }
 
 /// Like [`spawn_serve`] for a `serve --metrics` command: also waits for its `metrics URL` line
 /// and returns that URL.
 pub fn spawn_serve_with_metrics(cmd: &mut Command, want: usize) -> (Child, Vec<String>, String) {
-    let (child, urls, metrics) = spawn_serve_lines(cmd, want, true);
+    let (child, urls, metrics) = spawn_serve_lines(cmd, want, Also::Metrics);
     (child, urls, metrics.expect("waited for"))
+}
+
+/// What a serve command prints after its `listening` lines that the caller waits for too.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Also {
+    Nothing,
+    /// `metrics URL` (returned).
+    Metrics,
+    /// `control PATH`.
+    Control,
 }
 
 fn spawn_serve_lines(
     cmd: &mut Command,
     want: usize,
-    metrics: bool,
+    also: Also,
 ) -> (Child, Vec<String>, Option<String>) {
+    let metrics = also == Also::Metrics;
+    let mut control = also != Also::Control;
     let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -47,10 +66,12 @@ fn spawn_serve_lines(
             let _ = tx.send(line);
         }
     });
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    // A target that opens a remote backend (rbd:) before its control socket may take longer.
+    let wait = if also == Also::Control { 30 } else { 20 };
+    let deadline = std::time::Instant::now() + Duration::from_secs(wait);
     let mut urls = Vec::new();
     let mut metrics_url = None;
-    while urls.len() < want || (metrics && metrics_url.is_none()) {
+    while urls.len() < want || (metrics && metrics_url.is_none()) || !control {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         match rx.recv_timeout(left) {
             Ok(line) => {
@@ -58,15 +79,21 @@ fn spawn_serve_lines(
                     urls.push(u.to_string());
                 } else if let Some(u) = line.strip_prefix("metrics ") {
                     metrics_url = Some(u.to_string());
+                } else if line.starts_with("control ") {
+                    control = true;
                 }
             }
             Err(_) => {
                 let _ = child.kill();
                 let _ = child.wait();
                 panic!(
-                    "target reported {urls:?} and metrics {metrics_url:?}, expected {want} \
-                     listening addresses{}",
-                    if metrics { " and a metrics URL" } else { "" }
+                    "target reported {urls:?}, metrics {metrics_url:?} and control {control}, \
+                     expected {want} listening addresses{}",
+                    match also {
+                        Also::Metrics => " and a metrics URL",
+                        Also::Control => " and a control line",
+                        Also::Nothing => "",
+                    }
                 );
             }
         }
@@ -165,6 +192,30 @@ pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
             (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 56) as u8
         })
         .collect()
+}
+
+/// Writes and reads back, on every queue of `s`, requests from one 512-byte block to 3.5 MiB
+/// (several max-I/O pieces), each at its own offset; panics naming the queue and size whose
+/// data came back different.
+pub fn round_trip_every_queue(s: &mut blkwire_client::Session) {
+    let sizes = [
+        512usize,
+        4096,
+        65536 + 512,
+        256 << 10,
+        (3 << 20) + (512 << 10),
+    ];
+    let mut offset = 0u64;
+    for (qi, q) in s.queues.iter_mut().enumerate() {
+        for (i, &len) in sizes.iter().enumerate() {
+            let data = random_bytes(len, (qi * 100 + i) as u64);
+            q.write_at(&data, offset, false).unwrap();
+            let mut back = vec![0u8; len];
+            q.read_at(&mut back, offset).unwrap();
+            assert!(back == data, "queue {qi} size {len}: data differs");
+            offset += len as u64 + 512;
+        }
+    }
 }
 
 pub fn sparse_file(path: &std::path::Path, size: u64) {
