@@ -514,15 +514,17 @@ fn decode_cdb(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
             _ => Err(Sense::invalid_cdb_field(1, 4)),
         },
         op::UNMAP => {
+            // Write protection first: on a read-only LUN every command that would change the
+            // medium is DATA PROTECT, provisioning or not (libiscsi ReadOnly.ReadOnlySBC).
+            if lun.read_only {
+                return Err(Sense::write_protected());
+            }
             if !lun.unmap {
                 return Err(Sense::invalid_opcode());
             }
             // ANCHOR (SBC-3 5.28.1): anchored blocks are not supported (ANC_SUP=0).
             if cdb[1] & 0x01 != 0 {
                 return Err(Sense::invalid_cdb_field(1, 0));
-            }
-            if lun.read_only {
-                return Err(Sense::write_protected());
             }
             Ok(Command::Unmap {
                 param_len: u32::from(get_u16(&cdb[7..])),
@@ -751,6 +753,9 @@ fn write_same(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
     if anchor {
         return Err(Sense::invalid_cdb_field(1, 4));
     }
+    if lun.read_only {
+        return Err(Sense::write_protected());
+    }
     // UNMAP without logical block provisioning (LBPWS/LBPWS10 = 0) is refused, so that what
     // the VPD B2h page says is what the command does (libiscsi WriteSame10.UnmapVPD).
     if unmap && !lun.unmap {
@@ -771,9 +776,6 @@ fn write_same(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
         return Err(Sense::invalid_cdb_field(len_at, 7));
     }
     check_range(lun, lba, blocks)?;
-    if lun.read_only {
-        return Err(Sense::write_protected());
-    }
     Ok(Command::WriteSame {
         lba,
         blocks: blocks as u32,
@@ -922,9 +924,13 @@ pub const LBA_STATUS_DESCRIPTOR_LEN: usize = 16;
 /// `alloc_len`; PARAMETER DATA LENGTH stays the full one.
 pub fn lba_status(lba: u64, extents: &[(u64, bool)], alloc_len: u32) -> Vec<u8> {
     let per = u64::from(u32::MAX);
-    let count: u64 = extents.iter().map(|&(n, _)| n.div_ceil(per)).sum();
-    let full = 4u64 + count * LBA_STATUS_DESCRIPTOR_LEN as u64;
-    let want = (alloc_len as usize).min(8 + count as usize * LBA_STATUS_DESCRIPTOR_LEN);
+    let count = extents
+        .iter()
+        .fold(0u64, |a, &(n, _)| a.saturating_add(n.div_ceil(per)));
+    let full = count
+        .saturating_mul(LBA_STATUS_DESCRIPTOR_LEN as u64)
+        .saturating_add(4);
+    let want = u64::from(alloc_len).min(full.saturating_add(4)) as usize;
     let mut out = Vec::with_capacity(want);
     out.extend_from_slice(&u32::try_from(full).unwrap_or(u32::MAX).to_be_bytes());
     out.extend_from_slice(&[0; 4]);

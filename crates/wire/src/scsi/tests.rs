@@ -649,6 +649,19 @@ fn write_same() {
         decode(&cdb16(&[0x41, 0, 0, 0, 0, 0, 0, 0, 1]), &ro),
         Err(Sense::write_protected())
     );
+    // Read-only wins over "no provisioning" for WRITE SAME with UNMAP and for UNMAP.
+    let ro_thick = LunInfo {
+        read_only: true,
+        ..thick
+    };
+    assert_eq!(
+        decode(&cdb16(&[0x41, 0x08, 0, 0, 0, 0, 0, 0, 1]), &ro_thick),
+        Err(Sense::write_protected())
+    );
+    assert_eq!(
+        decode(&cdb16(&[0x42, 0, 0, 0, 0, 0, 0, 0, 24]), &ro_thick),
+        Err(Sense::write_protected())
+    );
 }
 
 #[test]
