@@ -13,6 +13,19 @@
 //! that the transport shares between its sessions. [`Command::data_out_len`] says how many
 //! bytes of Data-Out a command expects, so the transport can refuse a mismatched
 //! EXPECTED DATA TRANSFER LENGTH before any I/O.
+//!
+//! How a transport answers one SCSI command with it:
+//! 1. the LUN field names no LU: [`decode_absent`] (LOGICAL UNIT NOT SUPPORTED for all but
+//!    INQUIRY, REPORT LUNS and REQUEST SENSE);
+//! 2. [`decode`]; `Err(sense)` is CHECK CONDITION with `sense.encode()`;
+//! 3. [`pr::Reservations::conflicts`] true: status RESERVATION CONFLICT (18h), nothing done;
+//! 4. EXPECTED DATA TRANSFER LENGTH against [`Command::data_out_len`] for writes;
+//! 5. run it: [`Command::DataIn`] is sent as it is (its length is at most the allocation
+//!    length); READ/WRITE/... go to the backend; parameter lists go through [`parse_unmap`],
+//!    [`xcopy::parse`] + [`xcopy::Plan::check`], [`pr::Reservations::reserve_out`];
+//!    [`Command::ReportLuns`] is [`report_luns`], [`Command::GetLbaStatus`] [`lba_status`],
+//!    [`Command::ReceiveCopyResults`] [`xcopy::receive_copy_results`],
+//!    [`Command::PersistentReserveIn`] [`pr::Reservations::reserve_in`].
 
 mod inquiry;
 mod mode;
@@ -782,6 +795,37 @@ fn write_same(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
         unmap,
         ndob,
     })
+}
+
+/// Decodes a CDB addressed to a LUN that has no logical unit (SAM-5 5.8.4.2 "incorrect logical
+/// unit"): REPORT LUNS as for any LUN (SPC-4 6.33); standard INQUIRY with peripheral qualifier
+/// 011b and device type 1Fh ("not capable of supporting a device here", SPC-4 6.4.2), the other
+/// fields from `template`; REQUEST SENSE answers LOGICAL UNIT NOT SUPPORTED; everything else is
+/// CHECK CONDITION with that sense.
+pub fn decode_absent(cdb: &[u8], template: &LunInfo) -> Result<Command, Sense> {
+    let Some(&opcode) = cdb.first() else {
+        return Err(Sense::invalid_opcode());
+    };
+    match opcode {
+        op::REPORT_LUNS => decode(cdb, template),
+        op::INQUIRY if cdb.len() >= 6 && cdb[1] & 0x03 == 0 && cdb[2] == 0 => {
+            let mut out = inquiry::standard(template);
+            out[0] = 0x7F;
+            out.truncate(get_u16(&cdb[3..]) as usize);
+            Ok(Command::DataIn(out))
+        }
+        op::REQUEST_SENSE if cdb.len() >= 6 => {
+            let mut out = Vec::new();
+            if cdb[1] & 0x01 != 0 {
+                Sense::lun_not_supported().encode_descriptor(&mut out);
+            } else {
+                Sense::lun_not_supported().encode(&mut out);
+            }
+            out.truncate(cdb[4] as usize);
+            Ok(Command::DataIn(out))
+        }
+        _ => Err(Sense::lun_not_supported()),
+    }
 }
 
 /// INQUIRY (SPC-4 6.4.1): standard data, or the VPD page EVPD and PAGE CODE name.

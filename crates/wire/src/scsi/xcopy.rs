@@ -304,6 +304,24 @@ pub fn copy_status(done: Option<&CopyStatus>, alloc_len: u32) -> Result<Vec<u8>,
     Ok(b)
 }
 
+/// The answer to RECEIVE COPY RESULTS (the fields of [`Command::ReceiveCopyResults`]):
+/// OPERATING PARAMETERS from `limits`, COPY STATUS from what `history` holds for `list_id`.
+///
+/// [`Command::ReceiveCopyResults`]: super::Command::ReceiveCopyResults
+pub fn receive_copy_results(
+    service_action: u8,
+    list_id: u8,
+    alloc_len: u32,
+    limits: &Limits,
+    history: &History,
+) -> Result<Vec<u8>, Sense> {
+    match service_action {
+        0x00 => copy_status(history.get(list_id), alloc_len),
+        0x03 => Ok(operating_parameters(limits, alloc_len)),
+        _ => Err(Sense::invalid_cdb_field(1, 4)),
+    }
+}
+
 /// The results held for COPY STATUS: the last few copies whose LIST ID USAGE was 00b, newest
 /// last. Bounded, so initiators cannot grow it.
 #[derive(Clone, Debug, Default)]
@@ -507,6 +525,19 @@ mod tests {
             CopyStatus { list_id: 2, ..st },
         );
         assert!(h.get(2).is_none());
+        let lim = Limits::default();
+        assert_eq!(
+            receive_copy_results(0, 1, 255, &lim, &h),
+            copy_status(h.get(1), 255)
+        );
+        assert_eq!(
+            receive_copy_results(3, 0, 255, &lim, &h),
+            Ok(operating_parameters(&lim, 255))
+        );
+        assert_eq!(
+            receive_copy_results(1, 0, 255, &lim, &h),
+            Err(Sense::invalid_cdb_field(1, 4))
+        );
         for i in 0..40 {
             h.record(&plan, CopyStatus { list_id: i, ..st });
         }
