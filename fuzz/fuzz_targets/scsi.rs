@@ -42,6 +42,13 @@ fn alloc_len(cdb: &[u8]) -> Option<usize> {
     })
 }
 
+fn alloc_len_of(cdb: &[u8]) -> Option<usize> {
+    if cdb.len() < 16 {
+        return None;
+    }
+    alloc_len(cdb)
+}
+
 fn check_decode(cdb: &[u8], l: &LunInfo) {
     let Ok(cmd) = scsi::decode(cdb, l) else {
         return;
@@ -101,6 +108,9 @@ fuzz_target!(|data: &[u8]| {
     check_decode(rest, &l);
     for w in rest.chunks(16) {
         check_decode(w, &l);
+        if let (Ok(Command::DataIn(d)), Some(a)) = (scsi::decode_absent(w, &l), alloc_len_of(w)) {
+            assert!(d.len() <= a);
+        }
     }
 
     // UNMAP parameter list.
