@@ -12,6 +12,7 @@ mod frame;
 mod handshake;
 pub mod nbd;
 pub mod nvme_tcp;
+pub mod scsi;
 
 pub use copy::CopyDescriptor;
 pub use frame::{Flags, FrameError, Header, Opcode, Status, Tag, HEADER_LEN, MAGIC, VERSION};
