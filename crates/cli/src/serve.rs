@@ -164,7 +164,6 @@ pub fn run(a: Args) -> Result<(), String> {
         admins: a.admin,
         metrics: a.metrics,
     };
-    return_freed_buffers();
     // Signals are taken by a dedicated thread (below): block them before any thread starts so
     // every thread inherits the mask and none is interrupted mid-I/O.
     let sigs = block_signals();
@@ -327,19 +326,6 @@ fn default_memory() -> usize {
     };
     let ram = (pages.max(0) as usize).saturating_mul(page.max(0) as usize);
     (ram / 4).max(256 << 20)
-}
-
-/// Buffers of 128 KiB and more get their own mapping, returned to the system when freed. By
-/// default glibc raises that threshold each time such a buffer is freed (up to 32 MiB), after
-/// which freed connection buffers stay in its heap: the memory budget got them back but the
-/// process kept them (157 MiB after a hostile load whose buffers were all freed). Connection
-/// buffers are pooled and grow rarely, so the extra mmap calls are not on the I/O path.
-fn return_freed_buffers() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: mallopt only sets an allocator parameter; called before the other threads start.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 << 10);
-    }
 }
 
 fn block_signals() -> libc::sigset_t {

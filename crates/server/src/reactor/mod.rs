@@ -127,6 +127,9 @@ pub struct Reactor {
     starved: Vec<usize>,
     /// When idle connections last gave back what their buffers grew to.
     last_trim: Instant,
+    /// The target budget's use at the last look: less now means buffers were freed.
+    budget_used: usize,
+    last_release: Instant,
     /// Some connection holds more than its minimum: wake up at least once a second to see
     /// whether it went idle (otherwise the reactor may sleep until something happens).
     trim_pending: bool,
@@ -139,6 +142,8 @@ pub struct Reactor {
 const STARVED_RETRY: Duration = Duration::from_millis(5);
 /// A connection that received nothing for this long gives back its grown buffers.
 const IDLE_TRIM: Duration = Duration::from_secs(1);
+/// How often freed memory may be handed back to the system (`budget::release_freed_memory`).
+const RELEASE_EVERY: Duration = Duration::from_millis(100);
 
 impl Reactor {
     pub fn new(
@@ -168,6 +173,8 @@ impl Reactor {
             reaped: Vec::new(),
             starved: Vec::new(),
             last_trim: Instant::now(),
+            budget_used: 0,
+            last_release: Instant::now(),
             trim_pending: false,
             closed: ClosedTotals::default(),
         })
@@ -623,6 +630,17 @@ impl Reactor {
     /// Connections that received nothing since the last look, a second ago, and have nothing
     /// in flight give back what their buffers grew to (to the budget and the allocator).
     fn trim_idle(&mut self) {
+        // What connections, ports and sessions gave back to the budget since the last look is
+        // in the allocator's free lists: hand it to the system, at most ten times a second
+        // (under churn, freed buffers would otherwise pile up between idle ticks).
+        if self.last_release.elapsed() >= RELEASE_EVERY {
+            self.last_release = Instant::now();
+            let used = self.registry.budget().used();
+            if used < self.budget_used {
+                crate::budget::release_freed_memory();
+            }
+            self.budget_used = used;
+        }
         if self.last_trim.elapsed() < IDLE_TRIM {
             return;
         }
@@ -671,5 +689,7 @@ impl Reactor {
         );
         self.free.push(idx);
         drop(c); // closes the socket
+                 // The next idle trim returns what it held to the system (`trim_idle`).
+        self.trim_pending = true;
     }
 }
