@@ -794,6 +794,30 @@ mod tests {
             };
             match rx.first() {
                 None => Decoded::Need(1),
+                // `T n` in front of a request: it addresses the connection's target n.
+                Some(b'T') => {
+                    if let Some(n) = need(2) {
+                        return n;
+                    }
+                    match self.decode(&rx[2..], tx) {
+                        Decoded::Request {
+                            mut req,
+                            len,
+                            payload_len,
+                            trailer,
+                        } => {
+                            req.target = rx[1];
+                            Decoded::Request {
+                                req,
+                                len: len + 2,
+                                payload_len,
+                                trailer,
+                            }
+                        }
+                        Decoded::Need(n) => Decoded::Need(n + 2),
+                        _ => Decoded::Violation("T before something else than a request".into()),
+                    }
+                }
                 Some(b'P') => {
                     tx.push(b'p');
                     Decoded::Answered { len: 1 }
@@ -907,6 +931,101 @@ mod tests {
 
     fn conn_with(spec: &str, chunked: bool) -> (Conn, UnixStream) {
         conn_budget(spec, chunked, 1 << 30)
+    }
+
+    /// A connection of two targets (exports `spec0` and `spec1`, sessions 1 and 2), as an
+    /// NVMe/TCP I/O queue of a controller with two namespaces is.
+    fn conn_two(spec0: &str, spec1: &str) -> (Conn, UnixStream) {
+        let (mut c, b) = conn_budget(spec0, false, 1 << 30);
+        let export = Arc::new(Export::open(&ExportSpec::parse(spec1).unwrap()).unwrap());
+        let size = export.size();
+        let exec = Executor::open(export, 1 << 20, size).unwrap();
+        c.targets.push(super::super::conn::Target {
+            inline: exec.completes_inline(),
+            exec,
+            session: 2,
+            queue: 0,
+            fenced: false,
+            _floor: None,
+        });
+        (c, b)
+    }
+
+    fn to(target: u8, msg: Vec<u8>) -> Vec<u8> {
+        let mut m = vec![b'T', target];
+        m.extend_from_slice(&msg);
+        m
+    }
+
+    /// Requests reach the export their target names; a fenced target (its session closed) and
+    /// a target the connection does not have get NO_EXPORT, and the other target goes on.
+    #[test]
+    fn requests_go_to_their_target_and_a_fenced_one_runs_nothing() {
+        for async1 in [false, true] {
+            let mut ring = Ring::new(8).unwrap();
+            let spec1 = if async1 { "b=memthread:1M" } else { "b=mem:1M" };
+            let (mut c, _peer) = conn_two("a=mem:1M", spec1);
+            let d = vec![7u8; 4096];
+            feed(&mut c, &mut ring, &to(1, write(1, 0, 4096, &d)));
+            settle_target(&mut c, &mut ring, 1);
+            assert_eq!(take_tx(&mut c), status_reply(1, Status::Ok), "{spec1}");
+            feed(&mut c, &mut ring, &to(0, read(2, 0, 4096)));
+            let tx = take_tx(&mut c);
+            assert!(
+                tx[11..11 + 4096].iter().all(|&b| b == 0),
+                "target 0 untouched"
+            );
+            feed(&mut c, &mut ring, &to(1, read(3, 0, 4096)));
+            settle_target(&mut c, &mut ring, 1);
+            let tx = take_tx(&mut c);
+            assert_eq!(tx[11..11 + 4096], d[..], "{spec1}: target 1 holds the data");
+            assert_eq!(
+                (
+                    c.targets[0].exec.stats.writes,
+                    c.targets[1].exec.stats.writes
+                ),
+                (0, 1)
+            );
+            c.targets[1].fenced = true;
+            feed(&mut c, &mut ring, &to(1, write(4, 0, 4096, &d)));
+            assert_eq!(take_tx(&mut c), status_reply(4, Status::NoExport));
+            feed(&mut c, &mut ring, &to(9, read(5, 0, 512)));
+            assert_eq!(take_tx(&mut c), status_reply(5, Status::NoExport));
+            assert_eq!(
+                c.targets[1].exec.stats.writes, 1,
+                "nothing ran on the fenced one"
+            );
+            feed(&mut c, &mut ring, &to(0, write(6, 0, 4096, &d)));
+            assert_eq!(
+                take_tx(&mut c),
+                status_reply(6, Status::Ok),
+                "target 0 goes on"
+            );
+            assert!(!c.closing);
+        }
+    }
+
+    /// Waits for what target `t`'s thread-completing backend has in flight and answers it.
+    fn settle_target(c: &mut Conn, ring: &mut Ring, t: usize) {
+        while c.inflight > 0 {
+            let Some(fd) = c.targets[t].exec.notifier() else {
+                return;
+            };
+            let mut pfd = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: poll on one descriptor the backend owns.
+            unsafe { libc::poll(&mut pfd, 1, 5000) };
+            let mut done = Vec::new();
+            c.targets[t]
+                .exec
+                .reap(&mut Pusher(ring), &mut |tag, r| done.push((tag, r)));
+            for (tag, res) in done {
+                super::finish_result(c, tag as u16, tag, res);
+            }
+        }
     }
 
     /// A connection whose buffers may hold `budget` bytes.
