@@ -1031,9 +1031,7 @@ fn admin_connect<S: Read + Write>(
     let mut namespaces = Vec::new();
     let (mut serial, mut model) = (spec::default_serial(&c.subnqn), spec::DEFAULT_MODEL.into());
     if !discovery {
-        let Some(names) = resolve(s, &c, (&peer_s, &addr, proven), registry, reply) else {
-            return None;
-        };
+        let names = resolve(s, &c, (&peer_s, &addr, proven), registry, reply)?;
         if let Some(sub) = &names.sub {
             serial = sub.serial.clone();
             model = sub.model.clone();
