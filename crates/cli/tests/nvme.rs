@@ -1096,3 +1096,62 @@ fn subsystems_change_at_run_time_through_the_control_socket() {
     let (_, done) = Queue::connect(&t.addr, SUB, 0, 0xffff, &Opts::default()).unwrap();
     assert_eq!(done.code(), 0x182, "no such subsystem any more");
 }
+
+#[test]
+fn blkwire_subsystem_commands_change_and_list_subsystems() {
+    let dir = TempDir::new("nvme-cli-sub");
+    let t = Controlled::start(&dir, &["a=mem:1M", "b=mem:1M"]);
+    let run = |args: &[&str]| {
+        let mut a = vec!["subsystem"];
+        a.extend_from_slice(args);
+        a.extend(["--socket", &t.sock]);
+        let (ok, out, err) = cli(&a);
+        assert!(ok, "{args:?}: {err}");
+        out
+    };
+    let sub = "nqn.2026-11.com.example:cli";
+    let host = nvme_host::HOSTNQN;
+    assert_eq!(
+        run(&["add", sub, "--serial", "CLI1", "--model", "Cli Model"]),
+        format!("created subsystem {sub} (serial CLI1, model Cli Model)\n")
+    );
+    assert_eq!(
+        run(&["add-ns", sub, "b", "--nsid", "4"]),
+        format!("export b is namespace 4 of {sub}\n")
+    );
+    assert_eq!(
+        run(&["add-ns", sub, "a"]),
+        format!("export a is namespace 1 of {sub}\n")
+    );
+    assert_eq!(
+        run(&["add-host", sub, host]),
+        format!("host {host} may connect to {sub}\n")
+    );
+    let ls = run(&["ls"]);
+    let line = ls.lines().find(|l| l.starts_with(sub)).expect("listed");
+    assert!(line.contains("1=a,4=b") && line.contains(host), "{line}");
+    assert!(
+        ls.contains("nqn.2026-11.io.blkwire:a"),
+        "every export's own too: {ls}"
+    );
+    let mut c = controller(&t.addr, sub, &Opts::default());
+    assert_eq!(active(&c.identify(2, 0).data), [1, 4]);
+    assert_eq!(
+        run(&["rm-ns", sub, "4"]),
+        format!("removed namespace 4 (export b) of {sub} (closed 1 session)\n")
+    );
+    common::assert_one_line_error(
+        &["subsystem", "add-ns", sub, "nosuch", "--socket", &t.sock],
+        "no export 'nosuch'",
+    );
+    assert_eq!(
+        run(&["rm-host", sub, host]),
+        format!("host {host} may no longer connect to {sub} (closed 1 session)\n")
+    );
+    assert!(
+        c.closed_within(Duration::from_secs(10)),
+        "its controller ended"
+    );
+    assert_eq!(run(&["rm", sub]), format!("deleted subsystem {sub}\n"));
+    assert!(!run(&["ls"]).contains(sub));
+}

@@ -732,11 +732,19 @@ struct NqnParam {
 
 /// Closes sessions the NVMe subsystem calls took away: revoked (no queue joins them any more),
 /// then closed on the reactors (connections fence the namespace, or end with their last one).
-fn close_nvme_sessions(sh: &Arc<Shared>, sessions: &[u32]) {
-    for &s in sessions {
+/// Returns how many were still open (a removed namespace's session stays listed with its
+/// controller, closed already).
+fn close_nvme_sessions(sh: &Arc<Shared>, sessions: &[u32]) -> usize {
+    let open: Vec<u32> = sessions
+        .iter()
+        .copied()
+        .filter(|&s| !sh.registry.is_revoked(s))
+        .collect();
+    for &s in &open {
         sh.registry.revoke(s);
     }
-    sh.close_sessions(sessions);
+    sh.close_sessions(&open);
+    open.len()
 }
 
 fn nvme_subsystem_delete(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
@@ -750,9 +758,9 @@ fn nvme_subsystem_delete(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> 
         .nvme
         .delete_subsystem(&p.nqn)
         .map_err(RpcError::refused)?;
-    close_nvme_sessions(sh, &closed);
+    let closed = close_nvme_sessions(sh, &closed);
     crate::log!(sh.change_level(), "NVMe subsystem '{}' deleted", p.nqn);
-    Ok(json!({ "nqn": p.nqn, "closed_sessions": closed.len() }))
+    Ok(json!({ "nqn": p.nqn, "closed_sessions": closed }))
 }
 
 #[derive(Deserialize)]
@@ -807,14 +815,14 @@ fn nvme_subsystem_remove_ns(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcErro
         .nvme
         .remove_namespace(&p.nqn, p.nsid)
         .map_err(RpcError::refused)?;
-    close_nvme_sessions(sh, &closed);
+    let closed = close_nvme_sessions(sh, &closed);
     crate::log!(
         sh.change_level(),
         "NVMe subsystem '{}': namespace {} (export '{export}') removed",
         p.nqn,
         p.nsid
     );
-    Ok(json!({ "nqn": p.nqn, "nsid": p.nsid, "export": export, "closed_sessions": closed.len() }))
+    Ok(json!({ "nqn": p.nqn, "nsid": p.nsid, "export": export, "closed_sessions": closed }))
 }
 
 #[derive(Deserialize)]
@@ -848,8 +856,8 @@ fn nvme_subsystem_remove_host(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcEr
         .nvme
         .remove_host(&p.nqn, &p.host)
         .map_err(RpcError::refused)?;
-    close_nvme_sessions(sh, &closed);
-    Ok(json!({ "nqn": p.nqn, "host": p.host, "closed_sessions": closed.len() }))
+    let closed = close_nvme_sessions(sh, &closed);
+    Ok(json!({ "nqn": p.nqn, "host": p.host, "closed_sessions": closed }))
 }
 
 fn session_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
