@@ -1155,3 +1155,68 @@ fn blkwire_subsystem_commands_change_and_list_subsystems() {
     assert_eq!(run(&["rm", sub]), format!("deleted subsystem {sub}\n"));
     assert!(!run(&["ls"]).contains(sub));
 }
+
+/// With a key store, a subsystem's host list names host NQNs that DH-HMAC-CHAP proves: a keyed
+/// host not on the list is refused, one on it must authenticate on every queue, and a wrong key
+/// gets no controller; each namespace's export rules apply to the proven NQN too.
+#[test]
+fn with_keys_a_subsystem_admits_the_proven_hosts_on_its_list() {
+    use blkwire_auth::dhchap::{HostAuth, Secret};
+    use nvme_host::authenticate;
+    let dir = TempDir::new("nvme-auth-sub");
+    let alice = "nqn.2014-08.org.nvmexpress:uuid:a11ce000-0000-4000-8000-000000000001";
+    let bob = "nqn.2014-08.org.nvmexpress:uuid:b0b00000-0000-4000-8000-000000000002";
+    let (ka, kb) = (Secret::generate(), Secret::generate());
+    let keys = key_file(
+        &dir,
+        &[
+            format!("{alice}:{}", ka.to_dhhc().unwrap()),
+            format!("{bob}:{}", kb.to_dhhc().unwrap()),
+        ],
+    );
+    let only_alice = format!("{SUB}=a,b;allow={alice}");
+    let bobs = "nqn.2026-11.com.example:bobs";
+    let t = NvmeTarget::start_with(
+        &["a=mem:1M", "b=mem:2M", &format!("c=mem:1M,allow={bob}")],
+        &[
+            "--keys",
+            &keys,
+            "--subsystem",
+            &only_alice,
+            "--subsystem",
+            &format!("{bobs}=a,c"),
+        ],
+    );
+    let opts = |nqn: &str| Opts {
+        hostnqn: nqn.into(),
+        ..Opts::default()
+    };
+    let (_, done) = Queue::connect(&t.addr, SUB, 0, 0xffff, &opts(bob)).unwrap();
+    assert_eq!(done.code(), 0x184, "bob has a key but is not on the list");
+    // Export c admits only bob: alice may not have a subsystem with it in it.
+    let (_, done) = Queue::connect(&t.addr, bobs, 0, 0xffff, &opts(alice)).unwrap();
+    assert_eq!(done.code(), 0x184, "export c's rules refuse alice");
+    let (mut w, done) = Queue::connect(&t.addr, SUB, 0, 0xffff, &opts(alice)).unwrap();
+    assert_eq!(done.code(), 0);
+    let mut host = HostAuth::new(alice, SUB, &kb, None, 1);
+    assert!(!authenticate(&mut w, &mut host), "a wrong key accepted");
+    assert!(w.closed_within(Duration::from_secs(10)));
+    let (mut a, done) = Queue::connect(&t.addr, SUB, 0, 0xffff, &opts(alice)).unwrap();
+    assert_ne!(done.cqe.dw0 & 1 << 17, 0, "ATR");
+    let mut host = HostAuth::new(alice, SUB, &ka, None, 1);
+    assert!(authenticate(&mut a, &mut host), "alice's key");
+    a.enable();
+    assert_eq!(active(&a.identify(2, 0).data), [1, 2]);
+    let (mut q, _) = Queue::connect(&t.addr, SUB, 1, a.cntlid, &opts(alice)).unwrap();
+    let mut host = HostAuth::new(alice, SUB, &ka, None, 2);
+    assert!(authenticate(&mut q, &mut host));
+    q.nsid = 2;
+    assert_eq!(q.write_in(0, &[9; 512], BS).unwrap().code(), 0);
+    assert_eq!(q.read(0, 1, BS).unwrap().data, vec![9; 512]);
+    // Bob on his own subsystem, whose exports admit him.
+    let (mut b, _) = Queue::connect(&t.addr, bobs, 0, 0xffff, &opts(bob)).unwrap();
+    let mut host = HostAuth::new(bob, bobs, &kb, None, 1);
+    assert!(authenticate(&mut b, &mut host), "bob's key");
+    b.enable();
+    assert_eq!(active(&b.identify(2, 0).data), [1, 2]);
+}
