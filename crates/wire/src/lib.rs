@@ -13,6 +13,7 @@ mod handshake;
 pub mod iscsi;
 pub mod nbd;
 pub mod nvme_tcp;
+pub mod scsi;
 
 pub use copy::CopyDescriptor;
 pub use frame::{Flags, FrameError, Header, Opcode, Status, Tag, HEADER_LEN, MAGIC, VERSION};
