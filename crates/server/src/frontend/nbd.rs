@@ -140,7 +140,7 @@ impl StreamFrontend for Nbd {
         tx.extend_from_slice(&req.length.to_be_bytes());
     }
 
-    fn block_status_reply(&self, req: &Req, extents: &[(u32, bool)], tx: &mut Vec<u8>) -> bool {
+    fn block_status_reply(&mut self, req: &Req, extents: &[(u32, bool)], tx: &mut Vec<u8>) -> bool {
         if !self.allocation {
             return false;
         }
