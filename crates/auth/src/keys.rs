@@ -135,7 +135,7 @@ const CHAP_SEPARATOR: &str = ":CHAP:";
 /// Parses the part of a key file line after `HOST-ID:CHAP:`: the initiator's CHAP secret,
 /// then optionally the target's (mutual CHAP). Secrets are printable ASCII without spaces,
 /// as long as keys (RFC 7143 §12.1.3 asks for at least 96 bits; keys here are 128 or more).
-fn parse_chap(text: &str) -> Result<(Key, Vec<u8>, Option<Vec<u8>>), String> {
+fn parse_chap(text: &str) -> Result<(Key, ChapSecrets), String> {
     let mut words = text.split_whitespace();
     let check = |w: &str, what: &str| -> Result<Vec<u8>, String> {
         if !(MIN_KEY..=MAX_KEY).contains(&w.len()) || !w.bytes().all(|b| b.is_ascii_graphic()) {
@@ -157,8 +157,11 @@ fn parse_chap(text: &str) -> Result<(Key, Vec<u8>, Option<Vec<u8>>), String> {
             "expected at most two CHAP secrets (the initiator's, then the target's)".into(),
         );
     }
-    Ok((Key::new(&host)?, host, target))
+    Ok((Key::new(&host)?, (host, target)))
 }
+
+/// An initiator's CHAP secret and, for mutual CHAP, the target's.
+type ChapSecrets = (Vec<u8>, Option<Vec<u8>>);
 
 /// What starts a DH-HMAC-CHAP secret.
 const DHHC_PREFIX: &str = "DHHC-1:";
@@ -203,7 +206,7 @@ struct Entry {
     /// The controller's DH-HMAC-CHAP secret for bidirectional authentication.
     ctrl_secret: Option<Secret>,
     /// The iSCSI CHAP secrets: the initiator's, and the target's for mutual CHAP.
-    chap: Option<(Vec<u8>, Option<Vec<u8>>)>,
+    chap: Option<ChapSecrets>,
 }
 
 /// Host ids and their keys, from one or more key files.
@@ -258,9 +261,8 @@ impl KeyStore {
             } else if let Some(i) = line.find(CHAP_SEPARATOR) {
                 let id = &line[..i];
                 check_host_id(id).map_err(at)?;
-                let (key, host, target) =
-                    parse_chap(&line[i + CHAP_SEPARATOR.len()..]).map_err(at)?;
-                chap = Some((host, target));
+                let (key, secrets) = parse_chap(&line[i + CHAP_SEPARATOR.len()..]).map_err(at)?;
+                chap = Some(secrets);
                 let secret = Secret::from_key(&key);
                 (id, key, secret, None)
             } else {

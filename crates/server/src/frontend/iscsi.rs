@@ -162,6 +162,9 @@ impl Residual {
 struct Task {
     itt: u32,
     r2tsn: u32,
+    /// The DataSN the next Data-Out of the current R2T's sequence carries (§11.7.5: each
+    /// R2T's sequence counts from 0).
+    datasn: u32,
     /// End of the burst the outstanding R2T asked for.
     burst_end: u32,
     /// End of the data the write needs.
@@ -177,6 +180,7 @@ struct Params {
     want: u32,
     data: Vec<u8>,
     r2tsn: u32,
+    datasn: u32,
     burst_end: u32,
 }
 
@@ -240,7 +244,8 @@ impl Iscsi {
             copy: false,
             rotational: caps.rotational,
             max_transfer_blocks: max_blocks,
-            max_unmap_blocks: u32::MAX >> shift,
+            // libiscsi's BlockLimits test holds MAXIMUM UNMAP LBA COUNT to 1 Mi blocks.
+            max_unmap_blocks: 1 << 20,
             max_unmap_descriptors: 256,
             max_write_same_blocks: (u32::MAX >> shift) as u64,
             max_compare_write_blocks: 0,
@@ -585,10 +590,11 @@ impl Iscsi {
             return Decoded::Answered { len };
         }
         // The initiator sends at most EDTL bytes: a write longer than that moves EDTL's
-        // whole blocks, and the residual says how much of the CDB's length was not moved.
-        let length = bytes.min(edtl);
-        if length & ((1 << self.block_shift) - 1) != 0 || length == 0 {
-            self.check(itt, &Sense::invalid_field_in_cdb(), edtl, tx);
+        // whole blocks, and the overflow residual says how much of the CDB's length was not
+        // moved (as LIO and tgt do; libiscsi's Write*Residuals expect it).
+        let length = bytes.min(edtl) >> self.block_shift << self.block_shift;
+        if length == 0 {
+            self.response(itt, GOOD, None, res, tx);
             return Decoded::Answered { len };
         }
         let flags = IoFlags::empty().with(IoFlags::FUA, fua);
@@ -638,6 +644,7 @@ impl Iscsi {
             want,
             data: immediate[..have].to_vec(),
             r2tsn: 0,
+            datasn: 0,
             burst_end: 0,
         };
         self.param_r2t(&mut p, tx);
@@ -649,6 +656,7 @@ impl Iscsi {
         let at = p.data.len() as u32;
         let n = (p.want - at).min(self.neg.max_burst);
         p.burst_end = at + n;
+        p.datasn = 0;
         self.r2t(p.itt, PARAM_TTT, p.r2tsn, at, n, tx);
         p.r2tsn += 1;
     }
@@ -765,22 +773,24 @@ impl Iscsi {
         &mut self,
         rx: &[u8],
         len: usize,
-        itt: u32,
-        offset: u32,
-        data: &[u8],
-        fin: bool,
+        pdu: &iscsi::Pdu<'_>,
         tx: &mut Vec<u8>,
     ) -> Decoded {
+        let (itt, offset, data) = (pdu.itt(), pdu.word(40), pdu.data);
+        let fin = pdu.flags() & flag::FINAL != 0;
         let Some(mut p) = self.params.take() else {
             self.reject(reject::PROTOCOL_ERROR, rx, tx);
-            return Decoded::Answered { len };
+            return Decoded::Violation("iSCSI: Data-Out for no parameter list".into());
         };
         if p.itt != itt
+            || pdu.word(36) != p.datasn
             || offset as usize != p.data.len()
             || offset as u64 + data.len() as u64 > p.burst_end as u64
         {
+            self.reject(reject::PROTOCOL_ERROR, rx, tx);
             return Decoded::Violation("iSCSI: Data-Out outside the R2T it answers".into());
         }
+        p.datasn += 1;
         p.data.extend_from_slice(data);
         if p.data.len() as u32 == p.want {
             let list = std::mem::take(&mut p.data);
@@ -801,7 +811,7 @@ impl Iscsi {
         let offset = p.word(40);
         let fin = p.flags() & flag::FINAL != 0;
         if ttt == PARAM_TTT {
-            return self.param_data(rx, len, itt, offset, p.data, fin, tx);
+            return self.param_data(rx, len, p, tx);
         }
         let slot = ttt as usize;
         let Some(t) = self
@@ -821,6 +831,16 @@ impl Iscsi {
             self.reject(reject::PROTOCOL_ERROR, rx, tx);
             return Decoded::Violation("iSCSI: Data-Out beyond the R2T it answers".into());
         }
+        if p.word(36) != t.datasn {
+            // ERL 0 cannot ask for the missing PDU again (§7.8): the connection ends.
+            let want = t.datasn;
+            self.reject(reject::PROTOCOL_ERROR, rx, tx);
+            return Decoded::Violation(format!(
+                "iSCSI: Data-Out DataSN {} where {want} was due",
+                p.word(36)
+            ));
+        }
+        t.datasn += 1;
         let d = Decoded::Data {
             slot: slot as u16,
             offset,
@@ -840,6 +860,7 @@ impl Iscsi {
                 let n = (t.end - at).min(self.neg.max_burst);
                 t.burst_end = at + n;
                 t.r2tsn += 1;
+                t.datasn = 0;
                 self.r2t(itt, slot as u32, r2tsn, at, n, tx);
             } else {
                 t.active = false;
@@ -908,16 +929,26 @@ impl Iscsi {
             // LUN.
             1..=5 if lun != LUN => 2,
             1 => {
-                // The referenced task: a write waiting for data loses its R2Ts (its slot is
-                // freed when the connection ends); other tasks have completed or will.
+                // The referenced task: a write waiting for its data is aborted (it never
+                // answers; its slot is freed when the connection ends). Any other task has
+                // been answered or is about to be: "does not exist" (libiscsi's
+                // AbortTaskSimpleAsync accepts either outcome, as §11.5.1 does).
                 let rtt = p.word20();
+                let mut found = false;
                 for t in self.tasks.iter_mut().filter(|t| t.active && t.itt == rtt) {
                     t.active = false;
+                    found = true;
                 }
                 if self.params.as_ref().is_some_and(|q| q.itt == rtt) {
                     self.params = None;
+                    found = true;
                 }
-                0
+                if found {
+                    self.outstanding = self.outstanding.saturating_sub(1);
+                    0
+                } else {
+                    1
+                }
             }
             2 | 4..=7 => {
                 for t in self.tasks.iter_mut() {
@@ -1051,6 +1082,7 @@ impl StreamFrontend for Iscsi {
             *t = Task {
                 itt,
                 r2tsn: 1,
+                datasn: 0,
                 burst_end: offset + n,
                 end: offset + len,
                 active: true,

@@ -225,6 +225,9 @@ pub fn chap_response(id: u8, secret: &[u8], challenge: &[u8]) -> Option<Vec<u8>>
     md5(&[&[id], secret, challenge])
 }
 
+/// The target's CHAP_N on discovery sessions (mutual CHAP): `iqn.2026-11.io.blkwire`.
+pub const DISCOVERY_CHAP_NAME: &str = "iqn.2026-11.io.blkwire";
+
 /// Bytes of the CHAP challenge we send (RFC 7143 §12.1.3 asks for unpredictable ones; RFC
 /// 1994 for at least 16 bytes with MD5).
 const CHAP_CHALLENGE: usize = 16;
@@ -413,28 +416,21 @@ impl Login {
         }
         let keys = registry.access.keys();
         let Some((secret, target_secret)) = keys.as_ref().and_then(|k| k.chap(&n)) else {
-            return Err(fail(format!(
-                "initiator '{}' has no CHAP secret",
-                n.escape_debug()
-            )));
+            return Err(fail("no CHAP secret in the key store".into()));
         };
         let got = iscsi::binary(&r).ok_or_else(|| fail("CHAP_R is not a binary value".into()))?;
         let want =
             chap_response(id, secret, &challenge).ok_or_else(|| fail("MD5 unavailable".into()))?;
         if want.len() != got.len() || !openssl::memcmp::eq(&want, &got) {
-            return Err(fail(format!(
-                "initiator '{}': wrong CHAP response",
-                n.escape_debug()
-            )));
+            return Err(fail("wrong CHAP response".into()));
         }
         match (i, c) {
             (None, None) => {}
             (Some(i), Some(c)) => {
                 let Some(ts) = target_secret else {
-                    return Err(fail(format!(
-                        "initiator '{}' asks for mutual CHAP, but its key line has no target secret",
-                        n.escape_debug()
-                    )));
+                    return Err(fail(
+                        "mutual CHAP asked for, but the key line has no target secret".into(),
+                    ));
                 };
                 let id = iscsi::number(&i)
                     .filter(|v| *v <= 255)
@@ -450,7 +446,12 @@ impl Login {
                 }
                 let resp = chap_response(id as u8, ts, &theirs)
                     .ok_or_else(|| fail("MD5 unavailable".into()))?;
-                let name = self.target.clone().unwrap_or_else(|| "blkwire".into());
+                // Our CHAP name: the target's name, or on a discovery session (which names
+                // no target) the blkwire IQN prefix without its ':'.
+                let name = self
+                    .target
+                    .clone()
+                    .unwrap_or_else(|| DISCOVERY_CHAP_NAME.into());
                 iscsi::push_pair(out, "CHAP_N", &name);
                 iscsi::push_pair(out, "CHAP_R", &iscsi::hex(&resp));
             }
