@@ -8,13 +8,18 @@
 //! (`fuzz/fuzz_targets/scsi.rs`). The answers it builds allocate (they are control-path
 //! commands); READ and WRITE decode without allocating.
 //!
-//! Parameter lists that arrive as Data-Out are parsed by `parse_unmap`, `xcopy::parse` and
-//! `pr::Reservations::reserve_out`; persistent reservations (`pr`) are one state per LUN that
-//! the transport shares between its sessions.
+//! Parameter lists that arrive as Data-Out are parsed by [`parse_unmap`], [`xcopy::parse`] and
+//! [`pr::Reservations::reserve_out`]; persistent reservations ([`pr`]) are one state per LUN
+//! that the transport shares between its sessions. [`Command::data_out_len`] says how many
+//! bytes of Data-Out a command expects, so the transport can refuse a mismatched
+//! EXPECTED DATA TRANSFER LENGTH before any I/O.
 
 mod inquiry;
 mod mode;
+mod opcodes;
+pub mod pr;
 pub mod sense;
+pub mod xcopy;
 
 pub use inquiry::{STANDARD_LEN as INQUIRY_STANDARD_LEN, VPD_PAGES};
 pub use sense::{FieldPointer, Sense};
@@ -85,7 +90,7 @@ impl Default for LunInfo {
             copy: false,
             rotational: false,
             max_transfer_blocks: 2048,
-            max_unmap_blocks: 1 << 22,
+            max_unmap_blocks: 1 << 20,
             max_unmap_descriptors: 256,
             max_write_same_blocks: 1 << 16,
             max_compare_write_blocks: 1,
@@ -249,6 +254,47 @@ pub enum Command {
     },
 }
 
+impl Command {
+    /// Bytes of Data-Out the command carries for a LUN of `block_size` bytes per block (SBC-3,
+    /// SPC-4 per command); 0 for commands without Data-Out. A transport answers a SCSI command
+    /// whose EXPECTED DATA TRANSFER LENGTH differs with CHECK CONDITION (libiscsi's
+    /// `InvalidDataOutSize` tests), or takes the smaller with a residual (RFC 7143 11.4.5).
+    pub fn data_out_len(&self, block_size: u32) -> u64 {
+        let bs = u64::from(block_size);
+        match *self {
+            Command::Write { blocks, .. } | Command::WriteAndVerify { blocks, .. } => {
+                u64::from(blocks) * bs
+            }
+            Command::Verify {
+                blocks,
+                bytchk: true,
+                ..
+            } => u64::from(blocks) * bs,
+            Command::WriteSame { ndob: false, .. } => bs,
+            Command::CompareAndWrite { blocks, .. } => 2 * u64::from(blocks) * bs,
+            Command::Unmap { param_len }
+            | Command::ExtendedCopy { param_len }
+            | Command::PersistentReserveOut { param_len, .. } => u64::from(param_len),
+            _ => 0,
+        }
+    }
+
+    /// Does the command change the medium? (What write protection and the persistent
+    /// reservation types that allow reads refuse, SPC-4 5.13.1 table 50 "write" rows.)
+    pub fn writes(&self) -> bool {
+        matches!(
+            self,
+            Command::Write { .. }
+                | Command::WriteAndVerify { .. }
+                | Command::WriteSame { .. }
+                | Command::Unmap { .. }
+                | Command::CompareAndWrite { .. }
+                | Command::ExtendedCopy { .. }
+                | Command::SynchronizeCache { .. }
+        )
+    }
+}
+
 /// SCSI operation codes this layer knows (SPC-4 annex D, SBC-3 5.1).
 pub mod op {
     #![allow(missing_docs)]
@@ -289,6 +335,8 @@ pub mod op {
     pub const WRITE_12: u8 = 0xAA;
     pub const WRITE_AND_VERIFY_12: u8 = 0xAE;
     pub const VERIFY_12: u8 = 0xAF;
+    pub const READ_DEFECT_DATA_10: u8 = 0x37;
+    pub const READ_DEFECT_DATA_12: u8 = 0xB7;
     /// SERVICE ACTION IN(16) service actions (SBC-3).
     pub const SA_READ_CAPACITY_16: u8 = 0x10;
     pub const SA_GET_LBA_STATUS: u8 = 0x12;
@@ -407,10 +455,19 @@ pub fn decode(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
         return Err(Sense::invalid_field_in_cdb());
     }
     let cdb = &cdb[..len];
-    // NACA (SAM-5 5.2): ACA is not supported.
-    if cdb[len - 1] & 0x04 != 0 {
+    let cmd = decode_cdb(cdb, lun);
+    // NACA (SAM-5 5.2): ACA is not supported. Checked once the operation code is known to be
+    // supported, so that an unknown one is always INVALID COMMAND OPERATION CODE.
+    if cdb[len - 1] & 0x04 != 0 && cmd != Err(Sense::invalid_opcode()) {
         return Err(Sense::invalid_cdb_field(len as u16 - 1, 2));
     }
+    cmd
+}
+
+/// [`decode`] once the CDB is known to be as long as its group says.
+fn decode_cdb(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
+    let opcode = cdb[0];
+    let len = cdb.len();
     match opcode {
         op::TEST_UNIT_READY => Ok(Command::TestUnitReady),
         op::REQUEST_SENSE => {
@@ -457,15 +514,17 @@ pub fn decode(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
             _ => Err(Sense::invalid_cdb_field(1, 4)),
         },
         op::UNMAP => {
+            // Write protection first: on a read-only LUN every command that would change the
+            // medium is DATA PROTECT, provisioning or not (libiscsi ReadOnly.ReadOnlySBC).
+            if lun.read_only {
+                return Err(Sense::write_protected());
+            }
             if !lun.unmap {
                 return Err(Sense::invalid_opcode());
             }
             // ANCHOR (SBC-3 5.28.1): anchored blocks are not supported (ANC_SUP=0).
             if cdb[1] & 0x01 != 0 {
                 return Err(Sense::invalid_cdb_field(1, 0));
-            }
-            if lun.read_only {
-                return Err(Sense::write_protected());
             }
             Ok(Command::Unmap {
                 param_len: u32::from(get_u16(&cdb[7..])),
@@ -513,6 +572,151 @@ pub fn decode(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
                 blocks: blocks as u32,
             })
         }
+        op::VERIFY_10 | op::VERIFY_12 | op::VERIFY_16 => {
+            check_protect_dpo_fua(cdb, lun, true, false)?;
+            // BYTCHK (SBC-3 5.25 table 77): 00b no compare, 01b compare Data-Out; 11b (one block
+            // against every block) is not supported, 10b is reserved.
+            let bytchk = match (cdb[1] >> 1) & 3 {
+                0 => false,
+                1 => true,
+                _ => return Err(Sense::invalid_cdb_field(1, 2)),
+            };
+            let (la, lw, ta, tw) = layout(len);
+            let lba = field(cdb, la, lw);
+            let blocks = transfer(lun, lba, field(cdb, ta, tw), ta as u16, false)?;
+            Ok(Command::Verify {
+                lba,
+                blocks,
+                bytchk,
+            })
+        }
+        op::WRITE_AND_VERIFY_10 | op::WRITE_AND_VERIFY_12 | op::WRITE_AND_VERIFY_16 => {
+            check_protect_dpo_fua(cdb, lun, true, false)?;
+            // BYTCHK (SBC-3 5.34): 00b and 01b both mean "verify what was written".
+            if (cdb[1] >> 1) & 3 > 1 {
+                return Err(Sense::invalid_cdb_field(1, 2));
+            }
+            let (la, lw, ta, tw) = layout(len);
+            let lba = field(cdb, la, lw);
+            let blocks = transfer(lun, lba, field(cdb, ta, tw), ta as u16, true)?;
+            Ok(Command::WriteAndVerify { lba, blocks })
+        }
+        op::PRE_FETCH_10 | op::PRE_FETCH_16 => {
+            let (la, lw, ta, tw) = layout(len);
+            let lba = field(cdb, la, lw);
+            let blocks = field(cdb, ta, tw);
+            check_range(lun, lba, blocks)?;
+            Ok(Command::PreFetch {
+                lba,
+                blocks: blocks as u32,
+            })
+        }
+        op::WRITE_SAME_10 | op::WRITE_SAME_16 => write_same(cdb, lun),
+        op::COMPARE_AND_WRITE => {
+            if lun.max_compare_write_blocks == 0 {
+                return Err(Sense::invalid_opcode());
+            }
+            let fua = check_protect_dpo_fua(cdb, lun, true, true)?;
+            let lba = get_u64(&cdb[2..]);
+            let blocks = cdb[13];
+            // SBC-3 5.2: more than MAXIMUM COMPARE AND WRITE LENGTH is INVALID FIELD IN CDB.
+            if blocks > lun.max_compare_write_blocks {
+                return Err(Sense::invalid_cdb_field(13, 7));
+            }
+            check_range(lun, lba, u64::from(blocks))?;
+            if lun.read_only {
+                return Err(Sense::write_protected());
+            }
+            Ok(Command::CompareAndWrite {
+                lba,
+                blocks: u32::from(blocks),
+                fua,
+            })
+        }
+        op::EXTENDED_COPY => {
+            if !lun.copy {
+                return Err(Sense::invalid_opcode());
+            }
+            // SERVICE ACTION 00h: EXTENDED COPY (LID1); 01h (LID4) is not supported.
+            if cdb[1] & 0x1F != 0 {
+                return Err(Sense::invalid_cdb_field(1, 4));
+            }
+            Ok(Command::ExtendedCopy {
+                param_len: get_u32(&cdb[10..]),
+            })
+        }
+        op::RECEIVE_COPY_RESULTS => {
+            if !lun.copy {
+                return Err(Sense::invalid_opcode());
+            }
+            let service_action = cdb[1] & 0x1F;
+            // 00h COPY STATUS and 03h OPERATING PARAMETERS (SPC-4 6.18.1 table 123).
+            if service_action != 0x00 && service_action != 0x03 {
+                return Err(Sense::invalid_cdb_field(1, 4));
+            }
+            Ok(Command::ReceiveCopyResults {
+                service_action,
+                list_id: cdb[2],
+                alloc_len: get_u32(&cdb[10..]),
+            })
+        }
+        op::PERSISTENT_RESERVE_IN => {
+            let service_action = cdb[1] & 0x1F;
+            // READ KEYS, READ RESERVATION, REPORT CAPABILITIES, READ FULL STATUS (SPC-4 6.13.1).
+            if service_action > 0x03 {
+                return Err(Sense::invalid_cdb_field(1, 4));
+            }
+            Ok(Command::PersistentReserveIn {
+                service_action,
+                alloc_len: u32::from(get_u16(&cdb[7..])),
+            })
+        }
+        op::PERSISTENT_RESERVE_OUT => {
+            let service_action = cdb[1] & 0x1F;
+            // 00h..06h (SPC-4 6.14.2 table 172); REGISTER AND MOVE (07h) is not supported.
+            if service_action > 0x06 {
+                return Err(Sense::invalid_cdb_field(1, 4));
+            }
+            // SPC-4 6.14.3: without SPEC_I_PT the list is exactly 24 bytes; refusing any other
+            // length here means no Data-Out is solicited for it.
+            let param_len = get_u32(&cdb[5..]);
+            if param_len != pr::PARAM_LEN as u32 {
+                return Err(Sense::parameter_list_length_error());
+            }
+            Ok(Command::PersistentReserveOut {
+                service_action,
+                scope: cdb[2] >> 4,
+                kind: cdb[2] & 0x0F,
+                param_len,
+            })
+        }
+        op::START_STOP_UNIT => Ok(Command::StartStopUnit {
+            start: cdb[4] & 0x01 != 0,
+            loej: cdb[4] & 0x02 != 0,
+        }),
+        op::PREVENT_ALLOW => Ok(Command::PreventAllowMediumRemoval {
+            prevent: cdb[4] & 0x03,
+        }),
+        op::READ_DEFECT_DATA_10 | op::READ_DEFECT_DATA_12 => {
+            // SBC-3 5.14/5.15: no defect lists; the header echoes what was asked with an
+            // empty list.
+            let ten = opcode == op::READ_DEFECT_DATA_10;
+            let flags = if ten { cdb[2] } else { cdb[1] } & 0x1F;
+            let (mut out, alloc) = if ten {
+                (vec![0, flags, 0, 0], get_u16(&cdb[7..]) as usize)
+            } else {
+                (
+                    vec![0, flags, 0, 0, 0, 0, 0, 0],
+                    get_u32(&cdb[6..]) as usize,
+                )
+            };
+            out.truncate(alloc);
+            Ok(Command::DataIn(out))
+        }
+        op::MAINTENANCE_IN => match cdb[1] & 0x1F {
+            op::SA_REPORT_SUPPORTED_OPCODES => opcodes::report(cdb, lun).map(Command::DataIn),
+            _ => Err(Sense::invalid_cdb_field(1, 4)),
+        },
         op::REPORT_LUNS => {
             // SPC-4 6.33: SELECT REPORT 00h..02h; ALLOCATION LENGTH at least 16.
             if cdb[2] > 0x02 {
@@ -526,6 +730,58 @@ pub fn decode(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
         }
         _ => Err(Sense::invalid_opcode()),
     }
+}
+
+/// WRITE SAME(10)/(16) (SBC-3 5.42, 5.43).
+fn write_same(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
+    let sixteen = cdb.len() == 16;
+    if cdb[1] & 0xE0 != 0 {
+        return Err(Sense::invalid_cdb_field(1, 7)); // WRPROTECT without protection information
+    }
+    let anchor = cdb[1] & 0x10 != 0;
+    let unmap = cdb[1] & 0x08 != 0;
+    // PBDATA/LBDATA (bits 2, 1) are obsolete in SBC-3 and not supported.
+    if cdb[1] & 0x06 != 0 {
+        return Err(Sense::invalid_cdb_field(1, 2));
+    }
+    // NDOB (SBC-3 5.43) exists in WRITE SAME(16) only; bit 0 of WRITE SAME(10) is obsolete.
+    let ndob = sixteen && cdb[1] & 0x01 != 0;
+    if !sixteen && cdb[1] & 0x01 != 0 {
+        return Err(Sense::invalid_cdb_field(1, 0));
+    }
+    // ANCHOR (SBC-3 4.7.3.4): needs UNMAP, and anchored blocks are not supported (ANC_SUP=0).
+    if anchor {
+        return Err(Sense::invalid_cdb_field(1, 4));
+    }
+    if lun.read_only {
+        return Err(Sense::write_protected());
+    }
+    // UNMAP without logical block provisioning (LBPWS/LBPWS10 = 0) is refused, so that what
+    // the VPD B2h page says is what the command does (libiscsi WriteSame10.UnmapVPD).
+    if unmap && !lun.unmap {
+        return Err(Sense::invalid_cdb_field(1, 3));
+    }
+    let (lba, blocks, len_at) = if sixteen {
+        (get_u64(&cdb[2..]), u64::from(get_u32(&cdb[10..])), 10)
+    } else {
+        (
+            u64::from(get_u32(&cdb[2..])),
+            u64::from(get_u16(&cdb[7..])),
+            7,
+        )
+    };
+    // WSNZ=1 (VPD B0h): NUMBER OF LOGICAL BLOCKS 0 is refused, and so is more than MAXIMUM
+    // WRITE SAME LENGTH (SBC-3 5.42).
+    if blocks == 0 || (lun.max_write_same_blocks != 0 && blocks > lun.max_write_same_blocks) {
+        return Err(Sense::invalid_cdb_field(len_at, 7));
+    }
+    check_range(lun, lba, blocks)?;
+    Ok(Command::WriteSame {
+        lba,
+        blocks: blocks as u32,
+        unmap,
+        ndob,
+    })
 }
 
 /// INQUIRY (SPC-4 6.4.1): standard data, or the VPD page EVPD and PAGE CODE name.
@@ -668,9 +924,13 @@ pub const LBA_STATUS_DESCRIPTOR_LEN: usize = 16;
 /// `alloc_len`; PARAMETER DATA LENGTH stays the full one.
 pub fn lba_status(lba: u64, extents: &[(u64, bool)], alloc_len: u32) -> Vec<u8> {
     let per = u64::from(u32::MAX);
-    let count: u64 = extents.iter().map(|&(n, _)| n.div_ceil(per)).sum();
-    let full = 4u64 + count * LBA_STATUS_DESCRIPTOR_LEN as u64;
-    let want = (alloc_len as usize).min(8 + count as usize * LBA_STATUS_DESCRIPTOR_LEN);
+    let count = extents
+        .iter()
+        .fold(0u64, |a, &(n, _)| a.saturating_add(n.div_ceil(per)));
+    let full = count
+        .saturating_mul(LBA_STATUS_DESCRIPTOR_LEN as u64)
+        .saturating_add(4);
+    let want = u64::from(alloc_len).min(full.saturating_add(4)) as usize;
     let mut out = Vec::with_capacity(want);
     out.extend_from_slice(&u32::try_from(full).unwrap_or(u32::MAX).to_be_bytes());
     out.extend_from_slice(&[0; 4]);

@@ -454,3 +454,357 @@ fn get_lba_status() {
     let d = lba_status(0, &[(1 << 33, true)], 1000);
     assert_eq!(d.len(), 8 + 3 * 16);
 }
+
+#[test]
+fn verify_and_write_and_verify() {
+    let l = lun();
+    assert_eq!(
+        decode(&cdb16(&[0x2F, 0x02, 0, 0, 0, 4, 0, 0, 2]), &l),
+        Ok(Command::Verify {
+            lba: 4,
+            blocks: 2,
+            bytchk: true
+        })
+    );
+    assert_eq!(
+        decode(&cdb16(&[0xAF, 0, 0, 0, 0, 4, 0, 0, 0, 2]), &l),
+        Ok(Command::Verify {
+            lba: 4,
+            blocks: 2,
+            bytchk: false
+        })
+    );
+    assert_eq!(
+        decode(
+            &cdb16(&[0x8F, 0x10, 0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0, 2]),
+            &l
+        ),
+        Ok(Command::Verify {
+            lba: 4,
+            blocks: 2,
+            bytchk: false
+        })
+    );
+    // VRPROTECT, BYTCHK 10b/11b, DPO without DPOFUA, beyond the end.
+    for b1 in [0x20, 0x40, 0xE0, 0x04, 0x06] {
+        assert_eq!(
+            decode(&cdb16(&[0x2F, b1, 0, 0, 0, 0, 0, 0, 1]), &l)
+                .unwrap_err()
+                .asc,
+            0x24
+        );
+    }
+    let nofua = LunInfo {
+        fua: false,
+        ..lun()
+    };
+    assert_eq!(
+        decode(&cdb16(&[0x2F, 0x10, 0, 0, 0, 0, 0, 0, 1]), &nofua),
+        Err(Sense::invalid_cdb_field(1, 4))
+    );
+    assert_eq!(
+        decode(&cdb16(&[0x2F, 0, 0, 0x10, 0, 0, 0, 0, 1]), &l),
+        Err(Sense::lba_out_of_range())
+    );
+    // Verifying a read-only LUN is fine; WRITE AND VERIFY is not.
+    let ro = LunInfo {
+        read_only: true,
+        ..lun()
+    };
+    assert!(decode(&cdb16(&[0x2F, 0, 0, 0, 0, 0, 0, 0, 1]), &ro).is_ok());
+    assert_eq!(
+        decode(&cdb16(&[0x2E, 0x02, 0, 0, 0, 0, 0, 0, 1]), &ro),
+        Err(Sense::write_protected())
+    );
+    assert_eq!(
+        decode(&cdb16(&[0x2E, 0x02, 0, 0, 0, 9, 0, 0, 3]), &l),
+        Ok(Command::WriteAndVerify { lba: 9, blocks: 3 })
+    );
+    assert_eq!(
+        decode(&cdb16(&[0xAE, 0, 0, 0, 0, 9, 0, 0, 0, 3]), &l),
+        Ok(Command::WriteAndVerify { lba: 9, blocks: 3 })
+    );
+    assert_eq!(
+        decode(
+            &cdb16(&[0x8E, 0x04, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]),
+            &l
+        )
+        .unwrap_err()
+        .asc,
+        0x24
+    );
+    assert_eq!(
+        Command::Verify {
+            lba: 0,
+            blocks: 3,
+            bytchk: true
+        }
+        .data_out_len(512),
+        1536
+    );
+    assert_eq!(
+        Command::Verify {
+            lba: 0,
+            blocks: 3,
+            bytchk: false
+        }
+        .data_out_len(512),
+        0
+    );
+}
+
+#[test]
+fn write_same() {
+    let l = LunInfo {
+        max_write_same_blocks: 1000,
+        ..lun()
+    };
+    assert_eq!(
+        decode(&cdb16(&[0x41, 0x08, 0, 0, 0, 5, 0, 0, 10]), &l),
+        Ok(Command::WriteSame {
+            lba: 5,
+            blocks: 10,
+            unmap: true,
+            ndob: false
+        })
+    );
+    assert_eq!(
+        decode(
+            &cdb16(&[0x93, 0x01, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0x03, 0xE8]),
+            &l
+        ),
+        Ok(Command::WriteSame {
+            lba: 5,
+            blocks: 1000,
+            unmap: false,
+            ndob: true
+        })
+    );
+    assert_eq!(
+        Command::WriteSame {
+            lba: 5,
+            blocks: 10,
+            unmap: false,
+            ndob: false
+        }
+        .data_out_len(4096),
+        4096
+    );
+    assert_eq!(
+        Command::WriteSame {
+            lba: 5,
+            blocks: 10,
+            unmap: false,
+            ndob: true
+        }
+        .data_out_len(4096),
+        0
+    );
+    // WSNZ: zero blocks; beyond MAXIMUM WRITE SAME LENGTH; ANCHOR; PBDATA; NDOB bit in (10).
+    assert_eq!(
+        decode(&cdb16(&[0x41, 0, 0, 0, 0, 0, 0, 0, 0]), &l),
+        Err(Sense::invalid_cdb_field(7, 7))
+    );
+    assert_eq!(
+        decode(
+            &cdb16(&[0x93, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x03, 0xE9]),
+            &l
+        ),
+        Err(Sense::invalid_cdb_field(10, 7))
+    );
+    assert_eq!(
+        decode(&cdb16(&[0x41, 0x18, 0, 0, 0, 0, 0, 0, 1]), &l),
+        Err(Sense::invalid_cdb_field(1, 4))
+    );
+    assert_eq!(
+        decode(&cdb16(&[0x41, 0x10, 0, 0, 0, 0, 0, 0, 1]), &l),
+        Err(Sense::invalid_cdb_field(1, 4))
+    );
+    assert_eq!(
+        decode(&cdb16(&[0x41, 0x04, 0, 0, 0, 0, 0, 0, 1]), &l),
+        Err(Sense::invalid_cdb_field(1, 2))
+    );
+    assert_eq!(
+        decode(&cdb16(&[0x41, 0x01, 0, 0, 0, 0, 0, 0, 1]), &l),
+        Err(Sense::invalid_cdb_field(1, 0))
+    );
+    // Range, UNMAP without provisioning, read-only.
+    assert_eq!(
+        decode(&cdb16(&[0x41, 0, 0, 0x0F, 0xFF, 0xFF, 0, 0, 2]), &l),
+        Err(Sense::lba_out_of_range())
+    );
+    let thick = LunInfo {
+        unmap: false,
+        ..l.clone()
+    };
+    assert_eq!(
+        decode(&cdb16(&[0x41, 0x08, 0, 0, 0, 0, 0, 0, 1]), &thick),
+        Err(Sense::invalid_cdb_field(1, 3))
+    );
+    let ro = LunInfo {
+        read_only: true,
+        ..l.clone()
+    };
+    assert_eq!(
+        decode(&cdb16(&[0x41, 0, 0, 0, 0, 0, 0, 0, 1]), &ro),
+        Err(Sense::write_protected())
+    );
+    // Read-only wins over "no provisioning" for WRITE SAME with UNMAP and for UNMAP.
+    let ro_thick = LunInfo {
+        read_only: true,
+        ..thick
+    };
+    assert_eq!(
+        decode(&cdb16(&[0x41, 0x08, 0, 0, 0, 0, 0, 0, 1]), &ro_thick),
+        Err(Sense::write_protected())
+    );
+    assert_eq!(
+        decode(&cdb16(&[0x42, 0, 0, 0, 0, 0, 0, 0, 24]), &ro_thick),
+        Err(Sense::write_protected())
+    );
+}
+
+#[test]
+fn compare_and_write() {
+    let l = LunInfo {
+        max_compare_write_blocks: 4,
+        ..lun()
+    };
+    let mut c = cdb16(&[0x89, 0x08]);
+    c[9] = 7;
+    c[13] = 4;
+    assert_eq!(
+        decode(&c, &l),
+        Ok(Command::CompareAndWrite {
+            lba: 7,
+            blocks: 4,
+            fua: true
+        })
+    );
+    assert_eq!(
+        Command::CompareAndWrite {
+            lba: 7,
+            blocks: 4,
+            fua: true
+        }
+        .data_out_len(512),
+        4096
+    );
+    c[13] = 5;
+    assert_eq!(decode(&c, &l), Err(Sense::invalid_cdb_field(13, 7)));
+    c[13] = 1;
+    c[1] = 0x08;
+    let nofua = LunInfo {
+        fua: false,
+        ..l.clone()
+    };
+    assert_eq!(decode(&c, &nofua), Err(Sense::invalid_cdb_field(1, 3)));
+    c[1] = 0;
+    c[2..10].copy_from_slice(&(1u64 << 20).to_be_bytes());
+    assert_eq!(decode(&c, &l), Err(Sense::lba_out_of_range()));
+    let none = LunInfo {
+        max_compare_write_blocks: 0,
+        ..lun()
+    };
+    assert_eq!(decode(&c, &none), Err(Sense::invalid_opcode()));
+}
+
+#[test]
+fn copy_pr_and_misc_cdbs() {
+    let l = LunInfo {
+        copy: true,
+        ..lun()
+    };
+    let mut c = cdb16(&[0x83]);
+    c[13] = 60;
+    assert_eq!(decode(&c, &l), Ok(Command::ExtendedCopy { param_len: 60 }));
+    assert_eq!(decode(&c, &lun()), Err(Sense::invalid_opcode()));
+    c[1] = 1;
+    assert_eq!(decode(&c, &l), Err(Sense::invalid_cdb_field(1, 4)));
+    let mut c = cdb16(&[0x84, 0x03, 9]);
+    c[13] = 255;
+    assert_eq!(
+        decode(&c, &l),
+        Ok(Command::ReceiveCopyResults {
+            service_action: 3,
+            list_id: 9,
+            alloc_len: 255
+        })
+    );
+    c[1] = 1;
+    assert_eq!(decode(&c, &l), Err(Sense::invalid_cdb_field(1, 4)));
+
+    assert_eq!(
+        decode(&cdb16(&[0x5E, 0x03, 0, 0, 0, 0, 0, 0x10, 0]), &l),
+        Ok(Command::PersistentReserveIn {
+            service_action: 3,
+            alloc_len: 4096
+        })
+    );
+    for sa in 4..0x20 {
+        assert_eq!(
+            decode(&cdb16(&[0x5E, sa, 0, 0, 0, 0, 0, 0x10, 0]), &l),
+            Err(Sense::invalid_cdb_field(1, 4))
+        );
+    }
+    assert_eq!(
+        decode(&cdb16(&[0x5F, 0x01, 0x03, 0, 0, 0, 0, 0, 24]), &l),
+        Ok(Command::PersistentReserveOut {
+            service_action: 1,
+            scope: 0,
+            kind: 3,
+            param_len: 24
+        })
+    );
+    assert_eq!(
+        decode(&cdb16(&[0x5F, 0x07, 0, 0, 0, 0, 0, 0, 24]), &l),
+        Err(Sense::invalid_cdb_field(1, 4))
+    );
+    assert_eq!(
+        decode(&cdb16(&[0x5F, 0x00, 0, 0, 0, 0, 0, 0, 23]), &l),
+        Err(Sense::parameter_list_length_error())
+    );
+
+    assert_eq!(
+        decode(&cdb16(&[0x1B, 0, 0, 0, 0x01]), &l),
+        Ok(Command::StartStopUnit {
+            start: true,
+            loej: false
+        })
+    );
+    assert_eq!(
+        decode(&cdb16(&[0x1E, 0, 0, 0, 0x01]), &l),
+        Ok(Command::PreventAllowMediumRemoval { prevent: 1 })
+    );
+    assert_eq!(
+        decode(&cdb16(&[0x34, 0x02, 0, 0, 0, 1, 0x03, 0, 1]), &l),
+        Ok(Command::PreFetch { lba: 1, blocks: 1 })
+    );
+    assert_eq!(
+        decode(&cdb16(&[0x34, 0, 0, 0x10, 0, 1, 0, 0, 0]), &l),
+        Err(Sense::lba_out_of_range())
+    );
+    assert_eq!(
+        decode(&cdb16(&[0x90, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]), &l),
+        Ok(Command::PreFetch { lba: 1, blocks: 0 })
+    );
+    assert_eq!(
+        decode(&cdb16(&[0x37, 0, 0x18, 0, 0, 0, 0, 0, 32]), &l),
+        Ok(Command::DataIn(vec![0, 0x18, 0, 0]))
+    );
+    assert_eq!(
+        decode(&cdb16(&[0xB7, 0x0D, 0, 0, 0, 0, 0, 0, 0, 32]), &l),
+        Ok(Command::DataIn(vec![0, 0x0D, 0, 0, 0, 0, 0, 0]))
+    );
+    // RESERVE(6)/RELEASE(6) and SANITIZE are not supported.
+    for o in [0x16, 0x17, 0x48] {
+        assert_eq!(decode(&cdb16(&[o]), &l), Err(Sense::invalid_opcode()));
+    }
+    assert!(Command::Unmap { param_len: 24 }.writes());
+    assert!(!Command::Verify {
+        lba: 0,
+        blocks: 1,
+        bytchk: true
+    }
+    .writes());
+}
