@@ -19,6 +19,8 @@ command -v openssl >/dev/null || need+=(openssl)
 command -v fio >/dev/null || need+=(fio)
 command -v nbdkit >/dev/null || need+=(nbdkit)
 command -v nbdinfo >/dev/null || need+=(libnbd-bin)
+# tests/iscsi.rs: libiscsi's conformance suite (iscsi-test-cu) and iscsi-ls.
+command -v iscsi-test-cu >/dev/null || need+=(libiscsi-bin)
 command -v qemu-img >/dev/null || need+=(qemu-utils)
 command -v nft >/dev/null || need+=(nftables)
 command -v ip >/dev/null || need+=(iproute2)

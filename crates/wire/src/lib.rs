@@ -10,8 +10,10 @@ pub mod crc;
 pub mod datagram;
 mod frame;
 mod handshake;
+pub mod iscsi;
 pub mod nbd;
 pub mod nvme_tcp;
+pub mod scsi;
 
 pub use copy::CopyDescriptor;
 pub use frame::{Flags, FrameError, Header, Opcode, Status, Tag, HEADER_LEN, MAGIC, VERSION};

@@ -3,9 +3,11 @@
 //! The reactor owns the socket, the buffers, the slots and the executor (`executor.rs`);
 //! a frontend owns the protocol and its per-connection state. The reactor never asks which
 //! protocol a connection speaks: it calls [`StreamFrontend`] methods. Native blkwire frames
-//! ([`native`]) and NBD's transmission phase ([`nbd`]) are the implementations; how NVMe/TCP
-//! and iSCSI map onto the same trait is written down in docs/ARCHITECTURE.md.
+//! ([`native`]), NBD's transmission phase ([`nbd`]), NVMe/TCP I/O queues ([`nvme`]) and iSCSI's
+//! full feature phase ([`iscsi`]) are the implementations; how NVMe/TCP and iSCSI map onto the
+//! same trait is written down in docs/ARCHITECTURE.md.
 
+pub mod iscsi;
 pub mod native;
 pub mod nbd;
 pub mod nvme;
@@ -209,7 +211,12 @@ pub trait StreamFrontend: Send {
 
     /// Appends the reply to an allocation query, `extents` as (length, hole), or returns false
     /// when the connection did not negotiate allocation queries.
-    fn block_status_reply(&self, _req: &Req, _extents: &[(u32, bool)], _tx: &mut Vec<u8>) -> bool {
+    fn block_status_reply(
+        &mut self,
+        _req: &Req,
+        _extents: &[(u32, bool)],
+        _tx: &mut Vec<u8>,
+    ) -> bool {
         false
     }
 }
