@@ -53,11 +53,10 @@ command -v ceph-mon >/dev/null || need+=(ceph-mon)
 command -v ceph-osd >/dev/null || need+=(ceph-osd)
 command -v rbd >/dev/null || need+=(ceph-common)
 # iSCSI (issue 17): tgt is the reference target of bench/iscsi-compare.sh and of the kernel lab's
-# LAB_ISCSI_REF=tgt (daemons started by them, never as a service); libiscsi-bin's iscsi-perf is
-# the benchmark's client; open-iscsi's iscsistart/iscsid/iscsiadm go into the lab's guest;
-# qemu-block-extra holds qemu-img's iscsi driver (crates/cli/tests/iscsi_copy.rs).
+# LAB_ISCSI_REF=tgt (daemons started by them, never as a service); libiscsi-bin's iscsi-perf
+# (above) is the benchmark's client; open-iscsi's iscsistart/iscsid/iscsiadm go into the lab's
+# guest; qemu-block-extra holds qemu-img's iscsi driver (crates/cli/tests/iscsi_copy.rs).
 PATH=$PATH:/usr/sbin:/sbin command -v tgtd >/dev/null || need+=(tgt)
-command -v iscsi-perf >/dev/null || need+=(libiscsi-bin)
 PATH=$PATH:/usr/sbin:/sbin command -v iscsistart >/dev/null || need+=(open-iscsi)
 qemu-img --help 2>/dev/null | grep -q '^Supported formats:.* iscsi' || need+=(qemu-block-extra)
 

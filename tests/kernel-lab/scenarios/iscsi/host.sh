@@ -14,8 +14,6 @@
 # loopback, the same target names, LUN 1 on rdwr backing files, the same CHAP accounts), no blkwire
 # at all; it checks the lab, not blkwire, and says so. The host then checks disk0's backing file.
 
-# Not in the default set (`make test`) until blkwire's iSCSI frontend passes it.
-SCENARIO_OPTIONAL=1
 SCENARIO_DESC="kernel iSCSI initiator -> blkwire iSCSI frontend (iscsistart login, mkfs.ext4, files, fsck, digests, logout, CHAP one-way and mutual; host checks the data)"
 HOST_PACKAGES="open-iscsi e2fsprogs"
 GUEST_MODULES="iscsi_tcp sd_mod crc32c_generic ext4"
