@@ -133,7 +133,9 @@ fn score(family: &str, results: &[(String, Outcome)]) -> String {
 #[test]
 fn libiscsi_conformance_suite_has_no_regression() {
     need("iscsi-test-cu");
-    let t = IscsiTarget::start(&["lun=mem:128M"], &[]);
+    // WriteSame16.Unmap writes 65536 blocks (32 MiB) in one WRITE(16), past the default
+    // largest I/O; a second export is a source EXTENDED COPY can name.
+    let t = IscsiTarget::start(&["lun=mem:128M", "other=mem:16M"], &["--max-io", "32M"]);
     let url = format!("iscsi://{}/{PREFIX}lun/0", t.addr);
     let mut all = Vec::new();
     let mut scores = Vec::new();

@@ -25,12 +25,13 @@
 
 use std::collections::VecDeque;
 
+use blkwire_backend::CopyRange;
 use blkwire_backend::{BlockOp, Export, IoFlags};
 use blkwire_wire::iscsi::{
     self, flag, op, pdu_len, reject, Bhs, Digests, Progress, BHS_LEN, RESERVED_TAG,
 };
-use blkwire_wire::scsi::{self, Command, LunInfo, Sense};
-use blkwire_wire::{CopyLimits, Status};
+use blkwire_wire::scsi::{self, xcopy, Command, LunInfo, Sense};
+use blkwire_wire::{CopyDescriptor, CopyLimits, Status};
 
 use super::{Decoded, Kind, ReadFraming, Req, StreamFrontend};
 use crate::iscsi::Negotiated;
@@ -68,6 +69,8 @@ pub struct IscsiSetup {
     pub max_io: u32,
     /// What one copy may do.
     pub copy: CopyLimits,
+    /// The exports this initiator may open, as LUNs (EXTENDED COPY sources), by name.
+    pub peers: Vec<(String, LunInfo)>,
 }
 
 /// How a reply is built, kept in the cookie.
@@ -185,13 +188,15 @@ struct Params {
 }
 
 /// A command split into parts (UNMAP ranges, WRITE SAME): answered when the last part is.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Compound {
     itt: u32,
     residual: Residual,
     parts_left: u32,
     /// The first error, turned into sense when answering.
     failed: Option<(Status, bool)>,
+    /// EXTENDED COPY: the plan (list id and usage) and the bytes copied so far.
+    copy: Option<(xcopy::Plan, u64)>,
 }
 
 /// One connection's full feature phase state.
@@ -211,9 +216,94 @@ pub struct Iscsi {
     tasks: Vec<Task>,
     params: Option<Params>,
     compound: Option<Compound>,
-    /// Requests the frontend hands to the reactor before decoding more PDUs.
-    queued: VecDeque<Req>,
+    /// Requests the frontend makes up (parts of UNMAP, WRITE SAME, EXTENDED COPY, the read of
+    /// a compare), handed to the reactor one at a time, each after the one before answered.
+    queued: VecDeque<(Req, Option<CopyDescriptor>)>,
+    /// The last request `decode` returned, until the reactor takes it (`taken`): returned
+    /// again when the reactor decodes the same message again.
+    pending: Option<(Req, usize, usize, usize)>,
+    /// A part is with the reactor.
+    part_running: bool,
+    /// The descriptor of the COPY part handed out, for `copy_descriptor`.
+    copy_desc: Option<CopyDescriptor>,
+    /// The data a compare part's read must match (VERIFY with BYTCHK, COMPARE AND WRITE),
+    /// and the offset of the first difference once read.
+    compare: Option<(Vec<u8>, Option<u64>)>,
+    /// COMPARE AND WRITE in progress: its PDU stays in the receive buffer until the compare
+    /// is done, then its second half is the write's data.
+    caw: Option<Caw>,
+    /// The exports this initiator may open, as LUNs: EXTENDED COPY finds its source here.
+    peers: Vec<(String, LunInfo)>,
+    copy: CopyLimits,
+    xlimits: xcopy::Limits,
+    /// Results of EXTENDED COPY for RECEIVE COPY RESULTS.
+    history: xcopy::History,
+    /// The block a WRITE SAME in progress writes (`fill`).
+    pattern: Option<Vec<u8>>,
     scratch: Vec<u8>,
+}
+
+/// A COMPARE AND WRITE waiting for its compare.
+#[derive(Clone, Copy, Debug)]
+struct Caw {
+    /// The command PDU's header (it stays at the front of the receive buffer meanwhile).
+    bhs: [u8; BHS_LEN],
+    itt: u32,
+    offset: u64,
+    length: u32,
+    fua: bool,
+    edtl: u32,
+    state: CawState,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CawState {
+    Reading,
+    Matched,
+    Miscompare(u64),
+    Failed(Status),
+}
+
+/// What LUN 0 of the target of `e` is, as the SCSI layer answers for it. `copy`: EXTENDED COPY
+/// is granted; `immediate`: the most immediate data a command may carry (COMPARE AND WRITE's
+/// both halves must fit it).
+pub fn lun_info(e: &Export, max_io: u32, copy: bool, immediate: u32) -> LunInfo {
+    let caps = e.capabilities();
+    let (logical, _) = e.backend().block_sizes();
+    let block_size = logical.clamp(512, 4096).next_power_of_two();
+    let shift = block_size.trailing_zeros();
+    let target = crate::iscsi::target_name(&e.name);
+    let digest = ring::digest::digest(&ring::digest::SHA256, target.as_bytes());
+    let id = u64::from_be_bytes(digest.as_ref()[..8].try_into().expect("8 bytes"));
+    let serial: String = digest.as_ref()[8..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    LunInfo {
+        lun: LUN,
+        block_size,
+        blocks: e.size() >> shift,
+        read_only: e.read_only,
+        write_cache: caps.flush.available(),
+        fua: caps.fua.available(),
+        unmap: !e.read_only,
+        // Trimmed blocks may read back as they were (TRIM is advisory where emulated).
+        zeroes_after_unmap: false,
+        copy: copy && !e.read_only,
+        rotational: caps.rotational,
+        max_transfer_blocks: (max_io >> shift).max(1),
+        // libiscsi's BlockLimits test holds MAXIMUM UNMAP LBA COUNT to 1 Mi blocks.
+        max_unmap_blocks: 1 << 20,
+        max_unmap_descriptors: 256,
+        max_write_same_blocks: (u32::MAX >> shift) as u64,
+        max_compare_write_blocks: (immediate / (2 * block_size)).min(255) as u8,
+        unmap_granularity: 1,
+        // IEEE company id 0 (none registered); the id is the target name's hash, so every
+        // connection (and an EXTENDED COPY naming it) sees the same one.
+        naa: scsi::naa_registered(0, id),
+        serial,
+        ..LunInfo::default()
+    }
 }
 
 impl Iscsi {
@@ -221,41 +311,23 @@ impl Iscsi {
     pub fn new(s: IscsiSetup) -> Iscsi {
         let e = &s.export;
         let caps = e.capabilities();
-        let (logical, _) = e.backend().block_sizes();
-        let block_size = logical.clamp(512, 4096).next_power_of_two();
-        let shift = block_size.trailing_zeros();
-        let digest = ring::digest::digest(&ring::digest::SHA256, s.target.as_bytes());
-        let id = u64::from_be_bytes(digest.as_ref()[..8].try_into().expect("8 bytes"));
-        let serial: String = digest.as_ref()[8..16]
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        let max_blocks = (s.max_io >> shift).max(1);
-        let lun = LunInfo {
-            lun: LUN,
-            block_size,
-            blocks: e.size() >> shift,
-            read_only: e.read_only,
-            write_cache: caps.flush.available(),
-            fua: caps.fua.available(),
-            unmap: !e.read_only,
-            // Trimmed blocks may read back as they were (TRIM is advisory where emulated).
-            zeroes_after_unmap: false,
-            copy: false,
-            rotational: caps.rotational,
-            max_transfer_blocks: max_blocks,
-            // libiscsi's BlockLimits test holds MAXIMUM UNMAP LBA COUNT to 1 Mi blocks.
-            max_unmap_blocks: 1 << 20,
-            max_unmap_descriptors: 256,
-            max_write_same_blocks: (u32::MAX >> shift) as u64,
-            max_compare_write_blocks: 0,
-            unmap_granularity: 1,
-            // IEEE company id 0 (none registered); the id is the target name's hash.
-            naa: scsi::naa_registered(0, id),
-            serial,
-            ..LunInfo::default()
+        // COMPARE AND WRITE's data comes as immediate data (both halves), within the first
+        // burst and one PDU.
+        let immediate = if s.neg.immediate_data {
+            s.neg.first_burst.min(s.neg.recv_max)
+        } else {
+            0
         };
-        let _ = (&s.initiator, s.isid, s.copy);
+        let lun = lun_info(e, s.max_io, s.copy.enabled(), immediate);
+        let shift = lun.block_size.trailing_zeros();
+        let xlimits = xcopy::Limits {
+            max_segment_length: s
+                .copy
+                .max_bytes
+                .min(xcopy::Limits::default().max_segment_length),
+            ..xcopy::Limits::default()
+        };
+        let _ = (&s.initiator, s.isid);
         let depth = s.depth.max(1);
         Iscsi {
             d: s.neg.digests,
@@ -272,6 +344,16 @@ impl Iscsi {
             params: None,
             compound: None,
             queued: VecDeque::new(),
+            pending: None,
+            part_running: false,
+            copy_desc: None,
+            compare: None,
+            caw: None,
+            peers: s.peers,
+            copy: s.copy,
+            xlimits,
+            history: xcopy::History::default(),
+            pattern: None,
             scratch: Vec::with_capacity(BHS_LEN + 64),
         }
     }
@@ -386,6 +468,7 @@ impl Iscsi {
 
     fn request(&mut self, req: Req, len: usize, payload_len: usize, trailer: usize) -> Decoded {
         self.outstanding += 1;
+        self.pending = Some((req, len, payload_len, trailer));
         Decoded::Request {
             req,
             len,
@@ -565,8 +648,72 @@ impl Iscsi {
                 let _ = blocks;
                 self.collect(itt, &c.cdb, c.edtl, want, c.data, len, tx)
             }
+            Command::ExtendedCopy { param_len } => {
+                self.collect(itt, &c.cdb, c.edtl, param_len, c.data, len, tx)
+            }
+            Command::Verify {
+                blocks,
+                bytchk: true,
+                ..
+            } => {
+                let want = blocks << self.block_shift;
+                self.collect(itt, &c.cdb, c.edtl, want, c.data, len, tx)
+            }
+            Command::ReceiveCopyResults {
+                service_action,
+                list_id,
+                alloc_len,
+            } => {
+                let answer = match service_action {
+                    0 => xcopy::copy_status(self.history.get(list_id), alloc_len),
+                    3 => Ok(xcopy::operating_parameters(&self.xlimits, alloc_len)),
+                    _ => Err(Sense::invalid_cdb_field(1, 4)),
+                };
+                match answer {
+                    Ok(d) => self.answer(itt, &d, c.edtl, tx),
+                    Err(s) => self.check(itt, &s, c.edtl, tx),
+                }
+                Decoded::Answered { len }
+            }
+            Command::CompareAndWrite { lba, blocks, fua } => {
+                let (offset, bytes) = self.bytes(lba, blocks);
+                if bytes == 0 && c.edtl == 0 {
+                    self.response(itt, GOOD, None, Residual::None, tx);
+                    return Decoded::Answered { len };
+                }
+                // Both halves must come as immediate data (MAXIMUM COMPARE AND WRITE LENGTH
+                // is set so they fit): the write's data is then the end of this PDU.
+                let need = 2 * bytes as usize;
+                if c.edtl as usize != need || c.data.len() != need || self.caw.is_some() {
+                    self.check(itt, &Sense::invalid_field_in_cdb(), c.edtl, tx);
+                    return Decoded::Answered { len };
+                }
+                self.compare = Some((c.data[..bytes as usize].to_vec(), None));
+                let mut bhs = [0u8; BHS_LEN];
+                bhs.copy_from_slice(&rx[..BHS_LEN]);
+                self.caw = Some(Caw {
+                    bhs,
+                    itt,
+                    offset,
+                    length: bytes,
+                    fua,
+                    edtl: c.edtl,
+                    state: CawState::Reading,
+                });
+                let read = Req {
+                    kind: Kind::Block(BlockOp::Read),
+                    offset,
+                    length: bytes,
+                    flags: IoFlags::empty(),
+                    slot: None,
+                    cookie: cookie(itt, Residual::None, Reply::Part, 0),
+                };
+                // The PDU stays in the receive buffer (length 0) until the compare is done.
+                self.part_running = true;
+                self.request(read, 0, 0, 0)
+            }
             _ => {
-                // Decoded but not served by this transport yet (copy, compare, reservations).
+                // Decoded but not served by this transport (persistent reservations).
                 self.check(itt, &Sense::invalid_opcode(), c.edtl, tx);
                 Decoded::Answered { len }
             }
@@ -687,13 +834,14 @@ impl Iscsi {
                 return Decoded::Answered { len };
             }
         };
-        let mut parts: Vec<(Kind, u64, u32, IoFlags)> = Vec::new();
+        let mut parts: Vec<(Kind, u64, u32, IoFlags, Option<CopyDescriptor>)> = Vec::new();
+        let mut plan = None;
         match cmd {
             Command::Unmap { .. } => match scsi::parse_unmap(list, &self.lun) {
                 Ok(ranges) => {
                     for (lba, blocks) in ranges {
                         let (o, l) = self.bytes(lba, blocks);
-                        parts.push((Kind::Block(BlockOp::Trim), o, l, IoFlags::empty()));
+                        parts.push((Kind::Block(BlockOp::Trim), o, l, IoFlags::empty(), None));
                     }
                 }
                 Err(s) => {
@@ -708,30 +856,47 @@ impl Iscsi {
                 ndob,
             } => {
                 let zero = ndob || list.iter().all(|b| *b == 0);
-                if !zero {
-                    // A non-zero pattern would need the block written many times: not served.
-                    self.response(
-                        itt,
-                        CHECK_CONDITION,
-                        Some(&Sense::invalid_field_in_cdb()),
-                        res,
-                        tx,
-                    );
+                let bs = self.lun.block_size as usize;
+                if !zero && list.len() < bs {
+                    let s = Sense::parameter_list_length_error();
+                    self.response(itt, CHECK_CONDITION, Some(&s), res, tx);
                     return Decoded::Answered { len };
                 }
-                // Split so each part fits a request's u32 length.
-                let per = (1u32 << 30) >> self.block_shift;
+                if !zero {
+                    // The block written over and over: WRITE parts whose buffers the frontend
+                    // fills (`fill`), never sent by the initiator again.
+                    self.pattern = Some(list[..bs].to_vec());
+                }
+                // Zeroes in parts of at most 1 GiB (a request's length is a u32); a pattern
+                // in parts of at most 1 MiB (each is a buffer).
+                let per = if zero { 1u32 << 30 } else { 1 << 20 } >> self.block_shift;
                 let mut at = lba;
                 let mut left = blocks;
                 while left > 0 {
                     let n = left.min(per);
                     let (o, l) = self.bytes(at, n);
-                    let flags = IoFlags::empty().with(IoFlags::NO_HOLE, !unmap);
-                    parts.push((Kind::Block(BlockOp::WriteZeroes), o, l, flags));
+                    if zero {
+                        let flags = IoFlags::empty().with(IoFlags::NO_HOLE, !unmap);
+                        parts.push((Kind::Block(BlockOp::WriteZeroes), o, l, flags, None));
+                    } else {
+                        parts.push((Kind::Block(BlockOp::Write), o, l, IoFlags::empty(), None));
+                    }
                     at += n as u64;
                     left -= n;
                 }
             }
+            Command::Verify { lba, blocks, .. } => {
+                let (o, l) = self.bytes(lba, blocks);
+                self.compare = Some((list.to_vec(), None));
+                parts.push((Kind::Block(BlockOp::Read), o, l, IoFlags::empty(), None));
+            }
+            Command::ExtendedCopy { .. } => match self.copy_parts(list, &mut parts) {
+                Ok(p) => plan = Some((p, 0)),
+                Err(s) => {
+                    self.response(itt, CHECK_CONDITION, Some(&s), res, tx);
+                    return Decoded::Answered { len };
+                }
+            },
             _ => {
                 self.response(
                     itt,
@@ -744,6 +909,15 @@ impl Iscsi {
             }
         }
         if parts.is_empty() {
+            if let Some((p, _)) = &plan {
+                let done = xcopy::CopyStatus {
+                    list_id: p.list_id,
+                    status: 1,
+                    segments: p.segments.len() as u16,
+                    bytes: 0,
+                };
+                self.history.record(p, done);
+            }
             self.response(itt, GOOD, None, res, tx);
             return Decoded::Answered { len };
         }
@@ -752,20 +926,73 @@ impl Iscsi {
             residual: res,
             parts_left: parts.len() as u32,
             failed: None,
+            copy: plan,
         });
-        for (kind, offset, length, flags) in parts {
-            self.queued.push_back(Req {
+        for (kind, offset, length, flags, desc) in parts {
+            let req = Req {
                 kind,
                 offset,
                 length,
                 flags,
                 slot: None,
                 cookie: cookie(itt, Residual::None, Reply::Part, 0),
-            });
+            };
+            self.queued.push_back((req, desc));
         }
-        // The first part goes with this PDU; the rest come from `queued`.
-        let first = self.queued.pop_front().expect("one part at least");
+        // The first part goes with this PDU; the rest come from `queued`, one at a time.
+        let (first, desc) = self.queued.pop_front().expect("one part at least");
+        self.part_running = true;
+        self.copy_desc = desc;
         self.request(first, len, 0, 0)
+    }
+
+    /// An EXTENDED COPY parameter list as COPY parts: each segment into this LUN from a LUN
+    /// this initiator may open, in pieces the session's copy grant allows.
+    fn copy_parts(
+        &self,
+        list: &[u8],
+        parts: &mut Vec<(Kind, u64, u32, IoFlags, Option<CopyDescriptor>)>,
+    ) -> Result<xcopy::Plan, Sense> {
+        let plan = xcopy::parse(list, &self.xlimits)?;
+        let find = |naa: u64| -> Option<(&str, &LunInfo)> {
+            if naa == self.lun.naa {
+                return Some(("", &self.lun));
+            }
+            self.peers
+                .iter()
+                .find(|(_, l)| l.naa == naa)
+                .map(|(n, l)| (n.as_str(), l))
+        };
+        plan.check(&self.xlimits, |t| find(t.naa).map(|(_, l)| l))?;
+        let piece = self.copy.max_bytes.min(self.copy.max_range).max(1 << 20);
+        for seg in &plan.segments {
+            let src = plan.targets[seg.src as usize];
+            let dst = plan.targets[seg.dst as usize];
+            if dst.naa != self.lun.naa {
+                // The copy manager writes into its own LU only.
+                return Err(xcopy::target_not_reachable());
+            }
+            let (name, lu) = find(src.naa).ok_or_else(xcopy::target_not_reachable)?;
+            let src_shift = lu.block_size.trailing_zeros();
+            let mut from = seg.src_lba << src_shift;
+            let mut to = seg.dst_lba << self.block_shift;
+            let mut left = (seg.blocks as u64) << self.block_shift;
+            while left > 0 {
+                let n = left.min(piece as u64) as u32;
+                let desc = CopyDescriptor {
+                    source: name.to_string(),
+                    ranges: vec![CopyRange {
+                        offset: from,
+                        len: n,
+                    }],
+                };
+                parts.push((Kind::Copy, to, n, IoFlags::empty(), Some(desc)));
+                from += n as u64;
+                to += n as u64;
+                left -= n as u64;
+            }
+        }
+        Ok(plan)
     }
 
     /// Data-Out for a parameter list the frontend collects.
@@ -870,27 +1097,121 @@ impl Iscsi {
     }
 
     /// Answers a part of a compound command; the command's response goes out after its last.
+    /// Returns whether a response went out.
     fn part_done(&mut self, req: &Req, status: Status, tx: &mut Vec<u8>) -> bool {
+        self.part_running = false;
+        if let Some(mut c) = self.caw {
+            // The read of a COMPARE AND WRITE: its PDU, still in the receive buffer, goes on
+            // from here (`caw_step`).
+            let diff = self.compare.take().and_then(|(_, d)| d);
+            c.state = match (status, diff) {
+                (Status::Ok, None) => CawState::Matched,
+                (Status::Ok, Some(at)) => CawState::Miscompare(at),
+                (st, _) => CawState::Failed(st),
+            };
+            self.caw = Some(c);
+            return false;
+        }
         let Some(mut c) = self.compound.take() else {
             return false;
         };
         if status != Status::Ok && c.failed.is_none() {
-            c.failed = Some((status, true));
+            let modifies =
+                matches!(req.kind, Kind::Block(op) if op.modifies()) || req.kind == Kind::Copy;
+            c.failed = Some((status, modifies));
+        }
+        if let Some((_, bytes)) = c.copy.as_mut() {
+            if req.kind == Kind::Copy {
+                *bytes += req.length as u64;
+            }
         }
         c.parts_left -= 1;
-        if c.parts_left > 0 {
+        if c.parts_left > 0 && c.failed.is_none() {
             self.compound = Some(c);
             return false;
         }
-        let _ = req;
-        match c.failed {
-            None => self.response(c.itt, GOOD, None, c.residual, tx),
-            Some((st, modifies)) => {
-                let s = sense_of(st, modifies);
+        // A failed part ends the command: the parts after it are not run.
+        self.queued.clear();
+        self.pattern = None;
+        if let Some((plan, bytes)) = &c.copy {
+            let segments = plan.segments.len() as u16;
+            let status = xcopy::CopyStatus {
+                list_id: plan.list_id,
+                status: if c.failed.is_none() { 1 } else { 2 },
+                segments: if c.failed.is_none() { segments } else { 0 },
+                bytes: *bytes,
+            };
+            self.history.record(plan, status);
+        }
+        let miscompare = self.compare.take().and_then(|(_, d)| d);
+        match (c.failed, miscompare) {
+            (None, None) => self.response(c.itt, GOOD, None, c.residual, tx),
+            (None, Some(at)) => {
+                let s = Sense::miscompare(at);
+                self.response(c.itt, CHECK_CONDITION, Some(&s), c.residual, tx);
+            }
+            (Some((st, modifies)), _) => {
+                let s = if c.copy.is_some() {
+                    // SPC-4 6.3.3: a copy that failed in a segment is COPY ABORTED.
+                    xcopy::copy_aborted()
+                } else {
+                    sense_of(st, modifies)
+                };
                 self.response(c.itt, CHECK_CONDITION, Some(&s), c.residual, tx);
             }
         }
         true
+    }
+
+    /// The COMPARE AND WRITE whose PDU is at the front of `rx`, once more: still reading (wait),
+    /// matched (the second half of its data is the write), or answered.
+    fn caw_step(&mut self, rx: &[u8], c: Caw, tx: &mut Vec<u8>) -> Decoded {
+        let len = match pdu_len(rx, &self.d, self.neg.recv_max) {
+            Ok(Progress::Complete(n)) => n,
+            _ => return Decoded::Violation("iSCSI: COMPARE AND WRITE PDU changed".into()),
+        };
+        match c.state {
+            // Nothing more is decoded until the compare's read is back (the reactor services
+            // the connection again when it is).
+            CawState::Reading => Decoded::Need(len),
+            CawState::Matched => {
+                self.caw = None;
+                let p = match iscsi::decode(&rx[..len], &self.d) {
+                    Ok(p) => p,
+                    Err(e) => return Decoded::Violation(format!("iSCSI: {e}")),
+                };
+                let res = Residual::of(c.edtl, 2 * c.length);
+                let req = Req {
+                    kind: Kind::Block(BlockOp::Write),
+                    offset: c.offset,
+                    length: c.length,
+                    flags: IoFlags::empty().with(IoFlags::FUA, c.fua),
+                    slot: None,
+                    cookie: cookie(c.itt, res, Reply::Write, 0),
+                };
+                // The write data is the second half of the immediate data.
+                let extra = p.data.len() - 2 * c.length as usize;
+                self.request(req, len, c.length as usize, p.trailer + extra)
+            }
+            CawState::Miscompare(at) => {
+                self.caw = None;
+                let res = Residual::of(c.edtl, 2 * c.length);
+                self.response(
+                    c.itt,
+                    CHECK_CONDITION,
+                    Some(&Sense::miscompare(at)),
+                    res,
+                    tx,
+                );
+                Decoded::Answered { len }
+            }
+            CawState::Failed(st) => {
+                self.caw = None;
+                let res = Residual::of(c.edtl, 2 * c.length);
+                self.response(c.itt, CHECK_CONDITION, Some(&sense_of(st, false)), res, tx);
+                Decoded::Answered { len }
+            }
+        }
     }
 
     fn nop(&mut self, len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
@@ -1026,8 +1347,26 @@ fn sense_of(status: Status, modifies: bool) -> Sense {
 
 impl StreamFrontend for Iscsi {
     fn decode(&mut self, rx: &[u8], tx: &mut Vec<u8>) -> Decoded {
-        if let Some(req) = self.queued.pop_front() {
-            return self.request(req, 0, 0, 0);
+        if let Some((req, len, payload_len, trailer)) = self.pending {
+            // Not taken yet: the same again, without counting it twice.
+            return Decoded::Request {
+                req,
+                len,
+                payload_len,
+                trailer,
+            };
+        }
+        if let Some(c) = self.caw {
+            if rx.len() >= BHS_LEN && rx[..BHS_LEN] == c.bhs {
+                return self.caw_step(rx, c, tx);
+            }
+        }
+        if !self.part_running {
+            if let Some((req, desc)) = self.queued.pop_front() {
+                self.part_running = true;
+                self.copy_desc = desc;
+                return self.request(req, 0, 0, 0);
+            }
         }
         let len = match pdu_len(rx, &self.d, self.neg.recv_max) {
             Ok(Progress::Need(n)) => return Decoded::Need(n),
@@ -1091,8 +1430,30 @@ impl StreamFrontend for Iscsi {
         self.r2t(itt, slot as u32, 0, offset, n, tx);
     }
 
+    fn taken(&mut self, _req: &Req) {
+        self.pending = None;
+    }
+
     fn server_assigns_slots(&self) -> bool {
         true
+    }
+
+    fn fill(&mut self, req: &Req, data: &mut [u8]) -> bool {
+        let Some(block) = self.pattern.as_deref() else {
+            return false;
+        };
+        if reply_of(req) != Reply::Part || !req.is_write() {
+            return false;
+        }
+        // Parts start on block boundaries.
+        for chunk in data.chunks_mut(block.len()) {
+            chunk.copy_from_slice(&block[..chunk.len()]);
+        }
+        true
+    }
+
+    fn copy_descriptor(&mut self, _payload: &[u8]) -> Option<CopyDescriptor> {
+        self.copy_desc.take()
     }
 
     fn next_is_data(&self, rx: &[u8]) -> bool {
@@ -1126,6 +1487,19 @@ impl StreamFrontend for Iscsi {
     }
 
     fn encode_read(&mut self, req: &Req, data: &[u8], tx: &mut Vec<u8>) {
+        if reply_of(req) == Reply::Part {
+            // The read of a compare: nothing goes to the initiator.
+            if let Some((want, diff)) = self.compare.as_mut() {
+                *diff = want
+                    .iter()
+                    .zip(data)
+                    .position(|(a, b)| a != b)
+                    .map(|i| i as u64);
+            }
+            self.outstanding = self.outstanding.saturating_sub(1);
+            self.part_done(req, Status::Ok, tx);
+            return;
+        }
         self.outstanding = self.outstanding.saturating_sub(1);
         let send = (extra_of(req) as usize).min(data.len());
         self.data_in(itt_of(req), &data[..send], residual_of(req), tx);

@@ -163,6 +163,23 @@ pub trait StreamFrontend: Send {
         unreachable!("this frontend's writes always carry their data")
     }
 
+    /// The reactor took `req`, the last [`Decoded::Request`] `decode` returned: its message
+    /// is consumed and the request is being handled. A request the reactor cannot take yet
+    /// (memory, one COPY at a time) stays in the receive buffer and is decoded again, so a
+    /// frontend whose decoding has effects (iSCSI's CmdSN, requests it makes up itself) keeps
+    /// what it returned until this call and returns it again.
+    fn taken(&mut self, req: &Req) {
+        let _ = req;
+    }
+
+    /// Fills the buffer of a WRITE that came without its data when the frontend holds that data
+    /// itself (iSCSI WRITE SAME's block, repeated), instead of asking the initiator for it:
+    /// true when `data` (the write's whole length) is filled and the write may run.
+    fn fill(&mut self, req: &Req, data: &mut [u8]) -> bool {
+        let _ = (req, data);
+        false
+    }
+
     /// True when the server assigns slots (requests carry cookies, not slots): the reactor then
     /// stops reading when every slot is busy.
     fn server_assigns_slots(&self) -> bool;
@@ -195,7 +212,7 @@ pub trait StreamFrontend: Send {
     /// The descriptor of a [`Kind::Copy`] request, from its payload, checked against what the
     /// connection granted; `None` when it is malformed or over the limits (answered
     /// `INVALID`). Only frontends that decode COPYs get this call.
-    fn copy_descriptor(&self, _payload: &[u8]) -> Option<blkwire_wire::CopyDescriptor> {
+    fn copy_descriptor(&mut self, _payload: &[u8]) -> Option<blkwire_wire::CopyDescriptor> {
         None
     }
 

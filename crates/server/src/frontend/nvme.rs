@@ -487,7 +487,7 @@ impl StreamFrontend for NvmeIo {
         true
     }
 
-    fn copy_descriptor(&self, payload: &[u8]) -> Option<CopyDescriptor> {
+    fn copy_descriptor(&mut self, payload: &[u8]) -> Option<CopyDescriptor> {
         let n = payload.len() / 32;
         if n == 0 || n > self.copy.max_ranges as usize || n > spec::COPY_RANGES as usize {
             return None;

@@ -25,7 +25,7 @@ use blkwire_wire::iscsi::{
     RESERVED_TAG,
 };
 
-use crate::frontend::iscsi::{Iscsi, IscsiSetup};
+use crate::frontend::iscsi::{lun_info, Iscsi, IscsiSetup};
 use crate::frontend::StreamFrontend;
 use crate::log::Level;
 use crate::session::{Admitted, Owner, Registry};
@@ -838,7 +838,7 @@ fn finish<S: Read + Write>(
         peer: &peer_s,
     };
     let copy = registry.copy_limits(&export, u32::MAX);
-    let max_io = l.neg.max_burst.max(registry.limits().max_io.min(16 << 20));
+    let max_io = registry.limits().max_io;
     let a = match registry.admit_first(&export, &owner, (size, 1, depth, max_io), copy) {
         Ok(a) => a,
         Err(st) => {
@@ -872,7 +872,14 @@ fn finish<S: Read + Write>(
         l.neg.digests.header,
         l.neg.digests.data
     );
+    // The LUNs an EXTENDED COPY may read from: what this initiator may open.
+    let peers = registry
+        .open_to(l.proven.as_deref(), &addr)
+        .iter()
+        .map(|e| (e.name.clone(), lun_info(e, a.max_io, false, 0)))
+        .collect();
     let fe = Iscsi::new(IscsiSetup {
+        peers,
         neg: l.neg,
         statsn: l.statsn,
         expcmdsn: l.cmdsn,
