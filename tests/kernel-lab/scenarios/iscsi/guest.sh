@@ -39,7 +39,9 @@ run modprobe sd_mod
 run modprobe crc32c_generic
 run modprobe ext4
 [ -d /sys/class/iscsi_transport/tcp ] || fail "no iscsi_transport tcp after modprobe iscsi_tcp"
-[ "${LAB_ISCSI_REF:-}" = tgt ] && info "REFERENCE RUN: the target is tgt (tgtd on the host), not blkwire"
+if [ "${LAB_ISCSI_REF:-}" = tgt ]; then
+    info "REFERENCE RUN: the target is tgt (tgtd on the host), not blkwire"
+fi
 
 # open-iscsi's configuration: the initiator name iscsid reads, and bounded timeouts (a refused
 # login is not retried for minutes: one retry, 15 s per attempt).
