@@ -302,6 +302,11 @@ const METHODS: &[Method] = &[
         run: nvme_subsystem_list,
     },
     Method {
+        name: "iscsi_target_list",
+        about: "iSCSI: every target (IQN, LUNs, allow rules, portals) and its logged-in sessions (initiator, ISID, TSIH, digests)",
+        run: iscsi_target_list,
+    },
+    Method {
         name: "session_list",
         about: "every session: id, export, host, peer, live queues",
         run: session_list,
@@ -638,6 +643,36 @@ fn nvme_subsystem_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
         })
         .collect();
     Ok(Value::Array(subsystems))
+}
+
+fn iscsi_target_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
+    let r = &sh.registry;
+    let live: std::collections::HashSet<u32> = r.sessions().iter().map(|s| s.session).collect();
+    r.iscsi.retain_sessions(&|id| live.contains(&id));
+    let portals = r.iscsi.portals();
+    let targets: Vec<Value> = r
+        .exports()
+        .iter()
+        .map(|e| {
+            let iqn = crate::iscsi::target_name(&e.name);
+            let lun = crate::frontend::iscsi::lun_info(e, r.limits().max_io, false, 0);
+            json!({
+                "iqn": iqn,
+                "luns": [{
+                    "lun": lun.lun,
+                    "export": e.name,
+                    "size": e.size(),
+                    "block_size": lun.block_size,
+                    "read_only": e.read_only,
+                    "naa": format!("{:016x}", lun.naa),
+                }],
+                "allow": r.allow_of(&e.name),
+                "portals": portals,
+                "sessions": r.iscsi.describe_sessions(&iqn),
+            })
+        })
+        .collect();
+    Ok(Value::Array(targets))
 }
 
 fn session_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
