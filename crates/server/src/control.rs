@@ -278,12 +278,12 @@ const METHODS: &[Method] = &[
     },
     Method {
         name: "listener_add",
-        about: "{url}: listen on tcp://, nbd://, nvme-tcp://, udp:// or eth://; returns the bound URL",
+        about: "{url}: listen on tcp://, nbd://, nvme-tcp://, iscsi://, udp:// or eth://; returns the bound URL",
         run: listener_add,
     },
     Method {
         name: "listener_remove",
-        about: "{url}: stop accepting on a listener (tcp/nbd/nvme-tcp connections stay; udp/eth sessions on it close)",
+        about: "{url}: stop accepting on a listener (tcp/nbd/nvme-tcp/iscsi connections stay; udp/eth sessions on it close)",
         run: listener_remove,
     },
     Method {
