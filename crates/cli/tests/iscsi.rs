@@ -407,3 +407,70 @@ fn hostile_pdus_are_rejected_and_the_target_keeps_serving() {
     let _ = iscsi_host::RECV_MAX;
     let _: Option<Conn> = None;
 }
+
+/// `iscsi_target_list` shows each target with its LUN, allow rules, portals and logged-in
+/// sessions; `listener_add iscsi://` serves logins on the new portal.
+#[test]
+fn rpc_lists_targets_and_sessions_and_adds_portals() {
+    let dir = TempDir::new("iscsi-rpc");
+    let sock = dir.path("ctl.sock").to_str().unwrap().to_string();
+    let mut cmd = Command::new(common::BIN);
+    cmd.args(["serve", "--rpc-socket", &sock, "--log-level", "warn"]);
+    cmd.args([
+        "--listen",
+        "iscsi://127.0.0.1:0",
+        "--export",
+        "d=mem:1M,allow=127.0.0.0/8",
+    ]);
+    let (child, urls) = common::spawn_serve_with_control(&mut cmd, 1);
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _child = Kill(child);
+    let rpc = |method: &str, params: &str| -> serde_json::Value {
+        let (ok, out, err) = common::cli(&["rpc", method, params, "--socket", &sock]);
+        assert!(ok, "rpc {method}: {err}");
+        serde_json::from_str(&out).expect("rpc prints JSON")
+    };
+    let addr = urls[0].strip_prefix("iscsi://").unwrap().to_string();
+    let digests = Digests {
+        header: true,
+        data: false,
+    };
+    let mut c = login(&addr, &format!("{PREFIX}d"), digests);
+    assert_eq!(c.ping(b"x").as_deref(), Some(&b"x"[..]));
+    let list = rpc("iscsi_target_list", "{}");
+    let t = &list[0];
+    assert_eq!(t["iqn"], format!("{PREFIX}d"));
+    assert_eq!(t["luns"][0]["lun"], 0);
+    assert_eq!(t["luns"][0]["export"], "d");
+    assert_eq!(t["luns"][0]["size"], 1 << 20);
+    assert_eq!(t["allow"], "127.0.0.0/8");
+    assert_eq!(t["portals"][0], addr.as_str());
+    let s = &t["sessions"][0];
+    assert_eq!(s["initiator"], "iqn.2026-11.io.blkwire:test-initiator");
+    assert_eq!(
+        (s["header_digest"].as_bool(), s["data_digest"].as_bool()),
+        (Some(true), Some(false))
+    );
+    // A portal added at run time takes logins.
+    let added = rpc("listener_add", r#"{"url": "iscsi://127.0.0.1:0"}"#);
+    let url = added["url"]
+        .as_str()
+        .or(added.as_str())
+        .unwrap_or_default()
+        .to_string();
+    let addr2 = url
+        .strip_prefix("iscsi://")
+        .unwrap_or_else(|| panic!("listener_add said {added}"));
+    let mut c2 = login(addr2, &format!("{PREFIX}d"), Digests::default());
+    assert_eq!(c2.write(0, &[9u8; 512]), 0);
+    assert_eq!(c.read(0, 1), (vec![9u8; 512], 0));
+    let list = rpc("iscsi_target_list", "{}");
+    assert_eq!(list[0]["portals"].as_array().map(Vec::len), Some(2));
+    assert_eq!(list[0]["sessions"].as_array().map(Vec::len), Some(2));
+}

@@ -122,8 +122,20 @@ impl Portals {
             .collect()
     }
 
-    fn add_session(&self, e: SessionEntry) {
-        self.lock().sessions.push(e);
+    /// The `iscsi://` listeners' bound addresses (`ADDR:PORT`).
+    pub fn portals(&self) -> Vec<String> {
+        self.lock()
+            .listeners
+            .iter()
+            .map(|(_, a)| a.to_string())
+            .collect()
+    }
+
+    /// Records a logged-in session, forgetting those that ended (bounded by the live ones).
+    fn add_session(&self, e: SessionEntry, live: &dyn Fn(u32) -> bool) {
+        let mut t = self.lock();
+        t.sessions.retain(|s| live(s.session));
+        t.sessions.push(e);
     }
 
     /// Forgets the iSCSI facts of sessions that ended (`live`: the registry's open ones).
@@ -856,15 +868,18 @@ fn finish<S: Read + Write>(
         registry.leave(a.session, 0, &Default::default());
         return None;
     }
-    registry.iscsi.add_session(SessionEntry {
-        session: a.session,
-        target: target.clone(),
-        initiator: initiator.clone(),
-        isid: l.isid,
-        tsih,
-        peer: peer_s.clone(),
-        digests: l.neg.digests,
-    });
+    registry.iscsi.add_session(
+        SessionEntry {
+            session: a.session,
+            target: target.clone(),
+            initiator: initiator.clone(),
+            isid: l.isid,
+            tsih,
+            peer: peer_s.clone(),
+            digests: l.neg.digests,
+        },
+        &|id| !registry.is_revoked(id),
+    );
     crate::log!(
         Level::Info,
         "{peer_s}: iSCSI initiator '{who}' logged in to {} (digests header {}, data {})",
