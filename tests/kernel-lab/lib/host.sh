@@ -5,7 +5,7 @@
 #   start_blkwire ARGS...   blkwire serve ARGS in the background; waits (bounded) until it prints one
 #                           "listening URL" line per --listen. Sets BLKWIRE_PID and BLKWIRE_URLS.
 #                           Its stderr goes to $LOGDIR/$BLKWIRE_LOG (default blkwire.log).
-#   listen_port SCHEME      the port of the first listener with that scheme (tcp, nbd, nvme-tcp)
+#   listen_port SCHEME      the port of the first listener with that scheme (tcp, nbd, nvme-tcp, iscsi)
 #   stop_blkwire            SIGTERM, bounded wait; fails unless blkwire exits 0
 #   guest_values KEY        the values of the guest's "LAB-KEY: VALUE" lines, one per line
 #   boot_guest              boots the lab VM for $SCENARIO with $GUEST_ARGS (and $QEMU_NET if the
