@@ -13,10 +13,10 @@
 #   group<TAB>system<TAB>iops<TAB>mean_us<TAB>p99_us  (header: group, series, then measures)
 #   randread 4k QD1<TAB>blkwire<TAB>58986<TAB>16.8<TAB>32.3
 # Measures known by name (and so labelled with their unit): iops, mean_us, p99_us,
-# cpu_us_per_io, mib_s, seconds, rss_mib; any other name is its own label. Several rows for the
-# same group and system (rounds) are drawn as their median, and the chart says so. An empty cell
-# or "n/a" is no bar. A measure whose largest value is more than 30 times its smallest is drawn
-# on a log scale.
+# cpu_us_per_io, server_cpu_us_per_io, mib_s, seconds, rss_mib; any other name is its own
+# label. Several rows for the same group and system (rounds) are drawn as their median, and the
+# chart says so. An empty cell or "n/a" is no bar. A measure whose largest value is more than 30
+# times its smallest is drawn on a log scale.
 #
 # Environment: CHART_SIZE (gnuplot size, default 800,450).
 set -euo pipefail
@@ -56,6 +56,7 @@ LABELS = {
     "mean_us": "latency (µs)",
     "p99_us": "p99 latency (µs)",
     "cpu_us_per_io": "CPU per I/O (µs, both ends)",
+    "server_cpu_us_per_io": "target CPU per I/O (µs)",
     "mib_s": "MiB/s",
     "seconds": "seconds",
     "rss_mib": "RSS (MiB)",

@@ -19,6 +19,8 @@ command -v openssl >/dev/null || need+=(openssl)
 command -v fio >/dev/null || need+=(fio)
 command -v nbdkit >/dev/null || need+=(nbdkit)
 command -v nbdinfo >/dev/null || need+=(libnbd-bin)
+# tests/iscsi.rs: libiscsi's conformance suite (iscsi-test-cu) and iscsi-ls.
+command -v iscsi-test-cu >/dev/null || need+=(libiscsi-bin)
 command -v qemu-img >/dev/null || need+=(qemu-utils)
 command -v nft >/dev/null || need+=(nftables)
 command -v ip >/dev/null || need+=(iproute2)
@@ -50,6 +52,13 @@ command -v promtool >/dev/null || need+=(prometheus)
 command -v ceph-mon >/dev/null || need+=(ceph-mon)
 command -v ceph-osd >/dev/null || need+=(ceph-osd)
 command -v rbd >/dev/null || need+=(ceph-common)
+# iSCSI (issue 17): tgt is the reference target of bench/iscsi-compare.sh and of the kernel lab's
+# LAB_ISCSI_REF=tgt (daemons started by them, never as a service); libiscsi-bin's iscsi-perf
+# (above) is the benchmark's client; open-iscsi's iscsistart/iscsid/iscsiadm go into the lab's
+# guest; qemu-block-extra holds qemu-img's iscsi driver (crates/cli/tests/iscsi_copy.rs).
+PATH=$PATH:/usr/sbin:/sbin command -v tgtd >/dev/null || need+=(tgt)
+PATH=$PATH:/usr/sbin:/sbin command -v iscsistart >/dev/null || need+=(open-iscsi)
+qemu-img --help 2>/dev/null | grep -q '^Supported formats:.* iscsi' || need+=(qemu-block-extra)
 
 if [ ${#need[@]} -gt 0 ]; then
     echo "deps: installing ${need[*]}"

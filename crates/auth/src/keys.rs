@@ -8,6 +8,10 @@
 //!   `nvme gen-dhchap-key` prints it, optionally followed (after white space) by the
 //!   controller's secret for bidirectional authentication with that host. The host secret's
 //!   key bytes also serve as the host's key for blkwire's own handshake.
+//! - `HOST-ID:CHAP:SECRET [TARGET-SECRET]`: the iSCSI CHAP secret (RFC 7143 §12.1.3) of the
+//!   initiator named HOST-ID (its iSCSI name, which is also its CHAP_N), 16 to 64 printable
+//!   characters as they are typed into the initiator's configuration, optionally followed by
+//!   the target's secret for mutual CHAP. The secret's bytes also serve as the host's key.
 //!
 //! Host ids may contain ':' (NVMe host NQNs do: `nqn.2014-08.org.nvmexpress:uuid:...`): a
 //! hex line splits at its last ':', a DH-HMAC-CHAP line at the `:DHHC-1:` that starts the
@@ -116,8 +120,48 @@ pub fn check_host_id(id: &str) -> Result<(), String> {
             id.escape_debug()
         ));
     }
+    if id.contains(CHAP_SEPARATOR) {
+        return Err(format!(
+            "host id '{}' contains '{CHAP_SEPARATOR}', which starts a CHAP secret in key files",
+            id.escape_debug()
+        ));
+    }
     Ok(())
 }
+
+/// Where a CHAP line's host id ends.
+const CHAP_SEPARATOR: &str = ":CHAP:";
+
+/// Parses the part of a key file line after `HOST-ID:CHAP:`: the initiator's CHAP secret,
+/// then optionally the target's (mutual CHAP). Secrets are printable ASCII without spaces,
+/// as long as keys (RFC 7143 §12.1.3 asks for at least 96 bits; keys here are 128 or more).
+fn parse_chap(text: &str) -> Result<(Key, ChapSecrets), String> {
+    let mut words = text.split_whitespace();
+    let check = |w: &str, what: &str| -> Result<Vec<u8>, String> {
+        if !(MIN_KEY..=MAX_KEY).contains(&w.len()) || !w.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(format!(
+                "{what} CHAP secret must be {MIN_KEY} to {MAX_KEY} printable characters, not {}",
+                w.len()
+            ));
+        }
+        Ok(w.as_bytes().to_vec())
+    };
+    let host = check(words.next().unwrap_or_default(), "the initiator's")?;
+    let target = words.next().map(|w| check(w, "the target's")).transpose()?;
+    if target.as_ref() == Some(&host) {
+        // RFC 7143 §12.1.3: the two directions must not share a secret.
+        return Err("the target's CHAP secret must differ from the initiator's".into());
+    }
+    if words.next().is_some() {
+        return Err(
+            "expected at most two CHAP secrets (the initiator's, then the target's)".into(),
+        );
+    }
+    Ok((Key::new(&host)?, (host, target)))
+}
+
+/// An initiator's CHAP secret and, for mutual CHAP, the target's.
+type ChapSecrets = (Vec<u8>, Option<Vec<u8>>);
 
 /// What starts a DH-HMAC-CHAP secret.
 const DHHC_PREFIX: &str = "DHHC-1:";
@@ -161,6 +205,8 @@ struct Entry {
     host_secret: Secret,
     /// The controller's DH-HMAC-CHAP secret for bidirectional authentication.
     ctrl_secret: Option<Secret>,
+    /// The iSCSI CHAP secrets: the initiator's, and the target's for mutual CHAP.
+    chap: Option<ChapSecrets>,
 }
 
 /// Host ids and their keys, from one or more key files.
@@ -206,11 +252,19 @@ impl KeyStore {
                 continue;
             }
             let at = |e: String| format!("key file {shown} line {}: {e}", n + 1);
+            let mut chap = None;
             let (id, key, host_secret, ctrl_secret) = if let Some(i) = line.find(DHHC_SEPARATOR) {
                 let id = &line[..i];
                 check_host_id(id).map_err(at)?;
                 let (key, host, ctrl) = parse_dhchap(&line[i + 1..]).map_err(at)?;
                 (id, key, host, ctrl)
+            } else if let Some(i) = line.find(CHAP_SEPARATOR) {
+                let id = &line[..i];
+                check_host_id(id).map_err(at)?;
+                let (key, secrets) = parse_chap(&line[i + CHAP_SEPARATOR.len()..]).map_err(at)?;
+                chap = Some(secrets);
+                let secret = Secret::from_key(&key);
+                (id, key, secret, None)
             } else {
                 let (id, hex) = line.rsplit_once(':').ok_or_else(|| {
                     at("expected HOST-ID:HEXKEY or HOST-ID:DHHC-1:XX:BASE64:".into())
@@ -233,12 +287,14 @@ impl KeyStore {
                 key,
                 host_secret,
                 ctrl_secret,
+                chap,
             });
         }
         if store.entries.is_empty() {
             return Err(format!(
-                "key file {shown} holds no keys (expected HOST-ID:HEXKEY or \
-                 HOST-ID:DHHC-1:XX:BASE64: lines; `blkwire key gen FILE` writes one)"
+                "key file {shown} holds no keys (expected HOST-ID:HEXKEY, \
+                 HOST-ID:DHHC-1:XX:BASE64: or HOST-ID:CHAP:SECRET lines; `blkwire key gen FILE` \
+                 writes one)"
             ));
         }
         Ok(store)
@@ -267,6 +323,32 @@ impl KeyStore {
         self.entry(host_id).and_then(|e| e.ctrl_secret.as_ref())
     }
 
+    /// The iSCSI CHAP secrets of `host_id` (an initiator name): the initiator's, and the
+    /// target's for mutual CHAP. None: the host has no CHAP line.
+    pub fn chap(&self, host_id: &str) -> Option<(&[u8], Option<&[u8]>)> {
+        let (i, t) = self.entry(host_id)?.chap.as_ref()?;
+        Some((i.as_slice(), t.as_deref()))
+    }
+
+    /// Adds an iSCSI initiator by its CHAP secrets (tests and programmatic targets).
+    pub fn insert_chap(
+        &mut self,
+        host_id: &str,
+        secret: &[u8],
+        target: Option<&[u8]>,
+    ) -> Result<(), String> {
+        let key = Key::new(secret)?;
+        self.entries.retain(|e| e.id != host_id);
+        self.entries.push(Entry {
+            id: host_id.to_string(),
+            host_secret: Secret::from_key(&key),
+            key,
+            ctrl_secret: None,
+            chap: Some((secret.to_vec(), target.map(<[u8]>::to_vec))),
+        });
+        Ok(())
+    }
+
     /// The host ids known, in file order.
     pub fn hosts(&self) -> impl Iterator<Item = &str> {
         self.entries.iter().map(|e| e.id.as_str())
@@ -292,6 +374,7 @@ impl KeyStore {
             key,
             host_secret,
             ctrl_secret: None,
+            chap: None,
         });
     }
 
@@ -310,6 +393,7 @@ impl KeyStore {
             key,
             host_secret,
             ctrl_secret,
+            chap: None,
         });
         Ok(())
     }
@@ -470,6 +554,39 @@ mod tests {
         let k = generate_file(&p, NQN).unwrap();
         assert_eq!(KeyStore::load(&p).unwrap().get(NQN), Some(&k));
         std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn iscsi_chap_lines_load_and_bad_ones_are_named() {
+        const IQN: &str = "iqn.2005-03.org.open-iscsi:abc";
+        let text = format!(
+            "{IQN}:CHAP:initiator-secret-1\n\
+             {IQN}2:CHAP:initiator-secret-2  target-secret-22\n"
+        );
+        let store = load_text("chap", &text).unwrap();
+        assert_eq!(store.chap(IQN), Some((&b"initiator-secret-1"[..], None)));
+        let two = format!("{IQN}2");
+        assert_eq!(
+            store.chap(&two),
+            Some((&b"initiator-secret-2"[..], Some(&b"target-secret-22"[..])))
+        );
+        assert_eq!(store.get(IQN).unwrap().bytes(), b"initiator-secret-1");
+        assert!(store.chap("nobody").is_none());
+        for (line, want) in [
+            (format!("{IQN}:CHAP:short\n"), "16 to 64 printable"),
+            (
+                format!("{IQN}:CHAP:same-secret-here same-secret-here\n"),
+                "must differ",
+            ),
+            (
+                format!("{IQN}:CHAP:aaaaaaaaaaaaaaaa bbbbbbbbbbbbbbbb c\n"),
+                "at most two",
+            ),
+        ] {
+            let e = load_text("chap-bad", &line).unwrap_err();
+            assert!(e.contains("line 1") && e.contains(want), "{e}");
+        }
+        assert!(check_host_id("a:CHAP:b").is_err());
     }
 
     #[test]

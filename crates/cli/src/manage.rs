@@ -81,13 +81,13 @@ pub enum ListenerCmd {
     /// Listen on one more address (as `serve --listen` takes it; port 0 picks a free one and
     /// the bound address is printed)
     Add {
-        /// tcp://ADDR:PORT, nbd://ADDR[:PORT], nvme-tcp://ADDR[:PORT], udp://ADDR:PORT or
-        /// eth://IFACE
+        /// tcp://ADDR:PORT, nbd://ADDR[:PORT], nvme-tcp://ADDR[:PORT], iscsi://ADDR[:PORT],
+        /// udp://ADDR:PORT or eth://IFACE
         url: String,
         #[command(flatten)]
         socket: Socket,
     },
-    /// Stop listening on an address: tcp://, nbd:// and nvme-tcp:// connections it accepted go on; udp://
+    /// Stop listening on an address: tcp://, nbd://, nvme-tcp:// and iscsi:// connections it accepted go on; udp://
     /// and eth:// sessions on it end with its sockets
     Rm {
         /// The address as `listener ls` shows it

@@ -15,7 +15,8 @@ pub struct Args {
         help = "Where to listen (repeatable): tcp://ADDR:PORT (native), nbd://ADDR[:PORT] (NBD, \
                 port 10809 by default), nvme-tcp://ADDR[:PORT] (NVMe/TCP, port 4420 by default; \
                 every export is subsystem nqn.2026-11.io.blkwire:NAME, and see --subsystem), \
-                udp://ADDR:PORT, \
+                iscsi://ADDR[:PORT] (iSCSI, port 3260 by default; every export is target \
+                iqn.2026-11.io.blkwire:NAME with LUN 0), udp://ADDR:PORT, \
                 eth://IFACE. Port 0 picks a free port. Default: tcp://0.0.0.0:7700, unless \
                 --config is given"
     )]
@@ -86,8 +87,9 @@ pub struct Args {
     /// Handshakes in progress at once; more connections are closed until one finishes.
     #[arg(long, value_name = "N", hide = true)]
     max_handshakes: Option<usize>,
-    /// Key file of the hosts this target knows (HOST-ID:HEXKEY lines, `blkwire key gen`, or
-    /// HOST-ID:DHHC-1:XX:BASE64: [DHHC-1:XX:BASE64:] NVMe DH-HMAC-CHAP secrets; mode 0600).
+    /// Key file of the hosts this target knows (HOST-ID:HEXKEY lines, `blkwire key gen`,
+    /// HOST-ID:DHHC-1:XX:BASE64: [DHHC-1:XX:BASE64:] NVMe DH-HMAC-CHAP secrets, or
+    /// INITIATOR-IQN:CHAP:SECRET [TARGET-SECRET] iSCSI CHAP secrets; mode 0600).
     /// With it every host must prove its key, and the target proves it back; also the TLS-PSK
     /// keys (the PSK identity is the host id). Reload it live with `blkwire rpc keys_load`
     #[arg(long, value_name = "FILE")]

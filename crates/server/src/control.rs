@@ -278,12 +278,12 @@ const METHODS: &[Method] = &[
     },
     Method {
         name: "listener_add",
-        about: "{url}: listen on tcp://, nbd://, nvme-tcp://, udp:// or eth://; returns the bound URL",
+        about: "{url}: listen on tcp://, nbd://, nvme-tcp://, iscsi://, udp:// or eth://; returns the bound URL",
         run: listener_add,
     },
     Method {
         name: "listener_remove",
-        about: "{url}: stop accepting on a listener (tcp/nbd/nvme-tcp connections stay; udp/eth sessions on it close)",
+        about: "{url}: stop accepting on a listener (tcp/nbd/nvme-tcp/iscsi connections stay; udp/eth sessions on it close)",
         run: listener_remove,
     },
     Method {
@@ -330,6 +330,11 @@ const METHODS: &[Method] = &[
         name: "nvme_subsystem_remove_host",
         about: "{nqn, host}: stop letting a host NQN connect; its controllers of that subsystem end",
         run: nvme_subsystem_remove_host,
+    },
+    Method {
+        name: "iscsi_target_list",
+        about: "iSCSI: every target (IQN, LUNs, allow rules, portals) and its logged-in sessions (initiator, ISID, TSIH, digests)",
+        run: iscsi_target_list,
     },
     Method {
         name: "session_list",
@@ -858,6 +863,36 @@ fn nvme_subsystem_remove_host(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcEr
         .map_err(RpcError::refused)?;
     let closed = close_nvme_sessions(sh, &closed);
     Ok(json!({ "nqn": p.nqn, "host": p.host, "closed_sessions": closed }))
+}
+
+fn iscsi_target_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
+    let r = &sh.registry;
+    let live: std::collections::HashSet<u32> = r.sessions().iter().map(|s| s.session).collect();
+    r.iscsi.retain_sessions(&|id| live.contains(&id));
+    let portals = r.iscsi.portals();
+    let targets: Vec<Value> = r
+        .exports()
+        .iter()
+        .map(|e| {
+            let iqn = crate::iscsi::target_name(&e.name);
+            let lun = crate::frontend::iscsi::lun_info(e, r.limits().max_io, false, 0);
+            json!({
+                "iqn": iqn,
+                "luns": [{
+                    "lun": lun.lun,
+                    "export": e.name,
+                    "size": e.size(),
+                    "block_size": lun.block_size,
+                    "read_only": e.read_only,
+                    "naa": format!("{:016x}", lun.naa),
+                }],
+                "allow": r.allow_of(&e.name),
+                "portals": portals,
+                "sessions": r.iscsi.describe_sessions(&iqn),
+            })
+        })
+        .collect();
+    Ok(Value::Array(targets))
 }
 
 fn session_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {

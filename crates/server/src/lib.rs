@@ -13,6 +13,7 @@ mod dgram;
 mod executor;
 pub mod frontend;
 pub mod http;
+pub mod iscsi;
 pub mod log;
 mod metrics;
 mod nbd;
@@ -219,6 +220,7 @@ impl Listener {
             Some((_, ListenerKind::Native)) => "tcp",
             Some((_, ListenerKind::Nbd)) => "nbd",
             Some((_, ListenerKind::NvmeTcp)) => "nvme-tcp",
+            Some((_, ListenerKind::Iscsi)) => "iscsi",
             None if self.url.starts_with("udp://") => "udp",
             None => "eth",
         }
@@ -297,6 +299,7 @@ impl Shared {
                 ListenerKind::Native => "tcp",
                 ListenerKind::Nbd => "nbd",
                 ListenerKind::NvmeTcp => "nvme-tcp",
+                ListenerKind::Iscsi => "iscsi",
             };
             let bound = format!("{scheme}://{local}");
             let mut ls = self.lock_listeners();
@@ -304,6 +307,9 @@ impl Shared {
             ls.next_id += 1;
             if frontend == ListenerKind::NvmeTcp {
                 self.registry.nvme.add_listener(id, local);
+            }
+            if frontend == ListenerKind::Iscsi {
+                self.registry.iscsi.add_listener(id, local);
             }
             ls.list.push(Listener {
                 id,
@@ -338,6 +344,7 @@ impl Shared {
         let l = ls.list.remove(at);
         drop(ls);
         self.registry.nvme.remove_listener(l.id);
+        self.registry.iscsi.remove_listener(l.id);
         if l.stream.is_some() {
             eventfd_write(self.changed.as_raw_fd());
         } else {
@@ -481,15 +488,17 @@ enum ListenerKind {
     Nbd,
     /// NVMe/TCP (`nvme-tcp://`), for the kernel's nvme-tcp host and nvme-cli.
     NvmeTcp,
+    /// iSCSI (`iscsi://`), for open-iscsi, libiscsi and other initiators.
+    Iscsi,
 }
 
 /// Parses `tcp://ADDR:PORT`, `nbd://ADDR[:PORT]` (NBD's port defaults to 10809) or
-/// `nvme-tcp://ADDR[:PORT]` (4420).
+/// `nvme-tcp://ADDR[:PORT]` (4420) or `iscsi://ADDR[:PORT]` (3260).
 fn parse_listen(url: &str) -> Result<(ListenerKind, Vec<SocketAddr>), String> {
-    let help = "expected tcp://ADDR:PORT, nbd://ADDR[:PORT] or nvme-tcp://ADDR[:PORT], e.g. tcp://0.0.0.0:7700, nbd://0.0.0.0:10809, nvme-tcp://0.0.0.0:4420, tcp://[::1]:7700";
+    let help = "expected tcp://ADDR:PORT, nbd://ADDR[:PORT], nvme-tcp://ADDR[:PORT] or iscsi://ADDR[:PORT], e.g. tcp://0.0.0.0:7700, nbd://0.0.0.0:10809, nvme-tcp://0.0.0.0:4420, iscsi://0.0.0.0:3260, tcp://[::1]:7700";
     let (frontend, rest) = match url.split_once("://") {
         Some(("tcp", rest)) => (ListenerKind::Native, rest.to_string()),
-        Some((scheme @ ("nbd" | "nvme-tcp"), rest)) => {
+        Some((scheme @ ("nbd" | "nvme-tcp" | "iscsi"), rest)) => {
             let rest = rest.trim_end_matches('/');
             // Add the default port unless one is given ("[v6]:p", "host:p").
             let has_port = match rest.rsplit_once(':') {
@@ -500,10 +509,10 @@ fn parse_listen(url: &str) -> Result<(ListenerKind, Vec<SocketAddr>), String> {
                 }
                 None => false,
             };
-            let (kind, port) = if scheme == "nbd" {
-                (ListenerKind::Nbd, 10809)
-            } else {
-                (ListenerKind::NvmeTcp, 4420)
+            let (kind, port) = match scheme {
+                "nbd" => (ListenerKind::Nbd, 10809),
+                "iscsi" => (ListenerKind::Iscsi, blkwire_wire::iscsi::DEFAULT_PORT),
+                _ => (ListenerKind::NvmeTcp, 4420),
             };
             (
                 kind,
@@ -1088,6 +1097,10 @@ fn handshake(
                 }
                 _ => None,
             }
+        }
+        ListenerKind::Iscsi => {
+            let local = s.s.local_addr().unwrap_or(peer);
+            iscsi::accept(&mut s, peer, local, registry).map(|(a, fe)| (a, fe, Vec::new()))
         }
     };
     // Before the socket is closed or handed on: a cut (shutdown) must find it still ours.

@@ -240,6 +240,8 @@ pub struct Registry {
     pub access: Access,
     /// NVMe/TCP controllers and listeners (`crate::nvme`).
     pub nvme: crate::nvme::Controllers,
+    /// iSCSI listeners and logged-in sessions (`crate::iscsi`).
+    pub iscsi: crate::iscsi::Portals,
     limits: Limits,
     inner: Mutex<Inner>,
     budget: Arc<Budget>,
@@ -262,6 +264,7 @@ impl Registry {
         Registry {
             access,
             nvme: crate::nvme::Controllers::default(),
+            iscsi: crate::iscsi::Portals::default(),
             limits,
             budget: Budget::new(limits.max_memory),
             inner: Mutex::new(Inner {

@@ -10,6 +10,7 @@ pub mod crc;
 pub mod datagram;
 mod frame;
 mod handshake;
+pub mod iscsi;
 pub mod nbd;
 pub mod nvme_tcp;
 pub mod scsi;

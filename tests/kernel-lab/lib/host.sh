@@ -5,7 +5,7 @@
 #   start_blkwire ARGS...   blkwire serve ARGS in the background; waits (bounded) until it prints one
 #                           "listening URL" line per --listen. Sets BLKWIRE_PID and BLKWIRE_URLS.
 #                           Its stderr goes to $LOGDIR/$BLKWIRE_LOG (default blkwire.log).
-#   listen_port SCHEME      the port of the first listener with that scheme (tcp, nbd, nvme-tcp)
+#   listen_port SCHEME      the port of the first listener with that scheme (tcp, nbd, nvme-tcp, iscsi)
 #   stop_blkwire            SIGTERM, bounded wait; fails unless blkwire exits 0
 #   guest_values KEY        the values of the guest's "LAB-KEY: VALUE" lines, one per line
 #   boot_guest              boots the lab VM for $SCENARIO with $GUEST_ARGS (and $QEMU_NET if the
@@ -163,7 +163,8 @@ show_guest_log() {
 
 # verify_guest_disk: copy the export out through blkwire (it must equal the backing file), stop
 # blkwire, and check that the copy is a clean ext4 holding every file the guest reported
-# (LAB-SHA256 lines) with that checksum. The copy stays in $WORK/out.img for further checks.
+# (LAB-SHA256 lines) with that checksum (check_guest_files). The copy stays in $WORK/out.img for
+# further checks.
 verify_guest_disk() {
     local sums=$WORK/guest.sha256
     guest_values SHA256 >"$sums"
@@ -175,6 +176,15 @@ verify_guest_disk() {
     cmp -s "$out" "$WORK/disk.img" || die "blkwire cp returned data different from the export's file"
     log "blkwire cp: $(stat -c %s "$out") bytes read back, identical to the backing file"
     stop_blkwire
+    check_guest_files "$out"
+}
+
+# check_guest_files IMG: IMG (a copy of the guest's disk) is a clean ext4 holding every file the
+# guest reported (LAB-SHA256 lines) with that checksum.
+check_guest_files() {
+    local out=$1 sums=$WORK/guest.sha256
+    guest_values SHA256 >"$sums"
+    [ -s "$sums" ] || die "the guest reported no file checksums"
     e2fsck -fn "$out" >"$WORK/fsck.log" 2>&1 || {
         sed 's/^/    e2fsck| /' "$WORK/fsck.log" >&2
         die "e2fsck -fn on the copied disk found problems"
@@ -184,11 +194,11 @@ verify_guest_disk() {
     while read -r sum path; do
         got=$(debugfs -R "cat $path" "$out" 2>/dev/null | sha256sum | cut -d' ' -f1)
         if [ "$got" != "$sum" ]; then
-            echo "    $path: guest wrote $sum, blkwire holds $got" >&2
+            echo "    $path: guest wrote $sum, the disk holds $got" >&2
             bad=$((bad + 1))
         fi
         n=$((n + 1))
     done <"$sums"
-    [ $bad -eq 0 ] || die "$bad of $n files differ between what the guest wrote and what blkwire stored"
-    log "debugfs: all $n files on the copied disk have the sha256 the guest reported"
+    [ $bad -eq 0 ] || die "$bad of $n files differ between what the guest wrote and what the target stored"
+    log "debugfs: all $n files on ${out##*/} have the sha256 the guest reported"
 }

@@ -3,9 +3,11 @@
 //! The reactor owns the socket, the buffers, the slots and the executor (`executor.rs`);
 //! a frontend owns the protocol and its per-connection state. The reactor never asks which
 //! protocol a connection speaks: it calls [`StreamFrontend`] methods. Native blkwire frames
-//! ([`native`]) and NBD's transmission phase ([`nbd`]) are the implementations; how NVMe/TCP
-//! and iSCSI map onto the same trait is written down in docs/ARCHITECTURE.md.
+//! ([`native`]), NBD's transmission phase ([`nbd`]), NVMe/TCP I/O queues ([`nvme`]) and iSCSI's
+//! full feature phase ([`iscsi`]) are the implementations; how NVMe/TCP and iSCSI map onto the
+//! same trait is written down in docs/ARCHITECTURE.md.
 
+pub mod iscsi;
 pub mod native;
 pub mod nbd;
 pub mod nvme;
@@ -167,6 +169,23 @@ pub trait StreamFrontend: Send {
         unreachable!("this frontend's writes always carry their data")
     }
 
+    /// The reactor took `req`, the last [`Decoded::Request`] `decode` returned: its message
+    /// is consumed and the request is being handled. A request the reactor cannot take yet
+    /// (memory, one COPY at a time) stays in the receive buffer and is decoded again, so a
+    /// frontend whose decoding has effects (iSCSI's CmdSN, requests it makes up itself) keeps
+    /// what it returned until this call and returns it again.
+    fn taken(&mut self, req: &Req) {
+        let _ = req;
+    }
+
+    /// Fills the buffer of a WRITE that came without its data when the frontend holds that data
+    /// itself (iSCSI WRITE SAME's block, repeated), instead of asking the initiator for it:
+    /// true when `data` (the write's whole length) is filled and the write may run.
+    fn fill(&mut self, req: &Req, data: &mut [u8]) -> bool {
+        let _ = (req, data);
+        false
+    }
+
     /// True when the server assigns slots (requests carry cookies, not slots): the reactor then
     /// stops reading when every slot is busy.
     fn server_assigns_slots(&self) -> bool;
@@ -199,7 +218,11 @@ pub trait StreamFrontend: Send {
     /// The descriptor of the [`Kind::Copy`] request `req`, from its payload, checked against
     /// what the connection granted for its target; `None` when it is malformed or over the
     /// limits (answered `INVALID`). Only frontends that decode COPYs get this call.
-    fn copy_descriptor(&self, _req: &Req, _payload: &[u8]) -> Option<blkwire_wire::CopyDescriptor> {
+    fn copy_descriptor(
+        &mut self,
+        _req: &Req,
+        _payload: &[u8],
+    ) -> Option<blkwire_wire::CopyDescriptor> {
         None
     }
 
@@ -215,7 +238,12 @@ pub trait StreamFrontend: Send {
 
     /// Appends the reply to an allocation query, `extents` as (length, hole), or returns false
     /// when the connection did not negotiate allocation queries.
-    fn block_status_reply(&self, _req: &Req, _extents: &[(u32, bool)], _tx: &mut Vec<u8>) -> bool {
+    fn block_status_reply(
+        &mut self,
+        _req: &Req,
+        _extents: &[(u32, bool)],
+        _tx: &mut Vec<u8>,
+    ) -> bool {
         false
     }
 }

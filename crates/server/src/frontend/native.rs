@@ -131,7 +131,7 @@ impl StreamFrontend for Native {
     }
 
     /// Checked against the session's COPY limits (§13).
-    fn copy_descriptor(&self, _req: &Req, payload: &[u8]) -> Option<CopyDescriptor> {
+    fn copy_descriptor(&mut self, _req: &Req, payload: &[u8]) -> Option<CopyDescriptor> {
         CopyDescriptor::decode_within(payload, &self.copy).ok()
     }
 }

@@ -141,7 +141,7 @@ impl StreamFrontend for Nbd {
         tx.extend_from_slice(&req.length.to_be_bytes());
     }
 
-    fn block_status_reply(&self, req: &Req, extents: &[(u32, bool)], tx: &mut Vec<u8>) -> bool {
+    fn block_status_reply(&mut self, req: &Req, extents: &[(u32, bool)], tx: &mut Vec<u8>) -> bool {
         if !self.allocation {
             return false;
         }
@@ -281,7 +281,7 @@ mod tests {
         let (r, _) = req(&mut off, &request(cmd::BLOCK_STATUS, 0, 5, 0, 512));
         let mut tx = Vec::new();
         assert!(!off.block_status_reply(&r, &[(512, true)], &mut tx));
-        let on = nbd(true);
+        let mut on = nbd(true);
         assert!(on.block_status_reply(&r, &[(256, true), (256, false)], &mut tx));
         assert_eq!(tx.len(), nbd::CHUNK_HEADER_LEN + 4 + 16);
     }

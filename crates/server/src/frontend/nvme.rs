@@ -540,7 +540,7 @@ impl StreamFrontend for NvmeIo {
         true
     }
 
-    fn copy_descriptor(&self, req: &Req, payload: &[u8]) -> Option<CopyDescriptor> {
+    fn copy_descriptor(&mut self, req: &Req, payload: &[u8]) -> Option<CopyDescriptor> {
         let t = req.target as usize;
         let copy = self.namespaces.get(t)?.copy;
         let n = payload.len() / 32;

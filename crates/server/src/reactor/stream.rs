@@ -74,6 +74,7 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                 // that data, and the memory those writes will free, from ever arriving.
                 Cover::Wait if *payload_len == 0 && req.slot.is_none() && writes_wait(c) => {
                     let req = *req;
+                    c.fe.taken(&req);
                     c.rx_start += len;
                     c.stats().frames_in += 1;
                     park(c, &req);
@@ -86,6 +87,7 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                     if *payload_len <= SMALL_PAYLOAD && req.slot.is_none() && writes_wait(c) => {}
                 Cover::Wait => break,
                 Cover::Never => {
+                    c.fe.taken(req);
                     let req = req.refused();
                     c.rx_start += len;
                     c.stats().frames_in += 1;
@@ -99,6 +101,7 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         c.stats().frames_in += 1;
         match decoded {
             Decoded::Request { req, .. } => {
+                c.fe.taken(&req);
                 dispatch(c, idx, &req, payload_at, payload_len, sq);
                 // A write that came without its data may have joined the queue of those
                 // waiting for memory: solicit now what memory allows.
@@ -491,7 +494,7 @@ fn run_deferred(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         }
         c.deferred.pop_front();
         let align = c.exec(&req).buffer_alignment();
-        slot_buffer(
+        let buf = slot_buffer(
             &mut c.slots,
             &mut c.bufs,
             &mut c.held,
@@ -499,6 +502,12 @@ fn run_deferred(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             slot,
             req.length,
         );
+        // Data the frontend holds itself needs no solicitation.
+        if c.fe.fill(&req, &mut buf.as_mut_slice()[..len]) {
+            c.slots[slot as usize].awaiting = None;
+            run_in_slot(c, idx, &req, slot, sq);
+            continue;
+        }
         c.fe.solicit(&req, slot, 0, req.length, &mut c.tx);
     }
 }

@@ -1,0 +1,1560 @@
+//! iSCSI full feature phase (RFC 7143 §4.2, §11): one connection of a one-connection session
+//! (MaxConnections=1, ErrorRecoveryLevel=0) after the Login Phase on the handshake thread
+//! (`crate::iscsi`). The target serves one LUN (LUN 0, the export).
+//!
+//! - SCSI Command: the CDB is decoded by `blkwire_wire::scsi`. READ/WRITE become reactor
+//!   requests (the ITT and residual in the cookie); WRITE data comes as immediate data, and the
+//!   rest is asked for with R2Ts (TTT = the slot) of at most MaxBurstLength each, one
+//!   outstanding at a time (MaxOutstandingR2T=1); Data-Out PDUs become [`Decoded::Data`].
+//!   READ data goes out as one Data-In PDU with the status in it when it fits the initiator's
+//!   MaxRecvDataSegmentLength, otherwise as a Data-In sequence. Everything the target answers
+//!   itself (INQUIRY, READ CAPACITY, MODE SENSE, REPORT LUNS, refusals) is answered in
+//!   `decode` (Data-In with status, or a SCSI Response with sense data).
+//! - UNMAP and WRITE SAME: the parameter list (immediate data, or collected here with R2Ts on
+//!   TTTs above the slots) turns into Trim / WriteZeroes requests that the frontend hands to
+//!   the reactor one after another (`queued`), answering the command when the last is done.
+//! - CmdSN: non-immediate commands must carry ExpCmdSN; others are dropped (§4.2.2.1).
+//!   MaxCmdSN = ExpCmdSN + free task places − 1, so the initiator never has more commands in
+//!   flight than the connection has slots.
+//! - NOP-Out is answered with NOP-In, Logout with Logout Response, Text with an empty Text
+//!   Response, task management with Function Complete (tasks run to completion: the only tasks
+//!   that wait are writes for their data, which an initiator that aborts them never sends).
+//! - A PDU that breaks the protocol is answered with Reject (its header as data) where the
+//!   stream is still in step, and the connection is closed where it is not (header digest,
+//!   data digest of Data-Out, oversized data segment).
+
+use std::collections::VecDeque;
+
+use blkwire_backend::CopyRange;
+use blkwire_backend::{BlockOp, Export, IoFlags};
+use blkwire_wire::iscsi::{
+    self, flag, op, pdu_len, reject, Bhs, Digests, Progress, BHS_LEN, RESERVED_TAG,
+};
+use blkwire_wire::scsi::{self, xcopy, Command, LunInfo, Sense};
+use blkwire_wire::{CopyDescriptor, CopyLimits, Status};
+
+use super::{Decoded, Kind, ReadFraming, Req, StreamFrontend};
+use crate::iscsi::Negotiated;
+
+/// SCSI status GOOD.
+const GOOD: u8 = 0x00;
+/// SCSI status CHECK CONDITION.
+const CHECK_CONDITION: u8 = 0x02;
+/// The LUN this target serves.
+const LUN: u64 = 0;
+/// Most bytes of a parameter list collected in the frontend (UNMAP, WRITE SAME's block).
+const MAX_PARAMS: u32 = 1 << 20;
+/// TTT of the R2T that collects a parameter list (above every slot index).
+const PARAM_TTT: u32 = 0x8000_0000;
+
+/// What a connection is set up with after login.
+pub struct IscsiSetup {
+    /// The negotiated operational parameters.
+    pub neg: Negotiated,
+    /// The StatSN of the next response.
+    pub statsn: u32,
+    /// The CmdSN expected next.
+    pub expcmdsn: u32,
+    /// Commands in flight at most (the connection's slots).
+    pub depth: u16,
+    /// The export behind LUN 0.
+    pub export: std::sync::Arc<Export>,
+    /// The target's name.
+    pub target: String,
+    /// The initiator's name.
+    pub initiator: String,
+    /// The initiator's session id.
+    pub isid: [u8; 6],
+    /// Largest transfer.
+    pub max_io: u32,
+    /// What one copy may do.
+    pub copy: CopyLimits,
+    /// The exports this initiator may open, as LUNs (EXTENDED COPY sources), by name.
+    pub peers: Vec<(String, LunInfo)>,
+}
+
+/// How a reply is built, kept in the cookie.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+enum Reply {
+    Plain = 0,
+    Read = 1,
+    Write = 2,
+    Flush = 3,
+    Logout = 4,
+    LbaStatus = 5,
+    /// One part of a command answered after its last part (UNMAP, WRITE SAME).
+    Part = 6,
+}
+
+/// The cookie: ITT (bits 0–31), residual count (32–63), residual kind (64–65: 1 underflow,
+/// 2 overflow), reply kind (66–71), bytes of READ data to send or GET LBA STATUS allocation
+/// length (96–127).
+fn cookie(itt: u32, residual: Residual, reply: Reply, extra: u32) -> u128 {
+    let (kind, count) = match residual {
+        Residual::None => (0u128, 0u32),
+        Residual::Under(n) => (1, n),
+        Residual::Over(n) => (2, n),
+    };
+    itt as u128 | (count as u128) << 32 | kind << 64 | (reply as u128) << 66 | (extra as u128) << 96
+}
+
+fn itt_of(req: &Req) -> u32 {
+    req.cookie as u32
+}
+
+fn residual_of(req: &Req) -> Residual {
+    let n = (req.cookie >> 32) as u32;
+    match (req.cookie >> 64) & 3 {
+        1 => Residual::Under(n),
+        2 => Residual::Over(n),
+        _ => Residual::None,
+    }
+}
+
+fn reply_of(req: &Req) -> Reply {
+    match (req.cookie >> 66) & 0x3f {
+        1 => Reply::Read,
+        2 => Reply::Write,
+        3 => Reply::Flush,
+        4 => Reply::Logout,
+        5 => Reply::LbaStatus,
+        6 => Reply::Part,
+        _ => Reply::Plain,
+    }
+}
+
+fn extra_of(req: &Req) -> u32 {
+    (req.cookie >> 96) as u32
+}
+
+/// A residual (§11.4.5): what the initiator expected minus what the command moved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Residual {
+    None,
+    Under(u32),
+    Over(u32),
+}
+
+impl Residual {
+    fn of(edtl: u32, moved: u32) -> Residual {
+        use std::cmp::Ordering::*;
+        match edtl.cmp(&moved) {
+            Equal => Residual::None,
+            Greater => Residual::Under(edtl - moved),
+            Less => Residual::Over(moved - edtl),
+        }
+    }
+    fn flags(self) -> u8 {
+        match self {
+            Residual::None => 0,
+            Residual::Under(_) => flag::UNDERFLOW,
+            Residual::Over(_) => flag::OVERFLOW,
+        }
+    }
+    fn count(self) -> u32 {
+        match self {
+            Residual::None => 0,
+            Residual::Under(n) | Residual::Over(n) => n,
+        }
+    }
+}
+
+/// A WRITE waiting in its slot for solicited data.
+#[derive(Clone, Copy, Debug, Default)]
+struct Task {
+    itt: u32,
+    r2tsn: u32,
+    /// The DataSN the next Data-Out of the current R2T's sequence carries (§11.7.5: each
+    /// R2T's sequence counts from 0).
+    datasn: u32,
+    /// End of the burst the outstanding R2T asked for.
+    burst_end: u32,
+    /// End of the data the write needs.
+    end: u32,
+    active: bool,
+}
+
+/// A command whose parameter list is being collected by the frontend.
+struct Params {
+    itt: u32,
+    cdb: [u8; 16],
+    edtl: u32,
+    want: u32,
+    data: Vec<u8>,
+    r2tsn: u32,
+    datasn: u32,
+    burst_end: u32,
+}
+
+/// A command split into parts (UNMAP ranges, WRITE SAME): answered when the last part is.
+#[derive(Clone, Debug)]
+struct Compound {
+    itt: u32,
+    residual: Residual,
+    parts_left: u32,
+    /// The first error, turned into sense when answering.
+    failed: Option<(Status, bool)>,
+    /// EXTENDED COPY: the plan (list id and usage) and the bytes copied so far.
+    copy: Option<(xcopy::Plan, u64)>,
+}
+
+/// One connection's full feature phase state.
+pub struct Iscsi {
+    neg: Negotiated,
+    d: Digests,
+    statsn: u32,
+    expcmdsn: u32,
+    /// The MaxCmdSN last sent: commands beyond it are dropped.
+    maxcmdsn: u32,
+    depth: u16,
+    /// Commands handed to the reactor and not answered yet.
+    outstanding: u16,
+    lun: LunInfo,
+    block_shift: u32,
+    flush: bool,
+    tasks: Vec<Task>,
+    params: Option<Params>,
+    compound: Option<Compound>,
+    /// Requests the frontend makes up (parts of UNMAP, WRITE SAME, EXTENDED COPY, the read of
+    /// a compare), handed to the reactor one at a time, each after the one before answered.
+    queued: VecDeque<(Req, Option<CopyDescriptor>)>,
+    /// The last request `decode` returned, until the reactor takes it (`taken`): returned
+    /// again when the reactor decodes the same message again.
+    pending: Option<(Req, usize, usize, usize)>,
+    /// A part is with the reactor.
+    part_running: bool,
+    /// The descriptor of the COPY part handed out, for `copy_descriptor`.
+    copy_desc: Option<CopyDescriptor>,
+    /// The data a compare part's read must match (VERIFY with BYTCHK, COMPARE AND WRITE),
+    /// and the offset of the first difference once read.
+    compare: Option<(Vec<u8>, Option<u64>)>,
+    /// COMPARE AND WRITE in progress: its PDU stays in the receive buffer until the compare
+    /// is done, then its second half is the write's data.
+    caw: Option<Caw>,
+    /// The exports this initiator may open, as LUNs: EXTENDED COPY finds its source here.
+    peers: Vec<(String, LunInfo)>,
+    copy: CopyLimits,
+    xlimits: xcopy::Limits,
+    /// Results of EXTENDED COPY for RECEIVE COPY RESULTS.
+    history: xcopy::History,
+    /// The block a WRITE SAME in progress writes (`fill`).
+    pattern: Option<Vec<u8>>,
+    scratch: Vec<u8>,
+}
+
+/// A COMPARE AND WRITE waiting for its compare.
+#[derive(Clone, Copy, Debug)]
+struct Caw {
+    /// The command PDU's header (it stays at the front of the receive buffer meanwhile).
+    bhs: [u8; BHS_LEN],
+    itt: u32,
+    offset: u64,
+    length: u32,
+    fua: bool,
+    edtl: u32,
+    state: CawState,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CawState {
+    Reading,
+    Matched,
+    Miscompare(u64),
+    Failed(Status),
+}
+
+/// What LUN 0 of the target of `e` is, as the SCSI layer answers for it. `copy`: EXTENDED COPY
+/// is granted; `immediate`: the most immediate data a command may carry (COMPARE AND WRITE's
+/// both halves must fit it).
+pub fn lun_info(e: &Export, max_io: u32, copy: bool, immediate: u32) -> LunInfo {
+    let caps = e.capabilities();
+    let (logical, _) = e.backend().block_sizes();
+    let block_size = logical.clamp(512, 4096).next_power_of_two();
+    let shift = block_size.trailing_zeros();
+    let target = crate::iscsi::target_name(&e.name);
+    let digest = ring::digest::digest(&ring::digest::SHA256, target.as_bytes());
+    let id = u64::from_be_bytes(digest.as_ref()[..8].try_into().expect("8 bytes"));
+    let serial: String = digest.as_ref()[8..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    LunInfo {
+        lun: LUN,
+        block_size,
+        blocks: e.size() >> shift,
+        read_only: e.read_only,
+        write_cache: caps.flush.available(),
+        fua: caps.fua.available(),
+        unmap: !e.read_only,
+        // Trimmed blocks may read back as they were (TRIM is advisory where emulated).
+        zeroes_after_unmap: false,
+        copy: copy && !e.read_only,
+        rotational: caps.rotational,
+        max_transfer_blocks: (max_io >> shift).max(1),
+        // libiscsi's BlockLimits test holds MAXIMUM UNMAP LBA COUNT to 1 Mi blocks.
+        max_unmap_blocks: 1 << 20,
+        max_unmap_descriptors: 256,
+        max_write_same_blocks: (u32::MAX >> shift) as u64,
+        max_compare_write_blocks: (immediate / (2 * block_size)).min(255) as u8,
+        unmap_granularity: 1,
+        // IEEE company id 0 (none registered); the id is the target name's hash, so every
+        // connection (and an EXTENDED COPY naming it) sees the same one.
+        naa: scsi::naa_registered(0, id),
+        serial,
+        ..LunInfo::default()
+    }
+}
+
+impl Iscsi {
+    /// The full feature phase of a connection that logged in.
+    pub fn new(s: IscsiSetup) -> Iscsi {
+        let e = &s.export;
+        let caps = e.capabilities();
+        // COMPARE AND WRITE's data comes as immediate data (both halves), within the first
+        // burst and one PDU.
+        let immediate = if s.neg.immediate_data {
+            s.neg.first_burst.min(s.neg.recv_max)
+        } else {
+            0
+        };
+        let lun = lun_info(e, s.max_io, s.copy.enabled(), immediate);
+        let shift = lun.block_size.trailing_zeros();
+        let xlimits = xcopy::Limits {
+            max_segment_length: s
+                .copy
+                .max_bytes
+                .min(xcopy::Limits::default().max_segment_length),
+            ..xcopy::Limits::default()
+        };
+        let _ = (&s.initiator, s.isid);
+        let depth = s.depth.max(1);
+        Iscsi {
+            d: s.neg.digests,
+            neg: s.neg,
+            statsn: s.statsn,
+            expcmdsn: s.expcmdsn,
+            maxcmdsn: s.expcmdsn.wrapping_add(depth as u32 - 1),
+            depth,
+            outstanding: 0,
+            lun,
+            block_shift: shift,
+            flush: caps.flush.available(),
+            tasks: vec![Task::default(); depth as usize],
+            params: None,
+            compound: None,
+            queued: VecDeque::new(),
+            pending: None,
+            part_running: false,
+            copy_desc: None,
+            compare: None,
+            caw: None,
+            peers: s.peers,
+            copy: s.copy,
+            xlimits,
+            history: xcopy::History::default(),
+            pattern: None,
+            scratch: Vec::with_capacity(BHS_LEN + 64),
+        }
+    }
+
+    /// MaxCmdSN now: the window is the free task places (§4.2.2.1).
+    fn window(&mut self) -> u32 {
+        let free = self.depth.saturating_sub(self.outstanding) as u32;
+        // A window of 0 is MaxCmdSN = ExpCmdSN − 1.
+        self.maxcmdsn = self.expcmdsn.wrapping_add(free).wrapping_sub(1);
+        self.maxcmdsn
+    }
+
+    /// Stamps StatSN (advancing it when `advance`), ExpCmdSN and MaxCmdSN.
+    fn stamp(&mut self, b: &mut Bhs, advance: bool) {
+        let max = self.window();
+        b.sn(self.statsn, self.expcmdsn, max);
+        if advance {
+            self.statsn = self.statsn.wrapping_add(1);
+        }
+    }
+
+    /// A SCSI Response (§11.4): `sense` as its data when CHECK CONDITION.
+    fn response(
+        &mut self,
+        itt: u32,
+        status: u8,
+        sense: Option<&Sense>,
+        res: Residual,
+        tx: &mut Vec<u8>,
+    ) {
+        let mut b = Bhs::new(op::SCSI_RSP, flag::FINAL | res.flags());
+        b.0[2] = 0; // Command Completed at Target
+        b.0[3] = status;
+        b.itt(itt);
+        self.stamp(&mut b, true);
+        b.set32(44, res.count());
+        self.scratch.clear();
+        if let Some(s) = sense {
+            self.scratch.extend_from_slice(&[0, 0]);
+            s.encode(&mut self.scratch);
+            let n = (self.scratch.len() - 2) as u16;
+            self.scratch[..2].copy_from_slice(&n.to_be_bytes());
+        }
+        let data = std::mem::take(&mut self.scratch);
+        b.encode(&data, &self.d, tx);
+        self.scratch = data;
+    }
+
+    fn check(&mut self, itt: u32, sense: &Sense, edtl: u32, tx: &mut Vec<u8>) {
+        let res = if edtl > 0 {
+            Residual::Under(edtl)
+        } else {
+            Residual::None
+        };
+        self.response(itt, CHECK_CONDITION, Some(sense), res, tx);
+    }
+
+    /// Data-In PDUs for an answer the target built (at most `edtl` of it), the last one with
+    /// GOOD status.
+    fn answer(&mut self, itt: u32, data: &[u8], edtl: u32, tx: &mut Vec<u8>) {
+        let res = Residual::of(edtl, data.len() as u32);
+        let data = &data[..data.len().min(edtl as usize)];
+        self.data_in(itt, data, res, tx);
+    }
+
+    /// Data-In PDUs for `data`, the last one with GOOD status and the residual `res`.
+    fn data_in(&mut self, itt: u32, data: &[u8], res: Residual, tx: &mut Vec<u8>) {
+        if data.is_empty() {
+            return self.response(itt, GOOD, None, res, tx);
+        }
+        let max = self.neg.send_max.max(512) as usize;
+        let burst = self.neg.max_burst.max(512) as usize;
+        let mut at = 0usize;
+        let mut datasn = 0u32;
+        while at < data.len() {
+            // A PDU never crosses a MaxBurstLength boundary; F ends each sequence.
+            let burst_end = (at / burst + 1) * burst;
+            let end = (at + max).min(data.len()).min(burst_end);
+            let last = end == data.len();
+            let mut f = 0;
+            if last || end == burst_end {
+                f |= flag::FINAL;
+            }
+            if last {
+                f |= flag::STATUS | res.flags();
+            }
+            let mut b = Bhs::new(op::DATA_IN, f);
+            b.itt(itt).set32(20, RESERVED_TAG);
+            self.stamp(&mut b, last);
+            if !last {
+                b.set32(24, 0);
+            }
+            b.set32(36, datasn).set32(40, at as u32);
+            if last {
+                b.0[3] = GOOD;
+                b.set32(44, res.count());
+            }
+            b.encode(&data[at..end], &self.d, tx);
+            at = end;
+            datasn += 1;
+        }
+    }
+
+    /// Reject (§11.17) of the PDU whose header is `bhs`.
+    fn reject(&mut self, reason: u8, bhs: &[u8], tx: &mut Vec<u8>) {
+        let mut b = Bhs::new(op::REJECT, flag::FINAL);
+        b.0[2] = reason;
+        b.set32(16, RESERVED_TAG);
+        self.stamp(&mut b, true);
+        b.encode(&bhs[..BHS_LEN], &self.d, tx);
+    }
+
+    fn request(&mut self, req: Req, len: usize, payload_len: usize, trailer: usize) -> Decoded {
+        self.outstanding += 1;
+        self.pending = Some((req, len, payload_len, trailer));
+        Decoded::Request {
+            req,
+            len,
+            payload_len,
+            trailer,
+        }
+    }
+
+    /// The byte range of `blocks` blocks from `lba` (decode checked it is inside the LUN).
+    fn bytes(&self, lba: u64, blocks: u32) -> (u64, u32) {
+        (lba << self.block_shift, blocks << self.block_shift)
+    }
+
+    fn command(&mut self, rx: &[u8], len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
+        let c = iscsi::scsi_command(p);
+        let itt = c.itt;
+        if !p.immediate() {
+            if c.cmdsn != self.expcmdsn {
+                // Outside the window or out of order: dropped (§4.2.2.1; one connection, so
+                // nothing is missing that could fill the gap).
+                return Decoded::Answered { len };
+            }
+            self.expcmdsn = self.expcmdsn.wrapping_add(1);
+        }
+        if !c.data.is_empty()
+            && (!self.neg.immediate_data || !c.write || c.data.len() as u32 > self.neg.first_burst)
+        {
+            self.reject(reject::PROTOCOL_ERROR, rx, tx);
+            return Decoded::Answered { len };
+        }
+        if c.write && !c.final_ {
+            // InitialR2T=Yes: unsolicited Data-Out PDUs may not follow.
+            self.reject(reject::PROTOCOL_ERROR, rx, tx);
+            return Decoded::Violation(
+                "iSCSI: unsolicited Data-Out announced under InitialR2T=Yes".into(),
+            );
+        }
+        let lun = scsi::lun_from_wire(c.lun.to_be_bytes());
+        let mut cdb = [0u8; 32];
+        cdb[..16].copy_from_slice(&c.cdb);
+        let ext = c.ext_cdb.len().min(16);
+        cdb[16..16 + ext].copy_from_slice(&c.ext_cdb[..ext]);
+        let cdb = &cdb[..16 + ext];
+        if lun != LUN {
+            if cdb[0] == scsi::op::REPORT_LUNS {
+                // Any LUN may ask for the list.
+            } else if cdb[0] == scsi::op::INQUIRY && cdb[1] & 1 == 0 {
+                // SPC-4 6.4.2: no logical unit here: peripheral qualifier 3, type 1Fh.
+                let mut d = vec![0u8; 36];
+                d[0] = 0x7f;
+                d[2] = 6;
+                d[3] = 2;
+                d[4] = 31;
+                d.truncate(u16::from_be_bytes([cdb[3], cdb[4]]) as usize);
+                self.answer(itt, &d, c.edtl, tx);
+                return Decoded::Answered { len };
+            } else {
+                self.check(itt, &Sense::lun_not_supported(), c.edtl, tx);
+                return Decoded::Answered { len };
+            }
+        }
+        let cmd = match scsi::decode(cdb, &self.lun) {
+            Ok(cmd) => cmd,
+            Err(sense) => {
+                self.check(itt, &sense, c.edtl, tx);
+                return Decoded::Answered { len };
+            }
+        };
+        // Bytes of immediate data the reactor does not take, and the padding and digest.
+        let tail = p.trailer;
+        match cmd {
+            Command::TestUnitReady
+            | Command::StartStopUnit { .. }
+            | Command::PreventAllowMediumRemoval { .. }
+            | Command::PreFetch { .. }
+            | Command::Verify { bytchk: false, .. } => {
+                self.response(itt, GOOD, None, Residual::of(c.edtl, 0), tx);
+                Decoded::Answered { len }
+            }
+            Command::DataIn(d) => {
+                self.answer(itt, &d, c.edtl, tx);
+                Decoded::Answered { len }
+            }
+            Command::ReportLuns { alloc_len } => {
+                let d = scsi::report_luns(&[LUN], alloc_len);
+                self.answer(itt, &d, c.edtl, tx);
+                Decoded::Answered { len }
+            }
+            Command::Read { lba, blocks, fua } => {
+                let (offset, bytes) = self.bytes(lba, blocks);
+                if bytes == 0 {
+                    self.response(itt, GOOD, None, Residual::of(c.edtl, 0), tx);
+                    return Decoded::Answered { len };
+                }
+                let res = Residual::of(c.edtl, bytes);
+                let send = bytes.min(c.edtl);
+                let req = Req {
+                    target: 0,
+                    kind: Kind::Block(BlockOp::Read),
+                    offset,
+                    length: bytes,
+                    flags: IoFlags::empty().with(IoFlags::FUA, fua),
+                    slot: None,
+                    cookie: cookie(itt, res, Reply::Read, send),
+                };
+                self.request(req, len, 0, 0)
+            }
+            Command::Write { lba, blocks, fua } => self.write(
+                c.edtl,
+                itt,
+                (lba, blocks, fua),
+                c.data.len(),
+                (len, tail),
+                tx,
+            ),
+            Command::WriteAndVerify { lba, blocks } => {
+                // The write is verified by being durable before GOOD.
+                let fua = self.lun.fua;
+                self.write(
+                    c.edtl,
+                    itt,
+                    (lba, blocks, fua),
+                    c.data.len(),
+                    (len, tail),
+                    tx,
+                )
+            }
+            Command::SynchronizeCache { .. } => {
+                if !self.flush {
+                    self.response(itt, GOOD, None, Residual::of(c.edtl, 0), tx);
+                    return Decoded::Answered { len };
+                }
+                let req = Req {
+                    target: 0,
+                    kind: Kind::Block(BlockOp::Flush),
+                    offset: 0,
+                    length: 0,
+                    flags: IoFlags::empty(),
+                    slot: None,
+                    cookie: cookie(itt, Residual::of(c.edtl, 0), Reply::Flush, 0),
+                };
+                self.request(req, len, 0, 0)
+            }
+            Command::GetLbaStatus { lba, alloc_len } => {
+                let (offset, _) = self.bytes(lba, 0);
+                // Up to 1 GiB from the starting block (the rest is asked for again).
+                let left = (self.lun.blocks - lba) << self.block_shift;
+                let length = left.min(1 << 30) as u32;
+                let req = Req {
+                    target: 0,
+                    kind: Kind::BlockStatus,
+                    offset,
+                    length,
+                    flags: IoFlags::empty(),
+                    slot: None,
+                    // The residual field holds EDTL until the answer's length is known.
+                    cookie: cookie(
+                        itt,
+                        Residual::Under(c.edtl),
+                        Reply::LbaStatus,
+                        alloc_len.min(c.edtl),
+                    ),
+                };
+                self.request(req, len, 0, 0)
+            }
+            Command::Unmap { param_len } | Command::ExtendedCopy { param_len }
+                if param_len == 0 =>
+            {
+                self.response(itt, GOOD, None, Residual::of(c.edtl, 0), tx);
+                Decoded::Answered { len }
+            }
+            Command::Unmap { param_len } => {
+                self.collect(itt, &c.cdb, c.edtl, param_len, c.data, len, tx)
+            }
+            Command::WriteSame { blocks, ndob, .. } => {
+                if ndob {
+                    return self.run_params(itt, &c.cdb, c.edtl, &[], len, tx);
+                }
+                let want = self.lun.block_size;
+                let _ = blocks;
+                self.collect(itt, &c.cdb, c.edtl, want, c.data, len, tx)
+            }
+            Command::ExtendedCopy { param_len } => {
+                self.collect(itt, &c.cdb, c.edtl, param_len, c.data, len, tx)
+            }
+            Command::Verify {
+                blocks,
+                bytchk: true,
+                ..
+            } => {
+                let want = blocks << self.block_shift;
+                self.collect(itt, &c.cdb, c.edtl, want, c.data, len, tx)
+            }
+            Command::ReceiveCopyResults {
+                service_action,
+                list_id,
+                alloc_len,
+            } => {
+                let answer = match service_action {
+                    0 => xcopy::copy_status(self.history.get(list_id), alloc_len),
+                    3 => Ok(xcopy::operating_parameters(&self.xlimits, alloc_len)),
+                    _ => Err(Sense::invalid_cdb_field(1, 4)),
+                };
+                match answer {
+                    Ok(d) => self.answer(itt, &d, c.edtl, tx),
+                    Err(s) => self.check(itt, &s, c.edtl, tx),
+                }
+                Decoded::Answered { len }
+            }
+            Command::CompareAndWrite { lba, blocks, fua } => {
+                let (offset, bytes) = self.bytes(lba, blocks);
+                if bytes == 0 && c.edtl == 0 {
+                    self.response(itt, GOOD, None, Residual::None, tx);
+                    return Decoded::Answered { len };
+                }
+                // Both halves must come as immediate data (MAXIMUM COMPARE AND WRITE LENGTH
+                // is set so they fit): the write's data is then the end of this PDU.
+                let need = 2 * bytes as usize;
+                if c.edtl as usize != need || c.data.len() != need || self.caw.is_some() {
+                    self.check(itt, &Sense::invalid_field_in_cdb(), c.edtl, tx);
+                    return Decoded::Answered { len };
+                }
+                self.compare = Some((c.data[..bytes as usize].to_vec(), None));
+                let mut bhs = [0u8; BHS_LEN];
+                bhs.copy_from_slice(&rx[..BHS_LEN]);
+                self.caw = Some(Caw {
+                    bhs,
+                    itt,
+                    offset,
+                    length: bytes,
+                    fua,
+                    edtl: c.edtl,
+                    state: CawState::Reading,
+                });
+                let read = Req {
+                    target: 0,
+                    kind: Kind::Block(BlockOp::Read),
+                    offset,
+                    length: bytes,
+                    flags: IoFlags::empty(),
+                    slot: None,
+                    cookie: cookie(itt, Residual::None, Reply::Part, 0),
+                };
+                // The PDU stays in the receive buffer (length 0) until the compare is done.
+                self.part_running = true;
+                self.request(read, 0, 0, 0)
+            }
+            _ => {
+                // Decoded but not served by this transport (persistent reservations).
+                self.check(itt, &Sense::invalid_opcode(), c.edtl, tx);
+                Decoded::Answered { len }
+            }
+        }
+    }
+
+    /// A WRITE: the data that came as immediate data, the rest solicited by the reactor.
+    fn write(
+        &mut self,
+        edtl: u32,
+        itt: u32,
+        (lba, blocks, fua): (u64, u32, bool),
+        immediate: usize,
+        (len, tail): (usize, usize),
+        tx: &mut Vec<u8>,
+    ) -> Decoded {
+        let (offset, bytes) = self.bytes(lba, blocks);
+        let res = Residual::of(edtl, bytes);
+        if bytes == 0 {
+            self.response(itt, GOOD, None, res, tx);
+            return Decoded::Answered { len };
+        }
+        // The initiator sends at most EDTL bytes: a write longer than that moves EDTL's
+        // whole blocks, and the overflow residual says how much of the CDB's length was not
+        // moved (as LIO and tgt do; libiscsi's Write*Residuals expect it).
+        let length = bytes.min(edtl) >> self.block_shift << self.block_shift;
+        if length == 0 {
+            self.response(itt, GOOD, None, res, tx);
+            return Decoded::Answered { len };
+        }
+        let flags = IoFlags::empty().with(IoFlags::FUA, fua);
+        let carried = immediate.min(length as usize);
+        let req = Req {
+            target: 0,
+            kind: Kind::Block(BlockOp::Write),
+            offset,
+            length,
+            flags,
+            slot: None,
+            cookie: cookie(itt, res, Reply::Write, 0),
+        };
+        self.request(req, len, carried, tail + immediate - carried)
+    }
+
+    /// Starts collecting a parameter list of `want` bytes (at most EDTL), from the immediate
+    /// data and then R2Ts, or runs the command at once when it is all there.
+    #[allow(clippy::too_many_arguments)]
+    fn collect(
+        &mut self,
+        itt: u32,
+        cdb: &[u8; 16],
+        edtl: u32,
+        want: u32,
+        immediate: &[u8],
+        len: usize,
+        tx: &mut Vec<u8>,
+    ) -> Decoded {
+        let want = want.min(edtl);
+        if want > MAX_PARAMS {
+            self.check(itt, &Sense::parameter_list_length_error(), edtl, tx);
+            return Decoded::Answered { len };
+        }
+        if self.params.is_some() || self.compound.is_some() {
+            // One parameter list at a time: the initiator retries an aborted command.
+            self.check(itt, &Sense::aborted(), edtl, tx);
+            return Decoded::Answered { len };
+        }
+        let have = immediate.len().min(want as usize);
+        if have as u32 == want {
+            return self.run_params(itt, cdb, edtl, &immediate[..have], len, tx);
+        }
+        let mut p = Params {
+            itt,
+            cdb: *cdb,
+            edtl,
+            want,
+            data: immediate[..have].to_vec(),
+            r2tsn: 0,
+            datasn: 0,
+            burst_end: 0,
+        };
+        self.param_r2t(&mut p, tx);
+        self.params = Some(p);
+        Decoded::Answered { len }
+    }
+
+    fn param_r2t(&mut self, p: &mut Params, tx: &mut Vec<u8>) {
+        let at = p.data.len() as u32;
+        let n = (p.want - at).min(self.neg.max_burst);
+        p.burst_end = at + n;
+        p.datasn = 0;
+        self.r2t(p.itt, PARAM_TTT, p.r2tsn, at, n, tx);
+        p.r2tsn += 1;
+    }
+
+    fn r2t(&mut self, itt: u32, ttt: u32, r2tsn: u32, offset: u32, n: u32, tx: &mut Vec<u8>) {
+        let mut b = Bhs::new(op::R2T, flag::FINAL);
+        b.itt(itt).set32(20, ttt);
+        self.stamp(&mut b, false);
+        b.set32(36, r2tsn).set32(40, offset).set32(44, n);
+        b.encode(&[], &self.d, tx);
+    }
+
+    /// Runs a command whose parameter list is complete: the requests it becomes are queued.
+    fn run_params(
+        &mut self,
+        itt: u32,
+        cdb: &[u8; 16],
+        edtl: u32,
+        list: &[u8],
+        len: usize,
+        tx: &mut Vec<u8>,
+    ) -> Decoded {
+        let res = Residual::of(edtl, list.len() as u32);
+        let cmd = match scsi::decode(cdb, &self.lun) {
+            Ok(c) => c,
+            Err(s) => {
+                self.check(itt, &s, edtl, tx);
+                return Decoded::Answered { len };
+            }
+        };
+        let mut parts: Vec<(Kind, u64, u32, IoFlags, Option<CopyDescriptor>)> = Vec::new();
+        let mut plan = None;
+        match cmd {
+            Command::Unmap { .. } => match scsi::parse_unmap(list, &self.lun) {
+                Ok(ranges) => {
+                    for (lba, blocks) in ranges {
+                        let (o, l) = self.bytes(lba, blocks);
+                        parts.push((Kind::Block(BlockOp::Trim), o, l, IoFlags::empty(), None));
+                    }
+                }
+                Err(s) => {
+                    self.response(itt, CHECK_CONDITION, Some(&s), res, tx);
+                    return Decoded::Answered { len };
+                }
+            },
+            Command::WriteSame {
+                lba,
+                blocks,
+                unmap,
+                ndob,
+            } => {
+                let zero = ndob || list.iter().all(|b| *b == 0);
+                let bs = self.lun.block_size as usize;
+                if !zero && list.len() < bs {
+                    let s = Sense::parameter_list_length_error();
+                    self.response(itt, CHECK_CONDITION, Some(&s), res, tx);
+                    return Decoded::Answered { len };
+                }
+                if !zero {
+                    // The block written over and over: WRITE parts whose buffers the frontend
+                    // fills (`fill`), never sent by the initiator again.
+                    self.pattern = Some(list[..bs].to_vec());
+                }
+                // Zeroes in parts of at most 1 GiB (a request's length is a u32); a pattern
+                // in parts of at most 1 MiB (each is a buffer).
+                let per = if zero { 1u32 << 30 } else { 1 << 20 } >> self.block_shift;
+                let mut at = lba;
+                let mut left = blocks;
+                while left > 0 {
+                    let n = left.min(per);
+                    let (o, l) = self.bytes(at, n);
+                    if zero {
+                        let flags = IoFlags::empty().with(IoFlags::NO_HOLE, !unmap);
+                        parts.push((Kind::Block(BlockOp::WriteZeroes), o, l, flags, None));
+                    } else {
+                        parts.push((Kind::Block(BlockOp::Write), o, l, IoFlags::empty(), None));
+                    }
+                    at += n as u64;
+                    left -= n;
+                }
+            }
+            Command::Verify { lba, blocks, .. } => {
+                let (o, l) = self.bytes(lba, blocks);
+                self.compare = Some((list.to_vec(), None));
+                parts.push((Kind::Block(BlockOp::Read), o, l, IoFlags::empty(), None));
+            }
+            Command::ExtendedCopy { .. } => match self.copy_parts(list, &mut parts) {
+                Ok(p) => plan = Some((p, 0)),
+                Err(s) => {
+                    self.response(itt, CHECK_CONDITION, Some(&s), res, tx);
+                    return Decoded::Answered { len };
+                }
+            },
+            _ => {
+                self.response(
+                    itt,
+                    CHECK_CONDITION,
+                    Some(&Sense::invalid_opcode()),
+                    res,
+                    tx,
+                );
+                return Decoded::Answered { len };
+            }
+        }
+        if parts.is_empty() {
+            if let Some((p, _)) = &plan {
+                let done = xcopy::CopyStatus {
+                    list_id: p.list_id,
+                    status: 1,
+                    segments: p.segments.len() as u16,
+                    bytes: 0,
+                };
+                self.history.record(p, done);
+            }
+            self.response(itt, GOOD, None, res, tx);
+            return Decoded::Answered { len };
+        }
+        self.compound = Some(Compound {
+            itt,
+            residual: res,
+            parts_left: parts.len() as u32,
+            failed: None,
+            copy: plan,
+        });
+        for (kind, offset, length, flags, desc) in parts {
+            let req = Req {
+                target: 0,
+                kind,
+                offset,
+                length,
+                flags,
+                slot: None,
+                cookie: cookie(itt, Residual::None, Reply::Part, 0),
+            };
+            self.queued.push_back((req, desc));
+        }
+        // The first part goes with this PDU; the rest come from `queued`, one at a time.
+        let (first, desc) = self.queued.pop_front().expect("one part at least");
+        self.part_running = true;
+        self.copy_desc = desc;
+        self.request(first, len, 0, 0)
+    }
+
+    /// An EXTENDED COPY parameter list as COPY parts: each segment into this LUN from a LUN
+    /// this initiator may open, in pieces the session's copy grant allows.
+    fn copy_parts(
+        &self,
+        list: &[u8],
+        parts: &mut Vec<(Kind, u64, u32, IoFlags, Option<CopyDescriptor>)>,
+    ) -> Result<xcopy::Plan, Sense> {
+        let plan = xcopy::parse(list, &self.xlimits)?;
+        let find = |naa: u64| -> Option<(&str, &LunInfo)> {
+            if naa == self.lun.naa {
+                return Some(("", &self.lun));
+            }
+            self.peers
+                .iter()
+                .find(|(_, l)| l.naa == naa)
+                .map(|(n, l)| (n.as_str(), l))
+        };
+        plan.check(&self.xlimits, |t| find(t.naa).map(|(_, l)| l))?;
+        let piece = self.copy.max_bytes.min(self.copy.max_range).max(1 << 20);
+        for seg in &plan.segments {
+            let src = plan.targets[seg.src as usize];
+            let dst = plan.targets[seg.dst as usize];
+            if dst.naa != self.lun.naa {
+                // The copy manager writes into its own LU only.
+                return Err(xcopy::target_not_reachable());
+            }
+            let (name, lu) = find(src.naa).ok_or_else(xcopy::target_not_reachable)?;
+            let src_shift = lu.block_size.trailing_zeros();
+            let mut from = seg.src_lba << src_shift;
+            let mut to = seg.dst_lba << self.block_shift;
+            let mut left = (seg.blocks as u64) << self.block_shift;
+            while left > 0 {
+                let n = left.min(piece as u64) as u32;
+                let desc = CopyDescriptor {
+                    source: name.to_string(),
+                    ranges: vec![CopyRange {
+                        offset: from,
+                        len: n,
+                    }],
+                };
+                parts.push((Kind::Copy, to, n, IoFlags::empty(), Some(desc)));
+                from += n as u64;
+                to += n as u64;
+                left -= n as u64;
+            }
+        }
+        Ok(plan)
+    }
+
+    /// Data-Out for a parameter list the frontend collects.
+    fn param_data(
+        &mut self,
+        rx: &[u8],
+        len: usize,
+        pdu: &iscsi::Pdu<'_>,
+        tx: &mut Vec<u8>,
+    ) -> Decoded {
+        let (itt, offset, data) = (pdu.itt(), pdu.word(40), pdu.data);
+        let fin = pdu.flags() & flag::FINAL != 0;
+        let Some(mut p) = self.params.take() else {
+            self.reject(reject::PROTOCOL_ERROR, rx, tx);
+            return Decoded::Violation("iSCSI: Data-Out for no parameter list".into());
+        };
+        if p.itt != itt
+            || pdu.word(36) != p.datasn
+            || offset as usize != p.data.len()
+            || offset as u64 + data.len() as u64 > p.burst_end as u64
+        {
+            self.reject(reject::PROTOCOL_ERROR, rx, tx);
+            return Decoded::Violation("iSCSI: Data-Out outside the R2T it answers".into());
+        }
+        p.datasn += 1;
+        p.data.extend_from_slice(data);
+        if p.data.len() as u32 == p.want {
+            let list = std::mem::take(&mut p.data);
+            return self.run_params(p.itt, &p.cdb, p.edtl, &list, len, tx);
+        }
+        if fin && p.data.len() as u32 == p.burst_end {
+            self.param_r2t(&mut p, tx);
+        } else if fin {
+            return Decoded::Violation("iSCSI: Data-Out sequence ended before its burst".into());
+        }
+        self.params = Some(p);
+        Decoded::Answered { len }
+    }
+
+    fn data_out(&mut self, rx: &[u8], len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
+        let itt = p.itt();
+        let ttt = p.word20();
+        let offset = p.word(40);
+        let fin = p.flags() & flag::FINAL != 0;
+        if ttt == PARAM_TTT {
+            return self.param_data(rx, len, p, tx);
+        }
+        let slot = ttt as usize;
+        let Some(t) = self
+            .tasks
+            .get_mut(slot)
+            .filter(|t| t.active && t.itt == itt)
+        else {
+            // InitialR2T=Yes: data for no R2T of ours (unsolicited, a dead task) cannot be
+            // placed, and the stream cannot be trusted after it (ERL 0).
+            self.reject(reject::PROTOCOL_ERROR, rx, tx);
+            return Decoded::Violation(format!(
+                "iSCSI: Data-Out for ITT {itt:#x} TTT {ttt:#x}, which no R2T asked for"
+            ));
+        };
+        let end = offset as u64 + p.data.len() as u64;
+        if end > t.burst_end as u64 {
+            self.reject(reject::PROTOCOL_ERROR, rx, tx);
+            return Decoded::Violation("iSCSI: Data-Out beyond the R2T it answers".into());
+        }
+        if p.word(36) != t.datasn {
+            // ERL 0 cannot ask for the missing PDU again (§7.8): the connection ends.
+            let want = t.datasn;
+            self.reject(reject::PROTOCOL_ERROR, rx, tx);
+            return Decoded::Violation(format!(
+                "iSCSI: Data-Out DataSN {} where {want} was due",
+                p.word(36)
+            ));
+        }
+        t.datasn += 1;
+        let d = Decoded::Data {
+            slot: slot as u16,
+            offset,
+            len,
+            payload_len: p.data.len(),
+            trailer: p.trailer,
+        };
+        if fin {
+            if end != t.burst_end as u64 {
+                return Decoded::Violation(
+                    "iSCSI: Data-Out sequence ended before its burst".into(),
+                );
+            }
+            if t.burst_end < t.end {
+                // The next burst (MaxOutstandingR2T=1): asked for now, taken in order.
+                let (itt, r2tsn, at) = (t.itt, t.r2tsn, t.burst_end);
+                let n = (t.end - at).min(self.neg.max_burst);
+                t.burst_end = at + n;
+                t.r2tsn += 1;
+                t.datasn = 0;
+                self.r2t(itt, slot as u32, r2tsn, at, n, tx);
+            } else {
+                t.active = false;
+            }
+        }
+        d
+    }
+
+    /// Answers a part of a compound command; the command's response goes out after its last.
+    /// Returns whether a response went out.
+    fn part_done(&mut self, req: &Req, status: Status, tx: &mut Vec<u8>) -> bool {
+        self.part_running = false;
+        if let Some(mut c) = self.caw {
+            // The read of a COMPARE AND WRITE: its PDU, still in the receive buffer, goes on
+            // from here (`caw_step`).
+            let diff = self.compare.take().and_then(|(_, d)| d);
+            c.state = match (status, diff) {
+                (Status::Ok, None) => CawState::Matched,
+                (Status::Ok, Some(at)) => CawState::Miscompare(at),
+                (st, _) => CawState::Failed(st),
+            };
+            self.caw = Some(c);
+            return false;
+        }
+        let Some(mut c) = self.compound.take() else {
+            return false;
+        };
+        if status != Status::Ok && c.failed.is_none() {
+            let modifies =
+                matches!(req.kind, Kind::Block(op) if op.modifies()) || req.kind == Kind::Copy;
+            c.failed = Some((status, modifies));
+        }
+        if let Some((_, bytes)) = c.copy.as_mut() {
+            if req.kind == Kind::Copy {
+                *bytes += req.length as u64;
+            }
+        }
+        c.parts_left -= 1;
+        if c.parts_left > 0 && c.failed.is_none() {
+            self.compound = Some(c);
+            return false;
+        }
+        // A failed part ends the command: the parts after it are not run.
+        self.queued.clear();
+        self.pattern = None;
+        if let Some((plan, bytes)) = &c.copy {
+            let segments = plan.segments.len() as u16;
+            let status = xcopy::CopyStatus {
+                list_id: plan.list_id,
+                status: if c.failed.is_none() { 1 } else { 2 },
+                segments: if c.failed.is_none() { segments } else { 0 },
+                bytes: *bytes,
+            };
+            self.history.record(plan, status);
+        }
+        let miscompare = self.compare.take().and_then(|(_, d)| d);
+        match (c.failed, miscompare) {
+            (None, None) => self.response(c.itt, GOOD, None, c.residual, tx),
+            (None, Some(at)) => {
+                let s = Sense::miscompare(at);
+                self.response(c.itt, CHECK_CONDITION, Some(&s), c.residual, tx);
+            }
+            (Some((st, modifies)), _) => {
+                let s = if c.copy.is_some() {
+                    // SPC-4 6.3.3: a copy that failed in a segment is COPY ABORTED.
+                    xcopy::copy_aborted()
+                } else {
+                    sense_of(st, modifies)
+                };
+                self.response(c.itt, CHECK_CONDITION, Some(&s), c.residual, tx);
+            }
+        }
+        true
+    }
+
+    /// The COMPARE AND WRITE whose PDU is at the front of `rx`, once more: still reading (wait),
+    /// matched (the second half of its data is the write), or answered.
+    fn caw_step(&mut self, rx: &[u8], c: Caw, tx: &mut Vec<u8>) -> Decoded {
+        let len = match pdu_len(rx, &self.d, self.neg.recv_max) {
+            Ok(Progress::Complete(n)) => n,
+            _ => return Decoded::Violation("iSCSI: COMPARE AND WRITE PDU changed".into()),
+        };
+        match c.state {
+            // Nothing more is decoded until the compare's read is back (the reactor services
+            // the connection again when it is).
+            CawState::Reading => Decoded::Need(len),
+            CawState::Matched => {
+                self.caw = None;
+                let p = match iscsi::decode(&rx[..len], &self.d) {
+                    Ok(p) => p,
+                    Err(e) => return Decoded::Violation(format!("iSCSI: {e}")),
+                };
+                let res = Residual::of(c.edtl, 2 * c.length);
+                let req = Req {
+                    target: 0,
+                    kind: Kind::Block(BlockOp::Write),
+                    offset: c.offset,
+                    length: c.length,
+                    flags: IoFlags::empty().with(IoFlags::FUA, c.fua),
+                    slot: None,
+                    cookie: cookie(c.itt, res, Reply::Write, 0),
+                };
+                // The write data is the second half of the immediate data.
+                let extra = p.data.len() - 2 * c.length as usize;
+                self.request(req, len, c.length as usize, p.trailer + extra)
+            }
+            CawState::Miscompare(at) => {
+                self.caw = None;
+                let res = Residual::of(c.edtl, 2 * c.length);
+                self.response(
+                    c.itt,
+                    CHECK_CONDITION,
+                    Some(&Sense::miscompare(at)),
+                    res,
+                    tx,
+                );
+                Decoded::Answered { len }
+            }
+            CawState::Failed(st) => {
+                self.caw = None;
+                let res = Residual::of(c.edtl, 2 * c.length);
+                self.response(c.itt, CHECK_CONDITION, Some(&sense_of(st, false)), res, tx);
+                Decoded::Answered { len }
+            }
+        }
+    }
+
+    fn nop(&mut self, len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
+        if !p.immediate() {
+            if p.cmdsn() != self.expcmdsn {
+                return Decoded::Answered { len };
+            }
+            self.expcmdsn = self.expcmdsn.wrapping_add(1);
+        }
+        if p.itt() == RESERVED_TAG {
+            // An answer to a ping of ours, or a one-way NOP: nothing to say.
+            return Decoded::Answered { len };
+        }
+        let mut b = Bhs::new(op::NOP_IN, flag::FINAL);
+        b.lun(p.lun()).itt(p.itt()).set32(20, RESERVED_TAG);
+        self.stamp(&mut b, true);
+        // The ping data comes back (§11.19), within what the initiator receives.
+        let n = p.data.len().min(self.neg.send_max as usize);
+        b.encode(&p.data[..n], &self.d, tx);
+        Decoded::Answered { len }
+    }
+
+    fn tmf(&mut self, len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
+        if !p.immediate() {
+            if p.cmdsn() != self.expcmdsn {
+                return Decoded::Answered { len };
+            }
+            self.expcmdsn = self.expcmdsn.wrapping_add(1);
+        }
+        let function = p.flags() & 0x7f;
+        let lun = scsi::lun_from_wire(p.lun().to_be_bytes());
+        // §11.6.1 responses: 0 function complete, 1 task does not exist, 2 LUN does not exist,
+        // 5 function not supported.
+        let response = match function {
+            // ABORT TASK, ABORT TASK SET, CLEAR ACA, CLEAR TASK SET, LOGICAL UNIT RESET name a
+            // LUN.
+            1..=5 if lun != LUN => 2,
+            1 => {
+                // The referenced task: a write waiting for its data is aborted (it never
+                // answers; its slot is freed when the connection ends). Any other task has
+                // been answered or is about to be: "does not exist" (libiscsi's
+                // AbortTaskSimpleAsync accepts either outcome, as §11.5.1 does).
+                let rtt = p.word20();
+                let mut found = false;
+                for t in self.tasks.iter_mut().filter(|t| t.active && t.itt == rtt) {
+                    t.active = false;
+                    found = true;
+                }
+                if self.params.as_ref().is_some_and(|q| q.itt == rtt) {
+                    self.params = None;
+                    found = true;
+                }
+                if found {
+                    self.outstanding = self.outstanding.saturating_sub(1);
+                    0
+                } else {
+                    1
+                }
+            }
+            2 | 4..=7 => {
+                for t in self.tasks.iter_mut() {
+                    t.active = false;
+                }
+                self.params = None;
+                0
+            }
+            // CLEAR ACA: ACA is not offered (NACA is refused).
+            3 => 5,
+            // TASK REASSIGN: ErrorRecoveryLevel 0.
+            8 => 4,
+            _ => 5,
+        };
+        let mut b = Bhs::new(op::TMF_RSP, flag::FINAL);
+        b.0[2] = response;
+        b.itt(p.itt());
+        self.stamp(&mut b, true);
+        b.encode(&[], &self.d, tx);
+        Decoded::Answered { len }
+    }
+
+    fn text(&mut self, len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
+        if !p.immediate() {
+            if p.cmdsn() != self.expcmdsn {
+                return Decoded::Answered { len };
+            }
+            self.expcmdsn = self.expcmdsn.wrapping_add(1);
+        }
+        let mut out = Vec::new();
+        for (k, _) in iscsi::pairs(p.data).flatten() {
+            // Renegotiation in the full feature phase is not offered; SendTargets on a normal
+            // session lists nothing (discovery sessions list the targets).
+            if k != "SendTargets" {
+                iscsi::push_pair(&mut out, k, "NotUnderstood");
+            }
+        }
+        out.truncate(self.neg.send_max as usize);
+        let mut b = Bhs::new(op::TEXT_RSP, flag::FINAL);
+        b.itt(p.itt()).set32(20, RESERVED_TAG);
+        self.stamp(&mut b, true);
+        b.encode(&out, &self.d, tx);
+        Decoded::Answered { len }
+    }
+
+    fn logout(&mut self, len: usize, p: &iscsi::Pdu<'_>) -> Decoded {
+        if !p.immediate() && p.cmdsn() == self.expcmdsn {
+            self.expcmdsn = self.expcmdsn.wrapping_add(1);
+        }
+        let req = Req {
+            target: 0,
+            kind: Kind::Logout,
+            offset: 0,
+            length: 0,
+            flags: IoFlags::empty(),
+            slot: None,
+            cookie: cookie(p.itt(), Residual::None, Reply::Logout, 0),
+        };
+        self.request(req, len, 0, 0)
+    }
+}
+
+/// The sense data of a reactor status (the export's refusals and backend errors).
+fn sense_of(status: Status, modifies: bool) -> Sense {
+    match status {
+        Status::OutOfRange => Sense::lba_out_of_range(),
+        Status::ReadOnly => Sense::write_protected(),
+        Status::Unsupported => Sense::invalid_opcode(),
+        Status::Invalid => Sense::invalid_field_in_cdb(),
+        // Commands that could not get memory or a backend slot: the initiator retries.
+        Status::NoMemory | Status::Busy => Sense::aborted(),
+        _ if modifies => Sense::write_error(),
+        _ => Sense::medium_error(),
+    }
+}
+
+impl StreamFrontend for Iscsi {
+    fn decode(&mut self, rx: &[u8], tx: &mut Vec<u8>) -> Decoded {
+        if let Some((req, len, payload_len, trailer)) = self.pending {
+            // Not taken yet: the same again, without counting it twice.
+            return Decoded::Request {
+                req,
+                len,
+                payload_len,
+                trailer,
+            };
+        }
+        if let Some(c) = self.caw {
+            if rx.len() >= BHS_LEN && rx[..BHS_LEN] == c.bhs {
+                return self.caw_step(rx, c, tx);
+            }
+        }
+        if !self.part_running {
+            if let Some((req, desc)) = self.queued.pop_front() {
+                self.part_running = true;
+                self.copy_desc = desc;
+                return self.request(req, 0, 0, 0);
+            }
+        }
+        let len = match pdu_len(rx, &self.d, self.neg.recv_max) {
+            Ok(Progress::Need(n)) => return Decoded::Need(n),
+            Ok(Progress::Complete(n)) => n,
+            Err(e) => {
+                // The stream cannot be followed past a PDU we will not take.
+                self.reject(reject::PROTOCOL_ERROR, rx, tx);
+                return Decoded::Violation(format!("iSCSI: {e}"));
+            }
+        };
+        let p = match iscsi::decode(&rx[..len], &self.d) {
+            Ok(p) => p,
+            Err(iscsi::PduError::DataDigest) => {
+                // ERL 0: no recovery within the connection (§7.8).
+                self.reject(reject::DATA_DIGEST, rx, tx);
+                return Decoded::Violation("iSCSI: data digest mismatch".into());
+            }
+            Err(e) => return Decoded::Violation(format!("iSCSI: {e}")),
+        };
+        match p.opcode() {
+            op::SCSI_CMD => self.command(rx, len, &p, tx),
+            op::DATA_OUT => self.data_out(rx, len, &p, tx),
+            op::NOP_OUT => self.nop(len, &p, tx),
+            op::TMF_REQ => self.tmf(len, &p, tx),
+            op::TEXT_REQ => self.text(len, &p, tx),
+            op::LOGOUT_REQ => self.logout(len, &p),
+            op::SNACK => {
+                // ERL 0: no SNACK support (§11.16).
+                self.reject(reject::NOT_SUPPORTED, rx, tx);
+                Decoded::Answered { len }
+            }
+            op::LOGIN_REQ => {
+                self.reject(reject::PROTOCOL_ERROR, rx, tx);
+                Decoded::Answered { len }
+            }
+            other => {
+                self.reject(reject::NOT_SUPPORTED, rx, tx);
+                if other & 0x20 != 0 {
+                    return Decoded::Violation(format!(
+                        "iSCSI: target opcode {other:#04x} from the initiator"
+                    ));
+                }
+                Decoded::Answered { len }
+            }
+        }
+    }
+
+    fn solicit(&mut self, req: &Req, slot: u16, offset: u32, len: u32, tx: &mut Vec<u8>) {
+        let itt = itt_of(req);
+        let n = len.min(self.neg.max_burst);
+        if let Some(t) = self.tasks.get_mut(slot as usize) {
+            *t = Task {
+                itt,
+                r2tsn: 1,
+                datasn: 0,
+                burst_end: offset + n,
+                end: offset + len,
+                active: true,
+            };
+        }
+        self.r2t(itt, slot as u32, 0, offset, n, tx);
+    }
+
+    fn taken(&mut self, _req: &Req) {
+        self.pending = None;
+    }
+
+    fn server_assigns_slots(&self) -> bool {
+        true
+    }
+
+    fn fill(&mut self, req: &Req, data: &mut [u8]) -> bool {
+        let Some(block) = self.pattern.as_deref() else {
+            return false;
+        };
+        if reply_of(req) != Reply::Part || !req.is_write() {
+            return false;
+        }
+        // Parts start on block boundaries.
+        for chunk in data.chunks_mut(block.len()) {
+            chunk.copy_from_slice(&block[..chunk.len()]);
+        }
+        true
+    }
+
+    fn copy_descriptor(&mut self, _req: &Req, _payload: &[u8]) -> Option<CopyDescriptor> {
+        self.copy_desc.take()
+    }
+
+    fn next_is_data(&self, rx: &[u8]) -> bool {
+        rx.first().is_some_and(|b| b & 0x3f == op::DATA_OUT)
+    }
+
+    fn read_framing(&self, req: &Req) -> ReadFraming {
+        let send = extra_of(req);
+        if send == req.length && send <= self.neg.send_max && send <= self.neg.max_burst {
+            ReadFraming::Contiguous {
+                prefix: Bhs::prefix_len(&self.d),
+                suffix: iscsi::suffix_len(send as usize, &self.d),
+            }
+        } else {
+            ReadFraming::Chunked
+        }
+    }
+
+    fn finish_read_reply(&mut self, req: &Req, prefix: &mut [u8], data: &[u8], suffix: &mut [u8]) {
+        self.outstanding = self.outstanding.saturating_sub(1);
+        let res = residual_of(req);
+        let mut b = Bhs::new(op::DATA_IN, flag::FINAL | flag::STATUS | res.flags());
+        b.itt(itt_of(req)).set32(20, RESERVED_TAG);
+        self.stamp(&mut b, true);
+        b.0[3] = GOOD;
+        b.set32(44, res.count());
+        self.scratch.clear();
+        b.encode_prefix(data.len(), &self.d, &mut self.scratch);
+        prefix.copy_from_slice(&self.scratch);
+        iscsi::fill_suffix(data, &self.d, suffix);
+    }
+
+    fn encode_read(&mut self, req: &Req, data: &[u8], tx: &mut Vec<u8>) {
+        if reply_of(req) == Reply::Part {
+            // The read of a compare: nothing goes to the initiator.
+            if let Some((want, diff)) = self.compare.as_mut() {
+                *diff = want
+                    .iter()
+                    .zip(data)
+                    .position(|(a, b)| a != b)
+                    .map(|i| i as u64);
+            }
+            self.outstanding = self.outstanding.saturating_sub(1);
+            self.part_done(req, Status::Ok, tx);
+            return;
+        }
+        self.outstanding = self.outstanding.saturating_sub(1);
+        let send = (extra_of(req) as usize).min(data.len());
+        self.data_in(itt_of(req), &data[..send], residual_of(req), tx);
+    }
+
+    fn reply(&mut self, req: &Req, status: Status, tx: &mut Vec<u8>) -> bool {
+        self.outstanding = self.outstanding.saturating_sub(1);
+        let itt = itt_of(req);
+        match reply_of(req) {
+            Reply::Logout => {
+                let mut b = Bhs::new(op::LOGOUT_RSP, flag::FINAL);
+                b.itt(itt);
+                self.stamp(&mut b, true);
+                b.encode(&[], &self.d, tx);
+                true
+            }
+            Reply::Part => self.part_done(req, status, tx),
+            kind => {
+                let res = residual_of(req);
+                match status {
+                    Status::Ok => self.response(itt, GOOD, None, res, tx),
+                    // SYNCHRONIZE CACHE of a medium without a cache to flush.
+                    Status::Unsupported if kind == Reply::Flush => {
+                        self.response(itt, GOOD, None, res, tx)
+                    }
+                    st => {
+                        let modifies = matches!(req.kind, Kind::Block(op) if op.modifies());
+                        let s = sense_of(st, modifies);
+                        self.response(itt, CHECK_CONDITION, Some(&s), res, tx);
+                    }
+                }
+                true
+            }
+        }
+    }
+
+    fn block_status_reply(&mut self, req: &Req, extents: &[(u32, bool)], tx: &mut Vec<u8>) -> bool {
+        self.outstanding = self.outstanding.saturating_sub(1);
+        let lba = req.offset >> self.block_shift;
+        let list: Vec<(u64, bool)> = extents
+            .iter()
+            .map(|&(n, hole)| ((n as u64) >> self.block_shift, hole))
+            .filter(|&(n, _)| n > 0)
+            .collect();
+        let d = scsi::lba_status(lba, &list, extra_of(req));
+        let res = Residual::of(residual_of(req).count(), d.len() as u32);
+        self.data_in(itt_of(req), &d, res, tx);
+        true
+    }
+}

@@ -1,0 +1,174 @@
+//! iSCSI (RFC 7143): the PDU codec (`blkwire_wire::iscsi`), login/text key=value parsing, and
+//! the full feature phase frontend (`blkwire_server::frontend::iscsi`) walked over arbitrary
+//! bytes the way the reactor walks a receive buffer. The first byte picks the digests and the
+//! data segment bound. No panic on any input; `pdu_len` asks for more than is buffered and at
+//! most one bounded PDU; a decoded PDU's data lies inside it; key=value pairs are bounded; a
+//! request the frontend decodes lies inside the buffer with its payload before its trailer, and
+//! every answer to it encodes.
+
+#![no_main]
+
+use std::sync::Arc;
+
+use blkwire_backend::{Export, ExportSpec};
+use blkwire_server::frontend::iscsi::{lun_info, Iscsi, IscsiSetup};
+use blkwire_server::frontend::{Decoded, Kind, ReadFraming, StreamFrontend};
+use blkwire_server::iscsi::Negotiated;
+use blkwire_wire::iscsi::{self, Digests, Progress, BHS_LEN, MAX_KEY_LEN, MAX_PAIRS, MAX_VALUE_LEN};
+use blkwire_wire::{CopyLimits, Status};
+use libfuzzer_sys::fuzz_target;
+
+const MAX_IO: u32 = 1 << 20;
+
+fn codec(data: &[u8], d: &Digests, max: u32) {
+    let mut at = 0;
+    while at < data.len() {
+        let rx = &data[at..];
+        match iscsi::pdu_len(rx, d, max) {
+            Err(_) => return,
+            Ok(Progress::Need(n)) => {
+                assert!(n > rx.len());
+                assert!(n <= BHS_LEN + 255 * 4 + 4 + max as usize + 3 + 4);
+                return;
+            }
+            Ok(Progress::Complete(n)) => {
+                assert!(n >= BHS_LEN && n <= rx.len());
+                if let Ok(p) = iscsi::decode(&rx[..n], d) {
+                    assert!(p.data.len() <= max as usize && p.data.len() + p.trailer <= n);
+                    let c = iscsi::scsi_command(&p);
+                    assert!(c.ext_cdb.len() <= p.ahs.len());
+                    let _ = iscsi::login_request(&p);
+                    text(p.data);
+                }
+                at += n;
+            }
+        }
+    }
+}
+
+fn text(data: &[u8]) {
+    let mut n = 0;
+    for pair in iscsi::pairs(data) {
+        n += 1;
+        assert!(n <= MAX_PAIRS + 1);
+        if let Ok((k, v)) = pair {
+            assert!(!k.is_empty() && k.len() <= MAX_KEY_LEN && v.len() <= MAX_VALUE_LEN);
+            let _ = iscsi::number(v);
+            if let Some(b) = iscsi::binary(v) {
+                assert!(b.len() <= v.len());
+            }
+        }
+    }
+}
+
+fn walk(fe: &mut Iscsi, data: &[u8], status: Status) {
+    let mut at = 0usize;
+    let mut tx = Vec::new();
+    // Requests the frontend makes up (parts) take no bytes: bound the loop.
+    for _ in 0..4096 {
+        let rx = &data[at..];
+        tx.clear();
+        match fe.decode(rx, &mut tx) {
+            // Also a COMPARE AND WRITE waiting for its read (which was answered below: then
+            // the next decode goes on): nothing more to feed.
+            Decoded::Need(n) => {
+                assert!(n <= BHS_LEN + 4 + (256 << 10) + 3 + 4, "Need({n})");
+                return;
+            }
+            Decoded::Violation(_) => return,
+            Decoded::Answered { len } => {
+                assert!(len > 0 && len <= rx.len());
+                at += len;
+            }
+            Decoded::Data {
+                len,
+                payload_len,
+                trailer,
+                ..
+            } => {
+                assert!(len > 0 && len <= rx.len() && payload_len + trailer <= len);
+                at += len;
+            }
+            Decoded::Request {
+                req,
+                len,
+                payload_len,
+                trailer,
+            } => {
+                assert!(len <= rx.len() && payload_len + trailer <= len);
+                assert!(payload_len <= req.length as usize || !req.is_write());
+                fe.taken(&req);
+                assert!(req.length <= 1 << 30);
+                if req.is_write() && payload_len < req.length as usize {
+                    let mut buf = vec![0u8; req.length as usize];
+                    if !fe.fill(&req, &mut buf) {
+                        fe.solicit(&req, 0, payload_len as u32, req.length - payload_len as u32, &mut tx);
+                    }
+                }
+                if req.kind == Kind::Copy {
+                    let _ = fe.copy_descriptor(&[]);
+                }
+                if req.is_read() && status == Status::Ok {
+                    let data = vec![0u8; req.length as usize];
+                    match fe.read_framing(&req) {
+                        ReadFraming::Contiguous { prefix, suffix } => {
+                            let (mut p, mut q) = (vec![0u8; prefix], vec![0u8; suffix]);
+                            fe.finish_read_reply(&req, &mut p, &data, &mut q);
+                        }
+                        ReadFraming::Chunked => fe.encode_read(&req, &data, &mut tx),
+                    }
+                } else if req.kind == Kind::BlockStatus && status == Status::Ok {
+                    fe.block_status_reply(&req, &[(req.length, true)], &mut tx);
+                } else {
+                    fe.reply(&req, status, &mut tx);
+                }
+                at += len;
+            }
+        }
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&mode, rest)) = data.split_first() else {
+        return;
+    };
+    let d = Digests {
+        header: mode & 1 != 0,
+        data: mode & 2 != 0,
+    };
+    let max = [512u32, 8192, 256 << 10, 1 << 24][(mode >> 2 & 3) as usize];
+    codec(rest, &d, max);
+    text(rest);
+
+    let export = Arc::new(Export::open(&ExportSpec::parse("m=mem:1M").unwrap()).unwrap());
+    let copy = CopyLimits {
+        max_bytes: 1 << 20,
+        max_range: 1 << 20,
+        max_ranges: 1,
+    };
+    let neg = Negotiated {
+        digests: d,
+        send_max: 8192,
+        recv_max: 256 << 10,
+        max_burst: 65536,
+        first_burst: 65536,
+        initial_r2t: true,
+        immediate_data: mode & 16 == 0,
+        max_r2t: 1,
+    };
+    let status = if mode & 32 == 0 { Status::Ok } else { Status::Io };
+    let mut fe = Iscsi::new(IscsiSetup {
+        neg,
+        statsn: 1,
+        expcmdsn: 0,
+        depth: 8,
+        export: export.clone(),
+        target: "iqn.2026-11.io.blkwire:m".into(),
+        initiator: "iqn.fuzz".into(),
+        isid: [0; 6],
+        max_io: MAX_IO,
+        copy,
+        peers: vec![("m".into(), lun_info(&export, MAX_IO, true, 0))],
+    });
+    walk(&mut fe, rest, status);
+});
