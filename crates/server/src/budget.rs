@@ -209,7 +209,8 @@ impl Drop for Account {
 /// whose buffers were all freed). Fixing glibc's mmap threshold at 128 KiB did that too, but it
 /// made every large allocation of every library in the process a fresh mapping: librbd's 1 MiB
 /// read buffers page-faulted and were zeroed on each read (1 MiB rbd reads at 0.6x of librbd
-/// driven directly). Called by reactors at most once a second, after the budget shrank.
+/// driven directly). Called by reactors after a connection closed or an idle trim, and under
+/// churn at most ten times a second, when the budget shrank.
 pub fn release_freed_memory() {
     #[cfg(target_env = "gnu")]
     // SAFETY: malloc_trim only walks the allocator's own free lists, under its locks.

@@ -494,7 +494,7 @@ impl DgramPort {
     /// its datagram size, and sealed if the session is (PROTOCOL.md §12.4).
     fn send_queue(&mut self, qi: usize, mut h: Header, payload: &[u8]) {
         let q = self.queues[qi].as_mut().expect("present");
-        q.sent += 1;
+        q.sent += (h.opcode != Opcode::Join) as u64;
         let limit = HEADER_LEN + q.fp as usize;
         match &mut q.seal {
             Some(k) => self
@@ -654,7 +654,9 @@ impl DgramPort {
         let q = self.queues[qi].as_mut().expect("indexed queue exists");
         q.last_seen = self.now;
         q.exec.stats.frames_in += 1;
-        q.taken_in += 1;
+        // A JOIN (and its answer) belongs to the handshake, which the initiator does not count
+        // as the queue's frames (PROTOCOL.md §9.2).
+        q.taken_in += (h.opcode != Opcode::Join) as u64;
         match h.opcode {
             Opcode::Join => self.reply_queue(qi, h, Status::Ok),
             Opcode::Keepalive => {

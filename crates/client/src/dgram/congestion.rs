@@ -30,6 +30,9 @@ pub(crate) struct Transmission {
     pub give_up_at: Instant,
     /// Sent more than once: an answer may be to any copy (Karn), so it gives no RTT sample.
     pub retransmitted: bool,
+    /// When it was taken for lost and a probe asked about it instead of resending it (§9.2);
+    /// its timer then runs from here.
+    pub suspected_at: Option<Instant>,
 }
 
 impl Transmission {
@@ -40,7 +43,15 @@ impl Transmission {
             rto,
             give_up_at: now + give_up,
             retransmitted: false,
+            suspected_at: None,
         }
+    }
+
+    /// Taken for lost at `now` but not sent again: a probe asks first (§9.2). Its timer backs
+    /// off from here; its send time stays, so an answer still times the round trip.
+    pub fn suspect(&mut self, now: Instant) {
+        self.suspected_at = Some(now);
+        self.rto = (self.rto * 2).min(RTO_MAX);
     }
 
     /// Sent again at `now` because it is taken as lost: its timer backs off (§9.2).
@@ -48,6 +59,7 @@ impl Transmission {
         self.sent_at = now;
         self.rto = (self.rto * 2).min(RTO_MAX);
         self.retransmitted = true;
+        self.suspected_at = None;
     }
 
     /// Its missing fragments were sent again at `now` at the target's request (a HAVE reply,
@@ -56,11 +68,12 @@ impl Transmission {
     pub fn refresh(&mut self, now: Instant) {
         self.sent_at = now;
         self.retransmitted = true;
+        self.suspected_at = None;
     }
 
     /// When its retransmission or give-up timer fires, whichever is first.
     pub fn deadline(&self) -> Instant {
-        (self.sent_at + self.rto).min(self.give_up_at)
+        (self.suspected_at.unwrap_or(self.sent_at) + self.rto).min(self.give_up_at)
     }
 
     /// Past its give-up time at `now`?
@@ -240,6 +253,10 @@ impl Congestion {
     /// (RACK, §9.2) a request sent more than a reordering window after it has been answered and
     /// a round trip plus that window has passed since it was sent.
     pub fn lost(&self, tx: &Transmission, pass: &Pass, now: Instant) -> bool {
+        // Asked about already: only its backed-off timer tells now.
+        if let Some(t) = tx.suspected_at {
+            return now >= t + tx.rto;
+        }
         let overtaken = self
             .newest_answered
             .is_some_and(|t| t > tx.sent_at + pass.reorder)
@@ -257,6 +274,16 @@ impl Congestion {
             self.cwnd = (self.cwnd * 0.875).max(1.0);
             self.last_decrease = now;
         }
+    }
+
+    /// A probe's answer showed frames lost at `now`: the same decrease, once per loss episode.
+    pub fn on_loss(&mut self, now: Instant) {
+        let pass = Pass {
+            srtt: self.srtt.unwrap_or(RTO_INITIAL),
+            reorder: self.reorder_window(),
+            scan: false,
+        };
+        self.end_pass(&pass, true, now);
     }
 
     /// Tail-loss probe timeout (§9.2): two smoothed round trips, at least 200 us, never above

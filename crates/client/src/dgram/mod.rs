@@ -42,6 +42,9 @@ struct Probe {
     at: Instant,
 }
 
+/// Probes whose answers are still taken (the newest ones).
+const PROBES_KEPT: usize = 4;
+
 /// Slot number in the tag of internal keepalives: outside every slot table (depth <= 65535), so
 /// their answers are told from those of requests and never reach the caller.
 const KEEPALIVE_SLOT: u16 = u16::MAX;
@@ -126,8 +129,9 @@ pub(crate) struct DgramQueue {
     /// Reply frames of this queue accepted (right session and queue, CRC or seal good): what
     /// the target's count of frames sent is checked against (PROTOCOL.md §9.2).
     accepted_in: u64,
-    /// The probe awaiting its answer.
-    probe: Option<Probe>,
+    /// Probes awaiting their answers, by generation: the counts are cumulative, so a late
+    /// answer to an earlier probe still tells what was lost before it.
+    probes: [Option<Probe>; PROBES_KEPT],
     /// Frames the target never got and reply frames we never got, as the last probe's answer
     /// showed: a probe finds a new loss when either grew.
     missing: (u64, u64),
@@ -191,7 +195,7 @@ impl DgramQueue {
             keepalive_every: KEEPALIVE_EVERY,
             keepalive_gen: 0,
             accepted_in: 0,
-            probe: None,
+            probes: [None; PROBES_KEPT],
             missing: (0, 0),
         }
     }
@@ -504,8 +508,9 @@ impl DgramQueue {
             if h.status == Status::Access {
                 self.session_lost = true;
             }
-            if let Some(p) = self.probe.filter(|p| p.generation == h.tag.generation()) {
-                self.probe = None;
+            let kept = &mut self.probes[h.tag.generation() as usize % PROBES_KEPT];
+            if let Some(p) = kept.filter(|p| p.generation == h.tag.generation()) {
+                *kept = None;
                 self.probe_answered(p, payload);
             }
             self.accepted_in += 1;
@@ -586,13 +591,15 @@ impl DgramQueue {
         self.done.push_back(slot);
     }
 
-    /// Retransmits what is lost and gives up on what is past its give-up time (§9.2). A request
-    /// is lost when its timer fires, or earlier when a request sent more than a reordering window
-    /// after it has already been answered (frames on one link do not overtake each other by
-    /// more); when nothing comes back at all, the tail-loss probe resends the newest.
+    /// Finds what may be lost and gives up on what is past its give-up time (§9.2). A request
+    /// is taken for lost when its timer fires, or earlier when a request sent more than a
+    /// reordering window after it has already been answered (frames on one link do not overtake
+    /// each other by more); the first time, a probe asks the target (`probe_answered` resends
+    /// what its counts show missing), the second time it is sent again.
     fn timers(&mut self) -> Result<()> {
         let now = Instant::now();
         let mut lost = false;
+        let mut suspected = false;
         let pass = self.cc.begin_pass(now);
         if pass.scan {
             for slot in 0..self.slots.len() as u16 {
@@ -619,22 +626,31 @@ impl DgramQueue {
                 if !self.cc.lost(&s.tx, &pass, now) {
                     continue;
                 }
-                // Taken for lost by its timer or by RACK: its timer backs off as if it had
-                // been resent, and the probe below asks whether it really was.
-                s.tx.resend(now);
-                lost = true;
+                if s.tx.suspected_at.is_none() {
+                    // Taken for lost by its timer or by RACK: its timer backs off and the
+                    // probe below asks whether it really was.
+                    s.tx.suspect(now);
+                    suspected = true;
+                } else {
+                    // Asked about, and still unanswered a backed-off timer later: sent again
+                    // whatever the counts said (a WRITE whose fragment 0 was lost with others
+                    // is only completed by a repeated fragment 0 and the HAVE it draws, §9.3),
+                    // and the target drops or re-answers a copy it already holds (§6).
+                    self.resend(slot, now);
+                    lost = true;
+                }
             }
         }
-        // Nothing is resent on a timer alone (§9.2): a storage target's answers are late for
-        // reasons no timer tells from loss (a slow disk, a descheduled thread), and an answer
-        // overtaken by a later one may just have had the slower I/O. A request taken for lost,
-        // or silence for a probe timeout (the tail-loss probe of RFC 8985 §7: packing can put a
-        // whole burst in one lost datagram), sends a probe: a KEEPALIVE whose answer counts
-        // what the target received and sent, so only frames really lost are sent again. An
-        // unanswered probe is followed by another, each waiting twice as long.
-        if lost || self.cc.probe_due(now) {
+        // Nothing is resent on a first suspicion (§9.2): a storage target's answers are late
+        // for reasons no timer tells from loss (a slow disk, a descheduled thread), and an
+        // answer overtaken by a later one may just have had the slower I/O. A request taken
+        // for lost, or silence for a probe timeout (the tail-loss probe of RFC 8985 §7:
+        // packing can put a whole burst in one lost datagram), sends a probe: a KEEPALIVE whose
+        // answer counts what the target received and sent, so only frames really lost are sent
+        // again. An unanswered probe is followed by another, each waiting twice as long.
+        if suspected || (!lost && self.cc.probe_due(now)) {
             let generation = self.send_keepalive();
-            self.probe = Some(Probe {
+            self.probes[generation as usize % PROBES_KEPT] = Some(Probe {
                 generation,
                 sent: self.stats.frames_out,
                 at: now,
@@ -672,6 +688,7 @@ impl DgramQueue {
             self.missing = m;
         }
         let now = Instant::now();
+        self.cc.on_loss(now);
         for slot in 0..self.slots.len() as u16 {
             let s = &self.slots[slot as usize];
             if s.state == State::InFlight && s.opcode != Opcode::Copy && s.tx.sent_at <= p.at {
@@ -860,10 +877,9 @@ mod tests {
         assert!(served >= 8);
         let probes = st.probes - before.probes;
         assert!(probes >= 1, "no tail-loss probe: {st:?}");
-        // The probes resend the newest request; its answer shows the others lost, and each is
-        // sent again once. (A second probe can fire when the first one's answer comes back
-        // sooner than the smallest round trip seen, which cannot tell it from a late answer to
-        // the original: then the second probe resends one of the others.)
+        // The stand-in answers the probe without counts (a target that does not keep them):
+        // every request sent before it is sent again, once each. (A later probe or the second
+        // timer of a request can send one again before its answer is in.)
         let retransmits = st.retransmits - before.retransmits;
         assert!(
             (8..=probes + 7).contains(&retransmits),
@@ -977,9 +993,22 @@ mod tests {
             held: Vec::new(),
         };
         let wait = Duration::from_secs(5);
+        // A quick round trip learnt, and request timers 1 s away: what fires while the target
+        // is slow is the tail-loss probe.
+        q.cc.set_rto_min(congestion::RTO_MAX);
+        for _ in 0..20 {
+            reads_against(&mut q, 1, || {
+                // (A probe may come first if the machine paused this thread.)
+                let mut reads = 0;
+                while reads == 0 {
+                    let (frames, keepalives) = t.step(false, false, wait);
+                    reads += frames - keepalives;
+                }
+            });
+        }
         let st = reads_against(&mut q, 4, || {
-            // The READs are held (a slow disk) past several probe and retransmission timeouts;
-            // every probe is answered with counts that show nothing lost.
+            // The READs are held (a slow disk) past several probe timeouts; every probe is
+            // answered with counts that show nothing lost.
             assert_eq!(t.step(false, true, wait), (4, 0));
             let mut probes = 0;
             while probes < 3 {
@@ -989,6 +1018,33 @@ mod tests {
         });
         assert!(st.probes >= 3, "{st:?}");
         assert_eq!((st.retransmits, st.late_replies), (0, 0), "{st:?}");
+    }
+
+    #[test]
+    fn a_request_unanswered_a_second_timer_after_a_clean_probe_is_sent_again() {
+        let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let mut q = idle_queue(&sock);
+        let mut t = CountingTarget {
+            sock,
+            taken: 0,
+            sent: 0,
+            held: Vec::new(),
+        };
+        let wait = Duration::from_secs(5);
+        // Counts that show nothing missing are not trusted forever (a lost WRITE fragment 0
+        // is only completed by a repeated one, §9.3; a frame counted on one side only could
+        // hide a loss): at its second timer a request goes again.
+        let st = reads_against(&mut q, 1, || {
+            assert_eq!(t.step(false, true, wait), (1, 0));
+            let mut reads = 0;
+            while reads == 0 {
+                let (frames, keepalives) = t.step(false, true, wait);
+                reads += frames - keepalives;
+            }
+            t.release();
+        });
+        assert!(st.probes >= 1, "{st:?}");
+        assert!(st.retransmits >= 1, "{st:?}");
     }
 
     #[test]

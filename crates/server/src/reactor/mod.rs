@@ -134,6 +134,8 @@ pub struct Reactor {
     /// The target budget's use at the last look: less now means buffers were freed.
     budget_used: usize,
     last_release: Instant,
+    /// A connection closed since the last release (`trim_idle`).
+    release_pending: bool,
     /// Some connection holds more than its minimum: wake up at least once a second to see
     /// whether it went idle (otherwise the reactor may sleep until something happens).
     trim_pending: bool,
@@ -179,6 +181,7 @@ impl Reactor {
             last_trim: Instant::now(),
             budget_used: 0,
             last_release: Instant::now(),
+            release_pending: false,
             trim_pending: false,
             closed: ClosedTotals::default(),
         })
@@ -482,7 +485,11 @@ impl Reactor {
         }
         let timeout = if !self.starved.is_empty() {
             Some(types::Timespec::new().nsec(STARVED_RETRY.as_nanos() as u32))
-        } else if self.shutdown_deadline.is_some() || !self.ports.is_empty() || self.trim_pending {
+        } else if self.shutdown_deadline.is_some()
+            || !self.ports.is_empty()
+            || self.trim_pending
+            || self.release_pending
+        {
             // Wake up to enforce the shutdown deadline, expire idle datagram sessions and trim
             // idle connections even if nothing completes.
             Some(types::Timespec::new().sec(1))
@@ -692,29 +699,32 @@ impl Reactor {
     /// Connections that received nothing since the last look, a second ago, and have nothing
     /// in flight give back what their buffers grew to (to the budget and the allocator).
     fn trim_idle(&mut self) {
-        // What connections, ports and sessions gave back to the budget since the last look is
-        // in the allocator's free lists: hand it to the system, at most ten times a second
-        // (under churn, freed buffers would otherwise pile up between idle ticks).
-        if self.last_release.elapsed() >= RELEASE_EVERY {
+        let mut trimmed = false;
+        if self.last_trim.elapsed() >= IDLE_TRIM {
+            self.last_trim = Instant::now();
+            self.trim_pending = false;
+            trimmed = true;
+            for c in self.conns.iter_mut().flatten() {
+                let frames = c.frames_in();
+                if frames == c.idle_mark && c.inflight == 0 && c.tx_backlog() == 0 {
+                    c.trim();
+                }
+                c.idle_mark = frames;
+                self.trim_pending |= c.mem.above_floor();
+            }
+        }
+        // What connections, ports and sessions gave back to the budget is in the allocator's
+        // free lists: hand it to the system right after an idle trim or a close, and under
+        // churn at most ten times a second when the budget shrank (freed buffers would
+        // otherwise pile up between idle ticks).
+        if trimmed || self.release_pending || self.last_release.elapsed() >= RELEASE_EVERY {
             self.last_release = Instant::now();
             let used = self.registry.budget().used();
-            if used < self.budget_used {
+            if self.release_pending || used < self.budget_used {
                 crate::budget::release_freed_memory();
             }
+            self.release_pending = false;
             self.budget_used = used;
-        }
-        if self.last_trim.elapsed() < IDLE_TRIM {
-            return;
-        }
-        self.last_trim = Instant::now();
-        self.trim_pending = false;
-        for c in self.conns.iter_mut().flatten() {
-            let frames = c.frames_in();
-            if frames == c.idle_mark && c.inflight == 0 && c.tx_backlog() == 0 {
-                c.trim();
-            }
-            c.idle_mark = frames;
-            self.trim_pending |= c.mem.above_floor();
         }
     }
 
@@ -757,7 +767,7 @@ impl Reactor {
         );
         self.free.push(idx);
         drop(c); // closes the socket
-                 // The next idle trim returns what it held to the system (`trim_idle`).
-        self.trim_pending = true;
+                 // What it held goes back to the system on the next turn (`trim_idle`).
+        self.release_pending = true;
     }
 }

@@ -405,6 +405,11 @@ fn run_in_slot(c: &mut Conn, idx: usize, req: &Req, slot: u16, sq: &mut Pusher<'
     let s = &mut c.slots[slot as usize];
     s.busy = true;
     s.req = Some(*req);
+    // A WRITE that waited for its data or for memory may find its target fenced since
+    // (`dispatch` checked it when it came): it must not land on a removed namespace.
+    if c.targets.get(req.target as usize).is_none_or(|t| t.fenced) {
+        return settle(c, slot, Status::NoExport);
+    }
     // SAFETY: the slot's buffer holds `len` bytes and is neither freed nor touched until the
     // slot is released, which happens only once the result is delivered (a busy slot is never
     // reused, and a connection with slots in flight is never dropped).
@@ -995,7 +1000,14 @@ mod tests {
                 ),
                 (0, 1)
             );
+            // A write that still waits for its data when its target is fenced runs nothing.
+            feed(&mut c, &mut ring, &to(1, write(7, 0, 4096, &[])));
+            let asked = take_tx(&mut c);
+            assert_eq!(asked[0], b'T', "{spec1}: its data is asked for");
+            let slot = u16::from_le_bytes([asked[1], asked[2]]);
             c.targets[1].fenced = true;
+            feed(&mut c, &mut ring, &data(slot, 0, &d));
+            assert_eq!(take_tx(&mut c), status_reply(7, Status::NoExport));
             feed(&mut c, &mut ring, &to(1, write(4, 0, 4096, &d)));
             assert_eq!(take_tx(&mut c), status_reply(4, Status::NoExport));
             feed(&mut c, &mut ring, &to(9, read(5, 0, 512)));
