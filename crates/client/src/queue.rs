@@ -200,8 +200,9 @@ pub struct QueueStats {
     pub duplicates: u64,
     /// Datagrams: requests given up after the give-up time (failed with EIO).
     pub timeouts: u64,
-    /// Datagrams: tail-loss probes sent (requests resent because nothing came back for two
-    /// round trips; also counted in `retransmits`).
+    /// Datagrams: probes sent: KEEPALIVEs asking the target what it received and sent,
+    /// when a request was taken for lost or nothing came back for two round trips
+    /// (PROTOCOL.md §9.2). Only the frames a probe shows lost are resent (`retransmits`).
     pub probes: u64,
     /// Datagrams: current retransmission timeout, microseconds.
     pub rto_us: u64,

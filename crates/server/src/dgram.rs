@@ -138,6 +138,11 @@ struct DQ {
     closing: bool,
     /// What one COPY of the session may do (PROTOCOL.md §13).
     copy: CopyLimits,
+    /// Frames of this queue taken in (not those dropped for the initiator to send again) and
+    /// frames sent to it: a KEEPALIVE's answer reports both, so a tail-loss probe can tell
+    /// a slow answer from a lost frame (PROTOCOL.md §9.2).
+    taken_in: u64,
+    sent: u64,
 }
 
 impl Peer {
@@ -489,6 +494,7 @@ impl DgramPort {
     /// its datagram size, and sealed if the session is (PROTOCOL.md §12.4).
     fn send_queue(&mut self, qi: usize, mut h: Header, payload: &[u8]) {
         let q = self.queues[qi].as_mut().expect("present");
+        q.sent += 1;
         let limit = HEADER_LEN + q.fp as usize;
         match &mut q.seal {
             Some(k) => self
@@ -648,8 +654,17 @@ impl DgramPort {
         let q = self.queues[qi].as_mut().expect("indexed queue exists");
         q.last_seen = self.now;
         q.exec.stats.frames_in += 1;
+        q.taken_in += 1;
         match h.opcode {
-            Opcode::Join | Opcode::Keepalive => self.reply_queue(qi, h, Status::Ok),
+            Opcode::Join => self.reply_queue(qi, h, Status::Ok),
+            Opcode::Keepalive => {
+                let mut counts = [0u8; 16];
+                counts[..8].copy_from_slice(&q.taken_in.to_le_bytes());
+                counts[8..].copy_from_slice(&q.sent.to_le_bytes());
+                let mut r = h.reply(Status::Ok, 0);
+                r.credit = credit;
+                self.send_queue(qi, r, &counts);
+            }
             Opcode::Logout => {
                 self.reply_queue(qi, h, Status::Ok);
                 self.remove(qi);
@@ -834,6 +849,8 @@ impl DgramPort {
             seal: adm.seal,
             closing: false,
             copy: adm.copy,
+            taken_in: 0,
+            sent: 0,
         });
         if let Some(fd) = self.queues[idx].as_ref().and_then(|q| q.exec.notifier()) {
             self.notifier_changes.push((idx, incarnation, Some(fd)));
@@ -934,6 +951,8 @@ impl DgramPort {
         };
         if needs > 0 && !self.mem.try_cover(self.held() + needs) {
             self.stats.no_memory += 1;
+            // Not taken in: the initiator must send it again, and a probe must say so.
+            self.queues[qi].as_mut().expect("present").taken_in -= 1;
             return;
         }
         let q = self.queues[qi].as_mut().expect("present");
@@ -957,7 +976,14 @@ impl DgramPort {
                 return self.send_queue(qi, r, &[]);
             }
             Verdict::Drop => {
+                // A new generation while the previous one runs is dropped for the initiator to
+                // send again: not taken in (a duplicate or a stale generation is).
+                let held = s.hdr.tag.generation();
+                let resend = matches!(s.state, SlotState::Running(_))
+                    && h.tag.generation() != held
+                    && !h.tag.generation_older_than(held);
                 q.exec.stats.dropped_duplicates += 1;
+                q.taken_in -= resend as u64;
                 return;
             }
             Verdict::New => {}

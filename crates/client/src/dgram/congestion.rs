@@ -98,6 +98,8 @@ pub(crate) struct Congestion {
     min_rtt: Option<Duration>,
     /// Last valid reply, or last tail-loss probe.
     last_progress: Instant,
+    /// Probes sent since the last valid reply: each waits twice as long as the one before.
+    probes_unanswered: u32,
     /// When the timers last looked at every request in flight.
     last_scan: Instant,
     srtt: Option<Duration>,
@@ -121,6 +123,7 @@ impl Congestion {
             newest_answered: None,
             min_rtt: None,
             last_progress: now,
+            probes_unanswered: 0,
             last_scan: now,
             srtt: None,
             rttvar: Duration::ZERO,
@@ -173,6 +176,7 @@ impl Congestion {
     /// A valid reply to a request in flight arrived at `now`: the tail-loss probe waits again.
     pub fn on_progress(&mut self, now: Instant) {
         self.last_progress = now;
+        self.probes_unanswered = 0;
     }
 
     /// A request counting `frames`, last transmitted as `tx`, is finished at `now` (answered,
@@ -261,9 +265,12 @@ impl Congestion {
         (2 * self.srtt.unwrap_or(RTO_INITIAL)).clamp(PTO_MIN, self.rto.max(PTO_MIN))
     }
 
-    /// When the tail-loss probe is due, if anything is in flight.
+    /// When the tail-loss probe is due, if anything is in flight: a PTO after the last reply,
+    /// doubled for each probe sent since (up to the RTO), so a target that is merely slow is
+    /// not asked every 200 us.
     pub fn probe_deadline(&self) -> Option<Instant> {
-        (self.in_flight_frames > 0).then(|| self.last_progress + self.pto())
+        let wait = (self.pto() * (1 << self.probes_unanswered.min(16))).min(self.rto.max(PTO_MIN));
+        (self.in_flight_frames > 0).then(|| self.last_progress + wait)
     }
 
     /// Is a tail-loss probe due at `now` (RFC 8985 §7)? Requests are in flight but nothing has
@@ -276,6 +283,7 @@ impl Congestion {
     /// A probe was sent at `now`: the next one waits a probe timeout from here.
     pub fn on_probe(&mut self, now: Instant) {
         self.last_progress = now;
+        self.probes_unanswered += 1;
     }
 }
 
@@ -441,12 +449,31 @@ mod tests {
         assert_eq!(c.pto(), 2 * rtt);
         assert!(!c.probe_due(t + 2 * rtt - US));
         assert!(c.probe_due(t + 2 * rtt));
-        // An answer, or the probe itself, restarts the wait.
+        // The probe restarts the wait, doubled for each probe without an answer in between:
+        // a target that is merely slow is not asked every PTO.
         c.on_probe(t + 2 * rtt);
-        assert!(!c.probe_due(t + 4 * rtt - US));
-        assert!(c.probe_due(t + 4 * rtt));
-        c.on_progress(t + 3 * rtt);
-        assert!(!c.probe_due(t + 4 * rtt));
+        assert!(!c.probe_due(t + 6 * rtt - US));
+        assert!(c.probe_due(t + 6 * rtt));
+        c.on_probe(t + 6 * rtt);
+        assert!(!c.probe_due(t + 14 * rtt - US));
+        assert!(c.probe_due(t + 14 * rtt));
+        // An answer restarts it at one PTO.
+        c.on_progress(t + 7 * rtt);
+        assert!(!c.probe_due(t + 9 * rtt - US));
+        assert!(c.probe_due(t + 9 * rtt));
+    }
+
+    #[test]
+    fn probes_back_off_no_further_than_the_rto() {
+        let rtt = 400 * US;
+        let (mut c, t) = learnt(rtt, 20);
+        c.on_send(1);
+        let mut at = t;
+        for _ in 0..40 {
+            at = c.probe_deadline().expect("in flight");
+            c.on_probe(at);
+        }
+        assert_eq!(c.probe_deadline(), Some(at + c.rto()));
     }
 
     #[test]

@@ -30,6 +30,18 @@ use link::{Receiver, Sender};
 /// A queue that has sent nothing for this long sends a KEEPALIVE from `poll`, so the target
 /// (which forgets a session after 60 s without frames) keeps it (PROTOCOL.md §9.1).
 const KEEPALIVE_EVERY: Duration = Duration::from_secs(5);
+/// A tail-loss probe in flight: a KEEPALIVE whose answer says what the target has (§9.2).
+#[derive(Clone, Copy, Debug)]
+struct Probe {
+    /// Its tag's generation.
+    generation: u16,
+    /// Frames this queue had sent, the probe included, when it left: the count the target's
+    /// answer must match for nothing to have been lost on the way there.
+    sent: u64,
+    /// When it left: requests sent later are not in question.
+    at: Instant,
+}
+
 /// Slot number in the tag of internal keepalives: outside every slot table (depth <= 65535), so
 /// their answers are told from those of requests and never reach the caller.
 const KEEPALIVE_SLOT: u16 = u16::MAX;
@@ -111,6 +123,14 @@ pub(crate) struct DgramQueue {
     keepalive_every: Duration,
     /// Generation of the next internal keepalive (its answers are recognised by the slot).
     keepalive_gen: u16,
+    /// Reply frames of this queue accepted (right session and queue, CRC or seal good): what
+    /// the target's count of frames sent is checked against (PROTOCOL.md §9.2).
+    accepted_in: u64,
+    /// The probe awaiting its answer.
+    probe: Option<Probe>,
+    /// Frames the target never got and reply frames we never got, as the last probe's answer
+    /// showed: a probe finds a new loss when either grew.
+    missing: (u64, u64),
     /// A sealed session's frame keys for this queue (PROTOCOL.md §12.4).
     seal: Option<QueueKeys>,
     /// Where an encrypted reply's payload is decrypted.
@@ -170,6 +190,9 @@ impl DgramQueue {
             now: Instant::now(),
             keepalive_every: KEEPALIVE_EVERY,
             keepalive_gen: 0,
+            accepted_in: 0,
+            probe: None,
+            missing: (0, 0),
         }
     }
 
@@ -378,6 +401,12 @@ impl DgramQueue {
     /// `keepalive_every` later, well within the target's expiry. Its answer is dropped in
     /// `on_frame`, unless it is ACCESS: the target has forgotten the session after all.
     fn keepalive(&mut self) -> Result<()> {
+        self.send_keepalive();
+        self.flush_tx()
+    }
+
+    /// Queues a KEEPALIVE; returns its generation.
+    fn send_keepalive(&mut self) -> u16 {
         self.keepalive_gen = self.keepalive_gen.wrapping_add(1);
         let tag = Tag::new(KEEPALIVE_SLOT, self.keepalive_gen);
         let mut h = Header::request(Opcode::Keepalive, tag, 0, 0);
@@ -385,7 +414,7 @@ impl DgramQueue {
         h.session = self.session;
         push(&mut self.tx, &mut self.seal, h, &[], 0);
         self.stats.frames_out += 1;
-        self.flush_tx()
+        self.keepalive_gen
     }
 
     fn deliver(&mut self, f: &mut impl FnMut(Completion<'_>)) -> usize {
@@ -475,8 +504,14 @@ impl DgramQueue {
             if h.status == Status::Access {
                 self.session_lost = true;
             }
+            if let Some(p) = self.probe.filter(|p| p.generation == h.tag.generation()) {
+                self.probe = None;
+                self.probe_answered(p, payload);
+            }
+            self.accepted_in += 1;
             return;
         }
+        self.accepted_in += 1;
         let fp = self.frame_payload;
         let Some(s) = self.slots.get_mut(slot as usize) else {
             self.stats.late_replies += 1;
@@ -584,28 +619,65 @@ impl DgramQueue {
                 if !self.cc.lost(&s.tx, &pass, now) {
                     continue;
                 }
+                // Taken for lost by its timer or by RACK: its timer backs off as if it had
+                // been resent, and the probe below asks whether it really was.
+                s.tx.resend(now);
                 lost = true;
-                self.resend(slot, now);
             }
         }
-        // Tail loss probe (RFC 8985 §7): packing can put a whole burst, even the whole queue, in
-        // one datagram, and if that one is lost no later answer can show it: resend the newest
-        // request, and its answer shows the others lost (overtaken) long before their timers.
-        if !lost && self.cc.probe_due(now) {
-            let newest = (0..self.slots.len() as u16)
-                .filter(|&i| {
-                    let s = &self.slots[i as usize];
-                    s.state == State::InFlight && s.opcode != Opcode::Copy
-                })
-                .max_by_key(|&i| self.slots[i as usize].tx.sent_at);
-            if let Some(slot) = newest {
-                self.stats.probes += 1;
-                self.resend(slot, now);
-                self.cc.on_probe(now);
-            }
+        // Nothing is resent on a timer alone (§9.2): a storage target's answers are late for
+        // reasons no timer tells from loss (a slow disk, a descheduled thread), and an answer
+        // overtaken by a later one may just have had the slower I/O. A request taken for lost,
+        // or silence for a probe timeout (the tail-loss probe of RFC 8985 §7: packing can put a
+        // whole burst in one lost datagram), sends a probe: a KEEPALIVE whose answer counts
+        // what the target received and sent, so only frames really lost are sent again. An
+        // unanswered probe is followed by another, each waiting twice as long.
+        if lost || self.cc.probe_due(now) {
+            let generation = self.send_keepalive();
+            self.probe = Some(Probe {
+                generation,
+                sent: self.stats.frames_out,
+                at: now,
+            });
+            self.stats.probes += 1;
+            self.cc.on_probe(now);
         }
         self.cc.end_pass(&pass, lost, now);
         self.flush_tx()
+    }
+
+    /// The answer to a tail-loss probe: `payload` is the target's count of this queue's frames
+    /// it received (the probe included) and of frames it sent before the answer (§9.2). Equal
+    /// to ours, nothing was lost either way and the requests in flight are merely slow: nothing
+    /// is resent. Otherwise (or a target that does not count) every request sent before the
+    /// probe that is still in flight is sent again: the target drops what it already has, and
+    /// re-answers what it finished (§6).
+    fn probe_answered(&mut self, p: Probe, payload: &[u8]) {
+        let counts = (payload.len() == 16).then(|| {
+            let word =
+                |i: usize| u64::from_le_bytes(payload[i..i + 8].try_into().expect("8 bytes"));
+            (word(0), word(8))
+        });
+        // What went missing each way so far; more than at the last probe is a new loss.
+        let missing = counts.map(|(taken, sent)| {
+            (
+                p.sent.wrapping_sub(taken),
+                sent.wrapping_sub(self.accepted_in),
+            )
+        });
+        if missing.is_some() && missing == Some(self.missing) {
+            return;
+        }
+        if let Some(m) = missing {
+            self.missing = m;
+        }
+        let now = Instant::now();
+        for slot in 0..self.slots.len() as u16 {
+            let s = &self.slots[slot as usize];
+            if s.state == State::InFlight && s.opcode != Opcode::Copy && s.tx.sent_at <= p.at {
+                self.resend(slot, now);
+            }
+        }
     }
 
     /// Sends an in-flight request again, with its timer backed off.
@@ -799,6 +871,148 @@ mod tests {
             probes + 7
         );
         assert_eq!(st.timeouts, 0);
+    }
+
+    /// A stand-in target that keeps the counts of PROTOCOL.md §9.2: frames taken in and sent,
+    /// reported in its answers to KEEPALIVE.
+    struct CountingTarget {
+        sock: UdpSocket,
+        taken: u64,
+        sent: u64,
+        /// READs held unanswered (a slow backend), with where to answer them.
+        held: Vec<(Header, std::net::SocketAddr)>,
+    }
+
+    impl CountingTarget {
+        /// Takes one datagram: loses it whole (`lose`), or answers its KEEPALIVEs with the
+        /// counts and its READs with 0x5a bytes, or holds the READs (`hold`). Returns
+        /// (frames, keepalives) it carried; (0, 0) when none came within `wait`.
+        fn step(&mut self, lose: bool, hold: bool, wait: Duration) -> (usize, usize) {
+            let mut buf = vec![0u8; 65536];
+            self.sock.set_read_timeout(Some(wait)).unwrap();
+            let Ok((n, from)) = self.sock.recv_from(&mut buf) else {
+                return (0, 0);
+            };
+            let (mut frames, mut keepalives) = (0, 0);
+            for f in datagram::frames(&buf[..n], 65536) {
+                let h = f.expect("valid request frame").header;
+                frames += 1;
+                if lose {
+                    continue;
+                }
+                self.taken += 1;
+                if h.opcode == Opcode::Keepalive {
+                    keepalives += 1;
+                    let mut counts = self.taken.to_le_bytes().to_vec();
+                    counts.extend_from_slice(&self.sent.to_le_bytes());
+                    self.send(h.reply(Status::Ok, 0), &counts, from);
+                } else if hold {
+                    self.held.push((h, from));
+                } else {
+                    self.send(
+                        h.reply(Status::Ok, h.length),
+                        &vec![0x5a; h.length as usize],
+                        from,
+                    );
+                }
+            }
+            (frames, keepalives)
+        }
+
+        fn release(&mut self) {
+            for (h, from) in std::mem::take(&mut self.held) {
+                self.send(
+                    h.reply(Status::Ok, h.length),
+                    &vec![0x5a; h.length as usize],
+                    from,
+                );
+            }
+        }
+
+        fn send(&mut self, mut r: Header, payload: &[u8], to: std::net::SocketAddr) {
+            r.payload_len = payload.len() as u32;
+            r.seal_crc(payload);
+            let mut out = r.to_bytes().to_vec();
+            out.extend_from_slice(payload);
+            self.sock.send_to(&out, to).expect("reply");
+            self.sent += 1;
+        }
+    }
+
+    /// Submits `n` 512-byte READs in one datagram and completes them while `target` runs in a
+    /// thread; returns the queue's counters.
+    fn reads_against(q: &mut DgramQueue, n: u64, target: impl FnOnce() + Send) -> QueueStats {
+        std::thread::scope(|s| {
+            let t = s.spawn(target);
+            for i in 0..n {
+                let read = Cmd::Read {
+                    offset: 512 * i,
+                    len: 512,
+                };
+                q.submit(read, i).unwrap();
+            }
+            q.send().unwrap();
+            let mut got = 0;
+            while got < n as usize {
+                got += q
+                    .complete(1, |c| {
+                        assert_eq!(c.status, Status::Ok);
+                        assert!(c.data.iter().all(|&b| b == 0x5a));
+                    })
+                    .unwrap();
+            }
+            t.join().unwrap();
+        });
+        q.stats()
+    }
+
+    #[test]
+    fn a_slow_target_is_asked_by_probes_and_nothing_is_resent() {
+        let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let mut q = idle_queue(&sock);
+        let mut t = CountingTarget {
+            sock,
+            taken: 0,
+            sent: 0,
+            held: Vec::new(),
+        };
+        let wait = Duration::from_secs(5);
+        let st = reads_against(&mut q, 4, || {
+            // The READs are held (a slow disk) past several probe and retransmission timeouts;
+            // every probe is answered with counts that show nothing lost.
+            assert_eq!(t.step(false, true, wait), (4, 0));
+            let mut probes = 0;
+            while probes < 3 {
+                probes += t.step(false, true, wait).1;
+            }
+            t.release();
+        });
+        assert!(st.probes >= 3, "{st:?}");
+        assert_eq!((st.retransmits, st.late_replies), (0, 0), "{st:?}");
+    }
+
+    #[test]
+    fn frames_a_probe_shows_lost_are_resent_once() {
+        let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let mut q = idle_queue(&sock);
+        let mut t = CountingTarget {
+            sock,
+            taken: 0,
+            sent: 0,
+            held: Vec::new(),
+        };
+        let wait = Duration::from_secs(5);
+        let st = reads_against(&mut q, 4, || {
+            // The datagram with the four READs is lost; the probe's counts show it.
+            assert_eq!(t.step(true, false, wait), (4, 0));
+            let mut reads = 0;
+            while reads < 4 {
+                let (frames, keepalives) = t.step(false, false, wait);
+                reads += frames - keepalives;
+            }
+        });
+        assert!(st.probes >= 1, "{st:?}");
+        assert_eq!((st.retransmits, st.late_replies), (4, 0), "{st:?}");
     }
 
     /// The fragments of a 16 KiB write are a run of equal datagrams: one segmented send, which

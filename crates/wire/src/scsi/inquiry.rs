@@ -1,19 +1,21 @@
-//! INQUIRY answers (SPC-4 6.4): standard data and the vital product data pages 00h, 80h, 83h
-//! (SPC-4 7.8) and the SBC-3 pages B0h, B1h, B2h (SBC-3 6.5).
+//! INQUIRY answers (SPC-4 INQUIRY): standard data and the vital product data pages 00h, 80h, 83h
+//! (SPC-4 VPD parameters) and the SBC-3 pages B0h, B1h, B2h (SBC-3 VPD parameters).
 
 use super::{put_u16, put_u32, put_u64, LunInfo};
 
-/// Bytes of standard INQUIRY data: through the eight version descriptors (SPC-4 6.4.2).
+/// Bytes of standard INQUIRY data: through the eight version descriptors (SPC-4 standard INQUIRY
+/// data).
 pub const STANDARD_LEN: usize = 96;
 
-/// VPD pages answered, ascending as SUPPORTED VPD PAGES lists them (SPC-4 7.8.14).
+/// VPD pages answered, ascending as SUPPORTED VPD PAGES lists them (SPC-4 Supported VPD Pages
+/// page).
 pub const VPD_PAGES: [u8; 6] = [0x00, 0x80, 0x83, 0xB0, 0xB1, 0xB2];
 
 /// Version descriptors claimed (SPC-4 table 146): SAM-5, SPC-4, SBC-3, iSCSI (no version).
 const VERSION_DESCRIPTORS: [u16; 4] = [0x00A0, 0x0460, 0x04C0, 0x0960];
 
-/// Copies `s` into `dst`, space-padded (SPC-4 4.4.1: ASCII left-aligned, padded with spaces),
-/// printable ASCII only.
+/// Copies `s` into `dst`, space-padded (SPC-4 ASCII data field requirements: ASCII left-aligned,
+/// padded with spaces), printable ASCII only.
 fn ascii(dst: &mut [u8], s: &str) {
     dst.fill(b' ');
     for (d, c) in dst.iter_mut().zip(s.bytes()) {
@@ -21,15 +23,15 @@ fn ascii(dst: &mut [u8], s: &str) {
     }
 }
 
-/// Standard INQUIRY data (SPC-4 6.4.2), [`STANDARD_LEN`] bytes.
+/// Standard INQUIRY data (SPC-4 standard INQUIRY data), [`STANDARD_LEN`] bytes.
 pub fn standard(lun: &LunInfo) -> Vec<u8> {
     let mut b = vec![0u8; STANDARD_LEN];
     b[0] = 0x00; // peripheral qualifier 000b: connected; device type 00h: direct access block
     b[2] = 0x06; // VERSION: SPC-4
-    b[3] = 0x10 | 0x02; // HISUP (LUNs are SAM-5 4.7 hierarchical); RESPONSE DATA FORMAT 2
+    b[3] = 0x10 | 0x02; // HISUP (SAM-5 hierarchical LUNs); RESPONSE DATA FORMAT 2
     b[4] = (STANDARD_LEN - 5) as u8;
     b[5] = if lun.copy { 0x08 } else { 0 }; // 3PC: EXTENDED COPY supported
-    b[7] = 0x02; // CMDQUE: tagged queuing (SAM-5 8.6)
+    b[7] = 0x02; // CMDQUE: tagged queuing (SAM-5 task attributes)
     ascii(&mut b[8..16], lun.vendor);
     ascii(&mut b[16..32], lun.product);
     ascii(&mut b[32..36], lun.revision);
@@ -39,13 +41,14 @@ pub fn standard(lun: &LunInfo) -> Vec<u8> {
     b
 }
 
-/// The VPD page `page` (SPC-4 7.8), `None` when it is not one of [`VPD_PAGES`].
+/// The VPD page `page` (SPC-4 VPD parameters), `None` when it is not one of [`VPD_PAGES`].
 pub fn vpd(lun: &LunInfo, page: u8) -> Option<Vec<u8>> {
     let mut b = vec![0x00, page, 0, 0];
     match page {
         0x00 => b.extend_from_slice(&VPD_PAGES),
         0x80 => {
-            // UNIT SERIAL NUMBER (SPC-4 7.8.15): printable ASCII, at most what a page holds.
+            // UNIT SERIAL NUMBER (SPC-4 Unit Serial Number page): printable ASCII, at most what a
+            // page holds.
             let serial: Vec<u8> = lun
                 .serial
                 .bytes()
@@ -57,14 +60,14 @@ pub fn vpd(lun: &LunInfo, page: u8) -> Option<Vec<u8>> {
         0x83 => device_identification(lun, &mut b),
         0xB0 => block_limits(lun, &mut b),
         0xB1 => {
-            // BLOCK DEVICE CHARACTERISTICS (SBC-3 6.5.2): MEDIUM ROTATION RATE 0001h means a
-            // non-rotating medium (solid state), 0000h "not reported".
+            // BLOCK DEVICE CHARACTERISTICS (SBC-3 Block Device Characteristics page): MEDIUM
+            // ROTATION RATE 0001h means a non-rotating medium (solid state), 0000h "not reported".
             let mut p = [0u8; 0x3C];
             put_u16(&mut p[0..], if lun.rotational { 0 } else { 1 });
             b.extend_from_slice(&p);
         }
         0xB2 => {
-            // LOGICAL BLOCK PROVISIONING (SBC-3 6.5.4).
+            // LOGICAL BLOCK PROVISIONING (SBC-3 Logical Block Provisioning page).
             let mut p = [0u8; 4];
             if lun.unmap {
                 p[1] = 0x80 | 0x40 | 0x20; // LBPU, LBPWS, LBPWS10
@@ -82,8 +85,8 @@ pub fn vpd(lun: &LunInfo, page: u8) -> Option<Vec<u8>> {
     Some(b)
 }
 
-/// DEVICE IDENTIFICATION (SPC-4 7.8.6): the binary NAA designator first (what Linux and
-/// VMware take as the LU's identity), then a T10 vendor ID designator (vendor + serial).
+/// DEVICE IDENTIFICATION (SPC-4 Device Identification page): the binary NAA designator first (what
+/// Linux and VMware take as the LU's identity), then a T10 vendor ID designator (vendor + serial).
 fn device_identification(lun: &LunInfo, b: &mut Vec<u8>) {
     // Code set 1 (binary), association 00b (logical unit), designator type 3 (NAA), length 8.
     b.extend_from_slice(&[0x01, 0x03, 0x00, 0x08]);
@@ -103,7 +106,7 @@ fn device_identification(lun: &LunInfo, b: &mut Vec<u8>) {
     b.extend_from_slice(&serial);
 }
 
-/// BLOCK LIMITS (SBC-3 6.5.3), page length 3Ch.
+/// BLOCK LIMITS (SBC-3 Block Limits page), page length 3Ch.
 fn block_limits(lun: &LunInfo, b: &mut Vec<u8>) {
     let mut p = [0u8; 0x3C];
     // Offsets below are from byte 4 of the page.

@@ -1,7 +1,8 @@
 //! The SCSI command layer behind the iSCSI frontend: what a CDB asks (SPC-4, SBC-3), checked
 //! against the logical unit, and the data-in answers the target builds itself (INQUIRY, READ
-//! CAPACITY, MODE SENSE, REPORT LUNS, ...). Section numbers refer to SPC-4 (T10/BSR INCITS 513)
-//! and SBC-3 (T10/BSR INCITS 514).
+//! CAPACITY, MODE SENSE, REPORT LUNS, ...). References name the clause of SPC-4 (T10/BSR INCITS
+//! 513) or SBC-3 (T10/BSR INCITS 514) by its command, page or field; a number is given where it
+//! was checked against the revision named (SPC-4 r37 for EXTENDED COPY).
 //!
 //! Pure code like the rest of the crate: no I/O, no threads. [`decode`] turns a CDB into a
 //! [`Command`] or into the [`Sense`] of a CHECK CONDITION; it never panics, whatever the bytes
@@ -13,6 +14,19 @@
 //! that the transport shares between its sessions. [`Command::data_out_len`] says how many
 //! bytes of Data-Out a command expects, so the transport can refuse a mismatched
 //! EXPECTED DATA TRANSFER LENGTH before any I/O.
+//!
+//! How a transport answers one SCSI command with it:
+//! 1. the LUN field names no LU: [`decode_absent`] (LOGICAL UNIT NOT SUPPORTED for all but
+//!    INQUIRY, REPORT LUNS and REQUEST SENSE);
+//! 2. [`decode`]; `Err(sense)` is CHECK CONDITION with `sense.encode()`;
+//! 3. [`pr::Reservations::conflicts`] true: status RESERVATION CONFLICT (18h), nothing done;
+//! 4. EXPECTED DATA TRANSFER LENGTH against [`Command::data_out_len`] for writes;
+//! 5. run it: [`Command::DataIn`] is sent as it is (its length is at most the allocation
+//!    length); READ/WRITE/... go to the backend; parameter lists go through [`parse_unmap`],
+//!    [`xcopy::parse`] + [`xcopy::Plan::check`], [`pr::Reservations::reserve_out`];
+//!    [`Command::ReportLuns`] is [`report_luns`], [`Command::GetLbaStatus`] [`lba_status`],
+//!    [`Command::ReceiveCopyResults`] [`xcopy::receive_copy_results`],
+//!    [`Command::PersistentReserveIn`] [`pr::Reservations::reserve_in`].
 
 mod inquiry;
 mod mode;
@@ -39,8 +53,8 @@ pub struct LunInfo {
     pub read_only: bool,
     /// The backend has a volatile cache it flushes: WCE=1 in the caching mode page.
     pub write_cache: bool,
-    /// DPOFUA in the MODE SENSE device-specific parameter; without it DPO/FUA in a CDB are
-    /// refused as INVALID FIELD IN CDB (SBC-3 6.4.1, what libiscsi's DpoFua tests expect).
+    /// DPOFUA in the MODE SENSE device-specific parameter; without it DPO/FUA in a CDB are refused
+    /// as INVALID FIELD IN CDB (SBC-3 mode parameters, what libiscsi's DpoFua tests expect).
     pub fua: bool,
     /// Thin provisioning: LBPME=1 (READ CAPACITY 16), LBPU/LBPWS/LBPWS10 (VPD B2h), unmap limits
     /// in VPD B0h, UNMAP and WRITE SAME with UNMAP accepted.
@@ -104,8 +118,8 @@ impl Default for LunInfo {
     }
 }
 
-/// An NAA IEEE Registered designator (SPC-4 7.8.6.6.4): NAA 5h, the 24-bit IEEE company id
-/// `oui`, then the low 36 bits of `id`.
+/// An NAA IEEE Registered designator (SPC-4 NAA IEEE Registered format): NAA 5h, the 24-bit IEEE
+/// company id `oui`, then the low 36 bits of `id`.
 pub fn naa_registered(oui: u32, id: u64) -> u64 {
     (5u64 << 60) | (u64::from(oui & 0x00FF_FFFF) << 36) | (id & 0xF_FFFF_FFFF)
 }
@@ -142,7 +156,7 @@ pub enum Command {
         /// FUA: the data is on stable media before GOOD.
         fua: bool,
     },
-    /// VERIFY 10/12/16 (SBC-3 5.24): without BYTCHK there is no Data-Out and the medium is
+    /// VERIFY 10/12/16 (SBC-3): without BYTCHK there is no Data-Out and the medium is
     /// only checked readable; with it Data-Out of `blocks` blocks is compared against the
     /// medium (MISCOMPARE with the offset on a difference).
     Verify {
@@ -153,21 +167,23 @@ pub enum Command {
         /// Compare Data-Out against the medium.
         bytchk: bool,
     },
-    /// WRITE AND VERIFY 10/12/16 (SBC-3 5.34): write, then make sure it reads back.
+    /// WRITE AND VERIFY 10/12/16 (SBC-3): write, then make sure it reads back.
     WriteAndVerify {
         /// First logical block.
         lba: u64,
         /// Number of blocks.
         blocks: u32,
     },
-    /// SYNCHRONIZE CACHE 10/16 (SBC-3 5.22): `blocks` 0 means through the last block.
+    /// SYNCHRONIZE CACHE 10/16 (SBC-3): `blocks` 0 means through the last
+    /// block.
     SynchronizeCache {
         /// First logical block.
         lba: u64,
         /// Number of blocks (0: to the end of the LUN).
         blocks: u32,
     },
-    /// WRITE SAME 10/16 (SBC-3 5.42, 5.43). Data-Out is one block unless `ndob`.
+    /// WRITE SAME 10/16 (SBC-3). Data-Out is one block unless
+    /// `ndob`.
     WriteSame {
         /// First logical block.
         lba: u64,
@@ -178,14 +194,14 @@ pub enum Command {
         /// NDOB: no Data-Out; the block is all zeroes.
         ndob: bool,
     },
-    /// UNMAP (SBC-3 5.28): Data-Out is the parameter list, see [`parse_unmap`]. `param_len` 0
+    /// UNMAP (SBC-3): Data-Out is the parameter list, see [`parse_unmap`]. `param_len` 0
     /// means nothing to do.
     Unmap {
         /// PARAMETER LIST LENGTH.
         param_len: u32,
     },
-    /// COMPARE AND WRITE (SBC-3 5.2): Data-Out is 2*blocks blocks, the compare data then the
-    /// write data; MISCOMPARE with the offset when the medium differs.
+    /// COMPARE AND WRITE (SBC-3): Data-Out is 2*blocks blocks, the compare data
+    /// then the write data; MISCOMPARE with the offset when the medium differs.
     CompareAndWrite {
         /// First logical block.
         lba: u64,
@@ -194,19 +210,19 @@ pub enum Command {
         /// FUA on the write.
         fua: bool,
     },
-    /// GET LBA STATUS (SBC-3 5.5): answer with [`lba_status`].
+    /// GET LBA STATUS (SBC-3): answer with [`lba_status`].
     GetLbaStatus {
         /// STARTING LOGICAL BLOCK ADDRESS (inside the LUN).
         lba: u64,
         /// ALLOCATION LENGTH.
         alloc_len: u32,
     },
-    /// EXTENDED COPY (LID1, SPC-4 6.3): Data-Out is the parameter list, see `xcopy::parse`.
+    /// EXTENDED COPY (LID1, SPC-4 r37 6.4): Data-Out is the parameter list, see `xcopy::parse`.
     ExtendedCopy {
         /// PARAMETER LIST LENGTH.
         param_len: u32,
     },
-    /// RECEIVE COPY RESULTS (SPC-4 6.18).
+    /// RECEIVE COPY RESULTS (SPC-4).
     ReceiveCopyResults {
         /// SERVICE ACTION: 00h copy status, 03h operating parameters.
         service_action: u8,
@@ -215,14 +231,15 @@ pub enum Command {
         /// ALLOCATION LENGTH.
         alloc_len: u32,
     },
-    /// PERSISTENT RESERVE IN (SPC-4 6.13).
+    /// PERSISTENT RESERVE IN (SPC-4).
     PersistentReserveIn {
         /// SERVICE ACTION (00h..03h).
         service_action: u8,
         /// ALLOCATION LENGTH.
         alloc_len: u32,
     },
-    /// PERSISTENT RESERVE OUT (SPC-4 6.14): Data-Out is the 24-byte parameter list.
+    /// PERSISTENT RESERVE OUT (SPC-4): Data-Out is the 24-byte parameter
+    /// list.
     PersistentReserveOut {
         /// SERVICE ACTION (00h..07h).
         service_action: u8,
@@ -233,19 +250,19 @@ pub enum Command {
         /// PARAMETER LIST LENGTH.
         param_len: u32,
     },
-    /// START STOP UNIT (SBC-3 5.20): the medium is not removable and always ready; GOOD.
+    /// START STOP UNIT (SBC-3): the medium is not removable and always ready; GOOD.
     StartStopUnit {
         /// START.
         start: bool,
         /// LOEJ.
         loej: bool,
     },
-    /// PREVENT ALLOW MEDIUM REMOVAL (SBC-3 5.11): nothing to remove; GOOD.
+    /// PREVENT ALLOW MEDIUM REMOVAL (SBC-3): nothing to remove; GOOD.
     PreventAllowMediumRemoval {
         /// PREVENT field.
         prevent: u8,
     },
-    /// PRE-FETCH 10/16 (SBC-3 5.9, 5.10): GOOD (or CONDITION MET) without data.
+    /// PRE-FETCH 10/16 (SBC-3): GOOD (or CONDITION MET) without data.
     PreFetch {
         /// First logical block.
         lba: u64,
@@ -279,8 +296,9 @@ impl Command {
         }
     }
 
-    /// Does the command change the medium? (What write protection and the persistent
-    /// reservation types that allow reads refuse, SPC-4 5.13.1 table 50 "write" rows.)
+    /// Does the command change the medium? (What write protection and the persistent reservation
+    /// types that allow reads refuse, the SPC-4/SBC-3 tables of commands allowed under persistent
+    /// reservations.)
     pub fn writes(&self) -> bool {
         matches!(
             self,
@@ -295,7 +313,7 @@ impl Command {
     }
 }
 
-/// SCSI operation codes this layer knows (SPC-4 annex D, SBC-3 5.1).
+/// SCSI operation codes this layer knows (SPC-4 and SBC-3 operation code tables).
 pub mod op {
     #![allow(missing_docs)]
     pub const TEST_UNIT_READY: u8 = 0x00;
@@ -363,8 +381,8 @@ pub(crate) fn put_u64(b: &mut [u8], v: u64) {
     b[..8].copy_from_slice(&v.to_be_bytes());
 }
 
-/// Length of the CDB an operation code takes, from its group (SPC-4 4.2.5.1); `None` for the
-/// reserved and vendor-specific groups 3, 6, 7.
+/// Length of the CDB an operation code takes, from its group (SPC-4 operation code groups); `None`
+/// for the reserved and vendor-specific groups 3, 6, 7.
 pub fn cdb_len(opcode: u8) -> Option<usize> {
     match opcode >> 5 {
         0 => Some(6),
@@ -375,7 +393,8 @@ pub fn cdb_len(opcode: u8) -> Option<usize> {
     }
 }
 
-/// `lba..lba+blocks` must lie inside the LUN (SBC-3 4.5): LOGICAL BLOCK ADDRESS OUT OF RANGE.
+/// `lba..lba+blocks` must lie inside the LUN (SBC-3 logical blocks): LOGICAL BLOCK ADDRESS OUT OF
+/// RANGE.
 fn check_range(lun: &LunInfo, lba: u64, blocks: u64) -> Result<(), Sense> {
     match lba.checked_add(blocks) {
         Some(end) if end <= lun.blocks => Ok(()),
@@ -401,7 +420,7 @@ fn field(cdb: &[u8], at: usize, width: usize) -> u64 {
     }
 }
 
-/// The checks every block transfer gets, in the order SBC-3 4.5 and libiscsi expect them:
+/// The checks every block transfer gets, in the order libiscsi's tests expect them:
 /// the transfer length against MAXIMUM TRANSFER LENGTH (INVALID FIELD IN CDB), the range
 /// (LBA OUT OF RANGE), then write protection (DATA PROTECT).
 fn transfer(lun: &LunInfo, lba: u64, blocks: u64, len_at: u16, write: bool) -> Result<u32, Sense> {
@@ -421,7 +440,8 @@ fn transfer(lun: &LunInfo, lba: u64, blocks: u64, len_at: u16, write: bool) -> R
 }
 
 /// RDPROTECT/WRPROTECT/VRPROTECT (bits 7..5 of byte 1) must be 0: there is no protection
-/// information (SBC-3 4.22, READ(10) 5.13 table 53); DPO (bit 4) and FUA (bit 3) need DPOFUA.
+/// information (SBC-3 protection information model, READ(10)); DPO (bit 4) and FUA (bit 3) need
+/// DPOFUA.
 fn check_protect_dpo_fua(
     cdb: &[u8],
     lun: &LunInfo,
@@ -456,8 +476,8 @@ pub fn decode(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
     }
     let cdb = &cdb[..len];
     let cmd = decode_cdb(cdb, lun);
-    // NACA (SAM-5 5.2): ACA is not supported. Checked once the operation code is known to be
-    // supported, so that an unknown one is always INVALID COMMAND OPERATION CODE.
+    // NACA (SAM-5 CONTROL byte): ACA is not supported. Checked once the operation code is known to
+    // be supported, so that an unknown one is always INVALID COMMAND OPERATION CODE.
     if cdb[len - 1] & 0x04 != 0 && cmd != Err(Sense::invalid_opcode()) {
         return Err(Sense::invalid_cdb_field(len as u16 - 1, 2));
     }
@@ -472,7 +492,7 @@ fn decode_cdb(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
         op::TEST_UNIT_READY => Ok(Command::TestUnitReady),
         op::REQUEST_SENSE => {
             // Nothing is ever pending (no deferred errors, unit attentions are the transport's):
-            // NO SENSE, in the format DESC asks (SPC-4 6.39).
+            // NO SENSE, in the format DESC asks (SPC-4 REQUEST SENSE).
             let mut out = Vec::new();
             if cdb[1] & 0x01 != 0 {
                 Sense::no_sense().encode_descriptor(&mut out);
@@ -486,7 +506,7 @@ fn decode_cdb(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
         op::MODE_SENSE_6 => mode::mode_sense(cdb, lun, false).map(Command::DataIn),
         op::MODE_SENSE_10 => mode::mode_sense(cdb, lun, true).map(Command::DataIn),
         op::READ_CAPACITY_10 => {
-            // SBC-3 5.15: with PMI=0 the LBA field must be 0.
+            // SBC-3 READ CAPACITY(10): with PMI=0 the LBA field must be 0.
             if cdb[8] & 0x01 == 0 && get_u32(&cdb[2..]) != 0 {
                 return Err(Sense::invalid_cdb_field(2, 7));
             }
@@ -501,7 +521,7 @@ fn decode_cdb(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
                 Ok(Command::DataIn(read_capacity_16(lun, get_u32(&cdb[10..]))))
             }
             op::SA_GET_LBA_STATUS => {
-                // SBC-3 5.5.2: the starting LBA must be inside the LUN.
+                // SBC-3 GET LBA STATUS: the starting LBA must be inside the LUN.
                 let lba = get_u64(&cdb[2..]);
                 if lba >= lun.blocks {
                     return Err(Sense::lba_out_of_range());
@@ -522,7 +542,7 @@ fn decode_cdb(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
             if !lun.unmap {
                 return Err(Sense::invalid_opcode());
             }
-            // ANCHOR (SBC-3 5.28.1): anchored blocks are not supported (ANC_SUP=0).
+            // ANCHOR (SBC-3 UNMAP): anchored blocks are not supported (ANC_SUP=0).
             if cdb[1] & 0x01 != 0 {
                 return Err(Sense::invalid_cdb_field(1, 0));
             }
@@ -533,7 +553,7 @@ fn decode_cdb(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
         op::READ_6 | op::WRITE_6 => {
             let write = opcode == op::WRITE_6;
             let lba = u64::from(get_u32(&cdb[0..]) & 0x001F_FFFF);
-            // SBC-3 5.12/5.32: TRANSFER LENGTH 0 means 256 blocks.
+            // SBC-3 READ(6)/WRITE(6): TRANSFER LENGTH 0 means 256 blocks.
             let blocks = if cdb[4] == 0 { 256 } else { u64::from(cdb[4]) };
             let blocks = transfer(lun, lba, blocks, 4, write)?;
             Ok(if write {
@@ -574,7 +594,7 @@ fn decode_cdb(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
         }
         op::VERIFY_10 | op::VERIFY_12 | op::VERIFY_16 => {
             check_protect_dpo_fua(cdb, lun, true, false)?;
-            // BYTCHK (SBC-3 5.25 table 77): 00b no compare, 01b compare Data-Out; 11b (one block
+            // BYTCHK (SBC-3 VERIFY(10)): 00b no compare, 01b compare Data-Out; 11b (one block
             // against every block) is not supported, 10b is reserved.
             let bytchk = match (cdb[1] >> 1) & 3 {
                 0 => false,
@@ -592,7 +612,7 @@ fn decode_cdb(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
         }
         op::WRITE_AND_VERIFY_10 | op::WRITE_AND_VERIFY_12 | op::WRITE_AND_VERIFY_16 => {
             check_protect_dpo_fua(cdb, lun, true, false)?;
-            // BYTCHK (SBC-3 5.34): 00b and 01b both mean "verify what was written".
+            // BYTCHK (SBC-3 WRITE AND VERIFY(10)): 00b and 01b both mean "verify what was written".
             if (cdb[1] >> 1) & 3 > 1 {
                 return Err(Sense::invalid_cdb_field(1, 2));
             }
@@ -619,7 +639,8 @@ fn decode_cdb(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
             let fua = check_protect_dpo_fua(cdb, lun, true, true)?;
             let lba = get_u64(&cdb[2..]);
             let blocks = cdb[13];
-            // SBC-3 5.2: more than MAXIMUM COMPARE AND WRITE LENGTH is INVALID FIELD IN CDB.
+            // SBC-3 COMPARE AND WRITE: more than MAXIMUM COMPARE AND WRITE LENGTH is INVALID FIELD
+            // IN CDB.
             if blocks > lun.max_compare_write_blocks {
                 return Err(Sense::invalid_cdb_field(13, 7));
             }
@@ -650,7 +671,8 @@ fn decode_cdb(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
                 return Err(Sense::invalid_opcode());
             }
             let service_action = cdb[1] & 0x1F;
-            // 00h COPY STATUS and 03h OPERATING PARAMETERS (SPC-4 6.18.1 table 123).
+            // 00h COPY STATUS and 03h OPERATING PARAMETERS (SPC-4 RECEIVE COPY RESULTS service
+            // actions).
             if service_action != 0x00 && service_action != 0x03 {
                 return Err(Sense::invalid_cdb_field(1, 4));
             }
@@ -662,7 +684,8 @@ fn decode_cdb(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
         }
         op::PERSISTENT_RESERVE_IN => {
             let service_action = cdb[1] & 0x1F;
-            // READ KEYS, READ RESERVATION, REPORT CAPABILITIES, READ FULL STATUS (SPC-4 6.13.1).
+            // READ KEYS, READ RESERVATION, REPORT CAPABILITIES, READ FULL STATUS (SPC-4 PERSISTENT
+            // RESERVE IN).
             if service_action > 0x03 {
                 return Err(Sense::invalid_cdb_field(1, 4));
             }
@@ -673,12 +696,13 @@ fn decode_cdb(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
         }
         op::PERSISTENT_RESERVE_OUT => {
             let service_action = cdb[1] & 0x1F;
-            // 00h..06h (SPC-4 6.14.2 table 172); REGISTER AND MOVE (07h) is not supported.
+            // 00h..06h (SPC-4 PERSISTENT RESERVE OUT service actions); REGISTER AND MOVE (07h) is
+            // not supported.
             if service_action > 0x06 {
                 return Err(Sense::invalid_cdb_field(1, 4));
             }
-            // SPC-4 6.14.3: without SPEC_I_PT the list is exactly 24 bytes; refusing any other
-            // length here means no Data-Out is solicited for it.
+            // SPC-4 PERSISTENT RESERVE OUT parameter list: without SPEC_I_PT the list is exactly 24
+            // bytes; refusing any other length here means no Data-Out is solicited for it.
             let param_len = get_u32(&cdb[5..]);
             if param_len != pr::PARAM_LEN as u32 {
                 return Err(Sense::parameter_list_length_error());
@@ -698,8 +722,8 @@ fn decode_cdb(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
             prevent: cdb[4] & 0x03,
         }),
         op::READ_DEFECT_DATA_10 | op::READ_DEFECT_DATA_12 => {
-            // SBC-3 5.14/5.15: no defect lists; the header echoes what was asked with an
-            // empty list.
+            // SBC-3 READ DEFECT DATA(10)/(12): no defect lists; the header echoes what was asked
+            // with an empty list.
             let ten = opcode == op::READ_DEFECT_DATA_10;
             let flags = if ten { cdb[2] } else { cdb[1] } & 0x1F;
             let (mut out, alloc) = if ten {
@@ -718,7 +742,7 @@ fn decode_cdb(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
             _ => Err(Sense::invalid_cdb_field(1, 4)),
         },
         op::REPORT_LUNS => {
-            // SPC-4 6.33: SELECT REPORT 00h..02h; ALLOCATION LENGTH at least 16.
+            // SPC-4 REPORT LUNS: SELECT REPORT 00h..02h; ALLOCATION LENGTH at least 16.
             if cdb[2] > 0x02 {
                 return Err(Sense::invalid_cdb_field(2, 7));
             }
@@ -732,7 +756,7 @@ fn decode_cdb(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
     }
 }
 
-/// WRITE SAME(10)/(16) (SBC-3 5.42, 5.43).
+/// WRITE SAME(10)/(16) (SBC-3 WRITE SAME(10), WRITE SAME(16)).
 fn write_same(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
     let sixteen = cdb.len() == 16;
     if cdb[1] & 0xE0 != 0 {
@@ -744,12 +768,14 @@ fn write_same(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
     if cdb[1] & 0x06 != 0 {
         return Err(Sense::invalid_cdb_field(1, 2));
     }
-    // NDOB (SBC-3 5.43) exists in WRITE SAME(16) only; bit 0 of WRITE SAME(10) is obsolete.
+    // NDOB (SBC-3 WRITE SAME(16)) exists in WRITE SAME(16) only; bit 0 of WRITE SAME(10) is
+    // obsolete.
     let ndob = sixteen && cdb[1] & 0x01 != 0;
     if !sixteen && cdb[1] & 0x01 != 0 {
         return Err(Sense::invalid_cdb_field(1, 0));
     }
-    // ANCHOR (SBC-3 4.7.3.4): needs UNMAP, and anchored blocks are not supported (ANC_SUP=0).
+    // ANCHOR (SBC-3 thin provisioning): needs UNMAP, and anchored blocks are not supported
+    // (ANC_SUP=0).
     if anchor {
         return Err(Sense::invalid_cdb_field(1, 4));
     }
@@ -771,7 +797,7 @@ fn write_same(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
         )
     };
     // WSNZ=1 (VPD B0h): NUMBER OF LOGICAL BLOCKS 0 is refused, and so is more than MAXIMUM
-    // WRITE SAME LENGTH (SBC-3 5.42).
+    // WRITE SAME LENGTH (SBC-3 WRITE SAME(10)).
     if blocks == 0 || (lun.max_write_same_blocks != 0 && blocks > lun.max_write_same_blocks) {
         return Err(Sense::invalid_cdb_field(len_at, 7));
     }
@@ -784,7 +810,38 @@ fn write_same(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
     })
 }
 
-/// INQUIRY (SPC-4 6.4.1): standard data, or the VPD page EVPD and PAGE CODE name.
+/// Decodes a CDB addressed to a LUN that has no logical unit (SAM-5 incorrect logical unit
+/// selection "incorrect logical unit"): REPORT LUNS as for any LUN (SPC-4 REPORT LUNS); standard
+/// INQUIRY with peripheral qualifier 011b and device type 1Fh ("not capable of supporting a device
+/// here", SPC-4 standard INQUIRY data), the other fields from `template`; REQUEST SENSE answers
+/// LOGICAL UNIT NOT SUPPORTED; everything else is CHECK CONDITION with that sense.
+pub fn decode_absent(cdb: &[u8], template: &LunInfo) -> Result<Command, Sense> {
+    let Some(&opcode) = cdb.first() else {
+        return Err(Sense::invalid_opcode());
+    };
+    match opcode {
+        op::REPORT_LUNS => decode(cdb, template),
+        op::INQUIRY if cdb.len() >= 6 && cdb[1] & 0x03 == 0 && cdb[2] == 0 => {
+            let mut out = inquiry::standard(template);
+            out[0] = 0x7F;
+            out.truncate(get_u16(&cdb[3..]) as usize);
+            Ok(Command::DataIn(out))
+        }
+        op::REQUEST_SENSE if cdb.len() >= 6 => {
+            let mut out = Vec::new();
+            if cdb[1] & 0x01 != 0 {
+                Sense::lun_not_supported().encode_descriptor(&mut out);
+            } else {
+                Sense::lun_not_supported().encode(&mut out);
+            }
+            out.truncate(cdb[4] as usize);
+            Ok(Command::DataIn(out))
+        }
+        _ => Err(Sense::lun_not_supported()),
+    }
+}
+
+/// INQUIRY (SPC-4): standard data, or the VPD page EVPD and PAGE CODE name.
 fn inquiry(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
     let evpd = cdb[1] & 0x01 != 0;
     if cdb[1] & 0x02 != 0 {
@@ -796,7 +853,7 @@ fn inquiry(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
     let mut out = if evpd {
         inquiry::vpd(lun, page).ok_or_else(|| Sense::invalid_cdb_field(2, 7))?
     } else {
-        // SPC-4 6.4.1: PAGE CODE must be 0 when EVPD is 0.
+        // SPC-4 INQUIRY: PAGE CODE must be 0 when EVPD is 0.
         if page != 0 {
             return Err(Sense::invalid_cdb_field(2, 7));
         }
@@ -806,7 +863,8 @@ fn inquiry(cdb: &[u8], lun: &LunInfo) -> Result<Command, Sense> {
     Ok(Command::DataIn(out))
 }
 
-/// READ CAPACITY(16) parameter data (SBC-3 5.16.2), 32 bytes, truncated to `alloc_len`.
+/// READ CAPACITY(16) parameter data (SBC-3 READ CAPACITY(16) parameter data), 32 bytes, truncated
+/// to `alloc_len`.
 fn read_capacity_16(lun: &LunInfo, alloc_len: u32) -> Vec<u8> {
     let mut out = vec![0u8; 32];
     put_u64(&mut out[0..], lun.blocks.saturating_sub(1));
@@ -823,9 +881,9 @@ fn read_capacity_16(lun: &LunInfo, alloc_len: u32) -> Vec<u8> {
     out
 }
 
-/// The 8 bytes of a LUN on the wire (SAM-5 4.7): peripheral device addressing below 256, flat
-/// space addressing below 16384, otherwise the low 8 bytes as they are (an already-encoded
-/// hierarchical LUN).
+/// The 8 bytes of a LUN on the wire (SAM-5 logical unit numbers): peripheral device addressing
+/// below 256, flat space addressing below 16384, otherwise the low 8 bytes as they are (an
+/// already-encoded hierarchical LUN).
 pub fn lun_to_wire(lun: u64) -> [u8; 8] {
     if lun < 256 {
         [0, lun as u8, 0, 0, 0, 0, 0, 0]
@@ -836,9 +894,9 @@ pub fn lun_to_wire(lun: u64) -> [u8; 8] {
     }
 }
 
-/// The LUN number of 8 LUN bytes (SAM-5 4.7): the inverse of [`lun_to_wire`] for peripheral and
-/// flat space addressing with the second level unused; other encodings come back as the raw
-/// 8 bytes.
+/// The LUN number of 8 LUN bytes (SAM-5 logical unit numbers): the inverse of [`lun_to_wire`] for
+/// peripheral and flat space addressing with the second level unused; other encodings come back as
+/// the raw 8 bytes.
 pub fn lun_from_wire(b: [u8; 8]) -> u64 {
     if b[2..] == [0; 6] {
         match b[0] >> 6 {
@@ -850,7 +908,7 @@ pub fn lun_from_wire(b: [u8; 8]) -> u64 {
     u64::from_be_bytes(b)
 }
 
-/// REPORT LUNS parameter data (SPC-4 6.33.2): LUN LIST LENGTH, then each LUN as
+/// REPORT LUNS parameter data (SPC-4 REPORT LUNS parameter data): LUN LIST LENGTH, then each LUN as
 /// [`lun_to_wire`] encodes it; truncated to `alloc_len` (the list length stays the full one).
 pub fn report_luns(luns: &[u64], alloc_len: u32) -> Vec<u8> {
     let list = luns.len().saturating_mul(8);
@@ -867,27 +925,27 @@ pub fn report_luns(luns: &[u64], alloc_len: u32) -> Vec<u8> {
     out
 }
 
-/// Bytes of the UNMAP parameter list header (SBC-3 5.28.2).
+/// Bytes of the UNMAP parameter list header (SBC-3 UNMAP parameter list).
 pub const UNMAP_HEADER_LEN: usize = 8;
-/// Bytes of one UNMAP block descriptor (SBC-3 5.28.2).
+/// Bytes of one UNMAP block descriptor (SBC-3 UNMAP parameter list).
 pub const UNMAP_DESCRIPTOR_LEN: usize = 16;
 
-/// The UNMAP parameter list (SBC-3 5.28.2) as (lba, blocks) extents, each range-checked against
-/// the LUN, descriptors with 0 blocks dropped. `list` is the Data-Out (PARAMETER LIST LENGTH
-/// bytes); an empty list means nothing to do. The count of descriptors and the total of blocks
-/// are held to MAXIMUM UNMAP BLOCK DESCRIPTOR COUNT and MAXIMUM UNMAP LBA COUNT (SBC-3 5.28.1:
-/// INVALID FIELD IN PARAMETER LIST).
+/// The UNMAP parameter list (SBC-3 UNMAP parameter list) as (lba, blocks) extents, each
+/// range-checked against the LUN, descriptors with 0 blocks dropped. `list` is the Data-Out
+/// (PARAMETER LIST LENGTH bytes); an empty list means nothing to do. The count of descriptors and
+/// the total of blocks are held to MAXIMUM UNMAP BLOCK DESCRIPTOR COUNT and MAXIMUM UNMAP LBA COUNT
+/// (SBC-3 UNMAP: INVALID FIELD IN PARAMETER LIST).
 pub fn parse_unmap(list: &[u8], lun: &LunInfo) -> Result<Vec<(u64, u32)>, Sense> {
     if list.is_empty() {
         return Ok(Vec::new());
     }
-    // SBC-3 5.28.1: a list shorter than its header is a PARAMETER LIST LENGTH ERROR.
+    // SBC-3 UNMAP: a list shorter than its header is a PARAMETER LIST LENGTH ERROR.
     if list.len() < UNMAP_HEADER_LEN {
         return Err(Sense::parameter_list_length_error());
     }
     let bd_len = get_u16(&list[2..]) as usize;
     // The descriptor data must be inside what was sent; a trailing partial descriptor is
-    // ignored (SBC-3 5.28.2: the length "should be a multiple of 16").
+    // ignored (SBC-3 UNMAP parameter list: the length "should be a multiple of 16").
     if UNMAP_HEADER_LEN + bd_len > list.len() {
         return Err(Sense::invalid_field_in_parameter_list().at_param(2, Some(7)));
     }
@@ -916,12 +974,12 @@ pub fn parse_unmap(list: &[u8], lun: &LunInfo) -> Result<Vec<(u64, u32)>, Sense>
     Ok(out)
 }
 
-/// Bytes of one LBA status descriptor (SBC-3 5.5.3).
+/// Bytes of one LBA status descriptor (SBC-3 LBA status descriptor).
 pub const LBA_STATUS_DESCRIPTOR_LEN: usize = 16;
 
-/// GET LBA STATUS parameter data (SBC-3 5.5.3) for the extents that follow each other from
-/// `lba`: (blocks, deallocated). An extent longer than a descriptor holds is split. Truncated to
-/// `alloc_len`; PARAMETER DATA LENGTH stays the full one.
+/// GET LBA STATUS parameter data (SBC-3 LBA status descriptor) for the extents that follow each
+/// other from `lba`: (blocks, deallocated). An extent longer than a descriptor holds is split.
+/// Truncated to `alloc_len`; PARAMETER DATA LENGTH stays the full one.
 pub fn lba_status(lba: u64, extents: &[(u64, bool)], alloc_len: u32) -> Vec<u8> {
     let per = u64::from(u32::MAX);
     let count = extents

@@ -1,16 +1,17 @@
-//! MODE SENSE(6) and MODE SENSE(10) (SPC-4 6.11, 6.12): the mode parameter header, the block
-//! descriptor (SBC-3 6.4.2) and the pages the target reports. Nothing is changeable (MODE SELECT
-//! is not supported), so the changeable values are all zero and defaults equal current values.
+//! MODE SENSE(6) and MODE SENSE(10) (SPC-4 MODE SENSE(6), MODE SENSE(10)): the mode parameter
+//! header, the block descriptor (SBC-3 block descriptors) and the pages the target reports. Nothing
+//! is changeable (MODE SELECT is not supported), so the changeable values are all zero and defaults
+//! equal current values.
 
 use super::{get_u16, put_u16, put_u32, put_u64, LunInfo, Sense};
 
-/// Caching mode page (SBC-3 6.4.5).
+/// Caching mode page (SBC-3 Caching mode page).
 pub const PAGE_CACHING: u8 = 0x08;
-/// Control mode page (SPC-4 7.5.8).
+/// Control mode page (SPC-4 Control mode page).
 pub const PAGE_CONTROL: u8 = 0x0A;
-/// Informational exceptions control mode page (SPC-4 7.5.11).
+/// Informational exceptions control mode page (SPC-4 Informational Exceptions Control mode page).
 pub const PAGE_IEC: u8 = 0x1C;
-/// Page code asking for every page (SPC-4 6.11).
+/// Page code asking for every page (SPC-4 MODE SENSE(6)).
 pub const PAGE_ALL: u8 = 0x3F;
 
 /// Appends page `code` (page_0 format: PS=0, SPF=0) with current values, or an all-zero mask
@@ -30,7 +31,7 @@ fn page(code: u8, lun: &LunInfo, changeable: bool, out: &mut Vec<u8>) {
             out.extend_from_slice(&[0; 0x0A]);
             if !changeable {
                 // D_SENSE=0: sense data in fixed format. QUEUE ALGORITHM MODIFIER 1: commands
-                // may be reordered (SAM-5 8.6); QERR 00b.
+                // may be reordered (SAM-5 task attributes); QERR 00b.
                 out[start + 3] = 0x10;
                 // BUSY TIMEOUT PERIOD FFFFh: unlimited.
                 put_u16(&mut out[start + 8..], 0xFFFF);
@@ -57,7 +58,7 @@ pub(super) fn mode_sense(cdb: &[u8], lun: &LunInfo, ten: bool) -> Result<Vec<u8>
         cdb[4] as usize
     };
     if pc == 3 {
-        // Saved values: nothing is saved (SPC-4 6.11, table 164).
+        // Saved values: nothing is saved (SPC-4 MODE SENSE(6), PAGE CONTROL).
         return Err(Sense::saving_not_supported().at_cdb(2, 7));
     }
     let codes: &[u8] = match code {
@@ -83,14 +84,15 @@ pub(super) fn mode_sense(cdb: &[u8], lun: &LunInfo, ten: bool) -> Result<Vec<u8>
     out[if ten { 3 } else { 2 }] = dsp;
     if !dbd {
         if llbaa {
-            // Long LBA block descriptor (SBC-3 6.4.2.3).
+            // Long LBA block descriptor (SBC-3 long LBA block descriptor).
             let mut d = [0u8; 16];
             put_u64(&mut d[0..], lun.blocks);
             put_u32(&mut d[12..], lun.block_size);
             out.extend_from_slice(&d);
             out[4] = 0x01; // LONGLBA
         } else {
-            // Short LBA block descriptor (SBC-3 6.4.2.2): FFFFFFFFh when the count overflows.
+            // Short LBA block descriptor (SBC-3 short LBA block descriptor): FFFFFFFFh when the
+            // count overflows.
             let mut d = [0u8; 8];
             put_u32(&mut d[0..], u32::try_from(lun.blocks).unwrap_or(u32::MAX));
             put_u32(&mut d[4..], lun.block_size & 0x00FF_FFFF);

@@ -62,9 +62,9 @@ fn has_service_actions(opcode: u8) -> bool {
     COMMANDS.iter().any(|&(o, sa)| o == opcode && sa.is_some())
 }
 
-/// CDB USAGE DATA (SPC-4 6.35.3) of a command for this LUN, `None` when `decode` refuses it as
-/// an unsupported operation code. Byte 0 is the opcode; a bit is set where `decode` evaluates
-/// the CDB bit (DPO/FUA only when DPOFUA is reported, so the DpoFua checks agree).
+/// CDB USAGE DATA (SPC-4 6.35, one_command format) of a command for this LUN, `None` when `decode`
+/// refuses it as an unsupported operation code. Byte 0 is the opcode; a bit is set where `decode`
+/// evaluates the CDB bit (DPO/FUA only when DPOFUA is reported, so the DpoFua checks agree).
 fn usage(opcode: u8, sa: Option<u8>, lun: &LunInfo) -> Option<Vec<u8>> {
     let dpofua = if lun.fua { 0x18 } else { 0 };
     let dpo = if lun.fua { 0x10 } else { 0 };
@@ -160,7 +160,8 @@ fn usage(opcode: u8, sa: Option<u8>, lun: &LunInfo) -> Option<Vec<u8>> {
     Some(u)
 }
 
-/// The command timeouts descriptor (SPC-4 6.35.4): length 0Ah, no timeouts reported.
+/// The command timeouts descriptor (SPC-4 6.35, command timeouts descriptor): length 0Ah, no
+/// timeouts reported.
 const TIMEOUTS: [u8; 12] = [0, 0x0A, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
 
 /// The answer to a REPORT SUPPORTED OPERATION CODES CDB (MAINTENANCE IN, SA 0Ch).
@@ -173,7 +174,8 @@ pub(super) fn report(cdb: &[u8], lun: &LunInfo) -> Result<Vec<u8>, Sense> {
     let mut out = Vec::new();
     match options {
         0 => {
-            // All commands (SPC-4 6.35.2): command descriptors of 8 bytes (+12 with CTDP).
+            // All commands (SPC-4 6.35, all_commands format): command descriptors of 8 bytes (+12
+            // with CTDP).
             out.extend_from_slice(&[0; 4]);
             for &(o, s) in COMMANDS {
                 let Some(u) = usage(o, s, lun) else { continue };
@@ -191,8 +193,8 @@ pub(super) fn report(cdb: &[u8], lun: &LunInfo) -> Result<Vec<u8>, Sense> {
             put_u32(&mut out[0..], len);
         }
         1..=3 => {
-            // One command (SPC-4 6.35.3). 001b: the opcode must not take service actions;
-            // 010b: it must; 011b: either, the service action counting when it does.
+            // One command (SPC-4 6.35, one_command format). 001b: the opcode must not take service
+            // actions; 010b: it must; 011b: either, the service action counting when it does.
             let takes_sa = has_service_actions(opcode);
             let s = match options {
                 1 if takes_sa => return Err(Sense::invalid_cdb_field(2, 2)),

@@ -1,4 +1,4 @@
-//! Persistent reservations (SPC-4 5.13, PERSISTENT RESERVE IN 6.13 and OUT 6.14): one
+//! Persistent reservations (SPC-4 persistent reservations, PERSISTENT RESERVE IN and OUT): one
 //! [`Reservations`] per logical unit, shared by every session that reaches it. Registrations are
 //! per I_T nexus ([`Nexus`]); one reservation at most, of one of the six types, held by one
 //! nexus (or, for the "all registrants" types, by every registrant).
@@ -9,7 +9,7 @@
 use super::sense::key;
 use super::{get_u64, put_u16, put_u32, put_u64, Command, Sense};
 
-/// PERSISTENT RESERVE IN service actions (SPC-4 6.13.1).
+/// PERSISTENT RESERVE IN service actions (SPC-4 PERSISTENT RESERVE IN).
 pub mod sa_in {
     /// READ KEYS.
     pub const READ_KEYS: u8 = 0x00;
@@ -21,7 +21,7 @@ pub mod sa_in {
     pub const READ_FULL_STATUS: u8 = 0x03;
 }
 
-/// PERSISTENT RESERVE OUT service actions (SPC-4 6.14.2).
+/// PERSISTENT RESERVE OUT service actions (SPC-4 PERSISTENT RESERVE OUT).
 pub mod sa_out {
     /// REGISTER.
     pub const REGISTER: u8 = 0x00;
@@ -39,7 +39,7 @@ pub mod sa_out {
     pub const REGISTER_AND_IGNORE: u8 = 0x06;
 }
 
-/// Persistent reservation types (SPC-4 6.14.2 table 173).
+/// Persistent reservation types (SPC-4 PERSISTENT RESERVE OUT TYPE codes).
 pub mod kind {
     /// Write Exclusive.
     pub const WRITE_EXCLUSIVE: u8 = 0x1;
@@ -55,7 +55,8 @@ pub mod kind {
     pub const EXCLUSIVE_ACCESS_AR: u8 = 0x8;
 }
 
-/// Bytes of the PERSISTENT RESERVE OUT parameter list without SPEC_I_PT (SPC-4 6.14.3).
+/// Bytes of the PERSISTENT RESERVE OUT parameter list without SPEC_I_PT (SPC-4 PERSISTENT RESERVE
+/// OUT parameter list).
 pub const PARAM_LEN: usize = 24;
 /// Registrations held at most per LU; one more is INSUFFICIENT REGISTRATION RESOURCES.
 pub const MAX_REGISTRATIONS: usize = 256;
@@ -125,8 +126,9 @@ fn valid_kind(kind: u8) -> bool {
     matches!(kind, 1 | 3 | 5..=8)
 }
 
-/// Does the command only read the medium, or otherwise act on it (SPC-4 5.13.1 table 50,
-/// SBC-3 4.18 table 13)? Those are refused to non-holders under the Exclusive Access types.
+/// Does the command only read the medium, or otherwise act on it (SPC-4 and SBC-3 tables of
+/// commands allowed in the presence of persistent reservations)? Those are refused to non-holders
+/// under the Exclusive Access types.
 fn touches_medium(cmd: &Command) -> bool {
     match cmd {
         Command::Read { .. }
@@ -148,7 +150,7 @@ impl Reservations {
         Reservations::default()
     }
 
-    /// PRGENERATION (SPC-4 6.13.2): bumped by every REGISTER, CLEAR, PREEMPT that changes
+    /// PRGENERATION (SPC-4 READ KEYS): bumped by every REGISTER, CLEAR, PREEMPT that changes
     /// something; not by RESERVE or RELEASE.
     pub fn generation(&self) -> u32 {
         self.generation
@@ -161,8 +163,8 @@ impl Reservations {
             .map(|r| r.key)
     }
 
-    /// Is `who` a holder of the reservation (SPC-4 5.13.8)? Every registrant is under the
-    /// all-registrants types.
+    /// Is `who` a holder of the reservation (SPC-4 persistent reservation holder)? Every registrant
+    /// is under the all-registrants types.
     fn holds(&self, who: &Nexus) -> bool {
         match &self.reservation {
             Some(r) if all_registrants(r.kind) => self.key_of(who).is_some(),
@@ -171,11 +173,11 @@ impl Reservations {
         }
     }
 
-    /// Should `cmd` from `who` end with RESERVATION CONFLICT (SPC-4 5.13.1 table 50)? Write
-    /// Exclusive types refuse writes to everyone but the holder, Exclusive Access types refuse
-    /// reads too; the Registrants Only and All Registrants types let every registrant in.
-    /// PERSISTENT RESERVE IN/OUT, INQUIRY, REPORT LUNS, READ CAPACITY, TEST UNIT READY,
-    /// REQUEST SENSE and the like never conflict.
+    /// Should `cmd` from `who` end with RESERVATION CONFLICT (the SPC-4/SBC-3 tables of commands
+    /// allowed under persistent reservations)? Write Exclusive types refuse writes to everyone but
+    /// the holder, Exclusive Access types refuse reads too; the Registrants Only and All
+    /// Registrants types let every registrant in. PERSISTENT RESERVE IN/OUT, INQUIRY, REPORT LUNS,
+    /// READ CAPACITY, TEST UNIT READY, REQUEST SENSE and the like never conflict.
     pub fn conflicts(&self, who: &Nexus, cmd: &Command) -> bool {
         let Some(r) = &self.reservation else {
             return false;
@@ -187,13 +189,13 @@ impl Reservations {
     }
 
     /// The nexus went away (logout, connection loss). Registrations and the reservation are
-    /// persistent: they survive the I_T nexus (SPC-4 5.13.1), so nothing changes.
+    /// persistent: they survive the I_T nexus (SPC-4 persistent reservations), so nothing changes.
     pub fn nexus_lost(&mut self, who: &Nexus) {
         let _ = who;
     }
 
-    /// PERSISTENT RESERVE IN (SPC-4 6.13): the parameter data of service action `sa`,
-    /// truncated to `alloc_len` (the length fields stay the full ones).
+    /// PERSISTENT RESERVE IN (SPC-4): the parameter data of service action
+    /// `sa`, truncated to `alloc_len` (the length fields stay the full ones).
     pub fn reserve_in(&self, sa: u8, alloc_len: u32) -> Result<Vec<u8>, Sense> {
         let mut b = Vec::new();
         match sa {
@@ -210,7 +212,8 @@ impl Reservations {
                     None => b.extend_from_slice(&[0; 4]),
                     Some(r) => {
                         b.extend_from_slice(&16u32.to_be_bytes());
-                        // RESERVATION KEY: 0 for the all-registrants types (SPC-4 6.13.3.3).
+                        // RESERVATION KEY: 0 for the all-registrants types (SPC-4 READ
+                        // RESERVATION).
                         let k = if all_registrants(r.kind) {
                             0
                         } else {
@@ -222,8 +225,8 @@ impl Reservations {
                 }
             }
             sa_in::REPORT_CAPABILITIES => {
-                // SPC-4 6.13.4: LENGTH 8; CRH=0, SIP_C=0, ATP_C=0, PTPL_C=0; TMV=1 with
-                // ALLOW COMMANDS 000b; every type in the mask.
+                // SPC-4 REPORT CAPABILITIES: LENGTH 8; CRH=0, SIP_C=0, ATP_C=0, PTPL_C=0; TMV=1
+                // with ALLOW COMMANDS 000b; every type in the mask.
                 b.extend_from_slice(&[0, 8, 0x00, 0x80, 0xEA, 0x01, 0, 0]);
             }
             sa_in::READ_FULL_STATUS => {
@@ -251,8 +254,9 @@ impl Reservations {
         Ok(b)
     }
 
-    /// PERSISTENT RESERVE OUT (SPC-4 6.14, semantics in 5.13.7..5.13.11) from `who` with
-    /// service action `sa`, SCOPE `scope`, TYPE `kind` and the Data-Out `params`.
+    /// PERSISTENT RESERVE OUT (SPC-4 PERSISTENT RESERVE OUT; the semantics are in the persistent
+    /// reservations clause: registering, reserving, releasing, clearing, preempting) from `who`
+    /// with service action `sa`, SCOPE `scope`, TYPE `kind` and the Data-Out `params`.
     pub fn reserve_out(
         &mut self,
         who: &Nexus,
@@ -264,7 +268,7 @@ impl Reservations {
         if sa > sa_out::REGISTER_AND_IGNORE {
             return Err(Sense::invalid_cdb_field(1, 4).into());
         }
-        // SPC-4 6.14.3: 24 bytes exactly without SPEC_I_PT.
+        // SPC-4 PERSISTENT RESERVE OUT parameter list: 24 bytes exactly without SPEC_I_PT.
         if params.len() != PARAM_LEN {
             return Err(Sense::parameter_list_length_error().into());
         }
@@ -295,7 +299,7 @@ impl Reservations {
                     (None, 0) => {}
                     (None, k) => {
                         if self.registrations.len() >= MAX_REGISTRATIONS {
-                            // INSUFFICIENT REGISTRATION RESOURCES (SPC-4 5.13.7).
+                            // INSUFFICIENT REGISTRATION RESOURCES (SPC-4 registering).
                             return Err(Sense::new(key::ILLEGAL_REQUEST, 0x55, 0x04).into());
                         }
                         self.registrations.push(Registration {
@@ -330,7 +334,7 @@ impl Reservations {
                         });
                         Ok(())
                     }
-                    // SPC-4 5.13.9: the holder reserving again with the same type is a no-op;
+                    // SPC-4 reserving: the holder reserving again with the same type is a no-op;
                     // anything else conflicts.
                     Some(r) if self.holds(who) && r.kind == kind => Ok(()),
                     Some(_) => Err(Outcome::ReservationConflict),
@@ -344,7 +348,7 @@ impl Reservations {
                     return Ok(());
                 };
                 if !self.holds(who) {
-                    return Ok(()); // SPC-4 5.13.10: not the holder, nothing happens
+                    return Ok(()); // SPC-4 releasing: not the holder, nothing happens
                 }
                 if scope != 0 || r.kind != kind {
                     // INVALID RELEASE OF PERSISTENT RESERVATION.
@@ -363,7 +367,7 @@ impl Reservations {
                 Ok(())
             }
             _ => {
-                // PREEMPT and PREEMPT AND ABORT (SPC-4 5.13.11); aborting the preempted
+                // PREEMPT and PREEMPT AND ABORT (SPC-4 preempting); aborting the preempted
                 // nexuses' tasks is the transport's part.
                 if mine != Some(res_key) {
                     return Err(Outcome::ReservationConflict);
@@ -385,7 +389,7 @@ impl Reservations {
     }
 
     /// Removes `who`'s registration; the reservation goes with it when `who` held it alone,
-    /// or when it was the last registrant of an all-registrants reservation (SPC-4 5.13.10).
+    /// or when it was the last registrant of an all-registrants reservation (SPC-4 releasing).
     fn unregister(&mut self, who: &Nexus) {
         self.registrations.retain(|r| &r.nexus != who);
         if let Some(r) = &self.reservation {
@@ -539,9 +543,8 @@ mod tests {
         );
         let mut p = params(0xAB, 1);
         p[20] = 1;
-        assert!(
-            matches!(pr.reserve_out(&a, sa_out::REGISTER, 0, 0, &p), Err(Outcome::Sense(s)) if s.asc == 0x26)
-        );
+        let e = pr.reserve_out(&a, sa_out::REGISTER, 0, 0, &p);
+        assert!(matches!(e, Err(Outcome::Sense(s)) if s.asc == 0x26));
         assert!(pr.reserve_in(4, 100).is_err());
     }
 

@@ -3,7 +3,7 @@
 //! REQUEST SENSE with DESC=1; the control mode page reports D_SENSE=0, so fixed format is what
 //! every CHECK CONDITION carries.
 
-/// Sense keys (SPC-4 4.5.6, table 27).
+/// Sense keys (SPC-4 4.5.6).
 pub mod key {
     /// NO SENSE.
     pub const NO_SENSE: u8 = 0x0;
@@ -31,7 +31,7 @@ pub mod key {
 pub const FIXED_LEN: usize = 18;
 
 /// Where in the CDB or parameter list the offending field is: the sense-key specific field
-/// pointer of SPC-4 4.5.2.4.2 (SKSV=1).
+/// pointer of SPC-4 sense data (SKSV=1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FieldPointer {
     /// C/D: true when the field is in the CDB, false when in the parameter list (Data-Out).
@@ -115,7 +115,7 @@ impl Sense {
         Sense::new(key::DATA_PROTECT, 0x27, 0x00)
     }
     /// MISCOMPARE, MISCOMPARE DURING VERIFY OPERATION (1Dh/00h); INFORMATION is the offset in
-    /// bytes of the first byte that differs (SBC-3 5.2 COMPARE AND WRITE, 5.24 VERIFY).
+    /// bytes of the first byte that differs (SBC-3 COMPARE AND WRITE, VERIFY).
     pub const fn miscompare(offset: u64) -> Sense {
         Sense {
             key: key::MISCOMPARE,

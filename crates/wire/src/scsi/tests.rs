@@ -808,3 +808,31 @@ fn copy_pr_and_misc_cdbs() {
     }
     .writes());
 }
+
+#[test]
+fn absent_lun() {
+    let l = lun();
+    let d = match decode_absent(&cdb16(&[0x12, 0, 0, 0, 36]), &l) {
+        Ok(Command::DataIn(d)) => d,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(d.len(), 36);
+    assert_eq!(d[0], 0x7F);
+    assert_eq!(
+        decode_absent(&cdb16(&[0xA0, 0, 0, 0, 0, 0, 0, 0, 1, 0]), &l),
+        Ok(Command::ReportLuns { alloc_len: 256 })
+    );
+    match decode_absent(&cdb16(&[0x03, 0, 0, 0, 18]), &l) {
+        Ok(Command::DataIn(d)) => assert_eq!((d[2], d[12], d[13]), (5, 0x25, 0)),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        decode_absent(&cdb16(&[0x28]), &l),
+        Err(Sense::lun_not_supported())
+    );
+    assert_eq!(
+        decode_absent(&cdb16(&[0x12, 1, 0x80, 0, 36]), &l),
+        Err(Sense::lun_not_supported())
+    );
+    assert_eq!(decode_absent(&[], &l), Err(Sense::invalid_opcode()));
+}

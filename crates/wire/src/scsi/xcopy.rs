@@ -1,22 +1,26 @@
-//! EXTENDED COPY (LID1) and RECEIVE COPY RESULTS (SPC-4 6.3, 6.18): the parameter list parsed
-//! into a [`Plan`] of block-to-block copies between logical units named by NAA designators, and
-//! the answers about the copy manager. The transport resolves each [`Target`] to one of its LUNs
-//! (by the NAA of VPD 83h), checks the plan with [`Plan::check`] and runs the segments in order.
+//! EXTENDED COPY (LID1) and RECEIVE COPY RESULTS (SPC-4 r37 6.4, RECEIVE COPY RESULTS): the
+//! parameter list parsed into a [`Plan`] of block-to-block copies between logical units named by
+//! NAA designators, and the answers about the copy manager. The transport resolves each [`Target`]
+//! to one of its LUNs (by the NAA of VPD 83h), checks the plan with [`Plan::check`] and runs the
+//! segments in order.
 //!
-//! Supported: identification descriptor target descriptors (E4h, SPC-4 6.3.6.2) whose designator
-//! is an 8-byte NAA, and block device to block device segment descriptors (02h, SPC-4 6.3.7.5).
-//! Anything else is refused with the additional sense code SPC-4 names for it.
+//! Supported: identification descriptor target descriptors (E4h, SPC-4 r37 identification CSCD
+//! descriptor) whose designator is an 8-byte NAA, and block device to block device segment
+//! descriptors (02h, SPC-4 r37 block device to block device segment descriptor). Anything else is
+//! refused with the additional sense code SPC-4 names for it.
 
 use std::collections::VecDeque;
 
 use super::sense::key;
 use super::{get_u16, get_u32, get_u64, put_u16, put_u32, LunInfo, Sense};
 
-/// Bytes of the LID1 parameter list header (SPC-4 6.3.2).
+/// Bytes of the LID1 parameter list header (SPC-4 r37 6.4.3).
 pub const HEADER_LEN: usize = 16;
-/// Bytes of an identification descriptor target descriptor (SPC-4 6.3.6.2).
+/// Bytes of an identification descriptor target descriptor (SPC-4 r37 identification CSCD
+/// descriptor).
 pub const TARGET_LEN: usize = 32;
-/// Bytes of a block-to-block segment descriptor (SPC-4 6.3.7.5), header included.
+/// Bytes of a block-to-block segment descriptor (SPC-4 r37 block device to block device segment
+/// descriptor), header included.
 pub const SEGMENT_B2B_LEN: usize = 28;
 /// Target descriptor type code: identification descriptor (SPC-4 table 115).
 pub const TARGET_IDENTIFICATION: u8 = 0xE4;
@@ -68,7 +72,8 @@ pub struct Plan {
 pub struct Target {
     /// The 8-byte NAA designator (as [`LunInfo::naa`]).
     pub naa: u64,
-    /// DISK BLOCK LENGTH the initiator expects of it (SPC-4 6.3.6.4).
+    /// DISK BLOCK LENGTH the initiator expects of it (SPC-4 r37 block device type specific CSCD
+    /// parameters).
     pub block_size: u32,
 }
 
@@ -106,7 +111,7 @@ pub const fn copy_aborted() -> Sense {
     Sense::new(key::COPY_ABORTED, 0x00, 0x00)
 }
 
-/// Parses a LID1 parameter list (the Data-Out of EXTENDED COPY, SPC-4 6.3.2). An empty list
+/// Parses a LID1 parameter list (the Data-Out of EXTENDED COPY, SPC-4 r37 6.4.3). An empty list
 /// is no copy at all (PARAMETER LIST LENGTH 0 "shall not be considered an error").
 pub fn parse(list: &[u8], limits: &Limits) -> Result<Plan, Sense> {
     if list.is_empty() {
@@ -123,8 +128,8 @@ pub fn parse(list: &[u8], limits: &Limits) -> Result<Plan, Sense> {
     let tdl = get_u16(&list[2..]) as usize;
     let sdl = get_u32(&list[8..]) as u64;
     let inline = get_u32(&list[12..]) as u64;
-    // SPC-4 6.3.1: descriptor lists longer than MAXIMUM DESCRIPTOR LIST LENGTH, or longer than
-    // the parameter list that carries them, are PARAMETER LIST LENGTH ERRORs.
+    // SPC-4 r37 6.4.3.4: descriptor lists longer than MAXIMUM DESCRIPTOR LIST LENGTH, or longer
+    // than the parameter list that carries them, are PARAMETER LIST LENGTH ERRORs.
     if tdl as u64 + sdl > u64::from(limits.max_descriptor_list_length)
         || (HEADER_LEN + tdl) as u64 + sdl + inline > list.len() as u64
     {
@@ -154,8 +159,8 @@ pub fn parse(list: &[u8], limits: &Limits) -> Result<Plan, Sense> {
         if d[1] & 0x1F != 0 {
             return Err(param_sense(0x26, 0x00, at + 1));
         }
-        // Bytes 4..28: a designation descriptor (SPC-4 7.8.6.1). Only a binary 8-byte NAA
-        // names an LU here; anything else names none of ours.
+        // Bytes 4..28: a designation descriptor (SPC-4 designation descriptor). Only a binary
+        // 8-byte NAA names an LU here; anything else names none of ours.
         let (code_set, kind, len) = (d[4] & 0x0F, d[5] & 0x0F, d[7]);
         if code_set != 1 || kind != 3 || len != 8 {
             return Err(target_not_reachable());
@@ -249,7 +254,7 @@ impl Plan {
     }
 }
 
-/// RECEIVE COPY RESULTS, OPERATING PARAMETERS (SA 03h, SPC-4 6.18.4), truncated to
+/// RECEIVE COPY RESULTS, OPERATING PARAMETERS (SA 03h, SPC-4 OPERATING PARAMETERS), truncated to
 /// `alloc_len`.
 pub fn operating_parameters(limits: &Limits, alloc_len: u32) -> Vec<u8> {
     const CODES: [u8; 2] = [SEGMENT_BLOCK_TO_BLOCK, TARGET_IDENTIFICATION];
@@ -269,7 +274,7 @@ pub fn operating_parameters(limits: &Limits, alloc_len: u32) -> Vec<u8> {
     b
 }
 
-/// How a copy ended, as COPY STATUS reports it (SPC-4 6.18.2).
+/// How a copy ended, as COPY STATUS reports it (SPC-4 COPY STATUS).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CopyStatus {
     /// LIST IDENTIFIER of the EXTENDED COPY.
@@ -282,7 +287,7 @@ pub struct CopyStatus {
     pub bytes: u64,
 }
 
-/// COPY STATUS parameter data (RECEIVE COPY RESULTS SA 00h, SPC-4 6.18.2) for a held result;
+/// COPY STATUS parameter data (RECEIVE COPY RESULTS SA 00h, SPC-4 COPY STATUS) for a held result;
 /// `None` (no copy with that list identifier is held) is INVALID FIELD IN CDB at LIST
 /// IDENTIFIER.
 pub fn copy_status(done: Option<&CopyStatus>, alloc_len: u32) -> Result<Vec<u8>, Sense> {
@@ -302,6 +307,24 @@ pub fn copy_status(done: Option<&CopyStatus>, alloc_len: u32) -> Result<Vec<u8>,
     put_u32(&mut b[8..], count as u32);
     b.truncate(alloc_len as usize);
     Ok(b)
+}
+
+/// The answer to RECEIVE COPY RESULTS (the fields of [`Command::ReceiveCopyResults`]):
+/// OPERATING PARAMETERS from `limits`, COPY STATUS from what `history` holds for `list_id`.
+///
+/// [`Command::ReceiveCopyResults`]: super::Command::ReceiveCopyResults
+pub fn receive_copy_results(
+    service_action: u8,
+    list_id: u8,
+    alloc_len: u32,
+    limits: &Limits,
+    history: &History,
+) -> Result<Vec<u8>, Sense> {
+    match service_action {
+        0x00 => copy_status(history.get(list_id), alloc_len),
+        0x03 => Ok(operating_parameters(limits, alloc_len)),
+        _ => Err(Sense::invalid_cdb_field(1, 4)),
+    }
 }
 
 /// The results held for COPY STATUS: the last few copies whose LIST ID USAGE was 00b, newest
@@ -507,6 +530,19 @@ mod tests {
             CopyStatus { list_id: 2, ..st },
         );
         assert!(h.get(2).is_none());
+        let lim = Limits::default();
+        assert_eq!(
+            receive_copy_results(0, 1, 255, &lim, &h),
+            copy_status(h.get(1), 255)
+        );
+        assert_eq!(
+            receive_copy_results(3, 0, 255, &lim, &h),
+            Ok(operating_parameters(&lim, 255))
+        );
+        assert_eq!(
+            receive_copy_results(1, 0, 255, &lim, &h),
+            Err(Sense::invalid_cdb_field(1, 4))
+        );
         for i in 0..40 {
             h.record(&plan, CopyStatus { list_id: i, ..st });
         }
