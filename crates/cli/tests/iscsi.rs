@@ -539,7 +539,17 @@ fn qemu_img_convert_copy_offload_between_two_luns() {
         &lun("a"),
         &lun("b"),
     ]);
-    let after = stats();
+    // The session's counters join the closed totals once the target has seen it log out.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let after = loop {
+        let v = stats();
+        if v["closed"]["copies"] != before["closed"]["copies"]
+            || std::time::Instant::now() > deadline
+        {
+            break v;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
     let delta =
         |k: &str| after["closed"][k].as_u64().unwrap() - before["closed"][k].as_u64().unwrap();
     assert!(
