@@ -78,6 +78,11 @@ fn walk(fe: &mut Iscsi, data: &[u8], status: Status) {
                 return;
             }
             Decoded::Violation(_) => return,
+            // A TMF's first release takes the PDU, the next ones nothing.
+            Decoded::Release { len, .. } => {
+                assert!(len <= rx.len());
+                at += len;
+            }
             Decoded::Answered { len } => {
                 assert!(len > 0 && len <= rx.len());
                 at += len;

@@ -14,6 +14,13 @@ use common::{random_bytes, Target, TempDir};
 
 const PREFIX: &str = "iqn.2026-11.io.blkwire:";
 
+/// The tests of this file run one at a time: libiscsi's suite sets 3-second timeouts of its
+/// own, which the other tests' targets and initiators competing for two cores can exceed.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// A target with an `iscsi://` listener; `addr` is its `127.0.0.1:PORT`.
 struct IscsiTarget {
     _t: Target,
@@ -107,8 +114,9 @@ fn run_family(family: &str, url: &str) -> Vec<(String, Outcome)> {
     let results = parse_results(family, &text);
     assert!(
         results.len() > 10,
-        "iscsi-test-cu -t {family} ran {} tests:\n{text}",
-        results.len()
+        "iscsi-test-cu -t {family} ran {} tests ({}):\n{text}",
+        results.len(),
+        out.status
     );
     results
 }
@@ -132,6 +140,7 @@ fn score(family: &str, results: &[(String, Outcome)]) -> String {
 /// list can grow.
 #[test]
 fn libiscsi_conformance_suite_has_no_regression() {
+    let _serial = serial();
     need("iscsi-test-cu");
     // WriteSame16.Unmap writes 65536 blocks (32 MiB) in one WRITE(16), past the default
     // largest I/O; a second export is a source EXTENDED COPY can name.
@@ -208,6 +217,7 @@ fn iscsi_ls(args: &[&str]) -> (bool, String) {
 /// mutual) with the right secret logs in and a wrong or missing one is refused.
 #[test]
 fn discovery_and_chap_with_iscsi_ls() {
+    let _serial = serial();
     need("iscsi-ls");
     let t = IscsiTarget::start(&["disk0=mem:16M", "disk1=mem:8M"], &[]);
     let (ok, out) = iscsi_ls(&["-s", &format!("iscsi://{}", t.addr)]);
@@ -281,6 +291,7 @@ fn discovery_and_chap_with_iscsi_ls() {
 /// bursts of several Data-Out PDUs) read back the same, with and without digests.
 #[test]
 fn data_round_trips_with_and_without_digests() {
+    let _serial = serial();
     let t = IscsiTarget::start(&["disk=mem:64M"], &[]);
     for (header, data) in [(false, false), (true, true), (true, false)] {
         let mut c = login(&t.addr, &format!("{PREFIX}disk"), Digests { header, data });
@@ -303,6 +314,7 @@ fn data_round_trips_with_and_without_digests() {
 /// target from serving other connections.
 #[test]
 fn hostile_pdus_are_rejected_and_the_target_keeps_serving() {
+    let _serial = serial();
     let t = IscsiTarget::start(&["disk=mem:16M"], &[]);
     let target = format!("{PREFIX}disk");
     let both = Digests {
@@ -412,6 +424,7 @@ fn hostile_pdus_are_rejected_and_the_target_keeps_serving() {
 /// sessions; `listener_add iscsi://` serves logins on the new portal.
 #[test]
 fn rpc_lists_targets_and_sessions_and_adds_portals() {
+    let _serial = serial();
     let dir = TempDir::new("iscsi-rpc");
     let sock = dir.path("ctl.sock").to_str().unwrap().to_string();
     let mut cmd = Command::new(common::BIN);
@@ -480,6 +493,7 @@ fn rpc_lists_targets_and_sessions_and_adds_portals() {
 /// bytes copied inside it, and almost nothing read).
 #[test]
 fn qemu_img_convert_copy_offload_between_two_luns() {
+    let _serial = serial();
     let qemu = Command::new("qemu-img").arg("--help").output();
     let has_iscsi = qemu
         .as_ref()

@@ -173,6 +173,8 @@ struct Task {
     /// End of the data the write needs.
     end: u32,
     active: bool,
+    /// Aborted by task management: Data-Out already on its way is dropped.
+    aborted: bool,
 }
 
 /// A command whose parameter list is being collected by the frontend.
@@ -240,6 +242,8 @@ pub struct Iscsi {
     history: xcopy::History,
     /// The block a WRITE SAME in progress writes (`fill`).
     pattern: Option<Vec<u8>>,
+    /// Slots of aborted writes the reactor is still to free (`Decoded::Release`).
+    releases: Vec<u16>,
     scratch: Vec<u8>,
 }
 
@@ -354,6 +358,7 @@ impl Iscsi {
             xlimits,
             history: xcopy::History::default(),
             pattern: None,
+            releases: Vec::new(),
             scratch: Vec::with_capacity(BHS_LEN + 64),
         }
     }
@@ -1032,6 +1037,14 @@ impl Iscsi {
             return self.param_data(rx, len, p, tx);
         }
         let slot = ttt as usize;
+        if self
+            .tasks
+            .get(slot)
+            .is_some_and(|t| t.aborted && t.itt == itt)
+        {
+            // Sent before the initiator aborted the task (§11.5.1): dropped.
+            return Decoded::Answered { len };
+        }
         let Some(t) = self
             .tasks
             .get_mut(slot)
@@ -1236,37 +1249,43 @@ impl Iscsi {
         let lun = scsi::lun_from_wire(p.lun().to_be_bytes());
         // §11.6.1 responses: 0 function complete, 1 task does not exist, 2 LUN does not exist,
         // 5 function not supported.
+        // The writes waiting for data that the function aborts: the reactor frees their slots.
+        let mut released: Vec<u16> = Vec::new();
+        let mut abort = |tasks: &mut [Task], only: Option<u32>| {
+            for (i, t) in tasks.iter_mut().enumerate() {
+                if t.active && only.is_none_or(|itt| t.itt == itt) {
+                    t.active = false;
+                    t.aborted = true;
+                    released.push(i as u16);
+                }
+            }
+        };
         let response = match function {
             // ABORT TASK, ABORT TASK SET, CLEAR ACA, CLEAR TASK SET, LOGICAL UNIT RESET name a
             // LUN.
             1..=5 if lun != LUN => 2,
             1 => {
-                // The referenced task: a write waiting for its data is aborted (it never
-                // answers; its slot is freed when the connection ends). Any other task has
-                // been answered or is about to be: "does not exist" (libiscsi's
-                // AbortTaskSimpleAsync accepts either outcome, as §11.5.1 does).
+                // The referenced task: a write waiting for its data is aborted (never
+                // answered). Any other task has been answered or is about to be: "does not
+                // exist" (libiscsi's AbortTaskSimpleAsync accepts either, as §11.5.1 does).
                 let rtt = p.word20();
-                let mut found = false;
-                for t in self.tasks.iter_mut().filter(|t| t.active && t.itt == rtt) {
-                    t.active = false;
-                    found = true;
-                }
-                if self.params.as_ref().is_some_and(|q| q.itt == rtt) {
+                abort(&mut self.tasks, Some(rtt));
+                let params = self.params.as_ref().is_some_and(|q| q.itt == rtt);
+                if params {
                     self.params = None;
-                    found = true;
-                }
-                if found {
                     self.outstanding = self.outstanding.saturating_sub(1);
-                    0
-                } else {
+                }
+                if released.is_empty() && !params {
                     1
+                } else {
+                    0
                 }
             }
             2 | 4..=7 => {
-                for t in self.tasks.iter_mut() {
-                    t.active = false;
+                abort(&mut self.tasks, None);
+                if self.params.take().is_some() {
+                    self.outstanding = self.outstanding.saturating_sub(1);
                 }
-                self.params = None;
                 0
             }
             // CLEAR ACA: ACA is not offered (NACA is refused).
@@ -1275,12 +1294,19 @@ impl Iscsi {
             8 => 4,
             _ => 5,
         };
+        self.outstanding = self.outstanding.saturating_sub(released.len() as u16);
         let mut b = Bhs::new(op::TMF_RSP, flag::FINAL);
         b.0[2] = response;
         b.itt(p.itt());
         self.stamp(&mut b, true);
         b.encode(&[], &self.d, tx);
-        Decoded::Answered { len }
+        match released.pop() {
+            Some(slot) => {
+                self.releases = released;
+                Decoded::Release { slot, len }
+            }
+            None => Decoded::Answered { len },
+        }
     }
 
     fn text(&mut self, len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
@@ -1346,6 +1372,9 @@ impl StreamFrontend for Iscsi {
                 payload_len,
                 trailer,
             };
+        }
+        if let Some(slot) = self.releases.pop() {
+            return Decoded::Release { slot, len: 0 };
         }
         if let Some(c) = self.caw {
             if rx.len() >= BHS_LEN && rx[..BHS_LEN] == c.bhs {
@@ -1416,6 +1445,7 @@ impl StreamFrontend for Iscsi {
                 burst_end: offset + n,
                 end: offset + len,
                 active: true,
+                aborted: false,
             };
         }
         self.r2t(itt, slot as u32, 0, offset, n, tx);
@@ -1692,6 +1722,43 @@ mod tests {
             Decoded::Violation(_)
         ));
         assert_eq!(tx[0], op::REJECT);
+    }
+
+    #[test]
+    fn abort_task_releases_a_write_waiting_for_data_and_drops_its_late_data() {
+        let mut f = fe(4096);
+        let mut tx = Vec::new();
+        let write10 = [0x2a, 0, 0, 0, 0, 0, 0, 0, 8, 0];
+        let pdu = cmd(9, 0, &write10, 4096, true, &[]);
+        let Decoded::Request { req, .. } = f.decode(&pdu, &mut tx) else {
+            panic!("a request");
+        };
+        f.taken(&req);
+        f.solicit(&req, 2, 0, 4096, &mut tx);
+        tx.clear();
+        let mut b = Bhs::new(op::TMF_REQ | iscsi::IMMEDIATE, flag::FINAL | 1);
+        b.itt(10).set32(20, 9).set32(24, 1);
+        let mut tmf = Vec::new();
+        b.encode(&[], &Digests::default(), &mut tmf);
+        assert!(
+            matches!(f.decode(&tmf, &mut tx), Decoded::Release { slot: 2, len } if len == tmf.len())
+        );
+        assert_eq!(
+            (tx[0], tx[2], be32(&tx, 16)),
+            (op::TMF_RSP, 0, 10),
+            "Function Complete"
+        );
+        assert_eq!(f.outstanding, 0);
+        tx.clear();
+        // Data-Out the initiator sent before it aborted: dropped, the connection goes on.
+        let mut b = Bhs::new(op::DATA_OUT, flag::FINAL);
+        b.itt(9).set32(20, 2);
+        let mut d = Vec::new();
+        b.encode(&[0u8; 4096], &Digests::default(), &mut d);
+        assert!(matches!(f.decode(&d, &mut tx), Decoded::Answered { .. }) && tx.is_empty());
+        // Aborting it again: the task does not exist.
+        assert!(matches!(f.decode(&tmf, &mut tx), Decoded::Answered { .. }));
+        assert_eq!((tx[0], tx[2]), (op::TMF_RSP, 1));
     }
 
     #[test]
