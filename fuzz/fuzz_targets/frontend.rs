@@ -1,16 +1,18 @@
 //! The server's stream frontends (crates/server/src/frontend): native frames, NBD's
-//! transmission phase and NVMe/TCP I/O queues, each with several negotiated states, walked over arbitrary bytes the way
+//! transmission phase and NVMe/TCP I/O queues (one namespace, and several: NSIDs 1, 2 and 7 with
+//! different LBA sizes, one read-only), each with several negotiated states, walked over arbitrary bytes the way
 //! the reactor walks a receive buffer. No panic on any input; `Need(n)` always asks for more than
 //! is buffered (else the reactor would wait forever with a whole message in hand) and never more
 //! than one maximum message; a decoded message lies inside the buffer with its payload at its
 //! end (before its trailer); a message the frontend answers itself lies inside the buffer too; every reply to a
-//! decoded request can be encoded; and a COPY's descriptor decodes only within the limits.
+//! decoded request can be encoded; a request names one of the connection's targets; and a COPY's
+//! descriptor decodes only within the limits of its target.
 
 #![no_main]
 
 use blkwire_server::frontend::native::Native;
 use blkwire_server::frontend::nbd::Nbd;
-use blkwire_server::frontend::nvme::{IoQueueSetup, NvmeIo};
+use blkwire_server::frontend::nvme::{IoQueueSetup, NsIo, NvmeIo};
 use blkwire_wire::nvme_tcp::{Direction, Params};
 use blkwire_server::frontend::{Decoded, Kind, ReadFraming, StreamFrontend};
 use blkwire_wire::{CopyLimits, Status, HEADER_LEN};
@@ -18,7 +20,8 @@ use libfuzzer_sys::fuzz_target;
 
 const MAX_IO: u32 = 1 << 20;
 
-fn walk(fe: &mut dyn StreamFrontend, data: &[u8]) {
+/// `targets`: how many exports the connection serves (a request must name one of them).
+fn walk(fe: &mut dyn StreamFrontend, data: &[u8], targets: usize) {
     let mut at = 0usize;
     let mut tx = Vec::new();
     loop {
@@ -56,6 +59,7 @@ fn walk(fe: &mut dyn StreamFrontend, data: &[u8]) {
             } => {
                 assert!(len > 0 && len <= rx.len() && payload_len + trailer <= len);
                 assert!(payload_len <= MAX_IO as usize);
+                assert!((req.target as usize) < targets, "target {} of {targets}", req.target);
                 if req.is_write() && payload_len < req.length as usize {
                     // As the reactor does for a write that came without its data (slot 0).
                     fe.solicit(&req, 0, payload_len as u32, req.length - payload_len as u32, &mut tx);
@@ -76,7 +80,7 @@ fn walk(fe: &mut dyn StreamFrontend, data: &[u8]) {
                 fe.block_status_reply(&req, &[(req.length, true)], &mut tx);
                 if req.kind == Kind::Copy {
                     let payload = &rx[len - trailer - payload_len..len - trailer];
-                    if let Some(d) = fe.copy_descriptor(payload) {
+                    if let Some(d) = fe.copy_descriptor(&req, payload) {
                         assert!(!d.ranges.is_empty() && d.ranges.len() <= 128);
                         assert!(d.ranges.iter().all(|r| r.len > 0 && r.len <= 1 << 30));
                     }
@@ -95,7 +99,7 @@ fuzz_target!(|data: &[u8]| {
         max_ranges: 128,
     };
     for (depth, copy) in [(1u16, CopyLimits::default()), (128, copy)] {
-        walk(&mut Native::new(depth, MAX_IO, copy), data);
+        walk(&mut Native::new(depth, MAX_IO, copy), data, 1);
     }
     for (structured, allocation) in [(false, false), (true, false), (true, true)] {
         let mut nbd = Nbd {
@@ -103,9 +107,26 @@ fuzz_target!(|data: &[u8]| {
             allocation,
             max_io: MAX_IO,
         };
-        walk(&mut nbd, data);
+        walk(&mut nbd, data, 1);
     }
-    for (digests, sqfc_off, pda) in [(false, false, 0), (true, true, 7)] {
+    let ns = |nsid, lba_shift, read_only, copy| NsIo {
+        nsid,
+        lba_shift,
+        read_only,
+        copy,
+    };
+    let one = vec![ns(1, 9, false, copy)];
+    let three = vec![
+        ns(1, 9, false, copy),
+        ns(2, 12, true, CopyLimits::default()),
+        ns(7, 9, false, copy),
+    ];
+    for (digests, sqfc_off, pda, namespaces) in [
+        (false, false, 0, &one),
+        (true, true, 7, &one),
+        (false, false, 0, &three),
+        (true, false, 3, &three),
+    ] {
         let p = |direction| Params {
             direction,
             hdgst: digests,
@@ -120,11 +141,9 @@ fuzz_target!(|data: &[u8]| {
             entries: 32,
             sq_head: 1,
             sqfc_off,
-            lba_shift: 9,
             max_io: MAX_IO,
-            read_only: false,
-            copy,
+            namespaces: namespaces.clone(),
         });
-        walk(&mut nvme, data);
+        walk(&mut nvme, data, namespaces.len());
     }
 });

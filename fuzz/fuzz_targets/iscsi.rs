@@ -113,7 +113,7 @@ fn walk(fe: &mut Iscsi, data: &[u8], status: Status) {
                     }
                 }
                 if req.kind == Kind::Copy {
-                    let _ = fe.copy_descriptor(&[]);
+                    let _ = fe.copy_descriptor(&req, &[]);
                 }
                 if req.is_read() && status == Status::Ok {
                     let data = vec![0u8; req.length as usize];

@@ -82,6 +82,12 @@ enum Command {
     /// /run/blkwire/blkwire.sock): only root or the user running serve may use it.
     #[command(subcommand)]
     Listener(manage::ListenerCmd),
+    /// Create, change, delete and list a running target's NVMe/TCP subsystems
+    ///
+    /// Over the control socket of a running `blkwire serve` (--socket, default
+    /// /run/blkwire/blkwire.sock): only root or the user running serve may use it.
+    #[command(subcommand)]
+    Subsystem(manage::SubsystemCmd),
     /// List and close a running target's sessions
     ///
     /// Over the control socket of a running `blkwire serve` (--socket, default
@@ -132,6 +138,7 @@ fn main() -> ExitCode {
             | Command::Key(_)
             | Command::Export(_)
             | Command::Listener(_)
+            | Command::Subsystem(_)
             | Command::Session(_)
             | Command::SaveConfig(_)
             | Command::LoadConfig(_)
@@ -158,6 +165,7 @@ fn main() -> ExitCode {
         Command::Key(k) => identity::run_key(k),
         Command::Export(c) => manage::run_export(c),
         Command::Listener(c) => manage::run_listener(c),
+        Command::Subsystem(c) => manage::run_subsystem(c),
         Command::Session(c) => manage::run_session(c),
         Command::SaveConfig(a) => manage::run_save_config(a),
         Command::LoadConfig(a) => manage::run_load_config(a),

@@ -1,4 +1,4 @@
-//! `blkwire export`, `listener`, `session`, `save-config` and `load-config`: a running target's
+//! `blkwire export`, `listener`, `subsystem`, `session`, `save-config` and `load-config`: a running target's
 //! exports, listeners and sessions changed and listed over its control socket (crate::rpc,
 //! docs/MANAGEMENT.md). Each command is one call; this module words the results.
 
@@ -96,6 +96,83 @@ pub enum ListenerCmd {
         socket: Socket,
     },
     /// List the addresses the target listens on
+    Ls {
+        /// Print the target's JSON result unchanged
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        socket: Socket,
+    },
+}
+
+/// `blkwire subsystem`: NVMe/TCP subsystems of several exports (every export is also its own
+/// subsystem, nqn.2026-11.io.blkwire:NAME, which these commands do not change).
+#[derive(clap::Subcommand)]
+pub enum SubsystemCmd {
+    /// Create a subsystem with no namespaces yet; only hosts added with `subsystem add-host`
+    /// may connect unless --allow-any-host
+    Add {
+        /// Its NQN, e.g. nqn.2026-11.com.example:db
+        nqn: String,
+        /// Identify Controller serial number (up to 20 ASCII characters) [default: from the NQN]
+        #[arg(long)]
+        serial: Option<String>,
+        /// Identify Controller model number (up to 40 ASCII characters) [default: blkwire]
+        #[arg(long)]
+        model: Option<String>,
+        /// Any host NQN may connect (the exports' allow= rules and --keys still apply)
+        #[arg(long)]
+        allow_any_host: bool,
+        #[command(flatten)]
+        socket: Socket,
+    },
+    /// Delete a subsystem; its controllers end
+    Rm {
+        /// Its NQN
+        nqn: String,
+        #[command(flatten)]
+        socket: Socket,
+    },
+    /// Add an export as a namespace; hosts see it when they connect again
+    AddNs {
+        /// The subsystem's NQN
+        nqn: String,
+        /// The export
+        export: String,
+        /// The namespace id [default: the lowest free one]
+        #[arg(long)]
+        nsid: Option<u32>,
+        #[command(flatten)]
+        socket: Socket,
+    },
+    /// Remove a namespace; connected controllers answer Invalid Namespace for it from then on
+    RmNs {
+        /// The subsystem's NQN
+        nqn: String,
+        /// The namespace id
+        nsid: u32,
+        #[command(flatten)]
+        socket: Socket,
+    },
+    /// Let a host NQN connect
+    AddHost {
+        /// The subsystem's NQN
+        nqn: String,
+        /// The host's NQN
+        host: String,
+        #[command(flatten)]
+        socket: Socket,
+    },
+    /// Stop letting a host NQN connect; its controllers of the subsystem end
+    RmHost {
+        /// The subsystem's NQN
+        nqn: String,
+        /// The host's NQN
+        host: String,
+        #[command(flatten)]
+        socket: Socket,
+    },
+    /// List every subsystem (each export's own, then the configured ones)
     Ls {
         /// Print the target's JSON result unchanged
         #[arg(long)]
@@ -247,6 +324,110 @@ pub fn run_listener(cmd: ListenerCmd) -> Result<(), String> {
                 &[("url", Align::Left), ("kind", Align::Left)],
                 |l| vec![cell(&l["url"]), cell(&l["kind"])],
                 "no listeners (`blkwire listener add URL` adds one)",
+            );
+        }
+    }
+    Ok(())
+}
+
+pub fn run_subsystem(cmd: SubsystemCmd) -> Result<(), String> {
+    match cmd {
+        SubsystemCmd::Add {
+            nqn,
+            serial,
+            model,
+            allow_any_host,
+            socket,
+        } => {
+            let mut p = json!({"nqn": nqn, "allow_any_host": allow_any_host});
+            if let Some(s) = serial {
+                p["serial"] = s.into();
+            }
+            if let Some(m) = model {
+                p["model"] = m.into();
+            }
+            let r = socket.call("nvme_subsystem_create", Some(p))?;
+            println!(
+                "created subsystem {} (serial {}, model {})",
+                cell(&r["nqn"]),
+                cell(&r["serial"]),
+                cell(&r["model"])
+            );
+        }
+        SubsystemCmd::Rm { nqn, socket } => {
+            let r = socket.call("nvme_subsystem_delete", Some(json!({"nqn": nqn})))?;
+            println!("deleted subsystem {nqn}{}", closed_sessions(&r));
+        }
+        SubsystemCmd::AddNs {
+            nqn,
+            export,
+            nsid,
+            socket,
+        } => {
+            let mut p = json!({"nqn": nqn, "export": export});
+            if let Some(id) = nsid {
+                p["nsid"] = id.into();
+            }
+            let r = socket.call("nvme_subsystem_add_ns", Some(p))?;
+            println!("export {export} is namespace {} of {nqn}", cell(&r["nsid"]));
+        }
+        SubsystemCmd::RmNs { nqn, nsid, socket } => {
+            let r = socket.call(
+                "nvme_subsystem_remove_ns",
+                Some(json!({"nqn": nqn, "nsid": nsid})),
+            )?;
+            println!(
+                "removed namespace {nsid} (export {}) of {nqn}{}",
+                cell(&r["export"]),
+                closed_sessions(&r)
+            );
+        }
+        SubsystemCmd::AddHost { nqn, host, socket } => {
+            socket.call(
+                "nvme_subsystem_add_host",
+                Some(json!({"nqn": nqn, "host": host})),
+            )?;
+            println!("host {host} may connect to {nqn}");
+        }
+        SubsystemCmd::RmHost { nqn, host, socket } => {
+            let r = socket.call(
+                "nvme_subsystem_remove_host",
+                Some(json!({"nqn": nqn, "host": host})),
+            )?;
+            println!(
+                "host {host} may no longer connect to {nqn}{}",
+                closed_sessions(&r)
+            );
+        }
+        SubsystemCmd::Ls { json, socket } => {
+            let list = socket.call("nvme_subsystem_list", None)?;
+            print_list(
+                json,
+                &list,
+                &[
+                    ("nqn", Align::Left),
+                    ("namespaces", Align::Left),
+                    ("hosts", Align::Left),
+                    ("controllers", Align::Right),
+                ],
+                |s| {
+                    let ns = s["namespaces"].as_array().map_or(String::new(), |v| {
+                        v.iter()
+                            .map(|n| format!("{}={}", cell(&n["nsid"]), cell(&n["export"])))
+                            .collect::<Vec<_>>()
+                            .join(",")
+                    });
+                    let hosts = if s["configured"] != true || s["allow_any_host"] == true {
+                        "any".to_string()
+                    } else {
+                        s["hosts"].as_array().map_or(String::new(), |v| {
+                            v.iter().map(cell).collect::<Vec<_>>().join(",")
+                        })
+                    };
+                    let ctrls = s["controllers"].as_array().map_or(0, Vec::len);
+                    vec![cell(&s["nqn"]), ns, hosts, ctrls.to_string()]
+                },
+                "no subsystems",
             );
         }
     }

@@ -4,6 +4,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use blkwire_backend::ExportSpec;
+use blkwire_server::nvme::SubsystemSpec;
 use blkwire_server::{log, parse_config, Options, Target, TargetConfig, TlsMode, MIN_MEMORY};
 
 #[derive(clap::Args)]
@@ -13,8 +14,8 @@ pub struct Args {
         value_name = "URL",
         help = "Where to listen (repeatable): tcp://ADDR:PORT (native), nbd://ADDR[:PORT] (NBD, \
                 port 10809 by default), nvme-tcp://ADDR[:PORT] (NVMe/TCP, port 4420 by default; \
-                every export is subsystem nqn.2026-11.io.blkwire:NAME), iscsi://ADDR[:PORT] \
-                (iSCSI, port 3260 by default; every export is target \
+                every export is subsystem nqn.2026-11.io.blkwire:NAME, and see --subsystem), \
+                iscsi://ADDR[:PORT] (iSCSI, port 3260 by default; every export is target \
                 iqn.2026-11.io.blkwire:NAME with LUN 0), udp://ADDR:PORT, \
                 eth://IFACE. Port 0 picks a free port. Default: tcp://0.0.0.0:7700, unless \
                 --config is given"
@@ -28,6 +29,15 @@ pub struct Args {
         long_help = export_help()
     )]
     exports: Vec<String>,
+    /// An NVMe/TCP subsystem of several exports (repeatable):
+    /// NQN=EXPORT[@NSID][,EXPORT[@NSID]...][;serial=S][;model=M][;allow=HOSTNQN[+HOSTNQN...]],
+    /// e.g. 'nqn.2026-11.com.example:db=data,log;serial=DB1;allow=nqn.2014-08.org.nvmexpress:uuid:1234'.
+    /// Namespaces get NSIDs 1, 2, ... in the order given unless @NSID says; serial and model
+    /// are what Identify Controller reports; without allow= any host NQN may connect (the
+    /// exports' own allow= rules and --keys still apply). Every export stays its own
+    /// subsystem nqn.2026-11.io.blkwire:NAME too
+    #[arg(long = "subsystem", value_name = "NQN=EXPORTS")]
+    subsystems: Vec<String>,
     /// Replay a config: a JSON list of calls, as `blkwire save-config` writes it
     /// (docs/MANAGEMENT.md). Flags given as well apply after it (and override its
     /// target_options)
@@ -128,6 +138,11 @@ pub fn run(a: Args) -> Result<(), String> {
         .iter()
         .map(|s| ExportSpec::parse(s).map_err(|e| e.to_string()))
         .collect::<Result<Vec<_>, _>>()?;
+    let subsystems = a
+        .subsystems
+        .iter()
+        .map(|s| SubsystemSpec::parse(s))
+        .collect::<Result<Vec<_>, _>>()?;
     // Defaults, then the config's target_options, then the flags given.
     let mut options = Options::default();
     options.limits.max_memory = default_memory();
@@ -166,8 +181,8 @@ pub fn run(a: Args) -> Result<(), String> {
         keys: a.keys,
         admins: a.admin,
         metrics: a.metrics,
+        subsystems,
     };
-    return_freed_buffers();
     // Signals are taken by a dedicated thread (below): block them before any thread starts so
     // every thread inherits the mask and none is interrupted mid-I/O.
     let sigs = block_signals();
@@ -330,19 +345,6 @@ fn default_memory() -> usize {
     };
     let ram = (pages.max(0) as usize).saturating_mul(page.max(0) as usize);
     (ram / 4).max(256 << 20)
-}
-
-/// Buffers of 128 KiB and more get their own mapping, returned to the system when freed. By
-/// default glibc raises that threshold each time such a buffer is freed (up to 32 MiB), after
-/// which freed connection buffers stay in its heap: the memory budget got them back but the
-/// process kept them (157 MiB after a hostile load whose buffers were all freed). Connection
-/// buffers are pooled and grow rarely, so the extra mmap calls are not on the I/O path.
-fn return_freed_buffers() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: mallopt only sets an allocator parameter; called before the other threads start.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 << 10);
-    }
 }
 
 fn block_signals() -> libc::sigset_t {

@@ -222,6 +222,60 @@ fn a_slow_reader_cannot_grow_the_target() {
     still_serves(&t);
 }
 
+/// What a hostile load made the target allocate goes back to the system once the peers are
+/// gone, not only to the memory budget (the peers of `bench/hostile-load.sh`, for 3 s). The
+/// longer run of that script, with copies alongside, is where glibc kept 170-180 MiB of freed
+/// buffers in its heap before the reactors asked it to return them (docs/BENCHMARKS.md).
+#[test]
+fn the_memory_of_a_hostile_load_goes_back_to_the_system() {
+    let hostile = std::path::Path::new(env!("CARGO_BIN_EXE_blkwire"))
+        .with_file_name("examples")
+        .join("hostile_load");
+    assert!(
+        hostile.exists(),
+        "{} is missing: `cargo test` builds the examples (crates/cli/examples/hostile_load.rs)",
+        hostile.display()
+    );
+    let d = common::TempDir::new("hostile-rss");
+    let img = d.path("f.img");
+    common::sparse_file(&img, 1 << 30);
+    let (t, urls) = Target::start_listeners(
+        &[&format!("m=file:{}", img.display())],
+        &[
+            "--max-memory",
+            "256M",
+            "--listen",
+            "nbd://127.0.0.1:0",
+            "--listen",
+            "udp://127.0.0.1:0",
+        ],
+    );
+    let pid = t.pid() as u32;
+    let before = common::rss_kib(pid);
+    let addr = |u: &String| u.split("://").nth(1).unwrap().to_string();
+    let out = std::process::Command::new(&hostile)
+        .args([addr(&urls[0]), addr(&urls[1]), addr(&urls[2])])
+        .args(["m", "3"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "hostile_load failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let after_load = common::rss_kib(pid);
+    let settled = common::wait_until(std::time::Duration::from_secs(10), || {
+        common::rss_kib(pid) < before + 48 * 1024
+    });
+    assert!(
+        settled,
+        "target RSS was {before} KiB before the load, {after_load} KiB when it ended and {} KiB \
+         10 s later",
+        common::rss_kib(pid)
+    );
+    still_serves(&t);
+}
+
 /// When accept() runs out of descriptors the listener stays readable; the target must rest
 /// instead of spinning on it (a million log lines in 11 s before), and serve again once
 /// descriptors are free.

@@ -656,3 +656,567 @@ fn with_keys_hosts_prove_themselves_with_dh_hmac_chap() {
     // The data alice wrote is there.
     assert_eq!(q.read(0, 1, BS).unwrap().data, vec![7; 512]);
 }
+
+// ---- Subsystems of several namespaces (serve --subsystem, nvme_subsystem_* calls) ----
+
+const SUB: &str = "nqn.2026-11.com.example:two";
+
+/// The non-zero NSIDs of an Active Namespace ID list.
+fn active(list: &[u8]) -> Vec<u32> {
+    list.chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+        .take_while(|&n| n != 0)
+        .collect()
+}
+
+/// Identify Namespace's NSZE, in bytes (LBA format 0).
+fn ns_bytes(id: &[u8]) -> u64 {
+    u64::from_le_bytes(id[0..8].try_into().unwrap()) << id[130]
+}
+
+/// The subsystem NQNs of a discovery log.
+fn discovered(d: &mut Queue) -> Vec<String> {
+    let head = d.get_log(0x70, 1024, 0);
+    let n = u64::from_le_bytes(head.data[8..16].try_into().unwrap()) as u32;
+    let log = d.get_log(0x70, 1024 * (1 + n), 0).data;
+    (1..=n as usize)
+        .map(|i| {
+            log[1024 * i + 256..1024 * i + 512]
+                .iter()
+                .take_while(|&&c| c != 0)
+                .map(|&c| c as char)
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn a_subsystem_of_two_namespaces_serves_each_from_its_own_export() {
+    let dir = TempDir::new("nvme-two-ns");
+    let sub = format!("{SUB}=a,b;serial=SN-TWO;model=Two Disks");
+    let t = NvmeTarget::start_with(&["a=mem:16M", "b=mem:8M"], &["--subsystem", &sub]);
+    let mut d = controller(&t.addr, DISCOVERY_NQN, &Opts::default());
+    let mut listed = discovered(&mut d);
+    listed.sort();
+    assert_eq!(
+        listed,
+        [
+            DISCOVERY_NQN.to_string(),
+            SUB.to_string(),
+            nqn("a"),
+            nqn("b")
+        ],
+        "every export's own subsystem stays"
+    );
+
+    let mut a = controller(&t.addr, SUB, &Opts::default());
+    let id = a.identify(1, 0).data;
+    assert_eq!(&id[4..24], b"SN-TWO              ", "serial");
+    assert_eq!(&id[24..33], b"Two Disks", "model");
+    assert_eq!(
+        u32::from_le_bytes(id[516..520].try_into().unwrap()),
+        2,
+        "NN"
+    );
+    assert_eq!(
+        u32::from_le_bytes(id[540..544].try_into().unwrap()),
+        2,
+        "MNAN"
+    );
+    assert_eq!(active(&a.identify(2, 0).data), [1, 2]);
+    assert_eq!(active(&a.identify(2, 1).data), [2], "ids above 1");
+    assert_eq!(ns_bytes(&a.identify(0, 1).data), 16 << 20);
+    assert_eq!(ns_bytes(&a.identify(0, 2).data), 8 << 20);
+    assert!(
+        a.identify(0, 3).data.iter().all(|&b| b == 0),
+        "an inactive NSID identifies as zeros"
+    );
+    let (d1, d2) = (a.identify(3, 1).data, a.identify(3, 2).data);
+    assert_eq!((d1[0], d1[20]), (2, 3), "NGUID, then UUID");
+    assert_ne!(d1[4..20], d2[4..20], "NGUIDs differ");
+    assert_ne!(d1[24..40], d2[24..40], "UUIDs differ");
+    // Stable: a second controller sees the same ids.
+    let mut again = controller(&t.addr, SUB, &Opts::default());
+    assert_eq!(again.identify(3, 2).data[..40], d2[..40]);
+
+    // One I/O queue carries commands for both namespaces, each landing in its export.
+    let mut q = io_queue(&t.addr, SUB, &a, 1, &Opts::default());
+    let (da, db) = (random_bytes(8192, 21), random_bytes(64 << 10, 22));
+    q.nsid = 1;
+    assert_eq!(q.write_in(8, &da, BS).unwrap().code(), 0);
+    q.nsid = 2;
+    assert_eq!(q.write_r2t(16, &db, BS, false).unwrap().code(), 0);
+    assert_eq!(q.read(16, 128, BS).unwrap().data, db);
+    assert_eq!(q.flush().code(), 0);
+    // Copy within namespace 2.
+    assert_eq!(q.copy(1000, &[(16, 8)]).code(), 0);
+    assert_eq!(
+        q.read((8 << 20) / BS as u64 - 1, 2, BS).unwrap().code(),
+        0x080,
+        "namespace 2 ends at 8 MiB"
+    );
+    q.nsid = 1;
+    assert_eq!(q.read(8, 16, BS).unwrap().data, da);
+    assert_eq!(
+        q.read((8 << 20) / BS as u64, 1, BS).unwrap().code(),
+        0,
+        "namespace 1 goes on past 8 MiB"
+    );
+    q.nsid = 3;
+    assert_eq!(q.read(0, 1, BS).unwrap().code(), 0x00b, "no namespace 3");
+    q.nsid = u32::MAX;
+    let mut f = sqe(0x00, 0);
+    f.nsid = u32::MAX;
+    assert_eq!(
+        q.command_in(f, &[], 0).unwrap().code(),
+        0x00b,
+        "no broadcast flush with two namespaces"
+    );
+
+    let (got_a, got_b) = (t.contents("a", &dir), t.contents("b", &dir));
+    assert_eq!(got_a[8 * 512..8 * 512 + da.len()], da[..]);
+    assert!(
+        got_a[24 * 512..(16 + 128) * 512].iter().all(|&x| x == 0),
+        "namespace 2's data is not in export a"
+    );
+    assert_eq!(got_b[16 * 512..16 * 512 + db.len()], db[..]);
+    assert_eq!(got_b[1000 * 512..1008 * 512], db[..4096], "copied");
+    assert!(got_b[8 * 512..16 * 512].iter().all(|&x| x == 0));
+}
+
+#[test]
+fn hosts_a_subsystem_does_not_admit_are_refused() {
+    let other = "nqn.2014-08.org.nvmexpress:uuid:0c1a7e57-0000-4000-8000-00000000beef";
+    let listed = format!("{SUB}=a;allow={other}");
+    let far = "nqn.2026-11.com.example:far";
+    let fenced = format!("{far}=a,far");
+    let t = NvmeTarget::start_with(
+        &["a=mem:1M", "far=mem:1M,allow=10.0.0.0/8"],
+        &["--subsystem", &listed, "--subsystem", &fenced],
+    );
+    let (_, done) = Queue::connect(&t.addr, SUB, 0, 0xffff, &Opts::default()).unwrap();
+    assert_eq!(done.code(), 0x184, "a host NQN not on the list");
+    // A namespace whose export's rules refuse the host refuses the whole subsystem.
+    let (_, done) = Queue::connect(&t.addr, far, 0, 0xffff, &Opts::default()).unwrap();
+    assert_eq!(done.code(), 0x184, "export 'far' does not admit 127.0.0.1");
+    let (_, done) = Queue::connect(
+        &t.addr,
+        "nqn.2026-11.com.example:none",
+        0,
+        0xffff,
+        &Opts::default(),
+    )
+    .unwrap();
+    assert_eq!(done.code(), 0x182, "an unknown subsystem");
+    let mut d = controller(&t.addr, DISCOVERY_NQN, &Opts::default());
+    assert!(
+        !discovered(&mut d)
+            .iter()
+            .any(|n| n.starts_with("nqn.2026-11.com.example")),
+        "the discovery log shows neither"
+    );
+    let o = Opts {
+        hostnqn: other.into(),
+        ..Opts::default()
+    };
+    let mut d = controller(&t.addr, DISCOVERY_NQN, &o);
+    assert!(discovered(&mut d).contains(&SUB.to_string()));
+    let mut a = controller(&t.addr, SUB, &o);
+    assert_eq!(active(&a.identify(2, 0).data), [1]);
+}
+
+#[test]
+fn bad_subsystem_flags_are_one_line_errors() {
+    let run = |sub: &str, needle: &str| {
+        common::assert_one_line_error(
+            &[
+                "serve",
+                "--rpc-socket",
+                "none",
+                "--listen",
+                "nvme-tcp://127.0.0.1:0",
+                "--export",
+                "a=mem:1M",
+                "--subsystem",
+                sub,
+            ],
+            needle,
+        )
+    };
+    run("no-equals", "no '=' after the NQN");
+    run("sub=a", "bad subsystem NQN");
+    run("nqn.2026-11.x:y=a@0", "bad NSID");
+    run("nqn.2026-11.x:y=a;colour=red", "unknown option");
+    run(
+        "nqn.2026-11.x:y=a;serial=123456789012345678901",
+        "bad serial",
+    );
+    run("nqn.2026-11.x:y=a;allow=alice", "bad host NQN");
+    run("nqn.2026-11.x:y=nosuch", "no export 'nosuch'");
+    run("nqn.2026-11.x:y=a,a", "already");
+}
+
+/// `serve` with a control socket, killed on drop.
+struct Controlled {
+    child: std::process::Child,
+    sock: String,
+    addr: String,
+}
+
+impl Drop for Controlled {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Controlled {
+    fn start(dir: &TempDir, exports: &[&str]) -> Controlled {
+        let sock = dir.path("ctl.sock").to_str().unwrap().to_string();
+        let mut cmd = std::process::Command::new(common::BIN);
+        cmd.args([
+            "serve",
+            "--rpc-socket",
+            &sock,
+            "--log-level",
+            "warn",
+            "--listen",
+            "nvme-tcp://127.0.0.1:0",
+        ]);
+        for e in exports {
+            cmd.args(["--export", e]);
+        }
+        let (child, urls) = common::spawn_serve_with_control(&mut cmd, 1);
+        let addr = urls[0].strip_prefix("nvme-tcp://").unwrap().to_string();
+        Controlled { child, sock, addr }
+    }
+
+    fn rpc(&self, method: &str, params: serde_json::Value) -> serde_json::Value {
+        let p = params.to_string();
+        let (ok, out, err) = cli(&["rpc", method, &p, "--socket", &self.sock]);
+        assert!(ok, "{method} {p}: {err}");
+        serde_json::from_str(&out).expect("rpc prints JSON")
+    }
+
+    fn refused(&self, method: &str, params: serde_json::Value, needle: &str) {
+        let p = params.to_string();
+        common::assert_one_line_error(&["rpc", method, &p, "--socket", &self.sock], needle);
+    }
+}
+
+/// An Asynchronous Event Request, held by the target: its answer is read later.
+fn post_aer(q: &mut Queue, cid: u16) {
+    let mut c = sqe(0x0c, cid);
+    c.dptr = nvme_tcp::Sgl::TransportDataBlock {
+        subtype: 0xa,
+        length: 0,
+    }
+    .to_bytes();
+    q.send(&Pdu::CapsuleCmd(CapsuleCmd { sqe: c, data: &[] }));
+}
+
+#[test]
+fn subsystems_change_at_run_time_through_the_control_socket() {
+    use serde_json::json;
+    let dir = TempDir::new("nvme-rpc-sub");
+    let t = Controlled::start(&dir, &["a=mem:8M", "b=mem:4M", "c=mem:2M"]);
+    let r = t.rpc(
+        "nvme_subsystem_create",
+        json!({"nqn": SUB, "serial": "RT1", "model": "Run Time"}),
+    );
+    assert_eq!(
+        (r["serial"].as_str(), r["allow_any_host"].as_bool()),
+        (Some("RT1"), Some(false))
+    );
+    assert_eq!(
+        t.rpc("nvme_subsystem_add_ns", json!({"nqn": SUB, "export": "a"}))["nsid"],
+        1
+    );
+    let r = t.rpc(
+        "nvme_subsystem_add_ns",
+        json!({"nqn": SUB, "export": "b", "nsid": 5}),
+    );
+    assert_eq!(r["nsid"], 5);
+    // Bad input: one line each, nothing changed.
+    t.refused(
+        "nvme_subsystem_create",
+        json!({"nqn": SUB}),
+        "exists already",
+    );
+    t.refused(
+        "nvme_subsystem_create",
+        json!({"nqn": "sub"}),
+        "bad subsystem NQN",
+    );
+    t.refused(
+        "nvme_subsystem_create",
+        json!({"nqn": "nqn.2026-11.io.blkwire:a"}),
+        "is taken",
+    );
+    t.refused(
+        "nvme_subsystem_create",
+        json!({"nqn": "nqn.2026-11.x:y", "model": ""}),
+        "bad model",
+    );
+    t.refused(
+        "nvme_subsystem_create",
+        json!({"nqn": SUB, "colour": 1}),
+        "unknown field",
+    );
+    t.refused(
+        "nvme_subsystem_add_ns",
+        json!({"nqn": SUB, "export": "zz"}),
+        "no export 'zz'",
+    );
+    t.refused(
+        "nvme_subsystem_add_ns",
+        json!({"nqn": SUB, "export": "c", "nsid": 5}),
+        "in use",
+    );
+    t.refused(
+        "nvme_subsystem_add_ns",
+        json!({"nqn": SUB, "export": "c", "nsid": 0}),
+        "bad NSID",
+    );
+    t.refused(
+        "nvme_subsystem_add_ns",
+        json!({"nqn": SUB, "export": "a"}),
+        "already",
+    );
+    t.refused(
+        "nvme_subsystem_remove_ns",
+        json!({"nqn": SUB, "nsid": 9}),
+        "no namespace 9",
+    );
+    t.refused(
+        "nvme_subsystem_delete",
+        json!({"nqn": "nqn.2026-11.x:none"}),
+        "no subsystem",
+    );
+    t.refused(
+        "nvme_subsystem_add_host",
+        json!({"nqn": SUB, "host": "bob"}),
+        "bad host NQN",
+    );
+
+    // Not admitted until the host is on the list.
+    let (_, done) = Queue::connect(&t.addr, SUB, 0, 0xffff, &Opts::default()).unwrap();
+    assert_eq!(done.code(), 0x184);
+    t.rpc(
+        "nvme_subsystem_add_host",
+        json!({"nqn": SUB, "host": nvme_host::HOSTNQN}),
+    );
+    let mut a = controller(&t.addr, SUB, &Opts::default());
+    assert_eq!(active(&a.identify(2, 0).data), [1, 5]);
+    assert_eq!(&a.identify(1, 0).data[4..8], b"RT1 ");
+    let mut q = io_queue(&t.addr, SUB, &a, 1, &Opts::default());
+    let (d1, d5) = (random_bytes(4096, 31), random_bytes(4096, 32));
+    q.nsid = 5;
+    assert_eq!(q.write_in(0, &d5, BS).unwrap().code(), 0);
+    q.nsid = 1;
+    assert_eq!(q.write_in(0, &d1, BS).unwrap().code(), 0);
+
+    let list = t.rpc("nvme_subsystem_list", json!({}));
+    let s = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["nqn"] == SUB)
+        .expect("listed");
+    assert_eq!(s["configured"], true);
+    assert_eq!(s["namespaces"][1]["export"], "b");
+    assert_eq!(s["namespaces"][1]["nsid"], 5);
+    assert_eq!(s["controllers"].as_array().unwrap().len(), 1);
+    let saved = t.rpc("save_config", json!({})).to_string();
+    assert!(saved.contains("nvme_subsystem_add_ns") && saved.contains("\"nsid\":5"));
+
+    // Removing namespace 5: the host hears of it (AEN, then the Changed Namespace List), its
+    // commands fail with Invalid Namespace, namespace 1 goes on on the same queue.
+    assert_eq!(a.set_features(0x0b, 1 << 8).code(), 0);
+    post_aer(&mut a, 0x77);
+    let r = t.rpc("nvme_subsystem_remove_ns", json!({"nqn": SUB, "nsid": 5}));
+    assert_eq!(
+        (r["export"].as_str(), r["closed_sessions"].as_u64()),
+        (Some("b"), Some(1))
+    );
+    match a.recv().expect("the AEN") {
+        nvme_host::Received::Resp(c) => {
+            assert_eq!(c.cid, 0x77);
+            assert_eq!(
+                c.dw0, 0x04_00_02,
+                "notice, namespace attribute changed, log 04h"
+            );
+        }
+        other => panic!("expected the AER's completion, got {other:?}"),
+    }
+    assert_eq!(active(&a.get_log(0x04, 4096, 0).data), [5]);
+    assert_eq!(
+        active(&a.get_log(0x04, 4096, 0).data),
+        [] as [u32; 0],
+        "read clears it"
+    );
+    assert_eq!(active(&a.identify(2, 0).data), [1]);
+    assert!(a.identify(0, 5).data.iter().all(|&b| b == 0));
+    q.nsid = 5;
+    assert_eq!(
+        q.read(0, 8, BS).unwrap().code(),
+        0x00b,
+        "namespace 5 is gone"
+    );
+    assert_eq!(q.write_in(0, &d1, BS).unwrap().code(), 0x00b);
+    q.nsid = 1;
+    assert_eq!(q.read(0, 8, BS).unwrap().data, d1, "namespace 1 goes on");
+    let mut q2 = io_queue(&t.addr, SUB, &a, 2, &Opts::default());
+    assert_eq!(
+        q2.read(0, 8, BS).unwrap().data,
+        d1,
+        "a new queue joins namespace 1"
+    );
+    q2.nsid = 5;
+    assert_eq!(q2.read(0, 8, BS).unwrap().code(), 0x00b);
+
+    // A namespace added now is seen by controllers that connect from now on.
+    assert_eq!(
+        t.rpc("nvme_subsystem_add_ns", json!({"nqn": SUB, "export": "c"}))["nsid"],
+        2
+    );
+    let mut a2 = controller(&t.addr, SUB, &Opts::default());
+    assert_eq!(active(&a2.identify(2, 0).data), [1, 2]);
+    assert_eq!(ns_bytes(&a2.identify(0, 2).data), 2 << 20);
+
+    // Deleting the subsystem ends its controllers and their I/O queues.
+    let r = t.rpc("nvme_subsystem_delete", json!({"nqn": SUB}));
+    assert!(r["closed_sessions"].as_u64().unwrap() >= 3, "{r}");
+    assert!(q.closed_within(Duration::from_secs(10)), "I/O queue closed");
+    assert!(a.closed_within(Duration::from_secs(10)), "controller ended");
+    assert!(
+        a2.closed_within(Duration::from_secs(10)),
+        "controller ended"
+    );
+    let (_, done) = Queue::connect(&t.addr, SUB, 0, 0xffff, &Opts::default()).unwrap();
+    assert_eq!(done.code(), 0x182, "no such subsystem any more");
+}
+
+#[test]
+fn blkwire_subsystem_commands_change_and_list_subsystems() {
+    let dir = TempDir::new("nvme-cli-sub");
+    let t = Controlled::start(&dir, &["a=mem:1M", "b=mem:1M"]);
+    let run = |args: &[&str]| {
+        let mut a = vec!["subsystem"];
+        a.extend_from_slice(args);
+        a.extend(["--socket", &t.sock]);
+        let (ok, out, err) = cli(&a);
+        assert!(ok, "{args:?}: {err}");
+        out
+    };
+    let sub = "nqn.2026-11.com.example:cli";
+    let host = nvme_host::HOSTNQN;
+    assert_eq!(
+        run(&["add", sub, "--serial", "CLI1", "--model", "Cli Model"]),
+        format!("created subsystem {sub} (serial CLI1, model Cli Model)\n")
+    );
+    assert_eq!(
+        run(&["add-ns", sub, "b", "--nsid", "4"]),
+        format!("export b is namespace 4 of {sub}\n")
+    );
+    assert_eq!(
+        run(&["add-ns", sub, "a"]),
+        format!("export a is namespace 1 of {sub}\n")
+    );
+    assert_eq!(
+        run(&["add-host", sub, host]),
+        format!("host {host} may connect to {sub}\n")
+    );
+    let ls = run(&["ls"]);
+    let line = ls.lines().find(|l| l.starts_with(sub)).expect("listed");
+    assert!(line.contains("1=a,4=b") && line.contains(host), "{line}");
+    assert!(
+        ls.contains("nqn.2026-11.io.blkwire:a"),
+        "every export's own too: {ls}"
+    );
+    let mut c = controller(&t.addr, sub, &Opts::default());
+    assert_eq!(active(&c.identify(2, 0).data), [1, 4]);
+    assert_eq!(
+        run(&["rm-ns", sub, "4"]),
+        format!("removed namespace 4 (export b) of {sub} (closed 1 session)\n")
+    );
+    common::assert_one_line_error(
+        &["subsystem", "add-ns", sub, "nosuch", "--socket", &t.sock],
+        "no export 'nosuch'",
+    );
+    assert_eq!(
+        run(&["rm-host", sub, host]),
+        format!("host {host} may no longer connect to {sub} (closed 1 session)\n")
+    );
+    assert!(
+        c.closed_within(Duration::from_secs(10)),
+        "its controller ended"
+    );
+    assert_eq!(run(&["rm", sub]), format!("deleted subsystem {sub}\n"));
+    assert!(!run(&["ls"]).contains(sub));
+}
+
+/// With a key store, a subsystem's host list names host NQNs that DH-HMAC-CHAP proves: a keyed
+/// host not on the list is refused, one on it must authenticate on every queue, and a wrong key
+/// gets no controller; each namespace's export rules apply to the proven NQN too.
+#[test]
+fn with_keys_a_subsystem_admits_the_proven_hosts_on_its_list() {
+    use blkwire_auth::dhchap::{HostAuth, Secret};
+    use nvme_host::authenticate;
+    let dir = TempDir::new("nvme-auth-sub");
+    let alice = "nqn.2014-08.org.nvmexpress:uuid:a11ce000-0000-4000-8000-000000000001";
+    let bob = "nqn.2014-08.org.nvmexpress:uuid:b0b00000-0000-4000-8000-000000000002";
+    let (ka, kb) = (Secret::generate(), Secret::generate());
+    let keys = key_file(
+        &dir,
+        &[
+            format!("{alice}:{}", ka.to_dhhc().unwrap()),
+            format!("{bob}:{}", kb.to_dhhc().unwrap()),
+        ],
+    );
+    let only_alice = format!("{SUB}=a,b;allow={alice}");
+    let bobs = "nqn.2026-11.com.example:bobs";
+    let t = NvmeTarget::start_with(
+        &["a=mem:1M", "b=mem:2M", &format!("c=mem:1M,allow={bob}")],
+        &[
+            "--keys",
+            &keys,
+            "--subsystem",
+            &only_alice,
+            "--subsystem",
+            &format!("{bobs}=a,c"),
+        ],
+    );
+    let opts = |nqn: &str| Opts {
+        hostnqn: nqn.into(),
+        ..Opts::default()
+    };
+    let (_, done) = Queue::connect(&t.addr, SUB, 0, 0xffff, &opts(bob)).unwrap();
+    assert_eq!(done.code(), 0x184, "bob has a key but is not on the list");
+    // Export c admits only bob: alice may not have a subsystem with it in it.
+    let (_, done) = Queue::connect(&t.addr, bobs, 0, 0xffff, &opts(alice)).unwrap();
+    assert_eq!(done.code(), 0x184, "export c's rules refuse alice");
+    let (mut w, done) = Queue::connect(&t.addr, SUB, 0, 0xffff, &opts(alice)).unwrap();
+    assert_eq!(done.code(), 0);
+    let mut host = HostAuth::new(alice, SUB, &kb, None, 1);
+    assert!(!authenticate(&mut w, &mut host), "a wrong key accepted");
+    assert!(w.closed_within(Duration::from_secs(10)));
+    let (mut a, done) = Queue::connect(&t.addr, SUB, 0, 0xffff, &opts(alice)).unwrap();
+    assert_ne!(done.cqe.dw0 & 1 << 17, 0, "ATR");
+    let mut host = HostAuth::new(alice, SUB, &ka, None, 1);
+    assert!(authenticate(&mut a, &mut host), "alice's key");
+    a.enable();
+    assert_eq!(active(&a.identify(2, 0).data), [1, 2]);
+    let (mut q, _) = Queue::connect(&t.addr, SUB, 1, a.cntlid, &opts(alice)).unwrap();
+    let mut host = HostAuth::new(alice, SUB, &ka, None, 2);
+    assert!(authenticate(&mut q, &mut host));
+    q.nsid = 2;
+    assert_eq!(q.write_in(0, &[9; 512], BS).unwrap().code(), 0);
+    assert_eq!(q.read(0, 1, BS).unwrap().data, vec![9; 512]);
+    // Bob on his own subsystem, whose exports admit him.
+    let (mut b, _) = Queue::connect(&t.addr, bobs, 0, 0xffff, &opts(bob)).unwrap();
+    let mut host = HostAuth::new(bob, bobs, &kb, None, 1);
+    assert!(authenticate(&mut b, &mut host), "bob's key");
+    b.enable();
+    assert_eq!(active(&b.identify(2, 0).data), [1, 2]);
+}

@@ -298,13 +298,43 @@ const METHODS: &[Method] = &[
     },
     Method {
         name: "nvme_subsystem_list",
-        about: "NVMe/TCP: every subsystem (NQN, namespace, serial, allow rules) and controller (id, host NQN, session)",
+        about: "NVMe/TCP: every subsystem (each export's own, then the configured ones: NQN, namespaces, serial, model, hosts or allow rules) and its controllers (id, host NQN, sessions)",
         run: nvme_subsystem_list,
     },
     Method {
         name: "iscsi_target_list",
         about: "iSCSI: every target (IQN, LUNs, allow rules, portals) and its logged-in sessions (initiator, ISID, TSIH, digests)",
         run: iscsi_target_list,
+    },
+    Method {
+        name: "nvme_subsystem_create",
+        about: "{nqn, serial?, model?, allow_any_host?}: a subsystem with no namespaces yet; only the hosts added with nvme_subsystem_add_host connect unless allow_any_host",
+        run: nvme_subsystem_create,
+    },
+    Method {
+        name: "nvme_subsystem_delete",
+        about: "{nqn}: delete a subsystem; its controllers end",
+        run: nvme_subsystem_delete,
+    },
+    Method {
+        name: "nvme_subsystem_add_ns",
+        about: "{nqn, export, nsid?}: add an export as a namespace (nsid: the lowest free one by default); hosts see it when they connect again",
+        run: nvme_subsystem_add_ns,
+    },
+    Method {
+        name: "nvme_subsystem_remove_ns",
+        about: "{nqn, nsid}: remove a namespace; connected controllers answer Invalid Namespace for it (and notify the host), the others go on",
+        run: nvme_subsystem_remove_ns,
+    },
+    Method {
+        name: "nvme_subsystem_add_host",
+        about: "{nqn, host}: let a host NQN connect to a subsystem",
+        run: nvme_subsystem_add_host,
+    },
+    Method {
+        name: "nvme_subsystem_remove_host",
+        about: "{nqn, host}: stop letting a host NQN connect; its controllers of that subsystem end",
+        run: nvme_subsystem_remove_host,
     },
     Method {
         name: "session_list",
@@ -474,6 +504,7 @@ fn export_remove(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
         .remove_export(&p.name, p.force)
         .map_err(RpcError::refused)?;
     sh.close_sessions(&closed);
+    sh.registry.nvme.forget_export(&p.name);
     crate::log!(
         sh.change_level(),
         "export '{}' removed{}",
@@ -607,41 +638,58 @@ fn metrics_listen(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
 }
 
 fn nvme_subsystem_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
+    use crate::nvme::spec::{default_serial, Namespace, DEFAULT_MODEL, NQN_PREFIX};
     let ctrls = sh.registry.nvme.describe();
-    let subsystems: Vec<Value> = sh
-        .registry
-        .exports()
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let namespace = |nsid: u32, e: &Arc<blkwire_backend::Export>, ns: Namespace| {
+        json!({
+            "nsid": nsid,
+            "export": e.name,
+            "size": ns.size,
+            "block_size": 1u64 << ns.lba_shift,
+            "nguid": hex(&ns.nguid),
+            "uuid": hex(&ns.uuid),
+            "read_only": e.read_only,
+        })
+    };
+    let controllers = |nqn: &str| {
+        ctrls
+            .iter()
+            .filter(|c| c["subnqn"] == nqn)
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    let exports = sh.registry.exports();
+    // Every export's own subsystem, then the configured ones.
+    let mut subsystems: Vec<Value> = exports
         .iter()
         .map(|e| {
-            let nqn = format!("{}{}", crate::nvme::spec::NQN_PREFIX, e.name);
-            let ns = crate::nvme::spec::Namespace::of(e, &nqn);
-            let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
-            let facts = crate::nvme::spec::Facts {
-                cntlid: 0,
-                subnqn: nqn.clone(),
-                ns: Some(ns.clone()),
-                max_io: 0,
-                max_depth: 0,
-                copy: Default::default(),
-            };
+            let nqn = format!("{NQN_PREFIX}{}", e.name);
             json!({
                 "nqn": nqn,
-                "serial": facts.serial(),
-                "model": "blkwire",
-                "namespaces": [{
-                    "nsid": 1,
-                    "export": e.name,
-                    "size": ns.size,
-                    "block_size": 1u64 << ns.lba_shift,
-                    "nguid": hex(&ns.nguid),
-                    "uuid": hex(&ns.uuid),
-                    "read_only": e.read_only,
-                }],
+                "configured": false,
+                "serial": default_serial(&nqn),
+                "model": DEFAULT_MODEL,
+                "namespaces": [namespace(1, e, Namespace::of(e, &nqn))],
                 "allow": sh.registry.allow_of(&e.name),
-                "controllers": ctrls.iter().filter(|c| c["subnqn"] == nqn).collect::<Vec<_>>(),
+                "controllers": controllers(&nqn),
             })
         })
         .collect();
+    for sub in sh.registry.nvme.subsystems() {
+        let mut v = sub.describe();
+        v["configured"] = true.into();
+        v["namespaces"] = sub
+            .namespaces
+            .iter()
+            .filter_map(|(nsid, name)| {
+                let e = exports.iter().find(|e| &e.name == name)?;
+                Some(namespace(*nsid, e, Namespace::in_subsystem(e, &sub.nqn)))
+            })
+            .collect();
+        v["controllers"] = controllers(&sub.nqn).into();
+        subsystems.push(v);
+    }
     Ok(Value::Array(subsystems))
 }
 
@@ -673,6 +721,178 @@ fn iscsi_target_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
         })
         .collect();
     Ok(Value::Array(targets))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SubsystemCreateParam {
+    nqn: String,
+    serial: Option<String>,
+    model: Option<String>,
+    #[serde(default)]
+    allow_any_host: bool,
+}
+
+fn nvme_subsystem_create(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    let p: SubsystemCreateParam = params(
+        "nvme_subsystem_create",
+        p,
+        "{\"nqn\": \"nqn.2026-11.com.example:db\", \"serial\": \"SN1\", \"model\": \"M\", \
+         \"allow_any_host\": false}",
+    )?;
+    let taken = p
+        .nqn
+        .strip_prefix(crate::nvme::spec::NQN_PREFIX)
+        .is_some_and(|n| sh.registry.has_export(n));
+    let sub = sh
+        .registry
+        .nvme
+        .create_subsystem(
+            &p.nqn,
+            p.serial.as_deref(),
+            p.model.as_deref(),
+            p.allow_any_host,
+            taken,
+        )
+        .map_err(RpcError::params)?;
+    crate::log!(sh.change_level(), "NVMe subsystem '{}' created", p.nqn);
+    Ok(sub.describe())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NqnParam {
+    nqn: String,
+}
+
+/// Closes sessions the NVMe subsystem calls took away: revoked (no queue joins them any more),
+/// then closed on the reactors (connections fence the namespace, or end with their last one).
+/// Returns how many were still open (a removed namespace's session stays listed with its
+/// controller, closed already).
+fn close_nvme_sessions(sh: &Arc<Shared>, sessions: &[u32]) -> usize {
+    let open: Vec<u32> = sessions
+        .iter()
+        .copied()
+        .filter(|&s| !sh.registry.is_revoked(s))
+        .collect();
+    for &s in &open {
+        sh.registry.revoke(s);
+    }
+    sh.close_sessions(&open);
+    open.len()
+}
+
+fn nvme_subsystem_delete(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    let p: NqnParam = params(
+        "nvme_subsystem_delete",
+        p,
+        "{\"nqn\": \"nqn.2026-11.com.example:db\"}",
+    )?;
+    let closed = sh
+        .registry
+        .nvme
+        .delete_subsystem(&p.nqn)
+        .map_err(RpcError::refused)?;
+    let closed = close_nvme_sessions(sh, &closed);
+    crate::log!(sh.change_level(), "NVMe subsystem '{}' deleted", p.nqn);
+    Ok(json!({ "nqn": p.nqn, "closed_sessions": closed }))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddNsParam {
+    nqn: String,
+    export: String,
+    nsid: Option<u32>,
+}
+
+fn nvme_subsystem_add_ns(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    let p: AddNsParam = params(
+        "nvme_subsystem_add_ns",
+        p,
+        "{\"nqn\": \"nqn.2026-11.com.example:db\", \"export\": \"disk0\", \"nsid\": 1}",
+    )?;
+    if !sh.registry.has_export(&p.export) {
+        return Err(RpcError::params(format!(
+            "nvme_subsystem_add_ns: no export '{}' (export_list shows them)",
+            p.export.escape_debug()
+        )));
+    }
+    let nsid = sh
+        .registry
+        .nvme
+        .add_namespace(&p.nqn, &p.export, p.nsid)
+        .map_err(RpcError::params)?;
+    crate::log!(
+        sh.change_level(),
+        "NVMe subsystem '{}': export '{}' is namespace {nsid}",
+        p.nqn,
+        p.export
+    );
+    Ok(json!({ "nqn": p.nqn, "export": p.export, "nsid": nsid }))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RemoveNsParam {
+    nqn: String,
+    nsid: u32,
+}
+
+fn nvme_subsystem_remove_ns(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    let p: RemoveNsParam = params(
+        "nvme_subsystem_remove_ns",
+        p,
+        "{\"nqn\": \"nqn.2026-11.com.example:db\", \"nsid\": 1}",
+    )?;
+    let (closed, export) = sh
+        .registry
+        .nvme
+        .remove_namespace(&p.nqn, p.nsid)
+        .map_err(RpcError::refused)?;
+    let closed = close_nvme_sessions(sh, &closed);
+    crate::log!(
+        sh.change_level(),
+        "NVMe subsystem '{}': namespace {} (export '{export}') removed",
+        p.nqn,
+        p.nsid
+    );
+    Ok(json!({ "nqn": p.nqn, "nsid": p.nsid, "export": export, "closed_sessions": closed }))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HostParam {
+    nqn: String,
+    host: String,
+}
+
+fn nvme_subsystem_add_host(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    let p: HostParam = params(
+        "nvme_subsystem_add_host",
+        p,
+        "{\"nqn\": \"nqn.2026-11.com.example:db\", \"host\": \"nqn.2014-08.org.nvmexpress:uuid:...\"}",
+    )?;
+    sh.registry
+        .nvme
+        .add_host(&p.nqn, &p.host)
+        .map_err(RpcError::params)?;
+    Ok(json!({ "nqn": p.nqn, "host": p.host }))
+}
+
+fn nvme_subsystem_remove_host(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    let p: HostParam = params(
+        "nvme_subsystem_remove_host",
+        p,
+        "{\"nqn\": \"nqn.2026-11.com.example:db\", \"host\": \"nqn.2014-08.org.nvmexpress:uuid:...\"}",
+    )?;
+    let closed = sh
+        .registry
+        .nvme
+        .remove_host(&p.nqn, &p.host)
+        .map_err(RpcError::refused)?;
+    let closed = close_nvme_sessions(sh, &closed);
+    Ok(json!({ "nqn": p.nqn, "host": p.host, "closed_sessions": closed }))
 }
 
 fn session_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
@@ -739,6 +959,29 @@ pub(crate) fn running_config(sh: &Arc<Shared>) -> Vec<Call> {
             "export_add",
             json!({ "name": s.name, "spec": s.options() }),
         ));
+    }
+    for sub in sh.registry.nvme.subsystems() {
+        calls.push(Call::new(
+            "nvme_subsystem_create",
+            json!({
+                "nqn": sub.nqn,
+                "serial": sub.serial,
+                "model": sub.model,
+                "allow_any_host": sub.allow_any_host,
+            }),
+        ));
+        for (nsid, export) in &sub.namespaces {
+            calls.push(Call::new(
+                "nvme_subsystem_add_ns",
+                json!({ "nqn": sub.nqn, "export": export, "nsid": nsid }),
+            ));
+        }
+        for host in &sub.hosts {
+            calls.push(Call::new(
+                "nvme_subsystem_add_host",
+                json!({ "nqn": sub.nqn, "host": host }),
+            ));
+        }
     }
     for (url, _) in sh.listener_urls() {
         calls.push(Call::new("listener_add", json!({ "url": url })));

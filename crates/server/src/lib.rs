@@ -134,6 +134,8 @@ pub struct TargetConfig {
     pub admins: Vec<String>,
     /// `--metrics ADDR:PORT`: the Prometheus endpoint.
     pub metrics: Option<String>,
+    /// `--subsystem`: NVMe/TCP subsystems of several exports, after the exports.
+    pub subsystems: Vec<nvme::SubsystemSpec>,
 }
 
 impl TargetConfig {
@@ -155,6 +157,9 @@ impl TargetConfig {
                 "export_add",
                 serde_json::json!({ "name": e.name, "spec": e.options() }),
             ));
+        }
+        for s in &self.subsystems {
+            calls.extend(s.calls());
         }
         for l in &self.listen {
             calls.push(Call::new("listener_add", serde_json::json!({ "url": l })));
@@ -1059,38 +1064,50 @@ fn handshake(
             native_handshake(&mut s, peer, registry, workers, gate).map(|a| {
                 let fe: Box<dyn StreamFrontend> =
                     Box::new(frontend::native::Native::new(a.depth, a.max_io, a.copy));
-                (a, fe)
+                (a, fe, Vec::new())
             })
         }),
-        ListenerKind::Nbd => nbd::negotiate(&mut s, &peer_s, registry, tls),
+        ListenerKind::Nbd => {
+            nbd::negotiate(&mut s, &peer_s, registry, tls).map(|(a, fe)| (a, fe, Vec::new()))
+        }
         ListenerKind::NvmeTcp => {
             let local = s.s.local_addr().unwrap_or(peer);
             match nvme::accept(&mut s, peer, local, registry) {
-                Some(nvme::Accepted::Io(a, fe)) => Some((*a, fe)),
+                Some(nvme::Accepted::Io(mut a, fe)) if !a.is_empty() => {
+                    // Its first namespace's session carries the connection (placement, memory
+                    // account); the others ride along as further targets.
+                    let first = a.remove(0);
+                    Some((first, fe, a))
+                }
                 Some(nvme::Accepted::Admin(q)) => {
                     // The admin queue stays on this thread for the controller's life; it no
                     // longer counts as a handshake.
                     drop(place);
                     let ended = (*q).serve(s.s, registry, &peer_s);
-                    if let Some((session, queue)) = ended.session {
-                        registry.revoke(session);
-                        close_on_reactors(workers.iter().map(|(t, w)| (t, *w)), &[session]);
+                    let ids: Vec<u32> = ended.sessions.iter().map(|s| s.0).collect();
+                    for &s in &ids {
+                        registry.revoke(s);
+                    }
+                    close_on_reactors(workers.iter().map(|(t, w)| (t, *w)), &ids);
+                    for (session, queue) in ended.sessions {
                         registry.leave(session, queue, &QueueStats::default());
                     }
                     drop(counted);
                     return;
                 }
-                None => None,
+                _ => None,
             }
         }
         ListenerKind::Iscsi => {
             let local = s.s.local_addr().unwrap_or(peer);
-            iscsi::accept(&mut s, peer, local, registry)
+            // One LUN per target: the connection has one target (a clean place for several:
+            // `more`, as NVMe/TCP namespaces ride along).
+            iscsi::accept(&mut s, peer, local, registry).map(|(a, fe)| (a, fe, Vec::new()))
         }
     };
     // Before the socket is closed or handed on: a cut (shutdown) must find it still ours.
     drop(place);
-    let Some((admitted, frontend)) = admitted else {
+    let Some((admitted, frontend, more)) = admitted else {
         return;
     };
     // From here on the reactor drives the session on the non-blocking socket.
@@ -1116,11 +1133,18 @@ fn handshake(
         tls,
         mem: admitted.mem,
         counted: Some(counted),
+        more,
     };
-    if workers[w].0.send(Msg::Queue(q)).is_ok() {
-        eventfd_write(workers[w].1);
-    } else {
-        registry.leave(admitted.session, admitted.queue, &QueueStats::default());
+    match workers[w].0.send(Msg::Queue(q)) {
+        Ok(()) => eventfd_write(workers[w].1),
+        Err(e) => {
+            if let Msg::Queue(q) = e.0 {
+                registry.leave(q.session, q.queue, &QueueStats::default());
+                for a in q.more {
+                    registry.leave(a.session, a.queue, &QueueStats::default());
+                }
+            }
+        }
     }
 }
 

@@ -279,6 +279,21 @@ pub fn free_udp_port() -> u16 {
         .port()
 }
 
+/// Checks `cond` every 20 ms until it holds (true) or `within` has passed (false): for states
+/// that come about on the target's own timers (idle trims, expiry), with no event to wait on.
+pub fn wait_until(within: std::time::Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let end = std::time::Instant::now() + within;
+    loop {
+        if cond() {
+            return true;
+        }
+        if std::time::Instant::now() >= end {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 /// Resident memory of a process, in KiB (VmRSS).
 pub fn rss_kib(pid: u32) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();

@@ -58,6 +58,8 @@ pub struct Queue {
     pub cntlid: u16,
     /// MAXH2CDATA from ICResp.
     pub maxh2cdata: u32,
+    /// The namespace I/O commands address (1 unless a test says otherwise).
+    pub nsid: u32,
     next_cid: u16,
 }
 
@@ -136,6 +138,7 @@ impl Queue {
             qid,
             cntlid,
             maxh2cdata: 0,
+            nsid: 1,
             next_cid: 1,
         };
         let ic = IcReq {
@@ -368,7 +371,7 @@ impl Queue {
 
     fn rw(&mut self, opcode: u8, slba: u64, blocks: u32, fua: bool) -> Sqe {
         let mut c = sqe(opcode, 0);
-        c.nsid = 1;
+        c.nsid = self.nsid;
         c.cdw10 = slba as u32;
         c.cdw11 = (slba >> 32) as u32;
         c.cdw12 = (blocks - 1) | if fua { 1 << 30 } else { 0 };
@@ -400,7 +403,7 @@ impl Queue {
 
     pub fn flush(&mut self) -> Done {
         let mut c = sqe(0x00, 0);
-        c.nsid = 1;
+        c.nsid = self.nsid;
         self.command_in(c, &[], 0).expect("flush")
     }
 
@@ -416,7 +419,7 @@ impl Queue {
     /// Linux sends it.
     pub fn deallocate(&mut self, ranges: &[(u64, u32)]) -> Done {
         let mut c = sqe(0x09, 0);
-        c.nsid = 1;
+        c.nsid = self.nsid;
         c.cdw10 = ranges.len() as u32 - 1;
         c.cdw11 = 1 << 2;
         let mut d = Vec::new();
@@ -432,7 +435,7 @@ impl Queue {
     /// Copy (source range format 0) of (slba, blocks) ranges to `sdlba`.
     pub fn copy(&mut self, sdlba: u64, ranges: &[(u64, u16)]) -> Done {
         let mut c = sqe(0x19, 0);
-        c.nsid = 1;
+        c.nsid = self.nsid;
         c.cdw10 = sdlba as u32;
         c.cdw11 = (sdlba >> 32) as u32;
         c.cdw12 = ranges.len() as u32 - 1;

@@ -565,6 +565,8 @@ impl Iscsi {
                     length: bytes,
                     flags: IoFlags::empty().with(IoFlags::FUA, fua),
                     slot: None,
+                    // One LUN per target: the connection's one target.
+                    target: 0,
                     cookie: cookie(itt, res, Reply::Read, send),
                 };
                 self.request(req, len, 0, 0)
@@ -600,6 +602,8 @@ impl Iscsi {
                     length: 0,
                     flags: IoFlags::empty(),
                     slot: None,
+                    // One LUN per target: the connection's one target.
+                    target: 0,
                     cookie: cookie(itt, Residual::of(c.edtl, 0), Reply::Flush, 0),
                 };
                 self.request(req, len, 0, 0)
@@ -615,6 +619,8 @@ impl Iscsi {
                     length,
                     flags: IoFlags::empty(),
                     slot: None,
+                    // One LUN per target: the connection's one target.
+                    target: 0,
                     // The residual field holds EDTL until the answer's length is known.
                     cookie: cookie(
                         itt,
@@ -702,6 +708,8 @@ impl Iscsi {
                     length: bytes,
                     flags: IoFlags::empty(),
                     slot: None,
+                    // One LUN per target: the connection's one target.
+                    target: 0,
                     cookie: cookie(itt, Residual::None, Reply::Part, 0),
                 };
                 // The PDU stays in the receive buffer (length 0) until the compare is done.
@@ -748,6 +756,8 @@ impl Iscsi {
             length,
             flags,
             slot: None,
+            // One LUN per target: the connection's one target.
+            target: 0,
             cookie: cookie(itt, res, Reply::Write, 0),
         };
         self.request(req, len, carried, tail + immediate - carried)
@@ -931,6 +941,8 @@ impl Iscsi {
                 length,
                 flags,
                 slot: None,
+                // One LUN per target: the connection's one target.
+                target: 0,
                 cookie: cookie(itt, Residual::None, Reply::Part, 0),
             };
             self.queued.push_back((req, desc));
@@ -1191,6 +1203,8 @@ impl Iscsi {
                     length: c.length,
                     flags: IoFlags::empty().with(IoFlags::FUA, c.fua),
                     slot: None,
+                    // One LUN per target: the connection's one target.
+                    target: 0,
                     cookie: cookie(c.itt, res, Reply::Write, 0),
                 };
                 // The write data is the second half of the immediate data.
@@ -1342,6 +1356,8 @@ impl Iscsi {
             length: 0,
             flags: IoFlags::empty(),
             slot: None,
+            // One LUN per target: the connection's one target.
+            target: 0,
             cookie: cookie(p.itt(), Residual::None, Reply::Logout, 0),
         };
         self.request(req, len, 0, 0)
@@ -1473,7 +1489,7 @@ impl StreamFrontend for Iscsi {
         true
     }
 
-    fn copy_descriptor(&mut self, _payload: &[u8]) -> Option<CopyDescriptor> {
+    fn copy_descriptor(&mut self, _req: &Req, _payload: &[u8]) -> Option<CopyDescriptor> {
         self.copy_desc.take()
     }
 

@@ -50,6 +50,12 @@ pub struct Req {
     pub slot: Option<u16>,
     /// Whatever the frontend needs to build the reply (native: opcode and tag; NBD: cookie).
     pub cookie: u128,
+    /// Which of the connection's targets (exports) it addresses, as an index into the list the
+    /// connection was admitted with: always 0 where a connection serves one export (native,
+    /// NBD); an NVMe/TCP I/O queue maps each command's NSID to its namespace's index (and an
+    /// iSCSI session its LUN). A target removed while the connection lives is fenced: its
+    /// requests are answered [`Status::NoExport`] and never reach an executor.
+    pub target: u8,
 }
 
 impl Req {
@@ -218,10 +224,14 @@ pub trait StreamFrontend: Send {
     /// this request (NBD DISC).
     fn reply(&mut self, req: &Req, status: Status, tx: &mut Vec<u8>) -> bool;
 
-    /// The descriptor of a [`Kind::Copy`] request, from its payload, checked against what the
-    /// connection granted; `None` when it is malformed or over the limits (answered
-    /// `INVALID`). Only frontends that decode COPYs get this call.
-    fn copy_descriptor(&mut self, _payload: &[u8]) -> Option<blkwire_wire::CopyDescriptor> {
+    /// The descriptor of the [`Kind::Copy`] request `req`, from its payload, checked against
+    /// what the connection granted for its target; `None` when it is malformed or over the
+    /// limits (answered `INVALID`). Only frontends that decode COPYs get this call.
+    fn copy_descriptor(
+        &mut self,
+        _req: &Req,
+        _payload: &[u8],
+    ) -> Option<blkwire_wire::CopyDescriptor> {
         None
     }
 

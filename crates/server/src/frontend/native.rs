@@ -72,6 +72,7 @@ impl StreamFrontend for Native {
                     flags: h.flags.io_flags(),
                     slot: None,
                     cookie: cookie(&h),
+                    target: 0,
                 };
                 self.reply(&r, Status::Ok, tx);
                 return Decoded::Answered { len };
@@ -130,7 +131,7 @@ impl StreamFrontend for Native {
     }
 
     /// Checked against the session's COPY limits (§13).
-    fn copy_descriptor(&mut self, payload: &[u8]) -> Option<CopyDescriptor> {
+    fn copy_descriptor(&mut self, _req: &Req, payload: &[u8]) -> Option<CopyDescriptor> {
         CopyDescriptor::decode_within(payload, &self.copy).ok()
     }
 }
@@ -151,6 +152,7 @@ fn request(h: &Header, kind: Kind, len: usize) -> Decoded {
             flags,
             slot: Some(h.tag.slot()),
             cookie: cookie(h),
+            target: 0,
         },
         len,
         payload_len: h.payload_len as usize,

@@ -68,6 +68,7 @@ impl StreamFrontend for Nbd {
                 flags,
                 slot: None,
                 cookie: r.cookie as u128,
+                target: 0,
             },
             len,
             payload_len,

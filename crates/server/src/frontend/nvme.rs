@@ -29,10 +29,12 @@ pub struct NvmeIo {
     sq_head: u16,
     /// The host disabled SQ flow control (Connect CATTR bit 2): READ data may carry SUCCESS.
     sqfc_off: bool,
-    lba_shift: u32,
     max_io: u32,
-    read_only: bool,
-    copy: CopyLimits,
+    /// The controller's namespaces, in the order of the connection's targets (`Req::target`).
+    namespaces: Vec<NsIo>,
+    /// NSID - 1 -> index in `namespaces` + 1 (0: no such namespace): one bounded array index
+    /// per command, no map (NSIDs are at most `spec::MAX_NSID`).
+    by_nsid: Vec<u8>,
     /// The CID each slot's R2T was sent for, so an H2CData naming a TTAG must also name the
     /// right command (the reactor checks the data's order and bounds).
     r2t_cid: Vec<u16>,
@@ -54,13 +56,22 @@ pub struct IoQueueSetup {
     pub sq_head: u16,
     /// Connect's CATTR asked for no SQ flow control.
     pub sqfc_off: bool,
-    /// log2 of the namespace's LBA size.
-    pub lba_shift: u32,
     /// Largest data transfer.
     pub max_io: u32,
-    /// The namespace is write protected.
+    /// The controller's namespaces, in the order of the connection's targets.
+    pub namespaces: Vec<NsIo>,
+}
+
+/// One namespace as an I/O queue checks its commands.
+#[derive(Clone, Copy, Debug)]
+pub struct NsIo {
+    /// Its NSID (1..=`spec::MAX_NSID`).
+    pub nsid: u32,
+    /// log2 of its LBA size.
+    pub lba_shift: u32,
+    /// Write protected.
     pub read_only: bool,
-    /// What one Copy may do.
+    /// What one Copy within it may do.
     pub copy: CopyLimits,
 }
 
@@ -83,10 +94,18 @@ impl NvmeIo {
             entries: s.entries.max(1),
             sq_head: s.sq_head % s.entries.max(1),
             sqfc_off: s.sqfc_off,
-            lba_shift: s.lba_shift,
             max_io: s.max_io,
-            read_only: s.read_only,
-            copy: s.copy,
+            by_nsid: {
+                let top = s.namespaces.iter().map(|n| n.nsid).max().unwrap_or(0);
+                let mut v = vec![0u8; top.min(spec::MAX_NSID) as usize];
+                for (i, n) in s.namespaces.iter().enumerate().take(u8::MAX as usize) {
+                    if let Some(e) = (n.nsid as usize).checked_sub(1).and_then(|k| v.get_mut(k)) {
+                        *e = i as u8 + 1;
+                    }
+                }
+                v
+            },
+            namespaces: s.namespaces,
             r2t_cid: vec![0; s.entries.max(1) as usize],
             scratch: Vec::with_capacity(128),
         }
@@ -106,10 +125,23 @@ impl NvmeIo {
         Decoded::Answered { len }
     }
 
-    /// The byte range of `slba` and `nlb` blocks (0's based), if it fits a request.
-    fn range(&self, slba: u64, blocks: u64) -> Option<(u64, u32)> {
-        let offset = slba.checked_mul(1 << self.lba_shift)?;
-        let len = blocks.checked_mul(1 << self.lba_shift)?;
+    /// The index of the namespace `nsid` names among the queue's targets. A Flush to every
+    /// namespace (NSID FFFFFFFFh) is taken only where there is one (Identify Controller VWC
+    /// says broadcast flush is not supported otherwise).
+    fn target_of(&self, nsid: u32, op: u8) -> Option<usize> {
+        if nsid == u32::MAX && op == io::FLUSH && self.namespaces.len() == 1 {
+            return Some(0);
+        }
+        let i = *self.by_nsid.get((nsid as usize).checked_sub(1)?)?;
+        (i as usize).checked_sub(1)
+    }
+
+    /// The byte range of `slba` and `nlb` blocks (0's based) of namespace `t`, if it fits a
+    /// request.
+    fn range(&self, t: usize, slba: u64, blocks: u64) -> Option<(u64, u32)> {
+        let shift = self.namespaces[t].lba_shift;
+        let offset = slba.checked_mul(1 << shift)?;
+        let len = blocks.checked_mul(1 << shift)?;
         offset.checked_add(len)?;
         Some((offset, u32::try_from(len).ok()?))
     }
@@ -124,7 +156,6 @@ impl NvmeIo {
         let q = &c.sqe;
         self.sq_head = (self.sq_head + 1) % self.entries;
         let (cid, op) = (q.cid, q.opcode);
-        let nsid_ok = q.nsid == 1 || (op == io::FLUSH && q.nsid == u32::MAX);
         if op == spec::FABRICS {
             // Only Disconnect means something on an established I/O queue.
             let fct = q.nsid as u8;
@@ -143,16 +174,34 @@ impl NvmeIo {
         ) {
             return self.answer(cid, sc::INVALID_OPCODE | sc::DNR, len, tx);
         }
-        if !nsid_ok {
+        let Some(t) = self.target_of(q.nsid, op) else {
             return self.answer(cid, sc::INVALID_NS | sc::DNR, len, tx);
+        };
+        let mut d = self.ns_command(c, t, len, trailer, tx);
+        if let Decoded::Request { req, .. } = &mut d {
+            req.target = t as u8;
         }
+        d
+    }
+
+    /// An I/O command for namespace `t` (its NSID checked).
+    fn ns_command(
+        &mut self,
+        c: &CapsuleCmd<'_>,
+        t: usize,
+        len: usize,
+        trailer: usize,
+        tx: &mut Vec<u8>,
+    ) -> Decoded {
+        let q = &c.sqe;
+        let (cid, op) = (q.cid, q.opcode);
         let slba = q.cdw10 as u64 | (q.cdw11 as u64) << 32;
         let nlb = (q.cdw12 & 0xffff) as u64 + 1;
         let fua = IoFlags::empty().with(IoFlags::FUA, q.cdw12 & 1 << 30 != 0);
         let data_len = c.data.len();
         match op {
             io::READ | io::WRITE => {
-                let Some((offset, length)) = self.range(slba, nlb) else {
+                let Some((offset, length)) = self.range(t, slba, nlb) else {
                     return self.answer(cid, sc::LBA_RANGE | sc::DNR, len, tx);
                 };
                 if length > self.max_io {
@@ -209,7 +258,7 @@ impl NvmeIo {
                 0,
             ),
             io::WRITE_ZEROES => {
-                let Some((offset, length)) = self.range(slba, nlb) else {
+                let Some((offset, length)) = self.range(t, slba, nlb) else {
                     return self.answer(cid, sc::LBA_RANGE | sc::DNR, len, tx);
                 };
                 // DEAC (bit 25) allows deallocating: without it the blocks stay allocated.
@@ -226,15 +275,15 @@ impl NvmeIo {
                     0,
                 )
             }
-            io::DSM => self.dsm(c, len, tx),
-            io::COPY => self.copy_command(c, len, trailer, tx),
+            io::DSM => self.dsm(c, t, len, tx),
+            io::COPY => self.copy_command(c, t, len, trailer, tx),
             _ => unreachable!("filtered above"),
         }
     }
 
     /// Dataset Management: deallocate (AD) of one range, as DMRL in the NVM command set's
     /// Identify Controller data says; hints without AD are answered at once.
-    fn dsm(&mut self, c: &CapsuleCmd<'_>, len: usize, tx: &mut Vec<u8>) -> Decoded {
+    fn dsm(&mut self, c: &CapsuleCmd<'_>, t: usize, len: usize, tx: &mut Vec<u8>) -> Decoded {
         let q = &c.sqe;
         let (cid, op) = (q.cid, q.opcode);
         let ranges = (q.cdw10 & 0xff) as usize + 1;
@@ -255,7 +304,7 @@ impl NvmeIo {
         if blocks == 0 {
             return self.answer(cid, sc::SUCCESS, len, tx);
         }
-        let Some((offset, length)) = self.range(slba, blocks) else {
+        let Some((offset, length)) = self.range(t, slba, blocks) else {
             return self.answer(cid, sc::LBA_RANGE | sc::DNR, len, tx);
         };
         self.request(
@@ -276,13 +325,15 @@ impl NvmeIo {
     fn copy_command(
         &mut self,
         c: &CapsuleCmd<'_>,
+        t: usize,
         len: usize,
         trailer: usize,
         tx: &mut Vec<u8>,
     ) -> Decoded {
         let q = &c.sqe;
         let (cid, op) = (q.cid, q.opcode);
-        if self.copy.max_ranges == 0 || self.read_only {
+        let ns = self.namespaces[t];
+        if ns.copy.max_ranges == 0 || ns.read_only {
             return self.answer(cid, sc::INVALID_OPCODE | sc::DNR, len, tx);
         }
         let ranges = (q.cdw12 & 0xff) as usize + 1;
@@ -299,7 +350,7 @@ impl NvmeIo {
         for r in c.data[..list].chunks_exact(32) {
             total += u16::from_le_bytes([r[16], r[17]]) as u64 + 1;
         }
-        let Some((offset, length)) = self.range(sdlba, total) else {
+        let Some((offset, length)) = self.range(t, sdlba, total) else {
             return self.answer(cid, sc::LBA_RANGE | sc::DNR, len, tx);
         };
         let fua = IoFlags::empty().with(IoFlags::FUA, q.cdw12 & 1 << 30 != 0);
@@ -339,6 +390,8 @@ impl NvmeIo {
                 flags,
                 slot: None,
                 cookie: cookie(cid, opcode),
+                // Set by `command` once the namespace is known.
+                target: 0,
             },
             len,
             payload_len,
@@ -487,9 +540,11 @@ impl StreamFrontend for NvmeIo {
         true
     }
 
-    fn copy_descriptor(&mut self, payload: &[u8]) -> Option<CopyDescriptor> {
+    fn copy_descriptor(&mut self, req: &Req, payload: &[u8]) -> Option<CopyDescriptor> {
+        let t = req.target as usize;
+        let copy = self.namespaces.get(t)?.copy;
         let n = payload.len() / 32;
-        if n == 0 || n > self.copy.max_ranges as usize || n > spec::COPY_RANGES as usize {
+        if n == 0 || n > copy.max_ranges as usize || n > spec::COPY_RANGES as usize {
             return None;
         }
         let mut ranges = Vec::with_capacity(n);
@@ -497,14 +552,14 @@ impl StreamFrontend for NvmeIo {
         for r in payload.chunks_exact(32) {
             let slba = u64::from_le_bytes(r[8..16].try_into().expect("8 bytes"));
             let blocks = u16::from_le_bytes([r[16], r[17]]) as u64 + 1;
-            let (offset, len) = self.range(slba, blocks)?;
-            if len > self.copy.max_range {
+            let (offset, len) = self.range(t, slba, blocks)?;
+            if len > copy.max_range {
                 return None;
             }
             total += len as u64;
             ranges.push(CopyRange { offset, len });
         }
-        if total > self.copy.max_bytes as u64 {
+        if total > copy.max_bytes as u64 {
             return None;
         }
         Some(CopyDescriptor {

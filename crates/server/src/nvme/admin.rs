@@ -56,38 +56,48 @@ pub struct AdminSetup {
 /// An admin queue's state.
 pub struct AdminQueue {
     s: AdminSetup,
-    /// The session (None: a discovery controller).
-    admitted: Option<Admitted>,
+    /// The session of each namespace, in `facts.namespaces` order (none: a discovery
+    /// controller).
+    admitted: Vec<Admitted>,
+    /// NSIDs of namespaces removed since the host last read the Changed Namespace List.
+    changed: Vec<u32>,
+    /// Namespaces already found removed (their sessions revoked), in `admitted` order.
+    gone: Vec<bool>,
     sq_head: u16,
     cc: u32,
     io_queues: Option<u16>,
     async_config: u32,
     write_cache: bool,
-    held_events: usize,
+    held_events: Vec<u16>,
+    /// A namespace notice was sent and the host has not read the log yet.
+    notice_sent: bool,
     authenticated: bool,
     auth: Option<QueueAuth>,
 }
 
 /// What the thread must do when the queue ends.
 pub struct Ended {
-    /// The session to close (its I/O queues) and leave.
-    pub session: Option<(u32, u16)>,
+    /// The sessions to close (its I/O queues) and leave: one per namespace.
+    pub sessions: Vec<(u32, u16)>,
 }
 
 impl AdminQueue {
     /// An admin queue Connect accepted (and answered).
-    pub fn new(s: AdminSetup, admitted: Option<Admitted>) -> AdminQueue {
+    pub fn new(s: AdminSetup, admitted: Vec<Admitted>) -> AdminQueue {
         let write_cache = s.facts.write_cache();
         let authenticated = !s.auth_required;
         AdminQueue {
             s,
+            gone: vec![false; admitted.len()],
             admitted,
+            changed: Vec::new(),
             sq_head: 1,
             cc: 0,
             io_queues: None,
             async_config: 0,
             write_cache,
-            held_events: 0,
+            held_events: Vec::new(),
+            notice_sent: false,
             authenticated,
             auth: None,
         }
@@ -103,7 +113,7 @@ impl AdminQueue {
     pub fn serve(mut self, mut sock: TcpStream, registry: &Registry, peer: &str) -> Ended {
         let _ = sock.set_read_timeout(Some(PDU_TIMEOUT));
         let _ = sock.set_write_timeout(Some(PDU_TIMEOUT));
-        if self.s.kato_ms == 0 && self.s.facts.ns.is_none() {
+        if self.s.kato_ms == 0 && self.s.facts.is_discovery() {
             // A discovery controller without keep-alive still ends when idle (as Linux nvmet
             // does), so idle discovery connections cannot hold every controller thread.
             self.s.kato_ms = DISCOVERY_KATO_MS;
@@ -118,9 +128,11 @@ impl AdminQueue {
                     if kato.is_some_and(|k| alive.elapsed() > k) {
                         break format!("no keep-alive within {} ms", self.s.kato_ms);
                     }
-                    if let Some(a) = &self.admitted {
-                        if registry.is_revoked(a.session) {
-                            break "its session was closed".into();
+                    if !self.admitted.is_empty() {
+                        match self.namespaces_gone(&mut sock, registry) {
+                            Some(true) => break "its sessions were closed".into(),
+                            Some(false) => {}
+                            None => break "the connection failed".into(),
                         }
                     }
                     continue;
@@ -178,7 +190,7 @@ impl AdminQueue {
         );
         registry.nvme.remove(self.cntlid());
         Ended {
-            session: self.admitted.as_ref().map(|a| (a.session, a.queue)),
+            sessions: self.admitted.iter().map(|a| (a.session, a.queue)).collect(),
         }
     }
 
@@ -225,7 +237,10 @@ impl AdminQueue {
             };
         }
         let facts = self.s.facts.clone();
-        let discovery = facts.ns.is_none();
+        let discovery = facts.is_discovery();
+        // A namespace whose session was closed (removed from the subsystem, or its export
+        // removed) is inactive: Identify shows zeros for it and lists it no more.
+        let live = |n: &&spec::NsFacts| !registry.is_revoked(n.session);
         match q.opcode {
             admin::IDENTIFY => {
                 let cns = q.cdw10 as u8;
@@ -233,13 +248,18 @@ impl AdminQueue {
                 let data = match cns {
                     0x01 => Some(facts.identify_controller()),
                     _ if discovery => None,
-                    0x00 => Some(facts.identify_namespace(q.nsid)),
-                    0x02 => Some(facts.active_namespaces(q.nsid)),
+                    0x00 => Some(Facts::identify_namespace(
+                        facts.namespace(q.nsid).filter(live),
+                    )),
+                    0x02 => Some(Facts::active_namespaces(
+                        q.nsid,
+                        facts.namespaces.iter().filter(live).map(|n| n.nsid),
+                    )),
                     0x03 => {
-                        let Some(d) = facts.namespace_descriptors(q.nsid) else {
+                        let Some(n) = facts.namespace(q.nsid).filter(live) else {
                             return self.finish(sock, q.cid, sc::INVALID_NS | sc::DNR, 0, None);
                         };
-                        Some(d)
+                        Some(Facts::namespace_descriptors(n))
                     }
                     0x06 if csi == 0 => facts.identify_nvm_controller(),
                     _ => None,
@@ -258,6 +278,8 @@ impl AdminQueue {
                     0x01 if !discovery => Some(vec![0u8; 64]),
                     0x02 if !discovery => Some(smart_log()),
                     0x03 if !discovery => Some(firmware_log()),
+                    // Changed Namespace List (Base spec §5.16.1.5): read, it is cleared.
+                    0x04 if !discovery => Some(self.changed_list(q.cdw10 & 1 << 15 == 0)),
                     _ => None,
                 };
                 let Some(page) = page else {
@@ -333,16 +355,71 @@ impl AdminQueue {
             // Nothing is ever aborted: dword 0 bit 0 says so.
             admin::ABORT => self.finish(sock, q.cid, sc::SUCCESS, 1, None),
             admin::ASYNC_EVENT => {
-                if self.held_events > spec::AERL as usize {
+                if self.held_events.len() > spec::AERL as usize {
                     // Asynchronous Event Request Limit Exceeded.
                     return self.finish(sock, q.cid, 0x105 | sc::DNR, 0, None);
                 }
-                // Held: no event is ever raised yet; dropped when the queue ends.
-                self.held_events += 1;
+                // Held until an event (a namespace removed); dropped when the queue ends.
+                self.held_events.push(q.cid);
+                if !self.changed.is_empty() {
+                    self.notice_namespaces(sock)?;
+                }
                 Some(Outcome::Continue)
             }
             _ => self.finish(sock, q.cid, sc::INVALID_OPCODE | sc::DNR, 0, None),
         }
+    }
+
+    /// Looks for namespaces whose sessions were closed since the last look; a host that asked
+    /// for namespace attribute notices (Set Features 0Bh bit 8) gets one through a held
+    /// Asynchronous Event Request, and rescans. Some(true): every namespace is gone (the
+    /// controller ends); None: the connection failed.
+    fn namespaces_gone(&mut self, sock: &mut TcpStream, registry: &Registry) -> Option<bool> {
+        for (i, a) in self.admitted.iter().enumerate() {
+            if !self.gone[i] && registry.is_revoked(a.session) {
+                self.gone[i] = true;
+                let nsid = self.s.facts.namespaces[i].nsid;
+                if !self.changed.contains(&nsid) {
+                    self.changed.push(nsid);
+                }
+            }
+        }
+        if self.gone.iter().all(|g| *g) {
+            return Some(true);
+        }
+        if !self.changed.is_empty() {
+            self.notice_namespaces(sock)?;
+        }
+        Some(false)
+    }
+
+    /// Completes a held Asynchronous Event Request with a Namespace Attribute Changed notice
+    /// (type 2h, information 00h, log page 04h: Base spec §5.2), if the host enabled such
+    /// notices and one is held. Raised once until the host reads the log.
+    fn notice_namespaces(&mut self, sock: &mut TcpStream) -> Option<()> {
+        if self.async_config & 1 << 8 == 0 || self.notice_sent {
+            return Some(());
+        }
+        let Some(cid) = self.held_events.pop() else {
+            return Some(());
+        };
+        self.notice_sent = true;
+        let dw0 = 0x2 | 0x04 << 16;
+        self.finish(sock, cid, sc::SUCCESS, dw0, None).map(|_| ())
+    }
+
+    /// The Changed Namespace List log page: the NSIDs removed since it was last read (cleared
+    /// unless `keep`: RAE set).
+    fn changed_list(&mut self, clear: bool) -> Vec<u8> {
+        let mut b = vec![0u8; spec::IDENTIFY_LEN];
+        for (i, id) in self.changed.iter().take(1024).enumerate() {
+            b[i * 4..i * 4 + 4].copy_from_slice(&id.to_le_bytes());
+        }
+        if clear {
+            self.changed.clear();
+            self.notice_sent = false;
+        }
+        b
     }
 
     fn property_get(&self, attrib: u8, offset: u32) -> (u16, u64) {
@@ -377,6 +454,21 @@ impl AdminQueue {
         let listeners = registry.nvme.listeners(self.s.local.ip());
         let host = self.s.auth_required.then_some(self.s.hostnqn.as_str());
         let exports = registry.open_to(host, &self.s.peer_addr);
+        // Configured subsystems this host would be admitted to: on their host list, with
+        // namespaces, every one an export it may open.
+        let subsystems: Vec<String> = registry
+            .nvme
+            .subsystems()
+            .into_iter()
+            .filter(|s| {
+                s.admits(&self.s.hostnqn)
+                    && !s.namespaces.is_empty()
+                    && s.namespaces
+                        .iter()
+                        .all(|(_, e)| exports.iter().any(|x| &x.name == e))
+            })
+            .map(|s| s.nqn)
+            .collect();
         let mut entries = Vec::new();
         for &(port_id, addr) in &listeners {
             entries.push(DiscoveryEntry {
@@ -385,9 +477,12 @@ impl AdminQueue {
                 addr,
                 port_id,
             });
-            for e in &exports {
+            let own = exports
+                .iter()
+                .map(|e| format!("{}{}", spec::NQN_PREFIX, e.name));
+            for subnqn in own.chain(subsystems.iter().cloned()) {
                 entries.push(DiscoveryEntry {
-                    subnqn: format!("{}{}", spec::NQN_PREFIX, e.name),
+                    subnqn,
                     discovery: false,
                     addr,
                     port_id,

@@ -1,8 +1,10 @@
 //! NVMe/TCP frontend, connection setup (NVMe/TCP transport 1.0a §3.6.2; NVMe over Fabrics
 //! 1.1 Connect §3.3): ICReq/ICResp and the Fabrics Connect that binds a connection to a
 //! controller, on the handshake thread with its deadline. Every export is a subsystem
-//! (`nqn.2026-11.io.blkwire:NAME`) with one namespace (NSID 1); the discovery controller is at
-//! the well-known discovery NQN on every `nvme-tcp://` listener.
+//! (`nqn.2026-11.io.blkwire:NAME`) with one namespace (NSID 1); configured subsystems
+//! ([`Subsystem`]: `serve --subsystem`, the `nvme_subsystem_*` calls) have several namespaces
+//! (exports), their own serial and model, and the host NQNs they admit. The discovery
+//! controller is at the well-known discovery NQN on every `nvme-tcp://` listener.
 //!
 //! A Connect on queue 0 with CNTLID 0xFFFF creates a controller: a blkwire session (queue 0 is
 //! the admin queue) served by its own thread (`admin.rs`: properties, Identify, features, log
@@ -25,8 +27,9 @@ use blkwire_wire::nvme_tcp::{
     self, pdu_len, C2HData, CapsuleCmd, Cqe, Direction, IcResp, Params, Pdu, PduError, Progress,
     Sgl, TermReq, IC_LEN,
 };
+use blkwire_wire::Status;
 
-use crate::frontend::nvme::{IoQueueSetup, NvmeIo};
+use crate::frontend::nvme::{IoQueueSetup, NsIo, NvmeIo};
 use crate::frontend::StreamFrontend;
 use crate::log::Level;
 use crate::session::{Admitted, Owner, Registry};
@@ -54,6 +57,8 @@ pub struct Controllers {
 struct Table {
     next_id: u16,
     ctrls: HashMap<u16, Controller>,
+    /// Configured subsystems, in the order they were created.
+    subsystems: Vec<Subsystem>,
     /// `nvme-tcp://` listeners: (port id, bound address).
     listeners: Vec<(u16, SocketAddr)>,
 }
@@ -65,8 +70,7 @@ struct Controller {
     hostnqn: String,
     hostid: [u8; 16],
     ip: IpAddr,
-    /// The blkwire session (None: a discovery controller).
-    session: Option<u32>,
+    /// Its namespaces and the session each is served in (none: a discovery controller).
     facts: Arc<Facts>,
     /// I/O queues granted by Set Features (Number of Queues); until then the most there is.
     io_queues: u16,
@@ -152,7 +156,10 @@ impl Controllers {
                     "subnqn": c.subnqn,
                     "hostnqn": c.hostnqn,
                     "address": c.ip.to_string(),
-                    "session": c.session,
+                    "session": c.facts.namespaces.first().map(|n| n.session),
+                    "namespaces": c.facts.namespaces.iter()
+                        .map(|n| serde_json::json!({ "nsid": n.nsid, "session": n.session }))
+                        .collect::<Vec<_>>(),
                     "io_queues": c.io_queues,
                 })
             })
@@ -162,11 +169,406 @@ impl Controllers {
     }
 }
 
+/// A configured subsystem: an NQN with namespaces (exports, by name), its serial and model
+/// numbers and the host NQNs it admits (NVMe over Fabrics 1.1 §1.5.2; how hosts are checked
+/// is in `admin_connect`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Subsystem {
+    /// Its NQN.
+    pub nqn: String,
+    /// Identify Controller SN.
+    pub serial: String,
+    /// Identify Controller MN.
+    pub model: String,
+    /// (NSID, export name), NSID ascending.
+    pub namespaces: Vec<(u32, String)>,
+    /// Host NQNs admitted (when not `allow_any_host`).
+    pub hosts: Vec<String>,
+    /// Any host NQN is admitted (the exports' own rules and the key store still apply).
+    pub allow_any_host: bool,
+}
+
+impl Subsystem {
+    /// Whether host `hostnqn` may connect.
+    pub fn admits(&self, hostnqn: &str) -> bool {
+        self.allow_any_host || self.hosts.iter().any(|h| h == hostnqn)
+    }
+
+    /// What `nvme_subsystem_list` and `save_config` show of it.
+    pub fn describe(&self) -> serde_json::Value {
+        serde_json::json!({
+            "nqn": self.nqn,
+            "serial": self.serial,
+            "model": self.model,
+            "allow_any_host": self.allow_any_host,
+            "hosts": self.hosts,
+            "namespaces": self.namespaces.iter()
+                .map(|(nsid, e)| serde_json::json!({ "nsid": nsid, "export": e }))
+                .collect::<Vec<_>>(),
+        })
+    }
+}
+
+/// Checks a value for an ASCII field of Identify Controller (SN, MN): printable, not empty, at
+/// most `max` bytes.
+fn ascii_field(what: &str, v: &str, max: usize) -> Result<(), String> {
+    if v.is_empty() || v.len() > max || !v.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        return Err(format!(
+            "bad {what} '{}': it must be 1 to {max} printable ASCII characters",
+            v.escape_debug()
+        ));
+    }
+    Ok(())
+}
+
+/// Checks an NQN (Base spec §4.5: UTF-8, at most 223 bytes; "nqn." names).
+pub fn check_nqn(what: &str, nqn: &str) -> Result<(), String> {
+    if !nqn.starts_with("nqn.") || nqn.len() > 223 || nqn.chars().any(|c| c.is_control()) {
+        return Err(format!(
+            "bad {what} '{}': expected an NQN such as nqn.2026-11.com.example:name (at most 223 \
+             bytes)",
+            nqn.escape_debug()
+        ));
+    }
+    Ok(())
+}
+
+/// A subsystem as `serve --subsystem` writes it:
+/// `NQN=EXPORT[@NSID][,EXPORT[@NSID]...][;serial=S][;model=M][;allow=HOSTNQN[+HOSTNQN...]]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SubsystemSpec {
+    /// Its NQN.
+    pub nqn: String,
+    /// Exports in NSID order, each with the NSID it asked for (None: the next one).
+    pub namespaces: Vec<(String, Option<u32>)>,
+    /// Serial number, if given.
+    pub serial: Option<String>,
+    /// Model number, if given.
+    pub model: Option<String>,
+    /// The host NQNs admitted (None: any host; the exports' rules still apply).
+    pub hosts: Option<Vec<String>>,
+}
+
+/// What `--subsystem` looks like, for its errors.
+pub const SUBSYSTEM_USAGE: &str =
+    "NQN=EXPORT[@NSID][,EXPORT...][;serial=S][;model=M][;allow=HOSTNQN[+HOSTNQN...]]";
+
+impl SubsystemSpec {
+    /// Parses `--subsystem`; `Err` is a one-line reason.
+    pub fn parse(text: &str) -> Result<SubsystemSpec, String> {
+        let bad = |why: String| {
+            format!(
+                "--subsystem '{}': {why} (expected {SUBSYSTEM_USAGE})",
+                text.escape_debug()
+            )
+        };
+        let mut parts = text.split(';');
+        let head = parts.next().unwrap_or_default();
+        let Some((nqn, exports)) = head.split_once('=') else {
+            return Err(bad("no '=' after the NQN".into()));
+        };
+        check_nqn("subsystem NQN", nqn).map_err(bad)?;
+        let mut namespaces = Vec::new();
+        for e in exports.split(',') {
+            let (name, nsid) = match e.rsplit_once('@') {
+                Some((n, id)) => {
+                    let id = id
+                        .parse::<u32>()
+                        .ok()
+                        .filter(|&i| (1..=spec::MAX_NSID).contains(&i))
+                        .ok_or_else(|| {
+                            bad(format!(
+                                "bad NSID '{}': namespace ids are 1 to {}",
+                                id.escape_debug(),
+                                spec::MAX_NSID
+                            ))
+                        })?;
+                    (n, Some(id))
+                }
+                None => (e, None),
+            };
+            if name.is_empty() {
+                return Err(bad("an empty export name".into()));
+            }
+            namespaces.push((name.to_string(), nsid));
+        }
+        if namespaces.len() > spec::MAX_NAMESPACES {
+            return Err(bad(format!(
+                "more than {} namespaces",
+                spec::MAX_NAMESPACES
+            )));
+        }
+        let mut spec = SubsystemSpec {
+            nqn: nqn.to_string(),
+            namespaces,
+            serial: None,
+            model: None,
+            hosts: None,
+        };
+        for opt in parts {
+            match opt.split_once('=') {
+                Some(("serial", v)) => {
+                    ascii_field("serial", v, spec::SERIAL_LEN).map_err(bad)?;
+                    spec.serial = Some(v.to_string());
+                }
+                Some(("model", v)) => {
+                    ascii_field("model", v, spec::MODEL_LEN).map_err(bad)?;
+                    spec.model = Some(v.to_string());
+                }
+                Some(("allow", v)) => {
+                    let hosts: Vec<String> = v.split('+').map(str::to_string).collect();
+                    for h in &hosts {
+                        check_nqn("host NQN", h).map_err(bad)?;
+                    }
+                    spec.hosts = Some(hosts);
+                }
+                _ => {
+                    return Err(bad(format!(
+                        "unknown option '{}' (options: serial=, model=, allow=)",
+                        opt.escape_debug()
+                    )))
+                }
+            }
+        }
+        Ok(spec)
+    }
+
+    /// The calls that build it (after its exports are added).
+    pub fn calls(&self) -> Vec<crate::control::Call> {
+        use crate::control::Call;
+        let mut create = serde_json::json!({
+            "nqn": self.nqn,
+            "allow_any_host": self.hosts.is_none(),
+        });
+        if let Some(s) = &self.serial {
+            create["serial"] = s.clone().into();
+        }
+        if let Some(m) = &self.model {
+            create["model"] = m.clone().into();
+        }
+        let mut calls = vec![Call::new("nvme_subsystem_create", create)];
+        for (export, nsid) in &self.namespaces {
+            let mut p = serde_json::json!({ "nqn": self.nqn, "export": export });
+            if let Some(id) = nsid {
+                p["nsid"] = (*id).into();
+            }
+            calls.push(Call::new("nvme_subsystem_add_ns", p));
+        }
+        for h in self.hosts.iter().flatten() {
+            calls.push(Call::new(
+                "nvme_subsystem_add_host",
+                serde_json::json!({ "nqn": self.nqn, "host": h }),
+            ));
+        }
+        calls
+    }
+}
+
+impl Controllers {
+    /// Creates a subsystem with no namespaces yet (`nvme_subsystem_create`). `taken`: whether
+    /// the NQN is an export's own subsystem.
+    pub fn create_subsystem(
+        &self,
+        nqn: &str,
+        serial: Option<&str>,
+        model: Option<&str>,
+        allow_any_host: bool,
+        taken: bool,
+    ) -> Result<Subsystem, String> {
+        check_nqn("subsystem NQN", nqn)?;
+        if nqn == spec::DISCOVERY_NQN || taken {
+            return Err(format!(
+                "subsystem NQN '{}' is taken (the discovery NQN, or an export's own subsystem): \
+                 choose another",
+                nqn.escape_debug()
+            ));
+        }
+        let serial = serial.map_or_else(|| spec::default_serial(nqn), str::to_string);
+        ascii_field("serial", &serial, spec::SERIAL_LEN)?;
+        let model = model.unwrap_or(spec::DEFAULT_MODEL).to_string();
+        ascii_field("model", &model, spec::MODEL_LEN)?;
+        let mut t = self.lock();
+        if t.subsystems.iter().any(|s| s.nqn == nqn) {
+            return Err(format!("subsystem '{}' exists already", nqn.escape_debug()));
+        }
+        let sub = Subsystem {
+            nqn: nqn.to_string(),
+            serial,
+            model,
+            namespaces: Vec::new(),
+            hosts: Vec::new(),
+            allow_any_host,
+        };
+        t.subsystems.push(sub.clone());
+        Ok(sub)
+    }
+
+    /// Runs `f` on subsystem `nqn`.
+    fn with_subsystem<T>(
+        &self,
+        nqn: &str,
+        f: impl FnOnce(&mut Subsystem) -> Result<T, String>,
+    ) -> Result<T, String> {
+        let mut t = self.lock();
+        let s = t
+            .subsystems
+            .iter_mut()
+            .find(|s| s.nqn == nqn)
+            .ok_or_else(|| {
+                format!(
+                    "no subsystem '{}' (nvme_subsystem_list shows them)",
+                    nqn.escape_debug()
+                )
+            })?;
+        f(s)
+    }
+
+    /// The sessions controllers of `nqn` hold for namespace `nsid` (every namespace: None).
+    fn sessions_of(&self, nqn: &str, nsid: Option<u32>) -> Vec<u32> {
+        self.lock()
+            .ctrls
+            .values()
+            .filter(|c| c.subnqn == nqn)
+            .flat_map(|c| c.facts.namespaces.iter())
+            .filter(|n| nsid.is_none_or(|id| n.nsid == id))
+            .map(|n| n.session)
+            .collect()
+    }
+
+    /// Deletes a subsystem; returns the sessions of its controllers (to close: the controllers
+    /// end).
+    pub fn delete_subsystem(&self, nqn: &str) -> Result<Vec<u32>, String> {
+        self.with_subsystem(nqn, |_| Ok(()))?;
+        self.lock().subsystems.retain(|s| s.nqn != nqn);
+        Ok(self.sessions_of(nqn, None))
+    }
+
+    /// Adds export `export` as namespace `nsid` (None: the lowest free one); returns the NSID.
+    /// Controllers connected before do not see it (their namespaces are fixed when their admin
+    /// queue connects); hosts see it once they connect again.
+    pub fn add_namespace(&self, nqn: &str, export: &str, nsid: Option<u32>) -> Result<u32, String> {
+        self.with_subsystem(nqn, |s| {
+            if s.namespaces.len() >= spec::MAX_NAMESPACES {
+                return Err(format!(
+                    "subsystem '{}' has {} namespaces, the most there may be",
+                    nqn.escape_debug(),
+                    spec::MAX_NAMESPACES
+                ));
+            }
+            if s.namespaces.iter().any(|(_, e)| e == export) {
+                return Err(format!(
+                    "export '{}' is a namespace of subsystem '{}' already",
+                    export.escape_debug(),
+                    nqn.escape_debug()
+                ));
+            }
+            let id = match nsid {
+                Some(id) if id == 0 || id > spec::MAX_NSID => {
+                    return Err(format!(
+                        "bad NSID {id}: namespace ids are 1 to {}",
+                        spec::MAX_NSID
+                    ))
+                }
+                Some(id) if s.namespaces.iter().any(|(n, _)| *n == id) => {
+                    return Err(format!(
+                        "NSID {id} of subsystem '{}' is in use: remove it first or choose another",
+                        nqn.escape_debug()
+                    ))
+                }
+                Some(id) => id,
+                None => (1..=spec::MAX_NSID)
+                    .find(|id| s.namespaces.iter().all(|(n, _)| n != id))
+                    .expect("fewer namespaces than ids"),
+            };
+            s.namespaces.push((id, export.to_string()));
+            s.namespaces.sort_by_key(|(n, _)| *n);
+            Ok(id)
+        })
+    }
+
+    /// Removes namespace `nsid`; returns the sessions controllers hold on it (to close: their
+    /// I/O queues answer Invalid Namespace for it from then on, the rest goes on).
+    pub fn remove_namespace(&self, nqn: &str, nsid: u32) -> Result<(Vec<u32>, String), String> {
+        let export = self.with_subsystem(nqn, |s| {
+            let i = s
+                .namespaces
+                .iter()
+                .position(|(n, _)| *n == nsid)
+                .ok_or_else(|| {
+                    format!("subsystem '{}' has no namespace {nsid}", nqn.escape_debug())
+                })?;
+            Ok(s.namespaces.remove(i).1)
+        })?;
+        Ok((self.sessions_of(nqn, Some(nsid)), export))
+    }
+
+    /// Admits host `host` to subsystem `nqn`.
+    pub fn add_host(&self, nqn: &str, host: &str) -> Result<(), String> {
+        check_nqn("host NQN", host)?;
+        self.with_subsystem(nqn, |s| {
+            if !s.hosts.iter().any(|h| h == host) {
+                s.hosts.push(host.to_string());
+            }
+            Ok(())
+        })
+    }
+
+    /// No longer admits host `host`; returns the sessions of its controllers (to close) unless
+    /// the subsystem admits any host.
+    pub fn remove_host(&self, nqn: &str, host: &str) -> Result<Vec<u32>, String> {
+        let any = self.with_subsystem(nqn, |s| {
+            let before = s.hosts.len();
+            s.hosts.retain(|h| h != host);
+            if s.hosts.len() == before {
+                return Err(format!(
+                    "host '{}' is not on subsystem '{}''s list",
+                    host.escape_debug(),
+                    nqn.escape_debug()
+                ));
+            }
+            Ok(s.allow_any_host)
+        })?;
+        if any {
+            return Ok(Vec::new());
+        }
+        Ok(self
+            .lock()
+            .ctrls
+            .values()
+            .filter(|c| c.subnqn == nqn && c.hostnqn == host)
+            .flat_map(|c| c.facts.namespaces.iter().map(|n| n.session))
+            .collect())
+    }
+
+    /// Forgets export `name` in every subsystem (it was removed; its sessions are closed by
+    /// the export's removal).
+    pub fn forget_export(&self, name: &str) {
+        for s in self.lock().subsystems.iter_mut() {
+            s.namespaces.retain(|(_, e)| e != name);
+        }
+    }
+
+    /// The configured subsystems, in order.
+    pub fn subsystems(&self) -> Vec<Subsystem> {
+        self.lock().subsystems.clone()
+    }
+
+    /// Subsystem `nqn`, if configured.
+    pub fn subsystem(&self, nqn: &str) -> Option<Subsystem> {
+        self.lock()
+            .subsystems
+            .iter()
+            .find(|s| s.nqn == nqn)
+            .cloned()
+    }
+}
+
 /// A connection after its Connect: an I/O queue for a reactor, or an admin queue for a thread
 /// of its own.
 pub enum Accepted {
-    /// An I/O queue, admitted into its controller's session.
-    Io(Box<Admitted>, Box<dyn StreamFrontend>),
+    /// An I/O queue, admitted into the session of each of its controller's namespaces (in
+    /// NSID order: the connection's targets).
+    Io(Vec<Admitted>, Box<dyn StreamFrontend>),
     /// An admin queue (or a discovery controller's).
     Admin(Box<admin::AdminQueue>),
 }
@@ -625,96 +1027,90 @@ fn admin_connect<S: Read + Write>(
     // The largest transfer, as `accept` gave it to ICResp (MAXH2CDATA is MDTS's size).
     let max_io = link.maxh2cdata;
     let discovery = c.subnqn == spec::DISCOVERY_NQN;
-    let mut session = None;
-    let mut admitted = None;
-    let ns = if discovery {
-        None
-    } else {
-        let name = c.subnqn.strip_prefix(spec::NQN_PREFIX).unwrap_or("");
-        let Some(export) = (!name.is_empty())
-            .then(|| registry.permitted(name, proven, &addr))
-            .flatten()
-        else {
-            let nqn = c.subnqn.escape_debug();
-            if !name.is_empty() && registry.has_export(name) {
-                registry.access.refuse(
-                    &peer_s,
-                    &format!("NVMe host '{who}' may not open subsystem '{nqn}'"),
-                );
-                reply(s, 0, sc::CONNECT_INVALID_HOST | sc::DNR, 0);
-            } else {
-                crate::log!(
-                    Level::Info,
-                    "{peer_s}: NVMe host '{who}' asked for unknown subsystem '{nqn}'"
-                );
-                reply(
-                    s,
-                    0,
-                    sc::CONNECT_INVALID_PARAM | sc::DNR,
-                    invalid_param(true, 256),
-                );
-            }
-            return None;
-        };
-        let ns = Namespace::of(&export, &c.subnqn);
-        let copy = {
-            let mut l = registry.copy_limits(&export, u32::MAX);
-            l.max_ranges = l.max_ranges.min(spec::COPY_RANGES);
-            // Copy ranges count blocks in 16 bits.
-            l.max_range = l.max_range.min((u16::MAX as u32 + 1) << ns.lba_shift);
-            l
-        };
+    let mut admitted: Vec<Admitted> = Vec::new();
+    let mut namespaces = Vec::new();
+    let (mut serial, mut model) = (spec::default_serial(&c.subnqn), spec::DEFAULT_MODEL.into());
+    if !discovery {
+        let names = resolve(s, &c, (&peer_s, &addr, proven), registry, reply)?;
+        if let Some(sub) = &names.sub {
+            serial = sub.serial.clone();
+            model = sub.model.clone();
+        }
         let owner = Owner {
             proven,
             shown: &c.hostnqn,
             addr: &addr,
             peer: &peer_s,
         };
-        let a = match registry.admit_first(
-            &export,
-            &owner,
-            (ns.size, 1 + MAX_IO_QUEUES, MAX_QUEUE_ENTRIES, max_io),
-            copy,
-        ) {
-            Ok(a) => a,
-            Err(st) => {
-                crate::log!(Level::Info, "{peer_s}: NVMe host '{who}': refused: {st}");
-                reply(s, 0, sc::CONNECT_CTRL_BUSY, 0);
-                return None;
+        // One session per namespace, each admitted as if it were the only one: the export's
+        // session limits, memory floor and rules apply to each.
+        for (nsid, export) in names.exports {
+            let ns = match &names.sub {
+                Some(_) => Namespace::in_subsystem(&export, &c.subnqn),
+                None => Namespace::of(&export, &c.subnqn),
+            };
+            let copy = {
+                let mut l = registry.copy_limits(&export, u32::MAX);
+                l.max_ranges = l.max_ranges.min(spec::COPY_RANGES);
+                // Copy ranges count blocks in 16 bits.
+                l.max_range = l.max_range.min((u16::MAX as u32 + 1) << ns.lba_shift);
+                l
+            };
+            match registry.admit_first(
+                &export,
+                &owner,
+                (ns.size, 1 + MAX_IO_QUEUES, MAX_QUEUE_ENTRIES, max_io),
+                copy,
+            ) {
+                Ok(a) => {
+                    namespaces.push(spec::NsFacts {
+                        nsid,
+                        ns,
+                        copy: a.copy,
+                        session: a.session,
+                    });
+                    admitted.push(a);
+                }
+                Err(st) => {
+                    crate::log!(Level::Info, "{peer_s}: NVMe host '{who}': refused: {st}");
+                    for a in &admitted {
+                        registry.leave(a.session, 0, &Default::default());
+                    }
+                    reply(s, 0, sc::CONNECT_CTRL_BUSY, 0);
+                    return None;
+                }
             }
-        };
-        session = Some(a.session);
-        admitted = Some(a);
-        Some(ns)
-    };
-    let copy = admitted.as_ref().map(|a| a.copy).unwrap_or_default();
+        }
+    }
     let depth = MAX_QUEUE_ENTRIES.min(registry.limits().max_depth);
-    let make_facts = |cntlid| Facts {
-        cntlid,
-        subnqn: c.subnqn.clone(),
-        ns: ns.clone(),
-        max_io,
-        max_depth: depth,
-        copy,
+    let leave_all = |admitted: &[Admitted]| {
+        for a in admitted {
+            registry.leave(a.session, 0, &Default::default());
+        }
     };
     let mut facts = None;
     let id = registry.nvme.insert(|id| {
-        let f = Arc::new(make_facts(id));
+        let f = Arc::new(Facts {
+            cntlid: id,
+            subnqn: c.subnqn.clone(),
+            serial: serial.clone(),
+            model: model.clone(),
+            namespaces: namespaces.clone(),
+            max_io,
+            max_depth: depth,
+        });
         facts = Some(f.clone());
         Controller {
             subnqn: c.subnqn.clone(),
             hostnqn: c.hostnqn.clone(),
             hostid: c.hostid,
             ip: peer.ip(),
-            session,
             facts: f,
             io_queues: MAX_IO_QUEUES,
         }
     });
     let (Some(id), Some(facts)) = (id, facts) else {
-        if let Some(a) = admitted {
-            registry.leave(a.session, 0, &Default::default());
-        }
+        leave_all(&admitted);
         reply(s, 0, sc::CONNECT_CTRL_BUSY, 0);
         return None;
     };
@@ -725,9 +1121,7 @@ fn admin_connect<S: Read + Write>(
     };
     if reply(s, 0, sc::SUCCESS, id as u32 | atr).is_none() {
         registry.nvme.remove(id);
-        if let Some(a) = admitted {
-            registry.leave(a.session, 0, &Default::default());
-        }
+        leave_all(&admitted);
         return None;
     }
     crate::log!(
@@ -748,6 +1142,97 @@ fn admin_connect<S: Read + Write>(
         },
         admitted,
     ))))
+}
+
+/// The exports behind a subsystem NQN, with their NSIDs, as this host may open them.
+struct Resolved {
+    /// The configured subsystem (None: an export's own subsystem).
+    sub: Option<Subsystem>,
+    exports: Vec<(u32, Arc<blkwire_backend::Export>)>,
+}
+
+/// Finds subsystem `c.subnqn` and checks that the host may connect to it: a configured
+/// subsystem's host list (the host NQN is what DH-HMAC-CHAP proved when there is a key store),
+/// then each namespace's export rules, as a HELLO for that export would. None: refused
+/// (answered and logged).
+fn resolve<S: Read + Write>(
+    s: &mut S,
+    c: &Connect,
+    (peer_s, addr, proven): (&str, &PeerAddr, Option<&str>),
+    registry: &Registry,
+    reply: Reply<'_, S>,
+) -> Option<Resolved> {
+    let who = c.hostnqn.escape_debug().to_string();
+    let nqn = c.subnqn.escape_debug();
+    let refuse_host = |s: &mut S, why: &str| {
+        registry.access.refuse(&peer_s, why);
+        reply(s, 0, sc::CONNECT_INVALID_HOST | sc::DNR, 0);
+    };
+    let unknown = |s: &mut S, why: &str| {
+        crate::log!(Level::Info, "{peer_s}: NVMe host '{who}' {why}");
+        reply(
+            s,
+            0,
+            sc::CONNECT_INVALID_PARAM | sc::DNR,
+            invalid_param(true, 256),
+        );
+    };
+    if let Some(sub) = registry.nvme.subsystem(&c.subnqn) {
+        if !sub.admits(&c.hostnqn) {
+            refuse_host(
+                s,
+                &format!("NVMe host '{who}' is not on subsystem '{nqn}''s host list"),
+            );
+            return None;
+        }
+        if sub.namespaces.is_empty() {
+            unknown(
+                s,
+                &format!("asked for subsystem '{nqn}', which has no namespaces"),
+            );
+            return None;
+        }
+        let mut exports = Vec::with_capacity(sub.namespaces.len());
+        for (nsid, name) in &sub.namespaces {
+            let Some(e) = registry.permitted(name, proven, addr) else {
+                refuse_host(
+                    s,
+                    &format!(
+                        "NVMe host '{who}' may not open export '{}' (namespace {nsid} of \
+                         subsystem '{nqn}')",
+                        name.escape_debug()
+                    ),
+                );
+                return None;
+            };
+            exports.push((*nsid, e));
+        }
+        return Some(Resolved {
+            sub: Some(sub),
+            exports,
+        });
+    }
+    let name = c.subnqn.strip_prefix(spec::NQN_PREFIX).unwrap_or("");
+    match (!name.is_empty())
+        .then(|| registry.permitted(name, proven, addr))
+        .flatten()
+    {
+        Some(e) => Some(Resolved {
+            sub: None,
+            exports: vec![(1, e)],
+        }),
+        None if !name.is_empty() && registry.has_export(name) => {
+            refuse_host(
+                s,
+                &format!("NVMe host '{who}' may not open subsystem '{nqn}'"),
+            );
+            None
+        }
+        None => {
+            unknown(s, &format!("asked for unknown subsystem '{nqn}'"));
+            None
+        }
+    }
 }
 
 fn io_connect<S: Read + Write>(
@@ -779,7 +1264,7 @@ fn io_connect<S: Read + Write>(
         );
         return None;
     };
-    let (Some(session), Some(ns)) = (ctrl.session, ctrl.facts.ns.as_ref()) else {
+    if ctrl.facts.is_discovery() {
         // A discovery controller has no I/O queues.
         reply(
             s,
@@ -810,11 +1295,9 @@ fn io_connect<S: Read + Write>(
                 .refuse(&peer_s, &format!("NVMe host '{who}' failed DH-HMAC-CHAP"));
             return None;
         }
-        return io_admit(
-            s, c, link, session, ns, &ctrl, registry, sq_head, &peer_s, true,
-        );
+        return io_admit(s, c, link, &ctrl, registry, sq_head, &peer_s, true);
     }
-    io_admit(s, c, link, session, ns, &ctrl, registry, 1, &peer_s, false)
+    io_admit(s, c, link, &ctrl, registry, 1, &peer_s, false)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -822,8 +1305,6 @@ fn io_admit<S: Read + Write>(
     s: &mut S,
     c: Connect,
     link: Link,
-    session: u32,
-    ns: &Namespace,
     ctrl: &Controller,
     registry: &Registry,
     sq_head: u16,
@@ -838,28 +1319,57 @@ fn io_admit<S: Read + Write>(
         status: sc::SUCCESS,
         result: c.cntlid as u64,
     };
-    let a = match registry.join_verified(session, c.qid, entries) {
-        Ok(a) => a,
-        Err(st) => {
-            crate::log!(
-                Level::Info,
-                "{peer_s}: NVMe I/O queue {} of controller {} refused: {st}",
-                c.qid,
-                c.cntlid
-            );
-            if !answered {
-                let refused = Completion {
-                    status: sc::CONNECT_INVALID_PARAM | sc::DNR,
-                    result: invalid_param(false, 42) as u64,
-                    ..done
-                };
-                let _ = refused.send(s, &link.tx, None);
+    // The queue joins the session of every namespace still served (a removed one's session
+    // is revoked and refuses it: that namespace is not among the queue's targets).
+    let mut joined: Vec<Admitted> = Vec::with_capacity(ctrl.facts.namespaces.len());
+    let mut namespaces = Vec::with_capacity(ctrl.facts.namespaces.len());
+    let mut refused = None;
+    for n in &ctrl.facts.namespaces {
+        match registry.join_verified(n.session, c.qid, entries) {
+            Ok(a) => {
+                namespaces.push(NsIo {
+                    nsid: n.nsid,
+                    lba_shift: n.ns.lba_shift,
+                    read_only: n.ns.export.read_only,
+                    copy: n.copy,
+                });
+                joined.push(a);
             }
-            return None;
+            Err(Status::Access) if registry.is_revoked(n.session) => {}
+            Err(st) => {
+                refused = Some(st);
+                break;
+            }
         }
-    };
+    }
+    if joined.is_empty() && refused.is_none() {
+        refused = Some(Status::Access);
+    }
+    if let Some(st) = refused {
+        for a in &joined {
+            registry.leave(a.session, a.queue, &Default::default());
+        }
+        crate::log!(
+            Level::Info,
+            "{peer_s}: NVMe I/O queue {} of controller {} refused: {st}",
+            c.qid,
+            c.cntlid
+        );
+        if !answered {
+            let refused = Completion {
+                status: sc::CONNECT_INVALID_PARAM | sc::DNR,
+                result: invalid_param(false, 42) as u64,
+                ..done
+            };
+            let _ = refused.send(s, &link.tx, None);
+        }
+        return None;
+    }
+    let max_io = joined[0].max_io;
     if !answered && done.send(s, &link.tx, None).is_none() {
-        registry.leave(a.session, a.queue, &Default::default());
+        for a in &joined {
+            registry.leave(a.session, a.queue, &Default::default());
+        }
         return None;
     }
     // From here on the queue takes in-capsule writes and H2CData up to MAXH2CDATA, inside the
@@ -873,10 +1383,8 @@ fn io_admit<S: Read + Write>(
         entries,
         sq_head,
         sqfc_off: c.cattr & 1 << 2 != 0,
-        lba_shift: ns.lba_shift,
-        max_io: a.max_io,
-        read_only: ns.export.read_only,
-        copy: ctrl.facts.copy,
+        max_io,
+        namespaces,
     });
-    Some(Accepted::Io(Box::new(a), Box::new(fe)))
+    Some(Accepted::Io(joined, Box::new(fe)))
 }

@@ -12,6 +12,17 @@ use blkwire_wire::{CopyLimits, Status};
 pub const DISCOVERY_NQN: &str = "nqn.2014-08.org.nvmexpress.discovery";
 /// Subsystem NQNs are this prefix and the export's name.
 pub use blkwire_wire::nvme_tcp::BLKWIRE_NQN_PREFIX as NQN_PREFIX;
+/// Namespace ids a subsystem may use (1..=this; NN and MNAN of a controller are at most this).
+pub const MAX_NSID: u32 = 1024;
+/// Namespaces one subsystem may have (a request's target index is a byte).
+pub const MAX_NAMESPACES: usize = 32;
+/// Serial numbers are 20 ASCII bytes, model numbers 40 (Identify Controller SN, MN).
+pub const SERIAL_LEN: usize = 20;
+/// See [`SERIAL_LEN`].
+pub const MODEL_LEN: usize = 40;
+/// The model number controllers report unless their subsystem says otherwise.
+pub const DEFAULT_MODEL: &str = "blkwire";
+
 /// NQNs are at most 223 bytes (Base spec §4.5); the fields that carry them are 256.
 pub const NQN_FIELD: usize = 256;
 
@@ -139,6 +150,8 @@ pub fn status_of(st: Status, read: bool, write: bool) -> u16 {
         Status::Io if read => sc::READ_ERROR,
         Status::Io if write => sc::WRITE_FAULT,
         Status::Shutdown => sc::NS_NOT_READY,
+        // The namespace was removed while the queue lives (its target is fenced).
+        Status::NoExport => sc::INVALID_NS | sc::DNR,
         _ => sc::INTERNAL,
     }
 }
@@ -182,18 +195,32 @@ pub struct Namespace {
     pub size: u64,
     /// log2 of the LBA size (the export's logical block size).
     pub lba_shift: u32,
-    /// NGUID and UUID: unique per subsystem NQN (hosts drop namespaces whose ids repeat).
+    /// NGUID and UUID: unique per subsystem NQN and export (hosts drop namespaces whose ids
+    /// repeat).
     pub nguid: [u8; 16],
     /// The UUID (a version 4 / variant 1 layout over the same hash).
     pub uuid: [u8; 16],
 }
 
 impl Namespace {
-    /// The namespace an export becomes in subsystem `nqn`.
+    /// The namespace an export becomes in its own subsystem `nqn` (the default one per export:
+    /// its ids hash the NQN alone, as they always have).
     pub fn of(export: &Arc<Export>, nqn: &str) -> Namespace {
+        Self::with_id(export, nqn.as_bytes())
+    }
+
+    /// The namespace an export becomes in a configured subsystem `nqn`: its ids hash the NQN
+    /// and the export's name, so they are unique per namespace and stable across restarts
+    /// (whatever its NSID).
+    pub fn in_subsystem(export: &Arc<Export>, nqn: &str) -> Namespace {
+        let key = format!("{nqn}\0{}", export.name);
+        Self::with_id(export, key.as_bytes())
+    }
+
+    fn with_id(export: &Arc<Export>, key: &[u8]) -> Namespace {
         let (logical, _) = export.backend().block_sizes();
         let lba_shift = logical.max(512).trailing_zeros();
-        let d = ring::digest::digest(&ring::digest::SHA256, nqn.as_bytes());
+        let d = ring::digest::digest(&ring::digest::SHA256, key);
         let mut nguid = [0u8; 16];
         nguid.copy_from_slice(&d.as_ref()[..16]);
         let mut uuid = [0u8; 16];
@@ -222,14 +249,39 @@ pub struct Facts {
     pub cntlid: u16,
     /// Subsystem NQN.
     pub subnqn: String,
-    /// The namespace (None: the discovery controller).
-    pub ns: Option<Namespace>,
+    /// Serial number (at most [`SERIAL_LEN`] ASCII bytes).
+    pub serial: String,
+    /// Model number (at most [`MODEL_LEN`] ASCII bytes).
+    pub model: String,
+    /// The namespaces, NSID ascending (none: the discovery controller).
+    pub namespaces: Vec<NsFacts>,
     /// Largest data transfer, bytes (a power of two, at least 4 KiB).
     pub max_io: u32,
     /// Entries per I/O submission queue at most (MQES + 1).
     pub max_depth: u16,
-    /// What one Copy may do (none: Copy is not advertised).
+}
+
+/// One namespace of a controller.
+#[derive(Clone)]
+pub struct NsFacts {
+    /// Its id.
+    pub nsid: u32,
+    /// The export behind it.
+    pub ns: Namespace,
+    /// What one Copy within it may do (none: Copy is refused on it).
     pub copy: CopyLimits,
+    /// The blkwire session the controller holds on its export: once that session is closed
+    /// (the namespace or export removed), the namespace is inactive on this controller.
+    pub session: u32,
+}
+
+/// The serial number a subsystem reports unless configured: stable, from its NQN.
+pub fn default_serial(nqn: &str) -> String {
+    let d = ring::digest::digest(&ring::digest::SHA256, nqn.as_bytes());
+    d.as_ref()[..10]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 fn put_str(b: &mut [u8], at: usize, len: usize, s: &str) {
@@ -267,38 +319,51 @@ impl Facts {
         (self.max_io / 4096).max(1).trailing_zeros() as u8
     }
 
-    /// The serial number: stable for a subsystem, from its NQN.
-    pub fn serial(&self) -> String {
-        let d = ring::digest::digest(&ring::digest::SHA256, self.subnqn.as_bytes());
-        d.as_ref()[..10]
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
+    /// A discovery controller (no namespaces).
+    pub fn is_discovery(&self) -> bool {
+        self.namespaces.is_empty()
     }
 
+    /// Namespace `nsid`, if the controller has it.
+    pub fn namespace(&self, nsid: u32) -> Option<&NsFacts> {
+        self.namespaces.iter().find(|n| n.nsid == nsid)
+    }
+
+    /// Controller-wide fields say what every namespace can do (each namespace refuses what it
+    /// cannot do itself).
     fn writable(&self) -> bool {
-        self.ns.as_ref().is_some_and(|n| !n.export.read_only)
+        !self.namespaces.is_empty() && self.namespaces.iter().all(|n| !n.ns.export.read_only)
     }
 
-    /// A volatile write cache: FLUSH means something (the medium is durable).
+    fn copies(&self) -> bool {
+        !self.namespaces.is_empty() && self.namespaces.iter().all(|n| n.copy.max_ranges > 0)
+    }
+
+    /// A volatile write cache: FLUSH means something (the medium is durable) on one of the
+    /// namespaces at least (a Flush of the others succeeds at once).
     pub fn write_cache(&self) -> bool {
-        self.ns
-            .as_ref()
-            .is_some_and(|n| n.export.capabilities().flush.available())
+        self.namespaces
+            .iter()
+            .any(|n| n.ns.export.capabilities().flush.available())
+    }
+
+    /// NN: the highest NSID of the controller.
+    fn nn(&self) -> u32 {
+        self.namespaces.iter().map(|n| n.nsid).max().unwrap_or(0)
     }
 
     /// Identify Controller (CNS 01h).
     pub fn identify_controller(&self) -> Vec<u8> {
         let mut b = vec![0u8; IDENTIFY_LEN];
-        put_str(&mut b, 4, 20, &self.serial());
-        put_str(&mut b, 24, 40, "blkwire");
+        put_str(&mut b, 4, SERIAL_LEN, &self.serial);
+        put_str(&mut b, 24, MODEL_LEN, &self.model);
         put_str(&mut b, 64, 8, env!("CARGO_PKG_VERSION"));
         b[72] = 6; // RAB
         b[77] = self.mdts();
         put16(&mut b, 78, self.cntlid);
         put32(&mut b, 80, VERSION);
         // CNTRLTYPE: 1 I/O controller, 2 discovery controller.
-        b[111] = if self.ns.is_some() { 1 } else { 2 };
+        b[111] = if self.is_discovery() { 2 } else { 1 };
         b[258] = 3; // ACL: four Aborts (0's based), all answered "not aborted".
         b[259] = AERL;
         b[260] = 1 << 1 | 1; // FRMW: one slot, read-only.
@@ -308,20 +373,27 @@ impl Facts {
         b[512] = 0x66; // SQES: 64-byte entries.
         b[513] = 0x44; // CQES: 16-byte entries.
         put16(&mut b, 514, self.max_depth);
-        if self.ns.is_some() {
-            put32(&mut b, 516, 1); // NN
+        if !self.is_discovery() {
+            put32(&mut b, 516, self.nn()); // NN
             let mut oncs = 0;
             if self.writable() {
                 oncs |= ONCS_DSM | ONCS_WRITE_ZEROES;
-                if self.copy.max_ranges > 0 {
+                if self.copies() {
                     oncs |= ONCS_COPY;
                 }
             }
             put16(&mut b, 520, oncs);
-            b[525] = self.write_cache() as u8; // VWC
-            if self.copy.max_ranges > 0 {
+            // VWC; with several namespaces bits 2:1 = 10b: a Flush to NSID FFFFFFFFh is not
+            // supported (the host flushes each namespace).
+            let broadcast = if self.namespaces.len() > 1 { 0b100 } else { 0 };
+            b[525] = self.write_cache() as u8 | broadcast;
+            if self.copies() {
                 put16(&mut b, 534, 1); // OCFS: source range format 0.
             }
+            put32(&mut b, 540, self.nn()); // MNAN
+                                           // OAES: Namespace Attribute Notices (a removed namespace is announced through an
+                                           // Asynchronous Event Request and the Changed Namespace List log page).
+            put32(&mut b, 92, 1 << 8);
         }
         // SGLS: SGLs without alignment, and the offset-based in-capsule data block.
         put32(&mut b, 536, 1 | 1 << 20);
@@ -337,9 +409,9 @@ impl Facts {
     }
 
     /// Identify Namespace (CNS 00h) of `nsid`; all zero for an inactive id, as the spec asks.
-    pub fn identify_namespace(&self, nsid: u32) -> Vec<u8> {
+    pub fn identify_namespace(ns: Option<&NsFacts>) -> Vec<u8> {
         let mut b = vec![0u8; IDENTIFY_LEN];
-        let Some(ns) = self.ns.as_ref().filter(|_| nsid == 1) else {
+        let Some(NsFacts { ns, copy, .. }) = ns else {
             return b;
         };
         let blocks = ns.blocks();
@@ -350,12 +422,12 @@ impl Facts {
         b[24] = 1;
         b[25] = 0; // NLBAF: one format.
         b[26] = 0; // FLBAS
-        if self.copy.max_ranges > 0 {
-            let max_range = (self.copy.max_range as u64 >> ns.lba_shift).min(u16::MAX as u64);
-            let max_total = (self.copy.max_bytes as u64 >> ns.lba_shift).min(u32::MAX as u64);
+        if copy.max_ranges > 0 {
+            let max_range = (copy.max_range as u64 >> ns.lba_shift).min(u16::MAX as u64);
+            let max_total = (copy.max_bytes as u64 >> ns.lba_shift).min(u32::MAX as u64);
             put16(&mut b, 74, max_range as u16); // MSSRL
             put32(&mut b, 76, max_total as u32); // MCL
-            b[80] = (self.copy.max_ranges.min(COPY_RANGES) - 1) as u8; // MSRC (0's based)
+            b[80] = (copy.max_ranges.min(COPY_RANGES) - 1) as u8; // MSRC (0's based)
         }
         b[99] = ns.export.read_only as u8; // NSATTR: write protected.
         b[104..120].copy_from_slice(&ns.nguid);
@@ -364,18 +436,20 @@ impl Facts {
         b
     }
 
-    /// Active Namespace ID list (CNS 02h): ids above `after`.
-    pub fn active_namespaces(&self, after: u32) -> Vec<u8> {
+    /// Active Namespace ID list (CNS 02h): the ids of `live` above `after`, ascending.
+    pub fn active_namespaces(after: u32, live: impl Iterator<Item = u32>) -> Vec<u8> {
         let mut b = vec![0u8; IDENTIFY_LEN];
-        if self.ns.is_some() && after < 1 {
-            put32(&mut b, 0, 1);
+        let mut ids: Vec<u32> = live.filter(|&n| n > after).collect();
+        ids.sort_unstable();
+        for (i, id) in ids.iter().take(IDENTIFY_LEN / 4).enumerate() {
+            put32(&mut b, i * 4, *id);
         }
         b
     }
 
     /// Namespace Identification Descriptor list (CNS 03h): NGUID, UUID and the command set.
-    pub fn namespace_descriptors(&self, nsid: u32) -> Option<Vec<u8>> {
-        let ns = self.ns.as_ref().filter(|_| nsid == 1)?;
+    pub fn namespace_descriptors(ns: &NsFacts) -> Vec<u8> {
+        let ns = &ns.ns;
         let mut b = vec![0u8; IDENTIFY_LEN];
         b[0] = 2; // NIDT NGUID
         b[1] = 16;
@@ -386,17 +460,18 @@ impl Facts {
         b[40] = 4; // NIDT CSI
         b[41] = 1;
         b[44] = 0; // NVM command set
-        Some(b)
+        b
     }
 
     /// The NVM command set's Identify Controller structure (CNS 06h, CSI 0): one DSM range
     /// per command (DMRL), of at most 1 GiB (DMRSL), so each deallocation is one backend trim.
     pub fn identify_nvm_controller(&self) -> Option<Vec<u8>> {
-        let ns = self.ns.as_ref()?;
+        // In blocks of the largest LBA size: at most 1 GiB in every namespace.
+        let shift = self.namespaces.iter().map(|n| n.ns.lba_shift).max()?;
         let mut b = vec![0u8; IDENTIFY_LEN];
         b[3] = 1; // DMRL
-        put32(&mut b, 4, ((1u64 << 30) >> ns.lba_shift) as u32); // DMRSL
-        put64(&mut b, 8, (1u64 << 30) >> ns.lba_shift); // DMSL
+        put32(&mut b, 4, ((1u64 << 30) >> shift) as u32); // DMRSL
+        put64(&mut b, 8, (1u64 << 30) >> shift); // DMSL
         Some(b)
     }
 
@@ -457,21 +532,104 @@ mod tests {
     use super::*;
     use blkwire_backend::ExportSpec;
 
+    const COPY: CopyLimits = CopyLimits {
+        max_bytes: 64 << 20,
+        max_range: 64 << 20,
+        max_ranges: 4,
+    };
+
+    fn export(spec: &str) -> Arc<Export> {
+        Arc::new(Export::open(&ExportSpec::parse(spec).unwrap()).unwrap())
+    }
+
     fn facts(spec: &str) -> Facts {
-        let e = Arc::new(Export::open(&ExportSpec::parse(spec).unwrap()).unwrap());
+        let e = export(spec);
         let nqn = format!("{NQN_PREFIX}{}", e.name);
         Facts {
             cntlid: 7,
-            ns: Some(Namespace::of(&e, &nqn)),
+            namespaces: vec![NsFacts {
+                nsid: 1,
+                ns: Namespace::of(&e, &nqn),
+                copy: COPY,
+                session: 1,
+            }],
+            serial: default_serial(&nqn),
+            model: DEFAULT_MODEL.into(),
             subnqn: nqn,
             max_io: 1 << 20,
             max_depth: 128,
-            copy: CopyLimits {
-                max_bytes: 64 << 20,
-                max_range: 64 << 20,
-                max_ranges: 4,
-            },
         }
+    }
+
+    /// A subsystem of two namespaces (NSIDs 1 and 3) whose exports differ: the controller says
+    /// what both can do, each namespace what it can do.
+    #[test]
+    fn a_subsystem_with_two_namespaces() {
+        let nqn = "nqn.2026-11.test:two";
+        let (a, b) = (export("a=mem:1M"), export("b=mem:2M,ro"));
+        let f = Facts {
+            cntlid: 3,
+            namespaces: vec![
+                NsFacts {
+                    nsid: 1,
+                    ns: Namespace::in_subsystem(&a, nqn),
+                    copy: COPY,
+                    session: 1,
+                },
+                NsFacts {
+                    nsid: 3,
+                    ns: Namespace::in_subsystem(&b, nqn),
+                    copy: CopyLimits::default(),
+                    session: 2,
+                },
+            ],
+            serial: "SN-1".into(),
+            model: "Model X".into(),
+            subnqn: nqn.into(),
+            max_io: 1 << 20,
+            max_depth: 128,
+        };
+        let c = f.identify_controller();
+        assert_eq!(&c[4..24], b"SN-1                ");
+        assert_eq!(&c[24..31], b"Model X");
+        assert_eq!(u32::from_le_bytes(c[516..520].try_into().unwrap()), 3, "NN");
+        assert_eq!(
+            u32::from_le_bytes(c[540..544].try_into().unwrap()),
+            3,
+            "MNAN"
+        );
+        assert_eq!(u16::from_le_bytes([c[520], c[521]]), 0, "b is read-only");
+        assert_eq!(c[525] & 0b110, 0b100, "no broadcast flush");
+        let l = Facts::active_namespaces(0, f.namespaces.iter().map(|n| n.nsid));
+        assert_eq!(&l[..12], &[1, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0]);
+        let l = Facts::active_namespaces(1, f.namespaces.iter().map(|n| n.nsid));
+        assert_eq!(&l[..8], &[3, 0, 0, 0, 0, 0, 0, 0]);
+        let ia = Facts::identify_namespace(f.namespace(1));
+        let ib = Facts::identify_namespace(f.namespace(3));
+        assert_eq!(
+            u64::from_le_bytes(ia[0..8].try_into().unwrap()) << (ia[130]),
+            1 << 20
+        );
+        assert_eq!(
+            u64::from_le_bytes(ib[0..8].try_into().unwrap()) << (ib[130]),
+            2 << 20
+        );
+        assert_eq!((ia[99], ib[99]), (0, 1), "NSATTR");
+        assert_eq!((ia[80], ib[80]), (3, 0), "only a copies");
+        assert!(Facts::identify_namespace(f.namespace(2))
+            .iter()
+            .all(|&x| x == 0));
+        let (da, db) = (
+            Facts::namespace_descriptors(&f.namespaces[0]),
+            Facts::namespace_descriptors(&f.namespaces[1]),
+        );
+        assert_ne!(da[4..20], db[4..20], "NGUIDs differ");
+        assert_ne!(da[24..40], db[24..40], "UUIDs differ");
+        assert_eq!(
+            Namespace::in_subsystem(&a, nqn).nguid,
+            f.namespaces[0].ns.nguid,
+            "stable"
+        );
     }
 
     #[test]
@@ -495,7 +653,7 @@ mod tests {
     #[test]
     fn namespaces_of_two_subsystems_have_different_ids() {
         let (a, b) = (facts("a=mem:1M"), facts("b=mem:1M"));
-        let (na, nb) = (a.ns.unwrap(), b.ns.unwrap());
+        let (na, nb) = (&a.namespaces[0].ns, &b.namespaces[0].ns);
         assert_ne!(na.nguid, nb.nguid);
         assert_ne!(na.uuid, nb.uuid);
         assert_eq!(na.uuid[6] >> 4, 4, "version 4 layout");
@@ -504,15 +662,17 @@ mod tests {
     #[test]
     fn identify_namespace_reports_size_and_block_size() {
         let f = facts("d=mem:16M");
-        let b = f.identify_namespace(1);
-        let shift = f.ns.as_ref().unwrap().lba_shift;
+        let b = Facts::identify_namespace(f.namespace(1));
+        let shift = f.namespaces[0].ns.lba_shift;
         assert_eq!(
             u64::from_le_bytes(b[0..8].try_into().unwrap()),
             (16 << 20) >> shift
         );
         assert_eq!(b[130] as u32, shift);
         assert_eq!(b[80], 3, "MSRC is 0's based");
-        assert!(f.identify_namespace(2).iter().all(|&x| x == 0));
+        assert!(Facts::identify_namespace(f.namespace(2))
+            .iter()
+            .all(|&x| x == 0));
     }
 
     #[test]
@@ -520,7 +680,7 @@ mod tests {
         let f = facts("d=mem:1M,ro");
         let b = f.identify_controller();
         assert_eq!(u16::from_le_bytes([b[520], b[521]]), 0);
-        assert_eq!(f.identify_namespace(1)[99], 1);
+        assert_eq!(Facts::identify_namespace(f.namespace(1))[99], 1);
     }
 
     #[test]

@@ -31,12 +31,34 @@ pub(super) struct Slot {
     pub(super) started: Option<Started>,
 }
 
+/// One export a connection serves: a request's [`Req::target`] indexes the connection's
+/// list of them. Native and NBD connections have one; an NVMe/TCP I/O queue has one per
+/// namespace of its controller, each admitted into its own session (`crate::session`), so
+/// every export's access rules, session limits and memory floor apply as if it were alone.
+pub(super) struct Target {
+    pub(super) exec: Executor,
+    /// The export completes inside `start` (mem:, null:).
+    pub(super) inline: bool,
+    /// The session and queue this connection is in that export's session.
+    pub(super) session: u32,
+    pub(super) queue: u16,
+    /// Its session was closed (export or namespace removed, rules changed) while others of the
+    /// connection live on: its requests are answered NO_EXPORT (NVMe: Invalid Namespace); what
+    /// it has in flight still completes.
+    pub(super) fenced: bool,
+    /// The memory floor this queue reserved in that session (the connection's buffers are
+    /// charged to the first target's account, `Conn::mem`): held until the connection closes.
+    pub(super) _floor: Option<Account>,
+}
+
 pub(super) struct Conn {
     pub(super) sock: OwnedFd,
     pub(super) incarnation: u32,
     pub(super) fe: Box<dyn StreamFrontend>,
-    pub(super) exec: Executor,
-    pub(super) inline: bool,
+    /// The exports served, indexed by `Req::target` (never empty; small: no map, no allocation
+    /// per request). The connection's own counters (frames, errors) are the first one's.
+    pub(super) targets: Vec<Target>,
+    /// The first target's session and queue (logs).
     pub(super) session: u32,
     pub(super) queue: u16,
     pub(super) max_io: u32,
@@ -171,10 +193,34 @@ impl Conn {
     }
 
     pub(super) fn count_reply(&mut self, status: Status) {
-        self.exec.stats.frames_out += 1;
+        let stats = self.stats();
+        stats.frames_out += 1;
         if status != Status::Ok {
-            self.exec.stats.errors += 1;
+            stats.errors += 1;
         }
+    }
+
+    /// The connection's own counters (frames, errors, protocol errors): the first target's.
+    pub(super) fn stats(&mut self) -> &mut crate::stats::QueueStats {
+        &mut self.targets[0].exec.stats
+    }
+
+    /// Frames received so far (idle and progress checks).
+    pub(super) fn frames_in(&self) -> u64 {
+        self.targets[0].exec.stats.frames_in
+    }
+
+    /// The executor of the target `req` addresses (checked by `dispatch` before anything runs).
+    pub(super) fn exec(&mut self, req: &Req) -> &mut Executor {
+        &mut self.targets[req.target as usize].exec
+    }
+
+    /// Whether the export `req` addresses completes inline (an unknown target: as if it did, it
+    /// is refused before it needs a buffer).
+    pub(super) fn inline(&self, req: &Req) -> bool {
+        self.targets
+            .get(req.target as usize)
+            .is_none_or(|t| t.inline)
     }
 
     pub(super) fn violation(&mut self, what: &dyn std::fmt::Display) {
@@ -185,7 +231,7 @@ impl Conn {
             self.queue,
             self.peer
         );
-        self.exec.stats.protocol_errors += 1;
+        self.stats().protocol_errors += 1;
         self.closing = true;
         self.rx_start = self.rx_end;
     }

@@ -35,7 +35,7 @@ use crate::log::Level;
 use crate::session::Registry;
 use crate::stats::{ClosedTotals, QueueStats};
 pub use conn::stream_floor;
-use conn::{receive, transmit, Conn, Slot};
+use conn::{receive, transmit, Conn, Slot, Target};
 use ring::{
     notifier_poll, port_io_ud, ud, ud_split, Pusher, Ring, KIND_CANCEL, KIND_IO, KIND_NOTIFY,
     KIND_POLL_IN, KIND_POLL_OUT, KIND_PORT_IN, KIND_PORT_IO, KIND_PORT_NOTIFY, KIND_WAKE,
@@ -61,6 +61,10 @@ pub struct NewQueue {
     pub mem: crate::budget::Account,
     /// Its place under `--max-connections`.
     pub counted: Option<crate::ConnCount>,
+    /// The other exports the connection serves (targets 1.., in order), each admitted into its
+    /// own session as queue `queue` (an NVMe/TCP I/O queue of a subsystem with several
+    /// namespaces). Empty for native and NBD connections.
+    pub more: Vec<crate::session::Admitted>,
 }
 
 pub enum Msg {
@@ -127,6 +131,9 @@ pub struct Reactor {
     starved: Vec<usize>,
     /// When idle connections last gave back what their buffers grew to.
     last_trim: Instant,
+    /// The target budget's use at the last look: less now means buffers were freed.
+    budget_used: usize,
+    last_release: Instant,
     /// Some connection holds more than its minimum: wake up at least once a second to see
     /// whether it went idle (otherwise the reactor may sleep until something happens).
     trim_pending: bool,
@@ -139,6 +146,8 @@ pub struct Reactor {
 const STARVED_RETRY: Duration = Duration::from_millis(5);
 /// A connection that received nothing for this long gives back its grown buffers.
 const IDLE_TRIM: Duration = Duration::from_secs(1);
+/// How often freed memory may be handed back to the system (`budget::release_freed_memory`).
+const RELEASE_EVERY: Duration = Duration::from_millis(100);
 
 impl Reactor {
     pub fn new(
@@ -168,6 +177,8 @@ impl Reactor {
             reaped: Vec::new(),
             starved: Vec::new(),
             last_trim: Instant::now(),
+            budget_used: 0,
+            last_release: Instant::now(),
             trim_pending: false,
             closed: ClosedTotals::default(),
         })
@@ -267,12 +278,21 @@ impl Reactor {
                 }
                 Msg::Close(sessions) => {
                     for i in 0..self.conns.len() {
-                        let Some(c) = self.conns[i]
-                            .as_mut()
-                            .filter(|c| sessions.contains(&c.session))
-                        else {
+                        let Some(c) = self.conns[i].as_mut() else {
                             continue;
                         };
+                        let mut hit = false;
+                        for t in c.targets.iter_mut() {
+                            if sessions.contains(&t.session) {
+                                t.fenced = true;
+                                hit = true;
+                            }
+                        }
+                        // A connection keeps serving while one of its targets is left: only the
+                        // closed ones are fenced (their requests get NO_EXPORT).
+                        if !hit || c.targets.iter().any(|t| !t.fenced) {
+                            continue;
+                        }
                         // The peer learns at once (its I/O in flight fails); what the backend
                         // is still doing for it completes, then the connection is dropped.
                         // SAFETY: shutdown on a socket this connection owns.
@@ -290,13 +310,16 @@ impl Reactor {
                         .conns
                         .iter()
                         .flatten()
-                        .map(|c| QueueReport {
-                            session: c.session,
-                            export: c.exec.export().name.clone(),
-                            queue: c.queue,
-                            thread: self.id,
-                            in_flight: c.inflight,
-                            stats: c.exec.stats,
+                        .flat_map(|c| {
+                            c.targets.iter().enumerate().map(|(i, t)| QueueReport {
+                                session: t.session,
+                                export: t.exec.export().name.clone(),
+                                queue: t.queue,
+                                thread: self.id,
+                                // What is in flight is counted once, with the first target.
+                                in_flight: if i == 0 { c.inflight } else { 0 },
+                                stats: t.exec.stats,
+                            })
                         })
                         .collect();
                     let mut closed = self.closed.clone();
@@ -339,8 +362,46 @@ impl Reactor {
             q.max_io,
             q.size,
         ) else {
+            for a in &q.more {
+                self.registry.leave(a.session, a.queue, &Default::default());
+            }
             return;
         };
+        let mut targets = vec![Target {
+            inline: exec.completes_inline(),
+            exec,
+            session: q.session,
+            queue: q.queue,
+            fenced: false,
+            _floor: None,
+        }];
+        let mut more = q.more.into_iter();
+        while let Some(a) = more.next() {
+            let Some(exec) = Executor::for_queue(
+                &self.registry,
+                &a.export,
+                (a.session, a.queue),
+                q.max_io,
+                a.size,
+            ) else {
+                // All or nothing: the connection's other sessions are left too.
+                for t in &targets {
+                    self.registry.leave(t.session, t.queue, &Default::default());
+                }
+                for a in more {
+                    self.registry.leave(a.session, a.queue, &Default::default());
+                }
+                return;
+            };
+            targets.push(Target {
+                inline: exec.completes_inline(),
+                exec,
+                session: a.session,
+                queue: a.queue,
+                fenced: false,
+                _floor: Some(a.mem),
+            });
+        }
         let idx = self.free.pop().unwrap_or_else(|| {
             self.conns.push(None);
             self.conns.len() - 1
@@ -358,8 +419,7 @@ impl Reactor {
             bufs: Default::default(),
             held: 0,
             copying: false,
-            inline: exec.completes_inline(),
-            exec,
+            targets,
             incarnation,
             session: q.session,
             queue: q.queue,
@@ -390,9 +450,13 @@ impl Reactor {
             .build()
             .user_data(ud(KIND_POLL_IN, incarnation, idx, 0));
         Pusher(&mut self.ring).push(poll);
-        if let Some(fd) = conn.exec.notifier() {
-            let notify = notifier_poll(fd, ud(KIND_NOTIFY, incarnation, idx, 0));
-            Pusher(&mut self.ring).push(notify);
+        // Each target's backend may complete on its own threads: its notifier's completions
+        // carry the target's index where I/O completions carry a slot.
+        for (t, target) in conn.targets.iter().enumerate() {
+            if let Some(fd) = target.exec.notifier() {
+                let notify = notifier_poll(fd, ud(KIND_NOTIFY, incarnation, idx, t as u16));
+                Pusher(&mut self.ring).push(notify);
+            }
         }
         self.conns[idx] = Some(conn);
         self.ready.push_back(idx);
@@ -559,15 +623,20 @@ impl Reactor {
                 KIND_NOTIFY => {
                     let mut sq = Pusher(&mut self.ring);
                     let mut reaped = std::mem::take(&mut self.reaped);
-                    c.exec
+                    // `slot` is the target whose notifier fired.
+                    let Some(t) = c.targets.get_mut(slot as usize) else {
+                        continue;
+                    };
+                    t.exec
                         .reap(&mut sq, &mut |tag, res| reaped.push((tag, res)));
+                    let fd = t.exec.notifier();
                     for &(tag, res) in &reaped {
                         finish_result(c, ud_split(tag).3, tag, res);
                     }
                     reaped.clear();
                     self.reaped = reaped;
                     if !cqueue::more(cqe.flags()) {
-                        if let Some(fd) = c.exec.notifier() {
+                        if let Some(fd) = fd {
                             sq.push(notifier_poll(fd, cqe.user_data()));
                         }
                     }
@@ -592,12 +661,12 @@ impl Reactor {
         // mark that stopped parsing. Bounded so one busy connection cannot starve the others.
         let mut rounds = 0;
         while !c.dead {
-            let before = (c.exec.stats.frames_in, c.bytes_sent);
+            let before = (c.frames_in(), c.bytes_sent);
             receive(c, idx, &mut sq);
             if c.tx_backlog() > 0 && !c.want_out {
                 transmit(c, idx, &mut sq);
             }
-            if before == (c.exec.stats.frames_in, c.bytes_sent) {
+            if before == (c.frames_in(), c.bytes_sent) {
                 break;
             }
             rounds += 1;
@@ -623,13 +692,24 @@ impl Reactor {
     /// Connections that received nothing since the last look, a second ago, and have nothing
     /// in flight give back what their buffers grew to (to the budget and the allocator).
     fn trim_idle(&mut self) {
+        // What connections, ports and sessions gave back to the budget since the last look is
+        // in the allocator's free lists: hand it to the system, at most ten times a second
+        // (under churn, freed buffers would otherwise pile up between idle ticks).
+        if self.last_release.elapsed() >= RELEASE_EVERY {
+            self.last_release = Instant::now();
+            let used = self.registry.budget().used();
+            if used < self.budget_used {
+                crate::budget::release_freed_memory();
+            }
+            self.budget_used = used;
+        }
         if self.last_trim.elapsed() < IDLE_TRIM {
             return;
         }
         self.last_trim = Instant::now();
         self.trim_pending = false;
         for c in self.conns.iter_mut().flatten() {
-            let frames = c.exec.stats.frames_in;
+            let frames = c.frames_in();
             if frames == c.idle_mark && c.inflight == 0 && c.tx_backlog() == 0 {
                 c.trim();
             }
@@ -651,25 +731,33 @@ impl Reactor {
                 .user_data(ud(KIND_CANCEL, 0, 0, 0));
             Pusher(&mut self.ring).push(cancel);
         }
-        if c.exec.notifier().is_some() {
-            let cancel = opcode::AsyncCancel::new(ud(KIND_NOTIFY, c.incarnation, idx, 0))
-                .build()
-                .user_data(ud(KIND_CANCEL, 0, 0, 0));
-            Pusher(&mut self.ring).push(cancel);
+        for (t, target) in c.targets.iter().enumerate() {
+            if target.exec.notifier().is_some() {
+                let cancel =
+                    opcode::AsyncCancel::new(ud(KIND_NOTIFY, c.incarnation, idx, t as u16))
+                        .build()
+                        .user_data(ud(KIND_CANCEL, 0, 0, 0));
+                Pusher(&mut self.ring).push(cancel);
+            }
         }
         let _ = self.ring.submit();
-        self.closed.add(&c.exec.export().name, &c.exec.stats);
-        self.registry.leave(c.session, c.queue, &c.exec.stats);
+        for t in &c.targets {
+            self.closed.add(&t.exec.export().name, &t.exec.stats);
+            self.registry.leave(t.session, t.queue, &t.exec.stats);
+        }
+        let s = &c.targets[0].exec.stats;
         crate::log!(
             Level::Debug,
             "session {} queue {} closed: {} frames in, {} out, {} errors",
             c.session,
             c.queue,
-            c.exec.stats.frames_in,
-            c.exec.stats.frames_out,
-            c.exec.stats.errors
+            s.frames_in,
+            s.frames_out,
+            s.errors
         );
         self.free.push(idx);
         drop(c); // closes the socket
+                 // The next idle trim returns what it held to the system (`trim_idle`).
+        self.trim_pending = true;
     }
 }

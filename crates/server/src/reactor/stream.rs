@@ -76,7 +76,7 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                     let req = *req;
                     c.fe.taken(&req);
                     c.rx_start += len;
-                    c.exec.stats.frames_in += 1;
+                    c.stats().frames_in += 1;
                     park(c, &req);
                     continue;
                 }
@@ -90,7 +90,7 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                     c.fe.taken(req);
                     let req = req.refused();
                     c.rx_start += len;
-                    c.exec.stats.frames_in += 1;
+                    c.stats().frames_in += 1;
                     c.reply(&req, Status::NoMemory);
                     continue;
                 }
@@ -98,7 +98,7 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         }
         let payload_at = c.rx_start + len - trailer - payload_len;
         c.rx_start += len;
-        c.exec.stats.frames_in += 1;
+        c.stats().frames_in += 1;
         match decoded {
             Decoded::Request { req, .. } => {
                 c.fe.taken(&req);
@@ -118,7 +118,7 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             }
             Decoded::Release { slot, .. } => release_held(c, slot),
             // Counted as answered even when the frontend's protocol has no answer for it.
-            _ => c.exec.stats.frames_out += 1,
+            _ => c.stats().frames_out += 1,
         }
     }
     if c.rx_start == c.rx_end {
@@ -183,7 +183,7 @@ fn covers_request(c: &mut Conn, req: &Req) -> Cover {
     let read = req.is_read();
     let extra_tx = if read { len + REPLY_SLACK } else { 0 };
     let chunked = read && c.fe.read_framing(req) == ReadFraming::Chunked;
-    let pooled = !c.inline || chunked;
+    let pooled = !c.inline(req) || chunked;
     // What it needs even on an idle connection.
     if c.rx.capacity() + extra_tx + if pooled { len } else { 0 } > c.mem.cap() {
         return Cover::Never;
@@ -208,6 +208,11 @@ fn dispatch(
     payload_len: usize,
     sq: &mut Pusher<'_>,
 ) {
+    // A target the connection does not have, or one fenced since (its export or namespace was
+    // removed), runs nothing; a LOGOUT addresses the connection, not a target.
+    if req.kind != Kind::Logout && c.targets.get(req.target as usize).is_none_or(|t| t.fenced) {
+        return c.reply(&req.refused(), Status::NoExport);
+    }
     let block = match req.kind {
         Kind::Block(_) => req.block().expect("a block request"),
         Kind::Logout => {
@@ -222,7 +227,7 @@ fn dispatch(
         Kind::Invalid => return c.reply(req, Status::Invalid),
         Kind::Copy => return copy(c, idx, req, payload_at, payload_len, sq),
         Kind::Cache | Kind::BlockStatus => {
-            if let Err(st) = c.exec.check_range(req.offset, req.length) {
+            if let Err(st) = c.exec(req).check_range(req.offset, req.length) {
                 return c.reply(req, st);
             }
             if req.kind == Kind::BlockStatus {
@@ -235,7 +240,7 @@ fn dispatch(
     if !client_slot_free(c, req, req) {
         return;
     }
-    if let Err(st) = c.exec.admit(&block) {
+    if let Err(st) = c.exec(req).admit(&block) {
         return c.reply(req, st);
     }
     let len = block.len;
@@ -245,7 +250,7 @@ fn dispatch(
 
     let framing = req.is_read().then(|| c.fe.read_framing(req));
     // A chunked READ reply is built from a slot's buffer even on inline exports.
-    if c.inline && framing != Some(ReadFraming::Chunked) {
+    if c.inline(req) && framing != Some(ReadFraming::Chunked) {
         // mem:/null: the request completes inside start(); READ lands straight in the reply
         // buffer and WRITE is taken straight from the receive buffer: one copy each way.
         if let Some(ReadFraming::Contiguous { prefix, suffix }) = framing {
@@ -261,7 +266,7 @@ fn dispatch(
             // SAFETY: `reserve` made room for `len` bytes after the prefix.
             let buf = unsafe { c.tx.as_mut_ptr().add(at + prefix) };
             // SAFETY: the export completes inline, so the buffer is only used during the call.
-            let status = match unsafe { c.exec.start(&block, buf, 0, sq) } {
+            let status = match unsafe { c.exec(req).start(&block, buf, 0, sq) } {
                 Outcome::Done(st) => st,
                 Outcome::Pending(_) => unreachable!("inline exports finish in start"),
             };
@@ -283,7 +288,7 @@ fn dispatch(
         let buf = c.rx[payload_at..].as_mut_ptr();
         // SAFETY: for a WRITE the receive buffer holds the whole payload (decode saw it), and
         // the export completes inline, so the buffer is only read during the call.
-        let status = match unsafe { c.exec.start(&block, buf, 0, sq) } {
+        let status = match unsafe { c.exec(req).start(&block, buf, 0, sq) } {
             Outcome::Done(st) => st,
             Outcome::Pending(_) => unreachable!("inline exports finish in start"),
         };
@@ -293,7 +298,7 @@ fn dispatch(
     // A backend that finishes later: the slot owns a buffer that lives until the completion.
     let slot = take_slot(c, req);
     if block.op.moves_data() {
-        let align = c.exec.buffer_alignment();
+        let align = c.exec(req).buffer_alignment();
         let b = slot_buffer(&mut c.slots, &mut c.bufs, &mut c.held, align, slot, len);
         if req.is_write() {
             b.as_mut_slice()[..len as usize]
@@ -318,7 +323,7 @@ fn copy(
         return;
     }
     let Some(desc) =
-        c.fe.copy_descriptor(&c.rx[payload_at..payload_at + payload_len])
+        c.fe.copy_descriptor(req, &c.rx[payload_at..payload_at + payload_len])
     else {
         return c.reply(&refused, Status::Invalid);
     };
@@ -327,7 +332,10 @@ fn copy(
     let s = &mut c.slots[slot as usize];
     s.busy = true;
     s.req = Some(*req);
-    match c.exec.start_copy(&desc, req.offset, req.length, tag, sq) {
+    match c
+        .exec(req)
+        .start_copy(&desc, req.offset, req.length, tag, sq)
+    {
         Some(done) => settle_copy(c, slot, done),
         None => {
             c.copying = true;
@@ -401,7 +409,7 @@ fn run_in_slot(c: &mut Conn, idx: usize, req: &Req, slot: u16, sq: &mut Pusher<'
     // SAFETY: the slot's buffer holds `len` bytes and is neither freed nor touched until the
     // slot is released, which happens only once the result is delivered (a busy slot is never
     // reused, and a connection with slots in flight is never dropped).
-    match unsafe { c.exec.start(&block, buf, tag, sq) } {
+    match unsafe { c.exec(req).start(&block, buf, tag, sq) } {
         Outcome::Done(status) => settle(c, slot, status),
         Outcome::Pending(started) => {
             c.slots[slot as usize].started = Some(started);
@@ -423,7 +431,7 @@ fn hold_write(c: &mut Conn, req: &Req, payload_at: usize, got: u32) {
         c.deferred.push_back(slot);
         return;
     }
-    let align = c.exec.buffer_alignment();
+    let align = c.exec(req).buffer_alignment();
     let b = slot_buffer(
         &mut c.slots,
         &mut c.bufs,
@@ -486,7 +494,7 @@ fn run_deferred(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             return;
         }
         c.deferred.pop_front();
-        let align = c.exec.buffer_alignment();
+        let align = c.exec(&req).buffer_alignment();
         let buf = slot_buffer(
             &mut c.slots,
             &mut c.bufs,
@@ -552,7 +560,7 @@ fn read_hole(c: &mut Conn, req: &Req) -> bool {
     }
     let mut extents = std::mem::take(&mut c.extents);
     extents.clear();
-    c.exec
+    c.exec(req)
         .export()
         .backend()
         .allocation(req.offset, req.length as u64, &mut extents);
@@ -597,12 +605,12 @@ fn release_slot(c: &mut Conn, slot: u16) {
 /// inline answer on this thread into the connection's scratch list; the others may run the
 /// query on their own threads, so it takes a slot whose list outlives it.
 fn block_status(c: &mut Conn, idx: usize, req: &Req, sq: &mut Pusher<'_>) {
-    if c.inline {
+    if c.inline(req) {
         let mut extents = std::mem::take(&mut c.extents);
         extents.clear();
         // SAFETY: `extents` is ours for the call, and an inline export answers inside it.
         let status = match unsafe {
-            c.exec
+            c.exec(req)
                 .start_allocation(req.offset, req.length, &mut extents, 0, sq)
         } {
             Outcome::Done(st) => st,
@@ -628,7 +636,7 @@ fn block_status(c: &mut Conn, idx: usize, req: &Req, sq: &mut Pusher<'_>) {
     // happens only once the result is delivered (a connection with slots in flight is never
     // dropped).
     match unsafe {
-        c.exec
+        c.exec(req)
             .start_allocation(req.offset, req.length, out, tag, sq)
     } {
         Outcome::Done(status) => {
@@ -669,10 +677,15 @@ fn answer_block_status(c: &mut Conn, req: &Req, status: Status, extents: &[Exten
 
 /// A ring completion for a slot's request; more may be needed before it is finished.
 pub(super) fn complete(c: &mut Conn, slot: u16, tag: u64, res: i32, sq: &mut Pusher<'_>) {
-    if !c.slots.get(slot as usize).is_some_and(|s| s.busy) {
+    let Some(req) = c
+        .slots
+        .get(slot as usize)
+        .filter(|s| s.busy)
+        .and_then(|s| s.req)
+    else {
         return;
-    }
-    if let Some(res) = c.exec.complete(tag, res, sq) {
+    };
+    if let Some(res) = c.exec(&req).complete(tag, res, sq) {
         finish_result(c, slot, tag, res);
     }
 }
@@ -687,7 +700,7 @@ pub(super) fn finish_result(c: &mut Conn, slot: u16, tag: u64, res: i32) {
         return;
     };
     if req.kind == Kind::Copy {
-        let done = c.exec.copy_status(tag, res, req.length);
+        let done = c.exec(&req).copy_status(tag, res, req.length);
         c.copying = false;
         c.inflight -= 1;
         return settle_copy(c, slot, done);
@@ -695,7 +708,9 @@ pub(super) fn finish_result(c: &mut Conn, slot: u16, tag: u64, res: i32) {
     // A block request started on the backend has its start time; an allocation query has
     // neither.
     let status = match (req.block(), s.started.take()) {
-        (Some(block), Some(started)) => c.exec.status(&block, res, started),
+        (Some(block), Some(started)) => c.targets[req.target as usize]
+            .exec
+            .status(&block, res, started),
         _ => result_status(res),
     };
     finish(c, slot, status);
@@ -810,6 +825,30 @@ mod tests {
             };
             match rx.first() {
                 None => Decoded::Need(1),
+                // `T n` in front of a request: it addresses the connection's target n.
+                Some(b'T') => {
+                    if let Some(n) = need(2) {
+                        return n;
+                    }
+                    match self.decode(&rx[2..], tx) {
+                        Decoded::Request {
+                            mut req,
+                            len,
+                            payload_len,
+                            trailer,
+                        } => {
+                            req.target = rx[1];
+                            Decoded::Request {
+                                req,
+                                len: len + 2,
+                                payload_len,
+                                trailer,
+                            }
+                        }
+                        Decoded::Need(n) => Decoded::Need(n + 2),
+                        _ => Decoded::Violation("T before something else than a request".into()),
+                    }
+                }
                 Some(b'P') => {
                     tx.push(b'p');
                     Decoded::Answered { len: 1 }
@@ -848,6 +887,7 @@ mod tests {
                         flags: IoFlags::empty(),
                         slot: None,
                         cookie: u64_at(rx, 1) as u128,
+                        target: 0,
                     };
                     Decoded::Request {
                         req,
@@ -933,6 +973,101 @@ mod tests {
         conn_budget(spec, chunked, 1 << 30)
     }
 
+    /// A connection of two targets (exports `spec0` and `spec1`, sessions 1 and 2), as an
+    /// NVMe/TCP I/O queue of a controller with two namespaces is.
+    fn conn_two(spec0: &str, spec1: &str) -> (Conn, UnixStream) {
+        let (mut c, b) = conn_budget(spec0, false, 1 << 30);
+        let export = Arc::new(Export::open(&ExportSpec::parse(spec1).unwrap()).unwrap());
+        let size = export.size();
+        let exec = Executor::open(export, 1 << 20, size).unwrap();
+        c.targets.push(super::super::conn::Target {
+            inline: exec.completes_inline(),
+            exec,
+            session: 2,
+            queue: 0,
+            fenced: false,
+            _floor: None,
+        });
+        (c, b)
+    }
+
+    fn to(target: u8, msg: Vec<u8>) -> Vec<u8> {
+        let mut m = vec![b'T', target];
+        m.extend_from_slice(&msg);
+        m
+    }
+
+    /// Requests reach the export their target names; a fenced target (its session closed) and
+    /// a target the connection does not have get NO_EXPORT, and the other target goes on.
+    #[test]
+    fn requests_go_to_their_target_and_a_fenced_one_runs_nothing() {
+        for async1 in [false, true] {
+            let mut ring = Ring::new(8).unwrap();
+            let spec1 = if async1 { "b=memthread:1M" } else { "b=mem:1M" };
+            let (mut c, _peer) = conn_two("a=mem:1M", spec1);
+            let d = vec![7u8; 4096];
+            feed(&mut c, &mut ring, &to(1, write(1, 0, 4096, &d)));
+            settle_target(&mut c, &mut ring, 1);
+            assert_eq!(take_tx(&mut c), status_reply(1, Status::Ok), "{spec1}");
+            feed(&mut c, &mut ring, &to(0, read(2, 0, 4096)));
+            let tx = take_tx(&mut c);
+            assert!(
+                tx[11..11 + 4096].iter().all(|&b| b == 0),
+                "target 0 untouched"
+            );
+            feed(&mut c, &mut ring, &to(1, read(3, 0, 4096)));
+            settle_target(&mut c, &mut ring, 1);
+            let tx = take_tx(&mut c);
+            assert_eq!(tx[11..11 + 4096], d[..], "{spec1}: target 1 holds the data");
+            assert_eq!(
+                (
+                    c.targets[0].exec.stats.writes,
+                    c.targets[1].exec.stats.writes
+                ),
+                (0, 1)
+            );
+            c.targets[1].fenced = true;
+            feed(&mut c, &mut ring, &to(1, write(4, 0, 4096, &d)));
+            assert_eq!(take_tx(&mut c), status_reply(4, Status::NoExport));
+            feed(&mut c, &mut ring, &to(9, read(5, 0, 512)));
+            assert_eq!(take_tx(&mut c), status_reply(5, Status::NoExport));
+            assert_eq!(
+                c.targets[1].exec.stats.writes, 1,
+                "nothing ran on the fenced one"
+            );
+            feed(&mut c, &mut ring, &to(0, write(6, 0, 4096, &d)));
+            assert_eq!(
+                take_tx(&mut c),
+                status_reply(6, Status::Ok),
+                "target 0 goes on"
+            );
+            assert!(!c.closing);
+        }
+    }
+
+    /// Waits for what target `t`'s thread-completing backend has in flight and answers it.
+    fn settle_target(c: &mut Conn, ring: &mut Ring, t: usize) {
+        while c.inflight > 0 {
+            let Some(fd) = c.targets[t].exec.notifier() else {
+                return;
+            };
+            let mut pfd = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: poll on one descriptor the backend owns.
+            unsafe { libc::poll(&mut pfd, 1, 5000) };
+            let mut done = Vec::new();
+            c.targets[t]
+                .exec
+                .reap(&mut Pusher(ring), &mut |tag, r| done.push((tag, r)));
+            for (tag, res) in done {
+                super::finish_result(c, tag as u16, tag, res);
+            }
+        }
+    }
+
     /// A connection whose buffers may hold `budget` bytes.
     fn conn_budget(spec: &str, chunked: bool, budget: usize) -> (Conn, UnixStream) {
         let (a, b) = UnixStream::pair().unwrap();
@@ -943,8 +1078,14 @@ mod tests {
             sock: OwnedFd::from(a),
             incarnation: 1,
             fe: Box::new(Toy { chunked }),
-            inline: exec.completes_inline(),
-            exec,
+            targets: vec![super::super::conn::Target {
+                inline: exec.completes_inline(),
+                exec,
+                session: 1,
+                queue: 0,
+                fenced: false,
+                _floor: None,
+            }],
             session: 1,
             queue: 0,
             max_io: 1 << 20,
@@ -1037,16 +1178,16 @@ mod tests {
         assert_eq!(tx[0], b'T', "a solicitation: {tx:?}");
         let slot = u16::from_le_bytes([tx[1], tx[2]]);
         assert_eq!((u32_at(&tx, 3), u32_at(&tx, 7)), (512, 3584));
-        assert_eq!(c.exec.stats.writes, 0, "nothing ran yet");
+        assert_eq!(c.targets[0].exec.stats.writes, 0, "nothing ran yet");
         // A ping is answered by the frontend while the write waits.
         feed(&mut c, &mut ring, b"P");
         assert_eq!(take_tx(&mut c), b"p");
         // The rest arrives in two parts; only the last one runs the write.
         feed(&mut c, &mut ring, &data(slot, 512, &payload[512..2048]));
-        assert!(c.tx.is_empty() && c.exec.stats.writes == 0);
+        assert!(c.tx.is_empty() && c.targets[0].exec.stats.writes == 0);
         feed(&mut c, &mut ring, &data(slot, 2048, &payload[2048..]));
         assert_eq!(take_tx(&mut c), status_reply(7, Status::Ok));
-        assert_eq!(c.exec.stats.writes, 1);
+        assert_eq!(c.targets[0].exec.stats.writes, 1);
         assert_eq!(c.free_slots.len(), 4, "the slot is free again");
         // The bytes landed where the write said.
         feed(&mut c, &mut ring, &read(8, 8192, 4096));
@@ -1056,7 +1197,7 @@ mod tests {
         // The data digest the frontend computed over the data where it lay.
         let crc = blkwire_wire::crc::crc32c(&payload).to_le_bytes();
         assert_eq!(&tx[11 + 4096..], &crc[..]);
-        assert_eq!(c.exec.stats.frames_in, 5);
+        assert_eq!(c.targets[0].exec.stats.frames_in, 5);
     }
 
     #[test]
@@ -1082,7 +1223,7 @@ mod tests {
             more.extend_from_slice(&data(s, 0, &payload));
         }
         feed(&mut c, &mut ring, &more);
-        assert_eq!(c.exec.stats.writes, 4, "every held write ran");
+        assert_eq!(c.targets[0].exec.stats.writes, 4, "every held write ran");
         assert_eq!(c.free_slots.len(), 4);
         assert_eq!(take_tx(&mut c).len(), 4 * 11, "four write replies");
         feed(&mut c, &mut ring, &read(9, 0, 1024));
@@ -1126,7 +1267,7 @@ mod tests {
                 feed(&mut c, &mut ring, &data(s, 0, &one));
             }
         }
-        assert_eq!(c.exec.stats.writes, 3, "every write ran");
+        assert_eq!(c.targets[0].exec.stats.writes, 3, "every write ran");
         // Idle now: the reactor trims what the data made the buffers grow to, and the starved
         // connection is retried (`trim_idle`, `starved`): the read that waited runs.
         c.trim();
@@ -1168,7 +1309,7 @@ mod tests {
             msgs.extend_from_slice(&data(s, 0, &big));
         }
         feed(&mut c, &mut ring, &msgs);
-        assert_eq!(c.exec.stats.writes, 5, "every write ran");
+        assert_eq!(c.targets[0].exec.stats.writes, 5, "every write ran");
     }
 
     /// A request whose reply and data buffer the memory budget cannot cover waits in the
@@ -1182,7 +1323,7 @@ mod tests {
         both.extend_from_slice(&read(2, 1 << 20, 1 << 20));
         feed(&mut c, &mut ring, &both);
         assert_eq!(
-            c.exec.stats.frames_in, 1,
+            c.targets[0].exec.stats.frames_in, 1,
             "the second read does not fit beside the first"
         );
         assert!(c.starved);
@@ -1197,7 +1338,7 @@ mod tests {
         settle_async(&mut c, &mut ring);
         let tx = take_tx(&mut c);
         assert_eq!(&tx[..11], &status_reply(2, Status::Ok)[..]);
-        assert_eq!(c.exec.stats.frames_in, 2);
+        assert_eq!(c.targets[0].exec.stats.frames_in, 2);
         c.settle_memory();
         let busy = c.mem.charged();
         c.trim();
@@ -1238,7 +1379,7 @@ mod tests {
     fn settle_async(c: &mut Conn, ring: &mut Ring) {
         while c.inflight > 0 {
             let mut pfd = libc::pollfd {
-                fd: c
+                fd: c.targets[0]
                     .exec
                     .notifier()
                     .expect("only asynchronous exports have requests in flight"),
@@ -1248,7 +1389,8 @@ mod tests {
             // SAFETY: poll on one descriptor the backend owns.
             unsafe { libc::poll(&mut pfd, 1, 5000) };
             let mut done = Vec::new();
-            c.exec
+            c.targets[0]
+                .exec
                 .reap(&mut Pusher(ring), &mut |t, r| done.push((t, r)));
             for (tag, res) in done {
                 super::finish_result(c, tag as u16, tag, res);
@@ -1262,7 +1404,7 @@ mod tests {
         let (mut c, _peer) = conn("m=mem:1M");
         feed(&mut c, &mut ring, &data(2, 0, &[1; 16]));
         assert!(
-            c.closing && c.exec.stats.protocol_errors == 1,
+            c.closing && c.targets[0].exec.stats.protocol_errors == 1,
             "no write waits in slot 2"
         );
 
@@ -1271,7 +1413,7 @@ mod tests {
         let slot = u16::from_le_bytes([c.tx[1], c.tx[2]]);
         feed(&mut c, &mut ring, &data(slot, 512, &[1; 512]));
         assert!(
-            c.closing && c.exec.stats.protocol_errors == 1,
+            c.closing && c.targets[0].exec.stats.protocol_errors == 1,
             "a gap before offset 512"
         );
 
@@ -1280,7 +1422,7 @@ mod tests {
         let slot = u16::from_le_bytes([c.tx[1], c.tx[2]]);
         feed(&mut c, &mut ring, &data(slot, 0, &[1; 2048]));
         assert!(
-            c.closing && c.exec.stats.protocol_errors == 1,
+            c.closing && c.targets[0].exec.stats.protocol_errors == 1,
             "past the write's end"
         );
     }
@@ -1298,13 +1440,13 @@ mod tests {
         feed(&mut c, &mut ring, &abort);
         assert!(c.tx.is_empty(), "an aborted write is never answered");
         assert_eq!((c.free_slots.len(), c.held), (4, 0));
-        assert_eq!(c.exec.stats.writes, 0);
+        assert_eq!(c.targets[0].exec.stats.writes, 0);
         // Releasing a slot that holds no waiting write changes nothing.
         feed(&mut c, &mut ring, &abort);
         assert_eq!(c.free_slots.len(), 4);
         // Its data, if it came now, is for no write.
         feed(&mut c, &mut ring, &data(slot, 512, &[1; 512]));
-        assert!(c.closing && c.exec.stats.protocol_errors == 1);
+        assert!(c.closing && c.targets[0].exec.stats.protocol_errors == 1);
     }
 
     #[test]

@@ -1,11 +1,15 @@
 #!/bin/sh
 # Scenario nvme-tcp, guest side: the kernel's NVMe/TCP host (nvme-tcp, nvme-cli 2.3) against
 # blkwire's NVMe/TCP frontend on the host.
-#   1. discovery: `nvme discover` lists nqn.2026-11.io.blkwire:disk0, one subsystem entry;
+#   1. discovery: `nvme discover` lists nqn.2026-11.io.blkwire:disk0 and the two-namespace
+#      subsystem lab.multi_nqn (four NVM subsystem entries: disk0, m1, m2 and that one);
 #   2. `nvme connect` without digests; `nvme list`, `id-ctrl` (subnqn), `id-ns` (size = the
 #      device's); NVMe Copy of two source ranges, checked with dd before and after; mkfs.ext4,
 #      mount, write files, sync, umount, `e2fsck -fn`, re-read with caches dropped; disconnect;
 #   3. `nvme connect -g -G` (header and data digests): fsck and every file read back; disconnect;
+#   3b. the subsystem of two namespaces: one controller, /dev/nvmeXnY for NSIDs 1 and 2 with the
+#      sizes (8 and 4 MiB) and sha256s the host gave, id-ctrl's serial, model and NN; m1's first MiB
+#      written to namespace 2 at 2 MiB (the host finds it in m2's file); disconnect;
 #   4. DH-HMAC-CHAP against a second target that requires it (export "secure", allow=host A):
 #      host A's secret connects (unidirectional, then bidirectional with the controller secret) and
 #      reads the export's data (sha256 from the host); refused, with no namespace left: host A
@@ -16,8 +20,9 @@
 # From the kernel command line (set by host.sh): lab.nvme_port, lab.auth_port, lab.export,
 # lab.hosta, lab.keya, lab.ctrla (host A, its secret, the controller's secret), lab.keyx (a
 # secret nobody has), lab.hostb, lab.keyb (listed, not allowed), lab.hostc, lab.keyc (unlisted),
-# lab.secure_sha, lab.secure_mib (sha256 of the first MiB of the secure export); lab.auth=0 skips
-# part 4 (said in the log).
+# lab.secure_sha, lab.secure_mib (sha256 of the first MiB of the secure export), lab.multi_nqn,
+# lab.multi_sha1, lab.multi_sha2 (the two-namespace subsystem and its exports' sha256s); lab.auth=0
+# skips part 4 (said in the log).
 # lab.nvme_ref=nvmet: a reference run against the kernel's own target (nvmet) inside the guest,
 # configured like blkwire (same NQNs, hosts and secrets), to tell the lab's faults from the
 # frontend's; nvmet has no Copy, so there the Copy must be refused.
@@ -69,7 +74,13 @@ step "nvme discover -t tcp -a $addr -s $port"
 nvme discover -t tcp -a $addr -s "$port" >/tmp/disc 2>&1 || fail "nvme discover failed: $(cat /tmp/disc)"
 grep -q "^subnqn: *$nqn\$" /tmp/disc || fail "the discovery log does not list $nqn: $(tr '\n' '|' </tmp/disc)"
 subsystems=$(grep -c '^subtype: *nvme subsystem' /tmp/disc || true)
-[ "$subsystems" = 1 ] || fail "the discovery log lists $subsystems NVM subsystems, expected 1 (one export)"
+if [ "${LAB_NVME_REF:-}" = nvmet ]; then
+    [ "$subsystems" = 1 ] || fail "the discovery log lists $subsystems NVM subsystems, expected 1 (one export)"
+else
+    [ "$subsystems" = 4 ] || fail "the discovery log lists $subsystems NVM subsystems, expected 4 (disk0, m1, m2, each its own, and ${LAB_MULTI_NQN:-})"
+    grep -q "^subnqn: *${LAB_MULTI_NQN:?lab.multi_nqn= missing}\$" /tmp/disc ||
+        fail "the discovery log does not list $LAB_MULTI_NQN: $(tr '\n' '|' </tmp/disc)"
+fi
 info "discovery: $(grep -m1 'Discovery Log' /tmp/disc); $nqn at $(sed -n 's/^traddr: *//p' /tmp/disc | head -n1):$(sed -n 's/^trsvcid: *//p' /tmp/disc | head -n1)"
 
 # ---- 2. connect without digests -------------------------------------------------------------------
@@ -202,6 +213,66 @@ verify_after_reread "$dev" "$mnt"
 run nvme disconnect -n "$nqn"
 nvme_gone "$dev"
 info "with header and data digests (-g -G): fsck clean, every file read back identical"
+
+# ---- 3b. a subsystem of two namespaces -------------------------------------------------------------
+ns_dev() { # NQN NSID: the block device of namespace NSID of NQN's controller
+    _i=0
+    while :; do
+        for _s in /sys/class/nvme-subsystem/nvme-subsys* /sys/class/nvme/nvme*; do
+            [ -f "$_s/subsysnqn" ] || continue
+            [ "$(cat "$_s/subsysnqn")" = "$1" ] || continue
+            for _n in "$_s"/nvme*n*; do
+                [ -f "$_n/nsid" ] && [ "$(cat "$_n/nsid")" = "$2" ] && [ -b "/dev/${_n##*/}" ] &&
+                    echo "/dev/${_n##*/}" && return 0
+            done
+        done
+        _i=$((_i + 1))
+        [ $_i -le 100 ] || fail "no namespace $2 of $1 appeared within 10 s: $(nvme_dmesg 4)"
+        sleep 0.1
+    done
+}
+if [ "${LAB_NVME_REF:-}" = nvmet ]; then
+    info "two-namespace subsystem SKIPPED in the reference run (blkwire's --subsystem only)"
+else
+    multi=$LAB_MULTI_NQN
+    run nvme connect -t tcp -a $addr -s "$port" -n "$multi"
+    n1=$(ns_dev "$multi" 1)
+    n2=$(ns_dev "$multi" 2)
+    mctrl=$(nvme_ctrl "$multi")
+    ctrls=$(cd /sys/class/nvme && echo nvme*)
+    [ "$ctrls" = "${mctrl#/dev/}" ] || fail "one controller expected for both namespaces, found: $ctrls"
+    step "nvme id-ctrl $mctrl (two namespaces)"
+    nvme id-ctrl "$mctrl" >/tmp/idctrl 2>&1 || fail "nvme id-ctrl $mctrl failed: $(tr '\n' ' ' </tmp/idctrl)"
+    sn=$(sed -n 's/^sn *: *//p' /tmp/idctrl | sed 's/ *$//')
+    mn=$(sed -n 's/^mn *: *//p' /tmp/idctrl | sed 's/ *$//')
+    nn=$(sed -n 's/^nn *: *//p' /tmp/idctrl)
+    [ "$sn" = LAB-MULTI ] || fail "id-ctrl sn is '$sn', expected LAB-MULTI"
+    [ "$mn" = "blkwire lab two namespaces" ] || fail "id-ctrl mn is '$mn', expected 'blkwire lab two namespaces'"
+    [ "$nn" = 2 ] || fail "id-ctrl nn is '$nn', expected 2"
+    step "nvme list-ns $mctrl"
+    nvme list-ns "$mctrl" >/tmp/listns 2>&1 || fail "nvme list-ns failed: $(tr '\n' ' ' </tmp/listns)"
+    cat /tmp/listns
+    [ "$(grep -c '^\[ *[0-9]*\]:0x' /tmp/listns)" = 2 ] || fail "list-ns does not show two namespaces: $(tr '\n' '|' </tmp/listns)"
+    for pair in "$n1 8388608 ${LAB_MULTI_SHA1:?}" "$n2 4194304 ${LAB_MULTI_SHA2:?}"; do
+        # shellcheck disable=SC2086 # split on purpose: device, size, sha256
+        set -- $pair
+        got=$(blockdev --getsize64 "$1")
+        [ "$got" = "$2" ] || fail "$1: $got bytes, expected $2"
+        got=$(sha256sum <"$1" | cut -d' ' -f1)
+        [ "$got" = "$3" ] || fail "$1: sha256 $got, expected $3 (the export's data)"
+        info "$1 (NSID $(cat "/sys/block/${1#/dev/}/nsid")): $2 bytes, sha256 as the host has it"
+    done
+    nguid1=$(nvme id-ns "$n1" | sed -n 's/^nguid *: *//p')
+    nguid2=$(nvme id-ns "$n2" | sed -n 's/^nguid *: *//p')
+    [ -n "$nguid1" ] || fail "id-ns $n1 shows no NGUID"
+    [ "$nguid1" != "$nguid2" ] || fail "namespaces 1 and 2 have the same NGUID $nguid1"
+    run dd if="$n1" of="$n2" bs=1M count=1 seek=2 oflag=direct
+    run nvme disconnect -n "$multi"
+    nvme_gone "$n1"
+    nvme_gone "$n2"
+    nvme_none
+    info "subsystem $multi: one controller, namespaces 1 and 2 ($n1, $n2) with their sizes, data and NGUIDs; 1 MiB written to namespace 2"
+fi
 
 # ---- 4. DH-HMAC-CHAP --------------------------------------------------------------------------------
 if [ "${LAB_AUTH:-1}" = 0 ]; then

@@ -9,6 +9,10 @@
 #     B a host secret (listed, but not allowed on secure), host C a secret and no line, and one
 #     more secret belongs to nobody (a wrong secret). Two processes because with --keys every host
 #     must authenticate, and the first part checks the unauthenticated path.
+# The first target also serves a subsystem of two namespaces (--subsystem, NQN
+# nqn.2026-11.io.blkwire.lab:multi): exports m1 (8 MiB) and m2 (4 MiB) of random data as NSIDs 1
+# and 2, with its own serial and model; the guest checks both namespaces' sizes and data and
+# copies m1's first MiB to m2 at 2 MiB, which the host finds in m2's file afterwards.
 # Afterwards the host reads disk0 back over the native protocol and checks the filesystem and every
 # file the guest reported; both targets must exit 0 on SIGTERM. See scenarios/nbd/host.sh for the
 # contract of these variables and functions.
@@ -19,16 +23,18 @@
 # (nvmet, configured inside the guest like blkwire), no blkwire target at all; it checks the lab,
 # not blkwire, and says so.
 
-SCENARIO_DESC="kernel NVMe/TCP host -> blkwire NVMe/TCP frontend (discover, connect, id-ctrl/id-ns, Copy, mkfs.ext4, files, fsck, digests, DH-HMAC-CHAP; host checks the data)"
+SCENARIO_DESC="kernel NVMe/TCP host -> blkwire NVMe/TCP frontend (discover, connect, id-ctrl/id-ns, Copy, mkfs.ext4, files, fsck, digests, a subsystem of two namespaces, DH-HMAC-CHAP; host checks the data)"
 HOST_PACKAGES="nvme-cli e2fsprogs"
 GUEST_MODULES="nvme-tcp nvme-fabrics crc32c_generic ext4 nvmet nvmet-tcp"
 # (util-linux's blkdiscard: busybox's has no -z, Write Zeroes)
 GUEST_BINARIES="nvme mkfs.ext4 e2fsck blkdiscard"
 
 EXPORT=disk0
+MULTI_NQN=nqn.2026-11.io.blkwire.lab:multi
 DISK_SIZE=256M
 SECURE_MIB=1
 AUTH_PID=""
+MULTI_SHA1="" MULTI_SHA2=""
 
 scenario_setup() {
     local a b c x
@@ -77,11 +83,19 @@ scenario_setup() {
     fi
 
     truncate -s "$DISK_SIZE" "$WORK/disk.img"
+    head -c 8M /dev/urandom >"$WORK/m1.img"
+    head -c 4M /dev/urandom >"$WORK/m2.img"
+    cp "$WORK/m2.img" "$WORK/m2.orig"
+    MULTI_SHA1=$(sha256sum <"$WORK/m1.img" | cut -d' ' -f1)
+    MULTI_SHA2=$(sha256sum <"$WORK/m2.img" | cut -d' ' -f1)
     start_blkwire --listen tcp://127.0.0.1:0 --listen nvme-tcp://127.0.0.1:0 \
-        --export "$EXPORT=file:$WORK/disk.img"
+        --export "$EXPORT=file:$WORK/disk.img" \
+        --export "m1=file:$WORK/m1.img" --export "m2=file:$WORK/m2.img" \
+        --subsystem "$MULTI_NQN=m1,m2;serial=LAB-MULTI;model=blkwire lab two namespaces"
     TCP_PORT=$(listen_port tcp)
     NVME_PORT=$(listen_port nvme-tcp)
     # The guest reaches the host's 127.0.0.1 at 10.0.2.2 through qemu's user network.
+    GUEST_ARGS+=" lab.multi_nqn=$MULTI_NQN lab.multi_sha1=$MULTI_SHA1 lab.multi_sha2=$MULTI_SHA2"
     GUEST_ARGS+=" lab.nvme_port=$NVME_PORT lab.auth_port=$AUTH_PORT lab.secure_sha=$SECURE_SHA lab.secure_mib=$SECURE_MIB"
 }
 
@@ -103,6 +117,17 @@ scenario_verify() {
     hello=$(debugfs -R 'cat /hello.txt' "$WORK/out.img" 2>/dev/null)
     [ "$hello" = "$want" ] || die "/hello.txt holds '$hello', expected '$want'"
     log "/hello.txt: $hello"
+    # The two-namespace subsystem: m1 unchanged (only read), m2 holds m1's first MiB at 2 MiB (written by the
+    # guest to namespace 2 only), the rest of m2 as it was.
+    [ "$(sha256sum <"$WORK/m1.img" | cut -d' ' -f1)" = "$MULTI_SHA1" ] ||
+        die "m1's file changed although the guest only read namespace 1"
+    cmp -s <(head -c 1M "$WORK/m1.img") <(tail -c +$((2 * 1048576 + 1)) "$WORK/m2.img" | head -c 1M) ||
+        die "m2's file does not hold m1's first MiB at 2 MiB: the guest's write to namespace 2 did not land there"
+    cmp -s <(head -c 2M "$WORK/m2.img") <(head -c 2M "$WORK/m2.orig") ||
+        die "m2's file changed before the MiB the guest wrote"
+    cmp -s <(tail -c +$((3 * 1048576 + 1)) "$WORK/m2.img") <(tail -c +$((3 * 1048576 + 1)) "$WORK/m2.orig") ||
+        die "m2's file changed after the MiB the guest wrote"
+    log "subsystem $MULTI_NQN: namespace 2's write landed in m2's file at 2 MiB, the rest of m2 unchanged"
     if [ "${LAB_NVME_AUTH:-1}" = 0 ]; then
         log "PASSED WITHOUT DH-HMAC-CHAP (LAB_NVME_AUTH=0): authentication was not tested"
         return 0
