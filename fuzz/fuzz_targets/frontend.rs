@@ -34,6 +34,10 @@ fn walk(fe: &mut dyn StreamFrontend, data: &[u8], targets: usize) {
                 return;
             }
             Decoded::Violation(_) => return,
+            Decoded::Release { len, .. } => {
+                assert!(len > 0 && len <= rx.len());
+                at += len;
+            }
             Decoded::Answered { len } => {
                 assert!(len > 0 && len <= rx.len());
                 at += len;

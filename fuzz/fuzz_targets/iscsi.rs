@@ -48,15 +48,17 @@ fn codec(data: &[u8], d: &Digests, max: u32) {
 
 fn text(data: &[u8]) {
     let mut n = 0;
+    // As login does: the first malformed pair ends the text.
     for pair in iscsi::pairs(data) {
         n += 1;
-        assert!(n <= MAX_PAIRS + 1);
-        if let Ok((k, v)) = pair {
-            assert!(!k.is_empty() && k.len() <= MAX_KEY_LEN && v.len() <= MAX_VALUE_LEN);
-            let _ = iscsi::number(v);
-            if let Some(b) = iscsi::binary(v) {
-                assert!(b.len() <= v.len());
-            }
+        let Ok((k, v)) = pair else {
+            break;
+        };
+        assert!(n <= MAX_PAIRS, "more than {MAX_PAIRS} pairs taken");
+        assert!(!k.is_empty() && k.len() <= MAX_KEY_LEN && v.len() <= MAX_VALUE_LEN);
+        let _ = iscsi::number(v);
+        if let Some(b) = iscsi::binary(v) {
+            assert!(b.len() <= v.len());
         }
     }
 }
@@ -72,10 +74,15 @@ fn walk(fe: &mut Iscsi, data: &[u8], status: Status) {
             // Also a COMPARE AND WRITE waiting for its read (which was answered below: then
             // the next decode goes on): nothing more to feed.
             Decoded::Need(n) => {
-                assert!(n <= BHS_LEN + 4 + (256 << 10) + 3 + 4, "Need({n})");
+                assert!(n <= BHS_LEN + 255 * 4 + 4 + (256 << 10) + 3 + 4, "Need({n})");
                 return;
             }
             Decoded::Violation(_) => return,
+            // A TMF's first release takes the PDU, the next ones nothing.
+            Decoded::Release { len, .. } => {
+                assert!(len <= rx.len());
+                at += len;
+            }
             Decoded::Answered { len } => {
                 assert!(len > 0 && len <= rx.len());
                 at += len;
@@ -106,7 +113,7 @@ fn walk(fe: &mut Iscsi, data: &[u8], status: Status) {
                     }
                 }
                 if req.kind == Kind::Copy {
-                    let _ = fe.copy_descriptor(&[]);
+                    let _ = fe.copy_descriptor(&req, &[]);
                 }
                 if req.is_read() && status == Status::Ok {
                     let data = vec![0u8; req.length as usize];

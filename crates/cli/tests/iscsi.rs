@@ -14,6 +14,13 @@ use common::{random_bytes, Target, TempDir};
 
 const PREFIX: &str = "iqn.2026-11.io.blkwire:";
 
+/// The tests of this file run one at a time: libiscsi's suite sets 3-second timeouts of its
+/// own, which the other tests' targets and initiators competing for two cores can exceed.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// A target with an `iscsi://` listener; `addr` is its `127.0.0.1:PORT`.
 struct IscsiTarget {
     _t: Target,
@@ -107,8 +114,9 @@ fn run_family(family: &str, url: &str) -> Vec<(String, Outcome)> {
     let results = parse_results(family, &text);
     assert!(
         results.len() > 10,
-        "iscsi-test-cu -t {family} ran {} tests:\n{text}",
-        results.len()
+        "iscsi-test-cu -t {family} ran {} tests ({}):\n{text}",
+        results.len(),
+        out.status
     );
     results
 }
@@ -132,6 +140,7 @@ fn score(family: &str, results: &[(String, Outcome)]) -> String {
 /// list can grow.
 #[test]
 fn libiscsi_conformance_suite_has_no_regression() {
+    let _serial = serial();
     need("iscsi-test-cu");
     // WriteSame16.Unmap writes 65536 blocks (32 MiB) in one WRITE(16), past the default
     // largest I/O; a second export is a source EXTENDED COPY can name.
@@ -208,6 +217,7 @@ fn iscsi_ls(args: &[&str]) -> (bool, String) {
 /// mutual) with the right secret logs in and a wrong or missing one is refused.
 #[test]
 fn discovery_and_chap_with_iscsi_ls() {
+    let _serial = serial();
     need("iscsi-ls");
     let t = IscsiTarget::start(&["disk0=mem:16M", "disk1=mem:8M"], &[]);
     let (ok, out) = iscsi_ls(&["-s", &format!("iscsi://{}", t.addr)]);
@@ -281,6 +291,7 @@ fn discovery_and_chap_with_iscsi_ls() {
 /// bursts of several Data-Out PDUs) read back the same, with and without digests.
 #[test]
 fn data_round_trips_with_and_without_digests() {
+    let _serial = serial();
     let t = IscsiTarget::start(&["disk=mem:64M"], &[]);
     for (header, data) in [(false, false), (true, true), (true, false)] {
         let mut c = login(&t.addr, &format!("{PREFIX}disk"), Digests { header, data });
@@ -303,6 +314,7 @@ fn data_round_trips_with_and_without_digests() {
 /// target from serving other connections.
 #[test]
 fn hostile_pdus_are_rejected_and_the_target_keeps_serving() {
+    let _serial = serial();
     let t = IscsiTarget::start(&["disk=mem:16M"], &[]);
     let target = format!("{PREFIX}disk");
     let both = Digests {
@@ -412,6 +424,7 @@ fn hostile_pdus_are_rejected_and_the_target_keeps_serving() {
 /// sessions; `listener_add iscsi://` serves logins on the new portal.
 #[test]
 fn rpc_lists_targets_and_sessions_and_adds_portals() {
+    let _serial = serial();
     let dir = TempDir::new("iscsi-rpc");
     let sock = dir.path("ctl.sock").to_str().unwrap().to_string();
     let mut cmd = Command::new(common::BIN);
@@ -473,4 +486,102 @@ fn rpc_lists_targets_and_sessions_and_adds_portals() {
     let list = rpc("iscsi_target_list", "{}");
     assert_eq!(list[0]["portals"].as_array().map(Vec::len), Some(2));
     assert_eq!(list[0]["sessions"].as_array().map(Vec::len), Some(2));
+}
+
+/// `qemu-img convert -C` between two LUNs over qemu's libiscsi driver copies with EXTENDED COPY:
+/// the copy is exact, and the data does not cross the wire (the target's counters show the
+/// bytes copied inside it, and almost nothing read).
+#[test]
+fn qemu_img_convert_copy_offload_between_two_luns() {
+    let _serial = serial();
+    let qemu = Command::new("qemu-img").arg("--help").output();
+    let has_iscsi = qemu
+        .as_ref()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("iscsi"));
+    assert!(
+        has_iscsi,
+        "qemu-img with its iscsi driver is missing: install qemu-utils (scripts/deps.sh)"
+    );
+    let dir = TempDir::new("iscsi-qemu");
+    let src = dir.path("src.img");
+    let mut bytes = random_bytes(16 << 20, 17);
+    bytes.resize(32 << 20, 0);
+    std::fs::write(&src, &bytes).unwrap();
+    let (t, urls) = Target::start_listeners(
+        &["a=mem:32M", "b=mem:32M"],
+        &["--listen", "iscsi://127.0.0.1:0"],
+    );
+    let addr = urls[1].strip_prefix("iscsi://").unwrap();
+    let lun = |n: &str| format!("iscsi://{addr}/{PREFIX}{n}/0");
+    let qemu_img = |args: &[&str]| {
+        let out = Command::new("timeout")
+            .arg("120")
+            .arg("qemu-img")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "qemu-img {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    qemu_img(&[
+        "convert",
+        "-n",
+        "-f",
+        "raw",
+        "-O",
+        "raw",
+        src.to_str().unwrap(),
+        &lun("a"),
+    ]);
+    let stats = || -> serde_json::Value {
+        let (ok, out, err) = common::cli(&["stats", &t.base, "--json"]);
+        assert!(ok, "{err}");
+        serde_json::from_str(&out).unwrap()
+    };
+    let before = stats();
+    qemu_img(&[
+        "convert",
+        "-C",
+        "-n",
+        "-f",
+        "raw",
+        "-O",
+        "raw",
+        &lun("a"),
+        &lun("b"),
+    ]);
+    // The session's counters join the closed totals once the target has seen it log out.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let after = loop {
+        let v = stats();
+        if v["closed"]["copies"] != before["closed"]["copies"]
+            || std::time::Instant::now() > deadline
+        {
+            break v;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let delta =
+        |k: &str| after["closed"][k].as_u64().unwrap() - before["closed"][k].as_u64().unwrap();
+    assert!(
+        delta("bytes_copied") >= 16 << 20,
+        "copied {} bytes",
+        delta("bytes_copied")
+    );
+    assert!(
+        delta("bytes_read") + delta("bytes_written") < 1 << 20,
+        "{after}"
+    );
+    qemu_img(&[
+        "compare",
+        "-f",
+        "raw",
+        "-F",
+        "raw",
+        src.to_str().unwrap(),
+        &lun("b"),
+    ]);
 }

@@ -1100,6 +1100,8 @@ fn handshake(
         }
         ListenerKind::Iscsi => {
             let local = s.s.local_addr().unwrap_or(peer);
+            // One LUN per target: the connection has one target (a clean place for several:
+            // `more`, as NVMe/TCP namespaces ride along).
             iscsi::accept(&mut s, peer, local, registry).map(|(a, fe)| (a, fe, Vec::new()))
         }
     };

@@ -173,6 +173,8 @@ struct Task {
     /// End of the data the write needs.
     end: u32,
     active: bool,
+    /// Aborted by task management: Data-Out already on its way is dropped.
+    aborted: bool,
 }
 
 /// A command whose parameter list is being collected by the frontend.
@@ -240,6 +242,8 @@ pub struct Iscsi {
     history: xcopy::History,
     /// The block a WRITE SAME in progress writes (`fill`).
     pattern: Option<Vec<u8>>,
+    /// Slots of aborted writes the reactor is still to free (`Decoded::Release`).
+    releases: Vec<u16>,
     scratch: Vec<u8>,
 }
 
@@ -354,6 +358,7 @@ impl Iscsi {
             xlimits,
             history: xcopy::History::default(),
             pattern: None,
+            releases: Vec::new(),
             scratch: Vec::with_capacity(BHS_LEN + 64),
         }
     }
@@ -512,25 +517,14 @@ impl Iscsi {
         let ext = c.ext_cdb.len().min(16);
         cdb[16..16 + ext].copy_from_slice(&c.ext_cdb[..ext]);
         let cdb = &cdb[..16 + ext];
-        if lun != LUN {
-            if cdb[0] == scsi::op::REPORT_LUNS {
-                // Any LUN may ask for the list.
-            } else if cdb[0] == scsi::op::INQUIRY && cdb[1] & 1 == 0 {
-                // SPC-4 6.4.2: no logical unit here: peripheral qualifier 3, type 1Fh.
-                let mut d = vec![0u8; 36];
-                d[0] = 0x7f;
-                d[2] = 6;
-                d[3] = 2;
-                d[4] = 31;
-                d.truncate(u16::from_be_bytes([cdb[3], cdb[4]]) as usize);
-                self.answer(itt, &d, c.edtl, tx);
-                return Decoded::Answered { len };
-            } else {
-                self.check(itt, &Sense::lun_not_supported(), c.edtl, tx);
-                return Decoded::Answered { len };
-            }
-        }
-        let cmd = match scsi::decode(cdb, &self.lun) {
+        // A LUN without a logical unit (every one but LUN 0): the SCSI layer's answers for
+        // an absent LU (INQUIRY qualifier 011b, REPORT LUNS, else LOGICAL UNIT NOT SUPPORTED).
+        let decoded = if lun == LUN {
+            scsi::decode(cdb, &self.lun)
+        } else {
+            scsi::decode_absent(cdb, &self.lun)
+        };
+        let cmd = match decoded {
             Ok(cmd) => cmd,
             Err(sense) => {
                 self.check(itt, &sense, c.edtl, tx);
@@ -566,12 +560,13 @@ impl Iscsi {
                 let res = Residual::of(c.edtl, bytes);
                 let send = bytes.min(c.edtl);
                 let req = Req {
-                    target: 0,
                     kind: Kind::Block(BlockOp::Read),
                     offset,
                     length: bytes,
                     flags: IoFlags::empty().with(IoFlags::FUA, fua),
                     slot: None,
+                    // One LUN per target: the connection's one target.
+                    target: 0,
                     cookie: cookie(itt, res, Reply::Read, send),
                 };
                 self.request(req, len, 0, 0)
@@ -602,12 +597,13 @@ impl Iscsi {
                     return Decoded::Answered { len };
                 }
                 let req = Req {
-                    target: 0,
                     kind: Kind::Block(BlockOp::Flush),
                     offset: 0,
                     length: 0,
                     flags: IoFlags::empty(),
                     slot: None,
+                    // One LUN per target: the connection's one target.
+                    target: 0,
                     cookie: cookie(itt, Residual::of(c.edtl, 0), Reply::Flush, 0),
                 };
                 self.request(req, len, 0, 0)
@@ -618,12 +614,13 @@ impl Iscsi {
                 let left = (self.lun.blocks - lba) << self.block_shift;
                 let length = left.min(1 << 30) as u32;
                 let req = Req {
-                    target: 0,
                     kind: Kind::BlockStatus,
                     offset,
                     length,
                     flags: IoFlags::empty(),
                     slot: None,
+                    // One LUN per target: the connection's one target.
+                    target: 0,
                     // The residual field holds EDTL until the answer's length is known.
                     cookie: cookie(
                         itt,
@@ -667,11 +664,13 @@ impl Iscsi {
                 list_id,
                 alloc_len,
             } => {
-                let answer = match service_action {
-                    0 => xcopy::copy_status(self.history.get(list_id), alloc_len),
-                    3 => Ok(xcopy::operating_parameters(&self.xlimits, alloc_len)),
-                    _ => Err(Sense::invalid_cdb_field(1, 4)),
-                };
+                let answer = xcopy::receive_copy_results(
+                    service_action,
+                    list_id,
+                    alloc_len,
+                    &self.xlimits,
+                    &self.history,
+                );
                 match answer {
                     Ok(d) => self.answer(itt, &d, c.edtl, tx),
                     Err(s) => self.check(itt, &s, c.edtl, tx),
@@ -704,12 +703,13 @@ impl Iscsi {
                     state: CawState::Reading,
                 });
                 let read = Req {
-                    target: 0,
                     kind: Kind::Block(BlockOp::Read),
                     offset,
                     length: bytes,
                     flags: IoFlags::empty(),
                     slot: None,
+                    // One LUN per target: the connection's one target.
+                    target: 0,
                     cookie: cookie(itt, Residual::None, Reply::Part, 0),
                 };
                 // The PDU stays in the receive buffer (length 0) until the compare is done.
@@ -751,12 +751,13 @@ impl Iscsi {
         let flags = IoFlags::empty().with(IoFlags::FUA, fua);
         let carried = immediate.min(length as usize);
         let req = Req {
-            target: 0,
             kind: Kind::Block(BlockOp::Write),
             offset,
             length,
             flags,
             slot: None,
+            // One LUN per target: the connection's one target.
+            target: 0,
             cookie: cookie(itt, res, Reply::Write, 0),
         };
         self.request(req, len, carried, tail + immediate - carried)
@@ -935,12 +936,13 @@ impl Iscsi {
         });
         for (kind, offset, length, flags, desc) in parts {
             let req = Req {
-                target: 0,
                 kind,
                 offset,
                 length,
                 flags,
                 slot: None,
+                // One LUN per target: the connection's one target.
+                target: 0,
                 cookie: cookie(itt, Residual::None, Reply::Part, 0),
             };
             self.queued.push_back((req, desc));
@@ -1047,6 +1049,14 @@ impl Iscsi {
             return self.param_data(rx, len, p, tx);
         }
         let slot = ttt as usize;
+        if self
+            .tasks
+            .get(slot)
+            .is_some_and(|t| t.aborted && t.itt == itt)
+        {
+            // Sent before the initiator aborted the task (§11.5.1): dropped.
+            return Decoded::Answered { len };
+        }
         let Some(t) = self
             .tasks
             .get_mut(slot)
@@ -1188,12 +1198,13 @@ impl Iscsi {
                 };
                 let res = Residual::of(c.edtl, 2 * c.length);
                 let req = Req {
-                    target: 0,
                     kind: Kind::Block(BlockOp::Write),
                     offset: c.offset,
                     length: c.length,
                     flags: IoFlags::empty().with(IoFlags::FUA, c.fua),
                     slot: None,
+                    // One LUN per target: the connection's one target.
+                    target: 0,
                     cookie: cookie(c.itt, res, Reply::Write, 0),
                 };
                 // The write data is the second half of the immediate data.
@@ -1252,37 +1263,43 @@ impl Iscsi {
         let lun = scsi::lun_from_wire(p.lun().to_be_bytes());
         // §11.6.1 responses: 0 function complete, 1 task does not exist, 2 LUN does not exist,
         // 5 function not supported.
+        // The writes waiting for data that the function aborts: the reactor frees their slots.
+        let mut released: Vec<u16> = Vec::new();
+        let mut abort = |tasks: &mut [Task], only: Option<u32>| {
+            for (i, t) in tasks.iter_mut().enumerate() {
+                if t.active && only.is_none_or(|itt| t.itt == itt) {
+                    t.active = false;
+                    t.aborted = true;
+                    released.push(i as u16);
+                }
+            }
+        };
         let response = match function {
             // ABORT TASK, ABORT TASK SET, CLEAR ACA, CLEAR TASK SET, LOGICAL UNIT RESET name a
             // LUN.
             1..=5 if lun != LUN => 2,
             1 => {
-                // The referenced task: a write waiting for its data is aborted (it never
-                // answers; its slot is freed when the connection ends). Any other task has
-                // been answered or is about to be: "does not exist" (libiscsi's
-                // AbortTaskSimpleAsync accepts either outcome, as §11.5.1 does).
+                // The referenced task: a write waiting for its data is aborted (never
+                // answered). Any other task has been answered or is about to be: "does not
+                // exist" (libiscsi's AbortTaskSimpleAsync accepts either, as §11.5.1 does).
                 let rtt = p.word20();
-                let mut found = false;
-                for t in self.tasks.iter_mut().filter(|t| t.active && t.itt == rtt) {
-                    t.active = false;
-                    found = true;
-                }
-                if self.params.as_ref().is_some_and(|q| q.itt == rtt) {
+                abort(&mut self.tasks, Some(rtt));
+                let params = self.params.as_ref().is_some_and(|q| q.itt == rtt);
+                if params {
                     self.params = None;
-                    found = true;
-                }
-                if found {
                     self.outstanding = self.outstanding.saturating_sub(1);
-                    0
-                } else {
+                }
+                if released.is_empty() && !params {
                     1
+                } else {
+                    0
                 }
             }
             2 | 4..=7 => {
-                for t in self.tasks.iter_mut() {
-                    t.active = false;
+                abort(&mut self.tasks, None);
+                if self.params.take().is_some() {
+                    self.outstanding = self.outstanding.saturating_sub(1);
                 }
-                self.params = None;
                 0
             }
             // CLEAR ACA: ACA is not offered (NACA is refused).
@@ -1291,12 +1308,19 @@ impl Iscsi {
             8 => 4,
             _ => 5,
         };
+        self.outstanding = self.outstanding.saturating_sub(released.len() as u16);
         let mut b = Bhs::new(op::TMF_RSP, flag::FINAL);
         b.0[2] = response;
         b.itt(p.itt());
         self.stamp(&mut b, true);
         b.encode(&[], &self.d, tx);
-        Decoded::Answered { len }
+        match released.pop() {
+            Some(slot) => {
+                self.releases = released;
+                Decoded::Release { slot, len }
+            }
+            None => Decoded::Answered { len },
+        }
     }
 
     fn text(&mut self, len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
@@ -1327,12 +1351,13 @@ impl Iscsi {
             self.expcmdsn = self.expcmdsn.wrapping_add(1);
         }
         let req = Req {
-            target: 0,
             kind: Kind::Logout,
             offset: 0,
             length: 0,
             flags: IoFlags::empty(),
             slot: None,
+            // One LUN per target: the connection's one target.
+            target: 0,
             cookie: cookie(p.itt(), Residual::None, Reply::Logout, 0),
         };
         self.request(req, len, 0, 0)
@@ -1363,6 +1388,9 @@ impl StreamFrontend for Iscsi {
                 payload_len,
                 trailer,
             };
+        }
+        if let Some(slot) = self.releases.pop() {
+            return Decoded::Release { slot, len: 0 };
         }
         if let Some(c) = self.caw {
             if rx.len() >= BHS_LEN && rx[..BHS_LEN] == c.bhs {
@@ -1433,6 +1461,7 @@ impl StreamFrontend for Iscsi {
                 burst_end: offset + n,
                 end: offset + len,
                 active: true,
+                aborted: false,
             };
         }
         self.r2t(itt, slot as u32, 0, offset, n, tx);
@@ -1556,5 +1585,227 @@ impl StreamFrontend for Iscsi {
         let res = Residual::of(residual_of(req).count(), d.len() as u32);
         self.data_in(itt_of(req), &d, res, tx);
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use blkwire_backend::{Export, ExportSpec};
+
+    use super::*;
+
+    fn fe(max_burst: u32) -> Iscsi {
+        let export = Arc::new(Export::open(&ExportSpec::parse("m=mem:1M").unwrap()).unwrap());
+        Iscsi::new(IscsiSetup {
+            neg: Negotiated {
+                max_burst,
+                first_burst: 8192,
+                send_max: 8192,
+                recv_max: 256 << 10,
+                ..Negotiated::default()
+            },
+            statsn: 100,
+            expcmdsn: 0,
+            depth: 4,
+            export,
+            target: "iqn.2026-11.io.blkwire:m".into(),
+            initiator: "iqn.test".into(),
+            isid: [0; 6],
+            max_io: 1 << 20,
+            copy: CopyLimits::default(),
+            peers: Vec::new(),
+        })
+    }
+
+    fn cmd(itt: u32, cmdsn: u32, cdb: &[u8], edtl: u32, write: bool, data: &[u8]) -> Vec<u8> {
+        let f = flag::FINAL | if write { flag::WRITE } else { flag::READ } | 1;
+        let mut b = Bhs::new(op::SCSI_CMD, f);
+        b.itt(itt).set32(20, edtl).set32(24, cmdsn);
+        b.0[32..32 + cdb.len()].copy_from_slice(cdb);
+        let mut out = Vec::new();
+        b.encode(data, &Digests::default(), &mut out);
+        out
+    }
+
+    fn be32(b: &[u8], at: usize) -> u32 {
+        u32::from_be_bytes(b[at..at + 4].try_into().unwrap())
+    }
+
+    const READ10_ONE: [u8; 10] = [0x28, 0, 0, 0, 0, 8, 0, 0, 1, 0];
+
+    #[test]
+    fn a_read_is_one_data_in_with_its_status_and_a_retried_decode_is_the_same() {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        let pdu = cmd(7, 0, &READ10_ONE, 512, false, &[]);
+        let Decoded::Request { req, len, .. } = f.decode(&pdu, &mut tx) else {
+            panic!("a request");
+        };
+        assert_eq!(
+            (req.kind, req.offset, req.length, len),
+            (Kind::Block(BlockOp::Read), 4096, 512, pdu.len())
+        );
+        // Not taken (the reactor waits for memory): the same again, counted once.
+        let Decoded::Request { req: again, .. } = f.decode(&pdu, &mut tx) else {
+            panic!("the same request");
+        };
+        assert_eq!(again.cookie, req.cookie);
+        f.taken(&req);
+        assert_eq!(f.outstanding, 1);
+        let ReadFraming::Contiguous { prefix, suffix } = f.read_framing(&req) else {
+            panic!("one Data-In");
+        };
+        assert_eq!((prefix, suffix), (BHS_LEN, 0));
+        let (mut p, mut q) = (vec![0u8; prefix], vec![0u8; suffix]);
+        f.finish_read_reply(&req, &mut p, &[0u8; 512], &mut q);
+        assert_eq!(p[0], op::DATA_IN);
+        assert_eq!(p[1], flag::FINAL | flag::STATUS);
+        assert_eq!((be32(&p, 16), be32(&p, 24)), (7, 100), "ITT, StatSN");
+        assert_eq!(
+            (be32(&p, 28), be32(&p, 32)),
+            (1, 4),
+            "ExpCmdSN, MaxCmdSN: all 4 places free"
+        );
+        assert!(tx.is_empty());
+    }
+
+    #[test]
+    fn commands_outside_the_window_are_dropped() {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        let tur = [0u8; 6];
+        let pdu = cmd(1, 5, &tur, 0, false, &[]);
+        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Answered { len } if len == pdu.len()));
+        assert!(tx.is_empty(), "no answer to CmdSN 5 when 0 is due");
+        let pdu = cmd(2, 0, &tur, 0, false, &[]);
+        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Answered { .. }));
+        assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 2));
+    }
+
+    #[test]
+    fn a_write_is_solicited_in_bursts_and_data_no_r2t_asked_for_ends_the_connection() {
+        let mut f = fe(4096);
+        let mut tx = Vec::new();
+        let write10 = [0x2a, 0, 0, 0, 0, 0, 0, 0, 16, 0];
+        let pdu = cmd(9, 0, &write10, 8192, true, &[1u8; 1024]);
+        let Decoded::Request {
+            req, payload_len, ..
+        } = f.decode(&pdu, &mut tx)
+        else {
+            panic!("a request");
+        };
+        f.taken(&req);
+        assert_eq!((req.length, payload_len), (8192, 1024));
+        // The reactor holds it in slot 3 and asks for the rest: one burst at a time.
+        f.solicit(&req, 3, 1024, 7168, &mut tx);
+        assert_eq!(
+            (tx[0], be32(&tx, 20), be32(&tx, 40), be32(&tx, 44)),
+            (op::R2T, 3, 1024, 4096)
+        );
+        tx.clear();
+        let data_out = |datasn: u32, offset: u32, n: usize| {
+            let mut b = Bhs::new(op::DATA_OUT, flag::FINAL);
+            b.itt(9).set32(20, 3).set32(36, datasn).set32(40, offset);
+            let mut out = Vec::new();
+            b.encode(&vec![2u8; n], &Digests::default(), &mut out);
+            out
+        };
+        let d = data_out(0, 1024, 4096);
+        assert!(matches!(
+            f.decode(&d, &mut tx),
+            Decoded::Data {
+                slot: 3,
+                offset: 1024,
+                ..
+            }
+        ));
+        assert_eq!(
+            (tx[0], be32(&tx, 36), be32(&tx, 40), be32(&tx, 44)),
+            (op::R2T, 1, 5120, 3072),
+            "the next burst"
+        );
+        tx.clear();
+        // Beyond what the R2T asked for: Reject, then the connection ends.
+        let d = data_out(0, 5120, 4096);
+        assert!(matches!(f.decode(&d, &mut tx), Decoded::Violation(_)));
+        assert_eq!(tx[0], op::REJECT);
+        tx.clear();
+        let mut f = fe(4096);
+        assert!(matches!(
+            f.decode(&data_out(0, 0, 512), &mut tx),
+            Decoded::Violation(_)
+        ));
+        assert_eq!(tx[0], op::REJECT);
+    }
+
+    #[test]
+    fn abort_task_releases_a_write_waiting_for_data_and_drops_its_late_data() {
+        let mut f = fe(4096);
+        let mut tx = Vec::new();
+        let write10 = [0x2a, 0, 0, 0, 0, 0, 0, 0, 8, 0];
+        let pdu = cmd(9, 0, &write10, 4096, true, &[]);
+        let Decoded::Request { req, .. } = f.decode(&pdu, &mut tx) else {
+            panic!("a request");
+        };
+        f.taken(&req);
+        f.solicit(&req, 2, 0, 4096, &mut tx);
+        tx.clear();
+        let mut b = Bhs::new(op::TMF_REQ | iscsi::IMMEDIATE, flag::FINAL | 1);
+        b.itt(10).set32(20, 9).set32(24, 1);
+        let mut tmf = Vec::new();
+        b.encode(&[], &Digests::default(), &mut tmf);
+        assert!(
+            matches!(f.decode(&tmf, &mut tx), Decoded::Release { slot: 2, len } if len == tmf.len())
+        );
+        assert_eq!(
+            (tx[0], tx[2], be32(&tx, 16)),
+            (op::TMF_RSP, 0, 10),
+            "Function Complete"
+        );
+        assert_eq!(f.outstanding, 0);
+        tx.clear();
+        // Data-Out the initiator sent before it aborted: dropped, the connection goes on.
+        let mut b = Bhs::new(op::DATA_OUT, flag::FINAL);
+        b.itt(9).set32(20, 2);
+        let mut d = Vec::new();
+        b.encode(&[0u8; 4096], &Digests::default(), &mut d);
+        assert!(matches!(f.decode(&d, &mut tx), Decoded::Answered { .. }) && tx.is_empty());
+        // Aborting it again: the task does not exist.
+        assert!(matches!(f.decode(&tmf, &mut tx), Decoded::Answered { .. }));
+        assert_eq!((tx[0], tx[2]), (op::TMF_RSP, 1));
+    }
+
+    #[test]
+    fn unmap_becomes_trims_answered_after_the_last() {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        let mut list = vec![0u8, 38, 0, 32, 0, 0, 0, 0];
+        for lba in [8u64, 64] {
+            list.extend_from_slice(&lba.to_be_bytes());
+            list.extend_from_slice(&4u32.to_be_bytes());
+            list.extend_from_slice(&[0; 4]);
+        }
+        let cdb = [0x42, 0, 0, 0, 0, 0, 0, 0, 40, 0];
+        let pdu = cmd(4, 0, &cdb, 40, true, &list);
+        let Decoded::Request { req: a, len, .. } = f.decode(&pdu, &mut tx) else {
+            panic!("the first trim");
+        };
+        assert_eq!(
+            (a.kind, a.offset, a.length, len),
+            (Kind::Block(BlockOp::Trim), 8 * 512, 2048, pdu.len())
+        );
+        f.taken(&a);
+        // The second waits for the first's answer.
+        assert!(matches!(f.decode(&[], &mut tx), Decoded::Need(_)));
+        assert!(!f.reply(&a, Status::Ok, &mut tx) && tx.is_empty());
+        let Decoded::Request { req: b, len: 0, .. } = f.decode(&[], &mut tx) else {
+            panic!("the second trim, taking no bytes");
+        };
+        assert_eq!(b.offset, 64 * 512);
+        f.taken(&b);
+        assert!(f.reply(&b, Status::Ok, &mut tx));
+        assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 4));
     }
 }

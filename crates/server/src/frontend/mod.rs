@@ -150,6 +150,15 @@ pub enum Decoded {
         /// Bytes after the data (a data digest).
         trailer: usize,
     },
+    /// The WRITE waiting in `slot` for solicited data is given up (iSCSI ABORT TASK, LOGICAL
+    /// UNIT RESET): its data will not come, so its slot and buffer go back and it is never
+    /// answered. A slot that holds no such write any more is left alone.
+    Release {
+        /// The slot the write waits in.
+        slot: u16,
+        /// Bytes of the whole message (0 for a further slot the same message released).
+        len: usize,
+    },
     /// The stream is not valid: close the queue.
     Violation(String),
 }

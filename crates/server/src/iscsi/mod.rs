@@ -934,10 +934,6 @@ fn discovery<S: Read + Write>(s: &mut S, l: &mut Login, registry: &Registry, add
                         (k, _) => iscsi::push_pair(&mut out, k, "NotUnderstood"),
                     }
                 }
-                if out.len() > l.neg.send_max as usize {
-                    // One response PDU: more targets than fit would need continuation.
-                    out.truncate(0);
-                }
                 (op::TEXT_RSP, out)
             }
             op::NOP_OUT if p.itt() != RESERVED_TAG => (op::NOP_IN, p.data.to_vec()),
@@ -976,6 +972,7 @@ fn send_targets(v: &str, l: &Login, registry: &Registry, addr: &PeerAddr, out: &
         if v != "All" && v != name {
             continue;
         }
+        let at = out.len();
         iscsi::push_pair(out, "TargetName", &name);
         for p in &portals {
             let host = match p.ip() {
@@ -983,6 +980,11 @@ fn send_targets(v: &str, l: &Login, registry: &Registry, addr: &PeerAddr, out: &
                 IpAddr::V6(a) => format!("[{a}]"),
             };
             iscsi::push_pair(out, "TargetAddress", &format!("{host}:{},1", p.port()));
+        }
+        if out.len() > l.neg.send_max as usize {
+            // One Text Response PDU (no continuation, §11.11): the targets that fit it.
+            out.truncate(at);
+            return;
         }
     }
 }

@@ -58,7 +58,7 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                 trailer,
                 ..
             } => (len, payload_len, trailer),
-            Decoded::Answered { len } => (len, 0, 0),
+            Decoded::Answered { len } | Decoded::Release { len, .. } => (len, 0, 0),
         };
         // What a request will hold must fit the high-water mark and the memory budget
         // (`request_cover`). Solicited data and answered messages still go through, so a write
@@ -116,6 +116,7 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                     run_deferred(c, idx, sq);
                 }
             }
+            Decoded::Release { slot, .. } => release_held(c, slot),
             // Counted as answered even when the frontend's protocol has no answer for it.
             _ => c.stats().frames_out += 1,
         }
@@ -577,6 +578,27 @@ fn read_hole(c: &mut Conn, req: &Req) -> bool {
     hole
 }
 
+/// A WRITE whose data will not come (the initiator aborted it): its slot and buffer go back,
+/// and it is never answered. Anything else in the slot (the write completed meanwhile) is left.
+fn release_held(c: &mut Conn, slot: u16) {
+    let Some(s) = c.slots.get_mut(slot as usize) else {
+        return;
+    };
+    if !s.busy || s.awaiting.is_none() {
+        return;
+    }
+    let len = s.req.map_or(0, |r| r.length as usize);
+    s.busy = false;
+    s.req = None;
+    s.awaiting = None;
+    if let Some(buf) = s.buf.take() {
+        c.held -= len;
+        c.bufs.give_back(buf);
+    }
+    c.deferred.retain(|&d| d != slot);
+    release_slot(c, slot);
+}
+
 /// Returns a server-assigned slot to the free list (client-assigned slots are the client's).
 fn release_slot(c: &mut Conn, slot: u16) {
     if c.fe.server_assigns_slots() {
@@ -835,6 +857,15 @@ mod tests {
                 Some(b'P') => {
                     tx.push(b'p');
                     Decoded::Answered { len: 1 }
+                }
+                Some(b'A') => {
+                    if let Some(n) = need(3) {
+                        return n;
+                    }
+                    Decoded::Release {
+                        slot: u16::from_le_bytes([rx[1], rx[2]]),
+                        len: 3,
+                    }
                 }
                 Some(op @ (b'W' | b'R')) => {
                     let hdr = if *op == b'W' { 25 } else { 21 };
@@ -1406,6 +1437,28 @@ mod tests {
             c.closing && c.targets[0].exec.stats.protocol_errors == 1,
             "past the write's end"
         );
+    }
+
+    #[test]
+    fn an_aborted_write_gives_its_slot_and_buffer_back_unanswered() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn("m=mem:1M");
+        feed(&mut c, &mut ring, &write(1, 0, 4096, &[7; 512]));
+        let slot = u16::from_le_bytes([c.tx[1], c.tx[2]]);
+        take_tx(&mut c);
+        assert_eq!((c.free_slots.len(), c.held), (3, 4096));
+        let mut abort = vec![b'A'];
+        abort.extend_from_slice(&slot.to_le_bytes());
+        feed(&mut c, &mut ring, &abort);
+        assert!(c.tx.is_empty(), "an aborted write is never answered");
+        assert_eq!((c.free_slots.len(), c.held), (4, 0));
+        assert_eq!(c.targets[0].exec.stats.writes, 0);
+        // Releasing a slot that holds no waiting write changes nothing.
+        feed(&mut c, &mut ring, &abort);
+        assert_eq!(c.free_slots.len(), 4);
+        // Its data, if it came now, is for no write.
+        feed(&mut c, &mut ring, &data(slot, 512, &[1; 512]));
+        assert!(c.closing && c.targets[0].exec.stats.protocol_errors == 1);
     }
 
     #[test]
