@@ -172,12 +172,12 @@ chart("copy-compare",
       "second run, at 68ddae6 (2026-11-25), ROUNDS=3 bench/copy-compare.sh",
       ["mib_s", "link_pct"], rows, peers="nbdcopy dd")
 
-# Ceph RBD (issue 18): the recorded run (3c23b55).
+# Ceph RBD (issue 18): the latest recorded run (89f4181).
 chart("rbd-compare",
       "Ceph RBD: librbd directly (fio rbd) vs blkwire native and NBD, one job, 8s per run, 3 rounds (median), 127.0.0.1",
-      "run at 3c23b55 (2026-11-25 22:32 UTC), bench/rbd-compare.sh",
+      "run at 89f4181 (2026-11-26 02:16 UTC), bench/rbd-compare.sh",
       ["iops", "mean_us", "p99_us"],
-      latency(md_table("at 3c23b55, 2026-11-25 22:32 UTC"),
+      latency(md_table("at 89f4181, 2026-11-26 02:16 UTC"),
               lambda r: f"{r['bs']} {r['rw']} QD{r['QD']}", lambda r: r["system"]),
       peers="fio-rbd")
 

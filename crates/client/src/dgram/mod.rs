@@ -30,7 +30,7 @@ use link::{Receiver, Sender};
 /// A queue that has sent nothing for this long sends a KEEPALIVE from `poll`, so the target
 /// (which forgets a session after 60 s without frames) keeps it (PROTOCOL.md §9.1).
 const KEEPALIVE_EVERY: Duration = Duration::from_secs(5);
-/// A tail-loss probe in flight: a KEEPALIVE whose answer says what the target has (§9.2).
+/// A probe in flight: a KEEPALIVE whose answer says what the target has (§9.2).
 #[derive(Clone, Copy, Debug)]
 struct Probe {
     /// Its tag's generation.
@@ -662,10 +662,11 @@ impl DgramQueue {
         self.flush_tx()
     }
 
-    /// The answer to a tail-loss probe: `payload` is the target's count of this queue's frames
-    /// it received (the probe included) and of frames it sent before the answer (§9.2). Equal
-    /// to ours, nothing was lost either way and the requests in flight are merely slow: nothing
-    /// is resent. Otherwise (or a target that does not count) every request sent before the
+    /// The answer to a probe: `payload` is the target's count of this queue's frames
+    /// it received (the probe included) and of frames it sent before the answer (§9.2). When
+    /// what went missing each way is what the previous answer showed, nothing was lost since
+    /// and the requests in flight are merely slow: nothing is resent. Otherwise (or a target
+    /// that does not count) every request sent before the
     /// probe that is still in flight is sent again: the target drops what it already has, and
     /// re-answers what it finished (§6).
     fn probe_answered(&mut self, p: Probe, payload: &[u8]) {
