@@ -936,6 +936,16 @@ mod tests {
             (frames, keepalives)
         }
 
+        /// Takes datagrams, answering the probes among them, until `n` READs have come (held
+        /// or answered as `hold` says): a probe may come before or between them.
+        fn reads(&mut self, n: usize, hold: bool, wait: Duration) {
+            let mut reads = 0;
+            while reads < n {
+                let (frames, keepalives) = self.step(false, hold, wait);
+                reads += frames - keepalives;
+            }
+        }
+
         fn release(&mut self) {
             for (h, from) in std::mem::take(&mut self.held) {
                 self.send(
@@ -954,6 +964,19 @@ mod tests {
             self.sock.send_to(&out, to).expect("reply");
             self.sent += 1;
         }
+    }
+
+    /// An idle queue and a counting stand-in for its target.
+    fn counting_pair() -> (DgramQueue, CountingTarget) {
+        let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let q = idle_queue(&sock);
+        let t = CountingTarget {
+            sock,
+            taken: 0,
+            sent: 0,
+            held: Vec::new(),
+        };
+        (q, t)
     }
 
     /// Submits `n` 512-byte READs in one datagram and completes them while `target` runs in a
@@ -985,27 +1008,14 @@ mod tests {
 
     #[test]
     fn a_slow_target_is_asked_by_probes_and_nothing_is_resent() {
-        let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
-        let mut q = idle_queue(&sock);
-        let mut t = CountingTarget {
-            sock,
-            taken: 0,
-            sent: 0,
-            held: Vec::new(),
-        };
+        let (mut q, mut t) = counting_pair();
         let wait = Duration::from_secs(5);
         // A quick round trip learnt, and request timers 1 s away: what fires while the target
         // is slow is the tail-loss probe.
         q.cc.set_rto_min(congestion::RTO_MAX);
         for _ in 0..20 {
-            reads_against(&mut q, 1, || {
-                // (A probe may come first if the machine paused this thread.)
-                let mut reads = 0;
-                while reads == 0 {
-                    let (frames, keepalives) = t.step(false, false, wait);
-                    reads += frames - keepalives;
-                }
-            });
+            // (A probe may come first if the machine paused this thread.)
+            reads_against(&mut q, 1, || t.reads(1, false, wait));
         }
         let st = reads_against(&mut q, 4, || {
             // The READs are held (a slow disk) past several probe timeouts; every probe is
@@ -1023,25 +1033,15 @@ mod tests {
 
     #[test]
     fn a_request_unanswered_a_second_timer_after_a_clean_probe_is_sent_again() {
-        let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
-        let mut q = idle_queue(&sock);
-        let mut t = CountingTarget {
-            sock,
-            taken: 0,
-            sent: 0,
-            held: Vec::new(),
-        };
+        let (mut q, mut t) = counting_pair();
         let wait = Duration::from_secs(5);
         // Counts that show nothing missing are not trusted forever (a lost WRITE fragment 0
         // is only completed by a repeated one, §9.3; a frame counted on one side only could
         // hide a loss): at its second timer a request goes again.
         let st = reads_against(&mut q, 1, || {
             assert_eq!(t.step(false, true, wait), (1, 0));
-            let mut reads = 0;
-            while reads == 0 {
-                let (frames, keepalives) = t.step(false, true, wait);
-                reads += frames - keepalives;
-            }
+            // The resent READ, after the probes.
+            t.reads(1, true, wait);
             t.release();
         });
         assert!(st.probes >= 1, "{st:?}");
@@ -1050,23 +1050,12 @@ mod tests {
 
     #[test]
     fn frames_a_probe_shows_lost_are_resent_once() {
-        let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
-        let mut q = idle_queue(&sock);
-        let mut t = CountingTarget {
-            sock,
-            taken: 0,
-            sent: 0,
-            held: Vec::new(),
-        };
+        let (mut q, mut t) = counting_pair();
         let wait = Duration::from_secs(5);
         let st = reads_against(&mut q, 4, || {
             // The datagram with the four READs is lost; the probe's counts show it.
             assert_eq!(t.step(true, false, wait), (4, 0));
-            let mut reads = 0;
-            while reads < 4 {
-                let (frames, keepalives) = t.step(false, false, wait);
-                reads += frames - keepalives;
-            }
+            t.reads(4, false, wait);
         });
         assert!(st.probes >= 1, "{st:?}");
         assert_eq!((st.retransmits, st.late_replies), (4, 0), "{st:?}");
