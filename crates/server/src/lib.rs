@@ -479,6 +479,18 @@ fn eventfd_write(fd: i32) {
     unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
 }
 
+/// The address a host is told to connect to for a listener bound to `bound` (discovery logs,
+/// SendTargets): `local`, the address the host reached us at, stands in for a wildcard, since
+/// the host can reach that one again.
+pub(crate) fn reachable_address(bound: SocketAddr, local: IpAddr) -> SocketAddr {
+    let ip = if bound.ip().is_unspecified() {
+        local
+    } else {
+        bound.ip()
+    };
+    SocketAddr::new(ip, bound.port())
+}
+
 /// Which protocol a stream listener speaks (which handshake admits its connections).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum ListenerKind {

@@ -111,14 +111,7 @@ impl Portals {
         self.lock()
             .listeners
             .iter()
-            .map(|&(_, a)| {
-                let ip = if a.ip().is_unspecified() {
-                    local
-                } else {
-                    a.ip()
-                };
-                SocketAddr::new(ip, a.port())
-            })
+            .map(|&(_, a)| crate::reachable_address(a, local))
             .collect()
     }
 

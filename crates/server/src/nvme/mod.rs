@@ -97,14 +97,7 @@ impl Controllers {
         self.lock()
             .listeners
             .iter()
-            .map(|&(id, a)| {
-                let ip = if a.ip().is_unspecified() {
-                    local
-                } else {
-                    a.ip()
-                };
-                (id, SocketAddr::new(ip, a.port()))
-            })
+            .map(|&(id, a)| (id, crate::reachable_address(a, local)))
             .collect()
     }
 
