@@ -11,6 +11,11 @@ use crate::executor::{result_status, Copied, Outcome};
 use crate::frontend::{Decoded, Kind, ReadFraming, Req};
 use crate::log::Level;
 
+/// READs of at least this many bytes from a backend that fills a buffer are sent from that
+/// buffer (`Conn::queue_data`); smaller ones are copied into the transmit buffer, where a
+/// batch of them goes out in one send.
+const SEND_IN_PLACE: usize = 64 << 10;
+
 /// Dispatches every complete message in `rx[rx_start..rx_end]`.
 pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     c.starved = false;
@@ -142,10 +147,10 @@ fn request_cover(c: &mut Conn, req: &Req, payload_len: usize) -> Cover {
     // its solicitation go out (`hold_write`): it never stops the stream, since the data of the
     // writes before it may be right behind it.
     let unsolicited = req.is_write() && payload_len == 0 && req.length > 0;
-    // Data of requests in flight counts against the same high-water mark as replies not yet
-    // sent: a client cannot make us hold more by asking for large reads from a backend that
+    // Data of requests in flight counts together with replies not yet sent: a client cannot
+    // make us hold more than `data_high_water` by asking for large reads from a backend that
     // answers later.
-    if moves_data && !unsolicited && c.tx_backlog() + c.held >= c.tx_high_water() {
+    if moves_data && !unsolicited && c.data_pending() >= c.data_high_water() {
         return Cover::Wait;
     }
     // And the memory budget must cover what the request will add: its reply data, and a data
@@ -752,6 +757,21 @@ fn settle(c: &mut Conn, slot: u16, status: Status) {
     } else if req.is_read() && status == Status::Ok {
         let len = req.length as usize;
         let framing = c.fe.read_framing(&req);
+        if let ReadFraming::Contiguous { prefix, suffix } = framing {
+            if c.tls.is_none() && len >= SEND_IN_PLACE {
+                // The data goes out from its buffer; only the framing is copied.
+                c.grow_tx(prefix + suffix);
+                let at = c.tx.len();
+                c.tx.resize(at + prefix + suffix, 0);
+                let buf = c.slots[slot as usize].buf.take().expect("read buffer");
+                let (head, tail) = c.tx[at..].split_at_mut(prefix);
+                c.fe.finish_read_reply(&req, head, &buf.as_slice()[..len], tail);
+                // The data goes between the two: the suffix (a digest) follows it on the wire.
+                c.queue_data(at + prefix, buf, len);
+                c.count_reply(status);
+                return;
+            }
+        }
         // Grown as the budget check before the request foresaw (`covers_request`).
         c.grow_tx(match framing {
             ReadFraming::Contiguous { prefix, suffix } => prefix + len + suffix,
@@ -1107,6 +1127,9 @@ mod tests {
             rx_end: 0,
             tx: Vec::new(),
             tx_sent: 0,
+            tx_data: Default::default(),
+            tx_data_left: 0,
+            queued: 0,
             slots: (0..4).map(|_| Slot::default()).collect(),
             free_slots: (0..4).rev().collect(),
             deferred: Default::default(),
@@ -1141,8 +1164,21 @@ mod tests {
         parse_frames(c, 0, &mut Pusher(ring));
     }
 
+    /// What would go on the wire, in order (`tx` and the READ data queued in it), as if the
+    /// socket took all of it.
     fn take_tx(c: &mut Conn) -> Vec<u8> {
-        std::mem::take(&mut c.tx)
+        let mut out = Vec::new();
+        let mut pos = c.tx_sent;
+        for d in &c.tx_data {
+            out.extend_from_slice(&c.tx[pos..d.at]);
+            out.extend_from_slice(&d.buf.as_slice()[d.sent..d.len]);
+            pos = d.at;
+        }
+        out.extend_from_slice(&c.tx[pos..]);
+        c.consume(out.len());
+        c.tx.clear();
+        c.tx_sent = 0;
+        out
     }
 
     fn write(cookie: u64, offset: u64, length: u32, inline: &[u8]) -> Vec<u8> {
@@ -1359,6 +1395,75 @@ mod tests {
             "idle: {} of {busy} bytes kept",
             c.mem.charged()
         );
+    }
+
+    /// Large READ data goes out from the buffer the backend filled, between its reply's header
+    /// and digest and in order with the replies copied around it, whatever the socket takes at
+    /// a time (partial sends, the sent part dropped from the front of `tx`); the buffers go
+    /// back to the pool once sent.
+    #[test]
+    fn large_read_data_is_sent_from_its_buffer_in_order() {
+        use std::io::Read;
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, mut peer) = conn("m=memthread:4M");
+        const BIG: usize = 256 << 10;
+        let payload: Vec<u8> = (0..2 * BIG + 4096).map(|i| (i * 7 % 251) as u8).collect();
+        // Filled through the write path (data in the request).
+        for (i, piece) in payload.chunks(BIG).enumerate() {
+            feed(
+                &mut c,
+                &mut ring,
+                &write(i as u64, (i * BIG) as u64, piece.len() as u32, piece),
+            );
+            settle_async(&mut c, &mut ring);
+        }
+        take_tx(&mut c);
+        let mut reads = read(10, 0, BIG as u32);
+        reads.extend_from_slice(&read(11, (2 * BIG) as u64, 4096));
+        reads.extend_from_slice(&read(12, BIG as u64, BIG as u32));
+        feed(&mut c, &mut ring, &reads);
+        settle_async(&mut c, &mut ring);
+        assert_eq!(
+            c.tx_data.len(),
+            2,
+            "the two large reads wait in their buffers"
+        );
+        assert!(
+            c.tx.len() < 4096 + 3 * 64,
+            "only framing and the small read were copied"
+        );
+        let mut want = Vec::new();
+        for (cookie, range) in [
+            (10, 0..BIG),
+            (11, 2 * BIG..2 * BIG + 4096),
+            (12, BIG..2 * BIG),
+        ] {
+            want.extend_from_slice(&status_reply(cookie, Status::Ok));
+            want.extend_from_slice(&payload[range.clone()]);
+            want.extend_from_slice(&blkwire_wire::crc::crc32c(&payload[range]).to_le_bytes());
+        }
+        // The peer reads in small bites, so sends are partial and POLLOUT is armed between.
+        peer.set_nonblocking(true).unwrap();
+        let mut got = Vec::new();
+        let mut bite = vec![0u8; 50_000];
+        while got.len() < want.len() {
+            super::super::conn::transmit(&mut c, 0, &mut Pusher(&mut ring));
+            match peer.read(&mut bite) {
+                Ok(n) => got.extend_from_slice(&bite[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    assert!(
+                        c.tx_backlog() > 0,
+                        "nothing left to send, {} bytes missing",
+                        want.len() - got.len()
+                    );
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert!(got == want, "the wire carries the replies in order");
+        assert_eq!((c.tx_backlog(), c.held, c.queued), (0, 0, 0));
+        assert!(c.tx_data.is_empty());
+        assert!(c.bufs.has_spare(BIG), "the buffers went back to the pool");
     }
 
     /// A reply with headers between pieces of its data is built from a slot's buffer, on an
