@@ -282,11 +282,15 @@ fn luns_and_initiators_change_at_run_time() {
         "{table}"
     );
     let saved = t.rpc("save_config", "{}");
-    let calls: Vec<String> = saved
+    let ours: Vec<serde_json::Value> = saved
         .as_array()
         .unwrap()
         .iter()
         .filter(|c| c["params"]["iqn"] == DB)
+        .cloned()
+        .collect();
+    let calls: Vec<String> = ours
+        .iter()
         .map(|c| format!("{} {}", c["method"].as_str().unwrap(), c["params"]))
         .collect();
     assert_eq!(calls.len(), 3, "{calls:?}");
@@ -354,6 +358,13 @@ fn luns_and_initiators_change_at_run_time() {
         Some(0x0203),
         "a deleted target is not found"
     );
+    // The calls save_config wrote build the target again as it was then.
+    let config = serde_json::json!({ "config": ours }).to_string();
+    t.rpc("load_config", &config);
+    let mut again = login(&t.addr, DB, Digests::default());
+    assert_eq!(report_luns(&mut again), vec![0, 2]);
+    again.lun = 2;
+    assert!(again.read(0, 8).0 == data);
 }
 
 #[test]

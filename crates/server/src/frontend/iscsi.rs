@@ -578,7 +578,19 @@ impl Iscsi {
                 // REPORT LUNS (SAM-5 5.14, SPC-4 REPORT LUNS), and is then cleared.
                 if self.luns[t].attention && !matches!(cdb[0], 0x12 | 0xa0) {
                     self.luns[t].attention = false;
-                    self.check(itt, &Sense::reported_luns_changed(), c.edtl, tx);
+                    let ua = Sense::reported_luns_changed();
+                    if cdb[0] == 0x03 {
+                        // REQUEST SENSE returns it as its data, with GOOD (SPC-4 REQUEST SENSE).
+                        let mut d = Vec::new();
+                        match cdb[1] & 1 {
+                            0 => ua.encode(&mut d),
+                            _ => ua.encode_descriptor(&mut d),
+                        }
+                        d.truncate(cdb[4] as usize);
+                        self.answer(itt, &d, c.edtl, tx);
+                    } else {
+                        self.check(itt, &ua, c.edtl, tx);
+                    }
                     return Decoded::Answered { len };
                 }
                 scsi::decode(cdb, &self.lu().info)
@@ -1450,7 +1462,8 @@ impl Iscsi {
             length: 0,
             flags: IoFlags::empty(),
             slot: None,
-            target: self.cur as u8,
+            // A Logout addresses the connection, not a LU.
+            target: 0,
             cookie: cookie(p.itt(), Residual::None, Reply::Logout, 0),
         };
         self.request(req, len, 0, 0)
@@ -1847,11 +1860,17 @@ mod tests {
         f.decode(&cmd_lun(0, 4, 3, &TUR, 0), &mut tx);
         assert_eq!((tx[0], tx[3]), (op::SCSI_RSP, GOOD));
         tx.clear();
-        f.decode(&cmd_lun(0, 5, 4, &REPORT_LUNS, 256), &mut tx);
+        // Removed again: REQUEST SENSE takes the unit attention as its data, with GOOD.
+        f.fenced(1);
+        f.decode(&cmd_lun(0, 40, 4, &[0x03, 0, 0, 0, 18, 0], 18), &mut tx);
+        assert_eq!((tx[0], tx[3]), (op::DATA_IN, GOOD));
+        assert_eq!((tx[BHS_LEN + 2] & 0xf, tx[BHS_LEN + 12]), (0x6, 0x3f));
+        tx.clear();
+        f.decode(&cmd_lun(0, 5, 5, &REPORT_LUNS, 256), &mut tx);
         assert_eq!(reported(&tx), vec![0]);
         tx.clear();
         // A request already with the reactor when its LU went: LOGICAL UNIT NOT SUPPORTED.
-        let Decoded::Request { req, .. } = f.decode(&cmd_lun(0, 6, 5, &READ10_ONE, 512), &mut tx)
+        let Decoded::Request { req, .. } = f.decode(&cmd_lun(0, 6, 6, &READ10_ONE, 512), &mut tx)
         else {
             panic!("a request");
         };
