@@ -241,6 +241,67 @@ fn the_initiator_list_refuses_others_and_export_rules_mask_luns() {
     );
 }
 
+/// With a key store the initiator list matches the name CHAP proved: each initiator proves its
+/// own secret, and only the listed one sees and opens the target.
+#[test]
+fn with_keys_the_initiator_list_matches_the_chap_proven_name() {
+    let good = "iqn.2026-11.io.test:good";
+    let bad = "iqn.2026-11.io.test:bad";
+    let dir = TempDir::new("iscsi-lun-chap");
+    let keys = dir.path("keys");
+    std::fs::write(
+        &keys,
+        format!("{good}:CHAP:good-secret-12345\n{bad}:CHAP:bad-secret-123456\n"),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let t = Served::start(
+        &["a=mem:1M", "b=mem:2M"],
+        &[
+            "--keys",
+            keys.to_str().unwrap(),
+            "--iscsi-target",
+            &format!("{DB}=a,b;allow={good}"),
+        ],
+    );
+    let url =
+        |who: &str, secret: &str, path: &str| format!("iscsi://{who}%{secret}@{}{path}", t.addr);
+    let (ok, out) = tool(
+        "iscsi-ls",
+        &["-i", good, "-s", &url(good, "good-secret-12345", "")],
+    );
+    assert!(ok, "{out}");
+    let at = out
+        .find(&format!("Target:{DB} "))
+        .unwrap_or_else(|| panic!("{DB} not listed to {good}:\n{out}"));
+    assert!(out[at..].contains("Lun:1 "), "{out}");
+    let (ok, out) = tool(
+        "iscsi-ls",
+        &["-i", bad, "-s", &url(bad, "bad-secret-123456", "")],
+    );
+    assert!(ok && out.contains(&format!("Target:{PREFIX}a ")), "{out}");
+    assert!(!out.contains(DB), "{DB} listed to {bad}:\n{out}");
+    let (ok, out) = tool(
+        "iscsi-readcapacity16",
+        &[
+            "-i",
+            bad,
+            &url(bad, "bad-secret-123456", &format!("/{DB}/1")),
+        ],
+    );
+    assert!(!ok, "{bad} opened {DB}: {out}");
+    let (ok, out) = tool(
+        "iscsi-readcapacity16",
+        &[
+            "-i",
+            good,
+            &url(good, "good-secret-12345", &format!("/{DB}/1")),
+        ],
+    );
+    assert!(ok && out.contains("Total size:2097152"), "{out}");
+}
+
 /// LUNs and initiators changed over the control socket: a new LUN is seen at the next
 /// login, a removed one is fenced on the live session (LOGICAL UNIT NOT SUPPORTED, and the
 /// LUN left reports REPORTED LUNS DATA HAS CHANGED once), the list and save_config show the

@@ -298,9 +298,9 @@ enum CawState {
     Failed(Status),
 }
 
-/// What the LU of `e` is, as the SCSI layer answers for it (as LUN 0: the caller sets `lun`). `copy`: EXTENDED COPY
-/// is granted; `immediate`: the most immediate data a command may carry (COMPARE AND WRITE's
-/// both halves must fit it).
+/// What the LU of `e` is, as the SCSI layer answers for it (as LUN 0: a caller serving it at
+/// another LUN sets `lun`). `copy`: EXTENDED COPY is granted; `immediate`: the most immediate
+/// data a command may carry (COMPARE AND WRITE's both halves must fit it).
 pub fn lun_info(e: &Export, max_io: u32, copy: bool, immediate: u32) -> LunInfo {
     let caps = e.capabilities();
     let (logical, _) = e.backend().block_sizes();
