@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use blkwire_backend::{Export, ExportSpec};
-use blkwire_server::frontend::iscsi::{lun_info, Iscsi, IscsiSetup};
+use blkwire_server::frontend::iscsi::{lun_info, Iscsi, IscsiSetup, SetupLun};
 use blkwire_server::frontend::{Decoded, Kind, ReadFraming, StreamFrontend};
 use blkwire_server::iscsi::Negotiated;
 use blkwire_wire::iscsi::{self, Digests, Progress, BHS_LEN, MAX_KEY_LEN, MAX_PAIRS, MAX_VALUE_LEN};
@@ -106,6 +106,7 @@ fn walk(fe: &mut Iscsi, data: &[u8], status: Status) {
                 assert!(payload_len <= req.length as usize || !req.is_write());
                 fe.taken(&req);
                 assert!(req.length <= 1 << 30);
+                assert!(req.target < 2, "a request for a target the connection has");
                 if req.is_write() && payload_len < req.length as usize {
                     let mut buf = vec![0u8; req.length as usize];
                     if !fe.fill(&req, &mut buf) {
@@ -164,18 +165,38 @@ fuzz_target!(|data: &[u8]| {
         max_r2t: 1,
     };
     let status = if mode & 32 == 0 { Status::Ok } else { Status::Io };
+    // Two LUNs (0 and 3, of different block counts), the second removed mid-stream when the
+    // mode says so: commands to LUNs it does not have (or no longer) are answered, never run.
+    let other = Arc::new(Export::open(&ExportSpec::parse("n=mem:512K").unwrap()).unwrap());
     let mut fe = Iscsi::new(IscsiSetup {
         neg,
         statsn: 1,
         expcmdsn: 0,
         depth: 8,
-        export: export.clone(),
+        luns: vec![
+            SetupLun {
+                lun: 0,
+                export: export.clone(),
+                copy,
+            },
+            SetupLun {
+                lun: 3,
+                export: other,
+                copy,
+            },
+        ],
         target: "iqn.2026-11.io.blkwire:m".into(),
         initiator: "iqn.fuzz".into(),
         isid: [0; 6],
         max_io: MAX_IO,
-        copy,
         peers: vec![("m".into(), lun_info(&export, MAX_IO, true, 0))],
     });
-    walk(&mut fe, rest, status);
+    let half = rest.len() / 2;
+    if mode & 64 != 0 {
+        walk(&mut fe, &rest[..half], status);
+        fe.fenced(1);
+        walk(&mut fe, &rest[half..], status);
+    } else {
+        walk(&mut fe, rest, status);
+    }
 });

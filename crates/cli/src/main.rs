@@ -88,6 +88,12 @@ enum Command {
     /// /run/blkwire/blkwire.sock): only root or the user running serve may use it.
     #[command(subcommand)]
     Subsystem(manage::SubsystemCmd),
+    /// Create, change, delete and list a running target's iSCSI targets of several LUNs
+    ///
+    /// Over the control socket of a running `blkwire serve` (--socket, default
+    /// /run/blkwire/blkwire.sock): only root or the user running serve may use it.
+    #[command(subcommand)]
+    IscsiTarget(manage::IscsiTargetCmd),
     /// List and close a running target's sessions
     ///
     /// Over the control socket of a running `blkwire serve` (--socket, default
@@ -139,6 +145,7 @@ fn main() -> ExitCode {
             | Command::Export(_)
             | Command::Listener(_)
             | Command::Subsystem(_)
+            | Command::IscsiTarget(_)
             | Command::Session(_)
             | Command::SaveConfig(_)
             | Command::LoadConfig(_)
@@ -166,6 +173,7 @@ fn main() -> ExitCode {
         Command::Export(c) => manage::run_export(c),
         Command::Listener(c) => manage::run_listener(c),
         Command::Subsystem(c) => manage::run_subsystem(c),
+        Command::IscsiTarget(c) => manage::run_iscsi_target(c),
         Command::Session(c) => manage::run_session(c),
         Command::SaveConfig(a) => manage::run_save_config(a),
         Command::LoadConfig(a) => manage::run_load_config(a),

@@ -1,6 +1,7 @@
-//! `blkwire export`, `listener`, `subsystem`, `session`, `save-config` and `load-config`: a running target's
-//! exports, listeners and sessions changed and listed over its control socket (crate::rpc,
-//! docs/MANAGEMENT.md). Each command is one call; this module words the results.
+//! `blkwire export`, `listener`, `subsystem`, `iscsi-target`, `session`, `save-config` and
+//! `load-config`: a running target's exports, listeners and sessions changed and listed over
+//! its control socket (crate::rpc, docs/MANAGEMENT.md). Each command is one call; this module
+//! words the results.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -174,6 +175,81 @@ pub enum SubsystemCmd {
     },
     /// List every subsystem (each export's own, then the configured ones)
     Ls {
+        /// Print the target's JSON result unchanged
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        socket: Socket,
+    },
+}
+
+/// `blkwire iscsi-target`: iSCSI targets of several LUNs (every export is also its own target,
+/// iqn.2026-11.io.blkwire:NAME with LUN 0, which these commands do not change).
+#[derive(clap::Subcommand)]
+pub enum IscsiTargetCmd {
+    /// Create a target with no LUNs yet; with --allow only the initiators named may log in
+    /// (more with `iscsi-target add-initiator`), without it any initiator may
+    #[command(visible_alias = "add")]
+    Create {
+        /// Its IQN, e.g. iqn.2026-11.com.example:db
+        iqn: String,
+        /// An initiator IQN that may log in (repeatable)
+        #[arg(long, value_name = "INITIATOR_IQN")]
+        allow: Vec<String>,
+        #[command(flatten)]
+        socket: Socket,
+    },
+    /// Delete a target; its sessions end
+    #[command(visible_alias = "rm")]
+    Delete {
+        /// Its IQN
+        iqn: String,
+        #[command(flatten)]
+        socket: Socket,
+    },
+    /// Add an export as a LUN; initiators see it when they log in again
+    AddLun {
+        /// The target's IQN
+        iqn: String,
+        /// The export
+        export: String,
+        /// The LUN [default: the lowest free one]
+        #[arg(long)]
+        lun: Option<u64>,
+        #[command(flatten)]
+        socket: Socket,
+    },
+    /// Remove a LUN; logged-in sessions answer LOGICAL UNIT NOT SUPPORTED for it from then on
+    RemoveLun {
+        /// The target's IQN
+        iqn: String,
+        /// The LUN
+        lun: u64,
+        #[command(flatten)]
+        socket: Socket,
+    },
+    /// Let an initiator IQN log in (a target that admitted any initiator then admits only
+    /// its list)
+    AddInitiator {
+        /// The target's IQN
+        iqn: String,
+        /// The initiator's IQN
+        initiator: String,
+        #[command(flatten)]
+        socket: Socket,
+    },
+    /// Stop letting an initiator IQN log in; its sessions of the target end
+    RemoveInitiator {
+        /// The target's IQN
+        iqn: String,
+        /// The initiator's IQN
+        initiator: String,
+        #[command(flatten)]
+        socket: Socket,
+    },
+    /// List every target (each export's own, then the configured ones)
+    #[command(visible_alias = "ls")]
+    List {
         /// Print the target's JSON result unchanged
         #[arg(long)]
         json: bool,
@@ -428,6 +504,107 @@ pub fn run_subsystem(cmd: SubsystemCmd) -> Result<(), String> {
                     vec![cell(&s["nqn"]), ns, hosts, ctrls.to_string()]
                 },
                 "no subsystems",
+            );
+        }
+    }
+    Ok(())
+}
+
+pub fn run_iscsi_target(cmd: IscsiTargetCmd) -> Result<(), String> {
+    match cmd {
+        IscsiTargetCmd::Create { iqn, allow, socket } => {
+            let mut p = json!({"iqn": iqn});
+            if !allow.is_empty() {
+                p["allow"] = allow.into();
+            }
+            socket.call("iscsi_target_create", Some(p))?;
+            println!("created target {iqn}");
+        }
+        IscsiTargetCmd::Delete { iqn, socket } => {
+            let r = socket.call("iscsi_target_delete", Some(json!({"iqn": iqn})))?;
+            println!("deleted target {iqn}{}", closed_sessions(&r));
+        }
+        IscsiTargetCmd::AddLun {
+            iqn,
+            export,
+            lun,
+            socket,
+        } => {
+            let mut p = json!({"iqn": iqn, "export": export});
+            if let Some(l) = lun {
+                p["lun"] = l.into();
+            }
+            let r = socket.call("iscsi_target_add_lun", Some(p))?;
+            println!("export {export} is LUN {} of {iqn}", cell(&r["lun"]));
+        }
+        IscsiTargetCmd::RemoveLun { iqn, lun, socket } => {
+            let r = socket.call(
+                "iscsi_target_remove_lun",
+                Some(json!({"iqn": iqn, "lun": lun})),
+            )?;
+            println!(
+                "removed LUN {lun} (export {}) of {iqn}{}",
+                cell(&r["export"]),
+                closed_sessions(&r)
+            );
+        }
+        IscsiTargetCmd::AddInitiator {
+            iqn,
+            initiator,
+            socket,
+        } => {
+            let r = socket.call(
+                "iscsi_target_add_initiator",
+                Some(json!({"iqn": iqn, "initiator": initiator})),
+            )?;
+            println!(
+                "initiator {initiator} may log in to {iqn}{}",
+                closed_sessions(&r)
+            );
+        }
+        IscsiTargetCmd::RemoveInitiator {
+            iqn,
+            initiator,
+            socket,
+        } => {
+            let r = socket.call(
+                "iscsi_target_remove_initiator",
+                Some(json!({"iqn": iqn, "initiator": initiator})),
+            )?;
+            println!(
+                "initiator {initiator} may no longer log in to {iqn}{}",
+                closed_sessions(&r)
+            );
+        }
+        IscsiTargetCmd::List { json, socket } => {
+            let list = socket.call("iscsi_target_list", None)?;
+            print_list(
+                json,
+                &list,
+                &[
+                    ("iqn", Align::Left),
+                    ("luns", Align::Left),
+                    ("initiators", Align::Left),
+                    ("sessions", Align::Right),
+                ],
+                |t| {
+                    let luns = t["luns"].as_array().map_or(String::new(), |v| {
+                        v.iter()
+                            .map(|l| format!("{}={}", cell(&l["lun"]), cell(&l["export"])))
+                            .collect::<Vec<_>>()
+                            .join(",")
+                    });
+                    let initiators = if t["configured"] != true || t["any_initiator"] == true {
+                        "any".to_string()
+                    } else {
+                        t["initiators"].as_array().map_or(String::new(), |v| {
+                            v.iter().map(cell).collect::<Vec<_>>().join(",")
+                        })
+                    };
+                    let sessions = t["sessions"].as_array().map_or(0, Vec::len);
+                    vec![cell(&t["iqn"]), luns, initiators, sessions.to_string()]
+                },
+                "no iSCSI targets",
             );
         }
     }

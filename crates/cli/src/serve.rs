@@ -4,6 +4,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use blkwire_backend::ExportSpec;
+use blkwire_server::iscsi::targets::TargetSpec as IscsiTargetSpec;
 use blkwire_server::nvme::SubsystemSpec;
 use blkwire_server::{log, parse_config, Options, Target, TargetConfig, TlsMode, MIN_MEMORY};
 
@@ -16,7 +17,7 @@ pub struct Args {
                 port 10809 by default), nvme-tcp://ADDR[:PORT] (NVMe/TCP, port 4420 by default; \
                 every export is subsystem nqn.2026-11.io.blkwire:NAME, and see --subsystem), \
                 iscsi://ADDR[:PORT] (iSCSI, port 3260 by default; every export is target \
-                iqn.2026-11.io.blkwire:NAME with LUN 0), udp://ADDR:PORT, \
+                iqn.2026-11.io.blkwire:NAME with LUN 0, and see --iscsi-target), udp://ADDR:PORT, \
                 eth://IFACE. Port 0 picks a free port. Default: tcp://0.0.0.0:7700, unless \
                 --config is given"
     )]
@@ -38,6 +39,15 @@ pub struct Args {
     /// subsystem nqn.2026-11.io.blkwire:NAME too
     #[arg(long = "subsystem", value_name = "NQN=EXPORTS")]
     subsystems: Vec<String>,
+    /// An iSCSI target of several LUNs (repeatable):
+    /// IQN=EXPORT[@LUN][,EXPORT[@LUN]...][;allow=INITIATOR_IQN[+INITIATOR_IQN...]],
+    /// e.g. 'iqn.2026-11.com.example:db=data,log@5;allow=iqn.1994-05.com.redhat:host1'.
+    /// LUNs without @LUN get the lowest free numbers from 0; without allow= any initiator may
+    /// log in (with --keys the name CHAP proved is matched, else the InitiatorName); each
+    /// export's own allow= rules decide which LUNs an initiator sees. Every export stays its
+    /// own target iqn.2026-11.io.blkwire:NAME (LUN 0) too
+    #[arg(long = "iscsi-target", value_name = "IQN=EXPORTS")]
+    iscsi_targets: Vec<String>,
     /// Replay a config: a JSON list of calls, as `blkwire save-config` writes it
     /// (docs/MANAGEMENT.md). Flags given as well apply after it (and override its
     /// target_options)
@@ -143,6 +153,28 @@ pub fn run(a: Args) -> Result<(), String> {
         .iter()
         .map(|s| SubsystemSpec::parse(s))
         .collect::<Result<Vec<_>, _>>()?;
+    let iscsi_targets = a
+        .iscsi_targets
+        .iter()
+        .map(|s| IscsiTargetSpec::parse(s))
+        .collect::<Result<Vec<_>, _>>()?;
+    if a.config.is_none() {
+        // Without a config every export comes from --export: name a missing one here, by flag.
+        for (t, text) in iscsi_targets.iter().zip(&a.iscsi_targets) {
+            if let Some((e, _)) = t
+                .luns
+                .iter()
+                .find(|(e, _)| !exports.iter().any(|x| &x.name == e))
+            {
+                return Err(format!(
+                    "--iscsi-target '{}': no export '{}' (add it with --export {}=BACKEND)",
+                    text.escape_debug(),
+                    e.escape_debug(),
+                    e.escape_debug()
+                ));
+            }
+        }
+    }
     // Defaults, then the config's target_options, then the flags given.
     let mut options = Options::default();
     options.limits.max_memory = default_memory();
@@ -182,6 +214,7 @@ pub fn run(a: Args) -> Result<(), String> {
         admins: a.admin,
         metrics: a.metrics,
         subsystems,
+        iscsi_targets,
     };
     // Signals are taken by a dedicated thread (below): block them before any thread starts so
     // every thread inherits the mask and none is interrupted mid-I/O.

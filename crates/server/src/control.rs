@@ -333,8 +333,38 @@ const METHODS: &[Method] = &[
     },
     Method {
         name: "iscsi_target_list",
-        about: "iSCSI: every target (IQN, LUNs, allow rules, portals) and its logged-in sessions (initiator, ISID, TSIH, digests)",
+        about: "iSCSI: every target (each export's own, then the configured ones: IQN, LUNs, allow rules or initiator list, portals) and its logged-in sessions (initiator, ISID, TSIH, digests, LUN sessions)",
         run: iscsi_target_list,
+    },
+    Method {
+        name: "iscsi_target_create",
+        about: "{iqn, allow?}: a target with no LUNs yet; allow (a list of initiator IQNs) admits only those, without it any initiator may log in",
+        run: iscsi_target_create,
+    },
+    Method {
+        name: "iscsi_target_delete",
+        about: "{iqn}: delete a target; its sessions end",
+        run: iscsi_target_delete,
+    },
+    Method {
+        name: "iscsi_target_add_lun",
+        about: "{iqn, export, lun?}: add an export as a LUN (lun: the lowest free one by default); initiators see it when they log in again",
+        run: iscsi_target_add_lun,
+    },
+    Method {
+        name: "iscsi_target_remove_lun",
+        about: "{iqn, lun}: remove a LUN; logged-in sessions answer LOGICAL UNIT NOT SUPPORTED for it (and report REPORTED LUNS DATA HAS CHANGED), the other LUNs go on",
+        run: iscsi_target_remove_lun,
+    },
+    Method {
+        name: "iscsi_target_add_initiator",
+        about: "{iqn, initiator}: let an initiator IQN log in (a target that admitted any initiator admits only its list from then on; the others' sessions end)",
+        run: iscsi_target_add_initiator,
+    },
+    Method {
+        name: "iscsi_target_remove_initiator",
+        about: "{iqn, initiator}: stop letting an initiator IQN log in; its sessions of that target end",
+        run: iscsi_target_remove_initiator,
     },
     Method {
         name: "session_list",
@@ -505,6 +535,7 @@ fn export_remove(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
         .map_err(RpcError::refused)?;
     sh.close_sessions(&closed);
     sh.registry.nvme.forget_export(&p.name);
+    sh.registry.iscsi.forget_export(&p.name);
     crate::log!(
         sh.change_level(),
         "export '{}' removed{}",
@@ -735,10 +766,10 @@ struct NqnParam {
     nqn: String,
 }
 
-/// Closes sessions the NVMe subsystem calls took away: revoked (no queue joins them any more),
-/// then closed on the reactors (connections fence the namespace, or end with their last one).
-/// Returns how many were still open (a removed namespace's session stays listed with its
-/// controller, closed already).
+/// Closes sessions the NVMe subsystem and iSCSI target calls took away: revoked (no queue
+/// joins them any more), then closed on the reactors (connections fence the namespace or LUN,
+/// or end with their last one). Returns how many were still open (a removed namespace's
+/// session stays listed with its controller, closed already).
 fn close_nvme_sessions(sh: &Arc<Shared>, sessions: &[u32]) -> usize {
     let open: Vec<u32> = sessions
         .iter()
@@ -867,32 +898,201 @@ fn nvme_subsystem_remove_host(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcEr
 
 fn iscsi_target_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
     let r = &sh.registry;
-    let live: std::collections::HashSet<u32> = r.sessions().iter().map(|s| s.session).collect();
+    let live: std::collections::HashSet<u32> = r
+        .sessions()
+        .iter()
+        .filter(|s| !r.is_revoked(s.session))
+        .map(|s| s.session)
+        .collect();
     r.iscsi.retain_sessions(&|id| live.contains(&id));
     let portals = r.iscsi.portals();
-    let targets: Vec<Value> = r
-        .exports()
+    let max_io = r.limits().max_io;
+    let lun = |n: u64, e: &Arc<blkwire_backend::Export>| {
+        let info = crate::frontend::iscsi::lun_info(e, max_io, false, 0);
+        json!({
+            "lun": n,
+            "export": e.name,
+            "size": e.size(),
+            "block_size": info.block_size,
+            "read_only": e.read_only,
+            "naa": format!("{:016x}", info.naa),
+        })
+    };
+    let exports = r.exports();
+    // Every export's own target, then the configured ones.
+    let mut targets: Vec<Value> = exports
         .iter()
         .map(|e| {
             let iqn = crate::iscsi::target_name(&e.name);
-            let lun = crate::frontend::iscsi::lun_info(e, r.limits().max_io, false, 0);
             json!({
                 "iqn": iqn,
-                "luns": [{
-                    "lun": lun.lun,
-                    "export": e.name,
-                    "size": e.size(),
-                    "block_size": lun.block_size,
-                    "read_only": e.read_only,
-                    "naa": format!("{:016x}", lun.naa),
-                }],
+                "configured": false,
+                "luns": [lun(0, e)],
                 "allow": r.allow_of(&e.name),
                 "portals": portals,
                 "sessions": r.iscsi.describe_sessions(&iqn),
             })
         })
         .collect();
+    for t in r.iscsi.targets() {
+        let mut v = t.describe();
+        v["luns"] = t
+            .luns
+            .iter()
+            .filter_map(|(n, name)| Some(lun(*n, exports.iter().find(|e| &e.name == name)?)))
+            .collect();
+        v["portals"] = json!(portals);
+        v["sessions"] = r.iscsi.describe_sessions(&t.iqn).into();
+        targets.push(v);
+    }
     Ok(Value::Array(targets))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct IscsiTargetCreateParam {
+    iqn: String,
+    allow: Option<Vec<String>>,
+}
+
+fn iscsi_target_create(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    let p: IscsiTargetCreateParam = params(
+        "iscsi_target_create",
+        p,
+        "{\"iqn\": \"iqn.2026-11.com.example:db\", \"allow\": [\"iqn.1994-05.com.redhat:host1\"]}",
+    )?;
+    let taken = p
+        .iqn
+        .strip_prefix(blkwire_wire::iscsi::BLKWIRE_IQN_PREFIX)
+        .is_some_and(|n| sh.registry.has_export(n));
+    let t = sh
+        .registry
+        .iscsi
+        .create_target(&p.iqn, p.allow, taken)
+        .map_err(RpcError::params)?;
+    crate::log!(sh.change_level(), "iSCSI target '{}' created", p.iqn);
+    Ok(t.describe())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct IqnParam {
+    iqn: String,
+}
+
+fn iscsi_target_delete(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    let p: IqnParam = params(
+        "iscsi_target_delete",
+        p,
+        "{\"iqn\": \"iqn.2026-11.com.example:db\"}",
+    )?;
+    let closed = sh
+        .registry
+        .iscsi
+        .delete_target(&p.iqn)
+        .map_err(RpcError::refused)?;
+    let closed = close_nvme_sessions(sh, &closed);
+    crate::log!(sh.change_level(), "iSCSI target '{}' deleted", p.iqn);
+    Ok(json!({ "iqn": p.iqn, "closed_sessions": closed }))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddLunParam {
+    iqn: String,
+    export: String,
+    lun: Option<u64>,
+}
+
+fn iscsi_target_add_lun(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    let p: AddLunParam = params(
+        "iscsi_target_add_lun",
+        p,
+        "{\"iqn\": \"iqn.2026-11.com.example:db\", \"export\": \"disk0\", \"lun\": 0}",
+    )?;
+    if !sh.registry.has_export(&p.export) {
+        return Err(RpcError::params(format!(
+            "iscsi_target_add_lun: no export '{}' (export_list shows them)",
+            p.export.escape_debug()
+        )));
+    }
+    let lun = sh
+        .registry
+        .iscsi
+        .add_lun(&p.iqn, &p.export, p.lun)
+        .map_err(RpcError::params)?;
+    crate::log!(
+        sh.change_level(),
+        "iSCSI target '{}': export '{}' is LUN {lun}",
+        p.iqn,
+        p.export
+    );
+    Ok(json!({ "iqn": p.iqn, "export": p.export, "lun": lun }))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RemoveLunParam {
+    iqn: String,
+    lun: u64,
+}
+
+fn iscsi_target_remove_lun(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    let p: RemoveLunParam = params(
+        "iscsi_target_remove_lun",
+        p,
+        "{\"iqn\": \"iqn.2026-11.com.example:db\", \"lun\": 0}",
+    )?;
+    let (closed, export) = sh
+        .registry
+        .iscsi
+        .remove_lun(&p.iqn, p.lun)
+        .map_err(RpcError::refused)?;
+    let closed = close_nvme_sessions(sh, &closed);
+    crate::log!(
+        sh.change_level(),
+        "iSCSI target '{}': LUN {} (export '{export}') removed",
+        p.iqn,
+        p.lun
+    );
+    Ok(json!({ "iqn": p.iqn, "lun": p.lun, "export": export, "closed_sessions": closed }))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct InitiatorParam {
+    iqn: String,
+    initiator: String,
+}
+
+fn iscsi_target_add_initiator(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    let p: InitiatorParam = params(
+        "iscsi_target_add_initiator",
+        p,
+        "{\"iqn\": \"iqn.2026-11.com.example:db\", \"initiator\": \"iqn.1994-05.com.redhat:host1\"}",
+    )?;
+    let closed = sh
+        .registry
+        .iscsi
+        .add_initiator(&p.iqn, &p.initiator)
+        .map_err(RpcError::params)?;
+    let closed = close_nvme_sessions(sh, &closed);
+    Ok(json!({ "iqn": p.iqn, "initiator": p.initiator, "closed_sessions": closed }))
+}
+
+fn iscsi_target_remove_initiator(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    let p: InitiatorParam = params(
+        "iscsi_target_remove_initiator",
+        p,
+        "{\"iqn\": \"iqn.2026-11.com.example:db\", \"initiator\": \"iqn.1994-05.com.redhat:host1\"}",
+    )?;
+    let closed = sh
+        .registry
+        .iscsi
+        .remove_initiator(&p.iqn, &p.initiator)
+        .map_err(RpcError::refused)?;
+    let closed = close_nvme_sessions(sh, &closed);
+    Ok(json!({ "iqn": p.iqn, "initiator": p.initiator, "closed_sessions": closed }))
 }
 
 fn session_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
@@ -980,6 +1180,19 @@ pub(crate) fn running_config(sh: &Arc<Shared>) -> Vec<Call> {
             calls.push(Call::new(
                 "nvme_subsystem_add_host",
                 json!({ "nqn": sub.nqn, "host": host }),
+            ));
+        }
+    }
+    for t in sh.registry.iscsi.targets() {
+        let mut create = json!({ "iqn": t.iqn });
+        if !t.any_initiator {
+            create["allow"] = json!(t.initiators);
+        }
+        calls.push(Call::new("iscsi_target_create", create));
+        for (lun, export) in &t.luns {
+            calls.push(Call::new(
+                "iscsi_target_add_lun",
+                json!({ "iqn": t.iqn, "export": export, "lun": lun }),
             ));
         }
     }

@@ -136,6 +136,8 @@ pub struct TargetConfig {
     pub metrics: Option<String>,
     /// `--subsystem`: NVMe/TCP subsystems of several exports, after the exports.
     pub subsystems: Vec<nvme::SubsystemSpec>,
+    /// `--iscsi-target`: iSCSI targets of several LUNs, after the exports.
+    pub iscsi_targets: Vec<iscsi::targets::TargetSpec>,
 }
 
 impl TargetConfig {
@@ -160,6 +162,9 @@ impl TargetConfig {
         }
         for s in &self.subsystems {
             calls.extend(s.calls());
+        }
+        for t in &self.iscsi_targets {
+            calls.extend(t.calls());
         }
         for l in &self.listen {
             calls.push(Call::new("listener_add", serde_json::json!({ "url": l })));
@@ -1112,9 +1117,14 @@ fn handshake(
         }
         ListenerKind::Iscsi => {
             let local = s.s.local_addr().unwrap_or(peer);
-            // One LUN per target: the connection has one target (a clean place for several:
-            // `more`, as NVMe/TCP namespaces ride along).
-            iscsi::accept(&mut s, peer, local, registry).map(|(a, fe)| (a, fe, Vec::new()))
+            // Its first LUN's session carries the connection (placement, memory account); the
+            // other LUNs ride along as further targets, as NVMe/TCP namespaces do.
+            iscsi::accept(&mut s, peer, local, registry).and_then(|(mut a, fe)| {
+                (!a.is_empty()).then(|| {
+                    let first = a.remove(0);
+                    (first, fe, a)
+                })
+            })
         }
     };
     // Before the socket is closed or handed on: a cut (shutdown) must find it still ours.

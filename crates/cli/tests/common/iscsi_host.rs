@@ -22,7 +22,12 @@ pub struct Conn {
     pub send_max: u32,
     pub max_burst: u32,
     pub first_burst: u32,
+    /// The LUN the next commands address (SAM-5 encoding on the wire).
+    pub lun: u64,
 }
+
+/// The initiator name [`login`] uses.
+pub const INITIATOR: &str = "iqn.2026-11.io.blkwire:test-initiator";
 
 /// A PDU as received: its header and data.
 pub struct Rx {
@@ -82,6 +87,12 @@ pub fn keys(data: &[u8]) -> Vec<(String, String)> {
 /// Logs in to `target` at `addr` without authentication, asking for `digests` (CRC32C or
 /// None for each); panics unless the login succeeds.
 pub fn login(addr: &str, target: &str, digests: Digests) -> Conn {
+    try_login(addr, target, INITIATOR, digests)
+        .unwrap_or_else(|st| panic!("login to {target}: status {st:#06x}"))
+}
+
+/// Logs in as `initiator`; `Err` is the Login Response's status (class << 8 | detail).
+pub fn try_login(addr: &str, target: &str, initiator: &str, digests: Digests) -> Result<Conn, u16> {
     let mut s = TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut b = Bhs::new(op::LOGIN_REQ | iscsi::IMMEDIATE, flag::TRANSIT | 1 << 2 | 3);
@@ -89,7 +100,7 @@ pub fn login(addr: &str, target: &str, digests: Digests) -> Conn {
     b.itt(1);
     let onoff = |on| if on { "CRC32C" } else { "None" };
     let t = text(&[
-        ("InitiatorName", "iqn.2026-11.io.blkwire:test-initiator"),
+        ("InitiatorName", initiator),
         ("SessionType", "Normal"),
         ("TargetName", target),
         ("HeaderDigest", onoff(digests.header)),
@@ -107,7 +118,10 @@ pub fn login(addr: &str, target: &str, digests: Digests) -> Conn {
     s.write_all(&out).unwrap();
     let r = read_pdu(&mut s, &Digests::default()).expect("a login response");
     assert_eq!(r.opcode(), op::LOGIN_RSP);
-    assert_eq!((r.bhs[36], r.bhs[37]), (0, 0), "login status");
+    let status = u16::from_be_bytes([r.bhs[36], r.bhs[37]]);
+    if status != 0 {
+        return Err(status);
+    }
     assert_eq!(r.bhs[1] & 0x83, 0x83, "moved to the full feature phase");
     let mut c = Conn {
         s,
@@ -118,6 +132,7 @@ pub fn login(addr: &str, target: &str, digests: Digests) -> Conn {
         send_max: 8192,
         max_burst: 262144,
         first_burst: 65536,
+        lun: 0,
     };
     for (k, v) in keys(&r.data) {
         let n = v.parse::<u32>().ok();
@@ -130,7 +145,7 @@ pub fn login(addr: &str, target: &str, digests: Digests) -> Conn {
             _ => {}
         }
     }
-    c
+    Ok(c)
 }
 
 impl Conn {
@@ -156,6 +171,7 @@ impl Conn {
             .set32(20, edtl)
             .set32(24, self.cmdsn)
             .set32(28, self.expstatsn);
+        b.0[8..16].copy_from_slice(&blkwire_wire::scsi::lun_to_wire(self.lun));
         b.0[32..32 + cdb.len()].copy_from_slice(cdb);
         self.cmdsn = self.cmdsn.wrapping_add(1);
         let mut out = Vec::new();
@@ -241,6 +257,28 @@ impl Conn {
                 }
                 op::SCSI_RSP => return (data, r.bhs[3]),
                 other => panic!("unexpected opcode {other:#x} during READ"),
+            }
+        }
+    }
+
+    /// A command without data out (TEST UNIT READY, INQUIRY, READ CAPACITY, REPORT LUNS):
+    /// its status, the data it returned, and its sense data (CHECK CONDITION).
+    pub fn scsi(&mut self, cdb: &[u8], edtl: u32) -> (u8, Vec<u8>, Vec<u8>) {
+        let (_, pdu) = self.command(cdb, edtl, false, &[]);
+        self.send(&pdu).unwrap();
+        let mut data = Vec::new();
+        loop {
+            let r = self.recv().expect("a response");
+            match r.opcode() {
+                op::DATA_IN => {
+                    data.extend_from_slice(&r.data);
+                    if r.bhs[1] & flag::STATUS != 0 {
+                        return (r.bhs[3], data, Vec::new());
+                    }
+                }
+                // The data segment of a SCSI Response is SenseLength, then the sense data.
+                op::SCSI_RSP => return (r.bhs[3], data, r.data.get(2..).unwrap_or(&[]).to_vec()),
+                other => panic!("unexpected opcode {other:#x}"),
             }
         }
     }

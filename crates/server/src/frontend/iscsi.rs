@@ -1,6 +1,12 @@
 //! iSCSI full feature phase (RFC 7143 §4.2, §11): one connection of a one-connection session
 //! (MaxConnections=1, ErrorRecoveryLevel=0) after the Login Phase on the handshake thread
-//! (`crate::iscsi`). The target serves one LUN (LUN 0, the export).
+//! (`crate::iscsi`). Each LUN of the target is one of the connection's targets (`Req::target`,
+//! its own session and executor): the LUN field of a SCSI Command selects it (SAM-5 peripheral
+//! or flat space addressing), and a LUN the connection does not have, or one removed since
+//! ([`StreamFrontend::fenced`]), is answered as an absent logical unit (INQUIRY peripheral
+//! qualifier 011b, LOGICAL UNIT NOT SUPPORTED). REPORT LUNS lists the connection's LUNs; after
+//! one was removed the others report REPORTED LUNS DATA HAS CHANGED once (SPC-4 unit
+//! attention, cleared by REPORT LUNS).
 //!
 //! - SCSI Command: the CDB is decoded by `blkwire_wire::scsi`. READ/WRITE become reactor
 //!   requests (the ITT and residual in the cookie); WRITE data comes as immediate data, and the
@@ -40,8 +46,6 @@ use crate::iscsi::Negotiated;
 const GOOD: u8 = 0x00;
 /// SCSI status CHECK CONDITION.
 const CHECK_CONDITION: u8 = 0x02;
-/// The LUN this target serves.
-const LUN: u64 = 0;
 /// Most bytes of a parameter list collected in the frontend (UNMAP, WRITE SAME's block).
 const MAX_PARAMS: u32 = 1 << 20;
 /// TTT of the R2T that collects a parameter list (above every slot index).
@@ -57,8 +61,8 @@ pub struct IscsiSetup {
     pub expcmdsn: u32,
     /// Commands in flight at most (the connection's slots).
     pub depth: u16,
-    /// The export behind LUN 0.
-    pub export: std::sync::Arc<Export>,
+    /// The LUNs, in the order of the connection's targets.
+    pub luns: Vec<SetupLun>,
     /// The target's name.
     pub target: String,
     /// The initiator's name.
@@ -67,10 +71,30 @@ pub struct IscsiSetup {
     pub isid: [u8; 6],
     /// Largest transfer.
     pub max_io: u32,
-    /// What one copy may do.
-    pub copy: CopyLimits,
     /// The exports this initiator may open, as LUNs (EXTENDED COPY sources), by name.
     pub peers: Vec<(String, LunInfo)>,
+}
+
+/// One LUN of a connection.
+pub struct SetupLun {
+    /// Its number.
+    pub lun: u64,
+    /// The export behind it.
+    pub export: std::sync::Arc<Export>,
+    /// What one copy into it may do (its session's grant).
+    pub copy: CopyLimits,
+}
+
+/// A LUN as the frontend serves it.
+struct Lu {
+    info: LunInfo,
+    shift: u32,
+    flush: bool,
+    copy: CopyLimits,
+    /// Removed while the connection lives: answered as an absent logical unit.
+    gone: bool,
+    /// REPORTED LUNS DATA HAS CHANGED is to be reported (once) to the next command.
+    attention: bool,
 }
 
 /// How a reply is built, kept in the cookie.
@@ -164,6 +188,8 @@ impl Residual {
 #[derive(Clone, Copy, Debug, Default)]
 struct Task {
     itt: u32,
+    /// The connection target (LUN) it writes to.
+    target: u8,
     r2tsn: u32,
     /// The DataSN the next Data-Out of the current R2T's sequence carries (§11.7.5: each
     /// R2T's sequence counts from 0).
@@ -180,6 +206,8 @@ struct Task {
 /// A command whose parameter list is being collected by the frontend.
 struct Params {
     itt: u32,
+    /// The connection target (LUN) it is for.
+    target: usize,
     cdb: [u8; 16],
     edtl: u32,
     want: u32,
@@ -212,9 +240,10 @@ pub struct Iscsi {
     depth: u16,
     /// Commands handed to the reactor and not answered yet.
     outstanding: u16,
-    lun: LunInfo,
-    block_shift: u32,
-    flush: bool,
+    /// The LUNs, indexed by connection target.
+    luns: Vec<Lu>,
+    /// The target (index into `luns`) of the command being decoded.
+    cur: usize,
     tasks: Vec<Task>,
     params: Option<Params>,
     compound: Option<Compound>,
@@ -236,7 +265,6 @@ pub struct Iscsi {
     caw: Option<Caw>,
     /// The exports this initiator may open, as LUNs: EXTENDED COPY finds its source here.
     peers: Vec<(String, LunInfo)>,
-    copy: CopyLimits,
     xlimits: xcopy::Limits,
     /// Results of EXTENDED COPY for RECEIVE COPY RESULTS.
     history: xcopy::History,
@@ -252,6 +280,8 @@ pub struct Iscsi {
 struct Caw {
     /// The command PDU's header (it stays at the front of the receive buffer meanwhile).
     bhs: [u8; BHS_LEN],
+    /// The connection target (LUN) it is for.
+    target: usize,
     itt: u32,
     offset: u64,
     length: u32,
@@ -268,9 +298,9 @@ enum CawState {
     Failed(Status),
 }
 
-/// What LUN 0 of the target of `e` is, as the SCSI layer answers for it. `copy`: EXTENDED COPY
-/// is granted; `immediate`: the most immediate data a command may carry (COMPARE AND WRITE's
-/// both halves must fit it).
+/// What the LU of `e` is, as the SCSI layer answers for it (as LUN 0: a caller serving it at
+/// another LUN sets `lun`). `copy`: EXTENDED COPY is granted; `immediate`: the most immediate
+/// data a command may carry (COMPARE AND WRITE's both halves must fit it).
 pub fn lun_info(e: &Export, max_io: u32, copy: bool, immediate: u32) -> LunInfo {
     let caps = e.capabilities();
     let (logical, _) = e.backend().block_sizes();
@@ -284,7 +314,7 @@ pub fn lun_info(e: &Export, max_io: u32, copy: bool, immediate: u32) -> LunInfo 
         .map(|b| format!("{b:02x}"))
         .collect();
     LunInfo {
-        lun: LUN,
+        lun: 0,
         block_size,
         blocks: e.size() >> shift,
         read_only: e.read_only,
@@ -313,8 +343,6 @@ pub fn lun_info(e: &Export, max_io: u32, copy: bool, immediate: u32) -> LunInfo 
 impl Iscsi {
     /// The full feature phase of a connection that logged in.
     pub fn new(s: IscsiSetup) -> Iscsi {
-        let e = &s.export;
-        let caps = e.capabilities();
         // COMPARE AND WRITE's data comes as immediate data (both halves), within the first
         // burst and one PDU.
         let immediate = if s.neg.immediate_data {
@@ -322,13 +350,27 @@ impl Iscsi {
         } else {
             0
         };
-        let lun = lun_info(e, s.max_io, s.copy.enabled(), immediate);
-        let shift = lun.block_size.trailing_zeros();
+        let luns: Vec<Lu> = s
+            .luns
+            .iter()
+            .map(|l| {
+                let mut info = lun_info(&l.export, s.max_io, l.copy.enabled(), immediate);
+                info.lun = l.lun;
+                Lu {
+                    shift: info.block_size.trailing_zeros(),
+                    info,
+                    flush: l.export.capabilities().flush.available(),
+                    copy: l.copy,
+                    gone: false,
+                    attention: false,
+                }
+            })
+            .collect();
+        assert!(!luns.is_empty(), "a login admits one LUN at least");
+        // One copy manager for the connection: segments as long as the smallest grant.
+        let max_copy = luns.iter().map(|l| l.copy.max_bytes).min().unwrap_or(0);
         let xlimits = xcopy::Limits {
-            max_segment_length: s
-                .copy
-                .max_bytes
-                .min(xcopy::Limits::default().max_segment_length),
+            max_segment_length: max_copy.min(xcopy::Limits::default().max_segment_length),
             ..xcopy::Limits::default()
         };
         let _ = (&s.initiator, s.isid);
@@ -341,9 +383,8 @@ impl Iscsi {
             maxcmdsn: s.expcmdsn.wrapping_add(depth as u32 - 1),
             depth,
             outstanding: 0,
-            lun,
-            block_shift: shift,
-            flush: caps.flush.available(),
+            luns,
+            cur: 0,
             tasks: vec![Task::default(); depth as usize],
             params: None,
             compound: None,
@@ -354,13 +395,23 @@ impl Iscsi {
             compare: None,
             caw: None,
             peers: s.peers,
-            copy: s.copy,
             xlimits,
             history: xcopy::History::default(),
             pattern: None,
             releases: Vec::new(),
             scratch: Vec::with_capacity(BHS_LEN + 64),
         }
+    }
+
+    /// The LU of the command being decoded.
+    fn lu(&self) -> &Lu {
+        &self.luns[self.cur]
+    }
+
+    /// The connection target of LUN `lun`, unless the connection has no such LU (or it was
+    /// removed).
+    fn target_of(&self, lun: u64) -> Option<usize> {
+        self.luns.iter().position(|l| l.info.lun == lun && !l.gone)
     }
 
     /// MaxCmdSN now: the window is the free task places (§4.2.2.1).
@@ -484,7 +535,7 @@ impl Iscsi {
 
     /// The byte range of `blocks` blocks from `lba` (decode checked it is inside the LUN).
     fn bytes(&self, lba: u64, blocks: u32) -> (u64, u32) {
-        (lba << self.block_shift, blocks << self.block_shift)
+        (lba << self.lu().shift, blocks << self.lu().shift)
     }
 
     fn command(&mut self, rx: &[u8], len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
@@ -517,12 +568,37 @@ impl Iscsi {
         let ext = c.ext_cdb.len().min(16);
         cdb[16..16 + ext].copy_from_slice(&c.ext_cdb[..ext]);
         let cdb = &cdb[..16 + ext];
-        // A LUN without a logical unit (every one but LUN 0): the SCSI layer's answers for
-        // an absent LU (INQUIRY qualifier 011b, REPORT LUNS, else LOGICAL UNIT NOT SUPPORTED).
-        let decoded = if lun == LUN {
-            scsi::decode(cdb, &self.lun)
-        } else {
-            scsi::decode_absent(cdb, &self.lun)
+        // A LUN without a logical unit (not one of the connection's, or removed since): the
+        // SCSI layer's answers for an absent LU (INQUIRY qualifier 011b, REPORT LUNS, else
+        // LOGICAL UNIT NOT SUPPORTED), with the first LU's facts as the template.
+        let decoded = match self.target_of(lun) {
+            Some(t) => {
+                self.cur = t;
+                // A unit attention goes to the first command that is neither INQUIRY nor
+                // REPORT LUNS (SAM-5 5.14, SPC-4 REPORT LUNS), and is then cleared.
+                if self.luns[t].attention && !matches!(cdb[0], 0x12 | 0xa0) {
+                    self.luns[t].attention = false;
+                    let ua = Sense::reported_luns_changed();
+                    if cdb[0] == 0x03 {
+                        // REQUEST SENSE returns it as its data, with GOOD (SPC-4 REQUEST SENSE).
+                        let mut d = Vec::new();
+                        match cdb[1] & 1 {
+                            0 => ua.encode(&mut d),
+                            _ => ua.encode_descriptor(&mut d),
+                        }
+                        d.truncate(cdb[4] as usize);
+                        self.answer(itt, &d, c.edtl, tx);
+                    } else {
+                        self.check(itt, &ua, c.edtl, tx);
+                    }
+                    return Decoded::Answered { len };
+                }
+                scsi::decode(cdb, &self.lu().info)
+            }
+            None => {
+                self.cur = 0;
+                scsi::decode_absent(cdb, &self.luns[0].info)
+            }
         };
         let cmd = match decoded {
             Ok(cmd) => cmd,
@@ -547,7 +623,18 @@ impl Iscsi {
                 Decoded::Answered { len }
             }
             Command::ReportLuns { alloc_len } => {
-                let d = scsi::report_luns(&[LUN], alloc_len);
+                // SPC-4 REPORT LUNS: the list is what the initiator sees now, so the unit
+                // attention that said it changed is cleared.
+                let luns: Vec<u64> = self
+                    .luns
+                    .iter_mut()
+                    .filter(|l| !l.gone)
+                    .map(|l| {
+                        l.attention = false;
+                        l.info.lun
+                    })
+                    .collect();
+                let d = scsi::report_luns(&luns, alloc_len);
                 self.answer(itt, &d, c.edtl, tx);
                 Decoded::Answered { len }
             }
@@ -565,8 +652,7 @@ impl Iscsi {
                     length: bytes,
                     flags: IoFlags::empty().with(IoFlags::FUA, fua),
                     slot: None,
-                    // One LUN per target: the connection's one target.
-                    target: 0,
+                    target: self.cur as u8,
                     cookie: cookie(itt, res, Reply::Read, send),
                 };
                 self.request(req, len, 0, 0)
@@ -581,7 +667,7 @@ impl Iscsi {
             ),
             Command::WriteAndVerify { lba, blocks } => {
                 // The write is verified by being durable before GOOD.
-                let fua = self.lun.fua;
+                let fua = self.lu().info.fua;
                 self.write(
                     c.edtl,
                     itt,
@@ -592,7 +678,7 @@ impl Iscsi {
                 )
             }
             Command::SynchronizeCache { .. } => {
-                if !self.flush {
+                if !self.lu().flush {
                     self.response(itt, GOOD, None, Residual::of(c.edtl, 0), tx);
                     return Decoded::Answered { len };
                 }
@@ -602,8 +688,7 @@ impl Iscsi {
                     length: 0,
                     flags: IoFlags::empty(),
                     slot: None,
-                    // One LUN per target: the connection's one target.
-                    target: 0,
+                    target: self.cur as u8,
                     cookie: cookie(itt, Residual::of(c.edtl, 0), Reply::Flush, 0),
                 };
                 self.request(req, len, 0, 0)
@@ -611,7 +696,7 @@ impl Iscsi {
             Command::GetLbaStatus { lba, alloc_len } => {
                 let (offset, _) = self.bytes(lba, 0);
                 // Up to 1 GiB from the starting block (the rest is asked for again).
-                let left = (self.lun.blocks - lba) << self.block_shift;
+                let left = (self.lu().info.blocks - lba) << self.lu().shift;
                 let length = left.min(1 << 30) as u32;
                 let req = Req {
                     kind: Kind::BlockStatus,
@@ -619,8 +704,7 @@ impl Iscsi {
                     length,
                     flags: IoFlags::empty(),
                     slot: None,
-                    // One LUN per target: the connection's one target.
-                    target: 0,
+                    target: self.cur as u8,
                     // The residual field holds EDTL until the answer's length is known.
                     cookie: cookie(
                         itt,
@@ -644,7 +728,7 @@ impl Iscsi {
                 if ndob {
                     return self.run_params(itt, &c.cdb, c.edtl, &[], len, tx);
                 }
-                let want = self.lun.block_size;
+                let want = self.lu().info.block_size;
                 let _ = blocks;
                 self.collect(itt, &c.cdb, c.edtl, want, c.data, len, tx)
             }
@@ -656,7 +740,7 @@ impl Iscsi {
                 bytchk: true,
                 ..
             } => {
-                let want = blocks << self.block_shift;
+                let want = blocks << self.lu().shift;
                 self.collect(itt, &c.cdb, c.edtl, want, c.data, len, tx)
             }
             Command::ReceiveCopyResults {
@@ -695,6 +779,7 @@ impl Iscsi {
                 bhs.copy_from_slice(&rx[..BHS_LEN]);
                 self.caw = Some(Caw {
                     bhs,
+                    target: self.cur,
                     itt,
                     offset,
                     length: bytes,
@@ -708,8 +793,7 @@ impl Iscsi {
                     length: bytes,
                     flags: IoFlags::empty(),
                     slot: None,
-                    // One LUN per target: the connection's one target.
-                    target: 0,
+                    target: self.cur as u8,
                     cookie: cookie(itt, Residual::None, Reply::Part, 0),
                 };
                 // The PDU stays in the receive buffer (length 0) until the compare is done.
@@ -743,7 +827,7 @@ impl Iscsi {
         // The initiator sends at most EDTL bytes: a write longer than that moves EDTL's
         // whole blocks, and the overflow residual says how much of the CDB's length was not
         // moved (as LIO and tgt do; libiscsi's Write*Residuals expect it).
-        let length = bytes.min(edtl) >> self.block_shift << self.block_shift;
+        let length = bytes.min(edtl) >> self.lu().shift << self.lu().shift;
         if length == 0 {
             self.response(itt, GOOD, None, res, tx);
             return Decoded::Answered { len };
@@ -756,8 +840,7 @@ impl Iscsi {
             length,
             flags,
             slot: None,
-            // One LUN per target: the connection's one target.
-            target: 0,
+            target: self.cur as u8,
             cookie: cookie(itt, res, Reply::Write, 0),
         };
         self.request(req, len, carried, tail + immediate - carried)
@@ -792,6 +875,7 @@ impl Iscsi {
         }
         let mut p = Params {
             itt,
+            target: self.cur,
             cdb: *cdb,
             edtl,
             want,
@@ -833,7 +917,7 @@ impl Iscsi {
         tx: &mut Vec<u8>,
     ) -> Decoded {
         let res = Residual::of(edtl, list.len() as u32);
-        let cmd = match scsi::decode(cdb, &self.lun) {
+        let cmd = match scsi::decode(cdb, &self.lu().info) {
             Ok(c) => c,
             Err(s) => {
                 self.check(itt, &s, edtl, tx);
@@ -843,7 +927,7 @@ impl Iscsi {
         let mut parts: Vec<(Kind, u64, u32, IoFlags, Option<CopyDescriptor>)> = Vec::new();
         let mut plan = None;
         match cmd {
-            Command::Unmap { .. } => match scsi::parse_unmap(list, &self.lun) {
+            Command::Unmap { .. } => match scsi::parse_unmap(list, &self.lu().info) {
                 Ok(ranges) => {
                     for (lba, blocks) in ranges {
                         let (o, l) = self.bytes(lba, blocks);
@@ -862,7 +946,7 @@ impl Iscsi {
                 ndob,
             } => {
                 let zero = ndob || list.iter().all(|b| *b == 0);
-                let bs = self.lun.block_size as usize;
+                let bs = self.lu().info.block_size as usize;
                 if !zero && list.len() < bs {
                     let s = Sense::parameter_list_length_error();
                     self.response(itt, CHECK_CONDITION, Some(&s), res, tx);
@@ -875,7 +959,7 @@ impl Iscsi {
                 }
                 // Zeroes in parts of at most 1 GiB (a request's length is a u32); a pattern
                 // in parts of at most 1 MiB (each is a buffer).
-                let per = if zero { 1u32 << 30 } else { 1 << 20 } >> self.block_shift;
+                let per = if zero { 1u32 << 30 } else { 1 << 20 } >> self.lu().shift;
                 let mut at = lba;
                 let mut left = blocks;
                 while left > 0 {
@@ -941,8 +1025,7 @@ impl Iscsi {
                 length,
                 flags,
                 slot: None,
-                // One LUN per target: the connection's one target.
-                target: 0,
+                target: self.cur as u8,
                 cookie: cookie(itt, Residual::None, Reply::Part, 0),
             };
             self.queued.push_back((req, desc));
@@ -963,8 +1046,8 @@ impl Iscsi {
     ) -> Result<xcopy::Plan, Sense> {
         let plan = xcopy::parse(list, &self.xlimits)?;
         let find = |naa: u64| -> Option<(&str, &LunInfo)> {
-            if naa == self.lun.naa {
-                return Some(("", &self.lun));
+            if naa == self.lu().info.naa {
+                return Some(("", &self.lu().info));
             }
             self.peers
                 .iter()
@@ -972,19 +1055,24 @@ impl Iscsi {
                 .map(|(n, l)| (n.as_str(), l))
         };
         plan.check(&self.xlimits, |t| find(t.naa).map(|(_, l)| l))?;
-        let piece = self.copy.max_bytes.min(self.copy.max_range).max(1 << 20);
+        let piece = self
+            .lu()
+            .copy
+            .max_bytes
+            .min(self.lu().copy.max_range)
+            .max(1 << 20);
         for seg in &plan.segments {
             let src = plan.targets[seg.src as usize];
             let dst = plan.targets[seg.dst as usize];
-            if dst.naa != self.lun.naa {
+            if dst.naa != self.lu().info.naa {
                 // The copy manager writes into its own LU only.
                 return Err(xcopy::target_not_reachable());
             }
             let (name, lu) = find(src.naa).ok_or_else(xcopy::target_not_reachable)?;
             let src_shift = lu.block_size.trailing_zeros();
             let mut from = seg.src_lba << src_shift;
-            let mut to = seg.dst_lba << self.block_shift;
-            let mut left = (seg.blocks as u64) << self.block_shift;
+            let mut to = seg.dst_lba << self.lu().shift;
+            let mut left = (seg.blocks as u64) << self.lu().shift;
             while left > 0 {
                 let n = left.min(piece as u64) as u32;
                 let desc = CopyDescriptor {
@@ -1029,6 +1117,8 @@ impl Iscsi {
         p.data.extend_from_slice(data);
         if p.data.len() as u32 == p.want {
             let list = std::mem::take(&mut p.data);
+            // The command's LU, whatever commands came between.
+            self.cur = p.target;
             return self.run_params(p.itt, &p.cdb, p.edtl, &list, len, tx);
         }
         if fin && p.data.len() as u32 == p.burst_end {
@@ -1186,6 +1276,7 @@ impl Iscsi {
             Ok(Progress::Complete(n)) => n,
             _ => return Decoded::Violation("iSCSI: COMPARE AND WRITE PDU changed".into()),
         };
+        self.cur = c.target;
         match c.state {
             // Nothing more is decoded until the compare's read is back (the reactor services
             // the connection again when it is).
@@ -1203,8 +1294,7 @@ impl Iscsi {
                     length: c.length,
                     flags: IoFlags::empty().with(IoFlags::FUA, c.fua),
                     slot: None,
-                    // One LUN per target: the connection's one target.
-                    target: 0,
+                    target: self.cur as u8,
                     cookie: cookie(c.itt, res, Reply::Write, 0),
                 };
                 // The write data is the second half of the immediate data.
@@ -1265,9 +1355,13 @@ impl Iscsi {
         // 5 function not supported.
         // The writes waiting for data that the function aborts: the reactor frees their slots.
         let mut released: Vec<u16> = Vec::new();
-        let mut abort = |tasks: &mut [Task], only: Option<u32>| {
+        // `only`: one task (by ITT); `on`: the tasks of one LU (by connection target).
+        let mut abort = |tasks: &mut [Task], only: Option<u32>, on: Option<u8>| {
             for (i, t) in tasks.iter_mut().enumerate() {
-                if t.active && only.is_none_or(|itt| t.itt == itt) {
+                if t.active
+                    && only.is_none_or(|itt| t.itt == itt)
+                    && on.is_none_or(|n| t.target == n)
+                {
                     t.active = false;
                     t.aborted = true;
                     released.push(i as u16);
@@ -1277,13 +1371,13 @@ impl Iscsi {
         let response = match function {
             // ABORT TASK, ABORT TASK SET, CLEAR ACA, CLEAR TASK SET, LOGICAL UNIT RESET name a
             // LUN.
-            1..=5 if lun != LUN => 2,
+            1..=5 if self.target_of(lun).is_none() => 2,
             1 => {
                 // The referenced task: a write waiting for its data is aborted (never
                 // answered). Any other task has been answered or is about to be: "does not
                 // exist" (libiscsi's AbortTaskSimpleAsync accepts either, as §11.5.1 does).
                 let rtt = p.word20();
-                abort(&mut self.tasks, Some(rtt));
+                abort(&mut self.tasks, Some(rtt), None);
                 let params = self.params.as_ref().is_some_and(|q| q.itt == rtt);
                 if params {
                     self.params = None;
@@ -1295,8 +1389,20 @@ impl Iscsi {
                     0
                 }
             }
-            2 | 4..=7 => {
-                abort(&mut self.tasks, None);
+            2 | 4 | 5 => {
+                // ABORT TASK SET, CLEAR TASK SET, LOGICAL UNIT RESET: that LU's task set
+                // (SAM-5 7.2–7.6); the other LUs' tasks go on.
+                let t = self.target_of(lun).unwrap_or(0);
+                abort(&mut self.tasks, None, Some(t as u8));
+                if self.params.as_ref().is_some_and(|q| q.target == t) {
+                    self.params = None;
+                    self.outstanding = self.outstanding.saturating_sub(1);
+                }
+                0
+            }
+            6 | 7 => {
+                // TARGET WARM/COLD RESET: every LU's.
+                abort(&mut self.tasks, None, None);
                 if self.params.take().is_some() {
                     self.outstanding = self.outstanding.saturating_sub(1);
                 }
@@ -1356,7 +1462,7 @@ impl Iscsi {
             length: 0,
             flags: IoFlags::empty(),
             slot: None,
-            // One LUN per target: the connection's one target.
+            // A Logout addresses the connection, not a LU.
             target: 0,
             cookie: cookie(p.itt(), Residual::None, Reply::Logout, 0),
         };
@@ -1371,6 +1477,8 @@ fn sense_of(status: Status, modifies: bool) -> Sense {
         Status::ReadOnly => Sense::write_protected(),
         Status::Unsupported => Sense::invalid_opcode(),
         Status::Invalid => Sense::invalid_field_in_cdb(),
+        // The LU was removed while the command was on its way (its target is fenced).
+        Status::NoExport => Sense::lun_not_supported(),
         // Commands that could not get memory or a backend slot: the initiator retries.
         Status::NoMemory | Status::Busy => Sense::aborted(),
         _ if modifies => Sense::write_error(),
@@ -1456,6 +1564,7 @@ impl StreamFrontend for Iscsi {
         if let Some(t) = self.tasks.get_mut(slot as usize) {
             *t = Task {
                 itt,
+                target: req.target,
                 r2tsn: 1,
                 datasn: 0,
                 burst_end: offset + n,
@@ -1469,6 +1578,18 @@ impl StreamFrontend for Iscsi {
 
     fn taken(&mut self, _req: &Req) {
         self.pending = None;
+    }
+
+    fn fenced(&mut self, target: u8) {
+        let Some(gone) = self.luns.get_mut(target as usize) else {
+            return;
+        };
+        gone.gone = true;
+        // SPC-4 (REPORTED LUNS DATA HAS CHANGED): the LUs left tell the initiator once, so
+        // it scans again (Linux does on this unit attention).
+        for l in self.luns.iter_mut().filter(|l| !l.gone) {
+            l.attention = true;
+        }
     }
 
     fn server_assigns_slots(&self) -> bool {
@@ -1575,10 +1696,11 @@ impl StreamFrontend for Iscsi {
 
     fn block_status_reply(&mut self, req: &Req, extents: &[(u32, bool)], tx: &mut Vec<u8>) -> bool {
         self.outstanding = self.outstanding.saturating_sub(1);
-        let lba = req.offset >> self.block_shift;
+        let shift = self.luns[req.target as usize].shift;
+        let lba = req.offset >> shift;
         let list: Vec<(u64, bool)> = extents
             .iter()
-            .map(|&(n, hole)| ((n as u64) >> self.block_shift, hole))
+            .map(|&(n, hole)| ((n as u64) >> shift, hole))
             .filter(|&(n, _)| n > 0)
             .collect();
         let d = scsi::lba_status(lba, &list, extra_of(req));
@@ -1597,7 +1719,19 @@ mod tests {
     use super::*;
 
     fn fe(max_burst: u32) -> Iscsi {
-        let export = Arc::new(Export::open(&ExportSpec::parse("m=mem:1M").unwrap()).unwrap());
+        fe_luns(max_burst, &[(0, "m=mem:1M")])
+    }
+
+    /// A connection with these (LUN, export spec) LUNs, as targets 0, 1, ...
+    fn fe_luns(max_burst: u32, luns: &[(u64, &str)]) -> Iscsi {
+        let luns = luns
+            .iter()
+            .map(|&(lun, spec)| SetupLun {
+                lun,
+                export: Arc::new(Export::open(&ExportSpec::parse(spec).unwrap()).unwrap()),
+                copy: CopyLimits::default(),
+            })
+            .collect();
         Iscsi::new(IscsiSetup {
             neg: Negotiated {
                 max_burst,
@@ -1609,12 +1743,11 @@ mod tests {
             statsn: 100,
             expcmdsn: 0,
             depth: 4,
-            export,
+            luns,
             target: "iqn.2026-11.io.blkwire:m".into(),
             initiator: "iqn.test".into(),
             isid: [0; 6],
             max_io: 1 << 20,
-            copy: CopyLimits::default(),
             peers: Vec::new(),
         })
     }
@@ -1631,6 +1764,162 @@ mod tests {
 
     fn be32(b: &[u8], at: usize) -> u32 {
         u32::from_be_bytes(b[at..at + 4].try_into().unwrap())
+    }
+
+    /// A command PDU addressed to LUN `lun` (SAM-5 encoding).
+    fn cmd_lun(lun: u64, itt: u32, cmdsn: u32, cdb: &[u8], edtl: u32) -> Vec<u8> {
+        let mut pdu = cmd(itt, cmdsn, cdb, edtl, false, &[]);
+        pdu[8..16].copy_from_slice(&scsi::lun_to_wire(lun));
+        pdu
+    }
+
+    /// (sense key, ASC, ASCQ) of the CHECK CONDITION response at the front of `tx`.
+    fn sense(tx: &[u8]) -> (u8, u8, u8) {
+        assert_eq!((tx[0], tx[3]), (op::SCSI_RSP, CHECK_CONDITION));
+        (
+            tx[BHS_LEN + 2 + 2] & 0xf,
+            tx[BHS_LEN + 2 + 12],
+            tx[BHS_LEN + 2 + 13],
+        )
+    }
+
+    const REPORT_LUNS: [u8; 12] = [0xa0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0];
+    const TUR: [u8; 6] = [0; 6];
+
+    /// The LUNs REPORT LUNS lists (its Data-In at the front of `tx`).
+    fn reported(tx: &[u8]) -> Vec<u64> {
+        assert_eq!(tx[0], op::DATA_IN);
+        let d = &tx[BHS_LEN..];
+        let n = be32(d, 0) as usize / 8;
+        (0..n)
+            .map(|i| scsi::lun_from_wire(d[8 + 8 * i..16 + 8 * i].try_into().unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn the_lun_field_selects_the_target_and_unknown_luns_are_absent() {
+        let mut f = fe_luns(65536, &[(0, "a=mem:1M"), (300, "b=mem:2M")]);
+        let mut tx = Vec::new();
+        // READ(10) of LUN 300 (flat space addressing) goes to target 1.
+        let Decoded::Request { req, .. } = f.decode(&cmd_lun(300, 1, 0, &READ10_ONE, 512), &mut tx)
+        else {
+            panic!("a request");
+        };
+        assert_eq!((req.target, req.offset), (1, 4096));
+        f.taken(&req);
+        assert!(f.reply(&req, Status::Ok, &mut tx));
+        tx.clear();
+        // READ CAPACITY(10) answers each LU's own size.
+        let rc10 = [0x25, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        for (lun, cmdsn, last) in [(0u64, 1u32, 2047u32), (300, 2, 4095)] {
+            f.decode(&cmd_lun(lun, 10, cmdsn, &rc10, 8), &mut tx);
+            assert_eq!(
+                (tx[0], be32(&tx, BHS_LEN)),
+                (op::DATA_IN, last),
+                "LUN {lun}"
+            );
+            tx.clear();
+        }
+        f.decode(&cmd_lun(7, 11, 3, &REPORT_LUNS, 256), &mut tx);
+        assert_eq!(
+            reported(&tx),
+            vec![0, 300],
+            "REPORT LUNS to any LUN lists them all"
+        );
+        tx.clear();
+        // A LUN the target does not have: LOGICAL UNIT NOT SUPPORTED, and INQUIRY's
+        // peripheral qualifier 011b / type 1Fh.
+        f.decode(&cmd_lun(7, 12, 4, &READ10_ONE, 512), &mut tx);
+        assert_eq!(sense(&tx), (0x5, 0x25, 0));
+        tx.clear();
+        let inquiry = [0x12, 0, 0, 0, 96, 0];
+        f.decode(&cmd_lun(7, 13, 5, &inquiry, 96), &mut tx);
+        assert_eq!((tx[0], tx[BHS_LEN]), (op::DATA_IN, 0x7f));
+    }
+
+    #[test]
+    fn a_removed_lun_is_absent_and_the_others_report_the_change_once() {
+        let mut f = fe_luns(65536, &[(0, "a=mem:1M"), (1, "b=mem:1M")]);
+        let mut tx = Vec::new();
+        f.fenced(1);
+        f.decode(&cmd_lun(1, 1, 0, &READ10_ONE, 512), &mut tx);
+        assert_eq!(sense(&tx), (0x5, 0x25, 0), "the removed LUN");
+        tx.clear();
+        // INQUIRY passes a pending unit attention; the next other command gets it, once.
+        let inquiry = [0x12, 0, 0, 0, 36, 0];
+        f.decode(&cmd_lun(0, 2, 1, &inquiry, 36), &mut tx);
+        assert_eq!((tx[0], tx[BHS_LEN]), (op::DATA_IN, 0));
+        tx.clear();
+        f.decode(&cmd_lun(0, 3, 2, &TUR, 0), &mut tx);
+        assert_eq!(
+            sense(&tx),
+            (0x6, 0x3f, 0x0e),
+            "REPORTED LUNS DATA HAS CHANGED"
+        );
+        tx.clear();
+        f.decode(&cmd_lun(0, 4, 3, &TUR, 0), &mut tx);
+        assert_eq!((tx[0], tx[3]), (op::SCSI_RSP, GOOD));
+        tx.clear();
+        // Removed again: REQUEST SENSE takes the unit attention as its data, with GOOD.
+        f.fenced(1);
+        f.decode(&cmd_lun(0, 40, 4, &[0x03, 0, 0, 0, 18, 0], 18), &mut tx);
+        assert_eq!((tx[0], tx[3]), (op::DATA_IN, GOOD));
+        assert_eq!((tx[BHS_LEN + 2] & 0xf, tx[BHS_LEN + 12]), (0x6, 0x3f));
+        tx.clear();
+        f.decode(&cmd_lun(0, 5, 5, &REPORT_LUNS, 256), &mut tx);
+        assert_eq!(reported(&tx), vec![0]);
+        tx.clear();
+        // A request already with the reactor when its LU went: LOGICAL UNIT NOT SUPPORTED.
+        let Decoded::Request { req, .. } = f.decode(&cmd_lun(0, 6, 6, &READ10_ONE, 512), &mut tx)
+        else {
+            panic!("a request");
+        };
+        f.taken(&req);
+        assert!(f.reply(&req, Status::NoExport, &mut tx));
+        assert_eq!(sense(&tx), (0x5, 0x25, 0));
+    }
+
+    #[test]
+    fn lun_reset_releases_the_writes_of_that_lun_only() {
+        let mut f = fe_luns(65536, &[(0, "a=mem:1M"), (1, "b=mem:1M")]);
+        let mut tx = Vec::new();
+        let write10 = [0x2a, 0, 0, 0, 0, 0, 0, 0, 8, 0];
+        for (lun, itt, slot) in [(0u64, 1u32, 0u16), (1, 2, 1)] {
+            let mut pdu = cmd(itt, itt - 1, &write10, 4096, true, &[]);
+            pdu[8..16].copy_from_slice(&scsi::lun_to_wire(lun));
+            let Decoded::Request { req, .. } = f.decode(&pdu, &mut tx) else {
+                panic!("a write");
+            };
+            assert_eq!(req.target as u64, lun);
+            f.taken(&req);
+            f.solicit(&req, slot, 0, 4096, &mut tx);
+        }
+        tx.clear();
+        let tmf = |lun: u64, function: u8| {
+            let mut b = Bhs::new(op::TMF_REQ | iscsi::IMMEDIATE, flag::FINAL | function);
+            b.itt(9).set32(20, RESERVED_TAG).set32(24, 2);
+            let mut out = Vec::new();
+            b.encode(&[], &Digests::default(), &mut out);
+            out[8..16].copy_from_slice(&scsi::lun_to_wire(lun));
+            out
+        };
+        // LOGICAL UNIT RESET of LUN 1: its write (slot 1) is released, LUN 0's stays.
+        assert!(matches!(
+            f.decode(&tmf(1, 5), &mut tx),
+            Decoded::Release { slot: 1, .. }
+        ));
+        assert_eq!((tx[0], tx[2]), (op::TMF_RSP, 0));
+        assert!(
+            matches!(f.decode(&[], &mut tx), Decoded::Need(_)),
+            "nothing else released"
+        );
+        tx.clear();
+        // A LUN it does not have: LUN does not exist.
+        assert!(matches!(
+            f.decode(&tmf(4, 5), &mut tx),
+            Decoded::Answered { .. }
+        ));
+        assert_eq!((tx[0], tx[2]), (op::TMF_RSP, 2));
     }
 
     const READ10_ONE: [u8; 10] = [0x28, 0, 0, 0, 0, 8, 0, 0, 1, 0];

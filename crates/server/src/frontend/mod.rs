@@ -187,6 +187,14 @@ pub trait StreamFrontend: Send {
         let _ = req;
     }
 
+    /// Target `target` of the connection was fenced (its session closed: an NVMe namespace or
+    /// an iSCSI LUN removed while the connection lives). The reactor answers its requests
+    /// [`Status::NoExport`] from now on; a frontend that answers commands itself (iSCSI's
+    /// INQUIRY, REPORT LUNS) stops presenting it.
+    fn fenced(&mut self, target: u8) {
+        let _ = target;
+    }
+
     /// Fills the buffer of a WRITE that came without its data when the frontend holds that data
     /// itself (iSCSI WRITE SAME's block, repeated), instead of asking the initiator for it:
     /// true when `data` (the write's whole length) is filled and the write may run.

@@ -1,6 +1,8 @@
 //! iSCSI frontend, login (RFC 7143 §6, §11.12–11.13, §12.1.3, §13): the Login Phase of a new
 //! `iscsi://` connection, on the handshake thread with its deadline. Every export is a target
-//! (`iqn.2026-11.io.blkwire:NAME`) with one LUN (LUN 0).
+//! (`iqn.2026-11.io.blkwire:NAME`) with one LUN (LUN 0); configured targets (`serve
+//! --iscsi-target`, the `iscsi_target_*` calls, [`targets`]) have several LUNs and an
+//! initiator ACL.
 //!
 //! - Security stage: AuthMethod CHAP (CHAP_A=5, MD5; one-way, or mutual when the initiator
 //!   sends CHAP_I/CHAP_C) with the secrets of the key store's `IQN:CHAP:SECRET [TARGET]`
@@ -14,18 +16,23 @@
 //!   handshake thread, until Logout or the deadline.
 //! - A normal session becomes a blkwire session (TSIH = session id & 0xffff, never 0), and the
 //!   connection goes to a reactor with the full feature phase frontend (`frontend/iscsi.rs`).
+//!   A configured target is one blkwire session per LUN the initiator may open, each a target
+//!   of the connection (`Req::target`), as NVMe/TCP namespaces are.
+
+pub mod targets;
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use blkwire_auth::PeerAddr;
+use blkwire_backend::Export;
 use blkwire_wire::iscsi::{
     self, flag, op, pdu_len, Bhs, Digests, LoginRequest, PduError, Progress, BLKWIRE_IQN_PREFIX,
     RESERVED_TAG,
 };
 
-use crate::frontend::iscsi::{lun_info, Iscsi, IscsiSetup};
+use crate::frontend::iscsi::{lun_info, Iscsi, IscsiSetup, SetupLun};
 use crate::frontend::StreamFrontend;
 use crate::log::Level;
 use crate::session::{Admitted, Owner, Registry};
@@ -78,11 +85,15 @@ pub struct Portals {
 struct PortalTable {
     listeners: Vec<(u32, SocketAddr)>,
     sessions: Vec<SessionEntry>,
+    targets: targets::Targets,
 }
 
 #[derive(Clone)]
 struct SessionEntry {
+    /// The session of its first LUN (the one `session_list` shows it by).
     session: u32,
+    /// (LUN, session) of every LUN it logged in with, in the connection's target order.
+    luns: Vec<(u64, u32)>,
     target: String,
     initiator: String,
     isid: [u8; 6],
@@ -127,13 +138,109 @@ impl Portals {
     /// Records a logged-in session, forgetting those that ended (bounded by the live ones).
     fn add_session(&self, e: SessionEntry, live: &dyn Fn(u32) -> bool) {
         let mut t = self.lock();
-        t.sessions.retain(|s| live(s.session));
+        t.sessions
+            .retain(|s| s.luns.iter().any(|&(_, id)| live(id)));
         t.sessions.push(e);
     }
 
-    /// Forgets the iSCSI facts of sessions that ended (`live`: the registry's open ones).
+    /// Forgets the iSCSI facts of sessions that ended (`live`: the registry's open ones): a
+    /// login lives while one of its LUNs' sessions does.
     pub fn retain_sessions(&self, live: &dyn Fn(u32) -> bool) {
-        self.lock().sessions.retain(|s| live(s.session));
+        self.lock()
+            .sessions
+            .retain(|s| s.luns.iter().any(|&(_, id)| live(id)));
+    }
+
+    /// The sessions logins to `iqn` hold for LUN `lun` (every LUN: None), of initiator `who`
+    /// only when given.
+    fn sessions_of(&self, iqn: &str, lun: Option<u64>, who: Option<&str>) -> Vec<u32> {
+        self.lock()
+            .sessions
+            .iter()
+            .filter(|s| s.target == iqn && who.is_none_or(|w| s.initiator == w))
+            .flat_map(|s| s.luns.iter())
+            .filter(|(l, _)| lun.is_none_or(|n| *l == n))
+            .map(|&(_, id)| id)
+            .collect()
+    }
+
+    /// Creates a configured target with no LUNs yet (`iscsi_target_create`): `initiators`
+    /// None admits any initiator. `taken`: the IQN is an export's own target.
+    pub fn create_target(
+        &self,
+        iqn: &str,
+        initiators: Option<Vec<String>>,
+        taken: bool,
+    ) -> Result<targets::ConfiguredTarget, String> {
+        self.lock().targets.create(iqn, initiators, taken)
+    }
+
+    /// Deletes a configured target; returns the sessions of its logins (to close).
+    pub fn delete_target(&self, iqn: &str) -> Result<Vec<u32>, String> {
+        self.lock().targets.delete(iqn)?;
+        Ok(self.sessions_of(iqn, None, None))
+    }
+
+    /// Adds export `export` as LUN `lun` (None: the lowest free one); returns the LUN.
+    /// Logins made before do not see it; initiators see it when they log in again.
+    pub fn add_lun(&self, iqn: &str, export: &str, lun: Option<u64>) -> Result<u64, String> {
+        self.lock().targets.add_lun(iqn, export, lun)
+    }
+
+    /// Removes LUN `lun`; returns the sessions logins hold on it (to close: their connections
+    /// fence it and answer LOGICAL UNIT NOT SUPPORTED for it) and its export.
+    pub fn remove_lun(&self, iqn: &str, lun: u64) -> Result<(Vec<u32>, String), String> {
+        let export = self.lock().targets.remove_lun(iqn, lun)?;
+        Ok((self.sessions_of(iqn, Some(lun), None), export))
+    }
+
+    /// Admits initiator `who` to `iqn`; a target that admitted any initiator admits only its
+    /// list from then on: returns the sessions of the others' logins (to close).
+    pub fn add_initiator(&self, iqn: &str, who: &str) -> Result<Vec<u32>, String> {
+        let was_open = {
+            let mut t = self.lock();
+            let open = t.targets.get_mut(iqn)?.any_initiator;
+            t.targets.add_initiator(iqn, who)?;
+            open
+        };
+        if !was_open {
+            return Ok(Vec::new());
+        }
+        let t = self.lock();
+        Ok(t.sessions
+            .iter()
+            .filter(|s| s.target == iqn && s.initiator != who)
+            .flat_map(|s| s.luns.iter().map(|&(_, id)| id))
+            .collect())
+    }
+
+    /// No longer admits initiator `who`; returns the sessions of its logins (to close).
+    pub fn remove_initiator(&self, iqn: &str, who: &str) -> Result<Vec<u32>, String> {
+        self.lock().targets.remove_initiator(iqn, who)?;
+        Ok(self.sessions_of(iqn, None, Some(who)))
+    }
+
+    /// Forgets export `name` as a LUN of every configured target (it was removed; its
+    /// sessions are closed by the export's removal).
+    pub fn forget_export(&self, name: &str) {
+        for t in self.lock().targets.list.iter_mut() {
+            t.luns.retain(|(_, e)| e != name);
+        }
+    }
+
+    /// The configured targets, in the order they were created.
+    pub fn targets(&self) -> Vec<targets::ConfiguredTarget> {
+        self.lock().targets.list.clone()
+    }
+
+    /// Configured target `iqn`, if there is one.
+    pub fn target(&self, iqn: &str) -> Option<targets::ConfiguredTarget> {
+        self.lock()
+            .targets
+            .list
+            .iter()
+            .find(|t| t.iqn == iqn)
+            .cloned()
     }
 
     /// The logged-in sessions of one target, for `iscsi_target_list`.
@@ -145,6 +252,9 @@ impl Portals {
             .map(|s| {
                 serde_json::json!({
                     "session": s.session,
+                    "luns": s.luns.iter()
+                        .map(|(l, id)| serde_json::json!({ "lun": l, "session": id }))
+                        .collect::<Vec<_>>(),
                     "initiator": s.initiator,
                     "isid": iscsi::hex(&s.isid),
                     "tsih": s.tsih,
@@ -588,8 +698,9 @@ impl Login {
     }
 }
 
-/// What a finished Login Phase hands on: the admitted queue and its frontend.
-pub type Accepted = (Admitted, Box<dyn StreamFrontend>);
+/// What a finished Login Phase hands on: the admitted queues (one per LUN, in the order of the
+/// connection's targets) and the frontend.
+pub type Accepted = (Vec<Admitted>, Box<dyn StreamFrontend>);
 
 /// Runs the Login Phase of a new `iscsi://` connection (and a whole discovery session). None:
 /// refused, broken or a discovery session that ended (answered and logged).
@@ -813,28 +924,21 @@ fn finish<S: Read + Write>(
         return None;
     }
     let target = l.target.clone().unwrap_or_default();
-    let name = target.strip_prefix(BLKWIRE_IQN_PREFIX).unwrap_or("");
-    let export = (!name.is_empty())
-        .then(|| registry.permitted(name, l.proven.as_deref(), &addr))
-        .flatten();
-    let Some(export) = export else {
-        let t = target.escape_debug();
-        if !name.is_empty() && registry.has_export(name) {
-            registry.access.refuse(
-                &peer_s,
-                &format!("iSCSI initiator '{who}' may not open target '{t}'"),
-            );
-            l.respond(s, flags & !flag::TRANSIT & 0x0c, status::FORBIDDEN, 0, &[])?;
-        } else {
-            crate::log!(
-                Level::Info,
-                "{peer_s}: iSCSI initiator '{who}' asked for unknown target '{t}'"
-            );
-            l.respond(s, flags & !flag::TRANSIT & 0x0c, status::NOT_FOUND, 0, &[])?;
+    let refuse_flags = flags & !flag::TRANSIT & 0x0c;
+    let luns = match resolve(&l, &target, &addr, registry) {
+        Ok(luns) => luns,
+        Err(Refusal(st, why)) => {
+            if st == status::FORBIDDEN {
+                registry
+                    .access
+                    .refuse(&peer_s, &format!("iSCSI initiator '{who}' {why}"));
+            } else {
+                crate::log!(Level::Info, "{peer_s}: iSCSI initiator '{who}' {why}");
+            }
+            l.respond(s, refuse_flags, st, 0, &[])?;
+            return None;
         }
-        return None;
     };
-    let size = export.size();
     let depth = MAX_DEPTH.min(registry.limits().max_depth).max(1);
     let owner = Owner {
         proven: l.proven.as_deref(),
@@ -842,28 +946,44 @@ fn finish<S: Read + Write>(
         addr: &addr,
         peer: &peer_s,
     };
-    let copy = registry.copy_limits(&export, u32::MAX);
     let max_io = registry.limits().max_io;
-    let a = match registry.admit_first(&export, &owner, (size, 1, depth, max_io), copy) {
-        Ok(a) => a,
-        Err(st) => {
-            crate::log!(
-                Level::Info,
-                "{peer_s}: iSCSI initiator '{who}': refused: {st}"
-            );
-            l.respond(s, flags & 0x0c, status::OUT_OF_RESOURCES, 0, &[])?;
-            return None;
+    // One session per LUN, each admitted as if it were the only one: the export's session
+    // limits, memory floor and rules apply to each.
+    let mut admitted: Vec<Admitted> = Vec::with_capacity(luns.len());
+    let leave_all = |admitted: &[Admitted]| {
+        for a in admitted {
+            registry.leave(a.session, 0, &Default::default());
         }
     };
-    // TSIH: never 0 (§11.12.6); the session id's low bits identify it in logs.
-    let tsih = (a.session as u16).max(1);
+    for (_, export) in &luns {
+        let copy = registry.copy_limits(export, u32::MAX);
+        match registry.admit_first(export, &owner, (export.size(), 1, depth, max_io), copy) {
+            Ok(a) => admitted.push(a),
+            Err(st) => {
+                crate::log!(
+                    Level::Info,
+                    "{peer_s}: iSCSI initiator '{who}': refused: {st}"
+                );
+                leave_all(&admitted);
+                l.respond(s, flags & 0x0c, status::OUT_OF_RESOURCES, 0, &[])?;
+                return None;
+            }
+        }
+    }
+    // TSIH: never 0 (§11.12.6); the first session id's low bits identify it in logs.
+    let tsih = (admitted[0].session as u16).max(1);
     if l.respond(s, flags, status::SUCCESS, tsih, &out).is_none() {
-        registry.leave(a.session, 0, &Default::default());
+        leave_all(&admitted);
         return None;
     }
     registry.iscsi.add_session(
         SessionEntry {
-            session: a.session,
+            session: admitted[0].session,
+            luns: luns
+                .iter()
+                .zip(&admitted)
+                .map(|((lun, _), a)| (*lun, a.session))
+                .collect(),
             target: target.clone(),
             initiator: initiator.clone(),
             isid: l.isid,
@@ -875,31 +995,93 @@ fn finish<S: Read + Write>(
     );
     crate::log!(
         Level::Info,
-        "{peer_s}: iSCSI initiator '{who}' logged in to {} (digests header {}, data {})",
+        "{peer_s}: iSCSI initiator '{who}' logged in to {} ({} LUN(s); digests header {}, data {})",
         target.escape_debug(),
+        luns.len(),
         l.neg.digests.header,
         l.neg.digests.data
     );
+    let max_io = admitted.iter().map(|a| a.max_io).min().unwrap_or(max_io);
     // The LUNs an EXTENDED COPY may read from: what this initiator may open.
     let peers = registry
         .open_to(l.proven.as_deref(), &addr)
         .iter()
-        .map(|e| (e.name.clone(), lun_info(e, a.max_io, false, 0)))
+        .map(|e| (e.name.clone(), lun_info(e, max_io, false, 0)))
         .collect();
     let fe = Iscsi::new(IscsiSetup {
         peers,
         neg: l.neg,
         statsn: l.statsn,
         expcmdsn: l.cmdsn,
-        depth: a.depth,
-        export: export.clone(),
+        depth: admitted.iter().map(|a| a.depth).min().unwrap_or(depth),
+        luns: luns
+            .iter()
+            .zip(&admitted)
+            .map(|((lun, e), a)| SetupLun {
+                lun: *lun,
+                export: e.clone(),
+                copy: a.copy,
+            })
+            .collect(),
         target,
         initiator,
         isid: l.isid,
-        max_io: a.max_io,
-        copy: a.copy,
+        max_io,
     });
-    Some((a, Box::new(fe)))
+    Some((admitted, Box::new(fe)))
+}
+
+/// The LUNs of target `target` this initiator may open, as (LUN, export), LUN ascending:
+/// a configured target's that its ACL and each export's rules allow (the others are masked),
+/// or an export's own target's LUN 0. `Err`: the status to refuse the login with, and why.
+fn resolve(
+    l: &Login,
+    target: &str,
+    addr: &PeerAddr,
+    registry: &Registry,
+) -> Result<Vec<(u64, Arc<Export>)>, Refusal> {
+    let t = target.escape_debug();
+    let proven = l.proven.as_deref();
+    if let Some(c) = registry.iscsi.target(target) {
+        let name = proven.or(l.initiator.as_deref()).unwrap_or_default();
+        if !c.admits(name) {
+            return Err(Refusal(
+                status::FORBIDDEN,
+                format!("is not on target '{t}''s initiator list"),
+            ));
+        }
+        let luns: Vec<_> = c
+            .luns
+            .iter()
+            .filter_map(|(lun, e)| Some((*lun, registry.permitted(e, proven, addr)?)))
+            .collect();
+        return match luns.is_empty() {
+            false => Ok(luns),
+            true if c.luns.is_empty() => Err(Refusal(
+                status::NOT_FOUND,
+                format!("asked for target '{t}', which has no LUNs"),
+            )),
+            true => Err(Refusal(
+                status::FORBIDDEN,
+                format!("may open no LUN of target '{t}'"),
+            )),
+        };
+    }
+    let name = target.strip_prefix(BLKWIRE_IQN_PREFIX).unwrap_or("");
+    match (!name.is_empty())
+        .then(|| registry.permitted(name, proven, addr))
+        .flatten()
+    {
+        Some(e) => Ok(vec![(0, e)]),
+        None if !name.is_empty() && registry.has_export(name) => Err(Refusal(
+            status::FORBIDDEN,
+            format!("may not open target '{t}'"),
+        )),
+        None => Err(Refusal(
+            status::NOT_FOUND,
+            format!("asked for unknown target '{t}'"),
+        )),
+    }
 }
 
 /// A discovery session's full feature phase (§4.3, Appendix C): Text SendTargets, NOP-Out,
@@ -956,12 +1138,25 @@ fn discovery<S: Read + Write>(s: &mut S, l: &mut Login, registry: &Registry, add
     }
 }
 
-/// SendTargets (§13 and Appendix C): `All` lists every target this initiator may open; a
-/// target name lists that one.
+/// SendTargets (§13 and Appendix C): `All` lists every target this initiator may open (the
+/// exports' own, then the configured ones whose ACL admits it and that have a LUN it may
+/// open); a target name lists that one.
 fn send_targets(v: &str, l: &Login, registry: &Registry, addr: &PeerAddr, out: &mut Vec<u8>) {
     let portals = registry.iscsi.listeners(l.local);
-    for e in registry.open_to(l.proven.as_deref(), addr) {
-        let name = format!("{BLKWIRE_IQN_PREFIX}{}", e.name);
+    let proven = l.proven.as_deref();
+    let open = registry.open_to(proven, addr);
+    let who = proven.or(l.initiator.as_deref()).unwrap_or_default();
+    let configured = registry.iscsi.targets().into_iter().filter(|t| {
+        t.admits(who)
+            && t.luns
+                .iter()
+                .any(|(_, e)| open.iter().any(|o| &o.name == e))
+    });
+    let names = open
+        .iter()
+        .map(|e| format!("{BLKWIRE_IQN_PREFIX}{}", e.name))
+        .chain(configured.map(|t| t.iqn));
+    for name in names {
         if v != "All" && v != name {
             continue;
         }

@@ -285,8 +285,11 @@ impl Reactor {
                             continue;
                         };
                         let mut hit = false;
-                        for t in c.targets.iter_mut() {
+                        for (i, t) in c.targets.iter_mut().enumerate() {
                             if sessions.contains(&t.session) {
+                                if !t.fenced {
+                                    c.fe.fenced(i as u8);
+                                }
                                 t.fenced = true;
                                 hit = true;
                             }

@@ -145,6 +145,11 @@ impl Sense {
     pub const fn lun_not_supported() -> Sense {
         Sense::new(key::ILLEGAL_REQUEST, 0x25, 0x00)
     }
+    /// UNIT ATTENTION, REPORTED LUNS DATA HAS CHANGED (3Fh/0Eh): a LUN of the target was
+    /// added or removed (SPC-4 REPORT LUNS).
+    pub const fn reported_luns_changed() -> Sense {
+        Sense::new(key::UNIT_ATTENTION, 0x3F, 0x0E)
+    }
     /// ILLEGAL REQUEST, SAVING PARAMETERS NOT SUPPORTED (39h/00h): MODE SENSE of saved values.
     pub const fn saving_not_supported() -> Sense {
         Sense::new(key::ILLEGAL_REQUEST, 0x39, 0x00)
