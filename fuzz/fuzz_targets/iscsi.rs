@@ -175,7 +175,7 @@ fuzz_target!(|data: &[u8]| {
         isid: [0; 6],
         max_io: MAX_IO,
         copy,
-        peers: vec![("m".into(), lun_info(&export, MAX_IO, true, 0))],
+        peers: vec![("m".into(), lun_info(&export, MAX_IO, true))],
     });
     walk(&mut fe, rest, status);
 });

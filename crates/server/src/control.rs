@@ -875,7 +875,7 @@ fn iscsi_target_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
         .iter()
         .map(|e| {
             let iqn = crate::iscsi::target_name(&e.name);
-            let lun = crate::frontend::iscsi::lun_info(e, r.limits().max_io, false, 0);
+            let lun = crate::frontend::iscsi::lun_info(e, r.limits().max_io, false);
             json!({
                 "iqn": iqn,
                 "luns": [{

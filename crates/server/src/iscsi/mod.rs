@@ -516,10 +516,11 @@ impl Login {
                 _ => "Reject".into(),
             },
             "InitialR2T" => match yes {
-                // OR (§13.10): we always want R2T before the first Data-Out.
-                Some(_) => {
-                    n.initial_r2t = true;
-                    "Yes".into()
+                // OR (§13.10): we are content with No, so the initiator's value is the
+                // result: No lets it send unsolicited Data-Out up to FirstBurstLength.
+                Some(y) => {
+                    n.initial_r2t = y;
+                    if y { "Yes" } else { "No" }.into()
                 }
                 None => "Reject".into(),
             },
@@ -884,7 +885,7 @@ fn finish<S: Read + Write>(
     let peers = registry
         .open_to(l.proven.as_deref(), &addr)
         .iter()
-        .map(|e| (e.name.clone(), lun_info(e, a.max_io, false, 0)))
+        .map(|e| (e.name.clone(), lun_info(e, a.max_io, false)))
         .collect();
     let fe = Iscsi::new(IscsiSetup {
         peers,

@@ -72,6 +72,17 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                 // While writes wait for data the initiator sends after this request, the
                 // request waits in a slot instead of in rx: stopping the stream here would keep
                 // that data, and the memory those writes will free, from ever arriving.
+                // A write whose unsolicited data follows cannot wait in a slot without a
+                // buffer for it, nor stop the stream while other writes wait for data behind
+                // it: it is refused (the initiator retries it) and its data dropped.
+                Cover::Wait if c.fe.data_follows(req) && writes_wait(c) => {
+                    c.fe.taken(req);
+                    let req = req.refused();
+                    c.rx_start += len;
+                    c.stats().frames_in += 1;
+                    c.reply(&req, Status::NoMemory);
+                    continue;
+                }
                 Cover::Wait if *payload_len == 0 && req.slot.is_none() && writes_wait(c) => {
                     let req = *req;
                     c.fe.taken(&req);
@@ -141,11 +152,13 @@ fn request_cover(c: &mut Conn, req: &Req, payload_len: usize) -> Cover {
     // A WRITE that brings none of its data waits in its slot (no buffer yet) until memory lets
     // its solicitation go out (`hold_write`): it never stops the stream, since the data of the
     // writes before it may be right behind it.
-    let unsolicited = req.is_write() && payload_len == 0 && req.length > 0;
+    let follows = req.is_write() && c.fe.data_follows(req);
+    let unsolicited = req.is_write() && payload_len == 0 && req.length > 0 && !follows;
     // Data of requests in flight counts against the same high-water mark as replies not yet
     // sent: a client cannot make us hold more by asking for large reads from a backend that
-    // answers later.
-    if moves_data && !unsolicited && c.tx_backlog() + c.held >= c.tx_high_water() {
+    // answers later. A write whose data follows unsolicited gets its buffer now or never, as a
+    // write waiting for memory gets it in `run_deferred`: by the memory budget alone.
+    if moves_data && !unsolicited && !follows && c.tx_backlog() + c.held >= c.tx_high_water() {
         return Cover::Wait;
     }
     // And the memory budget must cover what the request will add: its reply data, and a data
@@ -432,7 +445,7 @@ fn hold_write(c: &mut Conn, req: &Req, payload_at: usize, got: u32) {
     s.busy = true;
     s.req = Some(*req);
     s.awaiting = Some(got);
-    if got == 0 {
+    if got == 0 && !c.fe.data_follows(req) {
         c.deferred.push_back(slot);
         return;
     }
