@@ -9,7 +9,7 @@ mod common;
 use std::process::Command;
 
 use blkwire_wire::iscsi::{self, flag, op, Bhs, Digests};
-use common::iscsi_host::{self, login, Conn};
+use common::iscsi_host::{self, login, login_with, Conn};
 use common::{random_bytes, Target, TempDir};
 
 const PREFIX: &str = "iqn.2026-11.io.blkwire:";
@@ -318,6 +318,91 @@ fn data_round_trips_with_and_without_digests() {
         assert_eq!((st, &small[..]), (0, &payload[..4096]));
         assert_eq!(c.ping(b"ping").as_deref(), Some(&b"ping"[..]));
     }
+}
+
+/// InitialR2T=No (RFC 7143 §13.10): writes send unsolicited Data-Out up to FirstBurstLength
+/// after their immediate data (or without any), R2Ts ask only for the rest, and the data reads
+/// back the same, one write at a time and in a batch sent before any answer. Unsolicited data
+/// past the first burst or for a task that announced none ends the connection.
+#[test]
+fn unsolicited_data_round_trips_under_initial_r2t_no() {
+    let _serial = serial();
+    let t = IscsiTarget::start(&["disk=mem:64M"], &[]);
+    let target = format!("{PREFIX}disk");
+    let both = Digests {
+        header: true,
+        data: true,
+    };
+    for (imm, digests) in [("Yes", Digests::default()), ("No", both), ("Yes", both)] {
+        let keys = [
+            ("InitialR2T", "No"),
+            ("ImmediateData", imm),
+            ("FirstBurstLength", "65536"),
+            ("MaxBurstLength", "131072"),
+        ];
+        let mut c = login_with(&t.addr, &target, digests, &keys);
+        assert!(!c.initial_r2t, "InitialR2T=No offered and not agreed");
+        assert_eq!((c.immediate_data, c.first_burst), (imm == "Yes", 65536));
+        // Several unsolicited PDUs per write, after 4 KiB of immediate data where allowed.
+        c.send_max = 8192;
+        c.max_immediate = 4096;
+        let seed = digests.header as u64 * 2 + (imm == "Yes") as u64;
+        // All unsolicited (48 KiB), the whole first burst (64 KiB), then R2Ts (1 MiB).
+        for (lba, len) in [(0u64, 48 << 10), (1024, 64 << 10), (4096, 1 << 20)] {
+            let payload = random_bytes(len, seed + lba);
+            assert_eq!(c.write(lba, &payload), 0, "WRITE of {len} bytes");
+            let (back, st) = c.read(lba, (len / 512) as u32);
+            assert!(st == 0 && back == payload, "{len} bytes read back differ");
+        }
+        // 24 writes of 192 KiB, all sent before any answer: each 64 KiB unsolicited, then
+        // R2Ts for 128 KiB.
+        let data: Vec<Vec<u8>> = (0..24)
+            .map(|i| random_bytes(192 << 10, seed * 100 + i))
+            .collect();
+        let writes: Vec<(u64, &[u8])> = data
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (8192 + i as u64 * 512, &d[..]))
+            .collect();
+        assert_eq!(c.write_many(&writes), vec![0u8; 24]);
+        for (lba, d) in writes {
+            assert!(
+                c.read(lba, 384).0 == d,
+                "batched write at {lba} read back differs"
+            );
+        }
+    }
+
+    // Unsolicited data past FirstBurstLength: Reject, then the connection closes.
+    let keys = [("InitialR2T", "No"), ("FirstBurstLength", "8192")];
+    let mut c = login_with(&t.addr, &target, Digests::default(), &keys);
+    let mut cdb = [0u8; 16];
+    cdb[0] = 0x8a;
+    cdb[13] = 32;
+    let (itt, pdu) = c.command_more(&cdb, 16384, true, &[], true);
+    c.send(&pdu).unwrap();
+    let mut b = Bhs::new(op::DATA_OUT, flag::FINAL);
+    b.itt(itt).set32(20, iscsi::RESERVED_TAG).set32(40, 0);
+    let mut out = Vec::new();
+    b.encode(&[1u8; 12288], &Digests::default(), &mut out);
+    c.send(&out).unwrap();
+    let r = c.recv().expect("a Reject");
+    assert_eq!(r.opcode(), op::REJECT);
+    assert!(
+        c.closed(),
+        "closed after unsolicited data past the first burst"
+    );
+
+    // Unsolicited data for a task that announced none: Reject, then closed.
+    let mut c = login_with(&t.addr, &target, Digests::default(), &keys);
+    let mut b = Bhs::new(op::DATA_OUT, flag::FINAL);
+    b.itt(0x55).set32(20, iscsi::RESERVED_TAG).set32(40, 0);
+    let mut out = Vec::new();
+    b.encode(&[1u8; 512], &Digests::default(), &mut out);
+    c.send(&out).unwrap();
+    let r = c.recv().expect("a Reject");
+    assert_eq!(r.opcode(), op::REJECT);
+    assert!(c.closed(), "closed after unsolicited data for no task");
 }
 
 /// Hostile or broken PDUs end the connection (or are dropped / rejected) and never stop the
