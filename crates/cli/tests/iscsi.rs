@@ -297,6 +297,45 @@ fn discovery_and_chap_with_iscsi_ls() {
     );
 }
 
+/// SendTargets answers longer than one PDU (RFC 7143 §11.11): with 70 exports, `iscsi-ls`
+/// lists them all, and an initiator that receives at most 512 bytes per PDU gets the same
+/// list in continued Text Responses.
+#[test]
+fn send_targets_lists_many_targets_across_text_responses() {
+    let _serial = serial();
+    need("iscsi-ls");
+    let exports: Vec<String> = (0..70).map(|i| format!("disk{i:02}=mem:1M")).collect();
+    let exports: Vec<&str> = exports.iter().map(String::as_str).collect();
+    let t = IscsiTarget::start(&exports, &[]);
+    let (ok, out) = iscsi_ls(&[&format!("iscsi://{}", t.addr)]);
+    assert!(ok, "{out}");
+    for i in 0..70 {
+        let line = format!("Target:{PREFIX}disk{i:02} Portal:{},1", t.addr);
+        assert!(out.contains(&line), "no '{line}' in:\n{out}");
+    }
+    for max in [512u32, 8192] {
+        let mut c = iscsi_host::discovery(&t.addr, max);
+        let (pairs, parts) = c.send_targets(max as usize);
+        let names: Vec<&str> = pairs
+            .iter()
+            .filter(|(k, _)| k == "TargetName")
+            .map(|(_, v)| v.as_str())
+            .collect();
+        let want: Vec<String> = (0..70).map(|i| format!("{PREFIX}disk{i:02}")).collect();
+        assert_eq!(names, want, "MaxRecvDataSegmentLength {max}");
+        let addrs = pairs.iter().filter(|(k, _)| k == "TargetAddress").count();
+        assert_eq!(addrs, 70, "one portal per target");
+        let bytes: usize = pairs.iter().map(|(k, v)| k.len() + v.len() + 2).sum();
+        assert!(
+            parts >= bytes.div_ceil(max as usize) && (max > 4096 || parts > 1),
+            "{parts} Text Response(s) for {bytes} bytes in {max}-byte PDUs"
+        );
+        // The session goes on after the answer: a new request starts over.
+        let (again, _) = c.send_targets(max as usize);
+        assert_eq!(again, pairs);
+    }
+}
+
 /// Writes longer than FirstBurstLength and MaxBurstLength (immediate data, then several R2T
 /// bursts of several Data-Out PDUs) read back the same, with and without digests.
 #[test]

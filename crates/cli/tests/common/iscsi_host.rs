@@ -123,6 +123,9 @@ pub fn login_with(addr: &str, target: &str, digests: Digests, keys_: &[(&str, &s
             None => offer.push((k, v)),
         }
     }
+    if offer.contains(&("SessionType", "Discovery")) {
+        offer.retain(|(k, _)| *k != "TargetName");
+    }
     let t = text(&offer);
     let mut out = Vec::new();
     b.encode(&t, &Digests::default(), &mut out);
@@ -160,7 +163,57 @@ pub fn login_with(addr: &str, target: &str, digests: Digests, keys_: &[(&str, &s
     c
 }
 
+/// Logs in to a discovery session at `addr`, declaring `recv_max` as our
+/// MaxRecvDataSegmentLength.
+pub fn discovery(addr: &str, recv_max: u32) -> Conn {
+    let recv = recv_max.to_string();
+    let keys = [
+        ("SessionType", "Discovery"),
+        ("MaxRecvDataSegmentLength", recv.as_str()),
+    ];
+    login_with(addr, "", Digests::default(), &keys)
+}
+
 impl Conn {
+    /// SendTargets=All on a discovery session, following continued Text Responses (F=0 and a
+    /// TTT, RFC 7143 §11.11) with empty Text Requests: the pairs, and how many Text Responses
+    /// carried them. Panics when one carries more than `max` bytes.
+    pub fn send_targets(&mut self, max: usize) -> (Vec<(String, String)>, usize) {
+        let itt = self.itt;
+        self.itt += 1;
+        let mut text = Vec::new();
+        let mut ttt = RESERVED_TAG;
+        let mut request = b"SendTargets=All\0".to_vec();
+        let mut parts = 0;
+        loop {
+            let mut b = Bhs::new(op::TEXT_REQ | iscsi::IMMEDIATE, flag::FINAL);
+            b.itt(itt)
+                .set32(20, ttt)
+                .set32(24, self.cmdsn)
+                .set32(28, self.expstatsn);
+            let mut out = Vec::new();
+            b.encode(&request, &self.d, &mut out);
+            self.send(&out).unwrap();
+            let r = self.recv().expect("a Text Response");
+            assert_eq!((r.opcode(), r.word(16)), (op::TEXT_RSP, itt));
+            assert!(
+                r.data.len() <= max,
+                "{} bytes in one Text Response",
+                r.data.len()
+            );
+            text.extend_from_slice(&r.data);
+            parts += 1;
+            if r.bhs[1] & flag::FINAL != 0 {
+                assert_eq!(r.word(20), RESERVED_TAG, "the last part's TTT");
+                return (keys(&text), parts);
+            }
+            assert!(parts < 10_000, "an answer without end");
+            ttt = r.word(20);
+            assert_ne!(ttt, RESERVED_TAG, "a continued Text Response names its TTT");
+            request.clear();
+        }
+    }
+
     /// Sends raw bytes.
     pub fn send(&mut self, bytes: &[u8]) -> std::io::Result<()> {
         self.s.write_all(bytes)
