@@ -3,16 +3,21 @@
 //! (`crate::iscsi`). The target serves one LUN (LUN 0, the export).
 //!
 //! - SCSI Command: the CDB is decoded by `blkwire_wire::scsi`. READ/WRITE become reactor
-//!   requests (the ITT and residual in the cookie); WRITE data comes as immediate data, and the
-//!   rest is asked for with R2Ts (TTT = the slot) of at most MaxBurstLength each, one
-//!   outstanding at a time (MaxOutstandingR2T=1); Data-Out PDUs become [`Decoded::Data`].
+//!   requests (the ITT and residual in the cookie); WRITE data comes as immediate data, then
+//!   under InitialR2T=No as unsolicited Data-Out (TTT 0xffffffff) up to min(FirstBurstLength,
+//!   EDTL) (§13.10; the write is marked `data_follows` so the reactor gives it its buffer when
+//!   it takes it), and the rest is asked for with R2Ts (TTT = the slot) of at most
+//!   MaxBurstLength each, one outstanding at a time (MaxOutstandingR2T=1), the first once the
+//!   unsolicited data is in; Data-Out PDUs become [`Decoded::Data`]. Unsolicited data of a
+//!   command answered without a slot is checked and dropped (`drains`).
 //!   READ data goes out as one Data-In PDU with the status in it when it fits the initiator's
 //!   MaxRecvDataSegmentLength, otherwise as a Data-In sequence. Everything the target answers
 //!   itself (INQUIRY, READ CAPACITY, MODE SENSE, REPORT LUNS, refusals) is answered in
 //!   `decode` (Data-In with status, or a SCSI Response with sense data).
-//! - UNMAP and WRITE SAME: the parameter list (immediate data, or collected here with R2Ts on
-//!   TTTs above the slots) turns into Trim / WriteZeroes requests that the frontend hands to
-//!   the reactor one after another (`queued`), answering the command when the last is done.
+//! - UNMAP, WRITE SAME, EXTENDED COPY, VERIFY and COMPARE AND WRITE: the parameter list
+//!   (immediate and unsolicited data, or collected here with R2Ts on a TTT above the slots)
+//!   turns into parts (Trim, WriteZeroes, Write, Copy, Read) that the frontend hands to the
+//!   reactor one after another (`queued`), answering the command when the last is done.
 //! - CmdSN: non-immediate commands must carry ExpCmdSN; others are dropped (§4.2.2.1).
 //!   MaxCmdSN = ExpCmdSN + free task places − 1, so the initiator never has more commands in
 //!   flight than the connection has slots.

@@ -10,8 +10,9 @@
 //! - Operational stage: digests, data segment and burst lengths, R2T and immediate data,
 //!   MaxConnections=1, ErrorRecoveryLevel=0 (what [`Negotiated`] holds).
 //! - A discovery session (SessionType=Discovery) answers Text `SendTargets=All` with the
-//!   targets this initiator may open and a TargetAddress per `iscsi://` listener, here on the
-//!   handshake thread, until Logout or the deadline.
+//!   targets this initiator may open and a TargetAddress per `iscsi://` listener (in continued
+//!   Text Responses when longer than one PDU), here on the handshake thread, until Logout or
+//!   the deadline.
 //! - A normal session becomes a blkwire session (TSIH = session id & 0xffff, never 0), and the
 //!   connection goes to a reactor with the full feature phase frontend (`frontend/iscsi.rs`).
 

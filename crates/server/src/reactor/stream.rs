@@ -801,7 +801,8 @@ fn settle(c: &mut Conn, slot: u16, status: Status) {
 mod tests {
     //! The request path with a toy frontend that, like NVMe/TCP and iSCSI, takes WRITEs without
     //! their data, asks for it (`solicit`), receives it in separate messages (`Decoded::Data`)
-    //! and answers pings itself (`Decoded::Answered`). Messages (little-endian):
+    //! and answers pings itself (`Decoded::Answered`). A WRITE whose cookie has bit 63 set is
+    //! followed by data it was not asked for (`data_follows`). Messages (little-endian):
     //! `W cookie:u64 offset:u64 length:u32 inline:u32 data[inline]`, `R cookie offset length`,
     //! `D slot:u16 offset:u32 n:u32 data[n]`, `P`. It writes `T slot offset len` (solicit),
     //! `S cookie status:u16` (reply), `p` (ping answer), and READ data either contiguous
@@ -939,6 +940,9 @@ mod tests {
         fn next_is_data(&self, rx: &[u8]) -> bool {
             rx.first() == Some(&b'D')
         }
+        fn data_follows(&self, req: &Req) -> bool {
+            req.cookie & FOLLOWS != 0
+        }
         fn read_framing(&self, _req: &Req) -> ReadFraming {
             if self.chunked {
                 ReadFraming::Chunked
@@ -982,6 +986,9 @@ mod tests {
             tx.extend_from_slice(&len.to_le_bytes());
         }
     }
+
+    /// Cookie bit: the toy's WRITE is followed by unsolicited data.
+    const FOLLOWS: u128 = 1 << 63;
 
     fn conn(spec: &str) -> (Conn, UnixStream) {
         conn_with(spec, false)
@@ -1303,6 +1310,40 @@ mod tests {
             .windows(11)
             .any(|w| w == &status_reply(9, Status::Ok)[..]);
         assert!(answered, "the read that waited was answered");
+    }
+
+    #[test]
+    fn a_write_whose_data_follows_gets_its_buffer_when_taken_or_is_refused() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn_budget("m=mem:4M", false, 3 << 20);
+        const LEN: usize = 512 << 10;
+        let one = vec![4u8; LEN];
+        let follows = 1u64 << 63;
+        // Its data is on its way: it never waits for memory without a buffer.
+        feed(&mut c, &mut ring, &write(follows | 1, 0, LEN as u32, &[]));
+        assert!(c.deferred.is_empty(), "held with a buffer, not deferred");
+        let tx = take_tx(&mut c);
+        assert_eq!(tx[0], b'T', "the frontend learns its slot: {tx:?}");
+        let slot = u16::from_le_bytes([tx[1], tx[2]]);
+        feed(&mut c, &mut ring, &data(slot, 0, &one));
+        assert_eq!(take_tx(&mut c), status_reply(follows | 1, Status::Ok));
+        // Writes waiting for data (some of them for memory) hold the budget: a write whose
+        // data follows cannot wait in front of their data, nor without a buffer: refused.
+        let mut msgs = Vec::new();
+        for i in 0..3u64 {
+            msgs.extend_from_slice(&write(10 + i, i * LEN as u64, LEN as u32, &[]));
+        }
+        feed(&mut c, &mut ring, &msgs);
+        assert!(
+            !c.deferred.is_empty(),
+            "the budget held every buffer: make it smaller"
+        );
+        // (Sent: the transmit buffer keeps its room for replies.)
+        c.tx.clear();
+        feed(&mut c, &mut ring, &write(follows | 2, 0, LEN as u32, &[]));
+        assert_eq!(take_tx(&mut c), status_reply(follows | 2, Status::NoMemory));
+        assert_eq!(c.rx_start, c.rx_end, "taken, not left in front of the data");
+        assert_eq!(c.free_slots.len(), 1, "its slot is free");
     }
 
     #[test]
