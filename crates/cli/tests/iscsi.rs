@@ -444,6 +444,62 @@ fn unsolicited_data_round_trips_under_initial_r2t_no() {
     assert!(c.closed(), "closed after unsolicited data for no task");
 }
 
+/// COMPARE AND WRITE(16) of `old` then `new` at `lba`, both halves as Data-Out (no immediate
+/// data): unsolicited under InitialR2T=No, else as the R2Ts ask. The status and sense data.
+fn compare_and_write(c: &mut Conn, lba: u64, old: &[u8], new: &[u8]) -> (u8, Vec<u8>) {
+    let mut cdb = [0u8; 16];
+    cdb[0] = 0x89;
+    cdb[2..10].copy_from_slice(&lba.to_be_bytes());
+    cdb[13] = (old.len() / 512) as u8;
+    let both = [old, new].concat();
+    let unsolicited = if c.initial_r2t {
+        0
+    } else {
+        both.len().min(c.first_burst as usize)
+    };
+    let (itt, pdu) = c.command_more(&cdb, both.len() as u32, true, &[], unsolicited > 0);
+    c.send(&pdu).unwrap();
+    c.data_out(itt, iscsi::RESERVED_TAG, 0, unsolicited, &both);
+    loop {
+        let r = c.recv().expect("an answer to COMPARE AND WRITE");
+        match r.opcode() {
+            op::R2T => {
+                let (ttt, at, n) = (r.word(20), r.word(40) as usize, r.word(44) as usize);
+                c.data_out(itt, ttt, at, at + n, &both);
+            }
+            op::SCSI_RSP => return (r.bhs[3], r.data),
+            other => panic!("unexpected opcode {other:#x} during COMPARE AND WRITE"),
+        }
+    }
+}
+
+/// COMPARE AND WRITE whose data comes as Data-Out, solicited (InitialR2T=Yes) or unsolicited
+/// (InitialR2T=No): it writes on a match, and on a miscompare answers MISCOMPARE and writes
+/// nothing.
+#[test]
+fn compare_and_write_with_its_data_in_data_out() {
+    let _serial = serial();
+    let t = IscsiTarget::start(&["disk=mem:16M"], &[]);
+    let target = format!("{PREFIX}disk");
+    for r2t in ["Yes", "No"] {
+        let keys = [("InitialR2T", r2t), ("ImmediateData", "No")];
+        let mut c = login_with(&t.addr, &target, Digests::default(), &keys);
+        assert_eq!(c.initial_r2t, r2t == "Yes");
+        let a = random_bytes(64 << 10, 1);
+        let b = random_bytes(64 << 10, 2);
+        assert_eq!(c.write(100, &a), 0);
+        let (st, sense) = compare_and_write(&mut c, 100, &a, &b);
+        assert_eq!(st, 0, "InitialR2T={r2t}: matched, sense {sense:?}");
+        assert!(c.read(100, 128).0 == b, "the second half was written");
+        let (st, sense) = compare_and_write(&mut c, 100, &a, &a);
+        assert_eq!(st, 2, "CHECK CONDITION");
+        // The sense data after its 2-byte length: fixed format, key MISCOMPARE.
+        assert_eq!(sense[2 + 2] & 0x0f, 0x0e, "MISCOMPARE: {sense:?}");
+        assert!(c.read(100, 128).0 == b, "nothing written on a miscompare");
+        assert_eq!(c.ping(b"on").as_deref(), Some(&b"on"[..]));
+    }
+}
+
 /// Hostile or broken PDUs end the connection (or are dropped / rejected) and never stop the
 /// target from serving other connections.
 #[test]

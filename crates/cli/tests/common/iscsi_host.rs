@@ -321,7 +321,7 @@ impl Conn {
 
     /// One Data-Out sequence: `data[at..end]` in PDUs of at most the target's
     /// MaxRecvDataSegmentLength, DataSN from 0, F on the last.
-    fn data_out(&mut self, itt: u32, ttt: u32, mut at: usize, end: usize, data: &[u8]) {
+    pub fn data_out(&mut self, itt: u32, ttt: u32, mut at: usize, end: usize, data: &[u8]) {
         let mut datasn = 0;
         while at < end {
             let n = (end - at).min(self.send_max as usize);
