@@ -291,8 +291,8 @@ pub struct Iscsi {
     /// and the offset of the first difference once read.
     compare: Option<(Vec<u8>, Option<u64>)>,
     /// A part that must be done before anything after it is decoded is with the reactor (the
-    /// read of a COMPARE AND WRITE: no later write of this connection comes between the
-    /// compare and the write).
+    /// read of a COMPARE AND WRITE: nothing later of this connection is decoded until the
+    /// compare is done and its write handed out).
     hold: bool,
     /// The unsolicited data announced by the command `decode` handed out last (its ITT and
     /// sequence), until `solicit` places it in the write's slot or `reply` answers the write.
@@ -1526,8 +1526,9 @@ impl StreamFrontend for Iscsi {
         }
         if self.hold && self.part_running {
             // COMPARE AND WRITE's read is with the reactor: nothing more is decoded until it
-            // is back (the reactor services the connection again when it is).
-            return Decoded::Need(rx.len());
+            // is back (the reactor services the connection again when it is). What is asked for
+            // is there already: the receive buffer does not grow for it.
+            return Decoded::Need(rx.len().min(BHS_LEN));
         }
         if !self.part_running {
             if let Some((req, desc)) = self.queued.pop_front() {
