@@ -4,7 +4,9 @@
 //! data segment bound. No panic on any input; `pdu_len` asks for more than is buffered and at
 //! most one bounded PDU; a decoded PDU's data lies inside it; key=value pairs are bounded; a
 //! request the frontend decodes lies inside the buffer with its payload before its trailer, and
-//! every answer to it encodes.
+//! every answer to it encodes. Writes are held in slots as the reactor holds them (or refused,
+//! when the input says so or no slot is free): solicited and unsolicited data (InitialR2T=No)
+//! must come for a held write, in order and inside it.
 
 #![no_main]
 
@@ -63,24 +65,29 @@ fn text(data: &[u8]) {
     }
 }
 
-fn walk(fe: &mut Iscsi, data: &[u8], status: Status) {
+fn walk(fe: &mut Iscsi, data: &[u8], status: Status, refuse: bool) {
     let mut at = 0usize;
     let mut tx = Vec::new();
+    // The writes waiting in slots for their data, and how much of it they have.
+    let mut held: Vec<Option<(blkwire_server::frontend::Req, u32)>> = vec![None; 8];
     // Requests the frontend makes up (parts) take no bytes: bound the loop.
     for _ in 0..4096 {
         let rx = &data[at..];
         tx.clear();
         match fe.decode(rx, &mut tx) {
-            // Also a COMPARE AND WRITE waiting for its read (which was answered below: then
-            // the next decode goes on): nothing more to feed.
+            // Also while a COMPARE AND WRITE's read runs (answered below: then the next decode
+            // goes on): nothing more to feed.
             Decoded::Need(n) => {
                 assert!(n <= BHS_LEN + 255 * 4 + 4 + (256 << 10) + 3 + 4, "Need({n})");
                 return;
             }
             Decoded::Violation(_) => return,
             // A TMF's first release takes the PDU, the next ones nothing.
-            Decoded::Release { len, .. } => {
+            Decoded::Release { len, slot } => {
                 assert!(len <= rx.len());
+                if let Some(h) = held.get_mut(slot as usize) {
+                    *h = None;
+                }
                 at += len;
             }
             Decoded::Answered { len } => {
@@ -88,13 +95,25 @@ fn walk(fe: &mut Iscsi, data: &[u8], status: Status) {
                 at += len;
             }
             Decoded::Data {
+                slot,
+                offset,
                 len,
                 payload_len,
                 trailer,
-                ..
             } => {
                 assert!(len > 0 && len <= rx.len() && payload_len + trailer <= len);
+                let Some(Some((req, got))) = held.get(slot as usize).copied() else {
+                    panic!("data for slot {slot}, which holds no write");
+                };
+                let end = offset as u64 + payload_len as u64;
+                assert!(offset == got && end <= req.length as u64, "data at {offset}+{payload_len} for a write of {} with {got}", req.length);
                 at += len;
+                if end == req.length as u64 {
+                    held[slot as usize] = None;
+                    fe.reply(&req, status, &mut tx);
+                } else {
+                    held[slot as usize] = Some((req, end as u32));
+                }
             }
             Decoded::Request {
                 req,
@@ -108,10 +127,29 @@ fn walk(fe: &mut Iscsi, data: &[u8], status: Status) {
                 assert!(req.length <= 1 << 30);
                 assert!(req.target < 2, "a request for a target the connection has");
                 if req.is_write() && payload_len < req.length as usize {
+                    at += len;
+                    let free = held.iter().position(Option::is_none);
+                    let follows = fe.data_follows(&req);
                     let mut buf = vec![0u8; req.length as usize];
-                    if !fe.fill(&req, &mut buf) {
-                        fe.solicit(&req, 0, payload_len as u32, req.length - payload_len as u32, &mut tx);
+                    match free {
+                        // Refused before it has a slot (memory): its unsolicited data is
+                        // dropped by the frontend.
+                        _ if refuse && follows => {
+                            fe.reply(&req, Status::NoMemory, &mut tx);
+                        }
+                        None => {
+                            fe.reply(&req, Status::NoMemory, &mut tx);
+                        }
+                        Some(_) if !follows && fe.fill(&req, &mut buf) => {
+                            fe.reply(&req, status, &mut tx);
+                        }
+                        Some(slot) => {
+                            held[slot] = Some((req, payload_len as u32));
+                            let rest = req.length - payload_len as u32;
+                            fe.solicit(&req, slot as u16, payload_len as u32, rest, &mut tx);
+                        }
                     }
+                    continue;
                 }
                 if req.kind == Kind::Copy {
                     let _ = fe.copy_descriptor(&req, &[]);
@@ -160,7 +198,7 @@ fuzz_target!(|data: &[u8]| {
         recv_max: 256 << 10,
         max_burst: 65536,
         first_burst: 65536,
-        initial_r2t: true,
+        initial_r2t: mode & 64 == 0,
         immediate_data: mode & 16 == 0,
         max_r2t: 1,
     };
@@ -189,14 +227,16 @@ fuzz_target!(|data: &[u8]| {
         initiator: "iqn.fuzz".into(),
         isid: [0; 6],
         max_io: MAX_IO,
-        peers: vec![("m".into(), lun_info(&export, MAX_IO, true, 0))],
+        peers: vec![("m".into(), lun_info(&export, MAX_IO, true))],
     });
+    let refuse = mode & 128 != 0;
+    // Every bit of the mode byte is taken: an odd length fences the second LUN halfway.
     let half = rest.len() / 2;
-    if mode & 64 != 0 {
-        walk(&mut fe, &rest[..half], status);
+    if rest.len() % 2 == 1 {
+        walk(&mut fe, &rest[..half], status, refuse);
         fe.fenced(1);
-        walk(&mut fe, &rest[half..], status);
+        walk(&mut fe, &rest[half..], status, refuse);
     } else {
-        walk(&mut fe, rest, status);
+        walk(&mut fe, rest, status, refuse);
     }
 });

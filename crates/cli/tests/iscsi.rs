@@ -9,7 +9,7 @@ mod common;
 use std::process::Command;
 
 use blkwire_wire::iscsi::{self, flag, op, Bhs, Digests};
-use common::iscsi_host::{self, login, Conn};
+use common::iscsi_host::{self, login, login_with, Conn};
 use common::{random_bytes, Target, TempDir};
 
 const PREFIX: &str = "iqn.2026-11.io.blkwire:";
@@ -297,6 +297,45 @@ fn discovery_and_chap_with_iscsi_ls() {
     );
 }
 
+/// SendTargets answers longer than one PDU (RFC 7143 §11.11): with 70 exports, `iscsi-ls`
+/// lists them all, and an initiator that receives at most 512 bytes per PDU gets the same
+/// list in continued Text Responses.
+#[test]
+fn send_targets_lists_many_targets_across_text_responses() {
+    let _serial = serial();
+    need("iscsi-ls");
+    let exports: Vec<String> = (0..70).map(|i| format!("disk{i:02}=mem:1M")).collect();
+    let exports: Vec<&str> = exports.iter().map(String::as_str).collect();
+    let t = IscsiTarget::start(&exports, &[]);
+    let (ok, out) = iscsi_ls(&[&format!("iscsi://{}", t.addr)]);
+    assert!(ok, "{out}");
+    for i in 0..70 {
+        let line = format!("Target:{PREFIX}disk{i:02} Portal:{},1", t.addr);
+        assert!(out.contains(&line), "no '{line}' in:\n{out}");
+    }
+    for max in [512u32, 8192] {
+        let mut c = iscsi_host::discovery(&t.addr, max);
+        let (pairs, parts) = c.send_targets(max as usize);
+        let names: Vec<&str> = pairs
+            .iter()
+            .filter(|(k, _)| k == "TargetName")
+            .map(|(_, v)| v.as_str())
+            .collect();
+        let want: Vec<String> = (0..70).map(|i| format!("{PREFIX}disk{i:02}")).collect();
+        assert_eq!(names, want, "MaxRecvDataSegmentLength {max}");
+        let addrs = pairs.iter().filter(|(k, _)| k == "TargetAddress").count();
+        assert_eq!(addrs, 70, "one portal per target");
+        let bytes: usize = pairs.iter().map(|(k, v)| k.len() + v.len() + 2).sum();
+        assert!(
+            parts >= bytes.div_ceil(max as usize) && (max > 4096 || parts > 1),
+            "{parts} Text Response(s) for {bytes} bytes in {max}-byte PDUs"
+        );
+        // The session goes on after the answer: a new request starts over.
+        let (again, _) = c.send_targets(max as usize);
+        assert_eq!(again, pairs);
+    }
+}
+
 /// Writes longer than FirstBurstLength and MaxBurstLength (immediate data, then several R2T
 /// bursts of several Data-Out PDUs) read back the same, with and without digests.
 #[test]
@@ -317,6 +356,147 @@ fn data_round_trips_with_and_without_digests() {
         let (small, st) = c.read(2048, 8);
         assert_eq!((st, &small[..]), (0, &payload[..4096]));
         assert_eq!(c.ping(b"ping").as_deref(), Some(&b"ping"[..]));
+    }
+}
+
+/// InitialR2T=No (RFC 7143 §13.10): writes send unsolicited Data-Out up to FirstBurstLength
+/// after their immediate data (or without any), R2Ts ask only for the rest, and the data reads
+/// back the same, one write at a time and in a batch sent before any answer. Unsolicited data
+/// past the first burst or for a task that announced none ends the connection.
+#[test]
+fn unsolicited_data_round_trips_under_initial_r2t_no() {
+    let _serial = serial();
+    let t = IscsiTarget::start(&["disk=mem:64M"], &[]);
+    let target = format!("{PREFIX}disk");
+    let both = Digests {
+        header: true,
+        data: true,
+    };
+    for (imm, digests) in [("Yes", Digests::default()), ("No", both), ("Yes", both)] {
+        let keys = [
+            ("InitialR2T", "No"),
+            ("ImmediateData", imm),
+            ("FirstBurstLength", "65536"),
+            ("MaxBurstLength", "131072"),
+        ];
+        let mut c = login_with(&t.addr, &target, digests, &keys);
+        assert!(!c.initial_r2t, "InitialR2T=No offered and not agreed");
+        assert_eq!((c.immediate_data, c.first_burst), (imm == "Yes", 65536));
+        // Several unsolicited PDUs per write, after 4 KiB of immediate data where allowed.
+        c.send_max = 8192;
+        c.max_immediate = 4096;
+        let seed = digests.header as u64 * 2 + (imm == "Yes") as u64;
+        // All unsolicited (48 KiB), the whole first burst (64 KiB), then R2Ts (1 MiB).
+        for (lba, len) in [(0u64, 48 << 10), (1024, 64 << 10), (4096, 1 << 20)] {
+            let payload = random_bytes(len, seed + lba);
+            assert_eq!(c.write(lba, &payload), 0, "WRITE of {len} bytes");
+            let (back, st) = c.read(lba, (len / 512) as u32);
+            assert!(st == 0 && back == payload, "{len} bytes read back differ");
+        }
+        // 24 writes of 192 KiB, all sent before any answer: each 64 KiB unsolicited, then
+        // R2Ts for 128 KiB.
+        let data: Vec<Vec<u8>> = (0..24)
+            .map(|i| random_bytes(192 << 10, seed * 100 + i))
+            .collect();
+        let writes: Vec<(u64, &[u8])> = data
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (8192 + i as u64 * 512, &d[..]))
+            .collect();
+        assert_eq!(c.write_many(&writes), vec![0u8; 24]);
+        for (lba, d) in writes {
+            assert!(
+                c.read(lba, 384).0 == d,
+                "batched write at {lba} read back differs"
+            );
+        }
+    }
+
+    // Unsolicited data past FirstBurstLength: Reject, then the connection closes.
+    let keys = [("InitialR2T", "No"), ("FirstBurstLength", "8192")];
+    let mut c = login_with(&t.addr, &target, Digests::default(), &keys);
+    let mut cdb = [0u8; 16];
+    cdb[0] = 0x8a;
+    cdb[13] = 32;
+    let (itt, pdu) = c.command_more(&cdb, 16384, true, &[], true);
+    c.send(&pdu).unwrap();
+    let mut b = Bhs::new(op::DATA_OUT, flag::FINAL);
+    b.itt(itt).set32(20, iscsi::RESERVED_TAG).set32(40, 0);
+    let mut out = Vec::new();
+    b.encode(&[1u8; 12288], &Digests::default(), &mut out);
+    c.send(&out).unwrap();
+    let r = c.recv().expect("a Reject");
+    assert_eq!(r.opcode(), op::REJECT);
+    assert!(
+        c.closed(),
+        "closed after unsolicited data past the first burst"
+    );
+
+    // Unsolicited data for a task that announced none: Reject, then closed.
+    let mut c = login_with(&t.addr, &target, Digests::default(), &keys);
+    let mut b = Bhs::new(op::DATA_OUT, flag::FINAL);
+    b.itt(0x55).set32(20, iscsi::RESERVED_TAG).set32(40, 0);
+    let mut out = Vec::new();
+    b.encode(&[1u8; 512], &Digests::default(), &mut out);
+    c.send(&out).unwrap();
+    let r = c.recv().expect("a Reject");
+    assert_eq!(r.opcode(), op::REJECT);
+    assert!(c.closed(), "closed after unsolicited data for no task");
+}
+
+/// COMPARE AND WRITE(16) of `old` then `new` at `lba`, both halves as Data-Out (no immediate
+/// data): unsolicited under InitialR2T=No, else as the R2Ts ask. The status and sense data.
+fn compare_and_write(c: &mut Conn, lba: u64, old: &[u8], new: &[u8]) -> (u8, Vec<u8>) {
+    let mut cdb = [0u8; 16];
+    cdb[0] = 0x89;
+    cdb[2..10].copy_from_slice(&lba.to_be_bytes());
+    cdb[13] = (old.len() / 512) as u8;
+    let both = [old, new].concat();
+    let unsolicited = if c.initial_r2t {
+        0
+    } else {
+        both.len().min(c.first_burst as usize)
+    };
+    let (itt, pdu) = c.command_more(&cdb, both.len() as u32, true, &[], unsolicited > 0);
+    c.send(&pdu).unwrap();
+    c.data_out(itt, iscsi::RESERVED_TAG, 0, unsolicited, &both);
+    loop {
+        let r = c.recv().expect("an answer to COMPARE AND WRITE");
+        match r.opcode() {
+            op::R2T => {
+                let (ttt, at, n) = (r.word(20), r.word(40) as usize, r.word(44) as usize);
+                c.data_out(itt, ttt, at, at + n, &both);
+            }
+            op::SCSI_RSP => return (r.bhs[3], r.data),
+            other => panic!("unexpected opcode {other:#x} during COMPARE AND WRITE"),
+        }
+    }
+}
+
+/// COMPARE AND WRITE whose data comes as Data-Out, solicited (InitialR2T=Yes) or unsolicited
+/// (InitialR2T=No): it writes on a match, and on a miscompare answers MISCOMPARE and writes
+/// nothing.
+#[test]
+fn compare_and_write_with_its_data_in_data_out() {
+    let _serial = serial();
+    let t = IscsiTarget::start(&["disk=mem:16M"], &[]);
+    let target = format!("{PREFIX}disk");
+    for r2t in ["Yes", "No"] {
+        let keys = [("InitialR2T", r2t), ("ImmediateData", "No")];
+        let mut c = login_with(&t.addr, &target, Digests::default(), &keys);
+        assert_eq!(c.initial_r2t, r2t == "Yes");
+        let a = random_bytes(64 << 10, 1);
+        let b = random_bytes(64 << 10, 2);
+        assert_eq!(c.write(100, &a), 0);
+        let (st, sense) = compare_and_write(&mut c, 100, &a, &b);
+        assert_eq!(st, 0, "InitialR2T={r2t}: matched, sense {sense:?}");
+        assert!(c.read(100, 128).0 == b, "the second half was written");
+        let (st, sense) = compare_and_write(&mut c, 100, &a, &a);
+        assert_eq!(st, 2, "CHECK CONDITION");
+        // The sense data after its 2-byte length: fixed format, key MISCOMPARE.
+        assert_eq!(sense[2 + 2] & 0x0f, 0x0e, "MISCOMPARE: {sense:?}");
+        assert!(c.read(100, 128).0 == b, "nothing written on a miscompare");
+        assert_eq!(c.ping(b"on").as_deref(), Some(&b"on"[..]));
     }
 }
 

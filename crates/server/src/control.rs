@@ -908,7 +908,7 @@ fn iscsi_target_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
     let portals = r.iscsi.portals();
     let max_io = r.limits().max_io;
     let lun = |n: u64, e: &Arc<blkwire_backend::Export>| {
-        let info = crate::frontend::iscsi::lun_info(e, max_io, false, 0);
+        let info = crate::frontend::iscsi::lun_info(e, max_io, false);
         json!({
             "lun": n,
             "export": e.name,

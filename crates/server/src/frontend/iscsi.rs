@@ -9,16 +9,21 @@
 //! attention, cleared by REPORT LUNS).
 //!
 //! - SCSI Command: the CDB is decoded by `blkwire_wire::scsi`. READ/WRITE become reactor
-//!   requests (the ITT and residual in the cookie); WRITE data comes as immediate data, and the
-//!   rest is asked for with R2Ts (TTT = the slot) of at most MaxBurstLength each, one
-//!   outstanding at a time (MaxOutstandingR2T=1); Data-Out PDUs become [`Decoded::Data`].
+//!   requests (the ITT and residual in the cookie); WRITE data comes as immediate data, then
+//!   under InitialR2T=No as unsolicited Data-Out (TTT 0xffffffff) up to min(FirstBurstLength,
+//!   EDTL) (§13.10; the write is marked `data_follows` so the reactor gives it its buffer when
+//!   it takes it), and the rest is asked for with R2Ts (TTT = the slot) of at most
+//!   MaxBurstLength each, one outstanding at a time (MaxOutstandingR2T=1), the first once the
+//!   unsolicited data is in; Data-Out PDUs become [`Decoded::Data`]. Unsolicited data of a
+//!   command answered without a slot is checked and dropped (`drains`).
 //!   READ data goes out as one Data-In PDU with the status in it when it fits the initiator's
 //!   MaxRecvDataSegmentLength, otherwise as a Data-In sequence. Everything the target answers
 //!   itself (INQUIRY, READ CAPACITY, MODE SENSE, REPORT LUNS, refusals) is answered in
 //!   `decode` (Data-In with status, or a SCSI Response with sense data).
-//! - UNMAP and WRITE SAME: the parameter list (immediate data, or collected here with R2Ts on
-//!   TTTs above the slots) turns into Trim / WriteZeroes requests that the frontend hands to
-//!   the reactor one after another (`queued`), answering the command when the last is done.
+//! - UNMAP, WRITE SAME, EXTENDED COPY, VERIFY and COMPARE AND WRITE: the parameter list
+//!   (immediate and unsolicited data, or collected here with R2Ts on a TTT above the slots)
+//!   turns into parts (Trim, WriteZeroes, Write, Copy, Read) that the frontend hands to the
+//!   reactor one after another (`queued`), answering the command when the last is done.
 //! - CmdSN: non-immediate commands must carry ExpCmdSN; others are dropped (§4.2.2.1).
 //!   MaxCmdSN = ExpCmdSN + free task places − 1, so the initiator never has more commands in
 //!   flight than the connection has slots.
@@ -112,8 +117,8 @@ enum Reply {
 }
 
 /// The cookie: ITT (bits 0–31), residual count (32–63), residual kind (64–65: 1 underflow,
-/// 2 overflow), reply kind (66–71), bytes of READ data to send or GET LBA STATUS allocation
-/// length (96–127).
+/// 2 overflow), reply kind (66–71), unsolicited Data-Out follows (72), bytes of READ data to
+/// send or GET LBA STATUS allocation length (96–127).
 fn cookie(itt: u32, residual: Residual, reply: Reply, extra: u32) -> u128 {
     let (kind, count) = match residual {
         Residual::None => (0u128, 0u32),
@@ -121,6 +126,13 @@ fn cookie(itt: u32, residual: Residual, reply: Reply, extra: u32) -> u128 {
         Residual::Over(n) => (2, n),
     };
     itt as u128 | (count as u128) << 32 | kind << 64 | (reply as u128) << 66 | (extra as u128) << 96
+}
+
+/// Bit 72 of the cookie: the WRITE's unsolicited Data-Out follows (InitialR2T=No).
+const FOLLOWS: u128 = 1 << 72;
+
+fn follows_of(req: &Req) -> bool {
+    req.cookie & FOLLOWS != 0
 }
 
 fn itt_of(req: &Req) -> u32 {
@@ -184,18 +196,66 @@ impl Residual {
     }
 }
 
-/// A WRITE waiting in its slot for solicited data.
+/// Where one Data-Out sequence of a task stands (§4.2.5.2): the burst one R2T asked for, or the
+/// unsolicited data that follows a command under InitialR2T=No (TTT 0xffffffff), which is as
+/// if an R2T had asked for min(FirstBurstLength, EDTL) minus the immediate data (§13.10).
+#[derive(Clone, Copy, Debug, Default)]
+struct Seq {
+    /// The TTT its Data-Out PDUs carry (RESERVED_TAG: unsolicited).
+    ttt: u32,
+    /// The offset the next Data-Out starts at (DataPDUInOrder=Yes, §13.18).
+    next: u32,
+    /// The DataSN the next Data-Out carries (§11.7.5: each sequence counts from 0).
+    datasn: u32,
+    /// Where the sequence ends.
+    end: u32,
+}
+
+impl Seq {
+    fn unsolicited(next: u32, end: u32) -> Seq {
+        Seq {
+            ttt: RESERVED_TAG,
+            next,
+            datasn: 0,
+            end,
+        }
+    }
+
+    /// Takes a Data-Out of `n` bytes at `offset` (F set: `fin`) into the sequence: true when it
+    /// ends it. Anything out of step is an error (ERL 0 cannot ask for it again, §7.8).
+    fn take(&mut self, datasn: u32, offset: u32, n: usize, fin: bool) -> Result<bool, String> {
+        let end = offset as u64 + n as u64;
+        if offset != self.next || end > self.end as u64 {
+            return Err(format!(
+                "iSCSI: Data-Out at {offset}+{n} where the sequence wants {} up to {}",
+                self.next, self.end
+            ));
+        }
+        if datasn != self.datasn {
+            return Err(format!(
+                "iSCSI: Data-Out DataSN {datasn} where {} was due",
+                self.datasn
+            ));
+        }
+        if fin && end != self.end as u64 {
+            return Err("iSCSI: Data-Out sequence ended before its burst".into());
+        }
+        self.next = end as u32;
+        self.datasn += 1;
+        Ok(fin)
+    }
+}
+
+/// A WRITE waiting in its slot for its data (unsolicited, then solicited).
 #[derive(Clone, Copy, Debug, Default)]
 struct Task {
     itt: u32,
     /// The connection target (LUN) it writes to.
     target: u8,
+    /// The R2TSN of the next R2T.
     r2tsn: u32,
-    /// The DataSN the next Data-Out of the current R2T's sequence carries (§11.7.5: each
-    /// R2T's sequence counts from 0).
-    datasn: u32,
-    /// End of the burst the outstanding R2T asked for.
-    burst_end: u32,
+    /// The sequence in progress: the unsolicited data, or the outstanding R2T's burst.
+    seq: Seq,
     /// End of the data the write needs.
     end: u32,
     active: bool,
@@ -213,8 +273,7 @@ struct Params {
     want: u32,
     data: Vec<u8>,
     r2tsn: u32,
-    datasn: u32,
-    burst_end: u32,
+    seq: Seq,
 }
 
 /// A command split into parts (UNMAP ranges, WRITE SAME): answered when the last part is.
@@ -260,9 +319,16 @@ pub struct Iscsi {
     /// The data a compare part's read must match (VERIFY with BYTCHK, COMPARE AND WRITE),
     /// and the offset of the first difference once read.
     compare: Option<(Vec<u8>, Option<u64>)>,
-    /// COMPARE AND WRITE in progress: its PDU stays in the receive buffer until the compare
-    /// is done, then its second half is the write's data.
-    caw: Option<Caw>,
+    /// A part that must be done before anything after it is decoded is with the reactor (the
+    /// read of a COMPARE AND WRITE: nothing later of this connection is decoded until the
+    /// compare is done and its write handed out).
+    hold: bool,
+    /// The unsolicited data announced by the command `decode` handed out last (its ITT and
+    /// sequence), until `solicit` places it in the write's slot or `reply` answers the write.
+    announced: Option<(u32, Seq)>,
+    /// Unsolicited sequences nobody takes (the command was answered, or its write has all the
+    /// data it moves): checked and dropped until they end. At most `depth`.
+    drains: Vec<(u32, Seq)>,
     /// The exports this initiator may open, as LUNs: EXTENDED COPY finds its source here.
     peers: Vec<(String, LunInfo)>,
     xlimits: xcopy::Limits,
@@ -275,33 +341,9 @@ pub struct Iscsi {
     scratch: Vec<u8>,
 }
 
-/// A COMPARE AND WRITE waiting for its compare.
-#[derive(Clone, Copy, Debug)]
-struct Caw {
-    /// The command PDU's header (it stays at the front of the receive buffer meanwhile).
-    bhs: [u8; BHS_LEN],
-    /// The connection target (LUN) it is for.
-    target: usize,
-    itt: u32,
-    offset: u64,
-    length: u32,
-    fua: bool,
-    edtl: u32,
-    state: CawState,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum CawState {
-    Reading,
-    Matched,
-    Miscompare(u64),
-    Failed(Status),
-}
-
 /// What the LU of `e` is, as the SCSI layer answers for it (as LUN 0: a caller serving it at
-/// another LUN sets `lun`). `copy`: EXTENDED COPY is granted; `immediate`: the most immediate
-/// data a command may carry (COMPARE AND WRITE's both halves must fit it).
-pub fn lun_info(e: &Export, max_io: u32, copy: bool, immediate: u32) -> LunInfo {
+/// another LUN sets `lun`). `copy`: EXTENDED COPY is granted.
+pub fn lun_info(e: &Export, max_io: u32, copy: bool) -> LunInfo {
     let caps = e.capabilities();
     let (logical, _) = e.backend().block_sizes();
     let block_size = logical.clamp(512, 4096).next_power_of_two();
@@ -330,7 +372,11 @@ pub fn lun_info(e: &Export, max_io: u32, copy: bool, immediate: u32) -> LunInfo 
         max_unmap_blocks: 1 << 20,
         max_unmap_descriptors: 256,
         max_write_same_blocks: (u32::MAX >> shift) as u64,
-        max_compare_write_blocks: (immediate / (2 * block_size)).min(255) as u8,
+        // COMPARE AND WRITE's data (both halves) is collected in the frontend, as a parameter
+        // list is, however it comes (immediate data, unsolicited or solicited Data-Out).
+        max_compare_write_blocks: (MAX_PARAMS / (2 * block_size))
+            .min(max_io >> shift)
+            .clamp(1, 255) as u8,
         unmap_granularity: 1,
         // IEEE company id 0 (none registered); the id is the target name's hash, so every
         // connection (and an EXTENDED COPY naming it) sees the same one.
@@ -343,18 +389,11 @@ pub fn lun_info(e: &Export, max_io: u32, copy: bool, immediate: u32) -> LunInfo 
 impl Iscsi {
     /// The full feature phase of a connection that logged in.
     pub fn new(s: IscsiSetup) -> Iscsi {
-        // COMPARE AND WRITE's data comes as immediate data (both halves), within the first
-        // burst and one PDU.
-        let immediate = if s.neg.immediate_data {
-            s.neg.first_burst.min(s.neg.recv_max)
-        } else {
-            0
-        };
         let luns: Vec<Lu> = s
             .luns
             .iter()
             .map(|l| {
-                let mut info = lun_info(&l.export, s.max_io, l.copy.enabled(), immediate);
+                let mut info = lun_info(&l.export, s.max_io, l.copy.enabled());
                 info.lun = l.lun;
                 Lu {
                     shift: info.block_size.trailing_zeros(),
@@ -393,7 +432,9 @@ impl Iscsi {
             part_running: false,
             copy_desc: None,
             compare: None,
-            caw: None,
+            hold: false,
+            announced: None,
+            drains: Vec::with_capacity(depth as usize),
             peers: s.peers,
             xlimits,
             history: xcopy::History::default(),
@@ -538,9 +579,61 @@ impl Iscsi {
         (lba << self.lu().shift, blocks << self.lu().shift)
     }
 
+    /// A SCSI Command; unsolicited data it announced and nothing takes is dropped as it comes.
     fn command(&mut self, rx: &[u8], len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
+        let d = self.scsi_command(rx, len, p, tx);
+        if let Some((itt, seq)) = self.announced {
+            let placed =
+                matches!(&d, Decoded::Request { req, .. } if follows_of(req) && itt_of(req) == itt);
+            if !placed {
+                self.announced = None;
+                self.drain(itt, seq);
+            }
+        }
+        d
+    }
+
+    /// Drops what comes of the unsolicited sequence `seq` of `itt` (checked, never kept).
+    fn drain(&mut self, itt: u32, seq: Seq) {
+        if seq.next >= seq.end {
+            return;
+        }
+        if self.drains.len() >= self.depth as usize {
+            // An initiator that never sends what it announced: the oldest is forgotten (its
+            // data, should it come after all, ends the connection).
+            self.drains.remove(0);
+        }
+        self.drains.push((itt, seq));
+    }
+
+    fn scsi_command(
+        &mut self,
+        rx: &[u8],
+        len: usize,
+        p: &iscsi::Pdu<'_>,
+        tx: &mut Vec<u8>,
+    ) -> Decoded {
         let c = iscsi::scsi_command(p);
         let itt = c.itt;
+        if c.write && !c.final_ {
+            // F=0: unsolicited Data-Out follows (§11.3.4.1), allowed under InitialR2T=No up to
+            // min(FirstBurstLength, EDTL), the immediate data included (§13.10, §13.14).
+            let end = self.neg.first_burst.min(c.edtl);
+            if self.neg.initial_r2t || c.data.len() as u32 >= end {
+                self.reject(reject::PROTOCOL_ERROR, rx, tx);
+                return Decoded::Violation(if self.neg.initial_r2t {
+                    "iSCSI: unsolicited Data-Out announced under InitialR2T=Yes".into()
+                } else {
+                    "iSCSI: unsolicited Data-Out announced past FirstBurstLength".into()
+                });
+            }
+            // Announced before the command is checked: whatever becomes of it (dropped outside
+            // the window, refused, answered), its data comes and is taken or dropped in step.
+            let seq = Seq::unsolicited(c.data.len() as u32, end);
+            if let Some((old, q)) = self.announced.replace((itt, seq)) {
+                self.drain(old, q);
+            }
+        }
         if !p.immediate() {
             if c.cmdsn != self.expcmdsn {
                 // Outside the window or out of order: dropped (§4.2.2.1; one connection, so
@@ -554,13 +647,6 @@ impl Iscsi {
         {
             self.reject(reject::PROTOCOL_ERROR, rx, tx);
             return Decoded::Answered { len };
-        }
-        if c.write && !c.final_ {
-            // InitialR2T=Yes: unsolicited Data-Out PDUs may not follow.
-            self.reject(reject::PROTOCOL_ERROR, rx, tx);
-            return Decoded::Violation(
-                "iSCSI: unsolicited Data-Out announced under InitialR2T=Yes".into(),
-            );
         }
         let lun = scsi::lun_from_wire(c.lun.to_be_bytes());
         let mut cdb = [0u8; 32];
@@ -761,44 +847,21 @@ impl Iscsi {
                 }
                 Decoded::Answered { len }
             }
-            Command::CompareAndWrite { lba, blocks, fua } => {
-                let (offset, bytes) = self.bytes(lba, blocks);
+            Command::CompareAndWrite { blocks, .. } => {
+                let bytes = blocks << self.lu().shift;
                 if bytes == 0 && c.edtl == 0 {
                     self.response(itt, GOOD, None, Residual::None, tx);
                     return Decoded::Answered { len };
                 }
-                // Both halves must come as immediate data (MAXIMUM COMPARE AND WRITE LENGTH
-                // is set so they fit): the write's data is then the end of this PDU.
-                let need = 2 * bytes as usize;
-                if c.edtl as usize != need || c.data.len() != need || self.caw.is_some() {
+                // Both halves (the data to compare, then the data to write) are collected as
+                // a parameter list is, from immediate data and Data-Out (MAXIMUM COMPARE AND
+                // WRITE LENGTH keeps them within MAX_PARAMS); `run_params` compares, then
+                // writes.
+                if c.edtl != 2 * bytes {
                     self.check(itt, &Sense::invalid_field_in_cdb(), c.edtl, tx);
                     return Decoded::Answered { len };
                 }
-                self.compare = Some((c.data[..bytes as usize].to_vec(), None));
-                let mut bhs = [0u8; BHS_LEN];
-                bhs.copy_from_slice(&rx[..BHS_LEN]);
-                self.caw = Some(Caw {
-                    bhs,
-                    target: self.cur,
-                    itt,
-                    offset,
-                    length: bytes,
-                    fua,
-                    edtl: c.edtl,
-                    state: CawState::Reading,
-                });
-                let read = Req {
-                    kind: Kind::Block(BlockOp::Read),
-                    offset,
-                    length: bytes,
-                    flags: IoFlags::empty(),
-                    slot: None,
-                    target: self.cur as u8,
-                    cookie: cookie(itt, Residual::None, Reply::Part, 0),
-                };
-                // The PDU stays in the receive buffer (length 0) until the compare is done.
-                self.part_running = true;
-                self.request(read, 0, 0, 0)
+                self.collect(itt, &c.cdb, c.edtl, 2 * bytes, c.data, len, tx)
             }
             _ => {
                 // Decoded but not served by this transport (persistent reservations).
@@ -834,6 +897,9 @@ impl Iscsi {
         }
         let flags = IoFlags::empty().with(IoFlags::FUA, fua);
         let carried = immediate.min(length as usize);
+        // Unsolicited data the write still needs goes into its buffer (`solicit` tells the
+        // slot); data past what it moves (EDTL above the CDB's length) is dropped.
+        let follows = carried < length as usize && self.announced.is_some_and(|(a, _)| a == itt);
         let req = Req {
             kind: Kind::Block(BlockOp::Write),
             offset,
@@ -841,13 +907,14 @@ impl Iscsi {
             flags,
             slot: None,
             target: self.cur as u8,
-            cookie: cookie(itt, res, Reply::Write, 0),
+            cookie: cookie(itt, res, Reply::Write, 0) | if follows { FOLLOWS } else { 0 },
         };
         self.request(req, len, carried, tail + immediate - carried)
     }
 
     /// Starts collecting a parameter list of `want` bytes (at most EDTL), from the immediate
-    /// data and then R2Ts, or runs the command at once when it is all there.
+    /// data, the unsolicited data that follows, and then R2Ts, or runs the command at once when
+    /// it is all there.
     #[allow(clippy::too_many_arguments)]
     fn collect(
         &mut self,
@@ -881,10 +948,16 @@ impl Iscsi {
             want,
             data: immediate[..have].to_vec(),
             r2tsn: 0,
-            datasn: 0,
-            burst_end: 0,
+            seq: Seq::default(),
         };
-        self.param_r2t(&mut p, tx);
+        match self.announced {
+            // The R2Ts wait until the unsolicited data is in.
+            Some((a, seq)) if a == itt => {
+                self.announced = None;
+                p.seq = seq;
+            }
+            _ => self.param_r2t(&mut p, tx),
+        }
         self.params = Some(p);
         Decoded::Answered { len }
     }
@@ -892,8 +965,12 @@ impl Iscsi {
     fn param_r2t(&mut self, p: &mut Params, tx: &mut Vec<u8>) {
         let at = p.data.len() as u32;
         let n = (p.want - at).min(self.neg.max_burst);
-        p.burst_end = at + n;
-        p.datasn = 0;
+        p.seq = Seq {
+            ttt: PARAM_TTT,
+            next: at,
+            datasn: 0,
+            end: at + n,
+        };
         self.r2t(p.itt, PARAM_TTT, p.r2tsn, at, n, tx);
         p.r2tsn += 1;
     }
@@ -979,6 +1056,25 @@ impl Iscsi {
                 let (o, l) = self.bytes(lba, blocks);
                 self.compare = Some((list.to_vec(), None));
                 parts.push((Kind::Block(BlockOp::Read), o, l, IoFlags::empty(), None));
+            }
+            Command::CompareAndWrite { lba, blocks, fua } => {
+                // SBC-4 5.3: the read is compared with the first half; only when it matches is
+                // the second half written (the write is a part the frontend fills, `fill`).
+                // Nothing later of this connection is decoded until the compare is done
+                // (`hold`).
+                let (o, l) = self.bytes(lba, blocks);
+                let half = l as usize;
+                if list.len() != 2 * half {
+                    let s = Sense::invalid_field_in_cdb();
+                    self.response(itt, CHECK_CONDITION, Some(&s), res, tx);
+                    return Decoded::Answered { len };
+                }
+                self.compare = Some((list[..half].to_vec(), None));
+                self.pattern = Some(list[half..].to_vec());
+                self.hold = true;
+                parts.push((Kind::Block(BlockOp::Read), o, l, IoFlags::empty(), None));
+                let flags = IoFlags::empty().with(IoFlags::FUA, fua);
+                parts.push((Kind::Block(BlockOp::Write), o, l, flags, None));
             }
             Command::ExtendedCopy { .. } => match self.copy_parts(list, &mut parts) {
                 Ok(p) => plan = Some((p, 0)),
@@ -1091,7 +1187,7 @@ impl Iscsi {
         Ok(plan)
     }
 
-    /// Data-Out for a parameter list the frontend collects.
+    /// Data-Out for a parameter list the frontend collects (solicited, or unsolicited).
     fn param_data(
         &mut self,
         rx: &[u8],
@@ -1099,37 +1195,46 @@ impl Iscsi {
         pdu: &iscsi::Pdu<'_>,
         tx: &mut Vec<u8>,
     ) -> Decoded {
-        let (itt, offset, data) = (pdu.itt(), pdu.word(40), pdu.data);
+        let (itt, ttt, offset, data) = (pdu.itt(), pdu.word20(), pdu.word(40), pdu.data);
         let fin = pdu.flags() & flag::FINAL != 0;
         let Some(mut p) = self.params.take() else {
             self.reject(reject::PROTOCOL_ERROR, rx, tx);
             return Decoded::Violation("iSCSI: Data-Out for no parameter list".into());
         };
-        if p.itt != itt
-            || pdu.word(36) != p.datasn
-            || offset as usize != p.data.len()
-            || offset as u64 + data.len() as u64 > p.burst_end as u64
-        {
+        if p.itt != itt || p.seq.ttt != ttt {
             self.reject(reject::PROTOCOL_ERROR, rx, tx);
             return Decoded::Violation("iSCSI: Data-Out outside the R2T it answers".into());
         }
-        p.datasn += 1;
-        p.data.extend_from_slice(data);
+        let ended = match p.seq.take(pdu.word(36), offset, data.len(), fin) {
+            Ok(ended) => ended,
+            Err(e) => {
+                self.reject(reject::PROTOCOL_ERROR, rx, tx);
+                return Decoded::Violation(e);
+            }
+        };
+        // Unsolicited data past the list (EDTL above it) is not kept.
+        let keep = (p.want as usize)
+            .saturating_sub(offset as usize)
+            .min(data.len());
+        p.data.extend_from_slice(&data[..keep]);
         if p.data.len() as u32 == p.want {
+            if !ended {
+                self.drain(itt, p.seq);
+            }
             let list = std::mem::take(&mut p.data);
             // The command's LU, whatever commands came between.
             self.cur = p.target;
             return self.run_params(p.itt, &p.cdb, p.edtl, &list, len, tx);
         }
-        if fin && p.data.len() as u32 == p.burst_end {
+        if ended {
             self.param_r2t(&mut p, tx);
-        } else if fin {
-            return Decoded::Violation("iSCSI: Data-Out sequence ended before its burst".into());
         }
         self.params = Some(p);
         Decoded::Answered { len }
     }
 
+    /// Data-Out: for a write waiting in its slot (TTT = the slot), a parameter list, or
+    /// unsolicited (TTT 0xffffffff).
     fn data_out(&mut self, rx: &[u8], len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
         let itt = p.itt();
         let ttt = p.word20();
@@ -1137,6 +1242,9 @@ impl Iscsi {
         let fin = p.flags() & flag::FINAL != 0;
         if ttt == PARAM_TTT {
             return self.param_data(rx, len, p, tx);
+        }
+        if ttt == RESERVED_TAG {
+            return self.unsolicited_data(rx, len, p, tx);
         }
         let slot = ttt as usize;
         if self
@@ -1150,74 +1258,133 @@ impl Iscsi {
         let Some(t) = self
             .tasks
             .get_mut(slot)
-            .filter(|t| t.active && t.itt == itt)
+            .filter(|t| t.active && t.itt == itt && t.seq.ttt == ttt)
         else {
-            // InitialR2T=Yes: data for no R2T of ours (unsolicited, a dead task) cannot be
-            // placed, and the stream cannot be trusted after it (ERL 0).
+            // Data for no R2T of ours (a dead task, a made-up TTT) cannot be placed, and the
+            // stream cannot be trusted after it (ERL 0).
             self.reject(reject::PROTOCOL_ERROR, rx, tx);
             return Decoded::Violation(format!(
                 "iSCSI: Data-Out for ITT {itt:#x} TTT {ttt:#x}, which no R2T asked for"
             ));
         };
-        let end = offset as u64 + p.data.len() as u64;
-        if end > t.burst_end as u64 {
-            self.reject(reject::PROTOCOL_ERROR, rx, tx);
-            return Decoded::Violation("iSCSI: Data-Out beyond the R2T it answers".into());
+        let ended = match t.seq.take(p.word(36), offset, p.data.len(), fin) {
+            Ok(ended) => ended,
+            Err(e) => {
+                self.reject(reject::PROTOCOL_ERROR, rx, tx);
+                return Decoded::Violation(e);
+            }
+        };
+        if ended {
+            self.next_burst(slot, tx);
         }
-        if p.word(36) != t.datasn {
-            // ERL 0 cannot ask for the missing PDU again (§7.8): the connection ends.
-            let want = t.datasn;
-            self.reject(reject::PROTOCOL_ERROR, rx, tx);
-            return Decoded::Violation(format!(
-                "iSCSI: Data-Out DataSN {} where {want} was due",
-                p.word(36)
-            ));
-        }
-        t.datasn += 1;
-        let d = Decoded::Data {
+        Decoded::Data {
             slot: slot as u16,
             offset,
             len,
             payload_len: p.data.len(),
             trailer: p.trailer,
-        };
-        if fin {
-            if end != t.burst_end as u64 {
-                return Decoded::Violation(
-                    "iSCSI: Data-Out sequence ended before its burst".into(),
-                );
-            }
-            if t.burst_end < t.end {
-                // The next burst (MaxOutstandingR2T=1): asked for now, taken in order.
-                let (itt, r2tsn, at) = (t.itt, t.r2tsn, t.burst_end);
-                let n = (t.end - at).min(self.neg.max_burst);
-                t.burst_end = at + n;
-                t.r2tsn += 1;
-                t.datasn = 0;
-                self.r2t(itt, slot as u32, r2tsn, at, n, tx);
-            } else {
-                t.active = false;
-            }
         }
-        d
+    }
+
+    /// After a sequence of the write in `slot` ended: the R2T for the next burst
+    /// (MaxOutstandingR2T=1), or nothing more when the write has all it needs.
+    fn next_burst(&mut self, slot: usize, tx: &mut Vec<u8>) {
+        let max_burst = self.neg.max_burst;
+        let t = &mut self.tasks[slot];
+        let at = t.seq.next;
+        if at >= t.end {
+            t.active = false;
+            return;
+        }
+        let n = (t.end - at).min(max_burst);
+        t.seq = Seq {
+            ttt: slot as u32,
+            next: at,
+            datasn: 0,
+            end: at + n,
+        };
+        let (itt, r2tsn) = (t.itt, t.r2tsn);
+        t.r2tsn += 1;
+        self.r2t(itt, slot as u32, r2tsn, at, n, tx);
+    }
+
+    /// Unsolicited Data-Out (InitialR2T=No): into the buffer of the write it follows, into a
+    /// parameter list, or dropped in step where nothing takes it. Anything else (no unsolicited
+    /// data announced for the ITT, past FirstBurstLength, out of order) ends the connection.
+    fn unsolicited_data(
+        &mut self,
+        rx: &[u8],
+        len: usize,
+        p: &iscsi::Pdu<'_>,
+        tx: &mut Vec<u8>,
+    ) -> Decoded {
+        let (itt, offset, n) = (p.itt(), p.word(40), p.data.len());
+        let fin = p.flags() & flag::FINAL != 0;
+        let slot = self
+            .tasks
+            .iter()
+            .position(|t| t.active && t.itt == itt && t.seq.ttt == RESERVED_TAG);
+        if let Some(slot) = slot {
+            let t = &mut self.tasks[slot];
+            let ended = match t.seq.take(p.word(36), offset, n, fin) {
+                Ok(ended) => ended,
+                Err(e) => {
+                    self.reject(reject::PROTOCOL_ERROR, rx, tx);
+                    return Decoded::Violation(e);
+                }
+            };
+            // What lies past the write's length (EDTL above what the CDB moves) is dropped.
+            let take = (t.end.saturating_sub(offset) as usize).min(n);
+            if ended {
+                self.next_burst(slot, tx);
+            } else if t.seq.next >= t.end {
+                // The write has its data and runs: the rest of the sequence is dropped.
+                t.active = false;
+                let seq = t.seq;
+                self.drain(itt, seq);
+            }
+            if take == 0 {
+                return Decoded::Answered { len };
+            }
+            return Decoded::Data {
+                slot: slot as u16,
+                offset,
+                len,
+                payload_len: take,
+                trailer: p.trailer + (n - take),
+            };
+        }
+        if let Some(i) = self.drains.iter().position(|(t, _)| *t == itt) {
+            match self.drains[i].1.take(p.word(36), offset, n, fin) {
+                Ok(true) => {
+                    self.drains.swap_remove(i);
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    self.reject(reject::PROTOCOL_ERROR, rx, tx);
+                    return Decoded::Violation(e);
+                }
+            }
+            return Decoded::Answered { len };
+        }
+        if self
+            .params
+            .as_ref()
+            .is_some_and(|q| q.itt == itt && q.seq.ttt == RESERVED_TAG)
+        {
+            return self.param_data(rx, len, p, tx);
+        }
+        self.reject(reject::PROTOCOL_ERROR, rx, tx);
+        Decoded::Violation(format!(
+            "iSCSI: unsolicited Data-Out for ITT {itt:#x}, which announced none"
+        ))
     }
 
     /// Answers a part of a compound command; the command's response goes out after its last.
     /// Returns whether a response went out.
     fn part_done(&mut self, req: &Req, status: Status, tx: &mut Vec<u8>) -> bool {
         self.part_running = false;
-        if let Some(mut c) = self.caw {
-            // The read of a COMPARE AND WRITE: its PDU, still in the receive buffer, goes on
-            // from here (`caw_step`).
-            let diff = self.compare.take().and_then(|(_, d)| d);
-            c.state = match (status, diff) {
-                (Status::Ok, None) => CawState::Matched,
-                (Status::Ok, Some(at)) => CawState::Miscompare(at),
-                (st, _) => CawState::Failed(st),
-            };
-            self.caw = Some(c);
-            return false;
-        }
+        self.hold = false;
         let Some(mut c) = self.compound.take() else {
             return false;
         };
@@ -1232,7 +1399,9 @@ impl Iscsi {
             }
         }
         c.parts_left -= 1;
-        if c.parts_left > 0 && c.failed.is_none() {
+        // A miscompare ends COMPARE AND WRITE before its write.
+        let miscompared = self.compare.as_ref().is_some_and(|(_, d)| d.is_some());
+        if c.parts_left > 0 && c.failed.is_none() && !miscompared {
             self.compound = Some(c);
             return false;
         }
@@ -1267,59 +1436,6 @@ impl Iscsi {
             }
         }
         true
-    }
-
-    /// The COMPARE AND WRITE whose PDU is at the front of `rx`, once more: still reading (wait),
-    /// matched (the second half of its data is the write), or answered.
-    fn caw_step(&mut self, rx: &[u8], c: Caw, tx: &mut Vec<u8>) -> Decoded {
-        let len = match pdu_len(rx, &self.d, self.neg.recv_max) {
-            Ok(Progress::Complete(n)) => n,
-            _ => return Decoded::Violation("iSCSI: COMPARE AND WRITE PDU changed".into()),
-        };
-        self.cur = c.target;
-        match c.state {
-            // Nothing more is decoded until the compare's read is back (the reactor services
-            // the connection again when it is).
-            CawState::Reading => Decoded::Need(len),
-            CawState::Matched => {
-                self.caw = None;
-                let p = match iscsi::decode(&rx[..len], &self.d) {
-                    Ok(p) => p,
-                    Err(e) => return Decoded::Violation(format!("iSCSI: {e}")),
-                };
-                let res = Residual::of(c.edtl, 2 * c.length);
-                let req = Req {
-                    kind: Kind::Block(BlockOp::Write),
-                    offset: c.offset,
-                    length: c.length,
-                    flags: IoFlags::empty().with(IoFlags::FUA, c.fua),
-                    slot: None,
-                    target: self.cur as u8,
-                    cookie: cookie(c.itt, res, Reply::Write, 0),
-                };
-                // The write data is the second half of the immediate data.
-                let extra = p.data.len() - 2 * c.length as usize;
-                self.request(req, len, c.length as usize, p.trailer + extra)
-            }
-            CawState::Miscompare(at) => {
-                self.caw = None;
-                let res = Residual::of(c.edtl, 2 * c.length);
-                self.response(
-                    c.itt,
-                    CHECK_CONDITION,
-                    Some(&Sense::miscompare(at)),
-                    res,
-                    tx,
-                );
-                Decoded::Answered { len }
-            }
-            CawState::Failed(st) => {
-                self.caw = None;
-                let res = Residual::of(c.edtl, 2 * c.length);
-                self.response(c.itt, CHECK_CONDITION, Some(&sense_of(st, false)), res, tx);
-                Decoded::Answered { len }
-            }
-        }
     }
 
     fn nop(&mut self, len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
@@ -1380,8 +1496,7 @@ impl Iscsi {
                 abort(&mut self.tasks, Some(rtt), None);
                 let params = self.params.as_ref().is_some_and(|q| q.itt == rtt);
                 if params {
-                    self.params = None;
-                    self.outstanding = self.outstanding.saturating_sub(1);
+                    self.drop_params();
                 }
                 if released.is_empty() && !params {
                     1
@@ -1395,17 +1510,14 @@ impl Iscsi {
                 let t = self.target_of(lun).unwrap_or(0);
                 abort(&mut self.tasks, None, Some(t as u8));
                 if self.params.as_ref().is_some_and(|q| q.target == t) {
-                    self.params = None;
-                    self.outstanding = self.outstanding.saturating_sub(1);
+                    self.drop_params();
                 }
                 0
             }
             6 | 7 => {
                 // TARGET WARM/COLD RESET: every LU's.
                 abort(&mut self.tasks, None, None);
-                if self.params.take().is_some() {
-                    self.outstanding = self.outstanding.saturating_sub(1);
-                }
+                self.drop_params();
                 0
             }
             // CLEAR ACA: ACA is not offered (NACA is refused).
@@ -1415,6 +1527,13 @@ impl Iscsi {
             _ => 5,
         };
         self.outstanding = self.outstanding.saturating_sub(released.len() as u16);
+        for &slot in &released {
+            // Unsolicited data of an aborted write may still be on its way: dropped in step.
+            let t = self.tasks[slot as usize];
+            if t.seq.ttt == RESERVED_TAG {
+                self.drain(t.itt, t.seq);
+            }
+        }
         let mut b = Bhs::new(op::TMF_RSP, flag::FINAL);
         b.0[2] = response;
         b.itt(p.itt());
@@ -1426,6 +1545,16 @@ impl Iscsi {
                 Decoded::Release { slot, len }
             }
             None => Decoded::Answered { len },
+        }
+    }
+
+    /// Gives up the parameter list being collected (task management aborted its command).
+    fn drop_params(&mut self) {
+        if let Some(p) = self.params.take() {
+            self.outstanding = self.outstanding.saturating_sub(1);
+            if p.seq.ttt == RESERVED_TAG {
+                self.drain(p.itt, p.seq);
+            }
         }
     }
 
@@ -1500,10 +1629,11 @@ impl StreamFrontend for Iscsi {
         if let Some(slot) = self.releases.pop() {
             return Decoded::Release { slot, len: 0 };
         }
-        if let Some(c) = self.caw {
-            if rx.len() >= BHS_LEN && rx[..BHS_LEN] == c.bhs {
-                return self.caw_step(rx, c, tx);
-            }
+        if self.hold && self.part_running {
+            // COMPARE AND WRITE's read is with the reactor: nothing more is decoded until it
+            // is back (the reactor services the connection again when it is). What is asked for
+            // is there already: the receive buffer does not grow for it.
+            return Decoded::Need(rx.len().min(BHS_LEN));
         }
         if !self.part_running {
             if let Some((req, desc)) = self.queued.pop_front() {
@@ -1560,20 +1690,33 @@ impl StreamFrontend for Iscsi {
 
     fn solicit(&mut self, req: &Req, slot: u16, offset: u32, len: u32, tx: &mut Vec<u8>) {
         let itt = itt_of(req);
-        let n = len.min(self.neg.max_burst);
-        if let Some(t) = self.tasks.get_mut(slot as usize) {
-            *t = Task {
-                itt,
-                target: req.target,
-                r2tsn: 1,
-                datasn: 0,
-                burst_end: offset + n,
-                end: offset + len,
-                active: true,
-                aborted: false,
-            };
+        let Some(t) = self.tasks.get_mut(slot as usize) else {
+            return;
+        };
+        *t = Task {
+            itt,
+            target: req.target,
+            r2tsn: 0,
+            seq: Seq::default(),
+            end: offset + len,
+            active: true,
+            aborted: false,
+        };
+        match self.announced {
+            // Its unsolicited data comes first; the R2Ts for the rest when it is in.
+            Some((a, seq)) if follows_of(req) && a == itt && seq.next == offset => {
+                self.announced = None;
+                t.seq = seq;
+            }
+            _ => {
+                t.seq.next = offset;
+                self.next_burst(slot as usize, tx);
+            }
         }
-        self.r2t(itt, slot as u32, 0, offset, n, tx);
+    }
+
+    fn data_follows(&self, req: &Req) -> bool {
+        follows_of(req)
     }
 
     fn taken(&mut self, _req: &Req) {
@@ -1666,6 +1809,11 @@ impl StreamFrontend for Iscsi {
     fn reply(&mut self, req: &Req, status: Status, tx: &mut Vec<u8>) -> bool {
         self.outstanding = self.outstanding.saturating_sub(1);
         let itt = itt_of(req);
+        if let Some((a, seq)) = self.announced.filter(|(a, _)| follows_of(req) && *a == itt) {
+            // Refused before it had a slot: its unsolicited data is dropped as it comes.
+            self.announced = None;
+            self.drain(a, seq);
+        }
         match reply_of(req) {
             Reply::Logout => {
                 let mut b = Bhs::new(op::LOGOUT_RSP, flag::FINAL);
@@ -2096,5 +2244,303 @@ mod tests {
         f.taken(&b);
         assert!(f.reply(&b, Status::Ok, &mut tx));
         assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 4));
+    }
+
+    /// A frontend whose session negotiated InitialR2T=No (FirstBurstLength 8 KiB).
+    fn fe_unsolicited(max_burst: u32) -> Iscsi {
+        let mut f = fe(max_burst);
+        f.neg.initial_r2t = false;
+        f
+    }
+
+    /// A SCSI Command whose unsolicited Data-Out follows (F=0).
+    fn cmd_more(itt: u32, cmdsn: u32, cdb: &[u8], edtl: u32, data: &[u8]) -> Vec<u8> {
+        let mut pdu = cmd(itt, cmdsn, cdb, edtl, true, data);
+        pdu[1] &= !flag::FINAL;
+        pdu
+    }
+
+    fn data_out(itt: u32, ttt: u32, datasn: u32, offset: u32, data: &[u8], fin: bool) -> Vec<u8> {
+        let mut b = Bhs::new(op::DATA_OUT, if fin { flag::FINAL } else { 0 });
+        b.itt(itt)
+            .set32(20, ttt)
+            .set32(36, datasn)
+            .set32(40, offset);
+        let mut out = Vec::new();
+        b.encode(data, &Digests::default(), &mut out);
+        out
+    }
+
+    /// WRITE(10) of `blocks` 512-byte blocks at LBA 0.
+    fn write10(blocks: u8) -> [u8; 10] {
+        [0x2a, 0, 0, 0, 0, 0, 0, 0, blocks, 0]
+    }
+
+    #[test]
+    fn unsolicited_data_goes_into_the_write_and_r2ts_ask_only_for_the_rest() {
+        let mut f = fe_unsolicited(4096);
+        let mut tx = Vec::new();
+        // 16 KiB with 1 KiB of immediate data: unsolicited Data-Out up to the first burst
+        // (8 KiB, the immediate data counted), R2Ts for the other 8 KiB.
+        let pdu = cmd_more(9, 0, &write10(32), 16384, &[1u8; 1024]);
+        let Decoded::Request {
+            req, payload_len, ..
+        } = f.decode(&pdu, &mut tx)
+        else {
+            panic!("a request");
+        };
+        assert_eq!((req.length, payload_len), (16384, 1024));
+        assert!(
+            f.data_follows(&req),
+            "its buffer must be there for the data"
+        );
+        f.taken(&req);
+        f.solicit(&req, 3, 1024, 15360, &mut tx);
+        assert!(tx.is_empty(), "no R2T before the unsolicited data is in");
+        let d = data_out(9, RESERVED_TAG, 0, 1024, &[2u8; 4096], false);
+        assert!(matches!(
+            f.decode(&d, &mut tx),
+            Decoded::Data { slot: 3, offset: 1024, payload_len: 4096, len, .. } if len == d.len()
+        ));
+        assert!(tx.is_empty());
+        let d = data_out(9, RESERVED_TAG, 1, 5120, &[2u8; 3072], true);
+        assert!(matches!(
+            f.decode(&d, &mut tx),
+            Decoded::Data {
+                slot: 3,
+                offset: 5120,
+                payload_len: 3072,
+                ..
+            }
+        ));
+        assert_eq!(
+            (
+                tx[0],
+                be32(&tx, 20),
+                be32(&tx, 36),
+                be32(&tx, 40),
+                be32(&tx, 44)
+            ),
+            (op::R2T, 3, 0, 8192, 4096),
+            "the first R2T (R2TSN 0) asks for the first burst after the unsolicited data"
+        );
+        tx.clear();
+        let d = data_out(9, 3, 0, 8192, &[3u8; 4096], true);
+        assert!(matches!(
+            f.decode(&d, &mut tx),
+            Decoded::Data { offset: 8192, .. }
+        ));
+        assert_eq!((tx[0], be32(&tx, 36), be32(&tx, 40)), (op::R2T, 1, 12288));
+    }
+
+    #[test]
+    fn unsolicited_data_without_immediate_data_and_past_the_write_length() {
+        let mut f = fe_unsolicited(65536);
+        let mut tx = Vec::new();
+        // EDTL 8 KiB, the CDB moves 4 KiB: the initiator sends 8 KiB unsolicited; the write
+        // takes its 4 KiB and the rest is dropped in step.
+        let pdu = cmd_more(5, 0, &write10(8), 8192, &[]);
+        let Decoded::Request {
+            req, payload_len, ..
+        } = f.decode(&pdu, &mut tx)
+        else {
+            panic!("a request");
+        };
+        assert_eq!((req.length, payload_len), (4096, 0));
+        assert!(f.data_follows(&req));
+        f.taken(&req);
+        f.solicit(&req, 0, 0, 4096, &mut tx);
+        let d = data_out(5, RESERVED_TAG, 0, 0, &[7u8; 6144], false);
+        let Decoded::Data {
+            slot: 0,
+            offset: 0,
+            len,
+            payload_len: 4096,
+            trailer,
+        } = f.decode(&d, &mut tx)
+        else {
+            panic!("the write's part of it");
+        };
+        assert_eq!(
+            (len, trailer),
+            (d.len(), 2048),
+            "the rest is skipped as trailer"
+        );
+        let d = data_out(5, RESERVED_TAG, 1, 6144, &[7u8; 2048], true);
+        assert!(matches!(f.decode(&d, &mut tx), Decoded::Answered { .. }));
+        assert!(tx.is_empty(), "nothing to ask for: {tx:?}");
+        // The sequence is over: more data for the ITT breaks the protocol.
+        let d = data_out(5, RESERVED_TAG, 2, 8192, &[7u8; 512], true);
+        assert!(matches!(f.decode(&d, &mut tx), Decoded::Violation(_)));
+    }
+
+    #[test]
+    fn unsolicited_data_past_the_first_burst_or_for_no_task_ends_the_connection() {
+        let mut tx = Vec::new();
+        // Past FirstBurstLength (8 KiB).
+        let mut f = fe_unsolicited(65536);
+        let pdu = cmd_more(9, 0, &write10(32), 16384, &[1u8; 1024]);
+        let Decoded::Request { req, .. } = f.decode(&pdu, &mut tx) else {
+            panic!("a request");
+        };
+        f.taken(&req);
+        f.solicit(&req, 1, 1024, 15360, &mut tx);
+        let d = data_out(9, RESERVED_TAG, 0, 1024, &[2u8; 8192], true);
+        assert!(matches!(f.decode(&d, &mut tx), Decoded::Violation(_)));
+        assert_eq!(tx[0], op::REJECT);
+        tx.clear();
+        // A command announcing more unsolicited data than the first burst leaves room for.
+        let mut f = fe_unsolicited(65536);
+        let pdu = cmd_more(9, 0, &write10(32), 16384, &[1u8; 8192]);
+        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Violation(_)));
+        tx.clear();
+        // Unsolicited data for an ITT that announced none.
+        let mut f = fe_unsolicited(65536);
+        let d = data_out(44, RESERVED_TAG, 0, 0, &[2u8; 512], true);
+        assert!(matches!(f.decode(&d, &mut tx), Decoded::Violation(_)));
+        assert_eq!(tx[0], op::REJECT);
+        tx.clear();
+        // DataSN out of step within the unsolicited sequence.
+        let mut f = fe_unsolicited(65536);
+        let pdu = cmd_more(9, 0, &write10(16), 8192, &[]);
+        let Decoded::Request { req, .. } = f.decode(&pdu, &mut tx) else {
+            panic!("a request");
+        };
+        f.taken(&req);
+        f.solicit(&req, 1, 0, 8192, &mut tx);
+        let d = data_out(9, RESERVED_TAG, 1, 0, &[2u8; 512], false);
+        assert!(matches!(f.decode(&d, &mut tx), Decoded::Violation(_)));
+        tx.clear();
+        // Under InitialR2T=Yes no unsolicited data may be announced.
+        let mut f = fe(65536);
+        let pdu = cmd_more(9, 0, &write10(16), 8192, &[]);
+        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Violation(_)));
+    }
+
+    #[test]
+    fn unsolicited_data_of_a_refused_or_answered_write_is_dropped_in_step() {
+        let mut f = fe_unsolicited(65536);
+        let mut tx = Vec::new();
+        let pdu = cmd_more(9, 0, &write10(16), 8192, &[1u8; 512]);
+        let Decoded::Request { req, .. } = f.decode(&pdu, &mut tx) else {
+            panic!("a request");
+        };
+        f.taken(&req);
+        // The reactor refuses it before it has a slot (out of memory, a fenced target).
+        assert!(f.reply(&req, Status::NoMemory, &mut tx));
+        assert_eq!((tx[0], tx[3]), (op::SCSI_RSP, CHECK_CONDITION));
+        tx.clear();
+        let d = data_out(9, RESERVED_TAG, 0, 512, &[2u8; 4096], false);
+        assert!(matches!(f.decode(&d, &mut tx), Decoded::Answered { len } if len == d.len()));
+        let d = data_out(9, RESERVED_TAG, 1, 4608, &[2u8; 3584], true);
+        assert!(matches!(f.decode(&d, &mut tx), Decoded::Answered { .. }));
+        assert!(tx.is_empty());
+        // A command the frontend answers itself (zero blocks) announcing data: dropped too.
+        let pdu = cmd_more(10, 1, &write10(0), 4096, &[]);
+        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Answered { .. }));
+        assert_eq!(tx[0], op::SCSI_RSP);
+        tx.clear();
+        let d = data_out(10, RESERVED_TAG, 0, 0, &[2u8; 4096], true);
+        assert!(matches!(f.decode(&d, &mut tx), Decoded::Answered { .. }));
+        assert!(tx.is_empty());
+        // But out of step still breaks the protocol.
+        let pdu = cmd_more(11, 2, &write10(0), 4096, &[]);
+        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Answered { .. }));
+        let d = data_out(11, RESERVED_TAG, 0, 512, &[2u8; 512], false);
+        assert!(matches!(f.decode(&d, &mut tx), Decoded::Violation(_)));
+    }
+
+    /// COMPARE AND WRITE(16) of `blocks` 512-byte blocks at LBA 2.
+    fn caw(blocks: u8) -> [u8; 16] {
+        let mut c = [0u8; 16];
+        c[0] = 0x89;
+        c[9] = 2;
+        c[13] = blocks;
+        c
+    }
+
+    /// Runs the compare of a COMPARE AND WRITE whose read `decode` handed out, the read
+    /// returning `current`.
+    fn compare_read(f: &mut Iscsi, read: &Req, current: &[u8], tx: &mut Vec<u8>) {
+        assert_eq!(
+            (read.kind, read.offset, read.length),
+            (Kind::Block(BlockOp::Read), 1024, 512)
+        );
+        f.taken(read);
+        // Nothing is decoded while the compare runs.
+        let tur = cmd(50, 1, &[0u8; 6], 0, false, &[]);
+        assert!(matches!(f.decode(&tur, tx), Decoded::Need(_)));
+        assert_eq!(f.read_framing(read), ReadFraming::Chunked);
+        f.encode_read(read, current, tx);
+    }
+
+    #[test]
+    fn compare_and_write_with_data_solicited_by_r2t() {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        let pdu = cmd(7, 0, &caw(1), 1024, true, &[]);
+        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Answered { .. }));
+        assert_eq!(
+            (tx[0], be32(&tx, 16), be32(&tx, 40), be32(&tx, 44)),
+            (op::R2T, 7, 0, 1024),
+            "both halves asked for"
+        );
+        let ttt = be32(&tx, 20);
+        tx.clear();
+        let mut halves = vec![0u8; 512];
+        halves.extend_from_slice(&[0xab; 512]);
+        let d = data_out(7, ttt, 0, 0, &halves, true);
+        let Decoded::Request { req: read, .. } = f.decode(&d, &mut tx) else {
+            panic!("the compare's read");
+        };
+        compare_read(&mut f, &read, &[0u8; 512], &mut tx);
+        assert!(tx.is_empty(), "matched: nothing answered yet");
+        let Decoded::Request {
+            req: write,
+            payload_len: 0,
+            ..
+        } = f.decode(&[], &mut tx)
+        else {
+            panic!("the write");
+        };
+        assert_eq!(
+            (write.kind, write.offset, write.length),
+            (Kind::Block(BlockOp::Write), 1024, 512)
+        );
+        assert!(!f.data_follows(&write));
+        f.taken(&write);
+        let mut buf = vec![0u8; 512];
+        assert!(f.fill(&write, &mut buf), "the frontend holds the data");
+        assert_eq!(buf, vec![0xab; 512]);
+        assert!(f.reply(&write, Status::Ok, &mut tx));
+        assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 7));
+    }
+
+    #[test]
+    fn compare_and_write_with_unsolicited_data_that_miscompares_writes_nothing() {
+        let mut f = fe_unsolicited(65536);
+        let mut tx = Vec::new();
+        let pdu = cmd_more(7, 0, &caw(1), 1024, &[0u8; 256]);
+        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Answered { .. }));
+        assert!(tx.is_empty(), "no R2T: the rest comes unsolicited");
+        let d = data_out(7, RESERVED_TAG, 0, 256, &[0x11; 768], true);
+        let Decoded::Request { req: read, .. } = f.decode(&d, &mut tx) else {
+            panic!("the compare's read");
+        };
+        let mut current = [0u8; 512];
+        current[300] = 1;
+        compare_read(&mut f, &read, &current, &mut tx);
+        assert_eq!(
+            (tx[0], tx[3], be32(&tx, 16)),
+            (op::SCSI_RSP, CHECK_CONDITION, 7)
+        );
+        // Sense data (after its 2-byte length) with the sense key MISCOMPARE.
+        let sense = &tx[BHS_LEN + 2..];
+        assert_eq!(sense[2] & 0x0f, 0x0e, "MISCOMPARE");
+        tx.clear();
+        // The write was not handed out: the next PDU decodes as itself.
+        let tur = cmd(8, 1, &[0u8; 6], 0, false, &[]);
+        assert!(matches!(f.decode(&tur, &mut tx), Decoded::Answered { .. }));
+        assert_eq!((tx[0], be32(&tx, 16)), (op::SCSI_RSP, 8));
     }
 }

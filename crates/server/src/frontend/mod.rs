@@ -178,6 +178,16 @@ pub trait StreamFrontend: Send {
         unreachable!("this frontend's writes always carry their data")
     }
 
+    /// True when the WRITE `req` (the last [`Decoded::Request`] `decode` returned) is followed
+    /// by data the initiator sends without being asked (iSCSI unsolicited Data-Out under
+    /// InitialR2T=No), as [`Decoded::Data`] for the slot [`StreamFrontend::solicit`] names: the
+    /// write gets its buffer (and that call) when it is taken, or is refused, and never waits
+    /// for memory without one, since its data is already on its way.
+    fn data_follows(&self, req: &Req) -> bool {
+        let _ = req;
+        false
+    }
+
     /// The reactor took `req`, the last [`Decoded::Request`] `decode` returned: its message
     /// is consumed and the request is being handled. A request the reactor cannot take yet
     /// (memory, one COPY at a time) stays in the receive buffer and is decoded again, so a

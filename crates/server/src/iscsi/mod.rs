@@ -12,8 +12,9 @@
 //! - Operational stage: digests, data segment and burst lengths, R2T and immediate data,
 //!   MaxConnections=1, ErrorRecoveryLevel=0 (what [`Negotiated`] holds).
 //! - A discovery session (SessionType=Discovery) answers Text `SendTargets=All` with the
-//!   targets this initiator may open and a TargetAddress per `iscsi://` listener, here on the
-//!   handshake thread, until Logout or the deadline.
+//!   targets this initiator may open and a TargetAddress per `iscsi://` listener (in continued
+//!   Text Responses when longer than one PDU), here on the handshake thread, until Logout or
+//!   the deadline.
 //! - A normal session becomes a blkwire session (TSIH = session id & 0xffff, never 0), and the
 //!   connection goes to a reactor with the full feature phase frontend (`frontend/iscsi.rs`).
 //!   A configured target is one blkwire session per LUN the initiator may open, each a target
@@ -626,10 +627,11 @@ impl Login {
                 _ => "Reject".into(),
             },
             "InitialR2T" => match yes {
-                // OR (§13.10): we always want R2T before the first Data-Out.
-                Some(_) => {
-                    n.initial_r2t = true;
-                    "Yes".into()
+                // OR (§13.10): we are content with No, so the initiator's value is the
+                // result: No lets it send unsolicited Data-Out up to FirstBurstLength.
+                Some(y) => {
+                    n.initial_r2t = y;
+                    if y { "Yes" } else { "No" }.into()
                 }
                 None => "Reject".into(),
             },
@@ -1006,7 +1008,7 @@ fn finish<S: Read + Write>(
     let peers = registry
         .open_to(l.proven.as_deref(), &addr)
         .iter()
-        .map(|e| (e.name.clone(), lun_info(e, max_io, false, 0)))
+        .map(|e| (e.name.clone(), lun_info(e, max_io, false)))
         .collect();
     let fe = Iscsi::new(IscsiSetup {
         peers,
@@ -1084,13 +1086,24 @@ fn resolve(
     }
 }
 
+/// Most text one SendTargets answer holds (some thousands of targets): the listing stops at the
+/// last target that fits.
+const MAX_SEND_TARGETS: usize = 1 << 20;
+
 /// A discovery session's full feature phase (§4.3, Appendix C): Text SendTargets, NOP-Out,
-/// Logout, until the initiator logs out or the handshake deadline passes.
+/// Logout, until the initiator logs out or the handshake deadline passes. An answer longer than
+/// the initiator's MaxRecvDataSegmentLength goes out in several Text Responses (§11.11): each
+/// but the last with F=0 and a Target Transfer Tag, which the initiator sends back in an empty
+/// Text Request to get the next (§11.10.4).
 fn discovery<S: Read + Write>(s: &mut S, l: &mut Login, registry: &Registry, addr: &PeerAddr) {
     let d = l.neg.digests;
     let mut buf = Vec::new();
     let mut expcmdsn = l.cmdsn;
-    for _ in 0..MAX_LOGIN_PDUS {
+    // The rest of an answer being sent in parts: ITT, TTT, text, offset sent so far.
+    let mut more: Option<(u32, u32, Vec<u8>, usize)> = None;
+    let mut ttt = 0u32;
+    let mut requests = 0;
+    while requests < MAX_LOGIN_PDUS {
         let Ok(Ok(n)) = read_pdu(s, &mut buf, &d, LOGIN_MAX_DATA) else {
             return;
         };
@@ -1100,8 +1113,31 @@ fn discovery<S: Read + Write>(s: &mut S, l: &mut Login, registry: &Registry, add
         if !p.immediate() {
             expcmdsn = p.cmdsn().wrapping_add(1);
         }
+        let mut fin = true;
+        let mut rsp_ttt = RESERVED_TAG;
         let (opcode, data): (u8, Vec<u8>) = match p.opcode() {
+            op::TEXT_REQ if p.word20() != RESERVED_TAG => {
+                // The next part of the answer `more` holds (bounded by it: not counted).
+                let Some((itt, want, text, at)) = more.take() else {
+                    return;
+                };
+                if p.itt() != itt || p.word20() != want || !p.data.is_empty() {
+                    // Not the continuation we offered (§11.10.4): the exchange is over.
+                    return;
+                }
+                let end = text_part(&text, at, l.neg.send_max as usize);
+                let part = text[at..end].to_vec();
+                if end < text.len() {
+                    fin = false;
+                    rsp_ttt = want;
+                    more = Some((itt, want, text, end));
+                }
+                (op::TEXT_RSP, part)
+            }
             op::TEXT_REQ => {
+                requests += 1;
+                // A new request ends any answer still in parts (§11.10.4).
+                more = None;
                 let mut out = Vec::new();
                 for pair in iscsi::pairs(p.data).flatten() {
                     match pair {
@@ -1109,17 +1145,39 @@ fn discovery<S: Read + Write>(s: &mut S, l: &mut Login, registry: &Registry, add
                         (k, _) => iscsi::push_pair(&mut out, k, "NotUnderstood"),
                     }
                 }
-                (op::TEXT_RSP, out)
+                let end = text_part(&out, 0, l.neg.send_max as usize);
+                if end < out.len() {
+                    ttt = ttt.wrapping_add(1) & 0x7fff_ffff;
+                    fin = false;
+                    rsp_ttt = ttt;
+                    let part = out[..end].to_vec();
+                    more = Some((p.itt(), ttt, out, end));
+                    (op::TEXT_RSP, part)
+                } else {
+                    (op::TEXT_RSP, out)
+                }
             }
-            op::NOP_OUT if p.itt() != RESERVED_TAG => (op::NOP_IN, p.data.to_vec()),
-            op::NOP_OUT => continue,
+            op::NOP_OUT if p.itt() != RESERVED_TAG => {
+                requests += 1;
+                (op::NOP_IN, p.data.to_vec())
+            }
+            op::NOP_OUT => {
+                requests += 1;
+                continue;
+            }
             op::LOGOUT_REQ => (op::LOGOUT_RSP, Vec::new()),
             _ => return,
         };
-        let mut b = Bhs::new(opcode, flag::FINAL);
+        let flags = match (fin, data.last()) {
+            (true, _) => flag::FINAL,
+            // A pair cut in two (C, §11.11.1): never for SendTargets' short pairs.
+            (false, Some(&b)) if b != 0 => flag::CONTINUE,
+            (false, _) => 0,
+        };
+        let mut b = Bhs::new(opcode, flags);
         b.itt(p.itt());
         if opcode == op::NOP_IN || opcode == op::TEXT_RSP {
-            b.set32(20, RESERVED_TAG);
+            b.set32(20, rsp_ttt);
         }
         if opcode == op::NOP_IN {
             b.lun(p.lun());
@@ -1135,6 +1193,20 @@ fn discovery<S: Read + Write>(s: &mut S, l: &mut Login, registry: &Registry, add
         if s.write_all(&out).is_err() || opcode == op::LOGOUT_RSP {
             return;
         }
+    }
+}
+
+/// Where the part of `text` from `at` ends in a Text Response carrying at most `max` bytes:
+/// after the last whole key=value pair that fits (a pair longer than `max`, which no target
+/// name and address make, is cut).
+fn text_part(text: &[u8], at: usize, max: usize) -> usize {
+    let limit = (at + max.max(1)).min(text.len());
+    if limit == text.len() {
+        return limit;
+    }
+    match text[at..limit].iter().rposition(|&b| b == 0) {
+        Some(i) => at + i + 1,
+        None => limit,
     }
 }
 
@@ -1169,8 +1241,8 @@ fn send_targets(v: &str, l: &Login, registry: &Registry, addr: &PeerAddr, out: &
             };
             iscsi::push_pair(out, "TargetAddress", &format!("{host}:{},1", p.port()));
         }
-        if out.len() > l.neg.send_max as usize {
-            // One Text Response PDU (no continuation, §11.11): the targets that fit it.
+        if out.len() > MAX_SEND_TARGETS {
+            // The answer is bounded: the targets that fit it.
             out.truncate(at);
             return;
         }
@@ -1185,6 +1257,16 @@ pub fn target_name(export: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// SendTargets answers are cut after whole key=value pairs.
+    #[test]
+    fn text_parts_end_after_whole_pairs() {
+        let text = b"TargetName=a\0TargetAddress=1\0TargetName=bb\0";
+        assert_eq!(text_part(text, 0, 20), 13, "TargetName=a and its NUL");
+        assert_eq!(text_part(text, 13, 20), 29);
+        assert_eq!(text_part(text, 29, 20), text.len(), "the rest fits");
+        assert_eq!(text_part(text, 0, 5), 5, "a pair longer than a PDU is cut");
+    }
 
     /// RFC 1994's CHAP over MD5, with a vector computed independently (Python hashlib):
     /// MD5(0x01 || "secretsecret1234" || 00 01 .. 0f).

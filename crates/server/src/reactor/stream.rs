@@ -77,6 +77,17 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                 // While writes wait for data the initiator sends after this request, the
                 // request waits in a slot instead of in rx: stopping the stream here would keep
                 // that data, and the memory those writes will free, from ever arriving.
+                // A write whose unsolicited data follows cannot wait in a slot without a
+                // buffer for it, nor stop the stream while other writes wait for data behind
+                // it: it is refused (the initiator retries it) and its data dropped.
+                Cover::Wait if c.fe.data_follows(req) && writes_wait(c) => {
+                    c.fe.taken(req);
+                    let req = req.refused();
+                    c.rx_start += len;
+                    c.stats().frames_in += 1;
+                    c.reply(&req, Status::NoMemory);
+                    continue;
+                }
                 Cover::Wait if *payload_len == 0 && req.slot.is_none() && writes_wait(c) => {
                     let req = *req;
                     c.fe.taken(&req);
@@ -146,11 +157,13 @@ fn request_cover(c: &mut Conn, req: &Req, payload_len: usize) -> Cover {
     // A WRITE that brings none of its data waits in its slot (no buffer yet) until memory lets
     // its solicitation go out (`hold_write`): it never stops the stream, since the data of the
     // writes before it may be right behind it.
-    let unsolicited = req.is_write() && payload_len == 0 && req.length > 0;
+    let follows = req.is_write() && c.fe.data_follows(req);
+    let unsolicited = req.is_write() && payload_len == 0 && req.length > 0 && !follows;
     // Data of requests in flight counts together with replies not yet sent: a client cannot
     // make us hold more than `data_high_water` by asking for large reads from a backend that
-    // answers later.
-    if moves_data && !unsolicited && c.data_pending() >= c.data_high_water() {
+    // answers later. A write whose data follows unsolicited gets its buffer now or never, as a
+    // write waiting for memory gets it in `run_deferred`: by the memory budget alone.
+    if moves_data && !unsolicited && !follows && c.data_pending() >= c.data_high_water() {
         return Cover::Wait;
     }
     // And the memory budget must cover what the request will add: its reply data, and a data
@@ -437,7 +450,7 @@ fn hold_write(c: &mut Conn, req: &Req, payload_at: usize, got: u32) {
     s.busy = true;
     s.req = Some(*req);
     s.awaiting = Some(got);
-    if got == 0 {
+    if got == 0 && !c.fe.data_follows(req) {
         c.deferred.push_back(slot);
         return;
     }
@@ -808,7 +821,8 @@ fn settle(c: &mut Conn, slot: u16, status: Status) {
 mod tests {
     //! The request path with a toy frontend that, like NVMe/TCP and iSCSI, takes WRITEs without
     //! their data, asks for it (`solicit`), receives it in separate messages (`Decoded::Data`)
-    //! and answers pings itself (`Decoded::Answered`). Messages (little-endian):
+    //! and answers pings itself (`Decoded::Answered`). A WRITE whose cookie has bit 63 set is
+    //! followed by data it was not asked for (`data_follows`). Messages (little-endian):
     //! `W cookie:u64 offset:u64 length:u32 inline:u32 data[inline]`, `R cookie offset length`,
     //! `D slot:u16 offset:u32 n:u32 data[n]`, `P`. It writes `T slot offset len` (solicit),
     //! `S cookie status:u16` (reply), `p` (ping answer), and READ data either contiguous
@@ -946,6 +960,9 @@ mod tests {
         fn next_is_data(&self, rx: &[u8]) -> bool {
             rx.first() == Some(&b'D')
         }
+        fn data_follows(&self, req: &Req) -> bool {
+            req.cookie & FOLLOWS != 0
+        }
         fn read_framing(&self, _req: &Req) -> ReadFraming {
             if self.chunked {
                 ReadFraming::Chunked
@@ -989,6 +1006,9 @@ mod tests {
             tx.extend_from_slice(&len.to_le_bytes());
         }
     }
+
+    /// Cookie bit: the toy's WRITE is followed by unsolicited data.
+    const FOLLOWS: u128 = 1 << 63;
 
     fn conn(spec: &str) -> (Conn, UnixStream) {
         conn_with(spec, false)
@@ -1326,6 +1346,40 @@ mod tests {
             .windows(11)
             .any(|w| w == &status_reply(9, Status::Ok)[..]);
         assert!(answered, "the read that waited was answered");
+    }
+
+    #[test]
+    fn a_write_whose_data_follows_gets_its_buffer_when_taken_or_is_refused() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn_budget("m=mem:4M", false, 3 << 20);
+        const LEN: usize = 512 << 10;
+        let one = vec![4u8; LEN];
+        let follows = 1u64 << 63;
+        // Its data is on its way: it never waits for memory without a buffer.
+        feed(&mut c, &mut ring, &write(follows | 1, 0, LEN as u32, &[]));
+        assert!(c.deferred.is_empty(), "held with a buffer, not deferred");
+        let tx = take_tx(&mut c);
+        assert_eq!(tx[0], b'T', "the frontend learns its slot: {tx:?}");
+        let slot = u16::from_le_bytes([tx[1], tx[2]]);
+        feed(&mut c, &mut ring, &data(slot, 0, &one));
+        assert_eq!(take_tx(&mut c), status_reply(follows | 1, Status::Ok));
+        // Writes waiting for data (some of them for memory) hold the budget: a write whose
+        // data follows cannot wait in front of their data, nor without a buffer: refused.
+        let mut msgs = Vec::new();
+        for i in 0..3u64 {
+            msgs.extend_from_slice(&write(10 + i, i * LEN as u64, LEN as u32, &[]));
+        }
+        feed(&mut c, &mut ring, &msgs);
+        assert!(
+            !c.deferred.is_empty(),
+            "the budget held every buffer: make it smaller"
+        );
+        // (Sent: the transmit buffer keeps its room for replies.)
+        c.tx.clear();
+        feed(&mut c, &mut ring, &write(follows | 2, 0, LEN as u32, &[]));
+        assert_eq!(take_tx(&mut c), status_reply(follows | 2, Status::NoMemory));
+        assert_eq!(c.rx_start, c.rx_end, "taken, not left in front of the data");
+        assert_eq!(c.free_slots.len(), 1, "its slot is free");
     }
 
     #[test]
