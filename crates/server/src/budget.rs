@@ -100,17 +100,6 @@ impl Budget {
         }
     }
 
-    /// What growth may still charge here and in every parent (see `try_charge`).
-    fn room(&self) -> usize {
-        let limit = if self.parent.is_none() {
-            self.limit - self.limit / 4
-        } else {
-            self.limit
-        };
-        let here = limit.saturating_sub(self.used());
-        self.parent.as_ref().map_or(here, |p| here.min(p.room()))
-    }
-
     pub fn release(&self, n: usize) {
         self.used.fetch_sub(n, Ordering::Relaxed);
         if let Some(p) = &self.parent {
@@ -151,13 +140,6 @@ impl Account {
             floor,
             cap: cap.max(floor),
         }
-    }
-
-    /// What this account could still grow by now: the budget's free room, within its share.
-    pub fn room(&self) -> usize {
-        self.budget
-            .room()
-            .min(self.cap - self.charged.min(self.cap))
     }
 
     /// Bytes charged.

@@ -181,10 +181,6 @@ pub fn stream_floor(max_io: u32) -> usize {
     rx_base(max_io) + TX_KEEP + (max_io as usize).min(1 << 20)
 }
 
-/// The most reply and in-flight data one connection holds when the budget has room
-/// (`Conn::data_high_water`): sixteen 1 MiB requests.
-const MAX_DATA_IN_FLIGHT: usize = 16 << 20;
-
 /// Room for a reply's framing beside its data (headers, digests, chunk headers).
 pub(super) const REPLY_SLACK: usize = 4096;
 
@@ -200,8 +196,8 @@ impl Conn {
         self.tx.len() - self.tx_sent + sealed + self.tx_data_left
     }
 
-    /// Reply data not sent yet and data held by requests, each byte once: what
-    /// `data_high_water` bounds.
+    /// Reply data not sent yet and data held by requests, each byte once: what the
+    /// high-water mark bounds before a data request is taken (`request_cover`).
     pub(super) fn data_pending(&self) -> usize {
         self.tx_backlog() + self.held - self.queued
     }
@@ -252,22 +248,6 @@ impl Conn {
     /// never reads replies cannot make us buffer without bound.
     pub(super) fn tx_high_water(&self) -> usize {
         (4 << 20).max(2 * self.max_io as usize + 2 * HEADER_LEN)
-    }
-
-    /// Stop taking data requests when reply data waiting to be sent and data held by requests
-    /// in flight reach this much together. Above the transmit high-water mark, so a backend
-    /// that answers later (librbd, a disk at depth) gets enough large requests at once to
-    /// stream: 4 MiB kept 1 MiB reads at four in flight, 0.8x of librbd driven directly. It
-    /// grows with the budget's free room (an eighth of it, so connections that take it leave
-    /// room to the others), at most `MAX_DATA_IN_FLIGHT`. Replies that wait are still bounded
-    /// by `tx_high_water`: a client that never reads stops being served at that mark.
-    pub(super) fn data_high_water(&self) -> usize {
-        let base = self.tx_high_water();
-        if self.data_pending() < base {
-            // The common case reads no shared counter.
-            return base;
-        }
-        (self.mem.room() / 8).min(MAX_DATA_IN_FLIGHT).max(base)
     }
 
     /// Appends a reply that carries no read data.

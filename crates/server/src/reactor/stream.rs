@@ -159,11 +159,14 @@ fn request_cover(c: &mut Conn, req: &Req, payload_len: usize) -> Cover {
     // writes before it may be right behind it.
     let follows = req.is_write() && c.fe.data_follows(req);
     let unsolicited = req.is_write() && payload_len == 0 && req.length > 0 && !follows;
-    // Data of requests in flight counts together with replies not yet sent: a client cannot
-    // make us hold more than `data_high_water` by asking for large reads from a backend that
-    // answers later. A write whose data follows unsolicited gets its buffer now or never, as a
-    // write waiting for memory gets it in `run_deferred`: by the memory budget alone.
-    if moves_data && !unsolicited && !follows && c.data_pending() >= c.data_high_water() {
+    // Data of requests in flight counts against the same high-water mark as replies not yet
+    // sent: a client cannot make us hold more by asking for large reads from a backend that
+    // answers later. (Letting 1 MiB reads past four in flight did not pay: rbd: reads took twice
+    // as long at the backend for the same IOPS, and iSCSI reads from a tmpfs file lost 10-40%;
+    // docs/BENCHMARKS.md, issue 18.) A write whose data follows unsolicited gets its buffer now
+    // or never, as a write waiting for memory gets it in `run_deferred`: by the memory budget
+    // alone.
+    if moves_data && !unsolicited && !follows && c.data_pending() >= c.tx_high_water() {
         return Cover::Wait;
     }
     // And the memory budget must cover what the request will add: its reply data, and a data
