@@ -898,6 +898,7 @@ fn finish<S: Read + Write>(
         isid: l.isid,
         max_io: a.max_io,
         copy: a.copy,
+        reservations: registry.reservations.lu(&export),
     });
     Some((a, Box::new(fe)))
 }

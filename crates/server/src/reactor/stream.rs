@@ -4,7 +4,7 @@
 use blkwire_backend::{AlignedBuf, Extent, IoFlags};
 use blkwire_wire::Status;
 
-use super::conn::{Conn, Slot, REPLY_SLACK};
+use super::conn::{Broadcast, Conn, Slot, REPLY_SLACK};
 use super::ring::{ud, Pusher, KIND_IO};
 use crate::bufpool::Buffers;
 use crate::executor::{result_status, Copied, Outcome};
@@ -224,6 +224,23 @@ fn dispatch(
             return;
         }
         Kind::Unsupported => return c.reply(req, Status::Unsupported),
+        Kind::Broadcast => {
+            let Some(update) = c.fe.take_broadcast() else {
+                return c.reply(req, Status::Ok);
+            };
+            // Sent by the reactor once this connection has been serviced
+            // (`Reactor::send_broadcasts`); answered when every other reactor acknowledged it.
+            let seq = c.next_broadcast;
+            c.next_broadcast = seq.wrapping_add(1);
+            c.inflight += 1;
+            c.broadcasts.push(Broadcast {
+                req: *req,
+                seq,
+                update: Some(update),
+                left: 0,
+            });
+            return;
+        }
         Kind::Invalid => return c.reply(req, Status::Invalid),
         Kind::Copy => return copy(c, idx, req, payload_at, payload_len, sq),
         Kind::Cache | Kind::BlockStatus => {
@@ -680,6 +697,22 @@ fn answer_block_status(c: &mut Conn, req: &Req, status: Status, extents: &[Exten
     }
 }
 
+/// One more reactor installed the update of broadcast `seq` (or, with `acks` 0, the count is
+/// settled as it stands): answers the request once none is left to come.
+pub(super) fn broadcast_acked(c: &mut Conn, seq: u32, acks: usize) {
+    let Some(at) = c.broadcasts.iter().position(|b| b.seq == seq) else {
+        return;
+    };
+    let b = &mut c.broadcasts[at];
+    b.left = b.left.saturating_sub(acks);
+    if b.left > 0 || b.update.is_some() {
+        return;
+    }
+    let b = c.broadcasts.remove(at);
+    c.inflight -= 1;
+    c.reply(&b.req, Status::Ok);
+}
+
 /// A ring completion for a slot's request; more may be needed before it is finished.
 pub(super) fn complete(c: &mut Conn, slot: u16, tag: u64, res: i32, sq: &mut Pusher<'_>) {
     let Some(req) = c
@@ -1126,6 +1159,8 @@ mod tests {
             waiting: false,
             idle_mark: 0,
             _counted: None,
+            broadcasts: Vec::new(),
+            next_broadcast: 0,
         };
         (c, b)
     }
