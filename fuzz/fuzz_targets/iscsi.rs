@@ -14,6 +14,7 @@ use blkwire_backend::{Export, ExportSpec};
 use blkwire_server::frontend::iscsi::{lun_info, Iscsi, IscsiSetup};
 use blkwire_server::frontend::{Decoded, Kind, ReadFraming, StreamFrontend};
 use blkwire_server::iscsi::Negotiated;
+use blkwire_server::reservations::Lu;
 use blkwire_wire::iscsi::{self, Digests, Progress, BHS_LEN, MAX_KEY_LEN, MAX_PAIRS, MAX_VALUE_LEN};
 use blkwire_wire::{CopyLimits, Status};
 use libfuzzer_sys::fuzz_target;
@@ -115,6 +116,12 @@ fn walk(fe: &mut Iscsi, data: &[u8], status: Status) {
                 if req.kind == Kind::Copy {
                     let _ = fe.copy_descriptor(&req, &[]);
                 }
+                if req.kind == Kind::Broadcast {
+                    // A PERSISTENT RESERVE OUT the other reactors must see: installed again here,
+                    // as the reactor's other connections would.
+                    let update = fe.take_broadcast().expect("a broadcast has its update");
+                    fe.reservations_changed(&update);
+                }
                 if req.is_read() && status == Status::Ok {
                     let data = vec![0u8; req.length as usize];
                     match fe.read_framing(&req) {
@@ -176,6 +183,8 @@ fuzz_target!(|data: &[u8]| {
         max_io: MAX_IO,
         copy,
         peers: vec![("m".into(), lun_info(&export, MAX_IO, true, 0))],
+        reservations: Lu::detached(),
     });
+    fe.attached();
     walk(&mut fe, rest, status);
 });

@@ -82,6 +82,16 @@ pub fn keys(data: &[u8]) -> Vec<(String, String)> {
 /// Logs in to `target` at `addr` without authentication, asking for `digests` (CRC32C or
 /// None for each); panics unless the login succeeds.
 pub fn login(addr: &str, target: &str, digests: Digests) -> Conn {
+    login_as(
+        addr,
+        target,
+        digests,
+        "iqn.2026-11.io.blkwire:test-initiator",
+    )
+}
+
+/// [`login`] as the initiator named `initiator` (another I_T nexus than the default's).
+pub fn login_as(addr: &str, target: &str, digests: Digests, initiator: &str) -> Conn {
     let mut s = TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut b = Bhs::new(op::LOGIN_REQ | iscsi::IMMEDIATE, flag::TRANSIT | 1 << 2 | 3);
@@ -89,7 +99,7 @@ pub fn login(addr: &str, target: &str, digests: Digests) -> Conn {
     b.itt(1);
     let onoff = |on| if on { "CRC32C" } else { "None" };
     let t = text(&[
-        ("InitiatorName", "iqn.2026-11.io.blkwire:test-initiator"),
+        ("InitiatorName", initiator),
         ("SessionType", "Normal"),
         ("TargetName", target),
         ("HeaderDigest", onoff(digests.header)),

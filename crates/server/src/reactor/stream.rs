@@ -887,6 +887,27 @@ mod tests {
                         _ => Decoded::Violation("T before something else than a request".into()),
                     }
                 }
+                // `B cookie`: a state change the other reactors must see first.
+                Some(b'B') => {
+                    if let Some(n) = need(9) {
+                        return n;
+                    }
+                    let req = Req {
+                        kind: Kind::Broadcast,
+                        offset: 0,
+                        length: 0,
+                        flags: IoFlags::empty(),
+                        slot: None,
+                        cookie: u64_at(rx, 1) as u128,
+                        target: 0,
+                    };
+                    Decoded::Request {
+                        req,
+                        len: 9,
+                        payload_len: 0,
+                        trailer: 0,
+                    }
+                }
                 Some(b'P') => {
                     tx.push(b'p');
                     Decoded::Answered { len: 1 }
@@ -955,6 +976,13 @@ mod tests {
         }
         fn server_assigns_slots(&self) -> bool {
             true
+        }
+        fn take_broadcast(&mut self) -> Option<Arc<crate::reservations::Update>> {
+            Some(Arc::new(crate::reservations::Update {
+                lu: 0,
+                version: 1,
+                snapshot: None,
+            }))
         }
         fn next_is_data(&self, rx: &[u8]) -> bool {
             rx.first() == Some(&b'D')
@@ -1212,6 +1240,38 @@ mod tests {
         r.extend_from_slice(&cookie.to_le_bytes());
         r.extend_from_slice(&(st as u16).to_le_bytes());
         r
+    }
+
+    /// A broadcast request stays in flight, unanswered, with its update for the reactor to
+    /// send; it is answered once the last acknowledgement is in, and requests behind it run
+    /// meanwhile.
+    #[test]
+    fn a_broadcast_is_answered_after_its_last_acknowledgement() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn("m=mem:1M");
+        let mut m = vec![b'B'];
+        m.extend_from_slice(&5u64.to_le_bytes());
+        feed(&mut c, &mut ring, &m);
+        assert!(take_tx(&mut c).is_empty(), "not answered yet");
+        assert_eq!((c.inflight, c.broadcasts.len()), (1, 1));
+        let seq = c.broadcasts[0].seq;
+        // As `Reactor::send_broadcasts`: the update goes out to two other reactors.
+        assert!(c.broadcasts[0].update.take().is_some());
+        c.broadcasts[0].left = 2;
+        super::broadcast_acked(&mut c, seq, 0);
+        feed(&mut c, &mut ring, b"P");
+        assert_eq!(take_tx(&mut c), b"p", "the connection goes on meanwhile");
+        super::broadcast_acked(&mut c, seq, 1);
+        assert!(
+            take_tx(&mut c).is_empty(),
+            "one acknowledgement still to come"
+        );
+        super::broadcast_acked(&mut c, seq, 1);
+        assert_eq!(take_tx(&mut c), status_reply(5, Status::Ok));
+        assert_eq!((c.inflight, c.broadcasts.len()), (0, 0));
+        // A late or repeated acknowledgement finds nothing.
+        super::broadcast_acked(&mut c, seq, 1);
+        assert!(take_tx(&mut c).is_empty());
     }
 
     #[test]
