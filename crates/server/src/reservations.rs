@@ -1,8 +1,9 @@
 //! Persistent reservations (SPC-4 persistent reservations) shared by every I_T nexus of an
 //! export, whichever reactor serves it: one authoritative [`Reservations`] per export under a
 //! mutex that only PERSISTENT RESERVE IN/OUT take (rare admin commands), and, on the data path,
-//! an [`Access`] per connection worked out from an immutable snapshot the reactors hand every
-//! connection by message ([`Update`], docs/ARCHITECTURE.md "Persistent reservations").
+//! an [`Access`](blkwire_wire::scsi::pr::Access) per connection, worked out from an immutable
+//! snapshot the reactors hand every connection by message ([`Update`]; docs/ARCHITECTURE.md,
+//! "Persistent reservations across reactors").
 //!
 //! The order that makes a new reservation binding: a PERSISTENT RESERVE OUT that changed what
 //! the conflict check sees bumps the export's version and its reactor sends the snapshot to

@@ -13,6 +13,10 @@
 //! - UNMAP and WRITE SAME: the parameter list (immediate data, or collected here with R2Ts on
 //!   TTTs above the slots) turns into Trim / WriteZeroes requests that the frontend hands to
 //!   the reactor one after another (`queued`), answering the command when the last is done.
+//! - PERSISTENT RESERVE IN/OUT act on the export's shared state (`crate::reservations`); an
+//!   OUT that changes what the conflict checks see becomes a [`Kind::Broadcast`] request,
+//!   answered once every reactor installed the change. Every command is first checked against
+//!   what this nexus may do (`Pr::access`): RESERVATION CONFLICT when the reservation refuses it.
 //! - CmdSN: non-immediate commands must carry ExpCmdSN; others are dropped (§4.2.2.1).
 //!   MaxCmdSN = ExpCmdSN + free task places − 1, so the initiator never has more commands in
 //!   flight than the connection has slots.
