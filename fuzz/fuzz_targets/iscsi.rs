@@ -16,6 +16,7 @@ use blkwire_backend::{Export, ExportSpec};
 use blkwire_server::frontend::iscsi::{lun_info, Iscsi, IscsiSetup, SetupLun};
 use blkwire_server::frontend::{Decoded, Kind, ReadFraming, StreamFrontend};
 use blkwire_server::iscsi::Negotiated;
+use blkwire_server::reservations::Lu;
 use blkwire_wire::iscsi::{self, Digests, Progress, BHS_LEN, MAX_KEY_LEN, MAX_PAIRS, MAX_VALUE_LEN};
 use blkwire_wire::{CopyLimits, Status};
 use libfuzzer_sys::fuzz_target;
@@ -154,6 +155,12 @@ fn walk(fe: &mut Iscsi, data: &[u8], status: Status, refuse: bool) {
                 if req.kind == Kind::Copy {
                     let _ = fe.copy_descriptor(&req, &[]);
                 }
+                if req.kind == Kind::Broadcast {
+                    // A PERSISTENT RESERVE OUT the other reactors must see: installed again here,
+                    // as the reactor's other connections would.
+                    let update = fe.take_broadcast().expect("a broadcast has its update");
+                    fe.reservations_changed(&update);
+                }
                 if req.is_read() && status == Status::Ok {
                     let data = vec![0u8; req.length as usize];
                     match fe.read_framing(&req) {
@@ -216,11 +223,13 @@ fuzz_target!(|data: &[u8]| {
                 lun: 0,
                 export: export.clone(),
                 copy,
+                reservations: Lu::detached(),
             },
             SetupLun {
                 lun: 3,
                 export: other,
                 copy,
+                reservations: Lu::detached(),
             },
         ],
         target: "iqn.2026-11.io.blkwire:m".into(),
@@ -229,6 +238,7 @@ fuzz_target!(|data: &[u8]| {
         max_io: MAX_IO,
         peers: vec![("m".into(), lun_info(&export, MAX_IO, true))],
     });
+    fe.attached();
     let refuse = mode & 128 != 0;
     // Every bit of the mode byte is taken: an odd length fences the second LUN halfway.
     let half = rest.len() / 2;

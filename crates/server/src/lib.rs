@@ -20,6 +20,7 @@ mod nbd;
 pub mod nvme;
 mod ports;
 mod reactor;
+pub mod reservations;
 mod rpc;
 mod session;
 mod snapshot;
@@ -602,6 +603,17 @@ impl Target {
             workers.push(Worker { tx, wake });
             handles.push(handle);
         }
+        // PERSISTENT RESERVE OUT reaches every reactor from whichever serves it (its own copies
+        // of the wake-up eventfds: they live as long as the registry).
+        let mut reactors = Vec::new();
+        for w in &workers {
+            let wake = w
+                .wake
+                .try_clone()
+                .map_err(|e| Error::System(format!("eventfd: {e}")))?;
+            reactors.push((w.tx.clone(), wake));
+        }
+        registry.reservations.set_reactors(reactors);
         Ok(Target {
             shared: Arc::new(Shared {
                 registry,

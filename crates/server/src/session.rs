@@ -242,6 +242,8 @@ pub struct Registry {
     pub nvme: crate::nvme::Controllers,
     /// iSCSI listeners and logged-in sessions (`crate::iscsi`).
     pub iscsi: crate::iscsi::Portals,
+    /// Persistent reservations, per export (`crate::reservations`).
+    pub reservations: crate::reservations::Table,
     limits: Limits,
     inner: Mutex<Inner>,
     budget: Arc<Budget>,
@@ -265,6 +267,7 @@ impl Registry {
             access,
             nvme: crate::nvme::Controllers::default(),
             iscsi: crate::iscsi::Portals::default(),
+            reservations: crate::reservations::Table::default(),
             limits,
             budget: Budget::new(limits.max_memory),
             inner: Mutex::new(Inner {

@@ -105,6 +105,12 @@ pub fn login_with(addr: &str, target: &str, digests: Digests, keys_: &[(&str, &s
         .unwrap_or_else(|st| panic!("login to {target}: status {st:#06x}"))
 }
 
+/// [`login`] as the initiator named `initiator` (another I_T nexus than the default's).
+pub fn login_as(addr: &str, target: &str, digests: Digests, initiator: &str) -> Conn {
+    try_login(addr, target, initiator, digests)
+        .unwrap_or_else(|st| panic!("login to {target} as {initiator}: status {st:#06x}"))
+}
+
 /// Logs in as `initiator`; `Err` is the Login Response's status (class << 8 | detail).
 pub fn try_login(addr: &str, target: &str, initiator: &str, digests: Digests) -> Result<Conn, u16> {
     try_login_with(addr, target, initiator, digests, &[])

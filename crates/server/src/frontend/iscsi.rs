@@ -24,6 +24,10 @@
 //!   (immediate and unsolicited data, or collected here with R2Ts on a TTT above the slots)
 //!   turns into parts (Trim, WriteZeroes, Write, Copy, Read) that the frontend hands to the
 //!   reactor one after another (`queued`), answering the command when the last is done.
+//! - PERSISTENT RESERVE IN/OUT act on the export's shared state (`crate::reservations`); an
+//!   OUT that changes what the conflict checks see becomes a [`Kind::Broadcast`] request,
+//!   answered once every reactor installed the change. Every command is first checked against
+//!   what this nexus may do (`Pr::access`): RESERVATION CONFLICT when the reservation refuses it.
 //! - CmdSN: non-immediate commands must carry ExpCmdSN; others are dropped (§4.2.2.1).
 //!   MaxCmdSN = ExpCmdSN + free task places − 1, so the initiator never has more commands in
 //!   flight than the connection has slots.
@@ -41,16 +45,22 @@ use blkwire_backend::{BlockOp, Export, IoFlags};
 use blkwire_wire::iscsi::{
     self, flag, op, pdu_len, reject, Bhs, Digests, Progress, BHS_LEN, RESERVED_TAG,
 };
+use blkwire_wire::scsi::pr::{self, Access, Nexus};
 use blkwire_wire::scsi::{self, xcopy, Command, LunInfo, Sense};
 use blkwire_wire::{CopyDescriptor, CopyLimits, Status};
 
 use super::{Decoded, Kind, ReadFraming, Req, StreamFrontend};
 use crate::iscsi::Negotiated;
+use crate::reservations::{Lu as PrLu, Update};
 
 /// SCSI status GOOD.
 const GOOD: u8 = 0x00;
 /// SCSI status CHECK CONDITION.
 const CHECK_CONDITION: u8 = 0x02;
+/// SCSI status RESERVATION CONFLICT (SAM-5).
+const RESERVATION_CONFLICT: u8 = 0x18;
+/// RELATIVE TARGET PORT IDENTIFIER of the one target port (the portal group, tag 1).
+const TARGET_PORT: u16 = 1;
 /// Most bytes of a parameter list collected in the frontend (UNMAP, WRITE SAME's block).
 const MAX_PARAMS: u32 = 1 << 20;
 /// TTT of the R2T that collects a parameter list (above every slot index).
@@ -80,6 +90,33 @@ pub struct IscsiSetup {
     pub peers: Vec<(String, LunInfo)>,
 }
 
+/// The persistent reservations of one LU the connection reaches (`crate::reservations`).
+struct Pr {
+    lu: std::sync::Arc<PrLu>,
+    /// This session's I_T nexus (initiator port name with the ISID, SPC-4 7.6.4.6).
+    nexus: Nexus,
+    /// The version of the snapshot `access` was worked out from.
+    version: u64,
+    /// What this nexus may do: every command is checked against it before it runs.
+    access: Access,
+    /// The update of the PERSISTENT RESERVE OUT the reactor takes next (`take_broadcast`).
+    outgoing: Option<std::sync::Arc<Update>>,
+}
+
+impl Pr {
+    /// Installs `u` if it is this LU's and newer than what the connection has.
+    fn install(&mut self, u: &Update) {
+        if u.lu != self.lu.id() || u.version <= self.version {
+            return;
+        }
+        self.version = u.version;
+        self.access = u
+            .snapshot
+            .as_ref()
+            .map_or(Access::Full, |s| s.access(&self.nexus));
+    }
+}
+
 /// One LUN of a connection.
 pub struct SetupLun {
     /// Its number.
@@ -88,6 +125,8 @@ pub struct SetupLun {
     pub export: std::sync::Arc<Export>,
     /// What one copy into it may do (its session's grant).
     pub copy: CopyLimits,
+    /// The persistent reservations of that export (`crate::reservations`).
+    pub reservations: std::sync::Arc<PrLu>,
 }
 
 /// A LUN as the frontend serves it.
@@ -339,6 +378,9 @@ pub struct Iscsi {
     /// Slots of aborted writes the reactor is still to free (`Decoded::Release`).
     releases: Vec<u16>,
     scratch: Vec<u8>,
+    /// Persistent reservations, per target (LU) as `luns`: each its export's, shared by every
+    /// nexus to it (`crate::reservations`).
+    pr: Vec<Pr>,
 }
 
 /// What the LU of `e` is, as the SCSI layer answers for it (as LUN 0: a caller serving it at
@@ -412,7 +454,22 @@ impl Iscsi {
             max_segment_length: max_copy.min(xcopy::Limits::default().max_segment_length),
             ..xcopy::Limits::default()
         };
-        let _ = (&s.initiator, s.isid);
+        // The iSCSI initiator port name: SPC-4 7.6.4.6 (and RFC 7143 §4.2.7.1).
+        let initiator = format!("{},i,{}", s.initiator, iscsi::hex(&s.isid));
+        let pr = s
+            .luns
+            .iter()
+            .map(|l| Pr {
+                lu: l.reservations.clone(),
+                nexus: Nexus {
+                    initiator: initiator.clone(),
+                    target_port: TARGET_PORT,
+                },
+                version: 0,
+                access: Access::Full,
+                outgoing: None,
+            })
+            .collect();
         let depth = s.depth.max(1);
         Iscsi {
             d: s.neg.digests,
@@ -441,6 +498,7 @@ impl Iscsi {
             pattern: None,
             releases: Vec::new(),
             scratch: Vec::with_capacity(BHS_LEN + 64),
+            pr,
         }
     }
 
@@ -693,6 +751,15 @@ impl Iscsi {
                 return Decoded::Answered { len };
             }
         };
+        // Persistent reservations (SPC-4): a command this nexus may not run now ends with
+        // RESERVATION CONFLICT before anything of it runs. Without a reservation (Access::Full)
+        // this is one match.
+        // An absent LU has no reservations: its commands are answered for what it is.
+        if self.target_of(lun).is_some() && self.pr[self.cur].access.conflicts(&cmd) {
+            let res = Residual::of(c.edtl, 0);
+            self.response(itt, RESERVATION_CONFLICT, None, res, tx);
+            return Decoded::Answered { len };
+        }
         // Bytes of immediate data the reactor does not take, and the padding and digest.
         let tail = p.trailer;
         match cmd {
@@ -821,6 +888,19 @@ impl Iscsi {
             Command::ExtendedCopy { param_len } => {
                 self.collect(itt, &c.cdb, c.edtl, param_len, c.data, len, tx)
             }
+            Command::PersistentReserveIn {
+                service_action,
+                alloc_len,
+            } => {
+                match self.pr[self.cur].lu.reserve_in(service_action, alloc_len) {
+                    Ok(d) => self.answer(itt, &d, c.edtl, tx),
+                    Err(s) => self.check(itt, &s, c.edtl, tx),
+                }
+                Decoded::Answered { len }
+            }
+            Command::PersistentReserveOut { param_len, .. } => {
+                self.collect(itt, &c.cdb, c.edtl, param_len, c.data, len, tx)
+            }
             Command::Verify {
                 blocks,
                 bytchk: true,
@@ -862,11 +942,6 @@ impl Iscsi {
                     return Decoded::Answered { len };
                 }
                 self.collect(itt, &c.cdb, c.edtl, 2 * bytes, c.data, len, tx)
-            }
-            _ => {
-                // Decoded but not served by this transport (persistent reservations).
-                self.check(itt, &Sense::invalid_opcode(), c.edtl, tx);
-                Decoded::Answered { len }
             }
         }
     }
@@ -1076,6 +1151,12 @@ impl Iscsi {
                 let flags = IoFlags::empty().with(IoFlags::FUA, fua);
                 parts.push((Kind::Block(BlockOp::Write), o, l, flags, None));
             }
+            Command::PersistentReserveOut {
+                service_action,
+                scope,
+                kind,
+                ..
+            } => return self.reserve_out(itt, (service_action, scope, kind), list, res, len, tx),
             Command::ExtendedCopy { .. } => match self.copy_parts(list, &mut parts) {
                 Ok(p) => plan = Some((p, 0)),
                 Err(s) => {
@@ -1131,6 +1212,51 @@ impl Iscsi {
         self.part_running = true;
         self.copy_desc = desc;
         self.request(first, len, 0, 0)
+    }
+
+    /// PERSISTENT RESERVE OUT with its parameter list: the export's state changes under its lock
+    /// at once; when the change is one the conflict checks see, the command becomes a
+    /// [`Kind::Broadcast`] request, answered once every reactor installed it.
+    fn reserve_out(
+        &mut self,
+        itt: u32,
+        (sa, scope, kind): (u8, u8, u8),
+        list: &[u8],
+        res: Residual,
+        len: usize,
+        tx: &mut Vec<u8>,
+    ) -> Decoded {
+        let pr = &mut self.pr[self.cur];
+        match pr.lu.reserve_out(&pr.nexus, sa, scope, kind, list) {
+            Ok(None) => {
+                self.response(itt, GOOD, None, res, tx);
+                Decoded::Answered { len }
+            }
+            Ok(Some(update)) => {
+                // This connection's next command sees it already; the reactor's others and the
+                // other reactors' before GOOD goes out.
+                pr.install(&update);
+                pr.outgoing = Some(update);
+                let req = Req {
+                    kind: Kind::Broadcast,
+                    offset: 0,
+                    length: 0,
+                    flags: IoFlags::empty(),
+                    slot: None,
+                    target: self.cur as u8,
+                    cookie: cookie(itt, res, Reply::Plain, 0),
+                };
+                self.request(req, len, 0, 0)
+            }
+            Err(pr::Outcome::ReservationConflict) => {
+                self.response(itt, RESERVATION_CONFLICT, None, res, tx);
+                Decoded::Answered { len }
+            }
+            Err(pr::Outcome::Sense(s)) => {
+                self.response(itt, CHECK_CONDITION, Some(&s), res, tx);
+                Decoded::Answered { len }
+            }
+        }
     }
 
     /// An EXTENDED COPY parameter list as COPY parts: each segment into this LUN from a LUN
@@ -1757,6 +1883,23 @@ impl StreamFrontend for Iscsi {
         self.copy_desc.take()
     }
 
+    fn attached(&mut self) {
+        for p in &mut self.pr {
+            let now = p.lu.current();
+            p.install(&now);
+        }
+    }
+
+    fn reservations_changed(&mut self, update: &Update) {
+        for p in &mut self.pr {
+            p.install(update);
+        }
+    }
+
+    fn take_broadcast(&mut self) -> Option<std::sync::Arc<Update>> {
+        self.pr.iter_mut().find_map(|p| p.outgoing.take())
+    }
+
     fn next_is_data(&self, rx: &[u8]) -> bool {
         rx.first().is_some_and(|b| b & 0x3f == op::DATA_OUT)
     }
@@ -1870,7 +2013,8 @@ mod tests {
         fe_luns(max_burst, &[(0, "m=mem:1M")])
     }
 
-    /// A connection with these (LUN, export spec) LUNs, as targets 0, 1, ...
+    /// A connection with these (LUN, export spec) LUNs, as targets 0, 1, ... (their
+    /// reservations each their own, detached from any registry).
     fn fe_luns(max_burst: u32, luns: &[(u64, &str)]) -> Iscsi {
         let luns = luns
             .iter()
@@ -1878,8 +2022,24 @@ mod tests {
                 lun,
                 export: Arc::new(Export::open(&ExportSpec::parse(spec).unwrap()).unwrap()),
                 copy: CopyLimits::default(),
+                reservations: PrLu::detached(),
             })
             .collect();
+        setup(max_burst, "iqn.test", luns)
+    }
+
+    /// A connection of `initiator` to one LU (LUN 0) whose reservations are `lu`.
+    fn fe_on(max_burst: u32, initiator: &str, lu: Arc<PrLu>) -> Iscsi {
+        let luns = vec![SetupLun {
+            lun: 0,
+            export: Arc::new(Export::open(&ExportSpec::parse("m=mem:1M").unwrap()).unwrap()),
+            copy: CopyLimits::default(),
+            reservations: lu,
+        }];
+        setup(max_burst, initiator, luns)
+    }
+
+    fn setup(max_burst: u32, initiator: &str, luns: Vec<SetupLun>) -> Iscsi {
         Iscsi::new(IscsiSetup {
             neg: Negotiated {
                 max_burst,
@@ -1893,7 +2053,7 @@ mod tests {
             depth: 4,
             luns,
             target: "iqn.2026-11.io.blkwire:m".into(),
-            initiator: "iqn.test".into(),
+            initiator: initiator.into(),
             isid: [0; 6],
             max_io: 1 << 20,
             peers: Vec::new(),
@@ -2542,5 +2702,136 @@ mod tests {
         let tur = cmd(8, 1, &[0u8; 6], 0, false, &[]);
         assert!(matches!(f.decode(&tur, &mut tx), Decoded::Answered { .. }));
         assert_eq!((tx[0], be32(&tx, 16)), (op::SCSI_RSP, 8));
+    }
+
+    /// Each LU of a target has its export's reservations: a reservation made through LUN 3
+    /// refuses the other initiator's writes there, and only there.
+    #[test]
+    fn reservations_are_per_lu() {
+        let export =
+            |spec: &str| Arc::new(Export::open(&ExportSpec::parse(spec).unwrap()).unwrap());
+        let (x, y) = (export("x=mem:1M"), export("y=mem:1M"));
+        // Two exports of one registry: two LUs of their own ids.
+        let table = crate::reservations::Table::default();
+        let (lx, ly) = (table.lu(&x), table.lu(&y));
+        assert_ne!(lx.id(), ly.id());
+        let two = |initiator: &str| {
+            let lun = |n: u64, e: &Arc<Export>, r: &Arc<PrLu>| SetupLun {
+                lun: n,
+                export: e.clone(),
+                copy: CopyLimits::default(),
+                reservations: r.clone(),
+            };
+            setup(65536, initiator, vec![lun(0, &x, &lx), lun(3, &y, &ly)])
+        };
+        let (mut a, mut b) = (two("iqn.test:a"), two("iqn.test:b"));
+        let on = |lun: u64, mut pdu: Vec<u8>| {
+            pdu[8..16].copy_from_slice(&scsi::lun_to_wire(lun));
+            pdu
+        };
+        let mut tx = Vec::new();
+        let reg = on(3, cmd(1, 0, &prout(0, 0), 24, true, &prout_params(0, 0xBB)));
+        assert!(matches!(a.decode(&reg, &mut tx), Decoded::Answered { .. }));
+        let res = on(3, cmd(2, 1, &prout(1, 1), 24, true, &prout_params(0xBB, 0)));
+        let Decoded::Request { req, .. } = a.decode(&res, &mut tx) else {
+            panic!("a broadcast request");
+        };
+        assert_eq!(
+            (req.kind, req.target),
+            (Kind::Broadcast, 1),
+            "LUN 3 is target 1"
+        );
+        a.taken(&req);
+        let update = a.take_broadcast().expect("the update");
+        b.reservations_changed(&update);
+        tx.clear();
+        let write10 = [0x2a, 0, 0, 0, 0, 0, 0, 0, 1, 0];
+        let w = on(0, cmd(7, 0, &write10, 512, true, &[5u8; 512]));
+        let Decoded::Request { req, .. } = b.decode(&w, &mut tx) else {
+            panic!("LUN 0 is not reserved: {tx:?}");
+        };
+        assert_eq!(req.target, 0);
+        b.taken(&req);
+        b.outstanding = 0;
+        let w = on(3, cmd(8, 1, &write10, 512, true, &[5u8; 512]));
+        assert!(matches!(b.decode(&w, &mut tx), Decoded::Answered { .. }));
+        assert_eq!(
+            (tx[0], tx[3], be32(&tx, 16)),
+            (op::SCSI_RSP, RESERVATION_CONFLICT, 8)
+        );
+    }
+
+    /// PERSISTENT RESERVE OUT data: reservation key, service action key, no flags.
+    fn prout_params(res_key: u64, sa_key: u64) -> Vec<u8> {
+        let mut p = vec![0u8; 24];
+        p[0..8].copy_from_slice(&res_key.to_be_bytes());
+        p[8..16].copy_from_slice(&sa_key.to_be_bytes());
+        p
+    }
+
+    fn prout(sa: u8, kind: u8) -> [u8; 10] {
+        [0x5f, sa, kind, 0, 0, 0, 0, 0, 24, 0]
+    }
+
+    /// REGISTER answers at once (nothing reserved, nothing for the data path); RESERVE becomes
+    /// a broadcast request whose update the other connection installs: its WRITE then ends with
+    /// RESERVATION CONFLICT before reaching the reactor, its READ still runs (Write Exclusive),
+    /// and the reservation's holder writes. PR IN READ RESERVATION shows the holder's key.
+    #[test]
+    fn a_reservation_made_on_one_connection_is_enforced_on_another() {
+        let lu = PrLu::detached();
+        let mut a = fe_on(65536, "iqn.test:a", lu.clone());
+        let mut b = fe_on(65536, "iqn.test:b", lu.clone());
+        let mut tx = Vec::new();
+        let reg = cmd(1, 0, &prout(0, 0), 24, true, &prout_params(0, 0xAA));
+        assert!(matches!(a.decode(&reg, &mut tx), Decoded::Answered { .. }));
+        assert_eq!((tx[0], tx[3]), (op::SCSI_RSP, GOOD));
+        assert!(a.take_broadcast().is_none());
+        tx.clear();
+        let res = cmd(2, 1, &prout(1, 1), 24, true, &prout_params(0xAA, 0));
+        let Decoded::Request { req, .. } = a.decode(&res, &mut tx) else {
+            panic!("a broadcast request");
+        };
+        assert_eq!(req.kind, Kind::Broadcast);
+        assert!(tx.is_empty(), "GOOD waits for the other reactors");
+        a.taken(&req);
+        let update = a.take_broadcast().expect("the update");
+        assert!(a.reply(&req, Status::Ok, &mut tx));
+        assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 2));
+        tx.clear();
+        // Before b installs the update it may still write; after, not.
+        let write10 = [0x2a, 0, 0, 0, 0, 0, 0, 0, 1, 0];
+        let w = cmd(7, 0, &write10, 512, true, &[5u8; 512]);
+        assert!(matches!(b.decode(&w, &mut tx), Decoded::Request { .. }));
+        b.pending = None;
+        b.outstanding = 0;
+        b.reservations_changed(&update);
+        let w = cmd(8, 1, &write10, 512, true, &[5u8; 512]);
+        assert!(matches!(b.decode(&w, &mut tx), Decoded::Answered { .. }));
+        assert_eq!(
+            (tx[0], tx[3], be32(&tx, 16)),
+            (op::SCSI_RSP, RESERVATION_CONFLICT, 8)
+        );
+        tx.clear();
+        let r = cmd(9, 2, &READ10_ONE, 512, false, &[]);
+        assert!(matches!(b.decode(&r, &mut tx), Decoded::Request { .. }));
+        let w = cmd(3, 2, &write10, 512, true, &[5u8; 512]);
+        assert!(matches!(a.decode(&w, &mut tx), Decoded::Request { .. }));
+        // An older update arriving late changes nothing.
+        b.reservations_changed(&crate::reservations::Update {
+            lu: lu.id(),
+            version: 0,
+            snapshot: None,
+        });
+        assert_eq!(b.pr[0].access, Access::NoWrites);
+        let mut tx = Vec::new();
+        let rr = [0x5e, 1, 0, 0, 0, 0, 0, 0, 24, 0];
+        let q = cmd(4, 3, &rr, 24, false, &[]);
+        a.pending = None;
+        assert!(matches!(a.decode(&q, &mut tx), Decoded::Answered { .. }));
+        assert_eq!(tx[0], op::DATA_IN);
+        let data = &tx[BHS_LEN..BHS_LEN + 24];
+        assert_eq!(&data[8..16], &0xAAu64.to_be_bytes(), "the holder's key");
+        assert_eq!(data[21], 1, "Write Exclusive");
     }
 }

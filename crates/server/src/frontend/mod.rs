@@ -33,6 +33,11 @@ pub enum Kind {
     Unsupported,
     /// Well-formed but not valid here (a handshake frame on an open queue, bad arguments).
     Invalid,
+    /// A change of state shared with the other reactors (a persistent reservation,
+    /// `crate::reservations`), already made: the reactor hands every other reactor the update
+    /// ([`StreamFrontend::take_broadcast`]) and answers the request (as a success) once all
+    /// have installed it.
+    Broadcast,
 }
 
 /// A decoded request. Plain data: kept in a slot while its backend I/O runs.
@@ -250,6 +255,22 @@ pub trait StreamFrontend: Send {
         _req: &Req,
         _payload: &[u8],
     ) -> Option<blkwire_wire::CopyDescriptor> {
+        None
+    }
+
+    /// The connection is on its reactor: the frontend reads the shared state the reactor keeps
+    /// it up to date with from now on ([`StreamFrontend::reservations_changed`]).
+    fn attached(&mut self) {}
+
+    /// An export's persistent reservations changed (on any reactor): the frontend installs
+    /// `update` if it serves that export and it is newer than what it has.
+    fn reservations_changed(&mut self, update: &crate::reservations::Update) {
+        let _ = update;
+    }
+
+    /// The update of the [`Kind::Broadcast`] request the reactor just took, for the other
+    /// reactors.
+    fn take_broadcast(&mut self) -> Option<std::sync::Arc<crate::reservations::Update>> {
         None
     }
 

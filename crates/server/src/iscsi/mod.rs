@@ -1023,6 +1023,7 @@ fn finish<S: Read + Write>(
                 lun: *lun,
                 export: e.clone(),
                 copy: a.copy,
+                reservations: registry.reservations.lu(e),
             })
             .collect(),
         target,

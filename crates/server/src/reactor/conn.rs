@@ -124,6 +124,21 @@ pub(super) struct Conn {
     pub(super) idle_mark: u64,
     /// Counted against `--max-connections` until the connection closes.
     pub(super) _counted: Option<crate::ConnCount>,
+    /// [`crate::frontend::Kind::Broadcast`] requests waiting for the other reactors (each in
+    /// flight until answered). Empty but for a PERSISTENT RESERVE OUT's moment.
+    pub(super) broadcasts: Vec<Broadcast>,
+    /// The number the next broadcast gets (acknowledgements name it).
+    pub(super) next_broadcast: u32,
+}
+
+/// A request whose state change the other reactors must install before it is answered.
+pub(super) struct Broadcast {
+    pub(super) req: Req,
+    pub(super) seq: u32,
+    /// Not sent yet (the reactor sends it after servicing the connection).
+    pub(super) update: Option<std::sync::Arc<crate::reservations::Update>>,
+    /// Acknowledgements still to come.
+    pub(super) left: usize,
 }
 
 /// One receive step, for plain sockets and TLS alike.

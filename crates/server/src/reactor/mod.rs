@@ -40,7 +40,7 @@ use ring::{
     notifier_poll, port_io_ud, ud, ud_split, Pusher, Ring, KIND_CANCEL, KIND_IO, KIND_NOTIFY,
     KIND_POLL_IN, KIND_POLL_OUT, KIND_PORT_IN, KIND_PORT_IO, KIND_PORT_NOTIFY, KIND_WAKE,
 };
-use stream::{complete, finish_result};
+use stream::{broadcast_acked, complete, finish_result};
 
 /// A queue connection that finished its handshake, handed to a reactor by message.
 pub struct NewQueue {
@@ -78,6 +78,14 @@ pub enum Msg {
     Close(Arc<[u32]>),
     /// Report every live queue's counters on the sender (the reactor owns them; no sharing).
     Stats(std::sync::mpsc::Sender<ReactorReport>),
+    /// An export's persistent reservations changed (`crate::reservations`): every connection
+    /// installs the update, then the reactor acknowledges to `ack`.
+    Reservations {
+        update: Arc<crate::reservations::Update>,
+        ack: Option<crate::reservations::Ack>,
+    },
+    /// A reactor installed the update a connection of this one waits for.
+    ReservationsAck(crate::reservations::Ack),
     Shutdown,
 }
 
@@ -198,6 +206,14 @@ impl Reactor {
             {
                 for p in self.ports.iter_mut().flatten() {
                     p.close_all();
+                }
+                // Updates that came after the last look are acknowledged, so no reactor still
+                // serving waits for this one (after it exits, sends to it fail and are not
+                // counted).
+                while let Ok(m) = self.inbox.try_recv() {
+                    if let Msg::Reservations { ack: Some(ack), .. } = m {
+                        self.registry.reservations.acknowledge(ack);
+                    }
                 }
                 break;
             }
@@ -345,6 +361,23 @@ impl Reactor {
                         closed,
                     });
                 }
+                Msg::Reservations { update, ack } => {
+                    for c in self.conns.iter_mut().flatten() {
+                        c.fe.reservations_changed(&update);
+                    }
+                    if let Some(ack) = ack {
+                        self.registry.reservations.acknowledge(ack);
+                    }
+                }
+                Msg::ReservationsAck(ack) => {
+                    let Some(c) = self.conns.get_mut(ack.conn).and_then(Option::as_mut) else {
+                        continue;
+                    };
+                    if c.incarnation == ack.incarnation {
+                        broadcast_acked(c, ack.seq, 1);
+                        self.ready.push_back(ack.conn);
+                    }
+                }
                 Msg::Shutdown => {
                     self.shutting_down = true;
                     self.shutdown_deadline = Some(Instant::now() + Duration::from_secs(10));
@@ -417,7 +450,7 @@ impl Reactor {
         // Sized for a 1 MiB frame plus batching room; grows (up to max I/O) only if a client sends
         // larger frames.
         let rx_cap = conn::rx_base(q.max_io);
-        let conn = Conn {
+        let mut conn = Conn {
             fe: q.frontend,
             free_slots: (0..q.depth).rev().collect(),
             deferred: std::collections::VecDeque::with_capacity(q.depth as usize),
@@ -453,7 +486,11 @@ impl Reactor {
             waiting: false,
             idle_mark: 0,
             _counted: q.counted,
+            broadcasts: Vec::new(),
+            next_broadcast: 0,
         };
+        // From here on this reactor's inbox keeps it current (`crate::reservations`).
+        conn.fe.attached();
         let poll = opcode::PollAdd::new(types::Fd(conn.fd()), libc::POLLIN as u32)
             .multi(true)
             .build()
@@ -664,8 +701,58 @@ impl Reactor {
         }
     }
 
-    /// Moves one connection forward: read and dispatch requests, send replies, close if done.
+    /// Moves one connection forward (`service_conn`), then hands the other reactors the state
+    /// changes its requests made (`send_broadcasts`).
     fn service(&mut self, idx: usize) {
+        self.service_conn(idx);
+        if self
+            .conns
+            .get(idx)
+            .and_then(Option::as_ref)
+            .is_some_and(|c| c.broadcasts.iter().any(|b| b.update.is_some()))
+        {
+            self.send_broadcasts(idx);
+        }
+    }
+
+    /// Installs the updates the connection `idx` made (persistent reservations) in this
+    /// reactor's other connections, then sends them to the other reactors; each request is
+    /// answered once they all acknowledged (at once when there are none).
+    fn send_broadcasts(&mut self, idx: usize) {
+        let Some(c) = self.conns.get_mut(idx).and_then(Option::as_mut) else {
+            return;
+        };
+        let incarnation = c.incarnation;
+        let pending: Vec<_> = c
+            .broadcasts
+            .iter_mut()
+            .filter_map(|b| Some((b.seq, b.update.take()?)))
+            .collect();
+        for (seq, update) in pending {
+            for (j, other) in self.conns.iter_mut().enumerate() {
+                if let Some(o) = other.as_mut().filter(|_| j != idx) {
+                    o.fe.reservations_changed(&update);
+                }
+            }
+            let ack = crate::reservations::Ack {
+                reactor: self.id,
+                conn: idx,
+                incarnation,
+                seq,
+            };
+            let sent = self.registry.reservations.broadcast(&update, ack);
+            if let Some(c) = self.conns.get_mut(idx).and_then(Option::as_mut) {
+                if let Some(b) = c.broadcasts.iter_mut().find(|b| b.seq == seq) {
+                    b.left = sent;
+                }
+                broadcast_acked(c, seq, 0);
+            }
+        }
+        self.ready.push_back(idx);
+    }
+
+    /// Moves one connection forward: read and dispatch requests, send replies, close if done.
+    fn service_conn(&mut self, idx: usize) {
         let Some(c) = self.conns.get_mut(idx).and_then(Option::as_mut) else {
             return;
         };

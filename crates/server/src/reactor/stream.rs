@@ -4,7 +4,7 @@
 use blkwire_backend::{AlignedBuf, Extent, IoFlags};
 use blkwire_wire::Status;
 
-use super::conn::{Conn, Slot, REPLY_SLACK};
+use super::conn::{Broadcast, Conn, Slot, REPLY_SLACK};
 use super::ring::{ud, Pusher, KIND_IO};
 use crate::bufpool::Buffers;
 use crate::executor::{result_status, Copied, Outcome};
@@ -245,6 +245,23 @@ fn dispatch(
             return;
         }
         Kind::Unsupported => return c.reply(req, Status::Unsupported),
+        Kind::Broadcast => {
+            let Some(update) = c.fe.take_broadcast() else {
+                return c.reply(req, Status::Ok);
+            };
+            // Sent by the reactor once this connection has been serviced
+            // (`Reactor::send_broadcasts`); answered when every other reactor acknowledged it.
+            let seq = c.next_broadcast;
+            c.next_broadcast = seq.wrapping_add(1);
+            c.inflight += 1;
+            c.broadcasts.push(Broadcast {
+                req: *req,
+                seq,
+                update: Some(update),
+                left: 0,
+            });
+            return;
+        }
         Kind::Invalid => return c.reply(req, Status::Invalid),
         Kind::Copy => return copy(c, idx, req, payload_at, payload_len, sq),
         Kind::Cache | Kind::BlockStatus => {
@@ -701,6 +718,22 @@ fn answer_block_status(c: &mut Conn, req: &Req, status: Status, extents: &[Exten
     }
 }
 
+/// One more reactor installed the update of broadcast `seq` (or, with `acks` 0, the count is
+/// settled as it stands): answers the request once none is left to come.
+pub(super) fn broadcast_acked(c: &mut Conn, seq: u32, acks: usize) {
+    let Some(at) = c.broadcasts.iter().position(|b| b.seq == seq) else {
+        return;
+    };
+    let b = &mut c.broadcasts[at];
+    b.left = b.left.saturating_sub(acks);
+    if b.left > 0 || b.update.is_some() {
+        return;
+    }
+    let b = c.broadcasts.remove(at);
+    c.inflight -= 1;
+    c.reply(&b.req, Status::Ok);
+}
+
 /// A ring completion for a slot's request; more may be needed before it is finished.
 pub(super) fn complete(c: &mut Conn, slot: u16, tag: u64, res: i32, sq: &mut Pusher<'_>) {
     let Some(req) = c
@@ -891,6 +924,27 @@ mod tests {
                         _ => Decoded::Violation("T before something else than a request".into()),
                     }
                 }
+                // `B cookie`: a state change the other reactors must see first.
+                Some(b'B') => {
+                    if let Some(n) = need(9) {
+                        return n;
+                    }
+                    let req = Req {
+                        kind: Kind::Broadcast,
+                        offset: 0,
+                        length: 0,
+                        flags: IoFlags::empty(),
+                        slot: None,
+                        cookie: u64_at(rx, 1) as u128,
+                        target: 0,
+                    };
+                    Decoded::Request {
+                        req,
+                        len: 9,
+                        payload_len: 0,
+                        trailer: 0,
+                    }
+                }
                 Some(b'P') => {
                     tx.push(b'p');
                     Decoded::Answered { len: 1 }
@@ -959,6 +1013,13 @@ mod tests {
         }
         fn server_assigns_slots(&self) -> bool {
             true
+        }
+        fn take_broadcast(&mut self) -> Option<Arc<crate::reservations::Update>> {
+            Some(Arc::new(crate::reservations::Update {
+                lu: 0,
+                version: 1,
+                snapshot: None,
+            }))
         }
         fn next_is_data(&self, rx: &[u8]) -> bool {
             rx.first() == Some(&b'D')
@@ -1172,6 +1233,8 @@ mod tests {
             waiting: false,
             idle_mark: 0,
             _counted: None,
+            broadcasts: Vec::new(),
+            next_broadcast: 0,
         };
         (c, b)
     }
@@ -1236,6 +1299,38 @@ mod tests {
         r.extend_from_slice(&cookie.to_le_bytes());
         r.extend_from_slice(&(st as u16).to_le_bytes());
         r
+    }
+
+    /// A broadcast request stays in flight, unanswered, with its update for the reactor to
+    /// send; it is answered once the last acknowledgement is in, and requests behind it run
+    /// meanwhile.
+    #[test]
+    fn a_broadcast_is_answered_after_its_last_acknowledgement() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn("m=mem:1M");
+        let mut m = vec![b'B'];
+        m.extend_from_slice(&5u64.to_le_bytes());
+        feed(&mut c, &mut ring, &m);
+        assert!(take_tx(&mut c).is_empty(), "not answered yet");
+        assert_eq!((c.inflight, c.broadcasts.len()), (1, 1));
+        let seq = c.broadcasts[0].seq;
+        // As `Reactor::send_broadcasts`: the update goes out to two other reactors.
+        assert!(c.broadcasts[0].update.take().is_some());
+        c.broadcasts[0].left = 2;
+        super::broadcast_acked(&mut c, seq, 0);
+        feed(&mut c, &mut ring, b"P");
+        assert_eq!(take_tx(&mut c), b"p", "the connection goes on meanwhile");
+        super::broadcast_acked(&mut c, seq, 1);
+        assert!(
+            take_tx(&mut c).is_empty(),
+            "one acknowledgement still to come"
+        );
+        super::broadcast_acked(&mut c, seq, 1);
+        assert_eq!(take_tx(&mut c), status_reply(5, Status::Ok));
+        assert_eq!((c.inflight, c.broadcasts.len()), (0, 0));
+        // A late or repeated acknowledgement finds nothing.
+        super::broadcast_acked(&mut c, seq, 1);
+        assert!(take_tx(&mut c).is_empty());
     }
 
     #[test]

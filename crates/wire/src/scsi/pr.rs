@@ -144,6 +144,30 @@ fn touches_medium(cmd: &Command) -> bool {
     }
 }
 
+/// What one I_T nexus may do under the reservation state it was worked out from
+/// ([`Reservations::access`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Access {
+    /// Everything: no reservation, or one that lets this nexus in.
+    #[default]
+    Full,
+    /// No command that changes the medium (the Write Exclusive types, for a non-holder).
+    NoWrites,
+    /// Nothing that changes or reads the medium (the Exclusive Access types, for a non-holder).
+    NoMedium,
+}
+
+impl Access {
+    /// Does `cmd` end with RESERVATION CONFLICT?
+    pub fn conflicts(self, cmd: &Command) -> bool {
+        match self {
+            Access::Full => false,
+            Access::NoWrites => cmd.writes(),
+            Access::NoMedium => cmd.writes() || touches_medium(cmd),
+        }
+    }
+}
+
 impl Reservations {
     /// No registrations, no reservation, PRGENERATION 0.
     pub fn new() -> Reservations {
@@ -179,13 +203,29 @@ impl Reservations {
     /// Registrants types let every registrant in. PERSISTENT RESERVE IN/OUT, INQUIRY, REPORT LUNS,
     /// READ CAPACITY, TEST UNIT READY, REQUEST SENSE and the like never conflict.
     pub fn conflicts(&self, who: &Nexus, cmd: &Command) -> bool {
+        self.access(who).conflicts(cmd)
+    }
+
+    /// What `who` may do while this state lasts: [`Reservations::conflicts`] worked out once per
+    /// nexus, so a transport checks each command with a match on a copy instead of looking the
+    /// nexus up among the registrations.
+    pub fn access(&self, who: &Nexus) -> Access {
         let Some(r) = &self.reservation else {
-            return false;
+            return Access::Full;
         };
         if self.holds(who) || (registrants_only(r.kind) && self.key_of(who).is_some()) {
-            return false;
+            Access::Full
+        } else if exclusive_access(r.kind) {
+            Access::NoMedium
+        } else {
+            Access::NoWrites
         }
-        cmd.writes() || (exclusive_access(r.kind) && touches_medium(cmd))
+    }
+
+    /// Is the logical unit reserved (by anyone)? Without a reservation nothing conflicts,
+    /// whatever is registered.
+    pub fn reserved(&self) -> bool {
+        self.reservation.is_some()
     }
 
     /// The nexus went away (logout, connection loss). Registrations and the reservation are
@@ -671,6 +711,45 @@ mod tests {
 
     /// libiscsi's ProutReserve.Ownership*: when the holder unregisters, the reservation goes,
     /// except for the all-registrants types while others remain registered.
+    /// `access` is `conflicts` worked out once: the same answer for every command, type and
+    /// kind of nexus (holder, registered, not registered), and Full without a reservation.
+    #[test]
+    fn access_agrees_with_conflicts() {
+        let cmds = [
+            read(),
+            write(),
+            Command::TestUnitReady,
+            Command::SynchronizeCache { lba: 0, blocks: 0 },
+            Command::StartStopUnit {
+                start: false,
+                loej: false,
+            },
+        ];
+        let (a, b, c) = (nexus(1), nexus(2), nexus(3));
+        let mut pr = Reservations::new();
+        assert!(!pr.reserved());
+        assert_eq!(pr.access(&c), Access::Full);
+        pr.reserve_out(&a, sa_out::REGISTER_AND_IGNORE, 0, 0, &params(0, 1))
+            .unwrap();
+        pr.reserve_out(&b, sa_out::REGISTER_AND_IGNORE, 0, 0, &params(0, 2))
+            .unwrap();
+        for k in [1, 3, 5, 6, 7, 8] {
+            pr.reserve_out(&a, sa_out::RESERVE, 0, k, &params(1, 0))
+                .unwrap();
+            assert!(pr.reserved());
+            for who in [&a, &b, &c] {
+                let access = pr.access(who);
+                for cmd in &cmds {
+                    assert_eq!(access.conflicts(cmd), pr.conflicts(who, cmd), "{k} {cmd:?}");
+                }
+            }
+            assert_eq!(pr.access(&a), Access::Full);
+            pr.reserve_out(&a, sa_out::RELEASE, 0, k, &params(1, 0))
+                .unwrap();
+        }
+        assert_eq!(pr.access(&c), Access::Full);
+    }
+
     #[test]
     fn ownership_on_unregister() {
         for k in [1, 3, 5, 6, 7, 8] {
