@@ -175,9 +175,9 @@ chart("copy-compare",
 # Ceph RBD (issue 18): the latest recorded run (89f4181).
 chart("rbd-compare",
       "Ceph RBD: librbd directly (fio rbd) vs blkwire native and NBD, one job, 8s per run, 3 rounds (median), 127.0.0.1",
-      "run at 89f4181 (2026-11-26 02:16 UTC), bench/rbd-compare.sh",
+      "run at 690c17a (2026-11-26 04:41 UTC), bench/rbd-compare.sh",
       ["iops", "mean_us", "p99_us"],
-      latency(md_table("at 89f4181, 2026-11-26 02:16 UTC"),
+      latency(md_table("at 690c17a, 2026-11-26 04:41-04:47 UTC"),
               lambda r: f"{r['bs']} {r['rw']} QD{r['QD']}", lambda r: r["system"]),
       peers="fio-rbd")
 
