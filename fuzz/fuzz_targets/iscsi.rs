@@ -158,7 +158,7 @@ fn walk(fe: &mut Iscsi, data: &[u8], status: Status, refuse: bool) {
                 if req.kind == Kind::Broadcast {
                     // A PERSISTENT RESERVE OUT the other reactors must see: installed again here,
                     // as the reactor's other connections would.
-                    let update = fe.take_broadcast().expect("a broadcast has its update");
+                    let update = fe.take_broadcast(&req).expect("a broadcast has its update");
                     fe.reservations_changed(&update);
                 }
                 if req.is_read() && status == Status::Ok {

@@ -1348,8 +1348,15 @@ impl Iscsi {
                 self.drain(itt, p.seq);
             }
             let list = std::mem::take(&mut p.data);
-            // The command's LU, whatever commands came between.
+            // The command's LU, whatever commands came between; removed while its list came
+            // in, it runs nothing (a PERSISTENT RESERVE OUT would change the export's state).
             self.cur = p.target;
+            if self.luns[p.target].gone {
+                let res = Residual::of(p.edtl, p.want);
+                let s = Sense::lun_not_supported();
+                self.response(p.itt, CHECK_CONDITION, Some(&s), res, tx);
+                return Decoded::Answered { len };
+            }
             return self.run_params(p.itt, &p.cdb, p.edtl, &list, len, tx);
         }
         if ended {
@@ -1896,8 +1903,9 @@ impl StreamFrontend for Iscsi {
         }
     }
 
-    fn take_broadcast(&mut self) -> Option<std::sync::Arc<Update>> {
-        self.pr.iter_mut().find_map(|p| p.outgoing.take())
+    fn take_broadcast(&mut self, req: &Req) -> Option<std::sync::Arc<Update>> {
+        // The broadcast's own LU's: an update left behind elsewhere must never stand in for it.
+        self.pr.get_mut(req.target as usize)?.outgoing.take()
     }
 
     fn next_is_data(&self, rx: &[u8]) -> bool {
@@ -2742,7 +2750,7 @@ mod tests {
             "LUN 3 is target 1"
         );
         a.taken(&req);
-        let update = a.take_broadcast().expect("the update");
+        let update = a.take_broadcast(&req).expect("the update");
         b.reservations_changed(&update);
         tx.clear();
         let write10 = [0x2a, 0, 0, 0, 0, 0, 0, 0, 1, 0];
@@ -2759,6 +2767,41 @@ mod tests {
             (tx[0], tx[3], be32(&tx, 16)),
             (op::SCSI_RSP, RESERVATION_CONFLICT, 8)
         );
+    }
+
+    /// A PERSISTENT RESERVE OUT whose parameter list comes by Data-Out, its LUN removed before
+    /// the list is in: answered LOGICAL UNIT NOT SUPPORTED, the export's state untouched (a
+    /// change there would reach no other reactor).
+    #[test]
+    fn a_reserve_out_to_a_lun_removed_while_its_data_came_changes_nothing() {
+        let export =
+            |spec: &str| Arc::new(Export::open(&ExportSpec::parse(spec).unwrap()).unwrap());
+        let table = crate::reservations::Table::default();
+        let (x, y) = (export("x=mem:1M"), export("y=mem:1M"));
+        let ly = table.lu(&y);
+        let lun = |n: u64, e: &Arc<Export>| SetupLun {
+            lun: n,
+            export: e.clone(),
+            copy: CopyLimits::default(),
+            reservations: table.lu(e),
+        };
+        let mut f = setup(65536, "iqn.test:a", vec![lun(0, &x), lun(3, &y)]);
+        let mut tx = Vec::new();
+        // REGISTER to LUN 3 with no immediate data: the list is asked for with an R2T.
+        let mut reg = cmd(1, 0, &prout(0, 0), 24, true, &[]);
+        reg[8..16].copy_from_slice(&scsi::lun_to_wire(3));
+        assert!(matches!(f.decode(&reg, &mut tx), Decoded::Answered { .. }));
+        assert_eq!(tx[0], op::R2T);
+        let ttt = be32(&tx, 20);
+        tx.clear();
+        f.fenced(1);
+        let d = data_out(1, ttt, 0, 0, &prout_params(0, 0xCC), true);
+        assert!(matches!(f.decode(&d, &mut tx), Decoded::Answered { .. }));
+        assert_eq!((tx[0], tx[3]), (op::SCSI_RSP, CHECK_CONDITION));
+        assert_eq!(sense(&tx), (0x05, 0x25, 0x00), "LOGICAL UNIT NOT SUPPORTED");
+        assert!(f.pr[1].outgoing.is_none());
+        let keys = ly.reserve_in(0, 64).unwrap();
+        assert_eq!(&keys[4..8], &[0, 0, 0, 0], "no key registered: {keys:?}");
     }
 
     /// PERSISTENT RESERVE OUT data: reservation key, service action key, no flags.
@@ -2786,7 +2829,7 @@ mod tests {
         let reg = cmd(1, 0, &prout(0, 0), 24, true, &prout_params(0, 0xAA));
         assert!(matches!(a.decode(&reg, &mut tx), Decoded::Answered { .. }));
         assert_eq!((tx[0], tx[3]), (op::SCSI_RSP, GOOD));
-        assert!(a.take_broadcast().is_none());
+        assert!(a.pr[0].outgoing.is_none(), "nothing for the other reactors");
         tx.clear();
         let res = cmd(2, 1, &prout(1, 1), 24, true, &prout_params(0xAA, 0));
         let Decoded::Request { req, .. } = a.decode(&res, &mut tx) else {
@@ -2795,7 +2838,7 @@ mod tests {
         assert_eq!(req.kind, Kind::Broadcast);
         assert!(tx.is_empty(), "GOOD waits for the other reactors");
         a.taken(&req);
-        let update = a.take_broadcast().expect("the update");
+        let update = a.take_broadcast(&req).expect("the update");
         assert!(a.reply(&req, Status::Ok, &mut tx));
         assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 2));
         tx.clear();

@@ -268,9 +268,10 @@ pub trait StreamFrontend: Send {
         let _ = update;
     }
 
-    /// The update of the [`Kind::Broadcast`] request the reactor just took, for the other
-    /// reactors.
-    fn take_broadcast(&mut self) -> Option<std::sync::Arc<crate::reservations::Update>> {
+    /// The update of the [`Kind::Broadcast`] request `req` the reactor just took, for the
+    /// other reactors.
+    fn take_broadcast(&mut self, req: &Req) -> Option<std::sync::Arc<crate::reservations::Update>> {
+        let _ = req;
         None
     }
 

@@ -136,12 +136,30 @@ impl Portals {
             .collect()
     }
 
-    /// Records a logged-in session, forgetting those that ended (bounded by the live ones).
-    fn add_session(&self, e: SessionEntry, live: &dyn Fn(u32) -> bool) {
+    /// Records a login's sessions, forgetting those that ended (bounded by the live ones);
+    /// false, recording nothing, when its configured target changed since the login looked at
+    /// it (deleted, `who` no longer admitted, one of its LUNs removed). Under the lock the
+    /// control calls take: a change either sees this login's sessions (and closes them) or
+    /// the login sees the change.
+    fn add_session(&self, e: SessionEntry, who: &str, live: &dyn Fn(u32) -> bool) -> bool {
         let mut t = self.lock();
+        let still = match t.targets.list.iter().find(|c| c.iqn == e.target) {
+            Some(c) => {
+                c.admits(who)
+                    && e.luns
+                        .iter()
+                        .all(|(l, _)| c.luns.iter().any(|(n, _)| n == l))
+            }
+            // An export's own target (its removal closes the sessions itself), or deleted.
+            None => e.target.starts_with(BLKWIRE_IQN_PREFIX),
+        };
+        if !still {
+            return false;
+        }
         t.sessions
             .retain(|s| s.luns.iter().any(|&(_, id)| live(id)));
         t.sessions.push(e);
+        true
     }
 
     /// Forgets the iSCSI facts of sessions that ended (`live`: the registry's open ones): a
@@ -974,11 +992,14 @@ fn finish<S: Read + Write>(
     }
     // TSIH: never 0 (§11.12.6); the first session id's low bits identify it in logs.
     let tsih = (admitted[0].session as u16).max(1);
-    if l.respond(s, flags, status::SUCCESS, tsih, &out).is_none() {
-        leave_all(&admitted);
-        return None;
-    }
-    registry.iscsi.add_session(
+    // Recorded before the answer, so that a control call changing the target meanwhile either
+    // closes these sessions or makes this login fail (`add_session`).
+    let acl_name = l
+        .proven
+        .clone()
+        .or_else(|| l.initiator.clone())
+        .unwrap_or_default();
+    let recorded = registry.iscsi.add_session(
         SessionEntry {
             session: admitted[0].session,
             luns: luns
@@ -993,8 +1014,24 @@ fn finish<S: Read + Write>(
             peer: peer_s.clone(),
             digests: l.neg.digests,
         },
+        &acl_name,
         &|id| !registry.is_revoked(id),
     );
+    if !recorded {
+        crate::log!(
+            Level::Info,
+            "{peer_s}: iSCSI initiator '{who}': refused: target {} changed during the login",
+            target.escape_debug()
+        );
+        leave_all(&admitted);
+        l.respond(s, refuse_flags, status::FORBIDDEN, 0, &[])?;
+        return None;
+    }
+    if l.respond(s, flags, status::SUCCESS, tsih, &out).is_none() {
+        // Its sessions end here: the record goes with them (`retain_sessions`).
+        leave_all(&admitted);
+        return None;
+    }
     crate::log!(
         Level::Info,
         "{peer_s}: iSCSI initiator '{who}' logged in to {} ({} LUN(s); digests header {}, data {})",
@@ -1258,6 +1295,52 @@ pub fn target_name(export: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A login records its sessions only if its configured target is as it found it: a
+    /// control call that changed it between the two is never missed.
+    #[test]
+    fn a_login_is_recorded_only_if_its_target_did_not_change_meanwhile() {
+        const IQN: &str = "iqn.2026-11.com.example:t";
+        let p = Portals::default();
+        p.create_target(IQN, Some(vec!["iqn.a".into(), "iqn.b".into()]), false)
+            .unwrap();
+        p.add_lun(IQN, "x", Some(0)).unwrap();
+        p.add_lun(IQN, "y", Some(3)).unwrap();
+        let entry = |target: &str, luns: &[u64]| SessionEntry {
+            session: 1,
+            luns: luns.iter().map(|&l| (l, 1 + l as u32)).collect(),
+            target: target.into(),
+            initiator: "iqn.a".into(),
+            isid: [0; 6],
+            tsih: 1,
+            peer: "test".into(),
+            digests: Digests::default(),
+        };
+        let live = |_| true;
+        assert!(p.add_session(entry(IQN, &[0, 3]), "iqn.a", &live));
+        p.remove_initiator(IQN, "iqn.a").unwrap();
+        assert!(
+            !p.add_session(entry(IQN, &[0, 3]), "iqn.a", &live),
+            "no longer admitted"
+        );
+        assert!(p.add_session(entry(IQN, &[0, 3]), "iqn.b", &live));
+        p.remove_lun(IQN, 3).unwrap();
+        assert!(
+            !p.add_session(entry(IQN, &[0, 3]), "iqn.b", &live),
+            "LUN 3 removed"
+        );
+        assert!(p.add_session(entry(IQN, &[0]), "iqn.b", &live));
+        p.delete_target(IQN).unwrap();
+        assert!(
+            !p.add_session(entry(IQN, &[0]), "iqn.b", &live),
+            "target deleted"
+        );
+        let own = format!("{BLKWIRE_IQN_PREFIX}x");
+        assert!(
+            p.add_session(entry(&own, &[0]), "iqn.b", &live),
+            "an export's own target"
+        );
+    }
 
     /// SendTargets answers are cut after whole key=value pairs.
     #[test]

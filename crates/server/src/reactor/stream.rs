@@ -174,11 +174,11 @@ fn request_cover(c: &mut Conn, req: &Req, payload_len: usize) -> Cover {
     // unless it could never fit this connection's share: then it fails (ENOMEM).
     match req.kind {
         Kind::Copy => covers_copy(c),
-        _ if unsolicited => match covers_request(c, req) {
+        _ if unsolicited => match covers_request(c, req, payload_len) {
             Cover::Never => Cover::Never,
             _ => Cover::Yes,
         },
-        _ if moves_data => covers_request(c, req),
+        _ if moves_data => covers_request(c, req, payload_len),
         _ => Cover::Yes,
     }
 }
@@ -198,13 +198,17 @@ fn covers_copy(c: &mut Conn) -> Cover {
     }
 }
 
-/// Whether the memory budget covers a data request (see `parse_frames`).
-fn covers_request(c: &mut Conn, req: &Req) -> Cover {
+/// Whether the memory budget covers a data request that brought `payload_len` bytes of its
+/// data (see `parse_frames`).
+fn covers_request(c: &mut Conn, req: &Req, payload_len: usize) -> Cover {
     let len = req.length as usize;
     let read = req.is_read();
     let extra_tx = if read { len + REPLY_SLACK } else { 0 };
     let chunked = read && c.fe.read_framing(req) == ReadFraming::Chunked;
-    let pooled = !c.inline(req) || chunked;
+    // A WRITE without all of its data waits for the rest in a slot's buffer, even on an
+    // export that completes inline (`hold_write`).
+    let waits = req.is_write() && payload_len < len;
+    let pooled = !c.inline(req) || chunked || waits;
     // What it needs even on an idle connection.
     if c.rx.capacity() + extra_tx + if pooled { len } else { 0 } > c.mem.cap() {
         return Cover::Never;
@@ -230,8 +234,12 @@ fn dispatch(
     sq: &mut Pusher<'_>,
 ) {
     // A target the connection does not have, or one fenced since (its export or namespace was
-    // removed), runs nothing; a LOGOUT addresses the connection, not a target.
-    if req.kind != Kind::Logout && c.targets.get(req.target as usize).is_none_or(|t| t.fenced) {
+    // removed), runs nothing; a LOGOUT addresses the connection, not a target, and a broadcast
+    // carries a change already made to the export's shared state, which every reactor must see
+    // whatever became of this connection's view of the export.
+    if !matches!(req.kind, Kind::Logout | Kind::Broadcast)
+        && c.targets.get(req.target as usize).is_none_or(|t| t.fenced)
+    {
         return c.reply(&req.refused(), Status::NoExport);
     }
     let block = match req.kind {
@@ -246,7 +254,7 @@ fn dispatch(
         }
         Kind::Unsupported => return c.reply(req, Status::Unsupported),
         Kind::Broadcast => {
-            let Some(update) = c.fe.take_broadcast() else {
+            let Some(update) = c.fe.take_broadcast(req) else {
                 return c.reply(req, Status::Ok);
             };
             // Sent by the reactor once this connection has been serviced
@@ -1014,7 +1022,7 @@ mod tests {
         fn server_assigns_slots(&self) -> bool {
             true
         }
-        fn take_broadcast(&mut self) -> Option<Arc<crate::reservations::Update>> {
+        fn take_broadcast(&mut self, _req: &Req) -> Option<Arc<crate::reservations::Update>> {
             Some(Arc::new(crate::reservations::Update {
                 lu: 0,
                 version: 1,
