@@ -130,6 +130,10 @@ impl Lu {
 pub struct Table {
     lus: Mutex<Lus>,
     reactors: OnceLock<Vec<(Sender<Msg>, OwnedFd)>>,
+    /// Reactors that stopped taking updates (their index): `broadcast` skips them. Under a
+    /// lock with the sends, so an update is either sent before a reactor's last look at its
+    /// inbox (and acknowledged there) or not sent to it at all.
+    exited: Mutex<Vec<usize>>,
 }
 
 #[derive(Default)]
@@ -175,9 +179,10 @@ impl Table {
         let Some(reactors) = self.reactors.get() else {
             return 0;
         };
+        let exited = self.exited.lock().unwrap_or_else(|p| p.into_inner());
         let mut sent = 0;
         for (i, (tx, wake)) in reactors.iter().enumerate() {
-            if i == ack.reactor {
+            if i == ack.reactor || exited.contains(&i) {
                 continue;
             }
             let m = Msg::Reservations {
@@ -190,6 +195,15 @@ impl Table {
             }
         }
         sent
+    }
+
+    /// Reactor `reactor` takes no more updates: after this, nothing is sent to it, and what
+    /// was sent before is in its inbox for its last look.
+    pub(crate) fn exiting(&self, reactor: usize) {
+        self.exited
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(reactor);
     }
 
     /// Tells the reactor waiting for `ack` that this one installed the update.
@@ -247,6 +261,45 @@ mod tests {
             t.lus.lock().unwrap().list.len(),
             2,
             "the dropped export's entry went"
+        );
+    }
+
+    /// An update goes to every other reactor but those that stopped taking them (a reactor
+    /// shutting down would never acknowledge it).
+    #[test]
+    fn updates_skip_reactors_that_stopped() {
+        let t = Table::default();
+        let mut inboxes = Vec::new();
+        let mut reactors = Vec::new();
+        for _ in 0..3 {
+            let (tx, rx) = std::sync::mpsc::channel();
+            reactors.push((tx, crate::eventfd().unwrap()));
+            inboxes.push(rx);
+        }
+        t.set_reactors(reactors);
+        let update = Arc::new(Update {
+            lu: 1,
+            version: 1,
+            snapshot: None,
+        });
+        let ack = Ack {
+            reactor: 0,
+            conn: 0,
+            incarnation: 1,
+            seq: 0,
+        };
+        assert_eq!(t.broadcast(&update, ack), 2);
+        t.exiting(2);
+        assert_eq!(
+            t.broadcast(&update, ack),
+            1,
+            "reactor 2 stopped taking updates"
+        );
+        assert_eq!(inboxes[1].try_iter().count(), 2);
+        assert_eq!(
+            inboxes[2].try_iter().count(),
+            1,
+            "only the one sent before it stopped"
         );
     }
 

@@ -208,8 +208,8 @@ impl Reactor {
                     p.close_all();
                 }
                 // Updates that came after the last look are acknowledged, so no reactor still
-                // serving waits for this one (after it exits, sends to it fail and are not
-                // counted).
+                // serving waits for this one; none is sent to it from now on (`exiting`).
+                self.registry.reservations.exiting(self.id);
                 while let Ok(m) = self.inbox.try_recv() {
                     if let Msg::Reservations { ack: Some(ack), .. } = m {
                         self.registry.reservations.acknowledge(ack);
