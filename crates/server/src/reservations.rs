@@ -174,7 +174,7 @@ impl Table {
     }
 
     /// Sends `update` to every reactor but `ack.reactor`, each to acknowledge to `ack`; returns
-    /// how many were sent (a reactor that has exited acknowledges nothing and is not counted).
+    /// how many were sent (a reactor that stopped taking updates, `exiting`, is not sent one).
     pub(crate) fn broadcast(&self, update: &Arc<Update>, ack: Ack) -> usize {
         let Some(reactors) = self.reactors.get() else {
             return 0;
