@@ -487,19 +487,8 @@ pub fn run_subsystem(cmd: SubsystemCmd) -> Result<(), String> {
                     ("controllers", Align::Right),
                 ],
                 |s| {
-                    let ns = s["namespaces"].as_array().map_or(String::new(), |v| {
-                        v.iter()
-                            .map(|n| format!("{}={}", cell(&n["nsid"]), cell(&n["export"])))
-                            .collect::<Vec<_>>()
-                            .join(",")
-                    });
-                    let hosts = if s["configured"] != true || s["allow_any_host"] == true {
-                        "any".to_string()
-                    } else {
-                        s["hosts"].as_array().map_or(String::new(), |v| {
-                            v.iter().map(cell).collect::<Vec<_>>().join(",")
-                        })
-                    };
+                    let ns = numbered(&s["namespaces"], "nsid");
+                    let hosts = admitted(s, "allow_any_host", "hosts");
                     let ctrls = s["controllers"].as_array().map_or(0, Vec::len);
                     vec![cell(&s["nqn"]), ns, hosts, ctrls.to_string()]
                 },
@@ -508,6 +497,28 @@ pub fn run_subsystem(cmd: SubsystemCmd) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// An NVMe subsystem's namespaces or an iSCSI target's LUNs as `NUMBER=EXPORT,...`, the
+/// number under `key` in each.
+fn numbered(members: &Value, key: &str) -> String {
+    members.as_array().map_or(String::new(), |v| {
+        v.iter()
+            .map(|m| format!("{}={}", cell(&m[key]), cell(&m["export"])))
+            .collect::<Vec<_>>()
+            .join(",")
+    })
+}
+
+/// Who may connect to a listed subsystem or target: `any` for an export's own one or a
+/// configured one whose `any_key` is set, else its `list_key` names joined.
+fn admitted(item: &Value, any_key: &str, list_key: &str) -> String {
+    if item["configured"] != true || item[any_key] == true {
+        return "any".to_string();
+    }
+    item[list_key].as_array().map_or(String::new(), |v| {
+        v.iter().map(cell).collect::<Vec<_>>().join(",")
+    })
 }
 
 pub fn run_iscsi_target(cmd: IscsiTargetCmd) -> Result<(), String> {
@@ -588,19 +599,8 @@ pub fn run_iscsi_target(cmd: IscsiTargetCmd) -> Result<(), String> {
                     ("sessions", Align::Right),
                 ],
                 |t| {
-                    let luns = t["luns"].as_array().map_or(String::new(), |v| {
-                        v.iter()
-                            .map(|l| format!("{}={}", cell(&l["lun"]), cell(&l["export"])))
-                            .collect::<Vec<_>>()
-                            .join(",")
-                    });
-                    let initiators = if t["configured"] != true || t["any_initiator"] == true {
-                        "any".to_string()
-                    } else {
-                        t["initiators"].as_array().map_or(String::new(), |v| {
-                            v.iter().map(cell).collect::<Vec<_>>().join(",")
-                        })
-                    };
+                    let luns = numbered(&t["luns"], "lun");
+                    let initiators = admitted(t, "any_initiator", "initiators");
                     let sessions = t["sessions"].as_array().map_or(0, Vec::len);
                     vec![cell(&t["iqn"]), luns, initiators, sessions.to_string()]
                 },
