@@ -43,14 +43,7 @@ impl IscsiTarget {
 
 /// Fails (never skips) when a libiscsi tool is missing.
 fn need(tool: &str) {
-    let found = Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    assert!(
-        found,
-        "{tool} is not installed: install libiscsi-bin (scripts/deps.sh) to run the iSCSI tests"
-    );
+    common::need_tool(tool, "libiscsi-bin");
 }
 
 /// How one libiscsi test ended.

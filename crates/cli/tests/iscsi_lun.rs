@@ -19,14 +19,7 @@ const PREFIX: &str = "iqn.2026-11.io.blkwire:";
 
 /// Fails (never skips) when a libiscsi tool is missing.
 fn need(tool: &str) {
-    let found = Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    assert!(
-        found,
-        "{tool} is not installed: install libiscsi-bin (scripts/deps.sh) to run the iSCSI tests"
-    );
+    common::need_tool(tool, "libiscsi-bin");
 }
 
 /// Runs a libiscsi tool (bounded in time): success and its output.

@@ -19,17 +19,6 @@ use common::{assert_one_line_error, cli, random_bytes, Target, TempDir};
 /// Seconds any external tool may run before `timeout` kills it.
 const TOOL_LIMIT: &str = "120";
 
-/// Fails the test, naming the package, when a tool is not installed.
-fn need(prog: &str, package: &str) {
-    let found = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).any(|d| d.join(prog).is_file()))
-        .unwrap_or(false);
-    assert!(
-        found,
-        "{prog} is not installed: this test needs it (apt-get install {package}; scripts/deps.sh does)"
-    );
-}
-
 fn run(prog: &str, args: &[&str]) -> Output {
     Command::new("timeout")
         .args(["-k", "5", TOOL_LIMIT, prog])
@@ -117,8 +106,8 @@ fn psk_target(dir: &TempDir, mode: &str) -> (TlsTarget, PathBuf) {
 
 #[test]
 fn nbdcopy_round_trips_data_over_nbd_starttls_with_psk() {
-    need("nbdcopy", "libnbd-bin");
-    need("nbdinfo", "libnbd-bin");
+    common::need_tool("nbdcopy", "libnbd-bin");
+    common::need_tool("nbdinfo", "libnbd-bin");
     let dir = TempDir::new("tls-nbdcopy");
     let (t, keys) = psk_target(&dir, "require");
     let uri = t.nbds("d", "alice", &keys);
@@ -143,7 +132,7 @@ fn nbdcopy_round_trips_data_over_nbd_starttls_with_psk() {
 
 #[test]
 fn qemu_img_round_trips_data_over_nbd_tls_psk() {
-    need("qemu-img", "qemu-utils");
+    common::need_tool("qemu-img", "qemu-utils");
     let dir = TempDir::new("tls-qemu");
     let (t, keys) = psk_target(&dir, "require");
     // qemu reads its PSKs from DIR/keys.psk, in the same format.
@@ -193,7 +182,7 @@ fn qemu_img_round_trips_data_over_nbd_tls_psk() {
 
 #[test]
 fn tls_require_refuses_plain_nbd_clients_and_on_serves_both() {
-    need("nbdinfo", "libnbd-bin");
+    common::need_tool("nbdinfo", "libnbd-bin");
     let dir = TempDir::new("tls-require");
     let (cert, key) = self_signed(&dir);
     let (cert_s, key_s) = (cert.to_str().unwrap(), key.to_str().unwrap());
@@ -257,7 +246,7 @@ fn tls_require_refuses_plain_nbd_clients_and_on_serves_both() {
 
 #[test]
 fn starttls_is_refused_without_tls_and_wrong_psks_get_nothing() {
-    need("nbdinfo", "libnbd-bin");
+    common::need_tool("nbdinfo", "libnbd-bin");
     // --tls off (the default): STARTTLS is not offered.
     let t = TlsTarget::start(&["d=mem:1M"], &[]);
     let mut raw = Raw::open(&t.nbd_addr);
@@ -422,7 +411,7 @@ fn native_tcp_over_tls_psk_round_trips_on_every_queue_and_wrong_keys_fail() {
 
 /// A self-signed certificate for 127.0.0.1, made with the openssl CLI.
 fn self_signed(dir: &TempDir) -> (PathBuf, PathBuf) {
-    need("openssl", "openssl");
+    common::need_tool("openssl", "openssl");
     let (cert, key) = (dir.path("cert.pem"), dir.path("key.pem"));
     tool(
         "openssl",
@@ -693,7 +682,7 @@ fn a_stalled_tls_handshake_is_cut_off_at_its_deadline() {
 /// the target, neither sees nor opens alice's export; alice does both.
 #[test]
 fn nbd_tls_psk_hosts_are_held_to_export_allow_lists() {
-    need("nbdinfo", "libnbd-bin");
+    common::need_tool("nbdinfo", "libnbd-bin");
     let dir = TempDir::new("tls-nbd-acl");
     let (alice, bob) = (dir.path("alice.psk"), dir.path("bob.psk"));
     key_file(&alice, "alice");

@@ -16,6 +16,17 @@ use std::time::Duration;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_blkwire");
 
+/// Fails the test (never skips it), naming the package, when the program `prog` is not on
+/// PATH.
+pub fn need_tool(prog: &str, package: &str) {
+    let found = std::env::var_os("PATH")
+        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(prog).is_file()));
+    assert!(
+        found,
+        "{prog} is not installed: this test needs it (apt-get install {package}; scripts/deps.sh does)"
+    );
+}
+
 /// Spawns a prepared `blkwire serve` command and waits (up to 20 s) for `want` `listening URL`
 /// lines on its stdout; returns the child and the URLs in the order printed. Panics, with the
 /// child killed, when they do not come.
