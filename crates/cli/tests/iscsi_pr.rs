@@ -102,9 +102,7 @@ impl PrTarget {
 /// PERSISTENT RESERVE OUT with its 24-byte parameter list as immediate data: the status.
 fn prout(c: &mut Conn, sa: u8, kind: u8, res_key: u64, sa_key: u64) -> u8 {
     let cdb = [0x5f, sa, kind, 0, 0, 0, 0, 0, 24, 0];
-    let mut p = [0u8; 24];
-    p[0..8].copy_from_slice(&res_key.to_be_bytes());
-    p[8..16].copy_from_slice(&sa_key.to_be_bytes());
+    let p = blkwire_wire::scsi::pr::out_parameters(res_key, sa_key);
     let (_, pdu) = c.command(&cdb, 24, true, &p);
     c.send(&pdu).unwrap();
     let r = c.recv().expect("a response to PERSISTENT RESERVE OUT");

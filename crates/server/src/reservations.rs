@@ -220,7 +220,7 @@ impl Table {
 #[cfg(test)]
 mod tests {
     use blkwire_backend::ExportSpec;
-    use blkwire_wire::scsi::pr::{kind, sa_out};
+    use blkwire_wire::scsi::pr::{kind, out_parameters, sa_out};
 
     use super::*;
 
@@ -235,13 +235,6 @@ mod tests {
         }
     }
 
-    fn params(res_key: u64, sa_key: u64) -> [u8; 24] {
-        let mut p = [0u8; 24];
-        p[0..8].copy_from_slice(&res_key.to_be_bytes());
-        p[8..16].copy_from_slice(&sa_key.to_be_bytes());
-        p
-    }
-
     /// One state per export, the same for every lookup; a removed export's state goes with it.
     #[test]
     fn one_state_per_export() {
@@ -250,7 +243,7 @@ mod tests {
         let la = t.lu(&a);
         assert!(Arc::ptr_eq(&la, &t.lu(&a)));
         assert_ne!(la.id(), t.lu(&b).id());
-        la.reserve_out(&nexus(1), sa_out::REGISTER, 0, 0, &params(0, 5))
+        la.reserve_out(&nexus(1), sa_out::REGISTER, 0, 0, &out_parameters(0, 5))
             .unwrap();
         drop(a);
         let again = export("a");
@@ -310,10 +303,16 @@ mod tests {
     fn updates_only_when_the_conflict_check_changes() {
         let lu = Lu::detached();
         let a = nexus(1);
-        let reg = lu.reserve_out(&a, sa_out::REGISTER, 0, 0, &params(0, 7));
+        let reg = lu.reserve_out(&a, sa_out::REGISTER, 0, 0, &out_parameters(0, 7));
         assert!(matches!(reg, Ok(None)));
         let u = lu
-            .reserve_out(&a, sa_out::RESERVE, 0, kind::WRITE_EXCLUSIVE, &params(7, 0))
+            .reserve_out(
+                &a,
+                sa_out::RESERVE,
+                0,
+                kind::WRITE_EXCLUSIVE,
+                &out_parameters(7, 0),
+            )
             .unwrap()
             .expect("an update");
         assert_eq!(u.version, 1);
@@ -321,10 +320,16 @@ mod tests {
         assert_eq!(lu.current().version, 1);
         // A refused command changes nothing.
         assert!(lu
-            .reserve_out(&nexus(2), sa_out::RESERVE, 0, 1, &params(9, 0))
+            .reserve_out(&nexus(2), sa_out::RESERVE, 0, 1, &out_parameters(9, 0))
             .is_err());
         let u = lu
-            .reserve_out(&a, sa_out::RELEASE, 0, kind::WRITE_EXCLUSIVE, &params(7, 0))
+            .reserve_out(
+                &a,
+                sa_out::RELEASE,
+                0,
+                kind::WRITE_EXCLUSIVE,
+                &out_parameters(7, 0),
+            )
             .unwrap()
             .expect("an update");
         assert_eq!((u.version, u.snapshot.is_none()), (2, true));

@@ -2738,9 +2738,15 @@ mod tests {
             pdu
         };
         let mut tx = Vec::new();
-        let reg = on(3, cmd(1, 0, &prout(0, 0), 24, true, &prout_params(0, 0xBB)));
+        let reg = on(
+            3,
+            cmd(1, 0, &prout(0, 0), 24, true, &pr::out_parameters(0, 0xBB)),
+        );
         assert!(matches!(a.decode(&reg, &mut tx), Decoded::Answered { .. }));
-        let res = on(3, cmd(2, 1, &prout(1, 1), 24, true, &prout_params(0xBB, 0)));
+        let res = on(
+            3,
+            cmd(2, 1, &prout(1, 1), 24, true, &pr::out_parameters(0xBB, 0)),
+        );
         let Decoded::Request { req, .. } = a.decode(&res, &mut tx) else {
             panic!("a broadcast request");
         };
@@ -2795,21 +2801,13 @@ mod tests {
         let ttt = be32(&tx, 20);
         tx.clear();
         f.fenced(1);
-        let d = data_out(1, ttt, 0, 0, &prout_params(0, 0xCC), true);
+        let d = data_out(1, ttt, 0, 0, &pr::out_parameters(0, 0xCC), true);
         assert!(matches!(f.decode(&d, &mut tx), Decoded::Answered { .. }));
         assert_eq!((tx[0], tx[3]), (op::SCSI_RSP, CHECK_CONDITION));
         assert_eq!(sense(&tx), (0x05, 0x25, 0x00), "LOGICAL UNIT NOT SUPPORTED");
         assert!(f.pr[1].outgoing.is_none());
         let keys = ly.reserve_in(0, 64).unwrap();
         assert_eq!(&keys[4..8], &[0, 0, 0, 0], "no key registered: {keys:?}");
-    }
-
-    /// PERSISTENT RESERVE OUT data: reservation key, service action key, no flags.
-    fn prout_params(res_key: u64, sa_key: u64) -> Vec<u8> {
-        let mut p = vec![0u8; 24];
-        p[0..8].copy_from_slice(&res_key.to_be_bytes());
-        p[8..16].copy_from_slice(&sa_key.to_be_bytes());
-        p
     }
 
     fn prout(sa: u8, kind: u8) -> [u8; 10] {
@@ -2826,12 +2824,12 @@ mod tests {
         let mut a = fe_on(65536, "iqn.test:a", lu.clone());
         let mut b = fe_on(65536, "iqn.test:b", lu.clone());
         let mut tx = Vec::new();
-        let reg = cmd(1, 0, &prout(0, 0), 24, true, &prout_params(0, 0xAA));
+        let reg = cmd(1, 0, &prout(0, 0), 24, true, &pr::out_parameters(0, 0xAA));
         assert!(matches!(a.decode(&reg, &mut tx), Decoded::Answered { .. }));
         assert_eq!((tx[0], tx[3]), (op::SCSI_RSP, GOOD));
         assert!(a.pr[0].outgoing.is_none(), "nothing for the other reactors");
         tx.clear();
-        let res = cmd(2, 1, &prout(1, 1), 24, true, &prout_params(0xAA, 0));
+        let res = cmd(2, 1, &prout(1, 1), 24, true, &pr::out_parameters(0xAA, 0));
         let Decoded::Request { req, .. } = a.decode(&res, &mut tx) else {
             panic!("a broadcast request");
         };

@@ -58,6 +58,15 @@ pub mod kind {
 /// Bytes of the PERSISTENT RESERVE OUT parameter list without SPEC_I_PT (SPC-4 PERSISTENT RESERVE
 /// OUT parameter list).
 pub const PARAM_LEN: usize = 24;
+/// The PERSISTENT RESERVE OUT parameter list an initiator sends (SPC-4): RESERVATION KEY,
+/// SERVICE ACTION RESERVATION KEY, no flags (what [`Reservations::reserve_out`] decodes).
+pub fn out_parameters(res_key: u64, sa_key: u64) -> [u8; PARAM_LEN] {
+    let mut p = [0u8; PARAM_LEN];
+    p[0..8].copy_from_slice(&res_key.to_be_bytes());
+    p[8..16].copy_from_slice(&sa_key.to_be_bytes());
+    p
+}
+
 /// Registrations held at most per LU; one more is INSUFFICIENT REGISTRATION RESOURCES.
 pub const MAX_REGISTRATIONS: usize = 256;
 
@@ -523,13 +532,6 @@ mod tests {
         }
     }
 
-    fn params(res_key: u64, sa_key: u64) -> [u8; 24] {
-        let mut p = [0u8; 24];
-        p[0..8].copy_from_slice(&res_key.to_be_bytes());
-        p[8..16].copy_from_slice(&sa_key.to_be_bytes());
-        p
-    }
-
     fn read() -> Command {
         Command::Read {
             lba: 0,
@@ -554,18 +556,30 @@ mod tests {
     fn register_unregister_and_generation() {
         let mut pr = Reservations::new();
         let (a, b) = (nexus(1), nexus(2));
-        pr.reserve_out(&a, sa_out::REGISTER, 0, 0, &params(0, 0xAA))
+        pr.reserve_out(&a, sa_out::REGISTER, 0, 0, &out_parameters(0, 0xAA))
             .unwrap();
         assert_eq!(pr.generation(), 1);
         // REGISTER with the wrong key conflicts; REGISTER AND IGNORE does not.
         assert_eq!(
-            pr.reserve_out(&a, sa_out::REGISTER, 0, 0, &params(0x11, 0xAB)),
+            pr.reserve_out(&a, sa_out::REGISTER, 0, 0, &out_parameters(0x11, 0xAB)),
             Err(Outcome::ReservationConflict)
         );
-        pr.reserve_out(&a, sa_out::REGISTER_AND_IGNORE, 0, 0, &params(0, 0xAB))
-            .unwrap();
-        pr.reserve_out(&b, sa_out::REGISTER_AND_IGNORE, 0, 0, &params(0, 0xBB))
-            .unwrap();
+        pr.reserve_out(
+            &a,
+            sa_out::REGISTER_AND_IGNORE,
+            0,
+            0,
+            &out_parameters(0, 0xAB),
+        )
+        .unwrap();
+        pr.reserve_out(
+            &b,
+            sa_out::REGISTER_AND_IGNORE,
+            0,
+            0,
+            &out_parameters(0, 0xBB),
+        )
+        .unwrap();
         assert_eq!(keys(&pr), [0xAB, 0xBB]);
         assert_eq!(pr.generation(), 3);
         // Truncated READ KEYS keeps ADDITIONAL LENGTH.
@@ -573,7 +587,7 @@ mod tests {
             pr.reserve_in(sa_in::READ_KEYS, 8).unwrap(),
             [0, 0, 0, 3, 0, 0, 0, 16]
         );
-        pr.reserve_out(&b, sa_out::REGISTER, 0, 0, &params(0xBB, 0))
+        pr.reserve_out(&b, sa_out::REGISTER, 0, 0, &out_parameters(0xBB, 0))
             .unwrap();
         assert_eq!(keys(&pr), [0xAB]);
         // Wrong parameter length, APTPL, unknown SA.
@@ -581,7 +595,7 @@ mod tests {
             pr.reserve_out(&a, sa_out::REGISTER, 0, 0, &[0; 23]),
             Err(Outcome::Sense(Sense::parameter_list_length_error()))
         );
-        let mut p = params(0xAB, 1);
+        let mut p = out_parameters(0xAB, 1);
         p[20] = 1;
         let e = pr.reserve_out(&a, sa_out::REGISTER, 0, 0, &p);
         assert!(matches!(e, Err(Outcome::Sense(s)) if s.asc == 0x26));
@@ -592,7 +606,7 @@ mod tests {
     fn reserve_release_clear() {
         let mut pr = Reservations::new();
         let (a, b) = (nexus(1), nexus(2));
-        pr.reserve_out(&a, sa_out::REGISTER, 0, 0, &params(0, 1))
+        pr.reserve_out(&a, sa_out::REGISTER, 0, 0, &out_parameters(0, 1))
             .unwrap();
         // Unregistered nexus cannot reserve.
         assert_eq!(
@@ -601,7 +615,7 @@ mod tests {
                 sa_out::RESERVE,
                 0,
                 kind::EXCLUSIVE_ACCESS,
-                &params(0, 0)
+                &out_parameters(0, 0)
             ),
             Err(Outcome::ReservationConflict)
         );
@@ -611,7 +625,7 @@ mod tests {
             sa_out::RESERVE,
             0,
             kind::EXCLUSIVE_ACCESS,
-            &params(1, 0),
+            &out_parameters(1, 0),
         )
         .unwrap();
         assert_eq!(pr.generation(), gen);
@@ -625,20 +639,26 @@ mod tests {
             sa_out::RESERVE,
             0,
             kind::EXCLUSIVE_ACCESS,
-            &params(1, 0),
+            &out_parameters(1, 0),
         )
         .unwrap();
         assert_eq!(
-            pr.reserve_out(&a, sa_out::RESERVE, 0, kind::WRITE_EXCLUSIVE, &params(1, 0)),
+            pr.reserve_out(
+                &a,
+                sa_out::RESERVE,
+                0,
+                kind::WRITE_EXCLUSIVE,
+                &out_parameters(1, 0)
+            ),
             Err(Outcome::ReservationConflict)
         );
         assert!(matches!(
-            pr.reserve_out(&a, sa_out::RESERVE, 0, 2, &params(1, 0)),
+            pr.reserve_out(&a, sa_out::RESERVE, 0, 2, &out_parameters(1, 0)),
             Err(Outcome::Sense(s)) if s.asc == 0x24
         ));
         // Release with the wrong type is INVALID RELEASE.
         assert!(matches!(
-            pr.reserve_out(&a, sa_out::RELEASE, 0, kind::WRITE_EXCLUSIVE, &params(1, 0)),
+            pr.reserve_out(&a, sa_out::RELEASE, 0, kind::WRITE_EXCLUSIVE, &out_parameters(1, 0)),
             Err(Outcome::Sense(s)) if (s.asc, s.ascq) == (0x26, 0x04)
         ));
         pr.reserve_out(
@@ -646,7 +666,7 @@ mod tests {
             sa_out::RELEASE,
             0,
             kind::EXCLUSIVE_ACCESS,
-            &params(1, 0),
+            &out_parameters(1, 0),
         )
         .unwrap();
         assert_eq!(
@@ -658,10 +678,10 @@ mod tests {
             sa_out::RESERVE,
             0,
             kind::EXCLUSIVE_ACCESS,
-            &params(1, 0),
+            &out_parameters(1, 0),
         )
         .unwrap();
-        pr.reserve_out(&a, sa_out::CLEAR, 0, 0, &params(1, 0))
+        pr.reserve_out(&a, sa_out::CLEAR, 0, 0, &out_parameters(1, 0))
             .unwrap();
         assert_eq!(pr.generation(), gen + 1);
         assert!(keys(&pr).is_empty());
@@ -683,11 +703,11 @@ mod tests {
         for (k, [rr, rw, ur, uw]) in table {
             let mut pr = Reservations::new();
             let (a, b) = (nexus(1), nexus(2));
-            pr.reserve_out(&a, sa_out::REGISTER_AND_IGNORE, 0, 0, &params(0, 1))
+            pr.reserve_out(&a, sa_out::REGISTER_AND_IGNORE, 0, 0, &out_parameters(0, 1))
                 .unwrap();
-            pr.reserve_out(&b, sa_out::REGISTER_AND_IGNORE, 0, 0, &params(0, 2))
+            pr.reserve_out(&b, sa_out::REGISTER_AND_IGNORE, 0, 0, &out_parameters(0, 2))
                 .unwrap();
-            pr.reserve_out(&a, sa_out::RESERVE, 0, k, &params(1, 0))
+            pr.reserve_out(&a, sa_out::RESERVE, 0, k, &out_parameters(1, 0))
                 .unwrap();
             assert!(
                 !pr.conflicts(&a, &read()) && !pr.conflicts(&a, &write()),
@@ -695,7 +715,7 @@ mod tests {
             );
             assert_eq!(!pr.conflicts(&b, &read()), rr, "{k} registered read");
             assert_eq!(!pr.conflicts(&b, &write()), rw, "{k} registered write");
-            pr.reserve_out(&b, sa_out::REGISTER, 0, 0, &params(2, 0))
+            pr.reserve_out(&b, sa_out::REGISTER, 0, 0, &out_parameters(2, 0))
                 .unwrap();
             assert_eq!(!pr.conflicts(&b, &read()), ur, "{k} unregistered read");
             assert_eq!(!pr.conflicts(&b, &write()), uw, "{k} unregistered write");
@@ -703,7 +723,7 @@ mod tests {
             let r = pr.reserve_in(sa_in::READ_RESERVATION, 100).unwrap();
             let want_key = if all_registrants(k) { 0 } else { 1 };
             assert_eq!(get_u64(&r[8..]), want_key, "{k}");
-            pr.reserve_out(&a, sa_out::RELEASE, 0, k, &params(1, 0))
+            pr.reserve_out(&a, sa_out::RELEASE, 0, k, &out_parameters(1, 0))
                 .unwrap();
             assert!(!pr.conflicts(&b, &write()));
         }
@@ -729,12 +749,12 @@ mod tests {
         let mut pr = Reservations::new();
         assert!(!pr.reserved());
         assert_eq!(pr.access(&c), Access::Full);
-        pr.reserve_out(&a, sa_out::REGISTER_AND_IGNORE, 0, 0, &params(0, 1))
+        pr.reserve_out(&a, sa_out::REGISTER_AND_IGNORE, 0, 0, &out_parameters(0, 1))
             .unwrap();
-        pr.reserve_out(&b, sa_out::REGISTER_AND_IGNORE, 0, 0, &params(0, 2))
+        pr.reserve_out(&b, sa_out::REGISTER_AND_IGNORE, 0, 0, &out_parameters(0, 2))
             .unwrap();
         for k in [1, 3, 5, 6, 7, 8] {
-            pr.reserve_out(&a, sa_out::RESERVE, 0, k, &params(1, 0))
+            pr.reserve_out(&a, sa_out::RESERVE, 0, k, &out_parameters(1, 0))
                 .unwrap();
             assert!(pr.reserved());
             for who in [&a, &b, &c] {
@@ -744,7 +764,7 @@ mod tests {
                 }
             }
             assert_eq!(pr.access(&a), Access::Full);
-            pr.reserve_out(&a, sa_out::RELEASE, 0, k, &params(1, 0))
+            pr.reserve_out(&a, sa_out::RELEASE, 0, k, &out_parameters(1, 0))
                 .unwrap();
         }
         assert_eq!(pr.access(&c), Access::Full);
@@ -755,13 +775,13 @@ mod tests {
         for k in [1, 3, 5, 6, 7, 8] {
             let mut pr = Reservations::new();
             let (a, b) = (nexus(1), nexus(2));
-            pr.reserve_out(&a, sa_out::REGISTER_AND_IGNORE, 0, 0, &params(0, 1))
+            pr.reserve_out(&a, sa_out::REGISTER_AND_IGNORE, 0, 0, &out_parameters(0, 1))
                 .unwrap();
-            pr.reserve_out(&b, sa_out::REGISTER_AND_IGNORE, 0, 0, &params(0, 2))
+            pr.reserve_out(&b, sa_out::REGISTER_AND_IGNORE, 0, 0, &out_parameters(0, 2))
                 .unwrap();
-            pr.reserve_out(&a, sa_out::RESERVE, 0, k, &params(1, 0))
+            pr.reserve_out(&a, sa_out::RESERVE, 0, k, &out_parameters(1, 0))
                 .unwrap();
-            pr.reserve_out(&a, sa_out::REGISTER, 0, 0, &params(1, 0))
+            pr.reserve_out(&a, sa_out::REGISTER, 0, 0, &out_parameters(1, 0))
                 .unwrap();
             let still = pr.reserve_in(sa_in::READ_RESERVATION, 100).unwrap()[7] != 0;
             assert_eq!(still, all_registrants(k), "{k}");
@@ -772,17 +792,29 @@ mod tests {
     fn preempt_removes_registration() {
         let mut pr = Reservations::new();
         let (a, b) = (nexus(1), nexus(2));
-        pr.reserve_out(&a, sa_out::REGISTER_AND_IGNORE, 0, 0, &params(0, 0x1))
-            .unwrap();
-        pr.reserve_out(&b, sa_out::REGISTER_AND_IGNORE, 0, 0, &params(0, 0x2))
-            .unwrap();
+        pr.reserve_out(
+            &a,
+            sa_out::REGISTER_AND_IGNORE,
+            0,
+            0,
+            &out_parameters(0, 0x1),
+        )
+        .unwrap();
+        pr.reserve_out(
+            &b,
+            sa_out::REGISTER_AND_IGNORE,
+            0,
+            0,
+            &out_parameters(0, 0x2),
+        )
+        .unwrap();
         let gen = pr.generation();
         pr.reserve_out(
             &b,
             sa_out::PREEMPT,
             0,
             kind::EXCLUSIVE_ACCESS,
-            &params(2, 1),
+            &out_parameters(2, 1),
         )
         .unwrap();
         assert_eq!(keys(&pr), [2]);
@@ -794,7 +826,7 @@ mod tests {
                 sa_out::PREEMPT,
                 0,
                 kind::EXCLUSIVE_ACCESS,
-                &params(2, 9)
+                &out_parameters(2, 9)
             ),
             Err(Outcome::ReservationConflict)
         );
@@ -804,21 +836,33 @@ mod tests {
                 sa_out::PREEMPT,
                 0,
                 kind::EXCLUSIVE_ACCESS,
-                &params(2, 0)
+                &out_parameters(2, 0)
             ),
             Err(Outcome::Sense(_))
         ));
         // Preempting the holder moves the reservation.
-        pr.reserve_out(&a, sa_out::REGISTER_AND_IGNORE, 0, 0, &params(0, 0x1))
-            .unwrap();
-        pr.reserve_out(&a, sa_out::RESERVE, 0, kind::WRITE_EXCLUSIVE, &params(1, 0))
-            .unwrap();
+        pr.reserve_out(
+            &a,
+            sa_out::REGISTER_AND_IGNORE,
+            0,
+            0,
+            &out_parameters(0, 0x1),
+        )
+        .unwrap();
+        pr.reserve_out(
+            &a,
+            sa_out::RESERVE,
+            0,
+            kind::WRITE_EXCLUSIVE,
+            &out_parameters(1, 0),
+        )
+        .unwrap();
         pr.reserve_out(
             &b,
             sa_out::PREEMPT_AND_ABORT,
             0,
             kind::EXCLUSIVE_ACCESS,
-            &params(2, 1),
+            &out_parameters(2, 1),
         )
         .unwrap();
         assert!(pr.conflicts(&a, &read()));
@@ -834,10 +878,16 @@ mod tests {
             [0, 8, 0, 0x80, 0xEA, 0x01, 0, 0]
         );
         let a = nexus(1);
-        pr.reserve_out(&a, sa_out::REGISTER, 0, 0, &params(0, 7))
+        pr.reserve_out(&a, sa_out::REGISTER, 0, 0, &out_parameters(0, 7))
             .unwrap();
-        pr.reserve_out(&a, sa_out::RESERVE, 0, kind::WRITE_EXCLUSIVE, &params(7, 0))
-            .unwrap();
+        pr.reserve_out(
+            &a,
+            sa_out::RESERVE,
+            0,
+            kind::WRITE_EXCLUSIVE,
+            &out_parameters(7, 0),
+        )
+        .unwrap();
         let b = pr.reserve_in(sa_in::READ_FULL_STATUS, 4096).unwrap();
         let add = u32::from_be_bytes([b[4], b[5], b[6], b[7]]) as usize;
         assert_eq!(add, b.len() - 8);
