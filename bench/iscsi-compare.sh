@@ -69,9 +69,6 @@ trap 'exit 143' TERM
 
 . bench/lib.sh
 
-free_port() {
-    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
 
 echo "filling two ${SIZE} MiB files on tmpfs ..." >&2
 head -c "$((SIZE << 20))" /dev/urandom >"$WORK/blkwire.img"

@@ -2,6 +2,12 @@
 
 now_ms() { date +%s%3N; }
 
+# A TCP port of 127.0.0.1 free right now (a peer server is started on it; a race with another
+# program taking it first fails that start, which the callers report or retry).
+free_port() {
+    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
 # CPU ticks (utime+stime) of a process, from /proc/PID/stat (fields after the ")" of comm).
 cpu_ticks() {
     local stat

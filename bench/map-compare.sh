@@ -128,9 +128,6 @@ BW_DEV_R="$("$BLKWIRE" map "$BW_URL/read" --frontend fuse --fuse-io read --logfi
 BW_MAP_PID_R="$(map_pid "$BW_DEV_R")"
 
 # ---------------------------------------------------------------------------- nbdkit + nbdfuse
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
 NK_PORT=""
 for attempt in 1 2 3 4 5; do
     port="$(free_port)"

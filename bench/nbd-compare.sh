@@ -91,9 +91,6 @@ trap 'exit 143' TERM
 
 . bench/lib.sh
 
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
 
 # wait_nbd NAME URI: until an NBD client gets the export's size (the server is serving).
 wait_nbd() {

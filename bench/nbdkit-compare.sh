@@ -90,9 +90,6 @@ done
 BW_TARGET="$BW_URL/scratch"
 
 # ---------------------------------------------------------------------------- nbdkit server
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
 NK_PORT=""
 for attempt in 1 2 3 4 5; do
     port="$(free_port)"

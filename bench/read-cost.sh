@@ -58,7 +58,7 @@ for i in "${!BINS[@]}"; do
     URL[i]="$(grep -o '^listening nbd://[0-9.:]*' "$WORK/srv-$i.out" | head -n1 | cut -d' ' -f2)/s"
     NAME[i]="blkwire#$i"
 done
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+port="$(free_port)"
 nbdkit -f -i 127.0.0.1 -p "$port" memory "$SIZE" &
 PIDS+=($!)
 n=${#BINS[@]}
