@@ -531,6 +531,12 @@ impl ExportQueue {
         self.caps
     }
 
+    /// Where a READ of `offset..offset+len` (already checked) finds its bytes in memory, valid
+    /// as long as this queue lives ([`Backend::mapped`]; the queue holds the backend).
+    pub fn mapped(&self, offset: u64, len: u64) -> Option<*const u8> {
+        self.backend.mapped(offset, len)
+    }
+
     /// For backends that complete on their own threads: the descriptor to watch; call
     /// [`ExportQueue::reap`] when it is readable.
     pub fn notifier(&self) -> Option<RawFd> {

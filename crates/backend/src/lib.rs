@@ -208,6 +208,15 @@ pub trait Backend: Send + Sync {
             ),
         ))
     }
+    /// Where the bytes `offset..offset+len` (already range-checked) lie in this process's
+    /// memory, when they are all there and stay mapped as long as the backend lives: a READ's
+    /// reply can then be sent from there, one copy fewer than reading it into a buffer first.
+    /// The bytes are read when they are sent, so a WRITE or TRIM of the same range that runs
+    /// meanwhile may show through, as it may when requests overlap on a disk. `None`, the
+    /// default: read it with [`QueueIo::start`].
+    fn mapped(&self, _offset: u64, _len: u64) -> Option<*const u8> {
+        None
+    }
     /// Appends the allocation map of `offset..offset+len` (already range-checked) to `out`,
     /// coalesced, at most [`MAX_EXTENTS`] entries. The default says: all data.
     fn allocation(&self, _offset: u64, len: u64, out: &mut Vec<Extent>) {

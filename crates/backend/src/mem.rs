@@ -4,7 +4,8 @@
 //!
 //! Writes copy into a shared mapping of the memfd. Reads use `pread`, not the mapping: a read
 //! fault on a hole would allocate a page and make never-written ranges look allocated (`pread`
-//! of a hole returns zeros without allocating). So `mincore` on the mapping tells exactly which
+//! of a hole returns zeros without allocating). Large READ replies are sent from the mapping
+//! where every page of them exists (`Backend::mapped`). So `mincore` on the mapping tells exactly which
 //! pages hold data, at a cost bounded by the range asked about (SEEK_HOLE on tmpfs walks every
 //! page up to the next hole, which can be the whole export). TRIM and WRITE_ZEROES punch holes,
 //! returning the memory.
@@ -257,6 +258,35 @@ impl Backend for MemBackend {
     }
     fn reads_as_zero(&self) -> bool {
         self.resident_bytes() == 0
+    }
+    fn mapped(&self, offset: u64, len: u64) -> Option<*const u8> {
+        // Only where every page exists: reading a hole through the mapping would allocate it.
+        // A TRIM racing the send may still punch a page we saw; the send's read then brings
+        // back a zero page (RAM the next TRIM returns), as a racing WRITE would have.
+        const PAGE: u64 = 4096;
+        const BATCH: u64 = 256;
+        let first = offset / PAGE;
+        let end = (offset + len).div_ceil(PAGE);
+        let mut vec = [0u8; BATCH as usize];
+        let mut page = first;
+        while page < end {
+            let n = (end - page).min(BATCH);
+            // SAFETY: the pages lie inside our mapping (the caller range-checked offset..len);
+            // one byte per page into `vec`, which holds BATCH.
+            let r = unsafe {
+                libc::mincore(
+                    self.base.add((page * PAGE) as usize).cast(),
+                    (n * PAGE) as usize,
+                    vec.as_mut_ptr(),
+                )
+            };
+            if r != 0 || vec[..n as usize].iter().any(|v| v & 1 == 0) {
+                return None;
+            }
+            page += n;
+        }
+        // SAFETY: inside the mapping, which lives as long as the backend.
+        Some(unsafe { self.base.add(offset as usize) }.cast_const())
     }
     fn allocation(&self, offset: u64, len: u64, out: &mut Vec<crate::Extent>) {
         const PAGE: u64 = 4096;

@@ -203,6 +203,18 @@ impl Executor {
         }
     }
 
+    /// An admitted READ whose bytes lie in memory that lives as long as this queue
+    /// ([`blkwire_backend::Backend::mapped`]): their address, and the READ counts as done.
+    /// `None`: start it as usual.
+    pub fn read_mapped(&mut self, req: &BlockRequest) -> Option<*const u8> {
+        debug_assert_eq!(req.op, BlockOp::Read);
+        let started = Started(Instant::now());
+        let data = self.io.mapped(req.offset, req.len as u64)?;
+        self.stats.reads += 1;
+        self.status(req, req.len as i32, started);
+        Some(data)
+    }
+
     /// Checks and starts a COPY (PROTOCOL.md §13) to `dst` of `total` bytes (the request's
     /// length), its ranges and source export in `desc`. The source is looked up as the session's
     /// host may open it, so an export it may not open is as unknown as a missing one. Refusals

@@ -31,14 +31,36 @@ pub(super) struct Slot {
     pub(super) started: Option<Started>,
 }
 
-/// A READ's data, sent from the buffer the backend filled instead of copied into `tx`: at
-/// 1 MiB that copy was a third of the reactor thread's time (perf, rbd: export). Goes on the
-/// wire after `tx[..at]` and before `tx[at..]`.
+/// A READ's data, sent from where it is instead of copied into `tx`: at 1 MiB that copy was
+/// a third of the reactor thread's time (perf, rbd: export). Goes on the wire after
+/// `tx[..at]` and before `tx[at..]`.
 pub(super) struct TxData {
     pub(super) at: usize,
-    pub(super) buf: AlignedBuf,
+    pub(super) from: TxFrom,
     pub(super) len: usize,
     pub(super) sent: usize,
+}
+
+/// Where queued READ data lies.
+pub(super) enum TxFrom {
+    /// The buffer the backend filled; back to the pool once sent.
+    Pooled(AlignedBuf),
+    /// The export's own memory ([`crate::executor::Executor::read_mapped`]), valid as long
+    /// as the connection's targets, which the connection keeps until it is dropped.
+    Mapped(*const u8),
+}
+
+impl TxData {
+    /// The bytes not sent yet.
+    pub(super) fn rest(&self) -> &[u8] {
+        let all = match &self.from {
+            TxFrom::Pooled(buf) => &buf.as_slice()[..self.len],
+            // SAFETY: `len` bytes at the address stay mapped while the connection holds its
+            // targets (`TxFrom::Mapped`), and it outlives its queued data.
+            TxFrom::Mapped(p) => unsafe { std::slice::from_raw_parts(*p, self.len) },
+        };
+        &all[self.sent..]
+    }
 }
 
 /// One export a connection serves: a request's [`Req::target`] indexes the connection's
@@ -78,8 +100,8 @@ pub(super) struct Conn {
     pub(super) rx_end: usize,
     pub(super) tx: Vec<u8>,
     pub(super) tx_sent: usize,
-    /// READ data sent from the buffer the backend filled, each between two stretches of `tx`
-    /// (`Conn::queue_data`), in order.
+    /// READ data sent from where it lies (the buffer the backend filled, or the export's
+    /// memory), each between two stretches of `tx` (`Conn::queue_data`), in order.
     pub(super) tx_data: std::collections::VecDeque<TxData>,
     /// Bytes of `tx_data` not sent yet.
     pub(super) tx_data_left: usize,
@@ -221,15 +243,26 @@ impl Conn {
     /// (its reply's prefix, the last thing appended but a suffix); the buffer goes back to
     /// the pool once sent. Plain sockets only: TLS seals what `tx` holds.
     pub(super) fn queue_data(&mut self, at: usize, buf: AlignedBuf, len: usize) {
+        self.queue(at, TxFrom::Pooled(buf), len);
+        self.queued += len;
+    }
+
+    /// Sends `len` bytes at `data`, memory of the export that stays mapped while the
+    /// connection holds its targets (`Executor::read_mapped`), after `tx[..at]`. It holds no
+    /// buffer, but counts as reply data not yet sent (`tx_backlog`).
+    pub(super) fn queue_mapped(&mut self, at: usize, data: *const u8, len: usize) {
+        self.queue(at, TxFrom::Mapped(data), len);
+    }
+
+    fn queue(&mut self, at: usize, from: TxFrom, len: usize) {
         debug_assert!(self.tls.is_none());
         self.tx_data.push_back(TxData {
             at,
-            buf,
+            from,
             len,
             sent: 0,
         });
         self.tx_data_left += len;
-        self.queued += len;
     }
 
     /// `n` bytes went out: advance through `tx` and the queued data in wire order, giving
@@ -252,9 +285,11 @@ impl Conn {
             self.tx_data_left -= part;
             if d.sent == d.len {
                 let d = self.tx_data.pop_front().expect("front");
-                self.queued -= d.len;
-                self.held -= d.len;
-                self.bufs.give_back(d.buf);
+                if let TxFrom::Pooled(buf) = d.from {
+                    self.queued -= d.len;
+                    self.held -= d.len;
+                    self.bufs.give_back(buf);
+                }
             }
         }
     }
@@ -603,7 +638,7 @@ fn send_gathered(c: &Conn) -> isize {
             piece(&mut iov, &mut n, &c.tx[pos..d.at]);
         }
         pos = d.at;
-        piece(&mut iov, &mut n, &d.buf.as_slice()[d.sent..d.len]);
+        piece(&mut iov, &mut n, d.rest());
     }
     if all && pos < c.tx.len() && n < GATHER {
         piece(&mut iov, &mut n, &c.tx[pos..]);

@@ -1,7 +1,7 @@
 //! Requests of a stream connection: decode with the connection's frontend, refuse or run with
 //! its executor, and build replies (READ data straight behind the frontend's prefix).
 
-use blkwire_backend::{AlignedBuf, Extent, IoFlags};
+use blkwire_backend::{AlignedBuf, BlockRequest, Extent, IoFlags};
 use blkwire_wire::Status;
 
 use super::conn::{Broadcast, Conn, Slot, REPLY_SLACK};
@@ -300,7 +300,7 @@ fn dispatch(
         // mem:/null: the request completes inside start(); READ lands straight in the reply
         // buffer and WRITE is taken straight from the receive buffer: one copy each way.
         if let Some(ReadFraming::Contiguous { prefix, suffix }) = framing {
-            if read_hole(c, req) {
+            if read_hole(c, req) || read_mapped(c, req, &block, prefix, suffix) {
                 return;
             }
             c.grow_tx(prefix + len as usize + suffix);
@@ -605,6 +605,35 @@ fn take_data(
 
 /// A READ of a range that is all hole, for frontends that can say so without the zeros. Only
 /// for large reads, where saving the data is worth an allocation query.
+/// Answers a large READ from an inline export by sending its data from the export's memory
+/// when all of it is there (mem:): the data is copied once, into the socket, instead of into
+/// `tx` first. Not under TLS (which seals what `tx` holds) nor with a suffix after the data
+/// (a data digest would be computed now over bytes read later).
+fn read_mapped(
+    c: &mut Conn,
+    req: &Req,
+    block: &BlockRequest,
+    prefix: usize,
+    suffix: usize,
+) -> bool {
+    let len = block.len as usize;
+    if c.tls.is_some() || suffix != 0 || len < SEND_IN_PLACE {
+        return false;
+    }
+    let Some(data) = c.exec(req).read_mapped(block) else {
+        return false;
+    };
+    c.grow_tx(prefix);
+    let at = c.tx.len();
+    c.tx.resize(at + prefix, 0);
+    // SAFETY: `len` bytes at `data` stay mapped while the connection holds its targets.
+    let bytes = unsafe { std::slice::from_raw_parts(data, len) };
+    c.fe.finish_read_reply(req, &mut c.tx[at..], bytes, &mut []);
+    c.queue_mapped(at + prefix, data, len);
+    c.count_reply(Status::Ok);
+    true
+}
+
 fn read_hole(c: &mut Conn, req: &Req) -> bool {
     if !c.fe.replies_with_holes() || req.length < (64 << 10) {
         return false;
@@ -865,7 +894,8 @@ fn settle(c: &mut Conn, slot: u16, status: Status) {
 mod tests {
     //! The request path with a toy frontend that, like NVMe/TCP and iSCSI, takes WRITEs without
     //! their data, asks for it (`solicit`), receives it in separate messages (`Decoded::Data`)
-    //! and answers pings itself (`Decoded::Answered`). A WRITE whose cookie has bit 63 set is
+    //! and answers pings itself (`Decoded::Answered`). A READ whose cookie has bit 62 set is
+    //! answered without the digest after its data. A WRITE whose cookie has bit 63 set is
     //! followed by data it was not asked for (`data_follows`). Messages (little-endian):
     //! `W cookie:u64 offset:u64 length:u32 inline:u32 data[inline]`, `R cookie offset length`,
     //! `D slot:u16 offset:u32 n:u32 data[n]`, `P`. It writes `T slot offset len` (solicit),
@@ -1035,13 +1065,13 @@ mod tests {
         fn data_follows(&self, req: &Req) -> bool {
             req.cookie & FOLLOWS != 0
         }
-        fn read_framing(&self, _req: &Req) -> ReadFraming {
+        fn read_framing(&self, req: &Req) -> ReadFraming {
             if self.chunked {
                 ReadFraming::Chunked
             } else {
                 ReadFraming::Contiguous {
                     prefix: 11,
-                    suffix: 4,
+                    suffix: if req.cookie & NO_DIGEST != 0 { 0 } else { 4 },
                 }
             }
         }
@@ -1055,7 +1085,9 @@ mod tests {
             prefix[0] = b'S';
             prefix[1..9].copy_from_slice(&(req.cookie as u64).to_le_bytes());
             prefix[9..11].copy_from_slice(&0u16.to_le_bytes());
-            suffix.copy_from_slice(&blkwire_wire::crc::crc32c(data).to_le_bytes());
+            if !suffix.is_empty() {
+                suffix.copy_from_slice(&blkwire_wire::crc::crc32c(data).to_le_bytes());
+            }
         }
         fn encode_read(&mut self, req: &Req, data: &[u8], tx: &mut Vec<u8>) {
             for piece in data.chunks(1000) {
@@ -1081,6 +1113,8 @@ mod tests {
 
     /// Cookie bit: the toy's WRITE is followed by unsolicited data.
     const FOLLOWS: u128 = 1 << 63;
+    /// A READ whose cookie has this bit is answered without a digest after its data.
+    const NO_DIGEST: u128 = 1 << 62;
 
     fn conn(spec: &str) -> (Conn, UnixStream) {
         conn_with(spec, false)
@@ -1265,7 +1299,7 @@ mod tests {
         let mut pos = c.tx_sent;
         for d in &c.tx_data {
             out.extend_from_slice(&c.tx[pos..d.at]);
-            out.extend_from_slice(&d.buf.as_slice()[d.sent..d.len]);
+            out.extend_from_slice(d.rest());
             pos = d.at;
         }
         out.extend_from_slice(&c.tx[pos..]);
@@ -1624,6 +1658,50 @@ mod tests {
         assert_eq!((c.tx_backlog(), c.held, c.queued), (0, 0, 0));
         assert!(c.tx_data.is_empty());
         assert!(c.bufs.has_spare(BIG), "the buffers went back to the pool");
+    }
+
+    /// A large READ of RAM whose every page exists is sent from the export's memory: nothing
+    /// is copied into `tx` but its header, and no buffer is held. A READ over a hole is copied
+    /// as before (reading a hole through the mapping would allocate it), and so is one whose
+    /// digest after the data would be computed before the data is sent.
+    #[test]
+    fn large_read_of_ram_is_sent_from_the_export() {
+        use super::super::conn::TxFrom;
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn("m=mem:4M");
+        const BIG: usize = 256 << 10;
+        let payload: Vec<u8> = (0..BIG).map(|i| (i * 13 % 251) as u8).collect();
+        feed(&mut c, &mut ring, &write(1, 0, BIG as u32, &payload));
+        feed(&mut c, &mut ring, &write(2, 2 * BIG as u64, 4096, &payload[..4096]));
+        take_tx(&mut c);
+        let no_digest = NO_DIGEST as u64;
+        let mut reads = read(no_digest | 10, 0, BIG as u32);
+        reads.extend_from_slice(&read(no_digest | 11, 2 * BIG as u64, BIG as u32));
+        reads.extend_from_slice(&read(12, 0, BIG as u32));
+        feed(&mut c, &mut ring, &reads);
+        assert_eq!(c.tx_data.len(), 1, "one read waits in the export's memory");
+        assert!(matches!(c.tx_data[0].from, TxFrom::Mapped(_)));
+        assert_eq!((c.held, c.queued), (0, 0), "it holds no buffer");
+        let mut partly = payload[..4096].to_vec();
+        partly.resize(BIG, 0);
+        let mut want = status_reply(no_digest | 10, Status::Ok);
+        want.extend_from_slice(&payload);
+        want.extend_from_slice(&status_reply(no_digest | 11, Status::Ok));
+        want.extend_from_slice(&partly);
+        want.extend_from_slice(&status_reply(12, Status::Ok));
+        want.extend_from_slice(&payload);
+        want.extend_from_slice(&blkwire_wire::crc::crc32c(&payload).to_le_bytes());
+        assert!(take_tx(&mut c) == want, "the wire carries the replies in order");
+        assert!(c.tx_data.is_empty());
+        let stats = &c.targets[0].exec.stats;
+        assert_eq!((stats.reads, stats.bytes_read), (3, 3 * BIG as u64));
+        let mut extents = Vec::new();
+        c.targets[0]
+            .exec
+            .export()
+            .backend()
+            .allocation(2 * BIG as u64 + 4096, 4096, &mut extents);
+        assert!(extents[0].hole, "the hole read stays a hole");
     }
 
     /// A reply with headers between pieces of its data is built from a slot's buffer, on an
