@@ -5,7 +5,10 @@
 #   grant at most 256 fragments per I/O, 356 KiB at MTU 1500), 1M sequential reads at QD4 on jumbo
 #   links (MTU >= 4200, where 1M fits 256 frames), then 4k randread QD32 with 1 % and 5 % loss
 #   injected by nftables netdev rules on both ends (the TCP row shows what TCP's own recovery does).
-# Environment: RUNTIME (seconds per run, default 5), MTU (default 9000), JOBS (default 1).
+# Environment: RUNTIME (seconds per run, default 5), MTU (default 9000), JOBS (default 1),
+# FILL (1: write the whole export with 1M sequential writes over tcp:// first, so reads return
+# data rather than holes, as in nbd-compare; default 0, the export stays empty as in the runs
+# recorded before 2026-11-26).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 die() { echo "$(basename "$0"): $*" >&2; exit 1; }
@@ -13,6 +16,7 @@ die() { echo "$(basename "$0"): $*" >&2; exit 1; }
 RUNTIME="${RUNTIME:-5}"
 MTU="${MTU:-9000}"
 JOBS="${JOBS:-1}"
+FILL="${FILL:-0}"
 BIN="${BLKWIRE:-target/release/blkwire}"
 [[ -x "$BIN" ]] || cargo build --release -p blkwire >&2
 [[ "$(id -u)" == 0 ]] || { echo "transports-compare: needs root (network namespaces)" >&2; exit 1; }
@@ -82,8 +86,15 @@ with open(os.environ["CHART_TSV"], "a") as f:
 PY
 }
 
+if [[ "$FILL" == 1 ]]; then
+    # Sequential writes wrap around the export: enough seconds to pass its end once.
+    written="$(ip netns exec "$I" "$BIN" bench "${URL[tcp]}" --rw write --bs 1M --iodepth 8 --runtime 6 --json |
+        python3 -c 'import json, sys; print(json.load(sys.stdin)["ops"] << 20)')"
+    (( written >= 1 << 30 )) || die "the fill wrote only $written bytes of the 1 GiB export"
+fi
+
 echo "# blkwire transports over one veth pair: MTU $MTU, $JOBS job(s), ${RUNTIME}s per run, $(date -u '+%Y-%m-%d %H:%M UTC')"
-echo "# $("$BIN" --version), $(nproc) CPUs shared by initiator and target"
+echo "# $("$BIN" --version), $(nproc) CPUs shared by initiator and target, export mem:1G $([[ "$FILL" == 1 ]] && echo "written first" || echo "never written (reads of holes)")"
 echo
 chart_begin transports-compare "blkwire transports over one veth pair: MTU $MTU, $JOBS job(s), ${RUNTIME}s per run" \
     iops mean_us p99_us

@@ -1466,6 +1466,36 @@ mod tests {
         assert!(m.reads_as_zero());
     }
 
+    /// `mem:` shows a READ where its bytes lie only when every page of it exists: a hole read
+    /// through the mapping would be allocated by the read.
+    #[test]
+    fn mem_backend_maps_only_ranges_without_holes() {
+        let e = Export::open(&ExportSpec::parse("m=mem:4M").unwrap()).unwrap();
+        let mut q = e.open_queue().unwrap();
+        let data: Vec<u8> = (0..(1 << 20) + 4096).map(|i| (i % 253) as u8).collect();
+        q.write_blocking(0, &data, false).unwrap();
+        let p = q.mapped(4096, 1 << 20).expect("written pages are mapped");
+        // SAFETY: 1 MiB of the export's mapping, which the queue keeps.
+        let shown = unsafe { std::slice::from_raw_parts(p, 1 << 20) };
+        assert!(shown == &data[4096..], "the mapping holds what was written");
+        assert!(q.mapped(1 << 20, 8192).is_none(), "the second page is a hole");
+        assert!(q.mapped(3 << 20, 4096).is_none());
+        assert!(q.mapped(2 << 20, 1 << 20).is_none());
+        let mut extents = Vec::new();
+        e.backend().allocation(2 << 20, 1 << 20, &mut extents);
+        assert_eq!(
+            extents,
+            [crate::Extent {
+                len: 1 << 20,
+                hole: true
+            }],
+            "asking allocates nothing"
+        );
+        let f = Export::open(&ExportSpec::parse("m=memthread:1M").unwrap()).unwrap();
+        let fq = f.open_queue().unwrap();
+        assert!(fq.mapped(0, 4096).is_none(), "only mem: shows its memory");
+    }
+
     #[test]
     fn memthread_backend_completes_on_its_helper_thread() {
         round_trip("m=memthread:1M");

@@ -1146,6 +1146,13 @@ impl DgramPort {
         if let Err(st) = q.exec.admit(&block) {
             return self.finish(qi, slot, st);
         }
+        // RAM whose pages all exist is sent from where it lies: the fragments are copied out
+        // of the export's mapping right now, so nothing else need hold the data.
+        if block.op == BlockOp::Read && q.exec.completes_inline() {
+            if let Some(data) = q.exec.read_mapped(&block) {
+                return self.finish_read(qi, slot, Status::Ok, Some(data));
+            }
+        }
         let align = q.exec.buffer_alignment();
         let s = &mut q.slots[slot as usize];
         let buf = match block.op {
@@ -1236,6 +1243,12 @@ impl DgramPort {
 
     /// A request finished: remember its status and answer (READ: the data, in fragments).
     fn finish(&mut self, qi: usize, slot: u16, status: Status) {
+        self.finish_read(qi, slot, status, None)
+    }
+
+    /// As `finish`, a successful READ's data taken from `mapped` (`Executor::read_mapped`)
+    /// when given, else from the slot's buffer.
+    fn finish_read(&mut self, qi: usize, slot: u16, status: Status, mapped: Option<*const u8>) {
         let credit = self.queue_credit(qi);
         let q = self.queues[qi].as_mut().expect("present");
         let fp = q.fp;
@@ -1257,7 +1270,17 @@ impl DgramPort {
             return self.send_queue(qi, r, &[]);
         }
         let frags = fragment_count(h.length, fp);
-        let buf = s.buf.take().expect("read buffer");
+        let buf = match mapped {
+            Some(_) => None,
+            None => Some(s.buf.take().expect("read buffer")),
+        };
+        let data = match (&buf, mapped) {
+            (Some(buf), _) => &buf.as_slice()[..h.length as usize],
+            // SAFETY: `h.length` bytes of the export's mapping, which the queue's executor
+            // keeps mapped; read only during this call.
+            (None, Some(p)) => unsafe { std::slice::from_raw_parts(p, h.length as usize) },
+            (None, None) => unreachable!("a READ has its data in a buffer or mapped"),
+        };
         let has = std::mem::take(&mut s.client_has);
         for i in 0..frags {
             if bitmap::get(&has, i) {
@@ -1270,10 +1293,12 @@ impl DgramPort {
             r.frag_index = i as u16;
             r.frag_count = frags as u16;
             r.frag_offset = start;
-            self.send_queue(qi, r, &buf.as_slice()[start as usize..end as usize]);
+            self.send_queue(qi, r, &data[start as usize..end as usize]);
         }
         // A retransmitted READ runs again (reads are idempotent): the data need not stay.
-        self.bufs.give_back(buf);
+        if let Some(buf) = buf {
+            self.bufs.give_back(buf);
+        }
         let q = self.queues[qi].as_mut().expect("present");
         let s = &mut q.slots[slot as usize];
         s.client_has = has;

@@ -39,6 +39,11 @@ impl Started {
     }
 }
 
+/// Smaller READs are read, not looked up in the export's memory: asking the kernel which
+/// pages exist (`mincore`) costs about what the copy it saves does at 4 KiB, and more on a
+/// hole, where the read happens anyway.
+pub const MAPPED_READ_MIN: u32 = 64 << 10;
+
 /// One queue's handle on an export: emulation layer, limits and counters.
 pub struct Executor {
     export: Arc<Export>,
@@ -203,11 +208,14 @@ impl Executor {
         }
     }
 
-    /// An admitted READ whose bytes lie in memory that lives as long as this queue
-    /// ([`blkwire_backend::Backend::mapped`]): their address, and the READ counts as done.
-    /// `None`: start it as usual.
+    /// An admitted READ of at least [`MAPPED_READ_MIN`] bytes whose bytes lie in memory that
+    /// lives as long as this queue ([`blkwire_backend::Backend::mapped`]): their address, and
+    /// the READ counts as done. `None`: start it as usual.
     pub fn read_mapped(&mut self, req: &BlockRequest) -> Option<*const u8> {
         debug_assert_eq!(req.op, BlockOp::Read);
+        if req.len < MAPPED_READ_MIN {
+            return None;
+        }
         let started = Started(Instant::now());
         let data = self.io.mapped(req.offset, req.len as u64)?;
         self.stats.reads += 1;

@@ -617,7 +617,7 @@ fn read_mapped(
     suffix: usize,
 ) -> bool {
     let len = block.len as usize;
-    if c.tls.is_some() || suffix != 0 || len < SEND_IN_PLACE {
+    if c.tls.is_some() || suffix != 0 {
         return false;
     }
     let Some(data) = c.exec(req).read_mapped(block) else {
