@@ -8,7 +8,7 @@
 # Environment: RUNTIME (seconds per run, default 5), MTU (default 9000), JOBS (default 1),
 # FILL (1: write the whole export with 1M sequential writes over tcp:// first, so reads return
 # data rather than holes, as in nbd-compare; default 0, the export stays empty as in the runs
-# recorded before 2026-11-26).
+# recorded before 2026-11-26), BYPASS_QDISC (1: eth:// with ?qdisc=bypass on both ends).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 die() { echo "$(basename "$0"): $*" >&2; exit 1; }
@@ -17,6 +17,9 @@ RUNTIME="${RUNTIME:-5}"
 MTU="${MTU:-9000}"
 JOBS="${JOBS:-1}"
 FILL="${FILL:-0}"
+BYPASS_QDISC="${BYPASS_QDISC:-0}"
+ETH_OPT=""
+[[ "$BYPASS_QDISC" == 1 ]] && ETH_OPT="?qdisc=bypass"
 BIN="${BLKWIRE:-target/release/blkwire}"
 [[ -x "$BIN" ]] || cargo build --release -p blkwire >&2
 [[ "$(id -u)" == 0 ]] || { echo "transports-compare: needs root (network namespaces)" >&2; exit 1; }
@@ -35,7 +38,7 @@ trap cleanup EXIT INT TERM
 
 MAC="$(veth_pair "$T" "$I" 9 "$MTU")"
 
-ip netns exec "$T" "$BIN" serve --listen tcp://10.99.9.1:7700 --listen udp://10.99.9.1:7701 --listen eth://vt \
+ip netns exec "$T" "$BIN" serve --listen tcp://10.99.9.1:7700 --listen udp://10.99.9.1:7701 --listen "eth://vt$ETH_OPT" \
     --export m=mem:1G --log-level warn >"$WORK/serve.out" 2>"$WORK/serve.err" &
 SERVE_PID=$!
 for _ in $(seq 1 200); do
@@ -58,7 +61,7 @@ impair() { # impair LOSS_PERCENT (0 clears)
     done
 }
 
-declare -A URL=([eth]="eth://vi/$MAC/m" [udp]="udp://10.99.9.1:7701/m" [tcp]="tcp://10.99.9.1:7700/m")
+declare -A URL=([eth]="eth://vi/$MAC/m$ETH_OPT" [udp]="udp://10.99.9.1:7701/m" [tcp]="tcp://10.99.9.1:7700/m")
 # CPU per I/O (initiator and target together, user + system, which includes the kernel's network
 # work done in their context) is the figure to compare when the host is noisy: stolen or idle
 # time changes IOPS, not the CPU each I/O costs.
@@ -94,7 +97,7 @@ if [[ "$FILL" == 1 ]]; then
 fi
 
 echo "# blkwire transports over one veth pair: MTU $MTU, $JOBS job(s), ${RUNTIME}s per run, $(date -u '+%Y-%m-%d %H:%M UTC')"
-echo "# $("$BIN" --version), $(nproc) CPUs shared by initiator and target, export mem:1G $([[ "$FILL" == 1 ]] && echo "written first" || echo "never written (reads of holes)")"
+echo "# $("$BIN" --version), $(nproc) CPUs shared by initiator and target, export mem:1G $([[ "$FILL" == 1 ]] && echo "written first" || echo "never written (reads of holes)")$([[ "$BYPASS_QDISC" == 1 ]] && echo ", eth:// with ?qdisc=bypass")"
 echo
 chart_begin transports-compare "blkwire transports over one veth pair: MTU $MTU, $JOBS job(s), ${RUNTIME}s per run" \
     iops mean_us p99_us

@@ -1478,7 +1478,10 @@ mod tests {
         // SAFETY: 1 MiB of the export's mapping, which the queue keeps.
         let shown = unsafe { std::slice::from_raw_parts(p, 1 << 20) };
         assert!(shown == &data[4096..], "the mapping holds what was written");
-        assert!(q.mapped(1 << 20, 8192).is_none(), "the second page is a hole");
+        assert!(
+            q.mapped(1 << 20, 8192).is_none(),
+            "the second page is a hole"
+        );
         assert!(q.mapped(3 << 20, 4096).is_none());
         assert!(q.mapped(2 << 20, 1 << 20).is_none());
         let mut extents = Vec::new();

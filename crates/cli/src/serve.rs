@@ -18,7 +18,9 @@ pub struct Args {
                 every export is subsystem nqn.2026-11.io.blkwire:NAME, and see --subsystem), \
                 iscsi://ADDR[:PORT] (iSCSI, port 3260 by default; every export is target \
                 iqn.2026-11.io.blkwire:NAME with LUN 0, and see --iscsi-target), udp://ADDR:PORT, \
-                eth://IFACE. Port 0 picks a free port. Default: tcp://0.0.0.0:7700, unless \
+                eth://IFACE[?qdisc=bypass] (bypass: frames skip the interface's qdisc, less CPU \
+                per frame, but tc and nftables egress rules no longer see them). Port 0 picks a \
+                free port. Default: tcp://0.0.0.0:7700, unless \
                 --config is given"
     )]
     listen: Vec<String>,

@@ -408,7 +408,9 @@ fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
         }
         _ => {
             let link = match url.transport {
-                Transport::Eth { mac } => dgram::eth_link(&url.host, mac, 0, Some(0))?,
+                Transport::Eth { mac } => {
+                    dgram::eth_link(&url.host, mac, 0, Some(0), url.bypass_qdisc)?
+                }
                 _ => dgram::udp_link(resolve(url)?)?,
             };
             let mut a = auth::Attempt::new(target_name(url), "", opts, link.mtu_payload, features)?;
@@ -482,7 +484,7 @@ pub fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
             connect_dgram(url, opts, &|_, _| dgram::udp_link(addr))
         }
         Transport::Eth { mac } => connect_dgram(url, opts, &|queue, session| {
-            dgram::eth_link(&url.host, mac, queue, session)
+            dgram::eth_link(&url.host, mac, queue, session, url.bypass_qdisc)
         }),
         Transport::NvmeTcp => nvme::connect(url, opts),
     }

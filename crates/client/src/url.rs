@@ -43,20 +43,34 @@ pub struct Url {
     /// `?encrypt=1`: datagram frames encrypted, not only authenticated (PROTOCOL.md §12.4;
     /// needs a key, like `--encrypt`).
     pub encrypt: bool,
+    /// `?qdisc=bypass` (eth:// only): frames go to the interface's driver without passing its
+    /// queueing discipline (`PACKET_QDISC_BYPASS`): less CPU per frame, but traffic control
+    /// and nftables egress rules no longer see them, and a full device queue drops a frame
+    /// instead of queueing it (the protocol resends it).
+    pub bypass_qdisc: bool,
 }
 
-/// Splits `?encrypt=1` (the only query blkwire URLs take) off the end of a URL.
-fn split_query(s: &str) -> Result<(&str, bool), String> {
+/// Splits the query (`?encrypt=1`, `?qdisc=bypass`, joined by `&`) off the end of a URL:
+/// what is left, and (encrypt, bypass_qdisc).
+fn split_query(s: &str) -> Result<(&str, bool, bool), String> {
     let Some((rest, q)) = s.split_once('?') else {
-        return Ok((s, false));
+        return Ok((s, false, false));
     };
-    match q {
-        "encrypt=1" => Ok((rest, true)),
-        "encrypt=0" => Ok((rest, false)),
-        _ => Err(format!(
-            "unknown option '?{q}' (the one known is ?encrypt=1)"
-        )),
+    let (mut encrypt, mut bypass) = (false, false);
+    for kv in q.split('&') {
+        match kv {
+            "encrypt=1" => encrypt = true,
+            "encrypt=0" => encrypt = false,
+            "qdisc=bypass" => bypass = true,
+            "qdisc=on" => bypass = false,
+            _ => {
+                return Err(format!(
+                    "unknown option '{kv}' (known: encrypt=1, and qdisc=bypass for eth://)"
+                ))
+            }
+        }
     }
+    Ok((rest, encrypt, bypass))
 }
 
 /// Parses `aa:bb:cc:dd:ee:ff` (or with dashes).
@@ -90,7 +104,10 @@ impl Url {
                 "bad URL '{s}': {why}; expected tcp://HOST:PORT/EXPORT, udp://HOST:PORT/EXPORT, eth://IFACE/TARGET-MAC/EXPORT or nvme-tcp://HOST[:PORT]/NQN"
             ))
         };
-        let (s, encrypt) = split_query(s).map_err(|why| bad(&why))?;
+        let (s, encrypt, bypass_qdisc) = split_query(s).map_err(|why| bad(&why))?;
+        if bypass_qdisc && !s.starts_with("eth://") {
+            return Err(bad("?qdisc=bypass is for eth:// only"));
+        }
         let (transport, rest) = match s.split_once("://") {
             Some(("tcp", rest)) => (Transport::Tcp, rest),
             Some(("udp", rest)) => (Transport::Udp, rest),
@@ -107,7 +124,14 @@ impl Url {
                 if export.contains('/') || export.len() > 255 {
                     return Err(bad("export names have at most 255 characters and no '/'"));
                 }
-                return Ok(Url { transport: Transport::Eth { mac }, host: iface.into(), port: 0, export: export.into(), encrypt });
+                return Ok(Url {
+                    transport: Transport::Eth { mac },
+                    host: iface.into(),
+                    port: 0,
+                    export: export.into(),
+                    encrypt,
+                    bypass_qdisc,
+                });
             }
             Some(("nbd", _)) => return Err(bad("nbd:// is for NBD clients (qemu, nbdinfo); blkwire itself speaks tcp://, udp:// and eth://")),
             Some((scheme, _)) => return Err(bad(&format!("unknown scheme '{scheme}'"))),
@@ -147,6 +171,7 @@ impl Url {
             port,
             export: export.to_string(),
             encrypt,
+            bypass_qdisc: false,
         })
     }
 
@@ -175,8 +200,15 @@ impl std::fmt::Display for Url {
                 write!(f, "eth://{}/{}/{}", self.host, format_mac(mac), self.export)?
             }
         }
-        if self.encrypt {
-            f.write_str("?encrypt=1")?;
+        let mut sep = '?';
+        for (on, kv) in [
+            (self.encrypt, "encrypt=1"),
+            (self.bypass_qdisc, "qdisc=bypass"),
+        ] {
+            if on {
+                write!(f, "{sep}{kv}")?;
+                sep = '&';
+            }
         }
         Ok(())
     }
@@ -228,6 +260,13 @@ mod tests {
                 .encrypt
         );
         assert!(!Url::parse("udp://h:1/e").unwrap().encrypt);
+        let b = Url::parse("eth://vi/02:aa:bb:cc:dd:ee/d?qdisc=bypass&encrypt=1").unwrap();
+        assert!(b.bypass_qdisc && b.encrypt);
+        assert_eq!(
+            b.to_string(),
+            "eth://vi/02:aa:bb:cc:dd:ee/d?encrypt=1&qdisc=bypass"
+        );
+        assert!(!x.bypass_qdisc);
     }
 
     #[test]
@@ -244,6 +283,8 @@ mod tests {
             "eth:///02:aa:bb:cc:dd:ee/x",
             "eth://eth0/02:aa:bb/x",
             "udp://h:1/e?fast=1",
+            "udp://h:1/e?qdisc=bypass",
+            "tcp://h:1/e?encrypt=1&qdisc=fast",
         ] {
             let e = Url::parse(s).unwrap_err().to_string();
             assert!(e.contains("bad URL"), "{s}: {e}");

@@ -177,8 +177,8 @@ pub fn attach_filter(fd: i32, f: Filter) -> Result<(), String> {
 pub fn packet_socket(ifindex: i32, ethertype: u16, filter: Filter) -> Result<OwnedFd, String> {
     let fd = open_packet(ethertype)?;
     attach_filter(fd.as_raw_fd(), filter)?;
-    // No PACKET_QDISC_BYPASS: it would also bypass the egress hooks (tc, nftables netdev egress)
-    // that operators and our own duplication tests rely on, for a gain too small to measure here.
+    // No PACKET_QDISC_BYPASS: this socket only sends discovery answers and the like; the data
+    // path sends on `packet_send_socket`, which bypasses the qdisc when asked.
     bind_packet(&fd, ifindex, ethertype)?;
     Ok(fd)
 }
@@ -207,9 +207,31 @@ pub fn packet_socket_with_ring(
 /// nobody ever waits on it. Sending on the socket a thread polls for input would make the kernel
 /// wake that socket's waiters every time one of its sent frames is freed (write space), which on
 /// a busy queue is a lock and a wake-up call per frame.
-pub fn packet_send_socket(ifindex: i32) -> Result<OwnedFd, String> {
+///
+/// `bypass_qdisc` hands frames straight to the driver (`PACKET_QDISC_BYPASS`): about a tenth
+/// less CPU per 4 KiB read over veth (docs/BENCHMARKS.md), but egress traffic control and
+/// nftables netdev egress rules no longer see the frames, and a full device queue drops a
+/// frame instead of holding it (the protocol's recovery resends it). Opt-in, for links where
+/// nothing on the host shapes or filters the traffic.
+pub fn packet_send_socket(ifindex: i32, bypass_qdisc: bool) -> Result<OwnedFd, String> {
     // Protocol 0 registers no receive hook.
     let fd = open_packet(0)?;
+    if bypass_qdisc {
+        let one: libc::c_int = 1;
+        // SAFETY: setsockopt on our own socket with an int we own.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_PACKET,
+                libc::PACKET_QDISC_BYPASS,
+                (&one as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as u32,
+            )
+        };
+        if rc != 0 {
+            return Err(os_err("PACKET_QDISC_BYPASS"));
+        }
+    }
     bind_packet(&fd, ifindex, 0)?;
     size_buffers(fd.as_raw_fd());
     Ok(fd)

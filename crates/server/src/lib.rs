@@ -276,9 +276,11 @@ impl Shared {
         let bound = if let Some(d) = ports::parse(url) {
             let (setups, bound) = match d.map_err(bad)? {
                 ports::DgramListen::Udp(a) => ports::open_udp(a, self.workers.len()),
-                ports::DgramListen::Eth { iface, ethertype } => {
-                    ports::open_eth(&iface, ethertype, self.workers.len())
-                }
+                ports::DgramListen::Eth {
+                    iface,
+                    ethertype,
+                    bypass_qdisc,
+                } => ports::open_eth(&iface, ethertype, bypass_qdisc, self.workers.len()),
             }
             .map_err(refused)?;
             let mut ls = self.lock_listeners();

@@ -15,13 +15,19 @@ pub const DEFAULT_UDP_PORT: u16 = 7701;
 const UDP_MAX_PAYLOAD: u32 = 32 << 10;
 
 /// A datagram listen address.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DgramListen {
     Udp(SocketAddr),
-    Eth { iface: String, ethertype: u16 },
+    Eth {
+        iface: String,
+        ethertype: u16,
+        /// `?qdisc=bypass`: replies skip the interface's qdisc (`packet_send_socket`).
+        bypass_qdisc: bool,
+    },
 }
 
-/// Parses `udp://ADDR[:PORT]` or `eth://IFACE[?ethertype=0x88b5]`; `None` for other schemes.
+/// Parses `udp://ADDR[:PORT]` or `eth://IFACE[?ethertype=0x88b5][&qdisc=bypass]`; `None` for
+/// other schemes.
 pub fn parse(url: &str) -> Option<Result<DgramListen, String>> {
     let (scheme, rest) = url.split_once("://")?;
     let rest = rest.trim_end_matches('/');
@@ -49,19 +55,27 @@ pub fn parse(url: &str) -> Option<Result<DgramListen, String>> {
                 ));
             }
             let mut ethertype = DEFAULT_ETHERTYPE;
+            let mut bypass_qdisc = false;
             for kv in query.split('&').filter(|s| !s.is_empty()) {
-                let v = kv.strip_prefix("ethertype=").ok_or_else(|| {
-                    format!("'{url}': unknown option '{kv}' (known: ethertype=0x88b5)")
-                })?;
-                let v = v.trim_start_matches("0x");
-                ethertype = u16::from_str_radix(v, 16)
-                    .ok()
-                    .filter(|t| *t >= 0x0600)
-                    .ok_or_else(|| format!("'{url}': bad EtherType '{kv}'"))?;
+                match kv {
+                    "qdisc=bypass" => bypass_qdisc = true,
+                    "qdisc=on" => bypass_qdisc = false,
+                    _ => {
+                        let v = kv.strip_prefix("ethertype=").ok_or_else(|| {
+                            format!("'{url}': unknown option '{kv}' (known: ethertype=0x88b5, qdisc=bypass)")
+                        })?;
+                        let v = v.trim_start_matches("0x");
+                        ethertype = u16::from_str_radix(v, 16)
+                            .ok()
+                            .filter(|t| *t >= 0x0600)
+                            .ok_or_else(|| format!("'{url}': bad EtherType '{kv}'"))?;
+                    }
+                }
             }
             Ok(DgramListen::Eth {
                 iface: iface.to_string(),
                 ethertype,
+                bypass_qdisc,
             })
         })()),
         _ => None,
@@ -235,7 +249,12 @@ fn local_addr(fd: i32) -> Option<SocketAddr> {
 }
 
 /// Opens one packet socket per reactor on `iface`.
-pub fn open_eth(iface: &str, ethertype: u16, n: usize) -> Result<(Vec<PortSetup>, String), String> {
+pub fn open_eth(
+    iface: &str,
+    ethertype: u16,
+    bypass_qdisc: bool,
+    n: usize,
+) -> Result<(Vec<PortSetup>, String), String> {
     let info = blkwire_net::iface(iface)?;
     let (ifindex, mac) = (info.index, info.mac);
     let link_payload = blkwire_net::frame_payload_for(info.mtu, 0);
@@ -255,7 +274,7 @@ pub fn open_eth(iface: &str, ethertype: u16, n: usize) -> Result<(Vec<PortSetup>
             kind: PortKind::Eth { ifindex, ethertype },
             link_payload,
             rcvbuf,
-            send_fd: Some(blkwire_net::packet_send_socket(ifindex)?),
+            send_fd: Some(blkwire_net::packet_send_socket(ifindex, bypass_qdisc)?),
             ring,
             claim: None,
         });
@@ -266,4 +285,39 @@ pub fn open_eth(iface: &str, ethertype: u16, n: usize) -> Result<(Vec<PortSetup>
         m[0], m[1], m[2], m[3], m[4], m[5]
     );
     Ok((out, url))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{parse, DgramListen, DEFAULT_ETHERTYPE};
+
+    #[test]
+    fn parses_eth_options() {
+        let eth = |url: &str| parse(url).unwrap();
+        assert_eq!(
+            eth("eth://vt?qdisc=bypass&ethertype=0x88b6").unwrap(),
+            DgramListen::Eth {
+                iface: "vt".into(),
+                ethertype: 0x88b6,
+                bypass_qdisc: true,
+            }
+        );
+        assert_eq!(
+            eth("eth://vt").unwrap(),
+            DgramListen::Eth {
+                iface: "vt".into(),
+                ethertype: DEFAULT_ETHERTYPE,
+                bypass_qdisc: false,
+            }
+        );
+        for bad in [
+            "eth://vt?qdisc=fast",
+            "eth://vt?ethertype=0x10",
+            "eth://vt?mtu=1",
+        ] {
+            let e = eth(bad).unwrap_err();
+            assert!(e.contains(bad), "{bad}: {e}");
+        }
+        assert!(parse("tcp://h:1").is_none());
+    }
 }

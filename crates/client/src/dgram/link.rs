@@ -44,11 +44,14 @@ impl Link {
             ),
             None => (std::ptr::null_mut(), 0),
         };
+        // Where the data path sends too, so the handshake takes the same way out (a bypassed
+        // qdisc included).
+        let fd = self.send_fd.as_ref().unwrap_or(&self.fd);
         // SAFETY: sendto from the caller's buffer to an optional link-layer address. A lost
         // frame is the caller's retransmission problem, so the result is not needed.
         unsafe {
             libc::sendto(
-                self.fd.as_raw_fd(),
+                fd.as_raw_fd(),
                 frame.as_ptr().cast(),
                 frame.len(),
                 0,
@@ -474,12 +477,14 @@ pub(crate) fn udp_link(addr: std::net::SocketAddr) -> Result<Link> {
 }
 
 /// Opens a packet socket on `iface` that receives only this queue's frames (and this session's,
-/// once known), addressed to the target's MAC.
+/// once known), addressed to the target's MAC; its frames skip the qdisc when `bypass_qdisc`
+/// (`?qdisc=bypass`, `blkwire_net::packet_send_socket`).
 pub(crate) fn eth_link(
     iface: &str,
     mac: [u8; 6],
     queue: u16,
     session: Option<u32>,
+    bypass_qdisc: bool,
 ) -> Result<Link> {
     let info = blkwire_net::iface(iface).map_err(Error::Usage)?;
     let ethertype = blkwire_net::DEFAULT_ETHERTYPE;
@@ -490,7 +495,9 @@ pub(crate) fn eth_link(
         fd,
         dest: Some(blkwire_net::link_addr(info.index, ethertype, mac)),
         mtu_payload: blkwire_net::frame_payload_for(info.mtu, 0),
-        send_fd: Some(blkwire_net::packet_send_socket(info.index).map_err(Error::Usage)?),
+        send_fd: Some(
+            blkwire_net::packet_send_socket(info.index, bypass_qdisc).map_err(Error::Usage)?,
+        ),
         rcvbuf,
     })
 }

@@ -1672,7 +1672,11 @@ mod tests {
         const BIG: usize = 256 << 10;
         let payload: Vec<u8> = (0..BIG).map(|i| (i * 13 % 251) as u8).collect();
         feed(&mut c, &mut ring, &write(1, 0, BIG as u32, &payload));
-        feed(&mut c, &mut ring, &write(2, 2 * BIG as u64, 4096, &payload[..4096]));
+        feed(
+            &mut c,
+            &mut ring,
+            &write(2, 2 * BIG as u64, 4096, &payload[..4096]),
+        );
         take_tx(&mut c);
         let no_digest = NO_DIGEST as u64;
         let mut reads = read(no_digest | 10, 0, BIG as u32);
@@ -1691,7 +1695,10 @@ mod tests {
         want.extend_from_slice(&status_reply(12, Status::Ok));
         want.extend_from_slice(&payload);
         want.extend_from_slice(&blkwire_wire::crc::crc32c(&payload).to_le_bytes());
-        assert!(take_tx(&mut c) == want, "the wire carries the replies in order");
+        assert!(
+            take_tx(&mut c) == want,
+            "the wire carries the replies in order"
+        );
         assert!(c.tx_data.is_empty());
         let stats = &c.targets[0].exec.stats;
         assert_eq!((stats.reads, stats.bytes_read), (3, 3 * BIG as u64));
