@@ -208,8 +208,8 @@ pub fn packet_socket_with_ring(
 /// wake that socket's waiters every time one of its sent frames is freed (write space), which on
 /// a busy queue is a lock and a wake-up call per frame.
 ///
-/// `bypass_qdisc` hands frames straight to the driver (`PACKET_QDISC_BYPASS`): about a tenth
-/// less CPU per 4 KiB read over veth (docs/BENCHMARKS.md), but egress traffic control and
+/// `bypass_qdisc` hands frames straight to the driver (`PACKET_QDISC_BYPASS`): 0-12% less CPU
+/// per 4 KiB read over veth, within the noise (docs/BENCHMARKS.md), but egress traffic control and
 /// nftables netdev egress rules no longer see the frames, and a full device queue drops a
 /// frame instead of holding it (the protocol's recovery resends it). Opt-in, for links where
 /// nothing on the host shapes or filters the traffic.
