@@ -19,6 +19,14 @@ cpu_ticks() {
 }
 CLK_TCK="$(getconf CLK_TCK)"
 
+# Ticks all CPUs spent idle (idle + iowait, the first line of /proc/stat): over a run, how much
+# of the machine nobody used.
+idle_ticks() {
+    local cpu user nice sys idle iowait rest
+    read -r cpu user nice sys idle iowait rest </proc/stat
+    echo $(( idle + iowait ))
+}
+
 HAVE_TIME=0
 [[ -x /usr/bin/time ]] && HAVE_TIME=1
 

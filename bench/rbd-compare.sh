@@ -24,7 +24,8 @@
 #
 # Output: a markdown table (IOPS, MiB/s, mean and p99 latency; blkwire's server CPU and the
 # client's, in % of one core: librbd's own work is in the server for blkwire and in the client
-# for fio-rbd), the ratios against fio-rbd, and a chart (bench/lib.sh).
+# for fio-rbd; the OSD's CPU, and how much of the whole machine stayed idle), the ratios against
+# fio-rbd, and a chart (bench/lib.sh).
 set -euo pipefail
 shopt -s inherit_errexit
 
@@ -80,6 +81,8 @@ trap 'exit 143' TERM
 echo "starting the cluster ..." >&2
 CONF="$(scripts/ceph-cluster.sh start "$CLUSTER")" || die "the cluster did not start"
 export CEPH_CONF="$CONF"
+OSD="$(cat "$CLUSTER"/run/osd.*.pid | head -n1)"
+[[ -n "$OSD" ]] || die "no OSD pid file under $CLUSTER/run"
 rbd create --size "$SIZE" "rbd/$IMAGE"
 echo "filling rbd/$IMAGE ($SIZE) through librbd ..." >&2
 fio --name=fill --ioengine=rbd --clientname=admin --pool=rbd --rbdname="$IMAGE" --rw=write \
@@ -114,9 +117,20 @@ print(f'{r["iops"]:.0f} {r["bw_bytes"]/2**20:.0f} {lat["mean"]/1000:.1f} {lat["p
 EOF
 }
 
-# run SYSTEM RW BS QD: one line "iops mib_s mean_us p99_us srv_cpu_pct cli_cpu_pct" (the
-# client's CPU includes librbd's for fio-rbd, which has no server).
+# run SYSTEM RW BS QD: one line "iops mib_s mean_us p99_us srv_cpu_pct cli_cpu_pct osd_cpu_pct
+# idle_pct" (the client's CPU includes librbd's for fio-rbd, which has no server; idle is the
+# whole machine's, in percent of all its CPUs: near 0, every hop's CPU is taken from the OSD).
 run() {
+    local o0 i0 t0 line o1 i1 t1
+    o0="$(cpu_ticks "$OSD")"; i0="$(idle_ticks)"; t0="$(now_ms)"
+    line="$(run_one "$@")"
+    o1="$(cpu_ticks "$OSD")"; i1="$(idle_ticks)"; t1="$(now_ms)"
+    echo "$line $(python3 -c "
+wall = ($t1 - $t0) / 1000
+print(f'{($o1 - $o0) / $CLK_TCK / wall * 100:.0f} {($i1 - $i0) / $CLK_TCK / wall / $(nproc) * 100:.0f}')")"
+}
+
+run_one() {
     local sys="$1" rw="$2" bs="$3" qd="$4" out dir cpu
     out="$WORK/$sys-$rw-$bs-$qd"
     dir=read; [[ "$rw" == *write* ]] && dir=write
@@ -191,14 +205,14 @@ def med(sys_, case, col):
     return statistics.median(vals) if vals else None
 def show(v, digits=0):
     return "n/a" if v is None else f"{v:.{digits}f}"
-print("| rw | bs | QD | system | IOPS | MiB/s | mean latency us | p99 us | blkwire server CPU % | client CPU % |")
-print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
+print("| rw | bs | QD | system | IOPS | MiB/s | mean latency us | p99 us | blkwire server CPU % | client CPU % | OSD CPU % | machine idle % |")
+print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 with open(tsv, "a") as out:
     for case in cases:
         for s in systems:
-            m = [med(s, case, c) for c in range(6)]
+            m = [med(s, case, c) for c in range(8)]
             print(f"| {case[0]} | {case[1]} | {case[2]} | {s} | {show(m[0])} | {show(m[1])} | "
-                  f"{show(m[2], 1)} | {show(m[3], 1)} | {show(m[4])} | {show(m[5])} |")
+                  f"{show(m[2], 1)} | {show(m[3], 1)} | {show(m[4])} | {show(m[5])} | {show(m[6])} | {show(m[7])} |")
             out.write(f"{case[1]} {case[0]} QD{case[2]}\t{s}\t{show(m[0])}\t{show(m[2], 1)}\t{show(m[3], 1)}\n")
 print()
 worst = None
