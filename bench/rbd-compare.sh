@@ -81,7 +81,7 @@ trap 'exit 143' TERM
 echo "starting the cluster ..." >&2
 CONF="$(scripts/ceph-cluster.sh start "$CLUSTER")" || die "the cluster did not start"
 export CEPH_CONF="$CONF"
-OSD="$(cat "$CLUSTER"/run/osd.*.pid | head -n1)"
+OSD="$(cat "$CLUSTER"/run/osd.*.pid 2>/dev/null | head -n1)" || true
 [[ -n "$OSD" ]] || die "no OSD pid file under $CLUSTER/run"
 rbd create --size "$SIZE" "rbd/$IMAGE"
 echo "filling rbd/$IMAGE ($SIZE) through librbd ..." >&2
@@ -174,7 +174,8 @@ for (( round = 1; round <= ROUNDS; round++ )); do
         for (( k = 0; k < N; k++ )); do
             sys="${SYSTEMS[$(( (k + i) % N ))]}"
             echo "round $round/$ROUNDS: $1 bs=$2 QD$3 on $sys ..." >&2
-            echo "$sys $1 $2 $3 $(run "$sys" "$1" "$2" "$3")" >>"$RESULTS"
+            row="$(run "$sys" "$1" "$2" "$3")" || die "$sys $1 bs=$2 QD$3 failed"
+            echo "$sys $1 $2 $3 $row" >>"$RESULTS"
         done
         i=$(( i + 1 ))
     done

@@ -92,7 +92,7 @@ PY
 if [[ "$FILL" == 1 ]]; then
     # Sequential writes wrap around the export: enough seconds to pass its end once.
     written="$(ip netns exec "$I" "$BIN" bench "${URL[tcp]}" --rw write --bs 1M --iodepth 8 --runtime 6 --json |
-        python3 -c 'import json, sys; print(json.load(sys.stdin)["ops"] << 20)')"
+        python3 -c 'import json, sys; print(json.load(sys.stdin)["ops"] << 20)')" || die "filling the export failed"
     (( written >= 1 << 30 )) || die "the fill wrote only $written bytes of the 1 GiB export"
 fi
 

@@ -4,11 +4,12 @@
 //!
 //! Writes copy into a shared mapping of the memfd. Reads use `pread`, not the mapping: a read
 //! fault on a hole would allocate a page and make never-written ranges look allocated (`pread`
-//! of a hole returns zeros without allocating). Large READ replies are sent from the mapping
-//! where every page of them exists (`Backend::mapped`). So `mincore` on the mapping tells exactly which
-//! pages hold data, at a cost bounded by the range asked about (SEEK_HOLE on tmpfs walks every
-//! page up to the next hole, which can be the whole export). TRIM and WRITE_ZEROES punch holes,
-//! returning the memory.
+//! of a hole returns zeros without allocating). So `mincore` on the mapping tells which pages
+//! hold data, at a cost bounded by the range asked about (SEEK_HOLE on tmpfs walks every page up
+//! to the next hole, which can be the whole export). TRIM and WRITE_ZEROES punch holes,
+//! returning the memory. Large READ replies are sent from the mapping where `mincore` says every
+//! page of them exists (`Backend::mapped`); a TRIM racing such a send can bring a page back
+//! (zeroed), the one case where a page exists that was not written since.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};

@@ -19,7 +19,7 @@ pub struct Args {
                 iscsi://ADDR[:PORT] (iSCSI, port 3260 by default; every export is target \
                 iqn.2026-11.io.blkwire:NAME with LUN 0, and see --iscsi-target), udp://ADDR:PORT, \
                 eth://IFACE[?qdisc=bypass] (bypass: frames skip the interface's qdisc, less CPU \
-                per frame, but tc and nftables egress rules no longer see them). Port 0 picks a \
+                per frame, but the qdisc and tc egress rules no longer see them). Port 0 picks a \
                 free port. Default: tcp://0.0.0.0:7700, unless \
                 --config is given"
     )]

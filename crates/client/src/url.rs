@@ -44,8 +44,8 @@ pub struct Url {
     /// needs a key, like `--encrypt`).
     pub encrypt: bool,
     /// `?qdisc=bypass` (eth:// only): frames go to the interface's driver without passing its
-    /// queueing discipline (`PACKET_QDISC_BYPASS`): less CPU per frame, but traffic control
-    /// and nftables egress rules no longer see them, and a full device queue drops a frame
+    /// queueing discipline (`PACKET_QDISC_BYPASS`): less CPU per frame, but the qdisc and tc
+    /// egress rules no longer see them, and a full device queue drops a frame
     /// instead of queueing it (the protocol resends it).
     pub bypass_qdisc: bool,
 }
@@ -62,7 +62,6 @@ fn split_query(s: &str) -> Result<(&str, bool, bool), String> {
             "encrypt=1" => encrypt = true,
             "encrypt=0" => encrypt = false,
             "qdisc=bypass" => bypass = true,
-            "qdisc=on" => bypass = false,
             _ => {
                 return Err(format!(
                     "unknown option '{kv}' (known: encrypt=1, and qdisc=bypass for eth://)"

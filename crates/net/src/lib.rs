@@ -209,8 +209,9 @@ pub fn packet_socket_with_ring(
 /// a busy queue is a lock and a wake-up call per frame.
 ///
 /// `bypass_qdisc` hands frames straight to the driver (`PACKET_QDISC_BYPASS`): 0-12% less CPU
-/// per 4 KiB read over veth, within the noise (docs/BENCHMARKS.md), but egress traffic control and
-/// nftables netdev egress rules no longer see the frames, and a full device queue drops a
+/// per 4 KiB read over veth, within the noise (docs/BENCHMARKS.md), but the qdisc and tc egress
+/// rules no longer see the frames (nor, on the 6.18 kernel here, nftables netdev egress rules;
+/// kernels may differ), and a full device queue drops a
 /// frame instead of holding it (the protocol's recovery resends it). Opt-in, for links where
 /// nothing on the host shapes or filters the traffic.
 pub fn packet_send_socket(ifindex: i32, bypass_qdisc: bool) -> Result<OwnedFd, String> {

@@ -492,7 +492,7 @@ impl DgramPort {
 
     /// Queues a frame for queue `qi`'s initiator, packed with the queue's other frames up to
     /// its datagram size, and sealed if the session is (PROTOCOL.md §12.4).
-    fn send_queue(&mut self, qi: usize, mut h: Header, payload: &[u8]) {
+    fn send_queue(&mut self, qi: usize, h: Header, payload: &[u8]) {
         let q = self.queues[qi].as_mut().expect("present");
         q.sent += (h.opcode != Opcode::Join) as u64;
         let limit = HEADER_LEN + q.fp as usize;
@@ -502,11 +502,7 @@ impl DgramPort {
                 .push_sealed(&h, payload, q.peer, limit + SEAL_LEN, |f| {
                     k.sealer.seal(f, HEADER_LEN)
                 }),
-            None => {
-                h.payload_len = payload.len() as u32;
-                h.seal_crc(payload);
-                self.tx.push(&h, payload, q.peer, limit);
-            }
+            None => self.tx.push_crc(&h, payload, q.peer, limit),
         }
         if self.tx.len() == BATCH {
             self.flush();

@@ -380,6 +380,30 @@ mod tests {
         Executor::open(Arc::new(e), max_io, size).unwrap()
     }
 
+    /// Only READs of at least `MAPPED_READ_MIN` of RAM that exists are answered from the
+    /// export's memory, and each counts as one READ of its bytes.
+    #[test]
+    fn reads_from_the_mapping_from_64k_on() {
+        let mut x = exec("m=mem:1M", 1 << 20);
+        let data = vec![9u8; 1 << 17];
+        let w = BlockRequest::new(BlockOp::Write, 0, 1 << 17);
+        // SAFETY: `data` outlives the inline call.
+        let st = unsafe { x.start(&w, data.as_ptr().cast_mut(), 0, &mut NoRing) };
+        assert_eq!(st, Outcome::Done(Status::Ok));
+        let read = |len| BlockRequest::new(BlockOp::Read, 0, len);
+        assert!(x.read_mapped(&read(4096)).is_none(), "a small READ is read");
+        let p = x
+            .read_mapped(&read(MAPPED_READ_MIN))
+            .expect("64 KiB of written RAM");
+        // SAFETY: 64 KiB of the mapping, which the executor keeps.
+        assert!(
+            unsafe { std::slice::from_raw_parts(p, MAPPED_READ_MIN as usize) } == &data[..65536]
+        );
+        let hole = BlockRequest::new(BlockOp::Read, 1 << 18, 1 << 17);
+        assert!(x.read_mapped(&hole).is_none(), "a hole is read");
+        assert_eq!((x.stats.reads, x.stats.bytes_read), (1, 65536));
+    }
+
     #[test]
     fn admission_checks() {
         let x = exec("m=mem:1M", 65536);

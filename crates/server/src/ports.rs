@@ -33,6 +33,11 @@ pub fn parse(url: &str) -> Option<Result<DgramListen, String>> {
     let rest = rest.trim_end_matches('/');
     match scheme {
         "udp" => Some((|| {
+            if let Some((_, query)) = rest.split_once('?') {
+                return Err(format!(
+                    "'{url}': udp:// listeners take no options (got '{query}'; qdisc=bypass is for eth://)"
+                ));
+            }
             let with_port = if rest.starts_with('[') && !rest.contains("]:")
                 || !rest.starts_with('[') && !rest.contains(':')
             {
@@ -59,7 +64,6 @@ pub fn parse(url: &str) -> Option<Result<DgramListen, String>> {
             for kv in query.split('&').filter(|s| !s.is_empty()) {
                 match kv {
                     "qdisc=bypass" => bypass_qdisc = true,
-                    "qdisc=on" => bypass_qdisc = false,
                     _ => {
                         let v = kv.strip_prefix("ethertype=").ok_or_else(|| {
                             format!("'{url}': unknown option '{kv}' (known: ethertype=0x88b5, qdisc=bypass)")
@@ -319,5 +323,9 @@ mod tests {
             assert!(e.contains(bad), "{bad}: {e}");
         }
         assert!(parse("tcp://h:1").is_none());
+        let e = parse("udp://0.0.0.0:7701?qdisc=bypass")
+            .unwrap()
+            .unwrap_err();
+        assert!(e.contains("eth://"), "{e}");
     }
 }

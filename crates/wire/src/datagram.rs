@@ -154,6 +154,19 @@ impl<D: Copy + PartialEq> Packer<D> {
         }
     }
 
+    /// Appends a frame with its CRC (§9), computed over the bytes as copied here: a payload that
+    /// another thread may change meanwhile (an export's memory) still leaves in a frame whose
+    /// CRC matches what it carries.
+    pub fn push_crc(&mut self, h: &Header, payload: &[u8], dest: D, limit: usize) {
+        let mut h = *h;
+        h.payload_len = payload.len() as u32;
+        let start = self.buf.len();
+        self.push_bytes(&h, payload, 0, dest, limit);
+        let (head, copied) = self.buf[start..].split_at_mut(HEADER_LEN);
+        h.seal_crc(copied);
+        head.copy_from_slice(&h.to_bytes());
+    }
+
     /// Appends a frame sealed by `seal` (§12.4): the header is marked sealed, `SEAL_LEN` bytes
     /// of room follow the payload, and `seal` gets the whole frame to fill them (and, if the
     /// session encrypts, to encrypt the payload in place, in this buffer: no extra copy).
@@ -282,6 +295,26 @@ mod tests {
         assert_eq!(slots, [0, 1, 2]);
         let (d, _) = p.get(1);
         assert_eq!(frames(d, 4096).count(), 1);
+    }
+
+    /// `push_crc` frames carry their length and a CRC over what they carry, packed as `push`
+    /// packs them.
+    #[test]
+    fn push_crc_seals_what_it_copied() {
+        let mut p = Packer::with_capacity(4, 1 << 16);
+        let mut h = Header::request(Opcode::Read, Tag::new(3, 1), 0, 200);
+        h.session = 9;
+        p.push_crc(&h, &[5u8; 200], 1u8, 2 * (HEADER_LEN + 200));
+        p.push_crc(&h, &[6u8; 100], 1u8, 2 * (HEADER_LEN + 200));
+        assert_eq!(p.len(), 1);
+        let got: Vec<_> = frames(p.get(0).0, 4096)
+            .map(|r| r.expect("a valid frame"))
+            .map(|f| {
+                f.header.check_crc(f.payload).expect("its CRC matches");
+                (f.header.payload_len, f.payload[0])
+            })
+            .collect();
+        assert_eq!(got, [(200, 5), (100, 6)]);
     }
 
     #[test]

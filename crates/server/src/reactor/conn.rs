@@ -51,15 +51,16 @@ pub(super) enum TxFrom {
 }
 
 impl TxData {
-    /// The bytes not sent yet.
-    pub(super) fn rest(&self) -> &[u8] {
-        let all = match &self.from {
-            TxFrom::Pooled(buf) => &buf.as_slice()[..self.len],
-            // SAFETY: `len` bytes at the address stay mapped while the connection holds its
-            // targets (`TxFrom::Mapped`), and it outlives its queued data.
-            TxFrom::Mapped(p) => unsafe { std::slice::from_raw_parts(*p, self.len) },
+    /// Where the bytes not sent yet start, and how many there are. An address and a length,
+    /// not a slice: other reactors may write an export's memory while it waits here, and only
+    /// the kernel reads it (a racing WRITE shows through, as PROTOCOL.md §2 allows).
+    pub(super) fn rest(&self) -> (*const u8, usize) {
+        let start = match &self.from {
+            TxFrom::Pooled(buf) => buf.as_slice()[..self.len].as_ptr(),
+            TxFrom::Mapped(p) => *p,
         };
-        &all[self.sent..]
+        // SAFETY: `sent <= len`, inside the buffer or the mapped range.
+        (unsafe { start.add(self.sent) }, self.len - self.sent)
     }
 }
 
@@ -621,13 +622,14 @@ fn send_gathered(c: &Conn) -> isize {
     let mut iov: [libc::iovec; GATHER] = unsafe { std::mem::zeroed() };
     let mut n = 0;
     let mut pos = c.tx_sent;
-    let piece = |iov: &mut [libc::iovec; GATHER], n: &mut usize, p: &[u8]| {
+    let piece = |iov: &mut [libc::iovec; GATHER], n: &mut usize, (p, len): (*const u8, usize)| {
         iov[*n] = libc::iovec {
-            iov_base: p.as_ptr() as *mut libc::c_void,
-            iov_len: p.len(),
+            iov_base: p as *mut libc::c_void,
+            iov_len: len,
         };
         *n += 1;
     };
+    let part = |b: &[u8]| (b.as_ptr(), b.len());
     let mut all = true;
     for d in &c.tx_data {
         if n + 2 > GATHER {
@@ -635,13 +637,13 @@ fn send_gathered(c: &Conn) -> isize {
             break;
         }
         if d.at > pos {
-            piece(&mut iov, &mut n, &c.tx[pos..d.at]);
+            piece(&mut iov, &mut n, part(&c.tx[pos..d.at]));
         }
         pos = d.at;
         piece(&mut iov, &mut n, d.rest());
     }
     if all && pos < c.tx.len() && n < GATHER {
-        piece(&mut iov, &mut n, &c.tx[pos..]);
+        piece(&mut iov, &mut n, part(&c.tx[pos..]));
     }
     // SAFETY: msghdr is plain data; every iovec points into `tx` or a queued buffer, both
     // alive and unchanged during the call.

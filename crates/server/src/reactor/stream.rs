@@ -1299,7 +1299,10 @@ mod tests {
         let mut pos = c.tx_sent;
         for d in &c.tx_data {
             out.extend_from_slice(&c.tx[pos..d.at]);
-            out.extend_from_slice(d.rest());
+            let (p, len) = d.rest();
+            // SAFETY: the queued bytes stay valid while the connection holds them, and no
+            // other thread writes this test's export.
+            out.extend_from_slice(unsafe { std::slice::from_raw_parts(p, len) });
             pos = d.at;
         }
         out.extend_from_slice(&c.tx[pos..]);
