@@ -396,9 +396,8 @@ mod tests {
             .read_mapped(&read(MAPPED_READ_MIN))
             .expect("64 KiB of written RAM");
         // SAFETY: 64 KiB of the mapping, which the executor keeps.
-        assert!(
-            unsafe { std::slice::from_raw_parts(p, MAPPED_READ_MIN as usize) } == &data[..65536]
-        );
+        let shown = unsafe { std::slice::from_raw_parts(p, MAPPED_READ_MIN as usize) };
+        assert!(shown == &data[..65536]);
         let hole = BlockRequest::new(BlockOp::Read, 1 << 18, 1 << 17);
         assert!(x.read_mapped(&hole).is_none(), "a hole is read");
         assert_eq!((x.stats.reads, x.stats.bytes_read), (1, 65536));
