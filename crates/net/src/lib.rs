@@ -18,8 +18,13 @@ fn os_err(what: &str) -> String {
 
 /// Sets an `int` socket option on `fd`; failure is ignored (callers treat every option as a best effort).
 pub fn setopt(fd: i32, level: i32, opt: i32, v: libc::c_int) {
+    let _ = try_setopt(fd, level, opt, v);
+}
+
+/// Sets an `int` socket option on `fd`, or says why not.
+fn try_setopt(fd: i32, level: i32, opt: i32, v: libc::c_int) -> std::io::Result<()> {
     // SAFETY: setsockopt with an int on a socket the caller owns.
-    unsafe {
+    let rc = unsafe {
         libc::setsockopt(
             fd,
             level,
@@ -28,6 +33,11 @@ pub fn setopt(fd: i32, level: i32, opt: i32, v: libc::c_int) {
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )
     };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
 
 /// Asks for 4 MiB socket buffers (the kernel caps them at rmem_max/wmem_max) and returns the
@@ -218,20 +228,13 @@ pub fn packet_send_socket(ifindex: i32, bypass_qdisc: bool) -> Result<OwnedFd, S
     // Protocol 0 registers no receive hook.
     let fd = open_packet(0)?;
     if bypass_qdisc {
-        let one: libc::c_int = 1;
-        // SAFETY: setsockopt on our own socket with an int we own.
-        let rc = unsafe {
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_PACKET,
-                libc::PACKET_QDISC_BYPASS,
-                (&one as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as u32,
-            )
-        };
-        if rc != 0 {
-            return Err(os_err("PACKET_QDISC_BYPASS"));
-        }
+        try_setopt(
+            fd.as_raw_fd(),
+            libc::SOL_PACKET,
+            libc::PACKET_QDISC_BYPASS,
+            1,
+        )
+        .map_err(|e| format!("cannot bypass the qdisc (PACKET_QDISC_BYPASS): {e}"))?;
     }
     bind_packet(&fd, ifindex, 0)?;
     size_buffers(fd.as_raw_fd());
