@@ -603,8 +603,6 @@ fn take_data(
     run_in_slot(c, idx, &req, slot, sq);
 }
 
-/// A READ of a range that is all hole, for frontends that can say so without the zeros. Only
-/// for large reads, where saving the data is worth an allocation query.
 /// Answers a large READ from an inline export by sending its data from the export's memory
 /// when all of it is there (mem:): the data is copied once, into the socket, instead of into
 /// `tx` first. Not under TLS (which seals what `tx` holds) nor with a suffix after the data
@@ -634,6 +632,8 @@ fn read_mapped(
     true
 }
 
+/// A READ of a range that is all hole, for frontends that can say so without the zeros. Only
+/// for large reads, where saving the data is worth an allocation query.
 fn read_hole(c: &mut Conn, req: &Req) -> bool {
     if !c.fe.replies_with_holes() || req.length < (64 << 10) {
         return false;
