@@ -547,6 +547,18 @@ mod tests {
         }
     }
 
+    /// Registers `who` with `key` (REGISTER AND IGNORE EXISTING KEY).
+    fn register(pr: &mut Reservations, who: &Nexus, key: u64) {
+        pr.reserve_out(
+            who,
+            sa_out::REGISTER_AND_IGNORE,
+            0,
+            0,
+            &out_parameters(0, key),
+        )
+        .unwrap();
+    }
+
     fn keys(pr: &Reservations) -> Vec<u64> {
         let b = pr.reserve_in(sa_in::READ_KEYS, 4096).unwrap();
         b[8..].chunks(8).map(get_u64).collect()
@@ -564,22 +576,8 @@ mod tests {
             pr.reserve_out(&a, sa_out::REGISTER, 0, 0, &out_parameters(0x11, 0xAB)),
             Err(Outcome::ReservationConflict)
         );
-        pr.reserve_out(
-            &a,
-            sa_out::REGISTER_AND_IGNORE,
-            0,
-            0,
-            &out_parameters(0, 0xAB),
-        )
-        .unwrap();
-        pr.reserve_out(
-            &b,
-            sa_out::REGISTER_AND_IGNORE,
-            0,
-            0,
-            &out_parameters(0, 0xBB),
-        )
-        .unwrap();
+        register(&mut pr, &a, 0xAB);
+        register(&mut pr, &b, 0xBB);
         assert_eq!(keys(&pr), [0xAB, 0xBB]);
         assert_eq!(pr.generation(), 3);
         // Truncated READ KEYS keeps ADDITIONAL LENGTH.
@@ -703,10 +701,8 @@ mod tests {
         for (k, [rr, rw, ur, uw]) in table {
             let mut pr = Reservations::new();
             let (a, b) = (nexus(1), nexus(2));
-            pr.reserve_out(&a, sa_out::REGISTER_AND_IGNORE, 0, 0, &out_parameters(0, 1))
-                .unwrap();
-            pr.reserve_out(&b, sa_out::REGISTER_AND_IGNORE, 0, 0, &out_parameters(0, 2))
-                .unwrap();
+            register(&mut pr, &a, 1);
+            register(&mut pr, &b, 2);
             pr.reserve_out(&a, sa_out::RESERVE, 0, k, &out_parameters(1, 0))
                 .unwrap();
             assert!(
@@ -749,10 +745,8 @@ mod tests {
         let mut pr = Reservations::new();
         assert!(!pr.reserved());
         assert_eq!(pr.access(&c), Access::Full);
-        pr.reserve_out(&a, sa_out::REGISTER_AND_IGNORE, 0, 0, &out_parameters(0, 1))
-            .unwrap();
-        pr.reserve_out(&b, sa_out::REGISTER_AND_IGNORE, 0, 0, &out_parameters(0, 2))
-            .unwrap();
+        register(&mut pr, &a, 1);
+        register(&mut pr, &b, 2);
         for k in [1, 3, 5, 6, 7, 8] {
             pr.reserve_out(&a, sa_out::RESERVE, 0, k, &out_parameters(1, 0))
                 .unwrap();
@@ -775,10 +769,8 @@ mod tests {
         for k in [1, 3, 5, 6, 7, 8] {
             let mut pr = Reservations::new();
             let (a, b) = (nexus(1), nexus(2));
-            pr.reserve_out(&a, sa_out::REGISTER_AND_IGNORE, 0, 0, &out_parameters(0, 1))
-                .unwrap();
-            pr.reserve_out(&b, sa_out::REGISTER_AND_IGNORE, 0, 0, &out_parameters(0, 2))
-                .unwrap();
+            register(&mut pr, &a, 1);
+            register(&mut pr, &b, 2);
             pr.reserve_out(&a, sa_out::RESERVE, 0, k, &out_parameters(1, 0))
                 .unwrap();
             pr.reserve_out(&a, sa_out::REGISTER, 0, 0, &out_parameters(1, 0))
@@ -792,22 +784,8 @@ mod tests {
     fn preempt_removes_registration() {
         let mut pr = Reservations::new();
         let (a, b) = (nexus(1), nexus(2));
-        pr.reserve_out(
-            &a,
-            sa_out::REGISTER_AND_IGNORE,
-            0,
-            0,
-            &out_parameters(0, 0x1),
-        )
-        .unwrap();
-        pr.reserve_out(
-            &b,
-            sa_out::REGISTER_AND_IGNORE,
-            0,
-            0,
-            &out_parameters(0, 0x2),
-        )
-        .unwrap();
+        register(&mut pr, &a, 0x1);
+        register(&mut pr, &b, 0x2);
         let gen = pr.generation();
         pr.reserve_out(
             &b,
@@ -841,14 +819,7 @@ mod tests {
             Err(Outcome::Sense(_))
         ));
         // Preempting the holder moves the reservation.
-        pr.reserve_out(
-            &a,
-            sa_out::REGISTER_AND_IGNORE,
-            0,
-            0,
-            &out_parameters(0, 0x1),
-        )
-        .unwrap();
+        register(&mut pr, &a, 0x1);
         pr.reserve_out(
             &a,
             sa_out::RESERVE,
