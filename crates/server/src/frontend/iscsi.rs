@@ -1237,15 +1237,7 @@ impl Iscsi {
                 // other reactors' before GOOD goes out.
                 pr.install(&update);
                 pr.outgoing = Some(update);
-                let req = Req {
-                    kind: Kind::Broadcast,
-                    offset: 0,
-                    length: 0,
-                    flags: IoFlags::empty(),
-                    slot: None,
-                    target: self.cur as u8,
-                    cookie: cookie(itt, res, Reply::Plain, 0),
-                };
+                let req = Req::broadcast(self.cur as u8, cookie(itt, res, Reply::Plain, 0));
                 self.request(req, len, 0, 0)
             }
             Err(pr::Outcome::ReservationConflict) => {

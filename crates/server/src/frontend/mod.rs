@@ -86,6 +86,20 @@ impl Req {
         }
     }
 
+    /// A state change of target `target` that every reactor must see before it is answered
+    /// ([`Kind::Broadcast`]); `cookie` builds the answer.
+    pub fn broadcast(target: u8, cookie: u128) -> Req {
+        Req {
+            kind: Kind::Broadcast,
+            offset: 0,
+            length: 0,
+            flags: IoFlags::empty(),
+            slot: None,
+            cookie,
+            target,
+        }
+    }
+
     /// A READ (the one request whose successful reply carries data).
     pub fn is_read(&self) -> bool {
         self.kind == Kind::Block(BlockOp::Read)

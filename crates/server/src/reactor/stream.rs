@@ -967,17 +967,8 @@ mod tests {
                     if let Some(n) = need(9) {
                         return n;
                     }
-                    let req = Req {
-                        kind: Kind::Broadcast,
-                        offset: 0,
-                        length: 0,
-                        flags: IoFlags::empty(),
-                        slot: None,
-                        cookie: u64_at(rx, 1) as u128,
-                        target: 0,
-                    };
                     Decoded::Request {
-                        req,
+                        req: Req::broadcast(0, u64_at(rx, 1) as u128),
                         len: 9,
                         payload_len: 0,
                         trailer: 0,
