@@ -8,7 +8,9 @@
 # Environment: RUNTIME (seconds per run, default 5), MTU (default 9000), JOBS (default 1),
 # FILL (1: write the whole export with 1M sequential writes over tcp:// first, so reads return
 # data rather than holes, as in nbd-compare; default 0, the export stays empty as in the runs
-# recorded before 2026-11-26), BYPASS_QDISC (1: eth:// with ?qdisc=bypass on both ends).
+# recorded before 2026-11-26), BYPASS_QDISC (1: eth:// with ?qdisc=bypass on both ends),
+# TRANSPORTS (default "eth udp tcp"), ONLY (one workload, e.g. "read 1M 4 1M-seqread" or
+# "randread 4k 32 4k-randread": that row alone, no loss runs; for A/B runs of two builds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 die() { echo "$(basename "$0"): $*" >&2; exit 1; }
@@ -18,6 +20,8 @@ MTU="${MTU:-9000}"
 JOBS="${JOBS:-1}"
 FILL="${FILL:-0}"
 BYPASS_QDISC="${BYPASS_QDISC:-0}"
+TRANSPORTS="${TRANSPORTS:-eth udp tcp}"
+ONLY="${ONLY:-}"
 ETH_OPT=""
 [[ "$BYPASS_QDISC" == 1 ]] && ETH_OPT="?qdisc=bypass"
 BIN="${BLKWIRE:-target/release/blkwire}"
@@ -79,11 +83,12 @@ raw = p.stdout.read()
 _, status, ru = os.wait4(p.pid, 0)
 if status != 0:
     sys.exit(f"bench over {t} failed")
-cpu = ru.ru_utime + ru.ru_stime + target_cpu() - c0
+target = target_cpu() - c0
+cpu = ru.ru_utime + ru.ru_stime + target
 d = json.loads(raw)
 rx = sum(x["retransmits"] for x in d["queues"])
-us = 1e6 * cpu / max(d["ops"], 1)
-print(f"| {t} | {label} | {qd} | {d['iops']:.0f} | {d['bandwidth_bytes']/1e6:.0f} | {d['latency_us']['mean']} | {d['latency_us']['p99']} | {us:.1f} | {rx} |")
+ops = max(d["ops"], 1)
+print(f"| {t} | {label} | {qd} | {d['iops']:.0f} | {d['bandwidth_bytes']/1e6:.0f} | {d['latency_us']['mean']} | {d['latency_us']['p99']} | {1e6 * cpu / ops:.1f} | {1e6 * target / ops:.1f} | {rx} |")
 with open(os.environ["CHART_TSV"], "a") as f:
     f.write(f"{label} QD{qd}\t{t}\t{d['iops']:.0f}\t{d['latency_us']['mean']}\t{d['latency_us']['p99']}\n")
 PY
@@ -102,18 +107,20 @@ echo
 chart_begin transports-compare "blkwire transports over one veth pair: MTU $MTU, $JOBS job(s), ${RUNTIME}s per run" \
     iops mean_us p99_us
 chart_meta peers tcp
-echo "| transport | workload | QD | IOPS | MB/s | mean latency us | p99 us | CPU us per I/O | retransmits |"
-echo "|---|---|---:|---:|---:|---:|---:|---:|---:|"
+echo "| transport | workload | QD | IOPS | MB/s | mean latency us | p99 us | CPU us per I/O | of it the target's | retransmits |"
+echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 WORKLOADS=("randread 4k 1 4k-randread" "randread 4k 32 4k-randread" "read 256k 16 256k-seqread")
 # 1M I/O needs frames of at least 4 KiB (a datagram I/O is at most 256 frames): jumbo links only.
 (( MTU >= 4200 )) && WORKLOADS+=("read 1M 4 1M-seqread")
+LOSSES=(1 5)
+[[ -n "$ONLY" ]] && { WORKLOADS=("$ONLY"); LOSSES=(); }
 for w in "${WORKLOADS[@]}"; do
     set -- $w
-    for t in eth udp tcp; do run "$t" "$1" "$2" "$3" "$4"; done
+    for t in $TRANSPORTS; do run "$t" "$1" "$2" "$3" "$4"; done
 done
-for loss in 1 5; do
+for loss in "${LOSSES[@]}"; do
     impair "$loss"
-    for t in eth udp tcp; do run "$t" randread 4k 32 "4k-randread-loss-$loss%"; done
+    for t in $TRANSPORTS; do run "$t" randread 4k 32 "4k-randread-loss-$loss%"; done
 done
 impair 0
 chart_end

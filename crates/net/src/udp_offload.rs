@@ -110,11 +110,24 @@ impl Cmsg {
     }
 }
 
-/// The messages of one `sendmmsg`: each a run of datagrams, back to back, to one destination,
-/// sent as one segmented send when the run holds more than one. The bytes are borrowed until
-/// `send`.
+/// Room for the I/O vectors of one `SendBatch`, kept by its owner between sends so that its
+/// capacity is reused.
+#[derive(Default)]
+pub struct IoVecs(Vec<libc::iovec>);
+
+// SAFETY: the addresses an `IoVecs` holds are only followed by the `sendmmsg` of the batch that
+// wrote them, on the thread that made the batch; a new batch empties it first. Between sends it
+// is plain numbers, and moving it to another thread follows none of them.
+unsafe impl Send for IoVecs {}
+
+/// The messages of one `sendmmsg`: each a run of datagrams to one destination, gathered from
+/// pieces, sent as one segmented send when the run holds more than one. The pieces must stay
+/// readable until `send` (see `push`).
 pub struct SendBatch<'a, const N: usize> {
-    runs: [(&'a [u8], usize, usize); N],
+    /// (first I/O vector, I/O vectors, segment, datagrams) of each message.
+    runs: [(usize, usize, usize, usize); N],
+    /// The messages' I/O vectors, one after another: the caller's, so it keeps its capacity.
+    iov: &'a mut Vec<libc::iovec>,
     names: [libc::sockaddr_storage; N],
     namelens: [libc::socklen_t; N],
     len: usize,
@@ -138,56 +151,62 @@ pub struct Refused {
     pub datagrams: usize,
 }
 
-impl<'a, const N: usize> Default for SendBatch<'a, N> {
-    fn default() -> Self {
+impl<'a, const N: usize> SendBatch<'a, N> {
+    /// An empty batch whose I/O vectors go into `iov` (emptied first).
+    pub fn new(iov: &'a mut IoVecs) -> Self {
+        let iov = &mut iov.0;
+        iov.clear();
         SendBatch {
-            runs: [(&[], 0, 0); N],
+            runs: [(0, 0, 0, 0); N],
+            iov,
             // SAFETY: an all-zero sockaddr_storage (family AF_UNSPEC) is a valid value.
             names: unsafe { std::mem::zeroed() },
             namelens: [0; N],
             len: 0,
         }
     }
-}
 
-impl<'a, const N: usize> SendBatch<'a, N> {
     /// No room for another message?
     pub fn is_full(&self) -> bool {
         self.len == N
     }
 
-    /// Adds a message: `count` datagrams back to back in `bytes`, each `segment` bytes but the
-    /// last. `name` writes the destination and returns its length; 0 sends to the connected
-    /// peer.
-    pub fn push(
+    /// Adds a message: `count` datagrams, each `segment` bytes but the last, whose bytes are
+    /// `pieces` (address, length) one after another. `name` writes the destination and returns
+    /// its length; 0 sends to the connected peer.
+    ///
+    /// # Safety
+    ///
+    /// Every piece must be readable for its length until `send` returns.
+    pub unsafe fn push(
         &mut self,
-        bytes: &'a [u8],
+        pieces: impl IntoIterator<Item = (*const u8, usize)>,
         segment: usize,
         count: usize,
         name: impl FnOnce(&mut libc::sockaddr_storage) -> u32,
     ) {
         assert!(!self.is_full(), "a full send batch");
         self.namelens[self.len] = name(&mut self.names[self.len]);
-        self.runs[self.len] = (bytes, segment, count);
+        let first = self.iov.len();
+        self.iov
+            .extend(pieces.into_iter().map(|(base, len)| libc::iovec {
+                iov_base: base as *mut _,
+                iov_len: len,
+            }));
+        self.runs[self.len] = (first, self.iov.len() - first, segment, count);
         self.len += 1;
     }
 
     /// Sends every message with one `sendmmsg` on `fd`; the kernel may take fewer than all.
     pub fn send(&mut self, fd: RawFd) -> Result<Sent, Refused> {
-        // SAFETY: an all-zero iovec (null base, length 0) is a valid value; filled below.
-        let mut iov: [libc::iovec; N] = unsafe { std::mem::zeroed() };
         // SAFETY: an all-zero mmsghdr (null pointers, zero lengths) is a valid value.
         let mut msgs: [libc::mmsghdr; N] = unsafe { std::mem::zeroed() };
         let mut cmsgs = [Cmsg::default(); N];
         for i in 0..self.len {
-            let (bytes, segment, count) = self.runs[i];
-            iov[i] = libc::iovec {
-                iov_base: bytes.as_ptr() as *mut _,
-                iov_len: bytes.len(),
-            };
+            let (first, n, segment, count) = self.runs[i];
             let m = &mut msgs[i].msg_hdr;
-            m.msg_iov = &mut iov[i];
-            m.msg_iovlen = 1;
+            m.msg_iov = self.iov[first..].as_mut_ptr();
+            m.msg_iovlen = n as _;
             if self.namelens[i] > 0 {
                 m.msg_name = (&mut self.names[i] as *mut libc::sockaddr_storage).cast();
                 m.msg_namelen = self.namelens[i];
@@ -196,11 +215,11 @@ impl<'a, const N: usize> SendBatch<'a, N> {
                 cmsgs[i].attach_segment(m, segment as u16);
             }
         }
-        // SAFETY: every pointer in msgs refers to iov, cmsgs, self.names or the borrowed runs,
-        // all alive for the call.
+        // SAFETY: every pointer in msgs refers to self.iov, cmsgs or self.names, all alive and
+        // unmoved for the call; the I/O vectors point at pieces `push`'s callers keep readable.
         let r = unsafe { libc::sendmmsg(fd, msgs.as_mut_ptr(), self.len as u32, 0) };
         if r < 0 {
-            let count = self.runs[0].2;
+            let count = self.runs[0].3;
             return Err(Refused {
                 error: std::io::Error::last_os_error(),
                 segmented: count > 1,
@@ -209,8 +228,8 @@ impl<'a, const N: usize> SendBatch<'a, N> {
         }
         let sent = &self.runs[..r as usize];
         Ok(Sent {
-            datagrams: sent.iter().map(|r| r.2).sum(),
-            segmented: sent.iter().map(|r| r.2).filter(|&c| c > 1).sum(),
+            datagrams: sent.iter().map(|r| r.3).sum(),
+            segmented: sent.iter().map(|r| r.3).filter(|&c| c > 1).sum(),
         })
     }
 }

@@ -8,7 +8,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use blkwire_net::rx_ring::RxRing;
-use blkwire_net::udp_offload::{self, Cmsg, SendBatch};
+use blkwire_net::udp_offload::{self, Cmsg, IoVecs, SendBatch};
 use blkwire_wire::datagram::{self, Packer};
 use blkwire_wire::{Header, HEADER_LEN};
 
@@ -135,6 +135,8 @@ pub(crate) struct Sender {
     /// Raw Ethernet: the target's link-layer address; `None` on connected UDP.
     dest: Option<libc::sockaddr_ll>,
     tx: Packer<()>,
+    /// The I/O vectors of one sendmmsg, kept for their capacity.
+    iov: IoVecs,
     /// UDP: runs of equal datagrams leave in one segmented send (PROTOCOL.md §9.6); turned off
     /// for good if the kernel refuses one.
     gso: bool,
@@ -186,12 +188,20 @@ impl Sender {
         // Counted as traffic even if the socket refuses it: the keepalive could not do better.
         self.last_sent = Instant::now();
         let send_fd = self.fd;
+        let mut iov = std::mem::take(&mut self.iov);
+        let result = self.send_all(send_fd, &mut iov, stats);
+        self.iov = iov;
+        self.tx.clear();
+        result
+    }
+
+    fn send_all(&mut self, send_fd: RawFd, iov: &mut IoVecs, stats: &mut QueueStats) -> Result<()> {
         let mut done = 0;
         while done < self.tx.len() {
             let (max_count, max_bytes) = udp_offload::run_limits(self.gso);
-            let mut batch = SendBatch::<BATCH>::default();
+            let mut batch = SendBatch::<BATCH>::new(iov);
             for run in self.tx.runs(done, max_count, max_bytes).take(BATCH) {
-                batch.push(run.bytes, run.segment, run.count, |ss| match &self.dest {
+                let name = |ss: &mut libc::sockaddr_storage| match &self.dest {
                     Some(d) => {
                         // SAFETY: a sockaddr_storage is larger than a sockaddr_ll and at least
                         // as aligned, so the write stays inside `ss` and is aligned.
@@ -201,7 +211,10 @@ impl Sender {
                         std::mem::size_of::<libc::sockaddr_ll>() as u32
                     }
                     None => 0,
-                });
+                };
+                // SAFETY: the packer holds copies of everything it sends (nothing is lent to
+                // it here), unchanged until it is cleared below.
+                unsafe { batch.push(self.tx.pieces(&run), run.segment, run.count, name) };
             }
             match batch.send(send_fd) {
                 Ok(sent) => {
@@ -218,14 +231,10 @@ impl Sender {
                     Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::ECONNREFUSED) => {
                         done += f.datagrams;
                     }
-                    _ => {
-                        self.tx.clear();
-                        return Err(Error::Io(f.error));
-                    }
+                    _ => return Err(Error::Io(f.error)),
                 },
             }
         }
-        self.tx.clear();
         Ok(())
     }
 }
@@ -297,6 +306,7 @@ pub(crate) fn data_path(
         fd: link.send_fd.as_ref().unwrap_or(&link.fd).as_raw_fd(),
         dest: link.dest,
         tx: Packer::with_capacity(BATCH, BATCH * frame),
+        iov: IoVecs::default(),
         gso: udp,
         last_sent: Instant::now(),
     };
@@ -539,7 +549,7 @@ pub(crate) fn exchange(
                 out.push(&h, payload, (), 0);
             }
         }
-        link.send_one(out.get(0).0);
+        link.send_one(&out.get(0).0);
         let until = (Instant::now() + wait).min(deadline);
         while let Some((f, _)) = link.recv_reply(&mut buf, until) {
             if f.header.opcode != h.opcode || f.header.tag != h.tag {

@@ -1248,13 +1248,13 @@ mod tests {
             fake.push_sealed(&h.reply(Status::Ok, 0), &forged_data, (), 0, |f| {
                 wrong.seal(f, HEADER_LEN)
             });
-            target.send_to(fake.get(0).0, from).unwrap();
+            target.send_to(&fake.get(0).0, from).unwrap();
             // The real answer.
             let mut real = Packer::<()>::with_capacity(1, 1024);
             real.push_sealed(&h.reply(Status::Ok, 0), &[0x5a; 512], (), 0, |f| {
                 sealer.seal(f, HEADER_LEN)
             });
-            target.send_to(real.get(0).0, from).unwrap();
+            target.send_to(&real.get(0).0, from).unwrap();
             let mut got = Vec::new();
             q.complete(1, |c| {
                 assert_eq!(c.status, Status::Ok);
