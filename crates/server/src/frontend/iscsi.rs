@@ -1916,6 +1916,11 @@ impl StreamFrontend for Iscsi {
         }
     }
 
+    /// The suffix is padding to four bytes, then the data digest when DataDigest is CRC32C.
+    fn read_suffix_digests(&self, _req: &Req) -> bool {
+        self.d.data
+    }
+
     fn finish_read_reply(&mut self, req: &Req, prefix: &mut [u8], data: &[u8], suffix: &mut [u8]) {
         self.outstanding = self.outstanding.saturating_sub(1);
         let res = residual_of(req);

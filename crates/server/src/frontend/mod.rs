@@ -251,6 +251,16 @@ pub trait StreamFrontend: Send {
     /// between them (digests are computed over it where it lies).
     fn finish_read_reply(&mut self, req: &Req, prefix: &mut [u8], data: &[u8], suffix: &mut [u8]);
 
+    /// Whether the suffix of a [`ReadFraming::Contiguous`] reply to `req` is computed from its
+    /// data (a data digest). Such a reply is never sent from an export's memory, which other
+    /// connections may write meanwhile: a digest of the bytes as they are now over bytes the
+    /// kernel reads later could fail at the initiator, and NVMe/TCP and iSCSI initiators end
+    /// the connection on a digest error. Frontends whose suffix can hold one say when it does.
+    fn read_suffix_digests(&self, req: &Req) -> bool {
+        let _ = req;
+        true
+    }
+
     /// Appends the whole reply to a [`ReadFraming::Chunked`] READ.
     fn encode_read(&mut self, req: &Req, data: &[u8], tx: &mut Vec<u8>) {
         let _ = (req, data, tx);

@@ -503,6 +503,12 @@ impl StreamFrontend for NvmeIo {
         }
     }
 
+    /// The suffix is the data digest when DDGST was negotiated, then the CapsuleResp (which
+    /// does not depend on the data) unless SQ flow control is off.
+    fn read_suffix_digests(&self, _req: &Req) -> bool {
+        self.tx.ddgst
+    }
+
     fn finish_read_reply(&mut self, req: &Req, prefix: &mut [u8], data: &[u8], suffix: &mut [u8]) {
         let d = C2HData {
             cccid: cid_of(req),

@@ -605,8 +605,9 @@ fn take_data(
 
 /// Answers a large READ from an inline export by sending its data from the export's memory
 /// when all of it is there (mem:): the data is copied once, into the socket, instead of into
-/// `tx` first. Not under TLS (which seals what `tx` holds) nor with a suffix after the data
-/// (a data digest would be computed now over bytes read later).
+/// `tx` first. Not under TLS (which seals what `tx` holds) nor when a data digest follows the
+/// data (`read_suffix_digests`: it would be computed now over bytes the kernel reads later); a
+/// suffix that does not depend on the data (NVMe/TCP's CapsuleResp) follows it from `tx`.
 fn read_mapped(
     c: &mut Conn,
     req: &Req,
@@ -615,18 +616,19 @@ fn read_mapped(
     suffix: usize,
 ) -> bool {
     let len = block.len as usize;
-    if c.tls.is_some() || suffix != 0 {
+    if c.tls.is_some() || (suffix != 0 && c.fe.read_suffix_digests(req)) {
         return false;
     }
     let Some(data) = c.exec(req).read_mapped(block) else {
         return false;
     };
-    c.grow_tx(prefix);
+    c.grow_tx(prefix + suffix);
     let at = c.tx.len();
-    c.tx.resize(at + prefix, 0);
+    c.tx.resize(at + prefix + suffix, 0);
     // SAFETY: `len` bytes at `data` stay mapped while the connection holds its targets.
     let bytes = unsafe { std::slice::from_raw_parts(data, len) };
-    c.fe.finish_read_reply(req, &mut c.tx[at..], bytes, &mut []);
+    let (head, tail) = c.tx[at..].split_at_mut(prefix);
+    c.fe.finish_read_reply(req, head, bytes, tail);
     c.queue_mapped(at + prefix, data, len);
     c.count_reply(Status::Ok);
     true
@@ -1062,9 +1064,18 @@ mod tests {
             } else {
                 ReadFraming::Contiguous {
                     prefix: 11,
-                    suffix: if req.cookie & NO_DIGEST != 0 { 0 } else { 4 },
+                    suffix: if req.cookie & TRAILER != 0 {
+                        TRAILER_BYTES.len()
+                    } else if req.cookie & NO_DIGEST != 0 {
+                        0
+                    } else {
+                        4
+                    },
                 }
             }
+        }
+        fn read_suffix_digests(&self, req: &Req) -> bool {
+            req.cookie & TRAILER == 0
         }
         fn finish_read_reply(
             &mut self,
@@ -1076,7 +1087,9 @@ mod tests {
             prefix[0] = b'S';
             prefix[1..9].copy_from_slice(&(req.cookie as u64).to_le_bytes());
             prefix[9..11].copy_from_slice(&0u16.to_le_bytes());
-            if !suffix.is_empty() {
+            if req.cookie & TRAILER != 0 {
+                suffix.copy_from_slice(TRAILER_BYTES);
+            } else if !suffix.is_empty() {
                 suffix.copy_from_slice(&blkwire_wire::crc::crc32c(data).to_le_bytes());
             }
         }
@@ -1106,6 +1119,10 @@ mod tests {
     const FOLLOWS: u128 = 1 << 63;
     /// A READ whose cookie has this bit is answered without a digest after its data.
     const NO_DIGEST: u128 = 1 << 62;
+    /// A READ whose cookie has this bit is answered with `TRAILER_BYTES` after its data, which
+    /// do not depend on it (as NVMe/TCP's CapsuleResp after a C2HData PDU).
+    const TRAILER: u128 = 1 << 61;
+    const TRAILER_BYTES: &[u8] = b"END";
 
     fn conn(spec: &str) -> (Conn, UnixStream) {
         conn_with(spec, false)
@@ -1655,9 +1672,10 @@ mod tests {
     }
 
     /// A large READ of RAM whose every page exists is sent from the export's memory: nothing
-    /// is copied into `tx` but its header, and no buffer is held. A READ over a hole is copied
-    /// as before (reading a hole through the mapping would allocate it), and so is one whose
-    /// digest after the data would be computed before the data is sent.
+    /// is copied into `tx` but its header (and a trailer that does not depend on the data), and
+    /// no buffer is held. A READ over a hole is copied as before (reading a hole through the
+    /// mapping would allocate it), and so is one whose digest after the data would be computed
+    /// before the data is sent.
     #[test]
     fn large_read_of_ram_is_sent_from_the_export() {
         use super::super::conn::TxFrom;
@@ -1676,9 +1694,14 @@ mod tests {
         let mut reads = read(no_digest | 10, 0, BIG as u32);
         reads.extend_from_slice(&read(no_digest | 11, 2 * BIG as u64, BIG as u32));
         reads.extend_from_slice(&read(12, 0, BIG as u32));
+        let trailer = TRAILER as u64;
+        reads.extend_from_slice(&read(trailer | 13, 0, BIG as u32));
         feed(&mut c, &mut ring, &reads);
-        assert_eq!(c.tx_data.len(), 1, "one read waits in the export's memory");
-        assert!(matches!(c.tx_data[0].from, TxFrom::Mapped(_)));
+        assert_eq!(c.tx_data.len(), 2, "two reads wait in the export's memory");
+        assert!(c
+            .tx_data
+            .iter()
+            .all(|d| matches!(d.from, TxFrom::Mapped(_))));
         assert_eq!((c.held, c.queued), (0, 0), "it holds no buffer");
         let mut partly = payload[..4096].to_vec();
         partly.resize(BIG, 0);
@@ -1689,13 +1712,16 @@ mod tests {
         want.extend_from_slice(&status_reply(12, Status::Ok));
         want.extend_from_slice(&payload);
         want.extend_from_slice(&blkwire_wire::crc::crc32c(&payload).to_le_bytes());
+        want.extend_from_slice(&status_reply(trailer | 13, Status::Ok));
+        want.extend_from_slice(&payload);
+        want.extend_from_slice(TRAILER_BYTES);
         assert!(
             take_tx(&mut c) == want,
             "the wire carries the replies in order"
         );
         assert!(c.tx_data.is_empty());
         let stats = &c.targets[0].exec.stats;
-        assert_eq!((stats.reads, stats.bytes_read), (3, 3 * BIG as u64));
+        assert_eq!((stats.reads, stats.bytes_read), (4, 4 * BIG as u64));
         let mut extents = Vec::new();
         c.targets[0]
             .exec
