@@ -469,6 +469,7 @@ impl Reactor {
             rx_end: 0,
             tx: Vec::with_capacity(conn::TX_KEEP),
             tx_sent: 0,
+            tx_peak: 0,
             tx_data: Default::default(),
             tx_data_left: 0,
             queued: 0,

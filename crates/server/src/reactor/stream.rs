@@ -1261,6 +1261,7 @@ mod tests {
             rx_end: 0,
             tx: Vec::new(),
             tx_sent: 0,
+            tx_peak: 0,
             tx_data: Default::default(),
             tx_data_left: 0,
             queued: 0,
