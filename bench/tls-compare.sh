@@ -5,18 +5,18 @@
 #   native-tls    blkwire bench --tls-ca CERT tcp://...   (TLS 1.3, X.509)
 #   nbd-plain     fio --ioengine=nbd nbd://...
 #   nbd-tls       fio --ioengine=nbd nbds://...           (STARTTLS, TLS 1.3, X.509)
-# 4k random reads at QD32, one connection each. fio's nbd engine refuses TLS-PSK files (local
-# file access), so the TLS runs use X.509: the record layer (AES-GCM) costs the same with a PSK;
-# only the handshake differs. libnbd finds the CA in $HOME/.pki/libnbd/ca-cert.pem, so fio runs
-# with HOME pointing into the scratch directory.
+# 4k random reads at QD32 by default (RW, BS, QD below), one connection each. fio's nbd engine
+# refuses TLS-PSK files (local file access), so the TLS runs use X.509: the record layer
+# (AES-GCM) costs the same with a PSK; only the handshake differs. libnbd finds the CA in
+# $HOME/.pki/libnbd/ca-cert.pem, so fio runs with HOME pointing into the scratch directory.
 #
 # ROUNDS rounds, the order of the four cases rotating from round to round, so slow drift of the
 # machine hits all of them alike; the summary is the median of the rounds.
 #
 # Environment: RUNTIME seconds per measurement (default 5), RAMP fio warm-up seconds (default 1),
-# ROUNDS (default 3), BLKWIRE (default target/release/blkwire; built if missing), POLL_US: when
-# set, both blkwire ends spin that long before sleeping (`--poll-us`; 0 = never spin, so CPU
-# time is work, not waiting).
+# ROUNDS (default 3), RW, BS and QD (the workload: default randread, 4k, 32), BLKWIRE (default
+# target/release/blkwire; built if missing), POLL_US: when set, both blkwire ends spin that
+# long before sleeping (`--poll-us`; 0 = never spin, so CPU time is work, not waiting).
 #
 # Output: one line per measurement, then the medians. Server CPU is the target's user+system
 # time over the run, client CPU the benchmark program's (from /usr/bin/time), both in percent of
@@ -27,6 +27,9 @@ shopt -s inherit_errexit
 RUNTIME="${RUNTIME:-5}"
 RAMP="${RAMP:-1}"
 ROUNDS="${ROUNDS:-3}"
+RW="${RW:-randread}"
+BS="${BS:-4k}"
+QD="${QD:-32}"
 READY_TIMEOUT="${READY_TIMEOUT:-10}"
 SIZE=1G
 EXPORT=scratch
@@ -106,8 +109,8 @@ run() {
     native-plain | native-tls)
         local tls=()
         [[ "$c" == native-tls ]] && tls=(--tls-ca "$WORK/cert.pem")
-        cpu="$(run_timed "$out" "$SRV" "$BLKWIRE" bench "${tls[@]}" "${POLL[@]}" --rw randread --bs 4k \
-            --iodepth 32 --runtime "$RUNTIME" --json "$TCP")" || die "bench $c failed: $(cat "$out.err")"
+        cpu="$(run_timed "$out" "$SRV" "$BLKWIRE" bench "${tls[@]}" "${POLL[@]}" --rw "$RW" --bs "$BS" \
+            --iodepth "$QD" --runtime "$RUNTIME" --json "$TCP")" || die "bench $c failed: $(cat "$out.err")"
         python3 - "$out" <<'EOF' | tr '\n' ' '
 import json, sys
 d = json.load(open(sys.argv[1]))
@@ -118,7 +121,7 @@ EOF
         local uri="$NBD_PLAIN"
         [[ "$c" == nbd-tls ]] && uri="$NBD_TLS"
         cpu="$(run_timed "$out.stdout" "$SRV" env HOME="$WORK/home" fio --name=x --ioengine=nbd \
-            --uri="$uri" --rw=randread --bs=4k --iodepth=32 --time_based --runtime="$RUNTIME" \
+            --uri="$uri" --rw="$RW" --bs="$BS" --iodepth="$QD" --time_based --runtime="$RUNTIME" \
             --ramp_time="$RAMP" --norandommap --lat_percentiles=1 --output-format=json \
             --output="$out")" || die "fio $c failed: $(tail -n 5 "$out.stdout.err")"
         python3 - "$out" <<'EOF' | tr '\n' ' '
@@ -134,10 +137,10 @@ EOF
 
 CASES=(native-plain native-tls nbd-plain nbd-tls)
 N=${#CASES[@]}
-echo "# TLS vs plain: 4k randread QD32, 1 connection, ${RUNTIME}s per run, ${ROUNDS} rounds, 127.0.0.1, $(nproc) CPUs, $(openssl version)"
+echo "# TLS vs plain: $BS $RW QD$QD, 1 connection, ${RUNTIME}s per run, ${ROUNDS} rounds, 127.0.0.1, $(nproc) CPUs, $(openssl version)"
 echo "# target: $("$BLKWIRE" --version) serve --tls on (X.509, P-256) ${POLL[*]}, mem:$SIZE; native client: blkwire bench; NBD client: fio $(fio --version | sed 's/^fio-//') nbd engine (libnbd $(nbdinfo --version 2>/dev/null | sed -n 's/^libnbd //p'))"
 printf '%-6s %-13s %9s %8s %8s %8s %10s %10s\n' round case IOPS p99_us srv_cpu% cli_cpu% srv_us/io cli_us/io
-chart_begin tls-compare "TLS vs plain: 4k randread QD32, 1 connection, ${RUNTIME}s per run, 127.0.0.1" iops p99_us
+chart_begin tls-compare "TLS vs plain: $BS $RW QD$QD, 1 connection, ${RUNTIME}s per run, 127.0.0.1" iops p99_us
 chart_meta peers plain
 declare -A R
 for (( r = 0; r < ROUNDS; r++ )); do
