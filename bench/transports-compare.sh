@@ -22,6 +22,13 @@ FILL="${FILL:-0}"
 BYPASS_QDISC="${BYPASS_QDISC:-0}"
 TRANSPORTS="${TRANSPORTS:-eth udp tcp}"
 ONLY="${ONLY:-}"
+for t in $TRANSPORTS; do
+    [[ "$t" == eth || "$t" == udp || "$t" == tcp ]] || die "TRANSPORTS: '$t' is not one of eth, udp, tcp"
+done
+if [[ -n "$ONLY" ]]; then
+    read -r _ bs _ <<<"$ONLY"
+    [[ "$bs" != 1M ]] || (( MTU >= 4200 )) || die "ONLY: 1M I/O needs MTU >= 4200 (a datagram I/O is at most 256 frames)"
+fi
 ETH_OPT=""
 [[ "$BYPASS_QDISC" == 1 ]] && ETH_OPT="?qdisc=bypass"
 BIN="${BLKWIRE:-target/release/blkwire}"
@@ -83,12 +90,12 @@ raw = p.stdout.read()
 _, status, ru = os.wait4(p.pid, 0)
 if status != 0:
     sys.exit(f"bench over {t} failed")
-target = target_cpu() - c0
-cpu = ru.ru_utime + ru.ru_stime + target
+target_s = target_cpu() - c0
+cpu = ru.ru_utime + ru.ru_stime + target_s
 d = json.loads(raw)
 rx = sum(x["retransmits"] for x in d["queues"])
 ops = max(d["ops"], 1)
-print(f"| {t} | {label} | {qd} | {d['iops']:.0f} | {d['bandwidth_bytes']/1e6:.0f} | {d['latency_us']['mean']} | {d['latency_us']['p99']} | {1e6 * cpu / ops:.1f} | {1e6 * target / ops:.1f} | {rx} |")
+print(f"| {t} | {label} | {qd} | {d['iops']:.0f} | {d['bandwidth_bytes']/1e6:.0f} | {d['latency_us']['mean']} | {d['latency_us']['p99']} | {1e6 * cpu / ops:.1f} | {1e6 * target_s / ops:.1f} | {rx} |")
 with open(os.environ["CHART_TSV"], "a") as f:
     f.write(f"{label} QD{qd}\t{t}\t{d['iops']:.0f}\t{d['latency_us']['mean']}\t{d['latency_us']['p99']}\n")
 PY

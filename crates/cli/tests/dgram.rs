@@ -409,7 +409,10 @@ fn stale_and_duplicate_writes_are_never_applied() {
 }
 
 /// UDP on loopback: sizes from 512 B to above max I/O, several queues, every byte right; on RAM
-/// and on RAM completed by a helper thread (the asynchronous completion path).
+/// and on RAM completed by a helper thread (the asynchronous completion path). Large READs
+/// leave pointing at the export's memory (`mem:`) or at the slot's buffer (`memthread:`), with
+/// CRCs computed when queued: a buffer freed or reused before the send would arrive as frames
+/// failing their CRC, so none may.
 #[test]
 fn udp_loopback_round_trips() {
     for export in ["m=mem:32M", "m=memthread:32M"] {
@@ -449,6 +452,9 @@ fn udp_round_trips(export: &str) {
     let mut z = vec![1u8; 4096];
     s.queues[2].read_at(&mut z, 0).unwrap();
     assert!(z.iter().all(|b| *b == 0));
+    for (i, q) in s.queues.iter().enumerate() {
+        assert_eq!(q.stats().crc_errors, 0, "{export}: queue {i}");
+    }
 }
 
 /// A restarted target does not know the old session: the initiator is told at once

@@ -202,10 +202,14 @@ impl<'a, const N: usize> SendBatch<'a, N> {
         // SAFETY: an all-zero mmsghdr (null pointers, zero lengths) is a valid value.
         let mut msgs: [libc::mmsghdr; N] = unsafe { std::mem::zeroed() };
         let mut cmsgs = [Cmsg::default(); N];
+        // One pointer for all messages: re-borrowing the vector per message would invalidate
+        // the pointers taken for the earlier ones.
+        let iov = self.iov.as_mut_ptr();
         for i in 0..self.len {
             let (first, n, segment, count) = self.runs[i];
             let m = &mut msgs[i].msg_hdr;
-            m.msg_iov = self.iov[first..].as_mut_ptr();
+            // SAFETY: `first + n <= self.iov.len()` (`push` recorded them).
+            m.msg_iov = unsafe { iov.add(first) };
             m.msg_iovlen = n as _;
             if self.namelens[i] > 0 {
                 m.msg_name = (&mut self.names[i] as *mut libc::sockaddr_storage).cast();
@@ -325,6 +329,43 @@ mod tests {
         for want in data.chunks(1000) {
             let n = plain.recv(&mut buf).unwrap();
             assert_eq!(&buf[..n], want);
+        }
+    }
+
+    /// A batch gathers each message from pieces that need not line up with its datagrams: a
+    /// segmented run of three datagrams, each a header and data lying elsewhere, and a lone
+    /// datagram of two pieces, in one `sendmmsg`, arrive as the datagrams they make up.
+    #[test]
+    fn a_batch_gathers_its_datagrams_from_pieces() {
+        let rx = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let tx = UdpSocket::bind("127.0.0.1:0").unwrap();
+        tx.connect(rx.local_addr().unwrap()).unwrap();
+        let heads: Vec<[u8; 8]> = (0..4u8).map(|i| [i; 8]).collect();
+        let data: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
+        let mut iov = IoVecs::default();
+        let mut batch = SendBatch::<4>::new(&mut iov);
+        let run = (0..3).flat_map(|i| [(heads[i].as_ptr(), 8), (data[i * 1000..].as_ptr(), 1000)]);
+        // SAFETY: `heads` and `data` outlive the send below.
+        unsafe {
+            batch.push(run, 1008, 3, |_| 0);
+            batch.push(
+                [(heads[3].as_ptr(), 8), (data.as_ptr(), 500)],
+                508,
+                1,
+                |_| 0,
+            );
+        }
+        let sent = batch
+            .send(tx.as_raw_fd())
+            .unwrap_or_else(|f| panic!("{}", f.error));
+        assert_eq!((sent.datagrams, sent.segmented), (4, 3));
+        let mut buf = vec![0u8; 2048];
+        for (i, len) in [(0, 1000), (1, 1000), (2, 1000), (3, 500)] {
+            let n = rx.recv(&mut buf).unwrap();
+            let mut want = heads[i].to_vec();
+            let at = if i == 3 { 0 } else { i * 1000 };
+            want.extend_from_slice(&data[at..at + len]);
+            assert_eq!(&buf[..n], &want[..], "datagram {i}");
         }
     }
 }

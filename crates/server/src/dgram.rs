@@ -575,8 +575,14 @@ impl DgramPort {
                     self.gso = false;
                 }
                 // A datagram the kernel refuses (buffer full, peer gone) is lost like any network
-                // loss: the initiator's timer recovers it.
-                Err(f) => done += f.datagrams,
+                // loss: the initiator's timer recovers it. EFAULT would be a piece pointing at
+                // memory no longer there: a bug, said out loud rather than taken for loss.
+                Err(f) => {
+                    if f.error.raw_os_error() == Some(libc::EFAULT) {
+                        crate::log!(Level::Warn, "datagram send refused a piece: {}", f.error);
+                    }
+                    done += f.datagrams
+                }
             }
         }
         self.tx.clear();
@@ -1188,8 +1194,8 @@ impl DgramPort {
         if let Err(st) = q.exec.admit(&block) {
             return self.finish(qi, slot, st);
         }
-        // RAM whose pages all exist is sent from where it lies: the fragments are copied out
-        // of the export's mapping right now, so nothing else need hold the data.
+        // RAM whose pages all exist is sent from where it lies: the fragments point into the
+        // export's mapping, which the queue keeps until the flush (`remove` flushes first).
         if block.op == BlockOp::Read && q.exec.completes_inline() {
             if let Some(data) = q.exec.read_mapped(&block) {
                 return self.finish_read(qi, slot, Status::Ok, Some(data));
@@ -1314,10 +1320,10 @@ impl DgramPort {
         let frags = fragment_count(h.length, fp);
         // A large READ's fragments point at the data where it lies, kept until the next flush:
         // the export's mapping lives as long as the queue, which `remove` does not drop before
-        // a flush, and the slot's buffer waits in `lent`. Smaller ones are copied into the batch
-        // and their buffer goes back to the pool at once (a retransmitted READ runs again: the
-        // data need not stay).
-        let lend = h.length >= LEND_READ_MIN;
+        // a flush, and the slot's buffer waits in `lent`. Smaller ones, and a sealed session's
+        // (sealing copies them), are copied into the batch and their buffer goes back to the
+        // pool at once (a retransmitted READ runs again: the data need not stay).
+        let lend = h.length >= LEND_READ_MIN && q.seal.is_none();
         let buf = match mapped {
             Some(_) => None,
             None => Some(s.buf.take().expect("read buffer")),

@@ -114,7 +114,9 @@ pub struct Run<D> {
 /// own would cost the kernel more than the copy saves, and it keeps a datagram's pieces few.
 pub const LEND_MIN: usize = 1024;
 
-/// Most pieces (I/O vectors) a run may have; the kernel takes at most 1024 (UIO_MAXIOV).
+/// Most pieces (I/O vectors) a run may have; the kernel takes at most 1024 (UIO_MAXIOV). A
+/// safeguard: within a segmented send's 65,000 bytes, with lent pieces of at least
+/// [`LEND_MIN`], a run has at most about 130.
 pub const MAX_RUN_PIECES: usize = 1024;
 
 /// Part of an outgoing datagram: bytes in the packer's buffer, or bytes lent where they lie.
@@ -223,8 +225,8 @@ impl<D: Copy + PartialEq> Packer<D> {
     ///
     /// # Safety
     ///
-    /// `data` must be readable for `len` bytes until the datagram is sent or the packer
-    /// cleared.
+    /// `data` must be readable for `len` bytes until the packer is cleared or dropped (`get`
+    /// reads it too, not only the send).
     pub unsafe fn push_lent(
         &mut self,
         h: &Header,
@@ -286,6 +288,7 @@ impl<D: Copy + PartialEq> Packer<D> {
     pub fn is_empty(&self) -> bool {
         self.datagrams.is_empty()
     }
+
     /// Does any datagram point at lent bytes (`push_lent`)?
     pub fn lends(&self) -> bool {
         self.pieces.iter().any(|p| matches!(p, Piece::Lent { .. }))
@@ -489,6 +492,38 @@ mod tests {
         assert_eq!(got, [(4000, 7), (100, 8), (4000, 7)]);
         p.clear();
         assert!(!p.lends() && p.is_empty());
+    }
+
+    /// Lent frames one per datagram form a run whose pieces alternate between the packer's
+    /// headers and the lent data, in order; each datagram reads back whole.
+    #[test]
+    fn a_run_of_lent_datagrams_lists_every_piece_in_order() {
+        let mut p = Packer::with_capacity(4, 1 << 16);
+        let data: Vec<u8> = (0..6000u32).map(|i| (i % 251) as u8).collect();
+        let limit = HEADER_LEN + 2000;
+        for i in 0..3u16 {
+            let mut h = Header::request(Opcode::Read, Tag::new(i, 1), 0, 2000);
+            h.session = 9;
+            let at = i as usize * 2000;
+            // SAFETY: `data` outlives the packer's use of it below.
+            unsafe { p.push_lent(&h, data[at..].as_ptr(), 2000, 1u8, limit) };
+        }
+        assert_eq!(p.len(), 3, "a frame fills each datagram");
+        let run = p.run(0, 64, 1 << 16);
+        assert_eq!((run.count, run.segment, run.bytes), (3, limit, 3 * limit));
+        let pieces: Vec<(*const u8, usize)> = p.pieces(&run).collect();
+        assert_eq!(pieces.len(), 6);
+        for i in 0..3 {
+            assert_eq!(pieces[2 * i].1, HEADER_LEN);
+            assert_eq!(pieces[2 * i + 1], (data[i * 2000..].as_ptr(), 2000));
+        }
+        for i in 0..3 {
+            let (d, dest) = p.get(i);
+            assert_eq!(dest, 1);
+            let f = frames(&d, 4096).next().expect("a frame").expect("valid");
+            assert_eq!(f.header.tag.slot(), i as u16);
+            assert_eq!(f.payload, &data[i * 2000..(i + 1) * 2000]);
+        }
     }
 
     #[test]

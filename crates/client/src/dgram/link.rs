@@ -213,7 +213,7 @@ impl Sender {
                     None => 0,
                 };
                 // SAFETY: the packer holds copies of everything it sends (nothing is lent to
-                // it here), unchanged until it is cleared below.
+                // it here), unchanged until `flush` clears it after this call.
                 unsafe { batch.push(self.tx.pieces(&run), run.segment, run.count, name) };
             }
             match batch.send(send_fd) {
