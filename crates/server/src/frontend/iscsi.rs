@@ -49,7 +49,7 @@ use blkwire_wire::scsi::pr::{self, Access, Nexus};
 use blkwire_wire::scsi::{self, xcopy, Command, LunInfo, Sense};
 use blkwire_wire::{CopyDescriptor, CopyLimits, Status};
 
-use super::{Decoded, Kind, ReadFraming, Req, StreamFrontend};
+use super::{Decoded, Kind, Piece, ReadFraming, Req, StreamFrontend};
 use crate::iscsi::Negotiated;
 use crate::reservations::{Lu as PrLu, Update};
 
@@ -571,11 +571,20 @@ impl Iscsi {
     fn answer(&mut self, itt: u32, data: &[u8], edtl: u32, tx: &mut Vec<u8>) {
         let res = Residual::of(edtl, data.len() as u32);
         let data = &data[..data.len().min(edtl as usize)];
-        self.data_in(itt, data, res, tx);
+        self.data_in(itt, data, res, tx, None);
     }
 
-    /// Data-In PDUs for `data`, the last one with GOOD status and the residual `res`.
-    fn data_in(&mut self, itt: u32, data: &[u8], res: Residual, tx: &mut Vec<u8>) {
+    /// Data-In PDUs for `data`, the last one with GOOD status and the residual `res`. With
+    /// `pieces`, only their framing goes into `tx` and each PDU's data is listed there instead
+    /// (`StreamFrontend::encode_read_framing`); digests are computed over `data` either way.
+    fn data_in(
+        &mut self,
+        itt: u32,
+        data: &[u8],
+        res: Residual,
+        tx: &mut Vec<u8>,
+        mut pieces: Option<&mut Vec<Piece>>,
+    ) {
         if data.is_empty() {
             return self.response(itt, GOOD, None, res, tx);
         }
@@ -606,7 +615,18 @@ impl Iscsi {
                 b.0[3] = GOOD;
                 b.set32(44, res.count());
             }
-            b.encode(&data[at..end], &self.d, tx);
+            match pieces.as_deref_mut() {
+                Some(p) => {
+                    b.encode_prefix(end - at, &self.d, tx);
+                    p.push(Piece {
+                        at: tx.len(),
+                        from: at,
+                        len: end - at,
+                    });
+                    iscsi::encode_suffix(&data[at..end], &self.d, tx);
+                }
+                None => b.encode(&data[at..end], &self.d, tx),
+            }
             at = end;
             datasn += 1;
         }
@@ -1951,7 +1971,29 @@ impl StreamFrontend for Iscsi {
         }
         self.outstanding = self.outstanding.saturating_sub(1);
         let send = (extra_of(req) as usize).min(data.len());
-        self.data_in(itt_of(req), &data[..send], residual_of(req), tx);
+        self.data_in(itt_of(req), &data[..send], residual_of(req), tx, None);
+    }
+
+    fn encode_read_framing(
+        &mut self,
+        req: &Req,
+        data: &[u8],
+        tx: &mut Vec<u8>,
+        pieces: &mut Vec<Piece>,
+    ) -> bool {
+        if reply_of(req) == Reply::Part {
+            return false;
+        }
+        self.outstanding = self.outstanding.saturating_sub(1);
+        let send = (extra_of(req) as usize).min(data.len());
+        self.data_in(
+            itt_of(req),
+            &data[..send],
+            residual_of(req),
+            tx,
+            Some(pieces),
+        );
+        true
     }
 
     fn reply(&mut self, req: &Req, status: Status, tx: &mut Vec<u8>) -> bool {
@@ -2001,7 +2043,7 @@ impl StreamFrontend for Iscsi {
             .collect();
         let d = scsi::lba_status(lba, &list, extra_of(req));
         let res = Residual::of(residual_of(req).count(), d.len() as u32);
-        self.data_in(itt_of(req), &d, res, tx);
+        self.data_in(itt_of(req), &d, res, tx, None);
         true
     }
 }

@@ -111,6 +111,18 @@ impl Req {
     }
 }
 
+/// A stretch of a READ's data that a reply carries, left out of the transmit buffer
+/// ([`StreamFrontend::encode_read_framing`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// Where in the transmit buffer it goes: after `tx[..at]`.
+    pub at: usize,
+    /// Its start in the data.
+    pub from: usize,
+    /// Its length.
+    pub len: usize,
+}
+
 /// How a successful READ reply is laid out around its data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReadFraming {
@@ -259,6 +271,22 @@ pub trait StreamFrontend: Send {
     fn read_suffix_digests(&self, req: &Req) -> bool {
         let _ = req;
         true
+    }
+
+    /// [`StreamFrontend::encode_read`] without copying the data: the reply's framing goes into
+    /// `tx`, and each stretch of `data` it carries is listed in `pieces`, in wire order, with
+    /// where in `tx` it goes. Digests may be computed over `data`, which is the request's own
+    /// buffer. False (nothing appended) when the frontend cannot; then `encode_read` builds
+    /// the reply.
+    fn encode_read_framing(
+        &mut self,
+        req: &Req,
+        data: &[u8],
+        tx: &mut Vec<u8>,
+        pieces: &mut Vec<Piece>,
+    ) -> bool {
+        let _ = (req, data, tx, pieces);
+        false
     }
 
     /// Appends the whole reply to a [`ReadFraming::Chunked`] READ.

@@ -13,7 +13,7 @@ use super::stream::parse_frames;
 use crate::budget::Account;
 use crate::bufpool::Buffers;
 use crate::executor::{Executor, Started};
-use crate::frontend::{Req, StreamFrontend};
+use crate::frontend::{Piece, Req, StreamFrontend};
 use crate::log::Level;
 use crate::tls::{self, TlsStream};
 
@@ -43,8 +43,16 @@ pub(super) struct TxData {
 
 /// Where queued READ data lies.
 pub(super) enum TxFrom {
-    /// The buffer the backend filled; back to the pool once sent.
-    Pooled(AlignedBuf),
+    /// The buffer the backend filled, from `offset` on: its last stretch in the reply. Back
+    /// to the pool once sent, when `held` bytes of data held by requests are given back.
+    Pooled {
+        buf: AlignedBuf,
+        offset: usize,
+        held: usize,
+    },
+    /// An earlier stretch of such a buffer, which a later entry owns: entries leave in order,
+    /// so the buffer outlives it.
+    Part(*const u8),
     /// The export's own memory ([`crate::executor::Executor::read_mapped`]), valid as long
     /// as the connection's targets, which the connection keeps until it is dropped.
     Mapped(*const u8),
@@ -56,8 +64,8 @@ impl TxData {
     /// the kernel reads it (a racing WRITE shows through, as PROTOCOL.md §2 allows).
     pub(super) fn rest(&self) -> (*const u8, usize) {
         let start = match &self.from {
-            TxFrom::Pooled(buf) => buf.as_slice()[..self.len].as_ptr(),
-            TxFrom::Mapped(p) => *p,
+            TxFrom::Pooled { buf, offset, .. } => buf.as_slice()[*offset..][..self.len].as_ptr(),
+            TxFrom::Part(p) | TxFrom::Mapped(p) => *p,
         };
         // SAFETY: `sent <= len`, inside the buffer or the mapped range.
         (unsafe { start.add(self.sent) }, self.len - self.sent)
@@ -108,6 +116,9 @@ pub(super) struct Conn {
     /// READ data sent from where it lies (the buffer the backend filled, or the export's
     /// memory), each between two stretches of `tx` (`Conn::queue_data`), in order.
     pub(super) tx_data: std::collections::VecDeque<TxData>,
+    /// Where a chunked READ reply's data goes (`StreamFrontend::encode_read_framing`), kept
+    /// for its capacity.
+    pub(super) pieces: Vec<Piece>,
     /// Bytes of `tx_data` not sent yet.
     pub(super) tx_data_left: usize,
     /// Bytes of the buffers in `tx_data` (part of `held` until they are sent).
@@ -248,8 +259,26 @@ impl Conn {
     /// (its reply's prefix, the last thing appended but a suffix); the buffer goes back to
     /// the pool once sent. Plain sockets only: TLS seals what `tx` holds.
     pub(super) fn queue_data(&mut self, at: usize, buf: AlignedBuf, len: usize) {
-        self.queue(at, TxFrom::Pooled(buf), len);
-        self.queued += len;
+        self.queue_pieces(buf, &[Piece { at, from: 0, len }], len);
+    }
+
+    /// `queue_data` for a reply that carries its data in several stretches, each between two
+    /// stretches of `tx` (`StreamFrontend::encode_read_framing`); `held` is what the request
+    /// holds, given back with the buffer once its last piece is sent.
+    pub(super) fn queue_pieces(&mut self, buf: AlignedBuf, pieces: &[Piece], held: usize) {
+        let (last, earlier) = pieces.split_last().expect("a reply with data has pieces");
+        let base = buf.as_slice().as_ptr();
+        for p in earlier {
+            // SAFETY: a piece lies inside the data the frontend was given, inside `buf`.
+            self.queue(p.at, TxFrom::Part(unsafe { base.add(p.from) }), p.len);
+        }
+        let from = TxFrom::Pooled {
+            buf,
+            offset: last.from,
+            held,
+        };
+        self.queue(last.at, from, last.len);
+        self.queued += held;
     }
 
     /// Sends `len` bytes at `data`, memory of the export that stays mapped while the
@@ -290,9 +319,9 @@ impl Conn {
             self.tx_data_left -= part;
             if d.sent == d.len {
                 let d = self.tx_data.pop_front().expect("front");
-                if let TxFrom::Pooled(buf) = d.from {
-                    self.queued -= d.len;
-                    self.held -= d.len;
+                if let TxFrom::Pooled { buf, held, .. } = d.from {
+                    self.queued -= held;
+                    self.held -= held;
                     self.bufs.give_back(buf);
                 }
             }

@@ -472,6 +472,7 @@ impl Reactor {
             tx_peak: 0,
             tx_data: Default::default(),
             tx_data_left: 0,
+            pieces: Vec::new(),
             queued: 0,
             slots: (0..q.depth).map(|_| Slot::default()).collect(),
             inflight: 0,
