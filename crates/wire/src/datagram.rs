@@ -436,6 +436,17 @@ mod tests {
         assert_eq!(frames(&d, 4096).count(), 1);
     }
 
+    /// A datagram's frames, each checked against its CRC, as (payload length, first byte).
+    fn checked_frames(d: &[u8]) -> Vec<(u32, u8)> {
+        frames(d, 1 << 16)
+            .map(|r| r.expect("a valid frame"))
+            .map(|f| {
+                f.header.check_crc(f.payload).expect("its CRC matches");
+                (f.header.payload_len, f.payload[0])
+            })
+            .collect()
+    }
+
     /// `push_crc` frames carry their length and a CRC over what they carry, packed as `push`
     /// packs them.
     #[test]
@@ -446,14 +457,7 @@ mod tests {
         p.push_crc(&h, &[5u8; 200], 1u8, 2 * (HEADER_LEN + 200));
         p.push_crc(&h, &[6u8; 100], 1u8, 2 * (HEADER_LEN + 200));
         assert_eq!(p.len(), 1);
-        let got: Vec<_> = frames(&p.get(0).0, 4096)
-            .map(|r| r.expect("a valid frame"))
-            .map(|f| {
-                f.header.check_crc(f.payload).expect("its CRC matches");
-                (f.header.payload_len, f.payload[0])
-            })
-            .collect();
-        assert_eq!(got, [(200, 5), (100, 6)]);
+        assert_eq!(checked_frames(&p.get(0).0), [(200, 5), (100, 6)]);
     }
 
     /// A lent payload is not copied: its datagram points at it, the kernel gathers header and
@@ -482,14 +486,10 @@ mod tests {
             "header, lent payload, the small frame copied with the next header, lent payload"
         );
         assert_eq!((pieces[1].0, pieces[3].0), (big.as_ptr(), big.as_ptr()));
-        let got: Vec<_> = frames(&p.get(0).0, 8192)
-            .map(|r| r.expect("a valid frame"))
-            .map(|f| {
-                f.header.check_crc(f.payload).expect("its CRC matches");
-                (f.header.payload_len, f.payload[0])
-            })
-            .collect();
-        assert_eq!(got, [(4000, 7), (100, 8), (4000, 7)]);
+        assert_eq!(
+            checked_frames(&p.get(0).0),
+            [(4000, 7), (100, 8), (4000, 7)]
+        );
         p.clear();
         assert!(!p.lends() && p.is_empty());
     }

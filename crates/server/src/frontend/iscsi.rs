@@ -574,6 +574,20 @@ impl Iscsi {
         self.data_in(itt, data, res, tx, None);
     }
 
+    /// The Data-In PDUs answering the READ `req` (at most what it asked for of `data`), as
+    /// `data_in` writes them.
+    fn read_data_in(
+        &mut self,
+        req: &Req,
+        data: &[u8],
+        tx: &mut Vec<u8>,
+        pieces: Option<&mut Vec<Piece>>,
+    ) {
+        self.outstanding = self.outstanding.saturating_sub(1);
+        let send = (extra_of(req) as usize).min(data.len());
+        self.data_in(itt_of(req), &data[..send], residual_of(req), tx, pieces);
+    }
+
     /// Data-In PDUs for `data`, the last one with GOOD status and the residual `res`. With
     /// `pieces`, only their framing goes into `tx` and each PDU's data is listed there instead
     /// (`StreamFrontend::encode_read_framing`); digests are computed over `data` either way.
@@ -1969,9 +1983,7 @@ impl StreamFrontend for Iscsi {
             self.part_done(req, Status::Ok, tx);
             return;
         }
-        self.outstanding = self.outstanding.saturating_sub(1);
-        let send = (extra_of(req) as usize).min(data.len());
-        self.data_in(itt_of(req), &data[..send], residual_of(req), tx, None);
+        self.read_data_in(req, data, tx, None);
     }
 
     fn encode_read_framing(
@@ -1984,15 +1996,7 @@ impl StreamFrontend for Iscsi {
         if reply_of(req) == Reply::Part {
             return false;
         }
-        self.outstanding = self.outstanding.saturating_sub(1);
-        let send = (extra_of(req) as usize).min(data.len());
-        self.data_in(
-            itt_of(req),
-            &data[..send],
-            residual_of(req),
-            tx,
-            Some(pieces),
-        );
+        self.read_data_in(req, data, tx, Some(pieces));
         true
     }
 
