@@ -338,6 +338,9 @@ mod tests {
     #[test]
     fn a_batch_gathers_its_datagrams_from_pieces() {
         let rx = UdpSocket::bind("127.0.0.1:0").unwrap();
+        // A datagram lost would fail the test, not hang it.
+        rx.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .unwrap();
         let tx = UdpSocket::bind("127.0.0.1:0").unwrap();
         tx.connect(rx.local_addr().unwrap()).unwrap();
         let heads: Vec<[u8; 8]> = (0..4u8).map(|i| [i; 8]).collect();

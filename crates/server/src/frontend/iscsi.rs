@@ -53,6 +53,9 @@ use super::{Decoded, Kind, Piece, ReadFraming, Req, StreamFrontend};
 use crate::iscsi::Negotiated;
 use crate::reservations::{Lu as PrLu, Update};
 
+/// The smallest Data-In data segment sent from the read's buffer rather than copied
+/// (`StreamFrontend::encode_read_framing`).
+const MIN_PIECE: usize = 16 << 10;
 /// SCSI status GOOD.
 const GOOD: u8 = 0x00;
 /// SCSI status CHECK CONDITION.
@@ -1993,7 +1996,13 @@ impl StreamFrontend for Iscsi {
         tx: &mut Vec<u8>,
         pieces: &mut Vec<Piece>,
     ) -> bool {
-        if reply_of(req) == Reply::Part {
+        // Small data segments make pieces that cost more to send one by one than to copy, and
+        // a read answering less than it read (a residual) would hold its whole buffer for part
+        // of it: both are copied.
+        if reply_of(req) == Reply::Part
+            || (self.neg.send_max as usize) < MIN_PIECE
+            || extra_of(req) as usize != data.len()
+        {
             return false;
         }
         self.read_data_in(req, data, tx, Some(pieces));
@@ -2317,6 +2326,95 @@ mod tests {
             "ExpCmdSN, MaxCmdSN: all 4 places free"
         );
         assert!(tx.is_empty());
+    }
+
+    /// A READ(10) of `blocks` 512-byte blocks at LBA 0 asking for `edtl` bytes, decoded and
+    /// taken by `f`.
+    fn taken_read(f: &mut Iscsi, blocks: u16, edtl: u32) -> Req {
+        let mut cdb = [0x28, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        cdb[7..9].copy_from_slice(&blocks.to_be_bytes());
+        // The command as `cmd` writes it, with the connection's digests.
+        let mut b = Bhs::new(op::SCSI_CMD, flag::FINAL | flag::READ | 1);
+        b.itt(9).set32(20, edtl).set32(24, 0);
+        b.0[32..42].copy_from_slice(&cdb);
+        let mut pdu = Vec::new();
+        b.encode(&[], &f.d, &mut pdu);
+        let mut tx = Vec::new();
+        let Decoded::Request { req, .. } = f.decode(&pdu, &mut tx) else {
+            panic!("a request");
+        };
+        f.taken(&req);
+        req
+    }
+
+    /// Data-In PDUs written as framing plus pieces (`encode_read_framing`) are, once the
+    /// pieces are spliced in, the bytes `encode_read` writes: with and without digests, with
+    /// data segments that do and do not divide the bursts. Segments under 16 KiB and reads
+    /// answering less than they read are left to `encode_read`.
+    #[test]
+    fn read_framing_with_pieces_is_encode_read_spliced() {
+        let data: Vec<u8> = (0..200 << 10).map(|i| (i * 7 % 251) as u8).collect();
+        let blocks = (data.len() / 512) as u16;
+        for (send_max, max_burst) in [(16 << 10, 64 << 10), (20_000, 50_000), (64 << 10, 1 << 20)] {
+            for (header, digest) in [(false, false), (true, true)] {
+                let case = format!("segments {send_max}, bursts {max_burst}, digests {header}");
+                let open = || {
+                    let mut f = fe(max_burst);
+                    f.neg.send_max = send_max;
+                    f.d = Digests {
+                        header,
+                        data: digest,
+                    };
+                    f
+                };
+                let (mut a, mut b) = (open(), open());
+                let (ra, rb) = (
+                    taken_read(&mut a, blocks, data.len() as u32),
+                    taken_read(&mut b, blocks, data.len() as u32),
+                );
+                assert_eq!(b.read_framing(&rb), ReadFraming::Chunked, "{case}");
+                let mut want = Vec::new();
+                a.encode_read(&ra, &data, &mut want);
+                let (mut framing, mut pieces) = (Vec::new(), Vec::new());
+                assert!(
+                    b.encode_read_framing(&rb, &data, &mut framing, &mut pieces),
+                    "{case}"
+                );
+                assert!(
+                    pieces.iter().all(|p| p.len <= send_max as usize),
+                    "{case}: a piece per data segment"
+                );
+                assert_eq!(
+                    pieces.iter().map(|p| p.len).sum::<usize>(),
+                    data.len(),
+                    "{case}"
+                );
+                let mut got = Vec::new();
+                let mut at = 0;
+                for p in &pieces {
+                    got.extend_from_slice(&framing[at..p.at]);
+                    got.extend_from_slice(&data[p.from..p.from + p.len]);
+                    at = p.at;
+                }
+                got.extend_from_slice(&framing[at..]);
+                assert!(
+                    got == want,
+                    "{case}: spliced framing differs from the copied reply"
+                );
+                assert_eq!((a.outstanding, b.outstanding), (0, 0), "{case}");
+            }
+        }
+        // Small segments, and a residual: nothing written, for `encode_read` to do.
+        let mut f = fe(64 << 10);
+        let r = taken_read(&mut f, blocks, data.len() as u32);
+        let (mut framing, mut pieces) = (Vec::new(), Vec::new());
+        assert!(!f.encode_read_framing(&r, &data, &mut framing, &mut pieces));
+        let mut f = fe(64 << 10);
+        f.neg.send_max = 64 << 10;
+        let r = taken_read(&mut f, blocks, data.len() as u32 - 512);
+        assert!(!f.encode_read_framing(&r, &data, &mut framing, &mut pieces));
+        assert!(framing.is_empty() && pieces.is_empty());
+        assert_eq!(f.outstanding, 1, "still the copy's to answer");
     }
 
     #[test]

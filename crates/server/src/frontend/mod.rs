@@ -274,10 +274,12 @@ pub trait StreamFrontend: Send {
     }
 
     /// [`StreamFrontend::encode_read`] without copying the data: the reply's framing goes into
-    /// `tx`, and each stretch of `data` it carries is listed in `pieces`, in wire order, with
-    /// where in `tx` it goes. Digests may be computed over `data`, which is the request's own
-    /// buffer. False (nothing appended) when the frontend cannot; then `encode_read` builds
-    /// the reply.
+    /// `tx`, and each stretch of `data` it carries is listed in `pieces`, in wire order (`at`
+    /// ascending), none empty, each inside `data`, with where in `tx` it goes. Pieces of less
+    /// than 16 KiB cost more to send one by one than to copy: a frontend whose pieces would be
+    /// smaller says false. Digests may be computed over `data`, which is the request's own
+    /// buffer. False (nothing appended) when the frontend does not do it; then `encode_read`
+    /// builds the reply.
     fn encode_read_framing(
         &mut self,
         req: &Req,

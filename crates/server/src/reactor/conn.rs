@@ -267,6 +267,19 @@ impl Conn {
     /// holds, given back with the buffer once its last piece is sent.
     pub(super) fn queue_pieces(&mut self, buf: AlignedBuf, pieces: &[Piece], held: usize) {
         let (last, earlier) = pieces.split_last().expect("a reply with data has pieces");
+        // A piece outside the buffer would send other memory; an empty one would never leave
+        // (and a reply with its pieces out of order would be garbled): a frontend bug, stopped.
+        let mut at = self.tx_sent;
+        for p in pieces {
+            assert!(
+                p.len > 0
+                    && p.from + p.len <= held.min(buf.len())
+                    && at <= p.at
+                    && p.at <= self.tx.len(),
+                "a READ reply's piece outside its data or out of order: {p:?}"
+            );
+            at = p.at;
+        }
         let base = buf.as_slice().as_ptr();
         for p in earlier {
             // SAFETY: a piece lies inside the data the frontend was given, inside `buf`.

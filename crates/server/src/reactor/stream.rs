@@ -865,7 +865,9 @@ fn settle(c: &mut Conn, slot: u16, status: Status) {
             // copied; the data goes out from its buffer, piece by piece.
             let mut pieces = std::mem::take(&mut c.pieces);
             pieces.clear();
-            c.grow_tx(REPLY_SLACK);
+            // Pieces are at least 16 KiB (`encode_read_framing`): a header of up to 64 bytes
+            // each, and the status.
+            c.grow_tx(REPLY_SLACK + len / 256);
             let data = &c.slots[slot as usize]
                 .buf
                 .as_ref()
@@ -1649,13 +1651,36 @@ mod tests {
         );
     }
 
+    /// What the peer of `c` receives, `len` bytes, read in small bites so that sends are
+    /// partial, the sent part of `tx` is dropped from its front and POLLOUT is armed between.
+    fn read_in_bites(c: &mut Conn, peer: &mut UnixStream, ring: &mut Ring, len: usize) -> Vec<u8> {
+        use std::io::Read;
+        peer.set_nonblocking(true).unwrap();
+        let mut got = Vec::new();
+        let mut bite = vec![0u8; 50_000];
+        while got.len() < len {
+            super::super::conn::transmit(c, 0, &mut Pusher(ring));
+            match peer.read(&mut bite) {
+                Ok(n) => got.extend_from_slice(&bite[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    assert!(
+                        c.tx_backlog() > 0,
+                        "nothing left to send, {} bytes missing",
+                        len - got.len()
+                    );
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        got
+    }
+
     /// Large READ data goes out from the buffer the backend filled, between its reply's header
     /// and digest and in order with the replies copied around it, whatever the socket takes at
     /// a time (partial sends, the sent part dropped from the front of `tx`); the buffers go
     /// back to the pool once sent.
     #[test]
     fn large_read_data_is_sent_from_its_buffer_in_order() {
-        use std::io::Read;
         let mut ring = Ring::new(8).unwrap();
         let (mut c, mut peer) = conn("m=memthread:4M");
         const BIG: usize = 256 << 10;
@@ -1694,24 +1719,7 @@ mod tests {
             want.extend_from_slice(&payload[range.clone()]);
             want.extend_from_slice(&blkwire_wire::crc::crc32c(&payload[range]).to_le_bytes());
         }
-        // The peer reads in small bites, so sends are partial and POLLOUT is armed between.
-        peer.set_nonblocking(true).unwrap();
-        let mut got = Vec::new();
-        let mut bite = vec![0u8; 50_000];
-        while got.len() < want.len() {
-            super::super::conn::transmit(&mut c, 0, &mut Pusher(&mut ring));
-            match peer.read(&mut bite) {
-                Ok(n) => got.extend_from_slice(&bite[..n]),
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    assert!(
-                        c.tx_backlog() > 0,
-                        "nothing left to send, {} bytes missing",
-                        want.len() - got.len()
-                    );
-                }
-                Err(e) => panic!("{e}"),
-            }
-        }
+        let got = read_in_bites(&mut c, &mut peer, &mut ring, want.len());
         assert!(got == want, "the wire carries the replies in order");
         assert_eq!((c.tx_backlog(), c.held, c.queued), (0, 0, 0));
         assert!(c.tx_data.is_empty());
@@ -1792,33 +1800,38 @@ mod tests {
     }
 
     /// A large reply with headers between pieces of its data copies only the headers: each
-    /// piece goes out from the slot's buffer, which goes back to the pool after the last.
+    /// piece goes out from the slot's buffer, which goes back to the pool after the last, in
+    /// order with the replies copied around it, whatever the socket takes at a time.
     #[test]
     fn large_chunked_read_is_sent_from_its_buffer() {
         let mut ring = Ring::new(8).unwrap();
         for spec in ["m=mem:1M", "m=memthread:1M"] {
-            let (mut c, _peer) = conn_with(spec, true);
+            let (mut c, mut peer) = conn_with(spec, true);
             const BIG: usize = 200_500;
             let payload: Vec<u8> = (0..BIG).map(|i| (i * 11 % 251) as u8).collect();
             feed(&mut c, &mut ring, &write(1, 0, BIG as u32, &payload));
             settle_async(&mut c, &mut ring);
             assert_eq!(take_tx(&mut c), status_reply(1, Status::Ok), "{spec}");
-            feed(&mut c, &mut ring, &read(2, 0, BIG as u32));
+            let mut reads = read(2, 0, BIG as u32);
+            reads.extend_from_slice(&read(3, 0, 3000));
+            reads.extend_from_slice(&read(4, 1000, (BIG - 1000) as u32));
+            feed(&mut c, &mut ring, &reads);
             settle_async(&mut c, &mut ring);
-            let chunks = BIG.div_ceil(1000);
+            let chunks = BIG.div_ceil(1000) + (BIG - 1000).div_ceil(1000);
             assert_eq!(
                 c.tx_data.len(),
                 chunks,
-                "{spec}: every piece waits in the buffer"
+                "{spec}: every piece waits in its buffer"
             );
             assert!(
-                c.tx.len() - c.tx_sent <= chunks * 5 + 16,
-                "{spec}: only the framing was copied"
+                c.tx.len() - c.tx_sent <= chunks * 5 + 3000 + 64,
+                "{spec}: only the framing and the small read were copied"
             );
-            assert!(
-                take_tx(&mut c) == chunked_reply(2, &payload),
-                "{spec}: chunked reply"
-            );
+            let mut want = chunked_reply(2, &payload);
+            want.extend_from_slice(&chunked_reply(3, &payload[..3000]));
+            want.extend_from_slice(&chunked_reply(4, &payload[1000..]));
+            let got = read_in_bites(&mut c, &mut peer, &mut ring, want.len());
+            assert!(got == want, "{spec}: the replies in order");
             assert!(c.tx_data.is_empty());
             assert_eq!((c.held, c.queued), (0, 0), "{spec}");
             assert!(
