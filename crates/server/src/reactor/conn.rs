@@ -262,24 +262,26 @@ impl Conn {
         self.queue_pieces(buf, &[Piece { at, from: 0, len }], len);
     }
 
+    /// Stops a frontend's pieces (`StreamFrontend::encode_read_framing`) of `len` bytes of data
+    /// that would go wrong: one outside the data would send other memory, an empty one would
+    /// never leave, and pieces out of order would garble the stream.
+    pub(super) fn check_pieces(&self, pieces: &[Piece], len: usize) {
+        let mut at = self.tx_sent;
+        for p in pieces {
+            assert!(
+                p.len > 0 && p.from + p.len <= len && at <= p.at && p.at <= self.tx.len(),
+                "a READ reply's piece outside its data or out of order: {p:?}"
+            );
+            at = p.at;
+        }
+    }
+
     /// `queue_data` for a reply that carries its data in several stretches, each between two
     /// stretches of `tx` (`StreamFrontend::encode_read_framing`); `held` is what the request
     /// holds, given back with the buffer once its last piece is sent.
     pub(super) fn queue_pieces(&mut self, buf: AlignedBuf, pieces: &[Piece], held: usize) {
         let (last, earlier) = pieces.split_last().expect("a reply with data has pieces");
-        // A piece outside the buffer would send other memory; an empty one would never leave
-        // (and a reply with its pieces out of order would be garbled): a frontend bug, stopped.
-        let mut at = self.tx_sent;
-        for p in pieces {
-            assert!(
-                p.len > 0
-                    && p.from + p.len <= held.min(buf.len())
-                    && at <= p.at
-                    && p.at <= self.tx.len(),
-                "a READ reply's piece outside its data or out of order: {p:?}"
-            );
-            at = p.at;
-        }
+        self.check_pieces(pieces, held.min(buf.len()));
         let base = buf.as_slice().as_ptr();
         for p in earlier {
             // SAFETY: a piece lies inside the data the frontend was given, inside `buf`.

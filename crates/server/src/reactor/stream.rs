@@ -295,7 +295,11 @@ fn dispatch(
     }
 
     let framing = req.is_read().then(|| c.fe.read_framing(req));
-    // A chunked READ reply is built from a slot's buffer even on inline exports.
+    if framing == Some(ReadFraming::Chunked) && c.inline(req) && read_mapped_chunked(c, req, &block)
+    {
+        return;
+    }
+    // A chunked READ reply is otherwise built from a slot's buffer even on inline exports.
     if c.inline(req) && framing != Some(ReadFraming::Chunked) {
         // mem:/null: the request completes inside start(); READ lands straight in the reply
         // buffer and WRITE is taken straight from the receive buffer: one copy each way.
@@ -632,6 +636,36 @@ fn read_mapped(
     c.queue_mapped(at + prefix, data, len);
     c.count_reply(Status::Ok);
     true
+}
+
+/// `read_mapped` for a reply with headers between pieces of its data (iSCSI Data-In PDUs):
+/// each piece goes out from the export's memory (`StreamFrontend::encode_read_framing`). Not
+/// when a data digest follows a piece, for the reason `read_mapped` gives.
+fn read_mapped_chunked(c: &mut Conn, req: &Req, block: &BlockRequest) -> bool {
+    let len = block.len as usize;
+    if c.tls.is_some() || len < SEND_IN_PLACE || c.fe.read_suffix_digests(req) {
+        return false;
+    }
+    let Some(data) = c.exec(req).read_mapped(block) else {
+        return false;
+    };
+    let mut pieces = std::mem::take(&mut c.pieces);
+    pieces.clear();
+    c.grow_tx(REPLY_SLACK + len / 256);
+    // SAFETY: `len` bytes at `data` stay mapped while the connection holds its targets; the
+    // frontend only reads them to find the pieces (no digest is computed over them).
+    let bytes = unsafe { std::slice::from_raw_parts(data, len) };
+    let framed = c.fe.encode_read_framing(req, bytes, &mut c.tx, &mut pieces);
+    if framed {
+        c.check_pieces(&pieces, len);
+        for p in &pieces {
+            // SAFETY: inside the `len` mapped bytes (`check_pieces`).
+            c.queue_mapped(p.at, unsafe { data.add(p.from) }, p.len);
+        }
+        c.count_reply(Status::Ok);
+    }
+    c.pieces = pieces;
+    framed
 }
 
 /// A READ of a range that is all hole, for frontends that can say so without the zeros. Only
@@ -1839,6 +1873,39 @@ mod tests {
                 "{spec}: the buffer went back to the pool"
             );
         }
+    }
+
+    /// A large chunked READ of RAM whose pages all exist, with no digest over its pieces,
+    /// sends every piece from the export's memory and holds no buffer; with a digest it goes
+    /// through a slot's buffer.
+    #[test]
+    fn large_chunked_read_of_ram_is_sent_from_the_export() {
+        use super::super::conn::TxFrom;
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn_with("m=mem:1M", true);
+        const BIG: usize = 100_500;
+        let payload: Vec<u8> = (0..BIG).map(|i| (i * 5 % 251) as u8).collect();
+        feed(&mut c, &mut ring, &write(1, 0, BIG as u32, &payload));
+        take_tx(&mut c);
+        let trailer = TRAILER as u64;
+        feed(&mut c, &mut ring, &read(trailer | 2, 0, BIG as u32));
+        assert_eq!(c.tx_data.len(), BIG.div_ceil(1000));
+        assert!(c
+            .tx_data
+            .iter()
+            .all(|d| matches!(d.from, TxFrom::Mapped(_))));
+        assert_eq!((c.held, c.queued), (0, 0), "no buffer held");
+        assert!(take_tx(&mut c) == chunked_reply(trailer | 2, &payload));
+        feed(&mut c, &mut ring, &read(3, 0, BIG as u32));
+        assert!(
+            matches!(
+                c.tx_data.back().map(|d| &d.from),
+                Some(TxFrom::Pooled { .. })
+            ),
+            "from a slot's buffer"
+        );
+        assert!(take_tx(&mut c) == chunked_reply(3, &payload));
+        assert_eq!((c.held, c.queued), (0, 0));
     }
 
     /// A reply with headers between pieces of its data is built from a slot's buffer, on an
