@@ -212,15 +212,26 @@ impl Executor {
     /// lives as long as this queue ([`blkwire_backend::Backend::mapped`]): their address, and
     /// the READ counts as done. `None`: start it as usual.
     pub fn read_mapped(&mut self, req: &BlockRequest) -> Option<*const u8> {
+        let started = Started::now();
+        let data = self.mapped(req)?;
+        self.mapped_read_done(req, started);
+        Some(data)
+    }
+
+    /// `read_mapped` for a caller that may still turn the address down (a frontend that will
+    /// not frame the reply around it): nothing is counted until [`Executor::mapped_read_done`].
+    pub fn mapped(&self, req: &BlockRequest) -> Option<*const u8> {
         debug_assert_eq!(req.op, BlockOp::Read);
         if req.len < MAPPED_READ_MIN {
             return None;
         }
-        let started = Started(Instant::now());
-        let data = self.io.mapped(req.offset, req.len as u64)?;
+        self.io.mapped(req.offset, req.len as u64)
+    }
+
+    /// A READ answered from the address [`Executor::mapped`] gave counts as done.
+    pub fn mapped_read_done(&mut self, req: &BlockRequest, started: Started) {
         self.stats.reads += 1;
         self.status(req, req.len as i32, started);
-        Some(data)
     }
 
     /// Checks and starts a COPY (PROTOCOL.md §13) to `dst` of `total` bytes (the request's

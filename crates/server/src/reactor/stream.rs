@@ -7,7 +7,7 @@ use blkwire_wire::Status;
 use super::conn::{Broadcast, Conn, Slot, REPLY_SLACK};
 use super::ring::{ud, Pusher, KIND_IO};
 use crate::bufpool::Buffers;
-use crate::executor::{result_status, Copied, Outcome};
+use crate::executor::{result_status, Copied, Outcome, Started};
 use crate::frontend::{Decoded, Kind, ReadFraming, Req};
 use crate::log::Level;
 
@@ -646,7 +646,9 @@ fn read_mapped_chunked(c: &mut Conn, req: &Req, block: &BlockRequest) -> bool {
     if c.tls.is_some() || len < SEND_IN_PLACE || c.fe.read_suffix_digests(req) {
         return false;
     }
-    let Some(data) = c.exec(req).read_mapped(block) else {
+    // Counted only once the frontend framed it: otherwise the slot's path reads and counts it.
+    let started = Started::now();
+    let Some(data) = c.exec(req).mapped(block) else {
         return false;
     };
     let mut pieces = std::mem::take(&mut c.pieces);
@@ -662,6 +664,7 @@ fn read_mapped_chunked(c: &mut Conn, req: &Req, block: &BlockRequest) -> bool {
             // SAFETY: inside the `len` mapped bytes (`check_pieces`).
             c.queue_mapped(p.at, unsafe { data.add(p.from) }, p.len);
         }
+        c.exec(req).mapped_read_done(block, started);
         c.count_reply(Status::Ok);
     }
     c.pieces = pieces;
@@ -1162,6 +1165,9 @@ mod tests {
             tx: &mut Vec<u8>,
             pieces: &mut Vec<crate::frontend::Piece>,
         ) -> bool {
+            if req.cookie & NO_PIECES != 0 {
+                return false;
+            }
             for (i, piece) in data.chunks(1000).enumerate() {
                 tx.push(b'C');
                 tx.extend_from_slice(&(piece.len() as u32).to_le_bytes());
@@ -1204,6 +1210,8 @@ mod tests {
     /// do not depend on it (as NVMe/TCP's CapsuleResp after a C2HData PDU).
     const TRAILER: u128 = 1 << 61;
     const TRAILER_BYTES: &[u8] = b"END";
+    /// A chunked READ whose cookie has this bit is not framed in pieces: `encode_read` copies.
+    const NO_PIECES: u128 = 1 << 60;
 
     fn conn(spec: &str) -> (Conn, UnixStream) {
         conn_with(spec, false)
@@ -1906,6 +1914,13 @@ mod tests {
         );
         assert!(take_tx(&mut c) == chunked_reply(3, &payload));
         assert_eq!((c.held, c.queued), (0, 0));
+        // A frontend that will not frame it: read through a slot's buffer and copied, counted
+        // once.
+        let refused = (TRAILER | NO_PIECES) as u64 | 4;
+        feed(&mut c, &mut ring, &read(refused, 0, BIG as u32));
+        assert!(take_tx(&mut c) == chunked_reply(refused, &payload));
+        let stats = &c.targets[0].exec.stats;
+        assert_eq!((stats.reads, stats.bytes_read), (3, 3 * BIG as u64));
     }
 
     /// A reply with headers between pieces of its data is built from a slot's buffer, on an
