@@ -8,7 +8,7 @@ use super::conn::{Broadcast, Conn, Slot, REPLY_SLACK};
 use super::ring::{ud, Pusher, KIND_IO};
 use crate::bufpool::Buffers;
 use crate::executor::{result_status, Copied, Outcome, Started};
-use crate::frontend::{Decoded, Kind, ReadFraming, Req};
+use crate::frontend::{Decoded, Kind, Piece, ReadFraming, Req};
 use crate::log::Level;
 
 /// READs of at least this many bytes from a backend that fills a buffer are sent from that
@@ -651,24 +651,49 @@ fn read_mapped_chunked(c: &mut Conn, req: &Req, block: &BlockRequest) -> bool {
     let Some(data) = c.exec(req).mapped(block) else {
         return false;
     };
-    let mut pieces = std::mem::take(&mut c.pieces);
-    pieces.clear();
-    c.grow_tx(REPLY_SLACK + len / 256);
     // SAFETY: `len` bytes at `data` stay mapped while the connection holds its targets; the
     // frontend only reads them to find the pieces (no digest is computed over them).
-    let bytes = unsafe { std::slice::from_raw_parts(data, len) };
-    let framed = c.fe.encode_read_framing(req, bytes, &mut c.tx, &mut pieces);
-    if framed {
-        c.check_pieces(&pieces, len);
-        for p in &pieces {
-            // SAFETY: inside the `len` mapped bytes (`check_pieces`).
-            c.queue_mapped(p.at, unsafe { data.add(p.from) }, p.len);
-        }
-        c.exec(req).mapped_read_done(block, started);
-        c.count_reply(Status::Ok);
+    let Some(pieces) = (unsafe { frame_chunked(c, req, data, len) }) else {
+        return false;
+    };
+    c.check_pieces(&pieces, len);
+    for p in &pieces {
+        // SAFETY: inside the `len` mapped bytes (`check_pieces`).
+        c.queue_mapped(p.at, unsafe { data.add(p.from) }, p.len);
     }
     c.pieces = pieces;
-    framed
+    c.exec(req).mapped_read_done(block, started);
+    c.count_reply(Status::Ok);
+    true
+}
+
+/// Has the frontend frame a chunked READ reply of the `len` bytes at `data` in pieces
+/// (`StreamFrontend::encode_read_framing`): its headers go into `tx`, and the pieces come back
+/// in the connection's own vector, to be put back in `c.pieces` once queued. `None` when the
+/// frontend does not frame this reply (nothing written).
+///
+/// # Safety
+///
+/// `data` must be readable for `len` bytes during the call.
+unsafe fn frame_chunked(
+    c: &mut Conn,
+    req: &Req,
+    data: *const u8,
+    len: usize,
+) -> Option<Vec<Piece>> {
+    let mut pieces = std::mem::take(&mut c.pieces);
+    pieces.clear();
+    // Pieces are at least 16 KiB (`encode_read_framing`): a header of up to 64 bytes each,
+    // and the status.
+    c.grow_tx(REPLY_SLACK + len / 256);
+    // SAFETY: readable for `len` bytes (the caller's promise).
+    let bytes = unsafe { std::slice::from_raw_parts(data, len) };
+    if c.fe.encode_read_framing(req, bytes, &mut c.tx, &mut pieces) {
+        Some(pieces)
+    } else {
+        c.pieces = pieces;
+        None
+    }
 }
 
 /// A READ of a range that is all hole, for frontends that can say so without the zeros. Only
@@ -900,28 +925,23 @@ fn settle(c: &mut Conn, slot: u16, status: Status) {
         if framing == ReadFraming::Chunked && c.tls.is_none() && len >= SEND_IN_PLACE {
             // Headers between the pieces of the data (iSCSI Data-In PDUs): only they are
             // copied; the data goes out from its buffer, piece by piece.
-            let mut pieces = std::mem::take(&mut c.pieces);
-            pieces.clear();
-            // Pieces are at least 16 KiB (`encode_read_framing`): a header of up to 64 bytes
-            // each, and the status.
-            c.grow_tx(REPLY_SLACK + len / 256);
-            let data = &c.slots[slot as usize]
+            let data = c.slots[slot as usize]
                 .buf
                 .as_ref()
                 .expect("read buffer")
-                .as_slice()[..len];
-            let framed = c.fe.encode_read_framing(&req, data, &mut c.tx, &mut pieces);
-            if framed && !pieces.is_empty() {
+                .as_slice()
+                .as_ptr();
+            // SAFETY: the slot's buffer holds the `len` bytes read and stays in the slot.
+            if let Some(pieces) = unsafe { frame_chunked(c, &req, data, len) } {
                 let buf = c.slots[slot as usize].buf.take().expect("read buffer");
-                c.queue_pieces(buf, &pieces, len);
-            }
-            c.pieces = pieces;
-            if framed {
-                c.count_reply(status);
-                if let Some(buf) = c.slots[slot as usize].buf.take() {
+                if pieces.is_empty() {
                     c.held -= len;
                     c.bufs.give_back(buf);
+                } else {
+                    c.queue_pieces(buf, &pieces, len);
                 }
+                c.pieces = pieces;
+                c.count_reply(status);
                 return;
             }
         }
