@@ -17,6 +17,9 @@ use std::sync::Arc;
 
 use crate::{Backend, Capabilities, Op, QueueIo, Started, Submitter, Support};
 
+/// The page size `mincore` reports in.
+const PAGE: u64 = 4096;
+
 /// Sparse RAM in a memfd.
 pub struct MemBackend {
     fd: OwnedFd,
@@ -48,6 +51,20 @@ fn errno() -> i32 {
 }
 
 impl MemBackend {
+    /// Which of `out.len()` pages from page `first` exist (`mincore`: bit 0 of each byte). The
+    /// pages must lie inside the mapping (callers range-check). False if the kernel refuses.
+    fn resident(&self, first: u64, out: &mut [u8]) -> bool {
+        // SAFETY: the pages lie inside our mapping (the caller's promise); one byte per page
+        // into `out`, which holds that many.
+        unsafe {
+            libc::mincore(
+                self.base.add((first * PAGE) as usize).cast(),
+                out.len() * PAGE as usize,
+                out.as_mut_ptr(),
+            ) == 0
+        }
+    }
+
     /// A RAM export of `size` bytes (a non-zero multiple of 512); costs nothing until written.
     pub fn new(size: u64) -> io::Result<MemBackend> {
         if size == 0 || !size.is_multiple_of(512) {
@@ -264,46 +281,26 @@ impl Backend for MemBackend {
         // Only where every page exists: reading a hole through the mapping would allocate it.
         // A TRIM racing the send may still punch a page we saw; the send's read then brings
         // back a zero page (RAM the next TRIM returns), as a racing WRITE would have.
-        const PAGE: u64 = 4096;
         const BATCH: u64 = 256;
-        let first = offset / PAGE;
         let end = (offset + len).div_ceil(PAGE);
         let mut vec = [0u8; BATCH as usize];
-        let mut page = first;
+        let mut page = offset / PAGE;
         while page < end {
-            let n = (end - page).min(BATCH);
-            // SAFETY: the pages lie inside our mapping (the caller range-checked offset..len);
-            // one byte per page into `vec`, which holds BATCH.
-            let r = unsafe {
-                libc::mincore(
-                    self.base.add((page * PAGE) as usize).cast(),
-                    (n * PAGE) as usize,
-                    vec.as_mut_ptr(),
-                )
-            };
-            if r != 0 || vec[..n as usize].iter().any(|v| v & 1 == 0) {
+            let n = (end - page).min(BATCH) as usize;
+            if !self.resident(page, &mut vec[..n]) || vec[..n].iter().any(|v| v & 1 == 0) {
                 return None;
             }
-            page += n;
+            page += n as u64;
         }
         // SAFETY: inside the mapping, which lives as long as the backend.
         Some(unsafe { self.base.add(offset as usize) }.cast_const())
     }
     fn allocation(&self, offset: u64, len: u64, out: &mut Vec<crate::Extent>) {
-        const PAGE: u64 = 4096;
         let first = offset / PAGE;
         let end = offset + len;
         let pages = ((end.div_ceil(PAGE) - first) as usize).min(crate::MAX_EXTENTS * 16);
         let mut vec = vec![0u8; pages];
-        // SAFETY: the pages lie inside our mapping (range checked by Export); one byte per page.
-        let r = unsafe {
-            libc::mincore(
-                self.base.add((first * PAGE) as usize).cast(),
-                pages * PAGE as usize,
-                vec.as_mut_ptr(),
-            )
-        };
-        if r != 0 {
+        if !self.resident(first, &mut vec) {
             out.push(crate::Extent { len, hole: false });
             return;
         }
