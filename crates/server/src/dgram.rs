@@ -1324,15 +1324,8 @@ impl DgramPort {
         // (sealing copies them), are copied into the batch and their buffer goes back to the
         // pool at once (a retransmitted READ runs again: the data need not stay).
         let lend = h.length >= LEND_READ_MIN && q.seal.is_none();
-        let buf = match mapped {
-            Some(_) => None,
-            None => Some(s.buf.take().expect("read buffer")),
-        };
-        let data = match (&buf, mapped) {
-            (_, Some(p)) => p,
-            (Some(b), None) => b.as_slice().as_ptr(),
-            (None, None) => unreachable!("a READ has its data in a buffer or mapped"),
-        };
+        let buf = mapped.is_none().then(|| s.buf.take().expect("read buffer"));
+        let data = mapped.unwrap_or_else(|| buf.as_ref().expect("taken").as_slice().as_ptr());
         let has = std::mem::take(&mut s.client_has);
         for i in 0..frags {
             if bitmap::get(&has, i) {

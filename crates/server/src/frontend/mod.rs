@@ -263,8 +263,9 @@ pub trait StreamFrontend: Send {
     /// between them (digests are computed over it where it lies).
     fn finish_read_reply(&mut self, req: &Req, prefix: &mut [u8], data: &[u8], suffix: &mut [u8]);
 
-    /// Whether the suffix of a [`ReadFraming::Contiguous`] reply to `req` is computed from its
-    /// data (a data digest). Such a reply is never sent from an export's memory, which other
+    /// Whether what follows the data of a reply to `req` (the suffix of a
+    /// [`ReadFraming::Contiguous`] reply, or of each piece of a chunked one) is computed from
+    /// it (a data digest). Such a reply is never sent from an export's memory, which other
     /// connections may write meanwhile: a digest of the bytes as they are now over bytes the
     /// kernel reads later could fail at the initiator, and NVMe/TCP and iSCSI initiators end
     /// the connection on a digest error. Frontends whose suffix can hold one say when it does.
@@ -277,9 +278,10 @@ pub trait StreamFrontend: Send {
     /// `tx`, and each stretch of `data` it carries is listed in `pieces`, in wire order (`at`
     /// ascending), none empty, each inside `data`, with where in `tx` it goes. Pieces of less
     /// than 16 KiB cost more to send one by one than to copy: a frontend whose pieces would be
-    /// smaller says false. Digests may be computed over `data`, which is the request's own
-    /// buffer. False (nothing appended) when the frontend does not do it; then `encode_read`
-    /// builds the reply.
+    /// smaller says false. Digests may be computed over `data` when it is the request's own
+    /// buffer; when it is an export's memory, [`StreamFrontend::read_suffix_digests`] said no
+    /// digest follows. False (nothing appended) when the frontend does not do it; then
+    /// `encode_read` builds the reply.
     fn encode_read_framing(
         &mut self,
         req: &Req,
