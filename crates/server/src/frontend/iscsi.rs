@@ -43,7 +43,7 @@ use std::collections::VecDeque;
 use blkwire_backend::CopyRange;
 use blkwire_backend::{BlockOp, Export, IoFlags};
 use blkwire_wire::iscsi::{
-    self, flag, op, pdu_len, reject, Bhs, Digests, Progress, BHS_LEN, RESERVED_TAG,
+    self, flag, op, pdu_len, reject, Bhs, Digests, Progress, BHS_LEN, DIGEST_LEN, RESERVED_TAG,
 };
 use blkwire_wire::scsi::pr::{self, Access, Nexus};
 use blkwire_wire::scsi::{self, xcopy, Command, LunInfo, Sense};
@@ -56,6 +56,11 @@ use crate::reservations::{Lu as PrLu, Update};
 /// The smallest Data-In data segment sent from the read's buffer rather than copied
 /// (`StreamFrontend::encode_read_framing`).
 const MIN_PIECE: usize = 16 << 10;
+
+/// The most a SCSI Response PDU takes: its header and header digest, sense data (its length,
+/// then fixed or descriptor format, under 64 bytes as blkwire writes it), padding and data
+/// digest, with room to spare.
+const RESPONSE_MAX: usize = 256;
 /// SCSI status GOOD.
 const GOOD: u8 = 0x00;
 /// SCSI status CHECK CONDITION.
@@ -579,6 +584,14 @@ impl Iscsi {
 
     /// The Data-In PDUs answering the READ `req` (at most what it asked for of `data`), as
     /// `data_in` writes them.
+    /// The longest data segment of a Data-In PDU, and of a sequence of them (a burst).
+    fn data_in_limits(&self) -> (usize, usize) {
+        (
+            self.neg.send_max.max(512) as usize,
+            self.neg.max_burst.max(512) as usize,
+        )
+    }
+
     fn read_data_in(
         &mut self,
         req: &Req,
@@ -605,8 +618,7 @@ impl Iscsi {
         if data.is_empty() {
             return self.response(itt, GOOD, None, res, tx);
         }
-        let max = self.neg.send_max.max(512) as usize;
-        let burst = self.neg.max_burst.max(512) as usize;
+        let (max, burst) = self.data_in_limits();
         let mut at = 0usize;
         let mut datasn = 0u32;
         while at < data.len() {
@@ -1949,7 +1961,15 @@ impl StreamFrontend for Iscsi {
                 suffix: iscsi::suffix_len(send as usize, &self.d),
             }
         } else {
-            ReadFraming::Chunked
+            // A PDU ends at each segment's length and at each burst's end, so there are at most
+            // as many as both make; each its header, padding and digest. Then room for a SCSI
+            // Response, which a read without data, or the read half of a compare, answers with.
+            let (max, burst) = self.data_in_limits();
+            let send = send as usize;
+            let pdus = send.div_ceil(max) + send.div_ceil(burst);
+            ReadFraming::Chunked {
+                framing: pdus * (Bhs::prefix_len(&self.d) + 3 + DIGEST_LEN) + RESPONSE_MAX,
+            }
         }
     }
 
@@ -2347,6 +2367,49 @@ mod tests {
         req
     }
 
+    /// What `read_framing` sets aside for a chunked reply besides its data covers what
+    /// `encode_read` writes, down to 512-byte segments and bursts that split them, with and
+    /// without digests, for whole reads and reads that answer less than they read: the memory
+    /// budget foresees it (`covers_request`).
+    #[test]
+    fn chunked_read_framing_covers_the_reply() {
+        let data = vec![0x5a_u8; 1 << 20];
+        for (send_max, max_burst) in [
+            (512, 512),
+            (512, 64 << 10),
+            (4096, 6000),
+            (20_000, 50_000),
+            (64 << 10, 256 << 10),
+        ] {
+            for (header, digest) in [(false, false), (true, true)] {
+                for (len, edtl) in [(1 << 20, 1 << 20), (1 << 20, (1 << 20) - 512), (4096, 1024)] {
+                    let case = format!(
+                        "segments {send_max}, bursts {max_burst}, digests {header}, read {len}, edtl {edtl}"
+                    );
+                    let mut f = fe(max_burst);
+                    f.neg.send_max = send_max;
+                    f.d = Digests {
+                        header,
+                        data: digest,
+                    };
+                    let r = taken_read(&mut f, (len / 512) as u16, edtl);
+                    let framing = match f.read_framing(&r) {
+                        ReadFraming::Chunked { framing } => framing,
+                        ReadFraming::Contiguous { prefix, suffix } => prefix + suffix,
+                    };
+                    let mut tx = Vec::new();
+                    f.encode_read(&r, &data[..len], &mut tx);
+                    assert!(
+                        tx.len() <= edtl as usize + framing,
+                        "{case}: {} bytes written, {} foreseen",
+                        tx.len(),
+                        edtl as usize + framing
+                    );
+                }
+            }
+        }
+    }
+
     /// Data-In PDUs written as framing plus pieces (`encode_read_framing`) are, once the
     /// pieces are spliced in, the bytes `encode_read` writes: with and without digests, with
     /// data segments that do and do not divide the bursts. Segments under 16 KiB and reads
@@ -2372,7 +2435,10 @@ mod tests {
                     taken_read(&mut a, blocks, data.len() as u32),
                     taken_read(&mut b, blocks, data.len() as u32),
                 );
-                assert_eq!(b.read_framing(&rb), ReadFraming::Chunked, "{case}");
+                assert!(
+                    matches!(b.read_framing(&rb), ReadFraming::Chunked { .. }),
+                    "{case}"
+                );
                 let mut want = Vec::new();
                 a.encode_read(&ra, &data, &mut want);
                 let (mut framing, mut pieces) = (Vec::new(), Vec::new());
@@ -2779,7 +2845,7 @@ mod tests {
         // Nothing is decoded while the compare runs.
         let tur = cmd(50, 1, &[0u8; 6], 0, false, &[]);
         assert!(matches!(f.decode(&tur, tx), Decoded::Need(_)));
-        assert_eq!(f.read_framing(read), ReadFraming::Chunked);
+        assert!(matches!(f.read_framing(read), ReadFraming::Chunked { .. }));
         f.encode_read(read, current, tx);
     }
 

@@ -138,7 +138,11 @@ pub enum ReadFraming {
     /// Headers between pieces of the data (an iSCSI Data-In sequence longer than the
     /// initiator's segment size): the frontend builds the whole reply from the data
     /// ([`StreamFrontend::encode_read`]).
-    Chunked,
+    Chunked {
+        /// At most this many bytes besides the data (headers, padding, digests, the status):
+        /// what the memory budget sets aside for the reply on top of its data.
+        framing: usize,
+    },
 }
 
 /// What a frontend made of the front of a receive buffer.

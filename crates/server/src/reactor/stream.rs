@@ -203,8 +203,14 @@ fn covers_copy(c: &mut Conn) -> Cover {
 fn covers_request(c: &mut Conn, req: &Req, payload_len: usize) -> Cover {
     let len = req.length as usize;
     let read = req.is_read();
-    let extra_tx = if read { len + REPLY_SLACK } else { 0 };
-    let chunked = read && c.fe.read_framing(req) == ReadFraming::Chunked;
+    let framing = read.then(|| c.fe.read_framing(req));
+    let chunked = matches!(framing, Some(ReadFraming::Chunked { .. }));
+    // The reply: its data and what frames it, or room for a status should it fail.
+    let extra_tx = match framing {
+        Some(ReadFraming::Chunked { framing }) => len + framing.max(REPLY_SLACK),
+        Some(ReadFraming::Contiguous { .. }) => len + REPLY_SLACK,
+        None => 0,
+    };
     // A WRITE without all of its data waits for the rest in a slot's buffer, even on an
     // export that completes inline (`hold_write`).
     let waits = req.is_write() && payload_len < len;
@@ -295,12 +301,18 @@ fn dispatch(
     }
 
     let framing = req.is_read().then(|| c.fe.read_framing(req));
-    if framing == Some(ReadFraming::Chunked) && c.inline(req) && read_mapped_chunked(c, req, &block)
-    {
-        return;
+    let chunked = match framing {
+        Some(ReadFraming::Chunked { framing }) => Some(framing),
+        _ => None,
+    };
+    if let Some(framing) = chunked {
+        if c.inline(req) && read_mapped_chunked(c, req, &block, framing) {
+            return;
+        }
     }
+    let chunked = chunked.is_some();
     // A chunked READ reply is otherwise built from a slot's buffer even on inline exports.
-    if c.inline(req) && framing != Some(ReadFraming::Chunked) {
+    if c.inline(req) && !chunked {
         // mem:/null: the request completes inside start(); READ lands straight in the reply
         // buffer and WRITE is taken straight from the receive buffer: one copy each way.
         if let Some(ReadFraming::Contiguous { prefix, suffix }) = framing {
@@ -641,7 +653,7 @@ fn read_mapped(
 /// `read_mapped` for a reply with headers between pieces of its data (iSCSI Data-In PDUs):
 /// each piece goes out from the export's memory (`StreamFrontend::encode_read_framing`). Not
 /// when a data digest follows a piece, for the reason `read_mapped` gives.
-fn read_mapped_chunked(c: &mut Conn, req: &Req, block: &BlockRequest) -> bool {
+fn read_mapped_chunked(c: &mut Conn, req: &Req, block: &BlockRequest, framing: usize) -> bool {
     let len = block.len as usize;
     if c.tls.is_some() || len < SEND_IN_PLACE || c.fe.read_suffix_digests(req) {
         return false;
@@ -653,7 +665,7 @@ fn read_mapped_chunked(c: &mut Conn, req: &Req, block: &BlockRequest) -> bool {
     };
     // SAFETY: `len` bytes at `data` stay mapped while the connection holds its targets; the
     // frontend only reads them to find the pieces (no digest is computed over them).
-    let Some(pieces) = (unsafe { frame_chunked(c, req, data, len) }) else {
+    let Some(pieces) = (unsafe { frame_chunked(c, req, data, len, framing) }) else {
         return false;
     };
     c.check_pieces(&pieces, len);
@@ -668,7 +680,8 @@ fn read_mapped_chunked(c: &mut Conn, req: &Req, block: &BlockRequest) -> bool {
 }
 
 /// Has the frontend frame a chunked READ reply of the `len` bytes at `data` in pieces
-/// (`StreamFrontend::encode_read_framing`): its headers go into `tx`, and the pieces come back
+/// (`StreamFrontend::encode_read_framing`): its headers, at most `framing` bytes
+/// (`ReadFraming::Chunked`), go into `tx`, and the pieces come back
 /// in the connection's own vector, to be put back in `c.pieces` once queued. `None` when the
 /// frontend does not frame this reply (nothing written).
 ///
@@ -680,12 +693,11 @@ unsafe fn frame_chunked(
     req: &Req,
     data: *const u8,
     len: usize,
+    framing: usize,
 ) -> Option<Vec<Piece>> {
     let mut pieces = std::mem::take(&mut c.pieces);
     pieces.clear();
-    // Pieces are at least 16 KiB (`encode_read_framing`): a header of up to 64 bytes each,
-    // and the status.
-    c.grow_tx(REPLY_SLACK + len / 256);
+    c.grow_tx(framing.max(REPLY_SLACK));
     // SAFETY: readable for `len` bytes (the caller's promise).
     let bytes = unsafe { std::slice::from_raw_parts(data, len) };
     if c.fe.encode_read_framing(req, bytes, &mut c.tx, &mut pieces) {
@@ -922,7 +934,13 @@ fn settle(c: &mut Conn, slot: u16, status: Status) {
                 return;
             }
         }
-        if framing == ReadFraming::Chunked && c.tls.is_none() && len >= SEND_IN_PLACE {
+        let chunked = match framing {
+            ReadFraming::Chunked { framing } if c.tls.is_none() && len >= SEND_IN_PLACE => {
+                Some(framing)
+            }
+            _ => None,
+        };
+        if let Some(framing) = chunked {
             // Headers between the pieces of the data (iSCSI Data-In PDUs): only they are
             // copied; the data goes out from its buffer, piece by piece.
             let data = c.slots[slot as usize]
@@ -932,7 +950,7 @@ fn settle(c: &mut Conn, slot: u16, status: Status) {
                 .as_slice()
                 .as_ptr();
             // SAFETY: the slot's buffer holds the `len` bytes read and stays in the slot.
-            if let Some(pieces) = unsafe { frame_chunked(c, &req, data, len) } {
+            if let Some(pieces) = unsafe { frame_chunked(c, &req, data, len, framing) } {
                 let buf = c.slots[slot as usize].buf.take().expect("read buffer");
                 if pieces.is_empty() {
                     c.held -= len;
@@ -948,7 +966,7 @@ fn settle(c: &mut Conn, slot: u16, status: Status) {
         // Grown as the budget check before the request foresaw (`covers_request`).
         c.grow_tx(match framing {
             ReadFraming::Contiguous { prefix, suffix } => prefix + len + suffix,
-            ReadFraming::Chunked => len + REPLY_SLACK,
+            ReadFraming::Chunked { framing } => len + framing.max(REPLY_SLACK),
         });
         let data = &c.slots[slot as usize]
             .buf
@@ -965,7 +983,7 @@ fn settle(c: &mut Conn, slot: u16, status: Status) {
                 let (data, tail) = rest.split_at_mut(len);
                 c.fe.finish_read_reply(&req, head, data, tail);
             }
-            ReadFraming::Chunked => c.fe.encode_read(&req, data, &mut c.tx),
+            ReadFraming::Chunked { .. } => c.fe.encode_read(&req, data, &mut c.tx),
         }
         c.count_reply(status);
     } else {
@@ -1145,7 +1163,10 @@ mod tests {
         }
         fn read_framing(&self, req: &Req) -> ReadFraming {
             if self.chunked {
-                ReadFraming::Chunked
+                // `C n` before each piece of at most 1000 bytes, then `S cookie status`.
+                ReadFraming::Chunked {
+                    framing: (req.length as usize).div_ceil(1000) * 5 + 11,
+                }
             } else {
                 ReadFraming::Contiguous {
                     prefix: 11,
