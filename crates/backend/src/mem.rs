@@ -8,8 +8,9 @@
 //! bit a page, set by writes, cleared by the holes punched); elsewhere they `pread`, which
 //! returns zeros for a hole without allocating. A 4 KiB `pread` cost 2.8 us on a 1 GiB export,
 //! most of it the page cache's lookup, and asking `mincore` first was nearly as dear; a copy
-//! from the mapping after a look at the record is what made 4 KiB reads 25-40% faster
-//! (docs/BENCHMARKS.md). Large READ replies are sent straight from the mapping on the same
+//! from the mapping after a look at the record took 8-82% more 4 KiB reads a second out of
+//! the same target thread, depending on the transport (docs/BENCHMARKS.md, "Reads of `mem:`
+//! from its mapping"). Large READ replies are sent straight from the mapping on the same
 //! condition (`Backend::mapped`). TRIM and WRITE_ZEROES punch holes, returning the memory; a
 //! TRIM racing a read of the same pages can bring a page back (zeroed), the one case where a
 //! page exists that the record calls a hole. `mincore` on the mapping answers allocation
