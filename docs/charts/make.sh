@@ -181,6 +181,15 @@ chart("rbd-compare",
               lambda r: f"{r['bs']} {r['rw']} QD{r['QD']}", lambda r: r["system"]),
       peers="fio-rbd")
 
+# What the kernel charges per raw Ethernet frame on veth (issue 19 item 1): AF_PACKET vs AF_XDP.
+chart("frame-cost",
+      "raw Ethernet frames over veth (MTU 9000): AF_PACKET vs AF_XDP, QD 32, 3s runs",
+      "run of 2026-11-26 10:38 UTC, ROUNDS=3 RUNTIME=3 MTU=9000 bench/frame-cost.sh",
+      ["iops", "cpu_us_per_io"],
+      [(f"{r['reply bytes']} B", r["mode"], r["replies/s"], r["CPU us per reply"])
+       for r in md_table('MTU=9000 SIZES="1024 4200 8300" bench/frame-cost.sh')],
+      peers="xdp-drv xdp-skb")
+
 print(" ".join(charts))
 PY
 for tsv in docs/charts/*.tsv; do
