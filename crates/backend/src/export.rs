@@ -1466,8 +1466,8 @@ mod tests {
         assert!(m.reads_as_zero());
     }
 
-    /// `mem:` shows a READ where its bytes lie only when every page of it exists: a hole read
-    /// through the mapping would be allocated by the read.
+    /// `mem:` shows a READ where its bytes lie only when every page of it was written (and not
+    /// trimmed since): a hole read through the mapping would be allocated by the read.
     #[test]
     fn mem_backend_maps_only_ranges_without_holes() {
         let e = Export::open(&ExportSpec::parse("m=mem:4M").unwrap()).unwrap();
@@ -1484,6 +1484,13 @@ mod tests {
         );
         assert!(q.mapped(3 << 20, 4096).is_none());
         assert!(q.mapped(2 << 20, 1 << 20).is_none());
+        q.run_blocking(&BlockRequest::new(BlockOp::Trim, 8192, 4096))
+            .unwrap();
+        assert!(
+            q.mapped(4096, 1 << 20).is_none(),
+            "a trimmed page inside the range"
+        );
+        assert!(q.mapped(12288, 4096).is_some());
         let mut extents = Vec::new();
         e.backend().allocation(2 << 20, 1 << 20, &mut extents);
         assert_eq!(

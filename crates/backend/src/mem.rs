@@ -11,11 +11,19 @@
 //! from the mapping after a look at the record took 8-82% more 4 KiB reads a second out of
 //! the same target thread, depending on the transport (docs/BENCHMARKS.md, "Reads of `mem:`
 //! from its mapping"). Large READ replies are sent straight from the mapping on the same
-//! condition (`Backend::mapped`). TRIM and WRITE_ZEROES punch holes, returning the memory; a
-//! TRIM racing a read of the same pages can bring a page back (zeroed), the one case where a
-//! page exists that the record calls a hole. `mincore` on the mapping answers allocation
-//! queries, at a cost bounded by the range asked about (SEEK_HOLE on tmpfs walks every page up
-//! to the next hole, which can be the whole export).
+//! condition (`Backend::mapped`). TRIM and WRITE_ZEROES punch holes, returning the memory.
+//!
+//! The record and the memfd can disagree only where requests race on the same pages, or one
+//! fails halfway, and never in a way that changes what a READ returns: a page the record calls
+//! a hole is read with `pread`, whatever it holds; a page it calls written reads the same
+//! through the mapping. The memory can: a TRIM racing a READ of its pages can bring one back
+//! (zeroed), and a WRITE racing a TRIM of its pages can leave a hole marked written (the next
+//! READ of it then allocates a zeroed page). Either is a page of RAM the export may hold anyway,
+//! and the next TRIM there returns it. A COPY that fails halfway leaves what it copied
+//! unmarked: read with `pread`. Allocation queries (NBD block status) take a page as data
+//! where the record says written or `mincore` sees it, at a cost bounded by the range asked
+//! about (SEEK_HOLE on tmpfs walks every page up to the next hole, which can be the whole
+//! export; `mincore` alone would call a page swapped out a hole).
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -93,6 +101,8 @@ impl MemBackend {
         if unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) } != 0 {
             return Err(io::Error::last_os_error());
         }
+        // Made first: a failure after the mapping would leave it mapped.
+        let written = Written::new(size.div_ceil(PAGE))?;
         // SAFETY: fresh shared mapping of our own file; no existing memory is touched.
         let p = unsafe {
             libc::mmap(
@@ -118,7 +128,7 @@ impl MemBackend {
             fd,
             base: p.cast(),
             size,
-            written: Written::new(size.div_ceil(PAGE))?,
+            written,
         })
     }
 
@@ -135,7 +145,7 @@ impl MemBackend {
 
     fn punch(&self, offset: u64, len: u64) -> i32 {
         // Whole pages go; tmpfs zeroes the parts of the pages at the edges and keeps them.
-        // Cleared first: a read that finds a page written is then one racing the TRIM.
+        // Cleared first: a READ that still finds a page written is one racing the TRIM.
         self.written
             .clear(offset.div_ceil(PAGE), (offset + len) / PAGE);
         let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
@@ -253,10 +263,11 @@ impl Drop for MemBackend {
 }
 
 /// Which pages of a RAM export were written through its mapping since a hole was last punched
-/// there: one bit a page, in an anonymous mapping of its own that costs memory only where
-/// pages were written (1 bit per 4 KiB: 32 KiB per GiB written). Queues of any thread mark and
-/// clear it; a word is stored to only when a bit in it changes, so reads and rewrites of
-/// written data only load it.
+/// there: one bit a page, in an anonymous mapping of its own (page-aligned, zero-filled) that
+/// costs memory only where pages were written: 4 KiB of record for each 128 MiB of the export
+/// written to, kept until the export goes (a `mem:1T` written all over holds 32 MiB of it).
+/// Queues of any thread mark and clear it; a word is stored to only when a bit in it changes,
+/// so reads and rewrites of written data only load it.
 struct Written {
     words: *mut AtomicU64,
     len: usize,
@@ -294,8 +305,8 @@ impl Written {
     }
 
     fn words(&self) -> &[AtomicU64] {
-        // SAFETY: `len` zero-initialised u64s, mapped for as long as `self`; AtomicU64 has the
-        // layout of u64.
+        // SAFETY: `len` zero-initialised u64s, page-aligned (so aligned for AtomicU64, which
+        // has u64's layout), mapped for as long as `self`.
         unsafe { std::slice::from_raw_parts(self.words, self.len) }
     }
 
@@ -437,8 +448,11 @@ impl Backend for MemBackend {
         }
         let mut at = offset;
         for (i, v) in vec.iter().enumerate() {
-            let page_end = ((first + i as u64 + 1) * PAGE).min(end);
-            crate::push_extent(out, page_end - at, v & 1 == 0);
+            let page = first + i as u64;
+            let page_end = ((page + 1) * PAGE).min(end);
+            // Data if written or in memory: a written page swapped out is not in memory.
+            let hole = v & 1 == 0 && !self.written.all(page, page + 1);
+            crate::push_extent(out, page_end - at, hole);
             at = page_end;
         }
         if at < end {
@@ -561,6 +575,114 @@ mod tests {
         };
         assert_eq!(run(&m, punch), 0);
         assert!(!m.written.all(16, 17) && !m.written.all(17, 18));
+    }
+
+    /// A READ of written pages really goes through the mapping: with a page punched behind
+    /// the record's back, reading it faults it back in, which `pread` never does.
+    #[test]
+    fn reads_of_written_pages_use_the_mapping() {
+        let m = MemBackend::new(1 << 20).unwrap();
+        write(&m, 0, &[7u8; 4096]);
+        let before = m.resident_bytes();
+        // SAFETY: punching a page of our own memfd.
+        let r = unsafe {
+            libc::fallocate(
+                m.fd.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                0,
+                4096,
+            )
+        };
+        assert_eq!(r, 0);
+        assert_eq!(m.resident_bytes(), before - PAGE);
+        assert!(read(&m, 0, 4096).iter().all(|b| *b == 0));
+        assert_eq!(
+            m.resident_bytes(),
+            before,
+            "the READ did not go through the mapping"
+        );
+    }
+
+    /// An export whose size is not a multiple of the page, a TRIM inside one page, a copy
+    /// from another export's file, and allocation answers for pages the record knows.
+    #[test]
+    fn partial_pages_copies_from_files_and_allocation() {
+        let size = 3 * PAGE + 512;
+        let m = MemBackend::new(size).unwrap();
+        write(&m, 3 * PAGE, &[9u8; 512]);
+        assert!(m.written.all(3, 4));
+        assert!(read(&m, 3 * PAGE, 512) == [9u8; 512]);
+        let trim = Op::Trim {
+            offset: 3 * PAGE,
+            len: 512,
+        };
+        assert_eq!(run(&m, trim), 0);
+        assert!(m.written.all(3, 4), "a page trimmed in part stays");
+        assert!(read(&m, 3 * PAGE, 512).iter().all(|b| *b == 0));
+        write(&m, 0, &[1u8; 4096]);
+        let trim = Op::Trim {
+            offset: 100,
+            len: 1000,
+        };
+        assert_eq!(run(&m, trim), 0);
+        assert!(m.written.all(0, 1), "a TRIM inside a page keeps it");
+        let r = read(&m, 0, 4096);
+        assert!(r[100..1100].iter().all(|b| *b == 0) && r[..100].iter().all(|b| *b == 1));
+
+        let src = MemBackend::new(1 << 20).unwrap();
+        write(&src, 0, &[5u8; 8192]);
+        let copy = Op::CopyFrom {
+            fd: src.copy_source_fd().unwrap(),
+            src: 0,
+            dst: PAGE,
+            len: 8192,
+        };
+        assert_eq!(run(&m, copy), 8192);
+        assert!(m.written.all(1, 3));
+        assert!(read(&m, PAGE, 8192) == [5u8; 8192]);
+
+        let mut extents = Vec::new();
+        m.allocation(0, size, &mut extents);
+        assert_eq!(
+            extents,
+            [crate::Extent {
+                len: size,
+                hole: false
+            }],
+            "every page holds data"
+        );
+        // A page marked written counts as data even where mincore does not see it (swapped
+        // out; here: punched behind the record's back).
+        // SAFETY: punching a page of our own memfd.
+        let r = unsafe {
+            libc::fallocate(
+                m.fd.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                PAGE as i64,
+                PAGE as i64,
+            )
+        };
+        assert_eq!(r, 0);
+        extents.clear();
+        m.allocation(0, size, &mut extents);
+        assert!(extents.iter().all(|e| !e.hole), "{extents:?}");
+    }
+
+    /// Queues on several threads marking pages of the same words lose none of the bits.
+    #[test]
+    fn marks_from_several_threads_add_up() {
+        let w = Written::new(4096).unwrap();
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let w = &w;
+                s.spawn(move || {
+                    for p in (t..4096).step_by(4) {
+                        w.mark(p, p + 1);
+                    }
+                });
+            }
+        });
+        assert!(w.all(0, 4096));
     }
 
     /// Ranges across words of the record, and its last, partial word.

@@ -1194,7 +1194,7 @@ impl DgramPort {
         if let Err(st) = q.exec.admit(&block) {
             return self.finish(qi, slot, st);
         }
-        // RAM whose pages all exist is sent from where it lies: the fragments point into the
+        // RAM whose pages were all written is sent from where it lies: the fragments point into the
         // export's mapping, which the queue keeps until the flush (`remove` flushes first).
         if block.op == BlockOp::Read && q.exec.completes_inline() {
             if let Some(data) = q.exec.read_mapped(&block) {

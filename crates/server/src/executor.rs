@@ -39,9 +39,9 @@ impl Started {
     }
 }
 
-/// Smaller READs are read, not looked up in the export's memory: asking the kernel which
-/// pages exist (`mincore`) costs about what the copy it saves does at 4 KiB, and more on a
-/// hole, where the read happens anyway.
+/// Smaller READs are read, not sent from the export's memory: a backend that can show its
+/// memory (`mem:`) copies them out of it as cheaply, and sending small replies from where they
+/// lie cost more than copying them (docs/BENCHMARKS.md, "Datagram READ replies gathered").
 pub const MAPPED_READ_MIN: u32 = 64 << 10;
 
 /// One queue's handle on an export: emulation layer, limits and counters.

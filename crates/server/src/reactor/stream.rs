@@ -1809,7 +1809,7 @@ mod tests {
         assert!(c.bufs.has_spare(BIG), "the buffers went back to the pool");
     }
 
-    /// A large READ of RAM whose every page exists is sent from the export's memory: nothing
+    /// A large READ of RAM whose every page was written is sent from the export's memory: nothing
     /// is copied into `tx` but its header (and a trailer that does not depend on the data), and
     /// no buffer is held. A READ over a hole is copied as before (reading a hole through the
     /// mapping would allocate it), and so is one whose digest after the data would be computed
@@ -1924,7 +1924,7 @@ mod tests {
         }
     }
 
-    /// A large chunked READ of RAM whose pages all exist, with no digest over its pieces,
+    /// A large chunked READ of RAM whose pages were all written, with no digest over its pieces,
     /// sends every piece from the export's memory and holds no buffer; with a digest it goes
     /// through a slot's buffer.
     #[test]
