@@ -95,12 +95,12 @@ chart("ab-compare-v2",
       "run of 2026-11-23 05:55 UTC, ROUNDS=5 RUNTIME=4 bench/ab-compare.sh",
       ["iops", "cpu_us_per_io"], rows, peers="A")
 
-# Transports (issue 5): the latest run, two jobs, after spinners learned to give way.
+# Transports (issues 5 and 19): the latest whole run, one job, export written first.
 chart("transports-compare",
-      "blkwire transports over one veth pair: MTU 9000, 2 jobs, 4s per run",
-      "run of 2026-11-22 07:39 UTC, RUNTIME=4 MTU=9000 JOBS=2 bench/transports-compare.sh",
+      "blkwire transports over one veth pair: MTU 9000, 1 job, 3s per run, export written first",
+      "run of 2026-11-26 11:21 UTC, FILL=1 RUNTIME=3 bench/transports-compare.sh",
       ["iops", "mean_us", "p99_us"],
-      latency(md_table("Then spinners learned to give way"),
+      latency(md_table("MTU 9000, 1 job(s), 3s per run, 2026-11-26 11:21 UTC"),
               lambda r: f"{r['workload']} QD{r['QD']}", lambda r: r["transport"]),
       peers="tcp")
 
