@@ -19,8 +19,8 @@ QD="${QD:-32}"
 TRANSPORTS="${TRANSPORTS:-eth udp}"
 BIN="${BLKWIRE:-target/release/blkwire}"
 [[ -x "$BIN" ]] || cargo build --release -p blkwire >&2
-[[ "$(id -u)" == 0 ]] || { echo "auth-compare: needs root (network namespaces)" >&2; exit 1; }
-for t in ip python3; do command -v "$t" >/dev/null || { echo "auth-compare: $t missing" >&2; exit 1; }; done
+need_root "network namespaces"
+need_tools ip python3
 
 T="bwauth$$t"
 I="bwauth$$i"

@@ -13,6 +13,7 @@
 # several UMEM chunks (multi-buffer AF_XDP, XDP_USE_SG, Linux 6.6).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+die() { echo "$(basename "$0"): $*" >&2; exit 1; }
 . bench/lib.sh
 RUNTIME="${RUNTIME:-3}"
 ROUNDS="${ROUNDS:-3}"
@@ -20,8 +21,8 @@ MTU="${MTU:-3500}"
 SIZES="${SIZES:-1024 2048 3400}"
 QD="${QD:-32}"
 MODES="${MODES:-packet xdp-drv xdp-skb}"
-[[ "$(id -u)" == 0 ]] || { echo "frame-cost: needs root (network namespaces, XDP)" >&2; exit 1; }
-for t in ip cc; do command -v "$t" >/dev/null || { echo "frame-cost: $t missing" >&2; exit 1; }; done
+need_root "network namespaces, XDP"
+need_tools ip cc
 
 T="bwfc$$t"
 I="bwfc$$i"

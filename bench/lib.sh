@@ -2,6 +2,15 @@
 
 now_ms() { date +%s%3N; }
 
+# need_root WHY: dies unless run as root, saying what for.
+need_root() { [[ "$(id -u)" == 0 ]] || die "needs root ($1)"; }
+
+# need_tools TOOL...: dies naming the first TOOL not in PATH.
+need_tools() {
+    local t
+    for t in "$@"; do command -v "$t" >/dev/null || die "$t missing (scripts/deps.sh installs it)"; done
+}
+
 # A TCP port of 127.0.0.1 free right now (a peer server is started on it; a race with another
 # program taking it first fails that start, which the callers report or retry).
 free_port() {

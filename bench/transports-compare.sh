@@ -33,8 +33,8 @@ ETH_OPT=""
 [[ "$BYPASS_QDISC" == 1 ]] && ETH_OPT="?qdisc=bypass"
 BIN="${BLKWIRE:-target/release/blkwire}"
 [[ -x "$BIN" ]] || cargo build --release -p blkwire >&2
-[[ "$(id -u)" == 0 ]] || { echo "transports-compare: needs root (network namespaces)" >&2; exit 1; }
-for t in ip nft python3; do command -v "$t" >/dev/null || { echo "transports-compare: $t missing" >&2; exit 1; }; done
+need_root "network namespaces"
+need_tools ip nft python3
 
 T="bwbench$$t"
 I="bwbench$$i"

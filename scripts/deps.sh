@@ -11,6 +11,8 @@ command -v sha256sum >/dev/null || need+=(coreutils)
 command -v pkg-config >/dev/null || need+=(pkg-config)
 [ -e /usr/include/openssl/ssl.h ] || need+=(libssl-dev)
 command -v python3 >/dev/null || need+=(python3)
+# A C compiler: linking blkwire, and bench/frame-cost.sh builds its probe.
+command -v cc >/dev/null || need+=(gcc)
 # TLS (crates/server, crates/client): the openssl crate builds against the system OpenSSL; the
 # tests make certificates with the openssl CLI.
 pkg-config --exists openssl 2>/dev/null || need+=(pkg-config libssl-dev)
