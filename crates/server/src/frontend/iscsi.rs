@@ -582,8 +582,6 @@ impl Iscsi {
         self.data_in(itt, data, res, tx, None);
     }
 
-    /// The Data-In PDUs answering the READ `req` (at most what it asked for of `data`), as
-    /// `data_in` writes them.
     /// The longest data segment of a Data-In PDU, and of a sequence of them (a burst).
     fn data_in_limits(&self) -> (usize, usize) {
         (
@@ -592,6 +590,8 @@ impl Iscsi {
         )
     }
 
+    /// The Data-In PDUs answering the READ `req` (at most what it asked for of `data`), as
+    /// `data_in` writes them.
     fn read_data_in(
         &mut self,
         req: &Req,
@@ -1961,12 +1961,13 @@ impl StreamFrontend for Iscsi {
                 suffix: iscsi::suffix_len(send as usize, &self.d),
             }
         } else {
-            // A PDU ends at each segment's length and at each burst's end, so there are at most
-            // as many as both make; each its header, padding and digest. Then room for a SCSI
-            // Response, which a read without data, or the read half of a compare, answers with.
+            // A PDU ends at each segment's length and at each burst's end (`data_in`): each
+            // whole burst is as many PDUs as its segments, the last one those of what is left;
+            // each PDU its header, padding and digest. Then room for a SCSI Response, which a
+            // read without data, or the read half of a compare, answers with.
             let (max, burst) = self.data_in_limits();
             let send = send as usize;
-            let pdus = send.div_ceil(max) + send.div_ceil(burst);
+            let pdus = send / burst * burst.div_ceil(max) + (send % burst).div_ceil(max);
             ReadFraming::Chunked {
                 framing: pdus * (Bhs::prefix_len(&self.d) + 3 + DIGEST_LEN) + RESPONSE_MAX,
             }
@@ -2382,7 +2383,12 @@ mod tests {
             (64 << 10, 256 << 10),
         ] {
             for (header, digest) in [(false, false), (true, true)] {
-                for (len, edtl) in [(1 << 20, 1 << 20), (1 << 20, (1 << 20) - 512), (4096, 1024)] {
+                for (len, edtl) in [
+                    (1 << 20, 1 << 20),
+                    (1 << 20, (1 << 20) - 512),
+                    (4096, 1024),
+                    (4096, 0),
+                ] {
                     let case = format!(
                         "segments {send_max}, bursts {max_burst}, digests {header}, read {len}, edtl {edtl}"
                     );

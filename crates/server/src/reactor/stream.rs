@@ -1734,6 +1734,38 @@ mod tests {
         );
     }
 
+    /// The budget sets aside the framing a chunked READ's frontend says it takes, here more
+    /// than `REPLY_SLACK`: whatever the budget, the READ either waits or is refused, or runs
+    /// within it; it never grows the connection past it (a reply larger than was set aside
+    /// would grow the transmit buffer by doubling).
+    #[test]
+    fn a_chunked_read_is_covered_with_its_framing() {
+        const LEN: usize = 1 << 20;
+        // The toy's: `C n` before each 1000 bytes, then the status.
+        assert!(LEN.div_ceil(1000) * 5 + 11 > super::REPLY_SLACK);
+        let mut ring = Ring::new(8).unwrap();
+        let cookie = NO_PIECES as u64 | 1;
+        let (mut ran, mut held_back) = (0, 0);
+        for budget in (2 * LEN..4 * LEN).step_by(16 << 10) {
+            let (mut c, _peer) = conn_budget("m=memthread:4M", true, budget);
+            feed(&mut c, &mut ring, &read(cookie, 0, LEN as u32));
+            settle_async(&mut c, &mut ring);
+            assert!(
+                c.footprint() <= budget,
+                "{} bytes held against a budget of {budget}",
+                c.footprint()
+            );
+            let tx = take_tx(&mut c);
+            if tx.len() > LEN {
+                assert!(tx == chunked_reply(cookie, &vec![0; LEN]));
+                ran += 1;
+            } else {
+                held_back += 1;
+            }
+        }
+        assert!(ran > 0 && held_back > 0, "ran {ran}, held back {held_back}");
+    }
+
     /// What the peer of `c` receives, `len` bytes, read in small bites so that sends are
     /// partial, the sent part of `tx` is dropped from its front and POLLOUT is armed between.
     fn read_in_bites(c: &mut Conn, peer: &mut UnixStream, ring: &mut Ring, len: usize) -> Vec<u8> {
