@@ -8,7 +8,8 @@
 //
 //   frame-cost server|client packet|xdp IFNAME PEER_MAC SIZE QD SECONDS [drv|skb]
 //
-// The client prints "replies N seconds S"; the script turns those into a rate.
+// The client prints "replies N seconds S busy_ticks B" (the machine's busy CPU over the run,
+// from after its first window was sent); the script turns those into a rate and a cost.
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -41,6 +42,17 @@ static double now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec + t.tv_nsec / 1e9;
+}
+
+// The whole machine's busy CPU ticks (user, nice, system, irq, softirq), from /proc/stat.
+static long busy_ticks(void) {
+    long v[7] = {0};
+    FILE *f = fopen("/proc/stat", "r");
+    if (!f || fscanf(f, "cpu %ld %ld %ld %ld %ld %ld %ld", &v[0], &v[1], &v[2], &v[3], &v[4],
+                     &v[5], &v[6]) != 7)
+        die("/proc/stat");
+    fclose(f);
+    return v[0] + v[1] + v[2] + v[5] + v[6];
 }
 
 static int is_server, size, qd;
@@ -97,15 +109,14 @@ static void run_packet(void) {
                                                .msg_iov = &iov[i], .msg_iovlen = 1}};
     }
     unsigned slot = 0;
-    long replies = 0, in_flight = 0;
-    double start = now(), end = start + seconds;
-    if (!is_server) {  // prime the window
+    long replies = 0;
+    if (!is_server)  // prime the window
         for (int i = 0; i < qd; i += BATCH) {
             int n = qd - i < BATCH ? qd - i : BATCH;
             if (sendmmsg(fd, msgs, n, 0) != n) die("sendmmsg");
         }
-        in_flight = qd;
-    }
+    long busy = busy_ticks();
+    double start = now(), end = start + seconds;
     for (;;) {
         int got = 0;
         for (;;) {
@@ -122,13 +133,12 @@ static void run_packet(void) {
         }
         if (!is_server) {
             replies += got;
-            in_flight -= got;
             if (now() > end) break;
         }
         if (sendmmsg(fd, msgs, got, 0) != got) die("sendmmsg");
-        if (!is_server) in_flight += got;
     }
-    printf("replies %ld seconds %.3f\n", replies, now() - start);
+    printf("replies %ld seconds %.3f busy_ticks %ld\n", replies, now() - start,
+           busy_ticks() - busy);
 }
 
 // ---- AF_XDP: an XDP program redirects ETYPE to the socket of queue 0 -------------------------
@@ -278,8 +288,8 @@ static void run_xdp(const char *mode) {
     uint32_t rx_cons = 0, tx_prod = 0, comp_cons = 0;
     int continued = 0;
     long replies = 0;
-    double start = now(), end = start + seconds;
 
+// Queues `count` replies (or requests) on the TX ring; `kick` hands them to the kernel.
 #define SEND(count)                                                                        \
     do {                                                                                   \
         uint32_t c_ = (count);                                                             \
@@ -293,14 +303,19 @@ static void run_xdp(const char *mode) {
             }                                                                              \
         }                                                                                  \
         __atomic_store_n(tx.producer, tx_prod, __ATOMIC_RELEASE);                         \
-        if (sendto(fd, NULL, 0, MSG_DONTWAIT, NULL, 0) < 0 && errno != EAGAIN &&           \
-            errno != EBUSY && errno != ENOBUFS)                                            \
-            die("sendto (tx kick)");                                                       \
     } while (0)
 
     if (!is_server)
         for (int i = 0; i < qd; i += BATCH) SEND(qd - i < BATCH ? qd - i : BATCH);
+    long busy = busy_ticks();
+    double start = now(), end = start + seconds;
     for (;;) {
+        // In copy mode one sendto sends at most 32 descriptors: kick while any are left, so a
+        // reply of several chunks does not wait for the next request.
+        if (__atomic_load_n(tx.consumer, __ATOMIC_ACQUIRE) != tx_prod &&
+            sendto(fd, NULL, 0, MSG_DONTWAIT, NULL, 0) < 0 && errno != EAGAIN && errno != EBUSY &&
+            errno != ENOBUFS)
+            die("sendto (tx kick)");
         // reclaim sent frames
         uint32_t cp = __atomic_load_n(comp.producer, __ATOMIC_ACQUIRE);
         uint64_t *ca = comp.desc;
@@ -329,7 +344,8 @@ static void run_xdp(const char *mode) {
         }
         SEND(got);
     }
-    printf("replies %ld seconds %.3f\n", replies, now() - start);
+    printf("replies %ld seconds %.3f busy_ticks %ld\n", replies, now() - start,
+           busy_ticks() - busy);
 }
 
 static void parse_mac(const char *s, unsigned char *m) {

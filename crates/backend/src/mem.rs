@@ -6,12 +6,12 @@
 //! allocate the page and make never-written ranges look allocated, so reads go through the
 //! mapping only where every page was written, as the export's own record says ([`Written`], a
 //! bit a page, set by writes, cleared by the holes punched); elsewhere they `pread`, which
-//! returns zeros for a hole without allocating. A 4 KiB `pread` cost 2.8 us on a 1 GiB export,
-//! most of it the page cache's lookup, and asking `mincore` first was nearly as dear; a copy
-//! from the mapping after a look at the record took 8-82% more 4 KiB reads a second out of
-//! the same target thread, depending on the transport (docs/BENCHMARKS.md, "Reads of `mem:`
-//! from its mapping"). Large READ replies are sent straight from the mapping on the same
-//! condition (`Backend::mapped`). TRIM and WRITE_ZEROES punch holes, returning the memory.
+//! returns zeros for a hole without allocating. 4 KiB `pread`s from a 1 GiB export took 38% of
+//! a saturated target thread, most of it the page cache's lookup, and asking `mincore` first
+//! was nearly as dear; a copy from the mapping after a look at the record took 8-82% more 4 KiB
+//! reads a second out of the same target thread, depending on the transport
+//! (docs/BENCHMARKS.md, "Reads of `mem:` from its mapping"). Large READ replies are sent
+//! straight from the mapping on the same condition (`Backend::mapped`). TRIM and WRITE_ZEROES punch holes, returning the memory.
 //!
 //! The record and the memfd can disagree only where requests race on the same pages, or one
 //! fails halfway, and never in a way that changes what a READ returns: a page the record calls
