@@ -301,18 +301,17 @@ fn dispatch(
     }
 
     let framing = req.is_read().then(|| c.fe.read_framing(req));
-    let chunked = match framing {
+    let chunked_framing = match framing {
         Some(ReadFraming::Chunked { framing }) => Some(framing),
         _ => None,
     };
-    if let Some(framing) = chunked {
+    if let Some(framing) = chunked_framing {
         if c.inline(req) && read_mapped_chunked(c, req, &block, framing) {
             return;
         }
     }
-    let chunked = chunked.is_some();
     // A chunked READ reply is otherwise built from a slot's buffer even on inline exports.
-    if c.inline(req) && !chunked {
+    if c.inline(req) && chunked_framing.is_none() {
         // mem:/null: the request completes inside start(); READ lands straight in the reply
         // buffer and WRITE is taken straight from the receive buffer: one copy each way.
         if let Some(ReadFraming::Contiguous { prefix, suffix }) = framing {
@@ -934,13 +933,13 @@ fn settle(c: &mut Conn, slot: u16, status: Status) {
                 return;
             }
         }
-        let chunked = match framing {
+        let in_pieces = match framing {
             ReadFraming::Chunked { framing } if c.tls.is_none() && len >= SEND_IN_PLACE => {
                 Some(framing)
             }
             _ => None,
         };
-        if let Some(framing) = chunked {
+        if let Some(framing) = in_pieces {
             // Headers between the pieces of the data (iSCSI Data-In PDUs): only they are
             // copied; the data goes out from its buffer, piece by piece.
             let data = c.slots[slot as usize]
