@@ -11,7 +11,8 @@
 //! was nearly as dear; a copy from the mapping after a look at the record took 8-82% more 4 KiB
 //! reads a second out of the same target thread, depending on the transport
 //! (docs/BENCHMARKS.md, "Reads of `mem:` from its mapping"). Large READ replies are sent
-//! straight from the mapping on the same condition (`Backend::mapped`). TRIM and WRITE_ZEROES punch holes, returning the memory.
+//! straight from the mapping on the same condition (`Backend::mapped`). TRIM and WRITE_ZEROES
+//! punch holes, returning the memory.
 //!
 //! The record and the memfd can disagree only where requests race on the same pages, or one
 //! fails halfway, and never in a way that changes what a READ returns: a page the record calls
@@ -296,7 +297,11 @@ impl Written {
             )
         };
         if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
+            let e = io::Error::last_os_error();
+            return Err(io::Error::new(
+                e.kind(),
+                format!("cannot reserve address space for the RAM's page record ({e})"),
+            ));
         }
         Ok(Written {
             words: p.cast(),
