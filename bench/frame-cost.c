@@ -73,6 +73,16 @@ static int frame_ok(const unsigned char *f, int len) {
     return len >= 18 && f[12] == (ETYPE >> 8) && f[13] == (ETYPE & 0xff);
 }
 
+// What a loop does after receiving `got` frames: -1 stop (the client's time is up), 0 poll
+// again (nothing came), 1 answer them (the server) or send as many requests (the client).
+static int after_receive(int got, long *replies, double end) {
+    if (!is_server) {
+        *replies += got;
+        if (now() > end) return -1;
+    }
+    return got ? 1 : 0;
+}
+
 // Tells bench/frame-cost.sh that frames sent now will be answered.
 static void ready(void) {
     printf("ready\n");
@@ -127,14 +137,9 @@ static void run_packet(void) {
             slot = (slot + 1) % req.tp_frame_nr;
             if (got == BATCH) break;
         }
-        if (!got) {
-            if (!is_server && now() > end) break;
-            continue;
-        }
-        if (!is_server) {
-            replies += got;
-            if (now() > end) break;
-        }
+        int next = after_receive(got, &replies, end);
+        if (next < 0) break;
+        if (!next) continue;
         if (sendmmsg(fd, msgs, got, 0) != got) die("sendmmsg");
     }
     printf("replies %ld seconds %.3f busy_ticks %ld\n", replies, now() - start,
@@ -334,14 +339,9 @@ static void run_xdp(const char *mode) {
         }
         __atomic_store_n(rx.consumer, rx_cons, __ATOMIC_RELEASE);
         __atomic_store_n(fill.producer, fill_prod, __ATOMIC_RELEASE);
-        if (!got) {
-            if (!is_server && now() > end) break;
-            continue;
-        }
-        if (!is_server) {
-            replies += got;
-            if (now() > end) break;
-        }
+        int next = after_receive(got, &replies, end);
+        if (next < 0) break;
+        if (!next) continue;
         SEND(got);
     }
     printf("replies %ld seconds %.3f busy_ticks %ld\n", replies, now() - start,
