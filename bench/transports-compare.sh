@@ -10,7 +10,8 @@
 # data rather than holes, as in nbd-compare; default 0, the export stays empty as in the runs
 # recorded before 2026-11-26), BYPASS_QDISC (1: eth:// with ?qdisc=bypass on both ends),
 # TRANSPORTS (default "eth udp tcp"), ONLY (one workload, e.g. "read 1M 4 1M-seqread" or
-# "randread 4k 32 4k-randread": that row alone, no loss runs; for A/B runs of two builds).
+# "randread 4k 32 4k-randread": that row alone, no loss runs; for A/B runs of two builds),
+# BENCH_ARGS (more options for every `blkwire bench` run, e.g. "--poll-us 200").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 die() { echo "$(basename "$0"): $*" >&2; exit 1; }
@@ -78,7 +79,7 @@ declare -A URL=([eth]="eth://vi/$MAC/m$ETH_OPT" [udp]="udp://10.99.9.1:7701/m" [
 # time changes IOPS, not the CPU each I/O costs.
 run() { # run TRANSPORT RW BS QD LABEL
     python3 - "$1" "$5" "$4" "$SERVE_PID" ip netns exec "$I" "$BIN" bench "${URL[$1]}" --rw "$2" --bs "$3" \
-        --iodepth "$4" --jobs "$JOBS" --runtime "$RUNTIME" --timeout 30 --json <<'PY'
+        --iodepth "$4" --jobs "$JOBS" --runtime "$RUNTIME" --timeout 30 --json ${BENCH_ARGS:-} <<'PY'
 import json, os, subprocess, sys
 t, label, qd, target = sys.argv[1:5]
 def target_cpu():
@@ -109,7 +110,7 @@ if [[ "$FILL" == 1 ]]; then
 fi
 
 echo "# blkwire transports over one veth pair: MTU $MTU, $JOBS job(s), ${RUNTIME}s per run, $(date -u '+%Y-%m-%d %H:%M UTC')"
-echo "# $("$BIN" --version), $(nproc) CPUs shared by initiator and target, export mem:1G $([[ "$FILL" == 1 ]] && echo "written first" || echo "never written (reads of holes)")$([[ "$BYPASS_QDISC" == 1 ]] && echo ", eth:// with ?qdisc=bypass")"
+echo "# $("$BIN" --version), $(nproc) CPUs shared by initiator and target, export mem:1G $([[ "$FILL" == 1 ]] && echo "written first" || echo "never written (reads of holes)")$([[ "$BYPASS_QDISC" == 1 ]] && echo ", eth:// with ?qdisc=bypass")$([[ -n "${BENCH_ARGS:-}" ]] && echo ", bench $BENCH_ARGS")"
 echo
 chart_begin transports-compare "blkwire transports over one veth pair: MTU $MTU, $JOBS job(s), ${RUNTIME}s per run" \
     iops mean_us p99_us
