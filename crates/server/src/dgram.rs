@@ -1343,16 +1343,18 @@ impl DgramPort {
                 // SAFETY: `h.length` bytes at `data` stay readable until the next flush (above).
                 unsafe { self.send_queue_lent(qi, r, data.add(at), len) };
             } else {
-                // SAFETY: `h.length` bytes at `data`, in `buf`, held by this call.
+                // SAFETY: `h.length` bytes at `data`, in `buf` (held by this call) or in the
+                // export's mapping (kept by the queue); copied right away.
                 self.send_queue(qi, r, unsafe {
                     std::slice::from_raw_parts(data.add(at), len)
                 });
             }
         }
         if let Some(buf) = buf {
-            match lend {
-                true => self.lent.push(buf),
-                false => self.bufs.give_back(buf),
+            if lend {
+                self.lent.push(buf);
+            } else {
+                self.bufs.give_back(buf);
             }
         }
         let q = self.queues[qi].as_mut().expect("present");

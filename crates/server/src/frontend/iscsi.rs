@@ -61,6 +61,7 @@ const MIN_PIECE: usize = 16 << 10;
 /// then fixed or descriptor format, under 64 bytes as blkwire writes it), padding and data
 /// digest, with room to spare.
 const RESPONSE_MAX: usize = 256;
+
 /// SCSI status GOOD.
 const GOOD: u8 = 0x00;
 /// SCSI status CHECK CONDITION.
