@@ -1,12 +1,13 @@
 // What the kernel's per-frame path costs raw Ethernet over veth: AF_PACKET (sendmmsg, and a
-// TPACKET_V2 receive ring, as blkwire's eth:// does) against AF_XDP (an XDP program on the veth
-// redirecting blkwire's EtherType to an XSK socket, copy mode: veth has no zero-copy AF_XDP).
-// Issue 19 item 1 names AF_XDP as a lever for eth:// at 4k QD32; this measures it without
+// TPACKET_V2 receive ring, as blkwire's eth:// does; or a TPACKET_V2 transmit ring, "txring")
+// against AF_XDP (an XDP program on the veth redirecting blkwire's EtherType to an XSK socket,
+// copy mode: veth has no zero-copy AF_XDP).
+// Issue 19 item 1 names AF_XDP and a TX ring as levers for eth:// at 4k QD32; this measures them without
 // touching blkwire: a client keeps QD small request frames in flight, a server answers each with
 // one reply frame of SIZE bytes, both busy-poll. Built and run by bench/frame-cost.sh, which makes
 // the namespaces; not part of blkwire.
 //
-//   frame-cost server|client packet|xdp IFNAME PEER_MAC SIZE QD SECONDS [drv|skb]
+//   frame-cost server|client packet|xdp IFNAME PEER_MAC SIZE QD SECONDS [drv|skb|txring]
 //
 // The client prints "replies N seconds S busy_ticks B" (the machine's busy CPU over the run,
 // from after its first window was sent); the script turns those into a rate and a cost.
@@ -89,9 +90,48 @@ static void ready(void) {
     fflush(stdout);
 }
 
-// ---- AF_PACKET: sendmmsg out, TPACKET_V2 ring in --------------------------------------------
+// ---- AF_PACKET: sendmmsg (or a TPACKET_V2 transmit ring) out, TPACKET_V2 ring in -------------
 
-static void run_packet(void) {
+// The AF_PACKET sender: one sendmmsg of prepared frames, or (`txring`) a PACKET_TX_RING where
+// each frame is written into a ring slot (a memcpy of its bytes, as a sender that builds replies
+// would do) and one send() hands the batch to the kernel, whose skbs point at the ring's pages
+// instead of copying them.
+static struct {
+    int fd, txring;
+    unsigned char *ring;
+    struct tpacket_req req;
+    unsigned slot;
+    unsigned char frame[BATCH][1 << 14];
+    struct mmsghdr msgs[BATCH];
+    struct iovec iov[BATCH];
+} ptx;
+
+static void packet_kick(void) {
+    if (send(ptx.fd, NULL, 0, MSG_DONTWAIT) < 0 && errno != EAGAIN && errno != ENOBUFS)
+        die("send (tx ring)");
+}
+
+static void packet_send(int n, int len) {
+    if (!ptx.txring) {
+        if (sendmmsg(ptx.fd, ptx.msgs, n, 0) != n) die("sendmmsg");
+        return;
+    }
+    const size_t data_off = TPACKET2_HDRLEN - sizeof(struct sockaddr_ll);
+    for (int i = 0; i < n; i++) {
+        struct tpacket2_hdr *h = (void *)(ptx.ring + (size_t)ptx.slot * ptx.req.tp_frame_size);
+        // A slot is free again once the kernel has freed its skb (on veth: after the receiver's
+        // copy); kick until it is.
+        while (__atomic_load_n(&h->tp_status, __ATOMIC_ACQUIRE) != TP_STATUS_AVAILABLE)
+            packet_kick();
+        memcpy((unsigned char *)h + data_off, ptx.frame[i], len);
+        h->tp_len = len;
+        __atomic_store_n(&h->tp_status, TP_STATUS_SEND_REQUEST, __ATOMIC_RELEASE);
+        ptx.slot = (ptx.slot + 1) % ptx.req.tp_frame_nr;
+    }
+    packet_kick();
+}
+
+static void run_packet(int txring) {
     int fd = socket(AF_PACKET, SOCK_RAW, htons(ETYPE));
     if (fd < 0) die("packet socket");
     int v = TPACKET_V2;
@@ -99,9 +139,19 @@ static void run_packet(void) {
     struct tpacket_req req = {.tp_block_size = 1 << 22, .tp_block_nr = 8, .tp_frame_size = 1 << 14};
     req.tp_frame_nr = req.tp_block_size / req.tp_frame_size * req.tp_block_nr;
     if (setsockopt(fd, SOL_PACKET, PACKET_RX_RING, &req, sizeof req)) die("PACKET_RX_RING");
-    unsigned char *ring = mmap(0, (size_t)req.tp_block_size * req.tp_block_nr,
-                               PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    size_t rx_bytes = (size_t)req.tp_block_size * req.tp_block_nr, tx_bytes = 0;
+    ptx.fd = fd;
+    ptx.txring = txring;
+    ptx.req = (struct tpacket_req){.tp_block_size = 1 << 22, .tp_block_nr = 2, .tp_frame_size = 1 << 14};
+    ptx.req.tp_frame_nr = ptx.req.tp_block_size / ptx.req.tp_frame_size * ptx.req.tp_block_nr;
+    if (txring) {
+        if (setsockopt(fd, SOL_PACKET, PACKET_TX_RING, &ptx.req, sizeof ptx.req)) die("PACKET_TX_RING");
+        tx_bytes = (size_t)ptx.req.tp_block_size * ptx.req.tp_block_nr;
+    }
+    // Both rings share one mapping, the receive ring first.
+    unsigned char *ring = mmap(0, rx_bytes + tx_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (ring == MAP_FAILED) die("mmap ring");
+    ptx.ring = ring + rx_bytes;
     struct sockaddr_ll sll = {.sll_family = AF_PACKET, .sll_protocol = htons(ETYPE),
                               .sll_ifindex = ifindex, .sll_halen = 6};
     memcpy(sll.sll_addr, peer_mac, 6);
@@ -109,22 +159,16 @@ static void run_packet(void) {
 
     ready();
     int out_len = is_server ? size : REQ_LEN;
-    static unsigned char tx[BATCH][1 << 14];
-    struct mmsghdr msgs[BATCH];
-    struct iovec iov[BATCH];
     for (int i = 0; i < BATCH; i++) {
-        fill_frame(tx[i], out_len, 0);
-        iov[i] = (struct iovec){tx[i], out_len};
-        msgs[i] = (struct mmsghdr){.msg_hdr = {.msg_name = &sll, .msg_namelen = sizeof sll,
-                                               .msg_iov = &iov[i], .msg_iovlen = 1}};
+        fill_frame(ptx.frame[i], out_len, 0);
+        ptx.iov[i] = (struct iovec){ptx.frame[i], out_len};
+        ptx.msgs[i] = (struct mmsghdr){.msg_hdr = {.msg_name = &sll, .msg_namelen = sizeof sll,
+                                                   .msg_iov = &ptx.iov[i], .msg_iovlen = 1}};
     }
     unsigned slot = 0;
     long replies = 0;
     if (!is_server)  // prime the window
-        for (int i = 0; i < qd; i += BATCH) {
-            int n = qd - i < BATCH ? qd - i : BATCH;
-            if (sendmmsg(fd, msgs, n, 0) != n) die("sendmmsg");
-        }
+        for (int i = 0; i < qd; i += BATCH) packet_send(qd - i < BATCH ? qd - i : BATCH, out_len);
     long busy = busy_ticks();
     double start = now(), end = start + seconds;
     for (;;) {
@@ -140,7 +184,7 @@ static void run_packet(void) {
         int next = after_receive(got, &replies, end);
         if (next < 0) break;
         if (!next) continue;
-        if (sendmmsg(fd, msgs, got, 0) != got) die("sendmmsg");
+        packet_send(got, out_len);
     }
     printf("replies %ld seconds %.3f busy_ticks %ld\n", replies, now() - start,
            busy_ticks() - busy);
@@ -357,7 +401,7 @@ static void parse_mac(const char *s, unsigned char *m) {
 
 int main(int argc, char **argv) {
     if (argc < 8) {
-        fprintf(stderr, "usage: frame-cost server|client packet|xdp IFNAME PEER_MAC SIZE QD SECONDS [drv|skb]\n");
+        fprintf(stderr, "usage: frame-cost server|client packet|xdp IFNAME PEER_MAC SIZE QD SECONDS [drv|skb|txring]\n");
         return 2;
     }
     is_server = strcmp(argv[1], "server") == 0;
@@ -381,6 +425,6 @@ int main(int argc, char **argv) {
     if (strcmp(argv[2], "xdp") == 0)
         run_xdp(argc > 8 ? argv[8] : "drv");
     else
-        run_packet();
+        run_packet(argc > 8 && strcmp(argv[8], "txring") == 0);
     return 0;
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The kernel's per-frame cost for raw Ethernet over one veth pair: AF_PACKET (what eth:// uses:
-# sendmmsg, a TPACKET_V2 receive ring) against AF_XDP in copy mode (an XDP program on each veth
-# end redirecting blkwire's EtherType to an XSK socket; native "drv" XDP, and "skb" generic XDP).
+# sendmmsg, a TPACKET_V2 receive ring; "packet-txring" sends through a TPACKET_V2 transmit ring
+# instead) against AF_XDP in copy mode (an XDP program on each veth end redirecting blkwire's
+# EtherType to an XSK socket; native "drv" XDP, and "skb" generic XDP).
 # No blkwire in the loop: bench/frame-cost.c, built here with cc, keeps QD request frames of 64
 # bytes in flight and the other side answers each with one frame of SIZE bytes; both busy-poll,
 # one on each end of the pair, in two network namespaces this script makes (and removes, also on
@@ -10,7 +11,8 @@
 # is two CPUs over the rate: it ranks the modes, it is not what a frame costs without spinning.
 # Environment: RUNTIME (seconds per run, default 3), ROUNDS (default 3), MTU (default 9000),
 # SIZES (reply frame sizes up to 9000, default "1024 4200 8300": 8300 is two 4 KiB READ
-# replies, as eth:// packs them), QD (default 32), MODES (default "packet xdp-drv xdp-skb").
+# replies, as eth:// packs them), QD (default 32), MODES (default
+# "packet packet-txring xdp-drv xdp-skb").
 # AF_XDP frames larger than a 4 KiB UMEM chunk less its headroom are several chunks
 # (multi-buffer AF_XDP, XDP_USE_SG, Linux 6.6); the XDP program declares it takes them, which
 # native XDP on veth requires past an MTU of about 3.5 KiB.
@@ -23,7 +25,7 @@ ROUNDS="${ROUNDS:-3}"
 MTU="${MTU:-9000}"
 SIZES="${SIZES:-1024 4200 8300}"
 QD="${QD:-32}"
-MODES="${MODES:-packet xdp-drv xdp-skb}"
+MODES="${MODES:-packet packet-txring xdp-drv xdp-skb}"
 need_root "network namespaces, XDP"
 need_tools ip cc
 
@@ -46,9 +48,9 @@ IMAC="$(ip netns exec "$I" cat /sys/class/net/vi/address)"
 echo "# raw Ethernet frame cost over one veth pair (MTU $MTU), QD $QD, ${RUNTIME}s per run, $(date -u '+%Y-%m-%d %H:%M UTC')"
 echo "# $(nproc) CPUs; both ends busy-poll; CPU us per reply = the whole machine's busy time / replies"
 echo
-chart_begin frame-cost "raw Ethernet frames over one veth pair (MTU $MTU): AF_PACKET vs AF_XDP, QD $QD, ${RUNTIME}s runs" \
+chart_begin frame-cost "raw Ethernet frames over one veth pair (MTU $MTU): AF_PACKET (sendmmsg, TX ring) vs AF_XDP, QD $QD, ${RUNTIME}s runs" \
     iops cpu_us_per_io
-chart_meta peers "xdp-drv xdp-skb"
+chart_meta peers "packet-txring xdp-drv xdp-skb"
 echo "| mode | reply bytes | round | replies/s | CPU us per reply |"
 echo "|---|---:|---:|---:|---:|"
 for round in $(seq 1 "$ROUNDS"); do
@@ -56,7 +58,7 @@ for round in $(seq 1 "$ROUNDS"); do
         for mode in $MODES; do
             af="${mode%%-*}"
             xmode="${mode#*-}"
-            [[ "$af" == packet ]] && xmode=""
+            [[ "$mode" == packet ]] && xmode=""
             ip netns exec "$T" "$WORK/frame-cost" server "$af" vt "$IMAC" "$size" "$QD" 1000 $xmode \
                 >"$WORK/server.out" 2>"$WORK/server.err" &
             SERVER_PID=$!

@@ -183,12 +183,12 @@ chart("rbd-compare",
 
 # What the kernel charges per raw Ethernet frame on veth (issue 19 item 1): AF_PACKET vs AF_XDP.
 chart("frame-cost",
-      "raw Ethernet frames over veth (MTU 9000): AF_PACKET vs AF_XDP, QD 32, 3s runs",
-      "run of 2026-11-26 11:37 UTC, ROUNDS=3 RUNTIME=3 bench/frame-cost.sh",
+      "raw Ethernet frames over veth (MTU 9000): AF_PACKET (sendmmsg, TX ring) vs AF_XDP, QD 32, 3s runs",
+      "run of 2026-11-26 12:40 UTC, ROUNDS=3 RUNTIME=3 bench/frame-cost.sh",
       ["iops", "cpu_us_per_io"],
       [(f"{r['reply bytes']} B", r["mode"], r["replies/s"], r["CPU us per reply"])
-       for r in md_table("$ ROUNDS=3 RUNTIME=3 bench/frame-cost.sh        # MTU 9000")],
-      peers="xdp-drv xdp-skb")
+       for r in md_table("$ ROUNDS=3 RUNTIME=3 bench/frame-cost.sh        # the defaults")],
+      peers="packet-txring xdp-drv xdp-skb")
 
 print(" ".join(charts))
 PY
