@@ -14,8 +14,8 @@ demo: deps build
 demo-rbd: deps build
 	@scripts/demo-rbd.sh
 
-## test: formatting, lints (clippy, rustdoc, the map crate's layering) and every test, then the
-## kernel lab (CI runs this).
+## test: formatting, lints (clippy, rustdoc, the map crate's layering, the fuzz targets built)
+## and every test, then the kernel lab (CI runs this).
 test: deps fmt lint unit kernel-lab
 
 deps:
@@ -26,11 +26,15 @@ build:
 
 fmt:
 	$(CARGO) fmt --all --check
+	cd fuzz && $(CARGO) fmt --check
 
 lint:
 	$(CARGO) clippy --release --locked --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --release --locked --no-deps --workspace --quiet
 	crates/map/check-layers.sh
+	@# The fuzz targets are a workspace of their own (fuzz/): built here with the stable
+	@# toolchain so that a change of an API they use cannot leave them broken unnoticed.
+	cd fuzz && $(CARGO) clippy --locked --bins --quiet -- -D warnings
 
 unit:
 	$(CARGO) test --release --locked --workspace

@@ -13,6 +13,8 @@ command -v pkg-config >/dev/null || need+=(pkg-config)
 command -v python3 >/dev/null || need+=(python3)
 # A C compiler: linking blkwire, and bench/frame-cost.sh builds its probe.
 command -v cc >/dev/null || need+=(gcc)
+# A C++ compiler: `make test` builds the fuzz targets (fuzz/), whose libfuzzer-sys compiles libFuzzer.
+command -v c++ >/dev/null || need+=(g++)
 # TLS (crates/server, crates/client): the openssl crate builds against the system OpenSSL; the
 # tests make certificates with the openssl CLI.
 pkg-config --exists openssl 2>/dev/null || need+=(pkg-config libssl-dev)

@@ -44,7 +44,11 @@ fuzz_target!(|data: &[u8]| {
         (first & 1 != 0).then_some(&ctrl_key),
     );
     // A real DH group costs milliseconds a challenge; most runs use the null group.
-    let group = if first & 2 != 0 { DhGroup::Ffdhe2048 } else { DhGroup::Null };
+    let group = if first & 2 != 0 {
+        DhGroup::Ffdhe2048
+    } else {
+        DhGroup::Null
+    };
     ctrl.set_preferences(&[HashId::Sha256, HashId::Sha512], &[group]);
     // Each step: a tag byte (even: AUTH_Send, odd: AUTH_Receive) and a 2-byte length, then
     // that many payload bytes (AUTH_Send) or the length as `al` (AUTH_Receive).

@@ -26,7 +26,10 @@ fuzz_target!(|data: &[u8]| {
                     assert_eq!(h.check_crc(payload), Ok(()));
                 }
                 assert_eq!(f.raw.len(), HEADER_LEN + payload.len() + seal);
-                assert_eq!(*first.get_or_insert((h.session, h.queue)), (h.session, h.queue));
+                assert_eq!(
+                    *first.get_or_insert((h.session, h.queue)),
+                    (h.session, h.queue)
+                );
                 walked += f.raw.len();
                 assert!(walked <= data.len(), "walked past the datagram");
             }

@@ -13,8 +13,8 @@
 use blkwire_server::frontend::native::Native;
 use blkwire_server::frontend::nbd::Nbd;
 use blkwire_server::frontend::nvme::{IoQueueSetup, NsIo, NvmeIo};
-use blkwire_wire::nvme_tcp::{Direction, Params};
 use blkwire_server::frontend::{Decoded, Kind, ReadFraming, StreamFrontend};
+use blkwire_wire::nvme_tcp::{Direction, Params};
 use blkwire_wire::{CopyLimits, Status, HEADER_LEN};
 use libfuzzer_sys::fuzz_target;
 
@@ -30,7 +30,10 @@ fn walk(fe: &mut dyn StreamFrontend, data: &[u8], targets: usize) {
         match fe.decode(rx, &mut tx) {
             Decoded::Need(n) => {
                 assert!(n > rx.len(), "Need({n}) with {} bytes buffered", rx.len());
-                assert!(n <= HEADER_LEN + MAX_IO as usize, "Need({n}) beyond one message");
+                assert!(
+                    n <= HEADER_LEN + MAX_IO as usize,
+                    "Need({n}) beyond one message"
+                );
                 return;
             }
             Decoded::Violation(_) => return,
@@ -59,10 +62,20 @@ fn walk(fe: &mut dyn StreamFrontend, data: &[u8], targets: usize) {
             } => {
                 assert!(len > 0 && len <= rx.len() && payload_len + trailer <= len);
                 assert!(payload_len <= MAX_IO as usize);
-                assert!((req.target as usize) < targets, "target {} of {targets}", req.target);
+                assert!(
+                    (req.target as usize) < targets,
+                    "target {} of {targets}",
+                    req.target
+                );
                 if req.is_write() && payload_len < req.length as usize {
                     // As the reactor does for a write that came without its data (slot 0).
-                    fe.solicit(&req, 0, payload_len as u32, req.length - payload_len as u32, &mut tx);
+                    fe.solicit(
+                        &req,
+                        0,
+                        payload_len as u32,
+                        req.length - payload_len as u32,
+                        &mut tx,
+                    );
                 }
                 for status in [Status::Ok, Status::Io, Status::OutOfRange] {
                     fe.reply(&req, status, &mut tx);
@@ -74,7 +87,17 @@ fn walk(fe: &mut dyn StreamFrontend, data: &[u8], targets: usize) {
                             let (mut p, mut q) = (vec![0u8; prefix], vec![0u8; suffix]);
                             fe.finish_read_reply(&req, &mut p, &data, &mut q);
                         }
-                        ReadFraming::Chunked => fe.encode_read(&req, &data, &mut tx),
+                        ReadFraming::Chunked { framing } => {
+                            // The budget sets `framing` aside for the reply besides its data.
+                            let before = tx.len();
+                            fe.encode_read(&req, &data, &mut tx);
+                            let added = tx.len() - before;
+                            assert!(
+                                added <= data.len() + framing,
+                                "a chunked reply of {added} bytes for {} of data, framing {framing}",
+                                data.len()
+                            );
+                        }
                     }
                 }
                 fe.block_status_reply(&req, &[(req.length, true)], &mut tx);
@@ -131,7 +154,11 @@ fuzz_target!(|data: &[u8]| {
             direction,
             hdgst: digests,
             ddgst: digests,
-            pda: if direction == Direction::HostToController { 0 } else { pda },
+            pda: if direction == Direction::HostToController {
+                0
+            } else {
+                pda
+            },
             max_plen: 4096 + 128,
         };
         let mut nvme = NvmeIo::new(IoQueueSetup {

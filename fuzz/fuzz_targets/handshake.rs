@@ -31,7 +31,9 @@ fuzz_target!(|data: &[u8]| {
     }
     if let Ok(h) = Hello::decode(data) {
         // The transcript is the payload with the proof zeroed: same length, same prefix.
-        let t = h.transcript_bytes().expect("a decoded Hello has a transcript");
+        let t = h
+            .transcript_bytes()
+            .expect("a decoded Hello has a transcript");
         assert_eq!(t.len(), data.len());
         assert_eq!(t[..t.len() - 32], data[..data.len() - 32]);
     }

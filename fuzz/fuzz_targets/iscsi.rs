@@ -17,7 +17,9 @@ use blkwire_server::frontend::iscsi::{lun_info, Iscsi, IscsiSetup, SetupLun};
 use blkwire_server::frontend::{Decoded, Kind, ReadFraming, StreamFrontend};
 use blkwire_server::iscsi::Negotiated;
 use blkwire_server::reservations::Lu;
-use blkwire_wire::iscsi::{self, Digests, Progress, BHS_LEN, MAX_KEY_LEN, MAX_PAIRS, MAX_VALUE_LEN};
+use blkwire_wire::iscsi::{
+    self, Digests, Progress, BHS_LEN, MAX_KEY_LEN, MAX_PAIRS, MAX_VALUE_LEN,
+};
 use blkwire_wire::{CopyLimits, Status};
 use libfuzzer_sys::fuzz_target;
 
@@ -79,7 +81,10 @@ fn walk(fe: &mut Iscsi, data: &[u8], status: Status, refuse: bool) {
             // Also while a COMPARE AND WRITE's read runs (answered below: then the next decode
             // goes on): nothing more to feed.
             Decoded::Need(n) => {
-                assert!(n <= BHS_LEN + 255 * 4 + 4 + (256 << 10) + 3 + 4, "Need({n})");
+                assert!(
+                    n <= BHS_LEN + 255 * 4 + 4 + (256 << 10) + 3 + 4,
+                    "Need({n})"
+                );
                 return;
             }
             Decoded::Violation(_) => return,
@@ -107,7 +112,11 @@ fn walk(fe: &mut Iscsi, data: &[u8], status: Status, refuse: bool) {
                     panic!("data for slot {slot}, which holds no write");
                 };
                 let end = offset as u64 + payload_len as u64;
-                assert!(offset == got && end <= req.length as u64, "data at {offset}+{payload_len} for a write of {} with {got}", req.length);
+                assert!(
+                    offset == got && end <= req.length as u64,
+                    "data at {offset}+{payload_len} for a write of {} with {got}",
+                    req.length
+                );
                 at += len;
                 if end == req.length as u64 {
                     held[slot as usize] = None;
@@ -168,7 +177,18 @@ fn walk(fe: &mut Iscsi, data: &[u8], status: Status, refuse: bool) {
                             let (mut p, mut q) = (vec![0u8; prefix], vec![0u8; suffix]);
                             fe.finish_read_reply(&req, &mut p, &data, &mut q);
                         }
-                        ReadFraming::Chunked => fe.encode_read(&req, &data, &mut tx),
+                        ReadFraming::Chunked { framing } => {
+                            // The budget sets `framing` aside for the reply besides its data:
+                            // Data-In headers, digests, padding and the SCSI Response.
+                            let before = tx.len();
+                            fe.encode_read(&req, &data, &mut tx);
+                            let added = tx.len() - before;
+                            assert!(
+                                added <= data.len() + framing,
+                                "a chunked reply of {added} bytes for {} of data, framing {framing}",
+                                data.len()
+                            );
+                        }
                     }
                 } else if req.kind == Kind::BlockStatus && status == Status::Ok {
                     fe.block_status_reply(&req, &[(req.length, true)], &mut tx);
@@ -209,7 +229,11 @@ fuzz_target!(|data: &[u8]| {
         immediate_data: mode & 16 == 0,
         max_r2t: 1,
     };
-    let status = if mode & 32 == 0 { Status::Ok } else { Status::Io };
+    let status = if mode & 32 == 0 {
+        Status::Ok
+    } else {
+        Status::Io
+    };
     // Two LUNs (0 and 3, of different block counts), the second removed mid-stream when the
     // mode says so: commands to LUNs it does not have (or no longer) are answered, never run.
     let other = Arc::new(Export::open(&ExportSpec::parse("n=mem:512K").unwrap()).unwrap());

@@ -12,7 +12,11 @@ fuzz_target!(|data: &[u8]| {
     for max in [0u32, 4096, 32 << 20] {
         if let Ok(r) = Request::decode(data, max) {
             assert!(r.payload_len() as u64 <= max as u64 || r.typ != nbd::cmd::WRITE);
-            assert_eq!(&r.encode()[..], &data[..nbd::REQUEST_LEN], "request did not round-trip");
+            assert_eq!(
+                &r.encode()[..],
+                &data[..nbd::REQUEST_LEN],
+                "request did not round-trip"
+            );
         }
     }
     // A byte stream of requests, as the reactor consumes it.
