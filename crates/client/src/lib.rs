@@ -11,6 +11,8 @@
 
 mod auth;
 mod dgram;
+#[doc(hidden)]
+pub mod fuzzing;
 mod nvme;
 mod queue;
 mod stream;

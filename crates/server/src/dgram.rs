@@ -628,6 +628,20 @@ impl DgramPort {
         }
     }
 
+    /// One datagram that did not come through the socket (the fuzz targets, `crate::fuzzing`),
+    /// handled as [`DgramPort::receive`] handles each, its answers sent.
+    pub(crate) fn receive_datagram(
+        &mut self,
+        b: &[u8],
+        peer: Peer,
+        sq: &mut dyn Submitter,
+        ud: UserData,
+    ) {
+        self.now = Instant::now();
+        self.on_datagram(b, peer, sq, ud);
+        self.flush();
+    }
+
     /// One received datagram: every frame packed in it (PROTOCOL.md §9.6), each with a valid
     /// CRC or a seal.
     fn on_datagram(&mut self, b: &[u8], peer: Peer, sq: &mut dyn Submitter, ud: UserData) {

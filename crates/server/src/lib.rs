@@ -12,6 +12,8 @@ mod control;
 mod dgram;
 mod executor;
 pub mod frontend;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod http;
 pub mod iscsi;
 pub mod log;

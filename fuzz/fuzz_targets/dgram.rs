@@ -1,0 +1,169 @@
+//! The target's datagram port (crates/server/src/dgram.rs), in process over UDP on loopback
+//! (`blkwire_server::fuzzing::DatagramPort`): what any host that reaches a udp:// or eth://
+//! listener can send it. Each run first opens a session as an initiator does (HELLO, the
+//! address challenge, HELLO again) from one of two peer sockets; then the input is a series of
+//! frames, each from either peer, which the harness gives a valid CRC (else the port would drop
+//! them at the first check) unless the input asks for a broken one, and the session's id or one
+//! of the input's. Every other header field and every payload is the fuzzer's: fragments of
+//! writes and reads out of order, duplicates and stale generations, JOINs, control requests,
+//! several frames packed in one datagram, or raw datagrams.
+//!
+//! No panic on any input; RAM exports complete inline, so the port never hands io_uring
+//! anything; and every datagram the port sends back is a well-formed reply: frames with a valid
+//! CRC, of one session and queue, each marked REPLY.
+
+#![no_main]
+
+use std::net::UdpSocket;
+
+use blkwire_server::fuzzing::DatagramPort;
+use blkwire_wire::datagram;
+use blkwire_wire::{
+    AuthBlock, AuthMethod, Flags, Header, Hello, HelloReply, Opcode, Status, Tag, HEADER_LEN,
+    MAGIC, VERSION,
+};
+use libfuzzer_sys::fuzz_target;
+
+/// Frame payload of the port's link (a jumbo frame's, as eth:// at MTU 9000).
+const LINK_PAYLOAD: u32 = 8192;
+
+/// Drains what the port sent `peer` and checks every datagram of it.
+fn answers(peer: &UdpSocket) -> Vec<(Header, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 65536];
+    while let Ok(n) = peer.recv(&mut buf) {
+        for f in datagram::frames(&buf[..n], LINK_PAYLOAD) {
+            let f = f.unwrap_or_else(|e| panic!("the port sent a malformed frame: {e}"));
+            assert!(
+                f.header.is_reply(),
+                "the port sent a request: {:?}",
+                f.header
+            );
+            out.push((f.header, f.payload.to_vec()));
+        }
+    }
+    out
+}
+
+fn sealed_frame(mut h: Header, payload: &[u8]) -> Vec<u8> {
+    h.payload_len = payload.len() as u32;
+    h.seal_crc(payload);
+    let mut v = h.to_bytes().to_vec();
+    v.extend_from_slice(payload);
+    v
+}
+
+/// A session of one queue of 8 slots on export `a`, opened from `peer`: its id.
+fn open_session(port: &mut DatagramPort, peer: &UdpSocket) -> u32 {
+    let mut hello = Hello {
+        queues: 1,
+        depth: 8,
+        max_io: 64 << 10,
+        client_features: 0,
+        frame_payload: LINK_PAYLOAD,
+        nonce: 1,
+        host_id: "fuzz".into(),
+        export: "a".into(),
+        auth: AuthBlock::first(AuthMethod::None, false, [7; 32]),
+    };
+    let from = peer.local_addr().expect("bound");
+    for round in 1..=3 {
+        let h = Header::request(Opcode::Hello, Tag::new(0, round), 0, 0);
+        port.receive(
+            &sealed_frame(h, &hello.encode().expect("valid HELLO")),
+            from,
+        );
+        for (r, p) in answers(peer) {
+            match r.status {
+                Status::Challenge => {
+                    hello.auth.nonce_s = p.as_slice().try_into().expect("a 32-byte challenge")
+                }
+                Status::Ok => return HelloReply::decode(&p).expect("a HELLO reply").session,
+                other => panic!("HELLO refused: {other:?}"),
+            }
+        }
+    }
+    panic!("no session after three HELLOs");
+}
+
+/// Takes `n` bytes from the front of `data`.
+fn take<'a>(data: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+    let (head, rest) = data.split_at_checked(n)?;
+    *data = rest;
+    Some(head)
+}
+
+fuzz_target!(|data: &[u8]| {
+    let mut port = DatagramPort::new(&["a=mem:1M", "b=mem:64K"], LINK_PAYLOAD).expect("port");
+    let peers = [
+        UdpSocket::bind("127.0.0.1:0").expect("peer socket"),
+        UdpSocket::bind("127.0.0.1:0").expect("peer socket"),
+    ];
+    for p in &peers {
+        p.set_nonblocking(true).expect("non-blocking");
+    }
+    let session = open_session(&mut port, &peers[0]);
+
+    // A step: control byte, header fields (27 bytes), payload length (2), payload.
+    //   control bit 0: from the second peer (no session of its own: a forged source)
+    //   control bit 1: the input's session id instead of the real one
+    //   control bit 2: a broken CRC
+    //   control bit 3: the next step's frame goes into the same datagram
+    //   control bit 4: a raw datagram: the payload is sent as it is, no header
+    let mut rest = data;
+    let mut pending: Vec<u8> = Vec::new();
+    while let Some(step) = take(&mut rest, 1 + 27 + 2) {
+        let ctl = step[0];
+        let f = &step[1..];
+        let u16_at = |i: usize| u16::from_le_bytes([f[i], f[i + 1]]);
+        let u32_at = |i: usize| u32::from_le_bytes([f[i], f[i + 1], f[i + 2], f[i + 3]]);
+        let plen = (u16_at(27) as usize).min(LINK_PAYLOAD as usize + 64);
+        let plen = plen.min(rest.len());
+        let Some(payload) = take(&mut rest, plen) else {
+            break;
+        };
+        let peer = &peers[(ctl & 1) as usize];
+        let from = peer.local_addr().expect("bound");
+        if ctl & 0x10 != 0 {
+            port.receive(payload, from);
+        } else {
+            let mut h = [0u8; HEADER_LEN];
+            h[0..2].copy_from_slice(&MAGIC.to_le_bytes());
+            h[2] = VERSION;
+            h[3] = f[0]; // opcode
+            h[4..6].copy_from_slice(&(u16_at(1) | Flags::CRC).to_le_bytes());
+            // status 0 (a request), credit 0
+            h[8..10].copy_from_slice(&u16::from(f[3] & 3).to_le_bytes()); // queue
+            h[10..12].copy_from_slice(&u16::from(f[4]).to_le_bytes()); // fragment index
+            h[12..14].copy_from_slice(&u16::from(f[5]).to_le_bytes()); // fragment count
+            h[16..20].copy_from_slice(&u32_at(6).to_le_bytes()); // tag
+            h[20..24].copy_from_slice(&u32_at(10).to_le_bytes()); // length
+                                                                  // offset: 32 bits, and a high byte that reaches past any export
+            h[24..32]
+                .copy_from_slice(&(u64::from(u32_at(14)) | u64::from(f[18]) << 56).to_le_bytes());
+            h[32..36].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+            h[36..40].copy_from_slice(&u32_at(19).to_le_bytes()); // fragment offset
+            let sid = if ctl & 2 != 0 { u32_at(23) } else { session };
+            h[44..48].copy_from_slice(&sid.to_le_bytes());
+            let mut crc = Header::compute_crc(&h, payload);
+            if ctl & 4 != 0 {
+                crc ^= 1;
+            }
+            h[40..44].copy_from_slice(&crc.to_le_bytes());
+            pending.extend_from_slice(&h);
+            pending.extend_from_slice(payload);
+            if ctl & 8 == 0 || pending.len() > LINK_PAYLOAD as usize {
+                port.receive(&pending, from);
+                pending.clear();
+            }
+        }
+        for p in &peers {
+            answers(p);
+        }
+    }
+    if !pending.is_empty() {
+        port.receive(&pending, peers[0].local_addr().expect("bound"));
+        answers(&peers[0]);
+    }
+    assert_eq!(port.entries_pushed(), 0, "RAM exports complete inline");
+});

@@ -1,0 +1,183 @@
+//! An initiator's datagram queue (crates/client/src/dgram) fed forged replies: a queue over UDP
+//! on loopback (`blkwire_client::fuzzing::udp_queue`) with five requests in flight (READs of
+//! 512 bytes, 12 KiB and 64 KiB, the last two in several fragments, a 12 KiB WRITE and a
+//! FLUSH), and the input as a series of frames sent to it from its target's own address, which
+//! is what anyone on the path can forge. The harness gives each frame a valid CRC (unless the
+//! input asks for a broken one), the REPLY flag and the session's id (or the input's); a frame
+//! can take the opcode, tag, offset and length of one of the requests in flight, so that
+//! fragments of real answers reach reassembly; everything else is the fuzzer's.
+//!
+//! No panic on any input; each request completes at most once; a READ that completes OK
+//! hands back exactly the bytes it asked for, and nothing else hands back data.
+
+#![no_main]
+
+use std::net::UdpSocket;
+use std::time::Duration;
+
+use blkwire_client::fuzzing::udp_queue;
+use blkwire_client::{Cmd, Completion};
+use blkwire_wire::datagram;
+use blkwire_wire::{Flags, Header, HEADER_LEN, MAGIC, VERSION};
+use libfuzzer_sys::fuzz_target;
+
+const SESSION: u32 = 7;
+const FRAME_PAYLOAD: u32 = 8192;
+
+/// What the queue sent the target: the first frame of each request, and where it came from.
+fn requests(target: &UdpSocket, out: &mut Vec<Header>) -> Option<std::net::SocketAddr> {
+    let mut buf = vec![0u8; 65536];
+    let mut from = None;
+    while let Ok((n, a)) = target.recv_from(&mut buf) {
+        from = Some(a);
+        for f in datagram::frames(&buf[..n], FRAME_PAYLOAD).flatten() {
+            let h = f.header;
+            if h.frag_index == 0 && !out.iter().any(|o| o.tag == h.tag) {
+                out.push(h);
+            }
+        }
+    }
+    from
+}
+
+/// Takes `n` bytes from the front of `data`.
+fn take<'a>(data: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+    let (head, rest) = data.split_at_checked(n)?;
+    *data = rest;
+    Some(head)
+}
+
+fuzz_target!(|data: &[u8]| {
+    let target = UdpSocket::bind("127.0.0.1:0").expect("target socket");
+    target.set_nonblocking(true).expect("non-blocking");
+    let addr = target.local_addr().expect("bound");
+    let mut q = udp_queue(
+        addr,
+        SESSION,
+        8,
+        64 << 10,
+        FRAME_PAYLOAD,
+        Duration::from_secs(30),
+    )
+    .expect("queue");
+    let wdata = vec![0x5a; 12 << 10];
+    // user -> bytes a READ asked for (None: not a READ)
+    let asked: [(u64, Option<usize>); 5] = [
+        (1, Some(512)),
+        (2, Some(12 << 10)),
+        (3, Some(64 << 10)),
+        (4, None),
+        (5, None),
+    ];
+    let cmds = [
+        Cmd::Read {
+            offset: 0,
+            len: 512,
+        },
+        Cmd::Read {
+            offset: 4096,
+            len: 12 << 10,
+        },
+        Cmd::Read {
+            offset: 1 << 20,
+            len: 64 << 10,
+        },
+        Cmd::Write {
+            offset: 8192,
+            data: &wdata,
+            fua: false,
+        },
+        Cmd::Flush,
+    ];
+    for (cmd, (user, _)) in cmds.into_iter().zip(asked) {
+        q.submit(cmd, user).expect("submit");
+    }
+    q.send().expect("send");
+    let mut reqs = Vec::new();
+    let Some(initiator) = requests(&target, &mut reqs) else {
+        panic!("the queue sent nothing");
+    };
+    let mut done = [false; 6];
+    let mut check = |c: Completion<'_>| {
+        let i = c.user as usize;
+        assert!((1..=5).contains(&i), "a completion for user {}", c.user);
+        assert!(!done[i], "user {} completed twice", c.user);
+        done[i] = true;
+        match asked[i - 1].1 {
+            Some(len) if c.status == blkwire_wire::Status::Ok => {
+                assert_eq!(c.data.len(), len, "READ {i} handed back the wrong length")
+            }
+            _ => assert!(c.data.is_empty(), "user {i} handed back data"),
+        }
+    };
+
+    // A step: control byte, header fields (31 bytes), payload length (2), payload.
+    //   control bit 0: the opcode, tag, offset and length of request k in flight (k: the
+    //                  first field byte) instead of the input's
+    //   control bit 1: the input's session id instead of the real one
+    //   control bit 2: a broken CRC
+    //   control bit 3: the next step's frame goes into the same datagram
+    //   control bit 4: a raw datagram: the payload is sent as it is, no header
+    let mut rest = data;
+    let mut pending: Vec<u8> = Vec::new();
+    while let Some(step) = take(&mut rest, 1 + 31 + 2) {
+        let ctl = step[0];
+        let f = &step[1..];
+        let u16_at = |i: usize| u16::from_le_bytes([f[i], f[i + 1]]);
+        let u32_at = |i: usize| u32::from_le_bytes([f[i], f[i + 1], f[i + 2], f[i + 3]]);
+        let plen = (u16_at(31) as usize).min(FRAME_PAYLOAD as usize + 64);
+        let plen = plen.min(rest.len());
+        let Some(payload) = take(&mut rest, plen) else {
+            break;
+        };
+        if ctl & 0x10 != 0 {
+            let _ = target.send_to(payload, initiator);
+        } else {
+            let mut h = [0u8; HEADER_LEN];
+            h[0..2].copy_from_slice(&MAGIC.to_le_bytes());
+            h[2] = VERSION;
+            h[3] = f[0]; // opcode
+            h[4..6].copy_from_slice(&(u16_at(1) | Flags::REPLY | Flags::CRC).to_le_bytes());
+            h[6..8].copy_from_slice(&u16_at(3).to_le_bytes()); // status
+            h[8..10].copy_from_slice(&u16::from(f[5] & 1).to_le_bytes()); // queue
+            h[10..12].copy_from_slice(&u16::from(f[6]).to_le_bytes()); // fragment index
+            h[12..14].copy_from_slice(&u16::from(f[7]).to_le_bytes()); // fragment count
+            h[14..16].copy_from_slice(&u16_at(8).to_le_bytes()); // credit
+            h[16..20].copy_from_slice(&u32_at(10).to_le_bytes()); // tag
+            h[20..24].copy_from_slice(&u32_at(14).to_le_bytes()); // length
+            let offset = u64::from(u32_at(18)) | u64::from(f[22]) << 56;
+            h[24..32].copy_from_slice(&offset.to_le_bytes());
+            h[32..36].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+            h[36..40].copy_from_slice(&u32_at(23).to_le_bytes()); // fragment offset
+            let sid = if ctl & 2 != 0 { u32_at(27) } else { SESSION };
+            h[44..48].copy_from_slice(&sid.to_le_bytes());
+            if ctl & 1 != 0 && !reqs.is_empty() {
+                let r = &reqs[f[0] as usize % reqs.len()];
+                h[3] = r.opcode as u8;
+                h[16..20].copy_from_slice(&r.tag.0.to_le_bytes());
+                h[20..24].copy_from_slice(&r.length.to_le_bytes());
+                h[24..32].copy_from_slice(&r.offset.to_le_bytes());
+            }
+            let mut crc = Header::compute_crc(&h, payload);
+            if ctl & 4 != 0 {
+                crc ^= 1;
+            }
+            h[40..44].copy_from_slice(&crc.to_le_bytes());
+            pending.extend_from_slice(&h);
+            pending.extend_from_slice(payload);
+            if ctl & 8 == 0 || pending.len() > FRAME_PAYLOAD as usize {
+                let _ = target.send_to(&pending, initiator);
+                pending.clear();
+            }
+        }
+        // A forged reply may end the session (ACCESS): then the queue says so, and the run ends.
+        if q.poll(&mut check).is_err() {
+            return;
+        }
+        requests(&target, &mut reqs);
+    }
+    if !pending.is_empty() {
+        let _ = target.send_to(&pending, initiator);
+        let _ = q.poll(&mut check);
+    }
+});
