@@ -5,8 +5,9 @@
 //! frames, each from either peer, which the harness gives a valid CRC (else the port would drop
 //! them at the first check) unless the input asks for a broken one, and the session's id or one
 //! of the input's. Every other header field and every payload is the fuzzer's: fragments of
-//! writes and reads out of order, duplicates and stale generations, JOINs, control requests,
-//! several frames packed in one datagram, or raw datagrams.
+//! writes and reads out of order, duplicates and stale generations, control requests (HELLOs,
+//! LISTs, JOINs, which without the session's cookie reach only their refusals), several frames
+//! packed in one datagram, or raw datagrams.
 //!
 //! No panic on any input; RAM exports complete inline, so the port never hands io_uring
 //! anything; and every datagram the port sends back is a well-formed reply: frames with a valid
@@ -15,6 +16,7 @@
 #![no_main]
 
 use std::net::UdpSocket;
+use std::time::Duration;
 
 use blkwire_server::fuzzing::DatagramPort;
 use blkwire_wire::datagram;
@@ -27,11 +29,19 @@ use libfuzzer_sys::fuzz_target;
 /// Frame payload of the port's link (a jumbo frame's, as eth:// at MTU 9000).
 const LINK_PAYLOAD: u32 = 8192;
 
-/// Drains what the port sent `peer` and checks every datagram of it.
-fn answers(peer: &UdpSocket) -> Vec<(Header, Vec<u8>)> {
+/// Drains what the port sent `peer` and checks every datagram of it. With `wait`, waits (up to
+/// 5 s) for the first: on loopback a datagram is usually there when `send` returns, but a busy
+/// machine may leave its delivery to a softirq thread.
+fn answers(peer: &UdpSocket, wait: bool) -> Vec<(Header, Vec<u8>)> {
     let mut out = Vec::new();
     let mut buf = vec![0u8; 65536];
+    if wait {
+        peer.set_nonblocking(false).expect("blocking");
+        peer.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+    }
     while let Ok(n) = peer.recv(&mut buf) {
+        peer.set_nonblocking(true).expect("non-blocking");
         for f in datagram::frames(&buf[..n], LINK_PAYLOAD) {
             let f = f.unwrap_or_else(|e| panic!("the port sent a malformed frame: {e}"));
             assert!(
@@ -42,7 +52,16 @@ fn answers(peer: &UdpSocket) -> Vec<(Header, Vec<u8>)> {
             out.push((f.header, f.payload.to_vec()));
         }
     }
+    peer.set_nonblocking(true).expect("non-blocking");
     out
+}
+
+/// Hands the frames waiting to be packed to the port, from peer `who`.
+fn deliver(port: &mut DatagramPort, peers: &[UdpSocket; 2], pending: &mut Vec<u8>, who: usize) {
+    if !pending.is_empty() {
+        port.receive(pending, peers[who].local_addr().expect("bound"));
+        pending.clear();
+    }
 }
 
 fn sealed_frame(mut h: Header, payload: &[u8]) -> Vec<u8> {
@@ -73,7 +92,7 @@ fn open_session(port: &mut DatagramPort, peer: &UdpSocket) -> u32 {
             &sealed_frame(h, &hello.encode().expect("valid HELLO")),
             from,
         );
-        for (r, p) in answers(peer) {
+        for (r, p) in answers(peer, true) {
             match r.status {
                 Status::Challenge => {
                     hello.auth.nonce_s = p.as_slice().try_into().expect("a 32-byte challenge")
@@ -104,14 +123,18 @@ fuzz_target!(|data: &[u8]| {
     }
     let session = open_session(&mut port, &peers[0]);
 
-    // A step: control byte, header fields (27 bytes), payload length (2), payload.
-    //   control bit 0: from the second peer (no session of its own: a forged source)
-    //   control bit 1: the input's session id instead of the real one
-    //   control bit 2: a broken CRC
-    //   control bit 3: the next step's frame goes into the same datagram
-    //   control bit 4: a raw datagram: the payload is sent as it is, no header
+    // A step: control byte, header fields (27 bytes), payload length (2), payload. The rarer
+    // cases take two bits of the control byte each, so that most steps are frames the port
+    // acts on:
+    //   ctl >= 0xf0:         a raw datagram: the payload as it is, no header
+    //   ctl & 0x03 == 0x03:  from the second peer (no session of its own: a forged source)
+    //   ctl & 0x0c == 0x0c:  the input's session id instead of the real one
+    //   ctl & 0x30 == 0x30:  a broken CRC
+    //   ctl & 0x40:          the next step's frame goes into the same datagram (if it comes
+    //                        from the same peer)
     let mut rest = data;
     let mut pending: Vec<u8> = Vec::new();
+    let mut pending_from = 0;
     while let Some(step) = take(&mut rest, 1 + 27 + 2) {
         let ctl = step[0];
         let f = &step[1..];
@@ -122,11 +145,14 @@ fuzz_target!(|data: &[u8]| {
         let Some(payload) = take(&mut rest, plen) else {
             break;
         };
-        let peer = &peers[(ctl & 1) as usize];
-        let from = peer.local_addr().expect("bound");
-        if ctl & 0x10 != 0 {
-            port.receive(payload, from);
+        let who = usize::from(ctl & 0x03 == 0x03);
+        if ctl >= 0xf0 {
+            deliver(&mut port, &peers, &mut pending, pending_from);
+            port.receive(payload, peers[who].local_addr().expect("bound"));
         } else {
+            if who != pending_from {
+                deliver(&mut port, &peers, &mut pending, pending_from);
+            }
             let mut h = [0u8; HEADER_LEN];
             h[0..2].copy_from_slice(&MAGIC.to_le_bytes());
             h[2] = VERSION;
@@ -138,32 +164,37 @@ fuzz_target!(|data: &[u8]| {
             h[12..14].copy_from_slice(&u16::from(f[5]).to_le_bytes()); // fragment count
             h[16..20].copy_from_slice(&u32_at(6).to_le_bytes()); // tag
             h[20..24].copy_from_slice(&u32_at(10).to_le_bytes()); // length
-                                                                  // offset: 32 bits, and a high byte that reaches past any export
-            h[24..32]
-                .copy_from_slice(&(u64::from(u32_at(14)) | u64::from(f[18]) << 56).to_le_bytes());
+
+            // offset: 32 bits, and a high byte that reaches past any export
+            let offset = u64::from(u32_at(14)) | u64::from(f[18]) << 56;
+            h[24..32].copy_from_slice(&offset.to_le_bytes());
             h[32..36].copy_from_slice(&(payload.len() as u32).to_le_bytes());
             h[36..40].copy_from_slice(&u32_at(19).to_le_bytes()); // fragment offset
-            let sid = if ctl & 2 != 0 { u32_at(23) } else { session };
+            let sid = if ctl & 0x0c == 0x0c {
+                u32_at(23)
+            } else {
+                session
+            };
             h[44..48].copy_from_slice(&sid.to_le_bytes());
             let mut crc = Header::compute_crc(&h, payload);
-            if ctl & 4 != 0 {
+            if ctl & 0x30 == 0x30 {
                 crc ^= 1;
             }
             h[40..44].copy_from_slice(&crc.to_le_bytes());
             pending.extend_from_slice(&h);
             pending.extend_from_slice(payload);
-            if ctl & 8 == 0 || pending.len() > LINK_PAYLOAD as usize {
-                port.receive(&pending, from);
-                pending.clear();
+            pending_from = who;
+            if ctl & 0x40 == 0 || pending.len() > LINK_PAYLOAD as usize {
+                deliver(&mut port, &peers, &mut pending, who);
             }
         }
         for p in &peers {
-            answers(p);
+            answers(p, false);
         }
     }
-    if !pending.is_empty() {
-        port.receive(&pending, peers[0].local_addr().expect("bound"));
-        answers(&peers[0]);
+    deliver(&mut port, &peers, &mut pending, pending_from);
+    for p in &peers {
+        answers(p, false);
     }
     assert_eq!(port.entries_pushed(), 0, "RAM exports complete inline");
 });

@@ -25,10 +25,19 @@ const SESSION: u32 = 7;
 const FRAME_PAYLOAD: u32 = 8192;
 
 /// What the queue sent the target: the first frame of each request, and where it came from.
-fn requests(target: &UdpSocket, out: &mut Vec<Header>) -> Option<std::net::SocketAddr> {
+/// With `wait`, waits (up to 5 s) for the first datagram: on loopback it is usually there when
+/// `send` returns, but a busy machine may leave its delivery to a softirq thread.
+fn requests(target: &UdpSocket, out: &mut Vec<Header>, wait: bool) -> Option<std::net::SocketAddr> {
     let mut buf = vec![0u8; 65536];
     let mut from = None;
+    if wait {
+        target.set_nonblocking(false).expect("blocking");
+        target
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+    }
     while let Ok((n, a)) = target.recv_from(&mut buf) {
+        target.set_nonblocking(true).expect("non-blocking");
         from = Some(a);
         for f in datagram::frames(&buf[..n], FRAME_PAYLOAD).flatten() {
             let h = f.header;
@@ -37,6 +46,7 @@ fn requests(target: &UdpSocket, out: &mut Vec<Header>) -> Option<std::net::Socke
             }
         }
     }
+    target.set_nonblocking(true).expect("non-blocking");
     from
 }
 
@@ -94,7 +104,7 @@ fuzz_target!(|data: &[u8]| {
     }
     q.send().expect("send");
     let mut reqs = Vec::new();
-    let Some(initiator) = requests(&target, &mut reqs) else {
+    let Some(initiator) = requests(&target, &mut reqs, true) else {
         panic!("the queue sent nothing");
     };
     let mut done = [false; 6];
@@ -111,13 +121,15 @@ fuzz_target!(|data: &[u8]| {
         }
     };
 
-    // A step: control byte, header fields (31 bytes), payload length (2), payload.
-    //   control bit 0: the opcode, tag, offset and length of request k in flight (k: the
-    //                  first field byte) instead of the input's
-    //   control bit 1: the input's session id instead of the real one
-    //   control bit 2: a broken CRC
-    //   control bit 3: the next step's frame goes into the same datagram
-    //   control bit 4: a raw datagram: the payload is sent as it is, no header
+    // A step: control byte, header fields (31 bytes), payload length (2), payload. The rarer
+    // cases take two bits of the control byte each, so that most steps are frames the queue
+    // acts on:
+    //   ctl >= 0xf0:         a raw datagram: the payload as it is, no header
+    //   ctl & 0x01:          the opcode, tag, offset and length of request k in flight (k: the
+    //                        first field byte) instead of the input's
+    //   ctl & 0x0c == 0x0c:  the input's session id instead of the real one
+    //   ctl & 0x30 == 0x30:  a broken CRC
+    //   ctl & 0x40:          the next step's frame goes into the same datagram
     let mut rest = data;
     let mut pending: Vec<u8> = Vec::new();
     while let Some(step) = take(&mut rest, 1 + 31 + 2) {
@@ -130,7 +142,11 @@ fuzz_target!(|data: &[u8]| {
         let Some(payload) = take(&mut rest, plen) else {
             break;
         };
-        if ctl & 0x10 != 0 {
+        if ctl >= 0xf0 {
+            if !pending.is_empty() {
+                let _ = target.send_to(&pending, initiator);
+                pending.clear();
+            }
             let _ = target.send_to(payload, initiator);
         } else {
             let mut h = [0u8; HEADER_LEN];
@@ -149,7 +165,11 @@ fuzz_target!(|data: &[u8]| {
             h[24..32].copy_from_slice(&offset.to_le_bytes());
             h[32..36].copy_from_slice(&(payload.len() as u32).to_le_bytes());
             h[36..40].copy_from_slice(&u32_at(23).to_le_bytes()); // fragment offset
-            let sid = if ctl & 2 != 0 { u32_at(27) } else { SESSION };
+            let sid = if ctl & 0x0c == 0x0c {
+                u32_at(27)
+            } else {
+                SESSION
+            };
             h[44..48].copy_from_slice(&sid.to_le_bytes());
             if ctl & 1 != 0 && !reqs.is_empty() {
                 let r = &reqs[f[0] as usize % reqs.len()];
@@ -159,13 +179,13 @@ fuzz_target!(|data: &[u8]| {
                 h[24..32].copy_from_slice(&r.offset.to_le_bytes());
             }
             let mut crc = Header::compute_crc(&h, payload);
-            if ctl & 4 != 0 {
+            if ctl & 0x30 == 0x30 {
                 crc ^= 1;
             }
             h[40..44].copy_from_slice(&crc.to_le_bytes());
             pending.extend_from_slice(&h);
             pending.extend_from_slice(payload);
-            if ctl & 8 == 0 || pending.len() > FRAME_PAYLOAD as usize {
+            if ctl & 0x40 == 0 || pending.len() > FRAME_PAYLOAD as usize {
                 let _ = target.send_to(&pending, initiator);
                 pending.clear();
             }
@@ -174,7 +194,7 @@ fuzz_target!(|data: &[u8]| {
         if q.poll(&mut check).is_err() {
             return;
         }
-        requests(&target, &mut reqs);
+        requests(&target, &mut reqs, false);
     }
     if !pending.is_empty() {
         let _ = target.send_to(&pending, initiator);
