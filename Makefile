@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 BIN := target/release/blkwire
 
-.PHONY: demo demo-rbd test deps build fmt lint unit kernel-lab bench fuzz clean
+.PHONY: demo demo-rbd test deps build fmt lint unit fuzz-seeds kernel-lab bench fuzz clean
 
 ## demo: build, then serve a RAM export, upload a file, read it back, benchmark, stop.
 demo: deps build
@@ -15,8 +15,8 @@ demo-rbd: deps build
 	@scripts/demo-rbd.sh
 
 ## test: formatting, lints (clippy, rustdoc, the map crate's layering, the fuzz targets built)
-## and every test, then the kernel lab (CI runs this).
-test: deps fmt lint unit kernel-lab
+## and every test, the fuzz targets over their seeds, then the kernel lab (CI runs this).
+test: deps fmt lint unit fuzz-seeds kernel-lab
 
 deps:
 	@scripts/deps.sh
@@ -38,6 +38,17 @@ lint:
 
 unit:
 	$(CARGO) test --release --locked --workspace
+
+## fuzz-seeds: every fuzz target run once over each of its seeds (fuzz/seeds/TARGET/), built
+## with the stable toolchain: the decoders' regression test (no fuzzing; `make fuzz` fuzzes).
+fuzz-seeds:
+	cd fuzz && $(CARGO) build --locked --bins --quiet
+	@cd fuzz && for d in seeds/*/; do \
+		t=$$(basename $$d); \
+		./target/debug/$$t $$d* >target/seeds-$$t.log 2>&1 || \
+			{ tail -n 30 target/seeds-$$t.log; echo "fuzz-seeds: $$t failed on one of $$d*"; exit 1; }; \
+		echo "fuzz-seeds: $$t: $$(ls $$d | wc -l) seeds ok"; \
+	done
 
 ## kernel-lab: blkwire against the kernel's own initiators in a qemu guest (docs/KERNEL-LAB.md).
 ## `make kernel-lab SCENARIO=nbd` runs one scenario; the default is all of them.
