@@ -18,7 +18,6 @@ use crate::session::{Limits, Registry};
 /// A UDP datagram port on 127.0.0.1 serving RAM exports, fed datagrams by the caller.
 pub struct DatagramPort {
     port: DgramPort,
-    address: SocketAddr,
     pushed: usize,
 }
 
@@ -46,7 +45,6 @@ impl DatagramPort {
         }
         let socket = UdpSocket::bind("127.0.0.1:0")?;
         socket.set_nonblocking(true)?;
-        let address = socket.local_addr()?;
         let setup = PortSetup {
             fd: OwnedFd::from(socket),
             kind: PortKind::Udp,
@@ -58,14 +56,8 @@ impl DatagramPort {
         };
         Ok(DatagramPort {
             port: DgramPort::new(setup, 0, registry),
-            address,
             pushed: 0,
         })
-    }
-
-    /// Where the port's replies come from.
-    pub fn address(&self) -> SocketAddr {
-        self.address
     }
 
     /// Handles one datagram from `from`, then sends what it answered (to `from`, on loopback).
