@@ -59,9 +59,10 @@ kernel-lab: deps build
 bench: deps build
 	bench/nbdkit-compare.sh
 
-## fuzz: a short run of every fuzz target (needs a nightly toolchain and cargo-fuzz).
+## fuzz: a short run of every fuzz target from its seeds (needs a nightly toolchain and
+## cargo-fuzz); -max_len fits the largest seeds (the datagram targets').
 fuzz:
-	cd fuzz && for t in $$(cargo +nightly fuzz list); do cargo +nightly fuzz run $$t -- -max_total_time=30 || exit 1; done
+	cd fuzz && for t in $$(cargo +nightly fuzz list); do mkdir -p corpus/$$t && cargo +nightly fuzz run $$t corpus/$$t seeds/$$t -- -max_total_time=30 -max_len=100000 || exit 1; done
 
 clean:
 	$(CARGO) clean
