@@ -20,11 +20,12 @@ use std::time::Duration;
 
 use blkwire_server::fuzzing::DatagramPort;
 use blkwire_wire::datagram;
-use blkwire_wire::{
-    AuthBlock, AuthMethod, Flags, Header, Hello, HelloReply, Opcode, Status, Tag, HEADER_LEN,
-    MAGIC, VERSION,
-};
+use blkwire_wire::{AuthBlock, AuthMethod, Flags, Header, Hello, HelloReply, Opcode, Status, Tag};
 use libfuzzer_sys::fuzz_target;
+
+#[path = "dgram_common.rs"]
+mod dgram_common;
+use dgram_common::{push_frame, take};
 
 /// Frame payload of the port's link (a jumbo frame's, as eth:// at MTU 9000).
 const LINK_PAYLOAD: u32 = 8192;
@@ -105,13 +106,6 @@ fn open_session(port: &mut DatagramPort, peer: &UdpSocket) -> u32 {
     panic!("no session after three HELLOs");
 }
 
-/// Takes `n` bytes from the front of `data`.
-fn take<'a>(data: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
-    let (head, rest) = data.split_at_checked(n)?;
-    *data = rest;
-    Some(head)
-}
-
 fuzz_target!(|data: &[u8]| {
     let mut port = DatagramPort::new(&["a=mem:1M", "b=mem:64K"], LINK_PAYLOAD).expect("port");
     let peers = [
@@ -153,36 +147,22 @@ fuzz_target!(|data: &[u8]| {
             if who != pending_from {
                 deliver(&mut port, &peers, &mut pending, pending_from);
             }
-            let mut h = [0u8; HEADER_LEN];
-            h[0..2].copy_from_slice(&MAGIC.to_le_bytes());
-            h[2] = VERSION;
-            h[3] = f[0]; // opcode
-            h[4..6].copy_from_slice(&(u16_at(1) | Flags::CRC).to_le_bytes());
-            // status 0 (a request), credit 0
-            h[8..10].copy_from_slice(&u16::from(f[3] & 3).to_le_bytes()); // queue
-            h[10..12].copy_from_slice(&u16::from(f[4]).to_le_bytes()); // fragment index
-            h[12..14].copy_from_slice(&u16::from(f[5]).to_le_bytes()); // fragment count
-            h[16..20].copy_from_slice(&u32_at(6).to_le_bytes()); // tag
-            h[20..24].copy_from_slice(&u32_at(10).to_le_bytes()); // length
-
             // offset: 32 bits, and a high byte that reaches past any export
             let offset = u64::from(u32_at(14)) | u64::from(f[18]) << 56;
-            h[24..32].copy_from_slice(&offset.to_le_bytes());
-            h[32..36].copy_from_slice(&(payload.len() as u32).to_le_bytes());
-            h[36..40].copy_from_slice(&u32_at(19).to_le_bytes()); // fragment offset
-            let sid = if ctl & 0x0c == 0x0c {
+            let mut h = Header::request(Opcode::Read, Tag(u32_at(6)), offset, u32_at(10));
+            h.flags = Flags(u16_at(1) | Flags::CRC);
+            h.queue = u16::from(f[3] & 3);
+            h.frag_index = u16::from(f[4]);
+            h.frag_count = u16::from(f[5]);
+            h.frag_offset = u32_at(19);
+            h.session = if ctl & 0x0c == 0x0c {
                 u32_at(23)
             } else {
                 session
             };
-            h[44..48].copy_from_slice(&sid.to_le_bytes());
-            let mut crc = Header::compute_crc(&h, payload);
-            if ctl & 0x30 == 0x30 {
-                crc ^= 1;
-            }
-            h[40..44].copy_from_slice(&crc.to_le_bytes());
-            pending.extend_from_slice(&h);
-            pending.extend_from_slice(payload);
+            push_frame(&mut pending, h, payload, ctl & 0x30 == 0x30, |b| {
+                b[3] = f[0]; // the opcode
+            });
             pending_from = who;
             if ctl & 0x40 == 0 || pending.len() > LINK_PAYLOAD as usize {
                 deliver(&mut port, &peers, &mut pending, who);

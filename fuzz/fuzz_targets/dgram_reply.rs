@@ -18,8 +18,12 @@ use std::time::Duration;
 use blkwire_client::fuzzing::udp_queue;
 use blkwire_client::{Cmd, Completion};
 use blkwire_wire::datagram;
-use blkwire_wire::{Flags, Header, HEADER_LEN, MAGIC, VERSION};
+use blkwire_wire::{Flags, Header, Opcode, Tag};
 use libfuzzer_sys::fuzz_target;
+
+#[path = "dgram_common.rs"]
+mod dgram_common;
+use dgram_common::{push_frame, take};
 
 const SESSION: u32 = 7;
 const FRAME_PAYLOAD: u32 = 8192;
@@ -48,13 +52,6 @@ fn requests(target: &UdpSocket, out: &mut Vec<Header>, wait: bool) -> Option<std
     }
     target.set_nonblocking(true).expect("non-blocking");
     from
-}
-
-/// Takes `n` bytes from the front of `data`.
-fn take<'a>(data: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
-    let (head, rest) = data.split_at_checked(n)?;
-    *data = rest;
-    Some(head)
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -149,42 +146,29 @@ fuzz_target!(|data: &[u8]| {
             }
             let _ = target.send_to(payload, initiator);
         } else {
-            let mut h = [0u8; HEADER_LEN];
-            h[0..2].copy_from_slice(&MAGIC.to_le_bytes());
-            h[2] = VERSION;
-            h[3] = f[0]; // opcode
-            h[4..6].copy_from_slice(&(u16_at(1) | Flags::REPLY | Flags::CRC).to_le_bytes());
-            h[6..8].copy_from_slice(&u16_at(3).to_le_bytes()); // status
-            h[8..10].copy_from_slice(&u16::from(f[5] & 1).to_le_bytes()); // queue
-            h[10..12].copy_from_slice(&u16::from(f[6]).to_le_bytes()); // fragment index
-            h[12..14].copy_from_slice(&u16::from(f[7]).to_le_bytes()); // fragment count
-            h[14..16].copy_from_slice(&u16_at(8).to_le_bytes()); // credit
-            h[16..20].copy_from_slice(&u32_at(10).to_le_bytes()); // tag
-            h[20..24].copy_from_slice(&u32_at(14).to_le_bytes()); // length
             let offset = u64::from(u32_at(18)) | u64::from(f[22]) << 56;
-            h[24..32].copy_from_slice(&offset.to_le_bytes());
-            h[32..36].copy_from_slice(&(payload.len() as u32).to_le_bytes());
-            h[36..40].copy_from_slice(&u32_at(23).to_le_bytes()); // fragment offset
-            let sid = if ctl & 0x0c == 0x0c {
+            let mut h = Header::request(Opcode::Read, Tag(u32_at(10)), offset, u32_at(14));
+            h.flags = Flags(u16_at(1) | Flags::REPLY | Flags::CRC);
+            h.queue = u16::from(f[5] & 1);
+            h.frag_index = u16::from(f[6]);
+            h.frag_count = u16::from(f[7]);
+            h.credit = u16_at(8);
+            h.frag_offset = u32_at(23);
+            h.session = if ctl & 0x0c == 0x0c {
                 u32_at(27)
             } else {
                 SESSION
             };
-            h[44..48].copy_from_slice(&sid.to_le_bytes());
+            let mut opcode = f[0];
             if ctl & 1 != 0 && !reqs.is_empty() {
                 let r = &reqs[f[0] as usize % reqs.len()];
-                h[3] = r.opcode as u8;
-                h[16..20].copy_from_slice(&r.tag.0.to_le_bytes());
-                h[20..24].copy_from_slice(&r.length.to_le_bytes());
-                h[24..32].copy_from_slice(&r.offset.to_le_bytes());
+                opcode = r.opcode as u8;
+                (h.tag, h.length, h.offset) = (r.tag, r.length, r.offset);
             }
-            let mut crc = Header::compute_crc(&h, payload);
-            if ctl & 0x30 == 0x30 {
-                crc ^= 1;
-            }
-            h[40..44].copy_from_slice(&crc.to_le_bytes());
-            pending.extend_from_slice(&h);
-            pending.extend_from_slice(payload);
+            push_frame(&mut pending, h, payload, ctl & 0x30 == 0x30, |b| {
+                b[3] = opcode;
+                b[6..8].copy_from_slice(&u16_at(3).to_le_bytes()); // the status
+            });
             if ctl & 0x40 == 0 || pending.len() > FRAME_PAYLOAD as usize {
                 let _ = target.send_to(&pending, initiator);
                 pending.clear();

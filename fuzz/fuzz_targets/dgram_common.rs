@@ -1,0 +1,33 @@
+//! What the two datagram fuzz targets (dgram.rs, dgram_reply.rs) share: reading the input step
+//! by step, and turning the header fields a step chose into a frame.
+
+use blkwire_wire::{Header, HEADER_LEN};
+
+/// Takes `n` bytes from the front of `data`.
+pub fn take<'a>(data: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+    let (head, rest) = data.split_at_checked(n)?;
+    *data = rest;
+    Some(head)
+}
+
+/// Appends to `datagram` the frame of header `h` and `payload`: `h` encoded with the payload's
+/// length, then `raw` sets the bytes a `Header` cannot hold (any opcode, any status: the
+/// receiver must cope with unknown ones), then the CRC, made wrong when `break_crc`.
+pub fn push_frame(
+    datagram: &mut Vec<u8>,
+    mut h: Header,
+    payload: &[u8],
+    break_crc: bool,
+    raw: impl FnOnce(&mut [u8; HEADER_LEN]),
+) {
+    h.payload_len = payload.len() as u32;
+    let mut b = h.to_bytes();
+    raw(&mut b);
+    let mut crc = Header::compute_crc(&b, payload);
+    if break_crc {
+        crc ^= 1;
+    }
+    b[40..44].copy_from_slice(&crc.to_le_bytes());
+    datagram.extend_from_slice(&b);
+    datagram.extend_from_slice(payload);
+}
