@@ -145,6 +145,16 @@ pub enum ReadFraming {
     },
 }
 
+impl ReadFraming {
+    /// A chunked reply's framing bound; `None` for a contiguous reply.
+    pub fn chunked(self) -> Option<usize> {
+        match self {
+            ReadFraming::Chunked { framing } => Some(framing),
+            ReadFraming::Contiguous { .. } => None,
+        }
+    }
+}
+
 /// What a frontend made of the front of a receive buffer.
 pub enum Decoded {
     /// The next message is not all there yet: at least this many bytes (from the front) are

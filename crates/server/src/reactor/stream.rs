@@ -204,7 +204,7 @@ fn covers_request(c: &mut Conn, req: &Req, payload_len: usize) -> Cover {
     let len = req.length as usize;
     let read = req.is_read();
     let framing = read.then(|| c.fe.read_framing(req));
-    let chunked = matches!(framing, Some(ReadFraming::Chunked { .. }));
+    let chunked = framing.and_then(ReadFraming::chunked).is_some();
     // The reply: its data and what frames it, or room for a status should it fail.
     let extra_tx = match framing {
         Some(ReadFraming::Chunked { framing }) => len + framing.max(REPLY_SLACK),
@@ -301,10 +301,7 @@ fn dispatch(
     }
 
     let framing = req.is_read().then(|| c.fe.read_framing(req));
-    let chunked_framing = match framing {
-        Some(ReadFraming::Chunked { framing }) => Some(framing),
-        _ => None,
-    };
+    let chunked_framing = framing.and_then(ReadFraming::chunked);
     if let Some(framing) = chunked_framing {
         if c.inline(req) && read_mapped_chunked(c, req, &block, framing) {
             return;
@@ -933,12 +930,9 @@ fn settle(c: &mut Conn, slot: u16, status: Status) {
                 return;
             }
         }
-        let in_pieces = match framing {
-            ReadFraming::Chunked { framing } if c.tls.is_none() && len >= SEND_IN_PLACE => {
-                Some(framing)
-            }
-            _ => None,
-        };
+        let in_pieces = framing
+            .chunked()
+            .filter(|_| c.tls.is_none() && len >= SEND_IN_PLACE);
         if let Some(framing) = in_pieces {
             // Headers between the pieces of the data (iSCSI Data-In PDUs): only they are
             // copied; the data goes out from its buffer, piece by piece.
