@@ -27,8 +27,8 @@ MTU="${MTU:-1500}"
 IMAGES="${IMAGES:-/dev/shm}"
 BIN="${BLKWIRE:-target/release/blkwire}"
 [[ -x "$BIN" ]] || cargo build --release -p blkwire >&2
-[[ "$(id -u)" == 0 ]] || die "needs root (network namespaces, tc)"
-for t in ip tc nbdcopy python3 cmp dd; do command -v "$t" >/dev/null || die "$t missing (scripts/deps.sh installs it)"; done
+need_root "network namespaces, tc"
+need_tools ip tc nbdcopy python3 cmp dd
 
 T="bwcopy$$t"
 I="bwcopy$$i"

@@ -37,11 +37,10 @@ cd "$(dirname "$0")/.."
 BLKWIRE="${BLKWIRE:-target/release/blkwire}"
 
 die() { echo "map-compare: $*" >&2; exit 1; }
+. bench/lib.sh
 
-[[ "$(id -u)" -eq 0 ]] || die "needs root (FUSE mounts and loop devices)"
-for t in fio nbdkit nbdfuse losetup python3; do
-    command -v "$t" >/dev/null || die "$t not found in PATH"
-done
+need_root "FUSE mounts and loop devices"
+need_tools fio nbdkit nbdfuse losetup python3
 [[ "$RUNTIME" =~ ^[0-9]+$ && "$RUNTIME" -gt 0 ]] || die "RUNTIME must be a positive integer (got '$RUNTIME')"
 
 if [[ ! -x "$BLKWIRE" ]]; then
@@ -100,8 +99,6 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
-
-. bench/lib.sh
 
 # ---------------------------------------------------------------------------- blkwire
 "$BLKWIRE" serve --listen tcp://127.0.0.1:0 --export "uring=mem:$SIZE" --export "read=mem:$SIZE" \
