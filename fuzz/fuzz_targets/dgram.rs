@@ -25,7 +25,7 @@ use libfuzzer_sys::fuzz_target;
 
 #[path = "dgram_common.rs"]
 mod dgram_common;
-use dgram_common::{push_frame, take};
+use dgram_common::{next_step, push_frame};
 
 /// Frame payload of the port's link (a jumbo frame's, as eth:// at MTU 9000).
 const LINK_PAYLOAD: u32 = 8192;
@@ -129,16 +129,9 @@ fuzz_target!(|data: &[u8]| {
     let mut rest = data;
     let mut pending: Vec<u8> = Vec::new();
     let mut pending_from = 0;
-    while let Some(step) = take(&mut rest, 1 + 27 + 2) {
-        let ctl = step[0];
-        let f = &step[1..];
+    while let Some((ctl, f, payload)) = next_step(&mut rest, 27, LINK_PAYLOAD as usize + 64) {
         let u16_at = |i: usize| u16::from_le_bytes([f[i], f[i + 1]]);
         let u32_at = |i: usize| u32::from_le_bytes([f[i], f[i + 1], f[i + 2], f[i + 3]]);
-        let plen = (u16_at(27) as usize).min(LINK_PAYLOAD as usize + 64);
-        let plen = plen.min(rest.len());
-        let Some(payload) = take(&mut rest, plen) else {
-            break;
-        };
         let who = usize::from(ctl & 0x03 == 0x03);
         if ctl >= 0xf0 {
             deliver(&mut port, &peers, &mut pending, pending_from);

@@ -4,10 +4,24 @@
 use blkwire_wire::{Header, HEADER_LEN};
 
 /// Takes `n` bytes from the front of `data`.
-pub fn take<'a>(data: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+fn take<'a>(data: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
     let (head, rest) = data.split_at_checked(n)?;
     *data = rest;
     Some(head)
+}
+
+/// The next step of the input: a control byte, `fields` bytes of header fields, a payload
+/// length (2 bytes), the payload (at most `max_payload` bytes and what is left). `None` at the
+/// end of the input.
+pub fn next_step<'a>(
+    rest: &mut &'a [u8],
+    fields: usize,
+    max_payload: usize,
+) -> Option<(u8, &'a [u8], &'a [u8])> {
+    let step = take(rest, 1 + fields + 2)?;
+    let plen = usize::from(u16::from_le_bytes([step[1 + fields], step[2 + fields]]));
+    let payload = take(rest, plen.min(max_payload).min(rest.len()))?;
+    Some((step[0], &step[1..1 + fields], payload))
 }
 
 /// Appends to `datagram` the frame of header `h` and `payload`: `h` encoded with the payload's

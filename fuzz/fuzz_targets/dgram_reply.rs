@@ -23,7 +23,7 @@ use libfuzzer_sys::fuzz_target;
 
 #[path = "dgram_common.rs"]
 mod dgram_common;
-use dgram_common::{push_frame, take};
+use dgram_common::{next_step, push_frame};
 
 const SESSION: u32 = 7;
 const FRAME_PAYLOAD: u32 = 8192;
@@ -129,16 +129,9 @@ fuzz_target!(|data: &[u8]| {
     //   ctl & 0x40:          the next step's frame goes into the same datagram
     let mut rest = data;
     let mut pending: Vec<u8> = Vec::new();
-    while let Some(step) = take(&mut rest, 1 + 31 + 2) {
-        let ctl = step[0];
-        let f = &step[1..];
+    while let Some((ctl, f, payload)) = next_step(&mut rest, 31, FRAME_PAYLOAD as usize + 64) {
         let u16_at = |i: usize| u16::from_le_bytes([f[i], f[i + 1]]);
         let u32_at = |i: usize| u32::from_le_bytes([f[i], f[i + 1], f[i + 2], f[i + 3]]);
-        let plen = (u16_at(31) as usize).min(FRAME_PAYLOAD as usize + 64);
-        let plen = plen.min(rest.len());
-        let Some(payload) = take(&mut rest, plen) else {
-            break;
-        };
         if ctl >= 0xf0 {
             if !pending.is_empty() {
                 let _ = target.send_to(&pending, initiator);
