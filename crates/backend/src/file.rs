@@ -140,6 +140,12 @@ impl FileBackend {
                     path.display(),
                     path.display()
                 ),
+                Some(libc::EISDIR) => format!(
+                    "{}: is a directory; give a file or a block device, e.g. `truncate -s 10G {}/disk.img` and file:{}/disk.img",
+                    path.display(),
+                    path.display(),
+                    path.display()
+                ),
                 Some(libc::EINVAL) if direct => {
                     format!(
                         "{}: this filesystem does not support O_DIRECT; drop ?direct=1",
@@ -228,6 +234,20 @@ impl FileBackend {
         if !b.logical.is_power_of_two() || !b.physical.is_power_of_two() {
             b.logical = 512;
             b.physical = 4096;
+        }
+        // A partial last block could be neither read nor written whole by any client.
+        if !size.is_multiple_of(u64::from(b.logical)) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{}: its size ({size} bytes) is not a multiple of the {}-byte block size; \
+                     round it up with `truncate -s %{} {}`",
+                    path.display(),
+                    b.logical,
+                    b.logical,
+                    path.display()
+                ),
+            ));
         }
         Ok(b)
     }

@@ -46,7 +46,7 @@ pub struct Args {
     #[arg(long, value_name = "US", default_value_t = 50)]
     poll_us: u64,
     /// Seconds an I/O may go unanswered before it fails with EIO
-    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86400))]
     timeout: u64,
     /// Print one JSON object
     #[arg(long)]
@@ -75,15 +75,19 @@ impl Rng {
 }
 
 pub fn run(a: Args) -> Result<(), String> {
-    if !(a.runtime > 0.0 && a.runtime.is_finite()) {
-        return Err("--runtime must be a positive number of seconds".into());
+    // A week at most: longer is a typo, and `Duration` cannot hold every finite f64.
+    if !(a.runtime > 0.0 && a.runtime <= 604_800.0) {
+        return Err(format!(
+            "--runtime {}: give more than 0 and at most 604800 seconds (a week)",
+            a.runtime
+        ));
     }
     let mut opts = ConnectOptions {
         queues: a.jobs,
         depth: a.iodepth,
         max_io: a.bs.clamp(512, u32::MAX as u64) as u32,
         poll: Duration::from_micros(a.poll_us),
-        timeout: Duration::from_secs(a.timeout.max(1)),
+        timeout: Duration::from_secs(a.timeout),
         ..Default::default()
     };
     a.id.apply(&mut opts)?;

@@ -25,7 +25,7 @@ pub struct Args {
     #[arg(long, value_name = "EXPORT")]
     from: Option<String>,
     /// Seconds a COPY may go unanswered before the copy fails
-    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86400))]
     timeout: u64,
     #[command(flatten)]
     id: crate::identity::Identity,
@@ -42,7 +42,7 @@ fn parse_ranges(s: &str) -> Result<Vec<CopyRange>, String> {
             let len = parse_size(len).map_err(|e| format!("--src '{part}': length {e}"))?;
             if len == 0 || len > u32::MAX as u64 {
                 return Err(format!(
-                    "--src '{part}': a range is 1 byte to 4 GiB long; split longer ones"
+                    "--src '{part}': a range is at least 1 byte and shorter than 4 GiB; split longer ones"
                 ));
             }
             Ok(CopyRange {
@@ -81,7 +81,7 @@ pub fn run(a: Args) -> Result<(), String> {
     let mut opts = ConnectOptions {
         queues: 1,
         depth: 16,
-        timeout: std::time::Duration::from_secs(a.timeout.max(1)),
+        timeout: std::time::Duration::from_secs(a.timeout),
         ..Default::default()
     };
     a.id.apply(&mut opts)?;

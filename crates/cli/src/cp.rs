@@ -26,7 +26,7 @@ pub struct Args {
     #[arg(long)]
     no_progress: bool,
     /// Seconds an I/O may go unanswered before the copy fails
-    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86400))]
     timeout: u64,
     /// Between two exports of one target, move every byte through this host instead of letting
     /// the target copy (for comparison; by default the target copies, and nothing crosses the
@@ -194,7 +194,7 @@ fn options(
         queues,
         depth: 4,
         max_io: 1 << 20,
-        timeout: Duration::from_secs(timeout.max(1)),
+        timeout: Duration::from_secs(timeout),
         ..Default::default()
     };
     id.apply(&mut opts)?;

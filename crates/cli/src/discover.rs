@@ -27,6 +27,13 @@ pub struct Args {
 pub fn run(a: Args) -> Result<(), String> {
     let wait = Duration::from_millis(a.wait_ms.clamp(10, 60_000));
     let opts = a.id.options()?;
+    if opts.tls {
+        return Err(
+            "--tls is for tcp:// only; discovery runs over udp:// and eth:// \
+                    (use --key FILE to authenticate)"
+                .into(),
+        );
+    }
     let mut found = match (&a.interface, &a.url) {
         (Some(iface), _) => discover_eth(iface, wait).map_err(|e| e.to_string())?,
         (None, Some(u)) => {

@@ -22,7 +22,7 @@ pub fn run(a: Args) -> Result<(), String> {
     let u = Url::parse(&a.url).map_err(|e| e.to_string())?;
     if !(a.timeout > 0.0 && a.timeout <= 3600.0) {
         return Err(format!(
-            "--timeout {}: give seconds between 0 and 3600",
+            "--timeout {}: give more than 0 and at most 3600 seconds",
             a.timeout
         ));
     }

@@ -189,14 +189,19 @@ fn main() -> ExitCode {
 }
 
 /// One line, like every other blkwire error, from clap's multi-line block: the message with
-/// what clap lists under it (the missing arguments, the possible values), without the usage and
-/// the pointer to --help.
+/// what clap lists under it (the missing arguments, the possible values, a similar argument's
+/// name), without the usage and the pointer to --help.
 fn one_line(clap_msg: &str) -> String {
-    let parts: Vec<&str> = clap_msg
+    let parts: Vec<String> = clap_msg
         .lines()
         .map(str::trim)
         .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
-        .filter(|l| !l.is_empty() && !l.starts_with("tip:"))
+        .filter(|l| !l.is_empty())
+        .map(|l| match l.strip_prefix("tip: ") {
+            // "did you mean" hints stay, in brackets, on the same line.
+            Some(tip) => format!("({tip})"),
+            None => l.to_string(),
+        })
         .collect();
     let joined = parts.join(" ");
     let msg = joined.strip_prefix("error: ").unwrap_or(&joined);

@@ -35,7 +35,7 @@ pub enum ExportCmd {
         #[command(flatten)]
         socket: Socket,
     },
-    /// Grow an export (file: and null: exports), e.g. `export resize disk0 2T`
+    /// Grow an export (file:, null: and rbd: exports), e.g. `export resize disk0 2T`
     ///
     /// Exports only grow: shrinking could cut off an end a connected session is using. A
     /// session keeps the size it was given when it connected (its I/O past that is refused);
@@ -82,8 +82,8 @@ pub enum ListenerCmd {
     /// Listen on one more address (as `serve --listen` takes it; port 0 picks a free one and
     /// the bound address is printed)
     Add {
-        /// tcp://ADDR:PORT, nbd://ADDR[:PORT], nvme-tcp://ADDR[:PORT], iscsi://ADDR[:PORT],
-        /// udp://ADDR:PORT or eth://IFACE
+        /// tcp://ADDR[:PORT], nbd://ADDR[:PORT], nvme-tcp://ADDR[:PORT], iscsi://ADDR[:PORT],
+        /// udp://ADDR[:PORT] or eth://IFACE
         url: String,
         #[command(flatten)]
         socket: Socket,

@@ -13,15 +13,15 @@ pub struct Args {
     #[arg(
         long = "listen",
         value_name = "URL",
-        help = "Where to listen (repeatable): tcp://ADDR:PORT (native), nbd://ADDR[:PORT] (NBD, \
-                port 10809 by default), nvme-tcp://ADDR[:PORT] (NVMe/TCP, port 4420 by default; \
-                every export is subsystem nqn.2026-11.io.blkwire:NAME, and see --subsystem), \
-                iscsi://ADDR[:PORT] (iSCSI, port 3260 by default; every export is target \
-                iqn.2026-11.io.blkwire:NAME with LUN 0, and see --iscsi-target), udp://ADDR:PORT, \
+        help = "Where to listen (repeatable): tcp://ADDR[:PORT] (native, port 7700 by default), \
+                nbd://ADDR[:PORT] (NBD, port 10809 by default), nvme-tcp://ADDR[:PORT] \
+                (NVMe/TCP, port 4420 by default; every export is subsystem \
+                nqn.2026-11.io.blkwire:NAME, and see --subsystem), iscsi://ADDR[:PORT] (iSCSI, \
+                port 3260 by default; every export is target iqn.2026-11.io.blkwire:NAME with \
+                LUN 0, and see --iscsi-target), udp://ADDR[:PORT] (port 7701 by default), \
                 eth://IFACE[?qdisc=bypass] (bypass: frames skip the interface's qdisc, less CPU \
                 per frame, but the qdisc and tc egress rules no longer see them). Port 0 picks a \
-                free port. Default: tcp://0.0.0.0:7700, unless \
-                --config is given"
+                free port. Default: tcp://0.0.0.0:7700, unless --config is given"
     )]
     listen: Vec<String>,
     #[arg(
@@ -162,6 +162,28 @@ pub fn run(a: Args) -> Result<(), String> {
         .collect::<Result<Vec<_>, _>>()?;
     if a.config.is_none() {
         // Without a config every export comes from --export: name a missing one here, by flag.
+        for (t, text) in subsystems.iter().zip(&a.subsystems) {
+            if let Some((e, _)) = t
+                .namespaces
+                .iter()
+                .find(|(e, _)| !exports.iter().any(|x| &x.name == e))
+            {
+                return Err(format!(
+                    "--subsystem '{}': no export '{}' (add it with --export {}=BACKEND)",
+                    text.escape_debug(),
+                    e.escape_debug(),
+                    e.escape_debug()
+                ));
+            }
+        }
+        // Nothing could add an export later: say so before anything is bound.
+        if exports.is_empty() && a.rpc_socket.as_deref() == Some("none") {
+            return Err(
+                "no exports: add at least one --export NAME=BACKEND, e.g. --export disk0=mem:1G \
+                 (with --rpc-socket none nothing can add one later)"
+                    .into(),
+            );
+        }
         for (t, text) in iscsi_targets.iter().zip(&a.iscsi_targets) {
             if let Some((e, _)) = t
                 .luns
@@ -236,6 +258,18 @@ pub fn run(a: Args) -> Result<(), String> {
         Some("none") => None,
         Some(path) => {
             let path = Path::new(path);
+            // Only the default's directory is created: a given path's missing directory is
+            // most likely a typo, which must not leave directories behind.
+            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                if !dir.is_dir() {
+                    return Err(format!(
+                        "--rpc-socket {}: no directory {} (create it, give another path, or \
+                         --rpc-socket none)",
+                        path.display(),
+                        dir.display()
+                    ));
+                }
+            }
             target
                 .open_control_socket(path)
                 .map_err(|e| e.to_string())?;

@@ -194,6 +194,147 @@ fn bad_input_gets_one_line_errors() {
     );
 }
 
+/// Protection asked for on a transport that cannot give it is refused, never dropped silently;
+/// paths, sizes and names are checked before anything is bound or created.
+#[test]
+fn options_that_cannot_apply_are_refused_in_one_line() {
+    let d = TempDir::new("refused");
+    let key = d.path("k");
+    let (ok, _, err) = cli(&["key", "gen", key.to_str().unwrap(), "--host-id", "h1"]);
+    assert!(ok, "key gen: {err}");
+    let key = key.to_str().unwrap();
+    let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let quiet = format!("udp://{}/x", silent.local_addr().unwrap());
+    assert_one_line_error(&["info", &quiet, "--tls"], "--tls is for tcp:// only");
+    assert_one_line_error(
+        &["bench", &quiet, "--tls-ca", key, "--runtime", "1"],
+        "--tls is for tcp:// only",
+    );
+    assert_one_line_error(&["discover", &quiet, "--tls"], "--tls is for tcp:// only");
+    // Over TCP, --encrypt would have been ignored: the traffic would have gone in clear.
+    for url in ["tcp://127.0.0.1:9/x", "tcp://127.0.0.1:9/x?encrypt=1"] {
+        let mut args = vec!["bench", url, "--key", key, "--host-id", "h1"];
+        if !url.contains('?') {
+            args.push("--encrypt");
+        }
+        assert_one_line_error(&args, "over tcp:// use --tls");
+    }
+    assert_one_line_error(
+        &[
+            "bench",
+            "tcp://127.0.0.1:9/x",
+            "--tls-ca",
+            "/nonexistent/ca.pem",
+        ],
+        "--tls-ca /nonexistent/ca.pem: cannot read it",
+    );
+    assert_one_line_error(
+        &["bench", "tcp://127.0.0.1:9/x", "--runtime", "1e20"],
+        "at most 604800 seconds",
+    );
+    for cmd in ["bench", "cp", "copy"] {
+        let mut args = vec![cmd, "tcp://127.0.0.1:9/x"];
+        match cmd {
+            "cp" => args.push("/dev/null"),
+            "copy" => args.extend(["--src", "0:1M", "--dst", "2M"]),
+            _ => {}
+        }
+        args.extend(["--timeout", "0"]);
+        assert_one_line_error(&args, "0 is not in 1..=86400");
+    }
+    assert_one_line_error(&["bench", "--iodpeth", "3", "tcp://h/x"], "'--iodepth'");
+    assert_one_line_error(
+        &[
+            "copy",
+            "tcp://127.0.0.1:9/x",
+            "--src",
+            "0:4G",
+            "--dst",
+            "8G",
+        ],
+        "shorter than 4 GiB",
+    );
+    // A typo in --rpc-socket's directory creates nothing.
+    let missing = d.path("no/such/dir");
+    let sock = format!("{}/sock", missing.display());
+    assert_one_line_error(
+        &[
+            "serve",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--export",
+            "x=mem:1M",
+            "--rpc-socket",
+            &sock,
+        ],
+        "no directory",
+    );
+    assert!(
+        !missing.exists() && !d.path("no").exists(),
+        "{sock}: created"
+    );
+    assert_one_line_error(
+        &[
+            "serve",
+            "--export",
+            "x=mem:1M",
+            "--subsystem",
+            "nqn.2026-11.x:y=nope",
+        ],
+        "--subsystem 'nqn.2026-11.x:y=nope': no export 'nope'",
+    );
+    assert_one_line_error(&["serve", "--rpc-socket", "none"], "no exports");
+    assert_one_line_error(
+        &[
+            "serve",
+            "--listen",
+            "tcp://nosuchhost.invalid",
+            "--export",
+            "x=mem:1M",
+            "--rpc-socket",
+            "none",
+        ],
+        "cannot resolve nosuchhost.invalid:7700",
+    );
+    assert_one_line_error(
+        &[
+            "serve",
+            "--tls",
+            "require",
+            "--tls-cert",
+            "/nonexistent/c.pem",
+            "--tls-key",
+            "/nonexistent/k.pem",
+            "--export",
+            "x=mem:1M",
+            "--rpc-socket",
+            "none",
+        ],
+        "--tls-cert /nonexistent/c.pem: cannot read it",
+    );
+    let odd = d.path("odd.img");
+    std::fs::write(&odd, vec![0u8; 1000]).unwrap();
+    let spec = format!("x=file:{}", odd.display());
+    let serve = |spec: &str| {
+        vec![
+            "serve".to_string(),
+            "--listen".into(),
+            "tcp://127.0.0.1:0".into(),
+            "--rpc-socket".into(),
+            "none".into(),
+            "--export".into(),
+            spec.to_string(),
+        ]
+    };
+    let args = serve(&spec);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_one_line_error(&args, "truncate -s %512");
+    let spec = format!("x=file:{}", d.path("").display());
+    let args = serve(&spec);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_one_line_error(&args, "is a directory");
+}
+
 #[test]
 fn serve_stops_cleanly_on_sigterm() {
     let mut t = Target::start(&["m=mem:1M"]);

@@ -186,6 +186,11 @@ impl Credentials {
     pub fn apply(&self, opts: &mut ConnectOptions) -> std::result::Result<(), String> {
         opts.tls = self.tls || self.tls_ca.is_some();
         opts.tls_ca = self.tls_ca.clone();
+        if let Some(ca) = &self.tls_ca {
+            // Before connecting, and with the cause OpenSSL would not name.
+            std::fs::File::open(ca)
+                .map_err(|e| format!("--tls-ca {}: cannot read it: {e}", ca.display()))?;
+        }
         if let Some(id) = &self.host_id {
             blkwire_auth::keys::check_host_id(id).map_err(|e| format!("--host-id: {e}"))?;
             opts.host_id = id.clone();
@@ -367,6 +372,7 @@ pub(crate) fn refusal_reason(p: &[u8]) -> Option<&str> {
 /// is ignored). On TCP, and on UDP with a key, this is an authenticated query (PROTOCOL.md
 /// §12.3); otherwise a discovery LIST (§9.5).
 pub fn list(url: &Url, opts: &ConnectOptions) -> Result<Vec<ExportEntry>> {
+    check_protection(url, opts)?;
     let wait = opts.timeout.min(Duration::from_secs(2));
     let first = |found: Vec<Discovered>| {
         found
@@ -393,6 +399,7 @@ pub fn list(url: &Url, opts: &ConnectOptions) -> Result<Vec<ExportEntry>> {
 /// Fetches the target's live per-queue counters as the JSON document of PROTOCOL.md §11 (an
 /// authenticated query, §12.3: on a target with keys only `--admin` hosts may).
 pub fn stats(url: &Url, opts: &ConnectOptions) -> Result<String> {
+    check_protection(url, opts)?;
     let p = query(url, opts, QUERY_STATS)?;
     String::from_utf8(p).map_err(|_| Error::Protocol("stats reply is not UTF-8".into()))
 }
@@ -464,8 +471,28 @@ fn no_answer(url: &Url, e: Error) -> Error {
     }
 }
 
+/// Refuses protection asked for on a transport that cannot give it, so that traffic the user
+/// asked to protect never leaves unprotected: TLS is for streams (`tcp://`), sealing with
+/// `--encrypt` for datagrams (`udp://`, `eth://`, PROTOCOL.md §12.4).
+fn check_protection(url: &Url, opts: &ConnectOptions) -> Result<()> {
+    let datagram = matches!(url.transport, Transport::Udp | Transport::Eth { .. });
+    if datagram && (opts.tls || opts.tls_ca.is_some()) {
+        return Err(Error::Usage(format!(
+            "{url}: --tls is for tcp:// only; udp:// and eth:// are protected by --key FILE \
+             (add --encrypt to encrypt too)"
+        )));
+    }
+    if url.transport == Transport::Tcp && (opts.encrypt || url.encrypt) {
+        return Err(Error::Usage(format!(
+            "{url}: --encrypt (?encrypt=1) is for udp:// and eth:// only; over tcp:// use --tls"
+        )));
+    }
+    Ok(())
+}
+
 /// Opens a session on `url`'s export with as many queues as the target grants.
 pub fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
+    check_protection(url, opts)?;
     if url.encrypt && !opts.encrypt {
         if opts.key.is_none() {
             return Err(Error::Usage(format!(

@@ -263,7 +263,7 @@ const METHODS: &[Method] = &[
     },
     Method {
         name: "export_resize",
-        about: "{name, size}: grow an export (bytes or \"2G\"; file: and null: only); open sessions keep their size, new ones get the new size",
+        about: "{name, size}: grow an export (bytes or \"2G\"; file:, null: and rbd: only); open sessions keep their size, new ones get the new size",
         run: export_resize,
     },
     Method {

@@ -514,47 +514,50 @@ enum ListenerKind {
     Iscsi,
 }
 
-/// Parses `tcp://ADDR:PORT`, `nbd://ADDR[:PORT]` (NBD's port defaults to 10809) or
-/// `nvme-tcp://ADDR[:PORT]` (4420) or `iscsi://ADDR[:PORT]` (3260).
+/// Parses `tcp://ADDR[:PORT]` (7700 by default, the port initiators assume), `nbd://ADDR[:PORT]`
+/// (10809), `nvme-tcp://ADDR[:PORT]` (4420) or `iscsi://ADDR[:PORT]` (3260).
 fn parse_listen(url: &str) -> Result<(ListenerKind, Vec<SocketAddr>), String> {
-    let help = "expected tcp://ADDR:PORT, nbd://ADDR[:PORT], nvme-tcp://ADDR[:PORT] or iscsi://ADDR[:PORT], e.g. tcp://0.0.0.0:7700, nbd://0.0.0.0:10809, nvme-tcp://0.0.0.0:4420, iscsi://0.0.0.0:3260, tcp://[::1]:7700";
-    let (frontend, rest) = match url.split_once("://") {
-        Some(("tcp", rest)) => (ListenerKind::Native, rest.to_string()),
-        Some((scheme @ ("nbd" | "nvme-tcp" | "iscsi"), rest)) => {
-            let rest = rest.trim_end_matches('/');
-            // Add the default port unless one is given ("[v6]:p", "host:p").
-            let has_port = match rest.rsplit_once(':') {
-                Some((h, p)) => {
-                    !p.is_empty()
-                        && p.bytes().all(|b| b.is_ascii_digit())
-                        && (!h.contains(':') || h.ends_with(']'))
-                }
-                None => false,
-            };
-            let (kind, port) = match scheme {
-                "nbd" => (ListenerKind::Nbd, 10809),
-                "iscsi" => (ListenerKind::Iscsi, blkwire_wire::iscsi::DEFAULT_PORT),
-                _ => (ListenerKind::NvmeTcp, 4420),
-            };
-            (
-                kind,
-                if has_port {
-                    rest.to_string()
-                } else {
-                    format!("{rest}:{port}")
-                },
-            )
-        }
+    let help = "expected tcp://ADDR[:PORT], nbd://ADDR[:PORT], nvme-tcp://ADDR[:PORT], \
+                iscsi://ADDR[:PORT], udp://ADDR[:PORT] or eth://IFACE, e.g. tcp://0.0.0.0:7700, \
+                nbd://0.0.0.0, tcp://[::1]:7700";
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Err(format!("bad listen address '{url}': {help}"));
+    };
+    let (kind, port) = match scheme {
+        "tcp" => (ListenerKind::Native, 7700),
+        "nbd" => (ListenerKind::Nbd, 10809),
+        "nvme-tcp" => (ListenerKind::NvmeTcp, 4420),
+        "iscsi" => (ListenerKind::Iscsi, blkwire_wire::iscsi::DEFAULT_PORT),
         _ => return Err(format!("bad listen address '{url}': {help}")),
     };
     let rest = rest.trim_end_matches('/');
-    let addrs = rest
+    if rest.is_empty() {
+        return Err(format!("bad listen address '{url}': no address; {help}"));
+    }
+    // Add the default port unless one is given ("[v6]:p", "host:p").
+    let has_port = match rest.rsplit_once(':') {
+        Some((h, p)) => {
+            !p.is_empty()
+                && p.bytes().all(|b| b.is_ascii_digit())
+                && (!h.contains(':') || h.ends_with(']'))
+        }
+        None => false,
+    };
+    let addr = if has_port {
+        rest.to_string()
+    } else {
+        format!("{rest}:{port}")
+    };
+    let addrs = addr
         .to_socket_addrs()
-        .map(|a| a.collect::<Vec<_>>())
-        .ok()
-        .filter(|a| !a.is_empty())
-        .ok_or_else(|| format!("bad listen address '{url}': {help}"))?;
-    Ok((frontend, addrs))
+        .map_err(|e| format!("listen address '{url}': cannot resolve {addr}: {e}"))?
+        .collect::<Vec<_>>();
+    if addrs.is_empty() {
+        return Err(format!(
+            "listen address '{url}': {addr} resolves to no address"
+        ));
+    }
+    Ok((kind, addrs))
 }
 
 impl Target {
@@ -687,7 +690,7 @@ impl Target {
             ));
         }
         if sh.lock_listeners().list.is_empty() {
-            return Err(Error::Config("nothing to listen on: add --listen tcp://ADDR:PORT (or nbd://, udp://, eth://IFACE)".into()));
+            return Err(Error::Config("nothing to listen on: add --listen tcp://ADDR[:PORT] (or nbd://, udp://, eth://IFACE)".into()));
         }
         Ok(())
     }

@@ -45,11 +45,18 @@ pub fn parse(url: &str) -> Option<Result<DgramListen, String>> {
             } else {
                 rest.to_string()
             };
+            if rest.is_empty() {
+                return Err(format!(
+                    "bad listen address '{url}': expected udp://ADDR[:PORT], e.g. udp://0.0.0.0:7701"
+                ));
+            }
             let a = with_port
                 .to_socket_addrs()
-                .ok()
-                .and_then(|mut a| a.next())
-                .ok_or_else(|| format!("bad listen address '{url}': expected udp://ADDR[:PORT], e.g. udp://0.0.0.0:7701"))?;
+                .map_err(|e| format!("listen address '{url}': cannot resolve {with_port}: {e}"))?
+                .next()
+                .ok_or_else(|| {
+                    format!("listen address '{url}': {with_port} resolves to no address")
+                })?;
             Ok(DgramListen::Udp(a))
         })()),
         "eth" => Some((|| {

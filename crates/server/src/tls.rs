@@ -158,6 +158,12 @@ impl Tls {
         b.set_num_tickets(0)
             .map_err(|e| ssl_err("cannot set up TLS", e))?;
         if let (Some(cert), Some(key)) = (&s.cert, &s.key) {
+            // OpenSSL says only "system lib" for a file it cannot open: name the cause first.
+            for (flag, path) in [("--tls-cert", cert), ("--tls-key", key)] {
+                std::fs::File::open(path).map_err(|e| {
+                    Error::Config(format!("{flag} {}: cannot read it: {e}", path.display()))
+                })?;
+            }
             b.set_certificate_chain_file(cert).map_err(|e| {
                 ssl_err(
                     &format!("--tls-cert {}: not a PEM certificate", cert.display()),
