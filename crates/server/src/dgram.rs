@@ -195,6 +195,14 @@ fn classify(state: SlotState, held: &Header, h: &Header) -> Verdict {
     }
 }
 
+/// The part of a READ's `HAVE` payload that can mean something: one bit per fragment of a
+/// message of `length` bytes (§9.3), at most 32 bytes. The rest is never kept, so a peer cannot
+/// make a slot hold a frame's worth of bitmap.
+fn have_bitmap(payload: &[u8], length: u32, frame_payload: u32) -> &[u8] {
+    let n = bitmap::bytes_for(fragment_count(length, frame_payload));
+    &payload[..payload.len().min(n)]
+}
+
 /// Port-level counters: frames that never reached a queue.
 #[derive(Default, Clone, Copy, Debug, serde::Serialize)]
 pub struct PortStats {
@@ -284,6 +292,8 @@ pub struct DgramPort {
     fixed: usize,
     /// Where an encrypted frame's payload is decrypted (one frame at a time).
     scratch: Vec<u8>,
+    /// The datagram being handled already drew an ACCESS for an unknown session.
+    refused_in_datagram: bool,
     /// Completion notifiers of queues whose backend completes on its own threads, to be watched
     /// (`Some`) or no longer (`None`) by the reactor: (queue, incarnation, descriptor).
     notifier_changes: Vec<(usize, u32, Option<RawFd>)>,
@@ -321,6 +331,7 @@ impl DgramPort {
             copying: 0,
             fixed,
             scratch: vec![0u8; frame],
+            refused_in_datagram: false,
             fd: p.fd,
             listener,
             retiring: false,
@@ -543,6 +554,16 @@ impl DgramPort {
 
     /// A header-only answer to a frame of queue `qi`.
     fn reply_queue(&mut self, qi: usize, req: &Header, status: Status) {
+        if !matches!(
+            req.opcode,
+            Opcode::Join | Opcode::Keepalive | Opcode::Logout
+        ) {
+            // A request refused without running is still a reply, and an error (as counted
+            // by `finish_read` for those that ran).
+            let stats = &mut self.queues[qi].as_mut().expect("present").exec.stats;
+            stats.frames_out += 1;
+            stats.errors += (status != Status::Ok) as u64;
+        }
         let mut r = req.reply(status, 0);
         r.credit = self.queue_credit(qi);
         self.send_queue(qi, r, &[]);
@@ -645,9 +666,15 @@ impl DgramPort {
     /// One received datagram: every frame packed in it (PROTOCOL.md §9.6), each with a valid
     /// CRC or a seal.
     fn on_datagram(&mut self, b: &[u8], peer: Peer, sq: &mut dyn Submitter, ud: UserData) {
+        self.refused_in_datagram = false;
         for f in datagram::frames(b, self.link_payload.max(4096)) {
             match f {
                 Ok(f) if f.header.is_reply() => self.stats.bad_frames += 1,
+                // Session-0 frames travel alone (§9.6): packed, each would draw its own answer
+                // to an address that answered no challenge, more than the datagram (§12.5).
+                Ok(f) if f.header.session == 0 && f.raw.len() != b.len() => {
+                    self.stats.bad_frames += 1
+                }
                 Ok(f) => self.on_frame(f, b.len(), peer, sq, ud),
                 Err(_) => self.stats.bad_frames += 1,
             }
@@ -675,8 +702,12 @@ impl DgramPort {
                 return self.join(&h, f, peer);
             }
             self.stats.unknown_session += 1;
-            // Tell the initiator at once instead of letting it time out.
-            return self.reply(&h, Status::Access, peer);
+            // Tell the initiator at once instead of letting it time out; once per datagram,
+            // so that packed frames from a forged address draw one small answer, not one each.
+            if !std::mem::replace(&mut self.refused_in_datagram, true) {
+                self.reply(&h, Status::Access, peer);
+            }
+            return;
         };
         let q = self.queues[qi].as_mut().expect("indexed queue exists");
         if q.peer != peer {
@@ -727,7 +758,7 @@ impl DgramPort {
             }
             Opcode::Logout => {
                 self.reply_queue(qi, h, Status::Ok);
-                self.remove(qi);
+                self.close_queue(qi);
             }
             Opcode::Hello | Opcode::List | Opcode::Stats => {
                 self.reply_queue(qi, h, Status::Invalid)
@@ -918,16 +949,33 @@ impl DgramPort {
         self.index.insert((adm.session, adm.queue), idx);
     }
 
+    /// Ends a queue: from now on its frames are answered as for an unknown session, and it
+    /// goes as soon as no backend I/O of its own runs (at once, or when the last completes).
+    fn close_queue(&mut self, qi: usize) {
+        if let Some(q) = self.queues[qi].as_mut() {
+            q.closing = true;
+            self.index.remove(&(q.session, q.queue));
+            self.remove(qi);
+        }
+    }
+
     fn remove(&mut self, qi: usize) {
         if self.tx.lends() {
             // Replies waiting to be sent may point at the queue's export (`finish_read`).
             self.flush();
         }
-        if let Some(q) = self.queues[qi].take() {
+        if let Some(mut q) = self.queues[qi].take() {
             if q.slots.iter().any(|s| s.is_running()) {
                 // Backend I/O still owns slot buffers: keep the queue until it completes.
                 self.queues[qi] = Some(q);
                 return;
+            }
+            // A WRITE still assembling (or refused) holds its buffer in the slot: back to the
+            // pool, which counts it, or the port would charge it to the budget for ever.
+            for s in &mut q.slots {
+                if let Some(b) = s.buf.take() {
+                    self.bufs.give_back(b);
+                }
             }
             self.index.remove(&(q.session, q.queue));
             self.closed.add(&q.exec.export().name, &q.exec.stats);
@@ -1001,12 +1049,17 @@ impl DgramPort {
         let verdict = classify(q.slots[slot as usize].state, &q.slots[slot as usize].hdr, h);
         // A request that needs a data buffer (or, a new COPY, a bounce buffer while it runs:
         // PROTOCOL.md §13) the memory budget cannot cover now is dropped before it changes the
-        // slot, like a lost frame: the initiator retransmits it.
-        let len = h.length as usize;
+        // slot, like a lost frame: the initiator retransmits it. A repeated READ runs with the
+        // length it was taken with, whatever the repeat's header says.
+        let length = match verdict {
+            Verdict::Reread => q.slots[slot as usize].hdr.length,
+            _ => h.length,
+        };
+        let len = length as usize;
         let fresh = matches!(verdict, Verdict::Reread | Verdict::New);
         let needs = match h.opcode {
             Opcode::Read | Opcode::Write
-                if fresh && h.length <= q.max_io && !self.bufs.has_spare(len) =>
+                if fresh && length <= q.max_io && !self.bufs.has_spare(len) =>
             {
                 len
             }
@@ -1027,7 +1080,11 @@ impl DgramPort {
                 // Reads may run again; send only what the initiator lacks.
                 s.client_has.clear();
                 if h.flags.has(Flags::HAVE) {
-                    s.client_has.extend_from_slice(payload);
+                    s.client_has.extend_from_slice(have_bitmap(
+                        payload,
+                        length.min(q.max_io),
+                        q.fp,
+                    ));
                 }
                 return self.execute(qi, slot, sq, ud);
             }
@@ -1083,7 +1140,8 @@ impl DgramPort {
             return self.start_copy(qi, slot, payload, sq, ud);
         }
         if h.flags.has(Flags::HAVE) {
-            s.client_has.extend_from_slice(payload);
+            s.client_has
+                .extend_from_slice(have_bitmap(payload, h.length.min(q.max_io), q.fp));
         }
         self.execute(qi, slot, sq, ud);
     }
@@ -1422,9 +1480,7 @@ impl DgramPort {
                 continue;
             };
             if self.retiring || sessions.contains(&q.session) {
-                q.closing = true;
-                self.index.remove(&(q.session, q.queue));
-                self.remove(qi);
+                self.close_queue(qi);
             }
         }
     }
@@ -1464,6 +1520,200 @@ impl DgramPort {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fuzzing::DatagramPort;
+    use blkwire_wire::{AuthBlock, AuthMethod, Hello, HelloReply};
+    use std::net::UdpSocket;
+
+    const LINK: u32 = 8192;
+
+    /// A frame with its CRC, as an initiator sends it.
+    fn frame(mut h: Header, payload: &[u8]) -> Vec<u8> {
+        h.payload_len = payload.len() as u32;
+        h.seal_crc(payload);
+        let mut v = h.to_bytes().to_vec();
+        v.extend_from_slice(payload);
+        v
+    }
+
+    /// Every frame the port sent `peer` (waiting for the first when `wait`), with its payload.
+    fn answers(peer: &UdpSocket, wait: bool) -> Vec<(Header, Vec<u8>)> {
+        let mut buf = vec![0u8; 65536];
+        let mut out = Vec::new();
+        peer.set_nonblocking(!wait).unwrap();
+        peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        while let Ok(n) = peer.recv(&mut buf) {
+            peer.set_nonblocking(true).unwrap();
+            for f in datagram::frames(&buf[..n], LINK) {
+                let f = f.expect("a valid frame");
+                out.push((f.header, f.payload.to_vec()));
+            }
+        }
+        out
+    }
+
+    /// A port serving export `a` (`a=mem:1M` unless given), and a session of one 8-slot queue
+    /// on it from a new peer.
+    fn session() -> (DatagramPort, UdpSocket, u32) {
+        session_on("a=mem:1M")
+    }
+
+    fn session_on(export: &str) -> (DatagramPort, UdpSocket, u32) {
+        let mut port = DatagramPort::new(&[export], LINK).unwrap();
+        let peer = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let mut hello = Hello {
+            queues: 1,
+            depth: 8,
+            max_io: 64 << 10,
+            client_features: 0,
+            frame_payload: LINK,
+            nonce: 1,
+            host_id: "test".into(),
+            export: "a".into(),
+            auth: AuthBlock::first(AuthMethod::None, false, [7; 32]),
+        };
+        for round in 1..=3 {
+            let h = Header::request(Opcode::Hello, Tag::new(0, round), 0, 0);
+            port.receive(
+                &frame(h, &hello.encode().unwrap()),
+                peer.local_addr().unwrap(),
+            );
+            for (r, p) in answers(&peer, true) {
+                match r.status {
+                    Status::Challenge => hello.auth.nonce_s = p.as_slice().try_into().unwrap(),
+                    Status::Ok => {
+                        return (port, peer, HelloReply::decode(&p).unwrap().session);
+                    }
+                    other => panic!("HELLO refused: {other:?}"),
+                }
+            }
+        }
+        panic!("no session");
+    }
+
+    fn request(session: u32, op: Opcode, slot: u16, gen: u16, offset: u64, len: u32) -> Header {
+        let mut h = Header::request(op, Tag::new(slot, gen), offset, len);
+        h.session = session;
+        h
+    }
+
+    /// A queue that goes (LOGOUT, or idle expiry) while WRITEs were half assembled gives
+    /// their buffers back: the port's charge returns to its fixed buffers, not for ever a
+    /// little higher per dropped queue.
+    #[test]
+    fn a_queue_that_goes_mid_write_gives_its_buffers_back() {
+        let (mut dp, peer, session) = session();
+        let from = peer.local_addr().unwrap();
+        let fixed = dp.port.held();
+        for slot in 0..8 {
+            let mut h = request(session, Opcode::Write, slot, 1, 0, 2 * LINK);
+            h.frag_count = 2;
+            dp.receive(&frame(h, &vec![1u8; LINK as usize]), from);
+        }
+        assert!(
+            dp.port.held() >= fixed + 16 * LINK as usize,
+            "eight buffers taken"
+        );
+        answers(&peer, false);
+        dp.receive(
+            &frame(request(session, Opcode::Logout, 0, 2, 0, 0), &[]),
+            from,
+        );
+        assert!(dp.port.index.is_empty(), "the queue is gone");
+        // Spares are kept while the port is busy; an idle port frees them.
+        dp.port.active = 0;
+        dp.port.last_sweep = Instant::now() - Duration::from_secs(2);
+        dp.port.sweep();
+        assert_eq!(dp.port.held(), fixed);
+    }
+
+    /// A READ's HAVE bitmap keeps one bit per fragment of the message, not whatever payload the
+    /// frame carried.
+    #[test]
+    fn a_have_bitmap_keeps_only_bits_for_real_fragments() {
+        let (mut dp, peer, session) = session();
+        let from = peer.local_addr().unwrap();
+        for (len, keep) in [(0u32, 1usize), (4096, 1), (64 << 10, 1), (1 << 30, 1)] {
+            let mut h = request(session, Opcode::Read, 1, len as u16 + 1, 0, len);
+            h.flags.0 |= Flags::HAVE;
+            dp.receive(&frame(h, &[0xff; 4096]), from);
+            let q = dp.port.queues[0].as_ref().unwrap();
+            assert!(
+                q.slots[1].client_has.capacity() <= 64 && q.slots[1].client_has.len() <= keep,
+                "length {len}: kept {} bytes",
+                q.slots[1].client_has.len()
+            );
+        }
+        answers(&peer, false);
+    }
+
+    /// A request refused before it runs is a reply and an error in the queue's counters.
+    #[test]
+    fn refused_requests_are_counted() {
+        let (mut dp, peer, session) = session();
+        let from = peer.local_addr().unwrap();
+        dp.receive(
+            &frame(request(session, Opcode::Read, 9, 1, 0, 512), &[]),
+            from,
+        );
+        assert_eq!(answers(&peer, true)[0].0.status, Status::Invalid);
+        let stats = dp.port.queues[0].as_ref().unwrap().exec.stats;
+        assert_eq!((stats.frames_out, stats.errors), (1, 1));
+    }
+
+    /// Frames that need no session travel alone: packed, they are dropped unanswered.
+    /// Frames for an unknown session draw one ACCESS per datagram however many are packed.
+    #[test]
+    fn packed_control_and_unknown_session_frames_draw_at_most_one_answer() {
+        let mut dp = DatagramPort::new(&["a=mem:1M"], LINK).unwrap();
+        let peer = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let from = peer.local_addr().unwrap();
+        let list = frame(request(0, Opcode::List, 0, 0, 0, 0), &[0; 512]);
+        dp.receive(&list, from);
+        assert_eq!(answers(&peer, true).len(), 1, "a LIST alone is answered");
+        let packed: Vec<u8> = (0..8).flat_map(|_| list.clone()).collect();
+        dp.receive(&packed, from);
+        assert!(answers(&peer, false).is_empty(), "packed LISTs are not");
+        let unknown: Vec<u8> = (0..8)
+            .flat_map(|i| frame(request(77, Opcode::Read, i, 1, 0, 512), &[]))
+            .collect();
+        dp.receive(&unknown, from);
+        let got = answers(&peer, true);
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(got[0].0.status, Status::Access);
+    }
+
+    /// LOGOUT ends the queue at once, even with backend I/O still running (a `file:` READ
+    /// whose io_uring entry this harness never completes): later frames of the session are
+    /// answered as for an unknown session, and the queue goes when its I/O is done.
+    #[test]
+    fn a_logout_ends_the_queue_even_with_io_running() {
+        let path = std::env::temp_dir().join(format!("blkwire-logout-{}", std::process::id()));
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let (mut dp, peer, session) = session_on(&format!("a=file:{}", path.display()));
+        std::fs::remove_file(&path).unwrap();
+        let from = peer.local_addr().unwrap();
+        dp.receive(
+            &frame(request(session, Opcode::Read, 1, 1, 0, 512), &[]),
+            from,
+        );
+        assert_eq!(dp.entries_pushed(), 1, "the READ runs in the backend");
+        dp.receive(
+            &frame(request(session, Opcode::Logout, 0, 1, 0, 0), &[]),
+            from,
+        );
+        assert_eq!(answers(&peer, true)[0].0.status, Status::Ok);
+        dp.receive(
+            &frame(request(session, Opcode::Read, 2, 1, 0, 512), &[]),
+            from,
+        );
+        let got = answers(&peer, true);
+        assert_eq!(got[0].0.status, Status::Access, "{got:?}");
+        assert_eq!(dp.entries_pushed(), 1, "nothing more ran");
+        assert!(dp.port.queues[0].as_ref().is_some_and(|q| q.closing));
+    }
 
     fn hdr(op: Opcode, gen: u16) -> Header {
         Header::request(op, Tag::new(3, gen), 0, 4096)

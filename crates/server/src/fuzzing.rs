@@ -17,7 +17,7 @@ use crate::session::{Limits, Registry};
 
 /// A UDP datagram port on 127.0.0.1 serving RAM exports, fed datagrams by the caller.
 pub struct DatagramPort {
-    port: DgramPort,
+    pub(crate) port: DgramPort,
     pushed: usize,
 }
 

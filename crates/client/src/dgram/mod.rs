@@ -483,7 +483,8 @@ impl DgramQueue {
                     }
                 },
                 (Some(_), false) if f.header.status == Status::Access && f.payload.is_empty() => {
-                    f.payload
+                    self.on_bare_access(&f.header);
+                    continue;
                 }
                 _ => {
                     self.stats.bad_seals += 1;
@@ -493,6 +494,29 @@ impl DgramQueue {
             self.on_frame(&f.header, payload);
         }
         self.scratch = scratch;
+    }
+
+    /// An unsealed ACCESS in a sealed session (PROTOCOL.md §12.4): the target restarted or
+    /// forgot the session. All it may cause is a new handshake, and only when it answers
+    /// something this queue sent (a request in flight or a recent keepalive, by tag): anyone
+    /// can forge it, so it never moves the credit, the counters a probe compares, or a slot.
+    fn on_bare_access(&mut self, h: &Header) {
+        let (slot, generation) = (h.tag.slot(), h.tag.generation());
+        let ours = h.is_reply()
+            && h.session == self.session
+            && h.queue == self.index
+            && if slot == KEEPALIVE_SLOT && h.opcode == Opcode::Keepalive {
+                self.keepalive_gen.wrapping_sub(generation) < PROBES_KEPT as u16
+            } else {
+                self.slots.get(slot as usize).is_some_and(|s| {
+                    s.state == State::InFlight && s.generation == generation && s.opcode == h.opcode
+                })
+            };
+        if ours {
+            self.session_lost = true;
+        } else {
+            self.stats.late_replies += 1;
+        }
     }
 
     fn on_frame(&mut self, h: &Header, payload: &[u8]) {
@@ -1270,6 +1294,66 @@ mod tests {
                 2,
                 "both forgeries counted (encrypt={encrypt})"
             );
+        }
+    }
+
+    /// An unsealed ACCESS in a sealed session may only start a new handshake, and only when
+    /// its tag answers a request in flight: a forgery with another tag (anyone who learned the
+    /// session id can send one) moves neither the window nor the probe counters.
+    #[test]
+    fn a_forged_bare_access_moves_nothing_but_a_matching_one_ends_the_session() {
+        use blkwire_auth::seal::{Opener, Sealer};
+        let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let link = udp_link(target.local_addr().unwrap()).unwrap();
+        let keys = QueueKeys {
+            sealer: Sealer::new(&[1u8; 32], false),
+            opener: Opener::new(&[2u8; 32], false),
+        };
+        let mut q = test_queue(link, grant(4, 4096, 8192), Some(keys));
+        q.submit(
+            Cmd::Read {
+                offset: 0,
+                len: 512,
+            },
+            1,
+        )
+        .unwrap();
+        q.send().unwrap();
+        let mut buf = vec![0u8; 65536];
+        target
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let (n, from) = target.recv_from(&mut buf).unwrap();
+        let h = datagram::frames(&buf[..n], 65536)
+            .next()
+            .unwrap()
+            .unwrap()
+            .header;
+        let (window, accepted) = (q.cc.window(), q.accepted_in);
+        let bare = |tag: Tag| {
+            let mut r = Header { tag, ..h }.reply(Status::Access, 0);
+            r.flags.0 &= !Flags::SEALED;
+            r.credit = 1;
+            r.seal_crc(&[]);
+            r.to_bytes()
+        };
+        let other = Tag::new(h.tag.slot(), h.tag.generation().wrapping_add(7));
+        target.send_to(&bare(other), from).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while q.stats().late_replies == 0 && Instant::now() < deadline {
+            q.poll(|_| panic!("nothing is answered")).unwrap();
+        }
+        assert_eq!(q.stats().late_replies, 1, "the forgery is counted as late");
+        assert_eq!((q.cc.window(), q.accepted_in), (window, accepted));
+        assert!(!q.session_lost);
+        target.send_to(&bare(h.tag), from).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match q.poll(|_| panic!("nothing is answered")) {
+                Err(Error::SessionLost) => break,
+                Ok(_) => assert!(Instant::now() < deadline, "the matching ACCESS was ignored"),
+                Err(e) => panic!("{e}"),
+            }
         }
     }
 }
