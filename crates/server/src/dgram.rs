@@ -39,6 +39,10 @@ const BATCH: usize = 32;
 const LEND_READ_MIN: u32 = 64 << 10;
 /// HELLO replies kept for retransmitted HELLOs, per port.
 const MAX_CACHED_HELLOS: usize = 4096;
+/// Times one HELLO (peer and nonce) is answered; its repeats past that are dropped. A cached
+/// answer lives as long as a challenge is good (`IDLE_EXPIRY` >= the challenge's 60 s), so a
+/// replayed final HELLO cannot be answered afresh once its repeats run out.
+const HELLO_ANSWERS: u8 = 8;
 /// A session with no frame for this long is forgotten (PROTOCOL.md §9.1); the default of
 /// `Limits::datagram_idle`.
 pub const IDLE_EXPIRY: Duration = Duration::from_secs(60);
@@ -253,7 +257,7 @@ pub struct DgramPort {
     free: Vec<usize>,
     index: HashMap<(u32, u16), usize>,
     /// HELLO replies by (peer, nonce), so a retransmitted HELLO gets the same session.
-    hellos: HashMap<(Peer, u64), (Instant, Vec<u8>)>,
+    hellos: HashMap<(Peer, u64), (Instant, Vec<u8>, u8)>,
     next_incarnation: u32,
     rx: Vec<Vec<u8>>,
     /// Replies packed into datagrams (PROTOCOL.md §9.6), sent with one sendmmsg.
@@ -810,7 +814,14 @@ impl DgramPort {
                     return self.reply(h, Status::Unsupported, peer);
                 }
                 let now = Instant::now();
-                if let Some((_, cached)) = self.hellos.get(&(peer, hello.nonce)) {
+                if let Some((_, cached, sent)) = self.hellos.get_mut(&(peer, hello.nonce)) {
+                    // Answered a few times at most: the final HELLO of an exchange someone on
+                    // the path saw can be replayed from the victim's address, and a query's
+                    // answer is far larger than the HELLO (§12.5).
+                    if *sent >= HELLO_ANSWERS {
+                        return;
+                    }
+                    *sent += 1;
                     let cached = cached.clone();
                     let mut r = h.reply(Status::Ok, 0);
                     r.credit = self.credit();
@@ -836,13 +847,13 @@ impl DgramPort {
                             let oldest = self
                                 .hellos
                                 .iter()
-                                .min_by_key(|(_, (t, _))| *t)
+                                .min_by_key(|(_, (t, _, _))| *t)
                                 .map(|(k, _)| *k);
                             if let Some(k) = oldest {
                                 self.hellos.remove(&k);
                             }
                         }
-                        self.hellos.insert((peer, hello.nonce), (now, p.clone()));
+                        self.hellos.insert((peer, hello.nonce), (now, p.clone(), 1));
                         let mut r = h.reply(Status::Ok, 0);
                         r.credit = self.credit();
                         if let Some(adm) = adm {
@@ -995,7 +1006,7 @@ impl DgramPort {
         }
         self.last_sweep = now;
         self.hellos
-            .retain(|_, (t, _)| now.duration_since(*t) < IDLE_EXPIRY);
+            .retain(|_, (t, _, _)| now.duration_since(*t) < IDLE_EXPIRY);
         // Spare buffers go back to the budget when no queue has been busy for a while, and
         // what the pool freed is given back too.
         if self.active == 0 {
@@ -1644,6 +1655,43 @@ mod tests {
             );
         }
         answers(&peer, false);
+    }
+
+    /// A HELLO repeated with its nonce gets the cached answer, a few times only: the final
+    /// HELLO of an exchange replayed from its sender's address (by someone who saw it) stops
+    /// drawing answers, and no second session is opened.
+    #[test]
+    fn a_replayed_hello_is_answered_a_bounded_number_of_times() {
+        let mut dp = DatagramPort::new(&["a=mem:1M"], LINK).unwrap();
+        let peer = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let from = peer.local_addr().unwrap();
+        let mut hello = Hello {
+            queues: 1,
+            depth: 8,
+            max_io: 64 << 10,
+            client_features: 0,
+            frame_payload: LINK,
+            nonce: 9,
+            host_id: "test".into(),
+            export: "a".into(),
+            auth: AuthBlock::first(AuthMethod::None, false, [7; 32]),
+        };
+        let h = Header::request(Opcode::Hello, Tag::new(0, 1), 0, 0);
+        dp.receive(&frame(h, &hello.encode().unwrap()), from);
+        let got = answers(&peer, true);
+        assert_eq!(got[0].0.status, Status::Challenge);
+        hello.auth.nonce_s = got[0].1.as_slice().try_into().unwrap();
+        let last = frame(h, &hello.encode().unwrap());
+        let mut welcomed = 0;
+        for _ in 0..3 * HELLO_ANSWERS {
+            dp.receive(&last, from);
+            welcomed += answers(&peer, false)
+                .iter()
+                .filter(|(r, _)| r.status == Status::Ok)
+                .count();
+        }
+        assert_eq!(welcomed, HELLO_ANSWERS as usize);
+        assert_eq!(dp.port.index.len(), 1, "one session, one queue");
     }
 
     /// A request refused before it runs is a reply and an error in the queue's counters.
