@@ -878,7 +878,7 @@ impl DgramPort {
         let id = peer.id();
         match self
             .registry
-            .join(h.session, h.queue, f.payload, Some(&id), raw)
+            .join(h.session, h.queue, f.payload, &id, true, raw)
         {
             Ok(adm) => {
                 let fp = self
@@ -1569,10 +1569,16 @@ mod tests {
     }
 
     fn session_on(export: &str) -> (DatagramPort, UdpSocket, u32) {
+        let (port, peer, reply) = session_of(export, 1);
+        (port, peer, reply.session)
+    }
+
+    /// As `session_on`, with `queues` queues asked for: the whole HELLO reply.
+    fn session_of(export: &str, queues: u16) -> (DatagramPort, UdpSocket, HelloReply) {
         let mut port = DatagramPort::new(&[export], LINK).unwrap();
         let peer = UdpSocket::bind("127.0.0.1:0").unwrap();
         let mut hello = Hello {
-            queues: 1,
+            queues,
             depth: 8,
             max_io: 64 << 10,
             client_features: 0,
@@ -1591,9 +1597,7 @@ mod tests {
             for (r, p) in answers(&peer, true) {
                 match r.status {
                     Status::Challenge => hello.auth.nonce_s = p.as_slice().try_into().unwrap(),
-                    Status::Ok => {
-                        return (port, peer, HelloReply::decode(&p).unwrap().session);
-                    }
+                    Status::Ok => return (port, peer, HelloReply::decode(&p).unwrap()),
                     other => panic!("HELLO refused: {other:?}"),
                 }
             }
@@ -1692,6 +1696,31 @@ mod tests {
         }
         assert_eq!(welcomed, HELLO_ANSWERS as usize);
         assert_eq!(dp.port.index.len(), 1, "one session, one queue");
+    }
+
+    /// A JOIN must come from an address the export's rules admit, as the HELLO did: in a
+    /// keyless session the cookie travels in clear, and must not let in whoever saw it.
+    #[test]
+    fn a_join_from_an_address_the_rules_keep_out_is_refused() {
+        let (mut dp, _peer, reply) = session_of("a=mem:1M,allow=127.0.0.1/32", 2);
+        assert_eq!(reply.queues, 2);
+        let mut join = request(reply.session, Opcode::Join, 0, 0, 0, 0);
+        join.queue = 1;
+        let payload = blkwire_wire::Join {
+            cookie: reply.cookie,
+            proof: [0; blkwire_wire::AUTH_LEN],
+            nonce_s: [0; blkwire_wire::AUTH_LEN],
+        }
+        .encode();
+        // 127.0.0.2 is loopback too, but not in the export's rules.
+        let outsider = UdpSocket::bind("127.0.0.2:0").unwrap();
+        dp.receive(&frame(join, &payload), outsider.local_addr().unwrap());
+        let got = answers(&outsider, true);
+        assert_eq!(got[0].0.status, Status::Access, "{got:?}");
+        // From an admitted address the same JOIN goes on to its address challenge.
+        let insider = UdpSocket::bind("127.0.0.1:0").unwrap();
+        dp.receive(&frame(join, &payload), insider.local_addr().unwrap());
+        assert_eq!(answers(&insider, true)[0].0.status, Status::Challenge);
     }
 
     /// A request refused before it runs is a reply and an error in the queue's counters.

@@ -1387,7 +1387,7 @@ fn native_handshake(
             }
             Opcode::Join => {
                 // A TCP connection has proven its address already: no challenge.
-                return match registry.join(h.session, h.queue, &payload, None, None) {
+                return match registry.join(h.session, h.queue, &payload, &id, false, None) {
                     Ok(adm) => {
                         if send(s, &h, Status::Ok, &[]).is_err() {
                             registry.leave(adm.session, adm.queue, &QueueStats::default());

@@ -703,22 +703,38 @@ impl Registry {
         self.lock().sessions.get(&session).map(|s| s.frame_payload)
     }
 
-    /// Admits a JOIN (PROTOCOL.md §2.3, §12.1, §12.2). On datagrams (`datagram: Some(peer)`)
-    /// the joiner must also have answered a challenge at its address (else `Err(Challenge)`
-    /// with the nonce to send), and a sealed session's queue gets its frame keys; `raw`, when
-    /// given, is the JOIN frame itself, which must open under the new queue's key first.
+    /// Admits a JOIN (PROTOCOL.md §2.3, §12.1, §12.2) from `peer`, whom the export's rules
+    /// must admit as they admitted the HELLO (a keyless session's cookie travels in clear: it
+    /// must not let in an address the rules keep out). On datagrams (`datagram`) the joiner
+    /// must also have answered a challenge at its address (else `Err(Challenge)` with the
+    /// nonce to send), and a sealed session's queue gets its frame keys; `raw`, when given, is
+    /// the JOIN frame itself, which must open under the new queue's key first.
     pub fn join(
         &self,
         session: u32,
         queue: u16,
         payload: &[u8],
-        datagram: Option<&PeerId>,
+        peer: &PeerId,
+        datagram: bool,
         raw: Option<&[u8]>,
     ) -> Result<Admitted, JoinRefused> {
         let mut inner = self.lock();
         if inner.shut {
             return Err(Status::Shutdown.into());
         }
+        let permitted = inner.sessions.get(&session).is_some_and(|s| {
+            // The host the session proved (none in a keyless session), as at HELLO.
+            let host = s.secret.as_ref().map(|_| s.host.as_str());
+            inner
+                .exports
+                .iter()
+                .find(|e| Arc::ptr_eq(&e.export, &s.export))
+                .is_some_and(|e| self.access.permits(&e.acl, host, &peer.addr))
+        });
+        if !permitted {
+            return Err(Status::Access.into());
+        }
+        let datagram = datagram.then_some(peer);
         let s = inner
             .sessions
             .get_mut(&session)
