@@ -10,7 +10,10 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     if num.is_empty() {
         return Err(bad());
     }
-    let n: u64 = num.parse().map_err(|_| bad())?;
+    // Only digits are left here, so a parse error is an overflow.
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("size '{s}' is too large (at most 16 EiB, e.g. 2T)"))?;
     let shift = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 0,
         "k" | "kb" | "kib" => 10,
@@ -20,7 +23,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         _ => return Err(bad()),
     };
     n.checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("size '{s}' is too large"))
+        .ok_or_else(|| format!("size '{s}' is too large (at most 16 EiB, e.g. 2T)"))
 }
 
 /// Formats bytes the way `parse_size` reads them back when exact (`4K`, `1.5G` otherwise).
@@ -61,6 +64,9 @@ mod tests {
             assert!(parse_size(s).is_err(), "{s}");
         }
         assert!(parse_size("99999999999T")
+            .unwrap_err()
+            .contains("too large"));
+        assert!(parse_size("99999999999999999999")
             .unwrap_err()
             .contains("too large"));
     }

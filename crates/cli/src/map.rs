@@ -103,7 +103,18 @@ pub fn run_map(a: MapArgs) -> Result<(), String> {
         FrontendArg::Ublk => DeviceKind::Ublk,
         FrontendArg::Fuse => DeviceKind::Fuse,
     };
-    blkwire_map::choose_kind(kind)?;
+    let chosen = blkwire_map::choose_kind(kind)?;
+    if chosen == DeviceKind::Ublk && !matches!(a.fuse_io, FuseIoArg::Auto) {
+        return Err(format!(
+            "--fuse-io is for the fuse frontend, and this mapping is ublk{}; drop it, or add \
+             --frontend fuse",
+            if kind == DeviceKind::Auto {
+                " (--frontend auto found /dev/ublk-control)"
+            } else {
+                ""
+            }
+        ));
+    }
     let max_io = u32::try_from(a.max_io_size)
         .ok()
         .filter(|m| (4096..=blkwire_wire::MAX_PAYLOAD_LIMIT).contains(m))

@@ -106,8 +106,8 @@ pub struct Args {
     /// keys (the PSK identity is the host id). Reload it live with `blkwire rpc keys_load`
     #[arg(long, value_name = "FILE")]
     keys: Option<PathBuf>,
-    /// A host (repeatable) that may read the live counters (`blkwire stats`) on a target with
-    /// --keys; without --keys anyone may
+    /// A host (repeatable) that may read the live counters (`blkwire stats`); needs --keys, since
+    /// only a proven host id means anything (without --keys every host may read them)
     #[arg(long, value_name = "HOST-ID")]
     admin: Vec<String>,
     /// error, warn, info or debug

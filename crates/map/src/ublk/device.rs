@@ -34,7 +34,7 @@ fn preflight() -> Result<(), String> {
     }
     if !Path::new(UBLK_CONTROL).exists() {
         return Err(format!(
-            "the ublk frontend needs {UBLK_CONTROL}, which this machine lacks (Linux >= 6.5 with ublk_drv loaded: modprobe ublk_drv); use --frontend fuse"
+            "the ublk frontend needs {UBLK_CONTROL}, which this machine lacks (Linux >= 6.5 with ublk_drv loaded: modprobe ublk_drv)"
         ));
     }
     Ok(())
