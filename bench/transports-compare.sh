@@ -11,7 +11,9 @@
 # recorded before 2026-11-26), BYPASS_QDISC (1: eth:// with ?qdisc=bypass on both ends),
 # TRANSPORTS (default "eth udp tcp"), ONLY (one workload, e.g. "read 1M 4 1M-seqread" or
 # "randread 4k 32 4k-randread": that row alone, no loss runs; for A/B runs of two builds),
-# BENCH_ARGS (more options for every `blkwire bench` run, e.g. "--poll-us 200").
+# BENCH_ARGS (more options for every `blkwire bench` run, e.g. "--poll-us 200"), UDP_CRC (full,
+# the default, or header: udp:// with ?crc=header, data frames' CRCs over their header only,
+# PROTOCOL.md §9.7).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 die() { echo "$(basename "$0"): $*" >&2; exit 1; }
@@ -23,6 +25,8 @@ FILL="${FILL:-0}"
 BYPASS_QDISC="${BYPASS_QDISC:-0}"
 TRANSPORTS="${TRANSPORTS:-eth udp tcp}"
 ONLY="${ONLY:-}"
+UDP_CRC="${UDP_CRC:-full}"
+case "$UDP_CRC" in full) UDP_Q="" ;; header) UDP_Q="?crc=header" ;; *) die "UDP_CRC: '$UDP_CRC' is not full or header" ;; esac
 for t in $TRANSPORTS; do
     [[ "$t" == eth || "$t" == udp || "$t" == tcp ]] || die "TRANSPORTS: '$t' is not one of eth, udp, tcp"
 done
@@ -73,7 +77,7 @@ impair() { # impair LOSS_PERCENT (0 clears)
     done
 }
 
-declare -A URL=([eth]="eth://vi/$MAC/m$ETH_OPT" [udp]="udp://10.99.9.1:7701/m" [tcp]="tcp://10.99.9.1:7700/m")
+declare -A URL=([eth]="eth://vi/$MAC/m$ETH_OPT" [udp]="udp://10.99.9.1:7701/m$UDP_Q" [tcp]="tcp://10.99.9.1:7700/m")
 # CPU per I/O (initiator and target together, user + system, which includes the kernel's network
 # work done in their context) is the figure to compare when the host is noisy: stolen or idle
 # time changes IOPS, not the CPU each I/O costs.
@@ -110,7 +114,7 @@ if [[ "$FILL" == 1 ]]; then
 fi
 
 echo "# blkwire transports over one veth pair: MTU $MTU, $JOBS job(s), ${RUNTIME}s per run, $(date -u '+%Y-%m-%d %H:%M UTC')"
-echo "# $("$BIN" --version), $(nproc) CPUs shared by initiator and target, export mem:1G $([[ "$FILL" == 1 ]] && echo "written first" || echo "never written (reads of holes)")$([[ "$BYPASS_QDISC" == 1 ]] && echo ", eth:// with ?qdisc=bypass")$([[ -n "${BENCH_ARGS:-}" ]] && echo ", bench $BENCH_ARGS")"
+echo "# $("$BIN" --version), $(nproc) CPUs shared by initiator and target, export mem:1G $([[ "$FILL" == 1 ]] && echo "written first" || echo "never written (reads of holes)")$([[ "$BYPASS_QDISC" == 1 ]] && echo ", eth:// with ?qdisc=bypass")$([[ -n "${BENCH_ARGS:-}" ]] && echo ", bench $BENCH_ARGS")$([[ -n "$UDP_Q" ]] && echo ", udp:// with $UDP_Q")"
 echo
 chart_begin transports-compare "blkwire transports over one veth pair: MTU $MTU, $JOBS job(s), ${RUNTIME}s per run" \
     iops mean_us p99_us

@@ -20,7 +20,9 @@ use std::time::Duration;
 
 use blkwire_server::fuzzing::DatagramPort;
 use blkwire_wire::datagram;
-use blkwire_wire::{AuthBlock, AuthMethod, Flags, Header, Hello, HelloReply, Opcode, Status, Tag};
+use blkwire_wire::{
+    AuthBlock, AuthMethod, Flags, Header, Hello, HelloReply, Opcode, Status, Tag, HEADER_CRC,
+};
 use libfuzzer_sys::fuzz_target;
 
 #[path = "dgram_common.rs"]
@@ -73,13 +75,14 @@ fn sealed_frame(mut h: Header, payload: &[u8]) -> Vec<u8> {
     v
 }
 
-/// A session of one queue of 8 slots on export `a`, opened from `peer`: its id.
-fn open_session(port: &mut DatagramPort, peer: &UdpSocket) -> u32 {
+/// A session of one queue of 8 slots on export `a`, opened from `peer`, its data frames' CRCs
+/// over their header only if `header_crc` (PROTOCOL.md §9.7): its id.
+fn open_session(port: &mut DatagramPort, peer: &UdpSocket, header_crc: bool) -> u32 {
     let mut hello = Hello {
         queues: 1,
         depth: 8,
         max_io: 64 << 10,
-        client_features: 0,
+        client_features: if header_crc { HEADER_CRC } else { 0 },
         frame_payload: LINK_PAYLOAD,
         nonce: 1,
         host_id: "fuzz".into(),
@@ -115,7 +118,8 @@ fuzz_target!(|data: &[u8]| {
     for p in &peers {
         p.set_nonblocking(true).expect("non-blocking");
     }
-    let session = open_session(&mut port, &peers[0]);
+    // Both CRC modes, chosen by the input's length so the seeds keep their meaning.
+    let session = open_session(&mut port, &peers[0], data.len() % 2 == 1);
 
     // A step: control byte, header fields (27 bytes), payload length (2), payload. The rarer
     // cases take two bits of the control byte each, so that most steps are frames the port

@@ -1,7 +1,7 @@
 //! What the two datagram fuzz targets (dgram.rs, dgram_reply.rs) share: reading the input step
 //! by step, and turning the header fields a step chose into a frame.
 
-use blkwire_wire::{Header, HEADER_LEN};
+use blkwire_wire::{Flags, Header, HEADER_LEN};
 
 /// Takes `n` bytes from the front of `data`.
 fn take<'a>(data: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
@@ -26,7 +26,8 @@ pub fn next_step<'a>(
 
 /// Appends to `datagram` the frame of header `h` and `payload`: `h` encoded with the payload's
 /// length, then `raw` sets the bytes a `Header` cannot hold (any opcode, any status: the
-/// receiver must cope with unknown ones), then the CRC, made wrong when `break_crc`.
+/// receiver must cope with unknown ones), then the CRC (over the header alone if the flags
+/// ask for that, PROTOCOL.md §9.7), made wrong when `break_crc`.
 pub fn push_frame(
     datagram: &mut Vec<u8>,
     mut h: Header,
@@ -37,7 +38,8 @@ pub fn push_frame(
     h.payload_len = payload.len() as u32;
     let mut b = h.to_bytes();
     raw(&mut b);
-    let mut crc = Header::compute_crc(&b, payload);
+    let head_only = u16::from_le_bytes([b[4], b[5]]) & Flags::HEAD_CRC != 0;
+    let mut crc = Header::compute_crc(&b, if head_only { &[] } else { payload });
     if break_crc {
         crc ^= 1;
     }

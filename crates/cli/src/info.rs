@@ -66,7 +66,7 @@ pub fn run(a: Args) -> Result<(), String> {
                 "features": i.features.names(),
                 "max_queues": i.queues, "max_queue_depth": i.depth, "max_io": i.max_io,
                 "copy_max_bytes": i.copy.max_bytes, "copy_max_range": i.copy.max_range,
-                "copy_max_ranges": i.copy.max_ranges,
+                "copy_max_ranges": i.copy.max_ranges, "header_crc": i.header_crc,
             })
         );
     } else {
@@ -103,6 +103,16 @@ pub fn run(a: Args) -> Result<(), String> {
             };
             println!("server-side copy: none for this session ({why})");
         }
+    }
+    if !a.json && a.url.starts_with("udp://") {
+        println!(
+            "frame CRC:        {}",
+            if i.header_crc {
+                "header only; UDP's checksum covers the data (?crc=header)"
+            } else {
+                "CRC32C over header and data"
+            }
+        );
     }
     for q in s.queues {
         let _ = q.logout();

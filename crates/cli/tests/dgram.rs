@@ -416,13 +416,15 @@ fn stale_and_duplicate_writes_are_never_applied() {
 #[test]
 fn udp_loopback_round_trips() {
     for export in ["m=mem:32M", "m=memthread:32M"] {
-        udp_round_trips(export);
+        udp_round_trips(export, "");
     }
+    // Data frames' CRCs over their header only (PROTOCOL.md §9.7): the same data comes back.
+    udp_round_trips("m=mem:32M", "?crc=header");
 }
 
-fn udp_round_trips(export: &str) {
+fn udp_round_trips(export: &str, query: &str) {
     let t = Served::start(None, &["udp://127.0.0.1:0"], &[export]);
-    let url = Url::parse(&format!("{}/m", t.url("udp://"))).unwrap();
+    let url = Url::parse(&format!("{}/m{query}", t.url("udp://"))).unwrap();
     let mut s = connect(
         &url,
         &ConnectOptions {
@@ -434,6 +436,7 @@ fn udp_round_trips(export: &str) {
     )
     .unwrap();
     assert_eq!(s.queues.len(), 3);
+    assert_eq!(s.info.header_crc, !query.is_empty(), "{export}{query}");
     let mut off = 0u64;
     for (i, size) in [512usize, 4096, 33_000, 1 << 20, (4 << 20) + 512]
         .into_iter()

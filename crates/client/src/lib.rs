@@ -27,8 +27,8 @@ use std::time::Duration;
 use tls::Link;
 
 use blkwire_wire::{
-    ExportEntry, Features, Header, HelloReply, Join, Opcode, Status, Tag, AUTH_LEN, HEADER_LEN,
-    QUERY_LIST, QUERY_STATS,
+    ExportEntry, Features, Header, HelloReply, Join, Opcode, Status, Tag, AUTH_LEN, HEADER_CRC,
+    HEADER_LEN, QUERY_LIST, QUERY_STATS, SESSION_HEADER_CRC,
 };
 
 pub use blkwire_block::{BlockOp, BlockRequest, CopyRange, IoFlags};
@@ -260,6 +260,9 @@ pub struct ExportInfo {
     pub session: u32,
     /// What one COPY may do (PROTOCOL.md §13); disabled where the session has no COPY.
     pub copy: CopyLimits,
+    /// Datagram sessions: the CRC of data frames covers their header only, UDP's checksum
+    /// their data (`udp://...?crc=header`, granted: PROTOCOL.md §9.7).
+    pub header_crc: bool,
 }
 
 /// An open session: its export's description and its queues.
@@ -573,6 +576,7 @@ fn info_from(url: &Url, reply: &HelloReply) -> ExportInfo {
         max_io: reply.max_io,
         session: reply.session,
         copy: reply.copy,
+        header_crc: url.header_crc && reply.session_flags & SESSION_HEADER_CRC != 0,
     }
 }
 
@@ -598,8 +602,14 @@ type LinkFactory<'a> = &'a dyn Fn(u16, Option<u32>) -> Result<dgram::Link>;
 fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Result<Session> {
     let hs_timeout = opts.timeout.min(Duration::from_secs(10));
     let link0 = open(0, None)?;
-    let mut attempt =
-        auth::Attempt::new(target_name(url), &url.export, opts, link0.mtu_payload, 0)?;
+    let features = if url.header_crc { HEADER_CRC } else { 0 };
+    let mut attempt = auth::Attempt::new(
+        target_name(url),
+        &url.export,
+        opts,
+        link0.mtu_payload,
+        features,
+    )?;
     let (r, p) = auth::hello_exchange(&mut attempt, |tag, p| {
         dgram::exchange_plain(&link0, hello(tag), p, hs_timeout)
     })
@@ -627,6 +637,9 @@ fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Res
                     max_io: reply.max_io,
                     frame_payload: reply.frame_payload,
                     credit: credit as u32,
+                    // Asked for, and granted: a target that did not grant it (a sealed session:
+                    // the seal covers everything) keeps the CRC over the data.
+                    header_crc: info.header_crc,
                 },
                 seal,
                 opts.timeout,
@@ -760,6 +773,7 @@ mod tests {
             cookie: 2,
             frame_payload,
             copy: CopyLimits::default(),
+            session_flags: 0,
             target_proof: [0; 32],
         }
     }

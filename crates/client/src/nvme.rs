@@ -541,6 +541,7 @@ pub(crate) fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
         max_io,
         session: cntlid as u32,
         copy: CopyLimits::default(),
+        header_crc: false,
     };
     let admin = Arc::new(a.s);
     let mut out = Vec::with_capacity(granted as usize);

@@ -143,6 +143,8 @@ struct DQ {
     _mem: Account,
     /// A sealed session's frame keys for this queue (PROTOCOL.md §12.4).
     seal: Option<QueueSeal>,
+    /// Its READ data frames' CRCs cover their header only, and so may its WRITE data's (§9.7).
+    header_crc: bool,
     /// Closed by the control plane while backend I/O ran: removed once it completes.
     closing: bool,
     /// What one COPY of the session may do (PROTOCOL.md §13).
@@ -695,7 +697,7 @@ impl DgramPort {
     ) {
         let h = f.header;
         if h.session == 0 {
-            if f.sealed() {
+            if f.sealed() || h.flags.has(Flags::HEAD_CRC) {
                 self.stats.bad_frames += 1;
                 return;
             }
@@ -716,6 +718,14 @@ impl DgramPort {
         let q = self.queues[qi].as_mut().expect("indexed queue exists");
         if q.peer != peer {
             self.stats.wrong_peer += 1;
+            return;
+        }
+        // Only WRITE data may leave its payload to UDP's checksum, and only in a session that
+        // asked for it (§9.7): anything else with a header-only CRC is as bad as a wrong CRC.
+        if h.flags.has(Flags::HEAD_CRC)
+            && !(q.header_crc && h.opcode == Opcode::Write && !f.payload.is_empty())
+        {
+            self.stats.bad_frames += 1;
             return;
         }
         // A sealed session's frames are acted on only once their seal opens (§12.4).
@@ -828,10 +838,13 @@ impl DgramPort {
                     return self.send_frame(r, &cached, peer);
                 }
                 let no_stats = Vec::new;
-                match self
-                    .registry
-                    .hello(&hello, &id, Some(self.link_payload), &no_stats)
-                {
+                match self.registry.hello(
+                    &hello,
+                    &id,
+                    Some(self.link_payload),
+                    matches!(self.kind, PortKind::Udp),
+                    &no_stats,
+                ) {
                     HelloAnswer::Challenge(nonce) => {
                         let r = h.reply(Status::Challenge, 0);
                         self.send_frame(r, &nonce, peer);
@@ -949,6 +962,7 @@ impl DgramPort {
             exec,
             _mem: adm.mem,
             seal: adm.seal,
+            header_crc: adm.header_crc,
             closing: false,
             copy: adm.copy,
             taken_in: 0,
@@ -1122,7 +1136,8 @@ impl DgramPort {
         }
         // A new request on this slot.
         s.hdr = *h;
-        s.hdr.flags = Flags(h.flags.0 & !(Flags::HAVE | Flags::CRC | Flags::SEALED));
+        s.hdr.flags =
+            Flags(h.flags.0 & !(Flags::HAVE | Flags::CRC | Flags::SEALED | Flags::HEAD_CRC));
         s.status = Status::Ok;
         s.client_has.clear();
         s.got = 0;
@@ -1407,6 +1422,7 @@ impl DgramPort {
         // (sealing copies them), are copied into the batch and their buffer goes back to the
         // pool at once (a retransmitted READ runs again: the data need not stay).
         let lend = h.length >= LEND_READ_MIN && q.seal.is_none();
+        let header_crc = q.header_crc;
         let buf = mapped.is_none().then(|| s.buf.take().expect("read buffer"));
         let data = mapped.unwrap_or_else(|| buf.as_ref().expect("taken").as_slice().as_ptr());
         let has = std::mem::take(&mut s.client_has);
@@ -1421,6 +1437,9 @@ impl DgramPort {
             r.frag_index = i as u16;
             r.frag_count = frags as u16;
             r.frag_offset = start;
+            if header_crc {
+                r.flags.0 |= Flags::HEAD_CRC;
+            }
             let (at, len) = (start as usize, (end - start) as usize);
             if lend {
                 // SAFETY: `h.length` bytes at `data` stay readable until the next flush (above).
@@ -1569,19 +1588,24 @@ mod tests {
     }
 
     fn session_on(export: &str) -> (DatagramPort, UdpSocket, u32) {
-        let (port, peer, reply) = session_of(export, 1);
+        let (port, peer, reply) = session_of(export, 1, 0);
         (port, peer, reply.session)
     }
 
-    /// As `session_on`, with `queues` queues asked for: the whole HELLO reply.
-    fn session_of(export: &str, queues: u16) -> (DatagramPort, UdpSocket, HelloReply) {
+    /// As `session_on`, with `queues` queues and `client_features` asked for: the whole HELLO
+    /// reply.
+    fn session_of(
+        export: &str,
+        queues: u16,
+        client_features: u64,
+    ) -> (DatagramPort, UdpSocket, HelloReply) {
         let mut port = DatagramPort::new(&[export], LINK).unwrap();
         let peer = UdpSocket::bind("127.0.0.1:0").unwrap();
         let mut hello = Hello {
             queues,
             depth: 8,
             max_io: 64 << 10,
-            client_features: 0,
+            client_features,
             frame_payload: LINK,
             nonce: 1,
             host_id: "test".into(),
@@ -1702,7 +1726,7 @@ mod tests {
     /// keyless session the cookie travels in clear, and must not let in whoever saw it.
     #[test]
     fn a_join_from_an_address_the_rules_keep_out_is_refused() {
-        let (mut dp, _peer, reply) = session_of("a=mem:1M,allow=127.0.0.1/32", 2);
+        let (mut dp, _peer, reply) = session_of("a=mem:1M,allow=127.0.0.1/32", 2, 0);
         assert_eq!(reply.queues, 2);
         let mut join = request(reply.session, Opcode::Join, 0, 0, 0, 0);
         join.queue = 1;
@@ -1721,6 +1745,54 @@ mod tests {
         let insider = UdpSocket::bind("127.0.0.1:0").unwrap();
         dp.receive(&frame(join, &payload), insider.local_addr().unwrap());
         assert_eq!(answers(&insider, true)[0].0.status, Status::Challenge);
+    }
+
+    /// §9.7: a UDP session that asked for header-only CRCs gets them granted, its WRITE data
+    /// may carry them, and its READ data does; a session that did not ask has such frames
+    /// dropped as bad, as a frame with a wrong CRC is.
+    #[test]
+    fn header_only_crcs_only_where_the_session_asked_for_them() {
+        let data: Vec<u8> = (0..2 * LINK).map(|i| (i % 251) as u8).collect();
+        let write = |session: u32, frag: u32| {
+            let mut h = request(session, Opcode::Write, 1, 1, 0, 2 * LINK);
+            h.frag_count = 2;
+            h.frag_index = frag as u16;
+            h.frag_offset = frag * LINK;
+            h.flags.0 |= Flags::HEAD_CRC;
+            let part = &data[(frag * LINK) as usize..((frag + 1) * LINK) as usize];
+            frame(h, part)
+        };
+        for asked in [false, true] {
+            let features = if asked { blkwire_wire::HEADER_CRC } else { 0 };
+            let (mut dp, peer, reply) = session_of("a=mem:1M", 1, features);
+            assert_eq!(reply.session_flags != 0, asked, "granted as asked");
+            let from = peer.local_addr().unwrap();
+            let session = reply.session;
+            dp.receive(&write(session, 0), from);
+            dp.receive(&write(session, 1), from);
+            let got = answers(&peer, asked);
+            if !asked {
+                assert!(got.is_empty(), "{got:?}");
+                assert_eq!(dp.port.stats.bad_frames, 2);
+                continue;
+            }
+            assert_eq!(got.len(), 1, "{got:?}");
+            assert_eq!(got[0].0.status, Status::Ok);
+            dp.receive(
+                &frame(request(session, Opcode::Read, 2, 1, 0, 2 * LINK), &[]),
+                from,
+            );
+            let got = answers(&peer, true);
+            let back: Vec<u8> = got.iter().flat_map(|(_, p)| p.clone()).collect();
+            assert_eq!(back, data, "the WRITE landed and the READ brings it back");
+            assert!(got.iter().all(|(h, _)| h.flags.has(Flags::HEAD_CRC)));
+            // A READ request has no data: a header-only CRC on it is refused.
+            let mut r = request(session, Opcode::Read, 3, 1, 0, 512);
+            r.flags.0 |= Flags::HEAD_CRC;
+            dp.receive(&frame(r, &[]), from);
+            assert!(answers(&peer, false).is_empty());
+            assert_eq!(dp.port.stats.bad_frames, 1);
+        }
     }
 
     /// A request refused before it runs is a reply and an error in the queue's counters.

@@ -1366,7 +1366,7 @@ fn native_handshake(
                     );
                 }
                 let stats = || stats_json(registry, workers, MAX_STATS);
-                match registry.hello(&hello, &id, None, &stats) {
+                match registry.hello(&hello, &id, None, false, &stats) {
                     HelloAnswer::Challenge(nonce) => {
                         send(s, &h, Status::Challenge, &nonce).ok()?;
                     }

@@ -10,7 +10,7 @@ use blkwire_auth::{Acl, Key, PeerAddr};
 use blkwire_backend::{Export, ExportSpec, ResizeError};
 use blkwire_wire::{
     datagram::SEAL_LEN, CopyDescriptor, CopyLimits, ExportEntry, Features, Hello, HelloReply, Join,
-    Status, AUTH_LEN, QUERY_LIST, QUERY_STATS,
+    Status, AUTH_LEN, HEADER_CRC, QUERY_LIST, QUERY_STATS, SESSION_HEADER_CRC,
 };
 
 use crate::access::{Access, Checked, PeerId};
@@ -91,6 +91,8 @@ struct Session {
     /// encrypted as well as authenticated.
     secret: Option<Arc<SessionSecret>>,
     encrypt: bool,
+    /// Its data frames' CRCs cover their header only (UDP, asked for and granted: §9.7).
+    header_crc: bool,
     /// Payload per fragment (datagram sessions; max I/O on TCP).
     frame_payload: u32,
     host: String,
@@ -143,6 +145,7 @@ impl Session {
             copy: self.copy,
             seal,
             mem,
+            header_crc: self.header_crc,
         })
     }
 }
@@ -169,6 +172,8 @@ pub struct Admitted {
     pub mem: Account,
     /// Datagram queues of a method-1 session: this queue's frame keys (PROTOCOL.md §12.4).
     pub seal: Option<QueueSeal>,
+    /// UDP sessions that asked for it: data frames' CRCs cover their header only (§9.7).
+    pub header_crc: bool,
 }
 
 /// A sealed datagram queue's keys, target side: it opens requests and seals replies.
@@ -388,12 +393,15 @@ impl Registry {
     /// Answers a HELLO (PROTOCOL.md §2, §12): a challenge until the peer has shown it receives
     /// at its address, then the key proof, the export's allow list, and a new session (or a
     /// query's answer). `link_payload` is the target's own largest frame payload on a datagram
-    /// link, `None` on TCP. `stats` builds the STATS document for an admin's query.
+    /// link, `None` on TCP; `udp` says the link is UDP (whose checksum covers a payload, so a
+    /// session may ask for `HEADER_CRC`, §9.7). `stats` builds the STATS document for an
+    /// admin's query.
     pub fn hello(
         &self,
         h: &Hello,
         peer: &PeerId,
         link_payload: Option<u32>,
+        udp: bool,
         stats: &dyn Fn() -> Vec<u8>,
     ) -> HelloAnswer {
         let proven = match self.access.check(h, peer) {
@@ -485,13 +493,15 @@ impl Registry {
             peer: &peer_s,
         };
         let copy = self.copy_limits(&export, frame_payload);
+        // A sealed frame carries no CRC at all (its seal covers it): nothing to grant there.
+        let header_crc = udp && !sealed && h.client_features & HEADER_CRC != 0;
         // Read once: the size the reply gives is the size the session's queues check against.
         let size = export.size();
         let (id, cookie, mem, placement) = match self.create(
             &export,
             &owner,
             (size, queues, depth, max_io, frame_payload, copy),
-            (secret.clone(), encrypt),
+            (secret.clone(), encrypt, header_crc),
             floor,
         ) {
             Ok(x) => x,
@@ -509,6 +519,7 @@ impl Registry {
             cookie,
             frame_payload,
             copy,
+            session_flags: if header_crc { SESSION_HEADER_CRC } else { 0 },
             target_proof: [0; AUTH_LEN],
         };
         reply.target_proof = prove(&reply.proven_bytes());
@@ -529,6 +540,7 @@ impl Registry {
                 copy,
                 seal,
                 mem,
+                header_crc,
             })),
         )
     }
@@ -559,7 +571,7 @@ impl Registry {
         export: &Arc<Export>,
         owner: &Owner,
         (size, queues, depth, max_io, frame_payload, copy): (u64, u16, u16, u32, u32, CopyLimits),
-        (secret, encrypt): (Option<Arc<SessionSecret>>, bool),
+        (secret, encrypt, header_crc): (Option<Arc<SessionSecret>>, bool, bool),
         queue_floor: usize,
     ) -> Result<(u32, u64, Account, u32), Status> {
         let cookie = blkwire_auth::random_u64();
@@ -606,6 +618,7 @@ impl Registry {
                 placement,
                 secret,
                 encrypt,
+                header_crc,
                 frame_payload,
                 host: host.to_string(),
                 peer: peer.to_string(),
@@ -665,7 +678,7 @@ impl Registry {
             export,
             owner,
             (size, queues, depth, max_io, max_io, copy),
-            (None, false),
+            (None, false, false),
             floor,
         )?;
         Ok(Admitted {
@@ -679,6 +692,7 @@ impl Registry {
             copy,
             seal: None,
             mem,
+            header_crc: false,
         })
     }
 

@@ -93,9 +93,17 @@ impl Flags {
     pub const HAVE: u16 = 1 << 4;
     /// Datagrams of an authenticated session (§12.4): a seal follows the payload.
     pub const SEALED: u16 = 1 << 5;
+    /// With `CRC`: the CRC covers the header only, the payload is covered by UDP's checksum
+    /// (§9.7: WRITE and READ data of a UDP session that asked for it).
+    pub const HEAD_CRC: u16 = 1 << 6;
     /// Every defined bit; a frame with any other is rejected.
-    pub const KNOWN: u16 =
-        Self::REPLY | Self::FUA | Self::CRC | Self::NO_HOLE | Self::HAVE | Self::SEALED;
+    pub const KNOWN: u16 = Self::REPLY
+        | Self::FUA
+        | Self::CRC
+        | Self::NO_HOLE
+        | Self::HAVE
+        | Self::SEALED
+        | Self::HEAD_CRC;
 
     /// Is `bit` set?
     pub fn has(self, bit: u16) -> bool {
@@ -453,6 +461,10 @@ impl Header {
         if flags.0 & !Flags::KNOWN != 0 {
             return Err(FrameError::UnknownFlags(flags.0 & !Flags::KNOWN));
         }
+        // A header-only CRC is a kind of CRC: meaningless without one.
+        if flags.has(Flags::HEAD_CRC) && !flags.has(Flags::CRC) {
+            return Err(FrameError::MissingCrc);
+        }
         let raw_status = u16_at(6);
         if !flags.has(Flags::REPLY) && raw_status != 0 {
             return Err(FrameError::StatusInRequest(raw_status));
@@ -505,16 +517,26 @@ impl Header {
         crate::crc::crc32c_append(crate::crc::crc32c(&h), payload)
     }
 
-    /// Sets `crc` and the `CRC` flag for this header and payload.
+    /// What this header's CRC covers of `payload`: all of it, or none with `HEAD_CRC` (§9.7).
+    fn covered<'p>(&self, payload: &'p [u8]) -> &'p [u8] {
+        if self.flags.has(Flags::HEAD_CRC) {
+            &[]
+        } else {
+            payload
+        }
+    }
+
+    /// Sets `crc` and the `CRC` flag for this header and payload (the header alone if the
+    /// header already carries `HEAD_CRC`).
     pub fn seal_crc(&mut self, payload: &[u8]) {
         self.flags.0 |= Flags::CRC;
         self.crc = 0;
-        self.crc = Self::compute_crc(&self.to_bytes(), payload);
+        self.crc = Self::compute_crc(&self.to_bytes(), self.covered(payload));
     }
 
     /// Marks this header sealed (§12.4): flag `SEALED`, no CRC (the seal covers the frame).
     pub fn mark_sealed(&mut self) {
-        self.flags.0 = (self.flags.0 | Flags::SEALED) & !Flags::CRC;
+        self.flags.0 = (self.flags.0 | Flags::SEALED) & !(Flags::CRC | Flags::HEAD_CRC);
         self.crc = 0;
     }
 
@@ -523,7 +545,7 @@ impl Header {
         if !self.flags.has(Flags::CRC) {
             return Ok(());
         }
-        let actual = Self::compute_crc(&self.to_bytes(), payload);
+        let actual = Self::compute_crc(&self.to_bytes(), self.covered(payload));
         if actual == self.crc {
             Ok(())
         } else {
@@ -643,6 +665,39 @@ mod tests {
         flipped[24] ^= 1; // offset changed in flight
         let d2 = Header::decode(&flipped, 1 << 20).unwrap();
         assert!(d2.check_crc(&payload).is_err());
+    }
+
+    /// §9.7: with `HEAD_CRC` the CRC covers the header alone (the header, flag included, is
+    /// still protected: clearing the flag or changing the offset is caught), and the flag means
+    /// nothing without `CRC`.
+    #[test]
+    fn a_header_only_crc_covers_the_header_and_nothing_else() {
+        let payload = vec![0xa5u8; 4096];
+        let mut h = sample();
+        h.flags.0 |= Flags::HEAD_CRC;
+        h.seal_crc(&payload);
+        let d = Header::decode(&h.to_bytes(), 1 << 20).unwrap();
+        assert_eq!(d.check_crc(&payload), Ok(()));
+        assert_eq!(
+            d.check_crc(&[0x5a; 4096]),
+            Ok(()),
+            "the payload is not covered"
+        );
+        for (at, bit) in [(24, 1u8), (4, Flags::HEAD_CRC as u8)] {
+            let mut b = h.to_bytes();
+            b[at] ^= bit;
+            let d2 = Header::decode(&b, 1 << 20).unwrap();
+            assert!(
+                d2.check_crc(&payload).is_err(),
+                "byte {at} changed, CRC held"
+            );
+        }
+        let mut no_crc = h.to_bytes();
+        no_crc[4] &= !(Flags::CRC as u8);
+        assert_eq!(
+            Header::decode(&no_crc, 1 << 20),
+            Err(FrameError::MissingCrc)
+        );
     }
 
     #[test]

@@ -209,6 +209,13 @@ pub const AUTH_LEN: usize = 32;
 pub const QUERY_LIST: u64 = 1 << 0;
 /// HELLO `client_features` bit: with an empty export name, ask for the STATS document (§12.3).
 pub const QUERY_STATS: u64 = 1 << 1;
+/// HELLO `client_features` bit, UDP only: let the CRC of WRITE and READ data frames cover their
+/// header alone, UDP's checksum covering the payload (§9.7). Granted in the reply's
+/// `session_flags`.
+pub const HEADER_CRC: u64 = 1 << 2;
+
+/// HELLO reply `session_flags` bit: `HEADER_CRC` granted (§9.7).
+pub const SESSION_HEADER_CRC: u16 = 1 << 0;
 
 /// How an initiator authenticates (§12.1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -366,6 +373,8 @@ pub struct HelloReply {
     pub frame_payload: u32,
     /// What one COPY of this session may do (§13); all zero: no COPY.
     pub copy: CopyLimits,
+    /// What the session may do on the wire (`SESSION_HEADER_CRC`).
+    pub session_flags: u16,
     /// The target's proof (§12.2); zeros when the session is not authenticated.
     pub target_proof: [u8; AUTH_LEN],
 }
@@ -415,7 +424,7 @@ impl HelloReply {
         w.u32(self.copy.max_bytes)
             .u32(self.copy.max_range)
             .u16(self.copy.max_ranges)
-            .u16(0)
+            .u16(self.session_flags)
             .u32(0);
         w.buf.extend_from_slice(&self.target_proof);
         w.buf
@@ -440,9 +449,10 @@ impl HelloReply {
                 max_range: r.u32()?,
                 max_ranges: r.u16()?,
             },
+            session_flags: r.u16()?,
             target_proof: [0; AUTH_LEN],
         };
-        if r.u16()? != 0 || r.u32()? != 0 {
+        if h.session_flags & !SESSION_HEADER_CRC != 0 || r.u32()? != 0 {
             return Err(PayloadError::Invalid(
                 "reserved HELLO reply bytes must be 0",
             ));
@@ -601,6 +611,7 @@ mod tests {
                 max_range: 1 << 28,
                 max_ranges: 64,
             },
+            session_flags: SESSION_HEADER_CRC,
             target_proof: [7; 32],
         };
         let enc = r.encode();

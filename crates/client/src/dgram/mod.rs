@@ -139,6 +139,8 @@ pub(crate) struct DgramQueue {
     seal: Option<QueueKeys>,
     /// Where an encrypted reply's payload is decrypted.
     scratch: Vec<u8>,
+    /// The session's data frames' CRCs cover their header only (§9.7).
+    header_crc: bool,
 }
 
 /// What the target granted a datagram queue.
@@ -150,6 +152,8 @@ pub(crate) struct Grant {
     pub frame_payload: u32,
     /// The window of frames the target's first reply granted (§9.4).
     pub credit: u32,
+    /// WRITE and READ data frames' CRCs cover their header only (§9.7).
+    pub header_crc: bool,
 }
 
 impl DgramQueue {
@@ -167,6 +171,7 @@ impl DgramQueue {
             max_io,
             frame_payload,
             credit,
+            header_crc,
         } = g;
         let (tx, rx, rx_cap) = link::data_path(&link, frame_payload, max_io, poll);
         DgramQueue {
@@ -197,6 +202,7 @@ impl DgramQueue {
             accepted_in: 0,
             probes: [None; PROBES_KEPT],
             missing: (0, 0),
+            header_crc,
         }
     }
 
@@ -296,6 +302,9 @@ impl DgramQueue {
             h.frag_index = frag as u16;
             h.frag_count = s.frags as u16;
             h.frag_offset = frag * fp;
+            if self.header_crc {
+                h.flags.0 |= Flags::HEAD_CRC;
+            }
             let start = (frag * fp) as usize;
             let end = (start + fp as usize).min(s.data.len());
             &s.data[start..end]
@@ -522,6 +531,17 @@ impl DgramQueue {
     fn on_frame(&mut self, h: &Header, payload: &[u8]) {
         if !h.is_reply() || h.session != self.session || h.queue != self.index {
             self.stats.late_replies += 1;
+            return;
+        }
+        // Only READ data may leave its payload to UDP's checksum, and only if we asked (§9.7):
+        // anything else with a header-only CRC is taken for a damaged frame.
+        if h.flags.has(Flags::HEAD_CRC)
+            && !(self.header_crc
+                && h.opcode == Opcode::Read
+                && h.status == Status::Ok
+                && !payload.is_empty())
+        {
+            self.stats.crc_errors += 1;
             return;
         }
         self.cc.on_credit(h.credit);
@@ -1137,6 +1157,7 @@ mod tests {
             max_io,
             frame_payload,
             credit: 64,
+            header_crc: false,
         }
     }
 

@@ -478,6 +478,7 @@ mod tests {
             max_io: 1 << 20,
             session: 1,
             copy: Default::default(),
+            header_crc: false,
         };
         let p = params_for(&info, false, true, 512 << 10);
         assert_eq!(p.types, UBLK_PARAM_TYPE_BASIC | UBLK_PARAM_TYPE_DISCARD);
