@@ -1164,6 +1164,24 @@ fn len32(n: usize) -> io::Result<u32> {
     u32::try_from(n).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "buffer over 4 GiB"))
 }
 
+/// [`push_extent`] for a query that appends from `out[first..]`: false, and nothing appended,
+/// when the extent would be one past [`crate::MAX_EXTENTS`] (the query stops there, a prefix
+/// of its range). Never letting the list past the bound, not truncating it afterwards, is what
+/// keeps its capacity, and the memory the server covers for it, within the bound.
+pub(crate) fn push_extent_within(
+    out: &mut Vec<crate::Extent>,
+    first: usize,
+    len: u64,
+    hole: bool,
+) -> bool {
+    let merges = len == 0 || out.last().is_some_and(|l| l.hole == hole);
+    if !merges && out.len() - first >= crate::MAX_EXTENTS {
+        return false;
+    }
+    push_extent(out, len, hole);
+    true
+}
+
 /// Appends an extent to an allocation map, merging it with the previous one when alike.
 pub fn push_extent(out: &mut Vec<crate::Extent>, len: u64, hole: bool) {
     if len == 0 {

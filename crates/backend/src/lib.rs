@@ -218,7 +218,9 @@ pub trait Backend: Send + Sync {
         None
     }
     /// Appends the allocation map of `offset..offset+len` (already range-checked) to `out`,
-    /// coalesced, at most [`MAX_EXTENTS`] entries. The default says: all data.
+    /// coalesced, at most [`MAX_EXTENTS`] entries (a prefix of the range when there are more),
+    /// and never more meanwhile: the server covers the list's memory by that bound. The
+    /// default says: all data.
     fn allocation(&self, _offset: u64, len: u64, out: &mut Vec<Extent>) {
         out.push(Extent { len, hole: false });
     }

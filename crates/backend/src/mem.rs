@@ -445,24 +445,26 @@ impl Backend for MemBackend {
     fn allocation(&self, offset: u64, len: u64, out: &mut Vec<crate::Extent>) {
         let first = offset / PAGE;
         let end = offset + len;
+        // One byte per page for mincore: at most 1 MiB, 4 GiB of the export, per query.
         let pages = ((end.div_ceil(PAGE) - first) as usize).min(crate::MAX_EXTENTS * 16);
         let mut vec = vec![0u8; pages];
         if !self.resident(first, &mut vec) {
             out.push(crate::Extent { len, hole: false });
             return;
         }
+        let start = out.len();
         let mut at = offset;
         for (i, v) in vec.iter().enumerate() {
             let page = first + i as u64;
             let page_end = ((page + 1) * PAGE).min(end);
             // Data if written or in memory: a written page swapped out is not in memory.
             let hole = v & 1 == 0 && !self.written.all(page, page + 1);
-            crate::push_extent(out, page_end - at, hole);
+            // Past MAX_EXTENTS, or past the pages scanned, the map is a prefix of the range:
+            // the caller asks again from where it ends (Backend::allocation's contract).
+            if !crate::export::push_extent_within(out, start, page_end - at, hole) {
+                return;
+            }
             at = page_end;
-        }
-        if at < end {
-            // More pages than one query covers: the rest is reported as data (safe answer).
-            crate::push_extent(out, end - at, false);
         }
     }
     fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
@@ -674,6 +676,31 @@ mod tests {
     }
 
     /// Queues on several threads marking pages of the same words lose none of the bits.
+    /// Every other page written: each page is an extent of its own, so a query over more
+    /// pages than MAX_EXTENTS must stop at MAX_EXTENTS (a prefix the caller asks again past)
+    /// rather than list them all: the list, and the reply built from it, are bounded by it.
+    #[test]
+    fn allocation_of_alternating_pages_stops_at_max_extents() {
+        let pages = 2 * crate::MAX_EXTENTS as u64 + 64;
+        let m = MemBackend::new(pages * PAGE).unwrap();
+        for p in (0..pages).step_by(2) {
+            write(&m, p * PAGE, &[1]);
+        }
+        let mut out = vec![crate::Extent { len: 1, hole: true }];
+        m.allocation(0, pages * PAGE, &mut out);
+        let got = &out[1..];
+        assert!(
+            got.len() <= crate::MAX_EXTENTS,
+            "{} extents, more than MAX_EXTENTS",
+            got.len()
+        );
+        // A prefix of the range, page by page, data then hole.
+        assert!(!got.is_empty());
+        for (i, e) in got.iter().enumerate() {
+            assert_eq!((e.len, e.hole), (PAGE, i % 2 == 1), "extent {i}");
+        }
+    }
+
     #[test]
     fn marks_from_several_threads_add_up() {
         let w = Written::new(4096).unwrap();

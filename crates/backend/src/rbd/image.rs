@@ -14,8 +14,8 @@ use super::sys;
 use super::{errno_text, Spec};
 use crate::completions::{Completions, Poster};
 use crate::{
-    push_extent, Backend, Capabilities, Extent, Op, QueueIo, Started, Submitter, Support,
-    MAX_EXTENTS,
+    export::push_extent_within, push_extent, Backend, Capabilities, Extent, Op, QueueIo, Started,
+    Submitter, Support, MAX_EXTENTS,
 };
 
 /// The librados and librbd handles of one export, released in reverse order of creation.
@@ -544,6 +544,14 @@ fn diff_extents(h: &Handle, offset: u64, len: u64, out: &mut Vec<Extent>) -> i32
     if r < 0 && !walk.stopped {
         return r;
     }
+    map_of_walk(walk, offset, len, out);
+    0
+}
+
+/// Appends the allocation map of `offset..offset+len` that a diff walk found to `out`: holes
+/// between the data extents, at most MAX_EXTENTS entries (a prefix of the range when there
+/// would be more).
+fn map_of_walk(mut walk: Walk, offset: u64, len: u64, out: &mut Vec<Extent>) {
     walk.data.sort_unstable();
     let end = offset.saturating_add(len);
     let limit = if walk.stopped {
@@ -553,23 +561,60 @@ fn diff_extents(h: &Handle, offset: u64, len: u64, out: &mut Vec<Extent>) -> i32
     };
     let first = out.len();
     let mut pos = offset;
+    // Each data extent may add two entries: stop at the bound rather than build twice as many
+    // and truncate, so the list never holds (nor its capacity grows to) more than the bound.
+    let mut whole = true;
     for (o, l) in walk.data {
         let (o, e) = (o.max(pos), o.saturating_add(l).min(limit));
         if e <= o {
             continue;
         }
-        push_extent(out, o - pos, true);
-        push_extent(out, e - o, false);
+        if !push_extent_within(out, first, o - pos, true)
+            || !push_extent_within(out, first, e - o, false)
+        {
+            whole = false;
+            break;
+        }
         pos = e;
     }
-    if pos < limit {
-        push_extent(out, limit - pos, true);
+    if whole && pos < limit {
+        push_extent_within(out, first, limit - pos, true);
     }
-    out.truncate(first + MAX_EXTENTS);
     if out.len() == first {
         // An empty prefix (stopped before anything): say one data extent of the first bytes
         // rather than nothing, so the caller always makes progress.
         push_extent(out, len.min(4096), false);
     }
-    0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A walk stopped at MAX_EXTENTS data extents, holes between them: the map is a prefix of
+    /// at most MAX_EXTENTS entries, and building it never grows the list past that (a list
+    /// with room for exactly MAX_EXTENTS keeps its allocation), since the server covers that
+    /// much memory for it and no more.
+    #[test]
+    fn a_map_of_many_extents_never_grows_past_max_extents() {
+        const B: u64 = 4096;
+        let walk = Walk {
+            data: (0..MAX_EXTENTS as u64)
+                .map(|i| ((2 * i + 1) * B, B))
+                .collect(),
+            stopped: true,
+        };
+        let mut out = Vec::with_capacity(MAX_EXTENTS);
+        let cap = out.capacity();
+        map_of_walk(walk, 0, 1 << 32, &mut out);
+        assert_eq!(
+            out.capacity(),
+            cap,
+            "the list grew past MAX_EXTENTS entries"
+        );
+        assert_eq!(out.len(), MAX_EXTENTS);
+        for (i, e) in out.iter().enumerate() {
+            assert_eq!((e.len, e.hole), (B, i % 2 == 0), "extent {i}");
+        }
+    }
 }
