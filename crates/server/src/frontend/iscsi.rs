@@ -584,6 +584,16 @@ impl Iscsi {
     }
 
     /// The longest data segment of a Data-In PDU, and of a sequence of them (a burst).
+    /// What frames `send` bytes of Data-In (`data_in`): a PDU ends at each segment's length
+    /// and at each burst's end, so each whole burst is as many PDUs as its segments, the last
+    /// one those of what is left; each PDU its header, padding and digest. Then room for a
+    /// SCSI Response, which a read without data, or the read half of a compare, answers with.
+    fn data_in_framing(&self, send: usize) -> usize {
+        let (max, burst) = self.data_in_limits();
+        let pdus = send / burst * burst.div_ceil(max) + (send % burst).div_ceil(max);
+        pdus * (Bhs::prefix_len(&self.d) + 3 + DIGEST_LEN) + RESPONSE_MAX
+    }
+
     fn data_in_limits(&self) -> (usize, usize) {
         (
             self.neg.send_max.max(512) as usize,
@@ -1962,17 +1972,17 @@ impl StreamFrontend for Iscsi {
                 suffix: iscsi::suffix_len(send as usize, &self.d),
             }
         } else {
-            // A PDU ends at each segment's length and at each burst's end (`data_in`): each
-            // whole burst is as many PDUs as its segments, the last one those of what is left;
-            // each PDU its header, padding and digest. Then room for a SCSI Response, which a
-            // read without data, or the read half of a compare, answers with.
-            let (max, burst) = self.data_in_limits();
-            let send = send as usize;
-            let pdus = send / burst * burst.div_ceil(max) + (send % burst).div_ceil(max);
             ReadFraming::Chunked {
-                framing: pdus * (Bhs::prefix_len(&self.d) + 3 + DIGEST_LEN) + RESPONSE_MAX,
+                framing: self.data_in_framing(send as usize),
             }
         }
+    }
+
+    fn block_status_len(&self, req: &Req, extents: usize) -> usize {
+        // What scsi::lba_status writes, a header and a descriptor per extent (none is split:
+        // a query spans at most 1 GiB), cut to the allocation length; sent as Data-In.
+        let send = (extra_of(req) as usize).min(8 + scsi::LBA_STATUS_DESCRIPTOR_LEN * extents);
+        send + self.data_in_framing(send)
     }
 
     /// The suffix is padding to four bytes, then the data digest when DataDigest is CRC32C.
@@ -2412,6 +2422,57 @@ mod tests {
                         tx.len(),
                         edtl as usize + framing
                     );
+                }
+            }
+        }
+    }
+
+    /// What `block_status_len` foresees for a GET LBA STATUS reply covers what
+    /// `block_status_reply` writes, for small and large allocation lengths, with and without
+    /// digests and with segments small enough to split the parameter data into many PDUs: the
+    /// memory budget covers that much before the query is taken (`covers_block_status`).
+    #[test]
+    fn lba_status_reply_is_within_what_the_budget_foresees() {
+        for (send_max, max_burst) in [(512, 512), (8192, 64 << 10), (64 << 10, 1 << 20)] {
+            for (header, digest) in [(false, false), (true, true)] {
+                for alloc_len in [24u32, 4096, 1 << 20, u32::MAX] {
+                    for n in [1, 1000, blkwire_backend::MAX_EXTENTS] {
+                        let case = format!(
+                            "segments {send_max}, bursts {max_burst}, digests {header}, \
+                             allocation length {alloc_len}, {n} extents"
+                        );
+                        let mut f = fe(max_burst);
+                        f.neg.send_max = send_max;
+                        f.d = Digests {
+                            header,
+                            data: digest,
+                        };
+                        let mut cdb = [0u8; 16];
+                        cdb[0] = 0x9e;
+                        cdb[1] = 0x12; // GET LBA STATUS
+                        cdb[10..14].copy_from_slice(&alloc_len.to_be_bytes());
+                        let mut b = Bhs::new(op::SCSI_CMD, flag::FINAL | flag::READ | 1);
+                        b.itt(9).set32(20, alloc_len).set32(24, 0);
+                        b.0[32..48].copy_from_slice(&cdb);
+                        let mut pdu = Vec::new();
+                        b.encode(&[], &f.d, &mut pdu);
+                        let mut tx = Vec::new();
+                        let req = match f.decode(&pdu, &mut tx) {
+                            Decoded::Request { req, .. } => req,
+                            _ => panic!("{case}: {tx:x?}"),
+                        };
+                        assert_eq!(req.kind, Kind::BlockStatus, "{case}");
+                        f.taken(&req);
+                        let extents: Vec<(u32, bool)> = (0..n).map(|i| (512, i % 2 == 1)).collect();
+                        let mut tx = Vec::new();
+                        assert!(f.block_status_reply(&req, &extents, &mut tx));
+                        let bound = f.block_status_len(&req, n);
+                        assert!(
+                            tx.len() <= bound,
+                            "{case}: {} bytes written, {bound} foreseen",
+                            tx.len()
+                        );
+                    }
                 }
             }
         }

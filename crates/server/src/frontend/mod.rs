@@ -355,6 +355,13 @@ pub trait StreamFrontend: Send {
         unreachable!("only called when replies_with_holes() is true")
     }
 
+    /// The most bytes [`StreamFrontend::block_status_reply`] appends answering `req` with
+    /// `extents` extents: the memory budget covers that much before the query is taken. 0 when
+    /// the connection has no allocation queries (it is refused with a status reply).
+    fn block_status_len(&self, _req: &Req, _extents: usize) -> usize {
+        0
+    }
+
     /// Appends the reply to an allocation query, `extents` as (length, hole), or returns false
     /// when the connection did not negotiate allocation queries.
     fn block_status_reply(

@@ -141,6 +141,14 @@ impl StreamFrontend for Nbd {
         tx.extend_from_slice(&req.length.to_be_bytes());
     }
 
+    fn block_status_len(&self, _req: &Req, extents: usize) -> usize {
+        if !self.allocation {
+            return 0;
+        }
+        // What block_status_reply writes: a chunk header, the context id, 8 bytes per extent.
+        nbd::CHUNK_HEADER_LEN + 4 + 8 * extents
+    }
+
     fn block_status_reply(&mut self, req: &Req, extents: &[(u32, bool)], tx: &mut Vec<u8>) -> bool {
         if !self.allocation {
             return false;
@@ -284,5 +292,8 @@ mod tests {
         let mut on = nbd(true);
         assert!(on.block_status_reply(&r, &[(256, true), (256, false)], &mut tx));
         assert_eq!(tx.len(), nbd::CHUNK_HEADER_LEN + 4 + 16);
+        // What the memory budget sets aside for it (`covers_block_status`) is what it wrote.
+        assert_eq!(on.block_status_len(&r, 2), tx.len());
+        assert_eq!(off.block_status_len(&r, 2), 0, "refused: a status reply");
     }
 }

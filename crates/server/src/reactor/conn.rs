@@ -4,7 +4,7 @@
 
 use std::os::fd::{AsRawFd, OwnedFd};
 
-use blkwire_backend::{AlignedBuf, Extent, Submitter};
+use blkwire_backend::{AlignedBuf, Extent, Submitter, MAX_EXTENTS};
 use blkwire_wire::{Status, HEADER_LEN};
 use io_uring::{opcode, types};
 
@@ -22,8 +22,11 @@ pub(super) struct Slot {
     pub(super) busy: bool,
     pub(super) req: Option<Req>,
     pub(super) buf: Option<AlignedBuf>,
-    /// An allocation query's answer, filled by a backend that runs queries on its own threads.
+    /// An allocation query's answer, filled by a backend that runs queries on its own threads
+    /// (counted in `Conn::lists`).
     pub(super) extents: Vec<Extent>,
+    /// What that query's reply may take, held in `Conn::held` while it runs.
+    pub(super) reply: usize,
     /// A WRITE waiting for the data the frontend solicited: how many bytes of it are in `buf`.
     pub(super) awaiting: Option<u32>,
     /// When the block request running on the backend started (its latency is recorded when
@@ -130,8 +133,13 @@ pub(super) struct Conn {
     /// it before their solicitation (R2T) goes out, oldest first. Bounded by the slots.
     pub(super) deferred: std::collections::VecDeque<u16>,
     pub(super) inflight: u32,
-    /// Scratch for allocation maps (NBD block status), reused.
+    /// Scratch for allocation maps (NBD block status) of exports that answer inline (counted
+    /// in `lists`).
     pub(super) extents: Vec<Extent>,
+    /// Bytes of allocation lists (`extents`, and the slots'): a query's bound
+    /// ([`EXTENTS_BOUND`]) while it runs, since a backend thread may be filling its list, and
+    /// the capacity of the others.
+    pub(super) lists: usize,
     /// Spare data buffers for the next requests.
     pub(super) bufs: Buffers,
     /// Bytes of data buffers held by requests (in flight, or waiting for solicited data).
@@ -236,6 +244,19 @@ pub fn stream_floor(max_io: u32) -> usize {
 
 /// Room for a reply's framing beside its data (headers, digests, chunk headers).
 pub(super) const REPLY_SLACK: usize = 4096;
+
+/// The most an allocation query's list holds: backends append at most MAX_EXTENTS extents
+/// (`Backend::allocation`), 1 MiB.
+pub(super) const EXTENTS_BOUND: usize = MAX_EXTENTS * std::mem::size_of::<Extent>();
+
+/// Extents a list keeps between queries (4 KiB): small maps need no allocation each, and the
+/// 1 MiB a large map took is not kept in every slot a query once ran in.
+const EXTENTS_KEEP: usize = 256;
+
+/// Bytes an allocation list holds.
+pub(super) fn list_bytes(list: &Vec<Extent>) -> usize {
+    list.capacity() * std::mem::size_of::<Extent>()
+}
 
 impl Conn {
     pub(super) fn fd(&self) -> i32 {
@@ -417,7 +438,8 @@ impl Conn {
             let want = grown
                 + self.tx_after(self.held - self.queued)
                 + self.bufs.allocated()
-                + self.copy_memory();
+                + self.copy_memory()
+                + self.lists;
             if total + TX_KEEP > self.mem.cap() {
                 // It would never fit: waiting would hold the connection forever.
                 return self.violation(&format_args!(
@@ -453,13 +475,14 @@ impl Conn {
         }
     }
 
-    /// Bytes this connection's buffers hold, counting the replies of reads in flight, which
-    /// will be copied into the transmit buffer.
+    /// Bytes this connection's buffers hold, counting the replies of reads and allocation
+    /// queries in flight, which will be copied into the transmit buffer, and allocation lists.
     pub(super) fn footprint(&self) -> usize {
         self.rx.capacity()
             + self.tx_after(self.held - self.queued)
             + self.bufs.allocated()
             + self.copy_memory()
+            + self.lists
     }
 
     /// What the COPY running on this queue may hold (its bounce buffer).
@@ -472,12 +495,14 @@ impl Conn {
     }
 
     /// Whether the budget covers the buffers once a request adds `extra_tx` bytes of reply and
-    /// `extra_pool` bytes of new data buffer; if not, the connection is starved.
+    /// `extra_pool` bytes of new data buffer (or allocation list); if not, the connection is
+    /// starved.
     pub(super) fn covers(&mut self, extra_tx: usize, extra_pool: usize) -> bool {
         let want = self.rx.capacity()
             + self.tx_after(self.held - self.queued + extra_tx)
             + self.bufs.allocated()
             + self.copy_memory()
+            + self.lists
             + extra_pool;
         self.covers_or_trim(want)
     }
@@ -506,12 +531,26 @@ impl Conn {
         self.mem.settle(have);
     }
 
+    /// An allocation list whose query was answered, counted in `lists` as `counted` bytes:
+    /// emptied, and shrunk to what a list keeps.
+    pub(super) fn rest_list(&mut self, list: &mut Vec<Extent>, counted: usize) {
+        list.clear();
+        list.shrink_to(EXTENTS_KEEP);
+        self.lists = self.lists - counted + list_bytes(list);
+    }
+
     /// An idle connection gives back what its buffers grew to beyond their initial size.
     pub(super) fn trim(&mut self) {
         if self.inflight > 0 {
             return;
         }
         self.bufs.clear();
+        // No query runs (none in flight): no backend thread holds a list.
+        for s in &mut self.slots {
+            s.extents = Vec::new();
+        }
+        self.extents = Vec::new();
+        self.lists = 0;
         if self.tx_backlog() == 0 {
             self.tx.clear();
             self.tx_sent = 0;

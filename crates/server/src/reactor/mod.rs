@@ -455,6 +455,7 @@ impl Reactor {
             free_slots: (0..q.depth).rev().collect(),
             deferred: std::collections::VecDeque::with_capacity(q.depth as usize),
             extents: Vec::new(),
+            lists: 0,
             bufs: Default::default(),
             held: 0,
             copying: false,

@@ -1,10 +1,10 @@
 //! Requests of a stream connection: decode with the connection's frontend, refuse or run with
 //! its executor, and build replies (READ data straight behind the frontend's prefix).
 
-use blkwire_backend::{AlignedBuf, BlockRequest, Extent, IoFlags};
+use blkwire_backend::{AlignedBuf, BlockRequest, Extent, IoFlags, MAX_EXTENTS};
 use blkwire_wire::Status;
 
-use super::conn::{Broadcast, Conn, Slot, REPLY_SLACK};
+use super::conn::{list_bytes, Broadcast, Conn, Slot, EXTENTS_BOUND, REPLY_SLACK};
 use super::ring::{ud, Pusher, KIND_IO};
 use crate::bufpool::Buffers;
 use crate::executor::{result_status, Copied, Outcome, Started};
@@ -174,6 +174,7 @@ fn request_cover(c: &mut Conn, req: &Req, payload_len: usize) -> Cover {
     // unless it could never fit this connection's share: then it fails (ENOMEM).
     match req.kind {
         Kind::Copy => covers_copy(c),
+        Kind::BlockStatus => covers_block_status(c, req),
         _ if unsolicited => match covers_request(c, req, payload_len) {
             Cover::Never => Cover::Never,
             _ => Cover::Yes,
@@ -195,6 +196,35 @@ fn covers_copy(c: &mut Conn) -> Cover {
         Cover::Wait
     } else {
         Cover::Yes
+    }
+}
+
+/// Whether an allocation query may be taken (see `parse_frames`). It is not a data request,
+/// but its reply may list MAX_EXTENTS extents (512 KiB for NBD) and the list it is built from
+/// takes 1 MiB: like a READ's data, the reply counts against the high-water mark while the
+/// query runs, and the budget must cover both before it is taken, or the connection waits.
+fn covers_block_status(c: &mut Conn, req: &Req) -> Cover {
+    let reply = block_status_bound(c, req);
+    if c.rx.capacity() + reply + EXTENTS_BOUND > c.mem.cap() {
+        return Cover::Never;
+    }
+    if c.data_pending() >= c.tx_high_water() || !c.covers(reply, EXTENTS_BOUND) {
+        return Cover::Wait;
+    }
+    Cover::Yes
+}
+
+/// The most the reply to the allocation query `req` takes in the transmit buffer.
+fn block_status_bound(c: &Conn, req: &Req) -> usize {
+    c.fe.block_status_len(req, reply_extents(req, MAX_EXTENTS))
+}
+
+/// How many of `n` extents the reply to `req` lists.
+fn reply_extents(req: &Req, n: usize) -> usize {
+    if req.flags.has(IoFlags::REQ_ONE) {
+        n.min(1)
+    } else {
+        n.min(MAX_EXTENTS)
     }
 }
 
@@ -711,12 +741,14 @@ fn read_hole(c: &mut Conn, req: &Req) -> bool {
         return false;
     }
     let mut extents = std::mem::take(&mut c.extents);
+    let counted = list_bytes(&extents);
     extents.clear();
     c.exec(req)
         .export()
         .backend()
         .allocation(req.offset, req.length as u64, &mut extents);
     let hole = extents.len() == 1 && extents[0].hole && extents[0].len >= req.length as u64;
+    c.rest_list(&mut extents, counted);
     c.extents = extents;
     if hole {
         c.fe.hole_reply(req, &mut c.tx);
@@ -755,10 +787,12 @@ fn release_slot(c: &mut Conn, slot: u16) {
 
 /// An allocation query: holes are unallocated ranges that read as zero. Exports that complete
 /// inline answer on this thread into the connection's scratch list; the others may run the
-/// query on their own threads, so it takes a slot whose list outlives it.
+/// query on their own threads, so it takes a slot whose list outlives it. Either list is
+/// emptied and shrunk once answered (`Conn::rest_list`): a 1 MiB map is not kept per slot.
 fn block_status(c: &mut Conn, idx: usize, req: &Req, sq: &mut Pusher<'_>) {
     if c.inline(req) {
         let mut extents = std::mem::take(&mut c.extents);
+        let counted = list_bytes(&extents);
         extents.clear();
         // SAFETY: `extents` is ours for the call, and an inline export answers inside it.
         let status = match unsafe {
@@ -769,6 +803,7 @@ fn block_status(c: &mut Conn, idx: usize, req: &Req, sq: &mut Pusher<'_>) {
             Outcome::Pending(()) => unreachable!("inline exports answer allocation queries inline"),
         };
         answer_block_status(c, req, status, &extents);
+        c.rest_list(&mut extents, counted);
         c.extents = extents;
         return;
     }
@@ -783,6 +818,8 @@ fn block_status(c: &mut Conn, idx: usize, req: &Req, sq: &mut Pusher<'_>) {
     let tag = ud(KIND_IO, c.incarnation, idx, slot);
     let s = &mut c.slots[slot as usize];
     s.extents.clear();
+    // Counted at its bound until answered: a backend thread may grow it meanwhile.
+    c.lists = c.lists - list_bytes(&s.extents) + EXTENTS_BOUND;
     let out: *mut Vec<Extent> = &mut s.extents;
     // SAFETY: the slot's list is neither touched nor freed until the slot is released, which
     // happens only once the result is delivered (a connection with slots in flight is never
@@ -792,13 +829,19 @@ fn block_status(c: &mut Conn, idx: usize, req: &Req, sq: &mut Pusher<'_>) {
             .start_allocation(req.offset, req.length, out, tag, sq)
     } {
         Outcome::Done(status) => {
-            let extents = std::mem::take(&mut c.slots[slot as usize].extents);
+            let mut extents = std::mem::take(&mut c.slots[slot as usize].extents);
             release_slot(c, slot);
             answer_block_status(c, req, status, &extents);
+            c.rest_list(&mut extents, EXTENTS_BOUND);
             c.slots[slot as usize].extents = extents;
         }
         Outcome::Pending(()) => {
+            // Its reply is held against the high-water mark and the budget until it is
+            // appended (`settle`), as a READ's data is.
+            let reply = block_status_bound(c, req);
+            c.held += reply;
             let s = &mut c.slots[slot as usize];
+            s.reply = reply;
             s.busy = true;
             s.req = Some(*req);
             c.inflight += 1;
@@ -811,10 +854,10 @@ fn answer_block_status(c: &mut Conn, req: &Req, status: Status, extents: &[Exten
     if status != Status::Ok {
         return c.reply(req, status);
     }
-    let mut extents = extents;
-    if req.flags.has(IoFlags::REQ_ONE) {
-        extents = &extents[..extents.len().min(1)];
-    }
+    // At most what the budget covered (`covers_block_status`), whatever a backend returned:
+    // a prefix of the map is an answer too.
+    let extents = &extents[..reply_extents(req, extents.len())];
+    c.grow_tx(c.fe.block_status_len(req, extents.len()));
     // Lengths fit in u32: every extent lies inside the request, whose length is a u32.
     let list: Vec<(u32, bool)> = extents
         .iter()
@@ -909,8 +952,10 @@ fn settle(c: &mut Conn, slot: u16, status: Status) {
         );
     }
     if req.kind == Kind::BlockStatus {
-        let extents = std::mem::take(&mut c.slots[slot as usize].extents);
+        c.held -= std::mem::take(&mut c.slots[slot as usize].reply);
+        let mut extents = std::mem::take(&mut c.slots[slot as usize].extents);
         answer_block_status(c, &req, status, &extents);
+        c.rest_list(&mut extents, EXTENTS_BOUND);
         c.slots[slot as usize].extents = extents;
     } else if req.is_read() && status == Status::Ok {
         let len = req.length as usize;
@@ -1007,7 +1052,7 @@ mod tests {
     use blkwire_backend::{BlockOp, Export, ExportSpec, IoFlags};
     use blkwire_wire::Status;
 
-    use super::super::conn::{Conn, Slot};
+    use super::super::conn::{list_bytes, Conn, Slot};
     use super::super::ring::{Pusher, Ring};
     use super::parse_frames;
     use crate::budget::{Account, Budget};
@@ -1083,6 +1128,27 @@ mod tests {
                     Decoded::Release {
                         slot: u16::from_le_bytes([rx[1], rx[2]]),
                         len: 3,
+                    }
+                }
+                // `Q cookie offset length`: an allocation query.
+                Some(b'Q') => {
+                    if let Some(n) = need(21) {
+                        return n;
+                    }
+                    let req = Req {
+                        kind: Kind::BlockStatus,
+                        offset: u64_at(rx, 9),
+                        length: u32_at(rx, 17),
+                        flags: IoFlags::empty(),
+                        slot: None,
+                        cookie: u64_at(rx, 1) as u128,
+                        target: 0,
+                    };
+                    Decoded::Request {
+                        req,
+                        len: 21,
+                        payload_len: 0,
+                        trailer: 0,
                     }
                 }
                 Some(op @ (b'W' | b'R')) => {
@@ -1226,6 +1292,25 @@ mod tests {
             tx.push(b'S');
             tx.extend_from_slice(&(req.cookie as u64).to_le_bytes());
             tx.extend_from_slice(&(status as u16).to_le_bytes());
+            true
+        }
+        fn block_status_len(&self, _req: &Req, extents: usize) -> usize {
+            13 + 8 * extents
+        }
+        /// `E cookie count`, then each extent's length and hole flag (u32 each, as NBD's).
+        fn block_status_reply(
+            &mut self,
+            req: &Req,
+            extents: &[(u32, bool)],
+            tx: &mut Vec<u8>,
+        ) -> bool {
+            tx.push(b'E');
+            tx.extend_from_slice(&(req.cookie as u64).to_le_bytes());
+            tx.extend_from_slice(&(extents.len() as u32).to_le_bytes());
+            for &(len, hole) in extents {
+                tx.extend_from_slice(&len.to_le_bytes());
+                tx.extend_from_slice(&u32::from(hole).to_le_bytes());
+            }
             true
         }
         fn solicit(&mut self, _req: &Req, slot: u16, offset: u32, len: u32, tx: &mut Vec<u8>) {
@@ -1394,6 +1479,7 @@ mod tests {
             deferred: Default::default(),
             inflight: 0,
             extents: Vec::new(),
+            lists: 0,
             bufs: Default::default(),
             held: 0,
             copying: false,
@@ -1725,6 +1811,102 @@ mod tests {
             "idle: {} of {busy} bytes kept",
             c.mem.charged()
         );
+    }
+
+    /// Bytes the connection's buffers and allocation lists really hold (nothing in flight:
+    /// a backend thread may be filling a slot's list while its query runs).
+    fn held_bytes(c: &Conn) -> usize {
+        assert_eq!(c.inflight, 0);
+        let lists: usize =
+            c.slots.iter().map(|s| s.extents.capacity()).sum::<usize>() + c.extents.capacity();
+        c.rx.capacity()
+            + c.tx.capacity()
+            + c.bufs.allocated()
+            + lists * std::mem::size_of::<blkwire_backend::Extent>()
+    }
+
+    /// Allocation queries whose maps list MAX_EXTENTS extents each (every other page written)
+    /// hold a reply of 8 bytes per extent and a list of 16: the budget covers both before a
+    /// query is taken, so queries that do not fit wait (the connection is starved) instead of
+    /// growing past it, and the lists are given back once answered, not kept per slot.
+    #[test]
+    fn allocation_queries_wait_for_the_budget_and_give_their_lists_back() {
+        use blkwire_backend::MAX_EXTENTS;
+        const BUDGET: usize = 3 << 20;
+        const PAGE: u64 = 4096;
+        let len = MAX_EXTENTS as u64 * PAGE;
+        // A sparse file, the export such maps usually come from: its queries run on the
+        // export's helper thread, in slots, like memthread:'s; mem: answers inline.
+        let path = std::env::temp_dir().join(format!("blkwire-maps-{}", std::process::id()));
+        std::fs::File::create(&path).unwrap().set_len(len).unwrap();
+        let file = format!("m=file:{}", path.display());
+        for spec in ["m=mem:256M", "m=memthread:256M", &file] {
+            let mut ring = Ring::new(8).unwrap();
+            let (mut c, _peer) = conn_budget(spec, false, BUDGET);
+            let mut q = c.targets[0].exec.export().open_queue().unwrap();
+            for page in (0..MAX_EXTENTS as u64).step_by(2) {
+                q.write_blocking(page * PAGE, &[1; 512], false).unwrap();
+            }
+            drop(q);
+            let mut all = Vec::new();
+            for cookie in 1..=4u64 {
+                all.extend_from_slice(&query(cookie, 0, len as u32));
+            }
+            feed(&mut c, &mut ring, &all);
+            let (mut answered, mut waited) = (0, false);
+            while answered < 4 {
+                settle_async(&mut c, &mut ring);
+                waited |= c.starved;
+                assert!(
+                    held_bytes(&c) <= BUDGET,
+                    "{spec}: {} bytes held against a budget of {BUDGET}",
+                    held_bytes(&c)
+                );
+                assert!(
+                    c.footprint() >= held_bytes(&c),
+                    "{spec}: the footprint, {}, misses some of the {} bytes held",
+                    c.footprint(),
+                    held_bytes(&c)
+                );
+                let kept = c.slots.iter().map(|s| list_bytes(&s.extents)).max();
+                assert!(
+                    kept.max(Some(list_bytes(&c.extents))) < Some(64 << 10),
+                    "{spec}: a list of an answered query kept {kept:?} bytes"
+                );
+                let tx = take_tx(&mut c);
+                let mut at = 0;
+                while at < tx.len() {
+                    assert_eq!(tx[at], b'E', "{spec}: an allocation map");
+                    let n = u32::from_le_bytes(tx[at + 9..at + 13].try_into().unwrap()) as usize;
+                    assert_eq!(n, MAX_EXTENTS, "{spec}: a page per extent");
+                    let first = &tx[at + 13..at + 21];
+                    assert_eq!(first, [0, 16, 0, 0, 0, 0, 0, 0], "{spec}: a page of data");
+                    at += 13 + 8 * n;
+                    answered += 1;
+                }
+                c.settle_memory();
+                parse_frames(&mut c, 0, &mut Pusher(&mut ring));
+            }
+            assert!(
+                waited,
+                "{spec}: four maps fit the budget at once: make it smaller"
+            );
+            c.trim();
+            assert_eq!(
+                held_bytes(&c) - c.rx.capacity() - c.tx.capacity(),
+                0,
+                "{spec}: an idle connection keeps no allocation list"
+            );
+        }
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    fn query(cookie: u64, offset: u64, length: u32) -> Vec<u8> {
+        let mut m = vec![b'Q'];
+        m.extend_from_slice(&cookie.to_le_bytes());
+        m.extend_from_slice(&offset.to_le_bytes());
+        m.extend_from_slice(&length.to_le_bytes());
+        m
     }
 
     /// The budget sets aside the framing a chunked READ's frontend says it takes, here more
