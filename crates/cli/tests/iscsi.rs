@@ -352,6 +352,40 @@ fn data_round_trips_with_and_without_digests() {
     }
 }
 
+/// Linux's defaults (ImmediateData=Yes, FirstBurstLength 256 KiB): six 1 MiB WRITEs, each
+/// with 256 KiB of immediate data, all sent before any R2T is answered. The first four hold the
+/// connection's high-water mark of data buffers while they wait for the rest; the fifth and
+/// sixth must not stop the Data-Out of the first four behind them (they did: the connection
+/// hung for good: here a receive or send that times out).
+#[test]
+fn pipelined_writes_with_immediate_data_past_the_high_water_mark_complete() {
+    let _serial = serial();
+    let t = IscsiTarget::start(&["disk=mem:64M"], &[]);
+    let keys = [
+        ("FirstBurstLength", "262144"),
+        ("MaxBurstLength", "1048576"),
+    ];
+    let mut c = login_with(&t.addr, &format!("{PREFIX}disk"), Digests::default(), &keys);
+    assert_eq!((c.immediate_data, c.first_burst), (true, 256 << 10));
+    assert!(
+        c.send_max >= 256 << 10,
+        "256 KiB of immediate data fits one PDU"
+    );
+    // A hang shows as a send or a receive that times out, not as a test that never ends.
+    c.s.set_write_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let data: Vec<Vec<u8>> = (0..6).map(|i| random_bytes(1 << 20, 600 + i)).collect();
+    let writes: Vec<(u64, &[u8])> = data
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (i as u64 * 2048, &d[..]))
+        .collect();
+    assert_eq!(c.write_many(&writes), vec![0u8; 6]);
+    for (lba, d) in writes {
+        assert!(c.read(lba, 2048).0 == d, "write at {lba} read back differs");
+    }
+}
+
 /// InitialR2T=No (RFC 7143 §13.10): writes send unsolicited Data-Out up to FirstBurstLength
 /// after their immediate data (or without any), R2Ts ask only for the rest, and the data reads
 /// back the same, one write at a time and in a batch sent before any answer. Unsolicited data

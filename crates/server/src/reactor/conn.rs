@@ -27,8 +27,13 @@ pub(super) struct Slot {
     pub(super) extents: Vec<Extent>,
     /// What that query's reply may take, held in `Conn::held` while it runs.
     pub(super) reply: usize,
-    /// A WRITE waiting for the data the frontend solicited: how many bytes of it are in `buf`.
+    /// A WRITE waiting for the data the frontend solicited: how many bytes of it are in `buf`
+    /// (or in `brought` while it waits for memory).
     pub(super) awaiting: Option<u32>,
+    /// The data a WRITE brought while it waits in `Conn::deferred` for memory, before it gets
+    /// its full-length `buf` (`stream::park_with_data`): only what it brought, so that the
+    /// writes waiting this way hold no more than their slots times the most one may bring.
+    pub(super) brought: Option<AlignedBuf>,
     /// When the block request running on the backend started (its latency is recorded when
     /// it finishes).
     pub(super) started: Option<Started>,

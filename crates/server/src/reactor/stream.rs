@@ -96,11 +96,33 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                     park(c, &req);
                     continue;
                 }
-                // A small write that brings its data (NVMe/TCP in-capsule data) cannot wait in
-                // a slot without it: it runs, a little past the budget (its slots bound how
-                // much), rather than keep the data of the waiting writes out.
+                // A small write that brings all its data (NVMe/TCP in-capsule data) runs, a
+                // little past the budget (its slots bound how much), rather than keep the data
+                // of the waiting writes out.
                 Cover::Wait
-                    if *payload_len <= SMALL_PAYLOAD && req.slot.is_none() && writes_wait(c) => {}
+                    if *payload_len == req.length as usize
+                        && *payload_len <= SMALL_PAYLOAD
+                        && req.slot.is_none()
+                        && writes_wait(c) => {}
+                // Any other write that brings data (iSCSI immediate data, up to
+                // FirstBurstLength) would stop the stream just the same: it waits in a slot
+                // with a copy of what it brought, or is refused if the budget cannot hold even
+                // that (`park_with_data`).
+                Cover::Wait
+                    if req.is_write()
+                        && *payload_len > 0
+                        && req.slot.is_none()
+                        && writes_wait(c) =>
+                {
+                    let req = *req;
+                    let payload_len = *payload_len;
+                    c.fe.taken(&req);
+                    let payload_at = c.rx_start + len - trailer - payload_len;
+                    c.rx_start += len;
+                    c.stats().frames_in += 1;
+                    park_with_data(c, &req, payload_at, payload_len);
+                    continue;
+                }
                 Cover::Wait => break,
                 Cover::Never => {
                     c.fe.taken(req);
@@ -557,10 +579,42 @@ fn park(c: &mut Conn, req: &Req) {
     c.deferred.push_back(slot);
 }
 
+/// A WRITE that brought `got` bytes of its data (at `payload_at` in rx) and must wait for
+/// memory while writes wait for their data: it waits in a slot of its own, queued behind the
+/// others waiting (`run_deferred`), with a buffer of only what it brought, so the memory it
+/// holds meanwhile is bounded by what one write may bring (iSCSI: FirstBurstLength) and is
+/// covered by the budget. If the budget cannot cover even that, it is refused (NO_MEMORY,
+/// which the initiator retries) rather than held past the budget. What `dispatch` would
+/// refuse at once is refused now, before its data is copied.
+fn park_with_data(c: &mut Conn, req: &Req, payload_at: usize, got: usize) {
+    if c.targets.get(req.target as usize).is_none_or(|t| t.fenced) {
+        return c.reply(&req.refused(), Status::NoExport);
+    }
+    let block = req.block().expect("a block request");
+    if let Err(st) = c.exec(req).admit(&block) {
+        return c.reply(req, st);
+    }
+    let extra = if c.bufs.has_spare(got) { 0 } else { got };
+    if !c.covers(0, extra) {
+        return c.reply(req, Status::NoMemory);
+    }
+    let align = c.exec(req).buffer_alignment();
+    let mut brought = c.bufs.take(got, align);
+    brought.as_mut_slice()[..got].copy_from_slice(&c.rx[payload_at..payload_at + got]);
+    c.held += got;
+    let slot = take_slot(c, req);
+    let s = &mut c.slots[slot as usize];
+    s.busy = true;
+    s.req = Some(*req);
+    s.awaiting = Some(got as u32);
+    s.brought = Some(brought);
+    c.deferred.push_back(slot);
+}
+
 /// Runs what waits for memory in slots, oldest first, as far as the memory budget covers it:
-/// WRITEs that came without their data get their buffers and their solicitation; parked
-/// requests are dispatched. The rest wait for memory a completion frees (the connection is
-/// then starved and retried).
+/// WRITEs that came without all their data get their buffers and their solicitation (those
+/// that brought all of it run); parked requests are dispatched. The rest wait for memory a
+/// completion frees (the connection is then starved and retried).
 fn run_deferred(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     while let Some(&slot) = c.deferred.front() {
         let s = &c.slots[slot as usize];
@@ -582,11 +636,26 @@ fn run_deferred(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             continue;
         }
         let len = req.length as usize;
-        let extra = if c.bufs.has_spare(len) { 0 } else { len };
+        let got = s.awaiting.unwrap_or(0);
+        // One that brought all its data runs from the buffer that holds it: nothing to add.
+        let whole = got as usize >= len;
+        let extra = if whole || c.bufs.has_spare(len) {
+            0
+        } else {
+            len
+        };
         if !c.covers(0, extra) {
             return;
         }
         c.deferred.pop_front();
+        if whole {
+            let s = &mut c.slots[slot as usize];
+            s.buf = s.brought.take();
+            s.awaiting = None;
+            run_in_slot(c, idx, &req, slot, sq);
+            continue;
+        }
+        let brought = c.slots[slot as usize].brought.take();
         let align = c.exec(&req).buffer_alignment();
         let buf = slot_buffer(
             &mut c.slots,
@@ -596,13 +665,18 @@ fn run_deferred(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             slot,
             req.length,
         );
+        if let Some(b) = brought {
+            buf.as_mut_slice()[..got as usize].copy_from_slice(&b.as_slice()[..got as usize]);
+            c.held -= got as usize;
+            c.bufs.give_back(b);
+        }
         // Data the frontend holds itself needs no solicitation.
-        if c.fe.fill(&req, &mut buf.as_mut_slice()[..len]) {
+        if got == 0 && c.fe.fill(&req, &mut buf.as_mut_slice()[..len]) {
             c.slots[slot as usize].awaiting = None;
             run_in_slot(c, idx, &req, slot, sq);
             continue;
         }
-        c.fe.solicit(&req, slot, 0, req.length, &mut c.tx);
+        c.fe.solicit(&req, slot, got, req.length - got, &mut c.tx);
     }
 }
 
@@ -767,12 +841,18 @@ fn release_held(c: &mut Conn, slot: u16) {
         return;
     }
     let len = s.req.map_or(0, |r| r.length as usize);
+    let got = s.awaiting.take().unwrap_or(0) as usize;
     s.busy = false;
     s.req = None;
-    s.awaiting = None;
+    let brought = s.brought.take();
     if let Some(buf) = s.buf.take() {
         c.held -= len;
         c.bufs.give_back(buf);
+    }
+    // A write that still waited for memory holds only what it brought.
+    if let Some(b) = brought {
+        c.held -= got;
+        c.bufs.give_back(b);
     }
     c.deferred.retain(|&d| d != slot);
     release_slot(c, slot);
@@ -1774,6 +1854,174 @@ mod tests {
         }
         feed(&mut c, &mut ring, &msgs);
         assert_eq!(c.targets[0].exec.stats.writes, 5, "every write ran");
+    }
+
+    /// The solicitations (`T slot offset len`) among what the toy wrote.
+    fn solicited(tx: &[u8]) -> Vec<(u16, u32, u32)> {
+        tx.chunks(11)
+            .filter(|t| t[0] == b'T')
+            .map(|t| (u16::from_le_bytes([t[1], t[2]]), u32_at(t, 3), u32_at(t, 7)))
+            .collect()
+    }
+
+    /// iSCSI with ImmediateData=Yes: 1 MiB writes bring their first 128 KiB in the command.
+    /// Four of them hold the high-water mark's worth of buffers while they wait for the rest;
+    /// a fifth write that brings more than a small payload, too much to run past the mark,
+    /// must not stop the stream in front of the data the four wait for (it did: the four
+    /// never ran). It waits in a slot with only what it brought; once the four ran, one that
+    /// brought part of its data is asked for the rest, one that brought all of it runs, and
+    /// one aborted meanwhile gives its slot and memory back unanswered.
+    #[test]
+    fn a_large_write_with_its_data_does_not_stop_the_data_of_writes_before_it() {
+        const MIB: usize = 1 << 20;
+        const IMM: usize = 128 << 10;
+        let payload =
+            |i: usize| -> Vec<u8> { (0..MIB).map(|b| ((b + 7 * i) % 251) as u8).collect() };
+        // The fifth: its length, and whether it is aborted while it waits.
+        for (len5, abort) in [(MIB, false), (256 << 10, false), (MIB, true)] {
+            let case = format!("fifth of {len5} bytes, aborted: {abort}");
+            let mut ring = Ring::new(8).unwrap();
+            let (mut c, _peer) = conn("m=mem:8M");
+            c.slots = (0..8).map(|_| Slot::default()).collect();
+            c.free_slots = (0..8).rev().collect();
+            for i in 0..4 {
+                let p = payload(i);
+                let w = write(i as u64, (i * MIB) as u64, MIB as u32, &p[..IMM]);
+                feed(&mut c, &mut ring, &w);
+            }
+            assert!(c.held >= c.tx_high_water(), "the four hold the mark");
+            let asked = solicited(&take_tx(&mut c));
+            assert_eq!(asked.len(), 4);
+            let held = c.held;
+            let p4 = payload(4);
+            let imm5 = if len5 == MIB { IMM } else { len5 };
+            let mut msgs = write(4, 4 * MIB as u64, len5 as u32, &p4[..imm5]);
+            if abort {
+                // In the same read, so that nothing lets it be asked for the rest between.
+                let slot = *c.free_slots.last().unwrap();
+                msgs.push(b'A');
+                msgs.extend_from_slice(&slot.to_le_bytes());
+            }
+            feed(&mut c, &mut ring, &msgs);
+            assert_eq!(c.rx_start, c.rx_end, "{case}: the fifth was taken");
+            assert!(
+                take_tx(&mut c).is_empty(),
+                "{case}: not asked for anything yet"
+            );
+            if abort {
+                assert_eq!((c.held, c.deferred.len()), (held, 0), "{case}: given back");
+            } else {
+                assert_eq!(c.deferred.len(), 1, "{case}: it waits");
+                assert_eq!(c.held, held + imm5, "{case}: holding only what it brought");
+            }
+            // Only now the data the four wait for.
+            let mut msgs = Vec::new();
+            for (i, &(slot, offset, len)) in asked.iter().enumerate() {
+                assert_eq!((offset, len), (IMM as u32, (MIB - IMM) as u32));
+                msgs.extend_from_slice(&data(slot, offset, &payload(i)[IMM..]));
+            }
+            feed(&mut c, &mut ring, &msgs);
+            assert_eq!(
+                c.targets[0].exec.stats.writes,
+                4 + (len5 < MIB) as u64,
+                "{case}"
+            );
+            let tx = take_tx(&mut c);
+            let asked = solicited(&tx);
+            if len5 == MIB && !abort {
+                // Asked for the rest now that the four gave their memory back.
+                assert_eq!(
+                    asked,
+                    [(asked[0].0, IMM as u32, (MIB - IMM) as u32)],
+                    "{case}"
+                );
+                feed(&mut c, &mut ring, &data(asked[0].0, IMM as u32, &p4[IMM..]));
+                assert_eq!(take_tx(&mut c), status_reply(4, Status::Ok), "{case}");
+            } else {
+                assert!(asked.is_empty(), "{case}");
+                let answered = tx.windows(11).any(|w| w == status_reply(4, Status::Ok));
+                assert_eq!(answered, !abort, "{case}");
+            }
+            assert_eq!(c.targets[0].exec.stats.writes, 5 - abort as u64, "{case}");
+            assert_eq!((c.held, c.free_slots.len()), (0, 8), "{case}");
+            for i in 0..5 - abort as usize {
+                let len = if i == 4 { len5 } else { MIB };
+                feed(&mut c, &mut ring, &read(10, (i * MIB) as u64, len as u32));
+                let tx = take_tx(&mut c);
+                assert!(
+                    tx[11..11 + len] == payload(i)[..len],
+                    "{case}: write {i} landed"
+                );
+            }
+        }
+    }
+
+    /// The same under the memory budget: while writes wait for memory to ask for their data,
+    /// a write that brings data waits with it where the budget holds that, and is refused
+    /// (NO_MEMORY: the initiator retries it) where it does not, instead of stopping the
+    /// stream in front of the data the waiting writes are asked for, or growing past the
+    /// budget.
+    #[test]
+    fn a_write_with_its_data_waits_or_is_refused_within_the_budget() {
+        const LEN: usize = 512 << 10;
+        const BUDGET: usize = 3 << 20;
+        let one = vec![3u8; LEN];
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn_budget("m=mem:4M", false, BUDGET);
+        c.slots = (0..8).map(|_| Slot::default()).collect();
+        c.free_slots = (0..8).rev().collect();
+        let mut msgs = Vec::new();
+        for i in 0..3u64 {
+            msgs.extend_from_slice(&write(i, i * LEN as u64, LEN as u32, &[]));
+        }
+        feed(&mut c, &mut ring, &msgs);
+        assert!(!c.deferred.is_empty(), "the budget held every buffer");
+        let mut sent = take_tx(&mut c);
+        // One that brings a little of its data waits with it.
+        let held = c.held;
+        feed(
+            &mut c,
+            &mut ring,
+            &write(20, 3 * LEN as u64, LEN as u32, &one[..8192]),
+        );
+        assert_eq!(c.rx_start, c.rx_end, "taken");
+        assert_eq!(c.held, held + 8192, "waiting with what it brought");
+        // One that brings all of a large write, for which the receive buffer grew, cannot
+        // have that copied within the budget: refused.
+        feed(
+            &mut c,
+            &mut ring,
+            &write(21, 4 * LEN as u64, LEN as u32, &one),
+        );
+        assert_eq!(c.rx_start, c.rx_end, "taken");
+        assert!(
+            c.footprint() <= BUDGET,
+            "{} bytes held against a budget of {BUDGET}",
+            c.footprint()
+        );
+        let tx = take_tx(&mut c);
+        assert!(
+            tx.ends_with(&status_reply(21, Status::NoMemory)),
+            "the whole write refused: {tx:?}"
+        );
+        sent.extend_from_slice(&tx);
+        // Whatever is asked for arrives; each write that runs lets the next one be asked for.
+        for _ in 0..8 {
+            for (s, offset, len) in solicited(&sent) {
+                feed(
+                    &mut c,
+                    &mut ring,
+                    &data(s, offset, &one[offset as usize..][..len as usize]),
+                );
+            }
+            sent = take_tx(&mut c);
+            assert!(c.footprint() <= BUDGET, "{} bytes held", c.footprint());
+        }
+        assert_eq!(
+            c.targets[0].exec.stats.writes, 4,
+            "every write but the refused ran"
+        );
+        assert!(c.deferred.is_empty());
     }
 
     /// A request whose reply and data buffer the memory budget cannot cover waits in the
