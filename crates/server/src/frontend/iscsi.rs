@@ -62,6 +62,12 @@ const MIN_PIECE: usize = 16 << 10;
 /// digest, with room to spare.
 const RESPONSE_MAX: usize = 256;
 
+/// The most data a Text Response in the full feature phase carries before the initiator's
+/// MaxRecvDataSegmentLength cuts it: a `key=NotUnderstood` pair for each key of the request,
+/// of which `iscsi::pairs` reads at most `MAX_PAIRS`, each at most `MAX_KEY_LEN` long (about
+/// 20 KB).
+const TEXT_ANSWER_MAX: usize = iscsi::MAX_PAIRS * (iscsi::MAX_KEY_LEN + "=NotUnderstood\0".len());
+
 /// SCSI status GOOD.
 const GOOD: u8 = 0x00;
 /// SCSI status CHECK CONDITION.
@@ -1964,6 +1970,24 @@ impl StreamFrontend for Iscsi {
         rx.first().is_some_and(|b| b & 0x3f == op::DATA_OUT)
     }
 
+    /// The answers larger than the reactor's slack are the NOP-In echoing a ping's data (up to
+    /// our MaxRecvDataSegmentLength, 256 KiB) and the Text Response (`TEXT_ANSWER_MAX`). The
+    /// SCSI commands answered here write far less: the largest answer, REPORT SUPPORTED
+    /// OPERATION CODES of all commands, is about 1 KiB.
+    fn reply_bound(&self, rx: &[u8]) -> usize {
+        let Some(bhs) = rx.get(..BHS_LEN) else {
+            return 0;
+        };
+        let dlen = u32::from_be_bytes([0, bhs[5], bhs[6], bhs[7]]) as usize;
+        let data = match bhs[0] & 0x3f {
+            op::NOP_OUT => dlen,
+            op::TEXT_REQ => TEXT_ANSWER_MAX,
+            _ => return 0,
+        };
+        // Header, header digest, data, padding, data digest.
+        Bhs::prefix_len(&self.d) + data.min(self.neg.send_max as usize) + 3 + DIGEST_LEN
+    }
+
     fn read_framing(&self, req: &Req) -> ReadFraming {
         let send = extra_of(req);
         if send == req.length && send <= self.neg.send_max && send <= self.neg.max_burst {
@@ -2549,6 +2573,78 @@ mod tests {
         assert!(!f.encode_read_framing(&r, &data, &mut framing, &mut pieces));
         assert!(framing.is_empty() && pieces.is_empty());
         assert_eq!(f.outstanding, 1, "still the copy's to answer");
+    }
+
+    /// What decode writes for a message never exceeds what `reply_bound` declared for it, or
+    /// the reactor's 4 KiB slack for small replies (`reactor::conn::REPLY_SLACK`), which is all
+    /// it makes room for otherwise: a 256 KiB ping echoed whole, with digests; a Text Request
+    /// of more and longer keys than are read (each answered `key=NotUnderstood`); the largest
+    /// SCSI answer built here (REPORT SUPPORTED OPERATION CODES of all commands with their
+    /// timeouts) and a REPORT LUNS.
+    #[test]
+    fn answers_fit_the_room_reply_bound_declares() {
+        const SLACK: usize = 4096;
+        let mut f = fe(65536);
+        f.d = Digests {
+            header: true,
+            data: true,
+        };
+        f.neg.send_max = 1 << 20;
+        let ping: Vec<u8> = (0..256 << 10).map(|i| (i % 251) as u8).collect();
+        let mut nop = Bhs::new(op::NOP_OUT | iscsi::IMMEDIATE, flag::FINAL);
+        nop.itt(7).set32(20, RESERVED_TAG);
+        let mut nop_pdu = Vec::new();
+        nop.encode(&ping, &f.d, &mut nop_pdu);
+        let keys: Vec<u8> = (0..1000)
+            .flat_map(|i| format!("{i:0>63}=1\0").into_bytes())
+            .collect();
+        let mut text = Bhs::new(op::TEXT_REQ | iscsi::IMMEDIATE, flag::FINAL);
+        text.itt(8).set32(20, RESERVED_TAG);
+        let mut text_pdu = Vec::new();
+        text.encode(&keys, &f.d, &mut text_pdu);
+        let mut rsoc = [0u8; 12];
+        rsoc[0] = 0xa3;
+        rsoc[1] = 0x0c;
+        rsoc[2] = 0x80;
+        rsoc[6..10].copy_from_slice(&65535u32.to_be_bytes());
+        let mut luns = [0u8; 12];
+        luns[0] = 0xa0;
+        luns[6..10].copy_from_slice(&65535u32.to_be_bytes());
+        let encode_cmd = |cdb: &[u8], itt: u32, cmdsn: u32| {
+            let mut b = Bhs::new(op::SCSI_CMD, flag::FINAL | flag::READ | 1);
+            b.itt(itt).set32(20, 65535).set32(24, cmdsn);
+            b.0[32..32 + cdb.len()].copy_from_slice(cdb);
+            let mut out = Vec::new();
+            b.encode(&[], &f.d, &mut out);
+            out
+        };
+        let pdus = [
+            ("ping", nop_pdu),
+            ("text", text_pdu),
+            ("report supported operation codes", encode_cmd(&rsoc, 9, 0)),
+            ("report luns", encode_cmd(&luns, 10, 1)),
+        ];
+        for (what, pdu) in pdus {
+            let room = f.reply_bound(&pdu).max(SLACK);
+            let mut tx = Vec::new();
+            assert!(
+                matches!(f.decode(&pdu, &mut tx), Decoded::Answered { len } if len == pdu.len()),
+                "{what}"
+            );
+            assert!(
+                tx.len() <= room,
+                "{what}: {} bytes written, {room} declared",
+                tx.len()
+            );
+            match what {
+                "ping" => assert!(tx.windows(ping.len()).any(|w| w == ping), "echoed whole"),
+                "text" => {
+                    let answer = iscsi::decode(&tx, &f.d).unwrap().data;
+                    assert_eq!(answer.len(), TEXT_ANSWER_MAX, "the most keys, the longest");
+                }
+                _ => assert!(tx.len() > BHS_LEN, "{what}: answered with data"),
+            }
+        }
     }
 
     #[test]

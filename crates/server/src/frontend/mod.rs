@@ -270,6 +270,17 @@ pub trait StreamFrontend: Send {
         false
     }
 
+    /// The most bytes `decode` may append to `tx` for the message at the front of `rx`
+    /// (possibly incomplete), when that is more than the reactor's slack for small replies
+    /// (4 KiB, which the default leaves it at): an answer the frontend writes itself, such as
+    /// iSCSI's NOP-In echoing its ping data. The reactor makes that much room, within the
+    /// memory budget, before decoding; otherwise the transmit buffer would grow behind the
+    /// budget's back.
+    fn reply_bound(&self, rx: &[u8]) -> usize {
+        let _ = rx;
+        0
+    }
+
     /// How the successful reply to the READ `req` is laid out.
     fn read_framing(&self, req: &Req) -> ReadFraming;
 

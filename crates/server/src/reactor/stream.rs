@@ -24,11 +24,15 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         if c.dead || c.tx_backlog() >= c.tx_high_water() {
             return;
         }
-        // Room for small replies (status, refusals) without letting `Vec` double the buffer
-        // behind the budget's back.
-        if c.tx.capacity() - c.tx.len() < REPLY_SLACK {
-            if c.covers(REPLY_SLACK, 0) {
-                c.grow_tx(REPLY_SLACK);
+        // Room for small replies (status, refusals), or for what the frontend may answer the
+        // next message with itself, without letting `Vec` double the buffer behind the
+        // budget's back.
+        let room =
+            c.fe.reply_bound(&c.rx[c.rx_start..c.rx_end])
+                .max(REPLY_SLACK);
+        if c.tx.capacity() - c.tx.len() < room {
+            if c.covers(room, 0) {
+                c.grow_tx(room);
             } else if !c.fe.next_is_data(&c.rx[c.rx_start..c.rx_end]) {
                 return;
             }
@@ -1201,6 +1205,19 @@ mod tests {
                     tx.push(b'p');
                     Decoded::Answered { len: 1 }
                 }
+                // `E n:u32 data[n]`: echoed as `e data` (as an iSCSI NOP-In its ping data).
+                Some(b'E') => {
+                    if let Some(n) = need(5) {
+                        return n;
+                    }
+                    let n = u32_at(rx, 1) as usize;
+                    if let Some(m) = need(5 + n) {
+                        return m;
+                    }
+                    tx.push(b'e');
+                    tx.extend_from_slice(&rx[5..5 + n]);
+                    Decoded::Answered { len: 5 + n }
+                }
                 Some(b'A') => {
                     if let Some(n) = need(3) {
                         return n;
@@ -1296,6 +1313,12 @@ mod tests {
         }
         fn next_is_data(&self, rx: &[u8]) -> bool {
             rx.first() == Some(&b'D')
+        }
+        fn reply_bound(&self, rx: &[u8]) -> usize {
+            match rx {
+                [b'E', n @ ..] if n.len() >= 4 => 1 + u32_at(n, 0) as usize,
+                _ => 0,
+            }
         }
         fn data_follows(&self, req: &Req) -> bool {
             req.cookie & FOLLOWS != 0
@@ -2187,6 +2210,44 @@ mod tests {
             }
         }
         assert!(ran > 0 && held_back > 0, "ran {ran}, held back {held_back}");
+    }
+
+    /// Replies the frontend writes itself (an iSCSI NOP-In echoing 256 KiB) that the client
+    /// never reads stay within the connection's part of the budget, here its floor: the room
+    /// for each is covered before it is decoded (it was not: `Vec` doubled the transmit buffer
+    /// to twice the high-water mark behind the budget's back). Once the client reads, the rest
+    /// is answered.
+    #[test]
+    fn replies_the_frontend_writes_itself_stay_within_the_budget() {
+        const PING: usize = 256 << 10;
+        let budget = super::super::conn::stream_floor(1 << 20);
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn_budget("m=mem:1M", false, budget);
+        let mut echo = vec![b'E'];
+        echo.extend_from_slice(&(PING as u32).to_le_bytes());
+        echo.extend((0..PING).map(|i| (i % 251) as u8));
+        let mut sent = 0;
+        // Fed one at a time while they are taken (a stopped connection reads nothing more).
+        while c.rx_start == c.rx_end && sent < 40 {
+            feed(&mut c, &mut ring, &echo);
+            sent += 1;
+            assert!(
+                c.footprint() <= budget && c.footprint() <= c.mem.charged(),
+                "after {sent} pings: {} bytes held, {} charged, against a budget of {budget}",
+                c.footprint(),
+                c.mem.charged()
+            );
+        }
+        assert!(sent < 40, "never stopped: the replies went unbounded");
+        let mut answered = take_tx(&mut c).len() / (PING + 1);
+        c.settle_memory();
+        parse_frames(&mut c, 0, &mut Pusher(&mut ring));
+        assert_eq!(
+            c.rx_start, c.rx_end,
+            "the last one is answered once there is room"
+        );
+        answered += take_tx(&mut c).len() / (PING + 1);
+        assert_eq!(answered, sent, "every ping answered");
     }
 
     /// What the peer of `c` receives, `len` bytes, read in small bites so that sends are
