@@ -1005,6 +1005,81 @@ fn resumes_after_restart(tag: &str, extra: &[&str]) {
     run.assert_clean();
 }
 
+/// `blkwire ARGS --socket SOCK` against a target's control socket, which must succeed; stdout.
+fn control_ok(sock: &str, args: &[&str]) -> String {
+    let mut a = args.to_vec();
+    a.extend(["--socket", sock]);
+    let (ok, out, err) = common::cli(&a);
+    assert!(ok, "{a:?}: {err}");
+    out
+}
+
+/// A grown export (`export resize`) still takes the mapping's reconnections: the device keeps
+/// the size it was mapped with and its I/O goes on (docs/MANAGEMENT.md, "Resizing an export").
+#[test]
+fn mapping_reconnects_after_its_export_grew() {
+    require_root!();
+    let run = Run::new("grown");
+    let d = TempDir::new("map-grown-img");
+    let img = d.path("disk.img");
+    common::sparse_file(&img, 32 << 20);
+    let sock = d.path("ctl.sock").to_str().unwrap().to_string();
+    let mut cmd = Command::new(BIN);
+    cmd.args([
+        "serve",
+        "--listen",
+        "tcp://127.0.0.1:0",
+        "--log-level",
+        "warn",
+    ])
+    .args(["--rpc-socket", &sock])
+    .args(["--export", &format!("disk=file:{}", img.display())]);
+    let (child, urls) = common::spawn_serve_with_control(&mut cmd, 1);
+    let t = Target {
+        child,
+        base: urls[0].clone(),
+    };
+    let log = run.dir().join("map.log");
+    // A short timeout: without the fix the reconnection is refused and the read below fails
+    // with EIO once it passes.
+    let m = run.map(
+        &t.url("disk"),
+        &["--timeout", "5", "--logfile", log.to_str().unwrap()],
+    );
+    let data = random_bytes(1 << 20, 63);
+    dev_write(&m.dev, &data, 0).unwrap();
+    control_ok(&sock, &["export", "resize", "disk", "64M"]);
+    // Every session of the mapping is closed: its next I/O must reconnect, to the grown export.
+    let list: Value =
+        serde_json::from_str(&control_ok(&sock, &["session", "ls", "--json"])).unwrap();
+    let ids: Vec<String> = list
+        .as_array()
+        .expect("session ls --json is a list")
+        .iter()
+        .map(|s| s["session"].to_string())
+        .collect();
+    assert!(!ids.is_empty(), "{list}");
+    for id in &ids {
+        control_ok(&sock, &["session", "close", id]);
+    }
+    assert!(dev_read(&m.dev, data.len(), 0).unwrap() == data);
+    let more = random_bytes(1 << 20, 64);
+    dev_write(&m.dev, &more, 4 << 20).unwrap();
+    assert!(dev_read(&m.dev, more.len(), 4 << 20).unwrap() == more);
+    assert_eq!(
+        m.sys("size"),
+        ((32u64 << 20) / 512).to_string(),
+        "the device keeps its mapped size"
+    );
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(text.contains("reconnected"), "{text}");
+    m.unmap();
+    drop(t);
+    let f = std::fs::read(&img).unwrap();
+    assert!(f[..data.len()] == data[..] && f[4 << 20..(4 << 20) + more.len()] == more[..]);
+    run.assert_clean();
+}
+
 #[test]
 fn discard_zeroout_and_flush_reach_the_target() {
     require_root!();

@@ -1040,9 +1040,12 @@ fn spawn_attempt(sh: &Arc<Shared>, id: usize, waker: &Arc<Waker>) -> Option<Atte
             let r = blkwire_client::connect(&url, &opts)
                 .map_err(|e| e.to_string())
                 .and_then(|mut s| {
-                    if s.info.size != size {
+                    // The export may have grown (`export_resize`) since the mapping was set
+                    // up: the file keeps its size and its I/O stays inside it. A smaller
+                    // export could not hold the file's end.
+                    if s.info.size < size {
                         return Err(format!(
-                            "the export's size changed from {size} to {} bytes; not using it",
+                            "the export shrank from {size} to {} bytes; not using it",
                             s.info.size
                         ));
                     }
