@@ -94,6 +94,65 @@ pub(crate) struct Connected {
     pub readonly: bool,
 }
 
+/// What a device was set up with, which every session serving it must still grant. A queue that
+/// reconnects (a broken connection, a restarted target) lands on a new session while the device
+/// stays as it is, so a session granting less would fail requests the kernel already sends: it
+/// is refused, and the queue keeps trying (its requests fail at their deadline meanwhile). Both
+/// frontends check their reconnections here.
+///
+/// Not checked, because it cannot be: that the session is of the same export. The protocol
+/// names an export but carries no identity for it, so an export removed and added again under
+/// the same name (other data, same or larger size) passes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Needs {
+    /// The device's size. The export may have grown since (`export_resize`; the device keeps
+    /// its size), but a smaller one cannot hold the device's end.
+    pub size: u64,
+    /// The device's logical block size: the kernel aligns requests to it, and an export with
+    /// other blocks refuses them (or, smaller, would be mapped with the wrong geometry).
+    pub logical_block: u32,
+    /// The largest READ or WRITE the device sends as one command.
+    pub max_io: u32,
+    /// Commands one queue must be able to have in flight at once.
+    pub depth: u16,
+    /// Mapped read-write: the export must still take writes.
+    pub writable: bool,
+}
+
+impl Needs {
+    /// Why a session described by `info` cannot serve this device, if it cannot.
+    pub(crate) fn check(&self, info: &ExportInfo) -> Result<(), String> {
+        if info.size < self.size {
+            return Err(format!(
+                "the export shrank from {} to {} bytes",
+                self.size, info.size
+            ));
+        }
+        if info.logical_block != self.logical_block {
+            return Err(format!(
+                "the export's logical block size changed from {} to {} bytes",
+                self.logical_block, info.logical_block
+            ));
+        }
+        if info.max_io < self.max_io {
+            return Err(format!(
+                "the target now grants I/O of at most {} bytes, the device sends up to {}",
+                info.max_io, self.max_io
+            ));
+        }
+        if info.depth < self.depth {
+            return Err(format!(
+                "the target now grants queue depth {}, the device needs {}",
+                info.depth, self.depth
+            ));
+        }
+        if self.writable && info.features.has(Features::READ_ONLY) {
+            return Err("the export is now read-only and the device is writable".into());
+        }
+        Ok(())
+    }
+}
+
 /// Connects the session a mapping serves with, first (so an unknown export or an unreachable
 /// target fails before anything exists), and checks that the export can be a block device.
 pub(crate) fn connect(spec: &Spec) -> Result<Connected, String> {
@@ -173,4 +232,105 @@ pub(crate) fn final_flush(mut q: Queue, readonly: bool, id: usize) {
         }
     }
     let _ = q.logout();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info() -> ExportInfo {
+        ExportInfo {
+            name: "d".into(),
+            size: 1 << 30,
+            logical_block: 512,
+            physical_block: 4096,
+            features: Features(Features::FLUSH),
+            queues: 1,
+            depth: 64,
+            max_io: 1 << 20,
+            session: 1,
+            copy: Default::default(),
+        }
+    }
+
+    const NEEDS: Needs = Needs {
+        size: 1 << 30,
+        logical_block: 512,
+        max_io: 1 << 20,
+        depth: 64,
+        writable: true,
+    };
+
+    #[test]
+    fn the_same_grant_or_more_serves_the_device() {
+        assert_eq!(NEEDS.check(&info()), Ok(()));
+        // Grown (export_resize), more depth, larger I/O: all fine.
+        let more = ExportInfo {
+            size: 2 << 30,
+            depth: 128,
+            max_io: 4 << 20,
+            ..info()
+        };
+        assert_eq!(NEEDS.check(&more), Ok(()));
+        // A read-only export serves a read-only device.
+        let ro = ExportInfo {
+            features: Features(Features::READ_ONLY),
+            ..info()
+        };
+        let reader = Needs {
+            writable: false,
+            ..NEEDS
+        };
+        assert_eq!(reader.check(&ro), Ok(()));
+    }
+
+    #[test]
+    fn a_session_granting_less_is_refused() {
+        let refused = |i: ExportInfo, needle: &str| {
+            let e = NEEDS.check(&i).expect_err(needle);
+            assert!(e.contains(needle), "{e}");
+        };
+        refused(
+            ExportInfo {
+                size: (1 << 30) - 512,
+                ..info()
+            },
+            "shrank",
+        );
+        refused(
+            ExportInfo {
+                logical_block: 4096,
+                ..info()
+            },
+            "logical block",
+        );
+        refused(
+            ExportInfo {
+                logical_block: 256,
+                ..info()
+            },
+            "logical block",
+        );
+        refused(
+            ExportInfo {
+                max_io: 512 << 10,
+                ..info()
+            },
+            "I/O of at most",
+        );
+        refused(
+            ExportInfo {
+                depth: 32,
+                ..info()
+            },
+            "queue depth",
+        );
+        refused(
+            ExportInfo {
+                features: Features(Features::READ_ONLY | Features::FLUSH),
+                ..info()
+            },
+            "read-only",
+        );
+    }
 }

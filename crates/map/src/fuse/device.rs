@@ -23,7 +23,9 @@ use super::channel::{self, Channel};
 use super::loopdev::{Detach, LoopDev};
 use super::uring::{self, Ring, Switch, SWITCH};
 use super::worker::{Event, Shared, Worker};
-use crate::device::{BlockDevice, Connected, FuseIo, Mode, Spec, FUSE_IO_READ, FUSE_IO_URING};
+use crate::device::{
+    BlockDevice, Connected, FuseIo, Mode, Needs, Spec, FUSE_IO_READ, FUSE_IO_URING,
+};
 use crate::log;
 use crate::state::{self, Record};
 use crate::sys::{self, Proc, Waker};
@@ -277,6 +279,15 @@ impl Mapping {
             block_size: info.physical_block.clamp(512, 4096),
             timeout: spec.timeout,
             max_io,
+            needs: Needs {
+                size: info.size,
+                logical_block: info.logical_block,
+                max_io,
+                // A request waits for a free slot of the queue (`Worker::pump`): any depth
+                // serves.
+                depth: 1,
+                writable: !readonly,
+            },
             events: tx.clone(),
             opens: AtomicU64::new(0),
             armed: AtomicBool::new(false),

@@ -35,7 +35,7 @@ use blkwire_wire::Status;
 use super::abi::{self, Attr, ParseError, Request, FILE_ID, ROOT_ID};
 use super::channel::Channel;
 use super::uring::Ring;
-use crate::device::final_flush;
+use crate::device::{final_flush, Needs};
 use crate::log;
 use crate::sys::Waker;
 
@@ -112,6 +112,8 @@ pub(crate) struct Shared {
     pub timeout: Duration,
     /// Largest READ/WRITE the kernel sends (negotiated at INIT).
     pub max_io: u32,
+    /// What a session must grant to serve the file (checked on each reconnection).
+    pub needs: Needs,
     pub events: mpsc::Sender<Event>,
     /// Open handles of the file; see `Event::FileReleased`.
     pub opens: AtomicU64,
@@ -1033,28 +1035,16 @@ fn spawn_attempt(sh: &Arc<Shared>, id: usize, waker: &Arc<Waker>) -> Option<Atte
     let waker = Arc::clone(waker);
     let url = sh.url.clone();
     let opts = sh.reconnect.clone();
-    let (size, max_io) = (sh.size, sh.max_io);
+    let needs = sh.needs;
     std::thread::Builder::new()
         .name(format!("blkwire-reconnect-{id}"))
         .spawn(move || {
             let r = blkwire_client::connect(&url, &opts)
                 .map_err(|e| e.to_string())
                 .and_then(|mut s| {
-                    // The export may have grown (`export_resize`) since the mapping was set
-                    // up: the file keeps its size and its I/O stays inside it. A smaller
-                    // export could not hold the file's end.
-                    if s.info.size < size {
-                        return Err(format!(
-                            "the export shrank from {size} to {} bytes; not using it",
-                            s.info.size
-                        ));
-                    }
-                    if s.info.max_io < max_io {
-                        return Err(format!(
-                            "the target now grants max I/O {} < {max_io}",
-                            s.info.max_io
-                        ));
-                    }
+                    needs
+                        .check(&s.info)
+                        .map_err(|e| format!("{e}; not using it"))?;
                     s.queues
                         .pop()
                         .ok_or_else(|| "the target granted no queue".to_string())
@@ -1093,6 +1083,13 @@ mod tests {
             block_size: 4096,
             timeout: Duration::from_secs(1),
             max_io: 1 << 20,
+            needs: Needs {
+                size,
+                logical_block: 512,
+                max_io: 1 << 20,
+                depth: 1,
+                writable: !readonly,
+            },
             events: mpsc::channel().0,
             opens: AtomicU64::new(0),
             armed: AtomicBool::new(false),

@@ -12,7 +12,7 @@ use blkwire_wire::Features;
 use super::abi::*;
 use super::control::{probe, Ctrl};
 use super::queue::{QEvent, QueueWorker};
-use crate::device::{BlockDevice, Connected, FuseIo, Mode, Spec};
+use crate::device::{BlockDevice, Connected, FuseIo, Mode, Needs, Spec};
 use crate::log;
 use crate::state::{self, Record};
 use crate::sys::{self, Proc};
@@ -301,6 +301,14 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
             .open(&cdev_path)
             .map_err(|e| format!("{cdev_path}: {e}"))?,
     );
+    let needs = Needs {
+        size: info.size,
+        logical_block: info.logical_block,
+        max_io,
+        // Every tag may be in flight at once, one command each.
+        depth: depth as u16,
+        writable: !readonly,
+    };
     let (tx, events) = mpsc::channel();
     for (i, q) in session.queues.into_iter().enumerate() {
         let w = QueueWorker::new(
@@ -313,6 +321,7 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
             reconnect.clone(),
             readonly,
             spec.timeout,
+            needs,
         )?;
         let tx = tx.clone();
         undo.threads = true;

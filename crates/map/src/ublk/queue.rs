@@ -14,6 +14,7 @@ use blkwire_wire::Status;
 use io_uring::{opcode, squeue, types, IoUring};
 
 use super::abi::*;
+use crate::device::Needs;
 use crate::log;
 use crate::sockpoll::SockPoll;
 
@@ -57,6 +58,8 @@ pub(crate) struct QueueWorker {
     reconnect: ConnectOptions,
     readonly: bool,
     timeout: Duration,
+    /// What a session must grant to serve the device (checked on each reconnection).
+    needs: Needs,
 }
 
 // SAFETY: the raw pointers are mappings owned by the worker, used by one thread at a time.
@@ -84,6 +87,7 @@ impl QueueWorker {
         reconnect: ConnectOptions,
         readonly: bool,
         timeout: Duration,
+        needs: Needs,
     ) -> Result<QueueWorker, String> {
         let descs_len = queue_cmd_buf_size(depth);
         let off = id as usize * max_cmd_buf_size();
@@ -151,6 +155,7 @@ impl QueueWorker {
             reconnect,
             readonly,
             timeout,
+            needs,
         })
     }
 
@@ -298,7 +303,16 @@ impl QueueWorker {
     }
 
     fn try_reconnect_once(&mut self) {
-        match blkwire_client::connect(&self.url, &self.reconnect) {
+        let needs = self.needs;
+        // Every tag may be in flight at once and the device's limits were set from the first
+        // session: one granting less would fail requests (see `Needs`). Dropping it closes it.
+        let r = blkwire_client::connect(&self.url, &self.reconnect)
+            .map_err(|e| e.to_string())
+            .and_then(|s| match needs.check(&s.info) {
+                Ok(()) => Ok(s),
+                Err(e) => Err(format!("{e}; not using it")),
+            });
+        match r {
             Ok(mut s) => {
                 if let Some(q) = s.queues.pop() {
                     log!("info", "queue {}: reconnected to {}", self.id, self.url);
