@@ -4,6 +4,7 @@
 
 use std::fs::File;
 use std::io;
+use std::mem::ManuallyDrop;
 use std::os::fd::AsRawFd;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -37,9 +38,10 @@ pub(crate) struct QueueWorker {
     cdev: Arc<File>,
     depth: usize,
     buf_len: usize,
-    descs: *const IoDesc,
-    descs_len: usize,
-    bufs: *mut u8,
+    /// The driver's descriptor array of this queue, mapped read-only from /dev/ublkcN.
+    descs: Mmap,
+    /// The tag buffers. Freed on drop only when no tag is armed (see `release_bufs`).
+    bufs: ManuallyDrop<Mmap>,
     ring: IoUring,
     link: Option<Queue>,
     /// Changes with every new `Queue` (see `SockPoll`).
@@ -53,6 +55,7 @@ pub(crate) struct QueueWorker {
     slots: Vec<Slot>,
     /// Completions of one `complete` call: tag and result to commit.
     done: Vec<(usize, i32)>,
+    /// Tags with a command (FETCH_REQ or COMMIT_AND_FETCH_REQ) the kernel has not ended.
     alive_tags: usize,
     url: Url,
     reconnect: ConnectOptions,
@@ -65,13 +68,64 @@ pub(crate) struct QueueWorker {
 // SAFETY: the raw pointers are mappings owned by the worker, used by one thread at a time.
 unsafe impl Send for QueueWorker {}
 
+/// A memory mapping of ours, unmapped on drop.
+struct Mmap {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Mmap {
+    /// mmap(2) of `len` bytes; `what` names it in the error.
+    fn new(
+        len: usize,
+        prot: i32,
+        flags: i32,
+        fd: i32,
+        off: usize,
+        what: &str,
+    ) -> Result<Mmap, String> {
+        // SAFETY: a new mapping at an address the kernel picks; nothing else is touched.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot,
+                flags,
+                fd,
+                off as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(format!("{what}: {}", io::Error::last_os_error()));
+        }
+        Ok(Mmap { ptr: p.cast(), len })
+    }
+}
+
+impl Drop for Mmap {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping, unmapped once.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// Frees the tag buffers unless `armed` tags still have a FETCH (or COMMIT_AND_FETCH) with the
+/// kernel: each names its tag's buffer, and the driver copies a WRITE's data into it (in this
+/// thread's task work) until the ring's asynchronous teardown cancels the command, so unmapped
+/// memory that a later allocation reuses would be written. A queue only gets here with armed
+/// tags when it failed, and the daemon then ends the mapping, so what is left mapped is bounded.
+fn release_bufs(bufs: &mut ManuallyDrop<Mmap>, armed: usize) {
+    if armed == 0 {
+        // SAFETY: dropped once (the worker is being dropped), nothing uses it afterwards.
+        unsafe { ManuallyDrop::drop(bufs) };
+    }
+}
+
 impl Drop for QueueWorker {
     fn drop(&mut self) {
-        // SAFETY: unmapping our own mappings.
-        unsafe {
-            libc::munmap(self.descs as *mut libc::c_void, self.descs_len);
-            libc::munmap(self.bufs.cast(), self.depth * self.buf_len);
-        }
+        // The descriptor array is the driver's memory, which it writes through its own address:
+        // our mapping of it goes with `descs` whatever the state.
+        release_bufs(&mut self.bufs, self.alive_tags);
     }
 }
 
@@ -89,42 +143,25 @@ impl QueueWorker {
         timeout: Duration,
         needs: Needs,
     ) -> Result<QueueWorker, String> {
-        let descs_len = queue_cmd_buf_size(depth);
         let off = id as usize * max_cmd_buf_size();
-        // SAFETY: mapping the driver's descriptor array of this queue, read-only.
-        let descs = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                descs_len,
-                libc::PROT_READ,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
-                cdev.as_raw_fd(),
-                off as libc::off_t,
-            )
-        };
-        if descs == libc::MAP_FAILED {
-            return Err(format!(
-                "mapping the descriptors of ublk queue {id}: {}",
-                io::Error::last_os_error()
-            ));
-        }
-        // SAFETY: anonymous memory for the tag buffers.
-        let bufs = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                depth * buf_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if bufs == libc::MAP_FAILED {
-            let e = io::Error::last_os_error();
-            // SAFETY: our mapping from above.
-            unsafe { libc::munmap(descs, descs_len) };
-            return Err(format!("allocating I/O buffers: {e}"));
-        }
+        // The driver's descriptor array of this queue, read-only.
+        let descs = Mmap::new(
+            queue_cmd_buf_size(depth),
+            libc::PROT_READ,
+            libc::MAP_SHARED | libc::MAP_POPULATE,
+            cdev.as_raw_fd(),
+            off,
+            &format!("mapping the descriptors of ublk queue {id}"),
+        )?;
+        // The tag buffers. No FETCH names them yet: an error below may free them (drop).
+        let bufs = Mmap::new(
+            depth * buf_len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+            "allocating I/O buffers",
+        )?;
         let ring = IoUring::new((depth as u32 * 2).next_power_of_two().max(8))
             .map_err(|e| format!("creating the io_uring of ublk queue {id}: {e}"))?;
         let now = Instant::now();
@@ -133,9 +170,8 @@ impl QueueWorker {
             cdev,
             depth,
             buf_len,
-            descs: descs as *const IoDesc,
-            descs_len,
-            bufs: bufs.cast(),
+            descs,
+            bufs: ManuallyDrop::new(bufs),
             ring,
             link: Some(q),
             link_id: 0,
@@ -150,7 +186,9 @@ impl QueueWorker {
                 })
                 .collect(),
             done: Vec::with_capacity(depth),
-            alive_tags: depth,
+            // Counted as `fetch_all` arms them: a worker dropped before (setup failed) frees
+            // its buffers.
+            alive_tags: 0,
             url,
             reconnect,
             readonly,
@@ -161,7 +199,7 @@ impl QueueWorker {
 
     /// Where the buffer of `tag` starts (an address for the kernel; not dereferenced here).
     fn buf(&self, tag: usize) -> *mut u8 {
-        self.bufs.wrapping_add(tag * self.buf_len)
+        self.bufs.ptr.wrapping_add(tag * self.buf_len)
     }
 
     fn push_cmd(&mut self, op: u32, tag: usize, result: i32) -> Result<(), String> {
@@ -178,8 +216,8 @@ impl QueueWorker {
             .cmd(raw)
             .build()
             .user_data(tag as u64);
-        // SAFETY: the command names the tag's buffer, which lives as long as the worker (and
-        // so the ring).
+        // SAFETY: the command names the tag's buffer, which stays mapped while the kernel may
+        // hold the command: past the worker's drop when the tag is still armed (`release_bufs`).
         unsafe { self.push(&sqe) }
     }
 
@@ -203,6 +241,8 @@ impl QueueWorker {
     fn fetch_all(&mut self) -> Result<(), String> {
         for tag in 0..self.depth {
             self.push_cmd(UBLK_U_IO_FETCH_REQ, tag, 0)?;
+            // Armed from the push on: an SQE may reach the kernel at any later submit.
+            self.alive_tags += 1;
         }
         self.ring
             .submit()
@@ -218,7 +258,7 @@ impl QueueWorker {
 
     fn desc(&self, tag: usize) -> IoDesc {
         // SAFETY: tag < depth; the kernel wrote the descriptor before completing the fetch.
-        unsafe { std::ptr::read_volatile(self.descs.add(tag)) }
+        unsafe { std::ptr::read_volatile(self.descs.ptr.cast::<IoDesc>().add(tag)) }
     }
 
     /// A request arrived on `tag`.
@@ -402,7 +442,7 @@ impl QueueWorker {
             let mut done = std::mem::take(&mut self.done);
             let r = match self.link.as_mut() {
                 Some(q) => {
-                    let (slots, bufs, buf_len) = (&self.slots, self.bufs, self.buf_len);
+                    let (slots, bufs, buf_len) = (&self.slots, self.bufs.ptr, self.buf_len);
                     q.poll(|c| {
                         // SAFETY: `bufs` is our mapping of one buffer per slot; the kernel
                         // touches a tag's buffer only inside io_uring_enter (task work, as the
@@ -464,5 +504,40 @@ impl QueueWorker {
         let id = self.id as usize;
         drop(self); // unmaps and closes before the main thread deletes the device
         let _ = ev.send(QEvent::Exited(id, error));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether `[p, p + len)` is mapped: mincore(2) fails with ENOMEM on unmapped memory.
+    fn mapped(p: *mut u8, len: usize) -> bool {
+        let mut pages = vec![0u8; len.div_ceil(4096)];
+        // SAFETY: mincore only reads the page tables; `pages` has a byte per page.
+        unsafe { libc::mincore(p.cast(), len, pages.as_mut_ptr()) == 0 }
+    }
+
+    #[test]
+    fn tag_buffers_stay_mapped_while_a_tag_is_armed() {
+        let len = 1 << 16;
+        let mut bufs = ManuallyDrop::new(
+            Mmap::new(
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+                "test buffers",
+            )
+            .unwrap(),
+        );
+        let p = bufs.ptr;
+        assert!(mapped(p, len));
+        release_bufs(&mut bufs, 1);
+        // Still ours: the kernel may write a request's data there.
+        assert!(mapped(p, len));
+        // The test's own cleanup (with no armed tag, `release_bufs` would free it).
+        release_bufs(&mut bufs, 0);
     }
 }
