@@ -30,7 +30,27 @@ struct Slot {
     op: Option<BlockRequest>,
     /// Sent to the target and not answered yet.
     sent: bool,
+    /// When the request must be answered (`--timeout` after it arrived), with EIO if the target
+    /// has not answered it by then.
     deadline: Instant,
+}
+
+/// Tags whose request has waited its whole timeout at `now`.
+fn expired(slots: &[Slot], now: Instant) -> impl Iterator<Item = usize> + '_ {
+    slots
+        .iter()
+        .enumerate()
+        .filter(move |(_, s)| s.op.is_some() && now >= s.deadline)
+        .map(|(tag, _)| tag)
+}
+
+/// When the next request's timeout ends, if any request waits.
+fn next_deadline(slots: &[Slot]) -> Option<Instant> {
+    slots
+        .iter()
+        .filter(|s| s.op.is_some())
+        .map(|s| s.deadline)
+        .min()
 }
 
 pub(crate) struct QueueWorker {
@@ -369,13 +389,7 @@ impl QueueWorker {
     fn link_down(&mut self, why: &str) -> Result<(), String> {
         log!("warn", "queue {}: connection lost: {why}", self.id);
         self.link = None;
-        let deadline = self
-            .slots
-            .iter()
-            .filter(|s| s.op.is_some())
-            .map(|s| s.deadline)
-            .min()
-            .unwrap_or_else(|| Instant::now() + self.timeout);
+        let deadline = next_deadline(&self.slots).unwrap_or_else(|| Instant::now() + self.timeout);
         let mut backoff = Duration::from_millis(100);
         while self.link.is_none() && Instant::now() < deadline {
             self.try_reconnect_once();
@@ -393,6 +407,40 @@ impl QueueWorker {
                     self.commit(tag, -libc::EIO)?;
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Answers EIO to every request that has waited its whole timeout (every request is
+    /// answered within `--timeout`). The queue's own timer does not see one request the target
+    /// leaves unanswered while it answers others, so this one does. A failed request's command
+    /// may still be in flight, and its tag comes back with a new request once committed: a late
+    /// answer would complete that one. So the connection is dropped, as the fuse frontend does,
+    /// and the others are sent again on a new one.
+    fn expire(&mut self, now: Instant) -> Result<(), String> {
+        let mut tags = std::mem::take(&mut self.done);
+        tags.extend(expired(&self.slots, now).map(|tag| (tag, -libc::EIO)));
+        let in_flight = tags.iter().any(|&(tag, _)| self.slots[tag].sent);
+        for &(tag, res) in &tags {
+            self.commit(tag, res)?;
+        }
+        let n = tags.len();
+        tags.clear();
+        self.done = tags;
+        if n > 0 {
+            log!(
+                "warn",
+                "queue {}: {n} request(s) failed with EIO: no answer from {} within {}s",
+                self.id,
+                self.url,
+                self.timeout.as_secs()
+            );
+        }
+        if in_flight && self.link.is_some() {
+            self.link_down(&format!(
+                "a request unanswered for {}s",
+                self.timeout.as_secs()
+            ))?;
         }
         Ok(())
     }
@@ -462,6 +510,10 @@ impl QueueWorker {
             if let Err(e) = r {
                 self.link_down(&e.to_string())?;
             }
+            let now = Instant::now();
+            if next_deadline(&self.slots).is_some_and(|d| now >= d) {
+                self.expire(now)?;
+            }
             let want = self.link.as_ref().map(|q| (self.link_id, q.fd()));
             for sqe in self.sock.update(want).into_iter().flatten() {
                 // SAFETY: a poll and its removal refer to no buffer.
@@ -487,11 +539,15 @@ impl QueueWorker {
                     continue;
                 }
             }
-            let limit = self
-                .link
-                .as_ref()
-                .and_then(|q| q.deadline())
-                .map(|d| d.saturating_duration_since(Instant::now()));
+            // Woken at the queue's timer or the next request's deadline, whichever comes first.
+            let limit = [
+                self.link.as_ref().and_then(|q| q.deadline()),
+                next_deadline(&self.slots),
+            ]
+            .into_iter()
+            .flatten()
+            .min()
+            .map(|d| d.saturating_duration_since(Instant::now()));
             crate::sockpoll::sleep(&mut self.ring, limit)?;
         }
     }
@@ -516,6 +572,31 @@ mod tests {
         let mut pages = vec![0u8; len.div_ceil(4096)];
         // SAFETY: mincore only reads the page tables; `pages` has a byte per page.
         unsafe { libc::mincore(p.cast(), len, pages.as_mut_ptr()) == 0 }
+    }
+
+    #[test]
+    fn a_request_expires_at_its_own_deadline_whatever_else_is_answered() {
+        let t0 = Instant::now();
+        let secs = Duration::from_secs;
+        let slot = |op: bool, sent: bool, deadline: Instant| Slot {
+            op: op.then(|| BlockRequest::new(BlockOp::Read, 0, 4096)),
+            sent,
+            deadline,
+        };
+        // Tag 0 is free (its stale deadline means nothing), tag 1 was sent at t0 and never
+        // answered, tag 2 arrived later, tag 3 waits unsent for a connection.
+        let slots = vec![
+            slot(false, false, t0),
+            slot(true, true, t0 + secs(5)),
+            slot(true, true, t0 + secs(8)),
+            slot(true, false, t0 + secs(6)),
+        ];
+        assert_eq!(next_deadline(&slots), Some(t0 + secs(5)));
+        assert_eq!(expired(&slots, t0 + secs(4)).count(), 0);
+        assert_eq!(expired(&slots, t0 + secs(5)).collect::<Vec<_>>(), [1]);
+        assert_eq!(expired(&slots, t0 + secs(7)).collect::<Vec<_>>(), [1, 3]);
+        assert_eq!(expired(&slots, t0 + secs(9)).collect::<Vec<_>>(), [1, 2, 3]);
+        assert_eq!(next_deadline(&[slot(false, false, t0)]), None);
     }
 
     #[test]
