@@ -139,6 +139,28 @@ impl BlockDevice for UblkDevice {
     }
 }
 
+/// Whether the ublk device `di` (GET_DEV_INFO) is the one `rec` was written for, and not another
+/// that got its number after ours was deleted (by another ublk server, or a blkwire mapping whose
+/// record went): recovering would take over someone else's device. The kernel reports the pid
+/// that started (or last recovered) the device; kernels with the pid-namespace fix ("ublk: fix
+/// ublksrv pid handling for pid namespaces", 2026) report -1 once that process is gone, which is
+/// always so here, and then only the shape can be compared.
+fn is_recorded(di: &DevInfo, rec: &Record) -> Result<(), String> {
+    if di.ublksrv_pid != rec.pid && di.ublksrv_pid != -1 {
+        return Err(format!(
+            "{} was started by pid {}, not by the recorded blkwire pid {}: it is another device under that number; cannot recover",
+            rec.device, di.ublksrv_pid, rec.pid
+        ));
+    }
+    if (di.nr_hw_queues, di.queue_depth) != (rec.queues, rec.queue_depth) {
+        return Err(format!(
+            "{} has {} queue(s) of depth {}, its record {} of depth {}: it is another device under that number; cannot recover",
+            rec.device, di.nr_hw_queues, di.queue_depth, rec.queues, rec.queue_depth
+        ));
+    }
+    Ok(())
+}
+
 struct Running {
     ctrl: Ctrl,
     dev_id: u32,
@@ -213,6 +235,7 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
             let di = ctrl
                 .dev_info(id)
                 .map_err(|e| format!("{}: GET_DEV_INFO: {e}", old.device))?;
+            is_recorded(&di, old)?;
             if di.nr_hw_queues as usize != nq {
                 return Err(format!(
                     "{} has {} queue(s) but the target granted {nq}: cannot recover",
@@ -478,4 +501,66 @@ fn unmap(device: &str, id: u32) -> Result<(), String> {
     }
     Record::remove(&path);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> Record {
+        Record {
+            device: "/dev/ublkb3".into(),
+            url: "tcp://127.0.0.1:1/d".into(),
+            export: "d".into(),
+            frontend: "ublk".into(),
+            pid: 4242,
+            start_time: 1,
+            mountpoint: String::new(),
+            file: String::new(),
+            size: 1 << 30,
+            readonly: false,
+            queues: 2,
+            queue_depth: 64,
+            max_io: 1 << 20,
+            timeout_secs: 30,
+            hdd: false,
+            logfile: None,
+            fuse_io: None,
+            credentials: Default::default(),
+        }
+    }
+
+    fn info(pid: i32) -> DevInfo {
+        DevInfo {
+            nr_hw_queues: 2,
+            queue_depth: 64,
+            max_io_buf_bytes: 1 << 20,
+            dev_id: 3,
+            ublksrv_pid: pid,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn recover_takes_only_the_recorded_device() {
+        let rec = record();
+        assert_eq!(is_recorded(&info(4242), &rec), Ok(()));
+        // A kernel that reports -1 for a server that is gone.
+        assert_eq!(is_recorded(&info(-1), &rec), Ok(()));
+        // Started by another process, or added and never started.
+        for pid in [4243, 0] {
+            let e = is_recorded(&info(pid), &rec).unwrap_err();
+            assert!(e.contains("another device"), "{e}");
+        }
+        let other = DevInfo {
+            queue_depth: 128,
+            ..info(-1)
+        };
+        assert!(is_recorded(&other, &rec).is_err());
+        let other = DevInfo {
+            nr_hw_queues: 1,
+            ..info(4242)
+        };
+        assert!(is_recorded(&other, &rec).is_err());
+    }
 }
