@@ -250,6 +250,7 @@ mod tests {
             max_io: 1 << 20,
             session: 1,
             copy: Default::default(),
+            header_crc: false,
         }
     }
 
