@@ -1,11 +1,8 @@
 //! The management commands (`rpc`, `export`, `listener`, `session`, `save-config`,
 //! `load-config`) as a user runs them, where no target is needed: what they check before
-//! connecting, what they say when no control socket answers, and their --help.
-//!
-//! NOT YET END TO END: `blkwire serve --rpc-socket` is being written (issue 14); tests of these
-//! commands against a real target will be added here when it lands. The client's handling of
-//! answers (results, errors, malformed, oversize, closed) is tested against a fake server in
-//! crates/cli/src/rpc.rs.
+//! connecting, what they say when no control socket answers, and their --help. The commands
+//! against a running target are tested in manage.rs; the client's handling of answers
+//! (results, errors, malformed, oversize, closed) against a fake server in crates/cli/src/rpc.rs.
 
 mod common;
 

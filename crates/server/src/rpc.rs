@@ -27,6 +27,9 @@ pub const MAX_REQUEST: usize = 16 << 20;
 const MAX_CLIENTS: usize = 16;
 /// A client that sends nothing for this long is disconnected.
 const IDLE: Duration = Duration::from_secs(300);
+/// How long a reply may wait for its client to read it: one that never reads (a script that
+/// forgot to) would otherwise hold its thread, and one of the `MAX_CLIENTS` places, for ever.
+const REPLY_WAIT: Duration = Duration::from_secs(30);
 
 /// An open control socket; dropping it stops its thread and removes the socket file.
 pub(crate) struct ControlSocket {
@@ -194,6 +197,7 @@ fn permitted(s: &UnixStream) -> Result<(), u32> {
 /// (read first, so that the client is not cut off while it writes), nothing runs.
 fn refuse(s: UnixStream) {
     let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
     let Ok(mut out) = s.try_clone() else {
         return;
     };
@@ -213,7 +217,20 @@ fn refuse(s: UnixStream) {
 
 /// Answers one client's requests, one per line, until it hangs up.
 fn client(s: UnixStream, shared: &Arc<Shared>) {
-    let _ = s.set_read_timeout(Some(IDLE));
+    serve_lines(s, IDLE, REPLY_WAIT, |req| answer(req, shared));
+}
+
+/// Reads request lines from `s` (waiting at most `idle` for each) and writes what `answer`
+/// makes of each, until the client hangs up, sends a line longer than `MAX_REQUEST`, or leaves
+/// a reply unread for `reply_wait`.
+fn serve_lines(
+    s: UnixStream,
+    idle: Duration,
+    reply_wait: Duration,
+    answer: impl Fn(&[u8]) -> Option<Value>,
+) {
+    let _ = s.set_read_timeout(Some(idle));
+    let _ = s.set_write_timeout(Some(reply_wait));
     let Ok(mut out) = s.try_clone() else {
         return;
     };
@@ -240,7 +257,7 @@ fn client(s: UnixStream, shared: &Arc<Shared>) {
         if buf.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        if let Some(reply) = answer(&buf, shared) {
+        if let Some(reply) = answer(&buf) {
             if out.write_all(&line(&reply)).is_err() {
                 return;
             }
@@ -329,6 +346,28 @@ fn line(v: &Value) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A client that sends requests and never reads the replies is let go once a reply has
+    /// waited `reply_wait`: it cannot hold its thread (one of `MAX_CLIENTS`) for ever.
+    #[test]
+    fn a_client_that_never_reads_is_let_go() {
+        let (server, mut client) = UnixStream::pair().unwrap();
+        let (done, ended) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let big = json!("x".repeat(64 << 10));
+            serve_lines(server, IDLE, Duration::from_millis(200), |_| {
+                Some(big.clone())
+            });
+            let _ = done.send(());
+        });
+        // Each line draws 64 KiB that nobody reads: the socket's buffer fills at once.
+        let request = b"{}\n".repeat(256);
+        let _ = client.set_write_timeout(Some(Duration::from_secs(10)));
+        let _ = client.write_all(&request);
+        ended
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the server side ended");
+    }
 
     #[test]
     fn requests_are_checked_before_anything_runs() {
