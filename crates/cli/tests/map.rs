@@ -1024,21 +1024,10 @@ fn mapping_reconnects_after_its_export_grew() {
     let img = d.path("disk.img");
     common::sparse_file(&img, 32 << 20);
     let sock = d.path("ctl.sock").to_str().unwrap().to_string();
-    let mut cmd = Command::new(BIN);
-    cmd.args([
-        "serve",
-        "--listen",
-        "tcp://127.0.0.1:0",
-        "--log-level",
-        "warn",
-    ])
-    .args(["--rpc-socket", &sock])
-    .args(["--export", &format!("disk=file:{}", img.display())]);
-    let (child, urls) = common::spawn_serve_with_control(&mut cmd, 1);
-    let t = Target {
-        child,
-        base: urls[0].clone(),
-    };
+    let t = Target::start_with_control(
+        &[&format!("disk=file:{}", img.display())],
+        std::path::Path::new(&sock),
+    );
     let log = run.dir().join("map.log");
     // A short timeout: without the fix the reconnection is refused and the read below fails
     // with EIO once it passes.

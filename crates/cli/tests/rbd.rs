@@ -499,24 +499,8 @@ fn resize_grows_the_image_and_new_sessions_see_it() {
     let img = c.image("resize", 16 * MIB);
     let d = TempDir::new("rbd-resize");
     let sock = d.path("ctl.sock");
-    let mut cmd = Command::new(BIN);
-    cmd.args([
-        "serve",
-        "--listen",
-        "tcp://127.0.0.1:0",
-        "--log-level",
-        "warn",
-        "--rpc-socket",
-    ])
-    .arg(&sock)
-    .args(["--export", &format!("r={}", c.spec(&img, ""))]);
-    // serve prints `listening URL`, then `control PATH` once the socket takes calls.
-    let (child, urls) = common::spawn_serve_with_control(&mut cmd, 1);
-    let base = urls[0].clone();
-    let _t = Target {
-        child,
-        base: base.clone(),
-    };
+    let t = Target::start_with_control(&[&format!("r={}", c.spec(&img, ""))], &sock);
+    let base = t.base.clone();
     let url = format!("{base}/r");
     let (ok, out, err) = common::cli(&[
         "export",

@@ -152,6 +152,29 @@ impl Target {
         (Target { child, base }, urls)
     }
 
+    /// A target on 127.0.0.1 serving `exports` with its control socket at `socket`, once the
+    /// socket takes calls.
+    pub fn start_with_control(exports: &[&str], socket: &std::path::Path) -> Target {
+        let mut cmd = Command::new(BIN);
+        cmd.args([
+            "serve",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--log-level",
+            "warn",
+            "--rpc-socket",
+        ])
+        .arg(socket);
+        for e in exports {
+            cmd.args(["--export", e]);
+        }
+        let (child, urls) = spawn_serve_with_control(&mut cmd, 1);
+        Target {
+            child,
+            base: urls[0].clone(),
+        }
+    }
+
     pub fn url(&self, export: &str) -> String {
         format!("{}/{export}", self.base)
     }
