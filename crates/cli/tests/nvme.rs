@@ -512,6 +512,50 @@ fn a_controller_without_keep_alive_ends_with_its_io_queues() {
 }
 
 #[test]
+fn one_address_cannot_take_every_controller() {
+    let t = NvmeTarget::start(&["disk0=mem:1M"]);
+    // Discovery Connects need no key and ask for the longest KATO, then fall silent: from one
+    // address, only MAX_CONTROLLERS_PER_HOST (32) of MAX_CONTROLLERS (128) are admitted.
+    let o = Opts {
+        kato_ms: u32::MAX,
+        ..Opts::default()
+    };
+    let one = std::net::Ipv4Addr::new(127, 0, 0, 1);
+    let mut held = Vec::new();
+    for _ in 0..128 {
+        let (q, done) = Queue::connect_from(one, &t.addr, DISCOVERY_NQN, 0, 0xffff, &o).unwrap();
+        if done.code() == 0 {
+            held.push(q);
+        } else {
+            assert_eq!(done.code(), 0x181, "Connect Controller Busy");
+        }
+    }
+    assert_eq!(held.len(), 32, "controllers one address holds");
+    // Another address still gets a controller, for I/O and for discovery.
+    let two = std::net::Ipv4Addr::new(127, 0, 0, 2);
+    let (_c, done) =
+        Queue::connect_from(two, &t.addr, &nqn("disk0"), 0, 0xffff, &Opts::default()).unwrap();
+    assert_eq!(done.code(), 0, "a second host's Connect");
+    let (_d, done) =
+        Queue::connect_from(two, &t.addr, DISCOVERY_NQN, 0, 0xffff, &Opts::default()).unwrap();
+    assert_eq!(done.code(), 0, "a second host's discovery Connect");
+    // One of the first address's controllers going makes room for it again.
+    drop(held.pop());
+    let start = Instant::now();
+    loop {
+        let (_q, done) = Queue::connect_from(one, &t.addr, DISCOVERY_NQN, 0, 0xffff, &o).unwrap();
+        if done.code() == 0 {
+            break;
+        }
+        // The target forgets the controller once its thread sees the close: retried, not slept.
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no room came free"
+        );
+    }
+}
+
+#[test]
 fn blkwires_own_client_speaks_nvme_tcp() {
     use blkwire_client::{connect, ConnectOptions, Url};
     let t = NvmeTarget::start(&["disk0=mem:8M"]);
@@ -655,6 +699,38 @@ fn with_keys_hosts_prove_themselves_with_dh_hmac_chap() {
     assert!(q2.closed_within(Duration::from_secs(10)));
     // The data alice wrote is there.
     assert_eq!(q.read(0, 1, BS).unwrap().data, vec![7; 512]);
+}
+
+#[test]
+fn a_controller_that_never_authenticates_ends_at_the_handshake_deadline() {
+    let dir = TempDir::new("nvme-auth-deadline");
+    let alice = "nqn.2014-08.org.nvmexpress:uuid:a11ce000-0000-4000-8000-000000000001";
+    let key = blkwire_auth::dhchap::Secret::generate();
+    let keys = key_file(&dir, &[format!("{alice}:{}", key.to_dhhc().unwrap())]);
+    let t = NvmeTarget::start_with(
+        &["disk0=mem:1M"],
+        &["--keys", &keys, "--handshake-timeout", "1"],
+    );
+    // Anyone may claim alice's NQN (it is no secret); KATO 0 asks for no keep-alive timer.
+    let o = Opts {
+        hostnqn: alice.into(),
+        ..Opts::default()
+    };
+    let (mut a, done) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &o).unwrap();
+    assert_eq!(done.code(), 0);
+    assert_eq!(
+        a.property_get(0x00, true).code(),
+        0x191,
+        "not authenticated"
+    );
+    // It never runs DH-HMAC-CHAP: its controller (and its session) ends, not lives for ever.
+    assert!(
+        a.closed_within(Duration::from_secs(10)),
+        "an unauthenticated controller outlived the deadline"
+    );
+    // And its controller id is forgotten.
+    let (_, done) = Queue::connect(&t.addr, &nqn("disk0"), 1, a.cntlid, &o).unwrap();
+    assert_ne!(done.code(), 0);
 }
 
 // ---- Subsystems of several namespaces (serve --subsystem, nvme_subsystem_* calls) ----

@@ -987,6 +987,11 @@ impl Registry {
         self.lock().sessions.get(&id).is_none_or(|s| s.revoked)
     }
 
+    /// How many queues of a session are connected now (0: no such session).
+    pub fn live_queues(&self, id: u32) -> u16 {
+        self.lock().sessions.get(&id).map_or(0, |s| s.live)
+    }
+
     /// Revokes one session (`session_close`); false if there is no such session.
     pub fn revoke(&self, id: u32) -> bool {
         match self.lock().sessions.get_mut(&id) {

@@ -6,7 +6,8 @@
 //!
 //! Keep-alive (Base spec §3.9): a controller that hears nothing for KATO ends, and its session
 //! (every I/O queue) with it. KATO 0 turns the timer off; TCP keepalive still notices a host
-//! that vanished.
+//! that vanished. A controller without I/O queues ends when idle whatever its KATO, and with
+//! DH-HMAC-CHAP required, one that has not authenticated within the handshake timeout ends.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -28,8 +29,13 @@ const TICK: Duration = Duration::from_millis(500);
 /// The longest log page read in one Get Log Page (a discovery log of 255 entries; longer ones
 /// are read in pieces with an offset, as hosts do).
 const MAX_LOG: u64 = 256 << 10;
-/// The keep-alive timeout of a discovery controller whose host asked for none.
-const DISCOVERY_KATO_MS: u32 = 120_000;
+/// A controller without I/O queues (every discovery controller) ends after this long without a
+/// command, whatever KATO its host asked for (0, no timer, included): such a controller holds a
+/// thread and one of [`super::MAX_CONTROLLERS`] and serves nothing, so a host that connects and
+/// falls silent must not keep it for the days a large KATO allows, or for ever. Linux nvmet
+/// gives discovery controllers the same 120 s. A controller with I/O queues keeps its KATO (0
+/// too: blkwire's own client runs without a timer, and TCP keepalive notices a vanished host).
+const IDLE_KATO_MS: u32 = 120_000;
 /// A PDU that has begun must be whole within this.
 const PDU_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -114,20 +120,34 @@ impl AdminQueue {
         let _ = sock.set_read_timeout(Some(PDU_TIMEOUT));
         let _ = sock.set_write_timeout(Some(PDU_TIMEOUT));
         if self.s.kato_ms == 0 && self.s.facts.is_discovery() {
-            // A discovery controller without keep-alive still ends when idle (as Linux nvmet
-            // does), so idle discovery connections cannot hold every controller thread.
-            self.s.kato_ms = DISCOVERY_KATO_MS;
+            // A discovery controller never has I/O queues, so the idle limit is its KATO: Get
+            // Features says so.
+            self.s.kato_ms = IDLE_KATO_MS;
         }
         let mut kato = kato_of(self.s.kato_ms);
+        let started = Instant::now();
+        // A host that must authenticate has as long as any handshake has (--handshake-timeout):
+        // until then it holds a controller (and, on its namespaces, sessions) without having
+        // proved who it is, and commands that get Authentication Required still count as life.
+        let auth_deadline = registry.limits().handshake_timeout;
         let mut alive = Instant::now();
         let mut buf = Vec::with_capacity(1024);
         let why = loop {
+            // Checked on every turn, not only when the socket is quiet: a host that sends a
+            // command now and then must not postpone the authentication deadline.
+            if !self.authenticated && started.elapsed() > auth_deadline {
+                break format!("no DH-HMAC-CHAP within {} s", auth_deadline.as_secs_f32());
+            }
+            if let Some(why) = overdue(
+                alive.elapsed(),
+                (kato, self.s.kato_ms),
+                self.has_io_queues(registry),
+            ) {
+                break why;
+            }
             match wait_readable(&sock, TICK) {
                 Ok(true) => {}
                 Ok(false) => {
-                    if kato.is_some_and(|k| alive.elapsed() > k) {
-                        break format!("no keep-alive within {} ms", self.s.kato_ms);
-                    }
                     if !self.admitted.is_empty() {
                         match self.namespaces_gone(&mut sock, registry) {
                             Some(true) => break "its sessions were closed".into(),
@@ -192,6 +212,13 @@ impl AdminQueue {
         Ended {
             sessions: self.admitted.iter().map(|a| (a.session, a.queue)).collect(),
         }
+    }
+
+    /// True while some namespace's session has a queue besides this admin queue (queue 0).
+    fn has_io_queues(&self, registry: &Registry) -> bool {
+        self.admitted
+            .iter()
+            .any(|a| registry.live_queues(a.session) > 1)
     }
 
     /// Runs one command and sends its answer (held AERs get none). None: the socket failed.
@@ -561,6 +588,17 @@ fn kato_of(ms: u32) -> Option<Duration> {
     (ms > 0).then(|| Duration::from_millis((ms as u64).div_ceil(100) * 100))
 }
 
+/// Why a controller whose host has been quiet for `quiet` must end, if it must: past its KATO
+/// (`kato`: the timer and the value asked for), or past [`IDLE_KATO_MS`] while it has no I/O
+/// queue, whatever its KATO.
+fn overdue(quiet: Duration, (kato, kato_ms): (Option<Duration>, u32), io: bool) -> Option<String> {
+    if kato.is_some_and(|k| quiet > k) {
+        return Some(format!("no keep-alive within {kato_ms} ms"));
+    }
+    (!io && quiet > Duration::from_millis(IDLE_KATO_MS as u64))
+        .then(|| format!("no command within {IDLE_KATO_MS} ms and no I/O queue"))
+}
+
 /// Waits until `sock` has something to read (or was closed): false on timeout.
 fn wait_readable(sock: &TcpStream, timeout: Duration) -> std::io::Result<bool> {
     let mut p = libc::pollfd {
@@ -733,5 +771,26 @@ pub fn authenticate_queue<S: Read + Write>(
         if auth.failed() {
             return Some(false);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_controller_without_io_queues_ends_when_idle_whatever_its_kato() {
+        let idle = Duration::from_millis(IDLE_KATO_MS as u64 + 1);
+        let never = (kato_of(u32::MAX), u32::MAX);
+        // KATO 0 (no timer) and the largest KATO both end at the idle limit without I/O queues.
+        assert!(overdue(idle, (None, 0), false).is_some());
+        assert!(overdue(idle, never, false).is_some());
+        // With I/O queues, the host's KATO rules: none, or days.
+        assert!(overdue(idle, (None, 0), true).is_none());
+        assert!(overdue(idle, never, true).is_none());
+        // Within both limits nothing ends; past a short KATO it ends with I/O queues too.
+        let short = (kato_of(1000), 1000);
+        assert!(overdue(Duration::from_millis(900), short, false).is_none());
+        assert!(overdue(Duration::from_millis(1100), short, true).is_some());
     }
 }

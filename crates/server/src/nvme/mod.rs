@@ -8,11 +8,12 @@
 //!
 //! A Connect on queue 0 with CNTLID 0xFFFF creates a controller: a blkwire session (queue 0 is
 //! the admin queue) served by its own thread (`admin.rs`: properties, Identify, features, log
-//! pages, keep-alive), bounded by [`MAX_CONTROLLERS`]. A Connect on queue N names that
-//! controller; the same host NQN, host id and address (and DH-HMAC-CHAP when keys are
-//! configured) admit it as the session's queue N, and the connection goes to a reactor with the
-//! I/O frontend (`frontend/nvme.rs`). The controller ends with its admin queue (disconnect, or
-//! no Keep Alive within KATO): its session is closed, and with it every I/O queue.
+//! pages, keep-alive), bounded by [`MAX_CONTROLLERS`] ([`MAX_CONTROLLERS_PER_HOST`] per
+//! address). A Connect on queue N names that controller; the same host NQN, host id and
+//! address (and DH-HMAC-CHAP when keys are configured) admit it as the session's queue N, and
+//! the connection goes to a reactor with the I/O frontend (`frontend/nvme.rs`). The controller
+//! ends with its admin queue (disconnect, or no Keep Alive within KATO; see `admin.rs` for idle
+//! and unauthenticated controllers): its session is closed, and with it every I/O queue.
 
 pub mod admin;
 pub mod spec;
@@ -37,6 +38,11 @@ use spec::{cqe_status, fctype, sc, Facts, Namespace};
 
 /// Controllers (admin queues, discovery ones included) served at once: each has a thread.
 pub const MAX_CONTROLLERS: usize = 128;
+/// Controllers one host address may have at once: a quarter of [`MAX_CONTROLLERS`], so that one
+/// address (which needs no key to Connect to the discovery controller) cannot take them all and
+/// answer every other host's Connect with Controller Busy. A host has one controller per
+/// subsystem it uses, plus discovery.
+pub const MAX_CONTROLLERS_PER_HOST: usize = MAX_CONTROLLERS / 4;
 /// I/O queues a controller may have (Set Features, Number of Queues, grants at most this).
 pub const MAX_IO_QUEUES: u16 = 32;
 /// Entries per I/O submission queue at most (CAP.MQES + 1, MAXCMD).
@@ -101,10 +107,13 @@ impl Controllers {
             .collect()
     }
 
-    /// Registers a controller; its id, or None when [`MAX_CONTROLLERS`] are in use.
-    fn insert(&self, mut make: impl FnMut(u16) -> Controller) -> Option<u16> {
+    /// Registers a controller for a host at `ip`; its id, or None when [`MAX_CONTROLLERS`] are
+    /// in use, or [`MAX_CONTROLLERS_PER_HOST`] of them are that address's.
+    fn insert(&self, ip: IpAddr, mut make: impl FnMut(u16) -> Controller) -> Option<u16> {
         let mut t = self.lock();
-        if t.ctrls.len() >= MAX_CONTROLLERS {
+        if t.ctrls.len() >= MAX_CONTROLLERS
+            || t.ctrls.values().filter(|c| c.ip == ip).count() >= MAX_CONTROLLERS_PER_HOST
+        {
             return None;
         }
         // Ids 1..=0xFFEF (0xFFF0 and above are reserved), reused only after a wrap.
@@ -1082,7 +1091,7 @@ fn admin_connect<S: Read + Write>(
         }
     };
     let mut facts = None;
-    let id = registry.nvme.insert(|id| {
+    let id = registry.nvme.insert(peer.ip(), |id| {
         let f = Arc::new(Facts {
             cntlid: id,
             subnqn: c.subnqn.clone(),
