@@ -219,7 +219,15 @@ impl Namespace {
 
     fn with_id(export: &Arc<Export>, key: &[u8]) -> Namespace {
         let (logical, _) = export.backend().block_sizes();
-        let lba_shift = logical.max(512).trailing_zeros();
+        // The LBA is also the unit the executor admits I/O in: an O_DIRECT export of a
+        // 512-byte-sector device takes only 4 KiB-aligned I/O, so a 512-byte LBA would let the
+        // host send I/O that every time fails with Invalid Field.
+        let align = u32::try_from(export.alignment()).unwrap_or(u32::MAX);
+        let lba_shift = logical
+            .max(align)
+            .max(512)
+            .next_power_of_two()
+            .trailing_zeros();
         let d = ring::digest::digest(&ring::digest::SHA256, key);
         let mut nguid = [0u8; 16];
         nguid.copy_from_slice(&d.as_ref()[..16]);
@@ -559,6 +567,52 @@ mod tests {
             max_io: 1 << 20,
             max_depth: 128,
         }
+    }
+
+    /// Reports 512-byte sectors but takes only 4 KiB-aligned I/O, as an O_DIRECT block device
+    /// of 512-byte sectors does (`file:` with `direct=1`).
+    struct Direct512(Arc<dyn blkwire_backend::Backend>);
+
+    impl blkwire_backend::Backend for Direct512 {
+        fn describe(&self) -> String {
+            self.0.describe()
+        }
+        fn size(&self) -> u64 {
+            self.0.size()
+        }
+        fn block_sizes(&self) -> (u32, u32) {
+            (512, 512)
+        }
+        fn capabilities(&self) -> blkwire_backend::Capabilities {
+            self.0.capabilities()
+        }
+        fn reads_as_zero(&self) -> bool {
+            self.0.reads_as_zero()
+        }
+        fn open_queue(self: Arc<Self>) -> std::io::Result<Box<dyn blkwire_backend::QueueIo>> {
+            self.0.clone().open_queue()
+        }
+        fn buffer_alignment(&self) -> usize {
+            4096
+        }
+    }
+
+    #[test]
+    fn the_lba_is_the_unit_the_export_takes_io_in() {
+        let mem = export("m=mem:1M").backend().clone();
+        let e = Arc::new(Export::new("d", Arc::new(Direct512(mem)), false));
+        let ns = Namespace::of(&e, "nqn.2026-11.test:d");
+        assert_eq!(1u64 << ns.lba_shift, e.alignment(), "LBA size");
+        assert_eq!(ns.blocks(), (1 << 20) / 4096);
+        let id = Facts::identify_namespace(Some(&NsFacts {
+            nsid: 1,
+            ns,
+            copy: COPY,
+            session: 1,
+        }));
+        assert_eq!(id[130], 12, "LBADS of LBA format 0");
+        // Without an alignment, the logical block size is the LBA.
+        assert_eq!(Namespace::of(&export("m=mem:1M"), "n").lba_shift, 9);
     }
 
     /// A subsystem of two namespaces (NSIDs 1 and 3) whose exports differ: the controller says
