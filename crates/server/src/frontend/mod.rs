@@ -236,8 +236,8 @@ pub trait StreamFrontend: Send {
     /// The reactor took `req`, the last [`Decoded::Request`] `decode` returned: its message
     /// is consumed and the request is being handled. A request the reactor cannot take yet
     /// (memory, one COPY at a time) stays in the receive buffer and is decoded again, so a
-    /// frontend whose decoding has effects (iSCSI's CmdSN, requests it makes up itself) keeps
-    /// what it returned until this call and returns it again.
+    /// frontend whose decoding has effects (iSCSI's CmdSN, NVMe/TCP's SQ head, requests it
+    /// makes up itself) keeps what it returned until this call and returns it again.
     fn taken(&mut self, req: &Req) {
         let _ = req;
     }

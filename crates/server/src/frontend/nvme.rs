@@ -119,8 +119,10 @@ impl NvmeIo {
     }
 
     /// A command answered here, without the backend (refusals with their exact status, DSM
-    /// hints): its CapsuleResp goes straight into `tx`.
-    fn answer(&self, cid: u16, status: u16, len: usize, tx: &mut Vec<u8>) -> Decoded {
+    /// hints): its CapsuleResp goes straight into `tx`. The reactor always consumes an answered
+    /// command, so it moves the SQ head here (a request moves it in `taken`).
+    fn answer(&mut self, cid: u16, status: u16, len: usize, tx: &mut Vec<u8>) -> Decoded {
+        self.advance_head();
         self.response(cid, status, tx);
         Decoded::Answered { len }
     }
@@ -154,7 +156,8 @@ impl NvmeIo {
         tx: &mut Vec<u8>,
     ) -> Decoded {
         let q = &c.sqe;
-        self.sq_head = (self.sq_head + 1) % self.entries;
+        // The SQ head moves when the command is consumed, not here: a request the reactor
+        // cannot take yet stays in rx and is decoded again (`taken`, `answer`).
         let (cid, op) = (q.cid, q.opcode);
         if op == spec::FABRICS {
             // Only Disconnect means something on an established I/O queue.
@@ -399,6 +402,11 @@ impl NvmeIo {
         }
     }
 
+    /// One more submission queue entry consumed.
+    fn advance_head(&mut self) {
+        self.sq_head = (self.sq_head + 1) % self.entries;
+    }
+
     fn response(&self, cid: u16, status: u16, tx: &mut Vec<u8>) {
         let c = Completion {
             cid,
@@ -482,6 +490,11 @@ impl StreamFrontend for NvmeIo {
             r2tl: len,
         };
         Pdu::R2T(r).encode(&self.tx, tx);
+    }
+
+    /// The reactor consumed the command: its submission queue entry is free.
+    fn taken(&mut self, _req: &Req) {
+        self.advance_head();
     }
 
     fn server_assigns_slots(&self) -> bool {

@@ -2180,6 +2180,93 @@ mod tests {
         m
     }
 
+    /// NVMe/TCP's SQ head moves once per command the queue takes: a command the budget makes
+    /// wait is decoded again later, and must not count twice (a host that sees SQHD run ahead
+    /// of what it sent takes it for a controller bug, or overruns the queue).
+    #[test]
+    fn an_nvme_command_decoded_twice_moves_the_sq_head_once() {
+        use crate::frontend::nvme::{IoQueueSetup, NsIo, NvmeIo};
+        use blkwire_wire::nvme_tcp::{self, CapsuleCmd, Direction, Params, Pdu, Sgl, Sqe};
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn_budget("m=memthread:4M", false, 3 << 20);
+        let host = Params::initial(Direction::HostToController, u32::MAX);
+        let ctrl = Params::initial(Direction::ControllerToHost, u32::MAX);
+        // SQSIZE 7 (8 entries); Connect took entry 0, so the head starts at 1.
+        c.fe = Box::new(NvmeIo::new(IoQueueSetup {
+            rx: host,
+            tx: ctrl,
+            qid: 1,
+            entries: 8,
+            sq_head: 1,
+            sqfc_off: false,
+            max_io: 1 << 20,
+            namespaces: vec![NsIo {
+                nsid: 1,
+                lba_shift: 9,
+                read_only: false,
+                copy: Default::default(),
+            }],
+        }));
+        let read = |cid: u16, slba: u64| {
+            let sqe = Sqe {
+                opcode: 0x02,
+                flags: 0x40,
+                cid,
+                nsid: 1,
+                cdw2: 0,
+                cdw3: 0,
+                mptr: 0,
+                dptr: Sgl::TransportDataBlock {
+                    subtype: 0xa,
+                    length: 1 << 20,
+                }
+                .to_bytes(),
+                cdw10: slba as u32,
+                cdw11: 0,
+                cdw12: 2047, // 2048 blocks: 1 MiB
+                cdw13: 0,
+                cdw14: 0,
+                cdw15: 0,
+            };
+            let mut out = Vec::new();
+            Pdu::CapsuleCmd(CapsuleCmd { sqe, data: &[] }).encode(&host, &mut out);
+            out
+        };
+        // The SQHD of every CapsuleResp in `tx`, by CID.
+        let heads = |tx: &[u8]| {
+            let mut v = Vec::new();
+            let mut at = 0;
+            while at < tx.len() {
+                let n = match nvme_tcp::pdu_len(&tx[at..], &ctrl) {
+                    Ok(nvme_tcp::Progress::Complete(n)) => n,
+                    other => panic!("a partial PDU in tx: {other:?}"),
+                };
+                if let Ok(Pdu::CapsuleResp(cqe)) = nvme_tcp::decode(&tx[at..at + n], &ctrl) {
+                    v.push((cqe.cid, cqe.sq_head));
+                }
+                at += n;
+            }
+            v
+        };
+        let mut both = read(1, 0);
+        both.extend_from_slice(&read(2, 2048));
+        feed(&mut c, &mut ring, &both);
+        assert_eq!(
+            c.targets[0].exec.stats.frames_in, 1,
+            "the second read waits"
+        );
+        settle_async(&mut c, &mut ring);
+        let tx = take_tx(&mut c);
+        // The second command is still in rx: the head counts the first only.
+        assert_eq!(heads(&tx), vec![(1, 2)]);
+        c.settle_memory();
+        parse_frames(&mut c, 0, &mut Pusher(&mut ring));
+        assert_eq!(c.targets[0].exec.stats.frames_in, 2);
+        settle_async(&mut c, &mut ring);
+        let tx = take_tx(&mut c);
+        assert_eq!(heads(&tx), vec![(2, 3)], "decoded twice, taken once");
+    }
+
     /// The budget sets aside the framing a chunked READ's frontend says it takes, here more
     /// than `REPLY_SLACK`: whatever the budget, the READ either waits or is refused, or runs
     /// within it; it never grows the connection past it (a reply larger than was set aside
