@@ -294,6 +294,27 @@ fn flush_write_zeroes_deallocate_and_copy_change_what_they_should() {
 }
 
 #[test]
+fn the_volatile_write_cache_cannot_be_turned_off() {
+    let dir = TempDir::new("nvme-vwc");
+    let img = dir.path("disk.img");
+    common::sparse_file(&img, 1 << 20);
+    let spec = format!("disk0=file:{}", img.display());
+    let t = NvmeTarget::start(&[&spec]);
+    let mut a = controller(&t.addr, &nqn("disk0"), &Opts::default());
+    assert_eq!(a.identify(1, 0).data[525] & 1, 1, "VWC present");
+    // WCE=0 would have every write reach the medium before it completes, which the I/O queues
+    // do not do: refused, not acknowledged and ignored.
+    let off = a.set_features(0x06, 0);
+    assert_eq!(off.code(), 0x002, "Invalid Field in Command");
+    assert_ne!(off.status() & 0x4000, 0, "DNR");
+    assert_eq!(a.set_features(0x06, 1).code(), 0, "WCE=1 is what it is");
+    let mut get = sqe(0x0a, 0);
+    get.cdw10 = 0x06;
+    let got = a.command_in(get, &[], 0).unwrap();
+    assert_eq!((got.code(), got.cqe.dw0 & 1), (0, 1), "WCE still 1");
+}
+
+#[test]
 fn commands_that_cannot_run_get_their_nvme_status() {
     let t = NvmeTarget::start(&["disk0=mem:1M", "ro=mem:1M,ro"]);
     let a = controller(&t.addr, &nqn("disk0"), &Opts::default());

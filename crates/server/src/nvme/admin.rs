@@ -73,7 +73,6 @@ pub struct AdminQueue {
     cc: u32,
     io_queues: Option<u16>,
     async_config: u32,
-    write_cache: bool,
     held_events: Vec<u16>,
     /// A namespace notice was sent and the host has not read the log yet.
     notice_sent: bool,
@@ -90,7 +89,6 @@ pub struct Ended {
 impl AdminQueue {
     /// An admin queue Connect accepted (and answered).
     pub fn new(s: AdminSetup, admitted: Vec<Admitted>) -> AdminQueue {
-        let write_cache = s.facts.write_cache();
         let authenticated = !s.auth_required;
         AdminQueue {
             s,
@@ -101,7 +99,6 @@ impl AdminQueue {
             cc: 0,
             io_queues: None,
             async_config: 0,
-            write_cache,
             held_events: Vec::new(),
             notice_sent: false,
             authenticated,
@@ -351,9 +348,18 @@ impl AdminQueue {
                         self.async_config = q.cdw11;
                         self.finish(sock, q.cid, sc::SUCCESS, 0, None)
                     }
+                    // Volatile Write Cache: it stays on. Turning it off would oblige every write
+                    // of every I/O queue to reach the medium before it completes, and the I/O
+                    // queues (on the reactors) never hear from this thread; so WCE=0 is refused
+                    // rather than acknowledged and ignored, and the host knows to use FUA or
+                    // Flush itself.
                     0x06 if !discovery && facts.write_cache() => {
-                        self.write_cache = q.cdw11 & 1 != 0;
-                        self.finish(sock, q.cid, sc::SUCCESS, 0, None)
+                        let st = if q.cdw11 & 1 != 0 {
+                            sc::SUCCESS
+                        } else {
+                            sc::INVALID_FIELD | sc::DNR
+                        };
+                        self.finish(sock, q.cid, st, 0, None)
                     }
                     _ => self.finish(sock, q.cid, sc::INVALID_FIELD | sc::DNR, 0, None),
                 }
@@ -367,7 +373,7 @@ impl AdminQueue {
                     }
                     0x0f => Some(self.s.kato_ms),
                     0x0b => Some(self.async_config),
-                    0x06 if !discovery => Some(self.write_cache as u32),
+                    0x06 if !discovery => Some(facts.write_cache() as u32),
                     // Arbitration, power management, error recovery, interrupt coalescing:
                     // nothing configured.
                     0x01 | 0x02 | 0x05 | 0x08 if !discovery => Some(0),
