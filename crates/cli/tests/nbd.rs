@@ -29,7 +29,13 @@ struct NbdTarget {
 
 impl NbdTarget {
     fn start(exports: &[&str]) -> NbdTarget {
-        let (t, urls) = Target::start_listeners(exports, &["--listen", "nbd://127.0.0.1:0"]);
+        Self::start_with(exports, &[])
+    }
+
+    fn start_with(exports: &[&str], extra: &[&str]) -> NbdTarget {
+        let mut args = vec!["--listen", "nbd://127.0.0.1:0"];
+        args.extend_from_slice(extra);
+        let (t, urls) = Target::start_listeners(exports, &args);
         let nbd = urls
             .iter()
             .find(|u| u.starts_with("nbd://"))
@@ -848,6 +854,29 @@ fn option_haggling() {
     }
     r.request(cmd::READ, 0, 1, 0, 4096);
     assert_eq!(r.read_simple(4096).0, 0);
+}
+
+/// A GO the session limits refuse is answered with an error (not a closed connection after its
+/// INFO replies), and the negotiation goes on.
+#[test]
+fn a_go_past_the_session_limit_gets_an_error_reply() {
+    let t = NbdTarget::start_with(&["m=mem:1M"], &["--max-sessions", "1"]);
+    let (_first, _, _) = Raw::go(&t.addr(), "m", false, false);
+    let mut r = Raw::open(&t.addr());
+    r.option(opt::GO, &info_data("m", &[]));
+    let typ = loop {
+        match r.opt_reply() {
+            (o, rep::INFO, _) => assert_eq!(o, opt::GO),
+            (o, typ, _) => {
+                assert_eq!(o, opt::GO);
+                break typ;
+            }
+        }
+    };
+    assert_eq!(typ, rep::ERR_POLICY, "GO past --max-sessions");
+    // Still negotiating: ABORT is acknowledged.
+    r.option(opt::ABORT, &[]);
+    assert_eq!(r.opt_reply(), (opt::ABORT, rep::ACK, Vec::new()));
 }
 
 #[test]

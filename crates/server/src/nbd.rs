@@ -8,6 +8,7 @@ use std::io::{Read, Write};
 use blkwire_auth::PeerAddr;
 use blkwire_backend::Export;
 use blkwire_wire::nbd::{self, info, opt, rep, InfoRequest, MetaRequest};
+use blkwire_wire::Status;
 
 use crate::frontend::{nbd::Nbd, StreamFrontend};
 use crate::log::Level;
@@ -182,7 +183,8 @@ pub fn negotiate(
                 let name = String::from_utf8_lossy(&data).into_owned();
                 // No error reply exists for EXPORT_NAME: an unknown name closes the connection.
                 let e = find(registry, who, &name)?;
-                let adm = admit(registry, &e, (peer, who), NBD_MAX_UNNEGOTIATED, e.size())?;
+                // Nor for a refused session: the connection closes (logged by `admit`).
+                let adm = admit(registry, &e, (peer, who), NBD_MAX_UNNEGOTIATED, e.size()).ok()?;
                 let mut out = Vec::with_capacity(134);
                 out.extend_from_slice(&adm.size.to_be_bytes());
                 out.extend_from_slice(&transmission_flags(&e, structured).to_be_bytes());
@@ -241,7 +243,21 @@ pub fn negotiate(
                     } else {
                         NBD_MAX_UNNEGOTIATED
                     };
-                    let adm = admit(registry, &e, (peer, who), max, size)?;
+                    let adm = match admit(registry, &e, (peer, who), max, size) {
+                        Ok(a) => a,
+                        Err(st) => {
+                            // The client is told why, as for any refused option (proto.md: a
+                            // GO ends in ACK or an error), instead of finding the connection
+                            // closed after the INFO replies; it may try again or give up.
+                            let typ = if st == Status::Shutdown {
+                                rep::ERR_SHUTDOWN
+                            } else {
+                                rep::ERR_POLICY
+                            };
+                            error_reply(s, option, typ, &format!("session refused: {st}"))?;
+                            continue;
+                        }
+                    };
                     reply(s, option, rep::ACK, &[])?;
                     let fe = Nbd {
                         structured,
@@ -359,18 +375,14 @@ fn admit(
     (peer, (proven, addr)): (&str, (Option<&str>, &PeerAddr)),
     max_payload: u32,
     size: u64,
-) -> Option<Admitted> {
+) -> Result<Admitted, Status> {
     let owner = crate::session::Owner {
         proven,
         shown: proven.unwrap_or("nbd client"),
         addr,
         peer,
     };
-    match registry.admit_single(e, &owner, size, NBD_DEPTH, max_payload) {
-        Ok(a) => Some(a),
-        Err(st) => {
-            crate::log!(Level::Info, "{peer}: NBD session refused: {st}");
-            None
-        }
-    }
+    registry
+        .admit_single(e, &owner, size, NBD_DEPTH, max_payload)
+        .inspect_err(|st| crate::log!(Level::Info, "{peer}: NBD session refused: {st}"))
 }
