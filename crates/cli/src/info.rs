@@ -106,9 +106,12 @@ pub fn run(a: Args) -> Result<(), String> {
     }
     if !a.json && a.url.starts_with("udp://") {
         println!(
-            "frame CRC:        {}",
-            if i.header_crc {
-                "header only; UDP's checksum covers the data (?crc=header)"
+            "frame check:      {}",
+            if opts.key.is_some() {
+                "sealed: every frame authenticated with AES-256-GCM (a sealed session has no \
+                 CRC, so ?crc=header does not apply)"
+            } else if i.header_crc {
+                "CRC32C over the header only; UDP's checksum covers the data (?crc=header)"
             } else {
                 "CRC32C over header and data"
             }

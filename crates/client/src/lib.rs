@@ -637,8 +637,8 @@ fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Res
                     max_io: reply.max_io,
                     frame_payload: reply.frame_payload,
                     credit: credit as u32,
-                    // Asked for, and granted: a target that did not grant it (a sealed session:
-                    // the seal covers everything) keeps the CRC over the data.
+                    // Asked for, and granted: a sealed session is never granted it (its frames
+                    // carry no CRC: the seal covers header and data).
                     header_crc: info.header_crc,
                 },
                 seal,

@@ -377,7 +377,7 @@ impl StreamQueue {
                     h.payload_len
                 )));
             }
-            h.check_crc(&self.rx[at..at + total - HEADER_LEN])
+            h.check_stream_crc(&self.rx[at..at + total - HEADER_LEN])
                 .map_err(|e| Error::Protocol(e.to_string()))?;
             self.slots[slot].busy = false;
             self.free.push(slot as u16);

@@ -41,7 +41,9 @@ const LEND_READ_MIN: u32 = 64 << 10;
 const MAX_CACHED_HELLOS: usize = 4096;
 /// Times one HELLO (peer and nonce) is answered; its repeats past that are dropped. A cached
 /// answer lives as long as a challenge is good (`IDLE_EXPIRY` >= the challenge's 60 s), so a
-/// replayed final HELLO cannot be answered afresh once its repeats run out.
+/// replayed final HELLO is not answered afresh once its repeats run out, unless
+/// `MAX_CACHED_HELLOS` other HELLOs push its entry out first (thousands of handshakes of the
+/// attacker's own within that minute).
 const HELLO_ANSWERS: u8 = 8;
 /// A session with no frame for this long is forgotten (PROTOCOL.md §9.1); the default of
 /// `Limits::datagram_idle`.
@@ -703,7 +705,20 @@ impl DgramPort {
             }
             return self.control(&h, f.payload, datagram_len, peer);
         }
-        let Some(&qi) = self.index.get(&(h.session, h.queue)) else {
+        let found = self.index.get(&(h.session, h.queue)).copied();
+        // Only WRITE data may leave its payload to UDP's checksum, and only in a queue of a
+        // session that asked for it (§9.7): anything else with a header-only CRC (a JOIN, a
+        // frame for no queue) is as bad as a frame with a wrong CRC.
+        if h.flags.has(Flags::HEAD_CRC) {
+            let granted = found
+                .and_then(|qi| self.queues[qi].as_ref())
+                .is_some_and(|q| q.header_crc);
+            if !(granted && h.opcode == Opcode::Write && !f.payload.is_empty()) {
+                self.stats.bad_frames += 1;
+                return;
+            }
+        }
+        let Some(qi) = found else {
             if h.opcode == Opcode::Join {
                 return self.join(&h, f, peer);
             }
@@ -718,14 +733,6 @@ impl DgramPort {
         let q = self.queues[qi].as_mut().expect("indexed queue exists");
         if q.peer != peer {
             self.stats.wrong_peer += 1;
-            return;
-        }
-        // Only WRITE data may leave its payload to UDP's checksum, and only in a session that
-        // asked for it (§9.7): anything else with a header-only CRC is as bad as a wrong CRC.
-        if h.flags.has(Flags::HEAD_CRC)
-            && !(q.header_crc && h.opcode == Opcode::Write && !f.payload.is_empty())
-        {
-            self.stats.bad_frames += 1;
             return;
         }
         // A sealed session's frames are acted on only once their seal opens (§12.4).
@@ -1671,11 +1678,18 @@ mod tests {
     fn a_have_bitmap_keeps_only_bits_for_real_fragments() {
         let (mut dp, peer, session) = session();
         let from = peer.local_addr().unwrap();
-        for (len, keep) in [(0u32, 1usize), (4096, 1), (64 << 10, 1), (1 << 30, 1)] {
-            let mut h = request(session, Opcode::Read, 1, len as u16 + 1, 0, len);
+        for (gen, len) in [(1u16, 0u32), (2, 4096), (3, 64 << 10), (4, 1 << 30)] {
+            let keep = 1;
+            let mut h = request(session, Opcode::Read, 1, gen, 0, len);
             h.flags.0 |= Flags::HAVE;
             dp.receive(&frame(h, &[0xff; 4096]), from);
             let q = dp.port.queues[0].as_ref().unwrap();
+            // Each READ is new on the slot: what it kept is its own.
+            assert_eq!(
+                q.slots[1].hdr.tag.generation(),
+                gen,
+                "length {len} was taken"
+            );
             assert!(
                 q.slots[1].client_has.capacity() <= 64 && q.slots[1].client_has.len() <= keep,
                 "length {len}: kept {} bytes",

@@ -222,6 +222,9 @@ impl<D: Copy + PartialEq> Packer<D> {
     /// The CRC is computed over the bytes as they are now. If another thread changes them
     /// before the send, the frame arrives with a CRC that does not match and the receiver
     /// drops it, as it drops a frame damaged on the wire: it is never taken for valid data.
+    /// With a header-only CRC (`HEAD_CRC`, §9.7) the data is not covered, and such a frame
+    /// carries what the kernel copied, as a tcp:// reply sent from the same memory does: a READ
+    /// racing a WRITE to the same blocks may return either, or a mix (§2 step 4).
     ///
     /// # Safety
     ///

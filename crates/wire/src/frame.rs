@@ -291,6 +291,8 @@ pub enum FrameError {
     PayloadOutsideMessage,
     /// A request carried a non-zero status.
     StatusInRequest(u16),
+    /// A header-only CRC (`HEAD_CRC`) where none may be: on a stream (§9.7).
+    HeaderOnlyCrc,
     /// The CRC32C of header and payload is not the one the header carries.
     BadCrc {
         /// CRC the header carries.
@@ -322,6 +324,12 @@ impl fmt::Display for FrameError {
             }
             FrameError::PayloadOutsideMessage => write!(f, "payload lies outside the message"),
             FrameError::StatusInRequest(s) => write!(f, "request carries status {s}"),
+            FrameError::HeaderOnlyCrc => {
+                write!(
+                    f,
+                    "header-only CRC (HEAD_CRC) on a stream: it is for UDP only"
+                )
+            }
             FrameError::BadCrc { expected, actual } => {
                 write!(
                     f,
@@ -540,6 +548,15 @@ impl Header {
         self.crc = 0;
     }
 
+    /// Checks a stream frame's CRC (TCP, where it is optional): as `check_crc`, and a
+    /// header-only CRC is refused (§9.7: it is for UDP data frames only).
+    pub fn check_stream_crc(&self, payload: &[u8]) -> Result<(), FrameError> {
+        if self.flags.has(Flags::HEAD_CRC) {
+            return Err(FrameError::HeaderOnlyCrc);
+        }
+        self.check_crc(payload)
+    }
+
     /// Checks the CRC if the `CRC` flag is set; frames without it pass.
     pub fn check_crc(&self, payload: &[u8]) -> Result<(), FrameError> {
         if !self.flags.has(Flags::CRC) {
@@ -692,6 +709,7 @@ mod tests {
                 "byte {at} changed, CRC held"
             );
         }
+        assert_eq!(d.check_stream_crc(&payload), Err(FrameError::HeaderOnlyCrc));
         let mut no_crc = h.to_bytes();
         no_crc[4] &= !(Flags::CRC as u8);
         assert_eq!(

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use blkwire_net::rx_ring::RxRing;
 use blkwire_net::udp_offload::{self, Cmsg, IoVecs, SendBatch};
 use blkwire_wire::datagram::{self, Packer};
-use blkwire_wire::{Header, HEADER_LEN};
+use blkwire_wire::{Flags, Header, HEADER_LEN};
 
 use crate::auth::QueueKeys;
 use crate::queue::QueueStats;
@@ -111,10 +111,11 @@ impl Link {
             if n < HEADER_LEN as isize || !self.sent_by_target(&from) {
                 continue;
             }
-            // Control replies travel alone in their datagram (PROTOCOL.md §9.6): the first frame.
+            // Control replies travel alone in their datagram (PROTOCOL.md §9.6): the first frame,
+            // its CRC over all of it (a header-only CRC is for data frames only, §9.7).
             let ok = matches!(
                 datagram::frames(&buf[..n as usize], 65536).next(),
-                Some(Ok(f)) if f.header.is_reply()
+                Some(Ok(f)) if f.header.is_reply() && !f.header.flags.has(Flags::HEAD_CRC)
             );
             if !ok {
                 continue;

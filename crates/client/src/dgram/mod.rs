@@ -1361,4 +1361,61 @@ mod tests {
             }
         }
     }
+
+    /// §9.7 from the initiator's side: a READ's data with a header-only CRC completes it only
+    /// in a queue that asked for that; elsewhere, and on any other reply (here an error
+    /// answer), such a frame counts as a CRC error and changes nothing.
+    #[test]
+    fn header_only_crcs_are_taken_only_on_read_data_of_a_queue_that_asked() {
+        for asked in [false, true] {
+            let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+            let link = udp_link(target.local_addr().unwrap()).unwrap();
+            let g = Grant {
+                header_crc: asked,
+                ..grant(4, 4096, 8192)
+            };
+            let mut q = test_queue(link, g, None);
+            q.submit(
+                Cmd::Read {
+                    offset: 0,
+                    len: 512,
+                },
+                1,
+            )
+            .unwrap();
+            q.send().unwrap();
+            let mut buf = vec![0u8; 65536];
+            target
+                .set_read_timeout(Some(Duration::from_secs(5)))
+                .unwrap();
+            let (n, from) = target.recv_from(&mut buf).unwrap();
+            let h = datagram::frames(&buf[..n], 65536)
+                .next()
+                .unwrap()
+                .unwrap()
+                .header;
+            let send = |status: Status, data: &[u8]| {
+                let mut r = h.reply(status, data.len() as u32);
+                r.flags.0 |= Flags::HEAD_CRC;
+                r.seal_crc(data);
+                let mut out = r.to_bytes().to_vec();
+                out.extend_from_slice(data);
+                target.send_to(&out, from).unwrap();
+            };
+            send(Status::Io, &[]);
+            send(Status::Ok, &[0x5a; 512]);
+            let mut got = None;
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while got.is_none() && q.stats().crc_errors < 2 && Instant::now() < deadline {
+                q.poll(|c| got = Some((c.status, c.data.to_vec()))).unwrap();
+            }
+            if asked {
+                assert_eq!(got, Some((Status::Ok, vec![0x5a; 512])));
+                assert_eq!(q.stats().crc_errors, 1, "the error answer is not data");
+            } else {
+                assert_eq!(got, None);
+                assert_eq!(q.stats().crc_errors, 2, "neither was asked for");
+            }
+        }
+    }
 }

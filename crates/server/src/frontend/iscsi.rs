@@ -589,7 +589,6 @@ impl Iscsi {
         self.data_in(itt, data, res, tx, None);
     }
 
-    /// The longest data segment of a Data-In PDU, and of a sequence of them (a burst).
     /// What frames `send` bytes of Data-In (`data_in`): a PDU ends at each segment's length
     /// and at each burst's end, so each whole burst is as many PDUs as its segments, the last
     /// one those of what is left; each PDU its header, padding and digest. Then room for a
@@ -600,6 +599,7 @@ impl Iscsi {
         pdus * (Bhs::prefix_len(&self.d) + 3 + DIGEST_LEN) + RESPONSE_MAX
     }
 
+    /// The longest data segment of a Data-In PDU, and of a sequence of them (a burst).
     fn data_in_limits(&self) -> (usize, usize) {
         (
             self.neg.send_max.max(512) as usize,

@@ -26,7 +26,7 @@ pub(super) struct Slot {
     /// (counted in `Conn::lists`).
     pub(super) extents: Vec<Extent>,
     /// What that query's reply may take, held in `Conn::held` while it runs.
-    pub(super) reply: usize,
+    pub(super) reply_held: usize,
     /// A WRITE waiting for the data the frontend solicited: how many bytes of it are in `buf`
     /// (or in `brought` while it waits for memory).
     pub(super) awaiting: Option<u32>,
@@ -134,8 +134,11 @@ pub(super) struct Conn {
     pub(super) slots: Vec<Slot>,
     /// Slots free for server-assigned requests (frontends whose requests carry cookies).
     pub(super) free_slots: Vec<u16>,
-    /// WRITEs that came without their data, waiting in their slots for the memory to receive
-    /// it before their solicitation (R2T) goes out, oldest first. Bounded by the slots.
+    /// Requests waiting in their slots for memory, oldest first (`run_deferred`): WRITEs that
+    /// came without their data (their solicitation, R2T, goes out once the budget covers
+    /// their buffer), WRITEs parked with the part of their data they brought (`brought`), and
+    /// other requests that had to wait for memory while writes waited for their data
+    /// (`park`). Bounded by the slots.
     pub(super) deferred: std::collections::VecDeque<u16>,
     pub(super) inflight: u32,
     /// Scratch for allocation maps (NBD block status) of exports that answer inline (counted
@@ -147,7 +150,9 @@ pub(super) struct Conn {
     pub(super) lists: usize,
     /// Spare data buffers for the next requests.
     pub(super) bufs: Buffers,
-    /// Bytes of data buffers held by requests (in flight, or waiting for solicited data).
+    /// Bytes held for requests: their data buffers (in flight, or waiting for solicited
+    /// data), the data parked writes brought, and the replies of allocation queries running
+    /// on a backend's thread (`Slot::reply_held`).
     pub(super) held: usize,
     /// A COPY is running (at most one per queue): its bounce buffer, up to
     /// [`blkwire_backend::COPY_CHUNK`], counts in the footprint.

@@ -539,7 +539,7 @@ fn run_in_slot(c: &mut Conn, idx: usize, req: &Req, slot: u16, sq: &mut Pusher<'
 
 /// A WRITE that came with `got` bytes of its data: it waits in a slot (with what it brought)
 /// while the frontend asks the initiator for the rest. One that brought nothing waits without a
-/// buffer while the memory budget cannot give it one (`solicit_deferred`).
+/// buffer while the memory budget cannot give it one (`run_deferred`).
 fn hold_write(c: &mut Conn, req: &Req, payload_at: usize, got: u32) {
     let slot = take_slot(c, req);
     let s = &mut c.slots[slot as usize];
@@ -925,7 +925,7 @@ fn block_status(c: &mut Conn, idx: usize, req: &Req, sq: &mut Pusher<'_>) {
             let reply = block_status_bound(c, req);
             c.held += reply;
             let s = &mut c.slots[slot as usize];
-            s.reply = reply;
+            s.reply_held = reply;
             s.busy = true;
             s.req = Some(*req);
             c.inflight += 1;
@@ -1036,7 +1036,7 @@ fn settle(c: &mut Conn, slot: u16, status: Status) {
         );
     }
     if req.kind == Kind::BlockStatus {
-        c.held -= std::mem::take(&mut c.slots[slot as usize].reply);
+        c.held -= std::mem::take(&mut c.slots[slot as usize].reply_held);
         let mut extents = std::mem::take(&mut c.slots[slot as usize].extents);
         answer_block_status(c, &req, status, &extents);
         c.rest_list(&mut extents, EXTENTS_BOUND);
@@ -2109,7 +2109,15 @@ mod tests {
         // A sparse file, the export such maps usually come from: its queries run on the
         // export's helper thread, in slots, like memthread:'s; mem: answers inline.
         let path = std::env::temp_dir().join(format!("blkwire-maps-{}", std::process::id()));
+        /// Removes the file also when an assertion fails.
+        struct Gone<'a>(&'a std::path::Path);
+        impl Drop for Gone<'_> {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_file(self.0);
+            }
+        }
         std::fs::File::create(&path).unwrap().set_len(len).unwrap();
+        let _gone = Gone(&path);
         let file = format!("m=file:{}", path.display());
         for spec in ["m=mem:256M", "m=memthread:256M", &file] {
             let mut ring = Ring::new(8).unwrap();
@@ -2169,7 +2177,6 @@ mod tests {
                 "{spec}: an idle connection keeps no allocation list"
             );
         }
-        std::fs::remove_file(&path).unwrap();
     }
 
     fn query(cookie: u64, offset: u64, length: u32) -> Vec<u8> {
