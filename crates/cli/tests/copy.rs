@@ -482,7 +482,10 @@ fn blkwire_copy_copies_ranges_and_refuses_bad_input_in_one_line() {
         (vec!["--src", "0:1M", "--dst", "512K"], "overlaps"),
         (vec!["--src", "0:1M", "--dst", "16M"], "beyond the end"),
         (vec!["--src", "1M", "--dst", "0"], "OFFSET:LENGTH"),
-        (vec!["--src", "0:0", "--dst", "8M"], "1 byte to 4 GiB"),
+        (
+            vec!["--src", "0:0", "--dst", "8M"],
+            "at least 1 byte and shorter than 4 GiB",
+        ),
         (vec!["--src", "0:1M", "--dst", "x"], "--dst"),
         (
             vec!["--from", "nope", "--src", "0:1M", "--dst", "0"],
