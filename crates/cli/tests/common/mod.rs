@@ -119,6 +119,22 @@ pub struct Target {
     pub base: String,
 }
 
+/// `blkwire serve` on 127.0.0.1 (port 0), quiet but for warnings, serving `exports`.
+fn serve_command(exports: &[&str]) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.args([
+        "serve",
+        "--listen",
+        "tcp://127.0.0.1:0",
+        "--log-level",
+        "warn",
+    ]);
+    for e in exports {
+        cmd.args(["--export", e]);
+    }
+    cmd
+}
+
 impl Target {
     /// Starts a target with these `--export` specs on a free port and waits until it listens.
     pub fn start(exports: &[&str]) -> Target {
@@ -135,17 +151,7 @@ impl Target {
     /// order the target printed them.
     pub fn start_listeners(exports: &[&str], extra: &[&str]) -> (Target, Vec<String>) {
         let want = 1 + extra.iter().filter(|a| **a == "--listen").count();
-        let mut cmd = Command::new(BIN);
-        cmd.args([
-            "serve",
-            "--listen",
-            "tcp://127.0.0.1:0",
-            "--log-level",
-            "warn",
-        ]);
-        for e in exports {
-            cmd.args(["--export", e]);
-        }
+        let mut cmd = serve_command(exports);
         cmd.args(extra);
         let (child, urls) = spawn_serve(&mut cmd, want);
         let base = urls[0].clone();
@@ -155,19 +161,8 @@ impl Target {
     /// A target on 127.0.0.1 serving `exports` with its control socket at `socket`, once the
     /// socket takes calls.
     pub fn start_with_control(exports: &[&str], socket: &std::path::Path) -> Target {
-        let mut cmd = Command::new(BIN);
-        cmd.args([
-            "serve",
-            "--listen",
-            "tcp://127.0.0.1:0",
-            "--log-level",
-            "warn",
-            "--rpc-socket",
-        ])
-        .arg(socket);
-        for e in exports {
-            cmd.args(["--export", e]);
-        }
+        let mut cmd = serve_command(exports);
+        cmd.arg("--rpc-socket").arg(socket);
         let (child, urls) = spawn_serve_with_control(&mut cmd, 1);
         Target {
             child,

@@ -1249,14 +1249,24 @@ mod tests {
     fn sealed_read_in_flight(
         encrypt: bool,
     ) -> (UdpSocket, DgramQueue, Header, std::net::SocketAddr) {
+        read_in_flight(grant(4, 4096, 8192), Some(encrypt))
+    }
+
+    /// A queue granted `g`, sealed if `sealed` says so (`Some(encrypt)`, keys as above), with a
+    /// 512-byte READ (user 1) in flight: the target's socket, the request as it received it
+    /// (opened if sealed), and where it came from.
+    fn read_in_flight(
+        g: Grant,
+        sealed: Option<bool>,
+    ) -> (UdpSocket, DgramQueue, Header, std::net::SocketAddr) {
         use blkwire_auth::seal::{Opener, Sealer};
         let target = UdpSocket::bind("127.0.0.1:0").unwrap();
         let link = udp_link(target.local_addr().unwrap()).unwrap();
-        let keys = QueueKeys {
+        let keys = sealed.map(|encrypt| QueueKeys {
             sealer: Sealer::new(&[1u8; 32], encrypt),
             opener: Opener::new(&[2u8; 32], encrypt),
-        };
-        let mut q = test_queue(link, grant(4, 4096, 8192), Some(keys));
+        });
+        let mut q = test_queue(link, g, keys);
         q.submit(
             Cmd::Read {
                 offset: 0,
@@ -1272,11 +1282,17 @@ mod tests {
             .unwrap();
         let (n, from) = target.recv_from(&mut buf).unwrap();
         let f = datagram::frames(&buf[..n], 65536).next().unwrap().unwrap();
-        assert!(f.sealed(), "requests of a sealed session are sealed");
-        let mut scratch = [0u8; 64];
-        Opener::new(&[1u8; 32], encrypt)
-            .open(f.raw, HEADER_LEN, &mut scratch)
-            .expect("the request opens");
+        assert_eq!(
+            f.sealed(),
+            sealed.is_some(),
+            "requests of a sealed session are sealed"
+        );
+        if let Some(encrypt) = sealed {
+            let mut scratch = [0u8; 64];
+            Opener::new(&[1u8; 32], encrypt)
+                .open(f.raw, HEADER_LEN, &mut scratch)
+                .expect("the request opens");
+        }
         (target, q, f.header, from)
     }
 
@@ -1368,32 +1384,11 @@ mod tests {
     #[test]
     fn header_only_crcs_are_taken_only_on_read_data_of_a_queue_that_asked() {
         for asked in [false, true] {
-            let target = UdpSocket::bind("127.0.0.1:0").unwrap();
-            let link = udp_link(target.local_addr().unwrap()).unwrap();
             let g = Grant {
                 header_crc: asked,
                 ..grant(4, 4096, 8192)
             };
-            let mut q = test_queue(link, g, None);
-            q.submit(
-                Cmd::Read {
-                    offset: 0,
-                    len: 512,
-                },
-                1,
-            )
-            .unwrap();
-            q.send().unwrap();
-            let mut buf = vec![0u8; 65536];
-            target
-                .set_read_timeout(Some(Duration::from_secs(5)))
-                .unwrap();
-            let (n, from) = target.recv_from(&mut buf).unwrap();
-            let h = datagram::frames(&buf[..n], 65536)
-                .next()
-                .unwrap()
-                .unwrap()
-                .header;
+            let (target, mut q, h, from) = read_in_flight(g, None);
             let send = |status: Status, data: &[u8]| {
                 let mut r = h.reply(status, data.len() as u32);
                 r.flags.0 |= Flags::HEAD_CRC;
