@@ -1,5 +1,5 @@
-//! A backend for tests of the layers above the backends (the generic layer here, the server's
-//! executor and reactor): [`Recorder`].
+//! Backends for tests of the layers above the backends (the generic layer here, the server's
+//! executor, reactor and frontends): [`Recorder`], and [`Direct512`].
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -138,5 +138,34 @@ impl QueueIo for RecorderQueue {
         for (tag, res) in self.ready.drain(..) {
             done(tag, res);
         }
+    }
+}
+
+/// Another backend, reporting 512-byte sectors but taking only 4 KiB-aligned I/O, as an
+/// O_DIRECT block device of 512-byte sectors does (`file:` with `direct=1`): what a frontend
+/// advertises as its block must be the larger.
+pub struct Direct512(pub Arc<dyn Backend>);
+
+impl Backend for Direct512 {
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+    fn size(&self) -> u64 {
+        self.0.size()
+    }
+    fn block_sizes(&self) -> (u32, u32) {
+        (512, 512)
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.0.capabilities()
+    }
+    fn reads_as_zero(&self) -> bool {
+        self.0.reads_as_zero()
+    }
+    fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
+        self.0.clone().open_queue()
+    }
+    fn buffer_alignment(&self) -> usize {
+        4096
     }
 }

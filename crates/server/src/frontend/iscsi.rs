@@ -403,7 +403,10 @@ pub struct Iscsi {
 pub fn lun_info(e: &Export, max_io: u32, copy: bool) -> LunInfo {
     let caps = e.capabilities();
     let (logical, _) = e.backend().block_sizes();
-    let block_size = logical.clamp(512, 4096).next_power_of_two();
+    // The block is also the unit the executor admits I/O in: an O_DIRECT export of a
+    // 512-byte-sector device takes only 4 KiB-aligned I/O (as for NVMe/TCP's LBA).
+    let align = u32::try_from(e.alignment()).unwrap_or(u32::MAX);
+    let block_size = logical.max(align).clamp(512, 4096).next_power_of_two();
     let shift = block_size.trailing_zeros();
     let target = crate::iscsi::target_name(&e.name);
     let digest = ring::digest::digest(&ring::digest::SHA256, target.as_bytes());
@@ -2127,6 +2130,22 @@ mod tests {
 
     fn fe(max_burst: u32) -> Iscsi {
         fe_luns(max_burst, &[(0, "m=mem:1M")])
+    }
+
+    /// The LU's block is the unit the export takes I/O in: an O_DIRECT export of a
+    /// 512-byte-sector device gets 4 KiB blocks, or every 512-byte READ would be refused.
+    #[test]
+    fn the_block_is_the_unit_the_export_takes_io_in() {
+        let plain = Export::open(&ExportSpec::parse("m=mem:1M").unwrap()).unwrap();
+        assert_eq!(lun_info(&plain, 1 << 20, false).block_size, 512);
+        let direct = Export::new(
+            "d",
+            Arc::new(blkwire_backend::testing::Direct512(plain.backend().clone())),
+            false,
+        );
+        let info = lun_info(&direct, 1 << 20, false);
+        assert_eq!(u64::from(info.block_size), direct.alignment());
+        assert_eq!(info.blocks, (1 << 20) / 4096);
     }
 
     /// A connection with these (LUN, export spec) LUNs, as targets 0, 1, ... (their

@@ -569,38 +569,14 @@ mod tests {
         }
     }
 
-    /// Reports 512-byte sectors but takes only 4 KiB-aligned I/O, as an O_DIRECT block device
-    /// of 512-byte sectors does (`file:` with `direct=1`).
-    struct Direct512(Arc<dyn blkwire_backend::Backend>);
-
-    impl blkwire_backend::Backend for Direct512 {
-        fn describe(&self) -> String {
-            self.0.describe()
-        }
-        fn size(&self) -> u64 {
-            self.0.size()
-        }
-        fn block_sizes(&self) -> (u32, u32) {
-            (512, 512)
-        }
-        fn capabilities(&self) -> blkwire_backend::Capabilities {
-            self.0.capabilities()
-        }
-        fn reads_as_zero(&self) -> bool {
-            self.0.reads_as_zero()
-        }
-        fn open_queue(self: Arc<Self>) -> std::io::Result<Box<dyn blkwire_backend::QueueIo>> {
-            self.0.clone().open_queue()
-        }
-        fn buffer_alignment(&self) -> usize {
-            4096
-        }
-    }
-
     #[test]
     fn the_lba_is_the_unit_the_export_takes_io_in() {
         let mem = export("m=mem:1M").backend().clone();
-        let e = Arc::new(Export::new("d", Arc::new(Direct512(mem)), false));
+        let e = Arc::new(Export::new(
+            "d",
+            Arc::new(blkwire_backend::testing::Direct512(mem)),
+            false,
+        ));
         let ns = Namespace::of(&e, "nqn.2026-11.test:d");
         assert_eq!(1u64 << ns.lba_shift, e.alignment(), "LBA size");
         assert_eq!(ns.blocks(), (1 << 20) / 4096);
