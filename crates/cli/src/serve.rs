@@ -143,6 +143,25 @@ fn export_help() -> String {
     h
 }
 
+/// The first export a flag (`--subsystem`, `--iscsi-target`, its text `text`) names that no
+/// `--export` gives, as the one-line error that says how to add it.
+fn no_export<'a>(
+    flag: &str,
+    text: &str,
+    mut names: impl Iterator<Item = &'a String>,
+    exports: &[ExportSpec],
+) -> Result<(), String> {
+    match names.find(|e| !exports.iter().any(|x| &x.name == *e)) {
+        Some(e) => Err(format!(
+            "{flag} '{}': no export '{}' (add it with --export {}=BACKEND)",
+            text.escape_debug(),
+            e.escape_debug(),
+            e.escape_debug()
+        )),
+        None => Ok(()),
+    }
+}
+
 pub fn run(a: Args) -> Result<(), String> {
     log::init_stderr(log::Level::parse(&a.log_level)?);
     let exports = a
@@ -163,18 +182,12 @@ pub fn run(a: Args) -> Result<(), String> {
     if a.config.is_none() {
         // Without a config every export comes from --export: name a missing one here, by flag.
         for (t, text) in subsystems.iter().zip(&a.subsystems) {
-            if let Some((e, _)) = t
-                .namespaces
-                .iter()
-                .find(|(e, _)| !exports.iter().any(|x| &x.name == e))
-            {
-                return Err(format!(
-                    "--subsystem '{}': no export '{}' (add it with --export {}=BACKEND)",
-                    text.escape_debug(),
-                    e.escape_debug(),
-                    e.escape_debug()
-                ));
-            }
+            no_export(
+                "--subsystem",
+                text,
+                t.namespaces.iter().map(|(e, _)| e),
+                &exports,
+            )?;
         }
         // Nothing could add an export later: say so before anything is bound.
         if exports.is_empty() && a.rpc_socket.as_deref() == Some("none") {
@@ -185,18 +198,12 @@ pub fn run(a: Args) -> Result<(), String> {
             );
         }
         for (t, text) in iscsi_targets.iter().zip(&a.iscsi_targets) {
-            if let Some((e, _)) = t
-                .luns
-                .iter()
-                .find(|(e, _)| !exports.iter().any(|x| &x.name == e))
-            {
-                return Err(format!(
-                    "--iscsi-target '{}': no export '{}' (add it with --export {}=BACKEND)",
-                    text.escape_debug(),
-                    e.escape_debug(),
-                    e.escape_debug()
-                ));
-            }
+            no_export(
+                "--iscsi-target",
+                text,
+                t.luns.iter().map(|(e, _)| e),
+                &exports,
+            )?;
         }
     }
     // Defaults, then the config's target_options, then the flags given.

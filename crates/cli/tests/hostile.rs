@@ -738,29 +738,7 @@ fn connections_are_limited_per_host_and_in_total() {
     };
     // A connection from another loopback address (bound before connecting).
     let from = |ip: &str| {
-        use std::os::fd::FromRawFd;
-        let sin = |a: std::net::SocketAddrV4| libc::sockaddr_in {
-            sin_family: libc::AF_INET as u16,
-            sin_port: a.port().to_be(),
-            sin_addr: libc::in_addr {
-                s_addr: u32::from(*a.ip()).to_be(),
-            },
-            sin_zero: [0; 8],
-        };
-        let local = sin(format!("{ip}:0").parse().unwrap());
-        let remote = sin(target);
-        let len = std::mem::size_of::<libc::sockaddr_in>() as u32;
-        // SAFETY: a new socket, bound and connected with addresses that live across the calls.
-        let s = unsafe {
-            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-            assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
-            let s = TcpStream::from_raw_fd(fd);
-            let r = libc::bind(fd, (&local as *const libc::sockaddr_in).cast(), len);
-            assert_eq!(r, 0, "bind {ip}: {}", std::io::Error::last_os_error());
-            let r = libc::connect(fd, (&remote as *const libc::sockaddr_in).cast(), len);
-            assert_eq!(r, 0, "connect: {}", std::io::Error::last_os_error());
-            s
-        };
+        let s = common::tcp_connect_from(ip.parse().unwrap(), target).expect("connect");
         s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
             .unwrap();
         s

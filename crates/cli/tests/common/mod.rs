@@ -119,6 +119,39 @@ pub struct Target {
     pub base: String,
 }
 
+/// A TCP connection to `to` from source address `from` (another loopback address plays another
+/// host): the socket is bound before it connects, which `std` cannot do. A failing `socket` or
+/// `bind` is the test machine's fault and panics; a refused `connect` is the caller's to judge.
+pub fn tcp_connect_from(
+    from: std::net::Ipv4Addr,
+    to: std::net::SocketAddrV4,
+) -> std::io::Result<std::net::TcpStream> {
+    use std::os::fd::FromRawFd;
+    let sin = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as u16,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(ip).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    let (local, remote) = (sin(from, 0), sin(*to.ip(), to.port()));
+    let len = std::mem::size_of::<libc::sockaddr_in>() as u32;
+    // SAFETY: a new socket, owned by the TcpStream at once, bound and connected with
+    // addresses that live across the calls.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let s = std::net::TcpStream::from_raw_fd(fd);
+        let r = libc::bind(fd, (&local as *const libc::sockaddr_in).cast(), len);
+        assert_eq!(r, 0, "bind {from}: {}", std::io::Error::last_os_error());
+        if libc::connect(fd, (&remote as *const libc::sockaddr_in).cast(), len) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(s)
+    }
+}
+
 /// `blkwire serve` on 127.0.0.1 (port 0), quiet but for warnings, serving `exports`.
 fn serve_command(exports: &[&str]) -> Command {
     let mut cmd = Command::new(BIN);

@@ -142,32 +142,9 @@ impl Queue {
         cntlid: u16,
         o: &Opts,
     ) -> Result<(Queue, Done), Failure> {
-        use std::os::fd::FromRawFd;
         let target: std::net::SocketAddrV4 = addr.parse().expect("an IPv4 address");
-        let sin = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
-            sin_family: libc::AF_INET as u16,
-            sin_port: port.to_be(),
-            sin_addr: libc::in_addr {
-                s_addr: u32::from(ip).to_be(),
-            },
-            sin_zero: [0; 8],
-        };
-        let (local, remote) = (sin(from, 0), sin(*target.ip(), target.port()));
-        let len = std::mem::size_of::<libc::sockaddr_in>() as u32;
-        // SAFETY: a new socket, owned by the TcpStream at once, bound and connected with
-        // addresses that live across the calls.
-        let s = unsafe {
-            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-            assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
-            let s = TcpStream::from_raw_fd(fd);
-            let r = libc::bind(fd, (&local as *const libc::sockaddr_in).cast(), len);
-            assert_eq!(r, 0, "bind {from}: {}", std::io::Error::last_os_error());
-            let r = libc::connect(fd, (&remote as *const libc::sockaddr_in).cast(), len);
-            if r != 0 {
-                return Err(Failure::Closed(std::io::Error::last_os_error().to_string()));
-            }
-            s
-        };
+        let s =
+            super::tcp_connect_from(from, target).map_err(|e| Failure::Closed(e.to_string()))?;
         Self::connect_on(s, subnqn, qid, cntlid, o)
     }
 

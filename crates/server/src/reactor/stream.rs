@@ -1154,6 +1154,19 @@ mod tests {
         u64::from_le_bytes(b[i..i + 8].try_into().unwrap())
     }
 
+    /// The toy's request of `kind` at the front of `rx`: `op cookie offset length`.
+    fn request(kind: Kind, rx: &[u8]) -> Req {
+        Req {
+            kind,
+            offset: u64_at(rx, 9),
+            length: u32_at(rx, 17),
+            flags: IoFlags::empty(),
+            slot: None,
+            cookie: u64_at(rx, 1) as u128,
+            target: 0,
+        }
+    }
+
     impl StreamFrontend for Toy {
         fn decode(&mut self, rx: &[u8], tx: &mut Vec<u8>) -> Decoded {
             let need = |n: usize| {
@@ -1232,15 +1245,7 @@ mod tests {
                     if let Some(n) = need(21) {
                         return n;
                     }
-                    let req = Req {
-                        kind: Kind::BlockStatus,
-                        offset: u64_at(rx, 9),
-                        length: u32_at(rx, 17),
-                        flags: IoFlags::empty(),
-                        slot: None,
-                        cookie: u64_at(rx, 1) as u128,
-                        target: 0,
-                    };
+                    let req = request(Kind::BlockStatus, rx);
                     Decoded::Request {
                         req,
                         len: 21,
@@ -1266,15 +1271,7 @@ mod tests {
                     } else {
                         BlockOp::Read
                     };
-                    let req = Req {
-                        kind: Kind::Block(kind),
-                        offset: u64_at(rx, 9),
-                        length: u32_at(rx, 17),
-                        flags: IoFlags::empty(),
-                        slot: None,
-                        cookie: u64_at(rx, 1) as u128,
-                        target: 0,
-                    };
+                    let req = request(Kind::Block(kind), rx);
                     Decoded::Request {
                         req,
                         len: hdr + inline,
