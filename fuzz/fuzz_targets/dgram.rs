@@ -88,6 +88,7 @@ fn open_session(port: &mut DatagramPort, peer: &UdpSocket, header_crc: bool) -> 
         host_id: "fuzz".into(),
         export: "a".into(),
         auth: AuthBlock::first(AuthMethod::None, false, [7; 32]),
+        replaces: None,
     };
     let from = peer.local_addr().expect("bound");
     for round in 1..=3 {

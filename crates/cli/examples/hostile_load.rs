@@ -52,6 +52,7 @@ fn hello(depth: u16, max_io: u32, frame_payload: u32, nonce: u64, export: &str) 
                 .try_into()
                 .expect("32 bytes"),
         ),
+        replaces: None,
     }
 }
 

@@ -385,6 +385,7 @@ fn a_challenge_never_amplifies_and_creates_nothing() {
         host_id: "x".into(),
         export: "m".into(),
         auth: AuthBlock::first(AuthMethod::None, false, [3; 32]),
+        replaces: None,
     };
     let send = |hello: &Hello| -> (usize, Header, Vec<u8>) {
         let p = hello.encode().unwrap();

@@ -397,3 +397,199 @@ fn sigterm_under_load_keeps_every_acknowledged_write() {
         );
     }
 }
+
+/// Both native transports of one target serving `exports`: its `tcp://` and `udp://` URLs.
+fn tcp_and_udp(exports: &[&str]) -> (common::netlab::Served, [String; 2]) {
+    let t =
+        common::netlab::Served::start(None, &["tcp://127.0.0.1:0", "udp://127.0.0.1:0"], exports);
+    let urls = [t.url("tcp://"), t.url("udp://")];
+    (t, urls)
+}
+
+fn one_queue(
+    url: &str,
+    replaces: Option<blkwire_client::QueueRef>,
+    timeout: Duration,
+) -> Result<Session, Error> {
+    let opts = ConnectOptions {
+        depth: 4,
+        max_io: 64 << 10,
+        timeout,
+        replaces,
+        ..Default::default()
+    };
+    connect(&Url::parse(url).unwrap(), &opts)
+}
+
+/// A reconnection names the queue it takes over (PROTOCOL.md §2.6): the target closes that
+/// queue, so the old connection's I/O fails from then on, and the new session sees its data.
+#[test]
+fn a_session_replacing_a_queue_closes_it() {
+    let (_t, urls) = tcp_and_udp(&["m=mem:1M"]);
+    for base in urls {
+        let url = format!("{base}/m");
+        let mut old = one_queue(&url, None, Duration::from_secs(10)).unwrap();
+        let data = random_bytes(4096, 7);
+        old.queues[0].write_at(&data, 0, false).unwrap();
+        let me = old.queues[0]
+            .identity()
+            .expect("a native queue knows its session");
+        let mut new = one_queue(&url, Some(me), Duration::from_secs(10)).unwrap();
+        assert_ne!(new.info.session, old.info.session);
+        let mut back = vec![0u8; 4096];
+        new.queues[0].read_at(&mut back, 0).unwrap();
+        assert!(
+            back == data,
+            "{url}: the new session reads what the old one wrote"
+        );
+        let got = old.queues[0].write_at(&data, 4096, false);
+        assert!(
+            got.is_err(),
+            "{url}: the replaced queue still serves: {got:?}"
+        );
+    }
+}
+
+/// An ext4 filesystem on a loop device, unmounted on drop (also when a test fails).
+struct LoopExt4 {
+    dir: TempDir,
+}
+
+impl LoopExt4 {
+    fn new() -> LoopExt4 {
+        common::need_tool("fsfreeze", "util-linux");
+        common::need_tool("mkfs.ext4", "e2fsprogs");
+        let dir = TempDir::new("freeze");
+        let img = dir.path("ext4.img");
+        sparse_file(&img, 64 << 20);
+        std::fs::create_dir(dir.path("mnt")).unwrap();
+        let run = |c: &mut std::process::Command| {
+            let out = c.output().expect("run");
+            assert!(
+                out.status.success(),
+                "{c:?}: {} (this test needs root and loop devices)",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        };
+        run(std::process::Command::new("mkfs.ext4").arg("-q").arg(&img));
+        run(std::process::Command::new("mount")
+            .args(["-o", "loop"])
+            .arg(&img)
+            .arg(dir.path("mnt")));
+        LoopExt4 { dir }
+    }
+
+    fn mnt(&self) -> std::path::PathBuf {
+        self.dir.path("mnt")
+    }
+
+    /// Freezes it (`fsfreeze`): every write to it blocks until the guard is dropped. Declare
+    /// the guard after anything that may write there, so it thaws first (a process stuck on
+    /// a frozen filesystem cannot even be killed).
+    fn freeze(&self) -> Frozen {
+        let mnt = self.mnt();
+        let out = std::process::Command::new("fsfreeze")
+            .arg("-f")
+            .arg(&mnt)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "fsfreeze -f: {out:?}");
+        Frozen(mnt)
+    }
+}
+
+impl Drop for LoopExt4 {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg(self.mnt())
+            .status();
+    }
+}
+
+struct Frozen(std::path::PathBuf);
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("fsfreeze")
+            .arg("-u")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// Requests the target's backend is running for `session` (from the STATS document).
+fn running(stats_url: &str, session: u32) -> u64 {
+    let doc =
+        blkwire_client::stats(&Url::parse(stats_url).unwrap(), &ConnectOptions::default()).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&doc).unwrap();
+    v["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["session"] == session)
+        .flat_map(|s| s["queues"].as_array().unwrap().iter())
+        .map(|q| q["in_flight"].as_u64().unwrap())
+        .sum()
+}
+
+/// The fencing a reconnection relies on (PROTOCOL.md §2.6): while a write of the replaced
+/// queue still runs on the target (here: stuck on a frozen filesystem), the new session is not
+/// let in (BUSY), so nothing it sends can be overtaken by that write; once the write has
+/// landed, it is.
+#[test]
+fn a_session_replacing_a_queue_waits_for_its_writes_to_land() {
+    let fs = LoopExt4::new();
+    let file = fs.mnt().join("disk");
+    sparse_file(&file, 1 << 20);
+    let export = format!("f=file:{}", file.display());
+    let (t, urls) = tcp_and_udp(&[&export]);
+    let stats_url = t.url("tcp://");
+    for base in urls {
+        let url = format!("{base}/f");
+        let mut old = one_queue(&url, None, Duration::from_secs(60)).unwrap();
+        let me = old.queues[0].identity().unwrap();
+        let first = random_bytes(4096, 1);
+        let frozen = fs.freeze();
+        old.queues[0]
+            .submit(
+                Cmd::Write {
+                    offset: 0,
+                    data: &first,
+                    fua: false,
+                },
+                1,
+            )
+            .unwrap();
+        old.queues[0].send().unwrap();
+        assert!(
+            common::wait_until(Duration::from_secs(30), || running(&stats_url, me.session)
+                == 1),
+            "{url}: the write never reached the backend"
+        );
+        let busy = one_queue(&url, Some(me), Duration::from_secs(3));
+        assert!(
+            matches!(
+                busy,
+                Err(Error::Status {
+                    status: Status::Busy,
+                    ..
+                })
+            ),
+            "{url}: let in while the replaced queue's write still runs: {:?}",
+            busy.map(|s| s.info.session)
+        );
+        drop(frozen);
+        let mut new = one_queue(&url, Some(me), Duration::from_secs(30)).unwrap();
+        let mut back = vec![0u8; 4096];
+        new.queues[0].read_at(&mut back, 0).unwrap();
+        assert!(
+            back == first,
+            "{url}: the old write landed before the new session began"
+        );
+        let second = random_bytes(4096, 2);
+        new.queues[0].write_at(&second, 0, false).unwrap();
+        new.queues[0].read_at(&mut back, 0).unwrap();
+        assert!(back == second, "{url}");
+        new.queues[0].write_at(&vec![0; 4096], 0, false).unwrap();
+    }
+}

@@ -81,6 +81,7 @@ impl Attempt {
             host_id: opts.host_id.clone(),
             export: export.to_string(),
             auth: AuthBlock::first(method, opts.encrypt, nonce_c),
+            replaces: opts.replaces.filter(|_| !export.is_empty()),
         };
         hello
             .encode()

@@ -22,7 +22,7 @@ mod url;
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tls::Link;
 
@@ -32,7 +32,7 @@ use blkwire_wire::{
 };
 
 pub use blkwire_block::{BlockOp, BlockRequest, CopyRange, IoFlags};
-pub use blkwire_wire::CopyLimits;
+pub use blkwire_wire::{CopyLimits, QueueRef};
 pub use dgram::{discover_eth, discover_udp, Discovered};
 pub use queue::{overlapping_source, Cmd, Completion, Queue, QueueStats, COPY_COMMAND_MAX};
 pub use url::{format_mac, parse_mac, Transport, Url};
@@ -145,6 +145,12 @@ pub struct ConnectOptions {
     pub timeout: Duration,
     /// How long to spin for a reply before sleeping (trades CPU for latency).
     pub poll: Duration,
+    /// A reconnection's queue of the session it replaces ([`Queue::identity`], PROTOCOL.md
+    /// §2.6): the target ends that queue and welcomes the new session only once none of the
+    /// old queue's requests still runs, so a write resent on the new session can never be
+    /// overtaken by the old copy of it. `connect` retries while the target says the old queue
+    /// is still draining (`BUSY`), up to `timeout`.
+    pub replaces: Option<QueueRef>,
 }
 
 impl Default for ConnectOptions {
@@ -160,6 +166,7 @@ impl Default for ConnectOptions {
             tls_ca: None,
             timeout: Duration::from_secs(30),
             poll: Duration::from_micros(50),
+            replaces: None,
         }
     }
 }
@@ -509,6 +516,38 @@ pub fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
         };
         return connect(url, &opts);
     }
+    let Some(replaced) = opts.replaces else {
+        return connect_once(url, opts);
+    };
+    // The target ends the replaced queue at the first HELLO and says BUSY until the requests
+    // it was running have finished (PROTOCOL.md §2.6): ask again until then.
+    let deadline = Instant::now() + opts.timeout;
+    let mut pause = Duration::from_millis(2);
+    loop {
+        match connect_once(url, opts) {
+            Err(Error::Status {
+                status: Status::Busy,
+                what,
+            }) => {
+                if Instant::now() + pause >= deadline {
+                    return Err(Error::Status {
+                        what: format!(
+                            "{what} (session {} queue {}, which it replaces, still has requests running there after {:.0?})",
+                            replaced.session, replaced.queue, opts.timeout
+                        ),
+                        status: Status::Busy,
+                    });
+                }
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
+            r => return r,
+        }
+    }
+}
+
+/// One attempt of [`connect`].
+fn connect_once(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     match url.transport {
         Transport::Tcp => connect_tcp(url, opts),
         Transport::Udp => {
@@ -626,6 +665,11 @@ fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Res
         Transport::Eth { .. } => open(0, Some(reply.session))?,
         _ => link0,
     };
+    let name = |queue| QueueRef {
+        session: reply.session,
+        queue,
+        cookie: reply.cookie,
+    };
     let mk = |link, q, credit: u16, seal| {
         Queue::dgram(
             dgram::DgramQueue::new(
@@ -647,6 +691,7 @@ fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Res
             ),
             reply.copy,
         )
+        .known_as(name(q))
     };
     let seal0 = keys.as_ref().map(|k| k.queue(reply.session, 0));
     let mut queues = vec![mk(link0, 0, r.credit, seal0)];
@@ -724,10 +769,14 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     let keys = attempt.check_welcome(&reply)?;
     check_grant(opts, 0, &reply)?;
     let info = info_from(url, &reply);
-    let mut queues = vec![Queue::stream(
-        stream::StreamQueue::new(s0, 0, &info, opts)?,
-        info.copy,
-    )];
+    let name = |queue| QueueRef {
+        session: reply.session,
+        queue,
+        cookie: reply.cookie,
+    };
+    let mut queues = vec![
+        Queue::stream(stream::StreamQueue::new(s0, 0, &info, opts)?, info.copy).known_as(name(0)),
+    ];
     for q in 1..reply.queues {
         // Every queue of a TLS session is a TLS connection of its own.
         let mut s = open_link(url, opts)?;
@@ -748,10 +797,10 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
                 status: r.status,
             });
         }
-        queues.push(Queue::stream(
-            stream::StreamQueue::new(s, q, &info, opts)?,
-            info.copy,
-        ));
+        queues.push(
+            Queue::stream(stream::StreamQueue::new(s, q, &info, opts)?, info.copy)
+                .known_as(name(q)),
+        );
     }
     Ok(Session { info, queues })
 }

@@ -6,7 +6,7 @@ use std::os::fd::RawFd;
 use std::time::Instant;
 
 use blkwire_block::{BlockOp, BlockRequest, CopyRange, IoFlags};
-use blkwire_wire::{CopyDescriptor, CopyLimits, Flags, Opcode, Status};
+use blkwire_wire::{CopyDescriptor, CopyLimits, Flags, Opcode, QueueRef, Status};
 
 use crate::dgram::DgramQueue;
 use crate::stream::StreamQueue;
@@ -224,6 +224,8 @@ pub struct Queue {
     inner: Inner,
     /// What one COPY may do (PROTOCOL.md §13), as the target granted.
     copy: CopyLimits,
+    /// Which queue of which session this is, for a reconnection to name (native sessions).
+    identity: Option<QueueRef>,
 }
 
 // Both boxed: a Queue is moved between threads and into vectors; the transports are large.
@@ -246,6 +248,7 @@ impl Queue {
         Queue {
             inner: Inner::Stream(Box::new(q)),
             copy,
+            identity: None,
         }
     }
 
@@ -253,7 +256,21 @@ impl Queue {
         Queue {
             inner: Inner::Dgram(Box::new(q)),
             copy,
+            identity: None,
         }
+    }
+
+    /// The same queue, known as `r` (a native session's queue).
+    pub(crate) fn known_as(mut self, r: QueueRef) -> Queue {
+        self.identity = Some(r);
+        self
+    }
+
+    /// Which queue of which session this is: what a reconnection that takes over from it names
+    /// in [`crate::ConnectOptions::replaces`] (PROTOCOL.md §2.6), so the target finishes this
+    /// queue's requests before the new session may send any. None on NVMe/TCP.
+    pub fn identity(&self) -> Option<QueueRef> {
+        self.identity
     }
 
     /// What one COPY of this session may do; [`CopyLimits::enabled`] is false when the session

@@ -845,11 +845,13 @@ impl DgramPort {
                     return self.send_frame(r, &cached, peer);
                 }
                 let no_stats = Vec::new;
+                // A HELLO replacing a queue (§2.6) never waits here (the reactor must not
+                // block): BUSY until the queue is gone, and the initiator asks again.
                 match self.registry.hello(
                     &hello,
                     &id,
-                    Some(self.link_payload),
-                    matches!(self.kind, PortKind::Udp),
+                    (Some(self.link_payload), matches!(self.kind, PortKind::Udp)),
+                    None,
                     &no_stats,
                 ) {
                     HelloAnswer::Challenge(nonce) => {
@@ -1512,11 +1514,17 @@ impl DgramPort {
     /// Closes the queues of these sessions (all of them when the port retires): frames for
     /// them are from now on answered as for an unknown session, so the initiator's I/O fails.
     pub fn close_sessions(&mut self, sessions: &[u32]) {
+        let all = self.retiring;
+        self.close_queues(|s, _| all || sessions.contains(&s));
+    }
+
+    /// Closes the queues `hit` names by session and queue index, as `close_sessions` does.
+    pub fn close_queues(&mut self, hit: impl Fn(u32, u16) -> bool) {
         for qi in 0..self.queues.len() {
             let Some(q) = self.queues[qi].as_mut() else {
                 continue;
             };
-            if self.retiring || sessions.contains(&q.session) {
+            if hit(q.session, q.queue) {
                 self.close_queue(qi);
             }
         }
@@ -1618,6 +1626,7 @@ mod tests {
             host_id: "test".into(),
             export: "a".into(),
             auth: AuthBlock::first(AuthMethod::None, false, [7; 32]),
+            replaces: None,
         };
         for round in 1..=3 {
             let h = Header::request(Opcode::Hello, Tag::new(0, round), 0, 0);
@@ -1717,6 +1726,7 @@ mod tests {
             host_id: "test".into(),
             export: "a".into(),
             auth: AuthBlock::first(AuthMethod::None, false, [7; 32]),
+            replaces: None,
         };
         let h = Header::request(Opcode::Hello, Tag::new(0, 1), 0, 0);
         dp.receive(&frame(h, &hello.encode().unwrap()), from);

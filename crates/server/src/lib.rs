@@ -621,6 +621,23 @@ impl Target {
             reactors.push((w.tx.clone(), wake));
         }
         registry.reservations.set_reactors(reactors);
+        // A HELLO that replaces a queue (PROTOCOL.md §2.6) has it closed on whichever reactor
+        // serves it: all are told, as for `close_sessions`.
+        let mut closers = Vec::new();
+        for w in &workers {
+            let wake = w
+                .wake
+                .try_clone()
+                .map_err(|e| Error::System(format!("eventfd: {e}")))?;
+            closers.push((w.tx.clone(), wake));
+        }
+        registry.set_queue_closer(Box::new(move |session, queue| {
+            for (tx, wake) in &closers {
+                if tx.send(Msg::CloseQueue { session, queue }).is_ok() {
+                    eventfd_write(wake.as_raw_fd());
+                }
+            }
+        }));
         Ok(Target {
             shared: Arc::new(Shared {
                 registry,
@@ -1268,6 +1285,10 @@ const TLS_REQUIRED_REASON: &str = "this target requires TLS: connect with --tls"
 /// and a spare for a client that re-sends after an expired challenge.
 const HANDSHAKE_FRAMES: usize = 3;
 
+/// How long a TCP handshake thread waits for the queue a HELLO replaces (PROTOCOL.md §2.6) before
+/// answering BUSY: short, so the initiator's own HELLO timeout never fires first.
+const REPLACE_WAIT: Duration = Duration::from_millis(500);
+
 /// Reads one handshake frame: a valid request header, its payload, its CRC checked.
 fn read_handshake_frame(s: &mut Admission, peer_s: &str) -> Option<(Header, Vec<u8>)> {
     let mut hb = [0u8; HEADER_LEN];
@@ -1366,7 +1387,10 @@ fn native_handshake(
                     );
                 }
                 let stats = || stats_json(registry, workers, MAX_STATS);
-                match registry.hello(&hello, &id, None, false, &stats) {
+                // A HELLO replacing a queue (§2.6) waits a little for its requests to finish
+                // here; past that it gets BUSY and the initiator asks again.
+                let wait = (Instant::now() + REPLACE_WAIT).min(s.deadline);
+                match registry.hello(&hello, &id, (None, false), Some(wait), &stats) {
                     HelloAnswer::Challenge(nonce) => {
                         send(s, &h, Status::Challenge, &nonce).ok()?;
                     }

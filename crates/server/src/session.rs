@@ -2,7 +2,8 @@
 //! (connect, join, disconnect) takes this lock; the data path never touches it.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::Instant;
 
 use blkwire_auth::proof::{self, Direction, SessionSecret};
 use blkwire_auth::seal::{Opener, Sealer};
@@ -10,7 +11,7 @@ use blkwire_auth::{Acl, Key, PeerAddr};
 use blkwire_backend::{Export, ExportSpec, ResizeError};
 use blkwire_wire::{
     datagram::SEAL_LEN, CopyDescriptor, CopyLimits, ExportEntry, Features, Hello, HelloReply, Join,
-    Status, AUTH_LEN, HEADER_CRC, QUERY_LIST, QUERY_STATS, SESSION_HEADER_CRC,
+    QueueRef, Status, AUTH_LEN, HEADER_CRC, QUERY_LIST, QUERY_STATS, SESSION_HEADER_CRC,
 };
 
 use crate::access::{Access, Checked, PeerId};
@@ -105,13 +106,27 @@ struct Session {
     /// What one COPY may do (PROTOCOL.md §13), as granted at HELLO.
     copy: CopyLimits,
     cookie: u64,
-    joined: Vec<bool>,
+    /// Where each of its queues is in its life.
+    queues: Vec<QueueState>,
     live: u16,
     stats: QueueStats,
     /// The session's share of the memory budget, which its queues charge.
     mem: Arc<Budget>,
     /// What each of its queues reserves of it when admitted.
     queue_floor: usize,
+}
+
+/// Where a queue of a session is in its life. Only forward: an index is never reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum QueueState {
+    /// Not connected yet: a JOIN may take it.
+    Free,
+    Live,
+    /// A new session replaces it (PROTOCOL.md §2.6): its reactor was told to close it, and
+    /// its requests still running finish first.
+    Closing,
+    /// Closed, and nothing of it runs any more (or replaced before it was ever joined).
+    Gone,
 }
 
 impl Session {
@@ -127,12 +142,12 @@ impl Session {
         seal: Option<QueueSeal>,
         share: usize,
     ) -> Result<Admitted, Status> {
-        let slot = self.joined.get_mut(queue as usize).ok_or(Status::Invalid)?;
-        if *slot {
+        let slot = self.queues.get_mut(queue as usize).ok_or(Status::Invalid)?;
+        if *slot != QueueState::Free {
             return Err(Status::Busy);
         }
         let mem = Account::reserve(&self.mem, self.queue_floor, share).ok_or(Status::NoMemory)?;
-        *slot = true;
+        *slot = QueueState::Live;
         self.live += 1;
         Ok(Admitted {
             export: self.export.clone(),
@@ -251,8 +266,15 @@ pub struct Registry {
     pub reservations: crate::reservations::Table,
     limits: Limits,
     inner: Mutex<Inner>,
+    /// Signalled whenever a queue leaves, for HELLOs waiting on a queue they replace.
+    left: Condvar,
+    /// Tells the reactors to close one queue (set once they run; see `take_over`).
+    closer: OnceLock<QueueCloser>,
     budget: Arc<Budget>,
 }
+
+/// How the registry has a queue closed on whichever reactor serves it.
+pub type QueueCloser = Box<dyn Fn(u32, u16) + Send + Sync>;
 
 struct Inner {
     /// The exports, in the order they were added (the first is NBD's default). Under the same
@@ -274,6 +296,8 @@ impl Registry {
             iscsi: crate::iscsi::Portals::default(),
             reservations: crate::reservations::Table::default(),
             limits,
+            left: Condvar::new(),
+            closer: OnceLock::new(),
             budget: Budget::new(limits.max_memory),
             inner: Mutex::new(Inner {
                 exports: Vec::new(),
@@ -395,13 +419,14 @@ impl Registry {
     /// query's answer). `link_payload` is the target's own largest frame payload on a datagram
     /// link, `None` on TCP; `udp` says the link is UDP (whose checksum covers a payload, so a
     /// session may ask for `HEADER_CRC`, §9.7). `stats` builds the STATS document for an
-    /// admin's query.
+    /// admin's query. A HELLO that replaces a queue (§2.6) waits for it until `wait_until`
+    /// (None: not at all), then is refused with BUSY if the queue still has requests running.
     pub fn hello(
         &self,
         h: &Hello,
         peer: &PeerId,
-        link_payload: Option<u32>,
-        udp: bool,
+        (link_payload, udp): (Option<u32>, bool),
+        wait_until: Option<Instant>,
         stats: &dyn Fn() -> Vec<u8>,
     ) -> HelloAnswer {
         let proven = match self.access.check(h, peer) {
@@ -453,6 +478,11 @@ impl Registry {
             );
             return HelloAnswer::Refused(Status::NoExport);
         };
+        if let Some(r) = &h.replaces {
+            if !self.take_over(r, &export, h, host, wait_until) {
+                return HelloAnswer::Refused(Status::Busy);
+            }
+        }
         let (logical, physical) = export.backend().block_sizes();
         let queues = h.queues.min(self.limits.max_queues);
         let depth = h.depth.min(self.limits.max_depth);
@@ -545,6 +575,80 @@ impl Registry {
         )
     }
 
+    /// Has the reactors close the queue `r` names, if it is one this initiator held: a session
+    /// on the same export, opened by the same host (proven the same way), whose cookie `r`
+    /// carries. True once nothing of that queue runs any more (or there is no such queue
+    /// here: the target restarted, the session ended, the cookie is not that session's); false
+    /// while its requests still run, after waiting for them until `wait_until`. The new
+    /// session is created only after true, so a write the initiator sends again on it cannot
+    /// be overtaken by the replaced queue's copy of the same write (PROTOCOL.md §2.6).
+    fn take_over(
+        &self,
+        r: &QueueRef,
+        export: &Arc<Export>,
+        h: &Hello,
+        proven: Option<&str>,
+        wait_until: Option<Instant>,
+    ) -> bool {
+        fn state<'a>(
+            inner: &'a mut Inner,
+            r: &QueueRef,
+            export: &Arc<Export>,
+            host: &str,
+            proven: Option<&str>,
+        ) -> Option<&'a mut QueueState> {
+            let s = inner.sessions.get_mut(&r.session).filter(|s| {
+                Arc::ptr_eq(&s.export, export)
+                    && s.proven.as_deref() == proven
+                    && s.host == host
+                    && s.cookie == r.cookie
+            })?;
+            s.queues.get_mut(r.queue as usize)
+        }
+        let mut inner = self.lock();
+        let Some(q) = state(&mut inner, r, export, &h.host_id, proven) else {
+            return true;
+        };
+        match *q {
+            // Never joined: it never will be now.
+            QueueState::Free => *q = QueueState::Gone,
+            QueueState::Live => {
+                *q = QueueState::Closing;
+                crate::log!(
+                    Level::Info,
+                    "session {} queue {}: replaced by a new session of host '{}'; closing it",
+                    r.session,
+                    r.queue,
+                    h.host_id.escape_debug()
+                );
+                if let Some(close) = self.closer.get() {
+                    close(r.session, r.queue);
+                }
+            }
+            QueueState::Closing | QueueState::Gone => {}
+        }
+        loop {
+            match state(&mut inner, r, export, &h.host_id, proven) {
+                None | Some(QueueState::Gone) => return true,
+                Some(_) => {}
+            }
+            let now = Instant::now();
+            let Some(left) = wait_until.and_then(|t| t.checked_duration_since(now)) else {
+                return false;
+            };
+            inner = self
+                .left
+                .wait_timeout(inner, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// How the reactors are told to close one queue (`Msg::CloseQueue`); set once at start.
+    pub fn set_queue_closer(&self, close: QueueCloser) {
+        let _ = self.closer.set(close);
+    }
+
     /// What one COPY of a session may do (PROTOCOL.md §13): the export's limits, as many
     /// ranges as one frame's payload holds whatever the source's name (a descriptor is never
     /// fragmented); nothing on a read-only export (the destination is always the session's),
@@ -602,8 +706,8 @@ impl Registry {
                 break id;
             }
         };
-        let mut joined = vec![false; queues as usize];
-        joined[0] = true;
+        let mut states = vec![QueueState::Free; queues as usize];
+        states[0] = QueueState::Live;
         *inner.per_host.entry(from.to_string()).or_insert(0) += 1;
         let placement = inner.next_placement;
         inner.next_placement = placement.wrapping_add(1);
@@ -627,7 +731,7 @@ impl Registry {
                 max_io,
                 copy,
                 cookie,
-                joined,
+                queues: states,
                 live: 1,
                 stats: QueueStats::default(),
                 mem,
@@ -794,11 +898,16 @@ impl Registry {
     }
 
     /// A queue closed; the session ends with its last queue.
-    pub fn leave(&self, session: u32, _queue: u16, stats: &QueueStats) {
+    pub fn leave(&self, session: u32, queue: u16, stats: &QueueStats) {
         let mut inner = self.lock();
+        // A HELLO may be waiting for this queue to be gone (`take_over`).
+        self.left.notify_all();
         let Some(s) = inner.sessions.get_mut(&session) else {
             return;
         };
+        if let Some(q) = s.queues.get_mut(queue as usize) {
+            *q = QueueState::Gone;
+        }
         s.stats.add(stats);
         s.live = s.live.saturating_sub(1);
         if s.live == 0 {
@@ -1085,5 +1194,128 @@ fn host_of(peer: &str) -> &str {
     match peer.parse::<std::net::SocketAddr>() {
         Ok(_) => peer.rsplit_once(':').map_or(peer, |(h, _)| h),
         Err(_) => peer,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use blkwire_wire::{AuthBlock, AuthMethod};
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    /// A registry serving `a=mem:1M` to anyone, whose queue closer reports on the channel.
+    fn registry() -> (Arc<Registry>, mpsc::Receiver<(u32, u16)>) {
+        let r = Arc::new(Registry::new(
+            Access::new(Default::default()),
+            Limits::default(),
+        ));
+        r.add_export(ExportSpec::parse("a=mem:1M").unwrap())
+            .unwrap();
+        let (tx, rx) = mpsc::channel();
+        let tx = Mutex::new(tx);
+        r.set_queue_closer(Box::new(move |s, q| {
+            let _ = tx.lock().unwrap().send((s, q));
+        }));
+        (r, rx)
+    }
+
+    fn hello(host: &str, queues: u16, replaces: Option<QueueRef>) -> Hello {
+        Hello {
+            queues,
+            depth: 8,
+            max_io: 64 << 10,
+            client_features: 0,
+            frame_payload: 0,
+            nonce: blkwire_auth::random_u64(),
+            host_id: host.into(),
+            export: "a".into(),
+            auth: AuthBlock::first(AuthMethod::None, false, [7; 32]),
+            replaces,
+        }
+    }
+
+    /// A HELLO from 127.0.0.1 answered through its challenge: the session's reply, or the
+    /// refusal's status.
+    fn open(r: &Registry, mut h: Hello, wait: Option<Instant>) -> Result<HelloReply, Status> {
+        let peer = PeerId::ip("127.0.0.1:5000".parse().unwrap());
+        for _ in 0..2 {
+            match r.hello(&h, &peer, (None, false), wait, &Vec::new) {
+                HelloAnswer::Challenge(n) => h.auth.nonce_s = n,
+                HelloAnswer::Welcome(p, _) => return Ok(HelloReply::decode(&p).unwrap()),
+                HelloAnswer::Refused(st) => return Err(st),
+            }
+        }
+        panic!("challenged twice");
+    }
+
+    fn name(r: &HelloReply, queue: u16) -> QueueRef {
+        QueueRef {
+            session: r.session,
+            queue,
+            cookie: r.cookie,
+        }
+    }
+
+    #[test]
+    fn a_hello_replacing_a_live_queue_waits_until_it_has_left() {
+        let (reg, closed) = registry();
+        let old = open(&reg, hello("h", 1, None), None).unwrap();
+        // Not waiting: BUSY while the queue is live, and its reactor is told to close it once.
+        let again = || open(&reg, hello("h", 1, Some(name(&old, 0))), None);
+        assert_eq!(again().unwrap_err(), Status::Busy);
+        assert_eq!(again().unwrap_err(), Status::Busy);
+        assert_eq!(closed.try_iter().collect::<Vec<_>>(), [(old.session, 0)]);
+        // Waiting (TCP): answered once the queue's last request finished and it left.
+        let leaver = {
+            let reg = reg.clone();
+            std::thread::spawn(move || reg.leave(old.session, 0, &QueueStats::default()))
+        };
+        let wait = Some(Instant::now() + Duration::from_secs(30));
+        let new = open(&reg, hello("h", 1, Some(name(&old, 0))), wait).unwrap();
+        leaver.join().unwrap();
+        assert_ne!(new.session, old.session);
+        assert_eq!(reg.live_queues(old.session), 0, "the old session is gone");
+        // A session it names that is gone (the queue left, the target restarted): no wait.
+        assert!(open(&reg, hello("h", 1, Some(name(&old, 0))), None).is_ok());
+    }
+
+    #[test]
+    fn a_hello_waiting_too_long_is_refused_busy() {
+        let (reg, _closed) = registry();
+        let old = open(&reg, hello("h", 1, None), None).unwrap();
+        let wait = Some(Instant::now() + Duration::from_millis(50));
+        let got = open(&reg, hello("h", 1, Some(name(&old, 0))), wait);
+        assert_eq!(got.unwrap_err(), Status::Busy);
+        assert_eq!(reg.live_queues(old.session), 1, "still there, closing");
+    }
+
+    #[test]
+    fn only_the_holder_of_a_session_replaces_its_queue() {
+        let (reg, closed) = registry();
+        let old = open(&reg, hello("h", 1, None), None).unwrap();
+        let mut wrong_cookie = name(&old, 0);
+        wrong_cookie.cookie ^= 1;
+        // Not that session (a wrong cookie, another host): nothing to fence, nothing closed.
+        assert!(open(&reg, hello("h", 1, Some(wrong_cookie)), None).is_ok());
+        assert!(open(&reg, hello("other", 1, Some(name(&old, 0))), None).is_ok());
+        assert_eq!(closed.try_iter().count(), 0);
+        assert_eq!(reg.live_queues(old.session), 1);
+    }
+
+    #[test]
+    fn a_replaced_queue_never_joined_cannot_be_joined_later() {
+        let (reg, closed) = registry();
+        let old = open(&reg, hello("h", 2, None), None).unwrap();
+        assert!(open(&reg, hello("h", 1, Some(name(&old, 1))), None).is_ok());
+        assert_eq!(closed.try_iter().count(), 0, "nothing ran on it");
+        let join = Join {
+            cookie: old.cookie,
+            proof: [0; AUTH_LEN],
+            nonce_s: [0; AUTH_LEN],
+        };
+        let peer = PeerId::ip("127.0.0.1:5001".parse().unwrap());
+        let got = reg.join(old.session, 1, &join.encode(), &peer, false, None);
+        assert_eq!(got.err(), Some(JoinRefused::Status(Status::Busy)));
     }
 }

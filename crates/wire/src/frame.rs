@@ -131,7 +131,8 @@ pub enum Status {
     NoExport = 6,
     /// Protocol version not spoken.
     Version = 7,
-    /// JOIN for a queue that is already connected.
+    /// JOIN for a queue that is already connected; HELLO replacing a queue whose requests
+    /// still run (§2.6).
     Busy = 8,
     /// Not allowed, bad cookie, or an unknown session (§9.1).
     Access = 9,
@@ -209,7 +210,9 @@ impl fmt::Display for Status {
             Status::Unsupported => "operation not supported by the export",
             Status::NoExport => "no such export",
             Status::Version => "protocol version not supported",
-            Status::Busy => "queue already connected",
+            Status::Busy => {
+                "busy (the queue is connected, or the one replaced still has requests running)"
+            }
             Status::Access => "access denied",
             Status::Shutdown => "target is shutting down",
             Status::NoMemory => "target out of resources (memory, or its session limit)",

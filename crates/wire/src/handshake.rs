@@ -200,6 +200,26 @@ pub struct Hello {
     pub export: String,
     /// Challenge, nonces and proof (§12.1).
     pub auth: AuthBlock,
+    /// The queue of an earlier session this session takes over (§2.6): the target ends it,
+    /// and answers only once none of its requests still runs. Sent after `auth` with the
+    /// `REPLACES` bit set.
+    pub replaces: Option<QueueRef>,
+}
+
+/// A queue of a session, as the initiator that holds it names it (§2.6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueueRef {
+    /// The session's id (from its HELLO reply).
+    pub session: u32,
+    /// The queue's index within it.
+    pub queue: u16,
+    /// The session's cookie: proves the initiator held that session.
+    pub cookie: u64,
+}
+
+impl QueueRef {
+    /// Bytes on the wire: u32 session, u16 queue, u16 reserved (0), u64 cookie.
+    pub const LEN: usize = 16;
 }
 
 /// Bytes of a nonce or a proof (§12).
@@ -213,6 +233,9 @@ pub const QUERY_STATS: u64 = 1 << 1;
 /// header alone, UDP's checksum covering the payload (§9.7). Granted in the reply's
 /// `session_flags`.
 pub const HEADER_CRC: u64 = 1 << 2;
+/// HELLO `client_features` bit: the payload ends with the [`QueueRef`] this session replaces
+/// (§2.6). Set by [`Hello::encode`] whenever `replaces` is given.
+pub const REPLACES: u64 = 1 << 3;
 
 /// HELLO reply `session_flags` bit: `HEADER_CRC` granted (§9.7).
 pub const SESSION_HEADER_CRC: u16 = 1 << 0;
@@ -299,13 +322,20 @@ impl Hello {
     /// The payload's wire form.
     pub fn encode(&self) -> Result<Vec<u8>, PayloadError> {
         let mut w = PayloadWriter::default();
+        let features = match self.replaces {
+            Some(_) => self.client_features | REPLACES,
+            None => self.client_features & !REPLACES,
+        };
         w.u16(self.queues)
             .u16(self.depth)
             .u32(self.max_io)
-            .u64(self.client_features);
+            .u64(features);
         w.u32(self.frame_payload).u64(self.nonce);
         w.str(&self.host_id)?.str(&self.export)?;
         self.auth.encode(&mut w);
+        if let Some(r) = self.replaces {
+            w.u32(r.session).u16(r.queue).u16(0).u64(r.cookie);
+        }
         Ok(w.buf)
     }
 
@@ -324,7 +354,7 @@ impl Hello {
     /// Parses and range-checks a HELLO payload.
     pub fn decode(buf: &[u8]) -> Result<Hello, PayloadError> {
         let mut r = PayloadReader::new(buf);
-        let h = Hello {
+        let mut h = Hello {
             queues: r.u16()?,
             depth: r.u16()?,
             max_io: r.u32()?,
@@ -334,8 +364,30 @@ impl Hello {
             host_id: r.str()?,
             export: r.str()?,
             auth: AuthBlock::decode(r.bytes16()?)?,
+            replaces: None,
         };
+        if h.client_features & REPLACES != 0 {
+            // Carried by `replaces` from here on (`encode` sets it again).
+            h.client_features &= !REPLACES;
+            let (session, queue) = (r.u32()?, r.u16()?);
+            if r.u16()? != 0 {
+                return Err(PayloadError::Invalid(
+                    "reserved bytes of REPLACES must be 0",
+                ));
+            }
+            h.replaces = Some(QueueRef {
+                session,
+                queue,
+                cookie: r.u64()?,
+            });
+        }
         r.finish()?;
+        if h.replaces.is_some_and(|q| q.session == 0) {
+            return Err(PayloadError::Invalid("REPLACES names session 0"));
+        }
+        if h.replaces.is_some() && h.is_query() {
+            return Err(PayloadError::Invalid("a query replaces no session"));
+        }
         if h.queues == 0 || h.depth == 0 {
             return Err(PayloadError::Invalid(
                 "queue count and depth must be at least 1",
@@ -593,8 +645,23 @@ mod tests {
                 nonce_s: [2; 32],
                 proof_c: [3; 32],
             },
+            replaces: None,
         };
         assert_eq!(Hello::decode(&h.encode().unwrap()).unwrap(), h);
+        // The queue it replaces travels after the auth block, and the transcript covers it.
+        let mut re = h.clone();
+        re.replaces = Some(QueueRef {
+            session: 7,
+            queue: 3,
+            cookie: 0xfeed_f00d,
+        });
+        let enc = re.encode().unwrap();
+        assert_eq!(enc.len(), h.encode().unwrap().len() + QueueRef::LEN);
+        assert_eq!(Hello::decode(&enc).unwrap(), re);
+        assert_ne!(
+            re.transcript_bytes().unwrap(),
+            h.transcript_bytes().unwrap()
+        );
         let r = HelloReply {
             size: 4 << 30,
             logical_block: 512,
@@ -642,8 +709,31 @@ mod tests {
             host_id: "h".into(),
             export: "e".into(),
             auth: AuthBlock::first(AuthMethod::None, false, [0; 32]),
+            replaces: None,
         };
         let enc = h.encode().unwrap();
+        // REPLACES promised but its block missing, or with non-zero reserved bytes, or naming
+        // session 0, or on a query.
+        let mut bad = enc.clone();
+        bad[8] |= REPLACES as u8;
+        assert_eq!(Hello::decode(&bad), Err(PayloadError::Truncated));
+        let with = |session: u32, reserved: u16, export: &str| {
+            let mut x = h.clone();
+            x.export = export.into();
+            x.replaces = Some(QueueRef {
+                session,
+                queue: 0,
+                cookie: 1,
+            });
+            let mut b = x.encode().unwrap();
+            let n = b.len();
+            b[n - 10..n - 8].copy_from_slice(&reserved.to_le_bytes());
+            Hello::decode(&b)
+        };
+        assert!(with(5, 0, "e").is_ok());
+        assert!(with(5, 1, "e").is_err());
+        assert!(with(0, 0, "e").is_err());
+        assert!(with(5, 0, "").is_err());
         for cut in 0..enc.len() {
             assert_eq!(
                 Hello::decode(&enc[..cut]),

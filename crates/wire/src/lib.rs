@@ -19,8 +19,8 @@ pub use copy::CopyDescriptor;
 pub use frame::{Flags, FrameError, Header, Opcode, Status, Tag, HEADER_LEN, MAGIC, VERSION};
 pub use handshake::{
     AuthBlock, AuthMethod, CopyLimits, ExportEntry, Features, Hello, HelloReply, Join,
-    PayloadError, PayloadReader, PayloadWriter, AUTH_LEN, HEADER_CRC, MAX_STR, QUERY_LIST,
-    QUERY_STATS, SESSION_HEADER_CRC,
+    PayloadError, PayloadReader, PayloadWriter, QueueRef, AUTH_LEN, HEADER_CRC, MAX_STR,
+    QUERY_LIST, QUERY_STATS, REPLACES, SESSION_HEADER_CRC,
 };
 
 /// Largest payload blkwire ever puts in one frame (and so the largest I/O a target grants):

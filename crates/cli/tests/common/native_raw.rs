@@ -45,6 +45,7 @@ pub fn hello_as(
         host_id: host.into(),
         export: export.into(),
         auth: AuthBlock::first(AuthMethod::None, false, [7; 32]),
+        replaces: None,
     };
     // The target challenges the first HELLO (PROTOCOL.md §12.1); the second answers it.
     let (r, p) = send_hello(s, &hello);

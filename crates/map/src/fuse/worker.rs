@@ -28,7 +28,9 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use blkwire_client::{BlockOp, BlockRequest, Cmd, Completion, ConnectOptions, IoFlags, Queue, Url};
+use blkwire_client::{
+    BlockOp, BlockRequest, Cmd, Completion, ConnectOptions, IoFlags, Queue, QueueRef, Url,
+};
 use blkwire_spin::{readable, AdaptiveSpin};
 use blkwire_wire::Status;
 
@@ -303,10 +305,13 @@ struct Outage {
     /// `Shared::reconnects` when the last attempt started: a change means another worker got
     /// through, so this one tries again at once instead of waiting out its backoff.
     seen: u64,
+    /// The queue that went down: each attempt names it, so the target finishes its requests
+    /// before the new session may send them again (PROTOCOL.md §2.6).
+    replaces: Option<QueueRef>,
 }
 
 impl Outage {
-    fn new(seen: u64) -> Outage {
+    fn new(seen: u64, replaces: Option<QueueRef>) -> Outage {
         let now = Instant::now();
         Outage {
             since: now,
@@ -315,6 +320,7 @@ impl Outage {
             attempt: None,
             attempts: 0,
             seen,
+            replaces,
         }
     }
 }
@@ -394,7 +400,7 @@ impl<C: Transport> Worker<C> {
             self.via_ring,
             self.via_read
         );
-        if let Link::Up(q) = std::mem::replace(&mut self.link, Link::Down(Outage::new(0))) {
+        if let Link::Up(q) = std::mem::replace(&mut self.link, Link::Down(Outage::new(0, None))) {
             final_flush(q, self.sh.readonly, self.id);
         }
         let _ = self
@@ -738,7 +744,7 @@ impl<C: Transport> Worker<C> {
             if let Link::Down(o) = &mut self.link {
                 if o.attempt.is_none() && (now >= o.next_try || o.seen != reconnects) {
                     o.seen = reconnects;
-                    o.attempt = spawn_attempt(&self.sh, self.id, &self.waker);
+                    o.attempt = spawn_attempt(&self.sh, self.id, &self.waker, o.replaces);
                     if o.attempt.is_none() {
                         o.next_try = now + o.backoff;
                     }
@@ -809,7 +815,14 @@ impl<C: Transport> Worker<C> {
                 self.sh.timeout.as_secs()
             );
         }
-        self.link = Link::Down(Outage::new(self.sh.reconnects.load(Ordering::Relaxed)));
+        let replaces = match &self.link {
+            Link::Up(q) => q.identity(),
+            Link::Down(o) => o.replaces,
+        };
+        self.link = Link::Down(Outage::new(
+            self.sh.reconnects.load(Ordering::Relaxed),
+            replaces,
+        ));
         self.t.unsent.clear();
         for idx in 0..self.t.slots.len() {
             let Some(p) = self.t.slots[idx].as_mut() else {
@@ -1030,11 +1043,19 @@ fn fallocate_op(sh: &Shared, offset: u64, length: u64, mode: u32) -> Result<Opti
 
 /// Starts a reconnection in its own thread so the worker keeps answering (and timing out)
 /// requests while a connect to an unreachable host takes its time.
-fn spawn_attempt(sh: &Arc<Shared>, id: usize, waker: &Arc<Waker>) -> Option<Attempt> {
+fn spawn_attempt(
+    sh: &Arc<Shared>,
+    id: usize,
+    waker: &Arc<Waker>,
+    replaces: Option<QueueRef>,
+) -> Option<Attempt> {
     let (tx, rx) = mpsc::channel();
     let waker = Arc::clone(waker);
     let url = sh.url.clone();
-    let opts = sh.reconnect.clone();
+    let opts = ConnectOptions {
+        replaces,
+        ..sh.reconnect.clone()
+    };
     let needs = sh.needs;
     std::thread::Builder::new()
         .name(format!("blkwire-reconnect-{id}"))

@@ -76,6 +76,13 @@ pub enum Msg {
     /// Close every queue of these sessions (the control plane revoked them): their requests
     /// in flight finish on the backend, but no reply is sent and the sockets shut at once.
     Close(Arc<[u32]>),
+    /// Close this one queue: a new session of the initiator that held it replaces it
+    /// (PROTOCOL.md §2.6). Its requests in flight finish on the backend, unanswered; the
+    /// registry learns when the last has (`Registry::leave`).
+    CloseQueue {
+        session: u32,
+        queue: u16,
+    },
     /// Report every live queue's counters on the sender (the reactor owns them; no sharing).
     Stats(std::sync::mpsc::Sender<ReactorReport>),
     /// An export's persistent reservations changed (`crate::reservations`): every connection
@@ -296,36 +303,10 @@ impl Reactor {
                     }
                 }
                 Msg::Close(sessions) => {
-                    for i in 0..self.conns.len() {
-                        let Some(c) = self.conns[i].as_mut() else {
-                            continue;
-                        };
-                        let mut hit = false;
-                        for (i, t) in c.targets.iter_mut().enumerate() {
-                            if sessions.contains(&t.session) {
-                                if !t.fenced {
-                                    c.fe.fenced(i as u8);
-                                }
-                                t.fenced = true;
-                                hit = true;
-                            }
-                        }
-                        // A connection keeps serving while one of its targets is left: only the
-                        // closed ones are fenced (their requests get NO_EXPORT).
-                        if !hit || c.targets.iter().any(|t| !t.fenced) {
-                            continue;
-                        }
-                        // The peer learns at once (its I/O in flight fails); what the backend
-                        // is still doing for it completes, then the connection is dropped.
-                        // SAFETY: shutdown on a socket this connection owns.
-                        unsafe { libc::shutdown(c.fd(), libc::SHUT_RDWR) };
-                        c.dead = true;
-                        c.closing = true;
-                        self.ready.push_back(i);
-                    }
-                    for p in self.ports.iter_mut().flatten() {
-                        p.close_sessions(&sessions);
-                    }
+                    self.close_queues(|session, _| sessions.contains(&session));
+                }
+                Msg::CloseQueue { session, queue } => {
+                    self.close_queues(|s, q| (s, q) == (session, queue));
                 }
                 Msg::Stats(reply) => {
                     let mut queues: Vec<QueueReport> = self
@@ -390,6 +371,40 @@ impl Reactor {
                     }
                 }
             }
+        }
+    }
+
+    /// Closes the queues `hit` names (by session and queue index), stream and datagram.
+    fn close_queues(&mut self, hit: impl Fn(u32, u16) -> bool) {
+        for i in 0..self.conns.len() {
+            let Some(c) = self.conns[i].as_mut() else {
+                continue;
+            };
+            let mut any = false;
+            for (i, t) in c.targets.iter_mut().enumerate() {
+                if hit(t.session, t.queue) {
+                    if !t.fenced {
+                        c.fe.fenced(i as u8);
+                    }
+                    t.fenced = true;
+                    any = true;
+                }
+            }
+            // A connection keeps serving while one of its targets is left: only the closed
+            // ones are fenced (their requests get NO_EXPORT).
+            if !any || c.targets.iter().any(|t| !t.fenced) {
+                continue;
+            }
+            // The peer learns at once (its I/O in flight fails); what the backend is still
+            // doing for it completes, then the connection is dropped (and leaves the registry).
+            // SAFETY: shutdown on a socket this connection owns.
+            unsafe { libc::shutdown(c.fd(), libc::SHUT_RDWR) };
+            c.dead = true;
+            c.closing = true;
+            self.ready.push_back(i);
+        }
+        for p in self.ports.iter_mut().flatten() {
+            p.close_queues(&hit);
         }
     }
 
