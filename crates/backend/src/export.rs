@@ -393,6 +393,8 @@ struct CopyState {
     source: CopySource,
     /// Emulation only: the chunk between its read and its write.
     bounce: Option<AlignedBuf>,
+    /// FUA: the destination is flushed once everything is copied.
+    flush: bool,
     /// The bounce buffer's alignment: what both exports' backends need (O_DIRECT).
     align: usize,
     /// Bytes moved since the copy last gave its thread back.
@@ -460,20 +462,22 @@ fn poll_entry(fd: RawFd, tag: u64) -> io_uring::squeue::Entry {
 enum Next {
     /// Its result is the request's result.
     Report,
-    /// An emulated FUA write: a flush follows a successful write.
-    FlushAfterWrite,
-    /// The flush of an emulated FUA write: the write's result is the request's result.
-    ReportWrite(i32),
-    /// WRITE_ZEROES by writes: `at..end` is still to be zeroed.
-    Zero { at: u64, end: u64 },
+    /// FUA emulated: a flush follows the operation (a WRITE without native FUA, a TRIM or
+    /// WRITE_ZEROES, which no backend makes durable by itself) once it succeeded.
+    FlushAfter,
+    /// The flush of an emulated FUA: the result before it is the request's result.
+    ReportFlushed(i32),
+    /// WRITE_ZEROES by writes: `at..end` is still to be zeroed, then a flush if `flush` (FUA).
+    Zero { at: u64, end: u64, flush: bool },
     /// A native TRIM or WRITE_ZEROES longer than the backend takes at once: `at..end` is left,
-    /// in pieces of at most `limit` bytes.
+    /// in pieces of at most `limit` bytes, then a flush if `flush` (FUA).
     Split {
         zero: bool,
         no_hole: bool,
         at: u64,
         end: u64,
         limit: u64,
+        flush: bool,
     },
     /// A COPY, chunk by chunk: natively, or by a read then a write through a bounce buffer.
     Copy(Box<CopyState>),
@@ -547,6 +551,8 @@ impl ExportQueue {
     /// - FLUSH of a volatile medium (no flush) completes at once;
     /// - TRIM without native support is advisory and completes at once;
     /// - FUA without native support is a write, then a flush (without flush it is meaningless);
+    /// - FUA on TRIM and WRITE_ZEROES is the operation, then a flush (an advisory TRIM changed
+    ///   nothing, so it has nothing to make durable);
     /// - WRITE_ZEROES without native support writes zeros, 1 MiB at a time.
     ///
     /// Ring entries carry `tag` as user data; feed their completions to
@@ -558,6 +564,35 @@ impl ExportQueue {
     /// `reap`.
     pub unsafe fn start(&mut self, op: Op, tag: u64, sq: &mut dyn Submitter) -> Progress {
         let caps = self.caps;
+        // No backend makes a TRIM or WRITE_ZEROES durable by itself: FUA on one is a flush once
+        // it is done, and the backend never sees the flag. Without flush the medium is
+        // volatile and FUA meaningless.
+        let durable = caps.flush == Support::Native;
+        let (op, flush) = match op {
+            Op::Trim { offset, len, fua } => (
+                Op::Trim {
+                    offset,
+                    len,
+                    fua: false,
+                },
+                fua && durable,
+            ),
+            Op::WriteZeroes {
+                offset,
+                len,
+                no_hole,
+                fua,
+            } => (
+                Op::WriteZeroes {
+                    offset,
+                    len,
+                    no_hole,
+                    fua: false,
+                },
+                fua && durable,
+            ),
+            op => (op, false),
+        };
         let (op, next) = match op {
             Op::Flush if caps.flush == Support::None => return Progress::Done(0),
             Op::Trim { .. } if caps.trim != Support::Native => return Progress::Done(0),
@@ -574,7 +609,7 @@ impl ExportQueue {
                     fua: false,
                 };
                 let next = if caps.fua == Support::Emulated {
-                    Next::FlushAfterWrite
+                    Next::FlushAfter
                 } else {
                     Next::Report
                 };
@@ -582,18 +617,27 @@ impl ExportQueue {
             }
             Op::WriteZeroes { offset, len, .. } if caps.write_zeroes != Support::Native => {
                 let end = offset + len as u64;
-                match self.follow(tag, Next::Zero { at: offset, end }, 0) {
+                match self.follow(
+                    tag,
+                    Next::Zero {
+                        at: offset,
+                        end,
+                        flush,
+                    },
+                    0,
+                ) {
                     Ok(step) => step,
                     Err(r) => return Progress::Done(r),
                 }
             }
-            Op::Trim { offset, len } if len as u64 > caps.limits.max_trim_bytes => {
+            Op::Trim { offset, len, .. } if len as u64 > caps.limits.max_trim_bytes => {
                 let split = Next::Split {
                     zero: false,
                     no_hole: false,
                     at: offset,
                     end: offset + len as u64,
                     limit: caps.limits.max_trim_bytes.max(512),
+                    flush,
                 };
                 match self.follow(tag, split, 0) {
                     Ok(step) => step,
@@ -604,6 +648,7 @@ impl ExportQueue {
                 offset,
                 len,
                 no_hole,
+                ..
             } if len as u64 > caps.limits.max_zero_bytes => {
                 let split = Next::Split {
                     zero: true,
@@ -611,12 +656,14 @@ impl ExportQueue {
                     at: offset,
                     end: offset + len as u64,
                     limit: caps.limits.max_zero_bytes.max(512),
+                    flush,
                 };
                 match self.follow(tag, split, 0) {
                     Ok(step) => step,
                     Err(r) => return Progress::Done(r),
                 }
             }
+            op if flush => (op, Next::FlushAfter),
             op => (op, Next::Report),
         };
         // SAFETY: our caller's contract covers `op`'s buffer; emulation only adds operations on
@@ -654,28 +701,32 @@ impl ExportQueue {
 
     /// Starts a COPY of `sources` (in order) to consecutive bytes from `dst`, already checked
     /// with [`Export::check_copy`]. Natively where the backend can, else by reads and writes
-    /// through a bounce buffer of the request's own, inside the target. Completions and the
-    /// result (0 or a negative errno) come as for [`ExportQueue::start`].
+    /// through a bounce buffer of the request's own, inside the target. With `fua` the export
+    /// is flushed once everything is copied, and a failed flush fails the copy. Completions and
+    /// the result (0 or a negative errno) come as for [`ExportQueue::start`].
     pub fn start_copy(
         &mut self,
         sources: &[CopyRange],
         dst: u64,
+        fua: bool,
         tag: u64,
         sq: &mut dyn Submitter,
     ) -> Progress {
-        self.run_copy(sources, CopySource::Own, self.zero_align, dst, tag, sq)
+        self.run_copy(sources, CopySource::Own, self.zero_align, dst, fua, tag, sq)
     }
 
     /// Starts a COPY into this queue's export of `sources` of another export `src` of the same
     /// target, checked with [`Export::check_copy_from`]: by reads on a queue of `src`'s backend
     /// (opened for this copy) and writes on this one, inside the target. A source whose reads
     /// complete on its own threads is awaited through a one-shot io_uring poll on its notifier,
-    /// whose completion comes with the copy's tag like any other.
+    /// whose completion comes with the copy's tag like any other. `fua` as for
+    /// [`ExportQueue::start_copy`]: this export is flushed.
     pub fn start_copy_from(
         &mut self,
         src: &Export,
         sources: &[CopyRange],
         dst: u64,
+        fua: bool,
         tag: u64,
         sq: &mut dyn Submitter,
     ) -> Progress {
@@ -689,7 +740,7 @@ impl ExportQueue {
                 fd,
                 _open: src.backend().clone(),
             };
-            return self.run_copy(sources, from, self.zero_align, dst, tag, sq);
+            return self.run_copy(sources, from, self.zero_align, dst, fua, tag, sq);
         }
         let id = backend_id(src.backend());
         let spare = self.spare_sources.iter().position(|(b, _)| *b == id);
@@ -703,15 +754,18 @@ impl ExportQueue {
             },
         };
         let align = self.zero_align.max(src.backend().buffer_alignment());
-        self.run_copy(sources, CopySource::Queue(id, source), align, dst, tag, sq)
+        let source = CopySource::Queue(id, source);
+        self.run_copy(sources, source, align, dst, fua, tag, sq)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn run_copy(
         &mut self,
         sources: &[CopyRange],
         source: CopySource,
         align: usize,
         dst: u64,
+        fua: bool,
         tag: u64,
         sq: &mut dyn Submitter,
     ) -> Progress {
@@ -724,6 +778,7 @@ impl ExportQueue {
             chunk: 0,
             read_done: false,
             bounce: None,
+            flush: fua && self.caps.flush == Support::Native,
             source,
             align,
             since_yield: 0,
@@ -911,13 +966,14 @@ impl ExportQueue {
             Next::Report => Err(res),
             _ if res < 0 => Err(res),
             Next::Copy(st) => self.copy_step(st, res),
-            Next::Split { at, end, .. } if at >= end => Err(0),
+            Next::Split { at, end, flush, .. } if at >= end => then_flush(flush, 0),
             Next::Split {
                 zero,
                 no_hole,
                 at,
                 end,
                 limit,
+                flush,
             } => {
                 let len = (end - at).min(limit) as u32;
                 let op = if zero {
@@ -925,9 +981,14 @@ impl ExportQueue {
                         offset: at,
                         len,
                         no_hole,
+                        fua: false,
                     }
                 } else {
-                    Op::Trim { offset: at, len }
+                    Op::Trim {
+                        offset: at,
+                        len,
+                        fua: false,
+                    }
                 };
                 let next = Next::Split {
                     zero,
@@ -935,13 +996,14 @@ impl ExportQueue {
                     at: at + len as u64,
                     end,
                     limit,
+                    flush,
                 };
                 Ok((op, next))
             }
-            Next::FlushAfterWrite => Ok((Op::Flush, Next::ReportWrite(res))),
-            Next::ReportWrite(wrote) => Err(wrote),
-            Next::Zero { at, end } if at >= end => Err(0),
-            Next::Zero { at, end } => {
+            Next::FlushAfter => then_flush(true, res),
+            Next::ReportFlushed(before) => Err(before),
+            Next::Zero { at, end, flush } if at >= end => then_flush(flush, 0),
+            Next::Zero { at, end, flush } => {
                 let len = (end - at).min(ZERO_CHUNK as u64) as u32;
                 let align = self.zero_align;
                 let zeros = self
@@ -958,6 +1020,7 @@ impl ExportQueue {
                     Next::Zero {
                         at: at + len as u64,
                         end,
+                        flush,
                     },
                 ))
             }
@@ -1002,7 +1065,9 @@ impl ExportQueue {
                 }
                 self.spare_sources.push((id, q));
             }
-            return Err(0);
+            // A failed flush fails the copy with nothing known copied (`follow` records a
+            // count only while the copy itself runs): nothing is known durable.
+            return then_flush(st.flush, 0);
         };
         let src = r.offset + st.at as u64;
         st.chunk = (r.len - st.at).min(COPY_CHUNK);
@@ -1060,7 +1125,7 @@ impl ExportQueue {
 
     /// Copies `sources` to `dst` to completion (checked with [`Export::check_copy`] first).
     pub fn copy_blocking(&mut self, sources: &[CopyRange], dst: u64) -> io::Result<()> {
-        self.blocking(|q, sq| q.start_copy(sources, dst, BLOCKING_TAG, sq))
+        self.blocking(|q, sq| q.start_copy(sources, dst, false, BLOCKING_TAG, sq))
     }
 
     /// The allocation map of `offset..offset+len` (range-checked), however the backend answers.
@@ -1154,6 +1219,16 @@ impl ExportQueue {
             Some(r) if r < 0 => Err(io::Error::from_raw_os_error(-r)),
             _ => Ok(()),
         }
+    }
+}
+
+/// The end of a request whose last operation returned `res` (>= 0): a flush first when it
+/// carried FUA, whose failure fails the request; else `res` is its result.
+fn then_flush(flush: bool, res: i32) -> Result<(Op, Next), i32> {
+    if flush {
+        Ok((Op::Flush, Next::ReportFlushed(res)))
+    } else {
+        Err(res)
     }
 }
 
@@ -1661,6 +1736,48 @@ mod tests {
         }
     }
 
+    /// A FUA TRIM or WRITE_ZEROES run in pieces, or zeroed by writes, is flushed once, after
+    /// its last piece.
+    #[test]
+    fn fua_on_split_or_emulated_zeroing_is_one_flush_at_the_end() {
+        use crate::IoFlags;
+        for asynchronous in [false, true] {
+            let mut caps = flush_only();
+            caps.trim = Support::Native;
+            caps.limits.max_trim_bytes = 4096;
+            caps.limits.max_zero_bytes = 4096;
+            let b = Recorder::new(caps, asynchronous);
+            let mut q = Export::new("t", b.clone(), false).open_queue().unwrap();
+            for op in [BlockOp::Trim, BlockOp::WriteZeroes] {
+                let req = BlockRequest::new(op, 0, 8192).flagged(IoFlags::FUA);
+                q.run_blocking(&req).unwrap();
+            }
+            let flush = Capabilities {
+                flush: Support::Native,
+                ..Capabilities::default()
+            };
+            let emulated = Recorder::new(flush, asynchronous);
+            let mut eq = Export::new("e", emulated.clone(), false)
+                .open_queue()
+                .unwrap();
+            let req = BlockRequest::new(BlockOp::WriteZeroes, 0, 4096).flagged(IoFlags::FUA);
+            eq.run_blocking(&req).unwrap();
+            assert_eq!(
+                b.log(),
+                [
+                    "trim 0+4096",
+                    "trim 4096+4096",
+                    "flush",
+                    "zero 0+4096",
+                    "zero 4096+4096",
+                    "flush"
+                ],
+                "asynchronous={asynchronous}"
+            );
+            assert_eq!(emulated.log(), ["write 0+4096 fua=false", "flush"]);
+        }
+    }
+
     #[test]
     fn write_zeroes_without_native_support_writes_zeros_in_chunks() {
         for asynchronous in [false, true] {
@@ -1760,7 +1877,7 @@ mod tests {
         let dst = 32 << 20;
         e.check_copy(&sources, dst).unwrap();
         let mut sq = Collect(Vec::new());
-        let mut progress = q.start_copy(&sources, dst, 42, &mut sq);
+        let mut progress = q.start_copy(&sources, dst, false, 42, &mut sq);
         let mut yields = 0;
         while progress == Progress::Pending {
             assert_eq!(
@@ -1867,7 +1984,7 @@ mod tests {
         let mut q = mem.open_queue().unwrap();
         // file: reads go to the ring; collect them through the blocking helper's private ring
         // by running the copy there.
-        q.blocking(|q, sq| q.start_copy_from(&file, &sources, 0, BLOCKING_TAG, sq))
+        q.blocking(|q, sq| q.start_copy_from(&file, &sources, 0, false, BLOCKING_TAG, sq))
             .unwrap();
         let mut back = vec![0u8; a.len() + 512];
         q.read_blocking(0, &mut back).unwrap();
@@ -1887,7 +2004,7 @@ mod tests {
                 offset: 0,
                 len: data.len() as u32,
             }];
-            q.blocking(|q, sq| q.start_copy_from(&threaded, &whole, 4096, BLOCKING_TAG, sq))
+            q.blocking(|q, sq| q.start_copy_from(&threaded, &whole, 4096, false, BLOCKING_TAG, sq))
                 .unwrap();
             let id = backend_id(threaded.backend());
             let kept = q.spare_sources.iter().filter(|(b, _)| *b == id).count();
@@ -1925,11 +2042,13 @@ mod tests {
             Op::Trim {
                 offset: 0,
                 len: 4096,
+                fua: false,
             },
             Op::WriteZeroes {
                 offset: 0,
                 len: 1 << 20,
                 no_hole: true,
+                fua: false,
             },
         ];
         for (i, op) in ops.into_iter().enumerate() {
@@ -1944,6 +2063,7 @@ mod tests {
                     len: 4096
                 }],
                 1 << 20,
+                false,
                 2,
                 &mut NoRing
             ),

@@ -88,11 +88,12 @@ impl FileBackend {
                 for job in rx {
                     let f = &job.file;
                     let res = match job.work {
-                        Slow::Op(Op::Trim { offset, len }) => f.trim(offset, len),
+                        Slow::Op(Op::Trim { offset, len, .. }) => f.trim(offset, len),
                         Slow::Op(Op::WriteZeroes {
                             offset,
                             len,
                             no_hole,
+                            ..
                         }) => f.write_zeroes(offset, len, no_hole, &mut zeros),
                         Slow::Op(Op::Copy { src, dst, len }) => {
                             f.copy(f.fd, src, dst, len, &mut reflink, &mut scratch)

@@ -83,6 +83,9 @@ pub enum Op {
         offset: u64,
         /// Bytes.
         len: u32,
+        /// Durable before completion. Never true at a backend: the generic layer follows the
+        /// trim with a flush instead (no backend has a FUA of its own for it).
+        fua: bool,
     },
     /// Zero a range.
     WriteZeroes {
@@ -92,6 +95,9 @@ pub enum Op {
         len: u32,
         /// The range must stay allocated.
         no_hole: bool,
+        /// Durable before completion. Never true at a backend: the generic layer follows the
+        /// zeroing with a flush instead.
+        fua: bool,
     },
     /// Copy `len` bytes from `src` to `dst` within the export (the ranges do not overlap).
     /// Only sent to backends with native COPY; the result is `len` or a negative errno.
@@ -131,11 +137,16 @@ impl Op {
                 fua: req.flags.has(IoFlags::FUA),
             },
             BlockOp::Flush => Op::Flush,
-            BlockOp::Trim => Op::Trim { offset, len },
+            BlockOp::Trim => Op::Trim {
+                offset,
+                len,
+                fua: req.flags.has(IoFlags::FUA),
+            },
             BlockOp::WriteZeroes => Op::WriteZeroes {
                 offset,
                 len,
                 no_hole: req.flags.has(IoFlags::NO_HOLE),
+                fua: req.flags.has(IoFlags::FUA),
             },
         }
     }

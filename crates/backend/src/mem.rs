@@ -235,16 +235,18 @@ impl MemBackend {
                     e => e,
                 }
             }
-            Op::Trim { offset, len }
+            Op::Trim { offset, len, .. }
             | Op::WriteZeroes {
                 offset,
                 len,
                 no_hole: false,
+                ..
             } => self.punch(offset, len as u64),
             Op::WriteZeroes {
                 offset,
                 len,
                 no_hole: true,
+                ..
             } => {
                 // Allocated zeros, as asked: write them.
                 // SAFETY: the range is bounds-checked by Export and lies inside our mapping.
@@ -546,6 +548,7 @@ mod tests {
         let trim = Op::Trim {
             offset: PAGE,
             len: (page + page / 2) as u32,
+            fua: false,
         };
         assert_eq!(run(&m, trim), 0);
         assert!(!m.written.all(1, 2), "trimmed page still marked written");
@@ -564,6 +567,7 @@ mod tests {
             offset: 8 * PAGE,
             len: page as u32,
             no_hole: true,
+            fua: false,
         };
         assert_eq!(run(&m, zeros), 0);
         assert!(m.written.all(8, 9));
@@ -579,6 +583,7 @@ mod tests {
             offset: 16 * PAGE,
             len: 2 * page as u32,
             no_hole: false,
+            fua: false,
         };
         assert_eq!(run(&m, punch), 0);
         assert!(!m.written.all(16, 17) && !m.written.all(17, 18));
@@ -622,6 +627,7 @@ mod tests {
         let trim = Op::Trim {
             offset: 3 * PAGE,
             len: 512,
+            fua: false,
         };
         assert_eq!(run(&m, trim), 0);
         assert!(m.written.all(3, 4), "a page trimmed in part stays");
@@ -630,6 +636,7 @@ mod tests {
         let trim = Op::Trim {
             offset: 100,
             len: 1000,
+            fua: false,
         };
         assert_eq!(run(&m, trim), 0);
         assert!(m.written.all(0, 1), "a TRIM inside a page keeps it");

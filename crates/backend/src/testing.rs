@@ -109,12 +109,21 @@ impl QueueIo for RecorderQueue {
                     0
                 },
             ),
-            Op::Trim { offset, len } => (format!("trim {offset}+{len}"), 0),
+            Op::Trim { offset, len, fua } => {
+                assert!(!fua, "the generic layer flushes after a FUA trim instead");
+                (format!("trim {offset}+{len}"), 0)
+            }
             Op::Copy { src, dst, len } => {
                 data.copy_within(src as usize..(src + len as u64) as usize, dst as usize);
                 (format!("copy {src}->{dst}+{len}"), len as i32)
             }
-            Op::WriteZeroes { offset, len, .. } => {
+            Op::WriteZeroes {
+                offset, len, fua, ..
+            } => {
+                assert!(
+                    !fua,
+                    "the generic layer flushes after a FUA zeroing instead"
+                );
                 data[offset as usize..][..len as usize].fill(0);
                 (format!("zero {offset}+{len}"), 0)
             }

@@ -1210,9 +1210,10 @@ impl DgramPort {
             }
         };
         // Its memory was covered before the slot took it (`io_frame`).
+        let tag = ud(q.incarnation, qi, slot);
         match q
             .exec
-            .start_copy(&desc, h.offset, h.length, ud(q.incarnation, qi, slot), sq)
+            .start_copy(&desc, h.offset, h.length, h.flags.io_flags(), tag, sq)
         {
             Some(done) => self.finish_copy(qi, slot, done),
             None => {

@@ -235,7 +235,9 @@ impl Executor {
     }
 
     /// Checks and starts a COPY (PROTOCOL.md §13) to `dst` of `total` bytes (the request's
-    /// length), its ranges and source export in `desc`. The source is looked up as the session's
+    /// length), its ranges and source export in `desc`, with the request's `flags`: FUA makes the
+    /// copied bytes durable before the answer (a flush once everything is copied, whose failure
+    /// fails the COPY). The source is looked up as the session's
     /// host may open it, so an export it may not open is as unknown as a missing one. Refusals
     /// come back as `Done` before anything is written; once running, its result (0 or a
     /// negative errno, from [`Executor::complete`] or [`Executor::reap`]) goes to
@@ -245,6 +247,7 @@ impl Executor {
         desc: &CopyDescriptor,
         dst: u64,
         total: u32,
+        flags: IoFlags,
         tag: u64,
         sq: &mut dyn Submitter,
     ) -> Option<Copied> {
@@ -273,9 +276,12 @@ impl Executor {
             Ok(_) => return refused(Status::Invalid),
             Err(r) => return refused(refusal_status(r)),
         }
+        let fua = flags.has(IoFlags::FUA);
         let progress = match &source {
-            None => self.io.start_copy(&desc.ranges, dst, tag, sq),
-            Some(src) => self.io.start_copy_from(src, &desc.ranges, dst, tag, sq),
+            None => self.io.start_copy(&desc.ranges, dst, fua, tag, sq),
+            Some(src) => self
+                .io
+                .start_copy_from(src, &desc.ranges, dst, fua, tag, sq),
         };
         match progress {
             Progress::Done(res) => Some(self.copy_status(tag, res, total)),
@@ -543,6 +549,112 @@ mod tests {
         assert_eq!(b.log(), ["write 0+4096 fua=false", "flush"]);
         assert_eq!(x.stats.writes, 1);
         assert_eq!(x.stats.latency.of(BlockOp::Write).count(), 1, "timed once");
+    }
+
+    /// FUA on a WRITE_ZEROES, TRIM or COPY is a flush once the operation is done, answered
+    /// after the flush (no backend makes these durable by itself); a failed flush fails the
+    /// request. Without it the flag was dropped and the range answered before it was stable.
+    #[test]
+    fn fua_on_zeroes_trims_and_copies_is_a_flush_before_the_answer() {
+        use blkwire_backend::testing::Recorder;
+        use blkwire_backend::{Capabilities, CopyRange, Support};
+        use std::sync::atomic::Ordering;
+        for trim in [Support::None, Support::Native] {
+            let caps = Capabilities {
+                flush: Support::Native,
+                write_zeroes: Support::Native,
+                trim,
+                ..Capabilities::default()
+            };
+            let b = Recorder::new(caps, false);
+            let e = Export::new("r", b.clone(), false);
+            let size = e.size();
+            let mut x = Executor::open(Arc::new(e), 65536, size).unwrap();
+            let run = |x: &mut Executor, op| {
+                let req = BlockRequest::new(op, 0, 4096).flagged(IoFlags::FUA);
+                assert_eq!(x.admit(&req), Ok(()));
+                // SAFETY: neither names a buffer; the backend completes inline.
+                unsafe { x.start(&req, std::ptr::null_mut(), 1, &mut NoRing) }
+            };
+            assert_eq!(run(&mut x, BlockOp::WriteZeroes), Outcome::Done(Status::Ok));
+            assert_eq!(b.log(), ["zero 0+4096", "flush"]);
+            assert_eq!(run(&mut x, BlockOp::Trim), Outcome::Done(Status::Ok));
+            let trimmed: &[&str] = if trim == Support::Native {
+                &["zero 0+4096", "flush", "trim 0+4096", "flush"]
+            } else {
+                // An advisory TRIM changes nothing: nothing to make durable.
+                &["zero 0+4096", "flush"]
+            };
+            assert_eq!(b.log(), trimmed, "trim {trim:?}");
+            let desc = CopyDescriptor {
+                source: String::new(),
+                ranges: vec![CopyRange {
+                    offset: 0,
+                    len: 4096,
+                }],
+            };
+            let copied = x.start_copy(&desc, 8192, 4096, IoFlags::FUA, 2, &mut NoRing);
+            assert_eq!(
+                copied,
+                Some(Copied {
+                    status: Status::Ok,
+                    bytes: 4096
+                })
+            );
+            let log = b.log();
+            assert_eq!(
+                log[trimmed.len()..],
+                ["read 0+4096", "write 8192+4096 fua=false", "flush"],
+                "an emulated copy, then the flush"
+            );
+            // Without FUA, no flush.
+            let plain = BlockRequest::new(BlockOp::WriteZeroes, 0, 4096);
+            // SAFETY: as above.
+            let o = unsafe { x.start(&plain, std::ptr::null_mut(), 3, &mut NoRing) };
+            assert_eq!(o, Outcome::Done(Status::Ok));
+            assert_eq!(b.log()[log.len()..], ["zero 0+4096"]);
+            // A flush that fails fails the request.
+            b.fail_flush.store(true, Ordering::Relaxed);
+            assert_eq!(run(&mut x, BlockOp::WriteZeroes), Outcome::Done(Status::Io));
+            let failed = x.start_copy(&desc, 8192, 4096, IoFlags::FUA, 4, &mut NoRing);
+            assert_eq!(
+                failed,
+                Some(Copied {
+                    status: Status::Io,
+                    bytes: 0
+                }),
+                "copied but not known durable"
+            );
+        }
+    }
+
+    /// The same on a backend that completes on its own threads: one answer, after the flush.
+    #[test]
+    fn fua_zeroes_on_an_asynchronous_backend_are_answered_after_the_flush() {
+        use blkwire_backend::testing::Recorder;
+        use blkwire_backend::{Capabilities, Support};
+        let caps = Capabilities {
+            flush: Support::Native,
+            write_zeroes: Support::Native,
+            ..Capabilities::default()
+        };
+        let b = Recorder::new(caps, true);
+        let e = Export::new("r", b.clone(), false);
+        let size = e.size();
+        let mut x = Executor::open(Arc::new(e), 65536, size).unwrap();
+        let z = BlockRequest::new(BlockOp::WriteZeroes, 0, 4096).flagged(IoFlags::FUA);
+        // SAFETY: a WRITE_ZEROES names no buffer.
+        let o = unsafe { x.start(&z, std::ptr::null_mut(), 5, &mut NoRing) };
+        let Outcome::Pending(started) = o else {
+            panic!("{o:?}: the backend answers on its own thread")
+        };
+        let mut done = Vec::new();
+        x.reap(&mut NoRing, &mut |tag, res| done.push((tag, res)));
+        assert_eq!(done, [], "not answered before the flush");
+        assert_eq!(b.log(), ["zero 0+4096", "flush"]);
+        x.reap(&mut NoRing, &mut |tag, res| done.push((tag, res)));
+        assert_eq!(done, [(5, 0)]);
+        assert_eq!(x.status(&z, 0, started), Status::Ok);
     }
 
     #[test]

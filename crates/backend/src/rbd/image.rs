@@ -413,11 +413,12 @@ impl QueueIo for RbdQueue {
                     offset, buf, len, ..
                 } => sys::rbd_aio_write(img, offset, len as usize, buf.cast(), c),
                 Op::Flush => sys::rbd_aio_flush(img, c),
-                Op::Trim { offset, len } => sys::rbd_aio_discard(img, offset, len.into(), c),
+                Op::Trim { offset, len, .. } => sys::rbd_aio_discard(img, offset, len.into(), c),
                 Op::WriteZeroes {
                     offset,
                     len,
                     no_hole,
+                    ..
                 } => {
                     let flags: c_int = if no_hole {
                         sys::WRITE_ZEROES_FLAG_THICK_PROVISION

@@ -448,7 +448,7 @@ fn copy(
     s.req = Some(*req);
     match c
         .exec(req)
-        .start_copy(&desc, req.offset, req.length, tag, sq)
+        .start_copy(&desc, req.offset, req.length, req.flags, tag, sq)
     {
         Some(done) => settle_copy(c, slot, done),
         None => {
