@@ -476,10 +476,16 @@ pub(crate) fn seek_extents(fd: libc::c_int, offset: u64, len: u64, out: &mut Vec
     while at < end && out.len() - start_len < crate::MAX_EXTENTS {
         // SAFETY: lseek on the caller's fd.
         let data = unsafe { libc::lseek(fd, at as libc::off_t, libc::SEEK_DATA) };
-        let data = if data < 0 {
-            end
-        } else {
+        let data = if data >= 0 {
             (data as u64).min(end)
+        } else if io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) {
+            end // no data from `at` on: a hole to the end
+        } else {
+            // Anything else (EIO or ESTALE on NFS or FUSE, a filesystem without SEEK_DATA)
+            // says nothing about holes: calling the rest one would let block status report
+            // data as zeros and copies skip it.
+            crate::push_extent(out, end - at, false);
+            return;
         };
         if data > at {
             crate::push_extent(out, data - at, true);
@@ -714,5 +720,33 @@ impl QueueIo for FileQueue {
 
     fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) {
         self.done.reap(done)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A SEEK_DATA that fails for any reason but ENXIO (here ESPIPE, as a transient EIO or
+    /// ESTALE on NFS would) reports the range as data, never as a hole.
+    #[test]
+    fn a_failed_seek_reports_data_not_a_hole() {
+        let mut fds = [0; 2];
+        // SAFETY: pipe into an array of two descriptors, closed below.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        let mut out = Vec::new();
+        seek_extents(fds[0], 4096, 1 << 20, &mut out);
+        // SAFETY: closing the two descriptors pipe made.
+        unsafe {
+            libc::close(fds[0]);
+            libc::close(fds[1]);
+        }
+        assert_eq!(
+            out,
+            [Extent {
+                len: 1 << 20,
+                hole: false
+            }]
+        );
     }
 }
