@@ -42,6 +42,8 @@ pub struct FileBackend {
     logical: u32,
     physical: u32,
     punch_hole: bool,
+    /// WRITE_ZEROES is a metadata operation (NBD's FAST_ZERO), see [`device_zeroes_fast`].
+    fast_zero: bool,
     rotational: bool,
     /// The helper thread's job queue, started with the first queue.
     helper: Mutex<Option<Sender<SlowJob>>>,
@@ -168,6 +170,7 @@ impl FileBackend {
             logical: 512,
             physical: 4096,
             punch_hole: false,
+            fast_zero: false,
             rotational: false,
             helper: Mutex::new(None),
         };
@@ -194,6 +197,7 @@ impl FileBackend {
                         4096,
                     )
                 } == 0;
+                b.fast_zero = b.punch_hole;
                 size
             }
             libc::S_IFBLK => {
@@ -211,7 +215,10 @@ impl FileBackend {
                 }
                 b.logical = (lbs as u32).max(512);
                 b.physical = pbs.max(b.logical);
-                b.rotational = rotational(st.st_rdev);
+                let sys = Path::new(SYS_DEV_BLOCK);
+                b.rotational = queue_attr(sys, st.st_rdev, "rotational").as_deref() == Some("1");
+                b.fast_zero =
+                    device_zeroes_fast(queue_attr(sys, st.st_rdev, "write_zeroes_max_bytes"));
                 sz
             }
             _ => {
@@ -505,12 +512,28 @@ pub(crate) fn seek_extents(fd: libc::c_int, offset: u64, len: u64, out: &mut Vec
     }
 }
 
-fn rotational(rdev: libc::dev_t) -> bool {
-    let (maj, min) = (libc::major(rdev), libc::minor(rdev));
-    let p = format!("/sys/dev/block/{maj}:{min}/queue/rotational");
-    std::fs::read_to_string(p)
-        .map(|s| s.trim() == "1")
-        .unwrap_or(false)
+/// Where the kernel lists block devices by number.
+const SYS_DEV_BLOCK: &str = "/sys/dev/block";
+
+/// A block device's queue attribute `name`, trimmed, from `sys` (`/sys/dev/block`): its
+/// `M:m/queue/NAME`, or for a partition, which has no queue of its own, its disk's (the
+/// kernel resolves `..` after the `M:m` link, to the disk's directory).
+fn queue_attr(sys: &Path, rdev: libc::dev_t, name: &str) -> Option<String> {
+    let dev = sys.join(format!("{}:{}", libc::major(rdev), libc::minor(rdev)));
+    [dev.join("queue"), dev.join("../queue")]
+        .iter()
+        .find_map(|q| std::fs::read_to_string(q.join(name)).ok())
+        .map(|s| s.trim().to_owned())
+}
+
+/// Whether a block device zeroes as a metadata operation (NBD's FAST_ZERO), given its
+/// `queue/write_zeroes_max_bytes`. WRITE_ZEROES is BLKZEROOUT, which the kernel runs as the
+/// device's own WRITE ZEROES command where it has one (a non-zero limit) and otherwise by
+/// writing pages of zeros: as slow as the writes a client that asks for FAST_ZERO wants to
+/// avoid. An unreadable value says nothing, so it is not fast either (refusing FAST_ZERO is
+/// always safe: the client writes the zeros itself).
+fn device_zeroes_fast(write_zeroes_max_bytes: Option<String>) -> bool {
+    write_zeroes_max_bytes.is_some_and(|v| v.parse::<u64>().is_ok_and(|n| n > 0))
 }
 
 impl Drop for FileBackend {
@@ -594,7 +617,7 @@ impl Backend for FileBackend {
             write_zeroes: Support::Native,
             copy: Support::Native,
             rotational: self.rotational,
-            fast_zero: self.block_device || self.punch_hole,
+            fast_zero: self.fast_zero,
             ..Capabilities::default()
         }
     }
@@ -726,6 +749,43 @@ impl QueueIo for FileQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// FAST_ZERO on a block device only where it has a WRITE ZEROES command of its own: a
+    /// virtio disk without one (write_zeroes_max_bytes 0) would have BLKZEROOUT write zeros.
+    #[test]
+    fn a_block_device_zeroes_fast_only_with_a_write_zeroes_limit() {
+        let fast = |v: Option<&str>| device_zeroes_fast(v.map(str::to_owned));
+        assert!(fast(Some("4294966784")), "a loop device over a file");
+        assert!(!fast(Some("0")), "BLKZEROOUT would write pages of zeros");
+        assert!(!fast(None), "unknown: not claimed");
+        assert!(!fast(Some("")));
+    }
+
+    /// The attribute is the device's queue's, and a partition's is its disk's, as sysfs lays
+    /// them out (`M:m` links to the device's directory; a partition's lies in its disk's).
+    #[test]
+    fn queue_attributes_of_disks_and_partitions() {
+        let root = std::env::temp_dir().join(format!("blkwire-sysfs-{}", std::process::id()));
+        let disk = root.join("devices/vda");
+        std::fs::create_dir_all(disk.join("queue")).unwrap();
+        std::fs::create_dir_all(disk.join("vda1")).unwrap();
+        std::fs::write(disk.join("queue/write_zeroes_max_bytes"), "0\n").unwrap();
+        std::fs::write(disk.join("queue/rotational"), "1\n").unwrap();
+        let sys = root.join("dev/block");
+        std::fs::create_dir_all(&sys).unwrap();
+        std::os::unix::fs::symlink("../../devices/vda", sys.join("254:0")).unwrap();
+        std::os::unix::fs::symlink("../../devices/vda/vda1", sys.join("254:1")).unwrap();
+        let attr = |minor, name| queue_attr(&sys, libc::makedev(254, minor), name);
+        let got = [
+            attr(0, "write_zeroes_max_bytes"),
+            attr(1, "write_zeroes_max_bytes"),
+            attr(1, "rotational"),
+            attr(2, "rotational"),
+        ];
+        std::fs::remove_dir_all(&root).unwrap();
+        let s = |v: &str| Some(v.to_owned());
+        assert_eq!(got, [s("0"), s("0"), s("1"), None]);
+    }
 
     /// A SEEK_DATA that fails for any reason but ENXIO (here ESPIPE, as a transient EIO or
     /// ESTALE on NFS would) reports the range as data, never as a hole.
