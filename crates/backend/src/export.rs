@@ -373,6 +373,12 @@ pub const COPY_CHUNK: u32 = 1 << 20;
 /// that a long copy on a backend that completes inline (`mem:`) does not hold up the other
 /// queues of its reactor: about a millisecond of memcpy.
 const COPY_YIELD_AFTER: u32 = 8 * COPY_CHUNK;
+/// The most bytes one backend operation of a TRIM or WRITE_ZEROES covers on a queue whose
+/// backend completes inline, which works on the calling thread (a reactor's): `mem:` writes
+/// allocated zeros with a memset and frees punched pages one by one, up to 4 GiB in one request
+/// (a 1 GiB punch of written pages took 200 ms). Longer ones run in pieces of this size and give
+/// the thread back between them, as a COPY does: about a millisecond or two each.
+pub const INLINE_PIECE: u64 = COPY_YIELD_AFTER as u64;
 
 /// Where a COPY is.
 struct CopyState {
@@ -481,6 +487,9 @@ enum Next {
     },
     /// A COPY, chunk by chunk: natively, or by a read then a write through a bounce buffer.
     Copy(Box<CopyState>),
+    /// The request gave its thread back behind a NOP (a TRIM or WRITE_ZEROES in pieces on an
+    /// inline backend): when the NOP completes, the operation runs, then what follows it.
+    Resume(Op, Box<Next>),
 }
 
 /// A request whose backend operations are still running.
@@ -524,10 +533,44 @@ fn backend_id(b: &Arc<dyn Backend>) -> usize {
 }
 
 impl ExportQueue {
-    /// True when every operation finishes inside [`ExportQueue::start`] (emulation on an
-    /// inline backend finishes inline too: its steps run one after another in the call).
+    /// True when the backend completes inline: every operation but a long TRIM or
+    /// WRITE_ZEROES finishes inside [`ExportQueue::start`] (emulation on an inline backend
+    /// finishes inline too: its steps run one after another in the call). See
+    /// [`ExportQueue::finishes_in_start`].
     pub fn completes_inline(&self) -> bool {
         self.io.completes_inline()
+    }
+
+    /// True when a request of `op` over `len` bytes finishes inside [`ExportQueue::start`]:
+    /// on an inline backend, all but a native TRIM or WRITE_ZEROES longer than one piece
+    /// ([`INLINE_PIECE`], or less where the backend takes less), which gives the thread back
+    /// between its pieces and completes through [`ExportQueue::complete`].
+    pub fn finishes_in_start(&self, op: BlockOp, len: u32) -> bool {
+        self.completes_inline() && self.finishes_whole(op, len)
+    }
+
+    /// True when a request of `op` over `len` bytes is not split in pieces.
+    fn finishes_whole(&self, op: BlockOp, len: u32) -> bool {
+        self.piece(op).is_none_or(|p| len as u64 <= p)
+    }
+
+    /// The most bytes one backend operation of a native TRIM or WRITE_ZEROES covers on this
+    /// queue (`None`: not split: other requests, advisory TRIM, zeroing by writes).
+    fn piece(&self, op: BlockOp) -> Option<u64> {
+        let (support, limit) = match op {
+            BlockOp::Trim => (self.caps.trim, self.caps.limits.max_trim_bytes),
+            BlockOp::WriteZeroes => (self.caps.write_zeroes, self.caps.limits.max_zero_bytes),
+            _ => return None,
+        };
+        if support != Support::Native {
+            return None;
+        }
+        let limit = limit.max(512);
+        Some(if self.io.completes_inline() {
+            limit.min(INLINE_PIECE)
+        } else {
+            limit
+        })
     }
 
     /// What the export serves (see [`Export::capabilities`]).
@@ -553,7 +596,10 @@ impl ExportQueue {
     /// - FUA without native support is a write, then a flush (without flush it is meaningless);
     /// - FUA on TRIM and WRITE_ZEROES is the operation, then a flush (an advisory TRIM changed
     ///   nothing, so it has nothing to make durable);
-    /// - WRITE_ZEROES without native support writes zeros, 1 MiB at a time.
+    /// - WRITE_ZEROES without native support writes zeros, 1 MiB at a time;
+    /// - TRIM and WRITE_ZEROES longer than the backend takes at once run in pieces; on an
+    ///   inline backend in pieces of at most [`INLINE_PIECE`], with the thread given back (a NOP
+    ///   in the ring) between them, so one request does not hold up its reactor.
     ///
     /// Ring entries carry `tag` as user data; feed their completions to
     /// [`ExportQueue::complete`].
@@ -630,13 +676,13 @@ impl ExportQueue {
                     Err(r) => return Progress::Done(r),
                 }
             }
-            Op::Trim { offset, len, .. } if len as u64 > caps.limits.max_trim_bytes => {
+            Op::Trim { offset, len, .. } if !self.finishes_whole(BlockOp::Trim, len) => {
                 let split = Next::Split {
                     zero: false,
                     no_hole: false,
                     at: offset,
                     end: offset + len as u64,
-                    limit: caps.limits.max_trim_bytes.max(512),
+                    limit: self.piece(BlockOp::Trim).expect("native"),
                     flush,
                 };
                 match self.follow(tag, split, 0) {
@@ -649,13 +695,13 @@ impl ExportQueue {
                 len,
                 no_hole,
                 ..
-            } if len as u64 > caps.limits.max_zero_bytes => {
+            } if !self.finishes_whole(BlockOp::WriteZeroes, len) => {
                 let split = Next::Split {
                     zero: true,
                     no_hole,
                     at: offset,
                     end: offset + len as u64,
-                    limit: caps.limits.max_zero_bytes.max(512),
+                    limit: self.piece(BlockOp::WriteZeroes).expect("native"),
                     flush,
                 };
                 match self.follow(tag, split, 0) {
@@ -924,8 +970,15 @@ impl ExportQueue {
                 }
                 Started::Async => return self.wait_for(tag, 1, next),
             };
+            let piece = matches!(next, Next::Split { .. });
             match self.follow(tag, next, res) {
                 Err(r) => return Progress::Done(r),
+                // A piece that ran on this thread: the next waits behind a NOP, so the thread
+                // serves others meanwhile (`INLINE_PIECE`).
+                Ok((o, n @ Next::Split { .. })) if piece => {
+                    sq.push(io_uring::opcode::Nop::new().build().user_data(tag));
+                    return self.wait_for(tag, 1, Next::Resume(o, Box::new(n)));
+                }
                 Ok((o, n)) => (op, next) = (o, n),
             }
         }
@@ -965,6 +1018,7 @@ impl ExportQueue {
         match next {
             Next::Report => Err(res),
             _ if res < 0 => Err(res),
+            Next::Resume(op, then) => Ok((op, *then)),
             Next::Copy(st) => self.copy_step(st, res),
             Next::Split { at, end, flush, .. } if at >= end => then_flush(flush, 0),
             Next::Split {
@@ -1896,6 +1950,75 @@ mod tests {
         let mut back = vec![0u8; len as usize];
         q.read_blocking(dst, &mut back).unwrap();
         assert!(back == data, "the copy is whole");
+    }
+
+    /// A TRIM or WRITE_ZEROES longer than `INLINE_PIECE` on an inline backend (`mem:`, which
+    /// memsets allocated zeros and frees punched pages on the calling thread) runs one piece of
+    /// at most that per call: it hands the thread back through a NOP between pieces, goes on
+    /// when the NOP completes, and zeroes everything. One whole 4 GiB request used to run in
+    /// `start`, holding up every connection of the reactor.
+    #[test]
+    fn long_zeroing_on_an_inline_backend_runs_in_pieces_and_gives_its_thread_back() {
+        struct Collect(Vec<u64>);
+        impl Submitter for Collect {
+            fn push(&mut self, e: io_uring::squeue::Entry) {
+                self.0.push(e.get_user_data());
+            }
+        }
+        let piece = INLINE_PIECE as usize;
+        let len = 2 * piece + 4096;
+        let e = Export::open(&ExportSpec::parse("m=mem:64M").unwrap()).unwrap();
+        let mut q = e.open_queue().unwrap();
+        let data = pattern(len + 8192, 9);
+        assert!(q.finishes_in_start(BlockOp::WriteZeroes, piece as u32));
+        assert!(!q.finishes_in_start(BlockOp::WriteZeroes, len as u32));
+        assert!(!q.finishes_in_start(BlockOp::Trim, len as u32));
+        assert!(q.finishes_in_start(BlockOp::Write, 1 << 20));
+        let allocated = Op::WriteZeroes {
+            offset: 4096,
+            len: len as u32,
+            no_hole: true,
+            fua: false,
+        };
+        let trim = Op::Trim {
+            offset: 4096,
+            len: len as u32,
+            fua: false,
+        };
+        for op in [allocated, trim] {
+            q.write_blocking(0, &data, false).unwrap();
+            let mut sq = Collect(Vec::new());
+            // SAFETY: neither names a buffer.
+            let mut progress = unsafe { q.start(op, 42, &mut sq) };
+            assert_eq!(progress, Progress::Pending, "{op:?}");
+            // Only the first piece ran in `start`.
+            let mut back = vec![0u8; len + 8192];
+            q.read_blocking(0, &mut back).unwrap();
+            assert!(back[4096..4096 + piece].iter().all(|&b| b == 0));
+            assert!(back[4096 + piece..] == data[4096 + piece..], "{op:?}");
+            let mut yields = 0;
+            while progress == Progress::Pending {
+                assert_eq!(
+                    sq.0.drain(..).collect::<Vec<_>>(),
+                    [42],
+                    "one NOP, with the tag"
+                );
+                yields += 1;
+                progress = match q.complete(42, 0, &mut sq) {
+                    Some(r) => Progress::Done(r),
+                    None => Progress::Pending,
+                };
+            }
+            assert_eq!(progress, Progress::Done(0));
+            assert_eq!(yields, 2, "{op:?}: 8 MiB, 8 MiB, then 4 KiB");
+            q.read_blocking(0, &mut back).unwrap();
+            assert!(back[..4096] == data[..4096]);
+            assert!(back[4096..4096 + len].iter().all(|&b| b == 0), "{op:?}");
+            assert!(back[4096 + len..] == data[4096 + len..]);
+        }
+        // The same request through the blocking helper (its private ring takes the NOPs).
+        q.run_blocking(&BlockRequest::new(BlockOp::WriteZeroes, 0, len as u32))
+            .unwrap();
     }
 
     #[test]

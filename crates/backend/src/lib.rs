@@ -30,7 +30,7 @@ use std::sync::Arc;
 pub use blkwire_block::{BlockOp, BlockRequest, Capabilities, CopyRange, IoFlags, Limits, Support};
 pub use export::{
     push_extent, AlignedBuf, Export, ExportQueue, ExportSpec, Progress, Refusal, ResizeError,
-    SpecError, COPY_CHUNK,
+    SpecError, COPY_CHUNK, INLINE_PIECE,
 };
 pub use file::FileBackend;
 pub use mem::MemBackend;

@@ -12,7 +12,9 @@
 //! reads a second out of the same target thread, depending on the transport
 //! (docs/BENCHMARKS.md, "Reads of `mem:` from its mapping"). Large READ replies are sent
 //! straight from the mapping on the same condition (`Backend::mapped`). TRIM and WRITE_ZEROES
-//! punch holes, returning the memory.
+//! punch holes, returning the memory (WRITE_ZEROES with NO_HOLE writes zeros instead). Both run
+//! on the calling thread, so the generic layer hands long ones over in pieces of at most
+//! `INLINE_PIECE` and gives the thread back between them.
 //!
 //! The record and the memfd can disagree only where requests race on the same pages, or one
 //! fails halfway, and never in a way that changes what a READ returns: a page the record calls

@@ -129,6 +129,37 @@ fn flush_trim_write_zeroes_on_mem_and_file() {
     zero_semantics(&t.url("f"), true);
 }
 
+/// A TRIM or WRITE_ZEROES longer than one piece on `mem:` (which zeroes on the reactor's own
+/// thread) runs in pieces with the thread given back between them, in a slot, and is answered
+/// once, when all of it is done, as a READ on another queue then shows. Over the stream
+/// reactor (TCP) and the datagram port (UDP).
+#[test]
+fn long_trims_and_zeroes_on_mem_run_in_pieces_and_are_answered_whole() {
+    let (_t, urls) = Target::start_listeners(&["m=mem:64M"], &["--listen", "udp://127.0.0.1:0"]);
+    let len = 3 * blkwire_backend::INLINE_PIECE + 4096;
+    let data = random_bytes(len as usize + 8192, 21);
+    for base in &urls {
+        let mut s = session(&format!("{base}/m"), 2, 1 << 20);
+        for what in ["zero", "zero no_hole", "trim"] {
+            s.queues[0].write_at(&data, 0, false).unwrap();
+            let q = &mut s.queues[0];
+            match what {
+                "trim" => q.trim(4096, len),
+                _ => q.write_zeroes(4096, len, what.ends_with("no_hole")),
+            }
+            .unwrap();
+            let mut back = vec![1u8; data.len()];
+            s.queues[1].read_at(&mut back, 0).unwrap();
+            assert!(back[..4096] == data[..4096], "{base} {what}");
+            assert!(
+                back[4096..4096 + len as usize].iter().all(|&b| b == 0),
+                "{base} {what}: all of it zeroed"
+            );
+            assert!(back[4096 + len as usize..] == data[4096 + len as usize..]);
+        }
+    }
+}
+
 #[test]
 fn features_reflect_backends() {
     let d = TempDir::new("feat");

@@ -119,10 +119,20 @@ impl Executor {
         &self.export
     }
 
-    /// True when every request finishes inside [`Executor::start`]: READ may then land
-    /// straight in the reply buffer and WRITE come straight from the receive buffer.
+    /// True when the export completes inline: every READ, WRITE and FLUSH finishes inside
+    /// [`Executor::start`], so READ may land straight in the reply buffer and WRITE come
+    /// straight from the receive buffer. A long TRIM or WRITE_ZEROES may not (see
+    /// [`Executor::finishes_in_start`]).
     pub fn completes_inline(&self) -> bool {
         self.io.completes_inline()
+    }
+
+    /// True when `req` finishes inside [`Executor::start`]: on an inline export, all but a
+    /// TRIM or WRITE_ZEROES that runs in pieces and gives the thread back between them
+    /// ([`blkwire_backend::INLINE_PIECE`]); that one needs a slot and a tag, like a request
+    /// on a backend that completes later.
+    pub fn finishes_in_start(&self, req: &BlockRequest) -> bool {
+        self.io.finishes_in_start(req.op, req.len)
     }
 
     /// Alignment of buffers handed to [`Executor::start`] (O_DIRECT wants block-aligned memory).

@@ -363,8 +363,10 @@ fn dispatch(
             return;
         }
     }
-    // A chunked READ reply is otherwise built from a slot's buffer even on inline exports.
-    if c.inline(req) && chunked_framing.is_none() {
+    // A chunked READ reply is otherwise built from a slot's buffer even on inline exports, and
+    // a long TRIM or WRITE_ZEROES runs in a slot there too: it gives the thread back between
+    // its pieces.
+    if c.inline(req) && chunked_framing.is_none() && c.exec(req).finishes_in_start(&block) {
         // mem:/null: the request completes inside start(); READ lands straight in the reply
         // buffer and WRITE is taken straight from the receive buffer: one copy each way.
         if let Some(ReadFraming::Contiguous { prefix, suffix }) = framing {
