@@ -186,7 +186,8 @@ struct Pending {
     sent: u32,
     outstanding: u32,
     err: i32,
-    /// Already answered (EIO at its deadline) but commands are still in flight.
+    /// Already answered (EIO at its deadline) but commands are still in flight; its unsent
+    /// chunks are never sent, and it leaves the table when the last one in flight is back.
     replied: bool,
     /// The request as read (WRITE only: its data must survive a reconnection).
     buf: Vec<u8>,
@@ -272,7 +273,9 @@ impl Table {
             p.err = c.status.errno();
             p.sent = p.chunks; // send no further chunks of a failed range
         }
-        if p.outstanding > 0 || p.sent < p.chunks {
+        // A request answered at its deadline sends no further chunks (`pump` skips it), so
+        // once its last command is back it is done, however many chunks it never sent.
+        if p.outstanding > 0 || (p.sent < p.chunks && !p.replied) {
             return;
         }
         if !p.replied {
@@ -1156,6 +1159,60 @@ mod tests {
             fallocate_op(&shared(1 << 20, true), 0, 1, punch).err(),
             Some(libc::EROFS)
         );
+    }
+
+    /// A transport that only counts replies (the table's tests need no kernel).
+    #[derive(Default)]
+    struct Replies(Vec<(u64, i32)>);
+
+    impl Transport for Replies {
+        fn reply(&mut self, unique: u64, errno: i32, _: &[&[u8]]) -> std::io::Result<()> {
+            self.0.push((unique, errno));
+            Ok(())
+        }
+        fn channel(&self) -> &Channel {
+            unreachable!("no /dev/fuse in the table's tests")
+        }
+        fn serve(_: &mut Worker<Self>) -> Result<(), String> {
+            unreachable!("no worker in the table's tests")
+        }
+    }
+
+    #[test]
+    fn a_zero_range_failed_before_all_its_chunks_went_leaves_the_table() {
+        let mut t = Table::new(4, 4096);
+        let now = Instant::now();
+        // 3 GiB of zeroes: 3 chunks, one sent and still out when the request was answered EIO
+        // at its deadline (`fail_waiting`), so the other two will never be sent.
+        let op = IoOp::new(BlockOp::WriteZeroes, 0, 3 << 30);
+        let idx = t
+            .insert(Pending {
+                unique: 7,
+                arrived: now,
+                op,
+                deadline: now,
+                sent_at: now,
+                chunks: op.chunks(),
+                sent: 1,
+                outstanding: 1,
+                err: 0,
+                replied: true,
+                buf: Vec::new(),
+            })
+            .unwrap();
+        assert_eq!(op.chunks(), 3);
+        let mut ch = Replies::default();
+        let done = |status| Completion {
+            user: idx as u64,
+            length: 0,
+            status,
+            data: &[],
+        };
+        t.on_completion(&mut ch, done(Status::Ok));
+        assert_eq!(t.live, 0, "the slot leaked");
+        assert_eq!(t.free.len(), 4);
+        // It was answered already: no second reply.
+        assert!(ch.0.is_empty());
     }
 
     #[test]
