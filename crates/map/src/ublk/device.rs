@@ -161,6 +161,20 @@ fn is_recorded(di: &DevInfo, rec: &Record) -> Result<(), String> {
     Ok(())
 }
 
+/// The largest I/O the device may take: the session's max I/O capped at `MAX_IO_BUF`, in whole
+/// pages (the driver's tag buffers are). Rounded down: a page more than the session grants
+/// would let the kernel send requests that no command of the session can carry. A session that
+/// grants less than a page cannot serve a ublk device.
+fn io_buf_bytes(session_max_io: u32, page: u32) -> Result<u32, String> {
+    let max_io = session_max_io.min(MAX_IO_BUF) / page * page;
+    if max_io == 0 {
+        return Err(format!(
+            "the target grants I/O of at most {session_max_io} bytes, less than a page ({page}): a ublk device cannot take I/O that small"
+        ));
+    }
+    Ok(max_io)
+}
+
 struct Running {
     ctrl: Ctrl,
     dev_id: u32,
@@ -183,8 +197,7 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
     }
     let nq = session.queues.len();
     let depth = (info.depth as usize).clamp(1, UBLK_MAX_QUEUE_DEPTH);
-    let page = page_size() as u32;
-    let max_io = (info.max_io.min(MAX_IO_BUF) / page * page).max(page);
+    let max_io = io_buf_bytes(info.max_io, page_size() as u32)?;
 
     let mut ctrl2 = Ctrl::open()?; // the one Undo holds; `ctrl` stays for the main loop
     let mut undo = Undo {
@@ -506,6 +519,20 @@ fn unmap(device: &str, id: u32) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_io_buffer_never_exceeds_what_the_session_grants() {
+        assert_eq!(io_buf_bytes(1 << 20, 4096), Ok(1 << 20));
+        // Rounded down to whole pages, never up past the session's max I/O.
+        assert_eq!(io_buf_bytes((1 << 20) - 512, 4096), Ok((1 << 20) - 4096));
+        assert_eq!(io_buf_bytes(6000, 4096), Ok(4096));
+        assert_eq!(io_buf_bytes(32 << 10, 16384), Ok(32 << 10));
+        assert_eq!(io_buf_bytes(8 << 20, 4096), Ok(MAX_IO_BUF));
+        // Less than a page: refused in one line, not a page the target would refuse.
+        let e = io_buf_bytes(2048, 4096).unwrap_err();
+        assert!(e.contains("2048") && e.contains("less than a page"), "{e}");
+        assert!(io_buf_bytes(4096, 16384).is_err());
+    }
 
     fn record() -> Record {
         Record {
