@@ -49,7 +49,8 @@ pub struct MapArgs {
     /// Requests in flight per queue
     #[arg(long, value_name = "N", default_value_t = 128, value_parser = clap::value_parser!(u16).range(1..=4096))]
     queue_depth: u16,
-    /// Queues, each one thread and one connection (default: one per CPU, at most 8)
+    /// Queues, each one thread and one connection (default: one per CPU, at most 8; ublk takes at
+    /// most one per CPU)
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
     queues: Option<u16>,
     /// Largest I/O per request, 4K to 32M (ublk caps it at 1M; FUSE too unless fs.fuse.max_pages_limit is raised)

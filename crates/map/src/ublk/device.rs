@@ -175,6 +175,19 @@ fn io_buf_bytes(session_max_io: u32, page: u32) -> Result<u32, String> {
     Ok(max_io)
 }
 
+/// How many queues serve a new device, from ADD_DEV's answer: the driver caps the queues asked
+/// for at its CPU count (nr_cpu_ids), and a queue beyond what it made has no descriptor array
+/// to map (mmap fails with EINVAL).
+fn device_queues(asked: usize, made: u16) -> Result<usize, String> {
+    match made as usize {
+        0 => Err("the kernel's ublk driver made a device with no queue".into()),
+        n if n > asked => Err(format!(
+            "the kernel's ublk driver made {n} queues where {asked} were asked for"
+        )),
+        n => Ok(n),
+    }
+}
+
 struct Running {
     ctrl: Ctrl,
     dev_id: u32,
@@ -185,7 +198,7 @@ struct Running {
 
 fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String> {
     let Connected {
-        session,
+        mut session,
         info,
         reconnect,
         readonly,
@@ -195,7 +208,7 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
     if let Err(e) = sys::set_io_flusher() {
         log!("warn", "PR_SET_IO_FLUSHER: {e}");
     }
-    let nq = session.queues.len();
+    let asked = session.queues.len();
     let depth = (info.depth as usize).clamp(1, UBLK_MAX_QUEUE_DEPTH);
     let max_io = io_buf_bytes(info.max_io, page_size() as u32)?;
 
@@ -209,10 +222,10 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
         restore: None,
     };
     let pid = std::process::id() as i32;
-    let (dev_id, depth, max_io) = match &spec.mode {
+    let (dev_id, nq, depth, max_io) = match &spec.mode {
         Mode::New { dev_num } => {
             let mut di = DevInfo {
-                nr_hw_queues: nq as u16,
+                nr_hw_queues: asked as u16,
                 queue_depth: depth as u16,
                 max_io_buf_bytes: max_io,
                 dev_id: dev_num.unwrap_or(u32::MAX),
@@ -232,6 +245,13 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
             if di.flags & UBLK_F_USER_RECOVERY == 0 {
                 return Err("the kernel's ublk driver dropped USER_RECOVERY from the device flags; use --frontend fuse".into());
             }
+            let nq = device_queues(asked, di.nr_hw_queues)?;
+            if nq < asked {
+                log!(
+                    "info",
+                    "the kernel's ublk driver takes at most {nq} queue(s) (one per CPU): using {nq} of the {asked} the target granted"
+                );
+            }
             let max_io = di.max_io_buf_bytes.min(max_io);
             let mut p = params_for(&info, readonly, rotational, max_io);
             undo.ctrl.set_params(di.dev_id, &mut p).map_err(|e| {
@@ -240,7 +260,7 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
                     di.dev_id
                 )
             })?;
-            (di.dev_id, di.queue_depth as usize, max_io)
+            (di.dev_id, nq, di.queue_depth as usize, max_io)
         }
         Mode::Recover(old) => {
             let id = parse_device(&old.device)
@@ -249,9 +269,9 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
                 .dev_info(id)
                 .map_err(|e| format!("{}: GET_DEV_INFO: {e}", old.device))?;
             is_recorded(&di, old)?;
-            if di.nr_hw_queues as usize != nq {
+            if di.nr_hw_queues as usize != asked {
                 return Err(format!(
-                    "{} has {} queue(s) but the target granted {nq}: cannot recover",
+                    "{} has {} queue(s) but the target granted {asked}: cannot recover",
                     old.device, di.nr_hw_queues
                 ));
             }
@@ -286,7 +306,7 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
                 }
             }
             undo.restore = Some((**old).clone());
-            (id, di.queue_depth as usize, di.max_io_buf_bytes)
+            (id, asked, di.queue_depth as usize, di.max_io_buf_bytes)
         }
     };
     let device = device_path(dev_id);
@@ -345,6 +365,10 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
         depth: depth as u16,
         writable: !readonly,
     };
+    // Queues the device does not have end cleanly rather than by a dropped connection.
+    for q in session.queues.drain(nq..) {
+        let _ = q.logout();
+    }
     let (tx, events) = mpsc::channel();
     for (i, q) in session.queues.into_iter().enumerate() {
         let w = QueueWorker::new(
@@ -532,6 +556,15 @@ mod tests {
         let e = io_buf_bytes(2048, 4096).unwrap_err();
         assert!(e.contains("2048") && e.contains("less than a page"), "{e}");
         assert!(io_buf_bytes(4096, 16384).is_err());
+    }
+
+    #[test]
+    fn a_new_device_has_the_queues_the_kernel_made() {
+        // --queues 8 on a 2-CPU machine: ADD_DEV made 2.
+        assert_eq!(device_queues(8, 2), Ok(2));
+        assert_eq!(device_queues(4, 4), Ok(4));
+        assert!(device_queues(4, 0).is_err());
+        assert!(device_queues(2, 3).is_err());
     }
 
     fn record() -> Record {
