@@ -492,9 +492,13 @@ impl QueueWorker {
                 Some(q) => {
                     let (slots, bufs, buf_len) = (&self.slots, self.bufs.ptr, self.buf_len);
                     q.poll(|c| {
-                        // SAFETY: `bufs` is our mapping of one buffer per slot; the kernel
-                        // touches a tag's buffer only inside io_uring_enter (task work, as the
-                        // device has URING_CMD_COMP_IN_TASK), never while we poll the queue.
+                        // SAFETY: `bufs` is our mapping of one buffer per slot. The kernel may
+                        // write into it during this call: it copies a new request's data into
+                        // its tag's buffer in this thread's task work (URING_CMD_COMP_IN_TASK),
+                        // which runs on return from any syscall, the socket reads of `poll`
+                        // included. But it writes only the buffers of tags with a fetch armed,
+                        // and `result_of` only those of tags holding a request we have not
+                        // committed yet (`op`), so the two never touch the same buffer.
                         if let Some(res) = unsafe { Self::result_of(slots, bufs, buf_len, &c) } {
                             done.push((c.user as usize, res));
                         }
