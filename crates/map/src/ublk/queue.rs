@@ -1,6 +1,11 @@
 //! One ublk queue's thread: its own io_uring and blkwire `Queue`. It maps the queue's I/O
 //! descriptor array (read-only) from /dev/ublkcN, sends FETCH_REQ for every tag with that tag's
 //! buffer, and answers each request with COMMIT_AND_FETCH_REQ.
+//!
+//! The thread never blocks on the target: when the connection breaks, its requests wait in
+//! their slots while one reconnection at a time runs in a thread of its own (`Outage`), whose end
+//! wakes the ring through an eventfd; meanwhile answers that did arrive are committed and every
+//! request still fails with EIO at its own deadline.
 
 use std::fs::File;
 use std::io;
@@ -18,6 +23,15 @@ use super::abi::*;
 use crate::device::Needs;
 use crate::log;
 use crate::sockpoll::SockPoll;
+use crate::sys::Waker;
+
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(1);
+/// At most one log line per this long about requests failed with EIO, however many fail.
+const LOG_EVERY: Duration = Duration::from_secs(5);
+/// user_data of the poll on the reconnection eventfd: tags are below `UBLK_MAX_QUEUE_DEPTH`,
+/// and `SockPoll`'s have bit 62 set and bit 63 clear.
+const WAKE: u64 = u64::MAX;
 
 pub(crate) enum QEvent {
     /// Every tag of the queue is fetched (or setting up failed).
@@ -30,6 +44,8 @@ struct Slot {
     op: Option<BlockRequest>,
     /// Sent to the target and not answered yet.
     sent: bool,
+    /// When the request was taken from the ring.
+    arrived: Instant,
     /// When the request must be answered (`--timeout` after it arrived), with EIO if the target
     /// has not answered it by then.
     deadline: Instant,
@@ -44,6 +60,15 @@ fn expired(slots: &[Slot], now: Instant) -> impl Iterator<Item = usize> + '_ {
         .map(|(tag, _)| tag)
 }
 
+/// Requests that arrived by `t` (and wait: nothing is in flight while disconnected).
+fn arrived_by(slots: &[Slot], t: Instant) -> impl Iterator<Item = usize> + '_ {
+    slots
+        .iter()
+        .enumerate()
+        .filter(move |(_, s)| s.op.is_some() && s.arrived <= t)
+        .map(|(tag, _)| tag)
+}
+
 /// When the next request's timeout ends, if any request waits.
 fn next_deadline(slots: &[Slot]) -> Option<Instant> {
     slots
@@ -51,6 +76,70 @@ fn next_deadline(slots: &[Slot]) -> Option<Instant> {
         .filter(|s| s.op.is_some())
         .map(|s| s.deadline)
         .min()
+}
+
+/// A queue whose connection is down: when to start the next reconnection attempt (one at a
+/// time, backoff 0.1 s doubling to 1 s) and which waiting requests a failed one fails. Pure: the
+/// caller gives the time and runs the attempts, so this is tested without a ublk device.
+///
+/// Requests wait up to their own deadline. Once the outage is older than the timeout, though,
+/// a new request does not wait out the timeout again: it gets one fresh attempt, started when it
+/// arrives, and fails as soon as that attempt does (as the fuse frontend's workers do).
+struct Outage {
+    since: Instant,
+    next_try: Instant,
+    backoff: Duration,
+    /// When the running attempt started.
+    running: Option<Instant>,
+    /// Failed attempts, for the log.
+    attempts: u32,
+}
+
+impl Outage {
+    fn new(now: Instant) -> Outage {
+        Outage {
+            since: now,
+            next_try: now,
+            backoff: FIRST_BACKOFF,
+            running: None,
+            attempts: 0,
+        }
+    }
+
+    /// Whether an attempt starts at `now` (it is then running until `failed`, or the outage
+    /// ends).
+    fn start(&mut self, now: Instant) -> bool {
+        if self.running.is_some() || now < self.next_try {
+            return false;
+        }
+        self.running = Some(now);
+        true
+    }
+
+    /// A request arrived and waits: with no attempt running, the next one starts at once
+    /// rather than at the end of the backoff (its fresh chance in a long outage).
+    fn request(&mut self, now: Instant) {
+        if self.running.is_none() {
+            self.next_try = self.next_try.min(now);
+        }
+    }
+
+    /// The running attempt failed at `now`. Once the outage is older than `timeout`, returns
+    /// when that attempt started: the requests that arrived by then have had their fresh
+    /// attempt, and fail now.
+    fn failed(&mut self, now: Instant, timeout: Duration) -> Option<Instant> {
+        let started = self.running.take()?;
+        self.attempts += 1;
+        self.next_try = now + self.backoff;
+        self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+        (now.duration_since(self.since) >= timeout).then_some(started)
+    }
+
+    /// When the thread must look again without being woken: the next attempt's start (the end
+    /// of a running one wakes it).
+    fn wake_at(&self) -> Option<Instant> {
+        self.running.is_none().then_some(self.next_try)
+    }
 }
 
 pub(crate) struct QueueWorker {
@@ -63,9 +152,20 @@ pub(crate) struct QueueWorker {
     /// The tag buffers. Freed on drop only when no tag is armed (see `release_bufs`).
     bufs: ManuallyDrop<Mmap>,
     ring: IoUring,
+    /// None while the connection is down (then `outage` is set).
     link: Option<Queue>,
     /// Changes with every new `Queue` (see `SockPoll`).
     link_id: u64,
+    outage: Option<Outage>,
+    /// The running reconnection attempt's answer.
+    attempt: Option<mpsc::Receiver<Result<Queue, String>>>,
+    /// Woken (and the ring with it, by a poll) when an attempt ends.
+    waker: Arc<Waker>,
+    /// The ring has a poll on `waker` armed.
+    wake_armed: bool,
+    /// Requests failed with EIO since the last log line about it, and when that was.
+    failed: u64,
+    fail_logged: Option<Instant>,
     /// The ring also watches the queue's socket, so the thread sleeps in one place.
     sock: SockPoll,
     /// Completions taken from the ring (reused).
@@ -184,6 +284,7 @@ impl QueueWorker {
         )?;
         let ring = IoUring::new((depth as u32 * 2).next_power_of_two().max(8))
             .map_err(|e| format!("creating the io_uring of ublk queue {id}: {e}"))?;
+        let waker = Waker::new().map_err(|e| format!("eventfd for ublk queue {id}: {e}"))?;
         let now = Instant::now();
         Ok(QueueWorker {
             id,
@@ -195,6 +296,12 @@ impl QueueWorker {
             ring,
             link: Some(q),
             link_id: 0,
+            outage: None,
+            attempt: None,
+            waker: Arc::new(waker),
+            wake_armed: false,
+            failed: 0,
+            fail_logged: None,
             sock: SockPoll::default(),
             cqes: Vec::with_capacity(depth * 2),
             spin: AdaptiveSpin::new(reconnect.poll),
@@ -202,6 +309,7 @@ impl QueueWorker {
                 .map(|_| Slot {
                     op: None,
                     sent: false,
+                    arrived: now,
                     deadline: now,
                 })
                 .collect(),
@@ -281,31 +389,34 @@ impl QueueWorker {
         unsafe { std::ptr::read_volatile(self.descs.ptr.cast::<IoDesc>().add(tag)) }
     }
 
-    /// A request arrived on `tag`.
-    fn start(&mut self, tag: usize) -> Result<(), String> {
+    /// A request arrived on `tag`; `now` is when the ring handed it over, so its timeout
+    /// counts from there whatever the thread did before getting to it.
+    fn start(&mut self, tag: usize, now: Instant) -> Result<(), String> {
         let d = self.desc(tag);
         match map_op(&d, self.readonly, self.buf_len) {
             Ok(op) => {
                 let s = &mut self.slots[tag];
                 s.op = Some(op);
                 s.sent = false;
-                s.deadline = Instant::now() + self.timeout;
-                self.send(tag)
+                s.arrived = now;
+                s.deadline = now + self.timeout;
+                self.send(tag, now)
             }
             Err(errno) => self.commit(tag, -errno),
         }
     }
 
-    fn send(&mut self, tag: usize) -> Result<(), String> {
+    /// Sends the request of `tag`, or leaves it waiting for a reconnection.
+    fn send(&mut self, tag: usize, now: Instant) -> Result<(), String> {
         let Some(op) = self.slots[tag].op else {
             return Ok(());
         };
-        if self.link.is_none() {
-            self.try_reconnect_once();
-        }
         let buf = self.buf(tag);
         let Some(q) = self.link.as_mut() else {
-            return self.commit(tag, -libc::EIO);
+            if let Some(o) = &mut self.outage {
+                o.request(now);
+            }
+            return Ok(());
         };
         let data: &[u8] = if op.op == BlockOp::Write {
             // SAFETY: the kernel copied the request's data into this tag's buffer, which holds
@@ -362,53 +473,157 @@ impl QueueWorker {
         })
     }
 
-    fn try_reconnect_once(&mut self) {
+    /// Starts a reconnection in a thread of its own, whose end wakes the ring (`waker`): the
+    /// queue thread goes on committing answers and failing requests at their deadlines while a
+    /// connect to an unreachable or silent host takes its time.
+    fn spawn_attempt(&self) -> io::Result<mpsc::Receiver<Result<Queue, String>>> {
+        let (tx, rx) = mpsc::channel();
+        let waker = Arc::clone(&self.waker);
+        let url = self.url.clone();
+        // Where a reconnection's options come from (the session's, with one queue).
+        let opts = self.reconnect.clone();
         let needs = self.needs;
-        // Every tag may be in flight at once and the device's limits were set from the first
-        // session: one granting less would fail requests (see `Needs`). Dropping it closes it.
-        let r = blkwire_client::connect(&self.url, &self.reconnect)
-            .map_err(|e| e.to_string())
-            .and_then(|s| match needs.check(&s.info) {
-                Ok(()) => Ok(s),
-                Err(e) => Err(format!("{e}; not using it")),
-            });
-        match r {
-            Ok(mut s) => {
-                if let Some(q) = s.queues.pop() {
-                    log!("info", "queue {}: reconnected to {}", self.id, self.url);
-                    self.link = Some(q);
-                    self.link_id += 1;
-                }
-            }
-            Err(e) => log!("warn", "queue {}: reconnecting: {e}", self.id),
+        std::thread::Builder::new()
+            .name(format!("blkwire-ublk-reconnect-{}", self.id))
+            .spawn(move || {
+                // Every tag may be in flight at once and the device's limits were set from the
+                // first session: one granting less would fail requests (see `Needs`). Dropping
+                // it closes it.
+                let r = blkwire_client::connect(&url, &opts)
+                    .map_err(|e| e.to_string())
+                    .and_then(|mut s| {
+                        needs
+                            .check(&s.info)
+                            .map_err(|e| format!("{e}; not using it"))?;
+                        s.queues
+                            .pop()
+                            .ok_or_else(|| "the target granted no queue".to_string())
+                    });
+                let _ = tx.send(r);
+                Waker::wake(waker.fd());
+            })?;
+        Ok(rx)
+    }
+
+    /// The connection broke: every request waits for the next one (or its deadline), sent
+    /// again from the start. No waiting here: `reconnect` starts the attempts.
+    fn link_down(&mut self, why: &str, now: Instant) {
+        log!(
+            "warn",
+            "queue {}: connection to {} lost ({why}); reconnecting, I/O waits up to {}s",
+            self.id,
+            self.url,
+            self.timeout.as_secs()
+        );
+        self.link = None;
+        self.outage = Some(Outage::new(now));
+        for s in &mut self.slots {
+            s.sent = false;
         }
     }
 
-    /// The connection broke: reconnect until the oldest request's deadline, then send again
-    /// what was in flight; fail it with EIO when that does not work out.
-    fn link_down(&mut self, why: &str) -> Result<(), String> {
-        log!("warn", "queue {}: connection lost: {why}", self.id);
-        self.link = None;
-        let deadline = next_deadline(&self.slots).unwrap_or_else(|| Instant::now() + self.timeout);
-        let mut backoff = Duration::from_millis(100);
-        while self.link.is_none() && Instant::now() < deadline {
-            self.try_reconnect_once();
-            if self.link.is_none() {
-                std::thread::sleep(backoff.min(deadline.saturating_duration_since(Instant::now())));
-                backoff = (backoff * 2).min(Duration::from_secs(1));
+    /// While disconnected: takes the end of the running attempt (then sends every waiting
+    /// request on the new connection, or fails those a failed attempt fails, see `Outage`) and
+    /// starts the next attempt when it is due.
+    fn reconnect(&mut self, now: Instant) -> Result<(), String> {
+        let Some(o) = self.outage.as_mut() else {
+            return Ok(());
+        };
+        let ended = match self.attempt.as_ref().map(|rx| rx.try_recv()) {
+            None | Some(Err(mpsc::TryRecvError::Empty)) => None,
+            Some(Ok(r)) => Some(r),
+            Some(Err(mpsc::TryRecvError::Disconnected)) => {
+                Some(Err("the attempt ended without an answer".into()))
             }
+        };
+        let mut fail_by = None;
+        match ended {
+            Some(Ok(q)) => {
+                log!(
+                    "info",
+                    "queue {}: reconnected to {} after {:.1}s",
+                    self.id,
+                    self.url,
+                    now.duration_since(o.since).as_secs_f64()
+                );
+                self.attempt = None;
+                self.outage = None;
+                self.link = Some(q);
+                self.link_id += 1;
+                for tag in 0..self.depth {
+                    // One whose deadline has passed is `expire`'s to fail: sent, it would take
+                    // the new connection down with it.
+                    if self.slots[tag].deadline > now {
+                        self.send(tag, now)?;
+                    }
+                }
+                return Ok(());
+            }
+            Some(Err(e)) => {
+                self.attempt = None;
+                fail_by = o.failed(now, self.timeout);
+                if o.attempts == 1 || o.attempts % 30 == 0 {
+                    log!(
+                        "warn",
+                        "queue {}: reconnecting to {} (attempt {}): {e}",
+                        self.id,
+                        self.url,
+                        o.attempts
+                    );
+                }
+            }
+            None => {}
         }
-        for tag in 0..self.depth {
-            if self.slots[tag].op.is_some() {
-                self.slots[tag].sent = false;
-                if self.link.is_some() {
-                    self.send(tag)?;
-                } else {
-                    self.commit(tag, -libc::EIO)?;
+        if o.start(now) {
+            match self.spawn_attempt() {
+                Ok(rx) => self.attempt = Some(rx),
+                Err(e) => {
+                    log!("error", "queue {}: starting a reconnection: {e}", self.id);
+                    if let Some(o) = self.outage.as_mut() {
+                        fail_by = fail_by.max(o.failed(now, self.timeout));
+                    }
                 }
             }
         }
+        if let Some(t) = fail_by {
+            let mut tags = std::mem::take(&mut self.done);
+            tags.extend(arrived_by(&self.slots, t).map(|tag| (tag, -libc::EIO)));
+            for &(tag, res) in &tags {
+                self.commit(tag, res)?;
+            }
+            self.note_failed(tags.len(), now);
+            tags.clear();
+            self.done = tags;
+        }
         Ok(())
+    }
+
+    /// Counts requests failed with EIO for want of an answer, and logs them at most once per
+    /// `LOG_EVERY` (a long outage may fail one request after another).
+    fn note_failed(&mut self, n: usize, now: Instant) {
+        self.failed += n as u64;
+        if self.failed > 0
+            && self
+                .fail_logged
+                .is_none_or(|l| now.duration_since(l) >= LOG_EVERY)
+        {
+            log!(
+                "warn",
+                "queue {}: {} request(s) failed with EIO: {} unreachable or silent for {}s",
+                self.id,
+                self.failed,
+                self.url,
+                self.timeout.as_secs()
+            );
+            self.failed = 0;
+            self.fail_logged = Some(now);
+        }
+    }
+
+    /// When failures counted since the last log line are due to be logged.
+    fn fail_log_due(&self) -> Option<Instant> {
+        let last = self.fail_logged?;
+        (self.failed > 0).then_some(last + LOG_EVERY)
     }
 
     /// Answers EIO to every request that has waited its whole timeout (every request is
@@ -424,23 +639,14 @@ impl QueueWorker {
         for &(tag, res) in &tags {
             self.commit(tag, res)?;
         }
-        let n = tags.len();
+        self.note_failed(tags.len(), now);
         tags.clear();
         self.done = tags;
-        if n > 0 {
-            log!(
-                "warn",
-                "queue {}: {n} request(s) failed with EIO: no answer from {} within {}s",
-                self.id,
-                self.url,
-                self.timeout.as_secs()
-            );
-        }
         if in_flight && self.link.is_some() {
-            self.link_down(&format!(
-                "a request unanswered for {}s",
-                self.timeout.as_secs()
-            ))?;
+            self.link_down(
+                &format!("a request unanswered for {}s", self.timeout.as_secs()),
+                now,
+            );
         }
         Ok(())
     }
@@ -454,7 +660,8 @@ impl QueueWorker {
         let _ = ev.send(QEvent::Fetched(self.id as usize, r.clone()));
         r?;
         loop {
-            // Requests from the kernel, and socket poll events.
+            // Requests from the kernel (their timeouts count from now), and poll events.
+            let now = Instant::now();
             let mut cqes = std::mem::take(&mut self.cqes);
             cqes.extend(
                 self.ring
@@ -466,9 +673,14 @@ impl QueueWorker {
                     self.sock.on_cqe(ud, flags);
                     continue;
                 }
+                if ud == WAKE {
+                    self.wake_armed = false;
+                    self.waker.clear();
+                    continue;
+                }
                 let tag = ud as usize;
                 match res {
-                    UBLK_IO_RES_OK => self.start(tag)?,
+                    UBLK_IO_RES_OK => self.start(tag, now)?,
                     UBLK_IO_RES_ABORT => self.alive_tags -= 1,
                     e => {
                         log!(
@@ -486,6 +698,9 @@ impl QueueWorker {
             if self.alive_tags == 0 {
                 return Ok(());
             }
+            // While disconnected: a new connection takes the waiting requests before the queue
+            // is polled (which sends them); a failed attempt may fail some; the next one starts.
+            self.reconnect(now)?;
             // The target's answers, without waiting.
             let mut done = std::mem::take(&mut self.done);
             let r = match self.link.as_mut() {
@@ -511,17 +726,26 @@ impl QueueWorker {
             }
             done.clear();
             self.done = done;
-            if let Err(e) = r {
-                self.link_down(&e.to_string())?;
-            }
             let now = Instant::now();
+            if let Err(e) = r {
+                self.link_down(&e.to_string(), now);
+            }
             if next_deadline(&self.slots).is_some_and(|d| now >= d) {
                 self.expire(now)?;
             }
+            self.note_failed(0, now);
             let want = self.link.as_ref().map(|q| (self.link_id, q.fd()));
             for sqe in self.sock.update(want).into_iter().flatten() {
                 // SAFETY: a poll and its removal refer to no buffer.
                 unsafe { self.push(&sqe) }?;
+            }
+            if self.attempt.is_some() && !self.wake_armed {
+                let p = opcode::PollAdd::new(types::Fd(self.waker.fd()), libc::POLLIN as u32)
+                    .build()
+                    .user_data(WAKE);
+                // SAFETY: a poll refers to no buffer.
+                unsafe { self.push(&p) }?;
+                self.wake_armed = true;
             }
             // Commits go out; with answers outstanding the thread spins briefly for one or for a
             // request (the poll(2) also lets the kernel run the ring's task work), then sleeps
@@ -543,10 +767,14 @@ impl QueueWorker {
                     continue;
                 }
             }
-            // Woken at the queue's timer or the next request's deadline, whichever comes first.
+            // Submits the commits, then sleeps until a request, an answer, the end of a
+            // reconnection attempt, or the first of: the queue's timer, the next request's
+            // deadline, the next attempt, the next log line about failed requests.
             let limit = [
                 self.link.as_ref().and_then(|q| q.deadline()),
                 next_deadline(&self.slots),
+                self.outage.as_ref().and_then(|o| o.wake_at()),
+                self.fail_log_due(),
             ]
             .into_iter()
             .flatten()
@@ -585,6 +813,7 @@ mod tests {
         let slot = |op: bool, sent: bool, deadline: Instant| Slot {
             op: op.then(|| BlockRequest::new(BlockOp::Read, 0, 4096)),
             sent,
+            arrived: t0,
             deadline,
         };
         // Tag 0 is free (its stale deadline means nothing), tag 1 was sent at t0 and never
@@ -601,6 +830,77 @@ mod tests {
         assert_eq!(expired(&slots, t0 + secs(7)).collect::<Vec<_>>(), [1, 3]);
         assert_eq!(expired(&slots, t0 + secs(9)).collect::<Vec<_>>(), [1, 2, 3]);
         assert_eq!(next_deadline(&[slot(false, false, t0)]), None);
+    }
+
+    #[test]
+    fn one_reconnection_attempt_at_a_time_with_backoff() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let timeout = Duration::from_secs(5);
+        let mut o = Outage::new(t0);
+        assert_eq!(o.wake_at(), Some(t0));
+        assert!(o.start(t0));
+        // Running: no second attempt, whoever asks, and no timer (its end wakes the thread).
+        assert!(!o.start(ms(1)));
+        o.request(ms(2));
+        assert!(!o.start(ms(2)));
+        assert_eq!(o.wake_at(), None);
+        // Failed early in the outage: nobody fails with it; the next waits out the backoff.
+        assert_eq!(o.failed(ms(50), timeout), None);
+        assert_eq!(o.wake_at(), Some(ms(150)));
+        assert!(!o.start(ms(149)));
+        assert!(o.start(ms(150)));
+        // The backoff doubles up to a second.
+        let mut at = 150;
+        for backoff in [200, 400, 800, 1000, 1000] {
+            assert_eq!(o.failed(ms(at), timeout), None);
+            assert_eq!(o.wake_at(), Some(ms(at + backoff)));
+            at += backoff;
+            assert!(o.start(ms(at)));
+        }
+        assert_eq!(o.failed(ms(at), timeout), None); // 3.55 s into the outage
+                                                     // A request arriving between attempts starts the next one at once.
+        let now = at + 10;
+        o.request(ms(now));
+        assert_eq!(o.wake_at(), Some(ms(now)));
+        assert!(o.start(ms(now)));
+    }
+
+    #[test]
+    fn a_request_waits_out_a_short_outage_and_fails_with_its_attempt_in_a_long_one() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let timeout = Duration::from_secs(5);
+        let slot = |arrived: Instant| Slot {
+            op: Some(BlockRequest::new(BlockOp::Read, 0, 4096)),
+            sent: false,
+            arrived,
+            deadline: arrived + timeout,
+        };
+        let mut o = Outage::new(t0);
+        let mut slots = vec![slot(ms(500))];
+        assert!(o.start(ms(1000)));
+        // The outage is 2 s old: the request keeps waiting, up to its own deadline.
+        assert_eq!(o.failed(ms(2000), timeout), None);
+        assert_eq!(expired(&slots, ms(5499)).count(), 0);
+        assert_eq!(expired(&slots, ms(5500)).collect::<Vec<_>>(), [0]);
+        slots[0].op = None; // failed with EIO by `expire`
+                            // Idle until a request arrives at 7 s: it gets a fresh attempt at once...
+        slots.push(slot(ms(7000)));
+        o.request(ms(7000));
+        assert!(o.start(ms(7000)));
+        // ...and one arriving while it runs waits for the next.
+        slots.push(slot(ms(7100)));
+        o.request(ms(7100));
+        assert!(!o.start(ms(7100)));
+        // The attempt fails in an outage older than the timeout: who arrived by its start fails.
+        let by = o.failed(ms(7200), timeout).expect("a long outage");
+        assert_eq!(arrived_by(&slots, by).collect::<Vec<_>>(), [1]);
+        slots[1].op = None;
+        assert!(!o.start(ms(7200)));
+        assert!(o.start(ms(7400)));
+        let by = o.failed(ms(7500), timeout).expect("a long outage");
+        assert_eq!(arrived_by(&slots, by).collect::<Vec<_>>(), [2]);
     }
 
     #[test]
