@@ -11,6 +11,17 @@ use crate::proof::LEN;
 /// Seconds per epoch; a challenge is good for one to two of them.
 const EPOCH_SECS: u64 = 30;
 
+/// What a challenge is for. Both kinds share one secret, and an attempt is whatever the
+/// initiator sends (a HELLO's `nonce_c` is its own choice): hashed in, the purpose keeps a
+/// challenge issued for one from ever answering the other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Purpose {
+    /// A HELLO; the attempt is its `nonce_c`.
+    Hello = 1,
+    /// A datagram JOIN; the attempt is its session, queue and cookie.
+    Join = 2,
+}
+
 /// Issues and checks challenge nonces.
 pub struct Challenger {
     key: hmac::Key,
@@ -39,45 +50,60 @@ impl Challenger {
             .unwrap_or(0)
     }
 
-    fn at(&self, epoch: u64, address: &[u8], nonce_c: &[u8; LEN]) -> [u8; LEN] {
+    fn at(&self, epoch: u64, purpose: Purpose, address: &[u8], nonce_c: &[u8; LEN]) -> [u8; LEN] {
         let mut ctx = hmac::Context::with_key(&self.key);
         ctx.update(&epoch.to_le_bytes());
-        ctx.update(&[address.len() as u8]);
+        ctx.update(&[purpose as u8, address.len() as u8]);
         ctx.update(address);
         ctx.update(nonce_c);
         ctx.sign().as_ref().try_into().expect("32 bytes")
     }
 
     /// The nonce to send `address` for an attempt named by `nonce_c`.
-    pub fn issue(&self, address: &[u8], nonce_c: &[u8; LEN]) -> [u8; LEN] {
-        self.at(Self::epoch(), address, nonce_c)
+    pub fn issue(&self, purpose: Purpose, address: &[u8], nonce_c: &[u8; LEN]) -> [u8; LEN] {
+        self.at(Self::epoch(), purpose, address, nonce_c)
     }
 
     /// Did this target issue `nonce_s` to `address` for `nonce_c`, this epoch or the last?
-    pub fn check(&self, address: &[u8], nonce_c: &[u8; LEN], nonce_s: &[u8; LEN]) -> bool {
+    pub fn check(
+        &self,
+        purpose: Purpose,
+        address: &[u8],
+        nonce_c: &[u8; LEN],
+        nonce_s: &[u8; LEN],
+    ) -> bool {
         let now = Self::epoch();
         [now, now.saturating_sub(1)]
             .iter()
-            .any(|e| crate::proof::same(&self.at(*e, address, nonce_c), nonce_s))
+            .any(|e| crate::proof::same(&self.at(*e, purpose, address, nonce_c), nonce_s))
     }
 }
 
-/// The bytes that name an address in a challenge: IP and port, or a MAC.
-pub fn address_bytes(addr: &crate::PeerAddr, port: u16, out: &mut [u8; 18]) -> usize {
+/// Most bytes [`address_bytes`] writes.
+pub const ADDRESS_LEN: usize = 19;
+
+/// The bytes that name an address in a challenge: a kind byte, then IP and port, or a MAC.
+/// The kind byte matters: an IPv4 address and port are 6 bytes, as a MAC is, so without it a
+/// challenge fetched on Ethernet from a forged MAC `a.b.c.d || port` would answer a UDP HELLO
+/// forged from `a.b.c.d:port`, an address the forger never received at.
+pub fn address_bytes(addr: &crate::PeerAddr, port: u16, out: &mut [u8; ADDRESS_LEN]) -> usize {
     match addr {
         crate::PeerAddr::Ip(std::net::IpAddr::V4(v4)) => {
-            out[..4].copy_from_slice(&v4.octets());
-            out[4..6].copy_from_slice(&port.to_le_bytes());
-            6
+            out[0] = 4;
+            out[1..5].copy_from_slice(&v4.octets());
+            out[5..7].copy_from_slice(&port.to_le_bytes());
+            7
         }
         crate::PeerAddr::Ip(std::net::IpAddr::V6(v6)) => {
-            out[..16].copy_from_slice(&v6.octets());
-            out[16..18].copy_from_slice(&port.to_le_bytes());
-            18
+            out[0] = 6;
+            out[1..17].copy_from_slice(&v6.octets());
+            out[17..19].copy_from_slice(&port.to_le_bytes());
+            19
         }
         crate::PeerAddr::Mac(m) => {
-            out[..6].copy_from_slice(m);
-            6
+            out[0] = b'M';
+            out[1..7].copy_from_slice(m);
+            7
         }
     }
 }
@@ -86,20 +112,60 @@ pub fn address_bytes(addr: &crate::PeerAddr, port: u16, out: &mut [u8; 18]) -> u
 mod tests {
     use super::*;
 
+    const HELLO: Purpose = Purpose::Hello;
+
     #[test]
     fn challenges_check_only_for_the_same_address_attempt_and_target() {
         let c = Challenger::new();
         let n = [9u8; 32];
-        let s = c.issue(b"10.0.0.1:5", &n);
-        assert!(c.check(b"10.0.0.1:5", &n, &s));
-        assert!(!c.check(b"10.0.0.2:5", &n, &s), "other address");
-        assert!(!c.check(b"10.0.0.1:5", &[8u8; 32], &s), "other attempt");
+        let s = c.issue(HELLO, b"10.0.0.1:5", &n);
+        assert!(c.check(HELLO, b"10.0.0.1:5", &n, &s));
+        assert!(!c.check(HELLO, b"10.0.0.2:5", &n, &s), "other address");
         assert!(
-            !Challenger::new().check(b"10.0.0.1:5", &n, &s),
+            !c.check(HELLO, b"10.0.0.1:5", &[8u8; 32], &s),
+            "other attempt"
+        );
+        assert!(
+            !Challenger::new().check(HELLO, b"10.0.0.1:5", &n, &s),
             "other target"
         );
-        assert!(!c.check(b"10.0.0.1:5", &n, &[0u8; 32]), "zeros");
-        let old = c.at(Challenger::epoch() - 2, b"10.0.0.1:5", &n);
-        assert!(!c.check(b"10.0.0.1:5", &n, &old), "expired");
+        assert!(!c.check(HELLO, b"10.0.0.1:5", &n, &[0u8; 32]), "zeros");
+        let old = c.at(Challenger::epoch() - 2, HELLO, b"10.0.0.1:5", &n);
+        assert!(!c.check(HELLO, b"10.0.0.1:5", &n, &old), "expired");
+    }
+
+    fn bytes(addr: crate::PeerAddr, port: u16) -> Vec<u8> {
+        let mut a = [0u8; ADDRESS_LEN];
+        let n = address_bytes(&addr, port, &mut a);
+        a[..n].to_vec()
+    }
+
+    /// A MAC whose six bytes are an IPv4 address and a port (little-endian) names another
+    /// address than that IP and port: a challenge a forger fetched on Ethernet with such a
+    /// MAC does not answer a UDP HELLO forged from the IP address.
+    #[test]
+    fn a_mac_and_an_ipv4_address_of_the_same_bytes_are_different_addresses() {
+        let c = Challenger::new();
+        let n = [9u8; 32];
+        let mac = bytes(crate::PeerAddr::Mac([10, 0, 0, 1, 0x39, 0x1e]), 0);
+        let ip = bytes(crate::PeerAddr::Ip([10, 0, 0, 1].into()), 7737);
+        let s = c.issue(HELLO, &mac, &n);
+        assert!(c.check(HELLO, &mac, &n, &s));
+        assert!(!c.check(HELLO, &ip, &n, &s), "MAC challenge taken for UDP");
+        let s = c.issue(HELLO, &ip, &n);
+        assert!(!c.check(HELLO, &mac, &n, &s), "UDP challenge taken for MAC");
+    }
+
+    /// A HELLO's attempt is the initiator's choice: one equal to a JOIN's attempt still gets a
+    /// challenge that does not answer the JOIN, nor the other way round.
+    #[test]
+    fn hello_and_join_challenges_do_not_answer_each_other() {
+        let c = Challenger::new();
+        let (a, n) = (b"10.0.0.1:5", [9u8; 32]);
+        let s = c.issue(Purpose::Hello, a, &n);
+        assert!(!c.check(Purpose::Join, a, &n, &s));
+        let s = c.issue(Purpose::Join, a, &n);
+        assert!(!c.check(Purpose::Hello, a, &n, &s));
+        assert!(c.check(Purpose::Join, a, &n, &s));
     }
 }

@@ -7,7 +7,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use blkwire_auth::cookie::{address_bytes, Challenger};
+use blkwire_auth::cookie::{address_bytes, Challenger, Purpose, ADDRESS_LEN};
 use blkwire_auth::proof;
 use blkwire_auth::{Acl, Key, KeyStore, PeerAddr};
 use blkwire_wire::{AuthMethod, Hello};
@@ -160,26 +160,27 @@ impl Access {
         }
     }
 
-    /// The address step (§12.1): `None` when `peer` answered the challenge for `attempt`,
-    /// else the challenge to send it.
+    /// The address step (§12.1): `None` when `peer` answered the challenge for `attempt` (of
+    /// a HELLO or a JOIN: `purpose`), else the challenge to send it.
     pub fn address(
         &self,
         peer: &PeerId,
+        purpose: Purpose,
         attempt: &[u8; proof::LEN],
         answer: &[u8; proof::LEN],
     ) -> Option<[u8; proof::LEN]> {
-        let mut a = [0u8; 18];
+        let mut a = [0u8; ADDRESS_LEN];
         let n = address_bytes(&peer.addr, peer.port, &mut a);
-        if self.challenger.check(&a[..n], attempt, answer) {
+        if self.challenger.check(purpose, &a[..n], attempt, answer) {
             return None;
         }
         self.challenges.fetch_add(1, Ordering::Relaxed);
-        Some(self.challenger.issue(&a[..n], attempt))
+        Some(self.challenger.issue(purpose, &a[..n], attempt))
     }
 
     /// The challenge and proof steps of a HELLO (§12.1, §12.2).
     pub fn check(&self, h: &Hello, peer: &PeerId) -> Checked {
-        if let Some(c) = self.address(peer, &h.auth.nonce_c, &h.auth.nonce_s) {
+        if let Some(c) = self.address(peer, Purpose::Hello, &h.auth.nonce_c, &h.auth.nonce_s) {
             return Checked::Challenge(c);
         }
         let host = h.host_id.escape_debug();

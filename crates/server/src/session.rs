@@ -886,10 +886,12 @@ impl Registry {
         // A datagram queue answers at the address it joined from: that address must have
         // shown it receives there, or a session holder could aim its replies at anyone.
         if let Some(peer) = datagram {
-            if let Some(nonce) = self
-                .access
-                .address(peer, &j.attempt(session, queue), &j.nonce_s)
-            {
+            if let Some(nonce) = self.access.address(
+                peer,
+                blkwire_auth::cookie::Purpose::Join,
+                &j.attempt(session, queue),
+                &j.nonce_s,
+            ) {
                 return Err(JoinRefused::Challenge(nonce));
             }
         }
