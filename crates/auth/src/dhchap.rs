@@ -436,12 +436,22 @@ impl Secret {
             "01" => Some(HashId::Sha256),
             "02" => Some(HashId::Sha384),
             "03" => Some(HashId::Sha512),
-            _ => {
+            // Quoted only when it is short enough to be a mistyped XX: with XX: left out,
+            // this part is the key itself (`DHHC-1:BASE64:`).
+            _ if xx.len() <= 2 => {
                 return Err(format!(
                     "DH-HMAC-CHAP secret transformation '{}' is not 00 (none), 01 (SHA-256), \
                      02 (SHA-384) or 03 (SHA-512)",
                     xx.escape_debug()
                 ))
+            }
+            _ => {
+                return Err(
+                    "a DH-HMAC-CHAP secret is DHHC-1:XX:BASE64: and what follows \
+                            DHHC-1: is not a two-digit transformation XX (00, 01, 02 or 03): \
+                            is XX: missing?"
+                        .into(),
+                )
             }
         };
         let b64 = b64.strip_suffix(':').unwrap_or(b64);

@@ -98,12 +98,27 @@ fn malformed_secrets_say_what_is_wrong() {
         ),
         ("DHHC-1:00:AAAAAAAA:", "decodes to 6 bytes"),
         ("DHHC-1:00::", "not base64"),
+        // XX: left out: the key is where XX should be.
+        (
+            "DHHC-1:ia6zGodOr4SEG0Zzaw398rpY0wqipUWj4jWjUh4HWUz6aQ2n:",
+            "is XX: missing?",
+        ),
     ];
     for (text, want) in cases {
         let e = Secret::parse(text).unwrap_err();
         assert!(e.contains(want), "{text}: {e}");
         assert!(!e.contains('\n'));
         assert!(!e.contains("ia6z"), "errors never quote the key: {e}");
+    }
+    // Not even a few characters of it: no run of 4 of the key's characters is in the error.
+    let key = "ia6zGodOr4SEG0Zzaw398rpY0wqipUWj4jWjUh4HWUz6aQ2n";
+    let e = Secret::parse(&format!("DHHC-1:{key}:")).unwrap_err();
+    for i in 0..=key.len() - 4 {
+        assert!(
+            !e.contains(&key[i..i + 4]),
+            "quotes '{}': {e}",
+            &key[i..i + 4]
+        );
     }
 }
 
