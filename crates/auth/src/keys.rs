@@ -274,7 +274,17 @@ impl KeyStore {
                                        (expected HOST-ID:DHHC-1:XX:BASE64:)"
                         .into()));
                 }
-                check_host_id(id).map_err(at)?;
+                // Not quoted: `id` is all before the line's last ':', which on a mistyped line
+                // (a space for the ':' before DHHC-1:, or before CHAP: and a secret holding
+                // ':') holds the secret or part of it.
+                check_host_id(id).map_err(|_| {
+                    at(
+                        "what precedes the last ':' is not a host id (1 to 255 printable \
+                        ASCII characters without spaces); expected HOST-ID:HEXKEY, \
+                        HOST-ID:DHHC-1:XX:BASE64: or HOST-ID:CHAP:SECRET"
+                            .into(),
+                    )
+                })?;
                 let key = Key::from_hex(hex).map_err(at)?;
                 let host = Secret::from_key(&key);
                 (id, key, host, None)
@@ -477,6 +487,16 @@ mod tests {
         assert!(e.contains("twice"), "{e}");
         let e = write("\n# nothing\n").unwrap_err();
         assert!(e.contains("no keys"), "{e}");
+        // A space where the ':' before the secret belongs: the error says so without quoting
+        // the secret (which then sits in what would be the host id).
+        for line in [
+            format!("alice {SPEC}"),
+            "alice CHAP:secret:of-sixteen-chars".to_string(),
+        ] {
+            let e = write(&format!("{line}\n")).unwrap_err();
+            assert!(e.contains("line 1") && e.contains("not a host id"), "{e}");
+            assert!(!e.contains("ia6z") && !e.contains("CHAP:secret"), "{e}");
+        }
         std::fs::remove_file(&p).unwrap();
     }
 
