@@ -62,9 +62,9 @@ impl Acl {
                     bits.parse().ok().filter(|b| *b <= max).ok_or_else(|| {
                         format!("allow rule '{r}': prefix length must be 0 to {max}")
                     })?;
-                Rule::Prefix(ip, bits)
+                ipv4_form(r, ip, bits)?
             } else if let Ok(ip) = r.parse::<IpAddr>() {
-                Rule::Prefix(ip, if ip.is_ipv4() { 32 } else { 128 })
+                ipv4_form(r, ip, if ip.is_ipv4() { 32 } else { 128 })?
             } else {
                 crate::keys::check_host_id(r).map_err(|e| {
                     format!("allow rule '{r}' is not a host id, address prefix or MAC: {e}")
@@ -135,6 +135,24 @@ impl std::fmt::Display for Acl {
     }
 }
 
+/// The rule for prefix `ip/bits` (rule text `r`), an IPv4-mapped IPv6 prefix
+/// (`::ffff:10.0.0.0/104`) in its IPv4 form: peers are matched in IPv4 form (`in_prefix`), so
+/// the mapped form would never match anyone. A mapped address with a prefix shorter than 96
+/// bits spans more than IPv4 and is refused.
+fn ipv4_form(r: &str, ip: IpAddr, bits: u8) -> Result<Rule, String> {
+    let IpAddr::V6(v6) = ip else {
+        return Ok(Rule::Prefix(ip, bits));
+    };
+    match v6.to_ipv4_mapped() {
+        None => Ok(Rule::Prefix(ip, bits)),
+        Some(v4) if bits >= 96 => Ok(Rule::Prefix(IpAddr::V4(v4), bits - 96)),
+        Some(v4) => Err(format!(
+            "allow rule '{r}': an IPv4-mapped prefix must be /96 or longer (it is matched as \
+             IPv4: write {v4}/N)"
+        )),
+    }
+}
+
 fn in_prefix(ip: &IpAddr, net: &IpAddr, bits: u8) -> bool {
     // An IPv4 peer may arrive as an IPv4-mapped IPv6 address on a dual-stack socket.
     let ip = match ip {
@@ -200,6 +218,24 @@ mod tests {
             .unwrap()
             .permits(None, &ip("8.8.8.8")));
         assert!(Acl::default().permits(None, &ip("8.8.8.8")));
+    }
+
+    /// Peers are matched in IPv4 form, so rules written IPv4-mapped are taken in IPv4 form
+    /// too (they used to match no one), and a mapped prefix wider than IPv4 is refused.
+    #[test]
+    fn ipv4_mapped_rules_match_ipv4_peers() {
+        let acl = Acl::parse("::ffff:10.0.0.0/104+::ffff:192.0.2.7").unwrap();
+        assert!(acl.permits(None, &ip("10.1.2.3")));
+        assert!(acl.permits(None, &ip("::ffff:10.1.2.3")));
+        assert!(acl.permits(None, &ip("192.0.2.7")));
+        assert!(!acl.permits(None, &ip("192.0.2.8")));
+        assert!(!acl.permits(None, &ip("11.0.0.1")));
+        assert_eq!(acl.to_string(), "10.0.0.0/8+192.0.2.7/32");
+        let e = Acl::parse("::ffff:10.0.0.0/80").unwrap_err();
+        assert!(
+            e.contains("/96 or longer") && e.contains("10.0.0.0/N"),
+            "{e}"
+        );
     }
 
     #[test]
