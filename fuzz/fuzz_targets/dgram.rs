@@ -87,7 +87,7 @@ fn open_session(port: &mut DatagramPort, peer: &UdpSocket, header_crc: bool) -> 
         nonce: 1,
         host_id: "fuzz".into(),
         export: "a".into(),
-        auth: AuthBlock::first(AuthMethod::None, false, [7; 32]),
+        auth: AuthBlock::first(AuthMethod::None, false, true, [7; 32]),
         replaces: None,
     };
     let from = peer.local_addr().expect("bound");

@@ -43,9 +43,11 @@ fn hello(depth: u16, max_io: u32, frame_payload: u32, nonce: u64, export: &str) 
         nonce,
         host_id: "hostile-load".into(),
         export: export.into(),
+        // Datagram HELLOs carry a frame payload, TCP ones 0 (as the client's).
         auth: AuthBlock::first(
             AuthMethod::None,
             false,
+            frame_payload != 0,
             (nonce as u32)
                 .to_le_bytes()
                 .repeat(8)

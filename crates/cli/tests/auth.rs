@@ -384,7 +384,7 @@ fn a_challenge_never_amplifies_and_creates_nothing() {
         nonce: 9,
         host_id: "x".into(),
         export: "m".into(),
-        auth: AuthBlock::first(AuthMethod::None, false, [3; 32]),
+        auth: AuthBlock::first(AuthMethod::None, false, true, [3; 32]),
         replaces: None,
     };
     let send = |hello: &Hello| -> (usize, Header, Vec<u8>) {
@@ -455,6 +455,92 @@ fn a_challenge_never_amplifies_and_creates_nothing() {
     let mut buf = [0u8; 2048];
     let n = sock.recv(&mut buf).unwrap();
     assert_eq!(n, HEADER_LEN, "an unpadded LIST got a {n}-byte answer");
+}
+
+/// One HELLO exchange on a raw link, TCP (`tcp`) or UDP (`udp`, to `to`): the challenge, then
+/// the answering HELLO, proven with `key` when given (as the initiator that built it would).
+/// Returns the final status.
+fn raw_hello(
+    tcp: Option<&mut std::net::TcpStream>,
+    udp: Option<(&UdpSocket, &str)>,
+    mut hello: Hello,
+    key: Option<&blkwire_auth::Key>,
+) -> Status {
+    let mut tcp = tcp;
+    let mut send = |hello: &Hello| -> (Header, Vec<u8>) {
+        if let Some(s) = tcp.as_deref_mut() {
+            return common::native_raw::send_hello(s, hello);
+        }
+        let (sock, to) = udp.expect("a link");
+        let p = hello.encode().unwrap();
+        let mut h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
+        h.payload_len = p.len() as u32;
+        h.seal_crc(&p);
+        let mut f = h.to_bytes().to_vec();
+        f.extend_from_slice(&p);
+        sock.send_to(&f, to).unwrap();
+        let mut buf = [0u8; 2048];
+        let n = sock.recv(&mut buf).expect("an answer");
+        let r = Header::decode(&buf, 4096).unwrap();
+        (r, buf[HEADER_LEN..n].to_vec())
+    };
+    let (r, nonce) = send(&hello);
+    assert_eq!(r.status, Status::Challenge);
+    hello.auth.nonce_s = nonce.try_into().unwrap();
+    if let Some(key) = key {
+        let t = blkwire_auth::proof::transcript(&hello.transcript_bytes().unwrap());
+        hello.auth.proof_c = blkwire_auth::proof::initiator_proof(key, &t);
+    }
+    send(&hello).0.status
+}
+
+/// A HELLO says (in its auth flags, under its proof) whether it was sent over a datagram link:
+/// an on-path relay that forwards a UDP initiator's HELLOs over its own TCP connection (and
+/// the target's challenge back) would otherwise get, as that host, a TCP session the target
+/// does not seal, while the initiator believes its session sealed. The target refuses a HELLO
+/// flagged for the other kind of link, proven or not, and admits the same HELLO flagged right.
+#[test]
+fn a_hello_for_the_other_kind_of_link_is_refused() {
+    let keys = Keys::new("auth-relay");
+    let (_t, urls) = start(&keys);
+    let key = blkwire_auth::KeyStore::load(&keys.dir.path("alice"))
+        .unwrap()
+        .get("alice")
+        .unwrap()
+        .clone();
+    let (_k, open_urls) =
+        Target::start_listeners(&["d=mem:1M"], &["--listen", "udp://127.0.0.1:0"]);
+    let hello = |method, datagram| Hello {
+        queues: 1,
+        depth: 1,
+        max_io: 4096,
+        client_features: 0,
+        frame_payload: if datagram { 1400 } else { 0 },
+        nonce: 5,
+        host_id: "alice".into(),
+        export: "d".into(),
+        auth: AuthBlock::first(method, false, datagram, [5; 32]),
+        replaces: None,
+    };
+    for (urls, method, key) in [
+        (&urls, AuthMethod::Psk, Some(&key)),
+        (&open_urls, AuthMethod::None, None),
+    ] {
+        let tcp_at = urls[0].trim_start_matches("tcp://");
+        let udp_at = urls[1].trim_start_matches("udp://");
+        for (flag, want) in [(true, Status::Access), (false, Status::Ok)] {
+            let mut s = std::net::TcpStream::connect(tcp_at).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let got = raw_hello(Some(&mut s), None, hello(method, flag), key);
+            assert_eq!(got, want, "{method:?} over TCP, datagram flag {flag}");
+        }
+        for (flag, want) in [(false, Status::Access), (true, Status::Ok)] {
+            let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
+            sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let got = raw_hello(None, Some((&sock, udp_at)), hello(method, flag), key);
+            assert_eq!(got, want, "{method:?} over UDP, datagram flag {flag}");
+        }
+    }
 }
 
 /// Raw Ethernet between two namespaces: with the right key data round trips, authenticated and

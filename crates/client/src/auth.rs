@@ -80,7 +80,9 @@ impl Attempt {
             nonce: crate::random_u64(),
             host_id: opts.host_id.clone(),
             export: export.to_string(),
-            auth: AuthBlock::first(method, opts.encrypt, nonce_c),
+            // Datagram links name their frame payload, streams 0. Said in the proven HELLO,
+            // so the target refuses it relayed over the other kind of link (§12.1).
+            auth: AuthBlock::first(method, opts.encrypt, frame_payload != 0, nonce_c),
             replaces: opts.replaces.filter(|_| !export.is_empty()),
         };
         hello

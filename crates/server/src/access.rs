@@ -178,12 +178,25 @@ impl Access {
         Some(self.challenger.issue(purpose, &a[..n], attempt))
     }
 
-    /// The challenge and proof steps of a HELLO (§12.1, §12.2).
-    pub fn check(&self, h: &Hello, peer: &PeerId) -> Checked {
+    /// The challenge and proof steps of a HELLO (§12.1, §12.2), which arrived over a datagram
+    /// link (`datagram`) or a stream.
+    pub fn check(&self, h: &Hello, peer: &PeerId, datagram: bool) -> Checked {
         if let Some(c) = self.address(peer, Purpose::Hello, &h.auth.nonce_c, &h.auth.nonce_s) {
             return Checked::Challenge(c);
         }
         let host = h.host_id.escape_debug();
+        // The initiator says which kind of link it sends on, under its proof: a HELLO relayed
+        // from a datagram link to a stream would get an unsealed session the initiator
+        // believes sealed. Keyless HELLOs prove nothing, but are held to the same rule.
+        if h.auth.datagram != datagram {
+            let (said, is) = match datagram {
+                true => ("a stream", "a datagram link"),
+                false => ("a datagram link", "a stream"),
+            };
+            return Checked::Refused(format!(
+                "host '{host}' sent a HELLO for {said} over {is} (relayed?)"
+            ));
+        }
         match (h.auth.method, self.keys().as_deref()) {
             (AuthMethod::None, None) => Checked::Passed(None),
             (AuthMethod::None, Some(_)) => Checked::Refused(format!(

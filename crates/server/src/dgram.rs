@@ -1626,7 +1626,7 @@ mod tests {
             nonce: 1,
             host_id: "test".into(),
             export: "a".into(),
-            auth: AuthBlock::first(AuthMethod::None, false, [7; 32]),
+            auth: AuthBlock::first(AuthMethod::None, false, true, [7; 32]),
             replaces: None,
         };
         for round in 1..=3 {
@@ -1726,7 +1726,7 @@ mod tests {
             nonce: 9,
             host_id: "test".into(),
             export: "a".into(),
-            auth: AuthBlock::first(AuthMethod::None, false, [7; 32]),
+            auth: AuthBlock::first(AuthMethod::None, false, true, [7; 32]),
             replaces: None,
         };
         let h = Header::request(Opcode::Hello, Tag::new(0, 1), 0, 0);

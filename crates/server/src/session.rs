@@ -429,7 +429,7 @@ impl Registry {
         wait_until: Option<Instant>,
         stats: &dyn Fn() -> Vec<u8>,
     ) -> HelloAnswer {
-        let proven = match self.access.check(h, peer) {
+        let proven = match self.access.check(h, peer, link_payload.is_some()) {
             Checked::Challenge(n) => return HelloAnswer::Challenge(n),
             Checked::Refused(why) => {
                 self.access.refuse(peer, &why);
@@ -1232,7 +1232,7 @@ mod tests {
             nonce: blkwire_auth::random_u64(),
             host_id: host.into(),
             export: "a".into(),
-            auth: AuthBlock::first(AuthMethod::None, false, [7; 32]),
+            auth: AuthBlock::first(AuthMethod::None, false, false, [7; 32]),
             replaces,
         }
     }

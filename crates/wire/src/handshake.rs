@@ -256,6 +256,10 @@ pub struct AuthBlock {
     pub method: AuthMethod,
     /// Datagram frames are to be encrypted, not only authenticated (§12.4).
     pub encrypt: bool,
+    /// The initiator sends this HELLO over a datagram link (UDP, Ethernet); clear on a stream.
+    /// Inside the transcript, so a HELLO cannot be relayed to the other kind of link, where
+    /// the target would seal (or not seal) otherwise than the initiator expects (§12.1).
+    pub datagram: bool,
     /// The initiator's nonce.
     pub nonce_c: [u8; AUTH_LEN],
     /// The target's challenge nonce; zeros in the first HELLO.
@@ -268,12 +272,20 @@ impl AuthBlock {
     /// Bytes on the wire.
     pub const LEN: usize = 2 + 3 * AUTH_LEN;
     const ENCRYPT: u8 = 1;
+    const DATAGRAM: u8 = 2;
 
-    /// A first-HELLO block: fresh nonce, no challenge answered yet.
-    pub fn first(method: AuthMethod, encrypt: bool, nonce_c: [u8; AUTH_LEN]) -> AuthBlock {
+    /// A first-HELLO block: fresh nonce, no challenge answered yet; `datagram` when it is sent
+    /// over a datagram link.
+    pub fn first(
+        method: AuthMethod,
+        encrypt: bool,
+        datagram: bool,
+        nonce_c: [u8; AUTH_LEN],
+    ) -> AuthBlock {
         AuthBlock {
             method,
             encrypt,
+            datagram,
             nonce_c,
             nonce_s: [0; AUTH_LEN],
             proof_c: [0; AUTH_LEN],
@@ -283,7 +295,9 @@ impl AuthBlock {
     fn encode(&self, w: &mut PayloadWriter) {
         w.u16(Self::LEN as u16);
         w.buf.push(self.method as u8);
-        w.buf.push(if self.encrypt { Self::ENCRYPT } else { 0 });
+        let flag = |on: bool, bit: u8| if on { bit } else { 0 };
+        w.buf
+            .push(flag(self.encrypt, Self::ENCRYPT) | flag(self.datagram, Self::DATAGRAM));
         w.buf.extend_from_slice(&self.nonce_c);
         w.buf.extend_from_slice(&self.nonce_s);
         w.buf.extend_from_slice(&self.proof_c);
@@ -300,7 +314,7 @@ impl AuthBlock {
             1 => AuthMethod::Psk,
             _ => return Err(PayloadError::Invalid("unknown authentication method")),
         };
-        if b[1] & !Self::ENCRYPT != 0 {
+        if b[1] & !(Self::ENCRYPT | Self::DATAGRAM) != 0 {
             return Err(PayloadError::Invalid("unknown auth flags"));
         }
         let arr = |i: usize| -> [u8; AUTH_LEN] {
@@ -311,6 +325,7 @@ impl AuthBlock {
         Ok(AuthBlock {
             method,
             encrypt: b[1] & Self::ENCRYPT != 0,
+            datagram: b[1] & Self::DATAGRAM != 0,
             nonce_c: arr(0),
             nonce_s: arr(1),
             proof_c: arr(2),
@@ -641,6 +656,7 @@ mod tests {
             auth: AuthBlock {
                 method: AuthMethod::Psk,
                 encrypt: true,
+                datagram: true,
                 nonce_c: [1; 32],
                 nonce_s: [2; 32],
                 proof_c: [3; 32],
@@ -708,7 +724,7 @@ mod tests {
             nonce: 42,
             host_id: "h".into(),
             export: "e".into(),
-            auth: AuthBlock::first(AuthMethod::None, false, [0; 32]),
+            auth: AuthBlock::first(AuthMethod::None, false, false, [0; 32]),
             replaces: None,
         };
         let enc = h.encode().unwrap();
@@ -762,6 +778,15 @@ mod tests {
         bad_method[at + 2] = 9;
         assert!(matches!(
             Hello::decode(&bad_method),
+            Err(PayloadError::Invalid(_))
+        ));
+        // The flags byte: bit 1 is DATAGRAM, bits from 2 up are unknown.
+        let mut flags = enc.clone();
+        flags[at + 3] = 2;
+        assert!(Hello::decode(&flags).unwrap().auth.datagram);
+        flags[at + 3] = 4;
+        assert!(matches!(
+            Hello::decode(&flags),
             Err(PayloadError::Invalid(_))
         ));
         let long = Hello {

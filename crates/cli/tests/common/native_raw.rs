@@ -44,7 +44,7 @@ pub fn hello_as(
         nonce: 1,
         host_id: host.into(),
         export: export.into(),
-        auth: AuthBlock::first(AuthMethod::None, false, [7; 32]),
+        auth: AuthBlock::first(AuthMethod::None, false, false, [7; 32]),
         replaces: None,
     };
     // The target challenges the first HELLO (PROTOCOL.md §12.1); the second answers it.
