@@ -96,6 +96,9 @@ struct Session {
     header_crc: bool,
     /// Payload per fragment (datagram sessions; max I/O on TCP).
     frame_payload: u32,
+    /// Created over a datagram link (else a stream): its queues join over the same kind, see
+    /// `Registry::join`.
+    datagram: bool,
     host: String,
     peer: String,
     /// The export's size as the handshake told the client: every queue of the session checks
@@ -531,7 +534,7 @@ impl Registry {
             &export,
             &owner,
             (size, queues, depth, max_io, frame_payload, copy),
-            (secret.clone(), encrypt, header_crc),
+            (secret.clone(), encrypt, header_crc, link_payload.is_some()),
             floor,
         ) {
             Ok(x) => x,
@@ -675,7 +678,7 @@ impl Registry {
         export: &Arc<Export>,
         owner: &Owner,
         (size, queues, depth, max_io, frame_payload, copy): (u64, u16, u16, u32, u32, CopyLimits),
-        (secret, encrypt, header_crc): (Option<Arc<SessionSecret>>, bool, bool),
+        (secret, encrypt, header_crc, datagram): (Option<Arc<SessionSecret>>, bool, bool, bool),
         queue_floor: usize,
     ) -> Result<(u32, u64, Account, u32), Status> {
         let cookie = blkwire_auth::random_u64();
@@ -724,6 +727,7 @@ impl Registry {
                 encrypt,
                 header_crc,
                 frame_payload,
+                datagram,
                 host: host.to_string(),
                 peer: peer.to_string(),
                 size,
@@ -782,7 +786,7 @@ impl Registry {
             export,
             owner,
             (size, queues, depth, max_io, max_io, copy),
-            (None, false, false),
+            (None, false, false, false),
             floor,
         )?;
         Ok(Admitted {
@@ -826,7 +830,8 @@ impl Registry {
     /// must not let in an address the rules keep out). On datagrams (`datagram`) the joiner
     /// must also have answered a challenge at its address (else `Err(Challenge)` with the
     /// nonce to send), and a sealed session's queue gets its frame keys; `raw`, when given, is
-    /// the JOIN frame itself, which must open under the new queue's key first.
+    /// the JOIN frame itself, which must open under the new queue's key first. A JOIN over
+    /// the other kind of link than the session's HELLO is refused.
     pub fn join(
         &self,
         session: u32,
@@ -858,6 +863,13 @@ impl Registry {
             .get_mut(&session)
             .filter(|s| !s.revoked)
             .ok_or(Status::Access)?;
+        // Queues join over the kind of link that created the session. A JOIN proof is bound to
+        // the session, not to a link, and in a datagram session that only authenticates frames
+        // it travels in clear: replayed over TCP, where nothing is sealed, it would join an
+        // unsealed queue into a sealed session.
+        if s.datagram != datagram.is_some() {
+            return Err(Status::Access.into());
+        }
         let mut seal = match (&s.secret, datagram) {
             (Some(sec), Some(_)) => Some(QueueSeal::target_side(sec, session, queue, s.encrypt)),
             _ => None,
@@ -1200,124 +1212,4 @@ fn host_of(peer: &str) -> &str {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use blkwire_wire::{AuthBlock, AuthMethod};
-    use std::sync::mpsc;
-    use std::time::Duration;
-
-    /// A registry serving `a=mem:1M` to anyone, whose queue closer reports on the channel.
-    fn registry() -> (Arc<Registry>, mpsc::Receiver<(u32, u16)>) {
-        let r = Arc::new(Registry::new(
-            Access::new(Default::default()),
-            Limits::default(),
-        ));
-        r.add_export(ExportSpec::parse("a=mem:1M").unwrap())
-            .unwrap();
-        let (tx, rx) = mpsc::channel();
-        let tx = Mutex::new(tx);
-        r.set_queue_closer(Box::new(move |s, q| {
-            let _ = tx.lock().unwrap().send((s, q));
-        }));
-        (r, rx)
-    }
-
-    fn hello(host: &str, queues: u16, replaces: Option<QueueRef>) -> Hello {
-        Hello {
-            queues,
-            depth: 8,
-            max_io: 64 << 10,
-            client_features: 0,
-            frame_payload: 0,
-            nonce: blkwire_auth::random_u64(),
-            host_id: host.into(),
-            export: "a".into(),
-            auth: AuthBlock::first(AuthMethod::None, false, false, [7; 32]),
-            replaces,
-        }
-    }
-
-    /// A HELLO from 127.0.0.1 answered through its challenge: the session's reply, or the
-    /// refusal's status.
-    fn open(r: &Registry, mut h: Hello, wait: Option<Instant>) -> Result<HelloReply, Status> {
-        let peer = PeerId::ip("127.0.0.1:5000".parse().unwrap());
-        for _ in 0..2 {
-            match r.hello(&h, &peer, (None, false), wait, &Vec::new) {
-                HelloAnswer::Challenge(n) => h.auth.nonce_s = n,
-                HelloAnswer::Welcome(p, _) => return Ok(HelloReply::decode(&p).unwrap()),
-                HelloAnswer::Refused(st) => return Err(st),
-            }
-        }
-        panic!("challenged twice");
-    }
-
-    fn name(r: &HelloReply, queue: u16) -> QueueRef {
-        QueueRef {
-            session: r.session,
-            queue,
-            cookie: r.cookie,
-        }
-    }
-
-    #[test]
-    fn a_hello_replacing_a_live_queue_waits_until_it_has_left() {
-        let (reg, closed) = registry();
-        let old = open(&reg, hello("h", 1, None), None).unwrap();
-        // Not waiting: BUSY while the queue is live, and its reactor is told to close it once.
-        let again = || open(&reg, hello("h", 1, Some(name(&old, 0))), None);
-        assert_eq!(again().unwrap_err(), Status::Busy);
-        assert_eq!(again().unwrap_err(), Status::Busy);
-        assert_eq!(closed.try_iter().collect::<Vec<_>>(), [(old.session, 0)]);
-        // Waiting (TCP): answered once the queue's last request finished and it left.
-        let leaver = {
-            let reg = reg.clone();
-            std::thread::spawn(move || reg.leave(old.session, 0, &QueueStats::default()))
-        };
-        let wait = Some(Instant::now() + Duration::from_secs(30));
-        let new = open(&reg, hello("h", 1, Some(name(&old, 0))), wait).unwrap();
-        leaver.join().unwrap();
-        assert_ne!(new.session, old.session);
-        assert_eq!(reg.live_queues(old.session), 0, "the old session is gone");
-        // A session it names that is gone (the queue left, the target restarted): no wait.
-        assert!(open(&reg, hello("h", 1, Some(name(&old, 0))), None).is_ok());
-    }
-
-    #[test]
-    fn a_hello_waiting_too_long_is_refused_busy() {
-        let (reg, _closed) = registry();
-        let old = open(&reg, hello("h", 1, None), None).unwrap();
-        let wait = Some(Instant::now() + Duration::from_millis(50));
-        let got = open(&reg, hello("h", 1, Some(name(&old, 0))), wait);
-        assert_eq!(got.unwrap_err(), Status::Busy);
-        assert_eq!(reg.live_queues(old.session), 1, "still there, closing");
-    }
-
-    #[test]
-    fn only_the_holder_of_a_session_replaces_its_queue() {
-        let (reg, closed) = registry();
-        let old = open(&reg, hello("h", 1, None), None).unwrap();
-        let mut wrong_cookie = name(&old, 0);
-        wrong_cookie.cookie ^= 1;
-        // Not that session (a wrong cookie, another host): nothing to fence, nothing closed.
-        assert!(open(&reg, hello("h", 1, Some(wrong_cookie)), None).is_ok());
-        assert!(open(&reg, hello("other", 1, Some(name(&old, 0))), None).is_ok());
-        assert_eq!(closed.try_iter().count(), 0);
-        assert_eq!(reg.live_queues(old.session), 1);
-    }
-
-    #[test]
-    fn a_replaced_queue_never_joined_cannot_be_joined_later() {
-        let (reg, closed) = registry();
-        let old = open(&reg, hello("h", 2, None), None).unwrap();
-        assert!(open(&reg, hello("h", 1, Some(name(&old, 1))), None).is_ok());
-        assert_eq!(closed.try_iter().count(), 0, "nothing ran on it");
-        let join = Join {
-            cookie: old.cookie,
-            proof: [0; AUTH_LEN],
-            nonce_s: [0; AUTH_LEN],
-        };
-        let peer = PeerId::ip("127.0.0.1:5001".parse().unwrap());
-        let got = reg.join(old.session, 1, &join.encode(), &peer, false, None);
-        assert_eq!(got.err(), Some(JoinRefused::Status(Status::Busy)));
-    }
-}
+mod tests;

@@ -1,0 +1,291 @@
+use std::sync::RwLock;
+
+use blkwire_auth::seal::Sealer;
+use blkwire_auth::KeyStore;
+use blkwire_wire::{AuthBlock, AuthMethod, Header, Opcode, Tag, HEADER_LEN};
+
+use super::*;
+
+const LINK: u32 = 8192;
+
+fn key() -> Key {
+    Key::new(&[7; 32]).unwrap()
+}
+
+/// A registry serving `d=mem:1M`; with `key`, a target whose key store knows host `h` by it.
+fn registry(key: Option<&Key>) -> Registry {
+    let keys = key.map(|k| {
+        let mut s = KeyStore::default();
+        s.insert("h", k.clone());
+        Arc::new(s)
+    });
+    let r = Registry::new(Access::new(Arc::new(RwLock::new(keys))), Limits::default());
+    r.add_export(blkwire_backend::ExportSpec::parse("d=mem:1M").unwrap())
+        .unwrap();
+    r
+}
+
+fn peer(port: u16) -> PeerId {
+    PeerId::ip(([127, 0, 0, 1], port).into())
+}
+
+/// Opens a session of two queues from `peer`, over a datagram link (`datagram`) or a stream,
+/// proven with `key` if given, as an initiator would: its HELLO reply, and the key root the
+/// initiator derives.
+fn open(
+    r: &Registry,
+    peer: &PeerId,
+    datagram: bool,
+    key: Option<&Key>,
+) -> (HelloReply, Option<SessionSecret>) {
+    let method = match key {
+        Some(_) => AuthMethod::Psk,
+        None => AuthMethod::None,
+    };
+    let mut h = Hello {
+        queues: 2,
+        depth: 4,
+        max_io: 64 << 10,
+        client_features: 0,
+        frame_payload: if datagram { LINK } else { 0 },
+        nonce: 1,
+        host_id: "h".into(),
+        export: "d".into(),
+        auth: AuthBlock::first(method, false, datagram, [3; 32]),
+        replaces: None,
+    };
+    let link = datagram.then_some(LINK);
+    let HelloAnswer::Challenge(n) = r.hello(&h, peer, (link, datagram), None, &Vec::new) else {
+        panic!("the first HELLO was not challenged");
+    };
+    h.auth.nonce_s = n;
+    let t = proof::transcript(&h.transcript_bytes().unwrap());
+    if let Some(k) = key {
+        h.auth.proof_c = proof::initiator_proof(k, &t);
+    }
+    let HelloAnswer::Welcome(p, Some(_)) = r.hello(&h, peer, (link, datagram), None, &Vec::new)
+    else {
+        panic!("the HELLO was refused");
+    };
+    let secret = key.map(|k| SessionSecret::derive(k, &h.auth.nonce_c, &h.auth.nonce_s, &t));
+    (HelloReply::decode(&p).unwrap(), secret)
+}
+
+/// The JOIN of queue 1 the session's initiator would send, answering challenge `nonce_s`.
+fn join_payload(
+    reply: &HelloReply,
+    secret: Option<&SessionSecret>,
+    nonce_s: [u8; AUTH_LEN],
+) -> [u8; Join::LEN] {
+    Join {
+        cookie: reply.cookie,
+        proof: secret.map_or([0; AUTH_LEN], |s| {
+            s.join_proof(reply.session, 1, reply.cookie)
+        }),
+        nonce_s,
+    }
+    .encode()
+}
+
+/// `payload` as the sealed JOIN frame of queue 1 (PROTOCOL.md §12.4).
+fn sealed(sealer: &mut Sealer, reply: &HelloReply, payload: &[u8]) -> Vec<u8> {
+    let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
+    h.session = reply.session;
+    h.queue = 1;
+    h.payload_len = payload.len() as u32;
+    h.mark_sealed();
+    let mut f = h.to_bytes().to_vec();
+    f.extend_from_slice(payload);
+    f.extend_from_slice(&[0; SEAL_LEN]);
+    sealer.seal(&mut f, HEADER_LEN);
+    f
+}
+
+fn sealer(secret: &SessionSecret, reply: &HelloReply) -> Sealer {
+    let k = secret.frame_key(reply.session, 1, Direction::ToTarget);
+    Sealer::new(&k, false)
+}
+
+/// A datagram session's JOIN (cookie and proof, readable on the wire when frames are only
+/// authenticated) replayed over TCP would join an unsealed queue into a sealed session: a
+/// JOIN is admitted only over the kind of link that created its session.
+#[test]
+fn a_datagram_sessions_join_is_refused_over_a_stream() {
+    let k = key();
+    let r = registry(Some(&k));
+    // The control: a stream session's JOIN over a stream is admitted.
+    let (reply, secret) = open(&r, &peer(1000), false, Some(&k));
+    let j = join_payload(&reply, secret.as_ref(), [0; AUTH_LEN]);
+    let adm = r.join(reply.session, 1, &j, &peer(1001), false, None);
+    assert!(adm.is_ok_and(|a| a.seal.is_none()));
+    // The same JOIN, right cookie and proof, for a datagram session.
+    let (reply, secret) = open(&r, &peer(2000), true, Some(&k));
+    let j = join_payload(&reply, secret.as_ref(), [0; AUTH_LEN]);
+    let got = r.join(reply.session, 1, &j, &peer(2001), false, None);
+    assert_eq!(got.err(), Some(JoinRefused::Status(Status::Access)));
+    // Without keys too (the cookie is all a keyless JOIN has, and it travels in clear).
+    let r = registry(None);
+    let (reply, _) = open(&r, &peer(3000), true, None);
+    let j = join_payload(&reply, None, [0; AUTH_LEN]);
+    let got = r.join(reply.session, 1, &j, &peer(3001), false, None);
+    assert_eq!(got.err(), Some(JoinRefused::Status(Status::Access)));
+}
+
+/// The other way round: a stream session's queue does not join over datagrams, even with a
+/// JOIN sealed under the queue's own key.
+#[test]
+fn a_stream_sessions_join_is_refused_over_datagrams() {
+    let k = key();
+    let r = registry(Some(&k));
+    // The control: a datagram session's sealed JOIN is challenged at its address, then
+    // admitted with its frame keys.
+    let (reply, secret) = open(&r, &peer(1000), true, Some(&k));
+    let secret = secret.unwrap();
+    let mut s = sealer(&secret, &reply);
+    let j = join_payload(&reply, Some(&secret), [0; AUTH_LEN]);
+    let f = sealed(&mut s, &reply, &j);
+    let got = r.join(reply.session, 1, &j, &peer(1001), true, Some(&f));
+    let Err(JoinRefused::Challenge(n)) = got else {
+        panic!("the first datagram JOIN was not challenged");
+    };
+    let j = join_payload(&reply, Some(&secret), n);
+    let f = sealed(&mut s, &reply, &j);
+    let adm = r.join(reply.session, 1, &j, &peer(1001), true, Some(&f));
+    assert!(adm.is_ok_and(|a| a.seal.is_some()));
+    // The same JOIN for a stream session.
+    let (reply, secret) = open(&r, &peer(2000), false, Some(&k));
+    let secret = secret.unwrap();
+    let j = join_payload(&reply, Some(&secret), [0; AUTH_LEN]);
+    let f = sealed(&mut sealer(&secret, &reply), &reply, &j);
+    let got = r.join(reply.session, 1, &j, &peer(2001), true, Some(&f));
+    assert_eq!(got.err(), Some(JoinRefused::Status(Status::Access)));
+    // Without keys too.
+    let r = registry(None);
+    let (reply, _) = open(&r, &peer(3000), false, None);
+    let j = join_payload(&reply, None, [0; AUTH_LEN]);
+    let got = r.join(reply.session, 1, &j, &peer(3001), true, None);
+    assert_eq!(got.err(), Some(JoinRefused::Status(Status::Access)));
+}
+
+/// A HELLO that replaces a queue (PROTOCOL.md §2.6).
+mod replacement {
+    use crate::session::*;
+    use blkwire_wire::{AuthBlock, AuthMethod};
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    /// A registry serving `a=mem:1M` to anyone, whose queue closer reports on the channel.
+    fn registry() -> (Arc<Registry>, mpsc::Receiver<(u32, u16)>) {
+        let r = Arc::new(Registry::new(
+            Access::new(Default::default()),
+            Limits::default(),
+        ));
+        r.add_export(ExportSpec::parse("a=mem:1M").unwrap())
+            .unwrap();
+        let (tx, rx) = mpsc::channel();
+        let tx = Mutex::new(tx);
+        r.set_queue_closer(Box::new(move |s, q| {
+            let _ = tx.lock().unwrap().send((s, q));
+        }));
+        (r, rx)
+    }
+
+    fn hello(host: &str, queues: u16, replaces: Option<QueueRef>) -> Hello {
+        Hello {
+            queues,
+            depth: 8,
+            max_io: 64 << 10,
+            client_features: 0,
+            frame_payload: 0,
+            nonce: blkwire_auth::random_u64(),
+            host_id: host.into(),
+            export: "a".into(),
+            auth: AuthBlock::first(AuthMethod::None, false, false, [7; 32]),
+            replaces,
+        }
+    }
+
+    /// A HELLO from 127.0.0.1 answered through its challenge: the session's reply, or the
+    /// refusal's status.
+    fn open(r: &Registry, mut h: Hello, wait: Option<Instant>) -> Result<HelloReply, Status> {
+        let peer = PeerId::ip("127.0.0.1:5000".parse().unwrap());
+        for _ in 0..2 {
+            match r.hello(&h, &peer, (None, false), wait, &Vec::new) {
+                HelloAnswer::Challenge(n) => h.auth.nonce_s = n,
+                HelloAnswer::Welcome(p, _) => return Ok(HelloReply::decode(&p).unwrap()),
+                HelloAnswer::Refused(st) => return Err(st),
+            }
+        }
+        panic!("challenged twice");
+    }
+
+    fn name(r: &HelloReply, queue: u16) -> QueueRef {
+        QueueRef {
+            session: r.session,
+            queue,
+            cookie: r.cookie,
+        }
+    }
+
+    #[test]
+    fn a_hello_replacing_a_live_queue_waits_until_it_has_left() {
+        let (reg, closed) = registry();
+        let old = open(&reg, hello("h", 1, None), None).unwrap();
+        // Not waiting: BUSY while the queue is live, and its reactor is told to close it once.
+        let again = || open(&reg, hello("h", 1, Some(name(&old, 0))), None);
+        assert_eq!(again().unwrap_err(), Status::Busy);
+        assert_eq!(again().unwrap_err(), Status::Busy);
+        assert_eq!(closed.try_iter().collect::<Vec<_>>(), [(old.session, 0)]);
+        // Waiting (TCP): answered once the queue's last request finished and it left.
+        let leaver = {
+            let reg = reg.clone();
+            std::thread::spawn(move || reg.leave(old.session, 0, &QueueStats::default()))
+        };
+        let wait = Some(Instant::now() + Duration::from_secs(30));
+        let new = open(&reg, hello("h", 1, Some(name(&old, 0))), wait).unwrap();
+        leaver.join().unwrap();
+        assert_ne!(new.session, old.session);
+        assert_eq!(reg.live_queues(old.session), 0, "the old session is gone");
+        // A session it names that is gone (the queue left, the target restarted): no wait.
+        assert!(open(&reg, hello("h", 1, Some(name(&old, 0))), None).is_ok());
+    }
+
+    #[test]
+    fn a_hello_waiting_too_long_is_refused_busy() {
+        let (reg, _closed) = registry();
+        let old = open(&reg, hello("h", 1, None), None).unwrap();
+        let wait = Some(Instant::now() + Duration::from_millis(50));
+        let got = open(&reg, hello("h", 1, Some(name(&old, 0))), wait);
+        assert_eq!(got.unwrap_err(), Status::Busy);
+        assert_eq!(reg.live_queues(old.session), 1, "still there, closing");
+    }
+
+    #[test]
+    fn only_the_holder_of_a_session_replaces_its_queue() {
+        let (reg, closed) = registry();
+        let old = open(&reg, hello("h", 1, None), None).unwrap();
+        let mut wrong_cookie = name(&old, 0);
+        wrong_cookie.cookie ^= 1;
+        // Not that session (a wrong cookie, another host): nothing to fence, nothing closed.
+        assert!(open(&reg, hello("h", 1, Some(wrong_cookie)), None).is_ok());
+        assert!(open(&reg, hello("other", 1, Some(name(&old, 0))), None).is_ok());
+        assert_eq!(closed.try_iter().count(), 0);
+        assert_eq!(reg.live_queues(old.session), 1);
+    }
+
+    #[test]
+    fn a_replaced_queue_never_joined_cannot_be_joined_later() {
+        let (reg, closed) = registry();
+        let old = open(&reg, hello("h", 2, None), None).unwrap();
+        assert!(open(&reg, hello("h", 1, Some(name(&old, 1))), None).is_ok());
+        assert_eq!(closed.try_iter().count(), 0, "nothing ran on it");
+        let join = Join {
+            cookie: old.cookie,
+            proof: [0; AUTH_LEN],
+            nonce_s: [0; AUTH_LEN],
+        };
+        let peer = PeerId::ip("127.0.0.1:5001".parse().unwrap());
+        let got = reg.join(old.session, 1, &join.encode(), &peer, false, None);
+        assert_eq!(got.err(), Some(JoinRefused::Status(Status::Busy)));
+    }
+}
