@@ -534,7 +534,8 @@ impl Registry {
             &export,
             &owner,
             (size, queues, depth, max_io, frame_payload, copy),
-            (secret.clone(), encrypt, header_crc, link_payload.is_some()),
+            (secret.clone(), proven.as_ref().map(|p| p.key.clone())),
+            (encrypt, header_crc, link_payload.is_some()),
             floor,
         ) {
             Ok(x) => x,
@@ -672,13 +673,15 @@ impl Registry {
         }
     }
 
-    /// Registers a session whose first queue is connected; returns its id and cookie.
+    /// Registers a session whose first queue is connected; returns its id and cookie. `key` is
+    /// the key its host proved (not the store's now: keys loaded since must revoke it).
     fn create(
         &self,
         export: &Arc<Export>,
         owner: &Owner,
         (size, queues, depth, max_io, frame_payload, copy): (u64, u16, u16, u32, u32, CopyLimits),
-        (secret, encrypt, header_crc, datagram): (Option<Arc<SessionSecret>>, bool, bool, bool),
+        (secret, key): (Option<Arc<SessionSecret>>, Option<Key>),
+        (encrypt, header_crc, datagram): (bool, bool, bool),
         queue_floor: usize,
     ) -> Result<(u32, u64, Account, u32), Status> {
         let cookie = blkwire_auth::random_u64();
@@ -720,7 +723,7 @@ impl Registry {
                 export: export.clone(),
                 proven: owner.proven.map(str::to_string),
                 addr: *owner.addr,
-                key: owner.proven.and_then(|h| self.access.key_of(h)),
+                key,
                 revoked: false,
                 placement,
                 secret,
@@ -786,7 +789,11 @@ impl Registry {
             export,
             owner,
             (size, queues, depth, max_io, max_io, copy),
-            (None, false, false, false),
+            // These frontends check a host's key themselves (NBD's TLS-PSK, iSCSI CHAP,
+            // NVMe DH-HMAC-CHAP) and do not hand it down: the key the store holds now stands
+            // in for it.
+            (None, owner.proven.and_then(|h| self.access.key_of(h))),
+            (false, false, false),
             floor,
         )?;
         Ok(Admitted {

@@ -289,3 +289,39 @@ mod replacement {
         assert_eq!(got.err(), Some(JoinRefused::Status(Status::Busy)));
     }
 }
+
+/// A session records the key its host proved, not the one the store holds when the session
+/// is registered: a `keys_load` that lands between the HELLO's proof and the registration (a
+/// rotation racing the handshake) must still close it.
+#[test]
+fn a_session_keeps_the_key_it_was_proven_with() {
+    let (old, new) = (key(), Key::new(&[8; 32]).unwrap());
+    let r = registry(Some(&old));
+    // The HELLO's proof was checked with `old`; then the keys are replaced (no session yet
+    // to close) ...
+    let mut store = KeyStore::default();
+    store.insert("h", new);
+    r.access.set_keys(store);
+    assert!(r.revoke_unpermitted().is_empty());
+    // ... and then the session is registered.
+    let export = r.exports()[0].clone();
+    let addr = peer(1).addr;
+    let owner = Owner {
+        proven: Some("h"),
+        shown: "h",
+        addr: &addr,
+        peer: "127.0.0.1:1",
+    };
+    let max_io = 64 << 10;
+    let (id, ..) = r
+        .create(
+            &export,
+            &owner,
+            (1 << 20, 1, 4, max_io, max_io, CopyLimits::default()),
+            (None, Some(old)),
+            (false, false, false),
+            Registry::queue_floor(max_io, false),
+        )
+        .unwrap();
+    assert_eq!(r.revoke_unpermitted(), [id]);
+}
