@@ -14,7 +14,9 @@ use std::os::fd::AsRawFd;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use blkwire_client::{BlockOp, BlockRequest, Cmd, Completion, ConnectOptions, Queue, Url};
+use blkwire_client::{
+    BlockOp, BlockRequest, Cmd, Completion, ConnectOptions, Queue, QueueRef, Url,
+};
 use blkwire_spin::{readable, AdaptiveSpin};
 use blkwire_wire::Status;
 use io_uring::{opcode, squeue, types, IoUring};
@@ -156,6 +158,9 @@ pub(crate) struct QueueWorker {
     link: Option<Queue>,
     /// Changes with every new `Queue` (see `SockPoll`).
     link_id: u64,
+    /// The queue that went down last: each reconnection names it, so the target finishes its
+    /// requests before the new session may send them again (PROTOCOL.md §2.6).
+    replaces: Option<QueueRef>,
     outage: Option<Outage>,
     /// The running reconnection attempt's answer.
     attempt: Option<mpsc::Receiver<Result<Queue, String>>>,
@@ -296,6 +301,7 @@ impl QueueWorker {
             ring,
             link: Some(q),
             link_id: 0,
+            replaces: None,
             outage: None,
             attempt: None,
             waker: Arc::new(waker),
@@ -480,8 +486,12 @@ impl QueueWorker {
         let (tx, rx) = mpsc::channel();
         let waker = Arc::clone(&self.waker);
         let url = self.url.clone();
-        // Where a reconnection's options come from (the session's, with one queue).
-        let opts = self.reconnect.clone();
+        // Where a reconnection's options come from (the session's, with one queue), naming
+        // the queue it takes over.
+        let opts = ConnectOptions {
+            replaces: self.replaces,
+            ..self.reconnect.clone()
+        };
         let needs = self.needs;
         std::thread::Builder::new()
             .name(format!("blkwire-ublk-reconnect-{}", self.id))
@@ -515,7 +525,9 @@ impl QueueWorker {
             self.url,
             self.timeout.as_secs()
         );
-        self.link = None;
+        if let Some(q) = self.link.take() {
+            self.replaces = q.identity();
+        }
         self.outage = Some(Outage::new(now));
         for s in &mut self.slots {
             s.sent = false;
