@@ -62,6 +62,18 @@ pub fn run(a: Args) -> Result<(), String> {
             d.locked = false;
         }
     }
+    let where_ = a.interface.as_deref().map_or_else(
+        || a.url.clone().unwrap_or_default(),
+        |i| format!("interface {i}"),
+    );
+    // Nothing found is a failure a script can test for (exit status 1), as with `grep`; the
+    // JSON document still says so for a caller that reads it.
+    let none = || {
+        format!(
+            "no target answered on {where_} within {} ms (is one listening there? a longer --wait-ms?)",
+            wait.as_millis()
+        )
+    };
     if a.json {
         let v: Vec<_> = found
             .iter()
@@ -76,9 +88,6 @@ pub fn run(a: Args) -> Result<(), String> {
             .collect();
         println!("{}", json!({ "targets": v }));
     } else {
-        if found.is_empty() {
-            println!("no target answered within {} ms", wait.as_millis());
-        }
         for d in &found {
             if d.locked {
                 println!(
@@ -96,6 +105,9 @@ pub fn run(a: Args) -> Result<(), String> {
                 );
             }
         }
+    }
+    if found.is_empty() {
+        return Err(none());
     }
     Ok(())
 }

@@ -60,6 +60,7 @@ enum Command {
     /// Show a target's live per-queue counters
     Stats(stats::Args),
     /// Find targets and their exports on a link (raw Ethernet broadcast) or at a UDP address
+    /// (exit status 1 when none answered)
     Discover(discover::Args),
     /// Make an export a local block device (prints it, e.g. /dev/loop3)
     Map(map::MapArgs),

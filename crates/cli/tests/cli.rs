@@ -211,6 +211,15 @@ fn options_that_cannot_apply_are_refused_in_one_line() {
         "--tls is for tcp:// only",
     );
     assert_one_line_error(&["discover", &quiet, "--tls"], "--tls is for tcp:// only");
+    // Nothing answering is a failure a script can test for, with or without --json.
+    let quiet_port = format!("udp://{}", silent.local_addr().unwrap());
+    assert_one_line_error(
+        &["discover", &quiet_port, "--wait-ms", "50"],
+        "no target answered",
+    );
+    let (ok, out, err) = cli(&["discover", &quiet_port, "--wait-ms", "50", "--json"]);
+    assert!(!ok && err.contains("no target answered"), "{err}");
+    assert_eq!(out.trim(), r#"{"targets":[]}"#);
     // Over TCP, --encrypt would have been ignored: the traffic would have gone in clear.
     for url in ["tcp://127.0.0.1:9/x", "tcp://127.0.0.1:9/x?encrypt=1"] {
         let mut args = vec!["bench", url, "--key", key, "--host-id", "h1"];
