@@ -120,6 +120,19 @@ pub(crate) struct Needs {
 }
 
 impl Needs {
+    /// One reconnection of a device's queue: a new one-queue session on `url` (`opts` naming
+    /// the queue it replaces, PROTOCOL.md §2.6), kept only if it can serve the device. Every
+    /// tag may be in flight at once and the device's limits were set from the first session:
+    /// one granting less would fail requests. A session not used is closed as it is dropped.
+    pub(crate) fn reconnect(&self, url: &Url, opts: &ConnectOptions) -> Result<Queue, String> {
+        let mut s = blkwire_client::connect(url, opts).map_err(|e| e.to_string())?;
+        self.check(&s.info)
+            .map_err(|e| format!("{e}; not using it"))?;
+        s.queues
+            .pop()
+            .ok_or_else(|| "the target granted no queue".to_string())
+    }
+
     /// Why a session described by `info` cannot serve this device, if it cannot.
     pub(crate) fn check(&self, info: &ExportInfo) -> Result<(), String> {
         if info.size < self.size {

@@ -1363,6 +1363,15 @@ impl DgramPort {
         if let Some(r) = q.exec.complete(tag, res, sq) {
             self.answer(qi, slot, tag, r, started);
         }
+        self.remove_if_closed(qi);
+    }
+
+    /// A closed queue goes (and leaves the registry, where a HELLO replacing it may wait,
+    /// PROTOCOL.md §2.6) as soon as its last backend I/O completed, not at the next sweep.
+    fn remove_if_closed(&mut self, qi: usize) {
+        if self.queues[qi].as_ref().is_some_and(|q| q.closing) {
+            self.remove(qi);
+        }
     }
 
     /// A queue's backend completed operations on its own threads: collect and answer them.
@@ -1382,6 +1391,7 @@ impl DgramPort {
                 self.answer(qi, slot, tag, res, started);
             }
         }
+        self.remove_if_closed(qi);
     }
 
     /// The completion notifier of a live queue, to watch again.

@@ -610,27 +610,25 @@ impl Target {
             workers.push(Worker { tx, wake });
             handles.push(handle);
         }
-        // PERSISTENT RESERVE OUT reaches every reactor from whichever serves it (its own copies
-        // of the wake-up eventfds: they live as long as the registry).
-        let mut reactors = Vec::new();
-        for w in &workers {
-            let wake = w
-                .wake
-                .try_clone()
-                .map_err(|e| Error::System(format!("eventfd: {e}")))?;
-            reactors.push((w.tx.clone(), wake));
-        }
-        registry.reservations.set_reactors(reactors);
+        // Ways to every reactor for the registry's own messages (their own copies of the
+        // wake-up eventfds: they live as long as the registry).
+        let reactors = || -> Result<Vec<(Sender<Msg>, OwnedFd)>, Error> {
+            workers
+                .iter()
+                .map(|w| {
+                    let wake = w.wake.try_clone();
+                    Ok((
+                        w.tx.clone(),
+                        wake.map_err(|e| Error::System(format!("eventfd: {e}")))?,
+                    ))
+                })
+                .collect()
+        };
+        // PERSISTENT RESERVE OUT reaches every reactor from whichever serves it.
+        registry.reservations.set_reactors(reactors()?);
         // A HELLO that replaces a queue (PROTOCOL.md §2.6) has it closed on whichever reactor
         // serves it: all are told, as for `close_sessions`.
-        let mut closers = Vec::new();
-        for w in &workers {
-            let wake = w
-                .wake
-                .try_clone()
-                .map_err(|e| Error::System(format!("eventfd: {e}")))?;
-            closers.push((w.tx.clone(), wake));
-        }
+        let closers = reactors()?;
         registry.set_queue_closer(Box::new(move |session, queue| {
             for (tx, wake) in &closers {
                 if tx.send(Msg::CloseQueue { session, queue }).is_ok() {

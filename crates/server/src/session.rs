@@ -482,7 +482,7 @@ impl Registry {
             return HelloAnswer::Refused(Status::NoExport);
         };
         if let Some(r) = &h.replaces {
-            if !self.take_over(r, &export, h, host, wait_until) {
+            if !self.take_over(r, h, peer, host, wait_until) {
                 return HelloAnswer::Refused(Status::Busy);
             }
         }
@@ -579,62 +579,69 @@ impl Registry {
         )
     }
 
-    /// Has the reactors close the queue `r` names, if it is one this initiator held: a session
-    /// on the same export, opened by the same host (proven the same way), whose cookie `r`
-    /// carries. True once nothing of that queue runs any more (or there is no such queue
-    /// here: the target restarted, the session ended, the cookie is not that session's); false
-    /// while its requests still run, after waiting for them until `wait_until`. The new
-    /// session is created only after true, so a write the initiator sends again on it cannot
-    /// be overtaken by the replaced queue's copy of the same write (PROTOCOL.md §2.6).
+    /// Has the reactors close the queue `r` names, if it is one this initiator held: its
+    /// cookie matches, and the session's host is the one this HELLO proves (with keys) or, in
+    /// a keyless session, the one it names from the same address (a keyless session's cookie
+    /// travels in clear: someone who saw it must not close the queue from elsewhere). The
+    /// export is not compared: one removed and added again under the name may still be running
+    /// the old session's writes. True once nothing of that queue runs any more (or there is no
+    /// such queue here: the target restarted, the session ended, the cookie is not that
+    /// session's); false while its requests still run, after waiting for them until
+    /// `wait_until`. The new session is created only after true, so a write the initiator
+    /// sends again on it cannot be overtaken by the replaced queue's copy of the same write
+    /// (PROTOCOL.md §2.6).
     fn take_over(
         &self,
         r: &QueueRef,
-        export: &Arc<Export>,
         h: &Hello,
+        peer: &PeerId,
         proven: Option<&str>,
         wait_until: Option<Instant>,
     ) -> bool {
-        fn state<'a>(
-            inner: &'a mut Inner,
-            r: &QueueRef,
-            export: &Arc<Export>,
-            host: &str,
-            proven: Option<&str>,
-        ) -> Option<&'a mut QueueState> {
-            let s = inner.sessions.get_mut(&r.session).filter(|s| {
-                Arc::ptr_eq(&s.export, export)
-                    && s.proven.as_deref() == proven
-                    && s.host == host
-                    && s.cookie == r.cookie
-            })?;
-            s.queues.get_mut(r.queue as usize)
-        }
+        let held = |s: &Session| {
+            s.cookie == r.cookie
+                && s.host == h.host_id
+                && s.proven.as_deref() == proven
+                && (proven.is_some() || s.addr == peer.addr)
+        };
         let mut inner = self.lock();
-        let Some(q) = state(&mut inner, r, export, &h.host_id, proven) else {
+        let Some(s) = inner.sessions.get_mut(&r.session).filter(|s| held(s)) else {
+            return true;
+        };
+        let Some(q) = s.queues.get_mut(r.queue as usize) else {
             return true;
         };
         match *q {
             // Never joined: it never will be now.
             QueueState::Free => *q = QueueState::Gone,
-            QueueState::Live => {
+            QueueState::Live | QueueState::Closing => {
+                if *q == QueueState::Live {
+                    crate::log!(
+                        Level::Info,
+                        "session {} queue {}: replaced by a new session of host '{}'; closing it",
+                        r.session,
+                        r.queue,
+                        h.host_id.escape_debug()
+                    );
+                }
                 *q = QueueState::Closing;
-                crate::log!(
-                    Level::Info,
-                    "session {} queue {}: replaced by a new session of host '{}'; closing it",
-                    r.session,
-                    r.queue,
-                    h.host_id.escape_debug()
-                );
+                // Told again on every HELLO that finds it still closing: closing twice is
+                // harmless, and a reactor that had not been handed the queue yet when first
+                // told (`Reactor::add` checks too) will not hold it up for ever.
                 if let Some(close) = self.closer.get() {
                     close(r.session, r.queue);
                 }
             }
-            QueueState::Closing | QueueState::Gone => {}
+            QueueState::Gone => {}
         }
         loop {
-            match state(&mut inner, r, export, &h.host_id, proven) {
-                None | Some(QueueState::Gone) => return true,
-                Some(_) => {}
+            let state = inner
+                .sessions
+                .get(&r.session)
+                .filter(|s| held(s))
+                .and_then(|s| s.queues.get(r.queue as usize));
+            if matches!(state, None | Some(QueueState::Gone)) {
+                return true;
             }
             let now = Instant::now();
             let Some(left) = wait_until.and_then(|t| t.checked_duration_since(now)) else {
@@ -646,6 +653,17 @@ impl Registry {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
+    }
+
+    /// Whether queue `queue` of `session` is still wanted: the session is not revoked and the
+    /// queue not being replaced. A reactor handed a queue checks it before serving it, since a
+    /// close sent while the queue was on its way (between its admission and its `Msg::Queue`)
+    /// found nothing to close.
+    pub fn still_wanted(&self, session: u32, queue: u16) -> bool {
+        self.lock()
+            .sessions
+            .get(&session)
+            .is_some_and(|s| !s.revoked && s.queues.get(queue as usize) == Some(&QueueState::Live))
     }
 
     /// How the reactors are told to close one queue (`Msg::CloseQueue`); set once at start.

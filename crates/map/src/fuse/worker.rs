@@ -1063,17 +1063,7 @@ fn spawn_attempt(
     std::thread::Builder::new()
         .name(format!("blkwire-reconnect-{id}"))
         .spawn(move || {
-            let r = blkwire_client::connect(&url, &opts)
-                .map_err(|e| e.to_string())
-                .and_then(|mut s| {
-                    needs
-                        .check(&s.info)
-                        .map_err(|e| format!("{e}; not using it"))?;
-                    s.queues
-                        .pop()
-                        .ok_or_else(|| "the target granted no queue".to_string())
-                });
-            let _ = tx.send(r);
+            let _ = tx.send(needs.reconnect(&url, &opts));
             Waker::wake(waker.fd());
         })
         .ok()?;

@@ -496,20 +496,7 @@ impl QueueWorker {
         std::thread::Builder::new()
             .name(format!("blkwire-ublk-reconnect-{}", self.id))
             .spawn(move || {
-                // Every tag may be in flight at once and the device's limits were set from the
-                // first session: one granting less would fail requests (see `Needs`). Dropping
-                // it closes it.
-                let r = blkwire_client::connect(&url, &opts)
-                    .map_err(|e| e.to_string())
-                    .and_then(|mut s| {
-                        needs
-                            .check(&s.info)
-                            .map_err(|e| format!("{e}; not using it"))?;
-                        s.queues
-                            .pop()
-                            .ok_or_else(|| "the target granted no queue".to_string())
-                    });
-                let _ = tx.send(r);
+                let _ = tx.send(needs.reconnect(&url, &opts));
                 Waker::wake(waker.fd());
             })?;
         Ok(rx)

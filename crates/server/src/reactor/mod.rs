@@ -409,6 +409,16 @@ impl Reactor {
     }
 
     fn add(&mut self, q: NewQueue) {
+        // Closed (revoked, or replaced by a new session: PROTOCOL.md §2.6) while on its way
+        // here: the close found nothing to close then, so it is not served now.
+        let wanted = |s, i| self.registry.still_wanted(s, i);
+        if !wanted(q.session, q.queue) || q.more.iter().any(|a| !wanted(a.session, a.queue)) {
+            self.registry.leave(q.session, q.queue, &Default::default());
+            for a in &q.more {
+                self.registry.leave(a.session, a.queue, &Default::default());
+            }
+            return;
+        }
         let Some(exec) = Executor::for_queue(
             &self.registry,
             &q.export,

@@ -207,8 +207,17 @@ mod replacement {
 
     /// A HELLO from 127.0.0.1 answered through its challenge: the session's reply, or the
     /// refusal's status.
-    fn open(r: &Registry, mut h: Hello, wait: Option<Instant>) -> Result<HelloReply, Status> {
-        let peer = PeerId::ip("127.0.0.1:5000".parse().unwrap());
+    fn open(r: &Registry, h: Hello, wait: Option<Instant>) -> Result<HelloReply, Status> {
+        open_from(r, h, wait, "127.0.0.1:5000")
+    }
+
+    fn open_from(
+        r: &Registry,
+        mut h: Hello,
+        wait: Option<Instant>,
+        from: &str,
+    ) -> Result<HelloReply, Status> {
+        let peer = PeerId::ip(from.parse().unwrap());
         for _ in 0..2 {
             match r.hello(&h, &peer, (None, false), wait, &Vec::new) {
                 HelloAnswer::Challenge(n) => h.auth.nonce_s = n,
@@ -231,19 +240,29 @@ mod replacement {
     fn a_hello_replacing_a_live_queue_waits_until_it_has_left() {
         let (reg, closed) = registry();
         let old = open(&reg, hello("h", 1, None), None).unwrap();
-        // Not waiting: BUSY while the queue is live, and its reactor is told to close it once.
+        // Not waiting: BUSY while the queue is live, and its reactors are told to close it
+        // (again at each HELLO: one that was not handed the queue yet when first told).
         let again = || open(&reg, hello("h", 1, Some(name(&old, 0))), None);
         assert_eq!(again().unwrap_err(), Status::Busy);
         assert_eq!(again().unwrap_err(), Status::Busy);
-        assert_eq!(closed.try_iter().collect::<Vec<_>>(), [(old.session, 0)]);
-        // Waiting (TCP): answered once the queue's last request finished and it left.
-        let leaver = {
+        let told: Vec<_> = closed.try_iter().collect();
+        assert_eq!(told, [(old.session, 0), (old.session, 0)]);
+        assert!(
+            !reg.still_wanted(old.session, 0),
+            "a reactor handed it now drops it"
+        );
+        // Waiting (TCP): the HELLO tells the reactors under the registry's lock, then waits
+        // (releasing it); the queue leaves only after that, so the welcome came from the wait.
+        let waiting = {
             let reg = reg.clone();
-            std::thread::spawn(move || reg.leave(old.session, 0, &QueueStats::default()))
+            std::thread::spawn(move || {
+                let wait = Some(Instant::now() + Duration::from_secs(60));
+                open(&reg, hello("h", 1, Some(name(&old, 0))), wait)
+            })
         };
-        let wait = Some(Instant::now() + Duration::from_secs(30));
-        let new = open(&reg, hello("h", 1, Some(name(&old, 0))), wait).unwrap();
-        leaver.join().unwrap();
+        assert_eq!(closed.recv().unwrap(), (old.session, 0));
+        reg.leave(old.session, 0, &QueueStats::default());
+        let new = waiting.join().unwrap().unwrap();
         assert_ne!(new.session, old.session);
         assert_eq!(reg.live_queues(old.session), 0, "the old session is gone");
         // A session it names that is gone (the queue left, the target restarted): no wait.
@@ -269,6 +288,9 @@ mod replacement {
         // Not that session (a wrong cookie, another host): nothing to fence, nothing closed.
         assert!(open(&reg, hello("h", 1, Some(wrong_cookie)), None).is_ok());
         assert!(open(&reg, hello("other", 1, Some(name(&old, 0))), None).is_ok());
+        // A keyless session's cookie travels in clear: from another address it closes nothing.
+        let elsewhere = hello("h", 1, Some(name(&old, 0)));
+        assert!(open_from(&reg, elsewhere, None, "127.0.0.2:5000").is_ok());
         assert_eq!(closed.try_iter().count(), 0);
         assert_eq!(reg.live_queues(old.session), 1);
     }
