@@ -8,7 +8,7 @@ rank() {
     sys | sockpoll) echo 2 ;;
     device) echo 3 ;;
     fuse/abi) echo 10 ;; fuse/channel) echo 11 ;; fuse/uring) echo 12 ;;
-    fuse/loopdev) echo 13 ;; fuse/worker) echo 14 ;; fuse/device) echo 15 ;; fuse/mod) echo 16 ;;
+    fuse/loopdev | fuse/partial) echo 13 ;; fuse/worker) echo 14 ;; fuse/device) echo 15 ;; fuse/mod) echo 16 ;;
     ublk/abi) echo 10 ;; ublk/control) echo 11 ;; ublk/queue) echo 12 ;;
     ublk/device) echo 13 ;; ublk/mod) echo 14 ;;
     fuse | ublk) echo 20 ;;

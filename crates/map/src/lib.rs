@@ -14,7 +14,7 @@
 //! 1. `log` (timestamped lines), `state` (mapping records and liveness)
 //! 2. `sys` (signals, pidfds, eventfd, mount points), `sockpoll` (a queue's socket in a ring)
 //! 3. `device` (the `BlockDevice` trait, the mapping spec, connecting, the last flush)
-//! 4. `fuse`: `abi` < `channel` < `uring` < `loopdev` < `worker` < `device`;
+//! 4. `fuse`: `abi` < `channel` < `uring` < `loopdev`, `partial` < `worker` < `device`;
 //!    `ublk`: `abi` < `control` < `queue` < `device`
 //! 5. `daemon` (`map`, `recover`, `unmap`: picks the kind, forks, reports readiness)
 

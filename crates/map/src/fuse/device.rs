@@ -293,6 +293,7 @@ impl Mapping {
             armed: AtomicBool::new(false),
             next_fh: AtomicU64::new(1),
             reconnects: AtomicU64::new(0),
+            locks: Arc::default(),
         });
 
         // One descriptor per worker: clones of the one that mounted.

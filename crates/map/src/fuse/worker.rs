@@ -8,9 +8,10 @@
 //!
 //! Data path: READ/WRITE/FSYNC/FLUSH/FALLOCATE become blkwire commands (one per request, as the
 //! FUSE request size is negotiated not to exceed the session's max I/O); everything else is
-//! answered on the spot from constant attributes. A worker keeps reading the kernel's requests
-//! while earlier ones are in flight (up to the queue depth), so the loop device's queue depth
-//! reaches the target. It never blocks on the target: it sleeps in one place that watches both
+//! answered on the spot from constant attributes. A READ or WRITE that covers part of a logical
+//! block (FUSE cuts requests by pages, not bytes) gets whole-block commands for its partial
+//! blocks besides (partial.rs). A worker keeps reading the kernel's requests while earlier ones
+//! are in flight (up to the queue depth), so the loop device's queue depth reaches the target. It never blocks on the target: it sleeps in one place that watches both
 //! the kernel (/dev/fuse, or its ring) and the queue's socket (`Queue::fd`), until the queue's
 //! next timer (`Queue::deadline`: datagram retransmission and keepalive, TCP timeout), and
 //! makes progress with the non-blocking `Queue::poll`.
@@ -36,6 +37,7 @@ use blkwire_wire::Status;
 
 use super::abi::{self, Attr, ParseError, Request, FILE_ID, ROOT_ID};
 use super::channel::Channel;
+use super::partial::{self, BlockLocks, Edge, Step};
 use super::uring::Ring;
 use crate::device::{final_flush, Needs};
 use crate::log;
@@ -125,6 +127,15 @@ pub(crate) struct Shared {
     pub next_fh: AtomicU64,
     /// Successful reconnections by any worker (see `Outage::seen`).
     pub reconnects: AtomicU64,
+    /// Blocks under read-modify-write (partial.rs).
+    pub locks: Arc<BlockLocks>,
+}
+
+impl Shared {
+    /// The export's logical block, which is the loop device's.
+    fn logical_block(&self) -> u32 {
+        self.needs.logical_block.max(512)
+    }
 }
 
 /// The range a FUSE request covers, as a block operation. Its length is 64-bit because one
@@ -155,8 +166,8 @@ impl IoOp {
         }
     }
 
-    /// Command `i` of the request; a WRITE's data comes from the request buffer `buf`.
-    fn cmd<'a>(&self, i: u32, buf: &'a [u8]) -> Cmd<'a> {
+    /// Command `i` of the request; a WRITE's data is `data` (from its first byte on).
+    fn cmd<'a>(&self, i: u32, data: &'a [u8]) -> Cmd<'a> {
         let at = i as u64 * ZERO_STEP;
         let req = BlockRequest {
             op: self.op,
@@ -165,7 +176,7 @@ impl IoOp {
             flags: self.flags,
         };
         let data = match self.op {
-            BlockOp::Write => &buf[WRITE_DATA_AT..WRITE_DATA_AT + req.len as usize],
+            BlockOp::Write => &data[..req.len as usize],
             _ => &[],
         };
         Cmd::from_request(&req, data)
@@ -176,7 +187,14 @@ impl IoOp {
 struct Pending {
     unique: u64,
     arrived: Instant,
+    /// Its whole blocks (all of it unless `edges`).
     op: IoOp,
+    /// Bytes the request covers: what a WRITE's answer says, a split READ's reply.
+    total: u32,
+    /// Where `op` starts in the request's bytes (after a partial first block).
+    mid_from: usize,
+    /// Its partial first and last blocks (partial.rs), the lower first.
+    edges: Vec<Edge>,
     /// Answer EIO if not done by then.
     deadline: Instant,
     /// When its latest command was sent; a connection that leaves a command unanswered for the
@@ -189,8 +207,121 @@ struct Pending {
     /// Already answered (EIO at its deadline) but commands are still in flight; its unsent
     /// chunks are never sent, and it leaves the table when the last one in flight is back.
     replied: bool,
-    /// The request as read (WRITE only: its data must survive a reconnection).
+    /// The request as read (WRITE only: its data must survive a reconnection); for a READ with
+    /// `edges`, where its parts are gathered.
     buf: Vec<u8>,
+}
+
+/// A command's token for the queue: the request's slot, and 0 for `op` or 1 + the edge.
+fn tag(idx: usize, part: usize) -> u64 {
+    idx as u64 | (part as u64) << 32
+}
+
+impl Pending {
+    /// Request `unique`, `op` (a WRITE's request buffer `buf`), answered EIO if not done by
+    /// `deadline`. A READ or WRITE that covers part of a `block`-byte block is split
+    /// (partial.rs).
+    fn new(
+        unique: u64,
+        op: IoOp,
+        buf: Option<Vec<u8>>,
+        block: u32,
+        now: Instant,
+        deadline: Instant,
+    ) -> Pending {
+        // What a WRITE's answer says (a READ or WRITE is at most max_io).
+        let total = op.len as u32;
+        let rw = matches!(op.op, BlockOp::Read | BlockOp::Write);
+        let (op, chunks, mid_from, edges, buf) =
+            if rw && !(op.offset | op.len).is_multiple_of(block as u64) {
+                let s = partial::split(op.offset, op.len, block as u64, op.op == BlockOp::Write);
+                let mid = IoOp::new(op.op, s.mid_offset, s.mid_len);
+                let chunks = if s.mid_len == 0 { 0 } else { mid.chunks() };
+                // A READ gathers its parts in a buffer of its own.
+                let buf = buf.unwrap_or_else(|| vec![0; total as usize]);
+                (mid, chunks, s.mid_from, s.edges, buf)
+            } else {
+                (op, op.chunks(), 0, Vec::new(), buf.unwrap_or_default())
+            };
+        Pending {
+            unique,
+            arrived: now,
+            op,
+            total,
+            mid_from,
+            edges,
+            deadline,
+            sent_at: now,
+            chunks,
+            sent: 0,
+            outstanding: 0,
+            err: 0,
+            replied: false,
+            buf,
+        }
+    }
+
+    /// The next command to send (0: `op`'s next chunk, 1 + i: edge i), or None if nothing can
+    /// go now. A WRITE's edges take their blocks' locks in order, the lower block first, so no
+    /// two requests can each hold a lock the other waits for.
+    fn next_part(&mut self, locks: &BlockLocks) -> Option<usize> {
+        for (i, e) in self.edges.iter_mut().enumerate() {
+            match e.step {
+                Step::Lock if locks.try_take(e.at) => {
+                    e.locked = true;
+                    e.step = Step::Read;
+                    return Some(i + 1);
+                }
+                Step::Lock => break,
+                Step::Read | Step::Write => return Some(i + 1),
+                _ => {}
+            }
+        }
+        (self.sent < self.chunks).then_some(0)
+    }
+
+    fn cmd(&self, part: usize, block: u32) -> Cmd<'_> {
+        let Some(e) = part.checked_sub(1).map(|i| &self.edges[i]) else {
+            let data = match self.op.op {
+                BlockOp::Write => &self.buf[WRITE_DATA_AT + self.mid_from..],
+                _ => &[],
+            };
+            return self.op.cmd(self.sent, data);
+        };
+        match e.step {
+            Step::Write => Cmd::Write {
+                offset: e.at,
+                data: &e.block,
+                fua: false,
+            },
+            _ => Cmd::Read {
+                offset: e.at,
+                len: block,
+            },
+        }
+    }
+
+    fn mark_sent(&mut self, part: usize) {
+        match part.checked_sub(1).map(|i| &mut self.edges[i]) {
+            None => self.sent += 1,
+            Some(e) if e.step == Step::Read => e.step = Step::Reading,
+            Some(e) => e.step = Step::Writing,
+        }
+    }
+
+    fn waits_for_lock(&self) -> bool {
+        self.edges.iter().any(|e| e.step == Step::Lock)
+    }
+
+    /// Nothing in flight and nothing more to send. A request answered at its deadline or failed
+    /// sends no further commands (`pump` skips it), so once its last command is back it is
+    /// done, however many it never sent.
+    fn finished(&self) -> bool {
+        self.outstanding == 0
+            && (self.replied
+                || self.err != 0
+                || (self.sent >= self.chunks && self.edges.iter().all(|e| e.step == Step::Done)))
+    }
 }
 
 /// The worker's in-flight requests and its pool of request buffers.
@@ -200,6 +331,11 @@ struct Table {
     live: usize,
     /// Requests with commands left to send, oldest first.
     unsent: VecDeque<usize>,
+    /// Requests with an edge waiting for its block's lock (`pump` tries them again).
+    waiting: Vec<usize>,
+    /// The export's logical block.
+    block: u32,
+    locks: Arc<BlockLocks>,
     bufs: Vec<Vec<u8>>,
     buf_len: usize,
     /// A reply found the FUSE connection gone.
@@ -210,12 +346,15 @@ struct Table {
 }
 
 impl Table {
-    fn new(cap: usize, buf_len: usize) -> Table {
+    fn new(cap: usize, buf_len: usize, block: u32, locks: Arc<BlockLocks>) -> Table {
         Table {
             slots: (0..cap).map(|_| None).collect(),
             free: (0..cap).rev().collect(),
             live: 0,
             unsent: VecDeque::with_capacity(cap),
+            waiting: Vec::new(),
+            block,
+            locks,
             bufs: Vec::new(),
             buf_len,
             fuse_gone: false,
@@ -248,6 +387,9 @@ impl Table {
         if let Some(p) = self.slots[idx].take() {
             self.live -= 1;
             self.free.push(idx);
+            for e in p.edges.iter().filter(|e| e.locked) {
+                self.locks.release(e.at);
+            }
             self.put_buf(p.buf);
         }
     }
@@ -264,28 +406,69 @@ impl Table {
 
     /// A blkwire command finished: answer the FUSE request once all its commands have.
     fn on_completion(&mut self, ch: &mut impl Transport, c: Completion<'_>) {
-        let idx = c.user as usize;
+        let (idx, part) = ((c.user & 0xffff_ffff) as usize, (c.user >> 32) as usize);
+        let block = self.block as usize;
         let Some(Some(p)) = self.slots.get_mut(idx) else {
             return;
         };
         p.outstanding = p.outstanding.saturating_sub(1);
-        if c.status != Status::Ok && p.err == 0 {
-            p.err = c.status.errno();
-            p.sent = p.chunks; // send no further chunks of a failed range
+        let mut more = false;
+        if c.status != Status::Ok {
+            if p.err == 0 {
+                p.err = c.status.errno();
+                p.sent = p.chunks; // send no further chunks of a failed range
+            }
+        } else if part == 0 {
+            if p.op.op == BlockOp::Read && !p.edges.is_empty() {
+                let n = (p.op.len as usize).min(c.data.len());
+                p.buf[p.mid_from..p.mid_from + n].copy_from_slice(&c.data[..n]);
+            }
+        } else if let Some(e) = p.edges.get_mut(part - 1) {
+            let read = p.op.op == BlockOp::Read;
+            match e.step {
+                Step::Reading if c.data.len() < block => {
+                    p.err = if p.err == 0 { libc::EIO } else { p.err };
+                }
+                Step::Reading if read => {
+                    p.buf[e.from..e.from + e.len].copy_from_slice(&c.data[e.into..e.into + e.len]);
+                    e.step = Step::Done;
+                }
+                Step::Reading => {
+                    // Read-modify-write: the block as it is, with this request's bytes in.
+                    e.block.clear();
+                    e.block.extend_from_slice(&c.data[..block]);
+                    let src = WRITE_DATA_AT + e.from;
+                    e.block[e.into..e.into + e.len].copy_from_slice(&p.buf[src..src + e.len]);
+                    e.step = Step::Write;
+                    more = true;
+                }
+                Step::Writing => {
+                    e.step = Step::Done;
+                    if std::mem::take(&mut e.locked) {
+                        self.locks.release(e.at);
+                    }
+                }
+                _ => {}
+            }
         }
-        // A request answered at its deadline sends no further chunks (`pump` skips it), so
-        // once its last command is back it is done, however many chunks it never sent.
-        if p.outstanding > 0 || (p.sent < p.chunks && !p.replied) {
+        if more && !p.replied && p.err == 0 {
+            self.unsent.push_back(idx);
+        }
+        if !p.finished() {
             return;
         }
         if !p.replied {
-            let (unique, err, op) = (p.unique, p.err, p.op);
+            let (unique, err, op, total) = (p.unique, p.err, p.op, p.total);
+            // A split READ replies with what it gathered, the others with their one command's.
+            let gathered =
+                (op.op == BlockOp::Read && !p.edges.is_empty()).then(|| std::mem::take(&mut p.buf));
             if err != 0 {
                 self.reply(ch, unique, err, &[]);
             } else {
-                match op.op {
-                    BlockOp::Read => self.reply(ch, unique, 0, &[c.data]),
-                    BlockOp::Write => self.reply(ch, unique, 0, &[&abi::write_out(op.len as u32)]),
+                match (op.op, &gathered) {
+                    (BlockOp::Read, Some(b)) => self.reply(ch, unique, 0, &[&b[..total as usize]]),
+                    (BlockOp::Read, None) => self.reply(ch, unique, 0, &[c.data]),
+                    (BlockOp::Write, _) => self.reply(ch, unique, 0, &[&abi::write_out(total)]),
                     _ => self.reply(ch, unique, 0, &[]),
                 }
             }
@@ -358,6 +541,8 @@ pub(crate) struct Worker<C> {
     /// whether FUSE over io_uring really carried the traffic).
     via_ring: u64,
     via_read: u64,
+    /// READs and WRITEs that covered part of a logical block (partial.rs), for the exit log.
+    partial: u64,
 }
 
 impl<C: Transport> Worker<C> {
@@ -373,7 +558,9 @@ impl<C: Transport> Worker<C> {
     ) -> Worker<C> {
         let cap = q.depth().max(1) + entries;
         let spin = AdaptiveSpin::new(sh.reconnect.poll);
+        sh.locks.watch(Arc::clone(&waker));
         let buf_len = (sh.max_io as usize + abi::REQUEST_OVERHEAD).max(abi::MIN_READ_BUFFER);
+        let t = Table::new(cap, buf_len, sh.logical_block(), Arc::clone(&sh.locks));
         Worker {
             id,
             ch,
@@ -381,12 +568,13 @@ impl<C: Transport> Worker<C> {
             link: Link::Up(q),
             link_id: 0,
             spin,
-            t: Table::new(cap, buf_len),
+            t,
             cap,
             next_tick: Instant::now(),
             waker,
             via_ring: 0,
             via_read: 0,
+            partial: 0,
         }
     }
 
@@ -403,6 +591,15 @@ impl<C: Transport> Worker<C> {
             self.via_ring,
             self.via_read
         );
+        if self.partial > 0 {
+            log!(
+                "info",
+                "queue {}: {} request(s) covered part of a {}-byte block (served by whole-block I/O)",
+                self.id,
+                self.partial,
+                self.t.block
+            );
+        }
         if let Link::Up(q) = std::mem::replace(&mut self.link, Link::Down(Outage::new(0, None))) {
             final_flush(q, self.sh.readonly, self.id);
         }
@@ -633,7 +830,8 @@ impl<C: Transport> Worker<C> {
 
     /// Queues an I/O request. During an outage longer than the timeout a new request does not
     /// wait out the timeout again: it gets one fresh connection attempt, started now, and fails
-    /// as soon as that attempt does (see `maintain`).
+    /// as soon as that attempt does (see `maintain`). A READ or WRITE that covers part of a
+    /// logical block is split (partial.rs).
     fn start(&mut self, unique: u64, op: IoOp, buf: Option<Vec<u8>>) {
         let now = Instant::now();
         if let Link::Down(o) = &mut self.link {
@@ -641,19 +839,10 @@ impl<C: Transport> Worker<C> {
                 o.next_try = now;
             }
         }
-        let p = Pending {
-            unique,
-            arrived: now,
-            chunks: op.chunks(),
-            op,
-            deadline: now + self.sh.timeout,
-            sent_at: now,
-            sent: 0,
-            outstanding: 0,
-            err: 0,
-            replied: false,
-            buf: buf.unwrap_or_default(),
-        };
+        let p = Pending::new(unique, op, buf, self.t.block, now, now + self.sh.timeout);
+        if !p.edges.is_empty() {
+            self.partial += 1;
+        }
         if self.t.insert(p).is_none() {
             // Cannot happen: reading stops when the table is full. Answer rather than hang.
             self.t.reply(&mut self.ch, unique, libc::EIO, &[]);
@@ -666,21 +855,28 @@ impl<C: Transport> Worker<C> {
             return;
         };
         let now = Instant::now();
+        // Requests that waited for a block's lock try again: one was released, or time passed.
+        let waited = std::mem::take(&mut self.t.waiting);
+        self.t.unsent.extend(waited);
         while let Some(&idx) = self.t.unsent.front() {
             let Some(p) = self.t.slots[idx].as_mut() else {
                 self.t.unsent.pop_front();
                 continue;
             };
-            if p.replied || p.sent >= p.chunks {
+            let stopped = p.replied || p.err != 0;
+            let Some(part) = (!stopped).then(|| p.next_part(&self.t.locks)).flatten() else {
                 self.t.unsent.pop_front();
+                if !stopped && p.waits_for_lock() && !self.t.waiting.contains(&idx) {
+                    self.t.waiting.push(idx);
+                }
                 continue;
-            }
+            };
             if q.in_flight() >= q.depth() {
                 break;
             }
-            match q.submit(p.op.cmd(p.sent, &p.buf), idx as u64) {
+            match q.submit(p.cmd(part, self.t.block), tag(idx, part)) {
                 Ok(()) => {
-                    p.sent += 1;
+                    p.mark_sent(part);
                     p.outstanding += 1;
                     p.sent_at = now;
                 }
@@ -827,6 +1023,7 @@ impl<C: Transport> Worker<C> {
             replaces,
         ));
         self.t.unsent.clear();
+        self.t.waiting.clear();
         for idx in 0..self.t.slots.len() {
             let Some(p) = self.t.slots[idx].as_mut() else {
                 continue;
@@ -838,6 +1035,14 @@ impl<C: Transport> Worker<C> {
                 p.sent = 0;
                 p.outstanding = 0;
                 p.err = 0;
+                // An edge keeps its lock and sends its command again.
+                for e in &mut p.edges {
+                    e.step = match e.step {
+                        Step::Reading => Step::Read,
+                        Step::Writing => Step::Write,
+                        s => s,
+                    };
+                }
                 self.t.unsent.push_back(idx);
             }
         }
@@ -1109,6 +1314,7 @@ mod tests {
             armed: AtomicBool::new(false),
             next_fh: AtomicU64::new(1),
             reconnects: AtomicU64::new(0),
+            locks: Arc::default(),
         }
     }
 
@@ -1151,13 +1357,13 @@ mod tests {
         );
     }
 
-    /// A transport that only counts replies (the table's tests need no kernel).
+    /// A transport that only records replies (the table's tests need no kernel).
     #[derive(Default)]
-    struct Replies(Vec<(u64, i32)>);
+    struct Replies(Vec<(u64, i32, Vec<u8>)>);
 
     impl Transport for Replies {
-        fn reply(&mut self, unique: u64, errno: i32, _: &[&[u8]]) -> std::io::Result<()> {
-            self.0.push((unique, errno));
+        fn reply(&mut self, unique: u64, errno: i32, parts: &[&[u8]]) -> std::io::Result<()> {
+            self.0.push((unique, errno, parts.concat()));
             Ok(())
         }
         fn channel(&self) -> &Channel {
@@ -1170,26 +1376,14 @@ mod tests {
 
     #[test]
     fn a_zero_range_failed_before_all_its_chunks_went_leaves_the_table() {
-        let mut t = Table::new(4, 4096);
+        let mut t = Table::new(4, 4096, 512, Arc::default());
         let now = Instant::now();
         // 3 GiB of zeroes: 3 chunks, one sent and still out when the request was answered EIO
         // at its deadline (`fail_waiting`), so the other two will never be sent.
         let op = IoOp::new(BlockOp::WriteZeroes, 0, 3 << 30);
-        let idx = t
-            .insert(Pending {
-                unique: 7,
-                arrived: now,
-                op,
-                deadline: now,
-                sent_at: now,
-                chunks: op.chunks(),
-                sent: 1,
-                outstanding: 1,
-                err: 0,
-                replied: true,
-                buf: Vec::new(),
-            })
-            .unwrap();
+        let mut p = Pending::new(7, op, None, 512, now, now);
+        (p.sent, p.outstanding, p.replied) = (1, 1, true);
+        let idx = t.insert(p).unwrap();
         assert_eq!(op.chunks(), 3);
         let mut ch = Replies::default();
         let done = |status| Completion {
@@ -1203,6 +1397,121 @@ mod tests {
         assert_eq!(t.free.len(), 4);
         // It was answered already: no second reply.
         assert!(ch.0.is_empty());
+    }
+
+    fn done(idx: usize, part: usize, data: &[u8]) -> Completion<'_> {
+        Completion {
+            user: tag(idx, part),
+            length: data.len() as u32,
+            status: Status::Ok,
+            data,
+        }
+    }
+
+    /// The command `p` sends next, marked sent: (part, offset, length, data written).
+    fn send(p: &mut Pending, locks: &BlockLocks) -> Option<(usize, u64, u32, Vec<u8>)> {
+        let part = p.next_part(locks)?;
+        let c = match p.cmd(part, 4096) {
+            Cmd::Read { offset, len } => (part, offset, len, Vec::new()),
+            Cmd::Write { offset, data, .. } => (part, offset, data.len() as u32, data.to_vec()),
+            _ => panic!("not a read or write"),
+        };
+        p.mark_sent(part);
+        p.outstanding += 1;
+        Some(c)
+    }
+
+    #[test]
+    fn a_write_over_part_of_a_block_merges_it_under_the_blocks_lock() {
+        const B: usize = 4096;
+        let locks = Arc::new(BlockLocks::default());
+        let mut t = Table::new(4, 1 << 20, B as u32, Arc::clone(&locks));
+        let now = Instant::now();
+        // The last 512 bytes of block 1 and all of block 2, as FUSE cuts a request from a
+        // buffer 512 bytes into a page.
+        let data = common_bytes(512 + B);
+        let mut buf = vec![0u8; WRITE_DATA_AT];
+        buf.extend_from_slice(&data);
+        let op = IoOp::new(BlockOp::Write, 2 * B as u64 - 512, data.len() as u64);
+        let mut p = Pending::new(
+            9,
+            op,
+            Some(buf),
+            B as u32,
+            now,
+            now + Duration::from_secs(9),
+        );
+        // The edge first: it takes the lock and reads the block; then the whole block.
+        assert_eq!(send(&mut p, &locks), Some((1, B as u64, B as u32, vec![])));
+        assert!(!locks.try_take(B as u64), "the edge holds block 1");
+        assert_eq!(
+            send(&mut p, &locks),
+            Some((0, 2 * B as u64, B as u32, data[512..].to_vec()))
+        );
+        assert_eq!(send(&mut p, &locks), None);
+        // Another request over block 1 waits for the lock.
+        let op2 = IoOp::new(BlockOp::Write, B as u64, 512);
+        let mut other = Pending::new(
+            10,
+            op2,
+            Some(vec![0u8; WRITE_DATA_AT + 512]),
+            4096,
+            now,
+            now,
+        );
+        assert_eq!(other.next_part(&locks), None);
+        assert!(other.waits_for_lock());
+        let idx = t.insert(p).unwrap();
+        t.unsent.clear();
+        let mut ch = Replies::default();
+        // The block as it was: the request's bytes go into its last 512.
+        let old = vec![0xaa; B];
+        t.on_completion(&mut ch, done(idx, 1, &old));
+        assert_eq!(
+            t.unsent.back(),
+            Some(&idx),
+            "the merged block is to be written"
+        );
+        let p = t.slots[idx].as_mut().unwrap();
+        let mut merged = old.clone();
+        merged[B - 512..].copy_from_slice(&data[..512]);
+        assert_eq!(send(p, &locks), Some((1, B as u64, B as u32, merged)));
+        t.on_completion(&mut ch, done(idx, 0, &[]));
+        assert!(ch.0.is_empty(), "answered before its edge was written");
+        t.on_completion(&mut ch, done(idx, 1, &[]));
+        assert_eq!(ch.0, [(9, 0, abi::write_out(data.len() as u32).to_vec())]);
+        assert_eq!(t.live, 0);
+        assert_eq!(other.next_part(&locks), Some(1), "the lock was released");
+    }
+
+    #[test]
+    fn a_read_over_parts_of_blocks_gathers_them() {
+        const B: usize = 4096;
+        let locks = Arc::new(BlockLocks::default());
+        let mut t = Table::new(4, 1 << 20, B as u32, Arc::clone(&locks));
+        let now = Instant::now();
+        // The last 512 bytes of block 0, block 1, the first 3584 bytes of block 2.
+        let op = IoOp::new(BlockOp::Read, B as u64 - 512, 2 * B as u64);
+        let mut p = Pending::new(5, op, None, B as u32, now, now + Duration::from_secs(9));
+        assert_eq!(send(&mut p, &locks), Some((1, 0, B as u32, vec![])));
+        assert_eq!(
+            send(&mut p, &locks),
+            Some((2, 2 * B as u64, B as u32, vec![]))
+        );
+        assert_eq!(send(&mut p, &locks), Some((0, B as u64, B as u32, vec![])));
+        assert_eq!(send(&mut p, &locks), None);
+        let idx = t.insert(p).unwrap();
+        let disk = common_bytes(3 * B);
+        let mut ch = Replies::default();
+        t.on_completion(&mut ch, done(idx, 2, &disk[2 * B..]));
+        t.on_completion(&mut ch, done(idx, 0, &disk[B..2 * B]));
+        t.on_completion(&mut ch, done(idx, 1, &disk[..B]));
+        assert_eq!(ch.0, [(5, 0, disk[B - 512..3 * B - 512].to_vec())]);
+        assert!(locks.try_take(0), "a read takes no lock");
+    }
+
+    fn common_bytes(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 7 + i / 4096) as u8).collect()
     }
 
     #[test]
