@@ -969,6 +969,10 @@ impl Drop for Controlled {
 
 impl Controlled {
     fn start(dir: &TempDir, exports: &[&str]) -> Controlled {
+        Self::start_with(dir, exports, &[])
+    }
+
+    fn start_with(dir: &TempDir, exports: &[&str], extra: &[&str]) -> Controlled {
         let sock = dir.path("ctl.sock").to_str().unwrap().to_string();
         let mut cmd = std::process::Command::new(common::BIN);
         cmd.args([
@@ -983,6 +987,7 @@ impl Controlled {
         for e in exports {
             cmd.args(["--export", e]);
         }
+        cmd.args(extra);
         let (child, urls) = common::spawn_serve_with_control(&mut cmd, 1);
         let addr = urls[0].strip_prefix("nvme-tcp://").unwrap().to_string();
         Controlled { child, sock, addr }
@@ -1316,4 +1321,87 @@ fn with_keys_a_subsystem_admits_the_proven_hosts_on_its_list() {
     assert!(authenticate(&mut b, &mut host), "bob's key");
     b.enable();
     assert_eq!(active(&b.identify(2, 0).data), [1, 2]);
+}
+
+/// With keys, a controller's sessions are admitted only once its host has proved its key: an
+/// admin queue that connected but has not authenticated holds no session (none listed, none
+/// counted against the limits), its I/O queues are refused, and DH-HMAC-CHAP creates them.
+#[test]
+fn with_keys_a_controller_has_no_session_until_its_host_authenticates() {
+    use blkwire_auth::dhchap::{HostAuth, Secret};
+    use nvme_host::authenticate;
+    use serde_json::json;
+    let dir = TempDir::new("nvme-auth-no-session");
+    let alice = "nqn.2014-08.org.nvmexpress:uuid:a11ce000-0000-4000-8000-000000000001";
+    let ka = Secret::generate();
+    let keys = key_file(&dir, &[format!("{alice}:{}", ka.to_dhhc().unwrap())]);
+    let t = Controlled::start_with(&dir, &["disk0=mem:1M", "disk1=mem:1M"], &["--keys", &keys]);
+    let o = Opts {
+        hostnqn: alice.into(),
+        ..Opts::default()
+    };
+    // Anyone may claim alice's NQN: Connect answers "authentication required" ...
+    let (mut a, done) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &o).unwrap();
+    assert_eq!(done.code(), 0);
+    assert_ne!(done.cqe.dw0 & 1 << 17, 0, "ATR");
+    // ... and the controller exists, without a session.
+    assert_eq!(t.rpc("session_list", json!({})), json!([]));
+    let subs = t.rpc("nvme_subsystem_list", json!({}));
+    let c = &subs[0]["controllers"][0];
+    assert_eq!(
+        (&c["cntlid"], &c["session"], &c["authenticated"]),
+        (&json!(a.cntlid), &serde_json::Value::Null, &json!(false)),
+        "{subs}"
+    );
+    // An I/O queue naming it is refused before any exchange, even with alice's key at hand.
+    let (_, done) = Queue::connect(&t.addr, &nqn("disk0"), 1, a.cntlid, &o).unwrap();
+    assert_eq!(done.code(), 0x182, "Connect Invalid Parameters");
+    assert_eq!(t.rpc("session_list", json!({})), json!([]));
+    // Once alice proves her key, the controller has its session, and I/O queues connect.
+    let mut host = HostAuth::new(alice, &nqn("disk0"), &ka, None, 1);
+    assert!(authenticate(&mut a, &mut host), "alice's key");
+    let sessions = t.rpc("session_list", json!({}));
+    assert_eq!(sessions.as_array().map(Vec::len), Some(1), "{sessions}");
+    assert_eq!(sessions[0]["host"], alice, "{sessions}");
+    let subs = t.rpc("nvme_subsystem_list", json!({}));
+    assert_eq!(subs[0]["controllers"][0]["authenticated"], true, "{subs}");
+    a.enable();
+    assert_eq!(active(&a.identify(2, 0).data), [1]);
+    let (mut q, _) = Queue::connect(&t.addr, &nqn("disk0"), 1, a.cntlid, &o).unwrap();
+    let mut host = HostAuth::new(alice, &nqn("disk0"), &ka, None, 2);
+    assert!(authenticate(&mut q, &mut host));
+    assert_eq!(q.write_in(0, &[5; 512], BS).unwrap().code(), 0);
+    assert_eq!(q.read(0, 1, BS).unwrap().data, vec![5; 512]);
+    // Admission looks at the rules as they are when the host has proved its key: rules changed
+    // meanwhile (no session to close then) keep it out, and the controller ends.
+    let (mut b, done) = Queue::connect(&t.addr, &nqn("disk1"), 0, 0xffff, &o).unwrap();
+    assert_eq!(done.code(), 0);
+    t.rpc(
+        "export_set_allow",
+        json!({"name": "disk1", "allow": "nqn.2014-08.org.nvmexpress:uuid:someone-else"}),
+    );
+    let mut host = HostAuth::new(alice, &nqn("disk1"), &ka, None, 1);
+    send_reply(&mut b, &mut host);
+    assert!(
+        b.closed_within(Duration::from_secs(10)),
+        "a controller the rules no longer admit went on"
+    );
+    let sessions = t.rpc("session_list", json!({}));
+    assert!(
+        sessions
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s["export"] == "disk0"),
+        "{sessions}"
+    );
+}
+
+/// DH-HMAC-CHAP up to the host's Reply (AUTH_Send of it answered); Success1 is not read.
+fn send_reply(q: &mut Queue, host: &mut blkwire_auth::dhchap::HostAuth) {
+    assert_eq!(nvme_host::auth_send(q, &host.negotiate()).code(), 0);
+    let challenge = nvme_host::auth_receive(q);
+    assert_eq!(challenge.code(), 0);
+    let reply = host.on_challenge(&challenge.data).unwrap();
+    assert_eq!(nvme_host::auth_send(q, &reply).code(), 0, "AUTH_Send reply");
 }

@@ -8,6 +8,8 @@
 //! (every I/O queue) with it. KATO 0 turns the timer off; TCP keepalive still notices a host
 //! that vanished. A controller without I/O queues ends when idle whatever its KATO, and with
 //! DH-HMAC-CHAP required, one that has not authenticated within the handshake timeout ends.
+//! Such a controller has no session until its host has proved its key: the sessions of its
+//! namespaces are admitted then (`super::admit_authenticated`).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -63,8 +65,12 @@ pub struct AdminSetup {
 pub struct AdminQueue {
     s: AdminSetup,
     /// The session of each namespace, in `facts.namespaces` order (none: a discovery
-    /// controller).
+    /// controller, or one whose host has not authenticated yet).
     admitted: Vec<Admitted>,
+    /// DH-HMAC-CHAP is required and has not succeeded yet: when it does, the namespaces'
+    /// sessions are admitted (a controller of a subsystem holds none before) and the
+    /// controller's entry says so.
+    admission_pending: bool,
     /// NSIDs of namespaces removed since the host last read the Changed Namespace List.
     changed: Vec<u32>,
     /// Namespaces already found removed (their sessions revoked), in `admitted` order.
@@ -91,6 +97,7 @@ impl AdminQueue {
     pub fn new(s: AdminSetup, admitted: Vec<Admitted>) -> AdminQueue {
         let authenticated = !s.auth_required;
         AdminQueue {
+            admission_pending: s.auth_required,
             s,
             gone: vec![false; admitted.len()],
             admitted,
@@ -124,8 +131,8 @@ impl AdminQueue {
         let mut kato = kato_of(self.s.kato_ms);
         let started = Instant::now();
         // A host that must authenticate has as long as any handshake has (--handshake-timeout):
-        // until then it holds a controller (and, on its namespaces, sessions) without having
-        // proved who it is, and commands that get Authentication Required still count as life.
+        // until then it holds a controller (a thread, no session) without having proved who it
+        // is, and commands that get Authentication Required still count as life.
         let auth_deadline = registry.limits().handshake_timeout;
         let mut alive = Instant::now();
         let mut buf = Vec::with_capacity(1024);
@@ -190,6 +197,31 @@ impl AdminQueue {
                     ),
                 );
                 break "DH-HMAC-CHAP failed".into();
+            }
+            // The host has just proved its key: now its namespaces' sessions are admitted,
+            // before the next command (AUTH_Receive of Success1, or the first one the
+            // controller runs) is read.
+            if self.authenticated && self.admission_pending {
+                self.admission_pending = false;
+                let who = (self.s.hostnqn.as_str(), &self.s.peer_addr, peer);
+                let admitted = if self.s.facts.is_discovery() {
+                    // No namespaces, no sessions: only the entry changes.
+                    registry
+                        .nvme
+                        .authenticated(self.cntlid(), self.s.facts.clone())
+                        .then(|| (self.s.facts.clone(), Vec::new()))
+                        .ok_or_else(|| "its controller was forgotten".to_string())
+                } else {
+                    super::admit_authenticated(registry, &self.s.facts, who)
+                };
+                match admitted {
+                    Ok((facts, admitted)) => {
+                        self.s.facts = facts;
+                        self.gone = vec![false; admitted.len()];
+                        self.admitted = admitted;
+                    }
+                    Err(why) => break format!("not admitted after DH-HMAC-CHAP: {why}"),
+                }
             }
             match outcome {
                 Some(Outcome::Continue) => {}

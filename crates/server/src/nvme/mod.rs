@@ -6,14 +6,16 @@
 //! (exports), their own serial and model, and the host NQNs they admit. The discovery
 //! controller is at the well-known discovery NQN on every `nvme-tcp://` listener.
 //!
-//! A Connect on queue 0 with CNTLID 0xFFFF creates a controller: a blkwire session (queue 0 is
-//! the admin queue) served by its own thread (`admin.rs`: properties, Identify, features, log
-//! pages, keep-alive), bounded by [`MAX_CONTROLLERS`] ([`MAX_CONTROLLERS_PER_HOST`] per
-//! address). A Connect on queue N names that controller; the same host NQN, host id and
-//! address (and DH-HMAC-CHAP when keys are configured) admit it as the session's queue N, and
-//! the connection goes to a reactor with the I/O frontend (`frontend/nvme.rs`). The controller
-//! ends with its admin queue (disconnect, or no Keep Alive within KATO; see `admin.rs` for idle
-//! and unauthenticated controllers): its session is closed, and with it every I/O queue.
+//! A Connect on queue 0 with CNTLID 0xFFFF creates a controller: a blkwire session per
+//! namespace (queue 0 is the admin queue; with keys configured, admitted only once the host has
+//! passed DH-HMAC-CHAP: `admit_authenticated`) served by its own thread (`admin.rs`:
+//! properties, Identify, features, log pages, keep-alive), bounded by [`MAX_CONTROLLERS`]
+//! ([`MAX_CONTROLLERS_PER_HOST`] per address). A Connect on queue N names that controller; the
+//! same host NQN, host id and address (and DH-HMAC-CHAP when keys are configured, on the admin
+//! queue before and on this queue) admit it as the sessions' queue N, and the connection goes
+//! to a reactor with the I/O frontend (`frontend/nvme.rs`). The controller ends with its admin
+//! queue (disconnect, or no Keep Alive within KATO; see `admin.rs` for idle and unauthenticated
+//! controllers): its sessions are closed, and with them every I/O queue.
 
 pub mod admin;
 pub mod spec;
@@ -80,6 +82,9 @@ struct Controller {
     facts: Arc<Facts>,
     /// I/O queues granted by Set Features (Number of Queues); until then the most there is.
     io_queues: u16,
+    /// Its host proved its key on the admin queue, or none was needed (no key store): only
+    /// then has it sessions (`facts.namespaces`) and may I/O queues connect.
+    authenticated: bool,
 }
 
 impl Controllers {
@@ -139,6 +144,19 @@ impl Controllers {
         self.lock().ctrls.get(&id).cloned()
     }
 
+    /// Controller `id`'s host authenticated: its facts now name its namespaces' sessions.
+    /// False if it is gone.
+    pub(crate) fn authenticated(&self, id: u16, facts: Arc<Facts>) -> bool {
+        match self.lock().ctrls.get_mut(&id) {
+            Some(c) => {
+                c.facts = facts;
+                c.authenticated = true;
+                true
+            }
+            None => false,
+        }
+    }
+
     fn set_io_queues(&self, id: u16, n: u16) {
         if let Some(c) = self.lock().ctrls.get_mut(&id) {
             c.io_queues = n;
@@ -163,6 +181,7 @@ impl Controllers {
                         .map(|n| serde_json::json!({ "nsid": n.nsid, "session": n.session }))
                         .collect::<Vec<_>>(),
                     "io_queues": c.io_queues,
+                    "authenticated": c.authenticated,
                 })
             })
             .collect();
@@ -1031,60 +1050,37 @@ fn admin_connect<S: Read + Write>(
     let discovery = c.subnqn == spec::DISCOVERY_NQN;
     let mut admitted: Vec<Admitted> = Vec::new();
     let mut namespaces = Vec::new();
-    let (mut serial, mut model) = (spec::default_serial(&c.subnqn), spec::DEFAULT_MODEL.into());
+    let mut sub = None;
     if !discovery {
-        let names = resolve(s, &c, (&peer_s, &addr, proven), registry, reply)?;
-        if let Some(sub) = &names.sub {
-            serial = sub.serial.clone();
-            model = sub.model.clone();
-        }
-        let owner = Owner {
-            proven,
-            shown: &c.hostnqn,
-            addr: &addr,
-            peer: &peer_s,
+        // Checked now so that a host gets the Connect status that says why; a host that must
+        // authenticate is checked again, and its sessions admitted, only once DH-HMAC-CHAP has
+        // succeeded (`AdminQueue::admit_namespaces`): until then it holds no session.
+        let names = match resolve(&c.subnqn, &c.hostnqn, (&addr, proven), registry) {
+            Ok(n) => n,
+            Err(r) => {
+                r.log(registry, &peer_s, &who);
+                reply(s, 0, r.status(), r.dw0());
+                return None;
+            }
         };
-        // One session per namespace, each admitted as if it were the only one: the export's
-        // session limits, memory floor and rules apply to each.
-        for (nsid, export) in names.exports {
-            let ns = match &names.sub {
-                Some(_) => Namespace::in_subsystem(&export, &c.subnqn),
-                None => Namespace::of(&export, &c.subnqn),
+        if proven.is_none() {
+            let owner = Owner {
+                proven,
+                shown: &c.hostnqn,
+                addr: &addr,
+                peer: &peer_s,
             };
-            let copy = {
-                let mut l = registry.copy_limits(&export, u32::MAX);
-                l.max_ranges = l.max_ranges.min(spec::COPY_RANGES);
-                // Copy ranges count blocks in 16 bits.
-                l.max_range = l.max_range.min((u16::MAX as u32 + 1) << ns.lba_shift);
-                l
-            };
-            match registry.admit_first(
-                &export,
-                &owner,
-                (ns.size, 1 + MAX_IO_QUEUES, MAX_QUEUE_ENTRIES, max_io),
-                copy,
-            ) {
-                Ok(a) => {
-                    namespaces.push(spec::NsFacts {
-                        nsid,
-                        ns,
-                        copy: a.copy,
-                        session: a.session,
-                    });
-                    admitted.push(a);
-                }
+            match admit_namespaces(registry, &names, &c.subnqn, &owner, max_io) {
+                Ok((n, a)) => (namespaces, admitted) = (n, a),
                 Err(st) => {
                     crate::log!(Level::Info, "{peer_s}: NVMe host '{who}': refused: {st}");
-                    for a in &admitted {
-                        registry.leave(a.session, 0, &Default::default());
-                    }
                     reply(s, 0, sc::CONNECT_CTRL_BUSY, 0);
                     return None;
                 }
             }
         }
+        sub = names.sub;
     }
-    let depth = MAX_QUEUE_ENTRIES.min(registry.limits().max_depth);
     let leave_all = |admitted: &[Admitted]| {
         for a in admitted {
             registry.leave(a.session, 0, &Default::default());
@@ -1092,15 +1088,12 @@ fn admin_connect<S: Read + Write>(
     };
     let mut facts = None;
     let id = registry.nvme.insert(peer.ip(), |id| {
-        let f = Arc::new(Facts {
-            cntlid: id,
-            subnqn: c.subnqn.clone(),
-            serial: serial.clone(),
-            model: model.clone(),
-            namespaces: namespaces.clone(),
+        let f = Arc::new(controller_facts(
+            registry,
+            (id, &c.subnqn, sub.as_ref()),
+            namespaces.clone(),
             max_io,
-            max_depth: depth,
-        });
+        ));
         facts = Some(f.clone());
         Controller {
             subnqn: c.subnqn.clone(),
@@ -1109,6 +1102,7 @@ fn admin_connect<S: Read + Write>(
             ip: peer.ip(),
             facts: f,
             io_queues: MAX_IO_QUEUES,
+            authenticated: proven.is_none(),
         }
     });
     let (Some(id), Some(facts)) = (id, facts) else {
@@ -1146,6 +1140,80 @@ fn admin_connect<S: Read + Write>(
     ))))
 }
 
+/// What a controller tells its host about itself: Identify's facts for controller `id` of
+/// `subnqn` (a configured subsystem's serial and model, or an export's own), with `namespaces`
+/// (none: a discovery controller, or one whose host has not authenticated yet).
+fn controller_facts(
+    registry: &Registry,
+    (id, subnqn, sub): (u16, &str, Option<&Subsystem>),
+    namespaces: Vec<spec::NsFacts>,
+    max_io: u32,
+) -> Facts {
+    let (serial, model) = match sub {
+        Some(s) => (s.serial.clone(), s.model.clone()),
+        None => (spec::default_serial(subnqn), spec::DEFAULT_MODEL.into()),
+    };
+    Facts {
+        cntlid: id,
+        subnqn: subnqn.to_string(),
+        serial,
+        model,
+        namespaces,
+        max_io,
+        max_depth: MAX_QUEUE_ENTRIES.min(registry.limits().max_depth),
+    }
+}
+
+/// One session per namespace of `names`, each admitted as if it were the only one (the
+/// export's session limits, memory floor and rules apply to each), queue 0 being the admin
+/// queue. On a refusal the sessions already admitted leave again.
+fn admit_namespaces(
+    registry: &Registry,
+    names: &Resolved,
+    subnqn: &str,
+    owner: &Owner,
+    max_io: u32,
+) -> Result<(Vec<spec::NsFacts>, Vec<Admitted>), Status> {
+    let mut admitted: Vec<Admitted> = Vec::with_capacity(names.exports.len());
+    let mut namespaces = Vec::with_capacity(names.exports.len());
+    for (nsid, export) in &names.exports {
+        let ns = match &names.sub {
+            Some(_) => Namespace::in_subsystem(export, subnqn),
+            None => Namespace::of(export, subnqn),
+        };
+        let copy = {
+            let mut l = registry.copy_limits(export, u32::MAX);
+            l.max_ranges = l.max_ranges.min(spec::COPY_RANGES);
+            // Copy ranges count blocks in 16 bits.
+            l.max_range = l.max_range.min((u16::MAX as u32 + 1) << ns.lba_shift);
+            l
+        };
+        match registry.admit_first(
+            export,
+            owner,
+            (ns.size, 1 + MAX_IO_QUEUES, MAX_QUEUE_ENTRIES, max_io),
+            copy,
+        ) {
+            Ok(a) => {
+                namespaces.push(spec::NsFacts {
+                    nsid: *nsid,
+                    ns,
+                    copy: a.copy,
+                    session: a.session,
+                });
+                admitted.push(a);
+            }
+            Err(st) => {
+                for a in &admitted {
+                    registry.leave(a.session, 0, &Default::default());
+                }
+                return Err(st);
+            }
+        }
+    }
+    Ok((namespaces, admitted))
+}
+
 /// The exports behind a subsystem NQN, with their NSIDs, as this host may open them.
 struct Resolved {
     /// The configured subsystem (None: an export's own subsystem).
@@ -1153,88 +1221,136 @@ struct Resolved {
     exports: Vec<(u32, Arc<blkwire_backend::Export>)>,
 }
 
-/// Finds subsystem `c.subnqn` and checks that the host may connect to it: a configured
+/// Why [`resolve`] refused a host.
+enum Unresolved {
+    /// The subsystem's host list or an export's rules do not admit it (a refusal, counted).
+    Host(String),
+    /// No such subsystem, or one without namespaces.
+    Unknown(String),
+}
+
+impl Unresolved {
+    /// Logs it, and counts a refused host.
+    fn log(&self, registry: &Registry, peer_s: &str, who: &str) {
+        match self {
+            Unresolved::Host(why) => registry.access.refuse(&peer_s, why),
+            Unresolved::Unknown(why) => {
+                crate::log!(Level::Info, "{peer_s}: NVMe host '{who}' {why}")
+            }
+        }
+    }
+
+    /// The status Connect answers with.
+    fn status(&self) -> u16 {
+        match self {
+            Unresolved::Host(_) => sc::CONNECT_INVALID_HOST | sc::DNR,
+            Unresolved::Unknown(_) => sc::CONNECT_INVALID_PARAM | sc::DNR,
+        }
+    }
+
+    /// Connect's dword 0: where the error lies.
+    fn dw0(&self) -> u32 {
+        match self {
+            Unresolved::Host(_) => 0,
+            Unresolved::Unknown(_) => invalid_param(true, 256),
+        }
+    }
+}
+
+/// Finds subsystem `subnqn` and checks that host `hostnqn` may connect to it: a configured
 /// subsystem's host list (the host NQN is what DH-HMAC-CHAP proved when there is a key store),
-/// then each namespace's export rules, as a HELLO for that export would. None: refused
-/// (answered and logged).
-fn resolve<S: Read + Write>(
-    s: &mut S,
-    c: &Connect,
-    (peer_s, addr, proven): (&str, &PeerAddr, Option<&str>),
+/// then each namespace's export rules, as a HELLO for that export would.
+fn resolve(
+    subnqn: &str,
+    hostnqn: &str,
+    (addr, proven): (&PeerAddr, Option<&str>),
     registry: &Registry,
-    reply: Reply<'_, S>,
-) -> Option<Resolved> {
-    let who = c.hostnqn.escape_debug().to_string();
-    let nqn = c.subnqn.escape_debug();
-    let refuse_host = |s: &mut S, why: &str| {
-        registry.access.refuse(&peer_s, why);
-        reply(s, 0, sc::CONNECT_INVALID_HOST | sc::DNR, 0);
-    };
-    let unknown = |s: &mut S, why: &str| {
-        crate::log!(Level::Info, "{peer_s}: NVMe host '{who}' {why}");
-        reply(
-            s,
-            0,
-            sc::CONNECT_INVALID_PARAM | sc::DNR,
-            invalid_param(true, 256),
-        );
-    };
-    if let Some(sub) = registry.nvme.subsystem(&c.subnqn) {
-        if !sub.admits(&c.hostnqn) {
-            refuse_host(
-                s,
-                &format!("NVMe host '{who}' is not on subsystem '{nqn}''s host list"),
-            );
-            return None;
+) -> Result<Resolved, Unresolved> {
+    let who = hostnqn.escape_debug();
+    let nqn = subnqn.escape_debug();
+    if let Some(sub) = registry.nvme.subsystem(subnqn) {
+        if !sub.admits(hostnqn) {
+            return Err(Unresolved::Host(format!(
+                "NVMe host '{who}' is not on subsystem '{nqn}''s host list"
+            )));
         }
         if sub.namespaces.is_empty() {
-            unknown(
-                s,
-                &format!("asked for subsystem '{nqn}', which has no namespaces"),
-            );
-            return None;
+            return Err(Unresolved::Unknown(format!(
+                "asked for subsystem '{nqn}', which has no namespaces"
+            )));
         }
         let mut exports = Vec::with_capacity(sub.namespaces.len());
         for (nsid, name) in &sub.namespaces {
             let Some(e) = registry.permitted(name, proven, addr) else {
-                refuse_host(
-                    s,
-                    &format!(
-                        "NVMe host '{who}' may not open export '{}' (namespace {nsid} of \
-                         subsystem '{nqn}')",
-                        name.escape_debug()
-                    ),
-                );
-                return None;
+                return Err(Unresolved::Host(format!(
+                    "NVMe host '{who}' may not open export '{}' (namespace {nsid} of \
+                     subsystem '{nqn}')",
+                    name.escape_debug()
+                )));
             };
             exports.push((*nsid, e));
         }
-        return Some(Resolved {
+        return Ok(Resolved {
             sub: Some(sub),
             exports,
         });
     }
-    let name = c.subnqn.strip_prefix(spec::NQN_PREFIX).unwrap_or("");
+    let name = subnqn.strip_prefix(spec::NQN_PREFIX).unwrap_or("");
     match (!name.is_empty())
         .then(|| registry.permitted(name, proven, addr))
         .flatten()
     {
-        Some(e) => Some(Resolved {
+        Some(e) => Ok(Resolved {
             sub: None,
             exports: vec![(1, e)],
         }),
-        None if !name.is_empty() && registry.has_export(name) => {
-            refuse_host(
-                s,
-                &format!("NVMe host '{who}' may not open subsystem '{nqn}'"),
-            );
-            None
-        }
-        None => {
-            unknown(s, &format!("asked for unknown subsystem '{nqn}'"));
-            None
-        }
+        None if !name.is_empty() && registry.has_export(name) => Err(Unresolved::Host(format!(
+            "NVMe host '{who}' may not open subsystem '{nqn}'"
+        ))),
+        None => Err(Unresolved::Unknown(format!(
+            "asked for unknown subsystem '{nqn}'"
+        ))),
     }
+}
+
+/// Admits the sessions of a controller whose host has just proved its key (DH-HMAC-CHAP on
+/// the admin queue, `admin.rs`): its subsystem is resolved again as it is now (host list,
+/// export rules), one session per namespace is admitted, and the controller's entry gets its
+/// namespaces, so that its I/O queues may connect. Returns the new facts and the sessions, or
+/// why not (the controller then ends: its Connect was answered long ago).
+pub(crate) fn admit_authenticated(
+    registry: &Registry,
+    facts: &Facts,
+    (hostnqn, addr, peer_s): (&str, &PeerAddr, &str),
+) -> Result<(Arc<Facts>, Vec<Admitted>), String> {
+    let names = resolve(&facts.subnqn, hostnqn, (addr, Some(hostnqn)), registry).map_err(|r| {
+        r.log(registry, peer_s, &hostnqn.escape_debug().to_string());
+        match r {
+            Unresolved::Host(why) | Unresolved::Unknown(why) => why,
+        }
+    })?;
+    let owner = Owner {
+        proven: Some(hostnqn),
+        shown: hostnqn,
+        addr,
+        peer: peer_s,
+    };
+    let (namespaces, admitted) =
+        admit_namespaces(registry, &names, &facts.subnqn, &owner, facts.max_io)
+            .map_err(|st| format!("its sessions were refused: {st}"))?;
+    let f = Arc::new(controller_facts(
+        registry,
+        (facts.cntlid, &facts.subnqn, names.sub.as_ref()),
+        namespaces,
+        facts.max_io,
+    ));
+    if !registry.nvme.authenticated(facts.cntlid, f.clone()) {
+        for a in &admitted {
+            registry.leave(a.session, 0, &Default::default());
+        }
+        return Err("its controller was forgotten".into());
+    }
+    Ok((f, admitted))
 }
 
 fn io_connect<S: Read + Write>(
@@ -1250,6 +1366,24 @@ fn io_connect<S: Read + Write>(
     let ctrl = registry.nvme.get(c.cntlid).filter(|k| {
         k.subnqn == c.subnqn && k.hostnqn == c.hostnqn && k.hostid == c.hostid && k.ip == peer.ip()
     });
+    if ctrl.as_ref().is_some_and(|k| !k.authenticated) {
+        // Its admin queue has not authenticated yet: it has no sessions to join.
+        registry.access.refuse(
+            &peer_s,
+            &format!(
+                "NVMe host '{who}': I/O queue {} names controller {}, which has not \
+                 authenticated",
+                c.qid, c.cntlid
+            ),
+        );
+        reply(
+            s,
+            c.qid,
+            sc::CONNECT_INVALID_PARAM | sc::DNR,
+            invalid_param(true, 16),
+        );
+        return None;
+    }
     let Some(ctrl) = ctrl else {
         registry.access.refuse(
             &peer_s,

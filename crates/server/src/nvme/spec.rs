@@ -327,9 +327,10 @@ impl Facts {
         (self.max_io / 4096).max(1).trailing_zeros() as u8
     }
 
-    /// A discovery controller (no namespaces).
+    /// A discovery controller (it has no namespaces; a controller of a subsystem has none
+    /// either until its host authenticates).
     pub fn is_discovery(&self) -> bool {
-        self.namespaces.is_empty()
+        self.subnqn == DISCOVERY_NQN
     }
 
     /// Namespace `nsid`, if the controller has it.
