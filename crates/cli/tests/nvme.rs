@@ -1405,3 +1405,55 @@ fn send_reply(q: &mut Queue, host: &mut blkwire_auth::dhchap::HostAuth) {
     let reply = host.on_challenge(&challenge.data).unwrap();
     assert_eq!(nvme_host::auth_send(q, &reply).code(), 0, "AUTH_Send reply");
 }
+
+/// A `keys_load` that replaces a host's key while its DH-HMAC-CHAP is under way (the exchange
+/// began with the old key, so the host's proof is checked with it): the controller's sessions
+/// record the key the host proved, not the store's new one, so they do not outlive the key.
+#[test]
+fn a_key_replaced_during_dh_hmac_chap_leaves_no_session_with_the_old_key() {
+    use blkwire_auth::dhchap::{HostAuth, Secret};
+    use serde_json::json;
+    let dir = TempDir::new("nvme-auth-rotate");
+    let alice = "nqn.2014-08.org.nvmexpress:uuid:a11ce000-0000-4000-8000-000000000001";
+    let (old, new) = (Secret::generate(), Secret::generate());
+    let keys = key_file(&dir, &[format!("{alice}:{}", old.to_dhhc().unwrap())]);
+    let t = Controlled::start_with(&dir, &["disk0=mem:1M"], &["--keys", &keys]);
+    let o = Opts {
+        hostnqn: alice.into(),
+        ..Opts::default()
+    };
+    let (mut a, done) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &o).unwrap();
+    assert_eq!(done.code(), 0);
+    let mut host = HostAuth::new(alice, &nqn("disk0"), &old, None, 1);
+    assert_eq!(nvme_host::auth_send(&mut a, &host.negotiate()).code(), 0);
+    let challenge = nvme_host::auth_receive(&mut a);
+    assert_eq!(challenge.code(), 0);
+    // Alice's key is replaced now: she has no session yet, so nothing is closed ...
+    let rotated = key_file(&dir, &[format!("{alice}:{}", new.to_dhhc().unwrap())]);
+    let r = t.rpc("keys_load", json!({ "path": rotated }));
+    assert_eq!(r["closed_sessions"], 0);
+    // ... and she completes the exchange with the old one, as its secrets were.
+    let reply = host.on_challenge(&challenge.data).unwrap();
+    assert_eq!(nvme_host::auth_send(&mut a, &reply).code(), 0);
+    // Success1 (the target may as well have ended the controller instead).
+    let mut c = nvme_host::fabrics(0x06);
+    c.cdw10 = 0xe9 << 24 | 0x01 << 16 | 0x01 << 8;
+    c.cdw11 = 4096;
+    let _ = a.command_in(c, &[], 4096);
+    // Whatever session she got was proven with a key the store no longer has: the next check
+    // of the keys (the same file again) closes it, if nothing did before.
+    t.rpc("keys_load", json!({ "path": rotated }));
+    assert!(
+        a.closed_within(Duration::from_secs(10)),
+        "a controller proven with a replaced key went on"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let sessions = t.rpc("session_list", json!({}));
+        if sessions == json!([]) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still open: {sessions}");
+        std::thread::sleep(Duration::from_millis(20)); // polling a listing, not a sync point
+    }
+}

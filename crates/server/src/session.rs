@@ -784,9 +784,12 @@ impl Registry {
         depth: u16,
         max_io: u32,
     ) -> Result<Admitted, Status> {
+        // NBD's TLS-PSK checks the host's key itself and does not hand it down: the key the
+        // store holds now stands in for it.
+        let key = owner.proven.and_then(|h| self.access.key_of(h));
         self.admit_first(
             export,
-            owner,
+            (owner, key),
             (size, 1, depth, max_io),
             CopyLimits::default(),
         )
@@ -795,10 +798,11 @@ impl Registry {
     /// A session of `queues` queues whose first connection (queue 0) is admitted now and whose
     /// other queues join through [`Registry::join_verified`] once the frontend has checked who
     /// they are (NVMe/TCP: the admin queue creates it, I/O queue `qid` joins as queue `qid`).
+    /// `key` is the key the frontend checked the owner's proof with (None: it proved none).
     pub fn admit_first(
         &self,
         export: &Arc<Export>,
-        owner: &Owner,
+        (owner, key): (&Owner, Option<Key>),
         (size, queues, depth, max_io): (u64, u16, u16, u32),
         copy: CopyLimits,
     ) -> Result<Admitted, Status> {
@@ -807,10 +811,7 @@ impl Registry {
             export,
             owner,
             (size, queues, depth, max_io, max_io, copy),
-            // These frontends check a host's key themselves (NBD's TLS-PSK, iSCSI CHAP,
-            // NVMe DH-HMAC-CHAP) and do not hand it down: the key the store holds now stands
-            // in for it.
-            (None, owner.proven.and_then(|h| self.access.key_of(h))),
+            (None, key),
             (false, false, false),
             floor,
         )?;

@@ -975,9 +975,13 @@ fn finish<S: Read + Write>(
             registry.leave(a.session, 0, &Default::default());
         }
     };
+    // CHAP checks the initiator's secret itself and does not hand its key down: the key the
+    // store holds now stands in for it.
+    let key = owner.proven.and_then(|h| registry.access.key_of(h));
     for (_, export) in &luns {
         let copy = registry.copy_limits(export, u32::MAX);
-        match registry.admit_first(export, &owner, (export.size(), 1, depth, max_io), copy) {
+        let dims = (export.size(), 1, depth, max_io);
+        match registry.admit_first(export, (&owner, key.clone()), dims, copy) {
             Ok(a) => admitted.push(a),
             Err(st) => {
                 crate::log!(

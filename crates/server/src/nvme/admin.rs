@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use blkwire_auth::dhchap::{self, ControllerAuth};
-use blkwire_auth::PeerAddr;
+use blkwire_auth::{Key, PeerAddr};
 use blkwire_wire::nvme_tcp::{self, CapsuleCmd, Pdu};
 
 use super::spec::{self, admin, fctype, prop, sc, DiscoveryEntry, Facts};
@@ -201,7 +201,12 @@ impl AdminQueue {
             // The host has just proved its key: now its namespaces' sessions are admitted,
             // before the next command (AUTH_Receive of Success1, or the first one the
             // controller runs) is read.
-            if self.authenticated && self.admission_pending {
+            if let Some(key) = self
+                .auth
+                .as_ref()
+                .filter(|_| self.authenticated && self.admission_pending)
+                .map(|a| a.key.clone())
+            {
                 self.admission_pending = false;
                 let who = (self.s.hostnqn.as_str(), &self.s.peer_addr, peer);
                 let admitted = if self.s.facts.is_discovery() {
@@ -212,7 +217,7 @@ impl AdminQueue {
                         .then(|| (self.s.facts.clone(), Vec::new()))
                         .ok_or_else(|| "its controller was forgotten".to_string())
                 } else {
-                    super::admit_authenticated(registry, &self.s.facts, who)
+                    super::admit_authenticated(registry, &self.s.facts, who, &key)
                 };
                 match admitted {
                     Ok((facts, admitted)) => {
@@ -685,6 +690,9 @@ fn firmware_log() -> Vec<u8> {
 /// sends them), every other command refused until it succeeds.
 pub struct QueueAuth {
     inner: ControllerAuth,
+    /// The host's key in the key store the exchange's secrets came from: the one its proof is
+    /// checked with, which its sessions record.
+    key: Key,
 }
 
 impl QueueAuth {
@@ -696,6 +704,7 @@ impl QueueAuth {
         let ctrl = keys.ctrl_secret(hostnqn);
         Some(QueueAuth {
             inner: ControllerAuth::new(hostnqn, subnqn, host, ctrl),
+            key: keys.get(hostnqn)?.clone(),
         })
     }
 

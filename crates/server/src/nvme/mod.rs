@@ -25,7 +25,7 @@ use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 
-use blkwire_auth::PeerAddr;
+use blkwire_auth::{Key, PeerAddr};
 use blkwire_wire::nvme_tcp::{
     self, pdu_len, C2HData, CapsuleCmd, Cqe, Direction, IcResp, Params, Pdu, PduError, Progress,
     Sgl, TermReq, IC_LEN,
@@ -1070,7 +1070,7 @@ fn admin_connect<S: Read + Write>(
                 addr: &addr,
                 peer: &peer_s,
             };
-            match admit_namespaces(registry, &names, &c.subnqn, &owner, max_io) {
+            match admit_namespaces(registry, &names, &c.subnqn, (&owner, None), max_io) {
                 Ok((n, a)) => (namespaces, admitted) = (n, a),
                 Err(st) => {
                     crate::log!(Level::Info, "{peer_s}: NVMe host '{who}': refused: {st}");
@@ -1166,12 +1166,13 @@ fn controller_facts(
 
 /// One session per namespace of `names`, each admitted as if it were the only one (the
 /// export's session limits, memory floor and rules apply to each), queue 0 being the admin
-/// queue. On a refusal the sessions already admitted leave again.
+/// queue; `key` is the one the owner proved with DH-HMAC-CHAP (None: no key store). On a
+/// refusal the sessions already admitted leave again.
 fn admit_namespaces(
     registry: &Registry,
     names: &Resolved,
     subnqn: &str,
-    owner: &Owner,
+    (owner, key): (&Owner, Option<&Key>),
     max_io: u32,
 ) -> Result<(Vec<spec::NsFacts>, Vec<Admitted>), Status> {
     let mut admitted: Vec<Admitted> = Vec::with_capacity(names.exports.len());
@@ -1190,7 +1191,7 @@ fn admit_namespaces(
         };
         match registry.admit_first(
             export,
-            owner,
+            (owner, key.cloned()),
             (ns.size, 1 + MAX_IO_QUEUES, MAX_QUEUE_ENTRIES, max_io),
             copy,
         ) {
@@ -1316,12 +1317,15 @@ fn resolve(
 /// Admits the sessions of a controller whose host has just proved its key (DH-HMAC-CHAP on
 /// the admin queue, `admin.rs`): its subsystem is resolved again as it is now (host list,
 /// export rules), one session per namespace is admitted, and the controller's entry gets its
-/// namespaces, so that its I/O queues may connect. Returns the new facts and the sessions, or
-/// why not (the controller then ends: its Connect was answered long ago).
+/// namespaces, so that its I/O queues may connect. The sessions record `key`, the key the
+/// exchange checked the host's proof with (not the store's now: a `keys_load` during the
+/// exchange must close them). Returns the new facts and the sessions, or why not (the
+/// controller then ends: its Connect was answered long ago).
 pub(crate) fn admit_authenticated(
     registry: &Registry,
     facts: &Facts,
     (hostnqn, addr, peer_s): (&str, &PeerAddr, &str),
+    key: &Key,
 ) -> Result<(Arc<Facts>, Vec<Admitted>), String> {
     let names = resolve(&facts.subnqn, hostnqn, (addr, Some(hostnqn)), registry).map_err(|r| {
         r.log(registry, peer_s, &hostnqn.escape_debug().to_string());
@@ -1335,9 +1339,14 @@ pub(crate) fn admit_authenticated(
         addr,
         peer: peer_s,
     };
-    let (namespaces, admitted) =
-        admit_namespaces(registry, &names, &facts.subnqn, &owner, facts.max_io)
-            .map_err(|st| format!("its sessions were refused: {st}"))?;
+    let (namespaces, admitted) = admit_namespaces(
+        registry,
+        &names,
+        &facts.subnqn,
+        (&owner, Some(key)),
+        facts.max_io,
+    )
+    .map_err(|st| format!("its sessions were refused: {st}"))?;
     let f = Arc::new(controller_facts(
         registry,
         (facts.cntlid, &facts.subnqn, names.sub.as_ref()),
