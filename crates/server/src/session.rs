@@ -692,7 +692,8 @@ impl Registry {
     }
 
     /// Registers a session whose first queue is connected; returns its id and cookie. `key` is
-    /// the key its host proved (not the store's now: keys loaded since must revoke it).
+    /// the key its host proved (not the store's now: keys loaded since must revoke it); a key
+    /// the store no longer holds for that host is refused (ACCESS).
     fn create(
         &self,
         export: &Arc<Export>,
@@ -707,6 +708,21 @@ impl Registry {
         let mut inner = self.lock();
         if inner.shut {
             return Err(Status::Shutdown);
+        }
+        // The key its host proved must still be the host's. Checked under this lock, which
+        // `keys_load`'s revocation takes after it swapped the store: if the store was swapped
+        // before this check, the session is refused here (the revocation found nothing to
+        // close); if after, the revocation finds the session and closes it.
+        if let Some(h) = owner.proven.filter(|&h| self.access.key_of(h) != key) {
+            drop(inner);
+            self.access.refuse(
+                &peer,
+                &format!(
+                    "host '{}': the key it proved was replaced or removed meanwhile (keys_load)",
+                    h.escape_debug()
+                ),
+            );
+            return Err(Status::Access);
         }
         // Removed (or replaced) while this session was being negotiated.
         if !inner.exports.iter().any(|s| Arc::ptr_eq(&s.export, export)) {

@@ -313,19 +313,13 @@ mod replacement {
 }
 
 /// A session records the key its host proved, not the one the store holds when the session
-/// is registered: a `keys_load` that lands between the HELLO's proof and the registration (a
-/// rotation racing the handshake) must still close it.
+/// is registered, and registration checks it against the store under the registry's lock: a
+/// `keys_load` (the store swapped, then `revoke_unpermitted`) racing a handshake either finds
+/// the session and closes it, or comes first, and then the session is refused.
 #[test]
 fn a_session_keeps_the_key_it_was_proven_with() {
     let (old, new) = (key(), Key::new(&[8; 32]).unwrap());
     let r = registry(Some(&old));
-    // The HELLO's proof was checked with `old`; then the keys are replaced (no session yet
-    // to close) ...
-    let mut store = KeyStore::default();
-    store.insert("h", new);
-    r.access.set_keys(store);
-    assert!(r.revoke_unpermitted().is_empty());
-    // ... and then the session is registered.
     let export = r.exports()[0].clone();
     let addr = peer(1).addr;
     let owner = Owner {
@@ -335,15 +329,27 @@ fn a_session_keeps_the_key_it_was_proven_with() {
         peer: "127.0.0.1:1",
     };
     let max_io = 64 << 10;
-    let (id, ..) = r
-        .create(
+    let create = |key: &Key| {
+        r.create(
             &export,
             &owner,
             (1 << 20, 1, 4, max_io, max_io, CopyLimits::default()),
-            (None, Some(old)),
+            (None, Some(key.clone())),
             (false, false, false),
             Registry::queue_floor(max_io, false),
         )
-        .unwrap();
+        .map(|(id, ..)| id)
+    };
+    // Registered before the keys are replaced: closed by the replacement.
+    let id = create(&old).unwrap();
+    let mut store = KeyStore::default();
+    store.insert("h", new.clone());
+    r.access.set_keys(store);
     assert_eq!(r.revoke_unpermitted(), [id]);
+    // The HELLO's proof was checked with `old`, then the keys were replaced (the revocation
+    // found nothing of it), then the session is registered: refused.
+    assert_eq!(create(&old), Err(Status::Access));
+    assert!(r.revoke_unpermitted().is_empty());
+    // Proven with the host's key now, it is admitted.
+    assert!(create(&new).is_ok());
 }
