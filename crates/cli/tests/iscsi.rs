@@ -704,3 +704,101 @@ fn rpc_lists_targets_and_sessions_and_adds_portals() {
     assert_eq!(list[0]["portals"].as_array().map(Vec::len), Some(2));
     assert_eq!(list[0]["sessions"].as_array().map(Vec::len), Some(2));
 }
+
+/// A `keys_load` that replaces an initiator's CHAP secret after its CHAP response was checked
+/// and before its login ends: its sessions would rest on a secret the store no longer holds,
+/// so the login is refused (authentication failure) and no session is left.
+#[test]
+fn a_chap_secret_replaced_during_login_leaves_no_session() {
+    use std::io::Write;
+    use std::os::unix::fs::PermissionsExt;
+    let _serial = serial();
+    let dir = TempDir::new("iscsi-chap-rotate");
+    let ini = "iqn.2026-11.io.test:host1";
+    let keys = dir.path("keys");
+    let write_keys = |secret: &str| {
+        std::fs::write(&keys, format!("{ini}:CHAP:{secret}\n")).unwrap();
+        std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
+    };
+    write_keys("initiator-secret-1");
+    let sock = dir.path("ctl.sock").to_str().unwrap().to_string();
+    let mut cmd = Command::new(common::BIN);
+    cmd.args(["serve", "--rpc-socket", &sock, "--log-level", "warn"]);
+    cmd.args(["--listen", "iscsi://127.0.0.1:0", "--export", "d=mem:1M"]);
+    cmd.args(["--keys", keys.to_str().unwrap()]);
+    let (child, urls) = common::spawn_serve_with_control(&mut cmd, 1);
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _child = Kill(child);
+    let rpc = |method: &str, params: &str| -> serde_json::Value {
+        let (ok, out, err) = common::cli(&["rpc", method, params, "--socket", &sock]);
+        assert!(ok, "rpc {method}: {err}");
+        serde_json::from_str(&out).expect("rpc prints JSON")
+    };
+    let addr = urls[0].strip_prefix("iscsi://").unwrap().to_string();
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    // One Login Request with `flags` (T, CSG, NSG) and `pairs`: the response's status, flags
+    // and keys.
+    let mut login_step = |flags: u8, pairs: &[(&str, &str)]| {
+        let mut b = Bhs::new(op::LOGIN_REQ | iscsi::IMMEDIATE, flags);
+        b.0[8..14].copy_from_slice(&[0x80, 0, 0, 1, 0, 0]);
+        b.itt(1);
+        let mut text = Vec::new();
+        for (k, v) in pairs {
+            iscsi::push_pair(&mut text, k, v);
+        }
+        let mut out = Vec::new();
+        b.encode(&text, &Digests::default(), &mut out);
+        s.write_all(&out).unwrap();
+        let r = iscsi_host::read_pdu(&mut s, &Digests::default()).expect("a login response");
+        let status = u16::from_be_bytes([r.bhs[36], r.bhs[37]]);
+        (status, r.bhs[1], iscsi_host::keys(&r.data))
+    };
+    let value = |keys: &[(String, String)], name: &str| {
+        keys.iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_else(|| panic!("no {name} in {keys:?}"))
+    };
+    let target = format!("{PREFIX}d");
+    // Security stage (CSG 0, NSG 1): CHAP with the first secret.
+    let security = flag::TRANSIT | 1;
+    let first = [
+        ("InitiatorName", ini),
+        ("SessionType", "Normal"),
+        ("TargetName", target.as_str()),
+        ("AuthMethod", "CHAP"),
+    ];
+    assert_eq!(login_step(security, &first).0, 0);
+    let (st, _, k) = login_step(security, &[("CHAP_A", "5")]);
+    assert_eq!(st, 0);
+    let id: u8 = value(&k, "CHAP_I").parse().unwrap();
+    let challenge = iscsi::binary(&value(&k, "CHAP_C")).unwrap();
+    let r = blkwire_server::iscsi::chap_response(id, b"initiator-secret-1", &challenge).unwrap();
+    let (st, flags, _) = login_step(security, &[("CHAP_N", ini), ("CHAP_R", &iscsi::hex(&r))]);
+    assert_eq!(st, 0);
+    assert_ne!(
+        flags & flag::TRANSIT,
+        0,
+        "CHAP accepted: on to the next stage"
+    );
+    // The secret is replaced now: no session exists yet, nothing is closed ...
+    write_keys("initiator-secret-2");
+    let r = rpc(
+        "keys_load",
+        &format!("{{\"path\": \"{}\"}}", keys.display()),
+    );
+    assert_eq!(r["closed_sessions"], 0);
+    // ... and the login, proven with the old secret, gets no session when it ends.
+    let operational = flag::TRANSIT | 1 << 2 | 3;
+    let (st, _, _) = login_step(operational, &[("HeaderDigest", "None")]);
+    assert_eq!(st, 0x0201, "authentication failure");
+    assert_eq!(rpc("session_list", "{}"), serde_json::json!([]));
+}

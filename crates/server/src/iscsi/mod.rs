@@ -26,7 +26,7 @@ use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 
-use blkwire_auth::PeerAddr;
+use blkwire_auth::{Key, PeerAddr};
 use blkwire_backend::Export;
 use blkwire_wire::iscsi::{
     self, flag, op, pdu_len, Bhs, Digests, LoginRequest, PduError, Progress, BLKWIRE_IQN_PREFIX,
@@ -395,6 +395,8 @@ struct Login {
     auth: Auth,
     /// The identity CHAP proved (the initiator name).
     proven: Option<String>,
+    /// Its key in the key store CHAP checked the response against: its sessions record it.
+    key: Option<Key>,
     neg: Negotiated,
     /// Sent TargetPortalGroupTag already.
     tpgt_sent: bool,
@@ -591,6 +593,7 @@ impl Login {
             }
             _ => return Err(fail("CHAP_I and CHAP_C must come together".into())),
         }
+        self.key = keys.as_ref().and_then(|k| k.get(&n)).cloned();
         self.proven = Some(n);
         self.auth = Auth::Done;
         Ok(())
@@ -745,6 +748,7 @@ pub fn accept<S: Read + Write>(
         first: true,
         auth: Auth::Start,
         proven: None,
+        key: None,
         neg: Negotiated::default(),
         tpgt_sent: false,
         max_io: registry.limits().max_io.clamp(512, 16_777_215),
@@ -975,13 +979,11 @@ fn finish<S: Read + Write>(
             registry.leave(a.session, 0, &Default::default());
         }
     };
-    // CHAP checks the initiator's secret itself and does not hand its key down: the key the
-    // store holds now stands in for it.
-    let key = owner.proven.and_then(|h| registry.access.key_of(h));
     for (_, export) in &luns {
         let copy = registry.copy_limits(export, u32::MAX);
         let dims = (export.size(), 1, depth, max_io);
-        match registry.admit_first(export, (&owner, key.clone()), dims, copy) {
+        // The sessions record the key CHAP proved (a key replaced since is refused).
+        match registry.admit_first(export, (&owner, l.key.clone()), dims, copy) {
             Ok(a) => admitted.push(a),
             Err(st) => {
                 crate::log!(
@@ -989,7 +991,12 @@ fn finish<S: Read + Write>(
                     "{peer_s}: iSCSI initiator '{who}': refused: {st}"
                 );
                 leave_all(&admitted);
-                l.respond(s, flags & 0x0c, status::OUT_OF_RESOURCES, 0, &[])?;
+                // ACCESS: the secret CHAP proved was replaced or removed since.
+                let code = match st {
+                    blkwire_wire::Status::Access => status::AUTH_FAILED,
+                    _ => status::OUT_OF_RESOURCES,
+                };
+                l.respond(s, flags & 0x0c, code, 0, &[])?;
                 return None;
             }
         }
