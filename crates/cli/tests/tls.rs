@@ -713,3 +713,69 @@ fn nbd_tls_psk_hosts_are_held_to_export_allow_lists() {
         "bob's list: {list}"
     );
 }
+
+/// A `keys_load` that replaces a client's key between its TLS-PSK handshake and its
+/// NBD_OPT_GO: the session would rest on a key the store no longer holds, so GO is refused
+/// and no session is left (the key the PSK callback found is the one the session records).
+#[test]
+fn a_psk_replaced_before_go_opens_no_session() {
+    use openssl::ssl::{SslConnector, SslMethod, SslVersion};
+    let dir = TempDir::new("tls-psk-rotate");
+    let keys = dir.path("keys.psk");
+    let old = key_file(&keys, "alice");
+    let sock = dir.path("ctl.sock").to_str().unwrap().to_string();
+    let mut cmd = Command::new(common::BIN);
+    cmd.args(["serve", "--rpc-socket", &sock, "--log-level", "warn"]);
+    cmd.args(["--listen", "nbd://127.0.0.1:0", "--export", "d=mem:1M"]);
+    cmd.args(["--keys", keys.to_str().unwrap(), "--tls", "require"]);
+    let (child, urls) = common::spawn_serve_with_control(&mut cmd, 1);
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _child = Kill(child);
+    let rpc = |method: &str, params: &str| -> serde_json::Value {
+        let (ok, out, err) = cli(&["rpc", method, params, "--socket", &sock]);
+        assert!(ok, "rpc {method}: {err}");
+        serde_json::from_str(&out).expect("rpc prints JSON")
+    };
+    let addr = urls[0].strip_prefix("nbd://").unwrap();
+    let mut raw = Raw::open(addr);
+    raw.option(opt::STARTTLS, &[]);
+    assert_eq!(raw.opt_reply().1, rep::ACK);
+    let mut b = SslConnector::builder(SslMethod::tls_client()).unwrap();
+    b.set_min_proto_version(Some(SslVersion::TLS1_3)).unwrap();
+    let k = old.bytes().to_vec();
+    b.set_psk_client_callback(move |_ssl, _hint, identity, psk| {
+        identity[..5].copy_from_slice(b"alice");
+        identity[5] = 0;
+        psk[..k.len()].copy_from_slice(&k);
+        Ok(k.len())
+    });
+    let mut s = b
+        .build()
+        .configure()
+        .unwrap()
+        .connect("localhost", raw.0)
+        .expect("TLS-PSK handshake with alice's key");
+    // Alice's key is replaced now: she has no session yet, so nothing is closed ...
+    key_file(&keys, "alice");
+    let r = rpc(
+        "keys_load",
+        &format!("{{\"path\": \"{}\"}}", keys.display()),
+    );
+    assert_eq!(r["closed_sessions"], 0);
+    // ... and GO, over the session her old key opened, gets no session.
+    tls_option(&mut s, opt::GO, &info_data("d", &[]));
+    let last = loop {
+        let (typ, data) = tls_opt_reply(&mut s);
+        if typ != rep::INFO {
+            break (typ, String::from_utf8_lossy(&data).into_owned());
+        }
+    };
+    assert_eq!(last.0, rep::ERR_POLICY, "GO answered {last:?}");
+    assert_eq!(rpc("session_list", "{}"), serde_json::json!([]));
+}

@@ -86,8 +86,8 @@ impl Admission {
     }
 
     /// Runs the TLS handshake (server side) and sends everything after it through the session.
-    /// Returns the host id the client proved with its PSK, if it used one.
-    pub(crate) fn start_tls(&mut self, tls: &Tls) -> Result<Option<String>, String> {
+    /// Returns the host id the client proved with its PSK and that key, if it used one.
+    pub(crate) fn start_tls(&mut self, tls: &Tls) -> Result<Option<tls::PskHost>, String> {
         let (session, host) = tls.accept(self.s.as_raw_fd(), self.deadline)?;
         self.tls = Some(Box::new(session));
         Ok(host)
@@ -1264,7 +1264,7 @@ fn native_tls(
         return None;
     }
     match s.start_tls(tls) {
-        Ok(host) => Some(NativeGate::Tls(host)),
+        Ok(host) => Some(NativeGate::Tls(host.map(|(h, _)| h))),
         Err(e) => {
             // OpenSSL's reasons, not the peer's bytes: nothing to escape.
             registry

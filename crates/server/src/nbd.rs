@@ -106,9 +106,10 @@ pub fn negotiate(
     };
     let mut structured = false;
     let mut allocation = false;
-    // The host id a TLS-PSK client proved (the PSK user name): admission records it, and the
-    // per-export ACL check (issue 12 item 5) takes it as the authenticated host.
-    let mut proven_host: Option<String> = None;
+    // The host id a TLS-PSK client proved (the PSK user name) and the key it proved: admission
+    // records both, and the per-export ACL check (issue 12 item 5) takes the id as the
+    // authenticated host.
+    let mut proven_host: Option<crate::tls::PskHost> = None;
     let mut said_tls_required = false;
     for _ in 0..MAX_OPTIONS {
         let mut oh = [0u8; nbd::OPTION_HEADER_LEN];
@@ -177,14 +178,22 @@ pub fn negotiate(
             continue;
         }
         // Who the client is for the export rules: the host it proved with TLS-PSK, if any.
-        let who = (proven_host.as_deref(), &addr);
+        let who = (proven_host.as_ref().map(|(h, _)| h.as_str()), &addr);
+        let key = proven_host.as_ref().map(|(_, k)| k);
         match option {
             opt::EXPORT_NAME => {
                 let name = String::from_utf8_lossy(&data).into_owned();
                 // No error reply exists for EXPORT_NAME: an unknown name closes the connection.
                 let e = find(registry, who, &name)?;
                 // Nor for a refused session: the connection closes (logged by `admit`).
-                let adm = admit(registry, &e, (peer, who), NBD_MAX_UNNEGOTIATED, e.size()).ok()?;
+                let adm = admit(
+                    registry,
+                    &e,
+                    (peer, who, key),
+                    NBD_MAX_UNNEGOTIATED,
+                    e.size(),
+                );
+                let adm = adm.ok()?;
                 let mut out = Vec::with_capacity(134);
                 out.extend_from_slice(&adm.size.to_be_bytes());
                 out.extend_from_slice(&transmission_flags(&e, structured).to_be_bytes());
@@ -243,7 +252,7 @@ pub fn negotiate(
                     } else {
                         NBD_MAX_UNNEGOTIATED
                     };
-                    let adm = match admit(registry, &e, (peer, who), max, size) {
+                    let adm = match admit(registry, &e, (peer, who, key), max, size) {
                         Ok(a) => a,
                         Err(st) => {
                             // The client is told why, as for any refused option (proto.md: a
@@ -368,11 +377,11 @@ fn send_info(
 
 /// Admits the client at `peer` to export `e` with requests of up to `max_payload` bytes and
 /// the export's `size` its handshake sent; `proven` is the host id it proved with TLS-PSK
-/// (None: plain or X.509, no identity).
+/// (None: plain or X.509, no identity) and `key` the key it proved it with.
 fn admit(
     registry: &Registry,
     e: &std::sync::Arc<Export>,
-    (peer, (proven, addr)): (&str, (Option<&str>, &PeerAddr)),
+    (peer, (proven, addr), key): (&str, (Option<&str>, &PeerAddr), Option<&blkwire_auth::Key>),
     max_payload: u32,
     size: u64,
 ) -> Result<Admitted, Status> {
@@ -383,6 +392,6 @@ fn admit(
         peer,
     };
     registry
-        .admit_single(e, &owner, size, NBD_DEPTH, max_payload)
+        .admit_single(e, (&owner, key.cloned()), size, NBD_DEPTH, max_payload)
         .inspect_err(|st| crate::log!(Level::Info, "{peer}: NBD session refused: {st}"))
 }

@@ -791,18 +791,16 @@ impl Registry {
     }
 
     /// A one-connection session for frontends without queue joining (NBD: every connection
-    /// stands alone), given the export's `size` its handshake sent.
+    /// stands alone), given the export's `size` its handshake sent; `key` as for
+    /// [`Registry::admit_first`].
     pub fn admit_single(
         &self,
         export: &Arc<Export>,
-        owner: &Owner,
+        (owner, key): (&Owner, Option<Key>),
         size: u64,
         depth: u16,
         max_io: u32,
     ) -> Result<Admitted, Status> {
-        // NBD's TLS-PSK checks the host's key itself and does not hand it down: the key the
-        // store holds now stands in for it.
-        let key = owner.proven.and_then(|h| self.access.key_of(h));
         self.admit_first(
             export,
             (owner, key),

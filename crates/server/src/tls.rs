@@ -23,6 +23,7 @@ use openssl::ssl::{
 };
 
 use crate::Error;
+use blkwire_auth::Key;
 
 /// `serve --tls`: whether stream listeners offer TLS.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -81,9 +82,13 @@ pub(crate) struct Tls {
 /// A TLS session over a stream socket.
 pub(crate) type TlsStream = SslStream<FdIo>;
 
-/// Where the PSK callback leaves the host id a client proved (read after the handshake).
-fn psk_host_index() -> Result<Index<Ssl, String>, openssl::error::ErrorStack> {
-    static INDEX: OnceLock<Index<Ssl, String>> = OnceLock::new();
+/// A host id a client proved with TLS-PSK, and the key it proved (the one the PSK callback
+/// found in the store: its sessions record it).
+pub(crate) type PskHost = (String, Key);
+
+/// Where the PSK callback leaves the host a client proved (read after the handshake).
+fn psk_host_index() -> Result<Index<Ssl, PskHost>, openssl::error::ErrorStack> {
+    static INDEX: OnceLock<Index<Ssl, PskHost>> = OnceLock::new();
     if let Some(i) = INDEX.get() {
         return Ok(*i);
     }
@@ -206,7 +211,7 @@ impl Tls {
                 return Ok(0);
             }
             psk[..k.len()].copy_from_slice(k);
-            ssl.set_ex_data(index, id.to_string());
+            ssl.set_ex_data(index, (id.to_string(), key.clone()));
             Ok(k.len())
         });
         Ok(Tls {
@@ -230,12 +235,13 @@ impl Tls {
     }
 
     /// Runs the server side of a TLS handshake on `fd` by `deadline`. Returns the session and
-    /// the host id the client proved with its PSK (None: X.509, which proves only the server).
+    /// the host id the client proved with its PSK, with that key (None: X.509, which proves
+    /// only the server).
     pub(crate) fn accept(
         &self,
         fd: RawFd,
         deadline: Instant,
-    ) -> Result<(TlsStream, Option<String>), String> {
+    ) -> Result<(TlsStream, Option<PskHost>), String> {
         let ctx = self.ctx.as_ref().ok_or("TLS is off")?;
         let ssl = Ssl::new(ctx).map_err(|e| one_line(&e))?;
         let io = FdIo {
