@@ -33,7 +33,8 @@
 //!   flight than the connection has slots.
 //! - NOP-Out is answered with NOP-In, Logout with Logout Response, Text with an empty Text
 //!   Response, task management with Function Complete (tasks run to completion: the only tasks
-//!   that wait are writes for their data, which an initiator that aborts them never sends).
+//!   that wait are writes for their data, which an initiator that aborts them never sends, or
+//!   parked in the reactor for the memory to ask for it: both are found and given up).
 //! - A PDU that breaks the protocol is answered with Reject (its header as data) where the
 //!   stream is still in step, and the connection is closed where it is not (header digest,
 //!   data digest of Data-Out, oversized data segment).
@@ -300,7 +301,8 @@ impl Seq {
     }
 }
 
-/// A WRITE waiting in its slot for its data (unsolicited, then solicited).
+/// A WRITE waiting in its slot for its data (unsolicited, then solicited), or for the memory
+/// to ask for it (`parked`).
 #[derive(Clone, Copy, Debug, Default)]
 struct Task {
     itt: u32,
@@ -313,6 +315,9 @@ struct Task {
     /// End of the data the write needs.
     end: u32,
     active: bool,
+    /// Waiting in the reactor for memory before its first R2T (or, with all its data, before
+    /// it runs): no Data-Out is due, but task management finds and aborts it.
+    parked: bool,
     /// Aborted by task management: Data-Out already on its way is dropped.
     aborted: bool,
 }
@@ -390,7 +395,8 @@ pub struct Iscsi {
     history: xcopy::History,
     /// The block a WRITE SAME in progress writes (`fill`).
     pattern: Option<Vec<u8>>,
-    /// Slots of aborted writes the reactor is still to free (`Decoded::Release`).
+    /// Further slots of aborted writes the reactor is to free with the one `Decoded::Release`
+    /// named (`next_release`).
     releases: Vec<u16>,
     scratch: Vec<u8>,
     /// Persistent reservations, per target (LU) as `luns`: each its export's, shared by every
@@ -1452,7 +1458,7 @@ impl Iscsi {
         let Some(t) = self
             .tasks
             .get_mut(slot)
-            .filter(|t| t.active && t.itt == itt && t.seq.ttt == ttt)
+            .filter(|t| t.active && !t.parked && t.itt == itt && t.seq.ttt == ttt)
         else {
             // Data for no R2T of ours (a dead task, a made-up TTT) cannot be placed, and the
             // stream cannot be trusted after it (ERL 0).
@@ -1517,7 +1523,7 @@ impl Iscsi {
         let slot = self
             .tasks
             .iter()
-            .position(|t| t.active && t.itt == itt && t.seq.ttt == RESERVED_TAG);
+            .position(|t| t.active && !t.parked && t.itt == itt && t.seq.ttt == RESERVED_TAG);
         if let Some(slot) = slot {
             let t = &mut self.tasks[slot];
             let ended = match t.seq.take(p.word(36), offset, n, fin) {
@@ -1673,6 +1679,7 @@ impl Iscsi {
                     && on.is_none_or(|n| t.target == n)
                 {
                     t.active = false;
+                    t.parked = false;
                     t.aborted = true;
                     released.push(i as u16);
                 }
@@ -1683,8 +1690,8 @@ impl Iscsi {
             // LUN.
             1..=5 if self.target_of(lun).is_none() => 2,
             1 => {
-                // The referenced task: a write waiting for its data is aborted (never
-                // answered). Any other task has been answered or is about to be: "does not
+                // The referenced task: a write waiting for its data, or parked waiting for
+                // the memory to ask for it, is aborted (never run nor answered). Any other task has been answered or is about to be: "does not
                 // exist" (libiscsi's AbortTaskSimpleAsync accepts either, as §11.5.1 does).
                 let rtt = p.word20();
                 abort(&mut self.tasks, Some(rtt), None);
@@ -1820,9 +1827,6 @@ impl StreamFrontend for Iscsi {
                 trailer,
             };
         }
-        if let Some(slot) = self.releases.pop() {
-            return Decoded::Release { slot, len: 0 };
-        }
         if self.hold && self.part_running {
             // COMPARE AND WRITE's read is with the reactor: nothing more is decoded until it
             // is back (the reactor services the connection again when it is). What is asked for
@@ -1894,6 +1898,7 @@ impl StreamFrontend for Iscsi {
             seq: Seq::default(),
             end: offset + len,
             active: true,
+            parked: false,
             aborted: false,
         };
         match self.announced {
@@ -1911,6 +1916,29 @@ impl StreamFrontend for Iscsi {
 
     fn data_follows(&self, req: &Req) -> bool {
         follows_of(req)
+    }
+
+    fn parked(&mut self, req: &Req, slot: u16) {
+        if let Some(t) = self.tasks.get_mut(slot as usize) {
+            *t = Task {
+                itt: itt_of(req),
+                target: req.target,
+                active: true,
+                parked: true,
+                ..Task::default()
+            };
+        }
+    }
+
+    fn unparked(&mut self, slot: u16) {
+        if let Some(t) = self.tasks.get_mut(slot as usize).filter(|t| t.parked) {
+            t.active = false;
+            t.parked = false;
+        }
+    }
+
+    fn next_release(&mut self) -> Option<u16> {
+        self.releases.pop()
     }
 
     fn taken(&mut self, _req: &Req) {
@@ -2352,10 +2380,7 @@ mod tests {
             Decoded::Release { slot: 1, .. }
         ));
         assert_eq!((tx[0], tx[2]), (op::TMF_RSP, 0));
-        assert!(
-            matches!(f.decode(&[], &mut tx), Decoded::Need(_)),
-            "nothing else released"
-        );
+        assert_eq!(f.next_release(), None, "nothing else released");
         tx.clear();
         // A LUN it does not have: LUN does not exist.
         assert!(matches!(
@@ -2733,6 +2758,83 @@ mod tests {
             Decoded::Violation(_)
         ));
         assert_eq!(tx[0], op::REJECT);
+    }
+
+    /// A TASK MANAGEMENT FUNCTION REQUEST (immediate) for LUN 0: `function` on `rtt`.
+    fn tmf_pdu(itt: u32, function: u8, rtt: u32) -> Vec<u8> {
+        let mut b = Bhs::new(op::TMF_REQ | iscsi::IMMEDIATE, flag::FINAL | function);
+        b.itt(itt).set32(20, rtt).set32(24, 1);
+        let mut out = Vec::new();
+        b.encode(&[], &Digests::default(), &mut out);
+        out
+    }
+
+    /// A WRITE parked in the reactor for memory before its R2T (with its immediate data, or
+    /// none) is a task ABORT TASK finds: Function Complete, its slot released so it never
+    /// runs, nothing more outstanding; ABORT TASK SET releases every parked write at once
+    /// (`next_release`); one that left the wait is solicited as any other.
+    #[test]
+    fn abort_task_finds_a_write_parked_before_its_r2t() {
+        let mut f = fe(4096);
+        let mut tx = Vec::new();
+        let write10 = [0x2a, 0, 0, 0, 0, 0, 0, 0, 8, 0];
+        let park = |f: &mut Iscsi, itt: u32, slot: u16, imm: &[u8], tx: &mut Vec<u8>| {
+            let pdu = cmd(itt, itt - 1, &write10, 4096, true, imm);
+            let Decoded::Request {
+                req, payload_len, ..
+            } = f.decode(&pdu, tx)
+            else {
+                panic!("a request");
+            };
+            assert_eq!(payload_len, imm.len());
+            f.taken(&req);
+            f.parked(&req, slot);
+            req
+        };
+        park(&mut f, 1, 2, &[5u8; 1024], &mut tx);
+        assert!(tx.is_empty(), "no R2T while parked");
+        assert_eq!(f.outstanding, 1);
+        let abort = tmf_pdu(10, 1, 1);
+        assert!(
+            matches!(f.decode(&abort, &mut tx), Decoded::Release { slot: 2, len } if len == abort.len())
+        );
+        assert_eq!(
+            (tx[0], tx[2], be32(&tx, 16)),
+            (op::TMF_RSP, 0, 10),
+            "Function Complete"
+        );
+        assert_eq!((f.outstanding, f.next_release()), (0, None));
+        tx.clear();
+        // Gone: aborting it again, the task does not exist.
+        assert!(matches!(
+            f.decode(&abort, &mut tx),
+            Decoded::Answered { .. }
+        ));
+        assert_eq!((tx[0], tx[2]), (op::TMF_RSP, 1));
+        tx.clear();
+        // ABORT TASK SET: every parked write of the LU, all released by the one function.
+        park(&mut f, 2, 0, &[], &mut tx);
+        park(&mut f, 3, 1, &[6u8; 512], &mut tx);
+        let Decoded::Release { slot, .. } = f.decode(&tmf_pdu(11, 2, RESERVED_TAG), &mut tx) else {
+            panic!("released");
+        };
+        let mut slots = vec![slot];
+        slots.extend(f.next_release());
+        slots.sort();
+        assert_eq!(slots, [0, 1]);
+        assert_eq!((tx[2], f.next_release(), f.outstanding), (0, None, 0));
+        tx.clear();
+        // Parked, then asked for its data once memory is there: an R2T, and aborts as usual.
+        let req = park(&mut f, 4, 3, &[], &mut tx);
+        f.unparked(3);
+        f.solicit(&req, 3, 0, 4096, &mut tx);
+        assert_eq!((tx[0], be32(&tx, 16), be32(&tx, 20)), (op::R2T, 4, 3));
+        tx.clear();
+        assert!(matches!(
+            f.decode(&tmf_pdu(12, 1, 4), &mut tx),
+            Decoded::Release { slot: 3, .. }
+        ));
+        assert_eq!(tx[2], 0);
     }
 
     #[test]

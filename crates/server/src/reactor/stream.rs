@@ -158,7 +158,14 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                     run_deferred(c, idx, sq);
                 }
             }
-            Decoded::Release { slot, .. } => release_held(c, slot),
+            Decoded::Release { slot, .. } => {
+                release_held(c, slot);
+                // All of them now: a parked write aborted with it must not be run by
+                // `run_deferred` first.
+                while let Some(slot) = c.fe.next_release() {
+                    release_held(c, slot);
+                }
+            }
             // Counted as answered even when the frontend's protocol has no answer for it.
             _ => c.stats().frames_out += 1,
         }
@@ -550,6 +557,7 @@ fn hold_write(c: &mut Conn, req: &Req, payload_at: usize, got: u32) {
     s.awaiting = Some(got);
     if got == 0 && !c.fe.data_follows(req) {
         c.deferred.push_back(slot);
+        c.fe.parked(req, slot);
         return;
     }
     let align = c.exec(req).buffer_alignment();
@@ -615,6 +623,7 @@ fn park_with_data(c: &mut Conn, req: &Req, payload_at: usize, got: usize) {
     s.awaiting = Some(got as u32);
     s.brought = Some(brought);
     c.deferred.push_back(slot);
+    c.fe.parked(req, slot);
 }
 
 /// Runs what waits for memory in slots, oldest first, as far as the memory budget covers it:
@@ -654,6 +663,7 @@ fn run_deferred(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             return;
         }
         c.deferred.pop_front();
+        c.fe.unparked(slot);
         if whole {
             let s = &mut c.slots[slot as usize];
             s.buf = s.brought.take();
@@ -1147,6 +1157,8 @@ mod tests {
 
     struct Toy {
         chunked: bool,
+        /// Further slots the last `X` released (`next_release`).
+        releases: Vec<u16>,
     }
 
     fn u32_at(b: &[u8], i: usize) -> u32 {
@@ -1240,6 +1252,27 @@ mod tests {
                     Decoded::Release {
                         slot: u16::from_le_bytes([rx[1], rx[2]]),
                         len: 3,
+                    }
+                }
+                // `X n:u8 slot:u16...`: n writes released at once (iSCSI ABORT TASK SET).
+                Some(b'X') => {
+                    if let Some(n) = need(2) {
+                        return n;
+                    }
+                    let n = rx[1] as usize;
+                    if let Some(m) = need(2 + 2 * n) {
+                        return m;
+                    }
+                    self.releases = rx[2..2 + 2 * n]
+                        .chunks(2)
+                        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                        .collect();
+                    match self.releases.pop() {
+                        Some(slot) => Decoded::Release {
+                            slot,
+                            len: 2 + 2 * n,
+                        },
+                        None => Decoded::Answered { len: 2 },
                     }
                 }
                 // `Q cookie offset length`: an allocation query.
@@ -1415,6 +1448,9 @@ mod tests {
             }
             true
         }
+        fn next_release(&mut self) -> Option<u16> {
+            self.releases.pop()
+        }
         fn solicit(&mut self, _req: &Req, slot: u16, offset: u32, len: u32, tx: &mut Vec<u8>) {
             tx.push(b'T');
             tx.extend_from_slice(&slot.to_le_bytes());
@@ -1553,7 +1589,10 @@ mod tests {
         let c = Conn {
             sock: OwnedFd::from(a),
             incarnation: 1,
-            fe: Box::new(Toy { chunked }),
+            fe: Box::new(Toy {
+                chunked,
+                releases: Vec::new(),
+            }),
             targets: vec![super::super::conn::Target {
                 inline: exec.completes_inline(),
                 exec,
@@ -1976,6 +2015,55 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// One message that gives up several parked writes (iSCSI ABORT TASK SET) releases them
+    /// all before anything waiting for memory goes on: once the writes before them ran and
+    /// gave their memory back, neither aborted write runs nor is answered.
+    #[test]
+    fn writes_parked_and_aborted_together_never_run() {
+        const MIB: usize = 1 << 20;
+        const IMM: usize = 128 << 10;
+        let p = vec![9u8; MIB];
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn("m=mem:8M");
+        c.slots = (0..8).map(|_| Slot::default()).collect();
+        c.free_slots = (0..8).rev().collect();
+        for i in 0..4 {
+            let w = write(i as u64, (i * MIB) as u64, MIB as u32, &p[..IMM]);
+            feed(&mut c, &mut ring, &w);
+        }
+        let asked = solicited(&take_tx(&mut c));
+        assert_eq!(asked.len(), 4);
+        let held = c.held;
+        // Two writes park with their immediate data (one that brought all of it, one part),
+        // and are aborted together in the same read (nothing lets them go on between).
+        let mut slots: Vec<u16> = c.free_slots.iter().rev().take(2).copied().collect();
+        let mut msgs = write(4, 4 * MIB as u64, IMM as u32, &p[..IMM]);
+        msgs.extend_from_slice(&write(5, 5 * MIB as u64, MIB as u32, &p[..IMM]));
+        msgs.extend_from_slice(&[b'X', 2]);
+        for s in &slots {
+            msgs.extend_from_slice(&s.to_le_bytes());
+        }
+        feed(&mut c, &mut ring, &msgs);
+        assert_eq!(c.rx_start, c.rx_end, "all taken");
+        assert_eq!((c.held, c.deferred.len()), (held, 0), "both given back");
+        slots.sort();
+        assert!(slots.iter().all(|s| c.free_slots.contains(s)));
+        let mut msgs = Vec::new();
+        for &(slot, offset, len) in &asked {
+            msgs.extend_from_slice(&data(slot, offset, &p[..len as usize]));
+        }
+        feed(&mut c, &mut ring, &msgs);
+        let tx = take_tx(&mut c);
+        assert_eq!(c.targets[0].exec.stats.writes, 4, "only the four ran");
+        assert!(solicited(&tx).is_empty());
+        for cookie in [4, 5] {
+            assert!(!tx
+                .windows(11)
+                .any(|w| w[..9] == status_reply(cookie, Status::Ok)[..9]));
+        }
+        assert_eq!((c.held, c.free_slots.len()), (0, 8));
     }
 
     /// The same under the memory budget: while writes wait for memory to ask for their data,
