@@ -718,7 +718,7 @@ impl ExportQueue {
     }
 
     /// Starts an allocation query of `offset..offset+len` (range-checked): its extents are
-    /// appended to `*out`, coalesced, at most [`crate::MAX_EXTENTS`]. Answered on this thread
+    /// appended to `*out`, coalesced, at most `max` (1..=[`crate::MAX_EXTENTS`]). Answered on this thread
     /// unless the backend runs queries on its own threads (then `Pending`, with the result, 0
     /// or a negative errno, from [`ExportQueue::reap`]).
     ///
@@ -728,15 +728,18 @@ impl ExportQueue {
         &mut self,
         offset: u64,
         len: u64,
+        max: usize,
         out: *mut Vec<crate::Extent>,
         tag: u64,
         sq: &mut dyn Submitter,
     ) -> Progress {
+        let max = max.clamp(1, crate::MAX_EXTENTS);
         // SAFETY: passed on from our caller.
-        match unsafe { self.io.start_allocation(offset, len, out, tag, sq) } {
+        match unsafe { self.io.start_allocation(offset, len, max, out, tag, sq) } {
             None => {
                 // SAFETY: our caller vouches for `out`, and nothing else holds it.
-                self.backend.allocation(offset, len, unsafe { &mut *out });
+                self.backend
+                    .allocation(offset, len, max, unsafe { &mut *out });
                 Progress::Done(0)
             }
             Some(Started::Done(r)) => Progress::Done(r),
@@ -1188,7 +1191,9 @@ impl ExportQueue {
         let p: *mut Vec<crate::Extent> = &mut out;
         // SAFETY: `out` lives until this function returns, which `blocking` does only once the
         // result is delivered; nothing else touches it meanwhile.
-        self.blocking(|q, sq| unsafe { q.start_allocation(offset, len, p, BLOCKING_TAG, sq) })?;
+        self.blocking(|q, sq| unsafe {
+            q.start_allocation(offset, len, crate::MAX_EXTENTS, p, BLOCKING_TAG, sq)
+        })?;
         Ok(out)
     }
 
@@ -1294,17 +1299,18 @@ fn len32(n: usize) -> io::Result<u32> {
 }
 
 /// [`push_extent`] for a query that appends from `out[first..]`: false, and nothing appended,
-/// when the extent would be one past [`crate::MAX_EXTENTS`] (the query stops there, a prefix
-/// of its range). Never letting the list past the bound, not truncating it afterwards, is what
+/// when the extent would be one past `max` (at most [`crate::MAX_EXTENTS`]: the query stops
+/// there, a prefix of its range). Never letting the list past the bound, not truncating it afterwards, is what
 /// keeps its capacity, and the memory the server covers for it, within the bound.
 pub(crate) fn push_extent_within(
     out: &mut Vec<crate::Extent>,
     first: usize,
+    max: usize,
     len: u64,
     hole: bool,
 ) -> bool {
     let merges = len == 0 || out.last().is_some_and(|l| l.hole == hole);
-    if !merges && out.len() - first >= crate::MAX_EXTENTS {
+    if !merges && out.len() - first >= max.min(crate::MAX_EXTENTS) {
         return false;
     }
     push_extent(out, len, hole);
@@ -1639,7 +1645,8 @@ mod tests {
         );
         assert!(q.mapped(12288, 4096).is_some());
         let mut extents = Vec::new();
-        e.backend().allocation(2 << 20, 1 << 20, &mut extents);
+        e.backend()
+            .allocation(2 << 20, 1 << 20, crate::MAX_EXTENTS, &mut extents);
         assert_eq!(
             extents,
             [crate::Extent {
@@ -1669,7 +1676,8 @@ mod tests {
         }
         let mut out = Vec::new();
         // SAFETY: `out` outlives the query, whose result is reaped below before it is read.
-        let p = unsafe { q.start_allocation(0, 1 << 20, &mut out, 5, &mut NoRing) };
+        let p =
+            unsafe { q.start_allocation(0, 1 << 20, crate::MAX_EXTENTS, &mut out, 5, &mut NoRing) };
         assert_eq!(p, Progress::Pending);
         let mut got = None;
         while got.is_none() {
@@ -2193,7 +2201,8 @@ mod tests {
             Progress::Pending
         );
         // SAFETY: `out` outlives the query, reaped below.
-        let p = unsafe { q.start_allocation(0, 4 << 20, &mut out, 3, &mut NoRing) };
+        let p =
+            unsafe { q.start_allocation(0, 4 << 20, crate::MAX_EXTENTS, &mut out, 3, &mut NoRing) };
         assert_eq!(p, Progress::Pending);
         let mut done = Vec::new();
         while done.len() < 4 {
@@ -2333,7 +2342,8 @@ mod tests {
         let b = vec![1u8; 8192];
         q.write_blocking(65536, &b, false).unwrap();
         let mut out = Vec::new();
-        e.backend().allocation(0, 1 << 20, &mut out);
+        e.backend()
+            .allocation(0, 1 << 20, crate::MAX_EXTENTS, &mut out);
         let want = [
             crate::Extent {
                 len: 65536,
@@ -2350,7 +2360,8 @@ mod tests {
         ];
         assert_eq!(out, want);
         let mut part = Vec::new();
-        e.backend().allocation(100, 65536, &mut part);
+        e.backend()
+            .allocation(100, 65536, crate::MAX_EXTENTS, &mut part);
         assert_eq!(
             part,
             [
@@ -2377,7 +2388,8 @@ mod tests {
         let mut q = e.open_queue().unwrap();
         q.write_blocking(65536, &b, false).unwrap();
         let mut out = Vec::new();
-        e.backend().allocation(0, 1 << 20, &mut out);
+        e.backend()
+            .allocation(0, 1 << 20, crate::MAX_EXTENTS, &mut out);
         let data: Vec<_> = out.iter().filter(|x| !x.hole).collect();
         assert_eq!(out.iter().map(|x| x.len).sum::<u64>(), 1 << 20);
         assert_eq!(data.len(), 1, "{out:?}");

@@ -56,6 +56,7 @@ enum Slow {
     Allocation {
         offset: u64,
         len: u64,
+        max: usize,
         out: *mut Vec<Extent>,
     },
 }
@@ -106,10 +107,15 @@ impl FileBackend {
                             f.copy(fd, src, dst, len, &mut true, &mut scratch)
                         }
                         Slow::Op(_) => -libc::EINVAL, // READ, WRITE and FLUSH use the ring
-                        Slow::Allocation { offset, len, out } => {
+                        Slow::Allocation {
+                            offset,
+                            len,
+                            max,
+                            out,
+                        } => {
                             // SAFETY: the queue keeps the list valid and untouched until this
                             // result is reaped (start_allocation's contract).
-                            f.allocation(offset, len, unsafe { &mut *out });
+                            f.allocation(offset, len, max, unsafe { &mut *out });
                             0
                         }
                     };
@@ -475,12 +481,19 @@ pub(crate) fn no_data(fd: libc::c_int) -> bool {
 }
 
 /// Appends the allocation map of `offset..offset+len` of a file, walking data and holes with
-/// SEEK_DATA/SEEK_HOLE; any surprise reports the rest as data.
-pub(crate) fn seek_extents(fd: libc::c_int, offset: u64, len: u64, out: &mut Vec<crate::Extent>) {
+/// SEEK_DATA/SEEK_HOLE, at most `max` entries; any surprise reports the rest as data.
+pub(crate) fn seek_extents(
+    fd: libc::c_int,
+    offset: u64,
+    len: u64,
+    max: usize,
+    out: &mut Vec<crate::Extent>,
+) {
     let end = offset + len;
     let start_len = out.len();
     let mut at = offset;
-    while at < end && out.len() - start_len < crate::MAX_EXTENTS {
+    // Each turn appends at most one entry (a hole, or the data up to the next hole), whole.
+    while at < end && out.len() - start_len < max.min(crate::MAX_EXTENTS) {
         // SAFETY: lseek on the caller's fd.
         let data = unsafe { libc::lseek(fd, at as libc::off_t, libc::SEEK_DATA) };
         let data = if data >= 0 {
@@ -624,12 +637,12 @@ impl Backend for FileBackend {
     fn reads_as_zero(&self) -> bool {
         !self.block_device && no_data(self.fd)
     }
-    fn allocation(&self, offset: u64, len: u64, out: &mut Vec<crate::Extent>) {
+    fn allocation(&self, offset: u64, len: u64, max: usize, out: &mut Vec<crate::Extent>) {
         if self.block_device {
             out.push(crate::Extent { len, hole: false });
             return;
         }
-        seek_extents(self.fd, offset, len, out);
+        seek_extents(self.fd, offset, len, max, out);
     }
 
     fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
@@ -726,11 +739,20 @@ impl QueueIo for FileQueue {
         &mut self,
         offset: u64,
         len: u64,
+        max: usize,
         out: *mut Vec<Extent>,
         tag: u64,
         _sq: &mut dyn Submitter,
     ) -> Option<Started> {
-        Some(self.slow(Slow::Allocation { offset, len, out }, tag))
+        Some(self.slow(
+            Slow::Allocation {
+                offset,
+                len,
+                max,
+                out,
+            },
+            tag,
+        ))
     }
 
     fn notifier(&self) -> Option<RawFd> {
@@ -787,6 +809,28 @@ mod tests {
         assert_eq!(got, [s("0"), s("0"), s("1"), None]);
     }
 
+    /// A walk that may list `max` extents lists at most that many, a prefix of the range (on
+    /// a filesystem with holes: data, hole, data, hole, one by one).
+    #[test]
+    fn a_seek_walk_stops_at_the_most_the_caller_asks_for() {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::FileExt;
+        let path = std::env::temp_dir().join(format!("blkwire-seek-{}", std::process::id()));
+        let f = std::fs::File::create(&path).unwrap();
+        f.set_len(4 << 20).unwrap();
+        f.write_all_at(&[1; 4096], 0).unwrap();
+        f.write_all_at(&[1; 4096], 2 << 20).unwrap();
+        f.sync_all().unwrap();
+        let mut all = Vec::new();
+        seek_extents(f.as_raw_fd(), 0, 4 << 20, crate::MAX_EXTENTS, &mut all);
+        for max in 1..=4 {
+            let mut out = Vec::new();
+            seek_extents(f.as_raw_fd(), 0, 4 << 20, max, &mut out);
+            assert_eq!(out[..], all[..all.len().min(max)], "max {max}");
+        }
+        std::fs::remove_file(&path).unwrap();
+    }
+
     /// A SEEK_DATA that fails for any reason but ENXIO (here ESPIPE, as a transient EIO or
     /// ESTALE on NFS would) reports the range as data, never as a hole.
     #[test]
@@ -795,7 +839,7 @@ mod tests {
         // SAFETY: pipe into an array of two descriptors, closed below.
         assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
         let mut out = Vec::new();
-        seek_extents(fds[0], 4096, 1 << 20, &mut out);
+        seek_extents(fds[0], 4096, 1 << 20, crate::MAX_EXTENTS, &mut out);
         // SAFETY: closing the two descriptors pipe made.
         unsafe {
             libc::close(fds[0]);

@@ -229,10 +229,11 @@ pub trait Backend: Send + Sync {
         None
     }
     /// Appends the allocation map of `offset..offset+len` (already range-checked) to `out`,
-    /// coalesced, at most [`MAX_EXTENTS`] entries (a prefix of the range when there are more),
-    /// and never more meanwhile: the server covers the list's memory by that bound. The
-    /// default says: all data.
-    fn allocation(&self, _offset: u64, len: u64, out: &mut Vec<Extent>) {
+    /// coalesced, at most `max` entries (1..=[`MAX_EXTENTS`]; a prefix of the range when there
+    /// are more, its last entry whole), and never more meanwhile: the server covers the list's
+    /// memory by that bound, and asks for no more than its answer can hold (NBD's REQ_ONE: 1).
+    /// The default says: all data.
+    fn allocation(&self, _offset: u64, len: u64, _max: usize, out: &mut Vec<Extent>) {
         out.push(Extent { len, hole: false });
     }
 }
@@ -268,8 +269,8 @@ pub trait QueueIo {
         self.notifier().is_some()
     }
 
-    /// Starts an allocation query of `offset..offset+len` (range-checked) whose extents are
-    /// appended to `*out`, as [`Backend::allocation`] would, and reports 0 or a negative errno
+    /// Starts an allocation query of `offset..offset+len` (range-checked) whose extents, at
+    /// most `max`, are appended to `*out`, as [`Backend::allocation`] would, and reports 0 or a negative errno
     /// like any operation. `None`, the default, means the backend answers on the calling thread
     /// through [`Backend::allocation`]; backends whose query is slow or remote (librbd's diff
     /// iteration) run it on their own threads and return `Some(Started::Async)`. A backend whose
@@ -281,6 +282,7 @@ pub trait QueueIo {
         &mut self,
         _offset: u64,
         _len: u64,
+        _max: usize,
         _out: *mut Vec<Extent>,
         _tag: u64,
         _sq: &mut dyn Submitter,

@@ -446,7 +446,7 @@ impl Backend for MemBackend {
         // SAFETY: inside the mapping, which lives as long as the backend.
         Some(unsafe { self.base.add(offset as usize) }.cast_const())
     }
-    fn allocation(&self, offset: u64, len: u64, out: &mut Vec<crate::Extent>) {
+    fn allocation(&self, offset: u64, len: u64, max: usize, out: &mut Vec<crate::Extent>) {
         let first = offset / PAGE;
         let end = offset + len;
         // One byte per page for mincore: at most 1 MiB, 4 GiB of the export, per query.
@@ -465,7 +465,7 @@ impl Backend for MemBackend {
             let hole = v & 1 == 0 && !self.written.all(page, page + 1);
             // Past MAX_EXTENTS, or past the pages scanned, the map is a prefix of the range:
             // the caller asks again from where it ends (Backend::allocation's contract).
-            if !crate::export::push_extent_within(out, start, page_end - at, hole) {
+            if !crate::export::push_extent_within(out, start, max, page_end - at, hole) {
                 return;
             }
             at = page_end;
@@ -658,7 +658,7 @@ mod tests {
         assert!(read(&m, PAGE, 8192) == [5u8; 8192]);
 
         let mut extents = Vec::new();
-        m.allocation(0, size, &mut extents);
+        m.allocation(0, size, crate::MAX_EXTENTS, &mut extents);
         assert_eq!(
             extents,
             [crate::Extent {
@@ -680,7 +680,7 @@ mod tests {
         };
         assert_eq!(r, 0);
         extents.clear();
-        m.allocation(0, size, &mut extents);
+        m.allocation(0, size, crate::MAX_EXTENTS, &mut extents);
         assert!(extents.iter().all(|e| !e.hole), "{extents:?}");
     }
 
@@ -696,7 +696,7 @@ mod tests {
             write(&m, p * PAGE, &[1]);
         }
         let mut out = vec![crate::Extent { len: 1, hole: true }];
-        m.allocation(0, pages * PAGE, &mut out);
+        m.allocation(0, pages * PAGE, crate::MAX_EXTENTS, &mut out);
         let got = &out[1..];
         assert!(
             got.len() <= crate::MAX_EXTENTS,
@@ -707,6 +707,26 @@ mod tests {
         assert!(!got.is_empty());
         for (i, e) in got.iter().enumerate() {
             assert_eq!((e.len, e.hole), (PAGE, i % 2 == 1), "extent {i}");
+        }
+    }
+
+    /// A query that may list `max` extents lists at most that many, each whole (the first of
+    /// a run of written pages spans the run): NBD's REQ_ONE asks for one.
+    #[test]
+    fn allocation_stops_at_the_most_the_caller_asks_for() {
+        let m = MemBackend::new(64 * PAGE).unwrap();
+        for p in [0, 1, 2, 5, 9] {
+            write(&m, p * PAGE, &[1]);
+        }
+        for (max, want) in [
+            (1, vec![(3, false)]),
+            (2, vec![(3, false), (2, true)]),
+            (3, vec![(3, false), (2, true), (1, false)]),
+        ] {
+            let mut out = Vec::new();
+            m.allocation(0, 64 * PAGE, max, &mut out);
+            let got: Vec<(u64, bool)> = out.iter().map(|e| (e.len / PAGE, e.hole)).collect();
+            assert_eq!(got, want, "max {max}");
         }
     }
 

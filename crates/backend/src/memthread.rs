@@ -23,6 +23,7 @@ enum Work {
     Allocation {
         offset: u64,
         len: u64,
+        max: usize,
         out: *mut Vec<Extent>,
     },
 }
@@ -60,8 +61,8 @@ impl Backend for MemThreadBackend {
     fn reads_as_zero(&self) -> bool {
         self.mem.reads_as_zero()
     }
-    fn allocation(&self, offset: u64, len: u64, out: &mut Vec<Extent>) {
-        self.mem.allocation(offset, len, out)
+    fn allocation(&self, offset: u64, len: u64, max: usize, out: &mut Vec<Extent>) {
+        self.mem.allocation(offset, len, max, out)
     }
     fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
         let done = Completions::new()?;
@@ -75,9 +76,14 @@ impl Backend for MemThreadBackend {
                         // SAFETY: the queue that started the op keeps its buffer valid until the
                         // result is reaped (QueueIo::start's contract), which happens after this.
                         Work::Io(op) => unsafe { self.mem.execute(op) },
-                        Work::Allocation { offset, len, out } => {
+                        Work::Allocation {
+                            offset,
+                            len,
+                            max,
+                            out,
+                        } => {
                             // SAFETY: as above, for the extent list (start_allocation's contract).
-                            self.mem.allocation(offset, len, unsafe { &mut *out });
+                            self.mem.allocation(offset, len, max, unsafe { &mut *out });
                             0
                         }
                     };
@@ -138,11 +144,20 @@ impl QueueIo for MemThreadQueue {
         &mut self,
         offset: u64,
         len: u64,
+        max: usize,
         out: *mut Vec<Extent>,
         tag: u64,
         _sq: &mut dyn Submitter,
     ) -> Option<Started> {
-        Some(self.send(Work::Allocation { offset, len, out }, tag))
+        Some(self.send(
+            Work::Allocation {
+                offset,
+                len,
+                max,
+                out,
+            },
+            tag,
+        ))
     }
 
     fn notifier(&self) -> Option<RawFd> {

@@ -63,7 +63,7 @@ impl Backend for NullBackend {
     fn reads_as_zero(&self) -> bool {
         true
     }
-    fn allocation(&self, _offset: u64, len: u64, out: &mut Vec<crate::Extent>) {
+    fn allocation(&self, _offset: u64, len: u64, _max: usize, out: &mut Vec<crate::Extent>) {
         out.push(crate::Extent { len, hole: true });
     }
 

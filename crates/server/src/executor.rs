@@ -322,8 +322,9 @@ impl Executor {
         self.io.complete(tag, res, sq)
     }
 
-    /// Starts an allocation query (range-checked with [`Executor::check_range`]) whose extents
-    /// are appended to `*out`. Exports that complete inline answer it inline too.
+    /// Starts an allocation query (range-checked with [`Executor::check_range`]) whose extents,
+    /// at most `max`, are appended to `*out`. Exports that complete inline answer it inline
+    /// too.
     ///
     /// # Safety
     /// `out` must stay valid, and untouched by anyone else, until the result is delivered.
@@ -331,12 +332,16 @@ impl Executor {
         &mut self,
         offset: u64,
         len: u32,
+        max: usize,
         out: *mut Vec<Extent>,
         tag: u64,
         sq: &mut dyn Submitter,
     ) -> Outcome<()> {
         // SAFETY: passed on from our caller.
-        match unsafe { self.io.start_allocation(offset, len as u64, out, tag, sq) } {
+        match unsafe {
+            self.io
+                .start_allocation(offset, len as u64, max, out, tag, sq)
+        } {
             Progress::Done(res) => Outcome::Done(result_status(res)),
             Progress::Pending => Outcome::Pending(()),
         }

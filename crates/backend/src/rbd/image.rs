@@ -227,7 +227,7 @@ impl RbdBackend {
                     // untouched until the result is reaped (start_allocation's contract),
                     // which is after this post.
                     let out = unsafe { &mut *job.out.0 };
-                    let res = diff_extents(&handle, job.offset, job.len, out);
+                    let res = diff_extents(&handle, job.offset, job.len, job.max, out);
                     job.poster.post(job.tag, res);
                 }
             })?;
@@ -293,8 +293,8 @@ impl Backend for RbdBackend {
         self.size.store(new_size, Ordering::Release);
         Ok(())
     }
-    fn allocation(&self, offset: u64, len: u64, out: &mut Vec<Extent>) {
-        if diff_extents(&self.handle, offset, len, out) < 0 {
+    fn allocation(&self, offset: u64, len: u64, max: usize, out: &mut Vec<Extent>) {
+        if diff_extents(&self.handle, offset, len, max, out) < 0 {
             // Nothing known: say data, which is always a correct answer.
             out.push(Extent { len, hole: false });
         }
@@ -356,6 +356,7 @@ unsafe impl Send for OutPtr {}
 struct AllocJob {
     offset: u64,
     len: u64,
+    max: usize,
     out: OutPtr,
     tag: u64,
     poster: Poster,
@@ -447,6 +448,7 @@ impl QueueIo for RbdQueue {
         &mut self,
         offset: u64,
         len: u64,
+        max: usize,
         out: *mut Vec<Extent>,
         tag: u64,
         _sq: &mut dyn Submitter,
@@ -454,6 +456,7 @@ impl QueueIo for RbdQueue {
         let job = AllocJob {
             offset,
             len,
+            max,
             out: OutPtr(out),
             tag,
             poster: self.poster.clone(),
@@ -503,6 +506,8 @@ impl Drop for RbdQueue {
 /// What the diff walk collects: data extents as librbd reports them.
 struct Walk {
     data: Vec<(u64, u64)>,
+    /// The most entries the map may have (each data extent makes at least one).
+    max: usize,
     /// Stopped early (too many extents): the map ends at the last extent collected.
     stopped: bool,
 }
@@ -510,7 +515,7 @@ struct Walk {
 extern "C" fn on_diff(offset: u64, len: usize, exists: c_int, arg: *mut c_void) -> c_int {
     // SAFETY: `arg` is the Walk `diff_extents` passed, alive and ours for the whole call.
     let walk = unsafe { &mut *arg.cast::<Walk>() };
-    if walk.data.len() >= MAX_EXTENTS {
+    if walk.data.len() >= walk.max {
         walk.stopped = true;
         return -libc::ECANCELED;
     }
@@ -521,12 +526,13 @@ extern "C" fn on_diff(offset: u64, len: usize, exists: c_int, arg: *mut c_void) 
     0
 }
 
-/// Appends the allocation map of `offset..offset+len` to `out` (coalesced, at most
-/// MAX_EXTENTS entries, a prefix of the range when there would be more); 0 or a negative
-/// errno. Holes are what `rbd_diff_iterate2` since the image's creation does not report.
-fn diff_extents(h: &Handle, offset: u64, len: u64, out: &mut Vec<Extent>) -> i32 {
+/// Appends the allocation map of `offset..offset+len` to `out` (coalesced, at most `max`
+/// entries, a prefix of the range when there would be more); 0 or a negative errno. Holes
+/// are what `rbd_diff_iterate2` since the image's creation does not report.
+fn diff_extents(h: &Handle, offset: u64, len: u64, max: usize, out: &mut Vec<Extent>) -> i32 {
     let mut walk = Walk {
         data: Vec::new(),
+        max: max.clamp(1, MAX_EXTENTS),
         stopped: false,
     };
     // SAFETY: an open image; the callback gets `walk`, which outlives the synchronous call.
@@ -550,7 +556,7 @@ fn diff_extents(h: &Handle, offset: u64, len: u64, out: &mut Vec<Extent>) -> i32
 }
 
 /// Appends the allocation map of `offset..offset+len` that a diff walk found to `out`: holes
-/// between the data extents, at most MAX_EXTENTS entries (a prefix of the range when there
+/// between the data extents, at most `walk.max` entries (a prefix of the range when there
 /// would be more).
 fn map_of_walk(mut walk: Walk, offset: u64, len: u64, out: &mut Vec<Extent>) {
     walk.data.sort_unstable();
@@ -560,7 +566,7 @@ fn map_of_walk(mut walk: Walk, offset: u64, len: u64, out: &mut Vec<Extent>) {
     } else {
         end
     };
-    let first = out.len();
+    let (first, max) = (out.len(), walk.max);
     let mut pos = offset;
     // Each data extent may add two entries: stop at the bound rather than build twice as many
     // and truncate, so the list never holds (nor its capacity grows to) more than the bound.
@@ -570,8 +576,8 @@ fn map_of_walk(mut walk: Walk, offset: u64, len: u64, out: &mut Vec<Extent>) {
         if e <= o {
             continue;
         }
-        if !push_extent_within(out, first, o - pos, true)
-            || !push_extent_within(out, first, e - o, false)
+        if !push_extent_within(out, first, max, o - pos, true)
+            || !push_extent_within(out, first, max, e - o, false)
         {
             whole = false;
             break;
@@ -579,7 +585,7 @@ fn map_of_walk(mut walk: Walk, offset: u64, len: u64, out: &mut Vec<Extent>) {
         pos = e;
     }
     if whole && pos < limit {
-        push_extent_within(out, first, limit - pos, true);
+        push_extent_within(out, first, max, limit - pos, true);
     }
     if out.len() == first {
         // An empty prefix (stopped before anything): say one data extent of the first bytes
@@ -603,6 +609,7 @@ mod tests {
             data: (0..MAX_EXTENTS as u64)
                 .map(|i| ((2 * i + 1) * B, B))
                 .collect(),
+            max: MAX_EXTENTS,
             stopped: true,
         };
         let mut out = Vec::with_capacity(MAX_EXTENTS);

@@ -2033,6 +2033,13 @@ impl StreamFrontend for Iscsi {
         }
     }
 
+    fn block_status_extents(&self, req: &Req) -> usize {
+        // A descriptor per extent (one may be cut short by the allocation length), at least
+        // one.
+        let room = (extra_of(req) as usize).saturating_sub(8);
+        room.div_ceil(scsi::LBA_STATUS_DESCRIPTOR_LEN).max(1)
+    }
+
     fn block_status_len(&self, req: &Req, extents: usize) -> usize {
         // What scsi::lba_status writes, a header and a descriptor per extent (none is split:
         // a query spans at most 1 GiB), cut to the allocation length; sent as Data-In.
@@ -2543,6 +2550,45 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// GET LBA STATUS asks the backend for no more extents than its allocation length holds
+    /// descriptors (one cut short counts), at least one: what it reserves for the query's
+    /// list follows, and the answer still fills the allocation length when there are more.
+    #[test]
+    fn lba_status_asks_for_what_the_allocation_length_holds() {
+        for (alloc_len, want) in [
+            (8u32, 1usize),
+            (24, 1),
+            (30, 2),
+            (8 + 16 * 3, 3),
+            (4096, 256),
+            (8192, 512),
+        ] {
+            let mut f = fe(65536);
+            let mut cdb = [0u8; 16];
+            cdb[0] = 0x9e;
+            cdb[1] = 0x12; // GET LBA STATUS
+            cdb[10..14].copy_from_slice(&alloc_len.to_be_bytes());
+            let mut b = Bhs::new(op::SCSI_CMD, flag::FINAL | flag::READ | 1);
+            b.itt(9).set32(20, alloc_len).set32(24, 0);
+            b.0[32..48].copy_from_slice(&cdb);
+            let mut pdu = Vec::new();
+            b.encode(&[], &f.d, &mut pdu);
+            let mut tx = Vec::new();
+            let Decoded::Request { req, .. } = f.decode(&pdu, &mut tx) else {
+                panic!("{alloc_len}: {tx:x?}");
+            };
+            f.taken(&req);
+            let max = f.block_status_extents(&req);
+            assert_eq!(max, want, "allocation length {alloc_len}");
+            // Those extents fill the allocation length (the LUN holds 2048 blocks).
+            let extents: Vec<(u32, bool)> = (0..max).map(|i| (512, i % 2 == 1)).collect();
+            let mut tx = Vec::new();
+            assert!(f.block_status_reply(&req, &extents, &mut tx));
+            let sent = (alloc_len as usize).min(8 + 16 * max);
+            assert_eq!(be32(&tx, 4) as usize & 0xff_ffff, sent, "{alloc_len}");
         }
     }
 

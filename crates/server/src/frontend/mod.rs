@@ -273,6 +273,14 @@ pub trait StreamFrontend: Send {
         let _ = target;
     }
 
+    /// The most extents the reply to the allocation query `req` can list (iSCSI: what GET LBA
+    /// STATUS's allocation length holds): the backend is asked for no more, and no more is
+    /// reserved for its list. NBD's REQ_ONE (one) is the reactor's to apply.
+    fn block_status_extents(&self, req: &Req) -> usize {
+        let _ = req;
+        blkwire_backend::MAX_EXTENTS
+    }
+
     /// Fills the buffer of a WRITE that came without its data when the frontend holds that data
     /// itself (iSCSI WRITE SAME's block, repeated), instead of asking the initiator for it:
     /// true when `data` (the write's whole length) is filled and the write may run.

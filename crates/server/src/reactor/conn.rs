@@ -27,6 +27,9 @@ pub(super) struct Slot {
     pub(super) extents: Vec<Extent>,
     /// What that query's reply may take, held in `Conn::held` while it runs.
     pub(super) reply_held: usize,
+    /// What that query's list is counted at in `Conn::lists` while it runs: room for the
+    /// extents its reply can hold, reserved before it starts (`stream::query_extents`).
+    pub(super) list_held: usize,
     /// A WRITE waiting for the data the frontend solicited: how many bytes of it are in `buf`
     /// (or in `brought` while it waits for memory).
     pub(super) awaiting: Option<u32>,
@@ -144,9 +147,10 @@ pub(super) struct Conn {
     /// Scratch for allocation maps (NBD block status) of exports that answer inline (counted
     /// in `lists`).
     pub(super) extents: Vec<Extent>,
-    /// Bytes of allocation lists (`extents`, and the slots'): a query's bound
-    /// ([`EXTENTS_BOUND`]) while it runs, since a backend thread may be filling its list, and
-    /// the capacity of the others.
+    /// Bytes of allocation lists (`extents`, and the slots'): a running query's list at the
+    /// room reserved for it (`Slot::list_held`: the extents its reply can hold, at most
+    /// [`extents_bound`]`(MAX_EXTENTS)`), which a backend thread filling it never grows past, and the
+    /// capacity of the others.
     pub(super) lists: usize,
     /// Spare data buffers for the next requests.
     pub(super) bufs: Buffers,
@@ -255,9 +259,11 @@ pub fn stream_floor(max_io: u32) -> usize {
 /// Room for a reply's framing beside its data (headers, digests, chunk headers).
 pub(super) const REPLY_SLACK: usize = 4096;
 
-/// The most an allocation query's list holds: backends append at most MAX_EXTENTS extents
-/// (`Backend::allocation`), 1 MiB.
-pub(super) const EXTENTS_BOUND: usize = MAX_EXTENTS * std::mem::size_of::<Extent>();
+/// The most an allocation query's list holds when it asks for `max` extents: backends append
+/// at most that many, and never more than MAX_EXTENTS (`Backend::allocation`), 1 MiB.
+pub(super) fn extents_bound(max: usize) -> usize {
+    max.min(MAX_EXTENTS) * std::mem::size_of::<Extent>()
+}
 
 /// Extents a list keeps between queries (4 KiB): small maps need no allocation each, and the
 /// 1 MiB a large map took is not kept in every slot a query once ran in.

@@ -4,7 +4,7 @@
 use blkwire_backend::{AlignedBuf, BlockRequest, Extent, IoFlags, MAX_EXTENTS};
 use blkwire_wire::Status;
 
-use super::conn::{list_bytes, Broadcast, Conn, Slot, EXTENTS_BOUND, REPLY_SLACK};
+use super::conn::{extents_bound, list_bytes, Broadcast, Conn, Slot, REPLY_SLACK};
 use super::ring::{ud, Pusher, KIND_IO};
 use crate::bufpool::Buffers;
 use crate::executor::{result_status, Copied, Outcome, Started};
@@ -233,15 +233,18 @@ fn covers_copy(c: &mut Conn) -> Cover {
 }
 
 /// Whether an allocation query may be taken (see `parse_frames`). It is not a data request,
-/// but its reply may list MAX_EXTENTS extents (512 KiB for NBD) and the list it is built from
-/// takes 1 MiB: like a READ's data, the reply counts against the high-water mark while the
-/// query runs, and the budget must cover both before it is taken, or the connection waits.
+/// but its reply may list as many extents as the client asked for, up to MAX_EXTENTS (512 KiB
+/// for NBD), and the list it is built from takes 16 bytes an extent (1 MiB at most): like a
+/// READ's data, the reply counts against the high-water mark while the query runs, and the
+/// budget must cover both before it is taken, or the connection waits. A query for one extent
+/// (NBD's REQ_ONE) takes a few bytes, not 1 MiB.
 fn covers_block_status(c: &mut Conn, req: &Req) -> Cover {
     let reply = block_status_bound(c, req);
-    if c.rx.capacity() + reply + EXTENTS_BOUND > c.mem.cap() {
+    let list = extents_bound(query_extents(c, req));
+    if c.rx.capacity() + reply + list > c.mem.cap() {
         return Cover::Never;
     }
-    if c.data_pending() >= c.tx_high_water() || !c.covers(reply, EXTENTS_BOUND) {
+    if c.data_pending() >= c.tx_high_water() || !c.covers(reply, list) {
         return Cover::Wait;
     }
     Cover::Yes
@@ -249,16 +252,19 @@ fn covers_block_status(c: &mut Conn, req: &Req) -> Cover {
 
 /// The most the reply to the allocation query `req` takes in the transmit buffer.
 fn block_status_bound(c: &Conn, req: &Req) -> usize {
-    c.fe.block_status_len(req, reply_extents(req, MAX_EXTENTS))
+    c.fe.block_status_len(req, query_extents(c, req))
 }
 
-/// How many of `n` extents the reply to `req` lists.
-fn reply_extents(req: &Req, n: usize) -> usize {
-    if req.flags.has(IoFlags::REQ_ONE) {
-        n.min(1)
+/// The most extents the reply to the allocation query `req` lists: one under NBD's REQ_ONE,
+/// what the frontend's answer holds (iSCSI: the allocation length), at most MAX_EXTENTS. The
+/// backend is asked for no more, and its list is reserved for that many.
+fn query_extents(c: &Conn, req: &Req) -> usize {
+    let max = if req.flags.has(IoFlags::REQ_ONE) {
+        1
     } else {
-        n.min(MAX_EXTENTS)
-    }
+        c.fe.block_status_extents(req)
+    };
+    max.clamp(1, MAX_EXTENTS)
 }
 
 /// Whether the memory budget covers a data request that brought `payload_len` bytes of its
@@ -833,10 +839,11 @@ fn read_hole(c: &mut Conn, req: &Req) -> bool {
     let mut extents = std::mem::take(&mut c.extents);
     let counted = list_bytes(&extents);
     extents.clear();
+    // One extent says it: a hole that covers the range.
     c.exec(req)
         .export()
         .backend()
-        .allocation(req.offset, req.length as u64, &mut extents);
+        .allocation(req.offset, req.length as u64, 1, &mut extents);
     let hole = extents.len() == 1 && extents[0].hole && extents[0].len >= req.length as u64;
     c.rest_list(&mut extents, counted);
     c.extents = extents;
@@ -886,6 +893,7 @@ fn release_slot(c: &mut Conn, slot: u16) {
 /// query on their own threads, so it takes a slot whose list outlives it. Either list is
 /// emptied and shrunk once answered (`Conn::rest_list`): a 1 MiB map is not kept per slot.
 fn block_status(c: &mut Conn, idx: usize, req: &Req, sq: &mut Pusher<'_>) {
+    let max = query_extents(c, req);
     if c.inline(req) {
         let mut extents = std::mem::take(&mut c.extents);
         let counted = list_bytes(&extents);
@@ -893,7 +901,7 @@ fn block_status(c: &mut Conn, idx: usize, req: &Req, sq: &mut Pusher<'_>) {
         // SAFETY: `extents` is ours for the call, and an inline export answers inside it.
         let status = match unsafe {
             c.exec(req)
-                .start_allocation(req.offset, req.length, &mut extents, 0, sq)
+                .start_allocation(req.offset, req.length, max, &mut extents, 0, sq)
         } {
             Outcome::Done(st) => st,
             Outcome::Pending(()) => unreachable!("inline exports answer allocation queries inline"),
@@ -913,22 +921,28 @@ fn block_status(c: &mut Conn, idx: usize, req: &Req, sq: &mut Pusher<'_>) {
     };
     let tag = ud(KIND_IO, c.incarnation, idx, slot);
     let s = &mut c.slots[slot as usize];
+    let before = list_bytes(&s.extents);
     s.extents.clear();
-    // Counted at its bound until answered: a backend thread may grow it meanwhile.
-    c.lists = c.lists - list_bytes(&s.extents) + EXTENTS_BOUND;
+    // Room for all the backend may append (`max`), reserved now and counted until answered:
+    // the backend's thread fills it without growing it.
+    s.extents.reserve_exact(max);
+    let counted = list_bytes(&s.extents);
+    s.list_held = counted;
+    c.lists = c.lists - before + counted;
     let out: *mut Vec<Extent> = &mut s.extents;
     // SAFETY: the slot's list is neither touched nor freed until the slot is released, which
     // happens only once the result is delivered (a connection with slots in flight is never
     // dropped).
     match unsafe {
         c.exec(req)
-            .start_allocation(req.offset, req.length, out, tag, sq)
+            .start_allocation(req.offset, req.length, max, out, tag, sq)
     } {
         Outcome::Done(status) => {
             let mut extents = std::mem::take(&mut c.slots[slot as usize].extents);
+            c.slots[slot as usize].list_held = 0;
             release_slot(c, slot);
             answer_block_status(c, req, status, &extents);
-            c.rest_list(&mut extents, EXTENTS_BOUND);
+            c.rest_list(&mut extents, counted);
             c.slots[slot as usize].extents = extents;
         }
         Outcome::Pending(()) => {
@@ -952,7 +966,7 @@ fn answer_block_status(c: &mut Conn, req: &Req, status: Status, extents: &[Exten
     }
     // At most what the budget covered (`covers_block_status`), whatever a backend returned:
     // a prefix of the map is an answer too.
-    let extents = &extents[..reply_extents(req, extents.len())];
+    let extents = &extents[..extents.len().min(query_extents(c, req))];
     c.grow_tx(c.fe.block_status_len(req, extents.len()));
     // Lengths fit in u32: every extent lies inside the request, whose length is a u32.
     let list: Vec<(u32, bool)> = extents
@@ -1050,8 +1064,9 @@ fn settle(c: &mut Conn, slot: u16, status: Status) {
     if req.kind == Kind::BlockStatus {
         c.held -= std::mem::take(&mut c.slots[slot as usize].reply_held);
         let mut extents = std::mem::take(&mut c.slots[slot as usize].extents);
+        let counted = std::mem::take(&mut c.slots[slot as usize].list_held);
         answer_block_status(c, &req, status, &extents);
-        c.rest_list(&mut extents, EXTENTS_BOUND);
+        c.rest_list(&mut extents, counted);
         c.slots[slot as usize].extents = extents;
     } else if req.is_read() && status == Status::Ok {
         let len = req.length as usize;
@@ -1174,7 +1189,7 @@ mod tests {
             kind,
             offset: u64_at(rx, 9),
             length: u32_at(rx, 17),
-            flags: IoFlags::empty(),
+            flags: IoFlags::empty().with(IoFlags::REQ_ONE, u64_at(rx, 1) as u128 & REQ_ONE != 0),
             slot: None,
             cookie: u64_at(rx, 1) as u128,
             target: 0,
@@ -1469,6 +1484,8 @@ mod tests {
     const TRAILER_BYTES: &[u8] = b"END";
     /// A chunked READ whose cookie has this bit is not framed in pieces: `encode_read` copies.
     const NO_PIECES: u128 = 1 << 60;
+    /// An allocation query whose cookie has this bit asks for one extent (NBD's REQ_ONE).
+    const REQ_ONE: u128 = 1 << 59;
 
     fn conn(spec: &str) -> (Conn, UnixStream) {
         conn_with(spec, false)
@@ -2266,6 +2283,63 @@ mod tests {
         }
     }
 
+    /// An allocation query for one extent (NBD's REQ_ONE) reserves room for one, not for
+    /// MAX_EXTENTS (1 MiB of list, 512 KiB of reply): the backend is asked for no more, its
+    /// list counted at that while it runs, and it is answered where the budget could not hold
+    /// a full map; a query without it still reserves for the full map.
+    #[test]
+    fn an_allocation_query_for_one_extent_reserves_room_for_one() {
+        const PAGE: u64 = 4096;
+        for spec in ["m=mem:4M", "m=memthread:4M"] {
+            let mut ring = Ring::new(8).unwrap();
+            let (mut c, _peer) = conn(spec);
+            let mut q = c.targets[0].exec.export().open_queue().unwrap();
+            for page in (0..64).step_by(2) {
+                q.write_blocking(page * PAGE, &[1; 512], false).unwrap();
+            }
+            let one = REQ_ONE as u64 | 1;
+            for (cookie, list_at_most, list_at_least) in [(one, 4096, 0), (2, usize::MAX, 1 << 20)]
+            {
+                feed(&mut c, &mut ring, &query(cookie, 0, 64 * PAGE as u32));
+                if spec.contains("memthread") {
+                    assert_eq!(c.inflight, 1, "{spec}: running on the backend's thread");
+                    assert!(
+                        (list_at_least..=list_at_most).contains(&c.lists),
+                        "{spec} {cookie:#x}: its list counted at {} bytes",
+                        c.lists
+                    );
+                    let reserved = c.slots.iter().map(|s| s.extents.capacity()).max();
+                    assert!(
+                        reserved.unwrap() * 16 <= list_at_most,
+                        "{spec} {cookie:#x}: {reserved:?} extents reserved"
+                    );
+                    settle_target(&mut c, &mut ring, 0);
+                }
+                let tx = take_tx(&mut c);
+                assert_eq!(tx[0], b'E', "{spec}: {tx:?}");
+                let n = u32_at(&tx, 9);
+                assert_eq!(n, if cookie == one { 1 } else { 64 }, "{spec}");
+                assert_eq!(
+                    &tx[13..21],
+                    [0, 16, 0, 0, 0, 0, 0, 0],
+                    "{spec}: a page of data"
+                );
+            }
+            // Under a budget that cannot hold a full map's list and reply, the one-extent
+            // query is still answered; the full one is refused.
+            let (mut c, _peer) = conn_budget(spec, false, 1 << 20);
+            let mut q = c.targets[0].exec.export().open_queue().unwrap();
+            q.write_blocking(0, &[1; 512], false).unwrap();
+            feed(&mut c, &mut ring, &query(one, 0, 64 * PAGE as u32));
+            settle_target(&mut c, &mut ring, 0);
+            let tx = take_tx(&mut c);
+            assert_eq!(tx[0], b'E', "{spec}: answered: {tx:?}");
+            assert_eq!(u32_at(&tx, 9), 1, "{spec}");
+            feed(&mut c, &mut ring, &query(3, 0, 64 * PAGE as u32));
+            assert_eq!(take_tx(&mut c), status_reply(3, Status::NoMemory), "{spec}");
+        }
+    }
+
     fn query(cookie: u64, offset: u64, length: u32) -> Vec<u8> {
         let mut m = vec![b'Q'];
         m.extend_from_slice(&cookie.to_le_bytes());
@@ -2558,11 +2632,12 @@ mod tests {
         let stats = &c.targets[0].exec.stats;
         assert_eq!((stats.reads, stats.bytes_read), (4, 4 * BIG as u64));
         let mut extents = Vec::new();
-        c.targets[0]
-            .exec
-            .export()
-            .backend()
-            .allocation(2 * BIG as u64 + 4096, 4096, &mut extents);
+        c.targets[0].exec.export().backend().allocation(
+            2 * BIG as u64 + 4096,
+            4096,
+            blkwire_backend::MAX_EXTENTS,
+            &mut extents,
+        );
         assert!(extents[0].hole, "the hole read stays a hole");
     }
 
