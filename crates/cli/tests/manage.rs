@@ -620,6 +620,27 @@ fn changed_rules_and_keys_close_the_sessions_they_no_longer_admit_and_only_those
     assert!(!ok, "the closed session's I/O fails");
 }
 
+/// A request line over the control socket's limit (1 MiB: here a config of 2 MiB that
+/// `load-config` sends inline) is refused in one line that names the limit, without
+/// hanging the CLI or the target, which goes on answering.
+#[test]
+fn a_request_over_the_line_limit_is_refused_in_one_line_and_the_target_goes_on() {
+    let dir = TempDir::new("manage-long");
+    let t = Managed::start(
+        &dir,
+        &["--listen", "tcp://127.0.0.1:0", "--export", "a=mem:1M"],
+    );
+    let config = dir.path("big.json");
+    let call = json!([{"method": "export_list", "params": {"pad": "x".repeat(2 << 20)}}]);
+    std::fs::write(&config, call.to_string()).unwrap();
+    let (ok, out, err) = t.cli(&["load-config", config.to_str().unwrap()]);
+    assert!(!ok, "printed {out}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("longer than 1 MiB"), "{err}");
+    assert!(t.ok(&["export", "ls"]).contains('a'), "the target goes on");
+    t.stop();
+}
+
 #[test]
 fn only_root_and_the_targets_user_may_use_the_control_socket() {
     // SAFETY: geteuid has no preconditions.

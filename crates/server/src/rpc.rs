@@ -21,8 +21,15 @@ use crate::control::{self, RpcError};
 use crate::log::Level;
 use crate::{eventfd, eventfd_write, Error, Shared};
 
-/// Largest request line: a `load_config` may carry a whole config.
-pub const MAX_REQUEST: usize = 16 << 20;
+/// Largest request line (a `load_config` carrying its calls: thousands of exports; a larger
+/// config is loaded by path). With `MAX_REPLY`, what one client can make the target hold.
+pub const MAX_REQUEST: usize = 1 << 20;
+/// Largest reply line: a larger one is not built, and the call is answered with an error that
+/// says so (a `stats` page of fewer sessions fits).
+pub const MAX_REPLY: usize = 16 << 20;
+/// How much of an over-long request line is read past `MAX_REQUEST` (and dropped) to find its
+/// end, so the connection can go on; a client that sends more without a newline is let go.
+const MAX_SKIP: usize = 64 << 20;
 /// Clients connected at once; more are answered with an error and closed.
 const MAX_CLIENTS: usize = 16;
 /// A client that sends nothing for this long is disconnected.
@@ -221,8 +228,9 @@ fn client(s: UnixStream, shared: &Arc<Shared>) {
 }
 
 /// Reads request lines from `s` (waiting at most `idle` for each) and writes what `answer`
-/// makes of each, until the client hangs up, sends a line longer than `MAX_REQUEST`, or leaves
-/// a reply unread for `reply_wait`.
+/// makes of each, until the client hangs up or leaves a reply unread for `reply_wait`. A line
+/// longer than `MAX_REQUEST` is answered with an error (its rest read and dropped, not kept),
+/// and a reply longer than `MAX_REPLY` is replaced by one; the connection goes on.
 fn serve_lines(
     s: UnixStream,
     idle: Duration,
@@ -249,16 +257,24 @@ fn serve_lines(
         if buf.len() > MAX_REQUEST {
             let e = RpcError {
                 code: RpcError::INVALID_REQUEST,
-                message: format!("request longer than {} MiB", MAX_REQUEST >> 20),
+                message: format!(
+                    "request line longer than {} MiB, the most one may be (a large config: \
+                     load_config with {{\"path\": FILE}})",
+                    MAX_REQUEST >> 20
+                ),
             };
-            let _ = out.write_all(&line(&error_reply(Value::Null, e)));
-            return;
+            if out.write_all(&line(&error_reply(Value::Null, e))).is_err()
+                || !skip_line(&mut input, buf.last() == Some(&b'\n'))
+            {
+                return;
+            }
+            continue;
         }
         if buf.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
         if let Some(reply) = answer(&buf) {
-            if out.write_all(&line(&reply)).is_err() {
+            if out.write_all(&reply_line(&reply, MAX_REPLY)).is_err() {
                 return;
             }
         }
@@ -337,6 +353,68 @@ fn error_reply(id: Value, e: RpcError) -> Value {
     json!({ "jsonrpc": "2.0", "id": id, "error": { "code": e.code, "message": e.message } })
 }
 
+/// Reads and drops the rest of an over-long request line (`ended`: its newline was read
+/// already): true once past its newline, false if the client hung up or sent `MAX_SKIP` bytes
+/// without one.
+fn skip_line(input: &mut impl BufRead, ended: bool) -> bool {
+    if ended {
+        return true;
+    }
+    let mut skipped = 0;
+    while skipped < MAX_SKIP {
+        let (n, found) = match input.fill_buf() {
+            Ok([]) | Err(_) => return false,
+            Ok(b) => match b.iter().position(|&c| c == b'\n') {
+                Some(i) => (i + 1, true),
+                None => (b.len(), false),
+            },
+        };
+        input.consume(n);
+        if found {
+            return true;
+        }
+        skipped += n;
+    }
+    false
+}
+
+/// `reply` as a line of at most `max` bytes; a longer one is not built: the call is answered
+/// with an error saying so instead (under the same id).
+fn reply_line(reply: &Value, max: usize) -> Vec<u8> {
+    /// Takes bytes up to its limit, then fails the serialization.
+    struct Bounded(Vec<u8>, usize);
+    impl Write for Bounded {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            if self.0.len() + b.len() > self.1 {
+                return Err(std::io::Error::other("reply over the limit"));
+            }
+            self.0.extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    // The newline counts too.
+    let mut b = Bounded(Vec::new(), max.saturating_sub(1));
+    if serde_json::to_writer(&mut b, reply).is_ok() {
+        b.0.push(b'\n');
+        return b.0;
+    }
+    let e = RpcError {
+        code: RpcError::REFUSED,
+        message: format!(
+            "the reply is longer than {} MiB, the most one may be: ask for less (stats: a \
+             smaller limit)",
+            max >> 20
+        ),
+    };
+    line(&error_reply(
+        reply.get("id").cloned().unwrap_or(Value::Null),
+        e,
+    ))
+}
+
 fn line(v: &Value) -> Vec<u8> {
     let mut b = serde_json::to_vec(v).unwrap_or_default();
     b.push(b'\n');
@@ -367,6 +445,73 @@ mod tests {
         ended
             .recv_timeout(Duration::from_secs(20))
             .expect("the server side ended");
+    }
+
+    /// Reads one reply line from `r`.
+    fn reply(r: &mut impl BufRead) -> Value {
+        let mut l = String::new();
+        r.read_line(&mut l).unwrap();
+        serde_json::from_str(&l).unwrap_or_else(|e| panic!("{e}: {l:?}"))
+    }
+
+    /// A request line longer than MAX_REQUEST is answered with an error that says what limit it
+    /// hit, its rest dropped as it comes (never held), and the connection goes on: the next
+    /// request is answered. A reply longer than MAX_REPLY is not sent: its call gets an error
+    /// under its id, and the connection goes on.
+    #[test]
+    fn over_long_requests_and_replies_get_an_error_and_the_connection_goes_on() {
+        let (server, client) = UnixStream::pair().unwrap();
+        std::thread::spawn(move || {
+            serve_lines(server, IDLE, REPLY_WAIT, |req| {
+                let (id, method, _) = decode(req).map_err(|(_, e)| e.message).unwrap();
+                let result = match method.as_str() {
+                    "huge" => json!("x".repeat(MAX_REPLY)),
+                    _ => json!(method),
+                };
+                Some(json!({ "jsonrpc": "2.0", "id": id, "result": result }))
+            });
+        });
+        let _ = client.set_read_timeout(Some(Duration::from_secs(20)));
+        let mut writer = client.try_clone().unwrap();
+        let sent = std::thread::spawn(move || {
+            // 20 MiB in one line, in pieces, then requests that fit.
+            writer.write_all(br#"{"jsonrpc":"2.0","id":1,"method":"x","params":{"a":""#)?;
+            for _ in 0..20 {
+                writer.write_all(&[b'a'; 1 << 20])?;
+            }
+            writer.write_all(b"\"}}\n")?;
+            writer.write_all(b"{\"jsonrpc\":\"2.0\",\"id\":2,\"method\":\"small\"}\n")?;
+            writer.write_all(b"{\"jsonrpc\":\"2.0\",\"id\":3,\"method\":\"huge\"}\n")?;
+            writer.write_all(b"{\"jsonrpc\":\"2.0\",\"id\":4,\"method\":\"after\"}\n")
+        });
+        let mut r = BufReader::new(client);
+        let e = reply(&mut r);
+        assert_eq!(e["error"]["code"], RpcError::INVALID_REQUEST, "{e}");
+        let m = e["error"]["message"].as_str().unwrap();
+        assert!(m.contains("longer than 1 MiB"), "{m}");
+        assert_eq!(reply(&mut r)["result"], "small", "the connection went on");
+        let e = reply(&mut r);
+        assert_eq!(
+            (&e["id"], &e["error"]["code"]),
+            (&json!(3), &json!(RpcError::REFUSED))
+        );
+        let m = e["error"]["message"].as_str().unwrap();
+        assert!(m.contains("longer than 16 MiB"), "{m}");
+        assert_eq!(reply(&mut r)["result"], "after");
+        sent.join().unwrap().unwrap();
+    }
+
+    /// A reply of exactly MAX_REPLY bytes, newline included, goes out; one byte more does not.
+    #[test]
+    fn the_reply_limit_counts_the_whole_line() {
+        let v = json!({"id": 1, "result": "x".repeat(100)});
+        let n = line(&v).len();
+        assert_eq!(reply_line(&v, n), line(&v));
+        let e: Value = serde_json::from_slice(&reply_line(&v, n - 1)).unwrap();
+        assert_eq!(
+            (&e["id"], &e["error"]["code"]),
+            (&json!(1), &json!(RpcError::REFUSED))
+        );
     }
 
     #[test]
