@@ -2,14 +2,16 @@
 //! format (version 0.0.4), served over HTTP by one thread of its own (docs/METRICS.md lists the
 //! metrics). One connection at a time, each with a deadline and a bounded request head: a
 //! client that trickles, floods or says nothing delays a scrape by at most the deadline, and
-//! holds no more than [`MAX_HEAD`] bytes.
+//! holds no more than [`MAX_HEAD`] bytes. A counter never goes back from one scrape to the next
+//! ([`Monotonic`]), even when a reactor was left out of one.
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::mpsc::Sender;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::http::{self, Reply, MAX_HEAD, METRICS_PATH};
@@ -80,6 +82,7 @@ impl Shared {
         let endpoint = Endpoint {
             listener,
             shared: self.clone(),
+            reported: Mutex::new(Monotonic::default()),
         };
         std::thread::Builder::new()
             .name("blkwire-metrics".into())
@@ -96,6 +99,8 @@ struct Endpoint {
     /// it). Held until the thread ends, so the reactors' wake descriptors stay open while a
     /// scrape may write to them.
     shared: Arc<Shared>,
+    /// What the last scrapes reported, so that counters never go back.
+    reported: Mutex<Monotonic>,
 }
 
 /// How reading a request head ended.
@@ -109,7 +114,7 @@ enum Head {
 }
 
 impl Endpoint {
-    fn run(self) {
+    fn run(&self) {
         let mut failed = Throttle::new();
         loop {
             let mut fds = [
@@ -180,7 +185,11 @@ impl Endpoint {
         };
         let (code, reason) = reply.status();
         let (body, content_type) = match reply {
-            Reply::Metrics => (render(&self.snapshot()), METRICS_TYPE),
+            Reply::Metrics => {
+                let text = render(&self.snapshot());
+                let mut reported = self.reported.lock().unwrap_or_else(|p| p.into_inner());
+                (reported.apply(&text), METRICS_TYPE)
+            }
             _ => {
                 crate::log!(Level::Debug, "metrics endpoint: {peer}: {code} {reason}");
                 (
@@ -275,6 +284,49 @@ fn drain(s: &mut TcpStream, scratch: &mut [u8], deadline: Instant) {
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(_) => return,
         }
+    }
+}
+
+/// The value each counter series (counters, and histograms' buckets, sums and counts) was last
+/// reported at. A snapshot may leave out a reactor that did not answer in time, and with it
+/// part of an export's totals: reporting those lower totals would make the counter go back,
+/// which Prometheus takes for a reset (rate() jumps). A series found lower than last reported
+/// is reported at its last value instead; gauges go as they are. Taking the larger of two
+/// consistent histograms bucket by bucket keeps one consistent (cumulative buckets, `+Inf`
+/// equal to `_count`). Series absent from a scrape are forgotten (a closed queue's), so this
+/// holds no more than the last scrape's series.
+#[derive(Default)]
+struct Monotonic(HashMap<String, (f64, String)>);
+
+impl Monotonic {
+    /// `text` (as [`render`] writes it) with every counter series at least what it was last
+    /// reported at.
+    fn apply(&mut self, text: &str) -> String {
+        let mut out = String::with_capacity(text.len());
+        let mut now = HashMap::with_capacity(self.0.len());
+        let mut counting = false;
+        for l in text.lines() {
+            if let Some(rest) = l.strip_prefix("# TYPE ") {
+                counting = rest.ends_with(" counter") || rest.ends_with(" histogram");
+            }
+            let sample = (counting && !l.starts_with('#'))
+                .then(|| l.rsplit_once(' '))
+                .flatten()
+                .and_then(|(series, v)| Some((series, v, v.parse::<f64>().ok()?)));
+            let Some((series, v, value)) = sample else {
+                out.push_str(l);
+                out.push('\n');
+                continue;
+            };
+            let kept = match self.0.remove(series) {
+                Some(last) if last.0 > value => last,
+                _ => (value, v.to_string()),
+            };
+            let _ = writeln!(out, "{series} {}", kept.1);
+            now.insert(series.to_string(), kept);
+        }
+        self.0 = now;
+        out
     }
 }
 
@@ -812,6 +864,56 @@ mod tests {
         assert_eq!(value(&text, "blkwire_memory_used_bytes"), 12345.0);
         assert_eq!(value(&text, "blkwire_auth_refused_total"), 5.0);
         assert_eq!(value(&text, "blkwire_sessions"), 1.0);
+    }
+
+    /// A scrape that left a reactor out (its live queue, and the closed totals it holds) would
+    /// report lower export totals: counters are reported at what they were last, gauges as
+    /// they are; once the reactor answers again, the counters go on from its values; a series
+    /// that went away is forgotten.
+    #[test]
+    fn counters_never_go_back_when_a_scrape_leaves_a_reactor_out() {
+        let mut m = Monotonic::default();
+        let full = snapshot();
+        let first = m.apply(&render(&full));
+        assert_eq!(first, render(&full), "the first scrape goes as it is");
+        let reads = |text: &str| {
+            value(
+                text,
+                r#"blkwire_export_requests_total{export="disk",op="read"}"#,
+            )
+        };
+        let inf =
+            r#"blkwire_export_request_duration_seconds_bucket{export="disk",op="read",le="+Inf"}"#;
+        let count = r#"blkwire_export_request_duration_seconds_count{export="disk",op="read"}"#;
+        assert_eq!((reads(&first), value(&first, inf)), (13.0, 3.0));
+        let mut partial = snapshot();
+        partial.queues.clear();
+        partial.closed = ClosedTotals::default();
+        partial.memory_used = 1;
+        let raw = render(&partial);
+        assert_eq!(reads(&raw), 0.0, "what the partial snapshot alone says");
+        let second = m.apply(&raw);
+        assert_eq!(reads(&second), 13.0, "not back to 0");
+        assert_eq!((value(&second, inf), value(&second, count)), (3.0, 3.0));
+        assert_eq!(value(&second, "blkwire_memory_used_bytes"), 1.0, "a gauge");
+        assert!(
+            !second.contains("blkwire_queue_requests_total{"),
+            "its queue is absent"
+        );
+        // The reactor is back, with more done: its values again.
+        let mut more = snapshot();
+        more.queues[0].stats.reads = 7;
+        let third = m.apply(&render(&more));
+        assert_eq!(reads(&third), 17.0);
+        assert_eq!(third, render(&more));
+        // Only the last scrape's series are remembered.
+        let fourth = m.apply(&render(&partial));
+        assert_eq!(reads(&fourth), 17.0);
+        assert!(
+            m.0.keys().all(|k| !k.starts_with("blkwire_queue_")),
+            "the queue's forgotten"
+        );
+        assert!(m.0.contains_key(count) && !m.0.contains_key("blkwire_memory_used_bytes"));
     }
 
     #[test]
