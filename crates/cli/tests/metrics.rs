@@ -662,6 +662,44 @@ fn hostile_http_clients_neither_hang_nor_crash_the_target() {
     assert!(exit.success(), "exit status after SIGTERM: {exit:?}");
 }
 
+/// Slow clients hold a thread of the endpoint each, for at most their deadline, not the
+/// endpoint: with three of them connected and silent (one at a time, the scrape would wait for
+/// the 2 s deadline of each, 6 s), a scrape is served at once, and they still get their 408.
+#[test]
+fn a_scrape_is_served_while_slow_clients_wait_for_their_deadline() {
+    let (_t, _, metrics) = start(&["m=mem:1M"]);
+    let addr = metrics
+        .strip_prefix("http://")
+        .and_then(|a| a.strip_suffix("/metrics"))
+        .unwrap()
+        .to_string();
+    let mut slow: Vec<TcpStream> = (0..3)
+        .map(|i| {
+            let mut c = TcpStream::connect(&addr).unwrap();
+            if i == 1 {
+                c.write_all(b"GET /metr").unwrap();
+            }
+            c
+        })
+        .collect();
+    // Let the endpoint take them first.
+    std::thread::sleep(Duration::from_millis(200));
+    let started = Instant::now();
+    let m = scrape(&metrics);
+    let took = started.elapsed();
+    assert_eq!(m.value("blkwire_sessions", &[]), 0.0);
+    assert!(
+        took < Duration::from_secs(3),
+        "the scrape waited {took:?} behind the slow clients"
+    );
+    for c in &mut slow {
+        c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut answer = String::new();
+        let _ = c.read_to_string(&mut answer);
+        assert!(answer.starts_with("HTTP/1.1 408 "), "{answer}");
+    }
+}
+
 #[test]
 fn bad_metrics_addresses_get_one_line_errors() {
     let serve = |metrics: &str| {

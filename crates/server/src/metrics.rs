@@ -1,9 +1,10 @@
 //! The metrics endpoint: every counter of a [`Snapshot`] in the Prometheus text exposition
-//! format (version 0.0.4), served over HTTP by one thread of its own (docs/METRICS.md lists the
-//! metrics). One connection at a time, each with a deadline and a bounded request head: a
-//! client that trickles, floods or says nothing delays a scrape by at most the deadline, and
-//! holds no more than [`MAX_HEAD`] bytes. A counter never goes back from one scrape to the next
-//! ([`Monotonic`]), even when a reactor was left out of one.
+//! format (version 0.0.4), served over HTTP by a few threads of its own (docs/METRICS.md lists
+//! the metrics). Each thread serves one connection at a time, with a deadline and a bounded
+//! request head: a client that trickles, floods or says nothing holds one thread for at most
+//! the deadline, and no more than [`MAX_HEAD`] bytes, while the others serve the scrapes. A
+//! counter never goes back from one scrape to the next ([`Monotonic`]), even when a reactor was
+//! left out of one.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -27,6 +28,9 @@ const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
 const REPLY_DEADLINE: Duration = Duration::from_secs(10);
 /// What is read and thrown away after the reply (see `Endpoint::answer`).
 const DRAIN_LIMIT: usize = 64 << 10;
+/// Threads serving the endpoint, each one connection at a time: a slow client holds one of
+/// them (for at most the deadlines above) while the others serve the scrapes.
+const SERVERS: usize = 4;
 
 /// `Content-Type` of the metrics (the text exposition format).
 const METRICS_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -79,15 +83,30 @@ impl Shared {
         // the thread in accept (and so miss the stop).
         listener.set_nonblocking(true).map_err(system)?;
         let local = listener.local_addr().map_err(system)?;
-        let endpoint = Endpoint {
+        let endpoint = Arc::new(Endpoint {
             listener,
             shared: self.clone(),
             reported: Mutex::new(Monotonic::default()),
-        };
-        std::thread::Builder::new()
-            .name("blkwire-metrics".into())
-            .spawn(move || endpoint.run())
-            .map_err(|e| Error::System(format!("cannot start the metrics thread: {e}")))?;
+        });
+        for i in 0..SERVERS {
+            let e = endpoint.clone();
+            let started = std::thread::Builder::new()
+                .name("blkwire-metrics".into())
+                .spawn(move || e.run());
+            // One thread is enough to serve; more only keep a slow client from delaying scrapes.
+            if let Err(e) = started {
+                if i == 0 {
+                    return Err(Error::System(format!(
+                        "cannot start the metrics thread: {e}"
+                    )));
+                }
+                crate::log!(
+                    Level::Warn,
+                    "metrics endpoint: {i} threads, not {SERVERS}: {e}"
+                );
+                break;
+            }
+        }
         *bound = Some(local.to_string());
         Ok(format!("http://{local}/metrics"))
     }
@@ -96,7 +115,7 @@ impl Shared {
 struct Endpoint {
     listener: TcpListener,
     /// The target's registry, reactors and stop eventfd (readable once it stops: nobody reads
-    /// it). Held until the thread ends, so the reactors' wake descriptors stay open while a
+    /// it). Held until the threads end, so the reactors' wake descriptors stay open while a
     /// scrape may write to them.
     shared: Arc<Shared>,
     /// What the last scrapes reported, so that counters never go back.
