@@ -668,9 +668,15 @@ pub fn run_load_config(a: LoadConfigArgs) -> Result<(), String> {
              `blkwire save-config FILE` writes"
         ));
     }
-    let r = a
-        .socket
-        .call("load_config", Some(json!({"config": config})))?;
+    // A config too large for one request line (the target takes lines of up to 1 MiB) goes
+    // by its path instead: the control socket is local, so the target reads the same file.
+    let params = if text.len() + 256 < blkwire_server::MAX_RPC_REQUEST {
+        json!({ "config": config })
+    } else {
+        let path = std::fs::canonicalize(&a.file).map_err(|e| format!("{file}: {e}"))?;
+        json!({ "path": path })
+    };
+    let r = a.socket.call("load_config", Some(params))?;
     match r["applied"].as_u64() {
         Some(n) => println!("applied {} from {file}", counted(n, "call")),
         None => println!("applied {file}"),

@@ -1509,7 +1509,7 @@ impl DgramPort {
     /// running go when it completes, see `sweep`).
     pub fn retire(&mut self) {
         self.retiring = true;
-        self.close_sessions(&[]);
+        self.close_queues(|_, _| true);
     }
 
     pub fn retiring(&self) -> bool {
@@ -1522,14 +1522,8 @@ impl DgramPort {
         self.retiring && self.queues.iter().all(Option::is_none) && self.notifier_changes.is_empty()
     }
 
-    /// Closes the queues of these sessions (all of them when the port retires): frames for
-    /// them are from now on answered as for an unknown session, so the initiator's I/O fails.
-    pub fn close_sessions(&mut self, sessions: &[u32]) {
-        let all = self.retiring;
-        self.close_queues(|s, _| all || sessions.contains(&s));
-    }
-
-    /// Closes the queues `hit` names by session and queue index, as `close_sessions` does.
+    /// Closes the queues `hit` names by session and queue index: frames for them are from now
+    /// on answered as for an unknown session, so the initiator's I/O fails.
     pub fn close_queues(&mut self, hit: impl Fn(u32, u16) -> bool) {
         for qi in 0..self.queues.len() {
             let Some(q) = self.queues[qi].as_mut() else {

@@ -46,7 +46,7 @@ use crate::log::{Level, Throttle};
 pub use control::{parse_config, write_config, Call, Options, RpcError, MIN_MEMORY};
 use frontend::StreamFrontend;
 use reactor::{Msg, NewQueue, Reactor};
-pub use rpc::decode as decode_rpc_request;
+pub use rpc::{decode as decode_rpc_request, MAX_REQUEST as MAX_RPC_REQUEST};
 pub use session::Limits;
 use session::{HelloAnswer, Registry};
 use snapshot::Snapshot;

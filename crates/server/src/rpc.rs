@@ -254,7 +254,8 @@ fn serve_lines(
             Ok(0) | Err(_) => return,
             Ok(_) => {}
         }
-        if buf.len() > MAX_REQUEST {
+        // The limit is the request's, its newline not counted.
+        if buf.strip_suffix(b"\n").unwrap_or(&buf).len() > MAX_REQUEST {
             let e = RpcError {
                 code: RpcError::INVALID_REQUEST,
                 message: format!(
