@@ -643,29 +643,17 @@ fn hostile_pdus_are_rejected_and_the_target_keeps_serving() {
 fn rpc_lists_targets_and_sessions_and_adds_portals() {
     let _serial = serial();
     let dir = TempDir::new("iscsi-rpc");
-    let sock = dir.path("ctl.sock").to_str().unwrap().to_string();
-    let mut cmd = Command::new(common::BIN);
-    cmd.args(["serve", "--rpc-socket", &sock, "--log-level", "warn"]);
-    cmd.args([
-        "--listen",
-        "iscsi://127.0.0.1:0",
-        "--export",
-        "d=mem:1M,allow=127.0.0.0/8",
-    ]);
-    let (child, urls) = common::spawn_serve_with_control(&mut cmd, 1);
-    struct Kill(std::process::Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let _child = Kill(child);
-    let rpc = |method: &str, params: &str| -> serde_json::Value {
-        let (ok, out, err) = common::cli(&["rpc", method, params, "--socket", &sock]);
-        assert!(ok, "rpc {method}: {err}");
-        serde_json::from_str(&out).expect("rpc prints JSON")
-    };
+    let t = common::Controlled::start(
+        &dir,
+        &[
+            "--listen",
+            "iscsi://127.0.0.1:0",
+            "--export",
+            "d=mem:1M,allow=127.0.0.0/8",
+        ],
+    );
+    let urls = &t.urls;
+    let rpc = |method: &str, params: &str| t.rpc(method, params);
     let addr = urls[0].strip_prefix("iscsi://").unwrap().to_string();
     let digests = Digests {
         header: true,
@@ -721,25 +709,19 @@ fn a_chap_secret_replaced_during_login_leaves_no_session() {
         std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
     };
     write_keys("initiator-secret-1");
-    let sock = dir.path("ctl.sock").to_str().unwrap().to_string();
-    let mut cmd = Command::new(common::BIN);
-    cmd.args(["serve", "--rpc-socket", &sock, "--log-level", "warn"]);
-    cmd.args(["--listen", "iscsi://127.0.0.1:0", "--export", "d=mem:1M"]);
-    cmd.args(["--keys", keys.to_str().unwrap()]);
-    let (child, urls) = common::spawn_serve_with_control(&mut cmd, 1);
-    struct Kill(std::process::Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let _child = Kill(child);
-    let rpc = |method: &str, params: &str| -> serde_json::Value {
-        let (ok, out, err) = common::cli(&["rpc", method, params, "--socket", &sock]);
-        assert!(ok, "rpc {method}: {err}");
-        serde_json::from_str(&out).expect("rpc prints JSON")
-    };
+    let t = common::Controlled::start(
+        &dir,
+        &[
+            "--listen",
+            "iscsi://127.0.0.1:0",
+            "--export",
+            "d=mem:1M",
+            "--keys",
+            keys.to_str().unwrap(),
+        ],
+    );
+    let urls = &t.urls;
+    let rpc = |method: &str, params: &str| t.rpc(method, params);
     let addr = urls[0].strip_prefix("iscsi://").unwrap().to_string();
     let mut s = std::net::TcpStream::connect(&addr).unwrap();
     s.set_read_timeout(Some(std::time::Duration::from_secs(10)))

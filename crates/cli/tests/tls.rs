@@ -723,25 +723,21 @@ fn a_psk_replaced_before_go_opens_no_session() {
     let dir = TempDir::new("tls-psk-rotate");
     let keys = dir.path("keys.psk");
     let old = key_file(&keys, "alice");
-    let sock = dir.path("ctl.sock").to_str().unwrap().to_string();
-    let mut cmd = Command::new(common::BIN);
-    cmd.args(["serve", "--rpc-socket", &sock, "--log-level", "warn"]);
-    cmd.args(["--listen", "nbd://127.0.0.1:0", "--export", "d=mem:1M"]);
-    cmd.args(["--keys", keys.to_str().unwrap(), "--tls", "require"]);
-    let (child, urls) = common::spawn_serve_with_control(&mut cmd, 1);
-    struct Kill(std::process::Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let _child = Kill(child);
-    let rpc = |method: &str, params: &str| -> serde_json::Value {
-        let (ok, out, err) = cli(&["rpc", method, params, "--socket", &sock]);
-        assert!(ok, "rpc {method}: {err}");
-        serde_json::from_str(&out).expect("rpc prints JSON")
-    };
+    let t = common::Controlled::start(
+        &dir,
+        &[
+            "--listen",
+            "nbd://127.0.0.1:0",
+            "--export",
+            "d=mem:1M",
+            "--keys",
+            keys.to_str().unwrap(),
+            "--tls",
+            "require",
+        ],
+    );
+    let urls = &t.urls;
+    let rpc = |method: &str, params: &str| t.rpc(method, params);
     let addr = urls[0].strip_prefix("nbd://").unwrap();
     let mut raw = Raw::open(addr);
     raw.option(opt::STARTTLS, &[]);

@@ -42,6 +42,40 @@ pub fn spawn_serve_with_control(cmd: &mut Command, want: usize) -> (Child, Vec<S
     (child, urls)
 }
 
+/// `blkwire serve --rpc-socket DIR/ctl.sock ARGS` (quiet but for warnings) once its control
+/// socket takes calls, with every `listening` URL (one per `--listen`); killed on drop.
+pub struct Controlled {
+    child: Child,
+    sock: String,
+    pub urls: Vec<String>,
+}
+
+impl Controlled {
+    pub fn start(dir: &TempDir, args: &[&str]) -> Controlled {
+        let sock = dir.path("ctl.sock").to_str().unwrap().to_string();
+        let mut cmd = Command::new(BIN);
+        cmd.args(["serve", "--rpc-socket", &sock, "--log-level", "warn"]);
+        cmd.args(args);
+        let want = args.iter().filter(|a| **a == "--listen").count();
+        let (child, urls) = spawn_serve_with_control(&mut cmd, want);
+        Controlled { child, sock, urls }
+    }
+
+    /// `blkwire rpc METHOD PARAMS` on its control socket, which must succeed: the JSON printed.
+    pub fn rpc(&self, method: &str, params: &str) -> serde_json::Value {
+        let (ok, out, err) = cli(&["rpc", method, params, "--socket", &self.sock]);
+        assert!(ok, "rpc {method}: {err}");
+        serde_json::from_str(&out).expect("rpc prints JSON")
+    }
+}
+
+impl Drop for Controlled {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// Like [`spawn_serve`] for a `serve --metrics` command: also waits for its `metrics URL` line
 /// and returns that URL.
 pub fn spawn_serve_with_metrics(cmd: &mut Command, want: usize) -> (Child, Vec<String>, String) {

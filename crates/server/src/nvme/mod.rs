@@ -1375,39 +1375,30 @@ fn io_connect<S: Read + Write>(
     let ctrl = registry.nvme.get(c.cntlid).filter(|k| {
         k.subnqn == c.subnqn && k.hostnqn == c.hostnqn && k.hostid == c.hostid && k.ip == peer.ip()
     });
-    if ctrl.as_ref().is_some_and(|k| !k.authenticated) {
-        // Its admin queue has not authenticated yet: it has no sessions to join.
-        registry.access.refuse(
-            &peer_s,
-            &format!(
-                "NVMe host '{who}': I/O queue {} names controller {}, which has not \
-                 authenticated",
-                c.qid, c.cntlid
-            ),
-        );
-        reply(
-            s,
-            c.qid,
-            sc::CONNECT_INVALID_PARAM | sc::DNR,
-            invalid_param(true, 16),
-        );
-        return None;
-    }
-    let Some(ctrl) = ctrl else {
-        registry.access.refuse(
-            &peer_s,
-            &format!(
-                "NVMe host '{who}': I/O queue {} names controller {}, which is not its own",
-                c.qid, c.cntlid
-            ),
-        );
-        reply(
-            s,
-            c.qid,
-            sc::CONNECT_INVALID_PARAM | sc::DNR,
-            invalid_param(true, 16),
-        );
-        return None;
+    // Not its own, or one whose admin queue has not authenticated yet (it has no sessions to
+    // join): refused alike.
+    let ctrl = match ctrl {
+        Some(k) if k.authenticated => k,
+        other => {
+            let why = match other {
+                None => "is not its own",
+                Some(_) => "has not authenticated",
+            };
+            registry.access.refuse(
+                &peer_s,
+                &format!(
+                    "NVMe host '{who}': I/O queue {} names controller {}, which {why}",
+                    c.qid, c.cntlid
+                ),
+            );
+            reply(
+                s,
+                c.qid,
+                sc::CONNECT_INVALID_PARAM | sc::DNR,
+                invalid_param(true, 16),
+            );
+            return None;
+        }
     };
     if ctrl.facts.is_discovery() {
         // A discovery controller has no I/O queues.
