@@ -1919,17 +1919,42 @@ mod tests {
         );
     }
 
+    /// Tags of the entries an operation submitted (its NOPs).
+    struct Collect(Vec<u64>);
+    impl Submitter for Collect {
+        fn push(&mut self, e: io_uring::squeue::Entry) {
+            self.0.push(e.get_user_data());
+        }
+    }
+
+    /// Completes each NOP an operation of tag 42 hands its thread back through (one at a time,
+    /// with its tag) until it is done: what it ended with, and how many times it yielded.
+    fn run_yields(
+        q: &mut ExportQueue,
+        sq: &mut Collect,
+        mut progress: Progress,
+    ) -> (Progress, u32) {
+        let mut yields = 0;
+        while progress == Progress::Pending {
+            assert_eq!(
+                sq.0.drain(..).collect::<Vec<_>>(),
+                [42],
+                "one NOP, with the tag"
+            );
+            yields += 1;
+            progress = match q.complete(42, 0, sq) {
+                Some(r) => Progress::Done(r),
+                None => Progress::Pending,
+            };
+        }
+        (progress, yields)
+    }
+
     /// A copy longer than `COPY_YIELD_AFTER` on an inline backend does not run to the end
     /// inside `start_copy`: it hands its thread back through a NOP, goes on when the NOP
     /// completes, and copies everything.
     #[test]
     fn a_long_copy_on_an_inline_backend_gives_its_thread_back() {
-        struct Collect(Vec<u64>);
-        impl Submitter for Collect {
-            fn push(&mut self, e: io_uring::squeue::Entry) {
-                self.0.push(e.get_user_data());
-            }
-        }
         let len = 3 * COPY_YIELD_AFTER; // 24 MiB: two yields
         let e = Export::open(&ExportSpec::parse("m=mem:64M").unwrap()).unwrap();
         let mut q = e.open_queue().unwrap();
@@ -1939,20 +1964,8 @@ mod tests {
         let dst = 32 << 20;
         e.check_copy(&sources, dst).unwrap();
         let mut sq = Collect(Vec::new());
-        let mut progress = q.start_copy(&sources, dst, false, 42, &mut sq);
-        let mut yields = 0;
-        while progress == Progress::Pending {
-            assert_eq!(
-                sq.0.drain(..).collect::<Vec<_>>(),
-                [42],
-                "one NOP, with the tag"
-            );
-            yields += 1;
-            progress = match q.complete(42, 0, &mut sq) {
-                Some(r) => Progress::Done(r),
-                None => Progress::Pending,
-            };
-        }
+        let progress = q.start_copy(&sources, dst, false, 42, &mut sq);
+        let (progress, yields) = run_yields(&mut q, &mut sq, progress);
         assert_eq!(progress, Progress::Done(0));
         assert_eq!(yields, 2, "24 MiB in 8 MiB stretches");
         let mut back = vec![0u8; len as usize];
@@ -1967,12 +1980,6 @@ mod tests {
     /// `start`, holding up every connection of the reactor.
     #[test]
     fn long_zeroing_on_an_inline_backend_runs_in_pieces_and_gives_its_thread_back() {
-        struct Collect(Vec<u64>);
-        impl Submitter for Collect {
-            fn push(&mut self, e: io_uring::squeue::Entry) {
-                self.0.push(e.get_user_data());
-            }
-        }
         let piece = INLINE_PIECE as usize;
         let len = 2 * piece + 4096;
         let e = Export::open(&ExportSpec::parse("m=mem:64M").unwrap()).unwrap();
@@ -1997,26 +2004,14 @@ mod tests {
             q.write_blocking(0, &data, false).unwrap();
             let mut sq = Collect(Vec::new());
             // SAFETY: neither names a buffer.
-            let mut progress = unsafe { q.start(op, 42, &mut sq) };
+            let progress = unsafe { q.start(op, 42, &mut sq) };
             assert_eq!(progress, Progress::Pending, "{op:?}");
             // Only the first piece ran in `start`.
             let mut back = vec![0u8; len + 8192];
             q.read_blocking(0, &mut back).unwrap();
             assert!(back[4096..4096 + piece].iter().all(|&b| b == 0));
             assert!(back[4096 + piece..] == data[4096 + piece..], "{op:?}");
-            let mut yields = 0;
-            while progress == Progress::Pending {
-                assert_eq!(
-                    sq.0.drain(..).collect::<Vec<_>>(),
-                    [42],
-                    "one NOP, with the tag"
-                );
-                yields += 1;
-                progress = match q.complete(42, 0, &mut sq) {
-                    Some(r) => Progress::Done(r),
-                    None => Progress::Pending,
-                };
-            }
+            let (progress, yields) = run_yields(&mut q, &mut sq, progress);
             assert_eq!(progress, Progress::Done(0));
             assert_eq!(yields, 2, "{op:?}: 8 MiB, 8 MiB, then 4 KiB");
             q.read_blocking(0, &mut back).unwrap();

@@ -528,21 +528,31 @@ mod tests {
         );
     }
 
-    /// What a protocol asks as FUA reaches a flush-only backend that completes on its own
-    /// threads as a write and then a flush, and is answered once, after the flush.
-    #[test]
-    fn fua_through_the_executor_on_an_asynchronous_flush_only_backend() {
-        use blkwire_backend::testing::Recorder;
+    /// An executor on a `Recorder` with native flush and write-zeroes and this `trim`,
+    /// completing inline or (`asynchronous`) on its own threads.
+    fn recorder(
+        trim: blkwire_backend::Support,
+        asynchronous: bool,
+    ) -> (Arc<blkwire_backend::testing::Recorder>, Executor) {
         use blkwire_backend::{Capabilities, Support};
         let caps = Capabilities {
             flush: Support::Native,
             write_zeroes: Support::Native,
+            trim,
             ..Capabilities::default()
         };
-        let b = Recorder::new(caps, true);
+        let b = blkwire_backend::testing::Recorder::new(caps, asynchronous);
         let e = Export::new("r", b.clone(), false);
         let size = e.size();
-        let mut x = Executor::open(Arc::new(e), 65536, size).unwrap();
+        (b, Executor::open(Arc::new(e), 65536, size).unwrap())
+    }
+
+    /// What a protocol asks as FUA reaches a flush-only backend that completes on its own
+    /// threads as a write and then a flush, and is answered once, after the flush.
+    #[test]
+    fn fua_through_the_executor_on_an_asynchronous_flush_only_backend() {
+        use blkwire_backend::Support;
+        let (b, mut x) = recorder(Support::None, true);
         let mut data = vec![4u8; 4096];
         let w = BlockRequest::new(BlockOp::Write, 0, 4096).flagged(IoFlags::FUA);
         assert_eq!(x.admit(&w), Ok(()));
@@ -571,20 +581,10 @@ mod tests {
     /// request. Without it the flag was dropped and the range answered before it was stable.
     #[test]
     fn fua_on_zeroes_trims_and_copies_is_a_flush_before_the_answer() {
-        use blkwire_backend::testing::Recorder;
-        use blkwire_backend::{Capabilities, CopyRange, Support};
+        use blkwire_backend::{CopyRange, Support};
         use std::sync::atomic::Ordering;
         for trim in [Support::None, Support::Native] {
-            let caps = Capabilities {
-                flush: Support::Native,
-                write_zeroes: Support::Native,
-                trim,
-                ..Capabilities::default()
-            };
-            let b = Recorder::new(caps, false);
-            let e = Export::new("r", b.clone(), false);
-            let size = e.size();
-            let mut x = Executor::open(Arc::new(e), 65536, size).unwrap();
+            let (b, mut x) = recorder(trim, false);
             let run = |x: &mut Executor, op| {
                 let req = BlockRequest::new(op, 0, 4096).flagged(IoFlags::FUA);
                 assert_eq!(x.admit(&req), Ok(()));
@@ -646,17 +646,8 @@ mod tests {
     /// The same on a backend that completes on its own threads: one answer, after the flush.
     #[test]
     fn fua_zeroes_on_an_asynchronous_backend_are_answered_after_the_flush() {
-        use blkwire_backend::testing::Recorder;
-        use blkwire_backend::{Capabilities, Support};
-        let caps = Capabilities {
-            flush: Support::Native,
-            write_zeroes: Support::Native,
-            ..Capabilities::default()
-        };
-        let b = Recorder::new(caps, true);
-        let e = Export::new("r", b.clone(), false);
-        let size = e.size();
-        let mut x = Executor::open(Arc::new(e), 65536, size).unwrap();
+        use blkwire_backend::Support;
+        let (b, mut x) = recorder(Support::None, true);
         let z = BlockRequest::new(BlockOp::WriteZeroes, 0, 4096).flagged(IoFlags::FUA);
         // SAFETY: a WRITE_ZEROES names no buffer.
         let o = unsafe { x.start(&z, std::ptr::null_mut(), 5, &mut NoRing) };

@@ -2435,17 +2435,33 @@ mod tests {
         assert!(tx.is_empty());
     }
 
+    /// A SCSI command PDU reading up to `edtl` bytes (`cdb` of at most 16 bytes), task `itt`,
+    /// CmdSN `cmdsn`, with digests `d`: as an initiator writes it.
+    fn read_command(d: &Digests, cdb: &[u8], itt: u32, edtl: u32, cmdsn: u32) -> Vec<u8> {
+        let mut b = Bhs::new(op::SCSI_CMD, flag::FINAL | flag::READ | 1);
+        b.itt(itt).set32(20, edtl).set32(24, cmdsn);
+        b.0[32..32 + cdb.len()].copy_from_slice(cdb);
+        let mut pdu = Vec::new();
+        b.encode(&[], d, &mut pdu);
+        pdu
+    }
+
+    /// GET LBA STATUS (SERVICE ACTION IN(16)) with this allocation length.
+    fn get_lba_status(alloc_len: u32) -> [u8; 16] {
+        let mut cdb = [0u8; 16];
+        cdb[0] = 0x9e;
+        cdb[1] = 0x12;
+        cdb[10..14].copy_from_slice(&alloc_len.to_be_bytes());
+        cdb
+    }
+
     /// A READ(10) of `blocks` 512-byte blocks at LBA 0 asking for `edtl` bytes, decoded and
     /// taken by `f`.
     fn taken_read(f: &mut Iscsi, blocks: u16, edtl: u32) -> Req {
         let mut cdb = [0x28, 0, 0, 0, 0, 0, 0, 0, 0, 0];
         cdb[7..9].copy_from_slice(&blocks.to_be_bytes());
         // The command as `cmd` writes it, with the connection's digests.
-        let mut b = Bhs::new(op::SCSI_CMD, flag::FINAL | flag::READ | 1);
-        b.itt(9).set32(20, edtl).set32(24, 0);
-        b.0[32..42].copy_from_slice(&cdb);
-        let mut pdu = Vec::new();
-        b.encode(&[], &f.d, &mut pdu);
+        let pdu = read_command(&f.d, &cdb, 9, edtl, 0);
         let mut tx = Vec::new();
         let Decoded::Request { req, .. } = f.decode(&pdu, &mut tx) else {
             panic!("a request");
@@ -2522,15 +2538,8 @@ mod tests {
                             header,
                             data: digest,
                         };
-                        let mut cdb = [0u8; 16];
-                        cdb[0] = 0x9e;
-                        cdb[1] = 0x12; // GET LBA STATUS
-                        cdb[10..14].copy_from_slice(&alloc_len.to_be_bytes());
-                        let mut b = Bhs::new(op::SCSI_CMD, flag::FINAL | flag::READ | 1);
-                        b.itt(9).set32(20, alloc_len).set32(24, 0);
-                        b.0[32..48].copy_from_slice(&cdb);
-                        let mut pdu = Vec::new();
-                        b.encode(&[], &f.d, &mut pdu);
+                        let cdb = get_lba_status(alloc_len);
+                        let pdu = read_command(&f.d, &cdb, 9, alloc_len, 0);
                         let mut tx = Vec::new();
                         let req = match f.decode(&pdu, &mut tx) {
                             Decoded::Request { req, .. } => req,
@@ -2567,15 +2576,7 @@ mod tests {
             (8192, 512),
         ] {
             let mut f = fe(65536);
-            let mut cdb = [0u8; 16];
-            cdb[0] = 0x9e;
-            cdb[1] = 0x12; // GET LBA STATUS
-            cdb[10..14].copy_from_slice(&alloc_len.to_be_bytes());
-            let mut b = Bhs::new(op::SCSI_CMD, flag::FINAL | flag::READ | 1);
-            b.itt(9).set32(20, alloc_len).set32(24, 0);
-            b.0[32..48].copy_from_slice(&cdb);
-            let mut pdu = Vec::new();
-            b.encode(&[], &f.d, &mut pdu);
+            let pdu = read_command(&f.d, &get_lba_status(alloc_len), 9, alloc_len, 0);
             let mut tx = Vec::new();
             let Decoded::Request { req, .. } = f.decode(&pdu, &mut tx) else {
                 panic!("{alloc_len}: {tx:x?}");
@@ -2700,14 +2701,8 @@ mod tests {
         let mut luns = [0u8; 12];
         luns[0] = 0xa0;
         luns[6..10].copy_from_slice(&65535u32.to_be_bytes());
-        let encode_cmd = |cdb: &[u8], itt: u32, cmdsn: u32| {
-            let mut b = Bhs::new(op::SCSI_CMD, flag::FINAL | flag::READ | 1);
-            b.itt(itt).set32(20, 65535).set32(24, cmdsn);
-            b.0[32..32 + cdb.len()].copy_from_slice(cdb);
-            let mut out = Vec::new();
-            b.encode(&[], &f.d, &mut out);
-            out
-        };
+        let encode_cmd =
+            |cdb: &[u8], itt: u32, cmdsn: u32| read_command(&f.d, cdb, itt, 65535, cmdsn);
         let pdus = [
             ("ping", nop_pdu),
             ("text", text_pdu),
