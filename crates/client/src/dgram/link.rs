@@ -165,6 +165,24 @@ impl Sender {
         self.tx.len() == BATCH
     }
 
+    /// `push` for an unsealed frame whose payload is not copied: the datagram points at the
+    /// `len` bytes at `data` (`Packer::push_lent`, which also computes the CRC).
+    ///
+    /// # Safety
+    ///
+    /// `data` must stay readable and unchanged for `len` bytes until the next `flush`.
+    pub unsafe fn push_lent(
+        &mut self,
+        h: &Header,
+        data: *const u8,
+        len: usize,
+        limit: usize,
+    ) -> bool {
+        // SAFETY: as promised by the caller; `flush` sends and then clears the packer.
+        unsafe { self.tx.push_lent(h, data, len, (), limit) };
+        self.tx.len() == BATCH
+    }
+
     /// Appends raw bytes as a datagram of their own (test hooks replaying stale or forged frames).
     pub fn push_raw(&mut self, frame: &[u8]) {
         self.tx.push_raw(frame, ());
@@ -213,8 +231,9 @@ impl Sender {
                     }
                     None => 0,
                 };
-                // SAFETY: the packer holds copies of everything it sends (nothing is lent to
-                // it here), unchanged until `flush` clears it after this call.
+                // SAFETY: the packer holds copies of headers and small payloads, and points at
+                // WRITE data the queue's slots keep unchanged until `flush` clears it after
+                // this call (`push_lent`).
                 unsafe { batch.push(self.tx.pieces(&run), run.segment, run.count, name) };
             }
             match batch.send(send_fd) {

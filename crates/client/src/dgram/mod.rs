@@ -314,13 +314,20 @@ impl DgramQueue {
             &[]
         };
         // Several requests of this queue share a datagram up to the size the target receives.
-        let full = push(
-            &mut self.tx,
-            &mut self.seal,
-            h,
-            payload,
-            HEADER_LEN + fp as usize,
-        );
+        let limit = HEADER_LEN + fp as usize;
+        let full = if s.opcode == Opcode::Write && !have && self.seal.is_none() {
+            // A WRITE's data leaves from the slot, gathered by the kernel, not copied here
+            // first (a 1 MiB write is copied once on this side, into the socket).
+            // SAFETY: `payload` lies in `s.data`, which is neither written nor reallocated
+            // until the slot is delivered, and `deliver` sends the batch before it frees any
+            // slot.
+            unsafe {
+                self.tx
+                    .push_lent(&h, payload.as_ptr(), payload.len(), limit)
+            }
+        } else {
+            push(&mut self.tx, &mut self.seal, h, payload, limit)
+        };
         self.stats.frames_out += 1;
         if full {
             let _ = self.tx.flush(&mut self.stats);
@@ -431,6 +438,13 @@ impl DgramQueue {
     }
 
     fn deliver(&mut self, f: &mut impl FnMut(Completion<'_>)) -> usize {
+        if self.done.is_empty() {
+            return 0;
+        }
+        // The batch may point at WRITE data of the slots about to be freed (`push_frame`):
+        // it leaves before they can be reused. Normally empty here already; a failed send
+        // loses frames as the network may, and the retransmission timer recovers them.
+        let _ = self.flush_tx();
         let mut n = 0;
         while let Some(slot) = self.done.pop_front() {
             let s = &mut self.slots[slot as usize];
