@@ -584,6 +584,12 @@ impl ExportQueue {
         self.backend.mapped(offset, len)
     }
 
+    /// Where a WRITE of `offset..offset+len` (already checked) may copy its bytes as they
+    /// arrive, valid as long as this queue lives ([`Backend::mapped_for_write`]).
+    pub fn mapped_for_write(&self, offset: u64, len: u64) -> Option<*mut u8> {
+        self.backend.mapped_for_write(offset, len)
+    }
+
     /// For backends that complete on their own threads: the descriptor to watch; call
     /// [`ExportQueue::reap`] when it is readable.
     pub fn notifier(&self) -> Option<RawFd> {

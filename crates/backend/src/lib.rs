@@ -228,6 +228,17 @@ pub trait Backend: Send + Sync {
     fn mapped(&self, _offset: u64, _len: u64) -> Option<*const u8> {
         None
     }
+    /// Where a WRITE of `offset..offset+len` (already range-checked) may copy its bytes
+    /// straight into the export's memory, valid as long as the backend lives; its pages count
+    /// as written from this call on, so a hole is never claimed where bytes may lie. Used where
+    /// a WRITE's data arrives in pieces (datagram fragments): each goes where it belongs as it
+    /// arrives instead of into a buffer copied in once complete. Until then a READ of the range
+    /// sees some pieces and not others, as it may see part of a WRITE running on a disk, and a
+    /// WRITE given up before all its pieces arrived leaves those that did (a failed WRITE's
+    /// range holds unknown data). `None`, the default: assemble it and start it as usual.
+    fn mapped_for_write(&self, _offset: u64, _len: u64) -> Option<*mut u8> {
+        None
+    }
     /// Appends the allocation map of `offset..offset+len` (already range-checked) to `out`,
     /// coalesced, at most `max` entries (1..=[`MAX_EXTENTS`]; a prefix of the range when there
     /// are more, its last entry whole), and never more meanwhile: the server covers the list's

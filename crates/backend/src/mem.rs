@@ -446,6 +446,16 @@ impl Backend for MemBackend {
         // SAFETY: inside the mapping, which lives as long as the backend.
         Some(unsafe { self.base.add(offset as usize) }.cast_const())
     }
+    fn mapped_for_write(&self, offset: u64, len: u64) -> Option<*mut u8> {
+        debug_assert!(offset.checked_add(len).is_some_and(|end| end <= self.size));
+        // Marked before any byte lands: the record may say "written" of a page still being
+        // filled, never "hole" of one holding data (an allocation query would skip it).
+        self.written
+            .mark(offset / PAGE, (offset + len).div_ceil(PAGE));
+        // SAFETY: inside the mapping (range-checked by the caller), which lives as long as the
+        // backend.
+        Some(unsafe { self.base.add(offset as usize) })
+    }
     fn allocation(&self, offset: u64, len: u64, max: usize, out: &mut Vec<crate::Extent>) {
         let first = offset / PAGE;
         let end = offset + len;

@@ -118,6 +118,9 @@ struct TSlot {
     hdr: Header,
     status: Status,
     buf: Option<AlignedBuf>,
+    /// A WRITE whose fragments go straight into the export's memory as they arrive
+    /// (`Executor::write_mapped`: RAM): where its first byte goes. `buf` is not used for it.
+    into: Option<*mut u8>,
     have: Vec<u8>,
     got: u32,
     frags: u32,
@@ -960,6 +963,7 @@ impl DgramPort {
                     state: SlotState::Empty,
                     hdr: empty,
                     status: Status::Ok,
+                    into: None,
                     buf: None,
                     have: Vec::new(),
                     got: 0,
@@ -1151,6 +1155,8 @@ impl DgramPort {
         s.client_has.clear();
         s.got = 0;
         s.frags = 1;
+        // A write given up while it was assembled may have left where its bytes went.
+        s.into = None;
         if h.opcode == Opcode::Write {
             let frags = fragment_count(h.length, q.fp);
             if h.length == 0 || h.length > q.max_io || h.frag_count as u32 != frags {
@@ -1158,13 +1164,22 @@ impl DgramPort {
                 s.status = Status::Invalid;
                 return self.reply_queue(qi, h, Status::Invalid);
             }
-            let align = q.exec.buffer_alignment();
             // A write given up while it was assembled left its buffer here.
             if let Some(old) = s.buf.take() {
                 self.bufs.give_back(old);
             }
-            // Covered by the check above.
-            s.buf = Some(self.bufs.take(h.length as usize, align));
+            // RAM takes the fragments where they belong as they arrive: no buffer, one copy
+            // fewer (checked here as `execute` checks it, before any byte lands).
+            let into = h
+                .block_request()
+                .filter(|b| flush_args_valid(h) && q.exec.admit(b).is_ok())
+                .and_then(|b| q.exec.write_mapped(&b));
+            let s = &mut q.slots[slot as usize];
+            s.into = into;
+            if into.is_none() {
+                // Covered by the check above.
+                s.buf = Some(self.bufs.take(h.length as usize, q.exec.buffer_alignment()));
+            }
             s.frags = frags;
             s.have.clear();
             s.have.resize(bitmap::bytes_for(frags), 0);
@@ -1281,9 +1296,23 @@ impl DgramPort {
             let have = s.have.clone();
             return self.send_queue(qi, r, &have);
         }
-        let buf = s.buf.as_mut().expect("assembling slot has a buffer");
-        buf.as_mut_slice()[h.frag_offset as usize..h.frag_offset as usize + payload.len()]
-            .copy_from_slice(payload);
+        match s.into {
+            // SAFETY: `frag_offset + payload_len <= length` (checked above and by the
+            // decoder), and `into` holds `length` bytes of the export's memory, which lives as
+            // long as the queue's executor.
+            Some(into) => unsafe {
+                std::ptr::copy_nonoverlapping(
+                    payload.as_ptr(),
+                    into.add(h.frag_offset as usize),
+                    payload.len(),
+                )
+            },
+            None => {
+                let buf = s.buf.as_mut().expect("assembling slot has a buffer");
+                buf.as_mut_slice()[h.frag_offset as usize..h.frag_offset as usize + payload.len()]
+                    .copy_from_slice(payload)
+            }
+        }
         bitmap::set(&mut s.have, i);
         s.got += 1;
         if s.got == s.frags {
@@ -1299,8 +1328,14 @@ impl DgramPort {
             Some(b) if flush_args_valid(&h) => b,
             _ => return self.finish(qi, slot, Status::Invalid),
         };
+        let into = q.slots[slot as usize].into.take();
         if let Err(st) = q.exec.admit(&block) {
             return self.finish(qi, slot, st);
+        }
+        if into.is_some() && block.op == BlockOp::Write {
+            // Every fragment is where it belongs already.
+            q.exec.mapped_write_done(&block, Started::now());
+            return self.finish(qi, slot, Status::Ok);
         }
         // RAM whose pages were all written is sent from where it lies: the fragments point into the
         // export's mapping, which the queue keeps until the flush (`remove` flushes first).
@@ -1661,7 +1696,8 @@ mod tests {
     /// little higher per dropped queue.
     #[test]
     fn a_queue_that_goes_mid_write_gives_its_buffers_back() {
-        let (mut dp, peer, session) = session();
+        // Not RAM: a WRITE to RAM takes no buffer (the next test).
+        let (mut dp, peer, session) = session_on("a=null:1M");
         let from = peer.local_addr().unwrap();
         let fixed = dp.port.held();
         for slot in 0..8 {
@@ -1684,6 +1720,86 @@ mod tests {
         dp.port.last_sweep = Instant::now() - Duration::from_secs(2);
         dp.port.sweep();
         assert_eq!(dp.port.held(), fixed);
+    }
+
+    /// The data of one READ of `len` bytes at `offset` on `slot`, reassembled from its reply.
+    fn read_back(
+        dp: &mut DatagramPort,
+        peer: &UdpSocket,
+        session: u32,
+        slot: u16,
+        gen: u16,
+        (offset, len): (u64, u32),
+    ) -> Vec<u8> {
+        answers(peer, false);
+        let h = request(session, Opcode::Read, slot, gen, offset, len);
+        dp.receive(&frame(h, &[]), peer.local_addr().unwrap());
+        let mut data = vec![0u8; len as usize];
+        let mut got = 0;
+        while got < len as usize {
+            let replies = answers(peer, true);
+            assert!(!replies.is_empty(), "the READ was answered");
+            for (r, p) in replies {
+                assert_eq!(
+                    (r.status, r.tag.slot()),
+                    (Status::Ok, slot),
+                    "READ answered"
+                );
+                data[r.frag_offset as usize..][..p.len()].copy_from_slice(&p);
+                got += p.len();
+            }
+        }
+        data
+    }
+
+    /// A WRITE to RAM is assembled where it belongs, fragment by fragment, with no buffer
+    /// taken; one with FUA is assembled in a buffer first (so is any WRITE to an export that
+    /// cannot show its memory: `a_queue_that_goes_mid_write_gives_its_buffers_back`). Either
+    /// way the bytes read back are the ones written, and a slot whose WRITE was given up
+    /// half-way serves its next request as that request.
+    #[test]
+    fn writes_to_ram_are_assembled_in_place() {
+        for (export, fua, in_place) in [("a=mem:1M", false, true), ("a=mem:1M", true, false)] {
+            let (mut dp, peer, session) = session_on(export);
+            let from = peer.local_addr().unwrap();
+            let fixed = dp.port.held();
+            let data: Vec<u8> = (0..3 * LINK).map(|i| (i % 251) as u8).collect();
+            let mut h = request(session, Opcode::Write, 2, 1, 8192, 3 * LINK);
+            h.frag_count = 3;
+            if fua {
+                h.flags.0 |= Flags::FUA;
+            }
+            for (i, piece) in data.chunks(LINK as usize).enumerate() {
+                h.frag_index = i as u16;
+                h.frag_offset = i as u32 * LINK;
+                dp.receive(&frame(h, piece), from);
+                if i == 0 {
+                    let took = dp.port.held() > fixed;
+                    assert_eq!(took, !in_place, "{export} fua {fua}: buffer taken");
+                }
+            }
+            let answer = answers(&peer, true);
+            assert_eq!(answer.len(), 1, "{export}: one answer");
+            assert_eq!(answer[0].0.status, Status::Ok, "{export}: WRITE answered");
+            let read = read_back(&mut dp, &peer, session, 3, 1, (8192, 3 * LINK));
+            assert!(
+                read == data,
+                "{export} fua {fua}: the bytes written read back"
+            );
+            let q = dp.port.queues[0].as_ref().unwrap();
+            assert_eq!(q.exec.stats.writes, 1, "{export}: one WRITE counted");
+
+            // Given up after its first fragment (the initiator moved the slot on): the next
+            // request on the slot is a READ, answered as one.
+            let mut h = request(session, Opcode::Write, 4, 1, 0, 2 * LINK);
+            h.frag_count = 2;
+            dp.receive(&frame(h, &vec![7u8; LINK as usize]), from);
+            let read = read_back(&mut dp, &peer, session, 4, 2, (8192, LINK));
+            assert!(
+                read == data[..LINK as usize],
+                "{export}: a READ, not the old WRITE"
+            );
+        }
     }
 
     /// A READ's HAVE bitmap keeps one bit per fragment of the message, not whatever payload the

@@ -238,6 +238,25 @@ impl Executor {
         self.io.mapped(req.offset, req.len as u64)
     }
 
+    /// Where an admitted WRITE without FUA may copy its bytes as they arrive, straight into
+    /// the export's memory ([`blkwire_backend::Backend::mapped_for_write`]: RAM), instead of
+    /// assembling them in a buffer for [`Executor::start`] to copy in once more; it counts
+    /// as done at [`Executor::mapped_write_done`]. `None`: assemble and start it as usual.
+    pub fn write_mapped(&self, req: &BlockRequest) -> Option<*mut u8> {
+        if req.op != BlockOp::Write || req.flags != IoFlags::empty() {
+            return None;
+        }
+        self.io.mapped_for_write(req.offset, req.len as u64)
+    }
+
+    /// A WRITE whose bytes were all copied where [`Executor::write_mapped`] said counts as
+    /// done.
+    pub fn mapped_write_done(&mut self, req: &BlockRequest, started: Started) {
+        self.stats.writes += 1;
+        self.stats.bytes_written += req.len as u64;
+        self.status(req, req.len as i32, started);
+    }
+
     /// A READ answered from the address [`Executor::mapped`] gave counts as done.
     pub fn mapped_read_done(&mut self, req: &BlockRequest, started: Started) {
         self.stats.reads += 1;
