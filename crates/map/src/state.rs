@@ -9,9 +9,11 @@
 
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
 
-use serde::{Deserialize, Serialize};
+use blkwire_wire::QueueRef;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// Where records and mounts live: /run/blkwire, or `BLKWIRE_RUN_DIR`.
 pub fn run_dir() -> PathBuf {
@@ -86,6 +88,55 @@ pub struct Record {
     /// How the session proves who it is (records of older versions have none of it).
     #[serde(flatten)]
     pub credentials: RecordedCredentials,
+    /// ublk: entry i names the target's queue that device queue i was last served by (None: a
+    /// queue with no identity, NVMe/TCP), so that `map --recover` can fence the dead daemon's
+    /// writes still running on the target (PROTOCOL.md §2.6) before sending any of its own.
+    /// Written before a queue's session is used. None in records of older versions and of fuse
+    /// mappings (which recover only read-only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_refs: Option<Vec<Option<RecordedQueue>>>,
+}
+
+/// A queue of a session on the target, as a record keeps it ([`QueueRef`]). The cookie is a hex
+/// string: JSON readers that hold numbers as doubles would lose its low bits.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RecordedQueue {
+    /// The session's id.
+    pub session: u32,
+    /// The queue's index in it.
+    pub queue: u16,
+    /// The session's cookie, as 16 hex digits.
+    #[serde(serialize_with = "hex_u64", deserialize_with = "u64_from_hex")]
+    pub cookie: u64,
+}
+
+fn hex_u64<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&format!("{v:016x}"))
+}
+
+fn u64_from_hex<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    let s = String::deserialize(d)?;
+    u64::from_str_radix(&s, 16).map_err(|e| serde::de::Error::custom(format!("cookie '{s}': {e}")))
+}
+
+impl From<QueueRef> for RecordedQueue {
+    fn from(r: QueueRef) -> Self {
+        RecordedQueue {
+            session: r.session,
+            queue: r.queue,
+            cookie: r.cookie,
+        }
+    }
+}
+
+impl From<RecordedQueue> for QueueRef {
+    fn from(r: RecordedQueue) -> Self {
+        QueueRef {
+            session: r.session,
+            queue: r.queue,
+            cookie: r.cookie,
+        }
+    }
 }
 
 /// A mapping's `--host-id`, `--key`, `--encrypt`, `--tls` and `--tls-ca`, as recorded so that
@@ -154,7 +205,11 @@ impl Liveness {
 }
 
 fn record_path(dev_name: &str) -> PathBuf {
-    devices_dir().join(format!("{dev_name}.json"))
+    record_path_in(&devices_dir(), dev_name)
+}
+
+fn record_path_in(dir: &Path, dev_name: &str) -> PathBuf {
+    dir.join(format!("{dev_name}.json"))
 }
 
 fn dev_name(device: &str) -> &str {
@@ -164,7 +219,13 @@ fn dev_name(device: &str) -> &str {
 impl Record {
     /// Writes the record atomically (temporary file, then rename), so a reader never sees half.
     pub fn save(&self) -> io::Result<()> {
-        let path = record_path(dev_name(&self.device));
+        self.save_in(&devices_dir())
+    }
+
+    /// `save` into `dir`. The temporary file's name depends only on the process: threads of one
+    /// process must not save at once (`RecordBook`).
+    fn save_in(&self, dir: &Path) -> io::Result<()> {
+        let path = record_path_in(dir, dev_name(&self.device));
         let tmp = path.with_extension(format!("json.tmp{}", std::process::id()));
         let text = serde_json::to_string_pretty(self).map_err(io::Error::other)?;
         std::fs::write(&tmp, text + "\n")?;
@@ -175,7 +236,11 @@ impl Record {
 
     /// The record of `device` (`/dev/loop3` or `loop3`), None when there is none.
     pub fn load(device: &str) -> Result<Option<Record>, String> {
-        let path = record_path(dev_name(device));
+        Record::load_in(&devices_dir(), device)
+    }
+
+    fn load_in(dir: &Path, device: &str) -> Result<Option<Record>, String> {
+        let path = record_path_in(dir, dev_name(device));
         match std::fs::read_to_string(&path) {
             Ok(text) => serde_json::from_str(&text)
                 .map(Some)
@@ -207,6 +272,83 @@ impl Record {
         } else {
             Liveness::Dead
         }
+    }
+}
+
+/// The record of a device its daemon serves, which the daemon's threads update (a queue's new
+/// session, `set_queue`) one at a time, until the mapping ends (`close`): a thread finishing
+/// after that cannot bring a removed record back.
+pub(crate) struct RecordBook {
+    dir: PathBuf,
+    /// None once closed.
+    rec: Mutex<Option<Record>>,
+}
+
+impl RecordBook {
+    /// Saves `rec` (in the devices directory) and keeps it as the device's record.
+    pub(crate) fn create(rec: Record) -> io::Result<RecordBook> {
+        RecordBook::create_in(devices_dir(), rec)
+    }
+
+    fn create_in(dir: PathBuf, rec: Record) -> io::Result<RecordBook> {
+        rec.save_in(&dir)?;
+        Ok(RecordBook {
+            dir,
+            rec: Mutex::new(Some(rec)),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Option<Record>> {
+        self.rec.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records that device queue `i` is served from now on by the target's queue `q`, before
+    /// that queue is used: a recovery then fences it. Naming a newer queue is always safe (its
+    /// session was welcomed only once the one it replaced had nothing running); naming an older
+    /// one once the newer has sent anything is not. Fails once the mapping has ended.
+    pub(crate) fn set_queue(&self, i: usize, q: Option<QueueRef>) -> io::Result<()> {
+        let mut g = self.lock();
+        let rec = g
+            .as_mut()
+            .ok_or_else(|| io::Error::other("the mapping has ended"))?;
+        let slot = rec
+            .queue_refs
+            .as_mut()
+            .and_then(|refs| refs.get_mut(i))
+            .ok_or_else(|| io::Error::other(format!("the record has no queue {i}")))?;
+        let before = std::mem::replace(slot, q.map(Into::into));
+        let saved = rec.save_in(&self.dir);
+        if saved.is_err() {
+            // Not saved: this copy stays what the file says.
+            if let Some(refs) = rec.queue_refs.as_mut() {
+                refs[i] = before;
+            }
+        }
+        saved
+    }
+
+    /// The mapping ended: removes the record (unless a recovering daemon owns it by now) and
+    /// ignores later updates.
+    pub(crate) fn close(&self) {
+        let mut g = self.lock();
+        if let Some(rec) = g.take() {
+            if let Ok(Some(r)) = Record::load_in(&self.dir, &rec.device) {
+                if r.pid == rec.pid {
+                    let _ = std::fs::remove_file(record_path_in(&self.dir, dev_name(&rec.device)));
+                }
+            }
+        }
+    }
+
+    /// A failed recovery: puts back the dead daemon's record `old`, with the queues this one
+    /// recorded if it did (they may have sent writes, which the next recovery must fence; the
+    /// old ones were fenced before these sessions were made), and ignores later updates.
+    pub(crate) fn close_restoring(&self, mut old: Record) {
+        let mut g = self.lock();
+        if let Some(refs) = g.take().and_then(|r| r.queue_refs) {
+            old.queue_refs = Some(refs);
+        }
+        let _ = old.save_in(&self.dir);
     }
 }
 
@@ -309,6 +451,145 @@ mod tests {
             (Some("db1"), Some("/etc/k"))
         );
         assert_eq!(serde_json::from_value::<Record>(v).unwrap(), r);
+    }
+
+    fn record(queues: usize) -> Record {
+        Record {
+            device: "/dev/ublkb7".into(),
+            url: "udp://h:1/e".into(),
+            export: "e".into(),
+            frontend: "ublk".into(),
+            pid: std::process::id() as i32,
+            start_time: self_start_time(),
+            mountpoint: String::new(),
+            file: String::new(),
+            size: 1 << 20,
+            readonly: false,
+            queues: queues as u16,
+            queue_depth: 64,
+            max_io: 1 << 20,
+            timeout_secs: 30,
+            hdd: false,
+            logfile: None,
+            fuse_io: None,
+            credentials: Default::default(),
+            queue_refs: Some(vec![None; queues]),
+        }
+    }
+
+    /// A directory of its own for one test, removed on drop.
+    struct Dir(PathBuf);
+
+    impl Dir {
+        fn new(name: &str) -> Dir {
+            let d =
+                std::env::temp_dir().join(format!("blkwire-state-{}-{name}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&d);
+            std::fs::create_dir_all(&d).unwrap();
+            Dir(d)
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A record written before queues were recorded loads with none (and `map --recover` then
+    /// knows it cannot fence), and one without them is written without the key.
+    #[test]
+    fn a_record_of_an_older_version_has_no_queue_refs() {
+        let old = r#"{"device":"/dev/ublkb0","url":"tcp://h:1/e","export":"e","frontend":"ublk",
+            "pid":1,"start_time":2,"mountpoint":"","file":"","size":4096,"readonly":false,
+            "queues":2,"queue_depth":4,"max_io":65536,"timeout_secs":30,"hdd":false,"logfile":null}"#;
+        let r: Record = serde_json::from_str(old).unwrap();
+        assert_eq!(r.queue_refs, None);
+        let v = serde_json::to_value(&r).unwrap();
+        assert!(v.get("queue_refs").is_none(), "{v}");
+    }
+
+    /// Cookies use all 64 bits: they go through JSON as hex strings, exactly.
+    #[test]
+    fn recorded_queues_round_trip_exactly() {
+        let mut r = record(3);
+        let near_max = QueueRef {
+            session: u32::MAX,
+            queue: 1,
+            cookie: u64::MAX - 1,
+        };
+        let small = QueueRef {
+            session: 7,
+            queue: 0,
+            cookie: 0x1f,
+        };
+        r.queue_refs = Some(vec![Some(small.into()), Some(near_max.into()), None]);
+        let text = serde_json::to_string_pretty(&r).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["queue_refs"][1]["cookie"], "fffffffffffffffe", "{text}");
+        assert_eq!(v["queue_refs"][0]["cookie"], "000000000000001f", "{text}");
+        assert!(v["queue_refs"][2].is_null(), "{text}");
+        let back: Record = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, r);
+        let refs = back.queue_refs.unwrap();
+        assert_eq!(QueueRef::from(refs[1].unwrap()), near_max);
+        assert_eq!(QueueRef::from(refs[0].unwrap()), small);
+        let bad = text.replace("fffffffffffffffe", "18446744073709551614x");
+        assert!(serde_json::from_str::<Record>(&bad).is_err());
+    }
+
+    /// A queue's new session is in the record file once `set_queue` returns; after the mapping
+    /// ended, a late one neither fails silently nor brings the removed record back.
+    #[test]
+    fn a_record_book_records_queues_until_closed() {
+        let dir = Dir::new("book");
+        let book = RecordBook::create_in(dir.0.clone(), record(2)).unwrap();
+        let q = QueueRef {
+            session: 9,
+            queue: 0,
+            cookie: u64::MAX,
+        };
+        book.set_queue(1, Some(q)).unwrap();
+        let on_disk = Record::load_in(&dir.0, "ublkb7").unwrap().unwrap();
+        assert_eq!(on_disk.queue_refs, Some(vec![None, Some(q.into())]));
+        assert!(book.set_queue(2, Some(q)).is_err(), "no such queue");
+        book.close();
+        assert_eq!(Record::load_in(&dir.0, "ublkb7").unwrap(), None);
+        assert!(book.set_queue(0, Some(q)).is_err());
+        assert_eq!(
+            Record::load_in(&dir.0, "ublkb7").unwrap(),
+            None,
+            "a late update recreated the record"
+        );
+    }
+
+    /// A failed recovery puts the dead daemon's record back, but with the queues it recorded
+    /// itself: those may have sent writes.
+    #[test]
+    fn a_failed_recovery_restores_the_record_with_the_newer_queues() {
+        let dir = Dir::new("restore");
+        let mut old = record(1);
+        old.pid = 1;
+        let dead = QueueRef {
+            session: 1,
+            queue: 0,
+            cookie: 11,
+        };
+        old.queue_refs = Some(vec![Some(dead.into())]);
+        let book = RecordBook::create_in(dir.0.clone(), record(1)).unwrap();
+        let newer = QueueRef {
+            session: 2,
+            queue: 0,
+            cookie: 22,
+        };
+        book.set_queue(0, Some(newer)).unwrap();
+        book.close_restoring(old.clone());
+        let back = Record::load_in(&dir.0, "ublkb7").unwrap().unwrap();
+        assert_eq!(back.pid, 1);
+        assert_eq!(back.queue_refs, Some(vec![Some(newer.into())]));
+        // Closed: a late update changes nothing.
+        assert!(book.set_queue(0, Some(dead)).is_err());
+        assert_eq!(Record::load_in(&dir.0, "ublkb7").unwrap(), Some(back));
     }
 
     #[test]

@@ -371,6 +371,7 @@ impl Mapping {
             logfile: spec.logfile.clone(),
             fuse_io: Some(fuse_io.into()),
             credentials: (&spec.credentials).into(),
+            queue_refs: None,
         };
         let block = info.logical_block.max(512);
         let dev = match &spec.mode {

@@ -329,6 +329,7 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
         logfile: spec.logfile.clone(),
         fuse_io: None,
         credentials: (&spec.credentials).into(),
+        queue_refs: None,
     };
     if let Mode::New { .. } = spec.mode {
         if let Some(old) = Record::load(&device)? {
@@ -587,6 +588,7 @@ mod tests {
             logfile: None,
             fuse_io: None,
             credentials: Default::default(),
+            queue_refs: None,
         }
     }
 
