@@ -14,7 +14,7 @@ use super::control::{probe, Ctrl};
 use super::queue::{QEvent, QueueWorker};
 use crate::device::{BlockDevice, Connected, FuseIo, Mode, Needs, Spec};
 use crate::log;
-use crate::state::{self, Record};
+use crate::state::{self, Record, RecordBook};
 use crate::sys::{self, Proc};
 
 fn wait_for_path(p: &str, limit: Duration) -> bool {
@@ -47,14 +47,24 @@ struct Undo<'a> {
     threads: bool,
     record: Option<String>,
     restore: Option<Record>,
+    /// The record as this daemon keeps it, once saved: undoing goes through it, so that a
+    /// queue's reconnection ending meanwhile cannot write it again.
+    book: Option<Arc<RecordBook>>,
 }
 
 impl Drop for Undo<'_> {
     fn drop(&mut self) {
-        if let Some(r) = &self.restore {
-            let _ = r.save();
-        } else if let Some(d) = &self.record {
-            Record::remove(d);
+        match (self.restore.take(), &self.book) {
+            (Some(old), Some(book)) => book.close_restoring(old),
+            (Some(old), None) => {
+                let _ = old.save();
+            }
+            (None, Some(book)) if self.record.is_some() => book.close(),
+            (None, _) => {
+                if let Some(d) = &self.record {
+                    Record::remove(d);
+                }
+            }
         }
         if let Some(id) = self.dev_id {
             if self.started {
@@ -194,6 +204,8 @@ struct Running {
     events: mpsc::Receiver<QEvent>,
     queues: usize,
     timeout: Duration,
+    /// The device's record, which the queues' reconnections update.
+    book: Arc<RecordBook>,
 }
 
 fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String> {
@@ -220,6 +232,7 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
         threads: false,
         record: None,
         restore: None,
+        book: None,
     };
     let pid = std::process::id() as i32;
     let (dev_id, nq, depth, max_io) = match &spec.mode {
@@ -329,7 +342,14 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
         logfile: spec.logfile.clone(),
         fuse_io: None,
         credentials: (&spec.credentials).into(),
-        queue_refs: None,
+        // The queues the device will use (the rest are logged out below), recorded before any
+        // is used: a recovery fences them.
+        queue_refs: Some(
+            session.queues[..nq]
+                .iter()
+                .map(|q| q.identity().map(Into::into))
+                .collect(),
+        ),
     };
     if let Mode::New { .. } = spec.mode {
         if let Some(old) = Record::load(&device)? {
@@ -342,9 +362,10 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
         }
         undo.record = Some(device.clone());
     }
-    record
-        .save()
-        .map_err(|e| format!("writing the record of {device}: {e}"))?;
+    let book = Arc::new(
+        RecordBook::create(record).map_err(|e| format!("writing the record of {device}: {e}"))?,
+    );
+    undo.book = Some(Arc::clone(&book));
 
     let cdev_path = format!("/dev/ublkc{dev_id}");
     if !wait_for_path(&cdev_path, Duration::from_secs(5)) {
@@ -383,6 +404,7 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
             readonly,
             spec.timeout,
             needs,
+            Arc::clone(&book),
         )?;
         let tx = tx.clone();
         undo.threads = true;
@@ -425,6 +447,7 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
     undo.dev_id = None;
     undo.record = None;
     undo.restore = None;
+    undo.book = None;
     drop(undo);
     log!(
         "info",
@@ -441,6 +464,7 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
         events,
         queues: nq,
         timeout: spec.timeout,
+        book,
     })
 }
 
@@ -498,7 +522,8 @@ fn serve(mut r: Running) {
     if let Err(e) = deleted {
         log!("warn", "deleting {device}: {e}");
     }
-    Record::remove_if_owned(&device, std::process::id() as i32);
+    // A reconnection still running (its queue thread is gone) cannot bring the record back.
+    r.book.close();
     log!("info", "{device} unmapped");
 }
 

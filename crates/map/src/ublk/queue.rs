@@ -25,6 +25,7 @@ use super::abi::*;
 use crate::device::Needs;
 use crate::log;
 use crate::sockpoll::SockPoll;
+use crate::state::RecordBook;
 use crate::sys::Waker;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
@@ -188,6 +189,8 @@ pub(crate) struct QueueWorker {
     timeout: Duration,
     /// What a session must grant to serve the device (checked on each reconnection).
     needs: Needs,
+    /// The device's record: a reconnection names its new queue there before using it.
+    book: Arc<RecordBook>,
 }
 
 // SAFETY: the raw pointers are mappings owned by the worker, used by one thread at a time.
@@ -267,6 +270,7 @@ impl QueueWorker {
         readonly: bool,
         timeout: Duration,
         needs: Needs,
+        book: Arc<RecordBook>,
     ) -> Result<QueueWorker, String> {
         let off = id as usize * max_cmd_buf_size();
         // The driver's descriptor array of this queue, read-only.
@@ -328,6 +332,7 @@ impl QueueWorker {
             readonly,
             timeout,
             needs,
+            book,
         })
     }
 
@@ -481,7 +486,10 @@ impl QueueWorker {
 
     /// Starts a reconnection in a thread of its own, whose end wakes the ring (`waker`): the
     /// queue thread goes on committing answers and failing requests at their deadlines while a
-    /// connect to an unreachable or silent host takes its time.
+    /// connect to an unreachable or silent host takes its time. The new queue is named in the
+    /// device's record before the queue thread gets it (else it is dropped unused): should the
+    /// daemon die, `map --recover` fences the queue that may have sent writes, never one whose
+    /// writes the new session's welcome already proved finished.
     fn spawn_attempt(&self) -> io::Result<mpsc::Receiver<Result<Queue, String>>> {
         let (tx, rx) = mpsc::channel();
         let waker = Arc::clone(&self.waker);
@@ -493,10 +501,19 @@ impl QueueWorker {
             ..self.reconnect.clone()
         };
         let needs = self.needs;
+        let (book, id) = (Arc::clone(&self.book), self.id);
         std::thread::Builder::new()
             .name(format!("blkwire-ublk-reconnect-{}", self.id))
             .spawn(move || {
-                let _ = tx.send(needs.reconnect(&url, &opts));
+                let r = needs.reconnect(&url, &opts).and_then(|q| {
+                    book.set_queue(id as usize, q.identity()).map_err(|e| {
+                        format!(
+                            "recording the new session in the device's record: {e}; not using it"
+                        )
+                    })?;
+                    Ok(q)
+                });
+                let _ = tx.send(r);
                 Waker::wake(waker.fd());
             })?;
         Ok(rx)
