@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use blkwire_client::{Cmd, ConnectOptions, ExportInfo, Queue, Url};
+use blkwire_client::{Cmd, ConnectOptions, ExportInfo, Queue, QueueRef, Url};
 use blkwire_wire::{Features, Status};
 
 use crate::log;
@@ -177,6 +177,9 @@ pub(crate) fn connect(spec: &Spec) -> Result<Connected, String> {
         ..Default::default()
     };
     spec.credentials.apply(&mut opts)?;
+    if let Mode::Recover(dead) = &spec.mode {
+        fence_dead_daemon(dead, &spec.url, &opts)?;
+    }
     let session = blkwire_client::connect(&spec.url, &opts).map_err(|e| e.to_string())?;
     let info = session.info.clone();
     check_export(&info, spec)?;
@@ -190,6 +193,106 @@ pub(crate) fn connect(spec: &Spec) -> Result<Connected, String> {
         session,
         info,
     })
+}
+
+/// `map --recover` of a writable mapping: before the new daemon sends anything, ends the queues
+/// its record names (the dead daemon's, PROTOCOL.md §2.6) and waits until none of their writes
+/// still runs on the target, so that no write of the dead daemon lands after one of the new
+/// daemon's (the kernel reissues the requests that were in flight, to the same blocks). A
+/// read-only device sent no writes: nothing to fence. A target that restarted since knows none
+/// of these queues, and nothing needs fencing there.
+fn fence_dead_daemon(dead: &Record, url: &Url, opts: &ConnectOptions) -> Result<(), String> {
+    if dead.readonly {
+        return Ok(());
+    }
+    let Some(refs) = &dead.queue_refs else {
+        log!(
+            "warn",
+            "{}: its record (written by an older blkwire) does not name the dead daemon's sessions: its writes still running on the target, if any, are not fenced and may land after newer ones",
+            dead.device
+        );
+        return Ok(());
+    };
+    if refs.len() != dead.queues as usize {
+        return Err(format!(
+            "{}: damaged record: it names {} target queue(s) for {} device queue(s); cannot recover",
+            dead.device,
+            refs.len(),
+            dead.queues
+        ));
+    }
+    let known: Vec<QueueRef> = refs.iter().flatten().map(|&q| q.into()).collect();
+    if known.len() < refs.len() {
+        log!(
+            "warn",
+            "{}: {} of the dead daemon's {} queue(s) had no session identity (nvme-tcp://): their writes still running on the target, if any, are not fenced",
+            dead.device,
+            refs.len() - known.len(),
+            refs.len()
+        );
+    }
+    if known.is_empty() {
+        return Ok(());
+    }
+    fence_recorded(url, opts, &known)
+        .map_err(|e| format!("{}: {e}; cannot recover", dead.device))?;
+    log!(
+        "info",
+        "{}: the dead daemon's {} queue(s) on {url} are closed with none of their requests running",
+        dead.device,
+        known.len()
+    );
+    Ok(())
+}
+
+/// Fences `queues` of earlier sessions on `url` (PROTOCOL.md §2.6), as `map --recover` does for
+/// the queues a dead daemon's record names: per queue, a one-queue session naming it as the one
+/// it replaces, in parallel, each asking again while the target says `BUSY` (the queue's
+/// requests still run) up to `opts.timeout`; then those sessions log out. Once this returns Ok,
+/// nothing those queues were asked to do runs any more on the target. `opts` is what the
+/// mapping connects with (host id, key, TLS): without a key the target accepts the fence only
+/// from the host id and address that held the queue. Err says which queues could not be fenced.
+pub fn fence_recorded(url: &Url, opts: &ConnectOptions, queues: &[QueueRef]) -> Result<(), String> {
+    let fence = |r: QueueRef| -> Result<(), String> {
+        let o = ConnectOptions {
+            queues: 1,
+            depth: 1,
+            replaces: Some(r),
+            ..opts.clone()
+        };
+        let s = blkwire_client::connect(url, &o)
+            .map_err(|e| format!("fencing session {} queue {}: {e}", r.session, r.queue))?;
+        for q in s.queues {
+            let _ = q.logout();
+        }
+        Ok(())
+    };
+    let errors: Vec<String> = std::thread::scope(|sc| {
+        let running: Vec<_> = queues
+            .iter()
+            .map(|&r| {
+                std::thread::Builder::new()
+                    .name("blkwire-fence".into())
+                    .spawn_scoped(sc, move || fence(r))
+                    .map_err(|e| format!("starting a thread: {e}"))
+            })
+            .collect();
+        running
+            .into_iter()
+            .filter_map(|t| match t {
+                Ok(t) => t
+                    .join()
+                    .unwrap_or_else(|_| Err("a fencing thread panicked".into()))
+                    .err(),
+                Err(e) => Some(e),
+            })
+            .collect()
+    });
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors.join("; "))
+    }
 }
 
 fn check_export(info: &ExportInfo, spec: &Spec) -> Result<(), String> {

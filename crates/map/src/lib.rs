@@ -34,7 +34,7 @@ pub mod ublk;
 mod daemon;
 
 pub use daemon::{choose_kind, map, recover, unmap, DeviceKind, MapOptions};
-pub use device::FuseIo;
+pub use device::{fence_recorded, FuseIo};
 pub use state::{Liveness, Record};
 
 /// Every mapping with its state, sorted by device; unreadable records as errors.
