@@ -624,3 +624,96 @@ fn a_session_replacing_a_queue_waits_for_its_writes_to_land() {
         new.queues[0].write_at(&vec![0; 4096], 0, false).unwrap();
     }
 }
+
+/// Whether the target lists `session` (from the STATS document).
+fn listed(stats_url: &str, session: u32) -> bool {
+    let doc =
+        blkwire_client::stats(&Url::parse(stats_url).unwrap(), &ConnectOptions::default()).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&doc).unwrap();
+    v["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|s| s["session"] == session)
+}
+
+/// `map --recover` after the map daemon was killed (PROTOCOL.md §2.6): the new daemon knows the
+/// dead one's queues only from its record and fences them (`blkwire_map::fence_recorded`)
+/// before it sends anything. While a write of the dead daemon still runs on the target (stuck
+/// on a frozen filesystem), the fence is not granted; once the write has landed it is, the dead
+/// session is gone at once (over UDP it would otherwise linger until its idle timeout), and the
+/// new daemon's session sees the old write and is not overtaken by it.
+#[test]
+fn recovery_fences_a_dead_daemons_queues_until_their_writes_land() {
+    let fs = LoopExt4::new();
+    let file = fs.mnt().join("disk");
+    sparse_file(&file, 1 << 20);
+    let export = format!("f=file:{}", file.display());
+    let (t, urls) = tcp_and_udp(&[&export]);
+    let stats_url = t.url("tcp://");
+    for base in urls {
+        let url = format!("{base}/f");
+        let u = Url::parse(&url).unwrap();
+        // The dead daemon's session, as its record names it; nothing logs it out.
+        let mut dead = one_queue(&url, None, Duration::from_secs(60)).unwrap();
+        let recorded = blkwire_map::RecordedQueue::from(dead.queues[0].identity().unwrap());
+        let first = random_bytes(4096, 3);
+        let frozen = fs.freeze();
+        dead.queues[0]
+            .submit(
+                Cmd::Write {
+                    offset: 0,
+                    data: &first,
+                    fua: false,
+                },
+                1,
+            )
+            .unwrap();
+        dead.queues[0].send().unwrap();
+        assert!(
+            common::wait_until(Duration::from_secs(30), || running(
+                &stats_url,
+                recorded.session
+            ) == 1),
+            "{url}: the write never reached the backend"
+        );
+        let mut opts = ConnectOptions {
+            depth: 4,
+            max_io: 64 << 10,
+            timeout: Duration::from_secs(2),
+            ..Default::default()
+        };
+        let t0 = Instant::now();
+        let e = blkwire_map::fence_recorded(&u, &opts, &[recorded.into()])
+            .expect_err("fenced while the dead daemon's write still runs");
+        assert!(e.contains("still has requests running"), "{url}: {e}");
+        // It asked again until about its timeout (less its last pause).
+        assert!(
+            t0.elapsed() >= Duration::from_millis(1500),
+            "{url}: gave up after {:?}",
+            t0.elapsed()
+        );
+        assert!(listed(&stats_url, recorded.session));
+        drop(frozen);
+        opts.timeout = Duration::from_secs(30);
+        blkwire_map::fence_recorded(&u, &opts, &[recorded.into()]).unwrap();
+        assert!(
+            !listed(&stats_url, recorded.session),
+            "{url}: the dead daemon's session outlived the fence"
+        );
+        // Fencing a queue the target does not know (any more, or since a restart) is granted.
+        blkwire_map::fence_recorded(&u, &opts, &[recorded.into()]).unwrap();
+        let mut new = one_queue(&url, None, Duration::from_secs(30)).unwrap();
+        let mut back = vec![0u8; 4096];
+        new.queues[0].read_at(&mut back, 0).unwrap();
+        assert!(
+            back == first,
+            "{url}: the dead daemon's write landed after the fence"
+        );
+        let second = random_bytes(4096, 4);
+        new.queues[0].write_at(&second, 0, false).unwrap();
+        new.queues[0].read_at(&mut back, 0).unwrap();
+        assert!(back == second, "{url}");
+        new.queues[0].write_at(&vec![0; 4096], 0, false).unwrap();
+    }
+}

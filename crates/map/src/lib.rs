@@ -35,7 +35,7 @@ mod daemon;
 
 pub use daemon::{choose_kind, map, recover, unmap, DeviceKind, MapOptions};
 pub use device::{fence_recorded, FuseIo};
-pub use state::{Liveness, Record};
+pub use state::{Liveness, Record, RecordedQueue};
 
 /// Every mapping with its state, sorted by device; unreadable records as errors.
 pub fn list() -> Vec<Result<(Record, Liveness), String>> {
