@@ -4,6 +4,8 @@
 # reports the mapping dead and the device still exists, `blkwire map --recover /dev/ublkb0`, and
 # the filesystem keeps working: the interrupted write completes, more files are written, every
 # checksum verifies after a remount, fsck is clean, unmap. Checksums go to LAB-SHA256 lines.
+# Then the same over udp:// to a target inside the guest, checking that `map --recover` fenced the
+# dead daemon's sessions: its record names their queues, and the target no longer lists them.
 #
 # From the kernel command line (set by host.sh): lab.tcp_port, lab.export.
 . /lab/lib.sh
@@ -100,5 +102,62 @@ step "verify checksums after re-reading from the target"
 run umount "$mnt"
 bw unmap $dev
 [ ! -e /sys/block/ublkb0 ] || fail "/sys/block/ublkb0 still exists after unmap"
-[ -f $maplog ] && sed 's/^/map.log| /' $maplog
 info "unmapped"
+
+# The dead daemon's sessions are fenced (PROTOCOL.md §2.6): the record names the target's queue of
+# each device queue, and `map --recover` ends those queues, waiting until none of their writes still
+# runs, before its own sessions send anything. Over udp:// a session nobody logs out would otherwise
+# stay on the target until its idle timeout (~60 s). A target inside the guest: udp:// for the
+# mapping, tcp:// for `stats`.
+serve /tmp/userve.log --listen udp://127.0.0.1:7791 --listen tcp://127.0.0.1:7792 --export u=mem:64M
+userve=$served
+# The session ids in the output of `bw stats --json` (/tmp/bw.out).
+listed_sessions() {
+    grep -o '"session": *[0-9]*' /tmp/bw.out | grep -o '[0-9]*$' | sort -u | tr '\n' ' '
+}
+bw map --frontend ublk --logfile $maplog udp://127.0.0.1:7791/u
+udev=$(tail -n1 /tmp/bw.out)
+urec=${BLKWIRE_RUN_DIR:-/run/blkwire}/devices/${udev#/dev/}.json
+grep -q '"queue_refs"' "$urec" || fail "the record of $udev names no target queues: $(cat "$urec")"
+run dd if=/dev/urandom of=/tmp/u.bin bs=64k count=32
+run dd if=/tmp/u.bin of="$udev" bs=64k conv=fsync
+bw stats --json tcp://127.0.0.1:7792
+old=$(listed_sessions)
+[ -n "$old" ] || fail "the target lists no session while $udev is mapped"
+upid=$(sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' "$urec")
+[ -n "$upid" ] || fail "no pid in $urec"
+step "kill -9 the map daemon of $udev (pid $upid; target sessions: $old)"
+kill -9 "$upid"
+i=0
+while [ -d /proc/"$upid" ]; do
+    i=$((i + 1))
+    [ $i -le 100 ] || fail "daemon $upid did not die"
+    sleep 0.1
+done
+# A write that waits for the recovery (the kernel holds it, then reissues it to the new daemon).
+(dd if=/tmp/u.bin of="$udev" bs=64k count=16 seek=32 conv=fsync 2>/dev/null && echo ok >/tmp/u.done) &
+uwriter=$!
+sleep 1
+bw map --recover "$udev" --logfile $maplog
+step "the dead daemon's sessions ($old) are gone from the target"
+bw stats --json tcp://127.0.0.1:7792
+now=$(listed_sessions)
+for s in $old; do
+    case " $now " in *" $s "*) fail "session $s of the dead daemon is still on the target after map --recover (sessions now: $now)" ;; esac
+done
+grep -q '"queue_refs"' "$urec" || fail "the recovered record of $udev names no target queues: $(cat "$urec")"
+grep -q "$udev: the dead daemon's .* are closed with none of their requests running" $maplog ||
+    fail "map --recover of $udev did not log the fence"
+info "map --recover fenced the dead daemon's sessions ($old); the target now lists: $now"
+wait $uwriter || fail "the write during the outage of $udev failed"
+[ -f /tmp/u.done ] || fail "the write during the outage of $udev did not finish"
+echo 3 >/proc/sys/vm/drop_caches
+run dd if="$udev" of=/tmp/u.back bs=64k count=32
+[ "$(sha256sum </tmp/u.bin)" = "$(sha256sum </tmp/u.back)" ] || fail "what was written before the crash reads back different"
+run dd if="$udev" of=/tmp/u.back bs=64k count=16 skip=32
+[ "$(head -c 1048576 /tmp/u.bin | sha256sum)" = "$(sha256sum </tmp/u.back)" ] || fail "the write held over the crash reads back different"
+bw unmap "$udev"
+[ ! -e "/sys/block/${udev#/dev/}" ] || fail "$udev still exists after unmap"
+kill $userve
+[ -f $maplog ] && sed 's/^/map.log| /' $maplog
+info "$udev over udp://: recovered after kill -9 with the dead daemon's sessions fenced; data verified; unmapped"
