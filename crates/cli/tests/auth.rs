@@ -388,22 +388,10 @@ fn a_challenge_never_amplifies_and_creates_nothing() {
         replaces: None,
     };
     let send = |hello: &Hello| -> (usize, Header, Vec<u8>) {
-        let p = hello.encode().unwrap();
-        let mut h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
-        h.payload_len = p.len() as u32;
-        h.seal_crc(&p);
-        let mut f = h.to_bytes().to_vec();
-        f.extend_from_slice(&p);
-        sock.send_to(&f, &target).unwrap();
-        let mut buf = [0u8; 2048];
-        let n = sock.recv(&mut buf).expect("an answer");
-        assert!(
-            n <= f.len(),
-            "answer of {n} bytes to a {}-byte HELLO",
-            f.len()
-        );
-        let r = Header::decode(&buf, 4096).unwrap();
-        (f.len(), r, buf[HEADER_LEN..n].to_vec())
+        let (sent, r, p) = common::native_raw::send_hello_udp(&sock, &target, hello);
+        let n = HEADER_LEN + p.len();
+        assert!(n <= sent, "answer of {n} bytes to a {sent}-byte HELLO");
+        (sent, r, p)
     };
     let (_, r, nonce) = send(&hello);
     assert_eq!((r.status, nonce.len()), (Status::Challenge, 32));
@@ -472,17 +460,8 @@ fn raw_hello(
             return common::native_raw::send_hello(s, hello);
         }
         let (sock, to) = udp.expect("a link");
-        let p = hello.encode().unwrap();
-        let mut h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
-        h.payload_len = p.len() as u32;
-        h.seal_crc(&p);
-        let mut f = h.to_bytes().to_vec();
-        f.extend_from_slice(&p);
-        sock.send_to(&f, to).unwrap();
-        let mut buf = [0u8; 2048];
-        let n = sock.recv(&mut buf).expect("an answer");
-        let r = Header::decode(&buf, 4096).unwrap();
-        (r, buf[HEADER_LEN..n].to_vec())
+        let (_, r, p) = common::native_raw::send_hello_udp(sock, to, hello);
+        (r, p)
     };
     let (r, nonce) = send(&hello);
     assert_eq!(r.status, Status::Challenge);

@@ -953,18 +953,10 @@ fn bad_subsystem_flags_are_one_line_errors() {
     run("nqn.2026-11.x:y=a,a", "already");
 }
 
-/// `serve` with a control socket, killed on drop.
+/// `serve` over nvme-tcp:// with a control socket (`common::Controlled`), killed on drop.
 struct Controlled {
-    child: std::process::Child,
-    sock: String,
+    t: common::Controlled,
     addr: String,
-}
-
-impl Drop for Controlled {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 impl Controlled {
@@ -973,36 +965,22 @@ impl Controlled {
     }
 
     fn start_with(dir: &TempDir, exports: &[&str], extra: &[&str]) -> Controlled {
-        let sock = dir.path("ctl.sock").to_str().unwrap().to_string();
-        let mut cmd = std::process::Command::new(common::BIN);
-        cmd.args([
-            "serve",
-            "--rpc-socket",
-            &sock,
-            "--log-level",
-            "warn",
-            "--listen",
-            "nvme-tcp://127.0.0.1:0",
-        ]);
+        let mut args = vec!["--listen", "nvme-tcp://127.0.0.1:0"];
         for e in exports {
-            cmd.args(["--export", e]);
+            args.extend(["--export", e]);
         }
-        cmd.args(extra);
-        let (child, urls) = common::spawn_serve_with_control(&mut cmd, 1);
-        let addr = urls[0].strip_prefix("nvme-tcp://").unwrap().to_string();
-        Controlled { child, sock, addr }
+        args.extend(extra);
+        let t = common::Controlled::start(dir, &args);
+        let addr = t.urls[0].strip_prefix("nvme-tcp://").unwrap().to_string();
+        Controlled { t, addr }
     }
 
     fn rpc(&self, method: &str, params: serde_json::Value) -> serde_json::Value {
-        let p = params.to_string();
-        let (ok, out, err) = cli(&["rpc", method, &p, "--socket", &self.sock]);
-        assert!(ok, "{method} {p}: {err}");
-        serde_json::from_str(&out).expect("rpc prints JSON")
+        self.t.rpc(method, &params.to_string())
     }
 
     fn refused(&self, method: &str, params: serde_json::Value, needle: &str) {
-        let p = params.to_string();
-        common::assert_one_line_error(&["rpc", method, &p, "--socket", &self.sock], needle);
+        self.t.refused(method, &params.to_string(), needle)
     }
 }
 
@@ -1206,7 +1184,7 @@ fn blkwire_subsystem_commands_change_and_list_subsystems() {
     let run = |args: &[&str]| {
         let mut a = vec!["subsystem"];
         a.extend_from_slice(args);
-        a.extend(["--socket", &t.sock]);
+        a.extend(["--socket", &t.t.sock]);
         let (ok, out, err) = cli(&a);
         assert!(ok, "{args:?}: {err}");
         out
@@ -1243,7 +1221,7 @@ fn blkwire_subsystem_commands_change_and_list_subsystems() {
         format!("removed namespace 4 (export b) of {sub} (closed 1 session)\n")
     );
     common::assert_one_line_error(
-        &["subsystem", "add-ns", sub, "nosuch", "--socket", &t.sock],
+        &["subsystem", "add-ns", sub, "nosuch", "--socket", &t.t.sock],
         "no export 'nosuch'",
     );
     assert_eq!(

@@ -46,7 +46,8 @@ pub fn spawn_serve_with_control(cmd: &mut Command, want: usize) -> (Child, Vec<S
 /// socket takes calls, with every `listening` URL (one per `--listen`); killed on drop.
 pub struct Controlled {
     child: Child,
-    sock: String,
+    /// The control socket's path.
+    pub sock: String,
     pub urls: Vec<String>,
 }
 
@@ -66,6 +67,11 @@ impl Controlled {
         let (ok, out, err) = cli(&["rpc", method, params, "--socket", &self.sock]);
         assert!(ok, "rpc {method}: {err}");
         serde_json::from_str(&out).expect("rpc prints JSON")
+    }
+
+    /// `blkwire rpc METHOD PARAMS`, which must fail with one line containing `needle`.
+    pub fn refused(&self, method: &str, params: &str, needle: &str) {
+        assert_one_line_error(&["rpc", method, params, "--socket", &self.sock], needle);
     }
 }
 

@@ -66,6 +66,26 @@ pub fn send_hello(s: &mut TcpStream, hello: &Hello) -> (Header, Vec<u8>) {
     read_frame(s).expect("hello reply")
 }
 
+/// Sends one HELLO datagram (its CRC set) from `sock` to `to` and returns its size, the answer's
+/// header and the answer's payload.
+pub fn send_hello_udp(
+    sock: &std::net::UdpSocket,
+    to: &str,
+    hello: &Hello,
+) -> (usize, Header, Vec<u8>) {
+    let p = hello.encode().unwrap();
+    let mut h = Header::request(Opcode::Hello, Tag::new(0, 0), 0, 0);
+    h.payload_len = p.len() as u32;
+    h.seal_crc(&p);
+    let mut f = h.to_bytes().to_vec();
+    f.extend_from_slice(&p);
+    sock.send_to(&f, to).unwrap();
+    let mut buf = [0u8; 2048];
+    let n = sock.recv(&mut buf).expect("an answer");
+    let r = Header::decode(&buf, 4096).unwrap();
+    (f.len(), r, buf[blkwire_wire::HEADER_LEN..n].to_vec())
+}
+
 /// A JOIN of `queue` to `session` with `cookie`, without a proof or a challenge answer (an
 /// unauthenticated session's): the header, its payload length set, and the payload.
 pub fn join_request(session: u32, queue: u16, cookie: u64) -> (Header, Vec<u8>) {
