@@ -590,6 +590,11 @@ impl ExportQueue {
         self.backend.mapped_for_write(offset, len)
     }
 
+    /// A piece of such a WRITE was copied there ([`Backend::wrote_mapped`]).
+    pub fn wrote_mapped(&self, offset: u64, len: u64) {
+        self.backend.wrote_mapped(offset, len)
+    }
+
     /// For backends that complete on their own threads: the descriptor to watch; call
     /// [`ExportQueue::reap`] when it is readable.
     pub fn notifier(&self) -> Option<RawFd> {

@@ -229,16 +229,20 @@ pub trait Backend: Send + Sync {
         None
     }
     /// Where a WRITE of `offset..offset+len` (already range-checked) may copy its bytes
-    /// straight into the export's memory, valid as long as the backend lives; its pages count
-    /// as written from this call on, so a hole is never claimed where bytes may lie. Used where
-    /// a WRITE's data arrives in pieces (datagram fragments): each goes where it belongs as it
-    /// arrives instead of into a buffer copied in once complete. Until then a READ of the range
-    /// sees some pieces and not others, as it may see part of a WRITE running on a disk, and a
-    /// WRITE given up before all its pieces arrived leaves those that did (a failed WRITE's
-    /// range holds unknown data). `None`, the default: assemble it and start it as usual.
+    /// straight into the export's memory, valid as long as the backend lives. Used where a
+    /// WRITE's data arrives in pieces (datagram fragments): each goes where it belongs as it
+    /// arrives instead of into a buffer copied in once complete, and [`Backend::wrote_mapped`]
+    /// follows each piece. Until the last, a READ of the range sees some pieces and not others,
+    /// as it may see part of a WRITE running on a disk, and a WRITE given up before all its
+    /// pieces arrived leaves those that did (a failed WRITE's range holds unknown data).
+    /// `None`, the default: assemble it and start it as usual.
     fn mapped_for_write(&self, _offset: u64, _len: u64) -> Option<*mut u8> {
         None
     }
+    /// The `len` bytes at `offset` were copied where [`Backend::mapped_for_write`] said: after
+    /// each piece, so whatever the backend records of where data lies (allocation queries)
+    /// counts them, even if a TRIM of the range ran between two pieces.
+    fn wrote_mapped(&self, _offset: u64, _len: u64) {}
     /// Appends the allocation map of `offset..offset+len` (already range-checked) to `out`,
     /// coalesced, at most `max` entries (1..=[`MAX_EXTENTS`]; a prefix of the range when there
     /// are more, its last entry whole), and never more meanwhile: the server covers the list's

@@ -448,13 +448,15 @@ impl Backend for MemBackend {
     }
     fn mapped_for_write(&self, offset: u64, len: u64) -> Option<*mut u8> {
         debug_assert!(offset.checked_add(len).is_some_and(|end| end <= self.size));
-        // Marked before any byte lands: the record may say "written" of a page still being
-        // filled, never "hole" of one holding data (an allocation query would skip it).
-        self.written
-            .mark(offset / PAGE, (offset + len).div_ceil(PAGE));
         // SAFETY: inside the mapping (range-checked by the caller), which lives as long as the
         // backend.
         Some(unsafe { self.base.add(offset as usize) })
+    }
+    fn wrote_mapped(&self, offset: u64, len: u64) {
+        // After the copy, as `wrote` for a WRITE: a TRIM that ran before it cleared the pages
+        // and punched them; marking them now never leaves data in a page recorded as a hole.
+        self.written
+            .mark(offset / PAGE, (offset + len).div_ceil(PAGE));
     }
     fn allocation(&self, offset: u64, len: u64, max: usize, out: &mut Vec<crate::Extent>) {
         let first = offset / PAGE;
@@ -599,6 +601,41 @@ mod tests {
         };
         assert_eq!(run(&m, punch), 0);
         assert!(!m.written.all(16, 17) && !m.written.all(17, 18));
+    }
+
+    /// A WRITE copied piece by piece into the mapping (`mapped_for_write`, datagram fragments)
+    /// is recorded piece by piece: a TRIM of the range between two pieces never leaves a piece
+    /// that landed after it in a page recorded as a hole, and a page no piece reached is not
+    /// recorded as written.
+    #[test]
+    fn writes_into_the_mapping_are_recorded_after_each_piece() {
+        let m = MemBackend::new(1 << 20).unwrap();
+        let page = PAGE as usize;
+        let into = m.mapped_for_write(4 * PAGE, 3 * PAGE).unwrap();
+        assert!(!m.written.all(4, 5), "nothing recorded before a byte lands");
+        let piece = |i: usize, byte: u8| {
+            // SAFETY: pieces of the three pages asked for.
+            unsafe { std::ptr::write_bytes(into.add(i * page), byte, page) };
+            m.wrote_mapped(4 * PAGE + (i * page) as u64, PAGE);
+        };
+        piece(0, 1);
+        let trim = Op::Trim {
+            offset: 4 * PAGE,
+            len: 3 * page as u32,
+            fua: false,
+        };
+        assert_eq!(run(&m, trim), 0);
+        piece(1, 2);
+        assert!(!m.written.all(4, 5), "the trimmed piece is a hole");
+        assert!(m.written.all(5, 6), "the piece after the TRIM is data");
+        assert!(!m.written.all(6, 7), "no piece reached the last page");
+        let mut map = Vec::new();
+        m.allocation(4 * PAGE, 3 * PAGE, 16, &mut map);
+        assert_eq!(
+            map.iter().map(|e| (e.len, e.hole)).collect::<Vec<_>>(),
+            [(PAGE, true), (PAGE, false), (PAGE, true)]
+        );
+        assert!(read(&m, 5 * PAGE, page).iter().all(|b| *b == 2));
     }
 
     /// A READ of written pages really goes through the mapping: with a page punched behind

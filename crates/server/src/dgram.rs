@@ -173,6 +173,15 @@ impl Peer {
     }
 }
 
+/// Where a new WRITE with header `h` goes as its fragments arrive, when its export shows its
+/// memory (`Executor::write_mapped`); checked first as `execute` checks every request, so that
+/// no byte of one it would refuse lands.
+fn write_in_place(exec: &Executor, h: &Header) -> Option<*mut u8> {
+    let block = h.block_request().filter(|_| flush_args_valid(h))?;
+    exec.admit(&block).ok()?;
+    exec.write_mapped(&block)
+}
+
 /// What a request frame means for the slot it names (PROTOCOL.md §6, §9.2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Verdict {
@@ -1095,9 +1104,15 @@ impl DgramPort {
         };
         let len = length as usize;
         let fresh = matches!(verdict, Verdict::Reread | Verdict::New);
+        // RAM takes a new WRITE's fragments where they belong as they arrive: no buffer, one
+        // copy fewer.
+        let into = match (h.opcode, verdict) {
+            (Opcode::Write, Verdict::New) => write_in_place(&q.exec, h),
+            _ => None,
+        };
         let needs = match h.opcode {
             Opcode::Read | Opcode::Write
-                if fresh && length <= q.max_io && !self.bufs.has_spare(len) =>
+                if fresh && into.is_none() && length <= q.max_io && !self.bufs.has_spare(len) =>
             {
                 len
             }
@@ -1168,13 +1183,6 @@ impl DgramPort {
             if let Some(old) = s.buf.take() {
                 self.bufs.give_back(old);
             }
-            // RAM takes the fragments where they belong as they arrive: no buffer, one copy
-            // fewer (checked here as `execute` checks it, before any byte lands).
-            let into = h
-                .block_request()
-                .filter(|b| flush_args_valid(h) && q.exec.admit(b).is_ok())
-                .and_then(|b| q.exec.write_mapped(&b));
-            let s = &mut q.slots[slot as usize];
             s.into = into;
             if into.is_none() {
                 // Covered by the check above.
@@ -1297,16 +1305,26 @@ impl DgramPort {
             return self.send_queue(qi, r, &have);
         }
         match s.into {
-            // SAFETY: `frag_offset + payload_len <= length` (checked above and by the
-            // decoder), and `into` holds `length` bytes of the export's memory, which lives as
-            // long as the queue's executor.
-            Some(into) => unsafe {
-                std::ptr::copy_nonoverlapping(
-                    payload.as_ptr(),
-                    into.add(h.frag_offset as usize),
-                    payload.len(),
-                )
-            },
+            Some(into) => {
+                // Checked here, not only by the decoder that cut the payload: this copy has no
+                // bounds of its own.
+                if payload.len() != expect as usize {
+                    q.exec.stats.protocol_errors += 1;
+                    return;
+                }
+                // SAFETY: `frag_offset + expect <= length` (`expect` is what is left of the
+                // WRITE from `frag_offset`, at most `fp`), and `into` holds `length` bytes of
+                // the export's memory, which lives as long as the queue's executor.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        payload.as_ptr(),
+                        into.add(h.frag_offset as usize),
+                        payload.len(),
+                    )
+                };
+                q.exec
+                    .wrote_mapped(s.hdr.offset + h.frag_offset as u64, payload.len() as u64);
+            }
             None => {
                 let buf = s.buf.as_mut().expect("assembling slot has a buffer");
                 buf.as_mut_slice()[h.frag_offset as usize..h.frag_offset as usize + payload.len()]
@@ -1799,6 +1817,32 @@ mod tests {
                 read == data[..LINK as usize],
                 "{export}: a READ, not the old WRITE"
             );
+        }
+    }
+
+    /// A WRITE to RAM the executor would refuse (a read-only export, a range past the end)
+    /// never lands, in place or not: it is answered with the refusal once its fragments are
+    /// in, and the export reads back as it was.
+    #[test]
+    fn refused_writes_to_ram_land_nowhere() {
+        for (export, offset, status) in [
+            ("a=mem:1M,ro", 0, Status::ReadOnly),
+            ("a=mem:1M", (1 << 20) - 4096, Status::OutOfRange),
+        ] {
+            let (mut dp, peer, session) = session_on(export);
+            let from = peer.local_addr().unwrap();
+            let mut h = request(session, Opcode::Write, 1, 1, offset, 2 * LINK);
+            h.frag_count = 2;
+            for i in 0..2 {
+                h.frag_index = i;
+                h.frag_offset = i as u32 * LINK;
+                dp.receive(&frame(h, &vec![9u8; LINK as usize]), from);
+            }
+            let answer = answers(&peer, true);
+            assert_eq!(answer.len(), 1, "{export}: one answer");
+            assert_eq!(answer[0].0.status, status, "{export}: refused");
+            let read = read_back(&mut dp, &peer, session, 2, 1, (offset, 4096));
+            assert!(read.iter().all(|b| *b == 0), "{export}: nothing landed");
         }
     }
 

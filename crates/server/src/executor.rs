@@ -249,6 +249,11 @@ impl Executor {
         self.io.mapped_for_write(req.offset, req.len as u64)
     }
 
+    /// `len` bytes at `offset` of a WRITE were copied where [`Executor::write_mapped`] said.
+    pub fn wrote_mapped(&self, offset: u64, len: u64) {
+        self.io.wrote_mapped(offset, len)
+    }
+
     /// A WRITE whose bytes were all copied where [`Executor::write_mapped`] said counts as
     /// done.
     pub fn mapped_write_done(&mut self, req: &BlockRequest, started: Started) {
