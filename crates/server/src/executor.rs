@@ -1,6 +1,9 @@
 //! The one place a block request runs, whatever frontend or transport carried it:
 //! validate -> export range and read-only check -> start -> complete -> status, with the
-//! queue's counters and latency histograms (timed from start to status). The stream reactor (native and NBD over TCP) and the datagram ports (UDP,
+//! queue's counters and latency histograms (timed from start to status). Where the export shows
+//! its memory (`mem:`), a READ may instead be answered from it (`read_mapped`) and a datagram
+//! WRITE copied into it fragment by fragment (`write_mapped`), each after the same checks
+//! (`admit`). The stream reactor (native and NBD over TCP) and the datagram ports (UDP,
 //! raw Ethernet) each own one `Executor` per queue; they differ only in how requests arrive and
 //! replies leave (docs/ARCHITECTURE.md, "Data path").
 
