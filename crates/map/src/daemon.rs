@@ -340,7 +340,8 @@ fn run<D: BlockDevice>(spec: &Spec, notify: &mut Notify<'_>) -> Result<(), Strin
 }
 
 /// The device's preconditions, then the export's session (so an unknown export or an unreachable
-/// target fails before anything exists), then the device.
+/// target fails before anything exists), then the device. `map --recover` of a ublk device
+/// fences the dead daemon's queues in `prepare`, so before this session exists.
 fn setup<D: BlockDevice>(spec: &Spec) -> Result<D, String> {
     let prepared = D::prepare(spec)?;
     let conn = device::connect(spec)?;

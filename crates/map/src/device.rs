@@ -2,6 +2,7 @@
 //! mapping they serve (`Spec`), the connection to the export made before any device exists, and
 //! the last flush of a queue on the way out.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use blkwire_client::{Cmd, ConnectOptions, ExportInfo, Queue, QueueRef, Url};
@@ -28,7 +29,9 @@ pub(crate) trait BlockDevice: Sized {
     /// Does `device` name a device of this kind (`unmap`, `map --recover`)?
     fn names(device: &str) -> bool;
     /// What must hold before the export is connected, so that a kernel that cannot serve the
-    /// mapping fails it before the target sees a session.
+    /// mapping fails it before the target sees a session. Recovering a ublk device, also the
+    /// kernel's word that the old daemon died and the fence of its queues, which must come
+    /// before the new daemon's session ([`connect`]).
     fn prepare(spec: &Spec) -> Result<Self::Prepared, String>;
     /// Creates the device for a connected export (or, recovering, takes over the record's), with
     /// its queues running; on error everything created so far is undone.
@@ -166,9 +169,9 @@ impl Needs {
     }
 }
 
-/// Connects the session a mapping serves with, first (so an unknown export or an unreachable
-/// target fails before anything exists), and checks that the export can be a block device.
-pub(crate) fn connect(spec: &Spec) -> Result<Connected, String> {
+/// What a mapping's sessions connect with: the spec's queues, depth, I/O size, timeout and
+/// credentials.
+pub(crate) fn connect_options(spec: &Spec) -> Result<ConnectOptions, String> {
     let mut opts = ConnectOptions {
         queues: spec.queues,
         depth: spec.depth,
@@ -177,9 +180,20 @@ pub(crate) fn connect(spec: &Spec) -> Result<Connected, String> {
         ..Default::default()
     };
     spec.credentials.apply(&mut opts)?;
-    if let Mode::Recover(dead) = &spec.mode {
-        fence_dead_daemon(dead, &spec.url, &opts)?;
-    }
+    Ok(opts)
+}
+
+/// Connects the session a mapping serves with, first (so an unknown export or an unreachable
+/// target fails before anything exists), and checks that the export can be a block device.
+///
+/// Recovering (`map --recover`), this runs after `BlockDevice::prepare`, which for ublk has
+/// fenced the dead daemon's queues ([`fence_dead_daemon`]) once the kernel confirmed that
+/// daemon is gone: this session is made after the fence, not only used after it. (Connecting
+/// sends no I/O, so "no write of ours before the fence" would hold either way; connecting
+/// after it also keeps the dead daemon's lingering sessions from counting against the target's
+/// session limits while ours are made.)
+pub(crate) fn connect(spec: &Spec) -> Result<Connected, String> {
+    let opts = connect_options(spec)?;
     let session = blkwire_client::connect(&spec.url, &opts).map_err(|e| e.to_string())?;
     let info = session.info.clone();
     check_export(&info, spec)?;
@@ -195,61 +209,96 @@ pub(crate) fn connect(spec: &Spec) -> Result<Connected, String> {
     })
 }
 
-/// `map --recover` of a writable mapping: before the new daemon sends anything, ends the queues
-/// its record names (the dead daemon's, PROTOCOL.md §2.6) and waits until none of their writes
-/// still runs on the target, so that no write of the dead daemon lands after one of the new
-/// daemon's (the kernel reissues the requests that were in flight, to the same blocks). A
-/// read-only device sent no writes: nothing to fence. A target that restarted since knows none
-/// of these queues, and nothing needs fencing there.
-fn fence_dead_daemon(dead: &Record, url: &Url, opts: &ConnectOptions) -> Result<(), String> {
+/// What `map --recover` fences of a dead daemon's mapping ([`fence_plan`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Fence {
+    /// The target queues the dead daemon may have sent writes on, as its record names them.
+    pub queues: Vec<QueueRef>,
+    /// Why some or all of the dead daemon's writes cannot be fenced, if so: a warning to log.
+    pub unfenced: Option<String>,
+}
+
+/// What to fence before re-serving `dead`'s device, whose kernel side has `device_queues`
+/// queues (GET_DEV_INFO), or why the record cannot be trusted. No I/O: the daemon logs the
+/// warning and fences ([`fence_dead_daemon`]). A read-only device sent no writes: nothing to
+/// fence. A record written by an older blkwire names no queue, and a queue without session
+/// identity (nvme-tcp://) has none to name: recovery goes on unfenced there, with a warning.
+/// A record naming another count of queues than the device has is damaged: refused before a
+/// session, let alone a thread, is made per entry.
+pub(crate) fn fence_plan(dead: &Record, device_queues: u16) -> Result<Fence, String> {
+    let nothing = |unfenced: Option<String>| Fence {
+        queues: Vec::new(),
+        unfenced,
+    };
     if dead.readonly {
-        return Ok(());
+        return Ok(nothing(None));
     }
     let Some(refs) = &dead.queue_refs else {
-        log!(
-            "warn",
+        return Ok(nothing(Some(format!(
             "{}: its record (written by an older blkwire) does not name the dead daemon's sessions: its writes still running on the target, if any, are not fenced and may land after newer ones",
             dead.device
-        );
-        return Ok(());
+        ))));
     };
-    if refs.len() != dead.queues as usize {
+    if refs.len() != device_queues as usize || dead.queues != device_queues {
         return Err(format!(
-            "{}: damaged record: it names {} target queue(s) for {} device queue(s); cannot recover",
+            "{}: damaged record: it names {} target queue(s) for {} device queue(s), and the device has {device_queues}; cannot recover",
             dead.device,
             refs.len(),
             dead.queues
         ));
     }
-    let known: Vec<QueueRef> = refs.iter().flatten().map(|&q| q.into()).collect();
-    if known.len() < refs.len() {
-        log!(
-            "warn",
+    let queues: Vec<QueueRef> = refs.iter().flatten().map(|&q| q.into()).collect();
+    let unfenced = (queues.len() < refs.len()).then(|| {
+        format!(
             "{}: {} of the dead daemon's {} queue(s) had no session identity (nvme-tcp://): their writes still running on the target, if any, are not fenced",
             dead.device,
-            refs.len() - known.len(),
+            refs.len() - queues.len(),
             refs.len()
-        );
+        )
+    });
+    Ok(Fence { queues, unfenced })
+}
+
+/// `map --recover` of a writable mapping, once the kernel has confirmed that the old daemon is
+/// gone (ublk: the device quiesced) and before the new daemon connects its own session: ends
+/// the queues `fence` names (the dead daemon's, PROTOCOL.md §2.6) and waits until the
+/// target answers, so that no write of the dead daemon lands after one of the new daemon's
+/// (the kernel reissues the requests that were in flight, to the same blocks). The target
+/// answers once none of a queue's requests runs, or at once when it does not know the queue as
+/// this host's: it restarted since (nothing to fence, rightly), or, without keys, the fence
+/// comes from another address than the dead daemon's sessions (nothing fenced, wrongly; the
+/// answer cannot tell the two apart).
+pub(crate) fn fence_dead_daemon(
+    device: &str,
+    fence: Fence,
+    url: &Url,
+    opts: &ConnectOptions,
+) -> Result<(), String> {
+    if let Some(w) = &fence.unfenced {
+        log!("warn", "{w}");
     }
-    if known.is_empty() {
+    if fence.queues.is_empty() {
         return Ok(());
     }
-    fence_recorded(url, opts, &known)
-        .map_err(|e| format!("{}: {e}; cannot recover", dead.device))?;
+    fence_recorded(url, opts, &fence.queues)
+        .map_err(|e| format!("{device}: {e}; cannot recover"))?;
     log!(
         "info",
-        "{}: the dead daemon's {} queue(s) on {url} are closed with none of their requests running",
-        dead.device,
-        known.len()
+        "{device}: asked the target ({url}) to close the dead daemon's {} queue(s); it answered once none of their requests ran, or did not know them",
+        fence.queues.len()
     );
     Ok(())
 }
 
-/// Fences `queues` of earlier sessions on `url` (PROTOCOL.md §2.6), as `map --recover` does for
-/// the queues a dead daemon's record names: per queue, a one-queue session naming it as the one
-/// it replaces, in parallel, each asking again while the target says `BUSY` (the queue's
-/// requests still run) up to `opts.timeout`; then those sessions log out. Once this returns Ok,
-/// nothing those queues were asked to do runs any more on the target. `opts` is what the
+/// At most this many fencing sessions at once ([`fence_recorded`]).
+const FENCE_THREADS: usize = 8;
+
+/// Fences `queues` of earlier sessions on `url` (PROTOCOL.md §2.6), as `map --recover`
+/// does for the queues a dead daemon's record names: per queue, a one-queue session naming it
+/// as the one it replaces, each asking again while the target says `BUSY` (the queue's requests
+/// still run) up to `opts.timeout`; then that session logs out. Up to [`FENCE_THREADS`] queues
+/// at once; after a failure no further queue is started. Once this returns Ok, nothing those
+/// queues were asked to do runs any more on the target (if it knew them). `opts` is what the
 /// mapping connects with (host id, key, TLS): without a key the target accepts the fence only
 /// from the host id and address that held the queue. Err says which queues could not be fenced.
 pub fn fence_recorded(url: &Url, opts: &ConnectOptions, queues: &[QueueRef]) -> Result<(), String> {
@@ -267,32 +316,63 @@ pub fn fence_recorded(url: &Url, opts: &ConnectOptions, queues: &[QueueRef]) -> 
         }
         Ok(())
     };
-    let errors: Vec<String> = std::thread::scope(|sc| {
-        let running: Vec<_> = queues
-            .iter()
-            .map(|&r| {
-                std::thread::Builder::new()
-                    .name("blkwire-fence".into())
-                    .spawn_scoped(sc, move || fence(r))
-                    .map_err(|e| format!("starting a thread: {e}"))
-            })
-            .collect();
-        running
-            .into_iter()
-            .filter_map(|t| match t {
-                Ok(t) => t
-                    .join()
-                    .unwrap_or_else(|_| Err("a fencing thread panicked".into()))
-                    .err(),
-                Err(e) => Some(e),
-            })
-            .collect()
-    });
+    let errors = run_bounded(queues, FENCE_THREADS, "blkwire-fence", |&r| fence(r));
     if errors.is_empty() {
         Ok(())
     } else {
         Err(errors.join("; "))
     }
+}
+
+/// Runs `f` on each of `items` on at most `limit` threads named `name`, each taking the next
+/// item until none is left; once one fails (or a thread cannot start), no further item is
+/// started. The errors, in the order of their items (a thread's own failure last).
+fn run_bounded<T: Sync>(
+    items: &[T],
+    limit: usize,
+    name: &str,
+    f: impl Fn(&T) -> Result<(), String> + Sync,
+) -> Vec<String> {
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let work = || -> Vec<(usize, String)> {
+        let mut errors = Vec::new();
+        while !failed.load(Ordering::Relaxed) {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(item) = items.get(i) else { break };
+            if let Err(e) = f(item) {
+                failed.store(true, Ordering::Relaxed);
+                errors.push((i, e));
+            }
+        }
+        errors
+    };
+    let mut errors: Vec<(usize, String)> = std::thread::scope(|sc| {
+        let mut workers = Vec::new();
+        let mut errors = Vec::new();
+        for _ in 0..items.len().min(limit.max(1)) {
+            match std::thread::Builder::new()
+                .name(name.into())
+                .spawn_scoped(sc, work)
+            {
+                Ok(t) => workers.push(t),
+                Err(e) => {
+                    failed.store(true, Ordering::Relaxed);
+                    errors.push((usize::MAX, format!("starting a thread: {e}")));
+                    break;
+                }
+            }
+        }
+        for t in workers {
+            match t.join() {
+                Ok(e) => errors.extend(e),
+                Err(_) => errors.push((usize::MAX, "a thread panicked".into())),
+            }
+        }
+        errors
+    });
+    errors.sort();
+    errors.into_iter().map(|(_, e)| e).collect()
 }
 
 fn check_export(info: &ExportInfo, spec: &Spec) -> Result<(), String> {
@@ -353,6 +433,7 @@ pub(crate) fn final_flush(mut q: Queue, readonly: bool, id: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::state::RecordedQueue;
 
     fn info() -> ExportInfo {
         ExportInfo {
@@ -368,6 +449,176 @@ mod tests {
             copy: Default::default(),
             header_crc: false,
         }
+    }
+
+    fn dead(queues: u16, refs: Option<Vec<Option<RecordedQueue>>>) -> Record {
+        Record {
+            device: "/dev/ublkb3".into(),
+            url: "tcp://127.0.0.1:1/d".into(),
+            export: "d".into(),
+            frontend: "ublk".into(),
+            pid: 4242,
+            start_time: 1,
+            mountpoint: String::new(),
+            file: String::new(),
+            size: 1 << 30,
+            readonly: false,
+            queues,
+            queue_depth: 64,
+            max_io: 1 << 20,
+            timeout_secs: 30,
+            hdd: false,
+            logfile: None,
+            fuse_io: None,
+            credentials: Default::default(),
+            queue_refs: refs,
+        }
+    }
+
+    fn rq(session: u32, queue: u16) -> RecordedQueue {
+        RecordedQueue {
+            session,
+            queue,
+            cookie: 0xfeed_0000 + session as u64,
+        }
+    }
+
+    #[test]
+    fn recovery_fences_every_recorded_queue_of_a_writable_mapping() {
+        let r = dead(2, Some(vec![Some(rq(7, 0)), Some(rq(9, 0))]));
+        assert_eq!(
+            fence_plan(&r, 2),
+            Ok(Fence {
+                queues: vec![rq(7, 0).into(), rq(9, 0).into()],
+                unfenced: None,
+            })
+        );
+    }
+
+    #[test]
+    fn a_read_only_mapping_sent_no_writes_to_fence() {
+        for refs in [None, Some(vec![Some(rq(7, 0))]), Some(vec![None; 5])] {
+            let r = Record {
+                readonly: true,
+                ..dead(2, refs)
+            };
+            let nothing = Fence {
+                queues: vec![],
+                unfenced: None,
+            };
+            assert_eq!(fence_plan(&r, 2), Ok(nothing));
+        }
+    }
+
+    #[test]
+    fn an_older_record_recovers_unfenced_with_a_warning() {
+        let f = fence_plan(&dead(2, None), 2).unwrap();
+        assert!(f.queues.is_empty());
+        let w = f.unfenced.expect("no warning");
+        assert!(
+            w.contains("/dev/ublkb3") && w.contains("older blkwire") && w.contains("not fenced"),
+            "{w}"
+        );
+    }
+
+    #[test]
+    fn queues_without_identity_are_left_unfenced_with_a_warning() {
+        // nvme-tcp:// queues have no session identity to name.
+        let f = fence_plan(&dead(3, Some(vec![None, Some(rq(7, 1)), None])), 3).unwrap();
+        assert_eq!(f.queues, vec![QueueRef::from(rq(7, 1))]);
+        let w = f.unfenced.expect("no warning");
+        assert!(w.contains("2 of the dead daemon's 3 queue(s)"), "{w}");
+        let f = fence_plan(&dead(1, Some(vec![None])), 1).unwrap();
+        assert!(f.queues.is_empty() && f.unfenced.is_some(), "{f:?}");
+    }
+
+    #[test]
+    fn a_record_whose_queue_count_is_not_the_devices_is_refused() {
+        let one = Some(rq(7, 0));
+        // More entries than the record's queues, fewer, or a record claiming more queues than
+        // the kernel's device has (a damaged record must not make a session per entry).
+        for (queues, refs, device) in [
+            (2, vec![one; 3], 2),
+            (2, vec![one; 1], 2),
+            (65535, vec![one; 65535], 2),
+            (2, vec![one; 2], 4),
+        ] {
+            let e = fence_plan(&dead(queues, Some(refs)), device).unwrap_err();
+            assert!(
+                e.contains("damaged record") && e.contains("cannot recover"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn nothing_to_fence_connects_to_nothing() {
+        // Port 1 on loopback: a connection would fail.
+        let url = Url::parse("tcp://127.0.0.1:1/d").unwrap();
+        let f = Fence {
+            queues: vec![],
+            unfenced: Some("warned".into()),
+        };
+        assert_eq!(
+            fence_dead_daemon("/dev/ublkb3", f, &url, &ConnectOptions::default()),
+            Ok(())
+        );
+        let f = Fence {
+            queues: vec![rq(7, 0).into()],
+            unfenced: None,
+        };
+        let opts = ConnectOptions {
+            timeout: Duration::from_secs(1),
+            ..Default::default()
+        };
+        let e = fence_dead_daemon("/dev/ublkb3", f, &url, &opts).unwrap_err();
+        assert!(
+            e.starts_with("/dev/ublkb3: fencing session 7 queue 0:")
+                && e.ends_with("cannot recover"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn fencing_runs_on_a_bounded_number_of_threads() {
+        let items: Vec<usize> = (0..40).collect();
+        let (now, most, done) = (
+            AtomicUsize::new(0),
+            AtomicUsize::new(0),
+            AtomicUsize::new(0),
+        );
+        let errors = run_bounded(&items, 4, "t", |_| {
+            let n = now.fetch_add(1, Ordering::SeqCst) + 1;
+            most.fetch_max(n, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(2));
+            now.fetch_sub(1, Ordering::SeqCst);
+            done.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        });
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(done.load(Ordering::SeqCst), 40);
+        let most = most.load(Ordering::SeqCst);
+        assert!((1..=4).contains(&most), "{most} at once");
+        assert!(run_bounded(&[] as &[usize], 4, "t", |_| Err("no".into())).is_empty());
+    }
+
+    #[test]
+    fn fencing_starts_no_further_queue_after_a_failure() {
+        let items: Vec<usize> = (0..1000).collect();
+        let started = AtomicUsize::new(0);
+        let errors = run_bounded(&items, 2, "t", |&i| {
+            started.fetch_add(1, Ordering::SeqCst);
+            if i == 3 || i == 1 {
+                return Err(format!("queue {i}"));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+            Ok(())
+        });
+        // In item order; at most the other thread's item runs after the first failure.
+        assert!(errors[0] == "queue 1", "{errors:?}");
+        assert!(errors.len() <= 2, "{errors:?}");
+        let started = started.load(Ordering::SeqCst);
+        assert!(started <= 4, "{started} items started");
     }
 
     const NEEDS: Needs = Needs {

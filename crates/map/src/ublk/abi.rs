@@ -33,6 +33,10 @@ pub(crate) const UBLK_U_CMD_DEL_DEV_ASYNC: u32 = ioc(IOC_READ, 0x14, CTRL_LEN);
 pub(crate) const UBLK_U_IO_FETCH_REQ: u32 = ioc(IOC_READ | IOC_WRITE, 0x20, IO_LEN);
 pub(crate) const UBLK_U_IO_COMMIT_AND_FETCH_REQ: u32 = ioc(IOC_READ | IOC_WRITE, 0x21, IO_LEN);
 
+/// GET_DEV_INFO's `state` once the kernel has quiesced a USER_RECOVERY device whose server's
+/// queues went away (its rings were torn down: the server died), holding its I/O.
+pub(crate) const UBLK_S_DEV_QUIESCED: u16 = 2;
+
 pub(crate) const UBLK_F_URING_CMD_COMP_IN_TASK: u64 = 1 << 1;
 pub(crate) const UBLK_F_USER_RECOVERY: u64 = 1 << 3;
 pub(crate) const UBLK_F_USER_RECOVERY_REISSUE: u64 = 1 << 4;

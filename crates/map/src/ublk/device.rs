@@ -12,7 +12,7 @@ use blkwire_wire::Features;
 use super::abi::*;
 use super::control::{probe, Ctrl};
 use super::queue::{QEvent, QueueWorker};
-use crate::device::{BlockDevice, Connected, FuseIo, Mode, Needs, Spec};
+use crate::device::{self, BlockDevice, Connected, FuseIo, Mode, Needs, Spec};
 use crate::log;
 use crate::state::{self, Record, RecordBook};
 use crate::sys::{self, Proc};
@@ -82,7 +82,7 @@ pub(crate) struct UblkDevice(Running);
 
 impl BlockDevice for UblkDevice {
     const KIND: &'static str = "ublk";
-    type Prepared = Ctrl;
+    type Prepared = Prepared;
 
     fn preflight() -> Result<(), String> {
         preflight()
@@ -102,15 +102,19 @@ impl BlockDevice for UblkDevice {
         Ok(())
     }
 
-    fn prepare(_spec: &Spec) -> Result<Ctrl, String> {
+    fn prepare(spec: &Spec) -> Result<Prepared, String> {
         state::ensure_dirs().map_err(|e| format!("{}: {e}", state::run_dir().display()))?;
         let mut ctrl = Ctrl::open()?;
         probe(&mut ctrl)?;
-        Ok(ctrl)
+        let recovering = match &spec.mode {
+            Mode::New { .. } => None,
+            Mode::Recover(old) => Some(begin_recovery(&mut ctrl, old, spec)?),
+        };
+        Ok(Prepared { ctrl, recovering })
     }
 
-    fn setup(spec: &Spec, ctrl: Ctrl, conn: Connected) -> Result<UblkDevice, String> {
-        setup(spec, ctrl, conn).map(UblkDevice)
+    fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<UblkDevice, String> {
+        setup(spec, prepared, conn).map(UblkDevice)
     }
 
     fn path(&self) -> String {
@@ -198,6 +202,66 @@ fn device_queues(asked: usize, made: u16) -> Result<usize, String> {
     }
 }
 
+/// What `prepare` hands to `setup`.
+pub(crate) struct Prepared {
+    ctrl: Ctrl,
+    /// `map --recover`: the device being taken over, as GET_DEV_INFO described it once the
+    /// kernel had quiesced it, the dead daemon fenced ([`begin_recovery`]).
+    recovering: Option<(u32, DevInfo)>,
+}
+
+/// How long `map --recover` waits for the kernel to notice that the old daemon died.
+const QUIESCE_WAIT: Duration = Duration::from_secs(30);
+
+/// `map --recover`, before the new daemon connects its session: checks that the device is the
+/// one `old` records, waits until the kernel says its old server is gone, then fences the dead
+/// daemon's queues on the target (PROTOCOL.md §2.6). In that order: a `map --recover` that
+/// misjudged a live daemon as dead (liveness comes from /proc, pid and start time, which
+/// another pid namespace does not see) is refused before it closes that daemon's sessions, and
+/// a damaged record is refused before a session is made for each queue it claims.
+///
+/// The kernel's word is GET_DEV_INFO's state QUIESCED, which the driver sets once the server's
+/// queue rings were torn down (the process died or is dying) and the device's I/O is held: the
+/// same state START_USER_RECOVERY requires, without its side effects. START_USER_RECOVERY
+/// itself comes after the fence and the new session, in `setup`: on Linux 6.12 a second
+/// START_USER_RECOVERY fails (EINVAL: no queue ready) until a new server has fetched all the
+/// tags of a queue, so a fence that failed (target unreachable, a write still stuck there) after
+/// it would leave a device no later `map --recover` can take. Failing here leaves the device as
+/// it was.
+fn begin_recovery(ctrl: &mut Ctrl, old: &Record, spec: &Spec) -> Result<(u32, DevInfo), String> {
+    let id = parse_device(&old.device)
+        .ok_or_else(|| format!("bad device '{}' in the record", old.device))?;
+    let mut di = ctrl
+        .dev_info(id)
+        .map_err(|e| format!("{}: GET_DEV_INFO: {e}", old.device))?;
+    is_recorded(&di, old)?;
+    let fence = device::fence_plan(old, di.nr_hw_queues)?;
+    // The kernel quiesces the device a few seconds after the old daemon died.
+    let deadline = Instant::now() + QUIESCE_WAIT;
+    while di.state != UBLK_S_DEV_QUIESCED {
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "{}: the kernel has not quiesced the device after {}s (state {}): its server still runs (in another pid namespace?) or the device is not recoverable; nothing fenced, cannot recover",
+                old.device,
+                QUIESCE_WAIT.as_secs(),
+                di.state
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        di = ctrl
+            .dev_info(id)
+            .map_err(|e| format!("{}: GET_DEV_INFO: {e}", old.device))?;
+        is_recorded(&di, old)?;
+    }
+    device::fence_dead_daemon(
+        &old.device,
+        fence,
+        &spec.url,
+        &device::connect_options(spec)?,
+    )?;
+    Ok((id, di))
+}
+
 struct Running {
     ctrl: Ctrl,
     dev_id: u32,
@@ -208,7 +272,11 @@ struct Running {
     book: Arc<RecordBook>,
 }
 
-fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String> {
+fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, String> {
+    let Prepared {
+        mut ctrl,
+        recovering,
+    } = prepared;
     let Connected {
         mut session,
         info,
@@ -276,12 +344,9 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
             (di.dev_id, nq, di.queue_depth as usize, max_io)
         }
         Mode::Recover(old) => {
-            let id = parse_device(&old.device)
-                .ok_or_else(|| format!("bad device '{}' in the record", old.device))?;
-            let di = ctrl
-                .dev_info(id)
-                .map_err(|e| format!("{}: GET_DEV_INFO: {e}", old.device))?;
-            is_recorded(&di, old)?;
+            // Checked against the record, quiesced and fenced in `prepare`.
+            let (id, di) =
+                recovering.ok_or_else(|| format!("{}: recovery was not prepared", old.device))?;
             if di.nr_hw_queues as usize != asked {
                 return Err(format!(
                     "{} has {} queue(s) but the target granted {asked}: cannot recover",
@@ -300,7 +365,7 @@ fn setup(spec: &Spec, mut ctrl: Ctrl, conn: Connected) -> Result<Running, String
                     old.device, di.queue_depth
                 ));
             }
-            // The kernel quiesces the device a few seconds after the old daemon died.
+            // EBUSY until the dead daemon's char device is closed (it may still be exiting).
             let deadline = Instant::now() + Duration::from_secs(30);
             loop {
                 match ctrl.start_recovery(id) {

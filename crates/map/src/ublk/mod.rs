@@ -13,7 +13,8 @@
 //! there when it is committed.
 //!
 //! Recovery: devices are created with USER_RECOVERY | USER_RECOVERY_REISSUE. When the daemon dies
-//! the kernel quiesces the device instead of removing it; `map --recover /dev/ublkbN` runs
+//! the kernel quiesces the device instead of removing it; `map --recover /dev/ublkbN` waits for
+//! that, fences the dead daemon's queues on the target (PROTOCOL.md §2.6), connects, runs
 //! START_USER_RECOVERY, fetches every tag again from a new daemon, then END_USER_RECOVERY, and
 //! the requests that were in flight are issued again.
 //!
