@@ -16,6 +16,8 @@ pub mod fuzzing;
 mod nvme;
 mod queue;
 mod stream;
+#[cfg(test)]
+mod testing;
 mod tls;
 mod url;
 
@@ -808,24 +810,7 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn granted(queues: u16, depth: u16, max_io: u32, frame_payload: u32) -> HelloReply {
-        HelloReply {
-            size: 1 << 20,
-            logical_block: 512,
-            physical_block: 4096,
-            features: Features(0),
-            queues,
-            depth,
-            max_io,
-            session: 1,
-            cookie: 2,
-            frame_payload,
-            copy: CopyLimits::default(),
-            session_flags: 0,
-            target_proof: [0; 32],
-        }
-    }
+    use crate::testing::granted;
 
     #[test]
     fn a_target_may_grant_less_than_asked_never_more() {

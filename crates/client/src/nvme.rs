@@ -57,6 +57,11 @@ pub(crate) struct Framing {
     pub maxh2cdata: u32,
     /// Data of writes waiting for an R2T, per slot (capacity kept between writes).
     pub pending: Vec<Vec<u8>>,
+    /// Per slot: bytes of its write already sent for R2Ts, or None when its command takes no
+    /// R2T (not a write, or one sent in the capsule). An R2T is answered at once and in full,
+    /// and we ask for one outstanding at a time (ICReq MAXR2T 0), so the next one must start
+    /// where the last ended: a target cannot have the same data sent twice.
+    pub r2t_sent: Vec<Option<u32>>,
     /// Read data that came apart from its CapsuleResp, per slot.
     pub gathered: Vec<Vec<u8>>,
     /// The admin queue: the controller lives while any I/O queue holds it.
@@ -142,6 +147,7 @@ impl Framing {
         let mut q = sqe(0, cid);
         q.nsid = 1;
         let mut data: &[u8] = &[];
+        self.r2t_sent[slot as usize] = None;
         match cmd {
             Cmd::Read { offset, len } => {
                 let (slba, n) = blocks(offset, len as u64)?;
@@ -170,6 +176,7 @@ impl Framing {
                     let p = &mut self.pending[slot as usize];
                     p.clear();
                     p.extend_from_slice(d);
+                    self.r2t_sent[slot as usize] = Some(0);
                 }
             }
             Cmd::Flush => q.opcode = 0x00,
@@ -213,13 +220,21 @@ impl Framing {
         Ok(())
     }
 
-    /// Appends the H2CData PDUs an R2T asks for (data of the write in `slot`).
-    pub fn answer_r2t(&self, slot: u16, r: &nvme_tcp::R2T, tx: &mut Vec<u8>) -> Result<()> {
+    /// Appends the H2CData PDUs an R2T asks for (data of the write in `slot`). Only a write
+    /// sent with a transport SGL takes R2Ts, each starting where the previous one ended: so
+    /// whatever a target sends, no more than the write's own bytes are queued for it.
+    pub fn answer_r2t(&mut self, slot: u16, r: &nvme_tcp::R2T, tx: &mut Vec<u8>) -> Result<()> {
+        let Some(sent) = self.r2t_sent[slot as usize] else {
+            return Err(Error::Protocol(format!(
+                "R2T for CID {:#x}, which is not a write waiting for one",
+                r.cccid
+            )));
+        };
         let data = &self.pending[slot as usize];
         let end = r.r2to as u64 + r.r2tl as u64;
-        if end > data.len() as u64 || r.r2tl == 0 {
+        if r.r2to != sent || end > data.len() as u64 || r.r2tl == 0 {
             return Err(Error::Protocol(format!(
-                "R2T for bytes {}..{end} of a {}-byte write",
+                "R2T for bytes {}..{end} of a {}-byte write whose first {sent} bytes were sent",
                 r.r2to,
                 data.len()
             )));
@@ -238,6 +253,7 @@ impl Framing {
             .encode(&self.tx, tx);
             at += n;
         }
+        self.r2t_sent[slot as usize] = Some(end as u32);
         Ok(())
     }
 }
@@ -560,6 +576,7 @@ pub(crate) fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
             lba_shift,
             maxh2cdata: s.maxh2cdata,
             pending: vec![Vec::new(); depth as usize],
+            r2t_sent: vec![None; depth as usize],
             gathered: vec![Vec::new(); depth as usize],
             _admin: admin.clone(),
         };
@@ -573,6 +590,64 @@ pub(crate) fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::nvme::{self as fake, resp, Controller};
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    /// Options for a session with a stand-in controller: one queue, 4 deep, 64 KiB I/Os.
+    fn options() -> ConnectOptions {
+        ConnectOptions {
+            queues: 1,
+            depth: 4,
+            max_io: 64 << 10,
+            timeout: Duration::from_secs(10),
+            ..Default::default()
+        }
+    }
+
+    /// The length a command's transport SGL names (a write sent for R2Ts).
+    fn sgl_len(q: &Sqe) -> u32 {
+        q.sgl().length().expect("a data block")
+    }
+
+    #[test]
+    fn a_flood_of_r2ts_for_one_write_is_refused_not_answered_each_time() {
+        let (tx, rx) = mpsc::channel();
+        let url = fake::start(Controller::default(), move |mut io| {
+            let b = io.recv().expect("the write");
+            let Pdu::CapsuleCmd(c) = io.decode(&b) else {
+                panic!("not a command")
+            };
+            let (cid, len) = (c.sqe.cid, sgl_len(&c.sqe));
+            // The whole write asked for, a thousand times over, before any of it came.
+            let r2t = Pdu::R2T(nvme_tcp::R2T {
+                cccid: cid,
+                ttag: 1,
+                r2to: 0,
+                r2tl: len,
+            });
+            let _ = io.send(&vec![r2t; 1000]);
+            let mut got = 0;
+            while let Some(b) = io.recv() {
+                if let Pdu::H2CData(d) = io.decode(&b) {
+                    got += d.data.len();
+                }
+                if got == len as usize {
+                    let _ = io.send(&[resp(cid, 0, 0)]);
+                }
+            }
+            let _ = tx.send(got);
+        });
+        let mut s = crate::connect(&url, &options()).unwrap();
+        let r = s.queues[0].write_at(&[7u8; 64 << 10], 0, false);
+        assert!(
+            matches!(&r, Err(Error::Protocol(m)) if m.contains("R2T")),
+            "{r:?}"
+        );
+        drop(s);
+        let sent = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert!(sent <= 64 << 10, "{sent} bytes sent for a 64 KiB write");
+    }
 
     #[test]
     fn cids_carry_slot_and_generation() {

@@ -405,6 +405,11 @@ impl StreamQueue {
     fn deliver_nvme(&mut self, f: &mut impl FnMut(Completion<'_>)) -> Result<usize> {
         let mut n = 0;
         loop {
+            // Data answering R2Ts goes out as it piles up, not after every PDU in the buffer
+            // is handled: what waits here stays within a couple of writes.
+            if self.tx.len() - self.tx_sent > 2 * self.max_io as usize {
+                self.send()?;
+            }
             let fr = self.nvme.as_mut().expect("an NVMe/TCP queue");
             let avail = &self.rx[self.rx_start..self.rx_end];
             let need = |r: std::result::Result<Progress, nvme_tcp::PduError>| match r {
@@ -474,7 +479,7 @@ impl StreamQueue {
                             r.cccid
                         )));
                     };
-                    let fr = self.nvme.as_ref().expect("an NVMe/TCP queue");
+                    let fr = self.nvme.as_mut().expect("an NVMe/TCP queue");
                     fr.answer_r2t(slot as u16, &r, &mut self.tx)?;
                 }
                 Pdu::C2HTermReq(t) => {
