@@ -649,6 +649,75 @@ mod tests {
         assert!(sent <= 64 << 10, "{sent} bytes sent for a 64 KiB write");
     }
 
+    /// A write's answer that comes while data is still going out (here an error for the
+    /// first of two 512 KiB writes, sent as its data starts to come, while the rest fills the
+    /// socket) is delivered then, not left in the receive buffer until something else arrives.
+    #[test]
+    fn an_answer_that_comes_while_data_goes_is_delivered() {
+        let (go, wait) = mpsc::channel::<()>();
+        let wait = std::sync::Mutex::new(wait);
+        let url = fake::start(Controller::default(), move |mut io| {
+            let mut writes = Vec::new();
+            for _ in 0..2 {
+                let b = io.recv().expect("a write");
+                let Pdu::CapsuleCmd(c) = io.decode(&b) else {
+                    panic!("not a command")
+                };
+                writes.push((c.sqe.cid, sgl_len(&c.sqe)));
+            }
+            let r2ts: Vec<_> = writes
+                .iter()
+                .map(|&(cid, len)| {
+                    Pdu::R2T(nvme_tcp::R2T {
+                        cccid: cid,
+                        ttag: 1,
+                        r2to: 0,
+                        r2tl: len,
+                    })
+                })
+                .collect();
+            let _ = io.send(&r2ts);
+            // The first is refused as soon as its data starts to come, then all of it is taken
+            // (one H2CData each: MAXH2CDATA is 1 MiB).
+            let mut ch = [0u8; nvme_tcp::CH_LEN];
+            let _ = io.s.read_exact(&mut ch);
+            let _ = io.send(&[resp(writes[0].0, 0, 0x02)]);
+            let rest: u32 = writes.iter().map(|w| w.1 + 24).sum::<u32>() - ch.len() as u32;
+            let _ = std::io::copy(&mut (&io.s).take(rest as u64), &mut std::io::sink());
+            // The others are answered once the test has seen the first.
+            let _ = wait.lock().unwrap().recv();
+            let rest: Vec<_> = writes[1..].iter().map(|w| resp(w.0, 0, 0)).collect();
+            let _ = io.send(&rest);
+            while io.recv().is_some() {}
+        });
+        let opts = ConnectOptions {
+            max_io: 1 << 20,
+            ..options()
+        };
+        let mut s = crate::connect(&url, &opts).unwrap();
+        let q = &mut s.queues[0];
+        // A small socket buffer: the data cannot all be in it when the answer comes.
+        blkwire_net::setopt(q.fd(), libc::SOL_SOCKET, libc::SO_SNDBUF, 16 << 10);
+        let data = vec![7u8; 512 << 10];
+        for i in 0..2 {
+            let w = Cmd::Write {
+                offset: i << 19,
+                data: &data,
+                fua: false,
+            };
+            q.submit(w, i).unwrap();
+        }
+        let mut first = Vec::new();
+        let r = q.complete(1, |c| first.push((c.user, c.status)));
+        assert!(r.is_ok(), "{r:?}");
+        assert_eq!(first, [(0, Status::Invalid)]);
+        go.send(()).unwrap();
+        let mut rest = 0;
+        while rest < 1 {
+            rest += q.complete(1, |c| assert_eq!(c.status, Status::Ok)).unwrap();
+        }
+    }
+
     #[test]
     fn cids_carry_slot_and_generation() {
         for (slot, generation) in [(0, 0), (1023, 63), (5, 1), (17, 40)] {

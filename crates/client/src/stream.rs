@@ -328,10 +328,12 @@ impl StreamQueue {
     /// Hands every complete reply in the receive buffer to `f`.
     fn deliver(&mut self, f: &mut impl FnMut(Completion<'_>)) -> Result<usize> {
         if self.nvme.is_some() {
-            let n = self.deliver_nvme(f)?;
-            // Data the target asked for (R2T) goes out at once: its write waits for it.
-            if !self.tx.is_empty() {
+            let mut n = self.deliver_nvme(f)?;
+            // Data the target asked for (R2T) goes out at once: its write waits for it. What
+            // arrives while it goes is delivered too, since the caller waits on the socket next.
+            while !self.tx.is_empty() {
                 self.send()?;
+                n += self.deliver_nvme(f)?;
             }
             return Ok(n);
         }
