@@ -35,6 +35,8 @@ pub(crate) struct StreamQueue {
     rx: Vec<u8>,
     rx_start: usize,
     rx_end: usize,
+    /// Most the receive buffer grows to while a send waits (`fill`).
+    rx_cap: usize,
     timeout: Duration,
     /// `poll`: since when requests have been in flight without any answer (None: nothing in
     /// flight). An answer resets it; `timeout` past it is `Error::Timeout`, as in `complete`.
@@ -54,6 +56,7 @@ impl StreamQueue {
     ) -> Result<StreamQueue> {
         sock.tcp().set_nonblocking(true)?;
         let depth = info.depth;
+        let rx_len = info.max_io as usize + HEADER_LEN + (256 << 10);
         Ok(StreamQueue {
             sock,
             index,
@@ -62,9 +65,12 @@ impl StreamQueue {
             free: (0..depth).rev().collect(),
             tx: Vec::with_capacity(256 << 10),
             tx_sent: 0,
-            rx: vec![0; info.max_io as usize + HEADER_LEN + (256 << 10)],
+            rx: vec![0; rx_len],
             rx_start: 0,
             rx_end: 0,
+            // While we send, the target may send every reply we await: at most `depth`, of at
+            // most max_io each. More than that is not an answer to anything.
+            rx_cap: rx_len + depth as usize * (info.max_io as usize + HEADER_LEN),
             timeout: opts.timeout,
             waiting_since: None,
             spin: blkwire_spin::AdaptiveSpin::new(opts.poll),
@@ -268,9 +274,7 @@ impl StreamQueue {
                 self.rx_end -= self.rx_start;
                 self.rx_start = 0;
             } else if grow {
-                // Bounded: at most `depth` replies of at most max_io each can be outstanding.
-                let cap = self.slots.len() * (self.max_io as usize + HEADER_LEN) + self.rx.len();
-                let new = (self.rx.len() * 2).min(cap);
+                let new = (self.rx.len() * 2).min(self.rx_cap);
                 if new == self.rx.len() {
                     return Err(Error::Protocol("more reply data than requested".into()));
                 }
@@ -590,4 +594,68 @@ fn gather(fr: &mut Framing, slot: usize, datao: u32, data: &[u8], len: u32) -> R
     }
     g.extend_from_slice(data);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+    use crate::testing::{self, granted};
+    use crate::Queue;
+
+    /// A reply frame whose tag matches nothing a queue sends (slot 999).
+    fn unmatched() -> [u8; HEADER_LEN] {
+        Header::request(Opcode::Keepalive, Tag::new(999, 0), 0, 0)
+            .reply(Status::Ok, 0)
+            .to_bytes()
+    }
+
+    /// `frames` unmatched replies in one buffer.
+    fn flood(frames: usize) -> Vec<u8> {
+        unmatched().repeat(frames)
+    }
+
+    fn options(timeout: Duration) -> ConnectOptions {
+        ConnectOptions {
+            queues: 1,
+            depth: 8,
+            max_io: 1 << 20,
+            timeout,
+            ..Default::default()
+        }
+    }
+
+    /// A target that reads nothing and sends replies to nothing while we send: the receive
+    /// buffer holds what could be answers (`depth` replies of max I/O), then the send fails.
+    #[test]
+    fn replies_to_nothing_while_we_send_cannot_grow_the_receive_buffer() {
+        let url = testing::native(granted(1, 8, 1 << 20, 1 << 20), |mut s| {
+            let b = flood(1 << 16);
+            for _ in 0..64 {
+                if s.write_all(&b).is_err() {
+                    return;
+                }
+            }
+            // Only then is what was sent read (64 MiB of replies held meanwhile would be
+            // accepted), until the initiator hangs up.
+            let _ = std::io::copy(&mut s, &mut std::io::sink());
+        });
+        let mut s = crate::connect(&url, &options(Duration::from_secs(5))).unwrap();
+        let q: &mut Queue = &mut s.queues[0];
+        let data = vec![1u8; 1 << 20];
+        for i in 0..8 {
+            let w = Cmd::Write {
+                offset: 0,
+                data: &data,
+                fua: false,
+            };
+            q.submit(w, i).unwrap();
+        }
+        let r = q.send();
+        assert!(
+            matches!(&r, Err(Error::Protocol(m)) if m.contains("more reply data")),
+            "{r:?}"
+        );
+    }
 }
