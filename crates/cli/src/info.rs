@@ -99,7 +99,8 @@ pub fn run(a: Args) -> Result<(), String> {
             } else if a.url.starts_with("nvme-tcp://") {
                 "blkwire's COPY is not an NVMe/TCP command"
             } else {
-                "the target's memory budget holds no copy buffer"
+                "the target grants none (its memory budget holds no copy buffer) or too \
+                 little to use"
             };
             println!("server-side copy: none for this session ({why})");
         }

@@ -267,7 +267,8 @@ pub struct ExportInfo {
     pub max_io: u32,
     /// Session id the target gave.
     pub session: u32,
-    /// What one COPY may do (PROTOCOL.md §13); disabled where the session has no COPY.
+    /// What one COPY may do (PROTOCOL.md §13), as this initiator uses the grant; disabled
+    /// where the session has no COPY or limits too small to use.
     pub copy: CopyLimits,
     /// Datagram sessions: the CRC of data frames covers their header only, UDP's checksum
     /// their data (`udp://...?crc=header`, granted: PROTOCOL.md §9.7).
@@ -565,8 +566,13 @@ fn connect_once(url: &Url, opts: &ConnectOptions) -> Result<Session> {
 
 /// A target may grant less than asked (PROTOCOL.md §2.2), never more: a hostile or broken
 /// target must not make the initiator open more connections or allocate larger buffers than
-/// its caller chose.
-fn check_grant(opts: &ConnectOptions, frame_payload: u32, reply: &HelloReply) -> Result<()> {
+/// its caller chose. Returns the grant as the session uses it: its COPY limits narrowed by
+/// [`usable_copy`].
+fn check_grant(
+    opts: &ConnectOptions,
+    frame_payload: u32,
+    reply: &HelloReply,
+) -> Result<HelloReply> {
     let asked = (opts.queues.max(1), opts.depth.max(1), opts.max_io.max(512));
     let granted = (reply.queues, reply.depth, reply.max_io);
     let fits = (1..=asked.0).contains(&granted.0)
@@ -574,7 +580,16 @@ fn check_grant(opts: &ConnectOptions, frame_payload: u32, reply: &HelloReply) ->
         && (1..=asked.2).contains(&granted.2)
         && (frame_payload == 0 || (1..=frame_payload.max(512)).contains(&reply.frame_payload));
     if fits {
-        Ok(())
+        // A COPY descriptor travels in one frame (§13): a datagram's, or on TCP one of max_io.
+        let frame = if frame_payload == 0 {
+            reply.max_io
+        } else {
+            reply.frame_payload
+        };
+        Ok(HelloReply {
+            copy: usable_copy(reply.copy, reply.logical_block, frame),
+            ..*reply
+        })
     } else {
         Err(Error::Protocol(format!(
             "the target granted {} queues x {} deep, max I/O {} (frame {}), outside the {} x {}, {} (frame {}) asked for",
@@ -587,6 +602,30 @@ fn check_grant(opts: &ConnectOptions, frame_payload: u32, reply: &HelloReply) ->
             asked.2,
             frame_payload
         )))
+    }
+}
+
+/// Fewest bytes one COPY must be able to move for a session to use COPY: below it a copy is a
+/// flood of tiny commands (a target granting 1 byte would make `cp` send one per byte).
+const COPY_MIN_BYTES: u32 = 64 << 10;
+
+/// The COPY limits a session uses of those granted (PROTOCOL.md §13): at most the ranges a
+/// descriptor in one `frame`-byte payload holds, and none at all where a range could not hold
+/// a logical block or one COPY could not move [`COPY_MIN_BYTES`].
+fn usable_copy(granted: CopyLimits, logical_block: u32, frame: u32) -> CopyLimits {
+    let c = CopyLimits {
+        max_ranges: granted
+            .max_ranges
+            .min(blkwire_wire::CopyDescriptor::ranges_fitting(frame)),
+        ..granted
+    };
+    let per_command = c
+        .max_bytes
+        .min(c.max_range.saturating_mul(c.max_ranges as u32));
+    if c.enabled() && c.max_range >= logical_block && per_command >= COPY_MIN_BYTES {
+        c
+    } else {
+        CopyLimits::default()
     }
 }
 
@@ -660,7 +699,7 @@ fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Res
     }
     let reply = HelloReply::decode(&p).map_err(|e| Error::Protocol(e.to_string()))?;
     let keys = attempt.check_welcome(&reply)?;
-    check_grant(opts, link0.mtu_payload, &reply)?;
+    let reply = check_grant(opts, link0.mtu_payload, &reply)?;
     let info = info_from(url, &reply);
     // Queue 0's socket was opened before the session existed: narrow its filter now.
     let link0 = match url.transport {
@@ -769,7 +808,7 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     }
     let reply = HelloReply::decode(&p).map_err(|e| Error::Protocol(e.to_string()))?;
     let keys = attempt.check_welcome(&reply)?;
-    check_grant(opts, 0, &reply)?;
+    let reply = check_grant(opts, 0, &reply)?;
     let info = info_from(url, &reply);
     let name = |queue| QueueRef {
         session: reply.session,
@@ -811,6 +850,7 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
 mod tests {
     use super::*;
     use crate::testing::granted;
+    use blkwire_wire::CopyDescriptor;
 
     #[test]
     fn a_target_may_grant_less_than_asked_never_more() {
@@ -839,6 +879,51 @@ mod tests {
         assert!(
             check_grant(&opts, 1448, &granted(4, 32, 1 << 20, 9000)).is_err(),
             "frame"
+        );
+    }
+
+    #[test]
+    fn copy_limits_too_small_to_use_are_no_copy_and_ranges_fit_a_frame() {
+        let opts = ConnectOptions::default();
+        let with = |max_bytes, max_range, max_ranges, frame_payload| {
+            let copy = CopyLimits {
+                max_bytes,
+                max_range,
+                max_ranges,
+            };
+            let reply = HelloReply {
+                copy,
+                ..granted(1, 8, 1 << 20, frame_payload)
+            };
+            check_grant(&opts, frame_payload, &reply).unwrap().copy
+        };
+        for (bytes, range, ranges, what) in [
+            (1, 1, 1, "a byte per COPY"),
+            (64 << 20, 256, 128, "ranges shorter than a block"),
+            (32 << 10, 32 << 10, 128, "less than 64 KiB per COPY"),
+            (64 << 20, 512, 1, "one block per COPY"),
+        ] {
+            assert_eq!(
+                with(bytes, range, ranges, 0),
+                CopyLimits::default(),
+                "{what}"
+            );
+        }
+        let fine = CopyLimits {
+            max_bytes: 64 << 20,
+            max_range: 64 << 20,
+            max_ranges: 1000,
+        };
+        let got = with(fine.max_bytes, fine.max_range, fine.max_ranges, 0);
+        assert_eq!(
+            got.max_ranges,
+            CopyDescriptor::ranges_fitting(1 << 20).min(1000)
+        );
+        // A datagram session's descriptor fits one frame's payload.
+        let got = with(fine.max_bytes, fine.max_range, fine.max_ranges, 1448);
+        assert_eq!(
+            (got.max_bytes, got.max_ranges),
+            (64 << 20, CopyDescriptor::ranges_fitting(1448))
         );
     }
 }

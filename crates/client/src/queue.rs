@@ -2,6 +2,7 @@
 //! session uses. The pipelined API (`submit`, `send`, `complete`) is the transport's; the blocking
 //! helpers (`read_at`, `write_at`, ...) are written once on top of it.
 
+use std::collections::HashMap;
 use std::os::fd::RawFd;
 use std::time::Instant;
 
@@ -274,7 +275,8 @@ impl Queue {
     }
 
     /// What one COPY of this session may do; [`CopyLimits::enabled`] is false when the session
-    /// has none (a read-only export, or a target whose memory budget cannot hold a copy).
+    /// has none (a read-only export, a target whose memory budget cannot hold a copy, or limits
+    /// too small to use).
     pub fn copy_limits(&self) -> CopyLimits {
         self.copy
     }
@@ -507,38 +509,46 @@ impl Queue {
                 r.offset, r.len
             )));
         }
-        let commands = copy_commands(source, ranges, dst, limits)?;
-        let mut failed: Option<(usize, Status, u32)> = None;
-        let (mut next, mut finished) = (0, 0);
-        while finished < commands.len() {
-            while next < commands.len() && self.in_flight() < self.depth() && failed.is_none() {
-                let (dst, len, d) = &commands[next];
-                let cmd = Cmd::Copy {
-                    dst: *dst,
-                    len: *len,
-                    descriptor: d,
+        // Made as they are sent: a long copy under small limits is many commands.
+        let mut commands = copy_commands(source, ranges, dst, limits);
+        // Destination and length of each command in flight, by its index (the `user`).
+        let mut sent: HashMap<u64, (u64, u32)> = HashMap::new();
+        // The first command that failed: its index, status and the bytes known copied.
+        let mut failed: Option<(u64, Status, u64)> = None;
+        let mut next = 0u64;
+        let mut more = true;
+        loop {
+            while more && self.in_flight() < self.depth() && failed.is_none() {
+                let Some(c) = commands.next() else {
+                    more = false;
+                    break;
                 };
-                self.submit(cmd, next as u64)?;
+                let (cmd_dst, len, d) = c?;
+                let cmd = Cmd::Copy {
+                    dst: cmd_dst,
+                    len,
+                    descriptor: &d,
+                };
+                self.submit(cmd, next)?;
+                sent.insert(next, (cmd_dst, len));
                 next += 1;
             }
             if self.in_flight() == 0 {
                 break;
             }
-            finished += self.complete(1, |c| {
-                if c.status != Status::Ok {
-                    let i = c.user as usize;
-                    if failed.is_none_or(|(j, _, _)| i < j) {
-                        failed = Some((i, c.status, c.length));
-                    }
+            self.complete(1, |c| {
+                let Some((cmd_dst, len)) = sent.remove(&c.user) else {
+                    return;
+                };
+                if c.status != Status::Ok && failed.is_none_or(|(j, _, _)| c.user < j) {
+                    let copied = cmd_dst - dst + c.length.min(len) as u64;
+                    failed = Some((c.user, c.status, copied));
                 }
             })?;
         }
         match failed {
             None => Ok(()),
-            Some((i, status, got)) => Err(Error::Copy {
-                status,
-                copied: commands[i].0 - dst + got.min(commands[i].1) as u64,
-            }),
+            Some((_, status, copied)) => Err(Error::Copy { status, copied }),
         }
     }
 
@@ -586,61 +596,126 @@ pub fn overlapping_source(ranges: &[CopyRange], dst: u64) -> Option<(CopyRange, 
 /// applies to it like to any request) whatever the target would take.
 pub const COPY_COMMAND_MAX: u32 = 64 << 20;
 
-/// Splits a copy into COPY commands within `limits` (and [`COPY_COMMAND_MAX`]):
-/// `(destination, length, descriptor)` each.
-fn copy_commands(
-    source: &str,
-    ranges: &[CopyRange],
+/// Splits a copy into COPY commands within `limits` (and [`COPY_COMMAND_MAX`]), made one at a
+/// time as they are asked for: `(destination, length, descriptor)` each.
+fn copy_commands<'a>(
+    source: &'a str,
+    ranges: &'a [CopyRange],
     dst: u64,
     limits: CopyLimits,
-) -> Result<Vec<(u64, u32, Vec<u8>)>> {
-    let limits = CopyLimits {
-        max_bytes: limits.max_bytes.min(COPY_COMMAND_MAX),
-        ..limits
-    };
-    let max_range = limits.max_range.min(limits.max_bytes);
-    let mut out = Vec::new();
-    let mut cur: Vec<CopyRange> = Vec::new();
-    let (mut at, mut start, mut total) = (dst, dst, 0u32);
-    let mut finish = |cur: &mut Vec<CopyRange>, start: u64, total: u32| -> Result<()> {
+) -> CopyCommands<'a> {
+    let max_bytes = limits.max_bytes.min(COPY_COMMAND_MAX);
+    CopyCommands {
+        source,
+        ranges,
+        max_bytes,
+        max_range: limits.max_range.min(max_bytes),
+        max_ranges: limits.max_ranges as usize,
+        range: 0,
+        taken: 0,
+        at: dst,
+    }
+}
+
+/// The COPY commands of a copy, in order (see [`copy_commands`]).
+struct CopyCommands<'a> {
+    source: &'a str,
+    ranges: &'a [CopyRange],
+    max_bytes: u32,
+    max_range: u32,
+    max_ranges: usize,
+    /// The source range the next command starts in, and its bytes already in commands.
+    range: usize,
+    taken: u64,
+    /// Where the next command's bytes go.
+    at: u64,
+}
+
+impl Iterator for CopyCommands<'_> {
+    type Item = Result<(u64, u32, Vec<u8>)>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let start = self.at;
+        let mut cur: Vec<CopyRange> = Vec::new();
+        let mut total = 0u32;
+        while self.range < self.ranges.len()
+            && cur.len() < self.max_ranges
+            && total < self.max_bytes
+        {
+            let r = self.ranges[self.range];
+            let len = (r.len as u64 - self.taken)
+                .min(self.max_range as u64)
+                .min((self.max_bytes - total) as u64) as u32;
+            if len > 0 {
+                cur.push(CopyRange {
+                    offset: r.offset + self.taken,
+                    len,
+                });
+            }
+            self.taken += len as u64;
+            self.at += len as u64;
+            total += len;
+            if self.taken == r.len as u64 {
+                self.range += 1;
+                self.taken = 0;
+            }
+        }
         if cur.is_empty() {
-            return Ok(());
+            return None;
         }
         let d = CopyDescriptor {
-            source: source.to_string(),
-            ranges: std::mem::take(cur),
+            source: self.source.to_string(),
+            ranges: cur,
         }
         .encode()
-        .map_err(|e| Error::Usage(format!("copy: {e}")))?;
-        out.push((start, total, d));
-        Ok(())
-    };
-    for r in ranges {
-        let mut off = r.offset;
-        let mut left = r.len as u64;
-        while left > 0 {
-            if cur.len() == limits.max_ranges as usize || total == limits.max_bytes {
-                finish(&mut cur, start, total)?;
-                start = at;
-                total = 0;
-            }
-            let len = left
-                .min(max_range as u64)
-                .min((limits.max_bytes - total) as u64) as u32;
-            cur.push(CopyRange { offset: off, len });
-            off += len as u64;
-            left -= len as u64;
-            at += len as u64;
-            total += len;
-        }
+        .map_err(|e| Error::Usage(format!("copy: {e}")));
+        Some(d.map(|d| (start, total, d)))
     }
-    finish(&mut cur, start, total)?;
-    Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::{self, granted};
+    use crate::{ConnectOptions, HelloReply};
+    use std::io::Write;
+
+    /// A target that grants `copy` and answers every request after the HELLO with `status`.
+    fn refusing(copy: CopyLimits, status: Status) -> crate::Url {
+        let reply = HelloReply {
+            copy,
+            ..granted(1, 8, 1 << 20, 1 << 20)
+        };
+        testing::native(reply, move |mut s| {
+            while let Some((h, _)) = testing::read_frame(&mut s) {
+                if s.write_all(&h.reply(status, 0).to_bytes()).is_err() {
+                    return;
+                }
+            }
+        })
+    }
+
+    /// COPY limits of a byte each would make a copy one command per byte (built before any
+    /// was sent): the session takes them as no COPY.
+    #[test]
+    fn a_session_granted_copies_of_a_byte_has_no_copy() {
+        let tiny = CopyLimits {
+            max_bytes: 1,
+            max_range: 1,
+            max_ranges: 1,
+        };
+        let url = refusing(tiny, Status::Io);
+        let mut s = crate::connect(&url, &ConnectOptions::default()).unwrap();
+        assert!(!s.info.copy.enabled());
+        let q = &mut s.queues[0];
+        assert!(!q.copy_limits().enabled());
+        let range = CopyRange {
+            offset: 0,
+            len: 64 << 10,
+        };
+        let r = q.copy("other", &[range], 0);
+        assert!(matches!(r, Err(Error::Usage(_))), "{r:?}");
+    }
 
     #[test]
     fn copies_are_split_within_the_sessions_limits_and_keep_their_order() {
@@ -659,7 +734,9 @@ mod tests {
                 len: 30,
             },
         ];
-        let cmds = copy_commands("src", &ranges, 7, limits).unwrap();
+        let cmds: Vec<_> = copy_commands("src", &ranges, 7, limits)
+            .collect::<Result<_>>()
+            .unwrap();
         let decoded: Vec<(u64, u32, Vec<CopyRange>)> = cmds
             .iter()
             .map(|(d, l, b)| {
