@@ -106,12 +106,17 @@ pub fn run(a: Args) -> Result<(), String> {
             info.name
         ));
     }
-    if (s.queues.len() as u16) < a.jobs || s.queues[0].depth() < a.iodepth as usize {
+    let depth = s
+        .queues
+        .first()
+        .ok_or_else(|| format!("{}: the target granted no queue", a.url))?
+        .depth();
+    if (s.queues.len() as u16) < a.jobs || depth < a.iodepth as usize {
         eprintln!(
             "blkwire: note: target granted {} queue{} x {} deep (asked {} x {})",
             s.queues.len(),
             if s.queues.len() == 1 { "" } else { "s" },
-            s.queues[0].depth(),
+            depth,
             a.jobs,
             a.iodepth
         );

@@ -227,5 +227,10 @@ pub fn open(
     if u.export.is_empty() {
         return Err(format!("'{url}' names no export: use tcp://HOST:PORT/EXPORT (`blkwire info tcp://HOST:PORT` lists them)"));
     }
-    blkwire_client::connect(&u, opts).map_err(|e| e.to_string())
+    let s = blkwire_client::connect(&u, opts).map_err(|e| e.to_string())?;
+    // Every command runs its work on the queues: none would be a copy or run that did nothing.
+    if s.queues.is_empty() {
+        return Err(format!("{url}: the target granted no queue"));
+    }
+    Ok(s)
 }

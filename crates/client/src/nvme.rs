@@ -490,7 +490,14 @@ pub(crate) fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     cap.cdw10 = 1;
     let (c, _) = a.command(cap, &[], 0)?;
     a.check("Property Get CAP", &c)?;
-    let mqes = (c.dw0 & 0xffff) as u16 + 1;
+    // CAP.MQES: entries per queue, 0's based; a queue holds one entry less than its size, so
+    // MQES is also the most commands in flight. 0 (reserved) would leave room for none.
+    let mqes = c.dw0 & 0xffff;
+    if mqes == 0 {
+        return Err(Error::Protocol(format!(
+            "{subnqn}: the controller's CAP.MQES is 0, a queue with no room for a command"
+        )));
+    }
     let mut id = sqe(0x06, 0);
     id.cdw10 = 1;
     let (c, ctrl) = a.command(id, &[], 4096)?;
@@ -518,6 +525,11 @@ pub(crate) fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
         )));
     }
     let nsze = u64::from_le_bytes(ns[0..8].try_into().expect("8 bytes"));
+    let size = nsze.checked_mul(1 << lba_shift).ok_or_else(|| {
+        Error::Protocol(format!(
+            "{subnqn}: namespace 1 of {nsze} blocks is beyond 2^64 bytes"
+        ))
+    })?;
     let read_only = ns[99] & 1 != 0;
     let mdts_bytes = if mdts == 0 {
         1 << 20
@@ -531,8 +543,11 @@ pub(crate) fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     nq.cdw11 = (queues as u32 - 1) | (queues as u32 - 1) << 16;
     let (c, _) = a.command(nq, &[], 0)?;
     a.check("Set Features (number of queues)", &c)?;
-    let granted = ((c.dw0 & 0xffff).min(c.dw0 >> 16) as u16 + 1).min(queues);
-    let depth = opts.depth.clamp(1, MAX_DEPTH - 1).min(mqes - 1).min(maxcmd);
+    // NSQA and NCQA, 0's based: at least one queue of each, at most what was asked.
+    let granted = ((c.dw0 & 0xffff).min(c.dw0 >> 16) + 1).min(queues as u32) as u16;
+    let depth = (opts.depth.clamp(1, MAX_DEPTH - 1) as u32)
+        .min(mqes)
+        .min(maxcmd as u32) as u16;
     let mut features = Features::FUA;
     if read_only {
         features |= Features::READ_ONLY;
@@ -548,7 +563,7 @@ pub(crate) fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     }
     let info = ExportInfo {
         name: url.export.clone(),
-        size: nsze << lba_shift,
+        size,
         logical_block: 1 << lba_shift,
         physical_block: 1 << lba_shift,
         features: Features(features),
@@ -572,7 +587,7 @@ pub(crate) fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
                 max_plen: max_io + 4096,
                 ..s.rx
             },
-            incapsule: (ioccsz * 16).saturating_sub(64),
+            incapsule: ioccsz.saturating_mul(16).saturating_sub(64),
             lba_shift,
             maxh2cdata: s.maxh2cdata,
             pending: vec![Vec::new(); depth as usize],
@@ -716,6 +731,37 @@ mod tests {
         while rest < 1 {
             rest += q.complete(1, |c| assert_eq!(c.status, Status::Ok)).unwrap();
         }
+    }
+
+    /// No I/O queue of no entries: a controller that says its queues hold no command is
+    /// refused, not taken for one where every read and write "succeeds" without being sent.
+    #[test]
+    fn a_controller_whose_queues_hold_no_command_is_refused() {
+        let c = Controller {
+            mqes: 0,
+            ..Controller::default()
+        };
+        let url = fake::start(c, |_| {});
+        let r = crate::connect(&url, &options());
+        assert!(
+            matches!(&r, Err(Error::Protocol(m)) if m.contains("MQES")),
+            "{:?}",
+            r.map(|s| (s.info.queues, s.info.depth))
+        );
+    }
+
+    /// Set Features answered with the most queues NVMe can name (0xFFFF, 0's based): as
+    /// many as were asked, not 65536 wrapped to none.
+    #[test]
+    fn a_controller_granting_65536_queues_gives_those_asked_for() {
+        let c = Controller {
+            queues: u32::MAX,
+            ..Controller::default()
+        };
+        let url = fake::start(c, |mut io| while io.recv().is_some() {});
+        let s = crate::connect(&url, &options()).unwrap();
+        assert_eq!((s.info.queues, s.queues.len()), (1, 1));
+        assert_eq!(s.info.depth, 4);
     }
 
     #[test]

@@ -398,6 +398,7 @@ impl Queue {
                 what: what(),
                 status,
             }),
+            None if finished < count => Err(no_slot(what())),
             None => Ok(()),
         }
     }
@@ -547,6 +548,7 @@ impl Queue {
             })?;
         }
         match failed {
+            None if more => Err(no_slot("copy".into())),
             None => Ok(()),
             Some((_, status, copied)) => Err(Error::Copy { status, copied }),
         }
@@ -579,6 +581,12 @@ impl Queue {
     pub fn logout(mut self) -> Result<()> {
         each!(self, q => q.logout())
     }
+}
+
+/// A batch that could not be sent at all: the queue has no slot (a session never grants
+/// that, so this stays an error rather than a batch reported done without any I/O).
+fn no_slot(what: String) -> Error {
+    Error::Protocol(format!("{what}: the queue has no slot to send it on"))
 }
 
 /// For a copy within one export of `ranges` to consecutive bytes from `dst`: the first range
@@ -693,6 +701,38 @@ mod tests {
                 }
             }
         })
+    }
+
+    /// A queue of no slots (no session grants one) fails what it is given rather than
+    /// report it done without sending anything.
+    #[test]
+    fn a_queue_without_slots_fails_its_batches() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let opts = ConnectOptions::default();
+        let mut info = crate::info_from(
+            &crate::Url::parse("tcp://127.0.0.1/x").unwrap(),
+            &granted(1, 8, 1 << 20, 1 << 20),
+        );
+        info.depth = 0;
+        let q = StreamQueue::new(crate::tls::Link::Plain(s), 0, &info, &opts).unwrap();
+        let copy = CopyLimits {
+            max_bytes: 1 << 20,
+            max_range: 1 << 20,
+            max_ranges: 8,
+        };
+        let mut q = Queue::stream(q, copy);
+        assert_eq!(q.depth(), 0);
+        let r = q.read_at(&mut [0u8; 4096], 0);
+        assert!(matches!(r, Err(Error::Protocol(_))), "{r:?}");
+        let r = q.write_at(&[0u8; 4096], 0, false);
+        assert!(matches!(r, Err(Error::Protocol(_))), "{r:?}");
+        let range = CopyRange {
+            offset: 0,
+            len: 4096,
+        };
+        let r = q.copy("other", &[range], 0);
+        assert!(matches!(r, Err(Error::Protocol(_))), "{r:?}");
     }
 
     /// COPY limits of a byte each would make a copy one command per byte (built before any
