@@ -352,6 +352,12 @@ impl Setup {
             match nvme_tcp::decode(&buf, &self.rx) {
                 Ok(Pdu::CapsuleResp(c)) if c.cid == q.cid => return Ok((c, got)),
                 Ok(Pdu::C2HData(d)) if d.cccid == q.cid => {
+                    // No more than was asked for: the target's PDUs must not grow it forever.
+                    if got.len() + d.data.len() > data_in as usize {
+                        return Err(Error::Protocol(format!(
+                            "more than the {data_in} bytes asked for came back to a setup command"
+                        )));
+                    }
                     got.extend_from_slice(d.data);
                     if d.success {
                         return Ok((
@@ -762,6 +768,23 @@ mod tests {
         let s = crate::connect(&url, &options()).unwrap();
         assert_eq!((s.info.queues, s.queues.len()), (1, 1));
         assert_eq!(s.info.depth, 4);
+    }
+
+    /// Setup commands take no more data than they asked for (here Identify controller's
+    /// 4 KiB comes three times).
+    #[test]
+    fn setup_data_beyond_what_was_asked_is_refused() {
+        let c = Controller {
+            identify_pieces: 3,
+            ..Controller::default()
+        };
+        let url = fake::start(c, |mut io| while io.recv().is_some() {});
+        let r = crate::connect(&url, &options());
+        assert!(
+            matches!(&r, Err(Error::Protocol(m)) if m.contains("asked for")),
+            "{:?}",
+            r.map(|s| s.info.size)
+        );
     }
 
     #[test]
