@@ -10,6 +10,7 @@
 //! [`Error::Timeout`], never a hang.
 
 mod auth;
+mod deadline;
 mod dgram;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -21,11 +22,12 @@ mod testing;
 mod tls;
 mod url;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{TcpStream, ToSocketAddrs};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use deadline::Deadline;
 use tls::Link;
 
 use blkwire_wire::{
@@ -283,11 +285,12 @@ pub struct Session {
     pub queues: Vec<Queue>,
 }
 
-/// Connects to a `tcp://` target, with TLS when the options ask for it.
-fn open_link(url: &Url, opts: &ConnectOptions) -> Result<Link> {
+/// Connects to a `tcp://` target, with TLS when the options ask for it (its handshake over by
+/// `deadline`).
+fn open_link(url: &Url, opts: &ConnectOptions, deadline: &Deadline) -> Result<Link> {
     let s = dial(url, opts.timeout)?;
     if opts.tls {
-        tls::connect(url, opts, s)
+        tls::connect(url, opts, s, deadline)
     } else {
         Ok(Link::Plain(s))
     }
@@ -320,56 +323,55 @@ fn dial(url: &Url, timeout: Duration) -> Result<TcpStream> {
     })
 }
 
-/// One blocking request/reply exchange during the handshake.
-fn exchange(s: &mut Link, h: &Header, payload: &[u8], max_reply: u32) -> Result<(Header, Vec<u8>)> {
+/// One blocking request/reply exchange during the handshake, answered by `deadline`.
+fn exchange(
+    s: &mut Link,
+    h: &Header,
+    payload: &[u8],
+    max_reply: u32,
+    deadline: &Deadline,
+) -> Result<(Header, Vec<u8>)> {
     let mut h = *h;
     h.payload_len = payload.len() as u32;
     let mut buf = h.to_bytes().to_vec();
     buf.extend_from_slice(payload);
-    s.write_all(&buf).map_err(|e| map_io(e, s.tcp()))?;
+    s.write_all(&buf)
+        .map_err(|e| map_io(e, deadline.timeout()))?;
     let mut hb = [0u8; HEADER_LEN];
     let mut got = 0;
     while got < HEADER_LEN {
-        let err = match s.read(&mut hb[got..]) {
-            Ok(0) => Error::Closed,
-            Ok(n) => {
-                got += n;
-                continue;
+        match deadline.read(s, &mut hb[got..]) {
+            Ok(n) => got += n,
+            // An NBD listener greets first, then hangs up on what it cannot parse.
+            Err(Error::Closed) if hb[..got].starts_with(NBD_GREETING) => {
+                return Err(Error::Protocol(
+                    "this is an NBD listener, not blkwire's own protocol: use nbd:// with an \
+                     NBD client (nbdinfo, qemu-img), or the target's tcp:// port"
+                        .into(),
+                ))
             }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => map_io(e, s.tcp()),
-        };
-        // An NBD listener greets first, then hangs up on what it cannot parse.
-        if matches!(err, Error::Closed) && hb[..got].starts_with(NBD_GREETING) {
-            return Err(Error::Protocol(
-                "this is an NBD listener, not blkwire's own protocol: use nbd:// with an NBD \
-                 client (nbdinfo, qemu-img), or the target's tcp:// port"
-                    .into(),
-            ));
+            Err(e) => return Err(e),
         }
-        return Err(err);
     }
     let r = Header::decode(&hb, max_reply).map_err(|e| Error::Protocol(e.to_string()))?;
     if !r.is_reply() || r.opcode != h.opcode {
         return Err(Error::Protocol(format!("expected a {:?} reply", h.opcode)));
     }
     let mut p = vec![0u8; r.payload_len as usize];
-    s.read_exact(&mut p).map_err(|e| map_io(e, s.tcp()))?;
+    deadline.read_exact(s, &mut p)?;
     Ok((r, p))
 }
 
 /// How an NBD server's greeting starts ("NBDMAGIC").
 const NBD_GREETING: &[u8] = b"NBDMAGIC";
 
-/// Maps a handshake I/O error; a timeout reports the socket's own limit.
-fn map_io(e: std::io::Error, s: &TcpStream) -> Error {
+/// Maps a handshake I/O error; a timeout reports `timeout`, the limit the caller set.
+fn map_io(e: std::io::Error, timeout: Duration) -> Error {
     match e.kind() {
         std::io::ErrorKind::UnexpectedEof
         | std::io::ErrorKind::ConnectionReset
         | std::io::ErrorKind::BrokenPipe => Error::Closed,
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-            Error::Timeout(s.read_timeout().ok().flatten().unwrap_or_default())
-        }
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Error::Timeout(timeout),
         _ => Error::Io(e),
     }
 }
@@ -421,11 +423,14 @@ pub fn stats(url: &Url, opts: &ConnectOptions) -> Result<String> {
 fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
     let (attempt, (r, p)) = match url.transport {
         Transport::Tcp => {
-            let mut s = open_link(url, opts)?;
+            let deadline = Deadline::after(opts.timeout);
+            let mut s = open_link(url, opts, &deadline)?;
             let mut a = auth::Attempt::new(target_name(url), "", opts, 0, features)?;
             // STATS is up to 1 MiB, and the proof follows it.
             let max = (1 << 20) + AUTH_LEN as u32;
-            let rp = auth::hello_exchange(&mut a, |tag, p| exchange(&mut s, &hello(tag), p, max))?;
+            let rp = auth::hello_exchange(&mut a, |tag, p| {
+                exchange(&mut s, &hello(tag), p, max, &deadline)
+            })?;
             (a, rp)
         }
         _ => {
@@ -798,10 +803,13 @@ fn refused(
 }
 
 fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
-    let mut s0 = open_link(url, opts)?;
+    // Each connection's handshake (TLS, HELLO or JOIN) is over within the timeout, however
+    // the target trickles its answers: a connect (a mapping's reconnection) cannot be held.
+    let deadline = Deadline::after(opts.timeout);
+    let mut s0 = open_link(url, opts, &deadline)?;
     let mut attempt = auth::Attempt::new(target_name(url), &url.export, opts, 0, 0)?;
     let (r, p) = auth::hello_exchange(&mut attempt, |tag, p| {
-        exchange(&mut s0, &hello(tag), p, 4096)
+        exchange(&mut s0, &hello(tag), p, 4096, &deadline)
     })?;
     if r.status != Status::Ok {
         return Err(refused(url, opts, &attempt, r.status, &p));
@@ -820,7 +828,8 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     ];
     for q in 1..reply.queues {
         // Every queue of a TLS session is a TLS connection of its own.
-        let mut s = open_link(url, opts)?;
+        let deadline = Deadline::after(opts.timeout);
+        let mut s = open_link(url, opts, &deadline)?;
         let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
         h.session = reply.session;
         h.queue = q;
@@ -831,7 +840,7 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
                 .map_or([0; 32], |k| k.join_proof(reply.session, q, reply.cookie)),
             nonce_s: [0; 32],
         };
-        let (r, _) = exchange(&mut s, &h, &join.encode(), 0)?;
+        let (r, _) = exchange(&mut s, &h, &join.encode(), 0, &deadline)?;
         if r.status != Status::Ok {
             return Err(Error::Status {
                 what: format!("join queue {q}"),
@@ -849,8 +858,9 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::granted;
+    use crate::testing::{self, granted};
     use blkwire_wire::CopyDescriptor;
+    use std::io::Read;
 
     #[test]
     fn a_target_may_grant_less_than_asked_never_more() {
@@ -879,6 +889,80 @@ mod tests {
         assert!(
             check_grant(&opts, 1448, &granted(4, 32, 1 << 20, 9000)).is_err(),
             "frame"
+        );
+    }
+
+    /// A target trickling its HELLO reply, a byte well within the timeout each, is given up
+    /// at the timeout: the read timeout bounds each read, the deadline the handshake.
+    #[test]
+    fn a_trickled_hello_reply_ends_at_the_timeout() {
+        let url = testing::raw(|mut s| {
+            let Some((h, _)) = testing::read_frame(&mut s) else {
+                return;
+            };
+            let p = granted(1, 8, 1 << 20, 1 << 20).encode();
+            let mut out = h.reply(Status::Ok, p.len() as u32).to_bytes().to_vec();
+            out.extend_from_slice(&p);
+            for b in out {
+                // A throttle: the initiator reads whenever the byte comes.
+                std::thread::sleep(Duration::from_millis(50));
+                if s.write_all(&[b]).is_err() {
+                    return;
+                }
+            }
+        });
+        let opts = ConnectOptions {
+            timeout: Duration::from_millis(300),
+            ..Default::default()
+        };
+        let start = Instant::now();
+        let r = connect(&url, &opts);
+        assert!(
+            matches!(r, Err(Error::Timeout(_))),
+            "{:?}",
+            r.map(|s| s.info.size)
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            start.elapsed()
+        );
+    }
+
+    /// The same in TLS: a target trickling a record of 16 KiB does not hold the handshake
+    /// past the timeout.
+    #[test]
+    fn a_trickled_tls_handshake_ends_at_the_timeout() {
+        let url = testing::raw(|mut s| {
+            let mut hello = [0u8; 512];
+            if s.read(&mut hello).is_err() {
+                return;
+            }
+            // A handshake record header announcing 16 KiB, then its bytes slowly (8 s in all).
+            let _ = s.write_all(&[0x16, 0x03, 0x03, 0x40, 0x00]);
+            for _ in 0..160 {
+                std::thread::sleep(Duration::from_millis(50));
+                if s.write_all(&[0]).is_err() {
+                    return;
+                }
+            }
+        });
+        let opts = ConnectOptions {
+            timeout: Duration::from_millis(300),
+            tls: true,
+            ..Default::default()
+        };
+        let start = Instant::now();
+        let r = connect(&url, &opts);
+        assert!(
+            matches!(&r, Err(Error::Tls(m)) if m.contains("no answer in time")),
+            "{:?}",
+            r.map(|s| s.info.size)
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            start.elapsed()
         );
     }
 

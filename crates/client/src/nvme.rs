@@ -12,7 +12,7 @@
 //! are sent when the target's R2T asks, and a read's data is delivered from the receive buffer
 //! once its CapsuleResp is there too.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::sync::Arc;
 
@@ -22,6 +22,7 @@ use blkwire_wire::nvme_tcp::{
 };
 use blkwire_wire::{CopyLimits, Features, Status};
 
+use crate::deadline::Deadline;
 use crate::queue::{Cmd, Queue};
 use crate::tls::Link;
 use crate::url::Url;
@@ -265,14 +266,18 @@ struct Setup {
     rx: Params,
     maxh2cdata: u32,
     cid: u16,
+    /// When this connection's setup must be over: a controller that trickles its answers
+    /// cannot hold a connect for longer than the timeout per connection.
+    deadline: Deadline,
 }
 
 impl Setup {
     fn open(url: &Url, opts: &ConnectOptions, max_io: u32) -> Result<Setup> {
+        let deadline = Deadline::after(opts.timeout);
         let s = crate::dial(url, opts.timeout)?;
-        s.set_read_timeout(Some(opts.timeout.min(std::time::Duration::from_secs(10))))?;
         let _ = s.set_nodelay(true);
         let mut c = Setup {
+            deadline,
             s,
             tx: Params::initial(Direction::HostToController, u32::MAX),
             rx: Params::initial(
@@ -317,13 +322,8 @@ impl Setup {
         let mut have = 0;
         loop {
             let want = buf.len();
-            self.s.read_exact(&mut buf[have..want]).map_err(|e| {
-                if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                    Error::Closed
-                } else {
-                    Error::Io(e)
-                }
-            })?;
+            self.deadline
+                .read_exact(&mut self.s, &mut buf[have..want])?;
             have = want;
             match pdu_len(&buf, &self.rx) {
                 Ok(Progress::Complete(n)) => {
@@ -612,6 +612,7 @@ pub(crate) fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
 mod tests {
     use super::*;
     use crate::testing::nvme::{self as fake, resp, Controller};
+    use std::io::Read;
     use std::sync::mpsc;
     use std::time::Duration;
 
@@ -784,6 +785,33 @@ mod tests {
             matches!(&r, Err(Error::Protocol(m)) if m.contains("asked for")),
             "{:?}",
             r.map(|s| s.info.size)
+        );
+    }
+
+    /// A controller that sends its setup answers a byte at a time, each well within the
+    /// timeout, is given up at the timeout, not after the whole answer has trickled in.
+    #[test]
+    fn a_trickled_setup_ends_at_the_timeout() {
+        let c = Controller {
+            trickle: Some(Duration::from_millis(50)),
+            ..Controller::default()
+        };
+        let url = fake::start(c, |mut io| while io.recv().is_some() {});
+        let opts = ConnectOptions {
+            timeout: Duration::from_millis(300),
+            ..options()
+        };
+        let start = std::time::Instant::now();
+        let r = crate::connect(&url, &opts);
+        assert!(
+            matches!(r, Err(Error::Timeout(_))),
+            "{:?}",
+            r.map(|s| s.info.size)
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            start.elapsed()
         );
     }
 

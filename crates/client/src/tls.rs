@@ -1,14 +1,18 @@
 //! TLS 1.3 for `tcp://` (OpenSSL, as the target; docs/ARCHITECTURE.md, "TLS"): TLS-PSK with this
 //! host's key (the identity is the host id) or X.509 verified against `--tls-ca` (else the
-//! system's roots). The handshake is blocking, with the socket's timeouts; the queues then use
-//! the same session on the non-blocking socket.
+//! system's roots). The handshake waits for the socket by a deadline; the queues then use the
+//! same session on the non-blocking socket.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 
-use openssl::ssl::{ErrorCode, HandshakeError, SslConnector, SslMethod, SslStream, SslVersion};
+use openssl::ssl::{
+    ErrorCode, HandshakeError, MidHandshakeSslStream, SslConnector, SslMethod, SslStream,
+    SslVersion,
+};
 
+use crate::deadline::Deadline;
 use crate::{ConnectOptions, Error, Result, Url};
 
 /// A connection to the target: plain, or TLS over the same TCP socket.
@@ -126,8 +130,15 @@ fn stack_line(e: &openssl::error::ErrorStack) -> String {
     }
 }
 
-/// Runs the client side of the TLS handshake on a connected socket.
-pub(crate) fn connect(url: &Url, opts: &ConnectOptions, s: TcpStream) -> Result<Link> {
+/// Runs the client side of the TLS handshake on a connected socket, over by `deadline`. The
+/// socket is non-blocking meanwhile, so every wait is for what is left of the deadline (OpenSSL's
+/// own blocking reads would each have the socket's whole timeout); it is blocking again after.
+pub(crate) fn connect(
+    url: &Url,
+    opts: &ConnectOptions,
+    s: TcpStream,
+    deadline: &Deadline,
+) -> Result<Link> {
     let addr = url.authority();
     let setup =
         |e: openssl::error::ErrorStack| Error::Tls(format!("TLS setup: {}", stack_line(&e)));
@@ -160,55 +171,69 @@ pub(crate) fn connect(url: &Url, opts: &ConnectOptions, s: TcpStream) -> Result<
     }
     let connector = b.build();
     let cfg = connector.configure().map_err(setup)?;
-    match cfg.connect(&url.host, s) {
-        Ok(t) => Ok(Link::Tls(Box::new(t))),
-        Err(HandshakeError::SetupFailure(e)) => Err(setup(e)),
-        Err(HandshakeError::Failure(mid)) | Err(HandshakeError::WouldBlock(mid)) => {
-            let verify = mid.ssl().verify_result();
-            let e = mid.error();
-            let why = if verify != openssl::x509::X509VerifyResult::OK {
-                format!(
-                    "the target's certificate is not trusted: {} (give its CA with --tls-ca)",
-                    verify.error_string()
-                )
-            } else if let Some(st) = e.ssl_error() {
-                let line = stack_line(st);
-                if opts.key.is_some() {
-                    format!(
-                        "the target did not take the TLS-PSK key of host '{}' (is it the key the \
-                         target has for that host id?); OpenSSL: {line}",
-                        opts.host_id
-                    )
+    let failed = |why: String| Error::Tls(format!("TLS handshake with {addr} failed: {why}"));
+    s.set_nonblocking(true)?;
+    let mut step = cfg.connect(&url.host, s);
+    loop {
+        match step {
+            Ok(t) => {
+                t.get_ref().set_nonblocking(false)?;
+                return Ok(Link::Tls(Box::new(t)));
+            }
+            Err(HandshakeError::SetupFailure(e)) => return Err(setup(e)),
+            Err(HandshakeError::WouldBlock(mid)) => {
+                let events = if mid.error().code() == ErrorCode::WANT_WRITE {
+                    libc::POLLOUT
                 } else {
-                    format!(
-                        "{line} (a target without a certificate takes only TLS-PSK: pass --key)"
-                    )
+                    libc::POLLIN
+                };
+                match deadline.wait(mid.get_ref(), events) {
+                    Ok(()) => step = mid.handshake(),
+                    Err(Error::Timeout(_)) => return Err(failed("no answer in time".into())),
+                    Err(e) => return Err(e),
                 }
-            } else if let Some(io) = e.io_error() {
-                if io.kind() == std::io::ErrorKind::WouldBlock
-                    || io.kind() == std::io::ErrorKind::TimedOut
-                {
-                    "no answer in time".into()
-                } else if matches!(
-                    io.kind(),
-                    std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof
-                ) {
-                    // A target without TLS hangs up on a ClientHello.
-                    format!(
-                        "{io}: the target hung up (does it run with --tls on or require, and \
-                         does it know this host's key?)"
-                    )
-                } else {
-                    io.to_string()
-                }
-            } else {
-                "the target closed the connection (does it run with --tls on or require, and \
-                 does it know this host's key?)"
-                    .into()
-            };
-            Err(Error::Tls(format!(
-                "TLS handshake with {addr} failed: {why}"
-            )))
+            }
+            Err(HandshakeError::Failure(mid)) => return Err(failed(why_failed(&mid, opts))),
         }
+    }
+}
+
+/// Why a TLS handshake the target answered failed, with what to check.
+fn why_failed(mid: &MidHandshakeSslStream<TcpStream>, opts: &ConnectOptions) -> String {
+    let verify = mid.ssl().verify_result();
+    let e = mid.error();
+    if verify != openssl::x509::X509VerifyResult::OK {
+        format!(
+            "the target's certificate is not trusted: {} (give its CA with --tls-ca)",
+            verify.error_string()
+        )
+    } else if let Some(st) = e.ssl_error() {
+        let line = stack_line(st);
+        if opts.key.is_some() {
+            format!(
+                "the target did not take the TLS-PSK key of host '{}' (is it the key the \
+                 target has for that host id?); OpenSSL: {line}",
+                opts.host_id
+            )
+        } else {
+            format!("{line} (a target without a certificate takes only TLS-PSK: pass --key)")
+        }
+    } else if let Some(io) = e.io_error() {
+        if matches!(
+            io.kind(),
+            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof
+        ) {
+            // A target without TLS hangs up on a ClientHello.
+            format!(
+                "{io}: the target hung up (does it run with --tls on or require, and does it \
+                 know this host's key?)"
+            )
+        } else {
+            io.to_string()
+        }
+    } else {
+        "the target closed the connection (does it run with --tls on or require, and does it \
+         know this host's key?)"
+            .into()
     }
 }

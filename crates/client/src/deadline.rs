@@ -1,0 +1,107 @@
+//! The deadline of a handshake. A socket's read timeout bounds each read, not an exchange: a
+//! target that sends a byte just before every timeout could hold a HELLO (or a TLS or NVMe/TCP
+//! setup) for days. Every blocking read of a connection's handshake waits at most for what is
+//! left of one deadline, the timeout after the connection was opened.
+
+use std::io::{ErrorKind, Read};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use crate::{Error, Result};
+
+/// A connection a handshake reads from: its TCP socket carries the read timeout.
+pub(crate) trait Socket: Read {
+    fn socket(&self) -> &TcpStream;
+}
+
+impl Socket for TcpStream {
+    fn socket(&self) -> &TcpStream {
+        self
+    }
+}
+
+impl Socket for crate::tls::Link {
+    fn socket(&self) -> &TcpStream {
+        self.tcp()
+    }
+}
+
+/// When a handshake must be over; `Error::Timeout` (with the caller's timeout) after.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Deadline {
+    at: Instant,
+    timeout: Duration,
+}
+
+impl Deadline {
+    /// `timeout` from now.
+    pub fn after(timeout: Duration) -> Deadline {
+        Deadline {
+            at: Instant::now() + timeout,
+            timeout,
+        }
+    }
+
+    /// The timeout it was set with (what a `Error::Timeout` reports).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// What is left; `Error::Timeout` once nothing is.
+    fn left(&self) -> Result<Duration> {
+        let left = self.at.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Timeout(self.timeout));
+        }
+        Ok(left)
+    }
+
+    /// One read of what has arrived, waiting until the deadline at most. Never 0: a closed
+    /// connection is `Error::Closed`.
+    pub fn read(&self, s: &mut impl Socket, buf: &mut [u8]) -> Result<usize> {
+        loop {
+            s.socket().set_read_timeout(Some(self.left()?))?;
+            match s.read(buf) {
+                Ok(0) => return Err(Error::Closed),
+                Ok(n) => return Ok(n),
+                // The read timed out (at the deadline, or a signal came): `left` decides.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::Interrupted | ErrorKind::WouldBlock | ErrorKind::TimedOut
+                    ) => {}
+                Err(e) => return Err(crate::map_io(e, self.timeout)),
+            }
+        }
+    }
+
+    /// Fills `buf`, by the deadline.
+    pub fn read_exact(&self, s: &mut impl Socket, buf: &mut [u8]) -> Result<()> {
+        let mut got = 0;
+        while got < buf.len() {
+            got += self.read(s, &mut buf[got..])?;
+        }
+        Ok(())
+    }
+
+    /// Waits until the non-blocking `s` is ready for `events` (poll(2)), by the deadline.
+    pub fn wait(&self, s: &TcpStream, events: i16) -> Result<()> {
+        loop {
+            let ms = self.left()?.as_millis().clamp(1, i32::MAX as u128) as i32;
+            let mut p = libc::pollfd {
+                fd: s.as_raw_fd(),
+                events,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd on the stack, alive for the call.
+            let n = unsafe { libc::poll(&mut p, 1, ms) };
+            if n > 0 {
+                return Ok(());
+            }
+            if n < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                return Err(Error::Io(std::io::Error::last_os_error()));
+            }
+        }
+    }
+}
