@@ -196,12 +196,17 @@ impl StreamQueue {
     pub fn complete(&mut self, min: usize, mut f: impl FnMut(Completion<'_>)) -> Result<usize> {
         self.send()?;
         let mut done = self.deliver(&mut f)?;
-        let deadline = Instant::now() + self.timeout;
+        let mut deadline = Instant::now() + self.timeout;
         while done < min {
             if self.in_flight() == 0 {
                 return Err(Error::Usage(
                     "waiting for completions with nothing in flight".into(),
                 ));
+            }
+            // Checked here too, not only when the socket is empty: replies to nothing coming
+            // as fast as we read them are no answer, and must not hold us past the timeout.
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout(self.timeout));
             }
             let mut spin = std::mem::take(&mut self.spin);
             let mut failed = None;
@@ -224,7 +229,11 @@ impl StreamQueue {
                     }
                 }
             }
-            done += self.deliver(&mut f)?;
+            let n = self.deliver(&mut f)?;
+            if n > 0 {
+                deadline = Instant::now() + self.timeout;
+            }
+            done += n;
         }
         Ok(done)
     }
@@ -235,7 +244,15 @@ impl StreamQueue {
     pub fn poll(&mut self, mut f: impl FnMut(Completion<'_>)) -> Result<usize> {
         self.send()?;
         let mut done = self.deliver(&mut f)?;
-        while self.fill(false)? {
+        // About a receive buffer's worth per call: a target sending faster than we read must
+        // not keep poll from returning (nor from seeing the timeout below).
+        let mut taken = 0;
+        while taken < self.rx.len() {
+            let before = self.rx_end - self.rx_start;
+            if !self.fill(false)? {
+                break;
+            }
+            taken += self.rx_end - self.rx_start - before;
             done += self.deliver(&mut f)?;
         }
         if self.in_flight() == 0 {
@@ -624,6 +641,67 @@ mod tests {
             timeout,
             ..Default::default()
         }
+    }
+
+    /// A session with a target that answers nothing asked and sends replies to nothing as
+    /// fast as it can (for 10 s, so that a queue that waits for the flood to end fails its
+    /// test rather than hangs), with one 4 KiB READ in flight; and when it was made.
+    fn flooded(timeout: Duration) -> (crate::Session, Instant) {
+        let url = testing::native(granted(1, 8, 1 << 20, 1 << 20), |mut s| {
+            let b = flood(1 << 14);
+            let end = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < end {
+                if s.write_all(&b).is_err() {
+                    return;
+                }
+            }
+            let _ = std::io::copy(&mut s, &mut std::io::sink());
+        });
+        let mut s = crate::connect(&url, &options(timeout)).unwrap();
+        let read = Cmd::Read {
+            offset: 0,
+            len: 4096,
+        };
+        s.queues[0].submit(read, 1).unwrap();
+        (s, Instant::now())
+    }
+
+    /// `complete` times out while replies to nothing keep coming: they are no answer.
+    #[test]
+    fn a_flood_of_replies_to_nothing_does_not_hold_complete_past_its_timeout() {
+        let (mut s, start) = flooded(Duration::from_millis(300));
+        let r = s.queues[0].complete(1, |_| panic!("nothing was answered"));
+        assert!(matches!(r, Err(Error::Timeout(_))), "{r:?}");
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
+    }
+
+    /// `poll` takes about a receive buffer's worth each call, not all that keeps coming, and
+    /// reports the timeout of the READ nobody answers.
+    #[test]
+    fn a_flood_of_replies_to_nothing_does_not_hold_poll() {
+        let (mut s, start) = flooded(Duration::from_millis(300));
+        let q = &mut s.queues[0];
+        // The receive buffer is 1.25 MiB; the read that passes one buffer's worth is the last.
+        let most = 3 << 20;
+        let r = loop {
+            let before = q.stats().frames_in;
+            let r = q.poll(|_| panic!("nothing was answered"));
+            let took = (q.stats().frames_in - before) as usize * HEADER_LEN;
+            assert!(took <= most, "one poll took {took} bytes");
+            if r.is_err() {
+                break r;
+            }
+        };
+        assert!(matches!(r, Err(Error::Timeout(_))), "{r:?}");
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
     }
 
     /// A target that reads nothing and sends replies to nothing while we send: the receive

@@ -271,6 +271,8 @@ pub(crate) struct Receiver {
     ring: Option<RxRing>,
     /// Raw Ethernet: the target's MAC; frames from any other sender are dropped unread.
     target: Option<[u8; 6]>,
+    /// Most `recvmmsg` calls one `receive` makes: about the receive buffer's worth of frames.
+    rounds: usize,
     spin: blkwire_spin::AdaptiveSpin,
 }
 
@@ -284,6 +286,7 @@ impl Default for Receiver {
             gro: false,
             ring: None,
             target: None,
+            rounds: 1,
             spin: blkwire_spin::AdaptiveSpin::default(),
         }
     }
@@ -343,12 +346,19 @@ pub(crate) fn data_path(
             m.copy_from_slice(&d.sll_addr[..6]);
             m
         }),
+        rounds: (rx_cap as usize).div_ceil(BATCH).max(1),
         spin: blkwire_spin::AdaptiveSpin::new(poll),
     };
     (tx, rx, rx_cap)
 }
 
 impl Receiver {
+    /// Most `recvmmsg` calls one `receive` makes.
+    #[cfg(test)]
+    pub fn rounds(&self) -> usize {
+        self.rounds
+    }
+
     /// Sleeps until a frame arrives or `deadline` (asked only if the spin found nothing) is due.
     pub fn wait(&mut self, deadline: impl FnOnce() -> Option<Instant>) -> Result<()> {
         let fd = self.fd;
@@ -379,9 +389,11 @@ impl Receiver {
         Ok(())
     }
 
-    /// Reads every datagram waiting and hands each to `f` with whether it came out of a
+    /// Reads the datagrams waiting, about a receive buffer's worth at most (a lap of the ring,
+    /// or as many `recvmmsg` calls), and hands each to `f` with whether it came out of a
     /// coalesced run; returns how many receive slots (ring frames or `recvmmsg` messages) were
-    /// taken.
+    /// taken. Bounded so that a target sending as fast as we read cannot keep the caller from
+    /// its timers: what is left is read on the next call.
     pub fn receive(&mut self, mut f: impl FnMut(&[u8], bool)) -> Result<usize> {
         if let Some(ring) = &mut self.ring {
             let target = self.target;
@@ -394,7 +406,7 @@ impl Receiver {
             }));
         }
         let mut total = 0;
-        loop {
+        for _ in 0..self.rounds {
             // SAFETY: an all-zero iovec (null base, length 0) is a valid value; filled below.
             let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
             // SAFETY: an all-zero mmsghdr (null pointers, zero lengths) is a valid value.
@@ -453,9 +465,10 @@ impl Receiver {
             }
             total += n;
             if n < BATCH {
-                return Ok(total);
+                break;
             }
         }
+        Ok(total)
     }
 }
 

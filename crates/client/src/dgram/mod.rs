@@ -1257,6 +1257,35 @@ mod tests {
         assert!(matches!(q.poll(|_| {}), Err(Error::SessionLost)));
     }
 
+    /// A target sending datagrams as fast as we read them cannot hold `poll` (nor the timers
+    /// it runs): one call reads about a receive buffer's worth, the next ones the rest.
+    #[test]
+    fn one_poll_reads_about_a_receive_buffer_of_datagrams() {
+        let (target, mut q, h, from) = read_in_flight(grant(4, 4096, 8192), None);
+        // Replies for another session: small, so the socket holds many more of them than the
+        // frames of the size its buffer is counted in.
+        let mut r = Header {
+            session: h.session + 1,
+            ..h
+        }
+        .reply(Status::Ok, 0);
+        r.seal_crc(&[]);
+        let most = q.rx.rounds() * link::BATCH;
+        let sent = 4 * most;
+        for _ in 0..sent {
+            target.send_to(&r.to_bytes(), from).unwrap();
+        }
+        q.poll(|_| panic!("nothing is answered")).unwrap();
+        let first = q.stats().datagrams_in as usize;
+        assert!(first > 0 && first <= most, "{first} datagrams in one poll");
+        // The rest was waiting: the next calls take it.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while q.stats().datagrams_in < sent as u64 && Instant::now() < deadline {
+            q.poll(|_| panic!("nothing is answered")).unwrap();
+        }
+        assert_eq!(q.stats().datagrams_in, sent as u64);
+    }
+
     /// A sealed queue (frame keys `[1; 32]` towards the target, `[2; 32]` back) with a 512-byte
     /// READ (user 1) in flight, and the target's side: its socket, the request as it received
     /// it (opened), and where it came from.
