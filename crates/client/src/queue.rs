@@ -171,7 +171,7 @@ impl<'a> Cmd<'a> {
 pub struct Completion<'a> {
     /// The token given to `submit`.
     pub user: u64,
-    /// The reply's length field: for a COPY, the bytes copied (PROTOCOL.md §13).
+    /// The request's length; for a COPY the reply's, the bytes copied (PROTOCOL.md §13).
     pub length: u32,
     /// The target's answer (or `Io` for a request given up on).
     pub status: Status,
@@ -541,9 +541,16 @@ impl Queue {
                 let Some((cmd_dst, len)) = sent.remove(&c.user) else {
                     return;
                 };
-                if c.status != Status::Ok && failed.is_none_or(|(j, _, _)| c.user < j) {
+                // On OK the length is the request's (PROTOCOL.md §13): a target saying OK to
+                // a part copied has not copied the rest, whatever its status.
+                let whole = c.status == Status::Ok && c.length == len;
+                if !whole && failed.is_none_or(|(j, _, _)| c.user < j) {
+                    let status = match c.status {
+                        Status::Ok => Status::Io,
+                        s => s,
+                    };
                     let copied = cmd_dst - dst + c.length.min(len) as u64;
-                    failed = Some((c.user, c.status, copied));
+                    failed = Some((c.user, status, copied));
                 }
             })?;
         }
@@ -701,6 +708,46 @@ mod tests {
                 }
             }
         })
+    }
+
+    /// A COPY answered OK with fewer bytes than asked did not copy the rest (PROTOCOL.md §13
+    /// says OK carries the request's length): the copy fails, saying what is known copied.
+    #[test]
+    fn a_copy_answered_ok_for_part_of_it_fails_with_what_was_copied() {
+        let copy = CopyLimits {
+            max_bytes: 64 << 20,
+            max_range: 64 << 20,
+            max_ranges: 128,
+        };
+        let reply = HelloReply {
+            copy,
+            ..granted(1, 8, 1 << 20, 1 << 20)
+        };
+        let url = testing::native(reply, |mut s| {
+            while let Some((h, _)) = testing::read_frame(&mut s) {
+                let mut r = h.reply(Status::Ok, 0);
+                r.length = h.length / 2;
+                if s.write_all(&r.to_bytes()).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut s = crate::connect(&url, &ConnectOptions::default()).unwrap();
+        let range = CopyRange {
+            offset: 0,
+            len: 1 << 20,
+        };
+        let r = s.queues[0].copy("other", &[range], 0);
+        assert!(
+            matches!(
+                r,
+                Err(Error::Copy {
+                    status: Status::Io,
+                    copied: 524288
+                })
+            ),
+            "{r:?}"
+        );
     }
 
     /// A queue of no slots (no session grants one) fails what it is given rather than

@@ -410,7 +410,12 @@ impl StreamQueue {
             n += 1;
             f(Completion {
                 user: s.user,
-                length: h.length,
+                // The request's, as on every transport; a COPY's answer is in the reply's.
+                length: if h.opcode == Opcode::Copy {
+                    h.length
+                } else {
+                    s.len
+                },
                 status: h.status,
                 data: &self.rx[at..at + expect as usize],
             });
@@ -702,6 +707,34 @@ mod tests {
             "{:?}",
             start.elapsed()
         );
+    }
+
+    /// A completion's length is the request's, whatever length the reply's header names
+    /// (only a COPY's reply says something with it).
+    #[test]
+    fn a_completion_carries_the_requests_length() {
+        let url = testing::native(granted(1, 8, 1 << 20, 1 << 20), |mut s| {
+            while let Some((h, _)) = testing::read_frame(&mut s) {
+                let mut r = h.reply(Status::Ok, h.length);
+                r.length = 1 << 20;
+                let mut out = r.to_bytes().to_vec();
+                out.resize(HEADER_LEN + h.length as usize, 0x5a);
+                if s.write_all(&out).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut s = crate::connect(&url, &options(Duration::from_secs(10))).unwrap();
+        let q = &mut s.queues[0];
+        let read = Cmd::Read {
+            offset: 0,
+            len: 4096,
+        };
+        q.submit(read, 1).unwrap();
+        let mut got = None;
+        q.complete(1, |c| got = Some((c.status, c.length, c.data.len())))
+            .unwrap();
+        assert_eq!(got, Some((Status::Ok, 4096, 4096)));
     }
 
     /// A target that reads nothing and sends replies to nothing while we send: the receive
