@@ -815,6 +815,90 @@ mod tests {
         );
     }
 
+    /// What only a read takes, data (here ending with SUCCESS, which would complete the
+    /// command), does not complete a write.
+    #[test]
+    fn read_data_for_a_write_is_refused() {
+        let url = fake::start(Controller::default(), move |mut io| {
+            let b = io.recv().expect("the write");
+            let Pdu::CapsuleCmd(c) = io.decode(&b) else {
+                panic!("not a command")
+            };
+            let data = Pdu::C2HData(nvme_tcp::C2HData {
+                cccid: c.sqe.cid,
+                datao: 0,
+                last: true,
+                success: true,
+                data: c.data,
+            });
+            let _ = io.send(&[data]);
+            while io.recv().is_some() {}
+        });
+        let mut s = crate::connect(&url, &options()).unwrap();
+        let r = s.queues[0].write_at(&[7u8; 4096], 0, false);
+        assert!(
+            matches!(&r, Err(Error::Protocol(m)) if m.contains("not a read")),
+            "{r:?}"
+        );
+    }
+
+    /// An R2T for a write that went in the capsule (after a larger write on the same slot
+    /// that did take R2Ts) is refused, not answered with the earlier write's data.
+    #[test]
+    fn an_r2t_for_a_write_in_the_capsule_is_refused() {
+        let (tx, rx) = mpsc::channel();
+        let url = fake::start(Controller::default(), move |mut io| {
+            let mut h2c = Vec::new();
+            while let Some(b) = io.recv() {
+                match io.decode(&b) {
+                    Pdu::CapsuleCmd(c) => {
+                        let cid = c.sqe.cid;
+                        if c.data.is_empty() {
+                            let r2t = Pdu::R2T(nvme_tcp::R2T {
+                                cccid: cid,
+                                ttag: 1,
+                                r2to: 0,
+                                r2tl: sgl_len(&c.sqe),
+                            });
+                            let _ = io.send(&[r2t]);
+                        } else {
+                            // In the capsule: asked for again all the same.
+                            let r2t = Pdu::R2T(nvme_tcp::R2T {
+                                cccid: cid,
+                                ttag: 2,
+                                r2to: 0,
+                                r2tl: c.data.len() as u32,
+                            });
+                            let _ = io.send(&[r2t]);
+                        }
+                    }
+                    Pdu::H2CData(d) => {
+                        h2c.push(d.data.to_vec());
+                        if d.last {
+                            let _ = io.send(&[resp(d.cccid, 0, 0)]);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            let _ = tx.send(h2c);
+        });
+        let mut s = crate::connect(&url, &options()).unwrap();
+        let q = &mut s.queues[0];
+        q.write_at(&[1u8; 64 << 10], 0, false).unwrap();
+        let r = q.write_at(&[2u8; 4096], 0, false);
+        assert!(
+            matches!(&r, Err(Error::Protocol(m)) if m.contains("R2T")),
+            "{r:?}"
+        );
+        drop(s);
+        let h2c = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert!(
+            h2c.iter().all(|d| d.iter().all(|&b| b == 1)),
+            "only the first write's data was asked for and sent"
+        );
+    }
+
     #[test]
     fn cids_carry_slot_and_generation() {
         for (slot, generation) in [(0, 0), (1023, 63), (5, 1), (17, 40)] {

@@ -464,9 +464,12 @@ impl StreamQueue {
                     }
                 }
                 Pdu::C2HData(d) => {
-                    let Some(slot) = live_slot(&self.slots, d.cccid) else {
+                    // Only a read takes data, and with SUCCESS it would complete any command.
+                    let Some(slot) = live_slot(&self.slots, d.cccid)
+                        .filter(|&s| self.slots[s].opcode == Opcode::Read as u8)
+                    else {
                         return Err(Error::Protocol(format!(
-                            "C2HData for CID {:#x}, which is not in flight",
+                            "C2HData for CID {:#x}, which is not a read in flight",
                             d.cccid
                         )));
                     };
