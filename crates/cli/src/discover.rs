@@ -99,7 +99,7 @@ pub fn run(a: Args) -> Result<(), String> {
                 println!(
                     "{}/{:<16} {:>10}  {}",
                     d.base,
-                    e.name,
+                    blkwire_client::shown(&e.name),
                     blkwire_backend::format_size(e.size),
                     e.features.names().join(",")
                 );

@@ -46,7 +46,7 @@ pub fn run(a: Args) -> Result<(), String> {
             for e in list {
                 println!(
                     "{:<20} {:>10}  {}",
-                    e.name,
+                    blkwire_client::shown(&e.name),
                     blkwire_backend::format_size(e.size),
                     e.features.names().join(",")
                 );

@@ -42,12 +42,14 @@ pub fn run(a: Args) -> Result<(), String> {
     let mut opts = a.id.options()?;
     opts.timeout = Duration::from_secs(10);
     let doc = blkwire_client::stats(&u, &opts).map_err(|e| e.to_string())?;
+    // Parsed before it is printed either way: JSON holds control characters only escaped
+    // (bar the blanks between its tokens), so a document that parses is safe on a terminal.
+    let v: Value =
+        serde_json::from_str(&doc).map_err(|e| format!("target sent bad stats JSON: {e}"))?;
     if a.json {
         println!("{doc}");
         return Ok(());
     }
-    let v: Value =
-        serde_json::from_str(&doc).map_err(|e| format!("target sent bad stats JSON: {e}"))?;
     print!("{}", table(&v));
     Ok(())
 }
@@ -59,6 +61,8 @@ fn table(v: &Value) -> String {
         .chain(COLUMNS.iter())
         .map(|h| h.to_string())
         .collect()];
+    // Every value is the target's, strings included (which JSON escapes and parsing unescapes).
+    let cell = |v: &Value| blkwire_client::shown(&cell(v)).into_owned();
     let empty = Vec::new();
     for s in v["sessions"].as_array().unwrap_or(&empty) {
         for q in s["queues"].as_array().unwrap_or(&empty) {
@@ -108,5 +112,18 @@ mod tests {
             );
         }
         assert!(!t.contains('"'), "names without JSON quotes: {t}");
+    }
+
+    #[test]
+    fn control_characters_a_target_names_are_shown_escaped() {
+        let v = serde_json::json!({
+            "sessions": [{"session": 1, "export": "d\u{1b}[2J", "queues": [
+                {"queue": 0, "thread": "\u{1b}]0;owned\u{7}", "frames_in": 1}
+            ]}],
+            "closed": {},
+        });
+        let t = table(&v);
+        assert!(!t.chars().any(|c| c.is_control() && c != '\n'), "{t:?}");
+        assert!(t.contains("d\\u{1b}[2J"), "{t}");
     }
 }

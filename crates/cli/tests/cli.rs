@@ -465,3 +465,44 @@ fn the_wrong_listener_gets_a_message_that_says_so() {
     let udp = t.base.replacen("tcp://", "udp://", 1);
     assert_one_line_error(&["stats", &udp], "stats asks the target's tcp:// listener");
 }
+
+/// Names a target sends reach the terminal without their control characters (escaped): a
+/// hostile target cannot clear the screen or retitle the terminal through `info` or `stats`.
+#[test]
+fn names_from_a_target_are_shown_without_control_characters() {
+    use blkwire_wire::{ExportEntry, Features, Status, AUTH_LEN};
+    use common::native_raw::answering_target;
+
+    let evil = "disk\u{1b}]0;owned\u{7}\u{1b}[2J";
+    let list = ExportEntry::encode_list(&[ExportEntry {
+        name: evil.into(),
+        size: 1 << 20,
+        features: Features(0),
+    }])
+    .unwrap();
+    // A LIST query's answer: the list, then the target's proof (zeros: no key).
+    let url = answering_target(move |h| {
+        let mut p = list;
+        p.extend_from_slice(&[0; AUTH_LEN]);
+        (h.reply(Status::Ok, 0), p)
+    });
+    let (ok, out, err) = cli(&["info", &url]);
+    assert!(ok, "{err}");
+    assert!(!out.contains('\u{1b}') && !out.contains('\u{7}'), "{out:?}");
+    assert!(out.contains("disk\\u{1b}]0;owned"), "{out}");
+
+    let doc = serde_json::json!({
+        "sessions": [{"session": 1, "export": evil, "queues": [{"queue": 0, "thread": 0}]}],
+        "closed": {},
+    })
+    .to_string()
+    .into_bytes();
+    let url = answering_target(move |h| {
+        let mut p = doc;
+        p.extend_from_slice(&[0; AUTH_LEN]);
+        (h.reply(Status::Ok, 0), p)
+    });
+    let (ok, out, err) = cli(&["stats", &url]);
+    assert!(ok, "{err}");
+    assert!(!out.contains('\u{1b}') && !out.contains('\u{7}'), "{out:?}");
+}

@@ -377,10 +377,34 @@ fn map_io(e: std::io::Error, timeout: Duration) -> Error {
 }
 
 /// The reason a target may give with a refusal (PROTOCOL.md §2): shown only when it is short
-/// printable UTF-8, so a hostile target cannot put control characters on the user's terminal.
+/// and [`printable`].
 pub(crate) fn refusal_reason(p: &[u8]) -> Option<&str> {
     let s = std::str::from_utf8(p).ok()?;
-    (!s.is_empty() && s.len() <= 256 && s.chars().all(|c| !c.is_control())).then_some(s)
+    (!s.is_empty() && s.len() <= 256 && printable(s)).then_some(s)
+}
+
+/// Whether a string a target sent may go to a terminal as it is: without control characters,
+/// a hostile target cannot move the cursor, rewrite lines or reprogram the terminal with it.
+pub fn printable(s: &str) -> bool {
+    s.chars().all(|c| !c.is_control())
+}
+
+/// A string a target sent (an export name, a counter's label) as it may be shown on a
+/// terminal: itself when [`printable`], else with its control characters escaped (`\u{1b}`).
+pub fn shown(s: &str) -> std::borrow::Cow<'_, str> {
+    if printable(s) {
+        return s.into();
+    }
+    s.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect::<String>()
+        .into()
 }
 
 /// Lists the exports of the target a URL points at that this host may open (the export part
@@ -637,7 +661,10 @@ fn usable_copy(granted: CopyLimits, logical_block: u32, frame: u32) -> CopyLimit
 /// A HELLO for an export the target does not have: the error lists those it has.
 fn no_such_export(url: &Url, opts: &ConnectOptions) -> Error {
     let names = list(url, opts)
-        .map(|l| l.into_iter().map(|e| e.name).collect::<Vec<_>>().join(", "))
+        .map(|l| {
+            let names: Vec<_> = l.iter().map(|e| shown(&e.name).into_owned()).collect();
+            names.join(", ")
+        })
         .unwrap_or_default();
     Error::Status {
         what: format!(
@@ -964,6 +991,15 @@ mod tests {
             "{:?}",
             start.elapsed()
         );
+    }
+
+    #[test]
+    fn strings_from_a_target_reach_the_terminal_without_control_characters() {
+        assert_eq!(shown("disk-0 é"), "disk-0 é");
+        assert_eq!(shown("a\u{1b}[2Jb\n"), "a\\u{1b}[2Jb\\n");
+        assert!(printable("disk") && !printable("x\u{7}") && !printable("x\u{9b}"));
+        assert_eq!(refusal_reason(b"TLS required"), Some("TLS required"));
+        assert_eq!(refusal_reason(b"bad\x1b[31m"), None);
     }
 
     #[test]

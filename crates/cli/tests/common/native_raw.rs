@@ -102,6 +102,29 @@ pub fn join_request(session: u32, queue: u16, cookie: u64) -> (Header, Vec<u8>) 
     (h, j.to_vec())
 }
 
+/// A stand-in target on loopback for tests of what the initiator makes of a hostile one: it
+/// answers the first request frame of its one connection (a HELLO, unchallenged) with
+/// `answer(request)`, a reply header and payload. Returns its `tcp://HOST:PORT`.
+pub fn answering_target(
+    answer: impl FnOnce(&Header) -> (Header, Vec<u8>) + Send + 'static,
+) -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let Ok((mut s, _)) = l.accept() else { return };
+        let Some((h, _)) = read_frame(&mut s) else {
+            return;
+        };
+        let (mut r, p) = answer(&h);
+        r.payload_len = p.len() as u32;
+        let _ = s.write_all(&r.to_bytes());
+        let _ = s.write_all(&p);
+        // Held until the initiator hangs up.
+        let _ = std::io::copy(&mut s, &mut std::io::sink());
+    });
+    format!("tcp://{addr}")
+}
+
 /// The next frame, or `None` once the connection is closed (or the header is malformed).
 pub fn read_frame(s: &mut TcpStream) -> Option<(Header, Vec<u8>)> {
     let mut hb = [0u8; HEADER_LEN];
