@@ -11,6 +11,10 @@ use crate::{Error, Result};
 /// Largest LIST answer asked for: a few dozen exports.
 const LIST_ROOM: u32 = 4096;
 
+/// Most targets one discovery collects: whoever else on the link answers (with made-up MACs)
+/// cannot grow the list without bound.
+const MAX_TARGETS: usize = 256;
+
 /// One target that answered a discovery query.
 #[derive(Clone, Debug)]
 pub struct Discovered {
@@ -63,12 +67,16 @@ fn discover_on(
                 exports,
                 locked,
             });
+            if found.len() == MAX_TARGETS {
+                break;
+            }
         }
     }
     found
 }
 
-/// Broadcasts a LIST on `iface` and returns every target that answered within `wait`.
+/// Broadcasts a LIST on `iface` and returns every target that answered within `wait` (the
+/// first 256).
 pub fn discover_eth(iface: &str, wait: Duration) -> Result<Vec<Discovered>> {
     let info = blkwire_net::iface(iface).map_err(Error::Usage)?;
     let ethertype = blkwire_net::DEFAULT_ETHERTYPE;
@@ -96,4 +104,48 @@ pub fn discover_eth(iface: &str, wait: Duration) -> Result<Vec<Discovered>> {
 pub fn discover_udp(addr: std::net::SocketAddr, wait: Duration) -> Result<Vec<Discovered>> {
     let link = udp_link(addr)?;
     Ok(discover_on(&link, wait, &|_| format!("udp://{addr}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use blkwire_wire::{ExportEntry, Status};
+    use std::net::UdpSocket;
+
+    /// More answers than a discovery keeps, each from a target of its own (as many MACs as a
+    /// forger on the link cares to make up): the first 256 are kept, and the wait ends there.
+    #[test]
+    fn a_discovery_keeps_at_most_256_targets() {
+        let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let link = udp_link(target.local_addr().unwrap()).unwrap();
+        let answers = std::thread::spawn(move || {
+            let mut buf = vec![0u8; 65536];
+            let (n, from) = target.recv_from(&mut buf).unwrap();
+            let f = blkwire_wire::datagram::frames(&buf[..n], 65536)
+                .next()
+                .unwrap()
+                .unwrap();
+            let list = ExportEntry::encode_list(&[]).unwrap();
+            let mut r = f.header.reply(Status::Ok, list.len() as u32);
+            r.seal_crc(&list);
+            let mut out = r.to_bytes().to_vec();
+            out.extend_from_slice(&list);
+            for _ in 0..300 {
+                target.send_to(&out, from).unwrap();
+            }
+        });
+        let named = std::cell::Cell::new(0);
+        let start = Instant::now();
+        let found = discover_on(&link, Duration::from_secs(20), &|_| {
+            named.set(named.get() + 1);
+            format!("target-{}", named.get())
+        });
+        answers.join().unwrap();
+        assert_eq!(found.len(), MAX_TARGETS);
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            start.elapsed()
+        );
+    }
 }
