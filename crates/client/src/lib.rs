@@ -31,8 +31,8 @@ use deadline::Deadline;
 use tls::Link;
 
 use blkwire_wire::{
-    ExportEntry, Features, Header, HelloReply, Join, Opcode, Status, Tag, AUTH_LEN, HEADER_CRC,
-    HEADER_LEN, QUERY_LIST, QUERY_STATS, SESSION_HEADER_CRC,
+    fragment_count, ExportEntry, Features, Header, HelloReply, Join, Opcode, Status, Tag, AUTH_LEN,
+    HEADER_CRC, HEADER_LEN, MAX_FRAGMENTS, QUERY_LIST, QUERY_STATS, SESSION_HEADER_CRC,
 };
 
 pub use blkwire_block::{BlockOp, BlockRequest, CopyRange, IoFlags};
@@ -608,6 +608,18 @@ fn check_grant(
         && (1..=asked.1).contains(&granted.1)
         && (1..=asked.2).contains(&granted.2)
         && (frame_payload == 0 || (1..=frame_payload.max(512)).contains(&reply.frame_payload));
+    if fits && frame_payload != 0 {
+        // §9.3: a message of more frames is a burst no receiver's backlog holds, and more than
+        // the 16-bit fragment fields of a frame can count.
+        let frags = fragment_count(reply.max_io, reply.frame_payload);
+        if frags > MAX_FRAGMENTS {
+            return Err(Error::Protocol(format!(
+                "the target granted max I/O {} in frames of {} bytes: {frags} fragments a \
+                 message, more than the {MAX_FRAGMENTS} PROTOCOL.md §9.3 allows",
+                reply.max_io, reply.frame_payload
+            )));
+        }
+    }
     if fits {
         // A COPY descriptor travels in one frame (§13): a datagram's, or on TCP one of max_io.
         let frame = if frame_payload == 0 {
@@ -919,6 +931,25 @@ mod tests {
         );
     }
 
+    /// A datagram grant whose largest I/O takes more than 256 frames (PROTOCOL.md §9.3) is
+    /// refused: its fragment index would not even fit the frame's 16-bit field at 65536.
+    #[test]
+    fn a_datagram_grant_of_more_than_256_fragments_a_message_is_refused() {
+        let opts = ConnectOptions::default();
+        assert!(check_grant(&opts, 1448, &granted(1, 8, 256 * 1448, 1448)).is_ok());
+        for (max_io, frame) in [(257 * 1448, 1448), (1 << 20, 1448), (1 << 20, 1)] {
+            let e = check_grant(&opts, 1448, &granted(1, 8, max_io, frame)).unwrap_err();
+            assert!(
+                matches!(&e, Error::Protocol(m) if m.contains("fragments")),
+                "{max_io} in {frame}: {e}"
+            );
+        }
+        assert!(
+            check_grant(&opts, 0, &granted(1, 8, 1 << 20, 1 << 20)).is_ok(),
+            "TCP does not fragment"
+        );
+    }
+
     /// A target trickling its HELLO reply, a byte well within the timeout each, is given up
     /// at the timeout: the read timeout bounds each read, the deadline the handshake.
     #[test]
@@ -1011,9 +1042,14 @@ mod tests {
                 max_range,
                 max_ranges,
             };
+            // On datagrams, the most a message of 256 frames holds.
+            let max_io = match frame_payload {
+                0 => 1 << 20,
+                f => 256 * f,
+            };
             let reply = HelloReply {
                 copy,
-                ..granted(1, 8, 1 << 20, frame_payload)
+                ..granted(1, 8, max_io, frame_payload)
             };
             check_grant(&opts, frame_payload, &reply).unwrap().copy
         };

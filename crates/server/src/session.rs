@@ -19,8 +19,7 @@ use crate::budget::{Account, Budget};
 use crate::log::Level;
 use crate::stats::QueueStats;
 
-/// Most fragments one datagram message may have (PROTOCOL.md §9.3).
-pub const MAX_FRAGMENTS: u32 = 256;
+pub use blkwire_wire::MAX_FRAGMENTS;
 
 /// Limits the target grants at most, whatever a client asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -28,6 +28,10 @@ pub use handshake::{
 /// receiver allocate without bound.
 pub const MAX_PAYLOAD_LIMIT: u32 = 32 << 20;
 
+/// Most fragments one datagram message may have (PROTOCOL.md §9.3): the target grants no
+/// `max_io` that needs more, and the initiator refuses a grant that would.
+pub const MAX_FRAGMENTS: u32 = 256;
+
 /// Number of fragments a message of `len` bytes needs at `frame_payload` bytes each (PROTOCOL.md
 /// §9.3); at least 1 (a message without data is one frame).
 pub fn fragment_count(len: u32, frame_payload: u32) -> u32 {
