@@ -285,15 +285,24 @@ pub struct Session {
     pub queues: Vec<Queue>,
 }
 
-/// Connects to a `tcp://` target, with TLS when the options ask for it (its handshake over by
-/// `deadline`).
-fn open_link(url: &Url, opts: &ConnectOptions, deadline: &Deadline) -> Result<Link> {
+/// Connects to a `tcp://` target, with TLS when the session has its settings (`tls`, from
+/// [`tls_for`]; its handshake over by `deadline`).
+fn open_link(
+    url: &Url,
+    opts: &ConnectOptions,
+    tls: Option<&tls::SslConnector>,
+    deadline: &Deadline,
+) -> Result<Link> {
     let s = dial(url, opts.timeout)?;
-    if opts.tls {
-        tls::connect(url, opts, s, deadline)
-    } else {
-        Ok(Link::Plain(s))
+    match tls {
+        Some(c) => tls::connect(url, opts, c, s, deadline),
+        None => Ok(Link::Plain(s)),
     }
+}
+
+/// A session's TLS settings when the options ask for TLS, made once for all its connections.
+fn tls_for(opts: &ConnectOptions) -> Result<Option<tls::SslConnector>> {
+    opts.tls.then(|| tls::connector(opts)).transpose()
 }
 
 fn dial(url: &Url, timeout: Duration) -> Result<TcpStream> {
@@ -448,7 +457,7 @@ fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
     let (attempt, (r, p)) = match url.transport {
         Transport::Tcp => {
             let deadline = Deadline::after(opts.timeout);
-            let mut s = open_link(url, opts, &deadline)?;
+            let mut s = open_link(url, opts, tls_for(opts)?.as_ref(), &deadline)?;
             let mut a = auth::Attempt::new(target_name(url), "", opts, 0, features)?;
             // STATS is up to 1 MiB, and the proof follows it.
             let max = (1 << 20) + AUTH_LEN as u32;
@@ -844,8 +853,9 @@ fn refused(
 fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     // Each connection's handshake (TLS, HELLO or JOIN) is over within the timeout, however
     // the target trickles its answers: a connect (a mapping's reconnection) cannot be held.
+    let tls = tls_for(opts)?;
     let deadline = Deadline::after(opts.timeout);
-    let mut s0 = open_link(url, opts, &deadline)?;
+    let mut s0 = open_link(url, opts, tls.as_ref(), &deadline)?;
     let mut attempt = auth::Attempt::new(target_name(url), &url.export, opts, 0, 0)?;
     let (r, p) = auth::hello_exchange(&mut attempt, |tag, p| {
         exchange(&mut s0, &hello(tag), p, 4096, &deadline)
@@ -868,7 +878,7 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     for q in 1..reply.queues {
         // Every queue of a TLS session is a TLS connection of its own.
         let deadline = Deadline::after(opts.timeout);
-        let mut s = open_link(url, opts, &deadline)?;
+        let mut s = open_link(url, opts, tls.as_ref(), &deadline)?;
         let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
         h.session = reply.session;
         h.queue = q;

@@ -7,9 +7,9 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 
+pub(crate) use openssl::ssl::SslConnector;
 use openssl::ssl::{
-    ErrorCode, HandshakeError, MidHandshakeSslStream, SslConnector, SslMethod, SslStream,
-    SslVersion,
+    ErrorCode, HandshakeError, MidHandshakeSslStream, SslMethod, SslStream, SslVersion,
 };
 
 use crate::deadline::Deadline;
@@ -130,16 +130,9 @@ fn stack_line(e: &openssl::error::ErrorStack) -> String {
     }
 }
 
-/// Runs the client side of the TLS handshake on a connected socket, over by `deadline`. The
-/// socket is non-blocking meanwhile, so every wait is for what is left of the deadline (OpenSSL's
-/// own blocking reads would each have the socket's whole timeout); it is blocking again after.
-pub(crate) fn connect(
-    url: &Url,
-    opts: &ConnectOptions,
-    s: TcpStream,
-    deadline: &Deadline,
-) -> Result<Link> {
-    let addr = url.authority();
+/// The TLS settings of a session's connections, made once per session: building them reads the
+/// system's CA store (tens of milliseconds), which every queue of a session would otherwise pay.
+pub(crate) fn connector(opts: &ConnectOptions) -> Result<SslConnector> {
     let setup =
         |e: openssl::error::ErrorStack| Error::Tls(format!("TLS setup: {}", stack_line(&e)));
     let mut b = SslConnector::builder(SslMethod::tls_client()).map_err(setup)?;
@@ -169,7 +162,23 @@ pub(crate) fn connect(
             ))
         })?;
     }
-    let connector = b.build();
+    Ok(b.build())
+}
+
+/// Runs the client side of the TLS handshake on a connected socket, with the session's
+/// `connector`, over by `deadline`. The
+/// socket is non-blocking meanwhile, so every wait is for what is left of the deadline (OpenSSL's
+/// own blocking reads would each have the socket's whole timeout); it is blocking again after.
+pub(crate) fn connect(
+    url: &Url,
+    opts: &ConnectOptions,
+    connector: &SslConnector,
+    s: TcpStream,
+    deadline: &Deadline,
+) -> Result<Link> {
+    let addr = url.authority();
+    let setup =
+        |e: openssl::error::ErrorStack| Error::Tls(format!("TLS setup: {}", stack_line(&e)));
     let cfg = connector.configure().map_err(setup)?;
     let failed = |why: String| Error::Tls(format!("TLS handshake with {addr} failed: {why}"));
     s.set_nonblocking(true)?;
