@@ -548,19 +548,64 @@ impl Drop for Frozen {
     }
 }
 
-/// Requests the target's backend is running for `session` (from the STATS document).
-fn running(stats_url: &str, session: u32) -> u64 {
+/// The target's sessions, from its STATS document.
+fn sessions(stats_url: &str) -> Vec<serde_json::Value> {
     let doc =
         blkwire_client::stats(&Url::parse(stats_url).unwrap(), &ConnectOptions::default()).unwrap();
     let v: serde_json::Value = serde_json::from_str(&doc).unwrap();
-    v["sessions"]
-        .as_array()
-        .unwrap()
+    v["sessions"].as_array().unwrap().clone()
+}
+
+/// Requests the target's backend is running for `session`.
+fn running(stats_url: &str, session: u32) -> u64 {
+    sessions(stats_url)
         .iter()
         .filter(|s| s["session"] == session)
         .flat_map(|s| s["queues"].as_array().unwrap().iter())
         .map(|q| q["in_flight"].as_u64().unwrap())
         .sum()
+}
+
+/// Whether the target lists `session`.
+fn listed(stats_url: &str, session: u32) -> bool {
+    sessions(stats_url).iter().any(|s| s["session"] == session)
+}
+
+/// A one-queue session on `url` whose 4 KiB write at 0 (returned) is stuck in the backend: `fs`
+/// is frozen (until the returned guard drops) and the target counts the write as running.
+fn stuck_write(url: &str, stats_url: &str, fs: &LoopExt4, seed: u64) -> (Session, Vec<u8>, Frozen) {
+    let mut old = one_queue(url, None, Duration::from_secs(60)).unwrap();
+    let session = old.queues[0].identity().unwrap().session;
+    let data = random_bytes(4096, seed);
+    let frozen = fs.freeze();
+    let write = Cmd::Write {
+        offset: 0,
+        data: &data,
+        fua: false,
+    };
+    old.queues[0].submit(write, 1).unwrap();
+    old.queues[0].send().unwrap();
+    assert!(
+        common::wait_until(Duration::from_secs(30), || running(stats_url, session) == 1),
+        "{url}: the write never reached the backend"
+    );
+    (old, data, frozen)
+}
+
+/// `new` (a session begun after a fence) reads `first`, the fenced session's write, at 0, and
+/// then its own write there, not overtaken by the old one; the block is zeroed again after.
+fn sees_then_overwrites(new: &mut Session, url: &str, first: &[u8], seed: u64) {
+    let mut back = vec![0u8; 4096];
+    new.queues[0].read_at(&mut back, 0).unwrap();
+    assert!(
+        back == first,
+        "{url}: the fenced session's write did not land before the new session began"
+    );
+    let second = random_bytes(4096, seed);
+    new.queues[0].write_at(&second, 0, false).unwrap();
+    new.queues[0].read_at(&mut back, 0).unwrap();
+    assert!(back == second, "{url}");
+    new.queues[0].write_at(&vec![0; 4096], 0, false).unwrap();
 }
 
 /// The fencing a reconnection relies on (PROTOCOL.md §2.6): while a write of the replaced
@@ -577,26 +622,8 @@ fn a_session_replacing_a_queue_waits_for_its_writes_to_land() {
     let stats_url = t.url("tcp://");
     for base in urls {
         let url = format!("{base}/f");
-        let mut old = one_queue(&url, None, Duration::from_secs(60)).unwrap();
+        let (old, first, frozen) = stuck_write(&url, &stats_url, &fs, 1);
         let me = old.queues[0].identity().unwrap();
-        let first = random_bytes(4096, 1);
-        let frozen = fs.freeze();
-        old.queues[0]
-            .submit(
-                Cmd::Write {
-                    offset: 0,
-                    data: &first,
-                    fua: false,
-                },
-                1,
-            )
-            .unwrap();
-        old.queues[0].send().unwrap();
-        assert!(
-            common::wait_until(Duration::from_secs(30), || running(&stats_url, me.session)
-                == 1),
-            "{url}: the write never reached the backend"
-        );
         let busy = one_queue(&url, Some(me), Duration::from_secs(3));
         assert!(
             matches!(
@@ -611,30 +638,8 @@ fn a_session_replacing_a_queue_waits_for_its_writes_to_land() {
         );
         drop(frozen);
         let mut new = one_queue(&url, Some(me), Duration::from_secs(30)).unwrap();
-        let mut back = vec![0u8; 4096];
-        new.queues[0].read_at(&mut back, 0).unwrap();
-        assert!(
-            back == first,
-            "{url}: the old write landed before the new session began"
-        );
-        let second = random_bytes(4096, 2);
-        new.queues[0].write_at(&second, 0, false).unwrap();
-        new.queues[0].read_at(&mut back, 0).unwrap();
-        assert!(back == second, "{url}");
-        new.queues[0].write_at(&vec![0; 4096], 0, false).unwrap();
+        sees_then_overwrites(&mut new, &url, &first, 2);
     }
-}
-
-/// Whether the target lists `session` (from the STATS document).
-fn listed(stats_url: &str, session: u32) -> bool {
-    let doc =
-        blkwire_client::stats(&Url::parse(stats_url).unwrap(), &ConnectOptions::default()).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&doc).unwrap();
-    v["sessions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .any(|s| s["session"] == session)
 }
 
 /// `map --recover` after the map daemon was killed (PROTOCOL.md §2.6): the new daemon knows the
@@ -655,28 +660,8 @@ fn recovery_fences_a_dead_daemons_queues_until_their_writes_land() {
         let url = format!("{base}/f");
         let u = Url::parse(&url).unwrap();
         // The dead daemon's session, as its record names it; nothing logs it out.
-        let mut dead = one_queue(&url, None, Duration::from_secs(60)).unwrap();
+        let (dead, first, frozen) = stuck_write(&url, &stats_url, &fs, 3);
         let recorded = blkwire_map::RecordedQueue::from(dead.queues[0].identity().unwrap());
-        let first = random_bytes(4096, 3);
-        let frozen = fs.freeze();
-        dead.queues[0]
-            .submit(
-                Cmd::Write {
-                    offset: 0,
-                    data: &first,
-                    fua: false,
-                },
-                1,
-            )
-            .unwrap();
-        dead.queues[0].send().unwrap();
-        assert!(
-            common::wait_until(Duration::from_secs(30), || running(
-                &stats_url,
-                recorded.session
-            ) == 1),
-            "{url}: the write never reached the backend"
-        );
         let mut opts = ConnectOptions {
             depth: 4,
             max_io: 64 << 10,
@@ -704,16 +689,6 @@ fn recovery_fences_a_dead_daemons_queues_until_their_writes_land() {
         // Fencing a queue the target does not know (any more, or since a restart) is granted.
         blkwire_map::fence_recorded(&u, &opts, &[recorded.into()]).unwrap();
         let mut new = one_queue(&url, None, Duration::from_secs(30)).unwrap();
-        let mut back = vec![0u8; 4096];
-        new.queues[0].read_at(&mut back, 0).unwrap();
-        assert!(
-            back == first,
-            "{url}: the dead daemon's write landed after the fence"
-        );
-        let second = random_bytes(4096, 4);
-        new.queues[0].write_at(&second, 0, false).unwrap();
-        new.queues[0].read_at(&mut back, 0).unwrap();
-        assert!(back == second, "{url}");
-        new.queues[0].write_at(&vec![0; 4096], 0, false).unwrap();
+        sees_then_overwrites(&mut new, &url, &first, 4);
     }
 }

@@ -801,18 +801,8 @@ mod tests {
             timeout: Duration::from_millis(300),
             ..options()
         };
-        let start = std::time::Instant::now();
-        let r = crate::connect(&url, &opts);
-        assert!(
-            matches!(r, Err(Error::Timeout(_))),
-            "{:?}",
-            r.map(|s| s.info.size)
-        );
-        assert!(
-            start.elapsed() < Duration::from_secs(3),
-            "{:?}",
-            start.elapsed()
-        );
+        let e = crate::testing::fails_in_time(|| crate::connect(&url, &opts));
+        assert!(matches!(e, Error::Timeout(_)), "{e:?}");
     }
 
     /// What only a read takes, data (here ending with SUCCESS, which would complete the

@@ -293,3 +293,21 @@ pub(crate) mod nvme {
         Url::parse(&format!("nvme-tcp://127.0.0.1:{port}/x")).expect("a URL")
     }
 }
+
+/// The error of `connect`, which must fail well inside 3 s (the tests give it a timeout of a
+/// few hundred milliseconds against a target that would hold it far longer).
+pub(crate) fn fails_in_time(
+    connect: impl FnOnce() -> crate::Result<crate::Session>,
+) -> crate::Error {
+    let start = std::time::Instant::now();
+    let r = connect();
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(3),
+        "{:?}",
+        start.elapsed()
+    );
+    match r {
+        Ok(s) => panic!("connected: a session of {} bytes", s.info.size),
+        Err(e) => e,
+    }
+}
