@@ -453,25 +453,8 @@ mod tests {
 
     fn dead(queues: u16, refs: Option<Vec<Option<RecordedQueue>>>) -> Record {
         Record {
-            device: "/dev/ublkb3".into(),
-            url: "tcp://127.0.0.1:1/d".into(),
-            export: "d".into(),
-            frontend: "ublk".into(),
-            pid: 4242,
-            start_time: 1,
-            mountpoint: String::new(),
-            file: String::new(),
-            size: 1 << 30,
-            readonly: false,
-            queues,
-            queue_depth: 64,
-            max_io: 1 << 20,
-            timeout_secs: 30,
-            hdd: false,
-            logfile: None,
-            fuse_io: None,
-            credentials: Default::default(),
             queue_refs: refs,
+            ..Record::sample(queues)
         }
     }
 

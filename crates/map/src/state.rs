@@ -217,6 +217,33 @@ fn dev_name(device: &str) -> &str {
 }
 
 impl Record {
+    /// A writable ublk record of `queues` queues for tests (of this crate's modules), naming no
+    /// target queues; each test sets what it looks at.
+    #[cfg(test)]
+    pub(crate) fn sample(queues: u16) -> Record {
+        Record {
+            device: "/dev/ublkb3".into(),
+            url: "tcp://127.0.0.1:1/d".into(),
+            export: "d".into(),
+            frontend: "ublk".into(),
+            pid: 4242,
+            start_time: 1,
+            mountpoint: String::new(),
+            file: String::new(),
+            size: 1 << 30,
+            readonly: false,
+            queues,
+            queue_depth: 64,
+            max_io: 1 << 20,
+            timeout_secs: 30,
+            hdd: false,
+            logfile: None,
+            fuse_io: None,
+            credentials: Default::default(),
+            queue_refs: None,
+        }
+    }
+
     /// Writes the record atomically (temporary file, then rename), so a reader never sees half.
     pub fn save(&self) -> io::Result<()> {
         self.save_in(&devices_dir())
@@ -455,25 +482,14 @@ mod tests {
 
     fn record(queues: usize) -> Record {
         Record {
+            pid: std::process::id() as i32,
+            start_time: self_start_time(),
             device: "/dev/ublkb7".into(),
             url: "udp://h:1/e".into(),
             export: "e".into(),
-            frontend: "ublk".into(),
-            pid: std::process::id() as i32,
-            start_time: self_start_time(),
-            mountpoint: String::new(),
-            file: String::new(),
             size: 1 << 20,
-            readonly: false,
-            queues: queues as u16,
-            queue_depth: 64,
-            max_io: 1 << 20,
-            timeout_secs: 30,
-            hdd: false,
-            logfile: None,
-            fuse_io: None,
-            credentials: Default::default(),
             queue_refs: Some(vec![None; queues]),
+            ..Record::sample(queues as u16)
         }
     }
 

@@ -659,27 +659,7 @@ mod tests {
     }
 
     fn record() -> Record {
-        Record {
-            device: "/dev/ublkb3".into(),
-            url: "tcp://127.0.0.1:1/d".into(),
-            export: "d".into(),
-            frontend: "ublk".into(),
-            pid: 4242,
-            start_time: 1,
-            mountpoint: String::new(),
-            file: String::new(),
-            size: 1 << 30,
-            readonly: false,
-            queues: 2,
-            queue_depth: 64,
-            max_io: 1 << 20,
-            timeout_secs: 30,
-            hdd: false,
-            logfile: None,
-            fuse_io: None,
-            credentials: Default::default(),
-            queue_refs: None,
-        }
+        Record::sample(2)
     }
 
     fn info(pid: i32) -> DevInfo {
