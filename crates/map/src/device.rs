@@ -296,7 +296,7 @@ const FENCE_THREADS: usize = 8;
 /// Fences `queues` of earlier sessions on `url` (PROTOCOL.md §2.6), as `map --recover`
 /// does for the queues a dead daemon's record names: per queue, a one-queue session naming it
 /// as the one it replaces, each asking again while the target says `BUSY` (the queue's requests
-/// still run) up to `opts.timeout`; then that session logs out. Up to [`FENCE_THREADS`] queues
+/// still run) up to `opts.timeout`; then that session logs out. Up to `FENCE_THREADS` (8) queues
 /// at once; after a failure no further queue is started. Once this returns Ok, nothing those
 /// queues were asked to do runs any more on the target (if it knew them). `opts` is what the
 /// mapping connects with (host id, key, TLS): without a key the target accepts the fence only
