@@ -227,8 +227,8 @@ fn offload(a: &Args, src_export: &str) -> Result<(), String> {
     }
     if !dst.info.copy.enabled() {
         return Err(format!(
-            "{}: the target does not copy for this session; use --no-offload to copy through \
-                 this host",
+            "{}: the target does not copy for this session (or offers COPY limits too small to \
+                 use); use --no-offload to copy through this host",
             a.dst
         ));
     }

@@ -37,8 +37,12 @@ pub(crate) struct Deadline {
 impl Deadline {
     /// `timeout` from now.
     pub fn after(timeout: Duration) -> Deadline {
+        let now = Instant::now();
         Deadline {
-            at: Instant::now() + timeout,
+            // A timeout too large to add (`--timeout` in years) is as good as none.
+            at: now
+                .checked_add(timeout)
+                .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86400)),
             timeout,
         }
     }

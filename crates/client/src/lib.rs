@@ -286,18 +286,20 @@ pub struct Session {
 }
 
 /// Connects to a `tcp://` target, with TLS when the session has its settings (`tls`, from
-/// [`tls_for`]; its handshake over by `deadline`).
+/// [`tls_for`]), and returns the link with the deadline its handshake (TLS, then HELLO or
+/// JOIN) must meet: the timeout from when the connection was made (the dial has its own).
 fn open_link(
     url: &Url,
     opts: &ConnectOptions,
     tls: Option<&tls::SslConnector>,
-    deadline: &Deadline,
-) -> Result<Link> {
+) -> Result<(Link, Deadline)> {
     let s = dial(url, opts.timeout)?;
-    match tls {
-        Some(c) => tls::connect(url, opts, c, s, deadline),
-        None => Ok(Link::Plain(s)),
-    }
+    let deadline = Deadline::after(opts.timeout);
+    let link = match tls {
+        Some(c) => tls::connect(url, opts, c, s, &deadline)?,
+        None => Link::Plain(s),
+    };
+    Ok((link, deadline))
 }
 
 /// A session's TLS settings when the options ask for TLS, made once for all its connections.
@@ -456,8 +458,7 @@ pub fn stats(url: &Url, opts: &ConnectOptions) -> Result<String> {
 fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
     let (attempt, (r, p)) = match url.transport {
         Transport::Tcp => {
-            let deadline = Deadline::after(opts.timeout);
-            let mut s = open_link(url, opts, tls_for(opts)?.as_ref(), &deadline)?;
+            let (mut s, deadline) = open_link(url, opts, tls_for(opts)?.as_ref())?;
             let mut a = auth::Attempt::new(target_name(url), "", opts, 0, features)?;
             // STATS is up to 1 MiB, and the proof follows it.
             let max = (1 << 20) + AUTH_LEN as u32;
@@ -854,8 +855,7 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     // Each connection's handshake (TLS, HELLO or JOIN) is over within the timeout, however
     // the target trickles its answers: a connect (a mapping's reconnection) cannot be held.
     let tls = tls_for(opts)?;
-    let deadline = Deadline::after(opts.timeout);
-    let mut s0 = open_link(url, opts, tls.as_ref(), &deadline)?;
+    let (mut s0, deadline) = open_link(url, opts, tls.as_ref())?;
     let mut attempt = auth::Attempt::new(target_name(url), &url.export, opts, 0, 0)?;
     let (r, p) = auth::hello_exchange(&mut attempt, |tag, p| {
         exchange(&mut s0, &hello(tag), p, 4096, &deadline)
@@ -877,8 +877,7 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     ];
     for q in 1..reply.queues {
         // Every queue of a TLS session is a TLS connection of its own.
-        let deadline = Deadline::after(opts.timeout);
-        let mut s = open_link(url, opts, tls.as_ref(), &deadline)?;
+        let (mut s, deadline) = open_link(url, opts, tls.as_ref())?;
         let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
         h.session = reply.session;
         h.queue = q;

@@ -273,8 +273,9 @@ struct Setup {
 
 impl Setup {
     fn open(url: &Url, opts: &ConnectOptions, max_io: u32) -> Result<Setup> {
-        let deadline = Deadline::after(opts.timeout);
         let s = crate::dial(url, opts.timeout)?;
+        // From when the connection is made: the dial has its own timeout.
+        let deadline = Deadline::after(opts.timeout);
         let _ = s.set_nodelay(true);
         let mut c = Setup {
             deadline,

@@ -490,7 +490,7 @@ impl Queue {
         if !limits.enabled() {
             return Err(Error::Usage(
                 "this session cannot copy inside the target: the export is read-only, or the \
-                 target does not offer COPY"
+                 target does not offer COPY (or offers limits too small to use)"
                     .into(),
             ));
         }

@@ -245,9 +245,11 @@ impl StreamQueue {
         self.send()?;
         let mut done = self.deliver(&mut f)?;
         // About a receive buffer's worth per call: a target sending faster than we read must
-        // not keep poll from returning (nor from seeing the timeout below).
+        // not keep poll from returning (nor from seeing the timeout below). Past that, only
+        // what a TLS session already decrypted (at most a record): the caller waits on the
+        // socket next, which does not show those bytes.
         let mut taken = 0;
-        while taken < self.rx.len() {
+        while taken < self.rx.len() || self.sock.pending() {
             let before = self.rx_end - self.rx_start;
             if !self.fill(false)? {
                 break;
