@@ -261,6 +261,14 @@ impl Queue {
         }
     }
 
+    /// The TCP queue inside, if this is one (for `fuzzing`).
+    pub(crate) fn as_stream(&self) -> Option<&StreamQueue> {
+        match &self.inner {
+            Inner::Stream(q) => Some(q),
+            Inner::Dgram(_) => None,
+        }
+    }
+
     /// The same queue, known as `r` (a native session's queue).
     pub(crate) fn known_as(mut self, r: QueueRef) -> Queue {
         self.identity = Some(r);

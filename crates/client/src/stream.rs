@@ -273,6 +273,14 @@ impl StreamQueue {
         Ok(done)
     }
 
+    /// The receive buffer's length now, and the most it may ever grow to: `rx_cap`, which
+    /// bounds `fill` while a send waits, and is more than `make_room` ever asks (a native
+    /// frame fits the buffer as made; an NVMe/TCP read's C2HData held until its CapsuleResp
+    /// is in is two PDUs of at most `max_io` + 4 KiB, the PLEN bound `nvme::connect` sets).
+    pub(crate) fn rx_buffer(&self) -> (usize, usize) {
+        (self.rx.len(), self.rx_cap)
+    }
+
     /// When `poll` must run even if the socket stays quiet: to report the timeout.
     pub fn deadline(&self) -> Option<Instant> {
         self.waiting_since
