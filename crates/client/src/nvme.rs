@@ -833,6 +833,34 @@ mod tests {
         );
     }
 
+    /// A read answered OK by a CapsuleResp without its data (found by the stream_reply fuzz
+    /// target) fails the queue, and stays in flight: the queue lets go of no request without
+    /// completing it, as on native replies.
+    #[test]
+    fn a_read_answered_without_its_data_fails_and_stays_in_flight() {
+        let url = fake::start(Controller::default(), move |mut io| {
+            let b = io.recv().expect("the read");
+            let Pdu::CapsuleCmd(c) = io.decode(&b) else {
+                panic!("not a command")
+            };
+            let _ = io.send(&[resp(c.sqe.cid, 0, 0)]);
+            while io.recv().is_some() {}
+        });
+        let mut s = crate::connect(&url, &options()).unwrap();
+        let q = &mut s.queues[0];
+        let read = Cmd::Read {
+            offset: 0,
+            len: 4096,
+        };
+        q.submit(read, 7).unwrap();
+        let r = q.complete(1, |c| panic!("user {} completed", c.user));
+        assert!(
+            matches!(&r, Err(Error::Protocol(m)) if m.contains("got 0")),
+            "{r:?}"
+        );
+        assert_eq!(q.in_flight(), 1);
+    }
+
     /// An R2T for a write that went in the capsule (after a larger write on the same slot
     /// that did take R2Ts) is refused, not answered with the earlier write's data.
     #[test]

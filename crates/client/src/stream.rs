@@ -542,18 +542,14 @@ impl StreamQueue {
                 continue;
             };
             let s = self.slots[slot];
-            self.slots[slot].busy = false;
-            self.free.push(slot as u16);
-            if status != Status::Ok {
-                self.stats.errors += 1;
-            }
-            n += 1;
             let fr = self.nvme.as_mut().expect("an NVMe/TCP queue");
             let data: &[u8] = match range {
                 _ if status != Status::Ok || s.opcode != Opcode::Read as u8 => &[],
                 Some((at, len)) => &self.rx[at..at + len],
                 None => &fr.gathered[slot],
             };
+            // Checked before the slot is let go, as on native replies: a request the queue
+            // fails on stays in flight rather than vanish without a completion.
             if s.opcode == Opcode::Read as u8
                 && status == Status::Ok
                 && data.len() != s.len as usize
@@ -564,6 +560,12 @@ impl StreamQueue {
                     data.len()
                 )));
             }
+            self.slots[slot].busy = false;
+            self.free.push(slot as u16);
+            if status != Status::Ok {
+                self.stats.errors += 1;
+            }
+            n += 1;
             f(Completion {
                 user: s.user,
                 length: s.len,
