@@ -31,10 +31,10 @@
 //! and comes once; it carries its request's length (a COPY: any), an OK READ exactly the
 //! bytes it asked for, and those are bytes the stream carried for it (a native reply's
 //! payload, later than the last READ's; NVMe/TCP C2HData of one CID, in order: never stale
-//! bytes of the receive buffer), nothing else any data; while calls succeed, `in_flight` is what was
-//! submitted less what completed; the receive buffer stays within its cap; and the queue sends
-//! no more than its requests and one answer to each byte of its writes (R2Ts cannot make it
-//! send more).
+//! bytes of the receive buffer), nothing else any data; `in_flight` is what was submitted
+//! less what completed, after errors too (a request the queue fails on stays in flight); the
+//! receive buffer stays within its cap; and the queue sends no more than its requests and one
+//! answer to each byte of its writes (R2Ts cannot make it send more).
 
 #![no_main]
 
@@ -277,21 +277,20 @@ impl Ledger<'_> {
         }
     }
 
-    /// After each call into the queue: its receive buffer is within its cap; if the call
-    /// succeeded, its requests in flight are those of the ledger, and requests that completed
-    /// are submitted again if asked. (After an error the queue is done for: every caller drops
-    /// it, and it may have let go of a request it failed on without completing it.)
+    /// After each call into the queue: its requests in flight are those of the ledger (a
+    /// request it fails on stays in flight), its receive buffer is within its cap; if the call
+    /// succeeded, requests that completed are submitted again if asked.
     fn settle(&mut self, q: &mut Queue, ok: bool) {
-        let (len, cap) = rx_buffer(q).expect("a TCP queue");
-        assert!(len <= cap, "receive buffer of {len} bytes, cap {cap}");
-        if !ok {
-            return;
-        }
         assert_eq!(
             q.in_flight(),
             self.submitted.len() - self.done.len(),
             "in flight"
         );
+        let (len, cap) = rx_buffer(q).expect("a TCP queue");
+        assert!(len <= cap, "receive buffer of {len} bytes, cap {cap}");
+        if !ok {
+            return;
+        }
         for u in std::mem::take(&mut self.fresh) {
             if self.again && u < 100 {
                 self.submit(q, u + 100);
