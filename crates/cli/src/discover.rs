@@ -86,7 +86,10 @@ pub fn run(a: Args) -> Result<(), String> {
                 json!({"target": d.base, "exports": exports, "requires_key": d.locked})
             })
             .collect();
-        println!("{}", json!({ "targets": v }));
+        println!(
+            "{}",
+            crate::table::json_for_terminal(&json!({ "targets": v }))
+        );
     } else {
         for d in &found {
             if d.locked {

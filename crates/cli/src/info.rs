@@ -41,7 +41,10 @@ pub fn run(a: Args) -> Result<(), String> {
                 .iter()
                 .map(|e| json!({"name": e.name, "size": e.size, "features": e.features.names()}))
                 .collect();
-            println!("{}", json!({ "exports": v }));
+            println!(
+                "{}",
+                crate::table::json_for_terminal(&json!({ "exports": v }))
+            );
         } else {
             for e in list {
                 println!(
@@ -60,14 +63,14 @@ pub fn run(a: Args) -> Result<(), String> {
     if a.json {
         println!(
             "{}",
-            json!({
+            crate::table::json_for_terminal(&json!({
                 "export": i.name, "size": i.size,
                 "logical_block_size": i.logical_block, "physical_block_size": i.physical_block,
                 "features": i.features.names(),
                 "max_queues": i.queues, "max_queue_depth": i.depth, "max_io": i.max_io,
                 "copy_max_bytes": i.copy.max_bytes, "copy_max_range": i.copy.max_range,
                 "copy_max_ranges": i.copy.max_ranges, "header_crc": i.header_crc,
-            })
+            }))
         );
     } else {
         println!("export:           {}", i.name);

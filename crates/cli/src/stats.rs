@@ -45,27 +45,11 @@ pub fn run(a: Args) -> Result<(), String> {
     let v: Value =
         serde_json::from_str(&doc).map_err(|e| format!("target sent bad stats JSON: {e}"))?;
     if a.json {
-        println!("{}", terminal_safe_json(&v));
+        println!("{}", crate::table::json_for_terminal(&v));
         return Ok(());
     }
     print!("{}", table(&v));
     Ok(())
-}
-
-/// `v` written out again, every control character escaped: JSON lets DEL and the C1 controls
-/// (a one-character CSI among them) stand unescaped in strings, and a target's document is
-/// not printed as it came. Written compactly, so the only control characters are in strings,
-/// where `\uXXXX` means the same.
-fn terminal_safe_json(v: &Value) -> String {
-    let mut out = String::new();
-    for c in v.to_string().chars() {
-        if c.is_control() {
-            out.push_str(&format!("\\u{:04x}", c as u32));
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 /// The counters as a table: session and export left-aligned, numbers right-aligned.
@@ -109,7 +93,7 @@ mod tests {
     #[test]
     fn json_output_escapes_every_control_character() {
         let v = serde_json::json!({"sessions": [{"export": "a\u{9b}2Jb\u{7f}c\u{1b}[0m"}]});
-        let out = terminal_safe_json(&v);
+        let out = crate::table::json_for_terminal(&v);
         assert!(out.chars().all(|c| !c.is_control()), "{out:?}");
         assert_eq!(serde_json::from_str::<Value>(&out).unwrap(), v);
     }

@@ -1,7 +1,24 @@
-//! Tables for a terminal: columns as wide as their widest cell, so names and numbers of any
-//! length line up (`stats`, `export ls`, `listener ls`, `session ls`).
+//! Output for a terminal: tables whose columns are as wide as their widest cell, so names and
+//! numbers of any length line up (`stats`, `export ls`, `listener ls`, `session ls`), and JSON
+//! documents made of what a target sent, escaped (`info`, `discover`, `stats` with `--json`).
 
 use serde_json::Value;
+
+/// `v` written out again, every control character escaped: JSON lets DEL and the C1 controls
+/// (a one-character CSI among them) stand unescaped in strings, and a target's document is
+/// not printed as it came. Written compactly, so the only control characters are in strings,
+/// where `\uXXXX` means the same.
+pub fn json_for_terminal(v: &Value) -> String {
+    let mut out = String::new();
+    for c in v.to_string().chars() {
+        if c.is_control() {
+            out.push_str(&format!("\\u{:04x}", c as u32));
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
 
 /// Where a column's cells sit in its width: text to the left, numbers to the right.
 #[derive(Clone, Copy, PartialEq, Eq)]

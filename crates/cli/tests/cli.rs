@@ -473,23 +473,32 @@ fn names_from_a_target_are_shown_without_control_characters() {
     use blkwire_wire::{ExportEntry, Features, Status, AUTH_LEN};
     use common::native_raw::answering_target;
 
+    // A LIST query's answer: the list of one export called `name`, then the target's proof
+    // (zeros: no key).
+    let listing = |name: &str| {
+        let list = ExportEntry::encode_list(&[ExportEntry {
+            name: name.into(),
+            size: 1 << 20,
+            features: Features(0),
+        }])
+        .unwrap();
+        answering_target(move |h| {
+            let mut p = list;
+            p.extend_from_slice(&[0; AUTH_LEN]);
+            (h.reply(Status::Ok, 0), p)
+        })
+    };
     let evil = "disk\u{1b}]0;owned\u{7}\u{1b}[2J";
-    let list = ExportEntry::encode_list(&[ExportEntry {
-        name: evil.into(),
-        size: 1 << 20,
-        features: Features(0),
-    }])
-    .unwrap();
-    // A LIST query's answer: the list, then the target's proof (zeros: no key).
-    let url = answering_target(move |h| {
-        let mut p = list;
-        p.extend_from_slice(&[0; AUTH_LEN]);
-        (h.reply(Status::Ok, 0), p)
-    });
-    let (ok, out, err) = cli(&["info", &url]);
+    let (ok, out, err) = cli(&["info", &listing(evil)]);
     assert!(ok, "{err}");
     assert!(!out.contains('\u{1b}') && !out.contains('\u{7}'), "{out:?}");
     assert!(out.contains("disk\\u{1b}]0;owned"), "{out}");
+    // JSON lets C1 controls (a one-character CSI) and DEL stand in strings: escaped anyway.
+    let (ok, out, err) = cli(&["info", "--json", &listing("disk\u{9b}2J\u{7f}")]);
+    assert!(ok, "{err}");
+    assert!(out.trim_end().chars().all(|c| !c.is_control()), "{out:?}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(v["exports"][0]["name"], "disk\u{9b}2J\u{7f}");
 
     let doc = serde_json::json!({
         "sessions": [{"session": 1, "export": evil, "queues": [{"queue": 0, "thread": 0}]}],

@@ -13,6 +13,11 @@ use crate::{Error, Result};
 /// A connection a handshake reads from: its TCP socket carries the read timeout.
 pub(crate) trait Socket: Read {
     fn socket(&self) -> &TcpStream;
+    /// Whether a read may wait for more than one `recv` (a TLS record arriving in pieces):
+    /// such a read runs on the socket made non-blocking, each wait bounded by the deadline.
+    fn reads_records(&self) -> bool {
+        false
+    }
 }
 
 impl Socket for TcpStream {
@@ -24,6 +29,9 @@ impl Socket for TcpStream {
 impl Socket for crate::tls::Link {
     fn socket(&self) -> &TcpStream {
         self.tcp()
+    }
+    fn reads_records(&self) -> bool {
+        matches!(self, crate::tls::Link::Tls(_))
     }
 }
 
@@ -64,6 +72,9 @@ impl Deadline {
     /// One read of what has arrived, waiting until the deadline at most. Never 0: a closed
     /// connection is `Error::Closed`.
     pub fn read(&self, s: &mut impl Socket, buf: &mut [u8]) -> Result<usize> {
+        if s.reads_records() {
+            return self.read_records(s, buf);
+        }
         loop {
             s.socket().set_read_timeout(Some(self.left()?))?;
             match s.read(buf) {
@@ -78,6 +89,29 @@ impl Deadline {
                 Err(e) => return Err(crate::map_io(e, self.timeout)),
             }
         }
+    }
+
+    /// `read` over TLS: a blocking read would wait for a whole record, each `recv` of it with
+    /// the whole time left, so a target trickling a record could hold it for thousands of
+    /// timeouts. Non-blocking instead, each wait for the socket by the deadline; blocking again
+    /// after (the queue's I/O sets its own mode).
+    fn read_records(&self, s: &mut impl Socket, buf: &mut [u8]) -> Result<usize> {
+        s.socket().set_nonblocking(true)?;
+        let r = loop {
+            match s.read(buf) {
+                Ok(0) => break Err(Error::Closed),
+                Ok(n) => break Ok(n),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    if let Err(e) = self.wait(s.socket(), libc::POLLIN) {
+                        break Err(e);
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => break Err(crate::map_io(e, self.timeout)),
+            }
+        };
+        s.socket().set_nonblocking(false)?;
+        r
     }
 
     /// Fills `buf`, by the deadline.

@@ -1016,6 +1016,67 @@ mod tests {
         );
     }
 
+    /// After the TLS handshake, a target trickling the record that carries its HELLO answer
+    /// (a byte every 50 ms, each within the time left) does not hold the HELLO past the
+    /// timeout either: a blocking TLS read would wait for the whole record.
+    #[test]
+    fn a_trickled_hello_over_tls_ends_at_the_timeout() {
+        use openssl::ssl::{Ssl, SslContextBuilder, SslMethod, SslVersion};
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+
+        /// A socket whose writes go a byte at a time, slowly, once `slow` is set.
+        struct Trickle(TcpStream, Arc<AtomicBool>);
+        impl Read for Trickle {
+            fn read(&mut self, b: &mut [u8]) -> std::io::Result<usize> {
+                self.0.read(b)
+            }
+        }
+        impl std::io::Write for Trickle {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                if !self.1.load(Ordering::Relaxed) || b.is_empty() {
+                    return self.0.write(b);
+                }
+                std::thread::sleep(Duration::from_millis(50));
+                self.0.write(&b[..1])
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                self.0.flush()
+            }
+        }
+        let key = blkwire_auth::Key::generate();
+        let k = key.bytes().to_vec();
+        let url = testing::raw(move |s| {
+            let mut b = SslContextBuilder::new(SslMethod::tls_server()).unwrap();
+            b.set_min_proto_version(Some(SslVersion::TLS1_3)).unwrap();
+            b.set_psk_server_callback(move |_, _, psk| {
+                psk[..k.len()].copy_from_slice(&k);
+                Ok(k.len())
+            });
+            let slow = Arc::new(AtomicBool::new(false));
+            let ssl = Ssl::new(&b.build()).unwrap();
+            let Ok(mut t) = ssl.accept(Trickle(s, slow.clone())) else {
+                return;
+            };
+            let mut hello = [0u8; HEADER_LEN];
+            if t.read_exact(&mut hello).is_err() {
+                return;
+            }
+            slow.store(true, Ordering::Relaxed);
+            // 400 bytes in one record: 20 s at this pace.
+            let _ = std::io::Write::write_all(&mut t, &[0u8; 400]);
+        });
+        let opts = ConnectOptions {
+            timeout: Duration::from_millis(300),
+            tls: true,
+            key: Some(key),
+            host_id: "h".into(),
+            ..Default::default()
+        };
+        let e = testing::fails_in_time(|| connect(&url, &opts));
+        assert!(matches!(e, Error::Timeout(_)), "{e:?}");
+    }
+
     #[test]
     fn strings_from_a_target_reach_the_terminal_without_control_characters() {
         assert_eq!(shown("disk-0 é"), "disk-0 é");
