@@ -592,6 +592,19 @@ fn stuck_write(url: &str, stats_url: &str, fs: &LoopExt4, seed: u64) -> (Session
     (old, data, frozen)
 }
 
+/// A filesystem that can be frozen (`fsfreeze`) holding a 1 MiB file, a target exporting the
+/// file as `f` over tcp:// and udp:// (their base URLs), and the URL its STATS are asked at.
+/// Dropped in that order's reverse, the target goes before the filesystem.
+fn frozen_fs_target() -> (LoopExt4, common::netlab::Served, [String; 2], String) {
+    let fs = LoopExt4::new();
+    let file = fs.mnt().join("disk");
+    sparse_file(&file, 1 << 20);
+    let export = format!("f=file:{}", file.display());
+    let (t, urls) = tcp_and_udp(&[&export]);
+    let stats_url = t.url("tcp://");
+    (fs, t, urls, stats_url)
+}
+
 /// `new` (a session begun after a fence) reads `first`, the fenced session's write, at 0, and
 /// then its own write there, not overtaken by the old one; the block is zeroed again after.
 fn sees_then_overwrites(new: &mut Session, url: &str, first: &[u8], seed: u64) {
@@ -614,12 +627,7 @@ fn sees_then_overwrites(new: &mut Session, url: &str, first: &[u8], seed: u64) {
 /// landed, it is.
 #[test]
 fn a_session_replacing_a_queue_waits_for_its_writes_to_land() {
-    let fs = LoopExt4::new();
-    let file = fs.mnt().join("disk");
-    sparse_file(&file, 1 << 20);
-    let export = format!("f=file:{}", file.display());
-    let (t, urls) = tcp_and_udp(&[&export]);
-    let stats_url = t.url("tcp://");
+    let (fs, _target, urls, stats_url) = frozen_fs_target();
     for base in urls {
         let url = format!("{base}/f");
         let (old, first, frozen) = stuck_write(&url, &stats_url, &fs, 1);
@@ -650,12 +658,7 @@ fn a_session_replacing_a_queue_waits_for_its_writes_to_land() {
 /// new daemon's session sees the old write and is not overtaken by it.
 #[test]
 fn recovery_fences_a_dead_daemons_queues_until_their_writes_land() {
-    let fs = LoopExt4::new();
-    let file = fs.mnt().join("disk");
-    sparse_file(&file, 1 << 20);
-    let export = format!("f=file:{}", file.display());
-    let (t, urls) = tcp_and_udp(&[&export]);
-    let stats_url = t.url("tcp://");
+    let (fs, _target, urls, stats_url) = frozen_fs_target();
     for base in urls {
         let url = format!("{base}/f");
         let u = Url::parse(&url).unwrap();
