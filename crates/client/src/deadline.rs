@@ -5,7 +5,7 @@
 
 use std::io::{ErrorKind, Read};
 use std::net::TcpStream;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
 use crate::{Error, Result};
@@ -125,21 +125,31 @@ impl Deadline {
 
     /// Waits until the non-blocking `s` is ready for `events` (poll(2)), by the deadline.
     pub fn wait(&self, s: &TcpStream, events: i16) -> Result<()> {
-        loop {
-            let ms = self.left()?.as_millis().clamp(1, i32::MAX as u128) as i32;
-            let mut p = libc::pollfd {
-                fd: s.as_raw_fd(),
-                events,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd on the stack, alive for the call.
-            let n = unsafe { libc::poll(&mut p, 1, ms) };
-            if n > 0 {
-                return Ok(());
-            }
-            if n < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-                return Err(Error::Io(std::io::Error::last_os_error()));
-            }
+        poll_until(s.as_raw_fd(), events, self.at, self.timeout).map(|_| ())
+    }
+}
+
+/// Waits until `fd` is ready for `events` (poll(2)), by `at`: the events it reported;
+/// `Error::Timeout` (reporting `timeout`) once `at` has passed.
+pub(crate) fn poll_until(fd: RawFd, events: i16, at: Instant, timeout: Duration) -> Result<i16> {
+    loop {
+        let left = at.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Timeout(timeout));
+        }
+        let mut p = libc::pollfd {
+            fd,
+            events,
+            revents: 0,
+        };
+        let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd on the stack, alive for the call.
+        let n = unsafe { libc::poll(&mut p, 1, ms) };
+        if n > 0 {
+            return Ok(p.revents);
+        }
+        if n < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return Err(Error::Io(std::io::Error::last_os_error()));
         }
     }
 }

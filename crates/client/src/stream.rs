@@ -330,30 +330,11 @@ impl StreamQueue {
     }
 
     fn wait_fd(&self, events: i16, deadline: Instant) -> Result<i16> {
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::Timeout(self.timeout));
-            }
-            let mut p = libc::pollfd {
-                fd: self.fd(),
-                events,
-                revents: 0,
-            };
-            let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
-            // SAFETY: one valid pollfd on the stack, alive for the call.
-            let n = unsafe { libc::poll(&mut p, 1, ms) };
-            if n > 0 {
-                if p.revents & (libc::POLLERR | libc::POLLHUP) != 0 && p.revents & libc::POLLIN == 0
-                {
-                    return Err(Error::Closed);
-                }
-                return Ok(p.revents);
-            }
-            if n < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-                return Err(Error::Io(std::io::Error::last_os_error()));
-            }
+        let revents = crate::deadline::poll_until(self.fd(), events, deadline, self.timeout)?;
+        if revents & (libc::POLLERR | libc::POLLHUP) != 0 && revents & libc::POLLIN == 0 {
+            return Err(Error::Closed);
         }
+        Ok(revents)
     }
 
     /// Hands every complete reply in the receive buffer to `f`.

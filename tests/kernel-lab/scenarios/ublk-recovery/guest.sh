@@ -37,6 +37,16 @@ held_in_fsync() {
     info "$2 (pid $1) waits in fsync for the device"
 }
 
+kill_daemon() { # PID: kill -9 it and wait (10 s at most) until it is gone
+    kill -9 "$1"
+    i=0
+    while [ -d /proc/"$1" ]; do
+        i=$((i + 1))
+        [ $i -le 100 ] || fail "daemon $1 did not die"
+        sleep 0.1
+    done
+}
+
 write_set() { # DIR: files of assorted sizes
     mkdir -p "$1"
     dd if=/dev/urandom of="$1/random-4M.bin" bs=1M count=4 2>/dev/null
@@ -70,13 +80,7 @@ kill -STOP "$pid"
 dd if=/dev/urandom of="$mnt/crash.bin" bs=64k count=128 conv=fsync 2>/dev/null &
 crash_writer=$!
 held_in_fsync $crash_writer "the write before the crash"
-kill -9 "$pid"
-i=0
-while [ -d /proc/"$pid" ]; do
-    i=$((i + 1))
-    [ $i -le 100 ] || fail "daemon $pid did not die"
-    sleep 0.1
-done
+kill_daemon "$pid"
 bw ls --json
 grep -q '"state": *"dead"' /tmp/bw.out || fail "ls does not report the mapping dead"
 [ -e /sys/block/ublkb0 ] || fail "$dev disappeared when its daemon died (USER_RECOVERY should keep it)"
@@ -146,13 +150,7 @@ old=$(listed_sessions)
 upid=$(sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' "$urec")
 [ -n "$upid" ] || fail "no pid in $urec"
 step "kill -9 the map daemon of $udev (pid $upid; target sessions: $old)"
-kill -9 "$upid"
-i=0
-while [ -d /proc/"$upid" ]; do
-    i=$((i + 1))
-    [ $i -le 100 ] || fail "daemon $upid did not die"
-    sleep 0.1
-done
+kill_daemon "$upid"
 # A write that waits for the recovery (the kernel holds it, then reissues it to the new daemon).
 dd if=/tmp/u.bin of="$udev" bs=64k count=16 seek=32 conv=fsync 2>/dev/null &
 uwriter=$!
