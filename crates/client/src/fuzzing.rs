@@ -140,17 +140,6 @@ pub fn rx_buffer(q: &Queue) -> Option<(usize, usize)> {
 /// Waits up to `timeout` for the queue's socket to turn readable (or to report an error or
 /// the end of the stream, which the next `poll` takes too). False when it did not.
 pub fn wait_readable(q: &Queue, timeout: Duration) -> bool {
-    let mut p = libc::pollfd {
-        fd: q.fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    let ms = timeout.as_millis().clamp(0, i32::MAX as u128) as i32;
-    loop {
-        // SAFETY: one valid pollfd on the stack, alive for the call.
-        let n = unsafe { libc::poll(&mut p, 1, ms) };
-        if n >= 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
-            return n > 0;
-        }
-    }
+    let at = std::time::Instant::now() + timeout;
+    crate::deadline::poll_until(q.fd(), libc::POLLIN, at, timeout).is_ok()
 }
