@@ -2,6 +2,7 @@
 //! one), start a thread per queue, serve until stopped, then delete it.
 
 use std::fs::OpenOptions;
+use std::io;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::{mpsc, Arc};
@@ -155,21 +156,42 @@ impl BlockDevice for UblkDevice {
 
 /// Whether the ublk device `di` (GET_DEV_INFO) is the one `rec` was written for, and not another
 /// that got its number after ours was deleted (by another ublk server, or a blkwire mapping whose
-/// record went): recovering would take over someone else's device. The kernel reports the pid
+/// record went): recovering or unmapping it would take over or delete someone else's device; the
+/// error says why it is another, and the caller what it then does. The kernel reports the pid
 /// that started (or last recovered) the device; kernels with the pid-namespace fix ("ublk: fix
 /// ublksrv pid handling for pid namespaces", 2026) report -1 once that process is gone, which is
-/// always so here, and then only the shape can be compared.
+/// always so here, and then only the shape can be compared: queues, depth, the I/O buffer size
+/// (the driver only rounds it down to a page, which ours already is, so the record keeps exactly
+/// the kernel's) and the recovery flags every blkwire device is made with. Not the size: a
+/// recovery records the export's size, which may have grown while the device kept its own.
 fn is_recorded(di: &DevInfo, rec: &Record) -> Result<(), String> {
     if di.ublksrv_pid != rec.pid && di.ublksrv_pid != -1 {
+        let by = match di.ublksrv_pid {
+            0 => "has not been started".to_string(),
+            pid => format!("was started by pid {pid}"),
+        };
         return Err(format!(
-            "{} was started by pid {}, not by the recorded blkwire pid {}: it is another device under that number; cannot recover",
-            rec.device, di.ublksrv_pid, rec.pid
+            "{} {by}, not by the recorded blkwire pid {}: it is another device under that number",
+            rec.device, rec.pid
         ));
     }
-    if (di.nr_hw_queues, di.queue_depth) != (rec.queues, rec.queue_depth) {
+    let shape =
+        |queues, depth, io| format!("{queues} queue(s) of depth {depth}, I/O up to {io} bytes");
+    if (di.nr_hw_queues, di.queue_depth, di.max_io_buf_bytes)
+        != (rec.queues, rec.queue_depth, rec.max_io)
+    {
         return Err(format!(
-            "{} has {} queue(s) of depth {}, its record {} of depth {}: it is another device under that number; cannot recover",
-            rec.device, di.nr_hw_queues, di.queue_depth, rec.queues, rec.queue_depth
+            "{} has {}, its record {}: it is another device under that number",
+            rec.device,
+            shape(di.nr_hw_queues, di.queue_depth, di.max_io_buf_bytes),
+            shape(rec.queues, rec.queue_depth, rec.max_io)
+        ));
+    }
+    const RECOVERY: u64 = UBLK_F_USER_RECOVERY | UBLK_F_USER_RECOVERY_REISSUE;
+    if di.flags & RECOVERY != RECOVERY {
+        return Err(format!(
+            "{} was not made with USER_RECOVERY and USER_RECOVERY_REISSUE (flags {:#x}), as every blkwire device is: it is another device under that number",
+            rec.device, di.flags
         ));
     }
     Ok(())
@@ -234,7 +256,7 @@ fn begin_recovery(ctrl: &mut Ctrl, old: &Record, spec: &Spec) -> Result<(u32, De
     let mut di = ctrl
         .dev_info(id)
         .map_err(|e| format!("{}: GET_DEV_INFO: {e}", old.device))?;
-    is_recorded(&di, old)?;
+    is_recorded(&di, old).map_err(|e| format!("{e}; cannot recover"))?;
     let fence = device::fence_plan(old, di.nr_hw_queues)?;
     // The kernel quiesces the device a few seconds after the old daemon died.
     let deadline = Instant::now() + QUIESCE_WAIT;
@@ -251,7 +273,7 @@ fn begin_recovery(ctrl: &mut Ctrl, old: &Record, spec: &Spec) -> Result<(u32, De
         di = ctrl
             .dev_info(id)
             .map_err(|e| format!("{}: GET_DEV_INFO: {e}", old.device))?;
-        is_recorded(&di, old)?;
+        is_recorded(&di, old).map_err(|e| format!("{e}; cannot recover"))?;
     }
     device::fence_dead_daemon(
         &old.device,
@@ -592,8 +614,60 @@ fn serve(mut r: Running) {
     log!("info", "{device} unmapped");
 }
 
+/// What `unmap` does with the device its record names, once the recorded daemon is gone.
+#[derive(Debug, PartialEq, Eq)]
+enum UnmapAction {
+    /// The device is the recorded one: STOP_DEV and DEL_DEV, then the record goes.
+    Delete,
+    /// Nothing of the mapping is left in the kernel: only the record goes.
+    Forget,
+    /// The number is another device's: leave that device alone, remove the record (it describes
+    /// a device that no longer exists) and fail with this.
+    Refuse(String),
+    /// GET_DEV_INFO failed otherwise, so nothing is known about the device: change nothing and
+    /// fail with this.
+    Fail(String),
+}
+
+/// Decides `unmap` from whether the recorded daemon was alive when unmap began (it has been
+/// stopped since) and what GET_DEV_INFO says now. A daemon that was alive owned the device and
+/// deleted it on its way out unless it had to be killed, so another device under the number got
+/// it afterwards and is no concern of this unmap; with a daemon that was already dead, the
+/// record may have outlived its device by any time, and the user named a device that is not
+/// blkwire's.
+fn unmap_action(was_alive: bool, info: io::Result<DevInfo>, rec: &Record) -> UnmapAction {
+    match info {
+        Err(e) if e.raw_os_error() == Some(libc::ENODEV) => UnmapAction::Forget,
+        Err(e) => UnmapAction::Fail(format!(
+            "{}: GET_DEV_INFO: {e}: cannot tell whether the device is still blkwire's; nothing was stopped or deleted",
+            rec.device
+        )),
+        Ok(di) => match is_recorded(&di, rec) {
+            Ok(()) => UnmapAction::Delete,
+            Err(_) if was_alive => UnmapAction::Forget,
+            Err(e) => UnmapAction::Refuse(format!(
+                "{e}; left it alone and removed blkwire's stale record of {}",
+                rec.device
+            )),
+        },
+    }
+}
+
+fn refuse_mounted(path: &str) -> Result<(), String> {
+    match sys::mount_points(path.trim_start_matches("/dev/")).first() {
+        Some(at) => Err(format!(
+            "{path} is mounted on {at}: unmount it first, then unmap it"
+        )),
+        None => Ok(()),
+    }
+}
+
 /// `unmap /dev/ublkbN`: a live daemon is asked to stop (SIGTERM) and waited for; a dead one's
-/// device is stopped and deleted here.
+/// device is stopped and deleted here, but only if GET_DEV_INFO says it is still the recorded
+/// one (`unmap_action`): the number of a device deleted behind blkwire's back may be another
+/// server's now. Between GET_DEV_INFO and STOP_DEV the device could still be deleted and its
+/// number taken by someone else; the control interface names devices only by number, so no
+/// check can close that window.
 fn unmap(device: &str, id: u32) -> Result<(), String> {
     let path = device_path(id);
     let not_ours =
@@ -603,31 +677,50 @@ fn unmap(device: &str, id: u32) -> Result<(), String> {
         return Err(not_ours());
     }
     preflight()?;
-    if let Some(at) = sys::mount_points(path.trim_start_matches("/dev/")).first() {
-        return Err(format!(
-            "{path} is mounted on {at}: unmount it first, then unmap it"
-        ));
-    }
-    if let Some(p) = Proc::open(rec.pid, rec.start_time) {
-        let _ = p.kill(libc::SIGTERM);
-        let limit = Duration::from_secs(rec.timeout_secs) + Duration::from_secs(10);
-        if !p.wait_exit(limit) {
-            let _ = p.kill(libc::SIGKILL);
-            p.wait_exit(Duration::from_secs(10));
-        }
-    }
     let mut ctrl = Ctrl::open()?;
-    match ctrl.stop(id) {
-        Ok(()) => {}
-        Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
-        Err(e) => return Err(format!("stopping {path}: {e}")),
+    let action = match Proc::open(rec.pid, rec.start_time) {
+        Some(p) => {
+            refuse_mounted(&path)?;
+            let _ = p.kill(libc::SIGTERM);
+            let limit = Duration::from_secs(rec.timeout_secs) + Duration::from_secs(10);
+            if !p.wait_exit(limit) {
+                let _ = p.kill(libc::SIGKILL);
+                p.wait_exit(Duration::from_secs(10));
+            }
+            unmap_action(true, ctrl.dev_info(id), &rec)
+        }
+        None => {
+            // Identified first: a mounted device that is not ours is no reason to unmount it.
+            let action = unmap_action(false, ctrl.dev_info(id), &rec);
+            if action == UnmapAction::Delete {
+                refuse_mounted(&path)?;
+            }
+            action
+        }
+    };
+    match action {
+        UnmapAction::Delete => {
+            // ENODEV: deleted meanwhile (by its daemon, dying after the check).
+            match ctrl.stop(id) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
+                Err(e) => return Err(format!("stopping {path}: {e}")),
+            }
+            match ctrl.delete(id) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
+                Err(e) => return Err(format!("deleting {path}: {e}")),
+            }
+        }
+        UnmapAction::Forget => {}
+        UnmapAction::Refuse(e) => {
+            Record::remove_if_owned(&path, rec.pid);
+            return Err(e);
+        }
+        UnmapAction::Fail(e) => return Err(e),
     }
-    match ctrl.delete(id) {
-        Ok(()) => {}
-        Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
-        Err(e) => return Err(format!("deleting {path}: {e}")),
-    }
-    Record::remove(&path);
+    // Unless a `map --recover` or a new mapping of the number wrote its own meanwhile.
+    Record::remove_if_owned(&path, rec.pid);
     Ok(())
 }
 
@@ -662,6 +755,8 @@ mod tests {
         Record::sample(2)
     }
 
+    /// The device `record()` describes as GET_DEV_INFO reports it, started by `pid`: flags as
+    /// the kernel answers ADD_DEV for blkwire's (it adds CMD_IOCTL_ENCODE and COMP_IN_TASK).
     fn info(pid: i32) -> DevInfo {
         DevInfo {
             nr_hw_queues: 2,
@@ -669,8 +764,56 @@ mod tests {
             max_io_buf_bytes: 1 << 20,
             dev_id: 3,
             ublksrv_pid: pid,
+            state: UBLK_S_DEV_QUIESCED,
+            flags: UBLK_F_USER_RECOVERY
+                | UBLK_F_USER_RECOVERY_REISSUE
+                | UBLK_F_CMD_IOCTL_ENCODE
+                | UBLK_F_URING_CMD_COMP_IN_TASK,
             ..Default::default()
         }
+    }
+
+    /// Devices that are not the recorded one, each with what makes it another.
+    fn others() -> Vec<(&'static str, DevInfo)> {
+        vec![
+            ("another pid", info(4243)),
+            ("never started", info(0)),
+            (
+                "another depth",
+                DevInfo {
+                    queue_depth: 128,
+                    ..info(-1)
+                },
+            ),
+            (
+                "fewer queues",
+                DevInfo {
+                    nr_hw_queues: 1,
+                    ..info(4242)
+                },
+            ),
+            (
+                "another I/O size",
+                DevInfo {
+                    max_io_buf_bytes: 512 << 10,
+                    ..info(-1)
+                },
+            ),
+            (
+                "no recovery",
+                DevInfo {
+                    flags: UBLK_F_CMD_IOCTL_ENCODE | UBLK_F_URING_CMD_COMP_IN_TASK,
+                    ..info(-1)
+                },
+            ),
+            (
+                "recovery without reissue",
+                DevInfo {
+                    flags: UBLK_F_USER_RECOVERY | UBLK_F_CMD_IOCTL_ENCODE,
+                    ..info(-1)
+                },
+            ),
+        ]
     }
 
     #[test]
@@ -679,20 +822,65 @@ mod tests {
         assert_eq!(is_recorded(&info(4242), &rec), Ok(()));
         // A kernel that reports -1 for a server that is gone.
         assert_eq!(is_recorded(&info(-1), &rec), Ok(()));
-        // Started by another process, or added and never started.
-        for pid in [4243, 0] {
-            let e = is_recorded(&info(pid), &rec).unwrap_err();
-            assert!(e.contains("another device"), "{e}");
+        for (what, di) in others() {
+            let e = is_recorded(&di, &rec).expect_err(what);
+            assert!(
+                e.starts_with("/dev/ublkb3 ") && e.contains("another device"),
+                "{what}: {e}"
+            );
         }
-        let other = DevInfo {
-            queue_depth: 128,
-            ..info(-1)
-        };
-        assert!(is_recorded(&other, &rec).is_err());
-        let other = DevInfo {
-            nr_hw_queues: 1,
-            ..info(4242)
-        };
-        assert!(is_recorded(&other, &rec).is_err());
+        let e = is_recorded(&info(0), &rec).unwrap_err();
+        assert!(e.contains("has not been started"), "{e}");
+        let e = is_recorded(&info(4243), &rec).unwrap_err();
+        assert!(
+            e.contains("started by pid 4243") && e.contains("pid 4242"),
+            "{e}"
+        );
+    }
+
+    fn gone() -> io::Result<DevInfo> {
+        Err(io::Error::from_raw_os_error(libc::ENODEV))
+    }
+
+    #[test]
+    fn unmap_deletes_only_the_recorded_device() {
+        let rec = record();
+        for alive in [false, true] {
+            // A dead daemon's device, or one its daemon left when it had to be killed.
+            assert_eq!(
+                unmap_action(alive, Ok(info(4242)), &rec),
+                UnmapAction::Delete
+            );
+            assert_eq!(unmap_action(alive, Ok(info(-1)), &rec), UnmapAction::Delete);
+            // Deleted by an admin or another tool, or by the daemon on its way out.
+            assert_eq!(unmap_action(alive, gone(), &rec), UnmapAction::Forget);
+            // Nothing known: nothing done, and the record kept.
+            let eperm = Err(io::Error::from_raw_os_error(libc::EPERM));
+            match unmap_action(alive, eperm, &rec) {
+                UnmapAction::Fail(e) => {
+                    assert!(e.contains("GET_DEV_INFO") && e.contains("nothing"), "{e}")
+                }
+                a => panic!("GET_DEV_INFO failed, yet {a:?}"),
+            }
+        }
+        for (what, di) in others() {
+            // The daemon ran until unmap stopped it, and its device went with it: whatever has
+            // the number since is none of this unmap's business.
+            assert_eq!(
+                unmap_action(true, Ok(di), &rec),
+                UnmapAction::Forget,
+                "{what}"
+            );
+            match unmap_action(false, Ok(di), &rec) {
+                UnmapAction::Refuse(e) => assert!(
+                    e.contains("another device")
+                        && e.contains("left it alone")
+                        && e.ends_with("stale record of /dev/ublkb3")
+                        && !e.contains('\n'),
+                    "{what}: {e}"
+                ),
+                a => panic!("{what}: {a:?}"),
+            }
+        }
     }
 }
