@@ -14,7 +14,7 @@ use blkwire_client::Url;
 use crate::device::{self, BlockDevice, FuseIo, Mode, Spec, FUSE_IO_READ};
 use crate::fuse::FuseDevice;
 use crate::log;
-use crate::state::Record;
+use crate::state::{Liveness, Record};
 use crate::ublk::{UblkDevice, UBLK_CONTROL};
 
 /// Runs `$body` with `$D` the `BlockDevice` that serves `$kind`: the one place that maps a kind
@@ -210,6 +210,11 @@ fn recovery_spec(
 /// `unmap DEV`: ends a mapping whether or not its daemon is alive, and never waits without bound.
 pub fn unmap(device: &str) -> Result<(), String> {
     with_device!(kind_of(device), D => D::unmap(device))
+}
+
+/// What `ls` says about the mapping `rec` records (`BlockDevice::liveness`).
+pub(crate) fn liveness(rec: &Record) -> Liveness {
+    with_device!(kind_of(&rec.device), D => D::liveness(rec))
 }
 
 /// How the daemon reports readiness (or the error that prevented it).

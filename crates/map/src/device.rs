@@ -9,7 +9,7 @@ use blkwire_client::{Cmd, ConnectOptions, ExportInfo, Queue, QueueRef, Url};
 use blkwire_wire::{Features, Status};
 
 use crate::log;
-use crate::state::Record;
+use crate::state::{Liveness, Record};
 
 /// A kind of local block device serving an export (FUSE file + loop device, or ublk). The daemon
 /// takes every mapping through the same steps whichever kind serves it; only the choice of the
@@ -46,6 +46,11 @@ pub(crate) trait BlockDevice: Sized {
     fn recoverable(device: &str) -> Result<(Record, String, bool), String>;
     /// `unmap DEVICE`: ends the mapping whether or not its daemon is alive.
     fn unmap(device: &str) -> Result<(), String>;
+    /// What `ls` says about the mapping `rec` records: whether its daemon runs, and (where the
+    /// kind can tell) whether a dead one's device is still there to recover or unmap.
+    fn liveness(rec: &Record) -> Liveness {
+        rec.liveness()
+    }
 }
 
 /// `--fuse-io`: how the fuse device exchanges requests with the kernel.

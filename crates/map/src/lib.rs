@@ -43,7 +43,7 @@ pub fn list() -> Vec<Result<(Record, Liveness), String>> {
         .into_iter()
         .map(|r| {
             r.map(|r| {
-                let l = r.liveness();
+                let l = daemon::liveness(&r);
                 (r, l)
             })
         })

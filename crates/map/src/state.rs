@@ -192,6 +192,10 @@ pub enum Liveness {
     Running,
     /// Its daemon is gone: `map --recover` or `unmap` finish it.
     Dead,
+    /// Its daemon is gone and so is its device: the kernel has none under the number, or
+    /// another one (ublk: its number was reused after ours was deleted). Nothing to recover;
+    /// `unmap` removes the record and leaves any other device alone.
+    Stale,
 }
 
 impl Liveness {
@@ -200,6 +204,7 @@ impl Liveness {
         match self {
             Liveness::Running => "running",
             Liveness::Dead => "dead",
+            Liveness::Stale => "stale",
         }
     }
 }

@@ -15,7 +15,7 @@ use super::control::{probe, Ctrl};
 use super::queue::{QEvent, QueueWorker};
 use crate::device::{self, BlockDevice, Connected, FuseIo, Mode, Needs, Spec};
 use crate::log;
-use crate::state::{self, Record, RecordBook};
+use crate::state::{self, Liveness, Record, RecordBook};
 use crate::sys::{self, Proc};
 
 fn wait_for_path(p: &str, limit: Duration) -> bool {
@@ -151,6 +151,10 @@ impl BlockDevice for UblkDevice {
             format!("{device} is not a blkwire device (`blkwire ls` lists the mapped devices)")
         })?;
         unmap(device, id)
+    }
+
+    fn liveness(rec: &Record) -> Liveness {
+        liveness(rec)
     }
 }
 
@@ -653,6 +657,28 @@ fn unmap_action(was_alive: bool, info: io::Result<DevInfo>, rec: &Record) -> Unm
     }
 }
 
+/// `ls`: a dead daemon's record whose device is gone or is another one now is stale; dead when
+/// that cannot be told (no access to /dev/ublk-control).
+fn liveness(rec: &Record) -> Liveness {
+    let l = rec.liveness();
+    if l != Liveness::Dead {
+        return l;
+    }
+    let (Some(id), Ok(mut ctrl)) = (parse_device(&rec.device), Ctrl::open()) else {
+        return l;
+    };
+    dead_liveness(ctrl.dev_info(id), rec)
+}
+
+/// A dead daemon's mapping, from GET_DEV_INFO of its number: stale wherever `unmap` would find
+/// no device of its own to delete.
+fn dead_liveness(info: io::Result<DevInfo>, rec: &Record) -> Liveness {
+    match unmap_action(false, info, rec) {
+        UnmapAction::Forget | UnmapAction::Refuse(_) => Liveness::Stale,
+        UnmapAction::Delete | UnmapAction::Fail(_) => Liveness::Dead,
+    }
+}
+
 fn refuse_mounted(path: &str) -> Result<(), String> {
     match sys::mount_points(path.trim_start_matches("/dev/")).first() {
         Some(at) => Err(format!(
@@ -882,5 +908,19 @@ mod tests {
                 a => panic!("{what}: {a:?}"),
             }
         }
+    }
+
+    #[test]
+    fn ls_calls_a_dead_mapping_stale_once_its_device_is_gone_or_another() {
+        let rec = record();
+        assert_eq!(dead_liveness(Ok(info(4242)), &rec), Liveness::Dead);
+        assert_eq!(dead_liveness(Ok(info(-1)), &rec), Liveness::Dead);
+        assert_eq!(dead_liveness(gone(), &rec), Liveness::Stale);
+        for (what, di) in others() {
+            assert_eq!(dead_liveness(Ok(di), &rec), Liveness::Stale, "{what}");
+        }
+        // Not known: still dead, which `map --recover` and `unmap` will look into.
+        let eacces = Err(io::Error::from_raw_os_error(libc::EACCES));
+        assert_eq!(dead_liveness(eacces, &rec), Liveness::Dead);
     }
 }
