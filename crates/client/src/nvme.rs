@@ -636,7 +636,7 @@ mod tests {
     #[test]
     fn a_flood_of_r2ts_for_one_write_is_refused_not_answered_each_time() {
         let (tx, rx) = mpsc::channel();
-        let url = fake::start(Controller::default(), move |mut io| {
+        let target = fake::start(Controller::default(), move |mut io| {
             let b = io.recv().expect("the write");
             let Pdu::CapsuleCmd(c) = io.decode(&b) else {
                 panic!("not a command")
@@ -661,7 +661,7 @@ mod tests {
             }
             let _ = tx.send(got);
         });
-        let mut s = crate::connect(&url, &options()).unwrap();
+        let mut s = crate::connect(&target.url, &options()).unwrap();
         let r = s.queues[0].write_at(&[7u8; 64 << 10], 0, false);
         assert!(
             matches!(&r, Err(Error::Protocol(m)) if m.contains("R2T")),
@@ -679,7 +679,7 @@ mod tests {
     fn an_answer_that_comes_while_data_goes_is_delivered() {
         let (go, wait) = mpsc::channel::<()>();
         let wait = std::sync::Mutex::new(wait);
-        let url = fake::start(Controller::default(), move |mut io| {
+        let target = fake::start(Controller::default(), move |mut io| {
             let mut writes = Vec::new();
             for _ in 0..2 {
                 let b = io.recv().expect("a write");
@@ -717,7 +717,7 @@ mod tests {
             max_io: 1 << 20,
             ..options()
         };
-        let mut s = crate::connect(&url, &opts).unwrap();
+        let mut s = crate::connect(&target.url, &opts).unwrap();
         let q = &mut s.queues[0];
         // A small socket buffer: the data cannot all be in it when the answer comes.
         blkwire_net::setopt(q.fd(), libc::SOL_SOCKET, libc::SO_SNDBUF, 16 << 10);
@@ -749,8 +749,8 @@ mod tests {
             mqes: 0,
             ..Controller::default()
         };
-        let url = fake::start(c, |_| {});
-        let r = crate::connect(&url, &options());
+        let target = fake::start(c, |_| {});
+        let r = crate::connect(&target.url, &options());
         assert!(
             matches!(&r, Err(Error::Protocol(m)) if m.contains("MQES")),
             "{:?}",
@@ -766,8 +766,8 @@ mod tests {
             queues: u32::MAX,
             ..Controller::default()
         };
-        let url = fake::start(c, |mut io| while io.recv().is_some() {});
-        let s = crate::connect(&url, &options()).unwrap();
+        let target = fake::start(c, |mut io| while io.recv().is_some() {});
+        let s = crate::connect(&target.url, &options()).unwrap();
         assert_eq!((s.info.queues, s.queues.len()), (1, 1));
         assert_eq!(s.info.depth, 4);
     }
@@ -780,8 +780,8 @@ mod tests {
             identify_pieces: 3,
             ..Controller::default()
         };
-        let url = fake::start(c, |mut io| while io.recv().is_some() {});
-        let r = crate::connect(&url, &options());
+        let target = fake::start(c, |mut io| while io.recv().is_some() {});
+        let r = crate::connect(&target.url, &options());
         assert!(
             matches!(&r, Err(Error::Protocol(m)) if m.contains("asked for")),
             "{:?}",
@@ -797,12 +797,12 @@ mod tests {
             trickle: Some(Duration::from_millis(50)),
             ..Controller::default()
         };
-        let url = fake::start(c, |mut io| while io.recv().is_some() {});
+        let target = fake::start(c, |mut io| while io.recv().is_some() {});
         let opts = ConnectOptions {
             timeout: Duration::from_millis(300),
             ..options()
         };
-        let e = crate::testing::fails_in_time(|| crate::connect(&url, &opts));
+        let e = crate::testing::fails_in_time(|| crate::connect(&target.url, &opts));
         assert!(matches!(e, Error::Timeout(_)), "{e:?}");
     }
 
@@ -810,7 +810,7 @@ mod tests {
     /// command), does not complete a write.
     #[test]
     fn read_data_for_a_write_is_refused() {
-        let url = fake::start(Controller::default(), move |mut io| {
+        let target = fake::start(Controller::default(), move |mut io| {
             let b = io.recv().expect("the write");
             let Pdu::CapsuleCmd(c) = io.decode(&b) else {
                 panic!("not a command")
@@ -825,7 +825,7 @@ mod tests {
             let _ = io.send(&[data]);
             while io.recv().is_some() {}
         });
-        let mut s = crate::connect(&url, &options()).unwrap();
+        let mut s = crate::connect(&target.url, &options()).unwrap();
         let r = s.queues[0].write_at(&[7u8; 4096], 0, false);
         assert!(
             matches!(&r, Err(Error::Protocol(m)) if m.contains("not a read")),
@@ -838,7 +838,7 @@ mod tests {
     /// completing it, as on native replies.
     #[test]
     fn a_read_answered_without_its_data_fails_and_stays_in_flight() {
-        let url = fake::start(Controller::default(), move |mut io| {
+        let target = fake::start(Controller::default(), move |mut io| {
             let b = io.recv().expect("the read");
             let Pdu::CapsuleCmd(c) = io.decode(&b) else {
                 panic!("not a command")
@@ -846,7 +846,7 @@ mod tests {
             let _ = io.send(&[resp(c.sqe.cid, 0, 0)]);
             while io.recv().is_some() {}
         });
-        let mut s = crate::connect(&url, &options()).unwrap();
+        let mut s = crate::connect(&target.url, &options()).unwrap();
         let q = &mut s.queues[0];
         let read = Cmd::Read {
             offset: 0,
@@ -866,7 +866,7 @@ mod tests {
     #[test]
     fn an_r2t_for_a_write_in_the_capsule_is_refused() {
         let (tx, rx) = mpsc::channel();
-        let url = fake::start(Controller::default(), move |mut io| {
+        let target = fake::start(Controller::default(), move |mut io| {
             let mut h2c = Vec::new();
             while let Some(b) = io.recv() {
                 match io.decode(&b) {
@@ -902,7 +902,7 @@ mod tests {
             }
             let _ = tx.send(h2c);
         });
-        let mut s = crate::connect(&url, &options()).unwrap();
+        let mut s = crate::connect(&target.url, &options()).unwrap();
         let q = &mut s.queues[0];
         q.write_at(&[1u8; 64 << 10], 0, false).unwrap();
         let r = q.write_at(&[2u8; 4096], 0, false);

@@ -74,13 +74,19 @@ pub(crate) fn read_frame(s: &mut TcpStream) -> Option<(Header, Vec<u8>)> {
 /// fields say, and I/O queues handed to the test after their Connect.
 pub(crate) mod nvme {
     use std::io::{Read, Write};
-    use std::net::{TcpListener, TcpStream};
+    use std::net::{SocketAddr, TcpListener, TcpStream};
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
+    use std::thread::JoinHandle;
     use std::time::Duration;
 
     use blkwire_wire::nvme_tcp::{self, C2HData, Cqe, Direction, IcResp, Params, Pdu, Progress};
 
     use crate::Url;
+
+    /// The Identify controller IOCCSZ it reports, in 16-byte units: 4 KiB of data in the
+    /// capsule.
+    const IOCCSZ: u32 = (4096 + 64) / 16;
 
     /// What the controller answers.
     #[derive(Clone)]
@@ -89,8 +95,6 @@ pub(crate) mod nvme {
         pub mqes: u16,
         /// Set Features (number of queues) answer: NSQA | NCQA << 16, 0's based.
         pub queues: u32,
-        /// IOCCSZ, in 16-byte units.
-        pub ioccsz: u32,
         /// Identify controller data goes in this many C2HData PDUs of 4096 bytes each (one
         /// is what was asked for).
         pub identify_pieces: u32,
@@ -103,8 +107,6 @@ pub(crate) mod nvme {
             Controller {
                 mqes: 127,
                 queues: 0,
-                // 4 KiB of data in the capsule.
-                ioccsz: (4096 + 64) / 16,
                 identify_pieces: 1,
                 trickle: None,
             }
@@ -115,7 +117,7 @@ pub(crate) mod nvme {
     pub(crate) struct Io {
         pub s: TcpStream,
         /// How PDUs to the host are encoded.
-        pub tx: Params,
+        tx: Params,
         rx: Params,
     }
 
@@ -223,7 +225,7 @@ pub(crate) mod nvme {
                 (0x06, _) if q.cdw10 & 0xff == 1 => {
                     data[514..516].copy_from_slice(&128u16.to_le_bytes());
                     data[525] = 1;
-                    data[1792..1796].copy_from_slice(&c.ioccsz.to_le_bytes());
+                    data[1792..1796].copy_from_slice(&IOCCSZ.to_le_bytes());
                     (0, Some((data, c.identify_pieces)))
                 }
                 // Identify namespace 1: 2048 blocks of 4 KiB.
@@ -265,22 +267,52 @@ pub(crate) mod nvme {
         s.write_all(&out).ok()
     }
 
-    /// Starts the controller: the first connection is its admin queue, every later one an I/O
-    /// queue handed to `io` (each on its own thread) once connected. Returns its URL.
-    pub(crate) fn start(c: Controller, io: impl Fn(Io) + Send + Sync + 'static) -> Url {
-        let l = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
-        let port = l.local_addr().expect("its address").port();
-        let io = Arc::new(io);
-        std::thread::spawn(move || {
-            let Ok((mut a, _)) = l.accept() else {
-                return;
-            };
-            if initialize(&mut a, c.trickle).is_none() {
-                return;
+    /// A running controller: `url` names it; dropped, it stops accepting connections and
+    /// gives its port back (the queues it has taken end as their host closes them).
+    pub(crate) struct Running {
+        pub url: Url,
+        addr: SocketAddr,
+        stop: Arc<AtomicBool>,
+        accepting: Option<JoinHandle<()>>,
+    }
+
+    impl Drop for Running {
+        fn drop(&mut self) {
+            self.stop.store(true, Ordering::SeqCst);
+            // Wakes the accept the thread is blocked in; it sees `stop` and ends. Joined only
+            // if the wake-up got through (the thread never blocks on anything but accept).
+            if TcpStream::connect(self.addr).is_ok() {
+                if let Some(t) = self.accepting.take() {
+                    let _ = t.join();
+                }
             }
-            // The admin queue stays open beside the I/O queues, as the host holds it.
-            std::thread::spawn(move || admin(&c, &mut a));
+        }
+    }
+
+    /// Starts the controller: the first connection is its admin queue, every later one an I/O
+    /// queue handed to `io` once connected; each on its own thread, so that the accepting one
+    /// waits on nothing else.
+    pub(crate) fn start(c: Controller, io: impl Fn(Io) + Send + Sync + 'static) -> Running {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+        let addr = l.local_addr().expect("its address");
+        let io = Arc::new(io);
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let accepting = std::thread::spawn(move || {
+            let mut admin_queue = Some(c);
             while let Ok((mut s, _)) = l.accept() {
+                if stopped.load(Ordering::SeqCst) {
+                    return;
+                }
+                if let Some(c) = admin_queue.take() {
+                    // The admin queue stays open beside the I/O queues, as the host holds it.
+                    std::thread::spawn(move || {
+                        if initialize(&mut s, c.trickle).is_some() {
+                            admin(&c, &mut s);
+                        }
+                    });
+                    continue;
+                }
                 let io = io.clone();
                 std::thread::spawn(move || {
                     if initialize(&mut s, None).is_some() && connect_io(&mut s).is_some() {
@@ -290,7 +322,21 @@ pub(crate) mod nvme {
                 });
             }
         });
-        Url::parse(&format!("nvme-tcp://127.0.0.1:{port}/x")).expect("a URL")
+        Running {
+            url: Url::parse(&format!("nvme-tcp://{addr}/x")).expect("a URL"),
+            addr,
+            stop,
+            accepting: Some(accepting),
+        }
+    }
+
+    #[test]
+    fn a_dropped_controller_stops_accepting() {
+        let c = start(Controller::default(), |_| {});
+        let addr = c.addr;
+        drop(c);
+        let r = TcpStream::connect(addr);
+        assert!(r.is_err(), "{addr} still accepts connections");
     }
 }
 
