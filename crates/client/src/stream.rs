@@ -738,18 +738,23 @@ mod tests {
     #[test]
     fn replies_to_nothing_while_we_send_cannot_grow_the_receive_buffer() {
         let url = testing::native(granted(1, 8, 1 << 20, 1 << 20), |mut s| {
+            // A small receive buffer, as the initiator's send buffer below: the 8 MiB sent
+            // cannot fit in the two, however the host tunes its TCP buffers (a buffer set
+            // explicitly is not autotuned).
+            blkwire_net::setopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUF, 64 << 10);
             let b = flood(1 << 16);
             for _ in 0..64 {
                 if s.write_all(&b).is_err() {
                     return;
                 }
             }
-            // Only then is what was sent read (64 MiB of replies held meanwhile would be
+            // Only then is what was sent read (192 MiB of replies held meanwhile would be
             // accepted), until the initiator hangs up.
             let _ = std::io::copy(&mut s, &mut std::io::sink());
         });
         let mut s = crate::connect(&url, &options(Duration::from_secs(5))).unwrap();
         let q: &mut Queue = &mut s.queues[0];
+        blkwire_net::setopt(q.fd(), libc::SOL_SOCKET, libc::SO_SNDBUF, 64 << 10);
         let data = vec![1u8; 1 << 20];
         for i in 0..8 {
             let w = Cmd::Write {
