@@ -396,12 +396,12 @@ pub(crate) fn refusal_reason(p: &[u8]) -> Option<&str> {
 
 /// Whether a string a target sent may go to a terminal as it is: without control characters,
 /// a hostile target cannot move the cursor, rewrite lines or reprogram the terminal with it.
-pub fn printable(s: &str) -> bool {
+pub(crate) fn printable(s: &str) -> bool {
     s.chars().all(|c| !c.is_control())
 }
 
 /// A string a target sent (an export name, a counter's label) as it may be shown on a
-/// terminal: itself when [`printable`], else with its control characters escaped (`\u{1b}`).
+/// terminal: itself when it has no control characters, else with them escaped (`\u{1b}`).
 pub fn shown(s: &str) -> std::borrow::Cow<'_, str> {
     if printable(s) {
         return s.into();
