@@ -703,15 +703,16 @@ mod tests {
     use crate::{ConnectOptions, HelloReply};
     use std::io::Write;
 
-    /// A target that grants `copy` and answers every request after the HELLO with `status`.
-    fn refusing(copy: CopyLimits, status: Status) -> crate::Url {
+    /// A target that grants `copy` and refuses every request after the HELLO (`Io`): a
+    /// request sent that should not have been fails rather than waits.
+    fn refusing(copy: CopyLimits) -> crate::Url {
         let reply = HelloReply {
             copy,
             ..granted(1, 8, 1 << 20, 1 << 20)
         };
         testing::native(reply, move |mut s| {
             while let Some((h, _)) = testing::read_frame(&mut s) {
-                if s.write_all(&h.reply(status, 0).to_bytes()).is_err() {
+                if s.write_all(&h.reply(Status::Io, 0).to_bytes()).is_err() {
                     return;
                 }
             }
@@ -799,7 +800,7 @@ mod tests {
             max_range: 1,
             max_ranges: 1,
         };
-        let url = refusing(tiny, Status::Io);
+        let url = refusing(tiny);
         let mut s = crate::connect(&url, &ConnectOptions::default()).unwrap();
         assert!(!s.info.copy.enabled());
         let q = &mut s.queues[0];
