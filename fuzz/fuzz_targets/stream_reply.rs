@@ -33,8 +33,8 @@
 //! payload, later than the last READ's; NVMe/TCP C2HData of one CID, in order: never stale
 //! bytes of the receive buffer), nothing else any data; `in_flight` is what was submitted
 //! less what completed, after errors too (a request the queue fails on stays in flight); the
-//! receive buffer stays within its cap; and the queue sends no more than its requests and one
-//! answer to each byte of its writes (R2Ts cannot make it send more).
+//! receive buffer stays within its cap; and the queue sends no more than its requests and each
+//! write's data once (`Ledger::most_sent`: R2Ts cannot make it send more).
 
 #![no_main]
 
@@ -47,7 +47,7 @@ use std::time::Duration;
 
 use blkwire_client::fuzzing::{rx_buffer, tcp_queue, wait_readable, NvmeTcp};
 use blkwire_client::{Cmd, Completion, CopyRange, Queue, Result};
-use blkwire_wire::nvme_tcp::{self, Direction, Params, Pdu, Progress};
+use blkwire_wire::nvme_tcp::{self, Direction, Params, Pdu, PduType, Progress};
 use blkwire_wire::{CopyDescriptor, Header, Opcode, Status, HEADER_LEN};
 use libfuzzer_sys::fuzz_target;
 
@@ -55,9 +55,8 @@ use libfuzzer_sys::fuzz_target;
 const TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the queue's socket may take to show what was written to it (loopback: at once).
 const ARRIVAL: Duration = Duration::from_secs(10);
-/// Most bytes the queue may send: its requests and the data of its writes, each twice over,
-/// are a few tens of KiB.
-const MOST_SENT: usize = 256 << 10;
+/// NVMe/TCP: the largest write sent in its capsule; larger ones wait for R2Ts.
+const INCAPSULE: u32 = 8192;
 
 static DATA: [u8; 16 << 10] = [0x5a; 16 << 10];
 
@@ -235,11 +234,52 @@ struct Ledger<'s> {
     /// The stream, and where its read data lies.
     stream: &'s [u8],
     reads: Reads,
+    /// NVMe/TCP: how the queue encodes what it sends, and the R2Ts in the stream.
+    nvme: Option<(Params, usize)>,
 }
 
 impl Ledger<'_> {
     fn cmd(&self, user: u64) -> Cmd<'static> {
         self.cmds[(user % 100 - 1) as usize]
+    }
+
+    /// Most bytes the queue may have sent for the requests submitted so far: each as framed
+    /// (header, and a WRITE's data, a COPY's descriptor or an NVMe/TCP TRIM's 16-byte range),
+    /// and on NVMe/TCP a WRITE over `INCAPSULE` (no data in its capsule) its data once, in at
+    /// most one H2CData PDU per 4 KiB (the queue cuts them at MAXH2CDATA or 4 KiB, whichever
+    /// is more), plus one per R2T in the stream (an R2T of a few bytes is answered with a PDU
+    /// of its own). Not quite exact, never under; a write's data sent twice (16 KiB for the
+    /// R2T one) is over.
+    fn most_sent(&self) -> usize {
+        let Some((p, r2ts)) = &self.nvme else {
+            return self
+                .submitted
+                .iter()
+                .map(|&u| match self.cmd(u) {
+                    Cmd::Write { data, .. } => HEADER_LEN + data.len(),
+                    Cmd::Copy { descriptor, .. } => HEADER_LEN + descriptor.len(),
+                    _ => HEADER_LEN,
+                })
+                .sum();
+        };
+        let pdu = |typ, data: usize| {
+            nvme_tcp::prefix_len(typ, data, p) + data + nvme_tcp::suffix_len(typ, data, p)
+        };
+        // An H2CData PDU's bytes besides its data.
+        let h2c = pdu(PduType::H2CData, 1) - 1;
+        let requests: usize = self
+            .submitted
+            .iter()
+            .map(|&u| match self.cmd(u) {
+                Cmd::Write { data, .. } if data.len() > INCAPSULE as usize => {
+                    pdu(PduType::CapsuleCmd, 0) + data.len() + data.len().div_ceil(4096) * h2c
+                }
+                Cmd::Write { data, .. } => pdu(PduType::CapsuleCmd, data.len()),
+                Cmd::Trim { .. } => pdu(PduType::CapsuleCmd, 16),
+                _ => pdu(PduType::CapsuleCmd, 0),
+            })
+            .sum();
+        requests + r2ts * h2c
     }
 
     fn submit(&mut self, q: &mut Queue, user: u64) {
@@ -299,13 +339,30 @@ impl Ledger<'_> {
     }
 }
 
-/// Reads (and counts) whatever the queue sent.
-fn drain(target: &mut TcpStream, sent: &mut usize) {
+/// R2Ts in the stream, up to the first PDU the queue cannot decode.
+fn r2ts(stream: &[u8], p: &Params) -> usize {
+    let (mut at, mut n) = (0, 0);
+    while let Ok(Progress::Complete(len)) = nvme_tcp::pdu_len(&stream[at..], p) {
+        match nvme_tcp::decode(&stream[at..at + len], p) {
+            Ok(Pdu::R2T(_)) => n += 1,
+            Ok(_) => {}
+            Err(_) => break,
+        }
+        at += len;
+    }
+    n
+}
+
+/// Reads (and counts) whatever the queue sent: no more than `most`.
+fn drain(target: &mut TcpStream, sent: &mut usize, most: usize) {
     let mut buf = [0u8; 64 << 10];
     while let Ok(n @ 1..) = target.read(&mut buf) {
         *sent += n;
     }
-    assert!(*sent <= MOST_SENT, "the queue sent {sent} bytes");
+    assert!(
+        *sent <= most,
+        "the queue sent {sent} bytes, at most {most} expected"
+    );
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -330,7 +387,7 @@ fuzz_target!(|data: &[u8]| {
         ddgst: c0 & 0x40 != 0,
         hpda: pda,
         cpda: pda,
-        incapsule: 8192,
+        incapsule: INCAPSULE,
         lba_shift: if c1 & 0x40 != 0 { 12 } else { 9 },
         maxh2cdata: if c1 & 0x80 != 0 { 1 << 20 } else { 4096 },
     });
@@ -353,13 +410,23 @@ fuzz_target!(|data: &[u8]| {
         fresh: Vec::new(),
         stream,
         reads: Reads::walk(stream, max_io, params),
+        nvme: framing.zip(params).map(|(f, rx)| {
+            let tx = Params {
+                direction: Direction::HostToController,
+                hdgst: f.hdgst,
+                ddgst: f.ddgst,
+                pda: f.cpda,
+                max_plen: u32::MAX,
+            };
+            (tx, r2ts(stream, &rx))
+        }),
     };
     for user in 1..=6 {
         ledger.submit(&mut q, user);
     }
     q.send().expect("send");
     let mut sent = 0;
-    drain(&mut target, &mut sent);
+    drain(&mut target, &mut sent, ledger.most_sent());
 
     // One call into the queue; Err ends the run (the queue is done for, as in a session).
     let step = |q: &mut Queue, ledger: &mut Ledger, ended: bool| -> Result<usize> {
@@ -381,7 +448,7 @@ fuzz_target!(|data: &[u8]| {
             Err(e) if e.kind() == ErrorKind::WouldBlock => {}
             Err(e) => panic!("writing to the queue: {e}"),
         }
-        drain(&mut target, &mut sent);
+        drain(&mut target, &mut sent, ledger.most_sent());
         wait_readable(&q, ARRIVAL);
         if step(&mut q, &mut ledger, false).is_err() {
             return;
@@ -390,13 +457,13 @@ fuzz_target!(|data: &[u8]| {
     // Then its end: the queue takes what is left, then fails (Closed) at the end.
     target.shutdown(Shutdown::Write).expect("shutdown");
     for _ in 0..=stream.len() + 8 {
-        drain(&mut target, &mut sent);
+        drain(&mut target, &mut sent, ledger.most_sent());
         assert!(
             wait_readable(&q, ARRIVAL),
             "the queue's socket never showed the end of the stream"
         );
         if step(&mut q, &mut ledger, true).is_err() {
-            drain(&mut target, &mut sent);
+            drain(&mut target, &mut sent, ledger.most_sent());
             return;
         }
     }
