@@ -88,16 +88,21 @@ fn walk(fe: &mut Iscsi, data: &[u8], status: Status, refuse: bool) {
                 return;
             }
             Decoded::Violation(_) => return,
-            // A TMF's first release takes the PDU, the next ones nothing.
+            // A TMF takes its PDU and gives up the writes it aborts: the first slot here, the
+            // others from `next_release`, all at once (as the reactor takes them).
             Decoded::Release { len, slot } => {
-                assert!(len <= rx.len());
-                if let Some(h) = held.get_mut(slot as usize) {
-                    *h = None;
+                assert!(len > 0 && len <= rx.len());
+                for s in std::iter::once(slot).chain(std::iter::from_fn(|| fe.next_release())) {
+                    if let Some(h) = held.get_mut(s as usize) {
+                        *h = None;
+                    }
                 }
                 at += len;
             }
+            // 0: the response of a TMF that waited for the tasks it found running (none do
+            // here: every request is answered at once, but the frontend may say so).
             Decoded::Answered { len } => {
-                assert!(len > 0 && len <= rx.len());
+                assert!(len <= rx.len());
                 at += len;
             }
             Decoded::Data {

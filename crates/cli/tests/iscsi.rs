@@ -7,6 +7,7 @@
 mod common;
 
 use std::process::Command;
+use std::time::Duration;
 
 use blkwire_wire::iscsi::{self, flag, op, Bhs, Digests};
 use common::iscsi_host::{self, login, login_with, Conn};
@@ -25,6 +26,8 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 struct IscsiTarget {
     _t: Target,
     addr: String,
+    /// Every listener's URL.
+    urls: Vec<String>,
 }
 
 impl IscsiTarget {
@@ -37,7 +40,7 @@ impl IscsiTarget {
             .find_map(|u| u.strip_prefix("iscsi://"))
             .unwrap_or_else(|| panic!("no iscsi:// listener in {urls:?}"))
             .to_string();
-        IscsiTarget { _t: t, addr }
+        IscsiTarget { _t: t, addr, urls }
     }
 }
 
@@ -525,6 +528,163 @@ fn compare_and_write_with_its_data_in_data_out() {
         assert!(c.read(100, 128).0 == b, "nothing written on a miscompare");
         assert_eq!(c.ping(b"on").as_deref(), Some(&b"on"[..]));
     }
+}
+
+/// A TASK MANAGEMENT FUNCTION REQUEST (immediate) on LUN 0, not sent: `function` (1 ABORT
+/// TASK, 5 LOGICAL UNIT RESET, ...) for the task `rtt`, as the next ITT.
+fn tmf_pdu(c: &mut Conn, function: u8, rtt: u32) -> (u32, Vec<u8>) {
+    let itt = c.itt;
+    c.itt += 1;
+    let mut b = Bhs::new(op::TMF_REQ | iscsi::IMMEDIATE, flag::FINAL | function);
+    b.itt(itt)
+        .set32(20, rtt)
+        .set32(24, c.cmdsn)
+        .set32(28, c.expstatsn);
+    let mut out = Vec::new();
+    b.encode(&[], &c.d, &mut out);
+    (itt, out)
+}
+
+/// READ(16) of `blocks` 512-byte blocks at `lba`, sent: its ITT.
+fn send_read(c: &mut Conn, lba: u64, blocks: u32) -> u32 {
+    let mut cdb = [0u8; 16];
+    cdb[0] = 0x88;
+    cdb[2..10].copy_from_slice(&lba.to_be_bytes());
+    cdb[10..14].copy_from_slice(&blocks.to_be_bytes());
+    let (itt, pdu) = c.command(&cdb, blocks * 512, false, &[]);
+    c.send(&pdu).unwrap();
+    itt
+}
+
+/// A READ that waits in the target for memory (behind 1 MiB writes waiting for their
+/// Data-Out, which hold the connection's high-water mark of data buffers) is a task ABORT TASK
+/// finds: Function Complete, and the READ never runs nor is answered, however the writes end.
+/// (It used to be "task does not exist", and the READ answered later: an initiator that took
+/// the ITT as free again would have taken that answer for another command's.)
+#[test]
+fn abort_task_gives_up_a_read_waiting_for_memory() {
+    let _serial = serial();
+    let t = IscsiTarget::start(&["disk=mem:64M"], &[]);
+    let mut c = login(&t.addr, &format!("{PREFIX}disk"), Digests::default());
+    let data: Vec<Vec<u8>> = (0..6).map(|i| random_bytes(1 << 20, 700 + i)).collect();
+    let mut writes = Vec::new();
+    for (i, d) in data.iter().enumerate() {
+        let mut cdb = [0u8; 16];
+        cdb[0] = 0x8a;
+        cdb[2..10].copy_from_slice(&(i as u64 * 2048).to_be_bytes());
+        cdb[10..14].copy_from_slice(&2048u32.to_be_bytes());
+        let (itt, pdu) = c.command(&cdb, d.len() as u32, true, &[]);
+        c.send(&pdu).unwrap();
+        writes.push(itt);
+    }
+    // Each write is asked for its first burst: they all hold their buffers.
+    let mut r2ts = Vec::new();
+    while r2ts.len() < writes.len() {
+        let r = c.recv().expect("an R2T");
+        assert_eq!(r.opcode(), op::R2T, "only R2Ts before any data");
+        r2ts.push(r);
+    }
+    let read = send_read(&mut c, 0, 8);
+    let (tmf, pdu) = tmf_pdu(&mut c, 1, read);
+    c.send(&pdu).unwrap();
+    let r = c.recv().expect("the TMF response");
+    assert_eq!((r.opcode(), r.word(16)), (op::TMF_RSP, tmf));
+    assert_eq!(r.bhs[2], 0, "Function Complete (1: task does not exist)");
+    // The writes get their data; the READ never answers.
+    let mut done = 0;
+    let mut pending = r2ts;
+    while done < writes.len() {
+        for r in pending.drain(..) {
+            let i = writes.iter().position(|&w| w == r.word(16)).unwrap();
+            let (ttt, at, n) = (r.word(20), r.word(40) as usize, r.word(44) as usize);
+            c.data_out(writes[i], ttt, at, at + n, &data[i]);
+        }
+        let r = c.recv().expect("an answer to a write");
+        assert_ne!(r.word(16), read, "the aborted READ answered");
+        match r.opcode() {
+            op::R2T => pending.push(r),
+            op::SCSI_RSP => {
+                assert_eq!(r.bhs[3], 0, "write status");
+                done += 1;
+            }
+            other => panic!("unexpected opcode {other:#x}"),
+        }
+    }
+    // Anything the READ sent would come before the answer to a ping sent after the writes.
+    assert_eq!(c.ping(b"after").as_deref(), Some(&b"after"[..]));
+    assert!(c.read(2048, 2048).0 == data[1], "the writes landed");
+}
+
+/// Requests the target's backends are running, over every session (its STATS document, asked
+/// at `stats_url`).
+fn running(stats_url: &str) -> u64 {
+    use blkwire_client::{ConnectOptions, Url};
+    let url = Url::parse(stats_url).unwrap();
+    let doc = blkwire_client::stats(&url, &ConnectOptions::default()).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&doc).unwrap();
+    v["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["queues"].as_array().unwrap().iter())
+        .map(|q| q["in_flight"].as_u64().unwrap())
+        .sum()
+}
+
+/// A task management function that finds the command it affects running at the backend (here
+/// a WRITE stuck on a frozen filesystem) is answered after that command (RFC 7143 §4.2.3.3):
+/// the WRITE's response first, then Function Complete. It used to be answered at once (ABORT
+/// TASK: "task does not exist"), the WRITE's response following it, which an initiator that
+/// had taken the task as ended (and its ITT as free) would take for another command's.
+#[test]
+fn task_management_is_answered_after_the_commands_it_finds_running() {
+    use common::frozen::LoopExt4;
+    let _serial = serial();
+    let fs = LoopExt4::new();
+    let file = fs.mnt().join("disk");
+    common::sparse_file(&file, 16 << 20);
+    let export = format!("disk=file:{}", file.display());
+    let t = IscsiTarget::start(&[&export], &["--listen", "tcp://127.0.0.1:0"]);
+    let stats_url = t.urls.iter().find(|u| u.starts_with("tcp://")).unwrap();
+    let mut c = login(&t.addr, &format!("{PREFIX}disk"), Digests::default());
+    for (function, name) in [(1u8, "ABORT TASK"), (5, "LOGICAL UNIT RESET")] {
+        let data = random_bytes(4096, function as u64);
+        let mut cdb = [0u8; 16];
+        cdb[0] = 0x8a;
+        cdb[10..14].copy_from_slice(&8u32.to_be_bytes());
+        let frozen = fs.freeze();
+        // The WRITE, with all its data, and the function right behind it.
+        let (write, mut pdus) = c.command(&cdb, 4096, true, &data);
+        // ABORT TASK names the WRITE; LOGICAL UNIT RESET the LU.
+        let rtt = if function == 1 {
+            write
+        } else {
+            iscsi::RESERVED_TAG
+        };
+        let (tmf, pdu) = tmf_pdu(&mut c, function, rtt);
+        pdus.extend_from_slice(&pdu);
+        c.send(&pdus).unwrap();
+        let stuck = || running(stats_url) == 1;
+        assert!(
+            common::wait_until(Duration::from_secs(30), stuck),
+            "{name}: the write never reached the backend"
+        );
+        drop(frozen);
+        let r = c.recv().expect("a response");
+        assert_eq!(
+            (r.opcode(), r.word(16), r.bhs[3]),
+            (op::SCSI_RSP, write, 0),
+            "{name}: the WRITE's response first"
+        );
+        let r = c.recv().expect("the TMF response");
+        assert_eq!(
+            (r.opcode(), r.word(16), r.bhs[2]),
+            (op::TMF_RSP, tmf, 0),
+            "{name}: then Function Complete"
+        );
+        assert!(c.read(0, 8).0 == data, "{name}: the write landed");
+    }
+    assert_eq!(c.ping(b"on").as_deref(), Some(&b"on"[..]));
 }
 
 /// Hostile or broken PDUs end the connection (or are dropped / rejected) and never stop the

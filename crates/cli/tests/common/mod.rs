@@ -2,6 +2,7 @@
 
 #![allow(dead_code)]
 
+pub mod frozen;
 pub mod iscsi_host;
 pub mod native_raw;
 pub mod nbd_raw;

@@ -32,9 +32,14 @@
 //!   MaxCmdSN = ExpCmdSN + free task places − 1, so the initiator never has more commands in
 //!   flight than the connection has slots.
 //! - NOP-Out is answered with NOP-In, Logout with Logout Response, Text with an empty Text
-//!   Response, task management with Function Complete (tasks run to completion: the only tasks
-//!   that wait are writes for their data, which an initiator that aborts them never sends, or
-//!   parked in the reactor for the memory to ask for it: both are found and given up).
+//!   Response. Task management (`tmf`) gives up the tasks of its scope that wait: writes for
+//!   their data (which an initiator that aborts them never sends), and any command parked in
+//!   the reactor for memory ([`StreamFrontend::parked`]): never run nor answered. A compound
+//!   command runs no more parts and answers no one. What of its scope runs at a backend
+//!   cannot be stopped: it is answered first, and the function's response waits for it
+//!   (`fence`; RFC 7143 §4.2.3.3), nothing after the function being decoded meanwhile, so no
+//!   response of an affected task ever follows the function's. ABORT TASK answers "task does
+//!   not exist" only for a task already answered.
 //! - A PDU that breaks the protocol is answered with Reject (its header as data) where the
 //!   stream is still in step, and the connection is closed where it is not (header digest,
 //!   data digest of Data-Out, oversized data segment).
@@ -301,12 +306,13 @@ impl Seq {
     }
 }
 
-/// A WRITE waiting in its slot for its data (unsolicited, then solicited), or for the memory
-/// to ask for it (`parked`).
+/// A WRITE waiting in its slot for its data (unsolicited, then solicited), or a request
+/// waiting in the reactor for memory (`parked`): a write before the memory to ask for its
+/// data, anything else (a READ, GET LBA STATUS, a part of a compound command) before it runs.
 #[derive(Clone, Copy, Debug, Default)]
 struct Task {
     itt: u32,
-    /// The connection target (LUN) it writes to.
+    /// The connection target (LUN) it is for.
     target: u8,
     /// The R2TSN of the next R2T.
     r2tsn: u32,
@@ -316,7 +322,8 @@ struct Task {
     end: u32,
     active: bool,
     /// Waiting in the reactor for memory before its first R2T (or, with all its data, before
-    /// it runs): no Data-Out is due, but task management finds and aborts it.
+    /// it runs; or, not a write, before it runs): no Data-Out is due, but task management
+    /// finds and aborts it.
     parked: bool,
     /// Aborted by task management: Data-Out already on its way is dropped.
     aborted: bool,
@@ -339,12 +346,40 @@ struct Params {
 #[derive(Clone, Debug)]
 struct Compound {
     itt: u32,
+    /// The connection target (LUN) its parts are for.
+    target: u8,
     residual: Residual,
     parts_left: u32,
     /// The first error, turned into sense when answering.
     failed: Option<(Status, bool)>,
     /// EXTENDED COPY: the plan (list id and usage) and the bytes copied so far.
     copy: Option<(xcopy::Plan, u64)>,
+}
+
+/// The tasks a task management function acts on: one (by ITT), one LU's (by connection
+/// target), or every one.
+#[derive(Clone, Copy, Debug)]
+struct Scope {
+    only: Option<u32>,
+    on: Option<u8>,
+}
+
+impl Scope {
+    /// Whether the task `itt` of connection target `target` is one of them.
+    fn hits(&self, itt: u32, target: u8) -> bool {
+        self.only.is_none_or(|i| i == itt) && self.on.is_none_or(|t| t == target)
+    }
+}
+
+/// A task management function answered once the tasks it affects that were running when it
+/// came are answered (`Iscsi::fence`).
+#[derive(Clone, Copy, Debug)]
+struct Fence {
+    /// Its ITT.
+    itt: u32,
+    /// The response it gets.
+    response: u8,
+    scope: Scope,
 }
 
 /// One connection's full feature phase state.
@@ -356,8 +391,10 @@ pub struct Iscsi {
     /// The MaxCmdSN last sent: commands beyond it are dropped.
     maxcmdsn: u32,
     depth: u16,
-    /// Commands handed to the reactor and not answered yet.
-    outstanding: u16,
+    /// Commands handed to the reactor and not answered yet, as (ITT, connection target): a
+    /// part of a compound command under its command's ITT. Those waiting for data or memory
+    /// are in `tasks` too; the others run (at a backend, or across the reactors).
+    inflight: Vec<(u32, u8)>,
     /// The LUNs, indexed by connection target.
     luns: Vec<Lu>,
     /// The target (index into `luns`) of the command being decoded.
@@ -398,6 +435,9 @@ pub struct Iscsi {
     /// Further slots of aborted writes the reactor is to free with the one `Decoded::Release`
     /// named (`next_release`).
     releases: Vec<u16>,
+    /// A task management function whose response waits for the tasks it affects that were
+    /// running when it came: nothing after it is decoded until they are answered.
+    fence: Option<Fence>,
     scratch: Vec<u8>,
     /// Persistent reservations, per target (LU) as `luns`: each its export's, shared by every
     /// nexus to it (`crate::reservations`).
@@ -502,7 +542,7 @@ impl Iscsi {
             expcmdsn: s.expcmdsn,
             maxcmdsn: s.expcmdsn.wrapping_add(depth as u32 - 1),
             depth,
-            outstanding: 0,
+            inflight: Vec::with_capacity(depth as usize),
             luns,
             cur: 0,
             tasks: vec![Task::default(); depth as usize],
@@ -521,6 +561,7 @@ impl Iscsi {
             history: xcopy::History::default(),
             pattern: None,
             releases: Vec::new(),
+            fence: None,
             scratch: Vec::with_capacity(BHS_LEN + 64),
             pr,
         }
@@ -537,9 +578,21 @@ impl Iscsi {
         self.luns.iter().position(|l| l.info.lun == lun && !l.gone)
     }
 
+    /// Commands with the reactor, not answered yet.
+    fn outstanding(&self) -> u16 {
+        self.inflight.len() as u16
+    }
+
+    /// The command `itt` is answered (or given up): it is no longer with the reactor.
+    fn settle(&mut self, itt: u32) {
+        if let Some(i) = self.inflight.iter().position(|&(t, _)| t == itt) {
+            self.inflight.swap_remove(i);
+        }
+    }
+
     /// MaxCmdSN now: the window is the free task places (§4.2.2.1).
     fn window(&mut self) -> u32 {
-        let free = self.depth.saturating_sub(self.outstanding) as u32;
+        let free = self.depth.saturating_sub(self.outstanding()) as u32;
         // A window of 0 is MaxCmdSN = ExpCmdSN − 1.
         self.maxcmdsn = self.expcmdsn.wrapping_add(free).wrapping_sub(1);
         self.maxcmdsn
@@ -625,7 +678,7 @@ impl Iscsi {
         tx: &mut Vec<u8>,
         pieces: Option<&mut Vec<Piece>>,
     ) {
-        self.outstanding = self.outstanding.saturating_sub(1);
+        self.settle(itt_of(req));
         let send = (extra_of(req) as usize).min(data.len());
         self.data_in(itt_of(req), &data[..send], residual_of(req), tx, pieces);
     }
@@ -697,7 +750,7 @@ impl Iscsi {
     }
 
     fn request(&mut self, req: Req, len: usize, payload_len: usize, trailer: usize) -> Decoded {
-        self.outstanding += 1;
+        self.inflight.push((itt_of(&req), req.target));
         self.pending = Some((req, len, payload_len, trailer));
         Decoded::Request {
             req,
@@ -1265,6 +1318,7 @@ impl Iscsi {
         }
         self.compound = Some(Compound {
             itt,
+            target: self.cur as u8,
             residual: res,
             parts_left: parts.len() as u32,
             failed: None,
@@ -1668,78 +1722,94 @@ impl Iscsi {
         let function = p.flags() & 0x7f;
         let lun = scsi::lun_from_wire(p.lun().to_be_bytes());
         // §11.6.1 responses: 0 function complete, 1 task does not exist, 2 LUN does not exist,
-        // 5 function not supported.
-        // The writes waiting for data that the function aborts: the reactor frees their slots.
-        let mut released: Vec<u16> = Vec::new();
-        // `only`: one task (by ITT); `on`: the tasks of one LU (by connection target).
-        let mut abort = |tasks: &mut [Task], only: Option<u32>, on: Option<u8>| {
-            for (i, t) in tasks.iter_mut().enumerate() {
-                if t.active
-                    && only.is_none_or(|itt| t.itt == itt)
-                    && on.is_none_or(|n| t.target == n)
-                {
-                    t.active = false;
-                    t.parked = false;
-                    t.aborted = true;
-                    released.push(i as u16);
-                }
-            }
-        };
-        let response = match function {
+        // 4 task reassignment not supported, 5 function not supported.
+        let scope = match function {
             // ABORT TASK, ABORT TASK SET, CLEAR ACA, CLEAR TASK SET, LOGICAL UNIT RESET name a
             // LUN.
-            1..=5 if self.target_of(lun).is_none() => 2,
-            1 => {
-                // The referenced task: a write waiting for its data, or parked waiting for
-                // the memory to ask for it, is aborted (never run nor answered). Any other task has been answered or is about to be: "does not
-                // exist" (libiscsi's AbortTaskSimpleAsync accepts either, as §11.5.1 does).
-                let rtt = p.word20();
-                abort(&mut self.tasks, Some(rtt), None);
-                let params = self.params.as_ref().is_some_and(|q| q.itt == rtt);
-                if params {
-                    self.drop_params();
-                }
-                if released.is_empty() && !params {
-                    1
-                } else {
-                    0
-                }
-            }
-            2 | 4 | 5 => {
-                // ABORT TASK SET, CLEAR TASK SET, LOGICAL UNIT RESET: that LU's task set
-                // (SAM-5 7.2–7.6); the other LUs' tasks go on.
-                let t = self.target_of(lun).unwrap_or(0);
-                abort(&mut self.tasks, None, Some(t as u8));
-                if self.params.as_ref().is_some_and(|q| q.target == t) {
-                    self.drop_params();
-                }
-                0
-            }
-            6 | 7 => {
-                // TARGET WARM/COLD RESET: every LU's.
-                abort(&mut self.tasks, None, None);
-                self.drop_params();
-                0
-            }
+            1..=5 if self.target_of(lun).is_none() => Err(2),
+            // ABORT TASK: the referenced task, whichever LU.
+            1 => Ok(Scope {
+                only: Some(p.word20()),
+                on: None,
+            }),
+            // ABORT TASK SET, CLEAR TASK SET, LOGICAL UNIT RESET: that LU's task set
+            // (SAM-5 7.2–7.6); the other LUs' tasks go on.
+            2 | 4 | 5 => Ok(Scope {
+                only: None,
+                on: self.target_of(lun).map(|t| t as u8),
+            }),
+            // TARGET WARM/COLD RESET: every LU's.
+            6 | 7 => Ok(Scope {
+                only: None,
+                on: None,
+            }),
             // CLEAR ACA: ACA is not offered (NACA is refused).
-            3 => 5,
+            3 => Err(5),
             // TASK REASSIGN: ErrorRecoveryLevel 0.
-            8 => 4,
-            _ => 5,
+            8 => Err(4),
+            _ => Err(5),
         };
-        self.outstanding = self.outstanding.saturating_sub(released.len() as u16);
+        let scope = match scope {
+            Ok(scope) => scope,
+            Err(response) => {
+                self.tmf_response(p.itt(), response, tx);
+                return Decoded::Answered { len };
+            }
+        };
+        // The tasks that wait (writes for their data, requests parked in the reactor for
+        // memory) are given up: never run nor answered; the reactor frees their slots.
+        let mut released: Vec<u16> = Vec::new();
+        for (i, t) in self.tasks.iter_mut().enumerate() {
+            if t.active && scope.hits(t.itt, t.target) {
+                t.active = false;
+                t.parked = false;
+                t.aborted = true;
+                released.push(i as u16);
+            }
+        }
         for &slot in &released {
-            // Unsolicited data of an aborted write may still be on its way: dropped in step.
             let t = self.tasks[slot as usize];
+            self.settle(t.itt);
+            // Unsolicited data of an aborted write may still be on its way: dropped in step.
             if t.seq.ttt == RESERVED_TAG {
                 self.drain(t.itt, t.seq);
             }
         }
-        let mut b = Bhs::new(op::TMF_RSP, flag::FINAL);
-        b.0[2] = response;
-        b.itt(p.itt());
-        self.stamp(&mut b, true);
-        b.encode(&[], &self.d, tx);
+        // A parameter list being collected is dropped; a compound command runs no more parts,
+        // and is answered to no one (its part running at a backend is waited for below).
+        let params = self
+            .params
+            .as_ref()
+            .is_some_and(|q| scope.hits(q.itt, q.target as u8));
+        if params {
+            self.drop_params();
+        }
+        let compound = self.compound.as_ref().map(|c| (c.itt, c.target));
+        let compound = compound.filter(|&(itt, t)| scope.hits(itt, t));
+        if let Some((itt, _)) = compound {
+            let part_released = released.iter().any(|&s| self.tasks[s as usize].itt == itt);
+            self.abort_compound(part_released);
+        }
+        // The tasks it affects that run (at a backend, or across the reactors) cannot be
+        // stopped: they are answered first, and the response waits for them (§4.2.3.3, the
+        // response fence: no response of an affected task follows the function's).
+        let running = self.inflight.iter().any(|&(itt, t)| scope.hits(itt, t));
+        let response = match function {
+            // The referenced task found (waiting, running, or a compound command's) is
+            // complete: "does not exist" only for one already answered (libiscsi's
+            // AbortTaskSimpleAsync accepts either, as §11.5.1 does).
+            1 if released.is_empty() && !params && compound.is_none() && !running => 1,
+            _ => 0,
+        };
+        if running {
+            self.fence = Some(Fence {
+                itt: p.itt(),
+                response,
+                scope,
+            });
+        } else {
+            self.tmf_response(p.itt(), response, tx);
+        }
         match released.pop() {
             Some(slot) => {
                 self.releases = released;
@@ -1749,13 +1819,37 @@ impl Iscsi {
         }
     }
 
-    /// Gives up the parameter list being collected (task management aborted its command).
+    /// The TASK MANAGEMENT FUNCTION RESPONSE (§11.6) to `itt`.
+    fn tmf_response(&mut self, itt: u32, response: u8, tx: &mut Vec<u8>) {
+        let mut b = Bhs::new(op::TMF_RSP, flag::FINAL);
+        b.0[2] = response;
+        b.itt(itt);
+        self.stamp(&mut b, true);
+        b.encode(&[], &self.d, tx);
+    }
+
+    /// Gives up the parameter list being collected (task management aborted its command). It
+    /// was never with the reactor (`inflight`).
     fn drop_params(&mut self) {
         if let Some(p) = self.params.take() {
-            self.outstanding = self.outstanding.saturating_sub(1);
             if p.seq.ttt == RESERVED_TAG {
                 self.drain(p.itt, p.seq);
             }
+        }
+    }
+
+    /// Gives up the compound command in progress (task management aborted it): no part after
+    /// the one handed out runs, and nothing answers it. `part_released`: that part waited in
+    /// the reactor and was given up too; otherwise it runs, and its answer (`part_done`)
+    /// finds no command to answer.
+    fn abort_compound(&mut self, part_released: bool) {
+        self.compound = None;
+        self.queued.clear();
+        self.pattern = None;
+        self.compare = None;
+        if part_released {
+            self.part_running = false;
+            self.hold = false;
         }
     }
 
@@ -1826,6 +1920,18 @@ impl StreamFrontend for Iscsi {
                 payload_len,
                 trailer,
             };
+        }
+        if let Some(f) = self.fence {
+            if self.inflight.iter().any(|&(itt, t)| f.scope.hits(itt, t)) {
+                // A task management function waits for the tasks it affects that run: nothing
+                // after it is decoded until they are answered (the reactor services the
+                // connection again when one is), so no new task joins them meanwhile.
+                return Decoded::Need(rx.len().min(BHS_LEN));
+            }
+            // Their answers went out before this, in stream order.
+            self.fence = None;
+            self.tmf_response(f.itt, f.response, tx);
+            return Decoded::Answered { len: 0 };
         }
         if self.hold && self.part_running {
             // COMPARE AND WRITE's read is with the reactor: nothing more is decoded until it
@@ -2053,7 +2159,7 @@ impl StreamFrontend for Iscsi {
     }
 
     fn finish_read_reply(&mut self, req: &Req, prefix: &mut [u8], data: &[u8], suffix: &mut [u8]) {
-        self.outstanding = self.outstanding.saturating_sub(1);
+        self.settle(itt_of(req));
         let res = residual_of(req);
         let mut b = Bhs::new(op::DATA_IN, flag::FINAL | flag::STATUS | res.flags());
         b.itt(itt_of(req)).set32(20, RESERVED_TAG);
@@ -2076,7 +2182,7 @@ impl StreamFrontend for Iscsi {
                     .position(|(a, b)| a != b)
                     .map(|i| i as u64);
             }
-            self.outstanding = self.outstanding.saturating_sub(1);
+            self.settle(itt_of(req));
             self.part_done(req, Status::Ok, tx);
             return;
         }
@@ -2104,8 +2210,8 @@ impl StreamFrontend for Iscsi {
     }
 
     fn reply(&mut self, req: &Req, status: Status, tx: &mut Vec<u8>) -> bool {
-        self.outstanding = self.outstanding.saturating_sub(1);
         let itt = itt_of(req);
+        self.settle(itt);
         if let Some((a, seq)) = self.announced.filter(|(a, _)| follows_of(req) && *a == itt) {
             // Refused before it had a slot: its unsolicited data is dropped as it comes.
             self.announced = None;
@@ -2140,7 +2246,7 @@ impl StreamFrontend for Iscsi {
     }
 
     fn block_status_reply(&mut self, req: &Req, extents: &[(u32, bool)], tx: &mut Vec<u8>) -> bool {
-        self.outstanding = self.outstanding.saturating_sub(1);
+        self.settle(itt_of(req));
         let shift = self.luns[req.target as usize].shift;
         let lba = req.offset >> shift;
         let list: Vec<(u64, bool)> = extents
@@ -2417,7 +2523,7 @@ mod tests {
         };
         assert_eq!(again.cookie, req.cookie);
         f.taken(&req);
-        assert_eq!(f.outstanding, 1);
+        assert_eq!(f.outstanding(), 1);
         let ReadFraming::Contiguous { prefix, suffix } = f.read_framing(&req) else {
             panic!("one Data-In");
         };
@@ -2650,7 +2756,7 @@ mod tests {
                     got == want,
                     "{case}: spliced framing differs from the copied reply"
                 );
-                assert_eq!((a.outstanding, b.outstanding), (0, 0), "{case}");
+                assert_eq!((a.outstanding(), b.outstanding()), (0, 0), "{case}");
             }
         }
         // Small segments, and a residual: nothing written, for `encode_read` to do.
@@ -2663,7 +2769,7 @@ mod tests {
         let r = taken_read(&mut f, blocks, data.len() as u32 - 512);
         assert!(!f.encode_read_framing(&r, &data, &mut framing, &mut pieces));
         assert!(framing.is_empty() && pieces.is_empty());
-        assert_eq!(f.outstanding, 1, "still the copy's to answer");
+        assert_eq!(f.outstanding(), 1, "still the copy's to answer");
     }
 
     /// What decode writes for a message never exceeds what `reply_bound` declared for it, or
@@ -2834,7 +2940,7 @@ mod tests {
         };
         park(&mut f, 1, 2, &[5u8; 1024], &mut tx);
         assert!(tx.is_empty(), "no R2T while parked");
-        assert_eq!(f.outstanding, 1);
+        assert_eq!(f.outstanding(), 1);
         let abort = tmf_pdu(10, 1, 1);
         assert!(
             matches!(f.decode(&abort, &mut tx), Decoded::Release { slot: 2, len } if len == abort.len())
@@ -2844,7 +2950,7 @@ mod tests {
             (op::TMF_RSP, 0, 10),
             "Function Complete"
         );
-        assert_eq!((f.outstanding, f.next_release()), (0, None));
+        assert_eq!((f.outstanding(), f.next_release()), (0, None));
         tx.clear();
         // Gone: aborting it again, the task does not exist.
         assert!(matches!(
@@ -2863,7 +2969,7 @@ mod tests {
         slots.extend(f.next_release());
         slots.sort();
         assert_eq!(slots, [0, 1]);
-        assert_eq!((tx[2], f.next_release(), f.outstanding), (0, None, 0));
+        assert_eq!((tx[2], f.next_release(), f.outstanding()), (0, None, 0));
         tx.clear();
         // Parked, then asked for its data once memory is there: an R2T, and aborts as usual.
         let req = park(&mut f, 4, 3, &[], &mut tx);
@@ -2876,6 +2982,233 @@ mod tests {
             Decoded::Release { slot: 3, .. }
         ));
         assert_eq!(tx[2], 0);
+    }
+
+    /// A NOP-Out ping (immediate) answered with a NOP-In.
+    fn nop_pdu(itt: u32) -> Vec<u8> {
+        let mut b = Bhs::new(op::NOP_OUT | iscsi::IMMEDIATE, flag::FINAL);
+        b.itt(itt).set32(20, RESERVED_TAG);
+        let mut out = Vec::new();
+        b.encode(&[], &Digests::default(), &mut out);
+        out
+    }
+
+    /// A READ(10) of one block from LUN `lun`, handed to the reactor and taken.
+    fn read_on(f: &mut Iscsi, lun: u64, itt: u32, tx: &mut Vec<u8>) -> Req {
+        let pdu = cmd_lun(lun, itt, itt - 1, &READ10_ONE, 512);
+        let Decoded::Request { req, .. } = f.decode(&pdu, tx) else {
+            panic!("a read");
+        };
+        f.taken(&req);
+        req
+    }
+
+    /// A READ parked in the reactor for memory (behind writes waiting for their data) is a
+    /// task ABORT TASK finds: Function Complete, and its slot released so it never runs nor is
+    /// answered (told "does not exist", an initiator may reuse its ITT, and the READ's late
+    /// answer would pass for another command's). One that left the wait and runs is answered
+    /// first: the function's response waits for it (RFC 7143 §4.2.3.3), and nothing after
+    /// the function is decoded meanwhile.
+    #[test]
+    fn abort_task_finds_a_read_parked_for_memory_and_waits_for_one_that_runs() {
+        let mut f = fe(4096);
+        let mut tx = Vec::new();
+        let req = read_on(&mut f, 0, 1, &mut tx);
+        f.parked(&req, 2);
+        assert_eq!(f.outstanding(), 1);
+        let abort = tmf_pdu(10, 1, 1);
+        assert!(
+            matches!(f.decode(&abort, &mut tx), Decoded::Release { slot: 2, len } if len == abort.len())
+        );
+        assert_eq!(
+            (tx[0], tx[2], be32(&tx, 16)),
+            (op::TMF_RSP, 0, 10),
+            "Function Complete"
+        );
+        assert_eq!((f.outstanding(), f.next_release()), (0, None));
+        tx.clear();
+        assert!(matches!(
+            f.decode(&abort, &mut tx),
+            Decoded::Answered { .. }
+        ));
+        assert_eq!(
+            (tx[0], tx[2]),
+            (op::TMF_RSP, 1),
+            "gone: the task does not exist"
+        );
+        tx.clear();
+        // Parked, then run once memory came back: it runs when ABORT TASK comes.
+        let req = read_on(&mut f, 0, 2, &mut tx);
+        f.parked(&req, 0);
+        f.unparked(0);
+        let abort = tmf_pdu(11, 1, 2);
+        assert!(
+            matches!(f.decode(&abort, &mut tx), Decoded::Answered { len } if len == abort.len())
+        );
+        assert!(tx.is_empty(), "a response before the running READ's answer");
+        let nop = nop_pdu(12);
+        assert!(matches!(f.decode(&nop, &mut tx), Decoded::Need(_)));
+        assert!(tx.is_empty(), "decoded past the waiting function");
+        f.encode_read(&req, &[7u8; 512], &mut tx);
+        assert_eq!((tx[0], be32(&tx, 16)), (op::DATA_IN, 2));
+        let at = tx.len();
+        assert!(matches!(
+            f.decode(&nop, &mut tx),
+            Decoded::Answered { len: 0 }
+        ));
+        assert_eq!(
+            (tx[at], tx[at + 2], be32(&tx, at + 16)),
+            (op::TMF_RSP, 0, 11),
+            "Function Complete, after the READ's answer"
+        );
+        let at = tx.len();
+        assert!(matches!(f.decode(&nop, &mut tx), Decoded::Answered { len } if len == nop.len()));
+        assert_eq!((tx[at], be32(&tx, at + 16)), (op::NOP_IN, 12));
+        assert_eq!(f.outstanding(), 0);
+    }
+
+    /// LOGICAL UNIT RESET gives up what of its LU waits for memory (a READ, GET LBA STATUS)
+    /// and waits for what of its LU runs, not for another LU's; with nothing of its LU
+    /// running it is answered at once. CLEAR TASK SET and the target resets do the same for
+    /// their scope.
+    #[test]
+    fn lun_reset_gives_up_parked_requests_and_waits_for_its_lus_running_ones_only() {
+        let mut f = fe_luns(4096, &[(0, "m=mem:1M"), (1, "m=mem:1M")]);
+        let mut tx = Vec::new();
+        let parked = read_on(&mut f, 1, 1, &mut tx);
+        f.parked(&parked, 0);
+        // GET LBA STATUS (16) of LUN 1, parked too.
+        let mut cdb = [0u8; 16];
+        cdb[0] = 0x9e;
+        cdb[1] = 0x12;
+        cdb[13] = 64;
+        let Decoded::Request { req: status, .. } = f.decode(&cmd_lun(1, 2, 1, &cdb, 64), &mut tx)
+        else {
+            panic!("an allocation query: {tx:?}");
+        };
+        assert_eq!(status.kind, Kind::BlockStatus);
+        f.taken(&status);
+        f.parked(&status, 1);
+        let other = read_on(&mut f, 0, 3, &mut tx);
+        let mine = read_on(&mut f, 1, 4, &mut tx);
+        assert!(tx.is_empty());
+        assert_eq!(f.outstanding(), 4);
+        let tmf = |lun: u64, function: u8, itt: u32| {
+            let mut pdu = tmf_pdu(itt, function, RESERVED_TAG);
+            pdu[8..16].copy_from_slice(&scsi::lun_to_wire(lun));
+            pdu
+        };
+        let Decoded::Release { slot, .. } = f.decode(&tmf(1, 5, 20), &mut tx) else {
+            panic!("released");
+        };
+        let mut slots = vec![slot];
+        slots.extend(f.next_release());
+        slots.sort();
+        assert_eq!((slots, f.next_release()), (vec![0, 1], None));
+        assert!(tx.is_empty(), "answered while LUN 1's READ runs");
+        assert_eq!(f.outstanding(), 2);
+        // LUN 0's READ answered: LUN 1's still runs.
+        f.encode_read(&other, &[1u8; 512], &mut tx);
+        let at = tx.len();
+        assert!(matches!(f.decode(&[], &mut tx), Decoded::Need(_)));
+        assert_eq!(tx.len(), at);
+        f.reply(&mine, Status::Io, &mut tx);
+        let at = tx.len();
+        assert!(matches!(
+            f.decode(&[], &mut tx),
+            Decoded::Answered { len: 0 }
+        ));
+        assert_eq!(
+            (tx[at], tx[at + 2], be32(&tx, at + 16)),
+            (op::TMF_RSP, 0, 20)
+        );
+        assert_eq!(f.outstanding(), 0);
+        // Nothing of LUN 1 runs while LUN 0's READ does: answered at once, for each function
+        // whose scope holds no running task.
+        let other = read_on(&mut f, 0, 5, &mut tx);
+        for (lun, function) in [(1u64, 5u8), (1, 4), (1, 2)] {
+            tx.clear();
+            assert!(matches!(
+                f.decode(&tmf(lun, function, 21), &mut tx),
+                Decoded::Answered { .. }
+            ));
+            assert_eq!((tx[0], tx[2]), (op::TMF_RSP, 0), "function {function}");
+        }
+        // A target reset waits for it.
+        tx.clear();
+        assert!(matches!(
+            f.decode(&tmf(0, 6, 22), &mut tx),
+            Decoded::Answered { .. }
+        ));
+        assert!(matches!(f.decode(&[], &mut tx), Decoded::Need(_)));
+        assert!(tx.is_empty());
+        f.reply(&other, Status::Ok, &mut tx);
+        let at = tx.len();
+        assert!(matches!(
+            f.decode(&[], &mut tx),
+            Decoded::Answered { len: 0 }
+        ));
+        assert_eq!((tx[at], be32(&tx, at + 16)), (op::TMF_RSP, 22));
+    }
+
+    /// Task management gives up a compound command whole: a part parked for memory is
+    /// released (and the connection serves the next compound command), a part running is
+    /// waited for and then answers no one, and no later part is handed out.
+    #[test]
+    fn task_management_gives_up_a_compound_command_which_answers_no_one() {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        // VERIFY (BYTCHK 01b) of one block: its read, compared in the frontend, waits for
+        // memory.
+        let verify = [0x2f, 0x02, 0, 0, 0, 0, 0, 0, 1, 0];
+        let Decoded::Request { req: read, .. } =
+            f.decode(&cmd(1, 0, &verify, 512, true, &[0u8; 512]), &mut tx)
+        else {
+            panic!("the compare's read");
+        };
+        assert_eq!((read.kind, itt_of(&read)), (Kind::Block(BlockOp::Read), 1));
+        f.taken(&read);
+        f.parked(&read, 3);
+        let abort = tmf_pdu(10, 1, 1);
+        assert!(matches!(
+            f.decode(&abort, &mut tx),
+            Decoded::Release { slot: 3, .. }
+        ));
+        assert_eq!((tx[0], tx[2]), (op::TMF_RSP, 0));
+        assert_eq!(f.outstanding(), 0);
+        tx.clear();
+        // UNMAP of three ranges: served (not refused as a second list at once); its first
+        // trim runs when ABORT TASK SET comes.
+        let mut list = vec![0u8, 54, 0, 48, 0, 0, 0, 0];
+        for lba in [8u64, 64, 128] {
+            list.extend_from_slice(&lba.to_be_bytes());
+            list.extend_from_slice(&4u32.to_be_bytes());
+            list.extend_from_slice(&[0; 4]);
+        }
+        let unmap = [0x42, 0, 0, 0, 0, 0, 0, 0, 56, 0];
+        let Decoded::Request { req: trim, .. } =
+            f.decode(&cmd(2, 1, &unmap, 56, true, &list), &mut tx)
+        else {
+            panic!("the first trim: {tx:?}");
+        };
+        assert_eq!(trim.kind, Kind::Block(BlockOp::Trim));
+        f.taken(&trim);
+        assert!(matches!(
+            f.decode(&tmf_pdu(11, 2, RESERVED_TAG), &mut tx),
+            Decoded::Answered { .. }
+        ));
+        assert!(tx.is_empty(), "answered while the trim runs");
+        assert!(matches!(f.decode(&[], &mut tx), Decoded::Need(_)));
+        // The trim's answer answers no one, and the function's response follows.
+        assert!(!f.reply(&trim, Status::Ok, &mut tx) && tx.is_empty());
+        assert!(matches!(
+            f.decode(&[], &mut tx),
+            Decoded::Answered { len: 0 }
+        ));
+        assert_eq!((tx[0], tx[2], be32(&tx, 16)), (op::TMF_RSP, 0, 11));
+        // No second trim: the command is over.
+        assert!(matches!(f.decode(&[], &mut tx), Decoded::Need(_)));
+        assert_eq!(f.outstanding(), 0);
     }
 
     #[test]
@@ -2902,7 +3235,7 @@ mod tests {
             (op::TMF_RSP, 0, 10),
             "Function Complete"
         );
-        assert_eq!(f.outstanding, 0);
+        assert_eq!(f.outstanding(), 0);
         tx.clear();
         // Data-Out the initiator sent before it aborted: dropped, the connection goes on.
         let mut b = Bhs::new(op::DATA_OUT, flag::FINAL);
@@ -3299,7 +3632,7 @@ mod tests {
         };
         assert_eq!(req.target, 0);
         b.taken(&req);
-        b.outstanding = 0;
+        b.inflight.clear();
         let w = on(3, cmd(8, 1, &write10, 512, true, &[5u8; 512]));
         assert!(matches!(b.decode(&w, &mut tx), Decoded::Answered { .. }));
         assert_eq!(
@@ -3378,7 +3711,7 @@ mod tests {
         let w = cmd(7, 0, &write10, 512, true, &[5u8; 512]);
         assert!(matches!(b.decode(&w, &mut tx), Decoded::Request { .. }));
         b.pending = None;
-        b.outstanding = 0;
+        b.inflight.clear();
         b.reservations_changed(&update);
         let w = cmd(8, 1, &write10, 512, true, &[5u8; 512]);
         assert!(matches!(b.decode(&w, &mut tx), Decoded::Answered { .. }));

@@ -195,12 +195,12 @@ pub enum Decoded {
         /// Bytes after the data (a data digest).
         trailer: usize,
     },
-    /// The WRITE waiting in `slot` for solicited data, or parked there waiting for memory
-    /// ([`StreamFrontend::parked`]), is given up (iSCSI ABORT TASK, LOGICAL UNIT RESET): its
-    /// data will not come, so its slot and buffer go back and it never runs nor is answered.
-    /// A slot that holds no such write any more is left alone.
+    /// The WRITE waiting in `slot` for solicited data, or the request parked there waiting for
+    /// memory ([`StreamFrontend::parked`]), is given up (iSCSI ABORT TASK, LOGICAL UNIT RESET):
+    /// a write's data will not come, so its slot and buffer go back, and it never runs nor is
+    /// answered. A slot that holds no such request any more (it left the wait) is left alone.
     Release {
-        /// The slot the write waits in.
+        /// The slot the request waits in.
         slot: u16,
         /// Bytes of the whole message. Further slots the same message releases come from
         /// [`StreamFrontend::next_release`].
@@ -225,23 +225,25 @@ pub trait StreamFrontend: Send {
         unreachable!("this frontend's writes always carry their data")
     }
 
-    /// The WRITE `req` waits in `slot` for memory (behind writes waiting for their data) before
-    /// its data is asked for with [`StreamFrontend::solicit`], or, when it brought all of it,
-    /// before it runs: a frontend whose task management can abort it (iSCSI ABORT TASK) finds
-    /// it here and gives it up with [`Decoded::Release`], after which it never runs.
+    /// `req` waits in `slot` for memory (behind writes waiting for their data): a WRITE before
+    /// its data is asked for with [`StreamFrontend::solicit`] (or, when it brought all of it,
+    /// before it runs), any other request (a READ, an allocation query) before it runs. A
+    /// frontend whose task management can abort it (iSCSI ABORT TASK) finds it here and gives
+    /// it up with [`Decoded::Release`], after which it never runs nor is answered.
     fn parked(&mut self, req: &Req, slot: u16) {
         let _ = (req, slot);
     }
 
-    /// The write parked in `slot` ([`StreamFrontend::parked`]) stops waiting for memory: it is
-    /// solicited next ([`StreamFrontend::solicit`]) or runs.
+    /// The request parked in `slot` ([`StreamFrontend::parked`]) stops waiting for memory: a
+    /// write is solicited next ([`StreamFrontend::solicit`]) or runs, anything else runs (in
+    /// whichever slot it then takes).
     fn unparked(&mut self, slot: u16) {
         let _ = slot;
     }
 
     /// A further slot the last [`Decoded::Release`] gives up (one task management function may
-    /// abort several writes): the reactor takes them all before anything else runs, so a
-    /// parked write aborted with others never gets to run.
+    /// abort several requests): the reactor takes them all before anything else runs, so a
+    /// parked request aborted with others never gets to run.
     fn next_release(&mut self) -> Option<u16> {
         None
     }

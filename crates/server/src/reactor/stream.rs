@@ -590,13 +590,15 @@ fn writes_wait(c: &Conn) -> bool {
 }
 
 /// A request that must wait for memory while writes wait for their data: it waits in a slot
-/// of its own (slots bound how many), queued behind the others waiting (`run_deferred`).
+/// of its own (slots bound how many), queued behind the others waiting (`run_deferred`). The
+/// frontend is told, so its task management can give it up before it runs (`Decoded::Release`).
 fn park(c: &mut Conn, req: &Req) {
     let slot = take_slot(c, req);
     let s = &mut c.slots[slot as usize];
     s.busy = true;
     s.req = Some(*req);
     c.deferred.push_back(slot);
+    c.fe.parked(req, slot);
 }
 
 /// A WRITE that brought `got` bytes of its data (at `payload_at` in rx) and must wait for
@@ -649,6 +651,7 @@ fn run_deferred(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                 return;
             }
             c.deferred.pop_front();
+            c.fe.unparked(slot);
             let s = &mut c.slots[slot as usize];
             s.busy = false;
             s.req = None;
@@ -854,13 +857,16 @@ fn read_hole(c: &mut Conn, req: &Req) -> bool {
     hole
 }
 
-/// A WRITE whose data will not come (the initiator aborted it): its slot and buffer go back,
-/// and it is never answered. Anything else in the slot (the write completed meanwhile) is left.
+/// A WRITE whose data will not come, or a request parked for memory (the initiator aborted
+/// it): its slot and buffer go back, and it never runs nor is answered. Anything else in the
+/// slot (a request that left the wait and runs, or completed meanwhile) is left.
 fn release_held(c: &mut Conn, slot: u16) {
+    // A parked request that brought no data waits in `deferred` with nothing in `awaiting`.
+    let parked = c.deferred.contains(&slot);
     let Some(s) = c.slots.get_mut(slot as usize) else {
         return;
     };
-    if !s.busy || s.awaiting.is_none() {
+    if !s.busy || (s.awaiting.is_none() && !parked) {
         return;
     }
     let len = s.req.map_or(0, |r| r.length as usize);
@@ -1174,6 +1180,9 @@ mod tests {
         chunked: bool,
         /// Further slots the last `X` released (`next_release`).
         releases: Vec<u16>,
+        /// The requests the reactor said wait for memory (`parked`), as (cookie, slot), until
+        /// it says they left the wait (`unparked`); listed by `K`.
+        parked: Vec<(u64, u16)>,
     }
 
     fn u32_at(b: &[u8], i: usize) -> u32 {
@@ -1260,14 +1269,25 @@ mod tests {
                     tx.extend_from_slice(&rx[5..5 + n]);
                     Decoded::Answered { len: 5 + n }
                 }
+                // `A slot`: the request waiting in `slot` given up (iSCSI ABORT TASK).
                 Some(b'A') => {
                     if let Some(n) = need(3) {
                         return n;
                     }
-                    Decoded::Release {
-                        slot: u16::from_le_bytes([rx[1], rx[2]]),
-                        len: 3,
+                    let slot = u16::from_le_bytes([rx[1], rx[2]]);
+                    // No longer a task of the frontend's, as iSCSI's `tmf` forgets it.
+                    self.parked.retain(|&(_, s)| s != slot);
+                    Decoded::Release { slot, len: 3 }
+                }
+                // `K`: the requests parked for memory, as `k n:u8 (cookie:u64 slot:u16)...`.
+                Some(b'K') => {
+                    tx.push(b'k');
+                    tx.push(self.parked.len() as u8);
+                    for &(cookie, slot) in &self.parked {
+                        tx.extend_from_slice(&cookie.to_le_bytes());
+                        tx.extend_from_slice(&slot.to_le_bytes());
                     }
+                    Decoded::Answered { len: 1 }
                 }
                 // `X n:u8 slot:u16...`: n writes released at once (iSCSI ABORT TASK SET).
                 Some(b'X') => {
@@ -1466,6 +1486,12 @@ mod tests {
         fn next_release(&mut self) -> Option<u16> {
             self.releases.pop()
         }
+        fn parked(&mut self, req: &Req, slot: u16) {
+            self.parked.push((req.cookie as u64, slot));
+        }
+        fn unparked(&mut self, slot: u16) {
+            self.parked.retain(|&(_, s)| s != slot);
+        }
         fn solicit(&mut self, _req: &Req, slot: u16, offset: u32, len: u32, tx: &mut Vec<u8>) {
             tx.push(b'T');
             tx.extend_from_slice(&slot.to_le_bytes());
@@ -1609,6 +1635,7 @@ mod tests {
             fe: Box::new(Toy {
                 chunked,
                 releases: Vec::new(),
+                parked: Vec::new(),
             }),
             targets: vec![super::super::conn::Target {
                 inline: exec.completes_inline(),
@@ -2080,6 +2107,89 @@ mod tests {
                 .windows(11)
                 .any(|w| w[..9] == status_reply(cookie, Status::Ok)[..9]));
         }
+        assert_eq!((c.held, c.free_slots.len()), (0, 8));
+    }
+
+    /// The requests parked for memory, as `K` lists them: (cookie, slot).
+    fn parked(c: &mut Conn, ring: &mut Ring) -> Vec<(u64, u16)> {
+        let before = take_tx(c);
+        feed(c, ring, b"K");
+        let tx = take_tx(c);
+        assert_eq!(tx[0], b'k');
+        let n = tx[1] as usize;
+        let listed = (0..n)
+            .map(|i| {
+                let at = 2 + 10 * i;
+                (
+                    u64::from_le_bytes(tx[at..at + 8].try_into().unwrap()),
+                    u16::from_le_bytes([tx[at + 8], tx[at + 9]]),
+                )
+            })
+            .collect();
+        // What was there before the query is put back.
+        c.tx.extend_from_slice(&before);
+        listed
+    }
+
+    /// A READ (a request that brings no data) that waits in a slot for memory while writes
+    /// wait for their data is told to the frontend (`parked`, and `unparked` when it leaves
+    /// the wait), so that task management finds it (iSCSI ABORT TASK): released, it never
+    /// runs nor is answered, and its slot goes back; the other runs once memory is back.
+    #[test]
+    fn a_read_parked_for_memory_is_the_frontends_to_release_and_then_never_runs() {
+        const MIB: usize = 1 << 20;
+        let p = vec![9u8; MIB];
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn("m=mem:8M");
+        c.slots = (0..8).map(|_| Slot::default()).collect();
+        c.free_slots = (0..8).rev().collect();
+        // Four 1 MiB writes waiting for their data hold the high-water mark of data buffers.
+        let mut msgs = Vec::new();
+        for i in 0..4 {
+            msgs.extend_from_slice(&write(i as u64, (i * MIB) as u64, MIB as u32, &[]));
+        }
+        feed(&mut c, &mut ring, &msgs);
+        let asked = solicited(&take_tx(&mut c));
+        assert_eq!(asked.len(), 4);
+        assert_eq!(parked(&mut c, &mut ring), [], "the writes left the wait");
+        // Two READs behind them must wait for memory: each in a slot, told to the frontend.
+        let mut msgs = read(8, 0, 4096);
+        msgs.extend_from_slice(&read(9, 4096, 4096));
+        feed(&mut c, &mut ring, &msgs);
+        assert_eq!(c.rx_start, c.rx_end, "both taken");
+        assert_eq!(c.deferred.len(), 2);
+        let waiting = parked(&mut c, &mut ring);
+        assert_eq!(
+            waiting.iter().map(|w| w.0).collect::<Vec<_>>(),
+            [8, 9],
+            "the frontend was told"
+        );
+        let mut release = vec![b'A'];
+        release.extend_from_slice(&waiting[0].1.to_le_bytes());
+        feed(&mut c, &mut ring, &release);
+        assert_eq!(c.deferred.len(), 1);
+        assert!(c.free_slots.contains(&waiting[0].1), "its slot is back");
+        // The writes get their data and run; the memory back, the READ left runs.
+        let mut msgs = Vec::new();
+        for &(slot, offset, len) in &asked {
+            msgs.extend_from_slice(&data(slot, offset, &p[..len as usize]));
+        }
+        feed(&mut c, &mut ring, &msgs);
+        let tx = take_tx(&mut c);
+        assert_eq!(c.targets[0].exec.stats.writes, 4);
+        let answered = |cookie: u64| {
+            tx.windows(9)
+                .any(|w| w == &status_reply(cookie, Status::Ok)[..9])
+        };
+        assert!(answered(9), "the READ left waiting ran");
+        assert!(!answered(8), "the released READ ran");
+        assert_eq!(c.targets[0].exec.stats.reads, 1);
+        assert_eq!(
+            parked(&mut c, &mut ring),
+            [],
+            "the READ that ran left the wait"
+        );
+        assert!(c.deferred.is_empty());
         assert_eq!((c.held, c.free_slots.len()), (0, 8));
     }
 
