@@ -1318,6 +1318,29 @@ impl ControllerAuth {
         self.authenticated
     }
 
+    /// Whether the host has proved its key in this exchange: its Reply's response R1 checked
+    /// out (the controller's Success1 is to be read next, or was), and nothing failed since.
+    /// In a bidirectional exchange this comes before [`ControllerAuth::authenticated`], which
+    /// waits for the host to accept the controller's response too.
+    pub fn host_proved(&self) -> bool {
+        matches!(
+            self.state,
+            State::Success1 | State::Success2 | State::Succeeded
+        )
+    }
+
+    /// The transport will not have a host that proved its key (its sessions cannot be admitted
+    /// now): the next AUTH_Receive reads Failure1 with `reason` instead of Success1, after
+    /// which the exchange has failed for good ([`State::Failed`]), as for a wrong response.
+    /// Once Success1 was read there is no AUTH_Receive left to carry a Failure1: the exchange
+    /// then fails at once (the transport tears the controller down).
+    pub fn refuse(&mut self, reason: Reason) {
+        let _ = match self.state {
+            State::Success1 => self.fail1(reason),
+            _ => self.fatal(reason),
+        };
+    }
+
     /// The hash function and DH group negotiated (meaningful from [`State::Challenge`] on).
     pub fn negotiated(&self) -> (HashId, DhGroup) {
         (self.hash, self.group)

@@ -1351,7 +1351,8 @@ fn with_keys_a_controller_has_no_session_until_its_host_authenticates() {
     assert_eq!(q.write_in(0, &[5; 512], BS).unwrap().code(), 0);
     assert_eq!(q.read(0, 1, BS).unwrap().data, vec![5; 512]);
     // Admission looks at the rules as they are when the host has proved its key: rules changed
-    // meanwhile (no session to close then) keep it out, and the controller ends.
+    // meanwhile (no session to close then) keep it out; the host reads AUTH_Failure1 where
+    // Success1 would have been, and the controller ends.
     let (mut b, done) = Queue::connect(&t.addr, &nqn("disk1"), 0, 0xffff, &o).unwrap();
     assert_eq!(done.code(), 0);
     t.rpc(
@@ -1360,6 +1361,7 @@ fn with_keys_a_controller_has_no_session_until_its_host_authenticates() {
     );
     let mut host = HostAuth::new(alice, &nqn("disk1"), &ka, None, 1);
     send_reply(&mut b, &mut host);
+    read_failure1(&mut b, &mut host);
     assert!(
         b.closed_within(Duration::from_secs(10)),
         "a controller the rules no longer admit went on"
@@ -1373,6 +1375,100 @@ fn with_keys_a_controller_has_no_session_until_its_host_authenticates() {
             .all(|s| s["export"] == "disk0"),
         "{sessions}"
     );
+}
+
+/// The AUTH_Receive after the host's Reply reads AUTH_Failure1 ("authentication failed"), not
+/// Success1: the host knows it is refused.
+fn read_failure1(q: &mut Queue, host: &mut blkwire_auth::dhchap::HostAuth) {
+    use blkwire_auth::dhchap::{Failure, Reason};
+    let s1 = nvme_host::auth_receive(q);
+    assert_eq!(s1.code(), 0, "AUTH_Receive answered");
+    assert_eq!(
+        &s1.data[..2],
+        [0x00, 0xf1],
+        "AUTH_Failure1: {:?}",
+        &s1.data[..8]
+    );
+    assert_eq!(
+        host.on_success1(&s1.data),
+        Err(Failure {
+            reason: Reason::Failed
+        })
+    );
+}
+
+/// A host refused after it proved its key, by what only admission checks (here the per-host
+/// session limit its first controller reached; then an I/O queue its controller's sessions
+/// already have), is told so in the exchange rather than by a closed connection: the
+/// AUTH_Receive that would read Success1 reads AUTH_Failure1 ("authentication failed"),
+/// one-way or both ways, and then the queue ends. Nothing of it stays admitted.
+#[test]
+fn a_host_refused_after_proving_its_key_reads_failure1() {
+    use blkwire_auth::dhchap::{HostAuth, Secret};
+    use nvme_host::authenticate;
+    use serde_json::json;
+    let dir = TempDir::new("nvme-auth-refused");
+    let alice = "nqn.2014-08.org.nvmexpress:uuid:a11ce000-0000-4000-8000-000000000001";
+    let (ka, kc) = (Secret::generate(), Secret::generate());
+    let line = format!(
+        "{alice}:{} {}",
+        ka.to_dhhc().unwrap(),
+        kc.to_dhhc().unwrap()
+    );
+    let keys = key_file(&dir, &[line]);
+    let t = Controlled::start_with(
+        &dir,
+        &["disk0=mem:1M", "disk1=mem:1M"],
+        &["--keys", &keys, "--max-sessions-per-host", "1"],
+    );
+    let o = Opts {
+        hostnqn: alice.into(),
+        ..Opts::default()
+    };
+    let (mut a, _) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &o).unwrap();
+    let mut host = HostAuth::new(alice, &nqn("disk0"), &ka, None, 1);
+    assert!(authenticate(&mut a, &mut host), "alice's key");
+    let only_disk0 = |t: &Controlled| {
+        let sessions = t.rpc("session_list", json!({}));
+        let list = sessions.as_array().unwrap();
+        assert!(
+            list.len() == 1 && list[0]["export"] == "disk0",
+            "{sessions}"
+        );
+    };
+    only_disk0(&t);
+    // Her second controller: Connect admits nothing yet, so it is answered; once she proves
+    // her key its session would be her second.
+    for ctrl_key in [None, Some(&kc)] {
+        let (mut b, done) = Queue::connect(&t.addr, &nqn("disk1"), 0, 0xffff, &o).unwrap();
+        assert_eq!(done.code(), 0);
+        let mut host = HostAuth::new(alice, &nqn("disk1"), &ka, ctrl_key, 1);
+        send_reply(&mut b, &mut host);
+        read_failure1(&mut b, &mut host);
+        assert!(
+            b.closed_within(Duration::from_secs(10)),
+            "a refused controller went on"
+        );
+        only_disk0(&t);
+    }
+    // Her I/O queue 1 joins; a second queue 1 cannot (the sessions have it) and is told so.
+    a.enable();
+    let (mut q, _) = Queue::connect(&t.addr, &nqn("disk0"), 1, a.cntlid, &o).unwrap();
+    let mut host = HostAuth::new(alice, &nqn("disk0"), &ka, None, 2);
+    assert!(authenticate(&mut q, &mut host));
+    let (mut q2, done) = Queue::connect(&t.addr, &nqn("disk0"), 1, a.cntlid, &o).unwrap();
+    assert_eq!(done.code(), 0);
+    let mut host = HostAuth::new(alice, &nqn("disk0"), &ka, Some(&kc), 3);
+    send_reply(&mut q2, &mut host);
+    read_failure1(&mut q2, &mut host);
+    assert!(
+        q2.closed_within(Duration::from_secs(10)),
+        "a refused I/O queue went on"
+    );
+    // The first queue 1 still serves.
+    assert_eq!(q.write_in(0, &[7; 512], BS).unwrap().code(), 0);
+    assert_eq!(q.read(0, 1, BS).unwrap().data, vec![7; 512]);
+    only_disk0(&t);
 }
 
 /// DH-HMAC-CHAP up to the host's Reply (AUTH_Send of it answered); Success1 is not read.

@@ -291,6 +291,52 @@ fn a_wrong_host_key_gets_failure1_authentication_failed() {
     }
 }
 
+/// A host whose Reply proved its key may still be refused by the transport (its sessions
+/// cannot be admitted): Success1 is never sent, the AUTH_Receive reads Failure1 (reason
+/// "authentication failed") instead, which the host takes as the end of the exchange, and the
+/// controller's side is over for good. Bidirectional too: the refusal comes before the
+/// controller proves itself. Before the host's proof nothing says it proved anything.
+#[test]
+fn a_proved_host_refused_by_the_transport_reads_failure1() {
+    for ctrl_key in [None, Some(secret(2))] {
+        let hk = secret(1);
+        let mut ctrl = ControllerAuth::new(HOST, SUBSYS, &hk, ctrl_key.as_ref());
+        let mut host = HostAuth::new(HOST, SUBSYS, &hk, ctrl_key.as_ref(), 7);
+        assert!(!ctrl.host_proved());
+        ctrl.on_send(&host.negotiate()).unwrap();
+        let reply = host.on_challenge(&ctrl.on_receive(4096).unwrap()).unwrap();
+        assert!(!ctrl.host_proved(), "before the Reply");
+        ctrl.on_send(&reply).unwrap();
+        assert!(ctrl.host_proved());
+        ctrl.refuse(Reason::Failed);
+        assert_eq!(ctrl.state(), State::Failure1);
+        assert!(!ctrl.host_proved() && !ctrl.authenticated());
+        let f1 = ctrl.on_receive(4096).unwrap();
+        assert_eq!(f1, [0x00, 0xf1, 0, 0, 7, 0, RESCODE_FAILED, 1]);
+        assert_eq!(ctrl.state(), State::Failed);
+        assert_eq!(host.on_success1(&f1), Err(Failure::new(Reason::Failed)));
+        assert!(!host.succeeded());
+    }
+    // A wrong key never counts as proved, whatever the transport does.
+    let mut ctrl = ControllerAuth::new(HOST, SUBSYS, &secret(1), None);
+    let mut host = HostAuth::new(HOST, SUBSYS, &secret(9), None, 8);
+    ctrl.on_send(&host.negotiate()).unwrap();
+    let reply = host.on_challenge(&ctrl.on_receive(4096).unwrap()).unwrap();
+    assert!(ctrl.on_send(&reply).is_err());
+    assert!(!ctrl.host_proved());
+    // Refused after Success1 was read (nothing left to carry Failure1): over at once.
+    let hk = secret(1);
+    let mut ctrl = ControllerAuth::new(HOST, SUBSYS, &hk, Some(&secret(2)));
+    let mut host = HostAuth::new(HOST, SUBSYS, &hk, Some(&secret(2)), 9);
+    ctrl.on_send(&host.negotiate()).unwrap();
+    let reply = host.on_challenge(&ctrl.on_receive(4096).unwrap()).unwrap();
+    ctrl.on_send(&reply).unwrap();
+    ctrl.on_receive(4096).unwrap();
+    assert_eq!(ctrl.state(), State::Success2);
+    ctrl.refuse(Reason::Failed);
+    assert_eq!(ctrl.state(), State::Failed);
+}
+
 #[test]
 fn the_same_key_under_another_host_nqn_fails() {
     let k = secret(1);

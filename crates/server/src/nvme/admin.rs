@@ -84,6 +84,9 @@ pub struct AdminQueue {
     notice_sent: bool,
     authenticated: bool,
     auth: Option<QueueAuth>,
+    /// Why the host, having proved its key, was not admitted: the AUTH_Receive that would
+    /// have read Success1 reads AUTH_Failure1, and then the controller ends.
+    refused: Option<String>,
 }
 
 /// What the thread must do when the queue ends.
@@ -110,7 +113,13 @@ impl AdminQueue {
             notice_sent: false,
             authenticated,
             auth: None,
+            refused: None,
         }
+    }
+
+    /// The DH-HMAC-CHAP exchange failed and the host was told.
+    fn auth_failed(&self) -> bool {
+        self.auth.as_ref().is_some_and(|a| a.failed())
     }
 
     /// The controller id.
@@ -188,7 +197,11 @@ impl AdminQueue {
             // Every command counts as life; the host also sends Keep Alive every KATO/2.
             alive = Instant::now();
             let outcome = self.command(&mut sock, &cmd, registry);
-            if self.auth.as_ref().is_some_and(|a| a.failed()) {
+            if let Some(why) = self.refused.as_ref().filter(|_| self.auth_failed()) {
+                // The AUTH_Receive that would have read Success1 read Failure1.
+                break format!("not admitted after DH-HMAC-CHAP: {why}");
+            }
+            if self.auth_failed() {
                 registry.access.refuse(
                     &peer,
                     &format!(
@@ -198,13 +211,15 @@ impl AdminQueue {
                 );
                 break "DH-HMAC-CHAP failed".into();
             }
-            // The host has just proved its key: now its namespaces' sessions are admitted,
-            // before the next command (AUTH_Receive of Success1, or the first one the
-            // controller runs) is read.
+            // The host has just proved its key (its Reply checked out): now its namespaces'
+            // sessions are admitted, before the next command (the AUTH_Receive that reads
+            // Success1) is read. Refused, that AUTH_Receive reads AUTH_Failure1 instead, and
+            // the controller ends once it has (or at the authentication deadline); until then
+            // every other command gets Authentication Required.
             if let Some(key) = self
                 .auth
                 .as_ref()
-                .filter(|_| self.authenticated && self.admission_pending)
+                .filter(|a| self.admission_pending && a.host_proved())
                 .map(|a| a.key.clone())
             {
                 self.admission_pending = false;
@@ -225,7 +240,13 @@ impl AdminQueue {
                         self.gone = vec![false; admitted.len()];
                         self.admitted = admitted;
                     }
-                    Err(why) => break format!("not admitted after DH-HMAC-CHAP: {why}"),
+                    Err(why) => {
+                        if let Some(a) = self.auth.as_mut() {
+                            a.refuse();
+                        }
+                        self.authenticated = false;
+                        self.refused = Some(why);
+                    }
                 }
             }
             match outcome {
@@ -738,6 +759,21 @@ impl QueueAuth {
         self.inner.authenticated()
     }
 
+    /// The host has proved its key in this exchange (its Reply checked out), whether or not
+    /// it has read Success1 yet (or, bidirectionally, accepted ours): from here on its sessions
+    /// may be admitted, and must be before Success1 tells it it is in.
+    pub fn host_proved(&self) -> bool {
+        self.inner.host_proved()
+    }
+
+    /// The host proved its key but its sessions cannot be admitted (rules, limits, the key
+    /// store changed): the AUTH_Receive that would read Success1 reads AUTH_Failure1
+    /// ("authentication failed") instead, and the exchange is over ([`QueueAuth::failed`]
+    /// once it was read).
+    pub fn refuse(&mut self) {
+        self.inner.refuse(dhchap::Reason::Failed);
+    }
+
     /// The exchange is over and succeeded: Success1 was read (and Success2 received, when the
     /// host asked the controller to prove itself too).
     pub fn done(&self) -> bool {
@@ -762,8 +798,12 @@ const MAX_AUTH_LEN: usize = 8192;
 
 /// DH-HMAC-CHAP on an I/O queue, on the handshake thread, right after its Connect answered
 /// "authentication required": AUTH_Send / AUTH_Receive until it succeeds or fails; anything
-/// else meanwhile is refused with Authentication Required. Some(true) once the host proved its
-/// key; Some(false) when it failed (the host was told); None when the connection broke.
+/// else meanwhile is refused with Authentication Required. `admit` is called once, as soon as
+/// the host has proved its key (its Reply's AUTH_Send answered), before the AUTH_Receive that
+/// reads Success1: false (the queue cannot join its sessions) makes that AUTH_Receive read
+/// AUTH_Failure1 instead. Some(true) once the exchange is over and the queue admitted;
+/// Some(false) when it failed or was refused (the host was told); None when the connection
+/// broke (after `admit`, whatever it admitted is the caller's to release).
 pub fn authenticate_queue<S: Read + Write>(
     s: &mut S,
     link: &Link,
@@ -771,8 +811,10 @@ pub fn authenticate_queue<S: Read + Write>(
     mut auth: QueueAuth,
     sq_head: &mut u16,
     entries: u16,
+    admit: &mut dyn FnMut() -> bool,
 ) -> Option<bool> {
     let mut buf = Vec::new();
+    let mut admitted = false;
     loop {
         let n = match read_pdu(s, &mut buf, &link.rx).ok()? {
             Ok(n) => n,
@@ -812,6 +854,12 @@ pub fn authenticate_queue<S: Read + Write>(
             result: 0,
         };
         done.send(s, &link.tx, data.as_deref())?;
+        if !admitted && auth.host_proved() {
+            admitted = true;
+            if !admit() {
+                auth.refuse();
+            }
+        }
         if auth.done() {
             return Some(true);
         }

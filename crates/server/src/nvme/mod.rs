@@ -1319,8 +1319,9 @@ fn resolve(
 /// export rules), one session per namespace is admitted, and the controller's entry gets its
 /// namespaces, so that its I/O queues may connect. The sessions record `key`, the key the
 /// exchange checked the host's proof with (not the store's now: a `keys_load` during the
-/// exchange must close them). Returns the new facts and the sessions, or why not (the
-/// controller then ends: its Connect was answered long ago).
+/// exchange must close them). Returns the new facts and the sessions, or why not (its Connect
+/// was answered long ago: the host reads AUTH_Failure1 where Success1 would have been, and the
+/// controller ends).
 pub(crate) fn admit_authenticated(
     registry: &Registry,
     facts: &Facts,
@@ -1425,38 +1426,82 @@ fn io_connect<S: Read + Write>(
         let mut sq_head = 1u16;
         reply(s, c.qid, sc::SUCCESS, c.cntlid as u32 | CONNECT_AUTHREQ_ATR)?;
         let entries = c.sqsize + 1;
-        if !admin::authenticate_queue(s, &link, c.qid, auth, &mut sq_head, entries)? {
+        // The queue joins its sessions as soon as the host has proved its key, before the
+        // AUTH_Receive that reads Success1: refused then, that reads AUTH_Failure1 instead.
+        let mut joined = None;
+        let mut refused = false;
+        let verdict =
+            admin::authenticate_queue(s, &link, c.qid, auth, &mut sq_head, entries, &mut || {
+                match io_join(&c, &ctrl, registry, &peer_s) {
+                    Ok(j) => {
+                        joined = Some(j);
+                        true
+                    }
+                    Err(_) => {
+                        refused = true;
+                        false
+                    }
+                }
+            });
+        match (verdict, joined) {
+            (Some(true), Some(j)) => return Some(io_start(c, link, j, sq_head)),
+            // The exchange failed after the sessions were joined (the host's Failure2), or the
+            // connection broke: they are left.
+            (_, Some((joined, _))) => leave_queues(registry, &joined),
+            // Refused (the host read Failure1), failed before the host's proof, or broken. (An
+            // exchange never succeeds without passing the proof, where `io_join` ran.)
+            (_, None) => {}
+        }
+        if verdict == Some(false) && !refused {
             registry
                 .access
                 .refuse(&peer_s, &format!("NVMe host '{who}' failed DH-HMAC-CHAP"));
-            return None;
         }
-        return io_admit(s, c, link, &ctrl, registry, sq_head, &peer_s, true);
+        return None;
     }
-    io_admit(s, c, link, &ctrl, registry, 1, &peer_s, false)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn io_admit<S: Read + Write>(
-    s: &mut S,
-    c: Connect,
-    link: Link,
-    ctrl: &Controller,
-    registry: &Registry,
-    sq_head: u16,
-    peer_s: &str,
-    answered: bool,
-) -> Option<Accepted> {
-    let entries = c.sqsize + 1;
     let done = Completion {
         cid: c.cid,
         qid: c.qid,
-        sq_head,
+        sq_head: 1,
         status: sc::SUCCESS,
         result: c.cntlid as u64,
     };
-    // The queue joins the session of every namespace still served (a removed one's session
-    // is revoked and refuses it: that namespace is not among the queue's targets).
+    let j = match io_join(&c, &ctrl, registry, &peer_s) {
+        Ok(j) => j,
+        Err(_) => {
+            let refused = Completion {
+                status: sc::CONNECT_INVALID_PARAM | sc::DNR,
+                result: invalid_param(false, 42) as u64,
+                ..done
+            };
+            let _ = refused.send(s, &link.tx, None);
+            return None;
+        }
+    };
+    if done.send(s, &link.tx, None).is_none() {
+        leave_queues(registry, &j.0);
+        return None;
+    }
+    Some(io_start(c, link, j, 1))
+}
+
+/// Leaves the sessions an I/O queue joined.
+fn leave_queues(registry: &Registry, joined: &[Admitted]) {
+    for a in joined {
+        registry.leave(a.session, a.queue, &Default::default());
+    }
+}
+
+/// Joins I/O queue `c.qid` to the session of every namespace of `ctrl` still served (a removed
+/// one's session is revoked and refuses it: that namespace is not among the queue's targets):
+/// the sessions joined and their namespaces, or why not (logged; nothing stays joined).
+fn io_join(
+    c: &Connect,
+    ctrl: &Controller,
+    registry: &Registry,
+    peer_s: &str,
+) -> Result<(Vec<Admitted>, Vec<NsIo>), Status> {
+    let entries = c.sqsize + 1;
     let mut joined: Vec<Admitted> = Vec::with_capacity(ctrl.facts.namespaces.len());
     let mut namespaces = Vec::with_capacity(ctrl.facts.namespaces.len());
     let mut refused = None;
@@ -1482,32 +1527,28 @@ fn io_admit<S: Read + Write>(
         refused = Some(Status::Access);
     }
     if let Some(st) = refused {
-        for a in &joined {
-            registry.leave(a.session, a.queue, &Default::default());
-        }
+        leave_queues(registry, &joined);
         crate::log!(
             Level::Info,
             "{peer_s}: NVMe I/O queue {} of controller {} refused: {st}",
             c.qid,
             c.cntlid
         );
-        if !answered {
-            let refused = Completion {
-                status: sc::CONNECT_INVALID_PARAM | sc::DNR,
-                result: invalid_param(false, 42) as u64,
-                ..done
-            };
-            let _ = refused.send(s, &link.tx, None);
-        }
-        return None;
+        return Err(st);
     }
+    Ok((joined, namespaces))
+}
+
+/// The I/O queue, its Connect answered (and its DH-HMAC-CHAP done) and its sessions joined,
+/// as the reactor takes it.
+fn io_start(
+    c: Connect,
+    link: Link,
+    (joined, namespaces): (Vec<Admitted>, Vec<NsIo>),
+    sq_head: u16,
+) -> Accepted {
+    let entries = c.sqsize + 1;
     let max_io = joined[0].max_io;
-    if !answered && done.send(s, &link.tx, None).is_none() {
-        for a in &joined {
-            registry.leave(a.session, a.queue, &Default::default());
-        }
-        return None;
-    }
     // From here on the queue takes in-capsule writes and H2CData up to MAXH2CDATA, inside the
     // memory budget the reactor keeps.
     let mut rx = link.rx;
@@ -1522,5 +1563,5 @@ fn io_admit<S: Read + Write>(
         max_io,
         namespaces,
     });
-    Some(Accepted::Io(joined, Box::new(fe)))
+    Accepted::Io(joined, Box::new(fe))
 }
