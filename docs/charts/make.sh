@@ -172,12 +172,12 @@ chart("copy-compare",
       "second run, at 68ddae6 (2026-11-25), ROUNDS=3 bench/copy-compare.sh",
       ["mib_s", "link_pct"], rows, peers="nbdcopy dd")
 
-# Ceph RBD (issue 18): the latest recorded run (e3e7dc9).
+# Ceph RBD (issue 18): the latest recorded run (aa12782).
 chart("rbd-compare",
       "Ceph RBD: librbd directly (fio rbd) vs blkwire native and NBD, one job, 8s per run, 3 rounds (median), 127.0.0.1",
-      "run at e3e7dc9 (2026-11-26 06:31 UTC), bench/rbd-compare.sh",
+      "run at aa12782 (2026-11-27 00:12 UTC), bench/rbd-compare.sh",
       ["iops", "mean_us", "p99_us"],
-      latency(md_table("at e3e7dc9, 2026-11-26 06:31-06:36 UTC"),
+      latency(md_table("at aa12782, 2026-11-27 00:12-00:19 UTC"),
               lambda r: f"{r['bs']} {r['rw']} QD{r['QD']}", lambda r: r["system"]),
       peers="fio-rbd")
 
