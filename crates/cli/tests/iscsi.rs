@@ -635,7 +635,8 @@ fn running(stats_url: &str) -> u64 {
 /// a WRITE stuck on a frozen filesystem) is answered after that command (RFC 7143 §4.2.3.3):
 /// the WRITE's response first, then Function Complete. It used to be answered at once (ABORT
 /// TASK: "task does not exist"), the WRITE's response following it, which an initiator that
-/// had taken the task as ended (and its ITT as free) would take for another command's.
+/// had taken the task as ended (and its ITT as free) would take for another command's. A
+/// NOP-Out sent while it waits is answered (it once was not: Linux drops the connection).
 #[test]
 fn task_management_is_answered_after_the_commands_it_finds_running() {
     use common::frozen::LoopExt4;
@@ -668,6 +669,13 @@ fn task_management_is_answered_after_the_commands_it_finds_running() {
         assert!(
             common::wait_until(Duration::from_secs(30), stuck),
             "{name}: the write never reached the backend"
+        );
+        // The function waits for the WRITE, behind it in the stream; a ping after it is
+        // answered meanwhile (Linux drops a connection whose NOP-Outs go unanswered).
+        assert_eq!(
+            c.ping(b"fenced").as_deref(),
+            Some(&b"fenced"[..]),
+            "{name}: a NOP-Out answered while the function waits"
         );
         drop(frozen);
         let r = c.recv().expect("a response");

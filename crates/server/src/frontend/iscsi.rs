@@ -37,9 +37,10 @@
 //!   the reactor for memory ([`StreamFrontend::parked`]): never run nor answered. A compound
 //!   command runs no more parts and answers no one. What of its scope runs at a backend
 //!   cannot be stopped: it is answered first, and the function's response waits for it
-//!   (`fence`; RFC 7143 §4.2.3.3), nothing after the function being decoded meanwhile, so no
-//!   response of an affected task ever follows the function's. ABORT TASK answers "task does
-//!   not exist" only for a task already answered.
+//!   (`fence`; RFC 7143 §4.2.3.3) and goes out right behind its answer, so no response of an
+//!   affected task ever follows the function's. Meanwhile the rest is decoded (NOP-Outs
+//!   answered, Data-Out and commands taken); only another function or a Logout waits behind
+//!   it. ABORT TASK answers "task does not exist" only for a task already answered.
 //! - A PDU that breaks the protocol is answered with Reject (its header as data) where the
 //!   stream is still in step, and the connection is closed where it is not (header digest,
 //!   data digest of Data-Out, oversized data segment).
@@ -373,13 +374,16 @@ impl Scope {
 
 /// A task management function answered once the tasks it affects that were running when it
 /// came are answered (`Iscsi::fence`).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Fence {
     /// Its ITT.
     itt: u32,
     /// The response it gets.
     response: u8,
-    scope: Scope,
+    /// The tasks (ITT, connection target) it waits for: those of its scope with the reactor
+    /// when it came, each taken off as it is answered (`Iscsi::settle`). Commands decoded
+    /// after the function are not among them.
+    waiting: Vec<(u32, u8)>,
 }
 
 /// One connection's full feature phase state.
@@ -416,8 +420,9 @@ pub struct Iscsi {
     /// and the offset of the first difference once read.
     compare: Option<(Vec<u8>, Option<u64>)>,
     /// A part that must be done before anything after it is decoded is with the reactor (the
-    /// read of a COMPARE AND WRITE: nothing later of this connection is decoded until the
-    /// compare is done and its write handed out).
+    /// read of a COMPARE AND WRITE: no later command of this connection is decoded until the
+    /// compare is done and its write handed out; Data-Out and NOP-Out, which start no task,
+    /// are).
     hold: bool,
     /// The unsolicited data announced by the command `decode` handed out last (its ITT and
     /// sequence), until `solicit` places it in the write's slot or `reply` answers the write.
@@ -436,7 +441,9 @@ pub struct Iscsi {
     /// named (`next_release`).
     releases: Vec<u16>,
     /// A task management function whose response waits for the tasks it affects that were
-    /// running when it came: nothing after it is decoded until they are answered.
+    /// running when it came: sent right behind the last one's answer (`lift`). Meanwhile
+    /// everything else is decoded, but another task management function or a Logout waits
+    /// behind it.
     fence: Option<Fence>,
     scratch: Vec<u8>,
     /// Persistent reservations, per target (LU) as `luns`: each its export's, shared by every
@@ -583,11 +590,33 @@ impl Iscsi {
         self.inflight.len() as u16
     }
 
-    /// The command `itt` is answered (or given up): it is no longer with the reactor.
-    fn settle(&mut self, itt: u32) {
-        if let Some(i) = self.inflight.iter().position(|&(t, _)| t == itt) {
+    /// The command `itt` of connection target `target` is answered (or given up): it is no
+    /// longer with the reactor, nor waited for by a task management function. Matched on both:
+    /// an initiator that uses one ITT on two LUs does not settle one LU's command with the
+    /// other's answer.
+    fn settle(&mut self, itt: u32, target: u8) {
+        if let Some(i) = self.inflight.iter().position(|&e| e == (itt, target)) {
             self.inflight.swap_remove(i);
         }
+        if let Some(f) = self.fence.as_mut() {
+            if let Some(i) = f.waiting.iter().position(|&e| e == (itt, target)) {
+                f.waiting.swap_remove(i);
+            }
+        }
+    }
+
+    /// Sends the response of the task management function waiting (`fence`) once the last
+    /// task it waits for is answered: called right after an answer is written into `tx`, so
+    /// it follows that answer (RFC 7143 §4.2.3.3). Returns whether it went out.
+    fn lift(&mut self, tx: &mut Vec<u8>) -> bool {
+        if self.fence.as_ref().is_none_or(|f| !f.waiting.is_empty()) {
+            return false;
+        }
+        let Some(f) = self.fence.take() else {
+            return false;
+        };
+        self.tmf_response(f.itt, f.response, tx);
+        true
     }
 
     /// MaxCmdSN now: the window is the free task places (§4.2.2.1).
@@ -678,9 +707,10 @@ impl Iscsi {
         tx: &mut Vec<u8>,
         pieces: Option<&mut Vec<Piece>>,
     ) {
-        self.settle(itt_of(req));
+        self.settle(itt_of(req), req.target);
         let send = (extra_of(req) as usize).min(data.len());
         self.data_in(itt_of(req), &data[..send], residual_of(req), tx, pieces);
+        self.lift(tx);
     }
 
     /// Data-In PDUs for `data`, the last one with GOOD status and the residual `res`. With
@@ -1769,7 +1799,7 @@ impl Iscsi {
         }
         for &slot in &released {
             let t = self.tasks[slot as usize];
-            self.settle(t.itt);
+            self.settle(t.itt, t.target);
             // Unsolicited data of an aborted write may still be on its way: dropped in step.
             if t.seq.ttt == RESERVED_TAG {
                 self.drain(t.itt, t.seq);
@@ -1786,14 +1816,23 @@ impl Iscsi {
         }
         let compound = self.compound.as_ref().map(|c| (c.itt, c.target));
         let compound = compound.filter(|&(itt, t)| scope.hits(itt, t));
-        if let Some((itt, _)) = compound {
-            let part_released = released.iter().any(|&s| self.tasks[s as usize].itt == itt);
+        if let Some((itt, target)) = compound {
+            let part_released = released.iter().any(|&s| {
+                let t = &self.tasks[s as usize];
+                (t.itt, t.target) == (itt, target)
+            });
             self.abort_compound(part_released);
         }
         // The tasks it affects that run (at a backend, or across the reactors) cannot be
         // stopped: they are answered first, and the response waits for them (§4.2.3.3, the
         // response fence: no response of an affected task follows the function's).
-        let running = self.inflight.iter().any(|&(itt, t)| scope.hits(itt, t));
+        let waiting: Vec<(u32, u8)> = self
+            .inflight
+            .iter()
+            .copied()
+            .filter(|&(itt, t)| scope.hits(itt, t))
+            .collect();
+        let running = !waiting.is_empty();
         let response = match function {
             // The referenced task found (waiting, running, or a compound command's) is
             // complete: "does not exist" only for one already answered (libiscsi's
@@ -1805,7 +1844,7 @@ impl Iscsi {
             self.fence = Some(Fence {
                 itt: p.itt(),
                 response,
-                scope,
+                waiting,
             });
         } else {
             self.tmf_response(p.itt(), response, tx);
@@ -1921,22 +1960,34 @@ impl StreamFrontend for Iscsi {
                 trailer,
             };
         }
-        if let Some(f) = self.fence {
-            if self.inflight.iter().any(|&(itt, t)| f.scope.hits(itt, t)) {
-                // A task management function waits for the tasks it affects that run: nothing
-                // after it is decoded until they are answered (the reactor services the
-                // connection again when one is), so no new task joins them meanwhile.
+        if self.fence.is_some() {
+            // The last task a function waited for was answered from its own buffer (a READ's
+            // Data-In, `finish_read_reply`): its response follows it here.
+            if self.lift(tx) {
+                return Decoded::Answered { len: 0 };
+            }
+            // A task management function waits for the tasks it affects that run. Everything
+            // else goes on (NOP-Outs are answered: an initiator pings while it waits, and
+            // drops the connection when a ping goes unanswered; Data-Out and other commands
+            // flow), but another function or a Logout waits behind it, in stream order.
+            if rx
+                .first()
+                .is_some_and(|b| matches!(b & 0x3f, op::TMF_REQ | op::LOGOUT_REQ))
+            {
                 return Decoded::Need(rx.len().min(BHS_LEN));
             }
-            // Their answers went out before this, in stream order.
-            self.fence = None;
-            self.tmf_response(f.itt, f.response, tx);
-            return Decoded::Answered { len: 0 };
         }
-        if self.hold && self.part_running {
-            // COMPARE AND WRITE's read is with the reactor: nothing more is decoded until it
-            // is back (the reactor services the connection again when it is). What is asked for
-            // is there already: the receive buffer does not grow for it.
+        if self.hold
+            && self.part_running
+            && !rx
+                .first()
+                .is_some_and(|b| matches!(b & 0x3f, op::DATA_OUT | op::NOP_OUT))
+        {
+            // COMPARE AND WRITE's read is with the reactor: no command is decoded until it is
+            // back (the reactor services the connection again when it is). What is asked for
+            // is there already: the receive buffer does not grow for it. Data-Out and NOP-Out
+            // start no task and go on: the read may be parked for memory that writes waiting
+            // for their Data-Out hold, and would never run if that data were not read.
             return Decoded::Need(rx.len().min(BHS_LEN));
         }
         if !self.part_running {
@@ -2103,8 +2154,11 @@ impl StreamFrontend for Iscsi {
         self.pr.get_mut(req.target as usize)?.outgoing.take()
     }
 
+    /// Also true when a task management function's response is due (`lift` in `decode`),
+    /// which needs no slot either: it must not wait for one to free.
     fn next_is_data(&self, rx: &[u8]) -> bool {
         rx.first().is_some_and(|b| b & 0x3f == op::DATA_OUT)
+            || self.fence.as_ref().is_some_and(|f| f.waiting.is_empty())
     }
 
     /// The answers larger than the reactor's slack are the NOP-In echoing a ping's data (up to
@@ -2159,7 +2213,10 @@ impl StreamFrontend for Iscsi {
     }
 
     fn finish_read_reply(&mut self, req: &Req, prefix: &mut [u8], data: &[u8], suffix: &mut [u8]) {
-        self.settle(itt_of(req));
+        // A function this READ was the last one waited for is answered by `decode` (this
+        // answer goes out from its own buffer: nothing may be put into the transmit buffer
+        // behind it here), which `next_is_data` lets run even when no slot is free.
+        self.settle(itt_of(req), req.target);
         let res = residual_of(req);
         let mut b = Bhs::new(op::DATA_IN, flag::FINAL | flag::STATUS | res.flags());
         b.itt(itt_of(req)).set32(20, RESERVED_TAG);
@@ -2182,8 +2239,9 @@ impl StreamFrontend for Iscsi {
                     .position(|(a, b)| a != b)
                     .map(|i| i as u64);
             }
-            self.settle(itt_of(req));
+            self.settle(itt_of(req), req.target);
             self.part_done(req, Status::Ok, tx);
+            self.lift(tx);
             return;
         }
         self.read_data_in(req, data, tx, None);
@@ -2211,13 +2269,13 @@ impl StreamFrontend for Iscsi {
 
     fn reply(&mut self, req: &Req, status: Status, tx: &mut Vec<u8>) -> bool {
         let itt = itt_of(req);
-        self.settle(itt);
+        self.settle(itt, req.target);
         if let Some((a, seq)) = self.announced.filter(|(a, _)| follows_of(req) && *a == itt) {
             // Refused before it had a slot: its unsolicited data is dropped as it comes.
             self.announced = None;
             self.drain(a, seq);
         }
-        match reply_of(req) {
+        let answered = match reply_of(req) {
             Reply::Logout => {
                 let mut b = Bhs::new(op::LOGOUT_RSP, flag::FINAL);
                 b.itt(itt);
@@ -2242,11 +2300,14 @@ impl StreamFrontend for Iscsi {
                 }
                 true
             }
-        }
+        };
+        // A function waiting for this command is answered right behind it.
+        self.lift(tx);
+        answered
     }
 
     fn block_status_reply(&mut self, req: &Req, extents: &[(u32, bool)], tx: &mut Vec<u8>) -> bool {
-        self.settle(itt_of(req));
+        self.settle(itt_of(req), req.target);
         let shift = self.luns[req.target as usize].shift;
         let lba = req.offset >> shift;
         let list: Vec<(u64, bool)> = extents
@@ -2257,6 +2318,7 @@ impl StreamFrontend for Iscsi {
         let d = scsi::lba_status(lba, &list, extra_of(req));
         let res = Residual::of(residual_of(req).count(), d.len() as u32);
         self.data_in(itt_of(req), &d, res, tx, None);
+        self.lift(tx);
         true
     }
 }
@@ -3007,8 +3069,9 @@ mod tests {
     /// task ABORT TASK finds: Function Complete, and its slot released so it never runs nor is
     /// answered (told "does not exist", an initiator may reuse its ITT, and the READ's late
     /// answer would pass for another command's). One that left the wait and runs is answered
-    /// first: the function's response waits for it (RFC 7143 §4.2.3.3), and nothing after
-    /// the function is decoded meanwhile.
+    /// first: the function's response waits for it (RFC 7143 §4.2.3.3) and follows its
+    /// answer right away. Meanwhile a NOP-Out is answered (an initiator drops a connection
+    /// whose pings go unanswered), but another function waits behind the first.
     #[test]
     fn abort_task_finds_a_read_parked_for_memory_and_waits_for_one_that_runs() {
         let mut f = fe(4096);
@@ -3047,24 +3110,53 @@ mod tests {
         );
         assert!(tx.is_empty(), "a response before the running READ's answer");
         let nop = nop_pdu(12);
-        assert!(matches!(f.decode(&nop, &mut tx), Decoded::Need(_)));
-        assert!(tx.is_empty(), "decoded past the waiting function");
+        assert!(matches!(f.decode(&nop, &mut tx), Decoded::Answered { len } if len == nop.len()));
+        assert_eq!(
+            (tx[0], be32(&tx, 16)),
+            (op::NOP_IN, 12),
+            "a ping answered while the function waits"
+        );
+        tx.clear();
+        // Another function waits behind the first, unread.
+        let second = tmf_pdu(13, 1, 99);
+        assert!(matches!(f.decode(&second, &mut tx), Decoded::Need(_)));
+        assert!(
+            tx.is_empty(),
+            "a second function decoded past the waiting one"
+        );
         f.encode_read(&req, &[7u8; 512], &mut tx);
         assert_eq!((tx[0], be32(&tx, 16)), (op::DATA_IN, 2));
+        let at = tx.len() - BHS_LEN;
+        assert_eq!(
+            (tx[at], tx[at + 2], be32(&tx, at + 16)),
+            (op::TMF_RSP, 0, 11),
+            "Function Complete, right behind the READ's answer"
+        );
         let at = tx.len();
+        assert!(
+            matches!(f.decode(&second, &mut tx), Decoded::Answered { len } if len == second.len())
+        );
+        assert_eq!((tx[at], tx[at + 2]), (op::TMF_RSP, 1));
+        assert_eq!(f.outstanding(), 0);
+        tx.clear();
+        // A READ answered from its own buffer (`finish_read_reply`): the response follows it
+        // from `decode`, which the reactor runs even with no slot free (`next_is_data`).
+        let req = read_on(&mut f, 0, 3, &mut tx);
+        let abort = tmf_pdu(14, 1, 3);
+        assert!(matches!(
+            f.decode(&abort, &mut tx),
+            Decoded::Answered { .. }
+        ));
+        assert!(tx.is_empty() && !f.next_is_data(&[]));
+        let (mut p, mut q) = (vec![0u8; BHS_LEN], vec![0u8; 0]);
+        f.finish_read_reply(&req, &mut p, &[0u8; 512], &mut q);
+        assert!(tx.is_empty() && f.next_is_data(&[]));
         assert!(matches!(
             f.decode(&nop, &mut tx),
             Decoded::Answered { len: 0 }
         ));
-        assert_eq!(
-            (tx[at], tx[at + 2], be32(&tx, at + 16)),
-            (op::TMF_RSP, 0, 11),
-            "Function Complete, after the READ's answer"
-        );
-        let at = tx.len();
-        assert!(matches!(f.decode(&nop, &mut tx), Decoded::Answered { len } if len == nop.len()));
-        assert_eq!((tx[at], be32(&tx, at + 16)), (op::NOP_IN, 12));
-        assert_eq!(f.outstanding(), 0);
+        assert_eq!((tx[0], tx[2], be32(&tx, 16)), (op::TMF_RSP, 0, 14));
+        assert!(!f.next_is_data(&[]));
     }
 
     /// LOGICAL UNIT RESET gives up what of its LU waits for memory (a READ, GET LBA STATUS)
@@ -3112,20 +3204,23 @@ mod tests {
         let at = tx.len();
         assert!(matches!(f.decode(&[], &mut tx), Decoded::Need(_)));
         assert_eq!(tx.len(), at);
+        assert_eq!(tx[0], op::DATA_IN);
+        // A command of LUN 1 that came after the function is not waited for.
+        let later = read_on(&mut f, 1, 5, &mut tx);
+        assert_eq!(tx.len(), at);
         f.reply(&mine, Status::Io, &mut tx);
-        let at = tx.len();
-        assert!(matches!(
-            f.decode(&[], &mut tx),
-            Decoded::Answered { len: 0 }
-        ));
+        assert_eq!(tx[at], op::SCSI_RSP);
+        let at = tx.len() - BHS_LEN;
         assert_eq!(
             (tx[at], tx[at + 2], be32(&tx, at + 16)),
             (op::TMF_RSP, 0, 20)
         );
+        assert!(matches!(f.decode(&[], &mut tx), Decoded::Need(_)));
+        f.encode_read(&later, &[1u8; 512], &mut tx);
         assert_eq!(f.outstanding(), 0);
         // Nothing of LUN 1 runs while LUN 0's READ does: answered at once, for each function
         // whose scope holds no running task.
-        let other = read_on(&mut f, 0, 5, &mut tx);
+        let other = read_on(&mut f, 0, 6, &mut tx);
         for (lun, function) in [(1u64, 5u8), (1, 4), (1, 2)] {
             tx.clear();
             assert!(matches!(
@@ -3143,11 +3238,8 @@ mod tests {
         assert!(matches!(f.decode(&[], &mut tx), Decoded::Need(_)));
         assert!(tx.is_empty());
         f.reply(&other, Status::Ok, &mut tx);
-        let at = tx.len();
-        assert!(matches!(
-            f.decode(&[], &mut tx),
-            Decoded::Answered { len: 0 }
-        ));
+        assert_eq!(tx[0], op::SCSI_RSP);
+        let at = tx.len() - BHS_LEN;
         assert_eq!((tx[at], be32(&tx, at + 16)), (op::TMF_RSP, 22));
     }
 
@@ -3199,13 +3291,12 @@ mod tests {
         ));
         assert!(tx.is_empty(), "answered while the trim runs");
         assert!(matches!(f.decode(&[], &mut tx), Decoded::Need(_)));
-        // The trim's answer answers no one, and the function's response follows.
-        assert!(!f.reply(&trim, Status::Ok, &mut tx) && tx.is_empty());
-        assert!(matches!(
-            f.decode(&[], &mut tx),
-            Decoded::Answered { len: 0 }
-        ));
-        assert_eq!((tx[0], tx[2], be32(&tx, 16)), (op::TMF_RSP, 0, 11));
+        // The trim's answer answers no one; the function's response goes out then.
+        assert!(!f.reply(&trim, Status::Ok, &mut tx));
+        assert_eq!(
+            (tx.len(), tx[0], tx[2], be32(&tx, 16)),
+            (BHS_LEN, op::TMF_RSP, 0, 11)
+        );
         // No second trim: the command is over.
         assert!(matches!(f.decode(&[], &mut tx), Decoded::Need(_)));
         assert_eq!(f.outstanding(), 0);
@@ -3548,6 +3639,97 @@ mod tests {
         assert_eq!(buf, vec![0xab; 512]);
         assert!(f.reply(&write, Status::Ok, &mut tx));
         assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 7));
+    }
+
+    /// While COMPARE AND WRITE's read is with the reactor no command is decoded, but Data-Out
+    /// and NOP-Out are: the read may be parked for memory that writes waiting for their
+    /// Data-Out hold, and the connection would wedge if that data were never read.
+    #[test]
+    fn compare_and_write_waiting_for_its_read_still_takes_data_out_and_pings() {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        let Decoded::Request { req: write, .. } =
+            f.decode(&cmd(9, 0, &write10(8), 4096, true, &[]), &mut tx)
+        else {
+            panic!("a write");
+        };
+        f.taken(&write);
+        f.solicit(&write, 3, 0, 4096, &mut tx);
+        assert_eq!((tx[0], be32(&tx, 16)), (op::R2T, 9));
+        let write_ttt = be32(&tx, 20);
+        tx.clear();
+        let pdu = cmd(7, 1, &caw(1), 1024, true, &[]);
+        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Answered { .. }));
+        assert_eq!((tx[0], be32(&tx, 16)), (op::R2T, 7));
+        let ttt = be32(&tx, 20);
+        tx.clear();
+        let Decoded::Request { req: read, .. } =
+            f.decode(&data_out(7, ttt, 0, 0, &[0u8; 1024], true), &mut tx)
+        else {
+            panic!("the compare's read");
+        };
+        f.taken(&read);
+        // Parked in the reactor: the memory it waits for is the write's, which its data frees.
+        f.parked(&read, 4);
+        let tur = cmd(50, 2, &[0u8; 6], 0, false, &[]);
+        assert!(matches!(f.decode(&tur, &mut tx), Decoded::Need(_)));
+        let d = data_out(9, write_ttt, 0, 0, &[5u8; 4096], true);
+        assert!(
+            matches!(f.decode(&d, &mut tx), Decoded::Data { slot: 3, len, .. } if len == d.len()),
+            "the write's data is read while the compare waits"
+        );
+        let nop = nop_pdu(60);
+        assert!(matches!(f.decode(&nop, &mut tx), Decoded::Answered { len } if len == nop.len()));
+        assert_eq!((tx[0], be32(&tx, 16)), (op::NOP_IN, 60));
+        tx.clear();
+        assert!(matches!(f.decode(&tur, &mut tx), Decoded::Need(_)));
+        // The write done, the read runs: the command goes on.
+        assert!(f.reply(&write, Status::Ok, &mut tx));
+        f.unparked(4);
+        f.encode_read(&read, &[0u8; 512], &mut tx);
+        assert!(matches!(
+            f.decode(&tur, &mut tx),
+            Decoded::Request { req, .. } if req.kind == Kind::Block(BlockOp::Write)
+        ));
+    }
+
+    /// One ITT used on two LUs at once (which a well-behaved initiator never does): the answer
+    /// of one LU's command settles that command only, so a LOGICAL UNIT RESET of the other
+    /// LU still waits for its own.
+    #[test]
+    fn one_itt_on_two_lus_settles_each_lus_command_apart() {
+        let mut f = fe_luns(4096, &[(0, "m=mem:1M"), (1, "m=mem:1M")]);
+        let mut tx = Vec::new();
+        let mut read = |lun: u64, cmdsn: u32, tx: &mut Vec<u8>| {
+            let Decoded::Request { req, .. } =
+                f.decode(&cmd_lun(lun, 7, cmdsn, &READ10_ONE, 512), tx)
+            else {
+                panic!("a read");
+            };
+            f.taken(&req);
+            req
+        };
+        let one = read(1, 0, &mut tx);
+        let zero = read(0, 1, &mut tx);
+        let mut reset = tmf_pdu(20, 5, RESERVED_TAG);
+        reset[8..16].copy_from_slice(&scsi::lun_to_wire(1));
+        assert!(matches!(
+            f.decode(&reset, &mut tx),
+            Decoded::Answered { .. }
+        ));
+        assert!(tx.is_empty());
+        f.encode_read(&zero, &[0u8; 512], &mut tx);
+        assert!(matches!(f.decode(&[], &mut tx), Decoded::Need(_)));
+        assert_eq!(
+            tx.len(),
+            BHS_LEN + 512,
+            "LUN 1's reset answered when LUN 0's command was"
+        );
+        assert_eq!(f.outstanding(), 1);
+        f.reply(&one, Status::Ok, &mut tx);
+        let at = tx.len() - BHS_LEN;
+        assert_eq!((tx[at], be32(&tx, at + 16)), (op::TMF_RSP, 20));
+        assert_eq!(f.outstanding(), 0);
     }
 
     #[test]
