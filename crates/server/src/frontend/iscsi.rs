@@ -15,7 +15,9 @@
 //!   it takes it), and the rest is asked for with R2Ts (TTT = the slot) of at most
 //!   MaxBurstLength each, one outstanding at a time (MaxOutstandingR2T=1), the first once the
 //!   unsolicited data is in; Data-Out PDUs become [`Decoded::Data`]. Unsolicited data of a
-//!   command answered without a slot is checked and dropped (`drains`).
+//!   command answered without a slot is checked and dropped (`drains`); Data-Out answering
+//!   an R2T of a task that task management gave up is dropped to the end of its sequence
+//!   (`given_up`).
 //!   READ data goes out as one Data-In PDU with the status in it when it fits the initiator's
 //!   MaxRecvDataSegmentLength, otherwise as a Data-In sequence. Everything the target answers
 //!   itself (INQUIRY, READ CAPACITY, MODE SENSE, REPORT LUNS, refusals) is answered in
@@ -430,6 +432,11 @@ pub struct Iscsi {
     /// Unsolicited sequences nobody takes (the command was answered, or its write has all the
     /// data it moves): checked and dropped until they end. At most `depth`.
     drains: Vec<(u32, Seq)>,
+    /// Solicited sequences, as (ITT, TTT), of tasks task management gave up while their R2T
+    /// was out (a write's, a parameter list's): their Data-Out, which the initiator may still
+    /// send (§11.5.1), is dropped until its F bit, also once the slot (the TTT) serves another
+    /// write. At most `depth`; those of an ITT are forgotten when a command reuses it.
+    given_up: Vec<(u32, u32)>,
     /// The exports this initiator may open, as LUNs: EXTENDED COPY finds its source here.
     peers: Vec<(String, LunInfo)>,
     xlimits: xcopy::Limits,
@@ -563,6 +570,7 @@ impl Iscsi {
             hold: false,
             announced: None,
             drains: Vec::with_capacity(depth as usize),
+            given_up: Vec::new(),
             peers: s.peers,
             xlimits,
             history: xcopy::History::default(),
@@ -797,6 +805,11 @@ impl Iscsi {
 
     /// A SCSI Command; unsolicited data it announced and nothing takes is dropped as it comes.
     fn command(&mut self, rx: &[u8], len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
+        if !self.given_up.is_empty() {
+            // The initiator is done with a given-up task whose ITT it uses again.
+            let itt = p.itt();
+            self.given_up.retain(|&(i, _)| i != itt);
+        }
         let d = self.scsi_command(rx, len, p, tx);
         if let Some((itt, seq)) = self.announced {
             let placed =
@@ -807,6 +820,17 @@ impl Iscsi {
             }
         }
         d
+    }
+
+    /// Drops the Data-Out of the solicited sequence `ttt` of `itt`, given up with its R2T out,
+    /// until its F bit (`given_up`).
+    fn give_up(&mut self, itt: u32, ttt: u32) {
+        if self.given_up.len() >= self.depth as usize {
+            // The oldest is forgotten (its data, should it come after all, ends the
+            // connection as data no R2T asked for).
+            self.given_up.remove(0);
+        }
+        self.given_up.push((itt, ttt));
     }
 
     /// Drops what comes of the unsolicited sequence `seq` of `itt` (checked, never kept).
@@ -1524,6 +1548,13 @@ impl Iscsi {
         let ttt = p.word20();
         let offset = p.word(40);
         let fin = p.flags() & flag::FINAL != 0;
+        if let Some(i) = self.given_up.iter().position(|&e| e == (itt, ttt)) {
+            // Answers an R2T of a task given up (§11.5.1): dropped until the sequence ends.
+            if fin {
+                self.given_up.swap_remove(i);
+            }
+            return Decoded::Answered { len };
+        }
         if ttt == PARAM_TTT {
             return self.param_data(rx, len, p, tx);
         }
@@ -1789,13 +1820,21 @@ impl Iscsi {
         // The tasks that wait (writes for their data, requests parked in the reactor for
         // memory) are given up: never run nor answered; the reactor frees their slots.
         let mut released: Vec<u16> = Vec::new();
+        let mut solicited: Vec<(u32, u32)> = Vec::new();
         for (i, t) in self.tasks.iter_mut().enumerate() {
             if t.active && scope.hits(t.itt, t.target) {
+                if !t.parked && t.seq.ttt != RESERVED_TAG && t.seq.next < t.seq.end {
+                    // Its R2T is out: Data-Out for it may still come.
+                    solicited.push((t.itt, t.seq.ttt));
+                }
                 t.active = false;
                 t.parked = false;
                 t.aborted = true;
                 released.push(i as u16);
             }
+        }
+        for (itt, ttt) in solicited {
+            self.give_up(itt, ttt);
         }
         for &slot in &released {
             let t = self.tasks[slot as usize];
@@ -1873,6 +1912,9 @@ impl Iscsi {
         if let Some(p) = self.params.take() {
             if p.seq.ttt == RESERVED_TAG {
                 self.drain(p.itt, p.seq);
+            } else if p.seq.next < p.seq.end {
+                // Its R2T is out.
+                self.give_up(p.itt, p.seq.ttt);
             }
         }
     }
@@ -3337,6 +3379,82 @@ mod tests {
         // Aborting it again: the task does not exist.
         assert!(matches!(f.decode(&tmf, &mut tx), Decoded::Answered { .. }));
         assert_eq!((tx[0], tx[2]), (op::TMF_RSP, 1));
+    }
+
+    /// Data-Out answering the R2T of a write given up by ABORT TASK, still coming once its
+    /// slot serves another write, and Data-Out answering the R2T of a parameter list given
+    /// up, are dropped until their F bit (§11.5.1: the initiator may keep sending): the
+    /// connection goes on. Once the sequence ended, more is data no R2T asked for.
+    #[test]
+    fn data_out_for_r2ts_of_given_up_tasks_is_dropped_after_the_slot_is_reused() {
+        let mut f = fe(4096);
+        let mut tx = Vec::new();
+        let write = |f: &mut Iscsi, itt: u32, cmdsn: u32, slot: u16, tx: &mut Vec<u8>| {
+            let Decoded::Request { req, .. } =
+                f.decode(&cmd(itt, cmdsn, &write10(16), 8192, true, &[]), tx)
+            else {
+                panic!("a write");
+            };
+            f.taken(&req);
+            f.solicit(&req, slot, 0, 8192, tx);
+            assert_eq!(
+                (tx[0], be32(tx, 16), be32(tx, 20)),
+                (op::R2T, itt, slot as u32)
+            );
+            tx.clear();
+            req
+        };
+        write(&mut f, 9, 0, 2, &mut tx);
+        let abort = tmf_pdu(10, 1, 9);
+        assert!(matches!(
+            f.decode(&abort, &mut tx),
+            Decoded::Release { slot: 2, .. }
+        ));
+        assert_eq!((tx[0], tx[2]), (op::TMF_RSP, 0));
+        tx.clear();
+        // Slot 2 serves another write (the reactor freed it).
+        let other = write(&mut f, 11, 1, 2, &mut tx);
+        for fin in [false, true] {
+            let d = data_out(9, 2, fin as u32, 2048 * fin as u32, &[1u8; 2048], fin);
+            assert!(
+                matches!(f.decode(&d, &mut tx), Decoded::Answered { len } if len == d.len()),
+                "late data of the given-up write (F {fin})"
+            );
+            assert!(tx.is_empty());
+        }
+        let d = data_out(11, 2, 0, 0, &[2u8; 4096], true);
+        assert!(matches!(
+            f.decode(&d, &mut tx),
+            Decoded::Data { slot: 2, .. }
+        ));
+        assert!(f.reply(&other, Status::Ok, &mut tx));
+        tx.clear();
+        let d = data_out(9, 2, 2, 4096, &[1u8; 512], true);
+        assert!(matches!(f.decode(&d, &mut tx), Decoded::Violation(_)));
+
+        // A parameter list solicited with its own TTT, then given up.
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        let unmap = [0x42, 0, 0, 0, 0, 0, 0, 0, 24, 0];
+        assert!(matches!(
+            f.decode(&cmd(5, 0, &unmap, 24, true, &[]), &mut tx),
+            Decoded::Answered { .. }
+        ));
+        assert_eq!((tx[0], be32(&tx, 20)), (op::R2T, PARAM_TTT));
+        tx.clear();
+        assert!(matches!(
+            f.decode(&tmf_pdu(6, 1, 5), &mut tx),
+            Decoded::Answered { .. }
+        ));
+        assert_eq!((tx[0], tx[2]), (op::TMF_RSP, 0));
+        tx.clear();
+        let d = data_out(5, PARAM_TTT, 0, 0, &[0u8; 24], true);
+        assert!(matches!(f.decode(&d, &mut tx), Decoded::Answered { len } if len == d.len()));
+        assert!(tx.is_empty());
+        // Its ITT used again: a command of its own.
+        let tur = cmd(5, 1, &[0u8; 6], 0, false, &[]);
+        assert!(matches!(f.decode(&tur, &mut tx), Decoded::Answered { .. }));
+        assert_eq!((tx[0], be32(&tx, 16)), (op::SCSI_RSP, 5));
     }
 
     #[test]
