@@ -297,7 +297,9 @@ pub trait StreamFrontend: Send {
 
     /// True when the message at the front of `rx` (possibly incomplete) is solicited data
     /// ([`Decoded::Data`]), which needs no free slot: the reactor reads it even when every slot
-    /// is busy, since the writes holding the slots wait for exactly that data.
+    /// is busy, since the writes holding the slots wait for exactly that data. Also true when
+    /// the next `decode` will answer something itself without taking a slot (iSCSI: a task
+    /// management function's held response, once the commands it waited for are answered).
     fn next_is_data(&self, rx: &[u8]) -> bool {
         let _ = rx;
         false
