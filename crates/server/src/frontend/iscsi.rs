@@ -3020,6 +3020,30 @@ mod tests {
         out
     }
 
+    /// ABORT TASK (ITT 10, task 1) of the one task, parked in slot 2: Function Complete and
+    /// the slot released, nothing left outstanding; the same function again finds nothing
+    /// ("task does not exist").
+    fn abort_parked_task_1_in_slot_2(f: &mut Iscsi, tx: &mut Vec<u8>) {
+        let abort = tmf_pdu(10, 1, 1);
+        assert!(
+            matches!(f.decode(&abort, tx), Decoded::Release { slot: 2, len } if len == abort.len())
+        );
+        assert_eq!(
+            (tx[0], tx[2], be32(tx, 16)),
+            (op::TMF_RSP, 0, 10),
+            "Function Complete"
+        );
+        assert_eq!((f.outstanding(), f.next_release()), (0, None));
+        tx.clear();
+        assert!(matches!(f.decode(&abort, tx), Decoded::Answered { .. }));
+        assert_eq!(
+            (tx[0], tx[2]),
+            (op::TMF_RSP, 1),
+            "gone: the task does not exist"
+        );
+        tx.clear();
+    }
+
     /// A WRITE parked in the reactor for memory before its R2T (with its immediate data, or
     /// none) is a task ABORT TASK finds: Function Complete, its slot released so it never
     /// runs, nothing more outstanding; ABORT TASK SET releases every parked write at once
@@ -3045,24 +3069,7 @@ mod tests {
         park(&mut f, 1, 2, &[5u8; 1024], &mut tx);
         assert!(tx.is_empty(), "no R2T while parked");
         assert_eq!(f.outstanding(), 1);
-        let abort = tmf_pdu(10, 1, 1);
-        assert!(
-            matches!(f.decode(&abort, &mut tx), Decoded::Release { slot: 2, len } if len == abort.len())
-        );
-        assert_eq!(
-            (tx[0], tx[2], be32(&tx, 16)),
-            (op::TMF_RSP, 0, 10),
-            "Function Complete"
-        );
-        assert_eq!((f.outstanding(), f.next_release()), (0, None));
-        tx.clear();
-        // Gone: aborting it again, the task does not exist.
-        assert!(matches!(
-            f.decode(&abort, &mut tx),
-            Decoded::Answered { .. }
-        ));
-        assert_eq!((tx[0], tx[2]), (op::TMF_RSP, 1));
-        tx.clear();
+        abort_parked_task_1_in_slot_2(&mut f, &mut tx);
         // ABORT TASK SET: every parked write of the LU, all released by the one function.
         park(&mut f, 2, 0, &[], &mut tx);
         park(&mut f, 3, 1, &[6u8; 512], &mut tx);
@@ -3121,27 +3128,7 @@ mod tests {
         let req = read_on(&mut f, 0, 1, &mut tx);
         f.parked(&req, 2);
         assert_eq!(f.outstanding(), 1);
-        let abort = tmf_pdu(10, 1, 1);
-        assert!(
-            matches!(f.decode(&abort, &mut tx), Decoded::Release { slot: 2, len } if len == abort.len())
-        );
-        assert_eq!(
-            (tx[0], tx[2], be32(&tx, 16)),
-            (op::TMF_RSP, 0, 10),
-            "Function Complete"
-        );
-        assert_eq!((f.outstanding(), f.next_release()), (0, None));
-        tx.clear();
-        assert!(matches!(
-            f.decode(&abort, &mut tx),
-            Decoded::Answered { .. }
-        ));
-        assert_eq!(
-            (tx[0], tx[2]),
-            (op::TMF_RSP, 1),
-            "gone: the task does not exist"
-        );
-        tx.clear();
+        abort_parked_task_1_in_slot_2(&mut f, &mut tx);
         // Parked, then run once memory came back: it runs when ABORT TASK comes.
         let req = read_on(&mut f, 0, 2, &mut tx);
         f.parked(&req, 0);
