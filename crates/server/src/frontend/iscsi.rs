@@ -31,8 +31,9 @@
 //!   answered once every reactor installed the change. Every command is first checked against
 //!   what this nexus may do (`Pr::access`): RESERVATION CONFLICT when the reservation refuses it.
 //! - CmdSN: non-immediate commands must carry ExpCmdSN; others are dropped (§4.2.2.1).
-//!   MaxCmdSN = ExpCmdSN + free task places − 1, so the initiator never has more commands in
-//!   flight than the connection has slots.
+//!   MaxCmdSN = ExpCmdSN + free task places − 1 (a command collecting its parameter list or
+//!   between its parts holds one: its next part needs a slot), so the initiator never has more
+//!   commands in flight than the connection has slots.
 //! - NOP-Out is answered with NOP-In, Logout with Logout Response, Text with an empty Text
 //!   Response. Task management (`tmf`) gives up the tasks of its scope that wait: writes for
 //!   their data (which an initiator that aborts them never sends), and any command parked in
@@ -629,7 +630,14 @@ impl Iscsi {
 
     /// MaxCmdSN now: the window is the free task places (§4.2.2.1).
     fn window(&mut self) -> u32 {
-        let free = self.depth.saturating_sub(self.outstanding()) as u32;
+        // A command collecting its parameter list, or between the parts it runs, is not with
+        // the reactor but will need a slot for its next part: it keeps its place, or the
+        // initiator could fill every slot before that part comes (the reactor would have none
+        // to run it in).
+        let between = self.params.is_some() || (self.compound.is_some() && !self.part_running);
+        let free = self
+            .depth
+            .saturating_sub(self.outstanding() + u16::from(between)) as u32;
         // A window of 0 is MaxCmdSN = ExpCmdSN − 1.
         self.maxcmdsn = self.expcmdsn.wrapping_add(free).wrapping_sub(1);
         self.maxcmdsn
@@ -825,7 +833,8 @@ impl Iscsi {
     /// Drops the Data-Out of the solicited sequence `ttt` of `itt`, given up with its R2T out,
     /// until its F bit (`given_up`).
     fn give_up(&mut self, itt: u32, ttt: u32) {
-        if self.given_up.len() >= self.depth as usize {
+        // A function gives up at most every write (depth) and one parameter list.
+        if self.given_up.len() > self.depth as usize {
             // The oldest is forgotten (its data, should it come after all, ends the
             // connection as data no R2T asked for).
             self.given_up.remove(0);
@@ -1207,29 +1216,40 @@ impl Iscsi {
             r2tsn: 0,
             seq: Seq::default(),
         };
-        match self.announced {
-            // The R2Ts wait until the unsolicited data is in.
+        // The R2Ts wait until the unsolicited data is in.
+        let announced = match self.announced {
             Some((a, seq)) if a == itt => {
                 self.announced = None;
                 p.seq = seq;
+                true
             }
-            _ => self.param_r2t(&mut p, tx),
-        }
+            _ => false,
+        };
         self.params = Some(p);
+        if !announced {
+            self.param_r2t(tx);
+        }
         Decoded::Answered { len }
     }
 
-    fn param_r2t(&mut self, p: &mut Params, tx: &mut Vec<u8>) {
+    /// Asks for the next burst of the parameter list being collected, once it is in
+    /// `self.params`: the R2T's MaxCmdSN then counts its place (`window`).
+    fn param_r2t(&mut self, tx: &mut Vec<u8>) {
+        let max_burst = self.neg.max_burst;
+        let Some(p) = self.params.as_mut() else {
+            return;
+        };
         let at = p.data.len() as u32;
-        let n = (p.want - at).min(self.neg.max_burst);
+        let n = (p.want - at).min(max_burst);
         p.seq = Seq {
             ttt: PARAM_TTT,
             next: at,
             datasn: 0,
             end: at + n,
         };
-        self.r2t(p.itt, PARAM_TTT, p.r2tsn, at, n, tx);
+        let (itt, r2tsn) = (p.itt, p.r2tsn);
         p.r2tsn += 1;
+        self.r2t(itt, PARAM_TTT, r2tsn, at, n, tx);
     }
 
     fn r2t(&mut self, itt: u32, ttt: u32, r2tsn: u32, offset: u32, n: u32, tx: &mut Vec<u8>) {
@@ -1534,10 +1554,10 @@ impl Iscsi {
             }
             return self.run_params(p.itt, &p.cdb, p.edtl, &list, len, tx);
         }
-        if ended {
-            self.param_r2t(&mut p, tx);
-        }
         self.params = Some(p);
+        if ended {
+            self.param_r2t(tx);
+        }
         Decoded::Answered { len }
     }
 
@@ -1551,7 +1571,8 @@ impl Iscsi {
         if let Some(i) = self.given_up.iter().position(|&e| e == (itt, ttt)) {
             // Answers an R2T of a task given up (§11.5.1): dropped until the sequence ends.
             if fin {
-                self.given_up.swap_remove(i);
+                // `remove`, not `swap_remove`: `give_up` forgets the oldest, at the front.
+                self.given_up.remove(i);
             }
             return Decoded::Answered { len };
         }
@@ -1931,6 +1952,11 @@ impl Iscsi {
         if part_released {
             self.part_running = false;
             self.hold = false;
+        } else if self.part_running {
+            // Its running part will still answer (unanswered, `part_done`): until then no
+            // command is decoded (`hold`; Data-Out and NOP-Out go on), or a new compound
+            // command would take that answer for its own first part's.
+            self.hold = true;
         }
     }
 
@@ -1993,6 +2019,12 @@ fn sense_of(status: Status, modifies: bool) -> Sense {
 
 impl StreamFrontend for Iscsi {
     fn decode(&mut self, rx: &[u8], tx: &mut Vec<u8>) -> Decoded {
+        // The last task a function waited for was answered without a frontend call that writes
+        // into tx (a READ's Data-In built by `finish_read_reply`): its response follows here,
+        // before a request waiting for memory (`pending`) could hold it back.
+        if self.fence.is_some() && self.lift(tx) {
+            return Decoded::Answered { len: 0 };
+        }
         if let Some((req, len, payload_len, trailer)) = self.pending {
             // Not taken yet: the same again, without counting it twice.
             return Decoded::Request {
@@ -2003,11 +2035,6 @@ impl StreamFrontend for Iscsi {
             };
         }
         if self.fence.is_some() {
-            // The last task a function waited for was answered from its own buffer (a READ's
-            // Data-In, `finish_read_reply`): its response follows it here.
-            if self.lift(tx) {
-                return Decoded::Answered { len: 0 };
-            }
             // A task management function waits for the tasks it affects that run. Everything
             // else goes on (NOP-Outs are answered: an initiator pings while it waits, and
             // drops the connection when a ping goes unanswered; Data-Out and other commands
@@ -3474,6 +3501,68 @@ mod tests {
         f.taken(&b);
         assert!(f.reply(&b, Status::Ok, &mut tx));
         assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 4));
+    }
+
+    /// A command collecting its parameter list keeps its task place in the window (MaxCmdSN):
+    /// its parts will need a slot, which the initiator must not be able to fill first.
+    #[test]
+    fn a_parameter_list_being_collected_keeps_its_place_in_the_window() {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        let unmap = [0x42, 0, 0, 0, 0, 0, 0, 0, 24, 0];
+        assert!(matches!(
+            f.decode(&cmd(5, 0, &unmap, 24, true, &[]), &mut tx),
+            Decoded::Answered { .. }
+        ));
+        assert_eq!((tx[0], be32(&tx, 20)), (op::R2T, PARAM_TTT));
+        assert_eq!(
+            (f.outstanding(), be32(&tx, 28), be32(&tx, 32)),
+            (0, 1, 3),
+            "ExpCmdSN 1, MaxCmdSN 3: three of the four places free, not four"
+        );
+    }
+
+    /// A compound command given up while its part runs (ABORT TASK) answers no one, but that
+    /// part's answer is still to come: until it has, no command is decoded, or a new UNMAP
+    /// would take it for its own first part's (answered GOOD with its trim still running).
+    #[test]
+    fn a_new_compound_command_waits_for_the_given_up_ones_running_part() {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        let mut list = vec![0u8, 38, 0, 32, 0, 0, 0, 0];
+        for lba in [8u64, 64] {
+            list.extend_from_slice(&lba.to_be_bytes());
+            list.extend_from_slice(&4u32.to_be_bytes());
+            list.extend_from_slice(&[0; 4]);
+        }
+        let cdb = [0x42, 0, 0, 0, 0, 0, 0, 0, 40, 0];
+        let Decoded::Request { req: a, .. } = f.decode(&cmd(4, 0, &cdb, 40, true, &list), &mut tx)
+        else {
+            panic!("the first trim");
+        };
+        f.taken(&a);
+        let abort = tmf_pdu(10, 1, 4);
+        assert!(
+            matches!(f.decode(&abort, &mut tx), Decoded::Answered { len } if len == abort.len())
+        );
+        assert!(tx.is_empty(), "the function waits for the running trim");
+        let again = cmd(5, 1, &cdb, 40, true, &list);
+        assert!(
+            matches!(f.decode(&again, &mut tx), Decoded::Need(_)),
+            "a new UNMAP decoded while the given-up one's trim runs"
+        );
+        let nop = nop_pdu(12);
+        assert!(matches!(f.decode(&nop, &mut tx), Decoded::Answered { .. }));
+        assert_eq!(tx[0], op::NOP_IN, "pings still answered");
+        tx.clear();
+        // The trim's answer goes to no one; the function's response follows it.
+        f.reply(&a, Status::Ok, &mut tx);
+        assert_eq!((tx[0], tx[2], be32(&tx, 16)), (op::TMF_RSP, 0, 10));
+        tx.clear();
+        let Decoded::Request { req: b, .. } = f.decode(&again, &mut tx) else {
+            panic!("the new UNMAP's first trim");
+        };
+        assert_eq!((itt_of(&b), b.offset), (5, 8 * 512));
     }
 
     /// A frontend whose session negotiated InitialR2T=No (FirstBurstLength 8 KiB).

@@ -76,6 +76,13 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             req, payload_len, ..
         } = &decoded
         {
+            // Decoded from a message that needed no slot (`next_is_data`: iSCSI Data-Out that
+            // completes a parameter list makes UNMAP's first part, say) while none is free: it
+            // waits untaken, as for memory, until a completion frees one (`take_slot` counts
+            // on one).
+            if req.slot.is_none() && c.fe.server_assigns_slots() && c.free_slots.is_empty() {
+                break;
+            }
             match request_cover(c, req, *payload_len) {
                 Cover::Yes => {}
                 // While writes wait for data the initiator sends after this request, the
