@@ -3471,17 +3471,22 @@ mod tests {
         assert_eq!((tx[0], be32(&tx, 16)), (op::SCSI_RSP, 5));
     }
 
-    #[test]
-    fn unmap_becomes_trims_answered_after_the_last() {
-        let mut f = fe(65536);
-        let mut tx = Vec::new();
+    /// UNMAP of 4 blocks at LBA 8 and 4 at LBA 64: its CDB and its 40-byte parameter list.
+    fn unmap_of_two_ranges() -> ([u8; 10], Vec<u8>) {
         let mut list = vec![0u8, 38, 0, 32, 0, 0, 0, 0];
         for lba in [8u64, 64] {
             list.extend_from_slice(&lba.to_be_bytes());
             list.extend_from_slice(&4u32.to_be_bytes());
             list.extend_from_slice(&[0; 4]);
         }
-        let cdb = [0x42, 0, 0, 0, 0, 0, 0, 0, 40, 0];
+        ([0x42, 0, 0, 0, 0, 0, 0, 0, 40, 0], list)
+    }
+
+    #[test]
+    fn unmap_becomes_trims_answered_after_the_last() {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        let (cdb, list) = unmap_of_two_ranges();
         let pdu = cmd(4, 0, &cdb, 40, true, &list);
         let Decoded::Request { req: a, len, .. } = f.decode(&pdu, &mut tx) else {
             panic!("the first trim");
@@ -3529,13 +3534,7 @@ mod tests {
     fn a_new_compound_command_waits_for_the_given_up_ones_running_part() {
         let mut f = fe(65536);
         let mut tx = Vec::new();
-        let mut list = vec![0u8, 38, 0, 32, 0, 0, 0, 0];
-        for lba in [8u64, 64] {
-            list.extend_from_slice(&lba.to_be_bytes());
-            list.extend_from_slice(&4u32.to_be_bytes());
-            list.extend_from_slice(&[0; 4]);
-        }
-        let cdb = [0x42, 0, 0, 0, 0, 0, 0, 0, 40, 0];
+        let (cdb, list) = unmap_of_two_ranges();
         let Decoded::Request { req: a, .. } = f.decode(&cmd(4, 0, &cdb, 40, true, &list), &mut tx)
         else {
             panic!("the first trim");
