@@ -3449,12 +3449,7 @@ mod tests {
         // A parameter list solicited with its own TTT, then given up.
         let mut f = fe(65536);
         let mut tx = Vec::new();
-        let unmap = [0x42, 0, 0, 0, 0, 0, 0, 0, 24, 0];
-        assert!(matches!(
-            f.decode(&cmd(5, 0, &unmap, 24, true, &[]), &mut tx),
-            Decoded::Answered { .. }
-        ));
-        assert_eq!((tx[0], be32(&tx, 20)), (op::R2T, PARAM_TTT));
+        unmap_soliciting_its_list(&mut f, &mut tx);
         tx.clear();
         assert!(matches!(
             f.decode(&tmf_pdu(6, 1, 5), &mut tx),
@@ -3469,6 +3464,16 @@ mod tests {
         let tur = cmd(5, 1, &[0u8; 6], 0, false, &[]);
         assert!(matches!(f.decode(&tur, &mut tx), Decoded::Answered { .. }));
         assert_eq!((tx[0], be32(&tx, 16)), (op::SCSI_RSP, 5));
+    }
+
+    /// UNMAP (ITT 5, CmdSN 0) without its 24-byte list: answered with an R2T for it.
+    fn unmap_soliciting_its_list(f: &mut Iscsi, tx: &mut Vec<u8>) {
+        let unmap = [0x42, 0, 0, 0, 0, 0, 0, 0, 24, 0];
+        assert!(matches!(
+            f.decode(&cmd(5, 0, &unmap, 24, true, &[]), tx),
+            Decoded::Answered { .. }
+        ));
+        assert_eq!((tx[0], be32(tx, 20)), (op::R2T, PARAM_TTT));
     }
 
     /// UNMAP of 4 blocks at LBA 8 and 4 at LBA 64: its CDB and its 40-byte parameter list.
@@ -3514,12 +3519,7 @@ mod tests {
     fn a_parameter_list_being_collected_keeps_its_place_in_the_window() {
         let mut f = fe(65536);
         let mut tx = Vec::new();
-        let unmap = [0x42, 0, 0, 0, 0, 0, 0, 0, 24, 0];
-        assert!(matches!(
-            f.decode(&cmd(5, 0, &unmap, 24, true, &[]), &mut tx),
-            Decoded::Answered { .. }
-        ));
-        assert_eq!((tx[0], be32(&tx, 20)), (op::R2T, PARAM_TTT));
+        unmap_soliciting_its_list(&mut f, &mut tx);
         assert_eq!(
             (f.outstanding(), be32(&tx, 28), be32(&tx, 32)),
             (0, 1, 3),
