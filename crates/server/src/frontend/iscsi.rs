@@ -395,7 +395,8 @@ pub struct Iscsi {
     d: Digests,
     statsn: u32,
     expcmdsn: u32,
-    /// The MaxCmdSN last sent: commands beyond it are dropped.
+    /// The MaxCmdSN last sent (commands are checked against ExpCmdSN only: one sent under an
+    /// earlier, larger window is still taken).
     maxcmdsn: u32,
     depth: u16,
     /// Commands handed to the reactor and not answered yet, as (ITT, connection target): a
@@ -2052,8 +2053,9 @@ impl StreamFrontend for Iscsi {
                 .first()
                 .is_some_and(|b| matches!(b & 0x3f, op::DATA_OUT | op::NOP_OUT))
         {
-            // COMPARE AND WRITE's read is with the reactor: no command is decoded until it is
-            // back (the reactor services the connection again when it is). What is asked for
+            // COMPARE AND WRITE's read, or the running part of a compound command a task
+            // management function gave up, is with the reactor: no command is decoded until it
+            // is back (the reactor services the connection again when it is). What is asked for
             // is there already: the receive buffer does not grow for it. Data-Out and NOP-Out
             // start no task and go on: the read may be parked for memory that writes waiting
             // for their Data-Out hold, and would never run if that data were not read.

@@ -402,6 +402,11 @@ struct Login {
     tpgt_sent: bool,
     /// Our MaxBurstLength bound.
     max_io: u32,
+    /// The commands the connection will take at once: its login responses' MaxCmdSN window.
+    /// The configured depth, then, in the final response, what its sessions were admitted
+    /// with (an initiator keeps the largest MaxCmdSN it was given, and past the connection's
+    /// slots its commands would wait for one that never frees behind their own Data-Out).
+    depth: u16,
 }
 
 /// Why a login ends: the status to answer with, and what to log.
@@ -426,7 +431,7 @@ impl Login {
         b.sn(
             self.statsn,
             self.cmdsn,
-            self.cmdsn.wrapping_add(MAX_DEPTH as u32 - 1),
+            self.cmdsn.wrapping_add(self.depth as u32 - 1),
         );
         b.0[36] = (st >> 8) as u8;
         b.0[37] = st as u8;
@@ -752,6 +757,7 @@ pub fn accept<S: Read + Write>(
         neg: Negotiated::default(),
         tpgt_sent: false,
         max_io: registry.limits().max_io.clamp(512, 16_777_215),
+        depth: MAX_DEPTH.min(registry.limits().max_depth).max(1),
     };
     let mut buf = Vec::new();
     let mut text = Vec::new();
@@ -963,7 +969,7 @@ fn finish<S: Read + Write>(
             return None;
         }
     };
-    let depth = MAX_DEPTH.min(registry.limits().max_depth).max(1);
+    let depth = l.depth;
     let owner = Owner {
         proven: l.proven.as_deref(),
         shown: &initiator,
@@ -1038,6 +1044,7 @@ fn finish<S: Read + Write>(
         l.respond(s, refuse_flags, status::FORBIDDEN, 0, &[])?;
         return None;
     }
+    l.depth = admitted.iter().map(|a| a.depth).min().unwrap_or(depth);
     if l.respond(s, flags, status::SUCCESS, tsih, &out).is_none() {
         // Its sessions end here: the record goes with them (`retain_sessions`).
         leave_all(&admitted);
@@ -1063,7 +1070,7 @@ fn finish<S: Read + Write>(
         neg: l.neg,
         statsn: l.statsn,
         expcmdsn: l.cmdsn,
-        depth: admitted.iter().map(|a| a.depth).min().unwrap_or(depth),
+        depth: l.depth,
         luns: luns
             .iter()
             .zip(&admitted)
