@@ -588,6 +588,13 @@ impl DgramQueue {
         }
         self.cc.on_progress(self.now);
         if h.flags.has(Flags::HAVE) {
+            if s.opcode != Opcode::Write || h.status != Status::Ok {
+                // Only a WRITE's fragments are acknowledged (§9.3). A READ would have each
+                // "missing" fragment resent as the whole request, and each of those answered
+                // with the whole reply: one forged frame asking for up to 256 of them.
+                self.stats.late_replies += 1;
+                return;
+            }
             // The target holds part of a WRITE: send exactly what it lacks (PROTOCOL.md §9.3).
             let missing: Vec<u32> = (0..s.frags).filter(|&i| !bitmap::get(payload, i)).collect();
             s.tx.refresh(self.now);
@@ -1418,6 +1425,42 @@ mod tests {
                 Ok(_) => assert!(Instant::now() < deadline, "the matching ACCESS was ignored"),
                 Err(e) => panic!("{e}"),
             }
+        }
+    }
+
+    /// §9.3: `HAVE` acknowledges a WRITE's fragments. On a READ's tag it is late (a forged or
+    /// confused frame), not a call to resend: each "missing" fragment of a READ would go out
+    /// as the whole request again, and each be answered with the whole reply.
+    #[test]
+    fn a_have_on_a_read_resends_nothing() {
+        let (target, mut q, h, from) = read_in_flight(grant(4, 4096, 8192), None);
+        let before = q.stats();
+        let mut r = h.reply(Status::Ok, 0);
+        r.flags.0 |= Flags::HAVE;
+        let bitmap = [0u8; 32];
+        r.payload_len = bitmap.len() as u32;
+        r.seal_crc(&bitmap);
+        let mut out = r.to_bytes().to_vec();
+        out.extend_from_slice(&bitmap);
+        target.send_to(&out, from).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while q.stats().late_replies == before.late_replies {
+            assert!(Instant::now() < deadline, "the HAVE was not taken");
+            q.poll(|_| panic!("nothing is answered")).unwrap();
+        }
+        let st = q.stats();
+        assert_eq!(st.retransmits, before.retransmits, "{st:?}");
+        assert_eq!(st.frames_out, before.frames_out, "{st:?}");
+        // The READ is still in flight and its real answer completes it.
+        let data = vec![0x5a; 512];
+        let mut r = h.reply(Status::Ok, 512);
+        r.seal_crc(&data);
+        let mut out = r.to_bytes().to_vec();
+        out.extend_from_slice(&data);
+        target.send_to(&out, from).unwrap();
+        let mut got = 0;
+        while got == 0 {
+            got = q.complete(1, |c| assert_eq!(c.status, Status::Ok)).unwrap();
         }
     }
 
