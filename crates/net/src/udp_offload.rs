@@ -247,6 +247,54 @@ pub fn run_limits(segment: bool) -> (usize, usize) {
     }
 }
 
+/// Destinations refused one by one before a port stops segmenting for all of them.
+pub const REFUSED_DESTINATIONS: usize = 16;
+
+/// To which destinations a socket sends runs of datagrams segmented. The kernel refuses a
+/// segmented send for one destination when a segment does not fit its path MTU (which that
+/// peer can lower for its own address), and for every destination when the device cannot
+/// segment at all. So a refusal stops segmenting to that destination only, and to all once
+/// [`REFUSED_DESTINATIONS`] have been refused: one peer cannot turn it off for the others.
+#[derive(Debug)]
+pub struct Segmenting<D> {
+    on: bool,
+    refused: Vec<D>,
+}
+
+impl<D: PartialEq> Segmenting<D> {
+    /// Segmenting to every destination (`on`), or to none.
+    pub fn new(on: bool) -> Self {
+        Segmenting {
+            on,
+            refused: Vec::new(),
+        }
+    }
+
+    /// The run limits (`run_limits`) for a run to `dest`.
+    pub fn limits(&self, dest: &D) -> (usize, usize) {
+        run_limits(self.on && !self.refused.contains(dest))
+    }
+
+    /// Segmenting to any destination at all?
+    pub fn on(&self) -> bool {
+        self.on
+    }
+
+    /// The kernel refused a segmented send to `dest` (`refused`): datagram by datagram to it
+    /// from now on, and to every destination once too many were refused.
+    pub fn refused_by(&mut self, dest: D) {
+        if self.refused.contains(&dest) {
+            return;
+        }
+        if self.refused.len() + 1 >= REFUSED_DESTINATIONS {
+            self.on = false;
+            self.refused = Vec::new();
+        } else {
+            self.refused.push(dest);
+        }
+    }
+}
+
 /// Whether a failed segmented send means "this socket cannot segment" (retry without) rather
 /// than a transient condition: EINVAL for a segment over the path MTU or a missing feature,
 /// EIO when the device lacks checksum offload.
@@ -261,6 +309,23 @@ pub fn segments(buf: &[u8], segment: Option<usize>) -> std::slice::Chunks<'_, u8
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_refusal_stops_segmenting_to_its_destination_and_enough_of_them_to_all() {
+        let mut s = super::Segmenting::new(true);
+        let (seg, one) = (super::run_limits(true), super::run_limits(false));
+        s.refused_by(1u32);
+        s.refused_by(1);
+        assert_eq!((s.limits(&1), s.limits(&2)), (one, seg));
+        for d in 2..=super::REFUSED_DESTINATIONS as u32 {
+            assert!(s.on(), "{d} refusals turned it off for all");
+            s.refused_by(d);
+        }
+        assert!(!s.on());
+        assert_eq!(s.limits(&1000), one);
+        let off = super::Segmenting::<u32>::new(false);
+        assert_eq!(off.limits(&1), one);
+    }
+
     use super::*;
     use std::net::UdpSocket;
     use std::os::fd::AsRawFd;

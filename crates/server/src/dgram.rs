@@ -292,9 +292,9 @@ pub struct DgramPort {
     active: u32,
     /// Read once per receive batch: idle expiry needs seconds, not a clock read per frame.
     now: Instant,
-    /// UDP: runs of equal datagrams leave in one segmented send (PROTOCOL.md §9.6); turned off
-    /// for good if the kernel refuses one.
-    gso: bool,
+    /// UDP: runs of equal datagrams leave in one segmented send (PROTOCOL.md §9.6); datagram by
+    /// datagram to a peer the kernel refused one for, and to all once enough were.
+    gso: udp_offload::Segmenting<Peer>,
     /// UDP: the kernel hands over runs that arrived together as one buffer.
     gro: bool,
     /// Raw Ethernet: frames are read in place from a receive ring shared with the kernel.
@@ -377,7 +377,7 @@ impl DgramPort {
             idle_expiry,
             now: Instant::now(),
             active: 1,
-            gso: udp,
+            gso: udp_offload::Segmenting::new(udp),
             gro,
             ring,
             notifier_changes: Vec::new(),
@@ -596,9 +596,9 @@ impl DgramPort {
         let mut iov = std::mem::take(&mut self.iov);
         let mut done = 0;
         while done < self.tx.len() {
-            let (max_count, max_bytes) = udp_offload::run_limits(self.gso);
             let mut batch = SendBatch::<BATCH>::new(&mut iov);
-            for run in self.tx.runs(done, max_count, max_bytes).take(BATCH) {
+            let gso = &self.gso;
+            for run in self.tx.runs(done, |d| gso.limits(d)).take(BATCH) {
                 // SAFETY: the packer's own bytes stay as they are until it is cleared below;
                 // the bytes it was lent are READ data in `self.lent` or in an export's mapping,
                 // both kept until then (`finish_read`, `remove`).
@@ -611,9 +611,11 @@ impl DgramPort {
             match batch.send(fd) {
                 Ok(sent) => done += sent.datagrams,
                 Err(f) if f.segmented && udp_offload::refused(&f.error) => {
-                    // This kernel or route cannot segment (no checksum offload, a datagram over
-                    // the path MTU): send datagram by datagram from now on.
-                    self.gso = false;
+                    // This route or kernel cannot segment (a datagram over the peer's path MTU,
+                    // no checksum offload): datagram by datagram to that peer from now on. The
+                    // failed message is always the batch's first (sendmmsg stops before one it
+                    // cannot send and reports the error only when it is the first).
+                    self.gso.refused_by(self.tx.dest(done));
                 }
                 // A datagram the kernel refuses (buffer full, peer gone) is lost like any network
                 // loss: the initiator's timer recovers it. EFAULT would be a piece pointing at

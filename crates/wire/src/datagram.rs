@@ -342,20 +342,26 @@ impl<D: Copy + PartialEq> Packer<D> {
         }
     }
 
-    /// The runs from datagram `i` on, in order (each as `run` makes it).
-    pub fn runs(
-        &self,
+    /// The runs from datagram `i` on, in order (each as `run` makes it), within the limits
+    /// (most datagrams, most bytes) `limits` gives for its destination.
+    pub fn runs<'a>(
+        &'a self,
         mut i: usize,
-        max_count: usize,
-        max_bytes: usize,
-    ) -> impl Iterator<Item = Run<D>> + '_ {
+        limits: impl Fn(&D) -> (usize, usize) + 'a,
+    ) -> impl Iterator<Item = Run<D>> + 'a {
         std::iter::from_fn(move || {
             (i < self.len()).then(|| {
+                let (max_count, max_bytes) = limits(&self.datagrams[i].2);
                 let r = self.run(i, max_count, max_bytes);
                 i += r.count;
                 r
             })
         })
+    }
+
+    /// Where datagram `i` goes.
+    pub fn dest(&self, i: usize) -> D {
+        self.datagrams[i].2
     }
 
     /// A run's pieces, in order, as (address, length): ranges of this packer's buffer, valid
@@ -567,13 +573,26 @@ mod tests {
         );
         assert_eq!(p.run(4, 64, 1 << 16).count, 3);
         assert_eq!(p.run(6, 64, 1 << 16).count, 1);
-        let counts: Vec<usize> = p.runs(0, 64, 1 << 16).map(|r| r.count).collect();
+        let counts: Vec<usize> = p.runs(0, |_| (64, 1 << 16)).map(|r| r.count).collect();
         assert_eq!(
             counts,
             [3, 1, 3],
             "the runs cover every datagram once, in order"
         );
-        assert_eq!(p.runs(4, 2, 1 << 16).map(|r| r.count).sum::<usize>(), 3);
+        assert_eq!(
+            p.runs(4, |_| (2, 1 << 16)).map(|r| r.count).sum::<usize>(),
+            3
+        );
+        let one_by_one_to_2 = |d: &u8| {
+            if *d == 2 {
+                (1, usize::MAX)
+            } else {
+                (64, 1 << 16)
+            }
+        };
+        let counts: Vec<usize> = p.runs(0, one_by_one_to_2).map(|r| r.count).collect();
+        assert_eq!(counts, [3, 1, 1, 1, 1], "the limits are the destination's");
+        assert_eq!((p.dest(3), p.dest(4)), (1, 2));
     }
 
     #[test]

@@ -217,9 +217,9 @@ impl Sender {
     fn send_all(&mut self, send_fd: RawFd, iov: &mut IoVecs, stats: &mut QueueStats) -> Result<()> {
         let mut done = 0;
         while done < self.tx.len() {
-            let (max_count, max_bytes) = udp_offload::run_limits(self.gso);
+            let limits = udp_offload::run_limits(self.gso);
             let mut batch = SendBatch::<BATCH>::new(iov);
-            for run in self.tx.runs(done, max_count, max_bytes).take(BATCH) {
+            for run in self.tx.runs(done, move |_| limits).take(BATCH) {
                 let name = |ss: &mut libc::sockaddr_storage| match &self.dest {
                     Some(d) => {
                         // SAFETY: a sockaddr_storage is larger than a sockaddr_ll and at least
