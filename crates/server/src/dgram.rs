@@ -499,7 +499,15 @@ impl DgramPort {
                 let a: &libc::sockaddr_in6 =
                     unsafe { &*(ss as *const _ as *const libc::sockaddr_in6) };
                 let ip = std::net::Ipv6Addr::from(a.sin6_addr.s6_addr);
-                Some(Peer::Ip(SocketAddr::from((ip, u16::from_be(a.sin6_port)))))
+                // The scope (interface) is part of a link-local address: without it replies
+                // would leave by whichever interface the kernel picks, and two peers with the
+                // same fe80:: address on different links would be one.
+                Some(Peer::Ip(SocketAddr::V6(std::net::SocketAddrV6::new(
+                    ip,
+                    u16::from_be(a.sin6_port),
+                    0,
+                    a.sin6_scope_id,
+                ))))
             }
             libc::AF_PACKET => {
                 // SAFETY: the kernel wrote a sockaddr_ll for AF_PACKET.
@@ -1654,6 +1662,28 @@ mod tests {
             }
         }
         out
+    }
+
+    /// A link-local IPv6 peer is its address on its link: the scope (interface index) the
+    /// kernel reports is kept, so replies leave by that link and two peers with the same
+    /// fe80:: address on different links stay two.
+    #[test]
+    fn an_ipv6_peer_keeps_its_scope() {
+        let (dp, _peer, _) = session();
+        let name = |scope: u32| {
+            // SAFETY: all-zero is a valid sockaddr_storage and sockaddr_in6.
+            let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+            // SAFETY: sockaddr_storage is larger than sockaddr_in6 and as aligned.
+            let a = unsafe { &mut *(&mut ss as *mut _ as *mut libc::sockaddr_in6) };
+            a.sin6_family = libc::AF_INET6 as u16;
+            a.sin6_port = 4000u16.to_be();
+            a.sin6_addr.s6_addr = "fe80::1".parse::<std::net::Ipv6Addr>().unwrap().octets();
+            a.sin6_scope_id = scope;
+            ss
+        };
+        let (on2, on3) = (dp.port.peer_of(&name(2)), dp.port.peer_of(&name(3)));
+        assert_eq!(on2, Some(Peer::Ip("[fe80::1%2]:4000".parse().unwrap())));
+        assert_ne!(on2, on3, "the same address on two links is two peers");
     }
 
     /// A port serving export `a` (`a=mem:1M` unless given), and a session of one 8-slot queue
