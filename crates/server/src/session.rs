@@ -905,8 +905,11 @@ impl Registry {
         // Queues join over the kind of link that created the session. A JOIN proof is bound to
         // the session, not to a link, and in a datagram session that only authenticates frames
         // it travels in clear: replayed over TCP, where nothing is sealed, it would join an
-        // unsealed queue into a sealed session.
-        if s.datagram != datagram.is_some() {
+        // unsealed queue into a sealed session. A datagram session's queues stay on its kind of
+        // port too (UDP: an IP address; raw Ethernet: a MAC): its frame payload was negotiated
+        // for that link, and a header-only CRC (§9.7) only for UDP.
+        let same_port_kind = std::mem::discriminant(&s.addr) == std::mem::discriminant(&peer.addr);
+        if s.datagram != datagram.is_some() || !same_port_kind {
             return Err(Status::Access.into());
         }
         let mut seal = match (&s.secret, datagram) {

@@ -167,6 +167,33 @@ fn a_stream_sessions_join_is_refused_over_datagrams() {
     assert_eq!(got.err(), Some(JoinRefused::Status(Status::Access)));
 }
 
+/// A datagram session's queues join on its kind of port: one created over UDP (an IP peer)
+/// does not take a queue from raw Ethernet (a MAC), whose link never negotiated its frame
+/// payload and where a header-only CRC is not allowed (§9.7); nor the other way round.
+#[test]
+fn a_datagram_sessions_join_is_refused_from_the_other_kind_of_port() {
+    let r = registry(None);
+    let mac = PeerId {
+        addr: PeerAddr::Mac([2, 0, 0, 0, 0, 1]),
+        port: 0,
+    };
+    let (reply, _) = open(&r, &peer(1000), true, None);
+    let j = join_payload(&reply, None, [0; AUTH_LEN]);
+    let got = r.join(reply.session, 1, &j, &mac, true, None);
+    assert_eq!(got.err(), Some(JoinRefused::Status(Status::Access)));
+    // The control: from UDP it gets as far as the address challenge.
+    let got = r.join(reply.session, 1, &j, &peer(1001), true, None);
+    assert!(
+        matches!(got, Err(JoinRefused::Challenge(_))),
+        "{:?}",
+        got.err()
+    );
+    let (reply, _) = open(&r, &mac, true, None);
+    let j = join_payload(&reply, None, [0; AUTH_LEN]);
+    let got = r.join(reply.session, 1, &j, &peer(2001), true, None);
+    assert_eq!(got.err(), Some(JoinRefused::Status(Status::Access)));
+}
+
 /// A HELLO that replaces a queue (PROTOCOL.md §2.6).
 mod replacement {
     use crate::session::*;
