@@ -1531,3 +1531,257 @@ fn a_key_replaced_during_dh_hmac_chap_leaves_no_session_with_the_old_key() {
         std::thread::sleep(Duration::from_millis(20)); // polling a listing, not a sync point
     }
 }
+
+// ---- What a host admitted after proving its key gives back ----
+//
+// With keys, a queue is admitted (an admin queue: its controller's session; an I/O queue: its
+// place in that session) as soon as its host has proved its key, before Success1. From then on
+// the host may still end the exchange (AUTH_Failure2, refusing the controller's proof), close
+// the connection, or leave the exchange unfinished past the handshake deadline: each must give
+// back what was admitted. Alice proves her key; with `--max-sessions-per-host 1` her next
+// controller is admitted only if her last one's session was released, and `session_list`
+// counts an I/O queue in its session's `queues`.
+
+const ALICE: &str = "nqn.2014-08.org.nvmexpress:uuid:a11ce000-0000-4000-8000-000000000001";
+
+/// A target with export disk0, alice's key and the controller's key for her (both ways may be
+/// asked), one session per host, and `extra` flags; her key, the controller's, and her
+/// connection options.
+fn one_session_per_host(
+    dir: &TempDir,
+    extra: &[&str],
+) -> (
+    Controlled,
+    blkwire_auth::dhchap::Secret,
+    blkwire_auth::dhchap::Secret,
+    Opts,
+) {
+    use blkwire_auth::dhchap::Secret;
+    let (ka, kc) = (Secret::generate(), Secret::generate());
+    let line = format!(
+        "{ALICE}:{} {}",
+        ka.to_dhhc().unwrap(),
+        kc.to_dhhc().unwrap()
+    );
+    let keys = key_file(dir, &[line]);
+    let mut args = vec!["--keys", keys.as_str(), "--max-sessions-per-host", "1"];
+    args.extend_from_slice(extra);
+    let t = Controlled::start_with(dir, &["disk0=mem:1M"], &args);
+    let o = Opts {
+        hostnqn: ALICE.into(),
+        ..Opts::default()
+    };
+    (t, ka, kc, o)
+}
+
+/// A controller of disk0 whose host proved `key` (one-way), enabled: it holds a session.
+fn authenticated_controller(t: &Controlled, key: &blkwire_auth::dhchap::Secret, o: &Opts) -> Queue {
+    use blkwire_auth::dhchap::HostAuth;
+    let (mut a, done) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, o).unwrap();
+    assert_eq!(done.code(), 0);
+    let mut host = HostAuth::new(ALICE, &nqn("disk0"), key, None, 1);
+    assert!(
+        nvme_host::authenticate(&mut a, &mut host),
+        "alice's controller refused (her one session not released?)"
+    );
+    a.enable();
+    a
+}
+
+/// A two-way exchange up to the controller's proof: the host's Reply sent, and Success1
+/// (carrying the controller's proof) read. The target admits the queue when it has checked the
+/// Reply, before it takes the next command, so the Success1 read (not Failure1) says the queue
+/// is admitted; the host has not answered the proof yet. Returns Success1.
+fn prove_and_read_success1(q: &mut Queue, host: &mut blkwire_auth::dhchap::HostAuth) -> Vec<u8> {
+    send_reply(q, host);
+    let s1 = nvme_host::auth_receive(q);
+    assert_eq!(s1.code(), 0, "AUTH_Receive answered");
+    assert_eq!(&s1.data[..2], [0x01, 0x03], "Success1: {:?}", &s1.data[..8]);
+    s1.data
+}
+
+/// The host checks the controller's proof in `success1` with another key than the target's,
+/// refuses it, and says so with AUTH_Failure2, as the kernel host does.
+fn refuse_controller_proof(
+    q: &mut Queue,
+    host: &mut blkwire_auth::dhchap::HostAuth,
+    success1: &[u8],
+) {
+    let why = host
+        .on_success1(success1)
+        .expect_err("a proof made with the target's key checked out against another key");
+    assert_eq!(
+        nvme_host::auth_send(q, &host.failure2(why.reason)).code(),
+        0,
+        "AUTH_Send Failure2"
+    );
+}
+
+/// `session_list` now.
+fn session_list(t: &Controlled) -> Vec<serde_json::Value> {
+    let v = t.rpc("session_list", serde_json::json!({}));
+    v.as_array().expect("session_list is a list").clone()
+}
+
+/// The queues of the only session listed now (admin queue included).
+fn only_session_queues(t: &Controlled) -> u64 {
+    let list = session_list(t);
+    assert_eq!(list.len(), 1, "one session: {list:?}");
+    assert_eq!(list[0]["host"], ALICE, "{list:?}");
+    list[0]["queues"].as_u64().expect("queues")
+}
+
+/// Polls `session_list` until `done` holds of it, failing after 10 s. What is awaited is the
+/// target's bookkeeping after a queue ended, which the host cannot see (its connection may be
+/// closed before its sessions are left): a listing polled with a deadline, not a sleep.
+fn sessions_until(t: &Controlled, what: &str, done: impl Fn(&[serde_json::Value]) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let list = session_list(t);
+        if done(&list) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: {list:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A controller whose host proved its key holds its session from then on; if the host then
+/// refuses the controller's proof (AUTH_Failure2 on the admin queue), the controller ends at
+/// once and its session is released: gone from the list, and, with one session per host, the
+/// host's next controller is admitted. (The handshake deadline is 60 s: not what ends it.)
+#[test]
+fn a_controller_whose_host_sends_failure2_after_admission_releases_its_session() {
+    use blkwire_auth::dhchap::{HostAuth, Secret};
+    let dir = TempDir::new("nvme-auth-release-failure2");
+    let (t, ka, _kc, o) = one_session_per_host(&dir, &["--handshake-timeout", "60"]);
+    let (mut a, done) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &o).unwrap();
+    assert_eq!(done.code(), 0);
+    let mut host = HostAuth::new(ALICE, &nqn("disk0"), &ka, Some(&Secret::generate()), 1);
+    let s1 = prove_and_read_success1(&mut a, &mut host);
+    assert_eq!(only_session_queues(&t), 1, "admitted: its session, queue 0");
+    refuse_controller_proof(&mut a, &mut host, &s1);
+    assert!(
+        a.closed_within(Duration::from_secs(10)),
+        "a controller whose host sent Failure2 went on"
+    );
+    sessions_until(&t, "a session outlived its host's Failure2", |l| {
+        l.is_empty()
+    });
+    let _a = authenticated_controller(&t, &ka, &o);
+    assert_eq!(only_session_queues(&t), 1);
+}
+
+/// An I/O queue joins its controller's session once its host proved its key; if the host then
+/// refuses the controller's proof (AUTH_Failure2 on that queue), the queue closes and leaves
+/// the session (its queue count drops back), while the controller goes on and another I/O
+/// queue joins and serves.
+#[test]
+fn an_io_queue_whose_host_sends_failure2_after_joining_leaves_its_session() {
+    use blkwire_auth::dhchap::{HostAuth, Secret};
+    use nvme_host::authenticate;
+    let dir = TempDir::new("nvme-auth-release-io-failure2");
+    let (t, ka, _kc, o) = one_session_per_host(&dir, &["--handshake-timeout", "60"]);
+    let a = authenticated_controller(&t, &ka, &o);
+    let (mut q, done) = Queue::connect(&t.addr, &nqn("disk0"), 1, a.cntlid, &o).unwrap();
+    assert_eq!(done.code(), 0);
+    let mut host = HostAuth::new(ALICE, &nqn("disk0"), &ka, Some(&Secret::generate()), 2);
+    let s1 = prove_and_read_success1(&mut q, &mut host);
+    assert_eq!(only_session_queues(&t), 2, "queue 1 joined");
+    refuse_controller_proof(&mut q, &mut host, &s1);
+    assert!(
+        q.closed_within(Duration::from_secs(10)),
+        "an I/O queue whose host sent Failure2 went on"
+    );
+    sessions_until(&t, "queue 1 stayed in the session after Failure2", |l| {
+        l.len() == 1 && l[0]["queues"] == 1
+    });
+    let (mut q2, done) = Queue::connect(&t.addr, &nqn("disk0"), 2, a.cntlid, &o).unwrap();
+    assert_eq!(done.code(), 0);
+    let mut host = HostAuth::new(ALICE, &nqn("disk0"), &ka, None, 3);
+    assert!(authenticate(&mut q2, &mut host));
+    assert_eq!(q2.write_in(0, &[3; 512], BS).unwrap().code(), 0);
+    assert_eq!(q2.read(0, 1, BS).unwrap().data, vec![3; 512]);
+    assert_eq!(only_session_queues(&t), 2);
+}
+
+/// A connection that closes once admitted releases what it was admitted to: an admin queue
+/// closed mid-exchange (its host proved its key, the controller's proof not yet answered), its
+/// controller's session (the host's next controller is admitted, one session per host); an I/O
+/// queue closed mid-exchange, or once serving on a reactor, its place in the session.
+#[test]
+fn a_queue_closed_after_admission_releases_it() {
+    use blkwire_auth::dhchap::HostAuth;
+    use nvme_host::authenticate;
+    let dir = TempDir::new("nvme-auth-release-close");
+    let (t, ka, kc, o) = one_session_per_host(&dir, &["--handshake-timeout", "60"]);
+    let (mut a, done) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &o).unwrap();
+    assert_eq!(done.code(), 0);
+    let mut host = HostAuth::new(ALICE, &nqn("disk0"), &ka, Some(&kc), 1);
+    prove_and_read_success1(&mut a, &mut host);
+    assert_eq!(only_session_queues(&t), 1, "admitted: its session, queue 0");
+    drop(a);
+    sessions_until(&t, "a closed admin queue's session stayed", |l| {
+        l.is_empty()
+    });
+    let a = authenticated_controller(&t, &ka, &o);
+    // Mid-exchange.
+    let (mut q, done) = Queue::connect(&t.addr, &nqn("disk0"), 1, a.cntlid, &o).unwrap();
+    assert_eq!(done.code(), 0);
+    let mut host = HostAuth::new(ALICE, &nqn("disk0"), &ka, Some(&kc), 2);
+    prove_and_read_success1(&mut q, &mut host);
+    assert_eq!(only_session_queues(&t), 2, "queue 1 joined");
+    drop(q);
+    sessions_until(&t, "a closed I/O queue (mid-exchange) stayed", |l| {
+        l.len() == 1 && l[0]["queues"] == 1
+    });
+    // Serving.
+    let (mut q, done) = Queue::connect(&t.addr, &nqn("disk0"), 2, a.cntlid, &o).unwrap();
+    assert_eq!(done.code(), 0);
+    let mut host = HostAuth::new(ALICE, &nqn("disk0"), &ka, None, 3);
+    assert!(authenticate(&mut q, &mut host));
+    assert_eq!(q.write_in(0, &[4; 512], BS).unwrap().code(), 0);
+    assert_eq!(only_session_queues(&t), 2, "queue 2 joined");
+    drop(q);
+    sessions_until(&t, "a closed I/O queue (serving) stayed", |l| {
+        l.len() == 1 && l[0]["queues"] == 1
+    });
+}
+
+/// A host that proves its key and then never finishes the exchange (it leaves the controller's
+/// proof unanswered) keeps nothing past the handshake deadline: an admin queue's controller
+/// ends and its session is released (the host's next controller is admitted, one session per
+/// host); an I/O queue closes and leaves its controller's session, which goes on.
+#[test]
+fn a_host_admitted_but_never_finishing_dh_hmac_chap_releases_at_the_deadline() {
+    use blkwire_auth::dhchap::HostAuth;
+    let dir = TempDir::new("nvme-auth-release-deadline");
+    let (t, ka, kc, o) = one_session_per_host(&dir, &["--handshake-timeout", "3"]);
+    let (mut a, done) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &o).unwrap();
+    assert_eq!(done.code(), 0);
+    let mut host = HostAuth::new(ALICE, &nqn("disk0"), &ka, Some(&kc), 1);
+    prove_and_read_success1(&mut a, &mut host);
+    assert_eq!(only_session_queues(&t), 1, "admitted: its session, queue 0");
+    // Nothing more from the host.
+    assert!(
+        a.closed_within(Duration::from_secs(10)),
+        "an admitted controller outlived the handshake deadline"
+    );
+    sessions_until(&t, "a session outlived the handshake deadline", |l| {
+        l.is_empty()
+    });
+    let mut a = authenticated_controller(&t, &ka, &o);
+    let (mut q, done) = Queue::connect(&t.addr, &nqn("disk0"), 1, a.cntlid, &o).unwrap();
+    assert_eq!(done.code(), 0);
+    let mut host = HostAuth::new(ALICE, &nqn("disk0"), &ka, Some(&kc), 2);
+    prove_and_read_success1(&mut q, &mut host);
+    assert_eq!(only_session_queues(&t), 2, "queue 1 joined");
+    assert!(
+        q.closed_within(Duration::from_secs(10)),
+        "an admitted I/O queue outlived the handshake deadline"
+    );
+    sessions_until(&t, "queue 1 stayed in the session past the deadline", |l| {
+        l.len() == 1 && l[0]["queues"] == 1
+    });
+    assert_eq!(a.identify(1, 0).code(), 0, "the controller goes on");
+}
