@@ -94,7 +94,12 @@ impl MemBackend {
         }
         let len = usize::try_from(size).map_err(|_| io::Error::other("mem size too large"))?;
         // SAFETY: creating a new anonymous file; we own the fd from here on.
-        let raw = unsafe { libc::memfd_create(c"blkwire-mem".as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe {
+            libc::memfd_create(
+                c"blkwire-mem".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
         if raw < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -102,6 +107,14 @@ impl MemBackend {
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
         // SAFETY: sizing our own file.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // Its size is fixed from here: the file is reachable through /proc/PID/fd, and memory of
+        // the mapping past a shrunk end would raise SIGBUS where the data path writes fragments
+        // in place or sends replies from it.
+        // SAFETY: sealing our own file.
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
             return Err(io::Error::last_os_error());
         }
         // Made first: a failure after the mapping would leave it mapped.
@@ -537,6 +550,21 @@ mod tests {
     /// The record of written pages follows writes, copies, allocated zeros and holes punched,
     /// page by page, and reads through the mapping only where it says so: a read of a range
     /// trimmed or never written allocates nothing.
+    /// The file behind the mapping cannot change size, even from another process that opens
+    /// it through /proc: a shrink would turn the data path's in-place accesses into SIGBUS.
+    #[test]
+    fn the_file_behind_the_mapping_keeps_its_size() {
+        let m = MemBackend::new(1 << 20).unwrap();
+        for size in [4096, 2 << 20] {
+            // SAFETY: resizing our own file (refused).
+            let r = unsafe { libc::ftruncate(m.fd.as_raw_fd(), size) };
+            let e = io::Error::last_os_error();
+            assert_eq!((r, e.raw_os_error()), (-1, Some(libc::EPERM)), "to {size}");
+        }
+        // Holes can still be punched (TRIM), within the size.
+        assert_eq!(m.punch(0, 8192), 0);
+    }
+
     #[test]
     fn written_pages_are_read_from_the_mapping_and_holes_are_not() {
         let m = MemBackend::new(1 << 20).unwrap();
