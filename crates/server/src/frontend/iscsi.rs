@@ -38,12 +38,14 @@
 //!   Response. Task management (`tmf`) gives up the tasks of its scope that wait: writes for
 //!   their data (which an initiator that aborts them never sends), and any command parked in
 //!   the reactor for memory ([`StreamFrontend::parked`]): never run nor answered. A compound
-//!   command runs no more parts and answers no one. What of its scope runs at a backend
-//!   cannot be stopped: it is answered first, and the function's response waits for it
-//!   (`fence`; RFC 7143 §4.2.3.3) and goes out right behind its answer, so no response of an
-//!   affected task ever follows the function's. Meanwhile the rest is decoded (NOP-Outs
-//!   answered, Data-Out and commands taken); only another function or a Logout waits behind
-//!   it. ABORT TASK answers "task does not exist" only for a task already answered.
+//!   command runs no more parts and answers no one; while a part of it still runs, the
+//!   commands that would make parts of their own wait for that part's answer (`Hold`), the
+//!   others are decoded. What of its scope runs at a backend cannot be stopped: it is
+//!   answered first, and the function's response waits for it (`fence`; RFC 7143 §4.2.3.3)
+//!   and goes out right behind its answer, so no response of an affected task ever follows
+//!   the function's. Meanwhile the rest is decoded (NOP-Outs answered, Data-Out and commands
+//!   taken); only another function or a Logout waits behind it. ABORT TASK answers "task does
+//!   not exist" only for a task already answered.
 //! - A PDU that breaks the protocol is answered with Reject (its header as data) where the
 //!   stream is still in step, and the connection is closed where it is not (header digest,
 //!   data digest of Data-Out, oversized data segment).
@@ -360,6 +362,43 @@ struct Compound {
     copy: Option<(xcopy::Plan, u64)>,
 }
 
+/// What `decode` holds back while a part is with the reactor (`Iscsi::part_running`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hold {
+    /// Nothing.
+    Off,
+    /// The read of a COMPARE AND WRITE: no later command of this connection is decoded until
+    /// the compare is done and its write handed out (Data-Out and NOP-Out, which start no
+    /// task, are).
+    Compare,
+    /// The running part of a compound command task management gave up: its answer is still to
+    /// come (`part_done`) and answers no one. Until it has, a command that would hand out parts
+    /// of its own (`makes_parts`) is not decoded, or it would take that answer for its own first
+    /// part's; every other command is.
+    GivenUp,
+}
+
+/// Whether `cdb` is of a command that is split into parts (`Iscsi::run_params`), at once or
+/// from the parameter list it collects: UNMAP, WRITE SAME, EXTENDED COPY, VERIFY with BYTCHK,
+/// COMPARE AND WRITE. Told by the operation code (and VERIFY's BYTCHK field) alone: one the
+/// SCSI layer then refuses, or that has nothing to do, counts too (it only waits). PERSISTENT
+/// RESERVE OUT collects a parameter list too, but makes no parts.
+fn makes_parts(cdb: &[u8]) -> bool {
+    match cdb.first() {
+        Some(
+            &(scsi::op::UNMAP
+            | scsi::op::WRITE_SAME_10
+            | scsi::op::WRITE_SAME_16
+            | scsi::op::EXTENDED_COPY
+            | scsi::op::COMPARE_AND_WRITE),
+        ) => true,
+        Some(&(scsi::op::VERIFY_10 | scsi::op::VERIFY_12 | scsi::op::VERIFY_16)) => {
+            cdb.get(1).is_some_and(|b| (b >> 1) & 3 != 0)
+        }
+        _ => false,
+    }
+}
+
 /// The tasks a task management function acts on: one (by ITT), one LU's (by connection
 /// target), or every one.
 #[derive(Clone, Copy, Debug)]
@@ -423,11 +462,9 @@ pub struct Iscsi {
     /// The data a compare part's read must match (VERIFY with BYTCHK, COMPARE AND WRITE),
     /// and the offset of the first difference once read.
     compare: Option<(Vec<u8>, Option<u64>)>,
-    /// A part that must be done before anything after it is decoded is with the reactor (the
-    /// read of a COMPARE AND WRITE: no later command of this connection is decoded until the
-    /// compare is done and its write handed out; Data-Out and NOP-Out, which start no task,
-    /// are).
-    hold: bool,
+    /// What the part with the reactor holds back (`Hold`): every later command (the read of a
+    /// COMPARE AND WRITE), or those that make parts (the part of a given-up compound command).
+    hold: Hold,
     /// The unsolicited data announced by the command `decode` handed out last (its ITT and
     /// sequence), until `solicit` places it in the write's slot or `reply` answers the write.
     announced: Option<(u32, Seq)>,
@@ -569,7 +606,7 @@ impl Iscsi {
             part_running: false,
             copy_desc: None,
             compare: None,
-            hold: false,
+            hold: Hold::Off,
             announced: None,
             drains: Vec::with_capacity(depth as usize),
             given_up: Vec::new(),
@@ -1349,7 +1386,7 @@ impl Iscsi {
                 }
                 self.compare = Some((list[..half].to_vec(), None));
                 self.pattern = Some(list[half..].to_vec());
-                self.hold = true;
+                self.hold = Hold::Compare;
                 parts.push((Kind::Block(BlockOp::Read), o, l, IoFlags::empty(), None));
                 let flags = IoFlags::empty().with(IoFlags::FUA, fua);
                 parts.push((Kind::Block(BlockOp::Write), o, l, flags, None));
@@ -1721,7 +1758,7 @@ impl Iscsi {
     /// Returns whether a response went out.
     fn part_done(&mut self, req: &Req, status: Status, tx: &mut Vec<u8>) -> bool {
         self.part_running = false;
-        self.hold = false;
+        self.hold = Hold::Off;
         let Some(mut c) = self.compound.take() else {
             return false;
         };
@@ -1952,12 +1989,12 @@ impl Iscsi {
         self.compare = None;
         if part_released {
             self.part_running = false;
-            self.hold = false;
+            self.hold = Hold::Off;
         } else if self.part_running {
             // Its running part will still answer (unanswered, `part_done`): until then no
-            // command is decoded (`hold`; Data-Out and NOP-Out go on), or a new compound
-            // command would take that answer for its own first part's.
-            self.hold = true;
+            // command that makes parts is decoded, or it would take that answer for its own
+            // first part's; the others go on.
+            self.hold = Hold::GivenUp;
         }
     }
 
@@ -2047,15 +2084,14 @@ impl StreamFrontend for Iscsi {
                 return Decoded::Need(rx.len().min(BHS_LEN));
             }
         }
-        if self.hold
+        if self.hold == Hold::Compare
             && self.part_running
             && !rx
                 .first()
                 .is_some_and(|b| matches!(b & 0x3f, op::DATA_OUT | op::NOP_OUT))
         {
-            // COMPARE AND WRITE's read, or the running part of a compound command a task
-            // management function gave up, is with the reactor: no command is decoded until it
-            // is back (the reactor services the connection again when it is). What is asked for
+            // COMPARE AND WRITE's read is with the reactor: no command is decoded until it is
+            // back (the reactor services the connection again when it is). What is asked for
             // is there already: the receive buffer does not grow for it. Data-Out and NOP-Out
             // start no task and go on: the read may be parked for memory that writes waiting
             // for their Data-Out hold, and would never run if that data were not read.
@@ -2087,6 +2123,15 @@ impl StreamFrontend for Iscsi {
             Err(e) => return Decoded::Violation(format!("iSCSI: {e}")),
         };
         match p.opcode() {
+            op::SCSI_CMD if self.hold == Hold::GivenUp && makes_parts(&p.bhs[32..48]) => {
+                // The running part of a given-up compound command is still to answer: a
+                // command that makes parts waits for it, untouched (its CmdSN not taken), and
+                // holds back what follows it in the stream. A part's answer comes through
+                // `reply` or `encode_read`, either while the reactor dispatches (its loop then
+                // decodes on) or on a completion, after which the reactor services the
+                // connection again. What is asked for is there already.
+                Decoded::Need(len)
+            }
             op::SCSI_CMD => self.command(rx, len, &p, tx),
             op::DATA_OUT => self.data_out(rx, len, &p, tx),
             op::NOP_OUT => self.nop(len, &p, tx),
@@ -3530,8 +3575,9 @@ mod tests {
     }
 
     /// A compound command given up while its part runs (ABORT TASK) answers no one, but that
-    /// part's answer is still to come: until it has, no command is decoded, or a new UNMAP
-    /// would take it for its own first part's (answered GOOD with its trim still running).
+    /// part's answer is still to come: until it has, no command that makes parts is decoded, or
+    /// a new UNMAP would take it for its own first part's (answered GOOD with its trim still
+    /// running).
     #[test]
     fn a_new_compound_command_waits_for_the_given_up_ones_running_part() {
         let mut f = fe(65536);
@@ -3564,6 +3610,182 @@ mod tests {
             panic!("the new UNMAP's first trim");
         };
         assert_eq!((itt_of(&b), b.offset), (5, 8 * 512));
+    }
+
+    /// The running part of a compound command given up by task management holds back only the
+    /// commands that would make parts of their own (their CmdSN not taken until it answers):
+    /// READ, WRITE, TEST UNIT READY and VERIFY without BYTCHK are decoded and handed out at
+    /// once, and answered while it runs. Once it has answered (no one; the function's response
+    /// follows it), the UNMAP that waited runs with its own parts and answers.
+    #[test]
+    fn a_given_up_compound_commands_running_part_holds_back_only_commands_that_make_parts() {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        let (cdb, list) = unmap_of_two_ranges();
+        let Decoded::Request { req: orphan, .. } =
+            f.decode(&cmd(4, 0, &cdb, 40, true, &list), &mut tx)
+        else {
+            panic!("the first trim");
+        };
+        f.taken(&orphan);
+        assert!(matches!(
+            f.decode(&tmf_pdu(10, 1, 4), &mut tx),
+            Decoded::Answered { .. }
+        ));
+        assert!(tx.is_empty(), "the function waits for the running trim");
+        let pdu = cmd(20, 1, &READ10_ONE, 512, false, &[]);
+        let Decoded::Request { req: read, len, .. } = f.decode(&pdu, &mut tx) else {
+            panic!("a READ held back by the given-up UNMAP's trim");
+        };
+        assert_eq!(
+            (read.kind, itt_of(&read), len),
+            (Kind::Block(BlockOp::Read), 20, pdu.len())
+        );
+        f.taken(&read);
+        let pdu = cmd(21, 2, &write10(1), 512, true, &[7u8; 512]);
+        let Decoded::Request {
+            req: write,
+            payload_len: 512,
+            ..
+        } = f.decode(&pdu, &mut tx)
+        else {
+            panic!("a WRITE held back by the given-up UNMAP's trim");
+        };
+        f.taken(&write);
+        assert_eq!(f.outstanding(), 3, "the trim, the READ and the WRITE");
+        for (itt, cmdsn, cdb) in [
+            (22, 3, &[0u8; 6][..]),
+            (23, 4, &[0x2f, 0, 0, 0, 0, 0, 0, 0, 1, 0]),
+        ] {
+            assert!(matches!(
+                f.decode(&cmd(itt, cmdsn, cdb, 0, false, &[]), &mut tx),
+                Decoded::Answered { .. }
+            ));
+            assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, itt));
+            tx.clear();
+        }
+        // Those that make parts wait, untouched: UNMAP, WRITE SAME(16) NDOB, VERIFY with
+        // BYTCHK, COMPARE AND WRITE, EXTENDED COPY.
+        let mut same = [0u8; 16];
+        same[0] = 0x93;
+        same[1] = 0x01;
+        same[13] = 4;
+        let mut xcopy = [0u8; 16];
+        xcopy[0] = 0x83;
+        xcopy[13] = 64;
+        let verify = [0x2f, 0x02, 0, 0, 0, 0, 0, 0, 1, 0];
+        let unmap = cmd(5, 5, &cdb, 40, true, &list);
+        for pdu in [
+            unmap.clone(),
+            cmd(6, 5, &same, 0, false, &[]),
+            cmd(6, 5, &verify, 512, true, &[0u8; 512]),
+            cmd(6, 5, &caw(1), 1024, true, &[0u8; 1024]),
+            cmd(6, 5, &xcopy, 64, true, &[]),
+        ] {
+            assert!(
+                matches!(f.decode(&pdu, &mut tx), Decoded::Need(n) if n <= pdu.len()),
+                "{:#04x} decoded while the given-up UNMAP's trim runs",
+                pdu[32]
+            );
+            assert_eq!((f.expcmdsn, tx.len()), (5, 0), "not taken");
+        }
+        let nop = nop_pdu(12);
+        assert!(matches!(f.decode(&nop, &mut tx), Decoded::Answered { .. }));
+        assert_eq!(tx[0], op::NOP_IN, "pings still answered");
+        tx.clear();
+        // The READ and the WRITE are answered while the trim runs; the function still waits.
+        f.encode_read(&read, &[0u8; 512], &mut tx);
+        assert!(f.reply(&write, Status::Ok, &mut tx));
+        let at = tx.len() - BHS_LEN;
+        assert_eq!((tx[0], be32(&tx, 16)), (op::DATA_IN, 20));
+        assert_eq!(
+            (tx[at], tx[at + 3], be32(&tx, at + 16)),
+            (op::SCSI_RSP, GOOD, 21)
+        );
+        tx.clear();
+        assert!(matches!(f.decode(&unmap, &mut tx), Decoded::Need(_)));
+        // The trim's answer goes to no one; the function's response follows it.
+        assert!(!f.reply(&orphan, Status::Ok, &mut tx));
+        assert_eq!(
+            (tx.len(), tx[0], tx[2], be32(&tx, 16)),
+            (BHS_LEN, op::TMF_RSP, 0, 10)
+        );
+        tx.clear();
+        // The UNMAP that waited runs both its trims, and is answered after its own last.
+        let Decoded::Request { req: a, len, .. } = f.decode(&unmap, &mut tx) else {
+            panic!("the waiting UNMAP's first trim");
+        };
+        assert_eq!((itt_of(&a), a.offset, len), (5, 8 * 512, unmap.len()));
+        f.taken(&a);
+        assert!(matches!(f.decode(&[], &mut tx), Decoded::Need(_)));
+        assert!(!f.reply(&a, Status::Ok, &mut tx) && tx.is_empty());
+        let Decoded::Request { req: b, .. } = f.decode(&[], &mut tx) else {
+            panic!("the second trim");
+        };
+        assert_eq!((itt_of(&b), b.offset), (5, 64 * 512));
+        f.taken(&b);
+        assert!(f.reply(&b, Status::Ok, &mut tx));
+        assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 5));
+        assert_eq!(f.outstanding(), 0);
+    }
+
+    /// A COMPARE AND WRITE holds every command back while its read runs (a task management
+    /// function too), but once its write runs and it is given up, only the commands that make
+    /// parts wait for that write's answer, which answers no one. The next COMPARE AND WRITE then
+    /// runs with its own read, and holds as usual.
+    #[test]
+    fn a_compare_and_write_given_up_while_its_write_runs_holds_back_only_commands_that_make_parts()
+    {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        let Decoded::Request { req: read, .. } =
+            f.decode(&cmd(7, 0, &caw(1), 1024, true, &[0u8; 1024]), &mut tx)
+        else {
+            panic!("the compare's read");
+        };
+        compare_read(&mut f, &read, &[0u8; 512], &mut tx);
+        let abort = tmf_pdu(10, 1, 7);
+        let Decoded::Request { req: orphan, .. } = f.decode(&abort, &mut tx) else {
+            panic!("the compare's write, before anything else");
+        };
+        assert_eq!(orphan.kind, Kind::Block(BlockOp::Write));
+        f.taken(&orphan);
+        assert!(matches!(
+            f.decode(&abort, &mut tx),
+            Decoded::Answered { .. }
+        ));
+        assert!(tx.is_empty(), "the function waits for the running write");
+        let tur = cmd(50, 1, &TUR, 0, false, &[]);
+        assert!(matches!(f.decode(&tur, &mut tx), Decoded::Answered { .. }));
+        assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 50));
+        tx.clear();
+        let Decoded::Request { req: plain, .. } =
+            f.decode(&cmd(51, 2, &READ10_ONE, 512, false, &[]), &mut tx)
+        else {
+            panic!("a READ held back by the given-up compare's write");
+        };
+        f.taken(&plain);
+        let again = cmd(8, 3, &caw(1), 1024, true, &[0u8; 1024]);
+        assert!(matches!(f.decode(&again, &mut tx), Decoded::Need(_)));
+        // The write's answer answers no one: no response but the function's.
+        assert!(!f.reply(&orphan, Status::Ok, &mut tx));
+        assert_eq!((tx.len(), tx[0], be32(&tx, 16)), (BHS_LEN, op::TMF_RSP, 10));
+        tx.clear();
+        let Decoded::Request { req: own, .. } = f.decode(&again, &mut tx) else {
+            panic!("the new compare's read");
+        };
+        assert_eq!(itt_of(&own), 8);
+        compare_read(&mut f, &own, &[0u8; 512], &mut tx);
+        let Decoded::Request { req: write, .. } = f.decode(&[], &mut tx) else {
+            panic!("the new compare's write");
+        };
+        assert_eq!(
+            (write.kind, itt_of(&write)),
+            (Kind::Block(BlockOp::Write), 8)
+        );
+        f.taken(&write);
+        assert!(f.reply(&write, Status::Ok, &mut tx));
+        assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 8));
     }
 
     /// A frontend whose session negotiated InitialR2T=No (FirstBurstLength 8 KiB).
