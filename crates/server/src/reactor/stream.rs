@@ -1356,6 +1356,20 @@ mod tests {
                         trailer: 0,
                     }
                 }
+                // `L cookie offset length`: a READ decoded from a message that needs no free
+                // slot (`next_is_data`), as iSCSI's Data-Out that completes a parameter list
+                // makes the command's first part (a VERIFY's read, say).
+                Some(b'L') => {
+                    if let Some(n) = need(21) {
+                        return n;
+                    }
+                    Decoded::Request {
+                        req: request(Kind::Block(BlockOp::Read), rx),
+                        len: 21,
+                        payload_len: 0,
+                        trailer: 0,
+                    }
+                }
                 Some(b'D') => {
                     if let Some(n) = need(11) {
                         return n;
@@ -1386,7 +1400,7 @@ mod tests {
             }))
         }
         fn next_is_data(&self, rx: &[u8]) -> bool {
-            rx.first() == Some(&b'D')
+            matches!(rx.first(), Some(b'D' | b'L'))
         }
         fn reply_bound(&self, rx: &[u8]) -> usize {
             match rx {
@@ -1854,6 +1868,57 @@ mod tests {
             tx[11..11 + 1024] == payload[..],
             "the data the writes brought reads back"
         );
+    }
+
+    /// A request decoded from a message that needs no free slot (`next_is_data`: iSCSI's
+    /// Data-Out completing a parameter list makes the command's first part) while every slot
+    /// is busy is not taken (`take_slot` has none to give): it waits in rx, and is taken, once,
+    /// when a completion frees a slot and the reactor services the connection again.
+    #[test]
+    fn a_request_decoded_from_data_while_every_slot_is_busy_waits_for_a_slot() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn("m=memthread:1M");
+        let payload: Vec<u8> = (0..1024u32).map(|i| (i % 251) as u8).collect();
+        feed(&mut c, &mut ring, &write(1, 0, 1024, &payload));
+        settle_async(&mut c, &mut ring);
+        assert_eq!(take_tx(&mut c), status_reply(1, Status::Ok));
+        // Four READs run at the backend, one in each slot.
+        for i in 0..4u64 {
+            feed(&mut c, &mut ring, &read(10 + i, 0, 512));
+        }
+        assert_eq!((c.free_slots.len(), c.inflight), (0, 4));
+        let mut part = vec![b'L'];
+        part.extend_from_slice(&20u64.to_le_bytes());
+        part.extend_from_slice(&0u64.to_le_bytes());
+        part.extend_from_slice(&1024u32.to_le_bytes());
+        feed(&mut c, &mut ring, &part);
+        assert_eq!(c.rx_end - c.rx_start, part.len(), "left in rx, untaken");
+        assert_eq!((c.free_slots.len(), c.inflight), (0, 4));
+        // Serviced again with no slot free (a completion of another connection, say): it
+        // still waits.
+        feed(&mut c, &mut ring, &[]);
+        assert_eq!(c.rx_end - c.rx_start, part.len());
+        assert!(take_tx(&mut c).is_empty(), "nothing answered yet");
+        settle_async(&mut c, &mut ring);
+        assert_eq!(
+            take_tx(&mut c).len(),
+            4 * (11 + 512 + 4),
+            "the four READs answered"
+        );
+        assert_eq!(
+            c.rx_end - c.rx_start,
+            part.len(),
+            "not taken by the completions"
+        );
+        // The reactor services the connection after the completions: the request is taken.
+        feed(&mut c, &mut ring, &[]);
+        assert_eq!((c.rx_end - c.rx_start, c.inflight), (0, 1));
+        settle_async(&mut c, &mut ring);
+        let tx = take_tx(&mut c);
+        assert_eq!(tx.len(), 11 + 1024 + 4, "answered once");
+        assert_eq!(&tx[..11], &status_reply(20, Status::Ok)[..]);
+        assert!(tx[11..11 + 1024] == payload[..], "it read what was written");
+        assert_eq!(c.free_slots.len(), 4);
     }
 
     #[test]
