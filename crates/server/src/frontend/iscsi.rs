@@ -1368,6 +1368,12 @@ impl Iscsi {
                 }
             }
             Command::Verify { lba, blocks, .. } => {
+                if blocks == 0 {
+                    // SBC-4: a VERIFICATION LENGTH of zero verifies nothing, and is no error
+                    // (a read part of no bytes would be refused as invalid).
+                    self.response(itt, GOOD, None, res, tx);
+                    return Decoded::Answered { len };
+                }
                 let (o, l) = self.bytes(lba, blocks);
                 self.compare = Some((list.to_vec(), None));
                 parts.push((Kind::Block(BlockOp::Read), o, l, IoFlags::empty(), None));
@@ -3403,6 +3409,22 @@ mod tests {
         // No second trim: the command is over.
         assert!(matches!(f.decode(&[], &mut tx), Decoded::Need(_)));
         assert_eq!(f.outstanding(), 0);
+    }
+
+    /// VERIFY with BYTCHK and a VERIFICATION LENGTH of zero verifies nothing: GOOD, with no
+    /// read handed out.
+    #[test]
+    fn a_byte_compare_verify_of_no_blocks_is_good() {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        let verify = [0x2f, 0x02, 0, 0, 0, 0, 0, 0, 0, 0];
+        assert!(matches!(
+            f.decode(&cmd(1, 0, &verify, 0, true, &[]), &mut tx),
+            Decoded::Answered { .. }
+        ));
+        assert_eq!((tx[0], tx[3]), (op::SCSI_RSP, GOOD), "{tx:?}");
+        assert_eq!(f.outstanding(), 0);
+        assert!(matches!(f.decode(&[], &mut tx), Decoded::Need(_)));
     }
 
     #[test]
