@@ -112,8 +112,8 @@ impl MemBackend {
         // Its size is fixed from here: the file is reachable through /proc/PID/fd, and memory of
         // the mapping past a shrunk end would raise SIGBUS where the data path writes fragments
         // in place or sends replies from it.
-        // SAFETY: sealing our own file.
         let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: sealing our own file.
         if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
             return Err(io::Error::last_os_error());
         }
