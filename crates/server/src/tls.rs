@@ -196,23 +196,36 @@ impl Tls {
         // reads whatever store is current at each handshake.
         let index = psk_host_index().map_err(|e| ssl_err("cannot set up TLS", e))?;
         let keys = keys.clone();
-        // The identity is the client's host id (the PSK user name); an unknown one ends the
-        // handshake (0 = no key).
+        // The identity is the client's host id (the PSK user name). An unknown one gets a key
+        // nobody holds (derived from the identity under a secret of this process), so its
+        // binder fails exactly as a known host's with a wrong key does: the alert does not tell
+        // which host ids exist. Where the callback leaves the host is read only once the
+        // handshake used the PSK (`accept`).
+        let unknown = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &{
+            let mut k = [0u8; 32];
+            blkwire_auth::random(&mut k);
+            k
+        });
         b.set_psk_server_callback(move |ssl, identity, psk| {
-            let Some(id) = identity.and_then(|i| std::str::from_utf8(i).ok()) else {
-                return Ok(0);
-            };
+            let identity = identity.unwrap_or_default();
             let store = keys.read().unwrap_or_else(|p| p.into_inner()).clone();
-            let Some(key) = store.as_ref().and_then(|k| k.get(id)) else {
-                return Ok(0);
-            };
-            let k = key.bytes();
-            if k.len() > psk.len() {
-                return Ok(0);
+            let known = std::str::from_utf8(identity)
+                .ok()
+                .and_then(|id| Some((id, store.as_ref()?.get(id)?)));
+            match known {
+                Some((id, key)) if key.bytes().len() <= psk.len() => {
+                    let k = key.bytes();
+                    psk[..k.len()].copy_from_slice(k);
+                    ssl.set_ex_data(index, (id.to_string(), key.clone()));
+                    Ok(k.len())
+                }
+                _ => {
+                    let tag = ring::hmac::sign(&unknown, identity);
+                    let n = tag.as_ref().len().min(psk.len());
+                    psk[..n].copy_from_slice(&tag.as_ref()[..n]);
+                    Ok(n)
+                }
             }
-            psk[..k.len()].copy_from_slice(k);
-            ssl.set_ex_data(index, (id.to_string(), key.clone()));
-            Ok(k.len())
         });
         Ok(Tls {
             mode: s.mode,
@@ -258,9 +271,15 @@ impl Tls {
                 _ => format!("TLS handshake failed ({:?})", e.code()),
             });
         }
+        // The callback ran for the identity the client offered, but OpenSSL may still have
+        // set that PSK aside and finished the handshake on the certificate (TLS 1.3: a PSK
+        // whose hash differs from the cipher suite chosen, e.g. a client offering only
+        // TLS_AES_256_GCM_SHA384, is skipped without its binder being checked). Only a
+        // handshake that used the PSK, which OpenSSL reports as a resumption, proved the key.
         let host = psk_host_index()
             .ok()
-            .and_then(|i| s.ssl().ex_data(i).cloned());
+            .and_then(|i| s.ssl().ex_data(i).cloned())
+            .filter(|_| s.ssl().session_reused());
         Ok((s, host))
     }
 }
@@ -475,5 +494,121 @@ pub(crate) fn write(s: &mut TlsStream, buf: &[u8]) -> Io {
     match s.ssl_write(buf) {
         Ok(n) => Io::Done(n),
         Err(e) => classify(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use openssl::ssl::{SslConnector, SslVerifyMode};
+    use std::net::{TcpListener, TcpStream};
+    use std::os::fd::AsRawFd;
+    use std::sync::{Arc, RwLock};
+    use std::time::Duration;
+
+    /// A self-signed certificate and its key, as PEM files in a fresh directory.
+    fn certificate() -> (PathBuf, PathBuf) {
+        use openssl::asn1::Asn1Time;
+        use openssl::ec::{EcGroup, EcKey};
+        use openssl::hash::MessageDigest;
+        use openssl::nid::Nid;
+        use openssl::pkey::PKey;
+        use openssl::x509::{X509Builder, X509NameBuilder};
+        let group = EcGroup::from_curve_name(Nid::X9_62_PRIME256V1).unwrap();
+        let key = PKey::from_ec_key(EcKey::generate(&group).unwrap()).unwrap();
+        let mut name = X509NameBuilder::new().unwrap();
+        name.append_entry_by_text("CN", "127.0.0.1").unwrap();
+        let name = name.build();
+        let mut b = X509Builder::new().unwrap();
+        b.set_version(2).unwrap();
+        b.set_subject_name(&name).unwrap();
+        b.set_issuer_name(&name).unwrap();
+        b.set_pubkey(&key).unwrap();
+        b.set_not_before(&Asn1Time::days_from_now(0).unwrap())
+            .unwrap();
+        b.set_not_after(&Asn1Time::days_from_now(1).unwrap())
+            .unwrap();
+        b.sign(&key, MessageDigest::sha256()).unwrap();
+        let dir = std::env::temp_dir().join(format!(
+            "blkwire-tls-{}-{}",
+            std::process::id(),
+            blkwire_auth::random_u64()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (c, k) = (dir.join("cert.pem"), dir.join("key.pem"));
+        std::fs::write(&c, b.build().to_pem().unwrap()).unwrap();
+        std::fs::write(&k, key.private_key_to_pem_pkcs8().unwrap()).unwrap();
+        (c, k)
+    }
+
+    /// One handshake against a target with a certificate and host `h`'s key: the client offers
+    /// `suites`, identity `id` and key `psk`. What the target says the client proved, or how
+    /// the handshake failed.
+    fn handshake(suites: &str, id: &str, psk: [u8; 32]) -> Result<Option<String>, String> {
+        let (cert, key) = certificate();
+        let mut store = blkwire_auth::KeyStore::default();
+        store.insert("h", Key::new(&[7; 32]).unwrap());
+        let keys = Arc::new(RwLock::new(Some(Arc::new(store))));
+        let settings = TlsSettings {
+            mode: TlsMode::Require,
+            cert: Some(cert.clone()),
+            key: Some(key),
+        };
+        let tls = Tls::build(&settings, &keys).expect("a TLS context");
+        std::fs::remove_dir_all(cert.parent().unwrap()).unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let id = id.to_string();
+        let suites = suites.to_string();
+        let client = std::thread::spawn(move || {
+            let mut c = SslConnector::builder(SslMethod::tls_client()).unwrap();
+            c.set_min_proto_version(Some(SslVersion::TLS1_3)).unwrap();
+            c.set_ciphersuites(&suites).unwrap();
+            c.set_verify(SslVerifyMode::NONE);
+            c.set_psk_client_callback(move |_, _, identity, out| {
+                identity[..id.len()].copy_from_slice(id.as_bytes());
+                identity[id.len()] = 0;
+                out[..32].copy_from_slice(&psk);
+                Ok(32)
+            });
+            let s = TcpStream::connect(addr).unwrap();
+            let c = c.build().configure().unwrap().verify_hostname(false);
+            // The outcome is the target's to tell; the client's side only has to end.
+            let _ = c.connect("127.0.0.1", s);
+        });
+        let (s, _) = l.accept().unwrap();
+        let got = tls.accept(s.as_raw_fd(), Instant::now() + Duration::from_secs(10));
+        drop(s);
+        client.join().unwrap();
+        got.map(|(_, host)| host.map(|(h, _)| h))
+    }
+
+    const SUITES: &str = "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384";
+
+    #[test]
+    fn a_host_proves_its_key_with_tls_psk() {
+        assert_eq!(handshake(SUITES, "h", [7; 32]), Ok(Some("h".into())));
+    }
+
+    /// A client that offers only a SHA-384 suite makes OpenSSL set the PSK aside (its hash
+    /// does not match) without checking its binder, and finish on the certificate: it proved
+    /// nothing, whatever identity it named.
+    #[test]
+    fn a_psk_the_handshake_did_not_use_proves_nothing() {
+        assert_eq!(
+            handshake("TLS_AES_256_GCM_SHA384", "h", [9; 32]),
+            Ok(None),
+            "a wrong key passed for host h's"
+        );
+    }
+
+    /// A wrong key and an unknown identity fail alike: the handshake does not tell which
+    /// host ids the target knows.
+    #[test]
+    fn unknown_identities_fail_as_wrong_keys_do() {
+        let wrong = handshake(SUITES, "h", [9; 32]);
+        let unknown = handshake(SUITES, "nobody", [9; 32]);
+        assert!(wrong.is_err(), "{wrong:?}");
+        assert_eq!(wrong, unknown);
     }
 }
