@@ -51,7 +51,9 @@ impl StreamFrontend for Nbd {
             cmd::TRIM => Kind::Block(BlockOp::Trim),
             cmd::CACHE => Kind::Cache,
             cmd::WRITE_ZEROES => Kind::Block(BlockOp::WriteZeroes),
-            cmd::BLOCK_STATUS if r.length == 0 => Kind::Invalid,
+            // Without `base:allocation` selected there is nothing to answer with: EINVAL at
+            // once, not after the backend walked the range (up to 4 GiB of it).
+            cmd::BLOCK_STATUS if r.length == 0 || !self.allocation => Kind::Invalid,
             cmd::BLOCK_STATUS => Kind::BlockStatus,
             _ => Kind::Invalid,
         };
@@ -287,6 +289,13 @@ mod tests {
             ..nbd(true)
         };
         let (r, _) = req(&mut off, &request(cmd::BLOCK_STATUS, 0, 5, 0, 512));
+        assert_eq!(
+            r.kind,
+            Kind::Invalid,
+            "refused before the backend walks the range"
+        );
+        let (r, _) = req(&mut nbd(true), &request(cmd::BLOCK_STATUS, 0, 5, 0, 512));
+        assert_eq!(r.kind, Kind::BlockStatus);
         let mut tx = Vec::new();
         assert!(!off.block_status_reply(&r, &[(512, true)], &mut tx));
         let mut on = nbd(true);
