@@ -1,8 +1,9 @@
 //! How a backend's own threads hand results back to a queue thread: a channel of
-//! `(tag, result)` plus an eventfd the queue thread watches in its ring (the backend contract's
-//! notifier, [`crate::QueueIo::notifier`]). No lock on the data path. The eventfd is written
-//! only when the queue thread may be asleep: by the first result after it last reaped, not by
-//! every one (a burst of completions costs one wake-up and one write, not one each).
+//! `(tag, result)` (the result an `i32` unless the backend posts more, as `rbd:` does) plus an
+//! eventfd the queue thread watches in its ring (the backend contract's notifier,
+//! [`crate::QueueIo::notifier`]). No lock on the data path. The eventfd is written only when
+//! the queue thread may be asleep: by the first result after it last reaped, not by every one
+//! (a burst of completions costs one wake-up and one write, not one each).
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -11,24 +12,34 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 
 /// The queue's end: what [`crate::QueueIo::notifier`] and [`crate::QueueIo::reap`] serve.
-pub(crate) struct Completions {
-    rx: Receiver<(u64, i32)>,
-    poster: Poster,
+pub(crate) struct Completions<R = i32> {
+    rx: Receiver<(u64, R)>,
+    poster: Poster<R>,
 }
 
 /// A backend thread's end; clone one per job.
-#[derive(Clone)]
-pub(crate) struct Poster {
-    tx: Sender<(u64, i32)>,
+pub(crate) struct Poster<R = i32> {
+    tx: Sender<(u64, R)>,
     wake: Arc<OwnedFd>,
     /// Set by the post that wrote the eventfd, cleared by the reaper before it drains: while
     /// it is set, a wake-up is already on its way and later posts need not write.
     woken: Arc<AtomicBool>,
 }
 
-impl Completions {
+// Not derived: that would ask `R: Clone`, and a sender clones whatever it carries.
+impl<R> Clone for Poster<R> {
+    fn clone(&self) -> Self {
+        Poster {
+            tx: self.tx.clone(),
+            wake: self.wake.clone(),
+            woken: self.woken.clone(),
+        }
+    }
+}
+
+impl<R> Completions<R> {
     /// A new channel with its eventfd.
-    pub(crate) fn new() -> io::Result<Completions> {
+    pub(crate) fn new() -> io::Result<Completions<R>> {
         // SAFETY: creating a new descriptor.
         let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if raw < 0 {
@@ -48,7 +59,7 @@ impl Completions {
     }
 
     /// A handle for the threads that post results.
-    pub(crate) fn poster(&self) -> Poster {
+    pub(crate) fn poster(&self) -> Poster<R> {
         self.poster.clone()
     }
 
@@ -58,7 +69,7 @@ impl Completions {
     }
 
     /// Hands over every result waiting.
-    pub(crate) fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) {
+    pub(crate) fn reap(&mut self, done: &mut dyn FnMut(u64, R)) {
         let mut count: u64 = 0;
         // SAFETY: an 8-byte read from our non-blocking eventfd (EAGAIN when nothing is new).
         unsafe {
@@ -80,9 +91,9 @@ impl Completions {
     }
 }
 
-impl Poster {
+impl<R> Poster<R> {
     /// Posts one result and wakes the queue thread. False once the queue is gone.
-    pub(crate) fn post(&self, tag: u64, res: i32) -> bool {
+    pub(crate) fn post(&self, tag: u64, res: R) -> bool {
         if self.tx.send((tag, res)).is_err() {
             return false;
         }

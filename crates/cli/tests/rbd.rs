@@ -16,6 +16,7 @@ use std::sync::{mpsc, OnceLock};
 use std::time::{Duration, Instant};
 
 use blkwire_client::{connect, ConnectOptions, Session, Url};
+use blkwire_wire::Status;
 use common::{random_bytes, Target, TempDir, BIN};
 use serde_json::Value;
 
@@ -522,6 +523,76 @@ fn resize_grows_the_image_and_new_sessions_see_it() {
     let mut back = vec![0u8; MIB as usize];
     s.queues[0].read_at(&mut back, 47 * MIB).unwrap();
     assert!(back == data, "the new end takes I/O");
+}
+
+/// The status a request failed with; panics on success or a failure of another kind.
+fn failed_status<T: std::fmt::Debug>(r: blkwire_client::Result<T>, what: &str) -> Status {
+    match r {
+        Err(blkwire_client::Error::Status { status, .. }) => status,
+        other => panic!("{what}: expected an error status, got {other:?}"),
+    }
+}
+
+/// The image shrunk behind the target (`rbd resize --allow-shrink`) while a session has the old
+/// size: librbd clips a READ or WRITE that crosses the new end (and refuses one past it), and
+/// each must fail with an I/O error, not succeed with the rest of a (pooled, reused) buffer
+/// sent as data or the rest of a write dropped; what is still inside the image is served.
+#[test]
+fn io_across_an_end_shrunk_behind_the_target_fails() {
+    let c = shared();
+    let img = c.image("shrunk", 16 * MIB);
+    let (t, _) = target(&[&format!("r={}", c.spec(&img, ""))]);
+    let mut s = session(&t.url("r"), 1);
+    let q = &mut s.queues[0];
+    let data = random_bytes(16 * MIB as usize, 61);
+    q.write_at(&data, 0, false).unwrap();
+    q.flush().unwrap();
+    // The buffer pool now holds image bytes from everywhere: a leak shows as data.
+    let mut back = vec![0u8; 16 * MIB as usize];
+    q.read_at(&mut back, 0).unwrap();
+    assert!(back == data);
+
+    let end = 12 * MIB + 512 * 1024;
+    c.ok(
+        "rbd",
+        &[
+            "resize",
+            "--allow-shrink",
+            "--no-progress",
+            "--size",
+            &format!("{}K", end / 1024),
+            &format!("rbd/{img}"),
+        ],
+    );
+    // blkwire holds the image's exclusive lock (it wrote), so `rbd resize` had it run the
+    // shrink itself and returned after: its librbd knows the new end already.
+    let mut across = vec![0u8; MIB as usize];
+    let st = failed_status(q.read_at(&mut across, 12 * MIB), "READ across the new end");
+    assert_eq!(st, Status::Io, "READ across the new end");
+    let st = failed_status(q.read_at(&mut across, 14 * MIB), "READ past the new end");
+    assert_eq!(st, Status::Io, "READ past the new end (librbd: EINVAL)");
+    let st = failed_status(
+        q.write_at(&random_bytes(MIB as usize, 62), 12 * MIB, false),
+        "WRITE across the new end",
+    );
+    assert_eq!(st, Status::Io, "WRITE across the new end");
+    let st = failed_status(
+        q.write_zeroes(12 * MIB, MIB, false),
+        "WRITE_ZEROES across the new end",
+    );
+    assert_eq!(st, Status::Io, "WRITE_ZEROES across the new end");
+
+    // Inside the new end, I/O goes on.
+    let mut inside = vec![0u8; 512 * 1024];
+    q.read_at(&mut inside, 11 * MIB).unwrap();
+    assert!(inside[..] == data[11 * MIB as usize..11 * MIB as usize + 512 * 1024]);
+    q.write_at(&random_bytes(4096, 63), 11 * MIB, false)
+        .unwrap();
+    q.flush().unwrap();
+    drop(s);
+    let image = c.export(&img);
+    assert_eq!(image.len() as u64, end, "the image is the shrunk size");
+    assert!(image[11 * MIB as usize..11 * MIB as usize + 4096] == random_bytes(4096, 63)[..]);
 }
 
 /// `serve` refuses what it cannot open with one line and a non-zero exit: a missing image, a

@@ -228,7 +228,7 @@ impl RbdBackend {
                     // which is after this post.
                     let out = unsafe { &mut *job.out.0 };
                     let res = diff_extents(&handle, job.offset, job.len, job.max, out);
-                    job.poster.post(job.tag, res);
+                    job.poster.post(job.tag, Done { res, end: 0 });
                 }
             })?;
         *h = Some(tx.clone());
@@ -310,20 +310,59 @@ impl Backend for RbdBackend {
             poster,
             alloc,
             in_flight: 0,
+            batch: Vec::new(),
         }))
     }
 }
 
+/// What librbd's callback posts for one operation: the result to report, and for a WRITE or
+/// WRITE_ZEROES that librbd says succeeded, where it ends (0 for the others).
+///
+/// librbd clips an operation that crosses the image's end to the end (and refuses one that
+/// starts past it with EINVAL): the generic layer checked the range against the size the
+/// session was given, so that only happens when the image was shrunk behind the export (`rbd
+/// resize --allow-shrink`). A clipped READ reports the bytes it read, fewer than asked, which
+/// the generic layer answers as an I/O error without sending the buffer (whose tail librbd did
+/// not fill: a pooled buffer's old contents). A clipped WRITE still reports 0, as a whole one
+/// does: the queue thread compares `end` with the image's size before reporting it done.
+#[derive(Clone, Copy)]
+struct Done {
+    res: i32,
+    end: u64,
+}
+
 /// What one `rbd_aio_*` call carries to its completion callback.
 struct OpCtx {
-    poster: Poster,
+    poster: Poster<Done>,
     tag: u64,
-    /// What success reports: the length for READ and WRITE, 0 for the others.
-    done_bytes: i32,
+    kind: Kind,
+}
+
+/// How librbd's result becomes the operation's.
+#[derive(Clone, Copy)]
+enum Kind {
+    /// The bytes librbd read (it fills holes with zeros), at most `len`.
+    Read { len: u32 },
+    /// WRITE (`done` its length) or WRITE_ZEROES (`done` 0): `done` once the image is known to
+    /// reach `end`.
+    Write { done: i32, end: u64 },
+    /// FLUSH, TRIM: 0.
+    Other,
+}
+
+/// A data operation's negative errno from librbd's. librbd says EINVAL for a range that starts
+/// at or past the image's end; the generic layer checked it against the export's size, so the
+/// image shrank under the export: an I/O error on the target, not the client's invalid request.
+fn data_errno(r: i64) -> i32 {
+    match i32::try_from(r) {
+        Ok(r) if r < 0 && r != -libc::EINVAL => r,
+        _ => -libc::EIO,
+    }
 }
 
 /// Called by librbd on one of its threads when an operation completes. Never blocks: a
-/// channel send and an eventfd write.
+/// channel send and an eventfd write (no librbd call: asking the image's size may refresh it
+/// synchronously, which must not happen on librbd's own threads).
 extern "C" fn on_complete(c: sys::CompletionT, arg: *mut c_void) {
     // SAFETY: `arg` is the OpCtx leaked by `RbdQueue::start` for this completion, and librbd
     // calls back exactly once per completion, so it is taken back exactly once.
@@ -335,16 +374,28 @@ extern "C" fn on_complete(c: sys::CompletionT, arg: *mut c_void) {
         sys::rbd_aio_release(c);
         r
     };
-    // librbd reports a write's success as 0 (and a read's as its length: it fills holes with
-    // zeros), so success is reported as the request's own length.
-    let res = if r < 0 {
-        i32::try_from(r).unwrap_or(-libc::EIO)
-    } else {
-        ctx.done_bytes
+    let done = match ctx.kind {
+        _ if r < 0 => Done {
+            res: data_errno(r as i64),
+            end: 0,
+        },
+        Kind::Read { len } => Done {
+            res: r.min(len as isize) as i32,
+            end: 0,
+        },
+        Kind::Write { done, end } => Done { res: done, end },
+        Kind::Other => Done { res: 0, end: 0 },
     };
     // False once the queue is gone, which cannot happen while this op is in flight (the queue
     // waits for them in Drop); nothing else to do either way.
-    let _ = ctx.poster.post(ctx.tag, res);
+    let _ = ctx.poster.post(ctx.tag, done);
+}
+
+/// The image's size as librbd knows it now, `None` when it cannot say.
+fn image_size(image: sys::ImageT) -> Option<u64> {
+    let mut size = 0u64;
+    // SAFETY: an open image; writes one u64 we own.
+    (unsafe { sys::rbd_get_size(image, &mut size) } >= 0).then_some(size)
 }
 
 /// An extent-list pointer on its way to the helper thread.
@@ -359,18 +410,20 @@ struct AllocJob {
     max: usize,
     out: OutPtr,
     tag: u64,
-    poster: Poster,
+    poster: Poster<Done>,
 }
 
 struct RbdQueue {
     image: sys::ImageT,
     /// Keeps the image open while this queue may call it.
     _backend: Arc<RbdBackend>,
-    done: Completions,
-    poster: Poster,
+    done: Completions<Done>,
+    poster: Poster<Done>,
     alloc: Sender<AllocJob>,
     /// Operations started `Async` whose results are not reaped yet.
     in_flight: usize,
+    /// The results of one `reap`, kept for its allocation.
+    batch: Vec<(u64, Done)>,
 }
 
 impl QueueIo for RbdQueue {
@@ -379,18 +432,24 @@ impl QueueIo for RbdQueue {
     }
 
     unsafe fn start(&mut self, op: Op, tag: u64, _sq: &mut dyn Submitter) -> Started {
-        let done_bytes = match op {
-            Op::Read { len, .. } | Op::Write { len, .. } => i32::try_from(len).unwrap_or(i32::MAX),
-            _ => 0,
-        };
-        if matches!(op, Op::Copy { .. } | Op::CopyFrom { .. }) {
+        let kind = match op {
+            Op::Read { len, .. } => Kind::Read { len },
+            Op::Write { offset, len, .. } => Kind::Write {
+                done: i32::try_from(len).unwrap_or(i32::MAX),
+                end: offset + len as u64,
+            },
+            Op::WriteZeroes { offset, len, .. } => Kind::Write {
+                done: 0,
+                end: offset + len as u64,
+            },
+            Op::Flush | Op::Trim { .. } => Kind::Other,
             // Never sent: COPY is declared `None` and emulated above us.
-            return Started::Done(-libc::EOPNOTSUPP);
-        }
+            Op::Copy { .. } | Op::CopyFrom { .. } => return Started::Done(-libc::EOPNOTSUPP),
+        };
         let ctx = Box::into_raw(Box::new(OpCtx {
             poster: self.poster.clone(),
             tag,
-            done_bytes,
+            kind,
         }));
         let mut c: sys::CompletionT = ptr::null_mut();
         // SAFETY: creates a completion that will call `on_complete` with `ctx`.
@@ -438,7 +497,7 @@ impl QueueIo for RbdQueue {
                 sys::rbd_aio_release(c);
                 drop(Box::from_raw(ctx));
             }
-            return Started::Done(r);
+            return Started::Done(data_errno(r.into()));
         }
         self.in_flight += 1;
         Started::Async
@@ -475,12 +534,30 @@ impl QueueIo for RbdQueue {
     }
 
     fn reap(&mut self, done: &mut dyn FnMut(u64, i32)) {
-        let mut n = 0usize;
-        self.done.reap(&mut |tag, res| {
-            n += 1;
-            done(tag, res)
-        });
-        self.in_flight = self.in_flight.saturating_sub(n);
+        let mut batch = std::mem::take(&mut self.batch);
+        self.done.reap(&mut |tag, d| batch.push((tag, d)));
+        self.in_flight = self.in_flight.saturating_sub(batch.len());
+        // Writes librbd says are done are checked against the image's size, asked once per
+        // batch and after the whole batch was posted: a write clipped by a shrink completed
+        // after the shrink, so the size asked now is at most the one it was clipped to (unless
+        // the image grew back meanwhile). On the queue thread, not in the callback: the call
+        // refreshes the image first when another client changed its header (a round trip,
+        // bounded by the Ceph timeouts), and is otherwise a lock and a read.
+        let mut size: Option<Option<u64>> = None;
+        for &(tag, d) in &batch {
+            let res = if d.end == 0 {
+                d.res
+            } else {
+                match *size.get_or_insert_with(|| image_size(self.image)) {
+                    Some(s) if d.end <= s => d.res,
+                    // Clipped (or the size unknown): the bytes past the end went nowhere.
+                    _ => -libc::EIO,
+                }
+            };
+            done(tag, res);
+        }
+        batch.clear();
+        self.batch = batch;
     }
 }
 
