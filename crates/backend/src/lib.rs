@@ -251,6 +251,16 @@ pub trait Backend: Send + Sync {
     fn allocation(&self, _offset: u64, len: u64, _max: usize, out: &mut Vec<Extent>) {
         out.push(Extent { len, hole: false });
     }
+    /// The target is stopping and every queue of this backend has closed: make the writes it
+    /// acknowledged durable and release what others wait for (`rbd:`: a final flush of
+    /// librbd's cache, then the image's exclusive lock and watch), waiting for it, within a
+    /// bounded time (a few of the backend's own timeouts). The backend may refuse queues and
+    /// resizes from then on. `Err` is one line saying what was not done, to log. The default
+    /// has nothing to do: files and memory keep nothing back from the kernel (dropping the
+    /// backend releases the rest).
+    fn shutdown(&self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// A queue's private handle on a backend. Never shared between threads.

@@ -493,6 +493,98 @@ fn flushed_writes_survive_kill_9_of_the_target() {
     );
 }
 
+/// The clients that watch an image (`rbd status`): an open image has one, its opener's.
+fn watchers(c: &Cluster, img: &str) -> Vec<Value> {
+    let status: Value = serde_json::from_slice(&c.ok(
+        "rbd",
+        &["status", "--format", "json", &format!("rbd/{img}")],
+    ))
+    .unwrap();
+    status["watchers"]
+        .as_array()
+        .unwrap_or_else(|| panic!("rbd status: {status}"))
+        .clone()
+}
+
+/// With librbd's cache in writeback (the config's `rbd cache policy`, dirty data kept for a
+/// minute), writes are acknowledged from the cache. A target that stops gracefully (SIGTERM)
+/// flushes and closes its images before it exits: the unflushed writes are in the image and
+/// nobody watches it any more (a target that just exits leaves its watch for the cluster to
+/// time out, ~30 s, and the writes in its cache). `export remove` does the same for its image
+/// before it answers.
+#[test]
+fn a_graceful_stop_flushes_and_closes_the_image() {
+    let c = shared();
+    let d = TempDir::new("rbd-stop");
+    let conf = d.path("writeback.conf");
+    let mut text = std::fs::read_to_string(&c.conf).unwrap();
+    text.push_str("[client]\nrbd cache policy = writeback\nrbd cache max dirty age = 60\n");
+    std::fs::write(&conf, text).unwrap();
+    let spec = |img: &str| format!("rbd:rbd/{img}?conf={}", conf.display());
+    let (kept, removed) = (c.image("stop", 16 * MIB), c.image("remove", 16 * MIB));
+    let sock = d.path("ctl.sock");
+    let mut t = Target::start_with_control(
+        &[
+            &format!("k={}", spec(&kept)),
+            &format!("r={}", spec(&removed)),
+        ],
+        &sock,
+    );
+    let data = random_bytes(4 * MIB as usize, 71);
+    for name in ["k", "r"] {
+        let mut s = session(&t.url(name), 1);
+        s.queues[0].write_at(&data, 2 * MIB, false).unwrap(); // no flush
+    }
+    assert_eq!(watchers(c, &kept).len(), 1, "the target watches its image");
+
+    // Once the sessions are gone (their queues close on the target's threads), the removal
+    // drops the export's last reference. The watch lasts ~30 s after its client goes without
+    // closing, so 10 s tell a close from a timeout.
+    let sock = sock.to_str().unwrap();
+    let rpc = |args: &[&str]| {
+        let (ok, out, err) = common::cli(args);
+        assert!(ok, "{args:?}: {out} {err}");
+        out
+    };
+    assert!(
+        common::wait_until(Duration::from_secs(10), || {
+            rpc(&["rpc", "session_list", "{}", "--socket", sock]).trim() == "[]"
+        }),
+        "the sessions did not end"
+    );
+    rpc(&["export", "rm", "r", "--socket", sock]);
+    assert!(
+        common::wait_until(Duration::from_secs(10), || watchers(c, &removed).is_empty()),
+        "still watched 10 s after its removal: {:?}",
+        watchers(c, &removed)
+    );
+    assert!(
+        c.export(&removed)[2 * MIB as usize..6 * MIB as usize] == data[..],
+        "flushed on removal"
+    );
+
+    // SAFETY: kill(2) on the target this test started.
+    unsafe { libc::kill(t.pid(), libc::SIGTERM) };
+    let mut status = None;
+    assert!(
+        common::wait_until(Duration::from_secs(60), || {
+            status = t.child.try_wait().unwrap();
+            status.is_some()
+        }),
+        "the target did not stop within 60 s of SIGTERM"
+    );
+    assert!(status.unwrap().success(), "serve exits 0: {status:?}");
+    assert_eq!(
+        watchers(c, &kept),
+        Vec::<Value>::new(),
+        "closed before the target exited"
+    );
+    assert!(
+        c.export(&kept)[2 * MIB as usize..6 * MIB as usize] == data[..],
+        "the writes acknowledged from librbd's cache are in the image"
+    );
+}
+
 /// `export resize` grows the image itself, and new sessions see the new size.
 #[test]
 fn resize_grows_the_image_and_new_sessions_see_it() {
@@ -751,5 +843,23 @@ fn cluster_death_under_load_gives_io_errors_not_hangs() {
         t.child.try_wait().unwrap().is_none(),
         "the target survives its cluster"
     );
+
+    // A graceful stop still ends: the final flush and close of the image are given two Ceph
+    // timeouts (here 5 s each; rbd_close alone would take about seven on a dead cluster),
+    // then left behind with a warning.
+    let stopping = Instant::now();
+    // SAFETY: kill(2) on the target this test started.
+    unsafe { libc::kill(t.pid(), libc::SIGTERM) };
+    let mut status = None;
+    let stopped = common::wait_until(Duration::from_secs(40), || {
+        status = t.child.try_wait().unwrap();
+        status.is_some()
+    });
+    assert!(
+        stopped,
+        "the target still runs {:?} after SIGTERM",
+        stopping.elapsed()
+    );
+    assert!(status.unwrap().success(), "serve exits 0: {status:?}");
     drop(c);
 }

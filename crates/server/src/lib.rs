@@ -899,6 +899,27 @@ impl Target {
         for h in self.handles {
             let _ = h.join();
         }
+        // Every queue has closed. A backend that holds acknowledged writes or a lock of its own
+        // (`rbd:`: librbd's cache, the image's exclusive lock) flushes and releases them now,
+        // before `serve` returns and the process exits under it (the registry, and the exports
+        // with it, may outlive this: a metrics or control client thread can hold it). All at
+        // once, each bounded by its own timeouts.
+        let exports = self.shared.registry.exports();
+        let close = |e: &Export| {
+            if let Err(m) = e.backend().shutdown() {
+                crate::log!(Level::Warn, "export '{}': {m}", e.name);
+            }
+        };
+        std::thread::scope(|s| {
+            for e in &exports {
+                let spawned = std::thread::Builder::new()
+                    .name("blkwire-close".into())
+                    .spawn_scoped(s, move || close(e));
+                if spawned.is_err() {
+                    close(e); // no thread: one after the other
+                }
+            }
+        });
         crate::log!(Level::Info, "stopped");
         Ok(())
     }

@@ -8,7 +8,9 @@ use std::os::fd::RawFd;
 use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 use super::sys;
 use super::{errno_text, Spec};
@@ -25,44 +27,93 @@ struct Handle {
     image: sys::ImageT,
 }
 
-// SAFETY: librados and librbd handles are thread-safe: librbd serialises inside the image
-// (QEMU and SPDK issue rbd_aio_* on one image from several threads), and the only call made
-// through a shared Handle outside the data path (rbd_resize, rbd_diff_iterate2) is allowed
-// concurrently with I/O.
+// SAFETY: librados and librbd handles may be used from any thread (QEMU and SPDK issue
+// rbd_aio_* on one image from several); a Handle is only moved, to the thread that closes it.
 unsafe impl Send for Handle {}
-// SAFETY: as above.
-unsafe impl Sync for Handle {}
 
-impl Drop for Handle {
-    fn drop(&mut self) {
-        // SAFETY: each handle was created by the matching call and is released once, image
-        // before pool before cluster; rbd_close waits for librbd's own outstanding work.
+impl Handle {
+    /// Flushes the image (librbd's cache may hold acknowledged writes: writeback, or
+    /// writearound's writes in flight), closes it (which releases its exclusive lock and
+    /// watch), then the pool and the connection. Returns the flush's result (0 or a negative
+    /// errno); every handle is released whatever it is. Each step is bounded by the Ceph
+    /// timeouts, the close by several of them (it flushes again, releases the lock, unwatches).
+    fn release(&mut self) -> c_int {
+        let mut flushed = 0;
+        // SAFETY: each handle was created by the matching call and is released once (nulled
+        // here), image before pool before cluster; no operation of ours is in flight (queues
+        // wait for theirs before they go, and the helper has ended), and rbd_close waits for
+        // librbd's own outstanding work.
         unsafe {
             if !self.image.is_null() {
+                flushed = sys::rbd_flush(self.image);
                 sys::rbd_close(self.image);
+                self.image = ptr::null_mut();
             }
             if !self.ioctx.is_null() {
                 sys::rados_ioctx_destroy(self.ioctx);
+                self.ioctx = ptr::null_mut();
             }
             if !self.cluster.is_null() {
                 sys::rados_shutdown(self.cluster);
+                self.cluster = ptr::null_mut();
             }
         }
+        flushed
     }
 }
 
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// How long a close may take, in Ceph timeouts (`timeout=`): a final flush and a lock release
+/// that each time out once. rbd_close on a dead cluster takes about seven (measured: 35 s at
+/// `timeout=5`), so beyond this the cluster is not answering: the close is left to finish on
+/// its own thread (the cluster expires the watch, and the next opener breaks the lock).
+const CLOSE_TIMEOUTS: u32 = 2;
+
+/// The image pointer, for the threads that call librbd on it (queues' completions, the helper).
+#[derive(Clone, Copy)]
+struct Image(sys::ImageT);
+// SAFETY: librbd takes calls on one image from any thread; the backend keeps it open while a
+// queue or the helper may use it (see `Life`).
+unsafe impl Send for Image {}
+
 /// A Ceph RBD image served as an export.
 pub(crate) struct RbdBackend {
-    handle: Arc<Handle>,
+    /// The open image: queues, the allocation helper and the control path (resize, allocation
+    /// queries, which come through a queue's executor) call librbd on it. Valid until `close`,
+    /// which waits for a resize in progress, refuses while a queue is open, joins the helper,
+    /// and makes `open_queue` and `resize` refuse from then on.
+    image: sys::ImageT,
     /// `rbd:POOL/IMAGE`.
     name: String,
     read_only: bool,
+    /// `timeout=`: seconds a Ceph operation may take.
+    timeout_secs: u32,
     /// Grows with `resize`; read on the control path and at handshakes only.
     size: AtomicU64,
-    /// One resize at a time.
+    /// One resize at a time, and none while the image closes.
     resizing: Mutex<()>,
-    /// The allocation helper's job queue, started with the first queue (control path only).
-    helper: Mutex<Option<Sender<AllocJob>>>,
+    life: Mutex<Life>,
+}
+
+// SAFETY: `image` is used as `Image` says; the handles are behind `life`'s lock.
+unsafe impl Send for RbdBackend {}
+// SAFETY: as above.
+unsafe impl Sync for RbdBackend {}
+
+/// What opens and closes with the image (control path only).
+struct Life {
+    /// The handles; `None` once closed.
+    handle: Option<Handle>,
+    /// The allocation helper's job queue and thread, started with the first queue.
+    helper: Option<(Sender<AllocJob>, JoinHandle<()>)>,
+    /// Queues open (from `open_queue` to the end of their Drop): the image closes only when
+    /// there are none.
+    queues: usize,
 }
 
 fn cstring(what: &str, s: &str) -> Result<CString, String> {
@@ -200,26 +251,35 @@ impl RbdBackend {
             ));
         }
         Ok(RbdBackend {
-            handle: Arc::new(h),
+            image: h.image,
             name,
             read_only,
+            timeout_secs: spec.timeout_secs,
             size: AtomicU64::new(size),
             resizing: Mutex::new(()),
-            helper: Mutex::new(None),
+            life: Mutex::new(Life {
+                handle: Some(h),
+                helper: None,
+                queues: 0,
+            }),
         })
     }
 
-    /// The allocation helper's queue, started on first use.
-    fn helper(&self) -> io::Result<Sender<AllocJob>> {
-        let mut h = self.helper.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(tx) = h.as_ref() {
+    fn life(&self) -> MutexGuard<'_, Life> {
+        // Every change to Life is one assignment: a panic cannot leave it half-made.
+        self.life.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The allocation helper's queue, started on first use, for a queue being opened.
+    fn helper(&self, life: &mut Life) -> io::Result<Sender<AllocJob>> {
+        if let Some((tx, _)) = life.helper.as_ref() {
             return Ok(tx.clone());
         }
         let (tx, rx) = mpsc::channel::<AllocJob>();
-        // The helper holds the handle, not the backend: it ends when the last sender (the
-        // backend's and every queue's) is gone, and then releases the image if it is last.
-        let handle = self.handle.clone();
-        std::thread::Builder::new()
+        // It ends when the last sender (the backend's and every queue's) is gone; `close`
+        // drops the backend's once no queue is left, and joins it before the image closes.
+        let image = Image(self.image);
+        let thread = std::thread::Builder::new()
             .name("blkwire-rbd-alloc".into())
             .spawn(move || {
                 for job in rx {
@@ -227,12 +287,78 @@ impl RbdBackend {
                     // untouched until the result is reaped (start_allocation's contract),
                     // which is after this post.
                     let out = unsafe { &mut *job.out.0 };
-                    let res = diff_extents(&handle, job.offset, job.len, job.max, out);
+                    let res = diff_extents(image, job.offset, job.len, job.max, out);
                     job.poster.post(job.tag, Done { res, end: 0 });
                 }
             })?;
-        *h = Some(tx.clone());
+        life.helper = Some((tx.clone(), thread));
         Ok(tx)
+    }
+
+    /// Stops the helper, then flushes and closes the image, within [`CLOSE_TIMEOUTS`] Ceph
+    /// timeouts: for `shutdown` and Drop. A no-op once closed; refused while a queue is open.
+    fn close(&self) -> Result<(), String> {
+        let _no_resize = self.resizing.lock().unwrap_or_else(|e| e.into_inner());
+        let (mut handle, helper) = {
+            let mut life = self.life();
+            if life.queues > 0 {
+                return Err(format!(
+                    "{}: {} queue(s) still open: the image stays open",
+                    self.name, life.queues
+                ));
+            }
+            match life.handle.take() {
+                Some(h) => (h, life.helper.take()),
+                None => return Ok(()),
+            }
+        };
+        if let Some((tx, thread)) = helper {
+            // No queue is left, so this is the last sender and the helper is idle: it ends now.
+            drop(tx);
+            let _ = thread.join();
+        }
+        let limit = Duration::from_secs(u64::from(CLOSE_TIMEOUTS * self.timeout_secs));
+        let (tx, rx) = mpsc::channel();
+        let closer = std::thread::Builder::new()
+            .name("blkwire-rbd-close".into())
+            .spawn(move || {
+                let _ = tx.send(handle.release());
+            });
+        let flushed = match closer {
+            Ok(_) => match rx.recv_timeout(limit) {
+                Ok(r) => r,
+                // The thread ended without a result: it panicked; librbd's own state is
+                // unknown, and nothing is left to wait for.
+                Err(mpsc::RecvTimeoutError::Disconnected) => -libc::EIO,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    return Err(format!(
+                        "{}: the cluster did not answer the final flush and close within {}s: \
+                         left closing (acknowledged writes it did not take are lost)",
+                        self.name,
+                        limit.as_secs()
+                    ))
+                }
+            },
+            // No thread: close here (the handle was dropped with the closure, which released
+            // it, without the flush's result).
+            Err(_) => 0,
+        };
+        if flushed < 0 {
+            return Err(format!(
+                "{}: the final flush failed: {} (the image is closed)",
+                self.name,
+                errno_text(flushed.into())
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for RbdBackend {
+    /// The last reference went (the export was removed, or the target stopped): flush and
+    /// close, bounded as `close` says. No queue is open (each holds a reference).
+    fn drop(&mut self) {
+        let _ = self.close();
     }
 }
 
@@ -275,6 +401,12 @@ impl Backend for RbdBackend {
             ));
         }
         let _one = self.resizing.lock().unwrap_or_else(|e| e.into_inner());
+        if self.life().handle.is_none() {
+            return Err(io::Error::other(format!(
+                "{}: the image is closed (the target is stopping)",
+                self.name
+            )));
+        }
         if new_size < self.size() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -282,7 +414,7 @@ impl Backend for RbdBackend {
             ));
         }
         // SAFETY: an open, writable image; librbd orders the resize with in-flight I/O.
-        let r = unsafe { sys::rbd_resize(self.handle.image, new_size) };
+        let r = unsafe { sys::rbd_resize(self.image, new_size) };
         if r < 0 {
             return Err(io::Error::other(format!(
                 "{}: rbd_resize failed: {}",
@@ -294,24 +426,39 @@ impl Backend for RbdBackend {
         Ok(())
     }
     fn allocation(&self, offset: u64, len: u64, max: usize, out: &mut Vec<Extent>) {
-        if diff_extents(&self.handle, offset, len, max, out) < 0 {
+        if diff_extents(Image(self.image), offset, len, max, out) < 0 {
             // Nothing known: say data, which is always a correct answer.
             out.push(Extent { len, hole: false });
         }
     }
     fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
-        let alloc = self.helper()?;
         let done = Completions::new()?;
         let poster = done.poster();
+        let alloc = {
+            let mut life = self.life();
+            if life.handle.is_none() {
+                return Err(io::Error::other(format!(
+                    "{}: the image is closed (the target is stopping)",
+                    self.name
+                )));
+            }
+            let alloc = self.helper(&mut life)?;
+            life.queues += 1;
+            alloc
+        };
         Ok(Box::new(RbdQueue {
-            image: self.handle.image,
-            _backend: self,
+            image: self.image,
+            backend: self,
             done,
             poster,
-            alloc,
+            alloc: Some(alloc),
             in_flight: 0,
             batch: Vec::new(),
         }))
+    }
+    /// Waits (bounded) for the final flush and close; see `RbdBackend::close`.
+    fn shutdown(&self) -> Result<(), String> {
+        self.close()
     }
 }
 
@@ -415,11 +562,12 @@ struct AllocJob {
 
 struct RbdQueue {
     image: sys::ImageT,
-    /// Keeps the image open while this queue may call it.
-    _backend: Arc<RbdBackend>,
+    /// Keeps the image open while this queue may call it (and counts it in `Life::queues`).
+    backend: Arc<RbdBackend>,
     done: Completions<Done>,
     poster: Poster<Done>,
-    alloc: Sender<AllocJob>,
+    /// `None` only in Drop.
+    alloc: Option<Sender<AllocJob>>,
     /// Operations started `Async` whose results are not reaped yet.
     in_flight: usize,
     /// The results of one `reap`, kept for its allocation.
@@ -460,10 +608,10 @@ impl QueueIo for RbdQueue {
             return Started::Done(r);
         }
         let img = self.image;
-        // SAFETY: `img` is open for as long as `_backend` lives; the READ buffer is valid for
-        // writes and the WRITE buffer for reads of `len` bytes until the result is reaped
-        // (this function's contract), which is after librbd's callback, after which librbd
-        // no longer touches them.
+        // SAFETY: `img` is open for as long as this queue is (`backend`); the READ buffer is
+        // valid for writes and the WRITE buffer for reads of `len` bytes until the result is
+        // reaped (this function's contract), which is after librbd's callback, after which
+        // librbd no longer touches them.
         let r = unsafe {
             match op {
                 Op::Read { offset, buf, len } => {
@@ -520,12 +668,12 @@ impl QueueIo for RbdQueue {
             tag,
             poster: self.poster.clone(),
         };
-        Some(match self.alloc.send(job) {
-            Ok(()) => {
+        Some(match self.alloc.as_ref().map(|a| a.send(job)) {
+            Some(Ok(())) => {
                 self.in_flight += 1;
                 Started::Async
             }
-            Err(_) => Started::Done(-libc::EIO),
+            _ => Started::Done(-libc::EIO),
         })
     }
 
@@ -577,6 +725,10 @@ impl Drop for RbdQueue {
             self.done.reap(&mut |_, _| n += 1);
             self.in_flight = self.in_flight.saturating_sub(n);
         }
+        // Our sender goes before we are counted out: a close that finds no queue open then
+        // holds the helper's last sender.
+        self.alloc = None;
+        self.backend.life().queues -= 1;
     }
 }
 
@@ -606,7 +758,7 @@ extern "C" fn on_diff(offset: u64, len: usize, exists: c_int, arg: *mut c_void) 
 /// Appends the allocation map of `offset..offset+len` to `out` (coalesced, at most `max`
 /// entries, a prefix of the range when there would be more); 0 or a negative errno. Holes
 /// are what `rbd_diff_iterate2` since the image's creation does not report.
-fn diff_extents(h: &Handle, offset: u64, len: u64, max: usize, out: &mut Vec<Extent>) -> i32 {
+fn diff_extents(image: Image, offset: u64, len: u64, max: usize, out: &mut Vec<Extent>) -> i32 {
     let mut walk = Walk {
         data: Vec::new(),
         max: max.clamp(1, MAX_EXTENTS),
@@ -615,7 +767,7 @@ fn diff_extents(h: &Handle, offset: u64, len: u64, max: usize, out: &mut Vec<Ext
     // SAFETY: an open image; the callback gets `walk`, which outlives the synchronous call.
     let r = unsafe {
         sys::rbd_diff_iterate2(
-            h.image,
+            image.0,
             ptr::null(),
             offset,
             len,

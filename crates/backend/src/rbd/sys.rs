@@ -52,6 +52,7 @@ extern "C" {
         snap: *const c_char,
     ) -> c_int;
     pub fn rbd_close(image: ImageT) -> c_int;
+    pub fn rbd_flush(image: ImageT) -> c_int;
     pub fn rbd_get_size(image: ImageT, size: *mut u64) -> c_int;
     pub fn rbd_resize(image: ImageT, size: u64) -> c_int;
     pub fn rbd_diff_iterate2(
