@@ -989,6 +989,10 @@ impl Registry {
                 st.errors,
                 st.protocol_errors
             );
+            // It may hold the last reference to an export removed meanwhile: let it go after
+            // the lock (see `remove_export`).
+            drop(inner);
+            drop(s);
         }
     }
 
@@ -1049,12 +1053,17 @@ impl Registry {
                 if users.len() == 1 { "" } else { "s" }
             ));
         }
-        inner.exports.remove(at);
+        let removed = inner.exports.remove(at);
         for id in &users {
             if let Some(s) = inner.sessions.get_mut(id) {
                 s.revoked = true;
             }
         }
+        // With no session on it, this is the export's last reference, and dropping a backend
+        // may wait on the network (`rbd:` flushes and closes its image, for up to two Ceph
+        // timeouts): after the lock, which every handshake takes.
+        drop(inner);
+        drop((removed, export));
         Ok(users)
     }
 

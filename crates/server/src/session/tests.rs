@@ -380,3 +380,99 @@ fn a_session_keeps_the_key_it_was_proven_with() {
     // Proven with the host's key now, it is admitted.
     assert!(create(&new).is_ok());
 }
+
+/// A backend that records, when it is dropped, whether the registry's lock was held then.
+struct DropProbe {
+    registry: std::sync::Weak<Registry>,
+    /// None until dropped; then whether the lock was held.
+    locked: Arc<Mutex<Option<bool>>>,
+}
+
+impl blkwire_backend::Backend for DropProbe {
+    fn describe(&self) -> String {
+        "probe".into()
+    }
+    fn size(&self) -> u64 {
+        1 << 20
+    }
+    fn block_sizes(&self) -> (u32, u32) {
+        (512, 4096)
+    }
+    fn capabilities(&self) -> blkwire_backend::Capabilities {
+        blkwire_backend::Capabilities::default()
+    }
+    fn reads_as_zero(&self) -> bool {
+        true
+    }
+    fn open_queue(self: Arc<Self>) -> std::io::Result<Box<dyn blkwire_backend::QueueIo>> {
+        Err(std::io::Error::other("a probe has no queues"))
+    }
+}
+
+impl Drop for DropProbe {
+    fn drop(&mut self) {
+        let held = self.registry.upgrade().map(|r| r.inner.try_lock().is_err());
+        *self.locked.lock().unwrap() = held;
+    }
+}
+
+/// The registry lets go of an export's last reference after its lock, never under it: a
+/// backend's drop may wait on the network (`rbd:` flushes and closes its image, for up to two
+/// Ceph timeouts), and every handshake takes that lock. Both ways the last reference can go:
+/// the removal of an export no session uses, and the end of the last session of a removed one.
+#[test]
+fn an_exports_last_reference_goes_outside_the_registry_lock() {
+    let r = Arc::new(registry(None));
+    let locked = Arc::new(Mutex::new(None));
+    let add = |name: &str| {
+        let probe = DropProbe {
+            registry: Arc::downgrade(&r),
+            locked: locked.clone(),
+        };
+        let export = Arc::new(Export::new(name, Arc::new(probe), false));
+        r.lock().exports.push(Served {
+            spec: ExportSpec::parse(&format!("{name}=null:1M")).unwrap(),
+            export: export.clone(),
+            acl: Acl::default(),
+        });
+        export
+    };
+
+    drop(add("p"));
+    r.remove_export("p", false).unwrap();
+    assert_eq!(
+        *locked.lock().unwrap(),
+        Some(false),
+        "removal: dropped under the lock"
+    );
+
+    *locked.lock().unwrap() = None;
+    let export = add("q");
+    let addr = peer(1).addr;
+    let owner = Owner {
+        proven: None,
+        shown: "h",
+        addr: &addr,
+        peer: "127.0.0.1:1",
+    };
+    let max_io = 64 << 10;
+    let (id, ..) = r
+        .create(
+            &export,
+            &owner,
+            (1 << 20, 1, 4, max_io, max_io, CopyLimits::default()),
+            (None, None),
+            (false, false, false),
+            Registry::queue_floor(max_io, false),
+        )
+        .unwrap();
+    drop(export);
+    assert_eq!(r.remove_export("q", true).unwrap(), [id]);
+    assert_eq!(*locked.lock().unwrap(), None, "the session still holds it");
+    r.leave(id, 0, &QueueStats::default());
+    assert_eq!(
+        *locked.lock().unwrap(),
+        Some(false),
+        "session end: dropped under the lock"
+    );
+}
