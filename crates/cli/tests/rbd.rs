@@ -617,6 +617,77 @@ fn resize_grows_the_image_and_new_sessions_see_it() {
     assert!(back == data, "the new end takes I/O");
 }
 
+/// The image's size as `rbd info` says.
+fn image_size(c: &Cluster, img: &str) -> u64 {
+    let info: Value =
+        serde_json::from_slice(&c.ok("rbd", &["info", "--format", "json", &format!("rbd/{img}")]))
+            .unwrap();
+    info["size"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("rbd info: {info}"))
+}
+
+/// The image grown behind the target (`rbd resize` by another client) past the size the export
+/// knows: `export resize` to a size between the two is refused with one line, and what another
+/// client wrote past it is still there (a resize checked against the export's size only cut
+/// it); a size past the image's grows it.
+#[test]
+fn resize_never_shrinks_an_image_grown_behind_the_target() {
+    let c = shared();
+    let img = c.image("grown", 16 * MIB);
+    let d = TempDir::new("rbd-grown");
+    let sock = d.path("ctl.sock");
+    let t = Target::start_with_control(&[&format!("r={}", c.spec(&img, ""))], &sock);
+    let sock = sock.to_str().unwrap();
+    c.ok(
+        "rbd",
+        &[
+            "resize",
+            "--no-progress",
+            "--size",
+            "64M",
+            &format!("rbd/{img}"),
+        ],
+    );
+    // Another client's data at 40 MiB: qemu's own librbd driver, straight to the image.
+    tool(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            &format!("rbd:rbd/{img}:conf={}", c.conf),
+            "-c",
+            "write -P 0x5a 40M 1M",
+        ],
+    );
+
+    let (ok, out, err) = common::cli(&["export", "resize", "r", "32M", "--socket", sock]);
+    assert!(!ok, "a resize below the image's size was done: {out}");
+    let lines: Vec<_> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "one error line: {err}");
+    assert!(
+        lines[0].contains("grown behind the export"),
+        "says why: {err}"
+    );
+    assert_eq!(image_size(c, &img), 64 * MIB, "the image was not shrunk");
+    assert!(
+        c.export(&img)[40 * MIB as usize..41 * MIB as usize]
+            .iter()
+            .all(|b| *b == 0x5a),
+        "the other client's data is intact"
+    );
+    assert_eq!(
+        session(&t.url("r"), 1).info.size,
+        16 * MIB,
+        "the export kept its size"
+    );
+
+    let (ok, out, err) = common::cli(&["export", "resize", "r", "80M", "--socket", sock]);
+    assert!(ok, "export resize past the image's size: {out} {err}");
+    assert_eq!(image_size(c, &img), 80 * MIB);
+    assert_eq!(session(&t.url("r"), 1).info.size, 80 * MIB);
+}
+
 /// The status a request failed with; panics on success or a failure of another kind.
 fn failed_status<T: std::fmt::Debug>(r: blkwire_client::Result<T>, what: &str) -> Status {
     match r {

@@ -413,11 +413,30 @@ impl Backend for RbdBackend {
                 format!("{}: an export's image only grows", self.name),
             ));
         }
-        // SAFETY: an open, writable image; librbd orders the resize with in-flight I/O.
-        let r = unsafe { sys::rbd_resize(self.image, new_size) };
+        // Grow only, checked by librbd against the image's real size, not the size we opened
+        // or last grew it to: another client may have grown it since, and a resize to a size
+        // between the two would cut what it has there.
+        // SAFETY: an open, writable image; librbd orders the resize with in-flight I/O; the
+        // progress callback does nothing and needs no argument.
+        let r =
+            unsafe { sys::rbd_resize2(self.image, new_size, false, no_progress, ptr::null_mut()) };
+        if r == -libc::EINVAL {
+            if let Some(now) = image_size(self.image).filter(|&now| now > new_size) {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "{}: the image is {} now (grown behind the export), more than {}: an \
+                         export's image only grows (re-add the export to serve its new size)",
+                        self.name,
+                        crate::format_size(now),
+                        crate::format_size(new_size)
+                    ),
+                ));
+            }
+        }
         if r < 0 {
             return Err(io::Error::other(format!(
-                "{}: rbd_resize failed: {}",
+                "{}: rbd_resize2 failed: {}",
                 self.name,
                 errno_text(r.into())
             )));
@@ -536,6 +555,11 @@ extern "C" fn on_complete(c: sys::CompletionT, arg: *mut c_void) {
     // False once the queue is gone, which cannot happen while this op is in flight (the queue
     // waits for them in Drop); nothing else to do either way.
     let _ = ctx.poster.post(ctx.tag, done);
+}
+
+/// `rbd_resize2`'s progress callback: nothing to report to.
+extern "C" fn no_progress(_offset: u64, _total: u64, _arg: *mut c_void) -> c_int {
+    0
 }
 
 /// The image's size as librbd knows it now, `None` when it cannot say.

@@ -17,6 +17,8 @@ pub type CompletionT = *mut c_void;
 pub type CallbackT = extern "C" fn(c: CompletionT, arg: *mut c_void);
 /// `rbd_diff_iterate2`'s callback: (offset, length, exists, arg); non-zero stops the walk.
 pub type DiffCallbackT = extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int;
+/// `librbd_progress_fn_t`: (offset, total, arg); called by long operations (resize, copy).
+pub type ProgressFnT = extern "C" fn(u64, u64, *mut c_void) -> c_int;
 
 /// `RBD_WRITE_ZEROES_FLAG_THICK_PROVISION`: the zeroed range stays allocated.
 pub const WRITE_ZEROES_FLAG_THICK_PROVISION: c_int = 1;
@@ -54,7 +56,15 @@ extern "C" {
     pub fn rbd_close(image: ImageT) -> c_int;
     pub fn rbd_flush(image: ImageT) -> c_int;
     pub fn rbd_get_size(image: ImageT, size: *mut u64) -> c_int;
-    pub fn rbd_resize(image: ImageT, size: u64) -> c_int;
+    /// With `allow_shrink` false, refuses (EINVAL) a size below the image's: atomic with
+    /// whoever else resizes it. `cb` is called without a NULL check: pass a function.
+    pub fn rbd_resize2(
+        image: ImageT,
+        size: u64,
+        allow_shrink: bool,
+        cb: ProgressFnT,
+        cbdata: *mut c_void,
+    ) -> c_int;
     pub fn rbd_diff_iterate2(
         image: ImageT,
         fromsnap: *const c_char,
