@@ -245,7 +245,8 @@ pub trait Backend: Send + Sync {
     fn wrote_mapped(&self, _offset: u64, _len: u64) {}
     /// Appends the allocation map of `offset..offset+len` (already range-checked) to `out`,
     /// coalesced, at most `max` entries (1..=[`MAX_EXTENTS`]; a prefix of the range when there
-    /// are more, its last entry whole), and never more meanwhile: the server covers the list's
+    /// are more, its last entry whole, or when the backend bounds what one query costs: `rbd:`
+    /// walks at most 64 MiB; at least one entry), and never more meanwhile: the server covers the list's
     /// memory by that bound, and asks for no more than its answer can hold (NBD's REQ_ONE: 1).
     /// The default says: all data.
     fn allocation(&self, _offset: u64, len: u64, _max: usize, out: &mut Vec<Extent>) {

@@ -373,6 +373,57 @@ fn nbd_round_trip_and_allocation_map() {
     );
 }
 
+/// One NBD BLOCK_STATUS query over almost 4 GiB of a sparse image, through a raw NBD client:
+/// the answer is a prefix of at most 64 MiB (`rbd_diff_iterate2` would otherwise ask the OSDs
+/// about every object of the range, a thousand of them, on the export's one helper thread),
+/// which starts with the data there is, and a query from where it ended goes on.
+#[test]
+fn an_allocation_query_over_a_long_sparse_range_answers_a_prefix() {
+    use blkwire_wire::nbd::{self, chunk, cmd};
+    use common::nbd_raw::{be32, Raw, Reply};
+    let c = shared();
+    let img = c.image("sparse", 8 << 30);
+    let (t, nbd_url) = target(&[&format!("r={}", c.spec(&img, ""))]);
+    let mut s = session(&t.url("r"), 1);
+    s.queues[0]
+        .write_at(&random_bytes(4096, 81), 0, false)
+        .unwrap();
+    s.queues[0].flush().unwrap();
+    let addr = nbd_url.trim_start_matches("nbd://");
+    let (mut r, size, _) = Raw::go(addr, "r", true, true);
+    assert_eq!(size, 8 << 30);
+    // (length, hole) of each descriptor the answer to BLOCK_STATUS at `offset` has.
+    let mut query = |cookie: u64, offset: u64| -> Vec<(u64, bool)> {
+        r.request(cmd::BLOCK_STATUS, 0, cookie, offset, 0xffff_f000);
+        let reply = r.reply();
+        let Reply::Structured(chunks) = reply else {
+            panic!("BLOCK_STATUS needs a structured reply: {reply:?}")
+        };
+        let c = chunks
+            .iter()
+            .find(|c| c.typ == chunk::BLOCK_STATUS)
+            .unwrap_or_else(|| panic!("no BLOCK_STATUS chunk: {chunks:?}"));
+        assert_eq!(be32(&c.payload), nbd::BASE_ALLOCATION_ID);
+        c.payload[4..]
+            .chunks(8)
+            .map(|d| (be32(d) as u64, be32(&d[4..]) & 1 == 1))
+            .collect()
+    };
+    let map = query(1, 0);
+    let covered: u64 = map.iter().map(|e| e.0).sum();
+    assert!(
+        covered > 0 && covered <= 64 * MIB,
+        "a prefix of at most 64 MiB, got {covered} bytes: {map:?}"
+    );
+    assert_eq!(map[0], (4096, false), "the data written: {map:?}");
+    assert!(map[1..].iter().all(|e| e.1), "holes after it: {map:?}");
+    let next = query(2, covered);
+    assert!(
+        !next.is_empty() && next.iter().all(|e| e.1),
+        "on from there: holes: {next:?}"
+    );
+}
+
 /// A private run directory for `map` (its records and FUSE mounts).
 struct MapRun(TempDir);
 

@@ -779,10 +779,20 @@ extern "C" fn on_diff(offset: u64, len: usize, exists: c_int, arg: *mut c_void) 
     0
 }
 
+/// The most of the image one allocation query walks: 16 of librbd's default 4 MiB objects.
+/// `rbd_diff_iterate2` asks the OSDs about every object of the range, a synchronous walk on the
+/// export's one helper thread, and only a full extent list stops it early: a sparse range (an
+/// NBD BLOCK_STATUS may ask for up to 4 GiB) was walked to its end while every other query of
+/// the export waited. The map of a longer range is a prefix of it, which the caller asks on
+/// from (the backend contract).
+const WALK_MAX: u64 = 64 << 20;
+
 /// Appends the allocation map of `offset..offset+len` to `out` (coalesced, at most `max`
-/// entries, a prefix of the range when there would be more); 0 or a negative errno. Holes
-/// are what `rbd_diff_iterate2` since the image's creation does not report.
+/// entries; a prefix of the range when there would be more, and never past [`WALK_MAX`]
+/// bytes); 0 or a negative errno. Holes are what `rbd_diff_iterate2` since the image's creation
+/// does not report.
 fn diff_extents(image: Image, offset: u64, len: u64, max: usize, out: &mut Vec<Extent>) -> i32 {
+    let len = len.min(WALK_MAX);
     let mut walk = Walk {
         data: Vec::new(),
         max: max.clamp(1, MAX_EXTENTS),
