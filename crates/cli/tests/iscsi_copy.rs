@@ -19,6 +19,8 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use blkwire_wire::iscsi::{op, Digests, RESERVED_TAG};
+use common::iscsi_host::{login, Conn};
 use common::{cli, random_bytes, sha256, sparse_file, Target, TempDir};
 
 const MIB: u64 = 1 << 20;
@@ -82,6 +84,150 @@ fn counter(stats: &serde_json::Value, name: &str) -> u64 {
         .map(|q| q[name].as_u64().unwrap_or(0))
         .sum();
     closed + live
+}
+
+/// The NAA designator of the LU `c` addresses (the first designator of VPD 83h).
+fn naa(c: &mut Conn) -> u64 {
+    let (status, data, _) = c.scsi(&[0x12, 0x01, 0x83, 0, 255, 0], 255);
+    assert_eq!(status, 0, "INQUIRY VPD 83h");
+    assert_eq!(
+        (data[1], data[4] & 0x0f, data[5] & 0x0f, data[7]),
+        (0x83, 1, 3, 8)
+    );
+    u64::from_be_bytes(data[8..16].try_into().unwrap())
+}
+
+/// An identification descriptor target descriptor (E4h) naming the LU of NAA `naa`, of
+/// `block_size`-byte blocks.
+fn copy_target(naa: u64, block_size: u32) -> [u8; 32] {
+    let mut d = [0u8; 32];
+    d[0] = 0xE4;
+    d[4..8].copy_from_slice(&[0x01, 0x03, 0x00, 0x08]);
+    d[8..16].copy_from_slice(&naa.to_be_bytes());
+    d[28..32].copy_from_slice(&block_size.to_be_bytes());
+    d
+}
+
+/// A LID1 parameter list of `targets` and one block-to-block segment from target 0 to target 1.
+fn copy_list(targets: [[u8; 32]; 2], blocks: u16, dc: bool, src_lba: u64, dst_lba: u64) -> Vec<u8> {
+    let mut v = vec![0u8; 16];
+    v[1] = 0x18; // LIST ID USAGE 11b: no list identifier
+    v[2..4].copy_from_slice(&64u16.to_be_bytes());
+    v[8..12].copy_from_slice(&28u32.to_be_bytes());
+    v.extend_from_slice(&targets[0]);
+    v.extend_from_slice(&targets[1]);
+    let mut seg = [0u8; 28];
+    seg[0] = 0x02;
+    seg[1] = if dc { 0x02 } else { 0 };
+    seg[2..4].copy_from_slice(&0x18u16.to_be_bytes());
+    seg[6..8].copy_from_slice(&1u16.to_be_bytes());
+    seg[10..12].copy_from_slice(&blocks.to_be_bytes());
+    seg[12..20].copy_from_slice(&src_lba.to_be_bytes());
+    seg[20..28].copy_from_slice(&dst_lba.to_be_bytes());
+    v.extend_from_slice(&seg);
+    v
+}
+
+/// EXTENDED COPY (LID1) of `list` to the LU `c` addresses, its list sent as the R2Ts ask: the
+/// SCSI status and (CHECK CONDITION) the sense key, ASC and ASCQ.
+fn extended_copy(c: &mut Conn, list: &[u8]) -> (u8, Option<(u8, u8, u8)>) {
+    let mut cdb = [0u8; 16];
+    cdb[0] = 0x83;
+    cdb[10..14].copy_from_slice(&(list.len() as u32).to_be_bytes());
+    let (itt, pdu) = c.command(&cdb, list.len() as u32, true, &[]);
+    c.send(&pdu).unwrap();
+    if !c.initial_r2t {
+        c.data_out(
+            itt,
+            RESERVED_TAG,
+            0,
+            list.len().min(c.first_burst as usize),
+            list,
+        );
+    }
+    loop {
+        let r = c.recv().expect("an answer to EXTENDED COPY");
+        assert_eq!(r.word(16), itt);
+        match r.opcode() {
+            op::R2T => {
+                let (ttt, at, len) = (r.word(20), r.word(40) as usize, r.word(44) as usize);
+                c.data_out(itt, ttt, at, at + len, list);
+            }
+            op::SCSI_RSP => {
+                let sense = (r.bhs[3] != 0).then(|| (r.data[4] & 0x0f, r.data[14], r.data[15]));
+                return (r.bhs[3], sense);
+            }
+            other => panic!("unexpected opcode {other:#x} during EXTENDED COPY"),
+        }
+    }
+}
+
+/// EXTENDED COPY between LUs of different block sizes (a `mem:` LU of 512-byte blocks, an
+/// O_DIRECT `file:` LU of 4096-byte blocks): a segment's NUMBER OF BLOCKS counts the source's
+/// blocks with DC clear and the destination's with DC set, and exactly those bytes are copied,
+/// in both directions, with nothing beyond them touched; a count that is not a whole number of
+/// blocks of the other LU is refused (INVALID FIELD IN PARAMETER LIST) and writes nothing.
+#[test]
+fn extended_copy_between_block_sizes_copies_the_bytes_asked() {
+    const KIB: usize = 1024;
+    let dir = TempDir::new("iscsi-copy-bs");
+    let big = dir.path("big.img");
+    let fill = vec![0xEEu8; 64 * KIB];
+    std::fs::write(&big, &fill).unwrap();
+    let (_t, urls) = Target::start_listeners(
+        &[
+            "small=mem:64K",
+            &format!("big=file:{}?direct=1", big.display()),
+        ],
+        &["--listen", "iscsi://127.0.0.1:0"],
+    );
+    let iscsi = urls
+        .iter()
+        .find_map(|u| u.strip_prefix("iscsi://"))
+        .unwrap_or_else(|| panic!("no iscsi:// listener among {urls:?}"));
+    let target = |export: &str| format!("iqn.2026-11.io.blkwire:{export}");
+    let mut small = login(iscsi, &target("small"), Digests::default());
+    let mut big_c = login(iscsi, &target("big"), Digests::default());
+    let data = random_bytes(64 * KIB, 29);
+    assert_eq!(small.write(0, &data), 0, "WRITE to the 512-byte LU");
+    let small_t = copy_target(naa(&mut small), 512);
+    let big_t = copy_target(naa(&mut big_c), 4096);
+
+    // 512 -> 4096, into the 4096-byte LU: 8 source blocks (DC=0) or 1 destination block
+    // (DC=1) are 4 KiB.
+    let mut want = fill.clone();
+    for (blocks, dc, src_lba, dst_lba) in [(8, false, 8, 1), (1, true, 24, 3)] {
+        let list = copy_list([small_t, big_t], blocks, dc, src_lba, dst_lba);
+        assert_eq!(extended_copy(&mut big_c, &list), (0, None), "DC={dc}");
+        let (from, to) = (src_lba as usize * 512, dst_lba as usize * 4096);
+        want[to..to + 4 * KIB].copy_from_slice(&data[from..from + 4 * KIB]);
+        assert!(
+            std::fs::read(&big).unwrap() == want,
+            "DC={dc}, {blocks} block(s): the 4096-byte LU holds other than the 4 KiB asked"
+        );
+    }
+    // 7 source blocks are not a whole destination block: refused, nothing written.
+    let list = copy_list([small_t, big_t], 7, false, 0, 5);
+    assert_eq!(extended_copy(&mut big_c, &list), (2, Some((5, 0x26, 0))));
+    assert!(std::fs::read(&big).unwrap() == want, "a refused copy wrote");
+
+    // 4096 -> 512, into the 512-byte LU: 1 source block (DC=0) or 8 destination blocks (DC=1).
+    let mut want_small = data.clone();
+    for (blocks, dc, src_lba, dst_lba) in [(1, false, 1, 40), (8, true, 3, 100)] {
+        let list = copy_list([big_t, small_t], blocks, dc, src_lba, dst_lba);
+        assert_eq!(extended_copy(&mut small, &list), (0, None), "DC={dc}");
+        let (from, to) = (src_lba as usize * 4096, dst_lba as usize * 512);
+        want_small[to..to + 4 * KIB].copy_from_slice(&want[from..from + 4 * KIB]);
+        let (got, status) = small.read(0, 128);
+        assert_eq!(status, 0);
+        assert!(
+            got == want_small,
+            "DC={dc}, {blocks} block(s): the 512-byte LU holds other than the 4 KiB asked"
+        );
+    }
+    let list = copy_list([big_t, small_t], 7, true, 0, 0);
+    assert_eq!(extended_copy(&mut small, &list), (2, Some((5, 0x26, 0))));
+    assert!(small.read(0, 128).0 == want_small, "a refused copy wrote");
 }
 
 fn require_qemu_iscsi() {

@@ -1533,7 +1533,8 @@ impl Iscsi {
             let src_shift = lu.block_size.trailing_zeros();
             let mut from = seg.src_lba << src_shift;
             let mut to = seg.dst_lba << self.lu().shift;
-            let mut left = (seg.blocks as u64) << self.lu().shift;
+            // In blocks of the side the segment's DC bit names, not necessarily this LU's.
+            let mut left = plan.bytes(seg);
             while left > 0 {
                 let n = left.min(piece as u64) as u32;
                 let desc = CopyDescriptor {

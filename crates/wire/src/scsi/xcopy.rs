@@ -88,8 +88,12 @@ pub struct Segment {
     pub src_lba: u64,
     /// First destination block.
     pub dst_lba: u64,
-    /// Blocks to copy (0: nothing).
+    /// Blocks to copy (0: nothing), of the source, or of the destination when `dc` is set.
     pub blocks: u32,
+    /// DC (destination count, byte 1 bit 1 of the segment descriptor, SPC-4 r37 block device to
+    /// block device segment descriptor): `blocks` counts destination blocks; clear, source
+    /// blocks.
+    pub dc: bool,
 }
 
 fn param_sense(asc: u8, ascq: u8, at: usize) -> Sense {
@@ -195,6 +199,7 @@ pub fn parse(list: &[u8], limits: &Limits) -> Result<Plan, Sense> {
             blocks: u32::from(get_u16(&d[10..])),
             src_lba: get_u64(&d[12..]),
             dst_lba: get_u64(&d[20..]),
+            dc: d[1] & 0x02 != 0,
         };
         let n = plan.targets.len();
         if usize::from(seg.src) >= n || usize::from(seg.dst) >= n {
@@ -207,9 +212,23 @@ pub fn parse(list: &[u8], limits: &Limits) -> Result<Plan, Sense> {
 }
 
 impl Plan {
+    /// The bytes segment `s` copies: its NUMBER OF BLOCKS in blocks of the side its DC bit names
+    /// (the destination's when set, the source's when clear), as the target descriptors give
+    /// their block lengths ([`Plan::check`] holds those to the LUs').
+    pub fn bytes(&self, s: &Segment) -> u64 {
+        let side = if s.dc { s.dst } else { s.src };
+        let block = self
+            .targets
+            .get(usize::from(side))
+            .map_or(0, |t| t.block_size);
+        u64::from(s.blocks) * u64::from(block)
+    }
+
     /// Checks every segment against the logical units its targets resolve to (`lookup`: the
     /// transport's LU with that NAA designator): reachable, the block size the initiator gave,
-    /// inside both LUs, within MAXIMUM SEGMENT LENGTH, destination writable.
+    /// a whole number of blocks of both LUs (the NUMBER OF BLOCKS counts those of the side DC
+    /// names; the bytes must be whole blocks of the other too, or the copy would end inside a
+    /// block), inside both LUs, within MAXIMUM SEGMENT LENGTH, destination writable.
     pub fn check<'a>(
         &self,
         limits: &Limits,
@@ -230,9 +249,16 @@ impl Plan {
                     return Err(param_sense(0x26, 0x00, at));
                 }
             }
+            let at = HEADER_LEN + self.targets.len() * TARGET_LEN + i * SEGMENT_B2B_LEN;
+            let bytes = self.bytes(s);
+            let other = if s.dc { src } else { dst };
+            if !bytes.is_multiple_of(u64::from(other.block_size.max(1))) {
+                return Err(param_sense(0x26, 0x00, at + 10));
+            }
+            // In bytes: the two LUs' blocks need not be the same size.
             let in_range = |lu: &LunInfo, lba: u64| {
-                lba.checked_add(u64::from(s.blocks))
-                    .is_some_and(|end| end <= lu.blocks)
+                let bs = u128::from(lu.block_size);
+                u128::from(lba) * bs + u128::from(bytes) <= u128::from(lu.blocks) * bs
             };
             if !in_range(src, s.src_lba) || !in_range(dst, s.dst_lba) {
                 return Err(Sense {
@@ -240,11 +266,8 @@ impl Plan {
                     ..copy_aborted()
                 });
             }
-            if u64::from(s.blocks) * u64::from(src.block_size)
-                > u64::from(limits.max_segment_length)
-            {
-                let at = HEADER_LEN + self.targets.len() * TARGET_LEN + i * SEGMENT_B2B_LEN + 10;
-                return Err(param_sense(0x26, 0x00, at));
+            if bytes > u64::from(limits.max_segment_length) {
+                return Err(param_sense(0x26, 0x00, at + 10));
             }
             if dst.read_only {
                 return Err(Sense::write_protected());
@@ -416,7 +439,8 @@ mod tests {
                 dst: 0,
                 src_lba: 0,
                 dst_lba: 100_000,
-                blocks: 2048
+                blocks: 2048,
+                dc: false,
             }]
         );
         let lun = LunInfo {
@@ -440,6 +464,79 @@ mod tests {
             Err(target_not_reachable())
         );
         assert_eq!(parse(&[], &Limits::default()), Ok(Plan::default()));
+    }
+
+    /// Two LUs of different block sizes: NUMBER OF BLOCKS counts the source's blocks with DC
+    /// clear and the destination's with DC set; the bytes must be whole blocks of both, fit
+    /// both LUs and MAXIMUM SEGMENT LENGTH, all in bytes.
+    #[test]
+    fn segments_between_block_sizes_count_the_blocks_dc_names() {
+        const BIG: u64 = 0x5001_4050_0000_0002;
+        let mut small_t = target(0xE4);
+        let mut big_t = target(0xE4);
+        big_t[8..16].copy_from_slice(&BIG.to_be_bytes());
+        big_t[29..32].copy_from_slice(&[0, 0x10, 0x00]);
+        small_t[29..32].copy_from_slice(&[0, 0x02, 0x00]);
+        let small = LunInfo {
+            naa: NAA,
+            block_size: 512,
+            blocks: 64, // 32 KiB
+            ..LunInfo::default()
+        };
+        let big = LunInfo {
+            naa: BIG,
+            block_size: 4096,
+            blocks: 4, // 16 KiB
+            ..LunInfo::default()
+        };
+        let find = |t: &Target| [&small, &big].into_iter().find(|l| l.naa == t.naa);
+        let lim = Limits::default();
+        // (source, destination, blocks, DC, source LBA, destination LBA)
+        let plan = |s: u16, d: u16, blocks: u16, dc: bool, src_lba: u64, dst_lba: u64| {
+            let mut seg = segment(2, s, d, blocks, src_lba, dst_lba);
+            seg[1] = if dc { 0x02 } else { 0 };
+            parse(&list(1, &[small_t, big_t], &[seg]), &lim).unwrap()
+        };
+        let bytes = |p: &Plan| (p.check(&lim, find), p.bytes(&p.segments[0]));
+        // 512 -> 4096: 8 source blocks, or 1 destination block, are 4 KiB.
+        assert_eq!(bytes(&plan(0, 1, 8, false, 0, 1)), (Ok(()), 4096));
+        assert_eq!(bytes(&plan(0, 1, 1, true, 0, 1)), (Ok(()), 4096));
+        assert!(plan(0, 1, 1, true, 0, 1).segments[0].dc);
+        // 4096 -> 512: 1 source block, or 8 destination blocks.
+        assert_eq!(bytes(&plan(1, 0, 1, false, 3, 56)), (Ok(()), 4096));
+        assert_eq!(bytes(&plan(1, 0, 8, true, 3, 56)), (Ok(()), 4096));
+        // Not a whole block of the other side: INVALID FIELD IN PARAMETER LIST at NUMBER OF
+        // BLOCKS.
+        let at_blocks = (HEADER_LEN + 2 * TARGET_LEN + 10) as u16;
+        for p in [plan(0, 1, 7, false, 0, 0), plan(1, 0, 7, true, 0, 0)] {
+            let e = p.check(&lim, find).unwrap_err();
+            assert_eq!((e.key, e.asc, e.ascq), (key::ILLEGAL_REQUEST, 0x26, 0));
+            assert_eq!(e.field.map(|f| f.byte), Some(at_blocks));
+        }
+        // Inside both LUs, in bytes: 2 destination blocks (8 KiB) at destination LBA 3 end
+        // past the 16 KiB LU; counted as source blocks (1 KiB) they would not.
+        assert_eq!(
+            plan(0, 1, 2, true, 0, 3).check(&lim, find).unwrap_err().key,
+            key::COPY_ABORTED
+        );
+        assert_eq!(bytes(&plan(0, 1, 8, false, 56, 3)), (Ok(()), 4096));
+        // 2 source blocks of 4 KiB from LBA 2 are the whole of it; from LBA 3, past it.
+        assert_eq!(bytes(&plan(1, 0, 2, false, 2, 0)), (Ok(()), 8192));
+        assert_eq!(
+            plan(1, 0, 2, false, 3, 0)
+                .check(&lim, find)
+                .unwrap_err()
+                .key,
+            key::COPY_ABORTED
+        );
+        // MAXIMUM SEGMENT LENGTH in bytes of the side DC names.
+        let tight = Limits {
+            max_segment_length: 4096,
+            ..lim
+        };
+        assert_eq!(plan(0, 1, 1, true, 0, 0).check(&tight, find), Ok(()));
+        let e = plan(0, 1, 2, true, 0, 0).check(&tight, find).unwrap_err();
+        assert_eq!((e.key, e.asc), (key::ILLEGAL_REQUEST, 0x26));
     }
 
     #[test]
