@@ -792,10 +792,11 @@ impl ExportQueue {
     ) -> Progress {
         // Straight from the source's file or memfd where this backend can (one copy, in the
         // kernel, or shared extents).
-        if let (true, Some(fd)) = (
-            self.backend.copies_from_fds(),
-            src.backend().copy_source_fd(),
-        ) {
+        if let Some(fd) = src
+            .backend()
+            .copy_source_fd()
+            .filter(|&fd| self.backend.copies_from_fd(fd))
+        {
             let from = CopySource::Fd {
                 fd,
                 _open: src.backend().clone(),
@@ -2150,6 +2151,62 @@ mod tests {
         let mut back = vec![0u8; data.len()];
         q.read_blocking(4096, &mut back).unwrap();
         assert!(back == data, "copied from the threaded source");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A `mem:` destination completes inline, on the reactor: it copies straight from another
+    /// `mem:` export's memfd there, but a `file:` source (whose `pread` could hang on a slow
+    /// filesystem) is read on a queue of its own, through the ring, and the copy waits for it.
+    #[test]
+    fn a_mem_destination_reads_only_memory_inline() {
+        let dir = std::env::temp_dir().join(format!("blkwire-memfrom-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("src.img");
+        let a = pattern(8192, 4);
+        std::fs::write(&path, &a).unwrap();
+        let file = Export::open(&ExportSpec::parse(&format!("f=file:{}", path.display())).unwrap())
+            .unwrap();
+        let other = Export::open(&ExportSpec::parse("o=mem:1M").unwrap()).unwrap();
+        other
+            .open_queue()
+            .unwrap()
+            .write_blocking(0, &a, false)
+            .unwrap();
+        let mem = Export::open(&ExportSpec::parse("m=mem:1M").unwrap()).unwrap();
+        let fd = |e: &Export| e.backend().copy_source_fd().unwrap();
+        assert!(mem.backend().copies_from_fd(fd(&other)), "a memfd");
+        assert!(!mem.backend().copies_from_fd(fd(&file)), "a regular file");
+        assert!(
+            file.backend().copies_from_fd(fd(&other)),
+            "file: copies on its helper"
+        );
+        let whole = [CopyRange {
+            offset: 0,
+            len: 8192,
+        }];
+        let mut q = mem.open_queue().unwrap();
+        let mut sq = Collect(Vec::new());
+        assert_eq!(
+            q.start_copy_from(&other, &whole, 0, false, 7, &mut sq),
+            Progress::Done(0),
+            "from a memfd: inline"
+        );
+        assert!(sq.0.is_empty());
+        assert_eq!(
+            q.start_copy_from(&file, &whole, 65536, false, 8, &mut sq),
+            Progress::Pending,
+            "from a file: not inline"
+        );
+        assert_eq!(sq.0, [8], "the file's read, on the ring");
+        // That one never reaches a kernel; the same copy through the blocking helper's ring.
+        drop(q);
+        let mut q = mem.open_queue().unwrap();
+        q.blocking(|q, sq| q.start_copy_from(&file, &whole, 65536, false, BLOCKING_TAG, sq))
+            .unwrap();
+        let mut back = vec![0u8; 65536 + 8192];
+        q.read_blocking(0, &mut back).unwrap();
+        assert!(back[..8192] == a[..], "copied from the memfd");
+        assert!(back[65536..] == a[..], "copied from the file");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -560,7 +560,8 @@ impl Backend for FileBackend {
     fn copy_source_fd(&self) -> Option<RawFd> {
         (!self.block_device).then_some(self.fd)
     }
-    fn copies_from_fds(&self) -> bool {
+    /// On the export's helper thread (a slow source filesystem stalls only that).
+    fn copies_from_fd(&self, _fd: RawFd) -> bool {
         !self.block_device
     }
     fn describe(&self) -> String {

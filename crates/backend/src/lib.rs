@@ -111,7 +111,7 @@ pub enum Op {
     },
     /// Copy `len` bytes at `src` of the file behind `fd` (another export's, from its
     /// [`Backend::copy_source_fd`]) to `dst` of this export. Only sent to backends whose
-    /// [`Backend::copies_from_fds`] is true; the result is `len` or a negative errno.
+    /// [`Backend::copies_from_fd`] is true for `fd`; the result is `len` or a negative errno.
     CopyFrom {
         /// The source export's descriptor, kept open by the caller until the result.
         fd: RawFd,
@@ -193,10 +193,12 @@ pub trait Backend: Send + Sync {
     fn copy_source_fd(&self) -> Option<RawFd> {
         None
     }
-    /// True when this backend copies from another export's [`Backend::copy_source_fd`] itself
-    /// ([`Op::CopyFrom`]): one copy in the kernel (or a shared extent) instead of a read and a
-    /// write through a bounce buffer.
-    fn copies_from_fds(&self) -> bool {
+    /// True when this backend copies from `fd`, another export's [`Backend::copy_source_fd`],
+    /// itself ([`Op::CopyFrom`]): one copy in the kernel (or a shared extent) instead of a read
+    /// and a write through a bounce buffer. A backend that completes inline answers true only
+    /// for a descriptor whose reads never wait for a device or a filesystem (a memfd): it would
+    /// run them on the reactor. Otherwise (the default) the source is read on a queue of its own.
+    fn copies_from_fd(&self, _fd: RawFd) -> bool {
         false
     }
     /// Buffers handed to this backend must be aligned to this (O_DIRECT), 1 otherwise.

@@ -414,6 +414,14 @@ unsafe fn read_fd(fd: RawFd, offset: u64, buf: *mut u8, len: u32) -> i32 {
     0
 }
 
+/// True when the file behind `fd` lives in memory: shmem (a memfd, as another `mem:` export's,
+/// or a tmpfs file) or hugetlbfs, the file systems that take seals (`F_GET_SEALS` answers
+/// where they do, and fails with EINVAL on every other file).
+fn in_memory(fd: RawFd) -> bool {
+    // SAFETY: F_GET_SEALS only reads the seals of the descriptor, which the caller keeps open.
+    unsafe { libc::fcntl(fd, libc::F_GET_SEALS) >= 0 }
+}
+
 impl Backend for MemBackend {
     fn describe(&self) -> String {
         format!("mem:{}", crate::format_size(self.size))
@@ -421,8 +429,11 @@ impl Backend for MemBackend {
     fn copy_source_fd(&self) -> Option<RawFd> {
         Some(self.fd.as_raw_fd())
     }
-    fn copies_from_fds(&self) -> bool {
-        true
+    /// Only from memory: [`Op::CopyFrom`] runs inline, on the reactor, so a regular file's
+    /// `pread` (a hung NFS or FUSE mount, a slow disk) must not; its source is read on a
+    /// queue of its own instead, as other destinations do.
+    fn copies_from_fd(&self, fd: RawFd) -> bool {
+        in_memory(fd)
     }
     fn size(&self) -> u64 {
         self.size

@@ -127,7 +127,7 @@ impl QueueIo for RecorderQueue {
                 data[offset as usize..][..len as usize].fill(0);
                 (format!("zero {offset}+{len}"), 0)
             }
-            // The recorder does not declare `copies_from_fds`.
+            // The recorder copies from no descriptor (`copies_from_fd`).
             Op::CopyFrom { .. } => ("copy-from".into(), -libc::EOPNOTSUPP),
         };
         self.b.log.lock().unwrap().push(line);
