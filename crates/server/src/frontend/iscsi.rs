@@ -565,8 +565,15 @@ impl Iscsi {
             })
             .collect();
         assert!(!luns.is_empty(), "a login admits one LUN at least");
-        // One copy manager for the connection: segments as long as the smallest grant.
-        let max_copy = luns.iter().map(|l| l.copy.max_bytes).min().unwrap_or(0);
+        // One copy manager for the connection: segments as long as the smallest grant among
+        // the LUs EXTENDED COPY may write into (a read-only LU, granted none, would turn it off
+        // for all).
+        let max_copy = luns
+            .iter()
+            .filter(|l| l.info.copy)
+            .map(|l| l.copy.max_bytes)
+            .min()
+            .unwrap_or(0);
         let xlimits = xcopy::Limits {
             max_segment_length: max_copy.min(xcopy::Limits::default().max_segment_length),
             ..xcopy::Limits::default()
@@ -3750,6 +3757,80 @@ mod tests {
         assert!(f.reply(&b, Status::Ok, &mut tx));
         assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 5));
         assert_eq!(f.outstanding(), 0);
+    }
+
+    /// The EXTENDED COPY parameter list of one block-to-block segment within the LU of NAA
+    /// `naa` (512-byte blocks): `blocks` from `src_lba` to `dst_lba`.
+    fn xcopy_list(naa: u64, blocks: u16, src_lba: u64, dst_lba: u64) -> Vec<u8> {
+        let mut v = vec![0u8; 16];
+        v[1] = 0x18; // no list identifier
+        v[3] = 32;
+        v[11] = 28;
+        let mut t = [0u8; 32];
+        t[0] = 0xE4;
+        t[4..8].copy_from_slice(&[0x01, 0x03, 0x00, 0x08]);
+        t[8..16].copy_from_slice(&naa.to_be_bytes());
+        t[30] = 0x02; // 512
+        v.extend_from_slice(&t);
+        let mut s = [0u8; 28];
+        s[0] = 0x02;
+        s[3] = 0x18;
+        s[10..12].copy_from_slice(&blocks.to_be_bytes());
+        s[12..20].copy_from_slice(&src_lba.to_be_bytes());
+        s[20..28].copy_from_slice(&dst_lba.to_be_bytes());
+        v.extend_from_slice(&s);
+        v
+    }
+
+    /// A read-only LUN beside a writable one, on one connection: the copy manager's MAXIMUM
+    /// SEGMENT LENGTH is the writable LU's grant (the read-only one, granted none, takes no
+    /// part), and an EXTENDED COPY into the writable LU runs.
+    #[test]
+    fn a_read_only_lun_leaves_extended_copy_to_the_others() {
+        let grant = CopyLimits {
+            max_bytes: 16 << 20,
+            max_range: 16 << 20,
+            max_ranges: 8,
+        };
+        let lun = |n: u64, spec: &str, copy: CopyLimits| SetupLun {
+            lun: n,
+            export: Arc::new(Export::open(&ExportSpec::parse(spec).unwrap()).unwrap()),
+            copy,
+            reservations: PrLu::detached(),
+        };
+        let mut f = setup(
+            65536,
+            "iqn.test",
+            vec![
+                lun(0, "w=mem:1M", grant),
+                lun(1, "r=mem:1M,ro", CopyLimits::default()),
+            ],
+        );
+        let mut tx = Vec::new();
+        // RECEIVE COPY RESULTS, OPERATING PARAMETERS: MAXIMUM SEGMENT LENGTH.
+        let rcr = [0x84, 0x03, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 64, 0, 0];
+        assert!(matches!(
+            f.decode(&cmd(1, 0, &rcr, 64, false, &[]), &mut tx),
+            Decoded::Answered { .. }
+        ));
+        assert_eq!(tx[0], op::DATA_IN);
+        assert_eq!(be32(&tx, BHS_LEN + 16), 16 << 20);
+        tx.clear();
+        let list = xcopy_list(f.luns[0].info.naa, 8, 0, 64);
+        let mut xcopy = [0u8; 16];
+        xcopy[0] = 0x83;
+        xcopy[13] = list.len() as u8;
+        let pdu = cmd(2, 1, &xcopy, list.len() as u32, true, &list);
+        let Decoded::Request { req, .. } = f.decode(&pdu, &mut tx) else {
+            panic!(
+                "EXTENDED COPY refused: {:?}",
+                (!tx.is_empty()).then(|| sense(&tx))
+            );
+        };
+        assert_eq!(
+            (req.kind, req.offset, req.length),
+            (Kind::Copy, 64 * 512, 8 * 512)
+        );
     }
 
     /// A COMPARE AND WRITE holds every command back while its read runs (a task management
