@@ -245,6 +245,67 @@ fn refused_copies_write_nothing_and_say_why() {
     assert!(read(q, 0, 2 * MIB) == data);
 }
 
+/// An O_DIRECT export takes a COPY's offsets and lengths aligned as it takes READ's and
+/// WRITE's (4096 here): misaligned ones, into it, within it or out of it, are refused `INVALID`
+/// with nothing copied, before anything is written, and aligned ones copy. (Unchecked, an
+/// aligned range and then one off by less than a sector failed with EINVAL after the first was
+/// copied, within the export and out of it; off by 512, the kernel took them on this disk.)
+#[test]
+fn misaligned_copies_with_an_o_direct_export_are_refused_before_writing() {
+    let dir = TempDir::new("copy-direct");
+    let f = dir.path("d.img");
+    let data = random_bytes((8 * MIB) as usize, 11);
+    std::fs::write(&f, &data).unwrap();
+    let t = Target::start(&[&format!("d=file:{}?direct=1", f.display()), "m=mem:8M"]);
+    let mut s = session(&t.url("d"), 1);
+    let mut m = session(&t.url("m"), 1);
+    let mq = &mut m.queues[0];
+    mq.write_at(&data[..2 * MIB as usize], 0, false).unwrap();
+    let q = &mut s.queues[0];
+    let cases: [(&str, Vec<CopyRange>, u64); 5] = [
+        // Within: an aligned range, then one at a misaligned source offset.
+        ("", vec![range(0, 4096), range(8192 + 100, 4096)], 4 * MIB),
+        ("", vec![range(0, 4096), range(8192 + 512, 4096)], 4 * MIB),
+        // Within: an aligned range, then a misaligned length.
+        ("", vec![range(0, 4096), range(8192, 4096 + 512)], 4 * MIB),
+        // From the mem: export: a misaligned destination, or length.
+        ("m", vec![range(0, 8192)], 4 * MIB + 512),
+        ("m", vec![range(0, 4096), range(8192, 512)], 4 * MIB),
+    ];
+    for (i, (src, ranges, dst)) in cases.iter().enumerate() {
+        let len = ranges.iter().map(|r| r.len).sum();
+        let (st, copied) = raw_copy(q, src, ranges, *dst, len);
+        assert_eq!((st, copied), (Status::Invalid, 0), "case {i}");
+        assert!(
+            std::fs::read(&f).unwrap() == data,
+            "case {i}: a refused copy wrote something"
+        );
+    }
+    // Out of it into the mem: export: an aligned range, then a misaligned source offset.
+    for off in [100, 512] {
+        let ranges = [range(0, 4096), range(off, 4096)];
+        let (st, copied) = raw_copy(mq, "d", &ranges, 4 * MIB, 8192);
+        assert_eq!((st, copied), (Status::Invalid, 0), "from {off}");
+        assert!(
+            read(mq, 4 * MIB, 8192) == vec![0u8; 8192],
+            "from {off}: wrote"
+        );
+    }
+    // Aligned: copied, into it and out of it.
+    assert_eq!(
+        raw_copy(q, "m", &[range(4096, 8192)], 4 * MIB, 8192),
+        (Status::Ok, 8192)
+    );
+    assert_eq!(
+        raw_copy(mq, "d", &[range(8192, 4096)], 4 * MIB, 4096),
+        (Status::Ok, 4096)
+    );
+    let mut want = data.clone();
+    want[4 * MIB as usize..][..8192].copy_from_slice(&data[4096..4096 + 8192]);
+    assert!(std::fs::read(&f).unwrap() == want);
+    assert!(read(mq, 4 * MIB, 4096) == data[8192..8192 + 4096]);
+}
+
 #[test]
 fn a_copy_that_fails_half_way_says_how_much_it_copied() {
     let dir = TempDir::new("copy-fail");
