@@ -7,7 +7,7 @@ use std::alloc::{self, Layout};
 use std::fmt;
 use std::io;
 use std::os::fd::RawFd;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use blkwire_block::{BlockOp, BlockRequest};
 
@@ -433,9 +433,9 @@ enum CopySource {
     /// Another export whose descriptor this backend copies from itself ([`Op::CopyFrom`]): the
     /// descriptor, and its backend, held so it stays open.
     Fd { fd: RawFd, _open: Arc<dyn Backend> },
-    /// Another export, read on a queue of its backend; with the backend's identity
-    /// ([`backend_id`]), to keep the queue for the next copy from there.
-    Queue(usize, Box<dyn QueueIo>),
+    /// Another export, read on a queue of its backend; with the export, to keep the queue for
+    /// the next copy from there (`ExportQueue::spare_sources`).
+    Queue(Weak<Export>, Box<dyn QueueIo>),
 }
 
 impl CopyState {
@@ -532,18 +532,17 @@ pub struct ExportQueue {
     /// COPYs that failed, by tag: the bytes from their destination offset known to be copied,
     /// until [`ExportQueue::copied_before_failure`] takes them.
     failed_copies: Vec<(u64, u64)>,
-    /// Queues on other exports' backends that finished copies left idle, by backend, for the
-    /// next copy from there: opening one may cost a descriptor or a thread (`memthread:`).
-    spare_sources: Vec<(usize, Box<dyn QueueIo>)>,
+    /// Queues on other exports' backends that finished copies left idle, by export, for the
+    /// next copy from there: opening one may cost a descriptor or a thread (`memthread:`). The
+    /// export is held weakly: its allocation stays while the entry does, so no export made
+    /// later is taken for it by its address (a `null:` queue holds nothing of its backend),
+    /// and once it is gone its queue goes too, at the next copy between exports, with the
+    /// descriptor or thread it may hold.
+    spare_sources: Vec<(Weak<Export>, Box<dyn QueueIo>)>,
 }
 
 /// Idle source queues an export queue keeps for its next copies from other exports.
 const SPARE_SOURCES: usize = 2;
-
-/// A backend's identity, to match spare source queues to it.
-fn backend_id(b: &Arc<dyn Backend>) -> usize {
-    Arc::as_ptr(b).cast::<u8>() as usize
-}
 
 impl ExportQueue {
     /// True when the backend completes inline: every operation but a long TRIM or
@@ -796,7 +795,7 @@ impl ExportQueue {
     /// [`ExportQueue::start_copy`]: this export is flushed.
     pub fn start_copy_from(
         &mut self,
-        src: &Export,
+        src: &Arc<Export>,
         sources: &[CopyRange],
         dst: u64,
         fua: bool,
@@ -816,8 +815,13 @@ impl ExportQueue {
             };
             return self.run_copy(sources, from, self.zero_align, dst, fua, tag, sq);
         }
-        let id = backend_id(src.backend());
-        let spare = self.spare_sources.iter().position(|(b, _)| *b == id);
+        // Spare queues of exports gone since go (with what they hold); the others are matched
+        // to the source on a live Arc.
+        self.spare_sources.retain(|(e, _)| e.strong_count() > 0);
+        let spare = self
+            .spare_sources
+            .iter()
+            .position(|(e, _)| e.upgrade().is_some_and(|e| Arc::ptr_eq(&e, src)));
         let source = match spare.map(|i| self.spare_sources.swap_remove(i).1) {
             Some(q) => q,
             None => match src.backend().clone().open_queue() {
@@ -828,7 +832,7 @@ impl ExportQueue {
             },
         };
         let align = self.zero_align.max(src.backend().buffer_alignment());
-        let source = CopySource::Queue(id, source);
+        let source = CopySource::Queue(Arc::downgrade(src), source);
         self.run_copy(sources, source, align, dst, fua, tag, sq)
     }
 
@@ -1141,11 +1145,14 @@ impl ExportQueue {
         }
         let Some(r) = st.ranges.get(st.idx).copied() else {
             // Done, nothing running on the source: keep its queue for the next copy.
-            if let CopySource::Queue(id, q) = std::mem::replace(&mut st.source, CopySource::Own) {
+            if let CopySource::Queue(e, q) = std::mem::replace(&mut st.source, CopySource::Own) {
+                self.spare_sources.retain(|(e, _)| e.strong_count() > 0);
                 if self.spare_sources.len() == SPARE_SOURCES {
                     self.spare_sources.remove(0);
                 }
-                self.spare_sources.push((id, q));
+                if e.strong_count() > 0 {
+                    self.spare_sources.push((e, q));
+                }
             }
             // A failed flush fails the copy with nothing known copied (`follow` records a
             // count only while the copy itself runs): nothing is known durable.
@@ -2104,8 +2111,10 @@ mod tests {
             .unwrap()
             .set_len(4 << 20)
             .unwrap();
-        let file = Export::open(&ExportSpec::parse(&format!("f=file:{}", path.display())).unwrap())
-            .unwrap();
+        let file = Arc::new(
+            Export::open(&ExportSpec::parse(&format!("f=file:{}", path.display())).unwrap())
+                .unwrap(),
+        );
         let mem = Export::open(&ExportSpec::parse("m=mem:4M").unwrap()).unwrap();
         let a = pattern(COPY_CHUNK as usize + 4096, 9);
         file.open_queue()
@@ -2143,7 +2152,8 @@ mod tests {
         // A source whose reads complete on its own threads: each read is awaited by a poll of
         // its notifier (through the blocking helper's ring here), and its queue is kept for the
         // next copy from it.
-        let threaded = Export::open(&ExportSpec::parse("t=memthread:4M").unwrap()).unwrap();
+        let threaded =
+            Arc::new(Export::open(&ExportSpec::parse("t=memthread:4M").unwrap()).unwrap());
         let data: Vec<u8> = (0..3 << 20).map(|i| (i % 251) as u8).collect();
         threaded
             .open_queue()
@@ -2157,8 +2167,11 @@ mod tests {
             }];
             q.blocking(|q, sq| q.start_copy_from(&threaded, &whole, 4096, false, BLOCKING_TAG, sq))
                 .unwrap();
-            let id = backend_id(threaded.backend());
-            let kept = q.spare_sources.iter().filter(|(b, _)| *b == id).count();
+            let kept = q
+                .spare_sources
+                .iter()
+                .filter(|(e, _)| std::ptr::eq(e.as_ptr(), Arc::as_ptr(&threaded)))
+                .count();
             assert_eq!(kept, 1, "the source queue is kept, once");
         }
         let mut back = vec![0u8; data.len()];
@@ -2177,9 +2190,11 @@ mod tests {
         let path = dir.join("src.img");
         let a = pattern(8192, 4);
         std::fs::write(&path, &a).unwrap();
-        let file = Export::open(&ExportSpec::parse(&format!("f=file:{}", path.display())).unwrap())
-            .unwrap();
-        let other = Export::open(&ExportSpec::parse("o=mem:1M").unwrap()).unwrap();
+        let file = Arc::new(
+            Export::open(&ExportSpec::parse(&format!("f=file:{}", path.display())).unwrap())
+                .unwrap(),
+        );
+        let other = Arc::new(Export::open(&ExportSpec::parse("o=mem:1M").unwrap()).unwrap());
         other
             .open_queue()
             .unwrap()
@@ -2221,6 +2236,46 @@ mod tests {
         assert!(back[..8192] == a[..], "copied from the memfd");
         assert!(back[65536..] == a[..], "copied from the file");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Spare source queues belong to their exports: a copy from another export does not take
+    /// one of a different export, and once a source export is gone its spare goes at the next
+    /// copy between exports, with the queue that held its backend (a `memthread:` backend's
+    /// thread, here) open.
+    #[test]
+    fn spare_source_queues_follow_their_exports() {
+        let open = |spec: &str| Arc::new(Export::open(&ExportSpec::parse(spec).unwrap()).unwrap());
+        let (a, b) = (open("a=memthread:1M"), open("b=null:1M"));
+        let mem = open("m=mem:1M");
+        let mut q = mem.open_queue().unwrap();
+        let whole = [CopyRange {
+            offset: 0,
+            len: 4096,
+        }];
+        let spares = |q: &ExportQueue, e: &Arc<Export>| {
+            q.spare_sources
+                .iter()
+                .filter(|(s, _)| std::ptr::eq(s.as_ptr(), Arc::as_ptr(e)))
+                .count()
+        };
+        for src in [&a, &b, &a, &b] {
+            q.blocking(|q, sq| q.start_copy_from(src, &whole, 0, false, BLOCKING_TAG, sq))
+                .unwrap();
+        }
+        assert_eq!(
+            (spares(&q, &a), spares(&q, &b)),
+            (1, 1),
+            "one each, none shared"
+        );
+        let backend = Arc::downgrade(a.backend());
+        drop(a);
+        q.blocking(|q, sq| q.start_copy_from(&b, &whole, 0, false, BLOCKING_TAG, sq))
+            .unwrap();
+        assert_eq!(q.spare_sources.len(), 1, "the removed source's spare went");
+        assert!(
+            backend.upgrade().is_none(),
+            "the removed source's backend is released"
+        );
     }
 
     /// TRIM, WRITE_ZEROES (whose fallback may write gigabytes of zeros), COPY and allocation
