@@ -2185,7 +2185,25 @@ mod tests {
     /// filesystem) is read on a queue of its own, through the ring, and the copy waits for it.
     #[test]
     fn a_mem_destination_reads_only_memory_inline() {
-        let dir = std::env::temp_dir().join(format!("blkwire-memfrom-{}", std::process::id()));
+        // The source must be a file on a disk: tmpfs files take seals as memfds do (and copy
+        // inline, from memory). /tmp is tmpfs on many systems.
+        let on_disk = |d: &std::path::Path| {
+            let c = std::ffi::CString::new(d.as_os_str().as_encoded_bytes()).unwrap();
+            // SAFETY: an all-zero statfs is a valid value; statfs writes into ours.
+            let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+            // SAFETY: a NUL-terminated path and a statfs we own.
+            let r = unsafe { libc::statfs(c.as_ptr(), &mut st) };
+            r == 0 && st.f_type != libc::TMPFS_MAGIC
+        };
+        let base = [
+            std::env::temp_dir(),
+            "/var/tmp".into(),
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"),
+        ]
+        .into_iter()
+        .find(|d| on_disk(d))
+        .expect("a directory on a disk filesystem: the temporary directory, /var/tmp and target/ are all tmpfs");
+        let dir = base.join(format!("blkwire-memfrom-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("src.img");
         let a = pattern(8192, 4);

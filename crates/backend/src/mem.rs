@@ -558,9 +558,6 @@ mod tests {
         out
     }
 
-    /// The record of written pages follows writes, copies, allocated zeros and holes punched,
-    /// page by page, and reads through the mapping only where it says so: a read of a range
-    /// trimmed or never written allocates nothing.
     /// The file behind the mapping cannot change size, even from another process that opens
     /// it through /proc: a shrink would turn the data path's in-place accesses into SIGBUS.
     #[test]
@@ -576,6 +573,9 @@ mod tests {
         assert_eq!(m.punch(0, 8192), 0);
     }
 
+    /// The record of written pages follows writes, copies, allocated zeros and holes punched,
+    /// page by page, and reads through the mapping only where it says so: a read of a range
+    /// trimmed or never written allocates nothing.
     #[test]
     fn written_pages_are_read_from_the_mapping_and_holes_are_not() {
         let m = MemBackend::new(1 << 20).unwrap();
