@@ -252,9 +252,10 @@ pub const REFUSED_DESTINATIONS: usize = 16;
 
 /// To which destinations a socket sends runs of datagrams segmented. The kernel refuses a
 /// segmented send for one destination when a segment does not fit its path MTU (which that
-/// peer can lower for its own address), and for every destination when the device cannot
-/// segment at all. So a refusal stops segmenting to that destination only, and to all once
-/// [`REFUSED_DESTINATIONS`] have been refused: one peer cannot turn it off for the others.
+/// peer can lower for its own address: key destinations by address, not port), and for every
+/// destination when the device cannot segment at all. So a refusal stops segmenting to that
+/// destination only, and to all once [`REFUSED_DESTINATIONS`] have been refused: one peer
+/// cannot turn it off for the others.
 #[derive(Debug)]
 pub struct Segmenting<D> {
     on: bool,

@@ -293,8 +293,9 @@ pub struct DgramPort {
     /// Read once per receive batch: idle expiry needs seconds, not a clock read per frame.
     now: Instant,
     /// UDP: runs of equal datagrams leave in one segmented send (PROTOCOL.md §9.6); datagram by
-    /// datagram to a peer the kernel refused one for, and to all once enough were.
-    gso: udp_offload::Segmenting<Peer>,
+    /// datagram to an address the kernel refused one for, and to all once enough were. By IP
+    /// address, not port: the path MTU is the address's, and a client's queues each have a port.
+    gso: udp_offload::Segmenting<std::net::IpAddr>,
     /// UDP: the kernel hands over runs that arrived together as one buffer.
     gro: bool,
     /// Raw Ethernet: frames are read in place from a receive ring shared with the kernel.
@@ -606,7 +607,11 @@ impl DgramPort {
         while done < self.tx.len() {
             let mut batch = SendBatch::<BATCH>::new(&mut iov);
             let gso = &self.gso;
-            for run in self.tx.runs(done, |d| gso.limits(d)).take(BATCH) {
+            let limits = |d: &Peer| match d {
+                Peer::Ip(a) => gso.limits(&a.ip()),
+                Peer::Mac(_) => udp_offload::run_limits(false),
+            };
+            for run in self.tx.runs(done, limits).take(BATCH) {
                 // SAFETY: the packer's own bytes stay as they are until it is cleared below;
                 // the bytes it was lent are READ data in `self.lent` or in an export's mapping,
                 // both kept until then (`finish_read`, `remove`).
@@ -620,10 +625,12 @@ impl DgramPort {
                 Ok(sent) => done += sent.datagrams,
                 Err(f) if f.segmented && udp_offload::refused(&f.error) => {
                     // This route or kernel cannot segment (a datagram over the peer's path MTU,
-                    // no checksum offload): datagram by datagram to that peer from now on. The
-                    // failed message is always the batch's first (sendmmsg stops before one it
-                    // cannot send and reports the error only when it is the first).
-                    self.gso.refused_by(self.tx.dest(done));
+                    // no checksum offload): datagram by datagram to that address from now on.
+                    // The failed message is always the batch's first (sendmmsg stops before one
+                    // it cannot send and reports the error only when it is the first).
+                    if let Peer::Ip(a) = self.tx.dest(done) {
+                        self.gso.refused_by(a.ip());
+                    }
                 }
                 // A datagram the kernel refuses (buffer full, peer gone) is lost like any network
                 // loss: the initiator's timer recovers it. EFAULT would be a piece pointing at
