@@ -355,10 +355,43 @@ impl RbdBackend {
 }
 
 impl Drop for RbdBackend {
-    /// The last reference went (the export was removed, or the target stopped): flush and
-    /// close, bounded as `close` says. No queue is open (each holds a reference).
+    /// The last reference went without `shutdown` (the export was removed, or replaced): flush
+    /// and close on a thread of its own, not waited for. The last reference is often dropped
+    /// on a reactor thread (its last queue closed there), which serves other connections and
+    /// must not wait a round trip to the cluster, or its timeouts when it is gone. No queue is
+    /// open (each holds a reference); a graceful stop closed already, waiting (`shutdown`).
     fn drop(&mut self) {
-        let _ = self.close();
+        let (handle, helper) = {
+            let mut life = self.life();
+            (life.handle.take(), life.helper.take())
+        };
+        let Some(handle) = handle else {
+            return;
+        };
+        // The helper first (the last sender goes: it ends once a walk in progress does, which
+        // uses the image), then the image.
+        let close = |(mut handle, helper): (Handle, Option<_>)| {
+            if let Some((tx, thread)) = helper {
+                drop::<mpsc::Sender<_>>(tx);
+                let _ = std::thread::JoinHandle::join(thread);
+            }
+            handle.release();
+        };
+        let work = Arc::new(Mutex::new(Some((handle, helper))));
+        let theirs = work.clone();
+        let spawned = std::thread::Builder::new()
+            .name("blkwire-rbd-close".into())
+            .spawn(move || {
+                if let Some(w) = theirs.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                    close(w);
+                }
+            });
+        if spawned.is_err() {
+            // No thread to be had: here, then.
+            if let Some(w) = work.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                close(w);
+            }
+        }
     }
 }
 
