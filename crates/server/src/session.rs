@@ -724,8 +724,29 @@ impl Registry {
             return Err(Status::Access);
         }
         // Removed (or replaced) while this session was being negotiated.
-        if !inner.exports.iter().any(|s| Arc::ptr_eq(&s.export, export)) {
+        let Some(served) = inner
+            .exports
+            .iter()
+            .find(|s| Arc::ptr_eq(&s.export, export))
+        else {
             return Err(Status::NoExport);
+        };
+        // The export's rules, and whether keys are required, as the handshake checked them
+        // (`permitted`) may have changed since: `export_set_allow` and `keys_load` change them
+        // and then revoke the sessions they no longer admit under this lock, so a session not
+        // registered yet is checked here again, with the same rule, or it would escape both.
+        if !self.access.permits(&served.acl, owner.proven, owner.addr) {
+            drop(inner);
+            self.access.refuse(
+                &peer,
+                &format!(
+                    "host '{}' may no longer open export '{}': its allow rules or the keys \
+                     changed during the handshake",
+                    host.escape_debug(),
+                    export.name.escape_debug()
+                ),
+            );
+            return Err(Status::Access);
         }
         if inner.sessions.len() >= self.limits.max_sessions {
             return Err(Status::NoMemory);

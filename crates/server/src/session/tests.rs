@@ -476,3 +476,37 @@ fn an_exports_last_reference_goes_outside_the_registry_lock() {
         "session end: dropped under the lock"
     );
 }
+
+/// A handshake checks the export's allow rules (`permitted`) long before it registers its
+/// session (an NBD handshake sends the export's facts to a client that may not read them; a
+/// HELLO replacing a session waits for it), and `export_set_allow` or a first `keys_load`
+/// in between revokes only the sessions registered already: registration checks the rules
+/// again under the registry's lock, and refuses a host they no longer admit.
+#[test]
+fn rules_changed_during_a_handshake_refuse_its_session() {
+    let r = registry(None);
+    let addr = peer(1).addr;
+    let owner = Owner {
+        proven: None,
+        shown: "nbd client",
+        addr: &addr,
+        peer: "127.0.0.1:1",
+    };
+    let admit = |e: &Arc<Export>| r.admit_single(e, (&owner, None), 1 << 20, 4, 64 << 10);
+    // The control: admitted when nothing changed.
+    let e = r.permitted("d", None, &addr).unwrap();
+    assert!(admit(&e).is_ok());
+    // Allowed at the handshake, then the rules name another address only.
+    let e = r.permitted("d", None, &addr).unwrap();
+    assert_eq!(r.set_allow("d", Some("10.0.0.1".into())).unwrap().len(), 1);
+    assert_eq!(admit(&e).err(), Some(Status::Access));
+    assert!(r.revoke_unpermitted().is_empty());
+    // Allowed again, and a keyless handshake passes; then keys are loaded: keys are required.
+    r.set_allow("d", None).unwrap();
+    let e = r.permitted("d", None, &addr).unwrap();
+    let mut store = KeyStore::default();
+    store.insert("h", key());
+    r.access.set_keys(store);
+    assert!(r.revoke_unpermitted().is_empty());
+    assert_eq!(admit(&e).err(), Some(Status::Access));
+}
