@@ -359,6 +359,13 @@ pub fn run_export(cmd: ExportCmd) -> Result<(), String> {
             socket,
         } => {
             let allow = match (rules, none) {
+                // Likely an unset variable (`export allow disk0 "$RULES"`): not taken as --none.
+                (Some(r), _) if r.is_empty() => {
+                    return Err(format!(
+                        "export allow got empty RULES for {name} (an unset variable?): give the \
+                         rules (e.g. db1+10.0.0.0/8), or --none to remove them"
+                    ))
+                }
                 (Some(r), _) => Value::String(r),
                 (None, true) => Value::Null,
                 (None, false) => {

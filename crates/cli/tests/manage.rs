@@ -331,6 +331,11 @@ fn every_method_takes_good_parameters_and_refuses_bad_ones_in_one_line() {
             "export 'a'",
         ),
         (
+            "export_set_allow",
+            json!({"name": "a", "allow": ""}),
+            "export 'a': allow is empty: give the rules (RULE[+RULE...]), or null to remove them",
+        ),
+        (
             "listener_add",
             json!({"url": "tcpx://127.0.0.1:0"}),
             "bad listen address",

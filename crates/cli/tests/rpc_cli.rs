@@ -148,6 +148,20 @@ fn export_allow_takes_rules_or_none() {
         &["export", "allow", "disk0", "db1", "--none"],
         "cannot be used with",
     );
+    // Empty RULES (`export allow disk0 "$RULES"` with RULES unset) are not --none: refused
+    // before connecting, as the control method refuses them.
+    assert_one_line_error(
+        &[
+            "export",
+            "allow",
+            "disk0",
+            "",
+            "--socket",
+            "/nonexistent.sock",
+        ],
+        "export allow got empty RULES for disk0 (an unset variable?): give the rules (e.g. \
+         db1+10.0.0.0/8), or --none to remove them",
+    );
 }
 
 #[test]

@@ -611,10 +611,18 @@ fn export_set_allow(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
         p,
         "{\"name\": \"disk0\", \"allow\": \"RULE[+RULE...]\" or null}",
     )?;
-    let allow = p.allow.filter(|a| !a.is_empty());
+    // An empty string is not "no rules" (that is null): it is what an unset shell variable
+    // gives, and taken for null it would open the export to every host.
+    if p.allow.as_deref() == Some("") {
+        return Err(RpcError::refused(format!(
+            "export '{}': allow is empty: give the rules (RULE[+RULE...]), or null to remove \
+             them (the export is then open to every host the target admits)",
+            p.name
+        )));
+    }
     let closed = sh
         .registry
-        .set_allow(&p.name, allow)
+        .set_allow(&p.name, p.allow)
         .map_err(RpcError::refused)?;
     sh.close_sessions(&closed);
     let mut e = export_entry(sh, &p.name);
