@@ -1,6 +1,7 @@
 //! The management plane (docs/MANAGEMENT.md): every change to a running target is a *call*, a
 //! method name with JSON parameters. `serve`'s flags become calls, `serve --config FILE` replays
-//! a list of them, the control socket (`rpc.rs`) takes them one at a time, and `save_config`
+//! a list of them, the control socket (`rpc.rs`) takes them one at a time (`OneAtATime`: calls
+//! from all its clients, and from anywhere else, run one after the other), and `save_config`
 //! writes the running state back as calls. One code path for all four.
 //!
 //! Control path only: calls take the registry's lock and send messages to reactors; the data
@@ -398,12 +399,49 @@ const METHODS: &[Method] = &[
     },
 ];
 
-/// Runs one call.
+/// Lets one call run at a time, whoever makes it (the control socket's clients, each on its
+/// own thread; `Target::call`; a config applied at start): a call checks what it depends on
+/// and then changes it (an NVMe namespace's export exists, then the namespace is added), and
+/// another call in between (that export removed) would leave the target in a state no
+/// sequence of calls makes.
+#[derive(Default)]
+pub(crate) struct OneAtATime {
+    lock: std::sync::Mutex<()>,
+    /// Calls waiting for their turn (and ones about to take it).
+    waiting: std::sync::atomic::AtomicUsize,
+}
+
+impl OneAtATime {
+    /// Waits for the call running now, if any, to end; the guard is this call's turn.
+    pub(crate) fn turn(&self) -> std::sync::MutexGuard<'_, ()> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.waiting.fetch_add(1, Relaxed);
+        // A call that panicked left nothing half-done that the lock protects (it guards no
+        // data): the next call goes on.
+        let turn = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.waiting.fetch_sub(1, Relaxed);
+        turn
+    }
+
+    /// How many calls wait for their turn.
+    #[cfg(test)]
+    pub(crate) fn waiting(&self) -> usize {
+        self.waiting.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// Runs one call, once any call running now has ended.
 pub(crate) fn dispatch(
     shared: &Arc<Shared>,
     method: &str,
     params: Value,
 ) -> Result<Value, RpcError> {
+    let _turn = shared.calls.turn();
+    run(shared, method, params)
+}
+
+/// Runs one call; the caller has its turn.
+fn run(shared: &Arc<Shared>, method: &str, params: Value) -> Result<Value, RpcError> {
     let Some(m) = METHODS.iter().find(|m| m.name == method) else {
         return Err(RpcError {
             code: RpcError::NO_METHOD,
@@ -1282,15 +1320,27 @@ fn load_config(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
             ))
         }
     };
-    apply(sh, &calls, true).map_err(|(_, e)| e)?;
+    // Within this call's turn: no other call runs between the config's calls.
+    apply_in_turn(sh, &calls, true).map_err(|(_, e)| e)?;
     Ok(json!({ "applied": calls.len() }))
 }
 
-/// Applies calls in order, stopping at the first that fails. With `numbered`, the error says
-/// which call it was and that the ones before it were applied (a config file); without, it is
-/// the call's own message (calls made from command-line flags, which the user knows by their
-/// flag). Also returns the method that failed.
+/// Applies calls in order, stopping at the first that fails, once any call running now has
+/// ended, and with no other call between them. With `numbered`, the error says which call it
+/// was and that the ones before it were applied (a config file); without, it is the call's own
+/// message (calls made from command-line flags, which the user knows by their flag). Also
+/// returns the method that failed.
 pub(crate) fn apply(
+    sh: &Arc<Shared>,
+    calls: &[Call],
+    numbered: bool,
+) -> Result<(), (String, RpcError)> {
+    let _turn = sh.calls.turn();
+    apply_in_turn(sh, calls, numbered)
+}
+
+/// `apply` for a caller that has its turn.
+fn apply_in_turn(
     sh: &Arc<Shared>,
     calls: &[Call],
     numbered: bool,
@@ -1301,7 +1351,7 @@ pub(crate) fn apply(
                 "a config cannot load or save configs".into(),
             ))
         } else {
-            dispatch(sh, &c.method, c.params.clone())
+            run(sh, &c.method, c.params.clone())
         };
         result.map_err(|e| {
             let message = match (numbered, i) {

@@ -205,6 +205,8 @@ pub(crate) struct Shared {
     serving: std::sync::atomic::AtomicBool,
     /// The metrics endpoint's bound `ADDR:PORT`, once `metrics_listen` opened it.
     metrics: Mutex<Option<String>>,
+    /// Calls run one at a time (`control::dispatch`, `control::apply`).
+    calls: control::OneAtATime,
 }
 
 #[derive(Default)]
@@ -648,6 +650,7 @@ impl Target {
                 stop: Arc::new(eventfd()?),
                 serving: Default::default(),
                 metrics: Mutex::new(None),
+                calls: Default::default(),
             }),
             handles,
             rpc: None,
@@ -737,6 +740,7 @@ impl Target {
 
     /// The running state as calls (what `save_config` writes).
     pub fn running_config(&self) -> Vec<Call> {
+        let _turn = self.shared.calls.turn();
         control::running_config(&self.shared)
     }
 
@@ -1577,6 +1581,37 @@ mod tests {
             v["sessions"][0]["session"], 0,
             "the first sessions are kept"
         );
+    }
+
+    /// Calls run one at a time, wherever they come from (the control socket runs each client
+    /// on its own thread): a call made while another runs waits for it, then runs.
+    #[test]
+    fn a_call_waits_for_the_call_running_now() {
+        let t = Target::start(&config(&[], &[]).options).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        std::thread::scope(|scope| {
+            // A call running now (its turn taken here, as `dispatch` takes it).
+            let turn = t.shared.calls.turn();
+            let add = scope.spawn(|| {
+                t.call(
+                    "export_add",
+                    serde_json::json!({"name": "x", "spec": "mem:1M"}),
+                )
+            });
+            while t.shared.calls.waiting() == 0 {
+                assert!(Instant::now() < deadline, "the second call never waited");
+                std::thread::yield_now();
+            }
+            assert!(!t.shared.registry.has_export("x"), "it ran meanwhile");
+            drop(turn);
+            assert!(add.join().unwrap().is_ok());
+        });
+        assert!(t.shared.registry.has_export("x"));
+        // load_config runs its calls within its own turn (it does not wait for itself).
+        let calls = serde_json::json!({"config": [{"method": "export_add", "params": {"name": "y", "spec": "mem:1M"}}]});
+        assert_eq!(t.call("load_config", calls).unwrap()["applied"], 1);
+        t.stop_handle().stop();
+        t.run().unwrap();
     }
 
     #[test]
