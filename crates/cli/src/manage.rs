@@ -3,8 +3,7 @@
 //! its control socket (crate::rpc, docs/MANAGEMENT.md). Each command is one call; this module
 //! words the results.
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use blkwire_backend::format_size;
 use serde_json::{json, Value};
@@ -651,7 +650,8 @@ pub fn run_save_config(a: SaveConfigArgs) -> Result<(), String> {
     match a.file {
         None => print!("{text}"),
         Some(file) => {
-            write_atomically(&file, text.as_bytes())
+            // Owner only, as the target writes it (it names key files and devices).
+            blkwire_server::write_private(&file, text.as_bytes())
                 .map_err(|e| format!("cannot write {}: {e}", file.display()))?;
             let calls = config.as_array().map_or(0, Vec::len);
             println!(
@@ -741,27 +741,6 @@ fn print_list(
     print!("{}", aligned(&rows, &align));
 }
 
-/// Writes `file` so that a reader sees the old content or all of the new, never a part: a
-/// temporary file beside it (same filesystem, so the rename is atomic), synced, renamed over it.
-fn write_atomically(file: &Path, data: &[u8]) -> std::io::Result<()> {
-    let mut tmp = file.as_os_str().to_owned();
-    tmp.push(format!(".tmp{}", std::process::id()));
-    let tmp = PathBuf::from(tmp);
-    let written = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&tmp)
-        .and_then(|mut f| {
-            f.write_all(data)?;
-            f.sync_all()
-        })
-        .and_then(|()| std::fs::rename(&tmp, file));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -777,27 +756,5 @@ mod tests {
             closed_sessions(&json!({"closed_sessions": 2})),
             " (closed 2 sessions)"
         );
-    }
-
-    #[test]
-    fn an_atomic_write_replaces_the_file_and_leaves_no_temporary() {
-        let dir =
-            std::env::temp_dir().join(format!("blkwire-manage-atomic-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("config.json");
-        std::fs::write(&file, "old and longer").unwrap();
-        write_atomically(&file, b"new").unwrap();
-        assert_eq!(std::fs::read_to_string(&file).unwrap(), "new");
-        let names: Vec<_> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert_eq!(names, ["config.json"]);
-        // A rename that fails (over a non-empty directory) leaves no temporary behind either.
-        std::fs::create_dir_all(dir.join("sub/dir")).unwrap();
-        assert!(write_atomically(&dir.join("sub"), b"x").is_err());
-        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

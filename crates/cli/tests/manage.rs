@@ -184,11 +184,14 @@ fn a_target_built_by_calls_alone_comes_back_the_same_from_its_saved_config() {
             .unwrap(),
         serde_json::from_str::<Value>(&std::fs::read_to_string(&saved).unwrap()).unwrap()
     );
-    assert_eq!(
-        std::fs::metadata(&remote).unwrap().permissions().mode() & 0o777,
-        0o600,
-        "a config names key files and devices: owner only"
-    );
+    for written in [&remote, &saved] {
+        assert_eq!(
+            std::fs::metadata(written).unwrap().permissions().mode() & 0o777,
+            0o600,
+            "{}: a config names key files and devices: owner only",
+            written.display()
+        );
+    }
     t.stop();
     assert!(
         !dir.path("ctl.sock").exists(),

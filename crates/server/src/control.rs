@@ -1271,26 +1271,59 @@ fn save_config(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     Ok(doc)
 }
 
-/// Writes a config atomically (a temporary file renamed over the old one), readable by its
-/// owner only: it names key files and devices.
+/// Writes a config atomically (`write_private`): it names key files and devices.
 pub fn write_config(path: &Path, calls: &[Call]) -> Result<(), String> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
     let mut text = serde_json::to_string_pretty(calls).unwrap_or_default();
     text.push('\n');
-    let tmp = path.with_extension("json.tmp");
-    let fail = |e: std::io::Error| format!("cannot write {}: {e}", path.display());
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)
-        .map_err(fail)?;
-    f.write_all(text.as_bytes())
+    write_private(path, text.as_bytes())
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+/// Writes `path` so that a reader sees the old content or all of the new, never a part, and
+/// only its owner may read it (mode 0600): a new temporary file beside it (same filesystem,
+/// so the rename is atomic), synced, renamed over it, and the directory synced. The temporary
+/// has an unpredictable name and is created exclusively, never following a symlink: in a
+/// directory others may write to, nothing they planted is written through or reused.
+pub fn write_private(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let name = path
+        .file_name()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file name"))?;
+    let mut tries = 0;
+    let (tmp, mut f) = loop {
+        tries += 1;
+        let mut n = std::ffi::OsString::from(".");
+        n.push(name);
+        n.push(format!(".{:016x}.tmp", blkwire_auth::random_u64()));
+        let tmp = dir.join(n);
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&tmp)
+        {
+            Ok(f) => break (tmp, f),
+            // Taken (planted, or a one in 2^64 clash): another name.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && tries < 8 => continue,
+            Err(e) => return Err(e),
+        }
+    };
+    let written = f
+        .write_all(data)
         .and_then(|()| f.sync_all())
-        .map_err(fail)?;
-    std::fs::rename(&tmp, path).map_err(fail)
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written?;
+    // The rename itself lasts once the directory is synced.
+    std::fs::File::open(dir)?.sync_all()
 }
 
 #[derive(Deserialize)]
@@ -1420,6 +1453,52 @@ mod tests {
             Options::default(),
             "a refused patch changes nothing it refused"
         );
+    }
+
+    /// A config is written whole or not at all, owner only, and leaves no temporary behind;
+    /// a symlink planted where a temporary could be (the fixed name it once had, in a
+    /// directory others may write) is not written through.
+    #[test]
+    fn a_config_is_written_atomically_for_its_owner_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir =
+            std::env::temp_dir().join(format!("blkwire-write-private-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let names = || {
+            let mut n: Vec<_> = std::fs::read_dir(&dir)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            n.sort();
+            n
+        };
+        let file = dir.join("config.json");
+        std::fs::write(&file, "old and longer").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let victim = dir.join("victim");
+        std::fs::write(&victim, "untouched").unwrap();
+        std::os::unix::fs::symlink(&victim, dir.join("config.json.tmp")).unwrap();
+        let calls = [Call::new("export_list", Value::Null)];
+        write_config(&file, &calls).unwrap();
+        assert_eq!(
+            parse_config(&std::fs::read_to_string(&file).unwrap(), "f").unwrap(),
+            calls
+        );
+        let meta = std::fs::symlink_metadata(&file).unwrap();
+        assert!(meta.is_file(), "a file, not the planted link");
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "untouched");
+        assert_eq!(names(), ["config.json", "config.json.tmp", "victim"]);
+        // A rename that fails (over a non-empty directory) leaves no temporary behind either.
+        std::fs::create_dir_all(dir.join("sub/dir")).unwrap();
+        let e = write_config(&dir.join("sub"), &calls).unwrap_err();
+        assert!(
+            e.starts_with(&format!("cannot write {}", dir.join("sub").display())),
+            "{e}"
+        );
+        assert_eq!(names(), ["config.json", "config.json.tmp", "sub", "victim"]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
