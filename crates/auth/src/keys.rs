@@ -232,11 +232,55 @@ fn parse_dhchap(text: &str) -> Result<(Key, Secret, Option<Secret>), String> {
     Ok((key, host, ctrl))
 }
 
+/// The largest key file read: 4 MiB, tens of thousands of hosts (a line is 80 to 250 bytes).
+pub const MAX_KEY_FILE: u64 = 4 << 20;
+
+/// Reads a whole regular file of at most `max` bytes as text, with its metadata (of the file
+/// opened, not of whatever the path names a moment later). Anything else is refused before a
+/// byte is read: a FIFO (which would block the reader until someone writes, and is opened
+/// without waiting for a writer), a device such as /dev/zero (which never ends), a directory;
+/// so is a longer file. Errors are one line without the path (the caller names the file).
+pub fn read_regular(path: &Path, max: u64) -> Result<(String, std::fs::Metadata), String> {
+    use std::io::Read;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    let meta = f.metadata().map_err(|e| e.to_string())?;
+    let too_long = || {
+        format!(
+            "larger than {} MiB, the most read: is it the right file?",
+            max >> 20
+        )
+    };
+    if !meta.is_file() {
+        return Err(
+            "not a regular file (a FIFO, a device or a directory): give a file's path".into(),
+        );
+    }
+    if meta.len() > max {
+        return Err(too_long());
+    }
+    // Bounded by the read too: the file may grow meanwhile (and some report no size).
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    f.take(max + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    if bytes.len() as u64 > max {
+        return Err(too_long());
+    }
+    let text = String::from_utf8(bytes).map_err(|_| "not text (invalid UTF-8)".to_string())?;
+    Ok((text, meta))
+}
+
 impl KeyStore {
-    /// Reads a key file. Errors are one line naming the file and what to do.
+    /// Reads a key file (a regular file of at most `MAX_KEY_FILE` bytes). Errors are one line
+    /// naming the file and what to do.
     pub fn load(path: &Path) -> Result<KeyStore, String> {
         let shown = path.display();
-        let meta = std::fs::metadata(path).map_err(|e| format!("key file {shown}: {e}"))?;
+        let (text, meta) =
+            read_regular(path, MAX_KEY_FILE).map_err(|e| format!("key file {shown}: {e}"))?;
         if meta.mode() & 0o077 != 0 {
             return Err(format!(
                 "key file {shown} is mode {:04o}: keys must be readable by their owner only \
@@ -244,7 +288,6 @@ impl KeyStore {
                 meta.mode() & 0o7777
             ));
         }
-        let text = std::fs::read_to_string(path).map_err(|e| format!("key file {shown}: {e}"))?;
         let mut store = KeyStore::default();
         for (n, line) in text.lines().enumerate() {
             let line = line.trim();
@@ -441,6 +484,47 @@ mod tests {
         let d = std::env::temp_dir().join(format!("blkwire-keys-{}-{name}", std::process::id()));
         let _ = std::fs::remove_file(&d);
         d
+    }
+
+    /// Only a regular file of bounded size is read: a FIFO (0600, as a key file must be)
+    /// would block the reader until someone writes, forever if nobody does; /dev/zero never
+    /// ends; a huge file fills memory. Each is refused in one line, at once.
+    #[test]
+    fn only_a_regular_file_of_bounded_size_is_read() {
+        let fifo = tmp("fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let big = tmp("big");
+        let f = std::fs::File::create(&big).unwrap();
+        f.set_len(MAX_KEY_FILE + 1).unwrap();
+        f.set_permissions(std::fs::Permissions::from_mode(0o600))
+            .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        for p in [
+            fifo.clone(),
+            "/dev/zero".into(),
+            std::env::temp_dir(),
+            big.clone(),
+        ] {
+            let tx = tx.clone();
+            // On a thread: a reader that blocks must fail the test, not hang it.
+            std::thread::spawn(move || tx.send((KeyStore::load(&p).err(), p)));
+        }
+        for _ in 0..4 {
+            let (e, p) = rx
+                .recv_timeout(std::time::Duration::from_secs(20))
+                .expect("answered");
+            let e = e.unwrap_or_else(|| panic!("{} loaded", p.display()));
+            let why = if p == big {
+                "larger than 4 MiB, the most read: is it the right file?"
+            } else {
+                "not a regular file (a FIFO, a device or a directory): give a file's path"
+            };
+            assert_eq!(e, format!("key file {}: {why}", p.display()));
+        }
+        std::fs::remove_file(&fifo).unwrap();
+        std::fs::remove_file(&big).unwrap();
     }
 
     #[test]

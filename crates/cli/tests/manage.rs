@@ -381,6 +381,18 @@ fn every_method_takes_good_parameters_and_refuses_bad_ones_in_one_line() {
             "unknown option 'thread'",
         ),
         ("load_config", json!({}), "give either path"),
+        // Read without a bound, /dev/zero would grow the target until it is killed.
+        (
+            "load_config",
+            json!({"path": "/dev/zero"}),
+            "cannot read /dev/zero: not a regular file (a FIFO, a device or a directory): give \
+             a file's path",
+        ),
+        (
+            "keys_load",
+            json!({"path": "/dev/zero"}),
+            "key file /dev/zero: not a regular file",
+        ),
         (
             "load_config",
             json!({"config": [{"method": "save_config"}]}),

@@ -1326,6 +1326,10 @@ pub fn write_private(path: &Path, data: &[u8]) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 
+/// The largest config `load_config` reads from a file: as large as the reply of a
+/// `save_config` may be (`rpc::MAX_REPLY`), a hundred thousand exports and more.
+pub const MAX_CONFIG_FILE: u64 = 16 << 20;
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct LoadParam {
@@ -1341,7 +1345,9 @@ fn load_config(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     )?;
     let calls = match (p.path, p.config) {
         (Some(path), None) => {
-            let text = std::fs::read_to_string(&path)
+            // A regular file of bounded size: a FIFO would hold this call (and, calls taking
+            // turns, every other) until someone writes to it, /dev/zero would never end.
+            let (text, _) = blkwire_auth::keys::read_regular(&path, MAX_CONFIG_FILE)
                 .map_err(|e| RpcError::refused(format!("cannot read {}: {e}", path.display())))?;
             parse_config(&text, &path.display().to_string()).map_err(RpcError::params)?
         }
