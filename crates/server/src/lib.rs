@@ -416,7 +416,8 @@ impl Shared {
         let sessions = v["sessions"].as_array().cloned().unwrap_or_default();
         let total = sessions.len();
         let page: Vec<_> = sessions.into_iter().skip(offset).take(limit).collect();
-        let next = (offset.saturating_add(limit) < total).then_some(offset + limit);
+        // Checked: `offset + limit` overflows for a limit of "everything" (usize::MAX).
+        let next = offset.checked_add(limit).filter(|&n| n < total);
         v["sessions"] = page.into();
         v["offset"] = offset.into();
         v["total"] = total.into();
@@ -1610,6 +1611,22 @@ mod tests {
         // load_config runs its calls within its own turn (it does not wait for itself).
         let calls = serde_json::json!({"config": [{"method": "export_add", "params": {"name": "y", "spec": "mem:1M"}}]});
         assert_eq!(t.call("load_config", calls).unwrap()["applied"], 1);
+        t.stop_handle().stop();
+        t.run().unwrap();
+    }
+
+    /// A page of stats of any offset and size is answered (here an empty page, no next), not a
+    /// panic on `offset + limit` overflowing (with overflow checks, as in a debug build; a
+    /// release build wrapped and happened to answer right).
+    #[test]
+    fn a_stats_page_of_any_size_is_answered() {
+        let t = Target::start(&config(&[], &[]).options).unwrap();
+        for offset in [0, 1, usize::MAX] {
+            let p = serde_json::json!({"offset": offset, "limit": usize::MAX});
+            let s = t.call("stats", p).unwrap();
+            assert_eq!(s["next"], serde_json::Value::Null, "{s}");
+            assert_eq!(s["sessions"], serde_json::json!([]), "{s}");
+        }
         t.stop_handle().stop();
         t.run().unwrap();
     }
