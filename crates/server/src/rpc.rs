@@ -145,8 +145,7 @@ fn serve(listener: UnixListener, stop: &OwnedFd, shared: Arc<Shared>) {
                 false
             }
         };
-        if clients.fetch_add(1, Ordering::Relaxed) >= MAX_CLIENTS {
-            clients.fetch_sub(1, Ordering::Relaxed);
+        let Some(place) = Place::take(&clients) else {
             let _ = s.write_all(&line(&error_reply(
                 Value::Null,
                 RpcError {
@@ -155,21 +154,41 @@ fn serve(listener: UnixListener, stop: &OwnedFd, shared: Arc<Shared>) {
                 },
             )));
             continue;
-        }
-        let (shared, clients2) = (shared.clone(), clients.clone());
-        let spawned = std::thread::Builder::new()
+        };
+        let shared = shared.clone();
+        // The place is given back when the thread ends, also by a panic (or, if the thread
+        // cannot start, when the closure holding it is dropped).
+        let _ = std::thread::Builder::new()
             .name("blkwire-rpc-c".into())
             .spawn(move || {
+                let _place = place;
                 if allowed {
                     client(s, &shared);
                 } else {
                     refuse(s);
                 }
-                clients2.fetch_sub(1, Ordering::Relaxed);
             });
-        if spawned.is_err() {
-            clients.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// One of the `MAX_CLIENTS` places, held by a client's thread and given back when dropped:
+/// also when the thread panics, so that panics cannot use up the places and lock everyone out.
+struct Place(Arc<AtomicUsize>);
+
+impl Place {
+    /// A place, unless all are taken.
+    fn take(count: &Arc<AtomicUsize>) -> Option<Place> {
+        if count.fetch_add(1, Ordering::Relaxed) >= MAX_CLIENTS {
+            count.fetch_sub(1, Ordering::Relaxed);
+            return None;
         }
+        Some(Place(count.clone()))
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -446,6 +465,27 @@ mod tests {
         ended
             .recv_timeout(Duration::from_secs(20))
             .expect("the server side ended");
+    }
+
+    /// A client's thread gives its place back however it ends, a panic included: panics
+    /// cannot use up the MAX_CLIENTS places and lock everyone out.
+    #[test]
+    fn a_place_is_given_back_also_by_a_thread_that_panics() {
+        let count = Arc::new(AtomicUsize::new(0));
+        for _ in 0..MAX_CLIENTS * 2 {
+            let place = Place::take(&count).expect("a place is free");
+            let t = std::thread::spawn(move || {
+                let _place = place;
+                panic!("a call panicked (as this test wants)");
+            });
+            assert!(t.join().is_err());
+        }
+        assert_eq!(count.load(Ordering::Relaxed), 0);
+        let held: Vec<_> = (0..MAX_CLIENTS).map(|_| Place::take(&count)).collect();
+        assert!(held.iter().all(Option::is_some));
+        assert!(Place::take(&count).is_none(), "all places taken");
+        drop(held);
+        assert!(Place::take(&count).is_some());
     }
 
     /// Reads one reply line from `r`.
