@@ -70,11 +70,25 @@ pub fn call(socket: &Path, method: &str, params: Option<Value>) -> Result<Value,
         .set_write_timeout(Some(TIMEOUT))
         .and_then(|()| stream.set_read_timeout(Some(TIMEOUT)))
         .map_err(|e| format!("{}: {e}", socket.display()))?;
-    send_all(&stream, line.as_bytes()).map_err(|e| match e.kind() {
-        io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => closed(),
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => timed_out(),
-        _ => format!("cannot send to {}: {e}", socket.display()),
-    })?;
+    match send_all(&stream, line.as_bytes()) {
+        Ok(()) => {}
+        // Closed before the request was all sent: the target may have answered first (it
+        // answers a caller it refuses at once, without reading), so the answer is read still.
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+            ) => {}
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
+            return Err(timed_out())
+        }
+        Err(e) => return Err(format!("cannot send to {}: {e}", socket.display())),
+    }
     let mut response = Vec::new();
     BufReader::new(&stream)
         .take(MAX_RESPONSE + 1)
@@ -341,6 +355,26 @@ mod tests {
         let e = call(&d.socket(), "export_list", None).unwrap_err();
         target.join().unwrap();
         assert!(e.contains("closed the connection without answering"), "{e}");
+    }
+
+    /// A target that answers without reading the request (as it answers a caller it refuses)
+    /// and closes: the client's send fails, and the answer is read all the same. The request
+    /// is larger than the socket's buffer, so the send cannot complete before the close.
+    #[test]
+    fn an_answer_sent_before_the_request_was_read_is_read() {
+        let d = Dir::new("early");
+        let listener = UnixListener::bind(d.socket()).unwrap();
+        let target = std::thread::spawn(move || {
+            let (conn, _) = listener.accept().unwrap();
+            (&conn)
+                .write_all(b"{\"jsonrpc\":\"2.0\",\"id\":null,\"error\":{\"code\":-32001,\"message\":\"permission denied\"}}\n")
+                .unwrap();
+            conn.shutdown(std::net::Shutdown::Both).unwrap();
+        });
+        let big = json!({"config": "x".repeat(4 << 20)});
+        let r = call(&d.socket(), "load_config", Some(big));
+        target.join().unwrap();
+        assert_eq!(r, Err("permission denied".into()));
     }
 
     #[test]

@@ -4,9 +4,10 @@
 
 mod common;
 
-use std::io::Write;
+use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::os::unix::net::UnixStream;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -709,6 +710,55 @@ fn only_root_and_the_targets_user_may_use_the_control_socket() {
         "{err}"
     );
     assert!(t.ok(&["export", "ls"]).contains('a'), "root still may");
+}
+
+/// A caller the socket refuses is answered at once, its request not even read, and holds no
+/// place among the 16 clients: however many hold their connection open without writing (each
+/// used to hold a place, and a thread, for up to 2 s a byte), root's calls go through.
+#[test]
+fn refused_callers_are_answered_at_once_and_take_no_place() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "this test needs root (to connect as another user); CI runs as root"
+    );
+    let dir = TempDir::new("manage-refused");
+    std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let t = Managed::start(
+        &dir,
+        &["--listen", "tcp://127.0.0.1:0", "--export", "a=mem:1M"],
+    );
+    // Opened up, so that the target's own check is what refuses them.
+    std::fs::set_permissions(&t.sock, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let sock = t.sock.clone();
+    let refused: Vec<UnixStream> = std::thread::spawn(move || {
+        // The raw system call changes this thread's user ids only (libc's setresuid would
+        // change every thread's); the connections it makes carry them.
+        // SAFETY: no memory is involved; the thread ends right after.
+        let r = unsafe { libc::syscall(libc::SYS_setresuid, 65534, 65534, 65534) };
+        assert_eq!(r, 0, "setresuid: {}", std::io::Error::last_os_error());
+        (0..20)
+            .map(|_| UnixStream::connect(&sock).expect("connect as nobody"))
+            .collect()
+    })
+    .join()
+    .unwrap();
+    // They all hold their connections, sending nothing; root is not kept out.
+    assert!(t.ok(&["export", "ls"]).contains('a'), "root is served");
+    // Each was answered without having sent a byte.
+    for c in &refused {
+        c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut l = String::new();
+        BufReader::new(c).read_line(&mut l).unwrap();
+        let v: Value = serde_json::from_str(&l).unwrap();
+        assert_eq!(
+            (&v["id"], &v["error"]["code"]),
+            (&Value::Null, &json!(-32001)),
+            "{v}"
+        );
+    }
+    t.stop();
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! answer per line (docs/MANAGEMENT.md). Only root and the user running the target may use it:
 //! the socket file is 0600 and every connection's peer credentials are checked.
 //!
-//! Its own thread, plus one per connected client (a few at most): nothing here touches the data
+//! Its own thread, plus one per permitted client (a few at most): nothing here touches the data
 //! path, which only ever sees the messages the calls send to reactors.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -113,6 +113,7 @@ impl Drop for ControlSocket {
 /// Accepts clients until `stop` is written.
 fn serve(listener: UnixListener, stop: &OwnedFd, shared: Arc<Shared>) {
     let clients = Arc::new(AtomicUsize::new(0));
+    let mut refusals = crate::log::Throttle::new();
     loop {
         let mut fds = [listener.as_raw_fd(), stop.as_raw_fd()].map(|fd| libc::pollfd {
             fd,
@@ -131,28 +132,34 @@ fn serve(listener: UnixListener, stop: &OwnedFd, shared: Arc<Shared>) {
         if fds[1].revents != 0 {
             return;
         }
-        let Ok((mut s, _)) = listener.accept() else {
+        let Ok((s, _)) = listener.accept() else {
             continue;
         };
-        let allowed = match permitted(&s) {
-            Ok(()) => true,
-            Err(uid) => {
+        // Refused on this thread, at once: a caller that may not use the socket takes no
+        // thread and no place among MAX_CLIENTS, however slowly it writes (or never does).
+        if let Err(uid) = permitted(&s) {
+            if let Some(n) = refusals.hit() {
+                let more = match n {
+                    1 => String::new(),
+                    n => format!(" ({} more since the last line)", n - 1),
+                };
                 crate::log!(
                     Level::Warn,
                     "control socket: refused a client running as uid {uid} (root and the \
-                     target's user only)"
+                     target's user only){more}"
                 );
-                false
             }
-        };
+            refuse(s);
+            continue;
+        }
         let Some(place) = Place::take(&clients) else {
-            let _ = s.write_all(&line(&error_reply(
-                Value::Null,
+            answer_at_once(
+                s,
                 RpcError {
                     code: RpcError::REFUSED,
                     message: format!("{MAX_CLIENTS} clients connected: try again"),
                 },
-            )));
+            );
             continue;
         };
         let shared = shared.clone();
@@ -162,11 +169,7 @@ fn serve(listener: UnixListener, stop: &OwnedFd, shared: Arc<Shared>) {
             .name("blkwire-rpc-c".into())
             .spawn(move || {
                 let _place = place;
-                if allowed {
-                    client(s, &shared);
-                } else {
-                    refuse(s);
-                }
+                client(s, &shared);
             });
     }
 }
@@ -219,26 +222,28 @@ fn permitted(s: &UnixStream) -> Result<(), u32> {
     }
 }
 
-/// Answers a client that may not use the socket: its first request gets a PERMISSION error
-/// (read first, so that the client is not cut off while it writes), nothing runs.
+/// Answers a client that may not use the socket with a PERMISSION error, at once: its
+/// request is not read (so the answer's id is null), nothing runs.
 fn refuse(s: UnixStream) {
-    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-    let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
-    let Ok(mut out) = s.try_clone() else {
-        return;
-    };
-    let mut first = Vec::new();
-    let _ = BufReader::new(s)
-        .take(64 << 10)
-        .read_until(b'\n', &mut first);
-    let id = decode(&first).map_or(Value::Null, |(id, _, _)| id.unwrap_or(Value::Null));
-    let e = RpcError {
-        code: RpcError::PERMISSION,
-        message: "permission denied: the control socket is for root and the user running the \
-                  target"
-            .into(),
-    };
-    let _ = out.write_all(&line(&error_reply(id, e)));
+    answer_at_once(
+        s,
+        RpcError {
+            code: RpcError::PERMISSION,
+            message: "permission denied: the control socket is for root and the user running \
+                      the target"
+                .into(),
+        },
+    );
+}
+
+/// Answers a connection with one error line, without reading from it, and closes it. On the
+/// accepting thread: the line goes into a new connection's empty buffer at once (and is given
+/// up after a moment if not). A client still writing its request finds the connection closed
+/// and can read the answer (the blkwire CLI does).
+fn answer_at_once(s: UnixStream, e: RpcError) {
+    let _ = s.set_write_timeout(Some(Duration::from_millis(100)));
+    let _ = (&s).write_all(&line(&error_reply(Value::Null, e)));
+    let _ = s.shutdown(std::net::Shutdown::Both);
 }
 
 /// Answers one client's requests, one per line, until it hangs up.
