@@ -1631,6 +1631,45 @@ mod tests {
         t.run().unwrap();
     }
 
+    /// A control socket file is taken over only when connecting to it is refused (a target
+    /// that died left it): a live target's is not, and neither is a socket that answers
+    /// connections otherwise (here a datagram socket: EPROTOTYPE), which may be anyone's.
+    #[test]
+    fn only_a_stale_control_socket_is_taken_over() {
+        let dir = std::env::temp_dir().join(format!("blkwire-stale-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ctl.sock");
+        let mut t = Target::start(&config(&[], &[]).options).unwrap();
+        // Someone's datagram socket.
+        let dgram = std::os::unix::net::UnixDatagram::bind(&path).unwrap();
+        let e = t.open_control_socket(&path).expect_err("not taken over");
+        assert!(
+            matches!(&e, Error::Listen(m) if m.contains("cannot tell is stale")
+                && m.contains("give --rpc-socket another path")),
+            "{e:?}"
+        );
+        assert!(std::fs::symlink_metadata(&path).is_ok(), "left in place");
+        drop(dgram);
+        // A stream socket nobody listens on any more: stale, taken over.
+        std::fs::remove_file(&path).unwrap();
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        t.open_control_socket(&path).unwrap();
+        assert!(std::os::unix::net::UnixStream::connect(&path).is_ok());
+        // A live one (this target's): not taken over.
+        let mut other = Target::start(&config(&[], &[]).options).unwrap();
+        let e = other.open_control_socket(&path).expect_err("a live socket");
+        assert!(
+            matches!(&e, Error::Listen(m) if m.contains("another target serves")),
+            "{e:?}"
+        );
+        for t in [t, other] {
+            t.stop_handle().stop();
+            t.run().unwrap();
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn bind_errors_say_what_kind_of_failure_they_are() {
         let no_exports = Target::bind(&config(&["tcp://127.0.0.1:0"], &[]));

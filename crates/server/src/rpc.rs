@@ -68,14 +68,28 @@ impl ControlSocket {
                      path"
                 )));
             }
-            if UnixStream::connect(path).is_ok() {
-                return Err(Error::Listen(format!(
-                    "another target serves the control socket {shown}: give this one \
-                     --rpc-socket PATH (or --rpc-socket none)"
-                )));
+            match UnixStream::connect(path) {
+                Ok(_) => {
+                    return Err(Error::Listen(format!(
+                        "another target serves the control socket {shown}: give this one \
+                         --rpc-socket PATH (or --rpc-socket none)"
+                    )))
+                }
+                // Nobody listens: left behind by a target that did not stop cleanly.
+                Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => {
+                    let _ = std::fs::remove_file(path);
+                }
+                // Gone meanwhile: nothing to take over.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                // Someone else's socket (another user's, EACCES; a datagram socket,
+                // EPROTOTYPE; ...): not known to be stale, so never removed.
+                Err(e) => {
+                    return Err(Error::Listen(format!(
+                        "{shown} is a socket this target cannot tell is stale ({e}): give \
+                         --rpc-socket another path, or remove it if nothing uses it"
+                    )))
+                }
             }
-            // Nobody answers: left behind by a target that did not stop cleanly.
-            let _ = std::fs::remove_file(path);
         }
         let listener = UnixListener::bind(path)
             .map_err(|e| Error::Listen(format!("cannot open the control socket {shown}: {e}")))?;
