@@ -139,8 +139,11 @@ impl FileBackend {
         if direct {
             flags |= libc::O_DIRECT;
         }
+        // Non-blocking only to open: a FIFO would otherwise hold the open (and the control
+        // call adding the export, with every call behind it) until someone writes to it; it is
+        // refused below as neither a file nor a device, and the flag is cleared for the rest.
         // SAFETY: plain syscalls on a NUL-terminated path and our own fd.
-        let fd = unsafe { libc::open(cpath.as_ptr(), flags) };
+        let fd = unsafe { libc::open(cpath.as_ptr(), flags | libc::O_NONBLOCK) };
         if fd < 0 {
             let e = io::Error::last_os_error();
             let hint = match e.raw_os_error() {
@@ -186,6 +189,15 @@ impl FileBackend {
         // SAFETY: fstat on our fd into a zeroed stat.
         if unsafe { libc::fstat(fd, &mut st) } != 0 {
             return Err(io::Error::last_os_error());
+        }
+        if matches!(st.st_mode & libc::S_IFMT, libc::S_IFREG | libc::S_IFBLK) {
+            // io_uring would answer EAGAIN instead of waiting for a descriptor with O_NONBLOCK.
+            // SAFETY: fcntl on our own descriptor.
+            let now = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+            // SAFETY: as above.
+            if now < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, now & !libc::O_NONBLOCK) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
         }
         let size = match st.st_mode & libc::S_IFMT {
             libc::S_IFREG => {
@@ -772,6 +784,47 @@ impl QueueIo for FileQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A FIFO is refused at once (the open does not wait for a writer), and a file is used
+    /// with a blocking descriptor (io_uring answers EAGAIN on a non-blocking one).
+    #[test]
+    fn a_fifo_is_refused_without_waiting_and_a_file_opens_blocking() {
+        let dir = std::env::temp_dir().join(format!("blkwire-fifo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("fifo");
+        let c = CString::new(fifo.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = fifo.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(FileBackend::open(&p, false, true).map(|_| ()));
+        });
+        let got = rx.recv_timeout(std::time::Duration::from_secs(10));
+        if got.is_err() {
+            // Let the open go (a writer appears), so the thread ends.
+            let _ = std::fs::OpenOptions::new().write(true).open(&fifo);
+        }
+        let e = got
+            .expect("the open of a FIFO waited for a writer")
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("not a regular file or block device"),
+            "{e}"
+        );
+        let file = dir.join("f.img");
+        std::fs::write(&file, vec![0u8; 4096]).unwrap();
+        let b = FileBackend::open(&file, false, false).unwrap();
+        // SAFETY: fcntl on the backend's descriptor.
+        let fl = unsafe { libc::fcntl(b.fd, libc::F_GETFL) };
+        assert_eq!(
+            fl & libc::O_NONBLOCK,
+            0,
+            "the file's descriptor is non-blocking"
+        );
+        drop(b);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     /// FAST_ZERO on a block device only where it has a WRITE ZEROES command of its own: a
     /// virtio disk without one (write_zeroes_max_bytes 0) would have BLKZEROOUT write zeros.
