@@ -38,6 +38,13 @@ pub use memthread::MemThreadBackend;
 pub use null::NullBackend;
 pub use size::{format_size, parse_size};
 
+/// Backends of removed exports may still be making their writes durable on threads of their
+/// own (`rbd:` flushes and closes its image so, not to hold up the thread that dropped it):
+/// waits at most `limit` for them, before the process exits. Returns how many are not done.
+pub fn wait_for_closes(limit: std::time::Duration) -> usize {
+    rbd::wait_for_closes(limit)
+}
+
 /// One run of an export's allocation map (NBD `base:allocation`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Extent {

@@ -925,10 +925,24 @@ impl Target {
                 }
             }
         });
+        // And the exports removed before, whose backends close on threads of their own.
+        let left = blkwire_backend::wait_for_closes(CLOSES_WAITED);
+        if left > 0 {
+            crate::log!(
+                Level::Warn,
+                "{left} removed export(s) still closing after {}s: left (writes they held may \
+                 be lost)",
+                CLOSES_WAITED.as_secs()
+            );
+        }
         crate::log!(Level::Info, "stopped");
         Ok(())
     }
 }
+
+/// How long a stop waits for removed exports still closing (`blkwire_backend::wait_for_closes`):
+/// two of `rbd:`'s default timeouts, what one close is given.
+const CLOSES_WAITED: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// Live stream connections, in total and per peer address (`--max-connections`,
 /// `--max-connections-per-host`): counted when accepted, until the connection closes (its

@@ -354,6 +354,21 @@ impl RbdBackend {
     }
 }
 
+/// Images closing on threads of their own (`Drop`), and a wake-up when one is done: a stop
+/// waits for them ([`wait_for_closes`]), so the process does not exit under librbd's flush.
+static CLOSING: (Mutex<usize>, std::sync::Condvar) = (Mutex::new(0), std::sync::Condvar::new());
+
+/// Waits at most `limit` for the images closing on their own threads; returns how many still
+/// are.
+pub(crate) fn wait_for_closes(limit: Duration) -> usize {
+    let (n, done) = &CLOSING;
+    let n = n.lock().unwrap_or_else(|e| e.into_inner());
+    let (n, _) = done
+        .wait_timeout_while(n, limit, |n| *n > 0)
+        .unwrap_or_else(|e| e.into_inner());
+    *n
+}
+
 impl Drop for RbdBackend {
     /// The last reference went without `shutdown` (the export was removed, or replaced): flush
     /// and close on a thread of its own, not waited for. The last reference is often dropped
@@ -379,13 +394,19 @@ impl Drop for RbdBackend {
         };
         let work = Arc::new(Mutex::new(Some((handle, helper))));
         let theirs = work.clone();
+        *CLOSING.0.lock().unwrap_or_else(|e| e.into_inner()) += 1;
         let spawned = std::thread::Builder::new()
             .name("blkwire-rbd-close".into())
             .spawn(move || {
                 if let Some(w) = theirs.lock().unwrap_or_else(|e| e.into_inner()).take() {
                     close(w);
                 }
+                *CLOSING.0.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+                CLOSING.1.notify_all();
             });
+        if spawned.is_err() {
+            *CLOSING.0.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+        }
         if spawned.is_err() {
             // No thread to be had: here, then.
             if let Some(w) = work.lock().unwrap_or_else(|e| e.into_inner()).take() {

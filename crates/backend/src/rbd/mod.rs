@@ -15,6 +15,15 @@
 
 #[cfg(blkwire_rbd)]
 mod image;
+
+/// Waits at most `limit` for images of removed exports still closing on their own threads;
+/// how many still are.
+pub(crate) fn wait_for_closes(_limit: std::time::Duration) -> usize {
+    #[cfg(blkwire_rbd)]
+    return image::wait_for_closes(_limit);
+    #[cfg(not(blkwire_rbd))]
+    0
+}
 #[cfg(blkwire_rbd)]
 mod sys;
 
