@@ -110,7 +110,7 @@ struct Life {
     /// The handles; `None` once closed.
     handle: Option<Handle>,
     /// The allocation helper's job queue and thread, started with the first queue.
-    helper: Option<(Sender<AllocJob>, JoinHandle<()>)>,
+    helper: Option<Helper>,
     /// Queues open (from `open_queue` to the end of their Drop): the image closes only when
     /// there are none.
     queues: usize,
@@ -299,7 +299,7 @@ impl RbdBackend {
     /// timeouts: for `shutdown` and Drop. A no-op once closed; refused while a queue is open.
     fn close(&self) -> Result<(), String> {
         let _no_resize = self.resizing.lock().unwrap_or_else(|e| e.into_inner());
-        let (mut handle, helper) = {
+        let (handle, helper) = {
             let mut life = self.life();
             if life.queues > 0 {
                 return Err(format!(
@@ -312,36 +312,20 @@ impl RbdBackend {
                 None => return Ok(()),
             }
         };
-        if let Some((tx, thread)) = helper {
-            // No queue is left, so this is the last sender and the helper is idle: it ends now.
-            drop(tx);
-            let _ = thread.join();
-        }
         let limit = Duration::from_secs(u64::from(CLOSE_TIMEOUTS * self.timeout_secs));
-        let (tx, rx) = mpsc::channel();
-        let closer = std::thread::Builder::new()
-            .name("blkwire-rbd-close".into())
-            .spawn(move || {
-                let _ = tx.send(handle.release());
-            });
-        let flushed = match closer {
-            Ok(_) => match rx.recv_timeout(limit) {
-                Ok(r) => r,
-                // The thread ended without a result: it panicked; librbd's own state is
-                // unknown, and nothing is left to wait for.
-                Err(mpsc::RecvTimeoutError::Disconnected) => -libc::EIO,
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    return Err(format!(
-                        "{}: the cluster did not answer the final flush and close within {}s: \
-                         left closing (acknowledged writes it did not take are lost)",
-                        self.name,
-                        limit.as_secs()
-                    ))
-                }
-            },
-            // No thread: close here (the handle was dropped with the closure, which released
-            // it, without the flush's result).
-            Err(_) => 0,
+        let flushed = match close_apart(handle, helper, false).recv_timeout(limit) {
+            Ok(r) => r,
+            // The thread ended without a result: it panicked; librbd's own state is unknown,
+            // and nothing is left to wait for.
+            Err(mpsc::RecvTimeoutError::Disconnected) => -libc::EIO,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                return Err(format!(
+                    "{}: the cluster did not answer the final flush and close within {}s: left \
+                     closing (acknowledged writes it did not take are lost)",
+                    self.name,
+                    limit.as_secs()
+                ))
+            }
         };
         if flushed < 0 {
             return Err(format!(
@@ -352,6 +336,55 @@ impl RbdBackend {
         }
         Ok(())
     }
+}
+
+/// The allocation helper's job queue and thread.
+type Helper = (Sender<AllocJob>, JoinHandle<()>);
+
+/// Flushes and closes the image on a thread of its own, the helper stopped first (its last
+/// sender goes: it ends once a walk in progress, which uses the image, does). The flush's
+/// result comes on the receiver; without a thread to be had, the close runs here. `counted`:
+/// in [`CLOSING`] until done, for a stop to wait for (a close nobody waits for: Drop's).
+fn close_apart(handle: Handle, helper: Option<Helper>, counted: bool) -> mpsc::Receiver<c_int> {
+    fn finish(mut handle: Handle, helper: Option<Helper>) -> c_int {
+        if let Some((last, thread)) = helper {
+            drop(last);
+            let _ = thread.join();
+        }
+        handle.release()
+    }
+    let count = move |started: bool| {
+        if counted {
+            let mut n = CLOSING.0.lock().unwrap_or_else(|e| e.into_inner());
+            if started {
+                *n += 1;
+            } else {
+                *n -= 1;
+                CLOSING.1.notify_all();
+            }
+        }
+    };
+    let (tx, rx) = mpsc::channel();
+    let here = tx.clone();
+    let work = Arc::new(Mutex::new(Some((handle, helper))));
+    let theirs = work.clone();
+    count(true);
+    let spawned = std::thread::Builder::new()
+        .name("blkwire-rbd-close".into())
+        .spawn(move || {
+            if let Some((handle, helper)) = theirs.lock().unwrap_or_else(|e| e.into_inner()).take()
+            {
+                let _ = tx.send(finish(handle, helper));
+            }
+            count(false);
+        });
+    if spawned.is_err() {
+        count(false);
+        if let Some((handle, helper)) = work.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = here.send(finish(handle, helper));
+        }
+    }
+    rx
 }
 
 /// Images closing on threads of their own (`Drop`), and a wake-up when one is done: a stop
@@ -380,38 +413,9 @@ impl Drop for RbdBackend {
             let mut life = self.life();
             (life.handle.take(), life.helper.take())
         };
-        let Some(handle) = handle else {
-            return;
-        };
-        // The helper first (the last sender goes: it ends once a walk in progress does, which
-        // uses the image), then the image.
-        let close = |(mut handle, helper): (Handle, Option<_>)| {
-            if let Some((tx, thread)) = helper {
-                drop::<mpsc::Sender<_>>(tx);
-                let _ = std::thread::JoinHandle::join(thread);
-            }
-            handle.release();
-        };
-        let work = Arc::new(Mutex::new(Some((handle, helper))));
-        let theirs = work.clone();
-        *CLOSING.0.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-        let spawned = std::thread::Builder::new()
-            .name("blkwire-rbd-close".into())
-            .spawn(move || {
-                if let Some(w) = theirs.lock().unwrap_or_else(|e| e.into_inner()).take() {
-                    close(w);
-                }
-                *CLOSING.0.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
-                CLOSING.1.notify_all();
-            });
-        if spawned.is_err() {
-            *CLOSING.0.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
-        }
-        if spawned.is_err() {
-            // No thread to be had: here, then.
-            if let Some(w) = work.lock().unwrap_or_else(|e| e.into_inner()).take() {
-                close(w);
-            }
+        if let Some(handle) = handle {
+            // Not waited for: the result's receiver goes at once.
+            close_apart(handle, helper, true);
         }
     }
 }
