@@ -663,10 +663,7 @@ impl Iscsi {
     /// task it waits for is answered: called right after an answer is written into `tx`, so
     /// it follows that answer (RFC 7143 §4.2.3.3). Returns whether it went out.
     fn lift(&mut self, tx: &mut Vec<u8>) -> bool {
-        if self.fence.as_ref().is_none_or(|f| !f.waiting.is_empty()) {
-            return false;
-        }
-        let Some(f) = self.fence.take() else {
+        let Some(f) = self.fence.take_if(|f| f.waiting.is_empty()) else {
             return false;
         };
         self.tmf_response(f.itt, f.response, tx);
@@ -1893,29 +1890,20 @@ impl Iscsi {
         // The tasks that wait (writes for their data, requests parked in the reactor for
         // memory) are given up: never run nor answered; the reactor frees their slots.
         let mut released: Vec<u16> = Vec::new();
-        let mut solicited: Vec<(u32, u32)> = Vec::new();
         for (i, t) in self.tasks.iter_mut().enumerate() {
             if t.active && scope.hits(t.itt, t.target) {
-                if !t.parked && t.seq.ttt != RESERVED_TAG && t.seq.next < t.seq.end {
-                    // Its R2T is out: Data-Out for it may still come.
-                    solicited.push((t.itt, t.seq.ttt));
-                }
                 t.active = false;
                 t.parked = false;
                 t.aborted = true;
                 released.push(i as u16);
             }
         }
-        for (itt, ttt) in solicited {
-            self.give_up(itt, ttt);
-        }
         for &slot in &released {
             let t = self.tasks[slot as usize];
             self.settle(t.itt, t.target);
-            // Unsolicited data of an aborted write may still be on its way: dropped in step.
-            if t.seq.ttt == RESERVED_TAG {
-                self.drain(t.itt, t.seq);
-            }
+            // Data of an aborted write may still be on its way (a parked request's sequence is
+            // empty: none).
+            self.abandon(t.itt, t.seq);
         }
         // A parameter list being collected is dropped; a compound command runs no more parts,
         // and is answered to no one (its part running at a backend is waited for below).
@@ -1983,12 +1971,17 @@ impl Iscsi {
     /// was never with the reactor (`inflight`).
     fn drop_params(&mut self) {
         if let Some(p) = self.params.take() {
-            if p.seq.ttt == RESERVED_TAG {
-                self.drain(p.itt, p.seq);
-            } else if p.seq.next < p.seq.end {
-                // Its R2T is out.
-                self.give_up(p.itt, p.seq.ttt);
-            }
+            self.abandon(p.itt, p.seq);
+        }
+    }
+
+    /// The data a given-up task or parameter list may still be sent: unsolicited, dropped in
+    /// step (`drain`); solicited with its R2T out, dropped to its F bit (`give_up`).
+    fn abandon(&mut self, itt: u32, seq: Seq) {
+        if seq.ttt == RESERVED_TAG {
+            self.drain(itt, seq);
+        } else if seq.next < seq.end {
+            self.give_up(itt, seq.ttt);
         }
     }
 
@@ -2074,7 +2067,7 @@ impl StreamFrontend for Iscsi {
         // The last task a function waited for was answered without a frontend call that writes
         // into tx (a READ's Data-In built by `finish_read_reply`): its response follows here,
         // before a request waiting for memory (`pending`) could hold it back.
-        if self.fence.is_some() && self.lift(tx) {
+        if self.lift(tx) {
             return Decoded::Answered { len: 0 };
         }
         if let Some((req, len, payload_len, trailer)) = self.pending {
