@@ -536,8 +536,8 @@ pub struct ExportQueue {
     /// next copy from there: opening one may cost a descriptor or a thread (`memthread:`). The
     /// export is held weakly: its allocation stays while the entry does, so no export made
     /// later is taken for it by its address (a `null:` queue holds nothing of its backend),
-    /// and once it is gone its queue goes too, at the next copy between exports, with the
-    /// descriptor or thread it may hold.
+    /// and once it is gone its queue goes too, at this queue's next request
+    /// ([`ExportQueue::drop_gone_sources`]), with the descriptor, thread or open image it holds.
     spare_sources: Vec<(Weak<Export>, Box<dyn QueueIo>)>,
 }
 
@@ -545,6 +545,15 @@ pub struct ExportQueue {
 const SPARE_SOURCES: usize = 2;
 
 impl ExportQueue {
+    /// Drops the spare source queues whose exports are gone: an `rbd:` image removed from the
+    /// target stays open (its watch and lock held) as long as a queue of it does. Cheap while
+    /// there are none, which is every queue that never copied from another export.
+    fn drop_gone_sources(&mut self) {
+        if !self.spare_sources.is_empty() {
+            self.spare_sources.retain(|(e, _)| e.strong_count() > 0);
+        }
+    }
+
     /// True when the backend completes inline: every operation but a long TRIM or
     /// WRITE_ZEROES finishes inside [`ExportQueue::start`] (emulation on an inline backend
     /// finishes inline too: its steps run one after another in the call). See
@@ -632,6 +641,7 @@ impl ExportQueue {
     /// untouched) until the request's result is delivered by this call, by `complete`, or by
     /// `reap`.
     pub unsafe fn start(&mut self, op: Op, tag: u64, sq: &mut dyn Submitter) -> Progress {
+        self.drop_gone_sources();
         let caps = self.caps;
         // No backend makes a TRIM or WRITE_ZEROES durable by itself: FUA on one is a flush once
         // it is done, and the backend never sees the flag. Without flush the medium is
@@ -815,9 +825,8 @@ impl ExportQueue {
             };
             return self.run_copy(sources, from, self.zero_align, dst, fua, tag, sq);
         }
-        // Spare queues of exports gone since go (with what they hold); the others are matched
-        // to the source on a live Arc.
-        self.spare_sources.retain(|(e, _)| e.strong_count() > 0);
+        // The others are matched to the source on a live Arc.
+        self.drop_gone_sources();
         let spare = self
             .spare_sources
             .iter()
@@ -1146,7 +1155,7 @@ impl ExportQueue {
         let Some(r) = st.ranges.get(st.idx).copied() else {
             // Done, nothing running on the source: keep its queue for the next copy.
             if let CopySource::Queue(e, q) = std::mem::replace(&mut st.source, CopySource::Own) {
-                self.spare_sources.retain(|(e, _)| e.strong_count() > 0);
+                self.drop_gone_sources();
                 if self.spare_sources.len() == SPARE_SOURCES {
                     self.spare_sources.remove(0);
                 }
@@ -2258,7 +2267,7 @@ mod tests {
 
     /// Spare source queues belong to their exports: a copy from another export does not take
     /// one of a different export, and once a source export is gone its spare goes at the next
-    /// copy between exports, with the queue that held its backend (a `memthread:` backend's
+    /// request of any kind, with the queue that held its backend (a `memthread:` backend's
     /// thread, here) open.
     #[test]
     fn spare_source_queues_follow_their_exports() {
@@ -2287,9 +2296,13 @@ mod tests {
         );
         let backend = Arc::downgrade(a.backend());
         drop(a);
-        q.blocking(|q, sq| q.start_copy_from(&b, &whole, 0, false, BLOCKING_TAG, sq))
-            .unwrap();
-        assert_eq!(q.spare_sources.len(), 1, "the removed source's spare went");
+        let mut buf = vec![0u8; 4096];
+        q.read_blocking(0, &mut buf).unwrap();
+        assert_eq!(
+            q.spare_sources.len(),
+            1,
+            "the removed source's spare went at a READ"
+        );
         assert!(
             backend.upgrade().is_none(),
             "the removed source's backend is released"
