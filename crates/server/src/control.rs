@@ -436,7 +436,30 @@ pub(crate) fn dispatch(
     method: &str,
     params: Value,
 ) -> Result<Value, RpcError> {
+    dispatch_unless(shared, method, params, &|| false)
+}
+
+/// [`dispatch`], unless `caller_left` says, once the call has its turn, that nobody waits for
+/// its answer any more: a CLI that gave up waiting behind a long call (and told its user the
+/// call got no answer) must not have it run minutes later.
+pub(crate) fn dispatch_unless(
+    shared: &Arc<Shared>,
+    method: &str,
+    params: Value,
+    caller_left: &dyn Fn() -> bool,
+) -> Result<Value, RpcError> {
     let _turn = shared.calls.turn();
+    if caller_left() {
+        crate::log!(
+            crate::log::Level::Warn,
+            "control socket: {} not run: its caller hung up while it waited for its turn",
+            method.escape_debug()
+        );
+        return Err(RpcError {
+            code: RpcError::REFUSED,
+            message: "not run: the caller hung up while the call waited for its turn".into(),
+        });
+    }
     run(shared, method, params)
 }
 

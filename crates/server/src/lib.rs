@@ -1629,6 +1629,64 @@ mod tests {
         t.run().unwrap();
     }
 
+    /// A call whose caller hung up while it waited for its turn (a CLI that gave up after its
+    /// timeout) is not run when the turn comes; a notification, which nobody waits to hear
+    /// about, is; and a caller that only shut down its sending side still gets its call run
+    /// and answered.
+    #[test]
+    fn a_call_whose_caller_left_while_it_waited_is_not_run() {
+        use std::io::{BufRead, Write};
+        use std::os::unix::net::UnixStream;
+        let t = Target::start(&config(&[], &[]).options).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let add = |id: Option<u32>, name: &str| {
+            let mut v = serde_json::json!({"jsonrpc": "2.0", "method": "export_add",
+                "params": {"name": name, "spec": "mem:1M"}});
+            if let Some(id) = id {
+                v["id"] = id.into();
+            }
+            format!("{v}\n")
+        };
+        std::thread::scope(|scope| {
+            for (leave, name) in [(true, "gone"), (false, "half")] {
+                let (server, mut caller) = UnixStream::pair().unwrap();
+                let turn = t.shared.calls.turn();
+                let served = scope.spawn(|| rpc::client(server, &t.shared));
+                // A notification ahead of the call: sent by a caller gone since, it runs.
+                let mut lines = if leave {
+                    add(None, "notified")
+                } else {
+                    String::new()
+                };
+                lines += &add(Some(1), name);
+                caller.write_all(lines.as_bytes()).unwrap();
+                while t.shared.calls.waiting() == 0 {
+                    assert!(Instant::now() < deadline, "the call never waited");
+                    std::thread::yield_now();
+                }
+                if leave {
+                    drop(caller);
+                    drop(turn);
+                    served.join().unwrap();
+                    assert!(!t.shared.registry.has_export(name), "run for nobody");
+                    assert!(t.shared.registry.has_export("notified"));
+                } else {
+                    caller.shutdown(std::net::Shutdown::Write).unwrap();
+                    drop(turn);
+                    let mut reply = String::new();
+                    std::io::BufReader::new(&caller)
+                        .read_line(&mut reply)
+                        .unwrap();
+                    assert!(reply.contains("\"result\""), "{reply}");
+                    served.join().unwrap();
+                    assert!(t.shared.registry.has_export(name));
+                }
+            }
+        });
+        t.stop_handle().stop();
+        t.run().unwrap();
+    }
+
     /// A page of stats of any offset and size is answered (here an empty page, no next), not a
     /// panic on `offset + limit` overflowing (with overflow checks, as in a debug build; a
     /// release build wrapped and happened to answer right).

@@ -261,8 +261,25 @@ fn answer_at_once(s: UnixStream, e: RpcError) {
 }
 
 /// Answers one client's requests, one per line, until it hangs up.
-fn client(s: UnixStream, shared: &Arc<Shared>) {
-    serve_lines(s, IDLE, REPLY_WAIT, |req| answer(req, shared));
+pub(crate) fn client(s: UnixStream, shared: &Arc<Shared>) {
+    let fd = s.as_raw_fd();
+    serve_lines(s, IDLE, REPLY_WAIT, |req| {
+        answer(req, shared, &|| hung_up(fd))
+    });
+}
+
+/// True once the peer of `fd` (a connected Unix stream socket we hold open) closed its end
+/// altogether: POLLHUP, which a caller that only shut down its sending side (and still waits
+/// for its answer) does not cause.
+fn hung_up(fd: std::os::fd::RawFd) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: 0,
+        revents: 0,
+    };
+    // SAFETY: polls one descriptor the caller keeps open, with a pollfd on our stack; no wait.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n > 0 && p.revents & libc::POLLHUP != 0
 }
 
 /// Reads request lines from `s` (waiting at most `idle` for each) and writes what `answer`
@@ -321,12 +338,16 @@ fn serve_lines(
 }
 
 /// One request line's answer (None for a notification, which has no id and gets none).
-pub(crate) fn answer(request: &[u8], shared: &Arc<Shared>) -> Option<Value> {
+/// A call that expects an answer is not run if `caller_left` says, when its turn comes, that
+/// nobody will read it (a notification, which gets no answer anyway, runs).
+fn answer(request: &[u8], shared: &Arc<Shared>, caller_left: &dyn Fn() -> bool) -> Option<Value> {
     let (id, method, params) = match decode(request) {
         Ok(r) => r,
         Err((id, e)) => return Some(error_reply(id, e)),
     };
-    let result = control::dispatch(shared, &method, params);
+    let expects_answer = id.is_some();
+    let result =
+        control::dispatch_unless(shared, &method, params, &|| expects_answer && caller_left());
     let id = id?;
     Some(match result {
         Ok(r) => json!({ "jsonrpc": "2.0", "id": id, "result": r }),
