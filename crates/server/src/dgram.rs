@@ -331,6 +331,14 @@ fn mac_of(sll: &libc::sockaddr_ll) -> [u8; 6] {
     m
 }
 
+/// True for a source MAC a reply may go to: one station. A group address (broadcast or
+/// multicast: the I/G bit) or all zeros is never a sender's own, only a forgery, and answering
+/// it would flood the reply (READ data included) to every host on the segment, for a sender
+/// that need not even receive it (a challenge sent to broadcast reaches the forger too).
+fn is_station(m: [u8; 6]) -> bool {
+    m[0] & 1 == 0 && m != [0; 6]
+}
+
 impl DgramPort {
     pub fn new(p: PortSetup, listener: u32, registry: Arc<Registry>) -> DgramPort {
         let frame = HEADER_LEN + p.link_payload as usize;
@@ -426,7 +434,14 @@ impl DgramPort {
         }
         self.now = Instant::now();
         if let Some(mut ring) = self.ring.take() {
-            ring.take_lap(|data, from| self.on_datagram(data, Peer::Mac(mac_of(from)), sq, ud));
+            ring.take_lap(|data, from| {
+                let m = mac_of(from);
+                if is_station(m) {
+                    self.on_datagram(data, Peer::Mac(m), sq, ud);
+                } else {
+                    self.stats.bad_frames += 1;
+                }
+            });
             self.ring = Some(ring);
             self.flush();
             return;
@@ -518,7 +533,7 @@ impl DgramPort {
                 if a.sll_pkttype == libc::PACKET_OUTGOING {
                     return None;
                 }
-                Some(Peer::Mac(mac_of(a)))
+                Some(Peer::Mac(mac_of(a))).filter(|p| matches!(p, Peer::Mac(m) if is_station(*m)))
             }
             _ => None,
         }
@@ -1691,6 +1706,33 @@ mod tests {
         let (on2, on3) = (dp.port.peer_of(&name(2)), dp.port.peer_of(&name(3)));
         assert_eq!(on2, Some(Peer::Ip("[fe80::1%2]:4000".parse().unwrap())));
         assert_ne!(on2, on3, "the same address on two links is two peers");
+    }
+
+    /// A frame from a group (broadcast, multicast) or all-zero source MAC is dropped unread: no
+    /// answer to it would reach one station, and one to broadcast floods the segment.
+    #[test]
+    fn a_group_or_zero_source_mac_is_no_peer() {
+        let (dp, _peer, _) = session();
+        let name = |mac: [u8; 6]| {
+            // SAFETY: all-zero is a valid sockaddr_storage and sockaddr_ll.
+            let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+            // SAFETY: sockaddr_storage is larger than sockaddr_ll and as aligned.
+            let a = unsafe { &mut *(&mut ss as *mut _ as *mut libc::sockaddr_ll) };
+            a.sll_family = libc::AF_PACKET as u16;
+            a.sll_halen = 6;
+            a.sll_addr[..6].copy_from_slice(&mac);
+            ss
+        };
+        let station = [0x02, 0xaa, 0xbb, 0xcc, 0xdd, 0xee];
+        assert_eq!(dp.port.peer_of(&name(station)), Some(Peer::Mac(station)));
+        for forged in [
+            [0xff; 6],
+            [0x01, 0x00, 0x5e, 0x00, 0x00, 0x01],
+            [0x33, 0x33, 0x00, 0x00, 0x00, 0x01],
+            [0; 6],
+        ] {
+            assert_eq!(dp.port.peer_of(&name(forged)), None, "{forged:02x?}");
+        }
     }
 
     /// A port serving export `a` (`a=mem:1M` unless given), and a session of one 8-slot queue
