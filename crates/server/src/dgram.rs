@@ -39,12 +39,15 @@ const BATCH: usize = 32;
 const LEND_READ_MIN: u32 = 64 << 10;
 /// HELLO replies kept for retransmitted HELLOs, per port.
 const MAX_CACHED_HELLOS: usize = 4096;
-/// Times one HELLO (peer and nonce) is answered; its repeats past that are dropped. A cached
+/// Times one HELLO (peer and the attempt's `nonce_c`) is answered; its repeats past that are
+/// dropped. A cached
 /// answer lives as long as a challenge is good (`IDLE_EXPIRY` >= the challenge's 60 s), so a
 /// replayed final HELLO is not answered afresh once its repeats run out, unless
 /// `MAX_CACHED_HELLOS` other HELLOs push its entry out first (thousands of handshakes of the
 /// attacker's own within that minute).
 const HELLO_ANSWERS: u8 = 8;
+/// A HELLO attempt's `nonce_c` (§12.1).
+type Attempt = [u8; blkwire_wire::AUTH_LEN];
 /// A session with no frame for this long is forgotten (PROTOCOL.md §9.1); the default of
 /// `Limits::datagram_idle`.
 pub const IDLE_EXPIRY: Duration = Duration::from_secs(60);
@@ -272,8 +275,11 @@ pub struct DgramPort {
     queues: Vec<Option<DQ>>,
     free: Vec<usize>,
     index: HashMap<(u32, u16), usize>,
-    /// HELLO replies by (peer, nonce), so a retransmitted HELLO gets the same session.
-    hellos: HashMap<(Peer, u64), (Instant, Vec<u8>, u8)>,
+    /// HELLO replies by (peer, the attempt's `nonce_c`), so a retransmitted HELLO gets the same
+    /// session. Keyed by what the address challenge binds (§12.1), not by the HELLO's `nonce`
+    /// field, which nothing authenticates in a keyless HELLO: a replay with a new `nonce` each
+    /// time would otherwise miss the cache, pass the challenge, and open a session every time.
+    hellos: HashMap<(Peer, Attempt), (Instant, Vec<u8>, u8)>,
     next_incarnation: u32,
     rx: Vec<Vec<u8>>,
     /// Replies packed into datagrams (PROTOCOL.md §9.6), sent with one sendmmsg.
@@ -875,7 +881,7 @@ impl DgramPort {
                     return self.reply(h, Status::Unsupported, peer);
                 }
                 let now = Instant::now();
-                if let Some((_, cached, sent)) = self.hellos.get_mut(&(peer, hello.nonce)) {
+                if let Some((_, cached, sent)) = self.hellos.get_mut(&(peer, hello.auth.nonce_c)) {
                     // Answered a few times at most: the final HELLO of an exchange someone on
                     // the path saw can be replayed from the victim's address, and a query's
                     // answer is far larger than the HELLO (§12.5).
@@ -919,7 +925,8 @@ impl DgramPort {
                                 self.hellos.remove(&k);
                             }
                         }
-                        self.hellos.insert((peer, hello.nonce), (now, p.clone(), 1));
+                        self.hellos
+                            .insert((peer, hello.auth.nonce_c), (now, p.clone(), 1));
                         let mut r = h.reply(Status::Ok, 0);
                         r.credit = self.credit();
                         if let Some(adm) = adm {
@@ -1956,7 +1963,8 @@ mod tests {
 
     /// A HELLO repeated with its nonce gets the cached answer, a few times only: the final
     /// HELLO of an exchange replayed from its sender's address (by someone who saw it) stops
-    /// drawing answers, and no second session is opened.
+    /// drawing answers, and no second session is opened, also when each replay changes the
+    /// HELLO's unauthenticated `nonce` field.
     #[test]
     fn a_replayed_hello_is_answered_a_bounded_number_of_times() {
         let mut dp = DatagramPort::new(&["a=mem:1M"], LINK).unwrap();
@@ -1979,10 +1987,10 @@ mod tests {
         let got = answers(&peer, true);
         assert_eq!(got[0].0.status, Status::Challenge);
         hello.auth.nonce_s = got[0].1.as_slice().try_into().unwrap();
-        let last = frame(h, &hello.encode().unwrap());
         let mut welcomed = 0;
-        for _ in 0..3 * HELLO_ANSWERS {
-            dp.receive(&last, from);
+        for i in 0..3 * HELLO_ANSWERS {
+            hello.nonce = 9 + u64::from(i % 2) * u64::from(i);
+            dp.receive(&frame(h, &hello.encode().unwrap()), from);
             welcomed += answers(&peer, false)
                 .iter()
                 .filter(|(r, _)| r.status == Status::Ok)
