@@ -13,7 +13,7 @@ use crate::reactor::{Msg, QueueReport};
 use crate::session::{Registry, SessionInfo};
 use crate::stats::{ClosedTotals, QueueStats};
 
-/// How long a reactor has to answer; one busy for longer is left out of this snapshot.
+/// How long the reactors have, together, to answer; one busy for longer is left out of this snapshot.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(2);
 
 pub struct Snapshot {
@@ -50,8 +50,12 @@ impl Snapshot {
         }
         drop(tx);
         let (mut queues, mut ports, mut closed) = (Vec::new(), Vec::new(), ClosedTotals::default());
+        // One deadline for all the answers, not one each: reactors each answering just inside
+        // the timeout, one after another, would hold a scrape or STATS for N times it.
+        let deadline = std::time::Instant::now() + ANSWER_TIMEOUT;
         for _ in 0..asked {
-            match rx.recv_timeout(ANSWER_TIMEOUT) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match rx.recv_timeout(left) {
                 Ok(mut r) => {
                     queues.append(&mut r.queues);
                     ports.append(&mut r.ports);
