@@ -1687,6 +1687,62 @@ mod tests {
         t.run().unwrap();
     }
 
+    /// A datagram listener's port counters stay in the stats after the listener is removed:
+    /// a counter summed over the thread's ports (as the metrics endpoint does) never goes back.
+    #[test]
+    fn a_removed_listeners_port_counters_stay_counted() {
+        let t = Target::start(&config(&[], &[]).options).unwrap();
+        t.call(
+            "export_add",
+            serde_json::json!({"name": "a", "spec": "mem:1M"}),
+        )
+        .unwrap();
+        let bad_frames = || -> u64 {
+            let s = t.call("stats", serde_json::json!({})).unwrap();
+            s["ports"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|p| p["transport"] == "udp")
+                .map(|p| p["bad_frames"].as_u64().unwrap())
+                .sum()
+        };
+        let mut urls = Vec::new();
+        for _ in 0..2 {
+            let l = t.call(
+                "listener_add",
+                serde_json::json!({"url": "udp://127.0.0.1:0"}),
+            );
+            urls.push(l.unwrap()["url"].as_str().unwrap().to_string());
+        }
+        let addr = urls[0].trim_start_matches("udp://").to_string();
+        let sender = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        sender.send_to(&[0u8; 64], &addr).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while bad_frames() == 0 {
+            assert!(Instant::now() < deadline, "the bad frame was never counted");
+            std::thread::yield_now();
+        }
+        assert_eq!(bad_frames(), 1);
+        t.call("listener_remove", serde_json::json!({"url": urls[0]}))
+            .unwrap();
+        // Retired once nothing runs on it: at the reactor's next turn, which a stats call is.
+        let listed = |url: &str| {
+            let l = t.call("listener_list", serde_json::json!({})).unwrap();
+            l.as_array().unwrap().iter().any(|x| x["url"] == url)
+        };
+        assert!(!listed(&urls[0]) && listed(&urls[1]));
+        for _ in 0..3 {
+            assert_eq!(
+                bad_frames(),
+                1,
+                "the removed port's bad frame still counted"
+            );
+        }
+        t.stop_handle().stop();
+        t.run().unwrap();
+    }
+
     /// A page of stats of any offset and size is answered (here an empty page, no next), not a
     /// panic on `offset + limit` overflowing (with overflow checks, as in a debug build; a
     /// release build wrapped and happened to answer right).

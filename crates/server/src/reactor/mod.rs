@@ -157,6 +157,9 @@ pub struct Reactor {
     /// Counters of the stream connections that closed here, and of the queues of the ports
     /// that were retired (live ports keep their closed queues').
     closed: ClosedTotals,
+    /// The port counters of retired ports, by transport: reported with the live ports', so a
+    /// counter summed over a thread's ports never goes back when one of them is removed.
+    retired_ports: Vec<crate::dgram::PortReport>,
 }
 
 /// How often starved connections retry.
@@ -199,6 +202,7 @@ impl Reactor {
             release_pending: false,
             trim_pending: false,
             closed: ClosedTotals::default(),
+            retired_ports: Vec::new(),
         })
     }
 
@@ -229,6 +233,15 @@ impl Reactor {
                     // Nothing runs on it and its notifiers are unwatched: the socket can go,
                     // its closed queues' counters stay in the exports' totals.
                     self.closed.merge(gone.closed());
+                    let r = gone.report(self.id);
+                    match self
+                        .retired_ports
+                        .iter_mut()
+                        .find(|t| t.transport == r.transport)
+                    {
+                        Some(t) => t.stats.add(&r.stats),
+                        None => self.retired_ports.push(r),
+                    }
                 }
             }
             for p in self.ports.iter_mut().flatten() {
@@ -335,6 +348,7 @@ impl Reactor {
                         .iter()
                         .flatten()
                         .map(|p| p.report(self.id))
+                        .chain(self.retired_ports.iter().cloned())
                         .collect();
                     let _ = reply.send(ReactorReport {
                         queues,
