@@ -61,7 +61,8 @@ pub fn call(socket: &Path, method: &str, params: Option<Value>) -> Result<Value,
     };
     let timed_out = || {
         format!(
-            "no answer on {} within {} s: is `blkwire serve` stuck?",
+            "no answer on {} within {} s: is `blkwire serve` stuck? (a call still waiting for \
+             its turn will not run; one already running may still finish: look before retrying)",
             socket.display(),
             TIMEOUT.as_secs()
         )
