@@ -64,7 +64,8 @@ enum Command {
     Discover(discover::Args),
     /// Make an export a local block device (prints it, e.g. /dev/loop3)
     Map(map::MapArgs),
-    /// Remove a mapped block device
+    /// Remove a mapped block device (refused while it is mounted or held: a partition of it
+    /// mounted, a mount in another mount namespace, device-mapper, md or swap on it)
     Unmap(map::UnmapArgs),
     /// List mapped block devices and whether their daemons are alive
     Ls(map::LsArgs),

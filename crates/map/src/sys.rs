@@ -1,7 +1,8 @@
 //! Process plumbing: signal masks, waiting for another process to exit (pidfd), killing it
 //! without pid-reuse races, the root check; an eventfd to wake a sleeping thread, and where a
-//! block device is mounted.
+//! block device is mounted or whether anything holds it.
 
+use std::ffi::CString;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
@@ -184,4 +185,37 @@ pub fn mount_points(name: &str) -> Vec<String> {
             (majmin == dev).then(|| at.to_string())
         })
         .collect()
+}
+
+/// Whether the block device at `path` is held: the block layer refuses an exclusive open
+/// (O_EXCL, EBUSY) while the device is mounted in any mount namespace, a partition of it is
+/// mounted or held, or device-mapper (LVM), md or swap sits on it, none of which
+/// /proc/self/mountinfo shows. A device that cannot be opened otherwise (gone: ENOENT, ENXIO)
+/// is not held.
+pub fn held_exclusively(path: &str) -> bool {
+    let Ok(c) = CString::new(path) else {
+        return false;
+    };
+    // SAFETY: open of a NUL-terminated path; the result is checked.
+    let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_EXCL | libc::O_CLOEXEC) };
+    if fd >= 0 {
+        // SAFETY: a fresh descriptor we own; closing it ends our own exclusive claim at once.
+        drop(unsafe { OwnedFd::from_raw_fd(fd) });
+        return false;
+    }
+    io::Error::last_os_error().raw_os_error() == Some(libc::EBUSY)
+}
+
+/// Waits up to `grace` for the block device at `path` to be held by nobody (`held_exclusively`);
+/// true when it is not held. The kernel drops a filesystem's claim shortly after umount returns
+/// (or after the last process of a mount namespace exits), not always before.
+pub fn released_within(path: &str, grace: Duration) -> bool {
+    let deadline = Instant::now() + grace;
+    while held_exclusively(path) {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    true
 }

@@ -563,6 +563,7 @@ fn serve(mut r: Running) {
     let device = device_path(r.dev_id);
     let mut exited = 0;
     let mut stopping = false;
+    let mut refused = false;
     while exited < r.queues {
         let ev = if stopping {
             match r.events.recv_timeout(r.timeout + Duration::from_secs(5)) {
@@ -580,13 +581,23 @@ fn serve(mut r: Running) {
         };
         match ev {
             QEvent::Signal(sig) => {
-                if stopping {
-                    continue;
-                }
-                stopping = true;
-                log!("info", "signal {sig}: stopping {device}");
-                if let Err(e) = r.ctrl.stop(r.dev_id) {
-                    log!("error", "stopping {device}: {e}");
+                let in_use = || !sys::released_within(&device, RELEASE_GRACE);
+                match on_signal(stopping, refused, in_use) {
+                    OnSignal::Ignore => {}
+                    OnSignal::Refuse => {
+                        refused = true;
+                        log!(
+                            "warn",
+                            "signal {sig}: {device} is in use (mounted, or {HOLDERS}): still serving it; release it and signal again, or signal again to stop it anyway"
+                        );
+                    }
+                    OnSignal::Stop => {
+                        stopping = true;
+                        log!("info", "signal {sig}: stopping {device}");
+                        if let Err(e) = r.ctrl.stop(r.dev_id) {
+                            log!("error", "stopping {device}: {e}");
+                        }
+                    }
                 }
             }
             QEvent::Exited(i, e) => {
@@ -616,6 +627,31 @@ fn serve(mut r: Running) {
     // A reconnection still running (its queue thread is gone) cannot bring the record back.
     r.book.close();
     log!("info", "{device} unmapped");
+}
+
+/// What the daemon does with a stop signal (SIGTERM, SIGINT, SIGHUP).
+#[derive(Debug, PartialEq, Eq)]
+enum OnSignal {
+    /// STOP_DEV: the device goes, and any I/O to it fails.
+    Stop,
+    /// Log and keep serving: the device is in use.
+    Refuse,
+    /// Already stopping.
+    Ignore,
+}
+
+/// Decides a stop signal: a device in use (`in_use`, asked only when it decides) is not torn
+/// down under its users at the first signal, as `unmap` would not either; the next signal after
+/// a refusal stops it whatever holds it, for a user who means it (and a shutdown that sends
+/// SIGTERM then SIGHUP); SIGKILL leaves it quiesced for `map --recover`.
+fn on_signal(stopping: bool, refused: bool, in_use: impl FnOnce() -> bool) -> OnSignal {
+    if stopping {
+        OnSignal::Ignore
+    } else if !refused && in_use() {
+        OnSignal::Refuse
+    } else {
+        OnSignal::Stop
+    }
 }
 
 /// What `unmap` does with the device its record names, once the recorded daemon is gone.
@@ -679,14 +715,29 @@ fn dead_liveness(info: io::Result<DevInfo>, rec: &Record) -> Liveness {
     }
 }
 
-fn refuse_mounted(path: &str) -> Result<(), String> {
-    match sys::mount_points(path.trim_start_matches("/dev/")).first() {
-        Some(at) => Err(format!(
+/// How long a hold on the device may last before `unmap` (or the daemon, on a signal) calls it
+/// in use: the kernel drops a filesystem's claim shortly after umount returns, not always before.
+const RELEASE_GRACE: Duration = Duration::from_secs(2);
+
+/// Refuses to end a device that is in use, as the fuse frontend does: STOP_DEV would tear it down
+/// under its users (a filesystem on it or on a partition of it, in this mount namespace or
+/// another, device-mapper or md on top), whose writes would then fail.
+fn refuse_in_use(path: &str) -> Result<(), String> {
+    if let Some(at) = sys::mount_points(path.trim_start_matches("/dev/")).first() {
+        return Err(format!(
             "{path} is mounted on {at}: unmount it first, then unmap it"
-        )),
-        None => Ok(()),
+        ));
     }
+    if !sys::released_within(path, RELEASE_GRACE) {
+        return Err(format!(
+            "{path} is in use ({HOLDERS}): release it first, then unmap it"
+        ));
+    }
+    Ok(())
 }
+
+/// What holds a device that is not mounted in our mount namespace, for messages.
+const HOLDERS: &str = "a partition of it mounted, a mount in another mount namespace, device-mapper, md or swap on it";
 
 /// `unmap /dev/ublkbN`: a live daemon is asked to stop (SIGTERM) and waited for; a dead one's
 /// device is stopped and deleted here, but only if GET_DEV_INFO says it is still the recorded
@@ -706,20 +757,30 @@ fn unmap(device: &str, id: u32) -> Result<(), String> {
     let mut ctrl = Ctrl::open()?;
     let action = match Proc::open(rec.pid, rec.start_time) {
         Some(p) => {
-            refuse_mounted(&path)?;
+            refuse_in_use(&path)?;
             let _ = p.kill(libc::SIGTERM);
             let limit = Duration::from_secs(rec.timeout_secs) + Duration::from_secs(10);
             if !p.wait_exit(limit) {
+                // Probed only now, long after the daemon's own probe: two at once would each
+                // see the other's exclusive open as a user. A daemon that found the device in use
+                // refused the signal and serves on; killing it would end the device under its
+                // users all the same.
+                if sys::held_exclusively(&path) {
+                    return Err(format!(
+                        "{path} came into use while unmap asked pid {} to stop, which serves it on: release it, then unmap it again",
+                        rec.pid
+                    ));
+                }
                 let _ = p.kill(libc::SIGKILL);
                 p.wait_exit(Duration::from_secs(10));
             }
             unmap_action(true, ctrl.dev_info(id), &rec)
         }
         None => {
-            // Identified first: a mounted device that is not ours is no reason to unmount it.
+            // Identified first: a device in use that is not ours is no reason to release it.
             let action = unmap_action(false, ctrl.dev_info(id), &rec);
             if action == UnmapAction::Delete {
-                refuse_mounted(&path)?;
+                refuse_in_use(&path)?;
             }
             action
         }
@@ -908,6 +969,17 @@ mod tests {
                 a => panic!("{what}: {a:?}"),
             }
         }
+    }
+
+    #[test]
+    fn a_stop_signal_does_not_end_a_device_in_use_until_it_comes_again() {
+        assert_eq!(on_signal(false, false, || false), OnSignal::Stop);
+        assert_eq!(on_signal(false, false, || true), OnSignal::Refuse);
+        // The second signal ends it whatever holds it, without asking.
+        let unasked = || -> bool { panic!("asked whether the device is in use") };
+        assert_eq!(on_signal(false, true, unasked), OnSignal::Stop);
+        assert_eq!(on_signal(true, false, unasked), OnSignal::Ignore);
+        assert_eq!(on_signal(true, true, unasked), OnSignal::Ignore);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 #!/bin/sh
 # Scenario ublk, guest side: `blkwire map --frontend ublk` against blkwire on the host, then
-# mkfs.ext4, mount, write files, sync, umount, fsck, re-read them with caches dropped, unmap.
+# mkfs.ext4, mount, write files, sync, umount, fsck, re-read them with caches dropped, unmap
+# (refused while a mount in another mount namespace, or a mounted partition, holds the device).
 # The checksums go to the log (LAB-SHA256 lines) for the host to check against what blkwire stored.
 #
 # From the kernel command line (set by host.sh): lab.tcp_port, lab.export.
@@ -40,6 +41,35 @@ run umount "$mnt"
 run e2fsck -fn "$dev"
 
 verify_after_reread "$dev" "$mnt"
+
+# A mount in another mount namespace (a container's) is not in our /proc/self/mountinfo: the
+# exclusive-open probe finds it, for unmap and for the daemon's own SIGTERM.
+step "a mount in another mount namespace: unmap refuses, the daemon serves on after SIGTERM"
+bw ls --json
+mappid=$(tr -d '\n' </tmp/bw.out | sed -n 's/.*"pid": *\([0-9]*\).*/\1/p')
+[ -n "$mappid" ] || fail "no pid in ls --json: $(cat /tmp/bw.out)"
+rm -f /tmp/held
+unshare -m sh -c "mount -t ext4 -o ro $dev $mnt && touch /tmp/held && exec sleep 600" &
+holder=$!
+i=0
+until [ -e /tmp/held ]; do
+    i=$((i + 1))
+    [ $i -le 100 ] || fail "the mount in another mount namespace did not happen"
+    sleep 0.1
+done
+grep -q " $mnt " /proc/self/mountinfo && fail "the other namespace's mount shows in ours"
+if blkwire unmap "$dev" >/tmp/bw.out 2>&1; then fail "unmap of a device mounted in another mount namespace succeeded"; fi
+grep -q "is in use" /tmp/bw.out || fail "unexpected unmap error: $(cat /tmp/bw.out)"
+kill -TERM "$mappid"
+sleep 4 # the daemon waits up to 2 s for a hold to go before it refuses
+kill -0 "$mappid" 2>/dev/null || fail "the map daemon exited on SIGTERM with its device mounted in another namespace"
+[ -e /sys/block/ublkb0 ] || fail "/sys/block/ublkb0 is gone after a refused SIGTERM"
+grep -q "still serving it" $maplog || fail "the map daemon did not log its refusal: $(tail -n3 $maplog)"
+echo 3 >/proc/sys/vm/drop_caches
+run dd if="$dev" of=/dev/null bs=64k count=16 skip=1000
+kill $holder
+wait $holder || true
+info "mounted in another mount namespace: unmap refused ($(cat /tmp/bw.out)), SIGTERM refused, still served"
 
 bw unmap "$dev"
 [ ! -e /sys/block/ublkb0 ] || fail "/sys/block/ublkb0 still exists after unmap"
@@ -81,6 +111,25 @@ run dd if=/tmp/u.bin of="$udev" bs=64k conv=fsync
 echo 3 >/proc/sys/vm/drop_caches
 run dd if="$udev" of=/tmp/u.back bs=64k count=32
 [ "$(sha256sum </tmp/u.bin)" = "$(sha256sum </tmp/u.back)" ] || fail "2 MiB written over udp:// read back different"
+# A filesystem on a partition: the whole disk is not in mountinfo, the partition's claim holds it.
+step "unmap refuses a device whose partition is mounted"
+# An MBR with one partition, type 0x83, from sector 2048 to the end (129024 sectors of 64 MiB).
+{
+    head -c 446 /dev/zero
+    printf '\000\000\000\000\203\000\000\000\000\010\000\000\000\370\001\000'
+    head -c 48 /dev/zero
+    printf '\125\252'
+} >/tmp/mbr
+[ "$(wc -c </tmp/mbr)" = 512 ] || fail "the MBR is $(wc -c </tmp/mbr) bytes"
+run dd if=/tmp/mbr of="$udev" bs=512 count=1 conv=fsync
+run blockdev --rereadpt "$udev"
+[ -b "${udev}p1" ] || fail "${udev}p1 did not appear: $(ls /sys/block/${udev#/dev/})"
+run mkfs.ext4 -q -F "${udev}p1"
+run mount -t ext4 "${udev}p1" "$mnt"
+if blkwire unmap "$udev" >/tmp/bw.out 2>&1; then fail "unmap of a device with a mounted partition succeeded"; fi
+grep -q "is in use" /tmp/bw.out || fail "unexpected unmap error: $(cat /tmp/bw.out)"
+info "partition ${udev}p1 mounted: unmap refused: $(cat /tmp/bw.out)"
+run umount "$mnt"
 bw unmap "$udev"
 [ ! -e "/sys/block/${udev#/dev/}" ] || fail "$udev still exists after unmap"
 kill $userve
