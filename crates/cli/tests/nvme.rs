@@ -754,6 +754,70 @@ fn a_controller_that_never_authenticates_ends_at_the_handshake_deadline() {
     assert_ne!(done.code(), 0);
 }
 
+/// Sends an 8 KiB capsule (an AUTH_Send, the largest an admin queue takes) a byte at a time, a
+/// byte each time the connection has stayed open for `pace`, for 100 bytes at most: whether it
+/// closed meanwhile.
+fn trickle_closes(q: &mut Queue, pace: Duration) -> bool {
+    let mut c = nvme_host::fabrics(0x05);
+    c.cid = 1;
+    c.dptr = nvme_tcp::Sgl::DataBlock {
+        subtype: 1,
+        address: 0,
+        length: 8192,
+    }
+    .to_bytes();
+    let mut out = Vec::new();
+    Pdu::CapsuleCmd(CapsuleCmd {
+        sqe: c,
+        data: &[0; 8192],
+    })
+    .encode(&q.tx, &mut out);
+    for b in out.chunks(1).take(100) {
+        if q.closed_within(pace) {
+            return true;
+        }
+        q.send_raw(b);
+    }
+    false
+}
+
+#[test]
+fn a_trickled_pdu_cannot_outlive_the_authentication_deadline_or_kato() {
+    // The limits were checked between PDUs only, and a PDU had 10 s per read call: one byte
+    // every 9 s held a controller (a thread, one of 128) some 20 hours per 8 KiB capsule.
+    // Here a byte every 300 ms (the capsule would take 40 minutes), for 30 s at most: thirty
+    // times the limits.
+    let pace = Duration::from_millis(300);
+    let dir = TempDir::new("nvme-trickle");
+    let alice = "nqn.2014-08.org.nvmexpress:uuid:a11ce000-0000-4000-8000-000000000001";
+    let key = blkwire_auth::dhchap::Secret::generate();
+    let keys = key_file(&dir, &[format!("{alice}:{}", key.to_dhhc().unwrap())]);
+    let t = NvmeTarget::start_with(
+        &["disk0=mem:1M"],
+        &["--keys", &keys, "--handshake-timeout", "1"],
+    );
+    // Alice's NQN is no secret: anyone gets a controller with it, to authenticate within 1 s.
+    let o = Opts {
+        hostnqn: alice.into(),
+        ..Opts::default()
+    };
+    let (mut a, done) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &o).unwrap();
+    assert_eq!(done.code(), 0);
+    assert!(
+        trickle_closes(&mut a, pace),
+        "a trickled PDU outlived the authentication deadline"
+    );
+    // Nor does it outlive KATO (1 s) on a controller that needs no key: discovery.
+    let t = NvmeTarget::start(&["disk0=mem:1M"]);
+    let o = Opts {
+        kato_ms: 1000,
+        ..Opts::default()
+    };
+    let (mut d, done) = Queue::connect(&t.addr, DISCOVERY_NQN, 0, 0xffff, &o).unwrap();
+    assert_eq!(done.code(), 0);
+    assert!(trickle_closes(&mut d, pace), "a trickled PDU outlived KATO");
+}
+
 // ---- Subsystems of several namespaces (serve --subsystem, nvme_subsystem_* calls) ----
 
 const SUB: &str = "nqn.2026-11.com.example:two";

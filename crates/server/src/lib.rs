@@ -57,12 +57,51 @@ pub use tls::{TlsMode, TlsSettings};
 /// Largest handshake payload accepted (a HELLO is at most ~530 bytes).
 const MAX_HANDSHAKE_PAYLOAD: u32 = 4096;
 
-/// A connection being admitted: every read and write must be done by `deadline`, however the
-/// peer trickles its bytes (a timeout per read call would let one byte every few seconds hold
-/// a handshake thread forever).
+/// A blocking socket whose every read and write must be done by `deadline`, however the peer
+/// trickles its bytes: a timeout per call would let one byte every few seconds hold the thread
+/// serving it for ever. A handshake has one deadline ([`Admission`]); an NVMe/TCP admin queue
+/// sets one for each PDU and command (`nvme::admin`).
+pub(crate) struct Bounded {
+    pub(crate) s: TcpStream,
+    pub(crate) deadline: Instant,
+}
+
+impl Bounded {
+    /// Time left, or a TimedOut error once the deadline has passed.
+    pub(crate) fn left(&self) -> std::io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "not finished in time",
+            ));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for Bounded {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.left()?;
+        self.s.set_read_timeout(Some(left))?;
+        self.s.read(buf)
+    }
+}
+
+impl Write for Bounded {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let left = self.left()?;
+        self.s.set_write_timeout(Some(left))?;
+        self.s.write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.s.flush()
+    }
+}
+
+/// A connection being admitted: every read and write must be done by its deadline (`s`).
 pub(crate) struct Admission {
-    s: TcpStream,
-    deadline: Instant,
+    s: Bounded,
     /// The TLS session once one was negotiated: every later byte goes through it.
     tls: Option<Box<TlsStream>>,
 }
@@ -70,14 +109,19 @@ pub(crate) struct Admission {
 impl Admission {
     /// Time left, or a TimedOut error once the deadline has passed.
     fn left(&self) -> std::io::Result<Duration> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                "handshake not finished in time",
-            ));
-        }
-        Ok(left)
+        self.s
+            .left()
+            .map_err(|e| std::io::Error::new(e.kind(), "handshake not finished in time"))
+    }
+
+    /// When the handshake must be over.
+    fn deadline(&self) -> Instant {
+        self.s.deadline
+    }
+
+    /// The socket.
+    fn socket(&self) -> &TcpStream {
+        &self.s.s
     }
 
     /// Whether the connection is encrypted from here on.
@@ -88,7 +132,7 @@ impl Admission {
     /// Runs the TLS handshake (server side) and sends everything after it through the session.
     /// Returns the host id the client proved with its PSK and that key, if it used one.
     pub(crate) fn start_tls(&mut self, tls: &Tls) -> Result<Option<tls::PskHost>, String> {
-        let (session, host) = tls.accept(self.s.as_raw_fd(), self.deadline)?;
+        let (session, host) = tls.accept(self.socket().as_raw_fd(), self.deadline())?;
         self.tls = Some(Box::new(session));
         Ok(host)
     }
@@ -96,23 +140,21 @@ impl Admission {
 
 impl Read for Admission {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let left = self.left()?;
+        self.left()?;
         if let Some(t) = &mut self.tls {
             // The session's transport waits for the socket until the deadline itself.
             return t.read(buf);
         }
-        self.s.set_read_timeout(Some(left))?;
         self.s.read(buf)
     }
 }
 
 impl Write for Admission {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let left = self.left()?;
+        self.left()?;
         if let Some(t) = &mut self.tls {
             return t.write(buf);
         }
-        self.s.set_write_timeout(Some(left))?;
         self.s.write(buf)
     }
     fn flush(&mut self) -> std::io::Result<()> {
@@ -1146,8 +1188,10 @@ fn handshake(
     let _ = s.set_nodelay(true);
     set_keepalive(&s);
     let mut s = Admission {
-        s,
-        deadline: Instant::now() + registry.limits().handshake_timeout,
+        s: Bounded {
+            s,
+            deadline: Instant::now() + registry.limits().handshake_timeout,
+        },
         tls: None,
     };
     let admitted = match frontend {
@@ -1162,7 +1206,7 @@ fn handshake(
             nbd::negotiate(&mut s, &peer_s, registry, tls).map(|(a, fe)| (a, fe, Vec::new()))
         }
         ListenerKind::NvmeTcp => {
-            let local = s.s.local_addr().unwrap_or(peer);
+            let local = s.socket().local_addr().unwrap_or(peer);
             match nvme::accept(&mut s, peer, local, registry) {
                 Some(nvme::Accepted::Io(mut a, fe)) if !a.is_empty() => {
                     // Its first namespace's session carries the connection (placement, memory
@@ -1190,7 +1234,7 @@ fn handshake(
             }
         }
         ListenerKind::Iscsi => {
-            let local = s.s.local_addr().unwrap_or(peer);
+            let local = s.socket().local_addr().unwrap_or(peer);
             // Its first LUN's session carries the connection (placement, memory account); the
             // other LUNs ride along as further targets, as NVMe/TCP namespaces do.
             iscsi::accept(&mut s, peer, local, registry).and_then(|(mut a, fe)| {
@@ -1211,7 +1255,7 @@ fn handshake(
         t.get_mut().set_nonblocking_only();
         t
     });
-    let s = s.s;
+    let s = s.s.s;
     let _ = s.set_read_timeout(None);
     let _ = s.set_write_timeout(None);
     let _ = s.set_nonblocking(true);
@@ -1279,8 +1323,8 @@ fn native_tls(
     let mut first = [0u8; 1];
     let peeked = s
         .left()
-        .and_then(|left| s.s.set_read_timeout(Some(left)))
-        .and_then(|()| s.s.peek(&mut first));
+        .and_then(|left| s.socket().set_read_timeout(Some(left)))
+        .and_then(|()| s.socket().peek(&mut first));
     match peeked {
         Ok(1) => {}
         Ok(_) => return None,
@@ -1427,7 +1471,7 @@ fn native_handshake(
                 let stats = || stats_json(registry, workers, MAX_STATS);
                 // A HELLO replacing a queue (§2.6) waits a little for its requests to finish
                 // here; past that it gets BUSY and the initiator asks again.
-                let wait = (Instant::now() + REPLACE_WAIT).min(s.deadline);
+                let wait = (Instant::now() + REPLACE_WAIT).min(s.deadline());
                 match registry.hello(&hello, &id, (None, false), Some(wait), &stats) {
                     HelloAnswer::Challenge(nonce) => {
                         send(s, &h, Status::Challenge, &nonce).ok()?;

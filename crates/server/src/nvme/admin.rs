@@ -8,11 +8,13 @@
 //! (every I/O queue) with it. KATO 0 turns the timer off; TCP keepalive still notices a host
 //! that vanished. A controller without I/O queues ends when idle whatever its KATO, and with
 //! DH-HMAC-CHAP required, one that has not authenticated within the handshake timeout ends.
+//! Those limits hold within a PDU too: each PDU, and each command's data and answer, has one
+//! deadline that never passes them, however the host trickles its bytes.
 //! Such a controller has no session until its host has proved its key: the sessions of its
 //! namespaces are admitted then (`super::admit_authenticated`).
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,6 +27,7 @@ use super::spec::{self, admin, fctype, prop, sc, DiscoveryEntry, Facts};
 use super::{command_data, read_pdu, terminate, Completion, Link};
 use crate::log::Level;
 use crate::session::{Admitted, Registry};
+use crate::Bounded;
 
 /// How often a waiting admin thread looks at the clock and at its session.
 const TICK: Duration = Duration::from_millis(500);
@@ -38,7 +41,9 @@ const MAX_LOG: u64 = 256 << 10;
 /// gives discovery controllers the same 120 s. A controller with I/O queues keeps its KATO (0
 /// too: blkwire's own client runs without a timer, and TCP keepalive notices a vanished host).
 const IDLE_KATO_MS: u32 = 120_000;
-/// A PDU that has begun must be whole within this.
+/// A PDU that has begun must be whole within this, and a command (its data fetched with an R2T,
+/// its answer sent) done within this of its arrival: each is one deadline, however the host
+/// trickles its bytes, and never past the moment the controller must end.
 const PDU_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How an admin queue starts.
@@ -129,9 +134,7 @@ impl AdminQueue {
 
     /// Serves the queue until the host leaves, breaks the protocol, misses its keep-alive, or
     /// the session is closed by the control plane; then forgets the controller.
-    pub fn serve(mut self, mut sock: TcpStream, registry: &Registry, peer: &str) -> Ended {
-        let _ = sock.set_read_timeout(Some(PDU_TIMEOUT));
-        let _ = sock.set_write_timeout(Some(PDU_TIMEOUT));
+    pub(crate) fn serve(mut self, mut sock: Bounded, registry: &Registry, peer: &str) -> Ended {
         if self.s.kato_ms == 0 && self.s.facts.is_discovery() {
             // A discovery controller never has I/O queues, so the idle limit is its KATO: Get
             // Features says so.
@@ -144,21 +147,26 @@ impl AdminQueue {
         // is, and commands that get Authentication Required still count as life.
         let auth_deadline = registry.limits().handshake_timeout;
         let mut alive = Instant::now();
+        // When the controller must end and why, as things stand: the authentication deadline
+        // (while unauthenticated), KATO and the idle limit (from the last command).
+        let end = |q: &AdminQueue, alive: Instant, kato: Option<Duration>| {
+            let auth = (!q.authenticated).then_some((started, auth_deadline));
+            expiry(alive, (kato, q.s.kato_ms), q.has_io_queues(registry), auth)
+        };
         let mut buf = Vec::with_capacity(1024);
         let why = loop {
             // Checked on every turn, not only when the socket is quiet: a host that sends a
             // command now and then must not postpone the authentication deadline.
-            if !self.authenticated && started.elapsed() > auth_deadline {
-                break format!("no DH-HMAC-CHAP within {} s", auth_deadline.as_secs_f32());
+            let limit = end(&self, alive, kato);
+            if let Some((_, why)) = limit.as_ref().filter(|(at, _)| Instant::now() >= *at) {
+                break why.clone();
             }
-            if let Some(why) = overdue(
-                alive.elapsed(),
-                (kato, self.s.kato_ms),
-                self.has_io_queues(registry),
-            ) {
-                break why;
-            }
-            match wait_readable(&sock, TICK) {
+            let readable = wait_readable(&sock.s, TICK);
+            // Checked between PDUs only, these limits would wait for the end of a PDU the host
+            // trickles a byte at a time, each within any timeout per read: hours for 8 KiB.
+            // So what comes next (a PDU, or a held AER's completion) must be done by them too.
+            sock.deadline = within(Instant::now() + PDU_TIMEOUT, &limit);
+            match readable {
                 Ok(true) => {}
                 Ok(false) => {
                     if !self.admitted.is_empty() {
@@ -181,6 +189,12 @@ impl AdminQueue {
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                     break "the host disconnected".into()
                 }
+                Err(e) if timed_out(&e) => {
+                    break match limit.filter(|(at, _)| Instant::now() >= *at) {
+                        Some((_, why)) => why,
+                        None => format!("a PDU not whole within {} s", PDU_TIMEOUT.as_secs()),
+                    };
+                }
                 Err(e) => break e.to_string(),
             };
             let cmd = match nvme_tcp::decode(&buf[..n], &self.s.link.rx) {
@@ -196,6 +210,8 @@ impl AdminQueue {
             };
             // Every command counts as life; the host also sends Keep Alive every KATO/2.
             alive = Instant::now();
+            // The command's data and answer, by the limits as they stand now it has come.
+            sock.deadline = within(alive + PDU_TIMEOUT, &end(&self, alive, kato));
             let outcome = self.command(&mut sock, &cmd, registry);
             if let Some(why) = self.refused.as_ref().filter(|_| self.auth_failed()) {
                 // The AUTH_Receive that would have read Success1 read Failure1.
@@ -279,7 +295,7 @@ impl AdminQueue {
     /// Runs one command and sends its answer (held AERs get none). None: the socket failed.
     fn command(
         &mut self,
-        sock: &mut TcpStream,
+        sock: &mut Bounded,
         c: &CapsuleCmd<'_>,
         registry: &Registry,
     ) -> Option<Outcome> {
@@ -465,7 +481,7 @@ impl AdminQueue {
     /// for namespace attribute notices (Set Features 0Bh bit 8) gets one through a held
     /// Asynchronous Event Request, and rescans. Some(true): every namespace is gone (the
     /// controller ends); None: the connection failed.
-    fn namespaces_gone(&mut self, sock: &mut TcpStream, registry: &Registry) -> Option<bool> {
+    fn namespaces_gone(&mut self, sock: &mut Bounded, registry: &Registry) -> Option<bool> {
         for (i, a) in self.admitted.iter().enumerate() {
             if !self.gone[i] && registry.is_revoked(a.session) {
                 self.gone[i] = true;
@@ -487,7 +503,7 @@ impl AdminQueue {
     /// Completes a held Asynchronous Event Request with a Namespace Attribute Changed notice
     /// (type 2h, information 00h, log page 04h: Base spec §5.2), if the host enabled such
     /// notices and one is held. Raised once until the host reads the log.
-    fn notice_namespaces(&mut self, sock: &mut TcpStream) -> Option<()> {
+    fn notice_namespaces(&mut self, sock: &mut Bounded) -> Option<()> {
         if self.async_config & 1 << 8 == 0 || self.notice_sent {
             return Some(());
         }
@@ -612,7 +628,7 @@ impl AdminQueue {
 
     fn finish(
         &mut self,
-        sock: &mut TcpStream,
+        sock: &mut Bounded,
         cid: u16,
         status: u16,
         dw0: u32,
@@ -624,7 +640,7 @@ impl AdminQueue {
     /// Sends a completion, after the command's data (one C2HData) if it has any.
     fn send(
         &mut self,
-        sock: &mut TcpStream,
+        sock: &mut Bounded,
         cid: u16,
         status: u16,
         result: u64,
@@ -652,19 +668,47 @@ fn kato_of(ms: u32) -> Option<Duration> {
     (ms > 0).then(|| Duration::from_millis((ms as u64).div_ceil(100) * 100))
 }
 
-/// Why a controller whose host has been quiet for `quiet` must end, if it must: past its KATO
-/// (`kato`: the timer and the value asked for), or past [`IDLE_KATO_MS`] while it has no I/O
-/// queue, whatever its KATO.
-fn overdue(quiet: Duration, (kato, kato_ms): (Option<Duration>, u32), io: bool) -> Option<String> {
-    if kato.is_some_and(|k| quiet > k) {
-        return Some(format!("no keep-alive within {kato_ms} ms"));
-    }
-    (!io && quiet > Duration::from_millis(IDLE_KATO_MS as u64))
-        .then(|| format!("no command within {IDLE_KATO_MS} ms and no I/O queue"))
+/// When a controller whose host was last heard at `alive` must end, and why, if it must: past
+/// its KATO (`kato`: the timer and the value asked for), past [`IDLE_KATO_MS`] while it has no
+/// I/O queue (`io` false), whatever its KATO, and past `auth` (when it started, and how long it
+/// has) while its host has not authenticated. The earliest of those.
+fn expiry(
+    alive: Instant,
+    (kato, kato_ms): (Option<Duration>, u32),
+    io: bool,
+    auth: Option<(Instant, Duration)>,
+) -> Option<(Instant, String)> {
+    let auth = auth.map(|(started, d)| {
+        let why = format!("no DH-HMAC-CHAP within {} s", d.as_secs_f32());
+        (started + d, why)
+    });
+    let kato = kato.map(|k| (alive + k, format!("no keep-alive within {kato_ms} ms")));
+    let idle = (!io).then(|| {
+        let why = format!("no command within {IDLE_KATO_MS} ms and no I/O queue");
+        (alive + Duration::from_millis(IDLE_KATO_MS as u64), why)
+    });
+    [auth, kato, idle]
+        .into_iter()
+        .flatten()
+        .min_by_key(|(at, _)| *at)
+}
+
+/// `by`, or the moment the controller must end (`limit`) if that comes first.
+fn within(by: Instant, limit: &Option<(Instant, String)>) -> Instant {
+    limit.as_ref().map_or(by, |(at, _)| by.min(*at))
+}
+
+/// A read that gave up at its deadline: at the next call ([`Bounded`]), or in the call, when the
+/// socket's timeout (set to the time left) ran out.
+fn timed_out(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+    )
 }
 
 /// Waits until `sock` has something to read (or was closed): false on timeout.
-fn wait_readable(sock: &TcpStream, timeout: Duration) -> std::io::Result<bool> {
+fn wait_readable(sock: &std::net::TcpStream, timeout: Duration) -> std::io::Result<bool> {
     let mut p = libc::pollfd {
         fd: sock.as_raw_fd(),
         events: libc::POLLIN,
@@ -875,17 +919,44 @@ mod tests {
 
     #[test]
     fn a_controller_without_io_queues_ends_when_idle_whatever_its_kato() {
-        let idle = Duration::from_millis(IDLE_KATO_MS as u64 + 1);
+        let t = Instant::now();
+        let idle = t + Duration::from_millis(IDLE_KATO_MS as u64);
+        let at = |kato, io| expiry(t, kato, io, None).map(|(at, _)| at);
         let never = (kato_of(u32::MAX), u32::MAX);
         // KATO 0 (no timer) and the largest KATO both end at the idle limit without I/O queues.
-        assert!(overdue(idle, (None, 0), false).is_some());
-        assert!(overdue(idle, never, false).is_some());
+        assert_eq!(at((None, 0), false), Some(idle));
+        assert_eq!(at(never, false), Some(idle));
         // With I/O queues, the host's KATO rules: none, or days.
-        assert!(overdue(idle, (None, 0), true).is_none());
-        assert!(overdue(idle, never, true).is_none());
-        // Within both limits nothing ends; past a short KATO it ends with I/O queues too.
+        assert_eq!(at((None, 0), true), None);
+        assert!(at(never, true).is_some_and(|at| at > idle));
+        // A short KATO ends it first, with I/O queues or without.
         let short = (kato_of(1000), 1000);
-        assert!(overdue(Duration::from_millis(900), short, false).is_none());
-        assert!(overdue(Duration::from_millis(1100), short, true).is_some());
+        assert_eq!(at(short, false), Some(t + Duration::from_secs(1)));
+        assert_eq!(at(short, true), Some(t + Duration::from_secs(1)));
+    }
+
+    #[test]
+    fn the_authentication_deadline_counts_from_the_start_whatever_the_host_sends() {
+        let started = Instant::now();
+        let alive = started + Duration::from_secs(5);
+        let auth = Some((started, Duration::from_secs(10)));
+        let (at, why) = expiry(alive, (None, 0), true, auth).unwrap();
+        assert_eq!(at, started + Duration::from_secs(10));
+        assert!(why.contains("DH-HMAC-CHAP"), "{why}");
+        // A KATO that runs out first ends it first.
+        let (at, why) = expiry(alive, (kato_of(1000), 1000), true, auth).unwrap();
+        assert_eq!(at, alive + Duration::from_secs(1));
+        assert!(why.contains("keep-alive"), "{why}");
+    }
+
+    #[test]
+    fn a_pdu_must_be_whole_by_the_time_the_controller_ends() {
+        let now = Instant::now();
+        let by = now + PDU_TIMEOUT;
+        assert_eq!(within(by, &None), by);
+        let soon = Some((now + Duration::from_secs(1), String::new()));
+        assert_eq!(within(by, &soon), now + Duration::from_secs(1));
+        let late = Some((by + Duration::from_secs(1), String::new()));
+        assert_eq!(within(by, &late), by);
     }
 }
