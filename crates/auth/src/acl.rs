@@ -51,6 +51,17 @@ impl Acl {
         for r in s.split('+') {
             let rule = if r.is_empty() {
                 return Err("allow= has an empty rule (rules are joined by '+')".into());
+            } else if let Some((ip, _)) = r
+                .split_once('%')
+                .filter(|(ip, _)| ip.parse::<IpAddr>().is_ok())
+            {
+                // Not a host id with a '%' in it: rules match an address on every link, and a
+                // scope kept silently as a host id would match no one (or be refused for
+                // naming a host id without keys, which says nothing of the real mistake).
+                return Err(format!(
+                    "allow rule '{r}': a scope (%IFACE) is not supported; rules match the \
+                     address on every link: write '{ip}'"
+                ));
             } else if let Some(mac) = parse_mac(r) {
                 Rule::Mac(mac)
             } else if let Some((ip, bits)) = r.split_once('/') {
@@ -245,6 +256,8 @@ mod tests {
             ("10.0.0.0/33", "prefix length"),
             ("10.0.0/8", "not an IP"),
             ("a b", "not a host id"),
+            ("fe80::1%eth0", "scope (%IFACE) is not supported"),
+            ("fe80::1%2+alice", "write 'fe80::1'"),
         ] {
             let e = Acl::parse(s).unwrap_err();
             assert!(e.contains(want), "{s}: {e}");
