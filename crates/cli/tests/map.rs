@@ -1652,3 +1652,121 @@ fn o_direct_io_from_buffers_512_bytes_into_a_page_on_a_4k_block_export_over_fuse
     let Some(_on) = SwitchOn::new() else { return };
     o_direct_512_bytes_into_a_page("misaligned-uring", &["--fuse-io", "uring"]);
 }
+
+/// Field 22 of /proc/PID/stat (start time), as mapping records keep it.
+fn start_time(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let rest = &s[s.rfind(')').unwrap() + 1..];
+    rest.split_ascii_whitespace()
+        .nth(19)
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// A fuse mapping record for `dev` served by `pid` (started at `start`).
+fn fuse_record(dev: &str, url: &str, pid: u32, start: u64, mnt: &Path, file: &str) -> Value {
+    serde_json::json!({
+        "device": dev, "url": url, "export": "disk", "frontend": "fuse",
+        "pid": pid, "start_time": start, "mountpoint": mnt.display().to_string(), "file": file,
+        "size": 1 << 20, "readonly": false, "queues": 1, "queue_depth": 1, "max_io": 65536,
+        "timeout_secs": 30, "hdd": false, "logfile": null
+    })
+}
+
+/// A child process killed and reaped on drop.
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `unmap` waits for the daemon once it has detached the device, which is free from then on: a
+/// map that binds it meanwhile and records itself keeps its record. Unmap removes only the
+/// record of the mapping it ended.
+#[test]
+fn unmap_leaves_the_record_of_a_map_that_took_the_freed_device() {
+    assert!(
+        is_root(),
+        "this test binds a loop device and needs root; run it as root"
+    );
+    let run = Run::new("unmap-reuse");
+    // A stand-in daemon that unmap waits for until the test ends it, with its "FUSE file" (a
+    // plain file in its mount directory) bound to a loop device.
+    let mut daemon = Reaped(
+        Command::new("sleep")
+            .arg("600")
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = daemon.0.id();
+    let mnt = run.dir().join("mnt").join(pid.to_string());
+    std::fs::create_dir_all(&mnt).unwrap();
+    std::fs::create_dir_all(run.dir().join("devices")).unwrap();
+    let file = mnt.join("disk");
+    common::sparse_file(&file, 1 << 20);
+    let file = file.display().to_string();
+    let dev = run_ok("losetup", &["-f", "--show", &file])
+        .trim()
+        .to_string();
+    struct Detach(String, String);
+    impl Drop for Detach {
+        fn drop(&mut self) {
+            let name = self.0.trim_start_matches("/dev/");
+            let b = std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file"));
+            if b.is_ok_and(|b| b.trim() == self.1) {
+                let _ = Command::new("losetup").args(["-d", &self.0]).status();
+            }
+        }
+    }
+    let _bound = Detach(dev.clone(), file.clone());
+    let record = |v: &Value| {
+        let name = dev.trim_start_matches("/dev/");
+        let path = run.dir().join("devices").join(format!("{name}.json"));
+        std::fs::write(path, v.to_string()).unwrap();
+    };
+    let old = "tcp://127.0.0.1:1/old";
+    record(&fuse_record(&dev, old, pid, start_time(pid), &mnt, &file));
+    assert_eq!(run.ls()[&dev]["state"], "running");
+
+    let mut unmap = Reaped(
+        Command::new(BIN)
+            .args(["unmap", &dev])
+            .env("BLKWIRE_RUN_DIR", run.dir())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let name = dev.trim_start_matches("/dev/").to_string();
+    let bound = || {
+        std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file"))
+            .is_ok_and(|b| b.trim() == file)
+    };
+    assert!(
+        common::wait_until(Duration::from_secs(30), || !bound()),
+        "unmap did not detach {dev}"
+    );
+    // unmap now waits for the daemon. A new mapping takes the free device: the old daemon's
+    // record is gone, the new one's is there.
+    let me = std::process::id();
+    let new = "tcp://127.0.0.1:1/new";
+    let other_mnt = run.dir().join("mnt").join(me.to_string());
+    record(&fuse_record(&dev, new, me, start_time(me), &other_mnt, "x"));
+    let _ = daemon.0.kill();
+    let _ = daemon.0.wait();
+    let status = unmap.0.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut unmap.0.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(status.success(), "unmap: {err}");
+    assert_eq!(
+        run.ls()[&dev]["url"],
+        new,
+        "unmap removed the record of the mapping that took the device after it"
+    );
+}

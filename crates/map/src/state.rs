@@ -7,7 +7,9 @@
 //! devices and mounts they describe). BLKWIRE_RUN_DIR overrides it, so tests and independent
 //! instances do not see each other's mappings.
 
+use std::fs::File;
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
@@ -283,12 +285,15 @@ impl Record {
     }
 
     /// Removes the record of `device`, but only while it still names `pid` as its daemon: a
-    /// daemon that recovered the device in the meantime owns it now.
+    /// daemon that recovered the device in the meantime owns it now, and so does a new mapping
+    /// that bound the device once it was free. Checked and removed under the records' lock, so
+    /// such a mapping cannot write its record in between.
     pub fn remove_if_owned(device: &str, pid: i32) {
-        if let Ok(Some(r)) = Record::load(device) {
-            if r.pid == pid {
-                let _ = std::fs::remove_file(record_path(dev_name(device)));
-            }
+        match RecordsLock::acquire() {
+            Ok(records) => records.remove_if_owned(device, pid),
+            // No records directory: no record.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(_) => remove_if_owned_in(&devices_dir(), device, pid),
         }
     }
 
@@ -304,6 +309,58 @@ impl Record {
         } else {
             Liveness::Dead
         }
+    }
+}
+
+fn remove_if_owned_in(dir: &Path, device: &str, pid: i32) {
+    if let Ok(Some(r)) = Record::load_in(dir, device) {
+        if r.pid == pid {
+            let _ = std::fs::remove_file(record_path_in(dir, dev_name(device)));
+        }
+    }
+}
+
+/// The records of one run directory, held exclusively: an flock on its devices directory,
+/// released on drop. Choosing a device and writing its record, or checking whose a record is and
+/// removing it, is one step to every other holder, whichever process or thread (each holder has
+/// its own open file, and flock excludes between open files). A holder must not take it again.
+pub(crate) struct RecordsLock {
+    dir: PathBuf,
+    _held: File,
+}
+
+impl RecordsLock {
+    /// Waits for the records of this run directory (NotFound: it has none yet).
+    pub(crate) fn acquire() -> io::Result<RecordsLock> {
+        RecordsLock::acquire_in(devices_dir())
+    }
+
+    /// Waits for the records kept in `dir`.
+    pub(crate) fn acquire_in(dir: PathBuf) -> io::Result<RecordsLock> {
+        let held = File::open(&dir)?;
+        // SAFETY: flock on a descriptor we own; EINTR only interrupts the wait.
+        while unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX) } < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+        Ok(RecordsLock { dir, _held: held })
+    }
+
+    /// The record of `device`, None when there is none.
+    pub(crate) fn load(&self, device: &str) -> Result<Option<Record>, String> {
+        Record::load_in(&self.dir, device)
+    }
+
+    /// Writes `rec` (see `Record::save`).
+    pub(crate) fn save(&self, rec: &Record) -> io::Result<()> {
+        rec.save_in(&self.dir)
+    }
+
+    /// `Record::remove_if_owned` for a holder of the lock.
+    pub(crate) fn remove_if_owned(&self, device: &str, pid: i32) {
+        remove_if_owned_in(&self.dir, device, pid);
     }
 }
 

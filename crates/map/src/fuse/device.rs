@@ -27,7 +27,7 @@ use crate::device::{
     BlockDevice, Connected, FuseIo, Mode, Needs, Spec, FUSE_IO_READ, FUSE_IO_URING,
 };
 use crate::log;
-use crate::state::{self, Record};
+use crate::state::{self, Record, RecordsLock};
 use crate::sys::{self, Proc, Waker};
 
 /// How long the kernel may take to queue INIT after mount(2) (it does so during the call).
@@ -159,7 +159,7 @@ impl Drop for Undo {
         if let Some(r) = &self.restore {
             let _ = r.save();
         } else if let Some(d) = self.record {
-            Record::remove(&d.path());
+            Record::remove_if_owned(&d.path(), std::process::id() as i32);
         }
         if let Some(dir) = &self.dir {
             if self.mounted {
@@ -375,7 +375,15 @@ impl Mapping {
         };
         let block = info.logical_block.max(512);
         let dev = match &spec.mode {
-            Mode::New { dev_num } => bind(&file, *dev_num, block, readonly, record, &mut undo)?,
+            Mode::New { dev_num } => bind(
+                &file,
+                *dev_num,
+                block,
+                readonly,
+                record,
+                &state::devices_dir(),
+                &mut undo,
+            )?,
             Mode::Recover(old) => rebind(&file, old, record, &mut undo)?,
         };
         tune(
@@ -615,46 +623,60 @@ fn init(
     Ok(neg)
 }
 
-/// Binds `file` to a free loop device (or /dev/loop`dev_num`). The record is written first:
-/// a daemon killed between the two leaves a record that `ls` shows dead and `unmap` clears,
-/// never a bound device nobody knows about.
+/// Binds `file` to a free loop device (or /dev/loop`dev_num`), recording it in `records` (the
+/// devices directory). The record is written first: a daemon killed between the two leaves a
+/// record that `ls` shows dead and `unmap` clears, never a bound device nobody knows about.
+///
+/// LOOP_CTL_GET_FREE names the same free device to every map that asks before one binds it, so
+/// choosing, recording and binding happen under the records' lock: another map of this run
+/// directory finds the device bound, not half-taken. A live daemon's record on a device that is
+/// not bound is one letting its device go: that device is skipped.
 fn bind(
     file: &File,
     dev_num: Option<u32>,
     block: u32,
     readonly: bool,
     mut record: Record,
+    records: &Path,
     undo: &mut Undo,
 ) -> Result<LoopDev, String> {
+    let lock = RecordsLock::acquire_in(records.to_path_buf())
+        .map_err(|e| format!("locking the records in {}: {e}", records.display()))?;
+    let mut skip = Vec::new();
     let mut attempt = 0;
     loop {
         attempt += 1;
         let dev = match dev_num {
             Some(n) => LoopDev::ensure(n).map_err(|e| format!("creating /dev/loop{n}: {e}"))?,
-            None => LoopDev::get_free().map_err(|e| format!("finding a free loop device: {e}"))?,
+            None => LoopDev::get_free_except(&skip)
+                .map_err(|e| format!("finding a free loop device: {e}"))?,
         };
         let path = dev.path();
         let busy = || format!("{path} is in use");
+        let another = dev_num.is_none() && attempt < BIND_ATTEMPTS;
         if dev.backing_file().is_some() {
-            if dev_num.is_some() || attempt >= BIND_ATTEMPTS {
+            if !another {
                 return Err(busy());
             }
             continue;
         }
-        if let Some(old) = Record::load(&path)? {
+        if let Some(old) = lock.load(&path)? {
             if old.liveness() == state::Liveness::Running {
-                return Err(format!(
-                    "{path} is still recorded for blkwire pid {}",
-                    old.pid
-                ));
+                if !another {
+                    return Err(format!(
+                        "{path} is still recorded for blkwire pid {}",
+                        old.pid
+                    ));
+                }
+                skip.push(dev.index);
+                continue;
             }
             // A dead mapping whose device was freed meanwhile: finish its cleanup.
             let _ = channel::unmount_lazy(Path::new(&old.mountpoint));
             let _ = std::fs::remove_dir(&old.mountpoint);
         }
         record.device = path.clone();
-        record
-            .save()
+        lock.save(&record)
             .map_err(|e| format!("writing the record of {path}: {e}"))?;
         undo.record = Some(dev);
         match dev.configure(file, block, readonly, &record.url) {
@@ -663,9 +685,11 @@ fn bind(
                 return Ok(dev);
             }
             Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
-                Record::remove(&path);
+                // Bound first by someone outside our lock (losetup, a map of another run
+                // directory): only our own record goes.
+                lock.remove_if_owned(&path, record.pid);
                 undo.record = None;
-                if dev_num.is_some() || attempt >= BIND_ATTEMPTS {
+                if !another {
                     return Err(busy());
                 }
             }
@@ -684,8 +708,10 @@ fn rebind(
     let dev = LoopDev::parse(&old.device)
         .ok_or_else(|| format!("bad device '{}' in the record", old.device))?;
     record.device = old.device.clone();
-    record
-        .save()
+    // Under the records' lock: an unmap removing the dead daemon's record checks and removes
+    // it in one step, before this or after it, never across it.
+    RecordsLock::acquire()
+        .and_then(|records| records.save(&record))
         .map_err(|e| format!("writing the record of {}: {e}", old.device))?;
     undo.restore = Some(old.clone());
     dev.change_fd(file)
@@ -831,7 +857,11 @@ fn unmap(device: &str) -> Result<(), String> {
         channel::unmount_lazy(m).map_err(|e| format!("unmounting {}: {e}", m.display()))?;
         let _ = std::fs::remove_dir(m);
     }
-    Record::remove(&path);
+    // The device has been free since the detach: a map may have bound it and recorded itself
+    // meanwhile. Only the record this unmap ended goes.
+    if let Some(r) = &rec {
+        Record::remove_if_owned(&path, r.pid);
+    }
     collect_orphan_mounts();
     Ok(())
 }
@@ -860,5 +890,160 @@ fn collect_orphan_mounts() {
         }
         let _ = channel::unmount_lazy(&path);
         let _ = std::fs::remove_dir(&path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Barrier;
+
+    /// A directory of one test, with a devices directory for its records; on drop (also after a
+    /// failed assertion) every loop device bound to a file in it is detached and it is removed.
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new(tag: &str) -> Scratch {
+            let d = std::env::temp_dir()
+                .join(format!("blkwire-fuse-device-{}-{tag}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&d);
+            std::fs::create_dir_all(d.join("devices")).unwrap();
+            Scratch(d)
+        }
+
+        fn records(&self) -> PathBuf {
+            self.0.join("devices")
+        }
+
+        /// A 1 MiB file of the test, open for reading and writing.
+        fn file(&self, name: &str) -> (File, String) {
+            let p = self.0.join(name);
+            let f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&p)
+                .unwrap();
+            f.set_len(1 << 20).unwrap();
+            (f, p.display().to_string())
+        }
+
+        fn load(&self, dev: &LoopDev) -> Option<Record> {
+            RecordsLock::acquire_in(self.records())
+                .unwrap()
+                .load(&dev.path())
+                .unwrap()
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let prefix = self.0.display().to_string();
+            for e in std::fs::read_dir("/sys/block")
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if let Some(dev) = LoopDev::parse(&name) {
+                    if dev.backing_file().is_some_and(|b| b.starts_with(&prefix)) {
+                        let _ = dev.detach();
+                    }
+                }
+            }
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn needs_root() {
+        assert!(
+            sys::is_root(),
+            "this test binds loop devices and needs root; run it as root"
+        );
+    }
+
+    /// A record of this process (so a live daemon's) for `url`.
+    fn record(url: &str) -> Record {
+        Record {
+            url: url.into(),
+            frontend: FuseDevice::KIND.into(),
+            pid: std::process::id() as i32,
+            start_time: state::self_start_time(),
+            ..Record::sample(1)
+        }
+    }
+
+    /// `bind` as setup calls it, its undo disarmed (the test's `Scratch` detaches).
+    fn bind_new(file: &File, url: &str, records: &Path) -> Result<LoopDev, String> {
+        let mut undo = Undo::default();
+        let r = bind(file, None, 512, false, record(url), records, &mut undo);
+        undo.disarm();
+        r
+    }
+
+    /// Maps started at once are all offered the same free device: each must still end up on a
+    /// device of its own, with its own record there, none failing and none losing its record
+    /// to another that lost the race.
+    #[test]
+    fn concurrent_maps_bind_distinct_devices_and_keep_their_records() {
+        needs_root();
+        const MAPS: usize = 4;
+        const ROUNDS: usize = 3;
+        let scratch = Scratch::new("concurrent");
+        let records = scratch.records();
+        let mut taken = Vec::new();
+        for round in 0..ROUNDS {
+            let barrier = Barrier::new(MAPS);
+            let files: Vec<_> = (0..MAPS)
+                .map(|i| scratch.file(&format!("r{round}-m{i}")))
+                .collect();
+            let bound: Vec<Result<LoopDev, String>> = std::thread::scope(|s| {
+                let handles: Vec<_> = files
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (f, _))| {
+                        let (barrier, records) = (&barrier, &records);
+                        s.spawn(move || {
+                            barrier.wait();
+                            bind_new(f, &format!("tcp://127.0.0.1:1/r{round}-m{i}"), records)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (i, (b, (_, path))) in bound.into_iter().zip(&files).enumerate() {
+                let dev = b.unwrap_or_else(|e| panic!("round {round}, map {i}: {e}"));
+                assert!(!taken.contains(&dev), "{} bound twice", dev.path());
+                taken.push(dev);
+                assert_eq!(dev.backing_file().as_deref(), Some(path.as_str()));
+                let rec = scratch.load(&dev).unwrap_or_else(|| {
+                    panic!("round {round}, map {i}: {} has no record", dev.path())
+                });
+                assert_eq!(rec.url, format!("tcp://127.0.0.1:1/r{round}-m{i}"));
+                assert_eq!(rec.device, dev.path());
+            }
+        }
+    }
+
+    /// The free device a live daemon still has a record for (it is letting it go) is passed
+    /// over for another free one, and that record stays.
+    #[test]
+    fn a_free_device_with_a_live_record_is_passed_over() {
+        needs_root();
+        let scratch = Scratch::new("skip");
+        let records = scratch.records();
+        let free = LoopDev::get_free().unwrap();
+        let mut planted = record("tcp://127.0.0.1:1/leaving");
+        planted.device = free.path();
+        RecordsLock::acquire_in(records.clone())
+            .unwrap()
+            .save(&planted)
+            .unwrap();
+        let (f, _) = scratch.file("new");
+        let dev = bind_new(&f, "tcp://127.0.0.1:1/new", &records).unwrap();
+        assert_ne!(dev, free);
+        assert_eq!(scratch.load(&free), Some(planted));
+        assert_eq!(scratch.load(&dev).unwrap().url, "tcp://127.0.0.1:1/new");
     }
 }

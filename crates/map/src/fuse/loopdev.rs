@@ -113,6 +113,31 @@ impl LoopDev {
         Ok(LoopDev { index: n as u32 })
     }
 
+    /// `get_free`, but never one of `skip`: LOOP_CTL_GET_FREE names the lowest unbound device
+    /// again and again, so past a skipped one this takes the first other unbound device, or
+    /// creates one. Not reserved either.
+    pub fn get_free_except(skip: &[u32]) -> io::Result<LoopDev> {
+        let free = LoopDev::get_free()?;
+        if !skip.contains(&free.index) {
+            return Ok(free);
+        }
+        let mut index = 0;
+        loop {
+            let d = LoopDev { index };
+            if !skip.contains(&index) {
+                if !d.sys("").exists() {
+                    return LoopDev::ensure(index);
+                }
+                if d.backing_file().is_none() {
+                    return Ok(d);
+                }
+            }
+            index = index
+                .checked_add(1)
+                .ok_or_else(|| io::Error::from_raw_os_error(libc::ENOSPC))?;
+        }
+    }
+
     /// Makes sure /dev/loopN exists (LOOP_CTL_ADD; an existing device is fine).
     pub fn ensure(index: u32) -> io::Result<LoopDev> {
         let ctl = open_dev("/dev/loop-control", libc::O_RDWR)?;
