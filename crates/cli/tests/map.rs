@@ -1770,3 +1770,161 @@ fn unmap_leaves_the_record_of_a_map_that_took_the_freed_device() {
         "unmap removed the record of the mapping that took the device after it"
     );
 }
+
+/// A TCP relay on loopback to `upstream` that holds every connection it accepts, unanswered,
+/// until `open` is called: a target that is slow to connect to. Each accept is announced on
+/// `accepted`. Its threads end with their connections.
+struct Gate {
+    addr: std::net::SocketAddr,
+    open: std::sync::Arc<(Mutex<bool>, std::sync::Condvar)>,
+    accepted: mpsc::Receiver<()>,
+}
+
+impl Gate {
+    fn new(upstream: &str) -> Gate {
+        use std::io::{Read, Write};
+        use std::net::{Shutdown, TcpListener, TcpStream};
+        let upstream = upstream.to_string();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let open = std::sync::Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+        let (tx, accepted) = mpsc::channel();
+        let gate = open.clone();
+        std::thread::spawn(move || {
+            for down in listener.incoming() {
+                let Ok(down) = down else { return };
+                let _ = tx.send(());
+                let (gate, upstream) = (gate.clone(), upstream.clone());
+                std::thread::spawn(move || {
+                    let (m, cv) = &*gate;
+                    let mut g = m.lock().unwrap();
+                    while !*g {
+                        g = cv.wait(g).unwrap();
+                    }
+                    drop(g);
+                    let Ok(up) = TcpStream::connect(&upstream) else {
+                        return;
+                    };
+                    let pairs = [
+                        (down.try_clone().unwrap(), up.try_clone().unwrap()),
+                        (up, down),
+                    ];
+                    for (mut from, mut to) in pairs {
+                        std::thread::spawn(move || {
+                            let mut buf = vec![0u8; 64 << 10];
+                            while let Ok(n @ 1..) = from.read(&mut buf) {
+                                if to.write_all(&buf[..n]).is_err() {
+                                    break;
+                                }
+                            }
+                            let _ = to.shutdown(Shutdown::Write);
+                        });
+                    }
+                });
+            }
+        });
+        Gate {
+            addr,
+            open,
+            accepted,
+        }
+    }
+
+    fn open(&self) {
+        let (m, cv) = &*self.open;
+        *m.lock().unwrap() = true;
+        cv.notify_all();
+    }
+}
+
+/// Processes whose environment holds `var` (exactly).
+fn pids_with_env(var: &str) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.split(|b| *b == 0).any(|v| v == var.as_bytes()))
+        })
+        .collect()
+}
+
+/// Ctrl-C on `map` while the daemon it started still connects leaves no mapping behind: the
+/// daemon (in a session of its own, so the terminal's SIGINT never reaches it) finds nobody to
+/// tell about the device once it is ready, removes it and exits.
+#[test]
+fn map_interrupted_while_connecting_leaves_no_mapping() {
+    assert!(
+        is_root(),
+        "this test maps a block device and needs root; run it as root"
+    );
+    let run = Run::new("interrupted");
+    let t = Target::start(&["disk=mem:16M"]);
+    let gate = Gate::new(t.base.trim_start_matches("tcp://"));
+    let log = run.dir().join("daemon.log");
+    let mut map = Reaped(
+        Command::new(BIN)
+            .args([
+                "map",
+                &format!("tcp://{}/disk", gate.addr),
+                "--frontend",
+                "fuse",
+                "--fuse-io",
+                "read",
+                "--queues",
+                "1",
+                "--logfile",
+                log.to_str().unwrap(),
+            ])
+            .env("BLKWIRE_RUN_DIR", run.dir())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    gate.accepted
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the daemon did not connect");
+    // SAFETY: kill(2) on our child, as Ctrl-C would.
+    unsafe { libc::kill(map.0.id() as i32, libc::SIGINT) };
+    let status = map.0.wait().unwrap();
+    assert!(!status.success(), "map interrupted: {status}");
+    let env = format!("BLKWIRE_RUN_DIR={}", run.dir().display());
+    let daemons = pids_with_env(&env);
+    assert_eq!(daemons.len(), 1, "the daemon: {daemons:?}");
+    let daemon = daemons[0];
+    // Whatever happens below, no daemon or mapping of this test outlives it.
+    struct Cleanup<'a>(&'a Run, i32);
+    impl Drop for Cleanup<'_> {
+        fn drop(&mut self) {
+            // SAFETY: kill(2) on the daemon this test started (gone: ESRCH).
+            unsafe { libc::kill(self.1, libc::SIGTERM) };
+            if !wait_exit(self.1, Duration::from_secs(40)) {
+                // SAFETY: as above.
+                unsafe { libc::kill(self.1, libc::SIGKILL) };
+                wait_exit(self.1, Duration::from_secs(10));
+            }
+            let (ok, out, _) = self.0.cli(&["ls", "--json"]);
+            let recs: Value = if ok {
+                serde_json::from_str(&out).unwrap_or_default()
+            } else {
+                Value::Null
+            };
+            for dev in recs.as_object().into_iter().flat_map(|o| o.keys()) {
+                let _ = self.0.cli(&["unmap", dev]);
+            }
+        }
+    }
+    let _cleanup = Cleanup(&run, daemon);
+    gate.open();
+    assert!(
+        wait_exit(daemon, Duration::from_secs(60)),
+        "the daemon serves a mapping nobody asked for any more: {}\n{}",
+        run.ls(),
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("unmapped"), "{text}");
+    run.assert_clean();
+}

@@ -226,14 +226,18 @@ enum Notify<'a> {
 }
 
 impl Notify<'_> {
-    fn ready(&mut self, dev: &str) {
+    /// Reports the ready device; false when nobody heard it: the waiting `map` is gone (killed,
+    /// or interrupted by Ctrl-C, which never reaches a daemon in its own session).
+    fn ready(&mut self, dev: &str) -> bool {
         match self {
-            Notify::Pipe(p) => {
-                if let Some(mut f) = p.take() {
-                    let _ = writeln!(f, "ok {dev}");
-                }
+            Notify::Pipe(p) => match p.take() {
+                Some(mut f) => writeln!(f, "ok {dev}").is_ok(),
+                None => true,
+            },
+            Notify::Call(f) => {
+                f(dev);
+                true
             }
-            Notify::Call(f) => f(dev),
         }
     }
 
@@ -291,6 +295,10 @@ fn launch<D: BlockDevice>(
             libc::dup2(log.as_raw_fd(), 2);
         }
         drop((null, log));
+        // A write to the pipe of a `map` that is gone must fail with EPIPE, which `run`
+        // answers by undoing the mapping, not kill the daemon with its device half made.
+        // SAFETY: setting a signal's disposition in the single thread of the fresh child.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
         let _ = std::env::set_current_dir("/");
         let code = match run::<D>(&spec, &mut Notify::Pipe(Some(wr))) {
             Ok(()) => 0,
@@ -340,7 +348,18 @@ fn run<D: BlockDevice>(spec: &Spec, notify: &mut Notify<'_>) -> Result<(), Strin
             return Err(e);
         }
     };
-    notify.ready(&d.path());
+    let path = d.path();
+    if !notify.ready(&path) {
+        // Nobody was told the device exists, and whoever asked for it gave up: a mapping
+        // nobody knows of must not stay. The device stops as on SIGTERM (every kind serves
+        // that), the signal waiting for its signal thread since setup blocked it.
+        let e = format!("the map command that started this daemon is gone: removing {path}");
+        log!("error", "{e}");
+        // SAFETY: kill(2) on this very process.
+        unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
+        d.serve()?;
+        return Err(e);
+    }
     d.serve()
 }
 
