@@ -1928,3 +1928,140 @@ fn map_interrupted_while_connecting_leaves_no_mapping() {
     assert!(text.contains("unmapped"), "{text}");
     run.assert_clean();
 }
+
+/// A TCP relay on loopback to the native target `upstream` that hides the feature bits `hide`
+/// from every HELLO reply it forwards (the target itself still serves them): an export as a
+/// target without them would offer it.
+fn hiding_relay(upstream: &str, hide: u64) -> std::net::SocketAddr {
+    use blkwire_wire::{Flags, Header, HelloReply, Opcode, Status, HEADER_LEN};
+    use std::io::{Read, Write};
+    use std::net::{Shutdown, TcpListener, TcpStream};
+    let upstream = upstream.to_string();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for down in listener.incoming() {
+            let Ok(down) = down else { return };
+            let Ok(up) = TcpStream::connect(&upstream) else {
+                return;
+            };
+            let pairs = [
+                (down.try_clone().unwrap(), up.try_clone().unwrap(), false),
+                (up, down, true),
+            ];
+            for (mut from, mut to, replies) in pairs {
+                std::thread::spawn(move || {
+                    // Replies: frame by frame up to the accepted HELLO, rewritten; then as is.
+                    let mut framing = replies;
+                    while framing {
+                        let mut hb = [0u8; HEADER_LEN];
+                        if from.read_exact(&mut hb).is_err() {
+                            let _ = to.shutdown(Shutdown::Write);
+                            return;
+                        }
+                        let mut h = Header::decode(&hb, 64 << 20).unwrap();
+                        let mut p = vec![0u8; h.payload_len as usize];
+                        if from.read_exact(&mut p).is_err() {
+                            let _ = to.shutdown(Shutdown::Write);
+                            return;
+                        }
+                        if h.opcode == Opcode::Hello && h.status == Status::Ok {
+                            let mut r = HelloReply::decode(&p).unwrap();
+                            r.features.0 &= !hide;
+                            p = r.encode();
+                            assert_eq!(p.len(), h.payload_len as usize);
+                            if h.flags.has(Flags::CRC) {
+                                h.seal_crc(&p);
+                            }
+                            framing = false;
+                        }
+                        if to.write_all(&h.to_bytes()).is_err() || to.write_all(&p).is_err() {
+                            return;
+                        }
+                    }
+                    let mut buf = vec![0u8; 64 << 10];
+                    while let Ok(n @ 1..) = from.read(&mut buf) {
+                        if to.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = to.shutdown(Shutdown::Write);
+                });
+            }
+        }
+    });
+    addr
+}
+
+/// An export without TRIM and WRITE_ZEROES gets neither from the device: the loop device
+/// offers discard and write-zeroes for any file with fallocate, learns from the first refusal
+/// that they are not supported, zeroing falls back to writing zeros, and no WRITE_ZEROES
+/// reaches the target (nor fails there, with a target that lacks it, as EIO).
+#[test]
+fn export_without_write_zeroes_gets_none_and_zeroing_still_works() {
+    use blkwire_wire::Features;
+    assert!(
+        is_root(),
+        "this test maps a block device and needs root; run it as root"
+    );
+    let run = Run::new("nozeroes");
+    let t = Target::start(&["disk=mem:16M"]);
+    let relay = hiding_relay(
+        t.base.trim_start_matches("tcp://"),
+        Features::TRIM | Features::WRITE_ZEROES,
+    );
+    let url = format!("tcp://{relay}/disk");
+    let (ok, out, err) = common::cli(&["info", &url]);
+    assert!(
+        ok && !out.contains("write-zeroes") && !out.contains("trim"),
+        "the relay hides them: {out}{err}"
+    );
+    let m = run.map(&url, &["--frontend", "fuse"]);
+    let data = random_bytes(4 << 20, 73);
+    dev_write(&m.dev, &data, 0).unwrap();
+    let discard = || {
+        Command::new("blkdiscard")
+            .args(["-o", "1048576", "-l", "1048576", &m.dev])
+            .output()
+            .unwrap()
+    };
+    // The kernel reports a discard refused as unsupported as done (discard is advisory), and
+    // stops offering discard: the next one is refused at once.
+    let first = discard();
+    assert!(
+        first.status.success(),
+        "first discard: {}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    assert_eq!(
+        m.sys("queue/discard_max_hw_bytes"),
+        "0",
+        "discard still offered"
+    );
+    let second = discard();
+    let said = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        !second.status.success() && said.contains("not supported"),
+        "second discard: {said}"
+    );
+    run_ok(
+        "blkdiscard",
+        &["-z", "-o", "3145728", "-l", "524288", &m.dev],
+    );
+    let back = dev_read(&m.dev, data.len(), 0).unwrap();
+    assert!(
+        back[3 << 20..(3 << 20) + (512 << 10)]
+            .iter()
+            .all(|b| *b == 0),
+        "zeroed range"
+    );
+    assert!(back[..3 << 20] == data[..3 << 20], "data before the range");
+    assert!(
+        back[(3 << 20) + (512 << 10)..] == data[(3 << 20) + (512 << 10)..],
+        "data after the range"
+    );
+    assert_eq!(target_counter(&t, "write_zeroes"), 0, "sent WRITE_ZEROES");
+    assert_eq!(target_counter(&t, "trims"), 0, "sent TRIM");
+    m.unmap();
+    run.assert_clean();
+}

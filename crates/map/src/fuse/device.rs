@@ -259,6 +259,7 @@ impl Mapping {
             reconnect,
             size: info.size,
             readonly,
+            write_zeroes: info.features.has(Features::WRITE_ZEROES),
             name: name.as_bytes().to_vec(),
             root: Attr {
                 ino: ROOT_ID,

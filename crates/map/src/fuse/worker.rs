@@ -108,6 +108,8 @@ pub(crate) struct Shared {
     pub reconnect: ConnectOptions,
     pub size: u64,
     pub readonly: bool,
+    /// The export offers WRITE_ZEROES, which every zeroing FALLOCATE becomes.
+    pub write_zeroes: bool,
     /// Name of the file in the mount.
     pub name: Vec<u8>,
     pub root: Attr,
@@ -1225,6 +1227,14 @@ fn fallocate_op(sh: &Shared, offset: u64, length: u64, mode: u32) -> Result<Opti
     if mode & !(KEEP_SIZE | PUNCH_HOLE | ZERO_RANGE) != 0 {
         return Err(libc::EOPNOTSUPP);
     }
+    if mode & (PUNCH_HOLE | ZERO_RANGE) != 0 && !sh.write_zeroes {
+        // The loop device offers discard and write-zeroes for any file that has fallocate.
+        // Refused so, it stops offering the one refused (zeroing then falls back to writes)
+        // instead of failing request after request with EIO after a round trip to a target
+        // that lacks the command. (Turning discard off in sysfs instead would outlive the
+        // mapping: the loop device keeps that limit for its next user.)
+        return Err(libc::EOPNOTSUPP);
+    }
     let end = offset.checked_add(length).ok_or(libc::EINVAL)?;
     if mode & KEEP_SIZE == 0 && end > sh.size {
         return Err(libc::EFBIG); // the file cannot grow
@@ -1296,6 +1306,7 @@ mod tests {
             reconnect: ConnectOptions::default(),
             size,
             readonly,
+            write_zeroes: true,
             name: b"x".to_vec(),
             root: a,
             file: a,
@@ -1355,6 +1366,26 @@ mod tests {
             fallocate_op(&shared(1 << 20, true), 0, 1, punch).err(),
             Some(libc::EROFS)
         );
+    }
+
+    /// An export without WRITE_ZEROES gets no zeroing FALLOCATE: it is refused at once with
+    /// EOPNOTSUPP (the loop device's cue to stop offering it), not sent to fail there.
+    #[test]
+    fn fallocate_zeroing_is_not_supported_without_write_zeroes() {
+        let sh = Shared {
+            write_zeroes: false,
+            ..shared(1 << 30, false)
+        };
+        let keep = libc::FALLOC_FL_KEEP_SIZE as u32;
+        for mode in [libc::FALLOC_FL_PUNCH_HOLE, libc::FALLOC_FL_ZERO_RANGE] {
+            assert_eq!(
+                fallocate_op(&sh, 4096, 8192, mode as u32 | keep),
+                Err(libc::EOPNOTSUPP),
+                "mode {mode:#x}"
+            );
+        }
+        // Plain allocation needs no command: still nothing to do.
+        assert_eq!(fallocate_op(&sh, 0, 4096, 0), Ok(None));
     }
 
     /// A transport that only records replies (the table's tests need no kernel).
