@@ -378,6 +378,20 @@ enum Hold {
     GivenUp,
 }
 
+/// The most one part of UNMAP or WRITE SAME that writes zeroes (a Trim, a WriteZeroes) covers:
+/// a request's length is a u32, and this is a whole number of blocks of any size.
+const ZERO_PART: u32 = 1 << 30;
+
+/// `len` bytes from `offset` as requests of at most `max` bytes each (`offset`, `len` and `max`
+/// whole blocks), for a range longer than one request may carry.
+fn split(offset: u64, len: u64, max: u32) -> impl Iterator<Item = (u64, u32)> {
+    let max = u64::from(max.max(1));
+    (0..len.div_ceil(max)).map(move |i| {
+        let at = i * max;
+        (offset + at, (len - at).min(max) as u32)
+    })
+}
+
 /// Whether `cdb` is of a command that is split into parts (`Iscsi::run_params`), at once or
 /// from the parameter list it collects: UNMAP, WRITE SAME, EXTENDED COPY, VERIFY with BYTCHK,
 /// COMPARE AND WRITE. Told by the operation code (and VERIFY's BYTCHK field) alone: one the
@@ -527,7 +541,8 @@ pub fn lun_info(e: &Export, max_io: u32, copy: bool) -> LunInfo {
         copy: copy && !e.read_only,
         rotational: caps.rotational,
         max_transfer_blocks: (max_io >> shift).max(1),
-        // libiscsi's BlockLimits test holds MAXIMUM UNMAP LBA COUNT to 1 Mi blocks.
+        // libiscsi's BlockLimits test holds MAXIMUM UNMAP LBA COUNT to 1 Mi blocks. Of 4 KiB
+        // blocks that is 4 GiB, more than a request carries: `run_params` splits it.
         max_unmap_blocks: 1 << 20,
         max_unmap_descriptors: 256,
         max_write_same_blocks: (u32::MAX >> shift) as u64,
@@ -848,9 +863,20 @@ impl Iscsi {
         }
     }
 
-    /// The byte range of `blocks` blocks from `lba` (decode checked it is inside the LUN).
-    fn bytes(&self, lba: u64, blocks: u32) -> (u64, u32) {
-        (lba << self.lu().shift, blocks << self.lu().shift)
+    /// The byte range of `blocks` blocks from `lba` (decode checked it is inside the LUN). In
+    /// u64: a count the initiator chose, in 4 KiB blocks, reaches 4 GiB at 2^20 blocks (an
+    /// UNMAP descriptor may be that long), which a u32 length shifted in place turned into 0.
+    fn bytes(&self, lba: u64, blocks: u32) -> (u64, u64) {
+        let shift = self.lu().shift;
+        (lba << shift, u64::from(blocks) << shift)
+    }
+
+    /// The byte range of a transfer decode held to MAXIMUM TRANSFER LENGTH (at most `max_io`
+    /// bytes, `lun_info`), as one request carries it; `None` past a u32, which that limit
+    /// never lets through (refused, never cut short).
+    fn transfer(&self, lba: u64, blocks: u32) -> Option<(u64, u32)> {
+        let (offset, bytes) = self.bytes(lba, blocks);
+        Some((offset, u32::try_from(bytes).ok()?))
     }
 
     /// A SCSI Command; unsolicited data it announced and nothing takes is dropped as it comes.
@@ -1025,7 +1051,10 @@ impl Iscsi {
                 Decoded::Answered { len }
             }
             Command::Read { lba, blocks, fua } => {
-                let (offset, bytes) = self.bytes(lba, blocks);
+                let Some((offset, bytes)) = self.transfer(lba, blocks) else {
+                    self.check(itt, &Sense::invalid_field_in_cdb(), c.edtl, tx);
+                    return Decoded::Answered { len };
+                };
                 if bytes == 0 {
                     self.response(itt, GOOD, None, Residual::of(c.edtl, 0), tx);
                     return Decoded::Answered { len };
@@ -1139,7 +1168,10 @@ impl Iscsi {
                 bytchk: true,
                 ..
             } => {
-                let want = blocks << self.lu().shift;
+                let Some((_, want)) = self.transfer(0, blocks) else {
+                    self.check(itt, &Sense::invalid_field_in_cdb(), c.edtl, tx);
+                    return Decoded::Answered { len };
+                };
                 self.collect(itt, &c.cdb, c.edtl, want, c.data, len, tx)
             }
             Command::ReceiveCopyResults {
@@ -1161,6 +1193,8 @@ impl Iscsi {
                 Decoded::Answered { len }
             }
             Command::CompareAndWrite { blocks, .. } => {
+                // At most 255 blocks (decode holds it to MAXIMUM COMPARE AND WRITE LENGTH): a
+                // u32 holds twice that.
                 let bytes = blocks << self.lu().shift;
                 if bytes == 0 && c.edtl == 0 {
                     self.response(itt, GOOD, None, Residual::None, tx);
@@ -1189,7 +1223,10 @@ impl Iscsi {
         (len, tail): (usize, usize),
         tx: &mut Vec<u8>,
     ) -> Decoded {
-        let (offset, bytes) = self.bytes(lba, blocks);
+        let Some((offset, bytes)) = self.transfer(lba, blocks) else {
+            self.check(itt, &Sense::invalid_field_in_cdb(), edtl, tx);
+            return Decoded::Answered { len };
+        };
         let res = Residual::of(edtl, bytes);
         if bytes == 0 {
             self.response(itt, GOOD, None, res, tx);
@@ -1325,9 +1362,14 @@ impl Iscsi {
         match cmd {
             Command::Unmap { .. } => match scsi::parse_unmap(list, &self.lu().info) {
                 Ok(ranges) => {
+                    // A descriptor may cover more than a request carries (2^20 blocks of 4 KiB,
+                    // MAXIMUM UNMAP LBA COUNT, are 4 GiB): trims of at most 1 GiB each.
                     for (lba, blocks) in ranges {
                         let (o, l) = self.bytes(lba, blocks);
-                        parts.push((Kind::Block(BlockOp::Trim), o, l, IoFlags::empty(), None));
+                        for (o, l) in split(o, l, ZERO_PART) {
+                            let trim = Kind::Block(BlockOp::Trim);
+                            parts.push((trim, o, l, IoFlags::empty(), None));
+                        }
                     }
                 }
                 Err(s) => {
@@ -1355,20 +1397,15 @@ impl Iscsi {
                 }
                 // Zeroes in parts of at most 1 GiB (a request's length is a u32); a pattern
                 // in parts of at most 1 MiB (each is a buffer).
-                let per = if zero { 1u32 << 30 } else { 1 << 20 } >> self.lu().shift;
-                let mut at = lba;
-                let mut left = blocks;
-                while left > 0 {
-                    let n = left.min(per);
-                    let (o, l) = self.bytes(at, n);
+                let per = if zero { ZERO_PART } else { 1 << 20 };
+                let (o, l) = self.bytes(lba, blocks);
+                for (o, l) in split(o, l, per) {
                     if zero {
                         let flags = IoFlags::empty().with(IoFlags::NO_HOLE, !unmap);
                         parts.push((Kind::Block(BlockOp::WriteZeroes), o, l, flags, None));
                     } else {
                         parts.push((Kind::Block(BlockOp::Write), o, l, IoFlags::empty(), None));
                     }
-                    at += n as u64;
-                    left -= n;
                 }
             }
             Command::Verify { lba, blocks, .. } => {
@@ -1378,7 +1415,11 @@ impl Iscsi {
                     self.response(itt, GOOD, None, res, tx);
                     return Decoded::Answered { len };
                 }
-                let (o, l) = self.bytes(lba, blocks);
+                let Some((o, l)) = self.transfer(lba, blocks) else {
+                    let s = Sense::invalid_field_in_cdb();
+                    self.response(itt, CHECK_CONDITION, Some(&s), res, tx);
+                    return Decoded::Answered { len };
+                };
                 self.compare = Some((list.to_vec(), None));
                 parts.push((Kind::Block(BlockOp::Read), o, l, IoFlags::empty(), None));
             }
@@ -1387,13 +1428,13 @@ impl Iscsi {
                 // the second half written (the write is a part the frontend fills, `fill`).
                 // Nothing later of this connection is decoded until the compare is done
                 // (`hold`).
-                let (o, l) = self.bytes(lba, blocks);
-                let half = l as usize;
-                if list.len() != 2 * half {
+                let range = self.transfer(lba, blocks);
+                let Some((o, l)) = range.filter(|&(_, l)| list.len() == 2 * l as usize) else {
                     let s = Sense::invalid_field_in_cdb();
                     self.response(itt, CHECK_CONDITION, Some(&s), res, tx);
                     return Decoded::Answered { len };
-                }
+                };
+                let half = l as usize;
                 self.compare = Some((list[..half].to_vec(), None));
                 self.pattern = Some(list[half..].to_vec());
                 self.hold = Hold::Compare;
@@ -3581,6 +3622,67 @@ mod tests {
         f.taken(&b);
         assert!(f.reply(&b, Status::Ok, &mut tx));
         assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 4));
+    }
+
+    /// A connection to one LU of 4 KiB blocks (an O_DIRECT export of a 512-byte-sector device)
+    /// of `size` bytes that reads as zeroes.
+    fn fe_4k(size: &str) -> Iscsi {
+        let plain = Export::open(&ExportSpec::parse(&format!("n=null:{size}")).unwrap()).unwrap();
+        let direct = Export::new(
+            "d",
+            Arc::new(blkwire_backend::testing::Direct512(plain.backend().clone())),
+            false,
+        );
+        let lun = SetupLun {
+            lun: 0,
+            export: Arc::new(direct),
+            copy: CopyLimits::default(),
+            reservations: PrLu::detached(),
+        };
+        let f = setup(65536, "iqn.test", vec![lun]);
+        assert_eq!(f.lu().info.block_size, 4096);
+        f
+    }
+
+    /// Runs the compound command `pdu` to its answer, each part answered `Ok`: its parts as
+    /// (kind, offset, length), and the answer.
+    fn parts_of(f: &mut Iscsi, pdu: &[u8]) -> (Vec<(Kind, u64, u32)>, Vec<u8>) {
+        let mut tx = Vec::new();
+        let mut parts = Vec::new();
+        let mut d = f.decode(pdu, &mut tx);
+        while let Decoded::Request { req, .. } = d {
+            parts.push((req.kind, req.offset, req.length));
+            f.taken(&req);
+            if f.reply(&req, Status::Ok, &mut tx) {
+                break;
+            }
+            d = f.decode(&[], &mut tx);
+        }
+        (parts, tx)
+    }
+
+    /// An UNMAP descriptor of 2^20 blocks (MAXIMUM UNMAP LBA COUNT, so what Linux sends for
+    /// each 4 GiB of a discard) on a LU of 4 KiB blocks covers 4 GiB: it is trimmed all of it,
+    /// in trims a request carries, none of them empty (its length as a u32 came out 0, a
+    /// trim of nothing answered GOOD).
+    #[test]
+    fn an_unmap_of_4_gib_trims_all_of_it() {
+        let mut f = fe_4k("8G");
+        assert_eq!(f.lu().info.max_unmap_blocks, 1 << 20);
+        let mut list = vec![0u8, 22, 0, 16, 0, 0, 0, 0];
+        list.extend_from_slice(&(1u64 << 20).to_be_bytes());
+        list.extend_from_slice(&(1u32 << 20).to_be_bytes());
+        list.extend_from_slice(&[0; 4]);
+        let cdb = [0x42, 0, 0, 0, 0, 0, 0, 0, 24, 0];
+        let (parts, tx) = parts_of(&mut f, &cmd(4, 0, &cdb, 24, true, &list));
+        assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 4));
+        let mut at = 4u64 << 30;
+        for &(kind, offset, length) in &parts {
+            assert_eq!((kind, offset), (Kind::Block(BlockOp::Trim), at));
+            assert!(length > 0, "an empty trim: {parts:?}");
+            at += u64::from(length);
+        }
+        assert_eq!(at, 8 << 30, "trimmed up to {at}: {parts:?}");
     }
 
     /// A command collecting its parameter list keeps its task place in the window (MaxCmdSN):
