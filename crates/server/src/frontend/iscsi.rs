@@ -1137,7 +1137,14 @@ impl Iscsi {
                 Decoded::Answered { len }
             }
             Command::Unmap { param_len } => {
-                self.collect(itt, &c.cdb, c.edtl, param_len, c.data, len, tx)
+                // Only the descriptors MAXIMUM UNMAP BLOCK DESCRIPTOR COUNT allows are read: a
+                // list that says it has more is refused (`parse_unmap`) whether they came or
+                // not, so they are not asked for (the residual says what was not moved).
+                let descriptors = self.lu().info.max_unmap_descriptors as usize;
+                let most = descriptors.saturating_mul(scsi::UNMAP_DESCRIPTOR_LEN);
+                let most = scsi::UNMAP_HEADER_LEN.saturating_add(most);
+                let want = param_len.min(u32::try_from(most).unwrap_or(u32::MAX));
+                self.collect(itt, &c.cdb, c.edtl, want, c.data, len, tx)
             }
             Command::WriteSame { blocks, ndob, .. } => {
                 if ndob {
@@ -1148,6 +1155,13 @@ impl Iscsi {
                 self.collect(itt, &c.cdb, c.edtl, want, c.data, len, tx)
             }
             Command::ExtendedCopy { param_len } => {
+                // No list longer than the copy manager takes (RECEIVE COPY RESULTS, OPERATING
+                // PARAMETERS) is collected only to be refused by `xcopy::parse`.
+                if param_len > self.xlimits.max_list_length() {
+                    let s = Sense::parameter_list_length_error();
+                    self.check(itt, &s, c.edtl, tx);
+                    return Decoded::Answered { len };
+                }
                 self.collect(itt, &c.cdb, c.edtl, param_len, c.data, len, tx)
             }
             Command::PersistentReserveIn {
@@ -3875,6 +3889,62 @@ mod tests {
         s[20..28].copy_from_slice(&dst_lba.to_be_bytes());
         v.extend_from_slice(&s);
         v
+    }
+
+    /// A parameter list is asked for only as far as its command uses it: an EXTENDED COPY list
+    /// longer than the copy manager takes is refused before any of it is asked for (PARAMETER
+    /// LIST LENGTH ERROR), and of an UNMAP list only the descriptors MAXIMUM UNMAP BLOCK
+    /// DESCRIPTOR COUNT allows are.
+    #[test]
+    fn a_parameter_list_is_asked_for_only_as_far_as_its_command_uses_it() {
+        let grant = CopyLimits {
+            max_bytes: 16 << 20,
+            max_range: 16 << 20,
+            max_ranges: 8,
+        };
+        let lun = || SetupLun {
+            lun: 0,
+            export: Arc::new(Export::open(&ExportSpec::parse("w=mem:1M").unwrap()).unwrap()),
+            copy: grant,
+            reservations: PrLu::detached(),
+        };
+        let mut f = setup(1 << 20, "iqn.test", vec![lun()]);
+        let mut tx = Vec::new();
+        let most = f.xlimits.max_list_length();
+        let mut xcopy = [0u8; 16];
+        xcopy[0] = 0x83;
+        for (itt, n) in [(1, 1 << 20), (2, most + 1)] {
+            xcopy[10..14].copy_from_slice(&n.to_be_bytes());
+            f.decode(&cmd(itt, itt - 1, &xcopy, n, true, &[]), &mut tx);
+            assert_eq!(sense(&tx), (0x5, 0x1a, 0), "a list of {n} bytes");
+            tx.clear();
+        }
+        xcopy[10..14].copy_from_slice(&most.to_be_bytes());
+        f.decode(&cmd(3, 2, &xcopy, most, true, &[]), &mut tx);
+        assert_eq!(
+            (tx[0], be32(&tx, 44)),
+            (op::R2T, most),
+            "the longest it takes"
+        );
+        let mut f = setup(1 << 20, "iqn.test", vec![lun()]);
+        tx.clear();
+        let unmap = [0x42, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 0];
+        f.decode(&cmd(4, 0, &unmap, 0xffff, true, &[]), &mut tx);
+        assert_eq!((tx[0], be32(&tx, 44)), (op::R2T, 8 + 16 * 256));
+        tx.clear();
+        // What it asked for is the list: one descriptor, the rest padding.
+        let (_, mut list) = unmap_of_two_ranges();
+        list[3] = 16;
+        list.resize(8 + 16 * 256, 0);
+        let d = data_out(4, PARAM_TTT, 0, 0, &list, true);
+        let Decoded::Request { req, .. } = f.decode(&d, &mut tx) else {
+            panic!("the trim");
+        };
+        assert_eq!((req.offset, req.length), (8 * 512, 2048));
+        f.taken(&req);
+        assert!(f.reply(&req, Status::Ok, &mut tx));
+        assert_eq!((tx[0], tx[3]), (op::SCSI_RSP, GOOD));
+        assert_eq!(be32(&tx, 44), 0xffff - (8 + 16 * 256), "the residual");
     }
 
     /// A read-only LUN beside a writable one, on one connection: the copy manager's MAXIMUM

@@ -53,6 +53,17 @@ impl Default for Limits {
     }
 }
 
+impl Limits {
+    /// The longest LID1 parameter list the copy manager can take: its header and MAXIMUM
+    /// DESCRIPTOR LIST LENGTH of descriptors (MAXIMUM INLINE DATA LENGTH is 0). A transport
+    /// refuses a longer PARAMETER LIST LENGTH before asking for its data, with PARAMETER LIST
+    /// LENGTH ERROR, the answer [`parse`] gives descriptor lists past that maximum (SPC-4 r37
+    /// 6.4.3.4).
+    pub fn max_list_length(&self) -> u32 {
+        HEADER_LEN as u32 + self.max_descriptor_list_length
+    }
+}
+
 /// A parsed LID1 parameter list.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Plan {
