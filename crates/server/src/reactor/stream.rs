@@ -48,6 +48,20 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         {
             return;
         }
+        // What the frontend will hold itself for the next message (an iSCSI parameter list,
+        // which the initiator may take as long as it likes to send) is covered before it is
+        // asked for. Without the memory the message waits, as a request does (the connection
+        // is starved), unless it could never fit or writes wait for data the initiator sends
+        // behind it: then it is refused (the initiator retries it), so that data still comes.
+        let hold = c.fe.hold_bound(&c.rx[c.rx_start..c.rx_end]);
+        if hold > 0 {
+            let never = c.rx.capacity() + hold > c.mem.cap();
+            let covered = !never && c.covers(0, hold);
+            if !covered && !never && !writes_wait(c) {
+                break;
+            }
+            c.fe.hold_covered(covered);
+        }
         let decoded = c.fe.decode(&c.rx[c.rx_start..c.rx_end], &mut c.tx);
         let (len, payload_len, trailer) = match decoded {
             Decoded::Need(total) => {
@@ -3035,5 +3049,137 @@ mod tests {
         settle_async(&mut c, &mut ring);
         assert_eq!(take_tx(&mut c), status_reply(9, Status::Ok));
         assert_eq!(c.inflight, 0);
+    }
+
+    /// An iSCSI connection to one LU of `spec` (4 slots) whose buffers are charged to `budget`,
+    /// up to `cap` bytes.
+    fn iscsi_conn(spec: &str, budget: &Arc<Budget>, cap: usize) -> (Conn, UnixStream) {
+        use crate::frontend::iscsi::{Iscsi, IscsiSetup, SetupLun};
+        let (mut c, peer) = conn_budget(spec, false, cap);
+        c.mem = Account::reserve(budget, 0, cap).unwrap();
+        let lun = SetupLun {
+            lun: 0,
+            export: c.targets[0].exec.export().clone(),
+            copy: Default::default(),
+            reservations: crate::reservations::Lu::detached(),
+        };
+        c.fe = Box::new(Iscsi::new(IscsiSetup {
+            neg: crate::iscsi::Negotiated {
+                max_burst: 1 << 20,
+                recv_max: 256 << 10,
+                ..Default::default()
+            },
+            statsn: 0,
+            expcmdsn: 0,
+            depth: 4,
+            luns: vec![lun],
+            target: "iqn.2026-11.io.blkwire:m".into(),
+            initiator: "iqn.test".into(),
+            isid: [0; 6],
+            max_io: 1 << 20,
+            peers: Vec::new(),
+        }));
+        (c, peer)
+    }
+
+    /// An iSCSI SCSI Command PDU without data: task `itt`, CmdSN `cmdsn`, a 10-byte CDB.
+    fn iscsi_cmd(itt: u32, cmdsn: u32, cdb: &[u8; 10], edtl: u32) -> Vec<u8> {
+        use blkwire_wire::iscsi::{flag, op, Bhs, Digests};
+        let mut b = Bhs::new(op::SCSI_CMD, flag::FINAL | flag::WRITE | 1);
+        b.itt(itt).set32(20, edtl).set32(24, cmdsn);
+        b.0[32..42].copy_from_slice(cdb);
+        let mut out = Vec::new();
+        b.encode(&[], &Digests::default(), &mut out);
+        out
+    }
+
+    /// VERIFY(10) with BYTCHK of 1 MiB (2048 blocks from LBA 0): a parameter list the iSCSI
+    /// frontend collects itself, to compare with the medium.
+    const VERIFY_1M: [u8; 10] = [0x2f, 0x02, 0, 0, 0, 0, 0, 0x08, 0x00, 0];
+
+    /// The (opcode, TTT, offset, length) of an R2T, or the (opcode, status, sense key, 0) of a
+    /// SCSI Response (its sense data, when there is any, after the BHS and a length), at the
+    /// front of `tx`.
+    fn iscsi_answer(tx: &[u8]) -> (u8, u32, u32, u32) {
+        let be32 = |at: usize| u32::from_be_bytes(tx[at..at + 4].try_into().unwrap());
+        match tx[0] {
+            0x31 => (0x31, be32(20), be32(40), be32(44)),
+            op => {
+                let key = tx.get(52).map_or(0, |k| k & 0xf);
+                (op, tx[3].into(), key.into(), 0)
+            }
+        }
+    }
+
+    /// An iSCSI connection collecting a parameter list (VERIFY with BYTCHK: 1 MiB to compare
+    /// with the medium) holds it from the R2T that asks for it on, however long the initiator
+    /// takes to send it: it counts in the connection's footprint, so against the memory budget.
+    /// A list the budget cannot cover is not asked for: its command waits in rx (the
+    /// connection starved) until the memory is back, or, while a write waits for data the
+    /// initiator sends behind it, is refused (ABORTED COMMAND, retried) and that data still
+    /// comes in.
+    #[test]
+    fn an_iscsi_parameter_list_counts_against_the_memory_budget() {
+        const MB: usize = 1 << 20;
+        let mut ring = Ring::new(8).unwrap();
+        // Covered: asked for and counted.
+        let budget = Budget::new(8 * MB);
+        let (mut c, _peer) = iscsi_conn("m=mem:4M", &budget, 4 * MB);
+        c.settle_memory();
+        let before = c.footprint();
+        feed(&mut c, &mut ring, &iscsi_cmd(1, 0, &VERIFY_1M, MB as u32));
+        assert_eq!(
+            iscsi_answer(&take_tx(&mut c)),
+            (0x31, 0x8000_0000, 0, MB as u32)
+        );
+        assert!(
+            c.footprint() >= before + MB,
+            "{} of {before}",
+            c.footprint()
+        );
+        c.settle_memory();
+        assert!(budget.used() >= c.footprint(), "{} charged", budget.used());
+        // Not covered (another holds most of the budget): it waits, unread, until it is.
+        let budget = Budget::new(8 * MB);
+        let (mut c, _peer) = iscsi_conn("m=mem:4M", &budget, 4 * MB);
+        let other = Account::reserve(&budget, 5 * MB + MB / 2, 8 * MB).unwrap();
+        let verify = iscsi_cmd(1, 0, &VERIFY_1M, MB as u32);
+        feed(&mut c, &mut ring, &verify);
+        assert_eq!(c.rx_end - c.rx_start, verify.len(), "waits in rx");
+        assert!(c.starved && take_tx(&mut c).is_empty());
+        assert!(c.footprint() + 5 * MB + MB / 2 <= 6 * MB);
+        drop(other);
+        parse_frames(&mut c, 0, &mut Pusher(&mut ring));
+        assert_eq!(
+            iscsi_answer(&take_tx(&mut c)).0,
+            0x31,
+            "asked for once covered"
+        );
+        assert!(c.footprint() >= MB);
+        // Not covered while a write waits for its data: refused, and that data is taken.
+        let budget = Budget::new(8 * MB);
+        let (mut c, _peer) = iscsi_conn("m=mem:4M", &budget, 4 * MB);
+        let write = [0x2a, 0, 0, 0, 0, 0, 0, 0, 8, 0];
+        feed(&mut c, &mut ring, &iscsi_cmd(1, 0, &write, 4096));
+        let (op, slot, offset, n) = iscsi_answer(&take_tx(&mut c));
+        assert_eq!((op, offset, n), (0x31, 0, 4096));
+        let _other = Account::reserve(&budget, 5 * MB + MB / 2, 8 * MB).unwrap();
+        feed(&mut c, &mut ring, &iscsi_cmd(2, 1, &VERIFY_1M, MB as u32));
+        assert_eq!(c.rx_start, c.rx_end, "taken");
+        assert_eq!(
+            iscsi_answer(&take_tx(&mut c)),
+            (0x21, 2, 0xb, 0),
+            "ABORTED COMMAND"
+        );
+        let mut d = blkwire_wire::iscsi::Bhs::new(0x05, 0x80);
+        d.itt(1).set32(20, slot);
+        let mut data = Vec::new();
+        d.encode(&[7u8; 4096], &Default::default(), &mut data);
+        feed(&mut c, &mut ring, &data);
+        assert_eq!(
+            iscsi_answer(&take_tx(&mut c)),
+            (0x21, 0, 0, 0),
+            "the write, GOOD"
+        );
     }
 }
