@@ -3,8 +3,9 @@
 //! per I_T nexus ([`Nexus`]); one reservation at most, of one of the six types, held by one
 //! nexus (or, for the "all registrants" types, by every registrant).
 //!
-//! Not supported: REGISTER AND MOVE, SPEC_I_PT, ALL_TG_PT, APTPL (REPORT CAPABILITIES says so
-//! and such requests are refused), and scopes other than LU_SCOPE.
+//! Not supported: REGISTER AND MOVE, SPEC_I_PT, ALL_TG_PT, APTPL (REPORT CAPABILITIES says so,
+//! and the service actions those bits belong to are refused with them set), and scopes other
+//! than LU_SCOPE.
 
 use super::sense::key;
 use super::{get_u64, put_u16, put_u32, put_u64, Command, Sense};
@@ -323,10 +324,18 @@ impl Reservations {
         }
         let res_key = get_u64(&params[0..]);
         let sa_key = get_u64(&params[8..]);
-        let flags = params[20];
-        // SPEC_I_PT (bit 3), ALL_TG_PT (bit 2), APTPL (bit 0) are not supported (SIP_C, ATP_C,
-        // PTPL_C = 0 in REPORT CAPABILITIES).
-        if flags & 0x0D != 0 {
+        // SPEC_I_PT (bit 3) belongs to REGISTER alone and is refused with any other service
+        // action; ALL_TG_PT (bit 2) and APTPL (bit 0) belong to REGISTER and REGISTER AND IGNORE
+        // EXISTING KEY and the others ignore them (SPC-4 PERSISTENT RESERVE OUT parameter list):
+        // an initiator may leave APTPL set on every command after registering with it. None of
+        // the three is supported (SIP_C, ATP_C, PTPL_C = 0 in REPORT CAPABILITIES), so where
+        // they count, set to one, they are INVALID FIELD IN PARAMETER LIST.
+        let counted = match sa {
+            sa_out::REGISTER | sa_out::REGISTER_AND_IGNORE => 0x0D,
+            _ => 0x08,
+        };
+        let flags = params[20] & counted;
+        if flags != 0 {
             let bit = if flags & 0x08 != 0 {
                 3
             } else if flags & 0x04 != 0 {
@@ -598,6 +607,64 @@ mod tests {
         let e = pr.reserve_out(&a, sa_out::REGISTER, 0, 0, &p);
         assert!(matches!(e, Err(Outcome::Sense(s)) if s.asc == 0x26));
         assert!(pr.reserve_in(4, 100).is_err());
+    }
+
+    /// APTPL and ALL_TG_PT count for REGISTER and REGISTER AND IGNORE EXISTING KEY only (refused
+    /// there, being unsupported) and are ignored by the other service actions; SPEC_I_PT is
+    /// refused with every service action (SPC-4 PERSISTENT RESERVE OUT parameter list).
+    #[test]
+    fn parameter_list_flags_count_only_for_the_actions_they_belong_to() {
+        let mut pr = Reservations::new();
+        let a = nexus(1);
+        let with = |res_key: u64, sa_key: u64, flags: u8| {
+            let mut p = out_parameters(res_key, sa_key);
+            p[20] = flags;
+            p
+        };
+        let refused_at = |bit: u8| {
+            Err(Outcome::Sense(
+                Sense::invalid_field_in_parameter_list().at_param(20, Some(bit)),
+            ))
+        };
+        for sa in [sa_out::REGISTER, sa_out::REGISTER_AND_IGNORE] {
+            assert_eq!(
+                pr.reserve_out(&a, sa, 0, 0, &with(0, 7, 0x01)),
+                refused_at(0)
+            );
+            assert_eq!(
+                pr.reserve_out(&a, sa, 0, 0, &with(0, 7, 0x04)),
+                refused_at(2)
+            );
+            assert_eq!(
+                pr.reserve_out(&a, sa, 0, 0, &with(0, 7, 0x08)),
+                refused_at(3)
+            );
+        }
+        assert!(keys(&pr).is_empty(), "nothing registered");
+        register(&mut pr, &a, 7);
+        // APTPL and ALL_TG_PT left set by an initiator that registers with them: ignored.
+        let we = kind::WRITE_EXCLUSIVE;
+        pr.reserve_out(&a, sa_out::RESERVE, 0, we, &with(7, 0, 0x05))
+            .unwrap();
+        assert!(pr.conflicts(&nexus(2), &write()));
+        pr.reserve_out(&a, sa_out::RELEASE, 0, we, &with(7, 0, 0x05))
+            .unwrap();
+        assert!(!pr.reserved());
+        for sa in [
+            sa_out::RESERVE,
+            sa_out::RELEASE,
+            sa_out::PREEMPT,
+            sa_out::CLEAR,
+        ] {
+            assert_eq!(
+                pr.reserve_out(&a, sa, 0, we, &with(7, 7, 0x08)),
+                refused_at(3),
+                "SPEC_I_PT with service action {sa}"
+            );
+        }
+        pr.reserve_out(&a, sa_out::CLEAR, 0, 0, &with(7, 0, 0x05))
+            .unwrap();
+        assert!(keys(&pr).is_empty(), "CLEAR ran");
     }
 
     #[test]
