@@ -251,11 +251,13 @@ fuzz_target!(|data: &[u8]| {
             SetupLun {
                 lun: 0,
                 export: export.clone(),
+                size: export.size(),
                 copy,
                 reservations: Lu::detached(),
             },
             SetupLun {
                 lun: 3,
+                size: other.size(),
                 export: other,
                 copy,
                 reservations: Lu::detached(),
@@ -265,7 +267,7 @@ fuzz_target!(|data: &[u8]| {
         initiator: "iqn.fuzz".into(),
         isid: [0; 6],
         max_io: MAX_IO,
-        peers: vec![("m".into(), lun_info(&export, MAX_IO, true))],
+        peers: vec![("m".into(), lun_info(&export, export.size(), MAX_IO, true))],
     });
     fe.attached();
     let refuse = mode & 128 != 0;

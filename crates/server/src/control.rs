@@ -977,7 +977,7 @@ fn iscsi_target_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
     let portals = r.iscsi.portals();
     let max_io = r.limits().max_io;
     let lun = |n: u64, e: &Arc<blkwire_backend::Export>| {
-        let info = crate::frontend::iscsi::lun_info(e, max_io, false);
+        let info = crate::frontend::iscsi::lun_info(e, e.size(), max_io, false);
         json!({
             "lun": n,
             "export": e.name,

@@ -150,6 +150,8 @@ pub struct SetupLun {
     pub lun: u64,
     /// The export behind it.
     pub export: std::sync::Arc<Export>,
+    /// The export's size its session was admitted with (`Admitted::size`): the LU's size.
+    pub size: u64,
     /// What one copy into it may do (its session's grant).
     pub copy: CopyLimits,
     /// The persistent reservations of that export (`crate::reservations`).
@@ -515,8 +517,12 @@ pub struct Iscsi {
 }
 
 /// What the LU of `e` is, as the SCSI layer answers for it (as LUN 0: a caller serving it at
-/// another LUN sets `lun`). `copy`: EXTENDED COPY is granted.
-pub fn lun_info(e: &Export, max_io: u32, copy: bool) -> LunInfo {
+/// another LUN sets `lun`), `size` bytes long. `copy`: EXTENDED COPY is granted.
+///
+/// For a session's LU, `size` is the size the session was admitted with (`Admitted::size`), which
+/// its executor holds I/O to: read again from the export it may be larger after an
+/// `export_resize`, and READ CAPACITY would offer blocks every access to which is refused.
+pub fn lun_info(e: &Export, size: u64, max_io: u32, copy: bool) -> LunInfo {
     let caps = e.capabilities();
     let (logical, _) = e.backend().block_sizes();
     // The block is also the unit the executor admits I/O in: an O_DIRECT export of a
@@ -534,7 +540,7 @@ pub fn lun_info(e: &Export, max_io: u32, copy: bool) -> LunInfo {
     LunInfo {
         lun: 0,
         block_size,
-        blocks: e.size() >> shift,
+        blocks: size >> shift,
         read_only: e.read_only,
         write_cache: caps.flush.available(),
         fua: caps.fua.available(),
@@ -570,7 +576,7 @@ impl Iscsi {
             .luns
             .iter()
             .map(|l| {
-                let mut info = lun_info(&l.export, s.max_io, l.copy.enabled());
+                let mut info = lun_info(&l.export, l.size, s.max_io, l.copy.enabled());
                 info.lun = l.lun;
                 Lu {
                     shift: info.block_size.trailing_zeros(),
@@ -2592,13 +2598,13 @@ mod tests {
     #[test]
     fn the_block_is_the_unit_the_export_takes_io_in() {
         let plain = Export::open(&ExportSpec::parse("m=mem:1M").unwrap()).unwrap();
-        assert_eq!(lun_info(&plain, 1 << 20, false).block_size, 512);
+        assert_eq!(lun_info(&plain, 1 << 20, 1 << 20, false).block_size, 512);
         let direct = Export::new(
             "d",
             Arc::new(blkwire_backend::testing::Direct512(plain.backend().clone())),
             false,
         );
-        let info = lun_info(&direct, 1 << 20, false);
+        let info = lun_info(&direct, direct.size(), 1 << 20, false);
         assert_eq!(u64::from(info.block_size), direct.alignment());
         assert_eq!(info.blocks, (1 << 20) / 4096);
     }
@@ -2608,11 +2614,15 @@ mod tests {
     fn fe_luns(max_burst: u32, luns: &[(u64, &str)]) -> Iscsi {
         let luns = luns
             .iter()
-            .map(|&(lun, spec)| SetupLun {
-                lun,
-                export: Arc::new(Export::open(&ExportSpec::parse(spec).unwrap()).unwrap()),
-                copy: CopyLimits::default(),
-                reservations: PrLu::detached(),
+            .map(|&(lun, spec)| {
+                let export = Arc::new(Export::open(&ExportSpec::parse(spec).unwrap()).unwrap());
+                SetupLun {
+                    lun,
+                    size: export.size(),
+                    export,
+                    copy: CopyLimits::default(),
+                    reservations: PrLu::detached(),
+                }
             })
             .collect();
         setup(max_burst, "iqn.test", luns)
@@ -2623,6 +2633,7 @@ mod tests {
         let luns = vec![SetupLun {
             lun: 0,
             export: Arc::new(Export::open(&ExportSpec::parse("m=mem:1M").unwrap()).unwrap()),
+            size: 1 << 20,
             copy: CopyLimits::default(),
             reservations: lu,
         }];
@@ -2733,6 +2744,34 @@ mod tests {
         let inquiry = [0x12, 0, 0, 0, 96, 0];
         f.decode(&cmd_lun(7, 13, 5, &inquiry, 96), &mut tx);
         assert_eq!((tx[0], tx[BHS_LEN]), (op::DATA_IN, 0x7f));
+    }
+
+    /// An LU is as large as its session was admitted with, whatever its export grew to before
+    /// the connection was set up (`export_resize` during the login): READ CAPACITY reports the
+    /// admitted size, and a READ past it is LOGICAL BLOCK ADDRESS OUT OF RANGE, refused where
+    /// the session's executor would refuse it.
+    #[test]
+    fn an_lu_is_the_size_its_session_was_admitted_with() {
+        let export = Arc::new(Export::open(&ExportSpec::parse("g=null:1M").unwrap()).unwrap());
+        let admitted = export.size();
+        assert_eq!(export.resize(2 << 20), Ok(1 << 20));
+        let lun = SetupLun {
+            lun: 0,
+            export,
+            size: admitted,
+            copy: CopyLimits::default(),
+            reservations: PrLu::detached(),
+        };
+        let mut f = setup(65536, "iqn.test", vec![lun]);
+        let mut tx = Vec::new();
+        let rc10 = [0x25, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        f.decode(&cmd(1, 0, &rc10, 8, false, &[]), &mut tx);
+        assert_eq!((tx[0], be32(&tx, BHS_LEN)), (op::DATA_IN, 2047));
+        tx.clear();
+        // READ(10) of block 2048, the first past the admitted end.
+        let past = [0x28, 0, 0, 0, 0x08, 0x00, 0, 0, 1, 0];
+        f.decode(&cmd(2, 1, &past, 512, false, &[]), &mut tx);
+        assert_eq!(sense(&tx), (0x5, 0x21, 0x00));
     }
 
     #[test]
@@ -4076,6 +4115,7 @@ mod tests {
         let lun = |n: u64, spec: &str, copy: CopyLimits| SetupLun {
             lun: n,
             export: Arc::new(Export::open(&ExportSpec::parse(spec).unwrap()).unwrap()),
+            size: 1 << 20,
             copy,
             reservations: PrLu::detached(),
         };
@@ -4577,6 +4617,7 @@ mod tests {
             let lun = |n: u64, e: &Arc<Export>, r: &Arc<PrLu>| SetupLun {
                 lun: n,
                 export: e.clone(),
+                size: e.size(),
                 copy: CopyLimits::default(),
                 reservations: r.clone(),
             };
@@ -4638,6 +4679,7 @@ mod tests {
         let lun = |n: u64, e: &Arc<Export>| SetupLun {
             lun: n,
             export: e.clone(),
+            size: e.size(),
             copy: CopyLimits::default(),
             reservations: table.lu(e),
         };

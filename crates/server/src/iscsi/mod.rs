@@ -1063,7 +1063,7 @@ fn finish<S: Read + Write>(
     let peers = registry
         .open_to(l.proven.as_deref(), &addr)
         .iter()
-        .map(|e| (e.name.clone(), lun_info(e, max_io, false)))
+        .map(|e| (e.name.clone(), lun_info(e, e.size(), max_io, false)))
         .collect();
     let fe = Iscsi::new(IscsiSetup {
         peers,
@@ -1077,6 +1077,9 @@ fn finish<S: Read + Write>(
             .map(|((lun, e), a)| SetupLun {
                 lun: *lun,
                 export: e.clone(),
+                // What the session's executor holds its I/O to, whatever the export has grown
+                // to since it was admitted.
+                size: a.size,
                 copy: a.copy,
                 reservations: registry.reservations.lu(e),
             })
