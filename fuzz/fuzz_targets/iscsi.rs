@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use blkwire_backend::{Export, ExportSpec};
-use blkwire_server::frontend::iscsi::{lun_info, Iscsi, IscsiSetup, SetupLun};
+use blkwire_server::frontend::iscsi::{lun_info, Iscsi, IscsiSetup, Peer, SetupLun};
 use blkwire_server::frontend::{Decoded, Kind, ReadFraming, StreamFrontend};
 use blkwire_server::iscsi::Negotiated;
 use blkwire_server::reservations::Lu;
@@ -267,7 +267,11 @@ fuzz_target!(|data: &[u8]| {
         initiator: "iqn.fuzz".into(),
         isid: [0; 6],
         max_io: MAX_IO,
-        peers: vec![("m".into(), lun_info(&export, export.size(), MAX_IO, true))],
+        peers: vec![Peer {
+            name: "m".into(),
+            info: lun_info(&export, export.size(), MAX_IO, true),
+            reservations: Lu::detached(),
+        }],
     });
     fe.attached();
     let refuse = mode & 128 != 0;

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use blkwire_wire::iscsi::{op, Digests, RESERVED_TAG};
-use common::iscsi_host::{login, Conn};
+use common::iscsi_host::{login, login_as, Conn};
 use common::{cli, random_bytes, sha256, sparse_file, Target, TempDir};
 
 const MIB: u64 = 1 << 20;
@@ -154,7 +154,8 @@ fn extended_copy(c: &mut Conn, list: &[u8]) -> (u8, Option<(u8, u8, u8)>) {
                 c.data_out(itt, ttt, at, at + len, list);
             }
             op::SCSI_RSP => {
-                let sense = (r.bhs[3] != 0).then(|| (r.data[4] & 0x0f, r.data[14], r.data[15]));
+                // Sense data comes with CHECK CONDITION only (not RESERVATION CONFLICT).
+                let sense = (r.bhs[3] == 2).then(|| (r.data[4] & 0x0f, r.data[14], r.data[15]));
                 return (r.bhs[3], sense);
             }
             other => panic!("unexpected opcode {other:#x} during EXTENDED COPY"),
@@ -228,6 +229,67 @@ fn extended_copy_between_block_sizes_copies_the_bytes_asked() {
     let list = copy_list([big_t, small_t], 7, true, 0, 0);
     assert_eq!(extended_copy(&mut small, &list), (2, Some((5, 0x26, 0))));
     assert!(small.read(0, 128).0 == want_small, "a refused copy wrote");
+}
+
+/// PERSISTENT RESERVE OUT with its 24-byte parameter list as immediate data: the status.
+fn prout(c: &mut Conn, sa: u8, kind: u8, res_key: u64, sa_key: u64) -> u8 {
+    let cdb = [0x5f, sa, kind, 0, 0, 0, 0, 0, 24, 0];
+    let p = blkwire_wire::scsi::pr::out_parameters(res_key, sa_key);
+    let (_, pdu) = c.command(&cdb, 24, true, &p);
+    c.send(&pdu).unwrap();
+    let r = c.recv().expect("a response to PERSISTENT RESERVE OUT");
+    assert_eq!(r.opcode(), op::SCSI_RSP, "PERSISTENT RESERVE OUT");
+    r.bhs[3]
+}
+
+/// Initiator X reserves export B Exclusive Access; initiator Y, whose READ of B is a
+/// RESERVATION CONFLICT, logs in to export A (reserved by nobody) and sends it an EXTENDED COPY
+/// from B: RESERVATION CONFLICT too, and A keeps its data. Once X releases B the same copy runs.
+#[test]
+fn extended_copy_does_not_read_an_export_another_initiator_holds_exclusive() {
+    use blkwire_wire::scsi::pr::{kind, sa_out};
+    const CONFLICT: u8 = 0x18;
+    let (_t, urls) = Target::start_listeners(
+        &["a=mem:64K", "b=mem:64K"],
+        &["--listen", "iscsi://127.0.0.1:0"],
+    );
+    let iscsi = urls
+        .iter()
+        .find_map(|u| u.strip_prefix("iscsi://"))
+        .unwrap_or_else(|| panic!("no iscsi:// listener among {urls:?}"));
+    let target = |export: &str| format!("iqn.2026-11.io.blkwire:{export}");
+    let mut x = login_as(
+        iscsi,
+        &target("b"),
+        Digests::default(),
+        "iqn.2026-11.test:x",
+    );
+    let secret = random_bytes(4096, 31);
+    assert_eq!(x.write(0, &secret), 0);
+    assert_eq!(prout(&mut x, sa_out::REGISTER, 0, 0, 0xAA), 0);
+    let ea = kind::EXCLUSIVE_ACCESS;
+    assert_eq!(prout(&mut x, sa_out::RESERVE, ea, 0xAA, 0), 0);
+    let mut y_b = login_as(
+        iscsi,
+        &target("b"),
+        Digests::default(),
+        "iqn.2026-11.test:y",
+    );
+    assert_eq!(y_b.read(0, 8).1, CONFLICT, "Y may not read B");
+    let b_t = copy_target(naa(&mut y_b), 512);
+    let mut y = login_as(
+        iscsi,
+        &target("a"),
+        Digests::default(),
+        "iqn.2026-11.test:y",
+    );
+    let before = y.read(0, 8).0;
+    let list = copy_list([b_t, copy_target(naa(&mut y), 512)], 8, false, 0, 0);
+    assert_eq!(extended_copy(&mut y, &list), (CONFLICT, None));
+    assert!(y.read(0, 8).0 == before, "B's data reached A");
+    assert_eq!(prout(&mut x, sa_out::RELEASE, ea, 0xAA, 0), 0);
+    assert_eq!(extended_copy(&mut y, &list), (0, None));
+    assert!(y.read(0, 8).0 == secret, "released, the copy runs");
 }
 
 fn require_qemu_iscsi() {

@@ -1,6 +1,7 @@
 //! Persistent reservations (SPC-4 persistent reservations) shared by every I_T nexus of an
 //! export, whichever reactor serves it: one authoritative [`Reservations`] per export under a
-//! mutex that only PERSISTENT RESERVE IN/OUT take (rare admin commands), and, on the data path,
+//! mutex that only PERSISTENT RESERVE IN/OUT and EXTENDED COPY (for its sources) take (rare
+//! commands), and, on the data path,
 //! an [`Access`](blkwire_wire::scsi::pr::Access) per connection, worked out from an immutable
 //! snapshot the reactors hand every connection by message ([`Update`]; docs/ARCHITECTURE.md,
 //! "Persistent reservations across reactors").
@@ -20,7 +21,7 @@ use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use blkwire_backend::Export;
-use blkwire_wire::scsi::pr::{Nexus, Outcome, Reservations};
+use blkwire_wire::scsi::pr::{Access, Nexus, Outcome, Reservations};
 use blkwire_wire::scsi::Sense;
 
 use crate::reactor::Msg;
@@ -90,6 +91,14 @@ impl Lu {
             version: st.version,
             snapshot: st.pr.reserved().then(|| Arc::new(st.pr.clone())),
         }
+    }
+
+    /// What `who` may do under the state now, read under the lock: for an export a command
+    /// reaches besides the LU it was sent to (an EXTENDED COPY's source), of which the
+    /// connection holds no snapshot. A change committed before this read is seen, whether or
+    /// not every reactor has installed it yet.
+    pub fn access(&self, who: &Nexus) -> Access {
+        self.lock().pr.access(who)
     }
 
     /// PERSISTENT RESERVE IN (SPC-4): the parameter data, at most `alloc_len` bytes.

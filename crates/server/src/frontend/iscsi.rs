@@ -113,8 +113,19 @@ pub struct IscsiSetup {
     pub isid: [u8; 6],
     /// Largest transfer.
     pub max_io: u32,
-    /// The exports this initiator may open, as LUNs (EXTENDED COPY sources), by name.
-    pub peers: Vec<(String, LunInfo)>,
+    /// The exports this initiator may open (EXTENDED COPY sources).
+    pub peers: Vec<Peer>,
+}
+
+/// An export this initiator may open, as an EXTENDED COPY source.
+pub struct Peer {
+    /// Its name, by which a COPY part names its source.
+    pub name: String,
+    /// It as a LUN (its NAA is how a parameter list names it).
+    pub info: LunInfo,
+    /// Its persistent reservations: they bind what EXTENDED COPY reads of it as they bind a
+    /// READ of it from the same nexus.
+    pub reservations: std::sync::Arc<PrLu>,
 }
 
 /// The persistent reservations of one LU the connection reaches (`crate::reservations`).
@@ -492,8 +503,8 @@ pub struct Iscsi {
     /// send (§11.5.1), is dropped until its F bit, also once the slot (the TTT) serves another
     /// write. At most `depth`; those of an ITT are forgotten when a command reuses it.
     given_up: Vec<(u32, u32)>,
-    /// The exports this initiator may open, as LUNs: EXTENDED COPY finds its source here.
-    peers: Vec<(String, LunInfo)>,
+    /// The exports this initiator may open: EXTENDED COPY finds its source here.
+    peers: Vec<Peer>,
     xlimits: xcopy::Limits,
     /// Results of EXTENDED COPY for RECEIVE COPY RESULTS.
     history: xcopy::History,
@@ -1511,8 +1522,12 @@ impl Iscsi {
             } => return self.reserve_out(itt, (service_action, scope, kind), list, res, len, tx),
             Command::ExtendedCopy { .. } => match self.copy_parts(list, &mut parts) {
                 Ok(p) => plan = Some((p, 0)),
-                Err(s) => {
+                Err(pr::Outcome::Sense(s)) => {
                     self.response(itt, CHECK_CONDITION, Some(&s), res, tx);
+                    return Decoded::Answered { len };
+                }
+                Err(pr::Outcome::ReservationConflict) => {
+                    self.response(itt, RESERVATION_CONFLICT, None, res, tx);
                     return Decoded::Answered { len };
                 }
             },
@@ -1605,23 +1620,25 @@ impl Iscsi {
     }
 
     /// An EXTENDED COPY parameter list as COPY parts: each segment into this LUN from a LUN
-    /// this initiator may open, in pieces the session's copy grant allows.
+    /// this initiator may open, in pieces the session's copy grant allows. RESERVATION
+    /// CONFLICT when a source's reservation refuses this nexus a READ of it.
     fn copy_parts(
         &self,
         list: &[u8],
         parts: &mut Vec<(Kind, u64, u32, IoFlags, Option<CopyDescriptor>)>,
-    ) -> Result<xcopy::Plan, Sense> {
+    ) -> Result<xcopy::Plan, pr::Outcome> {
         let plan = xcopy::parse(list, &self.xlimits)?;
-        let find = |naa: u64| -> Option<(&str, &LunInfo)> {
+        // A source other than this LU comes with its reservations.
+        let find = |naa: u64| -> Option<(&str, &LunInfo, Option<&PrLu>)> {
             if naa == self.lu().info.naa {
-                return Some(("", &self.lu().info));
+                return Some(("", &self.lu().info, None));
             }
             self.peers
                 .iter()
-                .find(|(_, l)| l.naa == naa)
-                .map(|(n, l)| (n.as_str(), l))
+                .find(|p| p.info.naa == naa)
+                .map(|p| (p.name.as_str(), &p.info, Some(&*p.reservations)))
         };
-        plan.check(&self.xlimits, |t| find(t.naa).map(|(_, l)| l))?;
+        plan.check(&self.xlimits, |t| find(t.naa).map(|(_, l, _)| l))?;
         let piece = self
             .lu()
             .copy
@@ -1633,9 +1650,24 @@ impl Iscsi {
             let dst = plan.targets[seg.dst as usize];
             if dst.naa != self.lu().info.naa {
                 // The copy manager writes into its own LU only.
-                return Err(xcopy::target_not_reachable());
+                return Err(xcopy::target_not_reachable().into());
             }
-            let (name, lu) = find(src.naa).ok_or_else(xcopy::target_not_reachable)?;
+            let (name, lu, reservations) = find(src.naa).ok_or_else(xcopy::target_not_reachable)?;
+            // The copy reads its source on this nexus's behalf: a reservation that refuses
+            // this nexus a READ of that export (an Exclusive Access type it does not hold)
+            // refuses the command, before any part of it runs. This LU, source or destination,
+            // was checked when the command came, as every command is; other exports have no
+            // snapshot on this connection, so their state is read under its lock.
+            if let Some(r) = reservations {
+                let read = Command::Read {
+                    lba: seg.src_lba,
+                    blocks: 0,
+                    fua: false,
+                };
+                if r.access(&self.pr[self.cur].nexus).conflicts(&read) {
+                    return Err(pr::Outcome::ReservationConflict);
+                }
+            }
             let src_shift = lu.block_size.trailing_zeros();
             let mut from = seg.src_lba << src_shift;
             let mut to = seg.dst_lba << self.lu().shift;
@@ -2641,7 +2673,11 @@ mod tests {
     }
 
     fn setup(max_burst: u32, initiator: &str, luns: Vec<SetupLun>) -> Iscsi {
-        Iscsi::new(IscsiSetup {
+        Iscsi::new(setup_of(max_burst, initiator, luns))
+    }
+
+    fn setup_of(max_burst: u32, initiator: &str, luns: Vec<SetupLun>) -> IscsiSetup {
+        IscsiSetup {
             neg: Negotiated {
                 max_burst,
                 first_burst: 8192,
@@ -2658,7 +2694,7 @@ mod tests {
             isid: [0; 6],
             max_io: 1 << 20,
             peers: Vec::new(),
-        })
+        }
     }
 
     fn cmd(itt: u32, cmdsn: u32, cdb: &[u8], edtl: u32, write: bool, data: &[u8]) -> Vec<u8> {
@@ -3760,9 +3796,11 @@ mod tests {
             Arc::new(blkwire_backend::testing::Direct512(plain.backend().clone())),
             false,
         );
+        let direct = Arc::new(direct);
         let lun = SetupLun {
             lun: 0,
-            export: Arc::new(direct),
+            size: direct.size(),
+            export: direct,
             copy: CopyLimits::default(),
             reservations: PrLu::detached(),
         };
@@ -4018,6 +4056,7 @@ mod tests {
         let lun = || SetupLun {
             lun: 0,
             export: Arc::new(Export::open(&ExportSpec::parse("w=mem:1M").unwrap()).unwrap()),
+            size: 1 << 20,
             copy: grant,
             reservations: PrLu::detached(),
         };
@@ -4100,6 +4139,100 @@ mod tests {
         f.encode_read(&req, &vec![0u8; N as usize], &mut tx);
         assert_eq!((tx[0], tx[3]), (op::SCSI_RSP, GOOD));
         assert_eq!(f.held(), 0);
+    }
+
+    /// The EXTENDED COPY parameter list of one block-to-block segment from the LU of NAA `src`
+    /// into the LU of NAA `dst` (512-byte blocks each): `blocks` from LBA 0 to LBA 0.
+    fn xcopy_between(src: u64, dst: u64, blocks: u16) -> Vec<u8> {
+        let mut v = vec![0u8; 16];
+        v[1] = 0x18; // no list identifier
+        v[3] = 64;
+        v[11] = 28;
+        for naa in [src, dst] {
+            let mut t = [0u8; 32];
+            t[0] = 0xE4;
+            t[4..8].copy_from_slice(&[0x01, 0x03, 0x00, 0x08]);
+            t[8..16].copy_from_slice(&naa.to_be_bytes());
+            t[30] = 0x02; // 512
+            v.extend_from_slice(&t);
+        }
+        let mut s = [0u8; 28];
+        s[0] = 0x02;
+        s[3] = 0x18;
+        s[7] = 1; // the destination is target descriptor 1
+        s[10..12].copy_from_slice(&blocks.to_be_bytes());
+        v.extend_from_slice(&s);
+        v
+    }
+
+    /// An EXTENDED COPY whose source is another export that an initiator holds under Exclusive
+    /// Access is refused with RESERVATION CONFLICT to the others, as a READ of it would be,
+    /// though the LU it was sent to is not reserved; once the reservation is released the same
+    /// copy runs.
+    #[test]
+    fn extended_copy_from_an_export_another_initiator_reserved_is_a_reservation_conflict() {
+        let export =
+            |spec: &str| Arc::new(Export::open(&ExportSpec::parse(spec).unwrap()).unwrap());
+        let (a, b) = (export("a=mem:1M"), export("b=mem:1M"));
+        let table = crate::reservations::Table::default();
+        let grant = CopyLimits {
+            max_bytes: 16 << 20,
+            max_range: 16 << 20,
+            max_ranges: 8,
+        };
+        let lun = |e: &Arc<Export>| SetupLun {
+            lun: 0,
+            export: e.clone(),
+            size: e.size(),
+            copy: grant,
+            reservations: table.lu(e),
+        };
+        // X logs in to B and reserves it, Exclusive Access.
+        let mut x = setup(65536, "iqn.test:x", vec![lun(&b)]);
+        let mut tx = Vec::new();
+        let reg = cmd(1, 0, &prout(0, 0), 24, true, &pr::out_parameters(0, 0xAA));
+        assert!(matches!(x.decode(&reg, &mut tx), Decoded::Answered { .. }));
+        let ea = pr::kind::EXCLUSIVE_ACCESS;
+        let res = cmd(2, 1, &prout(1, ea), 24, true, &pr::out_parameters(0xAA, 0));
+        let Decoded::Request { req, .. } = x.decode(&res, &mut tx) else {
+            panic!("a broadcast request");
+        };
+        assert_eq!(req.kind, Kind::Broadcast);
+        // Y logs in to A, whose LUN 0 nobody reserved, with B among the exports it may open.
+        let mut y = Iscsi::new(IscsiSetup {
+            peers: vec![Peer {
+                name: "b".into(),
+                info: lun_info(&b, b.size(), 1 << 20, false),
+                reservations: table.lu(&b),
+            }],
+            ..setup_of(65536, "iqn.test:y", vec![lun(&a)])
+        });
+        y.attached();
+        let list = xcopy_between(y.peers[0].info.naa, y.luns[0].info.naa, 8);
+        let mut xcopy = [0u8; 16];
+        xcopy[0] = 0x83;
+        xcopy[13] = list.len() as u8;
+        tx.clear();
+        let pdu = cmd(3, 0, &xcopy, list.len() as u32, true, &list);
+        assert!(matches!(y.decode(&pdu, &mut tx), Decoded::Answered { .. }));
+        assert_eq!(
+            (tx[0], tx[3], be32(&tx, 16)),
+            (op::SCSI_RSP, RESERVATION_CONFLICT, 3),
+            "B's data must not reach A"
+        );
+        assert!(y.queued.is_empty() && y.compound.is_none(), "nothing runs");
+        // Released: the same copy runs, from B.
+        let rel = cmd(4, 2, &prout(2, ea), 24, true, &pr::out_parameters(0xAA, 0));
+        x.pending = None;
+        assert!(matches!(x.decode(&rel, &mut tx), Decoded::Request { .. }));
+        tx.clear();
+        let pdu = cmd(5, 1, &xcopy, list.len() as u32, true, &list);
+        let Decoded::Request { req, .. } = y.decode(&pdu, &mut tx) else {
+            panic!("EXTENDED COPY refused: {tx:?}");
+        };
+        assert_eq!((req.kind, req.length), (Kind::Copy, 8 * 512));
+        let desc = y.copy_descriptor(&req, &[]).expect("its descriptor");
+        assert_eq!(desc.source, "b");
     }
 
     /// A read-only LUN beside a writable one, on one connection: the copy manager's MAXIMUM

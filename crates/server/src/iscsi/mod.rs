@@ -33,7 +33,7 @@ use blkwire_wire::iscsi::{
     RESERVED_TAG,
 };
 
-use crate::frontend::iscsi::{lun_info, Iscsi, IscsiSetup, SetupLun};
+use crate::frontend::iscsi::{lun_info, Iscsi, IscsiSetup, Peer, SetupLun};
 use crate::frontend::StreamFrontend;
 use crate::log::Level;
 use crate::session::{Admitted, Owner, Registry};
@@ -1059,11 +1059,16 @@ fn finish<S: Read + Write>(
         l.neg.digests.data
     );
     let max_io = admitted.iter().map(|a| a.max_io).min().unwrap_or(max_io);
-    // The LUNs an EXTENDED COPY may read from: what this initiator may open.
+    // The LUNs an EXTENDED COPY may read from: what this initiator may open, each with its
+    // reservations (which bind the copy's reads of it).
     let peers = registry
         .open_to(l.proven.as_deref(), &addr)
         .iter()
-        .map(|e| (e.name.clone(), lun_info(e, e.size(), max_io, false)))
+        .map(|e| Peer {
+            name: e.name.clone(),
+            info: lun_info(e, e.size(), max_io, false),
+            reservations: registry.reservations.lu(e),
+        })
         .collect();
     let fe = Iscsi::new(IscsiSetup {
         peers,

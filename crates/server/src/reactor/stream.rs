@@ -3057,9 +3057,11 @@ mod tests {
         use crate::frontend::iscsi::{Iscsi, IscsiSetup, SetupLun};
         let (mut c, peer) = conn_budget(spec, false, cap);
         c.mem = Account::reserve(budget, 0, cap).unwrap();
+        let export = c.targets[0].exec.export().clone();
         let lun = SetupLun {
             lun: 0,
-            export: c.targets[0].exec.export().clone(),
+            size: export.size(),
+            export,
             copy: Default::default(),
             reservations: crate::reservations::Lu::detached(),
         };
