@@ -93,8 +93,15 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             // Decoded from a message that needed no slot (`next_is_data`: iSCSI Data-Out that
             // completes a parameter list makes UNMAP's first part, say) while none is free: it
             // waits untaken, as for memory, until a completion frees one (`take_slot` counts
-            // on one).
-            if req.slot.is_none() && c.fe.server_assigns_slots() && c.free_slots.is_empty() {
+            // on one). Not a broadcast: it runs in no slot, and the change it carries is
+            // committed to the export's shared state already (iSCSI PERSISTENT RESERVE OUT);
+            // left untaken, it would be lost with a connection that dies before a slot frees,
+            // and the other connections and reactors would never see the change.
+            if req.slot.is_none()
+                && req.kind != Kind::Broadcast
+                && c.fe.server_assigns_slots()
+                && c.free_slots.is_empty()
+            {
                 break;
             }
             match request_cover(c, req, *payload_len) {
@@ -1413,8 +1420,10 @@ mod tests {
                 snapshot: None,
             }))
         }
+        /// `B` too, as iSCSI's Data-Out that completes a PERSISTENT RESERVE OUT's parameter
+        /// list makes its broadcast.
         fn next_is_data(&self, rx: &[u8]) -> bool {
-            matches!(rx.first(), Some(b'D' | b'L'))
+            matches!(rx.first(), Some(b'D' | b'L' | b'B'))
         }
         fn reply_bound(&self, rx: &[u8]) -> usize {
             match rx {
@@ -1815,6 +1824,36 @@ mod tests {
         // A late or repeated acknowledgement finds nothing.
         super::broadcast_acked(&mut c, seq, 1);
         assert!(take_tx(&mut c).is_empty());
+    }
+
+    /// A broadcast decoded while every slot is busy (from a message that needs none, as iSCSI's
+    /// Data-Out completing a PERSISTENT RESERVE OUT's parameter list) is taken at once, its
+    /// update there for the reactor to send: the change is committed already, and a connection
+    /// that died with it untaken in rx, before a slot freed, would keep it from every other
+    /// connection.
+    #[test]
+    fn a_broadcast_is_taken_while_every_slot_is_busy() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn("m=memthread:1M");
+        for i in 0..4u64 {
+            feed(&mut c, &mut ring, &read(10 + i, 0, 512));
+        }
+        assert_eq!((c.free_slots.len(), c.inflight), (0, 4));
+        let mut m = vec![b'B'];
+        m.extend_from_slice(&5u64.to_le_bytes());
+        feed(&mut c, &mut ring, &m);
+        assert_eq!(c.rx_end - c.rx_start, 0, "taken from rx");
+        assert_eq!((c.inflight, c.broadcasts.len()), (5, 1));
+        assert!(
+            c.broadcasts[0].update.is_some(),
+            "its update waits for the reactor to send it"
+        );
+        // The connection dies now: once the reads are done, the broadcast still keeps it (in
+        // flight until acknowledged).
+        c.dead = true;
+        c.closing = true;
+        settle_async_to(&mut c, &mut ring, 1);
+        assert_eq!((c.inflight, c.broadcasts.len()), (1, 1));
     }
 
     #[test]
@@ -2953,7 +2992,13 @@ mod tests {
 
     /// Waits for what a thread-completing backend has in flight and answers it.
     fn settle_async(c: &mut Conn, ring: &mut Ring) {
-        while c.inflight > 0 {
+        settle_async_to(c, ring, 0);
+    }
+
+    /// Completes backend requests until `left` requests are in flight (those that wait for
+    /// something else than the backend: a broadcast's acknowledgements).
+    fn settle_async_to(c: &mut Conn, ring: &mut Ring, left: u32) {
+        while c.inflight > left {
             let mut pfd = libc::pollfd {
                 fd: c.targets[0]
                     .exec
