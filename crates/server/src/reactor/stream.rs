@@ -17,11 +17,24 @@ use crate::log::Level;
 const SEND_IN_PLACE: usize = 64 << 10;
 
 /// Dispatches every complete message in `rx[rx_start..rx_end]`.
+/// Broadcasts (reservation changes) one connection may have on their way to the other
+/// reactors before it decodes nothing more.
+const MAX_BROADCASTS: usize = 4;
+
 pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     c.starved = false;
     run_deferred(c, idx, sq);
     loop {
         if c.dead || c.tx_backlog() >= c.tx_high_water() {
+            return;
+        }
+        // A broadcast takes no slot and no buffer, and the frontend commits its change when it
+        // decodes it: without a bound of its own, an initiator sending PERSISTENT RESERVE OUT
+        // after PERSISTENT RESERVE OUT faster than they are sent on would queue a copy of the
+        // export's reservation state per command (and its reply never goes before the
+        // reactor's turn ends). The reactor services the connection again once it sent them
+        // (`Reactor::send_broadcasts`) or an acknowledgement answers one.
+        if c.broadcasts.len() >= MAX_BROADCASTS {
             return;
         }
         // Room for small replies (status, refusals), or for what the frontend may answer the
@@ -1199,7 +1212,7 @@ mod tests {
 
     use super::super::conn::{list_bytes, Conn, Slot};
     use super::super::ring::{Pusher, Ring};
-    use super::parse_frames;
+    use super::{parse_frames, MAX_BROADCASTS};
     use crate::budget::{Account, Budget};
     use crate::executor::Executor;
     use crate::frontend::{Decoded, Kind, ReadFraming, Req, StreamFrontend};
@@ -1854,6 +1867,45 @@ mod tests {
         c.closing = true;
         settle_async_to(&mut c, &mut ring, 1);
         assert_eq!((c.inflight, c.broadcasts.len()), (1, 1));
+    }
+
+    /// Broadcasts one after another (an initiator sending PERSISTENT RESERVE OUT in a loop)
+    /// are decoded only while fewer than MAX_BROADCASTS are on their way: the rest wait in
+    /// rx, and are taken as the first are sent and answered, none lost.
+    #[test]
+    fn broadcasts_on_their_way_are_bounded() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn("m=mem:1M");
+        let mut flood = Vec::new();
+        for i in 0..64u64 {
+            flood.push(b'B');
+            flood.extend_from_slice(&i.to_le_bytes());
+        }
+        feed(&mut c, &mut ring, &flood);
+        assert_eq!(c.broadcasts.len(), MAX_BROADCASTS);
+        assert_eq!(
+            c.rx_end - c.rx_start,
+            (64 - MAX_BROADCASTS) * 9,
+            "the rest wait"
+        );
+        let mut answered = 0;
+        while c.rx_end > c.rx_start || !c.broadcasts.is_empty() {
+            // As `Reactor::send_broadcasts` with no other reactor: each is answered at once.
+            let seqs: Vec<u32> = c
+                .broadcasts
+                .iter_mut()
+                .filter_map(|b| b.update.take().map(|_| b.seq))
+                .collect();
+            assert!(!seqs.is_empty(), "nothing left to send, yet not done");
+            for seq in seqs {
+                super::broadcast_acked(&mut c, seq, 0);
+                answered += 1;
+            }
+            assert!(c.broadcasts.is_empty());
+            parse_frames(&mut c, 0, &mut Pusher(&mut ring));
+            assert!(c.broadcasts.len() <= MAX_BROADCASTS);
+        }
+        assert_eq!(answered, 64);
     }
 
     #[test]
