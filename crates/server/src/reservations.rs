@@ -2,7 +2,7 @@
 //! export, whichever reactor serves it: one authoritative [`Reservations`] per export under a
 //! mutex that only PERSISTENT RESERVE IN/OUT and EXTENDED COPY (for its sources) take (rare
 //! commands), and, on the data path,
-//! an [`Access`](blkwire_wire::scsi::pr::Access) per connection, worked out from an immutable
+//! an [`Access`] per connection, worked out from an immutable
 //! snapshot the reactors hand every connection by message ([`Update`]; docs/ARCHITECTURE.md,
 //! "Persistent reservations across reactors").
 //!
