@@ -4022,19 +4022,29 @@ mod tests {
     /// The EXTENDED COPY parameter list of one block-to-block segment within the LU of NAA
     /// `naa` (512-byte blocks): `blocks` from `src_lba` to `dst_lba`.
     fn xcopy_list(naa: u64, blocks: u16, src_lba: u64, dst_lba: u64) -> Vec<u8> {
+        xcopy_segment(&[naa], 0, blocks, src_lba, dst_lba)
+    }
+
+    /// The EXTENDED COPY parameter list of one block-to-block segment from the LU of target
+    /// descriptor 0 to that of descriptor `dst`, one descriptor per NAA of `naas` (512-byte
+    /// blocks each): `blocks` from `src_lba` to `dst_lba`.
+    fn xcopy_segment(naas: &[u64], dst: u8, blocks: u16, src_lba: u64, dst_lba: u64) -> Vec<u8> {
         let mut v = vec![0u8; 16];
         v[1] = 0x18; // no list identifier
-        v[3] = 32;
+        v[3] = 32 * naas.len() as u8;
         v[11] = 28;
-        let mut t = [0u8; 32];
-        t[0] = 0xE4;
-        t[4..8].copy_from_slice(&[0x01, 0x03, 0x00, 0x08]);
-        t[8..16].copy_from_slice(&naa.to_be_bytes());
-        t[30] = 0x02; // 512
-        v.extend_from_slice(&t);
+        for naa in naas {
+            let mut t = [0u8; 32];
+            t[0] = 0xE4;
+            t[4..8].copy_from_slice(&[0x01, 0x03, 0x00, 0x08]);
+            t[8..16].copy_from_slice(&naa.to_be_bytes());
+            t[30] = 0x02; // 512
+            v.extend_from_slice(&t);
+        }
         let mut s = [0u8; 28];
         s[0] = 0x02;
         s[3] = 0x18;
+        s[7] = dst;
         s[10..12].copy_from_slice(&blocks.to_be_bytes());
         s[12..20].copy_from_slice(&src_lba.to_be_bytes());
         s[20..28].copy_from_slice(&dst_lba.to_be_bytes());
@@ -4144,25 +4154,7 @@ mod tests {
     /// The EXTENDED COPY parameter list of one block-to-block segment from the LU of NAA `src`
     /// into the LU of NAA `dst` (512-byte blocks each): `blocks` from LBA 0 to LBA 0.
     fn xcopy_between(src: u64, dst: u64, blocks: u16) -> Vec<u8> {
-        let mut v = vec![0u8; 16];
-        v[1] = 0x18; // no list identifier
-        v[3] = 64;
-        v[11] = 28;
-        for naa in [src, dst] {
-            let mut t = [0u8; 32];
-            t[0] = 0xE4;
-            t[4..8].copy_from_slice(&[0x01, 0x03, 0x00, 0x08]);
-            t[8..16].copy_from_slice(&naa.to_be_bytes());
-            t[30] = 0x02; // 512
-            v.extend_from_slice(&t);
-        }
-        let mut s = [0u8; 28];
-        s[0] = 0x02;
-        s[3] = 0x18;
-        s[7] = 1; // the destination is target descriptor 1
-        s[10..12].copy_from_slice(&blocks.to_be_bytes());
-        v.extend_from_slice(&s);
-        v
+        xcopy_segment(&[src, dst], 1, blocks, 0, 0)
     }
 
     /// An EXTENDED COPY whose source is another export that an initiator holds under Exclusive
