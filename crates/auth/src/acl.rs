@@ -51,10 +51,16 @@ impl Acl {
         for r in s.split('+') {
             let rule = if r.is_empty() {
                 return Err("allow= has an empty rule (rules are joined by '+')".into());
-            } else if let Some((ip, _)) = r
+            } else if let Some((ip, scoped)) = r
                 .split_once('%')
                 .filter(|(ip, _)| ip.parse::<IpAddr>().is_ok())
             {
+                // What to write instead keeps a prefix length after the scope (RFC 4007's
+                // `fe80::%eth0/64`).
+                let prefix = scoped
+                    .split_once('/')
+                    .map_or(String::new(), |(_, n)| format!("/{n}"));
+                let ip = format!("{ip}{prefix}");
                 // Not a host id with a '%' in it: rules match an address on every link, and a
                 // scope kept silently as a host id would match no one (or be refused for
                 // naming a host id without keys, which says nothing of the real mistake).
@@ -258,6 +264,7 @@ mod tests {
             ("a b", "not a host id"),
             ("fe80::1%eth0", "scope (%IFACE) is not supported"),
             ("fe80::1%2+alice", "write 'fe80::1'"),
+            ("fe80::%eth0/64", "write 'fe80::/64'"),
         ] {
             let e = Acl::parse(s).unwrap_err();
             assert!(e.contains(want), "{s}: {e}");

@@ -441,11 +441,9 @@ impl DgramPort {
         self.now = Instant::now();
         if let Some(mut ring) = self.ring.take() {
             ring.take_lap(|data, from| {
-                let m = mac_of(from);
-                if is_station(m) {
-                    self.on_datagram(data, Peer::Mac(m), sq, ud);
-                } else {
-                    self.stats.bad_frames += 1;
+                let peer = Peer::Mac(mac_of(from));
+                if self.sent_by_station(peer) {
+                    self.on_datagram(data, peer, sq, ud);
                 }
             });
             self.ring = Some(ring);
@@ -489,7 +487,8 @@ impl DgramPort {
             }
             let n = r as usize;
             for i in 0..n {
-                let Some(peer) = self.peer_of(&names[i]) else {
+                let Some(peer) = self.peer_of(&names[i]).filter(|&p| self.sent_by_station(p))
+                else {
                     continue;
                 };
                 let len = msgs[i].msg_len as usize;
@@ -505,6 +504,18 @@ impl DgramPort {
             }
         }
         self.flush();
+    }
+
+    /// False, counted as a bad frame, for a frame whose source is no one station's
+    /// ([`is_station`]): dropped before it is read, on the ring and the recvmmsg paths alike.
+    fn sent_by_station(&mut self, peer: Peer) -> bool {
+        match peer {
+            Peer::Mac(m) if !is_station(m) => {
+                self.stats.bad_frames += 1;
+                false
+            }
+            _ => true,
+        }
     }
 
     fn peer_of(&self, ss: &libc::sockaddr_storage) -> Option<Peer> {
@@ -539,7 +550,7 @@ impl DgramPort {
                 if a.sll_pkttype == libc::PACKET_OUTGOING {
                     return None;
                 }
-                Some(Peer::Mac(mac_of(a))).filter(|p| matches!(p, Peer::Mac(m) if is_station(*m)))
+                Some(Peer::Mac(mac_of(a)))
             }
             _ => None,
         }
@@ -1715,11 +1726,12 @@ mod tests {
         assert_ne!(on2, on3, "the same address on two links is two peers");
     }
 
-    /// A frame from a group (broadcast, multicast) or all-zero source MAC is dropped unread: no
-    /// answer to it would reach one station, and one to broadcast floods the segment.
+    /// A frame from a group (broadcast, multicast) or all-zero source MAC is dropped unread and
+    /// counted: no answer to it would reach one station, and one to broadcast floods the
+    /// segment. Both receive paths (packet ring, recvmmsg) drop through `sent_by_station`.
     #[test]
     fn a_group_or_zero_source_mac_is_no_peer() {
-        let (dp, _peer, _) = session();
+        let (mut dp, _peer, _) = session();
         let name = |mac: [u8; 6]| {
             // SAFETY: all-zero is a valid sockaddr_storage and sockaddr_ll.
             let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
@@ -1731,15 +1743,27 @@ mod tests {
             ss
         };
         let station = [0x02, 0xaa, 0xbb, 0xcc, 0xdd, 0xee];
-        assert_eq!(dp.port.peer_of(&name(station)), Some(Peer::Mac(station)));
-        for forged in [
+        let peer = dp.port.peer_of(&name(station)).unwrap();
+        assert_eq!(peer, Peer::Mac(station));
+        assert!(dp.port.sent_by_station(peer));
+        let forged = [
             [0xff; 6],
             [0x01, 0x00, 0x5e, 0x00, 0x00, 0x01],
             [0x33, 0x33, 0x00, 0x00, 0x00, 0x01],
             [0; 6],
-        ] {
-            assert_eq!(dp.port.peer_of(&name(forged)), None, "{forged:02x?}");
+        ];
+        for m in forged {
+            let peer = dp.port.peer_of(&name(m)).unwrap();
+            assert!(!dp.port.sent_by_station(peer), "{m:02x?}");
         }
+        assert_eq!(
+            dp.port.stats.bad_frames,
+            forged.len() as u64,
+            "each counted"
+        );
+        assert!(dp
+            .port
+            .sent_by_station(Peer::Ip("127.0.0.1:9".parse().unwrap())));
     }
 
     /// A port serving export `a` (`a=mem:1M` unless given), and a session of one 8-slot queue
