@@ -510,9 +510,6 @@ pub struct Iscsi {
     history: xcopy::History,
     /// The block a WRITE SAME in progress writes (`fill`).
     pattern: Option<Vec<u8>>,
-    /// The memory budget could not cover the parameter list of the command decoded next
-    /// (`hold_covered`): `collect` refuses it.
-    hold_refused: bool,
     /// Further slots of aborted writes the reactor is to free with the one `Decoded::Release`
     /// named (`next_release`).
     releases: Vec<u16>,
@@ -656,7 +653,6 @@ impl Iscsi {
             xlimits,
             history: xcopy::History::default(),
             pattern: None,
-            hold_refused: false,
             releases: Vec::new(),
             fence: None,
             scratch: Vec::with_capacity(BHS_LEN + 64),
@@ -908,8 +904,6 @@ impl Iscsi {
             self.given_up.retain(|&(i, _)| i != itt);
         }
         let d = self.scsi_command(rx, len, p, tx);
-        // Said of this command only (`hold_covered` is told again before the next).
-        self.hold_refused = false;
         if let Some((itt, seq)) = self.announced {
             let placed =
                 matches!(&d, Decoded::Request { req, .. } if follows_of(req) && itt_of(req) == itt);
@@ -1162,9 +1156,11 @@ impl Iscsi {
             Command::Unmap { param_len } => {
                 // Only the descriptors MAXIMUM UNMAP BLOCK DESCRIPTOR COUNT allows are read: a
                 // list that says it has more is refused (`parse_unmap`) whether they came or
-                // not, so they are not asked for (the residual says what was not moved).
+                // not, so they are not asked for (the residual says what was not moved). A
+                // partial descriptor after the last one, which `parse_unmap` ignores, still
+                // comes: a list that ends with one is valid.
                 let descriptors = self.lu().info.max_unmap_descriptors as usize;
-                let most = descriptors.saturating_mul(scsi::UNMAP_DESCRIPTOR_LEN);
+                let most = (descriptors + 1).saturating_mul(scsi::UNMAP_DESCRIPTOR_LEN) - 1;
                 let most = scsi::UNMAP_HEADER_LEN.saturating_add(most);
                 let want = param_len.min(u32::try_from(most).unwrap_or(u32::MAX));
                 self.collect(itt, &c.cdb, c.edtl, want, c.data, len, tx)
@@ -1294,31 +1290,6 @@ impl Iscsi {
         self.request(req, len, carried, tail + immediate - carried)
     }
 
-    /// The most of its data a command whose CDB is `cdb` keeps in the frontend (`collect`): the
-    /// parameter list it can use (UNMAP's descriptors, WRITE SAME's block, EXTENDED COPY's
-    /// descriptors, PERSISTENT RESERVE OUT's 24 bytes), or the data VERIFY with BYTCHK and
-    /// COMPARE AND WRITE compare and write (up to MAX_PARAMS); 0 for the other commands. For
-    /// any of the connection's LUs.
-    fn list_bound(&self, cdb: &[u8]) -> u32 {
-        let most = |f: fn(&LunInfo) -> u32| self.luns.iter().map(|l| f(&l.info)).max();
-        let bound = match cdb.first() {
-            Some(&scsi::op::UNMAP) => most(|l| {
-                let n = l.max_unmap_descriptors as usize;
-                let n = n.saturating_mul(scsi::UNMAP_DESCRIPTOR_LEN);
-                u32::try_from(scsi::UNMAP_HEADER_LEN.saturating_add(n)).unwrap_or(u32::MAX)
-            }),
-            Some(&(scsi::op::WRITE_SAME_10 | scsi::op::WRITE_SAME_16)) => most(|l| l.block_size),
-            Some(&scsi::op::EXTENDED_COPY) => Some(self.xlimits.max_list_length()),
-            Some(&scsi::op::PERSISTENT_RESERVE_OUT) => Some(pr::PARAM_LEN as u32),
-            Some(&scsi::op::COMPARE_AND_WRITE) => Some(MAX_PARAMS),
-            Some(&(scsi::op::VERIFY_10 | scsi::op::VERIFY_12 | scsi::op::VERIFY_16)) => {
-                makes_parts(cdb).then_some(MAX_PARAMS)
-            }
-            _ => None,
-        };
-        bound.unwrap_or(0).min(MAX_PARAMS)
-    }
-
     /// Starts collecting a parameter list of `want` bytes (at most EDTL), from the immediate
     /// data, the unsolicited data that follows, and then R2Ts, or runs the command at once when
     /// it is all there.
@@ -1343,27 +1314,17 @@ impl Iscsi {
             self.check(itt, &Sense::aborted(), edtl, tx);
             return Decoded::Answered { len };
         }
-        if self.hold_refused && want > 0 {
-            // The memory budget cannot hold the list now (`hold_covered`): refused as a
-            // request the reactor has no memory for is, and retried by the initiator.
-            self.check(itt, &sense_of(Status::NoMemory, false), edtl, tx);
-            return Decoded::Answered { len };
-        }
         let have = immediate.len().min(want as usize);
         if have as u32 == want {
             return self.run_params(itt, cdb, edtl, &immediate[..have], len, tx);
         }
-        // All of it at once: the memory budget covered that much (`hold_bound`), and counts
-        // it (`held`) until the list is run or given up.
-        let mut data = Vec::with_capacity(want as usize);
-        data.extend_from_slice(&immediate[..have]);
         let mut p = Params {
             itt,
             target: self.cur,
             cdb: *cdb,
             edtl,
             want,
-            data,
+            data: immediate[..have].to_vec(),
             r2tsn: 0,
             seq: Seq::default(),
         };
@@ -2467,39 +2428,6 @@ impl StreamFrontend for Iscsi {
     /// The suffix is padding to four bytes, then the data digest when DataDigest is CRC32C.
     fn read_suffix_digests(&self, _req: &Req) -> bool {
         self.d.data
-    }
-
-    /// A parameter list being collected (at its full length from the start, `collect`), and
-    /// what a compound command keeps of one while its parts run.
-    fn held(&self) -> usize {
-        self.params.as_ref().map_or(0, |p| p.data.capacity())
-            + self.compare.as_ref().map_or(0, |(d, _)| d.capacity())
-            + self.pattern.as_ref().map_or(0, Vec::capacity)
-    }
-
-    /// The list a SCSI Command at the front of `rx` may collect, at most its EDTL: when
-    /// `decode` takes that command next and could keep it. Not while a list is being
-    /// collected or a compound command runs (the command is refused), nor while a request not
-    /// taken, a task management response or a held-back command comes first.
-    fn hold_bound(&self, rx: &[u8]) -> usize {
-        let first =
-            self.pending.is_some() || self.fence.as_ref().is_some_and(|f| f.waiting.is_empty());
-        if first || self.params.is_some() || self.compound.is_some() {
-            return 0;
-        }
-        let Some(bhs) = rx.get(..BHS_LEN) else {
-            return 0;
-        };
-        let cdb = &bhs[32..48];
-        if bhs[0] & 0x3f != op::SCSI_CMD || (self.hold == Hold::GivenUp && makes_parts(cdb)) {
-            return 0;
-        }
-        let edtl = u32::from_be_bytes(bhs[20..24].try_into().expect("4 bytes"));
-        self.list_bound(cdb).min(edtl) as usize
-    }
-
-    fn hold_covered(&mut self, covered: bool) {
-        self.hold_refused = !covered;
     }
 
     fn finish_read_reply(&mut self, req: &Req, prefix: &mut [u8], data: &[u8], suffix: &mut [u8]) {
@@ -4092,12 +4020,12 @@ mod tests {
         tx.clear();
         let unmap = [0x42, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 0];
         f.decode(&cmd(4, 0, &unmap, 0xffff, true, &[]), &mut tx);
-        assert_eq!((tx[0], be32(&tx, 44)), (op::R2T, 8 + 16 * 256));
+        assert_eq!((tx[0], be32(&tx, 44)), (op::R2T, 8 + 16 * 256 + 15));
         tx.clear();
         // What it asked for is the list: one descriptor, the rest padding.
         let (_, mut list) = unmap_of_two_ranges();
         list[3] = 16;
-        list.resize(8 + 16 * 256, 0);
+        list.resize(8 + 16 * 256 + 15, 0);
         let d = data_out(4, PARAM_TTT, 0, 0, &list, true);
         let Decoded::Request { req, .. } = f.decode(&d, &mut tx) else {
             panic!("the trim");
@@ -4106,49 +4034,34 @@ mod tests {
         f.taken(&req);
         assert!(f.reply(&req, Status::Ok, &mut tx));
         assert_eq!((tx[0], tx[3]), (op::SCSI_RSP, GOOD));
-        assert_eq!(be32(&tx, 44), 0xffff - (8 + 16 * 256), "the residual");
-    }
-
-    /// A parameter list the frontend collects is held at its full length from the R2T that
-    /// asks for it (`held`, which the reactor counts in the connection's footprint) until its
-    /// command is done with it. `hold_bound` tells the reactor what a command may collect
-    /// before it is decoded; one whose list the memory budget cannot cover (`hold_covered`)
-    /// is refused with ABORTED COMMAND, nothing asked for.
-    #[test]
-    fn a_parameter_list_is_held_only_as_the_budget_covers_it() {
-        const N: u32 = 256 << 10;
-        let mut f = fe(1 << 20);
-        let mut tx = Vec::new();
-        // VERIFY(10) with BYTCHK of 512 blocks: 256 KiB compared against the medium.
-        let verify = [0x2f, 0x02, 0, 0, 0, 0, 0, 0x02, 0x00, 0];
-        let pdu = cmd(1, 0, &verify, N, true, &[]);
-        assert_eq!(f.hold_bound(&pdu), N as usize);
-        assert_eq!(f.hold_bound(&cmd(9, 0, &READ10_ONE, 512, false, &[])), 0);
-        f.hold_covered(false);
-        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Answered { .. }));
-        assert_eq!(sense(&tx), (0xb, 0, 0), "refused, to be retried");
-        assert_eq!(f.held(), 0);
+        assert_eq!(be32(&tx, 44), 0xffff - (8 + 16 * 256 + 15), "the residual");
+        // The most descriptors, then part of one more (which `parse_unmap` ignores): all of it
+        // is asked for, and the list is good.
+        let mut f = setup(1 << 20, "iqn.test", vec![lun()]);
         tx.clear();
-        let pdu = cmd(2, 1, &verify, N, true, &[]);
-        f.hold_covered(true);
-        f.decode(&pdu, &mut tx);
-        assert_eq!((tx[0], be32(&tx, 44)), (op::R2T, N));
-        assert_eq!(f.held(), N as usize, "held from its R2T on");
-        assert_eq!(
-            f.hold_bound(&cmd(3, 2, &verify, N, true, &[])),
-            0,
-            "another list is refused while this one is collected"
-        );
+        let mut list = vec![0u8; 8 + 16 * 256 + 8];
+        let n = list.len() as u16;
+        list[0..2].copy_from_slice(&(n - 2).to_be_bytes());
+        list[2..4].copy_from_slice(&(n - 8).to_be_bytes());
+        for i in 0..256usize {
+            let d = &mut list[8 + 16 * i..8 + 16 * (i + 1)];
+            d[..8].copy_from_slice(&(2 * i as u64).to_be_bytes());
+            d[8..12].copy_from_slice(&1u32.to_be_bytes());
+        }
+        let mut unmap = [0x42, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        unmap[7..9].copy_from_slice(&n.to_be_bytes());
+        f.decode(&cmd(5, 0, &unmap, n.into(), true, &[]), &mut tx);
+        assert_eq!((tx[0], be32(&tx, 44)), (op::R2T, n.into()), "all of it");
         tx.clear();
-        let d = data_out(2, PARAM_TTT, 0, 0, &vec![0u8; N as usize], true);
+        let d = data_out(5, PARAM_TTT, 0, 0, &list, true);
         let Decoded::Request { req, .. } = f.decode(&d, &mut tx) else {
-            panic!("the read to compare with");
+            panic!("refused: {tx:?}");
         };
-        assert_eq!(f.held(), N as usize, "the data to compare");
-        f.taken(&req);
-        f.encode_read(&req, &vec![0u8; N as usize], &mut tx);
-        assert_eq!((tx[0], tx[3]), (op::SCSI_RSP, GOOD));
-        assert_eq!(f.held(), 0);
+        assert_eq!(
+            (req.offset, req.length),
+            (0, 512),
+            "the first descriptor's trim"
+        );
     }
 
     /// The EXTENDED COPY parameter list of one block-to-block segment from the LU of NAA `src`

@@ -316,30 +316,6 @@ pub trait StreamFrontend: Send {
         0
     }
 
-    /// Bytes the frontend holds for the connection besides the reactor's buffers (iSCSI: a
-    /// parameter list being collected, COMPARE AND WRITE's halves, WRITE SAME's block): counted
-    /// in the connection's footprint, so against the memory budget, for as long as it holds
-    /// them.
-    fn held(&self) -> usize {
-        0
-    }
-
-    /// The most the message at the front of `rx` (possibly incomplete) may add to
-    /// [`StreamFrontend::held`] when it is decoded next (iSCSI: the parameter list a command
-    /// collects, before its R2T goes out). The reactor has the memory budget cover that much
-    /// before decoding, and says whether it did ([`StreamFrontend::hold_covered`]).
-    fn hold_bound(&self, rx: &[u8]) -> usize {
-        let _ = rx;
-        0
-    }
-
-    /// Whether the memory budget covers [`StreamFrontend::hold_bound`] for the message decoded
-    /// next; when it does not, the frontend refuses that message's command (the initiator
-    /// retries it) instead of holding its data.
-    fn hold_covered(&mut self, covered: bool) {
-        let _ = covered;
-    }
-
     /// How the successful reply to the READ `req` is laid out.
     fn read_framing(&self, req: &Req) -> ReadFraming;
 

@@ -455,8 +455,7 @@ impl Conn {
                 + self.tx_after(self.held - self.queued)
                 + self.bufs.allocated()
                 + self.copy_memory()
-                + self.lists
-                + self.fe.held();
+                + self.lists;
             if total + TX_KEEP > self.mem.cap() {
                 // It would never fit: waiting would hold the connection forever.
                 return self.violation(&format_args!(
@@ -493,16 +492,13 @@ impl Conn {
     }
 
     /// Bytes this connection's buffers hold, counting the replies of reads and allocation
-    /// queries in flight, which will be copied into the transmit buffer, allocation lists, and
-    /// what the frontend holds itself (an iSCSI parameter list, which may wait for its data
-    /// as long as the initiator likes).
+    /// queries in flight, which will be copied into the transmit buffer, and allocation lists.
     pub(super) fn footprint(&self) -> usize {
         self.rx.capacity()
             + self.tx_after(self.held - self.queued)
             + self.bufs.allocated()
             + self.copy_memory()
             + self.lists
-            + self.fe.held()
     }
 
     /// What the COPY running on this queue may hold (its bounce buffer).
@@ -515,15 +511,14 @@ impl Conn {
     }
 
     /// Whether the budget covers the buffers once a request adds `extra_tx` bytes of reply and
-    /// `extra_pool` bytes of new data buffer (or allocation list, or what the frontend will
-    /// hold); if not, the connection is starved.
+    /// `extra_pool` bytes of new data buffer (or allocation list); if not, the connection is
+    /// starved.
     pub(super) fn covers(&mut self, extra_tx: usize, extra_pool: usize) -> bool {
         let want = self.rx.capacity()
             + self.tx_after(self.held - self.queued + extra_tx)
             + self.bufs.allocated()
             + self.copy_memory()
             + self.lists
-            + self.fe.held()
             + extra_pool;
         self.covers_or_trim(want)
     }
