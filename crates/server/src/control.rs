@@ -414,13 +414,24 @@ pub(crate) struct OneAtATime {
 impl OneAtATime {
     /// Waits for the call running now, if any, to end; the guard is this call's turn.
     pub(crate) fn turn(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.turn_waited().0
+    }
+
+    /// `turn`, and whether another call held it first (this one waited).
+    pub(crate) fn turn_waited(&self) -> (std::sync::MutexGuard<'_, ()>, bool) {
         use std::sync::atomic::Ordering::Relaxed;
-        self.waiting.fetch_add(1, Relaxed);
+        use std::sync::TryLockError;
         // A call that panicked left nothing half-done that the lock protects (it guards no
         // data): the next call goes on.
+        match self.lock.try_lock() {
+            Ok(turn) => return (turn, false),
+            Err(TryLockError::Poisoned(p)) => return (p.into_inner(), false),
+            Err(TryLockError::WouldBlock) => {}
+        }
+        self.waiting.fetch_add(1, Relaxed);
         let turn = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         self.waiting.fetch_sub(1, Relaxed);
-        turn
+        (turn, true)
     }
 
     /// How many calls wait for their turn.
@@ -439,17 +450,18 @@ pub(crate) fn dispatch(
     dispatch_unless(shared, method, params, &|| false)
 }
 
-/// [`dispatch`], unless `caller_left` says, once the call has its turn, that nobody waits for
-/// its answer any more: a CLI that gave up waiting behind a long call (and told its user the
-/// call got no answer) must not have it run minutes later.
+/// [`dispatch`], unless the call had to wait for its turn and `caller_left` says, once it has
+/// it, that nobody waits for its answer any more: a CLI that gave up waiting behind a long call
+/// (and told its user the call got no answer) must not have it run minutes later. A call that
+/// did not wait runs whoever is left to read its answer (a script may send and close).
 pub(crate) fn dispatch_unless(
     shared: &Arc<Shared>,
     method: &str,
     params: Value,
     caller_left: &dyn Fn() -> bool,
 ) -> Result<Value, RpcError> {
-    let _turn = shared.calls.turn();
-    if caller_left() {
+    let (_turn, waited) = shared.calls.turn_waited();
+    if waited && caller_left() {
         crate::log!(
             crate::log::Level::Warn,
             "control socket: {} not run: its caller hung up while it waited for its turn",

@@ -1675,8 +1675,8 @@ mod tests {
 
     /// A call whose caller hung up while it waited for its turn (a CLI that gave up after its
     /// timeout) is not run when the turn comes; a notification, which nobody waits to hear
-    /// about, is; and a caller that only shut down its sending side still gets its call run
-    /// and answered.
+    /// about, is; a caller that only shut down its sending side still gets its call run and
+    /// answered; and a call that did not wait runs though its caller closed at once.
     #[test]
     fn a_call_whose_caller_left_while_it_waited_is_not_run() {
         use std::io::{BufRead, Write};
@@ -1692,18 +1692,16 @@ mod tests {
             format!("{v}\n")
         };
         std::thread::scope(|scope| {
-            for (leave, name) in [(true, "gone"), (false, "half")] {
+            // (caller leaves, the call's id, export it adds, whether it must run)
+            for (leave, id, name, runs) in [
+                (true, Some(1), "gone", false),
+                (true, None, "notified", true),
+                (false, Some(1), "half", true),
+            ] {
                 let (server, mut caller) = UnixStream::pair().unwrap();
                 let turn = t.shared.calls.turn();
                 let served = scope.spawn(|| rpc::client(server, &t.shared));
-                // A notification ahead of the call: sent by a caller gone since, it runs.
-                let mut lines = if leave {
-                    add(None, "notified")
-                } else {
-                    String::new()
-                };
-                lines += &add(Some(1), name);
-                caller.write_all(lines.as_bytes()).unwrap();
+                caller.write_all(add(id, name).as_bytes()).unwrap();
                 while t.shared.calls.waiting() == 0 {
                     assert!(Instant::now() < deadline, "the call never waited");
                     std::thread::yield_now();
@@ -1712,8 +1710,7 @@ mod tests {
                     drop(caller);
                     drop(turn);
                     served.join().unwrap();
-                    assert!(!t.shared.registry.has_export(name), "run for nobody");
-                    assert!(t.shared.registry.has_export("notified"));
+                    assert_eq!(t.shared.registry.has_export(name), runs, "{name}");
                 } else {
                     caller.shutdown(std::net::Shutdown::Write).unwrap();
                     drop(turn);
@@ -1727,6 +1724,14 @@ mod tests {
                 }
             }
         });
+        let (server, mut caller) = UnixStream::pair().unwrap();
+        caller.write_all(add(Some(1), "sent").as_bytes()).unwrap();
+        drop(caller);
+        rpc::client(server, &t.shared);
+        assert!(
+            t.shared.registry.has_export("sent"),
+            "no call ran before it"
+        );
         t.stop_handle().stop();
         t.run().unwrap();
     }
