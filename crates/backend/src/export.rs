@@ -547,11 +547,17 @@ const SPARE_SOURCES: usize = 2;
 impl ExportQueue {
     /// Drops the spare source queues whose exports are gone: an `rbd:` image removed from the
     /// target stays open (its watch and lock held) as long as a queue of it does. Cheap while
-    /// there are none, which is every queue that never copied from another export.
-    fn drop_gone_sources(&mut self) {
+    /// there are none, which is every queue that never copied from another export. Called at
+    /// each request, and by the reactor at its idle ticks for queues that make none.
+    pub fn drop_gone_sources(&mut self) {
         if !self.spare_sources.is_empty() {
             self.spare_sources.retain(|(e, _)| e.strong_count() > 0);
         }
+    }
+
+    /// True while the queue keeps spare source queues (of exports that may be removed).
+    pub fn holds_spare_sources(&self) -> bool {
+        !self.spare_sources.is_empty()
     }
 
     /// True when the backend completes inline: every operation but a long TRIM or

@@ -1093,6 +1093,10 @@ impl DgramPort {
         self.last_sweep = now;
         self.hellos
             .retain(|_, (t, _, _)| now.duration_since(*t) < IDLE_EXPIRY);
+        // Spare copy sources of exports removed since, for queues that make no request.
+        for q in self.queues.iter_mut().flatten() {
+            q.exec.drop_gone_sources();
+        }
         // Spare buffers go back to the budget when no queue has been busy for a while, and
         // what the pool freed is given back too.
         if self.active == 0 {

@@ -74,6 +74,16 @@ pub struct Copied {
 }
 
 impl Executor {
+    /// Lets go of what the queue keeps of exports removed since (`ExportQueue::drop_gone_sources`).
+    pub fn drop_gone_sources(&mut self) {
+        self.io.drop_gone_sources();
+    }
+
+    /// True while the queue keeps spare source queues of other exports.
+    pub fn holds_spare_sources(&self) -> bool {
+        self.io.holds_spare_sources()
+    }
+
     /// Opens a queue on `export` that accepts READ/WRITE of at most `max_io` bytes inside the
     /// first `size` bytes (the size its session was given, at most the export's size now).
     pub fn open(export: Arc<Export>, max_io: u32, size: u64) -> std::io::Result<Executor> {

@@ -574,9 +574,15 @@ impl Reactor {
             || !self.ports.is_empty()
             || self.trim_pending
             || self.release_pending
+            || self
+                .conns
+                .iter()
+                .flatten()
+                .any(|c| c.targets.iter().any(|t| t.exec.holds_spare_sources()))
         {
-            // Wake up to enforce the shutdown deadline, expire idle datagram sessions and trim
-            // idle connections even if nothing completes.
+            // Wake up to enforce the shutdown deadline, expire idle datagram sessions, trim
+            // idle connections and let go of removed exports' spare copy sources (an rbd:
+            // image stays open behind one) even if nothing completes.
             Some(types::Timespec::new().sec(1))
         } else {
             None
@@ -840,6 +846,9 @@ impl Reactor {
             self.trim_pending = false;
             trimmed = true;
             for c in self.conns.iter_mut().flatten() {
+                for t in c.targets.iter_mut() {
+                    t.exec.drop_gone_sources();
+                }
                 let frames = c.frames_in();
                 if frames == c.idle_mark && c.inflight == 0 && c.tx_backlog() == 0 {
                     c.trim();
