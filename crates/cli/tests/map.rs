@@ -1854,14 +1854,40 @@ fn pids_with_env(var: &str) -> Vec<i32> {
 /// tell about the device once it is ready, removes it and exits.
 #[test]
 fn map_interrupted_while_connecting_leaves_no_mapping() {
+    interrupted_map("interrupted", None, None);
+}
+
+/// The same when something opened the device as it appeared (udev, an automounter): the daemon
+/// does not wait for it to let go, as it would on a stop signal, but ends the mapping at once.
+#[test]
+fn map_interrupted_while_connecting_leaves_no_mapping_of_a_held_device() {
+    // A device number no other test asks for, created and held open before the map binds it.
+    let n = 700 + std::process::id() % 200;
+    let ctl = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/loop-control")
+        .unwrap();
+    // SAFETY: LOOP_CTL_ADD with an integer argument (EEXIST: it exists already).
+    unsafe { libc::ioctl(ctl.as_raw_fd(), 0x4C80, n as libc::c_long) };
+    let held = std::fs::File::open(format!("/dev/loop{n}")).unwrap();
+    interrupted_map("interrupted-held", Some(n), Some(held));
+}
+
+/// Interrupts `map` (on /dev/loop`dev_num` if given) while its daemon connects and checks that
+/// the daemon ends the mapping and exits; `held` (that device, open) is closed once it has.
+fn interrupted_map(name: &str, dev_num: Option<u32>, held: Option<std::fs::File>) {
     assert!(
         is_root(),
         "this test maps a block device and needs root; run it as root"
     );
-    let run = Run::new("interrupted");
+    let run = Run::new(name);
     let t = Target::start(&["disk=mem:16M"]);
     let gate = Gate::new(t.base.trim_start_matches("tcp://"));
     let log = run.dir().join("daemon.log");
+    let dev_args = dev_num
+        .map(|n| vec!["--dev-num".to_string(), n.to_string()])
+        .unwrap_or_default();
     let mut map = Reaped(
         Command::new(BIN)
             .args([
@@ -1876,6 +1902,7 @@ fn map_interrupted_while_connecting_leaves_no_mapping() {
                 "--logfile",
                 log.to_str().unwrap(),
             ])
+            .args(&dev_args)
             .env("BLKWIRE_RUN_DIR", run.dir())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -1926,6 +1953,11 @@ fn map_interrupted_while_connecting_leaves_no_mapping() {
     );
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(text.contains("unmapped"), "{text}");
+    // A held device is detached when its holder closes it; its record goes with unmap.
+    drop(held);
+    if let Some(n) = dev_num {
+        let _ = run.cli(&["unmap", &format!("/dev/loop{n}")]);
+    }
     run.assert_clean();
 }
 

@@ -351,13 +351,12 @@ fn run<D: BlockDevice>(spec: &Spec, notify: &mut Notify<'_>) -> Result<(), Strin
     let path = d.path();
     if !notify.ready(&path) {
         // Nobody was told the device exists, and whoever asked for it gave up: a mapping
-        // nobody knows of must not stay. The device stops as on SIGTERM (every kind serves
-        // that), the signal waiting for its signal thread since setup blocked it.
+        // nobody knows of must not stay. It stops at once, even if something grabbed it as it
+        // appeared (udev, LVM, an automounter): a stop signal would be refused for a held
+        // ublk device, and would only defer a held loop device's detach.
         let e = format!("the map command that started this daemon is gone: removing {path}");
         log!("error", "{e}");
-        // SAFETY: kill(2) on this very process.
-        unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
-        d.serve()?;
+        d.stop_now()?;
         return Err(e);
     }
     d.serve()

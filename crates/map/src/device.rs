@@ -41,6 +41,9 @@ pub(crate) trait BlockDevice: Sized {
     /// Serves until the mapping ends (unmap, a signal, a dead connection), then tears the
     /// device down.
     fn serve(self) -> Result<(), String>;
+    /// Tears the device down at once, whatever holds it (as a stop signal repeated after a
+    /// refusal does): for a device nobody was told of, which no user of it can expect to stay.
+    fn stop_now(self) -> Result<(), String>;
     /// `map --recover DEVICE`: the record of the dead mapping, its device path and whether the
     /// new daemon serves it read-only, or why it cannot be recovered.
     fn recoverable(device: &str) -> Result<(Record, String, bool), String>;

@@ -72,6 +72,14 @@ impl BlockDevice for FuseDevice {
         self.0.serve()
     }
 
+    fn stop_now(self) -> Result<(), String> {
+        // As a second signal: the detach (deferred while the device is held) and the lazy
+        // unmount end the FUSE connection, so the device's I/O fails from now on.
+        log!("info", "detaching {}", self.0.dev.path());
+        self.0.teardown(0);
+        Ok(())
+    }
+
     fn recoverable(device: &str) -> Result<(Record, String, bool), String> {
         let not_ours =
             || format!("{device} is not a blkwire device (`blkwire ls` lists the mapped devices)");

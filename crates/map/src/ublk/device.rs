@@ -123,7 +123,12 @@ impl BlockDevice for UblkDevice {
     }
 
     fn serve(self) -> Result<(), String> {
-        serve(self.0);
+        serve(self.0, false);
+        Ok(())
+    }
+
+    fn stop_now(self) -> Result<(), String> {
+        serve(self.0, true);
         Ok(())
     }
 
@@ -559,10 +564,19 @@ fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, St
     })
 }
 
-fn serve(mut r: Running) {
+/// Serves until the mapping ends, then deletes the device; with `stop_now`, stops it at once
+/// (STOP_DEV, whatever holds it) and only waits for the queues to end.
+fn serve(mut r: Running, stop_now: bool) {
     let device = device_path(r.dev_id);
     let mut exited = 0;
     let mut stopping = false;
+    if stop_now {
+        stopping = true;
+        log!("info", "stopping {device}");
+        if let Err(e) = r.ctrl.stop(r.dev_id) {
+            log!("error", "stopping {device}: {e}");
+        }
+    }
     let mut refused = false;
     while exited < r.queues {
         let ev = if stopping {
