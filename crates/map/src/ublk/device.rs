@@ -570,14 +570,18 @@ fn serve(mut r: Running, stop_now: bool) {
     let device = device_path(r.dev_id);
     let mut exited = 0;
     let mut stopping = false;
-    if stop_now {
-        stopping = true;
-        log!("info", "stopping {device}");
+    let stop = |r: &mut Running, why: &str| {
+        log!("info", "{why}: stopping {device}");
         if let Err(e) = r.ctrl.stop(r.dev_id) {
             log!("error", "stopping {device}: {e}");
         }
+    };
+    if stop_now {
+        stopping = true;
+        stop(&mut r, "nobody was told of it");
     }
-    let mut refused = false;
+    // When the last stop signal was refused, while that refusal stands.
+    let mut refused: Option<Instant> = None;
     while exited < r.queues {
         let ev = if stopping {
             match r.events.recv_timeout(r.timeout + Duration::from_secs(5)) {
@@ -586,6 +590,30 @@ fn serve(mut r: Running, stop_now: bool) {
                     log!("warn", "the ublk queues did not stop in time");
                     break;
                 }
+            }
+        } else if let Some(at) = refused {
+            // Only this thread probes, never a queue's: the I/O goes on meanwhile.
+            match r.events.recv_timeout(PROBE_EVERY) {
+                Ok(ev) => ev,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    match after_refusal(at.elapsed(), || sys::held_exclusively(&device)) {
+                        AfterRefusal::Wait => {}
+                        AfterRefusal::Stop => {
+                            stopping = true;
+                            stop(&mut r, "released after a stop signal");
+                        }
+                        AfterRefusal::Expire => {
+                            refused = None;
+                            log!(
+                                "info",
+                                "{device} is still in use {}s after a stop signal: serving on (the next signal is refused again while it is in use)",
+                                REFUSAL_EXPIRY.as_secs()
+                            );
+                        }
+                    }
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
             }
         } else {
             match r.events.recv() {
@@ -596,21 +624,19 @@ fn serve(mut r: Running, stop_now: bool) {
         match ev {
             QEvent::Signal(sig) => {
                 let in_use = || !sys::released_within(&device, RELEASE_GRACE);
-                match on_signal(stopping, refused, in_use) {
+                match on_signal(stopping, refused.map(|at| at.elapsed()), in_use) {
                     OnSignal::Ignore => {}
                     OnSignal::Refuse => {
-                        refused = true;
+                        refused = Some(Instant::now());
                         log!(
                             "warn",
-                            "signal {sig}: {device} is in use (mounted, or {HOLDERS}): still serving it; release it and signal again, or signal again to stop it anyway"
+                            "signal {sig}: {device} is in use (mounted, or {HOLDERS}): still serving it; it stops once released within {}s, or signal again to stop it anyway",
+                            REFUSAL_EXPIRY.as_secs()
                         );
                     }
                     OnSignal::Stop => {
                         stopping = true;
-                        log!("info", "signal {sig}: stopping {device}");
-                        if let Err(e) = r.ctrl.stop(r.dev_id) {
-                            log!("error", "stopping {device}: {e}");
-                        }
+                        stop(&mut r, &format!("signal {sig}"));
                     }
                 }
             }
@@ -654,17 +680,51 @@ enum OnSignal {
     Ignore,
 }
 
-/// Decides a stop signal: a device in use (`in_use`, asked only when it decides) is not torn
-/// down under its users at the first signal, as `unmap` would not either; the next signal after
-/// a refusal stops it whatever holds it, for a user who means it (and a shutdown that sends
-/// SIGTERM then SIGHUP); SIGKILL leaves it quiesced for `map --recover`.
-fn on_signal(stopping: bool, refused: bool, in_use: impl FnOnce() -> bool) -> OnSignal {
+/// Decides a stop signal, `refused` the time since the last refusal if any: a device in use
+/// (`in_use`, asked only when it decides) is not torn down under its users at the first signal,
+/// as `unmap` would not either; a signal within `REFUSAL_EXPIRY` of a refusal stops it whatever
+/// holds it, for a user who means it; a later one is a first signal again. The refused signal
+/// is not forgotten meanwhile: the device stops once released (`after_refusal`), as at shutdown,
+/// where a setsid daemon gets SIGTERM and, about 90 s later, SIGKILL (which leaves the device
+/// quiesced for `map --recover`, and a final umount or sync of it blocked), but no second
+/// signal: unmounting it must be what lets the daemon stop.
+fn on_signal(stopping: bool, refused: Option<Duration>, in_use: impl FnOnce() -> bool) -> OnSignal {
+    let refused = refused.is_some_and(|d| d < REFUSAL_EXPIRY);
     if stopping {
         OnSignal::Ignore
     } else if !refused && in_use() {
         OnSignal::Refuse
     } else {
         OnSignal::Stop
+    }
+}
+
+/// How long a refused stop signal stands: the device stops if released within it, and another
+/// signal within it stops the device whatever holds it.
+const REFUSAL_EXPIRY: Duration = Duration::from_secs(60);
+
+/// How often the daemon asks, after a refusal, whether the device was released.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// What a probe after a refused stop signal leads to.
+#[derive(Debug, PartialEq, Eq)]
+enum AfterRefusal {
+    /// The device was released: the refused signal takes effect.
+    Stop,
+    /// Still held, and the signal was refused `REFUSAL_EXPIRY` ago: forget it.
+    Expire,
+    /// Still held: probe again.
+    Wait,
+}
+
+/// Decides a probe `since` a refused stop signal; `held` asks whether the device is still held.
+fn after_refusal(since: Duration, held: impl FnOnce() -> bool) -> AfterRefusal {
+    if !held() {
+        AfterRefusal::Stop
+    } else if since >= REFUSAL_EXPIRY {
+        AfterRefusal::Expire
+    } else {
+        AfterRefusal::Wait
     }
 }
 
@@ -987,13 +1047,35 @@ mod tests {
 
     #[test]
     fn a_stop_signal_does_not_end_a_device_in_use_until_it_comes_again() {
-        assert_eq!(on_signal(false, false, || false), OnSignal::Stop);
-        assert_eq!(on_signal(false, false, || true), OnSignal::Refuse);
+        let recent = Some(Duration::from_secs(5));
+        assert_eq!(on_signal(false, None, || false), OnSignal::Stop);
+        assert_eq!(on_signal(false, None, || true), OnSignal::Refuse);
         // The second signal ends it whatever holds it, without asking.
         let unasked = || -> bool { panic!("asked whether the device is in use") };
-        assert_eq!(on_signal(false, true, unasked), OnSignal::Stop);
-        assert_eq!(on_signal(true, false, unasked), OnSignal::Ignore);
-        assert_eq!(on_signal(true, true, unasked), OnSignal::Ignore);
+        assert_eq!(on_signal(false, recent, unasked), OnSignal::Stop);
+        assert_eq!(on_signal(true, None, unasked), OnSignal::Ignore);
+        assert_eq!(on_signal(true, recent, unasked), OnSignal::Ignore);
+    }
+
+    #[test]
+    fn a_refusal_expires_so_a_much_later_signal_is_a_first_one() {
+        let old = Some(REFUSAL_EXPIRY + Duration::from_secs(3600));
+        assert_eq!(on_signal(false, old, || true), OnSignal::Refuse);
+        assert_eq!(on_signal(false, old, || false), OnSignal::Stop);
+        assert_eq!(
+            on_signal(false, Some(REFUSAL_EXPIRY), || true),
+            OnSignal::Refuse
+        );
+    }
+
+    #[test]
+    fn a_refused_signal_stops_the_device_once_released_until_it_expires() {
+        let soon = Duration::from_secs(1);
+        assert_eq!(after_refusal(soon, || true), AfterRefusal::Wait);
+        assert_eq!(after_refusal(soon, || false), AfterRefusal::Stop);
+        assert_eq!(after_refusal(REFUSAL_EXPIRY, || true), AfterRefusal::Expire);
+        // Released as it expires: the signal still takes effect.
+        assert_eq!(after_refusal(REFUSAL_EXPIRY, || false), AfterRefusal::Stop);
     }
 
     #[test]
