@@ -379,8 +379,20 @@ impl RecordBook {
         RecordBook::create_in(devices_dir(), rec)
     }
 
+    /// Under the records' lock, as every change of a record: another daemon's `close` cannot
+    /// then remove this record as its own, nor can this one replace a live daemon's.
     fn create_in(dir: PathBuf, rec: Record) -> io::Result<RecordBook> {
-        rec.save_in(&dir)?;
+        let records = RecordsLock::acquire_in(dir.clone())?;
+        if let Ok(Some(old)) = records.load(&rec.device) {
+            if old.pid != rec.pid && old.liveness() == Liveness::Running {
+                return Err(io::Error::other(format!(
+                    "{} is recorded for blkwire pid {}",
+                    rec.device, old.pid
+                )));
+            }
+        }
+        records.save(&rec)?;
+        drop(records);
         Ok(RecordBook {
             dir,
             rec: Mutex::new(Some(rec)),
@@ -405,8 +417,9 @@ impl RecordBook {
             .as_mut()
             .and_then(|refs| refs.get_mut(i))
             .ok_or_else(|| io::Error::other(format!("the record has no queue {i}")))?;
+        let records = RecordsLock::acquire_in(self.dir.clone())?;
         let before = std::mem::replace(slot, q.map(Into::into));
-        let saved = rec.save_in(&self.dir);
+        let saved = records.save(rec);
         if saved.is_err() {
             // Not saved: this copy stays what the file says.
             if let Some(refs) = rec.queue_refs.as_mut() {
@@ -421,10 +434,9 @@ impl RecordBook {
     pub(crate) fn close(&self) {
         let mut g = self.lock();
         if let Some(rec) = g.take() {
-            if let Ok(Some(r)) = Record::load_in(&self.dir, &rec.device) {
-                if r.pid == rec.pid {
-                    let _ = std::fs::remove_file(record_path_in(&self.dir, dev_name(&rec.device)));
-                }
+            match RecordsLock::acquire_in(self.dir.clone()) {
+                Ok(records) => records.remove_if_owned(&rec.device, rec.pid),
+                Err(_) => remove_if_owned_in(&self.dir, &rec.device, rec.pid),
             }
         }
     }
@@ -437,7 +449,10 @@ impl RecordBook {
         if let Some(refs) = g.take().and_then(|r| r.queue_refs) {
             old.queue_refs = Some(refs);
         }
-        let _ = old.save_in(&self.dir);
+        match RecordsLock::acquire_in(self.dir.clone()) {
+            Ok(records) => drop(records.save(&old)),
+            Err(_) => drop(old.save_in(&self.dir)),
+        }
     }
 }
 
@@ -639,6 +654,33 @@ mod tests {
             None,
             "a late update recreated the record"
         );
+    }
+
+    /// A daemon's `close` checks whose the record is and removes it under the records' lock:
+    /// another map's record, written while the lock is held, stays.
+    #[test]
+    fn closing_a_record_book_waits_for_the_records_lock() {
+        let dir = Dir::new("close-locked");
+        let book = std::sync::Arc::new(RecordBook::create_in(dir.0.clone(), record(1)).unwrap());
+        let held = RecordsLock::acquire_in(dir.0.clone()).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let closing = std::sync::Arc::clone(&book);
+        let t = std::thread::spawn(move || {
+            closing.close();
+            let _ = tx.send(());
+        });
+        // Not synchronisation: a close that ignored the lock would be done by now.
+        assert!(
+            rx.recv_timeout(std::time::Duration::from_millis(300))
+                .is_err(),
+            "close did not wait for the records' lock"
+        );
+        let mut other = record(1);
+        other.pid = std::process::id() as i32 + 1;
+        held.save(&other).unwrap();
+        drop(held);
+        t.join().unwrap();
+        assert_eq!(Record::load_in(&dir.0, "ublkb7").unwrap(), Some(other));
     }
 
     /// A failed recovery puts the dead daemon's record back, but with the queues it recorded
