@@ -13,6 +13,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use blkwire_wire::QueueRef;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -287,14 +288,11 @@ impl Record {
     /// Removes the record of `device`, but only while it still names `pid` as its daemon: a
     /// daemon that recovered the device in the meantime owns it now, and so does a new mapping
     /// that bound the device once it was free. Checked and removed under the records' lock, so
-    /// such a mapping cannot write its record in between.
+    /// such a mapping cannot write its record in between; if the lock is not had within
+    /// `LOCK_WAIT` (its holder stopped), checked and removed without it: removal never waits
+    /// without bound.
     pub fn remove_if_owned(device: &str, pid: i32) {
-        match RecordsLock::acquire() {
-            Ok(records) => records.remove_if_owned(device, pid),
-            // No records directory: no record.
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(_) => remove_if_owned_in(&devices_dir(), device, pid),
-        }
+        remove_if_owned_locked(&devices_dir(), device, pid, LOCK_WAIT);
     }
 
     /// Removes the record of `device`, whoever owns it.
@@ -312,6 +310,16 @@ impl Record {
     }
 }
 
+/// `Record::remove_if_owned` in `dir`, waiting up to `wait` for the lock.
+fn remove_if_owned_locked(dir: &Path, device: &str, pid: i32, wait: Duration) {
+    match RecordsLock::acquire_within(dir.to_path_buf(), wait) {
+        Ok(records) => records.remove_if_owned(device, pid),
+        // No records directory: no record.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(_) => remove_if_owned_in(dir, device, pid),
+    }
+}
+
 fn remove_if_owned_in(dir: &Path, device: &str, pid: i32) {
     if let Ok(Some(r)) = Record::load_in(dir, device) {
         if r.pid == pid {
@@ -319,6 +327,13 @@ fn remove_if_owned_in(dir: &Path, device: &str, pid: i32) {
         }
     }
 }
+
+/// How long taking the records' lock may wait: every holder keeps it for a few file operations
+/// (and a loop device's binding), so a longer wait means a holder that was stopped.
+const LOCK_WAIT: Duration = Duration::from_secs(10);
+
+/// How often a wait for the records' lock tries again.
+const LOCK_POLL: Duration = Duration::from_millis(10);
 
 /// The records of one run directory, held exclusively: an flock on its devices directory,
 /// released on drop. Choosing a device and writing its record, or checking whose a record is and
@@ -330,19 +345,42 @@ pub(crate) struct RecordsLock {
 }
 
 impl RecordsLock {
-    /// Waits for the records of this run directory (NotFound: it has none yet).
+    /// Waits up to `LOCK_WAIT` for the records of this run directory (NotFound: it has none
+    /// yet).
     pub(crate) fn acquire() -> io::Result<RecordsLock> {
         RecordsLock::acquire_in(devices_dir())
     }
 
-    /// Waits for the records kept in `dir`.
+    /// Waits up to `LOCK_WAIT` for the records kept in `dir`.
     pub(crate) fn acquire_in(dir: PathBuf) -> io::Result<RecordsLock> {
+        RecordsLock::acquire_within(dir, LOCK_WAIT)
+    }
+
+    /// Waits up to `wait` for the records kept in `dir`; TimedOut, saying so, after that: a
+    /// holder that was stopped (SIGSTOP, a debugger) must not block every map and unmap.
+    pub(crate) fn acquire_within(dir: PathBuf, wait: Duration) -> io::Result<RecordsLock> {
         let held = File::open(&dir)?;
-        // SAFETY: flock on a descriptor we own; EINTR only interrupts the wait.
-        while unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX) } < 0 {
+        let deadline = Instant::now() + wait;
+        // SAFETY: a non-blocking flock on a descriptor we own.
+        while unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } < 0 {
             let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::Interrupted {
-                return Err(e);
+            match e.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                Some(libc::EWOULDBLOCK) if Instant::now() < deadline => {
+                    std::thread::sleep(LOCK_POLL)
+                }
+                Some(libc::EWOULDBLOCK) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!(
+                            "another blkwire process has held the lock on {} for over {}s (a stopped `blkwire map`? `fuser -v {}` names it)",
+                            dir.display(),
+                            wait.as_secs_f32(),
+                            dir.display()
+                        ),
+                    ))
+                }
+                _ => return Err(e),
             }
         }
         Ok(RecordsLock { dir, _held: held })
@@ -434,10 +472,7 @@ impl RecordBook {
     pub(crate) fn close(&self) {
         let mut g = self.lock();
         if let Some(rec) = g.take() {
-            match RecordsLock::acquire_in(self.dir.clone()) {
-                Ok(records) => records.remove_if_owned(&rec.device, rec.pid),
-                Err(_) => remove_if_owned_in(&self.dir, &rec.device, rec.pid),
-            }
+            remove_if_owned_locked(&self.dir, &rec.device, rec.pid, LOCK_WAIT);
         }
     }
 
@@ -681,6 +716,38 @@ mod tests {
         drop(held);
         t.join().unwrap();
         assert_eq!(Record::load_in(&dir.0, "ublkb7").unwrap(), Some(other));
+    }
+
+    /// A stopped holder of the records' lock makes taking it fail after the wait, not hang, and
+    /// a removal then checks the owner without it.
+    #[test]
+    fn a_held_records_lock_is_waited_for_only_so_long() {
+        let dir = Dir::new("lock-wait");
+        let rec = record(1);
+        rec.save_in(&dir.0).unwrap();
+        let held = RecordsLock::acquire_in(dir.0.clone()).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let d = dir.0.clone();
+        let pid = rec.pid;
+        std::thread::spawn(move || {
+            let wait = Duration::from_millis(50);
+            let taken = RecordsLock::acquire_within(d.clone(), wait).map(drop);
+            // Another's record stays, ours goes.
+            remove_if_owned_locked(&d, "/dev/ublkb7", pid + 1, wait);
+            let kept = Record::load_in(&d, "/dev/ublkb7").unwrap().is_some();
+            remove_if_owned_locked(&d, "/dev/ublkb7", pid, wait);
+            let _ = tx.send((taken, kept));
+        });
+        // Only a guard against hanging: the waits above are 50 ms each.
+        let (taken, kept) = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("waited for the records' lock without bound");
+        let e = taken.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert!(e.to_string().contains("held the lock"), "{e}");
+        assert!(kept, "removed another daemon's record");
+        assert_eq!(Record::load_in(&dir.0, "ublkb7").unwrap(), None);
+        drop(held);
     }
 
     /// A failed recovery puts the dead daemon's record back, but with the queues it recorded
