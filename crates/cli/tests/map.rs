@@ -2026,9 +2026,11 @@ fn hiding_relay(upstream: &str, hide: u64) -> std::net::SocketAddr {
 }
 
 /// An export without TRIM and WRITE_ZEROES gets neither from the device: the loop device
-/// offers discard and write-zeroes for any file with fallocate, learns from the first refusal
-/// that they are not supported, zeroing falls back to writing zeros, and no WRITE_ZEROES
-/// reaches the target (nor fails there, with a target that lacks it, as EIO).
+/// offers discard and write-zeroes for any file with fallocate, the workers refuse them as not
+/// supported, zeroing falls back to writing zeros, and no WRITE_ZEROES reaches the target (nor
+/// fails there, with a target that lacks it, as EIO). Whether the loop device then stops
+/// offering discard depends on the kernel (recent loop drivers clear the limit on the first
+/// EOPNOTSUPP, older ones keep offering it and get each discard refused): both are accepted.
 #[test]
 fn export_without_write_zeroes_gets_none_and_zeroing_still_works() {
     use blkwire_wire::Features;
@@ -2057,25 +2059,25 @@ fn export_without_write_zeroes_gets_none_and_zeroing_still_works() {
             .output()
             .unwrap()
     };
-    // The kernel reports a discard refused as unsupported as done (discard is advisory), and
-    // stops offering discard: the next one is refused at once.
+    // The kernel reports a discard refused as unsupported as done (discard is advisory).
     let first = discard();
     assert!(
         first.status.success(),
         "first discard: {}",
         String::from_utf8_lossy(&first.stderr)
     );
-    assert_eq!(
-        m.sys("queue/discard_max_hw_bytes"),
-        "0",
-        "discard still offered"
-    );
     let second = discard();
     let said = String::from_utf8_lossy(&second.stderr);
-    assert!(
-        !second.status.success() && said.contains("not supported"),
-        "second discard: {said}"
-    );
+    if m.sys("queue/discard_max_hw_bytes") == "0" {
+        // A loop driver that stops offering discard after a refusal: refused at once.
+        assert!(
+            !second.status.success() && said.contains("not supported"),
+            "second discard: {said}"
+        );
+    } else {
+        // One that keeps offering it: refused by the workers again, reported as done.
+        assert!(second.status.success(), "second discard: {said}");
+    }
     run_ok(
         "blkdiscard",
         &["-z", "-o", "3145728", "-l", "524288", &m.dev],

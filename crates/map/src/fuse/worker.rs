@@ -1229,10 +1229,12 @@ fn fallocate_op(sh: &Shared, offset: u64, length: u64, mode: u32) -> Result<Opti
     }
     if mode & (PUNCH_HOLE | ZERO_RANGE) != 0 && !sh.write_zeroes {
         // The loop device offers discard and write-zeroes for any file that has fallocate.
-        // Refused so, it stops offering the one refused (zeroing then falls back to writes)
-        // instead of failing request after request with EIO after a round trip to a target
-        // that lacks the command. (Turning discard off in sysfs instead would outlive the
-        // mapping: the loop device keeps that limit for its next user.)
+        // Refused so, the block layer treats the request as unsupported, not failed: a discard
+        // is reported done (it is advisory) and zeroing falls back to writing zeros, instead of
+        // failing with EIO after a round trip to a target that lacks the command. Recent loop
+        // drivers also stop offering the one refused; older ones keep sending it, each refused
+        // here at no cost. (Turning discard off in sysfs instead would outlive the mapping: the
+        // loop device keeps that limit for its next user.)
         return Err(libc::EOPNOTSUPP);
     }
     let end = offset.checked_add(length).ok_or(libc::EINVAL)?;
@@ -1369,7 +1371,8 @@ mod tests {
     }
 
     /// An export without WRITE_ZEROES gets no zeroing FALLOCATE: it is refused at once with
-    /// EOPNOTSUPP (the loop device's cue to stop offering it), not sent to fail there.
+    /// EOPNOTSUPP (unsupported to the block layer, and to recent loop drivers a cue to stop
+    /// offering it), not sent to fail there.
     #[test]
     fn fallocate_zeroing_is_not_supported_without_write_zeroes() {
         let sh = Shared {
