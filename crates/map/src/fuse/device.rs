@@ -972,6 +972,14 @@ mod tests {
         );
     }
 
+    /// Held by each test that binds loop devices: the free device one asks for must not be
+    /// taken by another meanwhile (their records are in different directories, so the records'
+    /// lock does not keep them apart).
+    fn binding_loop_devices() -> std::sync::MutexGuard<'static, ()> {
+        static BINDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        BINDING.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// A record of this process (so a live daemon's) for `url`.
     fn record(url: &str) -> Record {
         Record {
@@ -997,6 +1005,7 @@ mod tests {
     #[test]
     fn concurrent_maps_bind_distinct_devices_and_keep_their_records() {
         needs_root();
+        let _binding = binding_loop_devices();
         const MAPS: usize = 4;
         const ROUNDS: usize = 3;
         let scratch = Scratch::new("concurrent");
@@ -1040,6 +1049,7 @@ mod tests {
     #[test]
     fn a_free_device_with_a_live_record_is_passed_over() {
         needs_root();
+        let _binding = binding_loop_devices();
         let scratch = Scratch::new("skip");
         let records = scratch.records();
         let free = LoopDev::get_free().unwrap();
