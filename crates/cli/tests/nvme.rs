@@ -755,7 +755,7 @@ fn a_controller_that_never_authenticates_ends_at_the_handshake_deadline() {
 }
 
 /// Sends an 8 KiB capsule (an AUTH_Send, the largest an admin queue takes) a byte at a time, a
-/// byte each time the connection has stayed open for `pace`, for 100 bytes at most: whether it
+/// byte each time the connection has stayed open for `pace`, for 25 bytes at most: whether it
 /// closed meanwhile.
 fn trickle_closes(q: &mut Queue, pace: Duration) -> bool {
     let mut c = nvme_host::fabrics(0x05);

@@ -455,9 +455,14 @@ impl RecordBook {
             .as_mut()
             .and_then(|refs| refs.get_mut(i))
             .ok_or_else(|| io::Error::other(format!("the record has no queue {i}")))?;
-        let records = RecordsLock::acquire_in(self.dir.clone())?;
         let before = std::mem::replace(slot, q.map(Into::into));
-        let saved = records.save(rec);
+        // Its own record, which no other mapping writes while this one lives: past the lock's
+        // wait (a stopped holder) it is saved without it, as `close_restoring` does, rather
+        // than lose the reconnection it records.
+        let saved = match RecordsLock::acquire_in(self.dir.clone()) {
+            Ok(records) => records.save(rec),
+            Err(_) => rec.save_in(&self.dir),
+        };
         if saved.is_err() {
             // Not saved: this copy stays what the file says.
             if let Some(refs) = rec.queue_refs.as_mut() {

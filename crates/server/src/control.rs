@@ -407,7 +407,7 @@ const METHODS: &[Method] = &[
 #[derive(Default)]
 pub(crate) struct OneAtATime {
     lock: std::sync::Mutex<()>,
-    /// Calls waiting for their turn (and ones about to take it).
+    /// Calls waiting for their turn (not those that found it free).
     waiting: std::sync::atomic::AtomicUsize,
 }
 

@@ -74,7 +74,9 @@ impl BlockDevice for FuseDevice {
 
     fn stop_now(self) -> Result<(), String> {
         // As a second signal: the detach (deferred while the device is held) and the lazy
-        // unmount end the FUSE connection, so the device's I/O fails from now on.
+        // unmount. While something still holds the loop device it keeps the FUSE file open and
+        // is served on until the workers' wait (`--timeout` + 5 s) ends and the process exits,
+        // closing /dev/fuse: its I/O fails from then on.
         log!("info", "detaching {}", self.0.dev.path());
         self.0.teardown(0);
         Ok(())

@@ -835,11 +835,11 @@ fn unmap(device: &str, id: u32) -> Result<(), String> {
             let _ = p.kill(libc::SIGTERM);
             let limit = Duration::from_secs(rec.timeout_secs) + Duration::from_secs(10);
             if !p.wait_exit(limit) {
-                // Probed only now, long after the daemon's own probe: two at once would each
-                // see the other's exclusive open as a user. A daemon that found the device in use
-                // refused the signal and serves on; killing it would end the device under its
-                // users all the same.
-                if sys::held_exclusively(&path) {
+                // A daemon that found the device in use refused the signal and serves on,
+                // probing it each second; killing it would end the device under its users all
+                // the same. Probed over a grace period, not once: the daemon's own probe holds
+                // the device for a moment, and two at once would each see the other as a user.
+                if !sys::released_within(&path, RELEASE_GRACE) {
                     return Err(format!(
                         "{path} came into use while unmap asked pid {} to stop, which serves it on: release it, then unmap it again",
                         rec.pid

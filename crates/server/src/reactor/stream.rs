@@ -16,11 +16,11 @@ use crate::log::Level;
 /// batch of them goes out in one send.
 const SEND_IN_PLACE: usize = 64 << 10;
 
-/// Dispatches every complete message in `rx[rx_start..rx_end]`.
 /// Broadcasts (reservation changes) one connection may have on their way to the other
 /// reactors before it decodes nothing more.
 const MAX_BROADCASTS: usize = 4;
 
+/// Dispatches every complete message in `rx[rx_start..rx_end]`.
 pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     c.starved = false;
     run_deferred(c, idx, sq);
