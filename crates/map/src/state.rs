@@ -212,10 +212,6 @@ impl Liveness {
     }
 }
 
-fn record_path(dev_name: &str) -> PathBuf {
-    record_path_in(&devices_dir(), dev_name)
-}
-
 fn record_path_in(dir: &Path, dev_name: &str) -> PathBuf {
     dir.join(format!("{dev_name}.json"))
 }
@@ -293,11 +289,6 @@ impl Record {
     /// without bound.
     pub fn remove_if_owned(device: &str, pid: i32) {
         remove_if_owned_locked(&devices_dir(), device, pid, LOCK_WAIT);
-    }
-
-    /// Removes the record of `device`, whoever owns it.
-    pub fn remove(device: &str) {
-        let _ = std::fs::remove_file(record_path(dev_name(device)));
     }
 
     /// Whether the daemon that wrote the record still runs (the same process, not a reuse of its pid).

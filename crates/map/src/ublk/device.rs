@@ -61,9 +61,11 @@ impl Drop for Undo<'_> {
                 let _ = old.save();
             }
             (None, Some(book)) if self.record.is_some() => book.close(),
+            // Before this daemon's record was written (`RecordBook::create` refuses another
+            // live daemon's, or its lock timed out): only a record of ours goes, as in fuse.
             (None, _) => {
                 if let Some(d) = &self.record {
-                    Record::remove(d);
+                    Record::remove_if_owned(d, std::process::id() as i32);
                 }
             }
         }
