@@ -301,6 +301,15 @@ impl Record {
     }
 }
 
+/// Saves a daemon's own record in `dir` under the records' lock, or without it once the lock's
+/// wait is over (its holder stopped): no other mapping writes a live daemon's record.
+fn save_own(dir: &Path, rec: &Record) -> io::Result<()> {
+    match RecordsLock::acquire_in(dir.to_path_buf()) {
+        Ok(records) => records.save(rec),
+        Err(_) => rec.save_in(dir),
+    }
+}
+
 /// `Record::remove_if_owned` in `dir`, waiting up to `wait` for the lock.
 fn remove_if_owned_locked(dir: &Path, device: &str, pid: i32, wait: Duration) {
     match RecordsLock::acquire_within(dir.to_path_buf(), wait) {
@@ -447,13 +456,9 @@ impl RecordBook {
             .and_then(|refs| refs.get_mut(i))
             .ok_or_else(|| io::Error::other(format!("the record has no queue {i}")))?;
         let before = std::mem::replace(slot, q.map(Into::into));
-        // Its own record, which no other mapping writes while this one lives: past the lock's
-        // wait (a stopped holder) it is saved without it, as `close_restoring` does, rather
-        // than lose the reconnection it records.
-        let saved = match RecordsLock::acquire_in(self.dir.clone()) {
-            Ok(records) => records.save(rec),
-            Err(_) => rec.save_in(&self.dir),
-        };
+        // Its own record, which no other mapping writes while this one lives: saved without
+        // the lock past its wait rather than lose the reconnection it records.
+        let saved = save_own(&self.dir, rec);
         if saved.is_err() {
             // Not saved: this copy stays what the file says.
             if let Some(refs) = rec.queue_refs.as_mut() {
@@ -480,10 +485,7 @@ impl RecordBook {
         if let Some(refs) = g.take().and_then(|r| r.queue_refs) {
             old.queue_refs = Some(refs);
         }
-        match RecordsLock::acquire_in(self.dir.clone()) {
-            Ok(records) => drop(records.save(&old)),
-            Err(_) => drop(old.save_in(&self.dir)),
-        }
+        let _ = save_own(&self.dir, &old);
     }
 }
 

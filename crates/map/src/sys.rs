@@ -206,6 +206,11 @@ pub fn held_exclusively(path: &str) -> bool {
     io::Error::last_os_error().raw_os_error() == Some(libc::EBUSY)
 }
 
+/// How long a hold on a block device may last before `unmap` (or a ublk daemon, on a signal)
+/// calls it in use: the kernel drops a filesystem's claim shortly after umount returns (or
+/// after the last process of a mount namespace exits), not always before.
+pub const RELEASE_GRACE: Duration = Duration::from_secs(2);
+
 /// Waits up to `grace` for the block device at `path` to be held by nobody (`held_exclusively`);
 /// true when it is not held. The kernel drops a filesystem's claim shortly after umount returns
 /// (or after the last process of a mount namespace exits), not always before.

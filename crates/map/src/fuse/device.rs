@@ -760,9 +760,6 @@ fn tune(dev: LoopDev, rotational: bool, max_io: u32) {
 
 /// Extra time a live daemon gets beyond its I/O timeout to flush and exit.
 const EXIT_GRACE: Duration = Duration::from_secs(10);
-/// How long an exclusive hold on an unmounted device may last before unmap gives up: the kernel
-/// drops a filesystem's claim shortly after umount returns, not always before.
-const RELEASE_GRACE: Duration = Duration::from_secs(2);
 
 /// LOOP_CLR_FD waits for the device's I/O in flight, which a live daemon finishes within its
 /// timeout. One that does not (stopped, stuck) is killed: its FUSE connection dies with it, the
@@ -796,14 +793,10 @@ fn check_not_in_use(dev: &LoopDev) -> Result<(), String> {
             "{path} is mounted on {at}: unmount it first, then unmap it"
         ));
     }
-    let deadline = Instant::now() + RELEASE_GRACE;
-    while dev.held_exclusively() {
-        if Instant::now() >= deadline {
-            return Err(format!(
-                "{path} is held open exclusively (device-mapper, swap, another mount namespace?): release it first, then unmap it"
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    if !crate::sys::released_within(&path, crate::sys::RELEASE_GRACE) {
+        return Err(format!(
+            "{path} is held open exclusively (device-mapper, swap, another mount namespace?): release it first, then unmap it"
+        ));
     }
     Ok(())
 }

@@ -250,15 +250,6 @@ impl LoopDev {
     pub fn mount_points(&self) -> Vec<String> {
         crate::sys::mount_points(&format!("loop{}", self.index))
     }
-
-    /// True when the device is held exclusively (an O_EXCL open fails with EBUSY): mounted,
-    /// used by device-mapper or swap, or a filesystem still letting go right after umount.
-    pub fn held_exclusively(&self) -> bool {
-        match open_dev(&self.path(), libc::O_RDONLY | libc::O_EXCL) {
-            Ok(_) => false,
-            Err(e) => e.raw_os_error() == Some(libc::EBUSY),
-        }
-    }
 }
 
 fn read_flag(p: &std::path::Path) -> Option<bool> {

@@ -625,7 +625,7 @@ fn serve(mut r: Running, stop_now: bool) {
         };
         match ev {
             QEvent::Signal(sig) => {
-                let in_use = || !sys::released_within(&device, RELEASE_GRACE);
+                let in_use = || !sys::released_within(&device, sys::RELEASE_GRACE);
                 match on_signal(stopping, refused.map(|at| at.elapsed()), in_use) {
                     OnSignal::Ignore => {}
                     OnSignal::Refuse => {
@@ -791,10 +791,6 @@ fn dead_liveness(info: io::Result<DevInfo>, rec: &Record) -> Liveness {
     }
 }
 
-/// How long a hold on the device may last before `unmap` (or the daemon, on a signal) calls it
-/// in use: the kernel drops a filesystem's claim shortly after umount returns, not always before.
-const RELEASE_GRACE: Duration = Duration::from_secs(2);
-
 /// Refuses to end a device that is in use, as the fuse frontend does: STOP_DEV would tear it down
 /// under its users (a filesystem on it or on a partition of it, in this mount namespace or
 /// another, device-mapper or md on top), whose writes would then fail.
@@ -804,7 +800,7 @@ fn refuse_in_use(path: &str) -> Result<(), String> {
             "{path} is mounted on {at}: unmount it first, then unmap it"
         ));
     }
-    if !sys::released_within(path, RELEASE_GRACE) {
+    if !sys::released_within(path, sys::RELEASE_GRACE) {
         return Err(format!(
             "{path} is in use ({HOLDERS}): release it first, then unmap it"
         ));
@@ -841,7 +837,7 @@ fn unmap(device: &str, id: u32) -> Result<(), String> {
                 // probing it each second; killing it would end the device under its users all
                 // the same. Probed over a grace period, not once: the daemon's own probe holds
                 // the device for a moment, and two at once would each see the other as a user.
-                if !sys::released_within(&path, RELEASE_GRACE) {
+                if !sys::released_within(&path, sys::RELEASE_GRACE) {
                     return Err(format!(
                         "{path} came into use while unmap asked pid {} to stop, which serves it on: release it, then unmap it again",
                         rec.pid
