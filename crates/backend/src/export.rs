@@ -831,12 +831,13 @@ impl ExportQueue {
             };
             return self.run_copy(sources, from, self.zero_align, dst, fua, tag, sq);
         }
-        // The others are matched to the source on a live Arc.
+        // The others are matched to the source by address: each entry's Weak keeps its
+        // export's allocation, so no other export can be at that address.
         self.drop_gone_sources();
         let spare = self
             .spare_sources
             .iter()
-            .position(|(e, _)| e.upgrade().is_some_and(|e| Arc::ptr_eq(&e, src)));
+            .position(|(e, _)| std::ptr::eq(e.as_ptr(), Arc::as_ptr(src)));
         let source = match spare.map(|i| self.spare_sources.swap_remove(i).1) {
             Some(q) => q,
             None => match src.backend().clone().open_queue() {

@@ -236,15 +236,12 @@ impl RbdBackend {
                 format!("{name}: cannot open the image: {}", errno_text(r.into()))
             });
         }
-        let mut size = 0u64;
-        // SAFETY: an open image; writes one u64 we own.
-        let r = unsafe { sys::rbd_get_size(h.image, &mut size) };
-        if r < 0 {
-            return Err(format!(
+        let size = image_size(h.image).map_err(|r| {
+            format!(
                 "{name}: cannot read the image's size: {}",
                 errno_text(r.into())
-            ));
-        }
+            )
+        })?;
         if size == 0 || !size.is_multiple_of(512) {
             return Err(format!(
                 "{name}: the image is {size} bytes: an export needs a non-zero multiple of 512"
@@ -293,6 +290,14 @@ impl RbdBackend {
             })?;
         life.helper = Some((tx.clone(), thread));
         Ok(tx)
+    }
+
+    /// The refusal of a resize or a queue once the image was closed.
+    fn closed(&self) -> io::Error {
+        io::Error::other(format!(
+            "{}: the image is closed (the target is stopping)",
+            self.name
+        ))
     }
 
     /// Stops the helper, then flushes and closes the image, within [`CLOSE_TIMEOUTS`] Ceph
@@ -460,10 +465,7 @@ impl Backend for RbdBackend {
         }
         let _one = self.resizing.lock().unwrap_or_else(|e| e.into_inner());
         if self.life().handle.is_none() {
-            return Err(io::Error::other(format!(
-                "{}: the image is closed (the target is stopping)",
-                self.name
-            )));
+            return Err(self.closed());
         }
         if new_size < self.size() {
             return Err(io::Error::new(
@@ -479,7 +481,7 @@ impl Backend for RbdBackend {
         let r =
             unsafe { sys::rbd_resize2(self.image, new_size, false, no_progress, ptr::null_mut()) };
         if r == -libc::EINVAL {
-            if let Some(now) = image_size(self.image).filter(|&now| now > new_size) {
+            if let Some(now) = image_size(self.image).ok().filter(|&now| now > new_size) {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidInput,
                     format!(
@@ -514,10 +516,7 @@ impl Backend for RbdBackend {
         let alloc = {
             let mut life = self.life();
             if life.handle.is_none() {
-                return Err(io::Error::other(format!(
-                    "{}: the image is closed (the target is stopping)",
-                    self.name
-                )));
+                return Err(self.closed());
             }
             let alloc = self.helper(&mut life)?;
             life.queues += 1;
@@ -620,11 +619,16 @@ extern "C" fn no_progress(_offset: u64, _total: u64, _arg: *mut c_void) -> c_int
     0
 }
 
-/// The image's size as librbd knows it now, `None` when it cannot say.
-fn image_size(image: sys::ImageT) -> Option<u64> {
+/// The image's size as librbd knows it now, or librbd's negative errno.
+fn image_size(image: sys::ImageT) -> Result<u64, c_int> {
     let mut size = 0u64;
     // SAFETY: an open image; writes one u64 we own.
-    (unsafe { sys::rbd_get_size(image, &mut size) } >= 0).then_some(size)
+    let r = unsafe { sys::rbd_get_size(image, &mut size) };
+    if r < 0 {
+        Err(r)
+    } else {
+        Ok(size)
+    }
 }
 
 /// An extent-list pointer on its way to the helper thread.
@@ -778,7 +782,7 @@ impl QueueIo for RbdQueue {
             let res = if d.end == 0 {
                 d.res
             } else {
-                match *size.get_or_insert_with(|| image_size(self.image)) {
+                match *size.get_or_insert_with(|| image_size(self.image).ok()) {
                     Some(s) if d.end <= s => d.res,
                     // Clipped (or the size unknown): the bytes past the end went nowhere.
                     _ => -libc::EIO,
