@@ -1163,10 +1163,11 @@ impl ExportQueue {
             // Done, nothing running on the source: keep its queue for the next copy.
             if let CopySource::Queue(e, q) = std::mem::replace(&mut st.source, CopySource::Own) {
                 self.drop_gone_sources();
-                if self.spare_sources.len() == SPARE_SOURCES {
-                    self.spare_sources.remove(0);
-                }
+                // Only a queue kept makes room: one of a source removed meanwhile goes alone.
                 if e.strong_count() > 0 {
+                    if self.spare_sources.len() == SPARE_SOURCES {
+                        self.spare_sources.remove(0);
+                    }
                     self.spare_sources.push((e, q));
                 }
             }
