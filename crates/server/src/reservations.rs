@@ -16,6 +16,7 @@
 //! the reactor's inbox after the connection did, and versions drop an older snapshot that
 //! arrives after a newer read.
 
+use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
@@ -163,23 +164,38 @@ impl Table {
 
     /// The reservation state of `export`, created empty the first time.
     pub fn lu(&self, export: &Arc<Export>) -> Arc<Lu> {
+        let mut lus = self.lus(std::slice::from_ref(export));
+        lus.pop().expect("one per export")
+    }
+
+    /// [`Table::lu`] of each of `exports`, in their order, under one lock and with one look
+    /// through the table: an iSCSI login asks for every export its initiator may open.
+    pub fn lus(&self, exports: &[Arc<Export>]) -> Vec<Arc<Lu>> {
         let mut t = self.lus.lock().unwrap_or_else(|p| p.into_inner());
         t.list.retain(|(e, _)| e.strong_count() > 0);
-        if let Some((_, lu)) = t
+        let mut known: HashMap<*const Export, Arc<Lu>> = t
             .list
             .iter()
-            .find(|(e, _)| std::ptr::eq(e.as_ptr(), Arc::as_ptr(export)))
-        {
-            return lu.clone();
-        }
-        let id = t.next_id;
-        t.next_id += 1;
-        let lu = Arc::new(Lu {
-            id,
-            state: Mutex::default(),
-        });
-        t.list.push((Arc::downgrade(export), lu.clone()));
-        lu
+            .map(|(e, lu)| (e.as_ptr(), lu.clone()))
+            .collect();
+        exports
+            .iter()
+            .map(|export| {
+                let at = Arc::as_ptr(export);
+                if let Some(lu) = known.get(&at) {
+                    return lu.clone();
+                }
+                let id = t.next_id;
+                t.next_id += 1;
+                let lu = Arc::new(Lu {
+                    id,
+                    state: Mutex::default(),
+                });
+                t.list.push((Arc::downgrade(export), lu.clone()));
+                known.insert(at, lu.clone());
+                lu
+            })
+            .collect()
     }
 
     /// Sends `update` to every reactor but `ack.reactor`, each to acknowledge to `ack`; returns
@@ -252,6 +268,12 @@ mod tests {
         let la = t.lu(&a);
         assert!(Arc::ptr_eq(&la, &t.lu(&a)));
         assert_ne!(la.id(), t.lu(&b).id());
+        // Many at once (an iSCSI login's): the same states, in order, a new one made once.
+        let c = export("c");
+        let many = t.lus(&[a.clone(), c.clone(), b.clone(), c.clone()]);
+        assert!(Arc::ptr_eq(&many[0], &la) && Arc::ptr_eq(&many[2], &t.lu(&b)));
+        assert!(Arc::ptr_eq(&many[1], &many[3]) && Arc::ptr_eq(&many[1], &t.lu(&c)));
+        drop((many, c));
         la.reserve_out(&nexus(1), sa_out::REGISTER, 0, 0, &out_parameters(0, 5))
             .unwrap();
         drop(a);

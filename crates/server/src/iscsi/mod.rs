@@ -1061,13 +1061,14 @@ fn finish<S: Read + Write>(
     let max_io = admitted.iter().map(|a| a.max_io).min().unwrap_or(max_io);
     // The LUNs an EXTENDED COPY may read from: what this initiator may open, each with its
     // reservations (which bind the copy's reads of it).
-    let peers = registry
-        .open_to(l.proven.as_deref(), &addr)
+    let open = registry.open_to(l.proven.as_deref(), &addr);
+    let peers = open
         .iter()
-        .map(|e| Peer {
+        .zip(registry.reservations.lus(&open))
+        .map(|(e, reservations)| Peer {
             name: e.name.clone(),
             info: lun_info(e, e.size(), max_io, false),
-            reservations: registry.reservations.lu(e),
+            reservations,
         })
         .collect();
     let fe = Iscsi::new(IscsiSetup {
