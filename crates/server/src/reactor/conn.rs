@@ -541,6 +541,13 @@ impl Conn {
         false
     }
 
+    /// Whether the reactor's idle tick has work here, so it must come even if nothing happens:
+    /// buffers above the connection's floor to trim, or spare copy sources kept, which go once
+    /// their exports are removed.
+    pub(super) fn idle_work(&self) -> bool {
+        self.mem.above_floor() || self.targets.iter().any(|t| t.exec.holds_spare_sources())
+    }
+
     /// Charges or gives back the difference between what the buffers hold and the charge.
     pub(super) fn settle_memory(&mut self) {
         let have = self.footprint();

@@ -574,15 +574,10 @@ impl Reactor {
             || !self.ports.is_empty()
             || self.trim_pending
             || self.release_pending
-            || self
-                .conns
-                .iter()
-                .flatten()
-                .any(|c| c.targets.iter().any(|t| t.exec.holds_spare_sources()))
         {
             // Wake up to enforce the shutdown deadline, expire idle datagram sessions, trim
             // idle connections and let go of removed exports' spare copy sources (an rbd:
-            // image stays open behind one) even if nothing completes.
+            // image stays open behind one; `Conn::idle_work`) even if nothing completes.
             Some(types::Timespec::new().sec(1))
         } else {
             None
@@ -825,7 +820,7 @@ impl Reactor {
         }
         // Charged only when the buffers changed size (growth, or given back).
         c.settle_memory();
-        self.trim_pending |= c.mem.above_floor();
+        self.trim_pending |= c.idle_work();
         if c.starved && !c.waiting && !c.closing {
             c.waiting = true;
             self.starved.push(idx);
@@ -854,7 +849,7 @@ impl Reactor {
                     c.trim();
                 }
                 c.idle_mark = frames;
-                self.trim_pending |= c.mem.above_floor();
+                self.trim_pending |= c.idle_work();
             }
         }
         // What connections, ports and sessions gave back to the budget is in the allocator's
