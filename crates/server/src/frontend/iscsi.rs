@@ -1154,14 +1154,10 @@ impl Iscsi {
                 Decoded::Answered { len }
             }
             Command::Unmap { param_len } => {
-                // Only the descriptors MAXIMUM UNMAP BLOCK DESCRIPTOR COUNT allows are read: a
-                // list that says it has more is refused (`parse_unmap`) whether they came or
-                // not, so they are not asked for (the residual says what was not moved). A
-                // partial descriptor after the last one, which `parse_unmap` ignores, still
-                // comes: a list that ends with one is valid.
-                let descriptors = self.lu().info.max_unmap_descriptors as usize;
-                let most = (descriptors + 1).saturating_mul(scsi::UNMAP_DESCRIPTOR_LEN) - 1;
-                let most = scsi::UNMAP_HEADER_LEN.saturating_add(most);
+                // Only what `parse_unmap` can take is read: a list that says it has more
+                // descriptors is refused whether they came or not, so they are not asked for
+                // (the residual says what was not moved).
+                let most = scsi::max_unmap_list_len(&self.lu().info);
                 let want = param_len.min(u32::try_from(most).unwrap_or(u32::MAX));
                 self.collect(itt, &c.cdb, c.edtl, want, c.data, len, tx)
             }

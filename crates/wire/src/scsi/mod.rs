@@ -930,6 +930,14 @@ pub const UNMAP_HEADER_LEN: usize = 8;
 /// Bytes of one UNMAP block descriptor (SBC-3 UNMAP parameter list).
 pub const UNMAP_DESCRIPTOR_LEN: usize = 16;
 
+/// The longest UNMAP parameter list [`parse_unmap`] can take for `lun`: its header, the most
+/// descriptors MAXIMUM UNMAP BLOCK DESCRIPTOR COUNT allows, and a partial one after them (which
+/// is ignored). A target need not collect more of a list than this.
+pub fn max_unmap_list_len(lun: &LunInfo) -> usize {
+    let descriptors = lun.max_unmap_descriptors as usize + 1;
+    UNMAP_HEADER_LEN.saturating_add(descriptors.saturating_mul(UNMAP_DESCRIPTOR_LEN) - 1)
+}
+
 /// The UNMAP parameter list (SBC-3 UNMAP parameter list) as (lba, blocks) extents, each
 /// range-checked against the LUN, descriptors with 0 blocks dropped. `list` is the Data-Out
 /// (PARAMETER LIST LENGTH bytes); an empty list means nothing to do. The count of descriptors and
