@@ -722,23 +722,30 @@ fn with_keys_hosts_prove_themselves_with_dh_hmac_chap() {
     assert_eq!(q.read(0, 1, BS).unwrap().data, vec![7; 512]);
 }
 
-#[test]
-fn a_controller_that_never_authenticates_ends_at_the_handshake_deadline() {
-    let dir = TempDir::new("nvme-auth-deadline");
+/// A target whose key file names alice, with a 1 s handshake deadline, and an admin queue
+/// connected under alice's NQN without her key (anyone may claim it: an NQN is no secret), with
+/// KATO 0 (no keep-alive timer); the options it connected with. `dir` holds the key file.
+fn alice_unauthenticated(dir: &TempDir) -> (NvmeTarget, Queue, Opts) {
     let alice = "nqn.2014-08.org.nvmexpress:uuid:a11ce000-0000-4000-8000-000000000001";
     let key = blkwire_auth::dhchap::Secret::generate();
-    let keys = key_file(&dir, &[format!("{alice}:{}", key.to_dhhc().unwrap())]);
+    let keys = key_file(dir, &[format!("{alice}:{}", key.to_dhhc().unwrap())]);
     let t = NvmeTarget::start_with(
         &["disk0=mem:1M"],
         &["--keys", &keys, "--handshake-timeout", "1"],
     );
-    // Anyone may claim alice's NQN (it is no secret); KATO 0 asks for no keep-alive timer.
     let o = Opts {
         hostnqn: alice.into(),
         ..Opts::default()
     };
-    let (mut a, done) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &o).unwrap();
+    let (a, done) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &o).unwrap();
     assert_eq!(done.code(), 0);
+    (t, a, o)
+}
+
+#[test]
+fn a_controller_that_never_authenticates_ends_at_the_handshake_deadline() {
+    let dir = TempDir::new("nvme-auth-deadline");
+    let (t, mut a, o) = alice_unauthenticated(&dir);
     assert_eq!(
         a.property_get(0x00, true).code(),
         0x191,
@@ -791,20 +798,8 @@ fn a_trickled_pdu_cannot_outlive_the_authentication_deadline_or_kato() {
     // the 1 s limits, short of the 10 s any PDU may take (which alone must not pass).
     let pace = Duration::from_millis(300);
     let dir = TempDir::new("nvme-trickle");
-    let alice = "nqn.2014-08.org.nvmexpress:uuid:a11ce000-0000-4000-8000-000000000001";
-    let key = blkwire_auth::dhchap::Secret::generate();
-    let keys = key_file(&dir, &[format!("{alice}:{}", key.to_dhhc().unwrap())]);
-    let t = NvmeTarget::start_with(
-        &["disk0=mem:1M"],
-        &["--keys", &keys, "--handshake-timeout", "1"],
-    );
     // Alice's NQN is no secret: anyone gets a controller with it, to authenticate within 1 s.
-    let o = Opts {
-        hostnqn: alice.into(),
-        ..Opts::default()
-    };
-    let (mut a, done) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &o).unwrap();
-    assert_eq!(done.code(), 0);
+    let (_t, mut a, _) = alice_unauthenticated(&dir);
     assert!(
         trickle_closes(&mut a, pace),
         "a trickled PDU outlived the authentication deadline"
