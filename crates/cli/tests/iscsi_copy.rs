@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use blkwire_wire::iscsi::{op, Digests, RESERVED_TAG};
-use common::iscsi_host::{login, login_as, Conn};
+use common::iscsi_host::{iscsi_listener, login, login_as, prout, Conn};
 use common::{cli, random_bytes, sha256, sparse_file, Target, TempDir};
 
 const MIB: u64 = 1 << 20;
@@ -182,10 +182,7 @@ fn extended_copy_between_block_sizes_copies_the_bytes_asked() {
         ],
         &["--listen", "iscsi://127.0.0.1:0"],
     );
-    let iscsi = urls
-        .iter()
-        .find_map(|u| u.strip_prefix("iscsi://"))
-        .unwrap_or_else(|| panic!("no iscsi:// listener among {urls:?}"));
+    let iscsi = iscsi_listener(&urls);
     let target = |export: &str| format!("iqn.2026-11.io.blkwire:{export}");
     let mut small = login(iscsi, &target("small"), Digests::default());
     let mut big_c = login(iscsi, &target("big"), Digests::default());
@@ -231,17 +228,6 @@ fn extended_copy_between_block_sizes_copies_the_bytes_asked() {
     assert!(small.read(0, 128).0 == want_small, "a refused copy wrote");
 }
 
-/// PERSISTENT RESERVE OUT with its 24-byte parameter list as immediate data: the status.
-fn prout(c: &mut Conn, sa: u8, kind: u8, res_key: u64, sa_key: u64) -> u8 {
-    let cdb = [0x5f, sa, kind, 0, 0, 0, 0, 0, 24, 0];
-    let p = blkwire_wire::scsi::pr::out_parameters(res_key, sa_key);
-    let (_, pdu) = c.command(&cdb, 24, true, &p);
-    c.send(&pdu).unwrap();
-    let r = c.recv().expect("a response to PERSISTENT RESERVE OUT");
-    assert_eq!(r.opcode(), op::SCSI_RSP, "PERSISTENT RESERVE OUT");
-    r.bhs[3]
-}
-
 /// Initiator X reserves export B Exclusive Access; initiator Y, whose READ of B is a
 /// RESERVATION CONFLICT, logs in to export A (reserved by nobody) and sends it an EXTENDED COPY
 /// from B: RESERVATION CONFLICT too, and A keeps its data. Once X releases B the same copy runs.
@@ -253,10 +239,7 @@ fn extended_copy_does_not_read_an_export_another_initiator_holds_exclusive() {
         &["a=mem:64K", "b=mem:64K"],
         &["--listen", "iscsi://127.0.0.1:0"],
     );
-    let iscsi = urls
-        .iter()
-        .find_map(|u| u.strip_prefix("iscsi://"))
-        .unwrap_or_else(|| panic!("no iscsi:// listener among {urls:?}"));
+    let iscsi = iscsi_listener(&urls);
     let target = |export: &str| format!("iqn.2026-11.io.blkwire:{export}");
     let mut x = login_as(
         iscsi,
@@ -319,10 +302,7 @@ fn qemu_img_convert_offloads_the_copy_between_two_luns() {
         ],
         &["--listen", "iscsi://127.0.0.1:0"],
     );
-    let iscsi = urls
-        .iter()
-        .find_map(|u| u.strip_prefix("iscsi://"))
-        .unwrap_or_else(|| panic!("no iscsi:// listener among {urls:?}"));
+    let iscsi = iscsi_listener(&urls);
     let (relay, wire) = counting_relay(iscsi.parse().expect("iscsi listener address"));
     let lun = |export: &str| format!("iscsi://{relay}/iqn.2026-11.io.blkwire:{export}/0");
 

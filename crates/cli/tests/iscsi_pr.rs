@@ -10,7 +10,7 @@ use std::net::TcpStream;
 use std::process::Command;
 
 use blkwire_wire::iscsi::{flag, op, Digests};
-use common::iscsi_host::{login_as, Conn};
+use common::iscsi_host::{login_as, prout, Conn};
 use common::Target;
 
 const PREFIX: &str = "iqn.2026-11.io.blkwire:";
@@ -97,17 +97,6 @@ impl PrTarget {
             })
             .collect()
     }
-}
-
-/// PERSISTENT RESERVE OUT with its 24-byte parameter list as immediate data: the status.
-fn prout(c: &mut Conn, sa: u8, kind: u8, res_key: u64, sa_key: u64) -> u8 {
-    let cdb = [0x5f, sa, kind, 0, 0, 0, 0, 0, 24, 0];
-    let p = blkwire_wire::scsi::pr::out_parameters(res_key, sa_key);
-    let (_, pdu) = c.command(&cdb, 24, true, &p);
-    c.send(&pdu).unwrap();
-    let r = c.recv().expect("a response to PERSISTENT RESERVE OUT");
-    assert_eq!(r.opcode(), op::SCSI_RSP, "PERSISTENT RESERVE OUT");
-    r.bhs[3]
 }
 
 /// PERSISTENT RESERVE IN READ RESERVATION: the holder's key and the type, if reserved.

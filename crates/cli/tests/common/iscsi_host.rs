@@ -449,3 +449,21 @@ impl Conn {
         }
     }
 }
+
+/// PERSISTENT RESERVE OUT with its 24-byte parameter list as immediate data: the status.
+pub fn prout(c: &mut Conn, sa: u8, kind: u8, res_key: u64, sa_key: u64) -> u8 {
+    let cdb = [0x5f, sa, kind, 0, 0, 0, 0, 0, 24, 0];
+    let p = blkwire_wire::scsi::pr::out_parameters(res_key, sa_key);
+    let (_, pdu) = c.command(&cdb, 24, true, &p);
+    c.send(&pdu).unwrap();
+    let r = c.recv().expect("a response to PERSISTENT RESERVE OUT");
+    assert_eq!(r.opcode(), op::SCSI_RSP, "PERSISTENT RESERVE OUT");
+    r.bhs[3]
+}
+
+/// The address of the `iscsi://` listener among a target's listen URLs.
+pub fn iscsi_listener(urls: &[String]) -> &str {
+    urls.iter()
+        .find_map(|u| u.strip_prefix("iscsi://"))
+        .unwrap_or_else(|| panic!("no iscsi:// listener among {urls:?}"))
+}
