@@ -8,7 +8,9 @@
 # Environment: RUNTIME (seconds per run, default 5), MTU (default 9000), JOBS (default 1),
 # FILL (1: write the whole export with 1M sequential writes over tcp:// first, so reads return
 # data rather than holes, as in nbd-compare; default 0, the export stays empty as in the runs
-# recorded before 2026-11-26), BYPASS_QDISC (1: eth:// with ?qdisc=bypass on both ends),
+# recorded before 2026-11-26, except for an ONLY workload that writes, which always fills first:
+# the first writes to a fresh mem: export also allocate its pages, and on an empty export that
+# cost fell on whichever transport ran first), BYPASS_QDISC (1: eth:// with ?qdisc=bypass on both ends),
 # TRANSPORTS (default "eth udp tcp"), ONLY (one workload, e.g. "read 1M 4 1M-seqread" or
 # "randread 4k 32 4k-randread": that row alone, no loss runs; for A/B runs of two builds),
 # BENCH_ARGS (more options for every `blkwire bench` run, e.g. "--poll-us 200"), UDP_CRC (full,
@@ -31,7 +33,8 @@ for t in $TRANSPORTS; do
     [[ "$t" == eth || "$t" == udp || "$t" == tcp ]] || die "TRANSPORTS: '$t' is not one of eth, udp, tcp"
 done
 if [[ -n "$ONLY" ]]; then
-    read -r _ bs _ <<<"$ONLY"
+    read -r rw bs _ <<<"$ONLY"
+    [[ "$rw" != *write* ]] || FILL=1
     [[ "$bs" != 1M ]] || (( MTU >= 4200 )) || die "ONLY: 1M I/O needs MTU >= 4200 (a datagram I/O is at most 256 frames)"
 fi
 ETH_OPT=""

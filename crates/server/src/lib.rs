@@ -949,22 +949,12 @@ impl Target {
         // Every queue has closed. A backend that holds acknowledged writes or a lock of its own
         // (`rbd:`: librbd's cache, the image's exclusive lock) flushes and releases them now,
         // before `serve` returns and the process exits under it (the registry, and the exports
-        // with it, may outlive this: a metrics or control client thread can hold it). All at
-        // once, each bounded by its own timeouts.
+        // with it, may outlive this: a metrics or control client thread can hold it). Several
+        // at once, each bounded by its own timeouts, on at most CLOSERS threads.
         let exports = self.shared.registry.exports();
-        let close = |e: &Export| {
+        for_each_on_threads(&exports, CLOSERS, "blkwire-close", |e| {
             if let Err(m) = e.backend().shutdown() {
                 crate::log!(Level::Warn, "export '{}': {m}", e.name);
-            }
-        };
-        std::thread::scope(|s| {
-            for e in &exports {
-                let spawned = std::thread::Builder::new()
-                    .name("blkwire-close".into())
-                    .spawn_scoped(s, move || close(e));
-                if spawned.is_err() {
-                    close(e); // no thread: one after the other
-                }
             }
         });
         // And the exports removed before, whose backends close on threads of their own.
@@ -980,6 +970,36 @@ impl Target {
         crate::log!(Level::Info, "stopped");
         Ok(())
     }
+}
+
+/// How many exports a stop closes at once: a close can wait out the backend's timeouts (`rbd:`
+/// on a cluster that is gone), so one after the other could take hours with many exports, and
+/// a thread each would be thousands of threads.
+const CLOSERS: usize = 16;
+
+/// Runs `f` on every item, on up to `threads` scoped threads that each take the next item not
+/// yet taken, so one slow item holds up only its own thread. With no thread to be had, runs
+/// them all on the caller's.
+fn for_each_on_threads<T: Sync>(items: &[T], threads: usize, name: &str, f: impl Fn(&T) + Sync) {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let work = || {
+        while let Some(item) = items.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+            f(item);
+        }
+    };
+    std::thread::scope(|s| {
+        let spawned = (0..threads.min(items.len()))
+            .filter(|_| {
+                std::thread::Builder::new()
+                    .name(name.into())
+                    .spawn_scoped(s, work)
+                    .is_ok()
+            })
+            .count();
+        if spawned == 0 {
+            work();
+        }
+    });
 }
 
 /// How long a stop waits for removed exports still closing (`blkwire_backend::wait_for_closes`):
@@ -1605,6 +1625,46 @@ mod tests {
             },
             ..TargetConfig::default()
         }
+    }
+
+    /// How a stop closes its exports: each once, on no more threads than given, and a close
+    /// that hangs holds up only its own thread (here the first waits for all the others, which
+    /// one thread after the other could never finish).
+    #[test]
+    fn items_run_once_each_on_at_most_the_threads_given_and_around_a_slow_one() {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        let items: Vec<usize> = (0..64).collect();
+        let runs: Vec<AtomicUsize> = items.iter().map(|_| AtomicUsize::new(0)).collect();
+        let (running, most, others_done) = (
+            AtomicUsize::new(0),
+            AtomicUsize::new(0),
+            AtomicUsize::new(0),
+        );
+        let (tx, rx) = mpsc::channel();
+        let rx = Mutex::new(rx);
+        let waited_for_the_others = AtomicUsize::new(0);
+        for_each_on_threads(&items, 4, "test-close", |&i| {
+            most.fetch_max(running.fetch_add(1, SeqCst) + 1, SeqCst);
+            runs[i].fetch_add(1, SeqCst);
+            if i == 0 {
+                let heard = rx.lock().unwrap().recv_timeout(Duration::from_secs(10));
+                waited_for_the_others.store(heard.is_ok() as usize, SeqCst);
+            } else if others_done.fetch_add(1, SeqCst) + 1 == items.len() - 1 {
+                tx.send(()).unwrap();
+            }
+            running.fetch_sub(1, SeqCst);
+        });
+        assert!(runs.iter().all(|r| r.load(SeqCst) == 1), "every item once");
+        assert!(
+            most.load(SeqCst) <= 4,
+            "at most 4 at once, saw {}",
+            most.load(SeqCst)
+        );
+        assert_eq!(
+            waited_for_the_others.load(SeqCst),
+            1,
+            "the others ran around item 0"
+        );
     }
 
     #[test]
