@@ -2,7 +2,9 @@
 //! every accepted header must survive encode → decode unchanged, and `check_crc` must accept any
 //! payload slice without panicking. The same bytes taken as a datagram (§9.6) must walk without
 //! panicking, yield only in-bounds frames of one queue, CRC-valid or sealed (§12.4: the seal
-//! follows the payload), and stop at the first bad one.
+//! follows the payload), and stop at the first bad one. Cut after its header, the same bytes taken
+//! as a frame received in two pieces (`frame_in_two`) must be taken only exactly as `frames` takes
+//! an unsealed frame with the same bytes in one piece.
 
 #![no_main]
 
@@ -34,6 +36,18 @@ fuzz_target!(|data: &[u8]| {
                 assert!(walked <= data.len(), "walked past the datagram");
             }
             Err(_) => failed = true,
+        }
+    }
+    if data.len() >= HEADER_LEN {
+        let (header, payload) = data.split_at(HEADER_LEN);
+        if let Ok(f) = datagram::frame_in_two(header, payload, 1 << 16) {
+            assert!(!f.sealed());
+            assert_eq!(f.header.check_crc(payload), Ok(()));
+            let whole = datagram::frames(data, 1 << 16).next();
+            assert!(
+                matches!(whole, Some(Ok(w)) if w.header == f.header && w.payload == payload),
+                "taken in two pieces but not in one"
+            );
         }
     }
     for max in MAXES {

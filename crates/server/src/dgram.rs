@@ -30,6 +30,8 @@ use crate::log::Level;
 use crate::session::{HelloAnswer, JoinRefused, QueueSeal, Registry};
 use crate::stats::ClosedTotals;
 
+mod in_place;
+
 /// Frames received or sent per syscall.
 const BATCH: usize = 32;
 /// READs of this many bytes or more are sent from where their data lies (`finish_read`). A
@@ -241,6 +243,8 @@ pub struct PortStats {
     /// Frames of a sealed session that were not sealed, did not verify or were replayed
     /// (PROTOCOL.md §12.4); dropped, never acted on.
     pub bad_seal: u64,
+    /// WRITE fragments the kernel received straight where they belong (UDP, `in_place`).
+    pub fragments_in_place: u64,
 }
 
 impl PortStats {
@@ -250,6 +254,7 @@ impl PortStats {
         self.wrong_peer += o.wrong_peer;
         self.no_memory += o.no_memory;
         self.bad_seal += o.bad_seal;
+        self.fragments_in_place += o.fragments_in_place;
     }
 }
 
@@ -321,6 +326,12 @@ pub struct DgramPort {
     scratch: Vec<u8>,
     /// The datagram being handled already drew an ACCESS for an unknown session.
     refused_in_datagram: bool,
+    /// The last datagram handled was a fragment of a WRITE of several: the next receive peeks
+    /// first, to take the rest, or the next such WRITE, in place (`in_place`). UDP with GRO.
+    expect_fragments: bool,
+    /// The fragment being handled was received where it belongs (queue, slot, fragment):
+    /// `fragment` has nothing to copy.
+    in_place: Option<(usize, u16, u32)>,
     /// Completion notifiers of queues whose backend completes on its own threads, to be watched
     /// (`Some`) or no longer (`None`) by the reactor: (queue, incarnation, descriptor).
     notifier_changes: Vec<(usize, u32, Option<RawFd>)>,
@@ -367,6 +378,8 @@ impl DgramPort {
             fixed,
             scratch: vec![0u8; frame],
             refused_in_datagram: false,
+            expect_fragments: false,
+            in_place: None,
             fd: p.fd,
             listener,
             retiring: false,
@@ -451,6 +464,13 @@ impl DgramPort {
             return;
         }
         loop {
+            if self.gro && self.expect_fragments {
+                match self.receive_in_place(sq, ud) {
+                    in_place::Peeked::Taken => continue,
+                    in_place::Peeked::Empty => break,
+                    in_place::Peeked::Other => {}
+                }
+            }
             // SAFETY: all-zero iovecs, message headers and addresses (null pointers, zero
             // lengths) are valid values; every one used is filled in below.
             let mut iov: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
@@ -736,6 +756,7 @@ impl DgramPort {
     /// CRC or a seal.
     fn on_datagram(&mut self, b: &[u8], peer: Peer, sq: &mut dyn Submitter, ud: UserData) {
         self.refused_in_datagram = false;
+        self.expect_fragments = false;
         for f in datagram::frames(b, self.link_payload.max(4096)) {
             match f {
                 Ok(f) if f.header.is_reply() => self.stats.bad_frames += 1,
@@ -1358,6 +1379,8 @@ impl DgramPort {
             let have = s.have.clone();
             return self.send_queue(qi, r, &have);
         }
+        // Received where it belongs already (`in_place`): nothing to copy.
+        let placed = self.in_place.take() == Some((qi, slot, i));
         match s.into {
             Some(into) => {
                 // Checked here, not only by the decoder that cut the payload: this copy has no
@@ -1366,19 +1389,23 @@ impl DgramPort {
                     q.exec.stats.protocol_errors += 1;
                     return;
                 }
-                // SAFETY: `frag_offset + expect <= length` (`expect` is what is left of the
-                // WRITE from `frag_offset`, at most `fp`), and `into` holds `length` bytes of
-                // the export's memory, which lives as long as the queue's executor.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        payload.as_ptr(),
-                        into.add(h.frag_offset as usize),
-                        payload.len(),
-                    )
-                };
+                if !placed {
+                    // SAFETY: `frag_offset + expect <= length` (`expect` is what is left of
+                    // the WRITE from `frag_offset`, at most `fp`), and `into` holds `length`
+                    // bytes of the export's memory, which lives as long as the queue's
+                    // executor.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            payload.as_ptr(),
+                            into.add(h.frag_offset as usize),
+                            payload.len(),
+                        )
+                    };
+                }
                 q.exec
                     .wrote_mapped(s.hdr.offset + h.frag_offset as u64, payload.len() as u64);
             }
+            None if placed => {}
             None => {
                 let buf = s.buf.as_mut().expect("assembling slot has a buffer");
                 buf.as_mut_slice()[h.frag_offset as usize..h.frag_offset as usize + payload.len()]
@@ -1387,6 +1414,8 @@ impl DgramPort {
         }
         bitmap::set(&mut s.have, i);
         s.got += 1;
+        // More of this WRITE, or the next of a stream of large ones, is likely next.
+        self.expect_fragments = s.frags > 1;
         if s.got == s.frags {
             self.execute(qi, slot, sq, ud);
         }
@@ -1934,6 +1963,164 @@ mod tests {
                 "{export}: a READ, not the old WRITE"
             );
         }
+    }
+
+    /// The reactor's ring for `DgramPort::receive` on a port serving RAM: nothing is pushed.
+    struct NoRing;
+
+    impl Submitter for NoRing {
+        fn push(&mut self, _: io_uring::squeue::Entry) {
+            panic!("RAM completes inline");
+        }
+    }
+
+    /// Sends `frames` (equal lengths but for a shorter last) from `peer` to the port as one
+    /// segmented send, as an initiator sends a run of fragments, then lets the port read its
+    /// socket as the reactor would.
+    fn send_run(dp: &mut DatagramPort, peer: &UdpSocket, frames: &[Vec<u8>]) {
+        let to = std::os::fd::AsFd::as_fd(&dp.port.fd)
+            .try_clone_to_owned()
+            .unwrap();
+        let to = UdpSocket::from(to).local_addr().unwrap();
+        let run: Vec<u8> = frames.concat();
+        let mut cmsg = Cmsg::default();
+        // SAFETY: all-zero message header; filled in below with buffers that outlive the send.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        let mut iov = libc::iovec {
+            iov_base: run.as_ptr() as *mut _,
+            iov_len: run.len(),
+        };
+        let std::net::SocketAddr::V4(to) = to else {
+            panic!("the test port is IPv4")
+        };
+        let mut sin = libc::sockaddr_in {
+            sin_family: libc::AF_INET as u16,
+            sin_port: to.port().to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(*to.ip()).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        msg.msg_name = (&mut sin as *mut libc::sockaddr_in).cast();
+        msg.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as u32;
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        cmsg.attach_segment(&mut msg, frames[0].len() as u16);
+        // SAFETY: every pointer in `msg` is to a live buffer of ours.
+        let sent = unsafe { libc::sendmsg(peer.as_raw_fd(), &msg, 0) };
+        assert_eq!(
+            sent,
+            run.len() as isize,
+            "{}",
+            std::io::Error::last_os_error()
+        );
+        dp.port.receive(&mut NoRing, &|_, _, _| 0);
+        dp.port.flush();
+    }
+
+    /// Fragment `i` of a WRITE of `data` at `offset` on `slot`.
+    fn write_fragment(
+        session: u32,
+        slot: u16,
+        offset: u64,
+        data: &[u8],
+        i: usize,
+        fua: bool,
+    ) -> Vec<u8> {
+        let mut h = request(session, Opcode::Write, slot, 1, offset, data.len() as u32);
+        h.frag_count = data.len().div_ceil(LINK as usize) as u16;
+        h.frag_index = i as u16;
+        h.frag_offset = i as u32 * LINK;
+        if fua {
+            h.flags.0 |= Flags::FUA;
+        }
+        frame(h, data.chunks(LINK as usize).nth(i).unwrap())
+    }
+
+    /// A run of a WRITE's fragments, read while the port expects them (the datagram before
+    /// was a fragment of a WRITE of several), goes where it belongs: straight into the export
+    /// (RAM) or into the slot's buffer (a WRITE with FUA), each fragment checked as any. The
+    /// run that begins the WRITE has its first datagram handled from the peek.
+    #[test]
+    fn a_run_of_write_fragments_is_received_where_it_belongs() {
+        for fua in [false, true] {
+            let (mut dp, peer, session) = session_on("a=mem:1M");
+            let from = peer.local_addr().unwrap();
+            // A WRITE of two fragments the usual way: the next run is expected to be more.
+            let first = vec![5u8; 2 * LINK as usize];
+            for i in 0..2 {
+                dp.receive(&write_fragment(session, 1, 0, &first, i, fua), from);
+            }
+            assert_eq!(answers(&peer, true)[0].0.status, Status::Ok);
+            let data: Vec<u8> = (0..5 * LINK + 1000).map(|i| (i % 253) as u8).collect();
+            let run: Vec<Vec<u8>> = (0..6)
+                .map(|i| write_fragment(session, 2, 65536, &data, i, fua))
+                .collect();
+            send_run(&mut dp, &peer, &run);
+            assert_eq!(
+                dp.port.stats.fragments_in_place, 5,
+                "fua {fua}: all but the first"
+            );
+            let answer = answers(&peer, true);
+            assert_eq!(answer.len(), 1, "fua {fua}: one answer");
+            assert_eq!(answer[0].0.status, Status::Ok, "fua {fua}: WRITE answered");
+            let read = read_back(&mut dp, &peer, session, 3, 1, (65536, data.len() as u32));
+            assert!(read == data, "fua {fua}: the bytes written read back");
+        }
+    }
+
+    /// In a run placed as a WRITE's fragments, a damaged datagram and one that belongs to
+    /// another request are put back together and handled as any datagram: the damaged one is
+    /// dropped, the other lands where it belongs, and the WRITE completes with its own bytes
+    /// once its missing fragments come. A run from another address than the queue's places
+    /// nothing.
+    #[test]
+    fn a_run_with_foreign_or_damaged_datagrams_lands_only_what_belongs() {
+        let (mut dp, peer, session) = session_on("a=mem:1M");
+        let from = peer.local_addr().unwrap();
+        let data: Vec<u8> = (0..5 * LINK + 1000).map(|i| (i % 251) as u8).collect();
+        let other: Vec<u8> = (0..2 * LINK).map(|i| (i % 13) as u8 + 100).collect();
+        let frag = |i| write_fragment(session, 3, 0, &data, i, false);
+        dp.receive(&frag(0), from);
+        let mut damaged = frag(2);
+        damaged[HEADER_LEN + 100] ^= 1;
+        let foreign = write_fragment(session, 4, 131072, &other, 0, false);
+        // Placed as fragments 1 to 5; the third is another WRITE's first fragment.
+        send_run(
+            &mut dp,
+            &peer,
+            &[frag(1), damaged, frag(3), foreign, frag(5)],
+        );
+        assert_eq!(dp.port.stats.fragments_in_place, 3, "fragments 1, 3 and 5");
+        assert_eq!(dp.port.stats.bad_frames, 1, "the damaged one");
+        assert!(
+            answers(&peer, false).is_empty(),
+            "neither WRITE is complete"
+        );
+        dp.receive(&frag(2), from);
+        dp.receive(&frag(4), from);
+        dp.receive(&write_fragment(session, 4, 131072, &other, 1, false), from);
+        let done = answers(&peer, true);
+        assert_eq!(done.len(), 2, "both WRITEs answered: {done:?}");
+        assert!(done.iter().all(|(h, _)| h.status == Status::Ok));
+        let read = read_back(&mut dp, &peer, session, 5, 1, (0, data.len() as u32));
+        assert!(read == data, "the WRITE reads back whole");
+        let read = read_back(&mut dp, &peer, session, 6, 1, (131072, other.len() as u32));
+        assert!(
+            read == other,
+            "so does the other, whose first fragment was in the run"
+        );
+
+        // From another address: the queue's fragments, but nothing is placed or taken.
+        let stranger = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let frag = |i| write_fragment(session, 7, 0, &other, i, false);
+        dp.receive(&frag(0), from);
+        send_run(&mut dp, &stranger, &[frag(1)]);
+        assert_eq!(dp.port.stats.fragments_in_place, 3, "nothing more placed");
+        assert_eq!(
+            dp.port.stats.wrong_peer, 1,
+            "the stranger's datagram dropped"
+        );
     }
 
     /// A WRITE to RAM the executor would refuse (a read-only export, a range past the end)

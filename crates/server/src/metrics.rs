@@ -421,7 +421,7 @@ struct PortCounter {
     value: fn(&crate::dgram::PortStats) -> u64,
 }
 
-const PORT_COUNTERS: [PortCounter; 5] = [
+const PORT_COUNTERS: [PortCounter; 6] = [
     PortCounter {
         name: "blkwire_port_bad_frames_total",
         help: "Datagram frames that were malformed or failed their CRC.",
@@ -446,6 +446,12 @@ const PORT_COUNTERS: [PortCounter; 5] = [
         name: "blkwire_port_bad_seal_frames_total",
         help: "Frames of sealed sessions that were not sealed, did not verify or were replayed.",
         value: |p| p.bad_seal,
+    },
+    PortCounter {
+        name: "blkwire_port_fragments_in_place_total",
+        help:
+            "UDP WRITE fragments received straight where they belong, with no copy of the target's.",
+        value: |p| p.fragments_in_place,
     },
 ];
 

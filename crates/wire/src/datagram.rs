@@ -81,6 +81,30 @@ impl<'a> Frames<'a> {
     }
 }
 
+/// A frame received in two pieces: its header in one buffer and its payload, scattered by the
+/// receive itself, in another (a target placing a WRITE fragment where it belongs, §9.3).
+/// Validated as [`frames`] validates a frame, except that a sealed frame is refused: a seal is
+/// opened over the frame's bytes in one piece. `raw` is the header alone.
+pub fn frame_in_two<'a>(
+    header: &'a [u8],
+    payload: &'a [u8],
+    max_payload: u32,
+) -> Result<Frame<'a>, FrameError> {
+    let h = Header::decode(header, max_payload)?;
+    if header.len() != HEADER_LEN || h.payload_len as usize != payload.len() {
+        return Err(FrameError::Truncated);
+    }
+    if h.flags.has(Flags::SEALED) || !h.flags.has(Flags::CRC) {
+        return Err(FrameError::MissingCrc);
+    }
+    h.check_crc(payload)?;
+    Ok(Frame {
+        header: h,
+        payload,
+        raw: header,
+    })
+}
+
 impl<'a> Iterator for Frames<'a> {
     type Item = Result<Frame<'a>, FrameError>;
 
@@ -443,6 +467,31 @@ mod tests {
         assert_eq!(slots, [0, 1, 2]);
         let (d, _) = p.get(1);
         assert_eq!(frames(&d, 4096).count(), 1);
+    }
+
+    /// A frame in two pieces is taken only whole, with its CRC over both pieces, and never
+    /// sealed: a damaged payload, a payload of another length or a sealed header is refused.
+    #[test]
+    fn a_frame_in_two_pieces_is_checked_as_one() {
+        let (h, payload) = frame(9, 2, 1, &[3u8; 512]);
+        let header = h.to_bytes();
+        let f = frame_in_two(&header, &payload, 4096).expect("valid");
+        assert_eq!((f.header, f.payload, f.raw), (h, &payload[..], &header[..]));
+        let mut damaged = payload.clone();
+        damaged[100] ^= 1;
+        assert!(matches!(
+            frame_in_two(&header, &damaged, 4096),
+            Err(FrameError::BadCrc { .. })
+        ));
+        assert!(frame_in_two(&header, &payload[..511], 4096).is_err());
+        assert!(frame_in_two(&header[..47], &payload, 4096).is_err());
+        let mut sealed = h;
+        sealed.mark_sealed();
+        assert!(frame_in_two(&sealed.to_bytes(), &payload, 4096).is_err());
+        let mut none = h;
+        none.flags.0 &= !Flags::CRC;
+        none.crc = 0;
+        assert!(frame_in_two(&none.to_bytes(), &payload, 4096).is_err());
     }
 
     /// A datagram's frames, each checked against its CRC, as (payload length, first byte).

@@ -1,0 +1,361 @@
+//! WRITE fragments received where they belong (PROTOCOL.md §9.3). A WRITE larger than a frame
+//! arrives as runs of datagrams that UDP_GRO hands over as one buffer; copied out of that
+//! buffer, every byte crosses memory twice on the target (the kernel's copy into the buffer,
+//! then ours into the export or the slot's buffer). While a WRITE is half assembled, the next
+//! run is peeked at first (its first header and its source, `MSG_PEEK`): when it carries more
+//! fragments of a WRITE its sender is assembling, it is received with a scatter list that puts
+//! each fragment's header in the receive buffer and its payload straight where that fragment
+//! goes, so the kernel's copy is the only one.
+//!
+//! Only what the peek can vouch for is placed: the run's source is the queue's peer, the queue
+//! is not sealed (a seal is opened over the frame in one piece), and each payload goes to a
+//! fragment of that WRITE not yet received whose length is the datagram's. Everything is then
+//! checked as any frame is (`frame_in_two`: CRC over both pieces; then `on_frame`). A datagram
+//! of the run that is not the fragment it was placed as (damaged, another request's, packed
+//! frames) is put back together in the receive buffer and handled as any other, so the bytes
+//! that landed are then those of a fragment the WRITE has yet to receive: the range of a WRITE
+//! not yet answered holds unknown data, as it already may while it is assembled in place
+//! (§9.3), and nothing lands outside the range or from another peer.
+
+use std::os::fd::AsRawFd;
+
+use blkwire_backend::Submitter;
+use blkwire_net::udp_offload::Cmsg;
+use blkwire_wire::{datagram, Flags, Header, Opcode, HEADER_LEN};
+
+use super::{bitmap, DgramPort, Peer, SlotState, UserData};
+
+/// Most datagrams in one coalesced run (the kernel's UDP_GRO limit).
+const MOST_SEGMENTS: usize = 64;
+
+/// What the peek found.
+pub(super) enum Peeked {
+    /// Nothing waits.
+    Empty,
+    /// The run was received and handled here.
+    Taken,
+    /// Not fragments this can place: read it the usual way.
+    Other,
+}
+
+/// Where a peeked run's datagrams go: datagram `k` (of `seg` bytes, the last possibly shorter)
+/// is fragment `first + k` of the WRITE `head` began, on queue `qi`; those set in `placed` have
+/// their payload received at `base + (first + k) * fp`. Datagram 0 is in `handled` when it was
+/// handled from the peek already (it began that WRITE): received again, it is not looked at.
+struct Plan {
+    peer: Peer,
+    qi: usize,
+    head: Header,
+    len: usize,
+    seg: usize,
+    fp: usize,
+    first: u32,
+    base: *mut u8,
+    placed: u64,
+    handled: bool,
+}
+
+impl Plan {
+    fn segments(&self) -> usize {
+        self.len.div_ceil(self.seg)
+    }
+
+    fn segment_len(&self, k: usize) -> usize {
+        self.seg.min(self.len - k * self.seg)
+    }
+}
+
+impl DgramPort {
+    /// Peeks at the next run; receives it in place when it carries fragments of a WRITE being
+    /// assembled, or begins one (see the module's comment).
+    pub(super) fn receive_in_place(&mut self, sq: &mut dyn Submitter, ud: UserData) -> Peeked {
+        let mut head = [0u8; HEADER_LEN];
+        let (len, seg, peer) = match self.peek(&mut head) {
+            Ok((len, seg, Some(peer))) => (len, seg, peer),
+            Ok((_, _, None)) => return Peeked::Other,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Peeked::Empty,
+            // A pending error (an ICMP one, say): the usual receive takes it.
+            Err(_) => return Peeked::Other,
+        };
+        let Some(h) = self.fragment_head(&head, len, seg, peer) else {
+            return Peeked::Other;
+        };
+        let plan = if h.frag_index == 0 && !self.assembling(&h) {
+            // The run begins a WRITE: its first datagram is handled as any would be (checked,
+            // and the slot set up for the WRITE), then the rest are placed behind it.
+            let mut first = std::mem::take(&mut self.rx[1]);
+            let got = seg.min(first.len());
+            let handled = self
+                .peek(&mut first[..got])
+                .is_ok_and(|(l, _, p)| l == len && p == Some(peer));
+            if handled {
+                self.on_datagram(&first[..got], peer, sq, ud);
+            }
+            self.rx[1] = first;
+            if !handled {
+                return Peeked::Other;
+            }
+            self.plan(h, len, seg, peer, true)
+        } else {
+            self.plan(h, len, seg, peer, false)
+        };
+        match self.receive_planned(&plan, sq, ud) {
+            true => Peeked::Taken,
+            // The receive failed (a pending socket error): the usual path reports it.
+            false => Peeked::Empty,
+        }
+    }
+
+    /// Copies the first bytes of the next run into `buf` without taking it: the run's length,
+    /// its segment size and its source (`None`: not one a reply could go to).
+    fn peek(&self, buf: &mut [u8]) -> std::io::Result<(usize, usize, Option<Peer>)> {
+        // SAFETY: an all-zero address is a valid value; the kernel fills it in.
+        let mut name: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        let mut cmsg = Cmsg::default();
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        // SAFETY: an all-zero message header (null pointers, zero lengths) is a valid value.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_name = (&mut name as *mut libc::sockaddr_storage).cast();
+        msg.msg_namelen = std::mem::size_of::<libc::sockaddr_storage>() as u32;
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        cmsg.attach_for_receive(&mut msg);
+        // MSG_TRUNC: the whole run's length, not what fitted `buf`.
+        // SAFETY: every buffer `msg` points at is ours and outlives the call.
+        let r = unsafe {
+            libc::recvmsg(
+                self.fd.as_raw_fd(),
+                &mut msg,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT | libc::MSG_TRUNC,
+            )
+        };
+        if r < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let len = r as usize;
+        let seg = cmsg.received_segment(&msg).unwrap_or(len);
+        Ok((len, seg, self.peer_of(&name)))
+    }
+
+    /// The header that begins a run of `len` bytes in datagrams of `seg` from `peer`, if it is
+    /// a fragment of a multi-fragment WRITE of one of `peer`'s unsealed queues (not yet
+    /// checked: the CRC is not in the peek).
+    fn fragment_head(&self, head: &[u8], len: usize, seg: usize, peer: Peer) -> Option<Header> {
+        let h = Header::decode(head, self.link_payload.max(4096)).ok()?;
+        let q = self.queues[*self.index.get(&(h.session, h.queue))?].as_ref()?;
+        let fits = seg > HEADER_LEN
+            && len <= self.rx.first()?.len()
+            && len.div_ceil(seg) <= MOST_SEGMENTS
+            && seg <= self.rx.get(1)?.len();
+        (fits
+            && h.opcode == Opcode::Write
+            && !h.is_reply()
+            && h.session != 0
+            && h.frag_count > 1
+            && !h.flags.has(Flags::SEALED)
+            && !h.flags.has(Flags::HAVE)
+            && q.peer == peer
+            && q.seal.is_none())
+        .then_some(h)
+    }
+
+    /// Is the WRITE `h` is a fragment of being assembled?
+    fn assembling(&self, h: &Header) -> bool {
+        self.index
+            .get(&(h.session, h.queue))
+            .and_then(|&qi| self.queues[qi].as_ref())
+            .and_then(|q| q.slots.get(h.tag.slot() as usize))
+            .is_some_and(|s| s.state == SlotState::Assembling && s.hdr.tag == h.tag)
+    }
+
+    /// Which datagrams of the run `h` begins can go where they belong. With `handled`, the
+    /// first was handled from the peek. Placing nothing when the WRITE is not (or no longer)
+    /// being assembled: the run is then received and handled as usual.
+    fn plan(&mut self, h: Header, len: usize, seg: usize, peer: Peer, handled: bool) -> Plan {
+        let mut plan = Plan {
+            peer,
+            qi: 0,
+            head: h,
+            len,
+            seg,
+            fp: 0,
+            first: h.frag_index as u32,
+            base: std::ptr::null_mut(),
+            placed: 0,
+            handled,
+        };
+        let Some(&qi) = self.index.get(&(h.session, h.queue)) else {
+            return plan;
+        };
+        let Some(q) = self.queues[qi].as_mut() else {
+            return plan;
+        };
+        let fp = q.fp as usize;
+        let Some(s) = q.slots.get_mut(h.tag.slot() as usize) else {
+            return plan;
+        };
+        if s.state != SlotState::Assembling
+            || s.hdr.tag != h.tag
+            || s.hdr.length != h.length
+            || h.frag_count as u32 != s.frags
+        {
+            return plan;
+        }
+        let base = match (s.into, s.buf.as_mut()) {
+            (Some(into), _) => into,
+            (None, Some(buf)) => buf.as_mut_ptr(),
+            (None, None) => return plan,
+        };
+        (plan.qi, plan.fp, plan.base) = (qi, fp, base);
+        for k in handled as usize..plan.segments() {
+            let i = plan.first + k as u32;
+            let Some(carries) = plan.segment_len(k).checked_sub(HEADER_LEN) else {
+                continue;
+            };
+            let expect = (s.hdr.length as usize)
+                .saturating_sub(i as usize * fp)
+                .min(fp);
+            if i < s.frags && !bitmap::get(&s.have, i) && carries == expect && carries > 0 {
+                plan.placed |= 1 << k;
+            }
+        }
+        plan
+    }
+
+    /// Receives the peeked run as `plan` says, then handles each of its datagrams. False when
+    /// the receive failed and took nothing.
+    fn receive_planned(&mut self, plan: &Plan, sq: &mut dyn Submitter, ud: UserData) -> bool {
+        let mut rx = std::mem::take(&mut self.rx[0]);
+        let scratch = rx.as_mut_ptr();
+        let mut iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; 2 * MOST_SEGMENTS];
+        let mut n = 0;
+        for k in 0..plan.segments() {
+            let at = k * plan.seg;
+            let seg_len = plan.segment_len(k);
+            // Where each piece goes; only the kernel writes through these (see the receive).
+            let pieces = if plan.placed & (1 << k) != 0 {
+                [
+                    (scratch.wrapping_add(at), HEADER_LEN),
+                    (
+                        plan.base.wrapping_add((plan.first as usize + k) * plan.fp),
+                        seg_len - HEADER_LEN,
+                    ),
+                ]
+            } else {
+                [(scratch.wrapping_add(at), seg_len), (scratch, 0)]
+            };
+            for (p, l) in pieces.into_iter().filter(|&(_, l)| l > 0) {
+                iov[n] = libc::iovec {
+                    iov_base: p.cast(),
+                    iov_len: l,
+                };
+                n += 1;
+            }
+        }
+        // SAFETY: an all-zero address and message header are valid values.
+        let mut name: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_name = (&mut name as *mut libc::sockaddr_storage).cast();
+        msg.msg_namelen = std::mem::size_of::<libc::sockaddr_storage>() as u32;
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = n;
+        // SAFETY: every vector points into memory of ours: the receive buffer, at
+        // `at + seg_len <= len <= rx.len()` (`fragment_head` checked `len`), or the WRITE's own
+        // bytes at `base` (the export's memory, kept as long as the queue's executor, or the
+        // slot's buffer, which only this thread touches), where fragment `first + k` lies
+        // inside the WRITE's `length` bytes (`plan` placed only a fragment whose length is
+        // what is left of the WRITE there, at most `fp`).
+        let r = unsafe { libc::recvmsg(self.fd.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT) };
+        // The one reader of this socket takes the datagram it peeked at; anything else means
+        // the layout above does not describe what arrived: dropped.
+        if r < 0 {
+            self.rx[0] = rx;
+            return false;
+        }
+        if r as usize != plan.len
+            || msg.msg_flags & libc::MSG_TRUNC != 0
+            || self.peer_of(&name) != Some(plan.peer)
+        {
+            self.stats.bad_frames += 1;
+            self.rx[0] = rx;
+            return true;
+        }
+        for k in plan.handled as usize..plan.segments() {
+            let at = k * plan.seg;
+            let seg_len = plan.segment_len(k);
+            if plan.placed & (1 << k) == 0 {
+                self.on_datagram(&rx[at..at + seg_len], plan.peer, sq, ud);
+                continue;
+            }
+            let i = plan.first + k as u32;
+            let dest = (plan.first as usize + k) * plan.fp;
+            // SAFETY: the bytes the receive placed for fragment `i`, inside the WRITE (above);
+            // nothing else writes them while this view lives, which ends before `on_frame`.
+            let placed =
+                unsafe { std::slice::from_raw_parts(plan.base.add(dest), seg_len - HEADER_LEN) };
+            let (header, room) = rx[at..at + seg_len].split_at_mut(HEADER_LEN);
+            let valid = datagram::frame_in_two(header, placed, self.link_payload.max(4096))
+                .ok()
+                .filter(|f| is_fragment(&f.header, &plan.head, i))
+                .map(|f| f.header)
+                .filter(|_| self.still_missing(plan.qi, &plan.head, i));
+            let Some(h) = valid else {
+                // Not what it was placed as: together again, and handled as any datagram.
+                room.copy_from_slice(placed);
+                self.on_datagram(&rx[at..at + seg_len], plan.peer, sq, ud);
+                continue;
+            };
+            // Checked with its bytes where they lie; from here it goes the way of any fragment
+            // but for the copy, which `fragment` skips for the one `in_place` names. The payload
+            // it is handed is the unused room of the same length in the receive buffer, so no
+            // view of the WRITE's bytes outlives the check.
+            self.refused_in_datagram = false;
+            self.in_place = Some((plan.qi, h.tag.slot(), i));
+            self.stats.fragments_in_place += 1;
+            let f = datagram::Frame {
+                header: h,
+                payload: &rx[at + HEADER_LEN..at + seg_len],
+                raw: &rx[at..at + HEADER_LEN],
+            };
+            self.on_frame(f, seg_len, plan.peer, sq, ud);
+            self.in_place = None;
+        }
+        self.rx[0] = rx;
+        true
+    }
+
+    /// Is fragment `i` of the WRITE `head` belongs to still being waited for on queue `qi`?
+    /// `plan` made sure of it; checked again for each datagram, since those before it in the
+    /// run have been handled since.
+    fn still_missing(&self, qi: usize, head: &Header, i: u32) -> bool {
+        let Some(q) = self.queues.get(qi).and_then(Option::as_ref) else {
+            return false;
+        };
+        q.slots.get(head.tag.slot() as usize).is_some_and(|s| {
+            s.state == SlotState::Assembling && s.hdr.tag == head.tag && !bitmap::get(&s.have, i)
+        })
+    }
+}
+
+/// Is `h` fragment `i` of the WRITE whose fragment `head` began the run?
+fn is_fragment(h: &Header, head: &Header, i: u32) -> bool {
+    h.opcode == Opcode::Write
+        && !h.is_reply()
+        && (h.session, h.queue, h.tag, h.length, h.frag_count)
+            == (
+                head.session,
+                head.queue,
+                head.tag,
+                head.length,
+                head.frag_count,
+            )
+        && h.frag_index as u32 == i
+        && !h.flags.has(Flags::HAVE)
+}
