@@ -180,6 +180,7 @@ pub fn run(a: Args) -> Result<(), String> {
                     "duplicates": q.duplicates, "timeouts": q.timeouts, "rto_us": q.rto_us, "window": q.window,
                     "datagrams_out": q.datagrams_out, "datagrams_in": q.datagrams_in, "probes": q.probes,
                     "segmented_out": q.segmented_out, "coalesced_in": q.coalesced_in,
+                    "fragments_in_place": q.fragments_in_place,
                 })
             })
             .collect();

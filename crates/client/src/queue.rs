@@ -213,6 +213,9 @@ pub struct QueueStats {
     pub datagrams_out: u64,
     /// See `datagrams_out`.
     pub datagrams_in: u64,
+    /// Datagrams: READ fragments the kernel received straight into the request's buffer (UDP,
+    /// PROTOCOL.md §9.3), with no copy of ours.
+    pub fragments_in_place: u64,
     /// UDP: datagrams that left in segmented sends and arrived in coalesced receives (§9.6),
     /// included in the counts above.
     pub segmented_out: u64,

@@ -1169,6 +1169,13 @@ impl DgramPort {
             return self.reply_queue(qi, h, Status::Invalid);
         }
         let verdict = classify(q.slots[slot as usize].state, &q.slots[slot as usize].hdr, h);
+        if self.in_place.is_some() && verdict != Verdict::Fragment {
+            // Received in place as a fragment of a WRITE being assembled, which it is not
+            // (`in_place` checked it is): its payload is not its bytes.
+            self.in_place = None;
+            q.exec.stats.protocol_errors += 1;
+            return;
+        }
         // A request that needs a data buffer (or, a new COPY, a bounce buffer while it runs:
         // PROTOCOL.md §13) the memory budget cannot cover now is dropped before it changes the
         // slot, like a lost frame: the initiator retransmits it. A repeated READ runs with the
@@ -1379,8 +1386,17 @@ impl DgramPort {
             let have = s.have.clone();
             return self.send_queue(qi, r, &have);
         }
-        // Received where it belongs already (`in_place`): nothing to copy.
-        let placed = self.in_place.take() == Some((qi, slot, i));
+        // Received where it belongs already (`in_place`): nothing to copy. Its payload is not
+        // its bytes, so one that turns out to be another fragment is dropped, never copied.
+        let placed = match self.in_place.take() {
+            None => false,
+            Some(p) if p == (qi, slot, i) => true,
+            Some(_) => {
+                q.exec.stats.protocol_errors += 1;
+                return;
+            }
+        };
+        self.stats.fragments_in_place += placed as u64;
         match s.into {
             Some(into) => {
                 // Checked here, not only by the decoder that cut the payload: this copy has no
@@ -1415,7 +1431,7 @@ impl DgramPort {
         bitmap::set(&mut s.have, i);
         s.got += 1;
         // More of this WRITE, or the next of a stream of large ones, is likely next.
-        self.expect_fragments = s.frags > 1;
+        self.expect_fragments = s.hdr.length >= in_place::IN_PLACE_MIN && q.seal.is_none();
         if s.got == s.frags {
             self.execute(qi, slot, sq, ud);
         }
@@ -2046,9 +2062,10 @@ mod tests {
         for fua in [false, true] {
             let (mut dp, peer, session) = session_on("a=mem:1M");
             let from = peer.local_addr().unwrap();
-            // A WRITE of two fragments the usual way: the next run is expected to be more.
-            let first = vec![5u8; 2 * LINK as usize];
-            for i in 0..2 {
+            // A WRITE of five fragments the usual way: large enough that the next run is
+            // expected to be more of the same.
+            let first = vec![5u8; 5 * LINK as usize];
+            for i in 0..5 {
                 dp.receive(&write_fragment(session, 1, 0, &first, i, fua), from);
             }
             assert_eq!(answers(&peer, true)[0].0.status, Status::Ok);
@@ -2113,7 +2130,7 @@ mod tests {
 
         // From another address: the queue's fragments, but nothing is placed or taken.
         let stranger = UdpSocket::bind("127.0.0.1:0").unwrap();
-        let frag = |i| write_fragment(session, 7, 0, &other, i, false);
+        let frag = |i| write_fragment(session, 7, 0, &data, i, false);
         dp.receive(&frag(0), from);
         send_run(&mut dp, &stranger, &[frag(1)]);
         assert_eq!(dp.port.stats.fragments_in_place, 3, "nothing more placed");
@@ -2121,6 +2138,47 @@ mod tests {
             dp.port.stats.wrong_peer, 1,
             "the stranger's datagram dropped"
         );
+    }
+
+    /// A run whose datagrams are not all placed: one handled the usual way completes the WRITE
+    /// (FUA: its buffer goes back to the pool) while another, placed where the completing one
+    /// belonged, was another WRITE's. Every placed datagram is checked before any of the run is
+    /// handled, so the other WRITE's fragment is taken whole, and both WRITEs read back as
+    /// written; small WRITEs leave the port reading the usual way.
+    #[test]
+    fn a_run_that_completes_its_write_midway_loses_nothing_after_it() {
+        let (mut dp, peer, session) = session_on("a=mem:1M");
+        let from = peer.local_addr().unwrap();
+        let data: Vec<u8> = (0..4 * LINK).map(|i| (i % 241) as u8).collect();
+        let other: Vec<u8> = (0..4 * LINK).map(|i| (i % 7) as u8 + 50).collect();
+        let frag = |i| write_fragment(session, 1, 0, &data, i, true);
+        let other_frag = |i| write_fragment(session, 5, 65536, &other, i, true);
+        dp.receive(&frag(0), from);
+        dp.receive(&frag(2), from);
+        // Placed as fragments 1, 2 (held: not placed) and 3: fragment 3 comes second, and the
+        // third is the other WRITE's first fragment.
+        send_run(&mut dp, &peer, &[frag(1), frag(3), other_frag(0)]);
+        assert_eq!(dp.port.stats.fragments_in_place, 1, "fragment 1 only");
+        let done = answers(&peer, true);
+        assert_eq!(done.len(), 1, "the first WRITE answered: {done:?}");
+        assert_eq!((done[0].0.status, done[0].0.tag.slot()), (Status::Ok, 1));
+        for i in 1..4 {
+            dp.receive(&other_frag(i), from);
+        }
+        assert_eq!(
+            answers(&peer, true)[0].0.status,
+            Status::Ok,
+            "the other WRITE too"
+        );
+        let read = read_back(&mut dp, &peer, session, 2, 1, (0, data.len() as u32));
+        assert!(read == data, "the first WRITE reads back whole");
+        let read = read_back(&mut dp, &peer, session, 3, 1, (65536, other.len() as u32));
+        assert!(read == other, "so does the other");
+
+        // A WRITE below IN_PLACE_MIN: the next receive does not peek.
+        let small = vec![1u8; 2 * LINK as usize];
+        dp.receive(&write_fragment(session, 4, 0, &small, 0, false), from);
+        assert!(!dp.port.expect_fragments, "no peeks for small WRITEs");
     }
 
     /// A WRITE to RAM the executor would refuse (a read-only export, a range past the end)

@@ -389,6 +389,80 @@ impl Receiver {
         Ok(())
     }
 
+    /// Can a run be peeked at and received scattered (UDP with GRO)?
+    pub fn scatters(&self) -> bool {
+        self.gro && !self.rx.is_empty()
+    }
+
+    /// UDP with GRO: copies the first bytes of the next run into `buf` without taking it, and
+    /// says how long the run is and its segment size (`None`: no run waits). The socket is
+    /// connected: every run is the target's.
+    pub fn peek(&self, buf: &mut [u8]) -> std::io::Result<Option<(usize, usize)>> {
+        if !self.scatters() {
+            return Err(std::io::ErrorKind::Unsupported.into());
+        }
+        let mut cmsg = Cmsg::default();
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        // SAFETY: an all-zero message header (null pointers, zero lengths) is a valid value.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        cmsg.attach_for_receive(&mut msg);
+        // MSG_TRUNC: the whole run's length, not what fitted `buf`.
+        // SAFETY: `msg` points at `iov` (our `buf`) and `cmsg`, alive for the call.
+        let r = unsafe {
+            libc::recvmsg(
+                self.fd,
+                &mut msg,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT | libc::MSG_TRUNC,
+            )
+        };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            return match e.kind() {
+                std::io::ErrorKind::WouldBlock => Ok(None),
+                _ => Err(e),
+            };
+        }
+        let len = r as usize;
+        Ok(Some((len, cmsg.received_segment(&msg).unwrap_or(len))))
+    }
+
+    /// The first receive buffer, lent for a scattered receive (`receive_scattered`) and
+    /// given back with `give_back`.
+    pub fn lend(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.rx[0])
+    }
+
+    /// Takes back what `lend` lent.
+    pub fn give_back(&mut self, buf: Vec<u8>) {
+        self.rx[0] = buf;
+    }
+
+    /// Receives the next run into `iov`, in order; its length.
+    ///
+    /// # Safety
+    ///
+    /// Every vector must point at `iov_len` bytes the caller may have the kernel write.
+    pub unsafe fn receive_scattered(&self, iov: &mut [libc::iovec]) -> std::io::Result<usize> {
+        // SAFETY: an all-zero message header (null pointers, zero lengths) is a valid value.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = iov.len();
+        // SAFETY: the caller vouches for every vector.
+        let r = unsafe { libc::recvmsg(self.fd, &mut msg, libc::MSG_DONTWAIT) };
+        if r < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if msg.msg_flags & libc::MSG_TRUNC != 0 {
+            return Err(std::io::Error::other("a run longer than it was peeked"));
+        }
+        Ok(r as usize)
+    }
+
     /// Reads the datagrams waiting, about a receive buffer's worth at most (a lap of the ring,
     /// or as many `recvmmsg` calls), and hands each to `f` with whether it came out of a
     /// coalesced run; returns how many receive slots (ring frames or `recvmmsg` messages) were

@@ -9,6 +9,7 @@
 
 mod congestion;
 mod discover;
+mod in_place;
 mod link;
 
 use std::collections::VecDeque;
@@ -141,6 +142,12 @@ pub(crate) struct DgramQueue {
     scratch: Vec<u8>,
     /// The session's data frames' CRCs cover their header only (§9.7).
     header_crc: bool,
+    /// The last datagram handled was a fragment of a READ reply of several: the next receive
+    /// peeks first, to take the rest, or the next such reply, in place (`in_place`).
+    expect_read_data: bool,
+    /// The fragment being handled was received where it belongs (slot, fragment): `on_frame`
+    /// has nothing to copy.
+    in_place: Option<(u16, u32)>,
 }
 
 /// What the target granted a datagram queue.
@@ -203,6 +210,8 @@ impl DgramQueue {
             probes: [None; PROBES_KEPT],
             missing: (0, 0),
             header_crc,
+            expect_read_data: false,
+            in_place: None,
         }
     }
 
@@ -469,6 +478,16 @@ impl DgramQueue {
     /// Reads every frame waiting; returns how many arrived.
     fn receive(&mut self) -> Result<usize> {
         self.now = Instant::now();
+        // Runs of READ data first, in place, while they keep coming (bounded as `receive` is:
+        // the timers must get their turn).
+        let mut taken = 0;
+        while self.expect_read_data && self.rx.scatters() && taken < link::BATCH {
+            match self.receive_in_place()? {
+                in_place::Peeked::Taken => taken += 1,
+                in_place::Peeked::Empty => return Ok(taken),
+                in_place::Peeked::Other => break,
+            }
+        }
         // Lent out: each datagram is handled by the rest of the queue while the receiver walks.
         let mut rx = std::mem::take(&mut self.rx);
         let r = rx.receive(|d, coalesced| {
@@ -477,11 +496,12 @@ impl DgramQueue {
             self.on_datagram(d);
         });
         self.rx = rx;
-        r
+        Ok(r? + taken)
     }
 
     /// One received datagram: every frame packed in it (PROTOCOL.md §9.6).
     fn on_datagram(&mut self, b: &[u8]) {
+        self.expect_read_data = false;
         let mut scratch = std::mem::take(&mut self.scratch);
         for f in datagram::frames(b, self.frame_payload) {
             self.stats.frames_in += 1;
@@ -633,10 +653,23 @@ impl DgramQueue {
             self.stats.duplicates += 1;
             return;
         }
-        let at = h.frag_offset as usize;
-        s.data[at..at + payload.len()].copy_from_slice(payload);
+        // Received where it belongs already (`in_place`): nothing to copy. Its payload is not
+        // its bytes, so one that turns out to be another fragment is dropped, never copied.
+        match self.in_place.take() {
+            None => {
+                let at = h.frag_offset as usize;
+                s.data[at..at + payload.len()].copy_from_slice(payload);
+            }
+            Some(p) if p == (slot, idx) => self.stats.fragments_in_place += 1,
+            Some(_) => {
+                self.stats.late_replies += 1;
+                return;
+            }
+        }
         bitmap::set(&mut s.have, idx);
         s.got += 1;
+        // More of this reply, or the next of a stream of large READs, is likely next.
+        self.expect_read_data = s.length >= in_place::IN_PLACE_MIN && self.seal.is_none();
         if s.got == s.frags {
             self.finish(slot);
         }
@@ -1029,6 +1062,155 @@ mod tests {
             self.sock.send_to(&out, to).expect("reply");
             self.sent += 1;
         }
+    }
+
+    /// Fragment `i` of the reply to READ `req` whose data is `data`, with its CRC.
+    fn read_fragment(req: &Header, data: &[u8], fp: u32, i: usize) -> Vec<u8> {
+        let piece = data.chunks(fp as usize).nth(i).unwrap();
+        let mut r = req.reply(Status::Ok, 0);
+        r.frag_count = data.len().div_ceil(fp as usize) as u16;
+        r.frag_index = i as u16;
+        r.frag_offset = i as u32 * fp;
+        r.payload_len = piece.len() as u32;
+        r.seal_crc(piece);
+        let mut v = r.to_bytes().to_vec();
+        v.extend_from_slice(piece);
+        v
+    }
+
+    /// Sends `frames` (equal lengths but for a shorter last) from `from` to `to` as one
+    /// segmented send, as a target sends a run of READ data.
+    fn send_run(from: &UdpSocket, to: std::net::SocketAddr, frames: &[Vec<u8>]) {
+        let run: Vec<u8> = frames.concat();
+        let mut cmsg = blkwire_net::udp_offload::Cmsg::default();
+        let std::net::SocketAddr::V4(to) = to else {
+            panic!("IPv4 here")
+        };
+        let mut sin = libc::sockaddr_in {
+            sin_family: libc::AF_INET as u16,
+            sin_port: to.port().to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(*to.ip()).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        let mut iov = libc::iovec {
+            iov_base: run.as_ptr() as *mut _,
+            iov_len: run.len(),
+        };
+        // SAFETY: all-zero message header; filled in below with buffers that outlive the send.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_name = (&mut sin as *mut libc::sockaddr_in).cast();
+        msg.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as u32;
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        cmsg.attach_segment(&mut msg, frames[0].len() as u16);
+        // SAFETY: every pointer in `msg` is to a live buffer of ours.
+        let sent = unsafe { libc::sendmsg(from.as_raw_fd(), &msg, 0) };
+        assert_eq!(
+            sent,
+            run.len() as isize,
+            "{}",
+            std::io::Error::last_os_error()
+        );
+    }
+
+    /// READ data that comes as a run while a reply of several fragments is coming goes
+    /// straight into the request's buffer. In the run, a damaged fragment and one of another
+    /// READ are handled as any datagram (dropped; taken for its own READ), and both READs
+    /// complete with their own bytes once the missing fragments come.
+    #[test]
+    fn read_data_in_a_run_is_received_where_it_belongs() {
+        let fp = 4096u32;
+        let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let link = udp_link(target.local_addr().unwrap()).unwrap();
+        let mut q = test_queue(link, grant(8, 64 << 10, fp), None);
+        let a: Vec<u8> = (0..9 * fp + 1000).map(|i| (i % 251) as u8).collect();
+        let b: Vec<u8> = (0..2 * fp).map(|i| (i % 13) as u8 + 100).collect();
+        q.submit(
+            Cmd::Read {
+                offset: 0,
+                len: a.len() as u32,
+            },
+            1,
+        )
+        .unwrap();
+        q.submit(
+            Cmd::Read {
+                offset: 1 << 20,
+                len: b.len() as u32,
+            },
+            2,
+        )
+        .unwrap();
+        q.send().unwrap();
+        let mut buf = vec![0u8; 65536];
+        target
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let (mut reqs, mut from) = (Vec::new(), None);
+        while reqs.len() < 2 {
+            let (n, f) = target.recv_from(&mut buf).unwrap();
+            from = Some(f);
+            for f in datagram::frames(&buf[..n], 65536) {
+                reqs.push(f.unwrap().header);
+            }
+        }
+        let (ra, rb) = match reqs[0].offset {
+            0 => (reqs[0], reqs[1]),
+            _ => (reqs[1], reqs[0]),
+        };
+        let to = from.unwrap();
+        let frag_a = |i| read_fragment(&ra, &a, fp, i);
+        // Fragment 0 the usual way: the queue then expects more of it.
+        target.send_to(&frag_a(0), to).unwrap();
+        let mut done = Vec::new();
+        let mut collect = |q: &mut DgramQueue| {
+            q.poll(|c| done.push((c.user, c.status, c.data.to_vec())))
+                .unwrap();
+        };
+        while q.stats().frames_in < 1 {
+            q.rx.wait(|| None).unwrap();
+            collect(&mut q);
+        }
+        // Placed as fragments 1 to 5 of A: the second is damaged, the fourth is B's first.
+        let mut damaged = frag_a(2);
+        damaged[HEADER_LEN + 10] ^= 1;
+        let run = [
+            frag_a(1),
+            damaged,
+            frag_a(3),
+            read_fragment(&rb, &b, fp, 0),
+            frag_a(5),
+        ];
+        send_run(&target, to, &run);
+        while q.stats().datagrams_in < 6 {
+            q.rx.wait(|| None).unwrap();
+            collect(&mut q);
+        }
+        let st = q.stats();
+        assert_eq!(st.fragments_in_place, 3, "A's fragments 1, 3 and 5");
+        assert_eq!(st.crc_errors, 1, "the damaged one");
+        assert!(done.is_empty(), "neither READ complete");
+        for d in [2, 4, 6, 7, 8, 9].map(frag_a) {
+            target.send_to(&d, to).unwrap();
+        }
+        target.send_to(&read_fragment(&rb, &b, fp, 1), to).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut done = Vec::new();
+        while done.len() < 2 && Instant::now() < deadline {
+            q.rx.wait(|| Some(deadline)).unwrap();
+            q.poll(|c| done.push((c.user, c.status, c.data.to_vec())))
+                .unwrap();
+        }
+        done.sort_by_key(|d| d.0);
+        assert_eq!(done.len(), 2, "both READs complete");
+        assert_eq!((done[0].1, done[1].1), (Status::Ok, Status::Ok));
+        assert!(done[0].2 == a, "A's own bytes");
+        assert!(
+            done[1].2 == b,
+            "B's own bytes, its first fragment from A's run"
+        );
     }
 
     /// An idle queue and a counting stand-in for its target.

@@ -1,21 +1,24 @@
 //! WRITE fragments received where they belong (PROTOCOL.md §9.3). A WRITE larger than a frame
 //! arrives as runs of datagrams that UDP_GRO hands over as one buffer; copied out of that
 //! buffer, every byte crosses memory twice on the target (the kernel's copy into the buffer,
-//! then ours into the export or the slot's buffer). While a WRITE is half assembled, the next
-//! run is peeked at first (its first header and its source, `MSG_PEEK`): when it carries more
-//! fragments of a WRITE its sender is assembling, it is received with a scatter list that puts
-//! each fragment's header in the receive buffer and its payload straight where that fragment
-//! goes, so the kernel's copy is the only one.
+//! then ours into the export or the slot's buffer). After a fragment of a WRITE of at least
+//! `IN_PLACE_MIN` bytes, the next run is peeked at first (its first header and its source,
+//! `MSG_PEEK`): when it carries more fragments of such a WRITE being assembled on a queue of its
+//! source, it is received with a scatter list that puts each fragment's header in the receive
+//! buffer and its payload straight where that fragment goes, so the kernel's copy is the only
+//! one. A run that begins such a WRITE has its first datagram peeked at whole and handled first
+//! (that sets the slot up), the rest placed behind it.
 //!
 //! Only what the peek can vouch for is placed: the run's source is the queue's peer, the queue
 //! is not sealed (a seal is opened over the frame in one piece), and each payload goes to a
 //! fragment of that WRITE not yet received whose length is the datagram's. Everything is then
-//! checked as any frame is (`frame_in_two`: CRC over both pieces; then `on_frame`). A datagram
-//! of the run that is not the fragment it was placed as (damaged, another request's, packed
-//! frames) is put back together in the receive buffer and handled as any other, so the bytes
-//! that landed are then those of a fragment the WRITE has yet to receive: the range of a WRITE
-//! not yet answered holds unknown data, as it already may while it is assembled in place
-//! (§9.3), and nothing lands outside the range or from another peer.
+//! checked where it landed, all of them before any of the run is handled (`frame_in_two`: CRC
+//! over both pieces), then handed to `on_frame`. A datagram of the run that is not the fragment
+//! it was placed as (damaged, another request's, packed frames) is put back together in the
+//! receive buffer and handled as any other, so the bytes that landed are then those of a
+//! fragment the WRITE has yet to receive: the range of a WRITE not yet answered holds unknown
+//! data, as it already may while it is assembled in place (§9.3), and nothing lands outside the
+//! range or from another address than the queue's.
 
 use std::os::fd::AsRawFd;
 
@@ -27,6 +30,10 @@ use super::{bitmap, DgramPort, Peer, SlotState, UserData};
 
 /// Most datagrams in one coalesced run (the kernel's UDP_GRO limit).
 const MOST_SEGMENTS: usize = 64;
+
+/// WRITEs at least this long are taken in place: below, the copies saved do not pay for the
+/// peeks (a small WRITE's runs are short, and one receive could have taken many of them).
+pub(super) const IN_PLACE_MIN: u32 = 32 << 10;
 
 /// What the peek found.
 pub(super) enum Peeked {
@@ -84,7 +91,7 @@ impl DgramPort {
             // The run begins a WRITE: its first datagram is handled as any would be (checked,
             // and the slot set up for the WRITE), then the rest are placed behind it.
             let mut first = std::mem::take(&mut self.rx[1]);
-            let got = seg.min(first.len());
+            let got = seg.min(len);
             let handled = self
                 .peek(&mut first[..got])
                 .is_ok_and(|(l, _, p)| l == len && p == Some(peer));
@@ -101,7 +108,7 @@ impl DgramPort {
         };
         match self.receive_planned(&plan, sq, ud) {
             true => Peeked::Taken,
-            // The receive failed (a pending socket error): the usual path reports it.
+            // The receive failed twice: left for the next readiness.
             false => Peeked::Empty,
         }
     }
@@ -151,6 +158,7 @@ impl DgramPort {
             && len.div_ceil(seg) <= MOST_SEGMENTS
             && seg <= self.rx.get(1)?.len();
         (fits
+            && h.length >= IN_PLACE_MIN
             && h.opcode == Opcode::Write
             && !h.is_reply()
             && h.session != 0
@@ -272,7 +280,14 @@ impl DgramPort {
         // slot's buffer, which only this thread touches), where fragment `first + k` lies
         // inside the WRITE's `length` bytes (`plan` placed only a fragment whose length is
         // what is left of the WRITE there, at most `fp`).
-        let r = unsafe { libc::recvmsg(self.fd.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT) };
+        let mut r = unsafe { libc::recvmsg(self.fd.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT) };
+        if r < 0 {
+            // An error the socket had pending (an ICMP one) is reported once, then cleared:
+            // the run is still there. Taking it now matters when its first datagram was
+            // handled from the peek, which must not be handled twice.
+            // SAFETY: as above; nothing the vectors point at has moved.
+            r = unsafe { libc::recvmsg(self.fd.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT) };
+        }
         // The one reader of this socket takes the datagram it peeked at; anything else means
         // the layout above does not describe what arrived: dropped.
         if r < 0 {
@@ -287,38 +302,44 @@ impl DgramPort {
             self.rx[0] = rx;
             return true;
         }
-        for k in plan.handled as usize..plan.segments() {
-            let at = k * plan.seg;
-            let seg_len = plan.segment_len(k);
+        // First every placed datagram is checked where its bytes landed, before any of the
+        // run is handled: handling one can give the WRITE's buffer back (it completed, a new
+        // generation took the slot, the queue logged out) or copy another datagram over these
+        // bytes. One that is not what it was placed as is put back together here.
+        let mut valid = [None; MOST_SEGMENTS];
+        let run = plan.handled as usize..plan.segments();
+        for (k, v) in valid.iter_mut().enumerate().take(run.end).skip(run.start) {
             if plan.placed & (1 << k) == 0 {
-                self.on_datagram(&rx[at..at + seg_len], plan.peer, sq, ud);
                 continue;
             }
-            let i = plan.first + k as u32;
-            let dest = (plan.first as usize + k) * plan.fp;
-            // SAFETY: the bytes the receive placed for fragment `i`, inside the WRITE (above);
-            // nothing else writes them while this view lives, which ends before `on_frame`.
-            let placed =
-                unsafe { std::slice::from_raw_parts(plan.base.add(dest), seg_len - HEADER_LEN) };
-            let (header, room) = rx[at..at + seg_len].split_at_mut(HEADER_LEN);
-            let valid = datagram::frame_in_two(header, placed, self.link_payload.max(4096))
-                .ok()
-                .filter(|f| is_fragment(&f.header, &plan.head, i))
-                .map(|f| f.header)
-                .filter(|_| self.still_missing(plan.qi, &plan.head, i));
-            let Some(h) = valid else {
-                // Not what it was placed as: together again, and handled as any datagram.
-                room.copy_from_slice(placed);
-                self.on_datagram(&rx[at..at + seg_len], plan.peer, sq, ud);
-                continue;
+            let (at, seg_len) = (k * plan.seg, plan.segment_len(k));
+            // SAFETY: the bytes the receive placed for fragment `first + k`, inside the WRITE
+            // (above), whose buffer nothing has given back yet; this view ends in this pass.
+            let placed = unsafe {
+                std::slice::from_raw_parts(
+                    plan.base.add((plan.first as usize + k) * plan.fp),
+                    seg_len - HEADER_LEN,
+                )
             };
-            // Checked with its bytes where they lie; from here it goes the way of any fragment
-            // but for the copy, which `fragment` skips for the one `in_place` names. The payload
-            // it is handed is the unused room of the same length in the receive buffer, so no
-            // view of the WRITE's bytes outlives the check.
+            let (header, room) = rx[at..at + seg_len].split_at_mut(HEADER_LEN);
+            *v = datagram::frame_in_two(header, placed, self.link_payload.max(4096))
+                .ok()
+                .map(|f| f.header)
+                .filter(|h| is_fragment(h, &plan.head, plan.first + k as u32));
+            if v.is_none() {
+                room.copy_from_slice(placed);
+            }
+        }
+        // Then the fragments that are what they were placed as: distinct fragments of one
+        // WRITE, each still missing, so none changes where another lies. They go the way of
+        // any fragment but for the copy, which `fragment` skips for the one `in_place` names;
+        // the payload they are handed is the unused room of the same length in the receive
+        // buffer, so nothing reads the WRITE's bytes from here on.
+        for (k, h) in valid.iter().enumerate() {
+            let Some(h) = *h else { continue };
+            let (at, seg_len) = (k * plan.seg, plan.segment_len(k));
             self.refused_in_datagram = false;
-            self.in_place = Some((plan.qi, h.tag.slot(), i));
-            self.stats.fragments_in_place += 1;
+            self.in_place = Some((plan.qi, h.tag.slot(), plan.first + k as u32));
             let f = datagram::Frame {
                 header: h,
                 payload: &rx[at + HEADER_LEN..at + seg_len],
@@ -327,20 +348,15 @@ impl DgramPort {
             self.on_frame(f, seg_len, plan.peer, sq, ud);
             self.in_place = None;
         }
+        // Last, everything else, whole in the receive buffer, as any datagram.
+        for (k, v) in valid.iter().enumerate().take(run.end).skip(run.start) {
+            if v.is_none() {
+                let (at, seg_len) = (k * plan.seg, plan.segment_len(k));
+                self.on_datagram(&rx[at..at + seg_len], plan.peer, sq, ud);
+            }
+        }
         self.rx[0] = rx;
         true
-    }
-
-    /// Is fragment `i` of the WRITE `head` belongs to still being waited for on queue `qi`?
-    /// `plan` made sure of it; checked again for each datagram, since those before it in the
-    /// run have been handled since.
-    fn still_missing(&self, qi: usize, head: &Header, i: u32) -> bool {
-        let Some(q) = self.queues.get(qi).and_then(Option::as_ref) else {
-            return false;
-        };
-        q.slots.get(head.tag.slot() as usize).is_some_and(|s| {
-            s.state == SlotState::Assembling && s.hdr.tag == head.tag && !bitmap::get(&s.have, i)
-        })
     }
 }
 

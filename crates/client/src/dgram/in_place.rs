@@ -1,0 +1,261 @@
+//! READ data received where it belongs (PROTOCOL.md §9.3), as the target receives WRITE data. A
+//! READ larger than a frame comes back as runs of datagrams that UDP_GRO hands over as one
+//! buffer; copied out of that buffer into the request's, every byte crosses memory twice here.
+//! After a fragment of a READ of at least `IN_PLACE_MIN` bytes, the next run is peeked at first
+//! (its first header) and, when it carries fragments of such a READ in flight, received with a
+//! scatter
+//! list that puts each fragment's header in the receive buffer and its payload straight into
+//! the request's buffer, so the kernel's copy is the only one.
+//!
+//! Only what the peek vouches for is placed: an unsealed queue (a seal is opened over the frame
+//! in one piece), a READ of this queue in flight with that tag, a fragment not yet received
+//! whose length is the datagram's. Each is then checked where it landed, all of them before any
+//! of the run is handled (`frame_in_two`: CRC over both pieces), then handed to `on_frame`. A
+//! datagram of the run that is not the fragment it was
+//! placed as is put back together in the receive buffer and handled as any other; the bytes it
+//! left are where a fragment still missing goes, which overwrites them before the READ can
+//! complete (the socket is connected: they are the target's in any case).
+
+use blkwire_wire::{bitmap, datagram, Flags, Header, Opcode, Status, HEADER_LEN};
+
+use super::{DgramQueue, State};
+use crate::{Error, Result};
+
+/// Most datagrams in one coalesced run (the kernel's UDP_GRO limit).
+const MOST_SEGMENTS: usize = 64;
+
+/// READs at least this long are taken in place: below, the copies saved do not pay for the
+/// peeks (a small READ's runs are short, and one receive could have taken many of them).
+pub(super) const IN_PLACE_MIN: u32 = 32 << 10;
+
+/// What the peek found.
+pub(super) enum Peeked {
+    /// Nothing waits.
+    Empty,
+    /// The run was received and handled here.
+    Taken,
+    /// Not READ data this can place: read it the usual way.
+    Other,
+}
+
+/// Where a peeked run's datagrams go: datagram `k` (of `seg` bytes, the last possibly shorter)
+/// is fragment `first + k` of the READ `head` answers; those set in `placed` have their payload
+/// received at `base + (first + k) * fp`.
+struct Plan {
+    head: Header,
+    len: usize,
+    seg: usize,
+    fp: usize,
+    first: u32,
+    base: *mut u8,
+    placed: u64,
+}
+
+impl Plan {
+    fn segments(&self) -> usize {
+        self.len.div_ceil(self.seg)
+    }
+
+    fn segment_len(&self, k: usize) -> usize {
+        self.seg.min(self.len - k * self.seg)
+    }
+}
+
+impl DgramQueue {
+    /// Peeks at the next run; receives it in place when it carries fragments of a READ in
+    /// flight (see the module's comment).
+    pub(super) fn receive_in_place(&mut self) -> Result<Peeked> {
+        if self.seal.is_some() {
+            return Ok(Peeked::Other);
+        }
+        let mut head = [0u8; HEADER_LEN];
+        let (len, seg) = match self.rx.peek(&mut head) {
+            Ok(Some(run)) => run,
+            Ok(None) => return Ok(Peeked::Empty),
+            // A pending error (ICMP port unreachable, say): the usual receive takes it.
+            Err(_) => return Ok(Peeked::Other),
+        };
+        let Some(plan) = self.plan(&head, len, seg) else {
+            return Ok(Peeked::Other);
+        };
+        self.receive_planned(&plan)?;
+        Ok(Peeked::Taken)
+    }
+
+    /// Which datagrams of a run of `len` bytes in datagrams of `seg`, whose first begins with
+    /// `head`, can go where they belong; `None` when none can.
+    fn plan(&mut self, head: &[u8], len: usize, seg: usize) -> Option<Plan> {
+        let h = Header::decode(head, self.frame_payload).ok()?;
+        let fp = self.frame_payload as usize;
+        if !h.is_reply()
+            || h.opcode != Opcode::Read
+            || h.status != Status::Ok
+            || (h.session, h.queue) != (self.session, self.index)
+            || h.frag_count < 2
+            || h.length < IN_PLACE_MIN
+            || h.flags.has(Flags::SEALED)
+            || h.flags.has(Flags::HAVE)
+            || seg <= HEADER_LEN
+            || len.div_ceil(seg) > MOST_SEGMENTS
+            || len > udp_offload_buffer()
+        {
+            return None;
+        }
+        let s = self.slots.get_mut(h.tag.slot() as usize)?;
+        if s.state != State::InFlight
+            || s.opcode != Opcode::Read
+            || s.generation != h.tag.generation()
+            || h.frag_count as u32 != s.frags
+            || s.data.len() < s.length as usize
+        {
+            return None;
+        }
+        let mut plan = Plan {
+            head: h,
+            len,
+            seg,
+            fp,
+            first: h.frag_index as u32,
+            base: s.data.as_mut_ptr(),
+            placed: 0,
+        };
+        for k in 0..plan.segments() {
+            let i = plan.first + k as u32;
+            let Some(carries) = plan.segment_len(k).checked_sub(HEADER_LEN) else {
+                continue;
+            };
+            let expect = (s.length as usize).saturating_sub(i as usize * fp).min(fp);
+            if i < s.frags && !bitmap::get(&s.have, i) && carries == expect && carries > 0 {
+                plan.placed |= 1 << k;
+            }
+        }
+        (plan.placed != 0).then_some(plan)
+    }
+
+    /// Receives the peeked run as `plan` says, then handles each of its datagrams.
+    fn receive_planned(&mut self, plan: &Plan) -> Result<()> {
+        let mut rx = self.rx.lend();
+        if rx.len() < plan.len {
+            self.rx.give_back(rx);
+            return Ok(());
+        }
+        let scratch = rx.as_mut_ptr();
+        let mut iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; 2 * MOST_SEGMENTS];
+        let mut n = 0;
+        for k in 0..plan.segments() {
+            let at = k * plan.seg;
+            let seg_len = plan.segment_len(k);
+            // Where each piece goes; only the kernel writes through these (see the receive).
+            let pieces = if plan.placed & (1 << k) != 0 {
+                [
+                    (scratch.wrapping_add(at), HEADER_LEN),
+                    (
+                        plan.base.wrapping_add((plan.first as usize + k) * plan.fp),
+                        seg_len - HEADER_LEN,
+                    ),
+                ]
+            } else {
+                [(scratch.wrapping_add(at), seg_len), (scratch, 0)]
+            };
+            for (p, l) in pieces.into_iter().filter(|&(_, l)| l > 0) {
+                iov[n] = libc::iovec {
+                    iov_base: p.cast(),
+                    iov_len: l,
+                };
+                n += 1;
+            }
+        }
+        // SAFETY: every vector points into memory of ours: the receive buffer, at
+        // `at + seg_len <= len <= rx.len()` (checked above), or the READ's own buffer at
+        // `base`, `length` bytes long (`plan` checked), where fragment `first + k` lies whole
+        // (`plan` placed only a fragment whose length is what is left of the READ there, at
+        // most `fp`). Nothing else touches either during the call.
+        let got = unsafe { self.rx.receive_scattered(&mut iov[..n]) };
+        let got = match got {
+            Ok(got) => got,
+            Err(e) => {
+                self.rx.give_back(rx);
+                return match e.raw_os_error() {
+                    Some(libc::EAGAIN) | Some(libc::EINTR) | Some(libc::ECONNREFUSED) => Ok(()),
+                    _ => Err(Error::Io(e)),
+                };
+            }
+        };
+        if got != plan.len {
+            // The one reader of this socket takes the run it peeked at: anything else means
+            // the layout above does not describe what arrived. Dropped, as a damaged datagram.
+            self.stats.crc_errors += 1;
+            self.rx.give_back(rx);
+            return Ok(());
+        }
+        let coalesced = plan.segments() > 1;
+        self.stats.datagrams_in += plan.segments() as u64;
+        self.stats.coalesced_in += if coalesced { plan.segments() as u64 } else { 0 };
+        // First every placed datagram is checked where its bytes landed, before any of the
+        // run is handled (handling one could copy another datagram over these bytes); one
+        // that is not what it was placed as is put back together here.
+        let mut valid = [None; MOST_SEGMENTS];
+        for (k, v) in valid.iter_mut().enumerate().take(plan.segments()) {
+            if plan.placed & (1 << k) == 0 {
+                continue;
+            }
+            let (at, seg_len) = (k * plan.seg, plan.segment_len(k));
+            // SAFETY: the bytes the receive placed for fragment `first + k`, inside the READ's
+            // buffer (above); this view ends in this pass.
+            let placed = unsafe {
+                std::slice::from_raw_parts(
+                    plan.base.add((plan.first as usize + k) * plan.fp),
+                    seg_len - HEADER_LEN,
+                )
+            };
+            let (header, room) = rx[at..at + seg_len].split_at_mut(HEADER_LEN);
+            *v = datagram::frame_in_two(header, placed, self.frame_payload)
+                .ok()
+                .map(|f| f.header)
+                .filter(|h| is_fragment(h, &plan.head, plan.first + k as u32));
+            if v.is_none() {
+                room.copy_from_slice(placed);
+            }
+        }
+        // Then the fragments that are what they were placed as (distinct fragments of one
+        // READ, each still missing), the way of any but for the copy, which `on_frame` skips
+        // for the one `in_place` names; the payload they are handed is the unused room of the
+        // same length in the receive buffer.
+        for (k, h) in valid.iter().enumerate() {
+            let Some(h) = *h else { continue };
+            let (at, seg_len) = (k * plan.seg, plan.segment_len(k));
+            self.stats.frames_in += 1;
+            self.in_place = Some((h.tag.slot(), plan.first + k as u32));
+            self.on_frame(&h, &rx[at + HEADER_LEN..at + seg_len]);
+            self.in_place = None;
+        }
+        // Last, everything else, whole in the receive buffer, as any datagram.
+        for (k, v) in valid.iter().enumerate().take(plan.segments()) {
+            if v.is_none() {
+                let (at, seg_len) = (k * plan.seg, plan.segment_len(k));
+                self.on_datagram(&rx[at..at + seg_len]);
+            }
+        }
+        self.rx.give_back(rx);
+        Ok(())
+    }
+}
+
+/// The receive buffer's size: no run can be longer.
+fn udp_offload_buffer() -> usize {
+    blkwire_net::udp_offload::GRO_BUFFER
+}
+
+/// Is `h` fragment `i` of the READ reply whose fragment `head` began the run?
+fn is_fragment(h: &Header, head: &Header, i: u32) -> bool {
+    h.is_reply()
+        && h.opcode == Opcode::Read
+        && h.status == Status::Ok
+        && (h.session, h.queue, h.tag, h.frag_count)
+            == (head.session, head.queue, head.tag, head.frag_count)
+        && h.frag_index as u32 == i
+        && !h.flags.has(Flags::HAVE)
+}
