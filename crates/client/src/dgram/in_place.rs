@@ -96,6 +96,7 @@ impl DgramQueue {
             || h.flags.has(Flags::SEALED)
             || h.flags.has(Flags::HAVE)
             || seg <= HEADER_LEN
+            || len <= seg
             || len.div_ceil(seg) > MOST_SEGMENTS
             || len > udp_offload_buffer()
         {
@@ -175,7 +176,8 @@ impl DgramQueue {
         // most `fp`). Nothing else touches either during the call.
         let got = unsafe { self.rx.receive_scattered(&mut iov[..n]) };
         let got = match got {
-            Ok(got) => got,
+            Ok(Some(got)) => got,
+            Ok(None) => usize::MAX,
             Err(e) => {
                 self.rx.give_back(rx);
                 return match e.raw_os_error() {

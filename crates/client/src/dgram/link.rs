@@ -442,12 +442,16 @@ impl Receiver {
         self.rx[0] = buf;
     }
 
-    /// Receives the next run into `iov`, in order; its length.
+    /// Receives the next run into `iov`, in order; its length, or `None` when it was longer
+    /// than `iov` (the rest is lost).
     ///
     /// # Safety
     ///
     /// Every vector must point at `iov_len` bytes the caller may have the kernel write.
-    pub unsafe fn receive_scattered(&self, iov: &mut [libc::iovec]) -> std::io::Result<usize> {
+    pub unsafe fn receive_scattered(
+        &self,
+        iov: &mut [libc::iovec],
+    ) -> std::io::Result<Option<usize>> {
         // SAFETY: an all-zero message header (null pointers, zero lengths) is a valid value.
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
         msg.msg_iov = iov.as_mut_ptr();
@@ -457,10 +461,7 @@ impl Receiver {
         if r < 0 {
             return Err(std::io::Error::last_os_error());
         }
-        if msg.msg_flags & libc::MSG_TRUNC != 0 {
-            return Err(std::io::Error::other("a run longer than it was peeked"));
-        }
-        Ok(r as usize)
+        Ok((msg.msg_flags & libc::MSG_TRUNC == 0).then_some(r as usize))
     }
 
     /// Reads the datagrams waiting, about a receive buffer's worth at most (a lap of the ring,

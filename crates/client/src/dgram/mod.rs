@@ -478,10 +478,14 @@ impl DgramQueue {
     /// Reads every frame waiting; returns how many arrived.
     fn receive(&mut self) -> Result<usize> {
         self.now = Instant::now();
-        // Runs of READ data first, in place, while they keep coming (bounded as `receive` is:
+        // Runs of READ data first, in place, while they keep coming (at most a batch's worth:
         // the timers must get their turn).
         let mut taken = 0;
-        while self.expect_read_data && self.rx.scatters() && taken < link::BATCH {
+        while self.expect_read_data && self.rx.scatters() {
+            if taken == link::BATCH {
+                // A batch's worth: the rest on the next call, after the timers.
+                return Ok(taken);
+            }
             match self.receive_in_place()? {
                 in_place::Peeked::Taken => taken += 1,
                 in_place::Peeked::Empty => return Ok(taken),

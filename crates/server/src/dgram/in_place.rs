@@ -153,7 +153,9 @@ impl DgramPort {
     fn fragment_head(&self, head: &[u8], len: usize, seg: usize, peer: Peer) -> Option<Header> {
         let h = Header::decode(head, self.link_payload.max(4096)).ok()?;
         let q = self.queues[*self.index.get(&(h.session, h.queue))?].as_ref()?;
+        // A run of one datagram is read the usual way: one receive takes many of those.
         let fits = seg > HEADER_LEN
+            && len > seg
             && len <= self.rx.first()?.len()
             && len.div_ceil(seg) <= MOST_SEGMENTS
             && seg <= self.rx.get(1)?.len();
