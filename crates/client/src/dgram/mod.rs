@@ -1119,34 +1119,26 @@ mod tests {
         );
     }
 
-    /// READ data that comes as a run while a reply of several fragments is coming goes
-    /// straight into the request's buffer. In the run, a damaged fragment and one of another
-    /// READ are handled as any datagram (dropped; taken for its own READ), and both READs
-    /// complete with their own bytes once the missing fragments come.
-    #[test]
-    fn read_data_in_a_run_is_received_where_it_belongs() {
-        let fp = 4096u32;
+    /// A queue of 4 KiB frames with READs of `a` (at 0) and `b` (at 1 MiB) in flight, and its
+    /// stand-in target: (target, queue, READ a's header, READ b's header, the queue's address).
+    fn two_reads(
+        fp: u32,
+        a: &[u8],
+        b: &[u8],
+    ) -> (UdpSocket, DgramQueue, Header, Header, std::net::SocketAddr) {
         let target = UdpSocket::bind("127.0.0.1:0").unwrap();
         let link = udp_link(target.local_addr().unwrap()).unwrap();
         let mut q = test_queue(link, grant(8, 64 << 10, fp), None);
-        let a: Vec<u8> = (0..9 * fp + 1000).map(|i| (i % 251) as u8).collect();
-        let b: Vec<u8> = (0..2 * fp).map(|i| (i % 13) as u8 + 100).collect();
-        q.submit(
-            Cmd::Read {
-                offset: 0,
-                len: a.len() as u32,
-            },
-            1,
-        )
-        .unwrap();
-        q.submit(
-            Cmd::Read {
-                offset: 1 << 20,
-                len: b.len() as u32,
-            },
-            2,
-        )
-        .unwrap();
+        for (offset, len, user) in [(0, a.len(), 1), (1 << 20, b.len(), 2)] {
+            q.submit(
+                Cmd::Read {
+                    offset,
+                    len: len as u32,
+                },
+                user,
+            )
+            .unwrap();
+        }
         q.send().unwrap();
         let mut buf = vec![0u8; 65536];
         target
@@ -1164,7 +1156,70 @@ mod tests {
             0 => (reqs[0], reqs[1]),
             _ => (reqs[1], reqs[0]),
         };
-        let to = from.unwrap();
+        (target, q, ra, rb, from.unwrap())
+    }
+
+    /// Waits (up to 5 s) until `q` has received `datagrams` datagrams, then for `reads` READs
+    /// to complete; returns the completions, by user data.
+    fn completions(
+        q: &mut DgramQueue,
+        datagrams: u64,
+        reads: usize,
+    ) -> Vec<(u64, Status, Vec<u8>)> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut done = Vec::new();
+        while (q.stats().datagrams_in < datagrams || done.len() < reads)
+            && Instant::now() < deadline
+        {
+            q.rx.wait(|| Some(deadline)).unwrap();
+            q.poll(|c| done.push((c.user, c.status, c.data.to_vec())))
+                .unwrap();
+        }
+        done.sort_by_key(|d| d.0);
+        done
+    }
+
+    /// A run whose datagrams are not all placed: A's fragment 3 comes second, where fragment 2
+    /// (held already) would go, and B's first fragment comes third, placed where A's fragment 3
+    /// goes. Every placed datagram is checked before any of the run is handled, so handling A's
+    /// fragment 3 cannot spoil B's before it is looked at: both READs complete whole.
+    #[test]
+    fn a_run_out_of_order_loses_nothing() {
+        let fp = 4096u32;
+        let a: Vec<u8> = (0..9 * fp + 1000).map(|i| (i % 239) as u8).collect();
+        let b: Vec<u8> = (0..2 * fp).map(|i| (i % 11) as u8 + 70).collect();
+        let (target, mut q, ra, rb, to) = two_reads(fp, &a, &b);
+        let frag_a = |i| read_fragment(&ra, &a, fp, i);
+        for i in [0, 2] {
+            target.send_to(&frag_a(i), to).unwrap();
+        }
+        assert!(completions(&mut q, 2, 0).is_empty());
+        send_run(
+            &target,
+            to,
+            &[frag_a(1), frag_a(3), read_fragment(&rb, &b, fp, 0)],
+        );
+        assert!(completions(&mut q, 5, 0).is_empty());
+        assert_eq!(q.stats().fragments_in_place, 1, "A's fragment 1 only");
+        assert_eq!(q.stats().crc_errors, 0, "nothing spoiled");
+        for d in (4..10).map(frag_a).chain([read_fragment(&rb, &b, fp, 1)]) {
+            target.send_to(&d, to).unwrap();
+        }
+        let done = completions(&mut q, 12, 2);
+        assert_eq!(done.len(), 2, "both READs complete");
+        assert!(done[0].2 == a && done[1].2 == b, "each with its own bytes");
+    }
+
+    /// READ data that comes as a run while a reply of several fragments is coming goes
+    /// straight into the request's buffer. In the run, a damaged fragment and one of another
+    /// READ are handled as any datagram (dropped; taken for its own READ), and both READs
+    /// complete with their own bytes once the missing fragments come.
+    #[test]
+    fn read_data_in_a_run_is_received_where_it_belongs() {
+        let fp = 4096u32;
+        let a: Vec<u8> = (0..9 * fp + 1000).map(|i| (i % 251) as u8).collect();
+        let b: Vec<u8> = (0..2 * fp).map(|i| (i % 13) as u8 + 100).collect();
+        let (target, mut q, ra, rb, to) = two_reads(fp, &a, &b);
         let frag_a = |i| read_fragment(&ra, &a, fp, i);
         // Fragment 0 the usual way: the queue then expects more of it.
         target.send_to(&frag_a(0), to).unwrap();
