@@ -20,6 +20,7 @@ RUNTIME="${RUNTIME:-3}"
 MTU="${MTU:-9000}"
 WORKLOADS="${WORKLOADS:-read write}"
 URL_Q="${URL_Q:-}"
+(( MTU >= 4200 )) || die "MTU: 1M I/O needs MTU >= 4200 (a datagram I/O is at most 256 frames)"
 need_root "network namespaces"
 need_tools ip python3
 
@@ -32,7 +33,9 @@ cleanup() {
     veth_pair_remove "$T" "$I"
     rm -rf "$WORK"
 }
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 veth_pair "$T" "$I" 9 "$MTU" >/dev/null
 
 declare -A PID PORT=([A]=7701 [B]=7702)
@@ -49,9 +52,12 @@ for w in A B; do
         sleep 0.05
     done
     [[ "$(grep -c '^listening' "$WORK/serve-$w.out")" == 2 ]] || die "target $w did not start"
-    # Written first, so reads return data and writes find their pages allocated.
-    ip netns exec "$I" "$B" bench "tcp://10.99.9.1:$((PORT[$w] + 100))/m" --rw write --bs 1M --iodepth 8 \
-        --runtime 4 >/dev/null || die "filling target $w failed"
+    # Written first, so reads return data and writes find their pages allocated: enough
+    # seconds of sequential writes to pass the export's end once.
+    written="$(ip netns exec "$I" "$B" bench "tcp://10.99.9.1:$((PORT[$w] + 100))/m" --rw write --bs 1M \
+        --iodepth 8 --runtime 6 --json | python3 -c 'import json, sys; print(json.load(sys.stdin)["ops"] << 20)')" ||
+        die "filling target $w failed"
+    (( written >= 1 << 30 )) || die "filling target $w wrote only $written bytes of the 1 GiB export"
 done
 
 # measure SIDE BUILD RW: one run; prints IOPS and the CPU us per I/O of SIDE (target|initiator).
@@ -91,7 +97,9 @@ for rw in $WORKLOADS; do
         for r in $(seq "$ROUNDS"); do
             if (( r % 2 )); then order=(A B); else order=(B A); fi
             declare -A got=()
-            for w in "${order[@]}"; do got[$w]="$(measure "$side" "$w" "$rw")"; done
+            for w in "${order[@]}"; do
+                got[$w]="$(measure "$side" "$w" "$rw")" || die "measuring $rw on the $side side of $w failed"
+            done
             read -r ia ca <<<"${got[A]}"
             read -r ib cb <<<"${got[B]}"
             echo "| $rw | $side | $r | $ia | $ib | $ca | $cb |"

@@ -34,7 +34,7 @@ for t in $TRANSPORTS; do
 done
 if [[ -n "$ONLY" ]]; then
     read -r rw bs _ <<<"$ONLY"
-    [[ "$rw" != *write* ]] || FILL=1
+    [[ "$rw" != *write* && "$rw" != randrw ]] || FILL=1
     [[ "$bs" != 1M ]] || (( MTU >= 4200 )) || die "ONLY: 1M I/O needs MTU >= 4200 (a datagram I/O is at most 256 frames)"
 fi
 ETH_OPT=""

@@ -308,8 +308,197 @@ pub fn segments(buf: &[u8], segment: Option<usize>) -> std::slice::Chunks<'_, u8
     buf.chunks(segment.unwrap_or(buf.len()).max(1))
 }
 
+/// Most datagrams in one coalesced run (the kernel's UDP_GRO limit).
+pub const GRO_MAX_SEGMENTS: usize = 64;
+
+/// How a coalesced run is received with some datagrams' payloads straight where they belong
+/// (PROTOCOL.md §9.3: a message's fragments, into the message's own memory) and the rest whole
+/// in a receive buffer. Datagram `k` (`seg` bytes, the last possibly shorter) lies at `k * seg`
+/// in the buffer; for a placed one only its first `head` bytes (its header) do, and its payload
+/// goes to `base + (first + k) * stride`. Which datagrams are placed, and where, is the caller's
+/// to decide; this only lays the receive out and finds the pieces again.
+pub struct Scatter {
+    len: usize,
+    seg: usize,
+    head: usize,
+    base: *mut u8,
+    first: usize,
+    stride: usize,
+    placed: u64,
+}
+
+impl Scatter {
+    /// A run of `len` bytes in datagrams of `seg`, each beginning with `head` bytes of header,
+    /// whose placed payloads go to `base + (first + k) * stride`. `None` unless the run has
+    /// between 2 and `GRO_MAX_SEGMENTS` datagrams longer than their header (a lone datagram is
+    /// cheaper read with the others).
+    pub fn new(
+        len: usize,
+        seg: usize,
+        head: usize,
+        (base, first, stride): (*mut u8, usize, usize),
+    ) -> Option<Scatter> {
+        (seg > head && len > seg && len.div_ceil(seg) <= GRO_MAX_SEGMENTS).then_some(Scatter {
+            len,
+            seg,
+            head,
+            base,
+            first,
+            stride,
+            placed: 0,
+        })
+    }
+
+    /// The run's length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never: a run has at least two datagrams.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// How many datagrams the run holds.
+    pub fn segments(&self) -> usize {
+        self.len.div_ceil(self.seg)
+    }
+
+    /// Where datagram `k` lies in the receive buffer: all of it, or for a placed one its header
+    /// followed by room as long as its payload (unused by the receive).
+    pub fn in_buffer(&self, k: usize) -> std::ops::Range<usize> {
+        let at = k * self.seg;
+        at..at + self.seg.min(self.len - at)
+    }
+
+    /// The length of datagram `k`'s payload, after its header; `None` when it has none.
+    pub fn carries(&self, k: usize) -> Option<usize> {
+        self.in_buffer(k)
+            .len()
+            .checked_sub(self.head)
+            .filter(|&c| c > 0)
+    }
+
+    /// Has datagram `k`'s payload go to its place. The caller must have made sure that place
+    /// holds `carries(k)` bytes it may have a receive write (see `iovecs`).
+    pub fn place(&mut self, k: usize) {
+        if k < self.segments() && self.carries(k).is_some() {
+            self.placed |= 1 << k;
+        }
+    }
+
+    /// Whether datagram `k`'s payload goes to its place.
+    pub fn is_placed(&self, k: usize) -> bool {
+        self.placed & (1 << k) != 0
+    }
+
+    /// Whether any datagram is placed.
+    pub fn places_any(&self) -> bool {
+        self.placed != 0
+    }
+
+    /// Fills `iov` with the receive's vectors, `buf` (at least `len` bytes) taking what is not
+    /// placed; returns how many. Only a receive follows them; whoever calls it vouches for the
+    /// places given to `place`.
+    pub fn iovecs(&self, buf: &mut [u8], iov: &mut [libc::iovec; 2 * GRO_MAX_SEGMENTS]) -> usize {
+        assert!(buf.len() >= self.len, "the receive buffer holds the run");
+        let mut n = 0;
+        for k in 0..self.segments() {
+            let r = self.in_buffer(k);
+            let whole = r.len();
+            let head = if self.is_placed(k) { self.head } else { whole };
+            iov[n] = libc::iovec {
+                iov_base: buf[r.start..].as_mut_ptr().cast(),
+                iov_len: head,
+            };
+            n += 1;
+            if self.is_placed(k) {
+                iov[n] = libc::iovec {
+                    iov_base: self.place_of(k).cast(),
+                    iov_len: whole - head,
+                };
+                n += 1;
+            }
+        }
+        n
+    }
+
+    fn place_of(&self, k: usize) -> *mut u8 {
+        self.base.wrapping_add((self.first + k) * self.stride)
+    }
+
+    /// Datagram `k`'s payload where the receive placed it.
+    ///
+    /// # Safety
+    ///
+    /// `k` is placed, its place is still the memory `place` was vouched for, and nothing
+    /// writes it while the slice lives.
+    pub unsafe fn placed_payload(&self, k: usize) -> &[u8] {
+        let len = self.in_buffer(k).len() - self.head;
+        // SAFETY: the caller's.
+        unsafe { std::slice::from_raw_parts(self.place_of(k), len) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    /// A run's layout: what is placed keeps its header in the buffer and sends its payload to
+    /// its place; the rest lies whole in the buffer; a datagram with no payload is never placed.
+    #[test]
+    fn a_scatter_lays_placed_payloads_out_at_their_places() {
+        let mut dest = vec![0u8; 4 * 100];
+        let mut buf = vec![0u8; 1000];
+        assert!(
+            super::Scatter::new(100, 100, 10, (dest.as_mut_ptr(), 0, 90)).is_none(),
+            "one datagram"
+        );
+        assert!(
+            super::Scatter::new(65 * 20, 20, 10, (dest.as_mut_ptr(), 0, 10)).is_none(),
+            "65 datagrams"
+        );
+        // Three datagrams of 100 bytes and a last of 10 (header only): fragments 1 to 4.
+        let mut s = super::Scatter::new(310, 100, 10, (dest.as_mut_ptr(), 1, 90)).unwrap();
+        assert_eq!(
+            (s.segments(), s.carries(2), s.carries(3)),
+            (4, Some(90), None)
+        );
+        for k in [0, 2, 3] {
+            s.place(k);
+        }
+        assert!(s.is_placed(0) && !s.is_placed(1) && s.is_placed(2) && !s.is_placed(3));
+        let mut iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; 128];
+        let n = s.iovecs(&mut buf, &mut iov);
+        let at =
+            |p: *mut libc::c_void, base: &[u8]| (p as usize).wrapping_sub(base.as_ptr() as usize);
+        let got: Vec<(usize, usize, bool)> = iov[..n]
+            .iter()
+            .map(|v| {
+                let in_buf = at(v.iov_base, &buf) < buf.len();
+                let off = if in_buf {
+                    at(v.iov_base, &buf)
+                } else {
+                    at(v.iov_base, &dest)
+                };
+                (off, v.iov_len, in_buf)
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (0, 10, true),
+                (90, 90, false),
+                (100, 100, true),
+                (200, 10, true),
+                (270, 90, false),
+                (300, 10, true)
+            ]
+        );
+        assert_eq!(s.in_buffer(3), 300..310);
+    }
+
     #[test]
     fn a_refusal_stops_segmenting_to_its_destination_and_enough_of_them_to_all() {
         let mut s = super::Segmenting::new(true);

@@ -228,7 +228,7 @@ fn have_bitmap(payload: &[u8], length: u32, frame_payload: u32) -> &[u8] {
     &payload[..payload.len().min(n)]
 }
 
-/// Port-level counters: frames that never reached a queue.
+/// Port-level counters: frames that never reached a queue, and how fragments were received.
 #[derive(Default, Clone, Copy, Debug, serde::Serialize)]
 pub struct PortStats {
     /// Malformed frames, and frames without a valid CRC32C.

@@ -979,12 +979,13 @@ const CLOSERS: usize = 16;
 
 /// Runs `f` on every item, on up to `threads` scoped threads that each take the next item not
 /// yet taken, so one slow item holds up only its own thread. With no thread to be had, runs
-/// them all on the caller's.
+/// them all on the caller's. An item whose `f` panics (reported by the panic hook) does not
+/// keep the others from theirs.
 fn for_each_on_threads<T: Sync>(items: &[T], threads: usize, name: &str, f: impl Fn(&T) + Sync) {
     let next = std::sync::atomic::AtomicUsize::new(0);
     let work = || {
         while let Some(item) = items.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
-            f(item);
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(item)));
         }
     };
     std::thread::scope(|s| {
@@ -1665,6 +1666,26 @@ mod tests {
             1,
             "the others ran around item 0"
         );
+    }
+
+    /// A close that panics does not keep the others from theirs, and with no thread to be had
+    /// every item runs on the caller's.
+    #[test]
+    fn a_panicking_item_spares_the_others_and_no_thread_means_the_caller() {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        let items: Vec<usize> = (0..8).collect();
+        let ran = AtomicUsize::new(0);
+        for_each_on_threads(&items, 2, "test-close", |&i| {
+            assert_ne!(i, 3, "a close that panics (expected in this test)");
+            ran.fetch_add(1, SeqCst);
+        });
+        assert_eq!(ran.load(SeqCst), 7, "all but the one that panicked");
+        let caller = std::thread::current().id();
+        let on_caller = AtomicUsize::new(0);
+        for_each_on_threads(&items, 0, "test-close", |_| {
+            on_caller.fetch_add((std::thread::current().id() == caller) as usize, SeqCst);
+        });
+        assert_eq!(on_caller.load(SeqCst), items.len());
     }
 
     #[test]

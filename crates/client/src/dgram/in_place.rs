@@ -18,11 +18,10 @@
 
 use blkwire_wire::{bitmap, datagram, Flags, Header, Opcode, Status, HEADER_LEN};
 
+use blkwire_net::udp_offload::{Scatter, GRO_BUFFER, GRO_MAX_SEGMENTS};
+
 use super::{DgramQueue, State};
 use crate::{Error, Result};
-
-/// Most datagrams in one coalesced run (the kernel's UDP_GRO limit).
-const MOST_SEGMENTS: usize = 64;
 
 /// READs at least this long are taken in place: below, the copies saved do not pay for the
 /// peeks (a small READ's runs are short, and one receive could have taken many of them).
@@ -38,27 +37,12 @@ pub(super) enum Peeked {
     Other,
 }
 
-/// Where a peeked run's datagrams go: datagram `k` (of `seg` bytes, the last possibly shorter)
-/// is fragment `first + k` of the READ `head` answers; those set in `placed` have their payload
-/// received at `base + (first + k) * fp`.
+/// How a peeked run is received: datagram `k` is fragment `first + k` of the READ `head`
+/// answers, and `scatter` says which go straight into its buffer.
 struct Plan {
     head: Header,
-    len: usize,
-    seg: usize,
-    fp: usize,
     first: u32,
-    base: *mut u8,
-    placed: u64,
-}
-
-impl Plan {
-    fn segments(&self) -> usize {
-        self.len.div_ceil(self.seg)
-    }
-
-    fn segment_len(&self, k: usize) -> usize {
-        self.seg.min(self.len - k * self.seg)
-    }
+    scatter: Scatter,
 }
 
 impl DgramQueue {
@@ -95,10 +79,7 @@ impl DgramQueue {
             || h.length < IN_PLACE_MIN
             || h.flags.has(Flags::SEALED)
             || h.flags.has(Flags::HAVE)
-            || seg <= HEADER_LEN
-            || len <= seg
-            || len.div_ceil(seg) > MOST_SEGMENTS
-            || len > udp_offload_buffer()
+            || len > GRO_BUFFER
         {
             return None;
         }
@@ -111,69 +92,46 @@ impl DgramQueue {
         {
             return None;
         }
-        let mut plan = Plan {
-            head: h,
+        let first = h.frag_index as u32;
+        // A run of one datagram is read the usual way: one receive takes many of those.
+        let mut scatter = Scatter::new(
             len,
             seg,
-            fp,
-            first: h.frag_index as u32,
-            base: s.data.as_mut_ptr(),
-            placed: 0,
-        };
-        for k in 0..plan.segments() {
-            let i = plan.first + k as u32;
-            let Some(carries) = plan.segment_len(k).checked_sub(HEADER_LEN) else {
-                continue;
-            };
+            HEADER_LEN,
+            (s.data.as_mut_ptr(), first as usize, fp),
+        )?;
+        for k in 0..scatter.segments() {
+            let i = first + k as u32;
             let expect = (s.length as usize).saturating_sub(i as usize * fp).min(fp);
-            if i < s.frags && !bitmap::get(&s.have, i) && carries == expect && carries > 0 {
-                plan.placed |= 1 << k;
+            // Fragment `i` lies whole inside the READ's buffer (`length` bytes, checked above),
+            // which only this queue touches: what `place` asks to be vouched for.
+            if i < s.frags && !bitmap::get(&s.have, i) && scatter.carries(k) == Some(expect) {
+                scatter.place(k);
             }
         }
-        (plan.placed != 0).then_some(plan)
+        scatter.places_any().then_some(Plan {
+            head: h,
+            first,
+            scatter,
+        })
     }
 
     /// Receives the peeked run as `plan` says, then handles each of its datagrams.
     fn receive_planned(&mut self, plan: &Plan) -> Result<()> {
         let mut rx = self.rx.lend();
-        if rx.len() < plan.len {
+        let sc = &plan.scatter;
+        if rx.len() < sc.len() {
             self.rx.give_back(rx);
             return Ok(());
         }
-        let scratch = rx.as_mut_ptr();
         let mut iov = [libc::iovec {
             iov_base: std::ptr::null_mut(),
             iov_len: 0,
-        }; 2 * MOST_SEGMENTS];
-        let mut n = 0;
-        for k in 0..plan.segments() {
-            let at = k * plan.seg;
-            let seg_len = plan.segment_len(k);
-            // Where each piece goes; only the kernel writes through these (see the receive).
-            let pieces = if plan.placed & (1 << k) != 0 {
-                [
-                    (scratch.wrapping_add(at), HEADER_LEN),
-                    (
-                        plan.base.wrapping_add((plan.first as usize + k) * plan.fp),
-                        seg_len - HEADER_LEN,
-                    ),
-                ]
-            } else {
-                [(scratch.wrapping_add(at), seg_len), (scratch, 0)]
-            };
-            for (p, l) in pieces.into_iter().filter(|&(_, l)| l > 0) {
-                iov[n] = libc::iovec {
-                    iov_base: p.cast(),
-                    iov_len: l,
-                };
-                n += 1;
-            }
-        }
-        // SAFETY: every vector points into memory of ours: the receive buffer, at
-        // `at + seg_len <= len <= rx.len()` (checked above), or the READ's own buffer at
-        // `base`, `length` bytes long (`plan` checked), where fragment `first + k` lies whole
-        // (`plan` placed only a fragment whose length is what is left of the READ there, at
-        // most `fp`). Nothing else touches either during the call.
+        }; 2 * GRO_MAX_SEGMENTS];
+        let n = sc.iovecs(&mut rx, &mut iov);
+        // SAFETY: every vector points into memory of ours: the receive buffer (`iovecs` keeps
+        // to it) or a fragment's place inside the READ's own buffer, as `plan` vouched.
+        // Nothing else touches either during the call.
         let got = unsafe { self.rx.receive_scattered(&mut iov[..n]) };
         let got = match got {
             Ok(Some(got)) => got,
@@ -186,34 +144,28 @@ impl DgramQueue {
                 };
             }
         };
-        if got != plan.len {
+        if got != sc.len() {
             // The one reader of this socket takes the run it peeked at: anything else means
             // the layout above does not describe what arrived. Dropped, as a damaged datagram.
             self.stats.crc_errors += 1;
             self.rx.give_back(rx);
             return Ok(());
         }
-        let coalesced = plan.segments() > 1;
-        self.stats.datagrams_in += plan.segments() as u64;
-        self.stats.coalesced_in += if coalesced { plan.segments() as u64 } else { 0 };
+        // Counted as the usual receive counts a coalesced run (a plan has two datagrams or more).
+        self.stats.datagrams_in += sc.segments() as u64;
+        self.stats.coalesced_in += sc.segments() as u64;
         // First every placed datagram is checked where its bytes landed, before any of the
         // run is handled (handling one could copy another datagram over these bytes); one
         // that is not what it was placed as is put back together here.
-        let mut valid = [None; MOST_SEGMENTS];
-        for (k, v) in valid.iter_mut().enumerate().take(plan.segments()) {
-            if plan.placed & (1 << k) == 0 {
+        let mut valid = [None; GRO_MAX_SEGMENTS];
+        for (k, v) in valid.iter_mut().enumerate().take(sc.segments()) {
+            if !sc.is_placed(k) {
                 continue;
             }
-            let (at, seg_len) = (k * plan.seg, plan.segment_len(k));
-            // SAFETY: the bytes the receive placed for fragment `first + k`, inside the READ's
-            // buffer (above); this view ends in this pass.
-            let placed = unsafe {
-                std::slice::from_raw_parts(
-                    plan.base.add((plan.first as usize + k) * plan.fp),
-                    seg_len - HEADER_LEN,
-                )
-            };
-            let (header, room) = rx[at..at + seg_len].split_at_mut(HEADER_LEN);
+            // SAFETY: placed where `plan` vouched, in the READ's buffer, which stays until the
+            // READ is delivered (not during a receive); this view ends in this pass.
+            let placed = unsafe { sc.placed_payload(k) };
+            let (header, room) = rx[sc.in_buffer(k)].split_at_mut(HEADER_LEN);
             *v = datagram::frame_in_two(header, placed, self.frame_payload)
                 .ok()
                 .map(|f| f.header)
@@ -228,27 +180,20 @@ impl DgramQueue {
         // same length in the receive buffer.
         for (k, h) in valid.iter().enumerate() {
             let Some(h) = *h else { continue };
-            let (at, seg_len) = (k * plan.seg, plan.segment_len(k));
             self.stats.frames_in += 1;
             self.in_place = Some((h.tag.slot(), plan.first + k as u32));
-            self.on_frame(&h, &rx[at + HEADER_LEN..at + seg_len]);
+            self.on_frame(&h, &rx[sc.in_buffer(k)][HEADER_LEN..]);
             self.in_place = None;
         }
         // Last, everything else, whole in the receive buffer, as any datagram.
-        for (k, v) in valid.iter().enumerate().take(plan.segments()) {
+        for (k, v) in valid.iter().enumerate().take(sc.segments()) {
             if v.is_none() {
-                let (at, seg_len) = (k * plan.seg, plan.segment_len(k));
-                self.on_datagram(&rx[at..at + seg_len]);
+                self.on_datagram(&rx[sc.in_buffer(k)]);
             }
         }
         self.rx.give_back(rx);
         Ok(())
     }
-}
-
-/// The receive buffer's size: no run can be longer.
-fn udp_offload_buffer() -> usize {
-    blkwire_net::udp_offload::GRO_BUFFER
 }
 
 /// Is `h` fragment `i` of the READ reply whose fragment `head` began the run?

@@ -23,13 +23,10 @@
 use std::os::fd::AsRawFd;
 
 use blkwire_backend::Submitter;
-use blkwire_net::udp_offload::Cmsg;
+use blkwire_net::udp_offload::{Cmsg, Scatter, GRO_MAX_SEGMENTS};
 use blkwire_wire::{datagram, Flags, Header, Opcode, HEADER_LEN};
 
 use super::{bitmap, DgramPort, Peer, SlotState, UserData};
-
-/// Most datagrams in one coalesced run (the kernel's UDP_GRO limit).
-const MOST_SEGMENTS: usize = 64;
 
 /// WRITEs at least this long are taken in place: below, the copies saved do not pay for the
 /// peeks (a small WRITE's runs are short, and one receive could have taken many of them).
@@ -45,31 +42,17 @@ pub(super) enum Peeked {
     Other,
 }
 
-/// Where a peeked run's datagrams go: datagram `k` (of `seg` bytes, the last possibly shorter)
-/// is fragment `first + k` of the WRITE `head` began, on queue `qi`; those set in `placed` have
-/// their payload received at `base + (first + k) * fp`. Datagram 0 is in `handled` when it was
-/// handled from the peek already (it began that WRITE): received again, it is not looked at.
+/// How a peeked run is received: datagram `k` is fragment `first + k` of the WRITE `head`
+/// belongs to, on queue `qi`, and `scatter` says which go where they belong. Datagram 0 is
+/// `handled` when it was handled from the peek already (it began that WRITE): received again,
+/// it is not looked at.
 struct Plan {
     peer: Peer,
     qi: usize,
     head: Header,
-    len: usize,
-    seg: usize,
-    fp: usize,
     first: u32,
-    base: *mut u8,
-    placed: u64,
     handled: bool,
-}
-
-impl Plan {
-    fn segments(&self) -> usize {
-        self.len.div_ceil(self.seg)
-    }
-
-    fn segment_len(&self, k: usize) -> usize {
-        self.seg.min(self.len - k * self.seg)
-    }
+    scatter: Scatter,
 }
 
 impl DgramPort {
@@ -102,9 +85,12 @@ impl DgramPort {
             if !handled {
                 return Peeked::Other;
             }
-            self.plan(h, len, seg, peer, true)
+            self.plan(h, (len, seg), peer, true)
         } else {
-            self.plan(h, len, seg, peer, false)
+            self.plan(h, (len, seg), peer, false)
+        };
+        let Some(plan) = plan else {
+            return Peeked::Other;
         };
         match self.receive_planned(&plan, sq, ud) {
             true => Peeked::Taken,
@@ -154,10 +140,8 @@ impl DgramPort {
         let h = Header::decode(head, self.link_payload.max(4096)).ok()?;
         let q = self.queues[*self.index.get(&(h.session, h.queue))?].as_ref()?;
         // A run of one datagram is read the usual way: one receive takes many of those.
-        let fits = seg > HEADER_LEN
-            && len > seg
+        let fits = Scatter::new(len, seg, HEADER_LEN, (std::ptr::null_mut(), 0, 0)).is_some()
             && len <= self.rx.first()?.len()
-            && len.div_ceil(seg) <= MOST_SEGMENTS
             && seg <= self.rx.get(1)?.len();
         (fits
             && h.length >= IN_PLACE_MIN
@@ -183,91 +167,74 @@ impl DgramPort {
 
     /// Which datagrams of the run `h` begins can go where they belong. With `handled`, the
     /// first was handled from the peek. Placing nothing when the WRITE is not (or no longer)
-    /// being assembled: the run is then received and handled as usual.
-    fn plan(&mut self, h: Header, len: usize, seg: usize, peer: Peer, handled: bool) -> Plan {
+    /// being assembled: the run is then received and handled as usual. `None` only for a run
+    /// `fragment_head` would not have taken.
+    fn plan(
+        &mut self,
+        h: Header,
+        (len, seg): (usize, usize),
+        peer: Peer,
+        handled: bool,
+    ) -> Option<Plan> {
+        let first = h.frag_index as u32;
+        let nowhere = (std::ptr::null_mut(), 0, 0);
         let mut plan = Plan {
             peer,
             qi: 0,
             head: h,
-            len,
-            seg,
-            fp: 0,
-            first: h.frag_index as u32,
-            base: std::ptr::null_mut(),
-            placed: 0,
+            first,
             handled,
+            scatter: Scatter::new(len, seg, HEADER_LEN, nowhere)?,
         };
         let Some(&qi) = self.index.get(&(h.session, h.queue)) else {
-            return plan;
+            return Some(plan);
         };
         let Some(q) = self.queues[qi].as_mut() else {
-            return plan;
+            return Some(plan);
         };
         let fp = q.fp as usize;
         let Some(s) = q.slots.get_mut(h.tag.slot() as usize) else {
-            return plan;
+            return Some(plan);
         };
         if s.state != SlotState::Assembling
             || s.hdr.tag != h.tag
             || s.hdr.length != h.length
             || h.frag_count as u32 != s.frags
         {
-            return plan;
+            return Some(plan);
         }
         let base = match (s.into, s.buf.as_mut()) {
             (Some(into), _) => into,
             (None, Some(buf)) => buf.as_mut_ptr(),
-            (None, None) => return plan,
+            (None, None) => return Some(plan),
         };
-        (plan.qi, plan.fp, plan.base) = (qi, fp, base);
-        for k in handled as usize..plan.segments() {
-            let i = plan.first + k as u32;
-            let Some(carries) = plan.segment_len(k).checked_sub(HEADER_LEN) else {
-                continue;
-            };
+        plan.qi = qi;
+        plan.scatter = Scatter::new(len, seg, HEADER_LEN, (base, first as usize, fp))?;
+        for k in handled as usize..plan.scatter.segments() {
+            let i = first + k as u32;
             let expect = (s.hdr.length as usize)
                 .saturating_sub(i as usize * fp)
                 .min(fp);
-            if i < s.frags && !bitmap::get(&s.have, i) && carries == expect && carries > 0 {
-                plan.placed |= 1 << k;
+            // Fragment `i` lies whole inside the WRITE's `length` bytes at `base` (the export's
+            // memory, kept as long as the queue's executor, or the slot's buffer, which only
+            // this thread touches): what `place` asks to be vouched for.
+            if i < s.frags && !bitmap::get(&s.have, i) && plan.scatter.carries(k) == Some(expect) {
+                plan.scatter.place(k);
             }
         }
-        plan
+        Some(plan)
     }
 
     /// Receives the peeked run as `plan` says, then handles each of its datagrams. False when
     /// the receive failed and took nothing.
     fn receive_planned(&mut self, plan: &Plan, sq: &mut dyn Submitter, ud: UserData) -> bool {
         let mut rx = std::mem::take(&mut self.rx[0]);
-        let scratch = rx.as_mut_ptr();
+        let sc = &plan.scatter;
         let mut iov = [libc::iovec {
             iov_base: std::ptr::null_mut(),
             iov_len: 0,
-        }; 2 * MOST_SEGMENTS];
-        let mut n = 0;
-        for k in 0..plan.segments() {
-            let at = k * plan.seg;
-            let seg_len = plan.segment_len(k);
-            // Where each piece goes; only the kernel writes through these (see the receive).
-            let pieces = if plan.placed & (1 << k) != 0 {
-                [
-                    (scratch.wrapping_add(at), HEADER_LEN),
-                    (
-                        plan.base.wrapping_add((plan.first as usize + k) * plan.fp),
-                        seg_len - HEADER_LEN,
-                    ),
-                ]
-            } else {
-                [(scratch.wrapping_add(at), seg_len), (scratch, 0)]
-            };
-            for (p, l) in pieces.into_iter().filter(|&(_, l)| l > 0) {
-                iov[n] = libc::iovec {
-                    iov_base: p.cast(),
-                    iov_len: l,
-                };
-                n += 1;
-            }
-        }
+        }; 2 * GRO_MAX_SEGMENTS];
+        let n = sc.iovecs(&mut rx, &mut iov);
         // SAFETY: an all-zero address and message header are valid values.
         let mut name: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
@@ -276,12 +243,8 @@ impl DgramPort {
         msg.msg_namelen = std::mem::size_of::<libc::sockaddr_storage>() as u32;
         msg.msg_iov = iov.as_mut_ptr();
         msg.msg_iovlen = n;
-        // SAFETY: every vector points into memory of ours: the receive buffer, at
-        // `at + seg_len <= len <= rx.len()` (`fragment_head` checked `len`), or the WRITE's own
-        // bytes at `base` (the export's memory, kept as long as the queue's executor, or the
-        // slot's buffer, which only this thread touches), where fragment `first + k` lies
-        // inside the WRITE's `length` bytes (`plan` placed only a fragment whose length is
-        // what is left of the WRITE there, at most `fp`).
+        // SAFETY: every vector points into memory of ours: the receive buffer (`iovecs` keeps
+        // to it) or a fragment's place inside the WRITE's own bytes, as `plan` vouched.
         let mut r = unsafe { libc::recvmsg(self.fd.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT) };
         if r < 0 {
             // An error the socket had pending (an ICMP one) is reported once, then cleared:
@@ -296,7 +259,7 @@ impl DgramPort {
             self.rx[0] = rx;
             return false;
         }
-        if r as usize != plan.len
+        if r as usize != sc.len()
             || msg.msg_flags & libc::MSG_TRUNC != 0
             || self.peer_of(&name) != Some(plan.peer)
         {
@@ -308,22 +271,16 @@ impl DgramPort {
         // run is handled: handling one can give the WRITE's buffer back (it completed, a new
         // generation took the slot, the queue logged out) or copy another datagram over these
         // bytes. One that is not what it was placed as is put back together here.
-        let mut valid = [None; MOST_SEGMENTS];
-        let run = plan.handled as usize..plan.segments();
+        let mut valid = [None; GRO_MAX_SEGMENTS];
+        let run = plan.handled as usize..sc.segments();
         for (k, v) in valid.iter_mut().enumerate().take(run.end).skip(run.start) {
-            if plan.placed & (1 << k) == 0 {
+            if !sc.is_placed(k) {
                 continue;
             }
-            let (at, seg_len) = (k * plan.seg, plan.segment_len(k));
-            // SAFETY: the bytes the receive placed for fragment `first + k`, inside the WRITE
-            // (above), whose buffer nothing has given back yet; this view ends in this pass.
-            let placed = unsafe {
-                std::slice::from_raw_parts(
-                    plan.base.add((plan.first as usize + k) * plan.fp),
-                    seg_len - HEADER_LEN,
-                )
-            };
-            let (header, room) = rx[at..at + seg_len].split_at_mut(HEADER_LEN);
+            // SAFETY: placed where `plan` vouched, in a WRITE whose buffer nothing has given
+            // back yet (nothing of the run was handled); this view ends in this pass.
+            let placed = unsafe { sc.placed_payload(k) };
+            let (header, room) = rx[sc.in_buffer(k)].split_at_mut(HEADER_LEN);
             *v = datagram::frame_in_two(header, placed, self.link_payload.max(4096))
                 .ok()
                 .map(|f| f.header)
@@ -339,22 +296,21 @@ impl DgramPort {
         // buffer, so nothing reads the WRITE's bytes from here on.
         for (k, h) in valid.iter().enumerate() {
             let Some(h) = *h else { continue };
-            let (at, seg_len) = (k * plan.seg, plan.segment_len(k));
+            let (header, room) = rx[sc.in_buffer(k)].split_at(HEADER_LEN);
             self.refused_in_datagram = false;
             self.in_place = Some((plan.qi, h.tag.slot(), plan.first + k as u32));
             let f = datagram::Frame {
                 header: h,
-                payload: &rx[at + HEADER_LEN..at + seg_len],
-                raw: &rx[at..at + HEADER_LEN],
+                payload: room,
+                raw: header,
             };
-            self.on_frame(f, seg_len, plan.peer, sq, ud);
+            self.on_frame(f, sc.in_buffer(k).len(), plan.peer, sq, ud);
             self.in_place = None;
         }
         // Last, everything else, whole in the receive buffer, as any datagram.
         for (k, v) in valid.iter().enumerate().take(run.end).skip(run.start) {
             if v.is_none() {
-                let (at, seg_len) = (k * plan.seg, plan.segment_len(k));
-                self.on_datagram(&rx[at..at + seg_len], plan.peer, sq, ud);
+                self.on_datagram(&rx[sc.in_buffer(k)], plan.peer, sq, ud);
             }
         }
         self.rx[0] = rx;
