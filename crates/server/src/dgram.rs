@@ -2352,6 +2352,49 @@ mod tests {
         }
     }
 
+    /// Fragments with a header-only CRC received in place count only in a session that asked
+    /// for them (§9.7): elsewhere they are dropped as bad frames, their fragments still to
+    /// come, and the WRITE completes with the bytes of the fragments that count.
+    #[test]
+    fn header_only_crcs_in_place_only_where_the_session_asked_for_them() {
+        let data: Vec<u8> = (0..5 * LINK).map(|i| (i % 233) as u8).collect();
+        for asked in [false, true] {
+            let features = if asked { blkwire_wire::HEADER_CRC } else { 0 };
+            let (mut dp, peer, reply) = session_of("a=mem:1M", 1, features);
+            let (from, session) = (peer.local_addr().unwrap(), reply.session);
+            let frag = |i: usize, head_only: bool| {
+                let f = write_fragment(session, 1, 0, &data, i, false);
+                let mut h = Header::decode(&f, LINK).unwrap();
+                if head_only {
+                    h.flags.0 |= Flags::HEAD_CRC;
+                }
+                frame(h, &f[HEADER_LEN..])
+            };
+            dp.receive(&frag(0, false), from);
+            send_run(
+                &mut dp,
+                &peer,
+                &(1..5).map(|i| frag(i, true)).collect::<Vec<_>>(),
+            );
+            let placed = if asked { 4 } else { 0 };
+            assert_eq!(dp.port.stats.fragments_in_place, placed, "asked {asked}");
+            assert_eq!(dp.port.stats.bad_frames, 4 - placed, "asked {asked}");
+            if !asked {
+                assert!(answers(&peer, false).is_empty(), "not complete");
+                for i in 1..5 {
+                    dp.receive(&frag(i, false), from);
+                }
+            }
+            assert_eq!(
+                answers(&peer, true)[0].0.status,
+                Status::Ok,
+                "asked {asked}"
+            );
+            let read = read_back(&mut dp, &peer, session, 2, 1, (0, data.len() as u32));
+            assert!(read == data, "asked {asked}: the bytes written read back");
+        }
+    }
+
     /// A request refused before it runs is a reply and an error in the queue's counters.
     #[test]
     fn refused_requests_are_counted() {
