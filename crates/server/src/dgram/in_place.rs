@@ -89,6 +89,7 @@ impl DgramPort {
         } else {
             self.plan(h, (len, seg), peer, false)
         };
+        // Never `None` here: `fragment_head` takes a run only when `Scatter::new` does.
         let Some(plan) = plan else {
             return Peeked::Other;
         };
