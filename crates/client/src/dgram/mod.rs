@@ -1210,6 +1210,24 @@ mod tests {
         assert!(done[0].2 == a && done[1].2 == b, "each with its own bytes");
     }
 
+    /// Only READs of IN_PLACE_MIN or more make the next receive peek: a fragment of a smaller
+    /// one leaves the queue reading the usual way.
+    #[test]
+    fn only_large_reads_make_the_next_receive_peek() {
+        let fp = 4096u32;
+        let small = vec![3u8; 4 * fp as usize];
+        let large = vec![4u8; 9 * fp as usize];
+        let (target, mut q, ra, rb, to) = two_reads(fp, &large, &small);
+        for (req, data, expect) in [(&rb, &small, false), (&ra, &large, true)] {
+            target
+                .send_to(&read_fragment(req, data, fp, 0), to)
+                .unwrap();
+            let seen = q.stats().datagrams_in;
+            completions(&mut q, seen + 1, 0);
+            assert_eq!(q.expect_read_data, expect, "a READ of {} bytes", data.len());
+        }
+    }
+
     /// READ data that comes as a run while a reply of several fragments is coming goes
     /// straight into the request's buffer. In the run, a damaged fragment and one of another
     /// READ are handled as any datagram (dropped; taken for its own READ), and both READs
