@@ -311,6 +311,11 @@ pub fn segments(buf: &[u8], segment: Option<usize>) -> std::slice::Chunks<'_, u8
 /// Most datagrams in one coalesced run (the kernel's UDP_GRO limit).
 pub const GRO_MAX_SEGMENTS: usize = 64;
 
+/// Messages at least this long are received with a [`Scatter`] (PROTOCOL.md §9.3), at either
+/// end: below, the copies saved do not pay for the peeks (a small message's runs are short,
+/// and one receive could have taken many of them).
+pub const IN_PLACE_MIN: u32 = 32 << 10;
+
 /// How a coalesced run is received with some datagrams' payloads straight where they belong
 /// (PROTOCOL.md §9.3: a message's fragments, into the message's own memory) and the rest whole
 /// in a receive buffer. Datagram `k` (`seg` bytes, the last possibly shorter) lies at `k * seg`
@@ -398,9 +403,8 @@ impl Scatter {
     }
 
     /// Fills `iov` with the receive's vectors, `buf` (at least `len` bytes) taking what is not
-    /// placed; returns how many. Only a receive follows them; whoever calls it vouches for the
-    /// places given to `place`.
-    pub fn iovecs(&self, buf: &mut [u8], iov: &mut [libc::iovec; 2 * GRO_MAX_SEGMENTS]) -> usize {
+    /// placed; returns how many.
+    fn iovecs(&self, buf: &mut [u8], iov: &mut [libc::iovec; 2 * GRO_MAX_SEGMENTS]) -> usize {
         assert!(buf.len() >= self.len, "the receive buffer holds the run");
         let mut n = 0;
         for k in 0..self.segments() {
@@ -423,21 +427,112 @@ impl Scatter {
         n
     }
 
-    fn place_of(&self, k: usize) -> *mut u8 {
-        self.base.wrapping_add((self.first + k) * self.stride)
-    }
-
-    /// Datagram `k`'s payload where the receive placed it.
+    /// Receives the next run on `fd` as laid out, `buf` (at least `len` bytes) taking what is
+    /// not placed, and the sender's address into `name` if given: the run's length, or `None`
+    /// when it was longer than laid out (the rest is lost).
     ///
     /// # Safety
     ///
-    /// `k` is placed, its place is still the memory `place` was vouched for, and nothing
-    /// writes it while the slice lives.
-    pub unsafe fn placed_payload(&self, k: usize) -> &[u8] {
-        let len = self.in_buffer(k).len() - self.head;
-        // SAFETY: the caller's.
-        unsafe { std::slice::from_raw_parts(self.place_of(k), len) }
+    /// Every place given to `place` must be memory the kernel may write for the call.
+    pub unsafe fn receive(
+        &self,
+        fd: RawFd,
+        buf: &mut [u8],
+        name: Option<&mut libc::sockaddr_storage>,
+    ) -> std::io::Result<Option<usize>> {
+        let mut iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; 2 * GRO_MAX_SEGMENTS];
+        let n = self.iovecs(buf, &mut iov);
+        // SAFETY: an all-zero message header (null pointers, zero lengths) is a valid value.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        if let Some(name) = name {
+            msg.msg_name = (name as *mut libc::sockaddr_storage).cast();
+            msg.msg_namelen = std::mem::size_of::<libc::sockaddr_storage>() as u32;
+        }
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = n;
+        // SAFETY: the vectors point into `buf` (`iovecs` keeps to it) or at the places the
+        // caller vouches for; `name` is ours for the call.
+        let r = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
+        if r < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok((msg.msg_flags & libc::MSG_TRUNC == 0).then_some(r as usize))
     }
+
+    /// After `receive`: each placed datagram from `from` on is given to `check` (its index,
+    /// its header in `buf`, its payload where it landed), all before the caller handles any of
+    /// the run, since handling one may free or overwrite the places of others. One `check`
+    /// refuses (`None`) is put back together in `buf`, its payload beside its header, to be
+    /// handled as any datagram. Returns what `check` gave, by datagram.
+    ///
+    /// # Safety
+    ///
+    /// The places given to `place` still hold what `receive` put there, and nothing writes
+    /// them during the call.
+    pub unsafe fn check_placed<T: Copy>(
+        &self,
+        buf: &mut [u8],
+        from: usize,
+        mut check: impl FnMut(usize, &[u8], &[u8]) -> Option<T>,
+    ) -> [Option<T>; GRO_MAX_SEGMENTS] {
+        let mut taken = [None; GRO_MAX_SEGMENTS];
+        for k in (from..self.segments()).filter(|&k| self.is_placed(k)) {
+            let len = self.in_buffer(k).len() - self.head;
+            // SAFETY: the caller's: the place holds the datagram's payload, unwritten meanwhile.
+            let placed = unsafe { std::slice::from_raw_parts(self.place_of(k), len) };
+            let (header, room) = buf[self.in_buffer(k)].split_at_mut(self.head);
+            taken[k] = check(k, header, placed);
+            if taken[k].is_none() {
+                room.copy_from_slice(placed);
+            }
+        }
+        taken
+    }
+
+    fn place_of(&self, k: usize) -> *mut u8 {
+        self.base.wrapping_add((self.first + k) * self.stride)
+    }
+}
+
+/// Copies the first bytes of the next datagram (or coalesced run) waiting on `fd` into `buf`
+/// without taking it, and the sender's address into `name` if given: the run's whole length
+/// and its segment size (its length for a lone datagram). `WouldBlock` when nothing waits.
+pub fn peek_run(
+    fd: RawFd,
+    buf: &mut [u8],
+    name: Option<&mut libc::sockaddr_storage>,
+) -> std::io::Result<(usize, usize)> {
+    let mut cmsg = Cmsg::default();
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: an all-zero message header (null pointers, zero lengths) is a valid value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    if let Some(name) = name {
+        msg.msg_name = (name as *mut libc::sockaddr_storage).cast();
+        msg.msg_namelen = std::mem::size_of::<libc::sockaddr_storage>() as u32;
+    }
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    cmsg.attach_for_receive(&mut msg);
+    // MSG_TRUNC: the whole run's length, not what fitted `buf`.
+    // SAFETY: `msg` points at `iov` (our `buf`), `cmsg` and `name`, alive for the call.
+    let r = unsafe {
+        libc::recvmsg(
+            fd,
+            &mut msg,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT | libc::MSG_TRUNC,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let len = r as usize;
+    Ok((len, cmsg.received_segment(&msg).unwrap_or(len)))
 }
 
 #[cfg(test)]

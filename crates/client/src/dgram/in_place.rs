@@ -18,14 +18,12 @@
 
 use blkwire_wire::{bitmap, datagram, Flags, Header, Opcode, Status, HEADER_LEN};
 
-use blkwire_net::udp_offload::{Scatter, GRO_BUFFER, GRO_MAX_SEGMENTS};
+use blkwire_net::udp_offload::{Scatter, GRO_BUFFER};
 
 use super::{DgramQueue, State};
 use crate::{Error, Result};
 
-/// READs at least this long are taken in place: below, the copies saved do not pay for the
-/// peeks (a small READ's runs are short, and one receive could have taken many of them).
-pub(super) const IN_PLACE_MIN: u32 = 32 << 10;
+pub(super) use blkwire_net::udp_offload::IN_PLACE_MIN;
 
 /// What the peek found.
 pub(super) enum Peeked {
@@ -124,15 +122,9 @@ impl DgramQueue {
             self.rx.give_back(rx);
             return Ok(());
         }
-        let mut iov = [libc::iovec {
-            iov_base: std::ptr::null_mut(),
-            iov_len: 0,
-        }; 2 * GRO_MAX_SEGMENTS];
-        let n = sc.iovecs(&mut rx, &mut iov);
-        // SAFETY: every vector points into memory of ours: the receive buffer (`iovecs` keeps
-        // to it) or a fragment's place inside the READ's own buffer, as `plan` vouched.
-        // Nothing else touches either during the call.
-        let got = unsafe { self.rx.receive_scattered(&mut iov[..n]) };
+        // SAFETY: every place is a fragment's inside the READ's own buffer, as `plan` vouched;
+        // nothing else touches it during the call.
+        let got = unsafe { self.rx.receive_scattered(sc, &mut rx) };
         let got = match got {
             Ok(Some(got)) => got,
             Ok(None) => usize::MAX,
@@ -157,23 +149,17 @@ impl DgramQueue {
         // First every placed datagram is checked where its bytes landed, before any of the
         // run is handled (handling one could copy another datagram over these bytes); one
         // that is not what it was placed as is put back together here.
-        let mut valid = [None; GRO_MAX_SEGMENTS];
-        for (k, v) in valid.iter_mut().enumerate().take(sc.segments()) {
-            if !sc.is_placed(k) {
-                continue;
-            }
-            // SAFETY: placed where `plan` vouched, in the READ's buffer, which stays until the
-            // READ is delivered (not during a receive); this view ends in this pass.
-            let placed = unsafe { sc.placed_payload(k) };
-            let (header, room) = rx[sc.in_buffer(k)].split_at_mut(HEADER_LEN);
-            *v = datagram::frame_in_two(header, placed, self.frame_payload)
-                .ok()
-                .map(|f| f.header)
-                .filter(|h| is_fragment(h, &plan.head, plan.first + k as u32));
-            if v.is_none() {
-                room.copy_from_slice(placed);
-            }
-        }
+        let max = self.frame_payload;
+        // SAFETY: placed where `plan` vouched, in the READ's buffer, which stays until the READ
+        // is delivered (not during a receive).
+        let valid = unsafe {
+            sc.check_placed(&mut rx, 0, |k, header, placed| {
+                datagram::frame_in_two(header, placed, max)
+                    .ok()
+                    .map(|f| f.header)
+                    .filter(|h| is_fragment(h, &plan.head, plan.first + k as u32))
+            })
+        };
         // Then the fragments that are what they were placed as (distinct fragments of one
         // READ, each still missing), the way of any but for the copy, which `on_frame` skips
         // for the one `in_place` names; the payload they are handed is the unused room of the

@@ -8,7 +8,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use blkwire_net::rx_ring::RxRing;
-use blkwire_net::udp_offload::{self, Cmsg, IoVecs, SendBatch};
+use blkwire_net::udp_offload::{self, Cmsg, IoVecs, Scatter, SendBatch};
 use blkwire_wire::datagram::{self, Packer};
 use blkwire_wire::{Flags, Header, HEADER_LEN};
 
@@ -401,34 +401,11 @@ impl Receiver {
         if !self.scatters() {
             return Err(std::io::ErrorKind::Unsupported.into());
         }
-        let mut cmsg = Cmsg::default();
-        let mut iov = libc::iovec {
-            iov_base: buf.as_mut_ptr().cast(),
-            iov_len: buf.len(),
-        };
-        // SAFETY: an all-zero message header (null pointers, zero lengths) is a valid value.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        cmsg.attach_for_receive(&mut msg);
-        // MSG_TRUNC: the whole run's length, not what fitted `buf`.
-        // SAFETY: `msg` points at `iov` (our `buf`) and `cmsg`, alive for the call.
-        let r = unsafe {
-            libc::recvmsg(
-                self.fd,
-                &mut msg,
-                libc::MSG_PEEK | libc::MSG_DONTWAIT | libc::MSG_TRUNC,
-            )
-        };
-        if r < 0 {
-            let e = std::io::Error::last_os_error();
-            return match e.kind() {
-                std::io::ErrorKind::WouldBlock => Ok(None),
-                _ => Err(e),
-            };
+        match udp_offload::peek_run(self.fd, buf, None) {
+            Ok(run) => Ok(Some(run)),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) => Err(e),
         }
-        let len = r as usize;
-        Ok(Some((len, cmsg.received_segment(&msg).unwrap_or(len))))
     }
 
     /// The first receive buffer, lent for a scattered receive (`receive_scattered`) and
@@ -442,26 +419,19 @@ impl Receiver {
         self.rx[0] = buf;
     }
 
-    /// Receives the next run into `iov`, in order; its length, or `None` when it was longer
-    /// than `iov` (the rest is lost).
+    /// Receives the next run as `scatter` lays it out, `buf` taking what is not placed: its
+    /// length, or `None` when it was longer than laid out (the rest is lost).
     ///
     /// # Safety
     ///
-    /// Every vector must point at `iov_len` bytes the caller may have the kernel write.
+    /// As [`Scatter::receive`]: every place given to `place` may be written for the call.
     pub unsafe fn receive_scattered(
         &self,
-        iov: &mut [libc::iovec],
+        scatter: &Scatter,
+        buf: &mut [u8],
     ) -> std::io::Result<Option<usize>> {
-        // SAFETY: an all-zero message header (null pointers, zero lengths) is a valid value.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = iov.as_mut_ptr();
-        msg.msg_iovlen = iov.len();
-        // SAFETY: the caller vouches for every vector.
-        let r = unsafe { libc::recvmsg(self.fd, &mut msg, libc::MSG_DONTWAIT) };
-        if r < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok((msg.msg_flags & libc::MSG_TRUNC == 0).then_some(r as usize))
+        // SAFETY: the caller's.
+        unsafe { scatter.receive(self.fd, buf, None) }
     }
 
     /// Reads the datagrams waiting, about a receive buffer's worth at most (a lap of the ring,

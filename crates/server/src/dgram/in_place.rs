@@ -23,14 +23,12 @@
 use std::os::fd::AsRawFd;
 
 use blkwire_backend::Submitter;
-use blkwire_net::udp_offload::{Cmsg, Scatter, GRO_MAX_SEGMENTS};
+use blkwire_net::udp_offload::{self, Scatter};
 use blkwire_wire::{datagram, Flags, Header, Opcode, HEADER_LEN};
 
 use super::{bitmap, DgramPort, Peer, SlotState, UserData};
 
-/// WRITEs at least this long are taken in place: below, the copies saved do not pay for the
-/// peeks (a small WRITE's runs are short, and one receive could have taken many of them).
-pub(super) const IN_PLACE_MIN: u32 = 32 << 10;
+pub(super) use blkwire_net::udp_offload::IN_PLACE_MIN;
 
 /// What the peek found.
 pub(super) enum Peeked {
@@ -105,32 +103,7 @@ impl DgramPort {
     fn peek(&self, buf: &mut [u8]) -> std::io::Result<(usize, usize, Option<Peer>)> {
         // SAFETY: an all-zero address is a valid value; the kernel fills it in.
         let mut name: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-        let mut cmsg = Cmsg::default();
-        let mut iov = libc::iovec {
-            iov_base: buf.as_mut_ptr().cast(),
-            iov_len: buf.len(),
-        };
-        // SAFETY: an all-zero message header (null pointers, zero lengths) is a valid value.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_name = (&mut name as *mut libc::sockaddr_storage).cast();
-        msg.msg_namelen = std::mem::size_of::<libc::sockaddr_storage>() as u32;
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        cmsg.attach_for_receive(&mut msg);
-        // MSG_TRUNC: the whole run's length, not what fitted `buf`.
-        // SAFETY: every buffer `msg` points at is ours and outlives the call.
-        let r = unsafe {
-            libc::recvmsg(
-                self.fd.as_raw_fd(),
-                &mut msg,
-                libc::MSG_PEEK | libc::MSG_DONTWAIT | libc::MSG_TRUNC,
-            )
-        };
-        if r < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let len = r as usize;
-        let seg = cmsg.received_segment(&msg).unwrap_or(len);
+        let (len, seg) = udp_offload::peek_run(self.fd.as_raw_fd(), buf, Some(&mut name))?;
         Ok((len, seg, self.peer_of(&name)))
     }
 
@@ -231,39 +204,26 @@ impl DgramPort {
     fn receive_planned(&mut self, plan: &Plan, sq: &mut dyn Submitter, ud: UserData) -> bool {
         let mut rx = std::mem::take(&mut self.rx[0]);
         let sc = &plan.scatter;
-        let mut iov = [libc::iovec {
-            iov_base: std::ptr::null_mut(),
-            iov_len: 0,
-        }; 2 * GRO_MAX_SEGMENTS];
-        let n = sc.iovecs(&mut rx, &mut iov);
-        // SAFETY: an all-zero address and message header are valid values.
+        // SAFETY: an all-zero address is a valid value; the kernel fills it in.
         let mut name: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_name = (&mut name as *mut libc::sockaddr_storage).cast();
-        msg.msg_namelen = std::mem::size_of::<libc::sockaddr_storage>() as u32;
-        msg.msg_iov = iov.as_mut_ptr();
-        msg.msg_iovlen = n;
-        // SAFETY: every vector points into memory of ours: the receive buffer (`iovecs` keeps
-        // to it) or a fragment's place inside the WRITE's own bytes, as `plan` vouched.
-        let mut r = unsafe { libc::recvmsg(self.fd.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT) };
-        if r < 0 {
+        let fd = self.fd.as_raw_fd();
+        // SAFETY: every place is a fragment's inside the WRITE's own bytes, as `plan` vouched;
+        // nothing has moved since.
+        let mut got = unsafe { sc.receive(fd, &mut rx, Some(&mut name)) };
+        if got.is_err() {
             // An error the socket had pending (an ICMP one) is reported once, then cleared:
             // the run is still there. Taking it now matters when its first datagram was
             // handled from the peek, which must not be handled twice.
-            // SAFETY: as above; nothing the vectors point at has moved.
-            r = unsafe { libc::recvmsg(self.fd.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT) };
+            // SAFETY: as above.
+            got = unsafe { sc.receive(fd, &mut rx, Some(&mut name)) };
         }
         // The one reader of this socket takes the datagram it peeked at; anything else means
         // the layout above does not describe what arrived: dropped.
-        if r < 0 {
+        let Ok(got) = got else {
             self.rx[0] = rx;
             return false;
-        }
-        if r as usize != sc.len()
-            || msg.msg_flags & libc::MSG_TRUNC != 0
-            || self.peer_of(&name) != Some(plan.peer)
-        {
+        };
+        if got != Some(sc.len()) || self.peer_of(&name) != Some(plan.peer) {
             self.stats.bad_frames += 1;
             self.rx[0] = rx;
             return true;
@@ -272,24 +232,18 @@ impl DgramPort {
         // run is handled: handling one can give the WRITE's buffer back (it completed, a new
         // generation took the slot, the queue logged out) or copy another datagram over these
         // bytes. One that is not what it was placed as is put back together here.
-        let mut valid = [None; GRO_MAX_SEGMENTS];
+        let max = self.link_payload.max(4096);
+        // SAFETY: placed where `plan` vouched, in a WRITE whose buffer nothing has given back
+        // yet (nothing of the run was handled).
+        let valid = unsafe {
+            sc.check_placed(&mut rx, plan.handled as usize, |k, header, placed| {
+                datagram::frame_in_two(header, placed, max)
+                    .ok()
+                    .map(|f| f.header)
+                    .filter(|h| is_fragment(h, &plan.head, plan.first + k as u32))
+            })
+        };
         let run = plan.handled as usize..sc.segments();
-        for (k, v) in valid.iter_mut().enumerate().take(run.end).skip(run.start) {
-            if !sc.is_placed(k) {
-                continue;
-            }
-            // SAFETY: placed where `plan` vouched, in a WRITE whose buffer nothing has given
-            // back yet (nothing of the run was handled); this view ends in this pass.
-            let placed = unsafe { sc.placed_payload(k) };
-            let (header, room) = rx[sc.in_buffer(k)].split_at_mut(HEADER_LEN);
-            *v = datagram::frame_in_two(header, placed, self.link_payload.max(4096))
-                .ok()
-                .map(|f| f.header)
-                .filter(|h| is_fragment(h, &plan.head, plan.first + k as u32));
-            if v.is_none() {
-                room.copy_from_slice(placed);
-            }
-        }
         // Then the fragments that are what they were placed as: distinct fragments of one
         // WRITE, each still missing, so none changes where another lies. They go the way of
         // any fragment but for the copy, which `fragment` skips for the one `in_place` names;
