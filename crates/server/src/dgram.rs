@@ -2003,39 +2003,22 @@ mod tests {
         let to = std::os::fd::AsFd::as_fd(&dp.port.fd)
             .try_clone_to_owned()
             .unwrap();
-        let to = UdpSocket::from(to).local_addr().unwrap();
+        peer.connect(UdpSocket::from(to).local_addr().unwrap())
+            .unwrap();
         let run: Vec<u8> = frames.concat();
-        let mut cmsg = Cmsg::default();
-        // SAFETY: all-zero message header; filled in below with buffers that outlive the send.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        let mut iov = libc::iovec {
-            iov_base: run.as_ptr() as *mut _,
-            iov_len: run.len(),
+        let mut iov = IoVecs::default();
+        let mut batch = SendBatch::<1>::new(&mut iov);
+        // SAFETY: `run` outlives the send; 0: to the connected peer.
+        unsafe {
+            batch.push(
+                [(run.as_ptr(), run.len())],
+                frames[0].len(),
+                frames.len(),
+                |_| 0,
+            )
         };
-        let std::net::SocketAddr::V4(to) = to else {
-            panic!("the test port is IPv4")
-        };
-        let mut sin = libc::sockaddr_in {
-            sin_family: libc::AF_INET as u16,
-            sin_port: to.port().to_be(),
-            sin_addr: libc::in_addr {
-                s_addr: u32::from(*to.ip()).to_be(),
-            },
-            sin_zero: [0; 8],
-        };
-        msg.msg_name = (&mut sin as *mut libc::sockaddr_in).cast();
-        msg.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as u32;
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        cmsg.attach_segment(&mut msg, frames[0].len() as u16);
-        // SAFETY: every pointer in `msg` is to a live buffer of ours.
-        let sent = unsafe { libc::sendmsg(peer.as_raw_fd(), &msg, 0) };
-        assert_eq!(
-            sent,
-            run.len() as isize,
-            "{}",
-            std::io::Error::last_os_error()
-        );
+        let sent = batch.send(peer.as_raw_fd()).ok().expect("the run is sent");
+        assert_eq!(sent.datagrams, frames.len());
         dp.port.receive(&mut NoRing, &|_, _, _| 0);
         dp.port.flush();
     }

@@ -1085,38 +1085,22 @@ mod tests {
     /// Sends `frames` (equal lengths but for a shorter last) from `from` to `to` as one
     /// segmented send, as a target sends a run of READ data.
     fn send_run(from: &UdpSocket, to: std::net::SocketAddr, frames: &[Vec<u8>]) {
+        use blkwire_net::udp_offload::{IoVecs, SendBatch};
+        from.connect(to).unwrap();
         let run: Vec<u8> = frames.concat();
-        let mut cmsg = blkwire_net::udp_offload::Cmsg::default();
-        let std::net::SocketAddr::V4(to) = to else {
-            panic!("IPv4 here")
+        let mut iov = IoVecs::default();
+        let mut batch = SendBatch::<1>::new(&mut iov);
+        // SAFETY: `run` outlives the send; 0: to the connected peer.
+        unsafe {
+            batch.push(
+                [(run.as_ptr(), run.len())],
+                frames[0].len(),
+                frames.len(),
+                |_| 0,
+            )
         };
-        let mut sin = libc::sockaddr_in {
-            sin_family: libc::AF_INET as u16,
-            sin_port: to.port().to_be(),
-            sin_addr: libc::in_addr {
-                s_addr: u32::from(*to.ip()).to_be(),
-            },
-            sin_zero: [0; 8],
-        };
-        let mut iov = libc::iovec {
-            iov_base: run.as_ptr() as *mut _,
-            iov_len: run.len(),
-        };
-        // SAFETY: all-zero message header; filled in below with buffers that outlive the send.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_name = (&mut sin as *mut libc::sockaddr_in).cast();
-        msg.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as u32;
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        cmsg.attach_segment(&mut msg, frames[0].len() as u16);
-        // SAFETY: every pointer in `msg` is to a live buffer of ours.
-        let sent = unsafe { libc::sendmsg(from.as_raw_fd(), &msg, 0) };
-        assert_eq!(
-            sent,
-            run.len() as isize,
-            "{}",
-            std::io::Error::last_os_error()
-        );
+        let sent = batch.send(from.as_raw_fd()).ok().expect("the run is sent");
+        assert_eq!(sent.datagrams, frames.len());
     }
 
     /// A queue of 4 KiB frames with READs of `a` (at 0) and `b` (at 1 MiB) in flight, and its
