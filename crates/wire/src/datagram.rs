@@ -269,7 +269,9 @@ impl<D: Copy + PartialEq> Packer<D> {
         }
         let mut h = *h;
         h.payload_len = len as u32;
-        h.seal_crc(payload);
+        // Lent payloads are the fragments of one large message, pushed in order: the CRC
+        // fetches the next one's memory while it folds this one's.
+        h.seal_crc_streaming(payload);
         self.start_frame(&h, HEADER_LEN + len, dest, limit);
         self.own(&h.to_bytes());
         self.pieces.push(Piece::Lent {

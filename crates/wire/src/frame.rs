@@ -523,9 +523,18 @@ impl Header {
 
     /// CRC32C of an encoded header (with its `crc` field taken as 0) followed by the payload (§1).
     pub fn compute_crc(header_bytes: &[u8; HEADER_LEN], payload: &[u8]) -> u32 {
+        Self::crc_by(header_bytes, payload, crate::crc::crc32c_append)
+    }
+
+    /// `compute_crc` with the payload folded in by `append`.
+    fn crc_by(
+        header_bytes: &[u8; HEADER_LEN],
+        payload: &[u8],
+        append: fn(u32, &[u8]) -> u32,
+    ) -> u32 {
         let mut h = *header_bytes;
         h[40..44].fill(0);
-        crate::crc::crc32c_append(crate::crc::crc32c(&h), payload)
+        append(crate::crc::crc32c(&h), payload)
     }
 
     /// What this header's CRC covers of `payload`: all of it, or none with `HEAD_CRC` (§9.7).
@@ -540,9 +549,21 @@ impl Header {
     /// Sets `crc` and the `CRC` flag for this header and payload (the header alone if the
     /// header already carries `HEAD_CRC`).
     pub fn seal_crc(&mut self, payload: &[u8]) {
+        self.seal_crc_by(payload, crate::crc::crc32c_append)
+    }
+
+    /// `seal_crc` for a payload that is a piece of a longer stretch of memory sealed piece by
+    /// piece in order (a large READ's or WRITE's fragments sent from where the data lies): the
+    /// same CRC, computed with `crc::crc32c_append_streaming`, which asks for the memory after
+    /// the piece ahead of time.
+    pub fn seal_crc_streaming(&mut self, payload: &[u8]) {
+        self.seal_crc_by(payload, crate::crc::crc32c_append_streaming)
+    }
+
+    fn seal_crc_by(&mut self, payload: &[u8], append: fn(u32, &[u8]) -> u32) {
         self.flags.0 |= Flags::CRC;
         self.crc = 0;
-        self.crc = Self::compute_crc(&self.to_bytes(), self.covered(payload));
+        self.crc = Self::crc_by(&self.to_bytes(), self.covered(payload), append);
     }
 
     /// Marks this header sealed (§12.4): flag `SEALED`, no CRC (the seal covers the frame).
@@ -685,6 +706,22 @@ mod tests {
         flipped[24] ^= 1; // offset changed in flight
         let d2 = Header::decode(&flipped, 1 << 20).unwrap();
         assert!(d2.check_crc(&payload).is_err());
+    }
+
+    #[test]
+    fn a_streaming_seal_is_the_same_crc() {
+        let payload: Vec<u8> = (0..9000u32).map(|i| (i * 7 + 3) as u8).collect();
+        for head_only in [false, true] {
+            let mut a = sample();
+            if head_only {
+                a.flags.0 |= Flags::HEAD_CRC;
+            }
+            let mut b = a;
+            a.seal_crc(&payload);
+            b.seal_crc_streaming(&payload);
+            assert_eq!(a.to_bytes(), b.to_bytes(), "header-only {head_only}");
+            assert_eq!(b.check_crc(&payload), Ok(()));
+        }
     }
 
     /// §9.7: with `HEAD_CRC` the CRC covers the header alone (the header, flag included, is
