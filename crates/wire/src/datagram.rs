@@ -269,9 +269,15 @@ impl<D: Copy + PartialEq> Packer<D> {
         }
         let mut h = *h;
         h.payload_len = len as u32;
-        // Lent payloads are the fragments of one large message, pushed in order: the CRC
-        // fetches the next one's memory while it folds this one's.
-        h.seal_crc_streaming(payload);
+        // A lent payload that is not its message's last fragment is most likely followed in
+        // memory by the next fragment, pushed next (fragments are cut in order from one
+        // buffer): its CRC fetches that memory while it folds this one's. A wrong guess (a
+        // fragment the peer already has is skipped) costs a page of memory traffic.
+        if h.frag_index.saturating_add(1) < h.frag_count {
+            h.seal_crc_streaming(payload);
+        } else {
+            h.seal_crc(payload);
+        }
         self.start_frame(&h, HEADER_LEN + len, dest, limit);
         self.own(&h.to_bytes());
         self.pieces.push(Piece::Lent {
