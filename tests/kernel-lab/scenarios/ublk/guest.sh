@@ -1,7 +1,9 @@
 #!/bin/sh
 # Scenario ublk, guest side: `blkwire map --frontend ublk` against blkwire on the host, then
 # mkfs.ext4, mount, write files, sync, umount, fsck, re-read them with caches dropped, unmap
-# (refused while a mount in another mount namespace, or a mounted partition, holds the device).
+# (refused while a mount in another mount namespace, or a mounted partition, holds the device);
+# a stop signal to the map daemon of a mounted device is refused, and the device stops once
+# unmounted.
 # The checksums go to the log (LAB-SHA256 lines) for the host to check against what blkwire stored.
 #
 # From the kernel command line (set by host.sh): lab.tcp_port, lab.export.
@@ -134,6 +136,58 @@ bw unmap "$udev"
 [ ! -e "/sys/block/${udev#/dev/}" ] || fail "$udev still exists after unmap"
 kill $userve
 info "$udev over udp://: 2 MiB written, read back after dropping caches, identical; unmapped"
+
+# A stop signal to the daemon of a mounted device is refused: the filesystem keeps working, and
+# the device stops by itself once unmounted (the way a shutdown's SIGTERM, then umount, goes),
+# with everything written on the target. A target inside the guest.
+serve /tmp/tserve.log --listen tcp://127.0.0.1:7793 --export t=mem:64M
+tserve=$served
+bw map --frontend ublk --logfile $maplog tcp://127.0.0.1:7793/t
+tdev=$(tail -n1 /tmp/bw.out)
+trec=${BLKWIRE_RUN_DIR:-/run/blkwire}/devices/${tdev#/dev/}.json
+tpid=$(sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' "$trec")
+[ -n "$tpid" ] && [ -d /proc/"$tpid" ] || fail "no live map daemon in the record of $tdev: $(cat "$trec")"
+run mkfs.ext4 -q -F "$tdev"
+run mount -t ext4 "$tdev" "$mnt"
+run dd if=/dev/urandom of="$mnt/before-signal.bin" bs=64k count=16 conv=fsync
+step "SIGTERM to the map daemon (pid $tpid) while $tdev is mounted"
+kill -TERM "$tpid"
+# The refusal is logged, by this daemon (an earlier one refused for the same device name): waited
+# for (10 s at most), not slept on. The daemon first gives a mount 2 s to go (RELEASE_GRACE).
+refusal="blkwire-map\[$tpid\] warn: signal 15: $tdev is in use"
+i=0
+until grep -q "$refusal" $maplog; do
+    i=$((i + 1))
+    [ -d /proc/"$tpid" ] || fail "the map daemon exited on SIGTERM with $tdev mounted: $(tail -n 3 $maplog)"
+    [ $i -le 100 ] || fail "no refusal of the signal in the map log: $(tail -n 3 $maplog)"
+    sleep 0.1
+done
+[ -e "/sys/block/${tdev#/dev/}" ] || fail "$tdev went away on a refused signal"
+info "SIGTERM refused: $(grep "$refusal" $maplog | tail -n1)"
+run dd if=/dev/urandom of="$mnt/after-signal.bin" bs=64k count=16 conv=fsync
+(cd "$mnt" && sha256sum before-signal.bin after-signal.bin) >/tmp/tsums
+run umount "$mnt"
+step "the daemon stops $tdev by itself once it is released (20 s at most)"
+i=0
+while [ -d /proc/"$tpid" ] && [ "$(sed 's/^.*) //' /proc/"$tpid"/stat 2>/dev/null | cut -d' ' -f1)" != Z ]; do
+    i=$((i + 1))
+    [ $i -le 200 ] || fail "the map daemon still runs 20 s after $tdev was unmounted: $(tail -n 3 $maplog)"
+    sleep 0.1
+done
+[ ! -e "/sys/block/${tdev#/dev/}" ] || fail "$tdev still exists after its daemon stopped"
+[ ! -e "$trec" ] || fail "the record of $tdev is left after its daemon stopped: $(cat "$trec")"
+released="blkwire-map\[$tpid\] info: released after a stop signal: stopping $tdev"
+grep -q "$released" $maplog || fail "the daemon stopped, but not for the release: $(grep "blkwire-map\[$tpid\]" $maplog | tail -n 3)"
+info "$tdev stopped $((i / 10)) s after the umount: $(grep "$released" $maplog | tail -n1)"
+step "everything written is on the target: map it again and compare"
+bw map --frontend ublk --logfile $maplog tcp://127.0.0.1:7793/t
+tdev=$(tail -n1 /tmp/bw.out)
+run mount -t ext4 -o ro "$tdev" "$mnt"
+(cd "$mnt" && sha256sum -c /tmp/tsums >/tmp/check 2>&1) || fail "files written around the refused signal differ: $(cat /tmp/check)"
+run umount "$mnt"
+bw unmap "$tdev"
+kill $tserve
+info "files written before and after the refused SIGTERM read back identical from the target"
 
 # The target goes away: I/O fails with EIO after --timeout instead of hanging, and unmap still
 # completes. A target inside the guest, so this scenario can kill it.
