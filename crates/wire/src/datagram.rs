@@ -269,15 +269,12 @@ impl<D: Copy + PartialEq> Packer<D> {
         }
         let mut h = *h;
         h.payload_len = len as u32;
-        // A lent payload that is not its message's last fragment is most likely followed in
-        // memory by the next fragment, pushed next (fragments are cut in order from one
-        // buffer): its CRC fetches that memory while it folds this one's. A wrong guess (a
-        // fragment the peer already has is skipped) costs a page of memory traffic.
-        if h.frag_index.saturating_add(1) < h.frag_count {
-            h.seal_crc_streaming(payload);
-        } else {
-            h.seal_crc(payload);
-        }
+        // Fragments are cut in order from one buffer and pushed in order, so a lent payload is
+        // followed in memory by the rest of its message, most likely pushed next: its CRC
+        // fetches up to a page of it while it folds this one's. A wrong guess (a fragment the
+        // peer already has is skipped) costs that page of memory traffic.
+        let rest = (h.length as usize).saturating_sub(h.frag_offset as usize + len);
+        h.seal_crc_streaming(payload, rest);
         self.start_frame(&h, HEADER_LEN + len, dest, limit);
         self.own(&h.to_bytes());
         self.pieces.push(Piece::Lent {

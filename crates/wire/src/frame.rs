@@ -523,18 +523,15 @@ impl Header {
 
     /// CRC32C of an encoded header (with its `crc` field taken as 0) followed by the payload (§1).
     pub fn compute_crc(header_bytes: &[u8; HEADER_LEN], payload: &[u8]) -> u32 {
-        Self::crc_by(header_bytes, payload, crate::crc::crc32c_append)
+        Self::crc_by(header_bytes, payload, 0)
     }
 
-    /// `compute_crc` with the payload folded in by `append`.
-    fn crc_by(
-        header_bytes: &[u8; HEADER_LEN],
-        payload: &[u8],
-        append: fn(u32, &[u8]) -> u32,
-    ) -> u32 {
+    /// `compute_crc`, fetching up to `next` bytes past the payload's end ahead of time
+    /// (`crc::crc32c_append_streaming`).
+    fn crc_by(header_bytes: &[u8; HEADER_LEN], payload: &[u8], next: usize) -> u32 {
         let mut h = *header_bytes;
         h[40..44].fill(0);
-        append(crate::crc::crc32c(&h), payload)
+        crate::crc::crc32c_append_streaming(crate::crc::crc32c(&h), payload, next)
     }
 
     /// What this header's CRC covers of `payload`: all of it, or none with `HEAD_CRC` (§9.7).
@@ -549,21 +546,17 @@ impl Header {
     /// Sets `crc` and the `CRC` flag for this header and payload (the header alone if the
     /// header already carries `HEAD_CRC`).
     pub fn seal_crc(&mut self, payload: &[u8]) {
-        self.seal_crc_by(payload, crate::crc::crc32c_append)
+        self.seal_crc_streaming(payload, 0)
     }
 
-    /// `seal_crc` for a payload that is a piece of a longer stretch of memory sealed piece by
-    /// piece in order (a large READ's or WRITE's fragments sent from where the data lies): the
-    /// same CRC, computed with `crc::crc32c_append_streaming`, which asks for the memory after
-    /// the piece ahead of time.
-    pub fn seal_crc_streaming(&mut self, payload: &[u8]) {
-        self.seal_crc_by(payload, crate::crc::crc32c_append_streaming)
-    }
-
-    fn seal_crc_by(&mut self, payload: &[u8], append: fn(u32, &[u8]) -> u32) {
+    /// `seal_crc` for a payload followed in memory by `next` bytes that are sealed next (the
+    /// rest of a large READ or WRITE whose fragments are sent from where the data lies): the
+    /// same CRC, computed with `crc::crc32c_append_streaming`, which asks for that memory ahead
+    /// of time.
+    pub fn seal_crc_streaming(&mut self, payload: &[u8], next: usize) {
         self.flags.0 |= Flags::CRC;
         self.crc = 0;
-        self.crc = Self::crc_by(&self.to_bytes(), self.covered(payload), append);
+        self.crc = Self::crc_by(&self.to_bytes(), self.covered(payload), next);
     }
 
     /// Marks this header sealed (§12.4): flag `SEALED`, no CRC (the seal covers the frame).
@@ -718,7 +711,7 @@ mod tests {
             }
             let mut b = a;
             a.seal_crc(&payload);
-            b.seal_crc_streaming(&payload);
+            b.seal_crc_streaming(&payload, 1 << 20);
             assert_eq!(a.to_bytes(), b.to_bytes(), "header-only {head_only}");
             assert_eq!(b.check_crc(&payload), Ok(()));
         }

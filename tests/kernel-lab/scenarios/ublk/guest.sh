@@ -145,8 +145,10 @@ tserve=$served
 bw map --frontend ublk --logfile $maplog tcp://127.0.0.1:7793/t
 tdev=$(tail -n1 /tmp/bw.out)
 trec=${BLKWIRE_RUN_DIR:-/run/blkwire}/devices/${tdev#/dev/}.json
-tpid=$(sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' "$trec")
-[ -n "$tpid" ] && [ -d /proc/"$tpid" ] || fail "no live map daemon in the record of $tdev: $(cat "$trec")"
+tpid=$(sed -n 's/.*"pid": *\([0-9]*\).*/\1/p' "$trec" 2>/dev/null || true)
+[ -n "$tpid" ] && [ -d /proc/"$tpid" ] || fail "no live map daemon in the record of $tdev: $(cat "$trec" 2>&1)"
+# alive PID: the process exists and is not a zombie.
+alive() { [ -d /proc/"$1" ] && [ "$(sed 's/^.*) //' /proc/"$1"/stat 2>/dev/null | cut -d' ' -f1)" != Z ]; }
 run mkfs.ext4 -q -F "$tdev"
 run mount -t ext4 "$tdev" "$mnt"
 run dd if=/dev/urandom of="$mnt/before-signal.bin" bs=64k count=16 conv=fsync
@@ -158,30 +160,39 @@ refusal="blkwire-map\[$tpid\] warn: signal 15: $tdev is in use"
 i=0
 until grep -q "$refusal" $maplog; do
     i=$((i + 1))
-    [ -d /proc/"$tpid" ] || fail "the map daemon exited on SIGTERM with $tdev mounted: $(tail -n 3 $maplog)"
+    alive "$tpid" || fail "the map daemon exited on SIGTERM with $tdev mounted: $(tail -n 3 $maplog)"
     [ $i -le 100 ] || fail "no refusal of the signal in the map log: $(tail -n 3 $maplog)"
     sleep 0.1
 done
 [ -e "/sys/block/${tdev#/dev/}" ] || fail "$tdev went away on a refused signal"
 info "SIGTERM refused: $(grep "$refusal" $maplog | tail -n1)"
 run dd if=/dev/urandom of="$mnt/after-signal.bin" bs=64k count=16 conv=fsync
-(cd "$mnt" && sha256sum before-signal.bin after-signal.bin) >/tmp/tsums
+(cd "$mnt" && sha256sum before-signal.bin after-signal.bin) >/tmp/tsums || fail "checksums of the files on $tdev"
+released="blkwire-map\[$tpid\] info: released after a stop signal: stopping $tdev"
+# While mounted the daemon must keep serving: it asks every second whether the device was
+# released, so three seconds are three answers of "still held" (a time that must pass, not a
+# wait for something to happen).
+step "$tdev still mounted: the daemon keeps serving it"
+sleep 3
+alive "$tpid" || fail "the map daemon stopped while $tdev was still mounted: $(tail -n 3 $maplog)"
+[ -e "/sys/block/${tdev#/dev/}" ] || fail "$tdev went away while mounted"
+! grep -q "$released" $maplog || fail "the daemon took $tdev for released while it was mounted"
 run umount "$mnt"
 step "the daemon stops $tdev by itself once it is released (20 s at most)"
 i=0
-while [ -d /proc/"$tpid" ] && [ "$(sed 's/^.*) //' /proc/"$tpid"/stat 2>/dev/null | cut -d' ' -f1)" != Z ]; do
+while alive "$tpid"; do
     i=$((i + 1))
     [ $i -le 200 ] || fail "the map daemon still runs 20 s after $tdev was unmounted: $(tail -n 3 $maplog)"
     sleep 0.1
 done
 [ ! -e "/sys/block/${tdev#/dev/}" ] || fail "$tdev still exists after its daemon stopped"
 [ ! -e "$trec" ] || fail "the record of $tdev is left after its daemon stopped: $(cat "$trec")"
-released="blkwire-map\[$tpid\] info: released after a stop signal: stopping $tdev"
 grep -q "$released" $maplog || fail "the daemon stopped, but not for the release: $(grep "blkwire-map\[$tpid\]" $maplog | tail -n 3)"
 info "$tdev stopped $((i / 10)) s after the umount: $(grep "$released" $maplog | tail -n1)"
 step "everything written is on the target: map it again and compare"
 bw map --frontend ublk --logfile $maplog tcp://127.0.0.1:7793/t
 tdev=$(tail -n1 /tmp/bw.out)
+run e2fsck -fn "$tdev"
 run mount -t ext4 -o ro "$tdev" "$mnt"
 (cd "$mnt" && sha256sum -c /tmp/tsums >/tmp/check 2>&1) || fail "files written around the refused signal differ: $(cat /tmp/check)"
 run umount "$mnt"
