@@ -30,7 +30,8 @@
 //!   OUT that changes what the conflict checks see becomes a [`Kind::Broadcast`] request,
 //!   answered once every reactor installed the change. Every command is first checked against
 //!   what this nexus may do (`Pr::access`): RESERVATION CONFLICT when the reservation refuses it.
-//! - CmdSN: non-immediate commands must carry ExpCmdSN; others are dropped (§4.2.2.1).
+//! - CmdSN: non-immediate commands must carry ExpCmdSN, within the largest MaxCmdSN sent (an
+//!   initiator keeps the largest it was given); others are dropped silently (§4.2.2.1).
 //!   MaxCmdSN = ExpCmdSN + free task places − 1 (a command collecting its parameter list or
 //!   between its parts holds one: its next part needs a slot), so the initiator never has more
 //!   commands in flight than the connection has slots.
@@ -395,6 +396,12 @@ enum Hold {
 /// a request's length is a u32, and this is a whole number of blocks of any size.
 const ZERO_PART: u32 = 1 << 30;
 
+/// Whether `a` comes after `b` in serial number arithmetic (RFC 1982 over 32 bits, as iSCSI
+/// compares CmdSN and MaxCmdSN, RFC 7143 §4.2.2.1).
+fn serial_after(a: u32, b: u32) -> bool {
+    a != b && a.wrapping_sub(b) < 1 << 31
+}
+
 /// `len` bytes from `offset` as requests of at most `max` bytes each (`offset`, `len` and `max`
 /// whole blocks), for a range longer than one request may carry.
 fn split(offset: u64, len: u64, max: u32) -> impl Iterator<Item = (u64, u32)> {
@@ -461,9 +468,12 @@ pub struct Iscsi {
     d: Digests,
     statsn: u32,
     expcmdsn: u32,
-    /// The MaxCmdSN last sent (commands are checked against ExpCmdSN only: one sent under an
-    /// earlier, larger window is still taken).
+    /// The MaxCmdSN last sent.
     maxcmdsn: u32,
+    /// The largest MaxCmdSN ever sent (serial arithmetic): the window commands are checked
+    /// against. An initiator keeps the largest it was given (RFC 7143 §4.2.2.1), so a command
+    /// sent under an earlier, larger window than the last is still in it.
+    granted: u32,
     depth: u16,
     /// Commands handed to the reactor and not answered yet, as (ITT, connection target): a
     /// part of a compound command under its command's ITT. Those waiting for data or memory
@@ -633,6 +643,7 @@ impl Iscsi {
             statsn: s.statsn,
             expcmdsn: s.expcmdsn,
             maxcmdsn: s.expcmdsn.wrapping_add(depth as u32 - 1),
+            granted: s.expcmdsn.wrapping_add(depth as u32 - 1),
             depth,
             inflight: Vec::with_capacity(depth as usize),
             luns,
@@ -714,7 +725,22 @@ impl Iscsi {
             .saturating_sub(self.outstanding() + u16::from(between)) as u32;
         // A window of 0 is MaxCmdSN = ExpCmdSN − 1.
         self.maxcmdsn = self.expcmdsn.wrapping_add(free).wrapping_sub(1);
+        if serial_after(self.maxcmdsn, self.granted) {
+            self.granted = self.maxcmdsn;
+        }
         self.maxcmdsn
+    }
+
+    /// Takes the CmdSN of a non-immediate PDU: true if it is the one expected next and inside
+    /// the window granted (ExpCmdSN advances); false if the PDU is to be dropped, silently, as
+    /// RFC 7143 §4.2.2.1 says of one outside the window or a duplicate (one connection per
+    /// session, so nothing is missing that could fill a gap).
+    fn take_cmdsn(&mut self, cmdsn: u32) -> bool {
+        if cmdsn != self.expcmdsn || serial_after(cmdsn, self.granted) {
+            return false;
+        }
+        self.expcmdsn = self.expcmdsn.wrapping_add(1);
+        true
     }
 
     /// Stamps StatSN (advancing it when `advance`), ExpCmdSN and MaxCmdSN.
@@ -968,13 +994,8 @@ impl Iscsi {
                 self.drain(old, q);
             }
         }
-        if !p.immediate() {
-            if c.cmdsn != self.expcmdsn {
-                // Outside the window or out of order: dropped (§4.2.2.1; one connection, so
-                // nothing is missing that could fill the gap).
-                return Decoded::Answered { len };
-            }
-            self.expcmdsn = self.expcmdsn.wrapping_add(1);
+        if !p.immediate() && !self.take_cmdsn(c.cmdsn) {
+            return Decoded::Answered { len };
         }
         if !c.data.is_empty()
             && (!self.neg.immediate_data || !c.write || c.data.len() as u32 > self.neg.first_burst)
@@ -1915,11 +1936,8 @@ impl Iscsi {
     }
 
     fn nop(&mut self, len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
-        if !p.immediate() {
-            if p.cmdsn() != self.expcmdsn {
-                return Decoded::Answered { len };
-            }
-            self.expcmdsn = self.expcmdsn.wrapping_add(1);
+        if !p.immediate() && !self.take_cmdsn(p.cmdsn()) {
+            return Decoded::Answered { len };
         }
         if p.itt() == RESERVED_TAG {
             // An answer to a ping of ours, or a one-way NOP: nothing to say.
@@ -1935,11 +1953,8 @@ impl Iscsi {
     }
 
     fn tmf(&mut self, len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
-        if !p.immediate() {
-            if p.cmdsn() != self.expcmdsn {
-                return Decoded::Answered { len };
-            }
-            self.expcmdsn = self.expcmdsn.wrapping_add(1);
+        if !p.immediate() && !self.take_cmdsn(p.cmdsn()) {
+            return Decoded::Answered { len };
         }
         let function = p.flags() & 0x7f;
         let lun = scsi::lun_from_wire(p.lun().to_be_bytes());
@@ -2097,11 +2112,8 @@ impl Iscsi {
     }
 
     fn text(&mut self, len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
-        if !p.immediate() {
-            if p.cmdsn() != self.expcmdsn {
-                return Decoded::Answered { len };
-            }
-            self.expcmdsn = self.expcmdsn.wrapping_add(1);
+        if !p.immediate() && !self.take_cmdsn(p.cmdsn()) {
+            return Decoded::Answered { len };
         }
         let mut out = Vec::new();
         for (k, _) in iscsi::pairs(p.data).flatten() {
@@ -3772,6 +3784,67 @@ mod tests {
             at += u64::from(length);
         }
         assert_eq!(at, 8 << 30, "trimmed up to {at}: {parts:?}");
+    }
+
+    /// RFC 7143 §4.2.2.1: a command past the largest MaxCmdSN sent is outside the window and
+    /// dropped silently, its CmdSN not taken, even as the one expected next (an initiator that
+    /// ignores the window must not get more commands in than the connection has slots). Once a
+    /// response has opened the window, the same command is taken.
+    #[test]
+    fn a_command_past_the_window_is_dropped_until_the_window_opens() {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        let mut running = Vec::new();
+        for i in 0..4u32 {
+            let Decoded::Request { req, .. } =
+                f.decode(&cmd(i + 1, i, &READ10_ONE, 512, false, &[]), &mut tx)
+            else {
+                panic!("command {i}, inside the window");
+            };
+            f.taken(&req);
+            running.push(req);
+        }
+        assert!(tx.is_empty());
+        let fifth = cmd(5, 4, &READ10_ONE, 512, false, &[]);
+        assert!(
+            matches!(f.decode(&fifth, &mut tx), Decoded::Answered { len } if len == fifth.len()),
+            "CmdSN 4 past MaxCmdSN 3 was not dropped"
+        );
+        assert!(
+            tx.is_empty(),
+            "a command outside the window is not answered"
+        );
+        assert_eq!(f.expcmdsn, 4, "its CmdSN was taken");
+        let ping = nop_pdu(12);
+        let mut late = ping.clone();
+        late[24..28].copy_from_slice(&4u32.to_be_bytes());
+        late[0] &= !iscsi::IMMEDIATE; // it takes a CmdSN now, and 4 is outside the window too
+        assert!(matches!(f.decode(&late, &mut tx), Decoded::Answered { .. }));
+        assert!(
+            tx.is_empty(),
+            "a non-immediate NOP-Out outside the window is not answered"
+        );
+        f.reply(&running[0], Status::Io, &mut tx);
+        assert_eq!(
+            (be32(&tx, 28), be32(&tx, 32)),
+            (4, 4),
+            "ExpCmdSN 4, MaxCmdSN 4: one place free"
+        );
+        tx.clear();
+        assert!(
+            matches!(f.decode(&fifth, &mut tx), Decoded::Request { .. }),
+            "CmdSN 4 inside the window now"
+        );
+        assert_eq!(f.expcmdsn, 5);
+    }
+
+    #[test]
+    fn serial_arithmetic_wraps() {
+        assert!(serial_after(1, 0));
+        assert!(serial_after(0, u32::MAX), "0 follows 2^32 - 1");
+        assert!(!serial_after(u32::MAX, 0));
+        assert!(!serial_after(7, 7));
+        assert!(!serial_after(5, 9));
     }
 
     /// A command collecting its parameter list keeps its task place in the window (MaxCmdSN):
