@@ -247,6 +247,7 @@ fuzz_target!(|data: &[u8]| {
         statsn: 1,
         expcmdsn: 0,
         depth: 8,
+        granted: None,
         luns: vec![
             SetupLun {
                 lun: 0,

@@ -30,11 +30,14 @@
 //!   OUT that changes what the conflict checks see becomes a [`Kind::Broadcast`] request,
 //!   answered once every reactor installed the change. Every command is first checked against
 //!   what this nexus may do (`Pr::access`): RESERVATION CONFLICT when the reservation refuses it.
-//! - CmdSN: non-immediate commands must carry ExpCmdSN, within the largest MaxCmdSN sent (an
-//!   initiator keeps the largest it was given); others are dropped silently (§4.2.2.1).
-//!   MaxCmdSN = ExpCmdSN + free task places − 1 (a command collecting its parameter list or
-//!   between its parts holds one: its next part needs a slot), so the initiator never has more
-//!   commands in flight than the connection has slots.
+//! - CmdSN: non-immediate commands, NOP-Outs, task management and Text must carry ExpCmdSN,
+//!   within the largest MaxCmdSN sent (an initiator keeps the largest it was given); others
+//!   are dropped silently (§4.2.2.1). A Logout is taken whatever its CmdSN (the connection
+//!   ends). MaxCmdSN = ExpCmdSN + free task places − 1 (a command collecting its parameter list
+//!   or between its parts holds one: its next part needs a slot), so the initiator does not have
+//!   more commands in flight than the connection has slots, but for immediate commands: they
+//!   take a place without a CmdSN and shrink a window the initiator already has (a command that
+//!   then finds no slot waits, untaken, for one).
 //! - NOP-Out is answered with NOP-In, Logout with Logout Response, Text with an empty Text
 //!   Response. Task management (`tmf`) gives up the tasks of its scope that wait: writes for
 //!   their data (which an initiator that aborts them never sends), and any command parked in
@@ -104,6 +107,10 @@ pub struct IscsiSetup {
     pub expcmdsn: u32,
     /// Commands in flight at most (the connection's slots).
     pub depth: u16,
+    /// The largest MaxCmdSN the login responses gave, if any: the window starts at least
+    /// there (an initiator keeps the largest it was given), even were it past what `depth`
+    /// allows now.
+    pub granted: Option<u32>,
     /// The LUNs, in the order of the connection's targets.
     pub luns: Vec<SetupLun>,
     /// The target's name.
@@ -398,7 +405,7 @@ const ZERO_PART: u32 = 1 << 30;
 
 /// Whether `a` comes after `b` in serial number arithmetic (RFC 1982 over 32 bits, as iSCSI
 /// compares CmdSN and MaxCmdSN, RFC 7143 §4.2.2.1).
-fn serial_after(a: u32, b: u32) -> bool {
+pub(crate) fn serial_after(a: u32, b: u32) -> bool {
     a != b && a.wrapping_sub(b) < 1 << 31
 }
 
@@ -643,7 +650,10 @@ impl Iscsi {
             statsn: s.statsn,
             expcmdsn: s.expcmdsn,
             maxcmdsn: s.expcmdsn.wrapping_add(depth as u32 - 1),
-            granted: s.expcmdsn.wrapping_add(depth as u32 - 1),
+            granted: match s.granted {
+                Some(g) if serial_after(g, s.expcmdsn.wrapping_add(depth as u32 - 1)) => g,
+                _ => s.expcmdsn.wrapping_add(depth as u32 - 1),
+            },
             depth,
             inflight: Vec::with_capacity(depth as usize),
             luns,
@@ -2624,6 +2634,7 @@ mod tests {
             statsn: 100,
             expcmdsn: 0,
             depth: 4,
+            granted: None,
             luns,
             target: "iqn.2026-11.io.blkwire:m".into(),
             initiator: initiator.into(),
@@ -3836,6 +3847,77 @@ mod tests {
             "CmdSN 4 inside the window now"
         );
         assert_eq!(f.expcmdsn, 5);
+    }
+
+    /// The window is the largest MaxCmdSN ever sent, not the last: immediate commands take
+    /// places without a CmdSN, so a later response says less than the initiator was given.
+    #[test]
+    fn the_window_is_the_largest_maxcmdsn_sent() {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        for itt in [1, 2] {
+            let mut pdu = cmd(itt, 0, &READ10_ONE, 512, false, &[]);
+            pdu[0] |= iscsi::IMMEDIATE;
+            let Decoded::Request { req, .. } = f.decode(&pdu, &mut tx) else {
+                panic!("immediate command {itt}");
+            };
+            f.taken(&req);
+        }
+        let tur = cmd(3, 0, &TUR, 0, false, &[]);
+        assert!(matches!(f.decode(&tur, &mut tx), Decoded::Answered { .. }));
+        assert_eq!(
+            (be32(&tx, 28), be32(&tx, 32)),
+            (1, 2),
+            "ExpCmdSN 1, MaxCmdSN 2: two places taken by the immediate commands"
+        );
+        tx.clear();
+        for (itt, cmdsn) in [(4, 1), (5, 2), (6, 3)] {
+            let pdu = cmd(itt, cmdsn, &READ10_ONE, 512, false, &[]);
+            let Decoded::Request { req, .. } = f.decode(&pdu, &mut tx) else {
+                panic!("CmdSN {cmdsn} is within MaxCmdSN 3, given at login");
+            };
+            f.taken(&req);
+        }
+        let past = cmd(7, 4, &READ10_ONE, 512, false, &[]);
+        assert!(matches!(f.decode(&past, &mut tx), Decoded::Answered { .. }));
+        assert_eq!(f.expcmdsn, 4, "CmdSN 4 is past every MaxCmdSN sent");
+    }
+
+    /// A window across the wrap of CmdSN, and one given at login larger than the depth allows.
+    #[test]
+    fn the_window_wraps_and_starts_at_what_the_login_gave() {
+        for (granted, last_taken) in [(None, 1u32), (Some(2), 2)] {
+            let export = Arc::new(Export::open(&ExportSpec::parse("m=mem:1M").unwrap()).unwrap());
+            let luns = vec![SetupLun {
+                lun: 0,
+                size: export.size(),
+                export,
+                copy: CopyLimits::default(),
+                reservations: PrLu::detached(),
+            }];
+            let mut f = Iscsi::new(IscsiSetup {
+                expcmdsn: u32::MAX - 1,
+                granted,
+                ..setup_of(65536, "iqn.test:wrap", luns)
+            });
+            let mut tx = Vec::new();
+            let mut cmdsn = u32::MAX - 1;
+            loop {
+                let pdu = cmd(cmdsn.wrapping_add(10), cmdsn, &READ10_ONE, 512, false, &[]);
+                match f.decode(&pdu, &mut tx) {
+                    Decoded::Request { req, .. } => f.taken(&req),
+                    Decoded::Answered { .. } => break,
+                    _ => panic!("CmdSN {cmdsn}: neither taken nor dropped"),
+                }
+                cmdsn = cmdsn.wrapping_add(1);
+            }
+            assert_eq!(
+                cmdsn.wrapping_sub(1),
+                last_taken,
+                "login gave {granted:?}: the last CmdSN taken"
+            );
+            assert!(tx.is_empty());
+        }
     }
 
     #[test]

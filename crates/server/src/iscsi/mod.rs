@@ -407,6 +407,9 @@ struct Login {
     /// with (an initiator keeps the largest MaxCmdSN it was given, and past the connection's
     /// slots its commands would wait for one that never frees behind their own Data-Out).
     depth: u16,
+    /// The largest MaxCmdSN a login response gave: the full feature phase's window starts at
+    /// least there.
+    granted: Option<u32>,
 }
 
 /// Why a login ends: the status to answer with, and what to log.
@@ -428,11 +431,12 @@ impl Login {
         b.0[8..14].copy_from_slice(&self.isid);
         b.0[14..16].copy_from_slice(&tsih.to_be_bytes());
         b.itt(self.itt);
-        b.sn(
-            self.statsn,
-            self.cmdsn,
-            self.cmdsn.wrapping_add(self.depth as u32 - 1),
-        );
+        let max = self.cmdsn.wrapping_add(self.depth as u32 - 1);
+        match self.granted {
+            Some(g) if !crate::frontend::iscsi::serial_after(max, g) => {}
+            _ => self.granted = Some(max),
+        }
+        b.sn(self.statsn, self.cmdsn, max);
         b.0[36] = (st >> 8) as u8;
         b.0[37] = st as u8;
         self.statsn = self.statsn.wrapping_add(1);
@@ -758,6 +762,7 @@ pub fn accept<S: Read + Write>(
         tpgt_sent: false,
         max_io: registry.limits().max_io.clamp(512, 16_777_215),
         depth: MAX_DEPTH.min(registry.limits().max_depth).max(1),
+        granted: None,
     };
     let mut buf = Vec::new();
     let mut text = Vec::new();
@@ -1077,6 +1082,7 @@ fn finish<S: Read + Write>(
         statsn: l.statsn,
         expcmdsn: l.cmdsn,
         depth: l.depth,
+        granted: l.granted,
         luns: luns
             .iter()
             .zip(&admitted)
