@@ -497,6 +497,18 @@ impl Scatter {
     }
 }
 
+/// What an attempt to receive the next run in place came to (`peek_run`, then `Scatter`), at
+/// either end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Peeked {
+    /// Nothing waits.
+    Empty,
+    /// The run was received and handled in place.
+    Taken,
+    /// Not fragments this end can place: read it the usual way.
+    Other,
+}
+
 /// Copies the first bytes of the next datagram (or coalesced run) waiting on `fd` into `buf`
 /// without taking it, and the sender's address into `name` if given: the run's whole length
 /// and its segment size (its length for a lone datagram). `WouldBlock` when nothing waits.

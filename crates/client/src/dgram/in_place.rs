@@ -23,17 +23,7 @@ use blkwire_net::udp_offload::{Scatter, GRO_BUFFER};
 use super::{DgramQueue, State};
 use crate::{Error, Result};
 
-pub(super) use blkwire_net::udp_offload::IN_PLACE_MIN;
-
-/// What the peek found.
-pub(super) enum Peeked {
-    /// Nothing waits.
-    Empty,
-    /// The run was received and handled here.
-    Taken,
-    /// Not READ data this can place: read it the usual way.
-    Other,
-}
+pub(super) use blkwire_net::udp_offload::{Peeked, IN_PLACE_MIN};
 
 /// How a peeked run is received: datagram `k` is fragment `first + k` of the READ `head`
 /// answers, and `scatter` says which go straight into its buffer.

@@ -28,17 +28,7 @@ use blkwire_wire::{datagram, Flags, Header, Opcode, HEADER_LEN};
 
 use super::{bitmap, DgramPort, Peer, SlotState, UserData};
 
-pub(super) use blkwire_net::udp_offload::IN_PLACE_MIN;
-
-/// What the peek found.
-pub(super) enum Peeked {
-    /// Nothing waits.
-    Empty,
-    /// The run was received and handled here.
-    Taken,
-    /// Not fragments this can place: read it the usual way.
-    Other,
-}
+pub(super) use blkwire_net::udp_offload::{Peeked, IN_PLACE_MIN};
 
 /// How a peeked run is received: datagram `k` is fragment `first + k` of the WRITE `head`
 /// belongs to, on queue `qi`, and `scatter` says which go where they belong. Datagram 0 is
