@@ -5,6 +5,7 @@
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 pub mod rx_ring;
+pub mod testing;
 pub mod udp_offload;
 
 /// Default EtherType: IEEE 802 local experimental 1.

@@ -2005,20 +2005,7 @@ mod tests {
             .unwrap();
         peer.connect(UdpSocket::from(to).local_addr().unwrap())
             .unwrap();
-        let run: Vec<u8> = frames.concat();
-        let mut iov = IoVecs::default();
-        let mut batch = SendBatch::<1>::new(&mut iov);
-        // SAFETY: `run` outlives the send; 0: to the connected peer.
-        unsafe {
-            batch.push(
-                [(run.as_ptr(), run.len())],
-                frames[0].len(),
-                frames.len(),
-                |_| 0,
-            )
-        };
-        let sent = batch.send(peer.as_raw_fd()).ok().expect("the run is sent");
-        assert_eq!(sent.datagrams, frames.len());
+        blkwire_net::testing::send_run(peer, frames);
         dp.port.receive(&mut NoRing, &|_, _, _| 0);
         dp.port.flush();
     }

@@ -1085,22 +1085,8 @@ mod tests {
     /// Sends `frames` (equal lengths but for a shorter last) from `from` to `to` as one
     /// segmented send, as a target sends a run of READ data.
     fn send_run(from: &UdpSocket, to: std::net::SocketAddr, frames: &[Vec<u8>]) {
-        use blkwire_net::udp_offload::{IoVecs, SendBatch};
         from.connect(to).unwrap();
-        let run: Vec<u8> = frames.concat();
-        let mut iov = IoVecs::default();
-        let mut batch = SendBatch::<1>::new(&mut iov);
-        // SAFETY: `run` outlives the send; 0: to the connected peer.
-        unsafe {
-            batch.push(
-                [(run.as_ptr(), run.len())],
-                frames[0].len(),
-                frames.len(),
-                |_| 0,
-            )
-        };
-        let sent = batch.send(from.as_raw_fd()).ok().expect("the run is sent");
-        assert_eq!(sent.datagrams, frames.len());
+        blkwire_net::testing::send_run(from, frames);
     }
 
     /// A queue of 4 KiB frames with READs of `a` (at 0) and `b` (at 1 MiB) in flight, and its
