@@ -475,8 +475,6 @@ pub struct Iscsi {
     d: Digests,
     statsn: u32,
     expcmdsn: u32,
-    /// The MaxCmdSN last sent.
-    maxcmdsn: u32,
     /// The largest MaxCmdSN ever sent (serial arithmetic): the window commands are checked
     /// against. An initiator keeps the largest it was given (RFC 7143 §4.2.2.1), so a command
     /// sent under an earlier, larger window than the last is still in it.
@@ -649,7 +647,6 @@ impl Iscsi {
             neg: s.neg,
             statsn: s.statsn,
             expcmdsn: s.expcmdsn,
-            maxcmdsn: s.expcmdsn.wrapping_add(depth as u32 - 1),
             granted: match s.granted {
                 Some(g) if serial_after(g, s.expcmdsn.wrapping_add(depth as u32 - 1)) => g,
                 _ => s.expcmdsn.wrapping_add(depth as u32 - 1),
@@ -734,11 +731,11 @@ impl Iscsi {
             .depth
             .saturating_sub(self.outstanding() + u16::from(between)) as u32;
         // A window of 0 is MaxCmdSN = ExpCmdSN − 1.
-        self.maxcmdsn = self.expcmdsn.wrapping_add(free).wrapping_sub(1);
-        if serial_after(self.maxcmdsn, self.granted) {
-            self.granted = self.maxcmdsn;
+        let max = self.expcmdsn.wrapping_add(free).wrapping_sub(1);
+        if serial_after(max, self.granted) {
+            self.granted = max;
         }
-        self.maxcmdsn
+        max
     }
 
     /// Takes the CmdSN of a non-immediate PDU: true if it is the one expected next and inside
