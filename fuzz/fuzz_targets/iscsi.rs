@@ -13,10 +13,11 @@
 use std::sync::Arc;
 
 use blkwire_backend::{Export, ExportSpec};
-use blkwire_server::frontend::iscsi::{lun_info, Iscsi, IscsiSetup, Peer, SetupLun};
+use blkwire_server::frontend::iscsi::{lun_info, Iscsi, IscsiSetup, Peer, SetupLun, LIST_ROOM};
 use blkwire_server::frontend::{Decoded, Kind, ReadFraming, StreamFrontend};
 use blkwire_server::iscsi::Negotiated;
 use blkwire_server::reservations::Lu;
+use blkwire_server::Reservation;
 use blkwire_wire::iscsi::{
     self, Digests, Progress, BHS_LEN, MAX_KEY_LEN, MAX_PAIRS, MAX_VALUE_LEN,
 };
@@ -273,6 +274,7 @@ fuzz_target!(|data: &[u8]| {
             info: lun_info(&export, export.size(), MAX_IO, true),
             reservations: Lu::detached(),
         }],
+        list_room: Reservation::detached(LIST_ROOM),
     });
     fe.attached();
     let refuse = mode & 128 != 0;

@@ -714,6 +714,51 @@ fn sessions_beyond_the_memory_budget_are_refused() {
     );
 }
 
+/// An iSCSI connection may hold a parameter list of up to 1 MiB waiting for its data as long as
+/// the initiator likes: its login sets room for it aside in the memory budget, on top of the
+/// buffers every stream connection reserves (an NBD connection's here). `stats --json`'s
+/// memory.used shows it, and gives it back when the connection ends.
+#[test]
+fn an_iscsi_login_sets_room_for_a_parameter_list_aside() {
+    use blkwire_wire::iscsi::Digests;
+    use common::iscsi_host;
+    use common::nbd_raw::Raw;
+    let (t, urls) = Target::start_listeners(
+        &["m=mem:1M"],
+        &[
+            "--listen",
+            "nbd://127.0.0.1:0",
+            "--listen",
+            "iscsi://127.0.0.1:0",
+        ],
+    );
+    let used = || {
+        let (ok, out, err) = common::cli(&["stats", &t.base, "--json"]);
+        assert!(ok, "stats: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v["memory"]["used"]
+            .as_u64()
+            .expect("memory.used in stats --json")
+    };
+    let idle = used();
+    let nbd = urls[1].trim_start_matches("nbd://");
+    let (raw, _, _) = Raw::go(nbd, "m", false, false);
+    let with_nbd = used();
+    let iqn = "iqn.2026-11.io.blkwire:m";
+    let c = iscsi_host::login(iscsi_host::iscsi_listener(&urls), iqn, Digests::default());
+    let with_both = used();
+    let (nbd_share, iscsi_share) = (with_nbd - idle, with_both - with_nbd);
+    assert!(nbd_share > 0, "an NBD connection reserves its buffers");
+    assert!(
+        iscsi_share >= nbd_share + (1 << 20),
+        "an NBD connection holds {nbd_share} bytes of the budget, an iSCSI one {iscsi_share}"
+    );
+    drop(c);
+    let released = common::wait_until(std::time::Duration::from_secs(10), || used() == with_nbd);
+    assert!(released, "memory.used is {} after the iSCSI logout", used());
+    drop(raw);
+}
+
 /// `--max-connections-per-host` and `--max-connections`: connections past either are closed
 /// when accepted (these sit in their handshake, which is what a flood looks like), others
 /// from other addresses are still taken, and a place frees when a connection closes.

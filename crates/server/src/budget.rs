@@ -108,6 +108,30 @@ impl Budget {
     }
 }
 
+/// Bytes set aside in a budget for as long as the holder lives, for memory that is not a
+/// connection buffer and must never wait for room once its owner exists (an iSCSI connection's
+/// parameter list: [`crate::frontend::iscsi`]). Given back when dropped.
+#[derive(Debug)]
+pub struct Reservation(Account);
+
+impl Reservation {
+    /// Sets `bytes` aside in `budget`; `None` when it cannot spare them.
+    pub fn new(budget: &Arc<Budget>, bytes: usize) -> Option<Reservation> {
+        Account::reserve(budget, bytes, bytes).map(Reservation)
+    }
+
+    /// A reservation in a budget of its own, limited by nothing: for a frontend built where
+    /// no target's budget applies (unit tests, fuzzing).
+    pub fn detached(bytes: usize) -> Reservation {
+        Reservation(Account::forced(&Budget::new(usize::MAX), bytes, bytes))
+    }
+
+    /// Bytes set aside.
+    pub fn bytes(&self) -> usize {
+        self.0.floor
+    }
+}
+
 /// What one connection or port holds of a budget: at least `floor` (reserved when it was
 /// admitted, so it can always serve one request at a time), at most `cap` (its share).
 #[derive(Debug)]

@@ -43,6 +43,7 @@ use blkwire_backend::{Export, ExportSpec};
 use blkwire_wire::{ExportEntry, Header, Hello, Opcode, Status, HEADER_LEN};
 
 use crate::log::{Level, Throttle};
+pub use budget::Reservation;
 pub use control::{parse_config, write_config, write_private, Call, Options, RpcError, MIN_MEMORY};
 use frontend::StreamFrontend;
 use reactor::{Msg, NewQueue, Reactor};

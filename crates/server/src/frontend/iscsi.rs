@@ -66,6 +66,7 @@ use blkwire_wire::scsi::{self, xcopy, Command, LunInfo, Sense};
 use blkwire_wire::{CopyDescriptor, CopyLimits, Status};
 
 use super::{Decoded, Kind, Piece, ReadFraming, Req, StreamFrontend};
+use crate::budget::Reservation;
 use crate::iscsi::Negotiated;
 use crate::reservations::{Lu as PrLu, Update};
 
@@ -94,6 +95,13 @@ const RESERVATION_CONFLICT: u8 = 0x18;
 const TARGET_PORT: u16 = 1;
 /// Most bytes of a parameter list collected in the frontend (UNMAP, WRITE SAME's block).
 const MAX_PARAMS: u32 = 1 << 20;
+/// What a connection sets aside in the memory budget at login for the parameter list it
+/// collects ([`IscsiSetup::list_room`]): one list at a time, held in a buffer of exactly its
+/// length, or what its command keeps of it while it runs (`compare`, `pattern`), never both
+/// past the decode that makes one from the other. The list waits for its data as long as the
+/// initiator likes, so its room is reserved rather than taken from the connection's buffers:
+/// it never waits for memory, nor does anything decoded behind it wait for the list's.
+pub const LIST_ROOM: usize = MAX_PARAMS as usize;
 /// TTT of the R2T that collects a parameter list (above every slot index).
 const PARAM_TTT: u32 = 0x8000_0000;
 
@@ -123,6 +131,8 @@ pub struct IscsiSetup {
     pub max_io: u32,
     /// The exports this initiator may open (EXTENDED COPY sources).
     pub peers: Vec<Peer>,
+    /// [`LIST_ROOM`] bytes of the target's memory budget, held for the connection's life.
+    pub list_room: Reservation,
 }
 
 /// An export this initiator may open, as an EXTENDED COPY source.
@@ -537,6 +547,8 @@ pub struct Iscsi {
     /// Persistent reservations, per target (LU) as `luns`: each its export's, shared by every
     /// nexus to it (`crate::reservations`).
     pr: Vec<Pr>,
+    /// The budget's room for `params`, `compare` and `pattern` ([`LIST_ROOM`]).
+    _list_room: Reservation,
 }
 
 /// What the LU of `e` is, as the SCSI layer answers for it (as LUN 0: a caller serving it at
@@ -675,6 +687,7 @@ impl Iscsi {
             fence: None,
             scratch: Vec::with_capacity(BHS_LEN + 64),
             pr,
+            _list_room: s.list_room,
         }
     }
 
@@ -1348,7 +1361,13 @@ impl Iscsi {
             cdb: *cdb,
             edtl,
             want,
-            data: immediate[..have].to_vec(),
+            // All of it at once: grown as its data comes, its capacity could pass `want`
+            // (doubling), and so its room (LIST_ROOM).
+            data: {
+                let mut d = Vec::with_capacity(want as usize);
+                d.extend_from_slice(&immediate[..have]);
+                d
+            },
             r2tsn: 0,
             seq: Seq::default(),
         };
@@ -2638,6 +2657,7 @@ mod tests {
             isid: [0; 6],
             max_io: 1 << 20,
             peers: Vec::new(),
+            list_room: Reservation::detached(LIST_ROOM),
         }
     }
 
@@ -4210,6 +4230,44 @@ mod tests {
             (0, 512),
             "the first descriptor's trim"
         );
+    }
+
+    /// A parameter list is held in a buffer of exactly its length however its data comes, so
+    /// within the room the connection reserved for it at login (LIST_ROOM): VERIFY with
+    /// BYTCHK of 1999 blocks (not a power of two), its data in 8 KiB Data-Outs. Grown as the
+    /// data came, its buffer passed the list's length by doubling (1 MiB here) before.
+    #[test]
+    fn a_parameter_list_stays_within_its_reserved_room() {
+        let mut f = fe(1 << 20);
+        let mut tx = Vec::new();
+        let blocks = 1999u16;
+        let want = blocks as usize * 512;
+        let mut verify = [0x2f, 0x02, 0, 0, 0, 0, 0, 0, 0, 0];
+        verify[7..9].copy_from_slice(&blocks.to_be_bytes());
+        f.decode(&cmd(7, 0, &verify, want as u32, true, &[]), &mut tx);
+        assert_eq!((tx[0], be32(&tx, 44)), (op::R2T, want as u32));
+        let list = vec![0u8; want];
+        let pieces: Vec<_> = list.chunks(8192).collect();
+        for (i, piece) in pieces.iter().enumerate() {
+            let last = i + 1 == pieces.len();
+            let d = data_out(7, PARAM_TTT, i as u32, (i * 8192) as u32, piece, last);
+            let decoded = f.decode(&d, &mut tx);
+            if last {
+                let Decoded::Request { req, .. } = decoded else {
+                    panic!("the compare's read once the list is in");
+                };
+                assert_eq!(
+                    (req.kind, req.length),
+                    (Kind::Block(BlockOp::Read), want as u32)
+                );
+                break;
+            }
+            let held = f.params.as_ref().map(|p| p.data.capacity());
+            assert_eq!(held, Some(want), "after {} of {want} bytes", (i + 1) * 8192);
+        }
+        assert!(f.params.is_none());
+        let kept = f.compare.as_ref().map(|(c, _)| c.capacity());
+        assert!(kept.is_some_and(|k| k <= LIST_ROOM), "{kept:?}");
     }
 
     /// The EXTENDED COPY parameter list of one block-to-block segment from the LU of NAA `src`

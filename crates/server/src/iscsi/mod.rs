@@ -33,7 +33,8 @@ use blkwire_wire::iscsi::{
     RESERVED_TAG,
 };
 
-use crate::frontend::iscsi::{lun_info, Iscsi, IscsiSetup, Peer, SetupLun};
+use crate::budget::Reservation;
+use crate::frontend::iscsi::{lun_info, Iscsi, IscsiSetup, Peer, SetupLun, LIST_ROOM};
 use crate::frontend::StreamFrontend;
 use crate::log::Level;
 use crate::session::{Admitted, Owner, Registry};
@@ -1012,6 +1013,19 @@ fn finish<S: Read + Write>(
             }
         }
     }
+    // The room for the parameter list the connection may collect, which waits for its data
+    // as long as the initiator likes: reserved now, or the login is refused like a session the
+    // budget cannot hold.
+    let Some(list_room) = Reservation::new(registry.budget(), LIST_ROOM) else {
+        crate::log!(
+            Level::Info,
+            "{peer_s}: iSCSI initiator '{who}': refused: {}",
+            blkwire_wire::Status::NoMemory
+        );
+        leave_all(&admitted);
+        l.respond(s, flags & 0x0c, status::OUT_OF_RESOURCES, 0, &[])?;
+        return None;
+    };
     // TSIH: never 0 (§11.12.6); the first session id's low bits identify it in logs.
     let tsih = (admitted[0].session as u16).max(1);
     // Recorded before the answer, so that a control call changing the target meanwhile either
@@ -1100,6 +1114,7 @@ fn finish<S: Read + Write>(
         initiator,
         isid: l.isid,
         max_io,
+        list_room,
     });
     Some((admitted, Box::new(fe)))
 }
