@@ -80,13 +80,20 @@ impl Challenger {
 }
 
 /// Most bytes [`address_bytes`] writes.
-pub const ADDRESS_LEN: usize = 19;
+pub const ADDRESS_LEN: usize = 23;
 
-/// The bytes that name an address in a challenge: a kind byte, then IP and port, or a MAC.
+/// The bytes that name an address in a challenge: a kind byte, then IP and port (and for IPv6
+/// the scope, the interface index of a link-local address: `fe80::1` on two links is two
+/// addresses, and a challenge received at one must not answer for the other), or a MAC.
 /// The kind byte matters: an IPv4 address and port are 6 bytes, as a MAC is, so without it a
 /// challenge fetched on Ethernet from a forged MAC `a.b.c.d || port` would answer a UDP HELLO
 /// forged from `a.b.c.d:port`, an address the forger never received at.
-pub fn address_bytes(addr: &crate::PeerAddr, port: u16, out: &mut [u8; ADDRESS_LEN]) -> usize {
+pub fn address_bytes(
+    addr: &crate::PeerAddr,
+    port: u16,
+    scope: u32,
+    out: &mut [u8; ADDRESS_LEN],
+) -> usize {
     match addr {
         crate::PeerAddr::Ip(std::net::IpAddr::V4(v4)) => {
             out[0] = 4;
@@ -98,7 +105,8 @@ pub fn address_bytes(addr: &crate::PeerAddr, port: u16, out: &mut [u8; ADDRESS_L
             out[0] = 6;
             out[1..17].copy_from_slice(&v6.octets());
             out[17..19].copy_from_slice(&port.to_le_bytes());
-            19
+            out[19..23].copy_from_slice(&scope.to_le_bytes());
+            23
         }
         crate::PeerAddr::Mac(m) => {
             out[0] = b'M';
@@ -135,9 +143,30 @@ mod tests {
     }
 
     fn bytes(addr: crate::PeerAddr, port: u16) -> Vec<u8> {
+        scoped(addr, port, 0)
+    }
+
+    fn scoped(addr: crate::PeerAddr, port: u16, scope: u32) -> Vec<u8> {
         let mut a = [0u8; ADDRESS_LEN];
-        let n = address_bytes(&addr, port, &mut a);
+        let n = address_bytes(&addr, port, scope, &mut a);
         a[..n].to_vec()
+    }
+
+    /// A link-local IPv6 address is an address on its link: `fe80::1` port 7737 on interface
+    /// 2 and on interface 3 are two addresses, and a challenge one received does not answer a
+    /// HELLO forged from the other.
+    #[test]
+    fn the_same_link_local_address_on_two_links_is_two_addresses() {
+        let c = Challenger::new();
+        let n = [9u8; 32];
+        let fe80: std::net::IpAddr = "fe80::1".parse().unwrap();
+        let (a, b) = (
+            scoped(crate::PeerAddr::Ip(fe80), 7737, 2),
+            scoped(crate::PeerAddr::Ip(fe80), 7737, 3),
+        );
+        let s = c.issue(HELLO, &a, &n);
+        assert!(c.check(HELLO, &a, &n, &s));
+        assert!(!c.check(HELLO, &b, &n, &s), "taken on another link");
     }
 
     /// A MAC whose six bytes are an IPv4 address and a port (little-endian) names another

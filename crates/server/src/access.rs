@@ -25,6 +25,10 @@ pub struct PeerId {
     pub addr: PeerAddr,
     /// UDP/TCP source port (0 on Ethernet).
     pub port: u16,
+    /// The IPv6 scope id (the interface a link-local address is on; 0 for other addresses):
+    /// the same link-local address on two links is two peers to the address challenge and to
+    /// a keyless take-over. Allow rules match the address on every link (`Acl::parse`).
+    pub scope: u32,
 }
 
 impl PeerId {
@@ -33,6 +37,19 @@ impl PeerId {
         PeerId {
             addr: PeerAddr::Ip(a.ip()),
             port: a.port(),
+            scope: match a {
+                SocketAddr::V6(v6) => v6.scope_id(),
+                SocketAddr::V4(_) => 0,
+            },
+        }
+    }
+
+    /// A raw Ethernet peer.
+    pub fn mac(m: [u8; 6]) -> PeerId {
+        PeerId {
+            addr: PeerAddr::Mac(m),
+            port: 0,
+            scope: 0,
         }
     }
 }
@@ -41,6 +58,7 @@ impl std::fmt::Display for PeerId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.addr {
             PeerAddr::Ip(ip @ IpAddr::V4(_)) => write!(f, "{ip}:{}", self.port),
+            PeerAddr::Ip(ip) if self.scope != 0 => write!(f, "[{ip}%{}]:{}", self.scope, self.port),
             PeerAddr::Ip(ip) => write!(f, "[{ip}]:{}", self.port),
             PeerAddr::Mac(m) => write!(
                 f,
@@ -170,7 +188,7 @@ impl Access {
         answer: &[u8; proof::LEN],
     ) -> Option<[u8; proof::LEN]> {
         let mut a = [0u8; ADDRESS_LEN];
-        let n = address_bytes(&peer.addr, peer.port, &mut a);
+        let n = address_bytes(&peer.addr, peer.port, peer.scope, &mut a);
         if self.challenger.check(purpose, &a[..n], attempt, answer) {
             return None;
         }
@@ -242,5 +260,23 @@ impl Access {
             String::new()
         };
         crate::log!(Level::Warn, "{peer}: refused: {why}{more}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer keeps the scope of a link-local IPv6 address, shown as `SocketAddrV6` shows it;
+    /// other addresses have none.
+    #[test]
+    fn a_link_local_peer_keeps_its_scope() {
+        let p = PeerId::ip("[fe80::1%3]:7700".parse().unwrap());
+        assert_eq!((p.scope, p.to_string()), (3, "[fe80::1%3]:7700".into()));
+        let q = PeerId::ip("[2001:db8::1]:7700".parse().unwrap());
+        assert_eq!((q.scope, q.to_string()), (0, "[2001:db8::1]:7700".into()));
+        let v4 = PeerId::ip("192.0.2.1:7700".parse().unwrap());
+        assert_eq!((v4.scope, v4.to_string()), (0, "192.0.2.1:7700".into()));
+        assert_ne!(p, PeerId::ip("[fe80::1%2]:7700".parse().unwrap()));
     }
 }

@@ -170,10 +170,7 @@ impl Peer {
     fn id(&self) -> PeerId {
         match *self {
             Peer::Ip(a) => PeerId::ip(a),
-            Peer::Mac(m) => PeerId {
-                addr: blkwire_auth::PeerAddr::Mac(m),
-                port: 0,
-            },
+            Peer::Mac(m) => PeerId::mac(m),
         }
     }
 }

@@ -5,11 +5,11 @@
 
 use std::io::{Read, Write};
 
-use blkwire_auth::PeerAddr;
 use blkwire_backend::Export;
 use blkwire_wire::nbd::{self, info, opt, rep, InfoRequest, MetaRequest};
 use blkwire_wire::Status;
 
+use crate::access::PeerId;
 use crate::frontend::{nbd::Nbd, StreamFrontend};
 use crate::log::Level;
 use crate::session::{Admitted, Registry};
@@ -58,7 +58,7 @@ fn error_reply(s: &mut Admission, option: u32, typ: u32, msg: &str) -> Option<()
 /// `host` is the identity the client proved (TLS-PSK), `None` for a plain connection.
 fn find(
     registry: &Registry,
-    (host, addr): (Option<&str>, &PeerAddr),
+    (host, peer): (Option<&str>, &PeerId),
     name: &str,
 ) -> Option<std::sync::Arc<Export>> {
     let name = if name.is_empty() {
@@ -66,7 +66,7 @@ fn find(
     } else {
         name.to_string()
     };
-    registry.permitted(&name, host, addr)
+    registry.permitted(&name, host, &peer.addr)
 }
 
 /// What LIST and INFO say about an export of `size` bytes: its size, never a backend path.
@@ -100,8 +100,8 @@ pub fn negotiate(
         return None;
     }
     let no_zeroes = client_flags & nbd::FLAG_NO_ZEROES as u32 != 0;
-    let addr = match peer.parse::<std::net::SocketAddr>() {
-        Ok(a) => PeerAddr::Ip(a.ip()),
+    let id = match peer.parse::<std::net::SocketAddr>() {
+        Ok(a) => PeerId::ip(a),
         Err(_) => return None,
     };
     let mut structured = false;
@@ -178,7 +178,7 @@ pub fn negotiate(
             continue;
         }
         // Who the client is for the export rules: the host it proved with TLS-PSK, if any.
-        let who = (proven_host.as_ref().map(|(h, _)| h.as_str()), &addr);
+        let who = (proven_host.as_ref().map(|(h, _)| h.as_str()), &id);
         let key = proven_host.as_ref().map(|(_, k)| k);
         match option {
             opt::EXPORT_NAME => {
@@ -217,7 +217,7 @@ pub fn negotiate(
                     error_reply(s, option, rep::ERR_INVALID, "LIST takes no data")?;
                     continue;
                 }
-                for e in &registry.open_to(who.0, who.1) {
+                for e in &registry.open_to(who.0, &who.1.addr) {
                     let mut d = Vec::with_capacity(4 + e.name.len());
                     d.extend_from_slice(&(e.name.len() as u32).to_be_bytes());
                     d.extend_from_slice(e.name.as_bytes());
@@ -381,14 +381,15 @@ fn send_info(
 fn admit(
     registry: &Registry,
     e: &std::sync::Arc<Export>,
-    (peer, (proven, addr), key): (&str, (Option<&str>, &PeerAddr), Option<&blkwire_auth::Key>),
+    (peer, (proven, id), key): (&str, (Option<&str>, &PeerId), Option<&blkwire_auth::Key>),
     max_payload: u32,
     size: u64,
 ) -> Result<Admitted, Status> {
     let owner = crate::session::Owner {
         proven,
         shown: proven.unwrap_or("nbd client"),
-        addr,
+        addr: &id.addr,
+        scope: id.scope,
         peer,
     };
     registry

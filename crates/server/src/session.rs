@@ -79,6 +79,9 @@ struct Session {
     /// and its address. Checked again when the rules or the keys change.
     proven: Option<String>,
     addr: PeerAddr,
+    /// With `addr`, the link it is on (`PeerId::scope`): a keyless take-over must come from
+    /// the same address on the same link.
+    scope: u32,
     /// The key that host had when the session began: a session whose key is replaced or
     /// removed (`keys_load`) is closed.
     key: Option<Key>,
@@ -254,6 +257,8 @@ pub struct Owner<'a> {
     /// The host id shown in logs and listings (the one it named, or "nbd client").
     pub shown: &'a str,
     pub addr: &'a PeerAddr,
+    /// The IPv6 scope id of a link-local `addr` (`PeerId::scope`).
+    pub scope: u32,
     /// Its address and port, for logs and listings.
     pub peer: &'a str,
 }
@@ -522,6 +527,7 @@ impl Registry {
             proven: host,
             shown: &h.host_id,
             addr: &peer.addr,
+            scope: peer.scope,
             peer: &peer_s,
         };
         let copy = self.copy_limits(&export, frame_payload);
@@ -601,7 +607,7 @@ impl Registry {
             s.cookie == r.cookie
                 && s.host == h.host_id
                 && s.proven.as_deref() == proven
-                && (proven.is_some() || s.addr == peer.addr)
+                && (proven.is_some() || (s.addr, s.scope) == (peer.addr, peer.scope))
         };
         let mut inner = self.lock();
         let Some(s) = inner.sessions.get_mut(&r.session).filter(|s| held(s)) else {
@@ -777,6 +783,7 @@ impl Registry {
                 export: export.clone(),
                 proven: owner.proven.map(str::to_string),
                 addr: *owner.addr,
+                scope: owner.scope,
                 key,
                 revoked: false,
                 placement,

@@ -980,6 +980,7 @@ fn finish<S: Read + Write>(
         proven: l.proven.as_deref(),
         shown: &initiator,
         addr: &addr,
+        scope: crate::access::PeerId::ip(peer).scope,
         peer: &peer_s,
     };
     let max_io = registry.limits().max_io;

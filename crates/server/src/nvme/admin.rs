@@ -20,11 +20,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use blkwire_auth::dhchap::{self, ControllerAuth};
-use blkwire_auth::{Key, PeerAddr};
+use blkwire_auth::Key;
 use blkwire_wire::nvme_tcp::{self, CapsuleCmd, Pdu};
 
 use super::spec::{self, admin, fctype, prop, sc, DiscoveryEntry, Facts};
 use super::{command_data, read_pdu, terminate, Completion, Link};
+use crate::access::PeerId;
 use crate::log::Level;
 use crate::session::{Admitted, Registry};
 use crate::Bounded;
@@ -62,8 +63,9 @@ pub struct AdminSetup {
     pub auth_required: bool,
     /// Our address as the host reached it (discovery log entries for wildcard listeners).
     pub local: SocketAddr,
-    /// The host's address (which subsystems the discovery log shows it).
-    pub peer_addr: PeerAddr,
+    /// The host's address (which subsystems the discovery log shows it, and its sessions'
+    /// owner once it authenticates).
+    pub peer: PeerId,
 }
 
 /// An admin queue's state.
@@ -239,7 +241,7 @@ impl AdminQueue {
                 .map(|a| a.key.clone())
             {
                 self.admission_pending = false;
-                let who = (self.s.hostnqn.as_str(), &self.s.peer_addr, peer);
+                let who = (self.s.hostnqn.as_str(), &self.s.peer, peer);
                 let admitted = if self.s.facts.is_discovery() {
                     // No namespaces, no sessions: only the entry changes.
                     registry
@@ -560,7 +562,7 @@ impl AdminQueue {
     fn discovery_log(&self, registry: &Registry) -> Vec<u8> {
         let listeners = registry.nvme.listeners(self.s.local.ip());
         let host = self.s.auth_required.then_some(self.s.hostnqn.as_str());
-        let exports = registry.open_to(host, &self.s.peer_addr);
+        let exports = registry.open_to(host, &self.s.peer.addr);
         // Configured subsystems this host would be admitted to: on their host list, with
         // namespaces, every one an export it may open.
         let subsystems: Vec<String> = registry

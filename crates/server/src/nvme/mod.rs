@@ -1068,6 +1068,7 @@ fn admin_connect<S: Read + Write>(
                 proven,
                 shown: &c.hostnqn,
                 addr: &addr,
+                scope: crate::access::PeerId::ip(peer).scope,
                 peer: &peer_s,
             };
             match admit_namespaces(registry, &names, &c.subnqn, (&owner, None), max_io) {
@@ -1134,7 +1135,7 @@ fn admin_connect<S: Read + Write>(
             hostnqn: c.hostnqn,
             auth_required: proven.is_some(),
             local,
-            peer_addr: addr,
+            peer: crate::access::PeerId::ip(peer),
         },
         admitted,
     ))))
@@ -1325,9 +1326,10 @@ fn resolve(
 pub(crate) fn admit_authenticated(
     registry: &Registry,
     facts: &Facts,
-    (hostnqn, addr, peer_s): (&str, &PeerAddr, &str),
+    (hostnqn, peer, peer_s): (&str, &crate::access::PeerId, &str),
     key: &Key,
 ) -> Result<(Arc<Facts>, Vec<Admitted>), String> {
+    let addr = &peer.addr;
     let names = resolve(&facts.subnqn, hostnqn, (addr, Some(hostnqn)), registry).map_err(|r| {
         r.log(registry, peer_s, &hostnqn.escape_debug().to_string());
         match r {
@@ -1338,6 +1340,7 @@ pub(crate) fn admit_authenticated(
         proven: Some(hostnqn),
         shown: hostnqn,
         addr,
+        scope: peer.scope,
         peer: peer_s,
     };
     let (namespaces, admitted) = admit_namespaces(

@@ -173,10 +173,7 @@ fn a_stream_sessions_join_is_refused_over_datagrams() {
 #[test]
 fn a_datagram_sessions_join_is_refused_from_the_other_kind_of_port() {
     let r = registry(None);
-    let mac = PeerId {
-        addr: PeerAddr::Mac([2, 0, 0, 0, 0, 1]),
-        port: 0,
-    };
+    let mac = PeerId::mac([2, 0, 0, 0, 0, 1]);
     let (reply, _) = open(&r, &peer(1000), true, None);
     let j = join_payload(&reply, None, [0; AUTH_LEN]);
     let got = r.join(reply.session, 1, &j, &mac, true, None);
@@ -322,6 +319,25 @@ mod replacement {
         assert_eq!(reg.live_queues(old.session), 1);
     }
 
+    /// A link-local address is an address on its link: a keyless session opened from
+    /// `fe80::1` on interface 2 is not taken over by a HELLO from `fe80::1` on interface 3
+    /// (another host, on another link; it gets a session of its own), only by one from
+    /// interface 2 (told to wait while the old queue closes).
+    #[test]
+    fn a_keyless_take_over_comes_from_the_same_link() {
+        let (reg, closed) = registry();
+        let old = open_from(&reg, hello("h", 1, None), None, "[fe80::1%2]:5000").unwrap();
+        let other_link = hello("h", 1, Some(name(&old, 0)));
+        assert!(open_from(&reg, other_link, None, "[fe80::1%3]:5000").is_ok());
+        assert_eq!(closed.try_iter().count(), 0);
+        assert_eq!(reg.live_queues(old.session), 1);
+        let same_link = hello("h", 1, Some(name(&old, 0)));
+        let got = open_from(&reg, same_link, None, "[fe80::1%2]:5001");
+        assert_eq!(got.unwrap_err(), Status::Busy);
+        let told: Vec<_> = closed.try_iter().collect();
+        assert_eq!(told, [(old.session, 0)], "replaced from its own link");
+    }
+
     #[test]
     fn a_replaced_queue_never_joined_cannot_be_joined_later() {
         let (reg, closed) = registry();
@@ -353,6 +369,7 @@ fn a_session_keeps_the_key_it_was_proven_with() {
         proven: Some("h"),
         shown: "h",
         addr: &addr,
+        scope: 0,
         peer: "127.0.0.1:1",
     };
     let max_io = 64 << 10;
@@ -453,6 +470,7 @@ fn an_exports_last_reference_goes_outside_the_registry_lock() {
         proven: None,
         shown: "h",
         addr: &addr,
+        scope: 0,
         peer: "127.0.0.1:1",
     };
     let max_io = 64 << 10;
@@ -490,6 +508,7 @@ fn rules_changed_during_a_handshake_refuse_its_session() {
         proven: None,
         shown: "nbd client",
         addr: &addr,
+        scope: 0,
         peer: "127.0.0.1:1",
     };
     let admit = |e: &Arc<Export>| r.admit_single(e, (&owner, None), 1 << 20, 4, 64 << 10);
