@@ -666,7 +666,9 @@ pub fn run_save_config(a: SaveConfigArgs) -> Result<(), String> {
 
 pub fn run_load_config(a: LoadConfigArgs) -> Result<(), String> {
     let file = a.file.display();
-    let text = std::fs::read_to_string(&a.file).map_err(|e| format!("cannot read {file}: {e}"))?;
+    // What the target would read of it by path: a regular file of bounded size.
+    let (text, _) = blkwire_auth::keys::read_regular(&a.file, blkwire_server::MAX_CONFIG_FILE)
+        .map_err(|e| format!("cannot read {file}: {e}"))?;
     let config: Value =
         serde_json::from_str(&text).map_err(|e| format!("{file} is not JSON: {e}"))?;
     if !config.is_array() {

@@ -795,6 +795,19 @@ fn configs_that_cannot_be_served_fail_at_start_in_one_line_and_leave_nothing_beh
     assert!(e.contains("target_options must be the first call"), "{e}");
     let e = run(r#"[{"method":"target_options","params":{"max_io":1}}]"#);
     assert!(e.contains("max_io must be"), "{e}");
+    // Not a regular file: a device that never ends is refused before a byte is read.
+    let out = Command::new(BIN)
+        .args(["serve", "--rpc-socket", sock.to_str().unwrap()])
+        .args(["--config", "/dev/zero"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && !sock.exists(), "{err}");
+    assert!(
+        err.trim_end()
+            .ends_with("--config /dev/zero: cannot read it: not a regular file (a FIFO, a device or a directory): give a file's path"),
+        "{err}"
+    );
 }
 
 /// A native READ of `len` bytes at `offset` on a raw queue connection (`queue` of `session`):

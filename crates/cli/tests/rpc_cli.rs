@@ -129,6 +129,28 @@ fn load_config_checks_its_file_before_connecting() {
         &["load-config", missing, "--socket", socket],
         &format!("cannot read {missing}"),
     );
+    // Only a regular file is read, and only so much of it: a device such as /dev/zero never
+    // ends (the CLI grew until killed), a FIFO would wait for a writer.
+    let fifo = d.path("fifo.json");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+    for file in ["/dev/zero", fifo.to_str().unwrap()] {
+        assert_one_line_error(
+            &["load-config", file, "--socket", socket],
+            &format!("cannot read {file}: not a regular file"),
+        );
+    }
+    let huge = d.path("huge.json");
+    std::fs::File::create(&huge)
+        .unwrap()
+        .set_len(blkwire_server::MAX_CONFIG_FILE + 1)
+        .unwrap();
+    let huge = huge.to_str().unwrap();
+    assert_one_line_error(
+        &["load-config", huge, "--socket", socket],
+        &format!("cannot read {huge}: larger than 16 MiB"),
+    );
     // A good file gets as far as the socket.
     let good = d.path("good.json");
     std::fs::write(&good, "[]").unwrap();

@@ -44,7 +44,9 @@ use blkwire_wire::{ExportEntry, Header, Hello, Opcode, Status, HEADER_LEN};
 
 use crate::log::{Level, Throttle};
 pub use budget::Reservation;
-pub use control::{parse_config, write_config, write_private, Call, Options, RpcError, MIN_MEMORY};
+pub use control::{
+    parse_config, write_config, write_private, Call, Options, RpcError, MAX_CONFIG_FILE, MIN_MEMORY,
+};
 use frontend::StreamFrontend;
 use reactor::{Msg, NewQueue, Reactor};
 pub use rpc::{decode as decode_rpc_request, MAX_REQUEST as MAX_RPC_REQUEST};
