@@ -11,6 +11,10 @@ use crate::proof::LEN;
 /// Seconds per epoch; a challenge is good for one to two of them.
 const EPOCH_SECS: u64 = 30;
 
+/// The longest a challenge is good for (issued at the start of an epoch, taken to the end of
+/// the next): what remembers an answered attempt must remember it this long.
+pub const CHALLENGE_LIFE: std::time::Duration = std::time::Duration::from_secs(2 * EPOCH_SECS);
+
 /// What a challenge is for. Both kinds share one secret, and an attempt is whatever the
 /// initiator sends (a HELLO's `nonce_c` is its own choice): hashed in, the purpose keeps a
 /// challenge issued for one from ever answering the other.

@@ -101,6 +101,63 @@ pub struct Access {
     /// Handshakes refused for authentication or access rules.
     pub refused: AtomicU64,
     log_limit: Mutex<Throttle>,
+    /// HELLO attempts that were answered (`Attempts`).
+    attempts: Mutex<Attempts>,
+}
+
+/// Most answered HELLO attempts remembered at once (`Attempts`).
+const MAX_ATTEMPTS: usize = 16384;
+
+/// The HELLO attempts (peer, `nonce_c`) this target answered with a session or a query's
+/// answer, for as long as their challenge is good (§12.1): the same final HELLO sent again, to
+/// any listener and over any transport, is refused instead of opening another session. A
+/// datagram port answers a retransmission of a HELLO it welcomed from its own cache before
+/// asking here; an initiator never sends one attempt to two listeners. Bounded: once
+/// `MAX_ATTEMPTS` are remembered the oldest is forgotten first, so a replay gets through only
+/// after that many handshakes of others within the challenge's life.
+#[derive(Default)]
+struct Attempts {
+    answered: std::collections::HashSet<(PeerId, [u8; proof::LEN])>,
+    /// The same, oldest first, with when each was answered.
+    order: std::collections::VecDeque<(std::time::Instant, PeerId, [u8; proof::LEN])>,
+}
+
+impl Attempts {
+    /// Records `attempt` of `peer` as answered; false if it already was.
+    fn claim(
+        &mut self,
+        peer: &PeerId,
+        attempt: &[u8; proof::LEN],
+        now: std::time::Instant,
+    ) -> bool {
+        while let Some(&(at, p, a)) = self.order.front() {
+            let expired = now.duration_since(at) > blkwire_auth::cookie::CHALLENGE_LIFE;
+            if !expired && self.order.len() < MAX_ATTEMPTS {
+                break;
+            }
+            self.order.pop_front();
+            self.answered.remove(&(p, a));
+        }
+        if !self.answered.insert((*peer, *attempt)) {
+            return false;
+        }
+        self.order.push_back((now, *peer, *attempt));
+        true
+    }
+
+    /// Forgets `attempt`: it was not answered after all (refused, or BUSY while the queue it
+    /// replaces closes, which the initiator asks again with the same HELLO).
+    fn release(&mut self, peer: &PeerId, attempt: &[u8; proof::LEN]) {
+        if self.answered.remove(&(*peer, *attempt)) {
+            if let Some(i) = self
+                .order
+                .iter()
+                .rposition(|&(_, p, a)| (p, a) == (*peer, *attempt))
+            {
+                self.order.remove(i);
+            }
+        }
+    }
 }
 
 impl Access {
@@ -113,7 +170,21 @@ impl Access {
             challenges: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             log_limit: Mutex::new(Throttle::new()),
+            attempts: Mutex::new(Attempts::default()),
         }
+    }
+
+    /// Claims a HELLO attempt that passed its checks for an answer (`Attempts`): false when it
+    /// was answered already, a replay.
+    pub fn claim_attempt(&self, peer: &PeerId, attempt: &[u8; proof::LEN]) -> bool {
+        let mut a = self.attempts.lock().unwrap_or_else(|p| p.into_inner());
+        a.claim(peer, attempt, std::time::Instant::now())
+    }
+
+    /// Gives back a claim whose HELLO got no answer after all.
+    pub fn release_attempt(&self, peer: &PeerId, attempt: &[u8; proof::LEN]) {
+        let mut a = self.attempts.lock().unwrap_or_else(|p| p.into_inner());
+        a.release(peer, attempt);
     }
 
     /// Does this target authenticate hosts?
@@ -278,5 +349,39 @@ mod tests {
         let v4 = PeerId::ip("192.0.2.1:7700".parse().unwrap());
         assert_eq!((v4.scope, v4.to_string()), (0, "192.0.2.1:7700".into()));
         assert_ne!(p, PeerId::ip("[fe80::1%2]:7700".parse().unwrap()));
+    }
+
+    /// An answered attempt is remembered for as long as its challenge is good, then
+    /// forgotten; at most MAX_ATTEMPTS at once, the oldest forgotten first; a released one at
+    /// once. Attempts are per peer (address, port and scope).
+    #[test]
+    fn answered_attempts_are_remembered_for_the_life_of_a_challenge_and_bounded() {
+        use std::time::{Duration, Instant};
+        let mut a = Attempts::default();
+        let t0 = Instant::now();
+        let peer = PeerId::ip("10.0.0.1:5000".parse().unwrap());
+        let other = PeerId::ip("10.0.0.1:5001".parse().unwrap());
+        assert!(a.claim(&peer, &[1; 32], t0));
+        assert!(!a.claim(&peer, &[1; 32], t0), "answered already");
+        assert!(a.claim(&other, &[1; 32], t0), "another peer's attempt");
+        let life = blkwire_auth::cookie::CHALLENGE_LIFE;
+        assert!(!a.claim(&peer, &[1; 32], t0 + life), "still good");
+        assert!(a.claim(&peer, &[1; 32], t0 + life + Duration::from_secs(1)));
+        a.release(&peer, &[1; 32]);
+        assert!(a.claim(&peer, &[1; 32], t0 + life + Duration::from_secs(1)));
+        let mut a = Attempts::default();
+        for i in 0..MAX_ATTEMPTS as u32 + 1 {
+            let mut attempt = [0; 32];
+            attempt[..4].copy_from_slice(&i.to_le_bytes());
+            assert!(a.claim(&peer, &attempt, t0));
+        }
+        assert_eq!(
+            (a.answered.len(), a.order.len()),
+            (MAX_ATTEMPTS, MAX_ATTEMPTS)
+        );
+        assert!(a.claim(&peer, &[0; 32], t0), "the oldest was forgotten");
+        let mut last = [0; 32];
+        last[..4].copy_from_slice(&(MAX_ATTEMPTS as u32).to_le_bytes());
+        assert!(!a.claim(&peer, &last, t0), "the newest is remembered");
     }
 }

@@ -2244,6 +2244,13 @@ mod tests {
         }
         assert_eq!(welcomed, HELLO_ANSWERS as usize);
         assert_eq!(dp.port.index.len(), 1, "one session, one queue");
+        // Replayed to another port of the target (a second UDP listener), whose cache never
+        // saw it: refused, and no session there either.
+        let mut other = dp.sibling().unwrap();
+        other.receive(&frame(h, &hello.encode().unwrap()), from);
+        let got = answers(&peer, true);
+        assert_eq!(got[0].0.status, Status::Access, "{got:?}");
+        assert!(other.port.index.is_empty(), "no session on the other port");
     }
 
     /// A JOIN must come from an address the export's rules admit, as the HELLO did: in a

@@ -18,6 +18,8 @@ use crate::session::{Limits, Registry};
 /// A UDP datagram port on 127.0.0.1 serving RAM exports, fed datagrams by the caller.
 pub struct DatagramPort {
     pub(crate) port: DgramPort,
+    registry: Arc<Registry>,
+    link_payload: u32,
     pushed: usize,
 }
 
@@ -43,6 +45,16 @@ impl DatagramPort {
             let spec = ExportSpec::parse(spec).map_err(|e| io::Error::other(e.to_string()))?;
             registry.add_export(spec).map_err(io::Error::other)?;
         }
+        Self::serving(registry, link_payload)
+    }
+
+    /// Another port of the same target (its registry, so its sessions and its checks), as
+    /// a second UDP listener is.
+    pub fn sibling(&self) -> io::Result<DatagramPort> {
+        Self::serving(self.registry.clone(), self.link_payload)
+    }
+
+    fn serving(registry: Arc<Registry>, link_payload: u32) -> io::Result<DatagramPort> {
         let socket = UdpSocket::bind("127.0.0.1:0")?;
         socket.set_nonblocking(true)?;
         let setup = PortSetup {
@@ -55,7 +67,9 @@ impl DatagramPort {
             claim: None,
         };
         Ok(DatagramPort {
-            port: DgramPort::new(setup, 0, registry),
+            port: DgramPort::new(setup, 0, registry.clone()),
+            registry,
+            link_payload,
             pushed: 0,
         })
     }

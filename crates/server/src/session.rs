@@ -14,7 +14,7 @@ use blkwire_wire::{
     QueueRef, Status, AUTH_LEN, HEADER_CRC, QUERY_LIST, QUERY_STATS, SESSION_HEADER_CRC,
 };
 
-use crate::access::{Access, Checked, PeerId};
+use crate::access::{Access, Checked, PeerId, Proven};
 use crate::budget::{Account, Budget};
 use crate::log::Level;
 use crate::stats::QueueStats;
@@ -432,11 +432,11 @@ impl Registry {
         &self,
         h: &Hello,
         peer: &PeerId,
-        (link_payload, udp): (Option<u32>, bool),
+        link: (Option<u32>, bool),
         wait_until: Option<Instant>,
         stats: &dyn Fn() -> Vec<u8>,
     ) -> HelloAnswer {
-        let proven = match self.access.check(h, peer, link_payload.is_some()) {
+        let proven = match self.access.check(h, peer, link.0.is_some()) {
             Checked::Challenge(n) => return HelloAnswer::Challenge(n),
             Checked::Refused(why) => {
                 self.access.refuse(peer, &why);
@@ -444,6 +444,34 @@ impl Registry {
             }
             Checked::Passed(p) => p,
         };
+        // One answer per attempt, whichever listener it reaches (§12.1): the final HELLO of
+        // an exchange someone saw, sent again from the victim's address to another port or
+        // over TCP, opens no second session.
+        if !self.access.claim_attempt(peer, &h.auth.nonce_c) {
+            let who = h.host_id.escape_debug();
+            self.access.refuse(
+                peer,
+                &format!("host '{who}' sent a HELLO that was answered already (replayed?)"),
+            );
+            return HelloAnswer::Refused(Status::Access);
+        }
+        let answer = self.answer_hello(h, peer, proven, link, wait_until, stats);
+        if !matches!(answer, HelloAnswer::Welcome(..)) {
+            self.access.release_attempt(peer, &h.auth.nonce_c);
+        }
+        answer
+    }
+
+    /// [`Registry::hello`] once the HELLO passed its challenge and proof (`proven`).
+    fn answer_hello(
+        &self,
+        h: &Hello,
+        peer: &PeerId,
+        proven: Option<Proven>,
+        (link_payload, udp): (Option<u32>, bool),
+        wait_until: Option<Instant>,
+        stats: &dyn Fn() -> Vec<u8>,
+    ) -> HelloAnswer {
         let host = proven.as_ref().map(|p| p.host.as_str());
         // The target's proof over what it answers (zeros when the host proved no key).
         let prove = |payload: &[u8]| match &proven {

@@ -214,6 +214,12 @@ mod replacement {
         (r, rx)
     }
 
+    fn attempt() -> [u8; 32] {
+        let mut a = [0u8; 32];
+        blkwire_auth::random(&mut a);
+        a
+    }
+
     fn hello(host: &str, queues: u16, replaces: Option<QueueRef>) -> Hello {
         Hello {
             queues,
@@ -224,7 +230,8 @@ mod replacement {
             nonce: blkwire_auth::random_u64(),
             host_id: host.into(),
             export: "a".into(),
-            auth: AuthBlock::first(AuthMethod::None, false, false, [7; 32]),
+            // Each its own attempt: one attempt is answered once (`Access::claim_attempt`).
+            auth: AuthBlock::first(AuthMethod::None, false, false, attempt()),
             replaces,
         }
     }
@@ -336,6 +343,39 @@ mod replacement {
         assert_eq!(got.unwrap_err(), Status::Busy);
         let told: Vec<_> = closed.try_iter().collect();
         assert_eq!(told, [(old.session, 0)], "replaced from its own link");
+    }
+
+    /// One attempt is answered once, whichever listener or transport its final HELLO reaches
+    /// (a replay from the sender's address to another port, or over TCP): sent again it is
+    /// refused and opens nothing. An attempt refused for something else (an export not there
+    /// yet, a queue it replaces still closing) may be sent again.
+    #[test]
+    fn an_attempt_is_answered_once() {
+        let (reg, _closed) = registry();
+        let peer = PeerId::ip("127.0.0.1:5000".parse().unwrap());
+        let ask = |h: &Hello| reg.hello(h, &peer, (None, false), None, &Vec::new);
+        let through_challenge = |mut h: Hello| {
+            let HelloAnswer::Challenge(n) = ask(&h) else {
+                panic!("a first HELLO is challenged");
+            };
+            h.auth.nonce_s = n;
+            h
+        };
+        let h = through_challenge(hello("h", 1, None));
+        assert!(matches!(ask(&h), HelloAnswer::Welcome(..)));
+        let before = reg.sessions().len();
+        assert!(matches!(ask(&h), HelloAnswer::Refused(Status::Access)));
+        assert_eq!(reg.sessions().len(), before, "no second session");
+        let mut later = hello("h", 1, None);
+        later.export = "b".into();
+        let later = through_challenge(later);
+        assert!(matches!(
+            ask(&later),
+            HelloAnswer::Refused(Status::NoExport)
+        ));
+        reg.add_export(blkwire_backend::ExportSpec::parse("b=mem:1M").unwrap())
+            .unwrap();
+        assert!(matches!(ask(&later), HelloAnswer::Welcome(..)));
     }
 
     #[test]
