@@ -664,11 +664,29 @@ pub fn run_save_config(a: SaveConfigArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// Reads a config as the invoking user gave it, a regular file or a pipe (`--config <(...)`),
+/// of at most `MAX_CONFIG_FILE` bytes: /dev/zero is refused after that much, not read until
+/// memory runs out. The error says what is wrong, without the path (the caller names it).
+pub fn read_config(path: &std::path::Path) -> Result<String, String> {
+    use std::io::Read;
+    let max = blkwire_server::MAX_CONFIG_FILE;
+    let f = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let mut bytes = Vec::new();
+    f.take(max + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    if bytes.len() as u64 > max {
+        return Err(format!(
+            "larger than {} MiB, the most read: is it the right file?",
+            max >> 20
+        ));
+    }
+    String::from_utf8(bytes).map_err(|_| "not text (invalid UTF-8)".to_string())
+}
+
 pub fn run_load_config(a: LoadConfigArgs) -> Result<(), String> {
     let file = a.file.display();
-    // What the target would read of it by path: a regular file of bounded size.
-    let (text, _) = blkwire_auth::keys::read_regular(&a.file, blkwire_server::MAX_CONFIG_FILE)
-        .map_err(|e| format!("cannot read {file}: {e}"))?;
+    let text = read_config(&a.file).map_err(|e| format!("cannot read {file}: {e}"))?;
     let config: Value =
         serde_json::from_str(&text).map_err(|e| format!("{file} is not JSON: {e}"))?;
     if !config.is_array() {
@@ -681,6 +699,12 @@ pub fn run_load_config(a: LoadConfigArgs) -> Result<(), String> {
     // by its path instead: the control socket is local, so the target reads the same file.
     let params = if text.len() + 256 < blkwire_server::MAX_RPC_REQUEST {
         json!({ "config": config })
+    } else if !std::fs::metadata(&a.file).is_ok_and(|m| m.is_file()) {
+        // Read from a pipe, it cannot be read again by the target.
+        return Err(format!(
+            "{file}: a config of more than 1 MiB goes to the target by its path, so it must be \
+             a regular file, not a pipe"
+        ));
     } else {
         let path = std::fs::canonicalize(&a.file).map_err(|e| format!("{file}: {e}"))?;
         json!({ "path": path })

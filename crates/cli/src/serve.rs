@@ -212,9 +212,7 @@ pub fn run(a: Args) -> Result<(), String> {
     let mut file_calls = Vec::new();
     if let Some(path) = &a.config {
         let shown = path.display().to_string();
-        // A regular file of bounded size, as the target's load_config reads: a FIFO or
-        // /dev/zero would hold the start for ever.
-        let (text, _) = blkwire_auth::keys::read_regular(path, blkwire_server::MAX_CONFIG_FILE)
+        let text = crate::manage::read_config(path)
             .map_err(|e| format!("--config {shown}: cannot read it: {e}"))?;
         let mut file = parse_config(&text, &shown)?;
         if file.first().is_some_and(|c| c.method == "target_options") {

@@ -129,28 +129,47 @@ fn load_config_checks_its_file_before_connecting() {
         &["load-config", missing, "--socket", socket],
         &format!("cannot read {missing}"),
     );
-    // Only a regular file is read, and only so much of it: a device such as /dev/zero never
-    // ends (the CLI grew until killed), a FIFO would wait for a writer.
-    let fifo = d.path("fifo.json");
-    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-    // SAFETY: `c` is a NUL-terminated path that outlives the call.
-    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
-    for file in ["/dev/zero", fifo.to_str().unwrap()] {
-        assert_one_line_error(
-            &["load-config", file, "--socket", socket],
-            &format!("cannot read {file}: not a regular file"),
-        );
-    }
+    // At most 16 MiB is read, of a file or of a device such as /dev/zero, which never ends
+    // (the CLI grew until memory ran out).
     let huge = d.path("huge.json");
     std::fs::File::create(&huge)
         .unwrap()
         .set_len(blkwire_server::MAX_CONFIG_FILE + 1)
         .unwrap();
-    let huge = huge.to_str().unwrap();
+    for file in ["/dev/zero", huge.to_str().unwrap()] {
+        assert_one_line_error(
+            &["load-config", file, "--socket", socket],
+            &format!("cannot read {file}: larger than 16 MiB"),
+        );
+    }
+    // A pipe (`load-config <(...)`) is read like a file.
+    let fifo = d.path("fifo.json");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+    let writer = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || std::fs::write(fifo, "[]"))
+    };
     assert_one_line_error(
-        &["load-config", huge, "--socket", socket],
-        &format!("cannot read {huge}: larger than 16 MiB"),
+        &["load-config", fifo.to_str().unwrap(), "--socket", socket],
+        "no control socket at",
     );
+    writer.join().unwrap().unwrap();
+    // One over a request line (1 MiB) goes to the target by its path, which a pipe has not.
+    let big = format!(
+        "[{}]",
+        vec![r#"{"method":"export_list"}"#; 50_000].join(",")
+    );
+    let writer = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || std::fs::write(fifo, big))
+    };
+    assert_one_line_error(
+        &["load-config", fifo.to_str().unwrap(), "--socket", socket],
+        "must be a regular file, not a pipe",
+    );
+    writer.join().unwrap().unwrap();
     // A good file gets as far as the socket.
     let good = d.path("good.json");
     std::fs::write(&good, "[]").unwrap();
