@@ -2,7 +2,7 @@
 //! have issued to this address for this attempt, recomputed instead of remembered, so a flood
 //! of first HELLOs costs the target nothing but the 80-byte answers.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use ring::hmac;
 
@@ -29,6 +29,11 @@ pub enum Purpose {
 /// Issues and checks challenge nonces.
 pub struct Challenger {
     key: hmac::Key,
+    /// Epochs count from here, on the monotonic clock: a wall clock stepped back would make
+    /// an old challenge good again, after whatever remembers its answered attempts for a
+    /// challenge's life (`CHALLENGE_LIFE`) had forgotten them. The secret is this process's
+    /// own, so nothing else needs the epochs to be wall-clock time.
+    start: Instant,
 }
 
 impl Default for Challenger {
@@ -44,14 +49,13 @@ impl Challenger {
         crate::random(&mut secret);
         Challenger {
             key: hmac::Key::new(hmac::HMAC_SHA256, &secret),
+            start: Instant::now(),
         }
     }
 
-    fn epoch() -> u64 {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs() / EPOCH_SECS)
-            .unwrap_or(0)
+    /// The epoch now: 1 for the first EPOCH_SECS, so the one before it is still a number.
+    fn epoch(&self) -> u64 {
+        1 + self.start.elapsed().as_secs() / EPOCH_SECS
     }
 
     fn at(&self, epoch: u64, purpose: Purpose, address: &[u8], nonce_c: &[u8; LEN]) -> [u8; LEN] {
@@ -65,7 +69,7 @@ impl Challenger {
 
     /// The nonce to send `address` for an attempt named by `nonce_c`.
     pub fn issue(&self, purpose: Purpose, address: &[u8], nonce_c: &[u8; LEN]) -> [u8; LEN] {
-        self.at(Self::epoch(), purpose, address, nonce_c)
+        self.at(self.epoch(), purpose, address, nonce_c)
     }
 
     /// Did this target issue `nonce_s` to `address` for `nonce_c`, this epoch or the last?
@@ -76,7 +80,7 @@ impl Challenger {
         nonce_c: &[u8; LEN],
         nonce_s: &[u8; LEN],
     ) -> bool {
-        let now = Self::epoch();
+        let now = self.epoch();
         [now, now.saturating_sub(1)]
             .iter()
             .any(|e| crate::proof::same(&self.at(*e, purpose, address, nonce_c), nonce_s))
@@ -142,7 +146,17 @@ mod tests {
             "other target"
         );
         assert!(!c.check(HELLO, b"10.0.0.1:5", &n, &[0u8; 32]), "zeros");
-        let old = c.at(Challenger::epoch() - 2, HELLO, b"10.0.0.1:5", &n);
+        // Started three epochs ago: a challenge of the last epoch is good, of the one before
+        // it expired.
+        let back = std::time::Duration::from_secs(3 * EPOCH_SECS);
+        let c = Challenger {
+            start: Instant::now().checked_sub(back).expect("up for 90 s"),
+            ..Challenger::new()
+        };
+        assert_eq!(c.epoch(), 4);
+        let last = c.at(3, HELLO, b"10.0.0.1:5", &n);
+        assert!(c.check(HELLO, b"10.0.0.1:5", &n, &last), "the last epoch's");
+        let old = c.at(2, HELLO, b"10.0.0.1:5", &n);
         assert!(!c.check(HELLO, b"10.0.0.1:5", &n, &old), "expired");
     }
 

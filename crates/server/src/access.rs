@@ -32,15 +32,21 @@ pub struct PeerId {
 }
 
 impl PeerId {
-    /// A TCP or UDP peer.
+    /// A TCP or UDP peer. An IPv4 peer is one whether it reached a v4 listener or arrived
+    /// IPv4-mapped at a dual-stack one (`::ffff:a.b.c.d`), as the allow rules see it: the
+    /// address challenge and a keyless take-over see the same peer either way.
     pub fn ip(a: SocketAddr) -> PeerId {
-        PeerId {
-            addr: PeerAddr::Ip(a.ip()),
-            port: a.port(),
-            scope: match a {
-                SocketAddr::V6(v6) => v6.scope_id(),
-                SocketAddr::V4(_) => 0,
+        let (addr, scope) = match a {
+            SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+                Some(v4) => (IpAddr::V4(v4), 0),
+                None => (IpAddr::V6(*v6.ip()), v6.scope_id()),
             },
+            SocketAddr::V4(v4) => (IpAddr::V4(*v4.ip()), 0),
+        };
+        PeerId {
+            addr: PeerAddr::Ip(addr),
+            port: a.port(),
+            scope,
         }
     }
 
@@ -108,52 +114,94 @@ pub struct Access {
 /// Most answered HELLO attempts remembered at once (`Attempts`).
 const MAX_ATTEMPTS: usize = 16384;
 
-/// The HELLO attempts (peer, `nonce_c`) this target answered with a session or a query's
-/// answer, for as long as their challenge is good (§12.1): the same final HELLO sent again, to
-/// any listener and over any transport, is refused instead of opening another session. A
-/// datagram port answers a retransmission of a HELLO it welcomed from its own cache before
-/// asking here; an initiator never sends one attempt to two listeners. Bounded: once
-/// `MAX_ATTEMPTS` are remembered the oldest is forgotten first, so a replay gets through only
-/// after that many handshakes of others within the challenge's life.
+/// Times the answer to one HELLO attempt is sent again for its repeats (a retransmission whose
+/// answer was lost, or a replay from the sender's address by someone who saw it): past that,
+/// repeats are dropped or refused, so a replayed HELLO stops drawing answers (§12.5).
+pub const HELLO_ANSWERS: u8 = 8;
+
+/// An attempt: the peer and its HELLO's `nonce_c`, which the address challenge binds.
+type AttemptKey = (PeerId, [u8; proof::LEN]);
+
+/// What the target remembers of one answered attempt.
+struct Answered {
+    /// The claim that made it: a release gives back only its own claim, never a newer one of
+    /// the same attempt (after the older was forgotten for room).
+    seq: u64,
+    /// A new session's welcome, sent again for the attempt's repeats (a query's answer is not
+    /// kept: it may be large, and a query can simply be asked again).
+    welcome: Option<Vec<u8>>,
+    /// Repeats answered with `welcome`.
+    repeats: u8,
+}
+
+/// The HELLO attempts this target answered with a session or a query's answer, for as long as
+/// their challenge is good (§12.1), whichever listener or transport they came by: the same
+/// final HELLO again opens no second session. A session's welcome is sent again, at most
+/// `HELLO_ANSWERS` times (a datagram port answers retransmissions from its own cache first,
+/// but may have pushed the attempt out of it); anything else is refused. Bounded: at most
+/// `MAX_ATTEMPTS` (a welcome is a HELLO reply, about 100 bytes), the oldest forgotten first,
+/// so a replay gets through only after that many handshakes of others within the challenge's
+/// life.
 #[derive(Default)]
 struct Attempts {
-    answered: std::collections::HashSet<(PeerId, [u8; proof::LEN])>,
-    /// The same, oldest first, with when each was answered.
-    order: std::collections::VecDeque<(std::time::Instant, PeerId, [u8; proof::LEN])>,
+    answered: std::collections::HashMap<AttemptKey, Answered>,
+    /// Their claims, oldest first, with when each was made.
+    order: std::collections::VecDeque<(std::time::Instant, u64, AttemptKey)>,
+    next: u64,
+}
+
+/// What a claim on an attempt found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// Not answered before: answer it, then `welcomed` or `release_attempt` with this claim.
+    New(u64),
+    /// Answered before: send this welcome again, or refuse if there is none (a query's, or
+    /// repeated too often).
+    Answered(Option<Vec<u8>>),
 }
 
 impl Attempts {
-    /// Records `attempt` of `peer` as answered; false if it already was.
-    fn claim(
-        &mut self,
-        peer: &PeerId,
-        attempt: &[u8; proof::LEN],
-        now: std::time::Instant,
-    ) -> bool {
-        while let Some(&(at, p, a)) = self.order.front() {
+    fn claim(&mut self, key: AttemptKey, now: std::time::Instant) -> Claim {
+        while let Some(&(at, seq, k)) = self.order.front() {
             let expired = now.duration_since(at) > blkwire_auth::cookie::CHALLENGE_LIFE;
             if !expired && self.order.len() < MAX_ATTEMPTS {
                 break;
             }
             self.order.pop_front();
-            self.answered.remove(&(p, a));
+            if self.answered.get(&k).is_some_and(|a| a.seq == seq) {
+                self.answered.remove(&k);
+            }
         }
-        if !self.answered.insert((*peer, *attempt)) {
-            return false;
+        if let Some(a) = self.answered.get_mut(&key) {
+            let again = a.welcome.clone().filter(|_| a.repeats < HELLO_ANSWERS);
+            a.repeats += u8::from(again.is_some());
+            return Claim::Answered(again);
         }
-        self.order.push_back((now, *peer, *attempt));
-        true
+        let seq = self.next;
+        self.next += 1;
+        let a = Answered {
+            seq,
+            welcome: None,
+            repeats: 0,
+        };
+        self.answered.insert(key, a);
+        self.order.push_back((now, seq, key));
+        Claim::New(seq)
     }
 
-    /// Forgets `attempt`: it was not answered after all (refused, or BUSY while the queue it
-    /// replaces closes, which the initiator asks again with the same HELLO).
-    fn release(&mut self, peer: &PeerId, attempt: &[u8; proof::LEN]) {
-        if self.answered.remove(&(*peer, *attempt)) {
-            if let Some(i) = self
-                .order
-                .iter()
-                .rposition(|&(_, p, a)| (p, a) == (*peer, *attempt))
-            {
+    /// Claim `seq` of `key` opened a session welcomed with `reply`.
+    fn welcomed(&mut self, key: AttemptKey, seq: u64, reply: &[u8]) {
+        if let Some(a) = self.answered.get_mut(&key).filter(|a| a.seq == seq) {
+            a.welcome = Some(reply.to_vec());
+        }
+    }
+
+    /// Claim `seq` of `key` got no answer after all (refused, or BUSY while the queue it
+    /// replaces closes): a repeat of the HELLO (its refusal was lost) is answered afresh.
+    fn release(&mut self, key: AttemptKey, seq: u64) {
+        if self.answered.get(&key).is_some_and(|a| a.seq == seq) {
+            self.answered.remove(&key);
+            if let Some(i) = self.order.iter().rposition(|&(_, s, _)| s == seq) {
                 self.order.remove(i);
             }
         }
@@ -174,17 +222,30 @@ impl Access {
         }
     }
 
-    /// Claims a HELLO attempt that passed its checks for an answer (`Attempts`): false when it
-    /// was answered already, a replay.
-    pub fn claim_attempt(&self, peer: &PeerId, attempt: &[u8; proof::LEN]) -> bool {
-        let mut a = self.attempts.lock().unwrap_or_else(|p| p.into_inner());
-        a.claim(peer, attempt, std::time::Instant::now())
+    /// Claims a HELLO attempt that passed its checks for an answer (`Attempts`).
+    pub fn claim_attempt(&self, peer: &PeerId, attempt: &[u8; proof::LEN]) -> Claim {
+        self.attempts()
+            .claim((*peer, *attempt), std::time::Instant::now())
     }
 
-    /// Gives back a claim whose HELLO got no answer after all.
-    pub fn release_attempt(&self, peer: &PeerId, attempt: &[u8; proof::LEN]) {
-        let mut a = self.attempts.lock().unwrap_or_else(|p| p.into_inner());
-        a.release(peer, attempt);
+    /// Claim `seq` (`Claim::New`) of this attempt opened a session welcomed with `reply`.
+    pub fn attempt_welcomed(
+        &self,
+        peer: &PeerId,
+        attempt: &[u8; proof::LEN],
+        seq: u64,
+        reply: &[u8],
+    ) {
+        self.attempts().welcomed((*peer, *attempt), seq, reply);
+    }
+
+    /// Gives back claim `seq` of this attempt: its HELLO got no answer after all.
+    pub fn release_attempt(&self, peer: &PeerId, attempt: &[u8; proof::LEN], seq: u64) {
+        self.attempts().release((*peer, *attempt), seq);
+    }
+
+    fn attempts(&self) -> std::sync::MutexGuard<'_, Attempts> {
+        self.attempts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Does this target authenticate hosts?
@@ -349,6 +410,8 @@ mod tests {
         let v4 = PeerId::ip("192.0.2.1:7700".parse().unwrap());
         assert_eq!((v4.scope, v4.to_string()), (0, "192.0.2.1:7700".into()));
         assert_ne!(p, PeerId::ip("[fe80::1%2]:7700".parse().unwrap()));
+        let mapped = PeerId::ip("[::ffff:192.0.2.1]:7700".parse().unwrap());
+        assert_eq!(mapped, v4, "IPv4-mapped is IPv4");
     }
 
     /// An answered attempt is remembered for as long as its challenge is good, then
@@ -357,31 +420,90 @@ mod tests {
     #[test]
     fn answered_attempts_are_remembered_for_the_life_of_a_challenge_and_bounded() {
         use std::time::{Duration, Instant};
+        let new = |c: Claim| matches!(c, Claim::New(_));
         let mut a = Attempts::default();
         let t0 = Instant::now();
         let peer = PeerId::ip("10.0.0.1:5000".parse().unwrap());
         let other = PeerId::ip("10.0.0.1:5001".parse().unwrap());
-        assert!(a.claim(&peer, &[1; 32], t0));
-        assert!(!a.claim(&peer, &[1; 32], t0), "answered already");
-        assert!(a.claim(&other, &[1; 32], t0), "another peer's attempt");
+        assert!(new(a.claim((peer, [1; 32]), t0)));
+        assert!(!new(a.claim((peer, [1; 32]), t0)), "answered already");
+        assert!(new(a.claim((other, [1; 32]), t0)), "another peer's attempt");
         let life = blkwire_auth::cookie::CHALLENGE_LIFE;
-        assert!(!a.claim(&peer, &[1; 32], t0 + life), "still good");
-        assert!(a.claim(&peer, &[1; 32], t0 + life + Duration::from_secs(1)));
-        a.release(&peer, &[1; 32]);
-        assert!(a.claim(&peer, &[1; 32], t0 + life + Duration::from_secs(1)));
+        assert!(!new(a.claim((peer, [1; 32]), t0 + life)), "still good");
+        let later = t0 + life + Duration::from_secs(1);
+        let Claim::New(seq) = a.claim((peer, [1; 32]), later) else {
+            panic!("forgotten once its challenge is no longer good");
+        };
+        a.release((peer, [1; 32]), seq);
+        assert!(new(a.claim((peer, [1; 32]), later)), "released");
         let mut a = Attempts::default();
         for i in 0..MAX_ATTEMPTS as u32 + 1 {
             let mut attempt = [0; 32];
             attempt[..4].copy_from_slice(&i.to_le_bytes());
-            assert!(a.claim(&peer, &attempt, t0));
+            assert!(new(a.claim((peer, attempt), t0)));
         }
         assert_eq!(
             (a.answered.len(), a.order.len()),
             (MAX_ATTEMPTS, MAX_ATTEMPTS)
         );
-        assert!(a.claim(&peer, &[0; 32], t0), "the oldest was forgotten");
+        assert!(
+            new(a.claim((peer, [0; 32]), t0)),
+            "the oldest was forgotten"
+        );
         let mut last = [0; 32];
         last[..4].copy_from_slice(&(MAX_ATTEMPTS as u32).to_le_bytes());
-        assert!(!a.claim(&peer, &last, t0), "the newest is remembered");
+        assert!(!new(a.claim((peer, last), t0)), "the newest is remembered");
+    }
+
+    /// A session's welcome is sent again for its attempt's repeats, HELLO_ANSWERS times, then
+    /// they are refused; a query's answer is not kept, so its repeats are refused at once.
+    #[test]
+    fn a_welcome_is_sent_again_a_few_times_then_refused() {
+        let now = std::time::Instant::now();
+        let peer = PeerId::ip("10.0.0.1:5000".parse().unwrap());
+        let mut a = Attempts::default();
+        let Claim::New(seq) = a.claim((peer, [1; 32]), now) else {
+            panic!("a new attempt");
+        };
+        a.welcomed((peer, [1; 32]), seq, b"welcome");
+        for _ in 0..HELLO_ANSWERS {
+            assert_eq!(
+                a.claim((peer, [1; 32]), now),
+                Claim::Answered(Some(b"welcome".to_vec()))
+            );
+        }
+        assert_eq!(a.claim((peer, [1; 32]), now), Claim::Answered(None));
+        let Claim::New(_) = a.claim((peer, [2; 32]), now) else {
+            panic!("a new attempt");
+        };
+        assert_eq!(
+            a.claim((peer, [2; 32]), now),
+            Claim::Answered(None),
+            "a query's"
+        );
+    }
+
+    /// A claim forgotten for room and made again by a replay is not given back by the first
+    /// claim's release (its HELLO refused BUSY meanwhile): the replay's record stays.
+    #[test]
+    fn a_release_gives_back_only_its_own_claim() {
+        let now = std::time::Instant::now();
+        let peer = PeerId::ip("10.0.0.1:5000".parse().unwrap());
+        let mut a = Attempts::default();
+        let Claim::New(first) = a.claim((peer, [1; 32]), now) else {
+            panic!("a new attempt");
+        };
+        for i in 0..MAX_ATTEMPTS as u32 {
+            let mut attempt = [9; 32];
+            attempt[..4].copy_from_slice(&i.to_le_bytes());
+            a.claim((peer, attempt), now);
+        }
+        let Claim::New(second) = a.claim((peer, [1; 32]), now) else {
+            panic!("forgotten for room");
+        };
+        assert_ne!(first, second);
+        a.release((peer, [1; 32]), first);
+        assert_eq!(a.claim((peer, [1; 32]), now), Claim::Answered(None));
+        assert_eq!(a.answered.len(), a.order.len());
     }
 }

@@ -39,15 +39,12 @@ const BATCH: usize = 32;
 /// 4k random reads at QD32 took 9.9-11.5 us of CPU per I/O lent against 9.3-10.3 copied), and
 /// its buffer goes back to the pool at once, which keeps the pool's working set small.
 const LEND_READ_MIN: u32 = 64 << 10;
-/// HELLO replies kept for retransmitted HELLOs, per port.
+/// HELLO replies kept for retransmitted HELLOs, per port: one HELLO (peer and the attempt's
+/// `nonce_c`) is answered from here at most `access::HELLO_ANSWERS` times, its repeats past that
+/// dropped. A cached answer lives as long as a challenge is good (`IDLE_EXPIRY` >= the
+/// challenge's 60 s); one pushed out by `MAX_CACHED_HELLOS` others is the registry's to answer
+/// (`Access::claim_attempt`: the same welcome a few times more, else a refusal), never afresh.
 const MAX_CACHED_HELLOS: usize = 4096;
-/// Times one HELLO (peer and the attempt's `nonce_c`) is answered; its repeats past that are
-/// dropped. A cached
-/// answer lives as long as a challenge is good (`IDLE_EXPIRY` >= the challenge's 60 s), so a
-/// replayed final HELLO is not answered afresh once its repeats run out, unless
-/// `MAX_CACHED_HELLOS` other HELLOs push its entry out first (thousands of handshakes of the
-/// attacker's own within that minute).
-const HELLO_ANSWERS: u8 = 8;
 /// A HELLO attempt's `nonce_c` (§12.1).
 type Attempt = [u8; blkwire_wire::AUTH_LEN];
 /// A session with no frame for this long is forgotten (PROTOCOL.md §9.1); the default of
@@ -920,7 +917,7 @@ impl DgramPort {
                     // Answered a few times at most: the final HELLO of an exchange someone on
                     // the path saw can be replayed from the victim's address, and a query's
                     // answer is far larger than the HELLO (§12.5).
-                    if *sent >= HELLO_ANSWERS {
+                    if *sent >= crate::access::HELLO_ANSWERS {
                         return;
                     }
                     *sent += 1;
@@ -944,10 +941,6 @@ impl DgramPort {
                         self.send_frame(r, &nonce, peer);
                     }
                     HelloAnswer::Welcome(p, adm) => {
-                        if p.len() > self.link_payload as usize {
-                            // A query answer too long for one datagram (very many exports).
-                            return self.reply(h, Status::NoMemory, peer);
-                        }
                         // Bounded: a peer that opens and closes sessions in a loop must not grow
                         // this cache (it only spares a retransmitted HELLO a second session).
                         if self.hellos.len() >= MAX_CACHED_HELLOS {
@@ -960,8 +953,12 @@ impl DgramPort {
                                 self.hellos.remove(&k);
                             }
                         }
-                        self.hellos
-                            .insert((peer, hello.auth.nonce_c), (now, p.clone(), 1));
+                        // Not a welcome the registry sent again (no session made now): its
+                        // repeats are the registry's to count.
+                        if adm.is_some() || hello.is_query() {
+                            self.hellos
+                                .insert((peer, hello.auth.nonce_c), (now, p.clone(), 1));
+                        }
                         let mut r = h.reply(Status::Ok, 0);
                         r.credit = self.credit();
                         if let Some(adm) = adm {
@@ -2234,7 +2231,7 @@ mod tests {
         assert_eq!(got[0].0.status, Status::Challenge);
         hello.auth.nonce_s = got[0].1.as_slice().try_into().unwrap();
         let mut welcomed = 0;
-        for i in 0..3 * HELLO_ANSWERS {
+        for i in 0..3 * crate::access::HELLO_ANSWERS {
             hello.nonce = 9 + u64::from(i % 2) * u64::from(i);
             dp.receive(&frame(h, &hello.encode().unwrap()), from);
             welcomed += answers(&peer, false)
@@ -2242,14 +2239,20 @@ mod tests {
                 .filter(|(r, _)| r.status == Status::Ok)
                 .count();
         }
-        assert_eq!(welcomed, HELLO_ANSWERS as usize);
+        assert_eq!(welcomed, crate::access::HELLO_ANSWERS as usize);
         assert_eq!(dp.port.index.len(), 1, "one session, one queue");
         // Replayed to another port of the target (a second UDP listener), whose cache never
-        // saw it: refused, and no session there either.
+        // saw it: the registry sends the same welcome a few times more, then refuses, and no
+        // session is opened there.
         let mut other = dp.sibling().unwrap();
-        other.receive(&frame(h, &hello.encode().unwrap()), from);
-        let got = answers(&peer, true);
-        assert_eq!(got[0].0.status, Status::Access, "{got:?}");
+        let mut statuses = Vec::new();
+        for _ in 0..2 * crate::access::HELLO_ANSWERS {
+            other.receive(&frame(h, &hello.encode().unwrap()), from);
+            statuses.extend(answers(&peer, true).iter().map(|(r, _)| r.status));
+        }
+        let ok = statuses.iter().filter(|s| **s == Status::Ok).count();
+        assert_eq!(ok, crate::access::HELLO_ANSWERS as usize, "{statuses:?}");
+        assert_eq!(statuses.last(), Some(&Status::Access));
         assert!(other.port.index.is_empty(), "no session on the other port");
     }
 

@@ -14,7 +14,7 @@ use blkwire_wire::{
     QueueRef, Status, AUTH_LEN, HEADER_CRC, QUERY_LIST, QUERY_STATS, SESSION_HEADER_CRC,
 };
 
-use crate::access::{Access, Checked, PeerId, Proven};
+use crate::access::{Access, Checked, Claim, PeerId, Proven};
 use crate::budget::{Account, Budget};
 use crate::log::Level;
 use crate::stats::QueueStats;
@@ -446,18 +446,28 @@ impl Registry {
         };
         // One answer per attempt, whichever listener it reaches (§12.1): the final HELLO of
         // an exchange someone saw, sent again from the victim's address to another port or
-        // over TCP, opens no second session.
-        if !self.access.claim_attempt(peer, &h.auth.nonce_c) {
-            let who = h.host_id.escape_debug();
-            self.access.refuse(
-                peer,
-                &format!("host '{who}' sent a HELLO that was answered already (replayed?)"),
-            );
-            return HelloAnswer::Refused(Status::Access);
-        }
+        // over TCP, opens no second session. A repeat gets the same welcome a few times (its
+        // answer may have been lost), then nothing but refusals.
+        let nonce_c = &h.auth.nonce_c;
+        let seq = match self.access.claim_attempt(peer, nonce_c) {
+            Claim::New(seq) => seq,
+            Claim::Answered(Some(welcome)) => return HelloAnswer::Welcome(welcome, None),
+            Claim::Answered(None) => {
+                let who = h.host_id.escape_debug();
+                self.access.refuse(
+                    peer,
+                    &format!("host '{who}' sent a HELLO that was answered already (replayed?)"),
+                );
+                return HelloAnswer::Refused(Status::Access);
+            }
+        };
         let answer = self.answer_hello(h, peer, proven, link, wait_until, stats);
-        if !matches!(answer, HelloAnswer::Welcome(..)) {
-            self.access.release_attempt(peer, &h.auth.nonce_c);
+        match &answer {
+            HelloAnswer::Welcome(reply, Some(_)) => {
+                self.access.attempt_welcomed(peer, nonce_c, seq, reply)
+            }
+            HelloAnswer::Welcome(_, None) => {}
+            _ => self.access.release_attempt(peer, nonce_c, seq),
         }
         answer
     }
@@ -498,6 +508,10 @@ impl Registry {
             };
             let p = prove(&answer);
             answer.extend_from_slice(&p);
+            if link_payload.is_some_and(|l| answer.len() > l as usize) {
+                // Too long for one datagram (very many exports): NO_MEMORY (§11).
+                return HelloAnswer::Refused(Status::NoMemory);
+            }
             return HelloAnswer::Welcome(answer, None);
         }
         let Some(export) = self.permitted(&h.export, host, &peer.addr) else {
