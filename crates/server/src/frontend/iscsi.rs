@@ -419,14 +419,64 @@ pub(crate) fn serial_after(a: u32, b: u32) -> bool {
     a != b && a.wrapping_sub(b) < 1 << 31
 }
 
-/// `len` bytes from `offset` as requests of at most `max` bytes each (`offset`, `len` and `max`
-/// whole blocks), for a range longer than one request may carry.
-fn split(offset: u64, len: u64, max: u32) -> impl Iterator<Item = (u64, u32)> {
-    let max = u64::from(max.max(1));
-    (0..len.div_ceil(max)).map(move |i| {
-        let at = i * max;
-        (offset + at, (len - at).min(max) as u32)
-    })
+/// Parts of a compound command not handed out yet: `len` bytes from `offset`, in requests of at
+/// most `per` bytes made one at a time as the one before is answered. A WRITE SAME of 4 GiB
+/// with a pattern is one run of 4,096 parts, never 4,096 queued requests (about 450 KiB a
+/// connection would keep, outside the memory budget).
+struct Run {
+    kind: Kind,
+    offset: u64,
+    len: u64,
+    per: u32,
+    flags: IoFlags,
+    /// A COPY part's descriptor (a run of one part).
+    desc: Option<CopyDescriptor>,
+    /// The connection target and the cookie of the command, set when the runs are queued.
+    target: u8,
+    cookie: u128,
+}
+
+impl Run {
+    /// `len` bytes from `offset` in parts of at most `per` bytes (`offset`, `len` and `per`
+    /// whole blocks); none for no bytes.
+    fn of(kind: Kind, offset: u64, len: u64, per: u32, flags: IoFlags) -> Option<Run> {
+        (len > 0).then_some(Run {
+            kind,
+            offset,
+            len,
+            per: per.max(1),
+            flags,
+            desc: None,
+            target: 0,
+            cookie: 0,
+        })
+    }
+
+    /// One part of `len` bytes (none for no bytes).
+    fn one(kind: Kind, offset: u64, len: u32, flags: IoFlags) -> Option<Run> {
+        Run::of(kind, offset, len.into(), len, flags)
+    }
+
+    fn parts(&self) -> u64 {
+        self.len.div_ceil(u64::from(self.per))
+    }
+
+    /// Its next part, and the rest.
+    fn take(&mut self) -> (Req, Option<CopyDescriptor>) {
+        let length = self.len.min(u64::from(self.per)) as u32;
+        let req = Req {
+            kind: self.kind,
+            offset: self.offset,
+            length,
+            flags: self.flags,
+            slot: None,
+            target: self.target,
+            cookie: self.cookie,
+        };
+        self.offset += u64::from(length);
+        self.len -= u64::from(length);
+        (req, self.desc.take())
+    }
 }
 
 /// Whether `cdb` is of a command that is split into parts (`Iscsi::run_params`), at once or
@@ -503,7 +553,7 @@ pub struct Iscsi {
     compound: Option<Compound>,
     /// Requests the frontend makes up (parts of UNMAP, WRITE SAME, EXTENDED COPY, the read of
     /// a compare), handed to the reactor one at a time, each after the one before answered.
-    queued: VecDeque<(Req, Option<CopyDescriptor>)>,
+    queued: VecDeque<Run>,
     /// The last request `decode` returned, until the reactor takes it (`taken`): returned
     /// again when the reactor decodes the same message again.
     pending: Option<(Req, usize, usize, usize)>,
@@ -1415,6 +1465,16 @@ impl Iscsi {
         b.encode(&[], &self.d, tx);
     }
 
+    /// The next part of the compound command in progress, if one is left to hand out.
+    fn next_part(&mut self) -> Option<(Req, Option<CopyDescriptor>)> {
+        let run = self.queued.front_mut()?;
+        let part = run.take();
+        if run.len == 0 {
+            self.queued.pop_front();
+        }
+        Some(part)
+    }
+
     /// Runs a command whose parameter list is complete: the requests it becomes are queued.
     fn run_params(
         &mut self,
@@ -1433,7 +1493,7 @@ impl Iscsi {
                 return Decoded::Answered { len };
             }
         };
-        let mut parts: Vec<(Kind, u64, u32, IoFlags, Option<CopyDescriptor>)> = Vec::new();
+        let mut parts: Vec<Run> = Vec::new();
         let mut plan = None;
         match cmd {
             Command::Unmap { .. } => match scsi::parse_unmap(list, &self.lu().info) {
@@ -1442,10 +1502,8 @@ impl Iscsi {
                     // MAXIMUM UNMAP LBA COUNT, are 4 GiB): trims of at most 1 GiB each.
                     for (lba, blocks) in ranges {
                         let (o, l) = self.bytes(lba, blocks);
-                        for (o, l) in split(o, l, ZERO_PART) {
-                            let trim = Kind::Block(BlockOp::Trim);
-                            parts.push((trim, o, l, IoFlags::empty(), None));
-                        }
+                        let trim = Kind::Block(BlockOp::Trim);
+                        parts.extend(Run::of(trim, o, l, ZERO_PART, IoFlags::empty()));
                     }
                 }
                 Err(s) => {
@@ -1475,14 +1533,14 @@ impl Iscsi {
                 // in parts of at most 1 MiB (each is a buffer).
                 let per = if zero { ZERO_PART } else { 1 << 20 };
                 let (o, l) = self.bytes(lba, blocks);
-                for (o, l) in split(o, l, per) {
-                    if zero {
+                let (op, flags) = match zero {
+                    true => {
                         let flags = IoFlags::empty().with(IoFlags::NO_HOLE, !unmap);
-                        parts.push((Kind::Block(BlockOp::WriteZeroes), o, l, flags, None));
-                    } else {
-                        parts.push((Kind::Block(BlockOp::Write), o, l, IoFlags::empty(), None));
+                        (BlockOp::WriteZeroes, flags)
                     }
-                }
+                    false => (BlockOp::Write, IoFlags::empty()),
+                };
+                parts.extend(Run::of(Kind::Block(op), o, l, per, flags));
             }
             Command::Verify { lba, blocks, .. } => {
                 if blocks == 0 {
@@ -1497,7 +1555,7 @@ impl Iscsi {
                     return Decoded::Answered { len };
                 };
                 self.compare = Some((list.to_vec(), None));
-                parts.push((Kind::Block(BlockOp::Read), o, l, IoFlags::empty(), None));
+                parts.extend(Run::one(Kind::Block(BlockOp::Read), o, l, IoFlags::empty()));
             }
             Command::CompareAndWrite { lba, blocks, fua } => {
                 // SBC-4 5.3: the read is compared with the first half; only when it matches is
@@ -1510,13 +1568,19 @@ impl Iscsi {
                     self.response(itt, CHECK_CONDITION, Some(&s), res, tx);
                     return Decoded::Answered { len };
                 };
+                if l == 0 {
+                    // SBC-4 5.3: NUMBER OF LOGICAL BLOCKS zero reads, compares and writes
+                    // nothing, and is no error.
+                    self.response(itt, GOOD, None, res, tx);
+                    return Decoded::Answered { len };
+                }
                 let half = l as usize;
                 self.compare = Some((list[..half].to_vec(), None));
                 self.pattern = Some(list[half..].to_vec());
                 self.hold = Hold::Compare;
-                parts.push((Kind::Block(BlockOp::Read), o, l, IoFlags::empty(), None));
+                parts.extend(Run::one(Kind::Block(BlockOp::Read), o, l, IoFlags::empty()));
                 let flags = IoFlags::empty().with(IoFlags::FUA, fua);
-                parts.push((Kind::Block(BlockOp::Write), o, l, flags, None));
+                parts.extend(Run::one(Kind::Block(BlockOp::Write), o, l, flags));
             }
             Command::PersistentReserveOut {
                 service_action,
@@ -1563,24 +1627,17 @@ impl Iscsi {
             itt,
             target: self.cur as u8,
             residual: res,
-            parts_left: parts.len() as u32,
+            parts_left: parts.iter().map(Run::parts).sum::<u64>() as u32,
             failed: None,
             copy: plan,
         });
-        for (kind, offset, length, flags, desc) in parts {
-            let req = Req {
-                kind,
-                offset,
-                length,
-                flags,
-                slot: None,
-                target: self.cur as u8,
-                cookie: cookie(itt, Residual::None, Reply::Part, 0),
-            };
-            self.queued.push_back((req, desc));
+        let (target, cookie) = (self.cur as u8, cookie(itt, Residual::None, Reply::Part, 0));
+        for mut run in parts {
+            (run.target, run.cookie) = (target, cookie);
+            self.queued.push_back(run);
         }
         // The first part goes with this PDU; the rest come from `queued`, one at a time.
-        let (first, desc) = self.queued.pop_front().expect("one part at least");
+        let (first, desc) = self.next_part().expect("one part at least");
         self.part_running = true;
         self.copy_desc = desc;
         self.request(first, len, 0, 0)
@@ -1626,11 +1683,7 @@ impl Iscsi {
     /// An EXTENDED COPY parameter list as COPY parts: each segment into this LUN from a LUN
     /// this initiator may open, in pieces the session's copy grant allows. RESERVATION
     /// CONFLICT when a source's reservation refuses this nexus a READ of it.
-    fn copy_parts(
-        &self,
-        list: &[u8],
-        parts: &mut Vec<(Kind, u64, u32, IoFlags, Option<CopyDescriptor>)>,
-    ) -> Result<xcopy::Plan, pr::Outcome> {
+    fn copy_parts(&self, list: &[u8], parts: &mut Vec<Run>) -> Result<xcopy::Plan, pr::Outcome> {
         let plan = xcopy::parse(list, &self.xlimits)?;
         // A source other than this LU comes with its reservations.
         let find = |naa: u64| -> Option<(&str, &LunInfo, Option<&PrLu>)> {
@@ -1686,7 +1739,10 @@ impl Iscsi {
                         len: n,
                     }],
                 };
-                parts.push((Kind::Copy, to, n, IoFlags::empty(), Some(desc)));
+                if let Some(mut part) = Run::one(Kind::Copy, to, n, IoFlags::empty()) {
+                    part.desc = Some(desc);
+                    parts.push(part);
+                }
                 from += n as u64;
                 to += n as u64;
                 left -= n as u64;
@@ -2234,7 +2290,7 @@ impl StreamFrontend for Iscsi {
             return Decoded::Need(rx.len().min(BHS_LEN));
         }
         if !self.part_running {
-            if let Some((req, desc)) = self.queued.pop_front() {
+            if let Some((req, desc)) = self.next_part() {
                 self.part_running = true;
                 self.copy_desc = desc;
                 return self.request(req, 0, 0, 0);
@@ -3812,6 +3868,62 @@ mod tests {
             at += u64::from(length);
         }
         assert_eq!(at, 8 << 30, "trimmed up to {at}: {parts:?}");
+    }
+
+    /// A WRITE SAME(16) of a pattern over the most blocks it takes (2^20 - 1 of 4 KiB, nearly
+    /// 4 GiB) is 4,096 WRITE parts of up to 1 MiB, made one at a time as the one before is
+    /// answered: the connection never queues them all (about 450 KiB it kept for its life,
+    /// outside the memory budget).
+    #[test]
+    fn a_write_same_of_4_gib_makes_its_parts_one_at_a_time() {
+        let mut f = fe_4k("8G");
+        let blocks = f.lu().info.max_write_same_blocks;
+        assert_eq!(blocks, (1 << 20) - 1);
+        let mut same = [0u8; 16];
+        same[0] = 0x93;
+        same[2..10].copy_from_slice(&(1u64 << 20).to_be_bytes());
+        same[10..14].copy_from_slice(&(blocks as u32).to_be_bytes());
+        let pattern = vec![7u8; 4096];
+        let pdu = cmd(4, 0, &same, 4096, true, &pattern);
+        let mut tx = Vec::new();
+        let mut d = f.decode(&pdu, &mut tx);
+        let (start, end) = (4u64 << 30, (4u64 << 30) + blocks * 4096);
+        let mut at = start;
+        let mut parts = 0;
+        while let Decoded::Request { req, .. } = d {
+            let want = (end - at).min(1 << 20) as u32;
+            assert_eq!(
+                (req.kind, req.offset, req.length),
+                (Kind::Block(BlockOp::Write), at, want)
+            );
+            assert!(f.queued.len() <= 1, "{} runs queued", f.queued.len());
+            at += u64::from(req.length);
+            parts += 1;
+            f.taken(&req);
+            if f.reply(&req, Status::Ok, &mut tx) {
+                break;
+            }
+            d = f.decode(&[], &mut tx);
+        }
+        assert_eq!((parts, at), (4096, end));
+        assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 4));
+        assert!(f.queued.is_empty() && f.queued.capacity() <= 4);
+    }
+
+    /// COMPARE AND WRITE of no blocks reads, compares and writes nothing and is no error
+    /// (SBC-4 5.3): GOOD at once, and the next command is decoded. It was a READ part of no
+    /// bytes, refused.
+    #[test]
+    fn a_compare_and_write_of_no_blocks_is_good() {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        let d = f.decode(&cmd(3, 0, &caw(0), 0, true, &[]), &mut tx);
+        assert!(matches!(d, Decoded::Answered { .. }));
+        assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 3));
+        tx.clear();
+        let tur = cmd(4, 1, &[0u8; 6], 0, false, &[]);
+        assert!(matches!(f.decode(&tur, &mut tx), Decoded::Answered { .. }));
+        assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 4));
     }
 
     /// RFC 7143 §4.2.2.1: a command past the largest MaxCmdSN sent is outside the window and
