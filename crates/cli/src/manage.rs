@@ -697,13 +697,15 @@ pub fn run_load_config(a: LoadConfigArgs) -> Result<(), String> {
     }
     // A config too large for one request line (the target takes lines of up to 1 MiB) goes
     // by its path instead: the control socket is local, so the target reads the same file.
-    let params = if text.len() + 256 < blkwire_server::MAX_RPC_REQUEST {
-        json!({ "config": config })
+    // Measured as sent (compact JSON), not as written (`save-config` indents).
+    let inline = json!({ "config": config });
+    let params = if inline.to_string().len() + 256 < blkwire_server::MAX_RPC_REQUEST {
+        inline
     } else if !std::fs::metadata(&a.file).is_ok_and(|m| m.is_file()) {
-        // Read from a pipe, it cannot be read again by the target.
+        // Read from a pipe or a device, it cannot be read again by the target.
         return Err(format!(
-            "{file}: a config of more than 1 MiB goes to the target by its path, so it must be \
-             a regular file, not a pipe"
+            "{file}: a config too large for one request line (1 MiB) goes to the target by \
+             its path, so it must be a regular file (not a pipe)"
         ));
     } else {
         let path = std::fs::canonicalize(&a.file).map_err(|e| format!("{file}: {e}"))?;

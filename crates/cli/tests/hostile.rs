@@ -759,6 +759,54 @@ fn an_iscsi_login_sets_room_for_a_parameter_list_aside() {
     drop(raw);
 }
 
+/// iSCSI logins past what the memory budget holds (each its buffers and its parameter list's
+/// room) are refused with OUT OF RESOURCES, and a refused login leaves nothing charged: the
+/// budget's use is what the logins admitted hold.
+#[test]
+fn iscsi_logins_beyond_the_memory_budget_are_refused_and_leave_nothing() {
+    use blkwire_wire::iscsi::Digests;
+    use common::iscsi_host;
+    let (t, urls) = Target::start_listeners(
+        &["m=mem:1M"],
+        &["--max-memory", "64M", "--listen", "iscsi://127.0.0.1:0"],
+    );
+    let addr = iscsi_host::iscsi_listener(&urls);
+    let used = || {
+        let (ok, out, err) = common::cli(&["stats", &t.base, "--json"]);
+        assert!(ok, "stats: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v["memory"]["used"]
+            .as_u64()
+            .expect("memory.used in stats --json")
+    };
+    let mut open = Vec::new();
+    let mut before = used();
+    let refused = loop {
+        let initiator = format!("iqn.2026-11.test:{}", open.len());
+        match iscsi_host::try_login(
+            addr,
+            "iqn.2026-11.io.blkwire:m",
+            &initiator,
+            Digests::default(),
+        ) {
+            Ok(c) => open.push(c),
+            Err(status) => break status,
+        }
+        assert!(open.len() < 64, "64 iSCSI logins in a 64 MiB budget");
+        before = used();
+    };
+    assert_eq!(refused, 0x0302, "OUT OF RESOURCES");
+    assert!(open.len() >= 4, "only {} logins", open.len());
+    assert!(before <= 64 << 20, "{before} bytes used of 64 MiB");
+    assert_eq!(used(), before, "the refused login left something charged");
+    // Each holds its buffers and 1 MiB for its list: well under 64 MiB / 3.3 MiB of them.
+    assert!(
+        before >= open.len() as u64 * (1 << 20) * 4,
+        "{} logins hold {before} bytes",
+        open.len()
+    );
+}
+
 /// `--max-connections-per-host` and `--max-connections`: connections past either are closed
 /// when accepted (these sit in their handshake, which is what a flood looks like), others
 /// from other addresses are still taken, and a place frees when a connection closes.

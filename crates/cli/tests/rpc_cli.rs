@@ -104,6 +104,49 @@ fn a_socket_nobody_serves_is_called_stale() {
     );
 }
 
+/// A thread writing `text` into the FIFO `fifo` for a reader to come.
+struct FifoWriter {
+    fifo: std::path::PathBuf,
+    thread: std::thread::JoinHandle<()>,
+    wrote: std::sync::mpsc::Receiver<()>,
+}
+
+fn fifo_writer(fifo: &std::path::Path, text: String) -> FifoWriter {
+    let (tx, wrote) = std::sync::mpsc::channel();
+    let path = fifo.to_path_buf();
+    let thread = std::thread::spawn(move || {
+        if std::fs::write(path, text).is_ok() {
+            let _ = tx.send(());
+        }
+    });
+    FifoWriter {
+        fifo: fifo.to_path_buf(),
+        thread,
+        wrote,
+    }
+}
+
+impl FifoWriter {
+    /// Once the reader ran: fails if it never read all of it, and never hangs (a writer still
+    /// waiting for a reader is let go).
+    fn finish(self) {
+        let wrote = self
+            .wrote
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .is_ok();
+        if !wrote {
+            use std::os::unix::fs::OpenOptionsExt;
+            let _reader = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(&self.fifo);
+            drop(_reader);
+        }
+        self.thread.join().unwrap();
+        assert!(wrote, "the CLI did not read all of {}", self.fifo.display());
+    }
+}
+
 #[test]
 fn load_config_checks_its_file_before_connecting() {
     let d = TempDir::new("rpc-load");
@@ -142,34 +185,31 @@ fn load_config_checks_its_file_before_connecting() {
             &format!("cannot read {file}: larger than 16 MiB"),
         );
     }
-    // A pipe (`load-config <(...)`) is read like a file.
+    // A pipe (`load-config <(...)`) is read like a file; `save-config`'s indented form is
+    // measured as it is sent (compact), so one over 1 MiB as written still goes inline.
     let fifo = d.path("fifo.json");
     let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
     // SAFETY: `c` is a NUL-terminated path that outlives the call.
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
-    let writer = {
-        let fifo = fifo.clone();
-        std::thread::spawn(move || std::fs::write(fifo, "[]"))
-    };
-    assert_one_line_error(
-        &["load-config", fifo.to_str().unwrap(), "--socket", socket],
-        "no control socket at",
-    );
-    writer.join().unwrap().unwrap();
-    // One over a request line (1 MiB) goes to the target by its path, which a pipe has not.
-    let big = format!(
-        "[{}]",
-        vec![r#"{"method":"export_list"}"#; 50_000].join(",")
-    );
-    let writer = {
-        let fifo = fifo.clone();
-        std::thread::spawn(move || std::fs::write(fifo, big))
-    };
-    assert_one_line_error(
-        &["load-config", fifo.to_str().unwrap(), "--socket", socket],
-        "must be a regular file, not a pipe",
-    );
-    writer.join().unwrap().unwrap();
+    let calls = |n: usize| vec![serde_json::json!({"method": "export_list", "params": {}}); n];
+    let indented = serde_json::to_string_pretty(&calls(25_000)).unwrap();
+    assert!(indented.len() > 1 << 20);
+    // One over a request line (1 MiB) however written goes to the target by its path, which
+    // a pipe has not.
+    let big = serde_json::to_string(&calls(40_000)).unwrap();
+    assert!(big.len() > 1 << 20);
+    for (text, said) in [
+        ("[]".to_string(), "no control socket at"),
+        (indented, "no control socket at"),
+        (big, "must be a regular file (not a pipe)"),
+    ] {
+        let wrote = fifo_writer(&fifo, text);
+        assert_one_line_error(
+            &["load-config", fifo.to_str().unwrap(), "--socket", socket],
+            said,
+        );
+        wrote.finish();
+    }
     // A good file gets as far as the socket.
     let good = d.path("good.json");
     std::fs::write(&good, "[]").unwrap();

@@ -1,6 +1,7 @@
 //! The memory budget (`serve --max-memory`): what connection and session buffers may hold in
 //! total (receive and transmit buffers, data buffers of requests in flight, spare pool buffers,
-//! datagram slot buffers).
+//! datagram slot buffers), and what is set aside for other memory a peer can make the target
+//! hold ([`Reservation`]: an iSCSI connection's parameter list).
 //!
 //! A [`Budget`] is a counter with a limit; a session's budget is a child of the target's, so a
 //! charge must fit both (the per-session share). An [`Account`] is what one connection (or

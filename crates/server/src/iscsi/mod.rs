@@ -984,6 +984,19 @@ fn finish<S: Read + Write>(
         peer: &peer_s,
     };
     let max_io = registry.limits().max_io;
+    // The room for the parameter list the connection may collect, which waits for its data
+    // as long as the initiator likes: set aside first (no session is made, to be left again,
+    // for a login the budget cannot take), or the login is refused.
+    let Some(list_room) = Reservation::new(registry.budget(), LIST_ROOM) else {
+        crate::log!(
+            Level::Info,
+            "{peer_s}: iSCSI initiator '{who}': refused: no room in the memory budget for its \
+             parameter list ({} KiB; serve --max-memory)",
+            LIST_ROOM >> 10
+        );
+        l.respond(s, refuse_flags, status::OUT_OF_RESOURCES, 0, &[])?;
+        return None;
+    };
     // One session per LUN, each admitted as if it were the only one: the export's session
     // limits, memory floor and rules apply to each.
     let mut admitted: Vec<Admitted> = Vec::with_capacity(luns.len());
@@ -1014,19 +1027,6 @@ fn finish<S: Read + Write>(
             }
         }
     }
-    // The room for the parameter list the connection may collect, which waits for its data
-    // as long as the initiator likes: reserved now, or the login is refused like a session the
-    // budget cannot hold.
-    let Some(list_room) = Reservation::new(registry.budget(), LIST_ROOM) else {
-        crate::log!(
-            Level::Info,
-            "{peer_s}: iSCSI initiator '{who}': refused: {}",
-            blkwire_wire::Status::NoMemory
-        );
-        leave_all(&admitted);
-        l.respond(s, flags & 0x0c, status::OUT_OF_RESOURCES, 0, &[])?;
-        return None;
-    };
     // TSIH: never 0 (§11.12.6); the first session id's low bits identify it in logs.
     let tsih = (admitted[0].session as u16).max(1);
     // Recorded before the answer, so that a control call changing the target meanwhile either
