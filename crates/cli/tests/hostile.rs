@@ -714,6 +714,16 @@ fn sessions_beyond_the_memory_budget_are_refused() {
     );
 }
 
+/// The bytes of its memory budget the target holds now (`stats --json`'s memory.used).
+fn memory_used(t: &Target) -> u64 {
+    let (ok, out, err) = common::cli(&["stats", &t.base, "--json"]);
+    assert!(ok, "stats: {err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    v["memory"]["used"]
+        .as_u64()
+        .expect("memory.used in stats --json")
+}
+
 /// An iSCSI connection may hold a parameter list of up to 1 MiB waiting for its data as long as
 /// the initiator likes: its login sets room for it aside in the memory budget, on top of the
 /// buffers every stream connection reserves (an NBD connection's here). `stats --json`'s
@@ -732,14 +742,7 @@ fn an_iscsi_login_sets_room_for_a_parameter_list_aside() {
             "iscsi://127.0.0.1:0",
         ],
     );
-    let used = || {
-        let (ok, out, err) = common::cli(&["stats", &t.base, "--json"]);
-        assert!(ok, "stats: {err}");
-        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        v["memory"]["used"]
-            .as_u64()
-            .expect("memory.used in stats --json")
-    };
+    let used = || memory_used(&t);
     let idle = used();
     let nbd = urls[1].trim_start_matches("nbd://");
     let (raw, _, _) = Raw::go(nbd, "m", false, false);
@@ -771,14 +774,7 @@ fn iscsi_logins_beyond_the_memory_budget_are_refused_and_leave_nothing() {
         &["--max-memory", "64M", "--listen", "iscsi://127.0.0.1:0"],
     );
     let addr = iscsi_host::iscsi_listener(&urls);
-    let used = || {
-        let (ok, out, err) = common::cli(&["stats", &t.base, "--json"]);
-        assert!(ok, "stats: {err}");
-        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        v["memory"]["used"]
-            .as_u64()
-            .expect("memory.used in stats --json")
-    };
+    let used = || memory_used(&t);
     let mut open = Vec::new();
     let mut before = used();
     let refused = loop {
