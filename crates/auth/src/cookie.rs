@@ -80,7 +80,17 @@ impl Challenger {
         nonce_c: &[u8; LEN],
         nonce_s: &[u8; LEN],
     ) -> bool {
-        let now = self.epoch();
+        self.check_in(self.epoch(), purpose, (address, nonce_c), nonce_s)
+    }
+
+    /// [`Challenger::check`] in epoch `now`.
+    fn check_in(
+        &self,
+        now: u64,
+        purpose: Purpose,
+        (address, nonce_c): (&[u8], &[u8; LEN]),
+        nonce_s: &[u8; LEN],
+    ) -> bool {
         [now, now.saturating_sub(1)]
             .iter()
             .any(|e| crate::proof::same(&self.at(*e, purpose, address, nonce_c), nonce_s))
@@ -146,18 +156,13 @@ mod tests {
             "other target"
         );
         assert!(!c.check(HELLO, b"10.0.0.1:5", &n, &[0u8; 32]), "zeros");
-        // Started three epochs ago: a challenge of the last epoch is good, of the one before
-        // it expired.
-        let back = std::time::Duration::from_secs(3 * EPOCH_SECS);
-        let c = Challenger {
-            start: Instant::now().checked_sub(back).expect("up for 90 s"),
-            ..Challenger::new()
-        };
-        assert_eq!(c.epoch(), 4);
-        let last = c.at(3, HELLO, b"10.0.0.1:5", &n);
-        assert!(c.check(HELLO, b"10.0.0.1:5", &n, &last), "the last epoch's");
-        let old = c.at(2, HELLO, b"10.0.0.1:5", &n);
-        assert!(!c.check(HELLO, b"10.0.0.1:5", &n, &old), "expired");
+        // A challenge of epoch 2 is good in epochs 2 and 3, not in 4.
+        let a = (&b"10.0.0.1:5"[..], &n);
+        let issued = c.at(2, HELLO, a.0, a.1);
+        assert!(c.check_in(2, HELLO, a, &issued) && c.check_in(3, HELLO, a, &issued));
+        assert!(!c.check_in(4, HELLO, a, &issued), "expired");
+        // Epochs count from the challenger's start, on the monotonic clock.
+        assert_eq!(c.epoch(), 1);
     }
 
     fn bytes(addr: crate::PeerAddr, port: u16) -> Vec<u8> {

@@ -764,7 +764,8 @@ fn an_iscsi_login_sets_room_for_a_parameter_list_aside() {
 
 /// iSCSI logins past what the memory budget holds (each its buffers and its parameter list's
 /// room) are refused with OUT OF RESOURCES, and a refused login leaves nothing charged: the
-/// budget's use is what the logins admitted hold.
+/// budget's use is what the logins admitted hold. (Which of the two a login runs out of first
+/// depends on the sizes; with these, the buffers.)
 #[test]
 fn iscsi_logins_beyond_the_memory_budget_are_refused_and_leave_nothing() {
     use blkwire_wire::iscsi::Digests;

@@ -127,9 +127,10 @@ struct Answered {
     /// The claim that made it: a release gives back only its own claim, never a newer one of
     /// the same attempt (after the older was forgotten for room).
     seq: u64,
-    /// A new session's welcome, sent again for the attempt's repeats (a query's answer is not
-    /// kept: it may be large, and a query can simply be asked again).
-    welcome: Option<Vec<u8>>,
+    /// A new datagram session's welcome and the session, sent again for the attempt's repeats
+    /// while that session lasts (a query's answer is not kept: it may be large, and a query
+    /// can simply be asked again; nor is a stream's, which cannot lose it).
+    welcome: Option<(Vec<u8>, u32)>,
     /// Repeats answered with `welcome`.
     repeats: u8,
 }
@@ -137,11 +138,11 @@ struct Answered {
 /// The HELLO attempts this target answered with a session or a query's answer, for as long as
 /// their challenge is good (§12.1), whichever listener or transport they came by: the same
 /// final HELLO again opens no second session. A session's welcome is sent again, at most
-/// `HELLO_ANSWERS` times (a datagram port answers retransmissions from its own cache first,
-/// but may have pushed the attempt out of it); anything else is refused. Bounded: at most
-/// `MAX_ATTEMPTS` (a welcome is a HELLO reply, about 100 bytes), the oldest forgotten first,
-/// so a replay gets through only after that many handshakes of others within the challenge's
-/// life.
+/// `HELLO_ANSWERS` times while its session lasts (a datagram port answers retransmissions from
+/// its own cache first, but may have pushed the attempt out of it); anything else is refused.
+/// Bounded: at most `MAX_ATTEMPTS` (a welcome is a HELLO reply, about 100 bytes: at most about
+/// 3 MiB in all, outside the memory budget but fixed), the oldest forgotten first, so a replay
+/// gets through only after that many handshakes of others within the challenge's life.
 #[derive(Default)]
 struct Attempts {
     answered: std::collections::HashMap<AttemptKey, Answered>,
@@ -155,9 +156,9 @@ struct Attempts {
 pub enum Claim {
     /// Not answered before: answer it, then `welcomed` or `release_attempt` with this claim.
     New(u64),
-    /// Answered before: send this welcome again, or refuse if there is none (a query's, or
-    /// repeated too often).
-    Answered(Option<Vec<u8>>),
+    /// Answered before: send this welcome again if its session (the `u32`) still lasts, or
+    /// refuse if there is none (a query's, a stream's, or repeated too often).
+    Answered(Option<(Vec<u8>, u32)>),
 }
 
 impl Attempts {
@@ -189,10 +190,10 @@ impl Attempts {
         Claim::New(seq)
     }
 
-    /// Claim `seq` of `key` opened a session welcomed with `reply`.
-    fn welcomed(&mut self, key: AttemptKey, seq: u64, reply: &[u8]) {
+    /// Claim `seq` of `key` opened datagram session `session`, welcomed with `reply`.
+    fn welcomed(&mut self, key: AttemptKey, seq: u64, reply: &[u8], session: u32) {
         if let Some(a) = self.answered.get_mut(&key).filter(|a| a.seq == seq) {
-            a.welcome = Some(reply.to_vec());
+            a.welcome = Some((reply.to_vec(), session));
         }
     }
 
@@ -228,15 +229,17 @@ impl Access {
             .claim((*peer, *attempt), std::time::Instant::now())
     }
 
-    /// Claim `seq` (`Claim::New`) of this attempt opened a session welcomed with `reply`.
+    /// Claim `seq` (`Claim::New`) of this attempt opened datagram session `session`, welcomed
+    /// with `reply`.
     pub fn attempt_welcomed(
         &self,
-        peer: &PeerId,
-        attempt: &[u8; proof::LEN],
+        (peer, attempt): (&PeerId, &[u8; proof::LEN]),
         seq: u64,
         reply: &[u8],
+        session: u32,
     ) {
-        self.attempts().welcomed((*peer, *attempt), seq, reply);
+        self.attempts()
+            .welcomed((*peer, *attempt), seq, reply, session);
     }
 
     /// Gives back claim `seq` of this attempt: its HELLO got no answer after all.
@@ -465,11 +468,11 @@ mod tests {
         let Claim::New(seq) = a.claim((peer, [1; 32]), now) else {
             panic!("a new attempt");
         };
-        a.welcomed((peer, [1; 32]), seq, b"welcome");
+        a.welcomed((peer, [1; 32]), seq, b"welcome", 7);
         for _ in 0..HELLO_ANSWERS {
             assert_eq!(
                 a.claim((peer, [1; 32]), now),
-                Claim::Answered(Some(b"welcome".to_vec()))
+                Claim::Answered(Some((b"welcome".to_vec(), 7)))
             );
         }
         assert_eq!(a.claim((peer, [1; 32]), now), Claim::Answered(None));

@@ -941,21 +941,22 @@ impl DgramPort {
                         self.send_frame(r, &nonce, peer);
                     }
                     HelloAnswer::Welcome(p, adm) => {
-                        // Bounded: a peer that opens and closes sessions in a loop must not grow
-                        // this cache (it only spares a retransmitted HELLO a second session).
-                        if self.hellos.len() >= MAX_CACHED_HELLOS {
-                            let oldest = self
-                                .hellos
-                                .iter()
-                                .min_by_key(|(_, (t, _, _))| *t)
-                                .map(|(k, _)| *k);
-                            if let Some(k) = oldest {
-                                self.hellos.remove(&k);
-                            }
-                        }
                         // Not a welcome the registry sent again (no session made now): its
-                        // repeats are the registry's to count.
+                        // repeats are the registry's to count, and it pushes nothing out.
                         if adm.is_some() || hello.is_query() {
+                            // Bounded: a peer that opens and closes sessions in a loop must not
+                            // grow this cache (it only spares a retransmitted HELLO a second
+                            // session).
+                            if self.hellos.len() >= MAX_CACHED_HELLOS {
+                                let oldest = self
+                                    .hellos
+                                    .iter()
+                                    .min_by_key(|(_, (t, _, _))| *t)
+                                    .map(|(k, _)| *k);
+                                if let Some(k) = oldest {
+                                    self.hellos.remove(&k);
+                                }
+                            }
                             self.hellos
                                 .insert((peer, hello.auth.nonce_c), (now, p.clone(), 1));
                         }

@@ -446,13 +446,16 @@ impl Registry {
         };
         // One answer per attempt, whichever listener it reaches (§12.1): the final HELLO of
         // an exchange someone saw, sent again from the victim's address to another port or
-        // over TCP, opens no second session. A repeat gets the same welcome a few times (its
-        // answer may have been lost), then nothing but refusals.
+        // over TCP, opens no second session. A repeat over datagrams gets the same welcome a
+        // few times while its session lasts (the answer may have been lost), then nothing but
+        // refusals.
         let nonce_c = &h.auth.nonce_c;
         let seq = match self.access.claim_attempt(peer, nonce_c) {
             Claim::New(seq) => seq,
-            Claim::Answered(Some(welcome)) => return HelloAnswer::Welcome(welcome, None),
-            Claim::Answered(None) => {
+            Claim::Answered(Some((welcome, session))) if !self.is_revoked(session) => {
+                return HelloAnswer::Welcome(welcome, None)
+            }
+            Claim::Answered(_) => {
                 let who = h.host_id.escape_debug();
                 self.access.refuse(
                     peer,
@@ -463,10 +466,10 @@ impl Registry {
         };
         let answer = self.answer_hello(h, peer, proven, link, wait_until, stats);
         match &answer {
-            HelloAnswer::Welcome(reply, Some(_)) => {
-                self.access.attempt_welcomed(peer, nonce_c, seq, reply)
-            }
-            HelloAnswer::Welcome(_, None) => {}
+            HelloAnswer::Welcome(reply, Some(adm)) if link.0.is_some() => self
+                .access
+                .attempt_welcomed((peer, nonce_c), seq, reply, adm.session),
+            HelloAnswer::Welcome(..) => {}
             _ => self.access.release_attempt(peer, nonce_c, seq),
         }
         answer

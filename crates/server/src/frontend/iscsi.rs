@@ -1568,12 +1568,6 @@ impl Iscsi {
                     self.response(itt, CHECK_CONDITION, Some(&s), res, tx);
                     return Decoded::Answered { len };
                 };
-                if l == 0 {
-                    // SBC-4 5.3: NUMBER OF LOGICAL BLOCKS zero reads, compares and writes
-                    // nothing, and is no error.
-                    self.response(itt, GOOD, None, res, tx);
-                    return Decoded::Answered { len };
-                }
                 let half = l as usize;
                 self.compare = Some((list[..half].to_vec(), None));
                 self.pattern = Some(list[half..].to_vec());
@@ -3911,8 +3905,8 @@ mod tests {
     }
 
     /// COMPARE AND WRITE of no blocks reads, compares and writes nothing and is no error
-    /// (SBC-4 5.3): GOOD at once, and the next command is decoded. It was a READ part of no
-    /// bytes, refused.
+    /// (SBC-4 5.3): GOOD at once (`scsi_command`, before any list is collected), and the next
+    /// command is decoded: no part of no bytes, nor a hold, is left behind.
     #[test]
     fn a_compare_and_write_of_no_blocks_is_good() {
         let mut f = fe(65536);

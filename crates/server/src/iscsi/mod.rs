@@ -1017,6 +1017,10 @@ fn finish<S: Read + Write>(
                     "{peer_s}: iSCSI initiator '{who}': refused: {st}"
                 );
                 leave_all(&admitted);
+                // What the login held goes back before it is answered: a login right after
+                // the refusal finds the budget as it was.
+                drop(std::mem::take(&mut admitted));
+                drop(list_room);
                 // ACCESS: the secret CHAP proved was replaced or removed since.
                 let code = match st {
                     blkwire_wire::Status::Access => status::AUTH_FAILED,
@@ -1061,6 +1065,7 @@ fn finish<S: Read + Write>(
             target.escape_debug()
         );
         leave_all(&admitted);
+        drop((admitted, list_room));
         l.respond(s, refuse_flags, status::FORBIDDEN, 0, &[])?;
         return None;
     }

@@ -346,46 +346,76 @@ mod replacement {
     }
 
     /// One attempt opens one session, whichever listener or transport its final HELLO reaches
-    /// (a replay from the sender's address to another port, or over TCP): sent again it gets
-    /// the same welcome a few times, then refusals, and opens nothing. An attempt refused for something else (an export not there
+    /// (a replay from the sender's address to another port, or over TCP): sent again it opens
+    /// nothing; over datagrams it gets the same welcome a few times while its session lasts,
+    /// then refusals. An attempt refused for something else (an export not there
     /// yet, a queue it replaces still closing) may be sent again.
     #[test]
     fn an_attempt_opens_one_session() {
         let (reg, _closed) = registry();
         let peer = PeerId::ip("127.0.0.1:5000".parse().unwrap());
-        let ask = |h: &Hello| reg.hello(h, &peer, (None, false), None, &Vec::new);
-        let through_challenge = |mut h: Hello| {
-            let HelloAnswer::Challenge(n) = ask(&h) else {
+        let ask = |h: &Hello, link| reg.hello(h, &peer, link, None, &Vec::new);
+        let through_challenge = |mut h: Hello, link| {
+            let HelloAnswer::Challenge(n) = ask(&h, link) else {
                 panic!("a first HELLO is challenged");
             };
             h.auth.nonce_s = n;
             h
         };
-        let h = through_challenge(hello("h", 1, None));
-        let HelloAnswer::Welcome(welcome, Some(_)) = ask(&h) else {
+        let (stream, datagram) = ((None, false), (Some(super::LINK), true));
+        // Over a stream, which cannot lose an answer, a repeat is refused at once.
+        let h = through_challenge(hello("h", 1, None), stream);
+        assert!(matches!(ask(&h, stream), HelloAnswer::Welcome(_, Some(_))));
+        let before = reg.sessions().len();
+        assert!(matches!(
+            ask(&h, stream),
+            HelloAnswer::Refused(Status::Access)
+        ));
+        assert_eq!(reg.sessions().len(), before, "no second session");
+        // Over datagrams, its repeats get the same welcome a few times (its answer may have
+        // been lost) and open nothing; then they are refused.
+        let mut d = hello("h", 1, None);
+        (d.frame_payload, d.auth.datagram) = (super::LINK, true);
+        let d = through_challenge(d, datagram);
+        let HelloAnswer::Welcome(welcome, Some(_adm)) = ask(&d, datagram) else {
             panic!("a session");
         };
         let before = reg.sessions().len();
-        // Its repeats get the same welcome a few times (its answer may have been lost), and
-        // open nothing; then they are refused.
         for _ in 0..crate::access::HELLO_ANSWERS {
-            let HelloAnswer::Welcome(again, None) = ask(&h) else {
+            let HelloAnswer::Welcome(again, None) = ask(&d, datagram) else {
                 panic!("the same welcome again");
             };
             assert_eq!(again, welcome);
         }
-        assert!(matches!(ask(&h), HelloAnswer::Refused(Status::Access)));
+        assert!(matches!(
+            ask(&d, datagram),
+            HelloAnswer::Refused(Status::Access)
+        ));
         assert_eq!(reg.sessions().len(), before, "no second session");
+        // Once the session has ended, not even a first repeat gets its welcome.
+        let mut e = hello("h", 1, None);
+        (e.frame_payload, e.auth.datagram) = (super::LINK, true);
+        let e = through_challenge(e, datagram);
+        let HelloAnswer::Welcome(_, Some(ended)) = ask(&e, datagram) else {
+            panic!("a session");
+        };
+        reg.leave(ended.session, 0, &QueueStats::default());
+        assert!(reg.is_revoked(ended.session), "gone");
+        assert!(matches!(
+            ask(&e, datagram),
+            HelloAnswer::Refused(Status::Access)
+        ));
+        // One refused for something else may be sent again.
         let mut later = hello("h", 1, None);
         later.export = "b".into();
-        let later = through_challenge(later);
+        let later = through_challenge(later, stream);
         assert!(matches!(
-            ask(&later),
+            ask(&later, stream),
             HelloAnswer::Refused(Status::NoExport)
         ));
         reg.add_export(blkwire_backend::ExportSpec::parse("b=mem:1M").unwrap())
             .unwrap();
-        assert!(matches!(ask(&later), HelloAnswer::Welcome(..)));
+        assert!(matches!(ask(&later, stream), HelloAnswer::Welcome(..)));
     }
 
     #[test]
