@@ -54,6 +54,7 @@
 //!   stream is still in step, and the connection is closed where it is not (header digest,
 //!   data digest of Data-Out, oversized data segment).
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 
 use blkwire_backend::CopyRange;
@@ -97,8 +98,8 @@ const TARGET_PORT: u16 = 1;
 const MAX_PARAMS: u32 = 1 << 20;
 /// What a connection sets aside in the memory budget at login for the parameter list it
 /// collects ([`IscsiSetup::list_room`]): one list at a time, held in a buffer of exactly its
-/// length, or what its command keeps of it while it runs (`compare`, `pattern`), never both
-/// past the decode that makes one from the other. The list waits for its data as long as the
+/// length, or what its command keeps of it while it runs (`compare`, `pattern`: the list
+/// itself, or made from it within the one decode that drops it). The list waits for its data as long as the
 /// initiator likes, so its room is reserved rather than taken from the connection's buffers:
 /// it never waits for memory, nor does anything decoded behind it wait for the list's.
 pub const LIST_ROOM: usize = MAX_PARAMS as usize;
@@ -1254,7 +1255,7 @@ impl Iscsi {
             }
             Command::WriteSame { blocks, ndob, .. } => {
                 if ndob {
-                    return self.run_params(itt, &c.cdb, c.edtl, &[], len, tx);
+                    return self.run_params(itt, &c.cdb, c.edtl, Cow::Borrowed(&[]), len, tx);
                 }
                 let want = self.lu().info.block_size;
                 let _ = blocks;
@@ -1403,7 +1404,8 @@ impl Iscsi {
         }
         let have = immediate.len().min(want as usize);
         if have as u32 == want {
-            return self.run_params(itt, cdb, edtl, &immediate[..have], len, tx);
+            let list = Cow::Borrowed(&immediate[..have]);
+            return self.run_params(itt, cdb, edtl, list, len, tx);
         }
         let mut p = Params {
             itt,
@@ -1481,7 +1483,7 @@ impl Iscsi {
         itt: u32,
         cdb: &[u8; 16],
         edtl: u32,
-        list: &[u8],
+        list: Cow<'_, [u8]>,
         len: usize,
         tx: &mut Vec<u8>,
     ) -> Decoded {
@@ -1496,7 +1498,7 @@ impl Iscsi {
         let mut parts: Vec<Run> = Vec::new();
         let mut plan = None;
         match cmd {
-            Command::Unmap { .. } => match scsi::parse_unmap(list, &self.lu().info) {
+            Command::Unmap { .. } => match scsi::parse_unmap(&list, &self.lu().info) {
                 Ok(ranges) => {
                     // A descriptor may cover more than a request carries (2^20 blocks of 4 KiB,
                     // MAXIMUM UNMAP LBA COUNT, are 4 GiB): trims of at most 1 GiB each.
@@ -1554,7 +1556,8 @@ impl Iscsi {
                     self.response(itt, CHECK_CONDITION, Some(&s), res, tx);
                     return Decoded::Answered { len };
                 };
-                self.compare = Some((list.to_vec(), None));
+                // The list itself, not a copy: it is all of what the connection holds of it.
+                self.compare = Some((list.into_owned(), None));
                 parts.extend(Run::one(Kind::Block(BlockOp::Read), o, l, IoFlags::empty()));
             }
             Command::CompareAndWrite { lba, blocks, fua } => {
@@ -1569,8 +1572,12 @@ impl Iscsi {
                     return Decoded::Answered { len };
                 };
                 let half = l as usize;
-                self.compare = Some((list[..half].to_vec(), None));
-                self.pattern = Some(list[half..].to_vec());
+                // Its halves, never both a copy and the whole at once past half of it.
+                let mut first = list.into_owned();
+                self.pattern = Some(first[half..].to_vec());
+                first.truncate(half);
+                first.shrink_to_fit();
+                self.compare = Some((first, None));
                 self.hold = Hold::Compare;
                 parts.extend(Run::one(Kind::Block(BlockOp::Read), o, l, IoFlags::empty()));
                 let flags = IoFlags::empty().with(IoFlags::FUA, fua);
@@ -1581,8 +1588,8 @@ impl Iscsi {
                 scope,
                 kind,
                 ..
-            } => return self.reserve_out(itt, (service_action, scope, kind), list, res, len, tx),
-            Command::ExtendedCopy { .. } => match self.copy_parts(list, &mut parts) {
+            } => return self.reserve_out(itt, (service_action, scope, kind), &list, res, len, tx),
+            Command::ExtendedCopy { .. } => match self.copy_parts(&list, &mut parts) {
                 Ok(p) => plan = Some((p, 0)),
                 Err(pr::Outcome::Sense(s)) => {
                     self.response(itt, CHECK_CONDITION, Some(&s), res, tx);
@@ -1789,7 +1796,7 @@ impl Iscsi {
                 self.response(p.itt, CHECK_CONDITION, Some(&s), res, tx);
                 return Decoded::Answered { len };
             }
-            return self.run_params(p.itt, &p.cdb, p.edtl, &list, len, tx);
+            return self.run_params(p.itt, &p.cdb, p.edtl, Cow::Owned(list), len, tx);
         }
         self.params = Some(p);
         if ended {
