@@ -213,7 +213,7 @@ pub(crate) fn hello_exchange(
     attempt: &mut Attempt,
     mut send: impl FnMut(Tag, &[u8]) -> Result<(Header, Vec<u8>)>,
 ) -> Result<(Header, Vec<u8>)> {
-    // A challenge may expire between the two HELLOs (a slow link, a target clock step): one
+    // A challenge may expire between the two HELLOs (a slow link, an epoch boundary): one
     // fresh challenge is answered once more, then the target is judged broken.
     for round in 1..=3 {
         let (r, p) = send(Tag::new(0, round), &attempt.payload())?;

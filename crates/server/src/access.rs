@@ -140,9 +140,10 @@ struct Answered {
 /// final HELLO again opens no second session. A session's welcome is sent again, at most
 /// `HELLO_ANSWERS` times while its session lasts (a datagram port answers retransmissions from
 /// its own cache first, but may have pushed the attempt out of it); anything else is refused.
-/// Bounded: at most `MAX_ATTEMPTS` (a welcome is a HELLO reply, about 100 bytes: at most about
-/// 3 MiB in all, outside the memory budget but fixed), the oldest forgotten first, so a replay
-/// gets through only after that many handshakes of others within the challenge's life.
+/// Bounded: at most `MAX_ATTEMPTS` (with a welcome, a HELLO reply of about 100 bytes, each:
+/// some 6 to 8 MiB in all, outside the memory budget but fixed), the oldest forgotten first,
+/// so a replay gets through only after that many handshakes of others within the challenge's
+/// life.
 #[derive(Default)]
 struct Attempts {
     answered: std::collections::HashMap<AttemptKey, Answered>,

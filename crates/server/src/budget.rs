@@ -113,23 +113,23 @@ impl Budget {
 /// connection buffer and must never wait for room once its owner exists (an iSCSI connection's
 /// parameter list: [`crate::frontend::iscsi`]). Given back when dropped.
 #[derive(Debug)]
-pub struct Reservation(Account);
+pub struct Reservation {
+    /// Charged for as long as the reservation lives; given back when it drops.
+    _held: Account,
+}
 
 impl Reservation {
     /// Sets `bytes` aside in `budget`; `None` when it cannot spare them.
     pub fn new(budget: &Arc<Budget>, bytes: usize) -> Option<Reservation> {
-        Account::reserve(budget, bytes, bytes).map(Reservation)
+        Account::reserve(budget, bytes, bytes).map(|a| Reservation { _held: a })
     }
 
     /// A reservation in a budget of its own, limited by nothing: for a frontend built where
     /// no target's budget applies (unit tests, fuzzing).
     pub fn detached(bytes: usize) -> Reservation {
-        Reservation(Account::forced(&Budget::new(usize::MAX), bytes, bytes))
-    }
-
-    /// Bytes set aside.
-    pub fn bytes(&self) -> usize {
-        self.0.floor
+        Reservation {
+            _held: Account::forced(&Budget::new(usize::MAX), bytes, bytes),
+        }
     }
 }
 

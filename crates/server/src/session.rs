@@ -423,8 +423,8 @@ impl Registry {
 
     /// Answers a HELLO (PROTOCOL.md §2, §12): a challenge until the peer has shown it receives
     /// at its address, then the key proof, the export's allow list, and a new session (or a
-    /// query's answer). `link_payload` is the target's own largest frame payload on a datagram
-    /// link, `None` on TCP; `udp` says the link is UDP (whose checksum covers a payload, so a
+    /// query's answer). `link` is the target's own largest frame payload on a datagram link
+    /// (`None` on TCP) and whether the link is UDP (whose checksum covers a payload, so a
     /// session may ask for `HEADER_CRC`, §9.7). `stats` builds the STATS document for an
     /// admin's query. A HELLO that replaces a queue (§2.6) waits for it until `wait_until`
     /// (None: not at all), then is refused with BUSY if the queue still has requests running.
