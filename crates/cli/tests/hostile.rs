@@ -804,6 +804,95 @@ fn iscsi_logins_beyond_the_memory_budget_are_refused_and_leave_nothing() {
     );
 }
 
+/// An iSCSI login that the budget cannot set its parameter list's room aside for is refused
+/// before any session is made for it (the log says why): here the budget is filled with iSCSI
+/// logins, then with UDP sessions (64 KiB each) until less than 1 MiB is left.
+#[test]
+fn an_iscsi_login_without_room_for_its_list_is_refused_before_its_sessions() {
+    use blkwire_wire::iscsi::Digests;
+    use common::iscsi_host;
+    use std::io::{BufRead, Read};
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(common::BIN)
+        .args(["serve", "--export", "m=mem:1M", "--log-level", "info"])
+        .args(["--max-memory", "64M", "--max-sessions-per-host", "1000"])
+        .args([
+            "--listen",
+            "iscsi://127.0.0.1:0",
+            "--listen",
+            "udp://127.0.0.1:0",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut urls = Vec::new();
+    while urls.len() < 2 {
+        let mut line = String::new();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "serve ended: {urls:?}"
+        );
+        if let Some(u) = line.trim().strip_prefix("listening ") {
+            urls.push(u.to_string());
+        }
+    }
+    let iscsi = iscsi_host::iscsi_listener(&urls).to_string();
+    let udp = urls.iter().find(|u| u.starts_with("udp://")).unwrap();
+    let iqn = "iqn.2026-11.io.blkwire:m";
+    let mut held = Vec::new();
+    let login = |n: usize| {
+        let initiator = format!("iqn.2026-11.test:{n}");
+        iscsi_host::try_login(&iscsi, iqn, &initiator, Digests::default())
+    };
+    while let Ok(c) = login(held.len()) {
+        held.push(c);
+        assert!(held.len() < 64, "64 iSCSI logins in a 64 MiB budget");
+    }
+    let url = Url::parse(&format!("{udp}/m")).unwrap();
+    let one_queue = ConnectOptions {
+        queues: 1,
+        ..Default::default()
+    };
+    let mut sessions = Vec::new();
+    let refused = loop {
+        match connect(&url, &one_queue) {
+            Ok(s) => sessions.push(s),
+            Err(e) => break e,
+        }
+        assert!(
+            sessions.len() < 1000,
+            "1000 UDP sessions in a 64 MiB budget"
+        );
+    };
+    assert!(
+        refused.to_string().contains("out of resources"),
+        "{refused}"
+    );
+    assert_eq!(login(1000).err(), Some(0x0302), "OUT OF RESOURCES");
+    drop((held, sessions));
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let mut log = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    child.wait().unwrap();
+    let last: Vec<_> = log
+        .lines()
+        .filter(|l| l.contains("iqn.2026-11.test:1000"))
+        .collect();
+    assert!(
+        last.iter()
+            .any(|l| l.contains("no room in the memory budget for its parameter list")),
+        "{last:?}"
+    );
+}
+
 /// `--max-connections-per-host` and `--max-connections`: connections past either are closed
 /// when accepted (these sit in their handshake, which is what a flood looks like), others
 /// from other addresses are still taken, and a place frees when a connection closes.
