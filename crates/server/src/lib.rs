@@ -1208,7 +1208,8 @@ fn handshake(
     tls: &Tls,
     AdmissionSlots { counted, place }: AdmissionSlots,
 ) {
-    let peer_s = peer.to_string();
+    // As the session registry names it (an IPv4-mapped address as IPv4, `PeerId::ip`).
+    let peer_s = access::PeerId::ip(peer).to_string();
     let _ = s.set_nodelay(true);
     set_keepalive(&s);
     let mut s = Admission {
@@ -1434,8 +1435,8 @@ fn native_handshake(
     workers: &[(Sender<Msg>, i32)],
     gate: NativeGate,
 ) -> Option<session::Admitted> {
-    let peer_s = &peer.to_string();
     let id = access::PeerId::ip(peer);
+    let peer_s = &id.to_string();
     let send = |s: &mut Admission, h: &Header, status: Status, payload: &[u8]| {
         send_frame(s, &h.reply(status, payload.len() as u32), payload)
     };

@@ -743,8 +743,8 @@ pub fn accept<S: Read + Write>(
     local: SocketAddr,
     registry: &Registry,
 ) -> Option<Accepted> {
-    let peer_s = peer.to_string();
-    let addr = PeerAddr::Ip(peer.ip());
+    let peer_s = crate::access::PeerId::ip(peer).to_string();
+    let addr = crate::access::PeerId::ip(peer).addr;
     let mut l = Login {
         local: local.ip(),
         keys: registry.access.has_keys(),
@@ -951,7 +951,7 @@ fn finish<S: Read + Write>(
     (peer, addr): (SocketAddr, PeerAddr),
     registry: &Registry,
 ) -> Option<Accepted> {
-    let peer_s = peer.to_string();
+    let peer_s = crate::access::PeerId::ip(peer).to_string();
     let initiator = l.initiator.clone().unwrap_or_default();
     let who = initiator.escape_debug().to_string();
     if l.discovery {

@@ -883,7 +883,7 @@ pub fn accept<S: Read + Write>(
     local: SocketAddr,
     registry: &Registry,
 ) -> Option<Accepted> {
-    let peer_s = peer.to_string();
+    let peer_s = crate::access::PeerId::ip(peer).to_string();
     let max_io = mdts_bytes(registry.limits().max_io);
     let link = initialize(s, &peer_s, max_io)?;
     let mut buf = Vec::new();
@@ -992,7 +992,7 @@ pub fn accept<S: Read + Write>(
         );
         return None;
     }
-    let addr = PeerAddr::Ip(peer.ip());
+    let addr = crate::access::PeerId::ip(peer).addr;
     let who = c.hostnqn.escape_debug().to_string();
     // With a key store, the host NQN is the identity DH-HMAC-CHAP proves; without one, nothing
     // is proven and the export's address rules decide.
@@ -1033,7 +1033,7 @@ fn admin_connect<S: Read + Write>(
     registry: &Registry,
     reply: Reply<'_, S>,
 ) -> Option<Accepted> {
-    let peer_s = peer.to_string();
+    let peer_s = crate::access::PeerId::ip(peer).to_string();
     let who = c.hostnqn.escape_debug().to_string();
     if c.cntlid != 0xffff {
         // Static controllers do not exist here: every admin queue gets a new controller.
@@ -1374,7 +1374,7 @@ fn io_connect<S: Read + Write>(
     registry: &Registry,
     reply: Reply<'_, S>,
 ) -> Option<Accepted> {
-    let peer_s = peer.to_string();
+    let peer_s = crate::access::PeerId::ip(peer).to_string();
     let who = c.hostnqn.escape_debug().to_string();
     let ctrl = registry.nvme.get(c.cntlid).filter(|k| {
         k.subnqn == c.subnqn && k.hostnqn == c.hostnqn && k.hostid == c.hostid && k.ip == peer.ip()
