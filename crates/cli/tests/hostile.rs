@@ -806,27 +806,37 @@ fn iscsi_logins_beyond_the_memory_budget_are_refused_and_leave_nothing() {
 
 /// An iSCSI login that the budget cannot set its parameter list's room aside for is refused
 /// before any session is made for it (the log says why): here the budget is filled with iSCSI
-/// logins, then with UDP sessions (64 KiB each) until less than 1 MiB is left.
+/// logins, then with UDP sessions (64 KiB each) until less than 64 KiB is left.
 #[test]
 fn an_iscsi_login_without_room_for_its_list_is_refused_before_its_sessions() {
     use blkwire_wire::iscsi::Digests;
     use common::iscsi_host;
     use std::io::{BufRead, Read};
     use std::process::{Command, Stdio};
-    let mut child = Command::new(common::BIN)
-        .args(["serve", "--export", "m=mem:1M", "--log-level", "info"])
-        .args(["--max-memory", "64M", "--max-sessions-per-host", "1000"])
-        .args([
-            "--listen",
-            "iscsi://127.0.0.1:0",
-            "--listen",
-            "udp://127.0.0.1:0",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    // One reactor: one UDP port, whose fixed charge leaves the budget to the test's peers.
+    let mut child = common::Reaped(
+        Command::new(common::BIN)
+            .args(["serve", "--export", "m=mem:1M", "--log-level", "info"])
+            .args(["--threads", "1", "--max-memory", "64M"])
+            .args(["--max-sessions-per-host", "1000"])
+            .args([
+                "--listen",
+                "iscsi://127.0.0.1:0",
+                "--listen",
+                "udp://127.0.0.1:0",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut stderr = child.0.stderr.take().unwrap();
+    let log = std::thread::spawn(move || {
+        let mut log = String::new();
+        let _ = stderr.read_to_string(&mut log);
+        log
+    });
+    let mut out = std::io::BufReader::new(child.0.stdout.take().unwrap());
     let mut urls = Vec::new();
     while urls.len() < 2 {
         let mut line = String::new();
@@ -870,18 +880,18 @@ fn an_iscsi_login_without_room_for_its_list_is_refused_before_its_sessions() {
         refused.to_string().contains("out of resources"),
         "{refused}"
     );
+    assert!(
+        !held.is_empty() && !sessions.is_empty(),
+        "the budget was not filled by the test's peers: {} logins, {} UDP sessions",
+        held.len(),
+        sessions.len()
+    );
     assert_eq!(login(1000).err(), Some(0x0302), "OUT OF RESOURCES");
     drop((held, sessions));
     // SAFETY: signalling our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let mut log = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut log)
-        .unwrap();
-    child.wait().unwrap();
+    unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) };
+    child.0.wait().unwrap();
+    let log = log.join().unwrap();
     let last: Vec<_> = log
         .lines()
         .filter(|l| l.contains("iqn.2026-11.test:1000"))

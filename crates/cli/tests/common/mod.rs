@@ -260,6 +260,16 @@ impl Drop for Target {
     }
 }
 
+/// A child process killed and reaped on drop (also when a test fails).
+pub struct Reaped(pub Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A scratch directory removed on drop (also when a test fails).
 pub struct TempDir(pub PathBuf);
 

@@ -1257,7 +1257,10 @@ impl Iscsi {
             }
             Command::WriteSame { blocks, ndob, .. } => {
                 if ndob {
-                    return self.run_params(itt, &c.cdb, c.edtl, Cow::Borrowed(&[]), len, tx);
+                    // No list to collect, but one compound command at a time all the same
+                    // (`collect` refuses a second with ABORTED COMMAND): started beside another,
+                    // its parts' answers would be counted against the other's.
+                    return self.collect(itt, &c.cdb, c.edtl, 0, &[], len, tx);
                 }
                 let want = self.lu().info.block_size;
                 let _ = blocks;
@@ -1614,10 +1617,12 @@ impl Iscsi {
             }
         }
         if parts.is_empty() {
-            // Nothing to do, so nothing to hold back for nor compare against (a COMPARE AND
-            // WRITE of no blocks is answered before it gets here, but a hold left set would
-            // stall the connection).
-            self.hold = Hold::Off;
+            // Nothing to do, so nothing to compare against (a COMPARE AND WRITE of no blocks is
+            // answered before it gets here, but a hold of its own left set would stall the
+            // connection). A hold for another command's part (`GivenUp`) is not this one's.
+            if self.hold == Hold::Compare {
+                self.hold = Hold::Off;
+            }
             (self.compare, self.pattern) = (None, None);
             if let Some((p, _)) = &plan {
                 let done = xcopy::CopyStatus {
@@ -3876,6 +3881,39 @@ mod tests {
             at += u64::from(length);
         }
         assert_eq!(at, 8 << 30, "trimmed up to {at}: {parts:?}");
+    }
+
+    /// WRITE SAME(16) with NDOB collects no list, but while another compound command runs it
+    /// is refused with ABORTED COMMAND like any second one (it started a compound of its own
+    /// beside the UNMAP's, and their parts' answers were counted against each other); the
+    /// UNMAP goes on to its answer.
+    #[test]
+    fn a_write_same_without_data_waits_its_turn_as_a_compound_command() {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        let (cdb, list) = unmap_of_two_ranges();
+        let Decoded::Request { req: a, .. } = f.decode(&cmd(4, 0, &cdb, 40, true, &list), &mut tx)
+        else {
+            panic!("the first trim");
+        };
+        f.taken(&a);
+        let mut same = [0u8; 16];
+        same[0] = 0x93;
+        same[1] = 0x01;
+        same[13] = 4;
+        let d = f.decode(&cmd(5, 1, &same, 0, false, &[]), &mut tx);
+        assert!(matches!(d, Decoded::Answered { .. }));
+        assert_eq!((tx[0], be32(&tx, 16)), (op::SCSI_RSP, 5));
+        assert_eq!(sense(&tx).0, 0xb, "ABORTED COMMAND");
+        tx.clear();
+        assert!(!f.reply(&a, Status::Ok, &mut tx) && tx.is_empty());
+        let Decoded::Request { req: b, len: 0, .. } = f.decode(&[], &mut tx) else {
+            panic!("the UNMAP's second trim");
+        };
+        assert_eq!((b.kind, b.offset), (Kind::Block(BlockOp::Trim), 64 * 512));
+        f.taken(&b);
+        assert!(f.reply(&b, Status::Ok, &mut tx));
+        assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 4));
     }
 
     /// A WRITE SAME(16) of a pattern over the most blocks it takes (2^20 - 1 of 4 KiB, nearly
