@@ -36,12 +36,10 @@ impl PeerId {
     /// IPv4-mapped at a dual-stack one (`::ffff:a.b.c.d`), as the allow rules see it: the
     /// address challenge and a keyless take-over see the same peer either way.
     pub fn ip(a: SocketAddr) -> PeerId {
-        let (addr, scope) = match a {
-            SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
-                Some(v4) => (IpAddr::V4(v4), 0),
-                None => (IpAddr::V6(*v6.ip()), v6.scope_id()),
-            },
-            SocketAddr::V4(v4) => (IpAddr::V4(*v4.ip()), 0),
+        let addr = canonical_ip(a.ip());
+        let scope = match (a, addr) {
+            (SocketAddr::V6(v6), IpAddr::V6(_)) => v6.scope_id(),
+            _ => 0,
         };
         PeerId {
             addr: PeerAddr::Ip(addr),
@@ -57,6 +55,15 @@ impl PeerId {
             port: 0,
             scope: 0,
         }
+    }
+}
+
+/// A peer's IP address as every limit and rule counts it: an IPv4-mapped IPv6 address (a v4
+/// peer at a dual-stack listener) as the IPv4 address it is.
+pub fn canonical_ip(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
     }
 }
 
@@ -416,6 +423,11 @@ mod tests {
         assert_ne!(p, PeerId::ip("[fe80::1%2]:7700".parse().unwrap()));
         let mapped = PeerId::ip("[::ffff:192.0.2.1]:7700".parse().unwrap());
         assert_eq!(mapped, v4, "IPv4-mapped is IPv4");
+        // As the connection and controller limits count them.
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(canonical_ip(ip("::ffff:192.0.2.1")), ip("192.0.2.1"));
+        assert_eq!(canonical_ip(ip("2001:db8::1")), ip("2001:db8::1"));
+        assert_eq!(canonical_ip(ip("192.0.2.1")), ip("192.0.2.1"));
     }
 
     /// An answered attempt is remembered for as long as its challenge is good, then

@@ -857,7 +857,7 @@ impl Target {
                 }
                 match live[i].0.accept() {
                     Ok((stream, peer)) => {
-                        let counted = match connections.admit(peer.ip()) {
+                        let counted = match connections.admit(access::canonical_ip(peer.ip())) {
                             Ok(c) => c,
                             Err(limit) => {
                                 // Closed at once, before any thread or buffer is spent on it.

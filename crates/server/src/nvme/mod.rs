@@ -1088,7 +1088,8 @@ fn admin_connect<S: Read + Write>(
         }
     };
     let mut facts = None;
-    let id = registry.nvme.insert(peer.ip(), |id| {
+    let ip = crate::access::canonical_ip(peer.ip());
+    let id = registry.nvme.insert(ip, |id| {
         let f = Arc::new(controller_facts(
             registry,
             (id, &c.subnqn, sub.as_ref()),
@@ -1100,7 +1101,7 @@ fn admin_connect<S: Read + Write>(
             subnqn: c.subnqn.clone(),
             hostnqn: c.hostnqn.clone(),
             hostid: c.hostid,
-            ip: peer.ip(),
+            ip,
             facts: f,
             io_queues: MAX_IO_QUEUES,
             authenticated: proven.is_none(),
@@ -1377,7 +1378,10 @@ fn io_connect<S: Read + Write>(
     let peer_s = crate::access::PeerId::ip(peer).to_string();
     let who = c.hostnqn.escape_debug().to_string();
     let ctrl = registry.nvme.get(c.cntlid).filter(|k| {
-        k.subnqn == c.subnqn && k.hostnqn == c.hostnqn && k.hostid == c.hostid && k.ip == peer.ip()
+        k.subnqn == c.subnqn
+            && k.hostnqn == c.hostnqn
+            && k.hostid == c.hostid
+            && k.ip == crate::access::canonical_ip(peer.ip())
     });
     // Not its own, or one whose admin queue has not authenticated yet (it has no sessions to
     // join): refused alike.
