@@ -3783,6 +3783,17 @@ mod tests {
         assert_eq!((tx[0], be32(tx, 20)), (op::R2T, PARAM_TTT));
     }
 
+    /// Starts the UNMAP of `unmap_of_two_ranges` (ITT 4, CmdSN 0) and takes its first trim,
+    /// which it returns: the command runs, its second part to come.
+    fn unmap_running(f: &mut Iscsi, tx: &mut Vec<u8>) -> Req {
+        let (cdb, list) = unmap_of_two_ranges();
+        let Decoded::Request { req, .. } = f.decode(&cmd(4, 0, &cdb, 40, true, &list), tx) else {
+            panic!("the first trim");
+        };
+        f.taken(&req);
+        req
+    }
+
     /// UNMAP of 4 blocks at LBA 8 and 4 at LBA 64: its CDB and its 40-byte parameter list.
     fn unmap_of_two_ranges() -> ([u8; 10], Vec<u8>) {
         let mut list = vec![0u8, 38, 0, 32, 0, 0, 0, 0];
@@ -3891,12 +3902,7 @@ mod tests {
     fn a_write_same_without_data_waits_its_turn_as_a_compound_command() {
         let mut f = fe(65536);
         let mut tx = Vec::new();
-        let (cdb, list) = unmap_of_two_ranges();
-        let Decoded::Request { req: a, .. } = f.decode(&cmd(4, 0, &cdb, 40, true, &list), &mut tx)
-        else {
-            panic!("the first trim");
-        };
-        f.taken(&a);
+        let a = unmap_running(&mut f, &mut tx);
         let mut same = [0u8; 16];
         same[0] = 0x93;
         same[1] = 0x01;
@@ -4126,17 +4132,13 @@ mod tests {
     fn a_new_compound_command_waits_for_the_given_up_ones_running_part() {
         let mut f = fe(65536);
         let mut tx = Vec::new();
-        let (cdb, list) = unmap_of_two_ranges();
-        let Decoded::Request { req: a, .. } = f.decode(&cmd(4, 0, &cdb, 40, true, &list), &mut tx)
-        else {
-            panic!("the first trim");
-        };
-        f.taken(&a);
+        let a = unmap_running(&mut f, &mut tx);
         let abort = tmf_pdu(10, 1, 4);
         assert!(
             matches!(f.decode(&abort, &mut tx), Decoded::Answered { len } if len == abort.len())
         );
         assert!(tx.is_empty(), "the function waits for the running trim");
+        let (cdb, list) = unmap_of_two_ranges();
         let again = cmd(5, 1, &cdb, 40, true, &list);
         assert!(
             matches!(f.decode(&again, &mut tx), Decoded::Need(_)),
