@@ -273,6 +273,7 @@ fuzz_target!(|data: &[u8]| {
             name: "m".into(),
             info: lun_info(&export, export.size(), MAX_IO, true),
             reservations: Lu::detached(),
+            export: Arc::downgrade(&export),
         }],
         list_room: Reservation::detached(LIST_ROOM),
     });

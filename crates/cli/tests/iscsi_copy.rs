@@ -275,6 +275,49 @@ fn extended_copy_does_not_read_an_export_another_initiator_holds_exclusive() {
     assert!(y.read(0, 8).0 == secret, "released, the copy runs");
 }
 
+/// An export removed and added again under its name is another LU, with reservations of its
+/// own. An initiator that logged in before (its copy sources fixed then, each with the
+/// reservations of the export it was) names the old one in its EXTENDED COPY: that one is gone,
+/// so the copy fails and reads nothing, rather than reading the new one past a reservation it
+/// never checked (it did, before).
+#[test]
+fn extended_copy_does_not_read_an_export_added_again_under_its_name() {
+    use blkwire_wire::scsi::pr::{kind, sa_out};
+    let dir = TempDir::new("xcopy-readded");
+    let t = common::Controlled::start(
+        &dir,
+        &[
+            "--export",
+            "a=mem:64K",
+            "--export",
+            "b=mem:64K",
+            "--listen",
+            "iscsi://127.0.0.1:0",
+        ],
+    );
+    let iscsi = iscsi_listener(&t.urls);
+    let target = |export: &str| format!("iqn.2026-11.io.blkwire:{export}");
+    let initiator = |who: &str| format!("iqn.2026-11.test:{who}");
+    let mut y_b = login_as(iscsi, &target("b"), Digests::default(), &initiator("y"));
+    let b_t = copy_target(naa(&mut y_b), 512);
+    drop(y_b);
+    let mut y = login_as(iscsi, &target("a"), Digests::default(), &initiator("y"));
+    let list = copy_list([b_t, copy_target(naa(&mut y), 512)], 8, false, 0, 0);
+    // B goes and comes back; X writes to the new B and reserves it, Exclusive Access.
+    t.rpc("export_remove", r#"{"name": "b", "force": true}"#);
+    t.rpc("export_add", r#"{"name": "b", "spec": "mem:64K"}"#);
+    let mut x = login_as(iscsi, &target("b"), Digests::default(), &initiator("x"));
+    let secret = random_bytes(4096, 37);
+    assert_eq!(x.write(0, &secret), 0);
+    assert_eq!(prout(&mut x, sa_out::REGISTER, 0, 0, 0xAA), 0);
+    let ea = kind::EXCLUSIVE_ACCESS;
+    assert_eq!(prout(&mut x, sa_out::RESERVE, ea, 0xAA, 0), 0);
+    let before = y.read(0, 8).0;
+    let (status, _) = extended_copy(&mut y, &list);
+    assert_ne!(status, 0, "the copy ran");
+    assert!(y.read(0, 8).0 == before, "the new B's data reached A");
+}
+
 fn require_qemu_iscsi() {
     let out = Command::new("qemu-img").arg("--help").output().unwrap_or_else(|e| {
         panic!("qemu-img not found ({e}): this test needs qemu-utils and qemu-block-extra (scripts/deps.sh installs them)")

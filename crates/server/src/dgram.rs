@@ -1319,7 +1319,7 @@ impl DgramPort {
         let tag = ud(q.incarnation, qi, slot);
         match q
             .exec
-            .start_copy(&desc, h.offset, h.length, h.flags.io_flags(), tag, sq)
+            .start_copy(&desc, None, h.offset, h.length, h.flags.io_flags(), tag, sq)
         {
             Some(done) => self.finish_copy(qi, slot, done),
             None => {

@@ -8,7 +8,7 @@
 //! replies leave (docs/ARCHITECTURE.md, "Data path").
 
 use std::os::fd::RawFd;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use blkwire_backend::{
@@ -285,13 +285,17 @@ impl Executor {
     /// length), its ranges and source export in `desc`, with the request's `flags`: FUA makes the
     /// copied bytes durable before the answer (a flush once everything is copied, whose failure
     /// fails the COPY). The source is looked up as the session's
-    /// host may open it, so an export it may not open is as unknown as a missing one. Refusals
-    /// come back as `Done` before anything is written; once running, its result (0 or a
-    /// negative errno, from [`Executor::complete`] or [`Executor::reap`]) goes to
-    /// [`Executor::copy_status`] with the same tag.
+    /// host may open it, so an export it may not open is as unknown as a missing one; and when
+    /// the frontend checked the source as a particular export (`source_is`: iSCSI's EXTENDED
+    /// COPY, against that export's reservations), one of that name that is not it (removed and
+    /// added again since) is unknown too. Refusals come back as `Done` before anything is
+    /// written; once running, its result (0 or a negative errno, from [`Executor::complete`] or
+    /// [`Executor::reap`]) goes to [`Executor::copy_status`] with the same tag.
+    #[allow(clippy::too_many_arguments)]
     pub fn start_copy(
         &mut self,
         desc: &CopyDescriptor,
+        source_is: Option<&Weak<Export>>,
         dst: u64,
         total: u32,
         flags: IoFlags,
@@ -307,7 +311,10 @@ impl Executor {
                 .sources
                 .as_ref()
                 .and_then(|(registry, session)| registry.copy_source(*session, &desc.source));
-            match found {
+            let checked = |e: &Arc<Export>| {
+                source_is.is_none_or(|w| w.upgrade().is_some_and(|c| Arc::ptr_eq(&c, e)))
+            };
+            match found.filter(checked) {
                 Some(e) => Some(e),
                 None => return refused(Status::NoExport),
             }
@@ -645,7 +652,7 @@ mod tests {
                     len: 4096,
                 }],
             };
-            let copied = x.start_copy(&desc, 8192, 4096, IoFlags::FUA, 2, &mut NoRing);
+            let copied = x.start_copy(&desc, None, 8192, 4096, IoFlags::FUA, 2, &mut NoRing);
             assert_eq!(
                 copied,
                 Some(Copied {
@@ -668,7 +675,7 @@ mod tests {
             // A flush that fails fails the request.
             b.fail_flush.store(true, Ordering::Relaxed);
             assert_eq!(run(&mut x, BlockOp::WriteZeroes), Outcome::Done(Status::Io));
-            let failed = x.start_copy(&desc, 8192, 4096, IoFlags::FUA, 4, &mut NoRing);
+            let failed = x.start_copy(&desc, None, 8192, 4096, IoFlags::FUA, 4, &mut NoRing);
             assert_eq!(
                 failed,
                 Some(Copied {

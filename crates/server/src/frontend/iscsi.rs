@@ -146,6 +146,9 @@ pub struct Peer {
     /// Its persistent reservations: they bind what EXTENDED COPY reads of it as they bind a
     /// READ of it from the same nexus.
     pub reservations: std::sync::Arc<PrLu>,
+    /// The export those reservations are of: a copy reads from it, never from another export
+    /// added under its name since (whose reservations were not checked).
+    pub export: std::sync::Weak<Export>,
 }
 
 /// The persistent reservations of one LU the connection reaches (`crate::reservations`).
@@ -2457,6 +2460,13 @@ impl StreamFrontend for Iscsi {
         self.copy_desc.take()
     }
 
+    fn copy_source(&self, desc: &CopyDescriptor) -> Option<std::sync::Weak<Export>> {
+        // The peer `copy_parts` named and checked the reservations of. Its own LU's export
+        // (named as the session's, run from the session's own) is not looked up by name.
+        let peer = self.peers.iter().find(|p| p.name == desc.source)?;
+        Some(peer.export.clone())
+    }
+
     fn attached(&mut self) {
         for p in &mut self.pr {
             let now = p.lu.current();
@@ -4475,6 +4485,7 @@ mod tests {
                 name: "b".into(),
                 info: lun_info(&b, b.size(), 1 << 20, false),
                 reservations: table.lu(&b),
+                export: Arc::downgrade(&b),
             }],
             ..setup_of(65536, "iqn.test:y", vec![lun(&a)])
         });

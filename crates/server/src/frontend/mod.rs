@@ -374,6 +374,16 @@ pub trait StreamFrontend: Send {
         None
     }
 
+    /// The export the frontend checked the source of COPY `desc` as, if it did (iSCSI checks an
+    /// EXTENDED COPY against its source's reservations): the copy runs only from that export,
+    /// not from another of the same name added since (`Executor::start_copy`).
+    fn copy_source(
+        &self,
+        _desc: &blkwire_wire::CopyDescriptor,
+    ) -> Option<std::sync::Weak<blkwire_backend::Export>> {
+        None
+    }
+
     /// The connection is on its reactor: the frontend reads the shared state the reactor keeps
     /// it up to date with from now on ([`StreamFrontend::reservations_changed`]).
     fn attached(&mut self) {}

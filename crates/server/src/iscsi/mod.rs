@@ -1094,6 +1094,7 @@ fn finish<S: Read + Write>(
             name: e.name.clone(),
             info: lun_info(e, e.size(), max_io, false),
             reservations,
+            export: Arc::downgrade(e),
         })
         .collect();
     let fe = Iscsi::new(IscsiSetup {

@@ -483,15 +483,21 @@ fn copy(
     else {
         return c.reply(&refused, Status::Invalid);
     };
+    let source_is = c.fe.copy_source(&desc);
     let slot = take_slot(c, req);
     let tag = ud(KIND_IO, c.incarnation, idx, slot);
     let s = &mut c.slots[slot as usize];
     s.busy = true;
     s.req = Some(*req);
-    match c
-        .exec(req)
-        .start_copy(&desc, req.offset, req.length, req.flags, tag, sq)
-    {
+    match c.exec(req).start_copy(
+        &desc,
+        source_is.as_ref(),
+        req.offset,
+        req.length,
+        req.flags,
+        tag,
+        sq,
+    ) {
         Some(done) => settle_copy(c, slot, done),
         None => {
             c.copying = true;
