@@ -313,8 +313,9 @@ fn extended_copy_does_not_read_an_export_added_again_under_its_name() {
     let ea = kind::EXCLUSIVE_ACCESS;
     assert_eq!(prout(&mut x, sa_out::RESERVE, ea, 0xAA, 0), 0);
     let before = y.read(0, 8).0;
-    let (status, _) = extended_copy(&mut y, &list);
-    assert_ne!(status, 0, "the copy ran");
+    let (status, sense) = extended_copy(&mut y, &list);
+    assert_eq!(status, 2, "CHECK CONDITION, not a copy that ran");
+    assert_eq!(sense.map(|s| s.0), Some(0x0a), "COPY ABORTED");
     assert!(y.read(0, 8).0 == before, "the new B's data reached A");
 }
 

@@ -2462,9 +2462,10 @@ impl StreamFrontend for Iscsi {
 
     fn copy_source(&self, desc: &CopyDescriptor) -> Option<std::sync::Weak<Export>> {
         // The peer `copy_parts` named and checked the reservations of. Its own LU's export
-        // (named as the session's, run from the session's own) is not looked up by name.
-        let peer = self.peers.iter().find(|p| p.name == desc.source)?;
-        Some(peer.export.clone())
+        // (named as the session's, run from the session's own) is not looked up by name. A
+        // name no peer has (none today) matches no export: refused, never unchecked.
+        let peer = self.peers.iter().find(|p| p.name == desc.source);
+        Some(peer.map_or_else(std::sync::Weak::new, |p| p.export.clone()))
     }
 
     fn attached(&mut self) {
