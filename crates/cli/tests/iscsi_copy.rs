@@ -315,7 +315,11 @@ fn extended_copy_does_not_read_an_export_added_again_under_its_name() {
     let before = y.read(0, 8).0;
     let (status, sense) = extended_copy(&mut y, &list);
     assert_eq!(status, 2, "CHECK CONDITION, not a copy that ran");
-    assert_eq!(sense.map(|s| s.0), Some(0x0a), "COPY ABORTED");
+    assert_eq!(
+        sense,
+        Some((0x0a, 0x0d, 0x02)),
+        "COPY ABORTED, COPY TARGET DEVICE NOT REACHABLE"
+    );
     assert!(y.read(0, 8).0 == before, "the new B's data reached A");
 }
 

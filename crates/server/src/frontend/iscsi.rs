@@ -2022,8 +2022,13 @@ impl Iscsi {
             }
             (Some((st, modifies)), _) => {
                 let s = if c.copy.is_some() {
-                    // SPC-4 6.3.3: a copy that failed in a segment is COPY ABORTED.
-                    xcopy::copy_aborted()
+                    // SPC-4 6.3.3: a copy that failed in a segment is COPY ABORTED; one whose
+                    // source is gone (removed, or added again as another LU) also says the
+                    // copy target is not reachable, as an unknown one at the command does.
+                    match st {
+                        Status::NoExport => xcopy::target_not_reachable(),
+                        _ => xcopy::copy_aborted(),
+                    }
                 } else {
                     sense_of(st, modifies)
                 };
