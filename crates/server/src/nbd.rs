@@ -388,8 +388,7 @@ fn admit(
     let owner = crate::session::Owner {
         proven,
         shown: proven.unwrap_or("nbd client"),
-        addr: &id.addr,
-        scope: id.scope,
+        id,
         peer,
     };
     registry

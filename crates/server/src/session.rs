@@ -256,9 +256,9 @@ pub struct Owner<'a> {
     pub proven: Option<&'a str>,
     /// The host id shown in logs and listings (the one it named, or "nbd client").
     pub shown: &'a str,
-    pub addr: &'a PeerAddr,
-    /// The IPv6 scope id of a link-local `addr` (`PeerId::scope`).
-    pub scope: u32,
+    /// Its address (and for a link-local one, its link) as the rules and a keyless take-over
+    /// see it.
+    pub id: &'a PeerId,
     /// Its address and port, for logs and listings.
     pub peer: &'a str,
 }
@@ -571,8 +571,7 @@ impl Registry {
         let owner = Owner {
             proven: host,
             shown: &h.host_id,
-            addr: &peer.addr,
-            scope: peer.scope,
+            id: peer,
             peer: &peer_s,
         };
         let copy = self.copy_limits(&export, frame_payload);
@@ -786,7 +785,10 @@ impl Registry {
         // (`permitted`) may have changed since: `export_set_allow` and `keys_load` change them
         // and then revoke the sessions they no longer admit under this lock, so a session not
         // registered yet is checked here again, with the same rule, or it would escape both.
-        if !self.access.permits(&served.acl, owner.proven, owner.addr) {
+        if !self
+            .access
+            .permits(&served.acl, owner.proven, &owner.id.addr)
+        {
             drop(inner);
             self.access.refuse(
                 &peer,
@@ -827,8 +829,8 @@ impl Registry {
             Session {
                 export: export.clone(),
                 proven: owner.proven.map(str::to_string),
-                addr: *owner.addr,
-                scope: owner.scope,
+                addr: owner.id.addr,
+                scope: owner.id.scope,
                 key,
                 revoked: false,
                 placement,

@@ -743,8 +743,8 @@ pub fn accept<S: Read + Write>(
     local: SocketAddr,
     registry: &Registry,
 ) -> Option<Accepted> {
-    let peer_s = crate::access::PeerId::ip(peer).to_string();
-    let addr = crate::access::PeerId::ip(peer).addr;
+    let id = crate::access::PeerId::ip(peer);
+    let peer_s = id.to_string();
     let mut l = Login {
         local: local.ip(),
         keys: registry.access.has_keys(),
@@ -815,7 +815,7 @@ pub fn accept<S: Read + Write>(
                     }
                     continue;
                 }
-                return finish(s, l, flags, out, tsih_asked, (peer, addr), registry);
+                return finish(s, l, flags, out, tsih_asked, &id, registry);
             }
             Step::Refuse(Refusal(st, why)) => {
                 let who = l
@@ -948,10 +948,10 @@ fn finish<S: Read + Write>(
     flags: u8,
     out: Vec<u8>,
     _tsih: u16,
-    (peer, addr): (SocketAddr, PeerAddr),
+    id: &crate::access::PeerId,
     registry: &Registry,
 ) -> Option<Accepted> {
-    let peer_s = crate::access::PeerId::ip(peer).to_string();
+    let (peer_s, addr) = (id.to_string(), id.addr);
     let initiator = l.initiator.clone().unwrap_or_default();
     let who = initiator.escape_debug().to_string();
     if l.discovery {
@@ -979,8 +979,7 @@ fn finish<S: Read + Write>(
     let owner = Owner {
         proven: l.proven.as_deref(),
         shown: &initiator,
-        addr: &addr,
-        scope: crate::access::PeerId::ip(peer).scope,
+        id,
         peer: &peer_s,
     };
     let max_io = registry.limits().max_io;

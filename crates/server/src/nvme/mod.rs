@@ -883,7 +883,8 @@ pub fn accept<S: Read + Write>(
     local: SocketAddr,
     registry: &Registry,
 ) -> Option<Accepted> {
-    let peer_s = crate::access::PeerId::ip(peer).to_string();
+    let id = crate::access::PeerId::ip(peer);
+    let peer_s = id.to_string();
     let max_io = mdts_bytes(registry.limits().max_io);
     let link = initialize(s, &peer_s, max_io)?;
     let mut buf = Vec::new();
@@ -992,7 +993,6 @@ pub fn accept<S: Read + Write>(
         );
         return None;
     }
-    let addr = crate::access::PeerId::ip(peer).addr;
     let who = c.hostnqn.escape_debug().to_string();
     // With a key store, the host NQN is the identity DH-HMAC-CHAP proves; without one, nothing
     // is proven and the export's address rules decide.
@@ -1014,12 +1014,12 @@ pub fn accept<S: Read + Write>(
             s,
             c,
             link,
-            (peer, local, addr, proven.as_deref()),
+            (peer, &id, local, proven.as_deref()),
             registry,
             &reply,
         )
     } else {
-        io_connect(s, c, link, (peer, addr), registry, &reply)
+        io_connect(s, c, link, (peer, &id), registry, &reply)
     }
 }
 
@@ -1029,11 +1029,11 @@ fn admin_connect<S: Read + Write>(
     s: &mut S,
     c: Connect,
     link: Link,
-    (peer, local, addr, proven): (SocketAddr, SocketAddr, PeerAddr, Option<&str>),
+    (peer, peer_id, local, proven): (SocketAddr, &crate::access::PeerId, SocketAddr, Option<&str>),
     registry: &Registry,
     reply: Reply<'_, S>,
 ) -> Option<Accepted> {
-    let peer_s = crate::access::PeerId::ip(peer).to_string();
+    let (peer_s, addr) = (peer_id.to_string(), peer_id.addr);
     let who = c.hostnqn.escape_debug().to_string();
     if c.cntlid != 0xffff {
         // Static controllers do not exist here: every admin queue gets a new controller.
@@ -1067,8 +1067,7 @@ fn admin_connect<S: Read + Write>(
             let owner = Owner {
                 proven,
                 shown: &c.hostnqn,
-                addr: &addr,
-                scope: crate::access::PeerId::ip(peer).scope,
+                id: peer_id,
                 peer: &peer_s,
             };
             match admit_namespaces(registry, &names, &c.subnqn, (&owner, None), max_io) {
@@ -1136,7 +1135,7 @@ fn admin_connect<S: Read + Write>(
             hostnqn: c.hostnqn,
             auth_required: proven.is_some(),
             local,
-            peer: crate::access::PeerId::ip(peer),
+            peer: *peer_id,
         },
         admitted,
     ))))
@@ -1340,8 +1339,7 @@ pub(crate) fn admit_authenticated(
     let owner = Owner {
         proven: Some(hostnqn),
         shown: hostnqn,
-        addr,
-        scope: peer.scope,
+        id: peer,
         peer: peer_s,
     };
     let (namespaces, admitted) = admit_namespaces(
@@ -1371,11 +1369,11 @@ fn io_connect<S: Read + Write>(
     s: &mut S,
     c: Connect,
     link: Link,
-    (peer, _addr): (SocketAddr, PeerAddr),
+    (peer, peer_id): (SocketAddr, &crate::access::PeerId),
     registry: &Registry,
     reply: Reply<'_, S>,
 ) -> Option<Accepted> {
-    let peer_s = crate::access::PeerId::ip(peer).to_string();
+    let peer_s = peer_id.to_string();
     let who = c.hostnqn.escape_debug().to_string();
     let ctrl = registry.nvme.get(c.cntlid).filter(|k| {
         k.subnqn == c.subnqn

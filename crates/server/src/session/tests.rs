@@ -444,12 +444,11 @@ fn a_session_keeps_the_key_it_was_proven_with() {
     let (old, new) = (key(), Key::new(&[8; 32]).unwrap());
     let r = registry(Some(&old));
     let export = r.exports()[0].clone();
-    let addr = peer(1).addr;
+    let id = peer(1);
     let owner = Owner {
         proven: Some("h"),
         shown: "h",
-        addr: &addr,
-        scope: 0,
+        id: &id,
         peer: "127.0.0.1:1",
     };
     let max_io = 64 << 10;
@@ -545,12 +544,11 @@ fn an_exports_last_reference_goes_outside_the_registry_lock() {
 
     *locked.lock().unwrap() = None;
     let export = add("q");
-    let addr = peer(1).addr;
+    let id = peer(1);
     let owner = Owner {
         proven: None,
         shown: "h",
-        addr: &addr,
-        scope: 0,
+        id: &id,
         peer: "127.0.0.1:1",
     };
     let max_io = 64 << 10;
@@ -583,26 +581,25 @@ fn an_exports_last_reference_goes_outside_the_registry_lock() {
 #[test]
 fn rules_changed_during_a_handshake_refuse_its_session() {
     let r = registry(None);
-    let addr = peer(1).addr;
+    let id = peer(1);
     let owner = Owner {
         proven: None,
         shown: "nbd client",
-        addr: &addr,
-        scope: 0,
+        id: &id,
         peer: "127.0.0.1:1",
     };
     let admit = |e: &Arc<Export>| r.admit_single(e, (&owner, None), 1 << 20, 4, 64 << 10);
     // The control: admitted when nothing changed.
-    let e = r.permitted("d", None, &addr).unwrap();
+    let e = r.permitted("d", None, &id.addr).unwrap();
     assert!(admit(&e).is_ok());
     // Allowed at the handshake, then the rules name another address only.
-    let e = r.permitted("d", None, &addr).unwrap();
+    let e = r.permitted("d", None, &id.addr).unwrap();
     assert_eq!(r.set_allow("d", Some("10.0.0.1".into())).unwrap().len(), 1);
     assert_eq!(admit(&e).err(), Some(Status::Access));
     assert!(r.revoke_unpermitted().is_empty());
     // Allowed again, and a keyless handshake passes; then keys are loaded: keys are required.
     r.set_allow("d", None).unwrap();
-    let e = r.permitted("d", None, &addr).unwrap();
+    let e = r.permitted("d", None, &id.addr).unwrap();
     let mut store = KeyStore::default();
     store.insert("h", key());
     r.access.set_keys(store);
