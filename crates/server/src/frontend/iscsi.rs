@@ -436,9 +436,6 @@ struct Run {
     flags: IoFlags,
     /// A COPY part's descriptor (a run of one part).
     desc: Option<CopyDescriptor>,
-    /// The connection target and the cookie of the command, set when the runs are queued.
-    target: u8,
-    cookie: u128,
 }
 
 impl Run {
@@ -452,8 +449,6 @@ impl Run {
             per: per.max(1),
             flags,
             desc: None,
-            target: 0,
-            cookie: 0,
         })
     }
 
@@ -466,8 +461,8 @@ impl Run {
         self.len.div_ceil(u64::from(self.per))
     }
 
-    /// Its next part, and the rest.
-    fn take(&mut self) -> (Req, Option<CopyDescriptor>) {
+    /// Its next part, of compound command `c`, and the rest.
+    fn take(&mut self, c: &Compound) -> (Req, Option<CopyDescriptor>) {
         let length = self.len.min(u64::from(self.per)) as u32;
         let req = Req {
             kind: self.kind,
@@ -475,8 +470,8 @@ impl Run {
             length,
             flags: self.flags,
             slot: None,
-            target: self.target,
-            cookie: self.cookie,
+            target: c.target,
+            cookie: cookie(c.itt, Residual::None, Reply::Part, 0),
         };
         self.offset += u64::from(length);
         self.len -= u64::from(length);
@@ -1475,10 +1470,12 @@ impl Iscsi {
         b.encode(&[], &self.d, tx);
     }
 
-    /// The next part of the compound command in progress, if one is left to hand out.
+    /// The next part of the compound command in progress, if one is left to hand out (its
+    /// runs go with it: `abort_compound` clears them).
     fn next_part(&mut self) -> Option<(Req, Option<CopyDescriptor>)> {
+        let c = self.compound.as_ref()?;
         let run = self.queued.front_mut()?;
-        let part = run.take();
+        let part = run.take(c);
         if run.len == 0 {
             self.queued.pop_front();
         }
@@ -1647,11 +1644,7 @@ impl Iscsi {
             failed: None,
             copy: plan,
         });
-        let (target, cookie) = (self.cur as u8, cookie(itt, Residual::None, Reply::Part, 0));
-        for mut run in parts {
-            (run.target, run.cookie) = (target, cookie);
-            self.queued.push_back(run);
-        }
+        self.queued.extend(parts);
         // The first part goes with this PDU; the rest come from `queued`, one at a time.
         let (first, desc) = self.next_part().expect("one part at least");
         self.part_running = true;
