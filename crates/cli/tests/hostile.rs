@@ -479,28 +479,19 @@ fn many_large_reads_from_a_file_export_are_taken_as_replies_go_out() {
 #[test]
 fn peer_supplied_names_cannot_forge_log_lines() {
     use std::io::Read;
-    use std::process::{Command, Stdio};
-    let mut child = Command::new(common::BIN)
-        .args([
-            "serve",
-            "--listen",
-            "tcp://127.0.0.1:0",
-            "--export",
-            "m=mem:1M",
-        ])
-        .args(["--log-level", "info"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("listening tcp://")
-        .unwrap()
-        .to_string();
+    use std::process::Command;
+    let mut cmd = Command::new(common::BIN);
+    cmd.args([
+        "serve",
+        "--listen",
+        "tcp://127.0.0.1:0",
+        "--export",
+        "m=mem:1M",
+    ])
+    .args(["--log-level", "info"]);
+    let (child, urls) = common::spawn_serve_logged(&mut cmd, 1);
+    let mut child = common::Reaped(child);
+    let addr = urls[0].strip_prefix("tcp://").unwrap().to_string();
     for (host, export) in [
         ("h\nblkwire info: forged by host", "m"),
         ("h", "x\nblkwire info: forged by export"),
@@ -510,15 +501,16 @@ fn peer_supplied_names_cannot_forge_log_lines() {
         assert!(r.status == Status::Ok || r.status == Status::NoExport);
     }
     // SAFETY: signalling our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) };
     let mut log = String::new();
     child
+        .0
         .stderr
         .take()
         .unwrap()
         .read_to_string(&mut log)
         .unwrap();
-    child.wait().unwrap();
+    child.0.wait().unwrap();
     assert!(
         !log.lines().any(|l| l.starts_with("blkwire info: forged")),
         "a forged line:\n{log}"
@@ -811,43 +803,23 @@ fn iscsi_logins_beyond_the_memory_budget_are_refused_and_leave_nothing() {
 fn an_iscsi_login_without_room_for_its_list_is_refused_before_its_sessions() {
     use blkwire_wire::iscsi::Digests;
     use common::iscsi_host;
-    use std::io::{BufRead, Read};
-    use std::process::{Command, Stdio};
+    use std::io::Read;
+    use std::process::Command;
     // One reactor: one UDP port, whose fixed charge leaves the budget to the test's peers.
-    let mut child = common::Reaped(
-        Command::new(common::BIN)
-            .args(["serve", "--export", "m=mem:1M", "--log-level", "info"])
-            .args(["--threads", "1", "--max-memory", "64M"])
-            .args(["--max-sessions-per-host", "1000"])
-            .args([
-                "--listen",
-                "iscsi://127.0.0.1:0",
-                "--listen",
-                "udp://127.0.0.1:0",
-            ])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
+    let mut cmd = Command::new(common::BIN);
+    cmd.args(["serve", "--export", "m=mem:1M", "--log-level", "info"])
+        .args(["--threads", "1", "--max-memory", "64M"])
+        .args(["--max-sessions-per-host", "1000"])
+        .args(["--listen", "iscsi://127.0.0.1:0"])
+        .args(["--listen", "udp://127.0.0.1:0"]);
+    let (child, urls) = common::spawn_serve_logged(&mut cmd, 2);
+    let mut child = common::Reaped(child);
     let mut stderr = child.0.stderr.take().unwrap();
     let log = std::thread::spawn(move || {
         let mut log = String::new();
         let _ = stderr.read_to_string(&mut log);
         log
     });
-    let mut out = std::io::BufReader::new(child.0.stdout.take().unwrap());
-    let mut urls = Vec::new();
-    while urls.len() < 2 {
-        let mut line = String::new();
-        assert!(
-            out.read_line(&mut line).unwrap() > 0,
-            "serve ended: {urls:?}"
-        );
-        if let Some(u) = line.trim().strip_prefix("listening ") {
-            urls.push(u.to_string());
-        }
-    }
     let iscsi = iscsi_host::iscsi_listener(&urls).to_string();
     let udp = urls.iter().find(|u| u.starts_with("udp://")).unwrap();
     let iqn = "iqn.2026-11.io.blkwire:m";

@@ -32,14 +32,21 @@ pub fn need_tool(prog: &str, package: &str) {
 /// lines on its stdout; returns the child and the URLs in the order printed. Panics, with the
 /// child killed, when they do not come.
 pub fn spawn_serve(cmd: &mut Command, want: usize) -> (Child, Vec<String>) {
-    let (child, urls, _) = spawn_serve_lines(cmd, want, Also::Nothing);
+    let (child, urls, _) = spawn_serve_lines(cmd, want, Also::Nothing, Stdio::inherit());
+    (child, urls)
+}
+
+/// Like [`spawn_serve`], with the target's log (its stderr) piped, for the test to read from
+/// the child, instead of passed through.
+pub fn spawn_serve_logged(cmd: &mut Command, want: usize) -> (Child, Vec<String>) {
+    let (child, urls, _) = spawn_serve_lines(cmd, want, Also::Nothing, Stdio::piped());
     (child, urls)
 }
 
 /// Like [`spawn_serve`] for a `serve --rpc-socket PATH` command: also waits for its `control
 /// PATH` line (printed once the control socket takes calls).
 pub fn spawn_serve_with_control(cmd: &mut Command, want: usize) -> (Child, Vec<String>) {
-    let (child, urls, _) = spawn_serve_lines(cmd, want, Also::Control);
+    let (child, urls, _) = spawn_serve_lines(cmd, want, Also::Control, Stdio::inherit());
     (child, urls)
 }
 
@@ -86,7 +93,7 @@ impl Drop for Controlled {
 /// Like [`spawn_serve`] for a `serve --metrics` command: also waits for its `metrics URL` line
 /// and returns that URL.
 pub fn spawn_serve_with_metrics(cmd: &mut Command, want: usize) -> (Child, Vec<String>, String) {
-    let (child, urls, metrics) = spawn_serve_lines(cmd, want, Also::Metrics);
+    let (child, urls, metrics) = spawn_serve_lines(cmd, want, Also::Metrics, Stdio::inherit());
     (child, urls, metrics.expect("waited for"))
 }
 
@@ -104,12 +111,13 @@ fn spawn_serve_lines(
     cmd: &mut Command,
     want: usize,
     also: Also,
+    log: Stdio,
 ) -> (Child, Vec<String>, Option<String>) {
     let metrics = also == Also::Metrics;
     let mut control = also != Also::Control;
     let mut child = cmd
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(log)
         .spawn()
         .expect("spawn blkwire serve");
     let stdout = child.stdout.take().expect("stdout");
