@@ -430,6 +430,13 @@ mod tests {
         assert_eq!(canonical_ip(ip("192.0.2.1")), ip("192.0.2.1"));
     }
 
+    /// Attempt `i` of a run: its number, then `fill`.
+    fn numbered(i: u32, fill: u8) -> [u8; 32] {
+        let mut attempt = [fill; 32];
+        attempt[..4].copy_from_slice(&i.to_le_bytes());
+        attempt
+    }
+
     /// An answered attempt is remembered for as long as its challenge is good, then
     /// forgotten; at most MAX_ATTEMPTS at once, the oldest forgotten first; a released one at
     /// once. Attempts are per peer (address, port and scope).
@@ -454,9 +461,7 @@ mod tests {
         assert!(new(a.claim((peer, [1; 32]), later)), "released");
         let mut a = Attempts::default();
         for i in 0..MAX_ATTEMPTS as u32 + 1 {
-            let mut attempt = [0; 32];
-            attempt[..4].copy_from_slice(&i.to_le_bytes());
-            assert!(new(a.claim((peer, attempt), t0)));
+            assert!(new(a.claim((peer, numbered(i, 0)), t0)));
         }
         assert_eq!(
             (a.answered.len(), a.order.len()),
@@ -466,8 +471,7 @@ mod tests {
             new(a.claim((peer, [0; 32]), t0)),
             "the oldest was forgotten"
         );
-        let mut last = [0; 32];
-        last[..4].copy_from_slice(&(MAX_ATTEMPTS as u32).to_le_bytes());
+        let last = numbered(MAX_ATTEMPTS as u32, 0);
         assert!(!new(a.claim((peer, last), t0)), "the newest is remembered");
     }
 
@@ -510,9 +514,7 @@ mod tests {
             panic!("a new attempt");
         };
         for i in 0..MAX_ATTEMPTS as u32 {
-            let mut attempt = [9; 32];
-            attempt[..4].copy_from_slice(&i.to_le_bytes());
-            a.claim((peer, attempt), now);
+            a.claim((peer, numbered(i, 9)), now);
         }
         let Claim::New(second) = a.claim((peer, [1; 32]), now) else {
             panic!("forgotten for room");

@@ -363,6 +363,16 @@ mod replacement {
             h
         };
         let (stream, datagram) = ((None, false), (Some(super::LINK), true));
+        // A datagram HELLO answered with a new session: the HELLO, its welcome, the session.
+        let datagram_session = || {
+            let mut d = hello("h", 1, None);
+            (d.frame_payload, d.auth.datagram) = (super::LINK, true);
+            let d = through_challenge(d, datagram);
+            let HelloAnswer::Welcome(welcome, Some(adm)) = ask(&d, datagram) else {
+                panic!("a session");
+            };
+            (d, welcome, adm)
+        };
         // Over a stream, which cannot lose an answer, a repeat is refused at once.
         let h = through_challenge(hello("h", 1, None), stream);
         assert!(matches!(ask(&h, stream), HelloAnswer::Welcome(_, Some(_))));
@@ -374,12 +384,7 @@ mod replacement {
         assert_eq!(reg.sessions().len(), before, "no second session");
         // Over datagrams, its repeats get the same welcome a few times (its answer may have
         // been lost) and open nothing; then they are refused.
-        let mut d = hello("h", 1, None);
-        (d.frame_payload, d.auth.datagram) = (super::LINK, true);
-        let d = through_challenge(d, datagram);
-        let HelloAnswer::Welcome(welcome, Some(_adm)) = ask(&d, datagram) else {
-            panic!("a session");
-        };
+        let (d, welcome, _adm) = datagram_session();
         let before = reg.sessions().len();
         for _ in 0..crate::access::HELLO_ANSWERS {
             let HelloAnswer::Welcome(again, None) = ask(&d, datagram) else {
@@ -393,12 +398,7 @@ mod replacement {
         ));
         assert_eq!(reg.sessions().len(), before, "no second session");
         // Once the session has ended, not even a first repeat gets its welcome.
-        let mut e = hello("h", 1, None);
-        (e.frame_payload, e.auth.datagram) = (super::LINK, true);
-        let e = through_challenge(e, datagram);
-        let HelloAnswer::Welcome(_, Some(ended)) = ask(&e, datagram) else {
-            panic!("a session");
-        };
+        let (e, _, ended) = datagram_session();
         reg.leave(ended.session, 0, &QueueStats::default());
         assert!(reg.is_revoked(ended.session), "gone");
         assert!(matches!(
