@@ -283,7 +283,7 @@ fn the_memory_of_a_hostile_load_goes_back_to_the_system() {
 fn running_out_of_descriptors_does_not_spin_the_accept_loop() {
     use std::io::{BufRead, BufReader};
     use std::os::unix::process::CommandExt;
-    use std::process::{Command, Stdio};
+    use std::process::Command;
     let mut cmd = Command::new(common::BIN);
     cmd.args([
         "serve",
@@ -295,9 +295,7 @@ fn running_out_of_descriptors_does_not_spin_the_accept_loop() {
         "1",
         "--log-level",
         "warn",
-    ])
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
+    ]);
     // SAFETY: setrlimit is async-signal-safe, as pre_exec requires.
     unsafe {
         cmd.pre_exec(|| {
@@ -311,13 +309,8 @@ fn running_out_of_descriptors_does_not_spin_the_accept_loop() {
             Ok(())
         });
     }
-    let mut child = cmd.spawn().unwrap();
-    let stdout = BufReader::new(child.stdout.take().unwrap());
-    let url = stdout
-        .lines()
-        .map_while(Result::ok)
-        .find_map(|l| l.strip_prefix("listening ").map(str::to_string))
-        .expect("listening line");
+    let (mut child, urls) = common::spawn_serve_logged(&mut cmd, 1);
+    let url = urls[0].clone();
     let addr = url.trim_start_matches("tcp://").to_string();
     let (tx, rx) = std::sync::mpsc::channel();
     let stderr = BufReader::new(child.stderr.take().unwrap());
