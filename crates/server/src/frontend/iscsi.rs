@@ -1617,13 +1617,11 @@ impl Iscsi {
             }
         }
         if parts.is_empty() {
-            // Nothing to do, so nothing to compare against (a COMPARE AND WRITE of no blocks is
-            // answered before it gets here, but a hold of its own left set would stall the
-            // connection). A hold for another command's part (`GivenUp`) is not this one's.
-            if self.hold == Hold::Compare {
-                self.hold = Hold::Off;
-            }
-            (self.compare, self.pattern) = (None, None);
+            // Only commands that always make parts set a compare, a pattern or the compare's
+            // hold (those of no blocks are answered before they get here): none is left set for
+            // a command with nothing to do, which would stall the connection.
+            debug_assert!(self.hold != Hold::Compare);
+            debug_assert!(self.compare.is_none() && self.pattern.is_none());
             if let Some((p, _)) = &plan {
                 let done = xcopy::CopyStatus {
                     list_id: p.list_id,
