@@ -68,7 +68,9 @@ pub struct MapArgs {
     /// Where the daemon logs (default: nowhere once detached; stderr with --foreground)
     #[arg(long, value_name = "FILE")]
     logfile: Option<PathBuf>,
-    /// Seconds I/O waits for an unreachable target before failing with EIO
+    /// Seconds I/O waits for an unreachable target before failing with EIO; a write the
+    /// target may still be running then waits up to as long again, until the target confirms it
+    /// will not land later
     #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86400))]
     timeout: u64,
     #[command(flatten)]

@@ -1005,6 +1005,88 @@ fn resumes_after_restart(tag: &str, extra: &[&str]) {
     run.assert_clean();
 }
 
+/// The give-up fence (PROTOCOL.md §2.6): a write the target is still running at its timeout
+/// (stuck on a frozen filesystem) is not answered then. Answered EIO, a rewrite of its blocks
+/// through another queue could be overtaken by it. The mapping gives the connection up, and the
+/// write is answered once a reconnection naming its queue is welcomed, that is, once the write
+/// has landed. If no fence comes within one more timeout, it is answered EIO unfenced, and the
+/// log says so.
+#[test]
+fn a_write_the_target_still_runs_is_answered_only_once_fenced() {
+    assert!(
+        is_root(),
+        "this test maps a block device and freezes a filesystem; run it as root"
+    );
+    let fs = common::frozen::LoopExt4::new();
+    let file = fs.mnt().join("disk");
+    common::sparse_file(&file, 16 << 20);
+    let t = Target::start(&[&format!("disk=file:{}", file.display())]);
+    let run = Run::new("fence");
+    let log = run.dir().join("map.log");
+    let timeout = Duration::from_secs(2);
+    let m = run.map(
+        &t.url("disk"),
+        &["--timeout", "2", "--logfile", log.to_str().unwrap()],
+    );
+    dev_write(&m.dev, &random_bytes(4096, 70), 0).unwrap();
+    // A write in a thread of its own, reporting its result and when it came.
+    let write_in_thread = |data: Vec<u8>, offset: u64| {
+        let (tx, rx) = mpsc::channel();
+        let dev = m.dev.clone();
+        std::thread::spawn(move || {
+            let r = dev_write(&dev, &data, offset);
+            let _ = tx.send((r, Instant::now()));
+        });
+        rx
+    };
+    let first = random_bytes(4096, 71);
+    let frozen = fs.freeze();
+    let rx = write_in_thread(first.clone(), 0);
+    // Past its timeout, and a margin: still unanswered, the target still runs it.
+    assert!(
+        matches!(
+            rx.recv_timeout(timeout * 2),
+            Err(mpsc::RecvTimeoutError::Timeout)
+        ),
+        "a write the target still ran was answered at its timeout"
+    );
+    let thawed = Instant::now();
+    drop(frozen);
+    let (r, when) = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the held write was never answered after its write landed");
+    let e = r.expect_err("a write past its timeout fails");
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+    assert!(when >= thawed);
+    // It had landed before its answer: what is read is it, and a rewrite is not overtaken.
+    assert!(dev_read(&m.dev, 4096, 0).unwrap() == first);
+    let second = random_bytes(4096, 72);
+    dev_write(&m.dev, &second, 0).unwrap();
+    assert!(dev_read(&m.dev, 4096, 0).unwrap() == second);
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("reconnected"), "{text}");
+    assert!(!text.contains("unfenced"), "{text}");
+    // No fence within one more timeout: EIO unfenced, said in the log.
+    let frozen = fs.freeze();
+    let started = Instant::now();
+    let rx = write_in_thread(random_bytes(4096, 73), 8192);
+    let (r, when) = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("a write held for a fence that never came was never answered");
+    let e = r.expect_err("a write past its timeout fails");
+    assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+    let waited = when.duration_since(started);
+    assert!(
+        waited >= timeout * 2 - Duration::from_millis(200),
+        "answered unfenced after {waited:?}, before twice the timeout"
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("answered EIO unfenced"), "{text}");
+    drop(frozen);
+    m.unmap();
+    run.assert_clean();
+}
+
 /// `blkwire ARGS --socket SOCK` against a target's control socket, which must succeed; stdout.
 fn control_ok(sock: &str, args: &[&str]) -> String {
     let mut a = args.to_vec();
@@ -1899,6 +1981,10 @@ fn interrupted_map(name: &str, dev_num: Option<u32>, held: Option<std::fs::File>
                 "read",
                 "--queues",
                 "1",
+                // A held device is served on until the workers' wait for their I/O (twice
+                // this, plus 5 s) ends.
+                "--timeout",
+                "10",
                 "--logfile",
                 log.to_str().unwrap(),
             ])

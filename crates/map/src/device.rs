@@ -411,6 +411,13 @@ fn check_export(info: &ExportInfo, spec: &Spec) -> Result<(), String> {
     Ok(())
 }
 
+/// The longest a mapped device's request waits for its answer with `--timeout` `timeout`:
+/// that timeout, and for a change of the export the target may still be running then, one more
+/// for the give-up fence (PROTOCOL.md §2.6). What stopping a mapping waits for its I/O.
+pub(crate) fn answer_limit(timeout: Duration) -> Duration {
+    timeout * 2
+}
+
 /// On the way out: make what this queue wrote durable, then log out.
 pub(crate) fn final_flush(mut q: Queue, readonly: bool, id: usize) {
     const TOKEN: u64 = u64::MAX;

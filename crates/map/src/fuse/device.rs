@@ -24,7 +24,7 @@ use super::loopdev::{Detach, LoopDev};
 use super::uring::{self, Ring, Switch, SWITCH};
 use super::worker::{Event, Shared, Worker};
 use crate::device::{
-    BlockDevice, Connected, FuseIo, Mode, Needs, Spec, FUSE_IO_READ, FUSE_IO_URING,
+    answer_limit, BlockDevice, Connected, FuseIo, Mode, Needs, Spec, FUSE_IO_READ, FUSE_IO_URING,
 };
 use crate::log;
 use crate::state::{self, Record, RecordsLock};
@@ -75,7 +75,7 @@ impl BlockDevice for FuseDevice {
     fn stop_now(self) -> Result<(), String> {
         // As a second signal: the detach (deferred while the device is held) and the lazy
         // unmount. While something still holds the loop device it keeps the FUSE file open and
-        // is served on until the workers' wait (`--timeout` + 5 s) ends and the process exits,
+        // is served on until the workers' wait (`answer_limit` + 5 s) ends and the process exits,
         // closing /dev/fuse: its I/O fails from then on.
         log!("info", "detaching {}", self.0.dev.path());
         self.0.teardown(0);
@@ -489,7 +489,7 @@ impl Mapping {
         let _ = channel::unmount_lazy(&self.mountpoint);
         // With the filesystem unmounted and its file released, the kernel ends the connection;
         // the workers see ENODEV, flush, log out and report.
-        let deadline = Instant::now() + self.timeout + Duration::from_secs(5);
+        let deadline = Instant::now() + answer_limit(self.timeout) + Duration::from_secs(5);
         while exited < self.workers {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.events.recv_timeout(left) {
@@ -758,11 +758,12 @@ fn tune(dev: LoopDev, rotational: bool, max_io: u32) {
     }
 }
 
-/// Extra time a live daemon gets beyond its I/O timeout to flush and exit.
+/// Extra time a live daemon gets beyond the longest wait of its I/O (`answer_limit`) to flush
+/// and exit.
 const EXIT_GRACE: Duration = Duration::from_secs(10);
 
-/// LOOP_CLR_FD waits for the device's I/O in flight, which a live daemon finishes within its
-/// timeout. One that does not (stopped, stuck) is killed: its FUSE connection dies with it, the
+/// LOOP_CLR_FD waits for the device's I/O in flight, which a live daemon answers within
+/// `answer_limit` of its timeout. One that does not (stopped, stuck) is killed: its FUSE connection dies with it, the
 /// I/O fails at once and the detach completes.
 fn detach_bounded(dev: LoopDev, daemon: Option<&(Proc, u64)>) -> Result<Detach, String> {
     let path = dev.path();
@@ -770,7 +771,9 @@ fn detach_bounded(dev: LoopDev, daemon: Option<&(Proc, u64)>) -> Result<Detach, 
     std::thread::spawn(move || {
         let _ = tx.send(dev.detach());
     });
-    let limit = daemon.map_or(EXIT_GRACE, |(_, t)| Duration::from_secs(*t) + EXIT_GRACE);
+    let limit = daemon.map_or(EXIT_GRACE, |(_, t)| {
+        answer_limit(Duration::from_secs(*t)) + EXIT_GRACE
+    });
     let r = match rx.recv_timeout(limit) {
         Ok(r) => r,
         Err(_) => {
@@ -845,7 +848,7 @@ fn unmap(device: &str) -> Result<(), String> {
         }
     }
     if let Some((p, timeout_secs)) = &daemon {
-        if !p.wait_exit(Duration::from_secs(*timeout_secs) + EXIT_GRACE) {
+        if !p.wait_exit(answer_limit(Duration::from_secs(*timeout_secs)) + EXIT_GRACE) {
             // Stuck: its cleanup is ours now.
             let _ = p.kill(libc::SIGKILL);
             p.wait_exit(EXIT_GRACE);

@@ -18,9 +18,14 @@
 //!
 //! Failures: when the connection breaks, requests stay in the worker's table (writes keep their
 //! data) and are sent again once a reconnection succeeds. Every request gets an answer within
-//! `--timeout` of its arrival: EIO if the target has not answered by then. Once an outage is older
-//! than the timeout, a new request gets one fresh connection attempt and fails as soon as that
-//! attempt does, rather than waiting out the timeout again.
+//! `--timeout` of its arrival: EIO if the target has not answered by then, except a change of the
+//! export (WRITE, discard, zeroing) the target may still be running then. Its EIO waits for the
+//! give-up fence (PROTOCOL.md §2.6): the connection is given up at once, and the answer goes out
+//! when a reconnection naming its queue is welcomed (the target's word that nothing sent on it
+//! runs any more), or unfenced one more timeout later. Else a rewrite of those blocks, through
+//! any queue, could be overtaken by the old write. Once an outage is older than the timeout, a
+//! new request gets one fresh connection attempt and fails as soon as that attempt does, rather
+//! than waiting out the timeout again.
 
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, RawFd};
@@ -197,7 +202,7 @@ struct Pending {
     mid_from: usize,
     /// Its partial first and last blocks (partial.rs), the lower first.
     edges: Vec<Edge>,
-    /// Answer EIO if not done by then.
+    /// Answer EIO if not done by then (unless it is held for the fence, see `held`).
     deadline: Instant,
     /// When its latest command was sent; a connection that leaves a command unanswered for the
     /// whole timeout is considered dead.
@@ -209,6 +214,10 @@ struct Pending {
     /// Already answered (EIO at its deadline) but commands are still in flight; its unsent
     /// chunks are never sent, and it leaves the table when the last one in flight is back.
     replied: bool,
+    /// A change of the export with commands in flight on a connection given up since, whose
+    /// queue has not been fenced yet (PROTOCOL.md §2.6): the target may still run them. Set
+    /// only when that queue has an identity to be fenced by.
+    unfenced: bool,
     /// The request as read (WRITE only: its data must survive a reconnection); for a READ with
     /// `edges`, where its parts are gathered.
     buf: Vec<u8>,
@@ -259,8 +268,18 @@ impl Pending {
             outstanding: 0,
             err: 0,
             replied: false,
+            unfenced: false,
             buf,
         }
+    }
+
+    /// Whether its EIO must wait for the give-up fence at `now`: it changes the export, and
+    /// commands of it may still run at the target (in flight on a connection that can be fenced,
+    /// `fenceable`, or `unfenced`), and one timeout past its deadline has not gone by yet.
+    fn held(&self, fenceable: bool, now: Instant, timeout: Duration) -> bool {
+        self.op.op.modifies()
+            && (self.unfenced || (fenceable && self.outstanding > 0))
+            && now < self.deadline + timeout
     }
 
     /// The next command to send (0: `op`'s next chunk, 1 + i: edge i), or None if nothing can
@@ -344,6 +363,9 @@ struct Table {
     fuse_gone: bool,
     /// Requests failed with EIO for want of an answer, since the last log line about it.
     failed: u64,
+    /// Of those, changes answered without the fence (`Pending::held` ran out): the target may
+    /// still run them.
+    unfenced_failed: u64,
     last_fail_log: Option<Instant>,
 }
 
@@ -361,6 +383,7 @@ impl Table {
             buf_len,
             fuse_gone: false,
             failed: 0,
+            unfenced_failed: 0,
             last_fail_log: None,
         }
     }
@@ -915,6 +938,13 @@ impl<C: Transport> Worker<C> {
                         self.sh.reconnects.fetch_add(1, Ordering::Relaxed);
                         self.link = Link::Up(q);
                         self.link_id += 1;
+                        // The welcome fenced the queue given up (PROTOCOL.md §2.6): nothing sent
+                        // on it runs any more. Changes held for that whose time is up are
+                        // answered now; the others go again on the new connection.
+                        for p in self.t.slots.iter_mut().flatten() {
+                            p.unfenced = false;
+                        }
+                        self.fail_waiting(|p| now >= p.deadline);
                         return self.maintain();
                     }
                     Ok(Err(e)) => {
@@ -934,8 +964,11 @@ impl<C: Transport> Worker<C> {
                         o.backoff = (o.backoff * 2).min(MAX_BACKOFF);
                         if now.duration_since(o.since) >= self.sh.timeout {
                             // A long outage: whoever arrived before this attempt started has
-                            // had its fresh chance (see `start`).
-                            self.fail_waiting(|p| p.arrived <= started);
+                            // had its fresh chance (see `start`), unless held for the fence.
+                            let timeout = self.sh.timeout;
+                            self.fail_waiting(|p| {
+                                p.arrived <= started && !p.held(false, now, timeout)
+                            });
                         }
                     }
                     Err(mpsc::TryRecvError::Empty) => {}
@@ -956,13 +989,17 @@ impl<C: Transport> Worker<C> {
             return;
         }
         self.next_tick = now + TICK;
-        let stuck = self
-            .t
-            .slots
-            .iter()
-            .flatten()
-            .any(|p| p.outstanding > 0 && now.duration_since(p.sent_at) >= self.sh.timeout);
-        self.fail_waiting(|p| now >= p.deadline);
+        let timeout = self.sh.timeout;
+        let fenceable = matches!(&self.link, Link::Up(q) if q.identity().is_some());
+        // A connection is given up when it leaves a command unanswered for the whole timeout,
+        // and at once when a change is held for the fence: the reconnection that fences its
+        // queue, and so answers the change, starts now.
+        let stuck = self.t.slots.iter().flatten().any(|p| {
+            p.outstanding > 0
+                && (now.duration_since(p.sent_at) >= timeout
+                    || (now >= p.deadline && !p.replied && p.held(fenceable, now, timeout)))
+        });
+        self.fail_waiting(|p| now >= p.deadline && !p.held(fenceable, now, timeout));
         // At most one line per LOG_EVERY about failed requests, however many fail.
         if self.t.failed > 0
             && self
@@ -981,6 +1018,17 @@ impl<C: Transport> Worker<C> {
             );
             self.t.failed = 0;
         }
+        if self.t.unfenced_failed > 0 {
+            log!(
+                "warn",
+                "queue {}: {} write(s) answered EIO unfenced: {} did not confirm within {}s more that they will not land later",
+                self.id,
+                self.t.unfenced_failed,
+                self.sh.url,
+                timeout.as_secs()
+            );
+            self.t.unfenced_failed = 0;
+        }
         if stuck && matches!(self.link, Link::Up(_)) {
             self.link_down(&format!("no reply for {}s", self.sh.timeout.as_secs()));
         }
@@ -998,6 +1046,7 @@ impl<C: Transport> Worker<C> {
             p.replied = true;
             let (unique, idle) = (p.unique, p.outstanding == 0);
             self.t.failed += 1;
+            self.t.unfenced_failed += p.unfenced as u64;
             self.t.reply(&mut self.ch, unique, libc::EIO, &[]);
             if idle {
                 self.t.remove(idx);
@@ -1026,6 +1075,7 @@ impl<C: Transport> Worker<C> {
         ));
         self.t.unsent.clear();
         self.t.waiting.clear();
+        let fenceable = replaces.is_some();
         for idx in 0..self.t.slots.len() {
             let Some(p) = self.t.slots[idx].as_mut() else {
                 continue;
@@ -1034,6 +1084,8 @@ impl<C: Transport> Worker<C> {
                 // Already answered; its commands died with the connection.
                 self.t.remove(idx);
             } else {
+                // Its changes in flight may still run at the target until the queue is fenced.
+                p.unfenced |= fenceable && p.op.op.modifies() && p.outstanding > 0;
                 p.sent = 0;
                 p.outstanding = 0;
                 p.err = 0;
@@ -1389,6 +1441,46 @@ mod tests {
         }
         // Plain allocation needs no command: still nothing to do.
         assert_eq!(fallocate_op(&sh, 0, 4096, 0), Ok(None));
+    }
+
+    /// The give-up fence (PROTOCOL.md §2.6): past its deadline, a change with commands that
+    /// may still run at the target waits for the fence, up to one more timeout; reads, flushes
+    /// and changes with nothing out do not, nor do commands in flight on a connection that cannot
+    /// be fenced (nvme-tcp://).
+    #[test]
+    fn a_change_the_target_may_still_run_is_held_for_the_fence_up_to_one_more_timeout() {
+        let t0 = Instant::now();
+        let timeout = Duration::from_secs(5);
+        let pending = |op: BlockOp, outstanding: u32, unfenced: bool| {
+            let mut p = Pending::new(1, IoOp::new(op, 0, 4096), None, 512, t0, t0 + timeout);
+            (p.outstanding, p.unfenced) = (outstanding, unfenced);
+            p
+        };
+        let at_deadline = t0 + timeout;
+        let last = t0 + timeout * 2 - Duration::from_millis(1);
+        for op in [BlockOp::Write, BlockOp::Trim, BlockOp::WriteZeroes] {
+            assert!(
+                pending(op, 1, false).held(true, at_deadline, timeout),
+                "{op:?}"
+            );
+            assert!(
+                !pending(op, 1, false).held(false, at_deadline, timeout),
+                "{op:?}"
+            );
+            assert!(
+                !pending(op, 0, false).held(true, at_deadline, timeout),
+                "{op:?}"
+            );
+            // Given up with commands out: held while disconnected, until one more timeout.
+            assert!(pending(op, 0, true).held(false, last, timeout), "{op:?}");
+            assert!(!pending(op, 0, true).held(false, t0 + timeout * 2, timeout));
+        }
+        for op in [BlockOp::Read, BlockOp::Flush] {
+            assert!(
+                !pending(op, 1, false).held(true, at_deadline, timeout),
+                "{op:?}"
+            );
+        }
     }
 
     /// A transport that only records replies (the table's tests need no kernel).

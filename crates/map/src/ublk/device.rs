@@ -13,7 +13,7 @@ use blkwire_wire::Features;
 use super::abi::*;
 use super::control::{probe, Ctrl};
 use super::queue::{QEvent, QueueWorker};
-use crate::device::{self, BlockDevice, Connected, FuseIo, Mode, Needs, Spec};
+use crate::device::{self, answer_limit, BlockDevice, Connected, FuseIo, Mode, Needs, Spec};
 use crate::log;
 use crate::state::{self, Liveness, Record, RecordBook};
 use crate::sys::{self, Proc};
@@ -586,7 +586,10 @@ fn serve(mut r: Running, stop_now: bool) {
     let mut refused: Option<Instant> = None;
     while exited < r.queues {
         let ev = if stopping {
-            match r.events.recv_timeout(r.timeout + Duration::from_secs(5)) {
+            match r
+                .events
+                .recv_timeout(answer_limit(r.timeout) + Duration::from_secs(5))
+            {
                 Ok(ev) => ev,
                 Err(_) => {
                     log!("warn", "the ublk queues did not stop in time");
@@ -831,7 +834,8 @@ fn unmap(device: &str, id: u32) -> Result<(), String> {
         Some(p) => {
             refuse_in_use(&path)?;
             let _ = p.kill(libc::SIGTERM);
-            let limit = Duration::from_secs(rec.timeout_secs) + Duration::from_secs(10);
+            let limit =
+                answer_limit(Duration::from_secs(rec.timeout_secs)) + Duration::from_secs(10);
             if !p.wait_exit(limit) {
                 // A daemon that found the device in use refused the signal and serves on,
                 // probing it each second; killing it would end the device under its users all

@@ -5,7 +5,8 @@
 //! The thread never blocks on the target: when the connection breaks, its requests wait in
 //! their slots while one reconnection at a time runs in a thread of its own (`Outage`), whose end
 //! wakes the ring through an eventfd; meanwhile answers that did arrive are committed and every
-//! request still fails with EIO at its own deadline.
+//! request still fails with EIO at its own deadline, except a change of the export the target may
+//! still be running then: that one waits for the give-up fence (`Slot::holds_for_fence`).
 
 use std::fs::File;
 use std::io;
@@ -50,34 +51,60 @@ struct Slot {
     /// When the request was taken from the ring.
     arrived: Instant,
     /// When the request must be answered (`--timeout` after it arrived), with EIO if the target
-    /// has not answered it by then.
+    /// has not answered it by then (a change held for the fence: see `due_at`).
     deadline: Instant,
+    /// A change of the export sent on a connection given up since, whose queue has not been
+    /// fenced yet (PROTOCOL.md §2.6): the target may still run it. Set only when that queue
+    /// has an identity to be fenced by; cleared when a reconnection naming it is welcomed.
+    unfenced: bool,
 }
 
-/// Tags whose request has waited its whole timeout at `now`.
-fn expired(slots: &[Slot], now: Instant) -> impl Iterator<Item = usize> + '_ {
+impl Slot {
+    /// When the request is next due at `expire`: its deadline, or, for a change the target may
+    /// still run unfenced, one `timeout` after it (then it is answered EIO unfenced).
+    fn due_at(&self, timeout: Duration) -> Instant {
+        if self.unfenced {
+            self.deadline + timeout
+        } else {
+            self.deadline
+        }
+    }
+
+    /// Whether, due, it waits for the give-up fence rather than fail: a change of the export
+    /// in flight on a connection with an identity (`fenceable`). The connection is then given
+    /// up, which makes it `unfenced`, and it is answered once a reconnection naming the queue is
+    /// welcomed (the target's word that it will not land later) or at its `due_at`. Failed
+    /// now, a rewrite of its blocks through any queue could be overtaken by it.
+    fn holds_for_fence(&self, fenceable: bool) -> bool {
+        fenceable && self.sent && !self.unfenced && self.op.is_some_and(|op| op.op.modifies())
+    }
+}
+
+/// Tags whose request is due at `now` (`Slot::due_at`).
+fn expired(slots: &[Slot], now: Instant, timeout: Duration) -> impl Iterator<Item = usize> + '_ {
     slots
         .iter()
         .enumerate()
-        .filter(move |(_, s)| s.op.is_some() && now >= s.deadline)
+        .filter(move |(_, s)| s.op.is_some() && now >= s.due_at(timeout))
         .map(|(tag, _)| tag)
 }
 
-/// Requests that arrived by `t` (and wait: nothing is in flight while disconnected).
+/// Requests that arrived by `t` and wait (nothing is in flight while disconnected), but for
+/// changes the target may still run: those wait for the fence (`Slot::due_at`).
 fn arrived_by(slots: &[Slot], t: Instant) -> impl Iterator<Item = usize> + '_ {
     slots
         .iter()
         .enumerate()
-        .filter(move |(_, s)| s.op.is_some() && s.arrived <= t)
+        .filter(move |(_, s)| s.op.is_some() && s.arrived <= t && !s.unfenced)
         .map(|(tag, _)| tag)
 }
 
-/// When the next request's timeout ends, if any request waits.
-fn next_deadline(slots: &[Slot]) -> Option<Instant> {
+/// When the next request is due, if any request waits.
+fn next_deadline(slots: &[Slot], timeout: Duration) -> Option<Instant> {
     slots
         .iter()
         .filter(|s| s.op.is_some())
-        .map(|s| s.deadline)
+        .map(|s| s.due_at(timeout))
         .min()
 }
 
@@ -171,6 +198,8 @@ pub(crate) struct QueueWorker {
     wake_armed: bool,
     /// Requests failed with EIO since the last log line about it, and when that was.
     failed: u64,
+    /// Of those, changes answered without the fence (`Slot::due_at` ran out).
+    unfenced_failed: u64,
     fail_logged: Option<Instant>,
     /// The ring also watches the queue's socket, so the thread sleeps in one place.
     sock: SockPoll,
@@ -311,6 +340,7 @@ impl QueueWorker {
             waker: Arc::new(waker),
             wake_armed: false,
             failed: 0,
+            unfenced_failed: 0,
             fail_logged: None,
             sock: SockPoll::default(),
             cqes: Vec::with_capacity(depth * 2),
@@ -321,6 +351,7 @@ impl QueueWorker {
                     sent: false,
                     arrived: now,
                     deadline: now,
+                    unfenced: false,
                 })
                 .collect(),
             done: Vec::with_capacity(depth),
@@ -392,6 +423,7 @@ impl QueueWorker {
     fn commit(&mut self, tag: usize, result: i32) -> Result<(), String> {
         self.slots[tag].op = None;
         self.slots[tag].sent = false;
+        self.slots[tag].unfenced = false;
         self.push_cmd(UBLK_U_IO_COMMIT_AND_FETCH_REQ, tag, result)
     }
 
@@ -533,7 +565,10 @@ impl QueueWorker {
             self.replaces = q.identity();
         }
         self.outage = Some(Outage::new(now));
+        let fenceable = self.replaces.is_some();
         for s in &mut self.slots {
+            // Its change may still run at the target until the queue is fenced.
+            s.unfenced |= s.holds_for_fence(fenceable);
             s.sent = false;
         }
     }
@@ -566,6 +601,11 @@ impl QueueWorker {
                 self.outage = None;
                 self.link = Some(q);
                 self.link_id += 1;
+                // The welcome fenced the queue given up (PROTOCOL.md §2.6): nothing sent on it
+                // runs any more, so changes held for that are due at their deadline again.
+                for s in &mut self.slots {
+                    s.unfenced = false;
+                }
                 for tag in 0..self.depth {
                     // One whose deadline has passed is `expire`'s to fail: sent, it would take
                     // the new connection down with it.
@@ -634,6 +674,17 @@ impl QueueWorker {
             self.failed = 0;
             self.fail_logged = Some(now);
         }
+        if self.unfenced_failed > 0 {
+            log!(
+                "warn",
+                "queue {}: {} write(s) answered EIO unfenced: {} did not confirm within {}s more that they will not land later",
+                self.id,
+                self.unfenced_failed,
+                self.url,
+                self.timeout.as_secs()
+            );
+            self.unfenced_failed = 0;
+        }
     }
 
     /// When failures counted since the last log line are due to be logged.
@@ -643,15 +694,27 @@ impl QueueWorker {
     }
 
     /// Answers EIO to every request that has waited its whole timeout (every request is
-    /// answered within `--timeout`). The queue's own timer does not see one request the target
-    /// leaves unanswered while it answers others, so this one does. A failed request's command
-    /// may still be in flight, and its tag comes back with a new request once committed: a late
-    /// answer would complete that one. So the connection is dropped, as the fuse frontend does,
-    /// and the others are sent again on a new one.
+    /// answered within `--timeout`, a change held for the fence within twice that). The
+    /// queue's own timer does not see one request the target leaves unanswered while it answers
+    /// others, so this one does. A failed request's command may still be in flight, and its tag
+    /// comes back with a new request once committed: a late answer would complete that one. So
+    /// the connection is dropped, as the fuse frontend does, and the others are sent again on a
+    /// new one. It is dropped too when a change is held for the fence: the reconnection that
+    /// fences its queue, and so answers it, starts now.
     fn expire(&mut self, now: Instant) -> Result<(), String> {
+        let fenceable = self.link.as_ref().is_some_and(|q| q.identity().is_some());
         let mut tags = std::mem::take(&mut self.done);
-        tags.extend(expired(&self.slots, now).map(|tag| (tag, -libc::EIO)));
-        let in_flight = tags.iter().any(|&(tag, _)| self.slots[tag].sent);
+        let mut held = false;
+        for tag in expired(&self.slots, now, self.timeout) {
+            if self.slots[tag].holds_for_fence(fenceable) {
+                held = true;
+            } else {
+                tags.push((tag, -libc::EIO));
+            }
+        }
+        let in_flight = held || tags.iter().any(|&(tag, _)| self.slots[tag].sent);
+        let unfenced = tags.iter().filter(|&&(tag, _)| self.slots[tag].unfenced);
+        self.unfenced_failed += unfenced.count() as u64;
         for &(tag, res) in &tags {
             self.commit(tag, res)?;
         }
@@ -746,7 +809,7 @@ impl QueueWorker {
             if let Err(e) = r {
                 self.link_down(&e.to_string(), now);
             }
-            if next_deadline(&self.slots).is_some_and(|d| now >= d) {
+            if next_deadline(&self.slots, self.timeout).is_some_and(|d| now >= d) {
                 self.expire(now)?;
             }
             self.note_failed(0, now);
@@ -788,7 +851,7 @@ impl QueueWorker {
             // deadline, the next attempt, the next log line about failed requests.
             let limit = [
                 self.link.as_ref().and_then(|q| q.deadline()),
-                next_deadline(&self.slots),
+                next_deadline(&self.slots, self.timeout),
                 self.outage.as_ref().and_then(|o| o.wake_at()),
                 self.fail_log_due(),
             ]
@@ -831,7 +894,9 @@ mod tests {
             sent,
             arrived: t0,
             deadline,
+            unfenced: false,
         };
+        let t = secs(5);
         // Tag 0 is free (its stale deadline means nothing), tag 1 was sent at t0 and never
         // answered, tag 2 arrived later, tag 3 waits unsent for a connection.
         let slots = vec![
@@ -840,12 +905,65 @@ mod tests {
             slot(true, true, t0 + secs(8)),
             slot(true, false, t0 + secs(6)),
         ];
-        assert_eq!(next_deadline(&slots), Some(t0 + secs(5)));
-        assert_eq!(expired(&slots, t0 + secs(4)).count(), 0);
-        assert_eq!(expired(&slots, t0 + secs(5)).collect::<Vec<_>>(), [1]);
-        assert_eq!(expired(&slots, t0 + secs(7)).collect::<Vec<_>>(), [1, 3]);
-        assert_eq!(expired(&slots, t0 + secs(9)).collect::<Vec<_>>(), [1, 2, 3]);
-        assert_eq!(next_deadline(&[slot(false, false, t0)]), None);
+        assert_eq!(next_deadline(&slots, t), Some(t0 + secs(5)));
+        assert_eq!(expired(&slots, t0 + secs(4), t).count(), 0);
+        assert_eq!(expired(&slots, t0 + secs(5), t).collect::<Vec<_>>(), [1]);
+        assert_eq!(expired(&slots, t0 + secs(7), t).collect::<Vec<_>>(), [1, 3]);
+        assert_eq!(
+            expired(&slots, t0 + secs(9), t).collect::<Vec<_>>(),
+            [1, 2, 3]
+        );
+        assert_eq!(next_deadline(&[slot(false, false, t0)], t), None);
+        // Reads are never held for the fence.
+        assert!(!slots[1].holds_for_fence(true));
+    }
+
+    #[test]
+    fn a_write_the_target_may_still_run_waits_for_the_fence_up_to_one_more_timeout() {
+        let t0 = Instant::now();
+        let secs = Duration::from_secs;
+        let timeout = secs(5);
+        let slot = |op: BlockOp, sent: bool| Slot {
+            op: Some(BlockRequest::new(op, 0, 4096)),
+            sent,
+            arrived: t0,
+            deadline: t0 + timeout,
+            unfenced: false,
+        };
+        // Due at its deadline: a change in flight on a connection with an identity is held
+        // (the connection is given up); one not sent, a read, a flush, or one on a connection
+        // that cannot be fenced (nvme-tcp://) fails.
+        for op in [BlockOp::Write, BlockOp::Trim, BlockOp::WriteZeroes] {
+            assert!(slot(op, true).holds_for_fence(true), "{op:?}");
+            assert!(!slot(op, true).holds_for_fence(false), "{op:?}");
+            assert!(!slot(op, false).holds_for_fence(true), "{op:?}");
+        }
+        assert!(!slot(BlockOp::Read, true).holds_for_fence(true));
+        assert!(!slot(BlockOp::Flush, true).holds_for_fence(true));
+        // Given up unfenced, it is due one timeout later, and a failed attempt in a long
+        // outage does not fail it with the others.
+        let mut slots = vec![slot(BlockOp::Write, false), slot(BlockOp::Read, false)];
+        slots[0].unfenced = true;
+        assert!(!slots[0].holds_for_fence(true), "held once, not again");
+        assert_eq!(next_deadline(&slots, timeout), Some(t0 + timeout));
+        assert_eq!(
+            expired(&slots, t0 + timeout, timeout).collect::<Vec<_>>(),
+            [1]
+        );
+        assert_eq!(arrived_by(&slots, t0 + secs(7)).collect::<Vec<_>>(), [1]);
+        slots[1].op = None;
+        assert_eq!(next_deadline(&slots, timeout), Some(t0 + secs(10)));
+        assert_eq!(expired(&slots, t0 + secs(9), timeout).count(), 0);
+        assert_eq!(
+            expired(&slots, t0 + secs(10), timeout).collect::<Vec<_>>(),
+            [0]
+        );
+        // Fenced (a reconnection naming its queue was welcomed): due at its deadline again.
+        slots[0].unfenced = false;
+        assert_eq!(
+            expired(&slots, t0 + timeout, timeout).collect::<Vec<_>>(),
+            [0]
+        );
     }
 
     #[test]
@@ -892,14 +1010,15 @@ mod tests {
             sent: false,
             arrived,
             deadline: arrived + timeout,
+            unfenced: false,
         };
         let mut o = Outage::new(t0);
         let mut slots = vec![slot(ms(500))];
         assert!(o.start(ms(1000)));
         // The outage is 2 s old: the request keeps waiting, up to its own deadline.
         assert_eq!(o.failed(ms(2000), timeout), None);
-        assert_eq!(expired(&slots, ms(5499)).count(), 0);
-        assert_eq!(expired(&slots, ms(5500)).collect::<Vec<_>>(), [0]);
+        assert_eq!(expired(&slots, ms(5499), timeout).count(), 0);
+        assert_eq!(expired(&slots, ms(5500), timeout).collect::<Vec<_>>(), [0]);
         slots[0].op = None; // failed with EIO by `expire`
                             // Idle until a request arrives at 7 s: it gets a fresh attempt at once...
         slots.push(slot(ms(7000)));
