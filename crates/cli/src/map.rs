@@ -70,7 +70,7 @@ pub struct MapArgs {
     logfile: Option<PathBuf>,
     /// Seconds I/O waits for an unreachable target before failing with EIO; a write the
     /// target may still be running then waits up to as long again, until the target confirms it
-    /// will not land later
+    /// will not land later (not over nvme-tcp://)
     #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86400))]
     timeout: u64,
     #[command(flatten)]

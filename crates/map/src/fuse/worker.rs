@@ -1059,10 +1059,11 @@ impl<C: Transport> Worker<C> {
         if let Link::Up(_) = self.link {
             log!(
                 "warn",
-                "queue {}: connection to {} lost ({why}); reconnecting, I/O waits up to {}s",
+                "queue {}: connection to {} lost ({why}); reconnecting, I/O waits up to {}s ({}s for a write the target may still be running)",
                 self.id,
                 self.sh.url,
-                self.sh.timeout.as_secs()
+                self.sh.timeout.as_secs(),
+                2 * self.sh.timeout.as_secs()
             );
         }
         let replaces = match &self.link {

@@ -556,10 +556,11 @@ impl QueueWorker {
     fn link_down(&mut self, why: &str, now: Instant) {
         log!(
             "warn",
-            "queue {}: connection to {} lost ({why}); reconnecting, I/O waits up to {}s",
+            "queue {}: connection to {} lost ({why}); reconnecting, I/O waits up to {}s ({}s for a write the target may still be running)",
             self.id,
             self.url,
-            self.timeout.as_secs()
+            self.timeout.as_secs(),
+            2 * self.timeout.as_secs()
         );
         if let Some(q) = self.link.take() {
             self.replaces = q.identity();
@@ -944,7 +945,9 @@ mod tests {
         // outage does not fail it with the others.
         let mut slots = vec![slot(BlockOp::Write, false), slot(BlockOp::Read, false)];
         slots[0].unfenced = true;
-        assert!(!slots[0].holds_for_fence(true), "held once, not again");
+        let mut resent = slot(BlockOp::Write, true);
+        resent.unfenced = true;
+        assert!(!resent.holds_for_fence(true), "held once, not again");
         assert_eq!(next_deadline(&slots, timeout), Some(t0 + timeout));
         assert_eq!(
             expired(&slots, t0 + timeout, timeout).collect::<Vec<_>>(),

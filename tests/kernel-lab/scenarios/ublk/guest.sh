@@ -3,7 +3,7 @@
 # mkfs.ext4, mount, write files, sync, umount, fsck, re-read them with caches dropped, unmap
 # (refused while a mount in another mount namespace, or a mounted partition, holds the device);
 # a stop signal to the map daemon of a mounted device is refused, and the device stops once
-# unmounted.
+# unmounted; a write the target still runs at its timeout waits for the give-up fence.
 # The checksums go to the log (LAB-SHA256 lines) for the host to check against what blkwire stored.
 #
 # From the kernel command line (set by host.sh): lab.tcp_port, lab.export.
@@ -199,6 +199,64 @@ run umount "$mnt"
 bw unmap "$tdev"
 kill $tserve
 info "files written before and after the refused SIGTERM read back identical from the target"
+
+# The give-up fence (PROTOCOL.md §2.6): a write the target still runs at its timeout is answered
+# EIO only once a reconnection naming its queue is welcomed, that is, once the write has landed
+# (else a rewrite through another queue could be overtaken by it); with no such welcome within one
+# more timeout, EIO unfenced, logged. A target inside the guest exports a file on an ext4
+# filesystem (on another ublk device) that this step freezes, so the write stays running.
+now_cs() { awk '{ print int($1 * 100) }' /proc/uptime; }
+serve /tmp/bserve.log --listen tcp://127.0.0.1:7794 --export base=mem:64M
+bserve=$served
+bw map --frontend ublk --logfile $maplog tcp://127.0.0.1:7794/base
+bdev=$(tail -n1 /tmp/bw.out)
+fmnt=/tmp/fmnt
+mkdir -p $fmnt
+run mkfs.ext4 -q -F "$bdev"
+run mount -t ext4 "$bdev" $fmnt
+run dd if=/dev/zero of=$fmnt/disk bs=1M count=16 conv=fsync
+serve /tmp/fserve.log --listen tcp://127.0.0.1:7795 --export f=file:$fmnt/disk
+fserve=$served
+bw map --frontend ublk --timeout 4 --logfile /tmp/fence.log tcp://127.0.0.1:7795/f
+fdev=$(tail -n1 /tmp/bw.out)
+run dd if=/dev/urandom of=/tmp/w1 bs=4k count=1
+run fsfreeze --freeze $fmnt
+step "a 4 KiB write to $fdev with the target's filesystem frozen"
+dd if=/tmp/w1 of="$fdev" bs=4k count=1 oflag=direct 2>/tmp/w1.err &
+wpid=$!
+# Half a timeout past the timeout, the write must still wait (the target still runs it); thawed
+# then, it lands and the fence comes well before the second timeout ends. A wait for something
+# that must not happen: nothing to wait on instead.
+sleep 6
+alive $wpid || fail "a write the target still ran was answered at its timeout: $(cat /tmp/w1.err)"
+thawed=$(now_cs)
+run fsfreeze --unfreeze $fmnt
+if wait $wpid; then fail "a write answered past its timeout succeeded"; fi
+done_cs=$(now_cs)
+grep -q "Input/output error" /tmp/w1.err || fail "the held write failed otherwise: $(cat /tmp/w1.err)"
+dd if="$fdev" of=/tmp/w1.back bs=4k count=1 iflag=direct 2>/dev/null || fail "reading back $fdev failed"
+cmp -s /tmp/w1 /tmp/w1.back || fail "the held write was answered before it landed"
+grep -q "answered EIO unfenced" /tmp/fence.log && fail "answered unfenced: $(cat /tmp/fence.log)"
+[ $((done_cs - thawed)) -lt 200 ] || fail "the held write was answered $(((done_cs - thawed) * 10)) ms after the thaw: unfenced?"
+info "a write the target still ran was answered EIO $(((done_cs - thawed) * 10)) ms after the thaw, once it had landed"
+run dd if=/dev/urandom of=/tmp/w2 bs=4k count=1
+run fsfreeze --freeze $fmnt
+step "a write held for a fence that never comes"
+t0=$(now_cs)
+if dd if=/tmp/w2 of="$fdev" bs=4k count=1 seek=2 oflag=direct 2>/tmp/w2.err; then
+    fail "a write the target never finished succeeded"
+fi
+t1=$(now_cs)
+run fsfreeze --unfreeze $fmnt
+[ $((t1 - t0)) -ge 780 ] || fail "answered unfenced after $(((t1 - t0) * 10)) ms, before twice the 4 s timeout"
+grep -q "answered EIO unfenced" /tmp/fence.log || fail "no unfenced EIO in the log: $(cat /tmp/fence.log)"
+info "with no fence: EIO unfenced after $(((t1 - t0) * 10)) ms: $(grep "answered EIO unfenced" /tmp/fence.log | tail -n1)"
+bw unmap "$fdev"
+kill $fserve
+wait $fserve || true
+run umount $fmnt
+bw unmap "$bdev"
+kill $bserve
 
 # The target goes away: I/O fails with EIO after --timeout instead of hanging, and unmap still
 # completes. A target inside the guest, so this scenario can kill it.
