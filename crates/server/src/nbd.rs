@@ -13,6 +13,7 @@ use crate::access::PeerId;
 use crate::frontend::{nbd::Nbd, StreamFrontend};
 use crate::log::Level;
 use crate::session::{Admitted, Registry};
+use crate::stats::QueueStats;
 use crate::tls::{Tls, TlsMode};
 use crate::Admission;
 
@@ -200,7 +201,7 @@ pub fn negotiate(
                 if !no_zeroes {
                     out.extend_from_slice(&[0u8; 124]);
                 }
-                send(s, &out)?;
+                admitted_if_sent(registry, &adm, send(s, &out))?;
                 let fe = Nbd {
                     structured,
                     allocation,
@@ -267,7 +268,7 @@ pub fn negotiate(
                             continue;
                         }
                     };
-                    reply(s, option, rep::ACK, &[])?;
+                    admitted_if_sent(registry, &adm, reply(s, option, rep::ACK, &[]))?;
                     let fe = Nbd {
                         structured,
                         allocation,
@@ -373,6 +374,16 @@ fn send_info(
     d.extend_from_slice(&physical.max(min).max(512).to_be_bytes());
     d.extend_from_slice(&NBD_MAX_PAYLOAD.to_be_bytes());
     reply(s, option, rep::INFO, &d)
+}
+
+/// `sent`, the handshake's last answer after the session was admitted: if it failed, the client
+/// is gone and the session is left at once. No reactor holds its queue yet, so nothing else
+/// would ever leave it: it would count against the session limits and keep its export.
+fn admitted_if_sent(registry: &Registry, adm: &Admitted, sent: Option<()>) -> Option<()> {
+    if sent.is_none() {
+        registry.leave(adm.session, adm.queue, &QueueStats::default());
+    }
+    sent
 }
 
 /// Admits the client at `peer` to export `e` with requests of up to `max_payload` bytes and
