@@ -1045,6 +1045,91 @@ impl Controlled {
     }
 }
 
+/// A controller whose host sends a command more often than the admin queue's idle poll (Keep
+/// Alive every 100 ms here) still ends when its session is closed (`session_close`): revocations
+/// are looked for on a busy queue too. Before, only a quiet socket was checked, and such a host
+/// kept its controller, its session and a place against the session limits for good.
+#[test]
+fn a_busy_controller_ends_when_its_session_is_closed() {
+    use serde_json::json;
+    let dir = TempDir::new("nvme-busy-close");
+    let t = Controlled::start(&dir, &["disk0=mem:1M"]);
+    let mut a = controller(&t.addr, &nqn("disk0"), &Opts::default());
+    let list = t.rpc("session_list", json!({}));
+    let session = list[0]["session"]
+        .as_u64()
+        .expect("the controller's session");
+    t.rpc("session_close", json!({ "session": session }));
+    let closed = Instant::now();
+    let mut answered = 0;
+    let ended = loop {
+        let mut ka = sqe(0x18, 0);
+        ka.cid = answered as u16;
+        if a.command_in(ka, &[], 0).is_err() {
+            break closed.elapsed();
+        }
+        answered += 1;
+        assert!(
+            closed.elapsed() < Duration::from_secs(10),
+            "a controller kept busy outlived its closed session ({answered} Keep Alives answered)"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        common::wait_until(Duration::from_secs(10), || t
+            .rpc("session_list", json!({}))
+            .as_array()
+            .is_some_and(|l| l.is_empty())),
+        "its session is still listed"
+    );
+    eprintln!("ended {ended:?} after session_close, {answered} Keep Alives answered before");
+}
+
+/// A discovery controller holds no session to revoke, so a `keys_load` that replaces its host's
+/// key ends it directly, busy or not: the host proved a key the target no longer has for it.
+/// The same key loaded again changes nothing.
+#[test]
+fn a_discovery_controller_ends_when_its_hosts_key_is_replaced() {
+    use blkwire_auth::dhchap::{HostAuth, Secret};
+    use serde_json::json;
+    let dir = TempDir::new("nvme-disc-rekey");
+    let alice = "nqn.2014-08.org.nvmexpress:uuid:a11ce000-0000-4000-8000-000000000001";
+    let (old, new) = (Secret::generate(), Secret::generate());
+    let keys = key_file(&dir, &[format!("{alice}:{}", old.to_dhhc().unwrap())]);
+    let t = Controlled::start_with(&dir, &["disk0=mem:1M"], &["--keys", &keys]);
+    let o = Opts {
+        hostnqn: alice.into(),
+        ..Opts::default()
+    };
+    let (mut d, done) = Queue::connect(&t.addr, DISCOVERY_NQN, 0, 0xffff, &o).unwrap();
+    assert_eq!(done.code(), 0);
+    let mut host = HostAuth::new(alice, DISCOVERY_NQN, &old, None, 1);
+    assert!(nvme_host::authenticate(&mut d, &mut host), "alice's key");
+    d.enable();
+    let mut cid = 0u16;
+    let mut keep_alive = |d: &mut Queue| {
+        cid += 1;
+        let mut ka = sqe(0x18, 0);
+        ka.cid = cid;
+        d.command_in(ka, &[], 0).is_ok()
+    };
+    t.rpc("keys_load", json!({ "path": keys }));
+    for _ in 0..10 {
+        assert!(keep_alive(&mut d), "ended by a reload of the same key");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let rotated = key_file(&dir, &[format!("{alice}:{}", new.to_dhhc().unwrap())]);
+    t.rpc("keys_load", json!({ "path": rotated }));
+    let replaced = Instant::now();
+    while keep_alive(&mut d) {
+        assert!(
+            replaced.elapsed() < Duration::from_secs(10),
+            "a discovery controller outlived its host's key"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// An Asynchronous Event Request, held by the target: its answer is read later.
 fn post_aer(q: &mut Queue, cid: u16) {
     let mut c = sqe(0x0c, cid);

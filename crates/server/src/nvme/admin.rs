@@ -156,6 +156,7 @@ impl AdminQueue {
             expiry(alive, (kato, q.s.kato_ms), q.has_io_queues(registry), auth)
         };
         let mut buf = Vec::with_capacity(1024);
+        let mut revocations_checked = Instant::now();
         let why = loop {
             // Checked on every turn, not only when the socket is quiet: a host that sends a
             // command now and then must not postpone the authentication deadline.
@@ -168,18 +169,28 @@ impl AdminQueue {
             // trickles a byte at a time, each within any timeout per read: hours for 8 KiB.
             // So what comes next (a PDU, or a held AER's completion) must be done by them too.
             sock.deadline = within(Instant::now() + PDU_TIMEOUT, &limit);
+            // Revocations (`session close`, keys or rules changed, the export or namespace
+            // removed) are looked for when the socket is quiet and at least every TICK when it
+            // is not: a host sending a command more often than that must not keep a controller
+            // whose sessions are gone, nor, its key removed or replaced, one it authenticated
+            // with the old key (a discovery controller holds no session to revoke).
+            let due = matches!(readable, Ok(false)) || revocations_checked.elapsed() >= TICK;
+            if due {
+                revocations_checked = Instant::now();
+            }
+            if due && self.key_replaced(registry) {
+                break "its host's key was removed or replaced".into();
+            }
+            if due && !self.admitted.is_empty() {
+                match self.namespaces_gone(&mut sock, registry) {
+                    Some(true) => break "its sessions were closed".into(),
+                    Some(false) => {}
+                    None => break "the connection failed".into(),
+                }
+            }
             match readable {
                 Ok(true) => {}
-                Ok(false) => {
-                    if !self.admitted.is_empty() {
-                        match self.namespaces_gone(&mut sock, registry) {
-                            Some(true) => break "its sessions were closed".into(),
-                            Some(false) => {}
-                            None => break "the connection failed".into(),
-                        }
-                    }
-                    continue;
-                }
+                Ok(false) => continue,
                 Err(e) => break e.to_string(),
             }
             let n = match read_pdu(&mut sock, &mut buf, &self.s.link.rx) {
@@ -285,6 +296,12 @@ impl AdminQueue {
         Ended {
             sessions: self.admitted.iter().map(|a| (a.session, a.queue)).collect(),
         }
+    }
+
+    /// The host authenticated with a key the key store no longer has for it (`keys_load`).
+    fn key_replaced(&self, registry: &Registry) -> bool {
+        let proven = self.auth.as_ref().filter(|_| self.authenticated);
+        proven.is_some_and(|a| registry.access.key_of(&self.s.hostnqn).as_ref() != Some(&a.key))
     }
 
     /// True while some namespace's session has a queue besides this admin queue (queue 0).
