@@ -1040,3 +1040,43 @@ fn nbd_clients_gone_before_the_handshake_answer_leave_no_session() {
     let (_ok, size, _) = Raw::go(&nbd, "m", false, false);
     assert_eq!(size, 1 << 20);
 }
+
+/// The maximum payload an NBD client is told (NBD_INFO_BLOCK_SIZE) is one its connection can be
+/// served within its share of the memory budget: at the smallest budget (64 MiB, a 16 MiB
+/// share) a WRITE and a READ of that size on a file export succeed. The 32 MiB advertised before
+/// made such a WRITE end the connection (its frame could never fit) and a READ get ENOMEM.
+#[test]
+fn an_nbd_client_is_told_a_maximum_its_connection_can_serve() {
+    use blkwire_wire::nbd::{cmd, info, opt, rep};
+    use common::nbd_raw::{be16, be32, info_data, Raw};
+    let d = common::TempDir::new("hostile-nbd-max");
+    let img = d.path("f.img");
+    common::sparse_file(&img, 64 << 20);
+    let (_t, urls) = Target::start_listeners(
+        &[&format!("f=file:{}", img.display())],
+        &["--max-memory", "64M", "--listen", "nbd://127.0.0.1:0"],
+    );
+    let nbd = urls[1].trim_start_matches("nbd://");
+    let mut r = Raw::open(nbd);
+    r.option(opt::GO, &info_data("f", &[info::BLOCK_SIZE]));
+    let mut max = None;
+    loop {
+        match r.opt_reply() {
+            (_, rep::INFO, d) if be16(&d) == info::BLOCK_SIZE => max = Some(be32(&d[10..])),
+            (_, rep::INFO, _) => {}
+            (_, rep::ACK, _) => break,
+            (_, t, d) => panic!("GO: reply {t:#x}: {}", String::from_utf8_lossy(&d)),
+        }
+    }
+    let max = max.expect("NBD_INFO_BLOCK_SIZE");
+    assert!(
+        (1 << 20..32 << 20).contains(&max),
+        "a 16 MiB share was told a maximum of {max} bytes"
+    );
+    let data = common::random_bytes(max as usize, 81);
+    r.write(1, 0, &data);
+    assert_eq!(r.reply().error(), 0, "a WRITE of the maximum, {max} bytes");
+    r.request(cmd::READ, 0, 2, 0, max);
+    assert_eq!(r.reply().error(), 0, "a READ of the maximum, {max} bytes");
+    assert!(r.read_n(max as usize) == data);
+}

@@ -23,13 +23,29 @@ const MAX_OPTION_DATA: u32 = 64 << 10;
 const MAX_OPTIONS: usize = 1024;
 /// Largest request payload advertised (NBD_INFO_BLOCK_SIZE), and accepted from a client that
 /// asked for the block size constraints (the spec says up to 32 MiB must not be treated as an
-/// attack).
+/// attack), when the memory budget allows it (`max_payload`).
 pub const NBD_MAX_PAYLOAD: u32 = 32 << 20;
 /// ... accepted from a client that did not ask for them (EXPORT_NAME, or GO without
 /// NBD_INFO_BLOCK_SIZE): it never agreed to our maximum, and some send larger requests; nbdkit
 /// takes up to 64 MiB. Within the memory budget: a request larger than a connection's share
 /// gets ENOMEM.
 pub const NBD_MAX_UNNEGOTIATED: u32 = 64 << 20;
+/// The largest request payload a connection with `share` bytes of the memory budget can always
+/// be served: 32 MiB, or the largest power of two (1 MiB at least) that fits twice beside the
+/// connection's first buffers. A request is held twice at worst: a WRITE in the receive buffer
+/// and in a data buffer, a READ in a data buffer and in its reply. Advertised so to a client
+/// that asks (NBD_INFO_BLOCK_SIZE), which then never sends one that gets ENOMEM or, a WRITE
+/// whose frame cannot fit, ends the connection.
+pub fn max_payload(share: usize) -> u32 {
+    let first = crate::reactor::stream_floor(1 << 20) - (1 << 20) + (64 << 10);
+    let room = share.saturating_sub(first) / 2;
+    let mut max = NBD_MAX_PAYLOAD;
+    while max as usize > room && max > 1 << 20 {
+        max /= 2;
+    }
+    max
+}
+
 /// Requests of one connection processed in parallel against async backends.
 pub const NBD_DEPTH: u16 = 128;
 
@@ -246,10 +262,11 @@ pub fn negotiate(
                 };
                 // Read once: the size INFO gives is the size a GO's session checks against.
                 let size = e.size();
-                send_info(s, option, (&e, size), &req, structured)?;
+                let share = registry.connection_share();
+                send_info(s, option, (&e, size, share), &req, structured)?;
                 if option == opt::GO {
                     let max = if req.requests.contains(&info::BLOCK_SIZE) {
-                        NBD_MAX_PAYLOAD
+                        max_payload(registry.connection_share())
                     } else {
                         NBD_MAX_UNNEGOTIATED
                     };
@@ -347,7 +364,7 @@ pub fn negotiate(
 fn send_info(
     s: &mut Admission,
     option: u32,
-    (e, size): (&Export, u64),
+    (e, size, share): (&Export, u64, usize),
     req: &InfoRequest,
     structured: bool,
 ) -> Option<()> {
@@ -372,7 +389,7 @@ fn send_info(
     let mut d = info::BLOCK_SIZE.to_be_bytes().to_vec();
     d.extend_from_slice(&min.to_be_bytes());
     d.extend_from_slice(&physical.max(min).max(512).to_be_bytes());
-    d.extend_from_slice(&NBD_MAX_PAYLOAD.to_be_bytes());
+    d.extend_from_slice(&max_payload(share).to_be_bytes());
     reply(s, option, rep::INFO, &d)
 }
 
