@@ -121,6 +121,7 @@ fuzz_target!(|data: &[u8]| {
             structured,
             allocation,
             max_io: MAX_IO,
+            fast_zero: structured,
         };
         walk(&mut nbd, data, 1);
     }

@@ -755,9 +755,43 @@ fn multi_conn_writes_then_flush_on_one_connection() {
 // ---------------------------------------------------------------------------------------------
 // Raw protocol: handshake and transmission details
 
+/// NBD_OPT_SET_META_CONTEXT replaces what was selected also when it fails (proto.md): after a
+/// SET naming an unknown export, base:allocation is no longer selected, and BLOCK_STATUS in
+/// transmission is EINVAL.
+#[test]
+fn a_failed_set_meta_context_leaves_no_context_selected() {
+    let t = NbdTarget::start(&["m=mem:16M"]);
+    let mut r = Raw::open(&t.addr());
+    r.option(opt::STRUCTURED_REPLY, &[]);
+    assert_eq!(r.opt_reply().1, rep::ACK);
+    r.option(
+        opt::SET_META_CONTEXT,
+        &meta_data("m", &[nbd::BASE_ALLOCATION]),
+    );
+    let (_, typ, d) = r.opt_reply();
+    assert_eq!(typ, rep::META_CONTEXT);
+    assert_eq!(be32(&d), nbd::BASE_ALLOCATION_ID);
+    assert_eq!(r.opt_reply().1, rep::ACK);
+    r.option(
+        opt::SET_META_CONTEXT,
+        &meta_data("nope", &[nbd::BASE_ALLOCATION]),
+    );
+    assert_eq!(r.opt_reply().1, rep::ERR_UNKNOWN);
+    r.option(opt::GO, &info_data("m", &[]));
+    while r.opt_reply().1 != rep::ACK {}
+    r.request(cmd::BLOCK_STATUS, 0, 1, 0, 4096);
+    assert_eq!(
+        r.reply().error(),
+        nbd::err::EINVAL,
+        "no context is selected"
+    );
+}
+
 #[test]
 fn option_haggling() {
-    let t = NbdTarget::start(&["m=mem:16M", "ro=mem:8M,ro"]);
+    // A budget whose connection share (256 MiB) holds 32 MiB requests twice: the maximum
+    // payload told is the protocol's 32 MiB (smaller shares are told less, hostile.rs).
+    let t = NbdTarget::start_with(&["m=mem:16M", "ro=mem:8M,ro"], &["--max-memory", "1G"]);
     let mut r = Raw::open(&t.addr());
     // LIST: one SERVER reply per export, then ACK.
     r.option(opt::LIST, &[]);
@@ -825,6 +859,7 @@ fn option_haggling() {
     r.option(opt::LIST_META_CONTEXT, &meta_data("m", &["base:"]));
     let (_, typ, d) = r.opt_reply();
     assert_eq!(typ, rep::META_CONTEXT);
+    assert_eq!(be32(&d), 0, "LIST answers with context id 0");
     assert_eq!(&d[4..], nbd::BASE_ALLOCATION.as_bytes());
     assert_eq!(r.opt_reply().1, rep::ACK);
     // An unknown context is not selected (just ACK).

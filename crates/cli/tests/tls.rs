@@ -104,6 +104,42 @@ fn psk_target(dir: &TempDir, mode: &str) -> (TlsTarget, PathBuf) {
 // ---------------------------------------------------------------------------------------------
 // NBD
 
+/// With keys, only a host proven with TLS-PSK may open an export, so under `--tls on` a plain
+/// client asking for one (INFO, GO, meta contexts) is told TLS is required (proto.md's answer
+/// with selective TLS; qemu and libnbd report it as such), for any name, existing or not; on a
+/// target without keys it is served, and an unknown name is unknown.
+#[test]
+fn plain_nbd_clients_of_a_target_with_keys_are_told_tls_is_required() {
+    use blkwire_wire::nbd::BASE_ALLOCATION;
+    use common::nbd_raw::meta_data;
+    let dir = TempDir::new("tls-nbd-reqd");
+    let (t, _) = psk_target(&dir, "on");
+    let mut r = Raw::open(&t.nbd_addr);
+    r.option(opt::STRUCTURED_REPLY, &[]);
+    assert_eq!(r.opt_reply().1, rep::ACK);
+    for name in ["d", "nope"] {
+        for o in [opt::INFO, opt::GO] {
+            r.option(o, &info_data(name, &[]));
+            let (echo, typ, _) = r.opt_reply();
+            assert_eq!(
+                (echo, typ),
+                (o, rep::ERR_TLS_REQD),
+                "option {o}, export {name}"
+            );
+        }
+        r.option(opt::SET_META_CONTEXT, &meta_data(name, &[BASE_ALLOCATION]));
+        assert_eq!(
+            r.opt_reply().1,
+            rep::ERR_TLS_REQD,
+            "SET_META_CONTEXT {name}"
+        );
+    }
+    let open = TlsTarget::start(&["d=mem:16M"], &[]);
+    let mut r = Raw::open(&open.nbd_addr);
+    r.option(opt::INFO, &info_data("nope", &[]));
+    assert_eq!(r.opt_reply().1, rep::ERR_UNKNOWN);
+}
+
 #[test]
 fn nbdcopy_round_trips_data_over_nbd_starttls_with_psk() {
     common::need_tool("nbdcopy", "libnbd-bin");

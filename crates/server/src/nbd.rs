@@ -54,6 +54,11 @@ fn transmission_flags(e: &Export, structured: bool) -> u16 {
     crate::advertise::Advertised::of(e).nbd(structured)
 }
 
+/// Whether the transmission flags told the client it may ask for fast zeroing.
+fn advertises_fast_zero(e: &Export, structured: bool) -> bool {
+    transmission_flags(e, structured) & nbd::tflag::SEND_FAST_ZERO != 0
+}
+
 fn send(s: &mut Admission, buf: &[u8]) -> Option<()> {
     s.write_all(buf).ok()
 }
@@ -84,6 +89,29 @@ fn find(
         name.to_string()
     };
     registry.permitted(&name, host, &peer.addr)
+}
+
+/// Whether a client that finds no export should be told to start TLS first: with keys, only a
+/// host proven with TLS-PSK is let in (`Access::permits`), so a plain client on a target that
+/// offers TLS can open nothing before it does.
+fn tls_first(s: &Admission, tls: &Tls, registry: &Registry, proven: bool) -> bool {
+    !proven && !s.is_tls() && tls.mode != TlsMode::Off && registry.access.has_keys()
+}
+
+/// Answers an option naming an export the client may not open (or that does not exist): under
+/// `tls_first`, that TLS is required (the spec's answer with selective TLS, which qemu and
+/// libnbd report as such; said for any name, so it tells nothing of which exist).
+fn not_found(s: &mut Admission, option: u32, name: &str, tls_first: bool) -> Option<()> {
+    if tls_first {
+        let why = "this target admits only hosts proven with TLS-PSK: use STARTTLS";
+        return error_reply(s, option, rep::ERR_TLS_REQD, why);
+    }
+    error_reply(
+        s,
+        option,
+        rep::ERR_UNKNOWN,
+        &format!("no export named '{name}'"),
+    )
 }
 
 /// What LIST and INFO say about an export of `size` bytes: its size, never a backend path.
@@ -222,6 +250,7 @@ pub fn negotiate(
                     structured,
                     allocation,
                     max_io: adm.max_io,
+                    fast_zero: advertises_fast_zero(&e, structured),
                 };
                 return Some((adm, Box::new(fe)));
             }
@@ -252,12 +281,8 @@ pub fn negotiate(
                     }
                 };
                 let Some(e) = find(registry, who, &req.name) else {
-                    error_reply(
-                        s,
-                        option,
-                        rep::ERR_UNKNOWN,
-                        &format!("no export named '{}'", req.name),
-                    )?;
+                    let tls_first = tls_first(s, tls, registry, proven_host.is_some());
+                    not_found(s, option, &req.name, tls_first)?;
                     continue;
                 };
                 // Read once: the size INFO gives is the size a GO's session checks against.
@@ -290,6 +315,7 @@ pub fn negotiate(
                         structured,
                         allocation,
                         max_io: adm.max_io,
+                        fast_zero: advertises_fast_zero(&e, structured),
                     };
                     return Some((adm, Box::new(fe)));
                 }
@@ -310,6 +336,10 @@ pub fn negotiate(
             }
             opt::LIST_META_CONTEXT | opt::SET_META_CONTEXT => {
                 let set = option == opt::SET_META_CONTEXT;
+                if set {
+                    // The spec: a SET replaces what was selected, also when it fails.
+                    allocation = false;
+                }
                 if set && !structured {
                     error_reply(
                         s,
@@ -327,12 +357,8 @@ pub fn negotiate(
                     }
                 };
                 if find(registry, who, &req.export).is_none() {
-                    error_reply(
-                        s,
-                        option,
-                        rep::ERR_UNKNOWN,
-                        &format!("no export named '{}'", req.export),
-                    )?;
+                    let tls_first = tls_first(s, tls, registry, proven_host.is_some());
+                    not_found(s, option, &req.export, tls_first)?;
                     continue;
                 }
                 // LIST with no query lists everything; "base:" is the namespace wildcard.
@@ -343,8 +369,11 @@ pub fn negotiate(
                     allocation = matched;
                 }
                 if matched {
+                    // LIST answers with id 0 (the spec: its ids mean nothing); SET with the id
+                    // block status replies will carry.
+                    let id = if set { nbd::BASE_ALLOCATION_ID } else { 0 };
                     let mut d = Vec::new();
-                    d.extend_from_slice(&nbd::BASE_ALLOCATION_ID.to_be_bytes());
+                    d.extend_from_slice(&id.to_be_bytes());
                     d.extend_from_slice(nbd::BASE_ALLOCATION.as_bytes());
                     reply(s, option, rep::META_CONTEXT, &d)?;
                 }

@@ -191,7 +191,9 @@ impl Status {
             0 => Status::Ok,
             libc_errno::EPERM | libc_errno::EROFS => Status::ReadOnly,
             libc_errno::EINVAL => Status::Invalid,
-            libc_errno::ENOSPC => Status::OutOfRange,
+            // Out of space in the backend's filesystem, its quota or its largest file: ENOSPC to
+            // the initiator, as NBD asks (an initiator's "stop on ENOSPC" policy then applies).
+            libc_errno::ENOSPC | libc_errno::EDQUOT | libc_errno::EFBIG => Status::OutOfRange,
             libc_errno::EOPNOTSUPP => Status::Unsupported,
             libc_errno::ENOMEM => Status::NoMemory,
             _ => Status::Io,
@@ -206,7 +208,7 @@ impl fmt::Display for Status {
             Status::ReadOnly => "export is read-only",
             Status::Io => "I/O error on the target",
             Status::Invalid => "invalid request",
-            Status::OutOfRange => "request beyond the end of the export",
+            Status::OutOfRange => "request beyond the end of the export, or no space left for it",
             Status::Unsupported => "operation not supported by the export",
             Status::NoExport => "no such export",
             Status::Version => "protocol version not supported",
@@ -231,10 +233,12 @@ mod libc_errno {
     pub const EACCES: i32 = 13;
     pub const EBUSY: i32 = 16;
     pub const EINVAL: i32 = 22;
+    pub const EFBIG: i32 = 27;
     pub const ENOSPC: i32 = 28;
     pub const EROFS: i32 = 30;
     pub const EPROTO: i32 = 71;
     pub const EPROTONOSUPPORT: i32 = 93;
+    pub const EDQUOT: i32 = 122;
     pub const EOPNOTSUPP: i32 = 95;
     pub const ESHUTDOWN: i32 = 108;
 }
@@ -642,6 +646,10 @@ mod tests {
             Status::ReadOnly
         );
         assert_eq!(Status::from_errno(5), Status::Io);
+        // Out of space in any form (full, quota, largest file) is ENOSPC to the initiator.
+        for errno in [28, 122, 27] {
+            assert_eq!(Status::from_errno(errno).errno(), 28, "errno {errno}");
+        }
     }
 
     fn corrupt(f: impl FnOnce(&mut [u8; HEADER_LEN])) -> Result<Header, FrameError> {

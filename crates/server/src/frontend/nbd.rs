@@ -16,6 +16,9 @@ pub struct Nbd {
     pub allocation: bool,
     /// Largest request payload accepted.
     pub max_io: u32,
+    /// NBD_FLAG_SEND_FAST_ZERO was advertised: without it a FAST_ZERO flag is EINVAL (the
+    /// spec), with it a zeroing that cannot be fast is ENOTSUP.
+    pub fast_zero: bool,
 }
 
 impl StreamFrontend for Nbd {
@@ -50,6 +53,9 @@ impl StreamFrontend for Nbd {
             }
             cmd::TRIM => Kind::Block(BlockOp::Trim),
             cmd::CACHE => Kind::Cache,
+            cmd::WRITE_ZEROES if r.flags & cflag::FAST_ZERO != 0 && !self.fast_zero => {
+                Kind::Invalid
+            }
             cmd::WRITE_ZEROES => Kind::Block(BlockOp::WriteZeroes),
             // Without `base:allocation` selected there is nothing to answer with: EINVAL at
             // once, not after the backend walked the range (up to 4 GiB of it).
@@ -207,7 +213,31 @@ mod tests {
             structured,
             allocation: structured,
             max_io: 1 << 20,
+            fast_zero: true,
         }
+    }
+
+    #[test]
+    fn fast_zero_is_invalid_where_it_was_not_advertised() {
+        let flags = cflag::FAST_ZERO;
+        let (r, _) = req(
+            &mut nbd(true),
+            &request(cmd::WRITE_ZEROES, flags, 1, 0, 512),
+        );
+        assert_eq!(r.kind, Kind::Block(BlockOp::WriteZeroes));
+        assert!(r.flags.has(IoFlags::FAST_ZERO));
+        let mut slow = Nbd {
+            fast_zero: false,
+            ..nbd(true)
+        };
+        let (r, _) = req(&mut slow, &request(cmd::WRITE_ZEROES, flags, 1, 0, 512));
+        assert_eq!(r.kind, Kind::Invalid);
+        let (r, _) = req(&mut slow, &request(cmd::WRITE_ZEROES, 0, 1, 0, 512));
+        assert_eq!(
+            r.kind,
+            Kind::Block(BlockOp::WriteZeroes),
+            "plain zeroing goes"
+        );
     }
 
     fn req(n: &mut Nbd, bytes: &[u8]) -> (Req, usize) {
