@@ -1175,6 +1175,15 @@ fn oversize_option_gets_err_too_big_and_the_session_goes_on() {
     }
     r.write(1, 0, &[3u8; 4096]);
     assert_eq!(r.reply().error(), 0);
+    // EXPORT_NAME has no error reply: an oversize one closes the connection (proto.md); ABORT
+    // is acknowledged whatever its data, then closed.
+    let mut r = Raw::open(&t.addr());
+    r.option(opt::EXPORT_NAME, &vec![0x61u8; 1 << 20]);
+    r.assert_closed("after an oversize EXPORT_NAME", &list_probe());
+    let mut r = Raw::open(&t.addr());
+    r.option(opt::ABORT, &vec![0u8; 1 << 20]);
+    assert_eq!(r.opt_reply().1, rep::ACK, "an oversize ABORT");
+    r.assert_closed("after an oversize ABORT", &list_probe());
     t.assert_serves("m", 16 * MIB);
 }
 

@@ -173,7 +173,16 @@ pub fn negotiate(
             if skipped != len as u64 {
                 return None;
             }
-            error_reply(s, option, rep::ERR_TOO_BIG, "option data too large")?;
+            match option {
+                // No error reply exists for EXPORT_NAME: the spec has the connection closed.
+                opt::EXPORT_NAME => return None,
+                // ABORT is acknowledged whatever came with it.
+                opt::ABORT => {
+                    let _ = reply(s, option, rep::ACK, &[]);
+                    return None;
+                }
+                _ => error_reply(s, option, rep::ERR_TOO_BIG, "option data too large")?,
+            }
             continue;
         }
         let mut data = vec![0u8; len as usize];
