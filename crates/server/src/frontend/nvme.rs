@@ -226,7 +226,14 @@ impl NvmeIo {
                             address: 0,
                             length: l,
                         },
-                    ) if l as usize == data_len && data_len == length as usize => data_len,
+                    ) if l as usize == data_len
+                        && data_len == length as usize
+                        && data_len <= spec::IO_INCAPSULE as usize =>
+                    {
+                        // In the capsule only what IOCCSZ (Identify) says it takes; more is
+                        // Data SGL Length Invalid, below, as for a length that disagrees.
+                        data_len
+                    }
                     (_, Sgl::DataBlock { .. } | Sgl::TransportDataBlock { .. }) => {
                         return self.answer(cid, sc::SGL_INVALID_DATA | sc::DNR, len, tx);
                     }
