@@ -811,3 +811,57 @@ fn a_psk_replaced_before_go_opens_no_session() {
     assert_eq!(last.0, rep::ERR_POLICY, "GO answered {last:?}");
     assert_eq!(rpc("session_list", "{}"), serde_json::json!([]));
 }
+
+/// NBD_CMD_DISC over TLS ends the TLS session cleanly (proto.md: the server MUST close down the
+/// TLS session): the client reads close_notify, an orderly end of stream, not a connection that
+/// just stops (OpenSSL 3 reports that as an unexpected EOF; GnuTLS as a premature termination).
+#[test]
+fn nbd_disc_over_tls_ends_with_close_notify() {
+    use openssl::ssl::{ShutdownState, SslConnector, SslMethod, SslVersion};
+    let dir = TempDir::new("tls-nbd-disc");
+    let (t, keys) = psk_target(&dir, "require");
+    let key = std::fs::read_to_string(&keys).unwrap();
+    let hex = key.trim().split_once(':').unwrap().1.to_string();
+    let k: Vec<u8> = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+        .collect();
+    let mut raw = Raw::open(&t.nbd_addr);
+    raw.option(opt::STARTTLS, &[]);
+    assert_eq!(raw.opt_reply().1, rep::ACK);
+    let mut b = SslConnector::builder(SslMethod::tls_client()).unwrap();
+    b.set_min_proto_version(Some(SslVersion::TLS1_3)).unwrap();
+    b.set_psk_client_callback(move |_ssl, _hint, identity, psk| {
+        identity[..5].copy_from_slice(b"alice");
+        identity[5] = 0;
+        psk[..k.len()].copy_from_slice(&k);
+        Ok(k.len())
+    });
+    let mut s = b
+        .build()
+        .configure()
+        .unwrap()
+        .connect("localhost", raw.0)
+        .expect("TLS-PSK handshake");
+    tls_option(&mut s, opt::GO, &info_data("d", &[]));
+    while tls_opt_reply(&mut s).0 != rep::ACK {}
+    let disc = blkwire_wire::nbd::Request {
+        flags: 0,
+        typ: blkwire_wire::nbd::cmd::DISC,
+        cookie: 1,
+        offset: 0,
+        length: 0,
+    };
+    s.write_all(&disc.encode()).unwrap();
+    let mut b = [0u8; 16];
+    assert_eq!(
+        s.read(&mut b).ok(),
+        Some(0),
+        "after DISC: the end of the stream"
+    );
+    // The crate reads a bare EOF as 0 too: the shutdown state tells them apart.
+    assert!(
+        s.get_shutdown().contains(ShutdownState::RECEIVED),
+        "after DISC the TLS session ended without close_notify"
+    );
+}

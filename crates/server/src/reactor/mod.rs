@@ -867,7 +867,7 @@ impl Reactor {
         }
     }
 
-    fn close(&mut self, idx: usize, c: Conn) {
+    fn close(&mut self, idx: usize, mut c: Conn) {
         // Cancel the multishot poll before the socket goes; its final completion is ignored by
         // incarnation.
         let cancel = opcode::AsyncCancel::new(ud(KIND_POLL_IN, c.incarnation, idx, 0))
@@ -905,6 +905,13 @@ impl Reactor {
             s.errors
         );
         self.free.push(idx);
+        let dead = c.dead;
+        if let Some(t) = c.tls.as_mut().filter(|_| !dead) {
+            // A clean end of a TLS connection says so (close_notify; NBD's DISC must close the
+            // TLS session): best effort, never waited for, since the socket may be full.
+            let _ = t.shutdown();
+            let _ = t.get_mut().flush_out();
+        }
         drop(c); // closes the socket
                  // What it held goes back to the system on the next turn (`trim_idle`).
         self.release_pending = true;
