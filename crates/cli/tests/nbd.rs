@@ -1209,7 +1209,7 @@ fn bad_requests_after_go_close_only_that_connection() {
     let (mut r, _, _) = Raw::go(&t.addr(), "m", false, false);
     r.request(cmd::WRITE, 0, 1, 0, (64 << 20) + 512);
     r.assert_closed("WRITE of 64 MiB + 512", &read_probe());
-    // A client that asked for them agreed to the advertised 32 MiB.
+    // A client that asked for them agreed to the advertised maximum (32 MiB at most).
     let mut r = go_asking_block_size(&t.addr(), "m");
     r.request(cmd::WRITE, 0, 1, 0, (32 << 20) + 512);
     r.assert_closed(

@@ -194,9 +194,15 @@ fn data_round_trips_in_capsule_and_through_r2t_with_and_without_digests() {
         let big = random_bytes(256 << 10, 100 + i as u64);
         let base = i as u64 * 4096;
         assert_eq!(q.write_in(base, &small, BS).unwrap().code(), 0);
-        // More in the capsule than IOCCSZ allows (8 KiB) is Data SGL Length Invalid.
+        // More in the capsule than IOCCSZ allows (8 KiB) is Data SGL Length Invalid, whatever
+        // the command (a Dataset Management range list here).
         let over = q.write_in(base + 8, &big[..12 << 10], BS).unwrap();
-        assert_eq!(over.code(), 0x00f, "12 KiB in the capsule");
+        assert_eq!(over.code(), 0x00f, "12 KiB in a WRITE's capsule");
+        let mut dsm = sqe(0x09, 0);
+        dsm.nsid = 1;
+        dsm.cdw11 = 1 << 2; // AD
+        let over = q.command_in(dsm, &big[..12 << 10], 0).unwrap();
+        assert_eq!(over.code(), 0x00f, "12 KiB in a DSM's capsule");
         assert_eq!(q.write_r2t(base + 8, &big, BS, true).unwrap().code(), 0);
         let off = (base * BS as u64) as usize;
         expect[off..off + 4096].copy_from_slice(&small);

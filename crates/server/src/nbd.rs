@@ -54,9 +54,12 @@ fn transmission_flags(e: &Export, structured: bool) -> u16 {
     crate::advertise::Advertised::of(e).nbd(structured)
 }
 
-/// Whether the transmission flags told the client it may ask for fast zeroing.
+/// Whether a FAST_ZERO flag goes on to the executor: where the transmission flags told the
+/// client it may ask for fast zeroing, and on a read-only export, whose zeroing is EPERM
+/// whatever its flags (the spec prefers that to EINVAL).
 fn advertises_fast_zero(e: &Export, structured: bool) -> bool {
-    transmission_flags(e, structured) & nbd::tflag::SEND_FAST_ZERO != 0
+    let f = transmission_flags(e, structured);
+    f & (nbd::tflag::SEND_FAST_ZERO | nbd::tflag::READ_ONLY) != 0
 }
 
 fn send(s: &mut Admission, buf: &[u8]) -> Option<()> {
@@ -93,12 +96,13 @@ fn find(
 
 /// Whether a client that finds no export should be told to start TLS first: with keys, only a
 /// host proven with TLS-PSK is let in (`Access::permits`), so a plain client on a target that
-/// offers TLS can open nothing before it does.
+/// offers TLS can open nothing before it does. (Meta-context options get no contexts instead:
+/// the spec keeps NBD_REP_ERR_TLS_REQD to INFO, GO and EXPORT_NAME.)
 fn tls_first(s: &Admission, tls: &Tls, registry: &Registry, proven: bool) -> bool {
     !proven && !s.is_tls() && tls.mode != TlsMode::Off && registry.access.has_keys()
 }
 
-/// Answers an option naming an export the client may not open (or that does not exist): under
+/// Answers INFO or GO naming an export the client may not open (or that does not exist): under
 /// `tls_first`, that TLS is required (the spec's answer with selective TLS, which qemu and
 /// libnbd report as such; said for any name, so it tells nothing of which exist).
 fn not_found(s: &mut Admission, option: u32, name: &str, tls_first: bool) -> Option<()> {
@@ -300,7 +304,7 @@ pub fn negotiate(
                 send_info(s, option, (&e, size, share), &req, structured)?;
                 if option == opt::GO {
                     let max = if req.requests.contains(&info::BLOCK_SIZE) {
-                        max_payload(registry.connection_share())
+                        max_payload(share)
                     } else {
                         NBD_MAX_UNNEGOTIATED
                     };
@@ -366,8 +370,13 @@ pub fn negotiate(
                     }
                 };
                 if find(registry, who, &req.export).is_none() {
-                    let tls_first = tls_first(s, tls, registry, proven_host.is_some());
-                    not_found(s, option, &req.export, tls_first)?;
+                    if tls_first(s, tls, registry, proven_host.is_some()) {
+                        // NBD_REP_ERR_TLS_REQD is for INFO, GO and EXPORT_NAME only (proto.md):
+                        // no context, as for any name, and the GO that follows is told.
+                        reply(s, option, rep::ACK, &[])?;
+                    } else {
+                        not_found(s, option, &req.export, false)?;
+                    }
                     continue;
                 }
                 // LIST with no query lists everything; "base:" is the namespace wildcard.

@@ -16,8 +16,9 @@ pub struct Nbd {
     pub allocation: bool,
     /// Largest request payload accepted.
     pub max_io: u32,
-    /// NBD_FLAG_SEND_FAST_ZERO was advertised: without it a FAST_ZERO flag is EINVAL (the
-    /// spec), with it a zeroing that cannot be fast is ENOTSUP.
+    /// NBD_FLAG_SEND_FAST_ZERO was advertised (or the export is read-only: EPERM then, as for
+    /// any change): without it a FAST_ZERO flag is EINVAL (the spec), with it a zeroing that
+    /// cannot be fast is ENOTSUP.
     pub fast_zero: bool,
 }
 

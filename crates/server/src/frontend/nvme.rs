@@ -202,6 +202,11 @@ impl NvmeIo {
         let nlb = (q.cdw12 & 0xffff) as u64 + 1;
         let fua = IoFlags::empty().with(IoFlags::FUA, q.cdw12 & 1 << 30 != 0);
         let data_len = c.data.len();
+        if data_len > spec::IO_INCAPSULE as usize {
+            // More in the capsule than IOCCSZ (Identify) says an I/O queue takes, whatever the
+            // command: Data SGL Length Invalid.
+            return self.answer(cid, sc::SGL_INVALID_DATA | sc::DNR, len, tx);
+        }
         match op {
             io::READ | io::WRITE => {
                 let Some((offset, length)) = self.range(t, slba, nlb) else {
@@ -226,14 +231,7 @@ impl NvmeIo {
                             address: 0,
                             length: l,
                         },
-                    ) if l as usize == data_len
-                        && data_len == length as usize
-                        && data_len <= spec::IO_INCAPSULE as usize =>
-                    {
-                        // In the capsule only what IOCCSZ (Identify) says it takes; more is
-                        // Data SGL Length Invalid, below, as for a length that disagrees.
-                        data_len
-                    }
+                    ) if l as usize == data_len && data_len == length as usize => data_len,
                     (_, Sgl::DataBlock { .. } | Sgl::TransportDataBlock { .. }) => {
                         return self.answer(cid, sc::SGL_INVALID_DATA | sc::DNR, len, tx);
                     }
