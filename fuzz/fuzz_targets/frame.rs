@@ -25,7 +25,7 @@ fuzz_target!(|data: &[u8]| {
                 assert_eq!(payload.len(), h.payload_len as usize);
                 let seal = if f.sealed() { datagram::SEAL_LEN } else { 0 };
                 if !f.sealed() {
-                    assert_eq!(h.check_crc(payload), Ok(()));
+                    assert_eq!(h.check_crc(f.raw, payload), Ok(()));
                 }
                 assert_eq!(f.raw.len(), HEADER_LEN + payload.len() + seal);
                 assert_eq!(
@@ -74,12 +74,12 @@ fuzz_target!(|data: &[u8]| {
         // bytes, and no more than were actually received.
         let rest = &data[HEADER_LEN..];
         let take = rest.len().min(h.payload_len as usize);
-        let _ = h.check_crc(&rest[..take]);
+        let _ = h.check_crc(data, &rest[..take]);
         // A header sealed over that payload must then verify.
         let mut sealed = h;
         sealed.seal_crc(&rest[..take]);
         assert_eq!(
-            sealed.check_crc(&rest[..take]),
+            sealed.check_crc(&sealed.to_bytes(), &rest[..take]),
             Ok(()),
             "sealed CRC did not verify"
         );

@@ -29,7 +29,7 @@ fuzz_target!(|data: &[u8]| {
             break;
         }
         let payload = &rest[HEADER_LEN..frame_len];
-        let _ = h.check_crc(payload);
+        let _ = h.check_crc(rest, payload);
         let next = cursor + frame_len;
         assert!(next > cursor, "cursor did not advance");
         assert!(next <= data.len(), "cursor {next} past end {}", data.len());

@@ -86,7 +86,8 @@ pub(crate) fn slot_of(cid: u16) -> (u16, u16) {
 pub(crate) fn status(cqe: &Cqe) -> Status {
     match (cqe.status >> 1) & 0x7ff {
         0 => Status::Ok,
-        0x080 | 0x081 => Status::OutOfRange,
+        0x080 => Status::OutOfRange,
+        0x081 => Status::NoSpace,
         0x182 => Status::ReadOnly,
         0x001 => Status::Unsupported,
         0x002 | 0x00b | 0x00f | 0x011 => Status::Invalid,

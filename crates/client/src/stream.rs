@@ -391,8 +391,11 @@ impl StreamQueue {
                     h.payload_len
                 )));
             }
-            h.check_stream_crc(&self.rx[at..at + total - HEADER_LEN])
-                .map_err(|e| Error::Protocol(e.to_string()))?;
+            h.check_stream_crc(
+                &self.rx[at - HEADER_LEN..],
+                &self.rx[at..at + total - HEADER_LEN],
+            )
+            .map_err(|e| Error::Protocol(e.to_string()))?;
             self.slots[slot].busy = false;
             self.free.push(slot as u16);
             if h.status != Status::Ok {

@@ -409,7 +409,7 @@ impl Executor {
             if req.op == BlockOp::Read {
                 Status::Io
             } else {
-                Status::OutOfRange
+                Status::NoSpace
             }
         } else {
             Status::Ok
@@ -719,15 +719,12 @@ mod tests {
         assert_eq!(x.status(&r, 100, t), Status::Io, "short read");
         assert_eq!(
             x.status(&w, 100, t),
-            Status::OutOfRange,
+            Status::NoSpace,
             "short write: no space"
         );
         assert_eq!(x.status(&f, 0, t), Status::Ok);
         assert_eq!(x.status(&f, -libc::EIO, t), Status::Io);
-        assert_eq!(
-            x.status(&w, -libc::ENOSPC, t),
-            Status::from_errno(libc::ENOSPC)
-        );
+        assert_eq!(x.status(&w, -libc::ENOSPC, t), Status::NoSpace);
         assert_eq!(x.stats.bytes_read, 4096, "only the successful read counts");
         let timed = |op| x.stats.latency.of(op).count();
         assert_eq!(

@@ -1419,7 +1419,7 @@ fn read_handshake_frame(s: &mut Admission, peer_s: &str) -> Option<(Header, Vec<
         crate::log!(Level::Info, "{peer_s}: handshake cut short: {e}");
         return None;
     }
-    if let Err(e) = h.check_stream_crc(&payload) {
+    if let Err(e) = h.check_stream_crc(&hb, &payload) {
         crate::log!(Level::Info, "{peer_s}: handshake refused: {e}");
         return None;
     }

@@ -64,7 +64,7 @@ impl<'a> Frames<'a> {
             if !h.flags.has(Flags::CRC) {
                 return Err(FrameError::MissingCrc);
             }
-            h.check_crc(payload)?;
+            h.check_crc(self.rest, payload)?;
             end
         };
         let raw = self.rest.get(..end).ok_or(FrameError::Truncated)?;
@@ -97,7 +97,7 @@ pub fn frame_in_two<'a>(
     if h.flags.has(Flags::SEALED) || !h.flags.has(Flags::CRC) {
         return Err(FrameError::MissingCrc);
     }
-    h.check_crc(payload)?;
+    h.check_crc(header, payload)?;
     Ok(Frame {
         header: h,
         payload,
@@ -504,7 +504,9 @@ mod tests {
         frames(d, 1 << 16)
             .map(|r| r.expect("a valid frame"))
             .map(|f| {
-                f.header.check_crc(f.payload).expect("its CRC matches");
+                f.header
+                    .check_crc(f.raw, f.payload)
+                    .expect("its CRC matches");
                 (f.header.payload_len, f.payload[0])
             })
             .collect()

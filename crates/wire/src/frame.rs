@@ -142,6 +142,9 @@ pub enum Status {
     NoMemory = 11,
     /// Not an error: the answer to a first HELLO, carrying the target's nonce (§12.1).
     Challenge = 12,
+    /// A change inside the export found no space in the backend (its filesystem full, a quota,
+    /// its largest file size).
+    NoSpace = 13,
 }
 
 impl Status {
@@ -161,6 +164,7 @@ impl Status {
             10 => Status::Shutdown,
             11 => Status::NoMemory,
             12 => Status::Challenge,
+            13 => Status::NoSpace,
             _ => Status::Io,
         }
     }
@@ -182,6 +186,7 @@ impl Status {
             Status::NoMemory => libc_errno::ENOMEM,
             // Only ever an answer to HELLO; anywhere else the peer broke the protocol.
             Status::Challenge => libc_errno::EPROTO,
+            Status::NoSpace => libc_errno::ENOSPC,
         }
     }
 
@@ -192,8 +197,9 @@ impl Status {
             libc_errno::EPERM | libc_errno::EROFS => Status::ReadOnly,
             libc_errno::EINVAL => Status::Invalid,
             // Out of space in the backend's filesystem, its quota or its largest file: ENOSPC to
-            // the initiator, as NBD asks (an initiator's "stop on ENOSPC" policy then applies).
-            libc_errno::ENOSPC | libc_errno::EDQUOT | libc_errno::EFBIG => Status::OutOfRange,
+            // the initiator (an initiator's "stop on ENOSPC" policy then applies), and never
+            // taken for a request beyond the export (OUT_OF_RANGE).
+            libc_errno::ENOSPC | libc_errno::EDQUOT | libc_errno::EFBIG => Status::NoSpace,
             libc_errno::EOPNOTSUPP => Status::Unsupported,
             libc_errno::ENOMEM => Status::NoMemory,
             _ => Status::Io,
@@ -208,7 +214,8 @@ impl fmt::Display for Status {
             Status::ReadOnly => "export is read-only",
             Status::Io => "I/O error on the target",
             Status::Invalid => "invalid request",
-            Status::OutOfRange => "request beyond the end of the export, or no space left for it",
+            Status::OutOfRange => "request beyond the end of the export",
+            Status::NoSpace => "no space left on the target for the change",
             Status::Unsupported => "operation not supported by the export",
             Status::NoExport => "no such export",
             Status::Version => "protocol version not supported",
@@ -571,19 +578,24 @@ impl Header {
 
     /// Checks a stream frame's CRC (TCP, where it is optional): as `check_crc`, and a
     /// header-only CRC is refused (§9.7: it is for UDP data frames only).
-    pub fn check_stream_crc(&self, payload: &[u8]) -> Result<(), FrameError> {
+    pub fn check_stream_crc(&self, received: &[u8], payload: &[u8]) -> Result<(), FrameError> {
         if self.flags.has(Flags::HEAD_CRC) {
             return Err(FrameError::HeaderOnlyCrc);
         }
-        self.check_crc(payload)
+        self.check_crc(received, payload)
     }
 
-    /// Checks the CRC if the `CRC` flag is set; frames without it pass.
-    pub fn check_crc(&self, payload: &[u8]) -> Result<(), FrameError> {
+    /// Checks the CRC if the `CRC` flag is set; frames without it pass. `received` starts with
+    /// the header's bytes as they arrived, which the CRC covers: not this header encoded again,
+    /// which says IO for a status it does not know (§5), where the sender put its own code.
+    pub fn check_crc(&self, received: &[u8], payload: &[u8]) -> Result<(), FrameError> {
         if !self.flags.has(Flags::CRC) {
             return Ok(());
         }
-        let actual = Self::compute_crc(&self.to_bytes(), self.covered(payload));
+        let header = received
+            .first_chunk::<HEADER_LEN>()
+            .ok_or(FrameError::Truncated)?;
+        let actual = Self::compute_crc(header, self.covered(payload));
         if actual == self.crc {
             Ok(())
         } else {
@@ -635,7 +647,7 @@ mod tests {
 
     #[test]
     fn statuses_round_trip_and_map_to_errno() {
-        for v in 0..=11u16 {
+        for v in (0..=11u16).chain([13]) {
             let s = Status::from_u16(v);
             assert_eq!(s as u16, v);
             assert_eq!(s == Status::Ok, s.errno() == 0);
@@ -646,10 +658,12 @@ mod tests {
             Status::ReadOnly
         );
         assert_eq!(Status::from_errno(5), Status::Io);
-        // Out of space in any form (full, quota, largest file) is ENOSPC to the initiator.
+        // Out of space in any form (full, quota, largest file) is NO_SPACE, ENOSPC to the
+        // initiator.
         for errno in [28, 122, 27] {
-            assert_eq!(Status::from_errno(errno).errno(), 28, "errno {errno}");
+            assert_eq!(Status::from_errno(errno), Status::NoSpace, "errno {errno}");
         }
+        assert_eq!(Status::NoSpace.errno(), 28);
     }
 
     fn corrupt(f: impl FnOnce(&mut [u8; HEADER_LEN])) -> Result<Header, FrameError> {
@@ -698,15 +712,38 @@ mod tests {
         let payload = vec![0xa5u8; 4096];
         let mut h = sample();
         h.seal_crc(&payload);
-        let d = Header::decode(&h.to_bytes(), 1 << 20).unwrap();
-        assert_eq!(d.check_crc(&payload), Ok(()));
+        let wire = h.to_bytes();
+        let d = Header::decode(&wire, 1 << 20).unwrap();
+        assert_eq!(d.check_crc(&wire, &payload), Ok(()));
         let mut bad = payload.clone();
         bad[100] ^= 1;
-        assert!(matches!(d.check_crc(&bad), Err(FrameError::BadCrc { .. })));
+        assert!(matches!(
+            d.check_crc(&wire, &bad),
+            Err(FrameError::BadCrc { .. })
+        ));
         let mut flipped = h.to_bytes();
         flipped[24] ^= 1; // offset changed in flight
         let d2 = Header::decode(&flipped, 1 << 20).unwrap();
-        assert!(d2.check_crc(&payload).is_err());
+        assert!(d2.check_crc(&flipped, &payload).is_err());
+    }
+
+    /// A status this receiver does not know reads as IO (§5), but the CRC is over the code the
+    /// sender put there: the frame still passes, and its status is an error.
+    #[test]
+    fn a_frame_with_an_unknown_status_passes_its_crc() {
+        let payload = vec![0x3cu8; 512];
+        let mut h = sample();
+        h.flags.0 |= Flags::REPLY;
+        let mut wire = h.to_bytes();
+        wire[6..8].copy_from_slice(&999u16.to_le_bytes());
+        let crc = Header::compute_crc(&wire, &payload);
+        wire[4..6].copy_from_slice(&(h.flags.0 | Flags::CRC).to_le_bytes());
+        let crc_flagged = Header::compute_crc(&wire, &payload);
+        wire[40..44].copy_from_slice(&crc_flagged.to_le_bytes());
+        let d = Header::decode(&wire, 1 << 20).unwrap();
+        assert_eq!(d.status, Status::Io);
+        assert_eq!(d.check_crc(&wire, &payload), Ok(()));
+        assert_ne!(crc, crc_flagged, "the flags are covered too");
     }
 
     #[test]
@@ -721,7 +758,7 @@ mod tests {
             a.seal_crc(&payload);
             b.seal_crc_streaming(&payload, 1 << 20);
             assert_eq!(a.to_bytes(), b.to_bytes(), "header-only {head_only}");
-            assert_eq!(b.check_crc(&payload), Ok(()));
+            assert_eq!(b.check_crc(&b.to_bytes(), &payload), Ok(()));
         }
     }
 
@@ -734,10 +771,11 @@ mod tests {
         let mut h = sample();
         h.flags.0 |= Flags::HEAD_CRC;
         h.seal_crc(&payload);
-        let d = Header::decode(&h.to_bytes(), 1 << 20).unwrap();
-        assert_eq!(d.check_crc(&payload), Ok(()));
+        let wire = h.to_bytes();
+        let d = Header::decode(&wire, 1 << 20).unwrap();
+        assert_eq!(d.check_crc(&wire, &payload), Ok(()));
         assert_eq!(
-            d.check_crc(&[0x5a; 4096]),
+            d.check_crc(&wire, &[0x5a; 4096]),
             Ok(()),
             "the payload is not covered"
         );
@@ -746,11 +784,14 @@ mod tests {
             b[at] ^= bit;
             let d2 = Header::decode(&b, 1 << 20).unwrap();
             assert!(
-                d2.check_crc(&payload).is_err(),
+                d2.check_crc(&b, &payload).is_err(),
                 "byte {at} changed, CRC held"
             );
         }
-        assert_eq!(d.check_stream_crc(&payload), Err(FrameError::HeaderOnlyCrc));
+        assert_eq!(
+            d.check_stream_crc(&wire, &payload),
+            Err(FrameError::HeaderOnlyCrc)
+        );
         let mut no_crc = h.to_bytes();
         no_crc[4] &= !(Flags::CRC as u8);
         assert_eq!(

@@ -2247,6 +2247,7 @@ impl Iscsi {
 fn sense_of(status: Status, modifies: bool) -> Sense {
     match status {
         Status::OutOfRange => Sense::lba_out_of_range(),
+        Status::NoSpace => Sense::space_allocation_failed(),
         Status::ReadOnly => Sense::write_protected(),
         Status::Unsupported => Sense::invalid_opcode(),
         Status::Invalid => Sense::invalid_field_in_cdb(),
@@ -2661,6 +2662,20 @@ mod tests {
 
     fn fe(max_burst: u32) -> Iscsi {
         fe_luns(max_burst, &[(0, "m=mem:1M")])
+    }
+
+    /// A backend out of space is a thin LU out of space (Linux: ENOSPC), not an LBA out of
+    /// range, which only a request past the LU's end is.
+    #[test]
+    fn no_space_is_a_space_allocation_failure_not_an_lba_out_of_range() {
+        assert_eq!(
+            sense_of(Status::NoSpace, true),
+            Sense::new(scsi::sense::key::DATA_PROTECT, 0x27, 0x07)
+        );
+        assert_eq!(
+            sense_of(Status::OutOfRange, true),
+            Sense::lba_out_of_range()
+        );
     }
 
     /// The LU's block is the unit the export takes I/O in: an O_DIRECT export of a

@@ -59,7 +59,7 @@ impl StreamFrontend for Native {
         if rx.len() < len {
             return Decoded::Need(len);
         }
-        if let Err(e) = h.check_stream_crc(&rx[HEADER_LEN..len]) {
+        if let Err(e) = h.check_stream_crc(rx, &rx[HEADER_LEN..len]) {
             return Decoded::Violation(e.to_string());
         }
         let Some(op) = h.opcode.block_op() else {

@@ -301,6 +301,14 @@ mod tests {
             u32::from_be_bytes(tx[4..8].try_into().unwrap()),
             nbd::err::ENOSPC
         );
+        // A backend out of space is ENOSPC whatever the command (a FLUSH of a full file).
+        let (f, _) = req(&mut simple, &request(cmd::FLUSH, 0, 5, 0, 0));
+        tx.clear();
+        simple.reply(&f, Status::NoSpace, &mut tx);
+        assert_eq!(
+            u32::from_be_bytes(tx[4..8].try_into().unwrap()),
+            nbd::err::ENOSPC
+        );
 
         let mut s = nbd(true);
         let (r, _) = req(&mut s, &request(cmd::READ, 0, 5, 0, 512));

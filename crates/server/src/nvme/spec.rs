@@ -144,6 +144,8 @@ pub fn status_of(st: Status, read: bool, write: bool) -> u16 {
         Status::Ok => sc::SUCCESS,
         Status::ReadOnly => sc::READ_ONLY | sc::DNR,
         Status::OutOfRange => sc::LBA_RANGE | sc::DNR,
+        // Linux reads Capacity Exceeded as ENOSPC (BLK_STS_NOSPC).
+        Status::NoSpace => sc::CAP_EXCEEDED | sc::DNR,
         Status::Invalid => sc::INVALID_FIELD | sc::DNR,
         Status::Unsupported => sc::INVALID_OPCODE | sc::DNR,
         Status::NoMemory | Status::Busy => sc::INTERRUPTED,
@@ -540,6 +542,20 @@ pub fn nqn_field(b: &[u8]) -> Option<&str> {
 mod tests {
     use super::*;
     use blkwire_backend::ExportSpec;
+
+    /// Out of space inside the namespace is Capacity Exceeded (Linux: ENOSPC), not LBA Out of
+    /// Range, which only a range past the namespace is.
+    #[test]
+    fn no_space_is_capacity_exceeded() {
+        assert_eq!(
+            status_of(Status::NoSpace, false, true),
+            sc::CAP_EXCEEDED | sc::DNR
+        );
+        assert_eq!(
+            status_of(Status::OutOfRange, false, true),
+            sc::LBA_RANGE | sc::DNR
+        );
+    }
 
     const COPY: CopyLimits = CopyLimits {
         max_bytes: 64 << 20,

@@ -110,6 +110,11 @@ impl Sense {
     pub const fn lba_out_of_range() -> Sense {
         Sense::new(key::ILLEGAL_REQUEST, 0x21, 0x00)
     }
+    /// DATA PROTECT, SPACE ALLOCATION FAILED WRITE PROTECT (27h/07h): a thin LU out of space
+    /// (SBC-3 4.7.3.7; Linux reads it as ENOSPC).
+    pub const fn space_allocation_failed() -> Sense {
+        Sense::new(key::DATA_PROTECT, 0x27, 0x07)
+    }
     /// DATA PROTECT, WRITE PROTECTED (27h/00h).
     pub const fn write_protected() -> Sense {
         Sense::new(key::DATA_PROTECT, 0x27, 0x00)
