@@ -50,9 +50,17 @@ type Attempt = [u8; blkwire_wire::AUTH_LEN];
 /// A session with no frame for this long is forgotten (PROTOCOL.md §9.1); the default of
 /// `Limits::datagram_idle`.
 pub const IDLE_EXPIRY: Duration = Duration::from_secs(60);
-/// What a datagram queue reserves of the memory budget: its slot table and bookkeeping. Its
-/// data buffers come from the port's pool and are charged to the port.
-pub const QUEUE_FLOOR: usize = 64 << 10;
+/// What a datagram queue reserves of the memory budget at least: its bookkeeping. Its data
+/// buffers come from the port's pool and are charged to the port.
+const QUEUE_FLOOR: usize = 64 << 10;
+
+/// What a datagram queue of `depth` slots reserves of the memory budget: its slot table (each
+/// slot with its HAVE and READ bitmaps, 32 bytes at most each, and their allocations) beside
+/// `QUEUE_FLOOR`. A table of 1024 slots is some 200 KiB: charged 64 KiB, the budget held only a
+/// third of what such queues took.
+pub fn queue_floor(depth: u16) -> usize {
+    QUEUE_FLOOR + depth as usize * (std::mem::size_of::<TSlot>() + 2 * 64)
+}
 
 /// Where a frame came from / goes to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -1723,6 +1731,16 @@ impl DgramPort {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A queue reserves its slot table: a deeper queue reserves more, and a table of 1024
+    /// slots more than the 64 KiB every queue reserved before (it was charged a third of it).
+    #[test]
+    fn a_queue_reserves_its_slot_table() {
+        let slot = std::mem::size_of::<TSlot>();
+        assert!(queue_floor(1) >= QUEUE_FLOOR + slot);
+        assert!(queue_floor(1024) >= QUEUE_FLOOR + 1024 * slot);
+        assert!(queue_floor(1024) > 3 * QUEUE_FLOOR, "{}", queue_floor(1024));
+    }
     use crate::fuzzing::DatagramPort;
     use blkwire_wire::{AuthBlock, AuthMethod, Hello, HelloReply};
     use std::net::UdpSocket;

@@ -375,11 +375,11 @@ impl Registry {
     }
 
     /// What a queue must be able to hold to serve one request at a time: a stream connection's
-    /// initial buffers and one data buffer; a datagram queue's slot table (its data buffers
-    /// come from the port's pool, charged to the port).
-    fn queue_floor(max_io: u32, datagram: bool) -> usize {
+    /// initial buffers and one data buffer; a datagram queue's slot table of `depth` slots (its
+    /// data buffers come from the port's pool, charged to the port).
+    fn queue_floor(max_io: u32, depth: u16, datagram: bool) -> usize {
         if datagram {
-            crate::dgram::QUEUE_FLOOR
+            crate::dgram::queue_floor(depth)
         } else {
             crate::reactor::stream_floor(max_io)
         }
@@ -566,7 +566,7 @@ impl Registry {
             ))
         });
         let encrypt = sealed && h.auth.encrypt;
-        let floor = Self::queue_floor(max_io, link_payload.is_some());
+        let floor = Self::queue_floor(max_io, depth, link_payload.is_some());
         let peer_s = peer.to_string();
         let owner = Owner {
             proven: host,
@@ -894,7 +894,7 @@ impl Registry {
         (size, queues, depth, max_io): (u64, u16, u16, u32),
         copy: CopyLimits,
     ) -> Result<Admitted, Status> {
-        let floor = Self::queue_floor(max_io, false);
+        let floor = Self::queue_floor(max_io, depth, false);
         let (session, _, mem, placement) = self.create(
             export,
             owner,

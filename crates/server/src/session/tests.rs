@@ -459,7 +459,7 @@ fn a_session_keeps_the_key_it_was_proven_with() {
             (1 << 20, 1, 4, max_io, max_io, CopyLimits::default()),
             (None, Some(key.clone())),
             (false, false, false),
-            Registry::queue_floor(max_io, false),
+            Registry::queue_floor(max_io, 4, false),
         )
         .map(|(id, ..)| id)
     };
@@ -559,7 +559,7 @@ fn an_exports_last_reference_goes_outside_the_registry_lock() {
             (1 << 20, 1, 4, max_io, max_io, CopyLimits::default()),
             (None, None),
             (false, false, false),
-            Registry::queue_floor(max_io, false),
+            Registry::queue_floor(max_io, 4, false),
         )
         .unwrap();
     drop(export);
