@@ -45,8 +45,55 @@ const LEND_READ_MIN: u32 = 64 << 10;
 /// challenge's 60 s); one pushed out by `MAX_CACHED_HELLOS` others is the registry's to answer
 /// (`Access::claim_attempt`: the same welcome a few times more, else a refusal), never afresh.
 const MAX_CACHED_HELLOS: usize = 4096;
+/// ... and at most this many bytes of them: a query's answer (LIST) may fill a datagram, and
+/// 4096 of those were 128 MiB a port outside the memory budget.
+const MAX_CACHED_HELLO_BYTES: usize = 2 << 20;
 /// A HELLO attempt's `nonce_c` (§12.1).
 type Attempt = [u8; blkwire_wire::AUTH_LEN];
+/// The HELLO answers a port sent, for retransmitted HELLOs: when, what, and how many times.
+/// Bounded in entries and bytes (`MAX_CACHED_HELLOS`, `MAX_CACHED_HELLO_BYTES`): a peer that
+/// opens and closes sessions, or asks for lists, in a loop must not grow it (it only spares a
+/// retransmitted HELLO a second session); the oldest answers go first.
+#[derive(Default)]
+struct HelloAnswers {
+    map: HashMap<(Peer, Attempt), (Instant, Vec<u8>, u8)>,
+    bytes: usize,
+}
+
+impl HelloAnswers {
+    fn get_mut(&mut self, peer: Peer, attempt: Attempt) -> Option<&mut (Instant, Vec<u8>, u8)> {
+        self.map.get_mut(&(peer, attempt))
+    }
+
+    /// Keeps `answer`, sent once at `now`, making room for it first.
+    fn insert(&mut self, peer: Peer, attempt: Attempt, now: Instant, answer: &[u8]) {
+        while self.map.len() >= MAX_CACHED_HELLOS
+            || self.bytes + answer.len() > MAX_CACHED_HELLO_BYTES
+        {
+            let oldest = self
+                .map
+                .iter()
+                .min_by_key(|(_, (t, ..))| *t)
+                .map(|(k, _)| *k);
+            let Some((_, gone, _)) = oldest.and_then(|k| self.map.remove(&k)) else {
+                break;
+            };
+            self.bytes -= gone.len();
+        }
+        self.bytes += answer.len();
+        if let Some((_, old, _)) = self.map.insert((peer, attempt), (now, answer.to_vec(), 1)) {
+            self.bytes -= old.len();
+        }
+    }
+
+    /// Forgets answers older than a challenge's life.
+    fn expire(&mut self, now: Instant) {
+        self.map
+            .retain(|_, (t, ..)| now.duration_since(*t) < IDLE_EXPIRY);
+        self.bytes = self.map.values().map(|(_, a, _)| a.len()).sum();
+    }
+}
+
 /// A session with no frame for this long is forgotten (PROTOCOL.md §9.1); the default of
 /// `Limits::datagram_idle`.
 pub const IDLE_EXPIRY: Duration = Duration::from_secs(60);
@@ -286,7 +333,7 @@ pub struct DgramPort {
     /// session. Keyed by what the address challenge binds (§12.1), not by the HELLO's `nonce`
     /// field, which nothing authenticates in a keyless HELLO: a replay with a new `nonce` each
     /// time would otherwise miss the cache, pass the challenge, and open a session every time.
-    hellos: HashMap<(Peer, Attempt), (Instant, Vec<u8>, u8)>,
+    hellos: HelloAnswers,
     next_incarnation: u32,
     rx: Vec<Vec<u8>>,
     /// Replies packed into datagrams (PROTOCOL.md §9.6), sent with one sendmmsg.
@@ -392,7 +439,7 @@ impl DgramPort {
             queues: Vec::new(),
             free: Vec::new(),
             index: HashMap::new(),
-            hellos: HashMap::new(),
+            hellos: HelloAnswers::default(),
             next_incarnation: 1,
             // A ring port reads in place: no receive buffers.
             rx: (0..if ring.is_some() { 0 } else { BATCH })
@@ -921,7 +968,7 @@ impl DgramPort {
                     return self.reply(h, Status::Unsupported, peer);
                 }
                 let now = Instant::now();
-                if let Some((_, cached, sent)) = self.hellos.get_mut(&(peer, hello.auth.nonce_c)) {
+                if let Some((_, cached, sent)) = self.hellos.get_mut(peer, hello.auth.nonce_c) {
                     // Answered a few times at most: the final HELLO of an exchange someone on
                     // the path saw can be replayed from the victim's address, and a query's
                     // answer is far larger than the HELLO (§12.5).
@@ -952,21 +999,7 @@ impl DgramPort {
                         // Not a welcome the registry sent again (no session made now): its
                         // repeats are the registry's to count, and it pushes nothing out.
                         if adm.is_some() || hello.is_query() {
-                            // Bounded: a peer that opens and closes sessions in a loop must not
-                            // grow this cache (it only spares a retransmitted HELLO a second
-                            // session).
-                            if self.hellos.len() >= MAX_CACHED_HELLOS {
-                                let oldest = self
-                                    .hellos
-                                    .iter()
-                                    .min_by_key(|(_, (t, _, _))| *t)
-                                    .map(|(k, _)| *k);
-                                if let Some(k) = oldest {
-                                    self.hellos.remove(&k);
-                                }
-                            }
-                            self.hellos
-                                .insert((peer, hello.auth.nonce_c), (now, p.clone(), 1));
+                            self.hellos.insert(peer, hello.auth.nonce_c, now, &p);
                         }
                         let mut r = h.reply(Status::Ok, 0);
                         r.credit = self.credit();
@@ -1121,8 +1154,7 @@ impl DgramPort {
             return;
         }
         self.last_sweep = now;
-        self.hellos
-            .retain(|_, (t, _, _)| now.duration_since(*t) < IDLE_EXPIRY);
+        self.hellos.expire(now);
         // Spare copy sources of exports removed since, for queues that make no request.
         for q in self.queues.iter_mut().flatten() {
             q.exec.drop_gone_sources();
@@ -1731,6 +1763,48 @@ impl DgramPort {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The port's HELLO answers stay within their bounds whatever is asked: answers that fill a
+    /// datagram (a LIST) push the oldest out by bytes, small ones by count.
+    #[test]
+    fn hello_answers_stay_within_their_bytes_and_count() {
+        let mut c = HelloAnswers::default();
+        let t0 = Instant::now();
+        let peer = |i: u32| Peer::Ip(std::net::SocketAddr::from(([10, 0, 0, 1], i as u16)));
+        let big = vec![7u8; 32 << 10];
+        for i in 0..1000u32 {
+            c.insert(
+                peer(i),
+                [i as u8; blkwire_wire::AUTH_LEN],
+                t0 + Duration::from_millis(i as u64),
+                &big,
+            );
+            assert!(c.bytes <= MAX_CACHED_HELLO_BYTES, "{} bytes", c.bytes);
+        }
+        assert_eq!(c.map.len(), MAX_CACHED_HELLO_BYTES / big.len());
+        assert!(
+            c.get_mut(peer(999), [999u32 as u8; blkwire_wire::AUTH_LEN])
+                .is_some(),
+            "the newest stays"
+        );
+        assert!(
+            c.get_mut(peer(0), [0; blkwire_wire::AUTH_LEN]).is_none(),
+            "the oldest went"
+        );
+        for i in 0..(MAX_CACHED_HELLOS as u32 + 10) {
+            let at = t0 + Duration::from_secs(1) + Duration::from_micros(i as u64);
+            c.insert(
+                peer(i),
+                [(i >> 8) as u8; blkwire_wire::AUTH_LEN],
+                at,
+                &[1; 100],
+            );
+        }
+        assert_eq!(c.map.len(), MAX_CACHED_HELLOS);
+        assert_eq!(c.bytes, MAX_CACHED_HELLOS * 100);
+        c.expire(t0 + Duration::from_secs(1) + IDLE_EXPIRY + Duration::from_secs(1));
+        assert_eq!((c.map.len(), c.bytes), (0, 0));
+    }
 
     /// A queue reserves its slot table: a deeper queue reserves more, and a table of 1024
     /// slots more than the 64 KiB every queue reserved before (it was charged a third of it).
