@@ -834,6 +834,51 @@ mod tests {
         );
     }
 
+    /// A read whose data comes in pieces, the last with SUCCESS, is complete then (no
+    /// CapsuleResp follows): it used to wait for one until its timeout. SUCCESS on a piece
+    /// before the last fails the queue (the PDU's flags are invalid).
+    #[test]
+    fn a_read_in_pieces_ending_with_success_completes() {
+        for success_early in [false, true] {
+            let target = fake::start(Controller::default(), move |mut io| {
+                let b = io.recv().expect("the read");
+                let Pdu::CapsuleCmd(c) = io.decode(&b) else {
+                    panic!("not a command")
+                };
+                let data: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
+                let piece = |i: u32, success: bool| {
+                    Pdu::C2HData(nvme_tcp::C2HData {
+                        cccid: c.sqe.cid,
+                        datao: i * 1024,
+                        last: i == 3,
+                        success,
+                        data: &data[i as usize * 1024..(i as usize + 1) * 1024],
+                    })
+                };
+                let pieces = [
+                    piece(0, success_early),
+                    piece(1, false),
+                    piece(2, false),
+                    piece(3, true),
+                ];
+                let _ = io.send(&pieces);
+                while io.recv().is_some() {}
+            });
+            let mut s = crate::connect(&target.url, &options()).unwrap();
+            let mut back = vec![0u8; 4096];
+            let r = s.queues[0].read_at(&mut back, 0);
+            if success_early {
+                assert!(
+                    matches!(&r, Err(Error::Protocol(m)) if m.contains("invalid flags")),
+                    "{r:?}"
+                );
+            } else {
+                r.unwrap();
+                assert!(back.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
+            }
+        }
+    }
+
     /// A read answered OK by a CapsuleResp without its data (found by the stream_reply fuzz
     /// target) fails the queue, and stays in flight: the queue lets go of no request without
     /// completing it, as on native replies.

@@ -494,7 +494,20 @@ impl StreamQueue {
                             },
                         }
                     } else {
-                        gather(fr, slot, d.datao, d.data, self.slots[slot].len)?;
+                        let want = self.slots[slot].len;
+                        gather(fr, slot, d.datao, d.data, want)?;
+                        if d.success {
+                            // The last piece with SUCCESS (the decoder refuses it on any
+                            // other): no CapsuleResp follows, the read is done with what was
+                            // gathered, all of it.
+                            if fr.gathered[slot].len() != want as usize {
+                                return Err(Error::Protocol(format!(
+                                    "C2HData with SUCCESS after {} of a {want}-byte read",
+                                    fr.gathered[slot].len()
+                                )));
+                            }
+                            done = Some((slot, None, Status::Ok));
+                        }
                     }
                 }
                 Pdu::R2T(r) => {
