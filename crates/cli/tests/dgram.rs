@@ -538,3 +538,27 @@ fn datagram_reads_do_not_pin_a_buffer_per_slot() {
         "target RSS grew from {before} KiB to {after} KiB for 256 datagram reads of 1 MiB"
     );
 }
+
+/// A LIST over UDP is answered with no more than the request's size (PROTOCOL.md §12.5): with
+/// more exports than fit, the reply holds the first ones, whole, in order, and says how many
+/// there are.
+#[test]
+fn a_udp_list_holds_the_first_exports_that_fit() {
+    let names: Vec<String> = (0..200)
+        .map(|i| format!("export-{i:03}-{}", "x".repeat(50)))
+        .collect();
+    let specs: Vec<String> = names.iter().map(|n| format!("{n}=mem:1M")).collect();
+    let specs: Vec<&str> = specs.iter().map(String::as_str).collect();
+    let t = Served::start(None, &["udp://127.0.0.1:0"], &specs);
+    let url = Url::parse(&format!("{}/", t.url("udp://"))).unwrap();
+    let got = blkwire_client::list(&url, &ConnectOptions::default()).unwrap();
+    assert!(
+        !got.is_empty() && got.len() < names.len(),
+        "{} of {} exports in one datagram",
+        got.len(),
+        names.len()
+    );
+    let listed: Vec<&str> = got.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(listed, names[..got.len()]);
+    assert!(got.iter().all(|e| e.size == 1 << 20));
+}
