@@ -284,7 +284,8 @@ pub struct PortStats {
     pub bad_frames: u64,
     /// I/O for a session this port does not know (expired or forged); answered with ACCESS.
     pub unknown_session: u64,
-    /// Frames for a queue from another address than the one that joined it; dropped.
+    /// Frames for a queue from another address than the one that joined it; dropped (answered
+    /// ACCESS as for an unknown session, §9.1).
     pub wrong_peer: u64,
     /// Requests dropped because the memory budget had no room for their data (the
     /// initiator retransmits them).
@@ -870,6 +871,12 @@ impl DgramPort {
         let q = self.queues[qi].as_mut().expect("indexed queue exists");
         if q.peer != peer {
             self.stats.wrong_peer += 1;
+            // Answered as for an unknown session (§9.1): dropped in silence, it told a scanning
+            // source which session ids exist, and a keyless session's id and source are all
+            // that stand between it and a forged frame (§12.4).
+            if !std::mem::replace(&mut self.refused_in_datagram, true) {
+                self.reply(&h, Status::Access, peer);
+            }
             return;
         }
         // A sealed session's frames are acted on only once their seal opens (§12.4).
@@ -2208,6 +2215,13 @@ mod tests {
             dp.port.stats.wrong_peer, 2,
             "the stranger's datagrams dropped"
         );
+        // ... and answered as for an unknown session, so a stranger learns nothing of which
+        // sessions exist: ACCESS, one per datagram, header only.
+        let told = answers(&stranger, true);
+        assert_eq!(told.len(), 2, "{told:?}");
+        assert!(told
+            .iter()
+            .all(|(h, p)| h.status == Status::Access && h.session == session && p.is_empty()));
     }
 
     /// A run whose datagrams are not all placed: one handled the usual way completes the WRITE
