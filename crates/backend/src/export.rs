@@ -1135,7 +1135,13 @@ impl ExportQueue {
             return Ok((op, Next::Copy(st))); // the NOP came back: go on where it stopped
         }
         if res as u32 != st.chunk {
-            return Err(-libc::EIO); // a short read or write inside the export
+            // Short inside the export: a read (its file shrank under us) is an I/O error, a
+            // write (or a native copy) found no space, as a short WRITE does.
+            return Err(if st.read_done {
+                -libc::EIO
+            } else {
+                -libc::ENOSPC
+            });
         }
         if st.read_done {
             // Emulation: the chunk is in the bounce buffer; write it.

@@ -752,10 +752,7 @@ fn print_list(
     if_empty: &str,
 ) {
     if json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(list).expect("a Value always serializes")
-        );
+        println!("{}", crate::table::pretty_json_for_terminal(list));
         return;
     }
     let items = list.as_array().map_or(&[][..], Vec::as_slice);

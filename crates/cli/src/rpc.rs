@@ -185,7 +185,7 @@ pub struct Args {
     /// The method, e.g. export_list (`blkwire rpc rpc_get_methods` lists them)
     #[arg(value_name = "METHOD")]
     method: String,
-    /// The call's parameters: a JSON object (or array), e.g. '{"name":"disk0","spec":"mem:1G"}'
+    /// The call's parameters: a JSON object, e.g. '{"name":"disk0","spec":"mem:1G"}'
     #[arg(value_name = "JSON-PARAMS")]
     params: Option<String>,
     #[command(flatten)]
@@ -195,23 +195,20 @@ pub struct Args {
 pub fn run(a: Args) -> Result<(), String> {
     let params = a.params.as_deref().map(parse_params).transpose()?;
     let result = a.socket.call(&a.method, params)?;
-    println!(
-        "{}",
-        serde_json::to_string_pretty(&result).expect("a Value always serializes")
-    );
+    // What a peer sent (a host id) may be in it: escaped for the terminal.
+    println!("{}", crate::table::pretty_json_for_terminal(&result));
     Ok(())
 }
 
-/// JSON-PARAMS as the call's `params`, checked before connecting: JSON-RPC takes an object or
-/// an array there, and a typo is best reported with where it is.
+/// JSON-PARAMS as the call's `params`, checked before connecting: the target takes one JSON
+/// object (docs/MANAGEMENT.md), and a typo is best reported with where it is.
 fn parse_params(s: &str) -> Result<Value, String> {
     let v: Value = serde_json::from_str(s).map_err(|e| format!("JSON-PARAMS is not JSON: {e}"))?;
-    if v.is_object() || v.is_array() {
+    if v.is_object() {
         Ok(v)
     } else {
         Err(format!(
-            "JSON-PARAMS must be a JSON object such as '{{\"name\":\"disk0\"}}' (or an array), \
-             not {v}"
+            "JSON-PARAMS must be a JSON object such as '{{\"name\":\"disk0\"}}', not {v}"
         ))
     }
 }
@@ -429,9 +426,11 @@ mod tests {
     }
 
     #[test]
-    fn params_must_be_json_objects_or_arrays() {
+    fn params_must_be_json_objects() {
         assert_eq!(parse_params(r#"{"name":"a"}"#), Ok(json!({"name": "a"})));
-        assert_eq!(parse_params("[1]"), Ok(json!([1])));
+        // The target refuses anything else (an array too): said before connecting.
+        let e = parse_params("[1]").unwrap_err();
+        assert!(e.contains("must be a JSON object"), "{e}");
         let e = parse_params(r#"{"name":}"#).unwrap_err();
         assert!(e.contains("line 1 column 9"), "{e}");
         let e = parse_params("5").unwrap_err();

@@ -20,6 +20,22 @@ pub fn json_for_terminal(v: &Value) -> String {
     out
 }
 
+/// `v` written out pretty, for a terminal: as `json_for_terminal`, indented. The only control
+/// characters outside strings are the line breaks (in strings JSON escapes those itself), so
+/// every other one is escaped where it stands.
+pub fn pretty_json_for_terminal(v: &Value) -> String {
+    let mut out = String::new();
+    let pretty = serde_json::to_string_pretty(v).expect("a Value always serializes");
+    for c in pretty.chars() {
+        if c.is_control() && c != '\n' {
+            out.push_str(&format!("\\u{:04x}", c as u32));
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// Where a column's cells sit in its width: text to the left, numbers to the right.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Align {
@@ -28,9 +44,11 @@ pub enum Align {
 }
 
 /// A JSON value as a table cell: strings without their quotes, a missing value as `-`.
+/// Control characters are escaped: a cell may hold what a peer sent (a host id in `session ls`),
+/// which must not reach the terminal as escape sequences.
 pub fn cell(v: &Value) -> String {
     match v {
-        Value::String(s) => s.clone(),
+        Value::String(s) => blkwire_client::shown(s).into_owned(),
         Value::Null => "-".into(),
         v => v.to_string(),
     }
@@ -56,4 +74,25 @@ pub fn aligned(rows: &[Vec<String>], align: &[Align]) -> String {
         out.push('\n');
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a peer sent reaches the terminal with its control characters escaped, in a table's
+    /// cells and in JSON, which itself leaves DEL and the C1 controls (a one-character CSI)
+    /// raw in strings; JSON output still parses to the same value.
+    #[test]
+    fn control_characters_never_reach_the_terminal() {
+        let host = "\x1b]0;pwned\x07\u{9b}2J\u{7f}";
+        assert!(!cell(&Value::String(host.into()))
+            .chars()
+            .any(char::is_control));
+        let v = serde_json::json!([{ "host": host, "queues": 2 }]);
+        let out = pretty_json_for_terminal(&v);
+        assert!(!out.chars().any(|c| c.is_control() && c != '\n'), "{out:?}");
+        assert!(out.contains('\n'), "still indented");
+        assert_eq!(serde_json::from_str::<Value>(&out).unwrap(), v);
+    }
 }

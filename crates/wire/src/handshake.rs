@@ -397,6 +397,13 @@ impl Hello {
             });
         }
         r.finish()?;
+        // §7: 1 to 255 bytes of printable ASCII without spaces. Anything else (an escape
+        // sequence, say) would reach logs and operators' terminals as the host's name.
+        if h.host_id.is_empty() || !h.host_id.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(PayloadError::Invalid(
+                "the host id must be printable ASCII without spaces",
+            ));
+        }
         if h.replaces.is_some_and(|q| q.session == 0) {
             return Err(PayloadError::Invalid("REPLACES names session 0"));
         }
@@ -664,6 +671,21 @@ mod tests {
             replaces: None,
         };
         assert_eq!(Hello::decode(&h.encode().unwrap()).unwrap(), h);
+        // A host id is printable ASCII without spaces (§7): an escape sequence, a space or
+        // nothing is refused.
+        for bad in ["\x1b]0;x\x07", "a b", "", "caf\u{e9}"] {
+            let odd = Hello {
+                host_id: bad.into(),
+                ..h.clone()
+            };
+            assert!(
+                matches!(
+                    Hello::decode(&odd.encode().unwrap()),
+                    Err(PayloadError::Invalid(_))
+                ),
+                "{bad:?}"
+            );
+        }
         // The queue it replaces travels after the auth block, and the transcript covers it.
         let mut re = h.clone();
         re.replaces = Some(QueueRef {

@@ -606,3 +606,29 @@ fn rules_changed_during_a_handshake_refuse_its_session() {
     assert!(r.revoke_unpermitted().is_empty());
     assert_eq!(admit(&e).err(), Some(Status::Access));
 }
+
+/// A HELLO's logical block is the block the export takes I/O in: a backend that needs page
+/// alignment (O_DIRECT on a 512-byte-sector device) announces 4096, and max I/O is a multiple
+/// of it, over streams and datagrams, as NBD, NVMe/TCP and iSCSI announce it.
+#[test]
+fn the_logical_block_is_the_unit_the_export_takes_io_in() {
+    let r = Registry::new(Access::new(Arc::new(RwLock::new(None))), Limits::default());
+    let mem = Export::open(&blkwire_backend::ExportSpec::parse("d=mem:1M").unwrap()).unwrap();
+    let direct = Export::new(
+        "d",
+        Arc::new(blkwire_backend::testing::Direct512(mem.backend().clone())),
+        false,
+    );
+    assert_eq!(direct.backend().block_sizes().0, 512);
+    r.lock().exports.push(Served {
+        spec: blkwire_backend::ExportSpec::parse("d=mem:1M").unwrap(),
+        export: Arc::new(direct),
+        acl: Acl::default(),
+    });
+    for (port, datagram) in [(1, false), (2, true)] {
+        let (reply, _) = open(&r, &peer(port), datagram, None);
+        assert_eq!(reply.logical_block, 4096, "datagram {datagram}");
+        assert!(reply.physical_block >= 4096);
+        assert_eq!(reply.max_io % 4096, 0, "max I/O {}", reply.max_io);
+    }
+}
