@@ -584,7 +584,12 @@ fn export_add(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     let spec = ExportSpec::parse(&format!("{}={}", p.name, p.spec))
         .map_err(|e| RpcError::params(e.to_string()))?;
     sh.registry.add_export(spec).map_err(RpcError::refused)?;
-    crate::log!(sh.change_level(), "export '{}' added: {}", p.name, p.spec);
+    crate::log!(
+        sh.change_level(),
+        "export '{}' added: {}",
+        p.name.escape_debug(),
+        p.spec.escape_debug()
+    );
     Ok(export_entry(sh, &p.name))
 }
 
