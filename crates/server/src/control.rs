@@ -472,6 +472,11 @@ pub(crate) fn dispatch_unless(
             message: "not run: the caller hung up while the call waited for its turn".into(),
         });
     }
+    // A call that came while the target stops would change what the stop no longer looks at:
+    // an export added after the exports were closed, a listener bound after they were dropped.
+    if shared.registry.is_closed() {
+        return Err(RpcError::refused("the target is stopping".into()));
+    }
     run(shared, method, params)
 }
 

@@ -939,7 +939,10 @@ impl Target {
         }
         crate::log!(Level::Info, "stopping: finishing requests in flight");
         drop(self.rpc);
+        // After the control call running now, if any: later ones are refused (`dispatch_unless`).
+        let turn = self.shared.calls.turn();
         self.shared.registry.close();
+        drop(turn);
         drop(live);
         self.shared.lock_listeners().list.clear();
         for w in &self.shared.workers {
@@ -1754,6 +1757,26 @@ mod tests {
         // load_config runs its calls within its own turn (it does not wait for itself).
         let calls = serde_json::json!({"config": [{"method": "export_add", "params": {"name": "y", "spec": "mem:1M"}}]});
         assert_eq!(t.call("load_config", calls).unwrap()["applied"], 1);
+        t.stop_handle().stop();
+        t.run().unwrap();
+    }
+
+    /// A control call that comes while the target stops is refused: one that ran would change
+    /// what the stop no longer looks at (an export added after the exports were closed was
+    /// never closed, a listener bound after they were dropped never served), and its caller
+    /// would be told it worked.
+    #[test]
+    fn a_call_during_the_stop_is_refused() {
+        let t = Target::start(&config(&[], &[]).options).unwrap();
+        t.shared.registry.close();
+        let e = t
+            .call(
+                "export_add",
+                serde_json::json!({"name": "x", "spec": "mem:1M"}),
+            )
+            .unwrap_err();
+        assert!(e.message.contains("stopping"), "{}", e.message);
+        assert!(!t.shared.registry.has_export("x"));
         t.stop_handle().stop();
         t.run().unwrap();
     }

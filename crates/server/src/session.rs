@@ -416,6 +416,11 @@ impl Registry {
         self.lock().shut = true;
     }
 
+    /// The target is stopping (`close`): no session is opened, and no control call runs.
+    pub fn is_closed(&self) -> bool {
+        self.lock().shut
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         // A panic while holding this lock cannot leave the map inconsistent, so carry on.
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
