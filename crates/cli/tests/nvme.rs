@@ -1099,20 +1099,13 @@ fn a_busy_controller_ends_when_its_session_is_closed() {
 /// The same key loaded again changes nothing.
 #[test]
 fn a_discovery_controller_ends_when_its_hosts_key_is_replaced() {
-    use blkwire_auth::dhchap::{HostAuth, Secret};
+    use blkwire_auth::dhchap::HostAuth;
     use serde_json::json;
     let dir = TempDir::new("nvme-disc-rekey");
-    let alice = "nqn.2014-08.org.nvmexpress:uuid:a11ce000-0000-4000-8000-000000000001";
-    let (old, new) = (Secret::generate(), Secret::generate());
-    let keys = key_file(&dir, &[format!("{alice}:{}", old.to_dhhc().unwrap())]);
-    let t = Controlled::start_with(&dir, &["disk0=mem:1M"], &["--keys", &keys]);
-    let o = Opts {
-        hostnqn: alice.into(),
-        ..Opts::default()
-    };
+    let (t, keys, (old, new), o) = alice_keyed(&dir);
     let (mut d, done) = Queue::connect(&t.addr, DISCOVERY_NQN, 0, 0xffff, &o).unwrap();
     assert_eq!(done.code(), 0);
-    let mut host = HostAuth::new(alice, DISCOVERY_NQN, &old, None, 1);
+    let mut host = HostAuth::new(ALICE, DISCOVERY_NQN, &old, None, 1);
     assert!(nvme_host::authenticate(&mut d, &mut host), "alice's key");
     d.enable();
     let mut cid = 0u16;
@@ -1127,7 +1120,7 @@ fn a_discovery_controller_ends_when_its_hosts_key_is_replaced() {
         assert!(keep_alive(&mut d), "ended by a reload of the same key");
         std::thread::sleep(Duration::from_millis(100));
     }
-    let rotated = key_file(&dir, &[format!("{alice}:{}", new.to_dhhc().unwrap())]);
+    let rotated = key_file(&dir, &[format!("{ALICE}:{}", new.to_dhhc().unwrap())]);
     t.rpc("keys_load", json!({ "path": rotated }));
     let replaced = Instant::now();
     while keep_alive(&mut d) {
@@ -1635,22 +1628,37 @@ fn send_reply(q: &mut Queue, host: &mut blkwire_auth::dhchap::HostAuth) {
     assert_eq!(nvme_host::auth_send(q, &reply).code(), 0, "AUTH_Send reply");
 }
 
+/// A target exporting disk0 with keys, where ALICE has a DH-HMAC-CHAP key (`old`; `new` is for
+/// a rotation): the target, its key file, the two keys, and ALICE's host options.
+fn alice_keyed(
+    dir: &TempDir,
+) -> (
+    Controlled,
+    String,
+    (blkwire_auth::dhchap::Secret, blkwire_auth::dhchap::Secret),
+    Opts,
+) {
+    use blkwire_auth::dhchap::Secret;
+    let (old, new) = (Secret::generate(), Secret::generate());
+    let keys = key_file(dir, &[format!("{ALICE}:{}", old.to_dhhc().unwrap())]);
+    let t = Controlled::start_with(dir, &["disk0=mem:1M"], &["--keys", &keys]);
+    let o = Opts {
+        hostnqn: ALICE.into(),
+        ..Opts::default()
+    };
+    (t, keys, (old, new), o)
+}
+
 /// A `keys_load` that replaces a host's key while its DH-HMAC-CHAP is under way (the exchange
 /// began with the old key, so the host's proof is checked with it): the controller's sessions
 /// record the key the host proved, not the store's new one, so they do not outlive the key.
 #[test]
 fn a_key_replaced_during_dh_hmac_chap_leaves_no_session_with_the_old_key() {
-    use blkwire_auth::dhchap::{HostAuth, Secret};
+    use blkwire_auth::dhchap::HostAuth;
     use serde_json::json;
     let dir = TempDir::new("nvme-auth-rotate");
-    let alice = "nqn.2014-08.org.nvmexpress:uuid:a11ce000-0000-4000-8000-000000000001";
-    let (old, new) = (Secret::generate(), Secret::generate());
-    let keys = key_file(&dir, &[format!("{alice}:{}", old.to_dhhc().unwrap())]);
-    let t = Controlled::start_with(&dir, &["disk0=mem:1M"], &["--keys", &keys]);
-    let o = Opts {
-        hostnqn: alice.into(),
-        ..Opts::default()
-    };
+    let (t, _keys, (old, new), o) = alice_keyed(&dir);
+    let alice = ALICE;
     let (mut a, done) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &o).unwrap();
     assert_eq!(done.code(), 0);
     let mut host = HostAuth::new(alice, &nqn("disk0"), &old, None, 1);

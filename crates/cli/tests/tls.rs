@@ -756,7 +756,6 @@ fn nbd_tls_psk_hosts_are_held_to_export_allow_lists() {
 /// and no session is left (the key the PSK callback found is the one the session records).
 #[test]
 fn a_psk_replaced_before_go_opens_no_session() {
-    use openssl::ssl::{SslConnector, SslMethod, SslVersion};
     let dir = TempDir::new("tls-psk-rotate");
     let keys = dir.path("keys.psk");
     let old = key_file(&keys, "alice");
@@ -776,24 +775,7 @@ fn a_psk_replaced_before_go_opens_no_session() {
     let urls = &t.urls;
     let rpc = |method: &str, params: &str| t.rpc(method, params);
     let addr = urls[0].strip_prefix("nbd://").unwrap();
-    let mut raw = Raw::open(addr);
-    raw.option(opt::STARTTLS, &[]);
-    assert_eq!(raw.opt_reply().1, rep::ACK);
-    let mut b = SslConnector::builder(SslMethod::tls_client()).unwrap();
-    b.set_min_proto_version(Some(SslVersion::TLS1_3)).unwrap();
-    let k = old.bytes().to_vec();
-    b.set_psk_client_callback(move |_ssl, _hint, identity, psk| {
-        identity[..5].copy_from_slice(b"alice");
-        identity[5] = 0;
-        psk[..k.len()].copy_from_slice(&k);
-        Ok(k.len())
-    });
-    let mut s = b
-        .build()
-        .configure()
-        .unwrap()
-        .connect("localhost", raw.0)
-        .expect("TLS-PSK handshake with alice's key");
+    let mut s = alice_after_starttls(addr, old.bytes());
     // Alice's key is replaced now: she has no session yet, so nothing is closed ...
     key_file(&keys, "alice");
     let r = rpc(
@@ -813,37 +795,44 @@ fn a_psk_replaced_before_go_opens_no_session() {
     assert_eq!(rpc("session_list", "{}"), serde_json::json!([]));
 }
 
-/// NBD_CMD_DISC over TLS ends the TLS session cleanly (proto.md: the server MUST close down the
-/// TLS session): the client reads close_notify, an orderly end of stream, not a connection that
-/// just stops (OpenSSL 3 reports that as an unexpected EOF; GnuTLS as a premature termination).
-#[test]
-fn nbd_disc_over_tls_ends_with_close_notify() {
-    use openssl::ssl::{ShutdownState, SslConnector, SslMethod, SslVersion};
-    let dir = TempDir::new("tls-nbd-disc");
-    let (t, keys) = psk_target(&dir, "require");
-    let key = std::fs::read_to_string(&keys).unwrap();
-    let hex = key.trim().split_once(':').unwrap().1.to_string();
-    let k: Vec<u8> = (0..hex.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
-        .collect();
-    let mut raw = Raw::open(&t.nbd_addr);
+/// An NBD client at `addr` that sent STARTTLS and made its TLS 1.3 handshake as `alice` with the
+/// PSK `key`: ready for options over TLS.
+fn alice_after_starttls(addr: &str, key: &[u8]) -> openssl::ssl::SslStream<std::net::TcpStream> {
+    use openssl::ssl::{SslConnector, SslMethod, SslVersion};
+    let mut raw = Raw::open(addr);
     raw.option(opt::STARTTLS, &[]);
     assert_eq!(raw.opt_reply().1, rep::ACK);
     let mut b = SslConnector::builder(SslMethod::tls_client()).unwrap();
     b.set_min_proto_version(Some(SslVersion::TLS1_3)).unwrap();
+    let k = key.to_vec();
     b.set_psk_client_callback(move |_ssl, _hint, identity, psk| {
         identity[..5].copy_from_slice(b"alice");
         identity[5] = 0;
         psk[..k.len()].copy_from_slice(&k);
         Ok(k.len())
     });
-    let mut s = b
-        .build()
+    b.build()
         .configure()
         .unwrap()
         .connect("localhost", raw.0)
-        .expect("TLS-PSK handshake");
+        .expect("TLS-PSK handshake with alice's key")
+}
+
+/// NBD_CMD_DISC over TLS ends the TLS session cleanly (proto.md: the server MUST close down the
+/// TLS session): the client reads close_notify, an orderly end of stream, not a connection that
+/// just stops (OpenSSL 3 reports that as an unexpected EOF; GnuTLS as a premature termination).
+#[test]
+fn nbd_disc_over_tls_ends_with_close_notify() {
+    use openssl::ssl::ShutdownState;
+    let dir = TempDir::new("tls-nbd-disc");
+    let (t, keys) = psk_target(&dir, "require");
+    let line = std::fs::read_to_string(&keys).unwrap();
+    let hex = line.trim().split_once(':').unwrap().1.to_string();
+    let key: Vec<u8> = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+        .collect();
+    let mut s = alice_after_starttls(&t.nbd_addr, &key);
     tls_option(&mut s, opt::GO, &info_data("d", &[]));
     while tls_opt_reply(&mut s).0 != rep::ACK {}
     let disc = blkwire_wire::nbd::Request {
