@@ -77,7 +77,7 @@ fn walk(fe: &mut dyn StreamFrontend, data: &[u8], targets: usize) {
                         &mut tx,
                     );
                 }
-                for status in [Status::Ok, Status::Io, Status::OutOfRange] {
+                for status in [Status::Ok, Status::Io, Status::OutOfRange, Status::NoSpace] {
                     fe.reply(&req, status, &mut tx);
                 }
                 if req.is_read() {

@@ -232,12 +232,6 @@ impl FileBackend {
                     libc::ioctl(fd, BLKPBSZGET, &mut pbs);
                 }
                 b.logical = (lbs as u32).max(512);
-                if direct {
-                    // O_DIRECT I/O is taken in whole pages (`buffer_alignment`): the block every
-                    // protocol announces is that, as for a regular file, or a client told 512
-                    // would send 512-byte I/O that is refused.
-                    b.logical = b.logical.max(4096);
-                }
                 b.physical = pbs.max(b.logical);
                 let sys = Path::new(SYS_DEV_BLOCK);
                 b.rotational = queue_attr(sys, st.st_rdev, "rotational").as_deref() == Some("1");

@@ -9,25 +9,23 @@ use serde_json::Value;
 /// not printed as it came. Written compactly, so the only control characters are in strings,
 /// where `\uXXXX` means the same.
 pub fn json_for_terminal(v: &Value) -> String {
-    let mut out = String::new();
-    for c in v.to_string().chars() {
-        if c.is_control() {
-            out.push_str(&format!("\\u{:04x}", c as u32));
-        } else {
-            out.push(c);
-        }
-    }
-    out
+    escaped(&v.to_string(), |_| true)
 }
 
 /// `v` written out pretty, for a terminal: as `json_for_terminal`, indented. The only control
 /// characters outside strings are the line breaks (in strings JSON escapes those itself), so
 /// every other one is escaped where it stands.
 pub fn pretty_json_for_terminal(v: &Value) -> String {
-    let mut out = String::new();
     let pretty = serde_json::to_string_pretty(v).expect("a Value always serializes");
-    for c in pretty.chars() {
-        if c.is_control() && c != '\n' {
+    escaped(&pretty, |c| c != '\n')
+}
+
+/// `json` with each control character that `escape` picks written as `\uXXXX` (in a JSON
+/// string, the same character).
+fn escaped(json: &str, escape: impl Fn(char) -> bool) -> String {
+    let mut out = String::with_capacity(json.len());
+    for c in json.chars() {
+        if c.is_control() && escape(c) {
             out.push_str(&format!("\\u{:04x}", c as u32));
         } else {
             out.push(c);

@@ -625,7 +625,7 @@ fn a_tls_client_that_never_reads_cannot_grow_the_target() {
         .build()
         .connect("localhost", raw.0)
         .expect("TLS handshake");
-    // Asking for the block size keeps the connection at the 32 MiB maximum payload (without,
+    // Asking for the block size keeps the connection at the maximum payload, 32 MiB at most (without,
     // it may take 64 MiB requests, like nbdkit, and holds twice as much by design).
     tls_option(
         &mut s,
@@ -660,7 +660,7 @@ fn a_tls_client_that_never_reads_cannot_grow_the_target() {
         "target kept reading {sent} requests whose replies nobody reads"
     );
     // What an NBD connection may hold by design: replies up to its high-water mark, twice the
-    // 32 MiB maximum payload (a plain connection grows as much, ~68 MiB here); TLS adds its
+    // maximum payload (32 MiB at most) (a plain connection grows as much, ~68 MiB here); TLS adds its
     // gathered records (at most 256 KiB) and a record inside OpenSSL. Unbounded, the flood would
     // be gigabytes of replies.
     assert!(

@@ -39,7 +39,8 @@ const BATCH: usize = 32;
 /// 4k random reads at QD32 took 9.9-11.5 us of CPU per I/O lent against 9.3-10.3 copied), and
 /// its buffer goes back to the pool at once, which keeps the pool's working set small.
 const LEND_READ_MIN: u32 = 64 << 10;
-/// HELLO replies kept for retransmitted HELLOs, per port: one HELLO (peer and the attempt's
+/// HELLO replies kept for retransmitted HELLOs, per port (the oldest go first past this many, or
+/// past `MAX_CACHED_HELLO_BYTES`): one HELLO (peer and the attempt's
 /// `nonce_c`) is answered from here at most `access::HELLO_ANSWERS` times, its repeats past that
 /// dropped. A cached answer lives as long as a challenge is good (`IDLE_EXPIRY` >= the
 /// challenge's 60 s); one pushed out by `MAX_CACHED_HELLOS` others is the registry's to answer
@@ -61,8 +62,12 @@ struct HelloAnswers {
 }
 
 impl HelloAnswers {
-    fn get_mut(&mut self, peer: Peer, attempt: Attempt) -> Option<&mut (Instant, Vec<u8>, u8)> {
-        self.map.get_mut(&(peer, attempt))
+    /// The answer kept for `attempt` of `peer` and how many times it was sent (the count for
+    /// the caller to raise; the answer itself stays as kept, `bytes` counts it).
+    fn get_mut(&mut self, peer: Peer, attempt: Attempt) -> Option<(&[u8], &mut u8)> {
+        self.map
+            .get_mut(&(peer, attempt))
+            .map(|(_, answer, sent)| (answer.as_slice(), sent))
     }
 
     /// Keeps `answer`, sent once at `now`, making room for it first.
@@ -94,19 +99,19 @@ impl HelloAnswers {
     }
 }
 
-/// A session with no frame for this long is forgotten (PROTOCOL.md §9.1); the default of
-/// `Limits::datagram_idle`.
+/// A queue with no frame for this long is forgotten, a session with its last queue (PROTOCOL.md
+/// §9.1); the default of `Limits::datagram_idle`.
 pub const IDLE_EXPIRY: Duration = Duration::from_secs(60);
-/// What a datagram queue reserves of the memory budget at least: its bookkeeping. Its data
-/// buffers come from the port's pool and are charged to the port.
-const QUEUE_FLOOR: usize = 64 << 10;
+/// What a datagram queue reserves of the memory budget besides its slot table: its bookkeeping.
+/// Its data buffers come from the port's pool and are charged to the port.
+const QUEUE_BOOKKEEPING: usize = 64 << 10;
 
 /// What a datagram queue of `depth` slots reserves of the memory budget: its slot table (each
 /// slot with its HAVE and READ bitmaps, 32 bytes at most each, and their allocations) beside
-/// `QUEUE_FLOOR`. A table of 1024 slots is some 200 KiB: charged 64 KiB, the budget held only a
-/// third of what such queues took.
+/// `QUEUE_BOOKKEEPING`, 360 KiB at depth 1024. Every queue reserved 64 KiB whatever its depth,
+/// less than a table of 1024 slots alone.
 pub fn queue_floor(depth: u16) -> usize {
-    QUEUE_FLOOR + depth as usize * (std::mem::size_of::<TSlot>() + 2 * 64)
+    QUEUE_BOOKKEEPING + depth as usize * (std::mem::size_of::<TSlot>() + 2 * 64)
 }
 
 /// Where a frame came from / goes to.
@@ -643,6 +648,14 @@ impl DgramPort {
         }
     }
 
+    /// ACCESS to `req`, once per datagram: packed frames from a forged address draw one small
+    /// answer, not one each.
+    fn refuse_once(&mut self, req: &Header, peer: Peer) {
+        if !std::mem::replace(&mut self.refused_in_datagram, true) {
+            self.reply(req, Status::Access, peer);
+        }
+    }
+
     fn reply(&mut self, req: &Header, status: Status, peer: Peer) {
         let mut r = req.reply(status, 0);
         r.credit = self.credit();
@@ -848,9 +861,11 @@ impl DgramPort {
         // session that asked for it (§9.7): anything else with a header-only CRC (a JOIN, a
         // frame for no queue) is as bad as a frame with a wrong CRC.
         if h.flags.has(Flags::HEAD_CRC) {
+            // Granted to the queue's own source only: a stranger's frame is as bad whether the
+            // queue exists or not, so its answer says nothing of which sessions do.
             let granted = found
                 .and_then(|qi| self.queues[qi].as_ref())
-                .is_some_and(|q| q.header_crc);
+                .is_some_and(|q| q.header_crc && q.peer == peer);
             if !(granted && h.opcode == Opcode::Write && !f.payload.is_empty()) {
                 self.stats.bad_frames += 1;
                 return;
@@ -861,12 +876,8 @@ impl DgramPort {
                 return self.join(&h, f, peer);
             }
             self.stats.unknown_session += 1;
-            // Tell the initiator at once instead of letting it time out; once per datagram,
-            // so that packed frames from a forged address draw one small answer, not one each.
-            if !std::mem::replace(&mut self.refused_in_datagram, true) {
-                self.reply(&h, Status::Access, peer);
-            }
-            return;
+            // Tell the initiator at once instead of letting it time out.
+            return self.refuse_once(&h, peer);
         };
         let q = self.queues[qi].as_mut().expect("indexed queue exists");
         if q.peer != peer {
@@ -874,10 +885,7 @@ impl DgramPort {
             // Answered as for an unknown session (§9.1): dropped in silence, it told a scanning
             // source which session ids exist, and a keyless session's id and source are all
             // that stand between it and a forged frame (§12.4).
-            if !std::mem::replace(&mut self.refused_in_datagram, true) {
-                self.reply(&h, Status::Access, peer);
-            }
-            return;
+            return self.refuse_once(&h, peer);
         }
         // A sealed session's frames are acted on only once their seal opens (§12.4).
         let mut scratch = std::mem::take(&mut self.scratch);
@@ -982,7 +990,7 @@ impl DgramPort {
                     return self.reply(h, Status::Unsupported, peer);
                 }
                 let now = Instant::now();
-                if let Some((_, cached, sent)) = self.hellos.get_mut(peer, hello.auth.nonce_c) {
+                if let Some((cached, sent)) = self.hellos.get_mut(peer, hello.auth.nonce_c) {
                     // Answered a few times at most: the final HELLO of an exchange someone on
                     // the path saw can be replayed from the victim's address, and a query's
                     // answer is far larger than the HELLO (§12.5).
@@ -990,7 +998,7 @@ impl DgramPort {
                         return;
                     }
                     *sent += 1;
-                    let cached = cached.clone();
+                    let cached = cached.to_vec();
                     let mut r = h.reply(Status::Ok, 0);
                     r.credit = self.credit();
                     return self.send_frame(r, &cached, peer);
@@ -1777,6 +1785,9 @@ impl DgramPort {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fuzzing::DatagramPort;
+    use blkwire_wire::{AuthBlock, AuthMethod, Hello, HelloReply};
+    use std::net::UdpSocket;
 
     /// The port's HELLO answers stay within their bounds whatever is asked: answers that fill a
     /// datagram (a LIST) push the oldest out by bytes, small ones by count.
@@ -1821,17 +1832,18 @@ mod tests {
     }
 
     /// A queue reserves its slot table: a deeper queue reserves more, and a table of 1024
-    /// slots more than the 64 KiB every queue reserved before (it was charged a third of it).
+    /// slots more than the 64 KiB every queue reserved before, whatever its depth.
     #[test]
     fn a_queue_reserves_its_slot_table() {
         let slot = std::mem::size_of::<TSlot>();
-        assert!(queue_floor(1) >= QUEUE_FLOOR + slot);
-        assert!(queue_floor(1024) >= QUEUE_FLOOR + 1024 * slot);
-        assert!(queue_floor(1024) > 3 * QUEUE_FLOOR, "{}", queue_floor(1024));
+        assert!(queue_floor(1) >= QUEUE_BOOKKEEPING + slot);
+        assert!(queue_floor(1024) >= QUEUE_BOOKKEEPING + 1024 * slot);
+        assert!(
+            queue_floor(1024) > 3 * QUEUE_BOOKKEEPING,
+            "{}",
+            queue_floor(1024)
+        );
     }
-    use crate::fuzzing::DatagramPort;
-    use blkwire_wire::{AuthBlock, AuthMethod, Hello, HelloReply};
-    use std::net::UdpSocket;
 
     const LINK: u32 = 8192;
 

@@ -37,7 +37,10 @@ pub const NBD_MAX_UNNEGOTIATED: u32 = 64 << 20;
 /// that asks (NBD_INFO_BLOCK_SIZE), which then never sends one that gets ENOMEM or, a WRITE
 /// whose frame cannot fit, ends the connection.
 pub fn max_payload(share: usize) -> u32 {
-    let first = crate::reactor::stream_floor(1 << 20) - (1 << 20) + (64 << 10);
+    // The connection's first buffers (its floor without the data buffer), and room for a
+    // reply's framing and the next request's header beside the request's bytes.
+    const SLACK: usize = 64 << 10;
+    let first = crate::reactor::stream_floor(1 << 20) - (1 << 20) + SLACK;
     let room = share.saturating_sub(first) / 2;
     let mut max = NBD_MAX_PAYLOAD;
     while max as usize > room && max > 1 << 20 {
@@ -294,8 +297,8 @@ pub fn negotiate(
                     }
                 };
                 let Some(e) = find(registry, who, &req.name) else {
-                    let tls_first = tls_first(s, tls, registry, proven_host.is_some());
-                    not_found(s, option, &req.name, tls_first)?;
+                    let proven = proven_host.is_some();
+                    not_found(s, option, &req.name, tls_first(s, tls, registry, proven))?;
                     continue;
                 };
                 // Read once: the size INFO gives is the size a GO's session checks against.

@@ -588,7 +588,10 @@ impl Registry {
         // A sealed frame carries no CRC at all (its seal covers it): nothing to grant there.
         let header_crc = udp && !sealed && h.client_features & HEADER_CRC != 0;
         // Read once: the size the reply gives is the size the session's queues check against.
-        let size = export.size();
+        // In whole blocks of the block announced: a direct=1 block device of 512-byte sectors
+        // may end in part of a page, which no I/O of whole pages reaches (as NVMe/TCP's and
+        // iSCSI's block counts leave it out).
+        let size = export.size() / u64::from(logical) * u64::from(logical);
         let (id, cookie, mem, placement) = match self.create(
             &export,
             &owner,
@@ -1011,7 +1014,8 @@ impl Registry {
                 .map_err(|_| Status::Access)?,
             (Some(_), None) => return Err(Status::Access.into()),
         };
-        let j = Join::decode(payload).map_err(|_| Status::Invalid)?;
+        // ACCESS, as for a session that does not exist: INVALID would tell a prober this one does.
+        let j = Join::decode(payload).map_err(|_| Status::Access)?;
         if s.cookie != j.cookie {
             return Err(Status::Access.into());
         }

@@ -647,7 +647,7 @@ mod tests {
 
     #[test]
     fn statuses_round_trip_and_map_to_errno() {
-        for v in (0..=11u16).chain([13]) {
+        for v in 0..=13u16 {
             let s = Status::from_u16(v);
             assert_eq!(s as u16, v);
             assert_eq!(s == Status::Ok, s.errno() == 0);

@@ -1016,18 +1016,18 @@ impl<C: Transport> Worker<C> {
                 self.sh.url,
                 self.sh.timeout.as_secs()
             );
+            if self.t.unfenced_failed > 0 {
+                log!(
+                    "warn",
+                    "queue {}: {} of them write(s) answered EIO unfenced: {} did not confirm within {}s more that they will not land later",
+                    self.id,
+                    self.t.unfenced_failed,
+                    self.sh.url,
+                    timeout.as_secs()
+                );
+                self.t.unfenced_failed = 0;
+            }
             self.t.failed = 0;
-        }
-        if self.t.unfenced_failed > 0 {
-            log!(
-                "warn",
-                "queue {}: {} write(s) answered EIO unfenced: {} did not confirm within {}s more that they will not land later",
-                self.id,
-                self.t.unfenced_failed,
-                self.sh.url,
-                timeout.as_secs()
-            );
-            self.t.unfenced_failed = 0;
         }
         if stuck && matches!(self.link, Link::Up(_)) {
             self.link_down(&format!("no reply for {}s", self.sh.timeout.as_secs()));
@@ -1056,20 +1056,27 @@ impl<C: Transport> Worker<C> {
 
     /// Drops the connection; every unanswered request will be sent again on the next one.
     fn link_down(&mut self, why: &str) {
-        if let Link::Up(_) = self.link {
-            log!(
-                "warn",
-                "queue {}: connection to {} lost ({why}); reconnecting, I/O waits up to {}s ({}s for a write the target may still be running)",
-                self.id,
-                self.sh.url,
-                self.sh.timeout.as_secs(),
-                2 * self.sh.timeout.as_secs()
-            );
-        }
         let replaces = match &self.link {
             Link::Up(q) => q.identity(),
             Link::Down(o) => o.replaces,
         };
+        if let Link::Up(_) = self.link {
+            // Writes the target may still run wait for the fence only where there is one.
+            let held = match replaces {
+                Some(_) => format!(
+                    " ({}s for a write the target may still be running)",
+                    2 * self.sh.timeout.as_secs()
+                ),
+                None => String::new(),
+            };
+            log!(
+                "warn",
+                "queue {}: connection to {} lost ({why}); reconnecting, I/O waits up to {}s{held}",
+                self.id,
+                self.sh.url,
+                self.sh.timeout.as_secs()
+            );
+        }
         self.link = Link::Down(Outage::new(
             self.sh.reconnects.load(Ordering::Relaxed),
             replaces,

@@ -496,7 +496,13 @@ impl QueueWorker {
         let tag = c.user as usize;
         let op = slots.get(tag)?.op?;
         if c.status != Status::Ok {
-            return Some(-libc::EIO);
+            // The target's errno: the driver turns ENOSPC into BLK_STS_NOSPC, EOPNOTSUPP into
+            // BLK_STS_NOTSUPP, the rest into an I/O error.
+            let errno = match c.status.errno() {
+                0 => libc::EIO,
+                e => e,
+            };
+            return Some(-errno);
         }
         Some(match op.op {
             BlockOp::Read => {
@@ -554,17 +560,24 @@ impl QueueWorker {
     /// The connection broke: every request waits for the next one (or its deadline), sent
     /// again from the start. No waiting here: `reconnect` starts the attempts.
     fn link_down(&mut self, why: &str, now: Instant) {
-        log!(
-            "warn",
-            "queue {}: connection to {} lost ({why}); reconnecting, I/O waits up to {}s ({}s for a write the target may still be running)",
-            self.id,
-            self.url,
-            self.timeout.as_secs(),
-            2 * self.timeout.as_secs()
-        );
         if let Some(q) = self.link.take() {
             self.replaces = q.identity();
         }
+        // Writes the target may still run wait for the fence only where there is one.
+        let held = match self.replaces {
+            Some(_) => format!(
+                " ({}s for a write the target may still be running)",
+                2 * self.timeout.as_secs()
+            ),
+            None => String::new(),
+        };
+        log!(
+            "warn",
+            "queue {}: connection to {} lost ({why}); reconnecting, I/O waits up to {}s{held}",
+            self.id,
+            self.url,
+            self.timeout.as_secs()
+        );
         self.outage = Some(Outage::new(now));
         let fenceable = self.replaces.is_some();
         for s in &mut self.slots {
@@ -672,19 +685,19 @@ impl QueueWorker {
                 self.url,
                 self.timeout.as_secs()
             );
+            if self.unfenced_failed > 0 {
+                log!(
+                    "warn",
+                    "queue {}: {} of them write(s) answered EIO unfenced: {} did not confirm within {}s more that they will not land later",
+                    self.id,
+                    self.unfenced_failed,
+                    self.url,
+                    self.timeout.as_secs()
+                );
+                self.unfenced_failed = 0;
+            }
             self.failed = 0;
             self.fail_logged = Some(now);
-        }
-        if self.unfenced_failed > 0 {
-            log!(
-                "warn",
-                "queue {}: {} write(s) answered EIO unfenced: {} did not confirm within {}s more that they will not land later",
-                self.id,
-                self.unfenced_failed,
-                self.url,
-                self.timeout.as_secs()
-            );
-            self.unfenced_failed = 0;
         }
     }
 
@@ -1039,6 +1052,36 @@ mod tests {
         assert!(o.start(ms(7400)));
         let by = o.failed(ms(7500), timeout).expect("a long outage");
         assert_eq!(arrived_by(&slots, by).collect::<Vec<_>>(), [2]);
+    }
+
+    /// A failed request is committed with the target's errno, not always EIO: the driver makes
+    /// ENOSPC a BLK_STS_NOSPC (a filesystem sees "no space", not an I/O error).
+    #[test]
+    fn a_failed_request_commits_the_targets_errno() {
+        let t0 = Instant::now();
+        let slots = vec![Slot {
+            op: Some(BlockRequest::new(BlockOp::Write, 0, 4096)),
+            sent: true,
+            arrived: t0,
+            deadline: t0,
+            unfenced: false,
+        }];
+        let mut buf = vec![0u8; 4096];
+        for (status, errno) in [
+            (Status::NoSpace, libc::ENOSPC),
+            (Status::Io, libc::EIO),
+            (Status::ReadOnly, libc::EPERM),
+        ] {
+            let c = Completion {
+                user: 0,
+                length: 4096,
+                status,
+                data: &[],
+            };
+            // SAFETY: one slot, one 4096-byte buffer of ours.
+            let r = unsafe { QueueWorker::result_of(&slots, buf.as_mut_ptr(), 4096, &c) };
+            assert_eq!(r, Some(-errno), "{status:?}");
+        }
     }
 
     #[test]
