@@ -1019,7 +1019,7 @@ impl<C: Transport> Worker<C> {
             if self.t.unfenced_failed > 0 {
                 log!(
                     "warn",
-                    "queue {}: {} of them write(s) answered EIO unfenced: {} did not confirm within {}s more that they will not land later",
+                    "queue {}: of those, {} write(s) answered EIO unfenced: {} did not confirm within {}s more that they will not land later",
                     self.id,
                     self.t.unfenced_failed,
                     self.sh.url,

@@ -688,7 +688,7 @@ impl QueueWorker {
             if self.unfenced_failed > 0 {
                 log!(
                     "warn",
-                    "queue {}: {} of them write(s) answered EIO unfenced: {} did not confirm within {}s more that they will not land later",
+                    "queue {}: of those, {} write(s) answered EIO unfenced: {} did not confirm within {}s more that they will not land later",
                     self.id,
                     self.unfenced_failed,
                     self.url,
