@@ -352,6 +352,15 @@ impl Export {
         self.backend.buffer_alignment().max(1) as u64
     }
 
+    /// The block the export takes I/O in: its logical block, or its alignment where that is
+    /// larger (an O_DIRECT export of a 512-byte-sector device takes whole pages). What the
+    /// native HELLO, NVMe/TCP's LBA and iSCSI's block announce, so no client is told a block it
+    /// would have refused.
+    pub fn io_block(&self) -> u32 {
+        let (logical, _) = self.backend.block_sizes();
+        logical.max(u32::try_from(self.alignment()).unwrap_or(u32::MAX))
+    }
+
     /// Opens the per-queue handle, wrapped in the emulation layer.
     pub fn open_queue(&self) -> io::Result<ExportQueue> {
         Ok(ExportQueue {

@@ -540,12 +540,10 @@ impl Registry {
                 return HelloAnswer::Refused(Status::Busy);
             }
         }
-        let (logical, physical) = export.backend().block_sizes();
-        // The block the export takes I/O in, as NBD, NVMe/TCP and iSCSI announce it: an O_DIRECT
-        // backend of a 512-byte-sector device takes whole pages, and a client told 512 would
-        // send I/O that is refused (and split large I/O where it is refused too).
-        let logical = logical.max(export.alignment() as u32);
-        let physical = physical.max(logical);
+        // The block the export takes I/O in (`Export::io_block`): a client told less would send
+        // I/O that is refused (and split large I/O where it is refused too).
+        let logical = export.io_block();
+        let physical = export.backend().block_sizes().1.max(logical);
         let queues = h.queues.min(self.limits.max_queues);
         let depth = h.depth.min(self.limits.max_depth);
         let mut max_io = (h.max_io.min(self.limits.max_io) / logical * logical).max(logical);

@@ -610,11 +610,8 @@ pub struct Iscsi {
 /// `export_resize`, and READ CAPACITY would offer blocks every access to which is refused.
 pub fn lun_info(e: &Export, size: u64, max_io: u32, copy: bool) -> LunInfo {
     let caps = e.capabilities();
-    let (logical, _) = e.backend().block_sizes();
-    // The block is also the unit the executor admits I/O in: an O_DIRECT export of a
-    // 512-byte-sector device takes only 4 KiB-aligned I/O (as for NVMe/TCP's LBA).
-    let align = u32::try_from(e.alignment()).unwrap_or(u32::MAX);
-    let block_size = logical.max(align).clamp(512, 4096).next_power_of_two();
+    // The block is also the unit the executor admits I/O in (`Export::io_block`).
+    let block_size = e.io_block().clamp(512, 4096).next_power_of_two();
     let shift = block_size.trailing_zeros();
     let target = crate::iscsi::target_name(&e.name);
     let digest = ring::digest::digest(&ring::digest::SHA256, target.as_bytes());

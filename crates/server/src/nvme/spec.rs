@@ -220,13 +220,10 @@ impl Namespace {
     }
 
     fn with_id(export: &Arc<Export>, key: &[u8]) -> Namespace {
-        let (logical, _) = export.backend().block_sizes();
-        // The LBA is also the unit the executor admits I/O in: an O_DIRECT export of a
-        // 512-byte-sector device takes only 4 KiB-aligned I/O, so a 512-byte LBA would let the
-        // host send I/O that every time fails with Invalid Field.
-        let align = u32::try_from(export.alignment()).unwrap_or(u32::MAX);
-        let lba_shift = logical
-            .max(align)
+        // The LBA is also the unit the executor admits I/O in (`Export::io_block`): a 512-byte
+        // LBA on an export that takes pages would let the host send I/O that always fails.
+        let lba_shift = export
+            .io_block()
             .max(512)
             .next_power_of_two()
             .trailing_zeros();
