@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use blkwire_client::{connect, ConnectOptions, Url};
-use blkwire_wire::{fragment_count, Header, Opcode, Tag};
+use blkwire_wire::{fragment_count, ExportEntry, Header, Opcode, Tag};
 use common::netlab::{NetLab, Served};
 use common::{random_bytes, TempDir, BIN};
 
@@ -558,9 +558,11 @@ fn a_udp_list_holds_the_first_exports_that_fit() {
         names.len()
     );
     // The client pads its LIST to 4 KiB on loopback (its LIST_ROOM): after the u16 count,
-    // each entry is its name (u8 length + 61 bytes), size and features, 78 bytes: 52 fit.
-    let entry = 1 + names[0].len() + 16;
-    assert_eq!(got.len(), (4096 - 2) / entry, "as many as fit");
+    // entries of 78 bytes each (a 61-byte name, size and features): 52 fit.
+    let entry = got[0].encoded_len();
+    assert_eq!(entry, 78);
+    let fit = (4096 - ExportEntry::LIST_HEADER_LEN) / entry;
+    assert_eq!(got.len(), fit, "as many as fit");
     let listed: Vec<&str> = got.iter().map(|e| e.name.as_str()).collect();
     assert_eq!(listed, names[..got.len()]);
     assert!(got.iter().all(|e| e.size == 1 << 20));

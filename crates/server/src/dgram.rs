@@ -962,13 +962,12 @@ impl DgramPort {
                 // No bigger than the request (an initiator pads it to what it can take).
                 let room =
                     (self.link_payload as usize).min(datagram_len.saturating_sub(HEADER_LEN));
-                // The first entries that fit, counted once (u16 count, then per entry its name as
-                // u8 length + bytes, size and features): not encoded again per entry dropped.
-                let mut used = 2;
+                // The first entries that fit, counted once: not encoded again per entry dropped.
+                let mut used = ExportEntry::LIST_HEADER_LEN;
                 let fit = list
                     .iter()
                     .take_while(|e| {
-                        used += 1 + e.name.len() + 16;
+                        used += e.encoded_len();
                         used <= room
                     })
                     .count();

@@ -614,6 +614,15 @@ pub struct ExportEntry {
 }
 
 impl ExportEntry {
+    /// Bytes of a LIST payload before its entries: the u16 count.
+    pub const LIST_HEADER_LEN: usize = 2;
+
+    /// Bytes this entry takes in a LIST payload: its name (u8 length + bytes), size and
+    /// features, as `encode_list` writes it.
+    pub fn encoded_len(&self) -> usize {
+        1 + self.name.len() + 8 + 8
+    }
+
     /// A LIST reply payload (§7).
     pub fn encode_list(entries: &[ExportEntry]) -> Result<Vec<u8>, PayloadError> {
         let n =
@@ -832,10 +841,10 @@ mod tests {
                 features: Features(0),
             },
         ];
-        assert_eq!(
-            ExportEntry::decode_list(&ExportEntry::encode_list(&l).unwrap()).unwrap(),
-            l
-        );
+        let encoded = ExportEntry::encode_list(&l).unwrap();
+        assert_eq!(ExportEntry::decode_list(&encoded).unwrap(), l);
+        let lens: usize = l.iter().map(ExportEntry::encoded_len).sum();
+        assert_eq!(encoded.len(), ExportEntry::LIST_HEADER_LEN + lens);
         // A count of 65535 with no entries behind it must fail without reserving for 65535.
         assert_eq!(
             ExportEntry::decode_list(&[0xff, 0xff]),
