@@ -418,6 +418,29 @@ pub(crate) fn answer_limit(timeout: Duration) -> Duration {
     timeout * 2
 }
 
+/// What a "connection lost" log line says of the wait for writes the target may still run: the
+/// longer one, where the queue lost can be fenced (`fenceable`, it has an identity), nothing
+/// where it cannot (nvme-tcp://: nothing is held).
+pub(crate) fn held_writes_wait(fenceable: bool, timeout: Duration) -> String {
+    match fenceable {
+        true => format!(
+            " ({}s for a write the target may still be running)",
+            answer_limit(timeout).as_secs()
+        ),
+        false => String::new(),
+    }
+}
+
+/// The log line, after the one counting requests failed with EIO, for `n` of them that were
+/// writes answered without the fence (`url`'s target did not confirm they will not land).
+pub(crate) fn unfenced_line(queue: usize, n: u64, url: &Url, timeout: Duration) -> String {
+    format!(
+        "queue {queue}: of those, {n} write(s) answered EIO unfenced: {url} did not confirm \
+         within {}s more that they will not land later",
+        timeout.as_secs()
+    )
+}
+
 /// On the way out: make what this queue wrote durable, then log out.
 pub(crate) fn final_flush(mut q: Queue, readonly: bool, id: usize) {
     const TOKEN: u64 = u64::MAX;

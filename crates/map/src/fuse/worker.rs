@@ -44,7 +44,7 @@ use super::abi::{self, Attr, ParseError, Request, FILE_ID, ROOT_ID};
 use super::channel::Channel;
 use super::partial::{self, BlockLocks, Edge, Step};
 use super::uring::Ring;
-use crate::device::{final_flush, Needs};
+use crate::device::{final_flush, held_writes_wait, unfenced_line, Needs};
 use crate::log;
 use crate::sys::Waker;
 
@@ -1017,15 +1017,12 @@ impl<C: Transport> Worker<C> {
                 self.sh.timeout.as_secs()
             );
             if self.t.unfenced_failed > 0 {
+                let n = std::mem::take(&mut self.t.unfenced_failed);
                 log!(
                     "warn",
-                    "queue {}: of those, {} write(s) answered EIO unfenced: {} did not confirm within {}s more that they will not land later",
-                    self.id,
-                    self.t.unfenced_failed,
-                    self.sh.url,
-                    timeout.as_secs()
+                    "{}",
+                    unfenced_line(self.id, n, &self.sh.url, timeout)
                 );
-                self.t.unfenced_failed = 0;
             }
             self.t.failed = 0;
         }
@@ -1061,14 +1058,7 @@ impl<C: Transport> Worker<C> {
             Link::Down(o) => o.replaces,
         };
         if let Link::Up(_) = self.link {
-            // Writes the target may still run wait for the fence only where there is one.
-            let held = match replaces {
-                Some(_) => format!(
-                    " ({}s for a write the target may still be running)",
-                    2 * self.sh.timeout.as_secs()
-                ),
-                None => String::new(),
-            };
+            let held = held_writes_wait(replaces.is_some(), self.sh.timeout);
             log!(
                 "warn",
                 "queue {}: connection to {} lost ({why}); reconnecting, I/O waits up to {}s{held}",

@@ -23,7 +23,7 @@ use blkwire_wire::Status;
 use io_uring::{opcode, squeue, types, IoUring};
 
 use super::abi::*;
-use crate::device::Needs;
+use crate::device::{held_writes_wait, unfenced_line, Needs};
 use crate::log;
 use crate::sockpoll::SockPoll;
 use crate::state::RecordBook;
@@ -563,14 +563,7 @@ impl QueueWorker {
         if let Some(q) = self.link.take() {
             self.replaces = q.identity();
         }
-        // Writes the target may still run wait for the fence only where there is one.
-        let held = match self.replaces {
-            Some(_) => format!(
-                " ({}s for a write the target may still be running)",
-                2 * self.timeout.as_secs()
-            ),
-            None => String::new(),
-        };
+        let held = held_writes_wait(self.replaces.is_some(), self.timeout);
         log!(
             "warn",
             "queue {}: connection to {} lost ({why}); reconnecting, I/O waits up to {}s{held}",
@@ -686,15 +679,9 @@ impl QueueWorker {
                 self.timeout.as_secs()
             );
             if self.unfenced_failed > 0 {
-                log!(
-                    "warn",
-                    "queue {}: of those, {} write(s) answered EIO unfenced: {} did not confirm within {}s more that they will not land later",
-                    self.id,
-                    self.unfenced_failed,
-                    self.url,
-                    self.timeout.as_secs()
-                );
-                self.unfenced_failed = 0;
+                let n = std::mem::take(&mut self.unfenced_failed);
+                let line = unfenced_line(self.id as usize, n, &self.url, self.timeout);
+                log!("warn", "{line}");
             }
             self.failed = 0;
             self.fail_logged = Some(now);
