@@ -47,6 +47,17 @@ impl Buffers {
         }
     }
 
+    /// Frees a buffer no request holds any more, keeping no spare: its bytes go back to the
+    /// budget (a buffer reclaimed for another size of request).
+    pub fn free(&mut self, buf: AlignedBuf) {
+        self.allocated -= buf.len();
+    }
+
+    /// Bytes of spare buffers.
+    pub fn spare(&self) -> usize {
+        self.spare.iter().map(AlignedBuf::len).sum()
+    }
+
     /// Frees the spares (an idle owner gives its memory back to the budget).
     pub fn clear(&mut self) {
         let spare: usize = self.spare.iter().map(AlignedBuf::len).sum();

@@ -169,6 +169,10 @@ enum SlotState {
     Empty,
     /// WRITE fragments arriving.
     Assembling,
+    /// A WRITE being assembled whose buffer went to another queue's request (`make_room`):
+    /// its fragments are gone, its generation is not. A fragment of it begins it again, an
+    /// older generation is stale (never run twice, §6).
+    Reclaimed,
     /// Backend I/O in flight, since then.
     Running(Started),
     /// Answered; the reply can be rebuilt from `hdr` and `status`.
@@ -221,6 +225,10 @@ struct DQ {
     /// a slow answer from a lost frame (PROTOCOL.md §9.2).
     taken_in: u64,
     sent: u64,
+    /// Bytes of data buffers its slots hold (WRITEs being assembled, requests running): the
+    /// measure of its part of the port's share when another queue's request finds the share
+    /// full (`make_room`).
+    buffered: usize,
 }
 
 impl Peer {
@@ -300,6 +308,10 @@ pub struct PortStats {
     pub bad_seal: u64,
     /// WRITE fragments the kernel received straight where they belong (UDP, `in_place`).
     pub fragments_in_place: u64,
+    /// WRITEs being assembled whose buffer went to another queue's request because the
+    /// port's share was full and their queue held the most (`make_room`); begun again by
+    /// their next fragment.
+    pub writes_reclaimed: u64,
 }
 
 impl PortStats {
@@ -310,6 +322,7 @@ impl PortStats {
         self.no_memory += o.no_memory;
         self.bad_seal += o.bad_seal;
         self.fragments_in_place += o.fragments_in_place;
+        self.writes_reclaimed += o.writes_reclaimed;
     }
 }
 
@@ -1123,6 +1136,7 @@ impl DgramPort {
             copy: adm.copy,
             taken_in: 0,
             sent: 0,
+            buffered: 0,
         });
         if let Some(fd) = self.queues[idx].as_ref().and_then(|q| q.exec.notifier()) {
             self.notifier_changes.push((idx, incarnation, Some(fd)));
@@ -1263,7 +1277,7 @@ impl DgramPort {
             Opcode::Copy if verdict == Verdict::New => COPY_CHUNK as usize,
             _ => 0,
         };
-        if needs > 0 && !self.mem.try_cover(self.held() + needs) {
+        if needs > 0 && !self.make_room(qi, needs) {
             self.stats.no_memory += 1;
             // Not taken in: the initiator must send it again, and a probe must say so.
             self.queues[qi].as_mut().expect("present").taken_in -= 1;
@@ -1325,18 +1339,29 @@ impl DgramPort {
             }
             // A write given up while it was assembled left its buffer here.
             if let Some(old) = s.buf.take() {
+                q.buffered -= old.len();
                 self.bufs.give_back(old);
             }
             s.into = into;
             if into.is_none() {
                 // Covered by the check above.
-                s.buf = Some(self.bufs.take(h.length as usize, q.exec.buffer_alignment()));
+                let buf = self.bufs.take(h.length as usize, q.exec.buffer_alignment());
+                q.buffered += buf.len();
+                s.buf = Some(buf);
             }
             s.frags = frags;
             s.have.clear();
             s.have.resize(bitmap::bytes_for(frags), 0);
+            // Begun again after its buffer was reclaimed: the initiator believes the target
+            // holds the fragments it sent, so it is told at once what is held (§9.3).
+            let again = s.state == SlotState::Reclaimed && s.hdr.tag == h.tag;
             s.state = SlotState::Assembling;
-            return self.fragment(qi, h, payload, sq, ud);
+            self.fragment(qi, h, payload, sq, ud);
+            let q = self.queues[qi].as_ref().expect("present");
+            if again && q.slots[slot as usize].state == SlotState::Assembling {
+                self.tell_held(qi, slot);
+            }
+            return;
         }
         if h.opcode == Opcode::Copy {
             return self.start_copy(qi, slot, payload, sq, ud);
@@ -1346,6 +1371,63 @@ impl DgramPort {
                 .extend_from_slice(have_bitmap(payload, h.length.min(q.max_io), q.fp));
         }
         self.execute(qi, slot, sq, ud);
+    }
+
+    /// Answers the WRITE being assembled on `slot` with the fragments held (flag `HAVE`,
+    /// PROTOCOL.md §9.3): the initiator sends the rest.
+    fn tell_held(&mut self, qi: usize, slot: u16) {
+        let credit = self.queue_credit(qi);
+        let s = &self.queues[qi].as_ref().expect("present").slots[slot as usize];
+        let mut r = s.hdr.reply(Status::Ok, 0);
+        r.flags.0 |= Flags::HAVE;
+        r.credit = credit;
+        let have = s.have.clone();
+        self.send_queue(qi, r, &have);
+    }
+
+    /// Covers `needs` more bytes for a request of queue `asking`, making room when the port's
+    /// share is full: spare buffers are freed first, then WRITEs being assembled in a buffer
+    /// are reclaimed from the queue holding the most buffer bytes, as long as it holds at least
+    /// what `asking` would once covered. A peer that sends the first fragments of WRITEs and
+    /// never the rest (kept alive by KEEPALIVEs) would otherwise hold the port's whole share,
+    /// and every other queue on it would have its requests dropped; with this it keeps what no
+    /// other queue needs. A reclaimed WRITE is begun again by its next fragment (§9.3). False
+    /// when nothing can be reclaimed: the request is dropped for the initiator to send again.
+    fn make_room(&mut self, asking: usize, needs: usize) -> bool {
+        loop {
+            if self.mem.try_cover(self.held() + needs) {
+                return true;
+            }
+            if self.bufs.spare() > 0 {
+                self.bufs.clear();
+                continue;
+            }
+            let mine = self.queues[asking].as_ref().map_or(0, |q| q.buffered);
+            let victim = (0..self.queues.len())
+                .filter(|&i| i != asking)
+                .filter_map(|i| Some((i, self.queues[i].as_ref()?.buffered)))
+                .max_by_key(|&(_, held)| held);
+            let Some((vi, held)) = victim else {
+                return false;
+            };
+            if held < mine + needs {
+                return false;
+            }
+            let v = self.queues[vi].as_mut().expect("present");
+            let Some(s) = v
+                .slots
+                .iter_mut()
+                .find(|s| s.state == SlotState::Assembling && s.buf.is_some())
+            else {
+                // Its buffers all serve requests that run.
+                return false;
+            };
+            let buf = s.buf.take().expect("found with a buffer");
+            s.state = SlotState::Reclaimed;
+            v.buffered -= buf.len();
+            self.bufs.free(buf);
+            self.stats.writes_reclaimed += 1;
+        }
     }
 
     /// Bytes the port holds: its fixed buffers, its pool, and the bounce buffers of its COPYs.
@@ -1424,7 +1506,6 @@ impl DgramPort {
         sq: &mut dyn Submitter,
         ud: UserData,
     ) {
-        let credit = self.queue_credit(qi);
         let q = self.queues[qi].as_mut().expect("present");
         let fp = q.fp;
         let slot = h.tag.slot();
@@ -1442,11 +1523,7 @@ impl DgramPort {
         if bitmap::get(&s.have, i) {
             // A repeat of something we hold: say what we hold, the initiator sends the rest.
             q.exec.stats.dropped_duplicates += 1;
-            let mut r = s.hdr.reply(Status::Ok, 0);
-            r.flags.0 |= Flags::HAVE;
-            r.credit = credit;
-            let have = s.have.clone();
-            return self.send_queue(qi, r, &have);
+            return self.tell_held(qi, slot);
         }
         // Received where it belongs already (`in_place`): nothing to copy. Its payload is not
         // its bytes, so one that turns out to be another fragment is dropped, never copied.
@@ -1529,10 +1606,13 @@ impl DgramPort {
             BlockOp::Read => {
                 if s.buf.as_ref().is_none_or(|b| b.len() < block.len as usize) {
                     if let Some(old) = s.buf.take() {
+                        q.buffered -= old.len();
                         self.bufs.give_back(old);
                     }
                     // Covered by the check before the request was taken.
-                    s.buf = Some(self.bufs.take(block.len as usize, align));
+                    let buf = self.bufs.take(block.len as usize, align);
+                    q.buffered += buf.len();
+                    s.buf = Some(buf);
                 }
                 s.buf.as_mut().expect("set").as_mut_ptr()
             }
@@ -1643,6 +1723,7 @@ impl DgramPort {
         if h.opcode != Opcode::Read || status != Status::Ok {
             // A finished write keeps only its status (for duplicates), not its data.
             if let Some(buf) = s.buf.take() {
+                q.buffered -= buf.len();
                 self.bufs.give_back(buf);
             }
             let mut r = h.reply(status, 0);
@@ -1658,6 +1739,7 @@ impl DgramPort {
         let lend = h.length >= LEND_READ_MIN && q.seal.is_none();
         let header_crc = q.header_crc;
         let buf = mapped.is_none().then(|| s.buf.take().expect("read buffer"));
+        q.buffered -= buf.as_ref().map_or(0, AlignedBuf::len);
         let data = mapped.unwrap_or_else(|| buf.as_ref().expect("taken").as_slice().as_ptr());
         let has = std::mem::take(&mut s.client_has);
         for i in 0..frags {
@@ -1952,6 +2034,16 @@ mod tests {
         client_features: u64,
     ) -> (DatagramPort, UdpSocket, HelloReply) {
         let mut port = DatagramPort::new(&[export], LINK).unwrap();
+        let (peer, reply) = open_session(&mut port, queues, client_features);
+        (port, peer, reply)
+    }
+
+    /// A session on export `a` of `port` from a new peer: its socket and the HELLO reply.
+    fn open_session(
+        port: &mut DatagramPort,
+        queues: u16,
+        client_features: u64,
+    ) -> (UdpSocket, HelloReply) {
         let peer = UdpSocket::bind("127.0.0.1:0").unwrap();
         let mut hello = Hello {
             queues,
@@ -1974,7 +2066,7 @@ mod tests {
             for (r, p) in answers(&peer, true) {
                 match r.status {
                     Status::Challenge => hello.auth.nonce_s = p.as_slice().try_into().unwrap(),
-                    Status::Ok => return (port, peer, HelloReply::decode(&p).unwrap()),
+                    Status::Ok => return (peer, HelloReply::decode(&p).unwrap()),
                     other => panic!("HELLO refused: {other:?}"),
                 }
             }
@@ -2017,6 +2109,101 @@ mod tests {
         dp.port.last_sweep = Instant::now() - Duration::from_secs(2);
         dp.port.sweep();
         assert_eq!(dp.port.held(), fixed);
+    }
+
+    /// A peer that sends the first fragment of WRITEs and never the rest holds their buffers
+    /// only while no other queue needs room: another queue's request finding the port's share
+    /// full reclaims one, and the reclaimed WRITE, sent again, is begun again and told at once
+    /// what is held. A stale generation on its slot stays stale, and a queue holding no more
+    /// than the asker is not taken from.
+    #[test]
+    fn half_sent_writes_give_their_buffers_to_other_queues() {
+        const WRITE: u32 = 2 * LINK;
+        // Not RAM: a WRITE to RAM takes no buffer.
+        let (mut dp, hoarder, a) = session_on("a=null:1M");
+        let (other, b) = open_session(&mut dp, 1, 0);
+        let b = b.session;
+        let (from_a, from_b) = (hoarder.local_addr().unwrap(), other.local_addr().unwrap());
+        // A share of eight WRITEs' buffers beside the port's fixed ones.
+        let fixed = dp.port.held();
+        let budget = crate::budget::Budget::new(usize::MAX);
+        dp.port.mem = Account::forced(&budget, fixed, fixed + 8 * WRITE as usize);
+        let first = |session, slot, gen| {
+            let mut h = request(session, Opcode::Write, slot, gen, 0, WRITE);
+            h.frag_count = 2;
+            frame(h, &[slot as u8 + 1; LINK as usize])
+        };
+        let second = |session, slot, gen| {
+            let mut h = request(session, Opcode::Write, slot, gen, 0, WRITE);
+            (h.frag_count, h.frag_index, h.frag_offset) = (2, 1, LINK);
+            frame(h, &[0xee; LINK as usize])
+        };
+        for slot in 0..8 {
+            dp.receive(&first(a, slot, 2), from_a);
+        }
+        assert_eq!(
+            dp.port.held(),
+            fixed + 8 * WRITE as usize,
+            "the share is full"
+        );
+        assert_eq!(dp.port.stats.no_memory, 0);
+
+        // The other queue's WRITE finds room, and runs.
+        dp.receive(&first(b, 0, 1), from_b);
+        dp.receive(&second(b, 0, 1), from_b);
+        let got = answers(&other, true);
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(
+            (got[0].0.status, got[0].0.flags.has(Flags::HAVE)),
+            (Status::Ok, false)
+        );
+        assert_eq!(dp.port.stats.writes_reclaimed, 1);
+        assert_eq!(dp.port.stats.no_memory, 0);
+
+        // The hoarder's first WRITE was taken: an older generation on its slot is stale,
+        // the WRITE itself is begun again and told what is held.
+        assert!(answers(&hoarder, false).is_empty());
+        dp.receive(&first(a, 0, 1), from_a);
+        assert!(
+            answers(&hoarder, false).is_empty(),
+            "a stale generation is dropped"
+        );
+        dp.receive(&first(a, 0, 2), from_a);
+        let got = answers(&hoarder, true);
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(got[0].0.flags.has(Flags::HAVE), "told what is held");
+        assert_eq!(got[0].1, [1u8], "fragment 0 only");
+        dp.receive(&second(a, 0, 2), from_a);
+        let got = answers(&hoarder, true);
+        assert_eq!(
+            (got[0].0.status, got[0].0.flags.has(Flags::HAVE)),
+            (Status::Ok, false)
+        );
+
+        // The other queue takes from the hoarder until they hold as much: asking for more
+        // then, nothing is taken and its request is dropped for its initiator to resend.
+        let held = |dp: &DatagramPort, qi: usize| dp.port.queues[qi].as_ref().unwrap().buffered;
+        for slot in 1..5 {
+            dp.receive(&first(b, slot, 1), from_b);
+        }
+        assert_eq!(
+            (held(&dp, 0), held(&dp, 1)),
+            (4 * WRITE as usize, 4 * WRITE as usize)
+        );
+        let reclaimed = dp.port.stats.writes_reclaimed;
+        dp.receive(&first(b, 5, 1), from_b);
+        assert_eq!(
+            (
+                dp.port.stats.writes_reclaimed - reclaimed,
+                dp.port.stats.no_memory
+            ),
+            (0, 1)
+        );
+        assert_eq!(
+            held(&dp, 0),
+            4 * WRITE as usize,
+            "the hoarder keeps its half"
+        );
     }
 
     /// The data of one READ of `len` bytes at `offset` on `slot`, reassembled from its reply.

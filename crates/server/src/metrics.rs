@@ -421,7 +421,7 @@ struct PortCounter {
     value: fn(&crate::dgram::PortStats) -> u64,
 }
 
-const PORT_COUNTERS: [PortCounter; 6] = [
+const PORT_COUNTERS: [PortCounter; 7] = [
     PortCounter {
         name: "blkwire_port_bad_frames_total",
         help: "Datagram frames that were malformed or failed their CRC.",
@@ -452,6 +452,13 @@ const PORT_COUNTERS: [PortCounter; 6] = [
         help:
             "UDP WRITE fragments received straight where they belong, with no copy of the target's.",
         value: |p| p.fragments_in_place,
+    },
+    PortCounter {
+        name: "blkwire_port_writes_reclaimed_total",
+        help: "Datagram WRITEs being assembled whose buffer went to another queue's request \
+               (the port's share was full and their queue held the most); begun again by their \
+               next fragment.",
+        value: |p| p.writes_reclaimed,
     },
 ];
 
