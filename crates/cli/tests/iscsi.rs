@@ -861,56 +861,64 @@ fn rpc_lists_targets_and_sessions_and_adds_portals() {
     assert_eq!(list[0]["sessions"].as_array().map(Vec::len), Some(2));
 }
 
-/// A `keys_load` that replaces an initiator's CHAP secret after its CHAP response was checked
-/// and before its login ends: its sessions would rest on a secret the store no longer holds,
-/// so the login is refused (authentication failure) and no session is left.
-#[test]
-fn a_chap_secret_replaced_during_login_leaves_no_session() {
+/// One Login Request on `s` with `flags` (T, CSG, NSG) and `pairs`: the response's status,
+/// flags and keys.
+fn login_step(
+    s: &mut std::net::TcpStream,
+    flags: u8,
+    pairs: &[(&str, &str)],
+) -> (u16, u8, Vec<(String, String)>) {
     use std::io::Write;
+    let mut b = Bhs::new(op::LOGIN_REQ | iscsi::IMMEDIATE, flags);
+    b.0[8..14].copy_from_slice(&[0x80, 0, 0, 1, 0, 0]);
+    b.itt(1);
+    let mut text = Vec::new();
+    for (k, v) in pairs {
+        iscsi::push_pair(&mut text, k, v);
+    }
+    let mut out = Vec::new();
+    b.encode(&text, &Digests::default(), &mut out);
+    s.write_all(&out).unwrap();
+    let r = iscsi_host::read_pdu(s, &Digests::default()).expect("a login response");
+    let status = u16::from_be_bytes([r.bhs[36], r.bhs[37]]);
+    (status, r.bhs[1], iscsi_host::keys(&r.data))
+}
+
+/// A target of one export `d` on iSCSI whose key file (`dir/keys`, written by the returned
+/// function) holds one CHAP secret for `ini`.
+fn chap_target(
+    dir: &TempDir,
+    ini: &'static str,
+    secret: &str,
+) -> (common::Controlled, impl Fn(&str)) {
     use std::os::unix::fs::PermissionsExt;
-    let _serial = serial();
-    let dir = TempDir::new("iscsi-chap-rotate");
-    let ini = "iqn.2026-11.io.test:host1";
     let keys = dir.path("keys");
-    let write_keys = |secret: &str| {
+    let write_keys = move |secret: &str| {
         std::fs::write(&keys, format!("{ini}:CHAP:{secret}\n")).unwrap();
         std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o600)).unwrap();
     };
-    write_keys("initiator-secret-1");
+    write_keys(secret);
     let t = common::Controlled::start(
-        &dir,
+        dir,
         &[
             "--listen",
             "iscsi://127.0.0.1:0",
             "--export",
             "d=mem:1M",
             "--keys",
-            keys.to_str().unwrap(),
+            dir.path("keys").to_str().unwrap(),
         ],
     );
-    let urls = &t.urls;
-    let rpc = |method: &str, params: &str| t.rpc(method, params);
-    let addr = urls[0].strip_prefix("iscsi://").unwrap().to_string();
+    (t, write_keys)
+}
+
+/// Logs in as `ini` to export `d` of `t` through the security stage, CHAP with `secret`:
+/// the connection, in the operational stage.
+fn chap_security_stage(t: &common::Controlled, ini: &str, secret: &[u8]) -> std::net::TcpStream {
+    let addr = t.urls[0].strip_prefix("iscsi://").unwrap().to_string();
     let mut s = std::net::TcpStream::connect(&addr).unwrap();
     s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
         .unwrap();
-    // One Login Request with `flags` (T, CSG, NSG) and `pairs`: the response's status, flags
-    // and keys.
-    let mut login_step = |flags: u8, pairs: &[(&str, &str)]| {
-        let mut b = Bhs::new(op::LOGIN_REQ | iscsi::IMMEDIATE, flags);
-        b.0[8..14].copy_from_slice(&[0x80, 0, 0, 1, 0, 0]);
-        b.itt(1);
-        let mut text = Vec::new();
-        for (k, v) in pairs {
-            iscsi::push_pair(&mut text, k, v);
-        }
-        let mut out = Vec::new();
-        b.encode(&text, &Digests::default(), &mut out);
-        s.write_all(&out).unwrap();
-        let r = iscsi_host::read_pdu(&mut s, &Digests::default()).expect("a login response");
-        let status = u16::from_be_bytes([r.bhs[36], r.bhs[37]]);
-        (status, r.bhs[1], iscsi_host::keys(&r.data))
-    };
     let value = |keys: &[(String, String)], name: &str| {
         keys.iter()
             .find(|(k, _)| k == name)
@@ -918,7 +926,7 @@ fn a_chap_secret_replaced_during_login_leaves_no_session() {
             .unwrap_or_else(|| panic!("no {name} in {keys:?}"))
     };
     let target = format!("{PREFIX}d");
-    // Security stage (CSG 0, NSG 1): CHAP with the first secret.
+    // Security stage (CSG 0, NSG 1).
     let security = flag::TRANSIT | 1;
     let first = [
         ("InitiatorName", ini),
@@ -926,29 +934,149 @@ fn a_chap_secret_replaced_during_login_leaves_no_session() {
         ("TargetName", target.as_str()),
         ("AuthMethod", "CHAP"),
     ];
-    assert_eq!(login_step(security, &first).0, 0);
-    let (st, _, k) = login_step(security, &[("CHAP_A", "5")]);
+    assert_eq!(login_step(&mut s, security, &first).0, 0);
+    let (st, _, k) = login_step(&mut s, security, &[("CHAP_A", "5")]);
     assert_eq!(st, 0);
     let id: u8 = value(&k, "CHAP_I").parse().unwrap();
     let challenge = iscsi::binary(&value(&k, "CHAP_C")).unwrap();
-    let r = blkwire_server::iscsi::chap_response(id, b"initiator-secret-1", &challenge).unwrap();
-    let (st, flags, _) = login_step(security, &[("CHAP_N", ini), ("CHAP_R", &iscsi::hex(&r))]);
+    let r = blkwire_server::iscsi::chap_response(id, secret, &challenge).unwrap();
+    let (st, flags, _) = login_step(
+        &mut s,
+        security,
+        &[("CHAP_N", ini), ("CHAP_R", &iscsi::hex(&r))],
+    );
     assert_eq!(st, 0);
     assert_ne!(
         flags & flag::TRANSIT,
         0,
         "CHAP accepted: on to the next stage"
     );
+    s
+}
+
+/// The operational stage's flags (CSG 1, NSG 3, T): the last login step.
+const OPERATIONAL: u8 = flag::TRANSIT | 1 << 2 | 3;
+
+/// A `keys_load` that replaces an initiator's CHAP secret after its CHAP response was checked
+/// and before its login ends: its sessions would rest on a secret the store no longer holds,
+/// so the login is refused (authentication failure) and no session is left.
+#[test]
+fn a_chap_secret_replaced_during_login_leaves_no_session() {
+    let _serial = serial();
+    let dir = TempDir::new("iscsi-chap-rotate");
+    let ini = "iqn.2026-11.io.test:host1";
+    let (t, write_keys) = chap_target(&dir, ini, "initiator-secret-1");
+    let mut s = chap_security_stage(&t, ini, b"initiator-secret-1");
     // The secret is replaced now: no session exists yet, nothing is closed ...
     write_keys("initiator-secret-2");
-    let r = rpc(
+    let r = t.rpc(
         "keys_load",
-        &format!("{{\"path\": \"{}\"}}", keys.display()),
+        &format!("{{\"path\": \"{}\"}}", dir.path("keys").display()),
     );
     assert_eq!(r["closed_sessions"], 0);
     // ... and the login, proven with the old secret, gets no session when it ends.
-    let operational = flag::TRANSIT | 1 << 2 | 3;
-    let (st, _, _) = login_step(operational, &[("HeaderDigest", "None")]);
+    let (st, _, _) = login_step(&mut s, OPERATIONAL, &[("HeaderDigest", "None")]);
     assert_eq!(st, 0x0201, "authentication failure");
-    assert_eq!(rpc("session_list", "{}"), serde_json::json!([]));
+    assert_eq!(t.rpc("session_list", "{}"), serde_json::json!([]));
+}
+
+/// The initiator name CHAP proved is the session's: one declared again with another value
+/// after CHAP (RFC 7143 §13.6 forbids it) would have the session recorded, reserve and be
+/// revoked as another host, so the login is refused and no session is left. Declared again
+/// with the same value, it logs in.
+#[test]
+fn an_initiator_cannot_rename_itself_after_chap() {
+    let _serial = serial();
+    let dir = TempDir::new("iscsi-rename");
+    let ini = "iqn.2026-11.io.test:host1";
+    let (t, _) = chap_target(&dir, ini, "initiator-secret-1");
+    for (name, want) in [
+        ("iqn.2026-11.io.test:host2", 0x020b),
+        ("iqn.2026-11.io.test:host1", 0),
+    ] {
+        let mut s = chap_security_stage(&t, ini, b"initiator-secret-1");
+        let (st, _, _) = login_step(&mut s, OPERATIONAL, &[("InitiatorName", name)]);
+        assert_eq!(st, want, "InitiatorName={name} after CHAP");
+        let sessions = t.rpc("session_list", "{}");
+        let hosts: Vec<_> = sessions
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["host"].clone())
+            .collect();
+        assert!(
+            hosts.iter().all(|h| h == ini),
+            "sessions of {hosts:?}, the proven host being {ini}"
+        );
+        assert_eq!(hosts.len(), (want == 0) as usize, "{sessions}");
+    }
+}
+
+/// A NOP-Out that comes while WRITEs waiting for their Data-Out hold every slot of the
+/// connection is answered then: it needs no slot. It was left unread at the head of the
+/// stream, and the Data-Out behind it, which would free the slots, with it: Linux sends its
+/// pings (and ABORT TASK) ahead of the Data-Out it owes, and drops the connection when a ping
+/// goes unanswered.
+#[test]
+fn a_ping_is_answered_while_writes_waiting_for_data_hold_every_slot() {
+    let _serial = serial();
+    let t = IscsiTarget::start(&["disk=mem:8M"], &[]);
+    let mut c = login(&t.addr, &format!("{PREFIX}disk"), Digests::default());
+    let depth = 128u32;
+    let data = random_bytes(4096, 41);
+    let mut itts = Vec::new();
+    for i in 0..depth {
+        let mut cdb = [0u8; 16];
+        cdb[0] = 0x8a;
+        cdb[2..10].copy_from_slice(&(u64::from(i) * 8).to_be_bytes());
+        cdb[10..14].copy_from_slice(&8u32.to_be_bytes());
+        let (itt, pdu) = c.command(&cdb, 4096, true, &[]);
+        c.send(&pdu).unwrap();
+        itts.push(itt);
+    }
+    let ping = c.itt;
+    c.itt += 1;
+    let mut b = Bhs::new(op::NOP_OUT | iscsi::IMMEDIATE, flag::FINAL);
+    b.itt(ping)
+        .set32(20, 0xffff_ffff)
+        .set32(24, c.cmdsn)
+        .set32(28, c.expstatsn);
+    let mut out = Vec::new();
+    b.encode(b"ping", &c.d, &mut out);
+    c.send(&out).unwrap();
+    let mut r2ts = Vec::new();
+    loop {
+        let r = c
+            .recv()
+            .expect("the ping answered while the writes wait for their data");
+        match r.opcode() {
+            op::R2T => r2ts.push((r.word(16), r.word(20), r.word(40), r.word(44))),
+            op::NOP_IN => {
+                assert_eq!((r.word(16), &r.data[..]), (ping, &b"ping"[..]));
+                break;
+            }
+            other => panic!("unexpected opcode {other:#x}"),
+        }
+    }
+    // The writes then get their data and complete.
+    let mut answered = 0;
+    let mut pending = r2ts;
+    while answered < depth {
+        for (itt, ttt, offset, len) in pending.drain(..) {
+            c.data_out(itt, ttt, offset as usize, (offset + len) as usize, &data);
+        }
+        let r = c.recv().expect("a response to WRITE");
+        match r.opcode() {
+            op::R2T => pending.push((r.word(16), r.word(20), r.word(40), r.word(44))),
+            op::SCSI_RSP => {
+                assert_eq!(r.bhs[3], 0, "ITT {:#x}: GOOD", r.word(16));
+                assert!(itts.contains(&r.word(16)));
+                answered += 1;
+            }
+            other => panic!("unexpected opcode {other:#x}"),
+        }
+    }
+    let (back, st) = c.read(8 * u64::from(depth - 1), 8);
+    assert_eq!(st, 0, "GOOD");
+    assert!(back == data, "the last write reads back");
 }

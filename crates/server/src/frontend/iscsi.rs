@@ -343,7 +343,8 @@ impl Seq {
             return Err("iSCSI: Data-Out sequence ended before its burst".into());
         }
         self.next = end as u32;
-        self.datasn += 1;
+        // Empty Data-Out PDUs can repeat an offset without end: the count wraps (serial).
+        self.datasn = self.datasn.wrapping_add(1);
         Ok(fin)
     }
 }
@@ -1521,13 +1522,15 @@ impl Iscsi {
                 unmap,
                 ndob,
             } => {
-                let zero = ndob || list.iter().all(|b| *b == 0);
                 let bs = self.lu().info.block_size as usize;
-                if !zero && list.len() < bs {
+                // Without NDOB the block to write comes as data: less than a block (none at
+                // all included) is no block of zeroes.
+                if !ndob && list.len() < bs {
                     let s = Sense::parameter_list_length_error();
                     self.response(itt, CHECK_CONDITION, Some(&s), res, tx);
                     return Decoded::Answered { len };
                 }
+                let zero = ndob || list[..bs].iter().all(|b| *b == 0);
                 if !zero {
                     // The block written over and over: WRITE parts whose buffers the frontend
                     // fills (`fill`), never sent by the initiator again.
@@ -2485,6 +2488,19 @@ impl StreamFrontend for Iscsi {
     fn next_is_data(&self, rx: &[u8]) -> bool {
         rx.first().is_some_and(|b| b & 0x3f == op::DATA_OUT)
             || self.fence.as_ref().is_some_and(|f| f.waiting.is_empty())
+    }
+
+    /// NOP-Out, task management, Text and SNACK are answered by `decode` itself. A request
+    /// `decode` may return first (one waiting untaken, a compound command's next part) waits
+    /// for a slot in the reactor as any does. Not Logout: it becomes a request.
+    fn needs_no_slot(&self, rx: &[u8]) -> bool {
+        self.next_is_data(rx)
+            || rx.first().is_some_and(|b| {
+                matches!(
+                    b & 0x3f,
+                    op::NOP_OUT | op::TMF_REQ | op::TEXT_REQ | op::SNACK
+                )
+            })
     }
 
     /// The answers larger than the reactor's slack are the NOP-In echoing a ping's data (up to
@@ -3979,6 +3995,30 @@ mod tests {
         assert_eq!((parts, at), (4096, end));
         assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 4));
         assert!(f.queued.is_empty());
+    }
+
+    /// WRITE SAME without NDOB whose data is less than a block (none at all included) is a
+    /// PARAMETER LIST LENGTH ERROR: it zeroed the range, an empty list reading as all zeroes.
+    #[test]
+    fn a_write_same_without_its_block_writes_nothing() {
+        for data in [&[][..], &[0u8; 8][..]] {
+            let mut f = fe(65536);
+            let mut same = [0u8; 16];
+            same[0] = 0x93;
+            same[13] = 4;
+            let mut tx = Vec::new();
+            let pdu = cmd(4, 0, &same, data.len() as u32, true, data);
+            let d = f.decode(&pdu, &mut tx);
+            assert!(
+                matches!(d, Decoded::Answered { .. }),
+                "{} bytes of data: not answered at once",
+                data.len()
+            );
+            assert_eq!((tx[0], be32(&tx, 16)), (op::SCSI_RSP, 4));
+            assert_eq!(tx[3], CHECK_CONDITION);
+            assert_eq!(sense(&tx).0, 0x5, "ILLEGAL REQUEST");
+            assert!(f.queued.is_empty());
+        }
     }
 
     /// COMPARE AND WRITE of no blocks (and no data) reads, compares and writes nothing and is

@@ -305,6 +305,14 @@ pub trait StreamFrontend: Send {
         false
     }
 
+    /// True when the message at the front of `rx` (possibly incomplete) can be decoded while
+    /// no slot is free: solicited data ([`StreamFrontend::next_is_data`]), and messages the
+    /// frontend answers itself (iSCSI: NOP-Out, task management, Text). Left unread, such a
+    /// message would keep the data behind it, which frees the slots, from ever being read.
+    fn needs_no_slot(&self, rx: &[u8]) -> bool {
+        self.next_is_data(rx)
+    }
+
     /// The most bytes `decode` may append to `tx` for the message at the front of `rx`
     /// (possibly incomplete), when that is more than the reactor's slack for small replies
     /// (4 KiB, which the default leaves it at): an answer the frontend writes itself, such as

@@ -417,6 +417,31 @@ struct Login {
 struct Refusal(u16, String);
 
 impl Login {
+    /// A login on a connection to `local`, of a target with keys or not, whose I/O is at most
+    /// `max_io` bytes and `max_depth` commands at once.
+    fn new(local: IpAddr, keys: bool, max_io: u32, max_depth: u16) -> Login {
+        Login {
+            local,
+            keys,
+            initiator: None,
+            target: None,
+            discovery: false,
+            isid: [0; 6],
+            itt: 0,
+            cmdsn: 0,
+            statsn: 0,
+            first: true,
+            auth: Auth::Start,
+            proven: None,
+            key: None,
+            neg: Negotiated::default(),
+            tpgt_sent: false,
+            max_io: max_io.clamp(512, 16_777_215),
+            depth: MAX_DEPTH.min(max_depth).max(1),
+            granted: None,
+        }
+    }
+
     /// Answers the request with `flags` (T, C, CSG, NSG), `status`, `tsih` and `text`.
     fn respond<S: Write>(
         &mut self,
@@ -461,8 +486,30 @@ impl Login {
         for pair in iscsi::pairs(text) {
             let (k, v) = pair.map_err(|e| Refusal(status::INVALID_REQUEST, e.to_string()))?;
             match k {
-                "InitiatorName" => self.initiator = Some(v.to_string()),
-                "TargetName" => self.target = Some(v.to_string()),
+                // Declared once (RFC 7143 §13.6): CHAP proves the name first declared, and the
+                // session, its SCSI identity (reservations) and revocation all go by it, so a
+                // name changed after CHAP would take another host's reservations.
+                "InitiatorName" | "TargetName" => {
+                    let name = match k {
+                        "InitiatorName" => &mut self.initiator,
+                        _ => &mut self.target,
+                    };
+                    if v.len() > 223 {
+                        return Err(Refusal(
+                            status::INVALID_REQUEST,
+                            format!("{k} is longer than 223 bytes (RFC 7143 §4.2.7.1)"),
+                        ));
+                    }
+                    match name {
+                        Some(first) if first != v => {
+                            return Err(Refusal(
+                                status::INVALID_REQUEST,
+                                format!("{k} may not change during login (RFC 7143 §13.6)"),
+                            ))
+                        }
+                        _ => *name = Some(v.to_string()),
+                    }
+                }
                 "SessionType" => match v {
                     "Discovery" => self.discovery = true,
                     "Normal" => self.discovery = false,
@@ -652,7 +699,9 @@ impl Login {
             },
             "FirstBurstLength" => match num {
                 Some(x) if (512..=16_777_215).contains(&x) => {
-                    n.first_burst = (x as u32).min(OUR_FIRST_BURST);
+                    // Never past MaxBurstLength's bound (§13.14), so the value answered is
+                    // the one enforced.
+                    n.first_burst = (x as u32).min(OUR_FIRST_BURST).min(self.max_io);
                     n.first_burst.to_string()
                 }
                 _ => "Reject".into(),
@@ -745,26 +794,12 @@ pub fn accept<S: Read + Write>(
 ) -> Option<Accepted> {
     let id = crate::access::PeerId::ip(peer);
     let peer_s = id.to_string();
-    let mut l = Login {
-        local: local.ip(),
-        keys: registry.access.has_keys(),
-        initiator: None,
-        target: None,
-        discovery: false,
-        isid: [0; 6],
-        itt: 0,
-        cmdsn: 0,
-        statsn: 0,
-        first: true,
-        auth: Auth::Start,
-        proven: None,
-        key: None,
-        neg: Negotiated::default(),
-        tpgt_sent: false,
-        max_io: registry.limits().max_io.clamp(512, 16_777_215),
-        depth: MAX_DEPTH.min(registry.limits().max_depth).max(1),
-        granted: None,
-    };
+    let mut l = Login::new(
+        local.ip(),
+        registry.access.has_keys(),
+        registry.limits().max_io,
+        registry.limits().max_depth,
+    );
     let mut buf = Vec::new();
     let mut text = Vec::new();
     let mut stage = 0u8;
@@ -1349,6 +1384,33 @@ pub fn target_name(export: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// FirstBurstLength is answered within MaxBurstLength's bound (RFC 7143 §13.14): under a
+    /// small `--max-io` the target answered 262144 beside a MaxBurstLength of 65536 and then
+    /// enforced 65536.
+    #[test]
+    fn the_first_burst_answered_is_the_one_enforced() {
+        let answers = |max_io: u32| {
+            let mut l = Login::new(IpAddr::from([127, 0, 0, 1]), false, max_io, 128);
+            let mut out = Vec::new();
+            l.operational("MaxBurstLength", "16776192", &mut out);
+            l.operational("FirstBurstLength", "262144", &mut out);
+            let pairs: Vec<(String, String)> = iscsi::pairs(&out)
+                .map(|p| p.map(|(k, v)| (k.to_string(), v.to_string())).unwrap())
+                .collect();
+            (pairs, l.neg.first_burst)
+        };
+        let (pairs, first) = answers(64 << 10);
+        assert_eq!(first, 64 << 10);
+        assert!(
+            pairs.contains(&("FirstBurstLength".into(), "65536".into())),
+            "{pairs:?}"
+        );
+        assert!(pairs.contains(&("MaxBurstLength".into(), "65536".into())));
+        let (pairs, first) = answers(1 << 20);
+        assert_eq!(first, OUR_FIRST_BURST.min(262144));
+        assert!(pairs.contains(&("FirstBurstLength".into(), first.to_string())));
+    }
 
     /// A login records its sessions only if its configured target is as it found it: a
     /// control call that changed it between the two is never missed.

@@ -53,11 +53,12 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             // and their replies are a few bytes each.
         }
         // Requests of frontends with cookies take a server-side slot when they go to a backend
-        // that does not finish inline or wait for solicited data: stop when none is free; a
-        // completion frees one and services this connection again.
+        // that does not finish inline or wait for solicited data: stop when none is free
+        // (unless the next message needs none, `needs_no_slot`); a completion frees one and
+        // services this connection again.
         if c.fe.server_assigns_slots()
             && c.free_slots.is_empty()
-            && !c.fe.next_is_data(&c.rx[c.rx_start..c.rx_end])
+            && !c.fe.needs_no_slot(&c.rx[c.rx_start..c.rx_end])
         {
             return;
         }
