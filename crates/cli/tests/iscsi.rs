@@ -853,7 +853,9 @@ fn rpc_lists_targets_and_sessions_and_adds_portals() {
     let addr2 = url
         .strip_prefix("iscsi://")
         .unwrap_or_else(|| panic!("listener_add said {added}"));
-    let mut c2 = login(addr2, &format!("{PREFIX}d"), Digests::default());
+    // Another ISID: the same one would reinstate (end) the first session.
+    let isid = [("ISID", "800001000002")];
+    let mut c2 = login_with(addr2, &format!("{PREFIX}d"), Digests::default(), &isid);
     assert_eq!(c2.write(0, &[9u8; 512]), 0);
     assert_eq!(c.read(0, 1), (vec![9u8; 512], 0));
     let list = rpc("iscsi_target_list", "{}");
@@ -1079,4 +1081,40 @@ fn a_ping_is_answered_while_writes_waiting_for_data_hold_every_slot() {
     let (back, st) = c.read(8 * u64::from(depth - 1), 8);
     assert_eq!(st, 0, "GOOD");
     assert!(back == data, "the last write reads back");
+}
+
+/// A login with the ISID and initiator name of a session the target still holds reinstates
+/// it (RFC 7143 §6.3.5: an initiator that lost its connection logs in again before the
+/// target noticed): the old connection is closed, and what it ran completed, before the new
+/// one is answered, so two sessions of one I_T nexus never run side by side. Another ISID is
+/// another session, and both stay.
+#[test]
+fn a_login_with_the_same_isid_ends_the_session_it_reinstates() {
+    let _serial = serial();
+    let dir = TempDir::new("iscsi-reinstate");
+    let t = common::Controlled::start(
+        &dir,
+        &["--listen", "iscsi://127.0.0.1:0", "--export", "d=mem:1M"],
+    );
+    let addr = t.urls[0].strip_prefix("iscsi://").unwrap().to_string();
+    let target = format!("{PREFIX}d");
+    let sessions = || t.rpc("session_list", "{}").as_array().unwrap().len();
+    let mut old = login(&addr, &target, Digests::default());
+    let block = random_bytes(512, 9);
+    assert_eq!(old.write(0, &block), 0, "GOOD");
+    let mut other = login_with(
+        &addr,
+        &target,
+        Digests::default(),
+        &[("ISID", "800001000002")],
+    );
+    assert_eq!(sessions(), 2);
+    let mut new = login(&addr, &target, Digests::default());
+    assert!(
+        old.closed(),
+        "the reinstated session's connection is closed"
+    );
+    assert_eq!(sessions(), 2, "the new session and the other ISID's");
+    assert_eq!(new.read(0, 1), (block.clone(), 0));
+    assert_eq!(other.read(0, 1), (block, 0), "another ISID's session stays");
 }

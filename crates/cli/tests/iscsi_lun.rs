@@ -11,7 +11,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use blkwire_wire::iscsi::Digests;
-use common::iscsi_host::{login, try_login, Conn, INITIATOR};
+use common::iscsi_host::{login, login_with, try_login, Conn, INITIATOR};
 use common::{cli, random_bytes, wait_until, TempDir};
 
 const DB: &str = "iqn.2026-11.com.example:db";
@@ -316,7 +316,10 @@ fn luns_and_initiators_change_at_run_time() {
         vec![0],
         "a session keeps the LUNs it logged in with"
     );
-    let mut c = login(&t.addr, DB, Digests::default());
+    // A second session of this initiator: another ISID (the same one would reinstate, and so
+    // end, the first).
+    let isid = [("ISID", "800001000002")];
+    let mut c = login_with(&t.addr, DB, Digests::default(), &isid);
     assert_eq!(report_luns(&mut c), vec![0, 2]);
     c.lun = 2;
     let data = random_bytes(4096, 3);

@@ -726,6 +726,45 @@ impl Registry {
             .is_some_and(|s| !s.revoked && s.queues.get(queue as usize) == Some(&QueueState::Live))
     }
 
+    /// Ends sessions `ids` for a login that takes their place (an iSCSI login reinstating its
+    /// session, RFC 7143 §6.3.5): they are revoked, their queues closed on whichever reactor
+    /// serves them, and the call waits until `deadline` for them to be gone, so that nothing
+    /// they still run lands after the new session's I/O. False if one is there at the deadline.
+    pub fn end_for_successor(&self, ids: &[u32], deadline: Instant) -> bool {
+        let mut inner = self.lock();
+        for id in ids {
+            let Some(s) = inner.sessions.get_mut(id) else {
+                continue;
+            };
+            s.revoked = true;
+            for (q, state) in s.queues.iter_mut().enumerate() {
+                match *state {
+                    QueueState::Free => *state = QueueState::Gone,
+                    QueueState::Live | QueueState::Closing => {
+                        *state = QueueState::Closing;
+                        if let Some(close) = self.closer.get() {
+                            close(*id, q as u16);
+                        }
+                    }
+                    QueueState::Gone => {}
+                }
+            }
+        }
+        loop {
+            if ids.iter().all(|id| !inner.sessions.contains_key(id)) {
+                return true;
+            }
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                return false;
+            };
+            inner = self
+                .left
+                .wait_timeout(inner, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
     /// How the reactors are told to close one queue (`Msg::CloseQueue`); set once at start.
     pub fn set_queue_closer(&self, close: QueueCloser) {
         let _ = self.closer.set(close);

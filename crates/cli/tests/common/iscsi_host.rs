@@ -151,6 +151,13 @@ pub fn try_login_with(
             None => offer.push((k, v)),
         }
     }
+    // Not a key: the session's ISID, 12 hex digits (the default is 800001000000).
+    if let Some(i) = offer.iter().position(|(k, _)| *k == "ISID") {
+        let hex = offer.remove(i).1;
+        for (at, byte) in b.0[8..14].iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&hex[2 * at..2 * at + 2], 16).expect("an ISID in hex");
+        }
+    }
     if offer.contains(&("SessionType", "Discovery")) {
         offer.retain(|(k, _)| *k != "TargetName");
     }

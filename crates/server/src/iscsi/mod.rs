@@ -25,6 +25,7 @@ pub mod targets;
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use blkwire_auth::{Key, PeerAddr};
 use blkwire_backend::Export;
@@ -53,6 +54,9 @@ pub const OUR_FIRST_BURST: u32 = 256 << 10;
 pub const MAX_DEPTH: u16 = 128;
 /// Login PDUs one connection may send (the stages, CHAP's three steps, continued text).
 const MAX_LOGIN_PDUS: usize = 32;
+/// How long a login reinstating a session waits for the old one to end (what it runs to
+/// complete) before it is refused with SERVICE UNAVAILABLE (the initiator tries again).
+const REINSTATE_WAIT: Duration = Duration::from_secs(5);
 
 /// Status classes and details of a Login Response (§11.13.5).
 pub mod status {
@@ -72,6 +76,8 @@ pub mod status {
     pub const NO_SESSION: u16 = 0x020a;
     /// Initiator error: a login request that is not valid here.
     pub const INVALID_REQUEST: u16 = 0x020b;
+    /// Target error: service unavailable (try again later).
+    pub const SERVICE_UNAVAILABLE: u16 = 0x0301;
     /// Target error: out of resources.
     pub const OUT_OF_RESOURCES: u16 = 0x0302;
 }
@@ -101,6 +107,9 @@ struct SessionEntry {
     isid: [u8; 6],
     tsih: u16,
     peer: String,
+    /// The peer's address, and whether CHAP proved `initiator`: who may reinstate it.
+    addr: PeerAddr,
+    proven: bool,
     digests: Digests,
 }
 
@@ -161,6 +170,28 @@ impl Portals {
             .retain(|s| s.luns.iter().any(|&(_, id)| live(id)));
         t.sessions.push(e);
         true
+    }
+
+    /// The sessions a new login to `target` of `initiator` with `isid` reinstates (RFC 7143
+    /// §6.3.5: the same initiator port, I_T nexus, logging in again after it lost its
+    /// connection, while the target may still hold the old one): those of its login to that
+    /// target with that ISID. Without CHAP the name proves nothing, so only from the address
+    /// that logged in then (a host claiming another's name cannot end its sessions).
+    fn reinstated(
+        &self,
+        target: &str,
+        initiator: &str,
+        isid: [u8; 6],
+        proven: bool,
+        addr: PeerAddr,
+    ) -> Vec<u32> {
+        self.lock()
+            .sessions
+            .iter()
+            .filter(|s| s.target == target && s.initiator == initiator && s.isid == isid)
+            .filter(|s| (proven && s.proven) || s.addr == addr)
+            .flat_map(|s| s.luns.iter().map(|&(_, id)| id))
+            .collect()
     }
 
     /// Forgets the iSCSI facts of sessions that ended (`live`: the registry's open ones): a
@@ -1031,6 +1062,29 @@ fn finish<S: Read + Write>(
         l.respond(s, refuse_flags, status::OUT_OF_RESOURCES, 0, &[])?;
         return None;
     };
+    // Session reinstatement (RFC 7143 §6.3.5): the old session of this I_T nexus ends, and
+    // what it still runs completes, before the new one is admitted (its place counts against
+    // the limits) and answered (its I/O could be overtaken by the old one's).
+    let old = registry
+        .iscsi
+        .reinstated(&target, &initiator, l.isid, l.proven.is_some(), addr);
+    if !old.is_empty() {
+        crate::log!(
+            Level::Info,
+            "{peer_s}: iSCSI initiator '{who}' logs in again with ISID {}: ending its sessions {old:?}",
+            iscsi::hex(&l.isid)
+        );
+        if !registry.end_for_successor(&old, Instant::now() + REINSTATE_WAIT) {
+            crate::log!(
+                Level::Info,
+                "{peer_s}: iSCSI initiator '{who}': refused: its old session still runs I/O \
+                 after {} s",
+                REINSTATE_WAIT.as_secs()
+            );
+            l.respond(s, refuse_flags, status::SERVICE_UNAVAILABLE, 0, &[])?;
+            return None;
+        }
+    }
     // One session per LUN, each admitted as if it were the only one: the export's session
     // limits, memory floor and rules apply to each.
     let mut admitted: Vec<Admitted> = Vec::with_capacity(luns.len());
@@ -1087,6 +1141,8 @@ fn finish<S: Read + Write>(
             isid: l.isid,
             tsih,
             peer: peer_s.clone(),
+            addr,
+            proven: l.proven.is_some(),
             digests: l.neg.digests,
         },
         &acl_name,
@@ -1430,6 +1486,8 @@ mod tests {
             isid: [0; 6],
             tsih: 1,
             peer: "test".into(),
+            addr: PeerAddr::Ip(IpAddr::from([127, 0, 0, 1])),
+            proven: false,
             digests: Digests::default(),
         };
         let live = |_| true;
