@@ -85,7 +85,9 @@ pub fn run(a: Args) -> Result<(), String> {
     let mut opts = ConnectOptions {
         queues: a.jobs,
         depth: a.iodepth,
-        max_io: a.bs.clamp(512, u32::MAX as u64) as u32,
+        // At least 64 KiB: a target grants no less than the export's block (up to 64 KiB),
+        // and --bs is checked against that block below, with a message that says so.
+        max_io: a.bs.clamp(64 << 10, u32::MAX as u64) as u32,
         poll: Duration::from_micros(a.poll_us),
         timeout: Duration::from_secs(a.timeout),
         ..Default::default()
@@ -93,9 +95,12 @@ pub fn run(a: Args) -> Result<(), String> {
     a.id.apply(&mut opts)?;
     let s = crate::open(&a.url, &opts)?;
     let info = s.info.clone();
-    if a.bs == 0 || a.bs > info.max_io as u64 || !a.bs.is_multiple_of(512) {
+    // The export's block: I/O in smaller units is refused by the target, each request an error.
+    let block = u64::from(info.logical_block.max(512));
+    if a.bs == 0 || a.bs > info.max_io as u64 || !a.bs.is_multiple_of(block) {
         return Err(format!(
-            "--bs {} must be a multiple of 512 between 512 and the target's max I/O ({})",
+            "--bs {} must be a multiple of the export's block ({block}) between {block} and the \
+             target's max I/O ({})",
             a.bs, info.max_io
         ));
     }

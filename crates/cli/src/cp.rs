@@ -54,6 +54,8 @@ struct Side {
     /// Zeroing a range is cheap (no data sent).
     cheap_zero: bool,
     chunk: u64,
+    /// The unit it takes writes in (an export's block; 1 for a local file).
+    block: u64,
     ends: Vec<End>,
     label: String,
 }
@@ -76,6 +78,7 @@ fn open_side(
             zeroed: f.has(Features::INIT_ZERO),
             cheap_zero: f.has(Features::WRITE_ZEROES),
             chunk: s.info.max_io as u64,
+            block: u64::from(s.info.logical_block.max(1)),
             label: spec.to_string(),
             ends: s.queues.into_iter().map(End::Remote).collect(),
         });
@@ -121,6 +124,7 @@ fn open_side(
         zeroed,
         cheap_zero: false,
         chunk: 1 << 20,
+        block: 1,
         label: spec.to_string(),
         ends: (0..jobs).map(|_| End::Local(file.clone())).collect(),
     })
@@ -153,6 +157,15 @@ pub fn run(a: Args) -> Result<(), String> {
         return Err(format!(
             "{} ({} bytes) is smaller than {} ({} bytes): nothing was copied",
             dst.label, dst.size, src.label, src.size
+        ));
+    }
+    if !src.size.is_multiple_of(dst.block) {
+        // Found before anything is written: the last chunk would be refused after the rest
+        // had overwritten the export.
+        return Err(format!(
+            "{} is {} bytes, not a multiple of {}'s block ({} bytes): nothing was copied (pad \
+             the source to a multiple of {} bytes)",
+            src.label, src.size, dst.label, dst.block, dst.block
         ));
     }
     let size = src.size;

@@ -35,32 +35,32 @@ pub struct MapArgs {
     #[arg(long, value_name = "DEV")]
     recover: Option<String>,
     /// Map read-only: the device refuses writes
-    #[arg(long)]
+    #[arg(long, conflicts_with = "recover")]
     readonly: bool,
     /// auto: ublk when /dev/ublk-control exists (modprobe ublk_drv), else fuse
-    #[arg(long, value_enum, default_value = "auto")]
+    #[arg(long, value_enum, default_value = "auto", conflicts_with = "recover")]
     frontend: FrontendArg,
     /// fuse frontend: how requests travel between the kernel and the daemon. uring: FUSE over
     /// io_uring (Linux >= 6.14), turning on the kernel's system-wide switch
     /// /sys/module/fuse/parameters/enable_uring if it is off; read: read/write on /dev/fuse;
     /// auto: uring when that switch is already on, else read (`ls` shows which)
-    #[arg(long, value_enum, default_value = "auto")]
+    #[arg(long, value_enum, default_value = "auto", conflicts_with = "recover")]
     fuse_io: FuseIoArg,
     /// Requests in flight per queue
-    #[arg(long, value_name = "N", default_value_t = 128, value_parser = clap::value_parser!(u16).range(1..=4096))]
+    #[arg(long, value_name = "N", default_value_t = 128, value_parser = clap::value_parser!(u16).range(1..=4096), conflicts_with = "recover")]
     queue_depth: u16,
     /// Queues, each one thread and one connection (default: one per CPU, at most 8; ublk takes at
     /// most one per CPU)
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64), conflicts_with = "recover")]
     queues: Option<u16>,
     /// Largest I/O per request, 4K to 32M (ublk caps it at 1M; FUSE too unless fs.fuse.max_pages_limit is raised)
-    #[arg(long = "max-io", alias = "max-io-size", value_name = "SIZE", default_value = "1M", value_parser = crate::size_arg)]
+    #[arg(long = "max-io", alias = "max-io-size", value_name = "SIZE", default_value = "1M", value_parser = crate::size_arg, conflicts_with = "recover")]
     max_io_size: u64,
     /// Mark the device rotational (also set when the export says it is)
-    #[arg(long)]
+    #[arg(long, conflicts_with = "recover")]
     hdd: bool,
-    /// Use /dev/ublkbN (ublk) or /dev/loopN (fuse) instead of the first free one
-    #[arg(long, value_name = "N")]
+    /// Use /dev/ublkbN (ublk) or /dev/loopN (fuse) instead of the first free one (0 to 1048575)
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(0..1 << 20), conflicts_with = "recover")]
     dev_num: Option<u32>,
     /// Serve in this process until unmapped or interrupted, instead of detaching once ready
     #[arg(long)]
@@ -71,7 +71,7 @@ pub struct MapArgs {
     /// Seconds I/O waits for an unreachable target before failing with EIO; a write the
     /// target may still be running then waits up to as long again, until the target confirms it
     /// will not land later (not over nvme-tcp://)
-    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86400))]
+    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86400), conflicts_with = "recover")]
     timeout: u64,
     #[command(flatten)]
     id: crate::identity::Identity,
@@ -97,7 +97,11 @@ fn print_device(dev: &str) {
     let _ = out.flush();
 }
 
-pub fn run_map(a: MapArgs) -> Result<(), String> {
+pub fn run_map(mut a: MapArgs) -> Result<(), String> {
+    // Recorded for `map --recover`, which may run from another directory.
+    if let Some(l) = &a.logfile {
+        a.logfile = Some(std::path::absolute(l).map_err(|e| format!("--logfile: {e}"))?);
+    }
     if let Some(dev) = &a.recover {
         return blkwire_map::recover(dev, a.foreground, a.logfile, &mut print_device);
     }

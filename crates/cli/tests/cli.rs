@@ -34,6 +34,36 @@ fn cp_round_trip_preserves_every_byte() {
     assert!(got[data.len()..].iter().all(|b| *b == 0));
 }
 
+/// A source whose size is not a whole number of the destination export's blocks (4096 for a
+/// direct=1 file) is refused before anything is written, in one line that says what to do;
+/// `bench --bs` below the export's block likewise. The copy used to overwrite the export
+/// chunk by chunk and fail at the tail with "invalid request".
+#[test]
+fn cp_and_bench_refuse_sizes_the_export_cannot_take_before_any_io() {
+    let d = TempDir::new("cp-block");
+    let img = d.path("d.img");
+    std::fs::write(&img, vec![7u8; 1 << 20]).unwrap();
+    let src = d.path("src.img");
+    std::fs::write(&src, random_bytes((64 << 10) + 512, 5)).unwrap();
+    let t = Target::start(&[&format!("d=file:{}?direct=1", img.display())]);
+    let (ok, _, err) = cli(&["cp", src.to_str().unwrap(), &t.url("d")]);
+    assert!(!ok, "copied a size the export cannot take");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("not a multiple of")
+            && err.contains("4096")
+            && err.contains("nothing was copied"),
+        "{err}"
+    );
+    assert!(
+        std::fs::read(&img).unwrap().iter().all(|b| *b == 7),
+        "the export was written"
+    );
+    let (ok, _, err) = cli(&["bench", &t.url("d"), "--bs", "512", "--runtime", "0.1"]);
+    assert!(!ok, "bench ran 512-byte I/O on a 4096-byte export");
+    assert!(err.contains("block (4096)"), "{err}");
+}
+
 #[test]
 fn cp_over_existing_data_writes_zero_blocks_too() {
     // A non-fresh export must get its zero blocks overwritten (skipping is only safe when fresh).

@@ -1330,6 +1330,36 @@ fn options_reach_the_device() {
     run.assert_clean();
 }
 
+/// A foreground mapping that fails to set up says so on the terminal in one line, also
+/// with --logfile (whose log has the line too): the log file had taken stderr over before
+/// the error was printed, and the terminal saw nothing. Without --logfile the line is not
+/// printed twice (the daemon's log line and `map`'s).
+#[test]
+fn a_foreground_mapping_that_fails_says_why_on_the_terminal() {
+    require_root!();
+    let run = Run::new("fg-fail");
+    let log = run.dir().join("map.log");
+    let unreachable = "tcp://127.0.0.1:1/disk";
+    for logfile in [true, false] {
+        let mut args = vec!["map", unreachable, "--foreground"];
+        let log_arg = log.to_str().unwrap();
+        if logfile {
+            args.extend(["--logfile", log_arg]);
+        }
+        let (ok, _, err) = run.cli(&args);
+        assert!(!ok, "mapped an unreachable target");
+        let lines: Vec<&str> = err.lines().collect();
+        assert_eq!(lines.len(), 1, "logfile {logfile}: {err:?}");
+        assert!(
+            lines[0].starts_with("blkwire: error: cannot connect"),
+            "{err:?}"
+        );
+    }
+    let logged = std::fs::read_to_string(&log).unwrap();
+    assert!(logged.contains("cannot connect"), "{logged:?}");
+    run.assert_clean();
+}
+
 #[test]
 fn foreground_mapping_serves_until_sigterm() {
     require_root!();

@@ -256,12 +256,24 @@ fn launch<D: BlockDevice>(
     on_ready: &mut dyn FnMut(&str),
 ) -> Result<(), String> {
     if foreground {
-        if let Some(l) = &spec.logfile {
-            let f = open_log(l)?;
-            // SAFETY: dup2 onto stderr, which the log lines go to.
-            unsafe { libc::dup2(f.as_raw_fd(), 2) };
+        let Some(l) = &spec.logfile else {
+            return run::<D>(&spec, &mut Notify::Call(on_ready));
+        };
+        let f = open_log(l)?;
+        // SAFETY: dup of our own stderr, kept to restore it.
+        let terminal = unsafe { libc::dup(2) };
+        // SAFETY: dup2 of the log onto stderr, which the log lines go to.
+        unsafe { libc::dup2(f.as_raw_fd(), 2) };
+        let result = run::<D>(&spec, &mut Notify::Call(on_ready));
+        if terminal >= 0 {
+            // The error `map` prints reaches the terminal, not only the log (which has it too).
+            // SAFETY: restoring stderr from the descriptor duplicated above, then closing it.
+            unsafe {
+                libc::dup2(terminal, 2);
+                libc::close(terminal);
+            }
         }
-        return run::<D>(&spec, &mut Notify::Call(on_ready));
+        return result;
     }
     // Opened before forking so a bad path is reported by `map` itself.
     let log = match &spec.logfile {
@@ -343,7 +355,10 @@ fn run<D: BlockDevice>(spec: &Spec, notify: &mut Notify<'_>) -> Result<(), Strin
     let d = match setup::<D>(spec) {
         Ok(d) => d,
         Err(e) => {
-            log!("error", "{e}");
+            // In the foreground without a log file, the error `map` prints is the line.
+            if matches!(notify, Notify::Pipe(_)) || spec.logfile.is_some() {
+                log!("error", "{e}");
+            }
             notify.failed(&e);
             return Err(e);
         }
