@@ -181,6 +181,9 @@ impl AdminQueue {
             if due && self.key_replaced(registry) {
                 break "its host's key was removed or replaced".into();
             }
+            if due && !self.authenticated && !registry.nvme.contains(self.cntlid()) {
+                break "it had not authenticated, and its place went to a new controller".into();
+            }
             if due && !self.admitted.is_empty() {
                 match self.namespaces_gone(&mut sock, registry) {
                     Some(true) => break "its sessions were closed".into(),
@@ -257,7 +260,7 @@ impl AdminQueue {
                     // No namespaces, no sessions: only the entry changes.
                     registry
                         .nvme
-                        .authenticated(self.cntlid(), self.s.facts.clone())
+                        .authenticated(self.cntlid(), self.s.facts.clone(), false)
                         .then(|| (self.s.facts.clone(), Vec::new()))
                         .ok_or_else(|| "its controller was forgotten".to_string())
                 } else {

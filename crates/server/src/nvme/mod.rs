@@ -24,6 +24,7 @@ use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use blkwire_auth::{Key, PeerAddr};
 use blkwire_wire::nvme_tcp::{
@@ -61,6 +62,15 @@ pub struct Controllers {
     inner: Mutex<Table>,
 }
 
+impl Table {
+    /// Whether configured subsystem `subnqn` exists and admits `hostnqn`.
+    fn admits(&self, subnqn: &str, hostnqn: &str) -> bool {
+        self.subsystems
+            .iter()
+            .any(|s| s.nqn == subnqn && s.admits(hostnqn))
+    }
+}
+
 #[derive(Default)]
 struct Table {
     next_id: u16,
@@ -85,7 +95,17 @@ struct Controller {
     /// Its host proved its key on the admin queue, or none was needed (no key store): only
     /// then has it sessions (`facts.namespaces`) and may I/O queues connect.
     authenticated: bool,
+    /// When it was connected: one not authenticated after [`PENDING_CUT`] gives its place to a
+    /// new controller when the table is full.
+    since: Instant,
 }
+
+/// How long a controller awaiting its host's DH-HMAC-CHAP keeps its place against a new one
+/// when every place is taken (as the handshakes' `CUT_AFTER`): the exchange takes a few round
+/// trips, so only hosts that connect and never prove their key lose theirs. Without this, hosts
+/// that connect admin queues and never authenticate (no key needed for that) held every place
+/// for the handshake timeout, again and again, and every other host got Controller Busy.
+const PENDING_CUT: Duration = Duration::from_secs(1);
 
 impl Controllers {
     fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
@@ -113,13 +133,51 @@ impl Controllers {
     }
 
     /// Registers a controller for a host at `ip`; its id, or None when [`MAX_CONTROLLERS`] are
-    /// in use, or [`MAX_CONTROLLERS_PER_HOST`] of them are that address's.
-    fn insert(&self, ip: IpAddr, mut make: impl FnMut(u16) -> Controller) -> Option<u16> {
+    /// in use, or [`MAX_CONTROLLERS_PER_HOST`] of them are that address's, or (`configured`:
+    /// `(subsystem, host)` of a configured subsystem) when that subsystem no longer admits the
+    /// host, checked under the lock its host list changes under (see `authenticated`).
+    fn insert(
+        &self,
+        ip: IpAddr,
+        configured: Option<(&str, &str)>,
+        mut make: impl FnMut(u16) -> Controller,
+    ) -> Option<u16> {
         let mut t = self.lock();
-        if t.ctrls.len() >= MAX_CONTROLLERS
-            || t.ctrls.values().filter(|c| c.ip == ip).count() >= MAX_CONTROLLERS_PER_HOST
-        {
+        if configured.is_some_and(|(sub, host)| !t.admits(sub, host)) {
             return None;
+        }
+        let full = |t: &Table| {
+            let mine = t.ctrls.values().filter(|c| c.ip == ip).count();
+            (
+                t.ctrls.len() >= MAX_CONTROLLERS,
+                mine >= MAX_CONTROLLERS_PER_HOST,
+            )
+        };
+        let (all, mine) = full(&t);
+        if all || mine {
+            // The oldest controller whose host has not authenticated for PENDING_CUT gives its
+            // place (one of this address's when the address's limit is what is reached); its
+            // admin queue ends at its next look (`contains`), within a TICK.
+            let cut = t
+                .ctrls
+                .iter()
+                .filter(|(_, c)| !c.authenticated && c.since.elapsed() >= PENDING_CUT)
+                .filter(|(_, c)| !mine || c.ip == ip)
+                .min_by_key(|(_, c)| c.since)
+                .map(|(id, _)| *id);
+            let c = t.ctrls.remove(&cut?).expect("found");
+            crate::log!(
+                Level::Info,
+                "NVMe host '{}' at {}: controller {} had not authenticated in {} s; its place \
+                 goes to a new controller",
+                c.hostnqn.escape_debug(),
+                c.ip,
+                cut.unwrap_or_default(),
+                PENDING_CUT.as_secs()
+            );
+            if full(&t) != (false, false) {
+                return None;
+            }
         }
         // Ids 1..=0xFFEF (0xFFF0 and above are reserved), reused only after a wrap.
         let id = loop {
@@ -140,21 +198,33 @@ impl Controllers {
         self.lock().ctrls.remove(&id);
     }
 
+    /// Whether controller `id` still has its place (one awaiting authentication may have given
+    /// it to a new controller: `insert`).
+    pub(crate) fn contains(&self, id: u16) -> bool {
+        self.lock().ctrls.contains_key(&id)
+    }
+
     fn get(&self, id: u16) -> Option<Controller> {
         self.lock().ctrls.get(&id).cloned()
     }
 
     /// Controller `id`'s host authenticated: its facts now name its namespaces' sessions.
-    /// False if it is gone.
-    pub(crate) fn authenticated(&self, id: u16, facts: Arc<Facts>) -> bool {
-        match self.lock().ctrls.get_mut(&id) {
-            Some(c) => {
-                c.facts = facts;
-                c.authenticated = true;
-                true
-            }
-            None => false,
+    /// False if it is gone, or if its subsystem is a configured one that no longer admits its
+    /// host (checked under the lock `remove_host` and `delete_subsystem` change the list under
+    /// and look for controllers to close under: either they see these sessions, or this sees
+    /// their change; the check before the sessions were admitted could miss it).
+    pub(crate) fn authenticated(&self, id: u16, facts: Arc<Facts>, configured: bool) -> bool {
+        let mut t = self.lock();
+        let Some(c) = t.ctrls.get(&id) else {
+            return false;
+        };
+        if configured && !t.admits(&c.subnqn, &c.hostnqn) {
+            return false;
         }
+        let c = t.ctrls.get_mut(&id).expect("present");
+        c.facts = facts;
+        c.authenticated = true;
+        true
     }
 
     fn set_io_queues(&self, id: u16, n: u16) {
@@ -1088,7 +1158,9 @@ fn admin_connect<S: Read + Write>(
     };
     let mut facts = None;
     let ip = crate::access::canonical_ip(peer.ip());
-    let id = registry.nvme.insert(ip, |id| {
+    // Keyless, its sessions are admitted already: the host list is checked again as it goes in.
+    let configured = (proven.is_none() && sub.is_some()).then_some((&*c.subnqn, &*c.hostnqn));
+    let id = registry.nvme.insert(ip, configured, |id| {
         let f = Arc::new(controller_facts(
             registry,
             (id, &c.subnqn, sub.as_ref()),
@@ -1104,6 +1176,7 @@ fn admin_connect<S: Read + Write>(
             facts: f,
             io_queues: MAX_IO_QUEUES,
             authenticated: proven.is_none(),
+            since: Instant::now(),
         }
     });
     let (Some(id), Some(facts)) = (id, facts) else {
@@ -1356,11 +1429,16 @@ pub(crate) fn admit_authenticated(
         namespaces,
         facts.max_io,
     ));
-    if !registry.nvme.authenticated(facts.cntlid, f.clone()) {
+    if !registry
+        .nvme
+        .authenticated(facts.cntlid, f.clone(), names.sub.is_some())
+    {
         for a in &admitted {
             registry.leave(a.session, 0, &Default::default());
         }
-        return Err("its controller was forgotten".into());
+        return Err(
+            "its controller was forgotten, or its subsystem's host list changed meanwhile".into(),
+        );
     }
     Ok((f, admitted))
 }
@@ -1569,4 +1647,88 @@ fn io_start(
         namespaces,
     });
     Accepted::Io(joined, Box::new(fe))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SUB: &str = "nqn.2026-11.com.example:db";
+    const HOST: &str = "nqn.2026-11.com.example:host";
+
+    /// A controller entry of `HOST` at `ip` for `SUB`, connected `age` ago.
+    fn ctrl(ip: IpAddr, authenticated: bool, age: Duration) -> impl FnMut(u16) -> Controller {
+        move |id| Controller {
+            subnqn: SUB.into(),
+            hostnqn: HOST.into(),
+            hostid: [0; 16],
+            ip,
+            facts: Arc::new(Facts {
+                cntlid: id,
+                subnqn: SUB.into(),
+                serial: "s".into(),
+                model: "m".into(),
+                namespaces: Vec::new(),
+                max_io: 4096,
+                max_depth: 32,
+            }),
+            io_queues: 1,
+            authenticated,
+            since: Instant::now() - age,
+        }
+    }
+
+    /// When an address's places are all taken, the oldest of its controllers that has awaited
+    /// authentication for a second gives its place to a new one; younger ones, authenticated
+    /// ones and other addresses' keep theirs.
+    #[test]
+    fn a_controller_that_never_authenticates_gives_its_place() {
+        let t = Controllers::default();
+        let (a, b) = (IpAddr::from([10, 0, 0, 1]), IpAddr::from([10, 0, 0, 2]));
+        let old = Duration::from_secs(5);
+        let other = t.insert(b, None, ctrl(b, false, old)).unwrap();
+        let authenticated: Vec<u16> = (0..MAX_CONTROLLERS_PER_HOST - 2)
+            .map(|_| t.insert(a, None, ctrl(a, true, old)).unwrap())
+            .collect();
+        let young = t.insert(a, None, ctrl(a, false, Duration::ZERO)).unwrap();
+        let oldest = t.insert(a, None, ctrl(a, false, old)).unwrap();
+        let new = t.insert(a, None, ctrl(a, false, Duration::ZERO));
+        assert!(new.is_some(), "no place given");
+        assert!(
+            !t.contains(oldest),
+            "the one awaiting authentication longest gave it"
+        );
+        assert!(t.contains(young) && t.contains(other));
+        assert!(authenticated.iter().all(|&id| t.contains(id)));
+        // Now every pending one of `a` is young: nobody gives a place.
+        assert_eq!(t.insert(a, None, ctrl(a, false, Duration::ZERO)), None);
+    }
+
+    /// A configured subsystem's host list is checked again as the controller is recorded or
+    /// authenticated, under the lock `remove_host` takes: a host removed meanwhile is not
+    /// admitted (its sessions would be missed by the removal's look for them).
+    #[test]
+    fn a_host_removed_during_its_connect_is_not_admitted() {
+        let t = Controllers::default();
+        t.create_subsystem(SUB, None, None, false, false).unwrap();
+        t.add_host(SUB, HOST).unwrap();
+        let ip = IpAddr::from([10, 0, 0, 1]);
+        let id = t
+            .insert(ip, Some((SUB, HOST)), ctrl(ip, false, Duration::ZERO))
+            .expect("admitted");
+        t.remove_host(SUB, HOST).unwrap();
+        let facts = t.get(id).unwrap().facts;
+        assert!(
+            !t.authenticated(id, facts.clone(), true),
+            "authenticated after removal"
+        );
+        assert!(
+            t.authenticated(id, facts, false),
+            "an export's own subsystem has no list"
+        );
+        assert_eq!(
+            t.insert(ip, Some((SUB, HOST)), ctrl(ip, false, Duration::ZERO)),
+            None
+        );
+    }
 }
