@@ -288,6 +288,17 @@ impl KeyStore {
                 meta.mode() & 0o7777
             ));
         }
+        // The owner decides which hosts exist and what they may do: root or whoever runs
+        // this, as ssh asks of its keys.
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        if meta.uid() != 0 && meta.uid() != me {
+            return Err(format!(
+                "key file {shown} is owned by uid {}: keys must belong to root or to the user \
+                 that reads them (uid {me}; chown {me} {shown})",
+                meta.uid()
+            ));
+        }
         let mut store = KeyStore::default();
         for (n, line) in text.lines().enumerate() {
             let line = line.trim();
@@ -548,6 +559,29 @@ mod tests {
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
         let e = KeyStore::load(&p).unwrap_err();
         assert!(e.contains("mode 0644") && e.contains("chmod 600"), "{e}");
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    /// A key file another user owns decides which hosts exist: refused (root runs this in
+    /// CI; giving the file away needs it).
+    #[test]
+    fn files_another_user_owns_are_refused() {
+        let p = tmp("owner");
+        generate_file(&p, "alice").unwrap();
+        let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+        // SAFETY: chown of our own file by a NUL-terminated path.
+        let r = unsafe { libc::chown(c.as_ptr(), 65534, 65534) };
+        assert_eq!(
+            r,
+            0,
+            "chown to nobody: {} (this test needs root)",
+            std::io::Error::last_os_error()
+        );
+        let e = KeyStore::load(&p).unwrap_err();
+        assert!(
+            e.contains("owned by uid 65534") && e.contains("chown"),
+            "{e}"
+        );
         std::fs::remove_file(&p).unwrap();
     }
 
