@@ -1118,3 +1118,46 @@ fn a_login_with_the_same_isid_ends_the_session_it_reinstates() {
     assert_eq!(new.read(0, 1), (block.clone(), 0));
     assert_eq!(other.read(0, 1), (block, 0), "another ISID's session stays");
 }
+
+/// A Logout that comes while commands run is answered after them (RFC 7143 §11.14: no
+/// response follows the Logout Response): their responses first, then the Logout Response,
+/// then the connection closes. It was answered at once and the WRITE's response followed, a
+/// write landing after an initiator that logged out to fail over took the session as ended.
+#[test]
+fn a_logout_is_answered_after_the_commands_running() {
+    use common::frozen::LoopExt4;
+    let _serial = serial();
+    let fs = LoopExt4::new();
+    let file = fs.mnt().join("disk");
+    common::sparse_file(&file, 16 << 20);
+    let export = format!("disk=file:{}", file.display());
+    let t = IscsiTarget::start(&[&export], &["--listen", "tcp://127.0.0.1:0"]);
+    let stats_url = t.urls.iter().find(|u| u.starts_with("tcp://")).unwrap();
+    let mut c = login(&t.addr, &format!("{PREFIX}disk"), Digests::default());
+    let data = random_bytes(4096, 77);
+    let mut cdb = [0u8; 16];
+    cdb[0] = 0x8a;
+    cdb[10..14].copy_from_slice(&8u32.to_be_bytes());
+    let frozen = fs.freeze();
+    let (write, mut pdus) = c.command(&cdb, 4096, true, &data);
+    let logout = c.itt;
+    c.itt += 1;
+    let mut b = Bhs::new(op::LOGOUT_REQ | iscsi::IMMEDIATE, flag::FINAL);
+    b.itt(logout).set32(24, c.cmdsn).set32(28, c.expstatsn);
+    b.encode(&[], &c.d, &mut pdus);
+    c.send(&pdus).unwrap();
+    assert!(
+        common::wait_until(Duration::from_secs(30), || running(stats_url) == 1),
+        "the write never reached the backend"
+    );
+    drop(frozen);
+    let r = c.recv().expect("a response");
+    assert_eq!(
+        (r.opcode(), r.word(16), r.bhs[3]),
+        (op::SCSI_RSP, write, 0),
+        "the WRITE's response first"
+    );
+    let r = c.recv().expect("the Logout Response");
+    assert_eq!((r.opcode(), r.word(16)), (op::LOGOUT_RSP, logout));
+    assert!(c.closed(), "the connection ends after the Logout Response");
+}

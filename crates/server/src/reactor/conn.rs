@@ -167,6 +167,9 @@ pub(super) struct Conn {
     pub(super) want_out: bool,
     /// No more requests are read; close once in-flight I/O is answered and sent.
     pub(super) closing: bool,
+    /// A LOGOUT (iSCSI Logout, native LOGOUT, NBD DISC) that came while requests ran: answered
+    /// once they are, its answer the last (iSCSI: no response follows the Logout Response).
+    pub(super) logout: Option<Req>,
     /// The socket is dead: drop the connection as soon as nothing is in flight.
     pub(super) dead: bool,
     pub(super) bytes_sent: u64,

@@ -519,6 +519,7 @@ impl Reactor {
             readable: true,
             want_out: false,
             closing: self.shutting_down,
+            logout: None,
             dead: false,
             bytes_sent: 0,
             tls: q.tls,
@@ -824,6 +825,12 @@ impl Reactor {
         if c.starved && !c.waiting && !c.closing {
             c.waiting = true;
             self.starved.push(idx);
+        }
+        if c.inflight == 0 && !c.dead {
+            if let Some(req) = c.logout.take() {
+                c.reply(&req, blkwire_wire::Status::Ok);
+                transmit(c, idx, &mut sq);
+            }
         }
         let drained = c.tx_backlog() == 0 || c.dead;
         if c.closing && c.inflight == 0 && drained {

@@ -349,8 +349,13 @@ fn dispatch(
         Kind::Block(_) => req.block().expect("a block request"),
         Kind::Logout => {
             // Nothing after LOGOUT/DISC is executed (PROTOCOL.md §2.5); what is in flight is
-            // still answered before the queue closes.
-            c.reply(req, Status::Ok);
+            // still answered before the queue closes, and before the LOGOUT itself (its answer
+            // then goes when the last is sent, `Reactor::service`).
+            if c.inflight == 0 {
+                c.reply(req, Status::Ok);
+            } else {
+                c.logout = Some(*req);
+            }
             c.closing = true;
             c.rx_start = c.rx_end;
             return;
@@ -1721,6 +1726,7 @@ mod tests {
             readable: false,
             want_out: false,
             closing: false,
+            logout: None,
             dead: false,
             bytes_sent: 0,
             tls: None,
