@@ -124,7 +124,7 @@ fn exact_size(size: u64) -> String {
 /// Why an export was not resized ([`Export::resize`]); each a line that says what to do.
 #[derive(Debug, PartialEq, Eq)]
 pub enum ResizeError {
-    /// The size asked for can never be this export's (not a multiple of its logical block).
+    /// The size asked for can never be this export's (not a multiple of the block it takes I/O in).
     BadSize(String),
     /// A valid size the export will not take: smaller than it is, or a backend that cannot
     /// grow (or failed to).
@@ -227,11 +227,12 @@ impl Export {
                 fmt(new_size)
             )));
         }
-        let (logical, _) = self.backend.block_sizes();
-        if !new_size.is_multiple_of(logical as u64) {
+        // The block its I/O is taken in (HELLO, NVMe LBA, iSCSI block): sizes are whole blocks.
+        let block = self.io_block();
+        if !new_size.is_multiple_of(block as u64) {
             return Err(ResizeError::BadSize(format!(
-                "export '{name}': {new_size} bytes is not a multiple of its {logical}-byte \
-                 logical block"
+                "export '{name}': {new_size} bytes is not a multiple of its {block}-byte \
+                 block"
             )));
         }
         if new_size == old {
@@ -1567,7 +1568,7 @@ mod tests {
         match e.resize((2 << 20) + 100) {
             Err(ResizeError::BadSize(m)) => {
                 assert!(
-                    m.contains("not a multiple of its 512-byte logical block"),
+                    m.contains("not a multiple of its 512-byte block"),
                     "{m}"
                 )
             }

@@ -1017,7 +1017,7 @@ fn resizing_refuses_shrinks_ram_and_bad_sizes_in_one_line_and_changes_nothing() 
         (json!({"name": "f", "size": "2X"}), "bad size '2X'"),
         (
             json!({"name": "f", "size": (16 << 20) + 100}),
-            "not a multiple of its 512-byte logical block",
+            "not a multiple of its 512-byte block",
         ),
         (json!({"name": "f", "size": -1}), "size -1 is not a whole number of bytes"),
         (json!({"name": "f", "size": 1.5}), "not a whole number of bytes"),
