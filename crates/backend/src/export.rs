@@ -1567,10 +1567,7 @@ mod tests {
         refused(e.resize(0), "remove and re-add the export to shrink");
         match e.resize((2 << 20) + 100) {
             Err(ResizeError::BadSize(m)) => {
-                assert!(
-                    m.contains("not a multiple of its 512-byte block"),
-                    "{m}"
-                )
+                assert!(m.contains("not a multiple of its 512-byte block"), "{m}")
             }
             other => panic!("{other:?}"),
         }

@@ -559,10 +559,25 @@ fn render_exports(out: &mut Text, snap: &Snapshot) {
     render_stats(out, "blkwire_export_", whose, &series, true);
 }
 
-/// Per live queue.
+/// Live queues given series of their own at most: each has up to ~150 lines, and a target with
+/// many sessions would otherwise build a reply of hundreds of MiB (up to [`SERVERS`] at once).
+/// The per-export series count every queue.
+const MAX_QUEUE_SERIES: usize = 1024;
+
+/// Per live queue: the first [`MAX_QUEUE_SERIES`] by session and queue (the same ones from one
+/// scrape to the next), and how many were left out.
 fn render_queues(out: &mut Text, snap: &Snapshot) {
-    let series: Vec<(String, &QueueStats)> = snap
-        .queues
+    let mut queues: Vec<_> = snap.queues.iter().collect();
+    queues.sort_by_key(|q| (q.session, q.queue, q.thread));
+    let omitted = queues.len().saturating_sub(MAX_QUEUE_SERIES);
+    queues.truncate(MAX_QUEUE_SERIES);
+    out.gauge(
+        "blkwire_queue_series_omitted",
+        "Live queues left out of the per-queue series (past the first 1024 by session and \
+         queue); the per-export series count them.",
+        omitted,
+    );
+    let series: Vec<(String, &QueueStats)> = queues
         .iter()
         .map(|q| {
             let labels = labels(&[
@@ -581,7 +596,7 @@ fn render_queues(out: &mut Text, snap: &Snapshot) {
         "gauge",
         "Requests of the queue running on the backend now.",
     );
-    for (q, (labels, _)) in snap.queues.iter().zip(&series) {
+    for (q, (labels, _)) in queues.iter().zip(&series) {
         out.sample(name, labels, q.in_flight);
     }
 }
@@ -789,6 +804,37 @@ mod tests {
             .collect();
         assert_eq!(found.len(), 1, "{series} in:\n{text}");
         found[0]
+    }
+
+    /// Per-queue series stop at MAX_QUEUE_SERIES queues, the same ones (lowest session and
+    /// queue) whatever order the reactors reported them in, and the rest are counted; the
+    /// reply stays bounded however many queues are open.
+    #[test]
+    fn per_queue_series_are_bounded() {
+        let mut snap = snapshot();
+        let one = snap.queues[0].clone();
+        snap.queues = (0..MAX_QUEUE_SERIES as u32 + 10)
+            .rev()
+            .map(|session| QueueReport {
+                session,
+                ..one.clone()
+            })
+            .collect();
+        let text = render(&snap);
+        assert_eq!(value(&text, "blkwire_queue_series_omitted"), 10.0);
+        let shown = |session: u32| {
+            text.contains(&format!(
+                "blkwire_queue_in_flight{{export=\"disk\",session=\"{session}\","
+            ))
+        };
+        assert!(shown(0) && shown(MAX_QUEUE_SERIES as u32 - 1));
+        assert!(!shown(MAX_QUEUE_SERIES as u32));
+        assert_eq!(
+            text.lines()
+                .filter(|l| l.starts_with("blkwire_queue_in_flight{"))
+                .count(),
+            MAX_QUEUE_SERIES
+        );
     }
 
     #[test]
