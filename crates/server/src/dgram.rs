@@ -4,7 +4,7 @@
 //! a duplicate of a finished request gets its cached reply, a stale one is dropped, and a new
 //! generation waits while the previous one still runs.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
@@ -58,6 +58,10 @@ type Attempt = [u8; blkwire_wire::AUTH_LEN];
 #[derive(Default)]
 struct HelloAnswers {
     map: HashMap<(Peer, Attempt), (Instant, Vec<u8>, u8)>,
+    /// The keys in the order they were kept (the times only grow): the oldest is found without
+    /// a scan of the map (a full cache made every answer kept cost 4096 comparisons). An entry
+    /// whose key was dropped meanwhile (expired) is skipped, and pruned by `expire`.
+    order: VecDeque<(Instant, (Peer, Attempt))>,
     bytes: usize,
 }
 
@@ -75,26 +79,29 @@ impl HelloAnswers {
         while self.map.len() >= MAX_CACHED_HELLOS
             || self.bytes + answer.len() > MAX_CACHED_HELLO_BYTES
         {
-            let oldest = self
-                .map
-                .iter()
-                .min_by_key(|(_, (t, ..))| *t)
-                .map(|(k, _)| *k);
-            let Some((_, gone, _)) = oldest.and_then(|k| self.map.remove(&k)) else {
+            let Some((t, key)) = self.order.pop_front() else {
                 break;
             };
-            self.bytes -= gone.len();
+            if self.map.get(&key).is_some_and(|(kept, ..)| *kept == t) {
+                let (_, gone, _) = self.map.remove(&key).expect("present");
+                self.bytes -= gone.len();
+            }
         }
         self.bytes += answer.len();
-        if let Some((_, old, _)) = self.map.insert((peer, attempt), (now, answer.to_vec(), 1)) {
+        let key = (peer, attempt);
+        if let Some((_, old, _)) = self.map.insert(key, (now, answer.to_vec(), 1)) {
             self.bytes -= old.len();
         }
+        self.order.push_back((now, key));
     }
 
     /// Forgets answers older than a challenge's life.
     fn expire(&mut self, now: Instant) {
         self.map
             .retain(|_, (t, ..)| now.duration_since(*t) < IDLE_EXPIRY);
+        let map = &self.map;
+        self.order
+            .retain(|(t, key)| map.get(key).is_some_and(|(kept, ..)| kept == t));
         self.bytes = self.map.values().map(|(_, a, _)| a.len()).sum();
     }
 }
@@ -1908,8 +1915,13 @@ mod tests {
         }
         assert_eq!(c.map.len(), MAX_CACHED_HELLOS);
         assert_eq!(c.bytes, MAX_CACHED_HELLOS * 100);
+        assert_eq!(
+            c.order.len(),
+            MAX_CACHED_HELLOS,
+            "the order holds no key twice"
+        );
         c.expire(t0 + Duration::from_secs(1) + IDLE_EXPIRY + Duration::from_secs(1));
-        assert_eq!((c.map.len(), c.bytes), (0, 0));
+        assert_eq!((c.map.len(), c.bytes, c.order.len()), (0, 0, 0));
     }
 
     /// A queue reserves its slot table: a deeper queue reserves more, and a table of 1024
