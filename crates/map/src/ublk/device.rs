@@ -764,6 +764,22 @@ fn unmap_action(was_alive: bool, info: io::Result<DevInfo>, rec: &Record) -> Unm
         Ok(di) => match is_recorded(&di, rec) {
             Ok(()) => UnmapAction::Delete,
             Err(_) if was_alive => UnmapAction::Forget,
+            // Never started, with the record's shape and flags: its daemon died between
+            // recording it and starting it (killed while it waited for its queues, say), and
+            // nothing else started it since. Left, it would hold its number for ever.
+            Err(_)
+                if di.ublksrv_pid == 0
+                    && is_recorded(
+                        &DevInfo {
+                            ublksrv_pid: rec.pid,
+                            ..di
+                        },
+                        rec,
+                    )
+                    .is_ok() =>
+            {
+                UnmapAction::Delete
+            }
             Err(e) => UnmapAction::Refuse(format!(
                 "{e}; left it alone and removed blkwire's stale record of {}",
                 rec.device
@@ -940,7 +956,13 @@ mod tests {
     fn others() -> Vec<(&'static str, DevInfo)> {
         vec![
             ("another pid", info(4243)),
-            ("never started", info(0)),
+            (
+                "never started, another depth",
+                DevInfo {
+                    queue_depth: 128,
+                    ..info(0)
+                },
+            ),
             (
                 "another depth",
                 DevInfo {
@@ -1026,6 +1048,9 @@ mod tests {
                 a => panic!("GET_DEV_INFO failed, yet {a:?}"),
             }
         }
+        // Never started: its dead daemon's, deleted; one a live daemon left went with it.
+        assert_eq!(unmap_action(false, Ok(info(0)), &rec), UnmapAction::Delete);
+        assert_eq!(unmap_action(true, Ok(info(0)), &rec), UnmapAction::Forget);
         for (what, di) in others() {
             // The daemon ran until unmap stopped it, and its device went with it: whatever has
             // the number since is none of this unmap's business.
