@@ -87,3 +87,117 @@ impl DatagramPort {
         self.pushed
     }
 }
+
+/// The host names the login targets' key store knows (`login`).
+pub const LOGIN_INITIATOR: &str = "iqn.2026-11.io.test:fuzz";
+pub const LOGIN_HOSTNQN: &str = "nqn.2026-11.io.test:fuzz";
+/// The CHAP secret of [`LOGIN_INITIATOR`] and the key of [`LOGIN_HOSTNQN`], on a target with keys.
+pub const LOGIN_SECRET: &[u8] = b"fuzz-secret-0123456789";
+
+/// What one `login` run did.
+#[derive(Debug, PartialEq, Eq)]
+pub struct LoginRun {
+    /// A session (iSCSI) or a controller (NVMe/TCP admin or I/O queue) was admitted.
+    pub admitted: bool,
+    /// Bytes the target answered.
+    pub answered: usize,
+}
+
+/// The connection setup of iSCSI (login, CHAP, a discovery session's SendTargets) and NVMe/TCP
+/// (ICReq, Connect and its data, in the capsule or solicited), what any host that reaches an
+/// `iscsi://` or `nvme-tcp://` listener sends before it has proved anything, run over a byte
+/// stream as the handshake thread runs it over a socket. The first byte of `input`: bit 0
+/// picks NVMe/TCP (else iSCSI), bit 1 a target with keys ([`LOGIN_INITIATOR`] with
+/// [`LOGIN_SECRET`] for CHAP, [`LOGIN_HOSTNQN`] with it as its key); the rest is what the host
+/// sends, then the end of the stream. The target serves one RAM export, `a`.
+pub fn login(input: &[u8]) -> LoginRun {
+    let Some((&how, bytes)) = input.split_first() else {
+        return LoginRun {
+            admitted: false,
+            answered: 0,
+        };
+    };
+    let keys: crate::access::SharedKeys = Default::default();
+    if how & 2 != 0 {
+        let mut store = blkwire_auth::KeyStore::default();
+        store
+            .insert_chap(LOGIN_INITIATOR, LOGIN_SECRET, None)
+            .expect("a valid secret");
+        store.insert(
+            LOGIN_HOSTNQN,
+            blkwire_auth::Key::new(LOGIN_SECRET).expect("a valid key"),
+        );
+        *keys.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(store));
+    }
+    let registry = Registry::new(Access::new(keys), Limits::default());
+    let spec = ExportSpec::parse("a=mem:1M").expect("a valid export");
+    registry.add_export(spec).expect("a RAM export");
+    let mut s = Feed {
+        input: bytes,
+        answered: 0,
+    };
+    let peer: SocketAddr = ([127, 0, 0, 1], 40000).into();
+    let local: SocketAddr = ([127, 0, 0, 1], 3260).into();
+    let admitted = if how & 1 != 0 {
+        crate::nvme::accept(&mut s, peer, local, &registry).is_some()
+    } else {
+        crate::iscsi::accept(&mut s, peer, local, &registry).is_some()
+    };
+    LoginRun {
+        admitted,
+        answered: s.answered,
+    }
+}
+
+/// A connection whose host sends `input` and then closes; what the target sends is counted.
+struct Feed<'a> {
+    input: &'a [u8],
+    answered: usize,
+}
+
+impl io::Read for Feed<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = buf.len().min(self.input.len());
+        buf[..n].copy_from_slice(&self.input[..n]);
+        self.input = &self.input[n..];
+        Ok(n)
+    }
+}
+
+impl io::Write for Feed<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.answered += buf.len();
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The `login` fuzz target's seeds reach what they are named for: a session or a
+    /// controller (so the fuzzer starts from inputs that get past the first checks), or, for
+    /// CHAP with a wrong response, a discovery session and a Connect naming no controller, an
+    /// answer and no admission.
+    #[test]
+    fn login_seeds_reach_what_they_are_named_for() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz/seeds/login");
+        let mut seen = 0;
+        for e in std::fs::read_dir(dir).expect("the login seeds") {
+            let path = e.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().to_string();
+            let run = super::login(&std::fs::read(&path).unwrap());
+            let refused = ["iscsi-chap", "iscsi-discovery", "nvme-io-unknown"];
+            assert_eq!(
+                run.admitted,
+                !refused.contains(&name.as_str()),
+                "{name}: {run:?}"
+            );
+            assert!(run.answered > 0, "{name}: no answer");
+            seen += 1;
+        }
+        assert_eq!(seen, 8, "seeds in {dir}");
+    }
+}
