@@ -1141,3 +1141,51 @@ fn nvme_subsystems_and_controllers_are_listed_and_end_with_their_export() {
     assert_eq!(list, json!([]));
     t.stop();
 }
+
+/// Datagram listeners added and removed again and again keep serving I/O that goes through
+/// the backend's io_uring (a file export): a reactor names a datagram socket in 4 bits of a
+/// completion, and the 17th socket it was ever given got index 16, whose completions went to
+/// socket 0 (dropped, or worse, taken for one of its requests): I/O hung until the timeout.
+/// A removed socket's index is taken again, and past 16 at once a listener is refused.
+#[test]
+fn datagram_listeners_come_and_go_without_limit_and_at_most_16_at_once() {
+    let d = TempDir::new("udp-churn");
+    let img = d.path("f.img");
+    sparse_file(&img, 1 << 20);
+    let t = common::Controlled::start(
+        &d,
+        &[
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--export",
+            &format!("f=file:{}", img.display()),
+        ],
+    );
+    let opts = ConnectOptions {
+        timeout: Duration::from_secs(5),
+        ..Default::default()
+    };
+    let data = random_bytes(4096, 3);
+    for round in 0..24 {
+        let u = t.rpc("listener_add", r#"{"url": "udp://127.0.0.1:0"}"#);
+        let udp = u["url"].as_str().unwrap().to_string();
+        let url = Url::parse(&format!("{udp}/f")).unwrap();
+        let mut s = connect(&url, &opts).unwrap_or_else(|e| panic!("round {round}: {e}"));
+        s.queues[0]
+            .write_at(&data, 0, false)
+            .unwrap_or_else(|e| panic!("round {round}: write: {e}"));
+        let mut back = vec![0u8; 4096];
+        s.queues[0].read_at(&mut back, 0).unwrap();
+        assert!(back == data, "round {round}: read back");
+        drop(s);
+        t.rpc("listener_remove", &format!(r#"{{"url": "{udp}"}}"#));
+    }
+    for _ in 0..16 {
+        t.rpc("listener_add", r#"{"url": "udp://127.0.0.1:0"}"#);
+    }
+    t.refused(
+        "listener_add",
+        r#"{"url": "udp://127.0.0.1:0"}"#,
+        "already 16 datagram listeners",
+    );
+}

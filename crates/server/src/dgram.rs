@@ -432,6 +432,17 @@ fn is_station(m: [u8; 6]) -> bool {
 }
 
 impl DgramPort {
+    /// The incarnation its next queue gets.
+    pub fn next_incarnation(&self) -> u32 {
+        self.next_incarnation
+    }
+
+    /// Starts its queues' incarnations at `next` (a port taking the index of one gone: see
+    /// `Reactor`'s `Msg::Port`).
+    pub fn continue_incarnations(&mut self, next: u32) {
+        self.next_incarnation = next & 0xf_ffff;
+    }
+
     pub fn new(p: PortSetup, listener: u32, registry: Arc<Registry>) -> DgramPort {
         let frame = HEADER_LEN + p.link_payload as usize;
         let idle_expiry = registry.limits().datagram_idle;

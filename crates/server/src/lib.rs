@@ -323,7 +323,20 @@ impl Shared {
         }
         let id;
         let bound = if let Some(d) = ports::parse(url) {
-            let (setups, bound) = match d.map_err(bad)? {
+            let d = d.map_err(bad)?;
+            let datagram = self
+                .lock_listeners()
+                .list
+                .iter()
+                .filter(|l| l.stream.is_none())
+                .count();
+            if datagram >= reactor::MAX_PORTS {
+                return Err(refused(format!(
+                    "already {datagram} datagram listeners (udp://, eth://), the most a target \
+                     serves at once: remove one first (listener_remove)"
+                )));
+            }
+            let (setups, bound) = match d {
                 ports::DgramListen::Udp(a) => ports::open_udp(a, self.workers.len()),
                 ports::DgramListen::Eth {
                     iface,

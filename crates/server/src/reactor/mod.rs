@@ -139,6 +139,8 @@ pub struct Reactor {
     /// A removed listener's port is `None` once its last request finished (indexes stay: the
     /// ring's user data names ports by index).
     ports: Vec<Option<crate::dgram::DgramPort>>,
+    /// Per port index, the incarnation a new port there starts at (`Msg::Port`).
+    port_incarnations: Vec<u32>,
     /// Scratch for results reaped from thread-completing backends (no allocation per batch).
     reaped: Vec<(u64, i32)>,
     /// Connections waiting for memory the budget could not give; retried every few
@@ -164,6 +166,10 @@ pub struct Reactor {
 
 /// How often starved connections retry.
 const STARVED_RETRY: Duration = Duration::from_millis(5);
+/// Datagram sockets a reactor serves at once: a completion names its port in the 4 bits above
+/// the queue's 20 of its connection field (`ring::port_io_ud`). The control plane refuses a
+/// datagram listener past this many (`MAX_DATAGRAM_LISTENERS`).
+pub const MAX_PORTS: usize = 16;
 /// A connection that received nothing for this long gives back its grown buffers.
 const IDLE_TRIM: Duration = Duration::from_secs(1);
 /// How often freed memory may be handed back to the system (`budget::release_freed_memory`).
@@ -194,6 +200,7 @@ impl Reactor {
             ready: VecDeque::new(),
             cqes: Vec::with_capacity(1024),
             ports: Vec::new(),
+            port_incarnations: Vec::new(),
             reaped: Vec::new(),
             starved: Vec::new(),
             last_trim: Instant::now(),
@@ -228,8 +235,12 @@ impl Reactor {
                 }
                 break;
             }
-            for p in self.ports.iter_mut() {
+            for (idx, p) in self.ports.iter_mut().enumerate() {
                 if let Some(gone) = p.take_if(|p| p.retired()) {
+                    if self.port_incarnations.len() <= idx {
+                        self.port_incarnations.resize(idx + 1, 1);
+                    }
+                    self.port_incarnations[idx] = gone.next_incarnation();
                     // Nothing runs on it and its notifiers are unwatched: the socket can go,
                     // its closed queues' counters stay in the exports' totals.
                     self.closed.merge(gone.closed());
@@ -294,14 +305,35 @@ impl Reactor {
             match m {
                 Msg::Queue(q) => self.add(q),
                 Msg::Port(setup, listener) => {
-                    let idx = self.ports.len();
-                    let port = crate::dgram::DgramPort::new(setup, listener, self.registry.clone());
+                    // The lowest free index: completions name a port in 4 bits (`port_io_ud`),
+                    // and one that went retired (nothing of it runs) leaves its index free.
+                    let Some(idx) =
+                        (0..MAX_PORTS).find(|&i| self.ports.get(i).is_none_or(Option::is_none))
+                    else {
+                        crate::log!(
+                            Level::Error,
+                            "thread {}: already {MAX_PORTS} datagram sockets: listener {listener} not served on this thread",
+                            self.id
+                        );
+                        continue;
+                    };
+                    let mut port =
+                        crate::dgram::DgramPort::new(setup, listener, self.registry.clone());
+                    // Its queues' incarnations go on from the last port at the index, so that no
+                    // completion of that port's could ever be taken for one of this port's.
+                    if let Some(&next) = self.port_incarnations.get(idx) {
+                        port.continue_incarnations(next);
+                    }
                     let poll = opcode::PollAdd::new(types::Fd(port.fd()), libc::POLLIN as u32)
                         .multi(true)
                         .build()
                         .user_data(ud(KIND_PORT_IN, 0, idx, 0));
                     Pusher(&mut self.ring).push(poll);
-                    self.ports.push(Some(port));
+                    if idx == self.ports.len() {
+                        self.ports.push(Some(port));
+                    } else {
+                        self.ports[idx] = Some(port);
+                    }
                 }
                 Msg::ClosePort(listener) => {
                     for (idx, p) in self.ports.iter_mut().enumerate() {
@@ -665,8 +697,10 @@ impl Reactor {
                     else {
                         continue;
                     };
-                    if kind == KIND_PORT_IN && p.retiring() {
-                        continue; // the listener was removed: its poll is not armed again
+                    if kind == KIND_PORT_IN && (p.retiring() || cqe.result() == -libc::ECANCELED) {
+                        // The listener was removed: its poll is not armed again (nor is a
+                        // cancelled poll of a port gone before this one took its index).
+                        continue;
                     }
                     let mut sq = Pusher(&mut self.ring);
                     let user_data = port_io_ud(if kind == KIND_PORT_IN { idx } else { port });
