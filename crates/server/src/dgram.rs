@@ -176,7 +176,7 @@ enum SlotState {
     Empty,
     /// WRITE fragments arriving.
     Assembling,
-    /// A WRITE being assembled whose buffer went to another queue's request (`make_room`):
+    /// A WRITE being assembled whose buffer went to another host's request (`make_room`):
     /// its fragments are gone, its generation is not. A fragment of it begins it again, an
     /// older generation is stale (never run twice, §6).
     Reclaimed,
@@ -233,12 +233,20 @@ struct DQ {
     taken_in: u64,
     sent: u64,
     /// Bytes of data buffers its slots hold (WRITEs being assembled, requests running): the
-    /// measure of its part of the port's share when another queue's request finds the share
+    /// measure of its host's part of the port's share when another host's request finds the share
     /// full (`make_room`).
     buffered: usize,
 }
 
 impl Peer {
+    /// The host: its address without the port (a client's queues each have one).
+    fn host(self) -> Peer {
+        match self {
+            Peer::Ip(a) => Peer::Ip(SocketAddr::new(a.ip(), 0)),
+            mac => mac,
+        }
+    }
+
     fn id(&self) -> PeerId {
         match *self {
             Peer::Ip(a) => PeerId::ip(a),
@@ -315,8 +323,8 @@ pub struct PortStats {
     pub bad_seal: u64,
     /// WRITE fragments the kernel received straight where they belong (UDP, `in_place`).
     pub fragments_in_place: u64,
-    /// WRITEs being assembled whose buffer went to another queue's request because the
-    /// port's share was full and their queue held the most (`make_room`); begun again by
+    /// WRITEs being assembled whose buffer went to another host's request because the
+    /// port's share was full and their host held the most (`make_room`); begun again by
     /// their next fragment.
     pub writes_reclaimed: u64,
 }
@@ -1338,7 +1346,8 @@ impl DgramPort {
             }
             Verdict::New => {}
         }
-        // A new request on this slot.
+        // A new request on this slot; the same WRITE again if it was reclaimed (`make_room`).
+        let reclaimed = (s.state == SlotState::Reclaimed).then_some(s.hdr.tag);
         s.hdr = *h;
         s.hdr.flags =
             Flags(h.flags.0 & !(Flags::HAVE | Flags::CRC | Flags::SEALED | Flags::HEAD_CRC));
@@ -1372,7 +1381,7 @@ impl DgramPort {
             s.have.resize(bitmap::bytes_for(frags), 0);
             // Begun again after its buffer was reclaimed: the initiator believes the target
             // holds the fragments it sent, so it is told at once what is held (§9.3).
-            let again = s.state == SlotState::Reclaimed && s.hdr.tag == h.tag;
+            let again = reclaimed == Some(h.tag);
             s.state = SlotState::Assembling;
             self.fragment(qi, h, payload, sq, ud);
             let q = self.queues[qi].as_ref().expect("present");
@@ -1405,12 +1414,14 @@ impl DgramPort {
 
     /// Covers `needs` more bytes for a request of queue `asking`, making room when the port's
     /// share is full: spare buffers are freed first, then WRITEs being assembled in a buffer
-    /// are reclaimed from the queue holding the most buffer bytes, as long as it holds at least
-    /// what `asking` would once covered. A peer that sends the first fragments of WRITEs and
-    /// never the rest (kept alive by KEEPALIVEs) would otherwise hold the port's whole share,
-    /// and every other queue on it would have its requests dropped; with this it keeps what no
-    /// other queue needs. A reclaimed WRITE is begun again by its next fragment (§9.3). False
-    /// when nothing can be reclaimed: the request is dropped for the initiator to send again.
+    /// are reclaimed from the host (address, whatever its ports, sessions and queues) holding
+    /// the most buffer bytes, as long as it holds more than the asker's host would once
+    /// covered. A peer that sends the first fragments of WRITEs and never the rest (kept alive
+    /// by KEEPALIVEs), over as many queues and sessions as it likes, would otherwise hold the
+    /// port's whole share, and every other host's requests would be dropped; with this it keeps
+    /// no more than any other host that asks. A reclaimed WRITE is begun again by its next
+    /// fragment (§9.3). False when nothing can be reclaimed: the request is dropped for the
+    /// initiator to send again.
     fn make_room(&mut self, asking: usize, needs: usize) -> bool {
         loop {
             if self.mem.try_cover(self.held() + needs) {
@@ -1420,26 +1431,39 @@ impl DgramPort {
                 self.bufs.clear();
                 continue;
             }
-            let mine = self.queues[asking].as_ref().map_or(0, |q| q.buffered);
-            let victim = (0..self.queues.len())
-                .filter(|&i| i != asking)
-                .filter_map(|i| Some((i, self.queues[i].as_ref()?.buffered)))
-                .max_by_key(|&(_, held)| held);
-            let Some((vi, held)) = victim else {
+            let Some(asker) = self.queues[asking].as_ref().map(|q| q.peer.host()) else {
                 return false;
             };
-            if held < mine + needs {
-                return false;
+            let mut per_host: HashMap<Peer, usize> = HashMap::new();
+            for q in self.queues.iter().flatten() {
+                *per_host.entry(q.peer.host()).or_default() += q.buffered;
             }
-            let v = self.queues[vi].as_mut().expect("present");
-            let Some(s) = v
-                .slots
-                .iter_mut()
-                .find(|s| s.state == SlotState::Assembling && s.buf.is_some())
-            else {
-                // Its buffers all serve requests that run.
+            let mine = per_host.get(&asker).copied().unwrap_or(0);
+            let mut hosts: Vec<(Peer, usize)> = per_host
+                .into_iter()
+                .filter(|&(h, held)| h != asker && held > mine + needs)
+                .collect();
+            hosts.sort_by_key(|&(_, held)| std::cmp::Reverse(held));
+            // The first of those hosts with a WRITE being assembled in a buffer (another's
+            // buffers may all serve requests that run), from its queue holding the most.
+            let found = hosts.iter().find_map(|&(host, _)| {
+                (0..self.queues.len())
+                    .filter_map(|i| Some((i, self.queues[i].as_ref()?)))
+                    .filter(|(_, q)| q.peer.host() == host)
+                    .filter_map(|(i, q)| {
+                        let slot = q
+                            .slots
+                            .iter()
+                            .position(|s| s.state == SlotState::Assembling && s.buf.is_some())?;
+                        Some((q.buffered, i, slot))
+                    })
+                    .max()
+            });
+            let Some((_, vi, slot)) = found else {
                 return false;
             };
+            let v = self.queues[vi].as_mut().expect("present");
+            let s = &mut v.slots[slot];
             let buf = s.buf.take().expect("found with a buffer");
             s.state = SlotState::Reclaimed;
             v.buffered -= buf.len();
@@ -2057,17 +2081,19 @@ mod tests {
         client_features: u64,
     ) -> (DatagramPort, UdpSocket, HelloReply) {
         let mut port = DatagramPort::new(&[export], LINK).unwrap();
-        let (peer, reply) = open_session(&mut port, queues, client_features);
+        let (peer, reply) = open_session(&mut port, "127.0.0.1", queues, client_features);
         (port, peer, reply)
     }
 
-    /// A session on export `a` of `port` from a new peer: its socket and the HELLO reply.
+    /// A session on export `a` of `port` from a new peer at `ip`: its socket and the HELLO
+    /// reply.
     fn open_session(
         port: &mut DatagramPort,
+        ip: &str,
         queues: u16,
         client_features: u64,
     ) -> (UdpSocket, HelloReply) {
-        let peer = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let peer = UdpSocket::bind((ip, 0)).unwrap();
         let mut hello = Hello {
             queues,
             depth: 8,
@@ -2134,19 +2160,23 @@ mod tests {
         assert_eq!(dp.port.held(), fixed);
     }
 
-    /// A peer that sends the first fragment of WRITEs and never the rest holds their buffers
-    /// only while no other queue needs room: another queue's request finding the port's share
-    /// full reclaims one, and the reclaimed WRITE, sent again, is begun again and told at once
-    /// what is held. A stale generation on its slot stays stale, and a queue holding no more
-    /// than the asker is not taken from.
+    /// A host that sends the first fragment of WRITEs and never the rest, over two sessions,
+    /// holds their buffers only while no other host needs room: another host's request finding
+    /// the port's share full reclaims one, until both hosts hold as much. The reclaimed WRITE,
+    /// sent again, is begun again and told at once what is held; a newer generation on its
+    /// slot is a new WRITE (no HAVE); an older one is stale.
     #[test]
-    fn half_sent_writes_give_their_buffers_to_other_queues() {
+    fn half_sent_writes_give_their_buffers_to_other_hosts() {
         const WRITE: u32 = 2 * LINK;
         // Not RAM: a WRITE to RAM takes no buffer.
         let (mut dp, hoarder, a) = session_on("a=null:1M");
-        let (other, b) = open_session(&mut dp, 1, 0);
-        let b = b.session;
-        let (from_a, from_b) = (hoarder.local_addr().unwrap(), other.local_addr().unwrap());
+        let (second, c) = open_session(&mut dp, "127.0.0.1", 1, 0);
+        // Another host: 127.0.0.2 is loopback too.
+        let (other, b) = open_session(&mut dp, "127.0.0.2", 1, 0);
+        let (b, c) = (b.session, c.session);
+        let from_a = hoarder.local_addr().unwrap();
+        let from_b = other.local_addr().unwrap();
+        let from_c = second.local_addr().unwrap();
         // A share of eight WRITEs' buffers beside the port's fixed ones.
         let fixed = dp.port.held();
         let budget = crate::budget::Budget::new(usize::MAX);
@@ -2161,30 +2191,48 @@ mod tests {
             (h.frag_count, h.frag_index, h.frag_offset) = (2, 1, LINK);
             frame(h, &[0xee; LINK as usize])
         };
-        for slot in 0..8 {
+        let ok = |peer: &UdpSocket| {
+            let got = answers(peer, true);
+            assert_eq!(got.len(), 1, "{got:?}");
+            assert_eq!(
+                (got[0].0.status, got[0].0.flags.has(Flags::HAVE)),
+                (Status::Ok, false)
+            );
+        };
+        let state =
+            |dp: &DatagramPort, slot: usize| dp.port.queues[0].as_ref().unwrap().slots[slot].state;
+        for slot in 0..5 {
             dp.receive(&first(a, slot, 2), from_a);
+        }
+        for slot in 0..3 {
+            dp.receive(&first(c, slot, 2), from_c);
         }
         assert_eq!(
             dp.port.held(),
             fixed + 8 * WRITE as usize,
             "the share is full"
         );
-        assert_eq!(dp.port.stats.no_memory, 0);
 
-        // The other queue's WRITE finds room, and runs.
+        // The other host's WRITEs find room (the first runs): the hoarder's queue holding the
+        // most gives up its WRITEs being assembled.
         dp.receive(&first(b, 0, 1), from_b);
         dp.receive(&second(b, 0, 1), from_b);
-        let got = answers(&other, true);
-        assert_eq!(got.len(), 1, "{got:?}");
-        assert_eq!(
-            (got[0].0.status, got[0].0.flags.has(Flags::HAVE)),
-            (Status::Ok, false)
-        );
-        assert_eq!(dp.port.stats.writes_reclaimed, 1);
+        ok(&other);
+        dp.receive(&first(b, 1, 1), from_b);
+        dp.receive(&first(b, 2, 1), from_b);
+        assert_eq!(dp.port.stats.writes_reclaimed, 2);
         assert_eq!(dp.port.stats.no_memory, 0);
+        assert_eq!(
+            (state(&dp, 0), state(&dp, 1)),
+            (SlotState::Reclaimed, SlotState::Reclaimed)
+        );
+        dp.receive(&second(b, 1, 1), from_b);
+        ok(&other);
+        dp.receive(&second(b, 2, 1), from_b);
+        ok(&other);
 
-        // The hoarder's first WRITE was taken: an older generation on its slot is stale,
-        // the WRITE itself is begun again and told what is held.
+        // An older generation on a reclaimed slot is stale; the WRITE itself, sent again, is
+        // begun again and told what is held; a newer generation is a new WRITE.
         assert!(answers(&hoarder, false).is_empty());
         dp.receive(&first(a, 0, 1), from_a);
         assert!(
@@ -2197,35 +2245,38 @@ mod tests {
         assert!(got[0].0.flags.has(Flags::HAVE), "told what is held");
         assert_eq!(got[0].1, [1u8], "fragment 0 only");
         dp.receive(&second(a, 0, 2), from_a);
-        let got = answers(&hoarder, true);
-        assert_eq!(
-            (got[0].0.status, got[0].0.flags.has(Flags::HAVE)),
-            (Status::Ok, false)
+        ok(&hoarder);
+        dp.receive(&first(a, 1, 3), from_a);
+        assert!(
+            answers(&hoarder, false).is_empty(),
+            "no HAVE for a new WRITE"
         );
+        dp.receive(&second(a, 1, 3), from_a);
+        ok(&hoarder);
 
-        // The other queue takes from the hoarder until they hold as much: asking for more
-        // then, nothing is taken and its request is dropped for its initiator to resend.
-        let held = |dp: &DatagramPort, qi: usize| dp.port.queues[qi].as_ref().unwrap().buffered;
-        for slot in 1..5 {
+        // Both hoarder's sessions hold 6 of the 8 now: the other host takes from them until the
+        // two hosts hold as much; asking for more then, nothing is taken and its request is
+        // dropped for its initiator to resend.
+        dp.receive(&first(a, 0, 3), from_a);
+        dp.receive(&first(a, 1, 4), from_a);
+        let before = (dp.port.stats.writes_reclaimed, dp.port.stats.no_memory);
+        for slot in 3..7 {
             dp.receive(&first(b, slot, 1), from_b);
         }
+        let held = |dp: &DatagramPort, qi: usize| dp.port.queues[qi].as_ref().unwrap().buffered;
         assert_eq!(
-            (held(&dp, 0), held(&dp, 1)),
-            (4 * WRITE as usize, 4 * WRITE as usize)
+            held(&dp, 0) + held(&dp, 1),
+            4 * WRITE as usize,
+            "the hoarder's host"
         );
-        let reclaimed = dp.port.stats.writes_reclaimed;
-        dp.receive(&first(b, 5, 1), from_b);
+        assert_eq!(held(&dp, 2), 4 * WRITE as usize, "the other host");
+        dp.receive(&first(b, 7, 1), from_b);
         assert_eq!(
             (
-                dp.port.stats.writes_reclaimed - reclaimed,
-                dp.port.stats.no_memory
+                dp.port.stats.writes_reclaimed - before.0,
+                dp.port.stats.no_memory - before.1
             ),
-            (0, 1)
-        );
-        assert_eq!(
-            held(&dp, 0),
-            4 * WRITE as usize,
-            "the hoarder keeps its half"
+            (4, 1)
         );
     }
 

@@ -455,8 +455,8 @@ const PORT_COUNTERS: [PortCounter; 7] = [
     },
     PortCounter {
         name: "blkwire_port_writes_reclaimed_total",
-        help: "Datagram WRITEs being assembled whose buffer went to another queue's request \
-               (the port's share was full and their queue held the most); begun again by their \
+        help: "Datagram WRITEs being assembled whose buffer went to another host's request \
+               (the port's share was full and their host held the most); begun again by their \
                next fragment.",
         value: |p| p.writes_reclaimed,
     },
