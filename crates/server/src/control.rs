@@ -522,7 +522,7 @@ struct PathParam {
 
 fn keys_load(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     let p: PathParam = params("keys_load", p, "{\"path\": \"/etc/blkwire/keys\"}")?;
-    let store = blkwire_auth::KeyStore::load(&p.path).map_err(RpcError::refused)?;
+    let store = blkwire_auth::KeyStore::load_owned(&p.path).map_err(RpcError::refused)?;
     let hosts = store.len();
     sh.registry.access.set_keys(store);
     *sh.keys_path.lock().unwrap_or_else(|e| e.into_inner()) = Some(p.path);
@@ -989,13 +989,10 @@ fn nvme_subsystem_remove_host(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcEr
 
 fn iscsi_target_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
     let r = &sh.registry;
-    let live: std::collections::HashSet<u32> = r
-        .sessions()
-        .iter()
-        .filter(|s| !r.is_revoked(s.session))
-        .map(|s| s.session)
-        .collect();
-    r.iscsi.retain_sessions(&|id| live.contains(&id));
+    // Records are kept while their sessions exist (a reinstating login waits for a closing
+    // one); only the open ones are listed.
+    r.iscsi.retain_sessions(&|id| r.holds(id));
+    let shown = |id| !r.is_revoked(id);
     let portals = r.iscsi.portals();
     let max_io = r.limits().max_io;
     let lun = |n: u64, e: &Arc<blkwire_backend::Export>| {
@@ -1021,7 +1018,7 @@ fn iscsi_target_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
                 "luns": [lun(0, e)],
                 "allow": r.allow_of(&e.name),
                 "portals": portals,
-                "sessions": r.iscsi.describe_sessions(&iqn),
+                "sessions": r.iscsi.describe_sessions(&iqn, &shown),
             })
         })
         .collect();
@@ -1033,7 +1030,7 @@ fn iscsi_target_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
             .filter_map(|(n, name)| Some(lun(*n, exports.iter().find(|e| &e.name == name)?)))
             .collect();
         v["portals"] = json!(portals);
-        v["sessions"] = r.iscsi.describe_sessions(&t.iqn).into();
+        v["sessions"] = r.iscsi.describe_sessions(&t.iqn, &shown).into();
         targets.push(v);
     }
     Ok(Value::Array(targets))

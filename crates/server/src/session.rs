@@ -1282,6 +1282,11 @@ impl Registry {
             .and_then(|s| s.spec.allow.clone())
     }
 
+    /// True while the session exists (being closed included).
+    pub fn holds(&self, id: u32) -> bool {
+        self.lock().sessions.contains_key(&id)
+    }
+
     /// True when the session is gone or being closed by the control plane.
     pub fn is_revoked(&self, id: u32) -> bool {
         self.lock().sessions.get(&id).is_none_or(|s| s.revoked)

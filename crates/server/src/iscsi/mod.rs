@@ -295,11 +295,16 @@ impl Portals {
     }
 
     /// The logged-in sessions of one target, for `iscsi_target_list`.
-    pub fn describe_sessions(&self, target: &str) -> Vec<serde_json::Value> {
+    /// The logins to `target` whose first session is `shown` (not closing).
+    pub fn describe_sessions(
+        &self,
+        target: &str,
+        shown: &dyn Fn(u32) -> bool,
+    ) -> Vec<serde_json::Value> {
         self.lock()
             .sessions
             .iter()
-            .filter(|s| s.target == target)
+            .filter(|s| s.target == target && shown(s.session))
             .map(|s| {
                 serde_json::json!({
                     "session": s.session,
@@ -1146,7 +1151,9 @@ fn finish<S: Read + Write>(
             digests: l.neg.digests,
         },
         &acl_name,
-        &|id| !registry.is_revoked(id),
+        // Kept while they exist, closing included: a login that reinstates one must find it
+        // until what it runs has completed (`reinstated`).
+        &|id| registry.holds(id),
     );
     if !recorded {
         crate::log!(
