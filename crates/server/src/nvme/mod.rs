@@ -100,6 +100,15 @@ struct Controller {
     since: Instant,
 }
 
+/// Why `Controllers::insert` recorded no controller.
+#[derive(Debug, PartialEq, Eq)]
+enum NotInserted {
+    /// Every place is taken (Controller Busy: the host tries again).
+    Busy,
+    /// Its configured subsystem's host list no longer has the host (not allowed).
+    HostRemoved,
+}
+
 /// How long a controller awaiting its host's DH-HMAC-CHAP keeps its place against a new one
 /// when every place is taken (as the handshakes' `CUT_AFTER`): the exchange takes a few round
 /// trips, so only hosts that connect and never prove their key lose theirs. Without this, hosts
@@ -132,19 +141,20 @@ impl Controllers {
             .collect()
     }
 
-    /// Registers a controller for a host at `ip`; its id, or None when [`MAX_CONTROLLERS`] are
-    /// in use, or [`MAX_CONTROLLERS_PER_HOST`] of them are that address's, or (`configured`:
-    /// `(subsystem, host)` of a configured subsystem) when that subsystem no longer admits the
-    /// host, checked under the lock its host list changes under (see `authenticated`).
+    /// Registers a controller for a host at `ip`; its id, or why not: [`MAX_CONTROLLERS`] are
+    /// in use, or [`MAX_CONTROLLERS_PER_HOST`] of them are that address's (`Busy`), or
+    /// (`configured`: `(subsystem, host)` of a configured subsystem) that subsystem no longer
+    /// admits the host, checked under the lock its host list changes under (see
+    /// `authenticated`).
     fn insert(
         &self,
         ip: IpAddr,
         configured: Option<(&str, &str)>,
         mut make: impl FnMut(u16) -> Controller,
-    ) -> Option<u16> {
+    ) -> Result<u16, NotInserted> {
         let mut t = self.lock();
         if configured.is_some_and(|(sub, host)| !t.admits(sub, host)) {
-            return None;
+            return Err(NotInserted::HostRemoved);
         }
         let full = |t: &Table| {
             let mine = t.ctrls.values().filter(|c| c.ip == ip).count();
@@ -165,7 +175,10 @@ impl Controllers {
                 .filter(|(_, c)| !mine || c.ip == ip)
                 .min_by_key(|(_, c)| c.since)
                 .map(|(id, _)| *id);
-            let c = t.ctrls.remove(&cut?).expect("found");
+            let c = t
+                .ctrls
+                .remove(&cut.ok_or(NotInserted::Busy)?)
+                .expect("found");
             crate::log!(
                 Level::Info,
                 "NVMe host '{}' at {}: controller {} had not authenticated in {} s; its place \
@@ -176,7 +189,7 @@ impl Controllers {
                 PENDING_CUT.as_secs()
             );
             if full(&t) != (false, false) {
-                return None;
+                return Err(NotInserted::Busy);
             }
         }
         // Ids 1..=0xFFEF (0xFFF0 and above are reserved), reused only after a wrap.
@@ -191,7 +204,7 @@ impl Controllers {
             }
         };
         t.ctrls.insert(id, make(id));
-        Some(id)
+        Ok(id)
     }
 
     fn remove(&self, id: u16) {
@@ -1179,10 +1192,25 @@ fn admin_connect<S: Read + Write>(
             since: Instant::now(),
         }
     });
-    let (Some(id), Some(facts)) = (id, facts) else {
-        leave_all(&admitted);
-        reply(s, 0, sc::CONNECT_CTRL_BUSY, 0);
-        return None;
+    let (id, facts) = match (id, facts) {
+        (Ok(id), Some(facts)) => (id, facts),
+        (Err(NotInserted::HostRemoved), _) => {
+            leave_all(&admitted);
+            registry.access.refuse(
+                &peer_s,
+                &format!(
+                    "NVMe host '{who}' was removed from subsystem '{}'",
+                    c.subnqn.escape_debug()
+                ),
+            );
+            reply(s, 0, sc::CONNECT_INVALID_HOST | sc::DNR, 0);
+            return None;
+        }
+        _ => {
+            leave_all(&admitted);
+            reply(s, 0, sc::CONNECT_CTRL_BUSY, 0);
+            return None;
+        }
     };
     let atr = if proven.is_some() {
         CONNECT_AUTHREQ_ATR
@@ -1693,7 +1721,7 @@ mod tests {
         let young = t.insert(a, None, ctrl(a, false, Duration::ZERO)).unwrap();
         let oldest = t.insert(a, None, ctrl(a, false, old)).unwrap();
         let new = t.insert(a, None, ctrl(a, false, Duration::ZERO));
-        assert!(new.is_some(), "no place given");
+        assert!(new.is_ok(), "no place given");
         assert!(
             !t.contains(oldest),
             "the one awaiting authentication longest gave it"
@@ -1701,7 +1729,10 @@ mod tests {
         assert!(t.contains(young) && t.contains(other));
         assert!(authenticated.iter().all(|&id| t.contains(id)));
         // Now every pending one of `a` is young: nobody gives a place.
-        assert_eq!(t.insert(a, None, ctrl(a, false, Duration::ZERO)), None);
+        assert_eq!(
+            t.insert(a, None, ctrl(a, false, Duration::ZERO)),
+            Err(NotInserted::Busy)
+        );
     }
 
     /// A configured subsystem's host list is checked again as the controller is recorded or
@@ -1728,7 +1759,7 @@ mod tests {
         );
         assert_eq!(
             t.insert(ip, Some((SUB, HOST)), ctrl(ip, false, Duration::ZERO)),
-            None
+            Err(NotInserted::HostRemoved)
         );
     }
 }
