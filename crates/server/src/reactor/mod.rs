@@ -863,7 +863,9 @@ impl Reactor {
         if c.inflight == 0 && !c.dead {
             if let Some(req) = c.logout.take() {
                 c.reply(&req, blkwire_wire::Status::Ok);
-                transmit(c, idx, &mut sq);
+                if !c.want_out {
+                    transmit(c, idx, &mut sq);
+                }
             }
         }
         let drained = c.tx_backlog() == 0 || c.dead;

@@ -155,6 +155,19 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                     park_with_data(c, &req, payload_at, payload_len);
                     continue;
                 }
+                // Anything else that must wait (a COPY, whose ranges NVMe/TCP sends as its
+                // payload: its bounce buffer, or the one COPY a queue runs at a time) cannot
+                // wait in a slot: while writes wait for their data it is refused (the initiator
+                // retries it), for stopping the stream would keep that data out, and with it
+                // the memory its writes give back.
+                Cover::Wait if writes_wait(c) => {
+                    c.fe.taken(req);
+                    let req = req.refused();
+                    c.rx_start += len;
+                    c.stats().frames_in += 1;
+                    c.reply(&req, Status::NoMemory);
+                    continue;
+                }
                 Cover::Wait => break,
                 Cover::Never => {
                     c.fe.taken(req);
@@ -350,7 +363,26 @@ fn dispatch(
         Kind::Logout => {
             // Nothing after LOGOUT/DISC is executed (PROTOCOL.md §2.5); what is in flight is
             // still answered before the queue closes, and before the LOGOUT itself (its answer
-            // then goes when the last is sent, `Reactor::service`).
+            // then goes when the last is sent, `Reactor::service`). Requests still waiting,
+            // for memory or (writes) for data nothing will read now, are answered NO_MEMORY
+            // first: left, they could run after the LOGOUT's answer, or never.
+            let waiting: Vec<u16> = (0..c.slots.len() as u16)
+                .filter(|&i| {
+                    let s = &c.slots[i as usize];
+                    s.busy && (s.awaiting.is_some() || c.deferred.contains(&i))
+                })
+                .collect();
+            for slot in waiting {
+                let Some(r) = c.slots[slot as usize].req else {
+                    continue;
+                };
+                let parked = c.slots[slot as usize].awaiting.is_none();
+                release_held(c, slot);
+                if parked {
+                    c.fe.unparked(slot);
+                }
+                c.reply(&r.refused(), Status::NoMemory);
+            }
             if c.inflight == 0 {
                 c.reply(req, Status::Ok);
             } else {
@@ -1388,6 +1420,31 @@ mod tests {
                         trailer: 0,
                     }
                 }
+                // `O cookie offset length`: a LOGOUT.
+                Some(b'O') => {
+                    if let Some(n) = need(21) {
+                        return n;
+                    }
+                    Decoded::Request {
+                        req: request(Kind::Logout, rx),
+                        len: 21,
+                        payload_len: 0,
+                        trailer: 0,
+                    }
+                }
+                // `Y cookie offset length` and 8 bytes: a COPY with its descriptor (NVMe/TCP's
+                // Copy carries its ranges as payload).
+                Some(b'Y') => {
+                    if let Some(n) = need(29) {
+                        return n;
+                    }
+                    Decoded::Request {
+                        req: request(Kind::Copy, rx),
+                        len: 29,
+                        payload_len: 8,
+                        trailer: 0,
+                    }
+                }
                 // `L cookie offset length`: a READ decoded from a message that needs no free
                 // slot (`next_is_data`), as iSCSI's Data-Out that completes a parameter list
                 // makes the command's first part (a VERIFY's read, say).
@@ -2069,6 +2126,75 @@ mod tests {
             .windows(11)
             .any(|w| w == &status_reply(9, Status::Ok)[..]);
         assert!(answered, "the read that waited was answered");
+    }
+
+    /// A LOGOUT that comes while writes wait for their data (or for memory) answers them
+    /// NO_MEMORY first, then itself, last: they ran after its answer once memory came back
+    /// (iSCSI: no response may follow the Logout Response), or waited for data nothing reads.
+    #[test]
+    fn a_logout_answers_the_requests_still_waiting_first() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn_budget("m=mem:4M", false, 8 << 20);
+        const LEN: usize = 512 << 10;
+        let mut msgs = Vec::new();
+        for i in 0..3u64 {
+            msgs.extend_from_slice(&write(i, i * LEN as u64, LEN as u32, &[]));
+        }
+        feed(&mut c, &mut ring, &msgs);
+        let asked = take_tx(&mut c);
+        let waiting = (0..c.slots.len()).filter(|&i| c.slots[i].busy).count();
+        assert!(waiting > 0, "no write waits");
+        let mut logout = vec![b'O'];
+        logout.extend_from_slice(&9u64.to_le_bytes());
+        logout.extend_from_slice(&[0; 12]);
+        feed(&mut c, &mut ring, &logout);
+        let tx = take_tx(&mut c);
+        let replies: Vec<&[u8]> = tx.chunks(11).collect();
+        assert_eq!(replies.len(), waiting + 1, "{asked:?} then {tx:?}");
+        for (i, r) in replies[..waiting].iter().enumerate() {
+            assert_eq!(&r[..9], &status_reply(i as u64, Status::NoMemory)[..9]);
+            assert_eq!(&r[9..], &status_reply(i as u64, Status::NoMemory)[9..]);
+        }
+        assert_eq!(
+            replies[waiting],
+            &status_reply(9, Status::Ok)[..],
+            "the LOGOUT last"
+        );
+        assert!(c.closing && c.deferred.is_empty());
+        assert!(c.slots.iter().all(|s| !s.busy), "every slot given back");
+        assert_eq!(c.targets[0].exec.stats.writes, 0, "nothing ran");
+    }
+
+    /// A COPY that must wait for its bounce buffer while writes wait for their data is
+    /// refused (the initiator retries it), and the data behind it is read: it stopped the
+    /// stream, and the writes it waited on the memory of never got their data.
+    #[test]
+    fn a_copy_that_must_wait_while_writes_wait_for_data_is_refused() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn_budget("m=mem:4M", false, 3 << 20);
+        const LEN: usize = 512 << 10;
+        let mut msgs = Vec::new();
+        for i in 0..3u64 {
+            msgs.extend_from_slice(&write(i, i * LEN as u64, LEN as u32, &[]));
+        }
+        feed(&mut c, &mut ring, &msgs);
+        assert!(!c.deferred.is_empty() || c.slots.iter().any(|s| s.awaiting.is_some()));
+        let mut copy = vec![b'Y'];
+        copy.extend_from_slice(&7u64.to_le_bytes());
+        copy.extend_from_slice(&0u64.to_le_bytes());
+        copy.extend_from_slice(&4096u32.to_le_bytes());
+        copy.extend_from_slice(&[0; 8]);
+        feed(&mut c, &mut ring, &copy);
+        assert_eq!(
+            c.rx_start, c.rx_end,
+            "the COPY was taken, not left to stop the stream"
+        );
+        let tx = take_tx(&mut c);
+        assert!(
+            tx.windows(11)
+                .any(|w| w == &status_reply(7, Status::NoMemory)[..]),
+            "the COPY refused"
+        );
     }
 
     #[test]
