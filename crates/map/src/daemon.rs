@@ -260,8 +260,8 @@ fn launch<D: BlockDevice>(
             return run::<D>(&spec, &mut Notify::Call(on_ready));
         };
         let f = open_log(l)?;
-        // SAFETY: dup of our own stderr, kept to restore it.
-        let terminal = unsafe { libc::dup(2) };
+        // SAFETY: a copy of our own stderr (close-on-exec), kept to restore it.
+        let terminal = unsafe { libc::fcntl(2, libc::F_DUPFD_CLOEXEC, 3) };
         // SAFETY: dup2 of the log onto stderr, which the log lines go to.
         unsafe { libc::dup2(f.as_raw_fd(), 2) };
         let result = run::<D>(&spec, &mut Notify::Call(on_ready));
