@@ -306,7 +306,19 @@ impl FileBackend {
 
     fn trim(&self, offset: u64, len: u32) -> i32 {
         let r = if self.block_device {
-            self.range_ioctl(BLKDISCARD, offset, len)
+            // BLKDISCARD takes whole logical blocks (EINVAL otherwise), and NBD clients may
+            // trim any bytes where the export takes unaligned I/O: the blocks wholly inside
+            // the range are discarded (the rest, as the whole, is advisory).
+            let lb = u64::from(self.logical.max(1));
+            let (start, end) = (
+                offset.next_multiple_of(lb),
+                (offset + u64::from(len)) / lb * lb,
+            );
+            if end > start {
+                self.range_ioctl(BLKDISCARD, start, (end - start) as u32)
+            } else {
+                0
+            }
         } else if self.punch_hole {
             self.fallocate(
                 libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
@@ -784,6 +796,45 @@ impl QueueIo for FileQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A TRIM of a block device that does not cover whole logical blocks discards the blocks
+    /// wholly inside it and succeeds (TRIM is advisory); BLKDISCARD refused it with EINVAL,
+    /// which NBD clients (whose TRIMs may be unaligned on such an export) got back. On a loop
+    /// device over a file of 4 KiB blocks; needs root and losetup.
+    #[test]
+    fn an_unaligned_trim_of_a_block_device_trims_the_blocks_inside() {
+        let dir = std::env::temp_dir().join(format!("blkwire-trim-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("f.img");
+        std::fs::write(&file, vec![7u8; 64 << 10]).unwrap();
+        let out = std::process::Command::new("losetup")
+            .args(["--find", "--show", "--sector-size", "4096"])
+            .arg(&file)
+            .output()
+            .expect("losetup (util-linux) runs");
+        assert!(
+            out.status.success(),
+            "losetup: {} (this test needs root and loop devices)",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        struct Detach(String);
+        impl Drop for Detach {
+            fn drop(&mut self) {
+                let _ = std::process::Command::new("losetup")
+                    .args(["-d", &self.0])
+                    .status();
+            }
+        }
+        let _detach = Detach(dev.clone());
+        let b = FileBackend::open(Path::new(&dev), false, false).unwrap();
+        assert_eq!(b.logical, 4096);
+        assert_eq!(b.trim(100, 10000), 0, "unaligned, over the block at 4096");
+        assert_eq!(b.trim(100, 1000), 0, "inside one block: nothing to discard");
+        assert_eq!(b.trim(0, 8192), 0, "aligned");
+        drop(b);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     /// A FIFO is refused at once (the open does not wait for a writer), and a file is used
     /// with a blocking descriptor (io_uring answers EAGAIN on a non-blocking one).

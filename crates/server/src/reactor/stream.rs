@@ -718,8 +718,22 @@ fn run_deferred(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         };
         if s.awaiting.is_none() {
             // Parked: it runs as if it had just arrived, in the slot it gives back.
-            if !matches!(request_cover(c, &req, 0), Cover::Yes) {
-                return;
+            match request_cover(c, &req, 0) {
+                Cover::Yes => {}
+                Cover::Wait => return,
+                // It cannot fit the connection's share as things are now (the receive buffer
+                // grew for a large PDU since it was parked): answered NO_MEMORY (the initiator
+                // retries it) rather than holding up every request queued behind it.
+                Cover::Never => {
+                    c.deferred.pop_front();
+                    c.fe.unparked(slot);
+                    let s = &mut c.slots[slot as usize];
+                    s.busy = false;
+                    s.req = None;
+                    release_slot(c, slot);
+                    c.reply(&req.refused(), Status::NoMemory);
+                    continue;
+                }
             }
             c.deferred.pop_front();
             c.fe.unparked(slot);
@@ -2195,6 +2209,44 @@ mod tests {
                 .any(|w| w == &status_reply(7, Status::NoMemory)[..]),
             "the COPY refused"
         );
+    }
+
+    /// A request parked for memory that can no longer fit the connection's share when its
+    /// turn comes (the receive buffer grew meanwhile) is answered NO_MEMORY instead of holding
+    /// up the queue behind it for ever.
+    #[test]
+    fn a_parked_request_that_can_never_fit_is_refused_when_its_turn_comes() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn_budget("m=mem:4M", false, 3 << 20);
+        const LEN: usize = 512 << 10;
+        let mut msgs = Vec::new();
+        // Writes waiting for their data, and a read behind them parked for memory.
+        for i in 0..3u64 {
+            msgs.extend_from_slice(&write(i, i * LEN as u64, LEN as u32, &[]));
+        }
+        msgs.extend_from_slice(&read(9, 0, LEN as u32));
+        feed(&mut c, &mut ring, &msgs);
+        let parked: Vec<u16> = c
+            .deferred
+            .iter()
+            .copied()
+            .filter(|&s| c.slots[s as usize].awaiting.is_none())
+            .collect();
+        assert_eq!(parked.len(), 1, "the read is parked: {:?}", c.deferred);
+        // The read's turn: the writes ahead of it in the queue are left out of it here.
+        c.deferred.retain(|s| parked.contains(s));
+        // The receive buffer grew past what leaves room for the read in the share.
+        let cap = c.mem.cap();
+        c.rx.reserve(cap);
+        feed(&mut c, &mut ring, &[]);
+        let tx = take_tx(&mut c);
+        assert!(c.deferred.is_empty(), "{:?}", c.deferred);
+        assert!(
+            tx.windows(11)
+                .any(|w| w == &status_reply(9, Status::NoMemory)[..]),
+            "the read refused: {tx:?}"
+        );
+        assert_eq!(c.targets[0].exec.stats.reads, 0, "and not run");
     }
 
     #[test]
