@@ -1180,12 +1180,99 @@ fn datagram_listeners_come_and_go_without_limit_and_at_most_16_at_once() {
         drop(s);
         t.rpc("listener_remove", &format!(r#"{{"url": "{udp}"}}"#));
     }
-    for _ in 0..16 {
-        t.rpc("listener_add", r#"{"url": "udp://127.0.0.1:0"}"#);
-    }
+    let mut urls: Vec<String> = (0..16)
+        .map(|_| {
+            let u = t.rpc("listener_add", r#"{"url": "udp://127.0.0.1:0"}"#);
+            u["url"].as_str().unwrap().to_string()
+        })
+        .collect();
     t.refused(
         "listener_add",
         r#"{"url": "udp://127.0.0.1:0"}"#,
         "already 16 datagram listeners",
     );
+    // One removed and one added at once: the new socket waits for the old one's index (it was
+    // dropped, the listener listed and served nowhere), then serves.
+    for round in 0..4 {
+        let gone = urls.remove(0);
+        t.rpc("listener_remove", &format!(r#"{{"url": "{gone}"}}"#));
+        let u = t.rpc("listener_add", r#"{"url": "udp://127.0.0.1:0"}"#);
+        let udp = u["url"].as_str().unwrap().to_string();
+        let url = Url::parse(&format!("{udp}/f")).unwrap();
+        let mut s = connect(&url, &opts).unwrap_or_else(|e| panic!("swap {round}: {e}"));
+        let mut back = vec![0u8; 4096];
+        s.queues[0].read_at(&mut back, 0).unwrap();
+        assert!(back == data, "swap {round}: read back");
+        urls.push(udp);
+    }
+}
+
+/// A datagram listener added while a removed one's socket still runs backend I/O (so it keeps
+/// its port index) is served once that I/O is done: with 16 sockets on a thread, the new one
+/// waited for no index and was dropped, the listener listed and served nowhere (one worker
+/// thread: with several, the others' sockets hid it).
+#[test]
+fn a_datagram_listener_added_while_a_removed_one_still_runs_io_serves_once_it_is_done() {
+    let fs = common::frozen::LoopExt4::new();
+    let d = TempDir::new("udp-swap-busy");
+    let img = fs.mnt().join("f.img");
+    sparse_file(&img, 1 << 20);
+    let t = common::Controlled::start(
+        &d,
+        &[
+            "--threads",
+            "1",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--export",
+            &format!("f=file:{}", img.display()),
+        ],
+    );
+    let mut urls: Vec<String> = (0..16)
+        .map(|_| {
+            let u = t.rpc("listener_add", r#"{"url": "udp://127.0.0.1:0"}"#);
+            u["url"].as_str().unwrap().to_string()
+        })
+        .collect();
+    let opts = ConnectOptions {
+        timeout: Duration::from_secs(20),
+        ..Default::default()
+    };
+    // A write held at the backend on the first listener's socket.
+    let busy = Url::parse(&format!("{}/f", urls[0])).unwrap();
+    let mut s = connect(&busy, &opts).unwrap();
+    let frozen = fs.freeze();
+    let writer = std::thread::spawn(move || {
+        let r = s.queues[0].write_at(&[5u8; 4096], 0, false);
+        drop(s);
+        r
+    });
+    let running = || {
+        let v = t.rpc("stats", "{}");
+        v["sessions"].as_array().into_iter().flatten().any(|s| {
+            s["queues"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|q| q["in_flight"].as_u64() > Some(0))
+        })
+    };
+    assert!(
+        common::wait_until(Duration::from_secs(10), running),
+        "the write never reached the backend"
+    );
+    t.rpc(
+        "listener_remove",
+        &format!(r#"{{"url": "{}"}}"#, urls.remove(0)),
+    );
+    let u = t.rpc("listener_add", r#"{"url": "udp://127.0.0.1:0"}"#);
+    let udp = u["url"].as_str().unwrap().to_string();
+    drop(frozen);
+    let _ = writer.join().unwrap();
+    let url = Url::parse(&format!("{udp}/f")).unwrap();
+    let mut s = connect(&url, &opts).expect("the new listener serves once the old socket is done");
+    s.queues[0].write_at(&[6u8; 4096], 4096, false).unwrap();
+    let mut back = vec![0u8; 4096];
+    s.queues[0].read_at(&mut back, 4096).unwrap();
+    assert!(back.iter().all(|b| *b == 6));
 }

@@ -242,6 +242,13 @@ impl Peer {
     /// The host: its address without the port (a client's queues each have one).
     fn host(self) -> Peer {
         match self {
+            // The port goes, not an IPv6 scope: one fe80:: address on two links is two hosts.
+            Peer::Ip(SocketAddr::V6(a)) => Peer::Ip(SocketAddr::V6(std::net::SocketAddrV6::new(
+                *a.ip(),
+                0,
+                0,
+                a.scope_id(),
+            ))),
             Peer::Ip(a) => Peer::Ip(SocketAddr::new(a.ip(), 0)),
             mac => mac,
         }
@@ -2020,6 +2027,11 @@ mod tests {
         let (on2, on3) = (dp.port.peer_of(&name(2)), dp.port.peer_of(&name(3)));
         assert_eq!(on2, Some(Peer::Ip("[fe80::1%2]:4000".parse().unwrap())));
         assert_ne!(on2, on3, "the same address on two links is two peers");
+        // And two hosts, whose buffers `make_room` counts apart; one host's ports are one.
+        let (on2, on3) = (on2.unwrap(), on3.unwrap());
+        assert_ne!(on2.host(), on3.host());
+        let other_port = Peer::Ip("[fe80::1%2]:4001".parse().unwrap());
+        assert_eq!(on2.host(), other_port.host());
     }
 
     /// A frame from a group (broadcast, multicast) or all-zero source MAC is dropped unread and

@@ -324,17 +324,17 @@ impl Shared {
         let id;
         let bound = if let Some(d) = ports::parse(url) {
             let d = d.map_err(bad)?;
-            let datagram = self
-                .lock_listeners()
-                .list
-                .iter()
-                .filter(|l| l.stream.is_none())
-                .count();
-            if datagram >= reactor::MAX_PORTS {
-                return Err(refused(format!(
-                    "already {datagram} datagram listeners (udp://, eth://), the most a target \
-                     serves at once: remove one first (listener_remove)"
-                )));
+            let full = |ls: &Listeners| {
+                let datagram = ls.list.iter().filter(|l| l.stream.is_none()).count();
+                (datagram >= reactor::MAX_PORTS).then(|| {
+                    refused(format!(
+                        "already {datagram} datagram listeners (udp://, eth://), the most a \
+                         target serves at once: remove one first (listener_remove)"
+                    ))
+                })
+            };
+            if let Some(e) = full(&self.lock_listeners()) {
+                return Err(e);
             }
             let (setups, bound) = match d {
                 ports::DgramListen::Udp(a) => ports::open_udp(a, self.workers.len()),
@@ -346,6 +346,10 @@ impl Shared {
             }
             .map_err(refused)?;
             let mut ls = self.lock_listeners();
+            // Again under the lock the listener goes in under: two adds at once.
+            if let Some(e) = full(&ls) {
+                return Err(e);
+            }
             id = ls.next_id;
             ls.next_id += 1;
             for (w, setup) in self.workers.iter().zip(setups) {

@@ -572,7 +572,7 @@ fn render_queues(out: &mut Text, snap: &Snapshot) {
     let omitted = queues.len().saturating_sub(MAX_QUEUE_SERIES);
     queues.truncate(MAX_QUEUE_SERIES);
     out.gauge(
-        "blkwire_queue_series_omitted",
+        "blkwire_queues_without_series",
         "Live queues left out of the per-queue series (past the first 1024 by session and \
          queue); the per-export series count them.",
         omitted,
@@ -821,7 +821,7 @@ mod tests {
             })
             .collect();
         let text = render(&snap);
-        assert_eq!(value(&text, "blkwire_queue_series_omitted"), 10.0);
+        assert_eq!(value(&text, "blkwire_queues_without_series"), 10.0);
         let shown = |session: u32| {
             text.contains(&format!(
                 "blkwire_queue_in_flight{{export=\"disk\",session=\"{session}\","

@@ -139,8 +139,10 @@ pub struct Reactor {
     /// A removed listener's port is `None` once its last request finished (indexes stay: the
     /// ring's user data names ports by index).
     ports: Vec<Option<crate::dgram::DgramPort>>,
-    /// Per port index, the incarnation a new port there starts at (`Msg::Port`).
+    /// Per port index, the incarnation a new port there starts at (`place_ports`).
     port_incarnations: Vec<u32>,
+    /// Datagram sockets waiting for a port index (`place_ports`), with their listener.
+    pending_ports: VecDeque<(crate::dgram::PortSetup, u32)>,
     /// Scratch for results reaped from thread-completing backends (no allocation per batch).
     reaped: Vec<(u64, i32)>,
     /// Connections waiting for memory the budget could not give; retried every few
@@ -168,7 +170,7 @@ pub struct Reactor {
 const STARVED_RETRY: Duration = Duration::from_millis(5);
 /// Datagram sockets a reactor serves at once: a completion names its port in the 4 bits above
 /// the queue's 20 of its connection field (`ring::port_io_ud`). The control plane refuses a
-/// datagram listener past this many (`MAX_DATAGRAM_LISTENERS`).
+/// datagram listener past this many (`Shared::add_listener`).
 pub const MAX_PORTS: usize = 16;
 /// A connection that received nothing for this long gives back its grown buffers.
 const IDLE_TRIM: Duration = Duration::from_secs(1);
@@ -201,6 +203,7 @@ impl Reactor {
             cqes: Vec::with_capacity(1024),
             ports: Vec::new(),
             port_incarnations: Vec::new(),
+            pending_ports: VecDeque::new(),
             reaped: Vec::new(),
             starved: Vec::new(),
             last_trim: Instant::now(),
@@ -235,26 +238,7 @@ impl Reactor {
                 }
                 break;
             }
-            for (idx, p) in self.ports.iter_mut().enumerate() {
-                if let Some(gone) = p.take_if(|p| p.retired()) {
-                    if self.port_incarnations.len() <= idx {
-                        self.port_incarnations.resize(idx + 1, 1);
-                    }
-                    self.port_incarnations[idx] = gone.next_incarnation();
-                    // Nothing runs on it and its notifiers are unwatched: the socket can go,
-                    // its closed queues' counters stay in the exports' totals.
-                    self.closed.merge(gone.closed());
-                    let r = gone.report(self.id);
-                    match self
-                        .retired_ports
-                        .iter_mut()
-                        .find(|t| t.transport == r.transport)
-                    {
-                        Some(t) => t.stats.add(&r.stats),
-                        None => self.retired_ports.push(r),
-                    }
-                }
-            }
+            self.place_ports();
             for p in self.ports.iter_mut().flatten() {
                 p.sweep();
             }
@@ -300,42 +284,66 @@ impl Reactor {
         Pusher(&mut self.ring).push(e);
     }
 
+    /// Forgets the ports that retired (nothing of theirs runs, their notifiers unwatched),
+    /// then serves the sockets waiting for a port index, each at the lowest free one:
+    /// completions name a port in 4 bits (`port_io_ud`), and a removed listener's port keeps
+    /// its index until its backend I/O is done, so a listener added just after one was removed
+    /// may wait here for it (the control plane keeps at most [`MAX_PORTS`] listeners).
+    fn place_ports(&mut self) {
+        for (idx, p) in self.ports.iter_mut().enumerate() {
+            if let Some(gone) = p.take_if(|p| p.retired()) {
+                if self.port_incarnations.len() <= idx {
+                    self.port_incarnations.resize(idx + 1, 1);
+                }
+                self.port_incarnations[idx] = gone.next_incarnation();
+                // The socket can go; its closed queues' counters stay in the exports' totals.
+                self.closed.merge(gone.closed());
+                let r = gone.report(self.id);
+                match self
+                    .retired_ports
+                    .iter_mut()
+                    .find(|t| t.transport == r.transport)
+                {
+                    Some(t) => t.stats.add(&r.stats),
+                    None => self.retired_ports.push(r),
+                }
+            }
+        }
+        while !self.pending_ports.is_empty() {
+            let Some(idx) = (0..MAX_PORTS).find(|&i| self.ports.get(i).is_none_or(Option::is_none))
+            else {
+                return;
+            };
+            let (setup, listener) = self.pending_ports.pop_front().expect("not empty");
+            let mut port = crate::dgram::DgramPort::new(setup, listener, self.registry.clone());
+            // Its queues' incarnations go on from the last port at the index, so that no
+            // completion of that port's could ever be taken for one of this port's.
+            if let Some(&next) = self.port_incarnations.get(idx) {
+                port.continue_incarnations(next);
+            }
+            let poll = opcode::PollAdd::new(types::Fd(port.fd()), libc::POLLIN as u32)
+                .multi(true)
+                .build()
+                .user_data(ud(KIND_PORT_IN, 0, idx, 0));
+            Pusher(&mut self.ring).push(poll);
+            if idx == self.ports.len() {
+                self.ports.push(Some(port));
+            } else {
+                self.ports[idx] = Some(port);
+            }
+        }
+    }
+
     fn drain_inbox(&mut self) {
         while let Ok(m) = self.inbox.try_recv() {
             match m {
                 Msg::Queue(q) => self.add(q),
                 Msg::Port(setup, listener) => {
-                    // The lowest free index: completions name a port in 4 bits (`port_io_ud`),
-                    // and one that went retired (nothing of it runs) leaves its index free.
-                    let Some(idx) =
-                        (0..MAX_PORTS).find(|&i| self.ports.get(i).is_none_or(Option::is_none))
-                    else {
-                        crate::log!(
-                            Level::Error,
-                            "thread {}: already {MAX_PORTS} datagram sockets: listener {listener} not served on this thread",
-                            self.id
-                        );
-                        continue;
-                    };
-                    let mut port =
-                        crate::dgram::DgramPort::new(setup, listener, self.registry.clone());
-                    // Its queues' incarnations go on from the last port at the index, so that no
-                    // completion of that port's could ever be taken for one of this port's.
-                    if let Some(&next) = self.port_incarnations.get(idx) {
-                        port.continue_incarnations(next);
-                    }
-                    let poll = opcode::PollAdd::new(types::Fd(port.fd()), libc::POLLIN as u32)
-                        .multi(true)
-                        .build()
-                        .user_data(ud(KIND_PORT_IN, 0, idx, 0));
-                    Pusher(&mut self.ring).push(poll);
-                    if idx == self.ports.len() {
-                        self.ports.push(Some(port));
-                    } else {
-                        self.ports[idx] = Some(port);
-                    }
+                    self.pending_ports.push_back((setup, listener));
+                    self.place_ports();
                 }
                 Msg::ClosePort(listener) => {
+                    self.pending_ports.retain(|(_, l)| *l != listener);
                     for (idx, p) in self.ports.iter_mut().enumerate() {
                         let Some(p) = p.as_mut().filter(|p| p.listener() == listener) else {
                             continue;

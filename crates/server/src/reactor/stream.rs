@@ -160,7 +160,9 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                 // wait in a slot: while writes wait for their data it is refused (the initiator
                 // retries it), for stopping the stream would keep that data out, and with it
                 // the memory its writes give back.
-                Cover::Wait if writes_wait(c) => {
+                // (Not one that waits only for the COPY running: its completion services the
+                // connection again.)
+                Cover::Wait if writes_wait(c) && !(req.kind == Kind::Copy && c.copying) => {
                     c.fe.taken(req);
                     let req = req.refused();
                     c.rx_start += len;
@@ -376,7 +378,8 @@ fn dispatch(
                 let Some(r) = c.slots[slot as usize].req else {
                     continue;
                 };
-                let parked = c.slots[slot as usize].awaiting.is_none();
+                // Parked (the frontend was told): waiting in `deferred`, for memory.
+                let parked = c.deferred.contains(&slot);
                 release_held(c, slot);
                 if parked {
                     c.fe.unparked(slot);
@@ -753,6 +756,15 @@ fn run_deferred(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         } else {
             len
         };
+        if extra > 0 && c.rx.capacity() + extra > c.mem.cap() {
+            // Its buffer cannot fit the connection's share as things are now (the receive
+            // buffer grew since): answered NO_MEMORY rather than holding up the queue.
+            c.deferred.pop_front();
+            c.fe.unparked(slot);
+            release_held(c, slot);
+            c.reply(&req.refused(), Status::NoMemory);
+            continue;
+        }
         if !c.covers(0, extra) {
             return;
         }
@@ -2193,12 +2205,24 @@ mod tests {
         }
         feed(&mut c, &mut ring, &msgs);
         assert!(!c.deferred.is_empty() || c.slots.iter().any(|s| s.awaiting.is_some()));
+        take_tx(&mut c);
         let mut copy = vec![b'Y'];
         copy.extend_from_slice(&7u64.to_le_bytes());
         copy.extend_from_slice(&0u64.to_le_bytes());
         copy.extend_from_slice(&4096u32.to_le_bytes());
         copy.extend_from_slice(&[0; 8]);
+        // Waiting only for the COPY running (one per queue), it waits: that one's completion
+        // services the connection again.
+        c.copying = true;
         feed(&mut c, &mut ring, &copy);
+        assert_eq!(
+            c.rx_end - c.rx_start,
+            copy.len(),
+            "it waits behind the COPY running"
+        );
+        assert!(take_tx(&mut c).is_empty());
+        c.copying = false;
+        feed(&mut c, &mut ring, &[]);
         assert_eq!(
             c.rx_start, c.rx_end,
             "the COPY was taken, not left to stop the stream"
