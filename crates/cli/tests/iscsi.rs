@@ -639,15 +639,9 @@ fn running(stats_url: &str) -> u64 {
 /// NOP-Out sent while it waits is answered (it once was not: Linux drops the connection).
 #[test]
 fn task_management_is_answered_after_the_commands_it_finds_running() {
-    use common::frozen::LoopExt4;
     let _serial = serial();
-    let fs = LoopExt4::new();
-    let file = fs.mnt().join("disk");
-    common::sparse_file(&file, 16 << 20);
-    let export = format!("disk=file:{}", file.display());
-    let t = IscsiTarget::start(&[&export], &["--listen", "tcp://127.0.0.1:0"]);
-    let stats_url = t.urls.iter().find(|u| u.starts_with("tcp://")).unwrap();
-    let mut c = login(&t.addr, &format!("{PREFIX}disk"), Digests::default());
+    let (fs, _t, stats_url, mut c) = on_freezable_filesystem();
+    let stats_url = stats_url.as_str();
     for (function, name) in [(1u8, "ABORT TASK"), (5, "LOGICAL UNIT RESET")] {
         let data = random_bytes(4096, function as u64);
         let mut cdb = [0u8; 16];
@@ -693,6 +687,25 @@ fn task_management_is_answered_after_the_commands_it_finds_running() {
         assert!(c.read(0, 8).0 == data, "{name}: the write landed");
     }
     assert_eq!(c.ping(b"on").as_deref(), Some(&b"on"[..]));
+}
+
+/// A target whose export `disk` is a file on a filesystem that can be frozen (its writes then
+/// stay running at the backend), with a native listener for STATS (its URL), and a session
+/// logged in to it.
+fn on_freezable_filesystem() -> (common::frozen::LoopExt4, IscsiTarget, String, Conn) {
+    let fs = common::frozen::LoopExt4::new();
+    let file = fs.mnt().join("disk");
+    common::sparse_file(&file, 16 << 20);
+    let export = format!("disk=file:{}", file.display());
+    let t = IscsiTarget::start(&[&export], &["--listen", "tcp://127.0.0.1:0"]);
+    let stats_url = t
+        .urls
+        .iter()
+        .find(|u| u.starts_with("tcp://"))
+        .unwrap()
+        .clone();
+    let c = login(&t.addr, &format!("{PREFIX}disk"), Digests::default());
+    (fs, t, stats_url, c)
 }
 
 /// Hostile or broken PDUs end the connection (or are dropped / rejected) and never stop the
@@ -1125,15 +1138,9 @@ fn a_login_with_the_same_isid_ends_the_session_it_reinstates() {
 /// write landing after an initiator that logged out to fail over took the session as ended.
 #[test]
 fn a_logout_is_answered_after_the_commands_running() {
-    use common::frozen::LoopExt4;
     let _serial = serial();
-    let fs = LoopExt4::new();
-    let file = fs.mnt().join("disk");
-    common::sparse_file(&file, 16 << 20);
-    let export = format!("disk=file:{}", file.display());
-    let t = IscsiTarget::start(&[&export], &["--listen", "tcp://127.0.0.1:0"]);
-    let stats_url = t.urls.iter().find(|u| u.starts_with("tcp://")).unwrap();
-    let mut c = login(&t.addr, &format!("{PREFIX}disk"), Digests::default());
+    let (fs, _t, stats_url, mut c) = on_freezable_filesystem();
+    let stats_url = stats_url.as_str();
     let data = random_bytes(4096, 77);
     let mut cdb = [0u8; 16];
     cdb[0] = 0x8a;

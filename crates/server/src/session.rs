@@ -694,17 +694,29 @@ impl Registry {
             }
             QueueState::Gone => {}
         }
-        loop {
+        self.wait_for_leaves(inner, wait_until, |inner| {
             let state = inner
                 .sessions
                 .get(&r.session)
                 .filter(|s| held(s))
                 .and_then(|s| s.queues.get(r.queue as usize));
-            if matches!(state, None | Some(QueueState::Gone)) {
+            matches!(state, None | Some(QueueState::Gone))
+        })
+    }
+
+    /// Waits, until `deadline` (None: not at all), for queues to leave until `done`; whether
+    /// it is.
+    fn wait_for_leaves(
+        &self,
+        mut inner: std::sync::MutexGuard<'_, Inner>,
+        deadline: Option<Instant>,
+        done: impl Fn(&Inner) -> bool,
+    ) -> bool {
+        loop {
+            if done(&inner) {
                 return true;
             }
-            let now = Instant::now();
-            let Some(left) = wait_until.and_then(|t| t.checked_duration_since(now)) else {
+            let Some(left) = deadline.and_then(|t| t.checked_duration_since(Instant::now())) else {
                 return false;
             };
             inner = self
@@ -750,19 +762,9 @@ impl Registry {
                 }
             }
         }
-        loop {
-            if ids.iter().all(|id| !inner.sessions.contains_key(id)) {
-                return true;
-            }
-            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
-                return false;
-            };
-            inner = self
-                .left
-                .wait_timeout(inner, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
+        self.wait_for_leaves(inner, Some(deadline), |inner| {
+            ids.iter().all(|id| !inner.sessions.contains_key(id))
+        })
     }
 
     /// How the reactors are told to close one queue (`Msg::CloseQueue`); set once at start.
