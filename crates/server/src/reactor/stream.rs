@@ -1311,6 +1311,16 @@ mod tests {
                     None
                 }
             };
+            // `X cookie offset length` and `payload` bytes: a request of `kind`.
+            let fixed = |kind, payload: usize| match need(21 + payload) {
+                Some(n) => n,
+                None => Decoded::Request {
+                    req: request(kind, rx),
+                    len: 21 + payload,
+                    payload_len: payload,
+                    trailer: 0,
+                },
+            };
             match rx.first() {
                 None => Decoded::Need(1),
                 // `T n` in front of a request: it addresses the connection's target n.
@@ -1447,44 +1457,14 @@ mod tests {
                     }
                 }
                 // `O cookie offset length`: a LOGOUT.
-                Some(b'O') => {
-                    if let Some(n) = need(21) {
-                        return n;
-                    }
-                    Decoded::Request {
-                        req: request(Kind::Logout, rx),
-                        len: 21,
-                        payload_len: 0,
-                        trailer: 0,
-                    }
-                }
+                Some(b'O') => fixed(Kind::Logout, 0),
                 // `Y cookie offset length` and 8 bytes: a COPY with its descriptor (NVMe/TCP's
                 // Copy carries its ranges as payload).
-                Some(b'Y') => {
-                    if let Some(n) = need(29) {
-                        return n;
-                    }
-                    Decoded::Request {
-                        req: request(Kind::Copy, rx),
-                        len: 29,
-                        payload_len: 8,
-                        trailer: 0,
-                    }
-                }
+                Some(b'Y') => fixed(Kind::Copy, 8),
                 // `L cookie offset length`: a READ decoded from a message that needs no free
                 // slot (`next_is_data`), as iSCSI's Data-Out that completes a parameter list
                 // makes the command's first part (a VERIFY's read, say).
-                Some(b'L') => {
-                    if let Some(n) = need(21) {
-                        return n;
-                    }
-                    Decoded::Request {
-                        req: request(Kind::Block(BlockOp::Read), rx),
-                        len: 21,
-                        payload_len: 0,
-                        trailer: 0,
-                    }
-                }
+                Some(b'L') => fixed(Kind::Block(BlockOp::Read), 0),
                 Some(b'D') => {
                     if let Some(n) = need(11) {
                         return n;
