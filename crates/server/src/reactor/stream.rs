@@ -1845,6 +1845,13 @@ mod tests {
         m
     }
 
+    /// `n` WRITEs of `len` bytes each (cookies 0.., one after the other) without their data.
+    fn writes_without_data(n: u64, len: usize) -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| write(i, i * len as u64, len as u32, &[]))
+            .collect()
+    }
+
     fn data(slot: u16, offset: u32, bytes: &[u8]) -> Vec<u8> {
         let mut m = vec![b'D'];
         m.extend_from_slice(&slot.to_le_bytes());
@@ -2095,10 +2102,7 @@ mod tests {
         let (mut c, _peer) = conn_budget("m=mem:4M", false, 3 << 20);
         const LEN: usize = 512 << 10;
         let one = vec![3u8; LEN];
-        let mut msgs = Vec::new();
-        for i in 0..3u64 {
-            msgs.extend_from_slice(&write(i, i * LEN as u64, LEN as u32, &[]));
-        }
+        let mut msgs = writes_without_data(3, LEN);
         msgs.extend_from_slice(&read(9, 0, LEN as u32));
         feed(&mut c, &mut ring, &msgs);
         // Not everything fits: some of it waits in slots, and the stream is not stopped.
@@ -2142,10 +2146,7 @@ mod tests {
         let mut ring = Ring::new(8).unwrap();
         let (mut c, _peer) = conn_budget("m=mem:4M", false, 8 << 20);
         const LEN: usize = 512 << 10;
-        let mut msgs = Vec::new();
-        for i in 0..3u64 {
-            msgs.extend_from_slice(&write(i, i * LEN as u64, LEN as u32, &[]));
-        }
+        let msgs = writes_without_data(3, LEN);
         feed(&mut c, &mut ring, &msgs);
         let asked = take_tx(&mut c);
         let waiting = (0..c.slots.len()).filter(|&i| c.slots[i].busy).count();
@@ -2179,10 +2180,7 @@ mod tests {
         let mut ring = Ring::new(8).unwrap();
         let (mut c, _peer) = conn_budget("m=mem:4M", false, 3 << 20);
         const LEN: usize = 512 << 10;
-        let mut msgs = Vec::new();
-        for i in 0..3u64 {
-            msgs.extend_from_slice(&write(i, i * LEN as u64, LEN as u32, &[]));
-        }
+        let msgs = writes_without_data(3, LEN);
         feed(&mut c, &mut ring, &msgs);
         assert!(!c.deferred.is_empty() || c.slots.iter().any(|s| s.awaiting.is_some()));
         take_tx(&mut c);
@@ -2565,10 +2563,7 @@ mod tests {
         let (mut c, _peer) = conn_budget("m=mem:4M", false, BUDGET);
         c.slots = (0..8).map(|_| Slot::default()).collect();
         c.free_slots = (0..8).rev().collect();
-        let mut msgs = Vec::new();
-        for i in 0..3u64 {
-            msgs.extend_from_slice(&write(i, i * LEN as u64, LEN as u32, &[]));
-        }
+        let msgs = writes_without_data(3, LEN);
         feed(&mut c, &mut ring, &msgs);
         assert!(!c.deferred.is_empty(), "the budget held every buffer");
         let mut sent = take_tx(&mut c);
