@@ -1142,6 +1142,12 @@ fn nvme_subsystems_and_controllers_are_listed_and_end_with_their_export() {
     t.stop();
 }
 
+/// Adds a `udp://127.0.0.1:0` listener to `t`: the URL it is bound at.
+fn add_udp_listener(t: &common::Controlled) -> String {
+    let u = t.rpc("listener_add", r#"{"url": "udp://127.0.0.1:0"}"#);
+    u["url"].as_str().unwrap().to_string()
+}
+
 /// Datagram listeners added and removed again and again keep serving I/O that goes through
 /// the backend's io_uring (a file export): a reactor names a datagram socket in 4 bits of a
 /// completion, and the 17th socket it was ever given got index 16, whose completions went to
@@ -1167,8 +1173,7 @@ fn datagram_listeners_come_and_go_without_limit_and_at_most_16_at_once() {
     };
     let data = random_bytes(4096, 3);
     for round in 0..24 {
-        let u = t.rpc("listener_add", r#"{"url": "udp://127.0.0.1:0"}"#);
-        let udp = u["url"].as_str().unwrap().to_string();
+        let udp = add_udp_listener(&t);
         let url = Url::parse(&format!("{udp}/f")).unwrap();
         let mut s = connect(&url, &opts).unwrap_or_else(|e| panic!("round {round}: {e}"));
         s.queues[0]
@@ -1180,12 +1185,7 @@ fn datagram_listeners_come_and_go_without_limit_and_at_most_16_at_once() {
         drop(s);
         t.rpc("listener_remove", &format!(r#"{{"url": "{udp}"}}"#));
     }
-    let mut urls: Vec<String> = (0..16)
-        .map(|_| {
-            let u = t.rpc("listener_add", r#"{"url": "udp://127.0.0.1:0"}"#);
-            u["url"].as_str().unwrap().to_string()
-        })
-        .collect();
+    let mut urls: Vec<String> = (0..16).map(|_| add_udp_listener(&t)).collect();
     t.refused(
         "listener_add",
         r#"{"url": "udp://127.0.0.1:0"}"#,
@@ -1196,8 +1196,7 @@ fn datagram_listeners_come_and_go_without_limit_and_at_most_16_at_once() {
     for round in 0..4 {
         let gone = urls.remove(0);
         t.rpc("listener_remove", &format!(r#"{{"url": "{gone}"}}"#));
-        let u = t.rpc("listener_add", r#"{"url": "udp://127.0.0.1:0"}"#);
-        let udp = u["url"].as_str().unwrap().to_string();
+        let udp = add_udp_listener(&t);
         let url = Url::parse(&format!("{udp}/f")).unwrap();
         let mut s = connect(&url, &opts).unwrap_or_else(|e| panic!("swap {round}: {e}"));
         let mut back = vec![0u8; 4096];
@@ -1228,12 +1227,7 @@ fn a_datagram_listener_added_while_a_removed_one_still_runs_io_serves_once_it_is
             &format!("f=file:{}", img.display()),
         ],
     );
-    let mut urls: Vec<String> = (0..16)
-        .map(|_| {
-            let u = t.rpc("listener_add", r#"{"url": "udp://127.0.0.1:0"}"#);
-            u["url"].as_str().unwrap().to_string()
-        })
-        .collect();
+    let mut urls: Vec<String> = (0..16).map(|_| add_udp_listener(&t)).collect();
     let opts = ConnectOptions {
         timeout: Duration::from_secs(20),
         ..Default::default()
@@ -1265,8 +1259,7 @@ fn a_datagram_listener_added_while_a_removed_one_still_runs_io_serves_once_it_is
         "listener_remove",
         &format!(r#"{{"url": "{}"}}"#, urls.remove(0)),
     );
-    let u = t.rpc("listener_add", r#"{"url": "udp://127.0.0.1:0"}"#);
-    let udp = u["url"].as_str().unwrap().to_string();
+    let udp = add_udp_listener(&t);
     drop(frozen);
     let _ = writer.join().unwrap();
     let url = Url::parse(&format!("{udp}/f")).unwrap();

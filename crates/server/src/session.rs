@@ -671,28 +671,14 @@ impl Registry {
         let Some(q) = s.queues.get_mut(r.queue as usize) else {
             return true;
         };
-        match *q {
-            // Never joined: it never will be now.
-            QueueState::Free => *q = QueueState::Gone,
-            QueueState::Live | QueueState::Closing => {
-                if *q == QueueState::Live {
-                    crate::log!(
-                        Level::Info,
-                        "session {} queue {}: replaced by a new session of host '{}'; closing it",
-                        r.session,
-                        r.queue,
-                        h.host_id.escape_debug()
-                    );
-                }
-                *q = QueueState::Closing;
-                // Told again on every HELLO that finds it still closing: closing twice is
-                // harmless, and a reactor that had not been handed the queue yet when first
-                // told (`Reactor::add` checks too) will not hold it up for ever.
-                if let Some(close) = self.closer.get() {
-                    close(r.session, r.queue);
-                }
-            }
-            QueueState::Gone => {}
+        if self.close_for_successor(q, r.session, r.queue) {
+            crate::log!(
+                Level::Info,
+                "session {} queue {}: replaced by a new session of host '{}'; closing it",
+                r.session,
+                r.queue,
+                h.host_id.escape_debug()
+            );
         }
         self.wait_for_leaves(inner, wait_until, |inner| {
             let state = inner
@@ -738,6 +724,26 @@ impl Registry {
             .is_some_and(|s| !s.revoked && s.queues.get(queue as usize) == Some(&QueueState::Live))
     }
 
+    /// Queue `queue` of `session`, in `state`, makes way for a new session: one never joined
+    /// never will be now, one live or closing is (again) told to close on whichever reactor
+    /// serves it. Told again on every call that finds it still closing: closing twice is
+    /// harmless, and a reactor that had not been handed the queue yet when first told
+    /// (`Reactor::add` checks too) will not hold it up for ever. True if it was live.
+    fn close_for_successor(&self, state: &mut QueueState, session: u32, queue: u16) -> bool {
+        let was = *state;
+        match was {
+            QueueState::Free => *state = QueueState::Gone,
+            QueueState::Live | QueueState::Closing => {
+                *state = QueueState::Closing;
+                if let Some(close) = self.closer.get() {
+                    close(session, queue);
+                }
+            }
+            QueueState::Gone => {}
+        }
+        was == QueueState::Live
+    }
+
     /// Ends sessions `ids` for a login that takes their place (an iSCSI login reinstating its
     /// session, RFC 7143 §6.3.5): they are revoked, their queues closed on whichever reactor
     /// serves them, and the call waits until `deadline` for them to be gone, so that nothing
@@ -750,16 +756,7 @@ impl Registry {
             };
             s.revoked = true;
             for (q, state) in s.queues.iter_mut().enumerate() {
-                match *state {
-                    QueueState::Free => *state = QueueState::Gone,
-                    QueueState::Live | QueueState::Closing => {
-                        *state = QueueState::Closing;
-                        if let Some(close) = self.closer.get() {
-                            close(*id, q as u16);
-                        }
-                    }
-                    QueueState::Gone => {}
-                }
+                self.close_for_successor(state, *id, q as u16);
             }
         }
         self.wait_for_leaves(inner, Some(deadline), |inner| {

@@ -287,32 +287,24 @@ mod tests {
     #[test]
     fn errors_map_to_nbd_errnos_and_structured_reads_never_get_simple_replies() {
         let mut simple = nbd(false);
-        let (r, _) = req(&mut simple, &request(cmd::READ, 0, 5, 0, 512));
-        let mut tx = Vec::new();
-        simple.reply(&r, Status::OutOfRange, &mut tx);
+        // The error of the simple reply to a request of `command` answered `status`.
+        let mut errno = |command, len, status| {
+            let (r, _) = req(&mut simple, &request(command, 0, 5, 0, len));
+            let mut tx = Vec::new();
+            simple.reply(&r, status, &mut tx);
+            u32::from_be_bytes(tx[4..8].try_into().unwrap())
+        };
+        assert_eq!(errno(cmd::READ, 512, Status::OutOfRange), nbd::err::EINVAL);
         assert_eq!(
-            u32::from_be_bytes(tx[4..8].try_into().unwrap()),
-            nbd::err::EINVAL
-        );
-        let (w, _) = req(&mut simple, &request(cmd::WRITE_ZEROES, 0, 5, 0, 512));
-        tx.clear();
-        simple.reply(&w, Status::OutOfRange, &mut tx);
-        assert_eq!(
-            u32::from_be_bytes(tx[4..8].try_into().unwrap()),
+            errno(cmd::WRITE_ZEROES, 512, Status::OutOfRange),
             nbd::err::ENOSPC
         );
         // A backend out of space is ENOSPC whatever the command (a FLUSH of a full file).
-        let (f, _) = req(&mut simple, &request(cmd::FLUSH, 0, 5, 0, 0));
-        tx.clear();
-        simple.reply(&f, Status::NoSpace, &mut tx);
-        assert_eq!(
-            u32::from_be_bytes(tx[4..8].try_into().unwrap()),
-            nbd::err::ENOSPC
-        );
+        assert_eq!(errno(cmd::FLUSH, 0, Status::NoSpace), nbd::err::ENOSPC);
 
         let mut s = nbd(true);
         let (r, _) = req(&mut s, &request(cmd::READ, 0, 5, 0, 512));
-        tx.clear();
+        let mut tx = Vec::new();
         s.reply(&r, Status::Ok, &mut tx);
         assert_eq!(tx.len(), nbd::CHUNK_HEADER_LEN, "an empty structured chunk");
         assert_eq!(

@@ -174,18 +174,16 @@ impl Controllers {
                 .filter(|(_, c)| !c.authenticated && c.since.elapsed() >= PENDING_CUT)
                 .filter(|(_, c)| !mine || c.ip == ip)
                 .min_by_key(|(_, c)| c.since)
-                .map(|(id, _)| *id);
-            let c = t
-                .ctrls
-                .remove(&cut.ok_or(NotInserted::Busy)?)
-                .expect("found");
+                .map(|(id, _)| *id)
+                .ok_or(NotInserted::Busy)?;
+            let c = t.ctrls.remove(&cut).expect("found");
             crate::log!(
                 Level::Info,
                 "NVMe host '{}' at {}: controller {} had not authenticated in {} s; its place \
                  goes to a new controller",
                 c.hostnqn.escape_debug(),
                 c.ip,
-                cut.unwrap_or_default(),
+                cut,
                 PENDING_CUT.as_secs()
             );
             if full(&t) != (false, false) {

@@ -37,7 +37,7 @@ use crate::stats::{ClosedTotals, QueueStats};
 pub use conn::stream_floor;
 use conn::{receive, transmit, Conn, Slot, Target};
 use ring::{
-    notifier_poll, port_io_ud, ud, ud_split, Pusher, Ring, KIND_CANCEL, KIND_IO, KIND_NOTIFY,
+    poll_in, port_io_ud, ud, ud_split, Pusher, Ring, KIND_CANCEL, KIND_IO, KIND_NOTIFY,
     KIND_POLL_IN, KIND_POLL_OUT, KIND_PORT_IN, KIND_PORT_IO, KIND_PORT_NOTIFY, KIND_WAKE,
 };
 use stream::{broadcast_acked, complete, finish_result};
@@ -321,10 +321,7 @@ impl Reactor {
             if let Some(&next) = self.port_incarnations.get(idx) {
                 port.continue_incarnations(next);
             }
-            let poll = opcode::PollAdd::new(types::Fd(port.fd()), libc::POLLIN as u32)
-                .multi(true)
-                .build()
-                .user_data(ud(KIND_PORT_IN, 0, idx, 0));
+            let poll = poll_in(port.fd(), ud(KIND_PORT_IN, 0, idx, 0));
             Pusher(&mut self.ring).push(poll);
             if idx == self.ports.len() {
                 self.ports.push(Some(port));
@@ -574,16 +571,13 @@ impl Reactor {
         };
         // From here on this reactor's inbox keeps it current (`crate::reservations`).
         conn.fe.attached();
-        let poll = opcode::PollAdd::new(types::Fd(conn.fd()), libc::POLLIN as u32)
-            .multi(true)
-            .build()
-            .user_data(ud(KIND_POLL_IN, incarnation, idx, 0));
+        let poll = poll_in(conn.fd(), ud(KIND_POLL_IN, incarnation, idx, 0));
         Pusher(&mut self.ring).push(poll);
         // Each target's backend may complete on its own threads: its notifier's completions
         // carry the target's index where I/O completions carry a slot.
         for (t, target) in conn.targets.iter().enumerate() {
             if let Some(fd) = target.exec.notifier() {
-                let notify = notifier_poll(fd, ud(KIND_NOTIFY, incarnation, idx, t as u16));
+                let notify = poll_in(fd, ud(KIND_NOTIFY, incarnation, idx, t as u16));
                 Pusher(&mut self.ring).push(notify);
             }
         }
@@ -646,7 +640,7 @@ impl Reactor {
             for (qi, inc, fd) in p.take_notifier_changes() {
                 let user_data = ud(KIND_PORT_NOTIFY, inc, port << 20 | (qi & 0xf_ffff), 0);
                 let entry = match fd {
-                    Some(fd) => notifier_poll(fd, user_data),
+                    Some(fd) => poll_in(fd, user_data),
                     None => opcode::AsyncCancel::new(user_data).build().user_data(ud(
                         KIND_CANCEL,
                         0,
@@ -690,7 +684,7 @@ impl Reactor {
                         p.reap(qi, inc, &mut sq);
                         if !cqueue::more(cqe.flags()) {
                             if let Some(fd) = p.notifier(qi, inc) {
-                                sq.push(notifier_poll(fd, cqe.user_data()));
+                                sq.push(poll_in(fd, cqe.user_data()));
                             }
                         }
                     }
@@ -714,10 +708,7 @@ impl Reactor {
                     let user_data = port_io_ud(if kind == KIND_PORT_IN { idx } else { port });
                     if kind == KIND_PORT_IN {
                         if !cqueue::more(cqe.flags()) {
-                            let poll = opcode::PollAdd::new(types::Fd(p.fd()), libc::POLLIN as u32)
-                                .multi(true)
-                                .build()
-                                .user_data(ud(KIND_PORT_IN, 0, idx, 0));
+                            let poll = poll_in(p.fd(), ud(KIND_PORT_IN, 0, idx, 0));
                             sq.push(poll);
                         }
                         p.receive(&mut sq, &user_data);
@@ -741,10 +732,7 @@ impl Reactor {
                     c.readable = true;
                     if !cqueue::more(cqe.flags()) && !c.closing {
                         // The kernel ended the multishot poll (e.g. overflow): re-arm it.
-                        let poll = opcode::PollAdd::new(types::Fd(c.fd()), libc::POLLIN as u32)
-                            .multi(true)
-                            .build()
-                            .user_data(ud(KIND_POLL_IN, inc, idx, 0));
+                        let poll = poll_in(c.fd(), ud(KIND_POLL_IN, inc, idx, 0));
                         Pusher(&mut self.ring).push(poll);
                     }
                 }
@@ -773,7 +761,7 @@ impl Reactor {
                     self.reaped = reaped;
                     if !cqueue::more(cqe.flags()) {
                         if let Some(fd) = fd {
-                            sq.push(notifier_poll(fd, cqe.user_data()));
+                            sq.push(poll_in(fd, cqe.user_data()));
                         }
                     }
                 }

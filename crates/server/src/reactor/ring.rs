@@ -33,8 +33,9 @@ pub(super) fn port_io_ud(port: usize) -> impl Fn(u32, usize, u16) -> u64 {
     move |inc, q, slot| ud(KIND_PORT_IO, inc, port << 20 | (q & 0xf_ffff), slot)
 }
 
-/// A multishot poll on a backend's completion notifier.
-pub(super) fn notifier_poll(fd: i32, user_data: u64) -> squeue::Entry {
+/// A multishot POLLIN poll: on a connection's or a datagram port's socket, or on a backend's
+/// completion notifier.
+pub(super) fn poll_in(fd: i32, user_data: u64) -> squeue::Entry {
     opcode::PollAdd::new(types::Fd(fd), libc::POLLIN as u32)
         .multi(true)
         .build()

@@ -113,11 +113,7 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                 // buffer for it, nor stop the stream while other writes wait for data behind
                 // it: it is refused (the initiator retries it) and its data dropped.
                 Cover::Wait if c.fe.data_follows(req) && writes_wait(c) => {
-                    c.fe.taken(req);
-                    let req = req.refused();
-                    c.rx_start += len;
-                    c.stats().frames_in += 1;
-                    c.reply(&req, Status::NoMemory);
+                    refuse_for_memory(c, req, len);
                     continue;
                 }
                 Cover::Wait if *payload_len == 0 && req.slot.is_none() && writes_wait(c) => {
@@ -163,20 +159,12 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                 // (Not one that waits only for the COPY running: its completion services the
                 // connection again.)
                 Cover::Wait if writes_wait(c) && !(req.kind == Kind::Copy && c.copying) => {
-                    c.fe.taken(req);
-                    let req = req.refused();
-                    c.rx_start += len;
-                    c.stats().frames_in += 1;
-                    c.reply(&req, Status::NoMemory);
+                    refuse_for_memory(c, req, len);
                     continue;
                 }
                 Cover::Wait => break,
                 Cover::Never => {
-                    c.fe.taken(req);
-                    let req = req.refused();
-                    c.rx_start += len;
-                    c.stats().frames_in += 1;
-                    c.reply(&req, Status::NoMemory);
+                    refuse_for_memory(c, req, len);
                     continue;
                 }
             }
@@ -656,6 +644,15 @@ fn hold_write(c: &mut Conn, req: &Req, payload_at: usize, got: u32) {
 /// The most data a write may bring and still run past the budget while writes wait for their
 /// data (NVMe/TCP's in-capsule size is 8 KiB).
 const SMALL_PAYLOAD: usize = 64 << 10;
+
+/// Takes `req` (the first `len` bytes of rx) and answers it NO_MEMORY without running it: the
+/// initiator retries it.
+fn refuse_for_memory(c: &mut Conn, req: &Req, len: usize) {
+    c.fe.taken(req);
+    c.rx_start += len;
+    c.stats().frames_in += 1;
+    c.reply(&req.refused(), Status::NoMemory);
+}
 
 /// Whether writes wait in slots for data the initiator has yet to send (or for the memory to
 /// ask for it).
