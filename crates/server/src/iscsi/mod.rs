@@ -176,21 +176,25 @@ impl Portals {
     /// §6.3.5: the same initiator port, I_T nexus, logging in again after it lost its
     /// connection, while the target may still hold the old one): those of its login to that
     /// target with that ISID. Without CHAP the name proves nothing, so only from the address
-    /// that logged in then (a host claiming another's name cannot end its sessions).
+    /// that logged in then (a host claiming another's name cannot end its sessions). Logins
+    /// whose sessions all ended (`live`: the registry's open ones) are forgotten first: there
+    /// is nothing of theirs to end.
     fn reinstated(
         &self,
         target: &str,
         initiator: &str,
-        isid: [u8; 6],
-        proven: bool,
-        addr: PeerAddr,
+        (isid, proven, addr): ([u8; 6], bool, PeerAddr),
+        live: &dyn Fn(u32) -> bool,
     ) -> Vec<u32> {
-        self.lock()
-            .sessions
+        let mut t = self.lock();
+        t.sessions
+            .retain(|s| s.luns.iter().any(|&(_, id)| live(id)));
+        t.sessions
             .iter()
             .filter(|s| s.target == target && s.initiator == initiator && s.isid == isid)
             .filter(|s| (proven && s.proven) || s.addr == addr)
             .flat_map(|s| s.luns.iter().map(|&(_, id)| id))
+            .filter(|&id| live(id))
             .collect()
     }
 
@@ -1070,9 +1074,12 @@ fn finish<S: Read + Write>(
     // Session reinstatement (RFC 7143 §6.3.5): the old session of this I_T nexus ends, and
     // what it still runs completes, before the new one is admitted (its place counts against
     // the limits) and answered (its I/O could be overtaken by the old one's).
-    let old = registry
-        .iscsi
-        .reinstated(&target, &initiator, l.isid, l.proven.is_some(), addr);
+    let old = registry.iscsi.reinstated(
+        &target,
+        &initiator,
+        (l.isid, l.proven.is_some(), addr),
+        &|id| registry.holds(id),
+    );
     if !old.is_empty() {
         crate::log!(
             Level::Info,
@@ -1520,6 +1527,60 @@ mod tests {
         assert!(
             p.add_session(entry(&own, &[0]), "iqn.b", &live),
             "an export's own target"
+        );
+    }
+
+    /// A login reinstates the sessions of its initiator's earlier login with the same ISID to
+    /// the same target, from the same address unless both proved their name, and only those
+    /// still open: one whose sessions ended is forgotten, not reported as ended again.
+    #[test]
+    fn a_login_reinstates_only_the_open_sessions_of_its_nexus() {
+        const IQN: &str = "iqn.2026-11.com.example:t";
+        let p = Portals::default();
+        p.create_target(IQN, None, false).unwrap();
+        p.add_lun(IQN, "x", Some(0)).unwrap();
+        let here = PeerAddr::Ip(IpAddr::from([127, 0, 0, 1]));
+        let there = PeerAddr::Ip(IpAddr::from([127, 0, 0, 2]));
+        let entry = |id: u32, isid: u8, proven: bool| SessionEntry {
+            session: id,
+            luns: vec![(0, id)],
+            target: IQN.into(),
+            initiator: "iqn.a".into(),
+            isid: [isid; 6],
+            tsih: 1,
+            peer: "test".into(),
+            addr: here,
+            proven,
+            digests: Digests::default(),
+        };
+        let all = |_| true;
+        assert!(p.add_session(entry(7, 1, false), "iqn.a", &all));
+        assert!(p.add_session(entry(8, 2, true), "iqn.a", &all));
+        let ask = |isid: u8, proven, addr, live: &dyn Fn(u32) -> bool| {
+            p.reinstated(IQN, "iqn.a", ([isid; 6], proven, addr), live)
+        };
+        assert_eq!(ask(1, false, here, &all), [7]);
+        assert_eq!(
+            ask(1, true, there, &all),
+            [] as [u32; 0],
+            "unproven, elsewhere"
+        );
+        assert_eq!(ask(2, true, there, &all), [8], "both proved the name");
+        assert_eq!(ask(3, false, here, &all), [] as [u32; 0], "another ISID");
+        assert_eq!(
+            p.reinstated("iqn.other", "iqn.a", ([1; 6], false, here), &all),
+            [] as [u32; 0]
+        );
+        let live = |id| id != 7;
+        assert_eq!(
+            ask(1, false, here, &live),
+            [] as [u32; 0],
+            "session 7 ended"
+        );
+        assert_eq!(
+            p.sessions_of(IQN, None, None),
+            [8],
+            "and its login is forgotten"
         );
     }
 
