@@ -135,6 +135,7 @@ pub fn login(input: &[u8]) -> LoginRun {
     let mut s = Feed {
         input: bytes,
         answered: 0,
+        kept: None,
     };
     let peer: SocketAddr = ([127, 0, 0, 1], 40000).into();
     let local: SocketAddr = ([127, 0, 0, 1], 3260).into();
@@ -149,10 +150,68 @@ pub fn login(input: &[u8]) -> LoginRun {
     }
 }
 
+/// NBD's option haggling (fixed newstyle: client flags, then options up to GO or
+/// EXPORT_NAME), what any client that reaches an `nbd://` listener sends before it has proved
+/// anything, run over a byte stream as the handshake thread runs it over a socket. The first
+/// byte of `input`: bit 0 gives the target keys ([`LOGIN_HOSTNQN`] with [`LOGIN_SECRET`]),
+/// bits 1-2 its TLS mode (0 off, 1 on, 2 require; TLS-PSK only, and only with keys, else
+/// off); a STARTTLS the target accepts then fails its handshake, as a client that cannot
+/// finish one does. The rest is what the client sends, then the end of the stream. The
+/// target serves one RAM export, `a`.
+pub fn nbd_options(input: &[u8]) -> LoginRun {
+    nbd_options_kept(input, None)
+}
+
+/// [`nbd_options`], keeping what the target sent in `kept` (the tests read the replies).
+fn nbd_options_kept(input: &[u8], kept: Option<&mut Vec<u8>>) -> LoginRun {
+    let Some((&how, bytes)) = input.split_first() else {
+        return LoginRun {
+            admitted: false,
+            answered: 0,
+        };
+    };
+    let keys: crate::access::SharedKeys = Default::default();
+    if how & 1 != 0 {
+        let mut store = blkwire_auth::KeyStore::default();
+        store.insert(
+            LOGIN_HOSTNQN,
+            blkwire_auth::Key::new(LOGIN_SECRET).expect("a valid key"),
+        );
+        *keys.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(store));
+    }
+    let mode = match (how >> 1) & 3 {
+        1 => crate::tls::TlsMode::On,
+        2 => crate::tls::TlsMode::Require,
+        _ => crate::tls::TlsMode::Off,
+    };
+    let settings = |mode| crate::tls::TlsSettings {
+        mode,
+        cert: None,
+        key: None,
+    };
+    let tls = crate::tls::Tls::build(&settings(mode), &keys)
+        .or_else(|_| crate::tls::Tls::build(&settings(crate::tls::TlsMode::Off), &keys))
+        .expect("TLS off always builds");
+    let registry = Registry::new(Access::new(keys), Limits::default());
+    let spec = ExportSpec::parse("a=mem:1M").expect("a valid export");
+    registry.add_export(spec).expect("a RAM export");
+    let mut s = Feed {
+        input: bytes,
+        answered: 0,
+        kept,
+    };
+    let admitted = crate::nbd::negotiate(&mut s, "127.0.0.1:40000", &registry, &tls).is_some();
+    LoginRun {
+        admitted,
+        answered: s.answered,
+    }
+}
+
 /// A connection whose host sends `input` and then closes; what the target sends is counted.
 struct Feed<'a> {
     input: &'a [u8],
     answered: usize,
+    kept: Option<&'a mut Vec<u8>>,
 }
 
 impl io::Read for Feed<'_> {
@@ -164,9 +223,23 @@ impl io::Read for Feed<'_> {
     }
 }
 
+impl crate::Handshake for Feed<'_> {
+    fn is_tls(&self) -> bool {
+        false
+    }
+
+    /// No TLS over the fuzzer's bytes: the handshake fails, which ends the connection.
+    fn start_tls(&mut self, _: &crate::tls::Tls) -> Result<Option<crate::tls::PskHost>, String> {
+        Err("no TLS handshake over a fuzz input".into())
+    }
+}
+
 impl io::Write for Feed<'_> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.answered += buf.len();
+        if let Some(k) = &mut self.kept {
+            k.extend_from_slice(buf);
+        }
         Ok(buf.len())
     }
 
@@ -177,6 +250,53 @@ impl io::Write for Feed<'_> {
 
 #[cfg(test)]
 mod tests {
+    use blkwire_wire::nbd::rep;
+
+    /// The option replies in what an NBD target sent (after its 18-byte greeting): option and
+    /// reply type of each, up to the first bytes that are not one.
+    fn nbd_replies(sent: &[u8]) -> Vec<(u32, u32)> {
+        let word = |b: &[u8], at: usize| u32::from_be_bytes(b[at..at + 4].try_into().unwrap());
+        let mut out = Vec::new();
+        let mut at = 18;
+        while sent.len() >= at + 20 && sent[at..at + 8] == 0x3e889045565a9u64.to_be_bytes() {
+            out.push((word(sent, at + 8), word(sent, at + 12)));
+            at += 20 + word(sent, at + 16) as usize;
+        }
+        out
+    }
+
+    /// The `nbd_options` fuzz target's seeds reach what they are named for: a session (GO,
+    /// EXPORT_NAME, GO after an option too large to read), or the refusal each is built to get.
+    #[test]
+    fn nbd_option_seeds_reach_what_they_are_named_for() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz/seeds/nbd_options");
+        let mut seen = 0;
+        for e in std::fs::read_dir(dir).expect("the nbd_options seeds") {
+            let path = e.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().to_string();
+            let mut sent = Vec::new();
+            let run = super::nbd_options_kept(&std::fs::read(&path).unwrap(), Some(&mut sent));
+            let replies = nbd_replies(&sent);
+            let has = |typ| replies.iter().any(|&(_, t)| t == typ);
+            let admitted = ["go", "export-name", "too-big-then-go"].contains(&name.as_str());
+            assert_eq!(run.admitted, admitted, "{name}: {replies:?}");
+            assert_eq!(run.answered, sent.len());
+            let reached = match name.as_str() {
+                "go" => has(rep::META_CONTEXT) && has(rep::INFO) && has(rep::ACK),
+                "export-name" => sent.len() == 18 + 10,
+                "list-info-abort" => has(rep::SERVER) && has(rep::ERR_UNKNOWN) && has(rep::INFO),
+                "too-big-then-go" => has(rep::ERR_TOO_BIG) && has(rep::ACK),
+                "tls-require" => has(rep::ERR_TLS_REQD) && has(rep::ACK),
+                "tls-on-plain" => has(rep::ERR_TLS_REQD) && !has(rep::SERVER),
+                "bad-flags" => sent.len() == 18,
+                _ => panic!("{name}: a seed this test does not know"),
+            };
+            assert!(reached, "{name}: {replies:?} ({} bytes)", sent.len());
+            seen += 1;
+        }
+        assert_eq!(seen, 7);
+    }
+
     /// The `login` fuzz target's seeds reach what they are named for: a session or a
     /// controller (so the fuzzer starts from inputs that get past the first checks), or, for
     /// CHAP with a wrong response, a discovery session and a Connect naming no controller, an

@@ -141,6 +141,25 @@ impl Admission {
     }
 }
 
+/// The connection a handshake runs over: a socket with its deadline ([`Admission`]), or a
+/// fuzz target's byte stream (`fuzzing`).
+pub(crate) trait Handshake: Read + Write {
+    /// Whether the connection is encrypted from here on.
+    fn is_tls(&self) -> bool;
+    /// Runs the TLS handshake (server side); the host id and key a TLS-PSK client proved.
+    fn start_tls(&mut self, tls: &Tls) -> Result<Option<tls::PskHost>, String>;
+}
+
+impl Handshake for Admission {
+    fn is_tls(&self) -> bool {
+        Admission::is_tls(self)
+    }
+
+    fn start_tls(&mut self, tls: &Tls) -> Result<Option<tls::PskHost>, String> {
+        Admission::start_tls(self, tls)
+    }
+}
+
 impl Read for Admission {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         self.left()?;

@@ -3,7 +3,7 @@
 //! client enters transmission (NBD_OPT_GO or NBD_OPT_EXPORT_NAME) the socket goes to a reactor and
 //! is served by the same data path as the native protocol (`frontend/nbd.rs`, `reactor/`).
 
-use std::io::{Read, Write};
+use std::io::Read;
 
 use blkwire_backend::Export;
 use blkwire_wire::nbd::{self, info, opt, rep, InfoRequest, MetaRequest};
@@ -15,7 +15,7 @@ use crate::log::Level;
 use crate::session::{Admitted, Registry};
 use crate::stats::QueueStats;
 use crate::tls::{Tls, TlsMode};
-use crate::Admission;
+use crate::Handshake;
 
 /// Largest option payload read; anything bigger is refused with ERR_TOO_BIG after skipping it.
 const MAX_OPTION_DATA: u32 = 64 << 10;
@@ -65,17 +65,17 @@ fn advertises_fast_zero(e: &Export, structured: bool) -> bool {
     f & (nbd::tflag::SEND_FAST_ZERO | nbd::tflag::READ_ONLY) != 0
 }
 
-fn send(s: &mut Admission, buf: &[u8]) -> Option<()> {
+fn send(s: &mut dyn Handshake, buf: &[u8]) -> Option<()> {
     s.write_all(buf).ok()
 }
 
-fn reply(s: &mut Admission, option: u32, typ: u32, data: &[u8]) -> Option<()> {
+fn reply(s: &mut dyn Handshake, option: u32, typ: u32, data: &[u8]) -> Option<()> {
     let mut out = Vec::with_capacity(20 + data.len());
     nbd::option_reply(&mut out, option, typ, data);
     send(s, &out)
 }
 
-fn error_reply(s: &mut Admission, option: u32, typ: u32, msg: &str) -> Option<()> {
+fn error_reply(s: &mut dyn Handshake, option: u32, typ: u32, msg: &str) -> Option<()> {
     reply(s, option, typ, msg.as_bytes())
 }
 
@@ -101,14 +101,14 @@ fn find(
 /// host proven with TLS-PSK is let in (`Access::permits`), so a plain client on a target that
 /// offers TLS can open nothing before it does. (Meta-context options get no contexts instead:
 /// the spec keeps NBD_REP_ERR_TLS_REQD to INFO, GO and EXPORT_NAME.)
-fn tls_first(s: &Admission, tls: &Tls, registry: &Registry, proven: bool) -> bool {
+fn tls_first(s: &dyn Handshake, tls: &Tls, registry: &Registry, proven: bool) -> bool {
     !proven && !s.is_tls() && tls.mode != TlsMode::Off && registry.access.has_keys()
 }
 
 /// Answers INFO or GO naming an export the client may not open (or that does not exist): under
 /// `tls_first`, that TLS is required (the spec's answer with selective TLS, which qemu and
 /// libnbd report as such; said for any name, so it tells nothing of which exist).
-fn not_found(s: &mut Admission, option: u32, name: &str, tls_first: bool) -> Option<()> {
+fn not_found(s: &mut dyn Handshake, option: u32, name: &str, tls_first: bool) -> Option<()> {
     if tls_first {
         let why = "this target admits only hosts proven with TLS-PSK: use STARTTLS";
         return error_reply(s, option, rep::ERR_TLS_REQD, why);
@@ -129,7 +129,7 @@ fn description(size: u64) -> String {
 /// Runs the option haggling. Returns the admitted queue and its protocol state on success;
 /// `None` when the client left, aborted, or broke the protocol (already logged).
 pub fn negotiate(
-    s: &mut Admission,
+    s: &mut dyn Handshake,
     peer: &str,
     registry: &Registry,
     tls: &Tls,
@@ -298,7 +298,8 @@ pub fn negotiate(
                 };
                 let Some(e) = find(registry, who, &req.name) else {
                     let proven = proven_host.is_some();
-                    not_found(s, option, &req.name, tls_first(s, tls, registry, proven))?;
+                    let tls_first = tls_first(s, tls, registry, proven);
+                    not_found(s, option, &req.name, tls_first)?;
                     continue;
                 };
                 // Read once: the size INFO gives is the size a GO's session checks against.
@@ -412,7 +413,7 @@ pub fn negotiate(
 }
 
 fn send_info(
-    s: &mut Admission,
+    s: &mut dyn Handshake,
     option: u32,
     (e, size, share): (&Export, u64, usize),
     req: &InfoRequest,
