@@ -28,6 +28,35 @@ pub struct Identity {
 }
 
 impl Identity {
+    /// The identity options this command was given, for commands that take the identity from
+    /// elsewhere (`map --recover`: the mapping's record). A host id or key file that came from
+    /// BLKWIRE_HOST_ID or BLKWIRE_KEY_FILE is the environment's, not this command's.
+    pub fn options_given(&self) -> Vec<&'static str> {
+        let from_env =
+            |var: &str, v: &std::ffi::OsStr| std::env::var_os(var).is_some_and(|e| e == v);
+        let mut given = Vec::new();
+        if let Some(h) = &self.host_id {
+            if !from_env("BLKWIRE_HOST_ID", h.as_ref()) {
+                given.push("--host-id");
+            }
+        }
+        if let Some(k) = &self.key {
+            if !from_env("BLKWIRE_KEY_FILE", k.as_os_str()) {
+                given.push("--key");
+            }
+        }
+        if self.encrypt {
+            given.push("--encrypt");
+        }
+        if self.tls {
+            given.push("--tls");
+        }
+        if self.tls_ca.is_some() {
+            given.push("--tls-ca");
+        }
+        given
+    }
+
     /// What the client library and the map daemon take.
     pub fn credentials(&self) -> blkwire_client::Credentials {
         blkwire_client::Credentials {

@@ -103,6 +103,16 @@ pub fn run_map(mut a: MapArgs) -> Result<(), String> {
         a.logfile = Some(std::path::absolute(l).map_err(|e| format!("--logfile: {e}"))?);
     }
     if let Some(dev) = &a.recover {
+        // The daemon that died proved its identity with what its record holds; another here
+        // would be ignored, so it is refused rather than silently dropped.
+        let given = a.id.options_given();
+        if !given.is_empty() {
+            return Err(format!(
+                "--recover serves the mapping with the host id, key and TLS settings of its \
+                 record; drop {}",
+                given.join(", ")
+            ));
+        }
         return blkwire_map::recover(dev, a.foreground, a.logfile, &mut print_device);
     }
     let kind = match a.frontend {

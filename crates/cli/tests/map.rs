@@ -1276,6 +1276,11 @@ fn bad_input_is_one_line_and_leaves_nothing_behind() {
         "a foreign loop device stays bound"
     );
     one_line(&["map", "--recover", &plain], "not a blkwire device");
+    // The identity comes from the mapping's record: one given here would be ignored.
+    one_line(
+        &["map", "--recover", &plain, "--host-id", "other", "--tls"],
+        "drop --host-id, --tls",
+    );
 }
 
 #[test]
