@@ -122,6 +122,7 @@ iscsi_logout() {
     # relogin is refused ("trying to reconnect: try again later"). Retried, bounded.
     _i=0
     until iscsiadm -m session -r "${_sess#session}" --logout >/tmp/logout.log 2>&1; do
+        info "logout refused: $(grep -v '^Logging out' /tmp/logout.log | tail -n1)"
         _i=$((_i + 1))
         [ $_i -le 40 ] || {
             cat /tmp/logout.log /tmp/iscsid.log
