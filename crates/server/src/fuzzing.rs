@@ -95,7 +95,7 @@ pub const LOGIN_HOSTNQN: &str = "nqn.2026-11.io.test:fuzz";
 pub const LOGIN_SECRET: &[u8] = b"fuzz-secret-0123456789";
 
 /// What one `login` run did.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, Default, PartialEq, Eq)]
 pub struct LoginRun {
     /// A session (iSCSI) or a controller (NVMe/TCP admin or I/O queue) was admitted.
     pub admitted: bool,
@@ -112,26 +112,10 @@ pub struct LoginRun {
 /// sends, then the end of the stream. The target serves one RAM export, `a`.
 pub fn login(input: &[u8]) -> LoginRun {
     let Some((&how, bytes)) = input.split_first() else {
-        return LoginRun {
-            admitted: false,
-            answered: 0,
-        };
+        return LoginRun::default();
     };
-    let keys: crate::access::SharedKeys = Default::default();
-    if how & 2 != 0 {
-        let mut store = blkwire_auth::KeyStore::default();
-        store
-            .insert_chap(LOGIN_INITIATOR, LOGIN_SECRET, None)
-            .expect("a valid secret");
-        store.insert(
-            LOGIN_HOSTNQN,
-            blkwire_auth::Key::new(LOGIN_SECRET).expect("a valid key"),
-        );
-        *keys.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(store));
-    }
-    let registry = Registry::new(Access::new(keys), Limits::default());
-    let spec = ExportSpec::parse("a=mem:1M").expect("a valid export");
-    registry.add_export(spec).expect("a RAM export");
+    let keys = fuzz_keys(how & 2 != 0, true);
+    let registry = ram_target(keys);
     let mut s = Feed {
         input: bytes,
         answered: 0,
@@ -165,20 +149,9 @@ pub fn nbd_options(input: &[u8]) -> LoginRun {
 /// [`nbd_options`], keeping what the target sent in `kept` (the tests read the replies).
 fn nbd_options_kept(input: &[u8], kept: Option<&mut Vec<u8>>) -> LoginRun {
     let Some((&how, bytes)) = input.split_first() else {
-        return LoginRun {
-            admitted: false,
-            answered: 0,
-        };
+        return LoginRun::default();
     };
-    let keys: crate::access::SharedKeys = Default::default();
-    if how & 1 != 0 {
-        let mut store = blkwire_auth::KeyStore::default();
-        store.insert(
-            LOGIN_HOSTNQN,
-            blkwire_auth::Key::new(LOGIN_SECRET).expect("a valid key"),
-        );
-        *keys.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(store));
-    }
+    let keys = fuzz_keys(how & 1 != 0, false);
     let mode = match (how >> 1) & 3 {
         1 => crate::tls::TlsMode::On,
         2 => crate::tls::TlsMode::Require,
@@ -192,9 +165,7 @@ fn nbd_options_kept(input: &[u8], kept: Option<&mut Vec<u8>>) -> LoginRun {
     let tls = crate::tls::Tls::build(&settings(mode), &keys)
         .or_else(|_| crate::tls::Tls::build(&settings(crate::tls::TlsMode::Off), &keys))
         .expect("TLS off always builds");
-    let registry = Registry::new(Access::new(keys), Limits::default());
-    let spec = ExportSpec::parse("a=mem:1M").expect("a valid export");
-    registry.add_export(spec).expect("a RAM export");
+    let registry = ram_target(keys);
     let mut s = Feed {
         input: bytes,
         answered: 0,
@@ -205,6 +176,34 @@ fn nbd_options_kept(input: &[u8], kept: Option<&mut Vec<u8>>) -> LoginRun {
         admitted,
         answered: s.answered,
     }
+}
+
+/// The key store of a fuzzed target: none, or [`LOGIN_HOSTNQN`]'s key [`LOGIN_SECRET`] and,
+/// with `chap`, [`LOGIN_INITIATOR`]'s CHAP secret.
+fn fuzz_keys(with: bool, chap: bool) -> crate::access::SharedKeys {
+    let keys: crate::access::SharedKeys = Default::default();
+    if with {
+        let mut store = blkwire_auth::KeyStore::default();
+        if chap {
+            store
+                .insert_chap(LOGIN_INITIATOR, LOGIN_SECRET, None)
+                .expect("a valid secret");
+        }
+        store.insert(
+            LOGIN_HOSTNQN,
+            blkwire_auth::Key::new(LOGIN_SECRET).expect("a valid key"),
+        );
+        *keys.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(store));
+    }
+    keys
+}
+
+/// A target with these keys and the default limits serving one RAM export, `a`.
+fn ram_target(keys: crate::access::SharedKeys) -> Registry {
+    let registry = Registry::new(Access::new(keys), Limits::default());
+    let spec = ExportSpec::parse("a=mem:1M").expect("a valid export");
+    registry.add_export(spec).expect("a RAM export");
+    registry
 }
 
 /// A connection whose host sends `input` and then closes; what the target sends is counted.
