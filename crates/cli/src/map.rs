@@ -108,8 +108,8 @@ pub fn run_map(mut a: MapArgs) -> Result<(), String> {
         let given = a.id.options_given();
         if !given.is_empty() {
             return Err(format!(
-                "--recover serves the mapping with the host id, key and TLS settings of its \
-                 record; drop {}",
+                "--recover serves the mapping with the host id, key, encryption and TLS \
+                 settings of its record; drop {}",
                 given.join(", ")
             ));
         }

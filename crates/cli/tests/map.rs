@@ -1281,6 +1281,19 @@ fn bad_input_is_one_line_and_leaves_nothing_behind() {
         &["map", "--recover", &plain, "--host-id", "other", "--tls"],
         "drop --host-id, --tls",
     );
+    // ... but not from the environment, which holds them for every command.
+    let out = Command::new(BIN)
+        .args(["map", "--recover", &plain])
+        .env("BLKWIRE_RUN_DIR", run.dir())
+        .env("BLKWIRE_HOST_ID", "other")
+        .env("BLKWIRE_KEY_FILE", "/nonexistent/keys")
+        .output()
+        .expect("run blkwire");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("not a blkwire device"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -138,8 +138,8 @@ pub fn login(input: &[u8]) -> LoginRun {
 /// EXPORT_NAME), what any client that reaches an `nbd://` listener sends before it has proved
 /// anything, run over a byte stream as the handshake thread runs it over a socket. The first
 /// byte of `input`: bit 0 gives the target keys ([`LOGIN_HOSTNQN`] with [`LOGIN_SECRET`]),
-/// bits 1-2 its TLS mode (0 off, 1 on, 2 require; TLS-PSK only, and only with keys, else
-/// off); a STARTTLS the target accepts then fails its handshake, as a client that cannot
+/// bits 1-2 its TLS mode (0 off, 1 on, 2 require; TLS-PSK only, so only with keys, as `serve`
+/// requires: else off); a STARTTLS the target accepts then fails its handshake, as a client that cannot
 /// finish one does. The rest is what the client sends, then the end of the stream. The
 /// target serves one RAM export, `a`.
 pub fn nbd_options(input: &[u8]) -> LoginRun {
@@ -163,8 +163,13 @@ fn nbd_options_kept(input: &[u8], kept: Option<&mut Vec<u8>>) -> LoginRun {
         key: None,
     };
     let tls = crate::tls::Tls::build(&settings(mode), &keys)
-        .or_else(|_| crate::tls::Tls::build(&settings(crate::tls::TlsMode::Off), &keys))
-        .expect("TLS off always builds");
+        .ok()
+        .filter(|t| t.check_credentials(how & 1 != 0).is_ok());
+    let tls = match tls {
+        Some(t) => t,
+        None => crate::tls::Tls::build(&settings(crate::tls::TlsMode::Off), &keys)
+            .expect("TLS off always builds"),
+    };
     let registry = ram_target(keys);
     let mut s = Feed {
         input: bytes,

@@ -1539,11 +1539,12 @@ mod tests {
         let p = Portals::default();
         p.create_target(IQN, None, false).unwrap();
         p.add_lun(IQN, "x", Some(0)).unwrap();
+        p.add_lun(IQN, "y", Some(1)).unwrap();
         let here = PeerAddr::Ip(IpAddr::from([127, 0, 0, 1]));
         let there = PeerAddr::Ip(IpAddr::from([127, 0, 0, 2]));
         let entry = |id: u32, isid: u8, proven: bool| SessionEntry {
             session: id,
-            luns: vec![(0, id)],
+            luns: vec![(0, id), (1, id + 100)],
             target: IQN.into(),
             initiator: "iqn.a".into(),
             isid: [isid; 6],
@@ -1559,27 +1560,25 @@ mod tests {
         let ask = |isid: u8, proven, addr, live: &dyn Fn(u32) -> bool| {
             p.reinstated(IQN, "iqn.a", ([isid; 6], proven, addr), live)
         };
-        assert_eq!(ask(1, false, here, &all), [7]);
+        assert_eq!(ask(1, false, here, &all), [7, 107]);
         assert_eq!(
             ask(1, true, there, &all),
             [] as [u32; 0],
             "unproven, elsewhere"
         );
-        assert_eq!(ask(2, true, there, &all), [8], "both proved the name");
+        assert_eq!(ask(2, true, there, &all), [8, 108], "both proved the name");
         assert_eq!(ask(3, false, here, &all), [] as [u32; 0], "another ISID");
         assert_eq!(
             p.reinstated("iqn.other", "iqn.a", ([1; 6], false, here), &all),
             [] as [u32; 0]
         );
-        let live = |id| id != 7;
-        assert_eq!(
-            ask(1, false, here, &live),
-            [] as [u32; 0],
-            "session 7 ended"
-        );
+        let live = |id| id != 107;
+        assert_eq!(ask(1, false, here, &live), [7], "LUN 1's session ended");
+        let live = |id| id != 7 && id != 107;
+        assert_eq!(ask(1, false, here, &live), [] as [u32; 0], "both ended");
         assert_eq!(
             p.sessions_of(IQN, None, None),
-            [8],
+            [8, 108],
             "and its login is forgotten"
         );
     }
