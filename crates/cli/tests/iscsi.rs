@@ -1096,6 +1096,56 @@ fn a_ping_is_answered_while_writes_waiting_for_data_hold_every_slot() {
     assert!(back == data, "the last write reads back");
 }
 
+/// A Logout is read while writes waiting for their data hold every slot, and answers them
+/// first: Linux sends no more data once it logs out, so a Logout waiting for a free slot was
+/// never read, and the connection ended only at the initiator's logout timeout.
+#[test]
+fn a_logout_is_read_while_writes_waiting_for_data_hold_every_slot() {
+    let _serial = serial();
+    let t = IscsiTarget::start(&["disk=mem:8M"], &[]);
+    let mut c = login(&t.addr, &format!("{PREFIX}disk"), Digests::default());
+    let depth = 128u32;
+    let mut itts = Vec::new();
+    for i in 0..depth {
+        let mut cdb = [0u8; 16];
+        cdb[0] = 0x8a;
+        cdb[2..10].copy_from_slice(&(u64::from(i) * 8).to_be_bytes());
+        cdb[10..14].copy_from_slice(&8u32.to_be_bytes());
+        let (itt, pdu) = c.command(&cdb, 4096, true, &[]);
+        c.send(&pdu).unwrap();
+        itts.push(itt);
+    }
+    let logout = c.itt;
+    c.itt += 1;
+    let mut b = Bhs::new(op::LOGOUT_REQ | iscsi::IMMEDIATE, flag::FINAL);
+    b.itt(logout).set32(24, c.cmdsn).set32(28, c.expstatsn);
+    let mut out = Vec::new();
+    b.encode(&[], &c.d, &mut out);
+    c.send(&out).unwrap();
+    let mut refused = 0;
+    loop {
+        let r = c.recv().expect("the Logout answered");
+        match r.opcode() {
+            op::R2T => {}
+            op::SCSI_RSP => {
+                assert!(itts.contains(&r.word(16)));
+                assert_eq!(r.bhs[3], 2, "ITT {:#x}: CHECK CONDITION", r.word(16));
+                refused += 1;
+            }
+            op::LOGOUT_RSP => {
+                assert_eq!(r.word(16), logout);
+                break;
+            }
+            other => panic!("unexpected opcode {other:#x}"),
+        }
+    }
+    assert_eq!(
+        refused, depth,
+        "every write waiting for data answered before the Logout"
+    );
+    assert!(c.closed(), "the connection ends after the Logout Response");
+}
+
 /// A login with the ISID and initiator name of a session the target still holds reinstates
 /// it (RFC 7143 §6.3.5: an initiator that lost its connection logs in again before the
 /// target noticed): the old connection is closed, and what it ran completed, before the new

@@ -2490,15 +2490,17 @@ impl StreamFrontend for Iscsi {
             || self.fence.as_ref().is_some_and(|f| f.waiting.is_empty())
     }
 
-    /// NOP-Out, task management, Text and SNACK are answered by `decode` itself. A request
-    /// `decode` may return first (one waiting untaken, a compound command's next part) waits
-    /// for a slot in the reactor as any does. Not Logout: it becomes a request.
+    /// NOP-Out, task management, Text and SNACK are answered by `decode` itself; a Logout
+    /// becomes a request that runs in no slot (it answers the writes waiting for data, which
+    /// hold the slots, and closes the connection). A request `decode` may return first (one
+    /// waiting untaken, a compound command's next part) waits for a slot in the reactor as
+    /// any does.
     fn needs_no_slot(&self, rx: &[u8]) -> bool {
         self.next_is_data(rx)
             || rx.first().is_some_and(|b| {
                 matches!(
                     b & 0x3f,
-                    op::NOP_OUT | op::TMF_REQ | op::TEXT_REQ | op::SNACK
+                    op::NOP_OUT | op::TMF_REQ | op::TEXT_REQ | op::SNACK | op::LOGOUT_REQ
                 )
             })
     }

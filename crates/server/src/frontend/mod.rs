@@ -307,8 +307,10 @@ pub trait StreamFrontend: Send {
 
     /// True when the message at the front of `rx` (possibly incomplete) can be decoded while
     /// no slot is free: solicited data ([`StreamFrontend::next_is_data`]), and messages the
-    /// frontend answers itself (iSCSI: NOP-Out, task management, Text). Left unread, such a
-    /// message would keep the data behind it, which frees the slots, from ever being read.
+    /// frontend answers itself (iSCSI: NOP-Out, task management, Text), or that become
+    /// requests running in no slot (an iSCSI Logout). Left unread, such a message would keep
+    /// the data behind it, which frees the slots, from ever being read (or, a Logout, end
+    /// the connection only at the initiator's timeout).
     fn needs_no_slot(&self, rx: &[u8]) -> bool {
         self.next_is_data(rx)
     }

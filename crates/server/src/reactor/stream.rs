@@ -96,9 +96,11 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             // on one). Not a broadcast: it runs in no slot, and the change it carries is
             // committed to the export's shared state already (iSCSI PERSISTENT RESERVE OUT);
             // left untaken, it would be lost with a connection that dies before a slot frees,
-            // and the other connections and reactors would never see the change.
+            // and the other connections and reactors would never see the change. Nor a
+            // LOGOUT: it runs in no slot either, and the writes holding them for data the
+            // initiator will no longer send are answered by it (`dispatch`).
             if req.slot.is_none()
-                && req.kind != Kind::Broadcast
+                && !matches!(req.kind, Kind::Broadcast | Kind::Logout)
                 && c.fe.server_assigns_slots()
                 && c.free_slots.is_empty()
             {
