@@ -158,6 +158,10 @@ pub(super) struct Conn {
     /// data), the data parked writes brought, and the replies of allocation queries running
     /// on a backend's thread (`Slot::reply_held`).
     pub(super) held: usize,
+    /// The part of `held` that is WRITE data (in buffers, or what parked writes brought):
+    /// it goes to the backend, never into `tx`, so the transmit buffer's growth foreseen
+    /// from `held` leaves it out (it is counted once, in the pool).
+    pub(super) held_in: usize,
     /// A COPY is running (at most one per queue): its bounce buffer, up to
     /// [`blkwire_backend::COPY_CHUNK`], counts in the footprint.
     pub(super) copying: bool,
@@ -455,7 +459,7 @@ impl Conn {
         if self.rx.len() < total && self.rx_end == self.rx.len() {
             let grown = (2 * self.rx.len()).clamp(self.rx_end + 1, total);
             let want = grown
-                + self.tx_after(self.held - self.queued)
+                + self.tx_after(self.held_out())
                 + self.bufs.allocated()
                 + self.copy_memory()
                 + self.lists;
@@ -498,10 +502,20 @@ impl Conn {
     /// queries in flight, which will be copied into the transmit buffer, and allocation lists.
     pub(super) fn footprint(&self) -> usize {
         self.rx.capacity()
-            + self.tx_after(self.held - self.queued)
+            + self.tx_after(self.held_out())
             + self.bufs.allocated()
             + self.copy_memory()
             + self.lists
+    }
+
+    /// Held bytes still to be copied into `tx`: read data (and allocation query replies) not
+    /// yet appended nor queued to be sent from its buffer.
+    pub(super) fn held_out(&self) -> usize {
+        debug_assert!(
+            self.queued + self.held_in <= self.held,
+            "held bytes counted once"
+        );
+        self.held - self.queued - self.held_in
     }
 
     /// What the COPY running on this queue may hold (its bounce buffer).
@@ -518,7 +532,7 @@ impl Conn {
     /// starved.
     pub(super) fn covers(&mut self, extra_tx: usize, extra_pool: usize) -> bool {
         let want = self.rx.capacity()
-            + self.tx_after(self.held - self.queued + extra_tx)
+            + self.tx_after(self.held_out() + extra_tx)
             + self.bufs.allocated()
             + self.copy_memory()
             + self.lists

@@ -534,6 +534,7 @@ impl Reactor {
             lists: 0,
             bufs: Default::default(),
             held: 0,
+            held_in: 0,
             copying: false,
             targets,
             incarnation,
