@@ -2293,13 +2293,15 @@ impl StreamFrontend for Iscsi {
             && self.part_running
             && !rx
                 .first()
-                .is_some_and(|b| matches!(b & 0x3f, op::DATA_OUT | op::NOP_OUT))
+                .is_some_and(|b| matches!(b & 0x3f, op::DATA_OUT | op::NOP_OUT | op::LOGOUT_REQ))
         {
             // COMPARE AND WRITE's read is with the reactor: no command is decoded until it is
             // back (the reactor services the connection again when it is). What is asked for
             // is there already: the receive buffer does not grow for it. Data-Out and NOP-Out
             // start no task and go on: the read may be parked for memory that writes waiting
-            // for their Data-Out hold, and would never run if that data were not read.
+            // for their Data-Out hold, and would never run if that data were not read. A
+            // Logout goes on too: it answers a parked read (the command ends) or waits for a
+            // running one, and no more data comes once an initiator logs out.
             return Decoded::Need(rx.len().min(BHS_LEN));
         }
         if !self.part_running {
@@ -3448,6 +3450,15 @@ mod tests {
             Decoded::Release { slot: 3, .. }
         ));
         assert_eq!(tx[2], 0);
+    }
+
+    /// A Logout Request (immediate, close the session).
+    fn logout_pdu(itt: u32) -> Vec<u8> {
+        let mut b = Bhs::new(op::LOGOUT_REQ | iscsi::IMMEDIATE, flag::FINAL);
+        b.itt(itt);
+        let mut out = Vec::new();
+        b.encode(&[], &Digests::default(), &mut out);
+        out
     }
 
     /// A NOP-Out ping (immediate) answered with a NOP-In.
@@ -4999,6 +5010,41 @@ mod tests {
             f.decode(&tur, &mut tx),
             Decoded::Request { req, .. } if req.kind == Kind::Block(BlockOp::Write)
         ));
+    }
+
+    /// A Logout is read while COMPARE AND WRITE's read is with the reactor (the reactor
+    /// answers a parked read NO_MEMORY, which ends the command, or waits for a running one):
+    /// held back like a command, it waited for the initiator's logout timeout, since an
+    /// initiator that logs out sends no more of the data that would let the read run.
+    #[test]
+    fn a_logout_is_read_while_compare_and_write_waits_for_its_read() {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        let pdu = cmd(7, 0, &caw(1), 1024, true, &[]);
+        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Answered { .. }));
+        let ttt = be32(&tx, 20);
+        tx.clear();
+        let Decoded::Request { req: read, .. } =
+            f.decode(&data_out(7, ttt, 0, 0, &[0u8; 1024], true), &mut tx)
+        else {
+            panic!("the compare's read");
+        };
+        f.taken(&read);
+        f.parked(&read, 4);
+        let tur = cmd(50, 1, &[0u8; 6], 0, false, &[]);
+        assert!(matches!(f.decode(&tur, &mut tx), Decoded::Need(_)));
+        let Decoded::Request { req, .. } = f.decode(&logout_pdu(61), &mut tx) else {
+            panic!("the Logout is read");
+        };
+        assert_eq!(req.kind, Kind::Logout);
+        f.taken(&req);
+        // The reactor answers the parked read, then the Logout.
+        f.unparked(4);
+        assert!(f.reply(&read.refused(), Status::NoMemory, &mut tx));
+        assert_eq!((tx[0], be32(&tx, 16), tx[3]), (op::SCSI_RSP, 7, 2));
+        tx.clear();
+        assert!(f.reply(&req, Status::Ok, &mut tx));
+        assert_eq!((tx[0], be32(&tx, 16)), (op::LOGOUT_RSP, 61));
     }
 
     /// One ITT used on two LUs at once (which a well-behaved initiator never does): the answer
