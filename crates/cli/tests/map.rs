@@ -1015,6 +1015,19 @@ fn resumes_after_restart(tag: &str, extra: &[&str]) {
 /// log says so.
 #[test]
 fn a_write_the_target_still_runs_is_answered_only_once_fenced() {
+    write_answered_only_once_fenced(false);
+}
+
+/// The same over udp://, where the client library gives a request up itself (resent until
+/// its give-up time): it must not fail the write first, unfenced. (It gave up at the
+/// mapping's --timeout, a few microseconds after the daemon's deadline, and the daemon
+/// answered EIO at once.)
+#[test]
+fn a_write_the_target_still_runs_over_udp_is_answered_only_once_fenced() {
+    write_answered_only_once_fenced(true);
+}
+
+fn write_answered_only_once_fenced(udp: bool) {
     assert!(
         is_root(),
         "this test maps a block device and freezes a filesystem; run it as root"
@@ -1022,12 +1035,21 @@ fn a_write_the_target_still_runs_is_answered_only_once_fenced() {
     let fs = common::frozen::LoopExt4::new();
     let file = fs.mnt().join("disk");
     common::sparse_file(&file, 16 << 20);
-    let t = Target::start(&[&format!("disk=file:{}", file.display())]);
-    let run = Run::new("fence");
+    let export = format!("disk=file:{}", file.display());
+    // (The target lives until the end.)
+    let (_t, url) = if udp {
+        let (t, base) = udp_target(&[&export], &[]);
+        (t, format!("{base}/disk"))
+    } else {
+        let t = Target::start(&[&export]);
+        let url = t.url("disk");
+        (t, url)
+    };
+    let run = Run::new(if udp { "fence-udp" } else { "fence" });
     let log = run.dir().join("map.log");
     let timeout = Duration::from_secs(4);
     let m = run.map(
-        &t.url("disk"),
+        &url,
         &["--timeout", "4", "--logfile", log.to_str().unwrap()],
     );
     dev_write(&m.dev, &random_bytes(4096, 70), 0).unwrap();

@@ -100,6 +100,7 @@ pub fn tcp_queue(
         tls: false,
         tls_ca: None,
         timeout,
+        give_up: None,
         poll: Duration::ZERO,
         replaces: None,
     };

@@ -147,6 +147,13 @@ pub struct ConnectOptions {
     pub tls_ca: Option<PathBuf>,
     /// Longest wait for any reply before giving up with [`Error::Timeout`].
     pub timeout: Duration,
+    /// Datagram queues: how long a request is sent again before it is given up and answered
+    /// with an I/O error, the queue left open (default: `timeout`). A caller that times its
+    /// requests out itself and fences the queue of a change it gave up (PROTOCOL.md §2.6, the
+    /// map daemons) sets it past its own limits: a WRITE failed here while the target may
+    /// still run it would reach that caller as a plain failure, unfenced, and the old WRITE
+    /// could land after the caller wrote those blocks again.
+    pub give_up: Option<Duration>,
     /// How long to spin for a reply before sleeping (trades CPU for latency).
     pub poll: Duration,
     /// A reconnection's queue of the session it replaces ([`Queue::identity`], PROTOCOL.md
@@ -169,6 +176,7 @@ impl Default for ConnectOptions {
             tls: false,
             tls_ca: None,
             timeout: Duration::from_secs(30),
+            give_up: None,
             poll: Duration::from_micros(50),
             replaces: None,
         }
@@ -781,7 +789,7 @@ fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Res
                     header_crc: info.header_crc,
                 },
                 seal,
-                opts.timeout,
+                opts.give_up.unwrap_or(opts.timeout),
                 opts.poll,
             ),
             reply.copy,

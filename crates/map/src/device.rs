@@ -185,6 +185,10 @@ pub(crate) fn connect_options(spec: &Spec) -> Result<ConnectOptions, String> {
         depth: spec.depth,
         max_io: spec.max_io,
         timeout: spec.timeout,
+        // The daemons time requests out themselves (`--timeout`, a change held for the fence
+        // up to `answer_limit`) and drop the queue of one they gave up: the client must never
+        // fail one first, unfenced (a WRITE failed so could land after it was written again).
+        give_up: Some(answer_limit(spec.timeout) + spec.timeout),
         ..Default::default()
     };
     spec.credentials.apply(&mut opts)?;
