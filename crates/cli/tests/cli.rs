@@ -222,6 +222,19 @@ fn bad_input_gets_one_line_errors() {
         &["serve", "--listen", "bogus", "--export", "x=mem:1M"],
         "bad listen address",
     );
+    // NVMe's MDTS cannot say 4 KiB (0 means no limit): hosts would send what must be refused.
+    assert_one_line_error(
+        &[
+            "serve",
+            "--max-io",
+            "4K",
+            "--listen",
+            "nvme-tcp://127.0.0.1:0",
+            "--export",
+            "x=mem:1M",
+        ],
+        "NVMe/TCP needs --max-io of at least 8K",
+    );
 }
 
 /// Protection asked for on a transport that cannot give it is refused, never dropped silently;

@@ -385,6 +385,15 @@ impl Shared {
             bound
         } else {
             let (frontend, addrs) = parse_listen(url).map_err(bad)?;
+            if frontend == ListenerKind::NvmeTcp && self.registry.limits().max_io < 8192 {
+                // MDTS counts 4 KiB pages as a power of two and 0 means no limit: 4 KiB cannot
+                // be said, and hosts would send what the target must refuse.
+                return Err(bad(format!(
+                    "{url}: NVMe/TCP needs --max-io of at least 8K (this target has {}): \
+                     NVMe cannot advertise a limit of one 4 KiB page",
+                    blkwire_backend::format_size(u64::from(self.registry.limits().max_io))
+                )));
+            }
             let l = TcpListener::bind(&addrs[..])
                 .map_err(|e| refused(format!("cannot listen on {url}: {e}")))?;
             let local = l.local_addr().map_err(|e| refused(format!("{url}: {e}")))?;

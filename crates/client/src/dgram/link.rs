@@ -309,10 +309,11 @@ pub(crate) fn data_path(
     // A connected UDP socket (packet sockets have a destination address) can segment.
     let udp = link.dest.is_none();
     let gro = udp && udp_offload::enable_gro(link.fd.as_raw_fd());
+    // (A sealed frame carries its seal after the payload, PROTOCOL.md §12.4.)
     let rx_len = if gro {
         udp_offload::GRO_BUFFER
     } else {
-        frame.max(HEADER_LEN + 4096)
+        frame.max(HEADER_LEN + 4096) + blkwire_wire::datagram::SEAL_LEN
     };
     // As many slots as the receive buffer holds frames, so the window's arithmetic (rx_cap)
     // stays true; without a ring (it cannot be set up) frames come by recvmmsg as before.
