@@ -192,8 +192,16 @@ impl Congestion {
         self.probes_unanswered = 0;
     }
 
-    /// A request counting `frames`, last transmitted as `tx`, is finished at `now` (answered,
-    /// or given up): frees its frames, learns from its round trip and opens the window.
+    /// A request counting `frames` was given up unanswered: its frames are free, but nothing
+    /// came back, so there is no round trip to learn, no transmission known to have arrived
+    /// (an answered one would make every request sent before it look lost), and no reason to
+    /// open the window.
+    pub fn on_give_up(&mut self, frames: u32) {
+        self.in_flight_frames -= frames.min(self.in_flight_frames);
+    }
+
+    /// A request counting `frames`, last transmitted as `tx`, is answered at `now`: frees its
+    /// frames, learns from its round trip and opens the window.
     pub fn on_finish(&mut self, tx: &Transmission, frames: u32, now: Instant) {
         self.in_flight_frames -= frames.min(self.in_flight_frames);
         let elapsed = now.saturating_duration_since(tx.sent_at);
@@ -512,6 +520,24 @@ mod tests {
         let (c, _) = learnt(600 * MS, 1);
         assert_eq!(c.rto(), RTO_MAX);
         assert_eq!(c.pto(), c.rto());
+    }
+
+    /// A request given up unanswered frees its frames and teaches nothing: the round trip,
+    /// the window and the newest transmission known to have arrived are as they were.
+    #[test]
+    fn a_request_given_up_frees_its_frames_and_teaches_nothing() {
+        let (mut c, now) = learnt(100 * US, 8);
+        let late = now + 5 * MS;
+        let tx = Transmission::first(now, c.rto(), 2 * MS);
+        c.on_send(3);
+        let (srtt, cwnd, newest, frames) = (c.srtt, c.cwnd, c.newest_answered, c.in_flight_frames);
+        c.on_give_up(3);
+        assert_eq!(c.in_flight_frames, frames - 3);
+        assert_eq!((c.srtt, c.cwnd, c.newest_answered), (srtt, cwnd, newest));
+        // Taken for an answer, it would have changed them.
+        c.on_send(3);
+        c.on_finish(&tx, 3, late);
+        assert_ne!((c.srtt, c.cwnd, c.newest_answered), (srtt, cwnd, newest));
     }
 
     #[test]

@@ -682,13 +682,23 @@ impl DgramQueue {
     /// A request is answered (or given up): the window and round trip learn from it, and it is
     /// queued for delivery.
     fn finish(&mut self, slot: u16) {
+        self.finish_as(slot, true);
+    }
+
+    /// `finish`, of a request `answered` or given up unanswered (`timers`), which teaches the
+    /// congestion state nothing.
+    fn finish_as(&mut self, slot: u16, answered: bool) {
         let s = &mut self.slots[slot as usize];
         s.state = State::Done;
         if s.status != Status::Ok {
             self.stats.errors += 1;
         }
         if s.opcode != Opcode::Copy {
-            self.cc.on_finish(&s.tx, s.window_frames, self.now);
+            if answered {
+                self.cc.on_finish(&s.tx, s.window_frames, self.now);
+            } else {
+                self.cc.on_give_up(s.window_frames);
+            }
         }
         self.done.push_back(slot);
     }
@@ -715,7 +725,7 @@ impl DgramQueue {
                         s.length = 0; // nothing is known copied (PROTOCOL.md §13)
                     }
                     self.stats.timeouts += 1;
-                    self.finish(slot);
+                    self.finish_as(slot, false);
                     continue;
                 }
                 if s.opcode == Opcode::Copy {
