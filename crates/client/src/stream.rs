@@ -15,6 +15,10 @@ use crate::queue::{Cmd, Completion, Parts, QueueStats};
 use crate::tls::Link;
 use crate::{ConnectOptions, Error, ExportInfo, Result};
 
+/// How soon `poll` must run again while queued bytes wait for room in a full socket: the
+/// caller sleeps on the socket's POLLIN and its timers, not POLLOUT.
+const SEND_RETRY: Duration = Duration::from_millis(1);
+
 #[derive(Clone, Copy, Default)]
 struct Slot {
     generation: u16,
@@ -162,6 +166,39 @@ impl StreamQueue {
         Ok(())
     }
 
+    /// Sends what the socket takes now and keeps the rest, for `poll`, which must not block:
+    /// the caller comes back when [`StreamQueue::deadline`] says (soon, while bytes wait), or
+    /// when a reply comes. A TLS session writes on a blocking socket: it sends everything.
+    fn send_some(&mut self) -> Result<()> {
+        if matches!(self.sock, Link::Tls(_)) {
+            return self.send();
+        }
+        while self.tx_sent < self.tx.len() {
+            match self.sock.send_nb(&self.tx[self.tx_sent..]) {
+                Ok(n) => self.tx_sent += n,
+                Err(e) => match e.kind() {
+                    ErrorKind::Interrupted => continue,
+                    ErrorKind::WouldBlock => {
+                        // What went is dropped from the front once it is the larger part, so
+                        // requests queued behind do not grow the buffer by everything sent.
+                        if self.tx_sent >= self.tx.len() - self.tx_sent {
+                            self.tx.drain(..self.tx_sent);
+                            self.tx_sent = 0;
+                        }
+                        return Ok(());
+                    }
+                    ErrorKind::BrokenPipe | ErrorKind::ConnectionReset => {
+                        return Err(Error::Closed)
+                    }
+                    _ => return Err(Error::Io(e)),
+                },
+            }
+        }
+        self.tx.clear();
+        self.tx_sent = 0;
+        Ok(())
+    }
+
     /// Sends everything queued. While the socket is full it keeps reading replies into the receive
     /// buffer, so a target blocked on sending to us can never deadlock with us.
     pub fn send(&mut self) -> Result<()> {
@@ -195,7 +232,7 @@ impl StreamQueue {
     /// delivered (0: only those already received). Returns how many were delivered.
     pub fn complete(&mut self, min: usize, mut f: impl FnMut(Completion<'_>)) -> Result<usize> {
         self.send()?;
-        let mut done = self.deliver(&mut f)?;
+        let mut done = self.deliver(&mut f, true)?;
         let mut deadline = Instant::now() + self.timeout;
         while done < min {
             if self.in_flight() == 0 {
@@ -229,7 +266,7 @@ impl StreamQueue {
                     }
                 }
             }
-            let n = self.deliver(&mut f)?;
+            let n = self.deliver(&mut f, true)?;
             if n > 0 {
                 deadline = Instant::now() + self.timeout;
             }
@@ -238,12 +275,14 @@ impl StreamQueue {
         Ok(done)
     }
 
-    /// Sends what is queued, then delivers every reply that has arrived, without waiting for
-    /// more. Fails with `Error::Timeout` once requests have been in flight for the timeout
-    /// without any reply (the timer runs across calls; see [`StreamQueue::deadline`]).
+    /// Sends what the socket takes of what is queued, then delivers every reply that has
+    /// arrived, without waiting for either (a target that stops reading must not stop the
+    /// caller from taking the replies it did send, nor from timing its requests out). Fails
+    /// with `Error::Timeout` once requests have been in flight for the timeout without any
+    /// reply (the timer runs across calls; see [`StreamQueue::deadline`]).
     pub fn poll(&mut self, mut f: impl FnMut(Completion<'_>)) -> Result<usize> {
-        self.send()?;
-        let mut done = self.deliver(&mut f)?;
+        self.send_some()?;
+        let mut done = self.deliver(&mut f, false)?;
         // About a receive buffer's worth per call: a target sending faster than we read must
         // not keep poll from returning (nor from seeing the timeout below). Past that, only
         // what a TLS session already decrypted (at most a record): the caller waits on the
@@ -255,7 +294,7 @@ impl StreamQueue {
                 break;
             }
             taken += self.rx_end - self.rx_start - before;
-            done += self.deliver(&mut f)?;
+            done += self.deliver(&mut f, false)?;
         }
         if self.in_flight() == 0 {
             self.waiting_since = None;
@@ -281,11 +320,15 @@ impl StreamQueue {
         (self.rx.len(), self.rx_cap)
     }
 
-    /// When `poll` must run even if the socket stays quiet: to report the timeout.
+    /// When `poll` must run even if the socket stays quiet: to report the timeout, and soon
+    /// while queued bytes wait for room in the socket (`send_some`).
     pub fn deadline(&self) -> Option<Instant> {
-        self.waiting_since
+        let timeout = self
+            .waiting_since
             .filter(|_| self.in_flight() > 0)
-            .map(|t| t + self.timeout)
+            .map(|t| t + self.timeout);
+        let unsent = (self.tx_sent < self.tx.len()).then(|| Instant::now() + SEND_RETRY);
+        timeout.into_iter().chain(unsent).min()
     }
 
     pub fn fd(&self) -> RawFd {
@@ -337,15 +380,25 @@ impl StreamQueue {
         Ok(revents)
     }
 
-    /// Hands every complete reply in the receive buffer to `f`.
-    fn deliver(&mut self, f: &mut impl FnMut(Completion<'_>)) -> Result<usize> {
+    /// Hands every complete reply in the receive buffer to `f`; `block`: sends what R2Ts ask
+    /// for even while the socket is full (else what it takes, `poll`).
+    fn deliver(&mut self, f: &mut impl FnMut(Completion<'_>), block: bool) -> Result<usize> {
         if self.nvme.is_some() {
-            let mut n = self.deliver_nvme(f)?;
+            let mut n = self.deliver_nvme(f, block)?;
             // Data the target asked for (R2T) goes out at once: its write waits for it. What
             // arrives while it goes is delivered too, since the caller waits on the socket next.
             while !self.tx.is_empty() {
-                self.send()?;
-                n += self.deliver_nvme(f)?;
+                let before = self.tx.len() - self.tx_sent;
+                if block {
+                    self.send()?;
+                } else {
+                    self.send_some()?;
+                }
+                let more = self.deliver_nvme(f, block)?;
+                n += more;
+                if more == 0 && self.tx.len() - self.tx_sent >= before {
+                    break; // the socket is full: `deadline` brings the caller back
+                }
             }
             return Ok(n);
         }
@@ -424,13 +477,19 @@ impl StreamQueue {
     /// `deliver` for NVMe/TCP: CapsuleResps complete commands; a read's single C2HData is
     /// delivered in place once its CapsuleResp is in the buffer too (or at once with SUCCESS),
     /// data in pieces is gathered per slot; R2Ts are answered with the write's data.
-    fn deliver_nvme(&mut self, f: &mut impl FnMut(Completion<'_>)) -> Result<usize> {
+    fn deliver_nvme(&mut self, f: &mut impl FnMut(Completion<'_>), block: bool) -> Result<usize> {
         let mut n = 0;
         loop {
             // Data answering R2Ts goes out as it piles up, not after every PDU in the buffer
-            // is handled: what waits here stays within a couple of writes.
+            // is handled: what waits here stays within a couple of writes (without `block`, as
+            // far as the socket takes it: R2Ts come only for the writes in flight, so what
+            // waits is bounded by them).
             if self.tx.len() - self.tx_sent > 2 * self.max_io as usize {
-                self.send()?;
+                if block {
+                    self.send()?;
+                } else {
+                    self.send_some()?;
+                }
             }
             let fr = self.nvme.as_mut().expect("an NVMe/TCP queue");
             let avail = &self.rx[self.rx_start..self.rx_end];
@@ -691,6 +750,77 @@ mod tests {
             "{:?}",
             start.elapsed()
         );
+    }
+
+    /// `poll` sends what the socket takes and returns: a target that stops reading must not
+    /// hold the caller, which then takes no reply and times nothing out (it blocked up to the
+    /// timeout). `deadline` asks to be called back soon while bytes wait, and the rest goes
+    /// once the target reads again.
+    #[test]
+    fn poll_does_not_wait_for_a_target_that_stops_reading() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let sock = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut target, _) = l.accept().unwrap();
+        let url = crate::Url::parse("tcp://127.0.0.1/x").unwrap();
+        const DEPTH: u16 = 64;
+        let info = crate::info_from(&url, &granted(1, DEPTH, 1 << 20, 1 << 20));
+        let mut opts = options(Duration::from_secs(20));
+        opts.depth = DEPTH;
+        let mut q = StreamQueue::new(Link::Plain(sock), 0, &info, &opts).unwrap();
+        let data = vec![7u8; 1 << 20];
+        for i in 0..DEPTH {
+            let offset = u64::from(i) << 20;
+            q.submit(
+                Cmd::Write {
+                    offset,
+                    data: &data,
+                    fua: false,
+                },
+                u64::from(i),
+            )
+            .unwrap();
+        }
+        // 64 MiB: more than loopback's socket buffers hold while the target reads nothing.
+        let r = q.poll(|_| panic!("nothing was answered"));
+        assert!(matches!(r, Ok(0)), "{r:?}");
+        assert!(
+            q.tx_sent < q.tx.len(),
+            "the socket took everything: send more"
+        );
+        let soon = Instant::now() + Duration::from_secs(1);
+        assert!(
+            q.deadline().is_some_and(|d| d < soon),
+            "no call back while bytes wait"
+        );
+        // The target reads again and answers every write.
+        let answering = std::thread::spawn(move || {
+            use std::io::Read;
+            for _ in 0..DEPTH {
+                let mut hb = [0u8; HEADER_LEN];
+                target.read_exact(&mut hb).unwrap();
+                let h = Header::decode(&hb, 1 << 20).unwrap();
+                std::io::copy(
+                    &mut (&mut target).take(u64::from(h.payload_len)),
+                    &mut std::io::sink(),
+                )
+                .unwrap();
+                target
+                    .write_all(&h.reply(Status::Ok, 0).to_bytes())
+                    .unwrap();
+            }
+            target
+        });
+        let mut answered = 0;
+        loop {
+            answered += q.poll(|c| assert_eq!(c.status, Status::Ok)).unwrap();
+            if answered == usize::from(DEPTH) {
+                break;
+            }
+            let wait = q.deadline().expect("writes in flight");
+            let _ = crate::deadline::poll_until(q.fd(), libc::POLLIN, wait, opts.timeout);
+        }
+        assert_eq!(q.tx_sent, q.tx.len(), "everything went");
+        drop(answering.join().unwrap());
     }
 
     /// `complete` times out while replies to nothing keep coming: they are no answer. A flood
