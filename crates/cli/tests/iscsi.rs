@@ -1027,6 +1027,22 @@ fn an_initiator_cannot_rename_itself_after_chap() {
     }
 }
 
+/// Sends `depth` 4 KiB WRITE(16)s (block 8 x i) without their data: each holds a slot while
+/// it waits for its Data-Out. Their ITTs.
+fn writes_without_data(c: &mut Conn, depth: u32) -> Vec<u32> {
+    (0..depth)
+        .map(|i| {
+            let mut cdb = [0u8; 16];
+            cdb[0] = 0x8a;
+            cdb[2..10].copy_from_slice(&(u64::from(i) * 8).to_be_bytes());
+            cdb[10..14].copy_from_slice(&8u32.to_be_bytes());
+            let (itt, pdu) = c.command(&cdb, 4096, true, &[]);
+            c.send(&pdu).unwrap();
+            itt
+        })
+        .collect()
+}
+
 /// A NOP-Out that comes while WRITEs waiting for their Data-Out hold every slot of the
 /// connection is answered then: it needs no slot. It was left unread at the head of the
 /// stream, and the Data-Out behind it, which would free the slots, with it: Linux sends its
@@ -1039,16 +1055,7 @@ fn a_ping_is_answered_while_writes_waiting_for_data_hold_every_slot() {
     let mut c = login(&t.addr, &format!("{PREFIX}disk"), Digests::default());
     let depth = 128u32;
     let data = random_bytes(4096, 41);
-    let mut itts = Vec::new();
-    for i in 0..depth {
-        let mut cdb = [0u8; 16];
-        cdb[0] = 0x8a;
-        cdb[2..10].copy_from_slice(&(u64::from(i) * 8).to_be_bytes());
-        cdb[10..14].copy_from_slice(&8u32.to_be_bytes());
-        let (itt, pdu) = c.command(&cdb, 4096, true, &[]);
-        c.send(&pdu).unwrap();
-        itts.push(itt);
-    }
+    let itts = writes_without_data(&mut c, depth);
     let ping = c.itt;
     c.itt += 1;
     let mut b = Bhs::new(op::NOP_OUT | iscsi::IMMEDIATE, flag::FINAL);
@@ -1105,16 +1112,7 @@ fn a_logout_is_read_while_writes_waiting_for_data_hold_every_slot() {
     let t = IscsiTarget::start(&["disk=mem:8M"], &[]);
     let mut c = login(&t.addr, &format!("{PREFIX}disk"), Digests::default());
     let depth = 128u32;
-    let mut itts = Vec::new();
-    for i in 0..depth {
-        let mut cdb = [0u8; 16];
-        cdb[0] = 0x8a;
-        cdb[2..10].copy_from_slice(&(u64::from(i) * 8).to_be_bytes());
-        cdb[10..14].copy_from_slice(&8u32.to_be_bytes());
-        let (itt, pdu) = c.command(&cdb, 4096, true, &[]);
-        c.send(&pdu).unwrap();
-        itts.push(itt);
-    }
+    let itts = writes_without_data(&mut c, depth);
     let logout = c.itt;
     c.itt += 1;
     let mut b = Bhs::new(op::LOGOUT_REQ | iscsi::IMMEDIATE, flag::FINAL);

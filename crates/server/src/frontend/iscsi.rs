@@ -3452,6 +3452,24 @@ mod tests {
         assert_eq!(tx[2], 0);
     }
 
+    /// A COMPARE AND WRITE of one block (ITT 7, CmdSN `cmdsn`) given its data after the R2T
+    /// for it: its read, taken by the reactor and parked there (slot 4) for memory.
+    fn compare_and_write_parked(f: &mut Iscsi, cmdsn: u32, tx: &mut Vec<u8>) -> Req {
+        let pdu = cmd(7, cmdsn, &caw(1), 1024, true, &[]);
+        assert!(matches!(f.decode(&pdu, tx), Decoded::Answered { .. }));
+        assert_eq!((tx[0], be32(tx, 16)), (op::R2T, 7));
+        let ttt = be32(tx, 20);
+        tx.clear();
+        let Decoded::Request { req: read, .. } =
+            f.decode(&data_out(7, ttt, 0, 0, &[0u8; 1024], true), tx)
+        else {
+            panic!("the compare's read");
+        };
+        f.taken(&read);
+        f.parked(&read, 4);
+        read
+    }
+
     /// A Logout Request (immediate, close the session).
     fn logout_pdu(itt: u32) -> Vec<u8> {
         let mut b = Bhs::new(op::LOGOUT_REQ | iscsi::IMMEDIATE, flag::FINAL);
@@ -4977,19 +4995,8 @@ mod tests {
         assert_eq!((tx[0], be32(&tx, 16)), (op::R2T, 9));
         let write_ttt = be32(&tx, 20);
         tx.clear();
-        let pdu = cmd(7, 1, &caw(1), 1024, true, &[]);
-        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Answered { .. }));
-        assert_eq!((tx[0], be32(&tx, 16)), (op::R2T, 7));
-        let ttt = be32(&tx, 20);
-        tx.clear();
-        let Decoded::Request { req: read, .. } =
-            f.decode(&data_out(7, ttt, 0, 0, &[0u8; 1024], true), &mut tx)
-        else {
-            panic!("the compare's read");
-        };
-        f.taken(&read);
         // Parked in the reactor: the memory it waits for is the write's, which its data frees.
-        f.parked(&read, 4);
+        let read = compare_and_write_parked(&mut f, 1, &mut tx);
         let tur = cmd(50, 2, &[0u8; 6], 0, false, &[]);
         assert!(matches!(f.decode(&tur, &mut tx), Decoded::Need(_)));
         let d = data_out(9, write_ttt, 0, 0, &[5u8; 4096], true);
@@ -5020,17 +5027,7 @@ mod tests {
     fn a_logout_is_read_while_compare_and_write_waits_for_its_read() {
         let mut f = fe(65536);
         let mut tx = Vec::new();
-        let pdu = cmd(7, 0, &caw(1), 1024, true, &[]);
-        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Answered { .. }));
-        let ttt = be32(&tx, 20);
-        tx.clear();
-        let Decoded::Request { req: read, .. } =
-            f.decode(&data_out(7, ttt, 0, 0, &[0u8; 1024], true), &mut tx)
-        else {
-            panic!("the compare's read");
-        };
-        f.taken(&read);
-        f.parked(&read, 4);
+        let read = compare_and_write_parked(&mut f, 0, &mut tx);
         let tur = cmd(50, 1, &[0u8; 6], 0, false, &[]);
         assert!(matches!(f.decode(&tur, &mut tx), Decoded::Need(_)));
         let Decoded::Request { req, .. } = f.decode(&logout_pdu(61), &mut tx) else {
