@@ -1123,6 +1123,28 @@ fn write_answered_only_once_fenced(udp: bool) {
     run.assert_clean();
 }
 
+/// Unmapping a udp:// mapping whose target is gone: the last flush waits the mapping's
+/// --timeout, not the client library's give-up (three times it, so that the daemon owns
+/// request deadlines), which ran past what stopping a mapping waits for its workers.
+#[test]
+fn the_last_flush_of_a_mapping_whose_target_is_gone_waits_its_timeout() {
+    assert!(is_root(), "this test maps a block device; run it as root");
+    let run = Run::new("last-flush");
+    let (t, udp) = udp_target(&["disk=mem:16M"], &[]);
+    let log = run.dir().join("map.log");
+    let m = run.map(
+        &format!("{udp}/disk"),
+        &["--timeout", "2", "--logfile", log.to_str().unwrap()],
+    );
+    dev_write(&m.dev, &random_bytes(4096, 80), 0).unwrap();
+    drop(t); // kills the target
+    m.unmap();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("final flush: no answer within 2s"), "{text}");
+    assert!(!text.contains("did not stop in time"), "{text}");
+    run.assert_clean();
+}
+
 /// `blkwire ARGS --socket SOCK` against a target's control socket, which must succeed; stdout.
 fn control_ok(sock: &str, args: &[&str]) -> String {
     let mut a = args.to_vec();

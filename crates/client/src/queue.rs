@@ -360,15 +360,17 @@ impl Queue {
     /// datagram queue, and delivers completions to `f`. Returns how many were delivered.
     /// Errors are those of [`Queue::complete`]: `Error::SessionLost` when the target has
     /// forgotten a datagram session (an idle one learns it from its keepalive), and on TCP
-    /// `Error::Timeout` once requests have waited the timeout without any reply. On TCP the send
-    /// may wait while the socket buffer is full (reading replies meanwhile).
+    /// `Error::Timeout` once requests have waited the timeout without any reply. On TCP what the
+    /// socket does not take waits in the queue ([`Queue::deadline`] is then 1 ms away); over
+    /// TLS the send may wait while the socket buffer is full (reading replies meanwhile).
     pub fn poll(&mut self, f: impl FnMut(Completion<'_>)) -> Result<usize> {
         each!(self, q => q.poll(f))
     }
 
     /// When [`Queue::poll`] must run even if [`Queue::fd`] stays quiet: the next datagram timer
-    /// or keepalive, or on TCP the timeout of requests in flight. `None`: only when the fd turns
-    /// readable (TCP with nothing in flight).
+    /// or keepalive, or on TCP the timeout of requests in flight, and 1 ms away while queued
+    /// bytes wait for room in the socket. `None`: only when the fd turns readable (TCP with
+    /// nothing in flight).
     pub fn deadline(&self) -> Option<Instant> {
         match &self.inner {
             Inner::Stream(q) => q.deadline(),

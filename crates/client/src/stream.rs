@@ -396,7 +396,7 @@ impl StreamQueue {
                 }
                 let more = self.deliver_nvme(f, block)?;
                 n += more;
-                if more == 0 && self.tx.len() - self.tx_sent >= before {
+                if !block && more == 0 && self.tx.len() - self.tx_sent >= before {
                     break; // the socket is full: `deadline` brings the caller back
                 }
             }

@@ -3,7 +3,7 @@
 //! the last flush of a queue on the way out.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use blkwire_client::{Cmd, ConnectOptions, ExportInfo, Queue, QueueRef, Url};
 use blkwire_wire::{Features, Status};
@@ -445,25 +445,50 @@ pub(crate) fn unfenced_line(queue: usize, n: u64, url: &Url, timeout: Duration) 
     )
 }
 
-/// On the way out: make what this queue wrote durable, then log out.
-pub(crate) fn final_flush(mut q: Queue, readonly: bool, id: usize) {
+/// On the way out: make what this queue wrote durable, then log out. The flush waits at most
+/// `timeout` (the mapping's): the queue's own give-up is past it (`connect_options`), and
+/// stopping a mapping waits only so long for its workers.
+pub(crate) fn final_flush(mut q: Queue, readonly: bool, id: usize, timeout: Duration) {
     const TOKEN: u64 = u64::MAX;
     if !readonly && q.in_flight() < q.depth() && q.submit(Cmd::Flush, TOKEN).is_ok() {
+        let until = Instant::now() + timeout;
         let mut done = false;
         let mut status = Status::Ok;
-        while !done {
-            match q.complete(1, |c| {
+        loop {
+            let polled = q.poll(|c| {
                 if c.user == TOKEN {
                     done = true;
                     status = c.status;
                 }
-            }) {
-                Ok(_) => {}
-                Err(e) => {
-                    log!("warn", "queue {id}: final flush: {e}");
-                    return;
-                }
+            });
+            if let Err(e) = polled {
+                log!("warn", "queue {id}: final flush: {e}");
+                return;
             }
+            if done {
+                break;
+            }
+            let now = Instant::now();
+            if now >= until {
+                log!(
+                    "warn",
+                    "queue {id}: final flush: no answer within {}s",
+                    timeout.as_secs()
+                );
+                return;
+            }
+            let wake = q.deadline().map_or(until, |d| d.min(until));
+            let ms = wake
+                .saturating_duration_since(now)
+                .as_millis()
+                .clamp(1, 1000) as i32;
+            let mut p = libc::pollfd {
+                fd: q.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one pollfd we own, for the duration of the call.
+            unsafe { libc::poll(&mut p, 1, ms) };
         }
         if status != Status::Ok {
             log!("warn", "queue {id}: final flush: {status}");

@@ -626,7 +626,7 @@ impl<C: Transport> Worker<C> {
             );
         }
         if let Link::Up(q) = std::mem::replace(&mut self.link, Link::Down(Outage::new(0, None))) {
-            final_flush(q, self.sh.readonly, self.id);
+            final_flush(q, self.sh.readonly, self.id, self.sh.timeout);
         }
         let _ = self
             .sh

@@ -867,7 +867,7 @@ impl QueueWorker {
     pub(crate) fn run(mut self, ev: mpsc::Sender<QEvent>) {
         let error = self.serve(&ev).err();
         if let Some(q) = self.link.take() {
-            crate::device::final_flush(q, self.readonly, self.id as usize);
+            crate::device::final_flush(q, self.readonly, self.id as usize, self.timeout);
         }
         let id = self.id as usize;
         drop(self); // unmaps and closes before the main thread deletes the device
