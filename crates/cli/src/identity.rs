@@ -30,7 +30,8 @@ pub struct Identity {
 impl Identity {
     /// The identity options this command was given, for commands that take the identity from
     /// elsewhere (`map --recover`: the mapping's record). A host id or key file that came from
-    /// BLKWIRE_HOST_ID or BLKWIRE_KEY_FILE is the environment's, not this command's.
+    /// BLKWIRE_HOST_ID or BLKWIRE_KEY_FILE is the environment's, not this command's (told apart
+    /// by value: the same value also given on the command line passes too).
     pub fn options_given(&self) -> Vec<&'static str> {
         let from_env =
             |var: &str, v: &std::ffi::OsStr| std::env::var_os(var).is_some_and(|e| e == v);

@@ -385,8 +385,9 @@ impl StreamQueue {
     fn deliver(&mut self, f: &mut impl FnMut(Completion<'_>), block: bool) -> Result<usize> {
         if self.nvme.is_some() {
             let mut n = self.deliver_nvme(f, block)?;
-            // Data the target asked for (R2T) goes out at once: its write waits for it. What
-            // arrives while it goes is delivered too, since the caller waits on the socket next.
+            // Data the target asked for (R2T) goes out at once (from `poll`, as far as the
+            // socket takes it): its write waits for it. What arrives while it goes is delivered
+            // too, since the caller waits on the socket next.
             while !self.tx.is_empty() {
                 let before = self.tx.len() - self.tx_sent;
                 if block {

@@ -679,8 +679,8 @@ impl DgramQueue {
         }
     }
 
-    /// A request is answered (or given up): the window and round trip learn from it, and it is
-    /// queued for delivery.
+    /// A request is answered: the window and round trip learn from it, and it is queued for
+    /// delivery.
     fn finish(&mut self, slot: u16) {
         self.finish_as(slot, true);
     }
@@ -1432,6 +1432,39 @@ mod tests {
     fn idle_queue(target: &UdpSocket) -> DgramQueue {
         let link = udp_link(target.local_addr().unwrap()).unwrap();
         test_queue(link, grant(8, 4096, 8192), None)
+    }
+
+    /// A request given up unanswered teaches the congestion state nothing: its give-up is no
+    /// round trip (the retransmission timeout stays where it was), and its frames are free.
+    /// (Finished as if answered, its 10 ms became a round-trip sample.)
+    #[test]
+    fn a_request_given_up_teaches_the_timers_nothing() {
+        let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let link = udp_link(target.local_addr().unwrap()).unwrap();
+        // Given up before its first timer (RTO_INITIAL, 20 ms): sent once, never resent.
+        let give_up = Duration::from_millis(10);
+        let mut q = DgramQueue::new(link, grant(8, 4096, 8192), None, give_up, Duration::ZERO);
+        let rto = q.cc.rto();
+        q.submit(
+            Cmd::Read {
+                offset: 0,
+                len: 512,
+            },
+            1,
+        )
+        .unwrap();
+        let mut status = None;
+        while status.is_none() {
+            q.poll(|c| status = Some(c.status)).unwrap();
+            if status.is_none() {
+                let at = q.deadline().expect("a request in flight has a timer");
+                let _ = crate::deadline::poll_until(q.fd(), libc::POLLIN, at, give_up);
+            }
+        }
+        assert_eq!(status, Some(Status::Io));
+        assert_eq!((q.stats().timeouts, q.stats().retransmits), (1, 0));
+        assert_eq!(q.cc.rto(), rto, "a give-up is no round trip");
+        assert_eq!(q.cc.in_flight_frames(), 0);
     }
 
     #[test]

@@ -406,7 +406,7 @@ enum Hold {
     Off,
     /// The read of a COMPARE AND WRITE: no later command of this connection is decoded until
     /// the compare is done and its write handed out (Data-Out and NOP-Out, which start no
-    /// task, are).
+    /// task, are, and Logout, which ends the command or waits for it).
     Compare,
     /// The running part of a compound command task management gave up: its answer is still to
     /// come (`part_done`) and answers no one. Until it has, a command that would hand out parts
