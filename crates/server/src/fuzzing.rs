@@ -269,17 +269,27 @@ mod tests {
         out
     }
 
+    /// The seeds of fuzz target `target` (fuzz/seeds/TARGET/): each file's name and bytes.
+    fn seeds(target: &str) -> Vec<(String, Vec<u8>)> {
+        let dir = format!("{}/../../fuzz/seeds/{target}", env!("CARGO_MANIFEST_DIR"));
+        std::fs::read_dir(&dir)
+            .unwrap_or_else(|e| panic!("the seeds in {dir}: {e}"))
+            .map(|e| {
+                let path = e.unwrap().path();
+                let name = path.file_name().unwrap().to_string_lossy().to_string();
+                (name, std::fs::read(&path).unwrap())
+            })
+            .collect()
+    }
+
     /// The `nbd_options` fuzz target's seeds reach what they are named for: a session (GO,
     /// EXPORT_NAME, GO after an option too large to read), or the refusal each is built to get.
     #[test]
     fn nbd_option_seeds_reach_what_they_are_named_for() {
-        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz/seeds/nbd_options");
-        let mut seen = 0;
-        for e in std::fs::read_dir(dir).expect("the nbd_options seeds") {
-            let path = e.unwrap().path();
-            let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let seeds = seeds("nbd_options");
+        for (name, input) in &seeds {
             let mut sent = Vec::new();
-            let run = super::nbd_options_kept(&std::fs::read(&path).unwrap(), Some(&mut sent));
+            let run = super::nbd_options_kept(input, Some(&mut sent));
             let replies = nbd_replies(&sent);
             let has = |typ| replies.iter().any(|&(_, t)| t == typ);
             let admitted = ["go", "export-name", "too-big-then-go"].contains(&name.as_str());
@@ -296,9 +306,8 @@ mod tests {
                 _ => panic!("{name}: a seed this test does not know"),
             };
             assert!(reached, "{name}: {replies:?} ({} bytes)", sent.len());
-            seen += 1;
         }
-        assert_eq!(seen, 7);
+        assert_eq!(seeds.len(), 7);
     }
 
     /// The `login` fuzz target's seeds reach what they are named for: a session or a
@@ -307,12 +316,9 @@ mod tests {
     /// answer and no admission.
     #[test]
     fn login_seeds_reach_what_they_are_named_for() {
-        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz/seeds/login");
-        let mut seen = 0;
-        for e in std::fs::read_dir(dir).expect("the login seeds") {
-            let path = e.unwrap().path();
-            let name = path.file_name().unwrap().to_string_lossy().to_string();
-            let run = super::login(&std::fs::read(&path).unwrap());
+        let seeds = seeds("login");
+        for (name, input) in &seeds {
+            let run = super::login(input);
             let refused = ["iscsi-chap", "iscsi-discovery", "nvme-io-unknown"];
             assert_eq!(
                 run.admitted,
@@ -320,8 +326,7 @@ mod tests {
                 "{name}: {run:?}"
             );
             assert!(run.answered > 0, "{name}: no answer");
-            seen += 1;
         }
-        assert_eq!(seen, 8, "seeds in {dir}");
+        assert_eq!(seeds.len(), 8, "seeds of login");
     }
 }

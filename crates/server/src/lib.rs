@@ -126,19 +126,6 @@ impl Admission {
     fn socket(&self) -> &TcpStream {
         &self.s.s
     }
-
-    /// Whether the connection is encrypted from here on.
-    pub(crate) fn is_tls(&self) -> bool {
-        self.tls.is_some()
-    }
-
-    /// Runs the TLS handshake (server side) and sends everything after it through the session.
-    /// Returns the host id the client proved with its PSK and that key, if it used one.
-    pub(crate) fn start_tls(&mut self, tls: &Tls) -> Result<Option<tls::PskHost>, String> {
-        let (session, host) = tls.accept(self.socket().as_raw_fd(), self.deadline())?;
-        self.tls = Some(Box::new(session));
-        Ok(host)
-    }
 }
 
 /// The connection a handshake runs over: a socket with its deadline ([`Admission`]), or a
@@ -146,17 +133,21 @@ impl Admission {
 pub(crate) trait Handshake: Read + Write {
     /// Whether the connection is encrypted from here on.
     fn is_tls(&self) -> bool;
-    /// Runs the TLS handshake (server side); the host id and key a TLS-PSK client proved.
+    /// Runs the TLS handshake (server side). Returns the host id the client proved with its
+    /// PSK and that key, if it used one.
     fn start_tls(&mut self, tls: &Tls) -> Result<Option<tls::PskHost>, String>;
 }
 
 impl Handshake for Admission {
     fn is_tls(&self) -> bool {
-        Admission::is_tls(self)
+        self.tls.is_some()
     }
 
+    /// Sends everything after the handshake through the session.
     fn start_tls(&mut self, tls: &Tls) -> Result<Option<tls::PskHost>, String> {
-        Admission::start_tls(self, tls)
+        let (session, host) = tls.accept(self.socket().as_raw_fd(), self.deadline())?;
+        self.tls = Some(Box::new(session));
+        Ok(host)
     }
 }
 

@@ -96,6 +96,15 @@ struct PortalTable {
     targets: targets::Targets,
 }
 
+impl PortalTable {
+    /// Forgets the logins whose sessions all ended (`live`: the registry's open ones): a login
+    /// lives while one of its LUNs' sessions does.
+    fn forget_ended(&mut self, live: &dyn Fn(u32) -> bool) {
+        self.sessions
+            .retain(|s| s.luns.iter().any(|&(_, id)| live(id)));
+    }
+}
+
 #[derive(Clone)]
 struct SessionEntry {
     /// The session of its first LUN (the one `session_list` shows it by).
@@ -166,8 +175,7 @@ impl Portals {
         if !still {
             return false;
         }
-        t.sessions
-            .retain(|s| s.luns.iter().any(|&(_, id)| live(id)));
+        t.forget_ended(live);
         t.sessions.push(e);
         true
     }
@@ -187,8 +195,7 @@ impl Portals {
         live: &dyn Fn(u32) -> bool,
     ) -> Vec<u32> {
         let mut t = self.lock();
-        t.sessions
-            .retain(|s| s.luns.iter().any(|&(_, id)| live(id)));
+        t.forget_ended(live);
         t.sessions
             .iter()
             .filter(|s| s.target == target && s.initiator == initiator && s.isid == isid)
@@ -201,9 +208,7 @@ impl Portals {
     /// Forgets the iSCSI facts of sessions that ended (`live`: the registry's open ones): a
     /// login lives while one of its LUNs' sessions does.
     pub fn retain_sessions(&self, live: &dyn Fn(u32) -> bool) {
-        self.lock()
-            .sessions
-            .retain(|s| s.luns.iter().any(|&(_, id)| live(id)));
+        self.lock().forget_ended(live);
     }
 
     /// The sessions logins to `iqn` hold for LUN `lun` (every LUN: None), of initiator `who`

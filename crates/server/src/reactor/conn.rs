@@ -458,11 +458,7 @@ impl Conn {
         self.rx_start = 0;
         if self.rx.len() < total && self.rx_end == self.rx.len() {
             let grown = (2 * self.rx.len()).clamp(self.rx_end + 1, total);
-            let want = grown
-                + self.tx_after(self.held_out())
-                + self.bufs.allocated()
-                + self.copy_memory()
-                + self.lists;
+            let want = grown + self.besides_rx(0);
             if total + TX_KEEP > self.mem.cap() {
                 // It would never fit: waiting would hold the connection forever.
                 return self.violation(&format_args!(
@@ -501,8 +497,14 @@ impl Conn {
     /// Bytes this connection's buffers hold, counting the replies of reads and allocation
     /// queries in flight, which will be copied into the transmit buffer, and allocation lists.
     pub(super) fn footprint(&self) -> usize {
-        self.rx.capacity()
-            + self.tx_after(self.held_out())
+        self.rx.capacity() + self.besides_rx(0)
+    }
+
+    /// What the buffers other than the receive buffer hold, the transmit buffer grown for
+    /// `extra_tx` more bytes of reply: what `footprint`, `covers` and `make_room` add to the
+    /// receive buffer each has in mind.
+    fn besides_rx(&self, extra_tx: usize) -> usize {
+        self.tx_after(self.held_out() + extra_tx)
             + self.bufs.allocated()
             + self.copy_memory()
             + self.lists
@@ -531,12 +533,7 @@ impl Conn {
     /// `extra_pool` bytes of new data buffer (or allocation list); if not, the connection is
     /// starved.
     pub(super) fn covers(&mut self, extra_tx: usize, extra_pool: usize) -> bool {
-        let want = self.rx.capacity()
-            + self.tx_after(self.held_out() + extra_tx)
-            + self.bufs.allocated()
-            + self.copy_memory()
-            + self.lists
-            + extra_pool;
+        let want = self.rx.capacity() + self.besides_rx(extra_tx) + extra_pool;
         self.covers_or_trim(want)
     }
 

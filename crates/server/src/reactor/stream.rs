@@ -2285,11 +2285,7 @@ mod tests {
         assert_eq!(take_tx(&mut c), status_reply(follows | 1, Status::Ok));
         // Writes waiting for data (some of them for memory) hold the budget: a write whose
         // data follows cannot wait in front of their data, nor without a buffer: refused.
-        let mut msgs = Vec::new();
-        for i in 0..3u64 {
-            msgs.extend_from_slice(&write(10 + i, i * LEN as u64, LEN as u32, &[]));
-        }
-        feed(&mut c, &mut ring, &msgs);
+        feed(&mut c, &mut ring, &writes_without_data(3, LEN));
         assert!(
             !c.deferred.is_empty(),
             "the budget held every buffer: make it smaller"
