@@ -166,27 +166,15 @@ impl StreamQueue {
         Ok(())
     }
 
-    /// Sends what the socket takes now and keeps the rest, for `poll`, which must not block:
-    /// the caller comes back when [`StreamQueue::deadline`] says (soon, while bytes wait), or
-    /// when a reply comes. A TLS session writes on a blocking socket: it sends everything.
-    fn send_some(&mut self) -> Result<()> {
-        if matches!(self.sock, Link::Tls(_)) {
-            return self.send();
-        }
+    /// Sends what the socket takes now; true once everything queued went (the buffer is then
+    /// emptied), false when the socket is full.
+    fn send_now(&mut self) -> Result<bool> {
         while self.tx_sent < self.tx.len() {
             match self.sock.send_nb(&self.tx[self.tx_sent..]) {
                 Ok(n) => self.tx_sent += n,
                 Err(e) => match e.kind() {
                     ErrorKind::Interrupted => continue,
-                    ErrorKind::WouldBlock => {
-                        // What went is dropped from the front once it is the larger part, so
-                        // requests queued behind do not grow the buffer by everything sent.
-                        if self.tx_sent >= self.tx.len() - self.tx_sent {
-                            self.tx.drain(..self.tx_sent);
-                            self.tx_sent = 0;
-                        }
-                        return Ok(());
-                    }
+                    ErrorKind::WouldBlock => return Ok(false),
                     ErrorKind::BrokenPipe | ErrorKind::ConnectionReset => {
                         return Err(Error::Closed)
                     }
@@ -196,6 +184,22 @@ impl StreamQueue {
         }
         self.tx.clear();
         self.tx_sent = 0;
+        Ok(true)
+    }
+
+    /// Sends what the socket takes now and keeps the rest, for `poll`, which must not block:
+    /// the caller comes back when [`StreamQueue::deadline`] says (soon, while bytes wait), or
+    /// when a reply comes. A TLS session writes on a blocking socket: it sends everything.
+    fn send_some(&mut self) -> Result<()> {
+        if matches!(self.sock, Link::Tls(_)) {
+            return self.send();
+        }
+        // What went is dropped from the front once it is the larger part, so requests queued
+        // behind do not grow the buffer by everything sent.
+        if !self.send_now()? && self.tx_sent >= self.tx.len() - self.tx_sent {
+            self.tx.drain(..self.tx_sent);
+            self.tx_sent = 0;
+        }
         Ok(())
     }
 
@@ -203,28 +207,12 @@ impl StreamQueue {
     /// buffer, so a target blocked on sending to us can never deadlock with us.
     pub fn send(&mut self) -> Result<()> {
         let deadline = Instant::now() + self.timeout;
-        while self.tx_sent < self.tx.len() {
-            let e = match self.sock.send_nb(&self.tx[self.tx_sent..]) {
-                Ok(n) => {
-                    self.tx_sent += n;
-                    continue;
-                }
-                Err(e) => e,
-            };
-            match e.kind() {
-                ErrorKind::Interrupted => continue,
-                ErrorKind::WouldBlock => {
-                    let ev = self.wait_fd(libc::POLLOUT | libc::POLLIN, deadline)?;
-                    if ev & libc::POLLIN != 0 {
-                        self.fill(true)?;
-                    }
-                }
-                ErrorKind::BrokenPipe | ErrorKind::ConnectionReset => return Err(Error::Closed),
-                _ => return Err(Error::Io(e)),
+        while !self.send_now()? {
+            let ev = self.wait_fd(libc::POLLOUT | libc::POLLIN, deadline)?;
+            if ev & libc::POLLIN != 0 {
+                self.fill(true)?;
             }
         }
-        self.tx.clear();
-        self.tx_sent = 0;
         Ok(())
     }
 
@@ -720,6 +708,18 @@ mod tests {
         }
     }
 
+    /// A queue granted `opts.depth` slots of 1 MiB I/O on a loopback connection, past any
+    /// handshake, and the target's end of it.
+    fn queue_on_loopback(opts: &ConnectOptions) -> (StreamQueue, std::net::TcpStream) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let sock = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (target, _) = l.accept().unwrap();
+        let url = crate::Url::parse("tcp://127.0.0.1/x").unwrap();
+        let info = crate::info_from(&url, &granted(1, opts.depth, 1 << 20, 1 << 20));
+        let q = StreamQueue::new(Link::Plain(sock), 0, &info, opts).unwrap();
+        (q, target)
+    }
+
     /// A session with a target that answers nothing asked and sends replies to nothing as
     /// fast as it can (for 10 s, so that a queue that waits for the flood to end fails its
     /// test rather than hangs), with one 4 KiB READ in flight; and when it was made.
@@ -759,15 +759,10 @@ mod tests {
     /// once the target reads again.
     #[test]
     fn poll_does_not_wait_for_a_target_that_stops_reading() {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let sock = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (mut target, _) = l.accept().unwrap();
-        let url = crate::Url::parse("tcp://127.0.0.1/x").unwrap();
         const DEPTH: u16 = 64;
-        let info = crate::info_from(&url, &granted(1, DEPTH, 1 << 20, 1 << 20));
         let mut opts = options(Duration::from_secs(20));
         opts.depth = DEPTH;
-        let mut q = StreamQueue::new(Link::Plain(sock), 0, &info, &opts).unwrap();
+        let (mut q, mut target) = queue_on_loopback(&opts);
         let data = vec![7u8; 1 << 20];
         for i in 0..DEPTH {
             let offset = u64::from(i) << 20;
@@ -831,13 +826,7 @@ mod tests {
     /// A `complete` that looked only once the socket was empty reads them all first.
     #[test]
     fn a_flood_of_replies_to_nothing_does_not_hold_complete_past_its_timeout() {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let sock = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (mut target, _) = l.accept().unwrap();
-        let url = crate::Url::parse("tcp://127.0.0.1/x").unwrap();
-        let info = crate::info_from(&url, &granted(1, 8, 1 << 20, 1 << 20));
-        let opts = options(Duration::ZERO);
-        let mut q = StreamQueue::new(Link::Plain(sock), 0, &info, &opts).unwrap();
+        let (mut q, mut target) = queue_on_loopback(&options(Duration::ZERO));
         target.write_all(&flood(64)).unwrap();
         let soon = Instant::now() + Duration::from_secs(10);
         crate::deadline::poll_until(q.fd(), libc::POLLIN, soon, Duration::from_secs(10)).unwrap();
