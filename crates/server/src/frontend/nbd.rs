@@ -22,6 +22,19 @@ pub struct Nbd {
     pub fast_zero: bool,
 }
 
+/// The command flags a request of type `typ` may carry (proto.md, "Command flags"): FUA on
+/// any (clients are known to set it on commands that write nothing, and the server MUST accept
+/// it there), each other flag only on the command it is defined for.
+fn applicable_flags(typ: u16) -> u16 {
+    cflag::FUA
+        | match typ {
+            cmd::READ => cflag::DF,
+            cmd::WRITE_ZEROES => cflag::NO_HOLE | cflag::FAST_ZERO,
+            cmd::BLOCK_STATUS => cflag::REQ_ONE,
+            _ => 0,
+        }
+}
+
 impl StreamFrontend for Nbd {
     fn decode(&mut self, rx: &[u8], _tx: &mut Vec<u8>) -> Decoded {
         if rx.len() < nbd::REQUEST_LEN {
@@ -38,8 +51,11 @@ impl StreamFrontend for Nbd {
         }
         let (mut offset, mut length) = (r.offset, r.length);
         let kind = match r.typ {
-            // Unknown flags, or DF without structured replies: EINVAL (the spec's SHOULD).
-            _ if r.flags & !cflag::KNOWN != 0 || (r.flags & cflag::DF != 0 && !self.structured) => {
+            // Unknown flags, a flag the command does not take, or DF without structured
+            // replies: EINVAL (proto.md, "Error values": the server SHOULD).
+            _ if r.flags & !applicable_flags(r.typ) != 0
+                || (r.flags & cflag::DF != 0 && !self.structured) =>
+            {
                 Kind::Invalid
             }
             // Longer than any reply we may send (the executor would refuse it too): EINVAL.
@@ -274,6 +290,29 @@ mod tests {
         assert_eq!(r.kind, Kind::Invalid);
         let (r, _) = req(&mut n, &request(cmd::READ, cflag::DF, 1, 0, 512));
         assert_eq!(r.kind, Kind::Invalid, "DF needs structured replies");
+        // Each flag only on the command it is defined for; FUA on any.
+        let mut s = nbd(true);
+        for (typ, flag, ok) in [
+            (cmd::READ, cflag::DF, true),
+            (cmd::WRITE, cflag::DF, false),
+            (cmd::WRITE, cflag::FAST_ZERO, false),
+            (cmd::WRITE, cflag::NO_HOLE, false),
+            (cmd::TRIM, cflag::NO_HOLE, false),
+            (cmd::READ, cflag::REQ_ONE, false),
+            (cmd::BLOCK_STATUS, cflag::REQ_ONE, true),
+            (cmd::BLOCK_STATUS, cflag::DF, false),
+            (cmd::WRITE_ZEROES, cflag::NO_HOLE | cflag::FAST_ZERO, true),
+            (cmd::WRITE_ZEROES, cflag::REQ_ONE, false),
+            (cmd::FLUSH, cflag::FUA, true),
+            (cmd::READ, cflag::FUA, true),
+            (cmd::CACHE, cflag::NO_HOLE, false),
+        ] {
+            let len = if typ == cmd::WRITE { 512 } else { 0 };
+            let mut frame = request(typ, flag, 1, 0, 512);
+            frame.resize(frame.len() + len, 0);
+            let (r, _) = req(&mut s, &frame);
+            assert_eq!(r.kind != Kind::Invalid, ok, "command {typ} flags {flag:#x}");
+        }
         let (r, _) = req(&mut n, &request(cmd::READ, 0, 1, 0, u32::MAX));
         assert_eq!(r.kind, Kind::Invalid, "a read longer than max I/O");
         let (r, _) = req(&mut n, &request(cmd::DISC, 0, 1, 0, 0));
