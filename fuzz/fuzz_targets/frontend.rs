@@ -41,7 +41,7 @@ fn walk(fe: &mut dyn StreamFrontend, data: &[u8], targets: usize) {
                 assert!(len > 0 && len <= rx.len());
                 at += len;
             }
-            Decoded::Answered { len } => {
+            Decoded::Answered { len } | Decoded::Dropped { len } => {
                 assert!(len > 0 && len <= rx.len());
                 at += len;
             }

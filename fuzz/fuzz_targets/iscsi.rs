@@ -102,7 +102,7 @@ fn walk(fe: &mut Iscsi, data: &[u8], status: Status, refuse: bool) {
             }
             // 0: the response of a TMF that waited for the tasks it found running (none do
             // here: every request is answered at once, but the frontend may say so).
-            Decoded::Answered { len } => {
+            Decoded::Answered { len } | Decoded::Dropped { len } => {
                 assert!(len <= rx.len());
                 at += len;
             }

@@ -618,6 +618,12 @@ fn abort_task_gives_up_a_read_waiting_for_memory() {
 /// Requests the target's backends are running, over every session (its STATS document, asked
 /// at `stats_url`).
 fn running(stats_url: &str) -> u64 {
+    queues_sum(stats_url, "in_flight")
+}
+
+/// The sum of the queue counter `name` over every live session's queues (the STATS document,
+/// asked at `stats_url`).
+fn queues_sum(stats_url: &str, name: &str) -> u64 {
     use blkwire_client::{ConnectOptions, Url};
     let url = Url::parse(stats_url).unwrap();
     let doc = blkwire_client::stats(&url, &ConnectOptions::default()).unwrap();
@@ -627,8 +633,37 @@ fn running(stats_url: &str) -> u64 {
         .unwrap()
         .iter()
         .flat_map(|s| s["queues"].as_array().unwrap().iter())
-        .map(|q| q["in_flight"].as_u64().unwrap())
+        .map(|q| {
+            q[name]
+                .as_u64()
+                .unwrap_or_else(|| panic!("no {name} in {q}"))
+        })
         .sum()
+}
+
+/// A command whose CmdSN was already taken (a duplicate) or lies outside the window is dropped
+/// unanswered (RFC 7143 §4.2.2.1), and counted with the late and duplicate requests dropped,
+/// so that `blkwire stats` tells why an initiator's command went unanswered.
+#[test]
+fn commands_dropped_for_their_cmdsn_are_counted() {
+    let _serial = serial();
+    let t = IscsiTarget::start(&["disk=mem:16M"], &["--listen", "tcp://127.0.0.1:0"]);
+    let stats_url = t.urls.iter().find(|u| u.starts_with("tcp://")).unwrap();
+    let mut c = login(&t.addr, &format!("{PREFIX}disk"), Digests::default());
+    let tur = [0u8; 6];
+    let (itt, pdu) = c.command(&tur, 0, false, &[]);
+    c.send(&pdu).unwrap();
+    let r = c.recv().expect("a response");
+    assert_eq!((r.opcode(), r.word(16), r.bhs[3]), (op::SCSI_RSP, itt, 0));
+    // Again, the same CmdSN; then one far past the window.
+    c.send(&pdu).unwrap();
+    let (_, mut far) = c.command(&tur, 0, false, &[]);
+    far[24..28].copy_from_slice(&(c.cmdsn + 1000).to_be_bytes());
+    c.send(&far).unwrap();
+    // A ping behind them is the next thing answered: neither was.
+    assert_eq!(c.ping(b"after").as_deref(), Some(&b"after"[..]));
+    assert_eq!(queues_sum(stats_url, "dropped_duplicates"), 2);
+    assert_eq!(queues_sum(stats_url, "protocol_errors"), 0);
 }
 
 /// A task management function that finds the command it affects running at the backend (here

@@ -25,7 +25,8 @@ pub struct QueueStats {
     pub errors: u64,
     /// Frames that broke the protocol (the queue is closed after one).
     pub protocol_errors: u64,
-    /// Late or duplicate requests dropped (datagram transports; always 0 on TCP).
+    /// Late or duplicate requests dropped: datagram transports, and iSCSI commands outside the
+    /// CmdSN window or already taken (RFC 7143 §4.2.2.1); 0 on the other stream protocols.
     pub dropped_duplicates: u64,
     /// Left out of the STATS document, which must stay under 1 MiB (PROTOCOL.md §11); the
     /// metrics endpoint shows them.

@@ -1064,7 +1064,7 @@ impl Iscsi {
             }
         }
         if !p.immediate() && !self.take_cmdsn(c.cmdsn) {
-            return Decoded::Answered { len };
+            return Decoded::Dropped { len };
         }
         if !c.data.is_empty()
             && (!self.neg.immediate_data || !c.write || c.data.len() as u32 > self.neg.first_burst)
@@ -2031,7 +2031,7 @@ impl Iscsi {
 
     fn nop(&mut self, len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
         if !p.immediate() && !self.take_cmdsn(p.cmdsn()) {
-            return Decoded::Answered { len };
+            return Decoded::Dropped { len };
         }
         if p.itt() == RESERVED_TAG {
             // An answer to a ping of ours, or a one-way NOP: nothing to say.
@@ -2048,7 +2048,7 @@ impl Iscsi {
 
     fn tmf(&mut self, len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
         if !p.immediate() && !self.take_cmdsn(p.cmdsn()) {
-            return Decoded::Answered { len };
+            return Decoded::Dropped { len };
         }
         let function = p.flags() & 0x7f;
         let lun = scsi::lun_from_wire(p.lun().to_be_bytes());
@@ -2207,7 +2207,7 @@ impl Iscsi {
 
     fn text(&mut self, len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
         if !p.immediate() && !self.take_cmdsn(p.cmdsn()) {
-            return Decoded::Answered { len };
+            return Decoded::Dropped { len };
         }
         let mut out = Vec::new();
         for (k, _) in iscsi::pairs(p.data).flatten() {
@@ -3305,11 +3305,15 @@ mod tests {
         let mut tx = Vec::new();
         let tur = [0u8; 6];
         let pdu = cmd(1, 5, &tur, 0, false, &[]);
-        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Answered { len } if len == pdu.len()));
+        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Dropped { len } if len == pdu.len()));
         assert!(tx.is_empty(), "no answer to CmdSN 5 when 0 is due");
         let pdu = cmd(2, 0, &tur, 0, false, &[]);
         assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Answered { .. }));
         assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 2));
+        // The same CmdSN again is a duplicate: dropped too.
+        tx.clear();
+        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Dropped { .. }));
+        assert!(tx.is_empty(), "no answer to a duplicate");
     }
 
     #[test]
@@ -4089,7 +4093,7 @@ mod tests {
         assert!(tx.is_empty());
         let fifth = cmd(5, 4, &READ10_ONE, 512, false, &[]);
         assert!(
-            matches!(f.decode(&fifth, &mut tx), Decoded::Answered { len } if len == fifth.len()),
+            matches!(f.decode(&fifth, &mut tx), Decoded::Dropped { len } if len == fifth.len()),
             "CmdSN 4 past MaxCmdSN 3 was not dropped"
         );
         assert!(
@@ -4101,7 +4105,7 @@ mod tests {
         let mut late = ping.clone();
         late[24..28].copy_from_slice(&4u32.to_be_bytes());
         late[0] &= !iscsi::IMMEDIATE; // it takes a CmdSN now, and 4 is outside the window too
-        assert!(matches!(f.decode(&late, &mut tx), Decoded::Answered { .. }));
+        assert!(matches!(f.decode(&late, &mut tx), Decoded::Dropped { .. }));
         assert!(
             tx.is_empty(),
             "a non-immediate NOP-Out outside the window is not answered"
@@ -4150,7 +4154,7 @@ mod tests {
             f.taken(&req);
         }
         let past = cmd(7, 4, &READ10_ONE, 512, false, &[]);
-        assert!(matches!(f.decode(&past, &mut tx), Decoded::Answered { .. }));
+        assert!(matches!(f.decode(&past, &mut tx), Decoded::Dropped { .. }));
         assert_eq!(f.expcmdsn, 4, "CmdSN 4 is past every MaxCmdSN sent");
     }
 
@@ -4177,7 +4181,7 @@ mod tests {
                 let pdu = cmd(cmdsn.wrapping_add(10), cmdsn, &READ10_ONE, 512, false, &[]);
                 match f.decode(&pdu, &mut tx) {
                     Decoded::Request { req, .. } => f.taken(&req),
-                    Decoded::Answered { .. } => break,
+                    Decoded::Dropped { .. } => break,
                     _ => panic!("CmdSN {cmdsn}: neither taken nor dropped"),
                 }
                 cmdsn = cmdsn.wrapping_add(1);

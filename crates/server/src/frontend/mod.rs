@@ -206,6 +206,13 @@ pub enum Decoded {
         /// [`StreamFrontend::next_release`].
         len: usize,
     },
+    /// A message dropped unanswered, as its protocol says of a late or duplicate one (an iSCSI
+    /// PDU whose CmdSN is outside the window or already taken, RFC 7143 §4.2.2.1): counted
+    /// with the late and duplicate requests the datagram transports drop.
+    Dropped {
+        /// Bytes of the whole message.
+        len: usize,
+    },
     /// The stream is not valid: close the queue.
     Violation(String),
 }

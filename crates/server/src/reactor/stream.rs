@@ -81,7 +81,9 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                 trailer,
                 ..
             } => (len, payload_len, trailer),
-            Decoded::Answered { len } | Decoded::Release { len, .. } => (len, 0, 0),
+            Decoded::Answered { len } | Decoded::Dropped { len } | Decoded::Release { len, .. } => {
+                (len, 0, 0)
+            }
         };
         // What a request will hold must fit the high-water mark and the memory budget
         // (`request_cover`). Solicited data and answered messages still go through, so a write
@@ -199,6 +201,7 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                     release_held(c, slot);
                 }
             }
+            Decoded::Dropped { .. } => c.stats().dropped_duplicates += 1,
             // Counted as answered even when the frontend's protocol has no answer for it.
             _ => c.stats().frames_out += 1,
         }
