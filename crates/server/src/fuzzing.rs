@@ -106,11 +106,19 @@ pub struct LoginRun {
 /// The connection setup of iSCSI (login, CHAP, a discovery session's SendTargets) and NVMe/TCP
 /// (ICReq, Connect and its data, in the capsule or solicited), what any host that reaches an
 /// `iscsi://` or `nvme-tcp://` listener sends before it has proved anything, run over a byte
-/// stream as the handshake thread runs it over a socket. The first byte of `input`: bit 0
-/// picks NVMe/TCP (else iSCSI), bit 1 a target with keys ([`LOGIN_INITIATOR`] with
-/// [`LOGIN_SECRET`] for CHAP, [`LOGIN_HOSTNQN`] with it as its key); the rest is what the host
-/// sends, then the end of the stream. The target serves one RAM export, `a`.
+/// stream as the handshake thread runs it over a socket. An NVMe/TCP admin queue that Connect
+/// creates then serves what follows (admin and fabrics commands: Identify, Get Log Page,
+/// features, properties, DH-HMAC-CHAP), over a loopback TCP connection, as the handshake thread
+/// serves it for the controller's life. The first byte of `input`: bit 0 picks NVMe/TCP (else
+/// iSCSI), bit 1 a target with keys ([`LOGIN_INITIATOR`] with [`LOGIN_SECRET`] for CHAP,
+/// [`LOGIN_HOSTNQN`] with it as its key); the rest is what the host sends, then the end of the
+/// stream. The target serves one RAM export, `a`.
 pub fn login(input: &[u8]) -> LoginRun {
+    login_kept(input, None)
+}
+
+/// [`login`], keeping what the target sent in `kept` (the tests read the answers).
+fn login_kept(input: &[u8], mut kept: Option<&mut Vec<u8>>) -> LoginRun {
     let Some((&how, bytes)) = input.split_first() else {
         return LoginRun::default();
     };
@@ -119,19 +127,60 @@ pub fn login(input: &[u8]) -> LoginRun {
     let mut s = Feed {
         input: bytes,
         answered: 0,
-        kept: None,
+        kept: kept.as_deref_mut(),
     };
     let peer: SocketAddr = ([127, 0, 0, 1], 40000).into();
     let local: SocketAddr = ([127, 0, 0, 1], 3260).into();
-    let admitted = if how & 1 != 0 {
-        crate::nvme::accept(&mut s, peer, local, &registry).is_some()
+    let (admitted, answered) = if how & 1 != 0 {
+        match crate::nvme::accept(&mut s, peer, local, &registry) {
+            Some(crate::nvme::Accepted::Admin(q)) => {
+                let (rest, answered) = (s.input, s.answered);
+                let served = serve_admin(*q, rest, &registry);
+                if let Some(k) = kept {
+                    k.extend_from_slice(&served);
+                }
+                (true, answered + served.len())
+            }
+            accepted => (accepted.is_some(), s.answered),
+        }
     } else {
-        crate::iscsi::accept(&mut s, peer, local, &registry).is_some()
+        let admitted = crate::iscsi::accept(&mut s, peer, local, &registry).is_some();
+        (admitted, s.answered)
     };
-    LoginRun {
-        admitted,
-        answered: s.answered,
-    }
+    LoginRun { admitted, answered }
+}
+
+/// Serves the admin queue `q` as the handshake thread does, over a loopback TCP connection the
+/// host side of which sends `rest` and then closes; returns what the controller sent. The
+/// sockets are real because the queue waits for them to be readable between commands (its
+/// keep-alive and revocation checks).
+fn serve_admin(q: crate::nvme::admin::AdminQueue, rest: &[u8], registry: &Registry) -> Vec<u8> {
+    use std::io::{Read, Write};
+    use std::net::{Shutdown, TcpListener, TcpStream};
+    let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback listener");
+    let host = TcpStream::connect(listener.local_addr().expect("its address")).expect("connect");
+    let (controller, _) = listener.accept().expect("accept");
+    let mut reader = host.try_clone().expect("a second handle");
+    let rest = rest.to_vec();
+    // The host writes while the controller answers: neither may wait for the other.
+    let writer = std::thread::spawn(move || {
+        let mut host = host;
+        let _ = host.write_all(&rest);
+        let _ = host.shutdown(Shutdown::Write);
+    });
+    let answers = std::thread::spawn(move || {
+        let mut got = Vec::new();
+        let _ = reader.read_to_end(&mut got);
+        got
+    });
+    let sock = crate::Bounded {
+        s: controller,
+        deadline: std::time::Instant::now(),
+    };
+    // Its sessions end with the registry, dropped after the run.
+    q.serve(sock, registry, "127.0.0.1:40000");
+    writer.join().expect("the host's writer");
+    answers.join().expect("the host's reader")
 }
 
 /// NBD's option haggling (fixed newstyle: client flags, then options up to GO or
@@ -327,6 +376,38 @@ mod tests {
             );
             assert!(run.answered > 0, "{name}: no answer");
         }
-        assert_eq!(seeds.len(), 8, "seeds of login");
+        assert_eq!(seeds.len(), 9, "seeds of login");
+    }
+
+    /// The `login` seed that goes on past Connect reaches the admin queue: each of its admin
+    /// and fabrics commands (CIDs 101-112) is answered with success, and the Asynchronous
+    /// Event Request (113) is held.
+    #[test]
+    fn the_admin_queue_seed_gets_its_commands_answered() {
+        let (_, input) = seeds("login")
+            .into_iter()
+            .find(|(name, _)| name == "nvme-admin-commands")
+            .expect("the seed");
+        let mut sent = Vec::new();
+        let run = super::login_kept(&input, Some(&mut sent));
+        assert!(run.admitted && run.answered == sent.len(), "{run:?}");
+        // CapsuleResp PDUs (type 5: an 8-byte header, then the CQE): CID and status.
+        let mut answers = Vec::new();
+        let mut at = 0;
+        while at + 8 <= sent.len() {
+            let plen = u32::from_le_bytes(sent[at + 4..at + 8].try_into().unwrap()) as usize;
+            assert!(plen >= 8 && at + plen <= sent.len(), "a PDU at {at}");
+            if sent[at] == 0x05 {
+                let cqe = &sent[at + 8..at + 24];
+                let cid = u16::from_le_bytes([cqe[12], cqe[13]]);
+                let status = u16::from_le_bytes([cqe[14], cqe[15]]) >> 1;
+                answers.push((cid, status));
+            }
+            at += plen;
+        }
+        assert_eq!(at, sent.len(), "whole PDUs");
+        let admin: Vec<_> = answers.iter().filter(|(cid, _)| *cid > 100).collect();
+        let want: Vec<_> = (101..=112).map(|cid| (cid, 0)).collect();
+        assert_eq!(admin, want.iter().collect::<Vec<_>>());
     }
 }
