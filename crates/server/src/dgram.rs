@@ -1301,13 +1301,32 @@ impl DgramPort {
             (Opcode::Write, Verdict::New) => write_in_place(&q.exec, h),
             _ => None,
         };
+        // Only a request that will run may make room (`make_room` reclaims other hosts'
+        // WRITEs): one refused as it is taken (outside the export, a WRITE whose fragment count
+        // does not match its length, a COPY whose descriptor does not decode) needs nothing.
+        let runs = verdict != Verdict::New
+            || match h.opcode {
+                Opcode::Read | Opcode::Write => {
+                    h.block_request().is_some_and(|b| q.exec.admit(&b).is_ok())
+                        && (h.opcode == Opcode::Read
+                            || h.frag_count as u32 == fragment_count(h.length, q.fp))
+                }
+                Opcode::Copy => {
+                    h.frag_count == 1 && CopyDescriptor::decode_within(payload, &q.copy).is_ok()
+                }
+                _ => true,
+            };
         let needs = match h.opcode {
             Opcode::Read | Opcode::Write
-                if fresh && into.is_none() && length <= q.max_io && !self.bufs.has_spare(len) =>
+                if fresh
+                    && runs
+                    && into.is_none()
+                    && length <= q.max_io
+                    && !self.bufs.has_spare(len) =>
             {
                 len
             }
-            Opcode::Copy if verdict == Verdict::New => COPY_CHUNK as usize,
+            Opcode::Copy if verdict == Verdict::New && runs => COPY_CHUNK as usize,
             _ => 0,
         };
         if needs > 0 && !self.make_room(qi, needs) {
@@ -1355,6 +1374,14 @@ impl DgramPort {
         }
         // A new request on this slot; the same WRITE again if it was reclaimed (`make_room`).
         let reclaimed = (s.state == SlotState::Reclaimed).then_some(s.hdr.tag);
+        // A WRITE given up while it was assembled left its buffer here. It goes back now, not
+        // when the new request needs one: a request refused as it is taken, or a READ sent from
+        // the export's memory, would otherwise leave it held in a slot no longer assembling,
+        // where `make_room` cannot reclaim it (the pool keeps it as a spare for the next).
+        if let Some(old) = s.buf.take() {
+            q.buffered -= old.len();
+            self.bufs.give_back(old);
+        }
         s.hdr = *h;
         s.hdr.flags =
             Flags(h.flags.0 & !(Flags::HAVE | Flags::CRC | Flags::SEALED | Flags::HEAD_CRC));
@@ -1370,11 +1397,6 @@ impl DgramPort {
                 s.state = SlotState::Done;
                 s.status = Status::Invalid;
                 return self.reply_queue(qi, h, Status::Invalid);
-            }
-            // A write given up while it was assembled left its buffer here.
-            if let Some(old) = s.buf.take() {
-                q.buffered -= old.len();
-                self.bufs.give_back(old);
             }
             s.into = into;
             if into.is_none() {
@@ -2290,6 +2312,81 @@ mod tests {
             ),
             (4, 1)
         );
+    }
+
+    /// Only a request that will run makes room: one refused as it is taken (a READ past the
+    /// export's end, a WRITE whose fragment count does not match its length) reclaims no other
+    /// host's WRITE being assembled; a valid READ does. Such requests used to reset another
+    /// host's large WRITEs over and over without ever needing the memory.
+    #[test]
+    fn requests_refused_as_they_are_taken_reclaim_nothing() {
+        const WRITE: u32 = 2 * LINK;
+        let (mut dp, hoarder, a) = session_on("a=null:1M");
+        let (other, b) = open_session(&mut dp, "127.0.0.2", 1, 0);
+        let (from_a, from_b) = (hoarder.local_addr().unwrap(), other.local_addr().unwrap());
+        let fixed = dp.port.held();
+        let budget = crate::budget::Budget::new(usize::MAX);
+        dp.port.mem = Account::forced(&budget, fixed, fixed + 2 * WRITE as usize);
+        for slot in 0..2 {
+            let mut h = request(a, Opcode::Write, slot, 1, 0, WRITE);
+            h.frag_count = 2;
+            dp.receive(&frame(h, &[1u8; LINK as usize]), from_a);
+        }
+        let past_the_end = request(b.session, Opcode::Read, 0, 1, 1 << 20, WRITE);
+        dp.receive(&frame(past_the_end, &[]), from_b);
+        let mut miscounted = request(b.session, Opcode::Write, 1, 1, 0, WRITE);
+        miscounted.frag_count = 3;
+        dp.receive(&frame(miscounted, &[2u8; LINK as usize]), from_b);
+        let refused = answers(&other, true);
+        assert_eq!(refused.len(), 2, "{refused:?}");
+        assert!(refused.iter().all(|(r, _)| r.status != Status::Ok));
+        assert_eq!(
+            dp.port.stats.writes_reclaimed, 0,
+            "refused: nothing reclaimed"
+        );
+        let read = request(b.session, Opcode::Read, 2, 1, 0, WRITE);
+        dp.receive(&frame(read, &[]), from_b);
+        assert_eq!(
+            dp.port.stats.writes_reclaimed, 1,
+            "a READ that runs makes room"
+        );
+    }
+
+    /// A WRITE given up half-way (its first fragment held in a buffer) gives that buffer back
+    /// when the next request takes its slot, whatever that request is. A request refused as it
+    /// is taken (a WRITE of no bytes), or a READ of RAM sent from the export's memory, used to
+    /// leave it held in a slot no longer assembling, where `make_room` cannot reclaim it: a
+    /// peer could pin the port's whole share that way.
+    #[test]
+    fn a_slot_taken_by_a_new_request_gives_back_a_given_up_writes_buffer() {
+        for (export, next) in [("a=null:1M", Opcode::Write), ("a=mem:1M", Opcode::Read)] {
+            let (mut dp, peer, session) = session_on(export);
+            let from = peer.local_addr().unwrap();
+            // RAM's pages are read from where they lie only once written.
+            let mut whole = request(session, Opcode::Write, 0, 1, 0, LINK);
+            whole.frag_count = 1;
+            dp.receive(&frame(whole, &[5u8; LINK as usize]), from);
+            answers(&peer, true);
+            // FUA: a WRITE to RAM is assembled in a buffer, not in place.
+            let mut half = request(session, Opcode::Write, 3, 1, 0, 2 * LINK);
+            half.frag_count = 2;
+            half.flags.0 |= Flags::FUA;
+            dp.receive(&frame(half, &[1u8; LINK as usize]), from);
+            let buffered = |dp: &DatagramPort| dp.port.queues[0].as_ref().unwrap().buffered;
+            assert!(
+                buffered(&dp) >= 2 * LINK as usize,
+                "{export}: a buffer taken"
+            );
+            let len = if next == Opcode::Write { 0 } else { LINK };
+            dp.receive(&frame(request(session, next, 3, 2, 0, len), &[]), from);
+            let got = answers(&peer, true);
+            assert_eq!(got.len(), 1, "{export}: {got:?}");
+            assert_eq!(
+                buffered(&dp),
+                0,
+                "{export}: the given-up WRITE's buffer went back"
+            );
+        }
     }
 
     /// The data of one READ of `len` bytes at `offset` on `slot`, reassembled from its reply.
