@@ -18,6 +18,8 @@ pub struct Recorder {
     asynchronous: bool,
     /// FLUSH fails with EIO while set.
     pub fail_flush: AtomicBool,
+    /// Opening a queue fails (EMFILE, as when the process is out of descriptors) while set.
+    pub fail_open: AtomicBool,
     /// The export's bytes.
     pub data: Mutex<Vec<u8>>,
     log: Mutex<Vec<String>>,
@@ -30,6 +32,7 @@ impl Recorder {
             caps,
             asynchronous,
             fail_flush: AtomicBool::new(false),
+            fail_open: AtomicBool::new(false),
             data: Mutex::new(vec![0xaa; 8 << 20]),
             log: Mutex::new(Vec::new()),
         })
@@ -57,6 +60,9 @@ impl Backend for Recorder {
         false
     }
     fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
+        if self.fail_open.load(Ordering::Relaxed) {
+            return Err(io::Error::from_raw_os_error(libc::EMFILE));
+        }
         // SAFETY: creating a new descriptor, owned from here on.
         let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         assert!(fd >= 0);

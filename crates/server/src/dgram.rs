@@ -1065,9 +1065,7 @@ impl DgramPort {
                     HelloAnswer::Welcome(p, adm) => {
                         // Not a welcome the registry sent again (no session made now): its
                         // repeats are the registry's to count, and it pushes nothing out.
-                        if adm.is_some() || hello.is_query() {
-                            self.hellos.insert(peer, hello.auth.nonce_c, now, &p);
-                        }
+                        let remember = adm.is_some() || hello.is_query();
                         let mut r = h.reply(Status::Ok, 0);
                         r.credit = self.credit();
                         if let Some(adm) = adm {
@@ -1076,7 +1074,13 @@ impl DgramPort {
                                 .frame_payload(adm.session)
                                 .unwrap_or(self.link_payload);
                             r.credit = self.credit_for(fp);
-                            self.add_queue(*adm, fp, peer);
+                            if !self.add_queue(*adm, fp, peer) {
+                                // Refused, not welcomed into a queue that does not exist.
+                                return self.reply(h, Status::Io, peer);
+                            }
+                        }
+                        if remember {
+                            self.hellos.insert(peer, hello.auth.nonce_c, now, &p);
                         }
                         self.send_frame(r, &p, peer);
                     }
@@ -1100,7 +1104,9 @@ impl DgramPort {
                     .frame_payload(h.session)
                     .unwrap_or(self.link_payload);
                 let sealed = adm.seal.is_some();
-                self.add_queue(adm, fp, peer);
+                if !self.add_queue(adm, fp, peer) {
+                    return self.reply(h, Status::Io, peer);
+                }
                 match self.index.get(&(h.session, h.queue)) {
                     Some(&qi) if sealed => self.reply_queue(qi, h, Status::Ok),
                     _ => self.reply(h, Status::Ok, peer),
@@ -1123,7 +1129,11 @@ impl DgramPort {
         }
     }
 
-    fn add_queue(&mut self, adm: crate::session::Admitted, fp: u32, peer: Peer) {
+    /// Serves the queue the registry admitted. False when its export's queue could not be
+    /// opened (logged, and the registry told the queue left): the HELLO or JOIN is answered
+    /// IO, so the initiator learns it failed rather than meeting a missing queue at its first
+    /// request.
+    fn add_queue(&mut self, adm: crate::session::Admitted, fp: u32, peer: Peer) -> bool {
         let Some(exec) = Executor::for_queue(
             &self.registry,
             &adm.export,
@@ -1131,7 +1141,7 @@ impl DgramPort {
             adm.max_io,
             adm.size,
         ) else {
-            return;
+            return false;
         };
         let idx = self.free.pop().unwrap_or_else(|| {
             self.queues.push(None);
@@ -1175,6 +1185,7 @@ impl DgramPort {
             self.notifier_changes.push((idx, incarnation, Some(fd)));
         }
         self.index.insert((adm.session, adm.queue), idx);
+        true
     }
 
     /// Ends a queue: from now on its frames are answered as for an unknown session, and it
@@ -2127,6 +2138,17 @@ mod tests {
         queues: u16,
         client_features: u64,
     ) -> (UdpSocket, HelloReply) {
+        hello_rounds(port, ip, queues, client_features)
+            .unwrap_or_else(|st| panic!("HELLO refused: {st:?}"))
+    }
+
+    /// `open_session`, or the status its HELLO was refused with.
+    fn hello_rounds(
+        port: &mut DatagramPort,
+        ip: &str,
+        queues: u16,
+        client_features: u64,
+    ) -> Result<(UdpSocket, HelloReply), Status> {
         let peer = UdpSocket::bind((ip, 0)).unwrap();
         let mut hello = Hello {
             queues,
@@ -2149,12 +2171,42 @@ mod tests {
             for (r, p) in answers(&peer, true) {
                 match r.status {
                     Status::Challenge => hello.auth.nonce_s = p.as_slice().try_into().unwrap(),
-                    Status::Ok => return (peer, HelloReply::decode(&p).unwrap()),
-                    other => panic!("HELLO refused: {other:?}"),
+                    Status::Ok => return Ok((peer, HelloReply::decode(&p).unwrap())),
+                    other => return Err(other),
                 }
             }
         }
         panic!("no session");
+    }
+
+    /// A HELLO whose queue cannot be opened (here the backend refuses, as a process out of
+    /// descriptors does) is refused IO, with no session left behind; it used to be welcomed
+    /// into a queue that did not exist, whose first request met ACCESS.
+    #[test]
+    fn a_hello_whose_queue_cannot_be_opened_is_refused() {
+        let recorder = blkwire_backend::testing::Recorder::new(Default::default(), false);
+        recorder
+            .fail_open
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let registry = Arc::new(crate::session::Registry::new(
+            crate::access::Access::new(Default::default()),
+            crate::session::Limits::default(),
+        ));
+        registry.add_built_export(blkwire_backend::Export::new("a", recorder.clone(), false));
+        let mut port = DatagramPort::serving(registry.clone(), LINK).unwrap();
+        assert_eq!(
+            hello_rounds(&mut port, "127.0.0.1", 1, 0).err(),
+            Some(Status::Io)
+        );
+        assert!(port.port.index.is_empty(), "no queue");
+        assert!(registry.sessions().is_empty(), "no session left behind");
+        // Once queues open again, the same host is welcomed.
+        recorder
+            .fail_open
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        let (_peer, reply) = open_session(&mut port, "127.0.0.1", 1, 0);
+        assert_ne!(reply.session, 0);
+        assert_eq!(port.port.index.len(), 1);
     }
 
     fn request(session: u32, op: Opcode, slot: u16, gen: u16, offset: u64, len: u32) -> Header {

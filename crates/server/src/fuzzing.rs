@@ -54,7 +54,7 @@ impl DatagramPort {
         Self::serving(self.registry.clone(), self.link_payload)
     }
 
-    fn serving(registry: Arc<Registry>, link_payload: u32) -> io::Result<DatagramPort> {
+    pub(crate) fn serving(registry: Arc<Registry>, link_payload: u32) -> io::Result<DatagramPort> {
         let socket = UdpSocket::bind("127.0.0.1:0")?;
         socket.set_nonblocking(true)?;
         let setup = PortSetup {

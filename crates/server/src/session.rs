@@ -1138,6 +1138,20 @@ impl Registry {
         Ok(())
     }
 
+    /// Serves `export`, built by a test around a backend of its own (`blkwire_backend::testing`),
+    /// as a `null:` export of its size would be announced.
+    #[cfg(test)]
+    pub(crate) fn add_built_export(&self, export: Export) {
+        let spec = ExportSpec::parse(&format!("{}=null:{}", export.name, export.size()))
+            .expect("a valid spec");
+        let export = Arc::new(export);
+        self.lock().exports.push(Served {
+            spec,
+            export,
+            acl: Acl::default(),
+        });
+    }
+
     /// An export's `allow=` rules, parsed; host ids only on a target with keys (nothing else
     /// proves them).
     fn allow_rules(&self, export: &str, allow: Option<&str>) -> Result<Acl, String> {
