@@ -713,13 +713,16 @@ impl DgramPort {
     fn send_queue(&mut self, qi: usize, h: Header, payload: &[u8]) {
         let q = self.queues[qi].as_mut().expect("present");
         q.sent += (h.opcode != Opcode::Join) as u64;
-        let limit = HEADER_LEN + q.fp as usize;
+        // Replies to JOIN, KEEPALIVE and LOGOUT travel alone (PROTOCOL.md §9.6): an initiator
+        // may read them with its handshake's receive, which takes one frame per datagram.
+        let alone = matches!(h.opcode, Opcode::Join | Opcode::Keepalive | Opcode::Logout);
+        let limit = if alone { 0 } else { HEADER_LEN + q.fp as usize };
         match &mut q.seal {
-            Some(k) => self
-                .tx
-                .push_sealed(&h, payload, q.peer, limit + SEAL_LEN, |f| {
-                    k.sealer.seal(f, HEADER_LEN)
-                }),
+            Some(k) => {
+                let limit = if alone { 0 } else { limit + SEAL_LEN };
+                self.tx
+                    .push_sealed(&h, payload, q.peer, limit, |f| k.sealer.seal(f, HEADER_LEN))
+            }
             None => self.tx.push_crc(&h, payload, q.peer, limit),
         }
         if self.tx.len() == BATCH {
@@ -2038,6 +2041,38 @@ mod tests {
             }
         }
         out
+    }
+
+    /// Replies to KEEPALIVE (and JOIN and LOGOUT) travel alone (PROTOCOL.md §9.6), even when
+    /// the requests came packed with READs whose replies are packed together.
+    #[test]
+    fn keepalive_replies_travel_alone() {
+        let (mut dp, peer, session) = session_on("a=mem:1M");
+        let mut packed = Vec::new();
+        for (op, slot) in [(Opcode::Read, 1), (Opcode::Read, 2), (Opcode::Keepalive, 0)] {
+            let len = if op == Opcode::Read { 512 } else { 0 };
+            packed.extend(frame(request(session, op, slot, 1, 0, len), &[]));
+        }
+        dp.receive(&packed, peer.local_addr().unwrap());
+        let mut buf = vec![0u8; 65536];
+        peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut datagrams = Vec::new();
+        while datagrams.iter().map(Vec::len).sum::<usize>() < 3 {
+            let n = peer.recv(&mut buf).unwrap();
+            let ops: Vec<Opcode> = datagram::frames(&buf[..n], LINK)
+                .map(|f| f.expect("a valid frame").header.opcode)
+                .collect();
+            datagrams.push(ops);
+        }
+        let keepalive = datagrams
+            .iter()
+            .find(|d| d.contains(&Opcode::Keepalive))
+            .expect("the KEEPALIVE answered");
+        assert_eq!(keepalive, &[Opcode::Keepalive], "alone: {datagrams:?}");
+        assert!(
+            datagrams.iter().any(|d| d.len() == 2),
+            "the READ replies still packed: {datagrams:?}"
+        );
     }
 
     /// A link-local IPv6 peer is its address on its link: the scope (interface index) the
