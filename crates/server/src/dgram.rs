@@ -299,6 +299,11 @@ fn classify(state: SlotState, held: &Header, h: &Header) -> Verdict {
         SlotState::Done if same && h.opcode == Opcode::Read => Verdict::Reread,
         SlotState::Done if same => Verdict::ResendReply,
         SlotState::Running(_) => Verdict::Drop,
+        // The WRITE whose buffer was reclaimed, begun again (`make_room`).
+        SlotState::Reclaimed if same => Verdict::New,
+        // The generation the slot holds, with another command: a duplicate (§6 keys on the
+        // generation alone; an initiator moves it on for every request), never run.
+        _ if h.tag.generation() == held.tag.generation() => Verdict::Drop,
         _ if h.tag.generation_older_than(held.tag.generation()) => Verdict::Drop,
         _ => Verdict::New,
     }
@@ -3030,7 +3035,7 @@ mod tests {
     #[test]
     fn generation_rules() {
         use Opcode::{Read, Write};
-        use SlotState::{Assembling, Done, Empty};
+        use SlotState::{Assembling, Done, Empty, Reclaimed};
         use Verdict::*;
         let running = SlotState::Running(Started::now());
         #[rustfmt::skip]
@@ -3038,7 +3043,10 @@ mod tests {
             // (slot state, held op/gen, arriving op/gen) -> verdict
             (Empty, (Read, 5), (Read, 5), New),
             (Assembling, (Write, 5), (Write, 5), Fragment),
-            (Assembling, (Write, 5), (Read, 5), New),         // same generation, other command
+            (Assembling, (Write, 5), (Read, 5), Drop),        // same generation, other command
+            (Done, (Write, 5), (Read, 5), Drop),              // likewise: a duplicate (§6)
+            (Reclaimed, (Write, 5), (Write, 5), New),         // begun again
+            (Reclaimed, (Write, 5), (Read, 5), Drop),
             (Assembling, (Write, 5), (Write, 6), New),        // the write was given up
             (Assembling, (Write, 5), (Write, 4), Drop),       // stale
             (running, (Write, 5), (Write, 5), Drop),          // duplicate of what runs
