@@ -882,11 +882,14 @@ impl DgramPort {
         self.expect_fragments = false;
         for f in datagram::frames(b, self.link_payload.max(4096)) {
             match f {
-                Ok(f) if f.header.is_reply() => self.stats.bad_frames += 1,
-                // Session-0 frames travel alone (§9.6): packed, each would draw its own answer
-                // to an address that answered no challenge, more than the datagram (§12.5).
-                Ok(f) if f.header.session == 0 && f.raw.len() != b.len() => {
-                    self.stats.bad_frames += 1
+                // A frame that fails validation ends the walk (§9.6): a reply is no request,
+                // and session-0 frames travel alone (packed, each would draw its own answer to
+                // an address that answered no challenge, more than the datagram: §12.5).
+                Ok(f)
+                    if f.header.is_reply() || (f.header.session == 0 && f.raw.len() != b.len()) =>
+                {
+                    self.stats.bad_frames += 1;
+                    break;
                 }
                 Ok(f) => self.on_frame(f, b.len(), peer, sq, ud),
                 Err(_) => self.stats.bad_frames += 1,
@@ -2046,6 +2049,24 @@ mod tests {
             }
         }
         out
+    }
+
+    /// A frame that fails validation ends the walk of its datagram (§9.6): a reply among
+    /// requests, and what follows it, is dropped and counted bad.
+    #[test]
+    fn a_reply_among_requests_ends_the_walk() {
+        let (mut dp, peer, session) = session_on("a=mem:1M");
+        let mut reply = request(session, Opcode::Read, 1, 1, 0, 512);
+        reply.flags.0 |= Flags::REPLY;
+        let mut packed = frame(reply, &[]);
+        packed.extend(frame(request(session, Opcode::Read, 2, 1, 0, 512), &[]));
+        let bad = dp.port.stats.bad_frames;
+        dp.receive(&packed, peer.local_addr().unwrap());
+        assert_eq!(dp.port.stats.bad_frames, bad + 1);
+        assert!(
+            answers(&peer, false).is_empty(),
+            "the READ after it did not run"
+        );
     }
 
     /// Replies to KEEPALIVE (and JOIN and LOGOUT) travel alone (PROTOCOL.md §9.6), even when
