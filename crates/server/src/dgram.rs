@@ -1388,7 +1388,9 @@ impl DgramPort {
                 let resend = matches!(s.state, SlotState::Running(_))
                     && h.tag.generation() != held
                     && !h.tag.generation_older_than(held);
-                q.exec.stats.dropped_duplicates += 1;
+                // Only a duplicate or a stale one counts as dropped: the new generation is
+                // not late, it came early and will come again.
+                q.exec.stats.dropped_duplicates += (!resend) as u64;
                 q.taken_in -= resend as u64;
                 return;
             }

@@ -302,7 +302,6 @@ impl Executor {
         tag: u64,
         sq: &mut dyn Submitter,
     ) -> Option<Copied> {
-        self.stats.copies += 1;
         let refused = |status| Some(Copied { status, bytes: 0 });
         let source = if desc.source.is_empty() || desc.source == self.export.name {
             None
@@ -330,6 +329,8 @@ impl Executor {
             Ok(_) => return refused(Status::Invalid),
             Err(r) => return refused(refusal_status(r)),
         }
+        // Counted once it starts: a refused COPY is an error reply, not a COPY started.
+        self.stats.copies += 1;
         let fua = flags.has(IoFlags::FUA);
         let progress = match &source {
             None => self.io.start_copy(&desc.ranges, dst, fua, tag, sq),
@@ -477,6 +478,49 @@ mod tests {
         let hole = BlockRequest::new(BlockOp::Read, 1 << 18, 1 << 17);
         assert!(x.read_mapped(&hole).is_none(), "a hole is read");
         assert_eq!((x.stats.reads, x.stats.bytes_read), (1, 65536));
+    }
+
+    /// A COPY is counted when it starts; one refused (its ranges outside the export, or
+    /// adding up to another length than the request's) is not.
+    #[test]
+    fn refused_copies_are_not_counted_as_copies() {
+        let mut x = exec("m=mem:1M", 65536);
+        let copy = |offset, len| CopyDescriptor {
+            source: String::new(),
+            ranges: vec![blkwire_backend::CopyRange { offset, len }],
+        };
+        let outside = x.start_copy(
+            &copy(1 << 20, 4096),
+            None,
+            0,
+            4096,
+            IoFlags::empty(),
+            1,
+            &mut NoRing,
+        );
+        assert!(outside.is_some_and(|c| c.status != Status::Ok));
+        let short = x.start_copy(
+            &copy(0, 4096),
+            None,
+            8192,
+            8192,
+            IoFlags::empty(),
+            2,
+            &mut NoRing,
+        );
+        assert!(short.is_some_and(|c| c.status == Status::Invalid));
+        assert_eq!(x.stats.copies, 0);
+        let done = x.start_copy(
+            &copy(0, 4096),
+            None,
+            8192,
+            4096,
+            IoFlags::empty(),
+            3,
+            &mut NoRing,
+        );
+        assert!(done.is_some_and(|c| c.status == Status::Ok && c.bytes == 4096));
+        assert_eq!((x.stats.copies, x.stats.bytes_copied), (1, 4096));
     }
 
     #[test]
