@@ -379,7 +379,10 @@ struct Params {
     target: usize,
     cdb: [u8; 16],
     edtl: u32,
+    /// The bytes collected: the list's length, at most EDTL.
     want: u32,
+    /// The list's length as its CDB gives it: more than EDTL is an overflow (the residual).
+    listed: u32,
     data: Vec<u8>,
     r2tsn: u32,
     seq: Seq,
@@ -1290,7 +1293,9 @@ impl Iscsi {
                 bytchk: true,
                 ..
             } => {
-                let Some((_, want)) = self.transfer(0, blocks) else {
+                // Every block is compared: data for fewer (EDTL short of the verification
+                // length) cannot be taken as a match, and is refused as COMPARE AND WRITE's is.
+                let Some((_, want)) = self.transfer(0, blocks).filter(|&(_, w)| w <= c.edtl) else {
                     self.check(itt, &Sense::invalid_field_in_cdb(), c.edtl, tx);
                     return Decoded::Answered { len };
                 };
@@ -1393,6 +1398,7 @@ impl Iscsi {
         len: usize,
         tx: &mut Vec<u8>,
     ) -> Decoded {
+        let listed = want;
         let want = want.min(edtl);
         if want > MAX_PARAMS {
             self.check(itt, &Sense::parameter_list_length_error(), edtl, tx);
@@ -1406,7 +1412,7 @@ impl Iscsi {
         let have = immediate.len().min(want as usize);
         if have as u32 == want {
             let list = Cow::Borrowed(&immediate[..have]);
-            return self.run_params(itt, cdb, edtl, list, len, tx);
+            return self.run_params(itt, cdb, (edtl, listed), list, len, tx);
         }
         let mut p = Params {
             itt,
@@ -1414,6 +1420,7 @@ impl Iscsi {
             cdb: *cdb,
             edtl,
             want,
+            listed,
             // All of it at once: grown as its data comes, its capacity could pass `want`
             // (doubling), and so its room (LIST_ROOM).
             data: {
@@ -1481,16 +1488,18 @@ impl Iscsi {
     }
 
     /// Runs a command whose parameter list is complete: the requests it becomes are queued.
+    /// `listed` is the list's length as the CDB gives it; more than EDTL (what was collected)
+    /// is reported as an overflow.
     fn run_params(
         &mut self,
         itt: u32,
         cdb: &[u8; 16],
-        edtl: u32,
+        (edtl, listed): (u32, u32),
         list: Cow<'_, [u8]>,
         len: usize,
         tx: &mut Vec<u8>,
     ) -> Decoded {
-        let res = Residual::of(edtl, list.len() as u32);
+        let res = Residual::of(edtl, listed);
         let cmd = match scsi::decode(cdb, &self.lu().info) {
             Ok(c) => c,
             Err(s) => {
@@ -1797,12 +1806,12 @@ impl Iscsi {
             // in, it runs nothing (a PERSISTENT RESERVE OUT would change the export's state).
             self.cur = p.target;
             if self.luns[p.target].gone {
-                let res = Residual::of(p.edtl, p.want);
+                let res = Residual::of(p.edtl, p.listed);
                 let s = Sense::lun_not_supported();
                 self.response(p.itt, CHECK_CONDITION, Some(&s), res, tx);
                 return Decoded::Answered { len };
             }
-            return self.run_params(p.itt, &p.cdb, p.edtl, Cow::Owned(list), len, tx);
+            return self.run_params(p.itt, &p.cdb, (p.edtl, p.listed), Cow::Owned(list), len, tx);
         }
         self.params = Some(p);
         if ended {
@@ -2508,14 +2517,21 @@ impl StreamFrontend for Iscsi {
     }
 
     /// The answers larger than the reactor's slack are the NOP-In echoing a ping's data (up to
-    /// our MaxRecvDataSegmentLength, 256 KiB) and the Text Response (`TEXT_ANSWER_MAX`). The
-    /// SCSI commands answered here write far less: the largest answer, REPORT SUPPORTED
-    /// OPERATION CODES of all commands, is about 1 KiB.
+    /// our MaxRecvDataSegmentLength, 256 KiB), the Text Response (`TEXT_ANSWER_MAX`) and
+    /// PERSISTENT RESERVE IN (READ FULL STATUS lists every registration, up to its 64 KiB
+    /// allocation length). The other SCSI commands answered here write far less: the largest
+    /// answer, REPORT SUPPORTED OPERATION CODES of all commands, is about 1 KiB.
     fn reply_bound(&self, rx: &[u8]) -> usize {
         let Some(bhs) = rx.get(..BHS_LEN) else {
             return 0;
         };
         let dlen = u32::from_be_bytes([0, bhs[5], bhs[6], bhs[7]]) as usize;
+        if bhs[0] & 0x3f == op::SCSI_CMD && bhs[32] == scsi::op::PERSISTENT_RESERVE_IN {
+            let edtl = u32::from_be_bytes([bhs[20], bhs[21], bhs[22], bhs[23]]) as usize;
+            let alloc = u16::from_be_bytes([bhs[39], bhs[40]]) as usize;
+            let data = alloc.min(edtl);
+            return data + self.data_in_framing(data);
+        }
         let data = match bhs[0] & 0x3f {
             op::NOP_OUT => dlen,
             op::TEXT_REQ => TEXT_ANSWER_MAX,
@@ -3733,6 +3749,68 @@ mod tests {
         assert_eq!((tx[0], tx[3]), (op::SCSI_RSP, GOOD), "{tx:?}");
         assert_eq!(f.outstanding(), 0);
         assert!(matches!(f.decode(&[], &mut tx), Decoded::Need(_)));
+    }
+
+    /// PERSISTENT RESERVE IN may answer up to its allocation length (READ FULL STATUS lists
+    /// every registration): the room the reactor makes before decoding covers that much, not
+    /// the slack for small answers it made before.
+    #[test]
+    fn persistent_reserve_in_declares_the_room_its_answer_may_take() {
+        let f = fe(8192);
+        let mut full_status = [0u8; 10];
+        full_status[0] = scsi::op::PERSISTENT_RESERVE_IN;
+        full_status[1] = 3; // READ FULL STATUS
+        full_status[7..9].copy_from_slice(&0xffffu16.to_be_bytes());
+        let pdu = cmd(1, 0, &full_status, 0xffff, false, &[]);
+        assert!(f.reply_bound(&pdu) >= 0xffff + BHS_LEN * (0xffff / 8192));
+        let short = cmd(1, 0, &full_status, 100, false, &[]);
+        assert!(f.reply_bound(&short) < 8192, "EDTL bounds it too");
+        assert_eq!(f.reply_bound(&cmd(1, 0, &TUR, 0, false, &[])), 0);
+    }
+
+    /// A byte-compare VERIFY whose EDTL is short of its verification length (8 blocks, 0 or
+    /// 512 bytes of data) is refused INVALID FIELD IN CDB, as COMPARE AND WRITE's is: it used
+    /// to compare what came (nothing, or one block) and answer GOOD for blocks never compared.
+    #[test]
+    fn a_byte_compare_verify_with_less_data_than_blocks_is_refused() {
+        for edtl in [0u32, 512] {
+            let mut f = fe(65536);
+            let mut tx = Vec::new();
+            let verify = [0x2f, 0x02, 0, 0, 0, 0, 0, 0, 8, 0];
+            let data = vec![0u8; edtl as usize];
+            assert!(matches!(
+                f.decode(&cmd(1, 0, &verify, edtl, true, &data), &mut tx),
+                Decoded::Answered { .. }
+            ));
+            assert_eq!(sense(&tx), (0x5, 0x24, 0), "EDTL {edtl}");
+            assert_eq!(f.outstanding(), 0, "nothing read");
+        }
+    }
+
+    /// A parameter list longer than EDTL is collected as far as EDTL, and the answer says the
+    /// command wanted more (the O bit and the residual, RFC 7143 §11.4.5.1).
+    #[test]
+    fn a_parameter_list_longer_than_edtl_is_an_overflow() {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        let (mut cdb, list) = unmap_of_two_ranges();
+        cdb[8] = 56; // 16 bytes more than the 40 sent
+        let pdu = cmd(4, 0, &cdb, 40, true, &list);
+        let Decoded::Request { req: a, .. } = f.decode(&pdu, &mut tx) else {
+            panic!("the first trim");
+        };
+        f.taken(&a);
+        assert!(!f.reply(&a, Status::Ok, &mut tx));
+        let Decoded::Request { req: b, .. } = f.decode(&[], &mut tx) else {
+            panic!("the second trim");
+        };
+        f.taken(&b);
+        assert!(f.reply(&b, Status::Ok, &mut tx));
+        assert_eq!((tx[0], tx[3]), (op::SCSI_RSP, GOOD));
+        assert_eq!(
+            (tx[1] & (flag::OVERFLOW | flag::UNDERFLOW), be32(&tx, 44)),
+            (flag::OVERFLOW, 16)
+        );
     }
 
     #[test]
