@@ -724,6 +724,42 @@ fn task_management_is_answered_after_the_commands_it_finds_running() {
     assert_eq!(c.ping(b"on").as_deref(), Some(&b"on"[..]));
 }
 
+/// A second UNMAP sent while the first one's trim runs (as Linux sends the pieces of a discard
+/// cut at MAXIMUM UNMAP LBA COUNT) waits for the first, and both are answered GOOD, in turn.
+/// It used to be refused ABORTED COMMAND at once, which Linux retries at once, five times, and
+/// then fails the discard with EIO.
+#[test]
+fn a_second_unmap_waits_for_the_first() {
+    let _serial = serial();
+    let (fs, _t, stats_url, mut c) = on_freezable_filesystem();
+    let cdb = [0x42, 0, 0, 0, 0, 0, 0, 0, 24, 0];
+    let list = |lba: u64| {
+        let mut l = vec![0u8, 22, 0, 16, 0, 0, 0, 0];
+        l.extend_from_slice(&lba.to_be_bytes());
+        l.extend_from_slice(&8u32.to_be_bytes());
+        l.extend_from_slice(&[0; 4]);
+        l
+    };
+    let frozen = fs.freeze();
+    let (first, mut pdus) = c.command(&cdb, 24, true, &list(0));
+    let (second, more) = c.command(&cdb, 24, true, &list(64));
+    pdus.extend_from_slice(&more);
+    c.send(&pdus).unwrap();
+    assert!(
+        common::wait_until(Duration::from_secs(30), || running(&stats_url) == 1),
+        "the first UNMAP's trim never reached the backend"
+    );
+    drop(frozen);
+    for (itt, which) in [(first, "first"), (second, "second")] {
+        let r = c.recv().expect("a response");
+        assert_eq!(
+            (r.opcode(), r.word(16), r.bhs[3]),
+            (op::SCSI_RSP, itt, 0),
+            "the {which} UNMAP answered GOOD, in turn"
+        );
+    }
+}
+
 /// A target whose export `disk` is a file on a filesystem that can be frozen (its writes then
 /// stay running at the backend), with a native listener for STATS (its URL), and a session
 /// logged in to it.
