@@ -379,6 +379,61 @@ mod tests {
         assert_eq!(seeds.len(), 9, "seeds of login");
     }
 
+    /// An admin command whose answer is longer than the data its host's SGL describes (an
+    /// Identify of 4 KiB into 16 bytes) fails with Data SGL Length Invalid and sends no data,
+    /// as nvmet does; it used to send all 4 KiB past the host's buffer. The same Identify with
+    /// room for it is answered.
+    #[test]
+    fn admin_data_never_exceeds_the_hosts_sgl() {
+        let (_, connect) = seeds("login")
+            .into_iter()
+            .find(|(name, _)| name == "nvme-admin")
+            .expect("the seed");
+        let identify = |cid: u16, room: u32| {
+            let mut pdu = vec![0x04, 0, 72, 0];
+            pdu.extend_from_slice(&72u32.to_le_bytes());
+            let mut sqe = [0u8; 64];
+            sqe[0] = 0x06;
+            sqe[1] = 0x40;
+            sqe[2..4].copy_from_slice(&cid.to_le_bytes());
+            sqe[32..36].copy_from_slice(&room.to_le_bytes());
+            sqe[39] = 0x5a;
+            sqe[40] = 1; // CNS 1: the controller
+            pdu.extend_from_slice(&sqe);
+            pdu
+        };
+        let mut input = connect.clone();
+        input.extend(identify(201, 16));
+        input.extend(identify(202, 4096));
+        let mut sent = Vec::new();
+        assert!(super::login_kept(&input, Some(&mut sent)).admitted);
+        // (type, CID of a CapsuleResp or C2HData, status of a CapsuleResp) of each PDU.
+        let mut pdus = Vec::new();
+        let mut at = 0;
+        while at + 8 <= sent.len() {
+            let plen = u32::from_le_bytes(sent[at + 4..at + 8].try_into().unwrap()) as usize;
+            let p = &sent[at..at + plen];
+            pdus.push(match p[0] {
+                0x05 => (
+                    5,
+                    u16::from_le_bytes([p[20], p[21]]),
+                    u16::from_le_bytes([p[22], p[23]]) >> 1,
+                ),
+                0x07 => (7, u16::from_le_bytes([p[8], p[9]]), 0),
+                t => (t, 0, 0),
+            });
+            at += plen;
+        }
+        let of = |cid| {
+            pdus.iter()
+                .filter(|p| p.1 == cid)
+                .copied()
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(of(201), [(5, 201, 0x0f | 0x4000)], "{pdus:?}");
+        assert_eq!(of(202), [(7, 202, 0), (5, 202, 0)], "{pdus:?}");
+    }
+
     /// The `login` seed that goes on past Connect reaches the admin queue: each of its admin
     /// and fabrics commands (CIDs 101-112) is answered with success, and the Asynchronous
     /// Event Request (113) is held.

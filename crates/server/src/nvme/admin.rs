@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use blkwire_auth::dhchap::{self, ControllerAuth};
 use blkwire_auth::Key;
-use blkwire_wire::nvme_tcp::{self, CapsuleCmd, Pdu};
+use blkwire_wire::nvme_tcp::{self, CapsuleCmd, Pdu, Sgl};
 
 use super::spec::{self, admin, fctype, prop, sc, DiscoveryEntry, Facts};
 use super::{command_data, read_pdu, terminate, Completion, Link};
@@ -94,6 +94,8 @@ pub struct AdminQueue {
     /// Why the host, having proved its key, was not admitted: the AUTH_Receive that would
     /// have read Success1 reads AUTH_Failure1, and then the controller ends.
     refused: Option<String>,
+    /// Bytes of data the host's SGL describes for the command being answered.
+    room: u32,
 }
 
 /// What the thread must do when the queue ends.
@@ -121,6 +123,7 @@ impl AdminQueue {
             authenticated,
             auth: None,
             refused: None,
+            room: 0,
         }
     }
 
@@ -323,6 +326,11 @@ impl AdminQueue {
     ) -> Option<Outcome> {
         self.sq_head = (self.sq_head + 1) % self.s.entries.max(1);
         let q = c.sqe;
+        // What the host's buffer for this command's data holds: no answer sends more.
+        self.room = match q.sgl() {
+            Sgl::TransportDataBlock { length, .. } | Sgl::DataBlock { length, .. } => length,
+            _ => 0,
+        };
         let fabrics = q.opcode == spec::FABRICS;
         let fct = q.nsid as u8;
         let auth_cmd = fabrics && matches!(fct, fctype::AUTH_SEND | fctype::AUTH_RECEIVE);
@@ -668,6 +676,14 @@ impl AdminQueue {
         result: u64,
         data: Option<Vec<u8>>,
     ) -> Option<Outcome> {
+        // Data longer than the host's SGL describes would land past its buffer: the command
+        // fails as nvmet fails it (Data SGL Length Invalid), with no data.
+        let too_long = data.as_ref().is_some_and(|d| d.len() > self.room as usize);
+        let (status, data) = if too_long && status == sc::SUCCESS {
+            (sc::SGL_INVALID_DATA | sc::DNR, None)
+        } else {
+            (status, data)
+        };
         let c = Completion {
             cid,
             qid: 0,
