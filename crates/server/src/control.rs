@@ -832,10 +832,6 @@ fn nvme_subsystem_create(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> 
         "{\"nqn\": \"nqn.2026-11.com.example:db\", \"serial\": \"SN1\", \"model\": \"M\", \
          \"allow_any_host\": false}",
     )?;
-    let taken = p
-        .nqn
-        .strip_prefix(crate::nvme::spec::NQN_PREFIX)
-        .is_some_and(|n| sh.registry.has_export(n));
     let sub = sh
         .registry
         .nvme
@@ -844,7 +840,6 @@ fn nvme_subsystem_create(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> 
             p.serial.as_deref(),
             p.model.as_deref(),
             p.allow_any_host,
-            taken,
         )
         .map_err(RpcError::params)?;
     crate::log!(sh.change_level(), "NVMe subsystem '{}' created", p.nqn);
