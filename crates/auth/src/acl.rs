@@ -68,6 +68,13 @@ impl Acl {
                     "allow rule '{r}': a scope (%IFACE) is not supported; rules match the \
                      address on every link: write '{ip}'"
                 ));
+            } else if r.contains([',', '=']) {
+                // An export spec's options end at ',' and name themselves with '=': such a
+                // rule could not be written back into one (a saved config), and is likelier a
+                // list typed with the wrong separator than a host id.
+                return Err(format!(
+                    "allow rule '{r}' contains ',' or '=': join rules with '+' (allow=db1+db2)"
+                ));
             } else if let Some(mac) = parse_mac(r) {
                 Rule::Mac(mac)
             } else if let Some((ip, bits)) = r.split_once('/') {
@@ -265,6 +272,10 @@ mod tests {
             ("fe80::1%eth0", "scope (%IFACE) is not supported"),
             ("fe80::1%2+alice", "write 'fe80::1'"),
             ("fe80::%eth0/64", "write 'fe80::/64'"),
+            // A list with the wrong separator (export_set_allow takes the rules alone, so
+            // nothing else splits them first), and what an export spec could not hold.
+            ("db1,db2", "join rules with '+'"),
+            ("alice+ro=1", "join rules with '+'"),
         ] {
             let e = Acl::parse(s).unwrap_err();
             assert!(e.contains(want), "{s}: {e}");
