@@ -289,6 +289,8 @@ fn every_method_takes_good_parameters_and_refuses_bad_ones_in_one_line() {
     assert_eq!(t.rpc("session_list", json!({})), json!([]));
     assert_eq!(t.rpc("host_list", json!({})), json!([]));
     t.rpc("target_options", json!({}));
+    // Without parameters too: the options as they are (it failed: "takes an object").
+    t.ok(&["rpc", "target_options"]);
     let r = t.rpc(
         "load_config",
         json!({"config": [{"method": "export_add", "params": {"name": "c", "spec": "null:1M"}}]}),

@@ -503,6 +503,8 @@ fn params<T: DeserializeOwned>(method: &str, p: Value, shape: &str) -> Result<T,
 
 fn target_options(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     let mut want = sh.options.clone();
+    // No parameters: the options as they are (what `blkwire rpc target_options` asks).
+    let p = if p.is_null() { json!({}) } else { p };
     want.patch(&p).map_err(RpcError::params)?;
     if want != sh.options {
         return Err(RpcError::refused(

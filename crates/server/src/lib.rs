@@ -1195,10 +1195,10 @@ fn is_loopback_url(url: &str) -> bool {
 }
 
 /// How long listeners rest after accept() ran out of descriptors or memory.
-const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+pub(crate) const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 
 /// accept() errors that will repeat until something is freed, not a problem of one connection.
-fn is_resource_shortage(e: &std::io::Error) -> bool {
+pub(crate) fn is_resource_shortage(e: &std::io::Error) -> bool {
     matches!(
         e.raw_os_error(),
         Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)

@@ -128,6 +128,7 @@ impl Drop for ControlSocket {
 fn serve(listener: UnixListener, stop: &OwnedFd, shared: Arc<Shared>) {
     let clients = Arc::new(AtomicUsize::new(0));
     let mut refusals = crate::log::Throttle::new();
+    let mut shortages = crate::log::Throttle::new();
     loop {
         let mut fds = [listener.as_raw_fd(), stop.as_raw_fd()].map(|fd| libc::pollfd {
             fd,
@@ -146,8 +147,22 @@ fn serve(listener: UnixListener, stop: &OwnedFd, shared: Arc<Shared>) {
         if fds[1].revents != 0 {
             return;
         }
-        let Ok((s, _)) = listener.accept() else {
-            continue;
+        let s = match listener.accept() {
+            Ok((s, _)) => s,
+            Err(e) if crate::is_resource_shortage(&e) => {
+                // Out of descriptors or memory, the connection stays in the backlog and the
+                // socket readable: rest instead of spinning on it.
+                if let Some(n) = shortages.hit() {
+                    crate::log!(
+                        Level::Warn,
+                        "control socket: accept failed {n} time(s): {e}; waiting for \
+                         descriptors or memory to free"
+                    );
+                }
+                std::thread::sleep(crate::ACCEPT_PAUSE);
+                continue;
+            }
+            Err(_) => continue,
         };
         // Refused on this thread, at once: a caller that may not use the socket takes no
         // thread and no place among MAX_CLIENTS, however slowly it writes (or never does).
