@@ -209,6 +209,11 @@ fn recovery_spec(
 
 /// `unmap DEV`: ends a mapping whether or not its daemon is alive, and never waits without bound.
 pub fn unmap(device: &str) -> Result<(), String> {
+    // One word for every kind, before any looks at a record or a device: the kinds' own
+    // checks speak of mapping (a FUSE mount, a loop device) or fail on a record's permissions.
+    if !crate::sys::is_root() {
+        return Err(format!("unmapping {device} needs root: run it as root"));
+    }
     with_device!(kind_of(device), D => D::unmap(device))
 }
 
@@ -382,6 +387,6 @@ fn run<D: BlockDevice>(spec: &Spec, notify: &mut Notify<'_>) -> Result<(), Strin
 /// fences the dead daemon's queues in `prepare`, so before this session exists.
 fn setup<D: BlockDevice>(spec: &Spec) -> Result<D, String> {
     let prepared = D::prepare(spec)?;
-    let conn = device::connect(spec)?;
+    let conn = device::connect(spec, D::RECOVERS_GROWN)?;
     D::setup(spec, prepared, conn)
 }

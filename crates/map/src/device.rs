@@ -19,6 +19,10 @@ pub(crate) trait BlockDevice: Sized {
     const KIND: &'static str;
     /// What `prepare` found out or opened, handed to `setup`.
     type Prepared;
+    /// A recovered device keeps the size it was made with, so an export that grew since serves
+    /// it as well (ublk: a recovery sets no parameters); otherwise (a loop device's file, which
+    /// LOOP_CHANGE_FD swaps only for one of the same size) the export must have kept its size.
+    const RECOVERS_GROWN: bool = false;
 
     /// Checks that this machine can create such a device at all (root, kernel modules).
     fn preflight() -> Result<(), String>;
@@ -204,11 +208,11 @@ pub(crate) fn connect_options(spec: &Spec) -> Result<ConnectOptions, String> {
 /// sends no I/O, so "no write of ours before the fence" would hold either way; connecting
 /// after it also keeps the dead daemon's lingering sessions from counting against the target's
 /// session limits while ours are made.)
-pub(crate) fn connect(spec: &Spec) -> Result<Connected, String> {
+pub(crate) fn connect(spec: &Spec, recovers_grown: bool) -> Result<Connected, String> {
     let opts = connect_options(spec)?;
     let session = blkwire_client::connect(&spec.url, &opts).map_err(|e| e.to_string())?;
     let info = session.info.clone();
-    check_export(&info, spec)?;
+    check_export(&info, spec, recovers_grown)?;
     Ok(Connected {
         readonly: spec.readonly || info.features.has(Features::READ_ONLY),
         reconnect: ConnectOptions {
@@ -387,7 +391,8 @@ fn run_bounded<T: Sync>(
     errors.into_iter().map(|(_, e)| e).collect()
 }
 
-fn check_export(info: &ExportInfo, spec: &Spec) -> Result<(), String> {
+/// `recovers_grown`: [`BlockDevice::RECOVERS_GROWN`] of the device kind.
+fn check_export(info: &ExportInfo, spec: &Spec, recovers_grown: bool) -> Result<(), String> {
     if info.size == 0 {
         return Err(format!("export '{}' is empty", info.name));
     }
@@ -405,7 +410,8 @@ fn check_export(info: &ExportInfo, spec: &Spec) -> Result<(), String> {
         ));
     }
     if let Mode::Recover(r) = &spec.mode {
-        if r.size != info.size {
+        let serves = info.size == r.size || (recovers_grown && info.size > r.size);
+        if !serves {
             return Err(format!(
                 "export '{}' changed size ({} -> {} bytes): cannot recover {}",
                 info.name, r.size, info.size, r.device

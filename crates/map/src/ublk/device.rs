@@ -55,10 +55,29 @@ struct Undo<'a> {
 
 impl Drop for Undo<'_> {
     fn drop(&mut self) {
+        // The device first (a new one: a recovery's stays, its record restored): its record
+        // goes only once it is gone, so that one this daemon could not delete stays listed
+        // (dead, once this process has exited) for `unmap` to finish.
+        let mut gone = true;
+        if let Some(id) = self.dev_id {
+            if self.started {
+                let _ = self.ctrl.stop(id);
+            }
+            gone = self.ctrl.delete_async(id).is_ok()
+                || (!self.threads && self.ctrl.delete(id).is_ok());
+        }
         match (self.restore.take(), &self.book) {
             (Some(old), Some(book)) => book.close_restoring(old),
             (Some(old), None) => {
                 let _ = old.save();
+            }
+            (None, _) if !gone => {
+                let device = self.record.as_deref().unwrap_or("the new ublk device");
+                log!(
+                    "error",
+                    "{device} could not be deleted: its record stays, for `blkwire unmap \
+                     {device}` to finish"
+                );
             }
             (None, Some(book)) if self.record.is_some() => book.close(),
             // Before this daemon's record was written (`RecordBook::create` refuses another
@@ -67,14 +86,6 @@ impl Drop for Undo<'_> {
                 if let Some(d) = &self.record {
                     Record::remove_if_owned(d, std::process::id() as i32);
                 }
-            }
-        }
-        if let Some(id) = self.dev_id {
-            if self.started {
-                let _ = self.ctrl.stop(id);
-            }
-            if self.ctrl.delete_async(id).is_err() && !self.threads {
-                let _ = self.ctrl.delete(id);
             }
         }
     }
@@ -86,6 +97,7 @@ pub(crate) struct UblkDevice(Running);
 impl BlockDevice for UblkDevice {
     const KIND: &'static str = "ublk";
     type Prepared = Prepared;
+    const RECOVERS_GROWN: bool = true;
 
     fn preflight() -> Result<(), String> {
         preflight()
@@ -430,7 +442,12 @@ fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, St
         start_time: state::self_start_time(),
         mountpoint: String::new(),
         file: String::new(),
-        size: info.size,
+        // A recovered device keeps the size it was made with (a recovery sets no parameters),
+        // whatever the export has grown to: the next recovery compares with that.
+        size: match &spec.mode {
+            Mode::Recover(old) => old.size,
+            _ => info.size,
+        },
         readonly,
         queues: nq as u16,
         queue_depth: depth as u16,
@@ -666,11 +683,20 @@ fn serve(mut r: Running, stop_now: bool) {
         // this process is gone.
         r.ctrl.delete_async(r.dev_id)
     };
-    if let Err(e) = deleted {
-        log!("warn", "deleting {device}: {e}");
+    match deleted {
+        // A reconnection still running (its queue thread is gone) cannot bring the record back.
+        Ok(()) => r.book.close(),
+        Err(e) if e.raw_os_error() == Some(libc::ENODEV) => r.book.close(),
+        Err(e) => {
+            // The record stays (dead once this process exits), so `ls` still shows the
+            // device and `unmap` can finish.
+            log!(
+                "error",
+                "deleting {device}: {e}; its record stays, for `blkwire unmap {device}` to finish"
+            );
+            return;
+        }
     }
-    // A reconnection still running (its queue thread is gone) cannot bring the record back.
-    r.book.close();
     log!("info", "{device} unmapped");
 }
 

@@ -6,7 +6,8 @@
 # writes complete, more files are written, every checksum verifies after a remount, fsck is
 # clean, unmap. Checksums go to LAB-SHA256 lines.
 # Then the same over udp:// to a target inside the guest, checking that `map --recover` fenced the
-# dead daemon's sessions: its record names their queues, and the target no longer lists them.
+# dead daemon's sessions: its record names their queues, and the target no longer lists them;
+# the export grows while the device has no daemon, and the recovery still takes it.
 #
 # From the kernel command line (set by host.sh): lab.tcp_port, lab.export.
 . /lab/lib.sh
@@ -132,7 +133,9 @@ info "unmapped"
 # runs, before its own sessions send anything. Over udp:// a session nobody logs out would otherwise
 # stay on the target until its idle timeout (~60 s). A target inside the guest: udp:// for the
 # mapping, tcp:// for `stats`.
-serve /tmp/userve.log --listen udp://127.0.0.1:7791 --listen tcp://127.0.0.1:7792 --export u=mem:64M
+# A file export, so that it can grow while the mapping is down (below).
+run truncate -s 64M /tmp/u.img
+serve /tmp/userve.log --listen udp://127.0.0.1:7791 --listen tcp://127.0.0.1:7792 --export u=file:/tmp/u.img
 userve=$served
 # The session ids in the output of `bw stats --json` (/tmp/bw.out).
 listed_sessions() {
@@ -155,7 +158,12 @@ kill_daemon "$upid"
 dd if=/tmp/u.bin of="$udev" bs=64k count=16 seek=32 conv=fsync 2>/dev/null &
 uwriter=$!
 held_in_fsync $uwriter "the write during the outage of $udev"
+# The export grows meanwhile: the device keeps its own size through the recovery (a recovery
+# sets no parameters), so the larger export still serves it (map --recover refused it once).
+bw export resize u 128M
 bw map --recover "$udev" --logfile $maplog
+grep -q '"size": *67108864' "$urec" || fail "the recovered record of $udev does not keep the device's size: $(cat "$urec")"
+[ "$(cat "/sys/block/${udev#/dev/}/size")" = 131072 ] || fail "$udev changed size in the recovery"
 step "the dead daemon's sessions ($old) are gone from the target"
 bw stats --json tcp://127.0.0.1:7792
 now=$(listed_sessions)
