@@ -46,6 +46,15 @@ impl Socket {
 /// and every other failure as one line that says what to do.
 pub fn call(socket: &Path, method: &str, params: Option<Value>) -> Result<Value, String> {
     let stream = UnixStream::connect(socket).map_err(|e| connect_error(socket, &e))?;
+    // Whoever listens there gets the call (a config, key file paths) and is believed: only a
+    // target run by root or by this user, as the target takes calls only from those.
+    if let Err(uid) = blkwire_server::control_peer_permitted(&stream) {
+        return Err(format!(
+            "{} is served by a process of uid {uid}, neither root nor this user: not a target \
+             of ours; nothing was sent",
+            socket.display()
+        ));
+    }
     let mut request = json!({"jsonrpc": "2.0", "id": 1, "method": method});
     if let Some(p) = params {
         request["params"] = p;

@@ -714,6 +714,39 @@ fn only_root_and_the_targets_user_may_use_the_control_socket() {
     assert!(t.ok(&["export", "ls"]).contains('a'), "root still may");
 }
 
+/// The CLI calls only a target run by root or by its own user: a socket another user listens
+/// on (a stale path, a `BLKWIRE_RPC_SOCKET` naming a world-writable directory) is refused before
+/// anything is sent, as the target refuses callers that are neither.
+#[test]
+fn the_cli_refuses_a_socket_served_by_another_user() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "this test needs root (to listen as another user); CI runs as root"
+    );
+    let setpriv = ["/usr/bin/setpriv", "/bin/setpriv"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())
+        .expect("setpriv is missing: apt-get install util-linux (scripts/deps.sh does)");
+    let dir = TempDir::new("manage-impostor");
+    std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o777)).unwrap();
+    // Another user's target (uid 65534) on the socket path: it would take root's calls.
+    let sock = dir.path("ctl.sock").to_str().unwrap().to_string();
+    let mut cmd = Command::new(setpriv);
+    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", BIN])
+        .args(["serve", "--rpc-socket", &sock, "--log-level", "warn"])
+        .args(["--listen", "tcp://127.0.0.1:0", "--export", "a=mem:1M"]);
+    let (child, urls) = common::spawn_serve_with_control(&mut cmd, 0);
+    let t = Managed { child, sock, urls };
+    let (ok, out, err) = t.cli(&["export", "ls"]);
+    assert!(!ok, "called another user's target: {out}");
+    assert!(
+        err.contains("uid 65534, neither root nor this user") && err.lines().count() == 1,
+        "{err}"
+    );
+}
+
 /// A caller the socket refuses is answered at once, its request not even read, and holds no
 /// place among the 16 clients: however many hold their connection open without writing (each
 /// used to hold a place, and a thread, for up to 2 s a byte), root's calls go through.

@@ -49,7 +49,10 @@ pub use control::{
 };
 use frontend::StreamFrontend;
 use reactor::{Msg, NewQueue, Reactor};
-pub use rpc::{decode as decode_rpc_request, MAX_REQUEST as MAX_RPC_REQUEST};
+pub use rpc::{
+    decode as decode_rpc_request, permitted as control_peer_permitted,
+    MAX_REQUEST as MAX_RPC_REQUEST,
+};
 pub use session::Limits;
 use session::{HelloAnswer, Registry};
 use snapshot::Snapshot;

@@ -224,8 +224,10 @@ impl Drop for Place {
     }
 }
 
-/// Root, or the user the target runs as; otherwise the peer's uid.
-fn permitted(s: &UnixStream) -> Result<(), u32> {
+/// Root, or the user this process runs as; otherwise the peer's uid. The target asks it of
+/// its callers, and the CLI of the target it called (`blkwire rpc` and the like send configs
+/// and key file paths, and trust what comes back).
+pub fn permitted(s: &UnixStream) -> Result<(), u32> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: u32::MAX,
