@@ -50,8 +50,9 @@ pub fn call(socket: &Path, method: &str, params: Option<Value>) -> Result<Value,
     // target run by root or by this user, as the target takes calls only from those.
     if let Err(uid) = blkwire_server::control_peer_permitted(&stream) {
         return Err(format!(
-            "{} is served by a process of uid {uid}, neither root nor this user: not a target \
-             of ours; nothing was sent",
+            "{} is served by a process of uid {uid}, neither root nor this user: nothing was \
+             sent (a target run by another user is managed as that user, e.g. `sudo -u \
+             USER blkwire ...`)",
             socket.display()
         ));
     }
