@@ -301,6 +301,13 @@ fn every_method_takes_good_parameters_and_refuses_bad_ones_in_one_line() {
     let before = t.rpc("export_list", json!({}));
     let bad: &[(&str, Value, &str)] = &[
         ("export_add", json!({"name": "x"}), "missing field `spec`"),
+        // A method that takes none refuses a parameter (a filter the caller thought applied).
+        (
+            "session_list",
+            json!({"export": "a"}),
+            "session_list: unknown field `export`",
+        ),
+        ("rpc_get_methods", json!({"x": 1}), "unknown field `x`"),
         (
             "export_add",
             json!({"name": "x", "spec": "disk:1G"}),

@@ -494,6 +494,15 @@ fn run(shared: &Arc<Shared>, method: &str, params: Value) -> Result<Value, RpcEr
     (m.run)(shared, params)
 }
 
+/// A method that takes no parameters: absent, null or `{}`; any named one is refused, as
+/// every method refuses names it does not know (a filter the caller believed applied).
+fn no_params(method: &str, p: Value) -> Result<(), RpcError> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct None {}
+    params::<None>(method, p, "no parameters ({})").map(|_| ())
+}
+
 /// Decodes a method's parameters; absent parameters are an empty object.
 fn params<T: DeserializeOwned>(method: &str, p: Value, shape: &str) -> Result<T, RpcError> {
     let p = if p.is_null() { json!({}) } else { p };
@@ -548,7 +557,8 @@ fn admins_set(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     Ok(json!({ "hosts": p.hosts }))
 }
 
-fn host_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
+fn host_list(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    no_params("host_list", p)?;
     let admins = sh.registry.access.admins();
     let hosts: Vec<Value> = match sh.registry.access.keys() {
         Some(k) => k
@@ -715,7 +725,8 @@ fn export_set_allow(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     Ok(e)
 }
 
-fn export_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
+fn export_list(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    no_params("export_list", p)?;
     Ok(Value::Array(sh.registry.describe_exports()))
 }
 
@@ -737,7 +748,8 @@ fn listener_remove(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     Ok(json!({ "url": url }))
 }
 
-fn listener_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
+fn listener_list(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    no_params("listener_list", p)?;
     Ok(Value::Array(
         sh.listener_urls()
             .into_iter()
@@ -761,7 +773,8 @@ fn metrics_listen(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     Ok(json!({ "url": url }))
 }
 
-fn nvme_subsystem_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
+fn nvme_subsystem_list(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    no_params("nvme_subsystem_list", p)?;
     use crate::nvme::spec::{default_serial, Namespace, DEFAULT_MODEL, NQN_PREFIX};
     let ctrls = sh.registry.nvme.describe();
     let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
@@ -984,7 +997,8 @@ fn nvme_subsystem_remove_host(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcEr
     Ok(json!({ "nqn": p.nqn, "host": p.host, "closed_sessions": closed }))
 }
 
-fn iscsi_target_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
+fn iscsi_target_list(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    no_params("iscsi_target_list", p)?;
     let r = &sh.registry;
     // Records are kept while their sessions exist (a reinstating login waits for a closing
     // one); only the open ones are listed.
@@ -1180,7 +1194,8 @@ fn iscsi_target_remove_initiator(sh: &Arc<Shared>, p: Value) -> Result<Value, Rp
     Ok(json!({ "iqn": p.iqn, "initiator": p.initiator, "closed_sessions": closed }))
 }
 
-fn session_list(sh: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
+fn session_list(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    no_params("session_list", p)?;
     Ok(Value::Array(sh.registry.describe_sessions()))
 }
 
@@ -1454,7 +1469,8 @@ fn apply_in_turn(
     Ok(())
 }
 
-fn rpc_get_methods(_: &Arc<Shared>, _: Value) -> Result<Value, RpcError> {
+fn rpc_get_methods(_: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
+    no_params("rpc_get_methods", p)?;
     Ok(Value::Array(
         METHODS
             .iter()
