@@ -259,6 +259,19 @@ impl Ctrl {
     pub fn delete_async(&mut self, dev_id: u32) -> io::Result<()> {
         self.simple(UBLK_U_CMD_DEL_DEV_ASYNC, dev_id, 0).map(|_| ())
     }
+    /// Removes the device without waiting for its last opener: DEL_DEV waits, without bound
+    /// (interrupted only by a signal), until every process holding /dev/ublkbN open lets go,
+    /// and a reader without O_EXCL (a VM, `dd`) is not one `refuse_in_use` can see. The block
+    /// device goes at once either way; the number is freed with the last reference. Kernels
+    /// before DEL_DEV_ASYNC (Linux 6.9) refuse the command, and get DEL_DEV.
+    pub fn remove(&mut self, dev_id: u32) -> io::Result<()> {
+        match self.delete_async(dev_id) {
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EINVAL)) => {
+                self.delete(dev_id)
+            }
+            r => r,
+        }
+    }
     /// START_USER_RECOVERY: a quiesced device (its daemon died) is taken over.
     pub fn start_recovery(&mut self, dev_id: u32) -> io::Result<()> {
         self.simple(UBLK_U_CMD_START_USER_RECOVERY, dev_id, 0)

@@ -677,7 +677,7 @@ fn serve(mut r: Running, stop_now: bool) {
         }
     }
     let deleted = if exited == r.queues {
-        r.ctrl.delete(r.dev_id)
+        r.ctrl.remove(r.dev_id)
     } else {
         // Stuck queue threads still hold the char device: the kernel deletes the device once
         // this process is gone.
@@ -911,7 +911,7 @@ fn unmap(device: &str, id: u32) -> Result<(), String> {
                 Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
                 Err(e) => return Err(format!("stopping {path}: {e}")),
             }
-            match ctrl.delete(id) {
+            match ctrl.remove(id) {
                 Ok(()) => {}
                 Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
                 Err(e) => return Err(format!("deleting {path}: {e}")),

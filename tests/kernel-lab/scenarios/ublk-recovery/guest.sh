@@ -180,8 +180,21 @@ run dd if="$udev" of=/tmp/u.back bs=64k count=32
 [ "$(sha256sum </tmp/u.bin)" = "$(sha256sum </tmp/u.back)" ] || fail "what was written before the crash reads back different"
 run dd if="$udev" of=/tmp/u.back bs=64k count=16 skip=32
 [ "$(head -c 1048576 /tmp/u.bin | sha256sum)" = "$(sha256sum </tmp/u.back)" ] || fail "the write held over the crash reads back different"
+# A process holds the device open without O_EXCL (as a VM or dd does; unmap cannot see it):
+# unmap still ends, the device goes, and the holder keeps a dead descriptor. (DEL_DEV waited
+# for the holder without bound.)
+rm -f /tmp/held
+sh -c "exec 3<$udev; echo held >/tmp/held; exec sleep 600" &
+holder=$!
+i=0
+until [ -s /tmp/held ]; do
+    i=$((i + 1))
+    [ $i -le 100 ] || fail "the holder of $udev did not open it"
+    sleep 0.1
+done
 bw unmap "$udev"
 [ ! -e "/sys/block/${udev#/dev/}" ] || fail "$udev still exists after unmap"
+kill $holder
 kill $userve
 [ -f $maplog ] && sed 's/^/map.log| /' $maplog
 info "$udev over udp://: recovered after kill -9 with the dead daemon's sessions fenced; data verified; unmapped"
