@@ -90,6 +90,8 @@ const TEXT_ANSWER_MAX: usize = iscsi::MAX_PAIRS * (iscsi::MAX_KEY_LEN + "=NotUnd
 const GOOD: u8 = 0x00;
 /// SCSI status CHECK CONDITION.
 const CHECK_CONDITION: u8 = 0x02;
+/// SCSI status BUSY (SAM-5): the initiator issues the command again later.
+const BUSY: u8 = 0x08;
 /// SCSI status RESERVATION CONFLICT (SAM-5).
 const RESERVATION_CONFLICT: u8 = 0x18;
 /// RELATIVE TARGET PORT IDENTIFIER of the one target port (the portal group, tag 1).
@@ -785,22 +787,6 @@ impl Iscsi {
         true
     }
 
-    /// Whether the command of `cdb` must wait in the stream for the compound command running
-    /// (`Hold::GivenUp`: for its given-up part's answer). The connection runs one command that
-    /// makes parts, or takes a parameter list, at a time; a second one used to be answered
-    /// ABORTED COMMAND, which Linux retries at once, five times, then fails with EIO: several
-    /// UNMAPs of one discard on an export whose trims take a while. Not while a parameter list
-    /// is collected with R2Ts: its Data-Out may be behind this command in the stream, so that
-    /// one is still refused (`collect`).
-    fn waits_its_turn(&self, cdb: &[u8]) -> bool {
-        if self.hold == Hold::GivenUp {
-            return makes_parts(cdb);
-        }
-        self.compound.is_some()
-            && self.params.is_none()
-            && (makes_parts(cdb) || cdb.first() == Some(&scsi::op::PERSISTENT_RESERVE_OUT))
-    }
-
     /// MaxCmdSN now: the window is the free task places (§4.2.2.1).
     fn window(&mut self) -> u32 {
         // A command collecting its parameter list, or between the parts it runs, is not with
@@ -1421,8 +1407,18 @@ impl Iscsi {
             return Decoded::Answered { len };
         }
         if self.params.is_some() || self.compound.is_some() {
-            // One parameter list at a time: the initiator retries an aborted command.
-            self.check(itt, &Sense::aborted(), edtl, tx);
+            // One command that takes a list or makes parts at a time. The next is answered
+            // BUSY, which Linux requeues after a short delay without spending its five retries,
+            // up to its command timeout (ABORTED COMMAND spent them at once: a discard cut into
+            // several UNMAPs failed with EIO on an export whose trims take a while). Not held in
+            // the stream: the Data-Out, NOP-Outs and task management behind it would go unread
+            // while the running command's next part may wait for memory that Data-Out frees.
+            let res = if edtl > 0 {
+                Residual::Under(edtl)
+            } else {
+                Residual::None
+            };
+            self.response(itt, BUSY, None, res, tx);
             return Decoded::Answered { len };
         }
         let have = immediate.len().min(want as usize);
@@ -2355,14 +2351,13 @@ impl StreamFrontend for Iscsi {
             Err(e) => return Decoded::Violation(format!("iSCSI: {e}")),
         };
         match p.opcode() {
-            op::SCSI_CMD if self.waits_its_turn(&p.bhs[32..48]) => {
-                // A command that makes parts (or takes a parameter list) while another runs its
-                // parts, or while the running part of a given-up one is still to answer, waits
-                // for it, untouched (its CmdSN not taken), and holds back what follows it in
-                // the stream. A part's answer comes through `reply` or `encode_read`, either
-                // while the reactor dispatches (its loop then decodes on) or on a completion,
-                // after which the reactor services the connection again. What is asked for is
-                // there already.
+            op::SCSI_CMD if self.hold == Hold::GivenUp && makes_parts(&p.bhs[32..48]) => {
+                // The running part of a given-up compound command is still to answer: a
+                // command that makes parts waits for it, untouched (its CmdSN not taken), and
+                // holds back what follows it in the stream. A part's answer comes through
+                // `reply` or `encode_read`, either while the reactor dispatches (its loop then
+                // decodes on) or on a completion, after which the reactor services the
+                // connection again. What is asked for is there already.
                 Decoded::Need(len)
             }
             op::SCSI_CMD => self.command(rx, len, &p, tx),
@@ -4060,12 +4055,12 @@ mod tests {
     }
 
     /// WRITE SAME(16) with NDOB collects no list, but while another compound command runs it
-    /// waits in the stream, its CmdSN not taken, and runs once that one is answered. (It once
+    /// is answered BUSY like any second one (the initiator sends it again later; it once
     /// started a compound of its own beside the UNMAP's, whose parts' answers were counted
-    /// against each other; then it was refused ABORTED COMMAND, which Linux retries at once,
-    /// five times, and fails with EIO.)
+    /// against each other, then was answered ABORTED COMMAND, which Linux retries at once, five
+    /// times, and fails with EIO); the UNMAP goes on to its answer.
     #[test]
-    fn a_write_same_without_data_waits_its_turn_as_a_compound_command() {
+    fn a_write_same_without_data_is_busy_while_a_compound_command_runs() {
         let mut f = fe(65536);
         let mut tx = Vec::new();
         let a = unmap_running(&mut f, &mut tx);
@@ -4073,29 +4068,18 @@ mod tests {
         same[0] = 0x93;
         same[1] = 0x01;
         same[13] = 4;
-        let pdu = cmd(5, 1, &same, 0, false, &[]);
-        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Need(n) if n == pdu.len()));
-        assert!(tx.is_empty(), "no answer while it waits");
+        let d = f.decode(&cmd(5, 1, &same, 0, false, &[]), &mut tx);
+        assert!(matches!(d, Decoded::Answered { .. }));
+        assert_eq!((tx[0], be32(&tx, 16), tx[3]), (op::SCSI_RSP, 5, BUSY));
+        tx.clear();
         assert!(!f.reply(&a, Status::Ok, &mut tx) && tx.is_empty());
-        // The UNMAP's second part comes first, the WRITE SAME still waiting behind it.
-        let Decoded::Request { req: b, len: 0, .. } = f.decode(&pdu, &mut tx) else {
+        let Decoded::Request { req: b, len: 0, .. } = f.decode(&[], &mut tx) else {
             panic!("the UNMAP's second trim");
         };
         assert_eq!((b.kind, b.offset), (Kind::Block(BlockOp::Trim), 64 * 512));
         f.taken(&b);
-        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Need(_)));
         assert!(f.reply(&b, Status::Ok, &mut tx));
         assert_eq!((tx[0], tx[3], be32(&tx, 16)), (op::SCSI_RSP, GOOD, 4));
-        tx.clear();
-        // Its turn: its first part takes the PDU.
-        let Decoded::Request { req: c, len, .. } = f.decode(&pdu, &mut tx) else {
-            panic!("the WRITE SAME's first part");
-        };
-        assert_eq!(
-            (c.kind, c.offset, len),
-            (Kind::Block(BlockOp::WriteZeroes), 0, pdu.len())
-        );
-        assert!(tx.is_empty());
     }
 
     /// A WRITE SAME(16) of a pattern over the most blocks it takes (2^20 - 1 of 4 KiB, nearly
