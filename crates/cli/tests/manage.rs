@@ -676,16 +676,6 @@ fn a_config_larger_than_a_request_line_loads_by_its_path() {
 
 #[test]
 fn only_root_and_the_targets_user_may_use_the_control_socket() {
-    // SAFETY: geteuid has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    assert_eq!(
-        euid, 0,
-        "this test needs root (to run a client as another user); CI runs as root"
-    );
-    let setpriv = ["/usr/bin/setpriv", "/bin/setpriv"]
-        .into_iter()
-        .find(|p| std::path::Path::new(p).exists())
-        .expect("setpriv is missing: apt-get install util-linux (scripts/deps.sh does)");
     let dir = TempDir::new("manage-perm");
     std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o755)).unwrap();
     let t = Managed::start(
@@ -697,8 +687,7 @@ fn only_root_and_the_targets_user_may_use_the_control_socket() {
         0o600
     );
     let as_nobody = || {
-        let out = Command::new(setpriv)
-            .args(["--reuid=65534", "--regid=65534", "--clear-groups", BIN])
+        let out = common::as_nobody(BIN)
             .args(["export", "ls", "--socket", &t.sock])
             .output()
             .expect("run setpriv");
@@ -726,23 +715,12 @@ fn only_root_and_the_targets_user_may_use_the_control_socket() {
 /// anything is sent, as the target refuses callers that are neither.
 #[test]
 fn the_cli_refuses_a_socket_served_by_another_user() {
-    // SAFETY: geteuid has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    assert_eq!(
-        euid, 0,
-        "this test needs root (to listen as another user); CI runs as root"
-    );
-    let setpriv = ["/usr/bin/setpriv", "/bin/setpriv"]
-        .into_iter()
-        .find(|p| std::path::Path::new(p).exists())
-        .expect("setpriv is missing: apt-get install util-linux (scripts/deps.sh does)");
     let dir = TempDir::new("manage-impostor");
     std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o777)).unwrap();
     // Another user's target (uid 65534) on the socket path: it would take root's calls.
     let sock = dir.path("ctl.sock").to_str().unwrap().to_string();
-    let mut cmd = Command::new(setpriv);
-    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", BIN])
-        .args(["serve", "--rpc-socket", &sock, "--log-level", "warn"])
+    let mut cmd = common::as_nobody(BIN);
+    cmd.args(["serve", "--rpc-socket", &sock, "--log-level", "warn"])
         .args(["--listen", "tcp://127.0.0.1:0", "--export", "a=mem:1M"]);
     let (child, urls) = common::spawn_serve_with_control(&mut cmd, 0);
     let t = Managed { child, sock, urls };

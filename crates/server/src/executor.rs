@@ -489,36 +489,15 @@ mod tests {
             source: String::new(),
             ranges: vec![blkwire_backend::CopyRange { offset, len }],
         };
-        let outside = x.start_copy(
-            &copy(1 << 20, 4096),
-            None,
-            0,
-            4096,
-            IoFlags::empty(),
-            1,
-            &mut NoRing,
-        );
+        let copy_to = |x: &mut Executor, desc, dst, total| {
+            x.start_copy(&desc, None, dst, total, IoFlags::empty(), 1, &mut NoRing)
+        };
+        let outside = copy_to(&mut x, copy(1 << 20, 4096), 0, 4096);
         assert!(outside.is_some_and(|c| c.status != Status::Ok));
-        let short = x.start_copy(
-            &copy(0, 4096),
-            None,
-            8192,
-            8192,
-            IoFlags::empty(),
-            2,
-            &mut NoRing,
-        );
+        let short = copy_to(&mut x, copy(0, 4096), 8192, 8192);
         assert!(short.is_some_and(|c| c.status == Status::Invalid));
         assert_eq!(x.stats.copies, 0);
-        let done = x.start_copy(
-            &copy(0, 4096),
-            None,
-            8192,
-            4096,
-            IoFlags::empty(),
-            3,
-            &mut NoRing,
-        );
+        let done = copy_to(&mut x, copy(0, 4096), 8192, 4096);
         assert!(done.is_some_and(|c| c.status == Status::Ok && c.bytes == 4096));
         assert_eq!((x.stats.copies, x.stats.bytes_copied), (1, 4096));
     }

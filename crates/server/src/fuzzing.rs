@@ -379,16 +379,46 @@ mod tests {
         assert_eq!(seeds.len(), 9, "seeds of login");
     }
 
+    /// The seed `name` of fuzz target `target`.
+    fn seed(target: &str, name: &str) -> Vec<u8> {
+        seeds(target)
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("no seed {target}/{name}"))
+            .1
+    }
+
+    /// The NVMe/TCP PDUs a controller sent, whole (checked): (type, CID, status) of each
+    /// CapsuleResp (type 5) and C2HData (type 7, status 0); other types with CID 0.
+    fn nvme_pdus(sent: &[u8]) -> Vec<(u8, u16, u16)> {
+        let mut pdus = Vec::new();
+        let mut at = 0;
+        while at + 8 <= sent.len() {
+            let plen = u32::from_le_bytes(sent[at + 4..at + 8].try_into().unwrap()) as usize;
+            assert!(plen >= 8 && at + plen <= sent.len(), "a PDU at {at}");
+            let p = &sent[at..at + plen];
+            pdus.push(match p[0] {
+                // The CQE after the 8-byte header: CID at 12, status (phase bit 0) at 14.
+                0x05 => (
+                    5,
+                    u16::from_le_bytes([p[20], p[21]]),
+                    u16::from_le_bytes([p[22], p[23]]) >> 1,
+                ),
+                0x07 => (7, u16::from_le_bytes([p[8], p[9]]), 0),
+                t => (t, 0, 0),
+            });
+            at += plen;
+        }
+        assert_eq!(at, sent.len(), "whole PDUs");
+        pdus
+    }
+
     /// An admin command whose answer is longer than the data its host's SGL describes (an
     /// Identify of 4 KiB into 16 bytes) fails with Data SGL Length Invalid and sends no data,
     /// as nvmet does; it used to send all 4 KiB past the host's buffer. The same Identify with
     /// room for it is answered.
     #[test]
     fn admin_data_never_exceeds_the_hosts_sgl() {
-        let (_, connect) = seeds("login")
-            .into_iter()
-            .find(|(name, _)| name == "nvme-admin")
-            .expect("the seed");
         let identify = |cid: u16, room: u32| {
             let mut pdu = vec![0x04, 0, 72, 0];
             pdu.extend_from_slice(&72u32.to_le_bytes());
@@ -402,28 +432,12 @@ mod tests {
             pdu.extend_from_slice(&sqe);
             pdu
         };
-        let mut input = connect.clone();
+        let mut input = seed("login", "nvme-admin");
         input.extend(identify(201, 16));
         input.extend(identify(202, 4096));
         let mut sent = Vec::new();
         assert!(super::login_kept(&input, Some(&mut sent)).admitted);
-        // (type, CID of a CapsuleResp or C2HData, status of a CapsuleResp) of each PDU.
-        let mut pdus = Vec::new();
-        let mut at = 0;
-        while at + 8 <= sent.len() {
-            let plen = u32::from_le_bytes(sent[at + 4..at + 8].try_into().unwrap()) as usize;
-            let p = &sent[at..at + plen];
-            pdus.push(match p[0] {
-                0x05 => (
-                    5,
-                    u16::from_le_bytes([p[20], p[21]]),
-                    u16::from_le_bytes([p[22], p[23]]) >> 1,
-                ),
-                0x07 => (7, u16::from_le_bytes([p[8], p[9]]), 0),
-                t => (t, 0, 0),
-            });
-            at += plen;
-        }
+        let pdus = nvme_pdus(&sent);
         let of = |cid| {
             pdus.iter()
                 .filter(|p| p.1 == cid)
@@ -439,30 +453,15 @@ mod tests {
     /// Event Request (113) is held.
     #[test]
     fn the_admin_queue_seed_gets_its_commands_answered() {
-        let (_, input) = seeds("login")
-            .into_iter()
-            .find(|(name, _)| name == "nvme-admin-commands")
-            .expect("the seed");
         let mut sent = Vec::new();
-        let run = super::login_kept(&input, Some(&mut sent));
+        let run = super::login_kept(&seed("login", "nvme-admin-commands"), Some(&mut sent));
         assert!(run.admitted && run.answered == sent.len(), "{run:?}");
-        // CapsuleResp PDUs (type 5: an 8-byte header, then the CQE): CID and status.
-        let mut answers = Vec::new();
-        let mut at = 0;
-        while at + 8 <= sent.len() {
-            let plen = u32::from_le_bytes(sent[at + 4..at + 8].try_into().unwrap()) as usize;
-            assert!(plen >= 8 && at + plen <= sent.len(), "a PDU at {at}");
-            if sent[at] == 0x05 {
-                let cqe = &sent[at + 8..at + 24];
-                let cid = u16::from_le_bytes([cqe[12], cqe[13]]);
-                let status = u16::from_le_bytes([cqe[14], cqe[15]]) >> 1;
-                answers.push((cid, status));
-            }
-            at += plen;
-        }
-        assert_eq!(at, sent.len(), "whole PDUs");
-        let admin: Vec<_> = answers.iter().filter(|(cid, _)| *cid > 100).collect();
+        let answers: Vec<_> = nvme_pdus(&sent)
+            .into_iter()
+            .filter(|&(typ, cid, _)| typ == 5 && cid > 100)
+            .map(|(_, cid, status)| (cid, status))
+            .collect();
         let want: Vec<_> = (101..=112).map(|cid| (cid, 0)).collect();
-        assert_eq!(admin, want.iter().collect::<Vec<_>>());
+        assert_eq!(answers, want);
     }
 }

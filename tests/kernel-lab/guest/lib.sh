@@ -55,6 +55,17 @@ serve() {
     done
 }
 
+# wait_for_file FILE WHAT: waits (10 s at most) until FILE exists, the mark a background process
+# leaves once it has done WHAT; fails the scenario saying WHAT did not happen.
+wait_for_file() {
+    i=0
+    until [ -e "$1" ]; do
+        i=$((i + 1))
+        [ $i -le 100 ] || fail "$2 did not happen"
+        sleep 0.1
+    done
+}
+
 # write_test_files MNT GREETING: files of assorted sizes (8 MiB down to 1 byte, and one with a
 # hole) under MNT, /hello.txt holding GREETING; their sha256 go to /tmp/sums and, as LAB-SHA256
 # lines, to the host, which checks them on the disk it copies out.

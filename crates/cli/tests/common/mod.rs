@@ -279,6 +279,24 @@ impl Drop for Reaped {
 }
 
 /// A scratch directory removed on drop (also when a test fails).
+/// A command that runs `program` as user and group 65534 (nobody), with no supplementary
+/// groups, through setpriv: for tests of what other users may do. Needs root (CI is).
+pub fn as_nobody(program: &str) -> std::process::Command {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "this test needs root (to run a program as another user); CI runs as root"
+    );
+    let setpriv = ["/usr/bin/setpriv", "/bin/setpriv"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())
+        .expect("setpriv is missing: apt-get install util-linux (scripts/deps.sh does)");
+    let mut cmd = std::process::Command::new(setpriv);
+    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", program]);
+    cmd
+}
+
 pub struct TempDir(pub PathBuf);
 
 impl TempDir {

@@ -186,12 +186,7 @@ run dd if="$udev" of=/tmp/u.back bs=64k count=16 skip=32
 rm -f /tmp/held
 sh -c "exec 3<$udev; echo held >/tmp/held; exec sleep 600" &
 holder=$!
-i=0
-until [ -s /tmp/held ]; do
-    i=$((i + 1))
-    [ $i -le 100 ] || fail "the holder of $udev did not open it"
-    sleep 0.1
-done
+wait_for_file /tmp/held "the opening of $udev by a holder"
 bw unmap "$udev"
 [ ! -e "/sys/block/${udev#/dev/}" ] || fail "$udev still exists after unmap"
 kill $holder

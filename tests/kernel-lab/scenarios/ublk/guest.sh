@@ -53,12 +53,7 @@ mappid=$(tr -d '\n' </tmp/bw.out | sed -n 's/.*"pid": *\([0-9]*\).*/\1/p')
 rm -f /tmp/held
 unshare -m sh -c "mount -t ext4 -o ro $dev $mnt && touch /tmp/held && exec sleep 600" &
 holder=$!
-i=0
-until [ -e /tmp/held ]; do
-    i=$((i + 1))
-    [ $i -le 100 ] || fail "the mount in another mount namespace did not happen"
-    sleep 0.1
-done
+wait_for_file /tmp/held "the mount in another mount namespace"
 grep -q " $mnt " /proc/self/mountinfo && fail "the other namespace's mount shows in ours"
 if blkwire unmap "$dev" >/tmp/bw.out 2>&1; then fail "unmap of a device mounted in another mount namespace succeeded"; fi
 grep -q "is in use" /tmp/bw.out || fail "unexpected unmap error: $(cat /tmp/bw.out)"
