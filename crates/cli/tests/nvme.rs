@@ -1181,6 +1181,21 @@ fn subsystems_change_at_run_time_through_the_control_socket() {
         json!({"nqn": "nqn.2026-11.io.blkwire:a"}),
         "is taken",
     );
+    // The other way round: an export may not be added under a name whose own subsystem NQN a
+    // configured subsystem has (it would be hidden, and a saved config would not load).
+    t.rpc(
+        "nvme_subsystem_create",
+        json!({"nqn": "nqn.2026-11.io.blkwire:later"}),
+    );
+    t.refused(
+        "export_add",
+        json!({"name": "later", "spec": "mem:1M"}),
+        "export name 'later' is taken",
+    );
+    t.rpc(
+        "nvme_subsystem_delete",
+        json!({"nqn": "nqn.2026-11.io.blkwire:later"}),
+    );
     t.refused(
         "nvme_subsystem_create",
         json!({"nqn": "nqn.2026-11.x:y", "model": ""}),

@@ -598,6 +598,17 @@ fn export_add(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
             p.name.escape_debug()
         )));
     }
+    // An export's own NVMe subsystem is NQN_PREFIX + its name: one configured under that NQN
+    // (before the export existed) would hide it, and a saved config (exports first) would
+    // not load.
+    let own = format!("{}{}", crate::nvme::spec::NQN_PREFIX, p.name);
+    if sh.registry.nvme.subsystem(&own).is_some() {
+        return Err(RpcError::refused(format!(
+            "export name '{}' is taken: NVMe subsystem '{own}' is configured under the NQN \
+             that would be its own; choose another name, or delete that subsystem first",
+            p.name.escape_debug()
+        )));
+    }
     let spec = ExportSpec::parse(&format!("{}={}", p.name, p.spec))
         .map_err(|e| RpcError::params(e.to_string()))?;
     sh.registry.add_export(spec).map_err(RpcError::refused)?;
@@ -847,6 +858,10 @@ fn nvme_subsystem_create(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> 
         "{\"nqn\": \"nqn.2026-11.com.example:db\", \"serial\": \"SN1\", \"model\": \"M\", \
          \"allow_any_host\": false}",
     )?;
+    let taken = p
+        .nqn
+        .strip_prefix(crate::nvme::spec::NQN_PREFIX)
+        .is_some_and(|n| sh.registry.has_export(n));
     let sub = sh
         .registry
         .nvme
@@ -855,6 +870,7 @@ fn nvme_subsystem_create(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> 
             p.serial.as_deref(),
             p.model.as_deref(),
             p.allow_any_host,
+            taken,
         )
         .map_err(RpcError::params)?;
     crate::log!(sh.change_level(), "NVMe subsystem '{}' created", p.nqn);

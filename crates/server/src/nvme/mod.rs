@@ -467,24 +467,23 @@ impl SubsystemSpec {
 }
 
 impl Controllers {
-    /// Creates a subsystem with no namespaces yet (`nvme_subsystem_create`).
+    /// Creates a subsystem with no namespaces yet (`nvme_subsystem_create`). `taken`: whether
+    /// the NQN is an export's own subsystem (`export_add` refuses, the other way round, an
+    /// export whose own NQN a subsystem has).
     pub fn create_subsystem(
         &self,
         nqn: &str,
         serial: Option<&str>,
         model: Option<&str>,
         allow_any_host: bool,
+        taken: bool,
     ) -> Result<Subsystem, String> {
         check_nqn("subsystem NQN", nqn)?;
-        // Every name under the exports' prefix is kept for them, including exports added later:
-        // a subsystem taking `...:db` before export `db` exists would hide that export's own
-        // subsystem, and a saved config (exports first) would no longer load.
-        if nqn == spec::DISCOVERY_NQN || nqn.starts_with(spec::NQN_PREFIX) {
+        if nqn == spec::DISCOVERY_NQN || taken {
             return Err(format!(
-                "subsystem NQN '{}' is taken (the discovery NQN, and names under {} are the \
-                 exports' own subsystems): choose another",
-                nqn.escape_debug(),
-                spec::NQN_PREFIX
+                "subsystem NQN '{}' is taken (the discovery NQN, or an export's own subsystem): \
+                 choose another",
+                nqn.escape_debug()
             ));
         }
         let serial = serial.map_or_else(|| spec::default_serial(nqn), str::to_string);
@@ -1735,29 +1734,13 @@ mod tests {
         );
     }
 
-    /// A configured subsystem may not take a name under the exports' prefix, even one no export
-    /// has yet: it would hide that export's own subsystem once added, and a saved config (its
-    /// exports first) would not load.
-    #[test]
-    fn subsystems_keep_out_of_the_exports_names() {
-        let t = Controllers::default();
-        for nqn in [
-            format!("{}db", spec::NQN_PREFIX),
-            spec::DISCOVERY_NQN.to_string(),
-        ] {
-            let e = t.create_subsystem(&nqn, None, None, false).unwrap_err();
-            assert!(e.contains("is taken"), "{e}");
-        }
-        t.create_subsystem(SUB, None, None, false).unwrap();
-    }
-
     /// A configured subsystem's host list is checked again as the controller is recorded or
     /// authenticated, under the lock `remove_host` takes: a host removed meanwhile is not
     /// admitted (its sessions would be missed by the removal's look for them).
     #[test]
     fn a_host_removed_during_its_connect_is_not_admitted() {
         let t = Controllers::default();
-        t.create_subsystem(SUB, None, None, false).unwrap();
+        t.create_subsystem(SUB, None, None, false, false).unwrap();
         t.add_host(SUB, HOST).unwrap();
         let ip = IpAddr::from([10, 0, 0, 1]);
         let id = t
