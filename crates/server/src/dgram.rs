@@ -1325,9 +1325,11 @@ impl DgramPort {
         };
         // Only a request that will run may make room (`make_room` reclaims other hosts'
         // WRITEs): one refused as it is taken (outside the export, a WRITE whose fragment count
-        // does not match its length, a COPY whose descriptor does not decode) needs nothing.
-        let runs = verdict != Verdict::New
-            || match h.opcode {
+        // does not match its length, a COPY whose descriptor does not decode) needs nothing,
+        // nor does a READ repeated after it was refused (it is refused again).
+        let runs = match verdict {
+            Verdict::Reread => q.slots[slot as usize].status == Status::Ok,
+            Verdict::New => match h.opcode {
                 Opcode::Read | Opcode::Write => {
                     h.block_request().is_some_and(|b| q.exec.admit(&b).is_ok())
                         && (h.opcode == Opcode::Read
@@ -1337,7 +1339,9 @@ impl DgramPort {
                     h.frag_count == 1 && CopyDescriptor::decode_within(payload, &q.copy).is_ok()
                 }
                 _ => true,
-            };
+            },
+            _ => true,
+        };
         let needs = match h.opcode {
             Opcode::Read | Opcode::Write
                 if fresh
@@ -2458,6 +2462,17 @@ mod tests {
         assert_eq!(
             dp.port.stats.writes_reclaimed, 0,
             "refused: nothing reclaimed"
+        );
+        // The refused READ again (a retransmission: same generation) is refused again.
+        dp.receive(&frame(past_the_end, &[]), from_b);
+        let again = answers(&other, true);
+        assert!(
+            again.len() == 1 && again[0].0.status != Status::Ok,
+            "{again:?}"
+        );
+        assert_eq!(
+            dp.port.stats.writes_reclaimed, 0,
+            "a repeat reclaims nothing"
         );
         let read = request(b.session, Opcode::Read, 2, 1, 0, WRITE);
         dp.receive(&frame(read, &[]), from_b);
