@@ -891,12 +891,18 @@ impl DgramPort {
                     self.stats.bad_frames += 1;
                     break;
                 }
-                Ok(f) => self.on_frame(f, b.len(), peer, sq, ud),
+                Ok(f) => {
+                    if !self.on_frame(f, b.len(), peer, sq, ud) {
+                        break;
+                    }
+                }
                 Err(_) => self.stats.bad_frames += 1,
             }
         }
     }
 
+    /// Acts on one frame of a datagram; false when it failed validation (counted bad), which
+    /// ends the datagram's walk (§9.6).
     fn on_frame(
         &mut self,
         f: Frame<'_>,
@@ -904,14 +910,15 @@ impl DgramPort {
         peer: Peer,
         sq: &mut dyn Submitter,
         ud: UserData,
-    ) {
+    ) -> bool {
         let h = f.header;
         if h.session == 0 {
             if f.sealed() || h.flags.has(Flags::HEAD_CRC) {
                 self.stats.bad_frames += 1;
-                return;
+                return false;
             }
-            return self.control(&h, f.payload, datagram_len, peer);
+            self.control(&h, f.payload, datagram_len, peer);
+            return true;
         }
         let found = self.index.get(&(h.session, h.queue)).copied();
         // Only WRITE data may leave its payload to UDP's checksum, and only in a queue of a
@@ -925,16 +932,18 @@ impl DgramPort {
                 .is_some_and(|q| q.header_crc && q.peer == peer);
             if !(granted && h.opcode == Opcode::Write && !f.payload.is_empty()) {
                 self.stats.bad_frames += 1;
-                return;
+                return false;
             }
         }
         let Some(qi) = found else {
             if h.opcode == Opcode::Join {
-                return self.join(&h, f, peer);
+                self.join(&h, f, peer);
+                return true;
             }
             self.stats.unknown_session += 1;
             // Tell the initiator at once instead of letting it time out.
-            return self.refuse_once(&h, peer);
+            self.refuse_once(&h, peer);
+            return true;
         };
         let q = self.queues[qi].as_mut().expect("indexed queue exists");
         if q.peer != peer {
@@ -942,7 +951,8 @@ impl DgramPort {
             // Answered as for an unknown session (§9.1): dropped in silence, it told a scanning
             // source which session ids exist, and a keyless session's id and source are all
             // that stand between it and a forged frame (§12.4).
-            return self.refuse_once(&h, peer);
+            self.refuse_once(&h, peer);
+            return true;
         }
         // A sealed session's frames are acted on only once their seal opens (§12.4).
         let mut scratch = std::mem::take(&mut self.scratch);
@@ -954,11 +964,18 @@ impl DgramPort {
                 .map_err(|_| ()),
             _ => Err(()),
         };
-        match payload {
-            Ok(payload) => self.on_queue_frame(qi, &h, payload, sq, ud),
-            Err(()) => self.stats.bad_seal += 1,
-        }
+        let valid = match payload {
+            Ok(payload) => {
+                self.on_queue_frame(qi, &h, payload, sq, ud);
+                true
+            }
+            Err(()) => {
+                self.stats.bad_seal += 1;
+                false
+            }
+        };
         self.scratch = scratch;
+        valid
     }
 
     fn on_queue_frame(
@@ -2058,21 +2075,26 @@ mod tests {
     }
 
     /// A frame that fails validation ends the walk of its datagram (§9.6): a reply among
-    /// requests, and what follows it, is dropped and counted bad.
+    /// requests, or a header-only CRC the session was not granted, and what follows it, is
+    /// dropped and counted bad.
     #[test]
-    fn a_reply_among_requests_ends_the_walk() {
+    fn a_frame_failing_validation_ends_the_walk() {
         let (mut dp, peer, session) = session_on("a=mem:1M");
         let mut reply = request(session, Opcode::Read, 1, 1, 0, 512);
         reply.flags.0 |= Flags::REPLY;
-        let mut packed = frame(reply, &[]);
-        packed.extend(frame(request(session, Opcode::Read, 2, 1, 0, 512), &[]));
-        let bad = dp.port.stats.bad_frames;
-        dp.receive(&packed, peer.local_addr().unwrap());
-        assert_eq!(dp.port.stats.bad_frames, bad + 1);
-        assert!(
-            answers(&peer, false).is_empty(),
-            "the READ after it did not run"
-        );
+        let mut head_crc = request(session, Opcode::Read, 1, 1, 0, 512);
+        head_crc.flags.0 |= Flags::HEAD_CRC;
+        for bad_frame in [reply, head_crc] {
+            let mut packed = frame(bad_frame, &[]);
+            packed.extend(frame(request(session, Opcode::Read, 2, 1, 0, 512), &[]));
+            let bad = dp.port.stats.bad_frames;
+            dp.receive(&packed, peer.local_addr().unwrap());
+            assert_eq!(dp.port.stats.bad_frames, bad + 1);
+            assert!(
+                answers(&peer, false).is_empty(),
+                "the READ after it did not run"
+            );
+        }
     }
 
     /// Replies to KEEPALIVE (and JOIN and LOGOUT) travel alone (PROTOCOL.md §9.6), even when

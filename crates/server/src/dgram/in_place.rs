@@ -249,7 +249,8 @@ impl DgramPort {
                 payload: room,
                 raw: header,
             };
-            self.on_frame(f, sc.in_buffer(k).len(), plan.peer, sq, ud);
+            // One frame to its datagram: there is no walk for a bad one to end.
+            let _ = self.on_frame(f, sc.in_buffer(k).len(), plan.peer, sq, ud);
             self.in_place = None;
         }
         // Last, everything else, whole in the receive buffer, as any datagram.
