@@ -49,10 +49,13 @@ pub fn call(socket: &Path, method: &str, params: Option<Value>) -> Result<Value,
     // Whoever listens there gets the call (a config, key file paths) and is believed: only a
     // target run by root or by this user, as the target takes calls only from those.
     if let Err(uid) = blkwire_server::control_peer_permitted(&stream) {
+        let who = match uid {
+            u32::MAX => "a process whose credentials cannot be read".to_string(),
+            uid => format!("a process of uid {uid}, neither root nor this user"),
+        };
         return Err(format!(
-            "{} is served by a process of uid {uid}, neither root nor this user: nothing was \
-             sent (a target run by another user is managed as that user, e.g. `sudo -u \
-             USER blkwire ...`)",
+            "{} is served by {who}: nothing was sent (a target run by another user is managed \
+             as that user, e.g. `sudo -u USER blkwire ...`)",
             socket.display()
         ));
     }

@@ -207,7 +207,9 @@ fn recovery_spec(
     })
 }
 
-/// `unmap DEV`: ends a mapping whether or not its daemon is alive, and never waits without bound.
+/// `unmap DEV`: ends a mapping whether or not its daemon is alive, and never waits without bound
+/// (but on kernels before 6.9, whose only ublk deletion waits for every process holding the
+/// device open to let go: `Ctrl::remove`).
 pub fn unmap(device: &str) -> Result<(), String> {
     // One word for every kind, before any looks at a record or a device: the kinds' own
     // checks speak of mapping (a FUSE mount, a loop device) or fail on a record's permissions.

@@ -71,13 +71,22 @@ impl Drop for Undo<'_> {
             (Some(old), None) => {
                 let _ = old.save();
             }
-            (None, _) if !gone => {
-                let device = self.record.as_deref().unwrap_or("the new ublk device");
-                log!(
-                    "error",
-                    "{device} could not be deleted: its record stays, for `blkwire unmap \
-                     {device}` to finish"
-                );
+            (None, book) if !gone => {
+                let device = device_path(self.dev_id.expect("only a new device is deleted"));
+                if book.is_some() {
+                    log!(
+                        "error",
+                        "{device} could not be deleted: its record stays, for `blkwire unmap \
+                         {device}` to finish"
+                    );
+                } else {
+                    // No record of ours was written: nothing of blkwire's knows the device.
+                    log!(
+                        "error",
+                        "{device} could not be deleted, and no record of it was written: \
+                         remove it with the ublk tools (e.g. `ublk del -n N`)"
+                    );
+                }
             }
             (None, Some(book)) if self.record.is_some() => book.close(),
             // Before this daemon's record was written (`RecordBook::create` refuses another
@@ -185,8 +194,9 @@ impl BlockDevice for UblkDevice {
 /// ublksrv pid handling for pid namespaces", 2026) report -1 once that process is gone, which is
 /// always so here, and then only the shape can be compared: queues, depth, the I/O buffer size
 /// (the driver only rounds it down to a page, which ours already is, so the record keeps exactly
-/// the kernel's) and the recovery flags every blkwire device is made with. Not the size: a
-/// recovery records the export's size, which may have grown while the device kept its own.
+/// the kernel's) and the recovery flags every blkwire device is made with. Not the size, which
+/// GET_DEV_INFO does not report (records written before a recovery kept the device's size
+/// hold the export's, which may have grown).
 fn is_recorded(di: &DevInfo, rec: &Record) -> Result<(), String> {
     if di.ublksrv_pid != rec.pid && di.ublksrv_pid != -1 {
         let by = match di.ublksrv_pid {
@@ -433,6 +443,13 @@ fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, St
         }
     };
     let device = device_path(dev_id);
+    // A recovered device keeps the size it was made with (a recovery sets no parameters),
+    // whatever the export has grown to: the record, the reconnections' check and the log say
+    // that size.
+    let size = match &spec.mode {
+        Mode::Recover(old) => old.size,
+        _ => info.size,
+    };
     let record = Record {
         device: device.clone(),
         url: spec.url.to_string(),
@@ -442,12 +459,7 @@ fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, St
         start_time: state::self_start_time(),
         mountpoint: String::new(),
         file: String::new(),
-        // A recovered device keeps the size it was made with (a recovery sets no parameters),
-        // whatever the export has grown to: the next recovery compares with that.
-        size: match &spec.mode {
-            Mode::Recover(old) => old.size,
-            _ => info.size,
-        },
+        size,
         readonly,
         queues: nq as u16,
         queue_depth: depth as u16,
@@ -495,7 +507,7 @@ fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, St
             .map_err(|e| format!("{cdev_path}: {e}"))?,
     );
     let needs = Needs {
-        size: info.size,
+        size,
         logical_block: info.logical_block,
         max_io,
         // Every tag may be in flight at once, one command each.
@@ -568,7 +580,7 @@ fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, St
         "info",
         "{device} serves {} ({} bytes{}): {nq} queue(s) x depth {depth}, I/O up to {} KiB, I/O timeout {}s",
         spec.url,
-        info.size,
+        size,
         if readonly { ", read-only" } else { "" },
         max_io / 1024,
         spec.timeout.as_secs()
