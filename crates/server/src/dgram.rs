@@ -1343,9 +1343,14 @@ impl DgramPort {
         // Only a request that will run may make room (`make_room` reclaims other hosts'
         // WRITEs): one refused as it is taken (outside the export, a WRITE whose fragment count
         // does not match its length, a COPY whose descriptor does not decode) needs nothing,
-        // nor does a READ repeated after it was refused (it is refused again).
+        // nor does a READ repeated that admission refuses now (checked again: the export may
+        // have grown or shrunk since it last ran, and a failed one gave its buffer back).
         let runs = match verdict {
-            Verdict::Reread => q.slots[slot as usize].status == Status::Ok,
+            Verdict::Reread => {
+                let held = &q.slots[slot as usize].hdr;
+                held.block_request()
+                    .is_some_and(|b| q.exec.admit(&b).is_ok())
+            }
             Verdict::New => match h.opcode {
                 Opcode::Read | Opcode::Write => {
                     h.block_request().is_some_and(|b| q.exec.admit(&b).is_ok())

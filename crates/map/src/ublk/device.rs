@@ -80,11 +80,12 @@ impl Drop for Undo<'_> {
                          {device}` to finish"
                     );
                 } else {
-                    // No record of ours was written: nothing of blkwire's knows the device.
+                    // No record of this daemon's was written for it.
+                    let id = self.dev_id.expect("only a new device is deleted");
                     log!(
                         "error",
-                        "{device} could not be deleted, and no record of it was written: \
-                         remove it with the ublk tools (e.g. `ublk del -n N`)"
+                        "{device} could not be deleted, and this daemon wrote no record of it: \
+                         remove it with the ublk tools (`ublk del -n {id}`)"
                     );
                 }
             }

@@ -1259,7 +1259,7 @@ impl Iscsi {
             Command::WriteSame { blocks, ndob, .. } => {
                 if ndob {
                     // No list to collect, but one compound command at a time all the same
-                    // (`collect` refuses a second with ABORTED COMMAND): started beside another,
+                    // (`collect` answers a second BUSY): started beside another,
                     // its parts' answers would be counted against the other's.
                     return self.collect(itt, &c.cdb, c.edtl, 0, &[], len, tx);
                 }
