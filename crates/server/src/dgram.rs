@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use std::os::fd::RawFd;
 
-use blkwire_backend::{AlignedBuf, BlockOp, Submitter, COPY_CHUNK};
+use blkwire_backend::{AlignedBuf, BlockOp, BlockRequest, Submitter, COPY_CHUNK};
 use blkwire_net::rx_ring::RxRing;
 use blkwire_net::udp_offload::{self, Cmsg, IoVecs, SendBatch};
 use blkwire_wire::datagram::{self, Packer};
@@ -262,13 +262,12 @@ impl Peer {
     }
 }
 
-/// Where a new WRITE with header `h` goes as its fragments arrive, when its export shows its
-/// memory (`Executor::write_mapped`); checked first as `execute` checks every request, so that
-/// no byte of one it would refuse lands.
-fn write_in_place(exec: &Executor, h: &Header) -> Option<*mut u8> {
+/// The READ or WRITE of header `h` if `execute` would run it (its flags, then admission): one
+/// it refuses needs no buffer, and no byte of one lands in place.
+fn admitted(exec: &Executor, h: &Header) -> Option<BlockRequest> {
     let block = h.block_request().filter(|_| flush_args_valid(h))?;
     exec.admit(&block).ok()?;
-    exec.write_mapped(&block)
+    Some(block)
 }
 
 /// What a request frame means for the slot it names (PROTOCOL.md §6, §9.2).
@@ -721,14 +720,21 @@ impl DgramPort {
         // Replies to JOIN, KEEPALIVE and LOGOUT travel alone (PROTOCOL.md §9.6): an initiator
         // may read them with its handshake's receive, which takes one frame per datagram.
         let alone = matches!(h.opcode, Opcode::Join | Opcode::Keepalive | Opcode::Logout);
-        let limit = if alone { 0 } else { HEADER_LEN + q.fp as usize };
-        match &mut q.seal {
-            Some(k) => {
-                let limit = if alone { 0 } else { limit + SEAL_LEN };
-                self.tx
-                    .push_sealed(&h, payload, q.peer, limit, |f| k.sealer.seal(f, HEADER_LEN))
+        // The datagram size packing may fill (0: never pack this one), with `seal` bytes a frame.
+        let limit = |seal| {
+            if alone {
+                0
+            } else {
+                HEADER_LEN + q.fp as usize + seal
             }
-            None => self.tx.push_crc(&h, payload, q.peer, limit),
+        };
+        match &mut q.seal {
+            Some(k) => self
+                .tx
+                .push_sealed(&h, payload, q.peer, limit(SEAL_LEN), |f| {
+                    k.sealer.seal(f, HEADER_LEN)
+                }),
+            None => self.tx.push_crc(&h, payload, q.peer, limit(0)),
         }
         if self.tx.len() == BATCH {
             self.flush();
@@ -1334,34 +1340,32 @@ impl DgramPort {
         };
         let len = length as usize;
         let fresh = matches!(verdict, Verdict::Reread | Verdict::New);
+        // A new or repeated READ or WRITE as `execute` will take it, if it will: checked again
+        // for a repeat (the export may have grown or shrunk since it last ran, and a failed one
+        // gave its buffer back).
+        let block = match (h.opcode, verdict) {
+            (_, Verdict::Reread) => admitted(&q.exec, &q.slots[slot as usize].hdr),
+            (Opcode::Read | Opcode::Write, Verdict::New) => admitted(&q.exec, h),
+            _ => None,
+        };
         // RAM takes a new WRITE's fragments where they belong as they arrive: no buffer, one
         // copy fewer.
-        let into = match (h.opcode, verdict) {
-            (Opcode::Write, Verdict::New) => write_in_place(&q.exec, h),
+        let into = match (h.opcode, verdict, &block) {
+            (Opcode::Write, Verdict::New, Some(b)) => q.exec.write_mapped(b),
             _ => None,
         };
         // Only a request that will run may make room (`make_room` reclaims other hosts'
         // WRITEs): one refused as it is taken (outside the export, a WRITE whose fragment count
         // does not match its length, a COPY whose descriptor does not decode) needs nothing,
-        // nor does a READ repeated that admission refuses now (checked again: the export may
-        // have grown or shrunk since it last ran, and a failed one gave its buffer back).
-        let runs = match verdict {
-            Verdict::Reread => {
-                let held = &q.slots[slot as usize].hdr;
-                held.block_request()
-                    .is_some_and(|b| q.exec.admit(&b).is_ok())
+        // nor does a READ repeated that admission refuses now.
+        let runs = match (h.opcode, verdict) {
+            (_, Verdict::Reread) | (Opcode::Read, Verdict::New) => block.is_some(),
+            (Opcode::Write, Verdict::New) => {
+                block.is_some() && h.frag_count as u32 == fragment_count(h.length, q.fp)
             }
-            Verdict::New => match h.opcode {
-                Opcode::Read | Opcode::Write => {
-                    h.block_request().is_some_and(|b| q.exec.admit(&b).is_ok())
-                        && (h.opcode == Opcode::Read
-                            || h.frag_count as u32 == fragment_count(h.length, q.fp))
-                }
-                Opcode::Copy => {
-                    h.frag_count == 1 && CopyDescriptor::decode_within(payload, &q.copy).is_ok()
-                }
-                _ => true,
-            },
+            (Opcode::Copy, Verdict::New) => {
+                h.frag_count == 1 && CopyDescriptor::decode_within(payload, &q.copy).is_ok()
+            }
             _ => true,
         };
         let needs = match h.opcode {
