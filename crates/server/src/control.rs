@@ -499,8 +499,8 @@ fn run(shared: &Arc<Shared>, method: &str, params: Value) -> Result<Value, RpcEr
 fn no_params(method: &str, p: Value) -> Result<(), RpcError> {
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
-    struct None {}
-    params::<None>(method, p, "no parameters ({})").map(|_| ())
+    struct Empty {}
+    params::<Empty>(method, p, "no parameters ({})").map(|_| ())
 }
 
 /// Decodes a method's parameters; absent parameters are an empty object.

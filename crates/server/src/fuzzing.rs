@@ -118,7 +118,7 @@ pub fn login(input: &[u8]) -> LoginRun {
 }
 
 /// [`login`], keeping what the target sent in `kept` (the tests read the answers).
-fn login_kept(input: &[u8], mut kept: Option<&mut Vec<u8>>) -> LoginRun {
+fn login_kept(input: &[u8], kept: Option<&mut Vec<u8>>) -> LoginRun {
     let Some((&how, bytes)) = input.split_first() else {
         return LoginRun::default();
     };
@@ -127,27 +127,27 @@ fn login_kept(input: &[u8], mut kept: Option<&mut Vec<u8>>) -> LoginRun {
     let mut s = Feed {
         input: bytes,
         answered: 0,
-        kept: kept.as_deref_mut(),
+        kept,
     };
     let peer: SocketAddr = ([127, 0, 0, 1], 40000).into();
     let local: SocketAddr = ([127, 0, 0, 1], 3260).into();
-    let (admitted, answered) = if how & 1 != 0 {
+    let admitted = if how & 1 != 0 {
         match crate::nvme::accept(&mut s, peer, local, &registry) {
             Some(crate::nvme::Accepted::Admin(q)) => {
-                let (rest, answered) = (s.input, s.answered);
-                let served = serve_admin(*q, rest, &registry);
-                if let Some(k) = kept {
-                    k.extend_from_slice(&served);
-                }
-                (true, answered + served.len())
+                // What the controller answers counts with what the handshake did.
+                let served = serve_admin(*q, s.input, &registry);
+                io::Write::write_all(&mut s, &served).expect("a Feed takes everything");
+                true
             }
-            accepted => (accepted.is_some(), s.answered),
+            accepted => accepted.is_some(),
         }
     } else {
-        let admitted = crate::iscsi::accept(&mut s, peer, local, &registry).is_some();
-        (admitted, s.answered)
+        crate::iscsi::accept(&mut s, peer, local, &registry).is_some()
     };
-    LoginRun { admitted, answered }
+    LoginRun {
+        admitted,
+        answered: s.answered,
+    }
 }
 
 /// Serves the admin queue `q` as the handshake thread does, over a loopback TCP connection the

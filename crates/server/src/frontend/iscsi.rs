@@ -854,12 +854,7 @@ impl Iscsi {
     }
 
     fn check(&mut self, itt: u32, sense: &Sense, edtl: u32, tx: &mut Vec<u8>) {
-        let res = if edtl > 0 {
-            Residual::Under(edtl)
-        } else {
-            Residual::None
-        };
-        self.response(itt, CHECK_CONDITION, Some(sense), res, tx);
+        self.response(itt, CHECK_CONDITION, Some(sense), Residual::of(edtl, 0), tx);
     }
 
     /// Data-In PDUs for an answer the target built (at most `edtl` of it), the last one with
@@ -1413,12 +1408,7 @@ impl Iscsi {
             // several UNMAPs failed with EIO on an export whose trims take a while). Not held in
             // the stream: the Data-Out, NOP-Outs and task management behind it would go unread
             // while the running command's next part may wait for memory that Data-Out frees.
-            let res = if edtl > 0 {
-                Residual::Under(edtl)
-            } else {
-                Residual::None
-            };
-            self.response(itt, BUSY, None, res, tx);
+            self.response(itt, BUSY, None, Residual::of(edtl, 0), tx);
             return Decoded::Answered { len };
         }
         let have = immediate.len().min(want as usize);
