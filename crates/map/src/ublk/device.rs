@@ -63,8 +63,12 @@ impl Drop for Undo<'_> {
             if self.started {
                 let _ = self.ctrl.stop(id);
             }
-            gone = self.ctrl.delete_async(id).is_ok()
-                || (!self.threads && self.ctrl.delete(id).is_ok());
+            // With queue threads of ours holding the char device, only without waiting.
+            gone = if self.threads {
+                self.ctrl.delete_async(id).is_ok()
+            } else {
+                self.ctrl.remove(id).is_ok()
+            };
         }
         match (self.restore.take(), &self.book) {
             (Some(old), Some(book)) => book.close_restoring(old),
