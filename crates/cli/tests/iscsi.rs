@@ -653,8 +653,7 @@ fn commands_dropped_for_their_cmdsn_are_counted() {
     let tur = [0u8; 6];
     let (itt, pdu) = c.command(&tur, 0, false, &[]);
     c.send(&pdu).unwrap();
-    let r = c.recv().expect("a response");
-    assert_eq!((r.opcode(), r.word(16), r.bhs[3]), (op::SCSI_RSP, itt, 0));
+    assert_eq!(c.response(), (op::SCSI_RSP, itt, 0));
     // Again, the same CmdSN; then one far past the window.
     c.send(&pdu).unwrap();
     let (_, mut far) = c.command(&tur, 0, false, &[]);
@@ -707,9 +706,8 @@ fn task_management_is_answered_after_the_commands_it_finds_running() {
             "{name}: a NOP-Out answered while the function waits"
         );
         drop(frozen);
-        let r = c.recv().expect("a response");
         assert_eq!(
-            (r.opcode(), r.word(16), r.bhs[3]),
+            c.response(),
             (op::SCSI_RSP, write, 0),
             "{name}: the WRITE's response first"
         );
@@ -750,9 +748,8 @@ fn a_second_unmap_while_the_first_runs_is_busy() {
         common::wait_until(Duration::from_secs(30), || running(&stats_url) == 1),
         "the first UNMAP's trim never reached the backend"
     );
-    let r = c.recv().expect("a response");
     assert_eq!(
-        (r.opcode(), r.word(16), r.bhs[3]),
+        c.response(),
         (op::SCSI_RSP, second, 0x08),
         "the second UNMAP answered BUSY while the first runs"
     );
@@ -762,17 +759,15 @@ fn a_second_unmap_while_the_first_runs_is_busy() {
         "the connection goes on"
     );
     drop(frozen);
-    let r = c.recv().expect("a response");
     assert_eq!(
-        (r.opcode(), r.word(16), r.bhs[3]),
+        c.response(),
         (op::SCSI_RSP, first, 0),
         "the first UNMAP answered GOOD"
     );
     let (again, pdu) = c.command(&cdb, 24, true, &list(64));
     c.send(&pdu).unwrap();
-    let r = c.recv().expect("a response");
     assert_eq!(
-        (r.opcode(), r.word(16), r.bhs[3]),
+        c.response(),
         (op::SCSI_RSP, again, 0),
         "the second, sent again, runs"
     );
@@ -1295,9 +1290,8 @@ fn a_logout_is_answered_after_the_commands_running() {
         "the write never reached the backend"
     );
     drop(frozen);
-    let r = c.recv().expect("a response");
     assert_eq!(
-        (r.opcode(), r.word(16), r.bhs[3]),
+        c.response(),
         (op::SCSI_RSP, write, 0),
         "the WRITE's response first"
     );

@@ -308,6 +308,12 @@ impl Conn {
         Some(r)
     }
 
+    /// The next PDU, which must come: its opcode, ITT and byte 3 (a SCSI Response's status).
+    pub fn response(&mut self) -> (u8, u32, u8) {
+        let r = self.recv().expect("a response");
+        (r.opcode(), r.word(16), r.bhs[3])
+    }
+
     /// WRITE(16) of `data` at `lba` (512-byte blocks): immediate data (where negotiated) and
     /// unsolicited Data-Out (InitialR2T=No) up to FirstBurstLength, then Data-Out as the R2Ts
     /// ask. Returns the SCSI status.
