@@ -1251,7 +1251,10 @@ impl DgramPort {
                 }
             }
             self.index.remove(&(q.session, q.queue));
-            self.closed.add(&q.exec.export().name, &q.exec.stats);
+            let registry = &self.registry;
+            self.closed.add(&q.exec.export().name, &q.exec.stats, |e| {
+                registry.has_export(e)
+            });
             self.registry.leave(q.session, q.queue, &q.exec.stats);
             if q.exec.notifier().is_some() {
                 self.notifier_changes.push((qi, q.incarnation, None));

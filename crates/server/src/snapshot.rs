@@ -59,7 +59,7 @@ impl Snapshot {
                 Ok(mut r) => {
                     queues.append(&mut r.queues);
                     ports.append(&mut r.ports);
-                    closed.merge(&r.closed);
+                    closed.merge(&r.closed, |_| true);
                 }
                 Err(_) => break,
             }
@@ -81,11 +81,7 @@ impl Snapshot {
 
     /// The counters of every queue that has closed since the target started.
     pub fn closed_total(&self) -> QueueStats {
-        let mut total = QueueStats::default();
-        for (_, s) in self.closed.iter() {
-            total.add(s);
-        }
-        total
+        self.closed.total()
     }
 
     /// The live queues of one session.

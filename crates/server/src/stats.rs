@@ -165,29 +165,59 @@ impl Histogram {
 
 /// The counters of the queues that closed on one thread, per export. Kept by the thread that
 /// served the queues and reported with its live queues in one answer, so an export's totals
-/// (closed plus live) never count a queue twice or miss it while it closes.
+/// (closed plus live) never count a queue twice or miss it while it closes. An export that is
+/// no longer served has its totals folded into one sum (`removed`), so export churn cannot
+/// grow the list (and the metrics scraped) for as long as the target runs.
 #[derive(Clone, Debug, Default)]
-pub struct ClosedTotals(Vec<(String, QueueStats)>);
+pub struct ClosedTotals {
+    exports: Vec<(String, QueueStats)>,
+    removed: QueueStats,
+}
 
 impl ClosedTotals {
-    /// Adds a closed queue's counters to its export's.
-    pub fn add(&mut self, export: &str, stats: &QueueStats) {
-        match self.0.iter_mut().find(|(e, _)| e == export) {
-            Some((_, total)) => total.add(stats),
-            None => self.0.push((export.to_string(), *stats)),
+    /// Adds a closed queue's counters to its export's. An export seen for the first time
+    /// first folds away those no longer `served` (so the list holds at most the exports served
+    /// and the one added); a queue of an export already removed goes to the removed sum.
+    pub fn add(&mut self, export: &str, stats: &QueueStats, served: impl Fn(&str) -> bool) {
+        if let Some((_, total)) = self.exports.iter_mut().find(|(e, _)| e == export) {
+            total.add(stats);
+            return;
+        }
+        let removed = &mut self.removed;
+        self.exports.retain(|(e, s)| {
+            let keep = served(e);
+            if !keep {
+                removed.add(s);
+            }
+            keep
+        });
+        if served(export) {
+            self.exports.push((export.to_string(), *stats));
+        } else {
+            self.removed.add(stats);
         }
     }
 
-    /// Adds every export's totals of `other`.
-    pub fn merge(&mut self, other: &ClosedTotals) {
-        for (export, stats) in &other.0 {
-            self.add(export, stats);
+    /// Adds every export's totals of `other`, folding as [`ClosedTotals::add`] does.
+    pub fn merge(&mut self, other: &ClosedTotals, served: impl Fn(&str) -> bool) {
+        for (export, stats) in &other.exports {
+            self.add(export, stats, &served);
         }
+        self.removed.add(&other.removed);
     }
 
     /// (export, counters), in the order exports first closed a queue.
     pub fn iter(&self) -> impl Iterator<Item = &(String, QueueStats)> {
-        self.0.iter()
+        self.exports.iter()
+    }
+
+    /// Every closed queue's counters: the exports' and the removed ones'.
+    pub fn total(&self) -> QueueStats {
+        let mut total = self.removed;
+        for (_, s) in &self.exports {
+            total.add(s);
+        }
+        total
     }
 }
 
@@ -241,13 +271,45 @@ mod tests {
             reads,
             ..QueueStats::default()
         };
+        let all = |_: &str| true;
         let mut a = ClosedTotals::default();
-        a.add("x", &s(1));
-        a.add("y", &s(10));
+        a.add("x", &s(1), all);
+        a.add("y", &s(10), all);
         let mut b = ClosedTotals::default();
-        b.add("x", &s(2));
-        b.merge(&a);
+        b.add("x", &s(2), all);
+        b.merge(&a, all);
         let got: Vec<_> = b.iter().map(|(e, s)| (e.as_str(), s.reads)).collect();
         assert_eq!(got, [("x", 3), ("y", 10)]);
+        assert_eq!(b.total().reads, 13);
+    }
+
+    /// Export churn (add, serve, remove, again and again) must not grow a thread's list: the
+    /// exports removed are folded into one sum, which keeps the target's total.
+    #[test]
+    fn removed_exports_fold_into_one_sum() {
+        let s = |reads| QueueStats {
+            reads,
+            ..QueueStats::default()
+        };
+        let mut t = ClosedTotals::default();
+        for i in 0..1000u64 {
+            let name = format!("e{i}");
+            let served = |e: &str| e == name || e == "kept";
+            t.add(&name, &s(1), served);
+            t.add("kept", &s(2), served);
+        }
+        let got: Vec<_> = t.iter().map(|(e, s)| (e.as_str(), s.reads)).collect();
+        assert_eq!(got, [("kept", 2000), ("e999", 1)], "e0..e998 removed");
+        assert_eq!(t.total().reads, 3000, "nothing lost from the total");
+        t.add("gone", &s(5), |e| e == "kept");
+        assert_eq!(t.iter().count(), 1, "e999 folded, gone never listed");
+        assert_eq!(t.total().reads, 3005);
+        let mut u = ClosedTotals::default();
+        u.merge(&t, |_| true);
+        assert_eq!(
+            u.total().reads,
+            3005,
+            "the removed sum travels with a merge"
+        );
     }
 }

@@ -297,7 +297,8 @@ impl Reactor {
                 }
                 self.port_incarnations[idx] = gone.next_incarnation();
                 // The socket can go; its closed queues' counters stay in the exports' totals.
-                self.closed.merge(gone.closed());
+                let registry = &self.registry;
+                self.closed.merge(gone.closed(), |e| registry.has_export(e));
                 let r = gone.report(self.id);
                 match self
                     .retired_ports
@@ -378,7 +379,7 @@ impl Reactor {
                     let mut closed = self.closed.clone();
                     for p in self.ports.iter().flatten() {
                         queues.extend(p.reports(self.id));
-                        closed.merge(p.closed());
+                        closed.merge(p.closed(), |e| self.registry.has_export(e));
                     }
                     let ports = self
                         .ports
@@ -931,7 +932,10 @@ impl Reactor {
         }
         let _ = self.ring.submit();
         for t in &c.targets {
-            self.closed.add(&t.exec.export().name, &t.exec.stats);
+            let registry = &self.registry;
+            self.closed.add(&t.exec.export().name, &t.exec.stats, |e| {
+                registry.has_export(e)
+            });
             self.registry.leave(t.session, t.queue, &t.exec.stats);
         }
         let s = &c.targets[0].exec.stats;
