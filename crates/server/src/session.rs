@@ -148,8 +148,13 @@ impl Session {
         share: usize,
     ) -> Result<Admitted, Status> {
         let slot = self.queues.get_mut(queue as usize).ok_or(Status::Invalid)?;
-        if *slot != QueueState::Free {
-            return Err(Status::Busy);
+        match *slot {
+            QueueState::Free => {}
+            // Connected: a second connection for it is refused, but the index is its own.
+            QueueState::Live => return Err(Status::Busy),
+            // Ended (logged out, replaced, never joined before a replacement): an index is
+            // never reused, so no later JOIN can take it; BUSY would say to try again.
+            QueueState::Closing | QueueState::Gone => return Err(Status::Access),
         }
         let mem = Account::reserve(&self.mem, self.queue_floor, share).ok_or(Status::NoMemory)?;
         *slot = QueueState::Live;

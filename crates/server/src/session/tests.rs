@@ -431,7 +431,33 @@ mod replacement {
         };
         let peer = PeerId::ip("127.0.0.1:5001".parse().unwrap());
         let got = reg.join(old.session, 1, &join.encode(), &peer, false, None);
-        assert_eq!(got.err(), Some(JoinRefused::Status(Status::Busy)));
+        assert_eq!(got.err(), Some(JoinRefused::Status(Status::Access)));
+    }
+
+    /// A queue that ended (its connection closed, or replaced while live) is refused ACCESS
+    /// at a JOIN, for good: BUSY (for a queue connected now) would say to try again.
+    #[test]
+    fn an_ended_queue_is_refused_access_and_a_connected_one_busy() {
+        let (reg, _closed) = registry();
+        let s = open(&reg, hello("h", 3, None), None).unwrap();
+        let join = Join {
+            cookie: s.cookie,
+            proof: [0; AUTH_LEN],
+            nonce_s: [0; AUTH_LEN],
+        };
+        let peer = PeerId::ip("127.0.0.1:5001".parse().unwrap());
+        let try_join = |q| reg.join(s.session, q, &join.encode(), &peer, false, None);
+        assert!(try_join(1).is_ok());
+        assert!(try_join(2).is_ok());
+        assert_eq!(try_join(1).err(), Some(JoinRefused::Status(Status::Busy)));
+        reg.leave(s.session, 1, &QueueStats::default());
+        assert_eq!(try_join(1).err(), Some(JoinRefused::Status(Status::Access)));
+        // Replaced while live: closing, then gone; never joinable again.
+        assert_eq!(
+            open(&reg, hello("h", 1, Some(name(&s, 2))), None).unwrap_err(),
+            Status::Busy
+        );
+        assert_eq!(try_join(2).err(), Some(JoinRefused::Status(Status::Access)));
     }
 }
 
