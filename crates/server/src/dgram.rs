@@ -1663,7 +1663,6 @@ impl DgramPort {
                 return;
             }
         };
-        self.stats.fragments_in_place += placed as u64;
         match s.into {
             Some(into) => {
                 // Checked here, not only by the decoder that cut the payload: this copy has no
@@ -1695,6 +1694,8 @@ impl DgramPort {
                     .copy_from_slice(payload)
             }
         }
+        // Counted once taken: a placed fragment of the wrong length was dropped above.
+        self.stats.fragments_in_place += placed as u64;
         bitmap::set(&mut s.have, i);
         s.got += 1;
         // More of this WRITE, or the next of a stream of large ones, is likely next.
@@ -1844,11 +1845,11 @@ impl DgramPort {
         s.state = SlotState::Done;
         s.status = status;
         let h = s.hdr;
-        q.exec.stats.frames_out += 1;
         if status != Status::Ok {
             q.exec.stats.errors += 1;
         }
         if h.opcode != Opcode::Read || status != Status::Ok {
+            q.exec.stats.frames_out += 1;
             // A finished write keeps only its status (for duplicates), not its data.
             if let Some(buf) = s.buf.take() {
                 q.buffered -= buf.len();
@@ -1870,6 +1871,10 @@ impl DgramPort {
         q.buffered -= buf.as_ref().map_or(0, AlignedBuf::len);
         let data = mapped.unwrap_or_else(|| buf.as_ref().expect("taken").as_slice().as_ptr());
         let has = std::mem::take(&mut s.client_has);
+        // A reply is counted when something of it goes: a repeated READ whose HAVE holds every
+        // fragment is answered with nothing.
+        let all_held = (0..frags).all(|i| bitmap::get(&has, i));
+        q.exec.stats.frames_out += (!all_held) as u64;
         for i in 0..frags {
             if bitmap::get(&has, i) {
                 continue;
@@ -2861,6 +2866,31 @@ mod tests {
             );
         }
         answers(&peer, false);
+    }
+
+    /// A repeated READ sends only the fragments its HAVE lacks, and counts a reply sent only
+    /// when one of them goes: one whose HAVE holds them all is answered with nothing.
+    #[test]
+    fn a_repeated_read_counts_a_reply_only_when_it_sends_one() {
+        let (mut dp, peer, session) = session_on("a=mem:1M");
+        let from = peer.local_addr().unwrap();
+        let len = 3 * LINK;
+        let read = request(session, Opcode::Read, 1, 1, 0, len);
+        dp.receive(&frame(read, &[]), from);
+        assert_eq!(answers(&peer, true).len(), 3, "three fragments");
+        let frames_out =
+            |dp: &DatagramPort| dp.port.queues[0].as_ref().unwrap().exec.stats.frames_out;
+        assert_eq!(frames_out(&dp), 1);
+        let mut again = read;
+        again.flags.0 |= Flags::HAVE;
+        dp.receive(&frame(again, &[0b111]), from);
+        assert!(answers(&peer, false).is_empty(), "every fragment held");
+        assert_eq!(frames_out(&dp), 1, "nothing sent, nothing counted");
+        dp.receive(&frame(again, &[0b101]), from);
+        let got = answers(&peer, true);
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(got[0].0.frag_index, 1, "the one lacking");
+        assert_eq!(frames_out(&dp), 2);
     }
 
     /// A HELLO repeated with its nonce gets the cached answer, a few times only: the final
