@@ -2064,7 +2064,8 @@ impl Iscsi {
         let function = p.flags() & 0x7f;
         let lun = scsi::lun_from_wire(p.lun().to_be_bytes());
         // §11.6.1 responses: 0 function complete, 1 task does not exist, 2 LUN does not exist,
-        // 4 task reassignment not supported, 5 function not supported.
+        // 4 task reassignment not supported, 5 function not supported, 6 function
+        // authorization failed.
         let scope = match function {
             // ABORT TASK, ABORT TASK SET, CLEAR ACA, CLEAR TASK SET, LOGICAL UNIT RESET name a
             // LUN.
@@ -2080,11 +2081,14 @@ impl Iscsi {
                 only: None,
                 on: self.target_of(lun).map(|t| t as u8),
             }),
-            // TARGET WARM/COLD RESET: every LU's.
-            6 | 7 => Ok(Scope {
+            // TARGET WARM RESET: every LU's (this nexus's tasks, as for the other functions).
+            6 => Ok(Scope {
                 only: None,
                 on: None,
             }),
+            // TARGET COLD RESET must end every connection of every session (§11.5.1): one
+            // initiator would drop all the others'. Refused as §11.6.1 allows.
+            7 => Err(6),
             // CLEAR ACA: ACA is not offered (NACA is refused).
             3 => Err(5),
             // TASK REASSIGN: ErrorRecoveryLevel 0.
@@ -3472,6 +3476,34 @@ mod tests {
             Decoded::Release { slot: 3, .. }
         ));
         assert_eq!(tx[2], 0);
+    }
+
+    /// TARGET COLD RESET would end every session of the target: refused ("function
+    /// authorization failed"), and the tasks it would have ended go on; TARGET WARM RESET ends
+    /// them.
+    #[test]
+    fn target_cold_reset_is_refused_and_ends_nothing() {
+        let mut f = fe(4096);
+        let mut tx = Vec::new();
+        let write10 = [0x2a, 0, 0, 0, 0, 0, 0, 0, 8, 0];
+        let Decoded::Request { req, .. } = f.decode(&cmd(1, 0, &write10, 4096, true, &[]), &mut tx)
+        else {
+            panic!("a request");
+        };
+        f.taken(&req);
+        f.parked(&req, 2);
+        assert!(matches!(
+            f.decode(&tmf_pdu(10, 7, RESERVED_TAG), &mut tx),
+            Decoded::Answered { .. }
+        ));
+        assert_eq!((tx[0], tx[2], be32(&tx, 16)), (op::TMF_RSP, 6, 10));
+        assert_eq!((f.outstanding(), f.next_release()), (1, None));
+        tx.clear();
+        assert!(matches!(
+            f.decode(&tmf_pdu(11, 6, RESERVED_TAG), &mut tx),
+            Decoded::Release { slot: 2, .. }
+        ));
+        assert_eq!((tx[0], tx[2], f.outstanding()), (op::TMF_RSP, 0, 0));
     }
 
     /// A COMPARE AND WRITE of one block (ITT 7, CmdSN `cmdsn`) given its data after the R2T
