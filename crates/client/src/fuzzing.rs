@@ -41,7 +41,7 @@ pub fn udp_queue(
         header_crc,
     };
     let q = DgramQueue::new(udp_link(target)?, grant, None, give_up, Duration::ZERO);
-    Ok(Queue::dgram(q, CopyLimits::default()))
+    Ok(Queue::dgram(q, CopyLimits::default(), crate::MAX_RANGE))
 }
 
 /// What an NVMe/TCP I/O queue negotiated (ICReq/ICResp, Identify; see `nvme::connect`).
@@ -89,6 +89,7 @@ pub fn tcp_queue(
         session: 1,
         copy: CopyLimits::default(),
         header_crc: false,
+        max_range: crate::MAX_RANGE,
     };
     let opts = ConnectOptions {
         queues: 1,
@@ -129,7 +130,7 @@ pub fn tcp_queue(
             StreamQueue::new_nvme(Link::Plain(sock), 0, &info, &opts, framing)?
         }
     };
-    Ok(Queue::stream(q, CopyLimits::default()))
+    Ok(Queue::stream(q, CopyLimits::default(), info.max_range))
 }
 
 /// A TCP queue's receive buffer: its length now, and the most it may ever grow to. None for

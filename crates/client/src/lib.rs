@@ -283,7 +283,14 @@ pub struct ExportInfo {
     /// Datagram sessions: the CRC of data frames covers their header only, UDP's checksum
     /// their data (`udp://...?crc=header`, granted: PROTOCOL.md §9.7).
     pub header_crc: bool,
+    /// The most one TRIM or WRITE ZEROES covers, in bytes (a multiple of the logical block):
+    /// [`MAX_RANGE`] natively; on NVMe/TCP what a WRITE ZEROES' 16-bit block count reaches.
+    /// Longer ranges are split at it ([`Queue::write_zeroes`], the map daemons).
+    pub max_range: u32,
 }
+
+/// The most one native TRIM or WRITE ZEROES covers: its 32-bit length, in whole GiB.
+pub const MAX_RANGE: u32 = 1 << 30;
 
 /// An open session: its export's description and its queues.
 pub struct Session {
@@ -719,6 +726,7 @@ fn info_from(url: &Url, reply: &HelloReply) -> ExportInfo {
         session: reply.session,
         copy: reply.copy,
         header_crc: url.header_crc && reply.session_flags & SESSION_HEADER_CRC != 0,
+        max_range: MAX_RANGE,
     }
 }
 
@@ -793,6 +801,7 @@ fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Res
                 opts.poll,
             ),
             reply.copy,
+            MAX_RANGE,
         )
         .known_as(name(q))
     };
@@ -880,9 +889,12 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
         queue,
         cookie: reply.cookie,
     };
-    let mut queues = vec![
-        Queue::stream(stream::StreamQueue::new(s0, 0, &info, opts)?, info.copy).known_as(name(0)),
-    ];
+    let mut queues = vec![Queue::stream(
+        stream::StreamQueue::new(s0, 0, &info, opts)?,
+        info.copy,
+        info.max_range,
+    )
+    .known_as(name(0))];
     for q in 1..reply.queues {
         // Every queue of a TLS session is a TLS connection of its own.
         let (mut s, deadline) = open_link(url, opts, tls.as_ref())?;
@@ -904,8 +916,12 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
             });
         }
         queues.push(
-            Queue::stream(stream::StreamQueue::new(s, q, &info, opts)?, info.copy)
-                .known_as(name(q)),
+            Queue::stream(
+                stream::StreamQueue::new(s, q, &info, opts)?,
+                info.copy,
+                info.max_range,
+            )
+            .known_as(name(q)),
         );
     }
     Ok(Session { info, queues })

@@ -45,6 +45,9 @@ pub fn subsystem(url: &Url) -> String {
 /// CIDs: the slot in the low bits, a generation above, so a late completion for a slot's
 /// previous command is recognised.
 const SLOT_BITS: u32 = 10;
+
+/// The most blocks one WRITE ZEROES names: its NLB is 16 bits, 0's based.
+const MAX_ZEROES_BLOCKS: u64 = 1 << 16;
 /// Most I/O queue entries this client uses (slots fit `SLOT_BITS`).
 pub(crate) const MAX_DEPTH: u16 = 1 << SLOT_BITS;
 
@@ -207,6 +210,13 @@ impl Framing {
                 no_hole,
             } => {
                 let (slba, n) = blocks(offset, len as u64)?;
+                if n > MAX_ZEROES_BLOCKS {
+                    // Its high bits would spill out of NLB: fewer blocks zeroed, and success.
+                    return Err(Error::Usage(format!(
+                        "WRITE ZEROES of {n} blocks: one NVMe command zeroes {MAX_ZEROES_BLOCKS} \
+                         at most (split at ExportInfo::max_range)"
+                    )));
+                }
                 q.opcode = 0x08;
                 q.cdw10 = slba as u32;
                 q.cdw11 = (slba >> 32) as u32;
@@ -581,6 +591,8 @@ pub(crate) fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
         session: cntlid as u32,
         copy: CopyLimits::default(),
         header_crc: false,
+        // A WRITE ZEROES' NLB is 16 bits (NVM Command Set 3.2.8): 65536 blocks at most.
+        max_range: (MAX_ZEROES_BLOCKS << lba_shift).min(u64::from(crate::MAX_RANGE)) as u32,
     };
     let admin = Arc::new(a.s);
     let mut out = Vec::with_capacity(granted as usize);
@@ -605,7 +617,7 @@ pub(crate) fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
         };
         let q =
             crate::stream::StreamQueue::new_nvme(Link::Plain(s.s), qid - 1, &info, opts, framing)?;
-        out.push(Queue::stream(q, CopyLimits::default()));
+        out.push(Queue::stream(q, CopyLimits::default(), info.max_range));
     }
     Ok(Session { info, queues: out })
 }
@@ -632,6 +644,79 @@ mod tests {
     /// The length a command's transport SGL names (a write sent for R2Ts).
     fn sgl_len(q: &Sqe) -> u32 {
         q.sgl().length().expect("a data block")
+    }
+
+    /// A WRITE ZEROES names at most 65536 blocks (NLB is 16 bits): a longer range goes as
+    /// several commands covering it end to end, never one whose count spills out of NLB (the
+    /// target would zero less and answer success).
+    #[test]
+    fn write_zeroes_is_split_at_what_one_command_names() {
+        let (tx, rx) = mpsc::channel();
+        let c = Controller {
+            blocks: 1 << 20,
+            oncs: 1 << 3,
+            ..Controller::default()
+        };
+        let target = fake::start(c, move |mut io| {
+            while let Some(b) = io.recv() {
+                let Pdu::CapsuleCmd(c) = io.decode(&b) else {
+                    panic!("not a command")
+                };
+                let q = c.sqe;
+                let slba = q.cdw10 as u64 | (q.cdw11 as u64) << 32;
+                let _ = tx.send((q.opcode, slba, (q.cdw12 & 0xffff) + 1, q.cdw12 >> 16));
+                let _ = io.send(&[resp(q.cid, 0, 0)]);
+            }
+        });
+        let mut s = crate::connect(&target.url, &options()).unwrap();
+        assert_eq!(s.info.max_range, 256 << 20, "65536 blocks of 4 KiB");
+        s.queues[0].write_zeroes(4096, 1 << 30, false).unwrap();
+        let mut next = 1;
+        for _ in 0..4 {
+            let (opcode, slba, nlb, high) = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+            assert_eq!((opcode, slba, high & !(1 << 9)), (0x08, next, 0));
+            assert!(nlb <= 65536, "{nlb} blocks");
+            next += nlb as u64;
+        }
+        assert_eq!(next, 1 + (1 << 18), "the whole GiB, in four commands");
+        assert!(rx.try_recv().is_err(), "no more");
+    }
+
+    /// A batch whose later part is refused as it is sent (not whole blocks) fails only once
+    /// the parts it sent have completed: none is left in flight for the next batch to take
+    /// as its own, and the queue serves the next read whole.
+    #[test]
+    fn a_batch_refused_midway_leaves_nothing_in_flight() {
+        let target = fake::start(Controller::default(), move |mut io| {
+            while let Some(b) = io.recv() {
+                let Pdu::CapsuleCmd(c) = io.decode(&b) else {
+                    panic!("not a command")
+                };
+                let q = c.sqe;
+                let len = ((q.cdw12 & 0xffff) as usize + 1) * 4096;
+                let data = vec![(q.cdw10 & 0xff) as u8; len];
+                let _ = io.send(&[Pdu::C2HData(nvme_tcp::C2HData {
+                    cccid: q.cid,
+                    datao: 0,
+                    last: true,
+                    success: true,
+                    data: &data,
+                })]);
+            }
+        });
+        let mut s = crate::connect(&target.url, &options()).unwrap();
+        let q = &mut s.queues[0];
+        let mut buf = vec![0u8; (64 << 10) + 512];
+        let r = q.read_at(&mut buf, 0);
+        assert!(
+            matches!(&r, Err(Error::Usage(m)) if m.contains("whole")),
+            "{r:?}"
+        );
+        assert_eq!(q.in_flight(), 0, "the first part was waited for");
+        let mut buf = vec![0u8; 128 << 10];
+        q.read_at(&mut buf, 64 << 10).unwrap();
+        assert!(buf[..64 << 10].iter().all(|&b| b == 16), "block 16's data");
+        assert!(buf[64 << 10..].iter().all(|&b| b == 32), "block 32's data");
     }
 
     #[test]

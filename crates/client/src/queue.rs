@@ -228,6 +228,8 @@ pub struct Queue {
     inner: Inner,
     /// What one COPY may do (PROTOCOL.md §13), as the target granted.
     copy: CopyLimits,
+    /// The most one TRIM or WRITE ZEROES covers (`ExportInfo::max_range`).
+    max_range: u32,
     /// Which queue of which session this is, for a reconnection to name (native sessions).
     identity: Option<QueueRef>,
 }
@@ -248,18 +250,20 @@ macro_rules! each {
 }
 
 impl Queue {
-    pub(crate) fn stream(q: StreamQueue, copy: CopyLimits) -> Queue {
+    pub(crate) fn stream(q: StreamQueue, copy: CopyLimits, max_range: u32) -> Queue {
         Queue {
             inner: Inner::Stream(Box::new(q)),
             copy,
+            max_range,
             identity: None,
         }
     }
 
-    pub(crate) fn dgram(q: DgramQueue, copy: CopyLimits) -> Queue {
+    pub(crate) fn dgram(q: DgramQueue, copy: CopyLimits, max_range: u32) -> Queue {
         Queue {
             inner: Inner::Dgram(Box::new(q)),
             copy,
+            max_range,
             identity: None,
         }
     }
@@ -390,10 +394,20 @@ impl Queue {
         let mut next = 0;
         let mut finished = 0;
         let mut failed: Option<(usize, Status)> = None;
+        // A part refused as it is sent (NVMe alignment, say) stops the batch, but only once
+        // the parts in flight have completed: returned earlier, their completions would be
+        // taken by the caller's next batch as its own (the same user numbers).
+        let mut refused: Option<Error> = None;
         while finished < count {
-            while next < count && self.in_flight() < self.depth() && failed.is_none() {
-                self.submit(each(next), next as u64)?;
-                next += 1;
+            while next < count
+                && self.in_flight() < self.depth()
+                && failed.is_none()
+                && refused.is_none()
+            {
+                match self.submit(each(next), next as u64) {
+                    Ok(()) => next += 1,
+                    Err(e) => refused = Some(e),
+                }
             }
             if self.in_flight() == 0 {
                 break;
@@ -405,6 +419,9 @@ impl Queue {
                     done(c.user as usize, c.data);
                 }
             })?;
+        }
+        if let Some(e) = refused {
+            return Err(e);
         }
         match failed {
             Some((_, status)) => Err(Error::Status {
@@ -459,7 +476,8 @@ impl Queue {
         self.ranged(offset, len, "trim", |offset, len| Cmd::Trim { offset, len })
     }
 
-    /// Zeroes `len` bytes at `offset` (split at `max_io`) and waits for every part.
+    /// Zeroes `len` bytes at `offset` (split at `ExportInfo::max_range`) and waits for every
+    /// part.
     pub fn write_zeroes(&mut self, offset: u64, len: u64, no_hole: bool) -> Result<()> {
         self.ranged(offset, len, "write zeroes", |offset, len| {
             Cmd::WriteZeroes {
@@ -470,7 +488,8 @@ impl Queue {
         })
     }
 
-    /// Range commands are split at 1 GiB so their 32-bit length always fits.
+    /// Range commands are split at `max_range`: a native one's 32-bit length, an NVMe WRITE
+    /// ZEROES' 16-bit block count.
     fn ranged(
         &mut self,
         offset: u64,
@@ -478,13 +497,13 @@ impl Queue {
         what: &str,
         mk: impl Fn(u64, u32) -> Cmd<'static>,
     ) -> Result<()> {
-        const STEP: u64 = 1 << 30;
-        let n = len.div_ceil(STEP) as usize;
+        let step = u64::from(self.max_range.max(1));
+        let n = len.div_ceil(step) as usize;
         self.run_batch(
             n,
             |i| {
-                let o = i as u64 * STEP;
-                mk(offset + o, (len - o).min(STEP) as u32)
+                let o = i as u64 * step;
+                mk(offset + o, (len - o).min(step) as u32)
             },
             |_, _| {},
             || format!("{what} {len} bytes at {offset}"),
@@ -782,7 +801,7 @@ mod tests {
             max_range: 1 << 20,
             max_ranges: 8,
         };
-        let mut q = Queue::stream(q, copy);
+        let mut q = Queue::stream(q, copy, crate::MAX_RANGE);
         assert_eq!(q.depth(), 0);
         let r = q.read_at(&mut [0u8; 4096], 0);
         assert!(matches!(r, Err(Error::Protocol(_))), "{r:?}");

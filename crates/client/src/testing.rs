@@ -100,6 +100,10 @@ pub(crate) mod nvme {
         pub identify_pieces: u32,
         /// The admin queue's ICResp goes out a byte at a time, this long apart.
         pub trickle: Option<Duration>,
+        /// Namespace 1's size, in blocks of 4 KiB.
+        pub blocks: u64,
+        /// Identify controller ONCS: the optional commands offered.
+        pub oncs: u16,
     }
 
     impl Default for Controller {
@@ -109,6 +113,8 @@ pub(crate) mod nvme {
                 queues: 0,
                 identify_pieces: 1,
                 trickle: None,
+                blocks: 2048,
+                oncs: 0,
             }
         }
     }
@@ -221,17 +227,18 @@ pub(crate) mod nvme {
                 (0x7f, 0x00) => (0, None),
                 (0x7f, 0x04) if q.cdw11 == 0x1c => (1, None),
                 (0x7f, 0x04) => (c.mqes as u32, None),
-                // Identify controller: IOCCSZ, MAXCMD 128, a volatile write cache.
+                // Identify controller: IOCCSZ, MAXCMD 128, ONCS, a volatile write cache.
                 (0x06, _) if q.cdw10 & 0xff == 1 => {
                     data[514..516].copy_from_slice(&128u16.to_le_bytes());
+                    data[520..522].copy_from_slice(&c.oncs.to_le_bytes());
                     data[525] = 1;
                     data[1792..1796].copy_from_slice(&IOCCSZ.to_le_bytes());
                     (0, Some((data, c.identify_pieces)))
                 }
-                // Identify namespace 1: 2048 blocks of 4 KiB.
+                // Identify namespace 1: `blocks` blocks of 4 KiB.
                 (0x06, _) => {
-                    data[0..8].copy_from_slice(&2048u64.to_le_bytes());
-                    data[8..16].copy_from_slice(&2048u64.to_le_bytes());
+                    data[0..8].copy_from_slice(&c.blocks.to_le_bytes());
+                    data[8..16].copy_from_slice(&c.blocks.to_le_bytes());
                     data[130] = 12;
                     (0, Some((data, 1)))
                 }

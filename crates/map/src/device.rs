@@ -521,6 +521,7 @@ mod tests {
             session: 1,
             copy: Default::default(),
             header_crc: false,
+            max_range: blkwire_client::MAX_RANGE,
         }
     }
 

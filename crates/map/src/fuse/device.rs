@@ -270,6 +270,7 @@ impl Mapping {
             size: info.size,
             readonly,
             write_zeroes: info.features.has(Features::WRITE_ZEROES),
+            zero_step: info.max_range,
             name: name.as_bytes().to_vec(),
             root: Attr {
                 ino: ROOT_ID,

@@ -50,8 +50,6 @@ use crate::sys::Waker;
 
 /// Offset of WRITE data in a request: fuse_in_header + fuse_write_in.
 const WRITE_DATA_AT: usize = abi::IN_HEADER_LEN + 40;
-/// WRITE_ZEROES commands are split at 1 GiB so each length fits the protocol's 32 bits.
-const ZERO_STEP: u64 = 1 << 30;
 /// How often request deadlines are checked while requests are pending, and how long a
 /// disconnected worker sleeps between looks at its reconnection attempt.
 const TICK: Duration = Duration::from_millis(50);
@@ -115,6 +113,8 @@ pub(crate) struct Shared {
     pub readonly: bool,
     /// The export offers WRITE_ZEROES, which every zeroing FALLOCATE becomes.
     pub write_zeroes: bool,
+    /// The most one WRITE_ZEROES covers (`ExportInfo::max_range`).
+    pub zero_step: u32,
     /// Name of the file in the mount.
     pub name: Vec<u8>,
     pub root: Attr,
@@ -147,13 +147,15 @@ impl Shared {
 
 /// The range a FUSE request covers, as a block operation. Its length is 64-bit because one
 /// FALLOCATE may span more than a blkwire command carries: WRITE_ZEROES goes out as commands of
-/// at most `ZERO_STEP` bytes; the others are one command each.
+/// at most `step` bytes (the session's `ExportInfo::max_range`); the others are one command each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct IoOp {
     op: BlockOp,
     offset: u64,
     len: u64,
     flags: IoFlags,
+    /// The most one command of it covers (WRITE_ZEROES: `Shared::zero_step`).
+    step: u64,
 }
 
 impl IoOp {
@@ -163,23 +165,32 @@ impl IoOp {
             offset,
             len,
             flags: IoFlags::empty(),
+            step: u64::from(blkwire_client::MAX_RANGE),
+        }
+    }
+
+    /// A WRITE_ZEROES of `len` bytes at `offset`, in commands of `step` bytes at most.
+    fn zeroes(offset: u64, len: u64, step: u32) -> IoOp {
+        IoOp {
+            step: u64::from(step.max(1)),
+            ..IoOp::new(BlockOp::WriteZeroes, offset, len)
         }
     }
 
     fn chunks(&self) -> u32 {
         match self.op {
-            BlockOp::WriteZeroes => self.len.div_ceil(ZERO_STEP).max(1) as u32,
+            BlockOp::WriteZeroes => self.len.div_ceil(self.step).max(1) as u32,
             _ => 1,
         }
     }
 
     /// Command `i` of the request; a WRITE's data is `data` (from its first byte on).
     fn cmd<'a>(&self, i: u32, data: &'a [u8]) -> Cmd<'a> {
-        let at = i as u64 * ZERO_STEP;
+        let at = i as u64 * self.step;
         let req = BlockRequest {
             op: self.op,
             offset: self.offset + at,
-            len: (self.len - at).min(ZERO_STEP) as u32,
+            len: (self.len - at).min(self.step) as u32,
             flags: self.flags,
         };
         let data = match self.op {
@@ -1300,10 +1311,10 @@ fn fallocate_op(sh: &Shared, offset: u64, length: u64, mode: u32) -> Result<Opti
         // The loop driver punches holes both for DISCARD and for WRITE_ZEROES that may unmap,
         // and a punched range must read back as zeros. TRIM does not promise that
         // (PROTOCOL.md §3), WRITE_ZEROES does, and may still deallocate (no NO_HOLE).
-        Ok(Some(IoOp::new(BlockOp::WriteZeroes, offset, len)))
+        Ok(Some(IoOp::zeroes(offset, len, sh.zero_step)))
     } else if mode & ZERO_RANGE != 0 {
         // Zeroing that must keep the range allocated (the loop driver's REQ_NOUNMAP).
-        let mut op = IoOp::new(BlockOp::WriteZeroes, offset, len);
+        let mut op = IoOp::zeroes(offset, len, sh.zero_step);
         op.flags = IoFlags::NO_HOLE;
         Ok(Some(op))
     } else {
@@ -1359,6 +1370,7 @@ mod tests {
             size,
             readonly,
             write_zeroes: true,
+            zero_step: blkwire_client::MAX_RANGE,
             name: b"x".to_vec(),
             root: a,
             file: a,
@@ -1638,20 +1650,34 @@ mod tests {
         (0..n).map(|i| (i * 7 + i / 4096) as u8).collect()
     }
 
+    /// Zeroing is split at the session's `max_range`: 1 GiB natively (a 32-bit length),
+    /// 65536 blocks over NVMe/TCP (a 16-bit block count), each command within it and the
+    /// pieces covering the range end to end.
     #[test]
-    fn large_zero_ranges_split_into_32_bit_commands() {
-        let op = IoOp::new(BlockOp::WriteZeroes, 512, (5 << 30) + 4096);
-        assert_eq!(op.chunks(), 6);
-        let mut total = 0u64;
-        for i in 0..op.chunks() {
-            match op.cmd(i, &[]) {
-                Cmd::WriteZeroes { offset, len, .. } => {
-                    assert_eq!(offset, 512 + total);
-                    total += len as u64;
+    fn large_zero_ranges_split_at_the_sessions_range() {
+        let punch = libc::FALLOC_FL_PUNCH_HOLE as u32 | libc::FALLOC_FL_KEEP_SIZE as u32;
+        for (step, len, chunks) in [
+            (blkwire_client::MAX_RANGE, (5 << 30) + 4096, 6),
+            (65536 * 512, 1 << 30, 32),
+        ] {
+            let sh = Shared {
+                zero_step: step,
+                ..shared(8 << 30, false)
+            };
+            let op = fallocate_op(&sh, 512, len, punch).unwrap().unwrap();
+            assert_eq!(op.chunks(), chunks, "step {step}");
+            let mut total = 0u64;
+            for i in 0..op.chunks() {
+                match op.cmd(i, &[]) {
+                    Cmd::WriteZeroes { offset, len, .. } => {
+                        assert_eq!(offset, 512 + total);
+                        assert!(len <= step);
+                        total += len as u64;
+                    }
+                    _ => panic!("not a write-zeroes"),
                 }
-                _ => panic!("not a write-zeroes"),
             }
+            assert_eq!(total, len);
         }
-        assert_eq!(total, (5 << 30) + 4096);
     }
 }

@@ -62,7 +62,8 @@ pub(crate) const UBLK_IO_RES_ABORT: i32 = -libc::ENODEV;
 pub(crate) const UBLK_MAX_QUEUE_DEPTH: usize = 4096;
 /// What the driver accepts as the I/O buffer size of one request (libublk's default cap too).
 pub(crate) const MAX_IO_BUF: u32 = 1 << 20;
-/// DISCARD and WRITE_ZEROES are limited so one request is one blkwire command (32-bit length).
+/// DISCARD and WRITE_ZEROES are limited so one request is one blkwire command (32-bit length),
+/// or less where the session says (`ExportInfo::max_range`).
 pub(crate) const MAX_RANGE_SECTORS: u32 = (1 << 30) >> 9;
 
 #[repr(C)]
@@ -299,12 +300,14 @@ pub(crate) fn params_for(
     let trim = f.has(Features::TRIM) && !readonly;
     let zero = f.has(Features::WRITE_ZEROES) && !readonly;
     if trim || zero {
+        // The kernel splits discards and zeroing at these: one request is one command.
+        let range = (info.max_range >> 9).min(MAX_RANGE_SECTORS);
         p.types |= UBLK_PARAM_TYPE_DISCARD;
         p.discard = ParamDiscard {
             discard_alignment: 0,
             discard_granularity: 1 << pbs,
-            max_discard_sectors: if trim { MAX_RANGE_SECTORS } else { 0 },
-            max_write_zeroes_sectors: if zero { MAX_RANGE_SECTORS } else { 0 },
+            max_discard_sectors: if trim { range } else { 0 },
+            max_write_zeroes_sectors: if zero { range } else { 0 },
             max_discard_segments: 1,
             reserved0: 0,
         };
@@ -483,6 +486,7 @@ mod tests {
             session: 1,
             copy: Default::default(),
             header_crc: false,
+            max_range: blkwire_client::MAX_RANGE,
         };
         let p = params_for(&info, false, true, 512 << 10);
         assert_eq!(p.types, UBLK_PARAM_TYPE_BASIC | UBLK_PARAM_TYPE_DISCARD);
@@ -497,6 +501,15 @@ mod tests {
         assert_eq!(p.discard.max_discard_segments, 1);
         assert_eq!(p.discard.discard_granularity, 4096);
         assert_eq!(p.discard.max_discard_sectors, MAX_RANGE_SECTORS);
+        assert_eq!(p.discard.max_write_zeroes_sectors, MAX_RANGE_SECTORS);
+        // An NVMe/TCP session zeroes 65536 blocks per command at most: the device's limit.
+        let nvme = ExportInfo {
+            max_range: 65536 * 512,
+            ..info.clone()
+        };
+        let p = params_for(&nvme, false, true, 512 << 10);
+        assert_eq!(p.discard.max_write_zeroes_sectors, 65536);
+        assert_eq!(p.discard.max_discard_sectors, 65536);
         let ro = params_for(&info, true, false, 512 << 10);
         assert_eq!(ro.basic.attrs & UBLK_ATTR_READ_ONLY, UBLK_ATTR_READ_ONLY);
         assert_eq!(ro.types, UBLK_PARAM_TYPE_BASIC);
