@@ -458,7 +458,6 @@ impl Conn {
         self.rx_start = 0;
         if self.rx.len() < total && self.rx_end == self.rx.len() {
             let grown = (2 * self.rx.len()).clamp(self.rx_end + 1, total);
-            let want = grown + self.besides_rx(0);
             if total + TX_KEEP > self.mem.cap() {
                 // It would never fit: waiting would hold the connection forever.
                 return self.violation(&format_args!(
@@ -466,7 +465,7 @@ impl Conn {
                      memory budget (--max-memory)"
                 ));
             }
-            if !self.covers_or_trim(want) {
+            if !self.covers_or_trim(|c| grown + c.besides_rx(0)) {
                 return;
             }
             self.rx.reserve_exact(grown - self.rx.len());
@@ -530,24 +529,38 @@ impl Conn {
     }
 
     /// Whether the budget covers the buffers once a request adds `extra_tx` bytes of reply and
-    /// `extra_pool` bytes of new data buffer (or allocation list); if not, the connection is
-    /// starved.
-    pub(super) fn covers(&mut self, extra_tx: usize, extra_pool: usize) -> bool {
-        let want = self.rx.capacity() + self.besides_rx(extra_tx) + extra_pool;
-        self.covers_or_trim(want)
+    /// `extra` bytes of something else (an allocation list, a COPY's bounce buffer); if not,
+    /// the connection is starved.
+    pub(super) fn covers(&mut self, extra_tx: usize, extra: usize) -> bool {
+        self.covers_or_trim(|c| c.rx.capacity() + c.besides_rx(extra_tx) + extra)
     }
 
-    fn covers_or_trim(&mut self, want: usize) -> bool {
-        if self.mem.try_cover(want) {
+    /// As [`Conn::covers`], for a request that takes a data buffer of `len` bytes (0: none)
+    /// from the pool: a spare one costs nothing more, a new one its size.
+    pub(super) fn covers_buffer(&mut self, extra_tx: usize, len: usize) -> bool {
+        self.covers_or_trim(|c| {
+            let new = if len == 0 || c.bufs.has_spare(len) {
+                0
+            } else {
+                len
+            };
+            c.rx.capacity() + c.besides_rx(extra_tx) + new
+        })
+    }
+
+    /// Whether the budget covers `want` (what the buffers need, computed from their state),
+    /// once spare buffers are given up if it must. `want` is computed again after: a request
+    /// that counted on a spare buffer needs a new one once the spares are gone.
+    fn covers_or_trim(&mut self, want: impl Fn(&Conn) -> usize) -> bool {
+        if self.mem.try_cover(want(self)) {
             return true;
         }
         // Spare buffers of an idle connection are the first thing to give up (not while a
         // write waiting for its data holds one: those are not spare).
         if self.inflight == 0 && self.held == 0 && self.bufs.allocated() > 0 {
-            let spare = self.bufs.allocated();
             self.bufs.clear();
             self.settle_memory();
-            if self.mem.try_cover(want - spare.min(want)) {
+            if self.mem.try_cover(want(self)) {
                 return true;
             }
         }
@@ -576,7 +589,18 @@ impl Conn {
         self.lists = self.lists - counted + list_bytes(list);
     }
 
-    /// An idle connection gives back what its buffers grew to beyond their initial size.
+    /// What the receive buffer shrinks to when trimmed (`trim`): its initial size, or the
+    /// bytes it holds that are not consumed yet (the frame being taken), or what it is now if
+    /// smaller. What a request must fit beside, where `rx.capacity()` may still be what an
+    /// earlier large frame made it.
+    pub(super) fn rx_needed(&self) -> usize {
+        let keep = rx_base(self.max_io).max(self.rx_end - self.rx_start);
+        keep.min(self.rx.capacity())
+    }
+
+    /// An idle connection gives back what its buffers grew to beyond their initial size (the
+    /// receive buffer down to `rx_needed`, what it holds moved to its start). Called between
+    /// frames only: nothing holds an offset into `rx`.
     pub(super) fn trim(&mut self) {
         if self.inflight > 0 {
             return;
@@ -593,11 +617,12 @@ impl Conn {
             self.tx_sent = 0;
             self.tx.shrink_to(TX_KEEP);
         }
-        let base = rx_base(self.max_io);
-        if self.rx_start == self.rx_end && self.rx.len() > base {
+        let keep = self.rx_needed();
+        if self.rx.len() > keep {
+            self.rx.copy_within(self.rx_start..self.rx_end, 0);
+            self.rx_end -= self.rx_start;
             self.rx_start = 0;
-            self.rx_end = 0;
-            self.rx.truncate(base);
+            self.rx.truncate(keep);
             self.rx.shrink_to_fit();
         }
         self.settle_memory();

@@ -22,7 +22,13 @@ const MAX_BROADCASTS: usize = 4;
 
 /// Dispatches every complete message in `rx[rx_start..rx_end]`.
 pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
-    c.starved = false;
+    // Starved with nothing running, it waits only for what its own buffers grew to (a large
+    // WRITE's receive buffer, a large READ's transmit buffer): they go back now, not at the
+    // idle trim a second or two later, the frame it waits on kept.
+    let idle = c.inflight == 0 && c.held == 0 && c.deferred.is_empty() && c.tx_backlog() == 0;
+    if std::mem::take(&mut c.starved) && idle {
+        c.trim();
+    }
     run_deferred(c, idx, sq);
     loop {
         if c.dead || c.tx_backlog() >= c.tx_high_water() {
@@ -259,7 +265,7 @@ fn request_cover(c: &mut Conn, req: &Req, payload_len: usize) -> Cover {
 /// own buffers may have grown past leaving room for it.
 fn covers_copy(c: &mut Conn) -> Cover {
     let bounce = blkwire_backend::COPY_CHUNK as usize;
-    if c.rx.capacity() + bounce > c.mem.cap() {
+    if c.rx_needed() + bounce > c.mem.cap() {
         Cover::Never
     } else if c.copying || !c.covers(0, bounce) {
         Cover::Wait
@@ -277,7 +283,7 @@ fn covers_copy(c: &mut Conn) -> Cover {
 fn covers_block_status(c: &mut Conn, req: &Req) -> Cover {
     let reply = block_status_bound(c, req);
     let list = extents_bound(query_extents(c, req));
-    if c.rx.capacity() + reply + list > c.mem.cap() {
+    if c.rx_needed() + reply + list > c.mem.cap() {
         return Cover::Never;
     }
     if c.data_pending() >= c.tx_high_water() || !c.covers(reply, list) {
@@ -313,7 +319,11 @@ fn covers_request(c: &mut Conn, req: &Req, payload_len: usize) -> Cover {
     // The reply: its data and what frames it, or room for a status should it fail.
     let extra_tx = match framing {
         Some(ReadFraming::Chunked { framing }) => len + framing.max(REPLY_SLACK),
-        Some(ReadFraming::Contiguous { .. }) => len + REPLY_SLACK,
+        // Exactly what it takes (or a failure's status): an estimate a few KiB over would
+        // have a transmit buffer that holds the last reply of this size grow by half.
+        Some(ReadFraming::Contiguous { prefix, suffix }) => {
+            (len + prefix + suffix).max(REPLY_SLACK)
+        }
         None => 0,
     };
     // A WRITE without all of its data waits for the rest in a slot's buffer, even on an
@@ -321,15 +331,10 @@ fn covers_request(c: &mut Conn, req: &Req, payload_len: usize) -> Cover {
     let waits = req.is_write() && payload_len < len;
     let pooled = !c.inline(req) || chunked || waits;
     // What it needs even on an idle connection.
-    if c.rx.capacity() + extra_tx + if pooled { len } else { 0 } > c.mem.cap() {
+    if c.rx_needed() + extra_tx + if pooled { len } else { 0 } > c.mem.cap() {
         return Cover::Never;
     }
-    let extra_pool = if pooled && !c.bufs.has_spare(len) {
-        len
-    } else {
-        0
-    };
-    if c.covers(extra_tx, extra_pool) {
+    if c.covers_buffer(extra_tx, if pooled { len } else { 0 }) {
         Cover::Yes
     } else {
         Cover::Wait
@@ -694,8 +699,7 @@ fn park_with_data(c: &mut Conn, req: &Req, payload_at: usize, got: usize) {
     if let Err(st) = c.exec(req).admit(&block) {
         return c.reply(req, st);
     }
-    let extra = if c.bufs.has_spare(got) { 0 } else { got };
-    if !c.covers(0, extra) {
+    if !c.covers_buffer(0, got) {
         return c.reply(req, Status::NoMemory);
     }
     let align = c.exec(req).buffer_alignment();
@@ -756,21 +760,17 @@ fn run_deferred(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         let got = s.awaiting.unwrap_or(0);
         // One that brought all its data runs from the buffer that holds it: nothing to add.
         let whole = got as usize >= len;
-        let extra = if whole || c.bufs.has_spare(len) {
-            0
-        } else {
-            len
-        };
-        if extra > 0 && c.rx.capacity() + extra > c.mem.cap() {
-            // Its buffer cannot fit the connection's share as things are now (the receive
-            // buffer grew since): answered NO_MEMORY rather than holding up the queue.
+        let need = if whole { 0 } else { len };
+        if need > 0 && c.rx_needed() + need > c.mem.cap() {
+            // Its buffer cannot fit the connection's share beside the receive buffer it
+            // needs: answered NO_MEMORY rather than holding up the queue.
             c.deferred.pop_front();
             c.fe.unparked(slot);
             release_held(c, slot);
             c.reply(&req.refused(), Status::NoMemory);
             continue;
         }
-        if !c.covers(0, extra) {
+        if !c.covers_buffer(0, need) {
             return;
         }
         c.deferred.pop_front();
@@ -1761,10 +1761,15 @@ mod tests {
 
     /// A connection whose buffers may hold `budget` bytes.
     fn conn_budget(spec: &str, chunked: bool, budget: usize) -> (Conn, UnixStream) {
+        conn_sized(spec, chunked, budget, 1 << 20)
+    }
+
+    /// As `conn_budget`, granting I/Os of `max_io` bytes.
+    fn conn_sized(spec: &str, chunked: bool, budget: usize, max_io: u32) -> (Conn, UnixStream) {
         let (a, b) = UnixStream::pair().unwrap();
         let export = Arc::new(Export::open(&ExportSpec::parse(spec).unwrap()).unwrap());
         let size = export.size();
-        let exec = Executor::open(export, 1 << 20, size).unwrap();
+        let exec = Executor::open(export, max_io, size).unwrap();
         let c = Conn {
             sock: OwnedFd::from(a),
             incarnation: 1,
@@ -1783,7 +1788,7 @@ mod tests {
             }],
             session: 1,
             queue: 0,
-            max_io: 1 << 20,
+            max_io,
             peer: "test".into(),
             rx: vec![0; 1 << 16],
             rx_start: 0,
@@ -2701,6 +2706,38 @@ mod tests {
             "idle: {} of {busy} bytes kept",
             c.mem.charged()
         );
+    }
+
+    /// A READ of the largest size granted, after a WRITE of that size grew the receive buffer
+    /// to hold it, is not refused as never fitting (the receive buffer it must fit beside is
+    /// what it needs, not what the WRITE made it) and does not wait for the idle trim: the
+    /// starved connection gives its grown buffers back when it is retried, and the READ runs.
+    #[test]
+    fn a_largest_read_after_a_largest_write_runs_once_retried() {
+        const MAX: usize = 4 << 20;
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn_sized("m=memthread:16M", false, 10 << 20, MAX as u32);
+        // A share of 10 MiB of a larger budget (growth may take 3/4 of a budget).
+        c.mem = Account::reserve(&Budget::new(64 << 20), 0, 10 << 20).unwrap();
+        feed(&mut c, &mut ring, &write(1, 0, MAX as u32, &vec![7u8; MAX]));
+        settle_async(&mut c, &mut ring);
+        assert_eq!(take_tx(&mut c), status_reply(1, Status::Ok));
+        assert!(c.rx.capacity() >= MAX, "the WRITE grew the receive buffer");
+        feed(&mut c, &mut ring, &read(2, 0, MAX as u32));
+        assert!(take_tx(&mut c).is_empty(), "not refused: it waits");
+        assert!(c.starved);
+        // The reactor's retry of a starved connection (`Reactor::starved`, 5 ms later).
+        parse_frames(&mut c, 0, &mut Pusher(&mut ring));
+        assert!(
+            !c.starved,
+            "it fits once the buffers are back to their size"
+        );
+        settle_async(&mut c, &mut ring);
+        let tx = take_tx(&mut c);
+        assert_eq!(&tx[..11], &status_reply(2, Status::Ok)[..]);
+        assert_eq!(tx.len(), 11 + MAX + 4, "status, data, its CRC");
+        assert!(tx[11..11 + MAX].iter().all(|&b| b == 7), "the data written");
+        assert!(c.footprint() <= 10 << 20, "{} bytes held", c.footprint());
     }
 
     /// Bytes the connection's buffers and allocation lists really hold (nothing in flight:
