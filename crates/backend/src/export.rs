@@ -282,7 +282,8 @@ impl Export {
 
     /// Checks a COPY into this export of `sources` of `src` (this export or another one of the
     /// same target), as [`Export::check_copy`]; sources overlapping the destination matter only
-    /// when both are this export. Both are checked against their sizes now: exports only grow,
+    /// when both are this export or share its storage (`Backend::storage`: a file given to two
+    /// exports). Both are checked against their sizes now: exports only grow,
     /// so a range inside one stays inside.
     pub fn check_copy_from(
         &self,
@@ -338,7 +339,13 @@ impl Export {
             return Err(Refusal::Invalid);
         }
         let dst_end = dst + total;
-        if same
+        // The same storage under two exports (a file given twice) overlaps as one export's.
+        let shared = same
+            || self
+                .backend
+                .storage()
+                .is_some_and(|s| src.backend.storage() == Some(s));
+        if shared
             && sources
                 .iter()
                 .any(|r| r.offset < dst_end && dst < r.offset + r.len as u64)
@@ -2174,6 +2181,24 @@ mod tests {
             file.check_copy(&sources, 0),
             Err(Refusal::Invalid),
             "within one export the destination overlaps the sources"
+        );
+        // The same file under another name (a second export of it, by a link): its storage,
+        // so overlapping ranges are refused as within one export; apart, they copy.
+        let link = path.with_extension("link");
+        let _ = std::fs::remove_file(&link);
+        std::fs::hard_link(&path, &link).unwrap();
+        let twin = Export::open(&ExportSpec::parse(&format!("t=file:{}", link.display())).unwrap())
+            .unwrap();
+        std::fs::remove_file(&link).unwrap();
+        assert_eq!(
+            twin.check_copy_from(&file, &sources, 4096),
+            Err(Refusal::Invalid),
+            "the same file's bytes overlap across exports"
+        );
+        let far = 8192 + 2 * COPY_CHUNK as u64;
+        assert_eq!(
+            twin.check_copy_from(&file, &sources, far),
+            Ok(a.len() as u64 + 512)
         );
         let mut q = mem.open_queue().unwrap();
         // file: reads go to the ring; collect them through the blocking helper's private ring

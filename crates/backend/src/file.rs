@@ -47,6 +47,8 @@ pub struct FileBackend {
     rotational: bool,
     /// The helper thread's job queue, started with the first queue.
     helper: Mutex<Option<Sender<SlowJob>>>,
+    /// The file's device and inode, or the block device's number (`Backend::storage`).
+    storage: String,
 }
 
 /// Work the helper thread does for a queue.
@@ -182,6 +184,7 @@ impl FileBackend {
             fast_zero: false,
             rotational: false,
             helper: Mutex::new(None),
+            storage: String::new(),
         };
         // From here `b` owns fd and closes it on error.
         // SAFETY: an all-zero stat is a valid value (plain integers).
@@ -199,6 +202,11 @@ impl FileBackend {
                 return Err(io::Error::last_os_error());
             }
         }
+        // Two paths to one file (links, a bind mount) or to one device name the same storage.
+        b.storage = match st.st_mode & libc::S_IFMT {
+            libc::S_IFBLK => format!("block device {}", st.st_rdev),
+            _ => format!("file {} {}", st.st_dev, st.st_ino),
+        };
         let size = match st.st_mode & libc::S_IFMT {
             libc::S_IFREG => {
                 let size = st.st_size as u64;
@@ -583,6 +591,9 @@ impl Drop for FileBackend {
 impl Backend for FileBackend {
     fn copy_source_fd(&self) -> Option<RawFd> {
         (!self.block_device).then_some(self.fd)
+    }
+    fn storage(&self) -> Option<&str> {
+        Some(&self.storage)
     }
     /// On the export's helper thread (a slow source filesystem stalls only that).
     fn copies_from_fd(&self, _fd: RawFd) -> bool {

@@ -212,6 +212,13 @@ pub trait Backend: Send + Sync {
     fn buffer_alignment(&self) -> usize {
         1
     }
+    /// What names the storage under this backend where another export may open the same
+    /// (a file or device given twice, an RBD image): a COPY between two exports of the same
+    /// storage is checked for overlap as one within an export is, since copying forward
+    /// over its own source corrupts it. `None` (the default): its storage is its own.
+    fn storage(&self) -> Option<&str> {
+        None
+    }
     /// Grows the backend to `new_size` bytes (`export_resize`; the caller, [`Export::resize`],
     /// has checked that it is more than [`Backend::size`] and a multiple of the logical block).
     /// The storage grows first, then `size()` reports the new size, so whoever reads the new

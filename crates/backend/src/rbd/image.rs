@@ -429,6 +429,10 @@ impl Backend for RbdBackend {
     fn describe(&self) -> String {
         self.name.clone()
     }
+    /// The pool and image (one cluster per target, as configured).
+    fn storage(&self) -> Option<&str> {
+        Some(&self.name)
+    }
     fn size(&self) -> u64 {
         self.size.load(Ordering::Acquire)
     }
