@@ -69,6 +69,22 @@ impl Table {
             .iter()
             .any(|s| s.nqn == subnqn && s.admits(hostnqn))
     }
+
+    /// Whether configured subsystem `subnqn` still has every namespace of `facts` (each NSID
+    /// still that export): checked under the lock `remove_namespace` changes the list under and
+    /// looks for controllers to close under, as `admits` is for hosts.
+    fn still_has(&self, subnqn: &str, facts: &Facts) -> bool {
+        self.subsystems
+            .iter()
+            .find(|s| s.nqn == subnqn)
+            .is_some_and(|s| {
+                facts.namespaces.iter().all(|n| {
+                    s.namespaces
+                        .iter()
+                        .any(|(nsid, e)| *nsid == n.nsid && *e == n.ns.export.name)
+                })
+            })
+    }
 }
 
 #[derive(Default)]
@@ -107,6 +123,9 @@ enum NotInserted {
     Busy,
     /// Its configured subsystem's host list no longer has the host (not allowed).
     HostRemoved,
+    /// A namespace it was given left its configured subsystem meanwhile (Controller Busy: the
+    /// host connects again and gets the namespaces there are).
+    NamespaceRemoved,
 }
 
 /// How long a controller awaiting its host's DH-HMAC-CHAP keeps its place against a new one
@@ -144,8 +163,8 @@ impl Controllers {
     /// Registers a controller for a host at `ip`; its id, or why not: [`MAX_CONTROLLERS`] are
     /// in use, or [`MAX_CONTROLLERS_PER_HOST`] of them are that address's (`Busy`), or
     /// (`configured`: `(subsystem, host)` of a configured subsystem) that subsystem no longer
-    /// admits the host, checked under the lock its host list changes under (see
-    /// `authenticated`).
+    /// admits the host or no longer has a namespace `make` gave it, checked under the lock its
+    /// host and namespace lists change under (see `authenticated`).
     fn insert(
         &self,
         ip: IpAddr,
@@ -201,7 +220,11 @@ impl Controllers {
                 break t.next_id;
             }
         };
-        t.ctrls.insert(id, make(id));
+        let c = make(id);
+        if configured.is_some_and(|(sub, _)| !t.still_has(sub, &c.facts)) {
+            return Err(NotInserted::NamespaceRemoved);
+        }
+        t.ctrls.insert(id, c);
         Ok(id)
     }
 
@@ -221,15 +244,16 @@ impl Controllers {
 
     /// Controller `id`'s host authenticated: its facts now name its namespaces' sessions.
     /// False if it is gone, or if its subsystem is a configured one that no longer admits its
-    /// host (checked under the lock `remove_host` and `delete_subsystem` change the list under
-    /// and look for controllers to close under: either they see these sessions, or this sees
-    /// their change; the check before the sessions were admitted could miss it).
+    /// host or no longer has one of those namespaces (checked under the lock `remove_host`,
+    /// `remove_namespace` and `delete_subsystem` change the lists under and look for
+    /// controllers to close under: either they see these sessions, or this sees their change;
+    /// the check before the sessions were admitted could miss it).
     pub(crate) fn authenticated(&self, id: u16, facts: Arc<Facts>, configured: bool) -> bool {
         let mut t = self.lock();
         let Some(c) = t.ctrls.get(&id) else {
             return false;
         };
-        if configured && !t.admits(&c.subnqn, &c.hostnqn) {
+        if configured && !(t.admits(&c.subnqn, &c.hostnqn) && t.still_has(&c.subnqn, &facts)) {
             return false;
         }
         let c = t.ctrls.get_mut(&id).expect("present");
@@ -1759,6 +1783,62 @@ mod tests {
         assert_eq!(
             t.insert(ip, Some((SUB, HOST)), ctrl(ip, false, Duration::ZERO)),
             Err(NotInserted::HostRemoved)
+        );
+    }
+
+    /// So are a configured subsystem's namespaces: one removed while a controller that was
+    /// given it connects or authenticates is not served by it (`remove_namespace` looked for
+    /// sessions to close before the controller was recorded).
+    #[test]
+    fn a_namespace_removed_during_a_connect_is_not_served() {
+        let t = Controllers::default();
+        t.create_subsystem(SUB, None, None, true, false).unwrap();
+        assert_eq!(t.add_namespace(SUB, "db", Some(1)), Ok(1));
+        let spec = blkwire_backend::ExportSpec::parse("db=mem:1M").unwrap();
+        let export = Arc::new(blkwire_backend::Export::open(&spec).unwrap());
+        let with_db = |ip| {
+            let mut make = ctrl(ip, false, Duration::ZERO);
+            let export = export.clone();
+            move |id| {
+                let mut c = make(id);
+                let mut f = (*c.facts).clone();
+                f.namespaces.push(spec::NsFacts {
+                    nsid: 1,
+                    ns: spec::Namespace {
+                        export: export.clone(),
+                        size: 1 << 20,
+                        lba_shift: 9,
+                        nguid: [0; 16],
+                        uuid: [0; 16],
+                    },
+                    copy: blkwire_wire::CopyLimits::default(),
+                    session: 7,
+                });
+                c.facts = Arc::new(f);
+                c
+            }
+        };
+        let ip = IpAddr::from([10, 0, 0, 1]);
+        let id = t
+            .insert(ip, Some((SUB, HOST)), with_db(ip))
+            .expect("admitted");
+        let facts = t.get(id).unwrap().facts;
+        assert!(t.authenticated(id, facts.clone(), true));
+        let (closed, _) = t.remove_namespace(SUB, 1).unwrap();
+        assert_eq!(closed, [7], "a controller recorded is found");
+        assert!(
+            !t.authenticated(id, facts, true),
+            "authenticated with a namespace removed"
+        );
+        assert_eq!(
+            t.insert(ip, Some((SUB, HOST)), with_db(ip)).err(),
+            Some(NotInserted::NamespaceRemoved)
+        );
+        // The same NSID given to another export is not the namespace it was given either.
+        assert_eq!(t.add_namespace(SUB, "other", Some(1)), Ok(1));
+        assert_eq!(
+            t.insert(ip, Some((SUB, HOST)), with_db(ip)).err(),
+            Some(NotInserted::NamespaceRemoved)
         );
     }
 }
