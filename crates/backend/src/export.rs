@@ -510,6 +510,7 @@ enum Next {
     Split {
         zero: bool,
         no_hole: bool,
+        fast: bool,
         at: u64,
         end: u64,
         limit: u64,
@@ -684,12 +685,14 @@ impl ExportQueue {
                 offset,
                 len,
                 no_hole,
+                fast,
                 fua,
             } => (
                 Op::WriteZeroes {
                     offset,
                     len,
                     no_hole,
+                    fast,
                     fua: false,
                 },
                 fua && durable,
@@ -718,6 +721,11 @@ impl ExportQueue {
                 };
                 (write, next)
             }
+            // Writing zeros is not fast (admission refuses FAST_ZERO where the backend does
+            // not claim it; this keeps the promise whatever the caller checked).
+            Op::WriteZeroes { fast: true, .. } if caps.write_zeroes != Support::Native => {
+                return Progress::Done(-libc::EOPNOTSUPP)
+            }
             Op::WriteZeroes { offset, len, .. } if caps.write_zeroes != Support::Native => {
                 let end = offset + len as u64;
                 match self.follow(
@@ -737,6 +745,7 @@ impl ExportQueue {
                 let split = Next::Split {
                     zero: false,
                     no_hole: false,
+                    fast: false,
                     at: offset,
                     end: offset + len as u64,
                     limit: self.piece(BlockOp::Trim).expect("native"),
@@ -751,11 +760,13 @@ impl ExportQueue {
                 offset,
                 len,
                 no_hole,
+                fast,
                 ..
             } if !self.finishes_whole(BlockOp::WriteZeroes, len) => {
                 let split = Next::Split {
                     zero: true,
                     no_hole,
+                    fast,
                     at: offset,
                     end: offset + len as u64,
                     limit: self.piece(BlockOp::WriteZeroes).expect("native"),
@@ -1090,6 +1101,7 @@ impl ExportQueue {
             Next::Split {
                 zero,
                 no_hole,
+                fast,
                 at,
                 end,
                 limit,
@@ -1104,6 +1116,7 @@ impl ExportQueue {
                         offset: at,
                         len,
                         no_hole,
+                        fast,
                         fua: false,
                     }
                 } else {
@@ -1116,6 +1129,7 @@ impl ExportQueue {
                 let next = Next::Split {
                     zero,
                     no_hole,
+                    fast,
                     at: at + len as u64,
                     end,
                     limit,
@@ -1930,6 +1944,11 @@ mod tests {
             assert!(data[512..512 + len as usize].iter().all(|&x| x == 0));
             assert_eq!(data[511], 0xaa);
             assert_eq!(data[512 + len as usize], 0xaa);
+            // Writing zeros is not fast: a FAST_ZERO is refused, nothing written.
+            let mut fast = BlockRequest::new(BlockOp::WriteZeroes, 0, 4096);
+            fast.flags = crate::IoFlags::FAST_ZERO;
+            let e = q.run_blocking(&fast).unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(libc::EOPNOTSUPP), "{e}");
             let mb = ZERO_CHUNK as u64;
             assert_eq!(
                 b.log(),
@@ -2066,6 +2085,7 @@ mod tests {
             offset: 4096,
             len: len as u32,
             no_hole: true,
+            fast: false,
             fua: false,
         };
         let trim = Op::Trim {
@@ -2391,6 +2411,7 @@ mod tests {
                 offset: 0,
                 len: 1 << 20,
                 no_hole: true,
+                fast: false,
                 fua: false,
             },
         ];

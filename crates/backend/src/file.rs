@@ -98,8 +98,9 @@ impl FileBackend {
                             offset,
                             len,
                             no_hole,
+                            fast,
                             ..
-                        }) => f.write_zeroes(offset, len, no_hole, &mut zeros),
+                        }) => f.write_zeroes(offset, len, no_hole, fast, &mut zeros),
                         Slow::Op(Op::Copy { src, dst, len }) => {
                             f.copy(f.fd, src, dst, len, &mut reflink, &mut scratch)
                         }
@@ -344,7 +345,37 @@ impl FileBackend {
         }
     }
 
-    fn write_zeroes(&self, offset: u64, len: u32, no_hole: bool, zeros: &mut ZeroBuf) -> i32 {
+    /// Zeroes `offset..offset+len`: a hole where it may (`!no_hole`), else the filesystem's or
+    /// device's zeroing, else by writing zeros; when `fast`, never by writing zeros (the
+    /// device's own fallback included): `-EOPNOTSUPP` instead.
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u32,
+        no_hole: bool,
+        fast: bool,
+        zeros: &mut ZeroBuf,
+    ) -> i32 {
+        if fast && no_hole {
+            // Kept allocated means written or zeroed by the device: neither is promised fast.
+            return -libc::EOPNOTSUPP;
+        }
+        if fast {
+            // Admission gives FAST_ZERO only without NO_HOLE, where `fast_zero` is claimed:
+            // a punched hole in a file; on a block device, fallocate's PUNCH_HOLE, which
+            // zeroes with the device's WRITE ZEROES or unmap and never writes zero pages
+            // (BLKZEROOUT falls back to writing them).
+            let r = self.fallocate(
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                offset,
+                len,
+            );
+            return if r == -libc::EINVAL || r == -libc::EOPNOTSUPP {
+                -libc::EOPNOTSUPP
+            } else {
+                r
+            };
+        }
         let r = if self.block_device {
             self.range_ioctl(BLKZEROOUT, offset, len)
         } else {
@@ -843,6 +874,20 @@ mod tests {
         assert_eq!(b.trim(100, 10000), 0, "unaligned, over the block at 4096");
         assert_eq!(b.trim(100, 1000), 0, "inside one block: nothing to discard");
         assert_eq!(b.trim(0, 8192), 0, "aligned");
+        // FAST_ZERO: the device's own zeroing (loop punches the file), never zero pages
+        // written; kept allocated is not promised fast.
+        let mut zeros = ZeroBuf::default();
+        assert_eq!(b.write_zeroes(16384, 8192, false, true, &mut zeros), 0);
+        assert_eq!(
+            b.write_zeroes(16384, 8192, true, true, &mut zeros),
+            -libc::EOPNOTSUPP
+        );
+        let mut back = vec![1u8; 12288];
+        // SAFETY: pread into a buffer of that length from the backend's descriptor.
+        let n = unsafe { libc::pread(b.fd, back.as_mut_ptr().cast(), back.len(), 12288) };
+        assert_eq!(n, 12288);
+        assert!(back[..4096].iter().all(|&x| x == 7), "before the range");
+        assert!(back[4096..].iter().all(|&x| x == 0), "the range zeroed");
         drop(b);
         std::fs::remove_dir_all(&dir).unwrap();
     }

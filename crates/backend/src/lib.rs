@@ -102,6 +102,9 @@ pub enum Op {
         len: u32,
         /// The range must stay allocated.
         no_hole: bool,
+        /// Only if it is fast (NBD's FAST_ZERO): a backend that would write zeros instead
+        /// (a fallback) fails with `-EOPNOTSUPP`, so the client knows to do without.
+        fast: bool,
         /// Durable before completion. Never true at a backend: the generic layer follows the
         /// zeroing with a flush instead.
         fua: bool,
@@ -153,6 +156,7 @@ impl Op {
                 offset,
                 len,
                 no_hole: req.flags.has(IoFlags::NO_HOLE),
+                fast: req.flags.has(IoFlags::FAST_ZERO),
                 fua: req.flags.has(IoFlags::FUA),
             },
         }

@@ -620,6 +620,7 @@ mod tests {
             offset: 8 * PAGE,
             len: page as u32,
             no_hole: true,
+            fast: false,
             fua: false,
         };
         assert_eq!(run(&m, zeros), 0);
@@ -636,6 +637,7 @@ mod tests {
             offset: 16 * PAGE,
             len: 2 * page as u32,
             no_hole: false,
+            fast: false,
             fua: false,
         };
         assert_eq!(run(&m, punch), 0);
