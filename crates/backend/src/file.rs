@@ -27,6 +27,13 @@ const BLKPBSZGET: libc::c_ulong = 0x127b;
 const BLKDISCARD: libc::c_ulong = 0x1277;
 const BLKZEROOUT: libc::c_ulong = 0x127f;
 
+/// The most one TRIM or WRITE_ZEROES job of the helper thread covers: the generic layer cuts
+/// longer ones, and each piece queues behind the jobs that came meanwhile. One helper serves
+/// every queue of the export, so a 4 GiB zeroing written out by the kernel (a device without
+/// WRITE ZEROES) or by `pwrite` would otherwise hold every other queue's TRIM, zeroing, COPY
+/// and allocation query for tens of seconds, past initiators' timeouts.
+const FILE_PIECE: u64 = 64 << 20;
+
 /// A regular file or block device, served through the queue thread's io_uring.
 pub struct FileBackend {
     path: PathBuf,
@@ -698,7 +705,11 @@ impl Backend for FileBackend {
             copy: Support::Native,
             rotational: self.rotational,
             fast_zero: self.fast_zero,
-            ..Capabilities::default()
+            limits: crate::Limits {
+                max_trim_bytes: FILE_PIECE,
+                max_zero_bytes: FILE_PIECE,
+                ..crate::Limits::default()
+            },
         }
     }
     fn reads_as_zero(&self) -> bool {
@@ -889,6 +900,59 @@ mod tests {
         assert!(back[..4096].iter().all(|&x| x == 7), "before the range");
         assert!(back[4096..].iter().all(|&x| x == 0), "the range zeroed");
         drop(b);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A long zeroing reaches the helper in pieces of `FILE_PIECE` (so other queues' jobs
+    /// interleave), which together zero the whole range and nothing around it.
+    #[test]
+    fn long_zeroing_goes_to_the_helper_in_pieces_that_cover_it() {
+        let dir = std::env::temp_dir().join(format!("blkwire-pieces-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("f.img");
+        std::fs::File::create(&file)
+            .unwrap()
+            .set_len(4 * FILE_PIECE)
+            .unwrap();
+        let spec = crate::ExportSpec::parse(&format!("f=file:{}", file.display())).unwrap();
+        let e = crate::Export::open(&spec).unwrap();
+        let limits = e.capabilities().limits;
+        assert_eq!(
+            (limits.max_zero_bytes, limits.max_trim_bytes),
+            (FILE_PIECE, FILE_PIECE)
+        );
+        let mut q = e.open_queue().unwrap();
+        let marks = [
+            4095,
+            4096,
+            FILE_PIECE - 1,
+            FILE_PIECE,
+            3 * FILE_PIECE - 1,
+            3 * FILE_PIECE,
+        ];
+        for &at in &marks {
+            q.write_blocking(at & !4095, &[9u8; 4096], false).unwrap();
+        }
+        let (start, len) = (4096, 3 * FILE_PIECE - 4096);
+        for no_hole in [false, true] {
+            let mut z = crate::BlockRequest::new(crate::BlockOp::WriteZeroes, start, len as u32);
+            if no_hole {
+                z.flags = crate::IoFlags::NO_HOLE;
+            }
+            q.run_blocking(&z).unwrap();
+            for &at in &marks {
+                let mut b = [0u8; 4096];
+                q.read_blocking(at & !4095, &mut b).unwrap();
+                let inside = (start..start + len).contains(&at);
+                let want = if inside { 0 } else { 9 };
+                assert_eq!(
+                    b[(at % 4096) as usize],
+                    want,
+                    "byte {at}, no_hole {no_hole}"
+                );
+            }
+        }
+        drop((q, e));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
