@@ -503,8 +503,14 @@ enum Next {
     FlushAfter,
     /// The flush of an emulated FUA: the result before it is the request's result.
     ReportFlushed(i32),
-    /// WRITE_ZEROES by writes: `at..end` is still to be zeroed, then a flush if `flush` (FUA).
-    Zero { at: u64, end: u64, flush: bool },
+    /// WRITE_ZEROES by writes: `at..end` is still to be zeroed, then a flush if `flush` (FUA);
+    /// the write before wrote `wrote` bytes (less: the zeroing failed).
+    Zero {
+        at: u64,
+        end: u64,
+        flush: bool,
+        wrote: u32,
+    },
     /// A native TRIM or WRITE_ZEROES longer than the backend takes at once: `at..end` is left,
     /// in pieces of at most `limit` bytes, then a flush if `flush` (FUA).
     Split {
@@ -734,6 +740,7 @@ impl ExportQueue {
                         at: offset,
                         end,
                         flush,
+                        wrote: 0,
                     },
                     0,
                 ) {
@@ -1139,8 +1146,10 @@ impl ExportQueue {
             }
             Next::FlushAfter => then_flush(true, res),
             Next::ReportFlushed(before) => Err(before),
-            Next::Zero { at, end, flush } if at >= end => then_flush(flush, 0),
-            Next::Zero { at, end, flush } => {
+            // Short: part of the range keeps its old bytes, as a short WRITE found no space.
+            Next::Zero { wrote, .. } if res as u32 != wrote => Err(-libc::ENOSPC),
+            Next::Zero { at, end, flush, .. } if at >= end => then_flush(flush, 0),
+            Next::Zero { at, end, flush, .. } => {
                 let len = (end - at).min(ZERO_CHUNK as u64) as u32;
                 let align = self.zero_align;
                 let zeros = self
@@ -1158,6 +1167,7 @@ impl ExportQueue {
                         at: at + len as u64,
                         end,
                         flush,
+                        wrote: len,
                     },
                 ))
             }
@@ -1254,7 +1264,15 @@ impl ExportQueue {
         let op = Op::for_request(&req, buf.as_mut_ptr());
         // SAFETY: `buf` is borrowed for this whole call, and `blocking` returns only once the
         // result is delivered (or before anything reached the kernel).
-        self.blocking(|q, sq| unsafe { q.start(op, BLOCKING_TAG, sq) })
+        let n = self.blocking(|q, sq| unsafe { q.start(op, BLOCKING_TAG, sq) })?;
+        // Short: the rest of `buf` holds what it held, not the export's bytes.
+        if n as usize != buf.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("read {n} of {} bytes at {offset}", buf.len()),
+            ));
+        }
+        Ok(())
     }
 
     /// Writes `data` at `offset` to completion, durably first if `fua`.
@@ -1267,12 +1285,20 @@ impl ExportQueue {
         // The backend only reads a WRITE's buffer.
         let op = Op::for_request(&req, data.as_ptr().cast_mut());
         // SAFETY: as in read_blocking.
-        self.blocking(|q, sq| unsafe { q.start(op, BLOCKING_TAG, sq) })
+        let n = self.blocking(|q, sq| unsafe { q.start(op, BLOCKING_TAG, sq) })?;
+        if n as usize != data.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                format!("wrote {n} of {} bytes at {offset}", data.len()),
+            ));
+        }
+        Ok(())
     }
 
     /// Copies `sources` to `dst` to completion (checked with [`Export::check_copy`] first).
     pub fn copy_blocking(&mut self, sources: &[CopyRange], dst: u64) -> io::Result<()> {
         self.blocking(|q, sq| q.start_copy(sources, dst, false, BLOCKING_TAG, sq))
+            .map(drop)
     }
 
     /// The allocation map of `offset..offset+len` (range-checked), however the backend answers.
@@ -1298,15 +1324,17 @@ impl ExportQueue {
         let op = Op::for_request(req, std::ptr::null_mut());
         // SAFETY: no buffer: FLUSH, TRIM and WRITE_ZEROES name none.
         self.blocking(|q, sq| unsafe { q.start(op, BLOCKING_TAG, sq) })
+            .map(drop)
     }
 
     /// Runs one request, started by `start` with [`BLOCKING_TAG`], to completion on a private
-    /// ring or by waiting on the notifier. Never returns while the request may still touch a
-    /// buffer once anything reached the kernel or the backend's threads.
+    /// ring or by waiting on the notifier; its result (the bytes a READ or WRITE moved). Never
+    /// returns while the request may still touch a buffer once anything reached the kernel or
+    /// the backend's threads.
     fn blocking(
         &mut self,
         start: impl FnOnce(&mut Self, &mut dyn Submitter) -> Progress,
-    ) -> io::Result<()> {
+    ) -> io::Result<i32> {
         struct Collect(Vec<io_uring::squeue::Entry>);
         impl Submitter for Collect {
             fn push(&mut self, e: io_uring::squeue::Entry) {
@@ -1366,7 +1394,7 @@ impl ExportQueue {
         }
         match result {
             Some(r) if r < 0 => Err(io::Error::from_raw_os_error(-r)),
-            _ => Ok(()),
+            r => Ok(r.unwrap_or(0)),
         }
     }
 }
@@ -1964,6 +1992,18 @@ mod tests {
             q.run_blocking(&BlockRequest::new(BlockOp::Flush, 0, 0))
                 .unwrap();
             assert_eq!(b.log().len(), 3);
+            // A short write leaves old bytes behind: the zeroing fails (no space, as a short
+            // WRITE), and so do a short READ and WRITE of the blocking helpers.
+            b.short.store(1000, std::sync::atomic::Ordering::Relaxed);
+            let e = q
+                .run_blocking(&BlockRequest::new(BlockOp::WriteZeroes, 0, 4096))
+                .unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+            let e = q.read_blocking(0, &mut [0u8; 4096]).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{e}");
+            let e = q.write_blocking(0, &[0u8; 4096], false).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::WriteZero, "{e}");
+            b.short.store(0, std::sync::atomic::Ordering::Relaxed);
         }
     }
 

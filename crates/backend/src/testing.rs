@@ -20,6 +20,9 @@ pub struct Recorder {
     pub fail_flush: AtomicBool,
     /// Opening a queue fails (EMFILE, as when the process is out of descriptors) while set.
     pub fail_open: AtomicBool,
+    /// READs and WRITEs move at most this many bytes while non-zero (a file shrunk under
+    /// the export, a full filesystem): a short transfer.
+    pub short: std::sync::atomic::AtomicU32,
     /// The export's bytes.
     pub data: Mutex<Vec<u8>>,
     log: Mutex<Vec<String>>,
@@ -33,6 +36,7 @@ impl Recorder {
             asynchronous,
             fail_flush: AtomicBool::new(false),
             fail_open: AtomicBool::new(false),
+            short: Default::default(),
             data: Mutex::new(vec![0xaa; 8 << 20]),
             log: Mutex::new(Vec::new()),
         })
@@ -89,8 +93,11 @@ impl QueueIo for RecorderQueue {
     }
     unsafe fn start(&mut self, op: Op, tag: u64, _sq: &mut dyn Submitter) -> Started {
         let mut data = self.b.data.lock().unwrap();
+        let short = self.b.short.load(Ordering::Relaxed);
+        let cut = |len: u32| if short > 0 { len.min(short) } else { len };
         let (line, res) = match op {
             Op::Read { offset, buf, len } => {
+                let len = cut(len);
                 let src = &data[offset as usize..][..len as usize];
                 // SAFETY: the caller vouches for the buffer.
                 unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), buf, len as usize) };
@@ -102,6 +109,7 @@ impl QueueIo for RecorderQueue {
                 len,
                 fua,
             } => {
+                let len = cut(len);
                 // SAFETY: the caller vouches for the buffer.
                 let src = unsafe { std::slice::from_raw_parts(buf, len as usize) };
                 data[offset as usize..][..len as usize].copy_from_slice(src);
