@@ -449,7 +449,7 @@ fn dispatch(
         // mem:/null: the request completes inside start(); READ lands straight in the reply
         // buffer and WRITE is taken straight from the receive buffer: one copy each way.
         if let Some(ReadFraming::Contiguous { prefix, suffix }) = framing {
-            if read_hole(c, req) || read_mapped(c, req, &block, prefix, suffix) {
+            if read_hole(c, req, &block) || read_mapped(c, req, &block, prefix, suffix) {
                 return;
             }
             c.grow_tx(prefix + len as usize + suffix);
@@ -939,10 +939,11 @@ unsafe fn frame_chunked(
 
 /// A READ of a range that is all hole, for frontends that can say so without the zeros. Only
 /// for large reads, where saving the data is worth an allocation query.
-fn read_hole(c: &mut Conn, req: &Req) -> bool {
+fn read_hole(c: &mut Conn, req: &Req, block: &BlockRequest) -> bool {
     if !c.fe.replies_with_holes() || req.length < (64 << 10) {
         return false;
     }
+    let started = Started::now();
     let mut extents = std::mem::take(&mut c.extents);
     let counted = list_bytes(&extents);
     extents.clear();
@@ -956,6 +957,8 @@ fn read_hole(c: &mut Conn, req: &Req) -> bool {
     c.extents = extents;
     if hole {
         c.fe.hole_reply(req, &mut c.tx);
+        // A READ served as any other: counted, its bytes and latency too.
+        c.exec(req).mapped_read_done(block, started);
         c.count_reply(Status::Ok);
     }
     hole
@@ -1293,6 +1296,8 @@ mod tests {
 
     struct Toy {
         chunked: bool,
+        /// Large READs of a hole are answered `H cookie`, without their zeros.
+        holes: bool,
         /// Further slots the last `X` released (`next_release`).
         releases: Vec<u16>,
         /// The requests the reactor said wait for memory (`parked`), as (cookie, slot), until
@@ -1321,6 +1326,13 @@ mod tests {
     }
 
     impl StreamFrontend for Toy {
+        fn replies_with_holes(&self) -> bool {
+            self.holes
+        }
+        fn hole_reply(&self, req: &Req, tx: &mut Vec<u8>) {
+            tx.push(b'H');
+            tx.extend_from_slice(&(req.cookie as u64).to_le_bytes());
+        }
         fn decode(&mut self, rx: &[u8], tx: &mut Vec<u8>) -> Decoded {
             let need = |n: usize| {
                 if rx.len() < n {
@@ -1775,6 +1787,7 @@ mod tests {
             incarnation: 1,
             fe: Box::new(Toy {
                 chunked,
+                holes: false,
                 releases: Vec::new(),
                 parked: Vec::new(),
             }),
@@ -2738,6 +2751,27 @@ mod tests {
         assert_eq!(tx.len(), 11 + MAX + 4, "status, data, its CRC");
         assert!(tx[11..11 + MAX].iter().all(|&b| b == 7), "the data written");
         assert!(c.footprint() <= 10 << 20, "{} bytes held", c.footprint());
+    }
+
+    /// A large READ of a hole answered without its zeros is a READ served all the same:
+    /// counted, with its bytes and its latency.
+    #[test]
+    fn a_read_answered_as_a_hole_is_counted() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn_budget("n=null:16M", false, 16 << 20);
+        c.fe = Box::new(Toy {
+            chunked: false,
+            holes: true,
+            releases: Vec::new(),
+            parked: Vec::new(),
+        });
+        feed(&mut c, &mut ring, &read(3, 0, 1 << 20));
+        let mut want = vec![b'H'];
+        want.extend_from_slice(&3u64.to_le_bytes());
+        assert_eq!(take_tx(&mut c), want, "answered as a hole");
+        let s = &c.targets[0].exec.stats;
+        assert_eq!((s.reads, s.bytes_read), (1, 1 << 20));
+        assert_eq!(s.latency.of(BlockOp::Read).count(), 1);
     }
 
     /// Bytes the connection's buffers and allocation lists really hold (nothing in flight:
