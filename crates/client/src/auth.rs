@@ -134,7 +134,13 @@ impl Attempt {
         let target = &self.target;
         if let Some(why) = crate::refusal_reason(reason) {
             let to = if self.hello.is_query() { " to" } else { "" };
-            return Error::Auth(format!("{target} refused{to} {}: {why}", self.what()));
+            let what = format!("{target} refused{to} {}: {why}", self.what());
+            // BUSY stays a status with its reason: a HELLO replacing a queue waits it out
+            // (`connect`), whatever the target said.
+            if status == Status::Busy {
+                return Error::Status { what, status };
+            }
+            return Error::Auth(what);
         }
         if self.hello.client_features & blkwire_wire::QUERY_STATS != 0 && status == Status::Access {
             return Error::Auth(format!(

@@ -35,6 +35,13 @@ impl Socket for crate::tls::Link {
     }
 }
 
+/// `by` after `at`, or a century if that is past what an `Instant` holds: a timeout too large
+/// to add (a library caller's `Duration::MAX`) is as good as none, never a panic.
+pub(crate) fn later(at: Instant, by: Duration) -> Instant {
+    at.checked_add(by)
+        .unwrap_or_else(|| at + Duration::from_secs(100 * 365 * 86400))
+}
+
 /// When a handshake must be over; `Error::Timeout` (with the caller's timeout) after.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Deadline {
@@ -45,12 +52,8 @@ pub(crate) struct Deadline {
 impl Deadline {
     /// `timeout` from now.
     pub fn after(timeout: Duration) -> Deadline {
-        let now = Instant::now();
         Deadline {
-            // A timeout too large to add (`--timeout` in years) is as good as none.
-            at: now
-                .checked_add(timeout)
-                .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86400)),
+            at: later(Instant::now(), timeout),
             timeout,
         }
     }
@@ -151,5 +154,24 @@ pub(crate) fn poll_until(fd: RawFd, events: i16, at: Instant, timeout: Duration)
         if n < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
             return Err(Error::Io(std::io::Error::last_os_error()));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A timeout too large to add to the clock (a library caller's `Duration::MAX`) is a
+    /// century, never a panic: the stream queue's waits and a datagram request's give-up
+    /// time (`Transmission::first`) are computed with it.
+    #[test]
+    fn a_timeout_past_the_clock_is_a_century_not_a_panic() {
+        let now = Instant::now();
+        let far = later(now, Duration::MAX);
+        assert!(far >= now + Duration::from_secs(99 * 365 * 86400));
+        assert_eq!(
+            later(now, Duration::from_secs(1)),
+            now + Duration::from_secs(1)
+        );
     }
 }

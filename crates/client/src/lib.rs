@@ -437,6 +437,7 @@ pub fn shown(s: &str) -> std::borrow::Cow<'_, str> {
 /// is ignored). On TCP, and on UDP with a key, this is an authenticated query (PROTOCOL.md
 /// §12.3); otherwise a discovery LIST (§9.5).
 pub fn list(url: &Url, opts: &ConnectOptions) -> Result<Vec<ExportEntry>> {
+    refuse_nvme(url, "listing exports")?;
     check_protection(url, opts)?;
     let wait = opts.timeout.min(Duration::from_secs(2));
     let first = |found: Vec<Discovered>| {
@@ -464,6 +465,7 @@ pub fn list(url: &Url, opts: &ConnectOptions) -> Result<Vec<ExportEntry>> {
 /// Fetches the target's live per-queue counters as the JSON document of PROTOCOL.md §11 (an
 /// authenticated query, §12.3: on a target with keys only `--admin` hosts may).
 pub fn stats(url: &Url, opts: &ConnectOptions) -> Result<String> {
+    refuse_nvme(url, "stats")?;
     check_protection(url, opts)?;
     let p = query(url, opts, QUERY_STATS)?;
     String::from_utf8(p).map_err(|_| Error::Protocol("stats reply is not UTF-8".into()))
@@ -549,9 +551,30 @@ fn check_protection(url: &Url, opts: &ConnectOptions) -> Result<()> {
              (add --encrypt to encrypt too)"
         )));
     }
-    if url.transport == Transport::Tcp && (opts.encrypt || url.encrypt) {
+    if !datagram && (opts.encrypt || url.encrypt) {
         return Err(Error::Usage(format!(
             "{url}: --encrypt (?encrypt=1) is for udp:// and eth:// only; over tcp:// use --tls"
+        )));
+    }
+    // The frame keys come from the authenticated handshake: without a key the session would
+    // go in clear, which the user asked not to.
+    if (opts.encrypt || url.encrypt) && opts.key.is_none() {
+        return Err(Error::Usage(format!(
+            "{url}: --encrypt (?encrypt=1) needs a key: the frame keys come from the \
+             authenticated handshake (pass --key FILE)"
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses the blkwire queries (LIST, STATS) on `nvme-tcp://`, which has neither: they would
+/// go to the NVMe port over UDP and time out.
+fn refuse_nvme(url: &Url, what: &str) -> Result<()> {
+    if url.transport == Transport::NvmeTcp {
+        return Err(Error::Usage(format!(
+            "{url}: {what} is for blkwire's own transports (tcp://, udp://, eth://); an \
+             nvme-tcp:// URL names one subsystem (nvme-tcp://HOST[:PORT]/NQN), and \
+             `nvme discover` lists a target's"
         )));
     }
     Ok(())
@@ -561,12 +584,6 @@ fn check_protection(url: &Url, opts: &ConnectOptions) -> Result<()> {
 pub fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     check_protection(url, opts)?;
     if url.encrypt && !opts.encrypt {
-        if opts.key.is_none() {
-            return Err(Error::Usage(format!(
-                "{url}: ?encrypt=1 needs a key: the frame keys come from the authenticated \
-                 handshake (pass --key FILE)"
-            )));
-        }
         let opts = ConnectOptions {
             encrypt: true,
             ..opts.clone()
@@ -578,7 +595,7 @@ pub fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     };
     // The target ends the replaced queue at the first HELLO and says BUSY until the requests
     // it was running have finished (PROTOCOL.md §2.6): ask again until then.
-    let deadline = Instant::now() + opts.timeout;
+    let deadline = deadline::later(Instant::now(), opts.timeout);
     let mut pause = Duration::from_millis(2);
     loop {
         match connect_once(url, opts) {
@@ -933,6 +950,50 @@ mod tests {
     use crate::testing::{self, granted};
     use blkwire_wire::CopyDescriptor;
     use std::io::Read;
+
+    /// Protection asked for that cannot be given is refused before anything is sent: sealing
+    /// without a key (the session would go in clear), and blkwire's queries on nvme-tcp://
+    /// (they would go to the NVMe port over UDP).
+    #[test]
+    fn what_cannot_be_done_as_asked_is_refused_up_front() {
+        let udp = Url::parse("udp://127.0.0.1:9/d").unwrap();
+        let opts = ConnectOptions {
+            encrypt: true,
+            ..Default::default()
+        };
+        for r in [connect(&udp, &opts).err(), list(&udp, &opts).err()] {
+            assert!(
+                matches!(&r, Some(Error::Usage(m)) if m.contains("needs a key")),
+                "{r:?}"
+            );
+        }
+        let nvme = Url::parse("nvme-tcp://127.0.0.1:9/").unwrap();
+        let plain = ConnectOptions::default();
+        for r in [list(&nvme, &plain).err(), stats(&nvme, &plain).err()] {
+            assert!(
+                matches!(&r, Some(Error::Usage(m)) if m.contains("nvme discover")),
+                "{r:?}"
+            );
+        }
+    }
+
+    /// A BUSY refusal stays a BUSY status with the target's reason, so a HELLO replacing a
+    /// queue waits it out (`connect`) whatever the target said; other refusals with a reason
+    /// are authentication errors.
+    #[test]
+    fn a_busy_refusal_with_a_reason_stays_busy() {
+        let a = auth::Attempt::new("t".into(), "d", &ConnectOptions::default(), 0, 0).unwrap();
+        let e = a.refused(Status::Busy, b"still running");
+        assert!(
+            matches!(&e, Error::Status { status: Status::Busy, what } if what.contains("still running")),
+            "{e:?}"
+        );
+        let e = a.refused(Status::Access, b"not you");
+        assert!(
+            matches!(&e, Error::Auth(m) if m.contains("not you")),
+            "{e:?}"
+        );
+    }
 
     #[test]
     fn a_target_may_grant_less_than_asked_never_more() {

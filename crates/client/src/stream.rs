@@ -206,7 +206,7 @@ impl StreamQueue {
     /// Sends everything queued. While the socket is full it keeps reading replies into the receive
     /// buffer, so a target blocked on sending to us can never deadlock with us.
     pub fn send(&mut self) -> Result<()> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = crate::deadline::later(Instant::now(), self.timeout);
         while !self.send_now()? {
             let ev = self.wait_fd(libc::POLLOUT | libc::POLLIN, deadline)?;
             if ev & libc::POLLIN != 0 {
@@ -221,7 +221,7 @@ impl StreamQueue {
     pub fn complete(&mut self, min: usize, mut f: impl FnMut(Completion<'_>)) -> Result<usize> {
         self.send()?;
         let mut done = self.deliver(&mut f, true)?;
-        let mut deadline = Instant::now() + self.timeout;
+        let mut deadline = crate::deadline::later(Instant::now(), self.timeout);
         while done < min {
             if self.in_flight() == 0 {
                 return Err(Error::Usage(
@@ -256,7 +256,7 @@ impl StreamQueue {
             }
             let n = self.deliver(&mut f, true)?;
             if n > 0 {
-                deadline = Instant::now() + self.timeout;
+                deadline = crate::deadline::later(Instant::now(), self.timeout);
             }
             done += n;
         }

@@ -41,7 +41,7 @@ impl Transmission {
         Transmission {
             sent_at: now,
             rto,
-            give_up_at: now + give_up,
+            give_up_at: crate::deadline::later(now, give_up),
             retransmitted: false,
             suspected_at: None,
         }
