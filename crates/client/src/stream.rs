@@ -45,6 +45,10 @@ pub(crate) struct StreamQueue {
     /// `poll`: since when requests have been in flight without any answer (None: nothing in
     /// flight). An answer resets it; `timeout` past it is `Error::Timeout`, as in `complete`.
     waiting_since: Option<Instant>,
+    /// TLS: `poll` stopped at its budget before the session said it held nothing more. The
+    /// session may hold whole records it took off the socket, which then shows nothing to
+    /// wait for: `deadline` is now until `poll` runs again.
+    unread: bool,
     spin: blkwire_spin::AdaptiveSpin,
     stats: QueueStats,
     /// NVMe/TCP framing instead of blkwire frames (`nvme-tcp://`, `nvme.rs`).
@@ -77,6 +81,7 @@ impl StreamQueue {
             rx_cap: rx_len + depth as usize * (info.max_io as usize + HEADER_LEN),
             timeout: opts.timeout,
             waiting_since: None,
+            unread: false,
             spin: blkwire_spin::AdaptiveSpin::new(opts.poll),
             stats: QueueStats::default(),
             nvme: None,
@@ -272,18 +277,22 @@ impl StreamQueue {
         self.send_some()?;
         let mut done = self.deliver(&mut f, false)?;
         // About a receive buffer's worth per call: a target sending faster than we read must
-        // not keep poll from returning (nor from seeing the timeout below). Past that, only
-        // what a TLS session already decrypted (at most a record): the caller waits on the
-        // socket next, which does not show those bytes.
+        // not keep poll from returning (nor from seeing the timeout below). A TLS session
+        // stopped there may hold records it read ahead (OpenSSL 3.0 reports none pending:
+        // neither SSL_pending nor SSL_has_pending counts them), which the socket no longer
+        // shows: `deadline` then asks for another poll at once.
         let mut taken = 0;
-        while taken < self.rx.len() || self.sock.pending() {
+        let mut drained = false;
+        while taken < self.rx.len() {
             let before = self.rx_end - self.rx_start;
             if !self.fill(false)? {
+                drained = true;
                 break;
             }
             taken += self.rx_end - self.rx_start - before;
             done += self.deliver(&mut f, false)?;
         }
+        self.unread = !drained && crate::deadline::Socket::reads_records(&self.sock);
         if self.in_flight() == 0 {
             self.waiting_since = None;
         } else {
@@ -308,9 +317,13 @@ impl StreamQueue {
         (self.rx.len(), self.rx_cap)
     }
 
-    /// When `poll` must run even if the socket stays quiet: to report the timeout, and soon
-    /// while queued bytes wait for room in the socket (`send_some`).
+    /// When `poll` must run even if the socket stays quiet: to report the timeout, soon while
+    /// queued bytes wait for room in the socket (`send_some`), and now when a TLS session may
+    /// hold replies `poll` left for its next call (`unread`).
     pub fn deadline(&self) -> Option<Instant> {
+        if self.unread {
+            return Some(Instant::now());
+        }
         let timeout = self
             .waiting_since
             .filter(|_| self.in_flight() > 0)
@@ -718,6 +731,99 @@ mod tests {
         let info = crate::info_from(&url, &granted(1, opts.depth, 1 << 20, 1 << 20));
         let q = StreamQueue::new(Link::Plain(sock), 0, &info, opts).unwrap();
         (q, target)
+    }
+
+    /// Replies to READs that come faster than `poll` takes them over TLS: a `poll` stopped at
+    /// its budget may leave whole records in the session (read ahead), which the socket no
+    /// longer shows. A caller that waits on the socket until `deadline`, as the map daemons
+    /// do, must still get every reply without waiting out a timeout.
+    #[test]
+    fn replies_a_tls_session_holds_past_polls_budget_are_not_left_waiting() {
+        use openssl::ssl::{Ssl, SslContextBuilder, SslMethod, SslVersion};
+        // READs whose replies pass what one `poll` takes (the receive buffer: 64 KiB I/Os
+        // granted, a header, 256 KiB), each sent in records of its own, the last ones small:
+        // the session reads them in with the record before them, and holds them when `poll`
+        // stops.
+        const N: u64 = 8;
+        let lens = [65536, 65536, 65536, 65536, 65536, 100, 100, 100];
+        let (written_tx, written) = std::sync::mpsc::channel();
+        let key = blkwire_auth::Key::generate();
+        let k = key.bytes().to_vec();
+        let url = testing::raw(move |s| {
+            let mut b = SslContextBuilder::new(SslMethod::tls_server()).unwrap();
+            b.set_min_proto_version(Some(SslVersion::TLS1_3)).unwrap();
+            b.set_psk_server_callback(move |_, _, psk| {
+                psk[..k.len()].copy_from_slice(&k);
+                Ok(k.len())
+            });
+            let mut t = Ssl::new(&b.build()).unwrap().accept(s).unwrap();
+            let mut replies = Vec::new();
+            for _ in 0..N {
+                let mut hb = [0u8; HEADER_LEN];
+                std::io::Read::read_exact(&mut t, &mut hb).unwrap();
+                let h = Header::decode(&hb, 64 << 20).unwrap();
+                let mut r = h.reply(Status::Ok, h.length).to_bytes().to_vec();
+                r.extend(std::iter::repeat_n(5u8, h.length as usize));
+                replies.push(r);
+            }
+            // All on the client's socket before it reads any.
+            for r in &replies {
+                t.write_all(r).unwrap();
+            }
+            t.flush().unwrap();
+            written_tx.send(()).unwrap();
+            let _ = std::io::copy(&mut t, &mut std::io::sink());
+        });
+        let opts = ConnectOptions {
+            tls: true,
+            key: Some(key),
+            host_id: "h".into(),
+            ..options(Duration::from_secs(30))
+        };
+        let sock = std::net::TcpStream::connect(url.authority()).unwrap();
+        let deadline = crate::deadline::Deadline::after(Duration::from_secs(10));
+        let c = crate::tls::connector(&opts).unwrap();
+        let link = crate::tls::connect(&url, &opts, &c, sock, &deadline).unwrap();
+        let info = crate::info_from(&url, &granted(1, 8, 64 << 10, 64 << 10));
+        let mut q = StreamQueue::new(link, 0, &info, &opts).unwrap();
+        for (i, len) in lens.into_iter().enumerate() {
+            q.submit(
+                Cmd::Read {
+                    offset: (i as u64) << 20,
+                    len,
+                },
+                i as u64,
+            )
+            .unwrap();
+        }
+        q.send().unwrap();
+        written.recv_timeout(Duration::from_secs(10)).unwrap();
+        let mut done = 0;
+        while done < N {
+            let got = q.poll(|c| {
+                assert_eq!(c.data.len(), lens[c.user as usize] as usize);
+            });
+            done += got.unwrap() as u64;
+            if done == N {
+                break;
+            }
+            // As a caller does: wait for the socket, at most until `deadline`.
+            let wait = q.deadline().map_or(Duration::from_secs(30), |d| {
+                d.saturating_duration_since(Instant::now())
+            });
+            let mut p = libc::pollfd {
+                fd: q.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            let ms = wait.min(Duration::from_secs(3)).as_millis() as i32;
+            // SAFETY: poll on the queue's socket.
+            let ready = unsafe { libc::poll(&mut p, 1, ms) };
+            assert!(
+                ready > 0 || ms < 3000,
+                "{done} of {N} replies taken, the rest held where the socket does not show them"
+            );
+        }
     }
 
     /// A session with a target that answers nothing asked and sends replies to nothing as

@@ -30,15 +30,6 @@ impl Link {
         }
     }
 
-    /// TLS: bytes the session has decrypted and not handed over yet. The socket no longer
-    /// shows them as readable, so a caller about to wait on it must take them first.
-    pub(crate) fn pending(&self) -> bool {
-        match self {
-            Link::Plain(_) => false,
-            Link::Tls(t) => t.ssl().pending() > 0,
-        }
-    }
-
     /// Sends a prefix of `buf` without blocking: `WouldBlock` when nothing can go now.
     pub(crate) fn send_nb(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         match self {
