@@ -304,6 +304,11 @@ pub(crate) struct FdIo {
 /// plaintext behind it is bounded by the connection's high-water mark anyway).
 const OUT_CAP: usize = 256 << 10;
 
+/// What OpenSSL holds for a session besides what we see: its read and write record buffers
+/// (a record of 16 KiB and its overhead each), kept for the session's life. Counted in the
+/// connection's memory account with the gathered ciphertext (`FdIo::out_capacity`).
+pub(crate) const SESSION_BUFFERS: usize = 40 << 10;
+
 impl FdIo {
     /// Waits until the socket is ready for `events`, or fails at the deadline (or at once
     /// without one: the reactor waits through io_uring instead).
@@ -347,6 +352,22 @@ impl FdIo {
     /// Ciphertext gathered and not yet sent.
     pub(crate) fn pending_out(&self) -> usize {
         self.out.len() - self.out_sent
+    }
+
+    /// What the gathered ciphertext's buffer takes (its capacity): part of the connection's
+    /// memory account.
+    pub(crate) fn out_capacity(&self) -> usize {
+        self.out.capacity()
+    }
+
+    /// Gives the gathered ciphertext's buffer back when nothing waits in it (an idle
+    /// connection trims its buffers): after a burst it would otherwise keep up to `OUT_CAP`
+    /// for the connection's life.
+    pub(crate) fn release_out(&mut self) {
+        if self.pending_out() == 0 {
+            self.out = Vec::new();
+            self.out_sent = 0;
+        }
     }
 
     /// Sends what was gathered. Ok(true): all of it went; Ok(false): the socket is full (wait
@@ -584,6 +605,66 @@ mod tests {
     }
 
     const SUITES: &str = "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384";
+
+    /// The ciphertext a reactor's session gathers for its socket has a size the connection's
+    /// account can read (`out_capacity`), and goes back once sent when the connection trims
+    /// (`release_out`), but never while some of it waits.
+    #[test]
+    fn gathered_ciphertext_is_measured_and_given_back_once_sent() {
+        let (cert, key) = certificate();
+        let keys = Arc::new(RwLock::new(None));
+        let settings = TlsSettings {
+            mode: TlsMode::Require,
+            cert: Some(cert.clone()),
+            key: Some(key),
+        };
+        let tls = Tls::build(&settings, &keys).expect("a TLS context");
+        std::fs::remove_dir_all(cert.parent().unwrap()).unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let (go, ready) = std::sync::mpsc::channel::<()>();
+        let client = std::thread::spawn(move || {
+            let mut c = SslConnector::builder(SslMethod::tls_client()).unwrap();
+            c.set_verify(SslVerifyMode::NONE);
+            let s = TcpStream::connect(addr).unwrap();
+            let c = c.build().configure().unwrap().verify_hostname(false);
+            let mut t = c.connect("127.0.0.1", s).unwrap();
+            // Reads nothing until told: what the target writes waits in its socket, then in
+            // its gathered ciphertext.
+            let _ = ready.recv();
+            let mut sink = [0u8; 1 << 16];
+            while std::io::Read::read(&mut t, &mut sink).is_ok_and(|n| n > 0) {}
+        });
+        let (s, _) = l.accept().unwrap();
+        let (mut t, _) = tls
+            .accept(s.as_raw_fd(), Instant::now() + Duration::from_secs(10))
+            .unwrap();
+        t.get_mut().set_nonblocking_only();
+        let data = vec![3u8; 8 << 20];
+        let mut at = 0;
+        while at < data.len() {
+            match write(&mut t, &data[at..]) {
+                Io::Done(n) => at += n,
+                _ => break,
+            }
+        }
+        assert!(at < data.len(), "the socket took 8 MiB unread");
+        assert!(t.get_ref().pending_out() > 0);
+        assert!(t.get_ref().out_capacity() >= t.get_ref().pending_out());
+        t.get_mut().release_out();
+        assert!(t.get_ref().pending_out() > 0, "kept while some of it waits");
+        go.send(()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !t.get_mut().flush_out().unwrap() {
+            assert!(Instant::now() < deadline, "the client reads");
+            std::thread::yield_now();
+        }
+        assert!(t.get_ref().out_capacity() > 0, "kept after a burst");
+        t.get_mut().release_out();
+        assert_eq!(t.get_ref().out_capacity(), 0, "given back");
+        drop((t, s));
+        client.join().unwrap();
+    }
 
     #[test]
     fn a_host_proves_its_key_with_tls_psk() {

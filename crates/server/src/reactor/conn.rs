@@ -507,6 +507,15 @@ impl Conn {
             + self.bufs.allocated()
             + self.copy_memory()
             + self.lists
+            + self.tls_memory()
+    }
+
+    /// What a TLS session holds: the ciphertext gathered for the socket and OpenSSL's record
+    /// buffers (none on a plain connection).
+    fn tls_memory(&self) -> usize {
+        self.tls
+            .as_ref()
+            .map_or(0, |t| t.get_ref().out_capacity() + tls::SESSION_BUFFERS)
     }
 
     /// Held bytes still to be copied into `tx`: read data (and allocation query replies) not
@@ -616,6 +625,9 @@ impl Conn {
             self.tx.clear();
             self.tx_sent = 0;
             self.tx.shrink_to(TX_KEEP);
+            if let Some(t) = self.tls.as_mut() {
+                t.get_mut().release_out();
+            }
         }
         let keep = self.rx_needed();
         if self.rx.len() > keep {
