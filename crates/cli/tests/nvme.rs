@@ -1094,6 +1094,35 @@ fn a_busy_controller_ends_when_its_session_is_closed() {
     );
 }
 
+/// A command whose PDU was still arriving when the controller's session was closed (trickled
+/// over more than the 500 ms between looks for revocations) is not served: the controller ends
+/// as the PDU completes, without answering it.
+#[test]
+fn a_command_trickled_across_a_session_close_is_not_served() {
+    use serde_json::json;
+    let dir = TempDir::new("nvme-trickle-close");
+    let t = Controlled::start(&dir, &["disk0=mem:1M"]);
+    let mut a = controller(&t.addr, &nqn("disk0"), &Opts::default());
+    let mut ka = sqe(0x18, 0);
+    ka.cid = 7;
+    let mut out = Vec::new();
+    Pdu::CapsuleCmd(CapsuleCmd { sqe: ka, data: &[] }).encode(&a.tx, &mut out);
+    let (head, last) = out.split_at(out.len() - 1);
+    a.send_raw(head);
+    let list = t.rpc("session_list", json!({}));
+    let session = list[0]["session"]
+        .as_u64()
+        .expect("the controller's session");
+    t.rpc("session_close", json!({ "session": session }));
+    // The host's pace: the rest of the PDU past the next look for revocations.
+    std::thread::sleep(Duration::from_millis(700));
+    a.send_raw(last);
+    match a.recv() {
+        Err(Failure::Closed(_)) => {}
+        other => panic!("the Keep Alive was answered after its session closed: {other:?}"),
+    }
+}
+
 /// A discovery controller holds no session to revoke, so a `keys_load` that replaces its host's
 /// key ends it directly, busy or not: the host proved a key the target no longer has for it.
 /// The same key loaded again changes nothing.

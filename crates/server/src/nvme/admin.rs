@@ -180,18 +180,8 @@ impl AdminQueue {
             let due = matches!(readable, Ok(false)) || revocations_checked.elapsed() >= TICK;
             if due {
                 revocations_checked = Instant::now();
-            }
-            if due && self.key_replaced(registry) {
-                break "its host's key was removed or replaced".into();
-            }
-            if due && !self.authenticated && !registry.nvme.contains(self.cntlid()) {
-                break "it had not authenticated, and its place went to a new controller".into();
-            }
-            if due && !self.admitted.is_empty() {
-                match self.namespaces_gone(&mut sock, registry) {
-                    Some(true) => break "its sessions were closed".into(),
-                    Some(false) => {}
-                    None => break "the connection failed".into(),
+                if let Some(why) = self.revoked(&mut sock, registry) {
+                    break why;
                 }
             }
             match readable {
@@ -227,6 +217,14 @@ impl AdminQueue {
                     break e.to_string();
                 }
             };
+            // A PDU trickled in over seconds (up to PDU_TIMEOUT): the revocations are looked
+            // for again before its command runs, not after it was served.
+            if revocations_checked.elapsed() >= TICK {
+                revocations_checked = Instant::now();
+                if let Some(why) = self.revoked(&mut sock, registry) {
+                    break why;
+                }
+            }
             // Every command counts as life; the host also sends Keep Alive every KATO/2.
             alive = Instant::now();
             // The command's data and answer, by the limits as they stand now it has come.
@@ -302,6 +300,25 @@ impl AdminQueue {
         Ended {
             sessions: self.admitted.iter().map(|a| (a.session, a.queue)).collect(),
         }
+    }
+
+    /// Why this controller must end now, if it must: its host's key removed or replaced, its
+    /// place given to a new controller before it authenticated, its sessions closed.
+    fn revoked(&mut self, sock: &mut Bounded, registry: &Registry) -> Option<String> {
+        if self.key_replaced(registry) {
+            return Some("its host's key was removed or replaced".into());
+        }
+        if !self.authenticated && !registry.nvme.contains(self.cntlid()) {
+            return Some("it had not authenticated, and its place went to a new controller".into());
+        }
+        if !self.admitted.is_empty() {
+            match self.namespaces_gone(sock, registry) {
+                Some(true) => return Some("its sessions were closed".into()),
+                Some(false) => {}
+                None => return Some("the connection failed".into()),
+            }
+        }
+        None
     }
 
     /// The host authenticated with a key the key store no longer has for it (`keys_load`).
