@@ -491,6 +491,29 @@ fn broken_pdus_end_the_connection_and_nothing_else() {
         data: &[0; 512],
     }));
     assert_terminated(&mut q, "data for no R2T");
+    // LAST_PDU on a PDU that leaves the R2T's data owed, and missing on the one that ends it:
+    // the write would wait for data the host says it will not send, or never be told done.
+    for (qid, halves) in [(8u16, [true, true]), (9, [false, false])] {
+        let mut q = io_queue(&t.addr, &nqn("disk0"), &a, qid, &Opts::default());
+        q.send(&Pdu::CapsuleCmd(CapsuleCmd { sqe: w, data: &[] }));
+        let r2t = match q.recv().unwrap() {
+            nvme_host::Received::R2T(r) => r,
+            other => panic!("expected R2T, got {other:?}"),
+        };
+        for (i, last) in halves.into_iter().enumerate() {
+            q.send(&Pdu::H2CData(nvme_tcp::H2CData {
+                cccid: 9,
+                ttag: r2t.ttag,
+                datao: i as u32 * 2048,
+                last,
+                data: &[1; 2048],
+            }));
+        }
+        assert_terminated(
+            &mut q,
+            &format!("LAST_PDU {halves:?} on two halves of an R2T"),
+        );
+    }
     // A PDU type only a controller sends.
     let mut q = io_queue(&t.addr, &nqn("disk0"), &a, 6, &Opts::default());
     let mut out = Vec::new();

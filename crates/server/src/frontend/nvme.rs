@@ -38,6 +38,9 @@ pub struct NvmeIo {
     /// The CID each slot's R2T was sent for, so an H2CData naming a TTAG must also name the
     /// right command (the reactor checks the data's order and bounds).
     r2t_cid: Vec<u16>,
+    /// Where each slot's R2T ends (R2TO + R2TL): the H2CData that reaches it, and only that
+    /// one, carries LAST_PDU.
+    r2t_end: Vec<u32>,
     /// Scratch for headers built outside `tx` (no allocation per I/O).
     scratch: Vec<u8>,
 }
@@ -107,6 +110,7 @@ impl NvmeIo {
             },
             namespaces: s.namespaces,
             r2t_cid: vec![0; s.entries.max(1) as usize],
+            r2t_end: vec![0; s.entries.max(1) as usize],
             scratch: Vec::with_capacity(128),
         }
     }
@@ -462,6 +466,18 @@ impl StreamFrontend for NvmeIo {
                     };
                     return self.terminate(&e, &rx[..len], tx);
                 }
+                // LAST_PDU on the PDU that ends the R2T's data, on no other (TCP transport
+                // §3.6.2.8): a "last" one that leaves data owed would hold its write (and
+                // buffer) waiting for data the host says it will not send.
+                let end = d.datao as u64 + d.data.len() as u64;
+                let r2t_end = self.r2t_end.get(slot as usize).copied().unwrap_or(0);
+                if d.last != (end == r2t_end as u64) {
+                    let e = PduError::InvalidField {
+                        typ: PduType::H2CData,
+                        offset: 1,
+                    };
+                    return self.terminate(&e, &rx[..len], tx);
+                }
                 Decoded::Data {
                     slot,
                     offset: d.datao,
@@ -487,6 +503,9 @@ impl StreamFrontend for NvmeIo {
     fn solicit(&mut self, req: &Req, slot: u16, offset: u32, len: u32, tx: &mut Vec<u8>) {
         if let Some(c) = self.r2t_cid.get_mut(slot as usize) {
             *c = cid_of(req);
+        }
+        if let Some(e) = self.r2t_end.get_mut(slot as usize) {
+            *e = offset + len;
         }
         let r = R2T {
             cccid: cid_of(req),
