@@ -672,7 +672,19 @@ fn bind(
             }
             continue;
         }
-        if let Some(old) = lock.load(&path)? {
+        // A record that does not parse (damaged, edited by hand) names no mapping we could
+        // check: this device is left to whoever reads it (`blkwire ls` shows the error), and
+        // the next free one is tried, instead of every map failing on the same device.
+        let old = match lock.load(&path) {
+            Ok(old) => old,
+            Err(e) if another => {
+                log!("warn", "{e}; trying another loop device");
+                skip.push(dev.index);
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        if let Some(old) = old {
             if old.liveness() == state::Liveness::Running {
                 if !another {
                     return Err(format!(
@@ -1062,6 +1074,25 @@ mod tests {
         let dev = bind_new(&f, "tcp://127.0.0.1:1/new", &records).unwrap();
         assert_ne!(dev, free);
         assert_eq!(scratch.load(&free), Some(planted));
+        assert_eq!(scratch.load(&dev).unwrap().url, "tcp://127.0.0.1:1/new");
+    }
+
+    /// A damaged record on the free device (it does not parse) does not stop maps: that
+    /// device is passed over, its record left as it is for `blkwire ls` to show.
+    #[test]
+    fn a_free_device_with_a_damaged_record_is_passed_over() {
+        needs_root();
+        let _binding = binding_loop_devices();
+        let scratch = Scratch::new("damaged");
+        let records = scratch.records();
+        let free = LoopDev::get_free().unwrap();
+        let damaged = records.join(format!("{}.json", free.path().trim_start_matches("/dev/")));
+        std::fs::create_dir_all(&records).unwrap();
+        std::fs::write(&damaged, "{\"device\": ").unwrap();
+        let (f, _) = scratch.file("new");
+        let dev = bind_new(&f, "tcp://127.0.0.1:1/new", &records).unwrap();
+        assert_ne!(dev, free);
+        assert_eq!(std::fs::read_to_string(&damaged).unwrap(), "{\"device\": ");
         assert_eq!(scratch.load(&dev).unwrap().url, "tcp://127.0.0.1:1/new");
     }
 }
