@@ -552,8 +552,12 @@ fn check_protection(url: &Url, opts: &ConnectOptions) -> Result<()> {
         )));
     }
     if !datagram && (opts.encrypt || url.encrypt) {
+        let instead = match url.transport {
+            Transport::Tcp => "; over tcp:// use --tls",
+            _ => "",
+        };
         return Err(Error::Usage(format!(
-            "{url}: --encrypt (?encrypt=1) is for udp:// and eth:// only; over tcp:// use --tls"
+            "{url}: --encrypt (?encrypt=1) is for udp:// and eth:// only{instead}"
         )));
     }
     // The frame keys come from the authenticated handshake: without a key the session would

@@ -372,9 +372,10 @@ impl Queue {
     }
 
     /// When [`Queue::poll`] must run even if [`Queue::fd`] stays quiet: the next datagram timer
-    /// or keepalive, or on TCP the timeout of requests in flight, and 1 ms away while queued
-    /// bytes wait for room in the socket. `None`: only when the fd turns readable (TCP with
-    /// nothing in flight).
+    /// or keepalive, or on TCP the timeout of requests in flight, 1 ms away while queued
+    /// bytes wait for room in the socket, and now when a TLS session may hold replies the last
+    /// `poll` left (it stopped at its budget). `None`: only when the fd turns readable (TCP
+    /// with nothing in flight).
     pub fn deadline(&self) -> Option<Instant> {
         match &self.inner {
             Inner::Stream(q) => q.deadline(),

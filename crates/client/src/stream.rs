@@ -327,7 +327,7 @@ impl StreamQueue {
         let timeout = self
             .waiting_since
             .filter(|_| self.in_flight() > 0)
-            .map(|t| t + self.timeout);
+            .map(|t| crate::deadline::later(t, self.timeout));
         let unsent = (self.tx_sent < self.tx.len()).then(|| Instant::now() + SEND_RETRY);
         timeout.into_iter().chain(unsent).min()
     }
@@ -731,6 +731,23 @@ mod tests {
         let info = crate::info_from(&url, &granted(1, opts.depth, 1 << 20, 1 << 20));
         let q = StreamQueue::new(Link::Plain(sock), 0, &info, opts).unwrap();
         (q, target)
+    }
+
+    /// A timeout past the clock (a library caller's `Duration::MAX`) is no panic where the
+    /// map daemons' loop asks for the next deadline with requests in flight.
+    #[test]
+    fn a_timeout_past_the_clock_gives_a_deadline_not_a_panic() {
+        let (mut q, _target) = queue_on_loopback(&options(Duration::MAX));
+        q.submit(
+            Cmd::Read {
+                offset: 0,
+                len: 4096,
+            },
+            1,
+        )
+        .unwrap();
+        assert_eq!(q.poll(|_| panic!("nothing was answered")).unwrap(), 0);
+        assert!(q.deadline().is_some_and(|d| d > Instant::now()));
     }
 
     /// Replies to READs that come faster than `poll` takes them over TLS: a `poll` stopped at

@@ -1152,6 +1152,8 @@ impl DgramPort {
                 let r = h.reply(Status::Challenge, 0);
                 self.send_frame(r, &nonce, peer);
             }
+            // A repeat of a JOIN that came late, after its queue ended: not an intruder.
+            Err(JoinRefused::Ended) => self.reply(h, Status::Access, peer),
             Err(JoinRefused::Status(st)) => {
                 if st == Status::Access {
                     self.registry

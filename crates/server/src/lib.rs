@@ -1571,6 +1571,14 @@ fn native_handshake(
                     Err(session::JoinRefused::Status(st)) => {
                         refuse(s, st, &format!("join session {}: {st}", h.session))
                     }
+                    Err(session::JoinRefused::Ended) => refuse(
+                        s,
+                        Status::Access,
+                        &format!(
+                            "join session {} queue {}: that queue ended",
+                            h.session, h.queue
+                        ),
+                    ),
                     Err(session::JoinRefused::Challenge(_)) => None,
                 };
             }

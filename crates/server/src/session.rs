@@ -229,6 +229,9 @@ pub enum JoinRefused {
     Challenge([u8; AUTH_LEN]),
     /// Answer with this status.
     Status(Status),
+    /// The queue index ended (closed, logged out, replaced): answered ACCESS, as an index is
+    /// never reused, but the joiner proved itself: no authentication failure to count.
+    Ended,
 }
 
 impl From<Status> for JoinRefused {
@@ -1080,7 +1083,11 @@ impl Registry {
             }
         }
         let depth = s.depth;
-        Ok(s.admit_queue(session, queue, depth, seal, self.connection_share())?)
+        match s.admit_queue(session, queue, depth, seal, self.connection_share()) {
+            Ok(a) => Ok(a),
+            Err(Status::Access) => Err(JoinRefused::Ended),
+            Err(st) => Err(st.into()),
+        }
     }
 
     /// A queue closed; the session ends with its last queue.

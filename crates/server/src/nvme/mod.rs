@@ -175,6 +175,13 @@ impl Controllers {
         if configured.is_some_and(|(sub, host)| !t.admits(sub, host)) {
             return Err(NotInserted::HostRemoved);
         }
+        // Before any pending controller gives its place: a connect refused for a namespace
+        // removed meanwhile must not cost another host its controller. The id is not part of
+        // what is checked.
+        let probe = make(0);
+        if configured.is_some_and(|(sub, _)| !t.still_has(sub, &probe.facts)) {
+            return Err(NotInserted::NamespaceRemoved);
+        }
         let full = |t: &Table| {
             let mine = t.ctrls.values().filter(|c| c.ip == ip).count();
             (
@@ -220,11 +227,7 @@ impl Controllers {
                 break t.next_id;
             }
         };
-        let c = make(id);
-        if configured.is_some_and(|(sub, _)| !t.still_has(sub, &c.facts)) {
-            return Err(NotInserted::NamespaceRemoved);
-        }
-        t.ctrls.insert(id, c);
+        t.ctrls.insert(id, make(id));
         Ok(id)
     }
 

@@ -260,7 +260,9 @@ pub(super) fn rx_base(max_io: u32) -> usize {
 /// serve one request of up to 1 MiB: its receive and transmit buffers and one data buffer (for
 /// a backend that answers later, or a read replied in chunks).
 pub fn stream_floor(max_io: u32) -> usize {
-    rx_base(max_io) + TX_KEEP + (max_io as usize).min(1 << 20)
+    // OpenSSL's record buffers are in it for every connection: which are TLS is not known
+    // where the floor is reserved (the session's admission).
+    rx_base(max_io) + TX_KEEP + (max_io as usize).min(1 << 20) + tls::SESSION_BUFFERS
 }
 
 /// Room for a reply's framing beside its data (headers, digests, chunk headers).
@@ -458,7 +460,12 @@ impl Conn {
         self.rx_start = 0;
         if self.rx.len() < total && self.rx_end == self.rx.len() {
             let grown = (2 * self.rx.len()).clamp(self.rx_end + 1, total);
-            if total + TX_KEEP > self.mem.cap() {
+            let tls = if self.tls.is_some() {
+                tls::SESSION_BUFFERS
+            } else {
+                0
+            };
+            if total + TX_KEEP + tls > self.mem.cap() {
                 // It would never fit: waiting would hold the connection forever.
                 return self.violation(&format_args!(
                     "a frame of {total} bytes does not fit this connection's share of the \
@@ -508,6 +515,17 @@ impl Conn {
             + self.copy_memory()
             + self.lists
             + self.tls_memory()
+    }
+
+    /// What the connection holds at least, idle: the receive buffer it needs (`rx_needed`)
+    /// and, on TLS, OpenSSL's record buffers. What "never fits" is measured against.
+    pub(super) fn least_held(&self) -> usize {
+        self.rx_needed()
+            + if self.tls.is_some() {
+                tls::SESSION_BUFFERS
+            } else {
+                0
+            }
     }
 
     /// What a TLS session holds: the ciphertext gathered for the socket and OpenSSL's record
@@ -607,9 +625,10 @@ impl Conn {
         keep.min(self.rx.capacity())
     }
 
-    /// An idle connection gives back what its buffers grew to beyond their initial size (the
-    /// receive buffer down to `rx_needed`, what it holds moved to its start). Called between
-    /// frames only: nothing holds an offset into `rx`.
+    /// An idle connection gives back what its buffers grew to beyond their initial size. The
+    /// receive buffer shrinks only when empty: one holding part of a frame still arriving
+    /// (a large WRITE sent slowly) keeps its size, or every idle tick would shrink and the
+    /// next bytes regrow it (see `trim_starved`).
     pub(super) fn trim(&mut self) {
         if self.inflight > 0 {
             return;
@@ -629,6 +648,26 @@ impl Conn {
                 t.get_mut().release_out();
             }
         }
+        if self.rx_start == self.rx_end {
+            self.shrink_rx();
+        }
+        self.settle_memory();
+    }
+
+    /// `trim` for a connection starved with nothing running, retried: it waits only for what
+    /// its own buffers grew to, so the receive buffer also shrinks around the bytes it holds
+    /// (a frame that waits for memory: a READ behind the buffer a large WRITE grew). Called
+    /// between frames only: nothing holds an offset into `rx`.
+    pub(super) fn trim_starved(&mut self) {
+        if self.inflight > 0 {
+            return;
+        }
+        self.shrink_rx();
+        self.trim();
+    }
+
+    /// The receive buffer down to `rx_needed`, what it holds moved to its start.
+    fn shrink_rx(&mut self) {
         let keep = self.rx_needed();
         if self.rx.len() > keep {
             self.rx.copy_within(self.rx_start..self.rx_end, 0);
@@ -637,7 +676,6 @@ impl Conn {
             self.rx.truncate(keep);
             self.rx.shrink_to_fit();
         }
-        self.settle_memory();
     }
 }
 

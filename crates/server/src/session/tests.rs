@@ -431,7 +431,7 @@ mod replacement {
         };
         let peer = PeerId::ip("127.0.0.1:5001".parse().unwrap());
         let got = reg.join(old.session, 1, &join.encode(), &peer, false, None);
-        assert_eq!(got.err(), Some(JoinRefused::Status(Status::Access)));
+        assert_eq!(got.err(), Some(JoinRefused::Ended));
     }
 
     /// A queue that ended (its connection closed, or replaced while live) is refused ACCESS
@@ -451,13 +451,13 @@ mod replacement {
         assert!(try_join(2).is_ok());
         assert_eq!(try_join(1).err(), Some(JoinRefused::Status(Status::Busy)));
         reg.leave(s.session, 1, &QueueStats::default());
-        assert_eq!(try_join(1).err(), Some(JoinRefused::Status(Status::Access)));
+        assert_eq!(try_join(1).err(), Some(JoinRefused::Ended));
         // Replaced while live: closing, then gone; never joinable again.
         assert_eq!(
             open(&reg, hello("h", 1, Some(name(&s, 2))), None).unwrap_err(),
             Status::Busy
         );
-        assert_eq!(try_join(2).err(), Some(JoinRefused::Status(Status::Access)));
+        assert_eq!(try_join(2).err(), Some(JoinRefused::Ended));
     }
 }
 
