@@ -1110,7 +1110,7 @@ mod tests {
     /// timeout either: a blocking TLS read would wait for the whole record.
     #[test]
     fn a_trickled_hello_over_tls_ends_at_the_timeout() {
-        use openssl::ssl::{Ssl, SslContextBuilder, SslMethod, SslVersion};
+        use openssl::ssl::Ssl;
         use std::sync::atomic::{AtomicBool, Ordering};
         use std::sync::Arc;
 
@@ -1136,14 +1136,8 @@ mod tests {
         let key = blkwire_auth::Key::generate();
         let k = key.bytes().to_vec();
         let url = testing::raw(move |s| {
-            let mut b = SslContextBuilder::new(SslMethod::tls_server()).unwrap();
-            b.set_min_proto_version(Some(SslVersion::TLS1_3)).unwrap();
-            b.set_psk_server_callback(move |_, _, psk| {
-                psk[..k.len()].copy_from_slice(&k);
-                Ok(k.len())
-            });
             let slow = Arc::new(AtomicBool::new(false));
-            let ssl = Ssl::new(&b.build()).unwrap();
+            let ssl = Ssl::new(&testing::psk_server(k)).unwrap();
             let Ok(mut t) = ssl.accept(Trickle(s, slow.clone())) else {
                 return;
             };

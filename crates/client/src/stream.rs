@@ -756,7 +756,7 @@ mod tests {
     /// do, must still get every reply without waiting out a timeout.
     #[test]
     fn replies_a_tls_session_holds_past_polls_budget_are_not_left_waiting() {
-        use openssl::ssl::{Ssl, SslContextBuilder, SslMethod, SslVersion};
+        use openssl::ssl::Ssl;
         // READs whose replies pass what one `poll` takes (the receive buffer: 64 KiB I/Os
         // granted, a header, 256 KiB), each sent in records of its own, the last ones small:
         // the session reads them in with the record before them, and holds them when `poll`
@@ -767,13 +767,10 @@ mod tests {
         let key = blkwire_auth::Key::generate();
         let k = key.bytes().to_vec();
         let url = testing::raw(move |s| {
-            let mut b = SslContextBuilder::new(SslMethod::tls_server()).unwrap();
-            b.set_min_proto_version(Some(SslVersion::TLS1_3)).unwrap();
-            b.set_psk_server_callback(move |_, _, psk| {
-                psk[..k.len()].copy_from_slice(&k);
-                Ok(k.len())
-            });
-            let mut t = Ssl::new(&b.build()).unwrap().accept(s).unwrap();
+            let mut t = Ssl::new(&testing::psk_server(k))
+                .unwrap()
+                .accept(s)
+                .unwrap();
             let mut replies = Vec::new();
             for _ in 0..N {
                 let mut hb = [0u8; HEADER_LEN];

@@ -46,6 +46,19 @@ pub(crate) fn native(reply: HelloReply, serve: impl FnOnce(TcpStream) + Send + '
     })
 }
 
+/// A TLS 1.3 server context whose only credential is the pre-shared key `k` (any identity):
+/// a target's end of a `--tls` session with a key, for tests that speak TLS themselves.
+pub(crate) fn psk_server(k: Vec<u8>) -> openssl::ssl::SslContext {
+    use openssl::ssl::{SslContextBuilder, SslMethod, SslVersion};
+    let mut b = SslContextBuilder::new(SslMethod::tls_server()).unwrap();
+    b.set_min_proto_version(Some(SslVersion::TLS1_3)).unwrap();
+    b.set_psk_server_callback(move |_, _, psk| {
+        psk[..k.len()].copy_from_slice(&k);
+        Ok(k.len())
+    });
+    b.build()
+}
+
 /// A TCP listener on loopback that hands its first connection to `serve` on its own thread,
 /// before any handshake. Returns a `tcp://` URL of it.
 pub(crate) fn raw(serve: impl FnOnce(TcpStream) + Send + 'static) -> Url {

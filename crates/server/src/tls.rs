@@ -562,21 +562,27 @@ mod tests {
         (c, k)
     }
 
-    /// One handshake against a target with a certificate and host `h`'s key: the client offers
-    /// `suites`, identity `id` and key `psk`. What the target says the client proved, or how
-    /// the handshake failed.
-    fn handshake(suites: &str, id: &str, psk: [u8; 32]) -> Result<Option<String>, String> {
+    /// A target's TLS settings with a fresh self-signed certificate (its files gone once read)
+    /// and the key store `keys`.
+    fn target_tls(keys: &crate::access::SharedKeys) -> Tls {
         let (cert, key) = certificate();
-        let mut store = blkwire_auth::KeyStore::default();
-        store.insert("h", Key::new(&[7; 32]).unwrap());
-        let keys = Arc::new(RwLock::new(Some(Arc::new(store))));
         let settings = TlsSettings {
             mode: TlsMode::Require,
             cert: Some(cert.clone()),
             key: Some(key),
         };
-        let tls = Tls::build(&settings, &keys).expect("a TLS context");
+        let tls = Tls::build(&settings, keys).expect("a TLS context");
         std::fs::remove_dir_all(cert.parent().unwrap()).unwrap();
+        tls
+    }
+
+    /// One handshake against a target with a certificate and host `h`'s key: the client offers
+    /// `suites`, identity `id` and key `psk`. What the target says the client proved, or how
+    /// the handshake failed.
+    fn handshake(suites: &str, id: &str, psk: [u8; 32]) -> Result<Option<String>, String> {
+        let mut store = blkwire_auth::KeyStore::default();
+        store.insert("h", Key::new(&[7; 32]).unwrap());
+        let tls = target_tls(&Arc::new(RwLock::new(Some(Arc::new(store)))));
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         let id = id.to_string();
@@ -611,15 +617,7 @@ mod tests {
     /// (`release_out`), but never while some of it waits.
     #[test]
     fn gathered_ciphertext_is_measured_and_given_back_once_sent() {
-        let (cert, key) = certificate();
-        let keys = Arc::new(RwLock::new(None));
-        let settings = TlsSettings {
-            mode: TlsMode::Require,
-            cert: Some(cert.clone()),
-            key: Some(key),
-        };
-        let tls = Tls::build(&settings, &keys).expect("a TLS context");
-        std::fs::remove_dir_all(cert.parent().unwrap()).unwrap();
+        let tls = target_tls(&Arc::new(RwLock::new(None)));
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         let (go, ready) = std::sync::mpsc::channel::<()>();
