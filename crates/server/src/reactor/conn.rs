@@ -460,12 +460,7 @@ impl Conn {
         self.rx_start = 0;
         if self.rx.len() < total && self.rx_end == self.rx.len() {
             let grown = (2 * self.rx.len()).clamp(self.rx_end + 1, total);
-            let tls = if self.tls.is_some() {
-                tls::SESSION_BUFFERS
-            } else {
-                0
-            };
-            if total + TX_KEEP + tls > self.mem.cap() {
+            if total + TX_KEEP + self.session_buffers() > self.mem.cap() {
                 // It would never fit: waiting would hold the connection forever.
                 return self.violation(&format_args!(
                     "a frame of {total} bytes does not fit this connection's share of the \
@@ -520,20 +515,22 @@ impl Conn {
     /// What the connection holds at least, idle: the receive buffer it needs (`rx_needed`)
     /// and, on TLS, OpenSSL's record buffers. What "never fits" is measured against.
     pub(super) fn least_held(&self) -> usize {
-        self.rx_needed()
-            + if self.tls.is_some() {
-                tls::SESSION_BUFFERS
-            } else {
-                0
-            }
+        self.rx_needed() + self.session_buffers()
+    }
+
+    /// OpenSSL's record buffers on a TLS connection, none on a plain one.
+    fn session_buffers(&self) -> usize {
+        if self.tls.is_some() {
+            tls::SESSION_BUFFERS
+        } else {
+            0
+        }
     }
 
     /// What a TLS session holds: the ciphertext gathered for the socket and OpenSSL's record
     /// buffers (none on a plain connection).
     fn tls_memory(&self) -> usize {
-        self.tls
-            .as_ref()
-            .map_or(0, |t| t.get_ref().out_capacity() + tls::SESSION_BUFFERS)
+        self.tls.as_ref().map_or(0, |t| t.get_ref().out_capacity()) + self.session_buffers()
     }
 
     /// Held bytes still to be copied into `tx`: read data (and allocation query replies) not
