@@ -184,9 +184,15 @@ impl Executor {
         {
             return Err(Status::Invalid);
         }
+        // FAST_ZERO where the backend cannot promise it; and off the export's blocks, where
+        // a device's zeroing refuses the range's edge after the pieces before it were zeroed
+        // (a FAST_ZERO refused must leave the export as it was: NBD's proto.md).
+        let block = self.export.io_block() as u64;
         if req.op == BlockOp::WriteZeroes
             && req.flags.has(IoFlags::FAST_ZERO)
-            && (req.flags.has(IoFlags::NO_HOLE) || !self.export.capabilities().fast_zero)
+            && (req.flags.has(IoFlags::NO_HOLE)
+                || !self.export.capabilities().fast_zero
+                || !(req.offset | len as u64).is_multiple_of(block))
         {
             return Err(Status::Unsupported);
         }
@@ -536,6 +542,17 @@ mod tests {
             x.admit(&fast.flagged(IoFlags::NO_HOLE)),
             Err(Status::Unsupported),
             "allocated zeros are written, never fast"
+        );
+        let block = x.export().io_block();
+        assert_eq!(
+            x.admit(&r(BlockOp::WriteZeroes, 0, 4096 + block / 2).flagged(IoFlags::FAST_ZERO)),
+            Err(Status::Unsupported),
+            "off the export's blocks: refused before anything is zeroed"
+        );
+        assert_eq!(
+            x.admit(&r(BlockOp::WriteZeroes, 0, 4096 + block / 2)),
+            Ok(()),
+            "without FAST_ZERO the edges are zeroed as they can be"
         );
         let ro = exec("m=mem:1M,ro", 65536);
         assert_eq!(ro.admit(&r(BlockOp::Write, 0, 512)), Err(Status::ReadOnly));
