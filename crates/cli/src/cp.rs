@@ -4,8 +4,9 @@
 //! §13) and no data crosses the network, unless `--no-offload`.
 
 use std::fs::{File, OpenOptions};
-use std::io::{IsTerminal, Seek, SeekFrom};
+use std::io::{IsTerminal, Seek, SeekFrom, Write};
 use std::os::unix::fs::{FileExt, FileTypeExt};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -58,6 +59,36 @@ struct Side {
     block: u64,
     ends: Vec<End>,
     label: String,
+    /// A local file destination is written under a name of its own and takes the given
+    /// name only once complete and synced (`Staged::commit`).
+    staged: Option<Staged>,
+}
+
+/// A file copied into: `tmp` beside `path`, renamed over it once the copy is complete and
+/// durable, removed if it never is (dropped uncommitted). So a copy that fails half-way
+/// leaves the destination as it was, and a copy onto the very file an export serves reads
+/// the export before anything replaces it.
+struct Staged {
+    tmp: PathBuf,
+    path: PathBuf,
+    done: bool,
+}
+
+impl Staged {
+    fn commit(mut self) -> Result<(), String> {
+        std::fs::rename(&self.tmp, &self.path)
+            .map_err(|e| format!("{}: {e}", self.path.display()))?;
+        self.done = true;
+        Ok(())
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
 }
 
 fn open_side(
@@ -81,8 +112,10 @@ fn open_side(
             block: u64::from(s.info.logical_block.max(1)),
             label: spec.to_string(),
             ends: s.queues.into_iter().map(End::Remote).collect(),
+            staged: None,
         });
     }
+    let mut staged = None;
     let (file, size, zeroed) = match dest_size {
         None => {
             let mut f = File::open(spec).map_err(|e| format!("{spec}: {e}"))?;
@@ -97,23 +130,47 @@ fn open_side(
         }
         Some(want) => {
             let existing = std::fs::metadata(spec).ok();
+            if existing.as_ref().is_some_and(|m| m.is_dir()) {
+                return Err(format!("{spec}: is a directory"));
+            }
             let is_dev = existing
                 .as_ref()
                 .is_some_and(|m| m.file_type().is_block_device());
-            let mut f = OpenOptions::new()
-                .write(true)
-                .create(!is_dev)
-                .truncate(!is_dev)
-                .open(spec)
-                .map_err(|e| format!("{spec}: {e}"))?;
+            // Anything else (a character device, a FIFO) is no file to copy an export into,
+            // and must never be renamed over.
+            if existing.as_ref().is_some_and(|m| !is_dev && !m.is_file()) {
+                return Err(format!(
+                    "{spec}: not a regular file or block device: copy into a file or a disk"
+                ));
+            }
             if is_dev {
+                let mut f = OpenOptions::new()
+                    .write(true)
+                    .open(spec)
+                    .map_err(|e| format!("{spec}: {e}"))?;
                 let size = f
                     .seek(SeekFrom::End(0))
                     .map_err(|e| format!("{spec}: {e}"))?;
                 (f, size, false)
             } else {
-                // A fresh sparse file: chunks of zeros need not be written at all.
+                // A fresh sparse file beside the destination (chunks of zeros need not be
+                // written at all), which becomes it once complete.
+                let path = PathBuf::from(spec);
+                let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+                let name = name.ok_or_else(|| format!("{spec}: names no file"))?;
+                let tmp = path.with_file_name(format!(".{name}.blkwire-cp.{}", std::process::id()));
+                let f = OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(&tmp)
+                    .map_err(|e| format!("{}: {e}", tmp.display()))?;
+                let s = Staged {
+                    tmp,
+                    path,
+                    done: false,
+                };
                 f.set_len(want).map_err(|e| format!("{spec}: {e}"))?;
+                staged = Some(s);
                 (f, want, true)
             }
         }
@@ -127,6 +184,7 @@ fn open_side(
         block: 1,
         label: spec.to_string(),
         ends: (0..jobs).map(|_| End::Local(file.clone())).collect(),
+        staged,
     })
 }
 
@@ -142,14 +200,18 @@ pub fn run(a: Args) -> Result<(), String> {
     if !Url::is_url(&a.src) && !Url::is_url(&a.dst) {
         return Err("neither side is a URL: use cp(1) for local copies".into());
     }
-    if let (Some((s, d)), false) = (same_target(&a.src, &a.dst), a.no_offload) {
+    if let Some((s, d)) = same_target(&a.src, &a.dst) {
+        // Through this host too: reading it and writing it back would undo newer writes of
+        // whoever else uses it meanwhile.
         if s.export == d.export {
             return Err(format!(
                 "{} and {} are the same export: nothing to copy",
                 a.src, a.dst
             ));
         }
-        return offload(&a, &s.export);
+        if !a.no_offload {
+            return offload(&a, &s.export);
+        }
     }
     let src = open_side(&a.src, a.jobs, None, a.timeout, &a.id)?;
     let dst = open_side(&a.dst, a.jobs, Some(src.size), a.timeout, &a.id)?;
@@ -169,7 +231,9 @@ pub fn run(a: Args) -> Result<(), String> {
         ));
     }
     let size = src.size;
-    let chunk = src.chunk.min(dst.chunk);
+    // Chunks start on both sides' blocks (powers of two: the larger holds the smaller).
+    let block = src.block.max(dst.block);
+    let chunk = (src.chunk.min(dst.chunk) / block * block).max(block);
     let start = Instant::now();
     let (skip_zero, cheap_zero) = (dst.zeroed, dst.cheap_zero);
     let pairs: Vec<(End, End, Vec<u8>)> = src
@@ -187,6 +251,9 @@ pub fn run(a: Args) -> Result<(), String> {
         Some(End::Remote(q)) => q.flush().map_err(|e| format!("{}: {e}", a.dst))?,
         Some(End::Local(f)) => f.sync_all().map_err(|e| format!("{}: {e}", a.dst))?,
         None => {}
+    }
+    if let Some(s) = dst.staged {
+        s.commit()?;
     }
     for d in dests {
         if let End::Remote(q) = d {
@@ -224,13 +291,23 @@ fn connect(spec: &str, queues: u16, a: &Args) -> Result<blkwire_client::Session,
 fn offload(a: &Args, src_export: &str) -> Result<(), String> {
     // The source's size, and proof this host may open it (the target checks again per COPY).
     let src = connect(&a.src, 1, a)?;
-    let size = src.info.size;
+    let (size, src_block) = (src.info.size, src.info.logical_block);
     for q in src.queues {
         let _ = q.logout();
     }
     let dst = connect(&a.dst, a.jobs, a)?;
     if dst.info.features.has(Features::READ_ONLY) {
         return Err(format!("{}: export is read-only", a.dst));
+    }
+    // The target checks each COPY by itself: a last chunk off either side's blocks would be
+    // refused after the others had overwritten the destination.
+    let block = u64::from(src_block.max(dst.info.logical_block).max(1));
+    if !size.is_multiple_of(block) {
+        return Err(format!(
+            "{} is {size} bytes, not a multiple of the blocks of both exports ({block} bytes): \
+             nothing was copied",
+            a.src
+        ));
     }
     if dst.info.size < size {
         return Err(format!(
@@ -282,7 +359,9 @@ fn offload(a: &Args, src_export: &str) -> Result<(), String> {
 /// The line a finished copy prints: what, how long, how fast.
 fn report(size: u64, start: Instant, how: &str) {
     let secs = start.elapsed().as_secs_f64();
-    println!(
+    // The copy is done: a closed or full stdout must not turn it into a failure.
+    let _ = writeln!(
+        std::io::stdout(),
         "copied {} ({size} bytes) in {secs:.2}s, {:.1} MiB/s{how}",
         blkwire_backend::format_size(size),
         size as f64 / secs.max(1e-9) / 1048576.0

@@ -2,6 +2,7 @@
 
 mod common;
 
+use std::io::{Read, Write};
 use std::process::Command;
 
 use common::{assert_one_line_error, cli, random_bytes, sha256, sparse_file, Target, TempDir, BIN};
@@ -32,6 +33,62 @@ fn cp_round_trip_preserves_every_byte() {
     std::fs::write(&prefix, &got[..data.len()]).unwrap();
     assert_eq!(sha256(&prefix), sha256(&src));
     assert!(got[data.len()..].iter().all(|b| *b == 0));
+}
+
+/// A copy into a local file writes a file of its own beside it and takes the name only once
+/// complete: copied onto the very file an export serves, it reads the export's bytes (the
+/// file was cut to zeros first, every chunk then skipped as zero, and success reported); no
+/// stray file is left; and what is no file (a character device) is refused, never replaced.
+#[test]
+fn cp_into_a_file_replaces_it_only_when_complete() {
+    let d = TempDir::new("cp-staged");
+    let img = d.path("x.img");
+    let data = random_bytes(1 << 20, 9);
+    std::fs::write(&img, &data).unwrap();
+    let t = Target::start(&[&format!("x=file:{}", img.display())]);
+    let (ok, _, err) = cli(&["cp", &t.url("x"), img.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert!(
+        std::fs::read(&img).unwrap() == data,
+        "the export's bytes were lost"
+    );
+    let names: Vec<_> = std::fs::read_dir(d.path(""))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["x.img"], "left behind");
+    assert_one_line_error(&["cp", &t.url("x"), "/dev/null"], "not a regular file");
+}
+
+/// Between two exports of one target, a size off either side's blocks is refused before the
+/// target copies anything: it checks each 64 MiB COPY by itself, and the last one was refused
+/// after the others had overwritten the destination.
+#[test]
+fn cp_inside_a_target_refuses_sizes_off_the_blocks_before_copying() {
+    let d = TempDir::new("cp-offload-block");
+    let (src, dst) = (d.path("src.img"), d.path("dst.img"));
+    common::sparse_file(&src, (128 << 20) + 512);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&src)
+        .unwrap()
+        .write_all(b"abc")
+        .unwrap();
+    common::sparse_file(&dst, 129 << 20);
+    let t = Target::start(&[
+        &format!("s=file:{}", src.display()),
+        &format!("d=file:{}?direct=1", dst.display()),
+    ]);
+    let (ok, _, err) = cli(&["cp", &t.url("s"), &t.url("d")]);
+    assert!(!ok, "copied a size the destination cannot take");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("nothing was copied"), "{err}");
+    let mut head = [0u8; 3];
+    std::fs::File::open(&dst)
+        .unwrap()
+        .read_exact(&mut head)
+        .unwrap();
+    assert_eq!(head, [0; 3], "the destination was written");
 }
 
 /// A source whose size is not a whole number of the destination export's blocks (4096 for a
