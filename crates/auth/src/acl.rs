@@ -36,7 +36,8 @@ fn parse_mac(s: &str) -> Option<[u8; 6]> {
     let mut parts = s.split([':', '-']);
     for b in mac.iter_mut() {
         let p = parts.next()?;
-        if p.len() != 2 {
+        // from_str_radix takes a sign too ("+2").
+        if p.len() != 2 || !p.bytes().all(|b| b.is_ascii_hexdigit()) {
             return None;
         }
         *b = u8::from_str_radix(p, 16).ok()?;
@@ -235,6 +236,11 @@ mod tests {
         assert!(acl.permits(None, &ip("fd12::1")));
         assert!(!acl.permits(None, &ip("127.0.0.2")));
         assert!(!acl.permits(None, &PeerAddr::Mac([2, 0, 0, 0, 0, 1])));
+        assert_eq!(
+            parse_mac("+2:00:00:00:00:01"),
+            None,
+            "a sign is no hex digit"
+        );
         let acl = Acl::parse("02:00:00:00:00:01").unwrap();
         assert!(acl.permits(Some("x"), &PeerAddr::Mac([2, 0, 0, 0, 0, 1])));
         assert!(!acl.permits(Some("x"), &PeerAddr::Mac([2, 0, 0, 0, 0, 2])));

@@ -73,6 +73,10 @@ impl Key {
         if !s.len().is_multiple_of(2) {
             return Err("the key has an odd number of hex digits".into());
         }
+        // from_str_radix takes a sign too: "+f" would be a byte of 4 bits.
+        if !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err("the key is not hexadecimal".into());
+        }
         let bytes = (0..s.len())
             .step_by(2)
             .map(|i| u8::from_str_radix(s.get(i..i + 2).unwrap_or("x"), 16))
@@ -546,6 +550,20 @@ mod tests {
         }
         std::fs::remove_file(&fifo).unwrap();
         std::fs::remove_file(&big).unwrap();
+    }
+
+    /// Hex digits only: a sign is no digit ("+f" parsed as a byte of 4 bits, so a key of 32
+    /// such pairs carried 64 bits, not 128).
+    #[test]
+    fn a_hex_key_is_hex_digits_only() {
+        assert!(Key::from_hex(&"0f".repeat(16)).is_ok());
+        for bad in ["+f".repeat(16), "-f".repeat(16), " f".repeat(16)] {
+            assert_eq!(
+                Key::from_hex(&bad).err().as_deref(),
+                Some("the key is not hexadecimal"),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

@@ -183,6 +183,18 @@ pub fn attach_filter(fd: i32, f: Filter) -> Result<(), String> {
     Ok(())
 }
 
+/// Whether a packet socket bound to `ifindex` takes a frame it received from `from`: not one
+/// this host sent (packet sockets see those loop back), not one addressed to another station
+/// (a NIC in promiscuous mode, a bridge member), and one that came in on that very interface.
+/// A socket bound to an interface also hears its VLANs, their tag stripped: a frame of a VLAN
+/// with a device of its own names that device's index, one without is addressed to no station
+/// here. Taken, either would cross the VLAN's boundary with whatever MAC it claims.
+pub fn for_this_link(from: &libc::sockaddr_ll, ifindex: i32) -> bool {
+    from.sll_pkttype != libc::PACKET_OUTGOING
+        && from.sll_pkttype != libc::PACKET_OTHERHOST
+        && from.sll_ifindex == ifindex
+}
+
 /// A cooked packet socket (the kernel builds the Ethernet header) bound to an interface and an
 /// EtherType, non-blocking, with its filter attached before it is bound so nothing slips through.
 pub fn packet_socket(ifindex: i32, ethertype: u16, filter: Filter) -> Result<OwnedFd, String> {
@@ -209,7 +221,7 @@ pub fn packet_socket_with_ring(
     attach_filter(fd.as_raw_fd(), filter)?;
     let rcvbuf = size_buffers(fd.as_raw_fd());
     let slots = frames_in_buffer(rcvbuf, frame as u32) as usize;
-    let ring = rx_ring::RxRing::new(fd.as_raw_fd(), frame, slots).ok();
+    let ring = rx_ring::RxRing::new(fd.as_raw_fd(), frame, slots, ifindex).ok();
     bind_packet(&fd, ifindex, ethertype)?;
     Ok((fd, ring, rcvbuf))
 }

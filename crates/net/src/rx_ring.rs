@@ -62,6 +62,9 @@ pub struct RxRing {
     slots_per_block: usize,
     slots: usize,
     next: usize,
+    /// The interface the socket is bound to: frames from any other are passed over
+    /// (`for_this_link`).
+    ifindex: i32,
 }
 
 // SAFETY: the mapping belongs to this value alone (the socket is only read through it), so moving
@@ -75,7 +78,7 @@ fn os_err(what: &str) -> String {
 impl RxRing {
     /// Sets up a ring of `slots` frames of up to `frame` bytes on packet socket `fd`. From then on
     /// the kernel delivers to the ring, not to `recv`.
-    pub fn new(fd: RawFd, frame: usize, slots: usize) -> Result<RxRing, String> {
+    pub fn new(fd: RawFd, frame: usize, slots: usize, ifindex: i32) -> Result<RxRing, String> {
         let version = TPACKET_V2;
         // SAFETY: the option value is a local int, with its true size.
         let rc = unsafe {
@@ -139,6 +142,7 @@ impl RxRing {
             slots_per_block,
             slots,
             next: 0,
+            ifindex,
         })
     }
 
@@ -193,13 +197,13 @@ impl RxRing {
 
     /// Takes the frames waiting, at most one lap of the ring (so a flood cannot hold the caller),
     /// and hands each to `f` with its sender's link-layer address, then back to the kernel.
-    /// Frames this host sent itself loop back on packet sockets: they are skipped. Returns the
-    /// frames taken.
+    /// Frames that are not this link's (`for_this_link`: sent by this host, for another
+    /// station, from another interface or VLAN) are skipped. Returns the frames taken.
     pub fn take_lap(&mut self, mut f: impl FnMut(&[u8], &libc::sockaddr_ll)) -> usize {
         let mut taken = 0;
         while taken < self.slots {
             let Some(frame) = self.peek() else { break };
-            if frame.from.sll_pkttype != libc::PACKET_OUTGOING {
+            if crate::for_this_link(frame.from, self.ifindex) {
                 f(frame.data, frame.from);
             }
             self.release();
@@ -249,7 +253,7 @@ mod tests {
             return;
         };
         let (tx, to) = lo_socket().expect("second packet socket");
-        let mut ring = RxRing::new(rx.as_raw_fd(), 1000, 3).expect("ring");
+        let mut ring = RxRing::new(rx.as_raw_fd(), 1000, 3, to.sll_ifindex).expect("ring");
         assert!(ring.slots() >= 3);
         assert!(!ring.ready());
         let send = |payload: &[u8]| {
@@ -299,5 +303,35 @@ mod tests {
             ring.peek().is_none(),
             "the ring was full: later frames were dropped"
         );
+        // A ring for another interface takes the frames off the socket but hands none over
+        // (as a socket bound to a NIC hears its VLANs' frames, named by their own devices).
+        ring.ifindex = to.sll_ifindex + 1000;
+        send(&[9; 10]);
+        let mut handed = 0;
+        assert_eq!(ring.take_lap(|_, _| handed += 1), 1, "taken off the socket");
+        assert_eq!(handed, 0, "another interface's frame handed over");
+    }
+
+    /// A frame another station was sent (a promiscuous NIC) or this host sent is no frame of
+    /// this link's; one from its own interface addressed here is.
+    #[test]
+    fn only_frames_for_this_station_on_this_interface_are_this_links() {
+        // SAFETY: an all-zero sockaddr_ll is a valid value (plain integers).
+        let mut from: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        from.sll_ifindex = 3;
+        for (pkttype, ours) in [
+            (libc::PACKET_HOST, true),
+            (libc::PACKET_BROADCAST, true),
+            (libc::PACKET_MULTICAST, true),
+            (libc::PACKET_OTHERHOST, false),
+            (libc::PACKET_OUTGOING, false),
+        ] {
+            from.sll_pkttype = pkttype;
+            assert_eq!(crate::for_this_link(&from, 3), ours, "type {pkttype}");
+            assert!(
+                !crate::for_this_link(&from, 4),
+                "type {pkttype} on another interface"
+            );
+        }
     }
 }

@@ -677,8 +677,12 @@ impl DgramPort {
                 // SAFETY: the kernel wrote a sockaddr_ll for AF_PACKET.
                 let a: &libc::sockaddr_ll =
                     unsafe { &*(ss as *const _ as *const libc::sockaddr_ll) };
-                // Frames we sent ourselves loop back on packet sockets: ignore them.
-                if a.sll_pkttype == libc::PACKET_OUTGOING {
+                // Only this link's frames: not ours looping back, not another station's, not
+                // another interface's or VLAN's (`for_this_link`).
+                let PortKind::Eth { ifindex, .. } = self.kind else {
+                    return None;
+                };
+                if !blkwire_net::for_this_link(a, ifindex) {
                     return None;
                 }
                 Some(Peer::Mac(mac_of(a)))

@@ -67,6 +67,7 @@ impl Link {
     pub(super) fn sent_by_target(&self, from: &libc::sockaddr_ll) -> bool {
         match &self.dest {
             None => true,
+            Some(d) if !blkwire_net::for_this_link(from, d.sll_ifindex) => false,
             Some(d) if d.sll_addr[..6] == [0xff; 6] => true,
             Some(d) => d.sll_addr[..6] == from.sll_addr[..6],
         }
@@ -320,7 +321,8 @@ pub(crate) fn data_path(
     let ring = if udp {
         None
     } else {
-        let ring = RxRing::new(link.fd.as_raw_fd(), frame, rx_cap as usize).ok();
+        let ifindex = link.dest.as_ref().map_or(0, |d| d.sll_ifindex);
+        let ring = RxRing::new(link.fd.as_raw_fd(), frame, rx_cap as usize, ifindex).ok();
         if ring.is_some() {
             drain(link.fd.as_raw_fd());
         }
