@@ -31,7 +31,8 @@ pub struct Acl {
     rules: Vec<Rule>,
 }
 
-fn parse_mac(s: &str) -> Option<[u8; 6]> {
+/// A MAC address written `aa:bb:cc:dd:ee:ff` (or with `-`): six pairs of hex digits.
+pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
     let mut mac = [0u8; 6];
     let mut parts = s.split([':', '-']);
     for b in mac.iter_mut() {

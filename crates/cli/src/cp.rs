@@ -18,7 +18,9 @@ use blkwire_wire::Features;
 pub struct Args {
     /// Source: a local path or an export URL (tcp://HOST[:PORT]/EXPORT, udp://..., eth://...)
     src: String,
-    /// Destination: a local path or an export URL (tcp://, udp://, eth://)
+    /// Destination: a local path or an export URL (tcp://, udp://, eth://). An existing file
+    /// or disk is overwritten in place (a file then ends where the source does); a new file
+    /// appears under its name only once the copy is complete
     dst: String,
     /// Parallel workers (one queue each)
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
@@ -59,15 +61,16 @@ struct Side {
     block: u64,
     ends: Vec<End>,
     label: String,
-    /// A local file destination is written under a name of its own and takes the given
-    /// name only once complete and synced (`Staged::commit`).
+    /// A new local file is written under a name of its own and takes the given name only
+    /// once complete and synced (`Staged::commit`).
     staged: Option<Staged>,
+    /// A local file (not a device): its length becomes the source's once the copy is done.
+    fit: bool,
 }
 
-/// A file copied into: `tmp` beside `path`, renamed over it once the copy is complete and
-/// durable, removed if it never is (dropped uncommitted). So a copy that fails half-way
-/// leaves the destination as it was, and a copy onto the very file an export serves reads
-/// the export before anything replaces it.
+/// A new file copied into: `tmp` beside `path`, renamed to it once the copy is complete and
+/// durable, removed if it never is (dropped uncommitted), so a copy that fails half-way
+/// leaves no file that looks whole under the name asked for.
 struct Staged {
     tmp: PathBuf,
     path: PathBuf,
@@ -79,6 +82,14 @@ impl Staged {
         std::fs::rename(&self.tmp, &self.path)
             .map_err(|e| format!("{}: {e}", self.path.display()))?;
         self.done = true;
+        // The new name is durable with its directory.
+        let dir = match self.path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => std::path::Path::new("."),
+        };
+        if let Ok(d) = File::open(dir) {
+            let _ = d.sync_all();
+        }
         Ok(())
     }
 }
@@ -113,6 +124,7 @@ fn open_side(
             label: spec.to_string(),
             ends: s.queues.into_iter().map(End::Remote).collect(),
             staged: None,
+            fit: false,
         });
     }
     let mut staged = None;
@@ -136,14 +148,29 @@ fn open_side(
             let is_dev = existing
                 .as_ref()
                 .is_some_and(|m| m.file_type().is_block_device());
-            // Anything else (a character device, a FIFO) is no file to copy an export into,
-            // and must never be renamed over.
+            // Anything else (a character device, a FIFO) is no file to copy an export into.
             if existing.as_ref().is_some_and(|m| !is_dev && !m.is_file()) {
                 return Err(format!(
                     "{spec}: not a regular file or block device: copy into a file or a disk"
                 ));
             }
-            if is_dev {
+            if existing.is_none() && std::fs::symlink_metadata(spec).is_ok() {
+                return Err(format!(
+                    "{spec}: a symbolic link to nothing: give the path of the file it should name"
+                ));
+            }
+            if let (Some(_), false) = (&existing, is_dev) {
+                // An existing file is rewritten in place, through the name given (a symbolic
+                // link, its mode, owner and other names kept), and not cut first: a copy that
+                // fails half-way, or one from the export that serves this very file, would
+                // then have lost what it held. Its old bytes mean chunks of zeros are written
+                // too; its length becomes the source's once the copy is done (`fit`).
+                let f = OpenOptions::new()
+                    .write(true)
+                    .open(spec)
+                    .map_err(|e| format!("{spec}: {e}"))?;
+                (f, want, false)
+            } else if is_dev {
                 let mut f = OpenOptions::new()
                     .write(true)
                     .open(spec)
@@ -153,8 +180,8 @@ fn open_side(
                     .map_err(|e| format!("{spec}: {e}"))?;
                 (f, size, false)
             } else {
-                // A fresh sparse file beside the destination (chunks of zeros need not be
-                // written at all), which becomes it once complete.
+                // A new file: a sparse one beside the name given (chunks of zeros need not be
+                // written at all), which takes the name once complete.
                 let path = PathBuf::from(spec);
                 let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
                 let name = name.ok_or_else(|| format!("{spec}: names no file"))?;
@@ -184,6 +211,10 @@ fn open_side(
         block: 1,
         label: spec.to_string(),
         ends: (0..jobs).map(|_| End::Local(file.clone())).collect(),
+        fit: dest_size.is_some()
+            && !file
+                .metadata()
+                .is_ok_and(|m| m.file_type().is_block_device()),
         staged,
     })
 }
@@ -249,7 +280,12 @@ pub fn run(a: Args) -> Result<(), String> {
     // Durability: one FLUSH covers every write already answered on any queue (PROTOCOL.md §10).
     match dests.first_mut() {
         Some(End::Remote(q)) => q.flush().map_err(|e| format!("{}: {e}", a.dst))?,
-        Some(End::Local(f)) => f.sync_all().map_err(|e| format!("{}: {e}", a.dst))?,
+        Some(End::Local(f)) => {
+            if dst.fit {
+                f.set_len(size).map_err(|e| format!("{}: {e}", a.dst))?;
+            }
+            f.sync_all().map_err(|e| format!("{}: {e}", a.dst))?
+        }
         None => {}
     }
     if let Some(s) = dst.staged {

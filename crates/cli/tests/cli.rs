@@ -35,10 +35,11 @@ fn cp_round_trip_preserves_every_byte() {
     assert!(got[data.len()..].iter().all(|b| *b == 0));
 }
 
-/// A copy into a local file writes a file of its own beside it and takes the name only once
-/// complete: copied onto the very file an export serves, it reads the export's bytes (the
-/// file was cut to zeros first, every chunk then skipped as zero, and success reported); no
-/// stray file is left; and what is no file (a character device) is refused, never replaced.
+/// A copy into an existing file rewrites it in place, never cut first: copied onto the very
+/// file an export serves, it reads the export's bytes (the file was cut to zeros first, every
+/// chunk then skipped as zero, and success reported); a longer file ends at the source's
+/// length, its mode kept. A new file is written beside its name and takes it once complete;
+/// no stray file is left; what is no file (a character device) is refused.
 #[test]
 fn cp_into_a_file_replaces_it_only_when_complete() {
     let d = TempDir::new("cp-staged");
@@ -52,11 +53,24 @@ fn cp_into_a_file_replaces_it_only_when_complete() {
         std::fs::read(&img).unwrap() == data,
         "the export's bytes were lost"
     );
-    let names: Vec<_> = std::fs::read_dir(d.path(""))
+    use std::os::unix::fs::PermissionsExt;
+    let long = d.path("long.img");
+    std::fs::write(&long, vec![5u8; 2 << 20]).unwrap();
+    std::fs::set_permissions(&long, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let new = d.path("new.img");
+    for dst in [&long, &new] {
+        let (ok, _, err) = cli(&["cp", &t.url("x"), dst.to_str().unwrap()]);
+        assert!(ok, "{err}");
+        assert!(std::fs::read(dst).unwrap() == data, "{}", dst.display());
+    }
+    let mode = std::fs::metadata(&long).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the file's mode was not kept");
+    let mut names: Vec<_> = std::fs::read_dir(d.path(""))
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
-    assert_eq!(names, ["x.img"], "left behind");
+    names.sort();
+    assert_eq!(names, ["long.img", "new.img", "x.img"], "left behind");
     assert_one_line_error(&["cp", &t.url("x"), "/dev/null"], "not a regular file");
 }
 

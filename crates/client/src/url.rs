@@ -88,16 +88,7 @@ fn split_query(s: &str) -> Result<(&str, Query), String> {
 
 /// Parses `aa:bb:cc:dd:ee:ff` (or with dashes).
 pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
-    let mut mac = [0u8; 6];
-    let mut parts = s.split([':', '-']);
-    for b in mac.iter_mut() {
-        let p = parts.next()?;
-        if p.len() != 2 {
-            return None;
-        }
-        *b = u8::from_str_radix(p, 16).ok()?;
-    }
-    parts.next().is_none().then_some(mac)
+    blkwire_auth::acl::parse_mac(s)
 }
 
 /// Formats a MAC as `aa:bb:cc:dd:ee:ff`.

@@ -2185,17 +2185,29 @@ mod tests {
     #[test]
     fn a_group_or_zero_source_mac_is_no_peer() {
         let (mut dp, _peer, _) = session();
-        let name = |mac: [u8; 6]| {
+        // A raw Ethernet port bound to interface 7 (only its addresses are read here).
+        dp.port.kind = PortKind::Eth {
+            ifindex: 7,
+            ethertype: 0x88b5,
+        };
+        let on = |mac: [u8; 6], ifindex: i32| {
             // SAFETY: all-zero is a valid sockaddr_storage and sockaddr_ll.
             let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
             // SAFETY: sockaddr_storage is larger than sockaddr_ll and as aligned.
             let a = unsafe { &mut *(&mut ss as *mut _ as *mut libc::sockaddr_ll) };
             a.sll_family = libc::AF_PACKET as u16;
             a.sll_halen = 6;
+            a.sll_ifindex = ifindex;
             a.sll_addr[..6].copy_from_slice(&mac);
             ss
         };
+        let name = |mac: [u8; 6]| on(mac, 7);
         let station = [0x02, 0xaa, 0xbb, 0xcc, 0xdd, 0xee];
+        assert_eq!(
+            dp.port.peer_of(&on(station, 8)),
+            None,
+            "another interface's (a VLAN's) frame"
+        );
         let peer = dp.port.peer_of(&name(station)).unwrap();
         assert_eq!(peer, Peer::Mac(station));
         assert!(dp.port.sent_by_station(peer));

@@ -270,8 +270,9 @@ pub(crate) struct Receiver {
     gro: bool,
     /// Raw Ethernet: replies are read in place from a receive ring shared with the kernel.
     ring: Option<RxRing>,
-    /// Raw Ethernet: the target's MAC; frames from any other sender are dropped unread.
-    target: Option<[u8; 6]>,
+    /// Raw Ethernet: the target's MAC and the interface the link is on; frames from any other
+    /// sender, or not this link's (`blkwire_net::for_this_link`), are dropped unread.
+    target: Option<([u8; 6], i32)>,
     /// Most `recvmmsg` calls one `receive` makes: about the receive buffer's worth of frames.
     rounds: usize,
     spin: blkwire_spin::AdaptiveSpin,
@@ -347,7 +348,7 @@ pub(crate) fn data_path(
         target: link.dest.map(|d| {
             let mut m = [0u8; 6];
             m.copy_from_slice(&d.sll_addr[..6]);
-            m
+            (m, d.sll_ifindex)
         }),
         rounds: (rx_cap as usize).div_ceil(BATCH).max(1),
         spin: blkwire_spin::AdaptiveSpin::new(poll),
@@ -448,7 +449,7 @@ impl Receiver {
             // Another host on the link may send frames that pass the socket's filter (it only
             // looks at the frame's session and queue): only the target's are read.
             return Ok(ring.take_lap(|data, from| {
-                if target.is_none_or(|t| from.sll_addr[..6] == t) {
+                if target.is_none_or(|(t, _)| from.sll_addr[..6] == t) {
                     f(data, false)
                 }
             }));
@@ -501,7 +502,10 @@ impl Receiver {
             }
             let n = r as usize;
             for (i, m) in msgs.iter().enumerate().take(n) {
-                if self.target.is_some_and(|t| names[i].sll_addr[..6] != t) {
+                let foreign = |(t, ifindex): ([u8; 6], i32)| {
+                    names[i].sll_addr[..6] != t || !blkwire_net::for_this_link(&names[i], ifindex)
+                };
+                if self.target.is_some_and(foreign) {
                     continue;
                 }
                 let len = m.msg_len as usize;
