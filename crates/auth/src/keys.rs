@@ -494,9 +494,13 @@ pub fn generate_file(path: &Path, host_id: &str) -> Result<Key, String> {
             ),
             _ => format!("cannot create {shown}: {e}"),
         })?;
-    writeln!(f, "{host_id}:{}", key.to_hex())
-        .and_then(|_| f.sync_all())
-        .map_err(|e| format!("cannot write {shown}: {e}"))?;
+    if let Err(e) = writeln!(f, "{host_id}:{}", key.to_hex()).and_then(|_| f.sync_all()) {
+        // Left behind, the empty or cut file would be refused as existing next time, as if
+        // it held a key.
+        drop(f);
+        let _ = std::fs::remove_file(path);
+        return Err(format!("cannot write {shown}: {e}"));
+    }
     Ok(key)
 }
 

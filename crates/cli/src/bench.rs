@@ -24,9 +24,9 @@ pub struct Args {
     url: String,
     #[arg(long, value_enum, default_value = "randread")]
     rw: Rw,
-    /// Percentage of reads for randrw
-    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u8).range(0..=100))]
-    rwmixread: u8,
+    /// Percentage of reads for randrw [default: 50]
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=100))]
+    rwmixread: Option<u8>,
     /// Block size of each I/O
     #[arg(long, value_name = "SIZE", default_value = "4k", value_parser = crate::size_arg)]
     bs: u64,
@@ -75,6 +75,9 @@ impl Rng {
 }
 
 pub fn run(a: Args) -> Result<(), String> {
+    if a.rwmixread.is_some() && !matches!(a.rw, Rw::Randrw) {
+        return Err("--rwmixread mixes reads and writes: it goes with --rw randrw".into());
+    }
     // A week at most: longer is a typo, and `Duration` cannot hold every finite f64.
     if !(a.runtime > 0.0 && a.runtime <= 604_800.0) {
         return Err(format!(
@@ -105,7 +108,8 @@ pub fn run(a: Args) -> Result<(), String> {
             a.bs, info.max_io
         ));
     }
-    let writes = matches!(a.rw, Rw::Write | Rw::Randwrite | Rw::Randrw);
+    let writes = matches!(a.rw, Rw::Write | Rw::Randwrite)
+        || (matches!(a.rw, Rw::Randrw) && a.rwmixread != Some(100));
     if writes && info.features.has(blkwire_wire::Features::READ_ONLY) {
         return Err(format!(
             "export '{}' is read-only: use --rw read or randread",
@@ -150,7 +154,7 @@ pub fn run(a: Args) -> Result<(), String> {
         .into_iter()
         .enumerate()
         .map(|(j, q)| {
-            let (rw, bs, mix) = (a.rw, a.bs, a.rwmixread);
+            let (rw, bs, mix) = (a.rw, a.bs, a.rwmixread.unwrap_or(50));
             let njobs = a.jobs as u64;
             std::thread::spawn(move || job(q, j as u64, njobs, rw, mix, bs, blocks, start, runtime))
         })

@@ -14,8 +14,8 @@ pub struct Args {
     /// Or ask one target: udp://HOST[:PORT]
     #[arg(value_name = "URL")]
     url: Option<String>,
-    /// How long to collect answers, in milliseconds
-    #[arg(long, default_value_t = 500)]
+    /// How long to collect answers, in milliseconds (10 to 60000)
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(10..=60_000))]
     wait_ms: u64,
     /// Print one JSON object
     #[arg(long)]
@@ -25,7 +25,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<(), String> {
-    let wait = Duration::from_millis(a.wait_ms.clamp(10, 60_000));
+    let wait = Duration::from_millis(a.wait_ms);
     let opts = a.id.options()?;
     if opts.tls {
         return Err(

@@ -229,9 +229,7 @@ pub fn run(a: Args) -> Result<(), String> {
         }
         file_calls = file;
     }
-    options
-        .patch(&flag_options(&a)?)
-        .map_err(|e| e.replace("target_options: ", "--"))?;
+    options.patch(&flag_options(&a)?).map_err(flag_error)?;
     let listen = if a.listen.is_empty() && a.config.is_none() {
         vec!["tcp://0.0.0.0:7700".to_string()]
     } else {
@@ -340,6 +338,17 @@ pub fn run(a: Args) -> Result<(), String> {
         log!(log::Level::Info, "exports: {}", names.join(" "));
     }
     target.run().map_err(|e| e.to_string())
+}
+
+/// A `target_options` error about a value given by flag, naming the flag (`--max-sessions`,
+/// not the option `max_sessions`; `_s` options are the flags without their unit).
+fn flag_error(e: String) -> String {
+    let Some(rest) = e.strip_prefix("target_options: ") else {
+        return e;
+    };
+    let (key, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+    let flag = key.strip_suffix("_s").unwrap_or(key).replace('_', "-");
+    format!("--{flag} {tail}").trim_end().to_string()
 }
 
 /// The target options the flags set, with the flags' own words when one is out of range.

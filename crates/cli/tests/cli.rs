@@ -239,6 +239,21 @@ fn bad_input_gets_one_line_errors() {
         &["serve", "--threads", "100000", "--export", "x=mem:1M"],
         "--threads 100000",
     );
+    // Flags that would be ignored or bent are refused: a read mix without a mixed workload,
+    // a discovery wait outside what is taken.
+    assert_one_line_error(
+        &["bench", "tcp://127.0.0.1:9/x", "--rwmixread", "70"],
+        "goes with --rw randrw",
+    );
+    assert_one_line_error(&["discover", "--wait-ms", "5"], "--wait-ms");
+    // Out-of-range values name the flag given, not the option behind it (`max_sessions`,
+    // `handshake_timeout_s`).
+    for (flag, said) in [
+        ("--max-sessions", "--max-sessions must be"),
+        ("--handshake-timeout", "--handshake-timeout must be"),
+    ] {
+        assert_one_line_error(&["serve", flag, "99999999", "--export", "x=mem:1M"], said);
+    }
     assert_one_line_error(
         &[
             "serve",

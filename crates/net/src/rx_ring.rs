@@ -132,7 +132,26 @@ impl RxRing {
             )
         };
         if p == libc::MAP_FAILED {
-            return Err(os_err("map packet receive ring"));
+            let e = os_err("map packet receive ring");
+            // The ring stays set up unless taken down: the kernel would deliver every frame
+            // to it, unmapped, and the caller's `recv` fallback would never see one.
+            let none = TpacketReq {
+                tp_block_size: 0,
+                tp_block_nr: 0,
+                tp_frame_size: 0,
+                tp_frame_nr: 0,
+            };
+            // SAFETY: as above; an all-zero request frees the ring.
+            unsafe {
+                libc::setsockopt(
+                    fd,
+                    libc::SOL_PACKET,
+                    PACKET_RX_RING,
+                    (&none as *const TpacketReq).cast(),
+                    std::mem::size_of::<TpacketReq>() as libc::socklen_t,
+                )
+            };
+            return Err(e);
         }
         Ok(RxRing {
             base: NonNull::new(p.cast()).expect("mmap succeeded"),
