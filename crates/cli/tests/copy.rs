@@ -542,6 +542,12 @@ fn blkwire_copy_copies_ranges_and_refuses_bad_input_in_one_line() {
         ),
         (vec!["--src", "0:1M", "--dst", "512K"], "overlaps"),
         (vec!["--src", "0:1M", "--dst", "16M"], "beyond the end"),
+        // Several COPYs' worth, the last past the end: refused before the first runs.
+        (
+            vec!["--src", "0:4M,0:4M,0:4M", "--dst", "8M"],
+            "nothing was copied",
+        ),
+        (vec!["--src", "0:1000", "--dst", "12M"], "multiples of"),
         (vec!["--src", "1M", "--dst", "0"], "OFFSET:LENGTH"),
         (
             vec!["--src", "0:0", "--dst", "8M"],
@@ -557,6 +563,10 @@ fn blkwire_copy_copies_ranges_and_refuses_bad_input_in_one_line() {
         all.extend(args);
         assert_one_line_error(&all, needle);
     }
+    assert!(
+        read(&mut s.queues[0], 8 * MIB, want.len() as u64) == want,
+        "a refused copy changed the export"
+    );
     assert_one_line_error(
         &["copy", &t.url("ro"), "--src", "0:4K", "--dst", "8K"],
         "read-only",
