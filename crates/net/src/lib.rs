@@ -196,9 +196,11 @@ pub fn for_this_link(from: &libc::sockaddr_ll, ifindex: i32) -> bool {
 }
 
 /// A cooked packet socket (the kernel builds the Ethernet header) bound to an interface and an
-/// EtherType, non-blocking, with its filter attached before it is bound so nothing slips through.
+/// EtherType, non-blocking, with its filter attached before it is bound so nothing slips through:
+/// opened for no EtherType, it hears nothing until `bind` names the interface and the type
+/// together (opened for the type, it would hear every interface's frames until then).
 pub fn packet_socket(ifindex: i32, ethertype: u16, filter: Filter) -> Result<OwnedFd, String> {
-    let fd = open_packet(ethertype)?;
+    let fd = open_packet(0)?;
     attach_filter(fd.as_raw_fd(), filter)?;
     // No PACKET_QDISC_BYPASS: this socket only sends discovery answers and the like; the data
     // path sends on `packet_send_socket`, which bypasses the qdisc when asked.
@@ -217,7 +219,8 @@ pub fn packet_socket_with_ring(
     filter: Filter,
     frame: usize,
 ) -> Result<(OwnedFd, Option<rx_ring::RxRing>, u32), String> {
-    let fd = open_packet(ethertype)?;
+    // For no EtherType until bound, as `packet_socket`.
+    let fd = open_packet(0)?;
     attach_filter(fd.as_raw_fd(), filter)?;
     let rcvbuf = size_buffers(fd.as_raw_fd());
     let slots = frames_in_buffer(rcvbuf, frame as u32) as usize;
