@@ -681,6 +681,15 @@ impl<C: Transport> Worker<C> {
         }
     }
 
+    /// The link wants polling now, whatever its socket shows (a TLS session may hold answers
+    /// its socket no longer shows): no spinning on the socket first.
+    fn poll_now(&self) -> bool {
+        match &self.link {
+            Link::Up(q) => q.deadline().is_some_and(|d| d <= Instant::now()),
+            Link::Down(_) => false,
+        }
+    }
+
     /// How long the worker may sleep: until the queue's next timer, and at most a tick while
     /// requests wait for an answer or a reconnection. None: until something happens.
     fn wait_limit(&self) -> Option<Duration> {
@@ -1150,6 +1159,9 @@ impl Worker<Channel> {
         let Some((_, sock)) = self.sock().filter(|_| self.in_flight()) else {
             return false;
         };
+        if self.poll_now() {
+            return true;
+        }
         let dev = if self.t.live < self.cap {
             self.ch.as_raw_fd()
         } else {
@@ -1271,6 +1283,9 @@ impl Worker<Ring> {
             return Ok(false);
         };
         self.ch.submit()?;
+        if self.poll_now() {
+            return Ok(true);
+        }
         let ch = &mut self.ch;
         // The poll(2) call also lets the kernel run the ring's pending task work.
         Ok(self.spin.spin(|| readable([sock]) || ch.has_completions()))

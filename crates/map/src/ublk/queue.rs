@@ -830,10 +830,13 @@ impl QueueWorker {
             // Commits go out; with answers outstanding the thread spins briefly for one or for a
             // request (the poll(2) also lets the kernel run the ring's task work), then sleeps
             // until a request, an answer or a timer.
+            // (Not when the link wants polling now: a TLS session may hold answers the socket
+            // does not show, and spinning on the socket would only delay them.)
+            let now = Instant::now();
             if let Some(fd) = self
                 .link
                 .as_ref()
-                .filter(|q| q.in_flight() > 0)
+                .filter(|q| q.in_flight() > 0 && q.deadline().is_none_or(|d| d > now))
                 .map(|q| q.fd())
             {
                 self.ring
