@@ -547,7 +547,10 @@ fn blkwire_copy_copies_ranges_and_refuses_bad_input_in_one_line() {
             vec!["--src", "0:4M,0:4M,0:4M", "--dst", "8M"],
             "nothing was copied",
         ),
-        (vec!["--src", "0:1000", "--dst", "12M"], "multiples of"),
+        (
+            vec!["--src", "18446744073709547520:4K", "--dst", "0"],
+            "beyond the end",
+        ),
         (vec!["--src", "1M", "--dst", "0"], "OFFSET:LENGTH"),
         (
             vec!["--src", "0:0", "--dst", "8M"],

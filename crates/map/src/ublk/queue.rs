@@ -832,11 +832,11 @@ impl QueueWorker {
             // until a request, an answer or a timer.
             // (Not when the link wants polling now: a TLS session may hold answers the socket
             // does not show, and spinning on the socket would only delay them.)
-            let now = Instant::now();
+            // (The clock read after the deadline: one that is "now" is due.)
             if let Some(fd) = self
                 .link
                 .as_ref()
-                .filter(|q| q.in_flight() > 0 && q.deadline().is_none_or(|d| d > now))
+                .filter(|q| q.in_flight() > 0 && q.deadline().is_none_or(|d| d > Instant::now()))
                 .map(|q| q.fd())
             {
                 self.ring
