@@ -71,6 +71,20 @@ pub struct RxRing {
 // it to another thread moves the only access.
 unsafe impl Send for RxRing {}
 
+/// Sets up (or, all zero, takes down) the receive ring of packet socket `fd`; setsockopt's result.
+fn set_ring(fd: RawFd, req: &TpacketReq) -> libc::c_int {
+    // SAFETY: the option value is the caller's tpacket_req, with its true size.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_PACKET,
+            PACKET_RX_RING,
+            (req as *const TpacketReq).cast(),
+            std::mem::size_of::<TpacketReq>() as libc::socklen_t,
+        )
+    }
+}
+
 fn os_err(what: &str) -> String {
     format!("{what}: {}", std::io::Error::last_os_error())
 }
@@ -106,17 +120,7 @@ impl RxRing {
             tp_frame_size: slot_size as u32,
             tp_frame_nr: slots as u32,
         };
-        // SAFETY: the option value is a local tpacket_req, with its true size.
-        let rc = unsafe {
-            libc::setsockopt(
-                fd,
-                libc::SOL_PACKET,
-                PACKET_RX_RING,
-                (&req as *const TpacketReq).cast(),
-                std::mem::size_of::<TpacketReq>() as libc::socklen_t,
-            )
-        };
-        if rc != 0 {
+        if set_ring(fd, &req) != 0 {
             return Err(os_err("packet receive ring"));
         }
         let map_len = block_size * blocks;
@@ -135,22 +139,16 @@ impl RxRing {
             let e = os_err("map packet receive ring");
             // The ring stays set up unless taken down: the kernel would deliver every frame
             // to it, unmapped, and the caller's `recv` fallback would never see one.
-            let none = TpacketReq {
-                tp_block_size: 0,
-                tp_block_nr: 0,
-                tp_frame_size: 0,
-                tp_frame_nr: 0,
-            };
-            // SAFETY: as above; an all-zero request frees the ring.
-            unsafe {
-                libc::setsockopt(
-                    fd,
-                    libc::SOL_PACKET,
-                    PACKET_RX_RING,
-                    (&none as *const TpacketReq).cast(),
-                    std::mem::size_of::<TpacketReq>() as libc::socklen_t,
-                )
-            };
+            // (An all-zero request frees the ring.)
+            set_ring(
+                fd,
+                &TpacketReq {
+                    tp_block_size: 0,
+                    tp_block_nr: 0,
+                    tp_frame_size: 0,
+                    tp_frame_nr: 0,
+                },
+            );
             return Err(e);
         }
         Ok(RxRing {

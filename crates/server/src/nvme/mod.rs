@@ -73,12 +73,12 @@ impl Table {
     /// Whether configured subsystem `subnqn` still has every namespace of `facts` (each NSID
     /// still that export): checked under the lock `remove_namespace` changes the list under and
     /// looks for controllers to close under, as `admits` is for hosts.
-    fn still_has(&self, subnqn: &str, facts: &Facts) -> bool {
+    fn still_has(&self, subnqn: &str, namespaces: &[spec::NsFacts]) -> bool {
         self.subsystems
             .iter()
             .find(|s| s.nqn == subnqn)
             .is_some_and(|s| {
-                facts.namespaces.iter().all(|n| {
+                namespaces.iter().all(|n| {
                     s.namespaces
                         .iter()
                         .any(|(nsid, e)| *nsid == n.nsid && *e == n.ns.export.name)
@@ -162,24 +162,22 @@ impl Controllers {
 
     /// Registers a controller for a host at `ip`; its id, or why not: [`MAX_CONTROLLERS`] are
     /// in use, or [`MAX_CONTROLLERS_PER_HOST`] of them are that address's (`Busy`), or
-    /// (`configured`: `(subsystem, host)` of a configured subsystem) that subsystem no longer
-    /// admits the host or no longer has a namespace `make` gave it, checked under the lock its
-    /// host and namespace lists change under (see `authenticated`).
+    /// (`configured`: `(subsystem, host, namespaces)` of a configured subsystem and the
+    /// namespaces the controller is given) that subsystem no longer admits the host or no
+    /// longer has one of those namespaces, checked under the lock its host and namespace lists
+    /// change under (see `authenticated`), and before any pending controller gives its place
+    /// (a connect refused so must not cost another host its controller).
     fn insert(
         &self,
         ip: IpAddr,
-        configured: Option<(&str, &str)>,
-        mut make: impl FnMut(u16) -> Controller,
+        configured: Option<(&str, &str, &[spec::NsFacts])>,
+        make: impl FnOnce(u16) -> Controller,
     ) -> Result<u16, NotInserted> {
         let mut t = self.lock();
-        if configured.is_some_and(|(sub, host)| !t.admits(sub, host)) {
+        if configured.is_some_and(|(sub, host, _)| !t.admits(sub, host)) {
             return Err(NotInserted::HostRemoved);
         }
-        // Before any pending controller gives its place: a connect refused for a namespace
-        // removed meanwhile must not cost another host its controller. The id is not part of
-        // what is checked.
-        let probe = make(0);
-        if configured.is_some_and(|(sub, _)| !t.still_has(sub, &probe.facts)) {
+        if configured.is_some_and(|(sub, _, ns)| !t.still_has(sub, ns)) {
             return Err(NotInserted::NamespaceRemoved);
         }
         let full = |t: &Table| {
@@ -256,7 +254,9 @@ impl Controllers {
         let Some(c) = t.ctrls.get(&id) else {
             return false;
         };
-        if configured && !(t.admits(&c.subnqn, &c.hostnqn) && t.still_has(&c.subnqn, &facts)) {
+        if configured
+            && !(t.admits(&c.subnqn, &c.hostnqn) && t.still_has(&c.subnqn, &facts.namespaces))
+        {
             return false;
         }
         let c = t.ctrls.get_mut(&id).expect("present");
@@ -1198,7 +1198,8 @@ fn admin_connect<S: Read + Write>(
     let mut facts = None;
     let ip = crate::access::canonical_ip(peer.ip());
     // Keyless, its sessions are admitted already: the host list is checked again as it goes in.
-    let configured = (proven.is_none() && sub.is_some()).then_some((&*c.subnqn, &*c.hostnqn));
+    let configured =
+        (proven.is_none() && sub.is_some()).then_some((&*c.subnqn, &*c.hostnqn, &namespaces[..]));
     let id = registry.nvme.insert(ip, configured, |id| {
         let f = Arc::new(controller_facts(
             registry,
@@ -1771,7 +1772,7 @@ mod tests {
         t.add_host(SUB, HOST).unwrap();
         let ip = IpAddr::from([10, 0, 0, 1]);
         let id = t
-            .insert(ip, Some((SUB, HOST)), ctrl(ip, false, Duration::ZERO))
+            .insert(ip, Some((SUB, HOST, &[])), ctrl(ip, false, Duration::ZERO))
             .expect("admitted");
         t.remove_host(SUB, HOST).unwrap();
         let facts = t.get(id).unwrap().facts;
@@ -1784,7 +1785,7 @@ mod tests {
             "an export's own subsystem has no list"
         );
         assert_eq!(
-            t.insert(ip, Some((SUB, HOST)), ctrl(ip, false, Duration::ZERO)),
+            t.insert(ip, Some((SUB, HOST, &[])), ctrl(ip, false, Duration::ZERO)),
             Err(NotInserted::HostRemoved)
         );
     }
@@ -1798,33 +1799,32 @@ mod tests {
         t.create_subsystem(SUB, None, None, true, false).unwrap();
         assert_eq!(t.add_namespace(SUB, "db", Some(1)), Ok(1));
         let spec = blkwire_backend::ExportSpec::parse("db=mem:1M").unwrap();
-        let export = Arc::new(blkwire_backend::Export::open(&spec).unwrap());
+        let db = [spec::NsFacts {
+            nsid: 1,
+            ns: spec::Namespace {
+                export: Arc::new(blkwire_backend::Export::open(&spec).unwrap()),
+                size: 1 << 20,
+                lba_shift: 9,
+                nguid: [0; 16],
+                uuid: [0; 16],
+            },
+            copy: blkwire_wire::CopyLimits::default(),
+            session: 7,
+        }];
         let with_db = |ip| {
             let mut make = ctrl(ip, false, Duration::ZERO);
-            let export = export.clone();
+            let db = db.to_vec();
             move |id| {
                 let mut c = make(id);
                 let mut f = (*c.facts).clone();
-                f.namespaces.push(spec::NsFacts {
-                    nsid: 1,
-                    ns: spec::Namespace {
-                        export: export.clone(),
-                        size: 1 << 20,
-                        lba_shift: 9,
-                        nguid: [0; 16],
-                        uuid: [0; 16],
-                    },
-                    copy: blkwire_wire::CopyLimits::default(),
-                    session: 7,
-                });
+                f.namespaces = db;
                 c.facts = Arc::new(f);
                 c
             }
         };
+        let given = Some((SUB, HOST, &db[..]));
         let ip = IpAddr::from([10, 0, 0, 1]);
-        let id = t
-            .insert(ip, Some((SUB, HOST)), with_db(ip))
-            .expect("admitted");
+        let id = t.insert(ip, given, with_db(ip)).expect("admitted");
         let facts = t.get(id).unwrap().facts;
         assert!(t.authenticated(id, facts.clone(), true));
         let (closed, _) = t.remove_namespace(SUB, 1).unwrap();
@@ -1834,13 +1834,13 @@ mod tests {
             "authenticated with a namespace removed"
         );
         assert_eq!(
-            t.insert(ip, Some((SUB, HOST)), with_db(ip)).err(),
+            t.insert(ip, given, with_db(ip)).err(),
             Some(NotInserted::NamespaceRemoved)
         );
         // The same NSID given to another export is not the namespace it was given either.
         assert_eq!(t.add_namespace(SUB, "other", Some(1)), Ok(1));
         assert_eq!(
-            t.insert(ip, Some((SUB, HOST)), with_db(ip)).err(),
+            t.insert(ip, given, with_db(ip)).err(),
             Some(NotInserted::NamespaceRemoved)
         );
     }
