@@ -55,15 +55,23 @@ serve() {
     done
 }
 
+# wait_until FAILURE CMD...: runs CMD every 0.1 s until it succeeds, 10 s at most; fails the
+# scenario with FAILURE if it never does.
+wait_until() {
+    _failure=$1
+    shift
+    _i=0
+    until "$@"; do
+        _i=$((_i + 1))
+        [ $_i -le 100 ] || fail "$_failure"
+        sleep 0.1
+    done
+}
+
 # wait_for_file FILE WHAT: waits (10 s at most) until FILE exists, the mark a background process
 # leaves once it has done WHAT; fails the scenario saying WHAT did not happen.
 wait_for_file() {
-    i=0
-    until [ -e "$1" ]; do
-        i=$((i + 1))
-        [ $i -le 100 ] || fail "$2 did not happen"
-        sleep 0.1
-    done
+    wait_until "$2 did not happen" [ -e "$1" ]
 }
 
 # write_test_files MNT GREETING: files of assorted sizes (8 MiB down to 1 byte, and one with a
@@ -155,12 +163,7 @@ nvme_ctrl() {
 }
 
 nvme_gone() {
-    _i=0
-    while [ -e "/sys/block/${1#/dev/}" ]; do
-        _i=$((_i + 1))
-        [ $_i -le 100 ] || fail "$1 still exists 10 s after nvme disconnect"
-        sleep 0.1
-    done
+    wait_until "$1 still exists 10 s after nvme disconnect" [ ! -e "/sys/block/${1#/dev/}" ]
 }
 
 nvme_none() {
