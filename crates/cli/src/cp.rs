@@ -128,7 +128,7 @@ fn open_side(
         });
     }
     let mut staged = None;
-    let (file, size, zeroed) = match dest_size {
+    let (file, size, zeroed, fit) = match dest_size {
         None => {
             let mut f = File::open(spec).map_err(|e| format!("{spec}: {e}"))?;
             let meta = f.metadata().map_err(|e| format!("{spec}: {e}"))?;
@@ -138,7 +138,7 @@ fn open_side(
             let size = f
                 .seek(SeekFrom::End(0))
                 .map_err(|e| format!("{spec}: {e}"))?;
-            (f, size, false)
+            (f, size, false, false)
         }
         Some(want) => {
             let existing = std::fs::metadata(spec).ok();
@@ -159,26 +159,24 @@ fn open_side(
                     "{spec}: a symbolic link to nothing: give the path of the file it should name"
                 ));
             }
-            if let (Some(_), false) = (&existing, is_dev) {
-                // An existing file is rewritten in place, through the name given (a symbolic
-                // link, its mode, owner and other names kept), and not cut first: a copy that
-                // fails half-way, or one from the export that serves this very file, would
-                // then have lost what it held. Its old bytes mean chunks of zeros are written
-                // too; its length becomes the source's once the copy is done (`fit`).
-                let f = OpenOptions::new()
-                    .write(true)
-                    .open(spec)
-                    .map_err(|e| format!("{spec}: {e}"))?;
-                (f, want, false)
-            } else if is_dev {
+            if existing.is_some() {
+                // A disk, or an existing file, is rewritten in place, through the name given
+                // (a symbolic link, a file's mode, owner and other names kept), and not cut
+                // first: a copy that fails half-way, or one from the export that serves this
+                // very file, would then have lost what it held. Its old bytes mean chunks of
+                // zeros are written too; a file's length becomes the source's once the copy is
+                // done (`fit`).
                 let mut f = OpenOptions::new()
                     .write(true)
                     .open(spec)
                     .map_err(|e| format!("{spec}: {e}"))?;
-                let size = f
-                    .seek(SeekFrom::End(0))
-                    .map_err(|e| format!("{spec}: {e}"))?;
-                (f, size, false)
+                let size = if is_dev {
+                    f.seek(SeekFrom::End(0))
+                        .map_err(|e| format!("{spec}: {e}"))?
+                } else {
+                    want
+                };
+                (f, size, false, !is_dev)
             } else {
                 // A new file: a sparse one beside the name given (chunks of zeros need not be
                 // written at all), which takes the name once complete.
@@ -198,7 +196,7 @@ fn open_side(
                 };
                 f.set_len(want).map_err(|e| format!("{spec}: {e}"))?;
                 staged = Some(s);
-                (f, want, true)
+                (f, want, true, true)
             }
         }
     };
@@ -211,10 +209,7 @@ fn open_side(
         block: 1,
         label: spec.to_string(),
         ends: (0..jobs).map(|_| End::Local(file.clone())).collect(),
-        fit: dest_size.is_some()
-            && !file
-                .metadata()
-                .is_ok_and(|m| m.file_type().is_block_device()),
+        fit,
         staged,
     })
 }
