@@ -85,6 +85,12 @@ pub fn run(a: Args) -> Result<(), String> {
         ..Default::default()
     };
     a.id.apply(&mut opts)?;
+    // Another export's end is checked here as the destination's is below: its size is what a
+    // session of it is granted (one queue, one slot, closed before the copy opens its own).
+    let source_size = match from {
+        Some(name) => Some(source_size(&a.url, name, &opts)?),
+        None => None,
+    };
     let mut s = crate::open(&a.url, &opts)?;
     if s.info.features.has(Features::READ_ONLY) {
         return Err(format!(
@@ -105,19 +111,21 @@ pub fn run(a: Args) -> Result<(), String> {
         ));
     }
     // (Alignment is the target's to check: only an O_DIRECT export demands it, §13.)
-    if from.is_none() {
-        let past = |r: &&CopyRange| {
-            r.offset
-                .checked_add(r.len as u64)
-                .is_none_or(|end| end > size)
-        };
-        if let Some(r) = ranges.iter().find(past) {
-            return Err(format!(
-                "{}: the range {}:{} goes beyond the end of the export ({size} bytes): nothing \
-                 was copied",
-                a.url, r.offset, r.len
-            ));
-        }
+    let (source, source_end) = match (from, source_size) {
+        (Some(name), Some(end)) => (format!("export {name}"), end),
+        _ => ("export".to_string(), size),
+    };
+    let past = |r: &&CopyRange| {
+        r.offset
+            .checked_add(r.len as u64)
+            .is_none_or(|end| end > source_end)
+    };
+    if let Some(r) = ranges.iter().find(past) {
+        return Err(format!(
+            "{}: the range {}:{} goes beyond the end of the {source} ({source_end} bytes): \
+             nothing was copied",
+            a.url, r.offset, r.len
+        ));
     }
     let q = s.queues.first_mut().ok_or("the target granted no queue")?;
     let start = Instant::now();
@@ -141,6 +149,22 @@ pub fn run(a: Args) -> Result<(), String> {
         )),
         Err(e) => Err(format!("{}: {e}", a.url)),
     }
+}
+
+/// The size of export `name` of the target `url` names, from a session of it.
+fn source_size(url: &str, name: &str, opts: &ConnectOptions) -> Result<u64, String> {
+    let mut u = blkwire_client::Url::parse(url).map_err(|e| e.to_string())?;
+    u.export = name.to_string();
+    let one = ConnectOptions {
+        queues: 1,
+        depth: 1,
+        ..opts.clone()
+    };
+    let s = crate::open(&u.to_string(), &one).map_err(|e| format!("--from {name}: {e}"))?;
+    for q in s.queues {
+        let _ = q.logout();
+    }
+    Ok(s.info.size)
 }
 
 #[cfg(test)]

@@ -561,6 +561,18 @@ fn blkwire_copy_copies_ranges_and_refuses_bad_input_in_one_line() {
             vec!["--from", "nope", "--src", "0:1M", "--dst", "0"],
             "no such export",
         ),
+        // Another export's end too (ro has 1 MiB): refused before any COPY is sent.
+        (
+            vec![
+                "--from",
+                "ro",
+                "--src",
+                "0:512K,0:512K,0:512K,1M:4K",
+                "--dst",
+                "0",
+            ],
+            "beyond the end of the export ro (1048576 bytes): nothing was copied",
+        ),
     ] {
         let mut all = vec!["copy", a.as_str()];
         all.extend(args);
