@@ -339,18 +339,25 @@ impl Export {
             return Err(Refusal::Invalid);
         }
         let dst_end = dst + total;
-        // The same storage under two exports (a file given twice) overlaps as one export's.
-        let shared = same
-            || self
-                .backend
-                .storage()
-                .is_some_and(|s| src.backend.storage() == Some(s));
-        if shared
-            && sources
-                .iter()
-                .any(|r| r.offset < dst_end && dst < r.offset + r.len as u64)
-        {
-            return Err(Refusal::Invalid);
+        // The same storage under two exports (a file given twice, a disk and its partition)
+        // overlaps as one export's, where their bytes lie in it.
+        let starts = match (self.backend.storage(), src.backend.storage()) {
+            _ if same => Some((0, 0)),
+            (Some(d), Some(s)) if d.name == s.name => Some((d.start, s.start)),
+            _ => None,
+        };
+        if let Some((dst_start, src_start)) = starts {
+            let (dst, dst_end) = (
+                u128::from(dst) + u128::from(dst_start),
+                u128::from(dst_end) + u128::from(dst_start),
+            );
+            let overlaps = |r: &CopyRange| {
+                let at = u128::from(r.offset) + u128::from(src_start);
+                at < dst_end && dst < at + u128::from(r.len)
+            };
+            if sources.iter().any(overlaps) {
+                return Err(Refusal::Invalid);
+            }
         }
         Ok(total)
     }

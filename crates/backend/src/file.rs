@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use io_uring::{opcode, types};
 
 use crate::completions::{Completions, Poster};
-use crate::{Backend, Capabilities, Extent, Op, QueueIo, Started, Submitter, Support};
+use crate::{Backend, Capabilities, Extent, Op, QueueIo, Started, Storage, Submitter, Support};
 
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
 const BLKSSZGET: libc::c_ulong = 0x1268;
@@ -54,8 +54,8 @@ pub struct FileBackend {
     rotational: bool,
     /// The helper thread's job queue, started with the first queue.
     helper: Mutex<Option<Sender<SlowJob>>>,
-    /// The file's device and inode, or the block device's number (`Backend::storage`).
-    storage: String,
+    /// The file's device and inode, or the whole block device's (`Backend::storage`).
+    storage: Storage,
 }
 
 /// Work the helper thread does for a queue.
@@ -192,7 +192,7 @@ impl FileBackend {
             fast_zero: false,
             rotational: false,
             helper: Mutex::new(None),
-            storage: String::new(),
+            storage: Storage::default(),
         };
         // From here `b` owns fd and closes it on error.
         // SAFETY: an all-zero stat is a valid value (plain integers).
@@ -212,8 +212,8 @@ impl FileBackend {
         }
         // Two paths to one file (links, a bind mount) or to one device name the same storage.
         b.storage = match st.st_mode & libc::S_IFMT {
-            libc::S_IFBLK => format!("block device {}", st.st_rdev),
-            _ => format!("file {} {}", st.st_dev, st.st_ino),
+            libc::S_IFBLK => block_storage(st.st_rdev),
+            _ => file_storage(st.st_dev, st.st_ino as u64),
         };
         let size = match st.st_mode & libc::S_IFMT {
             libc::S_IFREG => {
@@ -609,6 +609,60 @@ fn queue_attr(sys: &Path, rdev: libc::dev_t, name: &str) -> Option<String> {
         .map(|s| s.trim().to_owned())
 }
 
+/// A file's storage: its device and inode, whatever path it was opened by.
+fn file_storage(dev: u64, ino: u64) -> Storage {
+    Storage {
+        name: format!("file {dev} {ino}"),
+        start: 0,
+    }
+}
+
+/// The storage a block device's bytes lie in: a partition's are its disk's from its start, a
+/// loop device's its backing file's from its offset (a partition of a loop device: both), so
+/// two exports of one disk or file overlap where their bytes do. Any other device (dm, md:
+/// their tables are not read) is storage of its own.
+fn block_storage(rdev: libc::dev_t) -> Storage {
+    block_storage_in(Path::new(SYS_DEV_BLOCK), rdev)
+}
+
+/// `block_storage` reading `sys` for `/sys/dev/block`.
+fn block_storage_in(sys: &Path, rdev: libc::dev_t) -> Storage {
+    let read = |p: PathBuf| std::fs::read_to_string(p).ok().map(|s| s.trim().to_owned());
+    let number = |p: PathBuf| read(p).and_then(|s| s.parse::<u64>().ok());
+    let mut dev = sys.join(format!("{}:{}", libc::major(rdev), libc::minor(rdev)));
+    let mut disk = rdev;
+    let mut start = 0u64;
+    if dev.join("partition").exists() {
+        // The disk is the directory above (the kernel resolves `..` after the `M:m` link);
+        // `start` counts 512-byte sectors whatever the disk's block size.
+        let parent = read(dev.join("../dev")).and_then(|s| {
+            let (maj, min) = s.split_once(':')?;
+            Some(libc::makedev(maj.parse().ok()?, min.parse().ok()?))
+        });
+        if let (Some(sector), Some(parent)) = (number(dev.join("start")), parent) {
+            start = sector.saturating_mul(512);
+            disk = parent;
+            dev = dev.join("..");
+        }
+    }
+    if let Some(file) = read(dev.join("loop/backing_file")) {
+        use std::os::unix::fs::MetadataExt;
+        // A file deleted since (" (deleted)" appended) cannot be opened again: no other
+        // export can share it.
+        if let Ok(m) = std::fs::metadata(&file) {
+            let offset = number(dev.join("loop/offset")).unwrap_or(0);
+            return Storage {
+                start: start.saturating_add(offset),
+                ..file_storage(m.dev(), m.ino())
+            };
+        }
+    }
+    Storage {
+        name: format!("block device {disk}"),
+        start,
+    }
+}
+
 /// Whether a block device zeroes as a metadata operation (NBD's FAST_ZERO), given its
 /// `queue/write_zeroes_max_bytes`. WRITE_ZEROES is BLKZEROOUT, which the kernel runs as the
 /// device's own WRITE ZEROES command where it has one (a non-zero limit) and otherwise by
@@ -630,7 +684,7 @@ impl Backend for FileBackend {
     fn copy_source_fd(&self) -> Option<RawFd> {
         (!self.block_device).then_some(self.fd)
     }
-    fn storage(&self) -> Option<&str> {
+    fn storage(&self) -> Option<&Storage> {
         Some(&self.storage)
     }
     /// On the export's helper thread (a slow source filesystem stalls only that).
@@ -849,6 +903,179 @@ impl QueueIo for FileQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A partition is its disk's storage from its start, a loop device its file's from its
+    /// offset, a partition of a loop device both; other devices are their own (a fake sysfs
+    /// laid out as the kernel's: `M:m` links to the device's directory, a partition's under
+    /// its disk's).
+    #[test]
+    fn block_storage_is_the_disk_or_file_underneath_from_where_the_device_starts() {
+        use std::os::unix::fs::{symlink, MetadataExt};
+        let root = std::env::temp_dir().join(format!("blkwire-sysfs-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let sys = root.join("dev/block");
+        std::fs::create_dir_all(&sys).unwrap();
+        let file = root.join("backing.img");
+        std::fs::write(&file, b"x").unwrap();
+        let m = std::fs::metadata(&file).unwrap();
+        let device = |path: &str, number: &str, attrs: &[(&str, String)]| {
+            let d = root.join("devices").join(path);
+            std::fs::create_dir_all(d.join("loop")).unwrap();
+            std::fs::write(d.join("dev"), format!("{number}\n")).unwrap();
+            for (name, value) in attrs {
+                std::fs::write(d.join(name), format!("{value}\n")).unwrap();
+            }
+            symlink(&d, sys.join(number)).unwrap();
+        };
+        device("sda", "8:0", &[]);
+        device(
+            "sda/sda2",
+            "8:2",
+            &[("partition", "2".into()), ("start", "2048".into())],
+        );
+        let backing = file.display().to_string();
+        device(
+            "loop3",
+            "7:3",
+            &[
+                ("loop/backing_file", backing.clone()),
+                ("loop/offset", "4096".into()),
+            ],
+        );
+        device(
+            "loop3/loop3p1",
+            "259:0",
+            &[("partition", "1".into()), ("start", "8".into())],
+        );
+        device(
+            "loop4",
+            "7:4",
+            &[("loop/backing_file", format!("{backing} (deleted)"))],
+        );
+        let at = |maj, min| block_storage_in(&sys, libc::makedev(maj, min));
+        let disk = format!("block device {}", libc::makedev(8, 0));
+        let on_file = format!("file {} {}", m.dev(), m.ino());
+        assert_eq!(
+            at(8, 0),
+            Storage {
+                name: disk.clone(),
+                start: 0
+            }
+        );
+        assert_eq!(
+            at(8, 2),
+            Storage {
+                name: disk,
+                start: 2048 * 512
+            }
+        );
+        assert_eq!(
+            at(7, 3),
+            Storage {
+                name: on_file.clone(),
+                start: 4096
+            }
+        );
+        assert_eq!(
+            at(259, 0),
+            Storage {
+                name: on_file,
+                start: 4096 + 8 * 512
+            }
+        );
+        let gone = format!("block device {}", libc::makedev(7, 4));
+        assert_eq!(
+            at(7, 4),
+            Storage {
+                name: gone,
+                start: 0
+            },
+            "its file cannot be opened"
+        );
+        let none = format!("block device {}", libc::makedev(253, 1));
+        assert_eq!(
+            at(253, 1),
+            Storage {
+                name: none,
+                start: 0
+            },
+            "not in sysfs"
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// A loop device at an offset into a file and the file itself, exported side by side:
+    /// a COPY between them whose bytes meet in the file is refused (a forward copy over its
+    /// own source corrupts it), one whose bytes lie apart is checked as any other; on the
+    /// running kernel's sysfs. Needs root and losetup.
+    #[test]
+    fn a_copy_between_a_file_and_a_loop_device_over_it_is_checked_for_overlap() {
+        let dir = std::env::temp_dir().join(format!("blkwire-loopcopy-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("f.img");
+        std::fs::File::create(&file)
+            .unwrap()
+            .set_len(4 << 20)
+            .unwrap();
+        let out = std::process::Command::new("losetup")
+            .args(["--find", "--show", "--offset", "1048576"])
+            .arg(&file)
+            .output()
+            .expect("losetup (util-linux) runs");
+        assert!(
+            out.status.success(),
+            "losetup: {} (this test needs root and loop devices)",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        struct Detach(String);
+        impl Drop for Detach {
+            fn drop(&mut self) {
+                let _ = std::process::Command::new("losetup")
+                    .args(["-d", &self.0])
+                    .status();
+            }
+        }
+        let _detach = Detach(dev.clone());
+        let open = |name: &str, path: &str| {
+            let spec = crate::ExportSpec::parse(&format!("{name}=file:{path}")).unwrap();
+            crate::Export::open(&spec).unwrap()
+        };
+        let whole = open("whole", &file.display().to_string());
+        let lo = open("lo", &dev);
+        let under = whole.backend().storage().unwrap().clone();
+        assert_eq!(
+            lo.backend().storage(),
+            Some(&Storage {
+                start: 1 << 20,
+                ..under
+            })
+        );
+        let r = |offset| [crate::CopyRange { offset, len: 65536 }];
+        // The loop device's 0 is the file's 1 MiB.
+        assert_eq!(
+            whole.check_copy_from(&lo, &r(0), (1 << 20) + 4096),
+            Err(crate::Refusal::Invalid),
+            "the loop device's first 64 KiB onto the file 4 KiB further"
+        );
+        assert_eq!(
+            lo.check_copy_from(&whole, &r(1 << 20), 4096),
+            Err(crate::Refusal::Invalid),
+            "and the other way"
+        );
+        assert_eq!(
+            whole.check_copy_from(&lo, &r(0), 0),
+            Ok(65536),
+            "apart in the file"
+        );
+        assert_eq!(
+            lo.check_copy_from(&whole, &r(0), 0),
+            Ok(65536),
+            "apart in the file"
+        );
+        drop((whole, lo));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     /// A TRIM of a block device that does not cover whole logical blocks discards the blocks
     /// wholly inside it and succeeds (TRIM is advisory); BLKDISCARD refused it with EINVAL,

@@ -181,6 +181,17 @@ pub enum Started {
     Async,
 }
 
+/// Storage that more than one export may open (`Backend::storage`), and where in it a
+/// backend's byte 0 lies.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Storage {
+    /// What names it: a file's device and inode, a whole disk's device number, an RBD image.
+    pub name: String,
+    /// Where the backend starts in it: a partition's first byte on its disk, a loop device's
+    /// offset into its file; 0 otherwise.
+    pub start: u64,
+}
+
 /// A storage backend, shared by all queues of an export.
 pub trait Backend: Send + Sync {
     /// `file:/path`, `mem:4G` and so on: how the user named it.
@@ -216,11 +227,12 @@ pub trait Backend: Send + Sync {
     fn buffer_alignment(&self) -> usize {
         1
     }
-    /// What names the storage under this backend where another export may open the same
-    /// (a file or device given twice, an RBD image): a COPY between two exports of the same
-    /// storage is checked for overlap as one within an export is, since copying forward
-    /// over its own source corrupts it. `None` (the default): its storage is its own.
-    fn storage(&self) -> Option<&str> {
+    /// Where this backend's bytes lie in storage another export may open too (a file or
+    /// device given twice, a partition and its disk, a loop device and its file, an RBD
+    /// image): a COPY between two exports of the same storage is checked for overlap as one
+    /// within an export is, since copying forward over its own source corrupts it. `None`
+    /// (the default): its storage is its own.
+    fn storage(&self) -> Option<&Storage> {
         None
     }
     /// Grows the backend to `new_size` bytes (`export_resize`; the caller, [`Export::resize`],

@@ -17,7 +17,7 @@ use super::{errno_text, Spec};
 use crate::completions::{Completions, Poster};
 use crate::{
     export::push_extent_within, push_extent, Backend, Capabilities, Extent, Op, QueueIo, Started,
-    Submitter, Support, MAX_EXTENTS,
+    Storage, Submitter, Support, MAX_EXTENTS,
 };
 
 /// The librados and librbd handles of one export, released in reverse order of creation.
@@ -90,6 +90,8 @@ pub(crate) struct RbdBackend {
     image: sys::ImageT,
     /// `rbd:POOL/IMAGE`.
     name: String,
+    /// The image, named as `name` (one cluster per target, as configured).
+    storage: Storage,
     read_only: bool,
     /// `timeout=`: seconds a Ceph operation may take.
     timeout_secs: u32,
@@ -249,6 +251,10 @@ impl RbdBackend {
         }
         Ok(RbdBackend {
             image: h.image,
+            storage: Storage {
+                name: name.clone(),
+                start: 0,
+            },
             name,
             read_only,
             timeout_secs: spec.timeout_secs,
@@ -429,9 +435,8 @@ impl Backend for RbdBackend {
     fn describe(&self) -> String {
         self.name.clone()
     }
-    /// The pool and image (one cluster per target, as configured).
-    fn storage(&self) -> Option<&str> {
-        Some(&self.name)
+    fn storage(&self) -> Option<&Storage> {
+        Some(&self.storage)
     }
     fn size(&self) -> u64 {
         self.size.load(Ordering::Acquire)
