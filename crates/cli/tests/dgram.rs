@@ -219,6 +219,53 @@ fn eth_with_qdisc_bypass_skips_the_egress_qdisc() {
     assert!(err.contains("no answer"), "{err}");
 }
 
+/// A raw Ethernet listener is saved as it was asked for (its EtherType and qdisc option
+/// kept: the bound `eth://IFACE/MAC` parses as no listen address) and a target started from
+/// the saved config serves it again; the same interface and EtherType cannot be listened on
+/// twice (a second packet socket would hear every frame and refuse the first's sessions).
+#[test]
+fn an_eth_listener_is_saved_as_asked_and_never_added_twice() {
+    let lab = NetLab::new(23, 1500);
+    let dir = TempDir::new("eth-config");
+    let asked = "eth://vt?ethertype=0x88b6&qdisc=bypass";
+    let serve = |args: &[&str]| {
+        let sock = dir.path("ctl.sock").to_str().unwrap().to_string();
+        let _ = std::fs::remove_file(&sock);
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &lab.t, BIN, "serve", "--log-level", "warn"]);
+        cmd.args(["--rpc-socket", &sock]).args(args);
+        let (child, urls) = common::spawn_serve_with_control(&mut cmd, 1);
+        (Served { child, urls }, sock)
+    };
+    let rpc = |sock: &str, method: &str, params: &str| {
+        common::cli(&["rpc", method, params, "--socket", sock])
+    };
+    let (t, sock) = serve(&["--listen", asked, "--export", "m=mem:8M"]);
+    assert!(t.urls[0].starts_with("eth://vt/"), "{:?}", t.urls);
+    for again in [asked, "eth://vt?ethertype=0x88b6"] {
+        let (ok, _, err) = rpc(&sock, "listener_add", &format!(r#"{{"url":"{again}"}}"#));
+        assert!(!ok && err.contains("already listening"), "{again}: {err}");
+    }
+    let saved = dir.path("saved.json").to_str().unwrap().to_string();
+    let (ok, _, err) = rpc(&sock, "save_config", &format!(r#"{{"path":"{saved}"}}"#));
+    assert!(ok, "{err}");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&saved).unwrap()).unwrap();
+    let listeners: Vec<_> = config
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["method"] == "listener_add")
+        .map(|c| c["params"]["url"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(listeners, vec![asked.to_string()]);
+    drop(t);
+    let (again, sock) = serve(&["--config", &saved]);
+    assert_eq!(again.urls[0], format!("eth://vt/{}", lab.mac()));
+    let (ok, out, err) = rpc(&sock, "listener_list", "{}");
+    assert!(ok && out.matches("eth://").count() == 1, "{out}{err}");
+}
+
 #[test]
 fn discovery_finds_the_target_and_its_exports() {
     let lab = NetLab::new(3, 1500);

@@ -1312,8 +1312,8 @@ pub(crate) fn running_config(sh: &Arc<Shared>) -> Vec<Call> {
             ));
         }
     }
-    for (url, _) in sh.listener_urls() {
-        calls.push(Call::new("listener_add", json!({ "url": url })));
+    for l in &sh.lock_listeners().list {
+        calls.push(Call::new("listener_add", json!({ "url": l.config_url() })));
     }
     if let Some(addr) = sh.metrics.lock().unwrap_or_else(|e| e.into_inner()).clone() {
         calls.push(Call::new("metrics_listen", json!({ "addr": addr })));

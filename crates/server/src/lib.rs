@@ -293,6 +293,37 @@ impl Listener {
             None => "eth",
         }
     }
+
+    /// The URL that opens this listener again (`save_config`): the bound one (a port the
+    /// kernel picked stays the one clients were told), but for raw Ethernet the one asked
+    /// for, whose EtherType and qdisc options the bound `eth://IFACE/MAC` does not carry.
+    fn config_url(&self) -> &str {
+        match self.kind() {
+            "eth" => &self.asked,
+            _ => &self.url,
+        }
+    }
+
+    /// Whether this datagram listener already serves what `d` asks for: the same UDP
+    /// address (however it was spelt), or the same interface and EtherType (a second packet
+    /// socket would hear every frame the first does, and answer its sessions' frames with
+    /// ACCESS, knowing none of them).
+    fn serves(&self, d: &ports::DgramListen) -> bool {
+        match (d, ports::parse(&self.asked)) {
+            (ports::DgramListen::Udp(a), _) => a.port() != 0 && self.url == format!("udp://{a}"),
+            (
+                ports::DgramListen::Eth {
+                    iface, ethertype, ..
+                },
+                Some(Ok(ports::DgramListen::Eth {
+                    iface: i,
+                    ethertype: e,
+                    ..
+                })),
+            ) => (iface, ethertype) == (&i, &e),
+            _ => false,
+        }
+    }
 }
 
 impl Shared {
@@ -338,6 +369,12 @@ impl Shared {
         let bound = if let Some(d) = ports::parse(url) {
             let d = d.map_err(bad)?;
             let full = |ls: &Listeners| {
+                if let Some(l) = ls.list.iter().find(|l| l.stream.is_none() && l.serves(&d)) {
+                    return Some(refused(format!(
+                        "already listening on {url} (as {})",
+                        l.url
+                    )));
+                }
                 let datagram = ls.list.iter().filter(|l| l.stream.is_none()).count();
                 (datagram >= reactor::MAX_PORTS).then(|| {
                     refused(format!(
@@ -349,13 +386,13 @@ impl Shared {
             if let Some(e) = full(&self.lock_listeners()) {
                 return Err(e);
             }
-            let (setups, bound) = match d {
-                ports::DgramListen::Udp(a) => ports::open_udp(a, self.workers.len()),
+            let (setups, bound) = match &d {
+                ports::DgramListen::Udp(a) => ports::open_udp(*a, self.workers.len()),
                 ports::DgramListen::Eth {
                     iface,
                     ethertype,
                     bypass_qdisc,
-                } => ports::open_eth(&iface, ethertype, bypass_qdisc, self.workers.len()),
+                } => ports::open_eth(iface, *ethertype, *bypass_qdisc, self.workers.len()),
             }
             .map_err(refused)?;
             let mut ls = self.lock_listeners();
@@ -1945,6 +1982,31 @@ mod tests {
         }
         t.stop_handle().stop();
         t.run().unwrap();
+    }
+
+    /// A datagram listener serves what another spelling of its address asks for (a UDP port
+    /// given or left to the default; not port 0, which is a new port each time), and an
+    /// interface with the same EtherType whatever its options; not another EtherType.
+    #[test]
+    fn a_datagram_listener_is_recognised_however_it_is_asked_for() {
+        let listener = |asked: &str, url: &str| Listener {
+            id: 1,
+            asked: asked.into(),
+            url: url.into(),
+            stream: None,
+        };
+        let ask = |url: &str| ports::parse(url).unwrap().unwrap();
+        let udp = listener("udp://127.0.0.1", "udp://127.0.0.1:7701");
+        assert!(udp.serves(&ask("udp://127.0.0.1:7701")));
+        assert!(!udp.serves(&ask("udp://127.0.0.1:7702")));
+        assert!(!listener("udp://127.0.0.1:0", "udp://127.0.0.1:40000")
+            .serves(&ask("udp://127.0.0.1:0")));
+        let eth = listener("eth://vt?ethertype=0x88b6", "eth://vt/02:00:00:00:00:01");
+        assert!(eth.serves(&ask("eth://vt?qdisc=bypass&ethertype=0x88b6")));
+        assert!(!eth.serves(&ask("eth://vt")));
+        assert!(!eth.serves(&ask("eth://vu?ethertype=0x88b6")));
+        assert_eq!(eth.config_url(), "eth://vt?ethertype=0x88b6");
+        assert_eq!(udp.config_url(), "udp://127.0.0.1:7701");
     }
 
     /// A page of stats of any offset and size is answered (here an empty page, no next), not a
