@@ -1461,6 +1461,14 @@ impl DgramPort {
                 s.status = Status::Invalid;
                 return self.reply_queue(qi, h, Status::Invalid);
             }
+            if block.is_none() {
+                // Refused by admission (outside the export, read-only, misaligned): answered
+                // now, before any of its data is held. A buffer for fragments that can never
+                // land would be memory no budget check saw (`needs` is 0 for it): a slot each,
+                // a peer could hold `max_io` per slot for one datagram per slot. Its other
+                // fragments get this answer again, as a finished request's do (§9.2).
+                return self.execute(qi, slot, sq, ud);
+            }
             s.into = into;
             if into.is_none() {
                 // Covered by the check above.
@@ -2850,10 +2858,14 @@ mod tests {
                 h.frag_index = i;
                 h.frag_offset = i as u32 * LINK;
                 dp.receive(&frame(h, &vec![9u8; LINK as usize]), from);
+                // Refused at its first fragment, holding no buffer for the rest; the second
+                // gets the same answer again.
+                let answer = answers(&peer, true);
+                assert_eq!(answer.len(), 1, "{export}: one answer to fragment {i}");
+                assert_eq!(answer[0].0.status, status, "{export}: refused");
+                let q = dp.port.queues[0].as_ref().unwrap();
+                assert!(q.slots[1].buf.is_none() && q.buffered == 0, "{export}: no buffer");
             }
-            let answer = answers(&peer, true);
-            assert_eq!(answer.len(), 1, "{export}: one answer");
-            assert_eq!(answer[0].0.status, status, "{export}: refused");
             let read = read_back(&mut dp, &peer, session, 2, 1, (offset, 4096));
             assert!(read.iter().all(|b| *b == 0), "{export}: nothing landed");
         }
