@@ -79,6 +79,10 @@ struct Session {
     /// and its address. Checked again when the rules or the keys change.
     proven: Option<String>,
     addr: PeerAddr,
+    /// Other addresses its queues joined from (at most one per queue): the rules must still
+    /// admit each when they change, or a queue joined from an address they now keep out
+    /// would go on reading and writing.
+    joined_from: Vec<PeerAddr>,
     /// With `addr`, the link it is on (`PeerId::scope`): a keyless take-over must come from
     /// the same address on the same link.
     scope: u32,
@@ -887,6 +891,7 @@ impl Registry {
                 export: export.clone(),
                 proven: owner.proven.map(str::to_string),
                 addr: owner.id.addr,
+                joined_from: Vec::new(),
                 scope: owner.id.scope,
                 key,
                 revoked: false,
@@ -1084,7 +1089,12 @@ impl Registry {
         }
         let depth = s.depth;
         match s.admit_queue(session, queue, depth, seal, self.connection_share()) {
-            Ok(a) => Ok(a),
+            Ok(a) => {
+                if peer.addr != s.addr && !s.joined_from.contains(&peer.addr) {
+                    s.joined_from.push(peer.addr);
+                }
+                Ok(a)
+            }
             Err(Status::Access) => Err(JoinRefused::Ended),
             Err(st) => Err(st.into()),
         }
@@ -1277,7 +1287,9 @@ impl Registry {
                 .find(|e| Arc::ptr_eq(&e.export, &s.export))
                 .map(|e| &e.acl);
             let still = acl.is_some_and(|acl| {
-                self.access.permits(acl, s.proven.as_deref(), &s.addr)
+                std::iter::once(&s.addr)
+                    .chain(&s.joined_from)
+                    .all(|a| self.access.permits(acl, s.proven.as_deref(), a))
                     && s.proven.as_deref().is_none_or(|h| {
                         self.access.key_of(h).map(|k| k.to_hex()) == s.key.as_ref().map(Key::to_hex)
                     })

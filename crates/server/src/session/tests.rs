@@ -633,6 +633,22 @@ fn rules_changed_during_a_handshake_refuse_its_session() {
     assert_eq!(admit(&e).err(), Some(Status::Access));
 }
 
+/// Rules changed to keep out an address a queue joined from close the session, as they do
+/// one whose HELLO came from there (a keyless cookie travels in clear: anyone the old rules
+/// admitted could join with it); a queue joined from the HELLO's own address keeps it.
+#[test]
+fn changed_rules_close_a_session_with_a_queue_joined_from_an_address_they_keep_out() {
+    for (joiner, closed) in [([127, 0, 0, 1], false), ([127, 0, 0, 2], true)] {
+        let r = registry(None);
+        let (reply, _) = open(&r, &peer(1000), false, None);
+        let j = join_payload(&reply, None, [0; AUTH_LEN]);
+        let from = PeerId::ip((joiner, 1001).into());
+        assert!(r.join(reply.session, 1, &j, &from, false, None).is_ok());
+        let revoked = r.set_allow("d", Some("127.0.0.1".into())).unwrap();
+        assert_eq!(revoked == [reply.session], closed, "joined from {joiner:?}: {revoked:?}");
+    }
+}
+
 /// A HELLO's logical block is the block the export takes I/O in: a backend that needs page
 /// alignment (O_DIRECT on a 512-byte-sector device) announces 4096, and max I/O is a multiple
 /// of it, over streams and datagrams, as NBD, NVMe/TCP and iSCSI announce it.
