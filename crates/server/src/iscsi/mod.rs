@@ -184,25 +184,35 @@ impl Portals {
     /// §6.3.5: the same initiator port, I_T nexus, logging in again after it lost its
     /// connection, while the target may still hold the old one): those of its login to that
     /// target with that ISID. Without CHAP the name proves nothing, so only from the address
-    /// that logged in then (a host claiming another's name cannot end its sessions). Logins
-    /// whose sessions all ended (`live`: the registry's open ones) are forgotten first: there
-    /// is nothing of theirs to end.
+    /// that logged in then (a host claiming another's name cannot end its sessions); `None`
+    /// while such a login of the nexus lives elsewhere: the new one may not run beside it
+    /// either, as the same I_T nexus (its reservations and registrations are the nexus's),
+    /// nor could its I/O be kept from being overtaken by the old one's. Logins whose
+    /// sessions all ended (`live`: the registry's open ones) are forgotten first: there is
+    /// nothing of theirs to end.
     fn reinstated(
         &self,
         target: &str,
         initiator: &str,
         (isid, proven, addr): ([u8; 6], bool, PeerAddr),
         live: &dyn Fn(u32) -> bool,
-    ) -> Vec<u32> {
+    ) -> Option<Vec<u32>> {
         let mut t = self.lock();
         t.forget_ended(live);
-        t.sessions
+        let mut out = Vec::new();
+        for s in t
+            .sessions
             .iter()
             .filter(|s| s.target == target && s.initiator == initiator && s.isid == isid)
-            .filter(|s| (proven && s.proven) || s.addr == addr)
-            .flat_map(|s| s.luns.iter().map(|&(_, id)| id))
-            .filter(|&id| live(id))
-            .collect()
+        {
+            let ids = s.luns.iter().map(|&(_, id)| id).filter(|&id| live(id));
+            if (proven && s.proven) || s.addr == addr {
+                out.extend(ids);
+            } else if ids.count() > 0 {
+                return None;
+            }
+        }
+        Some(out)
     }
 
     /// Forgets the iSCSI facts of sessions that ended (`live`: the registry's open ones): a
@@ -1079,12 +1089,22 @@ fn finish<S: Read + Write>(
     // Session reinstatement (RFC 7143 §6.3.5): the old session of this I_T nexus ends, and
     // what it still runs completes, before the new one is admitted (its place counts against
     // the limits) and answered (its I/O could be overtaken by the old one's).
-    let old = registry.iscsi.reinstated(
+    let Some(old) = registry.iscsi.reinstated(
         &target,
         &initiator,
         (l.isid, l.proven.is_some(), addr),
         &|id| registry.holds(id),
-    );
+    ) else {
+        crate::log!(
+            Level::Info,
+            "{peer_s}: iSCSI initiator '{who}': refused: a session of its ISID {} logged in \
+             from another address, and without CHAP the name proves nothing: it is not ended \
+             for this login, nor served beside it",
+            iscsi::hex(&l.isid)
+        );
+        l.respond(s, refuse_flags, status::SERVICE_UNAVAILABLE, 0, &[])?;
+        return None;
+    };
     if !old.is_empty() {
         crate::log!(
             Level::Info,
@@ -1565,22 +1585,37 @@ mod tests {
         let ask = |isid: u8, proven, addr, live: &dyn Fn(u32) -> bool| {
             p.reinstated(IQN, "iqn.a", ([isid; 6], proven, addr), live)
         };
-        assert_eq!(ask(1, false, here, &all), [7, 107]);
+        let none: Option<Vec<u32>> = Some(vec![]);
+        assert_eq!(ask(1, false, here, &all), Some(vec![7, 107]));
         assert_eq!(
             ask(1, true, there, &all),
-            [] as [u32; 0],
-            "unproven, elsewhere"
+            None,
+            "unproven, elsewhere: neither ended nor run beside"
         );
-        assert_eq!(ask(2, true, there, &all), [8, 108], "both proved the name");
-        assert_eq!(ask(3, false, here, &all), [] as [u32; 0], "another ISID");
+        assert_eq!(
+            ask(2, true, there, &all),
+            Some(vec![8, 108]),
+            "both proved the name"
+        );
+        assert_eq!(ask(2, false, there, &all), None, "this one did not");
+        assert_eq!(ask(3, false, here, &all), none, "another ISID");
         assert_eq!(
             p.reinstated("iqn.other", "iqn.a", ([1; 6], false, here), &all),
-            [] as [u32; 0]
+            none
         );
         let live = |id| id != 107;
-        assert_eq!(ask(1, false, here, &live), [7], "LUN 1's session ended");
+        assert_eq!(
+            ask(1, false, here, &live),
+            Some(vec![7]),
+            "LUN 1's session ended"
+        );
         let live = |id| id != 7 && id != 107;
-        assert_eq!(ask(1, false, here, &live), [] as [u32; 0], "both ended");
+        assert_eq!(ask(1, false, here, &live), none, "both ended");
+        assert_eq!(
+            ask(1, false, there, &live),
+            none,
+            "elsewhere, once it ended"
+        );
         assert_eq!(
             p.sessions_of(IQN, None, None),
             [8, 108],
