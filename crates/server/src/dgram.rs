@@ -2864,7 +2864,10 @@ mod tests {
                 assert_eq!(answer.len(), 1, "{export}: one answer to fragment {i}");
                 assert_eq!(answer[0].0.status, status, "{export}: refused");
                 let q = dp.port.queues[0].as_ref().unwrap();
-                assert!(q.slots[1].buf.is_none() && q.buffered == 0, "{export}: no buffer");
+                assert!(
+                    q.slots[1].buf.is_none() && q.buffered == 0,
+                    "{export}: no buffer"
+                );
             }
             let read = read_back(&mut dp, &peer, session, 2, 1, (offset, 4096));
             assert!(read.iter().all(|b| *b == 0), "{export}: nothing landed");

@@ -417,6 +417,39 @@ mod tests {
     /// Identify of 4 KiB into 16 bytes) fails with Data SGL Length Invalid and sends no data,
     /// as nvmet does; it used to send all 4 KiB past the host's buffer. The same Identify with
     /// room for it is answered.
+    /// A discovery session echoes a ping's data no longer than the initiator's
+    /// MaxRecvDataSegmentLength (it echoed the 4 KiB whole to an initiator taking 512 bytes).
+    #[test]
+    fn a_discovery_ping_is_echoed_within_the_initiators_segment_length() {
+        use blkwire_wire::iscsi::{flag, op, Bhs, Digests, IMMEDIATE};
+        let d = Digests::default();
+        let mut input = vec![0u8];
+        let mut login = Bhs::new(op::LOGIN_REQ | IMMEDIATE, flag::TRANSIT | 0x07);
+        login.lun(0x8000_0001_0000_0000).itt(1).set32(24, 1);
+        let text = b"InitiatorName=iqn.2026-11.io.test:fuzz\0SessionType=Discovery\0\
+                     MaxRecvDataSegmentLength=512\0";
+        login.encode(text, &d, &mut input);
+        let mut nop = Bhs::new(op::NOP_OUT | IMMEDIATE, flag::FINAL);
+        nop.itt(0x10).set32(20, u32::MAX).set32(24, 1).set32(28, 1);
+        nop.encode(&[7u8; 4096], &d, &mut input);
+        let mut sent = Vec::new();
+        super::login_kept(&input, Some(&mut sent));
+        // Each PDU: its 48-byte header, then DataSegmentLength (bytes 5-7) padded to 4.
+        let mut pdus = Vec::new();
+        let mut at = 0;
+        while at + 48 <= sent.len() {
+            let len = u32::from_be_bytes([0, sent[at + 5], sent[at + 6], sent[at + 7]]) as usize;
+            pdus.push((sent[at] & 0x3f, len));
+            at += 48 + len.div_ceil(4) * 4;
+        }
+        assert_eq!(
+            pdus.first().map(|p| p.0),
+            Some(0x23),
+            "a login response: {pdus:?}"
+        );
+        assert_eq!(pdus.get(1), Some(&(op::NOP_IN, 512)), "{pdus:?}");
+    }
+
     #[test]
     fn admin_data_never_exceeds_the_hosts_sgl() {
         let identify = |cid: u16, room: u32| {

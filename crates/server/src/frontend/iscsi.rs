@@ -1464,14 +1464,24 @@ impl Iscsi {
             datasn: 0,
             end: at + n,
         };
-        let (itt, r2tsn) = (p.itt, p.r2tsn);
+        let (itt, r2tsn, target) = (p.itt, p.r2tsn, p.target);
         p.r2tsn += 1;
-        self.r2t(itt, PARAM_TTT, r2tsn, at, n, tx);
+        self.r2t((itt, target), PARAM_TTT, r2tsn, at, n, tx);
     }
 
-    fn r2t(&mut self, itt: u32, ttt: u32, r2tsn: u32, offset: u32, n: u32, tx: &mut Vec<u8>) {
+    /// An R2T for task `itt` of connection target `target`, whose LUN it carries (§11.8).
+    fn r2t(
+        &mut self,
+        (itt, target): (u32, usize),
+        ttt: u32,
+        r2tsn: u32,
+        offset: u32,
+        n: u32,
+        tx: &mut Vec<u8>,
+    ) {
+        let lun = scsi::lun_to_wire(self.luns[target].info.lun);
         let mut b = Bhs::new(op::R2T, flag::FINAL);
-        b.itt(itt).set32(20, ttt);
+        b.lun(u64::from_be_bytes(lun)).itt(itt).set32(20, ttt);
         self.stamp(&mut b, false);
         b.set32(36, r2tsn).set32(40, offset).set32(44, n);
         b.encode(&[], &self.d, tx);
@@ -1900,9 +1910,9 @@ impl Iscsi {
             datasn: 0,
             end: at + n,
         };
-        let (itt, r2tsn) = (t.itt, t.r2tsn);
+        let (itt, r2tsn, target) = (t.itt, t.r2tsn, t.target as usize);
         t.r2tsn += 1;
-        self.r2t(itt, slot as u32, r2tsn, at, n, tx);
+        self.r2t((itt, target), slot as u32, r2tsn, at, n, tx);
     }
 
     /// Unsolicited Data-Out (InitialR2T=No): into the buffer of the write it follows, into a
@@ -2070,10 +2080,11 @@ impl Iscsi {
             // ABORT TASK, ABORT TASK SET, CLEAR ACA, CLEAR TASK SET, LOGICAL UNIT RESET name a
             // LUN.
             1..=5 if self.target_of(lun).is_none() => Err(2),
-            // ABORT TASK: the referenced task, whichever LU.
+            // ABORT TASK: the referenced task, on the LU it names (§11.5.1: the task's LUN;
+            // one ITT may be waiting on two LUs, `one_itt_on_two_lus_...`).
             1 => Ok(Scope {
                 only: Some(p.word20()),
-                on: None,
+                on: self.target_of(lun).map(|t| t as u8),
             }),
             // ABORT TASK SET, CLEAR TASK SET, LOGICAL UNIT RESET: that LU's task set
             // (SAM-5 7.2–7.6); the other LUs' tasks go on.
@@ -2232,7 +2243,9 @@ impl Iscsi {
                 iscsi::push_pair(&mut out, k, "NotUnderstood");
             }
         }
-        out.truncate(self.neg.send_max as usize);
+        // Whole pairs only, as many as one PDU the initiator takes holds: the rest of the keys
+        // go unanswered rather than a pair cut in two under F (no continuation is offered).
+        out.truncate(crate::iscsi::text_part(&out, 0, self.neg.send_max as usize));
         let mut b = Bhs::new(op::TEXT_RSP, flag::FINAL);
         b.itt(p.itt()).set32(20, RESERVED_TAG);
         self.stamp(&mut b, true);
@@ -2959,7 +2972,14 @@ mod tests {
             };
             assert_eq!(req.target as u64, lun);
             f.taken(&req);
+            tx.clear();
             f.solicit(&req, slot, 0, 4096, &mut tx);
+            assert_eq!(tx[0], op::R2T);
+            assert_eq!(
+                tx[8..16],
+                scsi::lun_to_wire(lun),
+                "the R2T names the write's LUN"
+            );
         }
         tx.clear();
         let tmf = |lun: u64, function: u8| {
@@ -2984,6 +3004,23 @@ mod tests {
             Decoded::Answered { .. }
         ));
         assert_eq!((tx[0], tx[2]), (op::TMF_RSP, 2));
+        // ABORT TASK of LUN 0's write (ITT 1) names LUN 0: under LUN 1 it is not that task.
+        let abort = |lun: u64| {
+            let mut pdu = tmf(lun, 1);
+            pdu[20..24].copy_from_slice(&1u32.to_be_bytes());
+            pdu
+        };
+        tx.clear();
+        assert!(
+            !matches!(f.decode(&abort(1), &mut tx), Decoded::Release { .. }),
+            "LUN 1 has no task 1"
+        );
+        assert_eq!(f.next_release(), None);
+        tx.clear();
+        assert!(matches!(
+            f.decode(&abort(0), &mut tx),
+            Decoded::Release { slot: 0, .. }
+        ));
     }
 
     const READ10_ONE: [u8; 10] = [0x28, 0, 0, 0, 0, 8, 0, 0, 1, 0];
@@ -3253,6 +3290,36 @@ mod tests {
         assert!(!f.encode_read_framing(&r, &data, &mut framing, &mut pieces));
         assert!(framing.is_empty() && pieces.is_empty());
         assert_eq!(f.outstanding(), 1, "still the copy's to answer");
+    }
+
+    /// A Text Response in the full feature phase carries whole `key=NotUnderstood` pairs
+    /// only, as many as fit MaxRecvDataSegmentLength: never one cut in two under F.
+    #[test]
+    fn a_text_response_holds_whole_pairs_within_the_segment_length() {
+        let mut f = fe(65536);
+        f.neg.send_max = 512;
+        let keys: Vec<u8> = (0..20)
+            .flat_map(|i| format!("X-{i:0>40}=1\0").into_bytes())
+            .collect();
+        let mut text = Bhs::new(op::TEXT_REQ | iscsi::IMMEDIATE, flag::FINAL);
+        text.itt(8).set32(20, RESERVED_TAG);
+        let mut pdu = Vec::new();
+        text.encode(&keys, &f.d, &mut pdu);
+        let mut tx = Vec::new();
+        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Answered { .. }));
+        let rsp = iscsi::decode(&tx, &f.d).unwrap();
+        assert_eq!(rsp.opcode(), op::TEXT_RSP);
+        let data = rsp.data;
+        assert!(
+            !data.is_empty() && data.len() <= 512,
+            "{} bytes",
+            data.len()
+        );
+        assert_eq!(data.last(), Some(&0), "ends after a whole pair");
+        for pair in iscsi::pairs(data) {
+            let (k, v) = pair.unwrap();
+            assert!(k.starts_with("X-") && v == "NotUnderstood", "{k}={v}");
+        }
     }
 
     /// What decode writes for a message never exceeds what `reply_bound` declared for it, or

@@ -1381,7 +1381,10 @@ fn discovery<S: Read + Write>(s: &mut S, l: &mut Login, registry: &Registry, add
             }
             op::NOP_OUT if p.itt() != RESERVED_TAG => {
                 requests += 1;
-                (op::NOP_IN, p.data.to_vec())
+                // The ping data back, cut to what the initiator takes in one PDU (as the
+                // full feature phase does).
+                let most = p.data.len().min(l.neg.send_max as usize);
+                (op::NOP_IN, p.data[..most].to_vec())
             }
             op::NOP_OUT => {
                 requests += 1;
@@ -1421,7 +1424,7 @@ fn discovery<S: Read + Write>(s: &mut S, l: &mut Login, registry: &Registry, add
 /// Where the part of `text` from `at` ends in a Text Response carrying at most `max` bytes:
 /// after the last whole key=value pair that fits (a pair longer than `max`, which no target
 /// name and address make, is cut).
-fn text_part(text: &[u8], at: usize, max: usize) -> usize {
+pub(crate) fn text_part(text: &[u8], at: usize, max: usize) -> usize {
     let limit = (at + max.max(1)).min(text.len());
     if limit == text.len() {
         return limit;

@@ -645,7 +645,11 @@ fn changed_rules_close_a_session_with_a_queue_joined_from_an_address_they_keep_o
         let from = PeerId::ip((joiner, 1001).into());
         assert!(r.join(reply.session, 1, &j, &from, false, None).is_ok());
         let revoked = r.set_allow("d", Some("127.0.0.1".into())).unwrap();
-        assert_eq!(revoked == [reply.session], closed, "joined from {joiner:?}: {revoked:?}");
+        assert_eq!(
+            revoked == [reply.session],
+            closed,
+            "joined from {joiner:?}: {revoked:?}"
+        );
     }
 }
 
