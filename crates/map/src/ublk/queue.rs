@@ -31,6 +31,9 @@ use crate::sys::Waker;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
+/// How long a request the target refused for want of memory waits before it is sent again
+/// (NO_MEMORY, NVMe's Command Interrupted: the target ran nothing and says to retry).
+const RETRY_AFTER: Duration = Duration::from_millis(10);
 /// At most one log line per this long about requests failed with EIO, however many fail.
 const LOG_EVERY: Duration = Duration::from_secs(5);
 /// user_data of the poll on the reconnection eventfd: tags are below `UBLK_MAX_QUEUE_DEPTH`,
@@ -57,6 +60,18 @@ struct Slot {
     /// fenced yet (PROTOCOL.md §2.6): the target may still run it. Set only when that queue
     /// has an identity to be fenced by; cleared when a reconnection naming it is welcomed.
     unfenced: bool,
+    /// Refused for want of memory at the target (which ran nothing): sent again then, or
+    /// answered EIO at its deadline.
+    retry_at: Option<Instant>,
+}
+
+/// What a target's answer to a tag's request means for the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Answer {
+    /// Committed with this result: bytes, 0, or a negative errno.
+    Commit(i32),
+    /// Sent again after `RETRY_AFTER` (`Slot::retry_at`).
+    Retry,
 }
 
 impl Slot {
@@ -97,6 +112,25 @@ fn arrived_by(slots: &[Slot], t: Instant) -> impl Iterator<Item = usize> + '_ {
         .enumerate()
         .filter(move |(_, s)| s.op.is_some() && s.arrived <= t && !s.unfenced)
         .map(|(tag, _)| tag)
+}
+
+/// Of the requests refused for want of memory (`waiting`), those due to be sent again at
+/// `now` (before their deadline: after it they are `expire`'s); `waiting` keeps the others
+/// still waiting, and forgets those answered or sent again since (no `retry_at`).
+fn retries_due(slots: &[Slot], waiting: &mut Vec<usize>, now: Instant) -> Vec<usize> {
+    let mut due = Vec::new();
+    waiting.retain(|&tag| {
+        let s = &slots[tag];
+        match s.retry_at.filter(|_| s.op.is_some()) {
+            None => false,
+            Some(at) if at <= now && at < s.deadline => {
+                due.push(tag);
+                false
+            }
+            Some(_) => true,
+        }
+    });
+    due
 }
 
 /// When the next request is due, if any request waits.
@@ -210,6 +244,10 @@ pub(crate) struct QueueWorker {
     slots: Vec<Slot>,
     /// Completions of one `complete` call: tag and result to commit.
     done: Vec<(usize, i32)>,
+    /// Tags whose request waits to be sent again (`Slot::retry_at`), each once.
+    retrying: Vec<usize>,
+    /// Completions of one `complete` call refused for want of memory (reused).
+    refused: Vec<usize>,
     /// Tags with a command (FETCH_REQ or COMMIT_AND_FETCH_REQ) the kernel has not ended.
     alive_tags: usize,
     url: Url,
@@ -352,9 +390,12 @@ impl QueueWorker {
                     arrived: now,
                     deadline: now,
                     unfenced: false,
+                    retry_at: None,
                 })
                 .collect(),
             done: Vec::with_capacity(depth),
+            retrying: Vec::with_capacity(depth),
+            refused: Vec::with_capacity(depth),
             // Counted as `fetch_all` arms them: a worker dropped before (setup failed) frees
             // its buffers.
             alive_tags: 0,
@@ -424,6 +465,7 @@ impl QueueWorker {
         self.slots[tag].op = None;
         self.slots[tag].sent = false;
         self.slots[tag].unfenced = false;
+        self.slots[tag].retry_at = None;
         self.push_cmd(UBLK_U_IO_COMMIT_AND_FETCH_REQ, tag, result)
     }
 
@@ -454,6 +496,7 @@ impl QueueWorker {
         let Some(op) = self.slots[tag].op else {
             return Ok(());
         };
+        self.slots[tag].retry_at = None;
         let buf = self.buf(tag);
         let Some(q) = self.link.as_mut() else {
             if let Some(o) = &mut self.outage {
@@ -481,7 +524,10 @@ impl QueueWorker {
         }
     }
 
-    /// The result to commit for a blkwire completion; read data goes into the tag's buffer.
+    /// What to do with a blkwire completion: the result to commit (read data goes into the
+    /// tag's buffer), or, refused for want of memory, the request sent again (the target's
+    /// word that it ran nothing and that the initiator retries: failed, a filesystem would
+    /// take a transient refusal for a broken disk).
     ///
     /// # Safety
     ///
@@ -492,9 +538,12 @@ impl QueueWorker {
         bufs: *mut u8,
         buf_len: usize,
         c: &Completion<'_>,
-    ) -> Option<i32> {
+    ) -> Option<Answer> {
         let tag = c.user as usize;
         let op = slots.get(tag)?.op?;
+        if c.status == Status::NoMemory {
+            return Some(Answer::Retry);
+        }
         if c.status != Status::Ok {
             // The target's errno: the driver turns ENOSPC into BLK_STS_NOSPC, EOPNOTSUPP into
             // BLK_STS_NOTSUPP, the rest into an I/O error.
@@ -502,9 +551,9 @@ impl QueueWorker {
                 0 => libc::EIO,
                 e => e,
             };
-            return Some(-errno);
+            return Some(Answer::Commit(-errno));
         }
-        Some(match op.op {
+        Some(Answer::Commit(match op.op {
             BlockOp::Read => {
                 let len = op.len as usize;
                 let n = c.data.len().min(len);
@@ -519,7 +568,7 @@ impl QueueWorker {
             }
             BlockOp::Write => op.len as i32,
             _ => 0,
-        })
+        }))
     }
 
     /// Starts a reconnection in a thread of its own, whose end wakes the ring (`waker`): the
@@ -783,6 +832,7 @@ impl QueueWorker {
             self.reconnect(now)?;
             // The target's answers, without waiting.
             let mut done = std::mem::take(&mut self.done);
+            let mut refused = std::mem::take(&mut self.refused);
             let r = match self.link.as_mut() {
                 Some(q) => {
                     let (slots, bufs, buf_len) = (&self.slots, self.bufs.ptr, self.buf_len);
@@ -794,8 +844,10 @@ impl QueueWorker {
                         // included. But it writes only the buffers of tags with a fetch armed,
                         // and `result_of` only those of tags holding a request we have not
                         // committed yet (`op`), so the two never touch the same buffer.
-                        if let Some(res) = unsafe { Self::result_of(slots, bufs, buf_len, &c) } {
-                            done.push((c.user as usize, res));
+                        match unsafe { Self::result_of(slots, bufs, buf_len, &c) } {
+                            Some(Answer::Commit(res)) => done.push((c.user as usize, res)),
+                            Some(Answer::Retry) => refused.push(c.user as usize),
+                            None => {}
                         }
                     })
                 }
@@ -807,9 +859,15 @@ impl QueueWorker {
             done.clear();
             self.done = done;
             let now = Instant::now();
+            for &tag in &refused {
+                self.refused_for_memory(tag, now);
+            }
+            refused.clear();
+            self.refused = refused;
             if let Err(e) = r {
                 self.link_down(&e.to_string(), now);
             }
+            self.retry(now)?;
             if next_deadline(&self.slots, self.timeout).is_some_and(|d| now >= d) {
                 self.expire(now)?;
             }
@@ -856,6 +914,7 @@ impl QueueWorker {
             let limit = [
                 self.link.as_ref().and_then(|q| q.deadline()),
                 next_deadline(&self.slots, self.timeout),
+                self.next_retry(),
                 self.outage.as_ref().and_then(|o| o.wake_at()),
                 self.fail_log_due(),
             ]
@@ -865,6 +924,41 @@ impl QueueWorker {
             .map(|d| d.saturating_duration_since(Instant::now()));
             crate::sockpoll::sleep(&mut self.ring, limit)?;
         }
+    }
+
+    /// The target refused `tag`'s request for want of memory: its command is over, and the
+    /// request waits `RETRY_AFTER` to be sent again.
+    fn refused_for_memory(&mut self, tag: usize, now: Instant) {
+        let s = &mut self.slots[tag];
+        if s.op.is_none() || !s.sent {
+            return;
+        }
+        s.sent = false;
+        s.retry_at = Some(now + RETRY_AFTER);
+        if !self.retrying.contains(&tag) {
+            self.retrying.push(tag);
+        }
+    }
+
+    /// Sends again the requests refused for want of memory whose wait is over; forgets those
+    /// sent or answered since (a reconnection sends every waiting request; one whose deadline
+    /// comes first is `expire`'s to fail).
+    fn retry(&mut self, now: Instant) -> Result<(), String> {
+        if self.retrying.is_empty() || self.link.is_none() {
+            return Ok(());
+        }
+        for tag in retries_due(&self.slots, &mut self.retrying, now) {
+            self.send(tag, now)?;
+        }
+        Ok(())
+    }
+
+    /// When the first request refused for want of memory is due to be sent again.
+    fn next_retry(&self) -> Option<Instant> {
+        self.retrying
+            .iter()
+            .filter_map(|&tag| self.slots[tag].retry_at)
+            .min()
     }
 
     pub(crate) fn run(mut self, ev: mpsc::Sender<QEvent>) {
@@ -899,6 +993,7 @@ mod tests {
             arrived: t0,
             deadline,
             unfenced: false,
+            retry_at: None,
         };
         let t = secs(5);
         // Tag 0 is free (its stale deadline means nothing), tag 1 was sent at t0 and never
@@ -933,6 +1028,7 @@ mod tests {
             arrived: t0,
             deadline: t0 + timeout,
             unfenced: false,
+            retry_at: None,
         };
         // Due at its deadline: a change in flight on a connection with an identity is held
         // (the connection is given up); one not sent, a read, a flush, or one on a connection
@@ -1017,6 +1113,7 @@ mod tests {
             arrived,
             deadline: arrived + timeout,
             unfenced: false,
+            retry_at: None,
         };
         let mut o = Outage::new(t0);
         let mut slots = vec![slot(ms(500))];
@@ -1055,6 +1152,7 @@ mod tests {
             arrived: t0,
             deadline: t0,
             unfenced: false,
+            retry_at: None,
         }];
         let mut buf = vec![0u8; 4096];
         for (status, errno) in [
@@ -1070,8 +1168,54 @@ mod tests {
             };
             // SAFETY: one slot, one 4096-byte buffer of ours.
             let r = unsafe { QueueWorker::result_of(&slots, buf.as_mut_ptr(), 4096, &c) };
-            assert_eq!(r, Some(-errno), "{status:?}");
+            assert_eq!(r, Some(Answer::Commit(-errno)), "{status:?}");
         }
+        // Refused for want of memory (the target ran nothing and says to retry): sent again,
+        // never failed to the kernel as ENOMEM (a filesystem's I/O error).
+        let c = Completion {
+            user: 0,
+            length: 4096,
+            status: Status::NoMemory,
+            data: &[],
+        };
+        // SAFETY: as above.
+        let r = unsafe { QueueWorker::result_of(&slots, buf.as_mut_ptr(), 4096, &c) };
+        assert_eq!(r, Some(Answer::Retry));
+    }
+
+    /// A request refused for want of memory is sent again once its wait is over, not before,
+    /// and never past its deadline (then it is failed); one answered or sent again since is
+    /// forgotten.
+    #[test]
+    fn refused_requests_are_due_again_after_their_wait_and_before_their_deadline() {
+        let t0 = Instant::now();
+        let slot = |retry_at: Option<Instant>, deadline: Instant| Slot {
+            op: Some(BlockRequest::new(BlockOp::Write, 0, 4096)),
+            sent: false,
+            arrived: t0,
+            deadline,
+            unfenced: false,
+            retry_at,
+        };
+        let later = t0 + Duration::from_secs(30);
+        let mut slots = vec![
+            slot(Some(t0 + RETRY_AFTER), later),
+            slot(Some(t0 + RETRY_AFTER), t0 + RETRY_AFTER),
+            slot(None, later),
+            slot(Some(t0 + 2 * RETRY_AFTER), later),
+        ];
+        slots[2].op = None;
+        let mut waiting = vec![0, 1, 2, 3];
+        assert!(retries_due(&slots, &mut waiting, t0).is_empty(), "not yet");
+        assert_eq!(waiting, [0, 1, 3], "tag 2 was answered");
+        assert_eq!(retries_due(&slots, &mut waiting, t0 + RETRY_AFTER), [0]);
+        assert_eq!(
+            waiting,
+            [1, 3],
+            "tag 1's deadline came first: it waits to fail"
+        );
+        assert_eq!(retries_due(&slots, &mut waiting, later), [3]);
+        assert_eq!(waiting, [1]);
     }
 
     #[test]
