@@ -484,14 +484,7 @@ fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, St
         ),
     };
     if let Mode::New { .. } = spec.mode {
-        if let Some(old) = Record::load(&device)? {
-            if old.liveness() == state::Liveness::Running {
-                return Err(format!(
-                    "{device} is still recorded for blkwire pid {}",
-                    old.pid
-                ));
-            }
-        }
+        check_earlier_record(&device, Record::load(&device))?;
         undo.record = Some(device.clone());
     }
     let book = Arc::new(
@@ -873,6 +866,27 @@ fn refuse_in_use(path: &str) -> Result<(), String> {
 /// What holds a device that is not mounted in our mount namespace, for messages.
 const HOLDERS: &str = "a partition of it mounted, a mount in another mount namespace, device-mapper, md or swap on it";
 
+/// A record found for the number ADD_DEV just gave a new device belongs to a device deleted
+/// since: it is replaced, unless its daemon still runs (then that daemon would take this
+/// device for its own). One that does not parse (damaged, edited by hand) is replaced too,
+/// logged: the kernel hands out the lowest free number, so refusing it would fail every map.
+fn check_earlier_record(
+    device: &str,
+    loaded: Result<Option<Record>, String>,
+) -> Result<(), String> {
+    match loaded {
+        Ok(Some(old)) if old.liveness() == state::Liveness::Running => Err(format!(
+            "{device} is still recorded for blkwire pid {}",
+            old.pid
+        )),
+        Ok(_) => Ok(()),
+        Err(e) => {
+            log!("warn", "{e}; {device} is new: its record is replaced");
+            Ok(())
+        }
+    }
+}
+
 /// `unmap /dev/ublkbN`: a live daemon is asked to stop (SIGTERM) and waited for; a dead one's
 /// device is stopped and deleted here, but only if GET_DEV_INFO says it is still the recorded
 /// one (`unmap_action`): the number of a device deleted behind blkwire's back may be another
@@ -1042,6 +1056,30 @@ mod tests {
                 },
             ),
         ]
+    }
+
+    /// A record left for the number a new device was given is replaced, damaged or not,
+    /// unless its daemon still runs.
+    #[test]
+    fn a_new_devices_earlier_record_is_replaced_unless_its_daemon_runs() {
+        let dev = "/dev/ublkb0";
+        assert!(check_earlier_record(dev, Ok(None)).is_ok());
+        assert!(
+            check_earlier_record(dev, Ok(Some(record()))).is_ok(),
+            "pid 4242 is gone"
+        );
+        let damaged = Err(format!("{dev}: unreadable mapping record"));
+        assert!(
+            check_earlier_record(dev, damaged).is_ok(),
+            "a damaged one too"
+        );
+        let running = Record {
+            pid: std::process::id() as i32,
+            start_time: crate::state::self_start_time(),
+            ..record()
+        };
+        let e = check_earlier_record(dev, Ok(Some(running))).unwrap_err();
+        assert!(e.contains("still recorded for blkwire pid"), "{e}");
     }
 
     #[test]
