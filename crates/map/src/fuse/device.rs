@@ -144,6 +144,8 @@ struct Undo {
     record: Option<LoopDev>,
     restore: Option<Record>,
     bound: Option<LoopDev>,
+    /// A loop device created for this mapping (`--dev-num` of one that did not exist).
+    created: Option<LoopDev>,
     /// We turned the kernel's FUSE-over-io_uring switch on for this mapping.
     switch_on: bool,
 }
@@ -157,6 +159,7 @@ impl Undo {
         self.record = None;
         self.restore = None;
         self.bound = None;
+        self.created = None;
         self.switch_on = false;
     }
 }
@@ -165,6 +168,11 @@ impl Drop for Undo {
     fn drop(&mut self) {
         if let Some(d) = self.bound {
             let _ = d.detach();
+        }
+        if let Some(d) = self.created {
+            if let Err(e) = d.remove() {
+                log!("warn", "removing {} again: {e}", d.path());
+            }
         }
         if let Some(r) = &self.restore {
             let _ = r.save();
@@ -659,7 +667,14 @@ fn bind(
     loop {
         attempt += 1;
         let dev = match dev_num {
-            Some(n) => LoopDev::ensure(n).map_err(|e| format!("creating /dev/loop{n}: {e}"))?,
+            Some(n) => {
+                let (d, created) =
+                    LoopDev::ensure(n).map_err(|e| format!("creating /dev/loop{n}: {e}"))?;
+                if created {
+                    undo.created = Some(d);
+                }
+                d
+            }
             None => LoopDev::get_free_except(&skip)
                 .map_err(|e| format!("finding a free loop device: {e}"))?,
         };
@@ -1008,6 +1023,39 @@ mod tests {
         let r = bind(file, None, 512, false, record(url), records, &mut undo);
         undo.disarm();
         r
+    }
+
+    /// A loop device `--dev-num` created for a map that then fails (here: a damaged record
+    /// for it) is removed again; one that existed before is left.
+    #[test]
+    fn a_loop_device_created_for_a_failed_map_is_removed() {
+        needs_root();
+        let _binding = binding_loop_devices();
+        let scratch = Scratch::new("created");
+        let records = scratch.records();
+        std::fs::create_dir_all(&records).unwrap();
+        let (f, _) = scratch.file("new");
+        let absent = (900..100_000)
+            .find(|n| !Path::new(&format!("/sys/block/loop{n}")).exists())
+            .unwrap();
+        let existing = LoopDev::get_free().unwrap().index;
+        for (n, existed) in [(absent, false), (existing, true)] {
+            std::fs::write(records.join(format!("loop{n}.json")), "{\"device\": ").unwrap();
+            let mut undo = Undo::default();
+            let r = bind(
+                &f,
+                Some(n),
+                512,
+                false,
+                record("tcp://h/x"),
+                &records,
+                &mut undo,
+            );
+            assert!(r.is_err(), "loop{n}: the damaged record refuses it");
+            drop(undo);
+            let sys = format!("/sys/block/loop{n}");
+            assert_eq!(Path::new(&sys).exists(), existed, "{sys}");
+        }
     }
 
     /// Maps started at once are all offered the same free device: each must still end up on a

@@ -12,6 +12,7 @@ const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
 const LOOP_CHANGE_FD: libc::c_ulong = 0x4C06;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
 const LOOP_CTL_ADD: libc::c_ulong = 0x4C80;
+const LOOP_CTL_REMOVE: libc::c_ulong = 0x4C81;
 const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
 
 const LO_FLAGS_READ_ONLY: u32 = 1;
@@ -126,7 +127,7 @@ impl LoopDev {
             let d = LoopDev { index };
             if !skip.contains(&index) {
                 if !d.sys("").exists() {
-                    return LoopDev::ensure(index);
+                    return LoopDev::ensure(index).map(|(d, _)| d);
                 }
                 if d.backing_file().is_none() {
                     return Ok(d);
@@ -138,8 +139,9 @@ impl LoopDev {
         }
     }
 
-    /// Makes sure /dev/loopN exists (LOOP_CTL_ADD; an existing device is fine).
-    pub fn ensure(index: u32) -> io::Result<LoopDev> {
+    /// Makes sure /dev/loopN exists (LOOP_CTL_ADD; an existing device is fine); says whether
+    /// it was created here (a failed map removes it again: `remove`).
+    pub fn ensure(index: u32) -> io::Result<(LoopDev, bool)> {
         let ctl = open_dev("/dev/loop-control", libc::O_RDWR)?;
         // SAFETY: LOOP_CTL_ADD takes the index by value.
         let r = unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_ADD, index as libc::c_ulong) };
@@ -148,8 +150,24 @@ impl LoopDev {
             if e.raw_os_error() != Some(libc::EEXIST) {
                 return Err(e);
             }
+            return Ok((LoopDev { index }, false));
         }
-        Ok(LoopDev { index })
+        Ok((LoopDev { index }, true))
+    }
+
+    /// Removes the device (LOOP_CTL_REMOVE): one `ensure` created for a map that failed.
+    /// Refused (EBUSY) while it is bound or open.
+    pub fn remove(&self) -> io::Result<()> {
+        let ctl = open_dev("/dev/loop-control", libc::O_RDWR)?;
+        // SAFETY: LOOP_CTL_REMOVE takes the index by value.
+        let r = unsafe {
+            libc::ioctl(
+                ctl.as_raw_fd(),
+                LOOP_CTL_REMOVE,
+                self.index as libc::c_ulong,
+            )
+        };
+        ioctl_ret(r).map(|_| ())
     }
 
     /// Binds `file` with direct I/O (so the data is not cached both in the loop device's page
