@@ -30,6 +30,9 @@ pub fn run(a: Args) -> Result<(), String> {
         queues: 64,
         depth: 1024,
         max_io: 32 << 20,
+        // The grant says what the target allows; a connection for each of its queues would
+        // only take the target's memory (and fail on a small one).
+        probe: true,
         timeout: std::time::Duration::from_secs_f64(a.timeout),
         ..Default::default()
     };

@@ -176,6 +176,18 @@ fn info_shows_geometry_and_lists_exports() {
     assert!(ok && out.contains("read-only"), "{out}");
 }
 
+/// `info` reads the grant from a session of one connection: a target whose memory holds the
+/// minimum of fewer queues than it grants still answers (connecting every queue granted, info
+/// failed with "join queue 9: target out of resources"), and shows what it grants.
+#[test]
+fn info_answers_from_a_target_with_little_memory() {
+    let t = Target::start_with(&["m=mem:64M"], &["--max-memory", "64M"]);
+    let (ok, out, err) = cli(&["info", &t.url("m"), "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["max_queues"], 64, "{out}");
+}
+
 #[test]
 fn bench_json_reports_iops_and_latency() {
     let t = Target::start(&["m=mem:64M"]);

@@ -104,6 +104,7 @@ pub fn tcp_queue(
         give_up: None,
         poll: Duration::ZERO,
         replaces: None,
+        probe: false,
     };
     let q = match nvme {
         None => StreamQueue::new(Link::Plain(sock), 0, &info, &opts)?,

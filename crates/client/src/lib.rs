@@ -162,6 +162,10 @@ pub struct ConnectOptions {
     /// overtaken by the old copy of it. `connect` retries while the target says the old queue
     /// is still draining (`BUSY`), up to `timeout`.
     pub replaces: Option<QueueRef>,
+    /// Only the first queue is connected: the grant is read (`Session::info` says what the
+    /// target allows, `queues` included) without a connection for every queue it allows, each
+    /// of which takes the target's memory (`blkwire info`). `Session::queues` then holds one.
+    pub probe: bool,
 }
 
 impl Default for ConnectOptions {
@@ -179,6 +183,7 @@ impl Default for ConnectOptions {
             give_up: None,
             poll: Duration::from_micros(50),
             replaces: None,
+            probe: false,
         }
     }
 }
@@ -296,7 +301,7 @@ pub const MAX_RANGE: u32 = 1 << 30;
 pub struct Session {
     /// The export and what the target granted.
     pub info: ExportInfo,
-    /// One per granted queue, each meant for one thread.
+    /// One per granted queue (one only for a `probe`), each meant for one thread.
     pub queues: Vec<Queue>,
 }
 
@@ -431,6 +436,15 @@ pub fn shown(s: &str) -> std::borrow::Cow<'_, str> {
         })
         .collect::<String>()
         .into()
+}
+
+/// How many of the `granted` queues a session connects (`ConnectOptions::probe`).
+fn joined(opts: &ConnectOptions, granted: u16) -> u16 {
+    if opts.probe {
+        granted.min(1)
+    } else {
+        granted
+    }
 }
 
 /// Lists the exports of the target a URL points at that this host may open (the export part
@@ -828,7 +842,7 @@ fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Res
     };
     let seal0 = keys.as_ref().map(|k| k.queue(reply.session, 0));
     let mut queues = vec![mk(link0, 0, r.credit, seal0)];
-    for q in 1..reply.queues {
+    for q in 1..joined(opts, reply.queues) {
         let link = open(q, Some(reply.session))?;
         let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);
         h.session = reply.session;
@@ -916,7 +930,7 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
         info.max_range,
     )
     .known_as(name(0))];
-    for q in 1..reply.queues {
+    for q in 1..joined(opts, reply.queues) {
         // Every queue of a TLS session is a TLS connection of its own.
         let (mut s, deadline) = open_link(url, opts, tls.as_ref())?;
         let mut h = Header::request(Opcode::Join, Tag::new(0, 0), 0, 0);

@@ -596,7 +596,7 @@ pub(crate) fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     };
     let admin = Arc::new(a.s);
     let mut out = Vec::with_capacity(granted as usize);
-    for qid in 1..=granted {
+    for qid in 1..=crate::joined(opts, granted) {
         let mut s = Setup::open(url, opts, max_io)?;
         // SQSIZE is 0's based and a queue holds one entry less than its size: `depth`
         // commands in flight need `depth + 1` entries.
