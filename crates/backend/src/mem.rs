@@ -2,7 +2,11 @@
 //! is written, so a `mem:1T` export costs nothing until used, and the kernel's own bookkeeping
 //! answers "where is data" exactly (SEEK_DATA/SEEK_HOLE) for `cp` and NBD block status.
 //!
-//! Writes copy into a shared mapping of the memfd. A read fault on a hole of that mapping would
+//! Writes copy into a shared mapping of the memfd, into pages backed first (`fallocate`, where
+//! the record below does not call them written: one call for a range's first write): under
+//! strict overcommit a store into a page the kernel cannot give raises SIGBUS, which would end
+//! the target, where `fallocate` fails the one request (NO_SPACE; the kernel lab's
+//! `mem-overcommit` scenario). A read fault on a hole of that mapping would
 //! allocate the page and make never-written ranges look allocated, so reads go through the
 //! mapping only where every page was written, as the export's own record says ([`Written`], a
 //! bit a page, set by writes, cleared by the holes punched); elsewhere they `pread`, which
@@ -195,6 +199,36 @@ impl MemBackend {
         unsafe { read_fd(self.fd.as_raw_fd(), offset, buf, len) }
     }
 
+    /// Backs `len` bytes at `offset` with memory before they are written through the mapping,
+    /// where the record does not say every page was written: 0, or a negative errno (ENOSPC,
+    /// ENOMEM). A store into a page the kernel cannot give (strict overcommit: shmem charges
+    /// each page as it is first touched) raises SIGBUS, which would end the whole target;
+    /// `fallocate` says no instead, and the request alone fails (NO_SPACE). A TRIM punching
+    /// the pages between the two can still leave one to fault: racing requests on the same
+    /// pages, as the module's comment says.
+    fn back(&self, offset: u64, len: u64) -> i32 {
+        if self
+            .written
+            .all(offset / PAGE, (offset + len).div_ceil(PAGE))
+        {
+            return 0;
+        }
+        // SAFETY: fallocate on our fd, inside its (sealed) size; no memory is involved.
+        let r = unsafe {
+            libc::fallocate(
+                self.fd.as_raw_fd(),
+                0,
+                offset as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        if r == 0 {
+            0
+        } else {
+            -errno()
+        }
+    }
+
     /// Records `len` bytes at `offset` as written (after the copy into the mapping).
     fn wrote(&self, offset: u64, len: u32) {
         self.written
@@ -215,6 +249,10 @@ impl MemBackend {
             Op::Write {
                 offset, buf, len, ..
             } => {
+                let backed = self.back(offset, len as u64);
+                if backed != 0 {
+                    return backed;
+                }
                 // SAFETY: the range is bounds-checked by Export and lies inside our mapping; the
                 // caller vouches for the buffer.
                 unsafe {
@@ -227,6 +265,10 @@ impl MemBackend {
             // pread from the memfd, not a copy through the mapping: a source hole stays
             // unallocated instead of being faulted in.
             Op::Copy { src, dst, len } => {
+                let backed = self.back(dst, len as u64);
+                if backed != 0 {
+                    return backed;
+                }
                 // SAFETY: the destination range is bounds-checked by Export (check_copy) and
                 // lies inside our mapping; the source range is inside the file and does not
                 // overlap it.
@@ -240,6 +282,10 @@ impl MemBackend {
             }
             // From another export's file or memfd straight into our mapping: one copy.
             Op::CopyFrom { fd, src, dst, len } => {
+                let backed = self.back(dst, len as u64);
+                if backed != 0 {
+                    return backed;
+                }
                 // SAFETY: the destination range is bounds-checked by Export (check_copy_from)
                 // and lies inside our mapping; the caller keeps `fd` open until the result.
                 match unsafe { read_fd(fd, src, self.base.add(dst as usize), len) } {
@@ -264,6 +310,10 @@ impl MemBackend {
                 ..
             } => {
                 // Allocated zeros, as asked: write them.
+                let backed = self.back(offset, len as u64);
+                if backed != 0 {
+                    return backed;
+                }
                 // SAFETY: the range is bounds-checked by Export and lies inside our mapping.
                 unsafe { std::ptr::write_bytes(self.base.add(offset as usize), 0, len as usize) };
                 self.wrote(offset, len);
@@ -472,6 +522,11 @@ impl Backend for MemBackend {
     }
     fn mapped_for_write(&self, offset: u64, len: u64) -> Option<*mut u8> {
         debug_assert!(offset.checked_add(len).is_some_and(|end| end <= self.size));
+        // Backed first (`back`): fragments stored into a page the kernel cannot give would
+        // raise SIGBUS. Not backed, the WRITE takes a buffer and fails as any other.
+        if self.back(offset, len) != 0 {
+            return None;
+        }
         // SAFETY: inside the mapping (range-checked by the caller), which lives as long as the
         // backend.
         Some(unsafe { self.base.add(offset as usize) })
