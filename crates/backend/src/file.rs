@@ -404,6 +404,12 @@ impl FileBackend {
             r
         };
         if r == -libc::EOPNOTSUPP || r == -libc::EINVAL {
+            // O_DIRECT writes take aligned ranges only: the aligned pieces of a range that is
+            // not would be zeroed, then its edge refused (EINVAL after changing the export).
+            let align = self.buffer_alignment() as u64;
+            if !(offset | u64::from(len)).is_multiple_of(align) {
+                return -libc::EINVAL;
+            }
             let fd = self.fd;
             return crate::export::write_zeroes_by_writing(
                 offset,
@@ -1127,6 +1133,55 @@ mod tests {
         assert!(back[..4096].iter().all(|&x| x == 7), "before the range");
         assert!(back[4096..].iter().all(|&x| x == 0), "the range zeroed");
         drop(b);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// On an O_DIRECT block device, a zeroing its BLKZEROOUT refuses (not whole sectors) is
+    /// refused before anything is zeroed: the fallback writes zeros with O_DIRECT, which
+    /// zeroed the aligned pieces, then failed at the edge. Needs root and losetup.
+    #[test]
+    fn an_unaligned_zeroing_of_a_direct_device_changes_nothing() {
+        let dir = std::env::temp_dir().join(format!("blkwire-dzero-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("f.img");
+        std::fs::write(&file, vec![7u8; 4 << 20]).unwrap();
+        let out = std::process::Command::new("losetup")
+            .args(["--find", "--show"])
+            .arg(&file)
+            .output()
+            .expect("losetup (util-linux) runs");
+        assert!(
+            out.status.success(),
+            "losetup: {} (this test needs root and loop devices)",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        struct Detach(String);
+        impl Drop for Detach {
+            fn drop(&mut self) {
+                let _ = std::process::Command::new("losetup")
+                    .args(["-d", &self.0])
+                    .status();
+            }
+        }
+        let _detach = Detach(dev.clone());
+        let b = FileBackend::open(Path::new(&dev), true, false).unwrap();
+        assert_eq!(b.buffer_alignment(), 4096);
+        let mut zeros = ZeroBuf::default();
+        assert_eq!(
+            b.write_zeroes(0, (1 << 20) + 100, false, false, &mut zeros),
+            -libc::EINVAL
+        );
+        drop(b);
+        let back = std::fs::read(&dev).unwrap();
+        assert!(back.iter().all(|&x| x == 7), "nothing zeroed");
+        // Whole sectors, not whole pages: BLKZEROOUT zeroes them (no O_DIRECT write).
+        let b = FileBackend::open(Path::new(&dev), true, false).unwrap();
+        assert_eq!(b.write_zeroes(0, (1 << 20) + 512, false, false, &mut zeros), 0);
+        drop(b);
+        let back = std::fs::read(&dev).unwrap();
+        assert!(back[..(1 << 20) + 512].iter().all(|&x| x == 0));
+        assert!(back[(1 << 20) + 512..].iter().all(|&x| x == 7));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
