@@ -277,7 +277,20 @@ impl FileBackend {
             b.logical = 512;
             b.physical = 4096;
         }
-        // A partial last block could be neither read nor written whole by any client.
+        // A partial last block could be neither read nor written whole by any client: of the
+        // block the export takes I/O in (`Export::io_block`: whole pages with O_DIRECT).
+        let unit = b.buffer_alignment().max(b.logical as usize) as u64;
+        if b.block_device && !size.is_multiple_of(unit) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{}: its size ({size} bytes) is not a multiple of {unit} bytes, the unit \
+                     of its direct I/O: its last bytes could not be reached; export it \
+                     without ?direct=1",
+                    path.display()
+                ),
+            ));
+        }
         if !size.is_multiple_of(u64::from(b.logical)) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -1177,11 +1190,51 @@ mod tests {
         assert!(back.iter().all(|&x| x == 7), "nothing zeroed");
         // Whole sectors, not whole pages: BLKZEROOUT zeroes them (no O_DIRECT write).
         let b = FileBackend::open(Path::new(&dev), true, false).unwrap();
-        assert_eq!(b.write_zeroes(0, (1 << 20) + 512, false, false, &mut zeros), 0);
+        assert_eq!(
+            b.write_zeroes(0, (1 << 20) + 512, false, false, &mut zeros),
+            0
+        );
         drop(b);
         let back = std::fs::read(&dev).unwrap();
         assert!(back[..(1 << 20) + 512].iter().all(|&x| x == 0));
         assert!(back[(1 << 20) + 512..].iter().all(|&x| x == 7));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A block device whose size is not whole pages is refused with O_DIRECT (its last bytes
+    /// could be neither read nor written in the export's 4 KiB blocks), taken without it.
+    /// Needs root and losetup.
+    #[test]
+    fn a_direct_device_of_a_partial_last_page_is_refused() {
+        let dir = std::env::temp_dir().join(format!("blkwire-dtail-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("f.img");
+        std::fs::write(&file, vec![7u8; (1 << 20) + 512]).unwrap();
+        let out = std::process::Command::new("losetup")
+            .args(["--find", "--show"])
+            .arg(&file)
+            .output()
+            .expect("losetup (util-linux) runs");
+        assert!(
+            out.status.success(),
+            "losetup: {} (this test needs root and loop devices)",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        struct Detach(String);
+        impl Drop for Detach {
+            fn drop(&mut self) {
+                let _ = std::process::Command::new("losetup")
+                    .args(["-d", &self.0])
+                    .status();
+            }
+        }
+        let _detach = Detach(dev.clone());
+        let e = FileBackend::open(Path::new(&dev), true, false)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("without ?direct=1"), "{e}");
+        assert!(FileBackend::open(Path::new(&dev), false, false).is_ok());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
