@@ -646,17 +646,17 @@ pub fn run_session(cmd: SessionCmd) -> Result<(), String> {
 
 pub fn run_save_config(a: SaveConfigArgs) -> Result<(), String> {
     let config = a.socket.call("save_config", None)?;
-    let text = serde_json::to_string_pretty(&config).expect("a Value always serializes") + "\n";
+    let calls = config.as_array().map(Vec::as_slice).unwrap_or_default();
+    let text = blkwire_server::config_text(calls);
     match a.file {
         None => print!("{text}"),
         Some(file) => {
             // Owner only, as the target writes it (it names key files and devices).
             blkwire_server::write_private(&file, text.as_bytes())
                 .map_err(|e| format!("cannot write {}: {e}", file.display()))?;
-            let calls = config.as_array().map_or(0, Vec::len);
             println!(
                 "saved {} to {}",
-                counted(calls as u64, "call"),
+                counted(calls.len() as u64, "call"),
                 file.display()
             );
         }
@@ -697,7 +697,7 @@ pub fn run_load_config(a: LoadConfigArgs) -> Result<(), String> {
     }
     // A config too large for one request line (the target takes lines of up to 1 MiB) goes
     // by its path instead: the control socket is local, so the target reads the same file.
-    // Measured as sent (compact JSON), not as written (`save-config` indents).
+    // Measured as sent (compact JSON), not as written (`save-config` puts a call per line).
     let inline = json!({ "config": config });
     let params = if inline.to_string().len() + 256 < blkwire_server::MAX_RPC_REQUEST {
         inline

@@ -815,7 +815,7 @@ fn configs_that_cannot_be_served_fail_at_start_in_one_line_and_leave_nothing_beh
     assert!(e.contains("target_options must be the first call"), "{e}");
     let e = run(r#"[{"method":"target_options","params":{"max_io":1}}]"#);
     assert!(e.contains("max_io must be"), "{e}");
-    // A device that never ends is refused once 16 MiB of it are read.
+    // A device that never ends is refused once 20 MiB of it are read.
     let out = Command::new(BIN)
         .args(["serve", "--rpc-socket", sock.to_str().unwrap()])
         .args(["--config", "/dev/zero"])
@@ -825,7 +825,7 @@ fn configs_that_cannot_be_served_fail_at_start_in_one_line_and_leave_nothing_beh
     assert!(!out.status.success() && !sock.exists(), "{err}");
     assert!(
         err.trim_end().ends_with(
-            "--config /dev/zero: cannot read it: larger than 16 MiB, the most read: is it the right file?"
+            "--config /dev/zero: cannot read it: larger than 20 MiB, the most read: is it the right file?"
         ),
         "{err}"
     );

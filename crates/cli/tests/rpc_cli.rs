@@ -172,7 +172,7 @@ fn load_config_checks_its_file_before_connecting() {
         &["load-config", missing, "--socket", socket],
         &format!("cannot read {missing}"),
     );
-    // At most 16 MiB is read, of a file or of a device such as /dev/zero, which never ends
+    // At most 20 MiB is read, of a file or of a device such as /dev/zero, which never ends
     // (the CLI grew until memory ran out).
     let huge = d.path("huge.json");
     std::fs::File::create(&huge)
@@ -182,11 +182,12 @@ fn load_config_checks_its_file_before_connecting() {
     for file in ["/dev/zero", huge.to_str().unwrap()] {
         assert_one_line_error(
             &["load-config", file, "--socket", socket],
-            &format!("cannot read {file}: larger than 16 MiB"),
+            &format!("cannot read {file}: larger than 20 MiB"),
         );
     }
-    // A pipe (`load-config <(...)`) is read like a file; `save-config`'s indented form is
-    // measured as it is sent (compact), so one over 1 MiB as written still goes inline.
+    // A pipe (`load-config <(...)`) is read like a file; a config written indented (by hand,
+    // or as `save-config` once wrote) is measured as it is sent (compact), so one over 1 MiB
+    // as written still goes inline.
     let fifo = d.path("fifo.json");
     let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
     // SAFETY: `c` is a NUL-terminated path that outlives the call.

@@ -1335,17 +1335,38 @@ fn save_config(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     )?;
     let calls = running_config(sh);
     let doc = serde_json::to_value(&calls).unwrap_or_default();
+    // Checked before a file is written: one the reply cannot carry would be written, then
+    // the call answered as failed.
+    let len = doc.to_string().len();
+    if len + 1024 > crate::rpc::MAX_REPLY {
+        return Err(RpcError::refused(format!(
+            "the config is {len} bytes, more than one reply carries ({} MiB): nothing was \
+             written",
+            crate::rpc::MAX_REPLY >> 20
+        )));
+    }
     if let Some(path) = p.path {
         write_config(&path, &calls).map_err(RpcError::refused)?;
     }
     Ok(doc)
 }
 
+/// A config as written to a file: a JSON array of one call per line, readable, and no more
+/// than a few bytes a call longer than the reply that carried it (indented, a config near the
+/// largest reply would not load again: `MAX_CONFIG_FILE`).
+pub fn config_text<T: serde::Serialize>(calls: &[T]) -> String {
+    let mut text = String::from("[");
+    for (i, c) in calls.iter().enumerate() {
+        text.push_str(if i == 0 { "\n  " } else { ",\n  " });
+        text.push_str(&serde_json::to_string(c).unwrap_or_default());
+    }
+    text.push_str("\n]\n");
+    text
+}
+
 /// Writes a config atomically (`write_private`): it names key files and devices.
 pub fn write_config(path: &Path, calls: &[Call]) -> Result<(), String> {
-    let mut text = serde_json::to_string_pretty(calls).unwrap_or_default();
-    text.push('\n');
-    write_private(path, text.as_bytes())
+    write_private(path, config_text(calls).as_bytes())
         .map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
@@ -1397,8 +1418,9 @@ pub fn write_private(path: &Path, data: &[u8]) -> std::io::Result<()> {
 }
 
 /// The largest config `load_config` reads from a file: as large as the reply of a
-/// `save_config` may be (`rpc::MAX_REPLY`), a hundred thousand exports and more.
-pub const MAX_CONFIG_FILE: u64 = 16 << 20;
+/// `save_config` may be (`rpc::MAX_REPLY`), a hundred thousand exports and more, written a
+/// call per line (`config_text`: four bytes a call more).
+pub const MAX_CONFIG_FILE: u64 = 20 << 20;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -1498,6 +1520,35 @@ fn rpc_get_methods(_: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A config file is a call per line, parses back to the calls, and is no more than four
+    /// bytes a call (and its brackets) longer than the compact reply that carried it: a
+    /// config as large as a reply may be loads again (`MAX_CONFIG_FILE`).
+    #[test]
+    fn a_config_file_is_a_call_per_line_and_about_as_long_as_the_reply() {
+        let calls: Vec<Call> = (0..1000)
+            .map(|i| {
+                Call::new(
+                    "export_add",
+                    serde_json::json!({"name": format!("e{i}"), "spec": "null:1G"}),
+                )
+            })
+            .collect();
+        let text = config_text(&calls);
+        assert_eq!(text.lines().count(), calls.len() + 2);
+        assert_eq!(parse_config(&text, "test").unwrap().len(), calls.len());
+        let compact = serde_json::to_string(&calls).unwrap().len();
+        assert!(
+            text.len() <= compact + 4 * calls.len() + 4,
+            "{} vs {compact}",
+            text.len()
+        );
+        let largest = crate::rpc::MAX_REPLY as u64;
+        assert!(
+            MAX_CONFIG_FILE >= largest + largest / 4,
+            "room for a call per line"
+        );
+    }
 
     #[test]
     fn options_round_trip_through_their_call() {

@@ -45,7 +45,8 @@ use blkwire_wire::{ExportEntry, Header, Hello, Opcode, Status, HEADER_LEN};
 use crate::log::{Level, Throttle};
 pub use budget::Reservation;
 pub use control::{
-    parse_config, write_config, write_private, Call, Options, RpcError, MAX_CONFIG_FILE, MIN_MEMORY,
+    config_text, parse_config, write_config, write_private, Call, Options, RpcError,
+    MAX_CONFIG_FILE, MIN_MEMORY,
 };
 use frontend::StreamFrontend;
 use reactor::{Msg, NewQueue, Reactor};
