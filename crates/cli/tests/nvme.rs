@@ -49,6 +49,34 @@ impl NvmeTarget {
     }
 }
 
+/// Writes sent for R2Ts beyond what the connection's share of the memory budget holds at
+/// once (1 MiB each, 64 deep, a 64 MiB budget) all complete: those waiting for memory to be
+/// solicited do not stop the connection from reading the data of those solicited, which is
+/// what gives the memory back (it stopped reading: every write waited until the host gave up).
+#[test]
+fn writes_beyond_the_memory_share_complete_as_solicited_data_frees_memory() {
+    let t = NvmeTarget::start_with(&["m=mem:256M"], &["--max-memory", "64M"]);
+    let (ok, out, err) = cli(&[
+        "bench",
+        &format!("nvme-tcp://{}/m", t.addr),
+        "--rw",
+        "write",
+        "--bs",
+        "1M",
+        "--iodepth",
+        "64",
+        "--runtime",
+        "2",
+        "--timeout",
+        "20",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["errors"], 0, "{out}");
+    assert!(v["ops"].as_u64().unwrap() > 64, "more than one round of writes: {out}");
+}
+
 #[test]
 fn discovery_lists_every_subsystem_at_the_listener() {
     let t = NvmeTarget::start(&["disk0=mem:16M", "disk1=mem:8M"]);

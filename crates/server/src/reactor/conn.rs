@@ -9,7 +9,7 @@ use blkwire_wire::{Status, HEADER_LEN};
 use io_uring::{opcode, types};
 
 use super::ring::{ud, Pusher, KIND_POLL_OUT};
-use super::stream::parse_frames;
+use super::stream::{parse_frames, writes_wait};
 use crate::budget::Account;
 use crate::bufpool::Buffers;
 use crate::executor::{Executor, Started};
@@ -681,8 +681,16 @@ pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     loop {
         // Dispatch what is buffered first: it may already hold many frames.
         parse_frames(c, idx, sq);
-        // Starved (waiting for memory): read nothing more until the reactor retries it.
-        if c.closing || !c.readable || c.starved || c.tx_backlog() >= c.tx_high_water() {
+        // Starved (waiting for memory): read nothing more until the reactor retries it, but
+        // while writes wait for data (solicited, or for the memory to solicit it): that data
+        // completes the writes holding the memory, and the requests behind it wait in slots
+        // (`parse_frames`), so stopping here would wait for memory only it frees. Reading
+        // only fills the receive buffer as it is: it grows in `make_room`, under the budget.
+        if c.closing
+            || !c.readable
+            || (c.starved && !writes_wait(c))
+            || c.tx_backlog() >= c.tx_high_water()
+        {
             return;
         }
         if c.rx_end == c.rx.len() {

@@ -667,7 +667,7 @@ fn refuse_for_memory(c: &mut Conn, req: &Req, len: usize) {
 
 /// Whether writes wait in slots for data the initiator has yet to send (or for the memory to
 /// ask for it).
-fn writes_wait(c: &Conn) -> bool {
+pub(super) fn writes_wait(c: &Conn) -> bool {
     !c.deferred.is_empty() || c.slots.iter().any(|s| s.awaiting.is_some())
 }
 
