@@ -301,6 +301,13 @@ impl Conn {
         self.tx_backlog() + self.held - self.queued
     }
 
+    /// `data_pending` but WRITE data (`held_in`), which never goes into `tx`: what the mark
+    /// bounds before a READ is taken. Counted, the data of writes parked behind a READ kept
+    /// it waiting on the mark while those writes waited behind it, and nothing moved again.
+    pub(super) fn replies_pending(&self) -> usize {
+        self.tx_backlog() + self.held_out()
+    }
+
     /// Sends `len` bytes of `buf` (a READ's data) from where they are, after `tx[..at]`
     /// (its reply's prefix, the last thing appended but a suffix); the buffer goes back to
     /// the pool once sent. Plain sockets only: TLS seals what `tx` holds.

@@ -240,7 +240,12 @@ fn request_cover(c: &mut Conn, req: &Req, payload_len: usize) -> Cover {
     // docs/BENCHMARKS.md, issue 18.) A write whose data follows unsolicited gets its buffer now
     // or never, as a write waiting for memory gets it in `run_deferred`: by the memory budget
     // alone.
-    if moves_data && !unsolicited && !follows && c.data_pending() >= c.tx_high_water() {
+    let pending = if req.is_read() {
+        c.replies_pending()
+    } else {
+        c.data_pending()
+    };
+    if moves_data && !unsolicited && !follows && pending >= c.tx_high_water() {
         return Cover::Wait;
     }
     // And the memory budget must cover what the request will add: its reply data, and a data
@@ -2480,6 +2485,53 @@ mod tests {
         }
     }
 
+    /// Write data never goes into the transmit buffer, so it does not hold READs back at the
+    /// high-water mark: with four writes holding the mark's worth of buffers while they wait
+    /// for their data (iSCSI ImmediateData), a READ runs at once, and the writes after it
+    /// that brought their first data wait for the four (it waited, parked, and the data the
+    /// writes parked behind it brought kept it waiting on the mark once the four ran, while
+    /// those writes waited behind it: nothing moved again).
+    #[test]
+    fn write_data_does_not_hold_a_read_back_at_the_high_water_mark() {
+        const MIB: usize = 1 << 20;
+        const IMM: usize = 128 << 10;
+        let p = vec![5u8; MIB];
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn("m=mem:8M");
+        c.slots = (0..48).map(|_| Slot::default()).collect();
+        c.free_slots = (0..48).rev().collect();
+        for i in 0..4 {
+            let w = write(i as u64, (i * MIB) as u64, MIB as u32, &p[..IMM]);
+            feed(&mut c, &mut ring, &w);
+        }
+        let asked = solicited(&take_tx(&mut c));
+        assert_eq!(asked.len(), 4);
+        assert!(
+            c.data_pending() >= c.tx_high_water(),
+            "the four hold the mark"
+        );
+        feed(&mut c, &mut ring, &read(100, 0, 4096));
+        assert!(c.deferred.is_empty(), "the READ did not wait");
+        let tx = take_tx(&mut c);
+        assert!(
+            tx.windows(11).any(|w| w == status_reply(100, Status::Ok)),
+            "the READ ran"
+        );
+        let mut msgs = Vec::new();
+        for i in 0..32u64 {
+            msgs.extend_from_slice(&write(200 + i, (i % 8) * MIB as u64, MIB as u32, &p[..IMM]));
+        }
+        feed(&mut c, &mut ring, &msgs);
+        assert_eq!(c.deferred.len(), 32, "the writes wait for the four");
+        let mut msgs = Vec::new();
+        for &(slot, offset, len) in &asked {
+            msgs.extend_from_slice(&data(slot, offset, &p[offset as usize..][..len as usize]));
+        }
+        feed(&mut c, &mut ring, &msgs);
+        assert_eq!(c.targets[0].exec.stats.writes, 4);
+        assert!(!solicited(&take_tx(&mut c)).is_empty(), "then they go on");
+    }
+
     /// One message that gives up several parked writes (iSCSI ABORT TASK SET) releases them
     /// all before anything waiting for memory goes on: once the writes before them ran and
     /// gave their memory back, neither aborted write runs nor is answered.
@@ -2556,13 +2608,15 @@ mod tests {
     /// runs nor is answered, and its slot goes back; the other runs once memory is back.
     #[test]
     fn a_read_parked_for_memory_is_the_frontends_to_release_and_then_never_runs() {
+        const BUDGET: usize = 6 << 20;
         const MIB: usize = 1 << 20;
         let p = vec![9u8; MIB];
         let mut ring = Ring::new(8).unwrap();
-        let (mut c, _peer) = conn("m=mem:8M");
+        let (mut c, _peer) = conn_budget("m=mem:8M", false, BUDGET);
         c.slots = (0..8).map(|_| Slot::default()).collect();
         c.free_slots = (0..8).rev().collect();
-        // Four 1 MiB writes waiting for their data hold the high-water mark of data buffers.
+        // Four 1 MiB writes waiting for their data leave too little of the budget (6 MiB) for
+        // a 1 MiB READ beside them.
         let mut msgs = Vec::new();
         for i in 0..4 {
             msgs.extend_from_slice(&write(i as u64, (i * MIB) as u64, MIB as u32, &[]));
@@ -2572,8 +2626,8 @@ mod tests {
         assert_eq!(asked.len(), 4);
         assert_eq!(parked(&mut c, &mut ring), [], "the writes left the wait");
         // Two READs behind them must wait for memory: each in a slot, told to the frontend.
-        let mut msgs = read(8, 0, 4096);
-        msgs.extend_from_slice(&read(9, 4096, 4096));
+        let mut msgs = read(8, 0, MIB as u32);
+        msgs.extend_from_slice(&read(9, MIB as u64, MIB as u32));
         feed(&mut c, &mut ring, &msgs);
         assert_eq!(c.rx_start, c.rx_end, "both taken");
         assert_eq!(c.deferred.len(), 2);
