@@ -74,7 +74,10 @@ fn writes_beyond_the_memory_share_complete_as_solicited_data_frees_memory() {
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["errors"], 0, "{out}");
-    assert!(v["ops"].as_u64().unwrap() > 64, "more than one round of writes: {out}");
+    assert!(
+        v["ops"].as_u64().unwrap() > 64,
+        "more than one round of writes: {out}"
+    );
 }
 
 #[test]

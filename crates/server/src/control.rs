@@ -611,6 +611,22 @@ fn export_add(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     }
     let spec = ExportSpec::parse(&format!("{}={}", p.name, p.spec))
         .map_err(|e| RpcError::params(e.to_string()))?;
+    // What is wrong with the request itself is INVALID_PARAMS, as a spec's syntax is: a
+    // backend no target knows, rules that do not parse. What the target cannot do with it
+    // (a name taken, a file it cannot open) is REFUSED.
+    let scheme = spec.backend.split_once(':').map_or("", |(s, _)| s);
+    if blkwire_backend::registry::find(scheme).is_none() {
+        return Err(RpcError::params(format!(
+            "export '{}': unknown backend '{scheme}' (known: {})",
+            p.name,
+            blkwire_backend::registry::KINDS
+                .iter()
+                .map(|k| k.scheme)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    check_rules(&p.name, spec.allow.as_deref())?;
     sh.registry.add_export(spec).map_err(RpcError::refused)?;
     crate::log!(
         sh.change_level(),
@@ -726,6 +742,7 @@ fn export_set_allow(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
             p.name
         )));
     }
+    check_rules(&p.name, p.allow.as_deref())?;
     let closed = sh
         .registry
         .set_allow(&p.name, p.allow)
@@ -734,6 +751,15 @@ fn export_set_allow(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     let mut e = export_entry(sh, &p.name);
     e["closed_sessions"] = closed.len().into();
     Ok(e)
+}
+
+/// Allow rules that do not parse are the request's fault (INVALID_PARAMS); the registry
+/// checks them again with what depends on the target (host ids need keys: REFUSED).
+fn check_rules(export: &str, rules: Option<&str>) -> Result<(), RpcError> {
+    match rules.map(blkwire_auth::Acl::parse) {
+        Some(Err(e)) => Err(RpcError::params(format!("export '{export}': {e}"))),
+        _ => Ok(()),
+    }
 }
 
 fn export_list(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {

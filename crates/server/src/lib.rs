@@ -2010,6 +2010,59 @@ mod tests {
         assert_eq!(udp.config_url(), "udp://127.0.0.1:7701");
     }
 
+    /// A request that is wrong in itself is INVALID_PARAMS (a backend no target knows, rules
+    /// that do not parse), what this target cannot do with a valid one REFUSED (a name
+    /// taken, host-id rules without keys).
+    #[test]
+    fn bad_specs_and_rules_are_invalid_params_and_what_cannot_be_done_refused() {
+        let t = Target::start(&config(&[], &[]).options).unwrap();
+        t.call(
+            "export_add",
+            serde_json::json!({"name": "a", "spec": "mem:1M"}),
+        )
+        .unwrap();
+        let code =
+            |method: &str, params: serde_json::Value| t.call(method, params).err().map(|e| e.code);
+        for (method, params) in [
+            (
+                "export_add",
+                serde_json::json!({"name": "b", "spec": "disk:1G"}),
+            ),
+            (
+                "export_add",
+                serde_json::json!({"name": "b", "spec": "mem:1M,allow=10.0.0.0/99"}),
+            ),
+            (
+                "export_set_allow",
+                serde_json::json!({"name": "a", "allow": "10.0.0.0/99"}),
+            ),
+        ] {
+            assert_eq!(
+                code(method, params.clone()),
+                Some(RpcError::INVALID_PARAMS),
+                "{params}"
+            );
+        }
+        for (method, params) in [
+            (
+                "export_add",
+                serde_json::json!({"name": "a", "spec": "mem:1M"}),
+            ),
+            (
+                "export_set_allow",
+                serde_json::json!({"name": "a", "allow": "alice"}),
+            ),
+        ] {
+            assert_eq!(
+                code(method, params.clone()),
+                Some(RpcError::REFUSED),
+                "{params}"
+            );
+        }
+        t.stop_handle().stop();
+        t.run().unwrap();
+    }
+
     /// A page of stats of any offset and size is answered (here an empty page, no next), not a
     /// panic on `offset + limit` overflowing (with overflow checks, as in a debug build; a
     /// release build wrapped and happened to answer right).

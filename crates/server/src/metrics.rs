@@ -409,7 +409,8 @@ const COUNTERS: [Counter; 9] = [
     Counter {
         name: "dropped_duplicates_total",
         help: "Datagram requests that were late, duplicates or stale: dropped, or answered \
-               from the reply of the request they repeat (always 0 on streams)",
+               from the reply of the request they repeat; on streams, iSCSI commands dropped \
+               for their CmdSN (0 on other streams)",
         value: |s| s.dropped_duplicates,
     },
 ];
