@@ -1387,6 +1387,8 @@ fn subsystems_change_at_run_time_through_the_control_socket() {
         }
         other => panic!("expected the AER's completion, got {other:?}"),
     }
+    // A read that fails (an offset not of whole dwords) leaves it for the next.
+    assert_eq!(a.get_log(0x04, 4096, 2).code(), 0x02, "Invalid Field");
     assert_eq!(active(&a.get_log(0x04, 4096, 0).data), [5]);
     assert_eq!(
         active(&a.get_log(0x04, 4096, 0).data),
@@ -1633,6 +1635,46 @@ fn with_keys_a_controller_has_no_session_until_its_host_authenticates() {
             .all(|s| s["export"] == "disk0"),
         "{sessions}"
     );
+}
+
+/// An AUTH_Receive whose allocation length is more than the host's buffer (its SGL) holds
+/// is refused (Data SGL Length Invalid) without data and without using up the message it
+/// would have read: the next, within its buffer, reads the Challenge, and the exchange ends
+/// authenticated. On the admin queue and on an I/O queue (which sent the message past the
+/// buffer; on both, the Challenge was lost).
+#[test]
+fn an_auth_receive_past_the_hosts_buffer_is_refused_and_loses_nothing() {
+    use blkwire_auth::dhchap::{HostAuth, Secret};
+    use nvme_host::{auth_receive, auth_receive_sized, auth_send};
+    let dir = TempDir::new("nvme-auth-room");
+    let alice = "nqn.2014-08.org.nvmexpress:uuid:a11ce000-0000-4000-8000-000000000002";
+    let ka = Secret::generate();
+    let keys = key_file(&dir, &[format!("{alice}:{}", ka.to_dhhc().unwrap())]);
+    let t = Controlled::start_with(&dir, &["disk0=mem:1M"], &["--keys", &keys]);
+    let o = Opts {
+        hostnqn: alice.into(),
+        ..Opts::default()
+    };
+    let exchange = |q: &mut Queue, seq: u16| {
+        let mut host = HostAuth::new(alice, &nqn("disk0"), &ka, None, seq);
+        assert_eq!(auth_send(q, &host.negotiate()).code(), 0);
+        let short = auth_receive_sized(q, 4096, 64);
+        assert_eq!(short.code(), 0x0f, "Data SGL Length Invalid");
+        assert!(short.data.is_empty(), "{} bytes sent", short.data.len());
+        let challenge = auth_receive(q);
+        assert_eq!(challenge.code(), 0);
+        let reply = host.on_challenge(&challenge.data).expect("the Challenge");
+        assert_eq!(auth_send(q, &reply).code(), 0);
+        let s1 = auth_receive(q);
+        assert_eq!(s1.code(), 0);
+        assert!(host.on_success1(&s1.data).is_ok(), "authenticated");
+    };
+    let (mut a, _) = Queue::connect(&t.addr, &nqn("disk0"), 0, 0xffff, &o).unwrap();
+    exchange(&mut a, 1);
+    a.enable();
+    let (mut q, _) = Queue::connect(&t.addr, &nqn("disk0"), 1, a.cntlid, &o).unwrap();
+    exchange(&mut q, 2);
+    assert_eq!(q.write_in(0, &[5; 512], BS).unwrap().code(), 0);
 }
 
 /// The AUTH_Receive after the host's Reply reads AUTH_Failure1 ("authentication failed"), not

@@ -535,10 +535,15 @@ pub fn auth_send(q: &mut Queue, msg: &[u8]) -> Done {
 
 /// AUTH_Receive (fctype 0x06) with allocation length 4096, as the kernel asks.
 pub fn auth_receive(q: &mut Queue) -> Done {
+    auth_receive_sized(q, 4096, 4096)
+}
+
+/// AUTH_Receive with allocation length `al` into a buffer of `room` bytes (its SGL).
+pub fn auth_receive_sized(q: &mut Queue, al: u32, room: u32) -> Done {
     let mut c = fabrics(0x06);
     c.cdw10 = 0xe9 << 24 | 0x01 << 16 | 0x01 << 8;
-    c.cdw11 = 4096;
-    q.command_in(c, &[], 4096).expect("AUTH_Receive")
+    c.cdw11 = al;
+    q.command_in(c, &[], room).expect("AUTH_Receive")
 }
 
 /// The kernel host's DH-HMAC-CHAP exchange on a queue whose Connect asked for it: true when

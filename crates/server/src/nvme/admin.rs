@@ -423,8 +423,9 @@ impl AdminQueue {
                     0x01 if !discovery => Some(vec![0u8; 64]),
                     0x02 if !discovery => Some(smart_log()),
                     0x03 if !discovery => Some(firmware_log()),
-                    // Changed Namespace List (Base spec §5.16.1.5): read, it is cleared.
-                    0x04 if !discovery => Some(self.changed_list(q.cdw10 & 1 << 15 == 0)),
+                    // Changed Namespace List (Base spec §5.16.1.5): read, it is cleared (below,
+                    // once the command is known to succeed).
+                    0x04 if !discovery => Some(self.changed_list()),
                     _ => None,
                 };
                 let Some(page) = page else {
@@ -444,6 +445,13 @@ impl AdminQueue {
                 let start = (offset as usize).min(page.len());
                 let n = (page.len() - start).min(len);
                 out[..n].copy_from_slice(&page[start..start + n]);
+                // Read (RAE clear): cleared only when the host gets it. A read that fails
+                // (here, or for its buffer: `send`) would leave a host that reads again an
+                // empty list, and no notice would tell it of the namespaces gone.
+                if lid == 0x04 && q.cdw10 & 1 << 15 == 0 && len <= self.room as usize {
+                    self.changed.clear();
+                    self.notice_sent = false;
+                }
                 self.finish(sock, q.cid, sc::SUCCESS, 0, Some(out))
             }
             admin::SET_FEATURES => {
@@ -562,16 +570,11 @@ impl AdminQueue {
         self.finish(sock, cid, sc::SUCCESS, dw0, None).map(|_| ())
     }
 
-    /// The Changed Namespace List log page: the NSIDs removed since it was last read (cleared
-    /// unless `keep`: RAE set).
-    fn changed_list(&mut self, clear: bool) -> Vec<u8> {
+    /// The Changed Namespace List log page: the NSIDs removed since it was last read.
+    fn changed_list(&self) -> Vec<u8> {
         let mut b = vec![0u8; spec::IDENTIFY_LEN];
         for (i, id) in self.changed.iter().take(1024).enumerate() {
             b[i * 4..i * 4 + 4].copy_from_slice(&id.to_le_bytes());
-        }
-        if clear {
-            self.changed.clear();
-            self.notice_sent = false;
         }
         b
     }
@@ -843,6 +846,15 @@ impl QueueAuth {
         let al = q.cdw11;
         if !auth_fields_ok(q, al) || al as usize > MAX_AUTH_LEN {
             return (sc::INVALID_FIELD | sc::DNR, None);
+        }
+        // The answer is `al` bytes: more than the host's buffer holds would land past it.
+        // Refused before the message is taken, so the next AUTH_Receive still reads it.
+        let room = match q.sgl() {
+            Sgl::TransportDataBlock { length, .. } | Sgl::DataBlock { length, .. } => length,
+            _ => 0,
+        };
+        if al > room {
+            return (sc::SGL_INVALID_DATA | sc::DNR, None);
         }
         match self.inner.on_receive(al) {
             Ok(mut m) => {
