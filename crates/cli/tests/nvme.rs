@@ -1643,7 +1643,7 @@ fn with_keys_a_controller_has_no_session_until_its_host_authenticates() {
 /// authenticated. On the admin queue and on an I/O queue (which sent the message past the
 /// buffer; on both, the Challenge was lost).
 #[test]
-fn an_auth_receive_past_the_hosts_buffer_is_refused_and_loses_nothing() {
+fn auth_receive_past_the_hosts_buffer_loses_nothing_and_a_failed_reauthentication_revokes() {
     use blkwire_auth::dhchap::{HostAuth, Secret};
     use nvme_host::{auth_receive, auth_receive_sized, auth_send};
     let dir = TempDir::new("nvme-auth-room");
@@ -1675,6 +1675,15 @@ fn an_auth_receive_past_the_hosts_buffer_is_refused_and_loses_nothing() {
     let (mut q, _) = Queue::connect(&t.addr, &nqn("disk0"), 1, a.cntlid, &o).unwrap();
     exchange(&mut q, 2);
     assert_eq!(q.write_in(0, &[5; 512], BS).unwrap().code(), 0);
+    // A re-authentication whose Reply does not check out (another key) takes the admin
+    // queue's access away at once, whether or not the host reads Failure1.
+    assert_eq!(a.identify(1, 0).code(), 0);
+    let mut other = HostAuth::new(alice, &nqn("disk0"), &Secret::generate(), None, 3);
+    assert_eq!(auth_send(&mut a, &other.negotiate()).code(), 0);
+    let challenge = auth_receive(&mut a);
+    let reply = other.on_challenge(&challenge.data).expect("a Challenge");
+    assert_eq!(auth_send(&mut a, &reply).code(), 0);
+    assert_eq!(a.identify(1, 0).code(), 0x191, "Authentication Required");
 }
 
 /// The AUTH_Receive after the host's Reply reads AUTH_Failure1 ("authentication failed"), not

@@ -663,7 +663,7 @@ impl AdminQueue {
         }
         let auth = self.auth.as_mut().expect("just set");
         let st = auth.send(q, data);
-        self.authenticated |= auth.succeeded();
+        self.authenticated = auth.keeps(self.authenticated);
         st
     }
 
@@ -672,7 +672,7 @@ impl AdminQueue {
             return (sc::CMD_SEQ_ERROR | sc::DNR, None);
         };
         let r = auth.receive(q);
-        self.authenticated |= auth.succeeded();
+        self.authenticated = auth.keeps(self.authenticated);
         r
     }
 
@@ -868,6 +868,19 @@ impl QueueAuth {
     /// The host proved its key (and, bidirectionally, heard ours).
     pub fn succeeded(&self) -> bool {
         self.inner.authenticated()
+    }
+
+    /// Whether a controller that was authenticated (`was`) still is after this exchange's
+    /// last step: it is once it succeeds; a re-authentication under way keeps what the last
+    /// one gave; one that failed (Failure1 waiting to be read, or read) takes it away, so a
+    /// host whose new Reply did not check out cannot go on with its admin commands by never
+    /// reading Failure1.
+    pub fn keeps(&self, was: bool) -> bool {
+        use blkwire_auth::dhchap::State;
+        match self.inner.state() {
+            State::Failure1 | State::Failed => false,
+            _ => was || self.succeeded(),
+        }
     }
 
     /// The host has proved its key in this exchange (its Reply checked out), whether or not
