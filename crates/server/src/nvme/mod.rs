@@ -1559,8 +1559,13 @@ fn io_connect<S: Read + Write>(
         return None;
     }
     if registry.access.has_keys() {
-        // Every queue proves the host again (the kernel authenticates each one).
-        let auth = admin::QueueAuth::new(registry, &c.hostnqn, &ctrl.subnqn)?;
+        // Every queue proves the host again (the kernel authenticates each one). A key
+        // removed since the controller was found (`keys_load`): the host is told, not left
+        // without an answer to its Connect.
+        let Some(auth) = admin::QueueAuth::new(registry, &c.hostnqn, &ctrl.subnqn) else {
+            reply(s, c.qid, sc::CONNECT_INVALID_HOST | sc::DNR, 0);
+            return None;
+        };
         let mut sq_head = 1u16;
         reply(s, c.qid, sc::SUCCESS, c.cntlid as u32 | CONNECT_AUTHREQ_ATR)?;
         let entries = c.sqsize + 1;
