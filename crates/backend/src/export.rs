@@ -60,6 +60,27 @@ impl ExportSpec {
         s
     }
 
+    /// The spec with a `file:` path made absolute against this process's working directory:
+    /// a spec is kept (`save_config`) and read again by a target that may start elsewhere
+    /// (systemd runs it in `/`), and sent over the control socket to a target whose working
+    /// directory is not the caller's. Other backends, and absolute paths, are unchanged.
+    pub fn absolute(mut self) -> ExportSpec {
+        let Some(rest) = self.backend.strip_prefix("file:") else {
+            return self;
+        };
+        let (path, query) = match rest.split_once('?') {
+            Some((p, q)) => (p, format!("?{q}")),
+            None => (rest, String::new()),
+        };
+        if path.is_empty() || path.starts_with('/') {
+            return self;
+        }
+        if let Ok(abs) = std::path::absolute(path) {
+            self.backend = format!("file:{}{query}", abs.display());
+        }
+        self
+    }
+
     /// The spec after its export grew to `size` bytes ([`Export::resize`]), so that a saved
     /// config opens it at that size: backends whose argument is their size (`null:SIZE`) get the
     /// new size; the others (a `file:` carries its size itself) are unchanged.
@@ -1538,6 +1559,21 @@ mod tests {
     use super::*;
     use crate::testing::Recorder;
     use crate::{FileBackend, MemBackend};
+
+    #[test]
+    fn relative_file_paths_are_made_absolute_and_nothing_else_changes() {
+        let cwd = std::env::current_dir().unwrap();
+        let spec = |s: &str| ExportSpec::parse(s).unwrap().absolute().options();
+        assert_eq!(
+            spec("d=file:d.img?direct=1,ro,allow=10.0.0.0/8"),
+            format!(
+                "file:{}?direct=1,ro,allow=10.0.0.0/8",
+                cwd.join("d.img").display()
+            )
+        );
+        assert_eq!(spec("d=file:/abs/d.img"), "file:/abs/d.img");
+        assert_eq!(spec("d=mem:1G"), "mem:1G");
+    }
 
     #[test]
     fn spec_parsing() {

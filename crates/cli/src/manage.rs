@@ -301,6 +301,11 @@ pub struct LoadConfigArgs {
 pub fn run_export(cmd: ExportCmd) -> Result<(), String> {
     match cmd {
         ExportCmd::Add { name, spec, socket } => {
+            // A relative file: path is this shell's, not the target's working directory.
+            let spec = match blkwire_backend::ExportSpec::parse(&format!("{name}={spec}")) {
+                Ok(s) => s.absolute().options(),
+                Err(_) => spec, // the target says what is wrong with it
+            };
             let entry = socket.call("export_add", Some(json!({"name": name, "spec": spec})))?;
             let ro = if entry["read_only"] == true {
                 ", read-only"

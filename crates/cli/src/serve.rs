@@ -409,11 +409,13 @@ fn flag_options(a: &Args) -> Result<serde_json::Value, String> {
     if let Some(t) = a.tls {
         o.insert("tls".into(), t.name().into());
     }
+    // Absolute: a saved config is read again by a target that may start elsewhere.
+    let absolute = |p: &std::path::Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
     if let Some(c) = &a.tls_cert {
-        o.insert("tls_cert".into(), c.display().to_string().into());
+        o.insert("tls_cert".into(), absolute(c).display().to_string().into());
     }
     if let Some(k) = &a.tls_key {
-        o.insert("tls_key".into(), k.display().to_string().into());
+        o.insert("tls_key".into(), absolute(k).display().to_string().into());
     }
     Ok(o.into())
 }

@@ -224,6 +224,30 @@ fn a_target_built_by_calls_alone_comes_back_the_same_from_its_saved_config() {
     );
 }
 
+/// Relative paths name what the user meant wherever the target runs and wherever its saved
+/// config is read again: `export add` with a relative `file:` path from a directory other
+/// than the target's opens the file in the user's, and the config names it absolutely.
+#[test]
+fn relative_paths_are_the_callers_and_saved_absolute() {
+    let dir = TempDir::new("relative-paths");
+    let t = Managed::start(&dir, &[]);
+    let work = dir.path("work");
+    std::fs::create_dir_all(&work).unwrap();
+    std::fs::write(work.join("d.img"), vec![0u8; 1 << 20]).unwrap();
+    let mut cmd = Command::new(BIN);
+    cmd.current_dir(&work)
+        .args(["export", "add", "d", "file:d.img", "--socket", &t.sock]);
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let config = t.rpc("save_config", json!({})).to_string();
+    let want = format!("file:{}", work.join("d.img").display());
+    assert!(config.contains(&want), "{config}");
+}
+
 #[test]
 fn every_method_takes_good_parameters_and_refuses_bad_ones_in_one_line() {
     let dir = TempDir::new("manage-methods");

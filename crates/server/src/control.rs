@@ -536,7 +536,9 @@ fn keys_load(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     let store = blkwire_auth::KeyStore::load_owned(&p.path).map_err(RpcError::refused)?;
     let hosts = store.len();
     sh.registry.access.set_keys(store);
-    *sh.keys_path.lock().unwrap_or_else(|e| e.into_inner()) = Some(p.path);
+    // Kept (`save_config`) as a path that still names it from another working directory.
+    let path = std::path::absolute(&p.path).unwrap_or(p.path);
+    *sh.keys_path.lock().unwrap_or_else(|e| e.into_inner()) = Some(path);
     let closed = sh.registry.revoke_unpermitted();
     sh.close_sessions(&closed);
     Ok(json!({ "hosts": hosts, "closed_sessions": closed.len() }))
@@ -610,7 +612,8 @@ fn export_add(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
         )));
     }
     let spec = ExportSpec::parse(&format!("{}={}", p.name, p.spec))
-        .map_err(|e| RpcError::params(e.to_string()))?;
+        .map_err(|e| RpcError::params(e.to_string()))?
+        .absolute();
     // What is wrong with the request itself is INVALID_PARAMS, as a spec's syntax is: a
     // backend no target knows, rules that do not parse. What the target cannot do with it
     // (a name taken, a file it cannot open) is REFUSED.
