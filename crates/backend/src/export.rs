@@ -383,6 +383,14 @@ impl Export {
         Ok(total)
     }
 
+    /// The size in whole blocks of `io_block`, what a session is told: a direct=1 block
+    /// device of 512-byte sectors may end in part of a page, which no I/O of whole pages
+    /// reaches (NVMe/TCP's and iSCSI's block counts leave it out too).
+    pub fn served_size(&self) -> u64 {
+        let block = u64::from(self.io_block());
+        self.size() / block * block
+    }
+
     /// READ and WRITE must start and end on this boundary (O_DIRECT backends); 1 otherwise.
     pub fn alignment(&self) -> u64 {
         self.backend.buffer_alignment().max(1) as u64

@@ -277,20 +277,7 @@ impl FileBackend {
             b.logical = 512;
             b.physical = 4096;
         }
-        // A partial last block could be neither read nor written whole by any client: of the
-        // block the export takes I/O in (`Export::io_block`: whole pages with O_DIRECT).
-        let unit = b.buffer_alignment().max(b.logical as usize) as u64;
-        if b.block_device && !size.is_multiple_of(unit) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "{}: its size ({size} bytes) is not a multiple of {unit} bytes, the unit \
-                     of its direct I/O: its last bytes could not be reached; export it \
-                     without ?direct=1",
-                    path.display()
-                ),
-            ));
-        }
+        // A partial last block could be neither read nor written whole by any client.
         if !size.is_multiple_of(u64::from(b.logical)) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -1201,11 +1188,12 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
-    /// A block device whose size is not whole pages is refused with O_DIRECT (its last bytes
-    /// could be neither read nor written in the export's 4 KiB blocks), taken without it.
-    /// Needs root and losetup.
+    /// A block device whose size is not whole pages, exported with O_DIRECT (4 KiB blocks):
+    /// served, its size told to sessions in whole blocks (`Export::served_size`: NBD told
+    /// the size with its partial last page, which no I/O of whole pages reaches). Needs root
+    /// and losetup.
     #[test]
-    fn a_direct_device_of_a_partial_last_page_is_refused() {
+    fn a_direct_device_of_a_partial_last_page_is_served_in_whole_blocks() {
         let dir = std::env::temp_dir().join(format!("blkwire-dtail-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("f.img");
@@ -1230,11 +1218,11 @@ mod tests {
             }
         }
         let _detach = Detach(dev.clone());
-        let e = FileBackend::open(Path::new(&dev), true, false)
-            .err()
-            .unwrap();
-        assert!(e.to_string().contains("without ?direct=1"), "{e}");
-        assert!(FileBackend::open(Path::new(&dev), false, false).is_ok());
+        let spec = crate::ExportSpec::parse(&format!("d=file:{dev}?direct=1")).unwrap();
+        let e = crate::Export::open(&spec).unwrap();
+        assert_eq!((e.size(), e.io_block()), ((1 << 20) + 512, 4096));
+        assert_eq!(e.served_size(), 1 << 20);
+        drop(e);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

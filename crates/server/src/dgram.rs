@@ -1357,12 +1357,6 @@ impl DgramPort {
             (Opcode::Read | Opcode::Write, Verdict::New) => admitted(&q.exec, h),
             _ => None,
         };
-        // RAM takes a new WRITE's fragments where they belong as they arrive: no buffer, one
-        // copy fewer.
-        let into = match (h.opcode, verdict, &block) {
-            (Opcode::Write, Verdict::New, Some(b)) => q.exec.write_mapped(b),
-            _ => None,
-        };
         // Only a request that will run may make room (`make_room` reclaims other hosts'
         // WRITEs): one refused as it is taken (outside the export, a WRITE whose fragment count
         // does not match its length, a COPY whose descriptor does not decode) needs nothing,
@@ -1376,6 +1370,13 @@ impl DgramPort {
                 h.frag_count == 1 && CopyDescriptor::decode_within(payload, &q.copy).is_ok()
             }
             _ => true,
+        };
+        // RAM takes a new WRITE's fragments where they belong as they arrive: no buffer, one
+        // copy fewer. Only one that runs: its pages are backed with memory first
+        // (`Backend::mapped_for_write`), which one refused after all must not take.
+        let into = match (h.opcode, verdict, &block) {
+            (Opcode::Write, Verdict::New, Some(b)) if runs => q.exec.write_mapped(b),
+            _ => None,
         };
         let needs = match h.opcode {
             Opcode::Read | Opcode::Write

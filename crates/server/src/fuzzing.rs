@@ -413,10 +413,6 @@ mod tests {
         pdus
     }
 
-    /// An admin command whose answer is longer than the data its host's SGL describes (an
-    /// Identify of 4 KiB into 16 bytes) fails with Data SGL Length Invalid and sends no data,
-    /// as nvmet does; it used to send all 4 KiB past the host's buffer. The same Identify with
-    /// room for it is answered.
     /// A discovery session echoes a ping's data no longer than the initiator's
     /// MaxRecvDataSegmentLength (it echoed the 4 KiB whole to an initiator taking 512 bytes).
     #[test]
@@ -450,6 +446,10 @@ mod tests {
         assert_eq!(pdus.get(1), Some(&(op::NOP_IN, 512)), "{pdus:?}");
     }
 
+    /// An admin command whose answer is longer than the data its host's SGL describes (an
+    /// Identify of 4 KiB into 16 bytes) fails with Data SGL Length Invalid and sends no data,
+    /// as nvmet does; it used to send all 4 KiB past the host's buffer. The same Identify with
+    /// room for it is answered.
     #[test]
     fn admin_data_never_exceeds_the_hosts_sgl() {
         let identify = |cid: u16, room: u32| {

@@ -252,7 +252,7 @@ pub fn negotiate(
                     &e,
                     (peer, who, key),
                     NBD_MAX_UNNEGOTIATED,
-                    e.size(),
+                    e.served_size(),
                 );
                 let adm = adm.ok()?;
                 let mut out = Vec::with_capacity(134);
@@ -302,8 +302,10 @@ pub fn negotiate(
                     not_found(s, option, &req.name, tls_first)?;
                     continue;
                 };
-                // Read once: the size INFO gives is the size a GO's session checks against.
-                let size = e.size();
+                // Read once: the size INFO gives is the size a GO's session checks against, in
+                // whole blocks of the minimum block INFO gives (a direct=1 device of 512-byte
+                // sectors may end in part of a page).
+                let size = e.served_size();
                 let share = registry.connection_share();
                 send_info(s, option, (&e, size, share), &req, structured)?;
                 if option == opt::GO {

@@ -597,11 +597,9 @@ impl Registry {
         let copy = self.copy_limits(&export, frame_payload);
         // A sealed frame carries no CRC at all (its seal covers it): nothing to grant there.
         let header_crc = udp && !sealed && h.client_features & HEADER_CRC != 0;
-        // Read once: the size the reply gives is the size the session's queues check against.
-        // In whole blocks of the block announced: a direct=1 block device of 512-byte sectors
-        // may end in part of a page, which no I/O of whole pages reaches (as NVMe/TCP's and
-        // iSCSI's block counts leave it out).
-        let size = export.size() / u64::from(logical) * u64::from(logical);
+        // Read once: the size the reply gives is the size the session's queues check against,
+        // in whole blocks of the block announced (`Export::served_size`).
+        let size = export.served_size();
         let (id, cookie, mem, placement) = match self.create(
             &export,
             &owner,

@@ -133,6 +133,20 @@ fn retries_due(slots: &[Slot], waiting: &mut Vec<usize>, now: Instant) -> Vec<us
     due
 }
 
+/// When the first of the requests refused for want of memory (`waiting`) is due to be sent
+/// again, before its deadline; None while the link is down (`linked` false): the thread
+/// must not wake for a retry it cannot send (a past one would make it spin).
+fn next_retry(slots: &[Slot], waiting: &[usize], linked: bool) -> Option<Instant> {
+    if !linked {
+        return None;
+    }
+    waiting
+        .iter()
+        .map(|&tag| &slots[tag])
+        .filter_map(|s| s.retry_at.filter(|&t| t < s.deadline))
+        .min()
+}
+
 /// When the next request is due, if any request waits.
 fn next_deadline(slots: &[Slot], timeout: Duration) -> Option<Instant> {
     slots
@@ -626,7 +640,11 @@ impl QueueWorker {
             // Its change may still run at the target until the queue is fenced.
             s.unfenced |= s.holds_for_fence(fenceable);
             s.sent = false;
+            // The reconnection sends every waiting request, those refused for memory too:
+            // no retry is due meanwhile (a past one would make the thread spin).
+            s.retry_at = None;
         }
+        self.retrying.clear();
     }
 
     /// While disconnected: takes the end of the running attempt (then sends every waiting
@@ -953,12 +971,11 @@ impl QueueWorker {
         Ok(())
     }
 
-    /// When the first request refused for want of memory is due to be sent again.
+    /// When the first request refused for want of memory is due to be sent again (before
+    /// its deadline: after it, `expire`'s). None while the link is down: the reconnection
+    /// sends them.
     fn next_retry(&self) -> Option<Instant> {
-        self.retrying
-            .iter()
-            .filter_map(|&tag| self.slots[tag].retry_at)
-            .min()
+        next_retry(&self.slots, &self.retrying, self.link.is_some())
     }
 
     pub(crate) fn run(mut self, ev: mpsc::Sender<QEvent>) {
@@ -1216,6 +1233,16 @@ mod tests {
         );
         assert_eq!(retries_due(&slots, &mut waiting, later), [3]);
         assert_eq!(waiting, [1]);
+        // The thread wakes for the first retry due before its deadline, and for none while
+        // the link is down (tag 1's is past: woken for it, the thread would spin).
+        let waiting = [0, 1, 3];
+        assert_eq!(next_retry(&slots, &waiting, true), Some(t0 + RETRY_AFTER));
+        assert_eq!(
+            next_retry(&slots, &[1], true),
+            None,
+            "its deadline comes first"
+        );
+        assert_eq!(next_retry(&slots, &waiting, false), None, "link down");
     }
 
     #[test]

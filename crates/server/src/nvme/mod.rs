@@ -1563,6 +1563,10 @@ fn io_connect<S: Read + Write>(
         // removed since the controller was found (`keys_load`): the host is told, not left
         // without an answer to its Connect.
         let Some(auth) = admin::QueueAuth::new(registry, &c.hostnqn, &ctrl.subnqn) else {
+            registry.access.refuse(
+                &peer_s,
+                &format!("NVMe host '{who}' has no key any more (keys_load)"),
+            );
             reply(s, c.qid, sc::CONNECT_INVALID_HOST | sc::DNR, 0);
             return None;
         };
