@@ -557,16 +557,17 @@ fn send_read(c: &mut Conn, lba: u64, blocks: u32) -> u32 {
 }
 
 /// A READ that waits in the target for memory (behind 1 MiB writes waiting for their
-/// Data-Out, which hold the connection's high-water mark of data buffers) is a task ABORT TASK
-/// finds: Function Complete, and the READ never runs nor is answered, however the writes end.
+/// Data-Out, which hold all the connection's share of a 64 MiB budget, and more waiting for
+/// it) is a task ABORT TASK finds: Function Complete, and the READ never runs nor is answered, however the writes end.
 /// (It used to be "task does not exist", and the READ answered later: an initiator that took
 /// the ITT as free again would have taken that answer for another command's.)
 #[test]
 fn abort_task_gives_up_a_read_waiting_for_memory() {
     let _serial = serial();
-    let t = IscsiTarget::start(&["disk=mem:64M"], &[]);
+    let t = IscsiTarget::start(&["disk=mem:64M"], &["--max-memory", "64M"]);
     let mut c = login(&t.addr, &format!("{PREFIX}disk"), Digests::default());
-    let data: Vec<Vec<u8>> = (0..6).map(|i| random_bytes(1 << 20, 700 + i)).collect();
+    // More than the share holds: the first get their buffers and R2Ts, the others wait.
+    let data: Vec<Vec<u8>> = (0..24).map(|i| random_bytes(1 << 20, 700 + i)).collect();
     let mut writes = Vec::new();
     for (i, d) in data.iter().enumerate() {
         let mut cdb = [0u8; 16];
@@ -577,14 +578,34 @@ fn abort_task_gives_up_a_read_waiting_for_memory() {
         c.send(&pdu).unwrap();
         writes.push(itt);
     }
-    // Each write is asked for its first burst: they all hold their buffers.
+    // The writes the budget holds are asked for their first burst: all of them that will be
+    // until memory comes back have been once a ping sent after them is answered.
     let mut r2ts = Vec::new();
-    while r2ts.len() < writes.len() {
-        let r = c.recv().expect("an R2T");
+    let ping = c.itt;
+    c.itt += 1;
+    let mut b = Bhs::new(op::NOP_OUT | iscsi::IMMEDIATE, flag::FINAL);
+    b.itt(ping)
+        .set32(20, iscsi::RESERVED_TAG)
+        .set32(24, c.cmdsn)
+        .set32(28, c.expstatsn);
+    let mut out = Vec::new();
+    b.encode(&[], &c.d, &mut out);
+    c.send(&out).unwrap();
+    loop {
+        let r = c.recv().expect("an R2T or the ping's answer");
+        if r.opcode() == op::NOP_IN {
+            break;
+        }
         assert_eq!(r.opcode(), op::R2T, "only R2Ts before any data");
         r2ts.push(r);
     }
-    let read = send_read(&mut c, 0, 8);
+    assert!(
+        !r2ts.is_empty() && r2ts.len() < writes.len(),
+        "{} of {} writes asked for data: the budget holds some, not all",
+        r2ts.len(),
+        writes.len()
+    );
+    let read = send_read(&mut c, 0, 2048);
     let (tmf, pdu) = tmf_pdu(&mut c, 1, read);
     c.send(&pdu).unwrap();
     let r = c.recv().expect("the TMF response");
