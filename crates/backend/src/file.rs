@@ -910,6 +910,53 @@ impl QueueIo for FileQueue {
 mod tests {
     use super::*;
 
+    /// A loop device over `file` (`losetup --find --show EXTRA FILE`), detached on drop, also
+    /// when the test fails. Needs root and loop devices: the test fails saying so otherwise.
+    struct LoopDev(String);
+
+    impl LoopDev {
+        fn attach(file: &Path, extra: &[&str]) -> LoopDev {
+            let out = std::process::Command::new("losetup")
+                .args(["--find", "--show"])
+                .args(extra)
+                .arg(file)
+                .output()
+                .expect("losetup (util-linux) runs");
+            assert!(
+                out.status.success(),
+                "losetup: {} (this test needs root and loop devices)",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+            LoopDev(String::from_utf8_lossy(&out.stdout).trim().to_string())
+        }
+    }
+
+    impl AsRef<std::ffi::OsStr> for LoopDev {
+        fn as_ref(&self) -> &std::ffi::OsStr {
+            self.0.as_ref()
+        }
+    }
+
+    impl AsRef<Path> for LoopDev {
+        fn as_ref(&self) -> &Path {
+            self.0.as_ref()
+        }
+    }
+
+    impl std::fmt::Display for LoopDev {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(&self.0)
+        }
+    }
+
+    impl Drop for LoopDev {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("losetup")
+                .args(["-d", &self.0])
+                .status();
+        }
+    }
+
     /// A partition is its disk's storage from its start, a loop device its file's from its
     /// offset, a partition of a loop device both; other devices are their own (a fake sysfs
     /// laid out as the kernel's: `M:m` links to the device's directory, a partition's under
@@ -1023,32 +1070,13 @@ mod tests {
             .unwrap()
             .set_len(4 << 20)
             .unwrap();
-        let out = std::process::Command::new("losetup")
-            .args(["--find", "--show", "--offset", "1048576"])
-            .arg(&file)
-            .output()
-            .expect("losetup (util-linux) runs");
-        assert!(
-            out.status.success(),
-            "losetup: {} (this test needs root and loop devices)",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-        let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        struct Detach(String);
-        impl Drop for Detach {
-            fn drop(&mut self) {
-                let _ = std::process::Command::new("losetup")
-                    .args(["-d", &self.0])
-                    .status();
-            }
-        }
-        let _detach = Detach(dev.clone());
+        let dev = LoopDev::attach(&file, &["--offset", "1048576"]);
         let open = |name: &str, path: &str| {
             let spec = crate::ExportSpec::parse(&format!("{name}=file:{path}")).unwrap();
             crate::Export::open(&spec).unwrap()
         };
         let whole = open("whole", &file.display().to_string());
-        let lo = open("lo", &dev);
+        let lo = open("lo", &dev.to_string());
         let under = whole.backend().storage().unwrap().clone();
         assert_eq!(
             lo.backend().storage(),
@@ -1093,26 +1121,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("f.img");
         std::fs::write(&file, vec![7u8; 64 << 10]).unwrap();
-        let out = std::process::Command::new("losetup")
-            .args(["--find", "--show", "--sector-size", "4096"])
-            .arg(&file)
-            .output()
-            .expect("losetup (util-linux) runs");
-        assert!(
-            out.status.success(),
-            "losetup: {} (this test needs root and loop devices)",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-        let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        struct Detach(String);
-        impl Drop for Detach {
-            fn drop(&mut self) {
-                let _ = std::process::Command::new("losetup")
-                    .args(["-d", &self.0])
-                    .status();
-            }
-        }
-        let _detach = Detach(dev.clone());
+        let dev = LoopDev::attach(&file, &["--sector-size", "4096"]);
         let b = FileBackend::open(Path::new(&dev), false, false).unwrap();
         assert_eq!(b.logical, 4096);
         assert_eq!(b.trim(100, 10000), 0, "unaligned, over the block at 4096");
@@ -1145,26 +1154,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("f.img");
         std::fs::write(&file, vec![7u8; 4 << 20]).unwrap();
-        let out = std::process::Command::new("losetup")
-            .args(["--find", "--show"])
-            .arg(&file)
-            .output()
-            .expect("losetup (util-linux) runs");
-        assert!(
-            out.status.success(),
-            "losetup: {} (this test needs root and loop devices)",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-        let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        struct Detach(String);
-        impl Drop for Detach {
-            fn drop(&mut self) {
-                let _ = std::process::Command::new("losetup")
-                    .args(["-d", &self.0])
-                    .status();
-            }
-        }
-        let _detach = Detach(dev.clone());
+        let dev = LoopDev::attach(&file, &[]);
         let b = FileBackend::open(Path::new(&dev), true, false).unwrap();
         assert_eq!(b.buffer_alignment(), 4096);
         let mut zeros = ZeroBuf::default();
@@ -1198,26 +1188,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("f.img");
         std::fs::write(&file, vec![7u8; (1 << 20) + 512]).unwrap();
-        let out = std::process::Command::new("losetup")
-            .args(["--find", "--show"])
-            .arg(&file)
-            .output()
-            .expect("losetup (util-linux) runs");
-        assert!(
-            out.status.success(),
-            "losetup: {} (this test needs root and loop devices)",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-        let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        struct Detach(String);
-        impl Drop for Detach {
-            fn drop(&mut self) {
-                let _ = std::process::Command::new("losetup")
-                    .args(["-d", &self.0])
-                    .status();
-            }
-        }
-        let _detach = Detach(dev.clone());
+        let dev = LoopDev::attach(&file, &[]);
         let spec = crate::ExportSpec::parse(&format!("d=file:{dev}?direct=1")).unwrap();
         let e = crate::Export::open(&spec).unwrap();
         assert_eq!((e.size(), e.io_block()), ((1 << 20) + 512, 4096));
