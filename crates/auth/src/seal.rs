@@ -188,6 +188,14 @@ impl Opener {
         self.seen[w] |= b;
     }
 
+    /// From now on refuses every sequence number up to the highest opened, seen or not: frames
+    /// sealed before that one under this key, but opened by another opener (a datagram queue's
+    /// JOINs before the one that admitted it, each checked by an opener of its own attempt),
+    /// must not open here later as if new.
+    pub fn refuse_older(&mut self) {
+        self.seen = [u64::MAX; (REPLAY_WINDOW / 64) as usize];
+    }
+
     /// Opens a sealed `frame` (header || payload || trailer) and returns its payload: the
     /// frame's own bytes when only authenticated, or the plaintext written into `scratch`
     /// (which must hold the payload) when encrypted. Nothing is accepted unless it verifies.
@@ -321,6 +329,32 @@ mod tests {
             o.open(&frame(b"abc"), H, &mut scratch),
             Err(Refused::Replayed),
             "seq 0"
+        );
+    }
+
+    /// After `refuse_older`, nothing at or below the highest number opened opens (however
+    /// late it comes, seen or not); what comes after does.
+    #[test]
+    fn refuse_older_refuses_every_number_up_to_the_highest() {
+        let k = [2u8; 32];
+        let mut s = Sealer::new(&k, false);
+        let mut o = Opener::new(&k, false);
+        let mut scratch = [0u8; 8];
+        let frames: Vec<Vec<u8>> = (0..4)
+            .map(|_| {
+                let mut f = frame(b"x");
+                s.seal(&mut f, H);
+                f
+            })
+            .collect();
+        assert!(o.open(&frames[1], H, &mut scratch).is_ok());
+        o.refuse_older();
+        assert_eq!(o.open(&frames[0], H, &mut scratch), Err(Refused::Replayed));
+        assert_eq!(o.open(&frames[1], H, &mut scratch), Err(Refused::Replayed));
+        assert!(o.open(&frames[3], H, &mut scratch).is_ok());
+        assert!(
+            o.open(&frames[2], H, &mut scratch).is_ok(),
+            "newer ones still reorder"
         );
     }
 

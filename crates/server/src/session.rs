@@ -1055,10 +1055,18 @@ impl Registry {
         let mut scratch = [0u8; Join::LEN];
         let payload = match (seal.as_mut(), raw) {
             (None, _) => payload,
-            (Some(qs), Some(f)) => qs
-                .opener
-                .open(f, blkwire_wire::HEADER_LEN, &mut scratch)
-                .map_err(|_| Status::Access)?,
+            (Some(qs), Some(f)) => {
+                let p = qs
+                    .opener
+                    .open(f, blkwire_wire::HEADER_LEN, &mut scratch)
+                    .map_err(|_| Status::Access)?;
+                // The initiator sealed its earlier JOINs of this queue (challenged, or sent
+                // again) under the same key with lower numbers, each opened by an attempt's
+                // opener of its own: replayed later, one must not open on the queue's (§12.4:
+                // never a number seen).
+                qs.opener.refuse_older();
+                p
+            }
             (Some(_), None) => return Err(Status::Access.into()),
         };
         // ACCESS, as for a session that does not exist: INVALID would tell a prober this one does.
