@@ -413,6 +413,31 @@ mod tests {
         pdus
     }
 
+    /// A login whose InitiatorName is empty is refused (Missing Parameter: an empty name names
+    /// no one, and the session and its nexus would go by it); the same login named is not.
+    #[test]
+    fn an_empty_initiator_name_is_refused() {
+        use blkwire_wire::iscsi::{flag, op, Bhs, Digests, IMMEDIATE};
+        for (name, refused) in [("", true), ("iqn.2026-11.io.test:fuzz", false)] {
+            let mut input = vec![0u8];
+            let mut login = Bhs::new(op::LOGIN_REQ | IMMEDIATE, flag::TRANSIT | 0x07);
+            login.lun(0x8000_0001_0000_0000).itt(1).set32(24, 1);
+            let text = format!("InitiatorName={name}\0SessionType=Discovery\0");
+            login.encode(text.as_bytes(), &Digests::default(), &mut input);
+            let mut sent = Vec::new();
+            super::login_kept(&input, Some(&mut sent));
+            assert!(
+                sent.len() >= 48 && sent[0] & 0x3f == 0x23,
+                "a login response"
+            );
+            assert_eq!(
+                (sent[36], sent[37]),
+                if refused { (2, 7) } else { (0, 0) },
+                "{name:?}"
+            );
+        }
+    }
+
     /// A discovery session echoes a ping's data no longer than the initiator's
     /// MaxRecvDataSegmentLength (it echoed the 4 KiB whole to an initiator taking 512 bytes).
     #[test]

@@ -555,6 +555,14 @@ impl Login {
                             format!("{k} is longer than 223 bytes (RFC 7143 §4.2.7.1)"),
                         ));
                     }
+                    // An empty name names no one: the session, its reservations' nexus and
+                    // the rules would all go by "".
+                    if v.is_empty() {
+                        return Err(Refusal(
+                            status::MISSING_PARAMETER,
+                            format!("{k} is empty (RFC 7143 §4.2.7.1)"),
+                        ));
+                    }
                     match name {
                         Some(first) if first != v => {
                             return Err(Refusal(
