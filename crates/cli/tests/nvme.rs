@@ -1346,6 +1346,10 @@ fn subsystems_change_at_run_time_through_the_control_socket() {
     );
     let mut a = controller(&t.addr, SUB, &Opts::default());
     assert_eq!(active(&a.identify(2, 0).data), [1, 5]);
+    // All namespaces' common data (no namespace management) and an active list after the
+    // last possible NSID: Invalid Namespace or Format, not zeros.
+    assert_eq!(a.identify(0, u32::MAX).code(), 0x0b);
+    assert_eq!(a.identify(2, u32::MAX - 1).code(), 0x0b);
     assert_eq!(&a.identify(1, 0).data[4..8], b"RT1 ");
     let mut q = io_queue(&t.addr, SUB, &a, 1, &Opts::default());
     let (d1, d5) = (random_bytes(4096, 31), random_bytes(4096, 32));

@@ -390,6 +390,17 @@ impl AdminQueue {
             admin::IDENTIFY => {
                 let cns = q.cdw10 as u8;
                 let csi = (q.cdw11 >> 24) as u8;
+                // NSID FFFFFFFFh asks for what all namespaces share (namespace management,
+                // not offered), and an active list from FFFFFFFEh on has nothing to start
+                // after: Invalid Namespace or Format (Base spec, Identify; as nvmet answers).
+                let bad_nsid = match cns {
+                    0x00 => q.nsid == u32::MAX,
+                    0x02 => q.nsid >= u32::MAX - 1,
+                    _ => false,
+                };
+                if bad_nsid && !discovery {
+                    return self.finish(sock, q.cid, sc::INVALID_NS | sc::DNR, 0, None);
+                }
                 let data = match cns {
                     0x01 => Some(facts.identify_controller()),
                     _ if discovery => None,
