@@ -304,6 +304,11 @@ pub(crate) struct FdIo {
 /// plaintext behind it is bounded by the connection's high-water mark anyway).
 const OUT_CAP: usize = 256 << 10;
 
+/// The most the gathered ciphertext's buffer grows to: `OUT_CAP` and one record written past
+/// it (a TLS record of 16 KiB and its overhead; OpenSSL writes one at a time). Grown by
+/// doubling, the `Vec` reached 512 KiB, then 1 MiB, past what the budget's checks foresee.
+const OUT_MOST: usize = OUT_CAP + (17 << 10);
+
 /// What OpenSSL holds for a session besides what we see: its read and write record buffers
 /// (a record of 16 KiB and its overhead each), kept for the session's life. Counted in the
 /// connection's memory account with the gathered ciphertext (`FdIo::out_capacity`).
@@ -442,6 +447,18 @@ impl Write for FdIo {
             // Reactor: gather (see the type's comment); full means WANT_WRITE until flushed.
             if self.pending_out() >= OUT_CAP && !self.flush_out()? {
                 return Err(std::io::ErrorKind::WouldBlock.into());
+            }
+            if self.out.len() + buf.len() > self.out.capacity() {
+                // Room first from what was sent already, then growth bounded by `OUT_MOST`.
+                if self.out_sent > 0 {
+                    self.out.drain(..self.out_sent);
+                    self.out_sent = 0;
+                }
+                let need = self.out.len() + buf.len();
+                if need > self.out.capacity() {
+                    let target = (2 * self.out.capacity()).clamp(need, OUT_MOST.max(need));
+                    self.out.reserve_exact(target - self.out.len());
+                }
             }
             self.out.extend_from_slice(buf);
             return Ok(buf.len());
@@ -643,7 +660,9 @@ mod tests {
         let data = vec![3u8; 64 << 20];
         let mut at = 0;
         while at < data.len() {
-            match write(&mut t, &data[at..]) {
+            // In small replies' records: the buffer grows a record at a time, and a last one
+            // past a doubled capacity doubled it again (to 512 KiB).
+            match write(&mut t, &data[at..(at + 1000).min(data.len())]) {
                 Io::Done(n) => at += n,
                 _ => break,
             }
@@ -651,6 +670,11 @@ mod tests {
         assert!(at < data.len(), "the socket took 64 MiB unread");
         assert!(t.get_ref().pending_out() > 0);
         assert!(t.get_ref().out_capacity() >= t.get_ref().pending_out());
+        assert!(
+            t.get_ref().out_capacity() <= OUT_MOST,
+            "grown to {} bytes, past {OUT_MOST}",
+            t.get_ref().out_capacity()
+        );
         t.get_mut().release_out();
         assert!(t.get_ref().pending_out() > 0, "kept while some of it waits");
         go.send(()).unwrap();
