@@ -910,16 +910,33 @@ impl QueueIo for FileQueue {
 mod tests {
     use super::*;
 
-    /// A loop device over `file` (`losetup --find --show EXTRA FILE`), detached on drop, also
-    /// when the test fails. Needs root and loop devices: the test fails saying so otherwise.
-    struct LoopDev(String);
+    /// A loop device (`losetup --find --show EXTRA FILE`) over a scratch file of its own,
+    /// detached and its file removed on drop, also when the test fails. Needs root and loop
+    /// devices: the test fails saying so otherwise.
+    struct LoopDev {
+        dev: String,
+        dir: PathBuf,
+    }
 
     impl LoopDev {
-        fn attach(file: &Path, extra: &[&str]) -> LoopDev {
+        /// Over a file of `len` bytes of `fill` (0: a sparse file), in a directory named
+        /// after `tag`.
+        fn over(tag: &str, len: usize, fill: u8, extra: &[&str]) -> LoopDev {
+            let dir = std::env::temp_dir().join(format!("blkwire-{tag}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let file = dir.join("f.img");
+            if fill == 0 {
+                std::fs::File::create(&file)
+                    .unwrap()
+                    .set_len(len as u64)
+                    .unwrap();
+            } else {
+                std::fs::write(&file, vec![fill; len]).unwrap();
+            }
             let out = std::process::Command::new("losetup")
                 .args(["--find", "--show"])
                 .args(extra)
-                .arg(file)
+                .arg(&file)
                 .output()
                 .expect("losetup (util-linux) runs");
             assert!(
@@ -927,33 +944,40 @@ mod tests {
                 "losetup: {} (this test needs root and loop devices)",
                 String::from_utf8_lossy(&out.stderr).trim()
             );
-            LoopDev(String::from_utf8_lossy(&out.stdout).trim().to_string())
+            let dev = String::from_utf8_lossy(&out.stdout).trim().to_string();
+            LoopDev { dev, dir }
+        }
+
+        /// The file behind it.
+        fn file(&self) -> PathBuf {
+            self.dir.join("f.img")
         }
     }
 
     impl AsRef<std::ffi::OsStr> for LoopDev {
         fn as_ref(&self) -> &std::ffi::OsStr {
-            self.0.as_ref()
+            self.dev.as_ref()
         }
     }
 
     impl AsRef<Path> for LoopDev {
         fn as_ref(&self) -> &Path {
-            self.0.as_ref()
+            self.dev.as_ref()
         }
     }
 
     impl std::fmt::Display for LoopDev {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str(&self.0)
+            f.write_str(&self.dev)
         }
     }
 
     impl Drop for LoopDev {
         fn drop(&mut self) {
             let _ = std::process::Command::new("losetup")
-                .args(["-d", &self.0])
+                .args(["-d", &self.dev])
                 .status();
+            let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
 
@@ -1063,14 +1087,8 @@ mod tests {
     /// running kernel's sysfs. Needs root and losetup.
     #[test]
     fn a_copy_between_a_file_and_a_loop_device_over_it_is_checked_for_overlap() {
-        let dir = std::env::temp_dir().join(format!("blkwire-loopcopy-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("f.img");
-        std::fs::File::create(&file)
-            .unwrap()
-            .set_len(4 << 20)
-            .unwrap();
-        let dev = LoopDev::attach(&file, &["--offset", "1048576"]);
+        let dev = LoopDev::over("loopcopy", 4 << 20, 0, &["--offset", "1048576"]);
+        let file = dev.file();
         let open = |name: &str, path: &str| {
             let spec = crate::ExportSpec::parse(&format!("{name}=file:{path}")).unwrap();
             crate::Export::open(&spec).unwrap()
@@ -1108,7 +1126,6 @@ mod tests {
             "apart in the file"
         );
         drop((whole, lo));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A TRIM of a block device that does not cover whole logical blocks discards the blocks
@@ -1117,11 +1134,7 @@ mod tests {
     /// device over a file of 4 KiB blocks; needs root and losetup.
     #[test]
     fn an_unaligned_trim_of_a_block_device_trims_the_blocks_inside() {
-        let dir = std::env::temp_dir().join(format!("blkwire-trim-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("f.img");
-        std::fs::write(&file, vec![7u8; 64 << 10]).unwrap();
-        let dev = LoopDev::attach(&file, &["--sector-size", "4096"]);
+        let dev = LoopDev::over("trim", 64 << 10, 7, &["--sector-size", "4096"]);
         let b = FileBackend::open(Path::new(&dev), false, false).unwrap();
         assert_eq!(b.logical, 4096);
         assert_eq!(b.trim(100, 10000), 0, "unaligned, over the block at 4096");
@@ -1142,7 +1155,6 @@ mod tests {
         assert!(back[..4096].iter().all(|&x| x == 7), "before the range");
         assert!(back[4096..].iter().all(|&x| x == 0), "the range zeroed");
         drop(b);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// On an O_DIRECT block device, a zeroing its BLKZEROOUT refuses (not whole sectors) is
@@ -1150,11 +1162,7 @@ mod tests {
     /// zeroed the aligned pieces, then failed at the edge. Needs root and losetup.
     #[test]
     fn an_unaligned_zeroing_of_a_direct_device_changes_nothing() {
-        let dir = std::env::temp_dir().join(format!("blkwire-dzero-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("f.img");
-        std::fs::write(&file, vec![7u8; 4 << 20]).unwrap();
-        let dev = LoopDev::attach(&file, &[]);
+        let dev = LoopDev::over("dzero", 4 << 20, 7, &[]);
         let b = FileBackend::open(Path::new(&dev), true, false).unwrap();
         assert_eq!(b.buffer_alignment(), 4096);
         let mut zeros = ZeroBuf::default();
@@ -1175,7 +1183,6 @@ mod tests {
         let back = std::fs::read(&dev).unwrap();
         assert!(back[..(1 << 20) + 512].iter().all(|&x| x == 0));
         assert!(back[(1 << 20) + 512..].iter().all(|&x| x == 7));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A block device whose size is not whole pages, exported with O_DIRECT (4 KiB blocks):
@@ -1184,17 +1191,12 @@ mod tests {
     /// and losetup.
     #[test]
     fn a_direct_device_of_a_partial_last_page_is_served_in_whole_blocks() {
-        let dir = std::env::temp_dir().join(format!("blkwire-dtail-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("f.img");
-        std::fs::write(&file, vec![7u8; (1 << 20) + 512]).unwrap();
-        let dev = LoopDev::attach(&file, &[]);
+        let dev = LoopDev::over("dtail", (1 << 20) + 512, 7, &[]);
         let spec = crate::ExportSpec::parse(&format!("d=file:{dev}?direct=1")).unwrap();
         let e = crate::Export::open(&spec).unwrap();
         assert_eq!((e.size(), e.io_block()), ((1 << 20) + 512, 4096));
         assert_eq!(e.served_size(), 1 << 20);
         drop(e);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A long zeroing reaches the helper in pieces of `FILE_PIECE` (so other queues' jobs
