@@ -266,6 +266,17 @@ mod tests {
         f
     }
 
+    /// `n` frames of one byte sealed by `s`, one sequence number after the other.
+    fn sealed(s: &mut Sealer, n: usize) -> Vec<Vec<u8>> {
+        (0..n)
+            .map(|_| {
+                let mut f = frame(b"x");
+                s.seal(&mut f, H);
+                f
+            })
+            .collect()
+    }
+
     #[test]
     fn round_trip_authenticated_and_encrypted() {
         for encrypt in [false, true] {
@@ -340,13 +351,7 @@ mod tests {
         let mut s = Sealer::new(&k, false);
         let mut o = Opener::new(&k, false);
         let mut scratch = [0u8; 8];
-        let frames: Vec<Vec<u8>> = (0..4)
-            .map(|_| {
-                let mut f = frame(b"x");
-                s.seal(&mut f, H);
-                f
-            })
-            .collect();
+        let frames = sealed(&mut s, 4);
         assert!(o.open(&frames[1], H, &mut scratch).is_ok());
         o.refuse_older();
         assert_eq!(o.open(&frames[0], H, &mut scratch), Err(Refused::Replayed));
@@ -364,13 +369,7 @@ mod tests {
         let mut s = Sealer::new(&k, false);
         let mut o = Opener::new(&k, false);
         let mut scratch = [0u8; 8];
-        let frames: Vec<Vec<u8>> = (0..2000)
-            .map(|_| {
-                let mut f = frame(b"x");
-                s.seal(&mut f, H);
-                f
-            })
-            .collect();
+        let frames = sealed(&mut s, 2000);
         // 10 arrives first, then 1..9 late (reordered): all accepted once.
         assert!(o.open(&frames[9], H, &mut scratch).is_ok());
         for f in &frames[..9] {
