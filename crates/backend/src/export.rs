@@ -60,6 +60,27 @@ impl ExportSpec {
         s
     }
 
+    /// The kind of backend the spec names ([`crate::registry`]) and its argument; an error
+    /// (one line, saying what to fix) for a backend no target knows. Nothing is opened.
+    pub fn kind(&self) -> Result<(&'static crate::registry::BackendKind, &str), SpecError> {
+        let (scheme, arg) = self.backend.split_once(':').ok_or_else(|| {
+            SpecError(format!(
+                "bad backend '{}' for export '{}': {}",
+                self.backend,
+                self.name,
+                spec_help()
+            ))
+        })?;
+        let kind = crate::registry::find(scheme).ok_or_else(|| {
+            SpecError(format!(
+                "unknown backend '{scheme}' for export '{}': {}",
+                self.name,
+                spec_help()
+            ))
+        })?;
+        Ok((kind, arg))
+    }
+
     /// The spec with a `file:` path made absolute against this process's working directory:
     /// a spec is kept (`save_config`) and read again by a target that may start elsewhere
     /// (systemd runs it in `/`), and sent over the control socket to a target whose working
@@ -189,21 +210,7 @@ impl Export {
     /// Opens the backend a spec names, through [`crate::registry`]. Errors are one line and say
     /// what to fix.
     pub fn open(spec: &ExportSpec) -> Result<Export, SpecError> {
-        let (scheme, arg) = spec.backend.split_once(':').ok_or_else(|| {
-            SpecError(format!(
-                "bad backend '{}' for export '{}': {}",
-                spec.backend,
-                spec.name,
-                spec_help()
-            ))
-        })?;
-        let kind = crate::registry::find(scheme).ok_or_else(|| {
-            SpecError(format!(
-                "unknown backend '{scheme}' for export '{}': {}",
-                spec.name,
-                spec_help()
-            ))
-        })?;
+        let (kind, arg) = spec.kind()?;
         let backend = (kind.open)(arg, spec.read_only)
             .map_err(|e| SpecError(format!("export '{}': {e}", spec.name)))?;
         Ok(Export::new(&spec.name, backend, spec.read_only))

@@ -617,18 +617,7 @@ fn export_add(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     // What is wrong with the request itself is INVALID_PARAMS, as a spec's syntax is: a
     // backend no target knows, rules that do not parse. What the target cannot do with it
     // (a name taken, a file it cannot open) is REFUSED.
-    let scheme = spec.backend.split_once(':').map_or("", |(s, _)| s);
-    if blkwire_backend::registry::find(scheme).is_none() {
-        return Err(RpcError::params(format!(
-            "export '{}': unknown backend '{scheme}' (known: {})",
-            p.name,
-            blkwire_backend::registry::KINDS
-                .iter()
-                .map(|k| k.scheme)
-                .collect::<Vec<_>>()
-                .join(", ")
-        )));
-    }
+    spec.kind().map_err(|e| RpcError::params(e.to_string()))?;
     check_rules(&p.name, spec.allow.as_deref())?;
     sh.registry.add_export(spec).map_err(RpcError::refused)?;
     crate::log!(
