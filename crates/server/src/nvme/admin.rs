@@ -344,10 +344,7 @@ impl AdminQueue {
         self.sq_head = (self.sq_head + 1) % self.s.entries.max(1);
         let q = c.sqe;
         // What the host's buffer for this command's data holds: no answer sends more.
-        self.room = match q.sgl() {
-            Sgl::TransportDataBlock { length, .. } | Sgl::DataBlock { length, .. } => length,
-            _ => 0,
-        };
+        self.room = room(&q);
         let fabrics = q.opcode == spec::FABRICS;
         let fct = q.nsid as u8;
         let auth_cmd = fabrics && matches!(fct, fctype::AUTH_SEND | fctype::AUTH_RECEIVE);
@@ -819,6 +816,15 @@ fn firmware_log() -> Vec<u8> {
     b
 }
 
+/// What the host's buffer for a command's data holds (its SGL's length; 0 for none): no
+/// answer to the command may send more.
+fn room(q: &nvme_tcp::Sqe) -> u32 {
+    match q.sgl() {
+        Sgl::TransportDataBlock { length, .. } | Sgl::DataBlock { length, .. } => length,
+        _ => 0,
+    }
+}
+
 /// One queue's DH-HMAC-CHAP exchange, controller side (`blkwire_auth::dhchap`): AUTH_Send
 /// payloads in, AUTH_Receive payloads out (padded to the host's allocation length, as nvmet
 /// sends them), every other command refused until it succeeds.
@@ -860,11 +866,7 @@ impl QueueAuth {
         }
         // The answer is `al` bytes: more than the host's buffer holds would land past it.
         // Refused before the message is taken, so the next AUTH_Receive still reads it.
-        let room = match q.sgl() {
-            Sgl::TransportDataBlock { length, .. } | Sgl::DataBlock { length, .. } => length,
-            _ => 0,
-        };
-        if al > room {
+        if al > room(q) {
             return (sc::SGL_INVALID_DATA | sc::DNR, None);
         }
         match self.inner.on_receive(al) {
