@@ -240,6 +240,24 @@ impl MemBackend {
     /// # Safety
     /// The op's buffer (READ, WRITE) must be valid for `len` bytes for the duration of the call.
     pub(crate) unsafe fn execute(&self, op: Op) -> i32 {
+        // What the op stores through the mapping is backed first (`back`).
+        let stores = match op {
+            Op::Write { offset, len, .. }
+            | Op::WriteZeroes {
+                offset,
+                len,
+                no_hole: true,
+                ..
+            } => Some((offset, len)),
+            Op::Copy { dst, len, .. } | Op::CopyFrom { dst, len, .. } => Some((dst, len)),
+            _ => None,
+        };
+        if let Some((at, len)) = stores {
+            let backed = self.back(at, len as u64);
+            if backed != 0 {
+                return backed;
+            }
+        }
         match op {
             // SAFETY: the caller vouches for the buffer.
             Op::Read { offset, buf, len } => match unsafe { self.read(offset, buf, len) } {
@@ -249,10 +267,6 @@ impl MemBackend {
             Op::Write {
                 offset, buf, len, ..
             } => {
-                let backed = self.back(offset, len as u64);
-                if backed != 0 {
-                    return backed;
-                }
                 // SAFETY: the range is bounds-checked by Export and lies inside our mapping; the
                 // caller vouches for the buffer.
                 unsafe {
@@ -265,10 +279,6 @@ impl MemBackend {
             // pread from the memfd, not a copy through the mapping: a source hole stays
             // unallocated instead of being faulted in.
             Op::Copy { src, dst, len } => {
-                let backed = self.back(dst, len as u64);
-                if backed != 0 {
-                    return backed;
-                }
                 // SAFETY: the destination range is bounds-checked by Export (check_copy) and
                 // lies inside our mapping; the source range is inside the file and does not
                 // overlap it.
@@ -282,10 +292,6 @@ impl MemBackend {
             }
             // From another export's file or memfd straight into our mapping: one copy.
             Op::CopyFrom { fd, src, dst, len } => {
-                let backed = self.back(dst, len as u64);
-                if backed != 0 {
-                    return backed;
-                }
                 // SAFETY: the destination range is bounds-checked by Export (check_copy_from)
                 // and lies inside our mapping; the caller keeps `fd` open until the result.
                 match unsafe { read_fd(fd, src, self.base.add(dst as usize), len) } {
@@ -310,10 +316,6 @@ impl MemBackend {
                 ..
             } => {
                 // Allocated zeros, as asked: write them.
-                let backed = self.back(offset, len as u64);
-                if backed != 0 {
-                    return backed;
-                }
                 // SAFETY: the range is bounds-checked by Export and lies inside our mapping.
                 unsafe { std::ptr::write_bytes(self.base.add(offset as usize), 0, len as usize) };
                 self.wrote(offset, len);
