@@ -473,7 +473,8 @@ fn dev_read(dev: &str, len: usize, offset: u64) -> std::io::Result<Vec<u8>> {
 /// A target listening on exactly `listen` (to restart one on the same port).
 fn serve_on(listen: &str, exports: &[&str]) -> Target {
     let mut cmd = Command::new(BIN);
-    cmd.args(["serve", "--listen", listen, "--log-level", "warn"]);
+    cmd.args(["serve", "--listen", listen, "--log-level", "warn"])
+        .args(["--rpc-socket", "none"]);
     for e in exports {
         cmd.args(["--export", e]);
     }

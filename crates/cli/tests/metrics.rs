@@ -29,6 +29,8 @@ fn start(exports: &[&str]) -> (Target, String, String) {
         "2",
         "--log-level",
         "warn",
+        "--rpc-socket",
+        "none",
     ]);
     for e in exports {
         cmd.args(["--export", e]);

@@ -202,7 +202,10 @@ pub fn tcp_connect_from(
 }
 
 /// `blkwire serve` on 127.0.0.1 (port 0), quiet but for warnings, serving `exports`.
-fn serve_command(exports: &[&str]) -> Command {
+/// `serve` on a free loopback port with its control socket at `control`, or none: never the
+/// default /run/blkwire/blkwire.sock, which tests running side by side would each try to take
+/// (and probe each other's), and which a target of the machine's own may hold.
+fn serve_command(exports: &[&str], control: Option<&std::path::Path>) -> Command {
     let mut cmd = Command::new(BIN);
     cmd.args([
         "serve",
@@ -210,7 +213,9 @@ fn serve_command(exports: &[&str]) -> Command {
         "tcp://127.0.0.1:0",
         "--log-level",
         "warn",
+        "--rpc-socket",
     ]);
+    cmd.arg(control.map_or("none".as_ref(), |p| p.as_os_str()));
     for e in exports {
         cmd.args(["--export", e]);
     }
@@ -233,7 +238,7 @@ impl Target {
     /// order the target printed them.
     pub fn start_listeners(exports: &[&str], extra: &[&str]) -> (Target, Vec<String>) {
         let want = 1 + extra.iter().filter(|a| **a == "--listen").count();
-        let mut cmd = serve_command(exports);
+        let mut cmd = serve_command(exports, None);
         cmd.args(extra);
         let (child, urls) = spawn_serve(&mut cmd, want);
         let base = urls[0].clone();
@@ -243,8 +248,7 @@ impl Target {
     /// A target on 127.0.0.1 serving `exports` with its control socket at `socket`, once the
     /// socket takes calls.
     pub fn start_with_control(exports: &[&str], socket: &std::path::Path) -> Target {
-        let mut cmd = serve_command(exports);
-        cmd.arg("--rpc-socket").arg(socket);
+        let mut cmd = serve_command(exports, Some(socket));
         let (child, urls) = spawn_serve_with_control(&mut cmd, 1);
         Target {
             child,

@@ -32,6 +32,10 @@ impl Served {
             None => Command::new(BIN),
         };
         cmd.args(["serve", "--log-level", "warn", "--threads", "2"]);
+        if !extra.contains(&"--rpc-socket") {
+            // Not the machine's default socket (see `serve_command`).
+            cmd.args(["--rpc-socket", "none"]);
+        }
         for l in listen {
             cmd.args(["--listen", l]);
         }
