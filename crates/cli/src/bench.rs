@@ -37,7 +37,7 @@ pub struct Args {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     jobs: u16,
     /// Seconds to run
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, default_value_t = 10.0, allow_negative_numbers = true)]
     runtime: f64,
     /// Region of the export to use (default: all of it)
     #[arg(long, value_name = "SIZE", value_parser = crate::size_arg)]
@@ -78,11 +78,20 @@ pub fn run(a: Args) -> Result<(), String> {
     if a.rwmixread.is_some() && !matches!(a.rw, Rw::Randrw) {
         return Err("--rwmixread mixes reads and writes: it goes with --rw randrw".into());
     }
-    // A week at most: longer is a typo, and `Duration` cannot hold every finite f64.
-    if !(a.runtime > 0.0 && a.runtime <= 604_800.0) {
+    // A week at most: longer is a typo, and `Duration` cannot hold every finite f64. At
+    // least a millisecond: less would end before the first I/O.
+    if !(0.001..=604_800.0).contains(&a.runtime) {
         return Err(format!(
-            "--runtime {}: give more than 0 and at most 604800 seconds (a week)",
+            "--runtime {}: give at least 0.001 and at most 604800 seconds (a week)",
             a.runtime
+        ));
+    }
+    // What no export can take, said before connecting (the export's own block is checked
+    // once the session tells it).
+    if a.bs == 0 || !a.bs.is_multiple_of(512) {
+        return Err(format!(
+            "--bs {}: give a multiple of 512 bytes (4k, 64k, 1M)",
+            a.bs
         ));
     }
     let mut opts = ConnectOptions {
@@ -121,7 +130,9 @@ pub fn run(a: Args) -> Result<(), String> {
         .first()
         .ok_or_else(|| format!("{}: the target granted no queue", a.url))?
         .depth();
-    if (s.queues.len() as u16) < a.jobs || depth < a.iodepth as usize {
+    // What runs is what was granted: the results say that, not what was asked.
+    let (granted_jobs, iodepth) = (s.queues.len() as u16, depth.min(a.iodepth as usize) as u16);
+    if granted_jobs < a.jobs || depth < a.iodepth as usize {
         eprintln!(
             "blkwire: note: target granted {} queue{} x {} deep (asked {} x {})",
             s.queues.len(),
@@ -141,8 +152,12 @@ pub fn run(a: Args) -> Result<(), String> {
     let region = a.size.unwrap_or(info.size);
     let blocks = region / a.bs;
     if blocks == 0 {
+        let what = match a.size {
+            Some(_) => "--size",
+            None => "the export",
+        };
         return Err(format!(
-            "--size {} is smaller than --bs {}",
+            "{what} ({}) is smaller than --bs {}",
             blkwire_backend::format_size(region),
             blkwire_backend::format_size(a.bs)
         ));
@@ -155,7 +170,7 @@ pub fn run(a: Args) -> Result<(), String> {
         .enumerate()
         .map(|(j, q)| {
             let (rw, bs, mix) = (a.rw, a.bs, a.rwmixread.unwrap_or(50));
-            let njobs = a.jobs as u64;
+            let njobs = u64::from(granted_jobs);
             std::thread::spawn(move || job(q, j as u64, njobs, rw, mix, bs, blocks, start, runtime))
         })
         .collect();
@@ -198,7 +213,7 @@ pub fn run(a: Args) -> Result<(), String> {
             "{}",
             json!({
                 "url": a.url, "rw": format!("{:?}", a.rw).to_lowercase(), "bs": a.bs,
-                "iodepth": a.iodepth, "jobs": a.jobs, "runtime_s": secs,
+                "iodepth": iodepth, "jobs": granted_jobs, "runtime_s": secs,
                 "ops": ops, "iops": iops.round(), "bandwidth_bytes": bw.round(), "errors": total.errors,
                 "latency_us": {
                     "mean": us(total.hist.mean()),
@@ -216,8 +231,8 @@ pub fn run(a: Args) -> Result<(), String> {
             clap::ValueEnum::to_possible_value(&a.rw)
                 .map_or_else(String::new, |v| v.get_name().to_string()),
             blkwire_backend::format_size(a.bs),
-            a.iodepth,
-            a.jobs,
+            iodepth,
+            granted_jobs,
             iops,
             bw / 1048576.0,
             ops,

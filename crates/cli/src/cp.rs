@@ -77,10 +77,32 @@ struct Staged {
     done: bool,
 }
 
+/// The temporary file a copy is writing (`Staged::tmp`), for the signal thread to remove
+/// (`watch_signals`). Locked across the rename that makes it the destination, so the thread
+/// never removes what has become the file asked for.
+static STAGED: Mutex<Option<PathBuf>> = Mutex::new(None);
+
+fn staged_now() -> std::sync::MutexGuard<'static, Option<PathBuf>> {
+    STAGED.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl Staged {
+    fn new(tmp: PathBuf, path: PathBuf) -> Staged {
+        *staged_now() = Some(tmp.clone());
+        Staged {
+            tmp,
+            path,
+            done: false,
+        }
+    }
+
     fn commit(mut self) -> Result<(), String> {
-        std::fs::rename(&self.tmp, &self.path)
-            .map_err(|e| format!("{}: {e}", self.path.display()))?;
+        {
+            let mut staged = staged_now();
+            std::fs::rename(&self.tmp, &self.path)
+                .map_err(|e| format!("{}: {e}", self.path.display()))?;
+            *staged = None;
+        }
         self.done = true;
         // The new name is durable with its directory.
         let dir = match self.path.parent() {
@@ -97,9 +119,48 @@ impl Staged {
 impl Drop for Staged {
     fn drop(&mut self) {
         if !self.done {
+            let mut staged = staged_now();
             let _ = std::fs::remove_file(&self.tmp);
+            *staged = None;
         }
     }
+}
+
+/// SIGINT, SIGTERM and SIGHUP end the copy at once, as they would by default, with a line
+/// saying what is left: a new file being written (a hidden temporary as large as the source,
+/// `Staged`) is removed first, so a copy stopped with Ctrl-C leaves nothing behind. Called
+/// before any thread starts, so that every thread has the signals blocked and only this one
+/// takes them.
+fn watch_signals(dst: String) {
+    // SAFETY: building a signal set and blocking it for this thread (and the threads it
+    // starts), before any other thread exists.
+    let set = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            libc::sigaddset(&mut set, s);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    };
+    std::thread::spawn(move || {
+        let mut sig = 0;
+        // SAFETY: waiting for the signals blocked above.
+        if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+            return;
+        }
+        // Held until exit: a commit cannot rename the file meanwhile.
+        let mut staged = staged_now();
+        let left = match staged.take() {
+            Some(tmp) => {
+                let _ = std::fs::remove_file(&tmp);
+                "was not created"
+            }
+            None => "may hold part of the copy",
+        };
+        eprintln!("blkwire: error: interrupted: {dst} {left}");
+        std::process::exit(128 + sig);
+    });
 }
 
 fn open_side(
@@ -130,11 +191,18 @@ fn open_side(
     let mut staged = None;
     let (file, size, zeroed, fit) = match dest_size {
         None => {
-            let mut f = File::open(spec).map_err(|e| format!("{spec}: {e}"))?;
-            let meta = f.metadata().map_err(|e| format!("{spec}: {e}"))?;
+            // Looked at before it is opened: opening a FIFO would wait for a writer, and a
+            // pipe or a character device has no size to copy (/dev/zero would copy nothing).
+            let meta = std::fs::metadata(spec).map_err(|e| format!("{spec}: {e}"))?;
             if meta.is_dir() {
                 return Err(format!("{spec}: is a directory"));
             }
+            if !meta.is_file() && !meta.file_type().is_block_device() {
+                return Err(format!(
+                    "{spec}: not a regular file or block device: copy from a file or a disk"
+                ));
+            }
+            let mut f = File::open(spec).map_err(|e| format!("{spec}: {e}"))?;
             let size = f
                 .seek(SeekFrom::End(0))
                 .map_err(|e| format!("{spec}: {e}"))?;
@@ -188,12 +256,8 @@ fn open_side(
                     .write(true)
                     .create_new(true)
                     .open(&tmp)
-                    .map_err(|e| format!("{}: {e}", tmp.display()))?;
-                let s = Staged {
-                    tmp,
-                    path,
-                    done: false,
-                };
+                    .map_err(|e| format!("{spec}: {e} (creating {})", tmp.display()))?;
+                let s = Staged::new(tmp, path);
                 f.set_len(want).map_err(|e| format!("{spec}: {e}"))?;
                 staged = Some(s);
                 (f, want, true, true)
@@ -226,6 +290,7 @@ pub fn run(a: Args) -> Result<(), String> {
     if !Url::is_url(&a.src) && !Url::is_url(&a.dst) {
         return Err("neither side is a URL: use cp(1) for local copies".into());
     }
+    watch_signals(a.dst.clone());
     if let Some((s, d)) = same_target(&a.src, &a.dst) {
         // Through this host too: reading it and writing it back would undo newer writes of
         // whoever else uses it meanwhile.
@@ -235,8 +300,8 @@ pub fn run(a: Args) -> Result<(), String> {
                 a.src, a.dst
             ));
         }
-        if !a.no_offload {
-            return offload(&a, &s.export);
+        if !a.no_offload && offload(&a, &s.export)? {
+            return Ok(());
         }
     }
     let src = open_side(&a.src, a.jobs, None, a.timeout, &a.id)?;
@@ -268,8 +333,17 @@ pub fn run(a: Args) -> Result<(), String> {
         .zip(dst.ends)
         .map(|(s, d)| (s, d, vec![0u8; chunk as usize]))
         .collect();
+    let labels = (&src.label, &dst.label);
     let pairs = run_workers(pairs, size, chunk, !a.no_progress, |(s, d, buf), off, n| {
-        copy_chunk(s, d, &mut buf[..n as usize], off, skip_zero, cheap_zero)
+        copy_chunk(
+            s,
+            d,
+            &mut buf[..n as usize],
+            off,
+            skip_zero,
+            cheap_zero,
+            labels,
+        )
     })?;
     let mut dests: Vec<End> = pairs.into_iter().map(|(_, d, _)| d).collect();
     // Durability: one FLUSH covers every write already answered on any queue (PROTOCOL.md §10).
@@ -318,8 +392,10 @@ fn connect(spec: &str, queues: u16, a: &Args) -> Result<blkwire_client::Session,
 }
 
 /// `cp` between two exports of one target: each worker asks the target to copy a chunk at a
-/// time on its own queue of the destination's session (PROTOCOL.md §13).
-fn offload(a: &Args, src_export: &str) -> Result<(), String> {
+/// time on its own queue of the destination's session (PROTOCOL.md §13). False, with nothing
+/// copied, when the target does not copy for this session (an NVMe/TCP one, or COPY limits
+/// too small): the caller copies through this host.
+fn offload(a: &Args, src_export: &str) -> Result<bool, String> {
     // The source's size, and proof this host may open it (the target checks again per COPY).
     let src = connect(&a.src, 1, a)?;
     let (size, src_block) = (src.info.size, src.info.logical_block);
@@ -347,11 +423,15 @@ fn offload(a: &Args, src_export: &str) -> Result<(), String> {
         ));
     }
     if !dst.info.copy.enabled() {
-        return Err(format!(
-            "{}: the target does not copy for this session (or offers COPY limits too small to \
-                 use); use --no-offload to copy through this host",
+        eprintln!(
+            "blkwire: note: the target does not copy for {} (no COPY, or limits too small to \
+             use): copying through this host",
             a.dst
-        ));
+        );
+        for q in dst.queues {
+            let _ = q.logout();
+        }
+        return Ok(false);
     }
     let start = Instant::now();
     let source = src_export.to_string();
@@ -384,7 +464,7 @@ fn offload(a: &Args, src_export: &str) -> Result<(), String> {
         let _ = q.logout();
     }
     report(size, start, ", inside the target");
-    Ok(())
+    Ok(true)
 }
 
 /// The line a finished copy prints: what, how long, how fast.
@@ -461,6 +541,7 @@ fn run_workers<E: Send>(
     }
 }
 
+/// Copies one chunk; an error names the side (`labels`: source, destination) and the offset.
 fn copy_chunk(
     s: &mut End,
     d: &mut End,
@@ -468,26 +549,25 @@ fn copy_chunk(
     off: u64,
     skip_zero: bool,
     cheap_zero: bool,
+    (from, to): (&String, &String),
 ) -> Result<(), String> {
-    match s {
-        End::Local(f) => f
-            .read_exact_at(buf, off)
-            .map_err(|e| format!("read at {off}: {e}"))?,
-        End::Remote(q) => q.read_at(buf, off).map_err(|e| e.to_string())?,
-    }
+    let read = match s {
+        End::Local(f) => f.read_exact_at(buf, off).map_err(|e| e.to_string()),
+        End::Remote(q) => q.read_at(buf, off).map_err(|e| e.to_string()),
+    };
+    read.map_err(|e| format!("{from}: read at {off}: {e}"))?;
     let zero = buf.iter().all(|b| *b == 0);
     if zero && skip_zero {
         return Ok(());
     }
-    match d {
-        End::Local(f) => f
-            .write_all_at(buf, off)
-            .map_err(|e| format!("write at {off}: {e}")),
+    let wrote = match d {
+        End::Local(f) => f.write_all_at(buf, off).map_err(|e| e.to_string()),
         End::Remote(q) if zero && cheap_zero => q
             .write_zeroes(off, buf.len() as u64, false)
             .map_err(|e| e.to_string()),
         End::Remote(q) => q.write_at(buf, off, false).map_err(|e| e.to_string()),
-    }
+    };
+    wrote.map_err(|e| format!("{to}: write at {off}: {e}"))
 }
 
 /// The progress bar on stderr: indicatif fits it to the terminal's width (the hand-written one

@@ -54,12 +54,21 @@ pub fn run(a: Args) -> Result<(), String> {
         }
     };
     // Targets with keys list their exports only to an authenticated query (PROTOCOL.md §12.3).
+    // One that refuses this host's key (or does not answer it) is reported beside the others,
+    // which are listed all the same; the exit status says that one failed.
+    let mut failed: Vec<Option<String>> = vec![None; found.len()];
     if opts.key.is_some() {
-        for d in found.iter_mut().filter(|d| d.locked) {
-            let url = Url::parse(&format!("{}/", d.base)).map_err(|e| e.to_string())?;
-            d.exports =
-                blkwire_client::list(&url, &opts).map_err(|e| format!("{}: {e}", d.base))?;
-            d.locked = false;
+        for (d, failure) in found.iter_mut().zip(&mut failed).filter(|(d, _)| d.locked) {
+            let listed = Url::parse(&format!("{}/", d.base))
+                .map_err(|e| e.to_string())
+                .and_then(|url| blkwire_client::list(&url, &opts).map_err(|e| e.to_string()));
+            match listed {
+                Ok(exports) => {
+                    d.exports = exports;
+                    d.locked = false;
+                }
+                Err(e) => *failure = Some(e),
+            }
         }
     }
     let where_ = a.interface.as_deref().map_or_else(
@@ -77,13 +86,18 @@ pub fn run(a: Args) -> Result<(), String> {
     if a.json {
         let v: Vec<_> = found
             .iter()
-            .map(|d| {
+            .zip(&failed)
+            .map(|(d, failure)| {
                 let exports: Vec<_> = d
                     .exports
                     .iter()
                     .map(|e| json!({"name": e.name, "url": format!("{}/{}", d.base, e.name), "size": e.size, "features": e.features.names()}))
                     .collect();
-                json!({"target": d.base, "exports": exports, "requires_key": d.locked})
+                let mut t = json!({"target": d.base, "exports": exports, "requires_key": d.locked});
+                if let Some(e) = failure {
+                    t["error"] = e.as_str().into();
+                }
+                t
             })
             .collect();
         println!(
@@ -91,8 +105,10 @@ pub fn run(a: Args) -> Result<(), String> {
             crate::table::json_for_terminal(&json!({ "targets": v }))
         );
     } else {
-        for d in &found {
-            if d.locked {
+        for (d, failure) in found.iter().zip(&failed) {
+            if failure.is_some() {
+                continue; // said in the error line
+            } else if d.locked {
                 println!(
                     "{}: requires a key (blkwire discover ... --key FILE, or blkwire info {}/ --key FILE)",
                     d.base, d.base
@@ -112,5 +128,18 @@ pub fn run(a: Args) -> Result<(), String> {
     if found.is_empty() {
         return Err(none());
     }
-    Ok(())
+    let failures: Vec<String> = found
+        .iter()
+        .zip(&failed)
+        .filter_map(|(d, f)| f.as_ref().map(|e| format!("{}: {e}", d.base)))
+        .collect();
+    if failures.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "{} of {} target(s) did not list their exports to this host's key: {}",
+        failures.len(),
+        found.len(),
+        failures.join("; ")
+    ))
 }

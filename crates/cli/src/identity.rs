@@ -97,8 +97,8 @@ pub enum KeyCmd {
     Gen {
         /// Where to write it (never overwritten)
         file: PathBuf,
-        /// The host the key is for (default: this host's id)
-        #[arg(long, value_name = "ID")]
+        /// The host the key is for (default: this host's id, as the other commands take it)
+        #[arg(long, value_name = "ID", env = "BLKWIRE_HOST_ID")]
         host_id: Option<String>,
     },
 }

@@ -12,7 +12,12 @@ pub struct Args {
     #[arg(long)]
     json: bool,
     /// Seconds to wait for the target's answer
-    #[arg(long, value_name = "SECS", default_value_t = 10.0)]
+    #[arg(
+        long,
+        value_name = "SECS",
+        default_value_t = 10.0,
+        allow_negative_numbers = true
+    )]
     timeout: f64,
     #[command(flatten)]
     id: crate::identity::Identity,
@@ -20,9 +25,9 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<(), String> {
     let u = Url::parse(&a.url).map_err(|e| e.to_string())?;
-    if !(a.timeout > 0.0 && a.timeout <= 3600.0) {
+    if !(0.001..=3600.0).contains(&a.timeout) {
         return Err(format!(
-            "--timeout {}: give more than 0 and at most 3600 seconds",
+            "--timeout {}: give at least 0.001 and at most 3600 seconds",
             a.timeout
         ));
     }
@@ -49,6 +54,9 @@ pub fn run(a: Args) -> Result<(), String> {
                 crate::table::json_for_terminal(&json!({ "exports": v }))
             );
         } else {
+            if list.is_empty() {
+                eprintln!("blkwire: note: {} serves no exports", u.authority());
+            }
             for e in list {
                 println!(
                     "{:<20} {:>10}  {}",

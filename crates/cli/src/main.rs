@@ -123,7 +123,27 @@ enum Command {
     Rpc(rpc::Args),
 }
 
+/// print! panics when stdout cannot be written (a full disk, a closed pipe of a command that
+/// goes on after SIGPIPE): said in one line with exit status 1, as any other failure, instead
+/// of a panic message. Other panics keep the default report.
+fn output_failures_are_errors() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let msg = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied());
+        if let Some(e) = msg.and_then(|m| m.strip_prefix("failed printing to stdout: ")) {
+            eprintln!("blkwire: error: cannot write the output: {e}");
+            std::process::exit(1);
+        }
+        default(info);
+    }));
+}
+
 fn main() -> ExitCode {
+    output_failures_are_errors();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) if !e.use_stderr() => e.exit(), // --help, --version
@@ -143,6 +163,7 @@ fn main() -> ExitCode {
             | Command::Discover(_)
             | Command::Ls(_)
             | Command::Bench(_)
+            | Command::Copy(_)
             | Command::Key(_)
             | Command::Export(_)
             | Command::Listener(_)

@@ -11,7 +11,7 @@ use crate::table::{aligned, cell, Align};
 pub struct Args {
     /// tcp://HOST:PORT of the target (STATS is served on its native TCP listener)
     url: String,
-    /// Print the target's JSON document unchanged
+    /// Print the target's JSON document (its control characters escaped, keys sorted)
     #[arg(long)]
     json: bool,
     #[command(flatten)]
@@ -49,7 +49,19 @@ pub fn run(a: Args) -> Result<(), String> {
         return Ok(());
     }
     print!("{}", table(&v));
+    if let Some(n) = omitted(&v) {
+        // The document stays under 1 MiB (PROTOCOL.md §11): the rows above are not all.
+        eprintln!(
+            "blkwire: note: {n} more session(s) not shown: the target left them out of its \
+             stats to keep them under 1 MiB"
+        );
+    }
     Ok(())
+}
+
+/// Sessions the target left out of the document (`sessions_omitted`), if any.
+fn omitted(v: &Value) -> Option<u64> {
+    v["sessions_omitted"].as_u64().filter(|n| *n > 0)
 }
 
 /// The counters as a table: session and export left-aligned, numbers right-aligned.
@@ -96,6 +108,15 @@ mod tests {
         let out = crate::table::json_for_terminal(&v);
         assert!(out.chars().all(|c| !c.is_control()), "{out:?}");
         assert_eq!(serde_json::from_str::<Value>(&out).unwrap(), v);
+    }
+
+    #[test]
+    fn sessions_left_out_are_counted() {
+        assert_eq!(omitted(&serde_json::json!({"sessions": []})), None);
+        assert_eq!(
+            omitted(&serde_json::json!({"sessions_omitted": 7})),
+            Some(7)
+        );
     }
 
     #[test]

@@ -205,6 +205,42 @@ fn keys_admit_proven_hosts_and_refuse_every_other_over_tcp_and_udp() {
     );
 }
 
+/// `discover --key`: a target that lists its exports to the key says them; one that refuses the
+/// key is named in one error line (exit status 1) and, in the JSON document, beside the others,
+/// instead of ending the listing with nothing printed.
+#[test]
+fn discover_with_a_key_lists_what_it_can_and_names_what_refused() {
+    let keys = Keys::new("auth-discover");
+    let (_t, urls) = start(&keys);
+    let udp = urls.iter().find(|u| u.starts_with("udp://")).unwrap();
+    let (ok, out, err) = run(
+        &["discover", udp, "--wait-ms", "500"],
+        &keys.as_host("alice", "alice"),
+    );
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("/d ") && !out.contains("requires a key"),
+        "{out}"
+    );
+    let (ok, out, err) = run(
+        &["discover", udp, "--wait-ms", "500", "--json"],
+        &keys.as_host("mallory", "mallory"),
+    );
+    assert!(!ok, "a refused key is a failure: {out}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains(udp.as_str()) && err.contains("did not list"),
+        "{err}"
+    );
+    let v: serde_json::Value = serde_json::from_str(&out).expect("the JSON document is printed");
+    let target = &v["targets"][0];
+    assert_eq!(target["requires_key"], true, "{v}");
+    assert!(
+        target["error"].as_str().is_some_and(|e| !e.is_empty()),
+        "{v}"
+    );
+}
+
 #[test]
 fn key_files_and_rules_are_checked_before_anything_starts() {
     let keys = Keys::new("auth-config");

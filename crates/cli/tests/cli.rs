@@ -72,6 +72,105 @@ fn cp_into_a_file_replaces_it_only_when_complete() {
     names.sort();
     assert_eq!(names, ["long.img", "new.img", "x.img"], "left behind");
     assert_one_line_error(&["cp", &t.url("x"), "/dev/null"], "not a regular file");
+    // Nor is what has no size to copy, or would wait for a writer when opened, a source.
+    let fifo = d.path("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo on a NUL-terminated path of ours.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    for src in ["/dev/zero", fifo.to_str().unwrap()] {
+        assert_one_line_error(
+            &["cp", src, &t.url("x")],
+            "not a regular file or block device",
+        );
+    }
+}
+
+/// A command whose output cannot be written (stdout on a full device) fails in one line with
+/// exit status 1: it panicked (status 101, a panic message).
+#[test]
+fn output_that_cannot_be_written_is_a_one_line_error() {
+    let d = TempDir::new("full-stdout");
+    let key = d.path("k");
+    let out = std::process::Command::new(common::BIN)
+        .args(["key", "gen", key.to_str().unwrap(), "--host-id", "h"])
+        .stdout(std::fs::File::create("/dev/full").unwrap())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("cannot write the output"), "{err}");
+}
+
+/// `key gen` takes the host id from BLKWIRE_HOST_ID as every other command does.
+#[test]
+fn key_gen_takes_the_host_id_from_the_environment() {
+    let d = TempDir::new("key-env");
+    let key = d.path("k");
+    let out = std::process::Command::new(common::BIN)
+        .args(["key", "gen", key.to_str().unwrap()])
+        .env("BLKWIRE_HOST_ID", "envhost")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&key).unwrap();
+    assert!(text.starts_with("envhost:"), "{text}");
+}
+
+/// Ctrl-C (or SIGTERM) during a copy into a new file removes the hidden file it was writing,
+/// which is as large as the source, and says so in one line; the exit status says the signal.
+#[test]
+fn an_interrupted_cp_into_a_new_file_leaves_nothing_behind() {
+    use std::io::Read;
+    let d = TempDir::new("cp-interrupted");
+    // Large enough that the copy is still running when the signal comes (never-written pages
+    // of a mem: export are read as zeros, and skipped in the new file).
+    let t = Target::start(&["big=mem:64G"]);
+    let new = d.path("new.img");
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        let mut child = std::process::Command::new(common::BIN)
+            .args(["cp", "--no-progress", "--jobs", "1", &t.url("big")])
+            .arg(&new)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let listed = || std::fs::read_dir(d.path("")).unwrap().count();
+        // The hidden file appears once the source is open: the copy has begun.
+        assert!(
+            common::wait_until(std::time::Duration::from_secs(20), || listed() > 0),
+            "the copy never created its file"
+        );
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(child.id() as i32, sig) };
+        let status = child.wait().unwrap();
+        let mut err = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.code(), Some(128 + sig), "{status:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(
+            err.contains("interrupted") && err.contains("was not created"),
+            "{err}"
+        );
+        let left: Vec<_> = std::fs::read_dir(d.path(""))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(
+            left.is_empty(),
+            "left behind: {left:?} ({:?})",
+            status.signal()
+        );
+    }
 }
 
 /// Between two exports of one target, a size off either side's blocks is refused before the
@@ -382,6 +481,25 @@ fn options_that_cannot_apply_are_refused_in_one_line() {
         &["bench", "tcp://127.0.0.1:9/x", "--runtime", "1e20"],
         "at most 604800 seconds",
     );
+    // Too short to run an I/O, or negative (which the argument parser took for a flag, and
+    // then told to write `-- -1`, which failed too); port 9 is closed: these are said before
+    // connecting.
+    for short in ["1e-10", "-1"] {
+        assert_one_line_error(
+            &["bench", "tcp://127.0.0.1:9/x", "--runtime", short],
+            "at least 0.001",
+        );
+        assert_one_line_error(
+            &["info", "tcp://127.0.0.1:9/x", "--timeout", short],
+            "at least 0.001",
+        );
+    }
+    for bs in ["0", "100"] {
+        assert_one_line_error(
+            &["bench", "tcp://127.0.0.1:9/x", "--bs", bs],
+            "multiple of 512",
+        );
+    }
     for cmd in ["bench", "cp", "copy"] {
         let mut args = vec![cmd, "tcp://127.0.0.1:9/x"];
         match cmd {

@@ -80,6 +80,28 @@ fn writes_beyond_the_memory_share_complete_as_solicited_data_frees_memory() {
     );
 }
 
+/// `blkwire cp` between two namespaces of one NVMe/TCP controller copies through this host
+/// (an NVMe/TCP session has no blkwire COPY): it said to add --no-offload before.
+#[test]
+fn cp_between_nvme_tcp_namespaces_of_one_target_copies_through_this_host() {
+    let dir = TempDir::new("nvme-cp");
+    let t = NvmeTarget::start(&["a=mem:4M", "b=mem:4M"]);
+    let data = random_bytes(4 << 20, 31);
+    let src = dir.path("src.img");
+    std::fs::write(&src, &data).unwrap();
+    let (ok, _, err) = cli(&["cp", src.to_str().unwrap(), &t.t.url("a")]);
+    assert!(ok, "{err}");
+    let (a, b) = (
+        format!("nvme-tcp://{}/a", t.addr),
+        format!("nvme-tcp://{}/b", t.addr),
+    );
+    let (ok, out, err) = cli(&["cp", "--no-progress", &a, &b]);
+    assert!(ok, "{out}{err}");
+    assert!(err.contains("copying through this host"), "{err}");
+    assert!(!out.contains("inside the target"), "{out}");
+    assert!(t.contents("b", &dir) == data, "b is not a's copy");
+}
+
 #[test]
 fn discovery_lists_every_subsystem_at_the_listener() {
     let t = NvmeTarget::start(&["disk0=mem:16M", "disk1=mem:8M"]);
