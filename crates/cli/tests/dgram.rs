@@ -169,6 +169,71 @@ fn transports_over_veth(n: u8, mtu: u32) {
     );
 }
 
+/// An ICMP error for the target's port (a firewall rejecting it for a while: host
+/// prohibited, which Linux reports on the connected socket as EHOSTUNREACH) loses frames as the
+/// network may: the requests are sent again once the path is back, and none fails. It ended
+/// the queue at once with "No route to host".
+#[test]
+fn icmp_errors_from_the_path_are_loss_not_the_end() {
+    let n = 24;
+    let lab = NetLab::new(n, 1500);
+    let tcp = format!("tcp://10.99.{n}.1:7700");
+    let udp = format!("udp://10.99.{n}.1:7701");
+    let _t = Served::start(Some(&lab.t), &[&tcp, &udp], &["d=mem:16M"]);
+    let mut bench = Command::new("ip")
+        .args(["netns", "exec", &lab.i, BIN, "bench", &format!("{udp}/d")])
+        .args([
+            "--runtime",
+            "8",
+            "--iodepth",
+            "4",
+            "--timeout",
+            "30",
+            "--json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let sessions = || {
+        target_stats(&lab, &tcp)["sessions"]
+            .as_array()
+            .map_or(0, Vec::len)
+    };
+    assert!(
+        common::wait_until(Duration::from_secs(20), || sessions() > 0),
+        "the bench never opened its session"
+    );
+    let nft = |rule: &str| {
+        common::netlab::sh(&["ip", "netns", "exec", &lab.t, "nft", rule]);
+    };
+    nft("add table inet fw");
+    nft("add chain inet fw in { type filter hook input priority 0 ; }");
+    nft("add rule inet fw in udp dport 7701 counter reject with icmp type host-prohibited");
+    let rejected = || {
+        let (_, out, _) = common::netlab::run(Command::new("ip").args([
+            "netns", "exec", &lab.t, "nft", "list", "table", "inet", "fw",
+        ]));
+        out.split("packets ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .and_then(|p| p.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // Rejected until requests have been refused by ICMP a few times (or the bench ended).
+    let hit = common::wait_until(Duration::from_secs(20), || {
+        rejected() >= 5 || bench.try_wait().unwrap().is_some()
+    });
+    nft("delete table inet fw");
+    assert!(hit, "the firewall rejected nothing");
+    let out = bench.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the bench failed: {err}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["errors"], 0, "{v}");
+    assert!(sum(&v, "retransmits") > 0, "nothing was sent again: {v}");
+}
+
 #[test]
 fn eth_and_udp_over_veth_mtu_1500() {
     transports_over_veth(1, 1500);

@@ -232,6 +232,25 @@ pub struct Queue {
     max_range: u32,
     /// Which queue of which session this is, for a reconnection to name (native sessions).
     identity: Option<QueueRef>,
+    /// The last batch started (`read_at`, `write_at`, `copy`, ...): its number is in the
+    /// `user` of each of its commands (`Batch`), so that completions of an earlier batch that
+    /// returned an error with commands still in flight are never taken as this one's.
+    batch: u32,
+}
+
+/// The commands of one batch: `user` holds the batch's number above the command's index.
+#[derive(Clone, Copy)]
+struct Batch(u32);
+
+impl Batch {
+    fn user(self, i: usize) -> u64 {
+        (u64::from(self.0) << 32) | i as u64
+    }
+
+    /// The index of a completion of this batch; None for an earlier batch's.
+    fn index(self, user: u64) -> Option<usize> {
+        (user >> 32 == u64::from(self.0)).then_some((user & 0xffff_ffff) as usize)
+    }
 }
 
 // Both boxed: a Queue is moved between threads and into vectors; the transports are large.
@@ -256,6 +275,7 @@ impl Queue {
             copy,
             max_range,
             identity: None,
+            batch: 0,
         }
     }
 
@@ -265,7 +285,14 @@ impl Queue {
             copy,
             max_range,
             identity: None,
+            batch: 0,
         }
+    }
+
+    /// A new batch's number (`Batch`).
+    fn next_batch(&mut self) -> Batch {
+        self.batch = self.batch.wrapping_add(1);
+        Batch(self.batch)
     }
 
     /// The TCP queue inside, if this is one (for `fuzzing`).
@@ -384,7 +411,9 @@ impl Queue {
     }
 
     /// Runs a batch of commands of at most `max_io` each, keeping the pipeline full, and returns
-    /// the first error. `each(i)` yields command `i`; `done(i, data)` receives read data.
+    /// the first error. `each(i)` yields command `i`; `done(i, data)` receives read data. An
+    /// error of the transport returns at once, commands still in flight: their completions,
+    /// if any come, are told apart from a later batch's by the batch number in `user`.
     fn run_batch<'a>(
         &mut self,
         count: usize,
@@ -399,13 +428,14 @@ impl Queue {
         // the parts in flight have completed: returned earlier, their completions would be
         // taken by the caller's next batch as its own (the same user numbers).
         let mut refused: Option<Error> = None;
+        let batch = self.next_batch();
         while finished < count {
             while next < count
                 && self.in_flight() < self.depth()
                 && failed.is_none()
                 && refused.is_none()
             {
-                match self.submit(each(next), next as u64) {
+                match self.submit(each(next), batch.user(next)) {
                     Ok(()) => next += 1,
                     Err(e) => refused = Some(e),
                 }
@@ -413,11 +443,15 @@ impl Queue {
             if self.in_flight() == 0 {
                 break;
             }
-            finished += self.complete(1, |c| {
+            self.complete(1, |c| {
+                let Some(i) = batch.index(c.user) else {
+                    return; // an earlier batch's
+                };
+                finished += 1;
                 if c.status != Status::Ok {
-                    failed.get_or_insert((c.user as usize, c.status));
+                    failed.get_or_insert((i, c.status));
                 } else {
-                    done(c.user as usize, c.data);
+                    done(i, c.data);
                 }
             })?;
         }
@@ -545,8 +579,10 @@ impl Queue {
         }
         // Made as they are sent: a long copy under small limits is many commands.
         let mut commands = copy_commands(source, ranges, dst, limits);
-        // Destination and length of each command in flight, by its index (the `user`).
+        // Destination and length of each command in flight, by its `user` (this batch's
+        // number and its index: an earlier batch's completions match nothing).
         let mut sent: HashMap<u64, (u64, u32)> = HashMap::new();
+        let batch = self.next_batch();
         // The first command that failed: its index, status and the bytes known copied.
         let mut failed: Option<(u64, Status, u64)> = None;
         let mut next = 0u64;
@@ -563,8 +599,9 @@ impl Queue {
                     len,
                     descriptor: &d,
                 };
-                self.submit(cmd, next)?;
-                sent.insert(next, (cmd_dst, len));
+                let user = batch.user(next as usize);
+                self.submit(cmd, user)?;
+                sent.insert(user, (cmd_dst, len));
                 next += 1;
             }
             if self.in_flight() == 0 {
@@ -742,6 +779,45 @@ mod tests {
                 }
             }
         })
+    }
+
+    /// A batch that returned an error with a command in flight (a timeout) leaves that
+    /// command's completion to come: the next batch on the queue must not take it for its own
+    /// (the read returned the bytes of the earlier read, at another offset, as its data).
+    #[test]
+    fn a_late_completion_of_a_failed_batch_is_not_taken_by_the_next() {
+        let url = testing::native(granted(1, 8, 1 << 20, 1 << 20), |mut s| {
+            let Some((first, _)) = testing::read_frame(&mut s) else {
+                return;
+            };
+            // The second read comes once the first has timed out: then both are answered.
+            let Some((second, _)) = testing::read_frame(&mut s) else {
+                return;
+            };
+            for (h, byte) in [(first, 0xaa), (second, 0xbb)] {
+                let mut out = h.reply(Status::Ok, h.length).to_bytes().to_vec();
+                out.extend(std::iter::repeat_n(byte, h.length as usize));
+                if s.write_all(&out).is_err() {
+                    return;
+                }
+            }
+            let _ = testing::read_frame(&mut s); // until the initiator goes
+        });
+        let opts = ConnectOptions {
+            timeout: std::time::Duration::from_millis(300),
+            ..Default::default()
+        };
+        let mut s = crate::connect(&url, &opts).unwrap();
+        let q = &mut s.queues[0];
+        let mut buf = vec![0u8; 4096];
+        let r = q.read_at(&mut buf, 0);
+        assert!(matches!(r, Err(Error::Timeout(_))), "{r:?}");
+        q.read_at(&mut buf, 8192).unwrap();
+        assert!(
+            buf.iter().all(|b| *b == 0xbb),
+            "the read at 8192 returned the bytes of the one at 0 ({:#x})",
+            buf[0]
+        );
     }
 
     /// A COPY answered OK with fewer bytes than asked did not copy the rest (PROTOCOL.md §13

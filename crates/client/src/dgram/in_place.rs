@@ -121,7 +121,8 @@ impl DgramQueue {
             Err(e) => {
                 self.rx.give_back(rx);
                 return match e.raw_os_error() {
-                    Some(libc::EAGAIN) | Some(libc::EINTR) | Some(libc::ECONNREFUSED) => Ok(()),
+                    Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(()),
+                    _ if super::link::lost_on_the_path(&e) => Ok(()),
                     _ => Err(Error::Io(e)),
                 };
             }

@@ -16,6 +16,30 @@ use crate::auth::QueueKeys;
 use crate::queue::QueueStats;
 use crate::{Error, Result};
 
+/// Errors a socket reports for what the path did (ICMP errors that Linux turns into errno on a
+/// connected UDP socket: port, host or network unreachable, administratively prohibited,
+/// host unknown or isolated, protocol unreachable) or for this host's route, firewall or
+/// interface at the moment (ENETUNREACH, EPERM from a netfilter drop, ENETDOWN): frames lost,
+/// as the network may lose them. The retransmission timer sends them again and the give-up
+/// timer ends what stays unanswered, so a target behind a firewall that rejects it for a while
+/// (a reboot, a rule reloaded) is reached again, as over TCP.
+pub(crate) fn lost_on_the_path(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(
+            libc::ECONNREFUSED
+                | libc::EHOSTUNREACH
+                | libc::ENETUNREACH
+                | libc::EHOSTDOWN
+                | libc::ENETDOWN
+                | libc::ENONET
+                | libc::ENOPROTOOPT
+                | libc::EACCES
+                | libc::EPERM
+        )
+    )
+}
+
 /// Frames sent or received per syscall.
 pub(crate) const BATCH: usize = 32;
 
@@ -247,11 +271,10 @@ impl Sender {
                     Some(libc::EINTR) => continue,
                     // This kernel or route cannot segment: datagram by datagram from now on.
                     _ if f.segmented && udp_offload::refused(&f.error) => self.gso = false,
-                    // A full socket buffer or an unreachable port loses frames exactly as the
-                    // network may: the retransmission timer recovers them.
-                    Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::ECONNREFUSED) => {
-                        done += f.datagrams;
-                    }
+                    // A full socket buffer, or an error the path reported, loses frames
+                    // exactly as the network may: the retransmission timer recovers them.
+                    Some(libc::EAGAIN) | Some(libc::ENOBUFS) => done += f.datagrams,
+                    _ if lost_on_the_path(&f.error) => done += f.datagrams,
                     _ => return Err(Error::Io(f.error)),
                 },
             }
@@ -495,8 +518,9 @@ impl Receiver {
                 let e = std::io::Error::last_os_error();
                 return match e.raw_os_error() {
                     Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(total),
-                    // ICMP port unreachable from a dead target: keep waiting; the give-up timer ends it.
-                    Some(libc::ECONNREFUSED) => Ok(total),
+                    // An ICMP error (a dead target's port, a firewall): keep waiting; the
+                    // give-up timer ends what stays unanswered.
+                    _ if lost_on_the_path(&e) => Ok(total),
                     _ => Err(Error::Io(e)),
                 };
             }

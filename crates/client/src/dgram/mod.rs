@@ -78,6 +78,9 @@ struct Slot {
     window_frames: u32,
     /// Its latest transmission's timing (§9.2).
     tx: Transmission,
+    /// When it fails with EIO if still unanswered: the give-up time from its submission, so
+    /// one waiting for the window (a large request goes alone) is bounded too (§9.2).
+    give_up_at: Instant,
     status: Status,
 }
 
@@ -97,6 +100,7 @@ impl Slot {
             got: 0,
             window_frames: 1,
             tx: Transmission::first(Instant::now(), RTO_INITIAL, Duration::ZERO),
+            give_up_at: Instant::now(),
             status: Status::Ok,
         }
     }
@@ -252,8 +256,15 @@ impl DgramQueue {
             .ok_or_else(|| Error::Usage("all queue slots are busy".into()))?;
         let fp = self.frame_payload;
         let s = &mut self.slots[slot as usize];
-        s.generation = s.generation.wrapping_add(1);
+        // Every request moves its slot's generation on, so the target tells it from a
+        // duplicate (§6), but a KEEPALIVE, which the target answers outside its slot table:
+        // 32768 of them on one slot (the free list is a stack) made the next request look
+        // older than the last the target saw there, dropped as a duplicate until it failed.
+        if opcode != Opcode::Keepalive {
+            s.generation = s.generation.wrapping_add(1);
+        }
         s.state = State::Pending;
+        s.give_up_at = crate::deadline::later(Instant::now(), self.give_up);
         s.opcode = opcode;
         s.flags = flags;
         s.offset = offset;
@@ -365,6 +376,7 @@ impl DgramQueue {
                 self.cc.rto()
             };
             s.tx = Transmission::first(now, rto, self.give_up);
+            s.tx.give_up_at = s.give_up_at;
             self.cc.on_send(need);
             let frags = if s.opcode == Opcode::Write {
                 s.frags
@@ -598,6 +610,13 @@ impl DgramQueue {
             self.accepted_in += 1;
             return;
         }
+        if h.opcode == Opcode::Join {
+            // A JOIN sent again while the first answer was on its way: answered twice, the
+            // second after the queue was made. The target counts no JOIN answer among the
+            // frames it sent (§9.2), so neither do we, or the next probe sees a loss.
+            self.stats.late_replies += 1;
+            return;
+        }
         self.accepted_in += 1;
         let fp = self.frame_payload;
         let Some(s) = self.slots.get_mut(slot as usize) else {
@@ -716,6 +735,21 @@ impl DgramQueue {
         if pass.scan {
             for slot in 0..self.slots.len() as u16 {
                 let s = &mut self.slots[slot as usize];
+                if s.state == State::Pending && now >= s.give_up_at {
+                    // Never admitted to the window (a large request waits to go alone, or
+                    // the window shrank): given up as one in flight would be, counting
+                    // nothing against the window.
+                    s.status = Status::Io;
+                    if s.opcode == Opcode::Copy {
+                        s.length = 0;
+                    }
+                    s.state = State::Done;
+                    self.stats.timeouts += 1;
+                    self.stats.errors += 1;
+                    self.pending.retain(|&p| p != slot);
+                    self.done.push_back(slot);
+                    continue;
+                }
                 if s.state != State::InFlight {
                     continue;
                 }
@@ -878,13 +912,16 @@ fn push(
     }
 }
 
-/// The earliest timer of the requests in flight: a retransmission or give-up, or the tail-loss
-/// probe.
+/// The earliest timer of the requests in flight (a retransmission or give-up), of those waiting
+/// for the window (their give-up), or the tail-loss probe.
 fn timer_deadline(slots: &[Slot], cc: &Congestion) -> Option<Instant> {
     slots
         .iter()
-        .filter(|s| s.state == State::InFlight)
-        .map(|s| s.tx.deadline())
+        .filter_map(|s| match s.state {
+            State::InFlight => Some(s.tx.deadline()),
+            State::Pending => Some(s.give_up_at),
+            _ => None,
+        })
         .chain(cc.probe_deadline())
         .min()
 }
@@ -1465,6 +1502,77 @@ mod tests {
         assert_eq!((q.stats().timeouts, q.stats().retransmits), (1, 0));
         assert_eq!(q.cc.rto(), rto, "a give-up is no round trip");
         assert_eq!(q.cc.in_flight_frames(), 0);
+    }
+
+    /// A request waiting for the window (behind a READ of more frames than the window, which
+    /// goes alone) fails at its own give-up time, unsent: it waited for the one ahead to be
+    /// given up first, and then its whole give-up time again (the library's read_at of a
+    /// dead target took depth x give-up).
+    #[test]
+    fn a_request_waiting_for_the_window_is_given_up_in_time() {
+        let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let link = udp_link(target.local_addr().unwrap()).unwrap();
+        let mut q = test_queue(link, grant(8, 1 << 20, 1024), None);
+        let read = |len| Cmd::Read { offset: 0, len };
+        q.submit(read(1 << 20), 1).unwrap();
+        q.send().unwrap();
+        let sent = q.stats().frames_out;
+        assert_eq!(q.in_flight(), 1, "the large READ goes alone");
+        q.give_up = Duration::from_millis(50);
+        q.submit(read(512), 2).unwrap();
+        let mut done = Vec::new();
+        // The large READ gives up after 30 s: the small one must not wait for it.
+        let until = Instant::now() + Duration::from_secs(10);
+        while done.is_empty() && Instant::now() < until {
+            q.poll(|c| done.push((c.user, c.status))).unwrap();
+            if done.is_empty() {
+                let at = q.deadline().expect("requests wait: a timer");
+                let _ = crate::deadline::poll_until(q.fd(), libc::POLLIN, at, Duration::ZERO);
+            }
+        }
+        assert_eq!(done, [(2, Status::Io)]);
+        let st = q.stats();
+        assert_eq!(st.timeouts, 1, "{st:?}");
+        // Never sent: only the large READ's frames (its probes aside) went out.
+        assert_eq!(st.frames_out - st.probes, sent, "{st:?}");
+    }
+
+    /// A KEEPALIVE submitted as a request (`Queue::keepalive`) leaves its slot's generation
+    /// where it was (the target never sees it in its slot table); a READ moves it on.
+    #[test]
+    fn keepalives_leave_the_slot_generation_alone() {
+        let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let mut q = idle_queue(&target);
+        let slot = *q.free.last().unwrap() as usize;
+        let before = q.slots[slot].generation;
+        q.submit(Cmd::Keepalive, 1).unwrap();
+        assert_eq!(q.slots[slot].generation, before);
+        let slot = *q.free.last().unwrap() as usize;
+        let before = q.slots[slot].generation;
+        q.submit(
+            Cmd::Read {
+                offset: 0,
+                len: 512,
+            },
+            2,
+        )
+        .unwrap();
+        assert_eq!(q.slots[slot].generation, before.wrapping_add(1));
+    }
+
+    /// A JOIN answered twice (sent again while the first answer travelled) does not count
+    /// among the frames received: the target does not count it among those it sent (§9.2).
+    #[test]
+    fn a_late_join_answer_is_not_counted_as_received() {
+        let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let mut q = idle_queue(&target);
+        let mut h = Header::request(Opcode::Join, Tag::new(0, 1), 0, 0);
+        h.session = q.session;
+        h.queue = q.index;
+        let h = h.reply(Status::Ok, 0);
+        q.on_frame(&h, &[]);
+        assert_eq!(q.accepted_in, 0);
+        assert_eq!(q.stats().late_replies, 1);
     }
 
     #[test]
