@@ -1407,6 +1407,98 @@ fn requests_up_to_64_mib_without_block_size_negotiation() {
     }
 }
 
+/// Requests a client sent before DISC and its half-close (shutdown of its sending side) are
+/// answered even when they must wait for memory other connections hold: the connection waits
+/// for it as a live one would. It closed once nothing was in flight, the requests that waited
+/// (and the DISC behind them) still in its receive buffer, unanswered. (More requests than the
+/// connection has slots: the end of the stream is read while the first ones run, and the
+/// last one waits for memory only after that.)
+#[test]
+fn requests_before_a_half_close_are_answered_when_memory_comes_back() {
+    use std::io::{Read, Write};
+    let (t, urls) = Target::start_listeners(
+        &["m=memthread:64M", "h=mem:64M"],
+        &["--max-memory", "64M", "--listen", "nbd://127.0.0.1:0"],
+    );
+    let addr = urls[1].trim_start_matches("nbd://");
+    const LEN: u32 = 8 << 20;
+    // Within one connection's share, beyond what its floor holds.
+    const BIG: u32 = 4 << 20;
+    let used = || -> u64 {
+        let (ok, out, err) = common::cli(&["stats", &t.base, "--json"]);
+        assert!(ok, "{err}");
+        let v: Value = serde_json::from_str(&out).unwrap();
+        v["memory"]["used"].as_u64().unwrap()
+    };
+    // Connections that ask for more than their shares and read no reply: they hold the budget.
+    let mut hogs: Vec<Raw> = (0..6)
+        .map(|_| {
+            let (mut r, _, _) = Raw::go(addr, "h", false, false);
+            for k in 0..4 {
+                r.request(cmd::READ, 0, k, k * u64::from(LEN), LEN);
+            }
+            r
+        })
+        .collect();
+    assert!(
+        common::wait_until(std::time::Duration::from_secs(20), || used() >= 44 * MIB),
+        "the budget never filled: {} bytes used",
+        used()
+    );
+    // An NBD connection's slots (NBD_DEPTH, crates/server/src/nbd.rs).
+    let small = 128u64;
+    let request = |typ: u16, cookie: u64, offset: u64, len: u32| {
+        let r = nbd::Request {
+            flags: 0,
+            typ,
+            cookie,
+            offset,
+            length: len,
+        };
+        r.encode().to_vec()
+    };
+    let mut all = Vec::new();
+    for k in 0..small {
+        all.extend(request(cmd::READ, k, k * 4096, 4096));
+    }
+    all.extend(request(cmd::READ, small, 0, BIG));
+    all.extend(request(cmd::DISC, small + 1, 0, 0));
+    let (mut b, _, _) = Raw::go(addr, "m", false, false);
+    b.0.write_all(&all).unwrap();
+    b.0.shutdown(std::net::Shutdown::Write).unwrap();
+    // Each hog reads its replies now (side by side: one waiting for memory another holds
+    // must not wait for that one to be read first).
+    let readers: Vec<_> = hogs
+        .drain(..)
+        .map(|mut r| {
+            std::thread::spawn(move || {
+                for _ in 0..4 {
+                    assert_eq!(r.read_simple(LEN as usize).0, 0);
+                }
+            })
+        })
+        .collect();
+    for h in readers {
+        h.join().unwrap();
+    }
+    let mut answered = std::collections::HashSet::new();
+    for _ in 0..small {
+        let (e, c, _) = b.read_simple(4096);
+        assert_eq!(e, 0);
+        answered.insert(c);
+    }
+    assert_eq!(answered.len() as u64, small);
+    let (e, c, _) = b.read_simple(BIG as usize);
+    assert_eq!((e, c), (0, small), "the READ that waited for memory");
+    let mut rest = Vec::new();
+    b.0.read_to_end(&mut rest).unwrap();
+    assert!(
+        rest.is_empty(),
+        "nothing answers DISC: {} bytes",
+        rest.len()
+    );
+}
+
 /// A READ larger than one connection's share of the memory budget (a quarter of 64 MiB) could
 /// never be served: it gets ENOMEM at once instead of waiting for memory forever, and the
 /// connection goes on.

@@ -187,6 +187,9 @@ pub(super) struct Conn {
     pub(super) starved: bool,
     /// On the reactor's list of starved connections.
     pub(super) waiting: bool,
+    /// Parsing stopped at a whole request the budget cannot cover yet (`Cover::Wait`): a
+    /// closing connection (the peer shut its side) stays, retried, until it is answered.
+    pub(super) request_waits: bool,
     /// Frames received when the reactor last looked: unchanged a second later means idle.
     pub(super) idle_mark: u64,
     /// Counted against `--max-connections` until the connection closes.

@@ -566,6 +566,7 @@ impl Reactor {
             mem: q.mem,
             starved: false,
             waiting: false,
+            request_waits: false,
             idle_mark: 0,
             _counted: q.counted,
             broadcasts: Vec::new(),
@@ -854,7 +855,11 @@ impl Reactor {
         // Charged only when the buffers changed size (growth, or given back).
         c.settle_memory();
         self.trim_pending |= c.idle_work();
-        if c.starved && !c.waiting && !c.closing {
+        // Closing (the peer shut its side) but for a request it sent before that waits for
+        // memory in the receive buffer: retried as any starved connection, so it is answered
+        // (and a DISC/LOGOUT behind it taken) before the connection goes.
+        let request_waits = c.request_waits && !c.dead;
+        if c.starved && !c.waiting && (!c.closing || request_waits) {
             c.waiting = true;
             self.starved.push(idx);
         }
@@ -867,7 +872,7 @@ impl Reactor {
             }
         }
         let drained = c.tx_backlog() == 0 || c.dead;
-        if c.closing && c.inflight == 0 && drained {
+        if c.closing && c.inflight == 0 && drained && !request_waits {
             let c = self.conns[idx].take().expect("present");
             self.close(idx, c);
         }

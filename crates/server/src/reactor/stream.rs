@@ -28,6 +28,7 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     if std::mem::take(&mut c.starved) && c.inflight == 0 && c.tx_backlog() == 0 {
         c.trim_starved();
     }
+    c.request_waits = false;
     run_deferred(c, idx, sq);
     loop {
         if c.dead || c.tx_backlog() >= c.tx_high_water() {
@@ -69,6 +70,9 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         }
         let decoded = c.fe.decode(&c.rx[c.rx_start..c.rx_end], &mut c.tx);
         let (len, payload_len, trailer) = match decoded {
+            // Closing, nothing more is read: a frame not whole now never will be, and waits
+            // for no memory (the connection would stay starved, retried for ever).
+            Decoded::Need(_) if c.closing => break,
             Decoded::Need(total) => {
                 c.make_room(total);
                 break;
@@ -171,7 +175,10 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                     refuse_for_memory(c, req, len);
                     continue;
                 }
-                Cover::Wait => break,
+                Cover::Wait => {
+                    c.request_waits = true;
+                    break;
+                }
                 Cover::Never => {
                     refuse_for_memory(c, req, len);
                     continue;
@@ -1837,6 +1844,7 @@ mod tests {
             mem: Account::reserve(&Budget::new(budget), 0, budget).unwrap(),
             starved: false,
             waiting: false,
+            request_waits: false,
             idle_mark: 0,
             _counted: None,
             broadcasts: Vec::new(),
@@ -2733,6 +2741,37 @@ mod tests {
         }
         assert_eq!(c.targets[0].exec.stats.writes, 6, "every write ran");
         assert!(c.deferred.is_empty());
+    }
+
+    /// Closing (the peer shut its side), a frame not whole in the receive buffer never will
+    /// be: the buffer does not grow for it, and the connection does not wait for memory for it
+    /// (`request_waits`, which keeps a closing connection open), unlike a whole request the
+    /// budget cannot cover yet.
+    #[test]
+    fn a_partial_frame_of_a_closing_connection_waits_for_nothing() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn_sized("m=mem:8M", false, 8 << 20, 4 << 20);
+        // Solicited data, `D slot offset length` and 1 MiB, of which the receive buffer
+        // (64 KiB) is full.
+        let mut msg = vec![b'D', 0, 0, 0, 0, 0, 0];
+        msg.extend_from_slice(&(1u32 << 20).to_le_bytes());
+        msg.resize(c.rx.len(), 7);
+        c.closing = true;
+        feed(&mut c, &mut ring, &msg);
+        assert_eq!(
+            c.rx.len(),
+            64 << 10,
+            "grown for a frame that cannot come whole"
+        );
+        assert!(!c.request_waits);
+        // A whole request the budget cannot cover waits, closing or not.
+        let (mut c, _peer) = conn_budget("m=memthread:4M", false, 3 << 20);
+        let mut both = read(1, 0, 1 << 20);
+        both.extend_from_slice(&read(2, 1 << 20, 1 << 20));
+        c.closing = true;
+        feed(&mut c, &mut ring, &both);
+        assert!(c.starved && c.request_waits);
+        settle_async(&mut c, &mut ring);
     }
 
     /// A request whose reply and data buffer the memory budget cannot cover waits in the
