@@ -988,7 +988,8 @@ mod tests {
     #[test]
     fn block_storage_is_the_disk_or_file_underneath_from_where_the_device_starts() {
         use std::os::unix::fs::{symlink, MetadataExt};
-        let root = std::env::temp_dir().join(format!("blkwire-sysfs-{}", std::process::id()));
+        let root =
+            std::env::temp_dir().join(format!("blkwire-sysfs-storage-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
         let sys = root.join("dev/block");
         std::fs::create_dir_all(&sys).unwrap();
@@ -1308,7 +1309,7 @@ mod tests {
     /// them out (`M:m` links to the device's directory; a partition's lies in its disk's).
     #[test]
     fn queue_attributes_of_disks_and_partitions() {
-        let root = std::env::temp_dir().join(format!("blkwire-sysfs-{}", std::process::id()));
+        let root = std::env::temp_dir().join(format!("blkwire-sysfs-queue-{}", std::process::id()));
         let disk = root.join("devices/vda");
         std::fs::create_dir_all(disk.join("queue")).unwrap();
         std::fs::create_dir_all(disk.join("vda1")).unwrap();

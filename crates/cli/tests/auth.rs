@@ -214,7 +214,7 @@ fn discover_with_a_key_lists_what_it_can_and_names_what_refused() {
     let (_t, urls) = start(&keys);
     let udp = urls.iter().find(|u| u.starts_with("udp://")).unwrap();
     let (ok, out, err) = run(
-        &["discover", udp, "--wait-ms", "500"],
+        &["discover", udp, "--wait-ms", "2000"],
         &keys.as_host("alice", "alice"),
     );
     assert!(ok, "{err}");
@@ -223,7 +223,7 @@ fn discover_with_a_key_lists_what_it_can_and_names_what_refused() {
         "{out}"
     );
     let (ok, out, err) = run(
-        &["discover", udp, "--wait-ms", "500", "--json"],
+        &["discover", udp, "--wait-ms", "2000", "--json"],
         &keys.as_host("mallory", "mallory"),
     );
     assert!(!ok, "a refused key is a failure: {out}");
@@ -722,7 +722,9 @@ fn forged_ethernet_replies_to_an_initiator_are_dropped() {
             "--rw",
             "randread",
         ])
-        .args(["--bs", "4k", "--iodepth", "8", "--runtime", "4", "--json"])
+        // Long enough that the forgeries land while it runs, after the session's readiness
+        // poll and the sender's start on a loaded machine.
+        .args(["--bs", "4k", "--iodepth", "8", "--runtime", "8", "--json"])
         .args(["--host-id", "alice", "--key", &key])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -690,8 +690,9 @@ fn a_scrape_is_served_while_slow_clients_wait_for_their_deadline() {
     let m = scrape(&metrics);
     let took = started.elapsed();
     assert_eq!(m.value("blkwire_sessions", &[]), 0.0);
+    // Served in turn, it waited about 6 s (three 2 s deadlines).
     assert!(
-        took < Duration::from_secs(3),
+        took < Duration::from_millis(4500),
         "the scrape waited {took:?} behind the slow clients"
     );
     for c in &mut slow {

@@ -58,10 +58,15 @@ grep -q " $mnt " /proc/self/mountinfo && fail "the other namespace's mount shows
 if blkwire unmap "$dev" >/tmp/bw.out 2>&1; then fail "unmap of a device mounted in another mount namespace succeeded"; fi
 grep -q "is in use" /tmp/bw.out || fail "unexpected unmap error: $(cat /tmp/bw.out)"
 kill -TERM "$mappid"
-sleep 4 # the daemon waits up to 2 s for a hold to go before it refuses
+# The daemon waits up to 2 s for a hold to go before it refuses, and logs the refusal.
+i=0
+until grep -q "still serving it" $maplog; do
+    i=$((i + 1))
+    [ $i -le 100 ] || fail "the map daemon did not log its refusal: $(tail -n3 $maplog)"
+    sleep 0.1
+done
 kill -0 "$mappid" 2>/dev/null || fail "the map daemon exited on SIGTERM with its device mounted in another namespace"
 [ -e /sys/block/ublkb0 ] || fail "/sys/block/ublkb0 is gone after a refused SIGTERM"
-grep -q "still serving it" $maplog || fail "the map daemon did not log its refusal: $(tail -n3 $maplog)"
 echo 3 >/proc/sys/vm/drop_caches
 run dd if="$dev" of=/dev/null bs=64k count=16 skip=1000
 info "mounted in another mount namespace: unmap refused ($(cat /tmp/bw.out)), SIGTERM refused, still served"
@@ -228,10 +233,11 @@ run fsfreeze --freeze $fmnt
 step "a 4 KiB write to $fdev with the target's filesystem frozen"
 dd if=/tmp/w1 of="$fdev" bs=4k count=1 oflag=direct 2>/tmp/w1.err &
 wpid=$!
-# Half a timeout past the timeout, the write must still wait (the target still runs it); thawed
-# then, it lands and the fence comes well before the second timeout ends. A wait for something
-# that must not happen: nothing to wait on instead.
-sleep 6
+# Just past the timeout, the write must still wait (the target still runs it); thawed then, it
+# lands and the fence comes well before the second timeout ends (3.5 s for the thaw, the
+# reconnection and the answer, under TCG). A wait for something that must not happen: nothing
+# to wait on instead.
+sleep 4.5
 alive $wpid || fail "a write the target still ran was answered at its timeout: $(cat /tmp/w1.err)"
 thawed=$(now_cs)
 run fsfreeze --unfreeze $fmnt
@@ -241,7 +247,7 @@ grep -q "Input/output error" /tmp/w1.err || fail "the held write failed otherwis
 dd if="$fdev" of=/tmp/w1.back bs=4k count=1 iflag=direct 2>/dev/null || fail "reading back $fdev failed"
 cmp -s /tmp/w1 /tmp/w1.back || fail "the held write was answered before it landed"
 grep -q "answered EIO unfenced" /tmp/fence.log && fail "answered unfenced: $(cat /tmp/fence.log)"
-[ $((done_cs - thawed)) -lt 200 ] || fail "the held write was answered $(((done_cs - thawed) * 10)) ms after the thaw: unfenced?"
+[ $((done_cs - thawed)) -lt 300 ] || fail "the held write was answered $(((done_cs - thawed) * 10)) ms after the thaw: unfenced?"
 info "a write the target still ran was answered EIO $(((done_cs - thawed) * 10)) ms after the thaw, once it had landed"
 run dd if=/dev/urandom of=/tmp/w2 bs=4k count=1
 run fsfreeze --freeze $fmnt
