@@ -798,6 +798,52 @@ fn a_failed_set_meta_context_leaves_no_context_selected() {
     );
 }
 
+/// A context selected for one export is not the next export's: GO of another name enters
+/// transmission with none (proto.md: a context id is valid for the export it was negotiated
+/// for), and that export's BLOCK_STATUS is refused. The export it was selected for keeps it.
+#[test]
+fn a_meta_context_belongs_to_the_export_it_was_set_for() {
+    let t = NbdTarget::start(&["m=mem:16M", "n=mem:16M"]);
+    for (go, error) in [("n", nbd::err::EINVAL), ("m", 0)] {
+        let mut r = Raw::open(&t.addr());
+        r.option(opt::STRUCTURED_REPLY, &[]);
+        assert_eq!(r.opt_reply().1, rep::ACK);
+        r.option(
+            opt::SET_META_CONTEXT,
+            &meta_data("m", &[nbd::BASE_ALLOCATION]),
+        );
+        assert_eq!(r.opt_reply().1, rep::META_CONTEXT);
+        assert_eq!(r.opt_reply().1, rep::ACK);
+        r.option(opt::GO, &info_data(go, &[]));
+        loop {
+            match r.opt_reply() {
+                (_, rep::ACK, _) => break,
+                (_, rep::INFO, _) => {}
+                (_, t, d) => panic!("GO: reply {t:#x}: {}", String::from_utf8_lossy(&d)),
+            }
+        }
+        r.request(cmd::BLOCK_STATUS, 0, 1, 0, 4096);
+        let c = r.chunk();
+        let got = if c.typ == chunk::BLOCK_STATUS { 0 } else { be32(&c.payload) };
+        assert_eq!(got, error, "BLOCK_STATUS after GO {go}: {c:?}");
+    }
+}
+
+/// NBD_CMD_DISC has no reply, whatever flags it carries: the connection closes with nothing
+/// sent (an unexpected flag made it an invalid command, answered EINVAL, the connection open).
+#[test]
+fn disc_with_flags_still_disconnects_without_a_reply() {
+    use std::io::Read;
+    let t = NbdTarget::start(&["m=mem:16M"]);
+    let (mut r, _, _) = Raw::go(&t.addr(), "m", false, false);
+    r.request(cmd::DISC, cflag::NO_HOLE, 1, 0, 0);
+    let mut rest = Vec::new();
+    r.0.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    r.0.read_to_end(&mut rest).expect("the target closes the connection");
+    assert!(rest.is_empty(), "DISC was answered: {rest:?}");
+}
+
 #[test]
 fn option_haggling() {
     // A budget whose connection share (256 MiB) holds 32 MiB requests twice: the maximum

@@ -157,7 +157,11 @@ pub fn negotiate(
         Err(_) => return None,
     };
     let mut structured = false;
+    // base:allocation selected by SET_META_CONTEXT, and for which export: a context id is
+    // valid for the export it was negotiated for only (proto.md), so a GO or EXPORT_NAME of
+    // another export enters transmission without it.
     let mut allocation = false;
+    let mut allocation_for = String::new();
     // The host id a TLS-PSK client proved (the PSK user name) and the key it proved: admission
     // records both, and the per-export ACL check (issue 12 item 5) takes the id as the
     // authenticated host.
@@ -264,7 +268,7 @@ pub fn negotiate(
                 admitted_if_sent(registry, &adm, send(s, &out))?;
                 let fe = Nbd {
                     structured,
-                    allocation,
+                    allocation: allocation && allocation_for == name,
                     max_io: adm.max_io,
                     fast_zero: advertises_fast_zero(&e, structured),
                 };
@@ -283,7 +287,7 @@ pub fn negotiate(
                     let mut d = Vec::with_capacity(4 + e.name.len());
                     d.extend_from_slice(&(e.name.len() as u32).to_be_bytes());
                     d.extend_from_slice(e.name.as_bytes());
-                    d.extend_from_slice(description(e.size()).as_bytes());
+                    d.extend_from_slice(description(e.served_size()).as_bytes());
                     reply(s, option, rep::SERVER, &d)?;
                 }
                 reply(s, option, rep::ACK, &[])?;
@@ -332,7 +336,7 @@ pub fn negotiate(
                     admitted_if_sent(registry, &adm, reply(s, option, rep::ACK, &[]))?;
                     let fe = Nbd {
                         structured,
-                        allocation,
+                        allocation: allocation && allocation_for == req.name,
                         max_io: adm.max_io,
                         fast_zero: advertises_fast_zero(&e, structured),
                     };
@@ -391,6 +395,7 @@ pub fn negotiate(
                         && (req.queries.is_empty() || req.queries.iter().any(|q| q == "base:")));
                 if set {
                     allocation = matched;
+                    allocation_for.clone_from(&req.export);
                 }
                 if matched {
                     // LIST answers with id 0 (the spec: its ids mean nothing); SET with the id

@@ -51,6 +51,9 @@ impl StreamFrontend for Nbd {
         }
         let (mut offset, mut length) = (r.offset, r.length);
         let kind = match r.typ {
+            // DISC has no reply (proto.md): whatever flags it carries, an EINVAL reply to it
+            // would be one the client never reads, and the connection would stay open.
+            cmd::DISC => Kind::Logout,
             // Unknown flags, a flag the command does not take, or DF without structured
             // replies: EINVAL (proto.md, "Error values": the server SHOULD).
             _ if r.flags & !applicable_flags(r.typ) != 0
@@ -62,7 +65,6 @@ impl StreamFrontend for Nbd {
             cmd::READ if r.length > self.max_io => Kind::Invalid,
             cmd::READ => Kind::Block(BlockOp::Read),
             cmd::WRITE => Kind::Block(BlockOp::Write),
-            cmd::DISC => Kind::Logout,
             cmd::FLUSH => {
                 // NBD's FLUSH covers the whole export; its offset and length are ignored.
                 (offset, length) = (0, 0);
