@@ -126,11 +126,12 @@ impl Drop for Staged {
     }
 }
 
-/// SIGINT, SIGTERM and SIGHUP end the copy at once, as they would by default, with a line
-/// saying what is left: a new file being written (a hidden temporary as large as the source,
-/// `Staged`) is removed first, so a copy stopped with Ctrl-C leaves nothing behind. Called
-/// before any thread starts, so that every thread has the signals blocked and only this one
-/// takes them.
+/// SIGINT, SIGTERM and SIGHUP end the copy at once, as they would by default (the process
+/// dies of the signal, so a shell loop around it stops too), with a line saying what is left:
+/// a new file being written (a hidden temporary as large as the source, `Staged`) is removed
+/// first, so a copy stopped with Ctrl-C leaves nothing behind. Called before any thread
+/// starts, so that every thread has the signals blocked and only this one takes them (cp
+/// starts no other program, which would inherit the blocked signals).
 fn watch_signals(dst: String) {
     // SAFETY: building a signal set and blocking it for this thread (and the threads it
     // starts), before any other thread exists.
@@ -159,6 +160,16 @@ fn watch_signals(dst: String) {
             None => "may hold part of the copy",
         };
         eprintln!("blkwire: error: interrupted: {dst} {left}");
+        // SAFETY: restoring the default action and raising the signal on this thread, which
+        // then has it unblocked: the process ends as if it had never been caught.
+        unsafe {
+            libc::signal(sig, libc::SIG_DFL);
+            let mut one: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut one);
+            libc::sigaddset(&mut one, sig);
+            libc::pthread_sigmask(libc::SIG_UNBLOCK, &one, std::ptr::null_mut());
+            libc::raise(sig);
+        }
         std::process::exit(128 + sig);
     });
 }

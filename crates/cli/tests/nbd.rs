@@ -824,7 +824,11 @@ fn a_meta_context_belongs_to_the_export_it_was_set_for() {
         }
         r.request(cmd::BLOCK_STATUS, 0, 1, 0, 4096);
         let c = r.chunk();
-        let got = if c.typ == chunk::BLOCK_STATUS { 0 } else { be32(&c.payload) };
+        let got = if c.typ == chunk::BLOCK_STATUS {
+            0
+        } else {
+            be32(&c.payload)
+        };
         assert_eq!(got, error, "BLOCK_STATUS after GO {go}: {c:?}");
     }
 }
@@ -840,7 +844,8 @@ fn disc_with_flags_still_disconnects_without_a_reply() {
     let mut rest = Vec::new();
     r.0.set_read_timeout(Some(std::time::Duration::from_secs(20)))
         .unwrap();
-    r.0.read_to_end(&mut rest).expect("the target closes the connection");
+    r.0.read_to_end(&mut rest)
+        .expect("the target closes the connection");
     assert!(rest.is_empty(), "DISC was answered: {rest:?}");
 }
 

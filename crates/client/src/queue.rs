@@ -238,18 +238,22 @@ pub struct Queue {
     batch: u32,
 }
 
-/// The commands of one batch: `user` holds the batch's number above the command's index.
+/// The commands of one batch: `user` holds the batch's number (24 bits, wrapping) above the
+/// command's index (40 bits: no batch has 2^40 commands, which would spill into the number).
 #[derive(Clone, Copy)]
 struct Batch(u32);
 
 impl Batch {
+    const INDEX_BITS: u32 = 40;
+
     fn user(self, i: usize) -> u64 {
-        (u64::from(self.0) << 32) | i as u64
+        (u64::from(self.0 & 0xff_ffff) << Self::INDEX_BITS) | i as u64
     }
 
     /// The index of a completion of this batch; None for an earlier batch's.
     fn index(self, user: u64) -> Option<usize> {
-        (user >> 32 == u64::from(self.0)).then_some((user & 0xffff_ffff) as usize)
+        let mine = user >> Self::INDEX_BITS == u64::from(self.0 & 0xff_ffff);
+        mine.then_some((user & ((1 << Self::INDEX_BITS) - 1)) as usize)
     }
 }
 
@@ -429,7 +433,9 @@ impl Queue {
         // taken by the caller's next batch as its own (the same user numbers).
         let mut refused: Option<Error> = None;
         let batch = self.next_batch();
-        while finished < count {
+        // Until every command of this batch is answered, or, once one failed or was refused,
+        // every one sent: in_flight() may count an earlier batch's, not waited for.
+        while finished < count && !((failed.is_some() || refused.is_some()) && finished == next) {
             while next < count
                 && self.in_flight() < self.depth()
                 && failed.is_none()
@@ -587,7 +593,9 @@ impl Queue {
         let mut failed: Option<(u64, Status, u64)> = None;
         let mut next = 0u64;
         let mut more = true;
-        loop {
+        // Until every command sent is answered and none is left to send (or one failed):
+        // in_flight() may count an earlier batch's, not waited for.
+        while (more && failed.is_none()) || !sent.is_empty() {
             while more && self.in_flight() < self.depth() && failed.is_none() {
                 let Some(c) = commands.next() else {
                     more = false;
@@ -818,6 +826,47 @@ mod tests {
             "the read at 8192 returned the bytes of the one at 0 ({:#x})",
             buf[0]
         );
+    }
+
+    /// A batch after one that failed with a command in flight ends with its own commands: it
+    /// does not wait for the earlier one's (a copy that had done all it was asked returned the
+    /// timeout of the earlier read's command, which never came).
+    #[test]
+    fn a_batch_ends_with_its_own_commands() {
+        let copy = CopyLimits {
+            max_bytes: 1 << 20,
+            max_range: 1 << 20,
+            max_ranges: 8,
+        };
+        let reply = HelloReply {
+            copy,
+            ..granted(1, 8, 1 << 20, 1 << 20)
+        };
+        let url = testing::native(reply, |mut s| {
+            // The first request (a READ) is never answered; every later one is.
+            if testing::read_frame(&mut s).is_none() {
+                return;
+            }
+            while let Some((h, _)) = testing::read_frame(&mut s) {
+                if s.write_all(&h.reply(Status::Ok, 0).to_bytes()).is_err() {
+                    return;
+                }
+            }
+        });
+        let opts = ConnectOptions {
+            timeout: std::time::Duration::from_millis(300),
+            ..Default::default()
+        };
+        let mut s = crate::connect(&url, &opts).unwrap();
+        let q = &mut s.queues[0];
+        let mut buf = vec![0u8; 4096];
+        assert!(matches!(q.read_at(&mut buf, 0), Err(Error::Timeout(_))));
+        let range = CopyRange {
+            offset: 0,
+            len: 1 << 20,
+        };
+        q.copy("other", &[range], 4 << 20).unwrap();
+        q.flush().unwrap();
     }
 
     /// A COPY answered OK with fewer bytes than asked did not copy the rest (PROTOCOL.md §13

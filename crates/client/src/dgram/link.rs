@@ -34,7 +34,6 @@ pub(crate) fn lost_on_the_path(e: &std::io::Error) -> bool {
                 | libc::ENETDOWN
                 | libc::ENONET
                 | libc::ENOPROTOOPT
-                | libc::EACCES
                 | libc::EPERM
         )
     )

@@ -233,11 +233,15 @@ run fsfreeze --freeze $fmnt
 step "a 4 KiB write to $fdev with the target's filesystem frozen"
 dd if=/tmp/w1 of="$fdev" bs=4k count=1 oflag=direct 2>/tmp/w1.err &
 wpid=$!
-# Just past the timeout, the write must still wait (the target still runs it); thawed then, it
-# lands and the fence comes well before the second timeout ends (3.5 s for the thaw, the
-# reconnection and the answer, under TCG). A wait for something that must not happen: nothing
-# to wait on instead.
-sleep 4.5
+# Past the timeout (the daemon gives the connection up then, and logs it), the write must
+# still wait (the target still runs it); thawed then, it lands and the fence comes well before
+# the second timeout ends.
+i=0
+until grep -q "lost (no reply" /tmp/fence.log; do
+    i=$((i + 1))
+    [ $i -le 300 ] || fail "the map daemon never gave the connection up: $(cat /tmp/fence.log)"
+    sleep 0.1
+done
 alive $wpid || fail "a write the target still ran was answered at its timeout: $(cat /tmp/w1.err)"
 thawed=$(now_cs)
 run fsfreeze --unfreeze $fmnt
