@@ -104,7 +104,8 @@ impl fmt::Debug for Key {
 
 /// Checks a host id: 1 to 255 bytes of printable ASCII without spaces, so it can be logged
 /// and written to a key file as it is. ':' is allowed (NVMe host NQNs hold several); only
-/// `DHHC-1:`, which starts a secret on a key file line, is not.
+/// what starts a secret on a key file line is not (`DHHC-1:`, `:CHAP:`), nor an ending that
+/// makes one with the ':' after the id (`alice:CHAP` + `:HEX` read back as alice's CHAP line).
 pub fn check_host_id(id: &str) -> Result<(), String> {
     if id.is_empty() || id.len() > MAX_HOST_ID {
         return Err(format!(
@@ -129,6 +130,18 @@ pub fn check_host_id(id: &str) -> Result<(), String> {
             "host id '{}' contains '{CHAP_SEPARATOR}', which starts a CHAP secret in key files",
             id.escape_debug()
         ));
+    }
+    for (end, what) in [
+        (":CHAP", "a CHAP secret"),
+        (":DHHC-1", "a DH-HMAC-CHAP secret"),
+    ] {
+        if id.ends_with(end) {
+            return Err(format!(
+                "host id '{}' ends in '{end}', which would start {what} in key files: pick \
+                 another id",
+                id.escape_debug()
+            ));
+        }
     }
     Ok(())
 }
@@ -666,6 +679,13 @@ mod tests {
         assert!(check_host_id("a\tb").is_err());
         assert!(check_host_id("a b").is_err());
         assert!(check_host_id("evil\nline").is_err());
+        // `alice:CHAP` with `:HEX` after it read back as alice's CHAP line (another host).
+        for id in ["alice:CHAP", "alice:DHHC-1"] {
+            assert!(check_host_id(id).is_err(), "{id}");
+            let p = tmp(&format!("ends-{}", id.len()));
+            assert!(generate_file(&p, id).is_err(), "{id}");
+            assert!(!p.exists());
+        }
         let id = default_host_id();
         check_host_id(&id).unwrap();
         assert_eq!(id, default_host_id(), "stable across calls");

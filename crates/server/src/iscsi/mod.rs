@@ -576,7 +576,12 @@ impl Login {
                 "SessionType" => match v {
                     "Discovery" => self.discovery = true,
                     "Normal" => self.discovery = false,
-                    _ => return Err(Refusal(status::INVALID_REQUEST, format!("SessionType={v}"))),
+                    _ => {
+                        return Err(Refusal(
+                            status::INVALID_REQUEST,
+                            format!("SessionType={}", v.escape_debug()),
+                        ))
+                    }
                 },
                 "InitiatorAlias" => {}
                 "AuthMethod" => {
@@ -598,11 +603,13 @@ impl Login {
                         None => {
                             return Err(Refusal(
                                 status::AUTH_FAILED,
+                                // The peer's bytes, escaped: this goes to the log.
                                 format!(
-                                    "AuthMethod={v}: this target needs {}",
+                                    "AuthMethod={}: this target needs {}",
+                                    v.escape_debug(),
                                     if self.keys { "CHAP" } else { "None" }
                                 ),
-                            ))
+                            ));
                         }
                     }
                     iscsi::push_pair(out, k, chosen.unwrap_or("Reject"));
@@ -617,7 +624,7 @@ impl Login {
                     if !v.split(',').any(|a| a == "5") {
                         return Err(Refusal(
                             status::AUTH_FAILED,
-                            format!("CHAP_A={v}: only 5 (MD5) is offered"),
+                            format!("CHAP_A={}: only 5 (MD5) is offered", v.escape_debug()),
                         ));
                     }
                     let mut c = vec![0u8; CHAP_CHALLENGE + 1];
@@ -1516,6 +1523,27 @@ mod tests {
         let (pairs, first) = answers(1 << 20);
         assert_eq!(first, OUR_FIRST_BURST.min(262144));
         assert!(pairs.contains(&("FirstBurstLength".into(), first.to_string())));
+    }
+
+    /// A login refused for a value the peer chose says the value escaped: refusals go to the
+    /// log, where a line break would let the peer write lines of its own.
+    #[test]
+    fn refusals_quote_the_peers_values_escaped() {
+        let keys = crate::access::SharedKeys::default();
+        let registry = Registry::new(crate::access::Access::new(keys), Default::default());
+        for text in [
+            &b"SessionType=x\nblkwire info: forged\0"[..],
+            b"AuthMethod=x\nblkwire info: forged\0",
+        ] {
+            let mut l = Login::new(IpAddr::from([127, 0, 0, 1]), false, 1 << 20, 128);
+            let Err(Refusal(_, why)) = l.keys(0, text, &registry, &mut Vec::new()) else {
+                panic!("accepted {text:?}");
+            };
+            assert!(
+                !why.contains('\n') && why.contains("x\\nblkwire"),
+                "{why:?}"
+            );
+        }
     }
 
     /// A login records its sessions only if its configured target is as it found it: a
