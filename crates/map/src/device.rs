@@ -132,6 +132,10 @@ pub(crate) struct Needs {
     pub depth: u16,
     /// Mapped read-write: the export must still take writes.
     pub writable: bool,
+    /// The kernel was told the device has a volatile write cache, so it sends FLUSH and FUA.
+    /// Told it has none (the export did not offer FLUSH), it never does: an export that now
+    /// caches writes (re-added as a file, say) would hold writes the kernel takes for durable.
+    pub volatile_cache: bool,
 }
 
 impl Needs {
@@ -176,6 +180,13 @@ impl Needs {
         }
         if self.writable && info.features.has(Features::READ_ONLY) {
             return Err("the export is now read-only and the device is writable".into());
+        }
+        if self.writable && !self.volatile_cache && info.features.has(Features::FLUSH) {
+            return Err(
+                "the export now has a write cache (it offers FLUSH) and the device was \
+                        set up without one: the kernel would never flush what it writes"
+                    .into(),
+            );
         }
         Ok(())
     }
@@ -684,6 +695,7 @@ mod tests {
         max_io: 1 << 20,
         depth: 64,
         writable: true,
+        volatile_cache: true,
     };
 
     #[test]
@@ -757,5 +769,22 @@ mod tests {
             },
             "read-only",
         );
+        // Set up without a write cache (the export had no FLUSH): one that has one now would
+        // never be flushed. A read-only device writes nothing to lose.
+        let uncached = Needs {
+            volatile_cache: false,
+            ..NEEDS
+        };
+        let e = uncached.check(&info()).expect_err("a new write cache");
+        assert!(e.contains("write cache"), "{e}");
+        let reader = Needs {
+            writable: false,
+            ..uncached
+        };
+        let ro = ExportInfo {
+            features: Features(Features::READ_ONLY | Features::FLUSH),
+            ..info()
+        };
+        assert_eq!(reader.check(&ro), Ok(()));
     }
 }

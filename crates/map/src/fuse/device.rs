@@ -307,6 +307,9 @@ impl Mapping {
                 // serves.
                 depth: 1,
                 writable: !readonly,
+                // The loop device passes every flush on (as FSYNC, sent as FLUSH whatever
+                // the export offers): no state of the kernel's depends on it.
+                volatile_cache: true,
             },
             events: tx.clone(),
             opens: AtomicU64::new(0),

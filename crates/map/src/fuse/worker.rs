@@ -1398,6 +1398,7 @@ mod tests {
                 max_io: 1 << 20,
                 depth: 1,
                 writable: !readonly,
+                volatile_cache: true,
             },
             events: mpsc::channel().0,
             opens: AtomicU64::new(0),

@@ -273,6 +273,16 @@ pub(crate) struct Prepared {
 /// How long `map --recover` waits for the kernel to notice that the old daemon died.
 const QUIESCE_WAIT: Duration = Duration::from_secs(30);
 
+/// Whether the kernel takes `device` (/dev/ublkbN) for a disk with a volatile write cache
+/// (its queue's `write_cache`, set from UBLK_ATTR_VOLATILE_CACHE when it was made). Unknown
+/// (unreadable) counts as no cache: a recovery then refuses an export that caches writes
+/// rather than risk what the kernel would never flush.
+fn write_back(device: &str) -> bool {
+    let name = device.rsplit('/').next().unwrap_or(device);
+    std::fs::read_to_string(format!("/sys/block/{name}/queue/write_cache"))
+        .is_ok_and(|mode| mode.trim() == "write back")
+}
+
 /// `map --recover`, before the new daemon connects its session: checks that the device is the
 /// one `old` records, waits until the kernel says its old server is gone, then fences the dead
 /// daemon's queues on the target (PROTOCOL.md §2.6). In that order: a `map --recover` that
@@ -425,6 +435,13 @@ fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, St
                     old.device, di.queue_depth
                 ));
             }
+            if !readonly && !write_back(&old.device) && info.features.has(Features::FLUSH) {
+                return Err(format!(
+                    "{} was set up without a write cache and the export now has one (it offers \
+                     FLUSH): the kernel would never flush what it writes; cannot recover",
+                    old.device
+                ));
+            }
             // EBUSY until the dead daemon's char device is closed (it may still be exiting).
             let deadline = Instant::now() + Duration::from_secs(30);
             loop {
@@ -511,7 +528,14 @@ fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, St
         // Every tag may be in flight at once, one command each.
         depth: depth as u16,
         writable: !readonly,
+        // What the kernel was told (UBLK_ATTR_VOLATILE_CACHE): this session's FLUSH for a new
+        // device; a recovered one keeps what it was made with (a recovery sets no parameters).
+        volatile_cache: match &spec.mode {
+            Mode::Recover(old) => write_back(&old.device),
+            _ => info.features.has(Features::FLUSH),
+        },
     };
+
     // Queues the device does not have end cleanly rather than by a dropped connection.
     for q in session.queues.drain(nq..) {
         let _ = q.logout();
