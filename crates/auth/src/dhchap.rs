@@ -1236,7 +1236,15 @@ pub struct ControllerAuth {
     s2: u32,
     c2: Option<Vec<u8>>,
     shared: Option<Wiped>,
+    /// Negotiates that restarted an exchange under way before any succeeded: each costs a
+    /// new DH key pair (ffdhe8192 at the host's choice), so a host without the key could
+    /// keep the target computing them; past [`MAX_RESTARTS`] the controller is torn down.
+    restarts: u8,
 }
+
+/// Exchanges a host may restart (a Negotiate in the middle of one) before it authenticated:
+/// a real host sends one Negotiate, and again only to re-authenticate after a success.
+const MAX_RESTARTS: u8 = 2;
 
 impl fmt::Debug for ControllerAuth {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -1280,6 +1288,7 @@ impl ControllerAuth {
             ],
             state: State::Negotiate,
             authenticated: false,
+            restarts: 0,
             reason: Reason::Failed,
             t_id: 0,
             hash: HashId::Sha256,
@@ -1377,6 +1386,12 @@ impl ControllerAuth {
         if payload.len() >= 2 && payload[0] == AUTH_TYPE_COMMON && payload[1] == MSG_NEGOTIATE {
             if matches!(self.state, State::Failed | State::Failure1) {
                 return self.fatal(Reason::IncorrectMessage);
+            }
+            if !self.authenticated && self.state != State::Negotiate {
+                if self.restarts == MAX_RESTARTS {
+                    return self.fatal(Reason::IncorrectMessage);
+                }
+                self.restarts = self.restarts.saturating_add(1);
             }
             self.reset_exchange();
             if payload.len() >= 6 {

@@ -870,3 +870,29 @@ fn shared_secrets_keep_their_leading_zeros() {
         "no shared secret with a leading zero in 3000 tries"
     );
 }
+
+/// A host that has not authenticated may restart its exchange (a Negotiate in the middle of
+/// one) a couple of times, not without end: each restart costs the controller a DH key pair
+/// of the host's choosing (ffdhe8192 included), so a host without the key could keep it
+/// computing them. A restarted exchange still succeeds; past the limit the controller stops.
+#[test]
+fn restarts_before_authenticating_are_bounded() {
+    let k = secret(1);
+    let mut ctrl = ControllerAuth::new(HOST, SUBSYS, &k, None);
+    let host = HostAuth::new(HOST, SUBSYS, &k, None, 30);
+    for _ in 0..=MAX_RESTARTS {
+        ctrl.on_send(&host.negotiate()).unwrap();
+        ctrl.on_receive(4096).unwrap();
+    }
+    assert!(
+        ctrl.on_send(&host.negotiate()).is_err(),
+        "one restart too many"
+    );
+    assert_eq!(ctrl.state(), State::Failed);
+    // Within the limit, the exchange that follows a restart completes.
+    let mut ctrl = ControllerAuth::new(HOST, SUBSYS, &k, None);
+    ctrl.on_send(&HostAuth::new(HOST, SUBSYS, &k, None, 31).negotiate())
+        .unwrap();
+    exchange(&mut ctrl, &mut HostAuth::new(HOST, SUBSYS, &k, None, 32)).unwrap();
+    assert!(ctrl.authenticated());
+}
