@@ -131,6 +131,13 @@ pub fn check_host_id(id: &str) -> Result<(), String> {
             id.escape_debug()
         ));
     }
+    // `DHHC-1:HEX` reads as a secret without a host id, `#...` as a comment.
+    if id == "DHHC-1" || id.starts_with('#') {
+        return Err(format!(
+            "host id '{}' would not read back from a key file: pick another id",
+            id.escape_debug()
+        ));
+    }
     for (end, what) in [
         (":CHAP", "a CHAP secret"),
         (":DHHC-1", "a DH-HMAC-CHAP secret"),
@@ -680,7 +687,7 @@ mod tests {
         assert!(check_host_id("a b").is_err());
         assert!(check_host_id("evil\nline").is_err());
         // `alice:CHAP` with `:HEX` after it read back as alice's CHAP line (another host).
-        for id in ["alice:CHAP", "alice:DHHC-1"] {
+        for id in ["alice:CHAP", "alice:DHHC-1", "DHHC-1", "#alice"] {
             assert!(check_host_id(id).is_err(), "{id}");
             let p = tmp(&format!("ends-{}", id.len()));
             assert!(generate_file(&p, id).is_err(), "{id}");

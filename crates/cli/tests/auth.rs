@@ -340,7 +340,7 @@ fn a_forged_udp_write_into_a_sealed_session_is_dropped() {
         let url = Url::parse(&format!("{}/m", urls[1])).unwrap();
         let mut opts = ConnectOptions {
             queues: 1,
-            depth: 1,
+            depth: 2,
             max_io: 64 << 10,
             ..Default::default()
         };
@@ -358,9 +358,11 @@ fn a_forged_udp_write_into_a_sealed_session_is_dropped() {
         let victim = vec![0x11u8; 4096];
         s.queues[0].write_at(&victim, 0, false).unwrap(); // generation 1
         let session = s.queues[0].session_id().unwrap();
-        // The forgery: the next generation on slot 0, as a target would accept it.
+        // The forgery: a WRITE on the queue's other slot (the initiator's requests, one at a
+        // time, all take slot 0), which takes any generation as its first, as a target would
+        // accept it.
         let evil = vec![0x66u8; 4096];
-        let mut h = Header::request(Opcode::Write, Tag::new(0, 2), 0, 4096);
+        let mut h = Header::request(Opcode::Write, Tag::new(1, 2), 0, 4096);
         h.session = session;
         h.payload_len = 4096;
         h.seal_crc(&evil);
@@ -368,7 +370,7 @@ fn a_forged_udp_write_into_a_sealed_session_is_dropped() {
         f.extend_from_slice(&evil);
         s.queues[0].send_raw_frame(&f).unwrap();
         // A second forgery that claims to be sealed, with a made-up seal.
-        let mut h2 = Header::request(Opcode::Write, Tag::new(0, 3), 0, 4096);
+        let mut h2 = Header::request(Opcode::Write, Tag::new(1, 3), 0, 4096);
         h2.session = session;
         h2.payload_len = 4096;
         h2.mark_sealed();

@@ -539,6 +539,7 @@ mod tests {
     fn dead(queues: u16, refs: Option<Vec<Option<RecordedQueue>>>) -> Record {
         Record {
             queue_refs: refs,
+            volatile_cache: None,
             ..Record::sample(queues)
         }
     }

@@ -98,6 +98,12 @@ pub struct Record {
     /// mappings (which recover only read-only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue_refs: Option<Vec<Option<RecordedQueue>>>,
+    /// ublk: whether the kernel was told the device has a volatile write cache
+    /// (UBLK_ATTR_VOLATILE_CACHE) when it was made, which a recovery keeps (it sets no
+    /// parameters). None in records of older versions (the device's queue's `write_cache`
+    /// tells then) and of fuse mappings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volatile_cache: Option<bool>,
 }
 
 /// A queue of a session on the target, as a record keeps it ([`QueueRef`]). The cookie is a hex
@@ -245,6 +251,7 @@ impl Record {
             fuse_io: None,
             credentials: Default::default(),
             queue_refs: None,
+            volatile_cache: None,
         }
     }
 
@@ -599,6 +606,7 @@ mod tests {
             export: "e".into(),
             size: 1 << 20,
             queue_refs: Some(vec![None; queues]),
+            volatile_cache: None,
             ..Record::sample(queues as u16)
         }
     }

@@ -395,6 +395,7 @@ impl Mapping {
             fuse_io: Some(fuse_io.into()),
             credentials: (&spec.credentials).into(),
             queue_refs: None,
+            volatile_cache: None,
         };
         let block = info.logical_block.max(512);
         let dev = match &spec.mode {

@@ -274,9 +274,10 @@ pub(crate) struct Prepared {
 const QUIESCE_WAIT: Duration = Duration::from_secs(30);
 
 /// Whether the kernel takes `device` (/dev/ublkbN) for a disk with a volatile write cache
-/// (its queue's `write_cache`, set from UBLK_ATTR_VOLATILE_CACHE when it was made). Unknown
-/// (unreadable) counts as no cache: a recovery then refuses an export that caches writes
-/// rather than risk what the kernel would never flush.
+/// (its queue's `write_cache`, set from UBLK_ATTR_VOLATILE_CACHE when it was made, which an
+/// administrator may have changed since): for records of older versions, which do not say.
+/// Unknown (unreadable) counts as no cache: a recovery then refuses an export that caches
+/// writes rather than risk what the kernel would never flush.
 fn write_back(device: &str) -> bool {
     let name = device.rsplit('/').next().unwrap_or(device);
     std::fs::read_to_string(format!("/sys/block/{name}/queue/write_cache"))
@@ -373,6 +374,15 @@ fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, St
         book: None,
     };
     let pid = std::process::id() as i32;
+    // What the kernel is told about the device's write cache (UBLK_ATTR_VOLATILE_CACHE): this
+    // session's FLUSH for a new device; a recovered one keeps what it was made with (a recovery
+    // sets no parameters), as its record says.
+    let volatile_cache = match &spec.mode {
+        Mode::Recover(old) => old
+            .volatile_cache
+            .unwrap_or_else(|| write_back(&old.device)),
+        _ => info.features.has(Features::FLUSH),
+    };
     let (dev_id, nq, depth, max_io) = match &spec.mode {
         Mode::New { dev_num } => {
             let mut di = DevInfo {
@@ -435,7 +445,7 @@ fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, St
                     old.device, di.queue_depth
                 ));
             }
-            if !readonly && !write_back(&old.device) && info.features.has(Features::FLUSH) {
+            if !readonly && !volatile_cache && info.features.has(Features::FLUSH) {
                 return Err(format!(
                     "{} was set up without a write cache and the export now has one (it offers \
                      FLUSH): the kernel would never flush what it writes; cannot recover",
@@ -499,6 +509,7 @@ fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, St
                 .map(|q| q.identity().map(Into::into))
                 .collect(),
         ),
+        volatile_cache: Some(volatile_cache),
     };
     if let Mode::New { .. } = spec.mode {
         check_earlier_record(&device, Record::load(&device))?;
@@ -528,12 +539,7 @@ fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, St
         // Every tag may be in flight at once, one command each.
         depth: depth as u16,
         writable: !readonly,
-        // What the kernel was told (UBLK_ATTR_VOLATILE_CACHE): this session's FLUSH for a new
-        // device; a recovered one keeps what it was made with (a recovery sets no parameters).
-        volatile_cache: match &spec.mode {
-            Mode::Recover(old) => write_back(&old.device),
-            _ => info.features.has(Features::FLUSH),
-        },
+        volatile_cache,
     };
 
     // Queues the device does not have end cleanly rather than by a dropped connection.
