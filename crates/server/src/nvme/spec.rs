@@ -337,14 +337,18 @@ impl Facts {
         self.namespaces.iter().find(|n| n.nsid == nsid)
     }
 
-    /// Controller-wide fields say what every namespace can do (each namespace refuses what it
-    /// cannot do itself).
-    fn writable(&self) -> bool {
-        !self.namespaces.is_empty() && self.namespaces.iter().all(|n| !n.ns.export.read_only)
+    /// Controller-wide fields (ONCS) say what the controller supports: what one namespace can
+    /// do at least. Each namespace refuses what it cannot do itself, and a read-only one says
+    /// so (NSATTR write protected): said only when every namespace could, one read-only
+    /// namespace took discard and Write Zeroes from the others in the host.
+    fn any_writable(&self) -> bool {
+        self.namespaces.iter().any(|n| !n.ns.export.read_only)
     }
 
-    fn copies(&self) -> bool {
-        !self.namespaces.is_empty() && self.namespaces.iter().all(|n| n.copy.max_ranges > 0)
+    fn any_copies(&self) -> bool {
+        self.namespaces
+            .iter()
+            .any(|n| !n.ns.export.read_only && n.copy.max_ranges > 0)
     }
 
     /// A volatile write cache: FLUSH means something (the medium is durable) on one of the
@@ -384,23 +388,24 @@ impl Facts {
         if !self.is_discovery() {
             put32(&mut b, 516, self.nn()); // NN
             let mut oncs = 0;
-            if self.writable() {
+            if self.any_writable() {
                 oncs |= ONCS_DSM | ONCS_WRITE_ZEROES;
-                if self.copies() {
-                    oncs |= ONCS_COPY;
-                }
+            }
+            if self.any_copies() {
+                oncs |= ONCS_COPY;
             }
             put16(&mut b, 520, oncs);
             // VWC; with several namespaces bits 2:1 = 10b: a Flush to NSID FFFFFFFFh is not
             // supported (the host flushes each namespace).
             let broadcast = if self.namespaces.len() > 1 { 0b100 } else { 0 };
             b[525] = self.write_cache() as u8 | broadcast;
-            if self.copies() {
+            if self.any_copies() {
                 put16(&mut b, 534, 1); // OCFS: source range format 0.
             }
-            put32(&mut b, 540, self.nn()); // MNAN
-                                           // OAES: Namespace Attribute Notices (a removed namespace is announced through an
-                                           // Asynchronous Event Request and the Changed Namespace List log page).
+            // MNAN.
+            put32(&mut b, 540, self.nn());
+            // OAES: Namespace Attribute Notices (a removed namespace is announced through an
+            // Asynchronous Event Request and the Changed Namespace List log page).
             put32(&mut b, 92, 1 << 8);
         }
         // SGLS: SGLs without alignment, and the offset-based in-capsule data block.
@@ -606,7 +611,7 @@ mod tests {
     }
 
     /// A subsystem of two namespaces (NSIDs 1 and 3) whose exports differ: the controller says
-    /// what both can do, each namespace what it can do.
+    /// what one can do at least, each namespace what it can do.
     #[test]
     fn a_subsystem_with_two_namespaces() {
         let nqn = "nqn.2026-11.test:two";
@@ -642,7 +647,8 @@ mod tests {
             3,
             "MNAN"
         );
-        assert_eq!(u16::from_le_bytes([c[520], c[521]]), 0, "b is read-only");
+        // ONCS: what one namespace can do (a can all three); b says it is read-only itself.
+        assert_eq!(u16::from_le_bytes([c[520], c[521]]), 0x10c, "ONCS");
         assert_eq!(c[525] & 0b110, 0b100, "no broadcast flush");
         let l = Facts::active_namespaces(0, f.namespaces.iter().map(|n| n.nsid));
         assert_eq!(&l[..12], &[1, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0]);
