@@ -237,7 +237,7 @@ wpid=$!
 # still wait (the target still runs it); thawed then, it lands and the fence comes well before
 # the second timeout ends.
 i=0
-until grep -q "lost (no reply" /tmp/fence.log; do
+until grep -q " lost (" /tmp/fence.log; do
     i=$((i + 1))
     [ $i -le 300 ] || fail "the map daemon never gave the connection up: $(cat /tmp/fence.log)"
     sleep 0.1
