@@ -54,10 +54,14 @@ impl Transmission {
         self.rto = (self.rto * 2).min(RTO_MAX);
     }
 
-    /// Sent again at `now` because it is taken as lost: its timer backs off (§9.2).
+    /// Sent again at `now` because it is taken as lost: its timer backs off (§9.2), once per
+    /// loss: a request suspected first backed off then (`suspect`), and doubling again here
+    /// made it wait four times as long before the next try.
     pub fn resend(&mut self, now: Instant) {
         self.sent_at = now;
-        self.rto = (self.rto * 2).min(RTO_MAX);
+        if self.suspected_at.is_none() {
+            self.rto = (self.rto * 2).min(RTO_MAX);
+        }
         self.retransmitted = true;
         self.suspected_at = None;
     }
@@ -387,6 +391,15 @@ mod tests {
             assert!(tx.retransmitted);
         }
         assert_eq!(tx.rto, RTO_MAX);
+        // Suspected first (its timer backed off then, a probe asked), then sent again: one
+        // back-off for the one loss, not two.
+        let mut tx = Transmission::first(now, 20 * MS, Duration::from_secs(30));
+        tx.suspect(now + MS);
+        assert_eq!(tx.rto, 40 * MS);
+        tx.resend(now + 41 * MS);
+        assert_eq!((tx.rto, tx.suspected_at), (40 * MS, None));
+        tx.resend(now + 81 * MS);
+        assert_eq!(tx.rto, 80 * MS, "the next loss backs off again");
         // A HAVE-driven resend is not our loss: no back-off.
         let mut tx = Transmission::first(now, 20 * MS, Duration::from_secs(30));
         tx.refresh(now + MS);
