@@ -800,17 +800,18 @@ fn a_failed_set_meta_context_leaves_no_context_selected() {
 
 /// A context selected for one export is not the next export's: GO of another name enters
 /// transmission with none (proto.md: a context id is valid for the export it was negotiated
-/// for), and that export's BLOCK_STATUS is refused. The export it was selected for keeps it.
+/// for), and that export's BLOCK_STATUS is refused. The export it was selected for keeps it,
+/// whichever name found it ("" is the default export, the first).
 #[test]
 fn a_meta_context_belongs_to_the_export_it_was_set_for() {
     let t = NbdTarget::start(&["m=mem:16M", "n=mem:16M"]);
-    for (go, error) in [("n", nbd::err::EINVAL), ("m", 0)] {
+    for (set, go, error) in [("m", "n", nbd::err::EINVAL), ("m", "m", 0), ("", "m", 0)] {
         let mut r = Raw::open(&t.addr());
         r.option(opt::STRUCTURED_REPLY, &[]);
         assert_eq!(r.opt_reply().1, rep::ACK);
         r.option(
             opt::SET_META_CONTEXT,
-            &meta_data("m", &[nbd::BASE_ALLOCATION]),
+            &meta_data(set, &[nbd::BASE_ALLOCATION]),
         );
         assert_eq!(r.opt_reply().1, rep::META_CONTEXT);
         assert_eq!(r.opt_reply().1, rep::ACK);
@@ -829,7 +830,7 @@ fn a_meta_context_belongs_to_the_export_it_was_set_for() {
         } else {
             be32(&c.payload)
         };
-        assert_eq!(got, error, "BLOCK_STATUS after GO {go}: {c:?}");
+        assert_eq!(got, error, "BLOCK_STATUS after SET {set:?}, GO {go}: {c:?}");
     }
 }
 

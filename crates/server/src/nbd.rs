@@ -157,9 +157,9 @@ pub fn negotiate(
         Err(_) => return None,
     };
     let mut structured = false;
-    // base:allocation selected by SET_META_CONTEXT, and for which export: a context id is
-    // valid for the export it was negotiated for only (proto.md), so a GO or EXPORT_NAME of
-    // another export enters transmission without it.
+    // base:allocation selected by SET_META_CONTEXT, and for which export (its name, whatever
+    // name found it): a context id is valid for the export it was negotiated for only
+    // (proto.md), so a GO or EXPORT_NAME of another export enters transmission without it.
     let mut allocation = false;
     let mut allocation_for = String::new();
     // The host id a TLS-PSK client proved (the PSK user name) and the key it proved: admission
@@ -268,7 +268,7 @@ pub fn negotiate(
                 admitted_if_sent(registry, &adm, send(s, &out))?;
                 let fe = Nbd {
                     structured,
-                    allocation: allocation && allocation_for == name,
+                    allocation: allocation && allocation_for == e.name,
                     max_io: adm.max_io,
                     fast_zero: advertises_fast_zero(&e, structured),
                 };
@@ -336,7 +336,7 @@ pub fn negotiate(
                     admitted_if_sent(registry, &adm, reply(s, option, rep::ACK, &[]))?;
                     let fe = Nbd {
                         structured,
-                        allocation: allocation && allocation_for == req.name,
+                        allocation: allocation && allocation_for == e.name,
                         max_io: adm.max_io,
                         fast_zero: advertises_fast_zero(&e, structured),
                     };
@@ -379,7 +379,7 @@ pub fn negotiate(
                         continue;
                     }
                 };
-                if find(registry, who, &req.export).is_none() {
+                let Some(named) = find(registry, who, &req.export) else {
                     if tls_first(s, tls, registry, proven_host.is_some()) {
                         // NBD_REP_ERR_TLS_REQD is for INFO, GO and EXPORT_NAME only (proto.md):
                         // no context, as for any name, and the GO that follows is told.
@@ -388,14 +388,16 @@ pub fn negotiate(
                         not_found(s, option, &req.export, false)?;
                     }
                     continue;
-                }
+                };
                 // LIST with no query lists everything; "base:" is the namespace wildcard.
                 let matched = req.queries.iter().any(|q| q == nbd::BASE_ALLOCATION)
                     || (!set
                         && (req.queries.is_empty() || req.queries.iter().any(|q| q == "base:")));
                 if set {
                     allocation = matched;
-                    allocation_for.clone_from(&req.export);
+                    // The export the name found ("" is the default one), not the name: a GO
+                    // may name it either way.
+                    allocation_for.clone_from(&named.name);
                 }
                 if matched {
                     // LIST answers with id 0 (the spec: its ids mean nothing); SET with the id
