@@ -782,14 +782,7 @@ fn a_failed_set_meta_context_leaves_no_context_selected() {
         &meta_data("nope", &[nbd::BASE_ALLOCATION]),
     );
     assert_eq!(r.opt_reply().1, rep::ERR_UNKNOWN);
-    r.option(opt::GO, &info_data("m", &[]));
-    loop {
-        match r.opt_reply() {
-            (_, rep::ACK, _) => break,
-            (_, rep::INFO, _) => {}
-            (_, t, d) => panic!("GO: reply {t:#x}: {}", String::from_utf8_lossy(&d)),
-        }
-    }
+    r.go_on("m");
     r.request(cmd::BLOCK_STATUS, 0, 1, 0, 4096);
     assert_eq!(
         r.reply().error(),
@@ -815,14 +808,7 @@ fn a_meta_context_belongs_to_the_export_it_was_set_for() {
         );
         assert_eq!(r.opt_reply().1, rep::META_CONTEXT);
         assert_eq!(r.opt_reply().1, rep::ACK);
-        r.option(opt::GO, &info_data(go, &[]));
-        loop {
-            match r.opt_reply() {
-                (_, rep::ACK, _) => break,
-                (_, rep::INFO, _) => {}
-                (_, t, d) => panic!("GO: reply {t:#x}: {}", String::from_utf8_lossy(&d)),
-            }
-        }
+        r.go_on(go);
         r.request(cmd::BLOCK_STATUS, 0, 1, 0, 4096);
         let c = r.chunk();
         let got = if c.typ == chunk::BLOCK_STATUS {

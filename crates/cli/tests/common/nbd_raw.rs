@@ -154,6 +154,19 @@ impl Raw {
         (r, size.expect("NBD_INFO_EXPORT sent before ACK"), flags)
     }
 
+    /// NBD_OPT_GO of `export` on a connection already negotiating (what it negotiated kept):
+    /// its INFO replies taken, up to the ACK; any other reply fails the test.
+    pub fn go_on(&mut self, export: &str) {
+        self.option(opt::GO, &info_data(export, &[]));
+        loop {
+            match self.opt_reply() {
+                (_, rep::ACK, _) => break,
+                (_, rep::INFO, _) => {}
+                (_, t, d) => panic!("GO {export}: reply {t:#x}: {}", String::from_utf8_lossy(&d)),
+            }
+        }
+    }
+
     pub fn send(&mut self, b: &[u8]) {
         self.0.write_all(b).expect("send to target");
     }
