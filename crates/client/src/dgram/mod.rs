@@ -708,11 +708,13 @@ impl DgramQueue {
     /// congestion state nothing.
     fn finish_as(&mut self, slot: u16, answered: bool) {
         let s = &mut self.slots[slot as usize];
+        // One still waiting for the window (given up, `give_up`) never counted against it.
+        let windowed = s.state == State::InFlight && s.opcode != Opcode::Copy;
         s.state = State::Done;
         if s.status != Status::Ok {
             self.stats.errors += 1;
         }
-        if s.opcode != Opcode::Copy {
+        if windowed {
             if answered {
                 self.cc.on_finish(&s.tx, s.window_frames, self.now);
             } else {
@@ -720,6 +722,18 @@ impl DgramQueue {
             }
         }
         self.done.push_back(slot);
+    }
+
+    /// A request past its give-up time, unanswered: EIO (§9.2), and for a COPY nothing known
+    /// copied (PROTOCOL.md §13).
+    fn give_up(&mut self, slot: u16) {
+        let s = &mut self.slots[slot as usize];
+        s.status = Status::Io;
+        if s.opcode == Opcode::Copy {
+            s.length = 0;
+        }
+        self.stats.timeouts += 1;
+        self.finish_as(slot, false);
     }
 
     /// Finds what may be lost and gives up on what is past its give-up time (§9.2). A request
@@ -737,29 +751,16 @@ impl DgramQueue {
                 let s = &mut self.slots[slot as usize];
                 if s.state == State::Pending && now >= s.give_up_at {
                     // Never admitted to the window (a large request waits to go alone, or
-                    // the window shrank): given up as one in flight would be, counting
-                    // nothing against the window.
-                    s.status = Status::Io;
-                    if s.opcode == Opcode::Copy {
-                        s.length = 0;
-                    }
-                    s.state = State::Done;
-                    self.stats.timeouts += 1;
-                    self.stats.errors += 1;
+                    // the window shrank): given up as one in flight would be.
                     self.pending.retain(|&p| p != slot);
-                    self.done.push_back(slot);
+                    self.give_up(slot);
                     continue;
                 }
                 if s.state != State::InFlight {
                     continue;
                 }
                 if s.tx.expired(now) {
-                    s.status = Status::Io;
-                    if s.opcode == Opcode::Copy {
-                        s.length = 0; // nothing is known copied (PROTOCOL.md §13)
-                    }
-                    self.stats.timeouts += 1;
-                    self.finish_as(slot, false);
+                    self.give_up(slot);
                     continue;
                 }
                 if s.opcode == Opcode::Copy {
