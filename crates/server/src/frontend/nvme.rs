@@ -43,6 +43,36 @@ pub struct NvmeIo {
     r2t_end: Vec<u32>,
     /// Scratch for headers built outside `tx` (no allocation per I/O).
     scratch: Vec<u8>,
+    /// The deallocation in progress that is more than one trim (`Dealloc`), if any.
+    dealloc: Option<Dealloc>,
+    /// Its ranges, as (offset, bytes) still to trim: kept between commands (at most 256
+    /// entries), so a compound deallocation allocates nothing once the queue ran one.
+    dealloc_ranges: Vec<(u64, u64)>,
+}
+
+/// The most one trim of a deallocation covers: DMRSL's 1 GiB.
+const DEALLOC_PART: u64 = 1 << 30;
+
+/// Cookie bit of a trim that is a part of a compound deallocation (`Dealloc`).
+const PART: u128 = 1 << 24;
+/// Cookie bit of a part after the first: it comes from no submission queue entry, so taking it
+/// does not move the SQ head.
+const LATER_PART: u128 = 1 << 25;
+
+/// A Dataset Management deallocation of several ranges, or of a range larger than
+/// `DEALLOC_PART`: Identify says DMRL 1 and DMRSL 1 GiB, which older Linux hosts (and
+/// other hosts) do not read, sending up to 256 ranges of up to 2^32 blocks each. It runs as
+/// trims of at most `DEALLOC_PART` bytes, one at a time (`NvmeIo::dealloc_ranges`), each
+/// handed to the reactor as a request of no message (as iSCSI's compound commands are); the
+/// command's CapsuleResp goes out after the last, or after the first that fails (the parts
+/// after it are not run: deallocation is advisory, so what ran stays done).
+struct Dealloc {
+    cid: u16,
+    target: u8,
+    /// The first part was taken: the command is consumed (its SQ entry freed).
+    started: bool,
+    /// A part is with the reactor.
+    running: bool,
 }
 
 /// What an I/O queue is set up with.
@@ -112,6 +142,8 @@ impl NvmeIo {
             r2t_cid: vec![0; s.entries.max(1) as usize],
             r2t_end: vec![0; s.entries.max(1) as usize],
             scratch: Vec::with_capacity(128),
+            dealloc: None,
+            dealloc_ranges: Vec::new(),
         }
     }
 
@@ -293,8 +325,10 @@ impl NvmeIo {
         }
     }
 
-    /// Dataset Management: deallocate (AD) of one range, as DMRL in the NVM command set's
-    /// Identify Controller data says; hints without AD are answered at once.
+    /// Dataset Management: deallocate (AD); hints without AD are answered at once. One range
+    /// of at most `DEALLOC_PART` (what DMRL and DMRSL in the NVM command set's Identify
+    /// Controller data allow) is one trim; anything more is a compound deallocation
+    /// (`Dealloc`).
     fn dsm(&mut self, c: &CapsuleCmd<'_>, t: usize, len: usize, tx: &mut Vec<u8>) -> Decoded {
         let q = &c.sqe;
         let (cid, op) = (q.cid, q.opcode);
@@ -307,29 +341,107 @@ impl NvmeIo {
         if q.cdw11 & 1 << 2 == 0 {
             return self.answer(cid, sc::SUCCESS, len, tx);
         }
-        if ranges > 1 {
-            return self.answer(cid, sc::INVALID_FIELD | sc::DNR, len, tx);
+        if self.dealloc.as_ref().is_some_and(|d| d.started) {
+            // One compound deallocation at a time: this one waits, untaken, for the one in
+            // progress, whose running part's answer services the connection again. What is
+            // asked for is there already.
+            return Decoded::Need(len);
         }
-        let r = &c.data[..16];
-        let blocks = u32::from_le_bytes(r[4..8].try_into().expect("4 bytes")) as u64;
-        let slba = u64::from_le_bytes(r[8..16].try_into().expect("8 bytes"));
-        if blocks == 0 {
-            return self.answer(cid, sc::SUCCESS, len, tx);
+        let shift = self.namespaces[t].lba_shift;
+        self.dealloc_ranges.clear();
+        for r in c.data[..ranges * 16].chunks_exact(16) {
+            let blocks = u32::from_le_bytes(r[4..8].try_into().expect("4 bytes")) as u64;
+            let slba = u64::from_le_bytes(r[8..16].try_into().expect("8 bytes"));
+            let bytes = blocks << shift;
+            let end = slba
+                .checked_mul(1 << shift)
+                .and_then(|o| o.checked_add(bytes).map(|_| o));
+            let Some(offset) = end else {
+                self.dealloc_ranges.clear();
+                return self.answer(cid, sc::LBA_RANGE | sc::DNR, len, tx);
+            };
+            if bytes > 0 {
+                self.dealloc_ranges.push((offset, bytes));
+            }
         }
-        let Some((offset, length)) = self.range(t, slba, blocks) else {
-            return self.answer(cid, sc::LBA_RANGE | sc::DNR, len, tx);
-        };
-        self.request(
+        match self.dealloc_ranges[..] {
+            [] => self.answer(cid, sc::SUCCESS, len, tx),
+            [(offset, bytes)] if bytes <= DEALLOC_PART => {
+                self.dealloc_ranges.clear();
+                let d = self.request(
+                    Kind::Block(BlockOp::Trim),
+                    offset,
+                    bytes as u32,
+                    IoFlags::empty(),
+                    cid,
+                    op,
+                    len,
+                    0,
+                    0,
+                );
+                // Decoded again (not taken): the last compound set up and not started is
+                // forgotten.
+                self.dealloc = None;
+                d
+            }
+            _ => {
+                // Last first, so parts come off the end.
+                self.dealloc_ranges.reverse();
+                self.dealloc = Some(Dealloc {
+                    cid,
+                    target: t as u8,
+                    started: false,
+                    running: false,
+                });
+                self.next_part(len)
+            }
+        }
+    }
+
+    /// The next trim of the compound deallocation, as a request of `len` bytes of message
+    /// (the command's for the first part, none for the others): handed out again until the
+    /// reactor takes it (`taken` moves past it).
+    fn next_part(&self, len: usize) -> Decoded {
+        let d = self.dealloc.as_ref().expect("a compound deallocation");
+        let &(offset, bytes) = self.dealloc_ranges.last().expect("a part left");
+        let mut decoded = self.request(
             Kind::Block(BlockOp::Trim),
             offset,
-            length,
+            bytes.min(DEALLOC_PART) as u32,
             IoFlags::empty(),
-            cid,
-            op,
+            d.cid,
+            io::DSM,
             len,
             0,
             0,
-        )
+        );
+        if let Decoded::Request { req, .. } = &mut decoded {
+            req.cookie |= PART | if d.started { LATER_PART } else { 0 };
+            req.target = d.target;
+        }
+        decoded
+    }
+
+    /// The part `req` of the compound deallocation was answered with `status`: the command's
+    /// CapsuleResp goes out after its last part, or this one if it failed. Returns whether it
+    /// went out.
+    fn part_done(&mut self, req: &Req, status: Status, tx: &mut Vec<u8>) -> bool {
+        let Some(d) = self.dealloc.as_mut() else {
+            return false;
+        };
+        d.running = false;
+        let cid = d.cid;
+        if status == Status::Ok && !self.dealloc_ranges.is_empty() {
+            return false;
+        }
+        self.dealloc = None;
+        self.dealloc_ranges.clear();
+        let st = match status {
+            Status::Ok => sc::SUCCESS,
+            st => status_of(st, false, req.kind == Kind::Block(BlockOp::Trim)),
+        };
+        self.response(cid, st, tx);
+        true
     }
 
     /// Copy (NVM command set §3.2.2), source range format 0, into the namespace itself: the
@@ -443,6 +555,15 @@ impl NvmeIo {
 
 impl StreamFrontend for NvmeIo {
     fn decode(&mut self, rx: &[u8], tx: &mut Vec<u8>) -> Decoded {
+        // The compound deallocation in progress hands out its next part first, once the one
+        // before is answered.
+        if self
+            .dealloc
+            .as_ref()
+            .is_some_and(|d| d.started && !d.running)
+        {
+            return self.next_part(0);
+        }
         let len = match pdu_len(rx, &self.rx) {
             Ok(Progress::Need(n)) => return Decoded::Need(n),
             Ok(Progress::Complete(n)) => n,
@@ -516,9 +637,26 @@ impl StreamFrontend for NvmeIo {
         Pdu::R2T(r).encode(&self.tx, tx);
     }
 
-    /// The reactor consumed the command: its submission queue entry is free.
-    fn taken(&mut self, _req: &Req) {
-        self.advance_head();
+    /// The reactor consumed the command: its submission queue entry is free. A part of a
+    /// compound deallocation is under way: the next is handed out once it is answered.
+    fn taken(&mut self, req: &Req) {
+        if req.cookie & LATER_PART == 0 {
+            self.advance_head();
+        }
+        if req.cookie & PART != 0 {
+            if let Some(d) = self.dealloc.as_mut() {
+                d.started = true;
+                d.running = true;
+            }
+            if let Some(r) = self.dealloc_ranges.last_mut() {
+                let n = r.1.min(DEALLOC_PART);
+                r.0 += n;
+                r.1 -= n;
+                if r.1 == 0 {
+                    self.dealloc_ranges.pop();
+                }
+            }
+        }
     }
 
     fn server_assigns_slots(&self) -> bool {
@@ -571,6 +709,9 @@ impl StreamFrontend for NvmeIo {
     }
 
     fn reply(&mut self, req: &Req, status: Status, tx: &mut Vec<u8>) -> bool {
+        if req.cookie & PART != 0 {
+            return self.part_done(req, status, tx);
+        }
         let st = match (req.kind, status) {
             (_, Status::Ok) => sc::SUCCESS,
             (kind, st) => status_of(

@@ -3111,6 +3111,169 @@ mod tests {
         assert_eq!(heads(&tx), vec![(2, 3)], "decoded twice, taken once");
     }
 
+    /// An NVMe/TCP I/O queue of namespace 1 (512-byte blocks) over `spec`, with the host's
+    /// and the controller's PDU parameters.
+    fn nvme_queue(
+        spec: &str,
+    ) -> (
+        Conn,
+        UnixStream,
+        blkwire_wire::nvme_tcp::Params,
+        blkwire_wire::nvme_tcp::Params,
+    ) {
+        use crate::frontend::nvme::{IoQueueSetup, NsIo, NvmeIo};
+        use blkwire_wire::nvme_tcp::{Direction, Params};
+        let (mut c, peer) = conn(spec);
+        let host = Params::initial(Direction::HostToController, u32::MAX);
+        let ctrl = Params::initial(Direction::ControllerToHost, u32::MAX);
+        c.fe = Box::new(NvmeIo::new(IoQueueSetup {
+            rx: host,
+            tx: ctrl,
+            qid: 1,
+            entries: 8,
+            sq_head: 1,
+            sqfc_off: false,
+            max_io: 1 << 20,
+            namespaces: vec![NsIo {
+                nsid: 1,
+                lba_shift: 9,
+                read_only: false,
+                copy: Default::default(),
+            }],
+        }));
+        (c, peer, host, ctrl)
+    }
+
+    /// A Dataset Management deallocation of `ranges` (slba, blocks), with `cid`.
+    fn nvme_dsm(host: &blkwire_wire::nvme_tcp::Params, cid: u16, ranges: &[(u64, u32)]) -> Vec<u8> {
+        use blkwire_wire::nvme_tcp::{sgl, CapsuleCmd, Pdu, Sgl, Sqe};
+        let mut list = Vec::new();
+        for &(slba, blocks) in ranges {
+            list.extend_from_slice(&0u32.to_le_bytes());
+            list.extend_from_slice(&blocks.to_le_bytes());
+            list.extend_from_slice(&slba.to_le_bytes());
+        }
+        let sqe = Sqe {
+            opcode: 0x09,
+            flags: 0x40,
+            cid,
+            nsid: 1,
+            cdw2: 0,
+            cdw3: 0,
+            mptr: 0,
+            dptr: Sgl::DataBlock {
+                subtype: sgl::SUBTYPE_OFFSET,
+                address: 0,
+                length: list.len() as u32,
+            }
+            .to_bytes(),
+            cdw10: ranges.len() as u32 - 1,
+            cdw11: 1 << 2, // AD
+            cdw12: 0,
+            cdw13: 0,
+            cdw14: 0,
+            cdw15: 0,
+        };
+        let mut out = Vec::new();
+        Pdu::CapsuleCmd(CapsuleCmd { sqe, data: &list }).encode(host, &mut out);
+        out
+    }
+
+    /// (CID, SQHD, status) of every CapsuleResp in `tx`.
+    fn nvme_answers(tx: &[u8], ctrl: &blkwire_wire::nvme_tcp::Params) -> Vec<(u16, u16, u16)> {
+        use blkwire_wire::nvme_tcp::{self, Pdu};
+        let mut v = Vec::new();
+        let mut at = 0;
+        while at < tx.len() {
+            let n = match nvme_tcp::pdu_len(&tx[at..], ctrl) {
+                Ok(nvme_tcp::Progress::Complete(n)) => n,
+                other => panic!("a partial PDU in tx: {other:?}"),
+            };
+            if let Ok(Pdu::CapsuleResp(cqe)) = nvme_tcp::decode(&tx[at..at + n], ctrl) {
+                v.push((cqe.cid, cqe.sq_head, cqe.status >> 1));
+            }
+            at += n;
+        }
+        v
+    }
+
+    /// A deallocation of several ranges, or of one larger than the 1 GiB DMRSL says (hosts
+    /// that do not read the NVM command set's Identify Controller data send both), runs as
+    /// trims of at most 1 GiB, one after another, and is answered once, after the last: the
+    /// SQ head moves once. The next command is decoded while a part runs; a second such
+    /// deallocation waits for the first.
+    #[test]
+    fn an_nvme_deallocation_of_many_ranges_runs_in_parts_and_is_answered_once() {
+        let mut ring = Ring::new(8).unwrap();
+        // Runs what `c` was fed to the end, as the reactor does: each completion services the
+        // connection again. The answers, in order.
+        let run = |c: &mut Conn, ring: &mut Ring, ctrl| {
+            let mut answers = Vec::new();
+            for _ in 0..64 {
+                settle_async(c, ring);
+                answers.extend(nvme_answers(&take_tx(c), ctrl));
+                parse_frames(c, 0, &mut Pusher(ring));
+                if c.inflight == 0 && c.rx_start == c.rx_end {
+                    break;
+                }
+            }
+            answers.extend(nvme_answers(&take_tx(c), ctrl));
+            answers
+        };
+        let (mut c, _peer, host, ctrl) = nvme_queue("m=memthread:8G");
+        let big = ((5u64 << 30) >> 9) as u32; // 5 GiB: five parts
+        feed(
+            &mut c,
+            &mut ring,
+            &nvme_dsm(&host, 7, &[(0, 8), (64, 0), (1 << 20, big)]),
+        );
+        assert_eq!(run(&mut c, &mut ring, &ctrl), vec![(7, 2, 0)]);
+        assert_eq!(c.targets[0].exec.stats.frames_in, 6, "1 + 5 trims");
+
+        // The data outside the ranges stays; the second command waits for the first.
+        let (mut c, _peer, host, ctrl) = nvme_queue("m=memthread:4M");
+        let mut q = c.targets[0].exec.export().open_queue().unwrap();
+        q.write_blocking(0, &[0xa5; 4 << 20], false).unwrap();
+        let mut both = nvme_dsm(&host, 1, &[(8, 8), (100, 16), (4000, 1)]);
+        both.extend_from_slice(&nvme_dsm(&host, 2, &[(200, 8), (300, 8)]));
+        feed(&mut c, &mut ring, &both);
+        assert_eq!(c.targets[0].exec.stats.frames_in, 1, "one part at a time");
+        let answers = run(&mut c, &mut ring, &ctrl);
+        assert_eq!(answers, vec![(1, 2, 0), (2, 3, 0)]);
+        let mut got = vec![0u8; 4 << 20];
+        q.read_blocking(0, &mut got).unwrap();
+        for (i, block) in got.chunks(512).enumerate() {
+            let trimmed = matches!(i, 8..16 | 100..116 | 4000 | 200..208 | 300..308);
+            let want = if trimmed { 0 } else { 0xa5 };
+            assert!(block.iter().all(|&b| b == want), "block {i}");
+        }
+    }
+
+    /// A part that fails ends the deallocation: its status answers the command, and the
+    /// ranges after it are not trimmed.
+    #[test]
+    fn a_failed_part_ends_an_nvme_deallocation() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer, host, ctrl) = nvme_queue("m=mem:4M");
+        let mut q = c.targets[0].exec.export().open_queue().unwrap();
+        q.write_blocking(0, &[0xa5; 4 << 20], false).unwrap();
+        // The second range is past the end of the 4 MiB namespace.
+        feed(
+            &mut c,
+            &mut ring,
+            &nvme_dsm(&host, 3, &[(0, 8), (1 << 20, 8), (16, 8)]),
+        );
+        let answers = nvme_answers(&take_tx(&mut c), &ctrl);
+        assert_eq!(answers, vec![(3, 2, 0x4080)], "LBA Out of Range, DNR");
+        let mut got = vec![0u8; 8 << 10];
+        q.read_blocking(0, &mut got).unwrap();
+        assert!(got[..4096].iter().all(|&b| b == 0), "the first range ran");
+        assert!(got[4096..].iter().all(|&b| b == 0xa5), "the third did not");
+        // The queue goes on: a deallocation after it runs.
+        feed(&mut c, &mut ring, &nvme_dsm(&host, 4, &[(16, 8), (32, 8)]));
+        assert_eq!(nvme_answers(&take_tx(&mut c), &ctrl), vec![(4, 3, 0)]);
+    }
+
     /// The budget sets aside the framing a chunked READ's frontend says it takes, here more
     /// than `REPLY_SLACK`: whatever the budget, the READ either waits or is refused, or runs
     /// within it; it never grows the connection past it (a reply larger than was set aside
