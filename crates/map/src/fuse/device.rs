@@ -415,8 +415,10 @@ impl Mapping {
             spec.hdd || info.features.has(Features::ROTATIONAL),
             max_io,
         );
-        drop(file); // the loop device holds the file now; this close only sends FLUSH
+        // Armed before our handle closes: if the loop device let the file go meanwhile (a
+        // `losetup -d` from outside), this close is the last and its RELEASE ends the mapping.
         shared.armed.store(true, Ordering::SeqCst);
+        drop(file); // the loop device holds the file now; this close only sends FLUSH
         undo.disarm();
         log!(
             "info",

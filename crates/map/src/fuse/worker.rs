@@ -56,6 +56,10 @@ const TICK: Duration = Duration::from_millis(50);
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
 const LOG_EVERY: Duration = Duration::from_secs(5);
+/// How long a command the target refused for want of memory waits before it is sent again
+/// (NO_MEMORY, NVMe's Command Interrupted: the target ran nothing and says to retry), as
+/// ublk's queues do.
+const RETRY_AFTER: Duration = Duration::from_millis(10);
 
 /// What the daemon's main thread hears about.
 pub(crate) enum Event {
@@ -220,6 +224,10 @@ struct Pending {
     sent_at: Instant,
     chunks: u32,
     sent: u32,
+    /// Chunks of `op` the target refused for want of memory, to send again (`retry_at`).
+    redo: Vec<u32>,
+    /// A command of it was refused for want of memory: nothing of it is sent before then.
+    retry_at: Option<Instant>,
     outstanding: u32,
     err: i32,
     /// Already answered (EIO at its deadline) but commands are still in flight; its unsent
@@ -234,9 +242,20 @@ struct Pending {
     buf: Vec<u8>,
 }
 
-/// A command's token for the queue: the request's slot, and 0 for `op` or 1 + the edge.
-fn tag(idx: usize, part: usize) -> u64 {
-    idx as u64 | (part as u64) << 32
+/// A command's token for the queue: the request's slot (below 2^24: the table is as large as
+/// the queue's depth and the ring entries), 0 for `op` or 1 + the edge, and which chunk of
+/// `op` it is.
+fn tag(idx: usize, part: usize, chunk: u32) -> u64 {
+    idx as u64 | (part as u64) << 24 | u64::from(chunk) << 32
+}
+
+/// The slot, part and chunk of a command's token.
+fn untag(user: u64) -> (usize, usize, u32) {
+    (
+        (user & 0xff_ffff) as usize,
+        (user >> 24 & 0xff) as usize,
+        (user >> 32) as u32,
+    )
 }
 
 impl Pending {
@@ -276,6 +295,8 @@ impl Pending {
             sent_at: now,
             chunks,
             sent: 0,
+            redo: Vec::new(),
+            retry_at: None,
             outstanding: 0,
             err: 0,
             replied: false,
@@ -293,32 +314,39 @@ impl Pending {
             && now < self.deadline + timeout
     }
 
-    /// The next command to send (0: `op`'s next chunk, 1 + i: edge i), or None if nothing can
-    /// go now. A WRITE's edges take their blocks' locks in order, the lower block first, so no
-    /// two requests can each hold a lock the other waits for.
-    fn next_part(&mut self, locks: &BlockLocks) -> Option<usize> {
+    /// The next command to send (0 and a chunk: `op`'s, 1 + i: edge i), or None if nothing
+    /// can go now (or before `retry_at`). A WRITE's edges take their blocks' locks in order,
+    /// the lower block first, so no two requests can each hold a lock the other waits for.
+    fn next_part(&mut self, locks: &BlockLocks, now: Instant) -> Option<(usize, u32)> {
+        if self.retry_at.is_some_and(|t| t > now) {
+            return None;
+        }
+        self.retry_at = None;
         for (i, e) in self.edges.iter_mut().enumerate() {
             match e.step {
                 Step::Lock if locks.try_take(e.at) => {
                     e.locked = true;
                     e.step = Step::Read;
-                    return Some(i + 1);
+                    return Some((i + 1, 0));
                 }
                 Step::Lock => break,
-                Step::Read | Step::Write => return Some(i + 1),
+                Step::Read | Step::Write => return Some((i + 1, 0)),
                 _ => {}
             }
         }
-        (self.sent < self.chunks).then_some(0)
+        if let Some(&chunk) = self.redo.last() {
+            return Some((0, chunk));
+        }
+        (self.sent < self.chunks).then_some((0, self.sent))
     }
 
-    fn cmd(&self, part: usize, block: u32) -> Cmd<'_> {
+    fn cmd(&self, part: usize, chunk: u32, block: u32) -> Cmd<'_> {
         let Some(e) = part.checked_sub(1).map(|i| &self.edges[i]) else {
             let data = match self.op.op {
                 BlockOp::Write => &self.buf[WRITE_DATA_AT + self.mid_from..],
                 _ => &[],
             };
-            return self.op.cmd(self.sent, data);
+            return self.op.cmd(chunk, data);
         };
         match e.step {
             Step::Write => Cmd::Write {
@@ -333,8 +361,11 @@ impl Pending {
         }
     }
 
-    fn mark_sent(&mut self, part: usize) {
+    fn mark_sent(&mut self, part: usize, chunk: u32) {
         match part.checked_sub(1).map(|i| &mut self.edges[i]) {
+            None if self.redo.last() == Some(&chunk) => {
+                self.redo.pop();
+            }
             None => self.sent += 1,
             Some(e) if e.step == Step::Read => e.step = Step::Reading,
             Some(e) => e.step = Step::Writing,
@@ -345,6 +376,23 @@ impl Pending {
         self.edges.iter().any(|e| e.step == Step::Lock)
     }
 
+    /// The target refused command `part` (`chunk`) for want of memory: it ran nothing, and
+    /// the command goes again after `RETRY_AFTER` (an edge keeps its block's lock). Answered
+    /// EIO at the request's deadline if it is still refused then.
+    fn refused(&mut self, part: usize, chunk: u32, now: Instant) {
+        match part.checked_sub(1).and_then(|i| self.edges.get_mut(i)) {
+            None => self.redo.push(chunk),
+            Some(e) => {
+                e.step = match e.step {
+                    Step::Reading => Step::Read,
+                    Step::Writing => Step::Write,
+                    s => s,
+                }
+            }
+        }
+        self.retry_at = Some(now + RETRY_AFTER);
+    }
+
     /// Nothing in flight and nothing more to send. A request answered at its deadline or failed
     /// sends no further commands (`pump` skips it), so once its last command is back it is
     /// done, however many it never sent.
@@ -352,7 +400,9 @@ impl Pending {
         self.outstanding == 0
             && (self.replied
                 || self.err != 0
-                || (self.sent >= self.chunks && self.edges.iter().all(|e| e.step == Step::Done)))
+                || (self.sent >= self.chunks
+                    && self.redo.is_empty()
+                    && self.edges.iter().all(|e| e.step == Step::Done)))
     }
 }
 
@@ -365,6 +415,9 @@ struct Table {
     unsent: VecDeque<usize>,
     /// Requests with an edge waiting for its block's lock (`pump` tries them again).
     waiting: Vec<usize>,
+    /// Requests with a command refused for want of memory (`Pending::retry_at`): `pump`
+    /// sends it again when its time comes.
+    retrying: Vec<usize>,
     /// The export's logical block.
     block: u32,
     locks: Arc<BlockLocks>,
@@ -388,6 +441,7 @@ impl Table {
             live: 0,
             unsent: VecDeque::with_capacity(cap),
             waiting: Vec::new(),
+            retrying: Vec::new(),
             block,
             locks,
             bufs: Vec::new(),
@@ -442,13 +496,22 @@ impl Table {
 
     /// A blkwire command finished: answer the FUSE request once all its commands have.
     fn on_completion(&mut self, ch: &mut impl Transport, c: Completion<'_>) {
-        let (idx, part) = ((c.user & 0xffff_ffff) as usize, (c.user >> 32) as usize);
+        let (idx, part, chunk) = untag(c.user);
         let block = self.block as usize;
         let Some(Some(p)) = self.slots.get_mut(idx) else {
             return;
         };
         p.outstanding = p.outstanding.saturating_sub(1);
         let mut more = false;
+        if c.status == Status::NoMemory && !p.replied && p.err == 0 {
+            // The target's word that it ran nothing and that the initiator retries: failed,
+            // a filesystem would take a transient refusal for a broken disk.
+            p.refused(part, chunk, Instant::now());
+            if !self.retrying.contains(&idx) {
+                self.retrying.push(idx);
+            }
+            return;
+        }
         if c.status != Status::Ok {
             if p.err == 0 {
                 p.err = c.status.errno();
@@ -510,6 +573,19 @@ impl Table {
             }
         }
         self.remove(idx);
+    }
+}
+
+impl Drop for Table {
+    /// A worker that stops (the FUSE connection ended, or an error) leaves no block locked:
+    /// the other workers' partial-block writes to it would otherwise wait for the lock until
+    /// their deadline, and fail, for the rest of the mapping.
+    fn drop(&mut self) {
+        for p in self.slots.iter().flatten() {
+            for e in p.edges.iter().filter(|e| e.locked) {
+                self.locks.release(e.at);
+            }
+        }
     }
 }
 
@@ -619,6 +695,9 @@ impl<C: Transport> Worker<C> {
         let error = C::serve(&mut self).err();
         if let Some(e) = &error {
             log!("error", "queue {}: {e}", self.id);
+            // The mapping may go on with the other workers: what this one took from the
+            // kernel is answered (EIO), not left waiting for ever.
+            self.fail_waiting(|_| true);
         }
         log!(
             "info",
@@ -690,11 +769,23 @@ impl<C: Transport> Worker<C> {
         }
     }
 
-    /// How long the worker may sleep: until the queue's next timer, and at most a tick while
-    /// requests wait for an answer or a reconnection. None: until something happens.
+    /// How long the worker may sleep: until the queue's next timer, or a refused command's
+    /// retry, and at most a tick while requests wait for an answer or a reconnection. None:
+    /// until something happens.
     fn wait_limit(&self) -> Option<Duration> {
         let up = matches!(self.link, Link::Up(_));
-        let tick = (self.t.live > 0 || !up).then_some(TICK);
+        let retry = self
+            .t
+            .retrying
+            .iter()
+            .filter_map(|&i| self.t.slots[i].as_ref()?.retry_at)
+            .min()
+            .filter(|_| up)
+            .map(|t| t.saturating_duration_since(Instant::now()));
+        let tick = match ((self.t.live > 0 || !up).then_some(TICK), retry) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let queue = match &self.link {
             Link::Up(q) => q
                 .deadline()
@@ -903,13 +994,30 @@ impl<C: Transport> Worker<C> {
         // Requests that waited for a block's lock try again: one was released, or time passed.
         let waited = std::mem::take(&mut self.t.waiting);
         self.t.unsent.extend(waited);
+        // Refused commands whose wait is over go again.
+        let Table {
+            retrying,
+            slots,
+            unsent,
+            ..
+        } = &mut self.t;
+        retrying.retain(|&idx| match slots[idx].as_mut() {
+            Some(p) if p.retry_at.is_some_and(|t| t <= now) => {
+                p.retry_at = None;
+                unsent.push_back(idx);
+                false
+            }
+            Some(p) => p.retry_at.is_some(),
+            None => false,
+        });
         while let Some(&idx) = self.t.unsent.front() {
             let Some(p) = self.t.slots[idx].as_mut() else {
                 self.t.unsent.pop_front();
                 continue;
             };
             let stopped = p.replied || p.err != 0;
-            let Some(part) = (!stopped).then(|| p.next_part(&self.t.locks)).flatten() else {
+            let next = (!stopped).then(|| p.next_part(&self.t.locks, now));
+            let Some((part, chunk)) = next.flatten() else {
                 self.t.unsent.pop_front();
                 if !stopped && p.waits_for_lock() && !self.t.waiting.contains(&idx) {
                     self.t.waiting.push(idx);
@@ -919,9 +1027,9 @@ impl<C: Transport> Worker<C> {
             if q.in_flight() >= q.depth() {
                 break;
             }
-            match q.submit(p.cmd(part, self.t.block), tag(idx, part)) {
+            match q.submit(p.cmd(part, chunk, self.t.block), tag(idx, part, chunk)) {
                 Ok(()) => {
-                    p.mark_sent(part);
+                    p.mark_sent(part, chunk);
                     p.outstanding += 1;
                     p.sent_at = now;
                 }
@@ -1093,6 +1201,7 @@ impl<C: Transport> Worker<C> {
         ));
         self.t.unsent.clear();
         self.t.waiting.clear();
+        self.t.retrying.clear();
         let fenceable = replaces.is_some();
         for idx in 0..self.t.slots.len() {
             let Some(p) = self.t.slots[idx].as_mut() else {
@@ -1105,6 +1214,8 @@ impl<C: Transport> Worker<C> {
                 // Its changes in flight may still run at the target until the queue is fenced.
                 p.unfenced |= fenceable && p.op.op.modifies() && p.outstanding > 0;
                 p.sent = 0;
+                p.redo.clear();
+                p.retry_at = None;
                 p.outstanding = 0;
                 p.err = 0;
                 // An edge keeps its lock and sends its command again.
@@ -1539,7 +1650,7 @@ mod tests {
         assert_eq!(op.chunks(), 3);
         let mut ch = Replies::default();
         let done = |status| Completion {
-            user: idx as u64,
+            user: tag(idx, 0, 0),
             length: 0,
             status,
             data: &[],
@@ -1553,7 +1664,7 @@ mod tests {
 
     fn done(idx: usize, part: usize, data: &[u8]) -> Completion<'_> {
         Completion {
-            user: tag(idx, part),
+            user: tag(idx, part, 0),
             length: data.len() as u32,
             status: Status::Ok,
             data,
@@ -1561,16 +1672,107 @@ mod tests {
     }
 
     /// The command `p` sends next, marked sent: (part, offset, length, data written).
-    fn send(p: &mut Pending, locks: &BlockLocks) -> Option<(usize, u64, u32, Vec<u8>)> {
-        let part = p.next_part(locks)?;
-        let c = match p.cmd(part, 4096) {
+    fn send(p: &mut Pending, locks: &BlockLocks) -> Option<Sent> {
+        send_at(p, locks, Instant::now()).map(|(c, _)| c)
+    }
+
+    /// A command as `send` returns it: (part, offset, length, data written).
+    type Sent = (usize, u64, u32, Vec<u8>);
+
+    /// As `send`, at `now`, with the command's chunk.
+    fn send_at(p: &mut Pending, locks: &BlockLocks, now: Instant) -> Option<(Sent, u32)> {
+        let (part, chunk) = p.next_part(locks, now)?;
+        let c = match p.cmd(part, chunk, 4096) {
             Cmd::Read { offset, len } => (part, offset, len, Vec::new()),
             Cmd::Write { offset, data, .. } => (part, offset, data.len() as u32, data.to_vec()),
-            _ => panic!("not a read or write"),
+            Cmd::WriteZeroes { offset, len, .. } => (part, offset, len, Vec::new()),
+            _ => panic!("not a read, write or zeroing"),
         };
-        p.mark_sent(part);
+        p.mark_sent(part, chunk);
         p.outstanding += 1;
-        Some(c)
+        Some((c, chunk))
+    }
+
+    /// A command the target refused for want of memory (it ran nothing and says to retry) is
+    /// sent again after a short wait, not answered with an error (ENOMEM would fail the loop
+    /// device's bio, and a filesystem would take it for a broken disk): a chunk of a zeroing,
+    /// and an edge's read of a partial write, each as it was.
+    #[test]
+    fn a_command_refused_for_want_of_memory_is_sent_again() {
+        const B: usize = 4096;
+        let locks = Arc::new(BlockLocks::default());
+        let mut t = Table::new(4, 1 << 20, B as u32, Arc::clone(&locks));
+        let now = Instant::now();
+        let refused = |idx, part, chunk| Completion {
+            user: tag(idx, part, chunk),
+            length: 0,
+            status: Status::NoMemory,
+            data: &[],
+        };
+        let ok = |idx, part, chunk| Completion {
+            user: tag(idx, part, chunk),
+            length: 0,
+            status: Status::Ok,
+            data: &[],
+        };
+        // Zeroes in three chunks; the second is refused.
+        let mut op = IoOp::zeroes(0, 3 << 20, 1 << 20);
+        op.flags = IoFlags::empty();
+        let mut p = Pending::new(3, op, None, B as u32, now, now + Duration::from_secs(9));
+        let sent: Vec<_> = (0..3)
+            .map(|_| send_at(&mut p, &locks, now).unwrap())
+            .collect();
+        assert_eq!(sent.iter().map(|s| s.1).collect::<Vec<_>>(), [0, 1, 2]);
+        let idx = t.insert(p).unwrap();
+        t.unsent.clear();
+        let mut ch = Replies::default();
+        t.on_completion(&mut ch, ok(idx, 0, 0));
+        t.on_completion(&mut ch, refused(idx, 0, 1));
+        t.on_completion(&mut ch, ok(idx, 0, 2));
+        assert!(ch.0.is_empty(), "answered: {:?}", ch.0);
+        assert_eq!(t.retrying, [idx]);
+        let p = t.slots[idx].as_mut().unwrap();
+        assert_eq!(send_at(p, &locks, now), None, "sent again at once");
+        // The wait runs from the refusal.
+        let later = Instant::now() + RETRY_AFTER;
+        let again = send_at(p, &locks, later).unwrap();
+        assert_eq!(again, ((0, 1 << 20, 1 << 20, Vec::new()), 1));
+        assert_eq!(send_at(p, &locks, later), None, "and only it");
+        t.on_completion(&mut ch, ok(idx, 0, 1));
+        assert_eq!(ch.0, [(3, 0, Vec::new())]);
+        assert_eq!(t.live, 0);
+
+        // A write over part of block 1: its edge's read is refused, then read again.
+        let data = common_bytes(512);
+        let mut buf = vec![0u8; WRITE_DATA_AT];
+        buf.extend_from_slice(&data);
+        let op = IoOp::new(BlockOp::Write, B as u64, 512);
+        let mut p = Pending::new(
+            4,
+            op,
+            Some(buf),
+            B as u32,
+            now,
+            now + Duration::from_secs(9),
+        );
+        assert_eq!(send(&mut p, &locks), Some((1, B as u64, B as u32, vec![])));
+        let idx = t.insert(p).unwrap();
+        t.unsent.clear();
+        t.on_completion(&mut ch, refused(idx, 1, 0));
+        let p = t.slots[idx].as_mut().unwrap();
+        assert!(!locks.try_take(B as u64), "the edge keeps its lock");
+        assert_eq!(send_at(p, &locks, now), None);
+        let read = send_at(p, &locks, Instant::now() + RETRY_AFTER).unwrap().0;
+        assert_eq!(read, (1, B as u64, B as u32, vec![]));
+        let old = vec![0xaa; B];
+        t.on_completion(&mut ch, done(idx, 1, &old));
+        let p = t.slots[idx].as_mut().unwrap();
+        let mut merged = old.clone();
+        merged[..512].copy_from_slice(&data);
+        assert_eq!(send(p, &locks), Some((1, B as u64, B as u32, merged)));
+        t.on_completion(&mut ch, done(idx, 1, &[]));
+        assert_eq!(ch.0[1], (4, 0, abi::write_out(512).to_vec()));
+        assert!(locks.try_take(B as u64), "the lock was released");
     }
 
     #[test]
@@ -1611,7 +1813,7 @@ mod tests {
             now,
             now,
         );
-        assert_eq!(other.next_part(&locks), None);
+        assert_eq!(other.next_part(&locks, now), None);
         assert!(other.waits_for_lock());
         let idx = t.insert(p).unwrap();
         t.unsent.clear();
@@ -1633,7 +1835,36 @@ mod tests {
         t.on_completion(&mut ch, done(idx, 1, &[]));
         assert_eq!(ch.0, [(9, 0, abi::write_out(data.len() as u32).to_vec())]);
         assert_eq!(t.live, 0);
-        assert_eq!(other.next_part(&locks), Some(1), "the lock was released");
+        assert_eq!(
+            other.next_part(&locks, now),
+            Some((1, 0)),
+            "the lock was released"
+        );
+    }
+
+    /// A worker that stops with a partial-block write in its table lets the block's lock go:
+    /// the other workers' writes to that block do not wait for it for the rest of the mapping.
+    #[test]
+    fn a_stopped_worker_leaves_no_block_locked() {
+        const B: usize = 4096;
+        let locks = Arc::new(BlockLocks::default());
+        let mut t = Table::new(4, 1 << 20, B as u32, Arc::clone(&locks));
+        let now = Instant::now();
+        let buf = vec![0u8; WRITE_DATA_AT + 512];
+        let op = IoOp::new(BlockOp::Write, B as u64, 512);
+        let mut p = Pending::new(
+            4,
+            op,
+            Some(buf),
+            B as u32,
+            now,
+            now + Duration::from_secs(9),
+        );
+        assert_eq!(send(&mut p, &locks), Some((1, B as u64, B as u32, vec![])));
+        t.insert(p).unwrap();
+        assert!(!locks.try_take(B as u64), "the edge holds block 1");
+        drop(t);
+        assert!(locks.try_take(B as u64), "the lock was released");
     }
 
     #[test]
