@@ -7,6 +7,7 @@ use std::alloc::{self, Layout};
 use std::fmt;
 use std::io;
 use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use blkwire_block::{BlockOp, BlockRequest};
@@ -204,6 +205,8 @@ pub struct Export {
     capabilities: Capabilities,
     /// One resize at a time, so that each checks against the size the one before it left.
     resizing: Mutex<()>,
+    /// A flush, or a change that had to be durable (FUA), failed ([`Export::lose_durability`]).
+    durability_lost: AtomicBool,
 }
 
 impl Export {
@@ -224,7 +227,24 @@ impl Export {
             capabilities: Capabilities::effective(backend.capabilities()),
             backend,
             resizing: Mutex::new(()),
+            durability_lost: AtomicBool::new(false),
         }
+    }
+
+    /// Records that a flush, or a change that had to be durable (FUA), failed: writes
+    /// acknowledged before it may never reach the storage. Linux reports a writeback error
+    /// to one fsync of each open file only, so a flush sent again (NVMe and SCSI hosts retry a
+    /// failed one) would succeed over lost data; from now on every such request on the export
+    /// fails instead ([`Export::durability_lost`]), until it is removed and added again.
+    /// True the first time.
+    pub fn lose_durability(&self) -> bool {
+        !self.durability_lost.swap(true, Ordering::Relaxed)
+    }
+
+    /// Whether a flush or a durable change failed on the export ([`Export::lose_durability`]).
+    /// One load of a word written once, on flushes and FUA requests only.
+    pub fn durability_lost(&self) -> bool {
+        self.durability_lost.load(Ordering::Relaxed)
     }
 
     /// The backend behind the export.
@@ -1127,7 +1147,10 @@ impl ExportQueue {
     /// [`ExportQueue::after`], remembering how far a COPY got when it fails
     /// ([`ExportQueue::copied_before_failure`]).
     fn follow(&mut self, tag: u64, next: Next, res: i32) -> Result<(Op, Next), i32> {
+        // A FUA copy that fails copied nothing known durable: no flush ran over the chunks
+        // before the failure (PROTOCOL.md §13: its reply says 0 bytes).
         let copied = match &next {
+            Next::Copy(st) if st.flush => Some(0),
             Next::Copy(st) => Some(st.dst - st.first_dst),
             _ => None,
         };

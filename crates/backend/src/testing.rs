@@ -18,6 +18,8 @@ pub struct Recorder {
     asynchronous: bool,
     /// FLUSH fails with EIO while set.
     pub fail_flush: AtomicBool,
+    /// While non-zero, a WRITE or COPY that reaches this byte (or past it) fails with EIO.
+    pub fail_from: std::sync::atomic::AtomicU64,
     /// Opening a queue fails (EMFILE, as when the process is out of descriptors) while set.
     pub fail_open: AtomicBool,
     /// READs and WRITEs move at most this many bytes while non-zero (a file shrunk under
@@ -35,6 +37,7 @@ impl Recorder {
             caps,
             asynchronous,
             fail_flush: AtomicBool::new(false),
+            fail_from: Default::default(),
             fail_open: AtomicBool::new(false),
             short: Default::default(),
             data: Mutex::new(vec![0xaa; 8 << 20]),
@@ -95,6 +98,8 @@ impl QueueIo for RecorderQueue {
         let mut data = self.b.data.lock().unwrap();
         let short = self.b.short.load(Ordering::Relaxed);
         let cut = |len: u32| if short > 0 { len.min(short) } else { len };
+        let fail_from = self.b.fail_from.load(Ordering::Relaxed);
+        let fails = |offset: u64, len: u32| fail_from > 0 && offset + len as u64 > fail_from;
         let (line, res) = match op {
             Op::Read { offset, buf, len } => {
                 let len = cut(len);
@@ -102,6 +107,9 @@ impl QueueIo for RecorderQueue {
                 // SAFETY: the caller vouches for the buffer.
                 unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), buf, len as usize) };
                 (format!("read {offset}+{len}"), len as i32)
+            }
+            Op::Write { offset, len, .. } if fails(offset, len) => {
+                (format!("write {offset}+{len} failed"), -libc::EIO)
             }
             Op::Write {
                 offset,
@@ -126,6 +134,9 @@ impl QueueIo for RecorderQueue {
             Op::Trim { offset, len, fua } => {
                 assert!(!fua, "the generic layer flushes after a FUA trim instead");
                 (format!("trim {offset}+{len}"), 0)
+            }
+            Op::Copy { src, dst, len } if fails(dst, len) => {
+                (format!("copy {src}->{dst}+{len} failed"), -libc::EIO)
             }
             Op::Copy { src, dst, len } => {
                 data.copy_within(src as usize..(src + len as u64) as usize, dst as usize);

@@ -230,6 +230,9 @@ impl Executor {
         if matches!(req.op, BlockOp::Trim | BlockOp::WriteZeroes) && req.len == 0 {
             return Outcome::Done(self.status(req, 0, started));
         }
+        if durable(req) && self.export.durability_lost() {
+            return Outcome::Done(self.status(req, -libc::EIO, started));
+        }
         // SAFETY: passed on from our caller.
         match unsafe { self.io.start(Op::for_request(req, buf), tag, sq) } {
             Progress::Done(res) => Outcome::Done(self.status(req, res, started)),
@@ -335,9 +338,12 @@ impl Executor {
             Ok(_) => return refused(Status::Invalid),
             Err(r) => return refused(refusal_status(r)),
         }
+        let fua = flags.has(IoFlags::FUA);
+        if fua && self.export.durability_lost() {
+            return refused(Status::Io);
+        }
         // Counted once it starts: a refused COPY is an error reply, not a COPY started.
         self.stats.copies += 1;
-        let fua = flags.has(IoFlags::FUA);
         let progress = match &source {
             None => self.io.start_copy(&desc.ranges, dst, fua, tag, sq),
             Some(src) => self
@@ -408,6 +414,15 @@ impl Executor {
     /// counts bytes read and records how long it took since `started`.
     pub fn status(&mut self, req: &BlockRequest, res: i32, started: Started) -> Status {
         self.stats.latency.record(req.op, started.0.elapsed());
+        if res < 0 && durable(req) && self.export.lose_durability() {
+            crate::log!(
+                crate::log::Level::Error,
+                "export {}: a {} failed ({}): writes acknowledged before it may be lost; every flush and FUA request on it fails from now on (check its storage, then remove and add the export again)",
+                self.export.name.escape_debug(),
+                if req.op == BlockOp::Flush { "flush" } else { "FUA request" },
+                std::io::Error::from_raw_os_error(-res)
+            );
+        }
         let status = if res < 0 {
             Status::from_errno(-res)
         } else if req.op.moves_data() && res as u32 != req.len {
@@ -426,6 +441,12 @@ impl Executor {
         }
         status
     }
+}
+
+/// Whether `req` makes something durable: a flush, or a change with FUA. One that fails
+/// latches the export's lost durability ([`blkwire_backend::Export::lose_durability`]).
+fn durable(req: &BlockRequest) -> bool {
+    req.op == BlockOp::Flush || (req.op.modifies() && req.flags.has(IoFlags::FUA))
 }
 
 /// The status of an operation that moves no data: 0 or a negative errno.
@@ -725,6 +746,83 @@ mod tests {
                 "copied but not known durable"
             );
         }
+    }
+
+    /// A COPY that fails part way reports what it copied before (the initiator copies the
+    /// rest again), but under FUA nothing: no flush ran over those bytes, so none is known
+    /// durable (PROTOCOL.md §13).
+    #[test]
+    fn a_fua_copy_that_fails_part_way_reports_nothing_copied() {
+        use blkwire_backend::{CopyRange, Support};
+        use std::sync::atomic::Ordering;
+        let (b, mut x) = recorder(Support::None, false);
+        let desc = CopyDescriptor {
+            source: String::new(),
+            ranges: vec![
+                CopyRange {
+                    offset: 0,
+                    len: 4096,
+                },
+                CopyRange {
+                    offset: 65536,
+                    len: 4096,
+                },
+            ],
+        };
+        // The second range's write fails.
+        b.fail_from.store((1 << 20) + 4096 + 1, Ordering::Relaxed);
+        for (flags, bytes) in [(IoFlags::empty(), 4096), (IoFlags::FUA, 0)] {
+            let copied = x.start_copy(&desc, None, 1 << 20, 8192, flags, 1, &mut NoRing);
+            assert_eq!(
+                copied,
+                Some(Copied {
+                    status: Status::Io,
+                    bytes
+                }),
+                "{flags:?}"
+            );
+        }
+    }
+
+    /// A failed flush is not forgotten: Linux reports a writeback error to one fsync only,
+    /// so the flush a host sends again (NVMe and SCSI hosts retry) would succeed over lost
+    /// data. Every flush and FUA request on the export fails from then on, on every queue,
+    /// without reaching the backend; plain writes and reads go on.
+    #[test]
+    fn a_failed_flush_fails_every_later_flush_of_the_export() {
+        use blkwire_backend::Support;
+        use std::sync::atomic::Ordering;
+        let (b, mut x) = recorder(Support::None, false);
+        let mut other = Executor::open(Arc::clone(x.export()), 65536, x.size).unwrap();
+        let flush = BlockRequest::new(BlockOp::Flush, 0, 0);
+        let run = |x: &mut Executor, req: &BlockRequest| {
+            let mut buf = vec![0u8; req.len as usize];
+            // SAFETY: `buf` holds the request's length; the backend completes inline.
+            unsafe { x.start(req, buf.as_mut_ptr(), 1, &mut NoRing) }
+        };
+        assert_eq!(run(&mut x, &flush), Outcome::Done(Status::Ok));
+        b.fail_flush.store(true, Ordering::Relaxed);
+        assert_eq!(run(&mut x, &flush), Outcome::Done(Status::Io));
+        b.fail_flush.store(false, Ordering::Relaxed);
+        let seen = b.log().len();
+        let fua = BlockRequest::new(BlockOp::Write, 0, 4096).flagged(IoFlags::FUA);
+        for x in [&mut x, &mut other] {
+            assert_eq!(run(x, &flush), Outcome::Done(Status::Io), "retried");
+            assert_eq!(run(x, &fua), Outcome::Done(Status::Io));
+        }
+        assert_eq!(b.log().len(), seen, "none reached the backend");
+        let plain = BlockRequest::new(BlockOp::Write, 0, 4096);
+        assert_eq!(run(&mut other, &plain), Outcome::Done(Status::Ok));
+        // A FUA write that fails latches it too.
+        let (b, mut x) = recorder(Support::None, false);
+        b.fail_flush.store(true, Ordering::Relaxed);
+        assert_eq!(
+            run(&mut x, &fua),
+            Outcome::Done(Status::Io),
+            "write, then flush"
+        );
+        b.fail_flush.store(false, Ordering::Relaxed);
+        assert_eq!(run(&mut x, &flush), Outcome::Done(Status::Io));
     }
 
     /// The same on a backend that completes on its own threads: one answer, after the flush.
