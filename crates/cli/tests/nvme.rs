@@ -180,6 +180,9 @@ fn a_controller_comes_up_as_the_linux_host_checks_it() {
     assert_eq!(u16::from_le_bytes([id[1800], id[1801]]), 0, "ICDOFF");
     assert_ne!(u16::from_le_bytes([id[514], id[515]]), 0, "MAXCMD");
     assert_ne!(id[536] & 1, 0, "SGLS");
+    // A host may connect to the subsystem through several listeners (multipath): Linux
+    // refuses a second controller of a subsystem whose CMIC does not allow several.
+    assert_eq!(id[76] & 0b11, 0b11, "CMIC: several ports and controllers");
     let sn = String::from_utf8_lossy(&id[4..24]).trim().to_string();
     assert!(!sn.is_empty());
     // One active namespace, with size, NGUID and a descriptor list.
@@ -193,6 +196,7 @@ fn a_controller_comes_up_as_the_linux_host_checks_it() {
     );
     assert_eq!(1u32 << ns[130], BS, "LBA format 0");
     assert_ne!(ns[104..120], [0; 16], "NGUID");
+    assert_eq!(ns[30] & 1, 1, "NMIC: shared by the subsystem's controllers");
     let desc = a.identify(3, 1).data;
     assert_eq!((desc[0], desc[1]), (2, 16), "NGUID descriptor first");
     assert_eq!(desc[4..20], ns[104..120]);

@@ -58,12 +58,16 @@ start_blkwire() {
     log "blkwire serve (pid $BLKWIRE_PID${NETNS:+, netns $NETNS}): ${BLKWIRE_URLS[*]}"
 }
 
-listen_port() {
-    local u
+listen_port() { # SCHEME [N]: the port of blkwire's Nth (default first) SCHEME:// listener
+    local u n=${2:-1}
     for u in "${BLKWIRE_URLS[@]}"; do
-        case $u in "$1"://*) echo "${u##*:}" && return 0 ;; esac
+        case $u in "$1"://*)
+            n=$((n - 1))
+            [ $n = 0 ] && echo "${u##*:}" && return 0
+            ;;
+        esac
     done
-    die "blkwire has no $1:// listener"
+    die "blkwire has no $1:// listener number ${2:-1}"
 }
 
 stop_blkwire() {

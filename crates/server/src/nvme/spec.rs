@@ -386,6 +386,11 @@ impl Facts {
         b[513] = 0x44; // CQES: 16-byte entries.
         put16(&mut b, 514, self.max_depth);
         if !self.is_discovery() {
+            // CMIC: the subsystem may have several ports and several controllers (one per
+            // connect), so a host reaching it through two listeners gets two controllers of
+            // one subsystem, which Linux merges into one multipath device (the namespaces
+            // keep their NGUIDs). Without bit 1, Linux refuses the second controller.
+            b[76] = 0b11;
             put32(&mut b, 516, self.nn()); // NN
             let mut oncs = 0;
             if self.any_writable() {
@@ -435,6 +440,7 @@ impl Facts {
         b[24] = 1;
         b[25] = 0; // NLBAF: one format.
         b[26] = 0; // FLBAS
+        b[30] = 1; // NMIC: may be attached to several controllers (CMIC).
         if copy.max_ranges > 0 {
             let max_range = (copy.max_range as u64 >> ns.lba_shift).min(u16::MAX as u64);
             let max_total = (copy.max_bytes as u64 >> ns.lba_shift).min(u32::MAX as u64);

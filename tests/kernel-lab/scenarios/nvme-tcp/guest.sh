@@ -8,8 +8,10 @@
 #      mount, write files, sync, umount, `e2fsck -fn`, re-read with caches dropped; disconnect;
 #   3. `nvme connect -g -G` (header and data digests): fsck and every file read back; disconnect;
 #   3b. the subsystem of two namespaces: one controller, /dev/nvmeXnY for NSIDs 1 and 2 with the
-#      sizes (8 and 4 MiB) and sha256s the host gave, id-ctrl's serial, model and NN; m1's first MiB
-#      written to namespace 2 at 2 MiB (the host finds it in m2's file); disconnect;
+#      sizes (8 and 4 MiB) and sha256s the host gave, id-ctrl's serial, model and NN; a second
+#      path (connect through the second listener): a second controller of the same subsystem,
+#      the same two namespace devices (multipath); m1's first MiB written to namespace 2 at 2 MiB
+#      (the host finds it in m2's file); disconnect (both paths);
 #   4. DH-HMAC-CHAP against a second target that requires it (export "secure", allow=host A):
 #      host A's secret connects (unidirectional, then bidirectional with the controller secret) and
 #      reads the export's data (sha256 from the host); refused, with no namespace left: host A
@@ -17,7 +19,8 @@
 #      listed host the export does not allow.
 # The file checksums go to the log (LAB-SHA256 lines) for the host to check what blkwire stored.
 #
-# From the kernel command line (set by host.sh): lab.nvme_port, lab.auth_port, lab.export,
+# From the kernel command line (set by host.sh): lab.nvme_port, lab.nvme_port2 (a second
+# listener of the same target: every subsystem is listed there too), lab.auth_port, lab.export,
 # lab.hosta, lab.keya, lab.ctrla (host A, its secret, the controller's secret), lab.keyx (a
 # secret nobody has), lab.hostb, lab.keyb (listed, not allowed), lab.hostc, lab.keyc (unlisted),
 # lab.secure_sha, lab.secure_mib (sha256 of the first MiB of the secure export), lab.multi_nqn,
@@ -64,6 +67,7 @@ if [ "${LAB_NVME_REF:-}" = nvmet ]; then
 else
     addr=10.0.2.2
     port=${LAB_NVME_PORT:?lab.nvme_port= missing on the kernel command line}
+    port2=${LAB_NVME_PORT2:?lab.nvme_port2= missing on the kernel command line}
     auth_port=${LAB_AUTH_PORT:?lab.auth_port= missing on the kernel command line}
     secure_sha=${LAB_SECURE_SHA:?lab.secure_sha= missing}
     secure_mib=${LAB_SECURE_MIB:?lab.secure_mib= missing}
@@ -77,7 +81,7 @@ subsystems=$(grep -c '^subtype: *nvme subsystem' /tmp/disc || true)
 if [ "${LAB_NVME_REF:-}" = nvmet ]; then
     [ "$subsystems" = 1 ] || fail "the discovery log lists $subsystems NVM subsystems, expected 1 (one export)"
 else
-    [ "$subsystems" = 4 ] || fail "the discovery log lists $subsystems NVM subsystems, expected 4 (disk0, m1, m2, each its own, and ${LAB_MULTI_NQN:-})"
+    [ "$subsystems" = 8 ] || fail "the discovery log lists $subsystems NVM subsystem entries, expected 8 (disk0, m1, m2, each its own, and ${LAB_MULTI_NQN:-}, at each of two listeners)"
     grep -q "^subnqn: *${LAB_MULTI_NQN:?lab.multi_nqn= missing}\$" /tmp/disc ||
         fail "the discovery log does not list $LAB_MULTI_NQN: $(tr '\n' '|' </tmp/disc)"
 fi
@@ -262,6 +266,16 @@ else
         [ "$got" = "$3" ] || fail "$1: sha256 $got, expected $3 (the export's data)"
         info "$1 (NSID $(cat "/sys/block/${1#/dev/}/nsid")): $2 bytes, sha256 as the host has it"
     done
+    # A second path: the subsystem through the second listener. CMIC allows several
+    # controllers, so Linux takes it (it refused it otherwise) and joins its namespaces to the
+    # same devices by their NGUIDs.
+    run nvme connect -t tcp -a $addr -s "$port2" -n "$multi"
+    two_paths() { [ "$(grep -lx "$multi" /sys/class/nvme/nvme*/subsysnqn 2>/dev/null | wc -l)" = 2 ]; }
+    wait_until "no second controller of $multi 10 s after connecting through port $port2" two_paths
+    [ "$(ns_dev "$multi" 1)" = "$n1" ] && [ "$(ns_dev "$multi" 2)" = "$n2" ] ||
+        fail "the second path made namespace devices of its own: $(cd /sys/block && echo nvme*)"
+    [ "$(sha256sum <"$n2" | cut -d' ' -f1)" = "$LAB_MULTI_SHA2" ] || fail "$n2 reads otherwise over two paths"
+    info "subsystem $multi through two listeners: two controllers, namespaces still $n1 and $n2"
     nguid1=$(nvme id-ns "$n1" | sed -n 's/^nguid *: *//p')
     nguid2=$(nvme id-ns "$n2" | sed -n 's/^nguid *: *//p')
     [ -n "$nguid1" ] || fail "id-ns $n1 shows no NGUID"

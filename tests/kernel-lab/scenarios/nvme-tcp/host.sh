@@ -88,15 +88,18 @@ scenario_setup() {
     cp "$WORK/m2.img" "$WORK/m2.orig"
     MULTI_SHA1=$(sha256sum <"$WORK/m1.img" | cut -d' ' -f1)
     MULTI_SHA2=$(sha256sum <"$WORK/m2.img" | cut -d' ' -f1)
+    # Two NVMe/TCP listeners: two paths to each subsystem (step 3b connects through both).
     start_blkwire --listen tcp://127.0.0.1:0 --listen nvme-tcp://127.0.0.1:0 \
+        --listen nvme-tcp://127.0.0.1:0 \
         --export "$EXPORT=file:$WORK/disk.img" \
         --export "m1=file:$WORK/m1.img" --export "m2=file:$WORK/m2.img" \
         --subsystem "$MULTI_NQN=m1,m2;serial=LAB-MULTI;model=blkwire lab two namespaces"
     TCP_PORT=$(listen_port tcp)
     NVME_PORT=$(listen_port nvme-tcp)
+    NVME_PORT2=$(listen_port nvme-tcp 2)
     # The guest reaches the host's 127.0.0.1 at 10.0.2.2 through qemu's user network.
     GUEST_ARGS+=" lab.multi_nqn=$MULTI_NQN lab.multi_sha1=$MULTI_SHA1 lab.multi_sha2=$MULTI_SHA2"
-    GUEST_ARGS+=" lab.nvme_port=$NVME_PORT lab.auth_port=$AUTH_PORT lab.secure_sha=$SECURE_SHA lab.secure_mib=$SECURE_MIB"
+    GUEST_ARGS+=" lab.nvme_port=$NVME_PORT lab.nvme_port2=$NVME_PORT2 lab.auth_port=$AUTH_PORT lab.secure_sha=$SECURE_SHA lab.secure_mib=$SECURE_MIB"
 }
 
 scenario_verify() {
