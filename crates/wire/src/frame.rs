@@ -201,7 +201,9 @@ impl Status {
             // taken for a request beyond the export (OUT_OF_RANGE).
             libc_errno::ENOSPC | libc_errno::EDQUOT | libc_errno::EFBIG => Status::NoSpace,
             libc_errno::EOPNOTSUPP => Status::Unsupported,
-            libc_errno::ENOMEM => Status::NoMemory,
+            // A backend's ENOMEM (the kernel short of memory for shmem, a cgroup's charge) is
+            // an I/O error: NO_MEMORY is the target's own word that it ran nothing and that
+            // the initiator retries, which initiators do until their deadline.
             _ => Status::Io,
         }
     }
@@ -658,6 +660,7 @@ mod tests {
             Status::ReadOnly
         );
         assert_eq!(Status::from_errno(5), Status::Io);
+        assert_eq!(Status::from_errno(12), Status::Io, "a backend's ENOMEM is no retry");
         // Out of space in any form (full, quota, largest file) is NO_SPACE, ENOSPC to the
         // initiator.
         for errno in [28, 122, 27] {
