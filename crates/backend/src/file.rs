@@ -744,8 +744,15 @@ impl Backend for FileBackend {
                     ),
                 ));
             }
-            // SAFETY: ftruncate on our own descriptor; no memory is involved.
-            if unsafe { libc::ftruncate(self.fd, len) } != 0 {
+            // fallocate of the last byte only ever extends the file: ftruncate to `len` would
+            // shrink it again if someone grew it past `len` since the fstat (another export of
+            // the same file resizing at once, a `truncate -s` from outside), cutting off what
+            // their writers wrote there. ftruncate only where the filesystem has no fallocate.
+            // SAFETY: fallocate and ftruncate on our own descriptor; no memory is involved.
+            let grown = unsafe { libc::fallocate(self.fd, 0, len - 1, 1) } == 0
+                || (io::Error::last_os_error().raw_os_error() == Some(libc::EOPNOTSUPP)
+                    && unsafe { libc::ftruncate(self.fd, len) } == 0);
+            if !grown {
                 let e = io::Error::last_os_error();
                 return Err(io::Error::new(
                     e.kind(),

@@ -660,7 +660,11 @@ mod tests {
             Status::ReadOnly
         );
         assert_eq!(Status::from_errno(5), Status::Io);
-        assert_eq!(Status::from_errno(12), Status::Io, "a backend's ENOMEM is no retry");
+        assert_eq!(
+            Status::from_errno(12),
+            Status::Io,
+            "a backend's ENOMEM is no retry"
+        );
         // Out of space in any form (full, quota, largest file) is NO_SPACE, ENOSPC to the
         // initiator.
         for errno in [28, 122, 27] {
