@@ -1258,8 +1258,8 @@ impl DgramPort {
             }
             self.index.remove(&(q.session, q.queue));
             let registry = &self.registry;
-            self.closed.add(&q.exec.export().name, &q.exec.stats, |e| {
-                registry.has_export(e)
+            self.closed.add(&q.exec.export().name, &q.exec.stats, || {
+                registry.export_names()
             });
             self.registry.leave(q.session, q.queue, &q.exec.stats);
             if q.exec.notifier().is_some() {

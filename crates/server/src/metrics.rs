@@ -723,6 +723,7 @@ fn push_label(out: &mut String, name: &str, value: &dyn std::fmt::Display) {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashSet;
     use std::time::Duration;
 
     use blkwire_backend::BlockOp;
@@ -751,8 +752,9 @@ mod tests {
             reads: 10,
             ..QueueStats::default()
         };
-        closed.add("disk", &gone, |_| true);
-        closed.add("retired", &gone, |_| true);
+        let all = || HashSet::from(["disk".to_string(), "retired".to_string()]);
+        closed.add("disk", &gone, all);
+        closed.add("retired", &gone, all);
         Snapshot {
             sessions: vec![SessionInfo {
                 session: 7,

@@ -367,6 +367,15 @@ impl Registry {
         self.lock().exports.iter().any(|s| s.export.name == name)
     }
 
+    /// The names of the exports served.
+    pub fn export_names(&self) -> std::collections::HashSet<String> {
+        self.lock()
+            .exports
+            .iter()
+            .map(|s| s.export.name.clone())
+            .collect()
+    }
+
     /// The first export's name (NBD's default export), if any.
     pub fn first_export(&self) -> Option<String> {
         self.lock().exports.first().map(|s| s.export.name.clone())

@@ -59,7 +59,7 @@ impl Snapshot {
                 Ok(mut r) => {
                     queues.append(&mut r.queues);
                     ports.append(&mut r.ports);
-                    closed.merge(&r.closed, |_| true);
+                    closed.merge(&r.closed);
                 }
                 Err(_) => break,
             }

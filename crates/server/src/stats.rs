@@ -2,6 +2,7 @@
 //! no atomics); they are reported when asked by message and, when the queue closes, added to
 //! its thread's closed totals of the export.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use blkwire_backend::BlockOp;
@@ -176,32 +177,49 @@ pub struct ClosedTotals {
 
 impl ClosedTotals {
     /// Adds a closed queue's counters to its export's. An export seen for the first time
-    /// first folds away those no longer `served` (so the list holds at most the exports served
+    /// first folds away those no longer served (so the list holds at most the exports served
     /// and the one added); a queue of an export already removed goes to the removed sum.
-    pub fn add(&mut self, export: &str, stats: &QueueStats, served: impl Fn(&str) -> bool) {
+    /// `served` names the exports served: asked once, and only then (one look at the
+    /// registry, not one per export listed).
+    pub fn add(
+        &mut self,
+        export: &str,
+        stats: &QueueStats,
+        served: impl FnOnce() -> HashSet<String>,
+    ) {
         if let Some((_, total)) = self.exports.iter_mut().find(|(e, _)| e == export) {
             total.add(stats);
             return;
         }
-        let removed = &mut self.removed;
-        self.exports.retain(|(e, s)| {
-            let keep = served(e);
-            if !keep {
-                removed.add(s);
-            }
-            keep
-        });
-        if served(export) {
+        let served = served();
+        self.fold(&served);
+        if served.contains(export) {
             self.exports.push((export.to_string(), *stats));
         } else {
             self.removed.add(stats);
         }
     }
 
-    /// Adds every export's totals of `other`, folding as [`ClosedTotals::add`] does.
-    pub fn merge(&mut self, other: &ClosedTotals, served: impl Fn(&str) -> bool) {
+    /// Folds the totals of the exports not `served` into the removed sum.
+    pub fn fold(&mut self, served: &HashSet<String>) {
+        let removed = &mut self.removed;
+        self.exports.retain(|(e, s)| {
+            let keep = served.contains(e);
+            if !keep {
+                removed.add(s);
+            }
+            keep
+        });
+    }
+
+    /// Adds every export's totals of `other`, folding nothing: a report's sum, whose readers
+    /// keep the exports served (`metrics::render_exports`) and count the rest in the total.
+    pub fn merge(&mut self, other: &ClosedTotals) {
         for (export, stats) in &other.exports {
-            self.add(export, stats, &served);
+            match self.exports.iter_mut().find(|(e, _)| e == export) {
+                Some((_, total)) => total.add(stats),
+                None => self.exports.push((export.clone(), *stats)),
+            }
         }
         self.removed.add(&other.removed);
     }
@@ -271,13 +289,13 @@ mod tests {
             reads,
             ..QueueStats::default()
         };
-        let all = |_: &str| true;
+        let all = || HashSet::from(["x".to_string(), "y".to_string()]);
         let mut a = ClosedTotals::default();
         a.add("x", &s(1), all);
         a.add("y", &s(10), all);
         let mut b = ClosedTotals::default();
         b.add("x", &s(2), all);
-        b.merge(&a, all);
+        b.merge(&a);
         let got: Vec<_> = b.iter().map(|(e, s)| (e.as_str(), s.reads)).collect();
         assert_eq!(got, [("x", 3), ("y", 10)]);
         assert_eq!(b.total().reads, 13);
@@ -294,18 +312,18 @@ mod tests {
         let mut t = ClosedTotals::default();
         for i in 0..1000u64 {
             let name = format!("e{i}");
-            let served = |e: &str| e == name || e == "kept";
+            let served = || HashSet::from([name.clone(), "kept".to_string()]);
             t.add(&name, &s(1), served);
             t.add("kept", &s(2), served);
         }
         let got: Vec<_> = t.iter().map(|(e, s)| (e.as_str(), s.reads)).collect();
         assert_eq!(got, [("kept", 2000), ("e999", 1)], "e0..e998 removed");
         assert_eq!(t.total().reads, 3000, "nothing lost from the total");
-        t.add("gone", &s(5), |e| e == "kept");
+        t.add("gone", &s(5), || HashSet::from(["kept".to_string()]));
         assert_eq!(t.iter().count(), 1, "e999 folded, gone never listed");
         assert_eq!(t.total().reads, 3005);
         let mut u = ClosedTotals::default();
-        u.merge(&t, |_| true);
+        u.merge(&t);
         assert_eq!(
             u.total().reads,
             3005,

@@ -297,8 +297,8 @@ impl Reactor {
                 }
                 self.port_incarnations[idx] = gone.next_incarnation();
                 // The socket can go; its closed queues' counters stay in the exports' totals.
-                let registry = &self.registry;
-                self.closed.merge(gone.closed(), |e| registry.has_export(e));
+                self.closed.merge(gone.closed());
+                self.closed.fold(&self.registry.export_names());
                 let r = gone.report(self.id);
                 match self
                     .retired_ports
@@ -379,7 +379,7 @@ impl Reactor {
                     let mut closed = self.closed.clone();
                     for p in self.ports.iter().flatten() {
                         queues.extend(p.reports(self.id));
-                        closed.merge(p.closed(), |e| self.registry.has_export(e));
+                        closed.merge(p.closed());
                     }
                     let ports = self
                         .ports
@@ -938,8 +938,8 @@ impl Reactor {
         let _ = self.ring.submit();
         for t in &c.targets {
             let registry = &self.registry;
-            self.closed.add(&t.exec.export().name, &t.exec.stats, |e| {
-                registry.has_export(e)
+            self.closed.add(&t.exec.export().name, &t.exec.stats, || {
+                registry.export_names()
             });
             self.registry.leave(t.session, t.queue, &t.exec.stats);
         }
