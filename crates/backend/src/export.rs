@@ -121,9 +121,16 @@ impl ExportSpec {
         let (name, rest) = s
             .split_once('=')
             .ok_or_else(|| SpecError(format!("bad export '{s}': {}", spec_help())))?;
-        if name.is_empty() || name.len() > 255 || name.contains(['/', ' ']) {
+        // No control characters either: names go into log lines and one-line errors (a line
+        // break in one would forge a line), and into NQNs and iSCSI names.
+        if name.is_empty()
+            || name.len() > 255
+            || name.contains(['/', ' '])
+            || name.chars().any(char::is_control)
+        {
             return Err(SpecError(format!(
-                "bad export name '{name}': use 1-255 characters without '/' or spaces"
+                "bad export name '{}': use 1-255 characters without '/', spaces or control characters",
+                name.escape_debug()
             )));
         }
         let mut parts = rest.split(',');
@@ -1633,6 +1640,11 @@ mod tests {
         );
         assert!(ExportSpec::parse("nobackend").is_err());
         assert!(ExportSpec::parse("=mem:1M").is_err());
+        for bad in ["a\nb", "a\rb", "a\tb", "a\u{7f}b", "a\u{85}b"] {
+            let e = ExportSpec::parse(&format!("{bad}=mem:1M")).unwrap_err().0;
+            assert!(!e.contains(['\n', '\r']), "one line: {e}");
+            assert!(e.contains("control characters"), "{e}");
+        }
         assert!(ExportSpec::parse("a=mem:1M,bogus")
             .unwrap_err()
             .0
