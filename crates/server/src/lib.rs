@@ -616,14 +616,19 @@ fn eventfd_write(fd: i32) {
 
 /// The address a host is told to connect to for a listener bound to `bound` (discovery logs,
 /// SendTargets): `local`, the address the host reached us at, stands in for a wildcard, since
-/// the host can reach that one again.
-pub(crate) fn reachable_address(bound: SocketAddr, local: IpAddr) -> SocketAddr {
-    let ip = if bound.ip().is_unspecified() {
-        local
-    } else {
-        bound.ip()
-    };
-    SocketAddr::new(ip, bound.port())
+/// the host can reach that one again. An IPv4 host that reached a dual-stack `[::]` listener
+/// shows as `::ffff:a.b.c.d`: it is told `a.b.c.d` (an IPv4 entry, which its tools compare
+/// with the address they connected to). None for a `0.0.0.0` listener and a host that came
+/// over IPv6: that listener does not serve the address the host knows.
+pub(crate) fn reachable_address(bound: SocketAddr, local: IpAddr) -> Option<SocketAddr> {
+    if !bound.ip().is_unspecified() {
+        return Some(bound);
+    }
+    let local = access::canonical_ip(local);
+    if bound.is_ipv4() && local.is_ipv6() {
+        return None;
+    }
+    Some(SocketAddr::new(local, bound.port()))
 }
 
 /// Which protocol a stream listener speaks (which handshake admits its connections).
@@ -1703,6 +1708,34 @@ fn fit_stats(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Discovery and SendTargets tell a host an address it can reach the listener at.
+    #[test]
+    fn a_wildcard_listener_is_listed_at_the_address_the_host_reached() {
+        let at = |a: &str| a.parse::<SocketAddr>().unwrap();
+        let ip = |a: &str| a.parse::<IpAddr>().unwrap();
+        let v4 = ip("10.0.0.5");
+        assert_eq!(
+            reachable_address(at("192.0.2.1:4420"), v4),
+            Some(at("192.0.2.1:4420")),
+            "a bound address is its own"
+        );
+        assert_eq!(
+            reachable_address(at("0.0.0.0:4420"), v4),
+            Some(at("10.0.0.5:4420"))
+        );
+        // An IPv4 host on a dual-stack listener: IPv4, not ::ffff:10.0.0.5.
+        assert_eq!(
+            reachable_address(at("[::]:4420"), ip("::ffff:10.0.0.5")),
+            Some(at("10.0.0.5:4420"))
+        );
+        assert_eq!(
+            reachable_address(at("[::]:4420"), ip("fd00::5")),
+            Some(at("[fd00::5]:4420"))
+        );
+        // A host that came over IPv6 cannot reach an IPv4 wildcard there.
+        assert_eq!(reachable_address(at("0.0.0.0:4420"), ip("fd00::5")), None);
+    }
 
     fn config(listen: &[&str], exports: &[&str]) -> TargetConfig {
         TargetConfig {

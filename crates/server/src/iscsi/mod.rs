@@ -142,7 +142,7 @@ impl Portals {
         self.lock()
             .listeners
             .iter()
-            .map(|&(_, a)| crate::reachable_address(a, local))
+            .filter_map(|&(_, a)| crate::reachable_address(a, local))
             .collect()
     }
 

@@ -156,7 +156,7 @@ impl Controllers {
         self.lock()
             .listeners
             .iter()
-            .map(|&(id, a)| (id, crate::reachable_address(a, local)))
+            .filter_map(|&(id, a)| Some((id, crate::reachable_address(a, local)?)))
             .collect()
     }
 
