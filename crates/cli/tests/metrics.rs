@@ -349,9 +349,9 @@ struct Done {
 /// and `blkwire cp` adds exactly the bytes it copied.
 #[test]
 fn a_scrape_counts_the_io_done_in_a_valid_exposition() {
-    // Export names are the operator's words: quotes, backslashes and newlines must be
-    // escaped in label values.
-    let idle_name = "id\"le\\\nx";
+    // Export names are the operator's words: quotes and backslashes must be escaped in label
+    // values (control characters are refused in names).
+    let idle_name = "id\"le\\x";
     let exports = [
         "disk=mem:64M",
         &format!("{idle_name}=mem:1M"),
@@ -664,7 +664,7 @@ fn hostile_http_clients_neither_hang_nor_crash_the_target() {
     assert!(exit.success(), "exit status after SIGTERM: {exit:?}");
 }
 
-/// Slow clients hold a thread of the endpoint each, for at most their deadline, not the
+/// Slow clients hold a place of the endpoint each, for at most their deadline, not the
 /// endpoint: with three of them connected and silent (one at a time, the scrape would wait for
 /// the 2 s deadline of each, 6 s), a scrape is served at once, and they still get their 408.
 #[test]
@@ -701,6 +701,44 @@ fn a_scrape_is_served_while_slow_clients_wait_for_their_deadline() {
         let _ = c.read_to_string(&mut answer);
         assert!(answer.starts_with("HTTP/1.1 408 "), "{answer}");
     }
+}
+
+/// Clients that say nothing cannot keep a scrape waiting, however many connect: a scrape
+/// behind a hundred of them (served four at a time, it waited for the 2 s deadline of each,
+/// about 50 s) is answered while the newest of them still wait for theirs, unanswered; the
+/// oldest were closed, unanswered, to make room (one address holds at most 32 places).
+#[test]
+fn a_crowd_of_silent_clients_does_not_keep_a_scrape_waiting() {
+    let (_t, _, metrics) = start(&["m=mem:1M"]);
+    let addr = metrics
+        .strip_prefix("http://")
+        .and_then(|a| a.strip_suffix("/metrics"))
+        .unwrap()
+        .to_string();
+    let mut silent: Vec<TcpStream> = (0..100)
+        .map(|_| TcpStream::connect(&addr).unwrap())
+        .collect();
+    let m = scrape(&metrics);
+    assert_eq!(m.value("blkwire_sessions", &[]), 0.0);
+    let newest = silent.last_mut().unwrap();
+    newest.set_nonblocking(true).unwrap();
+    let waiting = newest.read(&mut [0u8; 64]);
+    assert!(
+        matches!(&waiting, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "the newest silent client is no longer waiting: {waiting:?}"
+    );
+    // A guard against a hang, not a measurement: the oldest was closed long ago.
+    let oldest = &mut silent[0];
+    oldest
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut answer = Vec::new();
+    let _ = oldest.read_to_end(&mut answer);
+    assert!(
+        answer.is_empty(),
+        "the oldest got an answer: {}",
+        String::from_utf8_lossy(&answer)
+    );
 }
 
 #[test]

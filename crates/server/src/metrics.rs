@@ -1,18 +1,19 @@
 //! The metrics endpoint: every counter of a [`Snapshot`] in the Prometheus text exposition
-//! format (version 0.0.4), served over HTTP by a few threads of its own (docs/METRICS.md lists
-//! the metrics). Each thread serves one connection at a time, with a deadline and a bounded
-//! request head: a client that trickles, floods or says nothing holds one thread for at most
-//! the deadline, and no more than [`MAX_HEAD`] bytes, while the others serve the scrapes. A
-//! counter never goes back from one scrape to the next ([`Monotonic`]), even when a reactor was
-//! left out of one.
+//! format (version 0.0.4), served over HTTP by one thread of its own (docs/METRICS.md lists the
+//! metrics). The thread serves every connection at once from one poll loop, each with a
+//! deadline and a bounded request head: a client that trickles, floods, says nothing or reads
+//! its reply slowly holds one place among [`MAX_CLIENTS`] (and [`MAX_CLIENTS_PER_PEER`] of its
+//! address's) until its deadline, never the thread, and a newcomer takes the place of the
+//! oldest that has not sent its request yet. Scrapes that come in together share one render. A counter never goes back from one scrape to the
+//! next ([`Monotonic`]), even when a reactor was left out of one.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::mpsc::Sender;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::http::{self, Reply, MAX_HEAD, METRICS_PATH};
@@ -26,11 +27,15 @@ use crate::{Error, Shared, Target};
 const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
 /// The reply must be taken by the client within this time.
 const REPLY_DEADLINE: Duration = Duration::from_secs(10);
-/// What is read and thrown away after the reply (see `Endpoint::answer`).
+/// What is read and thrown away after the reply (see `Stage::Drain`).
 const DRAIN_LIMIT: usize = 64 << 10;
-/// Threads serving the endpoint, each one connection at a time: a slow client holds one of
-/// them (for at most the deadlines above) while the others serve the scrapes.
-const SERVERS: usize = 4;
+/// Connections served at once. A newcomer past it takes the place of the oldest connection
+/// still sending its request (which is closed unanswered): clients that say nothing cannot
+/// keep a scraper out, only make it reconnect.
+const MAX_CLIENTS: usize = 256;
+/// Connections one address may hold at once, a newcomer past it taking the place of that
+/// address's oldest still sending its request: one client cannot crowd out the others.
+const MAX_CLIENTS_PER_PEER: usize = 32;
 
 /// `Content-Type` of the metrics (the text exposition format).
 const METRICS_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -83,30 +88,18 @@ impl Shared {
         // the thread in accept (and so miss the stop).
         listener.set_nonblocking(true).map_err(system)?;
         let local = listener.local_addr().map_err(system)?;
-        let endpoint = Arc::new(Endpoint {
+        let mut endpoint = Endpoint {
             listener,
             shared: self.clone(),
-            reported: Mutex::new(Monotonic::default()),
-        });
-        for i in 0..SERVERS {
-            let e = endpoint.clone();
-            let started = std::thread::Builder::new()
-                .name("blkwire-metrics".into())
-                .spawn(move || e.run());
-            // One thread is enough to serve; more only keep a slow client from delaying scrapes.
-            if let Err(e) = started {
-                if i == 0 {
-                    return Err(Error::System(format!(
-                        "cannot start the metrics thread: {e}"
-                    )));
-                }
-                crate::log!(
-                    Level::Warn,
-                    "metrics endpoint: {i} threads, not {SERVERS}: {e}"
-                );
-                break;
-            }
-        }
+            reported: Monotonic::default(),
+            rendered: None,
+            clients: Vec::new(),
+            accept_after: None,
+        };
+        std::thread::Builder::new()
+            .name("blkwire-metrics".into())
+            .spawn(move || endpoint.run())
+            .map_err(|e| Error::System(format!("cannot start the metrics thread: {e}")))?;
         *bound = Some(local.to_string());
         Ok(format!("http://{local}/metrics"))
     }
@@ -115,55 +108,133 @@ impl Shared {
 struct Endpoint {
     listener: TcpListener,
     /// The target's registry, reactors and stop eventfd (readable once it stops: nobody reads
-    /// it). Held until the threads end, so the reactors' wake descriptors stay open while a
+    /// it). Held until the thread ends, so the reactors' wake descriptors stay open while a
     /// scrape may write to them.
     shared: Arc<Shared>,
     /// What the last scrapes reported, so that counters never go back.
-    reported: Mutex<Monotonic>,
+    reported: Monotonic,
+    /// The metrics rendered in this turn of the loop: the scrapes whose requests came in the
+    /// same turn share one render (with many exports a render is large, and each takes a
+    /// round of messages to every reactor); a later scrape gets a fresh one.
+    rendered: Option<Arc<[u8]>>,
+    /// The connections being served, oldest first.
+    clients: Vec<Client>,
+    /// Accepting failed (out of descriptors or memory): the listener is left alone until then.
+    accept_after: Option<Instant>,
 }
 
-/// How reading a request head ended.
-enum Head {
-    /// The head is the first this many bytes.
-    Complete(usize),
-    TooLarge,
-    TimedOut,
-    /// The client closed or the connection failed: nobody to answer.
-    Gone,
+/// Where a connection is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// Reading its request head.
+    Head,
+    /// Sending the reply.
+    Reply,
+    /// The reply is sent: reading what the client sent after its head, so that closing with
+    /// unread bytes does not reset the connection (and lose the reply with it).
+    Drain,
+}
+
+/// One connection of the endpoint.
+struct Client {
+    s: TcpStream,
+    peer: SocketAddr,
+    accepted: Instant,
+    stage: Stage,
+    /// When the stage ends: the head's deadline, the reply's, or the drain's.
+    deadline: Instant,
+    /// The head read so far ([`MAX_HEAD`] at most).
+    head: Vec<u8>,
+    /// The reply's status line and headers, then its body (shared with every client of the
+    /// same render); `sent` bytes of both went out.
+    reply_head: Vec<u8>,
+    body: Arc<[u8]>,
+    sent: usize,
+    /// Bytes drained so far ([`DRAIN_LIMIT`] at most).
+    drained: usize,
 }
 
 impl Endpoint {
-    fn run(&self) {
+    fn run(&mut self) {
         let mut failed = Throttle::new();
+        let mut fds: Vec<libc::pollfd> = Vec::new();
         loop {
-            let mut fds = [
-                libc::pollfd {
-                    fd: self.listener.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
+            self.rendered = None;
+            let now = Instant::now();
+            let accepting = self.accept_after.is_none_or(|t| t <= now);
+            fds.clear();
+            let fd = |fd, events| libc::pollfd {
+                fd,
+                events,
+                revents: 0,
+            };
+            fds.push(fd(self.shared.stop.as_raw_fd(), libc::POLLIN));
+            fds.push(fd(
+                if accepting {
+                    self.listener.as_raw_fd()
+                } else {
+                    -1
                 },
-                libc::pollfd {
-                    fd: self.shared.stop.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                },
-            ];
+                libc::POLLIN,
+            ));
+            for c in &self.clients {
+                let events = match c.stage {
+                    Stage::Reply => libc::POLLOUT,
+                    Stage::Head | Stage::Drain => libc::POLLIN,
+                };
+                fds.push(fd(c.s.as_raw_fd(), events));
+            }
+            let wake = self
+                .clients
+                .iter()
+                .map(|c| c.deadline)
+                .chain(self.accept_after.filter(|_| !accepting))
+                .min();
+            // Rounded up: a deadline less than a millisecond away must not become a busy loop.
+            let ms = wake.map_or(-1, |t| {
+                let d = t.saturating_duration_since(now);
+                d.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
+            });
             // SAFETY: poll over our own pollfd array.
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
             if n < 0 {
                 let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::Interrupted {
+                if e.kind() == ErrorKind::Interrupted {
                     continue;
                 }
                 crate::log!(Level::Error, "metrics endpoint: poll: {e}; stopped serving");
                 return;
             }
-            if fds[1].revents != 0 {
+            if fds[0].revents != 0 {
                 return;
             }
-            match self.listener.accept() {
-                Ok((s, peer)) => self.answer(s, peer),
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            let now = Instant::now();
+            // Clients first (their indices are the pollfds'), then newcomers.
+            let mut i = 0;
+            let mut k = 2;
+            while i < self.clients.len() {
+                let ready = fds[k].revents != 0;
+                k += 1;
+                if (ready || self.clients[i].deadline <= now) && !self.step(i, now) {
+                    self.clients.remove(i);
+                    continue;
+                }
+                i += 1;
+            }
+            if accepting && fds[1].revents != 0 {
+                self.accept(now, &mut failed);
+            }
+        }
+    }
+
+    /// Takes the connections waiting (a bounded number per turn, so clients are served too).
+    fn accept(&mut self, now: Instant, failed: &mut Throttle) {
+        self.accept_after = None;
+        for _ in 0..MAX_CLIENTS {
+            let (s, peer) = match self.listener.accept() {
+                Ok(x) => x,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
                     if let Some(n) = failed.hit() {
                         crate::log!(
@@ -172,11 +243,176 @@ impl Endpoint {
                         );
                     }
                     // Out of descriptors or memory, the listener stays readable: rest instead
-                    // of spinning on it.
-                    std::thread::sleep(crate::ACCEPT_PAUSE);
+                    // of spinning on it (the clients are served meanwhile).
+                    self.accept_after = Some(now + crate::ACCEPT_PAUSE);
+                    return;
                 }
+            };
+            if s.set_nonblocking(true).is_err() {
+                continue;
+            }
+            let ip = crate::access::canonical_ip(peer.ip());
+            let same = |c: &Client| crate::access::canonical_ip(c.peer.ip()) == ip;
+            let theirs = self.clients.iter().filter(|c| same(c)).count();
+            let room = if theirs >= MAX_CLIENTS_PER_PEER {
+                self.make_room(Some(ip))
+            } else if self.clients.len() >= MAX_CLIENTS {
+                self.make_room(None)
+            } else {
+                true
+            };
+            if !room {
+                // Every place is taken by a client being answered: this one is closed.
+                continue;
+            }
+            self.clients.push(Client {
+                s,
+                peer,
+                accepted: now,
+                stage: Stage::Head,
+                deadline: now + REQUEST_DEADLINE,
+                head: Vec::new(),
+                reply_head: Vec::new(),
+                body: Arc::from(&[][..]),
+                sent: 0,
+                drained: 0,
+            });
+        }
+    }
+
+    /// Closes the oldest connection (of address `ip`, if given) still sending its head, for a
+    /// newcomer; false if there is none.
+    fn make_room(&mut self, ip: Option<IpAddr>) -> bool {
+        let oldest = self.clients.iter().position(|c| {
+            c.stage == Stage::Head
+                && ip.is_none_or(|ip| crate::access::canonical_ip(c.peer.ip()) == ip)
+        });
+        match oldest {
+            Some(i) => {
+                let c = self.clients.remove(i);
+                crate::log!(
+                    Level::Debug,
+                    "metrics endpoint: {}: closed unanswered for a newer connection",
+                    c.peer
+                );
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Moves client `i` on as far as its socket allows; false when it is done (to close).
+    fn step(&mut self, i: usize, now: Instant) -> bool {
+        match self.clients[i].stage {
+            Stage::Head => self.read_head(i, now),
+            Stage::Reply => self.send(i, now),
+            Stage::Drain => drain(&mut self.clients[i], now),
+        }
+    }
+
+    fn read_head(&mut self, i: usize, now: Instant) -> bool {
+        let c = &mut self.clients[i];
+        let mut buf = [0u8; 4096];
+        let reply = loop {
+            let want = (MAX_HEAD - c.head.len()).min(buf.len());
+            match c.s.read(&mut buf[..want]) {
+                Ok(0) => return false,
+                Ok(n) => {
+                    c.head.extend_from_slice(&buf[..n]);
+                    if let Some(end) = http::head_end(&c.head) {
+                        break http::reply_to(&c.head[..end]);
+                    }
+                    if c.head.len() == MAX_HEAD {
+                        break Reply::HeadTooLarge;
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    if c.deadline <= now {
+                        break Reply::RequestTimeout;
+                    }
+                    return true;
+                }
+                Err(_) => return false,
+            }
+        };
+        self.answer(i, reply, now);
+        self.send(i, now)
+    }
+
+    /// Builds client `i`'s reply; it goes out from the next `send`.
+    fn answer(&mut self, i: usize, reply: Reply, now: Instant) {
+        let (code, reason) = reply.status();
+        let (body, content_type) = match reply {
+            Reply::Metrics => (self.metrics(), METRICS_TYPE),
+            _ => {
+                crate::log!(
+                    Level::Debug,
+                    "metrics endpoint: {}: {code} {reason}",
+                    self.clients[i].peer
+                );
+                let text = format!(
+                    "{code} {reason}: the metrics are at GET {}\n",
+                    String::from_utf8_lossy(METRICS_PATH)
+                );
+                (Arc::from(text.into_bytes()), "text/plain; charset=utf-8")
+            }
+        };
+        let allow = if reply == Reply::MethodNotAllowed {
+            "Allow: GET\r\n"
+        } else {
+            ""
+        };
+        let c = &mut self.clients[i];
+        c.reply_head = format!(
+            "HTTP/1.1 {code} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\
+             {allow}Connection: close\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        c.body = body;
+        c.head = Vec::new();
+        c.stage = Stage::Reply;
+        c.deadline = now + REPLY_DEADLINE;
+    }
+
+    /// The metrics now (this turn's render, `rendered`, if there is one).
+    fn metrics(&mut self) -> Arc<[u8]> {
+        if let Some(body) = &self.rendered {
+            return body.clone();
+        }
+        let text = render(&self.snapshot());
+        let body: Arc<[u8]> = Arc::from(self.reported.apply(&text).into_bytes());
+        self.rendered = Some(body.clone());
+        body
+    }
+
+    /// Sends what client `i`'s socket takes of its reply; then it drains.
+    fn send(&mut self, i: usize, now: Instant) -> bool {
+        let c = &mut self.clients[i];
+        let total = c.reply_head.len() + c.body.len();
+        while c.sent < total {
+            let (h, b) = (c.reply_head.len(), &c.body[..]);
+            let parts = if c.sent < h {
+                [IoSlice::new(&c.reply_head[c.sent..]), IoSlice::new(b)]
+            } else {
+                [IoSlice::new(&b[c.sent - h..]), IoSlice::new(&[])]
+            };
+            match c.s.write_vectored(&parts) {
+                Ok(0) => return false,
+                Ok(n) => c.sent += n,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return c.deadline > now,
+                Err(_) => return false,
             }
         }
+        let _ = c.s.shutdown(Shutdown::Write);
+        c.body = Arc::from(&[][..]);
+        c.reply_head = Vec::new();
+        c.stage = Stage::Drain;
+        // What the client sent after its head is read until the request's own deadline.
+        c.deadline = c.accepted + REQUEST_DEADLINE;
+        drain(c, now)
     }
 
     fn snapshot(&self) -> Snapshot {
@@ -188,122 +424,22 @@ impl Endpoint {
             .collect();
         Snapshot::gather(&self.shared.registry, &workers)
     }
-
-    /// Reads one request head and answers it, then closes the connection.
-    fn answer(&self, mut s: TcpStream, peer: SocketAddr) {
-        let accepted = Instant::now();
-        if s.set_nonblocking(false).is_err() {
-            return;
-        }
-        let mut head = [0u8; MAX_HEAD];
-        let reply = match read_head(&mut s, &mut head, accepted + REQUEST_DEADLINE) {
-            Head::Complete(n) => http::reply_to(&head[..n]),
-            Head::TooLarge => Reply::HeadTooLarge,
-            Head::TimedOut => Reply::RequestTimeout,
-            Head::Gone => return,
-        };
-        let (code, reason) = reply.status();
-        let (body, content_type) = match reply {
-            Reply::Metrics => {
-                let text = render(&self.snapshot());
-                let mut reported = self.reported.lock().unwrap_or_else(|p| p.into_inner());
-                (reported.apply(&text), METRICS_TYPE)
-            }
-            _ => {
-                crate::log!(Level::Debug, "metrics endpoint: {peer}: {code} {reason}");
-                (
-                    format!(
-                        "{code} {reason}: the metrics are at GET {}\n",
-                        String::from_utf8_lossy(METRICS_PATH)
-                    ),
-                    "text/plain; charset=utf-8",
-                )
-            }
-        };
-        let allow = if reply == Reply::MethodNotAllowed {
-            "Allow: GET\r\n"
-        } else {
-            ""
-        };
-        let mut out = format!(
-            "HTTP/1.1 {code} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\
-             {allow}Connection: close\r\n\r\n",
-            body.len()
-        )
-        .into_bytes();
-        out.extend_from_slice(body.as_bytes());
-        if send(&mut s, &out, Instant::now() + REPLY_DEADLINE).is_err() {
-            return;
-        }
-        // Closing a socket with unread bytes resets the connection, and the client may lose
-        // the reply with it (a head too large, a body nobody asked for): read what is left,
-        // within the request's deadline, before closing.
-        let _ = s.shutdown(Shutdown::Write);
-        drain(&mut s, &mut head, accepted + REQUEST_DEADLINE);
-    }
 }
 
-/// Reads until the head's empty line, at most [`MAX_HEAD`] bytes, by `deadline`.
-fn read_head(s: &mut TcpStream, buf: &mut [u8; MAX_HEAD], deadline: Instant) -> Head {
-    let mut got = 0;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Head::TimedOut;
-        }
-        if s.set_read_timeout(Some(left)).is_err() {
-            return Head::Gone;
-        }
-        match s.read(&mut buf[got..]) {
-            Ok(0) => return Head::Gone,
-            Ok(n) => {
-                got += n;
-                if let Some(end) = http::head_end(&buf[..got]) {
-                    return Head::Complete(end);
-                }
-                if got == MAX_HEAD {
-                    return Head::TooLarge;
-                }
-            }
-            Err(e) if is_timeout(&e) || e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(_) => return Head::Gone,
+/// Reads and discards what the client sends until it closes, [`DRAIN_LIMIT`] bytes, or its
+/// deadline; false once done.
+fn drain(c: &mut Client, now: Instant) -> bool {
+    let mut scratch = [0u8; 4096];
+    while c.drained < DRAIN_LIMIT {
+        match c.s.read(&mut scratch) {
+            Ok(0) => return false,
+            Ok(n) => c.drained += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return c.deadline > now,
+            Err(_) => return false,
         }
     }
-}
-
-/// Writes all of `bytes` by `deadline`, however slowly the client takes them.
-fn send(s: &mut TcpStream, mut bytes: &[u8], deadline: Instant) -> std::io::Result<()> {
-    while !bytes.is_empty() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::ErrorKind::TimedOut.into());
-        }
-        s.set_write_timeout(Some(left))?;
-        match s.write(bytes) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => bytes = &bytes[n..],
-            Err(e) if is_timeout(&e) || e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-/// Reads and discards until the client closes, [`DRAIN_LIMIT`] bytes, or `deadline`.
-fn drain(s: &mut TcpStream, scratch: &mut [u8], deadline: Instant) {
-    let mut left_bytes = DRAIN_LIMIT;
-    while left_bytes > 0 {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() || s.set_read_timeout(Some(left)).is_err() {
-            return;
-        }
-        match s.read(scratch) {
-            Ok(0) => return,
-            Ok(n) => left_bytes = left_bytes.saturating_sub(n),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(_) => return,
-        }
-    }
+    false
 }
 
 /// The value each counter series (counters, and histograms' buckets, sums and counts) was last
@@ -347,14 +483,6 @@ impl Monotonic {
         self.0 = now;
         out
     }
-}
-
-/// A socket timeout (Linux reports it as EAGAIN).
-fn is_timeout(e: &std::io::Error) -> bool {
-    matches!(
-        e.kind(),
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-    )
 }
 
 /// A counter every queue and export has, read from its [`QueueStats`].
@@ -561,7 +689,7 @@ fn render_exports(out: &mut Text, snap: &Snapshot) {
 }
 
 /// Live queues given series of their own at most: each has up to ~150 lines, and a target with
-/// many sessions would otherwise build a reply of hundreds of MiB (up to [`SERVERS`] at once).
+/// many sessions would otherwise build a reply of hundreds of MiB.
 /// The per-export series count every queue.
 const MAX_QUEUE_SERIES: usize = 1024;
 
