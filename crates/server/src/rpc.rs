@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
@@ -299,25 +299,64 @@ fn hung_up(fd: std::os::fd::RawFd) -> bool {
     n > 0 && p.revents & libc::POLLHUP != 0
 }
 
-/// Reads request lines from `s` (waiting at most `idle` for each) and writes what `answer`
-/// makes of each, until the client hangs up or leaves a reply unread for `reply_wait`. A line
-/// longer than `MAX_REQUEST` is answered with an error (its rest read and dropped, not kept),
-/// and a reply longer than `MAX_REPLY` is replaced by one; the connection goes on.
+/// A socket whose reads end at `deadline`, however the bytes trickle in: a per-read timeout
+/// would let a client that sends a byte now and then hold its thread for ever.
+struct Deadlined {
+    s: UnixStream,
+    deadline: Instant,
+}
+
+impl Read for Deadlined {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        self.s.set_read_timeout(Some(left))?;
+        self.s.read(buf)
+    }
+}
+
+/// Writes all of `bytes` by `deadline`, however slowly the client reads them.
+fn write_by(out: &mut UnixStream, mut bytes: &[u8], deadline: Instant) -> std::io::Result<()> {
+    while !bytes.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        out.set_write_timeout(Some(left))?;
+        match out.write(bytes) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Reads request lines from `s` (each whole within `idle` of when it was waited for) and
+/// writes what `answer` makes of each (each reply taken within `reply_wait`), until the client
+/// hangs up or misses a deadline. A line longer than `MAX_REQUEST` is answered with an error
+/// (its rest read and dropped, not kept), and a reply longer than `MAX_REPLY` is replaced by
+/// one; the connection goes on.
 fn serve_lines(
     s: UnixStream,
     idle: Duration,
     reply_wait: Duration,
     answer: impl Fn(&[u8]) -> Option<Value>,
 ) {
-    let _ = s.set_read_timeout(Some(idle));
-    let _ = s.set_write_timeout(Some(reply_wait));
     let Ok(mut out) = s.try_clone() else {
         return;
     };
-    let mut input = BufReader::new(s);
+    let mut input = BufReader::new(Deadlined {
+        s,
+        deadline: Instant::now(),
+    });
     let mut buf = Vec::new();
     loop {
         buf.clear();
+        input.get_mut().deadline = Instant::now() + idle;
         // One byte more than allowed: a longer line is refused, not read to its end.
         match (&mut input)
             .take(MAX_REQUEST as u64 + 1)
@@ -336,7 +375,8 @@ fn serve_lines(
                     MAX_REQUEST >> 20
                 ),
             };
-            if out.write_all(&line(&error_reply(Value::Null, e))).is_err()
+            let reply = line(&error_reply(Value::Null, e));
+            if write_by(&mut out, &reply, Instant::now() + reply_wait).is_err()
                 || !skip_line(&mut input, buf.last() == Some(&b'\n'))
             {
                 return;
@@ -347,7 +387,8 @@ fn serve_lines(
             continue;
         }
         if let Some(reply) = answer(&buf) {
-            if out.write_all(&reply_line(&reply, MAX_REPLY)).is_err() {
+            let bytes = reply_line(&reply, MAX_REPLY);
+            if write_by(&mut out, &bytes, Instant::now() + reply_wait).is_err() {
                 return;
             }
         }
@@ -522,6 +563,57 @@ mod tests {
         ended
             .recv_timeout(Duration::from_secs(20))
             .expect("the server side ended");
+    }
+
+    /// A client that trickles its request, a byte now and then, is let go at the line's
+    /// deadline, not kept while each byte comes within it; so is one that takes its reply a
+    /// little at a time.
+    #[test]
+    fn a_client_that_trickles_is_let_go_at_the_deadline() {
+        let (server, mut client) = UnixStream::pair().unwrap();
+        let (done, ended) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            serve_lines(server, Duration::from_millis(500), REPLY_WAIT, |_| None);
+            let _ = done.send(());
+        });
+        // A byte every 100 ms, never a newline: within any per-read timeout of 500 ms.
+        let trickled = std::thread::spawn(move || {
+            for _ in 0..100 {
+                if client.write_all(b"x").is_err() {
+                    return true;
+                }
+                if ended.recv_timeout(Duration::from_millis(100)).is_ok() {
+                    return true;
+                }
+            }
+            false
+        });
+        assert!(
+            trickled.join().unwrap(),
+            "still served after 100 trickled bytes (10 s)"
+        );
+
+        // A reply taken a few bytes at a time, each read within a per-write timeout.
+        let (server, mut client) = UnixStream::pair().unwrap();
+        let (done, ended) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let big = json!("x".repeat(1 << 20));
+            serve_lines(server, IDLE, Duration::from_millis(500), |_| {
+                Some(big.clone())
+            });
+            let _ = done.send(());
+        });
+        client.write_all(b"{}\n").unwrap();
+        let mut sip = [0u8; 4096];
+        let mut cut = false;
+        for _ in 0..100 {
+            if ended.recv_timeout(Duration::from_millis(100)).is_ok() {
+                cut = true;
+                break;
+            }
+            let _ = client.read(&mut sip);
+        }
+        assert!(cut, "a slow reader still served after 10 s");
     }
 
     /// A client's thread gives its place back however it ends, a panic included: panics
