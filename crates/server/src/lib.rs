@@ -2138,6 +2138,17 @@ mod tests {
             matches!(&e, Error::Listen(m) if m.contains("another target serves")),
             "{e:?}"
         );
+        // Nor when its file is gone (removed by hand, or by a target that started at the
+        // same moment and took it for stale): the live target still holds the path.
+        std::fs::remove_file(&path).unwrap();
+        let e = other
+            .open_control_socket(&path)
+            .expect_err("the path is held");
+        assert!(
+            matches!(&e, Error::Listen(m) if m.contains("another target serves")),
+            "{e:?}"
+        );
+        assert!(std::fs::symlink_metadata(&path).is_err(), "nothing bound");
         for t in [t, other] {
             t.stop_handle().stop();
             t.run().unwrap();

@@ -45,6 +45,51 @@ pub(crate) struct ControlSocket {
     ino: u64,
     stop: Arc<OwnedFd>,
     thread: Option<JoinHandle<()>>,
+    /// `PATH.lock`, locked while the socket is served (`lock_path`); released last.
+    _lock: std::fs::File,
+}
+
+/// Locks `PATH.lock` beside the socket for as long as the socket is served: one target at a
+/// time checks `path` for a stale socket, removes it and binds its own, so two targets
+/// starting at once cannot each remove what the other bound (the first then served a socket
+/// nobody could reach, and removed the second's on stopping). The lock file stays: removing
+/// it would let a third target lock a new file beside the held one.
+fn lock_path(path: &Path) -> Result<std::fs::File, Error> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut name = path.as_os_str().to_owned();
+    name.push(".lock");
+    let lock = PathBuf::from(name);
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&lock)
+        .map_err(|e| {
+            Error::Listen(format!(
+                "cannot open {} to take the control socket {}: {e}",
+                lock.display(),
+                path.display()
+            ))
+        })?;
+    // SAFETY: flock on a descriptor we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(Error::Listen(
+            if e.kind() == std::io::ErrorKind::WouldBlock {
+                format!(
+                    "another target serves the control socket {} (it holds {}): give this one \
+                 --rpc-socket PATH (or --rpc-socket none)",
+                    path.display(),
+                    lock.display()
+                )
+            } else {
+                format!("cannot lock {}: {e}", lock.display())
+            },
+        ));
+    }
+    Ok(f)
 }
 
 impl ControlSocket {
@@ -61,6 +106,7 @@ impl ControlSocket {
                 ))
             })?;
         }
+        let lock = lock_path(path)?;
         if let Ok(m) = std::fs::symlink_metadata(path) {
             if !m.file_type().is_socket() {
                 return Err(Error::Listen(format!(
@@ -108,6 +154,7 @@ impl ControlSocket {
             ino,
             stop,
             thread: Some(thread),
+            _lock: lock,
         })
     }
 }
