@@ -716,9 +716,12 @@ fn bind(
                 skip.push(dev.index);
                 continue;
             }
-            // A dead mapping whose device was freed meanwhile: finish its cleanup.
-            let _ = channel::unmount_lazy(Path::new(&old.mountpoint));
-            let _ = std::fs::remove_dir(&old.mountpoint);
+            // A dead mapping whose device was freed meanwhile: finish its cleanup (its mount
+            // directory only if no process has its pid now, this one included).
+            if mount_is_orphaned(Path::new(&old.mountpoint)) {
+                let _ = channel::unmount_lazy(Path::new(&old.mountpoint));
+                let _ = std::fs::remove_dir(&old.mountpoint);
+            }
         }
         record.device = path.clone();
         lock.save(&record)
@@ -893,7 +896,7 @@ fn unmap(device: &str) -> Result<(), String> {
         (None, Some(b)) => Path::new(b).parent().map(|p| p.display().to_string()),
         _ => None,
     };
-    if let Some(m) = mountpoint {
+    if let Some(m) = mountpoint.filter(|m| mount_is_orphaned(Path::new(m))) {
         let m = Path::new(&m);
         channel::unmount_lazy(m).map_err(|e| format!("unmounting {}: {e}", m.display()))?;
         let _ = std::fs::remove_dir(m);
@@ -905,6 +908,18 @@ fn unmap(device: &str) -> Result<(), String> {
     }
     collect_orphan_mounts();
     Ok(())
+}
+
+/// Whether the mount directory `m` (named by its daemon's pid, `state::mount_dir_for`) is no
+/// running process's: a daemon that died left it, and no process has its pid since. A newer
+/// daemon given the same pid names its mount directory the same: unmounting that would cut a
+/// live mapping (its loop device's file would read as gone, and a later unmap skip its checks).
+fn mount_is_orphaned(m: &Path) -> bool {
+    let pid = m
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.parse::<i32>().ok());
+    pid.is_none_or(|pid| !matches!(state::proc_stat(pid), Some((s, _)) if s != 'Z' && s != 'X'))
 }
 
 /// Removes mount directories that no record refers to and whose daemon is gone: what a daemon
@@ -920,13 +935,18 @@ fn collect_orphan_mounts() {
         .collect();
     for e in dir.filter_map(|e| e.ok()) {
         let path = e.path();
-        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+        // Only a daemon's own: named by its pid.
+        if e.file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+            .is_none()
+        {
             continue;
-        };
+        }
         if used.iter().any(|m| Path::new(m) == path) {
             continue;
         }
-        if matches!(state::proc_stat(pid), Some((s, _)) if s != 'Z' && s != 'X') {
+        if !mount_is_orphaned(&path) {
             continue; // a daemon still setting up
         }
         let _ = channel::unmount_lazy(&path);
@@ -1148,5 +1168,49 @@ mod tests {
         assert_ne!(dev, free);
         assert_eq!(std::fs::read_to_string(&damaged).unwrap(), "{\"device\": ");
         assert_eq!(scratch.load(&dev).unwrap().url, "tcp://127.0.0.1:1/new");
+    }
+    /// A mount directory is cleaned up only when no process has the pid that names it: a
+    /// newer daemon given a dead one's pid has a mount directory of that name.
+    #[test]
+    fn a_mount_directory_of_a_live_pid_is_not_orphaned() {
+        let ours = state::mount_dir_for(std::process::id());
+        assert!(!mount_is_orphaned(&ours), "this process's");
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        assert!(
+            mount_is_orphaned(&state::mount_dir_for(pid)),
+            "a reaped child's"
+        );
+    }
+
+    /// The record of a dead mapping on the free device is cleaned up, but not its mount
+    /// directory when a live process has the pid that names it now (a reused pid: a live
+    /// daemon's mount, or this one's).
+    #[test]
+    fn a_dead_record_keeps_the_mount_directory_of_a_reused_pid() {
+        needs_root();
+        let _binding = binding_loop_devices();
+        let scratch = Scratch::new("reused");
+        let records = scratch.records();
+        let free = LoopDev::get_free().unwrap();
+        let live_dir = scratch.0.join(std::process::id().to_string());
+        std::fs::create_dir_all(&live_dir).unwrap();
+        let mut planted = record("tcp://127.0.0.1:1/dead");
+        planted.device = free.path();
+        // This pid, another process: a dead daemon whose pid this process was given.
+        planted.start_time += 1;
+        planted.mountpoint = live_dir.display().to_string();
+        RecordsLock::acquire_in(records.clone())
+            .unwrap()
+            .save(&planted)
+            .unwrap();
+        let (f, _) = scratch.file("new");
+        let dev = bind_new(&f, "tcp://127.0.0.1:1/new", &records).unwrap();
+        assert_eq!(dev, free, "the dead record's device is taken");
+        assert!(
+            live_dir.is_dir(),
+            "the live pid's mount directory was removed"
+        );
     }
 }
