@@ -535,6 +535,99 @@ fn native_tcp_over_tls_x509_copies_data_and_plain_clients_get_one_clear_line() {
     );
 }
 
+/// A client with a key takes only a target that proves itself with that key: a TLS server
+/// that answers with a certificate instead (here openssl s_server, with a certificate the
+/// client trusts) is refused at the handshake, before the HELLO (which something posing as
+/// the target could relay to the real one).
+#[test]
+fn a_client_with_a_key_refuses_a_target_that_shows_a_certificate_instead() {
+    let dir = TempDir::new("tls-psk-or-cert");
+    let (cert, key) = self_signed(&dir);
+    let mut server = Command::new("openssl")
+        .args([
+            "s_server",
+            "-accept",
+            "127.0.0.1:0",
+            "-tls1_3",
+            "-naccept",
+            "1",
+        ])
+        .args([
+            "-cert",
+            cert.to_str().unwrap(),
+            "-key",
+            key.to_str().unwrap(),
+        ])
+        // Kept open: s_server ends when its input does.
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("run openssl s_server");
+    let mut out = std::io::BufReader::new(server.stdout.take().unwrap());
+    let port = loop {
+        let mut line = String::new();
+        let n = std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+        assert!(n > 0, "openssl s_server ended before it listened");
+        if let Some(addr) = line.trim().strip_prefix("ACCEPT ") {
+            break addr.rsplit_once(':').unwrap().1.to_string();
+        }
+    };
+    let opts = ConnectOptions {
+        host_id: "alice".into(),
+        key: Some(blkwire_auth::Key::generate()),
+        tls: true,
+        tls_ca: Some(cert.clone()),
+        ..Default::default()
+    };
+    let e = round_trip(&format!("tcp://127.0.0.1:{port}/d"), &opts)
+        .expect_err("a certificate in place of the key");
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(
+        e.to_string()
+            .contains("answered with a certificate, not the TLS-PSK key"),
+        "{e}"
+    );
+}
+
+/// --tls-ca is the one CA a target's certificate may chain to, not one more beside the
+/// system's: a certificate the system's store trusts (here through SSL_CERT_FILE, which
+/// OpenSSL reads for it) is refused when --tls-ca names another CA.
+#[test]
+fn tls_ca_is_the_only_ca_trusted() {
+    let dir = TempDir::new("tls-ca-only");
+    let (cert, key) = self_signed(&dir);
+    let other = TempDir::new("tls-ca-other");
+    let (other_cert, _) = self_signed(&other);
+    let (cert_s, key_s) = (cert.to_str().unwrap(), key.to_str().unwrap());
+    let t = Target::start_with(
+        &["d=mem:1M"],
+        &["--tls", "require", "--tls-cert", cert_s, "--tls-key", key_s],
+    );
+    let info = |ca: &Path| {
+        Command::new(common::BIN)
+            .args(["info", "--tls-ca", ca.to_str().unwrap(), &t.url("d")])
+            .env("SSL_CERT_FILE", cert_s)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let trusted = info(&cert);
+    assert!(
+        trusted.status.success(),
+        "{}",
+        String::from_utf8_lossy(&trusted.stderr)
+    );
+    let refused = info(&other_cert);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success(),
+        "trusted through the system's store"
+    );
+    assert!(err.contains("not trusted"), "{err}");
+}
+
 #[test]
 fn tls_flags_are_checked_with_one_line_errors() {
     let dir = TempDir::new("tls-config");

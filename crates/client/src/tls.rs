@@ -154,13 +154,25 @@ pub(crate) fn connector(opts: &ConnectOptions) -> Result<SslConnector> {
         });
     }
     if let Some(ca) = &opts.tls_ca {
-        b.set_ca_file(ca).map_err(|e| {
+        // Only that CA: added to the system's store (which the connector starts from), any
+        // publicly trusted certificate for the target's name would do as well.
+        let not_pem = |why: String| {
             Error::Usage(format!(
-                "--tls-ca {}: not a PEM certificate file ({})",
-                ca.display(),
-                stack_line(&e)
+                "--tls-ca {}: not a PEM certificate file ({why})",
+                ca.display()
             ))
-        })?;
+        };
+        let pem = std::fs::read(ca).map_err(|e| not_pem(e.to_string()))?;
+        let certs =
+            openssl::x509::X509::stack_from_pem(&pem).map_err(|e| not_pem(stack_line(&e)))?;
+        if certs.is_empty() {
+            return Err(not_pem("no certificate in it".into()));
+        }
+        let mut store = openssl::x509::store::X509StoreBuilder::new().map_err(setup)?;
+        for c in certs {
+            store.add_cert(c).map_err(setup)?;
+        }
+        b.set_cert_store(store.build());
     }
     Ok(b.build())
 }
@@ -185,6 +197,16 @@ pub(crate) fn connect(
     let mut step = cfg.connect(&url.host, s);
     loop {
         match step {
+            // With a key, the target must prove itself with it: a certificate in its place
+            // (however trusted) is not the target that holds this host's key, and the HELLO
+            // that follows would pass through whoever it is.
+            Ok(t) if opts.key.is_some() && !t.ssl().session_reused() => {
+                return Err(failed(format!(
+                    "the target answered with a certificate, not the TLS-PSK key of host '{}': \
+                     it does not hold that key (something may pose as the target)",
+                    opts.host_id
+                )));
+            }
             Ok(t) => {
                 t.get_ref().set_nonblocking(false)?;
                 return Ok(Link::Tls(Box::new(t)));
