@@ -747,11 +747,14 @@ impl Backend for FileBackend {
             // fallocate of the last byte only ever extends the file: ftruncate to `len` would
             // shrink it again if someone grew it past `len` since the fstat (another export of
             // the same file resizing at once, a `truncate -s` from outside), cutting off what
-            // their writers wrote there. ftruncate only where the filesystem has no fallocate.
+            // their writers wrote there. ftruncate only where the filesystem has no fallocate,
+            // or no block to give the last byte (full, or a quota): a sparse file still grows.
             // SAFETY: fallocate and ftruncate on our own descriptor; no memory is involved.
             let grown = unsafe { libc::fallocate(self.fd, 0, len - 1, 1) } == 0
-                || (io::Error::last_os_error().raw_os_error() == Some(libc::EOPNOTSUPP)
-                    && unsafe { libc::ftruncate(self.fd, len) } == 0);
+                || (matches!(
+                    io::Error::last_os_error().raw_os_error(),
+                    Some(libc::EOPNOTSUPP | libc::ENOSPC | libc::EDQUOT)
+                ) && unsafe { libc::ftruncate(self.fd, len) } == 0);
             if !grown {
                 let e = io::Error::last_os_error();
                 return Err(io::Error::new(

@@ -18,8 +18,11 @@ pub struct Recorder {
     asynchronous: bool,
     /// FLUSH fails with EIO while set.
     pub fail_flush: AtomicBool,
-    /// While non-zero, a WRITE or COPY that reaches this byte (or past it) fails with EIO.
+    /// While non-zero, a WRITE or COPY that reaches this byte (or past it) fails with EIO
+    /// (or `fail_errno`, when non-zero).
     pub fail_from: std::sync::atomic::AtomicU64,
+    /// The errno `fail_from` fails with, when non-zero.
+    pub fail_errno: std::sync::atomic::AtomicI32,
     /// Opening a queue fails (EMFILE, as when the process is out of descriptors) while set.
     pub fail_open: AtomicBool,
     /// READs and WRITEs move at most this many bytes while non-zero (a file shrunk under
@@ -38,6 +41,7 @@ impl Recorder {
             asynchronous,
             fail_flush: AtomicBool::new(false),
             fail_from: Default::default(),
+            fail_errno: Default::default(),
             fail_open: AtomicBool::new(false),
             short: Default::default(),
             data: Mutex::new(vec![0xaa; 8 << 20]),
@@ -100,6 +104,10 @@ impl QueueIo for RecorderQueue {
         let cut = |len: u32| if short > 0 { len.min(short) } else { len };
         let fail_from = self.b.fail_from.load(Ordering::Relaxed);
         let fails = |offset: u64, len: u32| fail_from > 0 && offset + len as u64 > fail_from;
+        let failure = match self.b.fail_errno.load(Ordering::Relaxed) {
+            0 => -libc::EIO,
+            e => -e,
+        };
         let (line, res) = match op {
             Op::Read { offset, buf, len } => {
                 let len = cut(len);
@@ -109,7 +117,7 @@ impl QueueIo for RecorderQueue {
                 (format!("read {offset}+{len}"), len as i32)
             }
             Op::Write { offset, len, .. } if fails(offset, len) => {
-                (format!("write {offset}+{len} failed"), -libc::EIO)
+                (format!("write {offset}+{len} failed"), failure)
             }
             Op::Write {
                 offset,
@@ -136,7 +144,7 @@ impl QueueIo for RecorderQueue {
                 (format!("trim {offset}+{len}"), 0)
             }
             Op::Copy { src, dst, len } if fails(dst, len) => {
-                (format!("copy {src}->{dst}+{len} failed"), -libc::EIO)
+                (format!("copy {src}->{dst}+{len} failed"), failure)
             }
             Op::Copy { src, dst, len } => {
                 data.copy_within(src as usize..(src + len as u64) as usize, dst as usize);

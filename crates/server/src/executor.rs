@@ -61,6 +61,9 @@ pub struct Executor {
     size: u64,
     /// The queue's counters; transports add their own (frames, duplicates) here too.
     pub stats: QueueStats,
+    /// Tags of the COPYs running with FUA (a datagram queue may run several): the failure of
+    /// one may be its flush's.
+    fua_copies: Vec<u64>,
 }
 
 /// A COPY's answer (PROTOCOL.md §13): its status and the bytes from its destination offset
@@ -98,6 +101,7 @@ impl Executor {
             sources: None,
             size,
             stats: QueueStats::default(),
+            fua_copies: Vec::new(),
         })
     }
 
@@ -344,6 +348,9 @@ impl Executor {
         }
         // Counted once it starts: a refused COPY is an error reply, not a COPY started.
         self.stats.copies += 1;
+        if fua {
+            self.fua_copies.push(tag);
+        }
         let progress = match &source {
             None => self.io.start_copy(&desc.ranges, dst, fua, tag, sq),
             Some(src) => self
@@ -356,8 +363,31 @@ impl Executor {
         }
     }
 
+    /// Latches the export's lost durability ([`Export::lose_durability`]) after a `what`
+    /// failed with `res`, saying so once.
+    fn durability_lost(&self, what: &str, res: i32) {
+        if self.export.lose_durability() {
+            crate::log!(
+                crate::log::Level::Error,
+                "export {}: a {what} failed ({}): writes acknowledged before it may be lost; every flush and FUA request on it fails from now on (check its storage, then remove and add the export again)",
+                self.export.name.escape_debug(),
+                std::io::Error::from_raw_os_error(-res)
+            );
+        }
+    }
+
     /// The answer to a COPY started with `tag` whose result is `res`.
     pub fn copy_status(&mut self, tag: u64, res: i32, total: u32) -> Copied {
+        let fua = match self.fua_copies.iter().position(|&t| t == tag) {
+            Some(i) => {
+                self.fua_copies.swap_remove(i);
+                true
+            }
+            None => false,
+        };
+        if latches(false, fua, res) {
+            self.durability_lost("FUA copy", res);
+        }
         if res < 0 {
             let bytes = self.io.copied_before_failure(tag).min(total as u64) as u32;
             self.stats.bytes_copied += bytes as u64;
@@ -414,14 +444,13 @@ impl Executor {
     /// counts bytes read and records how long it took since `started`.
     pub fn status(&mut self, req: &BlockRequest, res: i32, started: Started) -> Status {
         self.stats.latency.record(req.op, started.0.elapsed());
-        if res < 0 && durable(req) && self.export.lose_durability() {
-            crate::log!(
-                crate::log::Level::Error,
-                "export {}: a {} failed ({}): writes acknowledged before it may be lost; every flush and FUA request on it fails from now on (check its storage, then remove and add the export again)",
-                self.export.name.escape_debug(),
-                if req.op == BlockOp::Flush { "flush" } else { "FUA request" },
-                std::io::Error::from_raw_os_error(-res)
-            );
+        if latches(req.op == BlockOp::Flush, durable(req), res) {
+            let what = if req.op == BlockOp::Flush {
+                "flush"
+            } else {
+                "FUA request"
+            };
+            self.durability_lost(what, res);
         }
         let status = if res < 0 {
             Status::from_errno(-res)
@@ -443,10 +472,19 @@ impl Executor {
     }
 }
 
-/// Whether `req` makes something durable: a flush, or a change with FUA. One that fails
-/// latches the export's lost durability ([`blkwire_backend::Export::lose_durability`]).
+/// Whether `req` makes something durable: a flush, or a change with FUA. Once the export's
+/// durability is lost ([`blkwire_backend::Export::lose_durability`]) these fail.
 fn durable(req: &BlockRequest) -> bool {
     req.op == BlockOp::Flush || (req.op.modifies() && req.flags.has(IoFlags::FUA))
+}
+
+/// Whether a result `res` loses the export's durability: any failed flush (what it covered
+/// may be lost, and Linux reports that once), and a durable (FUA) change's I/O error, which
+/// may be its flush's or a writeback error its sync found. Not a FUA change refused before it
+/// wrote anything that needed syncing (no space, unsupported, invalid): that says nothing
+/// of what was acknowledged before.
+fn latches(flush: bool, durable: bool, res: i32) -> bool {
+    res < 0 && (flush || (durable && res == -libc::EIO))
 }
 
 /// The status of an operation that moves no data: 0 or a negative errno.
@@ -823,6 +861,32 @@ mod tests {
         );
         b.fail_flush.store(false, Ordering::Relaxed);
         assert_eq!(run(&mut x, &flush), Outcome::Done(Status::Io));
+        // But not one refused for want of space before anything needed syncing: what was
+        // acknowledged before is not in doubt.
+        let (b, mut x) = recorder(Support::None, false);
+        b.fail_from.store(1, Ordering::Relaxed);
+        b.fail_errno.store(libc::ENOSPC, Ordering::Relaxed);
+        assert_eq!(run(&mut x, &fua), Outcome::Done(Status::NoSpace));
+        assert_eq!(run(&mut x, &flush), Outcome::Done(Status::Ok));
+        // A FUA copy whose flush fails latches it.
+        use blkwire_backend::CopyRange;
+        let desc = CopyDescriptor {
+            source: String::new(),
+            ranges: vec![CopyRange {
+                offset: 0,
+                len: 4096,
+            }],
+        };
+        let (b, mut x) = recorder(Support::None, false);
+        b.fail_flush.store(true, Ordering::Relaxed);
+        let copied = x.start_copy(&desc, None, 8192, 4096, IoFlags::FUA, 7, &mut NoRing);
+        assert_eq!(copied.map(|c| c.status), Some(Status::Io));
+        b.fail_flush.store(false, Ordering::Relaxed);
+        assert_eq!(
+            run(&mut x, &flush),
+            Outcome::Done(Status::Io),
+            "after the copy"
+        );
     }
 
     /// The same on a backend that completes on its own threads: one answer, after the flush.
