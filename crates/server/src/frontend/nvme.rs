@@ -149,7 +149,8 @@ impl NvmeIo {
 
     /// Appends a C2HTermReq for `e` (when the error has a FES) with the offending header: the
     /// host learns why before the connection closes (TCP transport §3.6.2.4).
-    fn terminate(&self, e: &PduError, rx: &[u8], tx: &mut Vec<u8>) -> Decoded {
+    fn terminate(&mut self, e: &PduError, rx: &[u8], tx: &mut Vec<u8>) -> Decoded {
+        self.end_dealloc();
         crate::nvme::terminate(tx, e, rx, &self.tx);
         Decoded::Violation(format!("NVMe/TCP: {e}"))
     }
@@ -422,6 +423,14 @@ impl NvmeIo {
         decoded
     }
 
+    /// The connection ends on a protocol error (ours, or the host's H2CTermReq): the compound
+    /// deallocation in progress makes no more parts, and its CapsuleResp never follows the
+    /// termination (the part running is answered to no one).
+    fn end_dealloc(&mut self) {
+        self.dealloc = None;
+        self.dealloc_ranges.clear();
+    }
+
     /// The part `req` of the compound deallocation was answered with `status`: the command's
     /// CapsuleResp goes out after its last part, or this one if it failed. Returns whether it
     /// went out.
@@ -607,10 +616,13 @@ impl StreamFrontend for NvmeIo {
                     trailer: Self::digest_len(&self.rx, d.data.len()),
                 }
             }
-            Pdu::H2CTermReq(t) => Decoded::Violation(format!(
-                "the host ended the connection (H2CTermReq FES {:#x}, FEI {:#x})",
-                t.fes, t.fei
-            )),
+            Pdu::H2CTermReq(t) => {
+                self.end_dealloc();
+                Decoded::Violation(format!(
+                    "the host ended the connection (H2CTermReq FES {:#x}, FEI {:#x})",
+                    t.fes, t.fei
+                ))
+            }
             other => {
                 let e = PduError::InvalidField {
                     typ: other.typ(),

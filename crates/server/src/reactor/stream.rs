@@ -20,6 +20,14 @@ const SEND_IN_PLACE: usize = 64 << 10;
 /// reactors before it decodes nothing more.
 const MAX_BROADCASTS: usize = 4;
 
+/// Requests a frontend makes up itself (the parts of a compound command: NVMe/TCP's
+/// deallocation of many ranges, iSCSI's UNMAP or WRITE SAME) taken in one pass: they consume
+/// no bytes, so one command of millions of parts that each finish at once (an advisory trim)
+/// would otherwise hold the reactor until its last. The reactor's service loop takes the
+/// connection again at once (a pass that took some is progress), up to its rounds, then puts
+/// it back in line behind the other connections.
+const PARTS_PER_PASS: usize = 64;
+
 /// Dispatches every complete message in `rx[rx_start..rx_end]`.
 pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     // Starved with nothing running, it waits only for what its own buffers grew to (a large
@@ -30,6 +38,7 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
     }
     c.request_waits = false;
     run_deferred(c, idx, sq);
+    let mut parts = 0;
     loop {
         if c.dead || c.tx_backlog() >= c.tx_high_water() {
             return;
@@ -40,7 +49,7 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         // export's reservation state per command (and its reply never goes before the
         // reactor's turn ends). The reactor services the connection again once it sent them
         // (`Reactor::send_broadcasts`) or an acknowledgement answers one.
-        if c.broadcasts.len() >= MAX_BROADCASTS {
+        if c.broadcasts.len() >= MAX_BROADCASTS || parts >= PARTS_PER_PASS {
             return;
         }
         // Room for small replies (status, refusals), or for what the frontend may answer the
@@ -188,6 +197,7 @@ pub(super) fn parse_frames(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         let payload_at = c.rx_start + len - trailer - payload_len;
         c.rx_start += len;
         c.stats().frames_in += 1;
+        parts += usize::from(len == 0 && matches!(decoded, Decoded::Request { .. }));
         match decoded {
             Decoded::Request { req, .. } => {
                 c.fe.taken(&req);
@@ -3247,6 +3257,54 @@ mod tests {
             let want = if trimmed { 0 } else { 0xa5 };
             assert!(block.iter().all(|&b| b == want), "block {i}");
         }
+    }
+
+    /// A compound command's parts that finish at once are taken a bounded number per pass
+    /// (they consume no bytes): a deallocation of 256 ranges does not hold the reactor until
+    /// its last part; each further pass takes the next ones, and it is answered once.
+    #[test]
+    fn made_up_parts_are_taken_a_bounded_number_per_pass() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer, host, ctrl) = nvme_queue("m=mem:4M");
+        let ranges: Vec<(u64, u32)> = (0..256).map(|i| (i * 16, 8)).collect();
+        feed(&mut c, &mut ring, &nvme_dsm(&host, 9, &ranges));
+        assert_eq!(
+            c.targets[0].exec.stats.frames_in,
+            1 + super::PARTS_PER_PASS as u64,
+            "the command's own part, then one pass's worth"
+        );
+        let mut answers = nvme_answers(&take_tx(&mut c), &ctrl);
+        assert!(answers.is_empty(), "answered before its last part");
+        for _ in 0..8 {
+            parse_frames(&mut c, 0, &mut Pusher(&mut ring));
+            answers.extend(nvme_answers(&take_tx(&mut c), &ctrl));
+        }
+        assert_eq!(answers, vec![(9, 2, 0)]);
+        assert_eq!(c.targets[0].exec.stats.frames_in, 256);
+    }
+
+    /// A deallocation in progress when the connection ends on a protocol error makes no
+    /// more parts, and no CapsuleResp follows the termination.
+    #[test]
+    fn a_protocol_error_ends_a_deallocation_in_progress() {
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer, host, ctrl) = nvme_queue("m=memthread:4M");
+        feed(
+            &mut c,
+            &mut ring,
+            &nvme_dsm(&host, 5, &[(0, 8), (64, 8), (128, 8)]),
+        );
+        assert_eq!(c.targets[0].exec.stats.frames_in, 1, "its first part runs");
+        // A PDU type no host sends.
+        feed(&mut c, &mut ring, &[0x7f, 0, 8, 0, 8, 0, 0, 0]);
+        assert!(c.closing, "the connection ends");
+        settle_async(&mut c, &mut ring);
+        parse_frames(&mut c, 0, &mut Pusher(&mut ring));
+        settle_async(&mut c, &mut ring);
+        let tx = take_tx(&mut c);
+        assert_eq!(tx.first(), Some(&0x03), "a C2HTermReq: {tx:?}");
+        assert_eq!(nvme_answers(&tx, &ctrl), vec![], "no CapsuleResp after it");
+        assert_eq!(c.targets[0].exec.stats.frames_in, 1, "no part after it");
     }
 
     /// A part that fails ends the deallocation: its status answers the command, and the
