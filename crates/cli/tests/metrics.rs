@@ -706,7 +706,7 @@ fn a_scrape_is_served_while_slow_clients_wait_for_their_deadline() {
 /// Clients that say nothing cannot keep a scrape waiting, however many connect: a scrape
 /// behind a hundred of them (served four at a time, it waited for the 2 s deadline of each,
 /// about 50 s) is answered while the newest of them still wait for theirs, unanswered; the
-/// oldest were closed, unanswered, to make room (one address holds at most 32 places).
+/// oldest were closed, unanswered, to make room (one address holds at most 16 places).
 #[test]
 fn a_crowd_of_silent_clients_does_not_keep_a_scrape_waiting() {
     let (_t, _, metrics) = start(&["m=mem:1M"]);

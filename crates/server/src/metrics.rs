@@ -4,7 +4,8 @@
 //! deadline and a bounded request head: a client that trickles, floods, says nothing or reads
 //! its reply slowly holds one place among [`MAX_CLIENTS`] (and [`MAX_CLIENTS_PER_PEER`] of its
 //! address's) until its deadline, never the thread, and a newcomer takes the place of the
-//! oldest that has not sent its request yet. Scrapes that come in together share one render. A counter never goes back from one scrape to the
+//! oldest that has not sent its request yet. Scrapes that come while a render is still being
+//! sent share it. A counter never goes back from one scrape to the
 //! next ([`Monotonic`]), even when a reactor was left out of one.
 
 use std::collections::HashMap;
@@ -32,10 +33,15 @@ const DRAIN_LIMIT: usize = 64 << 10;
 /// Connections served at once. A newcomer past it takes the place of the oldest connection
 /// still sending its request (which is closed unanswered): clients that say nothing cannot
 /// keep a scraper out, only make it reconnect.
-const MAX_CLIENTS: usize = 256;
+const MAX_CLIENTS: usize = 64;
 /// Connections one address may hold at once, a newcomer past it taking the place of that
 /// address's oldest still sending its request: one client cannot crowd out the others.
-const MAX_CLIENTS_PER_PEER: usize = 32;
+const MAX_CLIENTS_PER_PEER: usize = 16;
+/// A render still being sent to a client serves the scrapes that come within this long of it:
+/// slow readers then hold at most about one render per second of the reply deadline, not one
+/// each (a render is large with many exports, and each takes a round of messages to every
+/// reactor). A scrape after every earlier reply went out gets a fresh one.
+const RENDER_SHARED: Duration = Duration::from_secs(1);
 
 /// `Content-Type` of the metrics (the text exposition format).
 const METRICS_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -113,10 +119,8 @@ struct Endpoint {
     shared: Arc<Shared>,
     /// What the last scrapes reported, so that counters never go back.
     reported: Monotonic,
-    /// The metrics rendered in this turn of the loop: the scrapes whose requests came in the
-    /// same turn share one render (with many exports a render is large, and each takes a
-    /// round of messages to every reactor); a later scrape gets a fresh one.
-    rendered: Option<Arc<[u8]>>,
+    /// The last render of the metrics and when it was made ([`RENDER_SHARED`]).
+    rendered: Option<(Instant, Arc<[u8]>)>,
     /// The connections being served, oldest first.
     clients: Vec<Client>,
     /// Accepting failed (out of descriptors or memory): the listener is left alone until then.
@@ -159,7 +163,6 @@ impl Endpoint {
         let mut failed = Throttle::new();
         let mut fds: Vec<libc::pollfd> = Vec::new();
         loop {
-            self.rendered = None;
             let now = Instant::now();
             let accepting = self.accept_after.is_none_or(|t| t <= now);
             fds.clear();
@@ -376,14 +379,17 @@ impl Endpoint {
         c.deadline = now + REPLY_DEADLINE;
     }
 
-    /// The metrics now (this turn's render, `rendered`, if there is one).
+    /// The metrics now: the last render while a client still receives it and it is recent
+    /// ([`RENDER_SHARED`]), else a fresh one.
     fn metrics(&mut self) -> Arc<[u8]> {
-        if let Some(body) = &self.rendered {
-            return body.clone();
+        if let Some((at, body)) = &self.rendered {
+            if Arc::strong_count(body) > 1 && at.elapsed() < RENDER_SHARED {
+                return body.clone();
+            }
         }
         let text = render(&self.snapshot());
         let body: Arc<[u8]> = Arc::from(self.reported.apply(&text).into_bytes());
-        self.rendered = Some(body.clone());
+        self.rendered = Some((Instant::now(), body.clone()));
         body
     }
 
