@@ -272,8 +272,11 @@ else
     run nvme connect -t tcp -a $addr -s "$port2" -n "$multi"
     two_paths() { [ "$(grep -lx "$multi" /sys/class/nvme/nvme*/subsysnqn 2>/dev/null | wc -l)" = 2 ]; }
     wait_until "no second controller of $multi 10 s after connecting through port $port2" two_paths
-    [ "$(ns_dev "$multi" 1)" = "$n1" ] && [ "$(ns_dev "$multi" 2)" = "$n2" ] ||
-        fail "the second path made namespace devices of its own: $(cd /sys/block && echo nvme*)"
+    # Still two block devices: a second path that made devices of its own would show four.
+    # shellcheck disable=SC2046 # split on purpose: one word per device node
+    set -- $(ls /dev | grep -E '^nvme[0-9]+n[0-9]+$')
+    [ $# = 2 ] && [ "$(ns_dev "$multi" 1)" = "$n1" ] && [ "$(ns_dev "$multi" 2)" = "$n2" ] ||
+        fail "the second path made namespace devices of its own: $*"
     [ "$(sha256sum <"$n2" | cut -d' ' -f1)" = "$LAB_MULTI_SHA2" ] || fail "$n2 reads otherwise over two paths"
     info "subsystem $multi through two listeners: two controllers, namespaces still $n1 and $n2"
     nguid1=$(nvme id-ns "$n1" | sed -n 's/^nguid *: *//p')
@@ -285,7 +288,7 @@ else
     nvme_gone "$n1"
     nvme_gone "$n2"
     nvme_none
-    info "subsystem $multi: one controller, namespaces 1 and 2 ($n1, $n2) with their sizes, data and NGUIDs; 1 MiB written to namespace 2"
+    info "subsystem $multi: namespaces 1 and 2 ($n1, $n2) with their sizes, data and NGUIDs, one controller and then two paths; 1 MiB written to namespace 2"
 fi
 
 # ---- 4. DH-HMAC-CHAP --------------------------------------------------------------------------------
