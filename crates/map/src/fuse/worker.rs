@@ -698,6 +698,14 @@ impl<C: Transport> Worker<C> {
             // The mapping may go on with the other workers: what this one took from the
             // kernel is answered (EIO), not left waiting for ever.
             self.fail_waiting(|_| true);
+            if self.t.unfenced_failed > 0 {
+                let n = std::mem::take(&mut self.t.unfenced_failed);
+                log!(
+                    "warn",
+                    "{}",
+                    unfenced_line(self.id, n, &self.sh.url, self.sh.timeout)
+                );
+            }
         }
         log!(
             "info",
