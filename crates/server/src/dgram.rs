@@ -236,6 +236,9 @@ struct DQ {
     /// measure of its host's part of the port's share when another host's request finds the share
     /// full (`make_room`).
     buffered: usize,
+    /// COPYs of it running (at most one: PROTOCOL.md §13), each holding a 1 MiB bounce buffer
+    /// of the port's share that no other host's request can reclaim.
+    copying: usize,
 }
 
 impl Peer {
@@ -1220,6 +1223,7 @@ impl DgramPort {
             taken_in: 0,
             sent: 0,
             buffered: 0,
+            copying: 0,
         });
         if let Some(fd) = self.queues[idx].as_ref().and_then(|q| q.exec.notifier()) {
             self.notifier_changes.push((idx, incarnation, Some(fd)));
@@ -1388,7 +1392,17 @@ impl DgramPort {
             {
                 len
             }
-            Opcode::Copy if verdict == Verdict::New && runs => COPY_CHUNK as usize,
+            Opcode::Copy if verdict == Verdict::New && runs => {
+                if q.copying > 0 {
+                    // One COPY a queue, as on streams: a host cannot hold the port's share
+                    // in bounce buffers, one per slot, that nothing reclaims. The next is
+                    // dropped like a lost frame and retransmitted.
+                    self.stats.no_memory += 1;
+                    self.queues[qi].as_mut().expect("present").taken_in -= 1;
+                    return;
+                }
+                COPY_CHUNK as usize
+            }
             _ => 0,
         };
         if needs > 0 && !self.make_room(qi, needs) {
@@ -1610,6 +1624,7 @@ impl DgramPort {
             Some(done) => self.finish_copy(qi, slot, done),
             None => {
                 q.slots[slot as usize].state = SlotState::Running(Started::now());
+                q.copying += 1;
                 self.copying += 1;
             }
         }
@@ -1633,6 +1648,7 @@ impl DgramPort {
             }
             None if h.opcode == Opcode::Copy => {
                 let done = q.exec.copy_status(tag, res, h.length);
+                q.copying -= 1;
                 self.copying -= 1;
                 self.finish_copy(qi, slot, done);
             }
@@ -3162,6 +3178,38 @@ mod tests {
         assert_eq!(got[0].0.status, Status::Access, "{got:?}");
         assert_eq!(dp.entries_pushed(), 1, "nothing more ran");
         assert!(dp.port.queues[0].as_ref().is_some_and(|q| q.closing));
+    }
+
+    /// A datagram queue runs one COPY at a time, as a stream queue does: the next, sent while
+    /// one runs, is dropped like a lost frame (and retransmitted), so a host cannot hold the
+    /// port's share in bounce buffers, one per slot, that no other host's request reclaims.
+    #[test]
+    fn a_queue_runs_one_copy_at_a_time() {
+        use blkwire_backend::CopyRange;
+        // memthread: the COPY runs on the export's thread, so the first is still running.
+        let (mut dp, peer, session) = session_on("a=memthread:4M");
+        let from = peer.local_addr().unwrap();
+        let desc = CopyDescriptor {
+            source: String::new(),
+            ranges: vec![CopyRange {
+                offset: 0,
+                len: 4096,
+            }],
+        }
+        .encode()
+        .unwrap();
+        let copy = |slot| {
+            frame(
+                request(session, Opcode::Copy, slot, 1, 1 << 20, 4096),
+                &desc,
+            )
+        };
+        dp.receive(&copy(1), from);
+        assert_eq!(dp.port.copying, 1, "the first runs");
+        dp.receive(&copy(2), from);
+        assert_eq!(dp.port.copying, 1, "the second does not");
+        assert_eq!(dp.port.stats.no_memory, 1, "dropped, to be sent again");
+        assert!(answers(&peer, false).is_empty(), "nothing answered yet");
     }
 
     fn hdr(op: Opcode, gen: u16) -> Header {
