@@ -307,9 +307,16 @@ fn classify(state: SlotState, held: &Header, h: &Header) -> Verdict {
         // generation alone; an initiator moves it on for every request), never run.
         _ if h.tag.generation() == held.tag.generation() => Verdict::Drop,
         _ if h.tag.generation_older_than(held.tag.generation()) => Verdict::Drop,
+        // Far ahead: a copy delayed while the slot went on half the generation space looks
+        // newer by serial arithmetic; an initiator moves on one generation per request.
+        _ if h.tag.generation().wrapping_sub(held.tag.generation()) > NEW_WINDOW => Verdict::Drop,
         _ => Verdict::New,
     }
 }
+
+/// How far ahead of a slot's generation a new request may be (PROTOCOL.md §6): an initiator
+/// moves on one per request on the slot, more only for requests given up unseen.
+const NEW_WINDOW: u16 = 1024;
 
 /// The part of a READ's `HAVE` payload that can mean something: one bit per fragment of a
 /// message of `length` bytes (§9.3), at most 32 bytes. The rest is never kept, so a peer cannot
@@ -1441,7 +1448,8 @@ impl DgramPort {
                 let held = s.hdr.tag.generation();
                 let resend = matches!(s.state, SlotState::Running(_))
                     && h.tag.generation() != held
-                    && !h.tag.generation_older_than(held);
+                    && !h.tag.generation_older_than(held)
+                    && h.tag.generation().wrapping_sub(held) <= NEW_WINDOW;
                 // Only a duplicate or a stale one counts as dropped: the new generation is
                 // not late, it came early and will come again.
                 q.exec.stats.dropped_duplicates += (!resend) as u64;
@@ -3242,7 +3250,10 @@ mod tests {
             (Done, (Write, 0xffff), (Write, 0), New),         // wrap-around is newer
             (Done, (Write, 0), (Write, 0xffff), Drop),        // and the old side of it stale
             (Done, (Write, 5), (Write, 0x8006), Drop),        // 0x7fff behind: still older
-            (Done, (Write, 5), (Write, 0x8005), New),         // half the space away: newer
+            (Done, (Write, 5), (Write, 0x8005), Drop),        // half the space ahead: too far
+            (Done, (Write, 5), (Write, 1029), New),           // 1024 ahead: given up unseen
+            (Done, (Write, 5), (Write, 1030), Drop),          // further: a delayed old copy
+            (Done, (Write, 0xfff0), (Write, 0x3f0), New),     // the window across the wrap
         ];
         for (state, (hop, hgen), (op, gen), want) in table {
             assert_eq!(
