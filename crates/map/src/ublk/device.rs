@@ -547,8 +547,13 @@ fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, St
         let _ = q.logout();
     }
     let (tx, events) = mpsc::channel();
+    // Every queue's worker (its mapping, ring and buffers) is made before any starts fetching:
+    // one that cannot be made then fails the setup with no queue fetched. After
+    // START_USER_RECOVERY, some queues fetched and others not is the state a 6.12 kernel
+    // handles worst on the next attempt (it takes the unfetched ones' missing server).
+    let mut workers = Vec::with_capacity(nq);
     for (i, q) in session.queues.into_iter().enumerate() {
-        let w = QueueWorker::new(
+        workers.push(QueueWorker::new(
             i as u16,
             Arc::clone(&cdev),
             depth,
@@ -560,7 +565,9 @@ fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, St
             spec.timeout,
             needs,
             Arc::clone(&book),
-        )?;
+        )?);
+    }
+    for (i, w) in workers.into_iter().enumerate() {
         let tx = tx.clone();
         undo.threads = true;
         std::thread::Builder::new()
@@ -591,9 +598,14 @@ fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, St
                 .map_err(|e| format!("starting {device} (START_DEV): {e}"))?;
             undo.started = true;
         }
-        Mode::Recover(_) => ctrl
-            .end_recovery(dev_id)
-            .map_err(|e| format!("{device}: END_USER_RECOVERY: {e}"))?,
+        Mode::Recover(_) => {
+            ctrl.end_recovery(dev_id)
+                .map_err(|e| format!("{device}: END_USER_RECOVERY: {e}"))?;
+            // The kernel names this process the device's server from here on: a failure after
+            // it keeps this daemon's record (which names it too, for `map --recover` and
+            // `unmap` to find), not the dead one's, which would then name another process.
+            undo.restore = None;
+        }
     }
     if !wait_for_path(&device, Duration::from_secs(5)) {
         return Err(format!("{device} did not appear"));
