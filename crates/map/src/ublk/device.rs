@@ -270,8 +270,29 @@ pub(crate) struct Prepared {
     recovering: Option<(u32, DevInfo)>,
 }
 
-/// How long `map --recover` waits for the kernel to notice that the old daemon died.
+/// How long `map --recover` waits at least for the kernel to notice that the old daemon died
+/// (`quiesce_wait`).
 const QUIESCE_WAIT: Duration = Duration::from_secs(30);
+
+/// How long `map --recover` waits for the kernel to quiesce `device`: a queue whose every tag
+/// the dead daemon held (requests waiting in an outage keep theirs) has no command io_uring
+/// could cancel, so quiescing waits for the block layer's request timeout (the queue's
+/// `io_timeout`, 30 s unless an administrator raised it): at least that and 5 s more.
+fn quiesce_wait(device: &str) -> Duration {
+    let name = device.rsplit('/').next().unwrap_or(device);
+    let io_timeout = std::fs::read_to_string(format!("/sys/block/{name}/queue/io_timeout"))
+        .ok()
+        .and_then(|ms| ms.trim().parse::<u64>().ok())
+        .map(Duration::from_millis);
+    wait_beyond(io_timeout)
+}
+
+/// `quiesce_wait` for a device whose request timeout is `io_timeout` (None: unreadable).
+fn wait_beyond(io_timeout: Option<Duration>) -> Duration {
+    io_timeout.map_or(QUIESCE_WAIT, |t| {
+        (t + Duration::from_secs(5)).max(QUIESCE_WAIT)
+    })
+}
 
 /// Whether the kernel takes `device` (/dev/ublkbN) for a disk with a volatile write cache
 /// (its queue's `write_cache`, set from UBLK_ATTR_VOLATILE_CACHE when it was made, which an
@@ -307,14 +328,16 @@ fn begin_recovery(ctrl: &mut Ctrl, old: &Record, spec: &Spec) -> Result<(u32, De
         .map_err(|e| format!("{}: GET_DEV_INFO: {e}", old.device))?;
     is_recorded(&di, old).map_err(|e| format!("{e}; cannot recover"))?;
     let fence = device::fence_plan(old, di.nr_hw_queues)?;
-    // The kernel quiesces the device a few seconds after the old daemon died.
-    let deadline = Instant::now() + QUIESCE_WAIT;
+    // The kernel quiesces the device a few seconds after the old daemon died, or once its
+    // requests time out (`quiesce_wait`).
+    let wait = quiesce_wait(&old.device);
+    let deadline = Instant::now() + wait;
     while di.state != UBLK_S_DEV_QUIESCED {
         if Instant::now() >= deadline {
             return Err(format!(
-                "{}: the kernel has not quiesced the device after {}s (state {}): its server still runs (in another pid namespace?) or the device is not recoverable; nothing fenced, cannot recover",
+                "{}: the kernel has not quiesced the device after {}s, its request timeout and 5 s more (state {}): its server still runs (in another pid namespace?) or the device is not recoverable; nothing fenced, cannot recover",
                 old.device,
-                QUIESCE_WAIT.as_secs(),
+                wait.as_secs(),
                 di.state
             ));
         }
@@ -1005,6 +1028,21 @@ fn unmap(device: &str, id: u32) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `map --recover` waits past the device's request timeout, which may hold the quiesce.
+    #[test]
+    fn recovery_waits_past_the_request_timeout() {
+        assert_eq!(wait_beyond(None), QUIESCE_WAIT);
+        assert_eq!(
+            wait_beyond(Some(Duration::from_secs(30))),
+            Duration::from_secs(35)
+        );
+        assert_eq!(wait_beyond(Some(Duration::from_secs(1))), QUIESCE_WAIT);
+        assert_eq!(
+            wait_beyond(Some(Duration::from_secs(120))),
+            Duration::from_secs(125)
+        );
+    }
 
     #[test]
     fn the_io_buffer_never_exceeds_what_the_session_grants() {
