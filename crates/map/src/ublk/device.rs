@@ -294,6 +294,16 @@ fn wait_beyond(io_timeout: Option<Duration>) -> Duration {
     })
 }
 
+/// The logical block size the kernel gives `device` (/dev/ublkbN), if it can be read.
+fn logical_block(device: &str) -> Option<u32> {
+    let name = device.rsplit('/').next().unwrap_or(device);
+    std::fs::read_to_string(format!("/sys/block/{name}/queue/logical_block_size"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// Whether the kernel takes `device` (/dev/ublkbN) for a disk with a volatile write cache
 /// (its queue's `write_cache`, set from UBLK_ATTR_VOLATILE_CACHE when it was made, which an
 /// administrator may have changed since): for records of older versions, which do not say.
@@ -466,6 +476,16 @@ fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, St
                 return Err(format!(
                     "{} has queue depth {} but the target now grants {depth}: cannot recover",
                     old.device, di.queue_depth
+                ));
+            }
+            // A recovery sets no parameters: the device keeps the logical block it was made
+            // with, and an export of larger blocks would refuse its I/O (EINVAL).
+            let export_block = info.logical_block.clamp(512, 4096);
+            if let Some(lbs) = logical_block(&old.device).filter(|&b| b != export_block) {
+                return Err(format!(
+                    "{} has logical blocks of {lbs} bytes but the export's are now \
+                     {export_block}: cannot recover",
+                    old.device
                 ));
             }
             if !readonly && !volatile_cache && info.features.has(Features::FLUSH) {
