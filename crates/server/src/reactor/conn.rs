@@ -221,7 +221,8 @@ enum Step {
     Again,
     /// TLS: the session must send before it reads on (a key update answered while the socket
     /// and the gathered records are full); the bytes it took are inside it, so no POLLIN may
-    /// come: the connection stays readable and is serviced again once POLLOUT drains them.
+    /// come: the records are sent at once and the read goes on, or, the socket full, the
+    /// connection stays readable and is serviced again once POLLOUT drains them.
     AgainAfterSend,
     Interrupted,
     Failed(String),
@@ -743,7 +744,20 @@ pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                 );
             }
             Step::Again => c.readable = false,
-            Step::AgainAfterSend => {}
+            Step::AgainAfterSend => {
+                // Its records go out now, and the read goes on once they are out: left for
+                // POLLOUT, nothing armed it when the plaintext backlog was empty and the next
+                // send emptied the records at once, and no POLLIN comes for bytes the session
+                // already took from the socket (the connection stalled). A full socket arms
+                // POLLOUT, which services the connection again (it stays readable).
+                let Some(t) = c.tls.as_mut() else { return };
+                match t.get_mut().flush_out() {
+                    Ok(true) => continue,
+                    Ok(false) if !c.want_out => wait_for_room(c, idx, sq),
+                    Ok(false) => {}
+                    Err(e) => tls_send_failed(c, &e.to_string()),
+                }
+            }
             Step::Interrupted => continue,
             Step::Failed(err) => {
                 crate::log!(
