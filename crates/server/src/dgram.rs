@@ -2008,6 +2008,11 @@ impl DgramPort {
         &self.closed
     }
 
+    /// Folds the closed totals of exports no longer `served` (an export was removed).
+    pub fn fold_closed(&mut self, served: &std::collections::HashSet<String>) {
+        self.closed.fold(served);
+    }
+
     /// Closes every queue (shutdown).
     pub fn close_all(&mut self) {
         for qi in 0..self.queues.len() {

@@ -338,6 +338,15 @@ impl Shared {
     }
 
     /// Closes every queue of these sessions, on whichever reactor serves them.
+    /// Tells every reactor an export was removed (`Msg::ExportRemoved`).
+    fn export_removed(&self) {
+        for w in &self.workers {
+            if w.tx.send(reactor::Msg::ExportRemoved).is_ok() {
+                eventfd_write(w.wake.as_raw_fd());
+            }
+        }
+    }
+
     fn close_sessions(&self, sessions: &[u32]) {
         if sessions.is_empty() {
             return;

@@ -387,8 +387,9 @@ impl Endpoint {
                 return body.clone();
             }
         }
-        let text = render(&self.snapshot());
-        let body: Arc<[u8]> = Arc::from(self.reported.apply(&text).into_bytes());
+        let snap = self.snapshot();
+        let text = render(&snap);
+        let body: Arc<[u8]> = Arc::from(self.reported.apply(&text, !snap.complete).into_bytes());
         self.rendered = Some((Instant::now(), body.clone()));
         body
     }
@@ -451,8 +452,10 @@ fn drain(c: &mut Client, now: Instant) -> bool {
 /// The value each counter series (counters, and histograms' buckets, sums and counts) was last
 /// reported at. A snapshot may leave out a reactor that did not answer in time, and with it
 /// part of an export's totals: reporting those lower totals would make the counter go back,
-/// which Prometheus takes for a reset (rate() jumps). A series found lower than last reported
-/// is reported at its last value instead; gauges go as they are. Taking the larger of two
+/// which Prometheus takes for a reset (rate() jumps). In such a snapshot a series found lower
+/// than last reported is reported at its last value instead; gauges go as they are. A
+/// complete snapshot goes as it is: a series lower then is a real reset (an export removed and
+/// added again under its name counts from zero), which Prometheus handles as one. Taking the larger of two
 /// consistent histograms bucket by bucket keeps one consistent (cumulative buckets, `+Inf`
 /// equal to `_count`). Series absent from a scrape are forgotten (a closed queue's), so this
 /// holds no more than the last scrape's series.
@@ -461,8 +464,8 @@ struct Monotonic(HashMap<String, (f64, String)>);
 
 impl Monotonic {
     /// `text` (as [`render`] writes it) with every counter series at least what it was last
-    /// reported at.
-    fn apply(&mut self, text: &str) -> String {
+    /// reported at, when `partial` (a reactor left out); as it is otherwise.
+    fn apply(&mut self, text: &str, partial: bool) -> String {
         let mut out = String::with_capacity(text.len());
         let mut now = HashMap::with_capacity(self.0.len());
         let mut counting = false;
@@ -480,7 +483,7 @@ impl Monotonic {
                 continue;
             };
             let kept = match self.0.remove(series) {
-                Some(last) if last.0 > value => last,
+                Some(last) if partial && last.0 > value => last,
                 _ => (value, v.to_string()),
             };
             let _ = writeln!(out, "{series} {}", kept.1);
@@ -926,6 +929,7 @@ mod tests {
             ],
             closed,
             exports: vec!["disk".into(), "idle".into()],
+            complete: true,
             challenges: 4,
             refused: 5,
             memory_limit: 1 << 30,
@@ -1092,7 +1096,7 @@ mod tests {
     fn counters_never_go_back_when_a_scrape_leaves_a_reactor_out() {
         let mut m = Monotonic::default();
         let full = snapshot();
-        let first = m.apply(&render(&full));
+        let first = m.apply(&render(&full), false);
         assert_eq!(first, render(&full), "the first scrape goes as it is");
         let reads = |text: &str| {
             value(
@@ -1110,7 +1114,7 @@ mod tests {
         partial.memory_used = 1;
         let raw = render(&partial);
         assert_eq!(reads(&raw), 0.0, "what the partial snapshot alone says");
-        let second = m.apply(&raw);
+        let second = m.apply(&raw, true);
         assert_eq!(reads(&second), 13.0, "not back to 0");
         assert_eq!((value(&second, inf), value(&second, count)), (3.0, 3.0));
         assert_eq!(value(&second, "blkwire_memory_used_bytes"), 1.0, "a gauge");
@@ -1121,17 +1125,23 @@ mod tests {
         // The reactor is back, with more done: its values again.
         let mut more = snapshot();
         more.queues[0].stats.reads = 7;
-        let third = m.apply(&render(&more));
+        let third = m.apply(&render(&more), false);
         assert_eq!(reads(&third), 17.0);
         assert_eq!(third, render(&more));
         // Only the last scrape's series are remembered.
-        let fourth = m.apply(&render(&partial));
+        let fourth = m.apply(&render(&partial), true);
         assert_eq!(reads(&fourth), 17.0);
         assert!(
             m.0.keys().all(|k| !k.starts_with("blkwire_queue_")),
             "the queue's forgotten"
         );
         assert!(m.0.contains_key(count) && !m.0.contains_key("blkwire_memory_used_bytes"));
+        // A complete scrape goes as it is: lower is a real reset (the export added again).
+        let mut again = snapshot();
+        again.queues.clear();
+        again.closed = ClosedTotals::default();
+        let fifth = m.apply(&render(&again), false);
+        assert_eq!(reads(&fifth), 0.0, "counts from zero");
     }
 
     #[test]

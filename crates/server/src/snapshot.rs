@@ -27,6 +27,8 @@ pub struct Snapshot {
     pub closed: ClosedTotals,
     /// Every export served, in order.
     pub exports: Vec<String>,
+    /// Every reactor answered in time: the counters are all there (`metrics::Monotonic`).
+    pub complete: bool,
     /// HELLOs answered with a challenge (PROTOCOL.md §12.1).
     pub challenges: u64,
     /// Handshakes refused for authentication or access rules.
@@ -50,6 +52,7 @@ impl Snapshot {
         }
         drop(tx);
         let (mut queues, mut ports, mut closed) = (Vec::new(), Vec::new(), ClosedTotals::default());
+        let mut answered = 0;
         // One deadline for all the answers, not one each: reactors each answering just inside
         // the timeout, one after another, would hold a scrape or STATS for N times it.
         let deadline = std::time::Instant::now() + ANSWER_TIMEOUT;
@@ -60,6 +63,7 @@ impl Snapshot {
                     queues.append(&mut r.queues);
                     ports.append(&mut r.ports);
                     closed.merge(&r.closed);
+                    answered += 1;
                 }
                 Err(_) => break,
             }
@@ -72,6 +76,7 @@ impl Snapshot {
             ports,
             closed,
             exports: registry.exports().iter().map(|e| e.name.clone()).collect(),
+            complete: answered == workers.len(),
             challenges: registry.access.challenges.load(Ordering::Relaxed),
             refused: registry.access.refused.load(Ordering::Relaxed),
             memory_limit: budget.limit(),

@@ -93,6 +93,9 @@ pub enum Msg {
     },
     /// A reactor installed the update a connection of this one waits for.
     ReservationsAck(crate::reservations::Ack),
+    /// An export was removed: the closed queues' totals of exports no longer served go to the
+    /// removed sum now, so one added again under the same name counts from zero.
+    ExportRemoved,
     Shutdown,
 }
 
@@ -355,6 +358,13 @@ impl Reactor {
                 }
                 Msg::Close(sessions) => {
                     self.close_queues(|session, _| sessions.contains(&session));
+                }
+                Msg::ExportRemoved => {
+                    let served = self.registry.export_names();
+                    self.closed.fold(&served);
+                    for p in self.ports.iter_mut().flatten() {
+                        p.fold_closed(&served);
+                    }
                 }
                 Msg::CloseQueue { session, queue } => {
                     self.close_queues(|s, q| (s, q) == (session, queue));
