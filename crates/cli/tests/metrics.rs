@@ -703,6 +703,47 @@ fn a_scrape_is_served_while_slow_clients_wait_for_their_deadline() {
     }
 }
 
+/// An export removed and added again under its name counts from zero, as METRICS.md says:
+/// not from the old export's totals, nor held at the last value reported.
+#[test]
+fn an_export_added_again_counts_from_zero() {
+    let dir = TempDir::new("metrics-readd");
+    let t = common::Controlled::start(
+        &dir,
+        &[
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--export",
+            "x=mem:1M",
+            "--threads",
+            "1",
+        ],
+    );
+    let metrics = t.rpc("metrics_listen", r#"{"addr": "127.0.0.1:0"}"#);
+    let metrics = metrics["url"].as_str().unwrap_or_default().to_string();
+    assert!(metrics.starts_with("http://"), "{metrics}");
+    let url = format!("{}/x", t.urls[0]);
+    let reads = |n: usize| {
+        let mut s = session(&url, 1);
+        let mut buf = [0u8; 4096];
+        for _ in 0..n {
+            s.queues[0].read_at(&mut buf, 0).unwrap();
+        }
+    };
+    let read_total = |m: &Samples| {
+        m.value(
+            "blkwire_export_requests_total",
+            &[("export", "x"), ("op", "read")],
+        )
+    };
+    reads(5);
+    assert_eq!(read_total(&scrape(&metrics)), 5.0);
+    t.rpc("export_remove", r#"{"name": "x", "force": true}"#);
+    t.rpc("export_add", r#"{"name": "x", "spec": "mem:1M"}"#);
+    reads(2);
+    assert_eq!(read_total(&scrape(&metrics)), 2.0, "from zero");
+}
+
 /// Clients that say nothing cannot keep a scrape waiting, however many connect: a scrape
 /// behind a hundred of them (served four at a time, it waited for the 2 s deadline of each,
 /// about 50 s) is answered while the newest of them still wait for theirs, unanswered; the
