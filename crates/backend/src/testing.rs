@@ -18,8 +18,8 @@ pub struct Recorder {
     asynchronous: bool,
     /// FLUSH fails with EIO while set.
     pub fail_flush: AtomicBool,
-    /// While non-zero, a WRITE or COPY that reaches this byte (or past it) fails with EIO
-    /// (or `fail_errno`, when non-zero).
+    /// While non-zero, a WRITE, WRITE_ZEROES or COPY that reaches this byte (or past it)
+    /// fails with EIO (or `fail_errno`, when non-zero).
     pub fail_from: std::sync::atomic::AtomicU64,
     /// The errno `fail_from` fails with, when non-zero.
     pub fail_errno: std::sync::atomic::AtomicI32,
@@ -149,6 +149,9 @@ impl QueueIo for RecorderQueue {
             Op::Copy { src, dst, len } => {
                 data.copy_within(src as usize..(src + len as u64) as usize, dst as usize);
                 (format!("copy {src}->{dst}+{len}"), len as i32)
+            }
+            Op::WriteZeroes { offset, len, .. } if fails(offset, len) => {
+                (format!("zero {offset}+{len} failed"), failure)
             }
             Op::WriteZeroes {
                 offset, len, fua, ..

@@ -61,8 +61,8 @@ pub struct Executor {
     size: u64,
     /// The queue's counters; transports add their own (frames, duplicates) here too.
     pub stats: QueueStats,
-    /// Tags of the COPYs running with FUA (a datagram queue may run several): the failure of
-    /// one may be its flush's.
+    /// Tags of the COPYs running with FUA (a datagram host may run several, on its queues):
+    /// the failure of one may be its flush's.
     fua_copies: Vec<u64>,
 }
 
@@ -385,7 +385,7 @@ impl Executor {
             }
             None => false,
         };
-        if latches(false, fua, res) {
+        if latches(BlockOp::Write, fua, res) {
             self.durability_lost("FUA copy", res);
         }
         if res < 0 {
@@ -444,7 +444,7 @@ impl Executor {
     /// counts bytes read and records how long it took since `started`.
     pub fn status(&mut self, req: &BlockRequest, res: i32, started: Started) -> Status {
         self.stats.latency.record(req.op, started.0.elapsed());
-        if latches(req.op == BlockOp::Flush, durable(req), res) {
+        if latches(req.op, durable(req), res) {
             let what = if req.op == BlockOp::Flush {
                 "flush"
             } else {
@@ -478,13 +478,20 @@ fn durable(req: &BlockRequest) -> bool {
     req.op == BlockOp::Flush || (req.op.modifies() && req.flags.has(IoFlags::FUA))
 }
 
-/// Whether a result `res` loses the export's durability: any failed flush (what it covered
-/// may be lost, and Linux reports that once), and a durable (FUA) change's I/O error, which
-/// may be its flush's or a writeback error its sync found. Not a FUA change refused before it
-/// wrote anything that needed syncing (no space, unsupported, invalid): that says nothing
-/// of what was acknowledged before.
-fn latches(flush: bool, durable: bool, res: i32) -> bool {
-    res < 0 && (flush || (durable && res == -libc::EIO))
+/// Whether a result `res` of `op` loses the export's durability: any failed flush (what it
+/// covered may be lost, and Linux reports that once), and a durable (FUA) change's error that
+/// may be its sync's, a writeback error of writes acknowledged before: EIO, and for a WRITE or
+/// a COPY (synced with the data, `RWF_DSYNC`: one result for both) ENOSPC and EDQUOT too,
+/// which writeback reports on full thin storage or an NFS quota. Not a FUA change refused
+/// before it synced anything (unsupported, invalid; a zeroing or trim out of space, whose
+/// sync comes after it): that says nothing of what was acknowledged before.
+fn latches(op: BlockOp, durable: bool, res: i32) -> bool {
+    let synced_with_data = matches!(op, BlockOp::Write);
+    res < 0
+        && (op == BlockOp::Flush
+            || (durable
+                && (res == -libc::EIO
+                    || (synced_with_data && matches!(-res, libc::ENOSPC | libc::EDQUOT)))))
 }
 
 /// The status of an operation that moves no data: 0 or a negative errno.
@@ -861,13 +868,27 @@ mod tests {
         );
         b.fail_flush.store(false, Ordering::Relaxed);
         assert_eq!(run(&mut x, &flush), Outcome::Done(Status::Io));
-        // But not one refused for want of space before anything needed syncing: what was
-        // acknowledged before is not in doubt.
-        let (b, mut x) = recorder(Support::None, false);
-        b.fail_from.store(1, Ordering::Relaxed);
-        b.fail_errno.store(libc::ENOSPC, Ordering::Relaxed);
-        assert_eq!(run(&mut x, &fua), Outcome::Done(Status::NoSpace));
-        assert_eq!(run(&mut x, &flush), Outcome::Done(Status::Ok));
+        // So does a FUA write's ENOSPC (its sync may report an earlier write's writeback on
+        // full thin storage), not its EINVAL; nor a FUA zeroing out of space, refused before
+        // its flush: what was acknowledged before is not in doubt.
+        let zero = BlockRequest::new(BlockOp::WriteZeroes, 0, 4096).flagged(IoFlags::FUA);
+        for (req, errno, latched) in [
+            (&fua, libc::ENOSPC, true),
+            (&fua, libc::EINVAL, false),
+            (&zero, libc::ENOSPC, false),
+        ] {
+            let (b, mut x) = recorder(Support::None, false);
+            b.fail_from.store(1, Ordering::Relaxed);
+            b.fail_errno.store(errno, Ordering::Relaxed);
+            assert_ne!(run(&mut x, req), Outcome::Done(Status::Ok));
+            let after = if latched { Status::Io } else { Status::Ok };
+            assert_eq!(
+                run(&mut x, &flush),
+                Outcome::Done(after),
+                "{:?} failing with errno {errno}",
+                req.op
+            );
+        }
         // A FUA copy whose flush fails latches it.
         use blkwire_backend::CopyRange;
         let desc = CopyDescriptor {
