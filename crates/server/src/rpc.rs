@@ -364,15 +364,19 @@ impl Read for Deadlined {
     }
 }
 
-/// Writes all of `bytes` by `deadline`, however slowly the client reads them.
+/// Writes all of `bytes` by `deadline`, however slowly the client reads them: in pieces of
+/// at most `WRITE_PIECE`, since a Unix socket's send timeout bounds each wait for room within
+/// one `write`, not the call (a reader taking a little every so often kept one large write
+/// going for hours).
 fn write_by(out: &mut UnixStream, mut bytes: &[u8], deadline: Instant) -> std::io::Result<()> {
+    const WRITE_PIECE: usize = 16 << 10;
     while !bytes.is_empty() {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(std::io::ErrorKind::TimedOut.into());
         }
         out.set_write_timeout(Some(left))?;
-        match out.write(bytes) {
+        match out.write(&bytes[..bytes.len().min(WRITE_PIECE)]) {
             Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
             Ok(n) => bytes = &bytes[n..],
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -651,10 +655,12 @@ mod tests {
             let _ = done.send(());
         });
         client.write_all(b"{}\n").unwrap();
-        let mut sip = [0u8; 4096];
+        // 64 KiB every 200 ms: a socket buffer's worth at a time, within any per-write
+        // timeout of 500 ms, 320 KiB/s: the 1 MiB reply would take 3 s.
+        let mut sip = vec![0u8; 64 << 10];
         let mut cut = false;
         for _ in 0..100 {
-            if ended.recv_timeout(Duration::from_millis(100)).is_ok() {
+            if ended.recv_timeout(Duration::from_millis(200)).is_ok() {
                 cut = true;
                 break;
             }
