@@ -131,9 +131,18 @@ pub fn run(a: Args) -> Result<(), String> {
     let start = Instant::now();
     let source = from.unwrap_or("");
     let result = q.copy(source, &ranges, dst);
+    // Durable before it says "copied", as cp is: a COPY without FUA is visible, not durable
+    // (PROTOCOL.md §10); one FLUSH covers it.
+    let flushed = result.is_ok().then(|| q.flush());
     let secs = start.elapsed().as_secs_f64();
     for q in s.queues {
         let _ = q.logout();
+    }
+    if let Some(Err(e)) = flushed {
+        return Err(format!(
+            "{}: the copy ran, but the target could not make it durable (FLUSH: {e})",
+            a.url
+        ));
     }
     match result {
         Ok(()) => {

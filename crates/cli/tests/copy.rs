@@ -518,6 +518,20 @@ fn blkwire_copy_copies_ranges_and_refuses_bad_input_in_one_line() {
     s.queues[0].write_at(&data, 0, false).unwrap();
     let (ok, out, err) = cli(&["copy", &t.url("a"), "--src", "1M:64K,0:4K", "--dst", "8M"]);
     assert!(ok && out.contains("inside the target"), "{out}{err}");
+    // Made durable before it said so: its session flushed (closed by now, or closing: its
+    // counters are in the closed totals or still its queue's; this test's own session
+    // flushed nothing).
+    let (ok, out, err) = cli(&["stats", "--json", &t.base]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let live: u64 = v["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["queues"].as_array().unwrap())
+        .map(|q| q["flushes"].as_u64().unwrap())
+        .sum();
+    assert_eq!(v["closed"]["flushes"].as_u64().unwrap() + live, 1, "{v}");
     let mut want = data[MIB as usize..(MIB + 65536) as usize].to_vec();
     want.extend_from_slice(&data[..4096]);
     assert!(read(&mut s.queues[0], 8 * MIB, want.len() as u64) == want);
