@@ -236,8 +236,8 @@ struct DQ {
     /// measure of its host's part of the port's share when another host's request finds the share
     /// full (`make_room`).
     buffered: usize,
-    /// COPYs of it running (at most one: PROTOCOL.md §13), each holding a 1 MiB bounce buffer
-    /// of the port's share that no other host's request can reclaim.
+    /// COPYs of it running, each holding a 1 MiB bounce buffer of the port's share that no
+    /// other host's request can reclaim (at most `HOST_COPIES` per host).
     copying: usize,
 }
 
@@ -313,6 +313,10 @@ fn classify(state: SlotState, held: &Header, h: &Header) -> Verdict {
         _ => Verdict::New,
     }
 }
+
+/// COPYs one host may run at once on a port, over all its queues: what it can hold of the
+/// port's share in bounce buffers (1 MiB each) that nothing reclaims.
+const HOST_COPIES: usize = 8;
 
 /// How far ahead of a slot's generation a new request may be (PROTOCOL.md §6): an initiator
 /// moves on one per request on the slot, more only for requests given up unseen.
@@ -1400,10 +1404,19 @@ impl DgramPort {
                 len
             }
             Opcode::Copy if verdict == Verdict::New && runs => {
-                if q.copying > 0 {
-                    // One COPY a queue, as on streams: a host cannot hold the port's share
-                    // in bounce buffers, one per slot, that nothing reclaims. The next is
-                    // dropped like a lost frame and retransmitted.
+                // A host's COPYs each hold a bounce buffer of the port's share that no other
+                // host's request can reclaim (`make_room` takes half-sent WRITEs' only): at
+                // most `HOST_COPIES` of them run on a port, over all its queues and sessions.
+                // The next is dropped like a lost frame and retransmitted.
+                let host = q.peer.host();
+                let running: usize = self
+                    .queues
+                    .iter()
+                    .flatten()
+                    .filter(|o| o.peer.host() == host)
+                    .map(|o| o.copying)
+                    .sum();
+                if running >= HOST_COPIES {
                     self.stats.no_memory += 1;
                     self.queues[qi].as_mut().expect("present").taken_in -= 1;
                     return;
@@ -3193,11 +3206,11 @@ mod tests {
         assert!(dp.port.queues[0].as_ref().is_some_and(|q| q.closing));
     }
 
-    /// A datagram queue runs one COPY at a time, as a stream queue does: the next, sent while
-    /// one runs, is dropped like a lost frame (and retransmitted), so a host cannot hold the
-    /// port's share in bounce buffers, one per slot, that no other host's request reclaims.
+    /// A host runs at most `HOST_COPIES` COPYs at once on a port: the next is dropped like a
+    /// lost frame (and retransmitted), so a host cannot hold the port's share in bounce
+    /// buffers, one per slot, that no other host's request reclaims.
     #[test]
-    fn a_queue_runs_one_copy_at_a_time() {
+    fn a_host_runs_a_bounded_number_of_copies() {
         use blkwire_backend::CopyRange;
         // memthread: the COPY runs on the export's thread, so the first is still running.
         let (mut dp, peer, session) = session_on("a=memthread:4M");
@@ -3217,10 +3230,24 @@ mod tests {
                 &desc,
             )
         };
-        dp.receive(&copy(1), from);
-        assert_eq!(dp.port.copying, 1, "the first runs");
-        dp.receive(&copy(2), from);
-        assert_eq!(dp.port.copying, 1, "the second does not");
+        for slot in 0..HOST_COPIES as u16 / 2 {
+            dp.receive(&copy(slot), from);
+        }
+        // The rest through another session of the same host (its own queue, slots and port).
+        let (other, o) = open_session(&mut dp, "127.0.0.1", 1, 0);
+        let from_other = other.local_addr().unwrap();
+        let copy_other = |slot| {
+            frame(
+                request(o.session, Opcode::Copy, slot, 1, 2 << 20, 4096),
+                &desc,
+            )
+        };
+        for slot in 0..HOST_COPIES as u16 / 2 {
+            dp.receive(&copy_other(slot), from_other);
+        }
+        assert_eq!(dp.port.copying, HOST_COPIES, "those run at once");
+        dp.receive(&copy_other(HOST_COPIES as u16 / 2), from_other);
+        assert_eq!(dp.port.copying, HOST_COPIES, "the next does not");
         assert_eq!(dp.port.stats.no_memory, 1, "dropped, to be sent again");
         assert!(answers(&peer, false).is_empty(), "nothing answered yet");
     }
