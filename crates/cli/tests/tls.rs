@@ -628,6 +628,69 @@ fn tls_ca_is_the_only_ca_trusted() {
     assert!(err.contains("not trusted"), "{err}");
 }
 
+/// --tls-ca may name a CA that is not a root (an intermediate), or the target's own
+/// certificate when a CA signed it: what the file holds is trusted, self-signed or not.
+#[test]
+fn tls_ca_may_pin_a_certificate_that_is_not_a_root() {
+    let dir = TempDir::new("tls-ca-pin");
+    let (ca, ca_key) = self_signed(&dir);
+    let p = |n: &str| dir.path(n).to_str().unwrap().to_string();
+    tool(
+        "openssl",
+        &[
+            "req",
+            "-new",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-subj",
+            "/CN=blkwire leaf",
+            "-keyout",
+            &p("leaf.key"),
+            "-out",
+            &p("leaf.csr"),
+        ],
+    );
+    std::fs::write(dir.path("ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    tool(
+        "openssl",
+        &[
+            "x509",
+            "-req",
+            "-in",
+            &p("leaf.csr"),
+            "-CA",
+            ca.to_str().unwrap(),
+            "-CAkey",
+            ca_key.to_str().unwrap(),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            &p("ext"),
+            "-out",
+            &p("leaf.pem"),
+        ],
+    );
+    let t = Target::start_with(
+        &["d=mem:1M"],
+        &[
+            "--tls",
+            "require",
+            "--tls-cert",
+            &p("leaf.pem"),
+            "--tls-key",
+            &p("leaf.key"),
+        ],
+    );
+    let (ok, _, err) = cli(&["info", "--tls-ca", &p("leaf.pem"), &t.url("d")]);
+    assert!(ok, "the pinned leaf: {err}");
+    let (ok, _, err) = cli(&["info", "--tls-ca", ca.to_str().unwrap(), &t.url("d")]);
+    assert!(ok, "its CA: {err}");
+}
+
 #[test]
 fn tls_flags_are_checked_with_one_line_errors() {
     let dir = TempDir::new("tls-config");

@@ -172,6 +172,11 @@ pub(crate) fn connector(opts: &ConnectOptions) -> Result<SslConnector> {
         for c in certs {
             store.add_cert(c).map_err(setup)?;
         }
+        // An intermediate CA, or the target's own certificate, is an anchor too: the file is
+        // what is trusted, whether or not its certificates are self-signed roots.
+        store
+            .set_flags(openssl::x509::verify::X509VerifyFlags::PARTIAL_CHAIN)
+            .map_err(setup)?;
         b.set_cert_store(store.build());
     }
     Ok(b.build())
