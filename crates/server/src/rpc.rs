@@ -67,8 +67,14 @@ fn lock_path(path: &Path) -> Result<std::fs::File, Error> {
         .custom_flags(libc::O_NOFOLLOW)
         .open(&lock)
         .map_err(|e| {
+            let hint = if e.kind() == std::io::ErrorKind::PermissionDenied {
+                " (another user's lock file: remove it if no target of theirs serves that \
+                 path, or give --rpc-socket another path)"
+            } else {
+                ""
+            };
             Error::Listen(format!(
-                "cannot open {} to take the control socket {}: {e}",
+                "cannot open {} to take the control socket {}: {e}{hint}",
                 lock.display(),
                 path.display()
             ))

@@ -896,7 +896,15 @@ fn unmap(device: &str) -> Result<(), String> {
         (None, Some(b)) => Path::new(b).parent().map(|p| p.display().to_string()),
         _ => None,
     };
-    if let Some(m) = mountpoint.filter(|m| mount_is_orphaned(Path::new(m))) {
+    // The recorded daemon's own mount, even while it is still dying (killed in D state): not
+    // another process's that was given its pid since.
+    let ours = |m: &String| {
+        rec.as_ref().is_some_and(|r| {
+            Path::new(m) == Path::new(&r.mountpoint)
+                && matches!(state::proc_stat(r.pid), Some((_, t)) if t == r.start_time)
+        })
+    };
+    if let Some(m) = mountpoint.filter(|m| ours(m) || mount_is_orphaned(Path::new(m))) {
         let m = Path::new(&m);
         channel::unmount_lazy(m).map_err(|e| format!("unmounting {}: {e}", m.display()))?;
         let _ = std::fs::remove_dir(m);

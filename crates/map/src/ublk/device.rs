@@ -479,9 +479,10 @@ fn setup(spec: &Spec, prepared: Prepared, conn: Connected) -> Result<Running, St
                 ));
             }
             // A recovery sets no parameters: the device keeps the logical block it was made
-            // with, and an export of larger blocks would refuse its I/O (EINVAL).
+            // with, and an export of larger blocks would refuse its I/O (EINVAL); smaller
+            // ones take it.
             let export_block = info.logical_block.clamp(512, 4096);
-            if let Some(lbs) = logical_block(&old.device).filter(|&b| b != export_block) {
+            if let Some(lbs) = logical_block(&old.device).filter(|&b| b < export_block) {
                 return Err(format!(
                     "{} has logical blocks of {lbs} bytes but the export's are now \
                      {export_block}: cannot recover",

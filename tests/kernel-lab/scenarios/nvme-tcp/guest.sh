@@ -2,7 +2,8 @@
 # Scenario nvme-tcp, guest side: the kernel's NVMe/TCP host (nvme-tcp, nvme-cli 2.3) against
 # blkwire's NVMe/TCP frontend on the host.
 #   1. discovery: `nvme discover` lists nqn.2026-11.io.blkwire:disk0 and the two-namespace
-#      subsystem lab.multi_nqn (four NVM subsystem entries: disk0, m1, m2 and that one);
+#      subsystem lab.multi_nqn (four NVM subsystems, disk0, m1, m2 and that one, at each of the
+#      two listeners: eight entries);
 #   2. `nvme connect` without digests; `nvme list`, `id-ctrl` (subnqn), `id-ns` (size = the
 #      device's); NVMe Copy of two source ranges, checked with dd before and after; mkfs.ext4,
 #      mount, write files, sync, umount, `e2fsck -fn`, re-read with caches dropped; disconnect;
@@ -272,6 +273,17 @@ else
     run nvme connect -t tcp -a $addr -s "$port2" -n "$multi"
     two_paths() { [ "$(grep -lx "$multi" /sys/class/nvme/nvme*/subsysnqn 2>/dev/null | wc -l)" = 2 ]; }
     wait_until "no second controller of $multi 10 s after connecting through port $port2" two_paths
+    # Its namespaces scanned (asynchronously): each controller has a namespace entry per NSID,
+    # a path of the shared device or a device of its own.
+    scanned() {
+        for _c in $(grep -lx "$multi" /sys/class/nvme/nvme*/subsysnqn); do
+            _d=${_c%/subsysnqn}
+            # shellcheck disable=SC2046 # one word per entry
+            set -- $(cd "$_d" && ls -d nvme*n* 2>/dev/null)
+            [ $# -ge 2 ] || return 1
+        done
+    }
+    wait_until "the second controller of $multi has not scanned its namespaces 10 s after connecting" scanned
     # Still two block devices: a second path that made devices of its own would show four.
     # shellcheck disable=SC2046 # split on purpose: one word per device node
     set -- $(ls /dev | grep -E '^nvme[0-9]+n[0-9]+$')
