@@ -209,16 +209,25 @@ impl StreamQueue {
     }
 
     /// Sends everything queued. While the socket is full it keeps reading replies into the receive
-    /// buffer, so a target blocked on sending to us can never deadlock with us.
+    /// buffer, so a target blocked on sending to us can never deadlock with us. The timeout is
+    /// for a target that takes nothing and answers nothing: each byte it takes or sends starts
+    /// it again (a slow link takes longer than the timeout to carry a queue's depth of large
+    /// writes, all of them answered as they land).
     pub fn send(&mut self) -> Result<()> {
-        let deadline = crate::deadline::later(Instant::now(), self.timeout);
-        while !self.send_now()? {
+        let mut deadline = crate::deadline::later(Instant::now(), self.timeout);
+        loop {
+            let before = self.tx_sent;
+            if self.send_now()? {
+                return Ok(());
+            }
+            if self.tx_sent != before {
+                deadline = crate::deadline::later(Instant::now(), self.timeout);
+            }
             let ev = self.wait_fd(libc::POLLOUT | libc::POLLIN, deadline)?;
-            if ev & libc::POLLIN != 0 {
-                self.fill(true)?;
+            if ev & libc::POLLIN != 0 && self.fill(true)? {
+                deadline = crate::deadline::later(Instant::now(), self.timeout);
             }
         }
-        Ok(())
     }
 
     /// Sends what is queued, then delivers completions to `f` until at least `min` have been
@@ -731,6 +740,50 @@ mod tests {
         let info = crate::info_from(&url, &granted(1, opts.depth, 1 << 20, 1 << 20));
         let q = StreamQueue::new(Link::Plain(sock), 0, &info, opts).unwrap();
         (q, target)
+    }
+
+    /// The timeout is for a target that takes nothing: one that takes the writes slowly but
+    /// steadily (a slow link) keeps `send` going, however long the whole takes.
+    #[test]
+    fn a_target_that_takes_writes_slowly_is_no_timeout() {
+        let opts = ConnectOptions {
+            depth: 32,
+            ..options(Duration::from_millis(500))
+        };
+        let (mut q, mut target) = queue_on_loopback(&opts);
+        let data = vec![7u8; 1 << 20];
+        for i in 0..32u64 {
+            let w = Cmd::Write {
+                offset: i << 20,
+                data: &data,
+                fua: false,
+            };
+            q.submit(w, i).unwrap();
+        }
+        // At most 1 MiB every 100 ms: 32 MiB take seconds, several timeouts, past what the
+        // socket buffers hold; the client sees room every fraction of one.
+        let reader = std::thread::spawn(move || {
+            let mut buf = vec![0u8; 1 << 20];
+            let mut total = 0;
+            while let Ok(n) = std::io::Read::read(&mut target, &mut buf) {
+                if n == 0 {
+                    break;
+                }
+                total += n;
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            total
+        });
+        let started = Instant::now();
+        q.send().expect("sent, slowly");
+        let took = started.elapsed();
+        drop(q);
+        assert!(reader.join().unwrap() >= 32 << 20);
+        // Not a measurement: the test means nothing if the socket buffers took it all.
+        assert!(
+            took > Duration::from_millis(500),
+            "sent within one timeout ({took:?})"
+        );
     }
 
     /// A timeout past the clock (a library caller's `Duration::MAX`) is no panic where the
