@@ -575,6 +575,15 @@ fn async_and_datagram_requests_are_timed(tcp: &str, udp: &str, metrics: &str) {
     }
 }
 
+/// `ADDR:PORT` of the metrics URL `http://ADDR:PORT/metrics`.
+fn endpoint_addr(metrics: &str) -> String {
+    metrics
+        .strip_prefix("http://")
+        .and_then(|a| a.strip_suffix("/metrics"))
+        .unwrap()
+        .to_string()
+}
+
 /// Sends `request` on a new connection to the endpoint and returns all it answered.
 fn exchange(addr: &str, request: &[u8]) -> String {
     let mut c = TcpStream::connect(addr).unwrap();
@@ -594,11 +603,7 @@ fn exchange(addr: &str, request: &[u8]) -> String {
 #[test]
 fn hostile_http_clients_neither_hang_nor_crash_the_target() {
     let (mut t, _, metrics) = start(&["m=mem:16M"]);
-    let addr = metrics
-        .strip_prefix("http://")
-        .and_then(|a| a.strip_suffix("/metrics"))
-        .unwrap()
-        .to_string();
+    let addr = endpoint_addr(&metrics);
     let status = |answer: &str| answer.lines().next().unwrap_or("").to_string();
     let cases: &[(&[u8], &str)] = &[
         (
@@ -670,11 +675,7 @@ fn hostile_http_clients_neither_hang_nor_crash_the_target() {
 #[test]
 fn a_scrape_is_served_while_slow_clients_wait_for_their_deadline() {
     let (_t, _, metrics) = start(&["m=mem:1M"]);
-    let addr = metrics
-        .strip_prefix("http://")
-        .and_then(|a| a.strip_suffix("/metrics"))
-        .unwrap()
-        .to_string();
+    let addr = endpoint_addr(&metrics);
     let mut slow: Vec<TcpStream> = (0..3)
         .map(|i| {
             let mut c = TcpStream::connect(&addr).unwrap();
@@ -751,11 +752,7 @@ fn an_export_added_again_counts_from_zero() {
 #[test]
 fn a_crowd_of_silent_clients_does_not_keep_a_scrape_waiting() {
     let (_t, _, metrics) = start(&["m=mem:1M"]);
-    let addr = metrics
-        .strip_prefix("http://")
-        .and_then(|a| a.strip_suffix("/metrics"))
-        .unwrap()
-        .to_string();
+    let addr = endpoint_addr(&metrics);
     let mut silent: Vec<TcpStream> = (0..100)
         .map(|_| TcpStream::connect(&addr).unwrap())
         .collect();

@@ -3039,28 +3039,10 @@ mod tests {
     /// of what it sent takes it for a controller bug, or overruns the queue).
     #[test]
     fn an_nvme_command_decoded_twice_moves_the_sq_head_once() {
-        use crate::frontend::nvme::{IoQueueSetup, NsIo, NvmeIo};
-        use blkwire_wire::nvme_tcp::{self, CapsuleCmd, Direction, Params, Pdu, Sgl, Sqe};
+        use blkwire_wire::nvme_tcp::{CapsuleCmd, Pdu, Sgl, Sqe};
         let mut ring = Ring::new(8).unwrap();
-        let (mut c, _peer) = conn_budget("m=memthread:4M", false, 3 << 20);
-        let host = Params::initial(Direction::HostToController, u32::MAX);
-        let ctrl = Params::initial(Direction::ControllerToHost, u32::MAX);
         // SQSIZE 7 (8 entries); Connect took entry 0, so the head starts at 1.
-        c.fe = Box::new(NvmeIo::new(IoQueueSetup {
-            rx: host,
-            tx: ctrl,
-            qid: 1,
-            entries: 8,
-            sq_head: 1,
-            sqfc_off: false,
-            max_io: 1 << 20,
-            namespaces: vec![NsIo {
-                nsid: 1,
-                lba_shift: 9,
-                read_only: false,
-                copy: Default::default(),
-            }],
-        }));
+        let (mut c, _peer, host, ctrl) = nvme_queue_budget("m=memthread:4M", 3 << 20);
         let read = |cid: u16, slba: u64| {
             let sqe = Sqe {
                 opcode: 0x02,
@@ -3087,20 +3069,11 @@ mod tests {
             out
         };
         // The SQHD of every CapsuleResp in `tx`, by CID.
-        let heads = |tx: &[u8]| {
-            let mut v = Vec::new();
-            let mut at = 0;
-            while at < tx.len() {
-                let n = match nvme_tcp::pdu_len(&tx[at..], &ctrl) {
-                    Ok(nvme_tcp::Progress::Complete(n)) => n,
-                    other => panic!("a partial PDU in tx: {other:?}"),
-                };
-                if let Ok(Pdu::CapsuleResp(cqe)) = nvme_tcp::decode(&tx[at..at + n], &ctrl) {
-                    v.push((cqe.cid, cqe.sq_head));
-                }
-                at += n;
-            }
-            v
+        let heads = |tx: &[u8]| -> Vec<(u16, u16)> {
+            nvme_answers(tx, &ctrl)
+                .into_iter()
+                .map(|(cid, head, _)| (cid, head))
+                .collect()
         };
         let mut both = read(1, 0);
         both.extend_from_slice(&read(2, 2048));
@@ -3131,9 +3104,22 @@ mod tests {
         blkwire_wire::nvme_tcp::Params,
         blkwire_wire::nvme_tcp::Params,
     ) {
+        nvme_queue_budget(spec, 1 << 30)
+    }
+
+    /// As `nvme_queue`, with a memory budget of `budget` bytes.
+    fn nvme_queue_budget(
+        spec: &str,
+        budget: usize,
+    ) -> (
+        Conn,
+        UnixStream,
+        blkwire_wire::nvme_tcp::Params,
+        blkwire_wire::nvme_tcp::Params,
+    ) {
         use crate::frontend::nvme::{IoQueueSetup, NsIo, NvmeIo};
         use blkwire_wire::nvme_tcp::{Direction, Params};
-        let (mut c, peer) = conn(spec);
+        let (mut c, peer) = conn_budget(spec, false, budget);
         let host = Params::initial(Direction::HostToController, u32::MAX);
         let ctrl = Params::initial(Direction::ControllerToHost, u32::MAX);
         c.fe = Box::new(NvmeIo::new(IoQueueSetup {
