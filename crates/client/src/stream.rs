@@ -210,21 +210,27 @@ impl StreamQueue {
 
     /// Sends everything queued. While the socket is full it keeps reading replies into the receive
     /// buffer, so a target blocked on sending to us can never deadlock with us. The timeout is
-    /// for a target that takes nothing and answers nothing: each byte it takes or sends starts
-    /// it again (a slow link takes longer than the timeout to carry a queue's depth of large
-    /// writes, all of them answered as they land).
+    /// for a target that hardly moves: each `PROGRESS` bytes it takes or sends start it again
+    /// (a slow link takes longer than the timeout to carry a queue's depth of large writes, all
+    /// of them answered as they land), a byte now and then does not (that would hold the
+    /// caller for ever).
     pub fn send(&mut self) -> Result<()> {
+        const PROGRESS: usize = 64 << 10;
         let mut deadline = crate::deadline::later(Instant::now(), self.timeout);
+        let mut moved = 0;
         loop {
-            let before = self.tx_sent;
+            let (sent, received) = (self.tx_sent, self.rx_end);
             if self.send_now()? {
                 return Ok(());
             }
-            if self.tx_sent != before {
-                deadline = crate::deadline::later(Instant::now(), self.timeout);
-            }
+            moved += self.tx_sent - sent;
             let ev = self.wait_fd(libc::POLLOUT | libc::POLLIN, deadline)?;
             if ev & libc::POLLIN != 0 && self.fill(true)? {
+                // `fill` may move what it holds to the front first: count what it added.
+                moved += self.rx_end.saturating_sub(received.min(self.rx_end));
+            }
+            if moved >= PROGRESS {
+                moved = 0;
                 deadline = crate::deadline::later(Instant::now(), self.timeout);
             }
         }
@@ -784,6 +790,35 @@ mod tests {
             took > Duration::from_millis(500),
             "sent within one timeout ({took:?})"
         );
+    }
+
+    /// A target that takes nothing and sends a byte now and then does not hold `send` for
+    /// ever: a trickle is no progress.
+    #[test]
+    fn a_target_that_trickles_bytes_times_send_out() {
+        let (mut q, mut target) = queue_on_loopback(&options(Duration::from_millis(500)));
+        let data = vec![7u8; 1 << 20];
+        for i in 0..8u64 {
+            let w = Cmd::Write {
+                offset: i << 20,
+                data: &data,
+                fua: false,
+            };
+            q.submit(w, i).unwrap();
+        }
+        let (done, ended) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = done.send(q.send());
+        });
+        // Reads nothing; a byte every 100 ms, until the client gives up (or 20 s).
+        for _ in 0..200 {
+            if let Ok(r) = ended.recv_timeout(Duration::from_millis(100)) {
+                assert!(matches!(r, Err(Error::Timeout(_))), "{r:?}");
+                return;
+            }
+            let _ = std::io::Write::write_all(&mut target, &[0]);
+        }
+        panic!("send still going after 20 s of a trickle");
     }
 
     /// A timeout past the clock (a library caller's `Duration::MAX`) is no panic where the

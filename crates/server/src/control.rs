@@ -648,7 +648,7 @@ fn export_remove(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
         .remove_export(&p.name, p.force)
         .map_err(RpcError::refused)?;
     sh.close_sessions(&closed);
-    sh.export_removed();
+    sh.export_removed(&p.name);
     sh.registry.nvme.forget_export(&p.name);
     sh.registry.iscsi.forget_export(&p.name);
     crate::log!(

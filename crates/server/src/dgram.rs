@@ -1273,9 +1273,14 @@ impl DgramPort {
             }
             self.index.remove(&(q.session, q.queue));
             let registry = &self.registry;
-            self.closed.add(&q.exec.export().name, &q.exec.stats, || {
-                registry.export_names()
-            });
+            // A queue of an export removed (and maybe added again since): not the served one's.
+            if registry.serves(q.exec.export()) {
+                self.closed.add(&q.exec.export().name, &q.exec.stats, || {
+                    registry.export_names()
+                });
+            } else {
+                self.closed.add_removed(&q.exec.stats);
+            }
             self.registry.leave(q.session, q.queue, &q.exec.stats);
             if q.exec.notifier().is_some() {
                 self.notifier_changes.push((qi, q.incarnation, None));
@@ -2021,9 +2026,9 @@ impl DgramPort {
         &self.closed
     }
 
-    /// Folds the closed totals of exports no longer `served` (an export was removed).
-    pub fn fold_closed(&mut self, served: &std::collections::HashSet<String>) {
-        self.closed.fold(served);
+    /// Folds the closed totals of export `name` (removed).
+    pub fn forget_closed(&mut self, name: &str) {
+        self.closed.forget(name);
     }
 
     /// Closes every queue (shutdown).

@@ -385,7 +385,7 @@ impl Executor {
             }
             None => false,
         };
-        if latches(BlockOp::Write, fua, res) {
+        if latches(BlockOp::Write, fua, false, res) {
             self.durability_lost("FUA copy", res);
         }
         if res < 0 {
@@ -444,7 +444,8 @@ impl Executor {
     /// counts bytes read and records how long it took since `started`.
     pub fn status(&mut self, req: &BlockRequest, res: i32, started: Started) -> Status {
         self.stats.latency.record(req.op, started.0.elapsed());
-        if latches(req.op, durable(req), res) {
+        let native_fua = self.export.capabilities().fua == blkwire_backend::Support::Native;
+        if latches(req.op, durable(req), native_fua, res) {
             let what = if req.op == BlockOp::Flush {
                 "flush"
             } else {
@@ -480,13 +481,14 @@ fn durable(req: &BlockRequest) -> bool {
 
 /// Whether a result `res` of `op` loses the export's durability: any failed flush (what it
 /// covered may be lost, and Linux reports that once), and a durable (FUA) change's error that
-/// may be its sync's, a writeback error of writes acknowledged before: EIO, and for a WRITE or
-/// a COPY (synced with the data, `RWF_DSYNC`: one result for both) ENOSPC and EDQUOT too,
-/// which writeback reports on full thin storage or an NFS quota. Not a FUA change refused
-/// before it synced anything (unsupported, invalid; a zeroing or trim out of space, whose
-/// sync comes after it): that says nothing of what was acknowledged before.
-fn latches(op: BlockOp, durable: bool, res: i32) -> bool {
-    let synced_with_data = matches!(op, BlockOp::Write);
+/// may be its sync's, a writeback error of writes acknowledged before: EIO, and for a WRITE
+/// synced with its data (`native_fua`: `RWF_DSYNC`, one result for both) ENOSPC and EDQUOT
+/// too, which writeback reports on full thin storage or an NFS quota. Not a FUA change refused
+/// before it synced anything (unsupported, invalid; out of space where the sync is a flush of
+/// its own after it: an emulated FUA write, a zeroing, a trim, a COPY's writes): that says
+/// nothing of what was acknowledged before.
+fn latches(op: BlockOp, durable: bool, native_fua: bool, res: i32) -> bool {
+    let synced_with_data = op == BlockOp::Write && native_fua;
     res < 0
         && (op == BlockOp::Flush
             || (durable
@@ -691,6 +693,14 @@ mod tests {
             trim,
             ..Capabilities::default()
         };
+        recorder_of(caps, asynchronous)
+    }
+
+    /// A recorder export declaring `caps`, and an executor on it.
+    fn recorder_of(
+        caps: blkwire_backend::Capabilities,
+        asynchronous: bool,
+    ) -> (Arc<blkwire_backend::testing::Recorder>, Executor) {
         let b = blkwire_backend::testing::Recorder::new(caps, asynchronous);
         let e = Export::new("r", b.clone(), false);
         let size = e.size();
@@ -868,16 +878,28 @@ mod tests {
         );
         b.fail_flush.store(false, Ordering::Relaxed);
         assert_eq!(run(&mut x, &flush), Outcome::Done(Status::Io));
-        // So does a FUA write's ENOSPC (its sync may report an earlier write's writeback on
-        // full thin storage), not its EINVAL; nor a FUA zeroing out of space, refused before
-        // its flush: what was acknowledged before is not in doubt.
+        // So does a FUA write's ENOSPC where the write carries its sync (native FUA: the sync
+        // may report an earlier write's writeback on full thin storage), not its EINVAL; nor
+        // an emulated FUA write or a FUA zeroing out of space, refused before their flush:
+        // what was acknowledged before is not in doubt.
         let zero = BlockRequest::new(BlockOp::WriteZeroes, 0, 4096).flagged(IoFlags::FUA);
-        for (req, errno, latched) in [
-            (&fua, libc::ENOSPC, true),
-            (&fua, libc::EINVAL, false),
-            (&zero, libc::ENOSPC, false),
+        let native = blkwire_backend::Capabilities {
+            flush: Support::Native,
+            fua: Support::Native,
+            write_zeroes: Support::Native,
+            ..Default::default()
+        };
+        for (fua_native, req, errno, latched) in [
+            (true, &fua, libc::ENOSPC, true),
+            (true, &fua, libc::EINVAL, false),
+            (false, &fua, libc::ENOSPC, false),
+            (false, &zero, libc::ENOSPC, false),
         ] {
-            let (b, mut x) = recorder(Support::None, false);
+            let (b, mut x) = if fua_native {
+                recorder_of(native, false)
+            } else {
+                recorder(Support::None, false)
+            };
             b.fail_from.store(1, Ordering::Relaxed);
             b.fail_errno.store(errno, Ordering::Relaxed);
             assert_ne!(run(&mut x, req), Outcome::Done(Status::Ok));
@@ -885,7 +907,7 @@ mod tests {
             assert_eq!(
                 run(&mut x, &flush),
                 Outcome::Done(after),
-                "{:?} failing with errno {errno}",
+                "{:?} (native FUA: {fua_native}) failing with errno {errno}",
                 req.op
             );
         }

@@ -337,16 +337,17 @@ impl Shared {
         }
     }
 
-    /// Closes every queue of these sessions, on whichever reactor serves them.
-    /// Tells every reactor an export was removed (`Msg::ExportRemoved`).
-    fn export_removed(&self) {
+    /// Tells every reactor export `name` was removed (`Msg::ExportRemoved`).
+    fn export_removed(&self, name: &str) {
+        let name: Arc<str> = name.into();
         for w in &self.workers {
-            if w.tx.send(reactor::Msg::ExportRemoved).is_ok() {
+            if w.tx.send(reactor::Msg::ExportRemoved(name.clone())).is_ok() {
                 eventfd_write(w.wake.as_raw_fd());
             }
         }
     }
 
+    /// Closes every queue of these sessions, on whichever reactor serves them.
     fn close_sessions(&self, sessions: &[u32]) {
         if sessions.is_empty() {
             return;

@@ -67,11 +67,19 @@ fn lock_path(path: &Path) -> Result<std::fs::File, Error> {
         .custom_flags(libc::O_NOFOLLOW)
         .open(&lock)
         .map_err(|e| {
-            let hint = if e.kind() == std::io::ErrorKind::PermissionDenied {
-                " (another user's lock file: remove it if no target of theirs serves that \
-                 path, or give --rpc-socket another path)"
-            } else {
-                ""
+            // SAFETY: geteuid cannot fail.
+            let uid = unsafe { libc::geteuid() };
+            let theirs = std::fs::symlink_metadata(&lock).is_ok_and(|m| m.uid() != uid);
+            let hint = match e.kind() {
+                std::io::ErrorKind::PermissionDenied if theirs => {
+                    " (another user's lock file: remove it if no target of theirs serves that \
+                     path, or give --rpc-socket another path)"
+                }
+                std::io::ErrorKind::PermissionDenied => {
+                    " (a directory this user cannot write: give --rpc-socket PATH in one it \
+                     can, or --rpc-socket none)"
+                }
+                _ => "",
             };
             Error::Listen(format!(
                 "cannot open {} to take the control socket {}: {e}{hint}",

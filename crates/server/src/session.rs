@@ -367,6 +367,14 @@ impl Registry {
         self.lock().exports.iter().any(|s| s.export.name == name)
     }
 
+    /// Whether `export` itself is served (not another of its name added since).
+    pub fn serves(&self, export: &Arc<Export>) -> bool {
+        self.lock()
+            .exports
+            .iter()
+            .any(|s| Arc::ptr_eq(&s.export, export))
+    }
+
     /// The names of the exports served.
     pub fn export_names(&self) -> std::collections::HashSet<String> {
         self.lock()

@@ -200,6 +200,24 @@ impl ClosedTotals {
         }
     }
 
+    /// A closed queue's counters whose export is no longer served (removed, or removed and
+    /// added again under its name: the new one counts from zero): the removed sum.
+    pub fn add_removed(&mut self, stats: &QueueStats) {
+        self.removed.add(stats);
+    }
+
+    /// Folds the totals of export `name` (removed) into the removed sum.
+    pub fn forget(&mut self, name: &str) {
+        let removed = &mut self.removed;
+        self.exports.retain(|(e, s)| {
+            let keep = e != name;
+            if !keep {
+                removed.add(s);
+            }
+            keep
+        });
+    }
+
     /// Folds the totals of the exports not `served` into the removed sum.
     pub fn fold(&mut self, served: &HashSet<String>) {
         let removed = &mut self.removed;
@@ -299,6 +317,27 @@ mod tests {
         let got: Vec<_> = b.iter().map(|(e, s)| (e.as_str(), s.reads)).collect();
         assert_eq!(got, [("x", 3), ("y", 10)]);
         assert_eq!(b.total().reads, 13);
+    }
+
+    /// An export removed is forgotten by name (its totals to the removed sum), whatever is
+    /// served by then: one added again under the name at once counts from zero, and a queue
+    /// of the old one closing later adds to the removed sum, not to the new one.
+    #[test]
+    fn a_removed_export_is_forgotten_by_name() {
+        let s = |reads| QueueStats {
+            reads,
+            ..QueueStats::default()
+        };
+        let served = || HashSet::from(["x".to_string()]);
+        let mut t = ClosedTotals::default();
+        t.add("x", &s(5), served);
+        t.forget("x");
+        t.add_removed(&s(3));
+        assert_eq!(t.iter().count(), 0, "nothing listed under x");
+        t.add("x", &s(2), served);
+        let got: Vec<_> = t.iter().map(|(e, s)| (e.as_str(), s.reads)).collect();
+        assert_eq!(got, [("x", 2)]);
+        assert_eq!(t.total().reads, 10, "nothing lost from the total");
     }
 
     /// Export churn (add, serve, remove, again and again) must not grow a thread's list: the

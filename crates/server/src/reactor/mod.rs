@@ -93,9 +93,10 @@ pub enum Msg {
     },
     /// A reactor installed the update a connection of this one waits for.
     ReservationsAck(crate::reservations::Ack),
-    /// An export was removed: the closed queues' totals of exports no longer served go to the
-    /// removed sum now, so one added again under the same name counts from zero.
-    ExportRemoved,
+    /// Export `name` was removed: its closed queues' totals go to the removed sum now, so one
+    /// added again under the name counts from zero (the inbox is in order: before any queue
+    /// of the new one).
+    ExportRemoved(Arc<str>),
     Shutdown,
 }
 
@@ -359,11 +360,10 @@ impl Reactor {
                 Msg::Close(sessions) => {
                     self.close_queues(|session, _| sessions.contains(&session));
                 }
-                Msg::ExportRemoved => {
-                    let served = self.registry.export_names();
-                    self.closed.fold(&served);
+                Msg::ExportRemoved(name) => {
+                    self.closed.forget(&name);
                     for p in self.ports.iter_mut().flatten() {
-                        p.fold_closed(&served);
+                        p.forget_closed(&name);
                     }
                 }
                 Msg::CloseQueue { session, queue } => {
@@ -948,9 +948,14 @@ impl Reactor {
         let _ = self.ring.submit();
         for t in &c.targets {
             let registry = &self.registry;
-            self.closed.add(&t.exec.export().name, &t.exec.stats, || {
-                registry.export_names()
-            });
+            // A queue of an export removed (and maybe added again since): not the served one's.
+            if registry.serves(t.exec.export()) {
+                self.closed.add(&t.exec.export().name, &t.exec.stats, || {
+                    registry.export_names()
+                });
+            } else {
+                self.closed.add_removed(&t.exec.stats);
+            }
             self.registry.leave(t.session, t.queue, &t.exec.stats);
         }
         let s = &c.targets[0].exec.stats;
