@@ -67,13 +67,43 @@ const MAX_HANDSHAKE_PAYLOAD: u32 = 4096;
 /// A blocking socket whose every read and write must be done by `deadline`, however the peer
 /// trickles its bytes: a timeout per call would let one byte every few seconds hold the thread
 /// serving it for ever. A handshake has one deadline ([`Admission`]); an NVMe/TCP admin queue
-/// sets one for each PDU and command (`nvme::admin`).
-pub(crate) struct Bounded {
-    pub(crate) s: TcpStream,
+/// sets one for each PDU and command (`nvme::admin`); a control-socket client one for each
+/// request line and each reply (`rpc`).
+pub(crate) struct Bounded<S = TcpStream> {
+    pub(crate) s: S,
     pub(crate) deadline: Instant,
 }
 
-impl Bounded {
+/// A blocking socket whose calls take timeouts ([`Bounded`]).
+pub(crate) trait Timed: Read + Write {
+    fn set_read_timeout(&self, t: Option<Duration>) -> std::io::Result<()>;
+    fn set_write_timeout(&self, t: Option<Duration>) -> std::io::Result<()>;
+}
+
+impl Timed for TcpStream {
+    fn set_read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        TcpStream::set_read_timeout(self, t)
+    }
+    fn set_write_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        TcpStream::set_write_timeout(self, t)
+    }
+}
+
+impl Timed for std::os::unix::net::UnixStream {
+    fn set_read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        std::os::unix::net::UnixStream::set_read_timeout(self, t)
+    }
+    fn set_write_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        std::os::unix::net::UnixStream::set_write_timeout(self, t)
+    }
+}
+
+/// Most bytes one write of a [`Bounded`] socket hands the kernel: a Unix socket's send
+/// timeout bounds each wait for room within one `write`, not the call, so a reader taking a
+/// little every so often kept one large write going for hours past the deadline.
+const BOUNDED_WRITE: usize = 16 << 10;
+
+impl<S> Bounded<S> {
     /// Time left, or a TimedOut error once the deadline has passed.
     pub(crate) fn left(&self) -> std::io::Result<Duration> {
         let left = self.deadline.saturating_duration_since(Instant::now());
@@ -87,7 +117,7 @@ impl Bounded {
     }
 }
 
-impl Read for Bounded {
+impl<S: Timed> Read for Bounded<S> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         let left = self.left()?;
         self.s.set_read_timeout(Some(left))?;
@@ -95,11 +125,11 @@ impl Read for Bounded {
     }
 }
 
-impl Write for Bounded {
+impl<S: Timed> Write for Bounded<S> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         let left = self.left()?;
         self.s.set_write_timeout(Some(left))?;
-        self.s.write(buf)
+        self.s.write(&buf[..buf.len().min(BOUNDED_WRITE)])
     }
     fn flush(&mut self) -> std::io::Result<()> {
         self.s.flush()

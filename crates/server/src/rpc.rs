@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 
 use crate::control::{self, RpcError};
 use crate::log::Level;
-use crate::{eventfd, eventfd_write, Error, Shared};
+use crate::{eventfd, eventfd_write, Bounded, Error, Shared};
 
 /// Largest request line (a `load_config` carrying its calls: thousands of exports; a larger
 /// config is loaded by path). With `MAX_REPLY`, what one client can make the target hold.
@@ -360,44 +360,10 @@ fn hung_up(fd: std::os::fd::RawFd) -> bool {
     n > 0 && p.revents & libc::POLLHUP != 0
 }
 
-/// A socket whose reads end at `deadline`, however the bytes trickle in: a per-read timeout
-/// would let a client that sends a byte now and then hold its thread for ever.
-struct Deadlined {
-    s: UnixStream,
-    deadline: Instant,
-}
-
-impl Read for Deadlined {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::ErrorKind::TimedOut.into());
-        }
-        self.s.set_read_timeout(Some(left))?;
-        self.s.read(buf)
-    }
-}
-
-/// Writes all of `bytes` by `deadline`, however slowly the client reads them: in pieces of
-/// at most `WRITE_PIECE`, since a Unix socket's send timeout bounds each wait for room within
-/// one `write`, not the call (a reader taking a little every so often kept one large write
-/// going for hours).
-fn write_by(out: &mut UnixStream, mut bytes: &[u8], deadline: Instant) -> std::io::Result<()> {
-    const WRITE_PIECE: usize = 16 << 10;
-    while !bytes.is_empty() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::ErrorKind::TimedOut.into());
-        }
-        out.set_write_timeout(Some(left))?;
-        match out.write(&bytes[..bytes.len().min(WRITE_PIECE)]) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => bytes = &bytes[n..],
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
+/// Writes all of `bytes` within `wait`, however slowly the client reads them.
+fn write_within(out: &mut Bounded<UnixStream>, bytes: &[u8], wait: Duration) -> bool {
+    out.deadline = Instant::now() + wait;
+    out.write_all(bytes).is_ok()
 }
 
 /// Reads request lines from `s` (each whole within `idle` of when it was waited for) and
@@ -411,10 +377,15 @@ fn serve_lines(
     reply_wait: Duration,
     answer: impl Fn(&[u8]) -> Option<Value>,
 ) {
-    let Ok(mut out) = s.try_clone() else {
+    // Each request line must be whole, and each reply taken, by its deadline (`Bounded`).
+    let Ok(out) = s.try_clone() else {
         return;
     };
-    let mut input = BufReader::new(Deadlined {
+    let mut out = Bounded {
+        s: out,
+        deadline: Instant::now(),
+    };
+    let mut input = BufReader::new(Bounded {
         s,
         deadline: Instant::now(),
     });
@@ -441,7 +412,7 @@ fn serve_lines(
                 ),
             };
             let reply = line(&error_reply(Value::Null, e));
-            if write_by(&mut out, &reply, Instant::now() + reply_wait).is_err()
+            if !write_within(&mut out, &reply, reply_wait)
                 || !skip_line(&mut input, buf.last() == Some(&b'\n'))
             {
                 return;
@@ -453,7 +424,7 @@ fn serve_lines(
         }
         if let Some(reply) = answer(&buf) {
             let bytes = reply_line(&reply, MAX_REPLY);
-            if write_by(&mut out, &bytes, Instant::now() + reply_wait).is_err() {
+            if !write_within(&mut out, &bytes, reply_wait) {
                 return;
             }
         }
