@@ -444,8 +444,9 @@ impl Executor {
     /// counts bytes read and records how long it took since `started`.
     pub fn status(&mut self, req: &BlockRequest, res: i32, started: Started) -> Status {
         self.stats.latency.record(req.op, started.0.elapsed());
-        let native_fua = self.export.capabilities().fua == blkwire_backend::Support::Native;
-        if latches(req.op, durable(req), native_fua, res) {
+        // Failures only: nothing more on the path of every answered request.
+        let native_fua = || self.export.capabilities().fua == blkwire_backend::Support::Native;
+        if res < 0 && latches(req.op, durable(req), native_fua(), res) {
             let what = if req.op == BlockOp::Flush {
                 "flush"
             } else {
