@@ -5,8 +5,8 @@
 //! its reply slowly holds one place among [`MAX_CLIENTS`] (and [`MAX_CLIENTS_PER_PEER`] of its
 //! address's) until its deadline, never the thread, and a newcomer takes the place of the
 //! oldest that has not sent its request yet. Scrapes that come while a render is still being
-//! sent share it. A counter never goes back from one scrape to the
-//! next ([`Monotonic`]), even when a reactor was left out of one.
+//! sent share it. A counter never goes back from one scrape to the next ([`Monotonic`]), even
+//! when a reactor was left out of one.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;

@@ -34,6 +34,18 @@ pub(crate) enum Step {
     Done,
 }
 
+impl Step {
+    /// The step to take again when the command in flight will not be answered (its connection
+    /// lost) or must be sent again (the target refused it for want of memory): its sending.
+    pub(crate) fn again(self) -> Step {
+        match self {
+            Step::Reading => Step::Read,
+            Step::Writing => Step::Write,
+            s => s,
+        }
+    }
+}
+
 /// A partial first or last block of a READ or WRITE.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Edge {

@@ -372,6 +372,13 @@ impl Pending {
         }
     }
 
+    /// Lets go of the locks its edges hold (it leaves the table).
+    fn release_locks(&self, locks: &BlockLocks) {
+        for e in self.edges.iter().filter(|e| e.locked) {
+            locks.release(e.at);
+        }
+    }
+
     fn waits_for_lock(&self) -> bool {
         self.edges.iter().any(|e| e.step == Step::Lock)
     }
@@ -382,13 +389,7 @@ impl Pending {
     fn refused(&mut self, part: usize, chunk: u32, now: Instant) {
         match part.checked_sub(1).and_then(|i| self.edges.get_mut(i)) {
             None => self.redo.push(chunk),
-            Some(e) => {
-                e.step = match e.step {
-                    Step::Reading => Step::Read,
-                    Step::Writing => Step::Write,
-                    s => s,
-                }
-            }
+            Some(e) => e.step = e.step.again(),
         }
         self.retry_at = Some(now + RETRY_AFTER);
     }
@@ -477,9 +478,7 @@ impl Table {
         if let Some(p) = self.slots[idx].take() {
             self.live -= 1;
             self.free.push(idx);
-            for e in p.edges.iter().filter(|e| e.locked) {
-                self.locks.release(e.at);
-            }
+            p.release_locks(&self.locks);
             self.put_buf(p.buf);
         }
     }
@@ -582,9 +581,7 @@ impl Drop for Table {
     /// their deadline, and fail, for the rest of the mapping.
     fn drop(&mut self) {
         for p in self.slots.iter().flatten() {
-            for e in p.edges.iter().filter(|e| e.locked) {
-                self.locks.release(e.at);
-            }
+            p.release_locks(&self.locks);
         }
     }
 }
@@ -790,20 +787,14 @@ impl<C: Transport> Worker<C> {
             .min()
             .filter(|_| up)
             .map(|t| t.saturating_duration_since(Instant::now()));
-        let tick = match ((self.t.live > 0 || !up).then_some(TICK), retry) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let tick = (self.t.live > 0 || !up).then_some(TICK);
         let queue = match &self.link {
             Link::Up(q) => q
                 .deadline()
                 .map(|d| d.saturating_duration_since(Instant::now())),
             Link::Down(_) => None,
         };
-        match (tick, queue) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [tick, retry, queue].into_iter().flatten().min()
     }
 
     fn read_one(&mut self) -> Result<Got, String> {
@@ -1228,11 +1219,7 @@ impl<C: Transport> Worker<C> {
                 p.err = 0;
                 // An edge keeps its lock and sends its command again.
                 for e in &mut p.edges {
-                    e.step = match e.step {
-                        Step::Reading => Step::Read,
-                        Step::Writing => Step::Write,
-                        s => s,
-                    };
+                    e.step = e.step.again();
                 }
                 self.t.unsent.push_back(idx);
             }
