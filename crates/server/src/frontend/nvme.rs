@@ -178,11 +178,18 @@ impl NvmeIo {
     /// The byte range of `slba` and `nlb` blocks (0's based) of namespace `t`, if it fits a
     /// request.
     fn range(&self, t: usize, slba: u64, blocks: u64) -> Option<(u64, u32)> {
+        let (offset, len) = self.span(t, slba, blocks)?;
+        Some((offset, u32::try_from(len).ok()?))
+    }
+
+    /// The byte range of `slba` and `blocks` blocks of namespace `t`, of any length, if it
+    /// does not overflow.
+    fn span(&self, t: usize, slba: u64, blocks: u64) -> Option<(u64, u64)> {
         let shift = self.namespaces[t].lba_shift;
         let offset = slba.checked_mul(1 << shift)?;
         let len = blocks.checked_mul(1 << shift)?;
         offset.checked_add(len)?;
-        Some((offset, u32::try_from(len).ok()?))
+        Some((offset, len))
     }
 
     fn command(
@@ -348,16 +355,11 @@ impl NvmeIo {
             // asked for is there already.
             return Decoded::Need(len);
         }
-        let shift = self.namespaces[t].lba_shift;
         self.dealloc_ranges.clear();
         for r in c.data[..ranges * 16].chunks_exact(16) {
             let blocks = u32::from_le_bytes(r[4..8].try_into().expect("4 bytes")) as u64;
             let slba = u64::from_le_bytes(r[8..16].try_into().expect("8 bytes"));
-            let bytes = blocks << shift;
-            let end = slba
-                .checked_mul(1 << shift)
-                .and_then(|o| o.checked_add(bytes).map(|_| o));
-            let Some(offset) = end else {
+            let Some((offset, bytes)) = self.span(t, slba, blocks) else {
                 self.dealloc_ranges.clear();
                 return self.answer(cid, sc::LBA_RANGE | sc::DNR, len, tx);
             };
@@ -368,8 +370,8 @@ impl NvmeIo {
         match self.dealloc_ranges[..] {
             [] => self.answer(cid, sc::SUCCESS, len, tx),
             [(offset, bytes)] if bytes <= DEALLOC_PART => {
-                self.dealloc_ranges.clear();
-                let d = self.request(
+                self.end_dealloc();
+                self.request(
                     Kind::Block(BlockOp::Trim),
                     offset,
                     bytes as u32,
@@ -379,11 +381,7 @@ impl NvmeIo {
                     len,
                     0,
                     0,
-                );
-                // Decoded again (not taken): the last compound set up and not started is
-                // forgotten.
-                self.dealloc = None;
-                d
+                )
             }
             _ => {
                 // Last first, so parts come off the end.
@@ -423,9 +421,10 @@ impl NvmeIo {
         decoded
     }
 
-    /// The connection ends on a protocol error (ours, or the host's H2CTermReq): the compound
-    /// deallocation in progress makes no more parts, and its CapsuleResp never follows the
-    /// termination (the part running is answered to no one).
+    /// Forgets the compound deallocation: it is answered, it was set up by a decode the reactor
+    /// did not take (a single trim now takes its place), or the connection ends on a protocol
+    /// error (ours, or the host's H2CTermReq), after which it makes no more parts and its
+    /// CapsuleResp never follows the termination (the part running is answered to no one).
     fn end_dealloc(&mut self) {
         self.dealloc = None;
         self.dealloc_ranges.clear();
@@ -443,8 +442,7 @@ impl NvmeIo {
         if status == Status::Ok && !self.dealloc_ranges.is_empty() {
             return false;
         }
-        self.dealloc = None;
-        self.dealloc_ranges.clear();
+        self.end_dealloc();
         let st = match status {
             Status::Ok => sc::SUCCESS,
             st => status_of(st, false, req.kind == Kind::Block(BlockOp::Trim)),
