@@ -305,13 +305,19 @@ fn classify(state: SlotState, held: &Header, h: &Header) -> Verdict {
         SlotState::Reclaimed if same => Verdict::New,
         // The generation the slot holds, with another command: a duplicate (§6 keys on the
         // generation alone; an initiator moves it on for every request), never run.
-        _ if h.tag.generation() == held.tag.generation() => Verdict::Drop,
-        _ if h.tag.generation_older_than(held.tag.generation()) => Verdict::Drop,
-        // Far ahead: a copy delayed while the slot went on half the generation space looks
-        // newer by serial arithmetic; an initiator moves on one generation per request.
-        _ if h.tag.generation().wrapping_sub(held.tag.generation()) > NEW_WINDOW => Verdict::Drop,
-        _ => Verdict::New,
+        // A later generation, but not one far ahead (`newer_within`); the same one, an older
+        // one (stale), or one far ahead is dropped.
+        _ if newer_within(h.tag.generation(), held.tag.generation()) => Verdict::New,
+        _ => Verdict::Drop,
     }
+}
+
+/// Whether generation `gen` is one of the `NEW_WINDOW` after `held`: a new request on the
+/// slot. Not the same one, nor an older one (serial arithmetic), nor one far ahead: a copy
+/// delayed while the slot went on half the generation space looks newer by serial
+/// arithmetic, and an initiator moves on one generation per request.
+fn newer_within(gen: u16, held: u16) -> bool {
+    (1..=NEW_WINDOW).contains(&gen.wrapping_sub(held))
 }
 
 /// COPYs one host may run at once on a port, over all its queues: what it can hold of the
@@ -1398,6 +1404,7 @@ impl DgramPort {
             (Opcode::Write, Verdict::New, Some(b)) if runs => q.exec.write_mapped(b),
             _ => None,
         };
+        // What the request needs of the port's share; None: it is dropped, to be sent again.
         let needs = match h.opcode {
             Opcode::Read | Opcode::Write
                 if fresh
@@ -1406,7 +1413,7 @@ impl DgramPort {
                     && length <= q.max_io
                     && !self.bufs.has_spare(len) =>
             {
-                len
+                Some(len)
             }
             Opcode::Copy if verdict == Verdict::New && runs => {
                 // A host's COPYs each hold a bounce buffer of the port's share that no other
@@ -1421,16 +1428,11 @@ impl DgramPort {
                     .filter(|o| o.peer.host() == host)
                     .map(|o| o.copying)
                     .sum();
-                if running >= HOST_COPIES {
-                    self.stats.no_memory += 1;
-                    self.queues[qi].as_mut().expect("present").taken_in -= 1;
-                    return;
-                }
-                COPY_CHUNK as usize
+                (running < HOST_COPIES).then_some(COPY_CHUNK as usize)
             }
-            _ => 0,
+            _ => Some(0),
         };
-        if needs > 0 && !self.make_room(qi, needs) {
+        if needs.is_none_or(|n| n > 0 && !self.make_room(qi, n)) {
             self.stats.no_memory += 1;
             // Not taken in: the initiator must send it again, and a probe must say so.
             self.queues[qi].as_mut().expect("present").taken_in -= 1;
@@ -1465,9 +1467,7 @@ impl DgramPort {
                 // send again: not taken in (a duplicate or a stale generation is).
                 let held = s.hdr.tag.generation();
                 let resend = matches!(s.state, SlotState::Running(_))
-                    && h.tag.generation() != held
-                    && !h.tag.generation_older_than(held)
-                    && h.tag.generation().wrapping_sub(held) <= NEW_WINDOW;
+                    && newer_within(h.tag.generation(), held);
                 // Only a duplicate or a stale one counts as dropped: the new generation is
                 // not late, it came early and will come again.
                 q.exec.stats.dropped_duplicates += (!resend) as u64;

@@ -208,25 +208,23 @@ impl ClosedTotals {
 
     /// Folds the totals of export `name` (removed) into the removed sum.
     pub fn forget(&mut self, name: &str) {
-        let removed = &mut self.removed;
-        self.exports.retain(|(e, s)| {
-            let keep = e != name;
-            if !keep {
-                removed.add(s);
-            }
-            keep
-        });
+        self.keep_only(|e| e != name);
     }
 
     /// Folds the totals of the exports not `served` into the removed sum.
     pub fn fold(&mut self, served: &HashSet<String>) {
+        self.keep_only(|e| served.contains(e));
+    }
+
+    /// Folds the totals of the exports `keep` says no to into the removed sum.
+    fn keep_only(&mut self, keep: impl Fn(&str) -> bool) {
         let removed = &mut self.removed;
         self.exports.retain(|(e, s)| {
-            let keep = served.contains(e);
-            if !keep {
+            let kept = keep(e);
+            if !kept {
                 removed.add(s);
             }
-            keep
+            kept
         });
     }
 
