@@ -1278,15 +1278,8 @@ impl DgramPort {
                 }
             }
             self.index.remove(&(q.session, q.queue));
-            let registry = &self.registry;
-            // A queue of an export removed (and maybe added again since): not the served one's.
-            if registry.serves(q.exec.export()) {
-                self.closed.add(&q.exec.export().name, &q.exec.stats, || {
-                    registry.export_names()
-                });
-            } else {
-                self.closed.add_removed(&q.exec.stats);
-            }
+            self.closed
+                .add_queue(&self.registry, q.exec.export(), &q.exec.stats);
             self.registry.leave(q.session, q.queue, &q.exec.stats);
             if q.exec.notifier().is_some() {
                 self.notifier_changes.push((qi, q.incarnation, None));

@@ -370,8 +370,14 @@ impl Shared {
     /// Tells every reactor export `name` was removed (`Msg::ExportRemoved`).
     fn export_removed(&self, name: &str) {
         let name: Arc<str> = name.into();
+        self.tell_reactors(|| Msg::ExportRemoved(name.clone()));
+    }
+
+    /// Sends every reactor the message `msg` makes and wakes it (one that has stopped is
+    /// passed over).
+    fn tell_reactors(&self, msg: impl Fn() -> Msg) {
         for w in &self.workers {
-            if w.tx.send(reactor::Msg::ExportRemoved(name.clone())).is_ok() {
+            if w.tx.send(msg()).is_ok() {
                 eventfd_write(w.wake.as_raw_fd());
             }
         }
@@ -522,11 +528,7 @@ impl Shared {
         if l.stream.is_some() {
             eventfd_write(self.changed.as_raw_fd());
         } else {
-            for w in &self.workers {
-                if w.tx.send(Msg::ClosePort(l.id)).is_ok() {
-                    eventfd_write(w.wake.as_raw_fd());
-                }
-            }
+            self.tell_reactors(|| Msg::ClosePort(l.id));
         }
         crate::log!(Level::Info, "stopped listening on {}", l.url);
         Ok(l.url)
@@ -1067,10 +1069,7 @@ impl Target {
         drop(turn);
         drop(live);
         self.shared.lock_listeners().list.clear();
-        for w in &self.shared.workers {
-            let _ = w.tx.send(Msg::Shutdown);
-            eventfd_write(w.wake.as_raw_fd());
-        }
+        self.shared.tell_reactors(|| Msg::Shutdown);
         for h in self.handles {
             let _ = h.join();
         }

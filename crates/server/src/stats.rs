@@ -200,9 +200,24 @@ impl ClosedTotals {
         }
     }
 
-    /// A closed queue's counters whose export is no longer served (removed, or removed and
-    /// added again under its name: the new one counts from zero): the removed sum.
-    pub fn add_removed(&mut self, stats: &QueueStats) {
+    /// Adds the counters of a queue of `export` that closed: to its export's totals while
+    /// that very export is served, to the removed sum once it was removed (and maybe added
+    /// again under its name since: the new one counts from zero).
+    pub fn add_queue(
+        &mut self,
+        registry: &crate::session::Registry,
+        export: &std::sync::Arc<blkwire_backend::Export>,
+        stats: &QueueStats,
+    ) {
+        if registry.serves(export) {
+            self.add(&export.name, stats, || registry.export_names());
+        } else {
+            self.add_removed(stats);
+        }
+    }
+
+    /// A closed queue's counters whose export is no longer served: the removed sum.
+    fn add_removed(&mut self, stats: &QueueStats) {
         self.removed.add(stats);
     }
 

@@ -947,15 +947,8 @@ impl Reactor {
         }
         let _ = self.ring.submit();
         for t in &c.targets {
-            let registry = &self.registry;
-            // A queue of an export removed (and maybe added again since): not the served one's.
-            if registry.serves(t.exec.export()) {
-                self.closed.add(&t.exec.export().name, &t.exec.stats, || {
-                    registry.export_names()
-                });
-            } else {
-                self.closed.add_removed(&t.exec.stats);
-            }
+            self.closed
+                .add_queue(&self.registry, t.exec.export(), &t.exec.stats);
             self.registry.leave(t.session, t.queue, &t.exec.stats);
         }
         let s = &c.targets[0].exec.stats;
