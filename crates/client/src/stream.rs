@@ -748,6 +748,19 @@ mod tests {
         (q, target)
     }
 
+    /// Queues `n` WRITEs of 1 MiB, one after another from offset 0.
+    fn submit_mib_writes(q: &mut StreamQueue, n: u64) {
+        let data = vec![7u8; 1 << 20];
+        for i in 0..n {
+            let w = Cmd::Write {
+                offset: i << 20,
+                data: &data,
+                fua: false,
+            };
+            q.submit(w, i).unwrap();
+        }
+    }
+
     /// The timeout is for a target that takes nothing: one that takes the writes slowly but
     /// steadily (a slow link) keeps `send` going, however long the whole takes.
     #[test]
@@ -757,15 +770,7 @@ mod tests {
             ..options(Duration::from_millis(500))
         };
         let (mut q, mut target) = queue_on_loopback(&opts);
-        let data = vec![7u8; 1 << 20];
-        for i in 0..32u64 {
-            let w = Cmd::Write {
-                offset: i << 20,
-                data: &data,
-                fua: false,
-            };
-            q.submit(w, i).unwrap();
-        }
+        submit_mib_writes(&mut q, 32);
         // At most 1 MiB every 100 ms: 32 MiB take seconds, several timeouts, past what the
         // socket buffers hold; the client sees room every fraction of one.
         let reader = std::thread::spawn(move || {
@@ -797,15 +802,7 @@ mod tests {
     #[test]
     fn a_target_that_trickles_bytes_times_send_out() {
         let (mut q, mut target) = queue_on_loopback(&options(Duration::from_millis(500)));
-        let data = vec![7u8; 1 << 20];
-        for i in 0..8u64 {
-            let w = Cmd::Write {
-                offset: i << 20,
-                data: &data,
-                fua: false,
-            };
-            q.submit(w, i).unwrap();
-        }
+        submit_mib_writes(&mut q, 8);
         let (done, ended) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let _ = done.send(q.send());

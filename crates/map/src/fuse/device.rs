@@ -1051,6 +1051,14 @@ mod tests {
         }
     }
 
+    /// Saves `rec` in the records directory `records`, as a daemon would have.
+    fn plant(records: &Path, rec: &Record) {
+        RecordsLock::acquire_in(records.to_path_buf())
+            .unwrap()
+            .save(rec)
+            .unwrap();
+    }
+
     /// `bind` as setup calls it, its undo disarmed (the test's `Scratch` detaches).
     fn bind_new(file: &File, url: &str, records: &Path) -> Result<LoopDev, String> {
         let mut undo = Undo::default();
@@ -1148,10 +1156,7 @@ mod tests {
         let free = LoopDev::get_free().unwrap();
         let mut planted = record("tcp://127.0.0.1:1/leaving");
         planted.device = free.path();
-        RecordsLock::acquire_in(records.clone())
-            .unwrap()
-            .save(&planted)
-            .unwrap();
+        plant(&records, &planted);
         let (f, _) = scratch.file("new");
         let dev = bind_new(&f, "tcp://127.0.0.1:1/new", &records).unwrap();
         assert_ne!(dev, free);
@@ -1209,10 +1214,7 @@ mod tests {
         // This pid, another process: a dead daemon whose pid this process was given.
         planted.start_time += 1;
         planted.mountpoint = live_dir.display().to_string();
-        RecordsLock::acquire_in(records.clone())
-            .unwrap()
-            .save(&planted)
-            .unwrap();
+        plant(&records, &planted);
         let (f, _) = scratch.file("new");
         let dev = bind_new(&f, "tcp://127.0.0.1:1/new", &records).unwrap();
         assert_eq!(dev, free, "the dead record's device is taken");

@@ -1739,17 +1739,7 @@ mod tests {
 
         // A write over part of block 1: its edge's read is refused, then read again.
         let data = common_bytes(512);
-        let mut buf = vec![0u8; WRITE_DATA_AT];
-        buf.extend_from_slice(&data);
-        let op = IoOp::new(BlockOp::Write, B as u64, 512);
-        let mut p = Pending::new(
-            4,
-            op,
-            Some(buf),
-            B as u32,
-            now,
-            now + Duration::from_secs(9),
-        );
+        let mut p = write_into_block_1(4, &data, now);
         assert_eq!(send(&mut p, &locks), Some((1, B as u64, B as u32, vec![])));
         let idx = t.insert(p).unwrap();
         t.unsent.clear();
@@ -1837,6 +1827,22 @@ mod tests {
         );
     }
 
+    /// Request `unique`: a WRITE of `data` (less than a block) at the start of 4 KiB block 1,
+    /// read at `now`, due 9 s later.
+    fn write_into_block_1(unique: u64, data: &[u8], now: Instant) -> Pending {
+        let mut buf = vec![0u8; WRITE_DATA_AT];
+        buf.extend_from_slice(data);
+        let op = IoOp::new(BlockOp::Write, 4096, data.len() as u64);
+        Pending::new(
+            unique,
+            op,
+            Some(buf),
+            4096,
+            now,
+            now + Duration::from_secs(9),
+        )
+    }
+
     /// A worker that stops with a partial-block write in its table lets the block's lock go:
     /// the other workers' writes to that block do not wait for it for the rest of the mapping.
     #[test]
@@ -1844,17 +1850,7 @@ mod tests {
         const B: usize = 4096;
         let locks = Arc::new(BlockLocks::default());
         let mut t = Table::new(4, 1 << 20, B as u32, Arc::clone(&locks));
-        let now = Instant::now();
-        let buf = vec![0u8; WRITE_DATA_AT + 512];
-        let op = IoOp::new(BlockOp::Write, B as u64, 512);
-        let mut p = Pending::new(
-            4,
-            op,
-            Some(buf),
-            B as u32,
-            now,
-            now + Duration::from_secs(9),
-        );
+        let mut p = write_into_block_1(4, &[0; 512], Instant::now());
         assert_eq!(send(&mut p, &locks), Some((1, B as u64, B as u32, vec![])));
         t.insert(p).unwrap();
         assert!(!locks.try_take(B as u64), "the edge holds block 1");
