@@ -548,6 +548,11 @@ pub fn process_alive(pid: i32, start_time: u64) -> bool {
     matches!(proc_stat(pid), Some((state, start)) if start == start_time && state != 'Z' && state != 'X')
 }
 
+/// Whether some process runs with `pid` (whichever it is: not a zombie).
+pub fn pid_running(pid: i32) -> bool {
+    matches!(proc_stat(pid), Some((state, _)) if state != 'Z' && state != 'X')
+}
+
 /// This process's start time, as records keep it (`proc_stat`).
 pub fn self_start_time() -> u64 {
     proc_stat(std::process::id() as i32)
@@ -558,6 +563,11 @@ pub fn self_start_time() -> u64 {
 /// Mount directories are named after the pid of the daemon that made them.
 pub fn mount_dir_for(pid: u32) -> PathBuf {
     mounts_dir().join(pid.to_string())
+}
+
+/// The pid a mount directory is named after (`mount_dir_for`), if its name is one.
+pub fn mount_dir_pid(dir: &Path) -> Option<i32> {
+    dir.file_name()?.to_str()?.parse().ok()
 }
 
 #[cfg(test)]

@@ -900,8 +900,7 @@ fn unmap(device: &str) -> Result<(), String> {
     // another process's that was given its pid since.
     let ours = |m: &String| {
         rec.as_ref().is_some_and(|r| {
-            Path::new(m) == Path::new(&r.mountpoint)
-                && matches!(state::proc_stat(r.pid), Some((_, t)) if t == r.start_time)
+            Path::new(m) == Path::new(&r.mountpoint) && state::process_alive(r.pid, r.start_time)
         })
     };
     if let Some(m) = mountpoint.filter(|m| ours(m) || mount_is_orphaned(Path::new(m))) {
@@ -923,11 +922,7 @@ fn unmap(device: &str) -> Result<(), String> {
 /// daemon given the same pid names its mount directory the same: unmounting that would cut a
 /// live mapping (its loop device's file would read as gone, and a later unmap skip its checks).
 fn mount_is_orphaned(m: &Path) -> bool {
-    let pid = m
-        .file_name()
-        .and_then(|n| n.to_str())
-        .and_then(|n| n.parse::<i32>().ok());
-    pid.is_none_or(|pid| !matches!(state::proc_stat(pid), Some((s, _)) if s != 'Z' && s != 'X'))
+    state::mount_dir_pid(m).is_none_or(|pid| !state::pid_running(pid))
 }
 
 /// Removes mount directories that no record refers to and whose daemon is gone: what a daemon
@@ -944,17 +939,13 @@ fn collect_orphan_mounts() {
     for e in dir.filter_map(|e| e.ok()) {
         let path = e.path();
         // Only a daemon's own: named by its pid.
-        if e.file_name()
-            .to_str()
-            .and_then(|n| n.parse::<i32>().ok())
-            .is_none()
-        {
+        let Some(pid) = state::mount_dir_pid(&path) else {
             continue;
-        }
+        };
         if used.iter().any(|m| Path::new(m) == path) {
             continue;
         }
-        if !mount_is_orphaned(&path) {
+        if state::pid_running(pid) {
             continue; // a daemon still setting up
         }
         let _ = channel::unmount_lazy(&path);
