@@ -15,6 +15,7 @@
 use std::io::Write;
 use std::net::TcpStream;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use blkwire_wire::nvme_tcp::{
     self, pdu_len, CapsuleCmd, Cqe, Direction, H2CData, IcReq, Params, Pdu, Progress, Sgl, Sqe,
@@ -91,7 +92,8 @@ pub(crate) fn status(cqe: &Cqe) -> Status {
         0 => Status::Ok,
         0x080 => Status::OutOfRange,
         0x081 => Status::NoSpace,
-        0x182 => Status::ReadOnly,
+        // Attempted Write to Read Only Range; Namespace is Write Protected.
+        0x182 | 0x020 => Status::ReadOnly,
         0x001 => Status::Unsupported,
         0x002 | 0x00b | 0x00f | 0x011 => Status::Invalid,
         0x021 => Status::NoMemory,
@@ -252,7 +254,7 @@ impl Framing {
             )));
         }
         let mut at = r.r2to as usize;
-        let step = self.maxh2cdata.max(4096) as usize;
+        let step = self.maxh2cdata as usize;
         while at < end as usize {
             let n = (end as usize - at).min(step);
             Pdu::H2CData(H2CData {
@@ -308,6 +310,13 @@ impl Setup {
         }))?;
         let buf = c.recv()?;
         match nvme_tcp::decode(&buf, &c.rx) {
+            // Below 4 KiB, as Linux's host also refuses (NVMe/TCP 3.6.2.3): the host's
+            // H2CData PDUs would be larger than the controller takes.
+            Ok(Pdu::IcResp(r)) if r.maxh2cdata < 4096 => Err(Error::Protocol(format!(
+                "{}: the controller's MAXH2CDATA is {} bytes; NVMe/TCP requires at least 4096",
+                url.authority(),
+                r.maxh2cdata
+            ))),
             Ok(Pdu::IcResp(r)) if !r.hdgst && !r.ddgst => {
                 c.maxh2cdata = r.maxh2cdata;
                 c.tx.pda = r.cpda;
@@ -446,6 +455,39 @@ impl Setup {
         Ok(c.dw0 as u16)
     }
 
+    /// Reads CSTS until the controller enabled is ready (NVMe base 3.5.1: it may take CAP.TO),
+    /// or says it failed (CSTS.CFS).
+    fn wait_ready(&mut self, subnqn: &str, within: Duration) -> Result<()> {
+        let until = Instant::now() + within;
+        let mut pause = Duration::from_millis(1);
+        loop {
+            let mut get = sqe(0x7f, 0);
+            get.nsid = 0x04;
+            get.cdw11 = 0x1c;
+            let (c, _) = self.command(get, &[], 0)?;
+            self.check("Property Get CSTS", &c)?;
+            if c.dw0 & 2 != 0 {
+                return Err(Error::Protocol(format!(
+                    "{subnqn}: the controller reports a fatal status (CSTS.CFS) once enabled"
+                )));
+            }
+            if c.dw0 & 1 != 0 {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= until {
+                return Err(Error::Protocol(format!(
+                    "{subnqn}: the controller did not become ready within its CAP.TO of {} ms",
+                    within.as_millis()
+                )));
+            }
+            // A register poll, as the spec has hosts do: short at first, as controllers are
+            // usually ready at once.
+            std::thread::sleep(pause.min(until - now));
+            pause = (pause * 2).min(Duration::from_millis(100));
+        }
+    }
+
     fn check(&self, what: &str, c: &Cqe) -> Result<()> {
         match status(c) {
             Status::Ok => Ok(()),
@@ -487,22 +529,6 @@ pub(crate) fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     let max_io = opts.max_io.clamp(4096, 1 << 20);
     let mut a = Setup::open(url, opts, max_io)?;
     let cntlid = a.connect(&subnqn, &hostnqn, 0, 0xffff, 31)?;
-    // CC: I/O queue entry sizes 64/16 bytes, enable; then CSTS.RDY.
-    let mut set = sqe(0x7f, 0);
-    set.nsid = 0x00;
-    set.cdw11 = 0x14;
-    set.cdw12 = 0x46_0001;
-    let (c, _) = a.command(set, &[], 0)?;
-    a.check("Property Set CC", &c)?;
-    let mut get = sqe(0x7f, 0);
-    get.nsid = 0x04;
-    get.cdw11 = 0x1c;
-    let (c, _) = a.command(get, &[], 0)?;
-    if c.dw0 & 1 == 0 {
-        return Err(Error::Protocol(
-            "the controller did not become ready".into(),
-        ));
-    }
     let mut cap = sqe(0x7f, 0);
     cap.nsid = 0x04;
     cap.cdw10 = 1;
@@ -516,6 +542,16 @@ pub(crate) fn connect(url: &Url, opts: &ConnectOptions) -> Result<Session> {
             "{subnqn}: the controller's CAP.MQES is 0, a queue with no room for a command"
         )));
     }
+    // CAP.TO: how long, in 500 ms units, the controller may take to become ready.
+    let ready_within = Duration::from_millis(500 * u64::from((c.dw0 >> 24).max(1)));
+    // CC: I/O queue entry sizes 64/16 bytes, enable; then CSTS.RDY.
+    let mut set = sqe(0x7f, 0);
+    set.nsid = 0x00;
+    set.cdw11 = 0x14;
+    set.cdw12 = 0x46_0001;
+    let (c, _) = a.command(set, &[], 0)?;
+    a.check("Property Set CC", &c)?;
+    a.wait_ready(&subnqn, ready_within)?;
     let mut id = sqe(0x06, 0);
     id.cdw10 = 1;
     let (c, ctrl) = a.command(id, &[], 4096)?;
@@ -856,6 +892,78 @@ mod tests {
         let s = crate::connect(&target.url, &options()).unwrap();
         assert_eq!((s.info.queues, s.queues.len()), (1, 1));
         assert_eq!(s.info.depth, 4);
+    }
+
+    /// A controller that takes a while to become ready once enabled (CSTS.RDY read 0 three
+    /// times) is waited for; one that never does is given up after its CAP.TO, and one
+    /// reporting a fatal status at once, each with a message that says so.
+    #[test]
+    fn the_controller_is_waited_for_until_ready_within_cap_to() {
+        let slow = Controller {
+            not_ready: 3,
+            ..Controller::default()
+        };
+        let target = fake::start(slow, |mut io| while io.recv().is_some() {});
+        let s = crate::connect(&target.url, &options()).unwrap();
+        assert_eq!(s.queues.len(), 1);
+        let never = Controller {
+            not_ready: u32::MAX,
+            ..Controller::default()
+        };
+        let target = fake::start(never, |mut io| while io.recv().is_some() {});
+        let r = crate::connect(&target.url, &options());
+        assert!(
+            matches!(&r, Err(Error::Protocol(m)) if m.contains("did not become ready within its CAP.TO of 500 ms")),
+            "{:?}",
+            r.map(|s| s.info.size)
+        );
+        let fatal = Controller {
+            fatal: true,
+            ..Controller::default()
+        };
+        let target = fake::start(fatal, |mut io| while io.recv().is_some() {});
+        let r = crate::connect(&target.url, &options());
+        assert!(
+            matches!(&r, Err(Error::Protocol(m)) if m.contains("CSTS.CFS")),
+            "{:?}",
+            r.map(|s| s.info.size)
+        );
+    }
+
+    /// A MAXH2CDATA below 4 KiB is refused at setup (no H2CData the host sends would fit it),
+    /// not raised to 4 KiB and sent anyway.
+    #[test]
+    fn a_maxh2cdata_below_4096_is_refused() {
+        for maxh2cdata in [4, 4092] {
+            let c = Controller {
+                maxh2cdata,
+                ..Controller::default()
+            };
+            let target = fake::start(c, |mut io| while io.recv().is_some() {});
+            let r = crate::connect(&target.url, &options());
+            assert!(
+                matches!(&r, Err(Error::Protocol(m)) if m.contains(&format!("MAXH2CDATA is {maxh2cdata} bytes"))),
+                "{maxh2cdata}: {:?}",
+                r.map(|s| s.info.size)
+            );
+        }
+    }
+
+    /// Namespace is Write Protected (SC 0x20) is a read-only refusal, as a write to a
+    /// read-only range is.
+    #[test]
+    fn write_protected_is_read_only() {
+        for sc in [0x020u16, 0x182] {
+            let c = Cqe {
+                dw0: 0,
+                dw1: 0,
+                sq_head: 0,
+                sq_id: 0,
+                cid: 0,
+                status: sc << 1,
+            };
+            assert_eq!(status(&c), Status::ReadOnly, "{sc:#x}");
+        }
     }
 
     /// Setup commands take no more data than they asked for (here Identify controller's

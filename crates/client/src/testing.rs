@@ -117,6 +117,14 @@ pub(crate) mod nvme {
         pub blocks: u64,
         /// Identify controller ONCS: the optional commands offered.
         pub oncs: u16,
+        /// CAP.TO, in 500 ms units.
+        pub cap_to: u8,
+        /// How many reads of CSTS after enabling find it not yet ready.
+        pub not_ready: u32,
+        /// CSTS.CFS once enabled.
+        pub fatal: bool,
+        /// The ICResp's MAXH2CDATA.
+        pub maxh2cdata: u32,
     }
 
     impl Default for Controller {
@@ -128,6 +136,10 @@ pub(crate) mod nvme {
                 trickle: None,
                 blocks: 2048,
                 oncs: 0,
+                cap_to: 1,
+                not_ready: 0,
+                fatal: false,
+                maxh2cdata: 1 << 20,
             }
         }
     }
@@ -195,7 +207,7 @@ pub(crate) mod nvme {
     }
 
     /// Takes the ICReq and answers it (trickled if `trickle`).
-    fn initialize(s: &mut TcpStream, trickle: Option<Duration>) -> Option<()> {
+    fn initialize(s: &mut TcpStream, trickle: Option<Duration>, maxh2cdata: u32) -> Option<()> {
         let (rx, tx) = params();
         let b = read_pdu(s, &rx)?;
         let Ok(Pdu::IcReq(_)) = nvme_tcp::decode(&b, &rx) else {
@@ -207,7 +219,7 @@ pub(crate) mod nvme {
             cpda: 0,
             hdgst: false,
             ddgst: false,
-            maxh2cdata: 1 << 20,
+            maxh2cdata,
         })
         .encode(&tx, &mut out);
         match trickle {
@@ -226,6 +238,7 @@ pub(crate) mod nvme {
     /// Answers admin commands until the host closes the admin queue.
     fn admin(c: &Controller, s: &mut TcpStream) -> Option<()> {
         let (rx, tx) = params();
+        let mut not_ready = c.not_ready;
         loop {
             let b = read_pdu(s, &rx)?;
             let Ok(Pdu::CapsuleCmd(cmd)) = nvme_tcp::decode(&b, &rx) else {
@@ -238,8 +251,13 @@ pub(crate) mod nvme {
                 // Fabrics Connect (controller 1), Property Set, Property Get of CSTS or CAP.
                 (0x7f, 0x01) => (1, None),
                 (0x7f, 0x00) => (0, None),
+                (0x7f, 0x04) if q.cdw11 == 0x1c && c.fatal => (2, None),
+                (0x7f, 0x04) if q.cdw11 == 0x1c && not_ready > 0 => {
+                    not_ready -= 1;
+                    (0, None)
+                }
                 (0x7f, 0x04) if q.cdw11 == 0x1c => (1, None),
-                (0x7f, 0x04) => (c.mqes as u32, None),
+                (0x7f, 0x04) => (c.mqes as u32 | u32::from(c.cap_to) << 24, None),
                 // Identify controller: IOCCSZ, MAXCMD 128, ONCS, a volatile write cache.
                 (0x06, _) if q.cdw10 & 0xff == 1 => {
                     data[514..516].copy_from_slice(&128u16.to_le_bytes());
@@ -319,6 +337,7 @@ pub(crate) mod nvme {
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = stop.clone();
         let accepting = std::thread::spawn(move || {
+            let maxh2cdata = c.maxh2cdata;
             let mut admin_queue = Some(c);
             while let Ok((mut s, _)) = l.accept() {
                 if stopped.load(Ordering::SeqCst) {
@@ -327,7 +346,7 @@ pub(crate) mod nvme {
                 if let Some(c) = admin_queue.take() {
                     // The admin queue stays open beside the I/O queues, as the host holds it.
                     std::thread::spawn(move || {
-                        if initialize(&mut s, c.trickle).is_some() {
+                        if initialize(&mut s, c.trickle, c.maxh2cdata).is_some() {
                             admin(&c, &mut s);
                         }
                     });
@@ -335,7 +354,9 @@ pub(crate) mod nvme {
                 }
                 let io = io.clone();
                 std::thread::spawn(move || {
-                    if initialize(&mut s, None).is_some() && connect_io(&mut s).is_some() {
+                    if initialize(&mut s, None, maxh2cdata).is_some()
+                        && connect_io(&mut s).is_some()
+                    {
                         let (rx, tx) = params();
                         io(Io { s, tx, rx });
                     }
