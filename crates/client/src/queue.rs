@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::os::fd::RawFd;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use blkwire_block::{BlockOp, BlockRequest, CopyRange, IoFlags};
 use blkwire_wire::{CopyDescriptor, CopyLimits, Flags, Opcode, QueueRef, Status};
@@ -293,6 +293,15 @@ impl Queue {
         }
     }
 
+    /// How long a batch keeps sending again what the target refused for want of memory
+    /// without any part of it completing: what the queue waits for a reply at most.
+    fn patience(&self) -> Duration {
+        match &self.inner {
+            Inner::Stream(q) => q.timeout(),
+            Inner::Dgram(q) => q.give_up_after(),
+        }
+    }
+
     /// A new batch's number (`Batch`).
     fn next_batch(&mut self) -> Batch {
         self.batch = self.batch.wrapping_add(1);
@@ -417,7 +426,10 @@ impl Queue {
     /// Runs a batch of commands of at most `max_io` each, keeping the pipeline full, and returns
     /// the first error. `each(i)` yields command `i`; `done(i, data)` receives read data. An
     /// error of the transport returns at once, commands still in flight: their completions,
-    /// if any come, are told apart from a later batch's by the batch number in `user`.
+    /// if any come, are told apart from a later batch's by the batch number in `user`. A part
+    /// the target refused for want of memory (`NO_MEMORY`: it ran nothing, PROTOCOL.md §5) is
+    /// sent again after a pause, as the map daemons do, until the batch has gone
+    /// [`Queue::patience`] without a part completing.
     fn run_batch<'a>(
         &mut self,
         count: usize,
@@ -425,41 +437,88 @@ impl Queue {
         mut done: impl FnMut(usize, &[u8]),
         what: impl FnOnce() -> String,
     ) -> Result<()> {
+        // Parts sent for the first time so far, and parts of this batch now in flight
+        // (in_flight() may count an earlier batch's, not waited for).
         let mut next = 0;
+        let mut sent = 0;
         let mut finished = 0;
         let mut failed: Option<(usize, Status)> = None;
         // A part refused as it is sent (NVMe alignment, say) stops the batch, but only once
         // the parts in flight have completed: returned earlier, their completions would be
         // taken by the caller's next batch as its own (the same user numbers).
         let mut refused: Option<Error> = None;
+        // Parts refused for want of memory, to send again at `again_at`.
+        let mut again: Vec<usize> = Vec::new();
+        let mut again_at: Option<Instant> = None;
+        let mut pause = RETRY_FIRST;
+        let patience = self.patience();
+        let mut progress = Instant::now();
         let batch = self.next_batch();
-        // Until every command of this batch is answered, or, once one failed or was refused,
-        // every one sent: in_flight() may count an earlier batch's, not waited for.
-        while finished < count && !((failed.is_some() || refused.is_some()) && finished == next) {
-            while next < count
-                && self.in_flight() < self.depth()
-                && failed.is_none()
-                && refused.is_none()
-            {
-                match self.submit(each(next), batch.user(next)) {
-                    Ok(()) => next += 1,
+        loop {
+            let stopping = failed.is_some() || refused.is_some();
+            if finished == count || (stopping && sent == 0) {
+                break;
+            }
+            let due = again_at.is_some_and(|t| Instant::now() >= t);
+            while !stopping && refused.is_none() && self.in_flight() < self.depth() {
+                let i = if due && !again.is_empty() {
+                    again.pop().expect("not empty")
+                } else if next < count {
+                    next += 1;
+                    next - 1
+                } else {
+                    break;
+                };
+                match self.submit(each(i), batch.user(i)) {
+                    Ok(()) => sent += 1,
                     Err(e) => refused = Some(e),
                 }
             }
-            if self.in_flight() == 0 {
-                break;
+            if again.is_empty() {
+                again_at = None;
+            } else if due {
+                // Some wait for a slot: sent as the ones in flight complete.
+                again_at = Some(Instant::now());
             }
+            if sent == 0 {
+                if failed.is_some() || refused.is_some() || (again.is_empty() && next == count) {
+                    break;
+                }
+                if self.in_flight() < self.depth() || self.in_flight() == 0 {
+                    // Nothing of this batch in flight: what is left waits for `again_at`.
+                    let Some(t) = again_at else { break };
+                    std::thread::sleep(t.saturating_duration_since(Instant::now()));
+                    continue;
+                }
+                // Every slot holds an earlier batch's command: its completion frees one.
+            }
+            let now = Instant::now();
             self.complete(1, |c| {
                 let Some(i) = batch.index(c.user) else {
                     return; // an earlier batch's
                 };
-                finished += 1;
-                if c.status != Status::Ok {
-                    failed.get_or_insert((i, c.status));
-                } else {
-                    done(i, c.data);
+                sent -= 1;
+                match c.status {
+                    Status::NoMemory
+                        if failed.is_none() && now.duration_since(progress) < patience =>
+                    {
+                        again.push(i);
+                        again_at.get_or_insert(now + pause);
+                        return;
+                    }
+                    Status::Ok => {
+                        progress = now;
+                        done(i, c.data);
+                    }
+                    s => {
+                        failed.get_or_insert((i, s));
+                    }
                 }
+                finished += 1;
             })?;
+            if again_at.is_some() {
+                pause = (pause * 2).min(RETRY_MOST);
+            }
         }
         if let Some(e) = refused {
             return Err(e);
@@ -689,6 +748,11 @@ pub fn overlapping_source(ranges: &[CopyRange], dst: u64) -> Option<(CopyRange, 
 /// applies to it like to any request) whatever the target would take.
 pub const COPY_COMMAND_MAX: u32 = 64 << 20;
 
+/// The first pause before a part refused for want of memory is sent again (`run_batch`), and
+/// the longest it grows to while refusals go on.
+const RETRY_FIRST: Duration = Duration::from_millis(10);
+const RETRY_MOST: Duration = Duration::from_millis(200);
+
 /// Splits a copy into COPY commands within `limits` (and [`COPY_COMMAND_MAX`]), made one at a
 /// time as they are asked for: `(destination, length, descriptor)` each.
 fn copy_commands<'a>(
@@ -826,6 +890,65 @@ mod tests {
             "the read at 8192 returned the bytes of the one at 0 ({:#x})",
             buf[0]
         );
+    }
+
+    /// A part the target refused for want of memory (it ran nothing) is sent again and the
+    /// batch succeeds; every part is written once, none reported done unwritten. A target
+    /// that refuses for ever fails the batch with NO_MEMORY once the queue's timeout has
+    /// passed without a part completing.
+    #[test]
+    fn parts_refused_for_want_of_memory_are_sent_again() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let url = testing::native(granted(1, 4, 4096, 4096), move |mut s| {
+            let mut refused = std::collections::HashSet::new();
+            while let Some((h, _)) = testing::read_frame(&mut s) {
+                let status = if refused.insert(h.offset) {
+                    Status::NoMemory
+                } else {
+                    Status::Ok
+                };
+                let _ = tx.send((h.offset, status));
+                if s.write_all(&h.reply(status, 0).to_bytes()).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut s = crate::connect(&url, &ConnectOptions::default()).unwrap();
+        s.queues[0].write_at(&[7u8; 4 * 4096], 0, false).unwrap();
+        drop(s);
+        let mut seen: Vec<(u64, Status)> = rx.iter().collect();
+        seen.sort_by_key(|&(o, st)| (o, st == Status::Ok));
+        let want: Vec<(u64, Status)> = (0..4u64)
+            .flat_map(|i| [(i * 4096, Status::NoMemory), (i * 4096, Status::Ok)])
+            .collect();
+        assert_eq!(seen, want);
+
+        let url = testing::native(granted(1, 4, 4096, 4096), |mut s| {
+            while let Some((h, _)) = testing::read_frame(&mut s) {
+                if s.write_all(&h.reply(Status::NoMemory, 0).to_bytes())
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        });
+        let opts = ConnectOptions {
+            timeout: std::time::Duration::from_millis(300),
+            ..Default::default()
+        };
+        let mut s = crate::connect(&url, &opts).unwrap();
+        let r = s.queues[0].write_at(&[7u8; 2 * 4096], 0, false);
+        assert!(
+            matches!(
+                r,
+                Err(Error::Status {
+                    status: Status::NoMemory,
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        s.queues[0].flush().expect_err("refused as well");
     }
 
     /// A batch after one that failed with a command in flight ends with its own commands: it

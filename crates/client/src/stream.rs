@@ -110,6 +110,10 @@ impl StreamQueue {
     pub fn max_io(&self) -> u32 {
         self.max_io
     }
+    /// The longest wait for a reply (`ConnectOptions::timeout`).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
     pub fn in_flight(&self) -> usize {
         self.slots.len() - self.free.len()
     }

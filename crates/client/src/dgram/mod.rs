@@ -222,6 +222,10 @@ impl DgramQueue {
     pub fn index(&self) -> u16 {
         self.index
     }
+    /// How long a request is sent again before it is given up (`ConnectOptions::give_up`).
+    pub fn give_up_after(&self) -> Duration {
+        self.give_up
+    }
     pub fn depth(&self) -> usize {
         self.slots.len()
     }
