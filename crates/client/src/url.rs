@@ -86,6 +86,26 @@ fn split_query(s: &str) -> Result<(&str, Query), String> {
     Ok((rest, o))
 }
 
+/// The interface index an IPv6 zone names (`fe80::1%eth0`, `%25eth0` as RFC 6874 writes it in
+/// URLs, or `%2`): the form the socket address takes.
+fn zone_index(zone: &str) -> Result<u32, String> {
+    let zone = zone
+        .strip_prefix("25")
+        .filter(|z| !z.is_empty())
+        .unwrap_or(zone);
+    if let Ok(i) = zone.parse::<u32>() {
+        return Ok(i);
+    }
+    let name = std::ffi::CString::new(zone).map_err(|_| format!("bad IPv6 zone '{zone}'"))?;
+    // SAFETY: a NUL-terminated string that outlives the call.
+    match unsafe { libc::if_nametoindex(name.as_ptr()) } {
+        0 => Err(format!(
+            "no interface '{zone}' for the IPv6 zone (`ip link` lists them)"
+        )),
+        i => Ok(i),
+    }
+}
+
 /// Parses `aa:bb:cc:dd:ee:ff` (or with dashes).
 pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
     blkwire_auth::acl::parse_mac(s)
@@ -159,6 +179,11 @@ impl Url {
                 p => Some(p.strip_prefix(':').ok_or_else(|| bad("junk after ']'"))?),
             };
             (h, port)
+        } else if authority.matches(':').count() > 1 {
+            return Err(bad(&format!(
+                "an IPv6 address goes in brackets, its port after them: [{authority}] (or \
+                 [ADDRESS]:PORT)"
+            )));
         } else {
             match authority.rsplit_once(':') {
                 Some((h, p)) => (h, Some(p)),
@@ -168,6 +193,10 @@ impl Url {
         if host.is_empty() {
             return Err(bad("no host"));
         }
+        let host = match host.split_once('%') {
+            Some((addr, zone)) => format!("{addr}%{}", zone_index(zone).map_err(|why| bad(&why))?),
+            None => host.to_string(),
+        };
         let port = match port {
             None if transport == Transport::Udp => DEFAULT_UDP_PORT,
             None if transport == Transport::NvmeTcp => DEFAULT_NVME_PORT,
@@ -179,7 +208,7 @@ impl Url {
         }
         Ok(Url {
             transport,
-            host: host.to_string(),
+            host,
             port,
             export: export.to_string(),
             encrypt,
@@ -293,6 +322,30 @@ mod tests {
         assert!(!x.bypass_qdisc);
     }
 
+    /// A link-local address names its interface (zone) by name, by index, or written as RFC
+    /// 6874 has it in URLs (`%25`); the socket address takes the index.
+    #[test]
+    fn ipv6_zones_become_interface_indices() {
+        // SAFETY: a NUL-terminated literal.
+        let lo = unsafe { libc::if_nametoindex(c"lo".as_ptr()) };
+        assert_ne!(lo, 0, "loopback has an index");
+        for s in ["tcp://[fe80::1%lo]:9/e", "tcp://[fe80::1%25lo]:9/e"] {
+            let u = Url::parse(s).unwrap();
+            assert_eq!(u.authority(), format!("[fe80::1%{lo}]:9"), "{s}");
+            use std::net::ToSocketAddrs;
+            let a = u.authority().to_socket_addrs().unwrap().next().unwrap();
+            assert!(
+                matches!(a, std::net::SocketAddr::V6(v) if v.scope_id() == lo),
+                "{a}"
+            );
+        }
+        assert_eq!(Url::parse("udp://[fe80::1%7]/e").unwrap().host, "fe80::1%7");
+        let e = Url::parse("tcp://[fe80::1%nosuchif0]/e")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no interface 'nosuchif0'"), "{e}");
+    }
+
     #[test]
     fn rejects_bad_urls() {
         for s in [
@@ -309,6 +362,8 @@ mod tests {
             "udp://h:1/e?fast=1",
             "udp://h:1/e?qdisc=bypass",
             "tcp://h:1/e?encrypt=1&qdisc=fast",
+            "tcp://::1/e",
+            "tcp://fe80::1:7700/e",
         ] {
             let e = Url::parse(s).unwrap_err().to_string();
             assert!(e.contains("bad URL"), "{s}: {e}");
