@@ -1,9 +1,12 @@
 //! `blkwire discover`: targets and exports reachable on a link or at a UDP address
 //! (PROTOCOL.md §9.5).
 
-use std::time::Duration;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
-use blkwire_client::{discover_eth, discover_udp, Transport, Url};
+use blkwire_client::{discover_eth, discover_udp, ConnectOptions, Discovered, Transport, Url};
+use blkwire_wire::ExportEntry;
 use serde_json::json;
 
 #[derive(clap::Args)]
@@ -56,21 +59,15 @@ pub fn run(a: Args) -> Result<(), String> {
     // Targets with keys list their exports only to an authenticated query (PROTOCOL.md §12.3).
     // One that refuses this host's key (or does not answer it) is reported beside the others,
     // which are listed all the same; the exit status says that one failed.
-    let mut failed: Vec<Option<String>> = vec![None; found.len()];
-    if opts.key.is_some() {
-        for (d, failure) in found.iter_mut().zip(&mut failed).filter(|(d, _)| d.locked) {
-            let listed = Url::parse(&format!("{}/", d.base))
+    let failed = if opts.key.is_some() {
+        list_locked(&mut found, &opts, |base, o| {
+            Url::parse(&format!("{base}/"))
                 .map_err(|e| e.to_string())
-                .and_then(|url| blkwire_client::list(&url, &opts).map_err(|e| e.to_string()));
-            match listed {
-                Ok(exports) => {
-                    d.exports = exports;
-                    d.locked = false;
-                }
-                Err(e) => *failure = Some(e),
-            }
-        }
-    }
+                .and_then(|url| blkwire_client::list(&url, o).map_err(|e| e.to_string()))
+        })
+    } else {
+        vec![None; found.len()]
+    };
     let where_ = a.interface.as_deref().map_or_else(
         || a.url.clone().unwrap_or_default(),
         |i| format!("interface {i}"),
@@ -142,4 +139,116 @@ pub fn run(a: Args) -> Result<(), String> {
         found.len(),
         failures.join("; ")
     ))
+}
+
+/// Locked targets asked at once: up to 256 answered a broadcast (anyone on the link can make
+/// them up), and one asked after another, each silent until the timeout, took hours.
+const QUERIES_AT_ONCE: usize = 16;
+
+/// Asks every locked target in `found` for its exports with `list` (`QUERIES_AT_ONCE` at a time),
+/// all within one `opts.timeout`; a target listed is unlocked. Returns, per target, why it was
+/// not listed (a target left when the time is up is not asked).
+fn list_locked(
+    found: &mut [Discovered],
+    opts: &ConnectOptions,
+    list: impl Fn(&str, &ConnectOptions) -> Result<Vec<ExportEntry>, String> + Sync,
+) -> Vec<Option<String>> {
+    let until = Instant::now() + opts.timeout;
+    let locked: Vec<(usize, String)> = (found.iter().enumerate())
+        .filter(|(_, d)| d.locked)
+        .map(|(i, d)| (i, d.base.clone()))
+        .collect();
+    let next = AtomicUsize::new(0);
+    let answers = Mutex::new(Vec::with_capacity(locked.len()));
+    std::thread::scope(|s| {
+        for _ in 0..locked.len().min(QUERIES_AT_ONCE) {
+            s.spawn(|| {
+                while let Some((i, base)) = locked.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    let left = until.saturating_duration_since(Instant::now());
+                    let answer = if left.is_zero() {
+                        Err(format!(
+                            "not asked: the {} s for every locked target's query were over",
+                            opts.timeout.as_secs_f64()
+                        ))
+                    } else {
+                        list(
+                            base,
+                            &ConnectOptions {
+                                timeout: left,
+                                ..opts.clone()
+                            },
+                        )
+                    };
+                    answers.lock().expect("no query panics").push((*i, answer));
+                }
+            });
+        }
+    });
+    let mut failed = vec![None; found.len()];
+    for (i, answer) in answers.into_inner().expect("no query panics") {
+        match answer {
+            Ok(exports) => {
+                found[i].exports = exports;
+                found[i].locked = false;
+            }
+            Err(e) => failed[i] = Some(e),
+        }
+    }
+    failed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Locked targets are asked several at once, all within one timeout: 64 that each hold
+    /// their query for the whole of it are not asked one after another (an hour with 256
+    /// made-up answers and a 30 s timeout); those not asked in time say so, and a target
+    /// that answers is listed.
+    #[test]
+    fn locked_targets_are_asked_at_once_within_one_timeout() {
+        // The first answers the query; the last is not locked.
+        let mut found: Vec<Discovered> = std::iter::once(Discovered {
+            base: "udp://10.0.1.1:7701".into(),
+            exports: Vec::new(),
+            locked: true,
+        })
+        .chain((0..64).map(|i| Discovered {
+            base: format!("udp://10.0.0.{i}:7701"),
+            exports: Vec::new(),
+            locked: i != 63,
+        }))
+        .collect();
+        let opts = ConnectOptions {
+            timeout: Duration::from_millis(300),
+            ..ConnectOptions::default()
+        };
+        let asked = AtomicUsize::new(0);
+        let failed = list_locked(&mut found, &opts, |base, o| {
+            assert!(o.timeout <= opts.timeout, "{:?}", o.timeout);
+            asked.fetch_add(1, Ordering::SeqCst);
+            if base == "udp://10.0.1.1:7701" {
+                return Ok(vec![ExportEntry {
+                    name: "d".into(),
+                    size: 4096,
+                    features: blkwire_wire::Features(0),
+                }]);
+            }
+            // A target that never answers: the query takes the whole of its timeout.
+            std::thread::sleep(o.timeout);
+            Err("timed out".into())
+        });
+        let asked = asked.into_inner();
+        assert!(asked < 64, "every one of 64 asked in turn ({asked})");
+        assert!(asked > 1, "{asked}");
+        let unlisted = failed.iter().filter(|f| f.is_some()).count();
+        assert_eq!(unlisted, 63, "{failed:?}");
+        assert!(failed[64].is_none(), "not locked: not asked");
+        assert!(failed
+            .iter()
+            .flatten()
+            .any(|e| e.contains("not asked: the 0.3 s")));
+        let listed = &found[0];
+        assert!(!listed.locked && listed.exports[0].name == "d");
+    }
 }
