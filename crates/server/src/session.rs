@@ -351,15 +351,17 @@ impl Registry {
     }
 
     /// The export `name` as the source of a COPY by `session` (PROTOCOL.md §13): served, and
-    /// one the session's host may open, with the same rules as a HELLO for it. None for a
-    /// closed or revoked session.
+    /// one the session's host may open, with the same rules as a HELLO for it, from every
+    /// address the session's queues came from (a COPY on a queue joined from another address
+    /// is that address's request). None for a closed or revoked session.
     pub fn copy_source(&self, session: u32, name: &str) -> Option<Arc<Export>> {
-        let (proven, addr) = {
-            let inner = self.lock();
-            let s = inner.sessions.get(&session).filter(|s| !s.revoked)?;
-            (s.proven.clone(), s.addr)
-        };
-        self.permitted(name, proven.as_deref(), &addr)
+        let inner = self.lock();
+        let s = inner.sessions.get(&session).filter(|s| !s.revoked)?;
+        let served = inner.exports.iter().find(|e| e.export.name == name)?;
+        std::iter::once(&s.addr)
+            .chain(&s.joined_from)
+            .all(|a| self.access.permits(&served.acl, s.proven.as_deref(), a))
+            .then(|| served.export.clone())
     }
 
     /// Whether an export of this name is served (to anyone).

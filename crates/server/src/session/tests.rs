@@ -653,6 +653,30 @@ fn changed_rules_close_a_session_with_a_queue_joined_from_an_address_they_keep_o
     }
 }
 
+/// A COPY's source is checked against every address the session's queues came from: a queue
+/// joined from an address the source's rules keep out may not copy from it (the session's
+/// first address could).
+#[test]
+fn a_copy_source_admits_every_address_the_session_came_from() {
+    for (joiner, allowed) in [([127, 0, 0, 1], true), ([127, 0, 0, 2], false)] {
+        let r = registry(None);
+        r.add_export(blkwire_backend::ExportSpec::parse("b=mem:1M,allow=127.0.0.1").unwrap())
+            .unwrap();
+        let (reply, _) = open(&r, &peer(1000), false, None);
+        assert!(r.copy_source(reply.session, "b").is_some());
+        let j = join_payload(&reply, None, [0; AUTH_LEN]);
+        let from = PeerId::ip((joiner, 1001).into());
+        assert!(r.join(reply.session, 1, &j, &from, false, None).is_ok());
+        assert_eq!(
+            r.copy_source(reply.session, "b").is_some(),
+            allowed,
+            "joined from {joiner:?}"
+        );
+        assert!(r.copy_source(reply.session, "d").is_some());
+        assert!(r.copy_source(reply.session, "nosuch").is_none());
+    }
+}
+
 /// A HELLO's logical block is the block the export takes I/O in: a backend that needs page
 /// alignment (O_DIRECT on a 512-byte-sector device) announces 4096, and max I/O is a multiple
 /// of it, over streams and datagrams, as NBD, NVMe/TCP and iSCSI announce it.
