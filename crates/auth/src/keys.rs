@@ -341,12 +341,18 @@ impl KeyStore {
             }
             let at = |e: String| format!("key file {shown} line {}: {e}", n + 1);
             let mut chap = None;
-            let (id, key, host_secret, ctrl_secret) = if let Some(i) = line.find(DHHC_SEPARATOR) {
+            // Neither separator can be in a host id: the first on the line ends it (a CHAP
+            // secret may hold ":DHHC-1:").
+            let dhhc = line.find(DHHC_SEPARATOR);
+            let chap_at = line.find(CHAP_SEPARATOR);
+            let (id, key, host_secret, ctrl_secret) = if let Some(i) =
+                dhhc.filter(|&d| chap_at.is_none_or(|c| d < c))
+            {
                 let id = &line[..i];
                 check_host_id(id).map_err(at)?;
                 let (key, host, ctrl) = parse_dhchap(&line[i + 1..]).map_err(at)?;
                 (id, key, host, ctrl)
-            } else if let Some(i) = line.find(CHAP_SEPARATOR) {
+            } else if let Some(i) = chap_at {
                 let id = &line[..i];
                 check_host_id(id).map_err(at)?;
                 let (key, secrets) = parse_chap(&line[i + CHAP_SEPARATOR.len()..]).map_err(at)?;
@@ -379,6 +385,11 @@ impl KeyStore {
             };
             if store.get(id).is_some() {
                 return Err(at(format!("host id '{id}' appears twice")));
+            }
+            if let Some(secrets) = &chap {
+                store
+                    .chap_secrets_apart(id, secrets)
+                    .map_err(|e| at(e.to_string()))?;
             }
             store.entries.push(Entry {
                 id: id.to_string(),
@@ -437,13 +448,41 @@ impl KeyStore {
     ) -> Result<(), String> {
         let key = Key::new(secret)?;
         self.entries.retain(|e| e.id != host_id);
+        let secrets = (secret.to_vec(), target.map(<[u8]>::to_vec));
+        self.chap_secrets_apart(host_id, &secrets)?;
         self.entries.push(Entry {
             id: host_id.to_string(),
             host_secret: Secret::from_key(&key),
             key,
             ctrl_secret: None,
-            chap: Some((secret.to_vec(), target.map(<[u8]>::to_vec))),
+            chap: Some(secrets),
         });
+        Ok(())
+    }
+
+    /// Checks a new CHAP line's secrets against the lines before it: an initiator's secret
+    /// may be no other line's (initiator's or target's), and a target's secret no initiator's
+    /// (RFC 7143 §9.2.1). CHAP's answer covers only the identifier, the secret and the
+    /// challenge, so a host whose own mutual-CHAP login has the target answer a challenge
+    /// with a secret that is another host's would get that host's answer and log in as it.
+    /// Errors name the other line's host, never a secret.
+    fn chap_secrets_apart(&self, id: &str, (host, target): &ChapSecrets) -> Result<(), String> {
+        for e in &self.entries {
+            let Some((h, t)) = &e.chap else { continue };
+            let other = &e.id;
+            if h == host {
+                return Err(format!(
+                    "host '{id}' has the CHAP secret of host '{other}': each initiator's \
+                     secret must be its own"
+                ));
+            }
+            if t.as_ref() == Some(host) || target.as_ref() == Some(h) {
+                return Err(format!(
+                    "hosts '{id}' and '{other}' share a secret as initiator and as target: \
+                     an initiator's CHAP secret may not serve as a target's (RFC 7143 §9.2.1)"
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -786,6 +825,61 @@ mod tests {
             assert!(e.contains("line 1") && e.contains(want), "{e}");
         }
         assert!(check_host_id("a:CHAP:b").is_err());
+    }
+
+    /// An initiator's CHAP secret that is another line's (initiator's or target's) is refused,
+    /// naming the lines and hosts, not the secret: a host whose mutual-CHAP login has the
+    /// target answer the challenge of another host's login would log in as that host.
+    #[test]
+    fn chap_secrets_shared_between_lines_are_refused() {
+        for (text, want) in [
+            (
+                "iqn.a:CHAP:alice-secret-0001 shared-target-01\niqn.b:CHAP:shared-target-01\n",
+                "line 2: hosts 'iqn.b' and 'iqn.a' share a secret as initiator and as target",
+            ),
+            (
+                "iqn.b:CHAP:shared-target-01\niqn.a:CHAP:alice-secret-0001 shared-target-01\n",
+                "line 2: hosts 'iqn.a' and 'iqn.b' share a secret",
+            ),
+            (
+                "iqn.a:CHAP:alice-secret-0001\niqn.b:CHAP:alice-secret-0001\n",
+                "line 2: host 'iqn.b' has the CHAP secret of host 'iqn.a'",
+            ),
+        ] {
+            let e = load_text("chap-shared", text).unwrap_err();
+            assert!(e.contains(want), "{e}");
+            assert!(
+                !e.contains("-secret-0001") && !e.contains("shared-target"),
+                "{e}"
+            );
+        }
+        // One target secret for several initiators is common and not refused.
+        load_text(
+            "chap-target",
+            "iqn.a:CHAP:alice-secret-0001 target-secret-01\n\
+             iqn.b:CHAP:bobby-secret-0001 target-secret-01\n",
+        )
+        .unwrap();
+        let mut store = KeyStore::default();
+        store
+            .insert_chap("iqn.a", b"alice-secret-0001", Some(b"target-secret-01"))
+            .unwrap();
+        let e = store
+            .insert_chap("iqn.b", b"target-secret-01", None)
+            .unwrap_err();
+        assert!(e.contains("share a secret"), "{e}");
+        assert!(store.chap("iqn.b").is_none());
+    }
+
+    /// A CHAP secret may hold ":DHHC-1:": the line is a CHAP line (its first separator), and
+    /// loads.
+    #[test]
+    fn a_chap_secret_holding_the_dhchap_separator_loads() {
+        let store = load_text("chap-dhhc", "iqn.x:CHAP:ab:DHHC-1:cdefghijklmn\n").unwrap();
+        assert_eq!(
+            store.chap("iqn.x"),
+            Some((&b"ab:DHHC-1:cdefghijklmn"[..], None))
+        );
     }
 
     #[test]
