@@ -450,6 +450,7 @@ impl Export {
             steps: Vec::new(),
             reaped: Vec::new(),
             failed_copies: Vec::new(),
+            failed_flushes: Vec::new(),
             spare_sources: Vec::new(),
         })
     }
@@ -626,6 +627,10 @@ pub struct ExportQueue {
     /// COPYs that failed, by tag: the bytes from their destination offset known to be copied,
     /// until [`ExportQueue::copied_before_failure`] takes them.
     failed_copies: Vec<(u64, u64)>,
+    /// Requests whose own flush (an emulated FUA's, after their change) failed, by tag, until
+    /// [`ExportQueue::flush_failed`] takes them: whatever the errno, writes acknowledged
+    /// before may be lost, which no error of the change itself says.
+    failed_flushes: Vec<u64>,
     /// Queues on other exports' backends that finished copies left idle, by export, for the
     /// next copy from there: opening one may cost a descriptor or a thread (`memthread:`). The
     /// export is held weakly: its allocation stays while the entry does, so no export made
@@ -1003,6 +1008,18 @@ impl ExportQueue {
         }
     }
 
+    /// Whether the request started with `tag`, which finished with an error, failed in the
+    /// flush that made it durable (an emulated FUA's), not in its change. Asked once.
+    pub fn flush_failed(&mut self, tag: u64) -> bool {
+        match self.failed_flushes.iter().position(|&t| t == tag) {
+            Some(i) => {
+                self.failed_flushes.swap_remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// A ring completion for `tag`: the request's result when it is finished, `None` while more
     /// is to come.
     pub fn complete(&mut self, tag: u64, res: i32, sq: &mut dyn Submitter) -> Option<i32> {
@@ -1161,6 +1178,9 @@ impl ExportQueue {
             Next::Copy(st) => Some(st.dst - st.first_dst),
             _ => None,
         };
+        if res < 0 && matches!(next, Next::ReportFlushed(_)) {
+            self.failed_flushes.push(tag);
+        }
         let out = self.after(next, res);
         if let (Err(r), Some(copied)) = (&out, copied) {
             if *r < 0 {
@@ -2715,6 +2735,7 @@ mod tests {
             steps: Vec::new(),
             reaped: Vec::new(),
             failed_copies: Vec::new(),
+            failed_flushes: Vec::new(),
             spare_sources: Vec::new(),
         };
         let buf = [0u8; 512];

@@ -16,8 +16,10 @@ use crate::{Backend, Capabilities, Op, QueueIo, Started, Submitter};
 pub struct Recorder {
     caps: Capabilities,
     asynchronous: bool,
-    /// FLUSH fails with EIO while set.
+    /// FLUSH fails with EIO (or `flush_errno`, when non-zero) while set.
     pub fail_flush: AtomicBool,
+    /// The errno a failing FLUSH fails with, when non-zero.
+    pub flush_errno: std::sync::atomic::AtomicI32,
     /// While non-zero, a WRITE, WRITE_ZEROES or COPY that reaches this byte (or past it)
     /// fails with EIO (or `fail_errno`, when non-zero).
     pub fail_from: std::sync::atomic::AtomicU64,
@@ -40,6 +42,7 @@ impl Recorder {
             caps,
             asynchronous,
             fail_flush: AtomicBool::new(false),
+            flush_errno: Default::default(),
             fail_from: Default::default(),
             fail_errno: Default::default(),
             fail_open: AtomicBool::new(false),
@@ -134,7 +137,10 @@ impl QueueIo for RecorderQueue {
             Op::Flush => (
                 "flush".into(),
                 if self.b.fail_flush.load(Ordering::Relaxed) {
-                    -libc::EIO
+                    match self.b.flush_errno.load(Ordering::Relaxed) {
+                        0 => -libc::EIO,
+                        e => -e,
+                    }
                 } else {
                     0
                 },

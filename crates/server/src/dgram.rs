@@ -1662,7 +1662,7 @@ impl DgramPort {
         let h = q.slots[slot as usize].hdr;
         match h.block_request() {
             Some(block) => {
-                let st = q.exec.status(&block, res, started);
+                let st = q.exec.status(&block, tag, res, started);
                 self.finish(qi, slot, st);
             }
             None if h.opcode == Opcode::Copy => {

@@ -232,14 +232,14 @@ impl Executor {
             BlockOp::WriteZeroes => s.write_zeroes += 1,
         }
         if matches!(req.op, BlockOp::Trim | BlockOp::WriteZeroes) && req.len == 0 {
-            return Outcome::Done(self.status(req, 0, started));
+            return Outcome::Done(self.judge(req, 0, started, false));
         }
         if durable(req) && self.export.durability_lost() {
-            return Outcome::Done(self.status(req, -libc::EIO, started));
+            return Outcome::Done(self.judge(req, -libc::EIO, started, false));
         }
         // SAFETY: passed on from our caller.
         match unsafe { self.io.start(Op::for_request(req, buf), tag, sq) } {
-            Progress::Done(res) => Outcome::Done(self.status(req, res, started)),
+            Progress::Done(res) => Outcome::Done(self.status(req, tag, res, started)),
             Progress::Pending => Outcome::Pending(started),
         }
     }
@@ -285,13 +285,13 @@ impl Executor {
     pub fn mapped_write_done(&mut self, req: &BlockRequest, started: Started) {
         self.stats.writes += 1;
         self.stats.bytes_written += req.len as u64;
-        self.status(req, req.len as i32, started);
+        self.judge(req, req.len as i32, started, false);
     }
 
     /// A READ answered from the address [`Executor::mapped`] gave counts as done.
     pub fn mapped_read_done(&mut self, req: &BlockRequest, started: Started) {
         self.stats.reads += 1;
-        self.status(req, req.len as i32, started);
+        self.judge(req, req.len as i32, started, false);
     }
 
     /// Checks and starts a COPY (PROTOCOL.md §13) to `dst` of `total` bytes (the request's
@@ -385,7 +385,8 @@ impl Executor {
             }
             None => false,
         };
-        if latches(BlockOp::Write, fua, false, res) {
+        let flush_failed = res < 0 && self.io.flush_failed(tag);
+        if flush_failed || latches(BlockOp::Write, fua, false, res) {
             self.durability_lost("FUA copy", res);
         }
         if res < 0 {
@@ -440,13 +441,26 @@ impl Executor {
         self.io.reap(sq, done)
     }
 
-    /// The status of a finished request from its backend result (bytes or a negative errno);
-    /// counts bytes read and records how long it took since `started`.
-    pub fn status(&mut self, req: &BlockRequest, res: i32, started: Started) -> Status {
-        self.stats.latency.record(req.op, started.0.elapsed());
+    /// The status of a finished request started with `tag` from its backend result (bytes or a
+    /// negative errno); counts bytes read and records how long it took since `started`.
+    pub fn status(&mut self, req: &BlockRequest, tag: u64, res: i32, started: Started) -> Status {
         // Failures only: nothing more on the path of every answered request.
+        let flush_failed = res < 0 && self.io.flush_failed(tag);
+        self.judge(req, res, started, flush_failed)
+    }
+
+    /// [`Executor::status`], told whether the request failed in its own flush (an emulated
+    /// FUA's): that latches whatever the errno, as any failed flush does.
+    fn judge(
+        &mut self,
+        req: &BlockRequest,
+        res: i32,
+        started: Started,
+        flush_failed: bool,
+    ) -> Status {
+        self.stats.latency.record(req.op, started.0.elapsed());
         let native_fua = || self.export.capabilities().fua == blkwire_backend::Support::Native;
-        if res < 0 && latches(req.op, durable(req), native_fua(), res) {
+        if res < 0 && (flush_failed || latches(req.op, durable(req), native_fua(), res)) {
             let what = if req.op == BlockOp::Flush {
                 "flush"
             } else {
@@ -481,7 +495,8 @@ fn durable(req: &BlockRequest) -> bool {
 }
 
 /// Whether a result `res` of `op` loses the export's durability: any failed flush (what it
-/// covered may be lost, and Linux reports that once), and a durable (FUA) change's error that
+/// covered may be lost, and Linux reports that once; a FUA request's own flush is told apart
+/// by [`blkwire_backend::ExportQueue::flush_failed`]), and a durable (FUA) change's error that
 /// may be its sync's, a writeback error of writes acknowledged before: EIO, and for a WRITE
 /// synced with its data (`native_fua`: `RWF_DSYNC`, one result for both) ENOSPC and EDQUOT
 /// too, which writeback reports on full thin storage or an NFS quota. Not a FUA change refused
@@ -731,7 +746,7 @@ mod tests {
             [(77, 4096)],
             "one answer, with the write's byte count"
         );
-        assert_eq!(x.status(&w, done[0].1, started), Status::Ok);
+        assert_eq!(x.status(&w, 77, done[0].1, started), Status::Ok);
         assert_eq!(b.log(), ["write 0+4096 fua=false", "flush"]);
         assert_eq!(x.stats.writes, 1);
         assert_eq!(x.stats.latency.of(BlockOp::Write).count(), 1, "timed once");
@@ -933,6 +948,73 @@ mod tests {
         );
     }
 
+    /// A FUA request whose own flush (emulated FUA) fails latches the export whatever the
+    /// errno: a writeback error of writes acknowledged before (ENOSPC on full thin storage,
+    /// EDQUOT on an NFS quota) reported to that flush would not be reported to the next one.
+    /// On backends completing inline and on their own threads; for FUA writes, zeroings,
+    /// trims and copies.
+    #[test]
+    fn a_fua_requests_own_flush_failing_out_of_space_latches() {
+        use blkwire_backend::{CopyRange, Support};
+        use std::sync::atomic::Ordering;
+        let flush = BlockRequest::new(BlockOp::Flush, 0, 0);
+        let desc = CopyDescriptor {
+            source: String::new(),
+            ranges: vec![CopyRange {
+                offset: 0,
+                len: 4096,
+            }],
+        };
+        for asynchronous in [false, true] {
+            for op in [
+                BlockOp::Write,
+                BlockOp::WriteZeroes,
+                BlockOp::Trim,
+                BlockOp::Flush,
+            ] {
+                let (b, mut x) = recorder(Support::Native, asynchronous);
+                b.fail_flush.store(true, Ordering::Relaxed);
+                b.flush_errno.store(libc::ENOSPC, Ordering::Relaxed);
+                // `Flush` here stands for a FUA COPY.
+                let failed = if op == BlockOp::Flush {
+                    let c = x.start_copy(&desc, None, 8192, 4096, IoFlags::FUA, 9, &mut NoRing);
+                    let c = c.or_else(|| {
+                        let mut out = None;
+                        for _ in 0..4 {
+                            x.reap(&mut NoRing, &mut |tag, res| out = Some((tag, res)));
+                        }
+                        out.map(|(tag, res)| x.copy_status(tag, res, 4096))
+                    });
+                    c.map(|c| c.status)
+                } else {
+                    let req = BlockRequest::new(op, 0, 4096).flagged(IoFlags::FUA);
+                    let mut buf = vec![0u8; 4096];
+                    // SAFETY: `buf` holds the request's length and outlives it.
+                    match unsafe { x.start(&req, buf.as_mut_ptr(), 9, &mut NoRing) } {
+                        Outcome::Done(st) => Some(st),
+                        Outcome::Pending(started) => {
+                            // The change, then its flush: a reap each.
+                            let mut out = None;
+                            for _ in 0..4 {
+                                x.reap(&mut NoRing, &mut |tag, res| out = Some((tag, res)));
+                            }
+                            out.map(|(tag, res)| x.status(&req, tag, res, started))
+                        }
+                    }
+                };
+                assert_eq!(failed, Some(Status::NoSpace), "{op:?} async {asynchronous}");
+                b.fail_flush.store(false, Ordering::Relaxed);
+                let mut none = [0u8; 0];
+                // SAFETY: a flush moves no data.
+                let later = match unsafe { x.start(&flush, none.as_mut_ptr(), 10, &mut NoRing) } {
+                    Outcome::Done(st) => st,
+                    Outcome::Pending(_) => panic!("a latched export answers at once"),
+                };
+                assert_eq!(later, Status::Io, "{op:?} (async {asynchronous}): latched");
+            }
+        }
+    }
+
     /// The same on a backend that completes on its own threads: one answer, after the flush.
     #[test]
     fn fua_zeroes_on_an_asynchronous_backend_are_answered_after_the_flush() {
@@ -950,7 +1032,7 @@ mod tests {
         assert_eq!(b.log(), ["zero 0+4096", "flush"]);
         x.reap(&mut NoRing, &mut |tag, res| done.push((tag, res)));
         assert_eq!(done, [(5, 0)]);
-        assert_eq!(x.status(&z, 0, started), Status::Ok);
+        assert_eq!(x.status(&z, 5, 0, started), Status::Ok);
     }
 
     #[test]
@@ -961,16 +1043,16 @@ mod tests {
         let w = BlockRequest::new(BlockOp::Write, 0, 4096);
         let f = BlockRequest::new(BlockOp::Flush, 0, 0);
         let t = Started::now();
-        assert_eq!(x.status(&r, 4096, t), Status::Ok);
-        assert_eq!(x.status(&r, 100, t), Status::Io, "short read");
+        assert_eq!(x.status(&r, 1, 4096, t), Status::Ok);
+        assert_eq!(x.status(&r, 1, 100, t), Status::Io, "short read");
         assert_eq!(
-            x.status(&w, 100, t),
+            x.status(&w, 1, 100, t),
             Status::NoSpace,
             "short write: no space"
         );
-        assert_eq!(x.status(&f, 0, t), Status::Ok);
-        assert_eq!(x.status(&f, -libc::EIO, t), Status::Io);
-        assert_eq!(x.status(&w, -libc::ENOSPC, t), Status::NoSpace);
+        assert_eq!(x.status(&f, 1, 0, t), Status::Ok);
+        assert_eq!(x.status(&f, 1, -libc::EIO, t), Status::Io);
+        assert_eq!(x.status(&w, 1, -libc::ENOSPC, t), Status::NoSpace);
         assert_eq!(x.stats.bytes_read, 4096, "only the successful read counts");
         let timed = |op| x.stats.latency.of(op).count();
         assert_eq!(

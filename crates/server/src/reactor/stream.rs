@@ -1173,7 +1173,7 @@ pub(super) fn finish_result(c: &mut Conn, slot: u16, tag: u64, res: i32) {
     let status = match (req.block(), s.started.take()) {
         (Some(block), Some(started)) => c.targets[req.target as usize]
             .exec
-            .status(&block, res, started),
+            .status(&block, tag, res, started),
         _ => result_status(res),
     };
     finish(c, slot, status);
