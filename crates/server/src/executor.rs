@@ -389,6 +389,13 @@ impl Executor {
         if flush_failed || latches(BlockOp::Write, fua, false, res) {
             self.durability_lost("FUA copy", res);
         }
+        if fua && res >= 0 && self.export.durability_lost() {
+            // As for a FUA request (`judge`): another flush failed while its own ran.
+            return Copied {
+                status: Status::Io,
+                bytes: 0,
+            };
+        }
         if res < 0 {
             let bytes = self.io.copied_before_failure(tag).min(total as u64) as u32;
             self.stats.bytes_copied += bytes as u64;
@@ -478,6 +485,10 @@ impl Executor {
             } else {
                 Status::NoSpace
             }
+        } else if durable(req) && self.export.durability_lost() {
+            // Another flush of the export failed while this one ran: Linux reports a writeback
+            // error to one fsync of a file only, so this one's success may cover lost writes.
+            Status::Io
         } else {
             Status::Ok
         };
@@ -945,6 +956,44 @@ mod tests {
             run(&mut x, &flush),
             Outcome::Done(Status::Io),
             "after the copy"
+        );
+    }
+
+    /// A flush that succeeds while another on the export failed (Linux reports a writeback
+    /// error to one of the fsyncs running at once) is answered IO, not OK: the writes it
+    /// covers may be lost.
+    #[test]
+    fn a_flush_finishing_after_another_failed_is_not_ok() {
+        use blkwire_backend::Support;
+        use std::sync::atomic::Ordering;
+        let (b, mut x) = recorder(Support::Native, true);
+        let mut other = Executor::open(Arc::clone(x.export()), 65536, x.size).unwrap();
+        let flush = BlockRequest::new(BlockOp::Flush, 0, 0);
+        let mut none = [0u8; 0];
+        // SAFETY: a flush moves no data.
+        let started = match unsafe { x.start(&flush, none.as_mut_ptr(), 1, &mut NoRing) } {
+            Outcome::Pending(started) => started,
+            Outcome::Done(st) => panic!("asynchronous, yet answered {st:?}"),
+        };
+        let mut done = Vec::new();
+        x.reap(&mut NoRing, &mut |tag, res| done.push((tag, res)));
+        assert_eq!(done, [(1, 0)], "this flush succeeded on the backend");
+        b.fail_flush.store(true, Ordering::Relaxed);
+        // SAFETY: as above.
+        let o = unsafe { other.start(&flush, none.as_mut_ptr(), 2, &mut NoRing) };
+        let failed = match o {
+            Outcome::Done(st) => st,
+            Outcome::Pending(started) => {
+                let mut r = Vec::new();
+                other.reap(&mut NoRing, &mut |tag, res| r.push((tag, res)));
+                other.status(&flush, r[0].0, r[0].1, started)
+            }
+        };
+        assert_eq!(failed, Status::Io);
+        assert_eq!(
+            x.status(&flush, 1, 0, started),
+            Status::Io,
+            "answered after"
         );
     }
 
