@@ -505,22 +505,20 @@ fn durable(req: &BlockRequest) -> bool {
     req.op == BlockOp::Flush || (req.op.modifies() && req.flags.has(IoFlags::FUA))
 }
 
-/// Whether a result `res` of `op` loses the export's durability: any failed flush (what it
-/// covered may be lost, and Linux reports that once; a FUA request's own flush is told apart
-/// by [`blkwire_backend::ExportQueue::flush_failed`]), and a durable (FUA) change's error that
-/// may be its sync's, a writeback error of writes acknowledged before: EIO, and for a WRITE
-/// synced with its data (`native_fua`: `RWF_DSYNC`, one result for both) ENOSPC and EDQUOT
-/// too, which writeback reports on full thin storage or an NFS quota. Not a FUA change refused
-/// before it synced anything (unsupported, invalid; out of space where the sync is a flush of
-/// its own after it: an emulated FUA write, a zeroing, a trim, a COPY's writes): that says
-/// nothing of what was acknowledged before.
+/// Whether a result `res` of `op` loses the export's durability: a failed flush (what it
+/// covered may be lost, and Linux reports that once), and a FUA WRITE synced with its data
+/// (`native_fua`: `RWF_DSYNC`, one result for both) failing with what its sync reports of
+/// writes acknowledged before: EIO, and ENOSPC and EDQUOT, which writeback reports on full
+/// thin storage or an NFS quota. A FUA request's own flush after its change (emulated FUA: a
+/// write, a zeroing, a trim, a COPY) is told apart by
+/// [`blkwire_backend::ExportQueue::flush_failed`]; its change failing before that flush ran
+/// (refused, out of space, a write the backend could not make) says nothing of what was
+/// acknowledged before.
 fn latches(op: BlockOp, durable: bool, native_fua: bool, res: i32) -> bool {
-    let synced_with_data = op == BlockOp::Write && native_fua;
+    let synced_with_data = durable && op == BlockOp::Write && native_fua;
     res < 0
         && (op == BlockOp::Flush
-            || (durable
-                && (res == -libc::EIO
-                    || (synced_with_data && matches!(-res, libc::ENOSPC | libc::EDQUOT)))))
+            || (synced_with_data && matches!(-res, libc::EIO | libc::ENOSPC | libc::EDQUOT)))
 }
 
 /// The status of an operation that moves no data: 0 or a negative errno.
@@ -905,10 +903,11 @@ mod tests {
         );
         b.fail_flush.store(false, Ordering::Relaxed);
         assert_eq!(run(&mut x, &flush), Outcome::Done(Status::Io));
-        // So does a FUA write's ENOSPC where the write carries its sync (native FUA: the sync
-        // may report an earlier write's writeback on full thin storage), not its EINVAL; nor
-        // an emulated FUA write or a FUA zeroing out of space, refused before their flush:
-        // what was acknowledged before is not in doubt.
+        // So does a FUA write's EIO or ENOSPC where the write carries its sync (native FUA:
+        // the sync may report an earlier write's writeback on full thin storage), not its
+        // EINVAL; nor an emulated FUA write or a FUA zeroing failing before their flush (out
+        // of space, or a write the backend could not make, as `rbd:` answers a write it cannot
+        // tell was whole): what was acknowledged before is not in doubt.
         let zero = BlockRequest::new(BlockOp::WriteZeroes, 0, 4096).flagged(IoFlags::FUA);
         let native = blkwire_backend::Capabilities {
             flush: Support::Native,
@@ -918,9 +917,12 @@ mod tests {
         };
         for (fua_native, req, errno, latched) in [
             (true, &fua, libc::ENOSPC, true),
+            (true, &fua, libc::EIO, true),
             (true, &fua, libc::EINVAL, false),
             (false, &fua, libc::ENOSPC, false),
+            (false, &fua, libc::EIO, false),
             (false, &zero, libc::ENOSPC, false),
+            (false, &zero, libc::EIO, false),
         ] {
             let (b, mut x) = if fua_native {
                 recorder_of(native, false)
