@@ -2691,17 +2691,40 @@ impl StreamFrontend for Iscsi {
         self.settle(itt_of(req), req.target);
         let shift = self.luns[req.target as usize].shift;
         let lba = req.offset >> shift;
-        let list: Vec<(u64, bool)> = extents
-            .iter()
-            .map(|&(n, hole)| ((n as u64) >> shift, hole))
-            .filter(|&(n, _)| n > 0)
-            .collect();
-        let d = scsi::lba_status(lba, &list, extra_of(req));
+        let d = scsi::lba_status(lba, &whole_blocks(extents, shift), extra_of(req));
         let res = Residual::of(residual_of(req).count(), d.len() as u32);
         self.data_in(itt_of(req), &d, res, tx, None);
         self.lift(tx);
         true
     }
+}
+
+/// Extents of bytes (length, hole) from a block boundary as runs of whole blocks of
+/// `1 << shift` bytes: a block any data touches is mapped, a block wholly in holes
+/// deallocated (SBC-4 GET LBA STATUS: a descriptor says deallocated only of blocks that are),
+/// neighbours of one status merged. A backend may see holes finer than the LU's blocks (a
+/// filesystem of 1 KiB blocks under an export of 4 KiB ones); shifted one by one, such
+/// extents moved every later descriptor and could call a block with data deallocated.
+fn whole_blocks(extents: &[(u32, bool)], shift: u32) -> Vec<(u64, bool)> {
+    let mut out: Vec<(u64, bool)> = Vec::new();
+    let (mut at, mut done) = (0u64, 0u64);
+    for &(n, hole) in extents {
+        at += u64::from(n);
+        let end = if hole {
+            at >> shift
+        } else {
+            at.div_ceil(1 << shift)
+        };
+        if end <= done {
+            continue;
+        }
+        match out.last_mut() {
+            Some((len, h)) if *h == hole => *len += end - done,
+            _ => out.push((end - done, hole)),
+        }
+        done = end;
+    }
+    out
 }
 
 #[cfg(test)]
@@ -3186,6 +3209,50 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Holes finer than the LU's blocks: a block any data touches is mapped, only blocks
+    /// wholly in holes are deallocated, and every descriptor starts where the bytes it
+    /// describes do (6 KiB of data, 6 KiB of hole, 4 KiB of data on 4 KiB blocks: LBAs 0-1
+    /// mapped, 2 deallocated, 3 mapped; shifted one by one they said LBA 1 deallocated).
+    #[test]
+    fn lba_status_of_holes_finer_than_a_block_covers_whole_blocks() {
+        assert_eq!(
+            whole_blocks(&[(6144, false), (6144, true), (4096, false)], 12),
+            [(2, false), (1, true), (1, false)]
+        );
+        assert_eq!(
+            whole_blocks(
+                &[(1024, true), (1024, false), (2048, true), (8192, true)],
+                12
+            ),
+            [(1, false), (2, true)]
+        );
+        assert_eq!(whole_blocks(&[(1024, true)], 12), []);
+        let mut f = fe_4k("1M");
+        let pdu = read_command(&f.d, &get_lba_status(4096), 9, 4096, 0);
+        let mut tx = Vec::new();
+        let Decoded::Request { req, .. } = f.decode(&pdu, &mut tx) else {
+            panic!("{tx:x?}");
+        };
+        f.taken(&req);
+        let mut tx = Vec::new();
+        let extents = [(6144, false), (6144, true), (4096, false)];
+        assert!(f.block_status_reply(&req, &extents, &mut tx));
+        // Data-In: the 48-byte header, then the parameter data: 8 bytes, 16 per descriptor.
+        let d = &tx[48..];
+        assert_eq!(be32(d, 0), 4 + 3 * 16, "three descriptors");
+        let descriptors: Vec<(u64, u32, u8)> = d[8..8 + 3 * 16]
+            .chunks(16)
+            .map(|c| {
+                (
+                    u64::from_be_bytes(c[..8].try_into().unwrap()),
+                    be32(c, 8),
+                    c[12],
+                )
+            })
+            .collect();
+        assert_eq!(descriptors, [(0, 2, 0), (2, 1, 1), (3, 1, 0)]);
     }
 
     /// GET LBA STATUS asks the backend for no more extents than its allocation length holds
