@@ -347,7 +347,10 @@ impl Seq {
         self.next = end as u32;
         // Empty Data-Out PDUs can repeat an offset without end: the count wraps (serial).
         self.datasn = self.datasn.wrapping_add(1);
-        Ok(fin)
+        // The burst's last byte ends it, F or not (§11.7.1 has F set there): a task whose
+        // data is all in must not look as if it still waited for some (task management
+        // would report it aborted while it runs).
+        Ok(fin || end == self.end as u64)
     }
 }
 
@@ -993,10 +996,14 @@ impl Iscsi {
 
     /// A SCSI Command; unsolicited data it announced and nothing takes is dropped as it comes.
     fn command(&mut self, rx: &[u8], len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
+        // The initiator is done with a given-up or drained task whose ITT it uses again (it
+        // sent that task's data, if any, before this command).
+        let itt = p.itt();
         if !self.given_up.is_empty() {
-            // The initiator is done with a given-up task whose ITT it uses again.
-            let itt = p.itt();
             self.given_up.retain(|&(i, _)| i != itt);
+        }
+        if !self.drains.is_empty() {
+            self.drains.retain(|&(i, _)| i != itt);
         }
         let d = self.scsi_command(rx, len, p, tx);
         if let Some((itt, seq)) = self.announced {
@@ -1964,7 +1971,8 @@ impl Iscsi {
         if let Some(i) = self.drains.iter().position(|(t, _)| *t == itt) {
             match self.drains[i].1.take(p.word(36), offset, n, fin) {
                 Ok(true) => {
-                    self.drains.swap_remove(i);
+                    // In order: `drain` forgets the oldest first.
+                    self.drains.remove(i);
                 }
                 Ok(false) => {}
                 Err(e) => {
@@ -2253,9 +2261,20 @@ impl Iscsi {
         Decoded::Answered { len }
     }
 
-    fn logout(&mut self, len: usize, p: &iscsi::Pdu<'_>) -> Decoded {
+    fn logout(&mut self, len: usize, p: &iscsi::Pdu<'_>, tx: &mut Vec<u8>) -> Decoded {
         if !p.immediate() && p.cmdsn() == self.expcmdsn {
             self.expcmdsn = self.expcmdsn.wrapping_add(1);
+        }
+        if p.flags() & 0x7f == 2 {
+            // Removing a connection for recovery (§11.14.1 reason 2) needs ErrorRecoveryLevel
+            // 2; this target's is 0: "connection recovery is not supported" (§11.15.1,
+            // response 2), and the connection goes on.
+            let mut b = Bhs::new(op::LOGOUT_RSP, flag::FINAL);
+            b.itt(p.itt());
+            b.0[2] = 2;
+            self.stamp(&mut b, true);
+            b.encode(&[], &self.d, tx);
+            return Decoded::Answered { len };
         }
         let req = Req {
             kind: Kind::Logout,
@@ -2372,7 +2391,7 @@ impl StreamFrontend for Iscsi {
             op::NOP_OUT => self.nop(len, &p, tx),
             op::TMF_REQ => self.tmf(len, &p, tx),
             op::TEXT_REQ => self.text(len, &p, tx),
-            op::LOGOUT_REQ => self.logout(len, &p),
+            op::LOGOUT_REQ => self.logout(len, &p, tx),
             op::SNACK => {
                 // ERL 0: no SNACK support (§11.16).
                 self.reject(reject::NOT_SUPPORTED, rx, tx);
@@ -3528,6 +3547,55 @@ mod tests {
         assert_eq!(tx[0], op::REJECT);
     }
 
+    /// A burst whose last Data-Out lacks F ends all the same: the write has its data and runs,
+    /// so ABORT TASK of it waits for its answer (reported before, a task said aborted would
+    /// still have run).
+    #[test]
+    fn a_burst_whose_last_data_out_lacks_f_ends_its_sequence() {
+        let mut f = fe(4096);
+        let mut tx = Vec::new();
+        let write10 = [0x2a, 0, 0, 0, 0, 0, 0, 0, 16, 0];
+        let pdu = cmd(9, 0, &write10, 8192, true, &[1u8; 1024]);
+        let Decoded::Request { req, .. } = f.decode(&pdu, &mut tx) else {
+            panic!("a request");
+        };
+        f.taken(&req);
+        f.solicit(&req, 3, 1024, 7168, &mut tx);
+        tx.clear();
+        let data_out = |datasn: u32, offset: u32, n: usize, fin: bool| {
+            let flags = if fin { flag::FINAL } else { 0 };
+            let mut b = Bhs::new(op::DATA_OUT, flags);
+            b.itt(9).set32(20, 3).set32(36, datasn).set32(40, offset);
+            let mut out = Vec::new();
+            b.encode(&vec![2u8; n], &Digests::default(), &mut out);
+            out
+        };
+        assert!(matches!(
+            f.decode(&data_out(0, 1024, 4096, true), &mut tx),
+            Decoded::Data { slot: 3, .. }
+        ));
+        assert_eq!((tx[0], be32(&tx, 40)), (op::R2T, 5120), "the last burst");
+        tx.clear();
+        assert!(matches!(
+            f.decode(&data_out(0, 5120, 3072, false), &mut tx),
+            Decoded::Data { slot: 3, .. }
+        ));
+        assert!(tx.is_empty(), "{tx:x?}");
+        // All its data in, the write runs; ABORT TASK waits for its answer.
+        let abort = tmf_pdu(10, 1, 9);
+        assert!(
+            matches!(f.decode(&abort, &mut tx), Decoded::Answered { len } if len == abort.len())
+        );
+        assert!(tx.is_empty(), "answered before the running write: {tx:x?}");
+        assert!(f.reply(&req, Status::Ok, &mut tx));
+        let at = tx.len() - BHS_LEN;
+        assert_eq!(
+            (tx[0], tx[at], be32(&tx, at + 16)),
+            (op::SCSI_RSP, op::TMF_RSP, 10),
+            "the write's response, then the function's"
+        );
+    }
+
     /// A TASK MANAGEMENT FUNCTION REQUEST (immediate) for LUN 0: `function` on `rtt`.
     fn tmf_pdu(itt: u32, function: u8, rtt: u32) -> Vec<u8> {
         let mut b = Bhs::new(op::TMF_REQ | iscsi::IMMEDIATE, flag::FINAL | function);
@@ -3660,7 +3728,12 @@ mod tests {
 
     /// A Logout Request (immediate, close the session).
     fn logout_pdu(itt: u32) -> Vec<u8> {
-        let mut b = Bhs::new(op::LOGOUT_REQ | iscsi::IMMEDIATE, flag::FINAL);
+        logout_for(itt, 0)
+    }
+
+    /// A Logout Request (immediate) with reason code `reason`.
+    fn logout_for(itt: u32, reason: u8) -> Vec<u8> {
+        let mut b = Bhs::new(op::LOGOUT_REQ | iscsi::IMMEDIATE, flag::FINAL | reason);
         b.itt(itt);
         let mut out = Vec::new();
         b.encode(&[], &Digests::default(), &mut out);
@@ -5045,6 +5118,37 @@ mod tests {
         assert_eq!((tx[0], be32(&tx, 36), be32(&tx, 40)), (op::R2T, 1, 12288));
     }
 
+    /// A task aborted while its unsolicited data was still to come leaves that data to be
+    /// dropped; a later command reusing its ITT (the initiator is done with it) has its own
+    /// unsolicited data dropped in step, not checked against the aborted task's sequence.
+    #[test]
+    fn a_reused_itt_drains_its_own_unsolicited_data() {
+        let mut f = fe_unsolicited(65536);
+        let mut tx = Vec::new();
+        let pdu = cmd_more(9, 0, &write10(16), 8192, &[1u8; 512]);
+        let Decoded::Request { req, .. } = f.decode(&pdu, &mut tx) else {
+            panic!("a request");
+        };
+        f.taken(&req);
+        f.solicit(&req, 1, 512, 7680, &mut tx);
+        let abort = tmf_pdu(77, 1, 9);
+        assert!(!matches!(f.decode(&abort, &mut tx), Decoded::Violation(_)));
+        tx.clear();
+        // The initiator sends none of the rest and uses ITT 9 again: a write of no blocks
+        // (answered at once) announcing 4 KiB of unsolicited data.
+        let again = cmd_more(9, 1, &write10(0), 4096, &[]);
+        let d = f.decode(&again, &mut tx);
+        assert!(!matches!(d, Decoded::Violation(_)));
+        tx.clear();
+        let data = data_out(9, RESERVED_TAG, 0, 0, &[2u8; 4096], true);
+        let d = f.decode(&data, &mut tx);
+        assert!(
+            matches!(d, Decoded::Answered { len } if len == data.len()),
+            "{tx:x?}"
+        );
+        assert!(tx.is_empty(), "{tx:x?}");
+    }
+
     #[test]
     fn unsolicited_data_without_immediate_data_and_past_the_write_length() {
         let mut f = fe_unsolicited(65536);
@@ -5267,6 +5371,23 @@ mod tests {
             f.decode(&tur, &mut tx),
             Decoded::Request { req, .. } if req.kind == Kind::Block(BlockOp::Write)
         ));
+    }
+
+    /// A Logout removing a connection for recovery is answered "connection recovery is not
+    /// supported" (ErrorRecoveryLevel 0) at once, the connection kept; closing it is a request
+    /// the reactor answers once what runs is done.
+    #[test]
+    fn a_logout_for_recovery_is_refused_and_the_connection_kept() {
+        let mut f = fe(65536);
+        let mut tx = Vec::new();
+        let pdu = logout_for(61, 2);
+        assert!(matches!(f.decode(&pdu, &mut tx), Decoded::Answered { len } if len == pdu.len()));
+        assert_eq!((tx[0], tx[2], be32(&tx, 16)), (op::LOGOUT_RSP, 2, 61));
+        tx.clear();
+        let Decoded::Request { req, .. } = f.decode(&logout_for(62, 1), &mut tx) else {
+            panic!("closing the connection is a request");
+        };
+        assert_eq!(req.kind, Kind::Logout);
     }
 
     /// A Logout is read while COMPARE AND WRITE's read is with the reactor (the reactor
