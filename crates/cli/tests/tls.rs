@@ -281,6 +281,44 @@ fn tls_require_refuses_plain_nbd_clients_and_on_serves_both() {
     assert!(info.contains("with TLS"), "--tls on serves TLS: {info}");
 }
 
+/// `--tls require` covers tcp:// and nbd:// only: an nvme-tcp:// or iscsi:// listener beside it
+/// carries its exports in clear, and the target says so when it opens one (not for the others).
+#[test]
+fn tls_require_warns_of_listeners_it_does_not_cover() {
+    let dir = TempDir::new("tls-require-clear");
+    let (cert, key) = self_signed(&dir);
+    let mut cmd = Command::new(common::BIN);
+    cmd.args(["serve", "--rpc-socket", "none", "--export", "d=mem:1M"]);
+    cmd.args(["--tls", "require", "--tls-cert", cert.to_str().unwrap()]);
+    cmd.args(["--tls-key", key.to_str().unwrap()]);
+    for l in ["tcp", "nbd", "nvme-tcp", "iscsi"] {
+        cmd.args(["--listen", &format!("{l}://127.0.0.1:0")]);
+    }
+    let (mut child, urls) = common::spawn_serve_logged(&mut cmd, 4);
+    child.kill().unwrap();
+    let mut log = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    child.wait().unwrap();
+    let warned: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("carries its exports in clear"))
+        .collect();
+    assert_eq!(warned.len(), 2, "{log}");
+    for u in &urls {
+        let clear = u.starts_with("nvme-tcp://") || u.starts_with("iscsi://");
+        assert_eq!(
+            warned.iter().any(|l| l.contains(u.as_str())),
+            clear,
+            "{u}: {log}"
+        );
+    }
+}
+
 #[test]
 fn starttls_is_refused_without_tls_and_wrong_psks_get_nothing() {
     common::need_tool("nbdinfo", "libnbd-bin");

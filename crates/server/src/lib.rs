@@ -508,6 +508,16 @@ impl Shared {
                  add --keys FILE (blkwire key gen) or allow= rules before serving real data"
             );
         }
+        if self.tls.mode == TlsMode::Require
+            && (bound.starts_with("nvme-tcp://") || bound.starts_with("iscsi://"))
+        {
+            crate::log!(
+                Level::Warn,
+                "{bound} carries its exports in clear: --tls require covers tcp:// and nbd:// \
+                 only (blkwire has no NVMe/TCP or iSCSI TLS); serve it on a trusted network, \
+                 or leave this listener out"
+            );
+        }
         crate::log!(self.change_level(), "listening on {bound} (listener {id})");
         Ok(bound)
     }
