@@ -1355,25 +1355,6 @@ impl ControllerAuth {
         (self.hash, self.group)
     }
 
-    /// Abandons an exchange the host left unfinished, as nvmet's `nvmet_auth_expired_work`
-    /// does after the keep-alive timeout (120 s without one): the next message must be a new
-    /// Negotiate. A pending Failure1 becomes final instead (a failed attempt never turns into
-    /// a fresh one by waiting). A finished exchange ([`State::Succeeded`], [`State::Failed`])
-    /// is left alone.
-    pub fn expire(&mut self) {
-        match self.state {
-            State::Challenge | State::Reply | State::Success1 | State::Success2 => {
-                self.reset_exchange();
-                self.state = State::Negotiate;
-            }
-            State::Failure1 => {
-                self.reset_exchange();
-                self.state = State::Failed;
-            }
-            State::Negotiate | State::Succeeded | State::Failed => {}
-        }
-    }
-
     /// The payload of an AUTH_Send (fctype 0x05) from the host. Complete the command with
     /// success whatever this returns (nvmet does: the verdict travels in the next AUTH_Receive
     /// or ends the controller). An `Err` names why the exchange failed: in [`State::Failure1`]

@@ -810,37 +810,6 @@ fn the_primes_have_the_rfc_7919_shape() {
 }
 
 #[test]
-fn an_abandoned_exchange_expires_to_a_new_negotiate() {
-    let k = secret(1);
-    let mut ctrl = ControllerAuth::new(HOST, SUBSYS, &k, None);
-    let mut host = HostAuth::new(HOST, SUBSYS, &k, None, 24);
-    ctrl.on_send(&host.negotiate()).unwrap();
-    let ch = ctrl.on_receive(4096).unwrap();
-    ctrl.expire();
-    assert_eq!(ctrl.state(), State::Negotiate);
-    // The old challenge's reply is now out of place.
-    let reply = host.on_challenge(&ch).unwrap();
-    assert_eq!(
-        ctrl.on_send(&reply),
-        Err(Failure::new(Reason::IncorrectMessage))
-    );
-    // A pending Failure1 does not turn into a fresh attempt.
-    let mut ctrl = ControllerAuth::new(HOST, SUBSYS, &k, None);
-    let mut bad = HostAuth::new(HOST, SUBSYS, &secret(2), None, 25);
-    ctrl.on_send(&bad.negotiate()).unwrap();
-    let reply = bad.on_challenge(&ctrl.on_receive(4096).unwrap()).unwrap();
-    assert!(ctrl.on_send(&reply).is_err());
-    ctrl.expire();
-    assert_eq!(ctrl.state(), State::Failed);
-    // A finished exchange stays as it is.
-    let mut ctrl = ControllerAuth::new(HOST, SUBSYS, &k, None);
-    exchange(&mut ctrl, &mut HostAuth::new(HOST, SUBSYS, &k, None, 26)).unwrap();
-    ctrl.expire();
-    assert_eq!(ctrl.state(), State::Succeeded);
-    assert!(ctrl.authenticated());
-}
-
-#[test]
 fn shared_secrets_keep_their_leading_zeros() {
     // About 1 in 256 shared secrets starts with a zero byte; the kernel's kpp writes it
     // padded to the prime's size, and so must we, or such exchanges would fail.
