@@ -13,8 +13,32 @@ use std::time::Duration;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
-/// Submits what is queued and sleeps in `ring` until a completion, or at most `limit`. An
-/// interrupted, timed-out or busy (completion queue full: reap first) wait is not an error.
+/// Whether `io_uring_enter` failed for now only, the entries left queued for the next call:
+/// interrupted, the wait timed out, the completion queue full (reap first), or the kernel
+/// short of memory for requests (EAGAIN). A queue thread that ended on one of these would
+/// fail every request it holds.
+fn transient(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EINTR | libc::ETIME | libc::EBUSY | libc::EAGAIN)
+    )
+}
+
+/// Submits what is queued in `ring`; a transient failure (`transient`) is not an error.
+pub(crate) fn submit<S, C>(ring: &mut IoUring<S, C>) -> Result<(), String>
+where
+    S: squeue::EntryMarker,
+    C: cqueue::EntryMarker,
+{
+    match ring.submit() {
+        Err(e) if !transient(&e) => Err(format!("io_uring submit: {e}")),
+        _ => Ok(()),
+    }
+}
+
+/// Submits what is queued and sleeps in `ring` until a completion, or at most `limit`. A
+/// transient failure (`transient`) is not an error; one that did not wait (EAGAIN) pauses a
+/// millisecond, so a thread does not spin while the kernel is short of memory.
 pub(crate) fn sleep<S, C>(ring: &mut IoUring<S, C>, limit: Option<Duration>) -> Result<(), String>
 where
     S: squeue::EntryMarker,
@@ -29,13 +53,11 @@ where
         }
     };
     match r {
-        Err(e)
-            if !matches!(
-                e.raw_os_error(),
-                Some(libc::EINTR | libc::ETIME | libc::EBUSY)
-            ) =>
-        {
-            Err(format!("io_uring wait: {e}"))
+        Err(e) if !transient(&e) => Err(format!("io_uring wait: {e}")),
+        Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+            let pause = Duration::from_millis(1);
+            std::thread::sleep(limit.map_or(pause, |l| l.min(pause)));
+            Ok(())
         }
         _ => Ok(()),
     }
@@ -96,6 +118,22 @@ impl SockPoll {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the kernel may refuse for now (EAGAIN: short of memory for requests; EBUSY: reap
+    /// first; EINTR) leaves a queue thread running; anything else ends it.
+    #[test]
+    fn only_passing_ring_failures_are_taken_for_transient() {
+        for e in [libc::EAGAIN, libc::EBUSY, libc::EINTR, libc::ETIME] {
+            assert!(transient(&std::io::Error::from_raw_os_error(e)), "{e}");
+        }
+        for e in [libc::EBADF, libc::EFAULT, libc::EINVAL, libc::ENXIO] {
+            assert!(!transient(&std::io::Error::from_raw_os_error(e)), "{e}");
+        }
+        // A ring's submit of nothing succeeds through the helper as it does by itself.
+        let mut ring: IoUring = IoUring::new(4).expect("an io_uring");
+        submit(&mut ring).unwrap();
+        sleep(&mut ring, Some(Duration::from_millis(1))).unwrap();
+    }
 
     #[test]
     fn a_new_queue_replaces_the_poll_on_the_old_socket() {

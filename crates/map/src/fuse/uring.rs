@@ -495,11 +495,7 @@ impl Ring {
     }
 
     pub(crate) fn submit(&mut self) -> Result<(), String> {
-        match self.uring.submit() {
-            Ok(_) => Ok(()),
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::EBUSY)) => Ok(()),
-            Err(e) => Err(format!("io_uring submit: {e}")),
-        }
+        crate::sockpoll::submit(&mut self.uring)
     }
 
     /// Submits and sleeps until something completes, or `limit` passes.

@@ -469,10 +469,7 @@ impl QueueWorker {
             // Armed from the push on: an SQE may reach the kernel at any later submit.
             self.alive_tags += 1;
         }
-        self.ring
-            .submit()
-            .map_err(|e| format!("sending FETCH_REQ: {e}"))?;
-        Ok(())
+        crate::sockpoll::submit(&mut self.ring).map_err(|e| format!("sending FETCH_REQ: {e}"))
     }
 
     fn commit(&mut self, tag: usize, result: i32) -> Result<(), String> {
@@ -915,9 +912,7 @@ impl QueueWorker {
                 .filter(|q| q.in_flight() > 0 && q.deadline().is_none_or(|d| d > Instant::now()))
                 .map(|q| q.fd())
             {
-                self.ring
-                    .submit()
-                    .map_err(|e| format!("io_uring submit: {e}"))?;
+                crate::sockpoll::submit(&mut self.ring)?;
                 let ring = &mut self.ring;
                 if self
                     .spin
