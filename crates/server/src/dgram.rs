@@ -349,6 +349,9 @@ pub struct PortStats {
     /// Requests dropped because the memory budget had no room for their data (the
     /// initiator retransmits them).
     pub no_memory: u64,
+    /// COPYs dropped because their host already ran `HOST_COPIES` on the port (the
+    /// initiator retransmits them).
+    pub copies_held_back: u64,
     /// Frames of a sealed session that were not sealed, did not verify or were replayed
     /// (PROTOCOL.md §12.4); dropped, never acted on.
     pub bad_seal: u64,
@@ -366,6 +369,7 @@ impl PortStats {
         self.unknown_session += o.unknown_session;
         self.wrong_peer += o.wrong_peer;
         self.no_memory += o.no_memory;
+        self.copies_held_back += o.copies_held_back;
         self.bad_seal += o.bad_seal;
         self.fragments_in_place += o.fragments_in_place;
         self.writes_reclaimed += o.writes_reclaimed;
@@ -1397,7 +1401,9 @@ impl DgramPort {
             (Opcode::Write, Verdict::New, Some(b)) if runs => q.exec.write_mapped(b),
             _ => None,
         };
-        // What the request needs of the port's share; None: it is dropped, to be sent again.
+        // What the request needs of the port's share; None: it is dropped, to be sent again
+        // (`held_back`: a COPY over its host's limit).
+        let mut held_back = false;
         let needs = match h.opcode {
             Opcode::Read | Opcode::Write
                 if fresh
@@ -1421,12 +1427,17 @@ impl DgramPort {
                     .filter(|o| o.peer.host() == host)
                     .map(|o| o.copying)
                     .sum();
-                (running < HOST_COPIES).then_some(COPY_CHUNK as usize)
+                held_back = running >= HOST_COPIES;
+                (!held_back).then_some(COPY_CHUNK as usize)
             }
             _ => Some(0),
         };
         if needs.is_none_or(|n| n > 0 && !self.make_room(qi, n)) {
-            self.stats.no_memory += 1;
+            if held_back {
+                self.stats.copies_held_back += 1;
+            } else {
+                self.stats.no_memory += 1;
+            }
             // Not taken in: the initiator must send it again, and a probe must say so.
             self.queues[qi].as_mut().expect("present").taken_in -= 1;
             return;
@@ -3246,7 +3257,11 @@ mod tests {
         assert_eq!(dp.port.copying, HOST_COPIES, "those run at once");
         dp.receive(&copy_other(HOST_COPIES as u16 / 2), from_other);
         assert_eq!(dp.port.copying, HOST_COPIES, "the next does not");
-        assert_eq!(dp.port.stats.no_memory, 1, "dropped, to be sent again");
+        assert_eq!(
+            (dp.port.stats.copies_held_back, dp.port.stats.no_memory),
+            (1, 0),
+            "dropped, to be sent again"
+        );
         assert!(answers(&peer, false).is_empty(), "nothing answered yet");
     }
 

@@ -559,7 +559,7 @@ struct PortCounter {
     value: fn(&crate::dgram::PortStats) -> u64,
 }
 
-const PORT_COUNTERS: [PortCounter; 7] = [
+const PORT_COUNTERS: [PortCounter; 8] = [
     PortCounter {
         name: "blkwire_port_bad_frames_total",
         help: "Datagram frames that were malformed or failed their CRC.",
@@ -579,6 +579,11 @@ const PORT_COUNTERS: [PortCounter; 7] = [
         name: "blkwire_port_no_memory_drops_total",
         help: "Datagram requests dropped because the memory budget had no room for their data.",
         value: |p| p.no_memory,
+    },
+    PortCounter {
+        name: "blkwire_port_copies_held_back_total",
+        help: "Datagram COPYs dropped because their host already ran 8 at once on the port.",
+        value: |p| p.copies_held_back,
     },
     PortCounter {
         name: "blkwire_port_bad_seal_frames_total",
