@@ -180,10 +180,9 @@ impl Url {
             };
             (h, port)
         } else if authority.matches(':').count() > 1 {
-            return Err(bad(&format!(
-                "an IPv6 address goes in brackets, its port after them: [{authority}] (or \
-                 [ADDRESS]:PORT)"
-            )));
+            return Err(bad(
+                "an IPv6 address goes in brackets, the port after them, e.g. tcp://[::1]:7700/d",
+            ));
         } else {
             match authority.rsplit_once(':') {
                 Some((h, p)) => (h, Some(p)),

@@ -696,6 +696,44 @@ enum ListenerKind {
     Iscsi,
 }
 
+/// `ADDR[:PORT]` of a listen URL `url` as `to_socket_addrs` takes it, `port` added when none
+/// is given: an IPv6 address in brackets, a port of digits (0: any free one), no export.
+pub(crate) fn listen_authority(url: &str, rest: &str, port: u16) -> Result<String, String> {
+    let bad = |why: String| Err(format!("bad listen address '{url}': {why}"));
+    if rest.contains('/') {
+        return bad("a listener names no export (leave out '/...')".into());
+    }
+    let (host, given) = if let Some(v6) = rest.strip_prefix('[') {
+        let Some((h, after)) = v6.split_once(']') else {
+            return bad("unclosed '[' in IPv6 address".into());
+        };
+        match after {
+            "" => (format!("[{h}]"), None),
+            _ => match after.strip_prefix(':') {
+                Some(p) => (format!("[{h}]"), Some(p)),
+                None => return bad(format!("junk after ']': '{after}'")),
+            },
+        }
+    } else if rest.matches(':').count() > 1 {
+        return bad(
+            "an IPv6 address goes in brackets, the port after them, e.g. [::1]:7700 or [::]".into(),
+        );
+    } else {
+        match rest.split_once(':') {
+            Some((h, p)) => (h.to_string(), Some(p)),
+            None => (rest.to_string(), None),
+        }
+    };
+    let port = match given {
+        None => port,
+        Some(p) => match p.parse::<u16>() {
+            Ok(n) if p.bytes().all(|b| b.is_ascii_digit()) => n,
+            _ => return bad(format!("bad port '{p}' (0 to 65535; 0 takes any free one)")),
+        },
+    };
+    Ok(format!("{host}:{port}"))
+}
+
 /// Parses `tcp://ADDR[:PORT]` (7700 by default, the port initiators assume), `nbd://ADDR[:PORT]`
 /// (10809), `nvme-tcp://ADDR[:PORT]` (4420) or `iscsi://ADDR[:PORT]` (3260).
 fn parse_listen(url: &str) -> Result<(ListenerKind, Vec<SocketAddr>), String> {
@@ -716,20 +754,7 @@ fn parse_listen(url: &str) -> Result<(ListenerKind, Vec<SocketAddr>), String> {
     if rest.is_empty() {
         return Err(format!("bad listen address '{url}': no address; {help}"));
     }
-    // Add the default port unless one is given ("[v6]:p", "host:p").
-    let has_port = match rest.rsplit_once(':') {
-        Some((h, p)) => {
-            !p.is_empty()
-                && p.bytes().all(|b| b.is_ascii_digit())
-                && (!h.contains(':') || h.ends_with(']'))
-        }
-        None => false,
-    };
-    let addr = if has_port {
-        rest.to_string()
-    } else {
-        format!("{rest}:{port}")
-    };
+    let addr = listen_authority(url, rest, port)?;
     let addrs = addr
         .to_socket_addrs()
         .map_err(|e| format!("listen address '{url}': cannot resolve {addr}: {e}"))?
@@ -1757,6 +1782,38 @@ fn fit_stats(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Listen URLs: the default port added, IPv6 in brackets, and what is wrong said plainly
+    /// (an unbracketed IPv6 address, a port that is not one, an export), for every scheme.
+    #[test]
+    fn listen_addresses_say_what_is_wrong() {
+        for (rest, port, want) in [
+            ("127.0.0.1", 7700, "127.0.0.1:7700"),
+            ("127.0.0.1:0", 7700, "127.0.0.1:0"),
+            ("[::1]", 10809, "[::1]:10809"),
+            ("[::1]:9", 4420, "[::1]:9"),
+            ("localhost", 3260, "localhost:3260"),
+        ] {
+            assert_eq!(listen_authority("u", rest, port).unwrap(), want, "{rest}");
+        }
+        assert_eq!(parse_listen("tcp://127.0.0.1").unwrap().1[0].port(), 7700);
+        for (url, want) in [
+            ("tcp://::1:23800", "an IPv6 address goes in brackets"),
+            ("tcp://127.0.0.1:abc", "bad port 'abc'"),
+            ("tcp://127.0.0.1:-1", "bad port '-1'"),
+            ("tcp://127.0.0.1:65536", "bad port '65536'"),
+            ("tcp://127.0.0.1:23800/exp", "names no export"),
+            ("tcp://[::1", "unclosed '['"),
+            ("tcp://[::1]x", "junk after ']'"),
+        ] {
+            let e = parse_listen(url).unwrap_err();
+            assert!(e.contains(want) && !e.contains('\n'), "{url}: {e}");
+        }
+        for url in ["udp://::1:23800", "udp://127.0.0.1:x"] {
+            let e = crate::ports::parse(url).unwrap().unwrap_err();
+            assert!(e.contains("bad listen address"), "{url}: {e}");
+        }
+    }
 
     /// Discovery and SendTargets tell a host an address it can reach the listener at.
     #[test]

@@ -38,18 +38,12 @@ pub fn parse(url: &str) -> Option<Result<DgramListen, String>> {
                     "'{url}': udp:// listeners take no options (got '{query}'; qdisc=bypass is for eth://)"
                 ));
             }
-            let with_port = if rest.starts_with('[') && !rest.contains("]:")
-                || !rest.starts_with('[') && !rest.contains(':')
-            {
-                format!("{rest}:{DEFAULT_UDP_PORT}")
-            } else {
-                rest.to_string()
-            };
             if rest.is_empty() {
                 return Err(format!(
                     "bad listen address '{url}': expected udp://ADDR[:PORT], e.g. udp://0.0.0.0:7701"
                 ));
             }
+            let with_port = crate::listen_authority(url, rest, DEFAULT_UDP_PORT)?;
             let a = with_port
                 .to_socket_addrs()
                 .map_err(|e| format!("listen address '{url}': cannot resolve {with_port}: {e}"))?
