@@ -307,7 +307,9 @@ fn covers_block_status(c: &mut Conn, req: &Req) -> Cover {
     if c.least_held() + reply + list > c.mem.cap() {
         return Cover::Never;
     }
-    if c.data_pending() >= c.tx_high_water() || !c.covers(reply, list) {
+    // Not counting WRITE data (`replies_pending`, as for a READ): counted, the data of
+    // writes parked behind the query kept it waiting while they waited behind it.
+    if c.replies_pending() >= c.tx_high_water() || !c.covers(reply, list) {
         return Cover::Wait;
     }
     Cover::Yes
@@ -2535,6 +2537,46 @@ mod tests {
             tx.windows(11).any(|w| w == status_reply(100, Status::Ok)),
             "the READ ran"
         );
+        let mut msgs = Vec::new();
+        for i in 0..32u64 {
+            msgs.extend_from_slice(&write(200 + i, (i % 8) * MIB as u64, MIB as u32, &p[..IMM]));
+        }
+        feed(&mut c, &mut ring, &msgs);
+        assert_eq!(c.deferred.len(), 32, "the writes wait for the four");
+        let mut msgs = Vec::new();
+        for &(slot, offset, len) in &asked {
+            msgs.extend_from_slice(&data(slot, offset, &p[offset as usize..][..len as usize]));
+        }
+        feed(&mut c, &mut ring, &msgs);
+        assert_eq!(c.targets[0].exec.stats.writes, 4);
+        assert!(!solicited(&take_tx(&mut c)).is_empty(), "then they go on");
+    }
+
+    /// The same for an allocation query: write data held at the mark does not hold it back,
+    /// so writes parked behind it (their immediate data held) go on once the ones before ran.
+    #[test]
+    fn write_data_does_not_hold_an_allocation_query_back_at_the_high_water_mark() {
+        const MIB: usize = 1 << 20;
+        const IMM: usize = 128 << 10;
+        let p = vec![5u8; MIB];
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, _peer) = conn("m=mem:8M");
+        c.slots = (0..48).map(|_| Slot::default()).collect();
+        c.free_slots = (0..48).rev().collect();
+        for i in 0..4 {
+            let w = write(i as u64, (i * MIB) as u64, MIB as u32, &p[..IMM]);
+            feed(&mut c, &mut ring, &w);
+        }
+        let asked = solicited(&take_tx(&mut c));
+        assert_eq!(asked.len(), 4);
+        assert!(
+            c.data_pending() >= c.tx_high_water(),
+            "the four hold the mark"
+        );
+        feed(&mut c, &mut ring, &query(100, 0, 4096));
+        assert!(c.deferred.is_empty(), "the query did not wait");
+        let tx = take_tx(&mut c);
+        assert_eq!(tx[0], b'E', "answered: {tx:?}");
         let mut msgs = Vec::new();
         for i in 0..32u64 {
             msgs.extend_from_slice(&write(200 + i, (i % 8) * MIB as u64, MIB as u32, &p[..IMM]));
