@@ -324,6 +324,9 @@ fn newer_within(gen: u16, held: u16) -> bool {
 /// port's share in bounce buffers (1 MiB each) that nothing reclaims.
 const HOST_COPIES: usize = 8;
 
+/// Batches of `BATCH` datagrams one `DgramPort::receive` reads from its socket at most.
+const RECEIVE_ROUNDS: usize = 8;
+
 /// How far ahead of a slot's generation a new request may be (PROTOCOL.md §6): an initiator
 /// moves on one per request on the slot, more only for requests given up unseen.
 const NEW_WINDOW: u16 = 1024;
@@ -391,6 +394,9 @@ pub struct DgramPort {
     listener: u32,
     /// Its listener was removed: it receives nothing more and goes once nothing runs.
     retiring: bool,
+    /// The last `receive` stopped at its limit with frames still in the socket: the reactor
+    /// calls it again without waiting for a poll (which fires only for new frames).
+    more_waiting: bool,
     send_fd: Option<OwnedFd>,
     kind: PortKind,
     link_payload: u32,
@@ -512,6 +518,7 @@ impl DgramPort {
             fd: p.fd,
             listener,
             retiring: false,
+            more_waiting: false,
             send_fd: p.send_fd,
             kind: p.kind,
             link_payload: p.link_payload,
@@ -542,10 +549,12 @@ impl DgramPort {
         }
     }
 
-    /// Whether the receive ring holds a frame: a spinning reactor checks this directly, which is
-    /// faster than waiting for the socket's poll completion (a wake-up, then task work).
-    pub fn ring_ready(&self) -> bool {
-        self.ring.as_ref().is_some_and(RxRing::ready)
+    /// Whether frames wait to be read without a poll saying so: in the receive ring (a
+    /// spinning reactor checks this directly, which is faster than waiting for the socket's
+    /// poll completion), or left in the socket by a `receive` that stopped at its limit. Never
+    /// for a retiring port, which reads nothing more (or the reactor would spin on its ring).
+    pub fn frames_waiting(&self) -> bool {
+        !self.retiring && (self.more_waiting || self.ring.as_ref().is_some_and(RxRing::ready))
     }
 
     pub fn fd(&self) -> i32 {
@@ -593,8 +602,13 @@ impl DgramPort {
             return;
         }
         // Runs taken in place in this call: after a batch's worth, the rest is read the usual
-        // way, whose loop the reactor already bounds.
+        // way, at most `RECEIVE_ROUNDS` batches: a peer that keeps the socket full (a flood
+        // of junk, of frames drawing ACCESS) must not keep the reactor from its other
+        // connections and completions. What is left is read at the reactor's next turn
+        // (`frames_waiting`).
         let mut in_place = 0;
+        self.more_waiting = false;
+        let mut rounds = 0;
         loop {
             if self.gro && self.expect_fragments && in_place < BATCH {
                 match self.receive_in_place(sq, ud) {
@@ -655,6 +669,11 @@ impl DgramPort {
                 self.rx[i] = buf;
             }
             if n < BATCH {
+                break;
+            }
+            rounds += 1;
+            if rounds == RECEIVE_ROUNDS {
+                self.more_waiting = true;
                 break;
             }
         }
@@ -2723,6 +2742,53 @@ mod tests {
         fn push(&mut self, _: io_uring::squeue::Entry) {
             panic!("RAM completes inline");
         }
+    }
+
+    /// One `receive` reads at most `RECEIVE_ROUNDS` batches from its socket: a peer keeping it
+    /// full cannot hold the reactor. What is left is read at the next call, without a poll
+    /// (`frames_waiting`); a retiring port reads nothing and says nothing waits.
+    #[test]
+    fn a_receive_reads_a_bounded_number_of_datagrams() {
+        let mut dp = DatagramPort::new(&["a=mem:1M"], LINK).unwrap();
+        let fd = dp.port.fd.as_raw_fd();
+        let room: libc::c_int = 4 << 20;
+        for opt in [libc::SO_RCVBUFFORCE, libc::SO_RCVBUF] {
+            // SAFETY: an int option on our socket.
+            let r = unsafe {
+                libc::setsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    opt,
+                    (&room as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+            if r == 0 {
+                break;
+            }
+        }
+        let to = UdpSocket::from(
+            std::os::fd::AsFd::as_fd(&dp.port.fd)
+                .try_clone_to_owned()
+                .unwrap(),
+        )
+        .local_addr()
+        .unwrap();
+        let peer = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let most = RECEIVE_ROUNDS * BATCH;
+        let sent = most + 24;
+        for i in 0..sent {
+            peer.send_to(&[i as u8; 16], to).unwrap();
+        }
+        dp.port.receive(&mut NoRing, &|_, _, _| 0);
+        assert_eq!(dp.port.stats.bad_frames, most as u64, "one call's worth");
+        assert!(dp.port.frames_waiting(), "the rest is waiting");
+        dp.port.receive(&mut NoRing, &|_, _, _| 0);
+        assert_eq!(dp.port.stats.bad_frames, sent as u64, "the rest");
+        assert!(!dp.port.frames_waiting());
+        dp.port.more_waiting = true;
+        dp.port.retire();
+        assert!(!dp.port.frames_waiting(), "retiring: nothing to read");
     }
 
     /// Sends `frames` (equal lengths but for a shorter last) from `peer` to the port as one

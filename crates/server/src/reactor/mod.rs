@@ -612,7 +612,7 @@ impl Reactor {
                 || ports
                     .iter()
                     .flatten()
-                    .any(crate::dgram::DgramPort::ring_ready)
+                    .any(crate::dgram::DgramPort::frames_waiting)
         }) {
             return Ok(());
         }
@@ -671,7 +671,7 @@ impl Reactor {
     fn receive_ready_ports(&mut self) {
         for (port_idx, p) in self.ports.iter_mut().enumerate() {
             let Some(p) = p else { continue };
-            if p.ring_ready() {
+            if p.frames_waiting() {
                 p.receive(&mut Pusher(&mut self.ring), &port_io_ud(port_idx));
             }
         }
