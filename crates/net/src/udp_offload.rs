@@ -297,10 +297,14 @@ impl<D: PartialEq> Segmenting<D> {
 }
 
 /// Whether a failed segmented send means "this socket cannot segment" (retry without) rather
-/// than a transient condition: EINVAL for a segment over the path MTU or a missing feature,
-/// EIO when the device lacks checksum offload.
+/// than a transient condition: a segment over the path MTU (EMSGSIZE since Linux 6.13 and the
+/// stable kernels it went back to, "udp: gso: do not drop small packets when PMTU reduces";
+/// EINVAL before), a missing feature (EINVAL), a device without checksum offload (EIO).
 pub fn refused(e: &std::io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(libc::EIO))
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EINVAL) | Some(libc::EIO) | Some(libc::EMSGSIZE)
+    )
 }
 
 /// The datagrams of one receive: a coalesced run split at `segment` bytes, or the buffer whole.
@@ -549,6 +553,20 @@ pub fn peek_run(
 
 #[cfg(test)]
 mod tests {
+    /// A segment over the path MTU is refused with EMSGSIZE by kernels since "udp: gso: do not
+    /// drop small packets when PMTU reduces" and with EINVAL before: both turn segmentation
+    /// off for that destination; a full buffer does not.
+    #[test]
+    fn a_segment_over_the_path_mtu_is_a_refusal_on_every_kernel() {
+        let e = std::io::Error::from_raw_os_error;
+        for errno in [libc::EMSGSIZE, libc::EINVAL, libc::EIO] {
+            assert!(super::refused(&e(errno)), "{errno}");
+        }
+        for errno in [libc::EAGAIN, libc::ENOBUFS, libc::ECONNREFUSED] {
+            assert!(!super::refused(&e(errno)), "{errno}");
+        }
+    }
+
     /// A run's layout: what is placed keeps its header in the buffer and sends its payload to
     /// its place; the rest lies whole in the buffer; a datagram with no payload is never placed.
     #[test]

@@ -35,6 +35,12 @@ pub(crate) fn lost_on_the_path(e: &std::io::Error) -> bool {
                 | libc::ENONET
                 | libc::ENOPROTOOPT
                 | libc::EPERM
+                // ICMP fragmentation needed / ICMPv6 Packet Too Big (the kernel learns the
+                // path MTU and fragments what follows), ICMPv6 administratively prohibited
+                // (an ip6tables REJECT), ICMP parameter problem.
+                | libc::EMSGSIZE
+                | libc::EACCES
+                | libc::EPROTO
         )
     )
 }
@@ -688,5 +694,28 @@ pub(crate) fn exchange(
             return Err(Error::Timeout(timeout));
         }
         wait = (wait * 2).min(Duration::from_secs(1));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// What a connected UDP socket reports of ICMP errors is loss, which retransmission
+    /// recovers: the path MTU shrinking (EMSGSIZE), an ip6tables REJECT (EACCES), a parameter
+    /// problem (EPROTO) ended the queue. A bad address of ours is not.
+    #[test]
+    fn icmp_errors_are_loss_on_the_path() {
+        let e = std::io::Error::from_raw_os_error;
+        for errno in [
+            libc::EMSGSIZE,
+            libc::EACCES,
+            libc::EPROTO,
+            libc::ECONNREFUSED,
+            libc::EHOSTUNREACH,
+        ] {
+            assert!(super::lost_on_the_path(&e(errno)), "{errno}");
+        }
+        for errno in [libc::EFAULT, libc::EBADF, libc::EINVAL] {
+            assert!(!super::lost_on_the_path(&e(errno)), "{errno}");
+        }
     }
 }
