@@ -177,6 +177,9 @@ pub(super) struct Conn {
     /// The socket is dead: drop the connection as soon as nothing is in flight.
     pub(super) dead: bool,
     pub(super) bytes_sent: u64,
+    /// Bytes read from the socket (after TLS): with `frames_in` and `bytes_sent`, what
+    /// `service_conn` sees move.
+    pub(super) bytes_received: u64,
     /// TLS session: `receive` and `transmit` go through it instead of the socket calls (one
     /// branch each; plain connections pay nothing more). Lives on this reactor only.
     pub(super) tls: Option<Box<TlsStream>>,
@@ -687,8 +690,19 @@ impl Conn {
     }
 }
 
-/// Reads everything waiting on the socket and dispatches every complete frame.
+/// Bytes one `receive` reads at most (less in tests, to fit a socket's buffer).
+#[cfg(not(test))]
+pub(super) const RECEIVE_BUDGET: usize = 4 << 20;
+#[cfg(test)]
+pub(super) const RECEIVE_BUDGET: usize = 64 << 10;
+
+/// Reads what waits on the socket, `RECEIVE_BUDGET` bytes at most, and dispatches every
+/// complete frame. Stopped at the budget, it leaves `readable` set: the reactor calls it again
+/// after its other connections have had a turn (`service_conn`), so a peer that sends without
+/// end (frames answered with nothing, that never raise the transmit mark) cannot hold the
+/// reactor.
 pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
+    let mut taken = 0;
     loop {
         // Dispatch what is buffered first: it may already hold many frames.
         parse_frames(c, idx, sq);
@@ -729,6 +743,12 @@ pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         match step {
             Step::Moved(n) => {
                 c.rx_end += n;
+                c.bytes_received += n as u64;
+                taken += n;
+                if taken >= RECEIVE_BUDGET {
+                    parse_frames(c, idx, sq);
+                    return;
+                }
                 continue;
             }
             Step::Closed => {

@@ -1416,6 +1416,8 @@ mod tests {
                     tx.push(b'p');
                     Decoded::Answered { len: 1 }
                 }
+                // Answered with nothing (as an iSCSI NOP-Out that asks for no NOP-In).
+                Some(b'N') => Decoded::Answered { len: 1 },
                 // `E n:u32 data[n]`: echoed as `e data` (as an iSCSI NOP-In its ping data).
                 Some(b'E') => {
                     if let Some(n) = need(5) {
@@ -1852,6 +1854,7 @@ mod tests {
             logout: None,
             dead: false,
             bytes_sent: 0,
+            bytes_received: 0,
             tls: None,
             mem: Account::reserve(&Budget::new(budget), 0, budget).unwrap(),
             starved: false,
@@ -3066,6 +3069,31 @@ mod tests {
             feed(&mut c, &mut ring, &query(3, 0, 64 * PAGE as u32));
             assert_eq!(take_tx(&mut c), status_reply(3, Status::NoMemory), "{spec}");
         }
+    }
+
+    /// A peer that sends without end what draws no answer (so the transmit mark never stops
+    /// the reading) is read `RECEIVE_BUDGET` bytes per call, `readable` left set for the
+    /// reactor's next turn, not until the socket is empty.
+    #[test]
+    fn one_receive_reads_at_most_its_budget() {
+        use super::super::conn::{receive, RECEIVE_BUDGET};
+        use std::io::Write;
+        let mut ring = Ring::new(8).unwrap();
+        let (mut c, mut peer) = conn("m=mem:1M");
+        let sent = RECEIVE_BUDGET + (16 << 10);
+        peer.write_all(&vec![b'N'; sent]).unwrap();
+        c.readable = true;
+        receive(&mut c, 0, &mut Pusher(&mut ring));
+        let first = c.bytes_received as usize;
+        assert!(
+            (RECEIVE_BUDGET..sent).contains(&first),
+            "read {first} of {sent} in one call"
+        );
+        assert!(c.readable && !c.closing, "the rest is for the next turn");
+        receive(&mut c, 0, &mut Pusher(&mut ring));
+        assert_eq!(c.bytes_received as usize, sent);
+        assert!(!c.readable, "all read");
+        assert!(take_tx(&mut c).is_empty());
     }
 
     fn query(cookie: u64, offset: u64, length: u32) -> Vec<u8> {
