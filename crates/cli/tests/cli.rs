@@ -542,6 +542,35 @@ fn options_that_cannot_apply_are_refused_in_one_line() {
         !missing.exists() && !d.path("no").exists(),
         "{sock}: created"
     );
+    // A data file given as the socket is refused and left alone, with nothing made beside it;
+    // an empty path names nothing.
+    let data = d.path("in.bin");
+    std::fs::write(&data, b"data").unwrap();
+    let served = |sock: &str| {
+        [
+            "serve",
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--export",
+            "x=mem:1M",
+            "--rpc-socket",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain(std::iter::once(sock.to_string()))
+        .collect::<Vec<String>>()
+    };
+    let args = served(data.to_str().unwrap());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_one_line_error(&args, "exists and is not a socket");
+    assert_eq!(std::fs::read(&data).unwrap(), b"data");
+    assert!(
+        !d.path("in.bin.lock").exists(),
+        "a lock file made beside it"
+    );
+    let args = served("");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_one_line_error(&args, "names no file");
     assert_one_line_error(
         &[
             "serve",

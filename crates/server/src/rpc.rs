@@ -111,6 +111,22 @@ impl ControlSocket {
     /// died, but never one a live target serves nor a file that is not a socket.
     pub(crate) fn open(path: &Path, shared: Arc<Shared>) -> Result<ControlSocket, Error> {
         let shown = path.display();
+        if path.as_os_str().is_empty() || path.file_name().is_none() {
+            return Err(Error::Listen(format!(
+                "--rpc-socket '{shown}' names no file: give a path such as /run/blkwire.sock, \
+                 or --rpc-socket none"
+            )));
+        }
+        let not_a_socket = || {
+            Error::Listen(format!(
+                "{shown} exists and is not a socket: remove it or give --rpc-socket another path"
+            ))
+        };
+        // Before the lock file is made beside it: a mistyped path to a data file leaves
+        // nothing behind.
+        if std::fs::symlink_metadata(path).is_ok_and(|m| !m.file_type().is_socket()) {
+            return Err(not_a_socket());
+        }
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| {
                 Error::Listen(format!(
@@ -123,10 +139,7 @@ impl ControlSocket {
         let lock = lock_path(path)?;
         if let Ok(m) = std::fs::symlink_metadata(path) {
             if !m.file_type().is_socket() {
-                return Err(Error::Listen(format!(
-                    "{shown} exists and is not a socket: remove it or give --rpc-socket another \
-                     path"
-                )));
+                return Err(not_a_socket());
             }
             match UnixStream::connect(path) {
                 Ok(_) => {
