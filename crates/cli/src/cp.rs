@@ -96,6 +96,12 @@ impl Staged {
         }
     }
 
+    /// Not made after all (its name was taken): nothing to remove.
+    fn forget(mut self) {
+        *staged_now() = None;
+        self.done = true;
+    }
+
     fn commit(mut self) -> Result<(), String> {
         {
             let mut staged = staged_now();
@@ -263,12 +269,16 @@ fn open_side(
                 let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
                 let name = name.ok_or_else(|| format!("{spec}: names no file"))?;
                 let tmp = path.with_file_name(format!(".{name}.blkwire-cp.{}", std::process::id()));
-                let f = OpenOptions::new()
-                    .write(true)
-                    .create_new(true)
-                    .open(&tmp)
-                    .map_err(|e| format!("{spec}: {e} (creating {})", tmp.display()))?;
-                let s = Staged::new(tmp, path);
+                // Known to the signal handler before it exists: Ctrl-C just after it was made
+                // left it behind, as large as the source.
+                let s = Staged::new(tmp.clone(), path);
+                let f = match OpenOptions::new().write(true).create_new(true).open(&tmp) {
+                    Ok(f) => f,
+                    Err(e) => {
+                        s.forget();
+                        return Err(format!("{spec}: {e} (creating {})", tmp.display()));
+                    }
+                };
                 f.set_len(want).map_err(|e| format!("{spec}: {e}"))?;
                 staged = Some(s);
                 (f, want, true, true)
