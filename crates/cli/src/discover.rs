@@ -46,6 +46,12 @@ pub fn run(a: Args) -> Result<(), String> {
                     "'{u}': discovery asks udp://HOST[:PORT] or --interface IFACE"
                 ));
             }
+            if !url.export.is_empty() {
+                return Err(format!(
+                    "'{u}': discovery lists every export of the target: use udp://{}",
+                    url.authority()
+                ));
+            }
             let addr = std::net::ToSocketAddrs::to_socket_addrs(&url.authority())
                 .ok()
                 .and_then(|mut a| a.next())

@@ -34,9 +34,17 @@ pub fn run(a: Args) -> Result<(), String> {
     let u = Url::parse(&a.url).map_err(|e| e.to_string())?;
     if u.transport != blkwire_client::Transport::Tcp {
         return Err(format!(
-            "'{}': stats asks the target's tcp:// listener (STATS is not served over UDP or \
-             raw Ethernet); use tcp://HOST:PORT",
+            "'{}': stats asks the target's tcp:// listener (STATS is served on no other); \
+             use tcp://HOST:PORT",
             a.url
+        ));
+    }
+    if !u.export.is_empty() {
+        return Err(format!(
+            "'{}': stats shows the whole target's counters, not an export's: use \
+             tcp://{}",
+            a.url,
+            u.authority()
         ));
     }
     let mut opts = a.id.options()?;

@@ -753,6 +753,15 @@ fn the_wrong_listener_gets_a_message_that_says_so() {
     assert_one_line_error(&["info", &format!("{at_nbd}/m")], "this is an NBD listener");
     let udp = t.base.replacen("tcp://", "udp://", 1);
     assert_one_line_error(&["stats", &udp], "stats asks the target's tcp:// listener");
+    // Counters are the target's: an export named is a mistake, not silently dropped.
+    assert_one_line_error(
+        &["stats", &t.url("m")],
+        &format!("not an export's: use {}", t.base),
+    );
+    assert_one_line_error(
+        &["discover", &format!("{udp}/m")],
+        "discovery lists every export of the target",
+    );
 }
 
 /// Names a target sends reach the terminal without their control characters (escaped): a
