@@ -951,7 +951,7 @@ fn nvme_subsystem_add_ns(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> 
     )?;
     if !sh.registry.has_export(&p.export) {
         return Err(RpcError::params(format!(
-            "nvme_subsystem_add_ns: no export '{}' (export_list shows them)",
+            "nvme_subsystem_add_ns: no export '{}' (`blkwire export ls` or export_list shows them)",
             p.export.escape_debug()
         )));
     }
@@ -1146,7 +1146,7 @@ fn iscsi_target_add_lun(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     )?;
     if !sh.registry.has_export(&p.export) {
         return Err(RpcError::params(format!(
-            "iscsi_target_add_lun: no export '{}' (export_list shows them)",
+            "iscsi_target_add_lun: no export '{}' (`blkwire export ls` or export_list shows them)",
             p.export.escape_debug()
         )));
     }
@@ -1244,7 +1244,7 @@ fn session_close(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
     let p: SessionParam = params("session_close", p, "{\"session\": 1234}")?;
     if !sh.registry.revoke(p.session) {
         return Err(RpcError::refused(format!(
-            "no session {} (session_list shows them)",
+            "no session {} (`blkwire session ls` or session_list shows them)",
             p.session
         )));
     }

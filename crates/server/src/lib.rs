@@ -530,7 +530,9 @@ impl Shared {
             .list
             .iter()
             .position(|l| l.asked == url || l.url == url)
-            .ok_or_else(|| format!("no listener {url} (listener_list shows them)"))?;
+            .ok_or_else(|| {
+                format!("no listener {url} (`blkwire listener ls` or listener_list shows them)")
+            })?;
         let l = ls.list.remove(at);
         drop(ls);
         self.registry.nvme.remove_listener(l.id);

@@ -1282,6 +1282,10 @@ impl Registry {
     /// Replaces an export's allow rules (`export_set_allow`; None admits everyone the target
     /// admits). Returns the sessions of hosts the new rules no longer admit, to close.
     pub fn set_allow(&self, name: &str, allow: Option<String>) -> Result<Vec<u32>, String> {
+        // An unknown export is the first thing wrong, before what its rules would say.
+        if !self.has_export(name) {
+            return Err(no_such_export(name));
+        }
         let acl = self.allow_rules(name, allow.as_deref())?;
         let mut inner = self.lock();
         let served = inner
@@ -1443,7 +1447,7 @@ pub struct SessionInfo {
 }
 
 fn no_such_export(name: &str) -> String {
-    format!("no export named '{name}' (export_list shows them)")
+    format!("no export named '{name}' (`blkwire export ls` or export_list shows them)")
 }
 
 /// The address part of a peer ("192.0.2.1:7700" -> "192.0.2.1", "[::1]:7700" -> "[::1]"; a

@@ -227,7 +227,7 @@ impl Targets {
     pub(super) fn get_mut(&mut self, iqn: &str) -> Result<&mut ConfiguredTarget, String> {
         self.list.iter_mut().find(|t| t.iqn == iqn).ok_or_else(|| {
             format!(
-                "no iSCSI target '{}' (iscsi_target_list shows them)",
+                "no iSCSI target '{}' (`blkwire iscsi-target ls` or iscsi_target_list shows them)",
                 iqn.escape_debug()
             )
         })

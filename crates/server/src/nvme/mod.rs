@@ -546,7 +546,7 @@ impl Controllers {
             .find(|s| s.nqn == nqn)
             .ok_or_else(|| {
                 format!(
-                    "no subsystem '{}' (nvme_subsystem_list shows them)",
+                    "no subsystem '{}' (`blkwire subsystem ls` or nvme_subsystem_list shows them)",
                     nqn.escape_debug()
                 )
             })?;

@@ -653,6 +653,17 @@ fn changed_rules_close_a_session_with_a_queue_joined_from_an_address_they_keep_o
     }
 }
 
+/// Rules for an export that does not exist say so first, not what is wrong with the rules
+/// (a host id on a target without keys).
+#[test]
+fn rules_for_an_unknown_export_say_it_is_unknown() {
+    let r = registry(None);
+    let e = r.set_allow("nosuch", Some("db1".into())).unwrap_err();
+    assert!(e.contains("no export named 'nosuch'"), "{e}");
+    let e = r.set_allow("d", Some("db1".into())).unwrap_err();
+    assert!(e.contains("only proven with a key"), "{e}");
+}
+
 /// A COPY's source is checked against every address the session's queues came from: a queue
 /// joined from an address the source's rules keep out may not copy from it (the session's
 /// first address could).
