@@ -311,6 +311,13 @@ pub fn run(a: Args) -> Result<(), String> {
     if !Url::is_url(&a.src) && !Url::is_url(&a.dst) {
         return Err("neither side is a URL: use cp(1) for local copies".into());
     }
+    if a.src == "-" || a.dst == "-" {
+        return Err(
+            "'-': cp copies between files, block devices and exports, not standard input or \
+             output (a copy needs a size to go by): give a file name"
+                .into(),
+        );
+    }
     watch_signals(a.dst.clone());
     if let Some((s, d)) = same_target(&a.src, &a.dst) {
         // Through this host too: reading it and writing it back would undo newer writes of

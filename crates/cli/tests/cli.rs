@@ -523,6 +523,14 @@ fn options_that_cannot_apply_are_refused_in_one_line() {
         ],
         "shorter than 4 GiB",
     );
+    // `-` is not taken for a file of that name (it made one, 64 MiB of the export's bytes).
+    for args in [
+        ["cp", "tcp://127.0.0.1:9/x", "-"],
+        ["cp", "-", "tcp://127.0.0.1:9/x"],
+    ] {
+        assert_one_line_error(&args, "not standard input or output");
+    }
+    assert!(!std::path::Path::new("-").exists());
     // A typo in --rpc-socket's directory creates nothing.
     let missing = d.path("no/such/dir");
     let sock = format!("{}/sock", missing.display());
