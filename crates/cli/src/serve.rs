@@ -60,7 +60,7 @@ pub struct Args {
     /// when it can be had (a second target on the machine logs that and runs without)
     #[arg(long, value_name = "PATH")]
     rpc_socket: Option<String>,
-    /// Worker threads, each with its own io_uring [default: one per CPU]
+    /// Worker threads, each with its own io_uring (0: one per CPU) [default: one per CPU]
     #[arg(long)]
     threads: Option<usize>,
     /// Largest I/O granted to a client [default: 1M]
@@ -384,10 +384,11 @@ fn flag_options(a: &Args) -> Result<serde_json::Value, String> {
         }
         o.insert("max_memory".into(), m.into());
     }
-    // Counts and durations of 0 are taken as 1, as they always were.
+    // Passed as given: `target_options` refuses a count or duration of 0 in the flag's
+    // words (0 was taken as 1, which a user meaning "no limit" did not expect).
     let mut put = |k: &str, v: Option<u64>| {
         if let Some(v) = v {
-            o.insert(k.into(), v.max(1).into());
+            o.insert(k.into(), v.into());
         }
     };
     put("datagram_idle_timeout_s", a.datagram_idle_timeout);

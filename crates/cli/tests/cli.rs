@@ -590,6 +590,19 @@ fn options_that_cannot_apply_are_refused_in_one_line() {
         "--subsystem 'nqn.2026-11.x:y=nope': no export 'nope'",
     );
     assert_one_line_error(&["serve", "--rpc-socket", "none"], "no exports");
+    // A limit of 0 is refused in the flag's words (it was taken as 1).
+    assert_one_line_error(
+        &[
+            "serve",
+            "--export",
+            "x=mem:1M",
+            "--rpc-socket",
+            "none",
+            "--max-sessions",
+            "0",
+        ],
+        "--max-sessions must be a whole number from 1",
+    );
     assert_one_line_error(
         &[
             "serve",
