@@ -20,7 +20,8 @@ enum Rw {
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// The export: tcp://HOST[:PORT]/EXPORT, udp://HOST[:PORT]/EXPORT or eth://IFACE/MAC/EXPORT
+    /// The export: tcp://HOST[:PORT]/EXPORT, udp://HOST[:PORT]/EXPORT, eth://IFACE/MAC/EXPORT
+    /// or nvme-tcp://HOST[:PORT]/NQN (any NVMe/TCP target)
     url: String,
     #[arg(long, value_enum, default_value = "randread")]
     rw: Rw,

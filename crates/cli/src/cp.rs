@@ -16,9 +16,10 @@ use blkwire_wire::Features;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Source: a local path or an export URL (tcp://HOST[:PORT]/EXPORT, udp://..., eth://...)
+    /// Source: a local path or an export URL (tcp://HOST[:PORT]/EXPORT, udp://..., eth://...,
+    /// nvme-tcp://HOST[:PORT]/NQN)
     src: String,
-    /// Destination: a local path or an export URL (tcp://, udp://, eth://). An existing file
+    /// Destination: a local path or an export URL (tcp://, udp://, eth://, nvme-tcp://). An existing file
     /// or disk is overwritten in place (a file then ends where the source does); a new file
     /// appears under its name only once the copy is complete
     dst: String,

@@ -5,8 +5,8 @@ use serde_json::json;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// tcp://HOST[:PORT]/EXPORT, udp://HOST[:PORT]/EXPORT or eth://IFACE/MAC/EXPORT (without
-    /// EXPORT: list the target's exports)
+    /// tcp://HOST[:PORT]/EXPORT, udp://HOST[:PORT]/EXPORT, eth://IFACE/MAC/EXPORT or
+    /// nvme-tcp://HOST[:PORT]/NQN (without EXPORT: list the target's exports)
     url: String,
     /// Print one JSON object
     #[arg(long)]

@@ -125,7 +125,7 @@ impl Url {
         let s = full;
         let bad = |why: &str| {
             Error::Usage(format!(
-                "bad URL '{s}': {why}; expected tcp://HOST:PORT/EXPORT, udp://HOST:PORT/EXPORT, eth://IFACE/TARGET-MAC/EXPORT or nvme-tcp://HOST[:PORT]/NQN"
+                "bad URL '{s}': {why}; expected tcp://HOST[:PORT]/EXPORT, udp://HOST[:PORT]/EXPORT, eth://IFACE/TARGET-MAC/EXPORT or nvme-tcp://HOST[:PORT]/NQN"
             ))
         };
         let (s, q) = split_query(s).map_err(|why| bad(&why))?;
