@@ -317,6 +317,21 @@ pub fn run(a: Args) -> Result<(), String> {
         }
         let _ = out.flush();
     }
+    // --tls covers tcp:// and nbd:// listeners only: asked for with none of them, it protects
+    // nothing (listeners added later over the control socket get it).
+    let urls = target.urls();
+    if a.tls.is_some_and(|t| t.name() != "off")
+        && !urls.is_empty()
+        && !urls
+            .iter()
+            .any(|u| u.starts_with("tcp://") || u.starts_with("nbd://"))
+    {
+        log!(
+            log::Level::Warn,
+            "--tls applies to tcp:// and nbd:// listeners only, and this target has none: \
+             nothing it serves now is encrypted"
+        );
+    }
     let names: Vec<String> = target
         .exports()
         .iter()

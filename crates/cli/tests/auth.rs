@@ -241,6 +241,36 @@ fn discover_with_a_key_lists_what_it_can_and_names_what_refused() {
     );
 }
 
+/// An --admin host with no key in the key store is served (keys may be added later) but warned
+/// of, most likely a typo; one with a key is not.
+#[test]
+fn an_admin_without_a_key_is_warned_of() {
+    use std::io::Read;
+    let keys = Keys::new("auth-admin-typo");
+    let mut cmd = std::process::Command::new(common::BIN);
+    cmd.args(["serve", "--rpc-socket", "none", "--export", "d=mem:1M"]);
+    cmd.args([
+        "--listen",
+        "tcp://127.0.0.1:0",
+        "--keys",
+        &keys.file("target"),
+    ]);
+    cmd.args(["--admin", "alice", "--admin", "alcie"]);
+    let (mut child, _) = common::spawn_serve_logged(&mut cmd, 1);
+    child.kill().unwrap();
+    let mut log = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    child.wait().unwrap();
+    let warned: Vec<&str> = log.lines().filter(|l| l.contains("has no key")).collect();
+    assert_eq!(warned.len(), 1, "{log}");
+    assert!(warned[0].contains("admin 'alcie'"), "{log}");
+}
+
 #[test]
 fn key_files_and_rules_are_checked_before_anything_starts() {
     let keys = Keys::new("auth-config");

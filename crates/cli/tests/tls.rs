@@ -319,6 +319,42 @@ fn tls_require_warns_of_listeners_it_does_not_cover() {
     }
 }
 
+/// --tls on a target with no tcp:// or nbd:// listener protects nothing: said at start.
+#[test]
+fn tls_without_a_listener_it_covers_is_warned_of() {
+    let dir = TempDir::new("tls-no-stream");
+    let key = dir.path("k");
+    let (ok, _, err) = cli(&["key", "gen", key.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let start = |listen: &str| {
+        let mut cmd = Command::new(common::BIN);
+        cmd.args(["serve", "--rpc-socket", "none", "--export", "d=mem:1M"]);
+        cmd.args([
+            "--tls",
+            "on",
+            "--keys",
+            key.to_str().unwrap(),
+            "--listen",
+            listen,
+        ]);
+        let (mut child, _) = common::spawn_serve_logged(&mut cmd, 1);
+        child.kill().unwrap();
+        let mut log = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut log)
+            .unwrap();
+        child.wait().unwrap();
+        log
+    };
+    let log = start("udp://127.0.0.1:0");
+    assert!(log.contains("nothing it serves now is encrypted"), "{log}");
+    let log = start("tcp://127.0.0.1:0");
+    assert!(!log.contains("nothing it serves now is encrypted"), "{log}");
+}
+
 #[test]
 fn starttls_is_refused_without_tls_and_wrong_psks_get_nothing() {
     common::need_tool("nbdinfo", "libnbd-bin");

@@ -301,6 +301,17 @@ impl Access {
         for h in &hosts {
             blkwire_auth::keys::check_host_id(h).map_err(|e| format!("admin '{h}': {e}"))?;
         }
+        // Not refused (keys may be loaded later), but most likely a typo.
+        if let Some(keys) = self.keys() {
+            for h in hosts.iter().filter(|h| keys.get(h).is_none()) {
+                crate::log!(
+                    crate::log::Level::Warn,
+                    "admin '{}' has no key in the key store: it cannot read STATS until one \
+                     is added",
+                    h.escape_debug()
+                );
+            }
+        }
         *self.admins.write().unwrap_or_else(|p| p.into_inner()) = hosts;
         Ok(())
     }
