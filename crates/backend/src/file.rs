@@ -82,6 +82,40 @@ struct SlowJob {
 // (TRIM, WRITE_ZEROES, COPY) carry no pointer; the rest is owned.
 unsafe impl Send for SlowJob {}
 
+/// The one-line error for a file export that could not be opened: what to do about it.
+fn open_hint(path: &Path, e: &io::Error, direct: bool, read_only: bool) -> String {
+    match e.raw_os_error() {
+        Some(libc::ENOENT) => format!(
+            "{}: no such file; create it first, e.g. `truncate -s 10G {}`",
+            path.display(),
+            path.display()
+        ),
+        Some(libc::EISDIR) => format!(
+            "{}: is a directory; give a file or a block device, e.g. `truncate -s 10G {}/disk.img` and file:{}/disk.img",
+            path.display(),
+            path.display(),
+            path.display()
+        ),
+        Some(libc::EACCES | libc::EROFS) if !read_only => format!(
+            "{}: {e}: give this user write access to it, or serve it read-only \
+             (add ,ro to the export)",
+            path.display()
+        ),
+        Some(libc::EACCES) => format!(
+            "{}: {e}: give this user read access to it (and search access to its \
+             directories)",
+            path.display()
+        ),
+        Some(libc::EINVAL) if direct => {
+            format!(
+                "{}: this filesystem does not support O_DIRECT; drop ?direct=1",
+                path.display()
+            )
+        }
+        _ => format!("{}: {e}", path.display()),
+    }
+}
+
 impl FileBackend {
     /// The sender of the export's helper thread, started on first use.
     fn helper(&self) -> io::Result<Sender<SlowJob>> {
@@ -156,26 +190,7 @@ impl FileBackend {
         let fd = unsafe { libc::open(cpath.as_ptr(), flags | libc::O_NONBLOCK) };
         if fd < 0 {
             let e = io::Error::last_os_error();
-            let hint = match e.raw_os_error() {
-                Some(libc::ENOENT) => format!(
-                    "{}: no such file; create it first, e.g. `truncate -s 10G {}`",
-                    path.display(),
-                    path.display()
-                ),
-                Some(libc::EISDIR) => format!(
-                    "{}: is a directory; give a file or a block device, e.g. `truncate -s 10G {}/disk.img` and file:{}/disk.img",
-                    path.display(),
-                    path.display(),
-                    path.display()
-                ),
-                Some(libc::EINVAL) if direct => {
-                    format!(
-                        "{}: this filesystem does not support O_DIRECT; drop ?direct=1",
-                        path.display()
-                    )
-                }
-                _ => format!("{}: {e}", path.display()),
-            };
+            let hint = open_hint(path, &e, direct, read_only);
             return Err(io::Error::new(e.kind(), hint));
         }
         let mut b = FileBackend {
@@ -919,6 +934,23 @@ impl QueueIo for FileQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A file the target may not open says what to do: write access or `,ro` for a writable
+    /// export (or a read-only filesystem), read access for a read-only one.
+    #[test]
+    fn a_file_export_that_cannot_be_opened_says_what_to_do() {
+        let p = Path::new("/srv/d.img");
+        let e = io::Error::from_raw_os_error;
+        let rw = open_hint(p, &e(libc::EACCES), false, false);
+        assert!(
+            rw.starts_with("/srv/d.img: Permission denied") && rw.contains(",ro"),
+            "{rw}"
+        );
+        assert!(open_hint(p, &e(libc::EROFS), false, false).contains(",ro"));
+        let ro = open_hint(p, &e(libc::EACCES), false, true);
+        assert!(ro.contains("read access") && !ro.contains(",ro"), "{ro}");
+        assert!(open_hint(p, &e(libc::ENOENT), false, false).contains("truncate -s 10G"));
+    }
 
     /// A loop device (`losetup --find --show EXTRA FILE`) over a scratch file of its own,
     /// detached and its file removed on drop, also when the test fails. Needs root and loop
