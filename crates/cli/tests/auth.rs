@@ -245,7 +245,6 @@ fn discover_with_a_key_lists_what_it_can_and_names_what_refused() {
 /// of, most likely a typo; one with a key is not.
 #[test]
 fn an_admin_without_a_key_is_warned_of() {
-    use std::io::Read;
     let keys = Keys::new("auth-admin-typo");
     let mut cmd = std::process::Command::new(common::BIN);
     cmd.args(["serve", "--rpc-socket", "none", "--export", "d=mem:1M"]);
@@ -256,16 +255,7 @@ fn an_admin_without_a_key_is_warned_of() {
         &keys.file("target"),
     ]);
     cmd.args(["--admin", "alice", "--admin", "alcie"]);
-    let (mut child, _) = common::spawn_serve_logged(&mut cmd, 1);
-    child.kill().unwrap();
-    let mut log = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut log)
-        .unwrap();
-    child.wait().unwrap();
+    let (_, log) = common::start_log(&mut cmd, 1);
     let warned: Vec<&str> = log.lines().filter(|l| l.contains("has no key")).collect();
     assert_eq!(warned.len(), 1, "{log}");
     assert!(warned[0].contains("admin 'alcie'"), "{log}");

@@ -294,16 +294,7 @@ fn tls_require_warns_of_listeners_it_does_not_cover() {
     for l in ["tcp", "nbd", "nvme-tcp", "iscsi"] {
         cmd.args(["--listen", &format!("{l}://127.0.0.1:0")]);
     }
-    let (mut child, urls) = common::spawn_serve_logged(&mut cmd, 4);
-    child.kill().unwrap();
-    let mut log = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut log)
-        .unwrap();
-    child.wait().unwrap();
+    let (urls, log) = common::start_log(&mut cmd, 4);
     let warned: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("carries its exports in clear"))
@@ -337,17 +328,7 @@ fn tls_without_a_listener_it_covers_is_warned_of() {
             "--listen",
             listen,
         ]);
-        let (mut child, _) = common::spawn_serve_logged(&mut cmd, 1);
-        child.kill().unwrap();
-        let mut log = String::new();
-        child
-            .stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut log)
-            .unwrap();
-        child.wait().unwrap();
-        log
+        common::start_log(&mut cmd, 1).1
     };
     let log = start("udp://127.0.0.1:0");
     assert!(log.contains("nothing it serves now is encrypted"), "{log}");

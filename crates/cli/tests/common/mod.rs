@@ -43,6 +43,23 @@ pub fn spawn_serve_logged(cmd: &mut Command, want: usize) -> (Child, Vec<String>
     (child, urls)
 }
 
+/// What a `serve` command logs while it starts: run until its `want` `listening` lines, then
+/// killed; its URLs and its log (stderr).
+pub fn start_log(cmd: &mut Command, want: usize) -> (Vec<String>, String) {
+    use std::io::Read;
+    let (mut child, urls) = spawn_serve_logged(cmd, want);
+    child.kill().unwrap();
+    let mut log = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
+    child.wait().unwrap();
+    (urls, log)
+}
+
 /// Like [`spawn_serve`] for a `serve --rpc-socket PATH` command: also waits for its `control
 /// PATH` line (printed once the control socket takes calls).
 pub fn spawn_serve_with_control(cmd: &mut Command, want: usize) -> (Child, Vec<String>) {
