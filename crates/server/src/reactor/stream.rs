@@ -2508,91 +2508,61 @@ mod tests {
         }
     }
 
-    /// Write data never goes into the transmit buffer, so it does not hold READs back at the
-    /// high-water mark: with four writes holding the mark's worth of buffers while they wait
-    /// for their data (iSCSI ImmediateData), a READ runs at once, and the writes after it
-    /// that brought their first data wait for the four (it waited, parked, and the data the
-    /// writes parked behind it brought kept it waiting on the mark once the four ran, while
-    /// those writes waited behind it: nothing moved again).
+    /// Write data never goes into the transmit buffer, so it does not hold READs or allocation
+    /// queries back at the high-water mark: with four writes holding the mark's worth of
+    /// buffers while they wait for their data (iSCSI ImmediateData), a READ or a query runs at
+    /// once, and the writes after it that brought their first data wait for the four (it
+    /// waited, parked, and the data the writes parked behind it brought kept it waiting on the
+    /// mark once the four ran, while those writes waited behind it: nothing moved again).
     #[test]
-    fn write_data_does_not_hold_a_read_back_at_the_high_water_mark() {
+    fn write_data_does_not_hold_a_read_or_query_back_at_the_high_water_mark() {
         const MIB: usize = 1 << 20;
         const IMM: usize = 128 << 10;
         let p = vec![5u8; MIB];
-        let mut ring = Ring::new(8).unwrap();
-        let (mut c, _peer) = conn("m=mem:8M");
-        c.slots = (0..48).map(|_| Slot::default()).collect();
-        c.free_slots = (0..48).rev().collect();
-        for i in 0..4 {
-            let w = write(i as u64, (i * MIB) as u64, MIB as u32, &p[..IMM]);
-            feed(&mut c, &mut ring, &w);
+        for probe in [read(100, 0, 4096), query(100, 0, 4096)] {
+            let what = if probe[0] == b'R' { "READ" } else { "query" };
+            let mut ring = Ring::new(8).unwrap();
+            let (mut c, _peer) = conn("m=mem:8M");
+            c.slots = (0..48).map(|_| Slot::default()).collect();
+            c.free_slots = (0..48).rev().collect();
+            for i in 0..4 {
+                let w = write(i as u64, (i * MIB) as u64, MIB as u32, &p[..IMM]);
+                feed(&mut c, &mut ring, &w);
+            }
+            let asked = solicited(&take_tx(&mut c));
+            assert_eq!(asked.len(), 4);
+            assert!(
+                c.data_pending() >= c.tx_high_water(),
+                "the four hold the mark"
+            );
+            feed(&mut c, &mut ring, &probe);
+            assert!(c.deferred.is_empty(), "the {what} did not wait");
+            let tx = take_tx(&mut c);
+            let ran = if probe[0] == b'R' {
+                tx.windows(11).any(|w| w == status_reply(100, Status::Ok))
+            } else {
+                tx[0] == b'E'
+            };
+            assert!(ran, "the {what} ran: {:?}", &tx[..tx.len().min(16)]);
+            let mut msgs = Vec::new();
+            for i in 0..32u64 {
+                msgs.extend_from_slice(&write(
+                    200 + i,
+                    (i % 8) * MIB as u64,
+                    MIB as u32,
+                    &p[..IMM],
+                ));
+            }
+            feed(&mut c, &mut ring, &msgs);
+            assert_eq!(c.deferred.len(), 32, "the writes wait for the four");
+            let mut msgs = Vec::new();
+            for &(slot, offset, len) in &asked {
+                msgs.extend_from_slice(&data(slot, offset, &p[offset as usize..][..len as usize]));
+            }
+            feed(&mut c, &mut ring, &msgs);
+            assert_eq!(c.targets[0].exec.stats.writes, 4);
+            assert!(!solicited(&take_tx(&mut c)).is_empty(), "then they go on");
         }
-        let asked = solicited(&take_tx(&mut c));
-        assert_eq!(asked.len(), 4);
-        assert!(
-            c.data_pending() >= c.tx_high_water(),
-            "the four hold the mark"
-        );
-        feed(&mut c, &mut ring, &read(100, 0, 4096));
-        assert!(c.deferred.is_empty(), "the READ did not wait");
-        let tx = take_tx(&mut c);
-        assert!(
-            tx.windows(11).any(|w| w == status_reply(100, Status::Ok)),
-            "the READ ran"
-        );
-        let mut msgs = Vec::new();
-        for i in 0..32u64 {
-            msgs.extend_from_slice(&write(200 + i, (i % 8) * MIB as u64, MIB as u32, &p[..IMM]));
-        }
-        feed(&mut c, &mut ring, &msgs);
-        assert_eq!(c.deferred.len(), 32, "the writes wait for the four");
-        let mut msgs = Vec::new();
-        for &(slot, offset, len) in &asked {
-            msgs.extend_from_slice(&data(slot, offset, &p[offset as usize..][..len as usize]));
-        }
-        feed(&mut c, &mut ring, &msgs);
-        assert_eq!(c.targets[0].exec.stats.writes, 4);
-        assert!(!solicited(&take_tx(&mut c)).is_empty(), "then they go on");
-    }
-
-    /// The same for an allocation query: write data held at the mark does not hold it back,
-    /// so writes parked behind it (their immediate data held) go on once the ones before ran.
-    #[test]
-    fn write_data_does_not_hold_an_allocation_query_back_at_the_high_water_mark() {
-        const MIB: usize = 1 << 20;
-        const IMM: usize = 128 << 10;
-        let p = vec![5u8; MIB];
-        let mut ring = Ring::new(8).unwrap();
-        let (mut c, _peer) = conn("m=mem:8M");
-        c.slots = (0..48).map(|_| Slot::default()).collect();
-        c.free_slots = (0..48).rev().collect();
-        for i in 0..4 {
-            let w = write(i as u64, (i * MIB) as u64, MIB as u32, &p[..IMM]);
-            feed(&mut c, &mut ring, &w);
-        }
-        let asked = solicited(&take_tx(&mut c));
-        assert_eq!(asked.len(), 4);
-        assert!(
-            c.data_pending() >= c.tx_high_water(),
-            "the four hold the mark"
-        );
-        feed(&mut c, &mut ring, &query(100, 0, 4096));
-        assert!(c.deferred.is_empty(), "the query did not wait");
-        let tx = take_tx(&mut c);
-        assert_eq!(tx[0], b'E', "answered: {tx:?}");
-        let mut msgs = Vec::new();
-        for i in 0..32u64 {
-            msgs.extend_from_slice(&write(200 + i, (i % 8) * MIB as u64, MIB as u32, &p[..IMM]));
-        }
-        feed(&mut c, &mut ring, &msgs);
-        assert_eq!(c.deferred.len(), 32, "the writes wait for the four");
-        let mut msgs = Vec::new();
-        for &(slot, offset, len) in &asked {
-            msgs.extend_from_slice(&data(slot, offset, &p[offset as usize..][..len as usize]));
-        }
-        feed(&mut c, &mut ring, &msgs);
-        assert_eq!(c.targets[0].exec.stats.writes, 4);
-        assert!(!solicited(&take_tx(&mut c)).is_empty(), "then they go on");
     }
 
     /// One message that gives up several parked writes (iSCSI ABORT TASK SET) releases them
