@@ -447,9 +447,10 @@ impl KeyStore {
         target: Option<&[u8]>,
     ) -> Result<(), String> {
         let key = Key::new(secret)?;
-        self.entries.retain(|e| e.id != host_id);
         let secrets = (secret.to_vec(), target.map(<[u8]>::to_vec));
+        // Checked before the host's old entry goes: refused, it keeps it.
         self.chap_secrets_apart(host_id, &secrets)?;
+        self.entries.retain(|e| e.id != host_id);
         self.entries.push(Entry {
             id: host_id.to_string(),
             host_secret: Secret::from_key(&key),
@@ -467,7 +468,8 @@ impl KeyStore {
     /// with a secret that is another host's would get that host's answer and log in as it.
     /// Errors name the other line's host, never a secret.
     fn chap_secrets_apart(&self, id: &str, (host, target): &ChapSecrets) -> Result<(), String> {
-        for e in &self.entries {
+        // The host's own entry, which a new one replaces, is not another's.
+        for e in self.entries.iter().filter(|e| e.id != id) {
             let Some((h, t)) = &e.chap else { continue };
             let other = &e.id;
             if h == host {
@@ -869,6 +871,17 @@ mod tests {
             .unwrap_err();
         assert!(e.contains("share a secret"), "{e}");
         assert!(store.chap("iqn.b").is_none());
+        // Refused, a host keeps the entry it had; its own secrets again are no clash.
+        store
+            .insert_chap("iqn.b", b"bobby-secret-0001", None)
+            .unwrap();
+        assert!(store
+            .insert_chap("iqn.b", b"target-secret-01", None)
+            .is_err());
+        assert_eq!(store.chap("iqn.b"), Some((&b"bobby-secret-0001"[..], None)));
+        store
+            .insert_chap("iqn.b", b"bobby-secret-0001", None)
+            .unwrap();
     }
 
     /// A CHAP secret may hold ":DHHC-1:": the line is a CHAP line (its first separator), and

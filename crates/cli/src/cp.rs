@@ -88,19 +88,21 @@ fn staged_now() -> std::sync::MutexGuard<'static, Option<PathBuf>> {
 }
 
 impl Staged {
-    fn new(tmp: PathBuf, path: PathBuf) -> Staged {
-        *staged_now() = Some(tmp.clone());
-        Staged {
-            tmp,
-            path,
-            done: false,
-        }
-    }
-
-    /// Not made after all (its name was taken): nothing to remove.
-    fn forget(mut self) {
-        *staged_now() = None;
-        self.done = true;
+    /// Creates `tmp`, to become `path`, and tells the signal handler at once: both under its
+    /// lock, so a signal finds either no file made or one it removes (Ctrl-C just after it was
+    /// made left it behind, as large as the source).
+    fn create(tmp: PathBuf, path: PathBuf) -> std::io::Result<(File, Staged)> {
+        let mut staged = staged_now();
+        let f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        *staged = Some(tmp.clone());
+        Ok((
+            f,
+            Staged {
+                tmp,
+                path,
+                done: false,
+            },
+        ))
     }
 
     fn commit(mut self) -> Result<(), String> {
@@ -270,16 +272,9 @@ fn open_side(
                 let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
                 let name = name.ok_or_else(|| format!("{spec}: names no file"))?;
                 let tmp = path.with_file_name(format!(".{name}.blkwire-cp.{}", std::process::id()));
-                // Known to the signal handler before it exists: Ctrl-C just after it was made
-                // left it behind, as large as the source.
-                let s = Staged::new(tmp.clone(), path);
-                let f = match OpenOptions::new().write(true).create_new(true).open(&tmp) {
-                    Ok(f) => f,
-                    Err(e) => {
-                        s.forget();
-                        return Err(format!("{spec}: {e} (creating {})", tmp.display()));
-                    }
-                };
+                let shown = tmp.display().to_string();
+                let (f, s) = Staged::create(tmp, path)
+                    .map_err(|e| format!("{spec}: {e} (creating {shown})"))?;
                 f.set_len(want).map_err(|e| format!("{spec}: {e}"))?;
                 staged = Some(s);
                 (f, want, true, true)

@@ -152,8 +152,10 @@ pub fn run(a: Args) -> Result<(), String> {
 const QUERIES_AT_ONCE: usize = 16;
 
 /// Asks every locked target in `found` for its exports with `list` (`QUERIES_AT_ONCE` at a time),
-/// all within one `opts.timeout`; a target listed is unlocked. Returns, per target, why it was
-/// not listed (a target left when the time is up is not asked).
+/// none started once `opts.timeout` has passed, each given what is left of it (a query's dial
+/// and its exchange each wait that long at most, so the last may end up to twice as late); a
+/// target listed is unlocked. Returns, per target, why it was not listed (a target left when
+/// the time is up is not asked).
 fn list_locked(
     found: &mut [Discovered],
     opts: &ConnectOptions,

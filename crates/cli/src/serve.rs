@@ -302,6 +302,22 @@ pub fn run(a: Args) -> Result<(), String> {
         unsafe { libc::sigwait(&sigs, &mut sig) };
         stop.stop();
     });
+    // --tls covers tcp:// and nbd:// listeners only: asked for with none of them, it protects
+    // nothing (listeners added later over the control socket get it). Said before the
+    // `listening` lines, which scripts (and tests) wait for.
+    let urls = target.urls();
+    if a.tls.is_some_and(|t| t.name() != "off")
+        && !urls.is_empty()
+        && !urls
+            .iter()
+            .any(|u| u.starts_with("tcp://") || u.starts_with("nbd://"))
+    {
+        log!(
+            log::Level::Warn,
+            "--tls applies to tcp:// and nbd:// listeners only, and this target has none: \
+             nothing it serves now is encrypted"
+        );
+    }
     {
         let mut out = std::io::stdout().lock();
         for u in target.urls() {
@@ -316,21 +332,6 @@ pub fn run(a: Args) -> Result<(), String> {
             let _ = writeln!(out, "metrics {url}");
         }
         let _ = out.flush();
-    }
-    // --tls covers tcp:// and nbd:// listeners only: asked for with none of them, it protects
-    // nothing (listeners added later over the control socket get it).
-    let urls = target.urls();
-    if a.tls.is_some_and(|t| t.name() != "off")
-        && !urls.is_empty()
-        && !urls
-            .iter()
-            .any(|u| u.starts_with("tcp://") || u.starts_with("nbd://"))
-    {
-        log!(
-            log::Level::Warn,
-            "--tls applies to tcp:// and nbd:// listeners only, and this target has none: \
-             nothing it serves now is encrypted"
-        );
     }
     let names: Vec<String> = target
         .exports()

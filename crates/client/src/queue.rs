@@ -460,6 +460,10 @@ impl Queue {
                 break;
             }
             let due = again_at.is_some_and(|t| Instant::now() >= t);
+            if due && !again.is_empty() {
+                // A round of parts sent again: the next refusal waits longer.
+                pause = (pause * 2).min(RETRY_MOST);
+            }
             while !stopping && refused.is_none() && self.in_flight() < self.depth() {
                 let i = if due && !again.is_empty() {
                     again.pop().expect("not empty")
@@ -492,12 +496,13 @@ impl Queue {
                 }
                 // Every slot holds an earlier batch's command: its completion frees one.
             }
-            let now = Instant::now();
             self.complete(1, |c| {
                 let Some(i) = batch.index(c.user) else {
                     return; // an earlier batch's
                 };
                 sent -= 1;
+                // When it came, not when the wait began: the wait may have been long.
+                let now = Instant::now();
                 match c.status {
                     Status::NoMemory
                         if failed.is_none() && now.duration_since(progress) < patience =>
@@ -508,6 +513,7 @@ impl Queue {
                     }
                     Status::Ok => {
                         progress = now;
+                        pause = RETRY_FIRST;
                         done(i, c.data);
                     }
                     s => {
@@ -516,9 +522,6 @@ impl Queue {
                 }
                 finished += 1;
             })?;
-            if again_at.is_some() {
-                pause = (pause * 2).min(RETRY_MOST);
-            }
         }
         if let Some(e) = refused {
             return Err(e);

@@ -24,6 +24,28 @@ fn transient(e: &std::io::Error) -> bool {
     )
 }
 
+/// Makes room in a full submission queue of `ring` by submitting it: interrupted, or the
+/// kernel short of memory for requests (EAGAIN, for at most about a second), it tries again;
+/// anything else (EBUSY: completions must be reaped first, which the caller cannot do here)
+/// is an error.
+pub(crate) fn submit_for_room<S, C>(ring: &mut IoUring<S, C>) -> std::io::Result<()>
+where
+    S: squeue::EntryMarker,
+    C: cqueue::EntryMarker,
+{
+    let mut tries = 0;
+    loop {
+        match ring.submit() {
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) && tries < 1000 => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            r => return r.map(|_| ()),
+        }
+    }
+}
+
 /// Submits what is queued in `ring`; a transient failure (`transient`) is not an error.
 pub(crate) fn submit<S, C>(ring: &mut IoUring<S, C>) -> Result<(), String>
 where
@@ -132,6 +154,7 @@ mod tests {
         // A ring's submit of nothing succeeds through the helper as it does by itself.
         let mut ring: IoUring = IoUring::new(4).expect("an io_uring");
         submit(&mut ring).unwrap();
+        submit_for_room(&mut ring).unwrap();
         sleep(&mut ring, Some(Duration::from_millis(1))).unwrap();
     }
 

@@ -584,7 +584,9 @@ impl DgramPort {
         }
     }
 
-    /// Reads every waiting frame and handles it; replies are batched and sent at the end.
+    /// Reads the waiting frames (a ring's lap, or `RECEIVE_ROUNDS` batches from the socket:
+    /// `frames_waiting` says when more wait) and handles them; replies are batched and sent at
+    /// the end.
     pub fn receive(&mut self, sq: &mut dyn Submitter, ud: UserData) {
         if self.retiring {
             return;

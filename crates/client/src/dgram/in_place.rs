@@ -122,7 +122,7 @@ impl DgramQueue {
                 self.rx.give_back(rx);
                 return match e.raw_os_error() {
                     Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(()),
-                    _ if super::link::lost_on_the_path(&e) => Ok(()),
+                    _ if super::link::lost_on_the_path(&e, true) => Ok(()),
                     _ => Err(Error::Io(e)),
                 };
             }

@@ -23,7 +23,19 @@ use crate::{Error, Result};
 /// as the network may lose them. The retransmission timer sends them again and the give-up
 /// timer ends what stays unanswered, so a target behind a firewall that rejects it for a while
 /// (a reboot, a rule reloaded) is reached again, as over TCP.
-pub(crate) fn lost_on_the_path(e: &std::io::Error) -> bool {
+pub(crate) fn lost_on_the_path(e: &std::io::Error, udp: bool) -> bool {
+    // ICMP fragmentation needed / ICMPv6 Packet Too Big (the kernel learns the path MTU and
+    // fragments what follows), ICMPv6 administratively prohibited (an ip6tables REJECT),
+    // ICMP parameter problem: reported once, on a UDP socket only. On a packet socket they
+    // are this host's and stay (an interface MTU lowered under the session).
+    if udp
+        && matches!(
+            e.raw_os_error(),
+            Some(libc::EMSGSIZE | libc::EACCES | libc::EPROTO)
+        )
+    {
+        return true;
+    }
     matches!(
         e.raw_os_error(),
         Some(
@@ -35,12 +47,6 @@ pub(crate) fn lost_on_the_path(e: &std::io::Error) -> bool {
                 | libc::ENONET
                 | libc::ENOPROTOOPT
                 | libc::EPERM
-                // ICMP fragmentation needed / ICMPv6 Packet Too Big (the kernel learns the
-                // path MTU and fragments what follows), ICMPv6 administratively prohibited
-                // (an ip6tables REJECT), ICMP parameter problem.
-                | libc::EMSGSIZE
-                | libc::EACCES
-                | libc::EPROTO
         )
     )
 }
@@ -279,7 +285,7 @@ impl Sender {
                     // A full socket buffer, or an error the path reported, loses frames
                     // exactly as the network may: the retransmission timer recovers them.
                     Some(libc::EAGAIN) | Some(libc::ENOBUFS) => done += f.datagrams,
-                    _ if lost_on_the_path(&f.error) => done += f.datagrams,
+                    _ if lost_on_the_path(&f.error, self.dest.is_none()) => done += f.datagrams,
                     _ => return Err(Error::Io(f.error)),
                 },
             }
@@ -525,7 +531,7 @@ impl Receiver {
                     Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(total),
                     // An ICMP error (a dead target's port, a firewall): keep waiting; the
                     // give-up timer ends what stays unanswered.
-                    _ if lost_on_the_path(&e) => Ok(total),
+                    _ if lost_on_the_path(&e, self.target.is_none()) => Ok(total),
                     _ => Err(Error::Io(e)),
                 };
             }
@@ -712,10 +718,15 @@ mod tests {
             libc::ECONNREFUSED,
             libc::EHOSTUNREACH,
         ] {
-            assert!(super::lost_on_the_path(&e(errno)), "{errno}");
+            assert!(super::lost_on_the_path(&e(errno), true), "{errno}");
         }
         for errno in [libc::EFAULT, libc::EBADF, libc::EINVAL] {
-            assert!(!super::lost_on_the_path(&e(errno)), "{errno}");
+            assert!(!super::lost_on_the_path(&e(errno), true), "{errno}");
         }
+        // On a packet socket EMSGSIZE is this host's MTU, and stays: not loss.
+        for errno in [libc::EMSGSIZE, libc::EACCES, libc::EPROTO] {
+            assert!(!super::lost_on_the_path(&e(errno), false), "{errno}");
+        }
+        assert!(super::lost_on_the_path(&e(libc::ENETDOWN), false));
     }
 }

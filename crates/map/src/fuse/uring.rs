@@ -332,7 +332,7 @@ impl Ring {
             if unsafe { self.uring.submission().push(sqe) }.is_ok() {
                 return Ok(());
             }
-            self.uring.submit()?;
+            crate::sockpoll::submit_for_room(&mut self.uring)?;
         }
     }
 

@@ -457,8 +457,7 @@ impl QueueWorker {
             if unsafe { self.ring.submission().push(sqe) }.is_ok() {
                 return Ok(());
             }
-            self.ring
-                .submit()
+            crate::sockpoll::submit_for_room(&mut self.ring)
                 .map_err(|e| format!("io_uring submit: {e}"))?;
         }
     }

@@ -177,9 +177,6 @@ pub(super) struct Conn {
     /// The socket is dead: drop the connection as soon as nothing is in flight.
     pub(super) dead: bool,
     pub(super) bytes_sent: u64,
-    /// Bytes read from the socket (after TLS): with `frames_in` and `bytes_sent`, what
-    /// `service_conn` sees move.
-    pub(super) bytes_received: u64,
     /// TLS session: `receive` and `transmit` go through it instead of the socket calls (one
     /// branch each; plain connections pay nothing more). Lives on this reactor only.
     pub(super) tls: Option<Box<TlsStream>>,
@@ -697,11 +694,11 @@ pub(super) const RECEIVE_BUDGET: usize = 4 << 20;
 pub(super) const RECEIVE_BUDGET: usize = 64 << 10;
 
 /// Reads what waits on the socket, `RECEIVE_BUDGET` bytes at most, and dispatches every
-/// complete frame. Stopped at the budget, it leaves `readable` set: the reactor calls it again
-/// after its other connections have had a turn (`service_conn`), so a peer that sends without
-/// end (frames answered with nothing, that never raise the transmit mark) cannot hold the
-/// reactor.
-pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
+/// complete frame. Stopped at the budget it returns true, `readable` left set: the reactor
+/// serves it again after its other connections have had a turn (`service_conn`), so a peer
+/// that sends without end (frames answered with nothing, that never raise the transmit mark)
+/// cannot hold the reactor.
+pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) -> bool {
     let mut taken = 0;
     loop {
         // Dispatch what is buffered first: it may already hold many frames.
@@ -716,11 +713,11 @@ pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
             || (c.starved && !writes_wait(c))
             || c.tx_backlog() >= c.tx_high_water()
         {
-            return;
+            return false;
         }
         if c.rx_end == c.rx.len() {
             if c.rx_start == 0 {
-                return; // a whole frame is buffered but blocked (tx high water)
+                return false; // a whole frame is buffered but blocked (tx high water)
             }
             c.rx.copy_within(c.rx_start..c.rx_end, 0);
             c.rx_end -= c.rx_start;
@@ -743,11 +740,10 @@ pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
         match step {
             Step::Moved(n) => {
                 c.rx_end += n;
-                c.bytes_received += n as u64;
                 taken += n;
                 if taken >= RECEIVE_BUDGET {
                     parse_frames(c, idx, sq);
-                    return;
+                    return true;
                 }
                 continue;
             }
@@ -770,7 +766,9 @@ pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                 // send emptied the records at once, and no POLLIN comes for bytes the session
                 // already took from the socket (the connection stalled). A full socket arms
                 // POLLOUT, which services the connection again (it stays readable).
-                let Some(t) = c.tls.as_mut() else { return };
+                let Some(t) = c.tls.as_mut() else {
+                    return false;
+                };
                 match t.get_mut().flush_out() {
                     Ok(true) => continue,
                     Ok(false) if !c.want_out => wait_for_room(c, idx, sq),
@@ -791,7 +789,7 @@ pub(super) fn receive(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                 c.readable = false;
             }
         }
-        return;
+        return false;
     }
 }
 

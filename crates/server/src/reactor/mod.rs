@@ -571,7 +571,6 @@ impl Reactor {
             logout: None,
             dead: false,
             bytes_sent: 0,
-            bytes_received: 0,
             tls: q.tls,
             sock: q.sock,
             mem: q.mem,
@@ -849,12 +848,17 @@ impl Reactor {
         // mark that stopped parsing. Bounded so one busy connection cannot starve the others.
         let mut rounds = 0;
         while !c.dead {
-            let before = (c.frames_in(), c.bytes_sent, c.bytes_received);
-            receive(c, idx, &mut sq);
+            let before = (c.frames_in(), c.bytes_sent);
+            let more = receive(c, idx, &mut sq);
             if c.tx_backlog() > 0 && !c.want_out {
                 transmit(c, idx, &mut sq);
             }
-            if before == (c.frames_in(), c.bytes_sent, c.bytes_received) {
+            if more {
+                // Its read budget spent: the others' turn first.
+                self.ready.push_back(idx);
+                break;
+            }
+            if before == (c.frames_in(), c.bytes_sent) {
                 break;
             }
             rounds += 1;
