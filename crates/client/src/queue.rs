@@ -447,9 +447,11 @@ impl Queue {
         // the parts in flight have completed: returned earlier, their completions would be
         // taken by the caller's next batch as its own (the same user numbers).
         let mut refused: Option<Error> = None;
-        // Parts refused for want of memory, to send again at `again_at`.
+        // Parts refused for want of memory, to send again at `again_at`; then, due, they wait
+        // in `resend` for slots, while newer refusals wait for a pause of their own.
         let mut again: Vec<usize> = Vec::new();
         let mut again_at: Option<Instant> = None;
+        let mut resend: Vec<usize> = Vec::new();
         let mut pause = RETRY_FIRST;
         let patience = self.patience();
         let mut progress = Instant::now();
@@ -459,14 +461,15 @@ impl Queue {
             if finished == count || (stopping && sent == 0) {
                 break;
             }
-            let due = again_at.is_some_and(|t| Instant::now() >= t);
-            if due && !again.is_empty() {
+            if again_at.is_some_and(|t| Instant::now() >= t) {
                 // A round of parts sent again: the next refusal waits longer.
+                resend.append(&mut again);
+                again_at = None;
                 pause = (pause * 2).min(RETRY_MOST);
             }
             while !stopping && refused.is_none() && self.in_flight() < self.depth() {
-                let i = if due && !again.is_empty() {
-                    again.pop().expect("not empty")
+                let i = if let Some(i) = resend.pop() {
+                    i
                 } else if next < count {
                     next += 1;
                     next - 1
@@ -478,14 +481,9 @@ impl Queue {
                     Err(e) => refused = Some(e),
                 }
             }
-            if again.is_empty() {
-                again_at = None;
-            } else if due {
-                // Some wait for a slot: sent as the ones in flight complete.
-                again_at = Some(Instant::now());
-            }
             if sent == 0 {
-                if failed.is_some() || refused.is_some() || (again.is_empty() && next == count) {
+                let waiting = !again.is_empty() || !resend.is_empty();
+                if failed.is_some() || refused.is_some() || (!waiting && next == count) {
                     break;
                 }
                 if self.in_flight() < self.depth() || self.in_flight() == 0 {

@@ -137,6 +137,10 @@ pub struct Reactor {
     shutdown_deadline: Option<Instant>,
     /// Connections that may have work without a new completion.
     ready: VecDeque<usize>,
+    /// Connections that used up their turn (their read budget, or `service_conn`'s rounds):
+    /// ready again only after the next reap, so completions, messages, datagram ports and
+    /// every other connection go first.
+    used_turn: Vec<usize>,
     /// Reused for every batch of completions (no allocation per loop).
     cqes: Vec<cqueue::Entry>,
     /// Datagram sockets (UDP, raw Ethernet) owned by this reactor.
@@ -204,6 +208,7 @@ impl Reactor {
             shutting_down: false,
             shutdown_deadline: None,
             ready: VecDeque::new(),
+            used_turn: Vec::new(),
             cqes: Vec::with_capacity(1024),
             ports: Vec::new(),
             port_incarnations: Vec::new(),
@@ -257,6 +262,9 @@ impl Reactor {
             while let Some(i) = self.ready.pop_front() {
                 self.service(i);
             }
+            // Served again after this turn's completions: `wait` does not sleep while they
+            // are ready.
+            self.ready.extend(self.used_turn.drain(..));
             if let Err(e) = self.wait() {
                 crate::log!(Level::Error, "io_uring wait failed: {e}");
                 std::thread::sleep(Duration::from_millis(10));
@@ -855,7 +863,7 @@ impl Reactor {
             }
             if more {
                 // Its read budget spent: the others' turn first.
-                self.ready.push_back(idx);
+                self.used_turn.push(idx);
                 break;
             }
             if before == (c.frames_in(), c.bytes_sent) {
@@ -863,7 +871,7 @@ impl Reactor {
             }
             rounds += 1;
             if rounds == 16 {
-                self.ready.push_back(idx);
+                self.used_turn.push(idx);
                 return;
             }
         }
