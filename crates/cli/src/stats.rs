@@ -14,6 +14,14 @@ pub struct Args {
     /// Print the target's JSON document (its control characters escaped, keys sorted)
     #[arg(long)]
     json: bool,
+    /// Seconds to wait for the target's answer
+    #[arg(
+        long,
+        value_name = "SECS",
+        default_value_t = 10.0,
+        allow_negative_numbers = true
+    )]
+    timeout: f64,
     #[command(flatten)]
     id: crate::identity::Identity,
 }
@@ -47,9 +55,16 @@ pub fn run(a: Args) -> Result<(), String> {
             u.authority()
         ));
     }
+    if !(0.001..=3600.0).contains(&a.timeout) {
+        return Err(format!(
+            "--timeout {}: give at least 0.001 and at most 3600 seconds",
+            a.timeout
+        ));
+    }
     let mut opts = a.id.options()?;
-    opts.timeout = Duration::from_secs(10);
-    let doc = blkwire_client::stats(&u, &opts).map_err(|e| e.to_string())?;
+    opts.timeout = Duration::from_secs_f64(a.timeout);
+    let doc = blkwire_client::stats(&u, &opts)
+        .map_err(|e| format!("stats from {}: {e}", u.authority()))?;
     let v: Value =
         serde_json::from_str(&doc).map_err(|e| format!("target sent bad stats JSON: {e}"))?;
     if a.json {

@@ -774,6 +774,13 @@ fn the_wrong_listener_gets_a_message_that_says_so() {
     assert_one_line_error(&["info", &format!("{at_nbd}/m")], "this is an NBD listener");
     let udp = t.base.replacen("tcp://", "udp://", 1);
     assert_one_line_error(&["stats", &udp], "stats asks the target's tcp:// listener");
+    // A target that never answers: given up at --timeout, the address said.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = silent.local_addr().unwrap();
+    assert_one_line_error(
+        &["stats", &format!("tcp://{at}"), "--timeout", "0.3"],
+        &format!("stats from {at}: no reply from the target in 300ms"),
+    );
     // Counters are the target's: an export named is a mistake, not silently dropped.
     assert_one_line_error(
         &["stats", &t.url("m")],

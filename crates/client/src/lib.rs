@@ -99,7 +99,8 @@ impl std::fmt::Display for Error {
                 f,
                 "the target no longer knows this session (it restarted or the session was idle too long); reconnect"
             ),
-            Error::Timeout(d) => write!(f, "no reply from the target in {}s", d.as_secs()),
+            // Debug: "10s", "300ms" (whole seconds said "0s" for a timeout under one).
+            Error::Timeout(d) => write!(f, "no reply from the target in {d:?}"),
             Error::Protocol(s) => write!(f, "protocol error from the target: {s}"),
             Error::Auth(s) => f.write_str(s),
             Error::Copy { status, copied } => {
