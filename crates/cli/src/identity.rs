@@ -117,3 +117,29 @@ pub fn run_key(cmd: KeyCmd) -> Result<(), String> {
         }
     }
 }
+
+/// `--timeout SECS` of the commands that wait for one answer (`info`, `stats`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct AnswerTimeout {
+    /// Seconds to wait for the target's answer
+    #[arg(
+        long,
+        value_name = "SECS",
+        default_value_t = 10.0,
+        allow_negative_numbers = true
+    )]
+    timeout: f64,
+}
+
+impl AnswerTimeout {
+    /// The timeout, or a one-line error when it is out of range.
+    pub fn duration(&self) -> Result<std::time::Duration, String> {
+        if !(0.001..=3600.0).contains(&self.timeout) {
+            return Err(format!(
+                "--timeout {}: give at least 0.001 and at most 3600 seconds",
+                self.timeout
+            ));
+        }
+        Ok(std::time::Duration::from_secs_f64(self.timeout))
+    }
+}

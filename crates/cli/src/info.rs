@@ -11,26 +11,15 @@ pub struct Args {
     /// Print one JSON object
     #[arg(long)]
     json: bool,
-    /// Seconds to wait for the target's answer
-    #[arg(
-        long,
-        value_name = "SECS",
-        default_value_t = 10.0,
-        allow_negative_numbers = true
-    )]
-    timeout: f64,
+    #[command(flatten)]
+    timeout: crate::identity::AnswerTimeout,
     #[command(flatten)]
     id: crate::identity::Identity,
 }
 
 pub fn run(a: Args) -> Result<(), String> {
     let u = Url::parse(&a.url).map_err(|e| e.to_string())?;
-    if !(0.001..=3600.0).contains(&a.timeout) {
-        return Err(format!(
-            "--timeout {}: give at least 0.001 and at most 3600 seconds",
-            a.timeout
-        ));
-    }
+    let timeout = a.timeout.duration()?;
     let mut opts = ConnectOptions {
         queues: 64,
         depth: 1024,
@@ -38,7 +27,7 @@ pub fn run(a: Args) -> Result<(), String> {
         // The grant says what the target allows; a connection for each of its queues would
         // only take the target's memory (and fail on a small one).
         probe: true,
-        timeout: std::time::Duration::from_secs_f64(a.timeout),
+        timeout,
         ..Default::default()
     };
     a.id.apply(&mut opts)?;

@@ -1,7 +1,5 @@
 //! `blkwire stats`: a target's live counters, per session and queue (PROTOCOL.md §11).
 
-use std::time::Duration;
-
 use blkwire_client::Url;
 use serde_json::Value;
 
@@ -14,14 +12,8 @@ pub struct Args {
     /// Print the target's JSON document (its control characters escaped, keys sorted)
     #[arg(long)]
     json: bool,
-    /// Seconds to wait for the target's answer
-    #[arg(
-        long,
-        value_name = "SECS",
-        default_value_t = 10.0,
-        allow_negative_numbers = true
-    )]
-    timeout: f64,
+    #[command(flatten)]
+    timeout: crate::identity::AnswerTimeout,
     #[command(flatten)]
     id: crate::identity::Identity,
 }
@@ -55,14 +47,9 @@ pub fn run(a: Args) -> Result<(), String> {
             u.authority()
         ));
     }
-    if !(0.001..=3600.0).contains(&a.timeout) {
-        return Err(format!(
-            "--timeout {}: give at least 0.001 and at most 3600 seconds",
-            a.timeout
-        ));
-    }
+    let timeout = a.timeout.duration()?;
     let mut opts = a.id.options()?;
-    opts.timeout = Duration::from_secs_f64(a.timeout);
+    opts.timeout = timeout;
     let doc = blkwire_client::stats(&u, &opts)
         .map_err(|e| format!("stats from {}: {e}", u.authority()))?;
     let v: Value =
