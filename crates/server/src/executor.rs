@@ -385,8 +385,8 @@ impl Executor {
             }
             None => false,
         };
-        let flush_failed = res < 0 && self.io.flush_failed(tag);
-        if flush_failed || latches(BlockOp::Write, fua, false, res) {
+        // A COPY's writes carry no sync of their own: only its flush (FUA) can latch.
+        if res < 0 && self.io.flush_failed(tag) {
             self.durability_lost("FUA copy", res);
         }
         if fua && res >= 0 && self.export.durability_lost() {
