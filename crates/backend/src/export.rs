@@ -451,6 +451,7 @@ impl Export {
             reaped: Vec::new(),
             failed_copies: Vec::new(),
             failed_flushes: Vec::new(),
+            flushes: Flushes::default(),
             spare_sources: Vec::new(),
         })
     }
@@ -598,6 +599,25 @@ enum Next {
     /// The request gave its thread back behind a NOP (a TRIM or WRITE_ZEROES in pieces on an
     /// inline backend): when the NOP completes, the operation runs, then what follows it.
     Resume(Op, Box<Next>),
+    /// The request's flush was another's (see [`Flushes`]), which returned the result here;
+    /// a NOP brings it back to the request, which goes on as after a flush of its own.
+    Flushed(i32, Box<Next>),
+}
+
+/// The queue's flushes, one in the backend at a time. Two flushes running at once on one open
+/// file may split a writeback error between them: the kernel reports it to the first to
+/// look, and the other says OK (errseq, "fsync: report errors to every fd", per open file),
+/// which may be answered before the failing one latches the export (PROTOCOL.md §10).
+/// Flushes asked for while one runs wait, then share the next one, which starts after each
+/// of them was asked for and so covers whatever they must make durable.
+#[derive(Default)]
+struct Flushes {
+    /// The tag of the request whose flush is in the backend.
+    running: Option<u64>,
+    /// Requests whose flush is the running one's, and what each does after it.
+    sharing: Vec<(u64, Next)>,
+    /// Requests that asked for a flush while one ran: the next one is theirs.
+    waiting: Vec<(u64, Next)>,
 }
 
 /// A request whose backend operations are still running.
@@ -631,6 +651,8 @@ pub struct ExportQueue {
     /// [`ExportQueue::flush_failed`] takes them: whatever the errno, writes acknowledged
     /// before may be lost, which no error of the change itself says.
     failed_flushes: Vec<u64>,
+    /// The flush in the backend and the requests waiting for the next.
+    flushes: Flushes,
     /// Queues on other exports' backends that finished copies left idle, by export, for the
     /// next copy from there: opening one may cost a descriptor or a thread (`memthread:`). The
     /// export is held weakly: its allocation stays while the entry does, so no export made
@@ -1023,6 +1045,9 @@ impl ExportQueue {
     /// A ring completion for `tag`: the request's result when it is finished, `None` while more
     /// is to come.
     pub fn complete(&mut self, tag: u64, res: i32, sq: &mut dyn Submitter) -> Option<i32> {
+        if self.flushes.running == Some(tag) {
+            self.flush_finished(res, sq);
+        }
         if self.steps.is_empty() {
             return Some(res);
         }
@@ -1122,12 +1147,21 @@ impl ExportQueue {
                 &next,
                 Next::Copy(st) if st.read_done && matches!(st.source, CopySource::Queue(..))
             );
+            let flush = matches!(op, Op::Flush) && !from_source;
+            if flush && self.flushes.running.is_some() {
+                self.flushes.waiting.push((tag, next));
+                return Progress::Pending;
+            }
             let io = match &mut next {
                 Next::Copy(st) if from_source => st.source_queue().expect("checked"),
                 _ => &mut self.io,
             };
             // SAFETY: passed on from our caller.
-            let res = match unsafe { io.start(op, tag, sq) } {
+            let started = unsafe { io.start(op, tag, sq) };
+            if flush && !matches!(started, Started::Done(_)) {
+                self.flushes.running = Some(tag);
+            }
+            let res = match started {
                 Started::Done(r) => r,
                 Started::Submitted(n) => return self.wait_for(tag, n, next),
                 Started::Async if from_source => {
@@ -1155,6 +1189,49 @@ impl ExportQueue {
         }
     }
 
+    /// The running flush returned `res`: the requests sharing it go on with it (behind a NOP
+    /// each, as their results come out of [`ExportQueue::complete`] one by one), and those
+    /// that waited share the next, started now.
+    fn flush_finished(&mut self, res: i32, sq: &mut dyn Submitter) {
+        self.flushes.running = None;
+        for (tag, next) in std::mem::take(&mut self.flushes.sharing) {
+            self.resume_after_flush(tag, next, res, sq);
+        }
+        let mut waiting = std::mem::take(&mut self.flushes.waiting).into_iter();
+        let Some((first, next)) = waiting.next() else {
+            return;
+        };
+        // SAFETY: flushes carry no buffer.
+        match unsafe { self.io.start(Op::Flush, first, sq) } {
+            Started::Done(r) => {
+                // Finished at once: every one of them goes on with its result.
+                for (tag, next) in std::iter::once((first, next)).chain(waiting) {
+                    self.resume_after_flush(tag, next, r, sq);
+                }
+            }
+            started => {
+                let n = match started {
+                    Started::Submitted(n) => n,
+                    _ => 1,
+                };
+                self.flushes.running = Some(first);
+                self.flushes.sharing.extend(waiting);
+                self.wait_for(first, n, next);
+            }
+        }
+    }
+
+    /// Brings `res`, a flush's result, back to request `tag` behind a NOP.
+    fn resume_after_flush(&mut self, tag: u64, next: Next, res: i32, sq: &mut dyn Submitter) {
+        sq.push(io_uring::opcode::Nop::new().build().user_data(tag));
+        self.steps.push(Step {
+            tag,
+            pending: 1,
+            result: None,
+            next: Next::Flushed(res, Box::new(next)),
+        });
+    }
+
     fn wait_for(&mut self, tag: u64, pending: u8, next: Next) -> Progress {
         // One entry whose result is the answer needs no bookkeeping: `complete` passes it on.
         if pending > 1 || !matches!(next, Next::Report) {
@@ -1171,6 +1248,10 @@ impl ExportQueue {
     /// [`ExportQueue::after`], remembering how far a COPY got when it fails
     /// ([`ExportQueue::copied_before_failure`]).
     fn follow(&mut self, tag: u64, next: Next, res: i32) -> Result<(Op, Next), i32> {
+        // The NOP after a flush run for others came back: the flush's result is this one's.
+        if let Next::Flushed(flushed, next) = next {
+            return self.follow(tag, *next, flushed);
+        }
         // A FUA copy that fails copied nothing known durable: no flush ran over the chunks
         // before the failure (PROTOCOL.md §13: its reply says 0 bytes).
         let copied = match &next {
@@ -1194,6 +1275,8 @@ impl ExportQueue {
     fn after(&mut self, next: Next, res: i32) -> Result<(Op, Next), i32> {
         match next {
             Next::Report => Err(res),
+            // (`follow` takes these apart first, to see a failed flush.)
+            Next::Flushed(flushed, next) => self.after(*next, flushed),
             _ if res < 0 => Err(res),
             Next::Resume(op, then) => Ok((op, *then)),
             Next::Copy(st) => self.copy_step(st, res),
@@ -1993,6 +2076,54 @@ mod tests {
         assert_eq!(got, [(7, 1024)], "the write's byte count, after the flush");
     }
 
+    /// A queue has one flush in the backend at a time; flushes asked for meanwhile wait, then
+    /// share the next (two at once on one open file could split a writeback error between
+    /// them, and the one told OK be answered first: see `Flushes`).
+    #[test]
+    fn flushes_run_one_at_a_time_and_those_asked_for_meanwhile_share_the_next() {
+        for fail in [false, true] {
+            let caps = Capabilities {
+                trim: Support::Native,
+                ..flush_only()
+            };
+            let b = Recorder::new(caps, true);
+            b.fail_flush
+                .store(fail, std::sync::atomic::Ordering::Relaxed);
+            let want = if fail { -libc::EIO } else { 0 };
+            let mut q = Export::new("t", b.clone(), false).open_queue().unwrap();
+            let mut sq = Collect(Vec::new());
+            let trim = Op::Trim {
+                offset: 0,
+                len: 4096,
+                fua: true,
+            };
+            // SAFETY: trims and flushes carry no buffer.
+            unsafe {
+                assert_eq!(q.start(trim, 3, &mut sq), Progress::Pending);
+                assert_eq!(q.start(Op::Flush, 1, &mut sq), Progress::Pending);
+                assert_eq!(q.start(Op::Flush, 2, &mut sq), Progress::Pending);
+            }
+            assert_eq!(b.log(), ["trim 0+4096", "flush"], "flush 2 waits for 1");
+            let mut got = Vec::new();
+            // The trim's flush waits too; flush 1's end starts one flush for both.
+            q.reap(&mut sq, &mut |t, r| got.push((t, r)));
+            assert_eq!(got, [(1, want)]);
+            assert_eq!(b.log(), ["trim 0+4096", "flush", "flush"]);
+            q.reap(&mut sq, &mut |t, r| got.push((t, r)));
+            assert_eq!(got, [(1, want), (2, want)]);
+            // The trim sharing flush 2 has its result behind a NOP.
+            assert_eq!(sq.0.drain(..).collect::<Vec<_>>(), [3]);
+            assert_eq!(q.complete(3, 0, &mut sq), Some(want), "fail={fail}");
+            assert_eq!(q.flush_failed(3), fail, "the trim's own flush failed");
+            assert_eq!(b.log().len(), 3, "three durable requests, two flushes");
+            assert!(q.steps.is_empty() && q.flushes.running.is_none());
+            // Idle again: a flush starts at once.
+            // SAFETY: as above.
+            assert_eq!(unsafe { q.start(Op::Flush, 4, &mut sq) }, Progress::Pending);
+            assert_eq!(b.log().len(), 4);
+        }
+    }
+
     #[test]
     fn trims_and_zeroing_longer_than_the_backend_takes_are_split() {
         for asynchronous in [false, true] {
@@ -2736,6 +2867,7 @@ mod tests {
             reaped: Vec::new(),
             failed_copies: Vec::new(),
             failed_flushes: Vec::new(),
+            flushes: Flushes::default(),
             spare_sources: Vec::new(),
         };
         let buf = [0u8; 512];

@@ -9,7 +9,7 @@
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -694,6 +694,43 @@ fn device_zeroes_fast(write_zeroes_max_bytes: Option<String>) -> bool {
     write_zeroes_max_bytes.is_some_and(|v| v.parse::<u64>().is_ok_and(|n| n > 0))
 }
 
+impl FileBackend {
+    fn queue(self: Arc<Self>) -> io::Result<FileQueue> {
+        let helper = self.helper()?;
+        Ok(FileQueue {
+            own: self.open_description().ok(),
+            file: self,
+            helper,
+            done: Completions::new()?,
+        })
+    }
+
+    /// A new open file description of the file, for one queue's reads, writes and flushes:
+    /// the kernel reports a writeback error to each description's next fsync once ("errseq"),
+    /// so a queue's flush sees an error whatever another queue's flush saw first, where on one
+    /// shared description only the first would (and the other queue's client be told its
+    /// data was durable). Through /proc, so it is the file opened, whatever its path is now.
+    fn open_description(&self) -> io::Result<OwnedFd> {
+        let path = CString::new(format!("/proc/self/fd/{}", self.fd)).expect("no NUL in it");
+        let mut flags = libc::O_CLOEXEC
+            | if self.read_only {
+                libc::O_RDONLY
+            } else {
+                libc::O_RDWR
+            };
+        if self.direct {
+            flags |= libc::O_DIRECT;
+        }
+        // SAFETY: a plain open of a NUL-terminated path.
+        let fd = unsafe { libc::open(path.as_ptr(), flags) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the descriptor was just opened and is ours alone.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+}
+
 impl Drop for FileBackend {
     fn drop(&mut self) {
         // SAFETY: closing the fd we opened; every queue holds an Arc to us, so none is left.
@@ -809,12 +846,7 @@ impl Backend for FileBackend {
     }
 
     fn open_queue(self: Arc<Self>) -> io::Result<Box<dyn QueueIo>> {
-        let helper = self.helper()?;
-        Ok(Box::new(FileQueue {
-            file: self,
-            helper,
-            done: Completions::new()?,
-        }))
+        Ok(Box::new(self.queue()?))
     }
     fn buffer_alignment(&self) -> usize {
         if self.direct {
@@ -848,6 +880,10 @@ impl ZeroBuf {
 
 struct FileQueue {
     file: Arc<FileBackend>,
+    /// The queue's own open file description ([`FileBackend::open_description`]); the
+    /// export's shared one if it could not be had (no /proc, the file's permissions changed
+    /// since the export was added).
+    own: Option<OwnedFd>,
     /// The export's helper thread, for TRIM, WRITE_ZEROES, COPY and allocation queries.
     helper: Sender<SlowJob>,
     /// Results from the helper, and the queue's notifier.
@@ -874,7 +910,7 @@ impl QueueIo for FileQueue {
         false
     }
     unsafe fn start(&mut self, op: Op, tag: u64, sq: &mut dyn Submitter) -> Started {
-        let fd = types::Fd(self.file.fd);
+        let fd = types::Fd(self.own.as_ref().map_or(self.file.fd, |fd| fd.as_raw_fd()));
         let entry = match op {
             Op::Read { offset, buf, len } => opcode::Read::new(fd, buf, len).offset(offset).build(),
             Op::Write {
@@ -1292,6 +1328,57 @@ mod tests {
             }
         }
         drop((q, e));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Each queue reads, writes and flushes through an open file description of its own, of
+    /// the same file and with the export's flags: a writeback error is then reported to each
+    /// queue's next flush, not only to the first of them (`open_description`).
+    #[test]
+    fn each_queue_has_an_open_file_description_of_its_own() {
+        let dir = std::env::temp_dir().join(format!("blkwire-desc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("disk.img");
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let b = Arc::new(FileBackend::open(&path, false, true).unwrap());
+        let (q1, q2) = (b.clone().queue().unwrap(), b.clone().queue().unwrap());
+        std::fs::rename(&path, dir.join("moved.img")).unwrap();
+        let fds = [
+            b.fd,
+            q1.own.as_ref().unwrap().as_raw_fd(),
+            q2.own.as_ref().unwrap().as_raw_fd(),
+        ];
+        let stat = |fd| {
+            // SAFETY: an all-zero stat is a valid value; fstat fills it from our descriptor.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: as said.
+            let r = unsafe { libc::fstat(fd, &mut st) };
+            assert_eq!(r, 0);
+            (st.st_dev, st.st_ino)
+        };
+        // A file position is per open file description: moving one moves no other.
+        for (i, &fd) in fds.iter().enumerate() {
+            let at = 4096 * (i as i64 + 1);
+            // SAFETY: lseek on descriptors the backend and its queues hold open.
+            assert_eq!(unsafe { libc::lseek(fd, at, libc::SEEK_SET) }, at);
+        }
+        for (i, &fd) in fds.iter().enumerate() {
+            // SAFETY: as above.
+            let at = unsafe { libc::lseek(fd, 0, libc::SEEK_CUR) };
+            assert_eq!(at, 4096 * (i as i64 + 1), "descriptor {i}");
+            assert_eq!(stat(fd), stat(b.fd), "the same file, though renamed");
+            // SAFETY: fcntl on an open descriptor.
+            let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+            assert_eq!(
+                fl & libc::O_ACCMODE,
+                libc::O_RDONLY,
+                "a read-only export's flags"
+            );
+        }
+        drop((q1, q2));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
