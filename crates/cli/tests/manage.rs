@@ -367,6 +367,12 @@ fn every_method_takes_good_parameters_and_refuses_bad_ones_in_one_line() {
             json!({"name": "a", "allow": "999.1.1.1/8"}),
             "export 'a'",
         ),
+        // Left out, it is not null (which removes the rules and opens the export).
+        (
+            "export_set_allow",
+            json!({"name": "a"}),
+            "missing field `allow`",
+        ),
         (
             "export_set_allow",
             json!({"name": "a", "allow": ""}),

@@ -717,6 +717,9 @@ fn export_resize(sh: &Arc<Shared>, p: Value) -> Result<Value, RpcError> {
 #[serde(deny_unknown_fields)]
 struct SetAllowParam {
     name: String,
+    /// Required, null or not: left out, serde would take it for null, which removes the rules
+    /// and opens the export to every host (`Option::deserialize` keeps the field mandatory).
+    #[serde(deserialize_with = "Option::deserialize")]
     allow: Option<String>,
 }
 
