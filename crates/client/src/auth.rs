@@ -6,7 +6,9 @@ use std::sync::Arc;
 use blkwire_auth::proof::{self, Direction, SessionSecret};
 use blkwire_auth::seal::{Opener, Sealer};
 use blkwire_auth::Key;
-use blkwire_wire::{AuthBlock, AuthMethod, Header, Hello, HelloReply, Status, Tag, AUTH_LEN};
+use blkwire_wire::{
+    AuthBlock, AuthMethod, Header, Hello, HelloReply, Opcode, Status, Tag, AUTH_LEN,
+};
 
 use crate::{ConnectOptions, Error, Result};
 
@@ -210,19 +212,22 @@ impl Attempt {
     }
 }
 
-/// Runs the HELLO exchange of PROTOCOL.md §12.1 over `send` (one request with the given tag,
-/// one reply): first HELLO, the target's challenge, the answering HELLO. Each HELLO carries its
-/// own tag, so on datagrams a late answer to an earlier (retransmitted) HELLO is never taken
-/// for the answer to a later one. Returns the final reply (status OK or a refusal, for the
-/// caller to judge).
+/// Runs the HELLO exchange of PROTOCOL.md §12.1 over `send` (one request with the given
+/// header, one reply): first HELLO, the target's challenge, the answering HELLO. Each HELLO
+/// carries its own tag, so on datagrams a late answer to an earlier (retransmitted) HELLO is
+/// never taken for the answer to a later one, and the attempt's random nonce in its `offset`,
+/// which the reply echoes (§3): on Ethernet every process of a host sees the answers to the
+/// host's HELLOs, and one must not take another's (its session, or a challenge it did not
+/// ask for). Returns the final reply (status OK or a refusal, for the caller to judge).
 pub(crate) fn hello_exchange(
     attempt: &mut Attempt,
-    mut send: impl FnMut(Tag, &[u8]) -> Result<(Header, Vec<u8>)>,
+    mut send: impl FnMut(&Header, &[u8]) -> Result<(Header, Vec<u8>)>,
 ) -> Result<(Header, Vec<u8>)> {
     // A challenge may expire between the two HELLOs (a slow link, an epoch boundary): one
     // fresh challenge is answered once more, then the target is judged broken.
     for round in 1..=3 {
-        let (r, p) = send(Tag::new(0, round), &attempt.payload())?;
+        let h = Header::request(Opcode::Hello, Tag::new(0, round), attempt.hello.nonce, 0);
+        let (r, p) = send(&h, &attempt.payload())?;
         if r.status != Status::Challenge {
             return Ok((r, p));
         }

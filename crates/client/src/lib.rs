@@ -494,9 +494,7 @@ fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
             let mut a = auth::Attempt::new(target_name(url), "", opts, 0, features)?;
             // STATS is up to 1 MiB, and the proof follows it.
             let max = (1 << 20) + AUTH_LEN as u32;
-            let rp = auth::hello_exchange(&mut a, |tag, p| {
-                exchange(&mut s, &hello(tag), p, max, &deadline)
-            })?;
+            let rp = auth::hello_exchange(&mut a, |h, p| exchange(&mut s, h, p, max, &deadline))?;
             (a, rp)
         }
         _ => {
@@ -508,10 +506,9 @@ fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
             };
             let mut a = auth::Attempt::new(target_name(url), "", opts, link.mtu_payload, features)?;
             let timeout = opts.timeout.min(Duration::from_secs(10));
-            let rp = auth::hello_exchange(&mut a, |tag, p| {
-                dgram::exchange_plain(&link, hello(tag), p, timeout)
-            })
-            .map_err(|e| no_answer(url, e))?;
+            let rp =
+                auth::hello_exchange(&mut a, |h, p| dgram::exchange_plain(&link, *h, p, timeout))
+                    .map_err(|e| no_answer(url, e))?;
             (a, rp)
         }
     };
@@ -522,10 +519,6 @@ fn query(url: &Url, opts: &ConnectOptions, features: u64) -> Result<Vec<u8>> {
 }
 
 /// A HELLO header with `tag` (each HELLO of an attempt has its own, PROTOCOL.md §12.1).
-fn hello(tag: Tag) -> Header {
-    Header::request(Opcode::Hello, tag, 0, 0)
-}
-
 /// How errors name the target a URL points at: its address, or on Ethernet its link and MAC.
 fn target_name(url: &Url) -> String {
     match url.transport {
@@ -796,8 +789,8 @@ fn connect_dgram(url: &Url, opts: &ConnectOptions, open: LinkFactory<'_>) -> Res
         link0.mtu_payload,
         features,
     )?;
-    let (r, p) = auth::hello_exchange(&mut attempt, |tag, p| {
-        dgram::exchange_plain(&link0, hello(tag), p, hs_timeout)
+    let (r, p) = auth::hello_exchange(&mut attempt, |h, p| {
+        dgram::exchange_plain(&link0, *h, p, hs_timeout)
     })
     .map_err(|e| no_answer(url, e))?;
     if r.status != Status::Ok {
@@ -910,8 +903,8 @@ fn connect_tcp(url: &Url, opts: &ConnectOptions) -> Result<Session> {
     let tls = tls_for(opts)?;
     let (mut s0, deadline) = open_link(url, opts, tls.as_ref())?;
     let mut attempt = auth::Attempt::new(target_name(url), &url.export, opts, 0, 0)?;
-    let (r, p) = auth::hello_exchange(&mut attempt, |tag, p| {
-        exchange(&mut s0, &hello(tag), p, 4096, &deadline)
+    let (r, p) = auth::hello_exchange(&mut attempt, |h, p| {
+        exchange(&mut s0, h, p, 4096, &deadline)
     })?;
     if r.status != Status::Ok {
         return Err(refused(url, opts, &attempt, r.status, &p));

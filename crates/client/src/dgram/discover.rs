@@ -38,7 +38,9 @@ fn discover_on(
     // Padded: a target answers an unproven address with no more bytes than it sent
     // (PROTOCOL.md §12.5), so the request is as large as the answer wanted.
     let pad = vec![0u8; link.mtu_payload.clamp(512, LIST_ROOM) as usize];
-    let mut h = Header::request(Opcode::List, Tag::new(0, 0), 0, 0);
+    // A random mark, echoed in the answers (PROTOCOL.md §3): another process's LIST, asked
+    // with another host id, may be answered with other exports.
+    let mut h = Header::request(Opcode::List, Tag::new(0, 0), crate::random_u64(), 0);
     h.payload_len = pad.len() as u32;
     h.seal_crc(&pad);
     let mut frame = h.to_bytes().to_vec();
@@ -48,7 +50,7 @@ fn discover_on(
     let mut found: Vec<Discovered> = Vec::new();
     let mut buf = vec![0u8; 65536];
     while let Some((f, from)) = link.recv_reply(&mut buf, deadline) {
-        if f.header.opcode != Opcode::List || f.sealed() {
+        if f.header.opcode != Opcode::List || f.header.offset != h.offset || f.sealed() {
             continue;
         }
         let locked = f.header.status == blkwire_wire::Status::Access;

@@ -672,7 +672,10 @@ pub(crate) fn exchange(
         link.send_one(&out.get(0).0);
         let until = (Instant::now() + wait).min(deadline);
         while let Some((f, _)) = link.recv_reply(&mut buf, until) {
-            if f.header.opcode != h.opcode || f.header.tag != h.tag {
+            // The reply echoes the request's offset (PROTOCOL.md §3): HELLO and LIST put a
+            // random mark there, which tells this process's answer from another's on a link
+            // every process of the host hears (Ethernet).
+            if f.header.opcode != h.opcode || f.header.tag != h.tag || f.header.offset != h.offset {
                 continue;
             }
             let payload = match (seal.as_deref_mut(), f.sealed()) {
@@ -728,5 +731,34 @@ mod tests {
             assert!(!super::lost_on_the_path(&e(errno), false), "{errno}");
         }
         assert!(super::lost_on_the_path(&e(libc::ENETDOWN), false));
+    }
+
+    /// A control exchange takes only the reply echoing its request's offset (PROTOCOL.md §3),
+    /// where HELLO and LIST carry a random mark: on Ethernet another process's HELLO to the
+    /// same target, with the same opcode and tag, is answered to the same host.
+    #[test]
+    fn a_control_exchange_takes_only_the_answer_echoing_its_mark() {
+        use blkwire_wire::{Header, Opcode, Status, Tag};
+        let target = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let link = super::udp_link(target.local_addr().unwrap()).unwrap();
+        let answer = std::thread::spawn(move || {
+            let mut buf = [0u8; 2048];
+            let (n, from) = target.recv_from(&mut buf).unwrap();
+            let h = Header::decode(&buf[..n], 4096).unwrap();
+            // Another process's answer first (its mark), then ours.
+            for (offset, body) in [(h.offset ^ 1, b"theirs"), (h.offset, b"ours!!")] {
+                let mut r = Header { offset, ..h }.reply(Status::Ok, body.len() as u32);
+                r.seal_crc(body);
+                let mut f = r.to_bytes().to_vec();
+                f.extend_from_slice(body);
+                target.send_to(&f, from).unwrap();
+            }
+            h.offset
+        });
+        let h = Header::request(Opcode::Hello, Tag::new(0, 1), 0x5eed_1234_5678_9abc, 0);
+        let (r, p) =
+            super::exchange_plain(&link, h, b"hello", std::time::Duration::from_secs(10)).unwrap();
+        assert_eq!(answer.join().unwrap(), h.offset, "the mark went out");
+        assert_eq!((r.offset, p.as_slice()), (h.offset, &b"ours!!"[..]));
     }
 }
