@@ -188,6 +188,17 @@ impl Executor {
         {
             return Err(Status::Invalid);
         }
+        // A zeroing off the device's sectors on an O_DIRECT export can only be refused (no
+        // BLKZEROOUT takes it, no O_DIRECT write either): refused here, before the generic
+        // layer's 64 MiB pieces, where the last piece's refusal came after the others were
+        // zeroed. Whole sectors, not whole pages, are zeroed as they can be.
+        let (sector, _) = self.export.backend().block_sizes();
+        if req.op == BlockOp::WriteZeroes
+            && align > 1
+            && !(req.offset | len as u64).is_multiple_of(u64::from(sector.max(1)))
+        {
+            return Err(Status::Invalid);
+        }
         // FAST_ZERO where the backend cannot promise it; and off the export's blocks, where
         // a device's zeroing refuses the range's edge after the pieces before it were zeroed
         // (a FAST_ZERO refused must leave the export as it was: NBD's proto.md).
@@ -647,6 +658,32 @@ mod tests {
             Ok(()),
             "without FAST_ZERO the edges are zeroed as they can be"
         );
+        assert_eq!(
+            x.admit(&r(BlockOp::WriteZeroes, 100, 4096)),
+            Ok(()),
+            "any bytes of an export without alignment"
+        );
+        // An O_DIRECT export of a 512-byte-sector device (4 KiB I/O): zeroing off its sectors
+        // is refused before anything is zeroed; whole sectors are not.
+        let mem = Export::open(&ExportSpec::parse("m=mem:128M").unwrap()).unwrap();
+        let direct = Export::new(
+            "d",
+            Arc::new(blkwire_backend::testing::Direct512(mem.backend().clone())),
+            false,
+        );
+        let d = Executor::open(Arc::new(direct), 65536, 128 << 20).unwrap();
+        for (offset, len, want) in [
+            (0, (64 << 20) + 100, Err(Status::Invalid)),
+            (100, 4096, Err(Status::Invalid)),
+            (0, (64 << 20) + 512, Ok(())),
+            (512, 4096, Ok(())),
+        ] {
+            assert_eq!(
+                d.admit(&r(BlockOp::WriteZeroes, offset, len)),
+                want,
+                "{offset}+{len}"
+            );
+        }
         let ro = exec("m=mem:1M,ro", 65536);
         assert_eq!(ro.admit(&r(BlockOp::Write, 0, 512)), Err(Status::ReadOnly));
         assert_eq!(ro.admit(&r(BlockOp::Read, 0, 512)), Ok(()));
