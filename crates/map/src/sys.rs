@@ -9,6 +9,13 @@ use std::time::{Duration, Instant};
 
 use crate::state;
 
+/// The kernel's page size (4 KiB on x86, 16 or 64 KiB on some arm64 kernels): what it counts
+/// FUSE's max_pages and ublk's buffers in.
+pub(crate) fn page_size() -> usize {
+    // SAFETY: sysconf has no side effects.
+    (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as usize
+}
+
 /// Blocks SIGINT/SIGTERM/SIGHUP in the calling thread (and every thread it starts later), so
 /// they are only ever taken by the thread that `sigwait`s on the returned set.
 pub fn block_stop_signals() -> libc::sigset_t {

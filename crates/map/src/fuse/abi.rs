@@ -70,7 +70,6 @@ pub(crate) const REQUEST_OVERHEAD: usize = 4096;
 
 /// Pages per request the kernel allows when FUSE_MAX_PAGES is not negotiated.
 pub(crate) const DEFAULT_MAX_PAGES: u32 = 32;
-pub(crate) const PAGE: u32 = 4096;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 /// struct fuse_in_header: what every request starts with.
@@ -336,6 +335,8 @@ pub(crate) struct Negotiated {
     pub minor: u32,
     /// We told the kernel we will use FUSE over io_uring.
     pub uring: bool,
+    /// The kernel's page size, which max_pages counts.
+    pub page: u32,
 }
 
 /// Chooses the INIT reply. `want_io` is the I/O size the blkwire session granted: the kernel
@@ -343,13 +344,16 @@ pub(crate) struct Negotiated {
 /// kernel's cap (/proc/sys/fs/fuse/max_pages_limit, 256 = 1 MiB by default). `background`
 /// bounds asynchronous requests in flight; the kernel's default (12) would cap the loop device's
 /// queue depth at 12, so we raise it to what the queues can carry. `uring`: ask for FUSE over
-/// io_uring, which happens only when the kernel offered it.
+/// io_uring, which happens only when the kernel offered it. `page`: the kernel's page size
+/// (`sys::page_size`), in which it counts max_pages (a ring entry registered for 4 KiB pages
+/// on a 64 KiB-page kernel is 16 times too small, and refused).
 pub(crate) fn negotiate(
     init: &InitIn,
     want_io: u32,
     max_pages_limit: u32,
     background: u16,
     uring: bool,
+    page: u32,
 ) -> Result<Negotiated, String> {
     if init.major != KERNEL_MAJOR {
         return Err(format!(
@@ -371,9 +375,10 @@ pub(crate) fn negotiate(
     } else {
         DEFAULT_MAX_PAGES
     };
-    // Whole pages: the kernel splits direct I/O at page granularity.
-    let pages = (want_io / PAGE).clamp(1, pages_cap);
-    let max_io = pages * PAGE;
+    // Whole pages: the kernel splits direct I/O at page granularity. Never more than the
+    // session takes, though (a grant under one large page: whole 4 KiB blocks of it).
+    let pages = (want_io / page).clamp(1, pages_cap);
+    let max_io = (pages * page).min((want_io / 4096).max(1) * 4096);
     let background = background.max(16);
     let mut b = [0u8; 64];
     put32(&mut b, 0, KERNEL_MAJOR);
@@ -396,6 +401,7 @@ pub(crate) fn negotiate(
         max_io,
         minor,
         uring,
+        page,
     })
 }
 
@@ -417,7 +423,7 @@ impl Negotiated {
         };
         (self.max_io as usize)
             .max(MIN_READ_BUFFER)
-            .max(pages * PAGE as usize)
+            .max(pages * self.page as usize)
     }
 }
 
@@ -629,7 +635,7 @@ mod tests {
             flags: u32::MAX,
             flags2: 0,
         };
-        let n = negotiate(&init, 1 << 20, 256, 256, false).unwrap();
+        let n = negotiate(&init, 1 << 20, 256, 256, false, 4096).unwrap();
         assert_eq!((n.max_io, n.minor), (1 << 20, KERNEL_MINOR));
         let flags = u32::from_ne_bytes(n.reply[12..16].try_into().unwrap());
         assert_eq!(
@@ -640,12 +646,16 @@ mod tests {
         assert_eq!(u16::from_ne_bytes([n.reply[16], n.reply[17]]), 256);
         // The session granted less: requests must fit one blkwire command.
         assert_eq!(
-            negotiate(&init, 256 << 10, 256, 64, false).unwrap().max_io,
+            negotiate(&init, 256 << 10, 256, 64, false, 4096)
+                .unwrap()
+                .max_io,
             256 << 10
         );
         // The kernel allows less.
         assert_eq!(
-            negotiate(&init, 8 << 20, 256, 64, false).unwrap().max_io,
+            negotiate(&init, 8 << 20, 256, 64, false, 4096)
+                .unwrap()
+                .max_io,
             1 << 20
         );
         // No FUSE_MAX_PAGES: 32 pages.
@@ -654,11 +664,32 @@ mod tests {
             ..init
         };
         assert_eq!(
-            negotiate(&old, 1 << 20, 256, 64, false).unwrap().max_io,
+            negotiate(&old, 1 << 20, 256, 64, false, 4096)
+                .unwrap()
+                .max_io,
             128 << 10
         );
-        assert!(negotiate(&InitIn { major: 8, ..init }, 1 << 20, 256, 64, false).is_err());
-        assert!(negotiate(&InitIn { minor: 20, ..init }, 1 << 20, 256, 64, false).is_err());
+        // A kernel of 64 KiB pages counts max_pages in them, and sizes a ring entry's payload
+        // by them (one registered for 4 KiB pages was refused: every REGISTER failed).
+        let big = negotiate(&init, 1 << 20, 256, 64, true, 65536).unwrap();
+        assert_eq!(big.max_io, 1 << 20);
+        assert_eq!(u16::from_ne_bytes([big.reply[28], big.reply[29]]), 16);
+        assert_eq!(big.ring_payload(), 1 << 20);
+        let n = negotiate(&old, 1 << 20, 256, 64, false, 65536).unwrap();
+        assert_eq!(
+            (n.max_io, n.ring_payload()),
+            (1 << 20, 2 << 20),
+            "32 pages of 64 KiB"
+        );
+        assert_eq!(
+            negotiate(&init, 16 << 10, 256, 64, false, 65536)
+                .unwrap()
+                .max_io,
+            16 << 10,
+            "a grant under one page: never more than the session takes"
+        );
+        assert!(negotiate(&InitIn { major: 8, ..init }, 1 << 20, 256, 64, false, 4096).is_err());
+        assert!(negotiate(&InitIn { minor: 20, ..init }, 1 << 20, 256, 64, false, 4096).is_err());
     }
 
     #[test]
@@ -673,7 +704,7 @@ mod tests {
             panic!("not INIT")
         };
         assert!(init.offers_uring());
-        let n = negotiate(&init, 1 << 20, 256, 64, true).unwrap();
+        let n = negotiate(&init, 1 << 20, 256, 64, true, 4096).unwrap();
         assert!(n.uring);
         let flags = u32::from_ne_bytes(n.reply[12..16].try_into().unwrap());
         assert_eq!(flags, FUSE_ASYNC_READ | FUSE_INIT_EXT);
@@ -682,7 +713,7 @@ mod tests {
             1 << 9
         );
         // Not wanted: neither flag in the reply.
-        let n = negotiate(&init, 1 << 20, 256, 64, false).unwrap();
+        let n = negotiate(&init, 1 << 20, 256, 64, false, 4096).unwrap();
         assert!(!n.uring);
         assert_eq!(n.reply[32..36], [0; 4]);
         assert_eq!(
@@ -696,7 +727,7 @@ mod tests {
             panic!("not INIT")
         };
         assert!(!old.offers_uring());
-        assert!(!negotiate(&old, 1 << 20, 256, 64, true).unwrap().uring);
+        assert!(!negotiate(&old, 1 << 20, 256, 64, true, 4096).unwrap().uring);
     }
 
     #[test]

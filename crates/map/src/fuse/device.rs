@@ -237,7 +237,8 @@ impl Mapping {
         let want_uring = plan_fuse_io(spec.fuse_io, &mut undo)?;
         let master = Channel::open().map_err(|e| format!("/dev/fuse: {e}"))?;
         let pages = channel::max_pages_limit();
-        let io_cap = info.max_io.min(pages.saturating_mul(4096)).max(4096);
+        let page = crate::sys::page_size() as u32;
+        let io_cap = info.max_io.min(pages.saturating_mul(page)).max(4096);
         channel::mount(&master, &mountpoint, &spec.url.to_string(), io_cap)
             .map_err(|e| format!("mounting FUSE at {}: {e}", mountpoint.display()))?;
         undo.mounted = true;
@@ -629,7 +630,8 @@ fn init(
     {
         return Err("the kernel sent no FUSE INIT after mounting".into());
     }
-    let mut buf = vec![0u8; (pages as usize * 4096 + abi::REQUEST_OVERHEAD).max(1 << 20)];
+    let page = crate::sys::page_size();
+    let mut buf = vec![0u8; (pages as usize * page + abi::REQUEST_OVERHEAD).max(1 << 20)];
     let n = ch
         .receive(&mut buf)
         .map_err(|e| format!("reading FUSE INIT: {e}"))?;
@@ -637,7 +639,7 @@ fn init(
     let Request::Init(init) = req else {
         return Err(format!("expected FUSE INIT, got opcode {}", h.opcode));
     };
-    let neg = match abi::negotiate(&init, session_io, pages, background, uring) {
+    let neg = match abi::negotiate(&init, session_io, pages, background, uring, page as u32) {
         Ok(n) => n,
         Err(e) => {
             let _ = ch.reply(h.unique, libc::EPROTO, &[]);

@@ -201,10 +201,7 @@ pub(crate) unsafe fn as_bytes<T: Copy>(v: &T) -> &[u8] {
 
 /// Size of one queue's descriptor area in the char device's mmap space (the kernel's
 /// `ublk_max_cmd_buf_size`) and the length we map (`ublk_queue_cmd_buf_size`).
-pub(crate) fn page_size() -> usize {
-    // SAFETY: sysconf has no side effects.
-    (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as usize
-}
+pub(crate) use crate::sys::page_size;
 pub(crate) fn max_cmd_buf_size() -> usize {
     (UBLK_MAX_QUEUE_DEPTH * std::mem::size_of::<IoDesc>()).next_multiple_of(page_size())
 }
