@@ -208,6 +208,10 @@ fn a_controller_comes_up_as_the_linux_host_checks_it() {
     // Number of queues is granted, keep-alive and async events accepted.
     let q = a.set_features(0x07, 3 | 3 << 16);
     assert_eq!((q.code(), q.cqe.dw0), (0, 3 | 3 << 16));
+    for bad in [0xffff | 3 << 16, 3 | 0xffff << 16] {
+        let q = a.set_features(0x07, bad);
+        assert_eq!(q.code(), 0x002, "65535 queues is Invalid Field: {bad:#x}");
+    }
     let mut ka = sqe(0x18, 0);
     ka.cid = 0;
     assert_eq!(a.command_in(ka, &[], 0).unwrap().code(), 0);
@@ -246,6 +250,13 @@ fn data_round_trips_in_capsule_and_through_r2t_with_and_without_digests() {
         let mut a = controller(&t.addr, &nqn("disk0"), &o);
         a.set_features(0x07, 1 | 1 << 16);
         let mut q = io_queue(&t.addr, &nqn("disk0"), &a, 1, &o);
+        // With I/O queues connected, the allocation no longer changes.
+        let nq = a.set_features(0x07, 0);
+        assert_eq!(
+            (nq.code(), nq.cqe.dw0),
+            (0, 1 | 1 << 16),
+            "still two queues"
+        );
         // 4 KiB in the capsule, 256 KiB (several H2CData) through an R2T, 1 MiB read back.
         let small = random_bytes(4096, i as u64);
         let big = random_bytes(256 << 10, 100 + i as u64);

@@ -468,11 +468,23 @@ impl AdminQueue {
                     return self.finish(sock, q.cid, sc::FEATURE_NOT_SAVEABLE | sc::DNR, 0, None);
                 }
                 match fid {
+                    // 65535 (0's based: 65536) is Invalid Field (NVMe Base 2.0, Number of
+                    // Queues). Once I/O queues exist the allocation stays what it was (it
+                    // "shall not change"): lowered, queues above it would run on uncounted.
+                    0x07 if !discovery && (q.cdw11 as u16 == 0xffff || q.cdw11 >> 16 == 0xffff) => {
+                        self.finish(sock, q.cid, sc::INVALID_FIELD | sc::DNR, 0, None)
+                    }
                     0x07 if !discovery => {
-                        let asked = (q.cdw11 as u16).min((q.cdw11 >> 16) as u16) as u32 + 1;
-                        let n = asked.min(super::MAX_IO_QUEUES as u32) as u16;
-                        self.io_queues = Some(n);
-                        registry.nvme.set_io_queues(self.cntlid(), n);
+                        let n = match self.io_queues {
+                            Some(n) if self.has_io_queues(registry) => n,
+                            _ => {
+                                let asked = (q.cdw11 as u16).min((q.cdw11 >> 16) as u16) as u32 + 1;
+                                let n = asked.min(super::MAX_IO_QUEUES as u32) as u16;
+                                self.io_queues = Some(n);
+                                registry.nvme.set_io_queues(self.cntlid(), n);
+                                n
+                            }
+                        };
                         let v = (n as u32 - 1) | (n as u32 - 1) << 16;
                         self.finish(sock, q.cid, sc::SUCCESS, v, None)
                     }
