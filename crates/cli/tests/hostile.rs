@@ -276,6 +276,13 @@ fn the_memory_of_a_hostile_load_goes_back_to_the_system() {
         String::from_utf8_lossy(&out.stderr)
     );
     let after_load = common::rss_kib(pid);
+    let peak = common::peak_rss_kib(pid);
+    eprintln!("target RSS: {before} KiB before, peak {peak} KiB, {after_load} KiB after the load");
+    // The load made the target hold memory, or there was nothing to give back.
+    assert!(
+        peak > before + 32 * 1024,
+        "the load never made the target hold memory: RSS {before} KiB before, peak {peak} KiB"
+    );
     let settled = common::wait_until(std::time::Duration::from_secs(10), || {
         common::rss_kib(pid) < before + 48 * 1024
     });

@@ -75,13 +75,14 @@ fn read_switch() -> String {
         .to_string()
 }
 
-/// The kernel has FUSE over io_uring (else the test says it skips).
-fn has_uring() -> bool {
-    let yes = Path::new(URING_SWITCH).exists();
-    if !yes {
-        eprintln!("skipped: this kernel has no FUSE over io_uring");
-    }
-    yes
+/// Fails the test, saying why, when this kernel has no FUSE over io_uring (a test of it must
+/// not pass without having run).
+fn require_uring() {
+    assert!(
+        Path::new(URING_SWITCH).exists(),
+        "this test needs FUSE over io_uring: a kernel of 6.14 or later with CONFIG_FUSE_IO_URING \
+         ({URING_SWITCH} is missing)"
+    );
 }
 
 /// FUSE over io_uring switched on while held; the last holder restores the previous value.
@@ -90,11 +91,9 @@ struct SwitchOn {
 }
 
 impl SwitchOn {
-    /// None when this kernel has no FUSE over io_uring.
-    fn new() -> Option<SwitchOn> {
-        if !has_uring() {
-            return None;
-        }
+    /// Fails the test when this kernel has no FUSE over io_uring.
+    fn new() -> SwitchOn {
+        require_uring();
         let shared = SWITCH_LOCK.read().unwrap_or_else(|e| e.into_inner());
         let mut u = SWITCH_ON_USERS.lock().unwrap_or_else(|e| e.into_inner());
         if u.0 == 0 {
@@ -102,7 +101,7 @@ impl SwitchOn {
             std::fs::write(URING_SWITCH, "Y").expect("turn on FUSE over io_uring");
         }
         u.0 += 1;
-        Some(SwitchOn { _shared: shared })
+        SwitchOn { _shared: shared }
     }
 }
 
@@ -123,14 +122,12 @@ struct SwitchOff {
 }
 
 impl SwitchOff {
-    fn new() -> Option<SwitchOff> {
-        if !has_uring() {
-            return None;
-        }
+    fn new() -> SwitchOff {
+        require_uring();
         let excl = SWITCH_LOCK.write().unwrap_or_else(|e| e.into_inner());
         let was = read_switch();
         std::fs::write(URING_SWITCH, "N").expect("turn off FUSE over io_uring");
-        Some(SwitchOff { _excl: excl, was })
+        SwitchOff { _excl: excl, was }
     }
 }
 
@@ -140,10 +137,23 @@ impl Drop for SwitchOff {
     }
 }
 
+/// The log of a FUSE mapping's daemon that ended: read, and holding the line each queue
+/// logs at its end, so a check that something is absent from it cannot pass on a log that was
+/// never written.
+fn daemon_log(log: &Path) -> String {
+    let text = std::fs::read_to_string(log)
+        .unwrap_or_else(|e| panic!("the daemon's log {}: {e}", log.display()));
+    assert!(
+        text.contains(" request(s) through io_uring, "),
+        "the daemon's log {} has no queue's last line: {text}",
+        log.display()
+    );
+    text
+}
+
 /// Requests the daemon logged as served through its FUSE ring (one line per queue at exit).
 fn ring_requests(log: &Path) -> u64 {
-    std::fs::read_to_string(log)
-        .unwrap_or_default()
+    daemon_log(log)
         .lines()
         .filter_map(|l| {
             let (_, rest) = l.split_once(": served ")?;
@@ -169,7 +179,7 @@ macro_rules! on_both_paths {
         #[test]
         fn $uring() {
             require_root!();
-            let Some(_on) = SwitchOn::new() else { return };
+            let _on = SwitchOn::new();
             $f(concat!($tag, "-uring"), &["--fuse-io", "uring"]);
         }
     };
@@ -256,22 +266,22 @@ impl Run {
         }
         let (ok, out, err) = self.cli_in(netns, &args);
         assert!(ok, "map {url} {extra:?}: {err}");
-        let dev = out.trim().to_string();
+        // The mapping exists from here: its guard unmaps it whatever check fails below.
+        let mut m = Mapped {
+            run: self,
+            dev: out.trim().to_string(),
+            file: String::new(),
+        };
         assert!(
-            dev.starts_with("/dev/loop") && !dev.contains('\n'),
+            m.dev.starts_with("/dev/loop") && !m.dev.contains('\n'),
             "map prints the device: {out:?}"
         );
-        let rec = self.ls()[&dev].clone();
-        let file = rec["file"].as_str().expect("file in ls --json").to_string();
+        let rec = m.record();
+        m.file = rec["file"].as_str().expect("file in ls --json").to_string();
         let want_io = match args.iter().position(|a| *a == "--fuse-io") {
             Some(i) if args[i + 1] == "read" => Some("read"),
             Some(i) if args[i + 1] == "uring" => Some("uring"),
             _ => None, // auto: the caller checks
-        };
-        let m = Mapped {
-            run: self,
-            dev,
-            file,
         };
         if let Some(io) = want_io {
             assert_eq!(rec["fuse_io"], io, "ls --json: {rec}");
@@ -356,7 +366,7 @@ impl Mapped<'_> {
     }
 
     fn bound(&self) -> bool {
-        self.sys("loop/backing_file") == self.file
+        !self.file.is_empty() && self.sys("loop/backing_file") == self.file
     }
 }
 
@@ -529,7 +539,7 @@ fn filesystem_round_trip(tag: &str, first: &[&str], second: &[&str], io: &str) {
         assert_eq!(m.record()["fuse_io"], io, "{}", m.record());
         m.unmap();
         let ring = ring_requests(log);
-        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let text = daemon_log(log);
         if io == "uring" {
             assert!(ring > 0, "no request went through io_uring: {text}");
         } else {
@@ -579,7 +589,7 @@ fn filesystem_survives_unmap_and_map_again_and_fscks_clean() {
 #[test]
 fn filesystem_over_fuse_io_uring_survives_unmap_and_map_again() {
     require_root!();
-    let Some(_on) = SwitchOn::new() else { return };
+    let _on = SwitchOn::new();
     filesystem_round_trip(
         "fs-uring",
         &["--fuse-io", "uring"],
@@ -639,7 +649,7 @@ fn fio_verify_on(run: &Run, netns: Option<&str>, url: &str, extra: &[&str]) {
     if extra.contains(&"uring") {
         assert!(ring_requests(&log) > 0, "no request went through io_uring");
     }
-    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    let text = daemon_log(&log);
     assert!(
         !text.contains("lost"),
         "the daemon lost its connection: {text}"
@@ -743,7 +753,7 @@ fn idle_udp_mapping_keeps_its_session(tag: &str, extra: &[&str]) {
     assert!(dev_read(&m.dev, more.len(), 4 << 20).unwrap() == more);
     assert_eq!(sessions(&t), before, "a new session was opened");
     m.unmap();
-    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    let text = daemon_log(&log);
     assert!(
         !text.contains("lost") && !text.contains("reconnect"),
         "the idle mapping reconnected: {text}"
@@ -1502,7 +1512,7 @@ fn foreground_mapping_serves_until_sigterm() {
 #[test]
 fn fuse_io_auto_reads_while_the_switch_is_off_and_uring_turns_it_on() {
     require_root!();
-    let Some(_off) = SwitchOff::new() else { return };
+    let _off = SwitchOff::new();
     let run = Run::new("switch");
     let t = Target::start(&["disk=mem:16M"]);
     let log = run.dir().join("auto.log");
@@ -1541,9 +1551,7 @@ fn fuse_io_auto_reads_while_the_switch_is_off_and_uring_turns_it_on() {
 #[test]
 fn fuse_io_uring_that_cannot_be_turned_on_fails_in_one_line() {
     require_root!();
-    if !has_uring() {
-        return;
-    }
+    require_uring();
     let run = Run::new("noswitch");
     let t = Target::start(&["disk=mem:16M"]);
     let fake = run.dir().join("enable_uring");
@@ -1841,16 +1849,17 @@ fn o_direct_512_bytes_into_a_page(tag: &str, extra: &[&str]) {
         })
         .sum();
     eprintln!("requests the daemon got cut inside a 4 KiB block: {partial}");
-    if huge_granted {
-        assert!(
-            partial > 0,
-            "no request reached the daemon cut inside a block: the test did not test it\n{text}"
-        );
-    } else {
-        eprintln!(
-            "note: no transparent huge page granted; the cases that reach FUSE whole may not have ({partial} partial-block requests)"
-        );
-    }
+    // Without a huge page the cases that reach FUSE whole may not have: the test would not
+    // have tested what it is for.
+    assert!(
+        huge_granted,
+        "this test needs a transparent huge page (/sys/kernel/mm/transparent_hugepage/enabled \
+         'always' or 'madvise', and 2 MiB of memory the kernel can make contiguous)"
+    );
+    assert!(
+        partial > 0,
+        "no request reached the daemon cut inside a block: the test did not test it\n{text}"
+    );
 }
 
 #[test]
@@ -1864,7 +1873,7 @@ fn o_direct_io_from_buffers_512_bytes_into_a_page_on_a_4k_block_export_over_fuse
         is_root(),
         "this test maps a block device and needs root; run it as root"
     );
-    let Some(_on) = SwitchOn::new() else { return };
+    let _on = SwitchOn::new();
     o_direct_512_bytes_into_a_page("misaligned-uring", &["--fuse-io", "uring"]);
 }
 

@@ -912,9 +912,24 @@ fn cluster_death_under_load_gives_io_errors_not_hangs() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // Not a synchronisation: two seconds of load before the cluster dies, so requests are in
-    // flight in librbd when it does (bench's own progress is not observable from here).
-    std::thread::sleep(Duration::from_secs(2));
+    // The load runs (the target has served part of it) before the cluster dies, so requests
+    // are in flight in librbd when it does.
+    let loaded = common::wait_until(Duration::from_secs(60), || {
+        let (ok, out, _) = common::cli(&["stats", &t.base, "--json"]);
+        let v: Value = match serde_json::from_str(&out) {
+            Ok(v) if ok => v,
+            _ => return false,
+        };
+        let done: u64 = v["sessions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|s| s["queues"].as_array().into_iter().flatten())
+            .map(|q| q["reads"].as_u64().unwrap_or(0) + q["writes"].as_u64().unwrap_or(0))
+            .sum();
+        done >= 256
+    });
+    assert!(loaded, "the bench's load never reached the target");
     assert!(
         bench.try_wait().unwrap().is_none(),
         "bench ended before the cluster died"

@@ -256,12 +256,14 @@ mod tests {
     const TEST_ETHERTYPE: u16 = 0x88B6;
 
     /// A packet socket on the loopback interface for the test EtherType and its link address;
-    /// `None` without the privilege to open one.
-    fn lo_socket() -> Option<(OwnedFd, libc::sockaddr_ll)> {
-        let fd = crate::open_packet(0).ok()?;
+    /// the test fails, saying why, without the privilege to open one.
+    fn lo_socket() -> (OwnedFd, libc::sockaddr_ll) {
+        let fd = crate::open_packet(0).unwrap_or_else(|e| {
+            panic!("this test needs root or CAP_NET_RAW (a packet socket): {e}")
+        });
         let lo = crate::iface("lo").expect("loopback interface");
         crate::bind_packet(&fd, lo.index, TEST_ETHERTYPE).expect("bind to lo");
-        Some((fd, crate::link_addr(lo.index, TEST_ETHERTYPE, [0; 6])))
+        (fd, crate::link_addr(lo.index, TEST_ETHERTYPE, [0; 6]))
     }
 
     /// Frames sent on the loopback interface come out of the ring whole, in order, slot after
@@ -269,11 +271,8 @@ mod tests {
     /// past its slot.
     #[test]
     fn frames_arrive_in_order_and_slots_come_back() {
-        let Some((rx, _)) = lo_socket() else {
-            eprintln!("skipped: packet sockets need root or CAP_NET_RAW");
-            return;
-        };
-        let (tx, to) = lo_socket().expect("second packet socket");
+        let (rx, _) = lo_socket();
+        let (tx, to) = lo_socket();
         let mut ring = RxRing::new(rx.as_raw_fd(), 1000, 3, to.sll_ifindex).expect("ring");
         assert!(ring.slots() >= 3);
         assert!(!ring.ready());

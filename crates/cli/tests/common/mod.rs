@@ -456,7 +456,17 @@ pub fn wait_until(within: std::time::Duration, mut cond: impl FnMut() -> bool) -
 
 /// Resident memory of a process, in KiB (VmRSS).
 pub fn rss_kib(pid: u32) -> u64 {
+    status_kib(pid, "VmRSS:")
+}
+
+/// The most resident memory process `pid` has had, in KiB (`VmHWM`).
+#[allow(dead_code)]
+pub fn peak_rss_kib(pid: u32) -> u64 {
+    status_kib(pid, "VmHWM:")
+}
+
+fn status_kib(pid: u32, field: &str) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    let line = s.lines().find(|l| l.starts_with(field)).unwrap();
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
