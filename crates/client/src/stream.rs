@@ -198,11 +198,11 @@ impl StreamQueue {
 
     /// Sends what the socket takes now and keeps the rest, for `poll`, which must not block:
     /// the caller comes back when [`StreamQueue::deadline`] says (soon, while bytes wait), or
-    /// when a reply comes. A TLS session writes on a blocking socket: it sends everything.
+    /// when a reply comes. A TLS session too: its socket is non-blocking, a write the socket
+    /// cannot take is WANT_WRITE, and OpenSSL's retry rule holds (the bytes not sent are the
+    /// same, at the front of the slice given again, which may have moved and grown: the
+    /// connector's ACCEPT_MOVING_WRITE_BUFFER and ENABLE_PARTIAL_WRITE).
     fn send_some(&mut self) -> Result<()> {
-        if matches!(self.sock, Link::Tls(_)) {
-            return self.send();
-        }
         // What went is dropped from the front once it is the larger part, so requests queued
         // behind do not grow the buffer by everything sent.
         if !self.send_now()? && self.tx_sent >= self.tx.len() - self.tx_sent {
@@ -837,6 +837,79 @@ mod tests {
         .unwrap();
         assert_eq!(q.poll(|_| panic!("nothing was answered")).unwrap(), 0);
         assert!(q.deadline().is_some_and(|d| d > Instant::now()));
+    }
+
+    /// The same over TLS: `poll` sends what the socket takes and returns, where the session's
+    /// send waited (until the timeout) for a target that stopped reading.
+    #[test]
+    fn poll_does_not_wait_for_a_tls_target_that_stops_reading() {
+        use openssl::ssl::Ssl;
+        const DEPTH: u16 = 64;
+        let (go_tx, go) = std::sync::mpsc::channel::<()>();
+        let key = blkwire_auth::Key::generate();
+        let k = key.bytes().to_vec();
+        let url = testing::raw(move |s| {
+            let mut t = Ssl::new(&testing::psk_server(k))
+                .unwrap()
+                .accept(s)
+                .unwrap();
+            // Reads nothing until told.
+            let _ = go.recv();
+            for _ in 0..DEPTH {
+                let mut hb = [0u8; HEADER_LEN];
+                std::io::Read::read_exact(&mut t, &mut hb).unwrap();
+                let h = Header::decode(&hb, 1 << 20).unwrap();
+                let mut data = vec![0u8; h.payload_len as usize];
+                std::io::Read::read_exact(&mut t, &mut data).unwrap();
+                t.write_all(&h.reply(Status::Ok, 0).to_bytes()).unwrap();
+            }
+            t.flush().unwrap();
+            let _ = std::io::copy(&mut t, &mut std::io::sink());
+        });
+        let opts = ConnectOptions {
+            tls: true,
+            key: Some(key),
+            host_id: "h".into(),
+            depth: DEPTH,
+            ..options(Duration::from_secs(20))
+        };
+        let sock = std::net::TcpStream::connect(url.authority()).unwrap();
+        let deadline = crate::deadline::Deadline::after(Duration::from_secs(10));
+        let c = crate::tls::connector(&opts).unwrap();
+        let link = crate::tls::connect(&url, &opts, &c, sock, &deadline).unwrap();
+        let info = crate::info_from(&url, &granted(1, DEPTH, 1 << 20, 1 << 20));
+        let mut q = StreamQueue::new(link, 0, &info, &opts).unwrap();
+        let data = vec![7u8; 1 << 20];
+        for i in 0..DEPTH {
+            let offset = u64::from(i) << 20;
+            q.submit(
+                Cmd::Write {
+                    offset,
+                    data: &data,
+                    fua: false,
+                },
+                u64::from(i),
+            )
+            .unwrap();
+        }
+        // 64 MiB: more than loopback's socket buffers hold while the target reads nothing.
+        let r = q.poll(|_| panic!("nothing was answered"));
+        assert!(matches!(r, Ok(0)), "{r:?}");
+        assert!(
+            q.tx_sent < q.tx.len(),
+            "the socket took everything: send more"
+        );
+        go_tx.send(()).unwrap();
+        let mut answered = 0;
+        loop {
+            answered += q.poll(|c| assert_eq!(c.status, Status::Ok)).unwrap();
+            if answered == usize::from(DEPTH) {
+                break;
+            }
+            let wait = q.deadline().expect("writes in flight");
+            let _ = crate::deadline::poll_until(q.fd(), libc::POLLIN, wait, opts.timeout);
+        }
+        assert_eq!(q.tx_sent, q.tx.len(), "everything went");
     }
 
     /// Replies to READs that come faster than `poll` takes them over TLS: a `poll` stopped at
