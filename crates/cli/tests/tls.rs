@@ -282,7 +282,8 @@ fn tls_require_refuses_plain_nbd_clients_and_on_serves_both() {
 }
 
 /// `--tls require` covers tcp:// and nbd:// only: an nvme-tcp:// or iscsi:// listener beside it
-/// carries its exports in clear, and the target says so when it opens one (not for the others).
+/// carries its exports in clear, a udp:// one unless its hosts ask for encryption, and the
+/// target says so when it opens one (not for the others).
 #[test]
 fn tls_require_warns_of_listeners_it_does_not_cover() {
     let dir = TempDir::new("tls-require-clear");
@@ -291,17 +292,18 @@ fn tls_require_warns_of_listeners_it_does_not_cover() {
     cmd.args(["serve", "--rpc-socket", "none", "--export", "d=mem:1M"]);
     cmd.args(["--tls", "require", "--tls-cert", cert.to_str().unwrap()]);
     cmd.args(["--tls-key", key.to_str().unwrap()]);
-    for l in ["tcp", "nbd", "nvme-tcp", "iscsi"] {
+    for l in ["tcp", "nbd", "nvme-tcp", "iscsi", "udp"] {
         cmd.args(["--listen", &format!("{l}://127.0.0.1:0")]);
     }
-    let (urls, log) = common::start_log(&mut cmd, 4);
+    let (urls, log) = common::start_log(&mut cmd, 5);
     let warned: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("carries its exports in clear"))
         .collect();
-    assert_eq!(warned.len(), 2, "{log}");
+    assert_eq!(warned.len(), 3, "{log}");
     for u in &urls {
-        let clear = u.starts_with("nvme-tcp://") || u.starts_with("iscsi://");
+        let clear =
+            u.starts_with("nvme-tcp://") || u.starts_with("iscsi://") || u.starts_with("udp://");
         assert_eq!(
             warned.iter().any(|l| l.contains(u.as_str())),
             clear,

@@ -518,6 +518,16 @@ impl Shared {
                  or leave this listener out"
             );
         }
+        if self.tls.mode == TlsMode::Require
+            && (bound.starts_with("udp://") || bound.starts_with("eth://"))
+        {
+            crate::log!(
+                Level::Warn,
+                "{bound} carries its exports in clear unless a host asks for encryption \
+                 (?encrypt=1, --encrypt): --tls require covers tcp:// and nbd:// only; \
+                 datagram sessions are sealed with the host's key but their data is readable"
+            );
+        }
         crate::log!(self.change_level(), "listening on {bound} (listener {id})");
         Ok(bound)
     }
