@@ -628,7 +628,14 @@ impl DgramQueue {
             return;
         };
         // §6: only the generation in flight on that slot is answered; anything else is late.
-        if s.state != State::InFlight || s.generation != h.tag.generation() || s.opcode != h.opcode
+        // A reply carries its request's offset and length (§3; a COPY's length is the bytes
+        // copied): one that does not is an older request's that the generation, 16 bits, no
+        // longer tells apart, and its data must not be taken for this one's.
+        if s.state != State::InFlight
+            || s.generation != h.tag.generation()
+            || s.opcode != h.opcode
+            || h.offset != s.offset
+            || (s.opcode != Opcode::Copy && h.length != s.length)
         {
             self.stats.late_replies += 1;
             return;
@@ -1578,6 +1585,50 @@ mod tests {
         q.on_frame(&h, &[]);
         assert_eq!(q.accepted_in, 0);
         assert_eq!(q.stats().late_replies, 1);
+    }
+
+    /// A reply that does not carry its request's offset and length (§3) is an older
+    /// request's, whose 16-bit generation came round again: late, its data never taken.
+    #[test]
+    fn a_reply_for_another_offset_or_length_is_late() {
+        let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let mut q = idle_queue(&target);
+        q.submit(
+            Cmd::Read {
+                offset: 4096,
+                len: 512,
+            },
+            7,
+        )
+        .unwrap();
+        q.send().unwrap();
+        let slot = q
+            .slots
+            .iter()
+            .position(|s| s.state == State::InFlight)
+            .expect("the READ is in flight");
+        let generation = q.slots[slot].generation;
+        let (session, index) = (q.session, q.index);
+        let reply = |offset, length| {
+            let mut h = Header::request(
+                Opcode::Read,
+                Tag::new(slot as u16, generation),
+                offset,
+                length,
+            );
+            h.session = session;
+            h.queue = index;
+            h.reply(Status::Ok, 512)
+        };
+        q.on_frame(&reply(0, 512), &[1; 512]);
+        q.on_frame(&reply(4096, 1024), &[2; 512]);
+        assert_eq!(q.stats().late_replies, 2);
+        assert_eq!(q.slots[slot].state, State::InFlight, "still waiting");
+        q.on_frame(&reply(4096, 512), &[3; 512]);
+        let mut got = Vec::new();
+        q.poll(|c| got.push((c.user, c.status, c.data.to_vec())))
+            .unwrap();
+        assert_eq!(got, [(7, Status::Ok, vec![3; 512])]);
     }
 
     #[test]
