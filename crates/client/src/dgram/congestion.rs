@@ -243,6 +243,12 @@ impl Congestion {
         (self.srtt.unwrap_or(RTO_INITIAL) / 4).max(REORDER_MIN)
     }
 
+    /// When the next pass may scan the slots (`begin_pass`): a slot timer due before that
+    /// cannot be acted on sooner, so no caller should wake for it sooner.
+    pub fn next_scan(&self) -> Instant {
+        self.last_scan + self.reorder_window() / 2
+    }
+
     /// Starts a pass of the timers at `now`. The slot scan runs at most every half reordering
     /// window (25 us or more): no loss can be declared sooner than that after it happens, and a
     /// busy queue calls this every few microseconds, where scanning the whole slot table each

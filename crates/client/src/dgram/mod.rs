@@ -927,11 +927,15 @@ fn push(
 /// The earliest timer of the requests in flight (a retransmission or give-up), of those waiting
 /// for the window (their give-up), or the tail-loss probe.
 fn timer_deadline(slots: &[Slot], cc: &Congestion) -> Option<Instant> {
+    // Slot timers are acted on only by a pass that scans (`Congestion::begin_pass`): one due
+    // before the next scan is asked for then, or the caller's wait returned at once, over and
+    // over, until the scan came (a busy loop of up to SRTT / 8).
+    let scan = cc.next_scan();
     slots
         .iter()
         .filter_map(|s| match s.state {
-            State::InFlight => Some(s.tx.deadline()),
-            State::Pending => Some(s.give_up_at),
+            State::InFlight => Some(s.tx.deadline().max(scan)),
+            State::Pending => Some(s.give_up_at.max(scan)),
             _ => None,
         })
         .chain(cc.probe_deadline())
@@ -1481,6 +1485,45 @@ mod tests {
     fn idle_queue(target: &UdpSocket) -> DgramQueue {
         let link = udp_link(target.local_addr().unwrap()).unwrap();
         test_queue(link, grant(8, 4096, 8192), None)
+    }
+
+    /// A slot timer due before the next pass may scan the slots is asked for at that scan: the
+    /// caller's wait would otherwise return at once, again and again, until it came.
+    #[test]
+    fn no_timer_is_asked_for_before_the_slots_can_be_scanned() {
+        let target = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let mut q = idle_queue(&target);
+        q.submit(
+            Cmd::Read {
+                offset: 0,
+                len: 512,
+            },
+            1,
+        )
+        .unwrap();
+        q.send().unwrap();
+        q.timers().unwrap();
+        let slot = q
+            .slots
+            .iter()
+            .position(|s| s.state == State::InFlight)
+            .expect("the READ is in flight");
+        // Its timer due now, before the next scan.
+        q.slots[slot].tx.rto = Duration::ZERO;
+        assert!(q.slots[slot].tx.deadline() < q.cc.next_scan());
+        assert_eq!(q.deadline(), Some(q.cc.next_scan()));
+        // At that scan it is acted on.
+        let at = q.deadline().unwrap();
+        while Instant::now() < at {
+            std::hint::spin_loop();
+        }
+        let sent = q.stats().frames_out;
+        q.timers().unwrap();
+        q.send().unwrap();
+        assert!(
+            q.stats().frames_out > sent,
+            "the timer was acted on at the scan"
+        );
     }
 
     /// A request given up unanswered teaches the congestion state nothing: its give-up is no
