@@ -426,19 +426,14 @@ impl AdminQueue {
                 let lid = q.cdw10 as u8;
                 let numd = ((q.cdw10 >> 16) | (q.cdw11 & 0xffff) << 16) as u64 + 1;
                 let offset = q.cdw12 as u64 | (q.cdw13 as u64) << 32;
-                let page = match lid {
-                    0x70 if discovery => Some(self.discovery_log(registry)),
-                    0x01 if !discovery => Some(vec![0u8; 64]),
-                    0x02 if !discovery => Some(smart_log()),
-                    0x03 if !discovery => Some(firmware_log()),
-                    // Changed Namespace List (Base spec §5.16.1.5): read, it is cleared (below,
-                    // once the command is known to succeed).
-                    0x04 if !discovery => Some(self.changed_list()),
-                    _ => None,
+                let known = match lid {
+                    0x70 => discovery,
+                    0x01..=0x04 => !discovery,
+                    _ => false,
                 };
-                let Some(page) = page else {
+                if !known {
                     return self.finish(sock, q.cid, sc::INVALID_LOG_PAGE | sc::DNR, 0, None);
-                };
+                }
                 if !offset.is_multiple_of(4) {
                     return self.finish(sock, q.cid, sc::INVALID_FIELD | sc::DNR, 0, None);
                 }
@@ -449,10 +444,24 @@ impl AdminQueue {
                     return self.finish(sock, q.cid, sc::INVALID_FIELD | sc::DNR, 0, None);
                 }
                 let len = len as usize;
-                let mut out = vec![0u8; len];
-                let start = (offset as usize).min(page.len());
-                let n = (page.len() - start).min(len);
-                out[..n].copy_from_slice(&page[start..start + n]);
+                // The discovery log is built as far as asked (it may list thousands).
+                let out = if lid == 0x70 {
+                    self.discovery_log(registry, offset, len)
+                } else {
+                    let page = match lid {
+                        0x01 => vec![0u8; 64],
+                        0x02 => smart_log(),
+                        0x03 => firmware_log(),
+                        // Changed Namespace List (Base spec §5.16.1.5): read, it is cleared
+                        // (below, once the command is known to succeed).
+                        _ => self.changed_list(),
+                    };
+                    let mut out = vec![0u8; len];
+                    let start = offset.min(page.len() as u64) as usize;
+                    let n = (page.len() - start).min(len);
+                    out[..n].copy_from_slice(&page[start..start + n]);
+                    out
+                };
                 // Read (RAE clear): cleared only when the host gets it. A read that fails
                 // (here, or for its buffer: `send`) would leave a host that reads again an
                 // empty list, and no notice would tell it of the namespaces gone.
@@ -627,7 +636,7 @@ impl AdminQueue {
     /// The discovery log: every subsystem this host may open, at every listener, and the
     /// discovery subsystem itself. Its generation counter is a hash of its entries, so a host
     /// that reads it in pieces sees the same number unless the log changed between them.
-    fn discovery_log(&self, registry: &Registry) -> Vec<u8> {
+    fn discovery_log(&self, registry: &Registry, offset: u64, len: usize) -> Vec<u8> {
         let listeners = registry.nvme.listeners(self.s.local.ip());
         let host = self.s.auth_required.then_some(self.s.hostnqn.as_str());
         let exports = registry.open_to(host, &self.s.peer.addr);
@@ -666,12 +675,7 @@ impl AdminQueue {
                 });
             }
         }
-        let mut log = spec::discovery_log(0, &entries);
-        let generation = log[1024..].iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-        }) | 1;
-        log[0..8].copy_from_slice(&generation.to_le_bytes());
-        log
+        spec::discovery_log(&entries, offset, len)
     }
 
     fn auth_send(&mut self, registry: &Registry, q: &nvme_tcp::Sqe, data: &[u8]) -> u16 {

@@ -513,29 +513,54 @@ pub struct DiscoveryEntry {
     pub port_id: u16,
 }
 
-/// The discovery log page (LID 70h): a 1024-byte header and 1024 bytes per entry.
-pub fn discovery_log(generation: u64, entries: &[DiscoveryEntry]) -> Vec<u8> {
-    let mut b = vec![0u8; 1024 * (1 + entries.len())];
-    put64(&mut b, 0, generation);
-    put64(&mut b, 8, entries.len() as u64);
+/// One entry of the discovery log page: 1024 bytes.
+fn discovery_entry(e: &DiscoveryEntry, b: &mut [u8; 1024]) {
+    b.fill(0);
+    b[0] = 3; // TRTYPE TCP
+    b[1] = if e.addr.is_ipv4() { 1 } else { 2 }; // ADRFAM
+    b[2] = if e.discovery { 3 } else { 2 }; // SUBTYPE
+    b[3] = 0b10 | 1 << 2; // TREQ: no secure channel required, SQ flow control may be disabled
+    put16(b, 4, e.port_id);
+    put16(b, 6, 0xffff); // CNTLID: dynamic
+    put16(b, 8, 32); // ASQSZ
+    let port = e.addr.port().to_string();
+    b[32..32 + port.len()].copy_from_slice(port.as_bytes());
+    put_nqn(b, 256, &e.subnqn);
+    let ip = e.addr.ip().to_string();
+    b[512..512 + ip.len()].copy_from_slice(ip.as_bytes());
+    // TSAS for TCP: SECTYPE 0, no security.
+}
+
+/// Bytes `offset..offset + len` of the discovery log page (LID 70h: a 1024-byte header, then
+/// 1024 bytes per entry; past its end, zeros), without building the whole page: a host may
+/// read 4 bytes of a page of thousands of entries in a loop. Its generation counter is a hash
+/// of every entry (never 0), so it changes whenever what the page lists does.
+pub fn discovery_log(entries: &[DiscoveryEntry], offset: u64, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    let mut copy = |at: u64, bytes: &[u8]| {
+        let end = at + bytes.len() as u64;
+        // (A host's offset may be anything up to 2^64 - 4.)
+        let (from, to) = (at.max(offset), end.min(offset.saturating_add(len as u64)));
+        if from < to {
+            let (src, dst) = ((from - at) as usize, (from - offset) as usize);
+            out[dst..dst + (to - from) as usize]
+                .copy_from_slice(&bytes[src..src + (to - from) as usize]);
+        }
+    };
+    let mut generation = 0xcbf2_9ce4_8422_2325u64;
+    let mut b = [0u8; 1024];
     for (i, e) in entries.iter().enumerate() {
-        let at = 1024 * (i + 1);
-        b[at] = 3; // TRTYPE TCP
-        b[at + 1] = if e.addr.is_ipv4() { 1 } else { 2 }; // ADRFAM
-        b[at + 2] = if e.discovery { 3 } else { 2 }; // SUBTYPE
-                                                     // TREQ: no secure channel required, SQ flow control may be disabled.
-        b[at + 3] = 0b10 | 1 << 2;
-        put16(&mut b, at + 4, e.port_id);
-        put16(&mut b, at + 6, 0xffff); // CNTLID: dynamic
-        put16(&mut b, at + 8, 32); // ASQSZ
-        let port = e.addr.port().to_string();
-        b[at + 32..at + 32 + port.len()].copy_from_slice(port.as_bytes());
-        put_nqn(&mut b, at + 256, &e.subnqn);
-        let ip = e.addr.ip().to_string();
-        b[at + 512..at + 512 + ip.len()].copy_from_slice(ip.as_bytes());
-        // TSAS for TCP: SECTYPE 0, no security.
+        discovery_entry(e, &mut b);
+        generation = b.iter().fold(generation, |h, &c| {
+            (h ^ c as u64).wrapping_mul(0x100_0000_01b3)
+        });
+        copy(1024 * (i as u64 + 1), &b);
     }
-    b
+    let mut header = [0u8; 16];
+    put64(&mut header, 0, generation | 1);
+    put64(&mut header, 8, entries.len() as u64);
+    copy(0, &header);
+    out
 }
 
 /// A C-string field of a Connect's data (NQNs): up to its first NUL, which must be there.
@@ -747,11 +772,52 @@ mod tests {
             addr: "127.0.0.1:4420".parse().unwrap(),
             port_id: 1,
         }];
-        let b = discovery_log(3, &e);
-        assert_eq!(b.len(), 2048);
+        let b = discovery_log(&e, 0, 2048);
         assert_eq!(u64::from_le_bytes(b[8..16].try_into().unwrap()), 1);
         assert_eq!(&b[1024 + 32..1024 + 36], b"4420");
         assert_eq!(nqn_field(&b[1024 + 256..1024 + 512]), Some("nqn.x:y"));
         assert_eq!(nqn_field(&b[1024 + 512..1024 + 768]), Some("127.0.0.1"));
+    }
+
+    /// A part of the page is that part of the whole page, whatever its offset and length (past
+    /// the end: zeros); the generation follows the entries.
+    #[test]
+    fn a_part_of_the_discovery_log_is_that_part_of_the_page() {
+        let e: Vec<DiscoveryEntry> = (0..5)
+            .map(|i| DiscoveryEntry {
+                subnqn: format!("nqn.x:{i}"),
+                discovery: i == 0,
+                addr: format!("10.0.0.{i}:4420").parse().unwrap(),
+                port_id: i,
+            })
+            .collect();
+        let whole = discovery_log(&e, 0, 1024 * 6 + 4096);
+        assert!(
+            whole[1024 * 6..].iter().all(|&b| b == 0),
+            "past the end: zeros"
+        );
+        assert_eq!(u64::from_le_bytes(whole[8..16].try_into().unwrap()), 5);
+        assert_eq!(
+            discovery_log(&e, u64::MAX - 3, 8),
+            [0; 8],
+            "far past the end"
+        );
+        for (offset, len) in [
+            (0, 4),
+            (4, 12),
+            (1020, 8),
+            (3000, 2048),
+            (6140, 100),
+            (9000, 8),
+        ] {
+            assert_eq!(
+                discovery_log(&e, offset, len),
+                whole[offset as usize..offset as usize + len],
+                "{offset}+{len}"
+            );
+        }
+        let generation = |e: &[DiscoveryEntry]| discovery_log(e, 0, 8);
+        assert_ne!(generation(&e), generation(&e[..4]), "an entry fewer");
+        assert_ne!(generation(&e), [0; 8]);
     }
 }
