@@ -162,6 +162,7 @@ fuzz_target!(|data: &[u8]| {
             sq_head: 1,
             sqfc_off,
             max_io: MAX_IO,
+            maxh2cdata: MAX_IO,
             namespaces: namespaces.clone(),
         });
         walk(&mut nvme, data, namespaces.len());

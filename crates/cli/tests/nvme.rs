@@ -547,6 +547,26 @@ fn broken_pdus_end_the_connection_and_nothing_else() {
         q.closed_within(Duration::from_secs(10)),
         "data beyond the R2T"
     );
+    // More in one H2CData than MAXH2CDATA (1 MiB here), though the receive bound has room
+    // for it: Data Transfer Limit Exceeded.
+    let mut q = io_queue(&t.addr, &nqn("disk0"), &a, 11, &Opts::default());
+    q.send(&Pdu::CapsuleCmd(CapsuleCmd { sqe: w, data: &[] }));
+    let r2t = match q.recv().unwrap() {
+        nvme_host::Received::R2T(r) => r,
+        other => panic!("expected R2T, got {other:?}"),
+    };
+    let over = vec![1u8; (1 << 20) + 4];
+    q.send(&Pdu::H2CData(nvme_tcp::H2CData {
+        cccid: 9,
+        ttag: r2t.ttag,
+        datao: 0,
+        last: true,
+        data: &over,
+    }));
+    match q.recv() {
+        Err(Failure::Terminated(fes)) => assert_eq!(fes, 0x05, "Data Transfer Limit Exceeded"),
+        other => panic!("an H2CData over MAXH2CDATA: expected termination, got {other:?}"),
+    }
     let mut q = io_queue(&t.addr, &nqn("disk0"), &a, 5, &Opts::default());
     q.send(&Pdu::H2CData(nvme_tcp::H2CData {
         cccid: 1,

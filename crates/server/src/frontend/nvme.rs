@@ -30,6 +30,8 @@ pub struct NvmeIo {
     /// The host disabled SQ flow control (Connect CATTR bit 2): READ data may carry SUCCESS.
     sqfc_off: bool,
     max_io: u32,
+    /// The most data one H2CData PDU may carry (MAXH2CDATA).
+    maxh2cdata: u32,
     /// The controller's namespaces, in the order of the connection's targets (`Req::target`).
     namespaces: Vec<NsIo>,
     /// NSID - 1 -> index in `namespaces` + 1 (0: no such namespace): one bounded array index
@@ -91,6 +93,8 @@ pub struct IoQueueSetup {
     pub sqfc_off: bool,
     /// Largest data transfer.
     pub max_io: u32,
+    /// MAXH2CDATA the ICResp gave: the most data one H2CData PDU may carry.
+    pub maxh2cdata: u32,
     /// The controller's namespaces, in the order of the connection's targets.
     pub namespaces: Vec<NsIo>,
 }
@@ -128,6 +132,7 @@ impl NvmeIo {
             sq_head: s.sq_head % s.entries.max(1),
             sqfc_off: s.sqfc_off,
             max_io: s.max_io,
+            maxh2cdata: s.maxh2cdata,
             by_nsid: {
                 let top = s.namespaces.iter().map(|n| n.nsid).max().unwrap_or(0);
                 let mut v = vec![0u8; top.min(spec::MAX_NSID) as usize];
@@ -597,6 +602,17 @@ impl StreamFrontend for NvmeIo {
                 // LAST_PDU on the PDU that ends the R2T's data, on no other (TCP transport
                 // §3.6.2.8): a "last" one that leaves data owed would hold its write (and
                 // buffer) waiting for data the host says it will not send.
+                // At most MAXH2CDATA in one PDU (TCP transport §3.6.2.8): more is a Data
+                // Transfer Limit Exceeded, not taken because the receive bound has room (it
+                // is measured for a capsule, whose data starts 48 bytes further in).
+                if d.data.len() > self.maxh2cdata as usize {
+                    let e = PduError::TooLong {
+                        typ: PduType::H2CData,
+                        plen: len as u32,
+                        max: self.maxh2cdata,
+                    };
+                    return self.terminate(&e, &rx[..len], tx);
+                }
                 let end = d.datao as u64 + d.data.len() as u64;
                 let r2t_end = self.r2t_end.get(slot as usize).copied().unwrap_or(0);
                 if d.last != (end == r2t_end as u64) {

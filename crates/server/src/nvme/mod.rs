@@ -1708,6 +1708,7 @@ fn io_start(
         sq_head,
         sqfc_off: c.cattr & 1 << 2 != 0,
         max_io,
+        maxh2cdata: link.maxh2cdata,
         namespaces,
     });
     Accepted::Io(joined, Box::new(fe))

@@ -3173,6 +3173,7 @@ mod tests {
             sq_head: 1,
             sqfc_off: false,
             max_io: 1 << 20,
+            maxh2cdata: 1 << 20,
             namespaces: vec![NsIo {
                 nsid: 1,
                 lba_shift: 9,
