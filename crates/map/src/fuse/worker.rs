@@ -693,7 +693,11 @@ impl<C: Transport> Worker<C> {
         if let Some(e) = &error {
             log!("error", "queue {}: {e}", self.id);
             // The mapping may go on with the other workers: what this one took from the
-            // kernel is answered (EIO), not left waiting for ever.
+            // kernel is answered, not left waiting for ever. What is at the target first gets
+            // its own answer (a write told EIO while it may still land could overwrite the
+            // rewrite the filesystem makes through another worker); the rest EIO, a change
+            // still out counted as unfenced.
+            self.settle_in_flight();
             self.fail_waiting(|_| true);
             if self.t.unfenced_failed > 0 {
                 let n = std::mem::take(&mut self.t.unfenced_failed);
@@ -1155,6 +1159,35 @@ impl<C: Transport> Worker<C> {
         }
         if stuck && matches!(self.link, Link::Up(_)) {
             self.link_down(&format!("no reply for {}s", self.sh.timeout.as_secs()));
+        }
+    }
+
+    /// Takes the target's answers to what is in flight, for up to the session's timeout, on a
+    /// worker that stops serving; then drops the link, so what is still out is marked
+    /// unfenced (`link_down`) before `fail_waiting` answers it.
+    fn settle_in_flight(&mut self) {
+        let until = Instant::now() + self.sh.timeout;
+        while self.in_flight() && Instant::now() < until {
+            self.turn();
+            let Link::Up(q) = &self.link else {
+                break;
+            };
+            let wake = q.deadline().map_or(until, |d| d.min(until));
+            let ms = wake
+                .saturating_duration_since(Instant::now())
+                .as_micros()
+                .div_ceil(1000)
+                .min(1000) as i32;
+            let mut p = libc::pollfd {
+                fd: q.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: poll on the queue's socket; an error only ends the wait early.
+            unsafe { libc::poll(&mut p, 1, ms) };
+        }
+        if matches!(self.link, Link::Up(_)) && self.in_flight() {
+            self.link_down("the worker stopped with requests at the target");
         }
     }
 
