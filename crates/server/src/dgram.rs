@@ -2003,6 +2003,7 @@ impl DgramPort {
             .map(|q| crate::reactor::QueueReport {
                 session: q.session,
                 export: q.exec.export().name.clone(),
+                export_id: crate::reactor::export_id(q.exec.export()),
                 queue: q.queue,
                 thread,
                 in_flight: q.slots.iter().filter(|s| s.is_running()).count() as u32,

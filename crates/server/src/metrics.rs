@@ -684,12 +684,18 @@ fn render_exports(out: &mut Text, snap: &Snapshot) {
     let mut exports: Vec<(&str, QueueStats)> = snap
         .exports
         .iter()
-        .map(|e| (e.as_str(), QueueStats::default()))
+        .map(|(e, _)| (e.as_str(), QueueStats::default()))
         .collect();
+    // (Closed queues are counted only while their export is served: `ClosedTotals::add`.)
     let closed = snap.closed.iter().map(|(e, s)| (e.as_str(), s));
-    let live = snap.queues.iter().map(|q| (q.export.as_str(), &q.stats));
+    // A live queue of an export removed meanwhile (draining) counts in no export, not in one
+    // added since by its name, whose series start from zero.
+    let live = snap
+        .queues
+        .iter()
+        .filter(|q| snap.exports.iter().any(|(_, id)| *id == q.export_id))
+        .map(|q| (q.export.as_str(), &q.stats));
     for (export, stats) in closed.chain(live) {
-        // A queue of an export removed meanwhile (closing, or closed) has no export to count in.
         if let Some((_, total)) = exports.iter_mut().find(|(e, _)| *e == export) {
             total.add(stats);
         }
@@ -909,6 +915,7 @@ mod tests {
             queues: vec![QueueReport {
                 session: 7,
                 export: "disk".into(),
+                export_id: 1,
                 queue: 1,
                 thread: 0,
                 in_flight: 2,
@@ -933,7 +940,7 @@ mod tests {
                 },
             ],
             closed,
-            exports: vec!["disk".into(), "idle".into()],
+            exports: vec![("disk".into(), 1), ("idle".into(), 2)],
             complete: true,
             challenges: 4,
             refused: 5,
@@ -1047,6 +1054,23 @@ mod tests {
         assert_eq!(value(&text, &w), 0.0);
         let w = format!("blkwire_queue_request_duration_seconds_bucket{{{write},le=\"+Inf\"}}");
         assert_eq!(value(&text, &w), 1.0);
+    }
+
+    /// An export removed and added again by the same name while queues of the old one still
+    /// drain: their counters are not the new export's (whose series start from zero).
+    #[test]
+    fn a_draining_queue_of_an_export_removed_counts_in_no_export_added_since() {
+        let mut snap = snapshot();
+        snap.queues[0].export_id = 99; // the "disk" removed; the one served now is 1
+        let text = render(&snap);
+        assert_eq!(
+            value(
+                &text,
+                r#"blkwire_export_requests_total{export="disk",op="read"}"#
+            ),
+            10.0,
+            "the closed queues only, not the old export's live one"
+        );
     }
 
     #[test]

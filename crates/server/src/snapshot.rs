@@ -25,8 +25,8 @@ pub struct Snapshot {
     pub ports: Vec<PortReport>,
     /// Counters of the queues that closed, per export (summed over the reactors).
     pub closed: ClosedTotals,
-    /// Every export served, in order.
-    pub exports: Vec<String>,
+    /// Every export served, in order: its name and identity (`reactor::export_id`).
+    pub exports: Vec<(String, usize)>,
     /// Every reactor answered in time: the counters are all there (`metrics::Monotonic`).
     pub complete: bool,
     /// HELLOs answered with a challenge (PROTOCOL.md §12.1).
@@ -75,7 +75,11 @@ impl Snapshot {
             queues,
             ports,
             closed,
-            exports: registry.exports().iter().map(|e| e.name.clone()).collect(),
+            exports: registry
+                .exports()
+                .iter()
+                .map(|e| (e.name.clone(), crate::reactor::export_id(e)))
+                .collect(),
             complete: answered == workers.len(),
             challenges: registry.access.challenges.load(Ordering::Relaxed),
             refused: registry.access.refused.load(Ordering::Relaxed),

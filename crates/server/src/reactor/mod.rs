@@ -108,6 +108,12 @@ pub struct ReactorReport {
     pub closed: ClosedTotals,
 }
 
+/// An export's identity while anything holds it (its allocation's address): a queue holds its
+/// export, so no export added later can have it while the queue's report is read.
+pub fn export_id(e: &Arc<blkwire_backend::Export>) -> usize {
+    Arc::as_ptr(e) as usize
+}
+
 /// One live queue's counters, as a reactor reports them.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct QueueReport {
@@ -115,6 +121,10 @@ pub struct QueueReport {
     pub session: u32,
     #[serde(skip)]
     pub export: String,
+    /// Which export by that name ([`export_id`]): one removed and added again while queues
+    /// of the old one drain is another.
+    #[serde(skip)]
+    pub export_id: usize,
     pub queue: u16,
     pub thread: usize,
     pub in_flight: u32,
@@ -386,6 +396,7 @@ impl Reactor {
                             c.targets.iter().enumerate().map(|(i, t)| QueueReport {
                                 session: t.session,
                                 export: t.exec.export().name.clone(),
+                                export_id: export_id(t.exec.export()),
                                 queue: t.queue,
                                 thread: self.id,
                                 // What is in flight is counted once, with the first target.
