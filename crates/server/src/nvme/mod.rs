@@ -46,6 +46,10 @@ pub const MAX_CONTROLLERS: usize = 128;
 /// answer every other host's Connect with Controller Busy. A host has one controller per
 /// subsystem it uses, plus discovery.
 pub const MAX_CONTROLLERS_PER_HOST: usize = MAX_CONTROLLERS / 4;
+/// Discovery controllers at once, over all hosts: they hold no session and need no key, so
+/// without a cap of their own a few addresses keeping some open (a Keep Alive a minute) would
+/// hold every place, and every host's Connect to a subsystem would be told Controller Busy.
+pub const MAX_DISCOVERY_CONTROLLERS: usize = MAX_CONTROLLERS / 4;
 /// I/O queues a controller may have (Set Features, Number of Queues, grants at most this).
 pub const MAX_IO_QUEUES: u16 = 32;
 /// Entries per I/O submission queue at most (CAP.MQES + 1, MAXCMD).
@@ -116,6 +120,24 @@ struct Controller {
     since: Instant,
 }
 
+impl Controller {
+    fn is_discovery(&self) -> bool {
+        self.subnqn == spec::DISCOVERY_NQN
+    }
+}
+
+/// The part of a host's address that counts against [`MAX_CONTROLLERS_PER_HOST`]: an IPv4
+/// address, an IPv6 address's /64 (every host on a LAN has one to itself).
+fn host_prefix(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => {
+            let bits = u128::from(v6) & !((1u128 << 64) - 1);
+            IpAddr::V6(bits.into())
+        }
+        v4 => v4,
+    }
+}
+
 /// Why `Controllers::insert` recorded no controller.
 #[derive(Debug, PartialEq, Eq)]
 enum NotInserted {
@@ -170,6 +192,7 @@ impl Controllers {
     fn insert(
         &self,
         ip: IpAddr,
+        discovery: bool,
         configured: Option<(&str, &str, &[spec::NsFacts])>,
         make: impl FnOnce(u16) -> Controller,
     ) -> Result<u16, NotInserted> {
@@ -180,10 +203,18 @@ impl Controllers {
         if configured.is_some_and(|(sub, _, ns)| !t.still_has(sub, ns)) {
             return Err(NotInserted::NamespaceRemoved);
         }
+        // A host's address: an IPv6 host has a /64 to pick addresses from.
+        let host = host_prefix(ip);
         let full = |t: &Table| {
-            let mine = t.ctrls.values().filter(|c| c.ip == ip).count();
+            let mine = t
+                .ctrls
+                .values()
+                .filter(|c| host_prefix(c.ip) == host)
+                .count();
+            let discovering = t.ctrls.values().filter(|c| c.is_discovery()).count();
             (
-                t.ctrls.len() >= MAX_CONTROLLERS,
+                t.ctrls.len() >= MAX_CONTROLLERS
+                    || (discovery && discovering >= MAX_DISCOVERY_CONTROLLERS),
                 mine >= MAX_CONTROLLERS_PER_HOST,
             )
         };
@@ -196,7 +227,7 @@ impl Controllers {
                 .ctrls
                 .iter()
                 .filter(|(_, c)| !c.authenticated && c.since.elapsed() >= PENDING_CUT)
-                .filter(|(_, c)| !mine || c.ip == ip)
+                .filter(|(_, c)| !mine || host_prefix(c.ip) == host)
                 .min_by_key(|(_, c)| c.since)
                 .map(|(id, _)| *id)
                 .ok_or(NotInserted::Busy)?;
@@ -1200,7 +1231,7 @@ fn admin_connect<S: Read + Write>(
     // Keyless, its sessions are admitted already: the host list is checked again as it goes in.
     let configured =
         (proven.is_none() && sub.is_some()).then_some((&*c.subnqn, &*c.hostnqn, &namespaces[..]));
-    let id = registry.nvme.insert(ip, configured, |id| {
+    let id = registry.nvme.insert(ip, discovery, configured, |id| {
         let f = Arc::new(controller_facts(
             registry,
             (id, &c.subnqn, sub.as_ref()),
@@ -1751,13 +1782,15 @@ mod tests {
         let t = Controllers::default();
         let (a, b) = (IpAddr::from([10, 0, 0, 1]), IpAddr::from([10, 0, 0, 2]));
         let old = Duration::from_secs(5);
-        let other = t.insert(b, None, ctrl(b, false, old)).unwrap();
+        let other = t.insert(b, false, None, ctrl(b, false, old)).unwrap();
         let authenticated: Vec<u16> = (0..MAX_CONTROLLERS_PER_HOST - 2)
-            .map(|_| t.insert(a, None, ctrl(a, true, old)).unwrap())
+            .map(|_| t.insert(a, false, None, ctrl(a, true, old)).unwrap())
             .collect();
-        let young = t.insert(a, None, ctrl(a, false, Duration::ZERO)).unwrap();
-        let oldest = t.insert(a, None, ctrl(a, false, old)).unwrap();
-        let new = t.insert(a, None, ctrl(a, false, Duration::ZERO));
+        let young = t
+            .insert(a, false, None, ctrl(a, false, Duration::ZERO))
+            .unwrap();
+        let oldest = t.insert(a, false, None, ctrl(a, false, old)).unwrap();
+        let new = t.insert(a, false, None, ctrl(a, false, Duration::ZERO));
         assert!(new.is_ok(), "no place given");
         assert!(
             !t.contains(oldest),
@@ -1767,9 +1800,60 @@ mod tests {
         assert!(authenticated.iter().all(|&id| t.contains(id)));
         // Now every pending one of `a` is young: nobody gives a place.
         assert_eq!(
-            t.insert(a, None, ctrl(a, false, Duration::ZERO)),
+            t.insert(a, false, None, ctrl(a, false, Duration::ZERO)),
             Err(NotInserted::Busy)
         );
+    }
+
+    /// Discovery controllers (no key, no session) have places of their own: hosts keeping
+    /// them open cannot take the places of controllers of subsystems. And one IPv6 host is its
+    /// /64: its other addresses count against the same per-host limit.
+    #[test]
+    fn discovery_controllers_and_one_hosts_addresses_cannot_take_every_place() {
+        let t = Controllers::default();
+        let discovery = |ip| {
+            let mut make = ctrl(ip, true, Duration::ZERO);
+            move |id| Controller {
+                subnqn: spec::DISCOVERY_NQN.into(),
+                ..make(id)
+            }
+        };
+        let v4 = |i: usize| IpAddr::from([10, 0, (i / 200) as u8, (i % 200) as u8 + 1]);
+        for i in 0..MAX_DISCOVERY_CONTROLLERS {
+            t.insert(v4(i), true, None, discovery(v4(i)))
+                .expect("a place");
+        }
+        let late = v4(MAX_DISCOVERY_CONTROLLERS);
+        assert_eq!(
+            t.insert(late, true, None, discovery(late)),
+            Err(NotInserted::Busy),
+            "discovery controllers have their share only"
+        );
+        assert!(
+            t.insert(late, false, None, ctrl(late, true, Duration::ZERO))
+                .is_ok(),
+            "a subsystem's controller still has a place"
+        );
+        let v6 = |i: u16| IpAddr::from([0xfd00, 0, 0, 1, 0, 0, 0, i + 1]);
+        for i in 0..MAX_CONTROLLERS_PER_HOST as u16 {
+            t.insert(v6(i), false, None, ctrl(v6(i), true, Duration::ZERO))
+                .expect("a place");
+        }
+        let next = v6(MAX_CONTROLLERS_PER_HOST as u16);
+        assert_eq!(
+            t.insert(next, false, None, ctrl(next, true, Duration::ZERO)),
+            Err(NotInserted::Busy),
+            "another address of the same /64 is the same host"
+        );
+        let elsewhere = IpAddr::from([0xfd00, 0, 0, 2, 0, 0, 0, 1]);
+        assert!(t
+            .insert(
+                elsewhere,
+                false,
+                None,
+                ctrl(elsewhere, true, Duration::ZERO)
+            )
+            .is_ok());
     }
 
     /// A configured subsystem's host list is checked again as the controller is recorded or
@@ -1782,7 +1866,12 @@ mod tests {
         t.add_host(SUB, HOST).unwrap();
         let ip = IpAddr::from([10, 0, 0, 1]);
         let id = t
-            .insert(ip, Some((SUB, HOST, &[])), ctrl(ip, false, Duration::ZERO))
+            .insert(
+                ip,
+                false,
+                Some((SUB, HOST, &[])),
+                ctrl(ip, false, Duration::ZERO),
+            )
             .expect("admitted");
         t.remove_host(SUB, HOST).unwrap();
         let facts = t.get(id).unwrap().facts;
@@ -1795,7 +1884,12 @@ mod tests {
             "an export's own subsystem has no list"
         );
         assert_eq!(
-            t.insert(ip, Some((SUB, HOST, &[])), ctrl(ip, false, Duration::ZERO)),
+            t.insert(
+                ip,
+                false,
+                Some((SUB, HOST, &[])),
+                ctrl(ip, false, Duration::ZERO)
+            ),
             Err(NotInserted::HostRemoved)
         );
     }
@@ -1834,7 +1928,7 @@ mod tests {
         };
         let given = Some((SUB, HOST, &db[..]));
         let ip = IpAddr::from([10, 0, 0, 1]);
-        let id = t.insert(ip, given, with_db(ip)).expect("admitted");
+        let id = t.insert(ip, false, given, with_db(ip)).expect("admitted");
         let facts = t.get(id).unwrap().facts;
         assert!(t.authenticated(id, facts.clone(), true));
         let (closed, _) = t.remove_namespace(SUB, 1).unwrap();
@@ -1844,13 +1938,13 @@ mod tests {
             "authenticated with a namespace removed"
         );
         assert_eq!(
-            t.insert(ip, given, with_db(ip)).err(),
+            t.insert(ip, false, given, with_db(ip)).err(),
             Some(NotInserted::NamespaceRemoved)
         );
         // The same NSID given to another export is not the namespace it was given either.
         assert_eq!(t.add_namespace(SUB, "other", Some(1)), Ok(1));
         assert_eq!(
-            t.insert(ip, given, with_db(ip)).err(),
+            t.insert(ip, false, given, with_db(ip)).err(),
             Some(NotInserted::NamespaceRemoved)
         );
     }
