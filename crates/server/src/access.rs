@@ -67,6 +67,15 @@ pub fn canonical_ip(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// The part of a peer's address that names the host, for limits per host: an IPv4 address,
+/// an IPv6 address's /64 (a host on a LAN has all of one to pick addresses from).
+pub fn host_prefix(ip: IpAddr) -> IpAddr {
+    match canonical_ip(ip) {
+        IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & !((1u128 << 64) - 1)).into()),
+        v4 => v4,
+    }
+}
+
 impl std::fmt::Display for PeerId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.addr {

@@ -3,8 +3,9 @@
 //! metrics). The thread serves every connection at once from one poll loop, each with a
 //! deadline and a bounded request head: a client that trickles, floods, says nothing or reads
 //! its reply slowly holds one place among [`MAX_CLIENTS`] (and [`MAX_CLIENTS_PER_PEER`] of its
-//! address's) until its deadline, never the thread, and a newcomer takes the place of the
-//! oldest that has not sent its request yet. Scrapes that come while a render is still being
+//! host's: an address, or an IPv6 /64) until its deadline, never the thread, and a newcomer
+//! takes the place of the oldest that has not sent its request yet, or else of the oldest
+//! being answered (a scraper takes its reply at once; one that sits on it is the one to go). Scrapes that come while a render is still being
 //! sent share it. A counter never goes back from one scrape to the next ([`Monotonic`]), even
 //! when a reactor was left out of one.
 
@@ -31,8 +32,8 @@ const REPLY_DEADLINE: Duration = Duration::from_secs(10);
 /// What is read and thrown away after the reply (see `Stage::Drain`).
 const DRAIN_LIMIT: usize = 64 << 10;
 /// Connections served at once. A newcomer past it takes the place of the oldest connection
-/// still sending its request (which is closed unanswered): clients that say nothing cannot
-/// keep a scraper out, only make it reconnect.
+/// still sending its request (which is closed unanswered), or else of the one answered
+/// longest: clients that say nothing, or ask and never read, cannot keep a scraper out.
 const MAX_CLIENTS: usize = 64;
 /// Connections one address may hold at once, a newcomer past it taking the place of that
 /// address's oldest still sending its request: one client cannot crowd out the others.
@@ -125,6 +126,25 @@ struct Endpoint {
     clients: Vec<Client>,
     /// Accepting failed (out of descriptors or memory): the listener is left alone until then.
     accept_after: Option<Instant>,
+}
+
+/// Which of the connections (stage, accepted, peer address; oldest first) to close for a
+/// newcomer, among those of host `ip` if given: the oldest still sending its head, else the
+/// one accepted first.
+fn to_close(
+    clients: impl Iterator<Item = (Stage, Instant, IpAddr)>,
+    ip: Option<IpAddr>,
+) -> Option<usize> {
+    let theirs: Vec<(usize, Stage, Instant)> = clients
+        .enumerate()
+        .filter(|(_, (_, _, peer))| ip.is_none_or(|ip| crate::access::host_prefix(*peer) == ip))
+        .map(|(i, (stage, at, _))| (i, stage, at))
+        .collect();
+    theirs
+        .iter()
+        .find(|(_, stage, _)| *stage == Stage::Head)
+        .or_else(|| theirs.iter().min_by_key(|(_, _, at)| *at))
+        .map(|(i, ..)| *i)
 }
 
 /// Where a connection is.
@@ -254,8 +274,8 @@ impl Endpoint {
             if s.set_nonblocking(true).is_err() {
                 continue;
             }
-            let ip = crate::access::canonical_ip(peer.ip());
-            let same = |c: &Client| crate::access::canonical_ip(c.peer.ip()) == ip;
+            let ip = crate::access::host_prefix(peer.ip());
+            let same = |c: &Client| crate::access::host_prefix(c.peer.ip()) == ip;
             let theirs = self.clients.iter().filter(|c| same(c)).count();
             let room = if theirs >= MAX_CLIENTS_PER_PEER {
                 self.make_room(Some(ip))
@@ -265,7 +285,6 @@ impl Endpoint {
                 true
             };
             if !room {
-                // Every place is taken by a client being answered: this one is closed.
                 continue;
             }
             self.clients.push(Client {
@@ -283,14 +302,16 @@ impl Endpoint {
         }
     }
 
-    /// Closes the oldest connection (of address `ip`, if given) still sending its head, for a
-    /// newcomer; false if there is none.
+    /// Closes the oldest connection (of host `ip`, if given) still sending its head, for a
+    /// newcomer, or else the one answered longest: a scraper takes its reply in moments, so
+    /// clients that asked and then sit on their replies (a zero window) until the deadline
+    /// must not keep it out. False if there is no connection to close.
     fn make_room(&mut self, ip: Option<IpAddr>) -> bool {
-        let oldest = self.clients.iter().position(|c| {
-            c.stage == Stage::Head
-                && ip.is_none_or(|ip| crate::access::canonical_ip(c.peer.ip()) == ip)
-        });
-        match oldest {
+        let clients = self
+            .clients
+            .iter()
+            .map(|c| (c.stage, c.accepted, c.peer.ip()));
+        match to_close(clients, ip) {
             Some(i) => {
                 let c = self.clients.remove(i);
                 crate::log!(
@@ -962,6 +983,45 @@ mod tests {
     /// Per-queue series stop at MAX_QUEUE_SERIES queues, the same ones (lowest session and
     /// queue) whatever order the reactors reported them in, and the rest are counted; the
     /// reply stays bounded however many queues are open.
+    /// A newcomer takes the place of the oldest connection still sending its head, else of
+    /// the one answered longest (clients that asked and sit on their replies must not keep a
+    /// scraper out); per host, an IPv6 /64 is one host.
+    #[test]
+    fn a_newcomer_takes_the_place_of_a_quiet_client_or_else_of_the_oldest_answered() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let a: IpAddr = "10.0.0.1".parse().unwrap();
+        let b: IpAddr = "fd00::1".parse().unwrap();
+        let b2: IpAddr = "fd00::2".parse().unwrap();
+        let clients = [
+            (Stage::Reply, at(0), a),
+            (Stage::Drain, at(1), b),
+            (Stage::Head, at(2), a),
+            (Stage::Reply, at(3), b2),
+        ];
+        assert_eq!(
+            to_close(clients.into_iter(), None),
+            Some(2),
+            "the quiet one"
+        );
+        let answered: Vec<_> = clients
+            .iter()
+            .filter(|c| c.0 != Stage::Head)
+            .copied()
+            .collect();
+        assert_eq!(
+            to_close(answered.into_iter(), None),
+            Some(0),
+            "no quiet one: the one answered longest"
+        );
+        assert_eq!(
+            to_close(clients.into_iter(), Some(crate::access::host_prefix(b2))),
+            Some(1),
+            "fd00::1 and fd00::2 are one host"
+        );
+        assert_eq!(to_close(std::iter::empty(), None), None);
+    }
+
     #[test]
     fn per_queue_series_are_bounded() {
         let mut snap = snapshot();

@@ -126,18 +126,6 @@ impl Controller {
     }
 }
 
-/// The part of a host's address that counts against [`MAX_CONTROLLERS_PER_HOST`]: an IPv4
-/// address, an IPv6 address's /64 (every host on a LAN has one to itself).
-fn host_prefix(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => {
-            let bits = u128::from(v6) & !((1u128 << 64) - 1);
-            IpAddr::V6(bits.into())
-        }
-        v4 => v4,
-    }
-}
-
 /// Why `Controllers::insert` recorded no controller.
 #[derive(Debug, PartialEq, Eq)]
 enum NotInserted {
@@ -204,6 +192,7 @@ impl Controllers {
             return Err(NotInserted::NamespaceRemoved);
         }
         // A host's address: an IPv6 host has a /64 to pick addresses from.
+        use crate::access::host_prefix;
         let host = host_prefix(ip);
         let full = |t: &Table| {
             let mine = t
