@@ -1045,13 +1045,11 @@ impl ExportQueue {
     /// A ring completion for `tag`: the request's result when it is finished, `None` while more
     /// is to come.
     pub fn complete(&mut self, tag: u64, res: i32, sq: &mut dyn Submitter) -> Option<i32> {
-        if self.flushes.running == Some(tag) {
-            self.flush_finished(res, sq);
-        }
-        if self.steps.is_empty() {
-            return Some(res);
-        }
         let Some(i) = self.steps.iter().position(|s| s.tag == tag) else {
+            // One entry, its result the request's (a flush's too: those sharing it go on).
+            if self.flushes.running == Some(tag) {
+                self.flush_finished(res, sq);
+            }
             return Some(res);
         };
         let s = &mut self.steps[i];
@@ -1066,6 +1064,10 @@ impl ExportQueue {
         }
         let mut s = self.steps.swap_remove(i);
         let mut res = s.result.unwrap_or(res);
+        if self.flushes.running == Some(tag) {
+            // The flush's last entry: its result is the one it shares.
+            self.flush_finished(res, sq);
+        }
         // A copy's poll on its source's notifier came back: the read's result is the source's.
         if let Next::Copy(st) = &mut s.next {
             if st.awaiting_source && res < 0 {
@@ -1508,6 +1510,22 @@ impl ExportQueue {
     /// returns while the request may still touch a buffer once anything reached the kernel or
     /// the backend's threads.
     fn blocking(
+        &mut self,
+        start: impl FnOnce(&mut Self, &mut dyn Submitter) -> Progress,
+    ) -> io::Result<i32> {
+        let r = self.blocking_run(start);
+        if r.is_err() {
+            // Given up (no ring, or it failed): nothing of the request may stay behind, above
+            // all not a flush taken as running, which every later flush would wait for.
+            self.steps.retain(|s| s.tag != BLOCKING_TAG);
+            if self.flushes.running == Some(BLOCKING_TAG) {
+                self.flushes.running = None;
+            }
+        }
+        r
+    }
+
+    fn blocking_run(
         &mut self,
         start: impl FnOnce(&mut Self, &mut dyn Submitter) -> Progress,
     ) -> io::Result<i32> {
@@ -2893,6 +2911,55 @@ mod tests {
             Some(-libc::ECANCELED)
         );
         assert!(q.steps.is_empty());
+    }
+
+    /// A flush of several ring entries is running until its last entry is in: the next
+    /// flush starts then, and those sharing it get the folded result.
+    #[test]
+    fn a_flush_of_several_entries_runs_until_its_last() {
+        struct TwoEntries;
+        impl QueueIo for TwoEntries {
+            fn completes_inline(&self) -> bool {
+                false
+            }
+            unsafe fn start(&mut self, _op: Op, tag: u64, sq: &mut dyn Submitter) -> Started {
+                for _ in 0..2 {
+                    sq.push(io_uring::opcode::Nop::new().build().user_data(tag));
+                }
+                Started::Submitted(2)
+            }
+        }
+        let mut q = ExportQueue {
+            backend: Arc::new(MemBackend::new(1 << 20).unwrap()),
+            io: Box::new(TwoEntries),
+            caps: Capabilities::effective(flush_only()),
+            zero_align: 4096,
+            zeros: None,
+            steps: Vec::new(),
+            reaped: Vec::new(),
+            failed_copies: Vec::new(),
+            failed_flushes: Vec::new(),
+            flushes: Flushes::default(),
+            spare_sources: Vec::new(),
+        };
+        let mut sq = Collect(Vec::new());
+        // SAFETY: flushes carry no buffer.
+        unsafe {
+            assert_eq!(q.start(Op::Flush, 1, &mut sq), Progress::Pending);
+            assert_eq!(q.start(Op::Flush, 2, &mut sq), Progress::Pending);
+        }
+        assert_eq!(sq.0.drain(..).collect::<Vec<_>>(), [1, 1], "flush 2 waits");
+        assert_eq!(q.complete(1, 0, &mut sq), None);
+        assert!(sq.0.is_empty(), "flush 1 still runs: flush 2 still waits");
+        assert_eq!(q.complete(1, -libc::EIO, &mut sq), Some(-libc::EIO));
+        assert_eq!(
+            sq.0.drain(..).collect::<Vec<_>>(),
+            [2, 2],
+            "now flush 2 runs"
+        );
+        assert_eq!(q.complete(2, 0, &mut sq), None);
+        assert_eq!(q.complete(2, 0, &mut sq), Some(0));
+        assert!(q.steps.is_empty() && q.flushes.running.is_none());
     }
 
     #[test]

@@ -699,6 +699,7 @@ impl FileBackend {
         let helper = self.helper()?;
         Ok(FileQueue {
             own: self.open_description().ok(),
+            dsync: self.open_description().ok(),
             file: self,
             helper,
             done: Completions::new()?,
@@ -884,6 +885,11 @@ struct FileQueue {
     /// export's shared one if it could not be had (no /proc, the file's permissions changed
     /// since the export was added).
     own: Option<OwnedFd>,
+    /// Another, for FUA writes (`RWF_DSYNC`): their sync reports a writeback error as an
+    /// fsync does, once per description, so on the flushes' description one could take the
+    /// error a FLUSH running beside it then misses (told OK before the write's EIO latched).
+    /// Two FUA writes on it can still split one (PROTOCOL.md §10).
+    dsync: Option<OwnedFd>,
     /// The export's helper thread, for TRIM, WRITE_ZEROES, COPY and allocation queries.
     helper: Sender<SlowJob>,
     /// Results from the helper, and the queue's notifier.
@@ -910,17 +916,24 @@ impl QueueIo for FileQueue {
         false
     }
     unsafe fn start(&mut self, op: Op, tag: u64, sq: &mut dyn Submitter) -> Started {
-        let fd = types::Fd(self.own.as_ref().map_or(self.file.fd, |fd| fd.as_raw_fd()));
+        let fd_of = |own: &Option<OwnedFd>| own.as_ref().map_or(self.file.fd, |fd| fd.as_raw_fd());
+        let fd = types::Fd(fd_of(&self.own));
         let entry = match op {
             Op::Read { offset, buf, len } => opcode::Read::new(fd, buf, len).offset(offset).build(),
             Op::Write {
                 offset,
                 buf,
                 len,
-                fua,
-            } => opcode::Write::new(fd, buf, len)
+                fua: false,
+            } => opcode::Write::new(fd, buf, len).offset(offset).build(),
+            Op::Write {
+                offset,
+                buf,
+                len,
+                fua: true,
+            } => opcode::Write::new(types::Fd(fd_of(&self.dsync)), buf, len)
                 .offset(offset)
-                .rw_flags(if fua { libc::RWF_DSYNC } else { 0 })
+                .rw_flags(libc::RWF_DSYNC)
                 .build(),
             Op::Flush => opcode::Fsync::new(fd)
                 .flags(types::FsyncFlags::DATASYNC)
@@ -1346,10 +1359,14 @@ mod tests {
         let b = Arc::new(FileBackend::open(&path, false, true).unwrap());
         let (q1, q2) = (b.clone().queue().unwrap(), b.clone().queue().unwrap());
         std::fs::rename(&path, dir.join("moved.img")).unwrap();
+        let raw = |fd: &Option<OwnedFd>| fd.as_ref().unwrap().as_raw_fd();
+        // And FUA writes another of their own, so their syncs take no error from the flushes.
         let fds = [
             b.fd,
-            q1.own.as_ref().unwrap().as_raw_fd(),
-            q2.own.as_ref().unwrap().as_raw_fd(),
+            raw(&q1.own),
+            raw(&q2.own),
+            raw(&q1.dsync),
+            raw(&q2.dsync),
         ];
         let stat = |fd| {
             // SAFETY: an all-zero stat is a valid value; fstat fills it from our descriptor.
@@ -1378,6 +1395,42 @@ mod tests {
                 "a read-only export's flags"
             );
         }
+        // Which description each op goes to: a FUA write's is the FUA writes' own.
+        struct Fds(Vec<i32>);
+        impl crate::Submitter for Fds {
+            fn push(&mut self, e: io_uring::squeue::Entry) {
+                // SAFETY: an entry is a 64-byte io_uring_sqe; its fd is the i32 at offset 4.
+                let b: [u8; 64] = unsafe { std::mem::transmute(e) };
+                self.0.push(i32::from_ne_bytes(b[4..8].try_into().unwrap()));
+            }
+        }
+        let mut q1 = q1;
+        let mut sq = Fds(Vec::new());
+        let buf = [0u8; 4096];
+        for (op, tag) in [
+            (
+                Op::Read {
+                    offset: 0,
+                    buf: buf.as_ptr() as *mut u8,
+                    len: 4096,
+                },
+                1,
+            ),
+            (Op::Flush, 2),
+            (
+                Op::Write {
+                    offset: 0,
+                    buf: buf.as_ptr(),
+                    len: 4096,
+                    fua: true,
+                },
+                3,
+            ),
+        ] {
+            // SAFETY: the entries are never submitted.
+            let _ = unsafe { q1.start(op, tag, &mut sq) };
+        }
+        assert_eq!(sq.0, [raw(&q1.own), raw(&q1.own), raw(&q1.dsync)]);
         drop((q1, q2));
         std::fs::remove_dir_all(&dir).unwrap();
     }

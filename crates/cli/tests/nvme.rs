@@ -257,6 +257,14 @@ fn data_round_trips_in_capsule_and_through_r2t_with_and_without_digests() {
             (0, 1 | 1 << 16),
             "still two queues"
         );
+        if i == 0 {
+            // Connected under no Set Features at all: the most there is, kept too.
+            let mut b = controller(&t.addr, &nqn("disk0"), &o);
+            let _q = io_queue(&t.addr, &nqn("disk0"), &b, 1, &o);
+            let nq = b.set_features(0x07, 0);
+            let most = u32::from(blkwire_server::nvme::MAX_IO_QUEUES) - 1;
+            assert_eq!((nq.code(), nq.cqe.dw0), (0, most | most << 16));
+        }
         // 4 KiB in the capsule, 256 KiB (several H2CData) through an R2T, 1 MiB read back.
         let small = random_bytes(4096, i as u64);
         let big = random_bytes(256 << 10, 100 + i as u64);

@@ -188,10 +188,11 @@ impl Executor {
         {
             return Err(Status::Invalid);
         }
-        // A zeroing off the device's sectors on an O_DIRECT export can only be refused (no
-        // BLKZEROOUT takes it, no O_DIRECT write either): refused here, before the generic
-        // layer's 64 MiB pieces, where the last piece's refusal came after the others were
-        // zeroed. Whole sectors, not whole pages, are zeroed as they can be.
+        // A zeroing off the logical blocks of an O_DIRECT export (a device's sectors, a file's
+        // 4 KiB, the block its clients are told) may only be refusable (no BLKZEROOUT takes it,
+        // no O_DIRECT write either): refused here, before the generic layer's 64 MiB pieces,
+        // where the last piece's refusal came after the others were zeroed. A device's whole
+        // sectors, not whole pages, are zeroed as they can be.
         let (sector, _) = self.export.backend().block_sizes();
         if req.op == BlockOp::WriteZeroes
             && align > 1

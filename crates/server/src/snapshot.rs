@@ -42,6 +42,10 @@ impl Snapshot {
     /// Asks every reactor (`workers`: its inbox and wake eventfd) for its counters and reads
     /// the registry's.
     pub fn gather(registry: &Registry, workers: &[(Sender<Msg>, RawFd)]) -> Snapshot {
+        // Taken (and held) before the reactors report: an export's identity is its address,
+        // which one added during the scrape could otherwise have had freed for it by an export
+        // whose last queue closed after reporting.
+        let served = registry.exports();
         let (tx, rx) = mpsc::channel();
         let mut asked = 0;
         for (w, wake) in workers {
@@ -75,8 +79,7 @@ impl Snapshot {
             queues,
             ports,
             closed,
-            exports: registry
-                .exports()
+            exports: served
                 .iter()
                 .map(|e| (e.name.clone(), crate::reactor::export_id(e)))
                 .collect(),

@@ -633,7 +633,8 @@ pub(crate) fn eth_link(
 }
 
 /// One control exchange over a datagram link (HELLO, LIST): the request is sent again with a
-/// doubling timer until a reply with the same opcode and tag arrives or `timeout` passes.
+/// doubling timer until a reply with the same opcode, tag and offset arrives or `timeout`
+/// passes.
 pub(crate) fn exchange_plain(
     link: &Link,
     h: Header,

@@ -1163,9 +1163,13 @@ impl<C: Transport> Worker<C> {
     }
 
     /// Takes the target's answers to what is in flight, for up to the session's timeout, on a
-    /// worker that stops serving; then drops the link, so what is still out is marked
-    /// unfenced (`link_down`) before `fail_waiting` answers it.
+    /// worker that stops serving, sending nothing more; what is still out then is marked
+    /// unfenced before `fail_waiting` answers it.
     fn settle_in_flight(&mut self) {
+        // Nothing more is sent: what waits to go (or to go again) is answered by the caller.
+        self.t.unsent.clear();
+        self.t.waiting.clear();
+        self.t.retrying.clear();
         let until = Instant::now() + self.sh.timeout;
         while self.in_flight() && Instant::now() < until {
             self.turn();
@@ -1186,8 +1190,10 @@ impl<C: Transport> Worker<C> {
             // SAFETY: poll on the queue's socket; an error only ends the wait early.
             unsafe { libc::poll(&mut p, 1, ms) };
         }
-        if matches!(self.link, Link::Up(_)) && self.in_flight() {
-            self.link_down("the worker stopped with requests at the target");
+        // Still out: may still run at the target, though answered EIO (logged as unfenced).
+        let fenceable = matches!(&self.link, Link::Up(q) if q.identity().is_some());
+        for p in self.t.slots.iter_mut().flatten() {
+            p.unfenced |= fenceable && p.op.op.modifies() && p.outstanding > 0;
         }
     }
 

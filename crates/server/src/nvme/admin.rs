@@ -484,8 +484,11 @@ impl AdminQueue {
                         self.finish(sock, q.cid, sc::INVALID_FIELD | sc::DNR, 0, None)
                     }
                     0x07 if !discovery => {
+                        // (Queues connected under no Set Features have the most there is.)
                         let n = match self.io_queues {
-                            Some(n) if self.has_io_queues(registry) => n,
+                            _ if self.has_io_queues(registry) => {
+                                self.io_queues.unwrap_or(super::MAX_IO_QUEUES)
+                            }
                             _ => {
                                 let asked = (q.cdw11 as u16).min((q.cdw11 >> 16) as u16) as u32 + 1;
                                 let n = asked.min(super::MAX_IO_QUEUES as u32) as u16;

@@ -532,9 +532,10 @@ fn discovery_entry(e: &DiscoveryEntry, b: &mut [u8; 1024]) {
 }
 
 /// Bytes `offset..offset + len` of the discovery log page (LID 70h: a 1024-byte header, then
-/// 1024 bytes per entry; past its end, zeros), without building the whole page: a host may
-/// read 4 bytes of a page of thousands of entries in a loop. Its generation counter is a hash
-/// of every entry (never 0), so it changes whenever what the page lists does.
+/// 1024 bytes per entry; past its end, zeros), encoding only the entries that part covers: a
+/// host may read 4 bytes of a page of thousands of entries in a loop. Its generation counter
+/// is a hash of every entry's fields (never 0), so it changes whenever what the page lists
+/// does.
 pub fn discovery_log(entries: &[DiscoveryEntry], offset: u64, len: usize) -> Vec<u8> {
     let mut out = vec![0u8; len];
     let mut copy = |at: u64, bytes: &[u8]| {
@@ -547,14 +548,25 @@ pub fn discovery_log(entries: &[DiscoveryEntry], offset: u64, len: usize) -> Vec
                 .copy_from_slice(&bytes[src..src + (to - from) as usize]);
         }
     };
+    let fnv = |h: u64, bytes: &[u8]| {
+        bytes
+            .iter()
+            .fold(h, |h, &c| (h ^ c as u64).wrapping_mul(0x100_0000_01b3))
+    };
     let mut generation = 0xcbf2_9ce4_8422_2325u64;
     let mut b = [0u8; 1024];
+    let end = offset.saturating_add(len as u64);
     for (i, e) in entries.iter().enumerate() {
-        discovery_entry(e, &mut b);
-        generation = b.iter().fold(generation, |h, &c| {
-            (h ^ c as u64).wrapping_mul(0x100_0000_01b3)
-        });
-        copy(1024 * (i as u64 + 1), &b);
+        let addr = e.addr.to_string();
+        generation = fnv(generation, e.subnqn.as_bytes());
+        generation = fnv(generation, &[0, e.discovery as u8]);
+        generation = fnv(generation, addr.as_bytes());
+        generation = fnv(generation, &e.port_id.to_le_bytes());
+        let at = 1024 * (i as u64 + 1);
+        if at < end && at + 1024 > offset {
+            discovery_entry(e, &mut b);
+            copy(at, &b);
+        }
     }
     let mut header = [0u8; 16];
     put64(&mut header, 0, generation | 1);
