@@ -1355,7 +1355,10 @@ impl DgramPort {
                     q.queue,
                     expiry.as_secs()
                 );
-                self.remove(qi);
+                // Forgotten now (its frames answered as an unknown session's), gone once no
+                // backend I/O of its own runs: a hung one kept it, unmarked, and logged this
+                // line at every sweep.
+                self.close_queue(qi);
             }
         }
     }
@@ -3282,6 +3285,43 @@ mod tests {
         assert_eq!(got[0].0.status, Status::Access, "{got:?}");
         assert_eq!(dp.entries_pushed(), 1, "nothing more ran");
         assert!(dp.port.queues[0].as_ref().is_some_and(|q| q.closing));
+    }
+
+    /// A queue idle past the expiry with backend I/O still running is forgotten at once (its
+    /// frames answered as an unknown session's) and goes when the I/O is done; it is not
+    /// found idle (and logged) again at every sweep.
+    #[test]
+    fn an_idle_queue_with_io_running_is_forgotten_once() {
+        let path = std::env::temp_dir().join(format!("blkwire-idle-{}", std::process::id()));
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let (mut dp, peer, session) = session_on(&format!("a=file:{}", path.display()));
+        std::fs::remove_file(&path).unwrap();
+        let from = peer.local_addr().unwrap();
+        dp.receive(
+            &frame(request(session, Opcode::Read, 1, 1, 0, 512), &[]),
+            from,
+        );
+        assert_eq!(dp.entries_pushed(), 1, "the READ runs in the backend");
+        dp.port.idle_expiry = Duration::ZERO;
+        dp.port.last_sweep = Instant::now() - Duration::from_secs(2);
+        dp.port.sweep();
+        let q = dp.port.queues[0]
+            .as_ref()
+            .expect("kept while its READ runs");
+        assert!(
+            q.closing,
+            "forgotten: not found idle again at the next sweep"
+        );
+        dp.receive(
+            &frame(request(session, Opcode::Read, 2, 1, 0, 512), &[]),
+            from,
+        );
+        let got = answers(&peer, true);
+        assert_eq!(got[0].0.status, Status::Access, "{got:?}");
+        assert_eq!(dp.entries_pushed(), 1, "nothing more ran");
     }
 
     /// A host runs at most `HOST_COPIES` COPYs at once on a port: the next is dropped like a
