@@ -1425,6 +1425,21 @@ impl DgramPort {
             (Opcode::Write, Verdict::New, Some(b)) if runs => q.exec.write_mapped(b),
             _ => None,
         };
+        // A WRITE given up while it was assembled holds a buffer this new generation supersedes:
+        // back to the pool before the new request's need is weighed (`make_room` takes no
+        // buffer of the asking host's, so a host's own abandoned WRITEs filling the share had
+        // every new request on their slots dropped, again and again). Should the new one be
+        // dropped all the same, the old is as one reclaimed (never run, its generation kept).
+        if verdict == Verdict::New {
+            let s = &mut q.slots[slot as usize];
+            if s.state == SlotState::Assembling {
+                if let Some(old) = s.buf.take() {
+                    q.buffered -= old.len();
+                    self.bufs.give_back(old);
+                    s.state = SlotState::Reclaimed;
+                }
+            }
+        }
         // What the request needs of the port's share; None: it is dropped, to be sent again
         // (`held_back`: a COPY over its host's limit).
         let mut held_back = false;
@@ -2453,6 +2468,41 @@ mod tests {
         dp.port.last_sweep = Instant::now() - Duration::from_secs(2);
         dp.port.sweep();
         assert_eq!(dp.port.held(), fixed);
+    }
+
+    /// A host's own WRITEs given up half-sent fill the port's share: a new request on one of
+    /// their slots (a newer generation) runs, the abandoned WRITE's buffer given back first,
+    /// where it was dropped for want of memory again and again (`make_room` takes nothing of
+    /// the asking host's).
+    #[test]
+    fn a_new_request_supersedes_its_slots_abandoned_write() {
+        const WRITE: u32 = 2 * LINK;
+        let (mut dp, peer, a) = session_on("a=null:1M");
+        let from = peer.local_addr().unwrap();
+        let fixed = dp.port.held();
+        let budget = crate::budget::Budget::new(usize::MAX);
+        dp.port.mem = Account::forced(&budget, fixed, fixed + 4 * WRITE as usize);
+        for slot in 0..4 {
+            let mut h = request(a, Opcode::Write, slot, 1, 0, WRITE);
+            h.frag_count = 2;
+            dp.receive(&frame(h, &[1; LINK as usize]), from);
+        }
+        assert_eq!(
+            dp.port.held(),
+            fixed + 4 * WRITE as usize,
+            "the share is full"
+        );
+        // Slot 0 again, generation 2: a WRITE of two fragments, both sent.
+        let mut h = request(a, Opcode::Write, 0, 2, 0, WRITE);
+        h.frag_count = 2;
+        dp.receive(&frame(h, &[2; LINK as usize]), from);
+        (h.frag_index, h.frag_offset) = (1, LINK);
+        dp.receive(&frame(h, &[3; LINK as usize]), from);
+        let got = answers(&peer, true);
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(got[0].0.status, Status::Ok);
+        assert_eq!(got[0].0.tag, h.tag);
+        assert_eq!(dp.port.stats.no_memory, 0);
     }
 
     /// A host that sends the first fragment of WRITEs and never the rest, over two sessions,
