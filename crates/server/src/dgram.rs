@@ -1201,16 +1201,18 @@ impl DgramPort {
                 let r = h.reply(Status::Challenge, 0);
                 self.send_frame(r, &nonce, peer);
             }
-            // A repeat of a JOIN that came late, after its queue ended: not an intruder.
-            Err(JoinRefused::Ended) => self.reply(h, Status::Access, peer),
-            Err(JoinRefused::Status(st)) => {
-                if st == Status::Access {
-                    self.registry
-                        .access
-                        .refuse(&peer, &format!("JOIN to session {} not proven", h.session));
-                }
-                self.reply(h, st, peer)
+            // A repeat of a JOIN that came late, after its queue ended: not an intruder. ACCESS
+            // once per datagram, as to any frame for a session this port does not serve: a
+            // JOIN to a live queue from another address draws one (`refuse_once`), and so
+            // many packed JOINs drawing one each told which queues are live (§9.1).
+            Err(JoinRefused::Ended) => self.refuse_once(h, peer),
+            Err(JoinRefused::Status(Status::Access)) => {
+                self.registry
+                    .access
+                    .refuse(&peer, &format!("JOIN to session {} not proven", h.session));
+                self.refuse_once(h, peer)
             }
+            Err(JoinRefused::Status(st)) => self.reply(h, st, peer),
         }
     }
 
@@ -3299,6 +3301,19 @@ mod tests {
             .flat_map(|i| frame(request(77, Opcode::Read, i, 1, 0, 512), &[]))
             .collect();
         dp.receive(&unknown, from);
+        let got = answers(&peer, true);
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(got[0].0.status, Status::Access);
+        // JOINs too, as a JOIN to a live queue from another address is answered (once per
+        // datagram): how many answers came must not tell which (session, queue) is live.
+        let joins: Vec<u8> = (0..2)
+            .flat_map(|_| {
+                let mut h = request(77, Opcode::Join, 0, 0, 0, 0);
+                h.queue = 1;
+                frame(h, &[0; 72])
+            })
+            .collect();
+        dp.receive(&joins, from);
         let got = answers(&peer, true);
         assert_eq!(got.len(), 1, "{got:?}");
         assert_eq!(got[0].0.status, Status::Access);
