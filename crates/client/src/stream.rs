@@ -912,6 +912,54 @@ mod tests {
         assert_eq!(q.tx_sent, q.tx.len(), "everything went");
     }
 
+    /// A TLS target that goes away without close_notify (it stopped, or closed the session)
+    /// ends the stream as a plain one would: `Error::Closed`, not an I/O error.
+    #[test]
+    fn a_tls_target_closing_without_close_notify_is_closed() {
+        use openssl::ssl::Ssl;
+        let key = blkwire_auth::Key::generate();
+        let k = key.bytes().to_vec();
+        let url = testing::raw(move |s| {
+            let mut t = Ssl::new(&testing::psk_server(k))
+                .unwrap()
+                .accept(s)
+                .unwrap();
+            let mut hb = [0u8; HEADER_LEN];
+            std::io::Read::read_exact(&mut t, &mut hb).unwrap();
+            // Dropped: the socket closes with no close_notify sent.
+        });
+        let opts = ConnectOptions {
+            tls: true,
+            key: Some(key),
+            host_id: "h".into(),
+            ..options(Duration::from_secs(10))
+        };
+        let sock = std::net::TcpStream::connect(url.authority()).unwrap();
+        let deadline = crate::deadline::Deadline::after(Duration::from_secs(10));
+        let c = crate::tls::connector(&opts).unwrap();
+        let link = crate::tls::connect(&url, &opts, &c, sock, &deadline).unwrap();
+        let info = crate::info_from(&url, &granted(1, 8, 64 << 10, 64 << 10));
+        let mut q = StreamQueue::new(link, 0, &info, &opts).unwrap();
+        q.submit(
+            Cmd::Read {
+                offset: 0,
+                len: 512,
+            },
+            1,
+        )
+        .unwrap();
+        let r = loop {
+            match q.poll(|_| panic!("nothing was answered")) {
+                Ok(_) => {
+                    let wait = q.deadline().expect("a READ in flight");
+                    let _ = crate::deadline::poll_until(q.fd(), libc::POLLIN, wait, opts.timeout);
+                }
+                Err(e) => break e,
+            }
+        };
+        assert!(matches!(r, Error::Closed), "{r:?}");
+    }
+
     /// Replies to READs that come faster than `poll` takes them over TLS: a `poll` stopped at
     /// its budget may leave whole records in the session (read ahead), which the socket no
     /// longer shows. A caller that waits on the socket until `deadline`, as the map daemons

@@ -690,6 +690,56 @@ mod tests {
         client.join().unwrap();
     }
 
+    /// A client's FIN without close_notify ends the stream as on plain TCP: what it sent
+    /// before is read, then `Closed` (were it `Failed`, the connection's whole requests before
+    /// it would go unanswered). Frames are length-delimited: a stream cut short leaves a
+    /// request incomplete, never taken for a whole one.
+    #[test]
+    fn a_fin_without_close_notify_is_the_end_of_the_stream() {
+        let tls = target_tls(&Arc::new(RwLock::new(None)));
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let client = std::thread::spawn(move || {
+            let mut c = SslConnector::builder(SslMethod::tls_client()).unwrap();
+            c.set_verify(SslVerifyMode::NONE);
+            let s = TcpStream::connect(addr).unwrap();
+            let c = c.build().configure().unwrap().verify_hostname(false);
+            let mut t = c.connect("127.0.0.1", s).unwrap();
+            std::io::Write::write_all(&mut t, b"a whole request").unwrap();
+            // FIN, no close_notify.
+            t.get_ref().shutdown(std::net::Shutdown::Write).unwrap();
+            let mut sink = [0u8; 64];
+            while std::io::Read::read(&mut t, &mut sink).is_ok_and(|n| n > 0) {}
+        });
+        let (s, _) = l.accept().unwrap();
+        let (mut t, _) = tls
+            .accept(s.as_raw_fd(), Instant::now() + Duration::from_secs(10))
+            .unwrap();
+        t.get_mut().set_nonblocking_only();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 64];
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let end = loop {
+            match read(&mut t, &mut buf) {
+                Io::Done(n) => got.extend_from_slice(&buf[..n]),
+                Io::Again { .. } => {
+                    assert!(Instant::now() < deadline, "nothing came");
+                    std::thread::yield_now();
+                }
+                other => break other,
+            }
+        };
+        assert_eq!(got, b"a whole request");
+        let why = match end {
+            Io::Closed => None,
+            Io::Failed(e) => Some(e),
+            _ => Some("neither closed nor failed".into()),
+        };
+        assert_eq!(why, None, "the stream did not end as closed");
+        drop((t, s));
+        client.join().unwrap();
+    }
+
     #[test]
     fn a_host_proves_its_key_with_tls_psk() {
         assert_eq!(handshake(SUITES, "h", [7; 32]), Ok(Some("h".into())));

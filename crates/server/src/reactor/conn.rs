@@ -936,8 +936,9 @@ fn transmit_tls(c: &mut Conn, idx: usize, sq: &mut Pusher<'_>) {
                 // The gathered records fill their bound: send them first.
                 tls::Io::Again { out: true } => break,
                 tls::Io::Again { out: false } => {
-                    // Only a renegotiation makes a TLS write wait for input, and TLS 1.3 has
-                    // none: a peer that asks for one is broken.
+                    // A TLS 1.3 write waits for input only when a post-handshake message (a
+                    // KeyUpdate, a few bytes) came in part, its record split: no TLS stack
+                    // sends one so, and such a peer's connection ends rather than wait.
                     return tls_send_failed(c, "TLS send waits for input");
                 }
                 tls::Io::Closed => return tls_send_failed(c, "connection closed"),
