@@ -2857,27 +2857,25 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
-    #[test]
-    fn several_ring_entries_fold_into_one_result() {
-        struct TwoEntries;
-        impl QueueIo for TwoEntries {
-            fn completes_inline(&self) -> bool {
-                false
-            }
-            unsafe fn start(&mut self, _op: Op, tag: u64, sq: &mut dyn Submitter) -> Started {
-                for _ in 0..2 {
-                    sq.push(io_uring::opcode::Nop::new().build().user_data(tag));
-                }
-                Started::Submitted(2)
-            }
+    /// A backend's queue whose every operation is two ring entries (NOPs with its tag).
+    struct TwoEntries;
+    impl QueueIo for TwoEntries {
+        fn completes_inline(&self) -> bool {
+            false
         }
-        struct Drop_;
-        impl Submitter for Drop_ {
-            fn push(&mut self, _: io_uring::squeue::Entry) {}
+        unsafe fn start(&mut self, _op: Op, tag: u64, sq: &mut dyn Submitter) -> Started {
+            for _ in 0..2 {
+                sq.push(io_uring::opcode::Nop::new().build().user_data(tag));
+            }
+            Started::Submitted(2)
         }
-        let mut q = ExportQueue {
+    }
+
+    /// A flush-only export's queue over `io`, a backend's queue of the test's own.
+    fn queue_over(io: Box<dyn QueueIo>) -> ExportQueue {
+        ExportQueue {
             backend: Arc::new(MemBackend::new(1 << 20).unwrap()),
-            io: Box::new(TwoEntries),
+            io,
             caps: Capabilities::effective(flush_only()),
             zero_align: 4096,
             zeros: None,
@@ -2887,7 +2885,16 @@ mod tests {
             failed_flushes: Vec::new(),
             flushes: Flushes::default(),
             spare_sources: Vec::new(),
-        };
+        }
+    }
+
+    #[test]
+    fn several_ring_entries_fold_into_one_result() {
+        struct Drop_;
+        impl Submitter for Drop_ {
+            fn push(&mut self, _: io_uring::squeue::Entry) {}
+        }
+        let mut q = queue_over(Box::new(TwoEntries));
         let buf = [0u8; 512];
         let op = Op::Write {
             offset: 0,
@@ -2917,31 +2924,7 @@ mod tests {
     /// flush starts then, and those sharing it get the folded result.
     #[test]
     fn a_flush_of_several_entries_runs_until_its_last() {
-        struct TwoEntries;
-        impl QueueIo for TwoEntries {
-            fn completes_inline(&self) -> bool {
-                false
-            }
-            unsafe fn start(&mut self, _op: Op, tag: u64, sq: &mut dyn Submitter) -> Started {
-                for _ in 0..2 {
-                    sq.push(io_uring::opcode::Nop::new().build().user_data(tag));
-                }
-                Started::Submitted(2)
-            }
-        }
-        let mut q = ExportQueue {
-            backend: Arc::new(MemBackend::new(1 << 20).unwrap()),
-            io: Box::new(TwoEntries),
-            caps: Capabilities::effective(flush_only()),
-            zero_align: 4096,
-            zeros: None,
-            steps: Vec::new(),
-            reaped: Vec::new(),
-            failed_copies: Vec::new(),
-            failed_flushes: Vec::new(),
-            flushes: Flushes::default(),
-            spare_sources: Vec::new(),
-        };
+        let mut q = queue_over(Box::new(TwoEntries));
         let mut sq = Collect(Vec::new());
         // SAFETY: flushes carry no buffer.
         unsafe {

@@ -839,20 +839,67 @@ mod tests {
         assert!(q.deadline().is_some_and(|d| d > Instant::now()));
     }
 
+    /// A queue of `depth` slots of `max_io` bytes on a TLS-PSK target on loopback (host "h"),
+    /// which `serve` runs once the handshake is done.
+    fn tls_queue(
+        depth: u16,
+        max_io: u32,
+        timeout: Duration,
+        serve: impl FnOnce(openssl::ssl::SslStream<std::net::TcpStream>) + Send + 'static,
+    ) -> (StreamQueue, ConnectOptions) {
+        let key = blkwire_auth::Key::generate();
+        let k = key.bytes().to_vec();
+        let url = testing::raw(move |s| {
+            serve(
+                openssl::ssl::Ssl::new(&testing::psk_server(k))
+                    .unwrap()
+                    .accept(s)
+                    .unwrap(),
+            )
+        });
+        let opts = ConnectOptions {
+            tls: true,
+            key: Some(key),
+            host_id: "h".into(),
+            depth,
+            ..options(timeout)
+        };
+        let sock = std::net::TcpStream::connect(url.authority()).unwrap();
+        let deadline = crate::deadline::Deadline::after(Duration::from_secs(10));
+        let c = crate::tls::connector(&opts).unwrap();
+        let link = crate::tls::connect(&url, &opts, &c, sock, &deadline).unwrap();
+        let info = crate::info_from(&url, &granted(1, depth, max_io, max_io));
+        (StreamQueue::new(link, 0, &info, &opts).unwrap(), opts)
+    }
+
+    /// Submits `depth` WRITEs of 1 MiB (more than loopback's socket buffers hold while the
+    /// target reads nothing): `poll` sends what the socket takes and returns, bytes left.
+    fn fill_a_socket_nobody_reads(q: &mut StreamQueue, depth: u16) {
+        let data = vec![7u8; 1 << 20];
+        for i in 0..depth {
+            let offset = u64::from(i) << 20;
+            let write = Cmd::Write {
+                offset,
+                data: &data,
+                fua: false,
+            };
+            q.submit(write, u64::from(i)).unwrap();
+        }
+        let r = q.poll(|_| panic!("nothing was answered"));
+        assert!(matches!(r, Ok(0)), "{r:?}");
+        assert!(
+            q.tx_sent < q.tx.len(),
+            "the socket took everything: send more"
+        );
+    }
+
     /// The same over TLS: `poll` sends what the socket takes and returns, where the session's
     /// send waited (until the timeout) for a target that stopped reading.
     #[test]
     fn poll_does_not_wait_for_a_tls_target_that_stops_reading() {
-        use openssl::ssl::Ssl;
         const DEPTH: u16 = 64;
         let (go_tx, go) = std::sync::mpsc::channel::<()>();
-        let key = blkwire_auth::Key::generate();
-        let k = key.bytes().to_vec();
-        let url = testing::raw(move |s| {
-            let mut t = Ssl::new(&testing::psk_server(k))
-                .unwrap()
-                .accept(s)
-                .unwrap();
+        let (mut q, opts) = tls_queue(DEPTH, 1 << 20, Duration::from_secs(20), move |mut t| {
             // Reads nothing until told.
             let _ = go.recv();
             for _ in 0..DEPTH {
@@ -866,39 +913,7 @@ mod tests {
             t.flush().unwrap();
             let _ = std::io::copy(&mut t, &mut std::io::sink());
         });
-        let opts = ConnectOptions {
-            tls: true,
-            key: Some(key),
-            host_id: "h".into(),
-            depth: DEPTH,
-            ..options(Duration::from_secs(20))
-        };
-        let sock = std::net::TcpStream::connect(url.authority()).unwrap();
-        let deadline = crate::deadline::Deadline::after(Duration::from_secs(10));
-        let c = crate::tls::connector(&opts).unwrap();
-        let link = crate::tls::connect(&url, &opts, &c, sock, &deadline).unwrap();
-        let info = crate::info_from(&url, &granted(1, DEPTH, 1 << 20, 1 << 20));
-        let mut q = StreamQueue::new(link, 0, &info, &opts).unwrap();
-        let data = vec![7u8; 1 << 20];
-        for i in 0..DEPTH {
-            let offset = u64::from(i) << 20;
-            q.submit(
-                Cmd::Write {
-                    offset,
-                    data: &data,
-                    fua: false,
-                },
-                u64::from(i),
-            )
-            .unwrap();
-        }
-        // 64 MiB: more than loopback's socket buffers hold while the target reads nothing.
-        let r = q.poll(|_| panic!("nothing was answered"));
-        assert!(matches!(r, Ok(0)), "{r:?}");
-        assert!(
-            q.tx_sent < q.tx.len(),
-            "the socket took everything: send more"
-        );
+        fill_a_socket_nobody_reads(&mut q, DEPTH);
         go_tx.send(()).unwrap();
         let mut answered = 0;
         loop {
@@ -916,30 +931,11 @@ mod tests {
     /// ends the stream as a plain one would: `Error::Closed`, not an I/O error.
     #[test]
     fn a_tls_target_closing_without_close_notify_is_closed() {
-        use openssl::ssl::Ssl;
-        let key = blkwire_auth::Key::generate();
-        let k = key.bytes().to_vec();
-        let url = testing::raw(move |s| {
-            let mut t = Ssl::new(&testing::psk_server(k))
-                .unwrap()
-                .accept(s)
-                .unwrap();
+        let (mut q, opts) = tls_queue(8, 64 << 10, Duration::from_secs(10), |mut t| {
             let mut hb = [0u8; HEADER_LEN];
             std::io::Read::read_exact(&mut t, &mut hb).unwrap();
             // Dropped: the socket closes with no close_notify sent.
         });
-        let opts = ConnectOptions {
-            tls: true,
-            key: Some(key),
-            host_id: "h".into(),
-            ..options(Duration::from_secs(10))
-        };
-        let sock = std::net::TcpStream::connect(url.authority()).unwrap();
-        let deadline = crate::deadline::Deadline::after(Duration::from_secs(10));
-        let c = crate::tls::connector(&opts).unwrap();
-        let link = crate::tls::connect(&url, &opts, &c, sock, &deadline).unwrap();
-        let info = crate::info_from(&url, &granted(1, 8, 64 << 10, 64 << 10));
-        let mut q = StreamQueue::new(link, 0, &info, &opts).unwrap();
         q.submit(
             Cmd::Read {
                 offset: 0,
@@ -966,7 +962,6 @@ mod tests {
     /// do, must still get every reply without waiting out a timeout.
     #[test]
     fn replies_a_tls_session_holds_past_polls_budget_are_not_left_waiting() {
-        use openssl::ssl::Ssl;
         // READs whose replies pass what one `poll` takes (the receive buffer: 64 KiB I/Os
         // granted, a header, 256 KiB), each sent in records of its own, the last ones small:
         // the session reads them in with the record before them, and holds them when `poll`
@@ -974,13 +969,7 @@ mod tests {
         const N: u64 = 8;
         let lens = [65536, 65536, 65536, 65536, 65536, 100, 100, 100];
         let (written_tx, written) = std::sync::mpsc::channel();
-        let key = blkwire_auth::Key::generate();
-        let k = key.bytes().to_vec();
-        let url = testing::raw(move |s| {
-            let mut t = Ssl::new(&testing::psk_server(k))
-                .unwrap()
-                .accept(s)
-                .unwrap();
+        let (mut q, _) = tls_queue(8, 64 << 10, Duration::from_secs(30), move |mut t| {
             let mut replies = Vec::new();
             for _ in 0..N {
                 let mut hb = [0u8; HEADER_LEN];
@@ -998,18 +987,6 @@ mod tests {
             written_tx.send(()).unwrap();
             let _ = std::io::copy(&mut t, &mut std::io::sink());
         });
-        let opts = ConnectOptions {
-            tls: true,
-            key: Some(key),
-            host_id: "h".into(),
-            ..options(Duration::from_secs(30))
-        };
-        let sock = std::net::TcpStream::connect(url.authority()).unwrap();
-        let deadline = crate::deadline::Deadline::after(Duration::from_secs(10));
-        let c = crate::tls::connector(&opts).unwrap();
-        let link = crate::tls::connect(&url, &opts, &c, sock, &deadline).unwrap();
-        let info = crate::info_from(&url, &granted(1, 8, 64 << 10, 64 << 10));
-        let mut q = StreamQueue::new(link, 0, &info, &opts).unwrap();
         for (i, len) in lens.into_iter().enumerate() {
             q.submit(
                 Cmd::Read {
@@ -1093,26 +1070,7 @@ mod tests {
         let mut opts = options(Duration::from_secs(20));
         opts.depth = DEPTH;
         let (mut q, mut target) = queue_on_loopback(&opts);
-        let data = vec![7u8; 1 << 20];
-        for i in 0..DEPTH {
-            let offset = u64::from(i) << 20;
-            q.submit(
-                Cmd::Write {
-                    offset,
-                    data: &data,
-                    fua: false,
-                },
-                u64::from(i),
-            )
-            .unwrap();
-        }
-        // 64 MiB: more than loopback's socket buffers hold while the target reads nothing.
-        let r = q.poll(|_| panic!("nothing was answered"));
-        assert!(matches!(r, Ok(0)), "{r:?}");
-        assert!(
-            q.tx_sent < q.tx.len(),
-            "the socket took everything: send more"
-        );
+        fill_a_socket_nobody_reads(&mut q, DEPTH);
         let soon = Instant::now() + Duration::from_secs(1);
         assert!(
             q.deadline().is_some_and(|d| d < soon),

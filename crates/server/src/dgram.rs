@@ -3319,24 +3319,31 @@ mod tests {
         assert_eq!(got[0].0.status, Status::Access);
     }
 
-    /// LOGOUT ends the queue at once, even with backend I/O still running (a `file:` READ
-    /// whose io_uring entry this harness never completes): later frames of the session are
-    /// answered as for an unknown session, and the queue goes when its I/O is done.
-    #[test]
-    fn a_logout_ends_the_queue_even_with_io_running() {
-        let path = std::env::temp_dir().join(format!("blkwire-logout-{}", std::process::id()));
+    /// A session on a `file:` export (named after `tmp`) with a READ running in the backend:
+    /// its io_uring entry, which this harness never completes.
+    fn a_read_running(tmp: &str) -> (DatagramPort, UdpSocket, u32) {
+        let path = std::env::temp_dir().join(format!("{tmp}-{}", std::process::id()));
         std::fs::File::create(&path)
             .unwrap()
             .set_len(1 << 20)
             .unwrap();
         let (mut dp, peer, session) = session_on(&format!("a=file:{}", path.display()));
         std::fs::remove_file(&path).unwrap();
-        let from = peer.local_addr().unwrap();
         dp.receive(
             &frame(request(session, Opcode::Read, 1, 1, 0, 512), &[]),
-            from,
+            peer.local_addr().unwrap(),
         );
         assert_eq!(dp.entries_pushed(), 1, "the READ runs in the backend");
+        (dp, peer, session)
+    }
+
+    /// LOGOUT ends the queue at once, even with backend I/O still running (a `file:` READ
+    /// whose io_uring entry this harness never completes): later frames of the session are
+    /// answered as for an unknown session, and the queue goes when its I/O is done.
+    #[test]
+    fn a_logout_ends_the_queue_even_with_io_running() {
+        let (mut dp, peer, session) = a_read_running("blkwire-logout");
+        let from = peer.local_addr().unwrap();
         dp.receive(
             &frame(request(session, Opcode::Logout, 0, 1, 0, 0), &[]),
             from,
@@ -3357,19 +3364,8 @@ mod tests {
     /// found idle (and logged) again at every sweep.
     #[test]
     fn an_idle_queue_with_io_running_is_forgotten_once() {
-        let path = std::env::temp_dir().join(format!("blkwire-idle-{}", std::process::id()));
-        std::fs::File::create(&path)
-            .unwrap()
-            .set_len(1 << 20)
-            .unwrap();
-        let (mut dp, peer, session) = session_on(&format!("a=file:{}", path.display()));
-        std::fs::remove_file(&path).unwrap();
+        let (mut dp, peer, session) = a_read_running("blkwire-idle");
         let from = peer.local_addr().unwrap();
-        dp.receive(
-            &frame(request(session, Opcode::Read, 1, 1, 0, 512), &[]),
-            from,
-        );
-        assert_eq!(dp.entries_pushed(), 1, "the READ runs in the backend");
         dp.port.idle_expiry = Duration::ZERO;
         dp.port.last_sweep = Instant::now() - Duration::from_secs(2);
         dp.port.sweep();

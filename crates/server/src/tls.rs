@@ -632,6 +632,15 @@ mod tests {
     /// The ciphertext a reactor's session gathers for its socket has a size the connection's
     /// account can read (`out_capacity`), and goes back once sent when the connection trims
     /// (`release_out`), but never while some of it waits.
+    /// A TLS client of the target at `addr` that checks no certificate.
+    fn tls_client(addr: std::net::SocketAddr) -> openssl::ssl::SslStream<TcpStream> {
+        let mut c = SslConnector::builder(SslMethod::tls_client()).unwrap();
+        c.set_verify(SslVerifyMode::NONE);
+        let s = TcpStream::connect(addr).unwrap();
+        let c = c.build().configure().unwrap().verify_hostname(false);
+        c.connect("127.0.0.1", s).unwrap()
+    }
+
     #[test]
     fn gathered_ciphertext_is_measured_and_given_back_once_sent() {
         let tls = target_tls(&Arc::new(RwLock::new(None)));
@@ -639,11 +648,7 @@ mod tests {
         let addr = l.local_addr().unwrap();
         let (go, ready) = std::sync::mpsc::channel::<()>();
         let client = std::thread::spawn(move || {
-            let mut c = SslConnector::builder(SslMethod::tls_client()).unwrap();
-            c.set_verify(SslVerifyMode::NONE);
-            let s = TcpStream::connect(addr).unwrap();
-            let c = c.build().configure().unwrap().verify_hostname(false);
-            let mut t = c.connect("127.0.0.1", s).unwrap();
+            let mut t = tls_client(addr);
             // Reads nothing until told: what the target writes waits in its socket, then in
             // its gathered ciphertext.
             let _ = ready.recv();
@@ -700,11 +705,7 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         let client = std::thread::spawn(move || {
-            let mut c = SslConnector::builder(SslMethod::tls_client()).unwrap();
-            c.set_verify(SslVerifyMode::NONE);
-            let s = TcpStream::connect(addr).unwrap();
-            let c = c.build().configure().unwrap().verify_hostname(false);
-            let mut t = c.connect("127.0.0.1", s).unwrap();
+            let mut t = tls_client(addr);
             std::io::Write::write_all(&mut t, b"a whole request").unwrap();
             // FIN, no close_notify.
             t.get_ref().shutdown(std::net::Shutdown::Write).unwrap();

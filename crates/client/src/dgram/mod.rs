@@ -1487,27 +1487,24 @@ mod tests {
         test_queue(link, grant(8, 4096, 8192), None)
     }
 
+    /// Submits and sends a READ of 512 bytes at `offset` for `user`: its slot.
+    fn small_read_in_flight(q: &mut DgramQueue, offset: u64, user: u64) -> usize {
+        q.submit(Cmd::Read { offset, len: 512 }, user).unwrap();
+        q.send().unwrap();
+        q.slots
+            .iter()
+            .position(|s| s.state == State::InFlight)
+            .expect("the READ is in flight")
+    }
+
     /// A slot timer due before the next pass may scan the slots is asked for at that scan: the
     /// caller's wait would otherwise return at once, again and again, until it came.
     #[test]
     fn no_timer_is_asked_for_before_the_slots_can_be_scanned() {
         let target = UdpSocket::bind("127.0.0.1:0").unwrap();
         let mut q = idle_queue(&target);
-        q.submit(
-            Cmd::Read {
-                offset: 0,
-                len: 512,
-            },
-            1,
-        )
-        .unwrap();
-        q.send().unwrap();
+        let slot = small_read_in_flight(&mut q, 0, 1);
         q.timers().unwrap();
-        let slot = q
-            .slots
-            .iter()
-            .position(|s| s.state == State::InFlight)
-            .expect("the READ is in flight");
         // Its timer due now, before the next scan.
         q.slots[slot].tx.rto = Duration::ZERO;
         assert!(q.slots[slot].tx.deadline() < q.cc.next_scan());
@@ -1636,20 +1633,7 @@ mod tests {
     fn a_reply_for_another_offset_or_length_is_late() {
         let target = UdpSocket::bind("127.0.0.1:0").unwrap();
         let mut q = idle_queue(&target);
-        q.submit(
-            Cmd::Read {
-                offset: 4096,
-                len: 512,
-            },
-            7,
-        )
-        .unwrap();
-        q.send().unwrap();
-        let slot = q
-            .slots
-            .iter()
-            .position(|s| s.state == State::InFlight)
-            .expect("the READ is in flight");
+        let slot = small_read_in_flight(&mut q, 4096, 7);
         let generation = q.slots[slot].generation;
         let (session, index) = (q.session, q.index);
         let reply = |offset, length| {
