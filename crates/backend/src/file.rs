@@ -699,7 +699,12 @@ impl FileBackend {
         let helper = self.helper()?;
         Ok(FileQueue {
             own: self.open_description().ok(),
-            dsync: self.open_description().ok(),
+            // (A read-only export takes no write.)
+            dsync: if self.read_only {
+                None
+            } else {
+                self.open_description().ok()
+            },
             file: self,
             helper,
             done: Completions::new()?,
@@ -1356,7 +1361,7 @@ mod tests {
             .unwrap()
             .set_len(1 << 20)
             .unwrap();
-        let b = Arc::new(FileBackend::open(&path, false, true).unwrap());
+        let b = Arc::new(FileBackend::open(&path, false, false).unwrap());
         let (q1, q2) = (b.clone().queue().unwrap(), b.clone().queue().unwrap());
         std::fs::rename(&path, dir.join("moved.img")).unwrap();
         let raw = |fd: &Option<OwnedFd>| fd.as_ref().unwrap().as_raw_fd();
@@ -1389,12 +1394,20 @@ mod tests {
             assert_eq!(stat(fd), stat(b.fd), "the same file, though renamed");
             // SAFETY: fcntl on an open descriptor.
             let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-            assert_eq!(
-                fl & libc::O_ACCMODE,
-                libc::O_RDONLY,
-                "a read-only export's flags"
-            );
+            assert_eq!(fl & libc::O_ACCMODE, libc::O_RDWR, "the export's flags");
         }
+        // A read-only export's queue has no FUA writes' description (it takes no write).
+        let ro = Arc::new(FileBackend::open(&dir.join("moved.img"), false, true).unwrap());
+        let q = ro.clone().queue().unwrap();
+        assert!(q.own.is_some() && q.dsync.is_none());
+        // SAFETY: fcntl on an open descriptor.
+        let fl = unsafe { libc::fcntl(raw(&q.own), libc::F_GETFL) };
+        assert_eq!(
+            fl & libc::O_ACCMODE,
+            libc::O_RDONLY,
+            "a read-only export's flags"
+        );
+        drop(q);
         // Which description each op goes to: a FUA write's is the FUA writes' own.
         struct Fds(Vec<i32>);
         impl crate::Submitter for Fds {

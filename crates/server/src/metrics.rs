@@ -316,7 +316,7 @@ impl Endpoint {
                 let c = self.clients.remove(i);
                 crate::log!(
                     Level::Debug,
-                    "metrics endpoint: {}: closed unanswered for a newer connection",
+                    "metrics endpoint: {}: closed for a newer connection",
                     c.peer
                 );
                 true
@@ -980,9 +980,6 @@ mod tests {
         found[0]
     }
 
-    /// Per-queue series stop at MAX_QUEUE_SERIES queues, the same ones (lowest session and
-    /// queue) whatever order the reactors reported them in, and the rest are counted; the
-    /// reply stays bounded however many queues are open.
     /// A newcomer takes the place of the oldest connection still sending its head, else of
     /// the one answered longest (clients that asked and sit on their replies must not keep a
     /// scraper out); per host, an IPv6 /64 is one host.
@@ -1022,6 +1019,9 @@ mod tests {
         assert_eq!(to_close(std::iter::empty(), None), None);
     }
 
+    /// Per-queue series stop at MAX_QUEUE_SERIES queues, the same ones (lowest session and
+    /// queue) whatever order the reactors reported them in, and the rest are counted; the
+    /// reply stays bounded however many queues are open.
     #[test]
     fn per_queue_series_are_bounded() {
         let mut snap = snapshot();

@@ -1163,19 +1163,20 @@ impl<C: Transport> Worker<C> {
     }
 
     /// Takes the target's answers to what is in flight, for up to the session's timeout, on a
-    /// worker that stops serving, sending nothing more; what is still out then is marked
+    /// worker that stops serving, sending nothing new; what is still out then is marked
     /// unfenced before `fail_waiting` answers it.
     fn settle_in_flight(&mut self) {
-        // Nothing more is sent: what waits to go (or to go again) is answered by the caller.
-        self.t.unsent.clear();
-        self.t.waiting.clear();
-        self.t.retrying.clear();
         let until = Instant::now() + self.sh.timeout;
         while self.in_flight() && Instant::now() < until {
-            self.turn();
-            let Link::Up(q) = &self.link else {
+            // Answers only: no `turn`, whose `pump` would send what answers queue (a retry, an
+            // edge's write) and whose `maintain` would give the link up as for a reconnection.
+            let Worker { link, t, ch, .. } = self;
+            let Link::Up(q) = link else {
                 break;
             };
+            if q.poll(|c| t.on_completion(ch, c)).is_err() {
+                break;
+            }
             let wake = q.deadline().map_or(until, |d| d.min(until));
             let ms = wake
                 .saturating_duration_since(Instant::now())
@@ -1190,10 +1191,18 @@ impl<C: Transport> Worker<C> {
             // SAFETY: poll on the queue's socket; an error only ends the wait early.
             unsafe { libc::poll(&mut p, 1, ms) };
         }
-        // Still out: may still run at the target, though answered EIO (logged as unfenced).
-        let fenceable = matches!(&self.link, Link::Up(q) if q.identity().is_some());
-        for p in self.t.slots.iter_mut().flatten() {
-            p.unfenced |= fenceable && p.op.op.modifies() && p.outstanding > 0;
+        // Nothing more is sent: what waits to go (or to go again) is answered by the caller.
+        self.t.unsent.clear();
+        self.t.waiting.clear();
+        self.t.retrying.clear();
+        if self.in_flight() {
+            // Still out: may still run at the target, though answered EIO (logged as
+            // unfenced); the link is left without the final flush, which would wait for them.
+            let fenceable = matches!(&self.link, Link::Up(q) if q.identity().is_some());
+            for p in self.t.slots.iter_mut().flatten() {
+                p.unfenced |= fenceable && p.op.op.modifies() && p.outstanding > 0;
+            }
+            self.link = Link::Down(Outage::new(0, None));
         }
     }
 

@@ -49,7 +49,8 @@ pub const MAX_CONTROLLERS_PER_HOST: usize = MAX_CONTROLLERS / 4;
 /// Discovery controllers at once, over all hosts: they hold no session and need no key, so
 /// without a cap of their own a few addresses keeping some open (a Keep Alive a minute) would
 /// hold every place, and every host's Connect to a subsystem would be told Controller Busy.
-pub const MAX_DISCOVERY_CONTROLLERS: usize = MAX_CONTROLLERS / 4;
+/// Twice a host's limit, so one address alone cannot keep every other host from discovery.
+pub const MAX_DISCOVERY_CONTROLLERS: usize = MAX_CONTROLLERS / 2;
 /// I/O queues a controller may have (Set Features, Number of Queues, grants at most this).
 pub const MAX_IO_QUEUES: u16 = 32;
 /// Entries per I/O submission queue at most (CAP.MQES + 1, MAXCMD).
@@ -194,16 +195,20 @@ impl Controllers {
         // A host's address: an IPv6 host has a /64 to pick addresses from.
         use crate::access::host_prefix;
         let host = host_prefix(ip);
+        // Discovery controllers' own places are full: Busy, with no other host's controller
+        // cut for a place this one could not take anyway.
+        let discovering = t.ctrls.values().filter(|c| c.is_discovery()).count();
+        if discovery && discovering >= MAX_DISCOVERY_CONTROLLERS {
+            return Err(NotInserted::Busy);
+        }
         let full = |t: &Table| {
             let mine = t
                 .ctrls
                 .values()
                 .filter(|c| host_prefix(c.ip) == host)
                 .count();
-            let discovering = t.ctrls.values().filter(|c| c.is_discovery()).count();
             (
-                t.ctrls.len() >= MAX_CONTROLLERS
-                    || (discovery && discovering >= MAX_DISCOVERY_CONTROLLERS),
+                t.ctrls.len() >= MAX_CONTROLLERS,
                 mine >= MAX_CONTROLLERS_PER_HOST,
             )
         };
@@ -1812,12 +1817,24 @@ mod tests {
             t.insert(v4(i), true, None, discovery(v4(i)))
                 .expect("a place");
         }
+        // A subsystem's controller awaiting its host's proof for long: not cut for a
+        // discovery Connect refused all the same.
+        let pending = IpAddr::from([10, 9, 9, 9]);
+        let waits = t
+            .insert(
+                pending,
+                false,
+                None,
+                ctrl(pending, false, Duration::from_secs(60)),
+            )
+            .unwrap();
         let late = v4(MAX_DISCOVERY_CONTROLLERS);
         assert_eq!(
             t.insert(late, true, None, discovery(late)),
             Err(NotInserted::Busy),
             "discovery controllers have their share only"
         );
+        assert!(t.contains(waits), "cut for a Connect that was refused");
         assert!(
             t.insert(late, false, None, ctrl(late, true, Duration::ZERO))
                 .is_ok(),
