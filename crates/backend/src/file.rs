@@ -766,17 +766,31 @@ impl Backend for FileBackend {
         (self.logical, self.physical)
     }
     /// A regular file grows to `new_size` with `ftruncate` (sparse: no data is written), unless
-    /// it is that long already (grown outside blkwire): a file is never cut short here. Then
-    /// `size()` reports the new size. A block device's size is the device's.
+    /// it is that long already (grown outside blkwire): a file is never cut short here. A block
+    /// device is grown first by whatever manages it (lvextend, losetup -c); the export then
+    /// takes up to the device's size as it is now. Then `size()` reports the new size.
     fn resize(&self, new_size: u64) -> io::Result<()> {
         let path = self.path.display();
-        if self.block_device {
-            return Err(io::Error::new(
-                io::ErrorKind::Unsupported,
-                format!("{path} is a block device: a block device's size is the device's; resize the device"),
-            ));
-        }
         let _one = self.resizing.lock().unwrap_or_else(|e| e.into_inner());
+        if self.block_device {
+            let mut device: u64 = 0;
+            // SAFETY: BLKGETSIZE64 into a u64 of ours, on our own descriptor.
+            if unsafe { libc::ioctl(self.fd, BLKGETSIZE64, &mut device) } != 0 {
+                let e = io::Error::last_os_error();
+                return Err(io::Error::new(e.kind(), format!("{path}: {e}")));
+            }
+            if new_size > device {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "{path} is a block device of {device} bytes: grow the device first \
+                         (lvextend, losetup -c, ...), then resize the export"
+                    ),
+                ));
+            }
+            self.size.store(new_size, Ordering::Release);
+            return Ok(());
+        }
         if new_size < self.size() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -1280,6 +1294,32 @@ mod tests {
         let back = std::fs::read(&dev).unwrap();
         assert!(back[..(1 << 20) + 512].iter().all(|&x| x == 0));
         assert!(back[(1 << 20) + 512..].iter().all(|&x| x == 7));
+    }
+
+    /// A block device grown under its export (a loop device over a longer file, `losetup -c`):
+    /// the export grows up to the device's new size, not past it. Needs root and losetup.
+    #[test]
+    fn a_block_device_export_grows_to_the_device_grown_under_it() {
+        let dev = LoopDev::over("bgrow", 4 << 20, 0, &[]);
+        let b = FileBackend::open(Path::new(&dev), false, false).unwrap();
+        assert_eq!(b.size(), 4 << 20);
+        let e = b.resize(8 << 20).unwrap_err();
+        assert!(e.to_string().contains("grow the device first"), "{e}");
+        assert_eq!(b.size(), 4 << 20, "unchanged");
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(dev.file())
+            .unwrap()
+            .set_len(8 << 20)
+            .unwrap();
+        let out = std::process::Command::new("losetup")
+            .args(["-c", &dev.dev])
+            .output()
+            .expect("losetup (util-linux) runs");
+        assert!(out.status.success(), "losetup -c: {out:?}");
+        b.resize(8 << 20).unwrap();
+        assert_eq!(b.size(), 8 << 20);
+        assert!(b.resize(12 << 20).is_err(), "past the device");
     }
 
     /// A block device whose size is not whole pages, exported with O_DIRECT (4 KiB blocks):

@@ -39,7 +39,7 @@ pub enum ExportCmd {
     /// Exports only grow: shrinking could cut off an end a connected session is using. A
     /// session keeps the size it was given when it connected (its I/O past that is refused);
     /// new sessions see the new size. A file: export's file is extended (sparse) unless it is
-    /// that long already; a block device's size is the device's (resize the device); mem:
+    /// that long already; a block device up to its size now (grow the device first); mem:
     /// exports are mapped at their size (remove and re-add them). To shrink, remove and re-add
     /// the export.
     Resize {
