@@ -174,15 +174,7 @@ impl FileBackend {
     pub fn open(path: &Path, direct: bool, read_only: bool) -> io::Result<FileBackend> {
         let cpath = CString::new(path.as_os_str().as_bytes())
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))?;
-        let mut flags = libc::O_CLOEXEC
-            | if read_only {
-                libc::O_RDONLY
-            } else {
-                libc::O_RDWR
-            };
-        if direct {
-            flags |= libc::O_DIRECT;
-        }
+        let flags = open_flags(direct, read_only);
         // Non-blocking only to open: a FIFO would otherwise hold the open (and the control
         // call adding the export, with every call behind it) until someone writes to it; it is
         // refused below as neither a file nor a device, and the flag is cleared for the rest.
@@ -251,14 +243,11 @@ impl FileBackend {
             }
             libc::S_IFBLK => {
                 b.block_device = true;
-                let mut sz: u64 = 0;
+                let sz = device_size(fd)?;
                 let mut lbs: libc::c_int = 512;
                 let mut pbs: libc::c_uint = 4096;
                 // SAFETY: documented block-device ioctls writing into locals of the right type.
                 unsafe {
-                    if libc::ioctl(fd, BLKGETSIZE64, &mut sz) != 0 {
-                        return Err(io::Error::last_os_error());
-                    }
                     libc::ioctl(fd, BLKSSZGET, &mut lbs);
                     libc::ioctl(fd, BLKPBSZGET, &mut pbs);
                 }
@@ -694,6 +683,26 @@ fn device_zeroes_fast(write_zeroes_max_bytes: Option<String>) -> bool {
     write_zeroes_max_bytes.is_some_and(|v| v.parse::<u64>().is_ok_and(|n| n > 0))
 }
 
+/// How an export's file is opened: read-only or not, O_DIRECT or not.
+fn open_flags(direct: bool, read_only: bool) -> libc::c_int {
+    let access = if read_only {
+        libc::O_RDONLY
+    } else {
+        libc::O_RDWR
+    };
+    libc::O_CLOEXEC | access | if direct { libc::O_DIRECT } else { 0 }
+}
+
+/// A block device's size in bytes now.
+fn device_size(fd: libc::c_int) -> io::Result<u64> {
+    let mut size: u64 = 0;
+    // SAFETY: BLKGETSIZE64 into a u64 of ours, on the caller's descriptor.
+    if unsafe { libc::ioctl(fd, BLKGETSIZE64, &mut size) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(size)
+}
+
 impl FileBackend {
     fn queue(self: Arc<Self>) -> io::Result<FileQueue> {
         let helper = self.helper()?;
@@ -718,15 +727,7 @@ impl FileBackend {
     /// data was durable). Through /proc, so it is the file opened, whatever its path is now.
     fn open_description(&self) -> io::Result<OwnedFd> {
         let path = CString::new(format!("/proc/self/fd/{}", self.fd)).expect("no NUL in it");
-        let mut flags = libc::O_CLOEXEC
-            | if self.read_only {
-                libc::O_RDONLY
-            } else {
-                libc::O_RDWR
-            };
-        if self.direct {
-            flags |= libc::O_DIRECT;
-        }
+        let flags = open_flags(self.direct, self.read_only);
         // SAFETY: a plain open of a NUL-terminated path.
         let fd = unsafe { libc::open(path.as_ptr(), flags) };
         if fd < 0 {
@@ -773,12 +774,8 @@ impl Backend for FileBackend {
         let path = self.path.display();
         let _one = self.resizing.lock().unwrap_or_else(|e| e.into_inner());
         if self.block_device {
-            let mut device: u64 = 0;
-            // SAFETY: BLKGETSIZE64 into a u64 of ours, on our own descriptor.
-            if unsafe { libc::ioctl(self.fd, BLKGETSIZE64, &mut device) } != 0 {
-                let e = io::Error::last_os_error();
-                return Err(io::Error::new(e.kind(), format!("{path}: {e}")));
-            }
+            let device = device_size(self.fd)
+                .map_err(|e| io::Error::new(e.kind(), format!("{path}: {e}")))?;
             if new_size > device {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidInput,
@@ -943,17 +940,15 @@ impl QueueIo for FileQueue {
                 offset,
                 buf,
                 len,
-                fua: false,
-            } => opcode::Write::new(fd, buf, len).offset(offset).build(),
-            Op::Write {
-                offset,
-                buf,
-                len,
-                fua: true,
-            } => opcode::Write::new(types::Fd(fd_of(&self.dsync)), buf, len)
-                .offset(offset)
-                .rw_flags(libc::RWF_DSYNC)
-                .build(),
+                fua,
+            } => {
+                // FUA writes sync on a description of their own (`dsync`).
+                let fd = types::Fd(fd_of(if fua { &self.dsync } else { &self.own }));
+                opcode::Write::new(fd, buf, len)
+                    .offset(offset)
+                    .rw_flags(if fua { libc::RWF_DSYNC } else { 0 })
+                    .build()
+            }
             Op::Flush => opcode::Fsync::new(fd)
                 .flags(types::FsyncFlags::DATASYNC)
                 .build(),
