@@ -5,8 +5,8 @@
 //! its reply slowly holds one place among [`MAX_CLIENTS`] (and [`MAX_CLIENTS_PER_PEER`] of its
 //! host's: an address, or an IPv6 /64) until its deadline, never the thread, and a newcomer
 //! takes the place of the oldest that has not sent its request yet, or else of the oldest
-//! being answered (a scraper takes its reply at once; one that sits on it is the one to go). Scrapes that come while a render is still being
-//! sent share it. A counter never goes back from one scrape to the next ([`Monotonic`]), even
+//! being answered (a scraper takes its reply at once; one that sits on it is the one to go).
+//! Scrapes that come while a render is still being sent share it. A counter never goes back from one scrape to the next ([`Monotonic`]), even
 //! when a reactor was left out of one.
 
 use std::collections::HashMap;
@@ -128,23 +128,20 @@ struct Endpoint {
     accept_after: Option<Instant>,
 }
 
-/// Which of the connections (stage, accepted, peer address; oldest first) to close for a
-/// newcomer, among those of host `ip` if given: the oldest still sending its head, else the
-/// one accepted first.
-fn to_close(
-    clients: impl Iterator<Item = (Stage, Instant, IpAddr)>,
-    ip: Option<IpAddr>,
-) -> Option<usize> {
-    let theirs: Vec<(usize, Stage, Instant)> = clients
+/// Which of the connections (stage and peer address, oldest first) to close for a newcomer,
+/// among those of host `ip` if given: the oldest still sending its head, else the oldest.
+fn to_close(clients: impl Iterator<Item = (Stage, IpAddr)>, ip: Option<IpAddr>) -> Option<usize> {
+    let mut oldest = None;
+    let theirs = clients
         .enumerate()
-        .filter(|(_, (_, _, peer))| ip.is_none_or(|ip| crate::access::host_prefix(*peer) == ip))
-        .map(|(i, (stage, at, _))| (i, stage, at))
-        .collect();
-    theirs
-        .iter()
-        .find(|(_, stage, _)| *stage == Stage::Head)
-        .or_else(|| theirs.iter().min_by_key(|(_, _, at)| *at))
-        .map(|(i, ..)| *i)
+        .filter(|(_, (_, peer))| ip.is_none_or(|ip| crate::access::host_prefix(*peer) == ip));
+    for (i, (stage, _)) in theirs {
+        if stage == Stage::Head {
+            return Some(i);
+        }
+        oldest.get_or_insert(i);
+    }
+    oldest
 }
 
 /// Where a connection is.
@@ -307,10 +304,7 @@ impl Endpoint {
     /// clients that asked and then sit on their replies (a zero window) until the deadline
     /// must not keep it out. False if there is no connection to close.
     fn make_room(&mut self, ip: Option<IpAddr>) -> bool {
-        let clients = self
-            .clients
-            .iter()
-            .map(|c| (c.stage, c.accepted, c.peer.ip()));
+        let clients = self.clients.iter().map(|c| (c.stage, c.peer.ip()));
         match to_close(clients, ip) {
             Some(i) => {
                 let c = self.clients.remove(i);
@@ -985,16 +979,15 @@ mod tests {
     /// scraper out); per host, an IPv6 /64 is one host.
     #[test]
     fn a_newcomer_takes_the_place_of_a_quiet_client_or_else_of_the_oldest_answered() {
-        let t0 = Instant::now();
-        let at = |s: u64| t0 + Duration::from_secs(s);
         let a: IpAddr = "10.0.0.1".parse().unwrap();
         let b: IpAddr = "fd00::1".parse().unwrap();
         let b2: IpAddr = "fd00::2".parse().unwrap();
+        // Oldest first, as the endpoint keeps them.
         let clients = [
-            (Stage::Reply, at(0), a),
-            (Stage::Drain, at(1), b),
-            (Stage::Head, at(2), a),
-            (Stage::Reply, at(3), b2),
+            (Stage::Reply, a),
+            (Stage::Drain, b),
+            (Stage::Head, a),
+            (Stage::Reply, b2),
         ];
         assert_eq!(
             to_close(clients.into_iter(), None),
