@@ -508,25 +508,22 @@ impl Shared {
                  add --keys FILE (blkwire key gen) or allow= rules before serving real data"
             );
         }
-        if self.tls.mode == TlsMode::Require
-            && (bound.starts_with("nvme-tcp://") || bound.starts_with("iscsi://"))
-        {
-            crate::log!(
-                Level::Warn,
-                "{bound} carries its exports in clear: --tls require covers tcp:// and nbd:// \
-                 only (blkwire has no NVMe/TCP or iSCSI TLS); serve it on a trusted network, \
-                 or leave this listener out"
-            );
-        }
-        if self.tls.mode == TlsMode::Require
-            && (bound.starts_with("udp://") || bound.starts_with("eth://"))
-        {
-            crate::log!(
-                Level::Warn,
-                "{bound} carries its exports in clear unless a host asks for encryption \
-                 (?encrypt=1, --encrypt): --tls require covers tcp:// and nbd:// only; \
-                 datagram sessions are sealed with the host's key but their data is readable"
-            );
+        // What --tls require does not cover, said as such a listener opens.
+        let scheme = bound.split("://").next().unwrap_or_default();
+        let uncovered = match scheme {
+            "nvme-tcp" | "iscsi" => Some(
+                ": --tls require covers tcp:// and nbd:// only (blkwire has no NVMe/TCP or \
+                 iSCSI TLS); serve it on a trusted network, or leave this listener out",
+            ),
+            "udp" | "eth" => Some(
+                " unless a host asks for encryption (?encrypt=1, --encrypt): --tls require \
+                 covers tcp:// and nbd:// only; datagram sessions are sealed with the host's key \
+                 but their data is readable",
+            ),
+            _ => None,
+        };
+        if let Some(why) = uncovered.filter(|_| self.tls.mode == TlsMode::Require) {
+            crate::log!(Level::Warn, "{bound} carries its exports in clear{why}");
         }
         crate::log!(self.change_level(), "listening on {bound} (listener {id})");
         Ok(bound)
